@@ -1,0 +1,5 @@
+import sys
+
+from pserver.cli import main
+
+sys.exit(main())

@@ -1,0 +1,272 @@
+"""The `pserver` command: serve, worker, launch, status.
+
+Each subcommand parses flags (falling back to TF_CONFIG for the cluster), builds a
+frozen config and calls one function. A user's mistake prints one line and exits 2; a
+failure at run time prints one line and exits 1; there is never a traceback for either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+from pserver.config import MODES, ServerConfig, WorkerConfig, parse_address, parse_tf_config
+from pserver.errors import ConfigError, PServerError
+
+DESCRIPTION = """\
+pserver: a parameter server for data-parallel training.
+
+Shards (`pserver serve`) hold the model's parameters, cut into contiguous ranges, and
+apply updates; workers (`pserver worker`) pull the weights, compute gradients on their
+slice of the data and push them back. `pserver launch` runs a whole cluster on this
+machine; `pserver status` shows what the shards are doing.
+
+Consistency modes (--mode): sync (mean of all N workers per step, the default), backup
+(the first N-b workers complete a step), async (Hogwild: apply every push on arrival),
+ssp (async, but no worker runs more than --staleness clocks ahead of the slowest).
+"""
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+
+
+# Flags forwarded by `launch` to every shard: everything but where the shard listens.
+SERVER_FLAGS = [
+    Flag("--mode", dict(choices=MODES, help="consistency mode (default sync)")),
+    Flag("--backup-workers", dict(type=int, metavar="B", help="backup mode: a step completes once N-B distinct workers pushed")),
+    Flag("--staleness", dict(type=int, metavar="S", help="ssp mode: a worker may run at most S clocks ahead of the slowest")),
+    Flag("--step-timeout", dict(type=float, metavar="SEC", help="seconds a step waits for a worker before marking it dead (default 60)")),
+    Flag("--optimizer", dict(choices=("sgd", "momentum", "adam"), help="update rule run on the shards (default sgd)")),
+    Flag("--lr", dict(type=float, help="learning rate for the mean gradient of a step (default 0.05)")),
+    Flag("--lr-schedule", dict(metavar="SPEC", help="constant | step:EVERY,GAMMA | warmup:STEPS | cosine:TOTAL")),
+    Flag("--momentum", dict(type=float, help="momentum coefficient (default 0.9)")),
+    Flag("--nesterov", dict(action="store_true", default=None, help="Nesterov momentum")),
+    Flag("--beta1", dict(type=float, help="Adam beta1 (default 0.9)")),
+    Flag("--beta2", dict(type=float, help="Adam beta2 (default 0.999)")),
+    Flag("--eps", dict(type=float, help="Adam epsilon (default 1e-8)")),
+    Flag("--weight-decay", dict(type=float, help="L2 coefficient (default 0)")),
+    Flag("--threads", dict(type=int, help="gRPC threads per shard (default 64)")),
+]
+
+# Flags forwarded by `launch` to every worker: everything but rank and addresses.
+WORKER_FLAGS = [
+    Flag("--model", dict(choices=("mlp", "logreg", "linreg"), help="model to train (default mlp)")),
+    Flag("--hidden", dict(type=int_list, metavar="W,W", help="mlp hidden widths (default 256,256)")),
+    Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, or a path to a .npz with x and y")),
+    Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files")),
+    Flag("--samples", dict(type=int, help="synthetic: training samples (default 60000)")),
+    Flag("--features", dict(type=int, help="synthetic: input features (default 784)")),
+    Flag("--classes", dict(type=int, help="synthetic: classes (default 10)")),
+    Flag("--batch-size", dict(type=int, help="samples per step on each worker (default 64)")),
+    Flag("--epochs", dict(type=int, help="passes over each worker's slice of the data (default 1)")),
+    Flag("--max-steps", dict(type=int, help="stop each worker after this many steps (default: no limit)")),
+    Flag("--seed", dict(type=int, help="seed for data order and initial weights (default 0)")),
+    Flag("--device", dict(help="where gradients are computed: cpu (default)")),
+    Flag("--log-every", dict(type=float, metavar="SEC", help="seconds between progress lines (default 2)")),
+    Flag("--connect-timeout", dict(type=float, metavar="SEC", help="seconds to wait for the shards at start (default 30)")),
+    Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take (default 300)")),
+    Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, exponential:MEAN, lognormal:MEAN,SIGMA")),
+]
+
+COMMON_FLAGS = [Flag("--chunk-bytes", dict(type=int, help="payload bytes per streamed message (default 1048576)"))]
+
+
+def add_flags(parser, flags, title):
+    group = parser.add_argument_group(title)
+    for f in flags:
+        group.add_argument(f.name, **({"default": None} | f.kwargs))
+
+
+def given(ns, flags) -> dict:
+    """The flags the user actually set, by config field name."""
+    return {f.dest: getattr(ns, f.dest) for f in flags if getattr(ns, f.dest, None) is not None}
+
+
+def forward(ns, flags) -> list[str]:
+    """argv that repeats the flags the user set (how launch passes them on)."""
+    argv = []
+    for f in flags:
+        v = getattr(ns, f.dest, None)
+        if v is None:
+            continue
+        if v is True:
+            argv.append(f.name)
+        else:
+            argv += [f.name, ",".join(map(str, v)) if isinstance(v, tuple) else str(v)]
+    return argv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pserver", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    s = sub.add_parser("serve", help="run one parameter-server shard", formatter_class=fmt,
+                       description="Run one shard: hold parameters [start, end) of the flat vector and apply updates.\n"
+                                   "Example: pserver serve --port 2222 --shard 0 --num-shards 2 --num-workers 4 --optimizer adam --lr 0.001")
+    g = s.add_argument_group("cluster (TF_CONFIG with task.type ps fills what is not given)")
+    g.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    g.add_argument("--port", type=int, default=None, help="port to bind (default 2222; 0 picks a free one and prints it)")
+    g.add_argument("--shard", type=int, default=None, help="this shard's index J (default 0)")
+    g.add_argument("--num-shards", type=int, default=None, help="number of shards S (default 1)")
+    g.add_argument("--num-workers", type=int, default=None, help="number of workers N (default: learnt from the first worker)")
+    g.add_argument("--log-level", default="INFO", help="server log level (default INFO)")
+    add_flags(s, SERVER_FLAGS, "training")
+    add_flags(s, COMMON_FLAGS, "transport")
+
+    w = sub.add_parser("worker", help="run one worker", formatter_class=fmt,
+                       description="Run one worker: pull weights, compute gradients with numba kernels, push them.\n"
+                                   "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 --num-workers 2 --dataset mnist --data-dir ./mnist")
+    g = w.add_argument_group("cluster (TF_CONFIG with task.type worker or chief fills what is not given)")
+    g.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]", help="shard addresses host:port, shard 0 first")
+    g.add_argument("--rank", type=int, default=None, help="this worker's rank; 0 is the chief (default 0)")
+    g.add_argument("--num-workers", type=int, default=None, help="number of workers N (default 1)")
+    g.add_argument("--summary-json", default=None, metavar="PATH", help="chief: write the run summary here")
+    add_flags(w, WORKER_FLAGS, "training")
+    add_flags(w, COMMON_FLAGS, "transport")
+
+    la = sub.add_parser("launch", help="run S shards and N workers on this machine", formatter_class=fmt,
+                        description="Start S shard processes and N worker processes on 127.0.0.1 with free ports,\n"
+                                    "prefix their output with their role, stop everything if one fails, and report.\n"
+                                    "Any serve or worker flag below is passed on to every shard or worker.\n"
+                                    "Example: pserver launch --ps 2 --workers 4 --dataset mnist --data-dir ./mnist --optimizer adam --lr 0.001 --epochs 2")
+    la.add_argument("--ps", type=int, default=1, metavar="S", help="number of shards (default 1)")
+    la.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
+    la.add_argument("--summary-json", default=None, metavar="PATH", help="write the run summary here")
+    la.add_argument("--delay-ranks", type=int_list, default=None, metavar="I,J",
+                    help="apply --delay only to these worker ranks (default: all)")
+    add_flags(la, SERVER_FLAGS, "shard flags (passed to every shard)")
+    add_flags(la, WORKER_FLAGS, "worker flags (passed to every worker)")
+    add_flags(la, COMMON_FLAGS, "transport")
+
+    st = sub.add_parser("status", help="show each shard's version, mode, size and counters",
+                        description="Example: pserver status --ps 127.0.0.1:2222,127.0.0.1:2223")
+    st.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]", help="shard addresses (default: from TF_CONFIG)")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each shard (default 5)")
+    return p
+
+
+def parse_ps(text: str) -> tuple[str, ...]:
+    addrs = tuple(parse_address(a) for a in text.split(",") if a.strip())
+    if not addrs:
+        raise ConfigError("--ps: give at least one shard address host:port")
+    return addrs
+
+
+def server_config(ns) -> ServerConfig:
+    kw = given(ns, SERVER_FLAGS + COMMON_FLAGS)
+    cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
+    if cluster and cluster.task_type == "ps":
+        kw.update(shard=cluster.task_index, num_shards=len(cluster.ps),
+                  port=int(cluster.ps[cluster.task_index].rpartition(":")[2]))
+        if cluster.workers:
+            kw["num_workers"] = len(cluster.workers)
+    for name in ("host", "port", "shard", "num_shards", "num_workers"):
+        if getattr(ns, name) is not None:
+            kw[name] = getattr(ns, name)
+    return ServerConfig(**kw)
+
+
+def worker_config(ns) -> WorkerConfig:
+    kw = given(ns, WORKER_FLAGS + COMMON_FLAGS)
+    cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
+    if cluster and cluster.task_type in ("worker", "chief"):
+        kw.update(ps=cluster.ps, rank=cluster.rank, num_workers=len(cluster.workers))
+    if ns.ps is not None:
+        kw["ps"] = parse_ps(ns.ps)
+    for name in ("rank", "num_workers", "summary_json"):
+        if getattr(ns, name) is not None:
+            kw[name] = getattr(ns, name)
+    return WorkerConfig(**kw)
+
+
+def cmd_serve(ns) -> int:
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    from pserver.server.app import serve
+    return serve(server_config(ns))
+
+
+def cmd_worker(ns) -> int:
+    from pserver.worker import run_worker
+    run_worker(worker_config(ns))
+    return 0
+
+
+def cmd_launch(ns) -> int:
+    from pserver.launch import LaunchConfig, launch
+    cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
+                       delay=ns.delay, delay_ranks=ns.delay_ranks)
+    # Build both configs once here, so a bad flag fails now, before any process starts.
+    ServerConfig(num_shards=ns.ps, **given(ns, SERVER_FLAGS + COMMON_FLAGS))
+    WorkerConfig(num_workers=ns.workers, **given(ns, WORKER_FLAGS + COMMON_FLAGS))
+    worker_argv = [a for a in forward(ns, WORKER_FLAGS + COMMON_FLAGS)]
+    worker_argv = strip_flag(worker_argv, "--delay")
+    return launch(cfg, forward(ns, SERVER_FLAGS + COMMON_FLAGS), worker_argv)
+
+
+def strip_flag(argv: list[str], name: str) -> list[str]:
+    """argv without `name VALUE` (launch applies --delay per rank itself)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+def cmd_status(ns) -> int:
+    from pserver.status import show_status
+    text = ns.ps
+    if text is None:
+        cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
+        if not cluster or not cluster.ps:
+            raise ConfigError("--ps: give the shard addresses (or set TF_CONFIG)")
+        addrs = cluster.ps
+    else:
+        addrs = parse_ps(text)
+    return show_status(addrs, ns.timeout, as_json=ns.json)
+
+
+COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "status": cmd_status}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[ns.command](ns)
+    except ConfigError as e:
+        print(f"pserver {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+    except PServerError as e:
+        print(f"pserver {ns.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"pserver {ns.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Talking to all shards: register, init, parallel pull and push, status, leave.
+
+`grpc.RpcError` is translated into pserver.errors here and nowhere else, with the
+shard's index and address in the message, so a worker's user never sees a raw gRPC
+traceback.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+import grpc
+import numpy as np
+
+from pserver import codec
+from pserver._proto import pserver_pb2 as pb
+from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.errors import InvalidArgument, Unavailable, rpc_error_for
+from pserver.models.layout import Layout
+
+T = TypeVar("T")
+OUTCOMES = {pb.PushReply.APPLIED: "applied", pb.PushReply.AGGREGATED: "aggregated",
+            pb.PushReply.DROPPED_LATE: "dropped_late"}
+
+
+@dataclass
+class ShardInfo:
+    """What a shard told us at Register."""
+    mode: str
+    version: int
+    initialized: bool
+    start: int
+    end: int
+    total: int
+    signature: str
+    optimizer: str
+    lr: float
+
+
+class ShardClient:
+    """One shard: its channel, stub and range; every call translates gRPC errors."""
+
+    def __init__(self, index: int, address: str, chunk_bytes: int = codec.CHUNK_BYTES) -> None:
+        self.index, self.address, self.chunk_bytes = index, address, chunk_bytes
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.ParameterServerStub(self.channel)
+        self.info: ShardInfo | None = None
+
+    def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as e:
+            code = e.code().name if e.code() is not None else "UNKNOWN"
+            raise rpc_error_for(code, f"shard {self.index} at {self.address}: {e.details()}") from None
+
+    def wait_ready(self, timeout: float) -> None:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise Unavailable(f"shard {self.index} at {self.address}: no answer within {timeout:g} s "
+                              f"(is `pserver serve` running there, and the address right?)") from None
+
+    def register(self, rank, num_workers, num_shards, layout: Layout, batch_size, timeout) -> ShardInfo:
+        req = pb.RegisterRequest(rank=rank, num_workers=num_workers, shard=self.index,
+                                 num_shards=num_shards, batch_size=batch_size,
+                                 layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors])
+        r = self.call(self.stub.Register, req, timeout=timeout)
+        self.info = ShardInfo(r.mode, r.version, r.initialized, r.range_start, r.range_end,
+                              r.total_params, r.layout_signature, r.optimizer, r.lr)
+        return self.info
+
+    def init(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
+        header = pb.TensorHeader(rank=rank, shard=self.index, layout_signature=self.info.signature)
+        stream = codec.encode(header, flat[self.info.start:self.info.end], self.chunk_bytes)
+        return self.call(self.stub.Init, stream, timeout=timeout).already_initialized
+
+    def pull_into(self, flat: np.ndarray, rank: int, seen_version: int, clock: int, timeout: float) -> int:
+        """Stream this shard's range straight into flat[start:end]; returns the version."""
+        req = pb.PullRequest(rank=rank, shard=self.index, seen_version=seen_version, clock=clock)
+
+        def run() -> int:
+            chunks = iter(self.stub.Pull(req, timeout=timeout))
+            header = codec.read_header(chunks)
+            dest = flat[self.info.start:self.info.end]
+            if header.num_elements != dest.size:
+                raise InvalidArgument(f"num_elements: shard sent {header.num_elements}, expected {dest.size}")
+            codec.receive_into(dest, chunks)
+            return header.step
+
+        return self.call(run)
+
+    def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
+             timeout: float) -> tuple[str, int]:
+        header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
+                                 clock=clock)
+        stream = codec.encode(header, grad[self.info.start:self.info.end], self.chunk_bytes)
+        reply = self.call(self.stub.Push, stream, timeout=timeout)
+        return OUTCOMES.get(reply.outcome, "unknown"), reply.version
+
+    def status(self, timeout: float) -> pb.StatusReply:
+        return self.call(self.stub.Status, pb.StatusRequest(), timeout=timeout)
+
+    def leave(self, rank: int, timeout: float) -> None:
+        self.call(self.stub.Leave, pb.LeaveRequest(rank=rank), timeout=timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class PSClient:
+    """All shards at once. Calls to several shards run in parallel threads (gRPC releases
+    the GIL while it waits on the network), so a step costs the slowest shard, not the sum."""
+
+    def __init__(self, addresses: Sequence[str], rank: int = 0, num_workers: int = 1,
+                 chunk_bytes: int = codec.CHUNK_BYTES, rpc_deadline: float = 300.0) -> None:
+        self.rank, self.num_workers, self.rpc_deadline = rank, num_workers, rpc_deadline
+        self.shards = [ShardClient(j, a, chunk_bytes) for j, a in enumerate(addresses)]
+        self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-client") \
+            if len(self.shards) > 1 else None
+        self.versions = [-1] * len(self.shards)
+
+    def each(self, fn: Callable[[ShardClient], T]) -> list[T]:
+        """fn on every shard, in parallel; the first error (by shard order) is raised."""
+        if self._pool is None:
+            return [fn(s) for s in self.shards]
+        futures = [self._pool.submit(fn, s) for s in self.shards]
+        return [f.result() for f in futures]
+
+    def connect(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self.each(lambda s: s.wait_ready(max(0.1, deadline - time.monotonic())))
+
+    def register(self, layout: Layout, batch_size: int = 0) -> list[ShardInfo]:
+        infos = self.each(lambda s: s.register(self.rank, self.num_workers, len(self.shards),
+                                               layout, batch_size, self.rpc_deadline))
+        self.versions = [i.version for i in infos]
+        return infos
+
+    def init(self, flat: np.ndarray) -> list[bool]:
+        return self.each(lambda s: s.init(self.rank, flat, self.rpc_deadline))
+
+    def pull(self, flat: np.ndarray, clock: int = 0, seen: Sequence[int] | None = None) -> list[int]:
+        """Pull every shard's range into `flat` (waiting as the mode says); returns versions."""
+        seen = self.versions if seen is None else seen
+        self.versions = self.each(lambda s: s.pull_into(flat, self.rank, seen[s.index], clock,
+                                                        self.rpc_deadline))
+        return self.versions
+
+    def push(self, grad: np.ndarray, num_samples: int, clock: int = 0,
+             steps: Sequence[int] | None = None) -> list[tuple[str, int]]:
+        """Push each shard its slice of `grad`, computed on `steps` (default: last pulled)."""
+        steps = self.versions if steps is None else steps
+        return self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
+                                          self.rpc_deadline))
+
+    def status(self, timeout: float = 10.0) -> list[pb.StatusReply]:
+        return self.each(lambda s: s.status(timeout))
+
+    def leave(self) -> None:
+        self.each(lambda s: s.leave(self.rank, 10.0))
+
+    def close(self) -> None:
+        for s in self.shards:
+            s.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

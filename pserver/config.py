@@ -1,0 +1,153 @@
+"""Configuration as frozen dataclasses, and the cluster spec from flags or TF_CONFIG.
+
+The CLI builds these; everything below the CLI takes a config object, never argv.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from pserver.errors import ConfigError
+
+DEFAULT_PORT = 2222            # TensorFlow's default, so TF_CONFIG addresses without a port work
+MODES = ("sync", "backup", "async", "ssp")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"       # bind address; 127.0.0.1 unless told otherwise (DESIGN §9)
+    port: int = DEFAULT_PORT      # 0 picks a free port, printed at start
+    shard: int = 0                # this shard's index J in [0, num_shards)
+    num_shards: int = 1           # S
+    num_workers: int = 0          # N; 0 = learn it from the first worker that registers
+    mode: str = "sync"            # consistency mode, one of MODES
+    backup_workers: int = 0       # b for mode=backup: a step completes after N-b distinct workers
+    staleness: int = 0            # s for mode=ssp: how many clocks a worker may run ahead
+    step_timeout: float = 60.0    # seconds a sync/backup step waits for a worker before marking it dead
+    optimizer: str = "sgd"        # sgd, momentum or adam, run on this shard's slice
+    lr: float = 0.05              # base learning rate (for the mean gradient of a step)
+    lr_schedule: str = "constant" # multiplier of lr as a function of the step (optim.schedule)
+    momentum: float = 0.9         # momentum coefficient (momentum optimizer)
+    nesterov: bool = False        # Nesterov momentum
+    beta1: float = 0.9            # Adam
+    beta2: float = 0.999          # Adam
+    eps: float = 1e-8             # Adam
+    weight_decay: float = 0.0     # L2 coefficient added to the gradient
+    chunk_bytes: int = 1 << 20    # payload bytes per streamed message
+    threads: int = 64             # gRPC worker threads: pulls block while they wait for a step
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode: unknown mode '{self.mode}'; choose one of {', '.join(MODES)}")
+        if not 0 <= self.shard < self.num_shards:
+            raise ConfigError(f"--shard: {self.shard} is outside [0, --num-shards={self.num_shards})")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port: {self.port} is not a TCP port")
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-workers: must be >= 0, got {self.num_workers}")
+        if self.step_timeout <= 0:
+            raise ConfigError(f"--step-timeout: must be > 0 seconds, got {self.step_timeout}")
+        if self.threads < 4:
+            raise ConfigError(f"--threads: must be at least 4, got {self.threads}")
+        if self.backup_workers < 0 or self.staleness < 0:
+            raise ConfigError("--backup-workers and --staleness must be >= 0")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    ps: tuple[str, ...] = ("127.0.0.1:2222",)  # shard addresses, shard j at index j
+    rank: int = 0                 # this worker's rank; 0 is the chief
+    num_workers: int = 1          # N
+    model: str = "mlp"            # mlp, logreg or linreg
+    hidden: tuple[int, ...] = (256, 256)  # mlp hidden widths
+    dataset: str = "synthetic"    # synthetic, mnist, or a path to a .npz file
+    data_dir: str | None = None   # where the mnist IDX files are
+    samples: int = 60000          # synthetic: training samples
+    features: int = 784           # synthetic: input features
+    classes: int = 10             # synthetic: classes
+    batch_size: int = 64          # samples per step on this worker
+    epochs: int = 1               # passes over this worker's slice
+    max_steps: int = 0            # stop after this many steps in total (0 = no limit)
+    seed: int = 0                 # data order and initial weights
+    device: str = "cpu"           # where gradients are computed
+    log_every: float = 2.0        # seconds between progress lines
+    connect_timeout: float = 30.0 # seconds to wait for every shard to answer at start
+    rpc_deadline: float = 300.0   # seconds one pull/push may take (a sync pull waits for the step)
+    chunk_bytes: int = 1 << 20    # payload bytes per streamed message
+    eval_batch: int = 4096        # test-set evaluation batch
+    summary_json: str | None = None  # chief: write the run summary here
+    delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
+
+    def __post_init__(self) -> None:
+        if not self.ps:
+            raise ConfigError("--ps: give at least one shard address host:port")
+        if self.num_workers < 1:
+            raise ConfigError(f"--num-workers: must be >= 1, got {self.num_workers}")
+        if not 0 <= self.rank < self.num_workers:
+            raise ConfigError(f"--rank: {self.rank} is outside [0, --num-workers={self.num_workers})")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size: must be >= 1, got {self.batch_size}")
+        if self.epochs < 1:
+            raise ConfigError(f"--epochs: must be >= 1, got {self.epochs}")
+        if self.device != "cpu":
+            raise ConfigError(f"--device: '{self.device}' is not available in this build; use cpu")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Who is where, from TF_CONFIG: shard addresses, worker addresses (chief first), our task."""
+    ps: tuple[str, ...] = ()
+    workers: tuple[str, ...] = ()
+    task_type: str = ""
+    task_index: int = 0
+    has_chief: bool = False
+
+    @property
+    def rank(self) -> int:
+        """Our worker rank: the chief is 0 and the `worker` list follows it."""
+        if self.task_type == "chief":
+            return 0
+        return self.task_index + (1 if self.has_chief else 0)
+
+
+def parse_address(addr: str, what: str = "--ps") -> str:
+    """'host[:port]' -> 'host:port' with the default port; a clear error otherwise."""
+    addr = addr.strip()
+    host, sep, port = addr.rpartition(":")
+    if not sep:
+        host, port = addr, str(DEFAULT_PORT)
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what}: '{addr}' is not an address of the form host:port")
+    return f"{host}:{int(port)}"
+
+
+def parse_tf_config(text: str | None) -> Cluster | None:
+    """Parse TF_CONFIG (the JSON TensorFlow and Kubeflow's TFJob set); None if unset."""
+    if not text:
+        return None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"TF_CONFIG: not valid JSON ({e.msg} at position {e.pos})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("cluster", {}), dict):
+        raise ConfigError("TF_CONFIG: expected an object with 'cluster' and 'task' keys")
+    cluster, task = cfg.get("cluster", {}), cfg.get("task", {})
+    if not isinstance(task, dict):
+        raise ConfigError("TF_CONFIG: 'task' must be an object like {\"type\": \"worker\", \"index\": 0}")
+    lists = {}
+    for key in ("ps", "worker", "chief"):
+        value = cluster.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+            raise ConfigError(f"TF_CONFIG: cluster.{key} must be a list of 'host:port' strings")
+        lists[key] = tuple(parse_address(a, f"TF_CONFIG cluster.{key}") for a in value)
+    task_type, index = task.get("type", ""), task.get("index", 0)
+    if task_type not in ("", "ps", "worker", "chief", "evaluator"):
+        raise ConfigError(f"TF_CONFIG: task.type '{task_type}' is not ps, worker or chief")
+    if not isinstance(index, int) or index < 0:
+        raise ConfigError(f"TF_CONFIG: task.index must be a non-negative integer, got {index!r}")
+    if task_type in ("ps", "worker", "chief") and index >= len(lists[task_type]):
+        raise ConfigError(f"TF_CONFIG: task {task_type}:{index} is not in cluster.{task_type} "
+                          f"({len(lists[task_type])} entries)")
+    return Cluster(ps=lists["ps"], workers=lists["chief"] + lists["worker"], task_type=task_type,
+                   task_index=index, has_chief=bool(lists["chief"]))

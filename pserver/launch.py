@@ -1,0 +1,167 @@
+"""`pserver launch`: S shards and N workers as separate processes on 127.0.0.1.
+
+A convenience over `pserver serve` and `pserver worker`, not a different system: it
+starts the shards on free ports, reads the ports they print, starts the workers, prefixes
+every line with its role, and stops everything when the workers are done, when one
+process fails (naming it, with its exit code) or on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+from pserver.client import PSClient
+from pserver.errors import PServerError, Unavailable
+from pserver.metrics import combine_counters, format_summary, write_json
+
+LISTENING = re.compile(r"listening on (\S+):(\d+)")
+STARTUP_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    num_shards: int = 1
+    num_workers: int = 2
+    summary_json: str | None = None
+    delay: str | None = None               # straggler delay for the ranks in delay_ranks
+    delay_ranks: tuple[int, ...] | None = None   # None: every worker
+
+
+class Proc:
+    """A child process whose output is copied to ours with a role prefix."""
+
+    def __init__(self, role: str, argv: list[str], env: dict) -> None:
+        self.role = role
+        self.port: int | None = None
+        self.ready = threading.Event()
+        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, text=True, bufsize=1, env=env,
+                                      start_new_session=True)   # our Ctrl-C handling stops it
+        self.reader = threading.Thread(target=self._copy, daemon=True)
+        self.reader.start()
+
+    def _copy(self) -> None:
+        for line in self.popen.stdout:
+            m = LISTENING.search(line)
+            if m and self.port is None:
+                self.port = int(m.group(2))
+                self.ready.set()
+            sys.stdout.write(f"[{self.role}] {line}")
+            sys.stdout.flush()
+        self.ready.set()
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self.reader.join(2.0)
+
+
+def child_env(num_workers: int) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # N workers share this machine's cores: one BLAS thread each unless told otherwise,
+    # so they do not oversubscribe the CPU fighting each other.
+    per = max(1, (os.cpu_count() or 1) // max(num_workers, 1))
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, str(per))
+    return env
+
+
+def start_shards(cfg: LaunchConfig, server_argv: list[str], env: dict) -> list[Proc]:
+    shards = []
+    for j in range(cfg.num_shards):
+        argv = [sys.executable, "-m", "pserver", "serve", "--host", "127.0.0.1", "--port", "0",
+                "--shard", str(j), "--num-shards", str(cfg.num_shards),
+                "--num-workers", str(cfg.num_workers), *server_argv]
+        shards.append(Proc(f"ps{j}", argv, env))
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    for p in shards:
+        p.ready.wait(max(0.0, deadline - time.monotonic()))
+        if p.port is None:
+            code = p.popen.poll()
+            raise Unavailable(f"{p.role} did not start listening within {STARTUP_TIMEOUT:g} s"
+                              + (f" (exited with code {code})" if code is not None else ""))
+    return shards
+
+
+def start_workers(cfg: LaunchConfig, addresses: str, worker_argv: list[str], env: dict,
+                  chief_summary: str) -> list[Proc]:
+    workers = []
+    for i in range(cfg.num_workers):
+        argv = [sys.executable, "-m", "pserver", "worker", "--ps", addresses, "--rank", str(i),
+                "--num-workers", str(cfg.num_workers), *worker_argv]
+        if cfg.delay and (cfg.delay_ranks is None or i in cfg.delay_ranks):
+            argv += ["--delay", cfg.delay]
+        if i == 0:
+            argv += ["--summary-json", chief_summary]
+        workers.append(Proc(f"worker{i}", argv, env))
+    return workers
+
+
+def supervise(shards: list[Proc], workers: list[Proc]) -> None:
+    """Return when every worker exited 0; raise naming the first process that failed."""
+    while True:
+        for p in workers + shards:
+            code = p.popen.poll()
+            if code is not None and (code != 0 or p in shards):
+                raise PServerError(f"{p.role} exited with code {code}; stopping the cluster")
+        if all(w.popen.poll() == 0 for w in workers):
+            return
+        time.sleep(0.1)
+
+
+def launch(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]) -> int:
+    env = child_env(cfg.num_workers)
+    started = time.monotonic()
+    procs: list[Proc] = []
+    tmpdir = tempfile.mkdtemp(prefix="pserver-launch-")
+    chief_summary = os.path.join(tmpdir, "chief-summary.json")
+    try:
+        shards = start_shards(cfg, server_argv, env)
+        procs += shards
+        addresses = ",".join(f"127.0.0.1:{p.port}" for p in shards)
+        print(f"pserver launch: {cfg.num_shards} shard(s) at {addresses}; "
+              f"starting {cfg.num_workers} worker(s)", flush=True)
+        workers = start_workers(cfg, addresses, worker_argv, env, chief_summary)
+        procs += workers
+        supervise(shards, workers)
+        summary = final_summary(chief_summary, addresses, time.monotonic() - started)
+        if cfg.summary_json and summary is not None:
+            write_json(cfg.summary_json, summary)
+            print(f"pserver launch: summary written to {cfg.summary_json}", flush=True)
+        print(f"pserver launch: done in {time.monotonic() - started:.1f} s", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("pserver launch: interrupted; stopping the cluster", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        for p in reversed(procs):           # workers first, then shards
+            p.stop()
+
+
+def final_summary(chief_path: str, addresses: str, launch_seconds: float) -> dict | None:
+    """The chief's summary, with counters re-read now that every worker has finished."""
+    if not os.path.exists(chief_path):
+        return None
+    with open(chief_path) as f:
+        summary = json.load(f)
+    client = PSClient(addresses.split(","))
+    try:
+        summary.update(combine_counters(client.status()))
+    finally:
+        client.close()
+    summary["launch_wall_seconds"] = round(launch_seconds, 3)
+    return summary

@@ -1,0 +1,87 @@
+"""Progress lines while training, and the run summary (printed, and written as JSON)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Sequence
+
+
+class Progress:
+    """Prints `epoch, step, loss, samples/s` at most every `every` seconds."""
+
+    def __init__(self, rank: int, epochs: int, steps_per_epoch: int, batch_size: int,
+                 every: float, num_workers: int) -> None:
+        self.rank, self.epochs, self.steps = rank, epochs, steps_per_epoch
+        self.batch, self.every, self.num_workers = batch_size, every, num_workers
+        self.started = self.last = time.monotonic()
+        self.samples = self.last_samples = 0
+        self.loss_sum, self.loss_n = 0.0, 0
+
+    def step(self, epoch: int, step: int, loss: float, force: bool = False) -> None:
+        self.samples += self.batch
+        self.loss_sum += loss
+        self.loss_n += 1
+        now = time.monotonic()
+        if force or now - self.last >= self.every:
+            rate = (self.samples - self.last_samples) / max(now - self.last, 1e-9)
+            print(f"epoch {epoch + 1}/{self.epochs} step {step + 1}/{self.steps} "
+                  f"loss {self.loss_sum / self.loss_n:.4f} {rate:,.0f} samples/s", flush=True)
+            self.last, self.last_samples = now, self.samples
+            self.loss_sum, self.loss_n = 0.0, 0
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+
+def combine_counters(statuses: Sequence) -> dict:
+    """Cluster-wide counters from every shard's StatusReply.
+
+    Each worker push reaches every shard, so push counters are summed over shards (they
+    count push messages); updates_applied and workers_marked_dead are the largest any
+    shard saw (every shard applies the same steps); staleness is pooled.
+    """
+    cs = [s.counters for s in statuses]
+    out = {k: sum(getattr(c, k) for c in cs) for k in
+           ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late",
+            "pushes_rejected", "pulls_served")}
+    out["updates_applied"] = max(c.updates_applied for c in cs)
+    out["workers_marked_dead"] = max(c.workers_marked_dead for c in cs)
+    out["clock_gap_max"] = max(c.clock_gap_max for c in cs)
+    hist = [sum(col) for col in zip(*(c.staleness_histogram for c in cs))]
+    n = sum(hist)
+    out["staleness_mean"] = sum(c.staleness_mean * sum(c.staleness_histogram) for c in cs) / n if n else 0.0
+    out["staleness_max"] = max(c.staleness_max for c in cs)
+    out["staleness_histogram"] = hist
+    out["samples_trained"] = statuses[0].counters.samples_pushed   # shard 0 sees every push
+    out["steps"] = max(s.version for s in statuses)
+    return out
+
+
+def format_summary(s: dict) -> str:
+    acc = s.get("test_accuracy")
+    metric = f"test accuracy {acc:.4f}" if acc is not None else f"test r2 {s.get('test_r2', 0):.4f}"
+    lines = [
+        f"== pserver run summary: {s['mode']}, {s['num_shards']} shard(s), {s['num_workers']} worker(s) ==",
+        f"model {s['model']} ({s['num_params']:,} params), dataset {s['dataset']}, "
+        f"optimizer {s['optimizer']} lr {s['lr']:g}, batch {s['batch_size']}/worker, {s['epochs']} epoch(s)",
+        f"{metric}, test loss {s['test_loss']:.4f}",
+        f"{s['steps']} steps in {s['wall_seconds']:.1f} s: {s['train_samples_per_second']:,.0f} train samples/s",
+        f"pushes: {s['pushes_applied']} applied, {s['pushes_aggregated']} aggregated, "
+        f"{s['pushes_dropped_late']} dropped late, {s['pushes_rejected']} rejected; "
+        f"{s['workers_marked_dead']} worker(s) marked dead",
+        f"staleness mean {s['staleness_mean']:.2f} max {s['staleness_max']}; "
+        f"clock gap max {s['clock_gap_max']}",
+    ]
+    return "\n".join(lines)
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write atomically, so a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)

@@ -1,0 +1,61 @@
+"""A model's parameters as named float32 tensors laid end to end in one flat vector.
+
+The flat vector is what the shards hold and what travels on the wire; the layout is
+how a model finds its tensors in it (as views, no copies) and how shards check that
+every worker runs the same model (the signature).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensors: tuple[TensorSpec, ...]
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[str, tuple[int, ...]]]) -> "Layout":
+        return cls(tuple(TensorSpec(n, tuple(int(d) for d in s)) for n, s in pairs))
+
+    @property
+    def total(self) -> int:
+        """P: the number of float32 elements in the flat vector."""
+        return sum(t.size for t in self.tensors)
+
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        """name -> [start, end) in the flat vector."""
+        out, pos = {}, 0
+        for t in self.tensors:
+            out[t.name] = (pos, pos + t.size)
+            pos += t.size
+        return out
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """name -> a reshaped view into `flat` (writes go through to it)."""
+        if flat.shape != (self.total,):
+            raise ValueError(f"flat vector has shape {flat.shape}, layout needs ({self.total},)")
+        return {t.name: flat[a:b].reshape(t.shape) for t, (a, b) in
+                zip(self.tensors, self.offsets().values())}
+
+    def signature(self) -> str:
+        """A short hash of names and shapes: equal layouts, equal signatures."""
+        text = ";".join(f"{t.name}:{'x'.join(map(str, t.shape))}" for t in self.tensors)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        return ", ".join(f"{t.name}{list(t.shape)}" for t in self.tensors)

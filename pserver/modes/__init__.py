@@ -1,0 +1,18 @@
+"""Consistency modes: one policy each over the same shard store (DESIGN §5)."""
+
+from pserver.modes.async_ import AsyncPolicy
+from pserver.modes.backup import BackupPolicy
+from pserver.modes.base import Outcome, Policy
+from pserver.modes.ssp import SSPPolicy
+from pserver.modes.sync import SyncPolicy
+
+POLICIES = {p.name: p for p in (SyncPolicy, BackupPolicy, AsyncPolicy, SSPPolicy)}
+
+
+def make_policy(store, cfg) -> Policy:
+    """The policy for cfg.mode (ServerConfig has already checked the name)."""
+    return POLICIES[cfg.mode](store, cfg)
+
+
+__all__ = ["Outcome", "Policy", "POLICIES", "make_policy",
+           "SyncPolicy", "BackupPolicy", "AsyncPolicy", "SSPPolicy"]

@@ -1,0 +1,37 @@
+"""async (Hogwild): every push is applied on arrival, with no lock around the update.
+
+Concurrent pushes race on the same array from several gRPC threads; the optimizer
+kernels release the GIL so the race is real (Hogwild!, Niu et al. 2011), and sparse-ish
+updates make it harmless in practice. Each push records its staleness: the version now
+minus the version its gradient was computed on.
+"""
+
+from __future__ import annotations
+
+from pserver.errors import FailedPrecondition
+from pserver.modes.base import Outcome, Policy
+
+
+class AsyncPolicy(Policy):
+    name = "async"
+
+    def push(self, rank, step, grad, clock):
+        store = self.store
+        with store.cond:
+            self.check_member(rank)
+            self.dead.discard(rank)            # a worker marked dead that pushes is alive
+            version = store.version
+            if step > version or step < 0:
+                raise FailedPrecondition(f"step: push computed on version {step} but shard "
+                                         f"{store.shard} is at version {version}")
+            store.counters.record_staleness(version - step)
+            store.counters.add("pushes_applied")
+        try:
+            store.apply_hogwild(grad)          # outside the lock, on purpose
+        finally:
+            store.pool.release(grad)
+        self.pushed(rank, clock)
+        return Outcome.APPLIED, ""
+
+    def pushed(self, rank: int, clock: int) -> None:
+        """Hook for ssp: a worker's clock advanced."""

@@ -1,0 +1,80 @@
+"""sync: one update per step, the rank-ordered mean of every live worker's gradient.
+
+w(t+1) = opt(w(t), mean of the gradients pushed for step t), summed in rank order so the
+result does not depend on arrival order: N workers on batches b1..bN give the weights one
+process would get on their concatenation. A push for any step but t is rejected; a pull
+waits until the version after the one the worker has seen exists.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pserver.errors import FailedPrecondition
+from pserver.modes.base import Outcome, Policy, StepWatch
+
+
+class SyncPolicy(Policy):
+    name = "sync"
+
+    def __init__(self, store, cfg) -> None:
+        super().__init__(store, cfg)
+        self.pending: dict[int, np.ndarray] = {}   # rank -> gradient for the current step
+        self.watch = StepWatch(cfg.step_timeout)
+
+    def quorum(self) -> int:
+        """How many distinct workers complete a step: all the live ones."""
+        return len(self.expected())
+
+    def push(self, rank, step, grad, clock):
+        with self.store.cond:
+            self.check_member(rank)
+            version = self.store.version
+            if step != version:
+                return self.off_step(rank, step, grad)
+            if rank in self.pending:
+                raise FailedPrecondition(f"rank: worker {rank} already pushed for step {step}")
+            if rank in self.dead:   # a worker we stopped waiting for is back in time
+                self.dead.discard(rank)
+            self.pending[rank] = grad
+            self.store.counters.add("pushes_aggregated")
+            self.watch.start()
+            self.maybe_complete()
+            return Outcome.AGGREGATED, ""
+
+    def off_step(self, rank, step, grad):
+        raise FailedPrecondition(f"step: push for step {step} but shard {self.store.shard} is at "
+                                 f"version {self.store.version}; pull and compute again")
+
+    def maybe_complete(self) -> None:
+        if self.pending and len(self.pending) >= max(self.quorum(), 1):
+            self.complete()
+
+    def complete(self) -> None:
+        """Apply the rank-ordered mean of the pending gradients (cond held)."""
+        ranks = sorted(self.pending)
+        acc = self.pending[ranks[0]]         # sum in place into the lowest rank's buffer
+        for r in ranks[1:]:
+            acc += self.pending[r]
+        if len(ranks) > 1:
+            acc *= np.float32(1.0 / len(ranks))
+        self.store.apply(acc)
+        for r in ranks:
+            self.store.pool.release(self.pending.pop(r))
+        self.watch.reset()
+
+    def membership_changed(self) -> None:
+        self.maybe_complete()
+
+    def check_timeout(self) -> None:
+        """Runs while pulls wait: a step that waited too long goes on without the missing."""
+        if self.watch.expired():
+            missing = self.expected() - set(self.pending)
+            self.mark_dead(missing, f"step {self.store.version} waited more than "
+                                    f"{self.cfg.step_timeout:g} s (--step-timeout)")
+            self.maybe_complete()
+
+    def wait_pull(self, rank, seen_version, clock, timeout):
+        store = self.store
+        store.wait_for(lambda: store.initialized and store.version > seen_version, timeout,
+                       on_tick=self.check_timeout)

@@ -1,0 +1,148 @@
+"""Optimizers that a shard runs over its 1-D float32 slice of the parameters.
+
+    sgd        w -= lr * g
+    momentum   heavy-ball or Nesterov momentum            state: v
+    adam       Adam with bias correction                  state: m, v
+
+Each rule lives in its own module as a numba kernel (`update`) and a NumPy twin
+(`update_numpy`); the classes here hold the hyper-parameters and the state arrays, pick the
+kernel by `backend` ("numba" or "numpy"), and scale lr by the schedule at each step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from pserver.errors import ConfigError
+from pserver.optim import adam, momentum, sgd
+from pserver.optim.schedule import parse_schedule
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+OPTIM_BACKENDS = ("numba", "numpy")
+
+
+class Optimizer:
+    """An update rule with its state for `size` elements; `step` applies it in place."""
+
+    name = ""
+    rule = sgd  # the module with update / update_numpy / STATE
+
+    def __init__(self, size: int, *, lr: float, schedule: Callable[[int], float],
+                 weight_decay: float = 0.0, backend: str = "numba"):
+        self.size, self.lr, self.schedule = int(size), float(lr), schedule
+        self.weight_decay, self.backend = float(weight_decay), backend
+        self._update = self.rule.update if backend == "numba" else self.rule.update_numpy
+        # Live state arrays (not copies): the server checkpoints them, load_state refills them.
+        self.state = {k: np.zeros(self.size, dtype=np.float32) for k in self.rule.STATE}
+
+    def step(self, w: np.ndarray, g: np.ndarray, t: int) -> None:
+        """Apply update number t (0-based: the shard's version before it) to w, in place."""
+        for what, a in (("w", w), ("g", g)):
+            # The kernels trust sizes and dtypes; a float64 g would also compile a new variant.
+            if a.dtype != np.float32 or a.shape != (self.size,):
+                raise ValueError(f"{self.name}: {what} is {a.dtype}{list(a.shape)}, "
+                                 f"needs float32[{self.size}]")
+        self._apply(w, g, int(t), self.lr * self.schedule(int(t)))
+
+    def _apply(self, w, g, t, lr):
+        raise NotImplementedError
+
+    def load_state(self, state: dict) -> None:
+        """Copy checkpointed state arrays into this optimizer's, after checking them all."""
+        if sorted(state) != sorted(self.state):
+            raise ConfigError(f"optimizer state: {self.name} keeps {sorted(self.state)}, "
+                              f"the checkpoint has {sorted(state)} (was it saved with another "
+                              f"--optimizer?)")
+        arrays = {k: np.asarray(v) for k, v in state.items()}
+        for k, a in arrays.items():
+            if a.shape != (self.size,) or a.dtype.kind != "f":
+                raise ConfigError(f"optimizer state: {self.name} {k!r} is {a.dtype}"
+                                  f"{list(a.shape)}, needs float32[{self.size}]")
+        for k, a in arrays.items():
+            np.copyto(self.state[k], a, casting="same_kind")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, lr={self.lr}, schedule={self.schedule})"
+
+
+class SGD(Optimizer):
+    name, rule = "sgd", sgd
+
+    def _apply(self, w, g, t, lr):
+        self._update(w, g, lr, self.weight_decay)
+
+
+class Momentum(Optimizer):
+    name, rule = "momentum", momentum
+
+    def __init__(self, size, *, momentum: float = 0.9, nesterov: bool = False, **kw):
+        super().__init__(size, **kw)
+        self.momentum, self.nesterov = float(momentum), bool(nesterov)
+
+    def _apply(self, w, g, t, lr):
+        self._update(w, g, self.state["v"], lr, self.momentum, self.nesterov, self.weight_decay)
+
+
+class Adam(Optimizer):
+    name, rule = "adam", adam
+
+    def __init__(self, size, *, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 **kw):
+        super().__init__(size, **kw)
+        self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
+
+    def _apply(self, w, g, t, lr):
+        # The bias correction counts this update too: t + 1 >= 1.
+        self._update(w, g, self.state["m"], self.state["v"], lr, self.beta1, self.beta2,
+                     self.eps, t + 1, self.weight_decay)
+
+
+def make_optimizer(name: str, size: int, *, lr: float, schedule: str = "constant",
+                   momentum: float = 0.9, nesterov: bool = False, beta1: float = 0.9,
+                   beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                   backend: str = "numba") -> Optimizer:
+    """Build an optimizer by name; bad names and values raise ConfigError naming the flag."""
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer: unknown optimizer {name!r}; "
+                          f"choose one of {', '.join(OPTIMIZERS)}")
+    if backend not in OPTIM_BACKENDS:
+        raise ConfigError(f"optimizer backend: unknown {backend!r}; "
+                          f"choose one of {', '.join(OPTIM_BACKENDS)}")
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+        raise ValueError(f"optimizer size must be an integer >= 0, got {size!r}")
+    _check("--lr", lr, "a number > 0", lambda x: x > 0)
+    _check("--weight-decay", weight_decay, "a number >= 0", lambda x: x >= 0)
+    common = dict(lr=lr, schedule=parse_schedule(schedule), weight_decay=weight_decay,
+                  backend=backend)
+    if name == "sgd":
+        _no_nesterov(name, nesterov)
+        return SGD(size, **common)
+    if name == "momentum":
+        _check("--momentum", momentum, "in [0, 1)", lambda x: 0 <= x < 1)
+        return Momentum(size, momentum=momentum, nesterov=nesterov, **common)
+    _no_nesterov(name, nesterov)
+    _check("--beta1", beta1, "in [0, 1)", lambda x: 0 <= x < 1)
+    _check("--beta2", beta2, "in [0, 1)", lambda x: 0 <= x < 1)
+    _check("--eps", eps, "a number > 0", lambda x: x > 0)
+    return Adam(size, beta1=beta1, beta2=beta2, eps=eps, **common)
+
+
+def _check(flag: str, value, wanted: str, ok: Callable[[float], bool]) -> None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = math.nan
+    if isinstance(value, bool) or not math.isfinite(x) or not ok(x):
+        raise ConfigError(f"{flag}: must be {wanted}, got {value!r}")
+
+
+def _no_nesterov(name: str, nesterov: bool) -> None:
+    if nesterov:
+        raise ConfigError(f"--nesterov: applies to --optimizer momentum only, not {name!r}")
+
+
+__all__ = ["OPTIMIZERS", "OPTIM_BACKENDS", "Optimizer", "SGD", "Momentum", "Adam",
+           "make_optimizer", "parse_schedule"]

@@ -1,0 +1,67 @@
+"""Building and running one shard server process."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+
+from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.codec import MAX_CHUNK_BYTES
+from pserver.config import ServerConfig
+from pserver.errors import ConfigError
+from pserver.server.servicer import ParameterServerServicer
+from pserver.server.shard import Shard
+
+log = logging.getLogger("pserver.server")
+
+
+def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
+    """A started gRPC server for one shard; returns (server, bound port, shard).
+
+    Port 0 binds a free port, which is how tests and `pserver launch` start shards.
+    """
+    shard = Shard(cfg)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="pserver-rpc"),
+        options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES),
+                 ("grpc.so_reuseport", 0)])
+    pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(shard), server)
+    address = f"{cfg.host}:{cfg.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise ConfigError(f"--port: cannot bind {address} ({e})") from None
+    if port == 0:
+        raise ConfigError(f"--port: cannot bind {address} (in use, or not an address of this host)")
+    server.start()
+    return server, port, shard
+
+
+def serve(cfg: ServerConfig) -> int:
+    """Run a shard until SIGINT/SIGTERM, then stop gracefully (in-flight calls get 2 s)."""
+    server, port, shard = create_server(cfg)
+    print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "
+          f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}", flush=True)
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    while not stop.wait(0.5):
+        pass
+    shard.close()                       # wake pulls that wait for a step
+    server.stop(grace=2.0).wait()
+    st = shard.status()
+    c = st["counters"]
+    print(f"pserver serve: shard {cfg.shard} stopped at version {st['version']}: "
+          f"{c['updates_applied']} updates, {c['pushes_received']} pushes "
+          f"({c['pushes_rejected']} rejected, {c['pushes_dropped_late']} dropped late)", flush=True)
+    sys.stdout.flush()
+    return 0

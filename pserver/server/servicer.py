@@ -1,0 +1,100 @@
+"""The gRPC servicer: decode, call the Shard, encode. No arithmetic, no mode logic.
+
+Every pserver error becomes its status code with its message; anything else is a bug
+and becomes INTERNAL with the exception's text (the server keeps serving).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+
+from pserver import codec
+from pserver._proto import pserver_pb2 as pb
+from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.errors import RpcError
+from pserver.models.layout import Layout
+from pserver.server.shard import Shard
+
+log = logging.getLogger("pserver.server")
+MAX_WAIT = 3600.0   # a pull with no deadline still stops waiting after an hour
+
+
+def _status(method):
+    """Translate exceptions raised by a handler into gRPC status codes, in one place."""
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except RpcError as e:
+            context.abort(getattr(grpc.StatusCode, e.code_name, grpc.StatusCode.UNKNOWN), str(e))
+        except Exception as e:  # a bug: report it, keep serving
+            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
+                raise
+            log.exception("internal error in %s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+    return wrapper
+
+
+def _stream_status(method):
+    """As _status, for handlers that yield a response stream."""
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except RpcError as e:
+            context.abort(getattr(grpc.StatusCode, e.code_name, grpc.StatusCode.UNKNOWN), str(e))
+    return wrapper
+
+
+def _timeout(context) -> float:
+    left = context.time_remaining()
+    return MAX_WAIT if left is None else max(0.0, min(left - 0.05, MAX_WAIT))
+
+
+class ParameterServerServicer(pb_grpc.ParameterServerServicer):
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+
+    @_status
+    def Register(self, request, context):
+        layout = Layout.of((t.name, tuple(t.shape)) for t in request.layout)
+        reg = self.shard.register(request.rank, request.num_workers, request.shard,
+                                  request.num_shards, layout)
+        return pb.RegisterReply(**reg.__dict__)
+
+    @_status
+    def Init(self, request_iterator, context):
+        chunks = iter(request_iterator)
+        h = codec.read_header(chunks)
+        already, version = self.shard.init(h.rank, h.layout_signature, h.num_elements, h.dtype,
+                                           lambda dest: codec.receive_into(dest, chunks))
+        return pb.InitReply(already_initialized=already, version=version)
+
+    @_stream_status
+    def Pull(self, request, context):
+        version, params = self.shard.pull(request.rank, request.shard, request.seen_version,
+                                          request.clock, _timeout(context))
+        header = pb.TensorHeader(shard=request.shard, step=version)
+        yield from codec.encode(header, params, self.shard.cfg.chunk_bytes)
+
+    @_status
+    def Push(self, request_iterator, context):
+        chunks = iter(request_iterator)
+        h = codec.read_header(chunks)
+        outcome, version, message = self.shard.push(
+            h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples, h.clock,
+            lambda dest: codec.receive_into(dest, chunks))
+        return pb.PushReply(outcome=outcome.value, version=version, message=message)
+
+    @_status
+    def Status(self, request, context):
+        st = self.shard.status()
+        return pb.StatusReply(counters=pb.Counters(**st.pop("counters")), **st)
+
+    @_status
+    def Leave(self, request, context):
+        self.shard.leave(request.rank)
+        return pb.LeaveReply()

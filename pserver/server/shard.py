@@ -1,0 +1,175 @@
+"""A shard's operations as plain Python calls: what the servicer exposes over gRPC.
+
+`Shard` composes the store (state), the mode's policy (when updates happen) and the
+optimizer (how). It takes and returns numpy arrays and plain values, so tests drive it
+without a network, and the servicer only translates protobuf to these calls.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from pserver.codec import DTYPE_NAME
+from pserver.config import ServerConfig
+from pserver.errors import FailedPrecondition, InvalidArgument, RpcError
+from pserver.models.layout import Layout
+from pserver.modes import Outcome, make_policy
+from pserver.optim import make_optimizer
+from pserver.server.store import ShardStore
+from pserver.sharding import shard_range
+
+Fill = Callable[[np.ndarray], None]   # writes a received payload into the array it is given
+MAX_PARAMS = 1 << 33                  # 8G elements (32 GB) per model: a sanity bound on declared sizes
+
+
+@dataclass(frozen=True)
+class Registration:
+    mode: str
+    version: int
+    initialized: bool
+    range_start: int
+    range_end: int
+    total_params: int
+    layout_signature: str
+    optimizer: str
+    lr: float
+
+
+class Shard:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.store = ShardStore(cfg.shard, cfg.num_shards, self._optimizer_for)
+        self.policy = make_policy(self.store, cfg)
+        self.started = time.monotonic()
+
+    def _optimizer_for(self, size: int):
+        c = self.cfg
+        return make_optimizer(c.optimizer, size, lr=c.lr, schedule=c.lr_schedule,
+                              momentum=c.momentum, nesterov=c.nesterov, beta1=c.beta1,
+                              beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay)
+
+    def check_shard(self, shard: int, num_shards: int | None = None) -> None:
+        if shard != self.cfg.shard or (num_shards is not None and num_shards != self.cfg.num_shards):
+            told = f"shard {shard}" + (f" of {num_shards}" if num_shards is not None else "")
+            raise FailedPrecondition(f"shard: the request is for {told} but this is shard "
+                                     f"{self.cfg.shard} of {self.cfg.num_shards}")
+
+    def register(self, rank: int, num_workers: int, shard: int, num_shards: int,
+                 layout: Layout) -> Registration:
+        self.check_shard(shard, num_shards)
+        if num_workers < 1:
+            raise InvalidArgument(f"num_workers: must be >= 1, got {num_workers}")
+        total = layout.total
+        if not layout.tensors or total > MAX_PARAMS:
+            raise InvalidArgument(f"layout: {len(layout.tensors)} tensors, {total} elements; "
+                                  f"need 1 to {MAX_PARAMS} elements")
+        if any(d < 0 for t in layout.tensors for d in t.shape):
+            raise InvalidArgument("layout: a tensor has a negative dimension")
+        start, end = shard_range(total, self.cfg.num_shards, self.cfg.shard)
+        s = self.store
+        with s.cond:
+            s.configure(layout.signature(), total, start, end)
+            self.policy.join(rank, num_workers)
+            return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,
+                                s.signature, self.cfg.optimizer, self.cfg.lr)
+
+    def init(self, rank: int, signature: str, num_elements: int, dtype: str, fill: Fill) -> tuple[bool, int]:
+        """Take the chief's initial values unless the shard already holds values."""
+        s = self.store
+        with s.cond:
+            s.require_configured()
+            self.policy.check_member(rank)
+            if signature != s.signature:
+                raise FailedPrecondition(f"layout_signature: {signature} does not match {s.signature}")
+            self._check_payload(num_elements, dtype)
+            if s.initialized:
+                return True, s.version
+        values = np.empty(s.size, dtype=np.float32)
+        fill(values)
+        s.check_gradient(values)
+        with s.cond:
+            if s.initialized:                # another Init won the race
+                return True, s.version
+            s.params[:] = values
+            s.version = 0
+            s.cond.notify_all()
+            return False, s.version
+
+    def _check_payload(self, num_elements: int, dtype: str) -> None:
+        if dtype != DTYPE_NAME:
+            raise InvalidArgument(f"dtype: '{dtype}' is not supported; send '{DTYPE_NAME}'")
+        if num_elements != self.store.size:
+            raise InvalidArgument(f"num_elements: {num_elements} does not match shard "
+                                  f"{self.cfg.shard}'s range of {self.store.size} elements")
+
+    def pull(self, rank: int, shard: int, seen_version: int, clock: int,
+             timeout: float | None) -> tuple[int, np.ndarray]:
+        """Wait as the mode says, then return (version, parameters). In sync mode the
+        parameters cannot change until this worker pushes again, so a view is safe to
+        stream; in async modes a racy read is the point."""
+        self.check_shard(shard)
+        s = self.store
+        with s.cond:
+            s.require_configured()
+            self.policy.check_member(rank)
+            self.policy.check_pull(seen_version)
+            self.policy.wait_pull(rank, seen_version, clock, timeout)
+            s.counters.add("pulls_served")
+            return s.version, s.params
+
+    def push(self, rank: int, shard: int, step: int, num_elements: int, dtype: str,
+             num_samples: int, clock: int, fill: Fill) -> tuple[Outcome, int, str]:
+        """Receive, validate, and hand a gradient to the policy; state is untouched by any
+        rejection because everything is checked before the policy sees the gradient."""
+        s = self.store
+        s.counters.add("pushes_received")
+        try:
+            self.check_shard(shard)
+            with s.cond:
+                s.require_configured()
+                self.policy.check_member(rank)
+            self._check_payload(num_elements, dtype)
+            if num_samples < 0:
+                raise InvalidArgument(f"num_samples: must be >= 0, got {num_samples}")
+            outcome, message = self._receive_and_decide(rank, step, clock, fill)
+        except RpcError:
+            s.counters.add("pushes_rejected")
+            raise
+        s.counters.add("samples_pushed", num_samples)
+        return outcome, s.version, message
+
+    def _receive_and_decide(self, rank, step, clock, fill):
+        grad = self.store.pool.acquire()
+        try:
+            fill(grad)
+            self.store.check_gradient(grad)
+        except BaseException:
+            self.store.pool.release(grad)
+            raise
+        try:
+            return self.policy.push(rank, step, grad, clock)
+        except RpcError:
+            self.store.pool.release(grad)   # rejected: the policy did not keep it
+            raise
+
+    def leave(self, rank: int) -> None:
+        with self.store.cond:
+            self.policy.leave(rank)
+
+    def status(self) -> dict:
+        s, p = self.store, self.policy
+        with s.cond:
+            live = sorted(p.registered - p.left - p.dead)
+            return dict(shard=self.cfg.shard, num_shards=self.cfg.num_shards, mode=self.cfg.mode,
+                        version=s.version, num_params=s.size, total_params=s.total,
+                        num_workers=p.num_workers, optimizer=self.cfg.optimizer, lr=self.cfg.lr,
+                        counters=s.counters.snapshot(), live_workers=live,
+                        uptime_seconds=time.monotonic() - self.started,
+                        layout_signature=s.signature)
+
+    def close(self) -> None:
+        self.store.close()

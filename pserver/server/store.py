@@ -1,0 +1,180 @@
+"""One shard's state: its slice of the parameters, optimizer state, version and counters.
+
+The store knows nothing about consistency modes; a policy (pserver.modes) decides when
+`apply` runs. Everything but the Hogwild apply happens under `cond`, whose
+notify_all wakes pulls waiting for a new version.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import numba
+import numpy as np
+
+from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+
+STALENESS_BUCKETS = 17   # histogram buckets 0..15, and one for 16 and more
+
+
+@numba.njit(cache=True, nogil=True)
+def all_finite(a):
+    """True if no element is NaN or +-Inf (one pass, no temporary like np.isfinite makes)."""
+    for i in range(a.size):
+        if not np.isfinite(a[i]):
+            return False
+    return True
+
+
+class Counters:
+    """What became of every push, and staleness, behind a lock of its own."""
+
+    FIELDS = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late",
+              "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed",
+              "pulls_served", "clock_gap_max")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(self.FIELDS, 0)
+        self._staleness_sum = 0
+        self._staleness_max = 0
+        self._histogram = [0] * STALENESS_BUCKETS
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._values[name] += n
+
+    def raise_to(self, name: str, value: int) -> None:
+        with self._lock:
+            self._values[name] = max(self._values[name], value)
+
+    def record_staleness(self, staleness: int) -> None:
+        with self._lock:
+            self._staleness_sum += staleness
+            self._staleness_max = max(self._staleness_max, staleness)
+            self._histogram[min(staleness, STALENESS_BUCKETS - 1)] += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            out = dict(self._values)
+            recorded = sum(self._histogram)
+            out["staleness_mean"] = self._staleness_sum / recorded if recorded else 0.0
+            out["staleness_max"] = self._staleness_max
+            out["staleness_histogram"] = list(self._histogram)
+            return out
+
+
+class BufferPool:
+    """Reusable float32 scratch arrays of one size, so a push never allocates afresh."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> np.ndarray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return np.empty(self.size, dtype=np.float32)
+
+    def release(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+class ShardStore:
+    """Parameters [start, end) of the flat vector, the optimizer's state and the version."""
+
+    def __init__(self, shard: int, num_shards: int, make_optimizer: Callable[[int], object]):
+        self.shard, self.num_shards = shard, num_shards
+        self._make_optimizer = make_optimizer
+        self.cond = threading.Condition()
+        self.counters = Counters()
+        self.version = -1                 # -1 until the chief's Init (or a restore)
+        self.signature = ""               # layout signature; "" until the first Register
+        self.total = 0
+        self.start = self.end = 0
+        self.params: np.ndarray | None = None
+        self.optimizer = None
+        self.pool: BufferPool | None = None
+        self.closed = False
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def initialized(self) -> bool:
+        return self.version >= 0
+
+    def configure(self, signature: str, total: int, start: int, end: int) -> None:
+        """Fix the layout at the first Register; later ones must match it. Holds cond."""
+        if self.signature:
+            if signature != self.signature or total != self.total:
+                raise FailedPrecondition(
+                    f"layout: signature {signature} ({total} params) does not match this shard's "
+                    f"{self.signature} ({self.total} params); every worker must run the same model")
+            return
+        self.signature, self.total, self.start, self.end = signature, total, start, end
+        self.params = np.zeros(end - start, dtype=np.float32)
+        self.optimizer = self._make_optimizer(end - start)
+        self.pool = BufferPool(end - start)
+
+    def require_configured(self) -> None:
+        if not self.signature:
+            raise FailedPrecondition("layout: no worker has registered with this shard yet")
+
+    def apply(self, grad: np.ndarray) -> None:
+        """One optimizer step on the mean gradient; the caller holds cond."""
+        self.optimizer.step(self.params, grad, self.version)
+        self.version += 1
+        self.counters.add("updates_applied")
+        self.cond.notify_all()
+
+    def apply_hogwild(self, grad: np.ndarray) -> int:
+        """Apply without the lock (async modes): concurrent callers race on purpose.
+
+        The optimizer kernels release the GIL, so pushes from several gRPC threads update
+        `params` at the same time (Hogwild!, Niu et al. 2011). Only the version counter and
+        the wake-up take the lock. Returns the version after this update.
+        """
+        self.optimizer.step(self.params, grad, max(self.version, 0))
+        with self.cond:
+            self.version += 1
+            self.counters.add("updates_applied")
+            self.cond.notify_all()
+            return self.version
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None,
+                 on_tick: Callable[[], None] | None = None, tick: float = 0.25) -> None:
+        """Block (holding cond) until predicate() is true; DeadlineExceeded after timeout.
+
+        `on_tick` runs every `tick` seconds while waiting: policies use it to notice a
+        step that has waited too long for a worker.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not predicate():
+            if self.closed:
+                raise Unavailable(f"shard {self.shard}: shutting down")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise DeadlineExceeded(f"deadline: waited {timeout:.1f} s and what this call "
+                                       f"waits for (a new version, a slow worker) did not come")
+            self.cond.wait(tick if left is None else min(tick, left))
+            if on_tick is not None:
+                on_tick()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def check_gradient(self, grad: np.ndarray) -> None:
+        if not all_finite(grad):
+            bad = int(np.flatnonzero(~np.isfinite(grad))[0])
+            raise InvalidArgument(f"data: the gradient holds a non-finite value ({grad[bad]}) at "
+                                  f"element {self.start + bad} of the flat vector")
+

@@ -1,0 +1,55 @@
+"""`pserver status`: each shard's version, mode, size and counters, as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+
+from google.protobuf.json_format import MessageToDict
+
+from pserver.client import PSClient
+from pserver.metrics import combine_counters
+
+COLUMNS = [("shard", "shard"), ("version", "version"), ("mode", "mode"), ("params", "num_params"),
+           ("workers", "num_workers"), ("live", "live"), ("applied", "pushes_applied"),
+           ("aggregated", "pushes_aggregated"), ("dropped", "pushes_dropped_late"),
+           ("rejected", "pushes_rejected"), ("dead", "workers_marked_dead"),
+           ("stale_mean", "staleness_mean"), ("stale_max", "staleness_max")]
+
+
+def rows(statuses) -> list[dict]:
+    out = []
+    for s in statuses:
+        c = s.counters
+        out.append({"shard": s.shard, "version": s.version, "mode": s.mode, "num_params": s.num_params,
+                    "num_workers": s.num_workers, "live": ",".join(map(str, s.live_workers)) or "-",
+                    **{k: getattr(c, k) for k in ("pushes_applied", "pushes_aggregated",
+                                                  "pushes_dropped_late", "pushes_rejected",
+                                                  "workers_marked_dead", "staleness_max")},
+                    "staleness_mean": round(c.staleness_mean, 3)})
+    return out
+
+
+def show_status(addresses, timeout: float, as_json: bool = False) -> int:
+    client = PSClient(addresses)
+    try:
+        client.connect(timeout)
+        statuses = client.status(timeout)
+    finally:
+        client.close()
+    if as_json:
+        shards = [MessageToDict(s, preserving_proto_field_name=True,
+                                always_print_fields_with_no_presence=True) for s in statuses]
+        print(json.dumps({"shards": shards, "cluster": combine_counters(statuses)}, indent=2))
+        return 0
+    table = rows(statuses)
+    widths = [max(len(h), *(len(str(r[k])) for r in table)) for h, k in COLUMNS]
+    print("  ".join(h.rjust(w) for (h, _), w in zip(COLUMNS, widths)))
+    for r in table:
+        print("  ".join(str(r[k]).rjust(w) for (_, k), w in zip(COLUMNS, widths)))
+    total = combine_counters(statuses)
+    hist = total["staleness_histogram"]
+    last = max((i for i, n in enumerate(hist) if n), default=-1)
+    print(f"cluster: {total['steps']} steps, {total['samples_trained']:,} samples; optimizer "
+          f"{statuses[0].optimizer} lr {statuses[0].lr:g}; staleness histogram "
+          f"{hist[:last + 1] if last >= 0 else '(no async pushes)'}; clock gap max {total['clock_gap_max']}")
+    return 0

@@ -1,0 +1,137 @@
+"""The training loop of one worker: pull, compute a gradient, push; the chief also evaluates.
+
+Between-graph replication as in TensorFlow's parameter-server training: every worker
+runs this loop on its own slice of the data; the shards' consistency mode decides how
+the pushes combine and how long each pull waits. The loop does not branch on the mode.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pserver.client import PSClient
+from pserver.config import WorkerConfig
+from pserver.data import describe, iterate_batches, load_dataset, steps_per_epoch
+from pserver.errors import DeadlineExceeded, FailedPrecondition
+from pserver.metrics import Progress, combine_counters, format_summary, write_json
+from pserver.models import make_model
+from pserver.stragglers import Delay
+
+
+def build(cfg: WorkerConfig):
+    """Dataset and model for this worker (the chief and the others build the same)."""
+    task = "regression" if cfg.model == "linreg" else "classification"
+    ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, task=task,
+                      samples=cfg.samples, features=cfg.features, classes=cfg.classes)
+    model = make_model(cfg.model, ds.features, ds.num_classes, hidden=cfg.hidden)
+    return ds, model
+
+
+def evaluate(model, w, ds, cfg: WorkerConfig) -> dict:
+    return model.evaluate(w, ds.x_test, ds.y_test, batch_size=cfg.eval_batch)
+
+
+def run_worker(cfg: WorkerConfig) -> dict | None:
+    """Train until the epochs (or --max-steps) are done; the chief returns the summary."""
+    ds, model = build(cfg)
+    client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline)
+    try:
+        client.connect(cfg.connect_timeout)
+        infos = client.register(model.layout, cfg.batch_size)
+        mode = infos[0].mode
+        print(f"worker rank {cfg.rank}/{cfg.num_workers} device {cfg.device}; "
+              f"model {model.name} {model.layout.total:,} params; {describe(ds)}; mode {mode}, "
+              f"{len(cfg.ps)} shard(s), optimizer {infos[0].optimizer} lr {infos[0].lr:g}", flush=True)
+        w = np.empty(model.layout.total, dtype=np.float32)
+        if cfg.rank == 0:
+            client.init(model.init_params(cfg.seed))
+        client.pull(w)                         # waits until the chief's values are there
+        started = time.monotonic()
+        history = train(cfg, ds, model, client, w)
+        client.leave()
+        if cfg.rank != 0:
+            return None
+        return finish(cfg, ds, model, client, w, mode, history, started)
+    finally:
+        client.close()
+
+
+def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict:
+    steps = steps_per_epoch(ds.num_train, cfg.num_workers, cfg.batch_size)
+    g = np.empty_like(w)
+    delay = Delay(cfg.delay, cfg.seed, cfg.rank)
+    progress = Progress(cfg.rank, cfg.epochs, steps, cfg.batch_size, cfg.log_every, cfg.num_workers)
+    clock, epochs_log, outcomes = 0, [], {}
+    for epoch in range(cfg.epochs):
+        for step, (x, y) in enumerate(iterate_batches(ds, cfg.rank, cfg.num_workers,
+                                                      cfg.batch_size, cfg.seed, epoch)):
+            loss = model.loss_and_grad(w, x, y, g)
+            delay.sleep()
+            for outcome in push(client, g, cfg.batch_size, clock):
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            clock += 1
+            client.pull(w, clock)
+            progress.step(epoch, step, loss, force=step == steps - 1)
+            if cfg.max_steps and clock >= cfg.max_steps:
+                break
+        if cfg.rank == 0:
+            epochs_log.append(log_epoch(cfg, ds, model, w, epoch, progress.elapsed))
+        if cfg.max_steps and clock >= cfg.max_steps:
+            break
+    return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock,
+            "delay_seconds": delay.total, "seconds": progress.elapsed}
+
+
+def push(client: PSClient, g: np.ndarray, batch: int, clock: int) -> list[str]:
+    """Push; a rejection for a stale step (sync after a timeout) is survivable: the
+    next pull brings the current version and training goes on."""
+    try:
+        return [o for o, _ in client.push(g, batch, clock)]
+    except FailedPrecondition as e:
+        if "step" not in str(e):
+            raise
+        return ["rejected"]
+
+
+def log_epoch(cfg, ds, model, w, epoch, elapsed) -> dict:
+    ev = evaluate(model, w, ds, cfg)
+    metric = (f"test accuracy {ev['accuracy']:.4f}" if "accuracy" in ev else f"test r2 {ev['r2']:.4f}")
+    print(f"epoch {epoch + 1}/{cfg.epochs} done in {elapsed:.1f} s: {metric}, "
+          f"test loss {ev['loss']:.4f}", flush=True)
+    return {"epoch": epoch + 1, "seconds": round(elapsed, 3), **ev}
+
+
+def wait_for_others(client: PSClient, timeout: float) -> None:
+    """The chief's final evaluation should see every worker's last update."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(s.live_workers for s in client.status()):
+            return
+        time.sleep(0.05)
+    raise DeadlineExceeded(f"deadline: other workers were still training {timeout:g} s after the chief finished")
+
+
+def finish(cfg, ds, model, client, w, mode, history, started) -> dict:
+    wait_for_others(client, cfg.rpc_deadline)
+    wall = time.monotonic() - started            # until the last worker finished
+    client.pull(w, seen=[-1] * len(client.shards))      # the final weights
+    ev = evaluate(model, w, ds, cfg)
+    statuses = client.status()
+    counters = combine_counters(statuses)
+    summary = {
+        "mode": mode, "num_shards": len(cfg.ps), "num_workers": cfg.num_workers,
+        "dataset": cfg.dataset, "model": cfg.model, "num_params": model.layout.total,
+        "optimizer": statuses[0].optimizer, "lr": statuses[0].lr, "batch_size": cfg.batch_size,
+        "epochs": cfg.epochs, "seed": cfg.seed,
+        "test_accuracy": ev.get("accuracy"), "test_loss": ev["loss"], "test_r2": ev.get("r2"),
+        "wall_seconds": round(wall, 3),
+        "train_samples_per_second": counters["samples_trained"] / wall if wall > 0 else 0.0,
+        "per_epoch": history["epochs"], "chief_push_outcomes": history["outcomes"],
+        **counters,
+    }
+    print(format_summary(summary), flush=True)
+    if cfg.summary_json:
+        write_json(cfg.summary_json, summary)
+    return summary

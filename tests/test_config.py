@@ -1,0 +1,62 @@
+import json
+
+import pytest
+
+from pserver.config import ServerConfig, WorkerConfig, parse_address, parse_tf_config
+from pserver.errors import ConfigError
+
+
+def test_tf_config_chief_is_rank_zero_and_workers_follow():
+    env = json.dumps({"cluster": {"chief": ["c:2222"], "worker": ["w0:2222", "w1"],
+                                  "ps": ["p0:2222", "p1:3333"]},
+                      "task": {"type": "worker", "index": 1}})
+    c = parse_tf_config(env)
+    assert c.ps == ("p0:2222", "p1:3333")
+    assert c.workers == ("c:2222", "w0:2222", "w1:2222")     # default port 2222, as in TF
+    assert c.rank == 2
+
+
+def test_tf_config_without_chief():
+    c = parse_tf_config(json.dumps({"cluster": {"worker": ["a:1", "b:2"], "ps": ["p:3"]},
+                                    "task": {"type": "worker", "index": 0}}))
+    assert c.rank == 0 and not c.has_chief
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{not json", "not valid JSON"),
+    ('{"cluster": {"ps": "p:1"}}', "cluster.ps"),
+    ('{"cluster": {"ps": ["p:1"]}, "task": {"type": "ps", "index": 3}}', "not in cluster.ps"),
+    ('{"cluster": {"ps": ["p:x"]}}', "host:port"),
+    ('{"cluster": {}, "task": {"type": "boss"}}', "task.type"),
+    ('[1, 2]', "expected an object"),
+])
+def test_malformed_tf_config_is_one_clear_error(text, words):
+    with pytest.raises(ConfigError, match=words):
+        parse_tf_config(text)
+
+
+def test_unset_tf_config_is_none():
+    assert parse_tf_config(None) is None and parse_tf_config("") is None
+
+
+def test_addresses():
+    assert parse_address("h") == "h:2222"
+    assert parse_address(" h:99 ") == "h:99"
+    with pytest.raises(ConfigError, match="--ps"):
+        parse_address("h:0")
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(mode="bsp"), "--mode"), (dict(shard=2, num_shards=2), "--shard"),
+    (dict(port=70000), "--port"), (dict(step_timeout=0), "--step-timeout")])
+def test_server_config_validation(kw, flag):
+    with pytest.raises(ConfigError, match=flag):
+        ServerConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(rank=3, num_workers=3), "--rank"), (dict(batch_size=0), "--batch-size"),
+    (dict(epochs=0), "--epochs"), (dict(ps=()), "--ps")])
+def test_worker_config_validation(kw, flag):
+    with pytest.raises(ConfigError, match=flag):
+        WorkerConfig(**kw)

@@ -1,0 +1,431 @@
+"""pserver.data on real files: the shared MNIST, IDX and .npz files written here, a local HTTP mirror."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import http.server
+import os
+import shutil
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pserver.data import (MNIST_FILES, MNIST_MIRRORS_ENV, Dataset, describe, epoch_indices,
+                          iterate_batches, load_dataset, steps_per_epoch)
+from pserver.errors import ConfigError, DataError
+
+MNIST_DIR = "/work/shared/datasets/mnist"
+# Label counts of the original MNIST, as published.
+TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+needs_mnist = pytest.mark.skipif(not os.path.isdir(MNIST_DIR), reason=f"no MNIST in {MNIST_DIR}")
+
+
+def one_line(err: pytest.ExceptionInfo) -> str:
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------- real MNIST
+
+@pytest.fixture(scope="module")
+def mnist() -> Dataset:
+    return load_dataset("mnist", data_dir=MNIST_DIR)
+
+
+@needs_mnist
+def test_mnist_loads_with_the_published_shapes_and_label_counts(mnist):
+    assert (mnist.name, mnist.task, mnist.num_classes, mnist.features) == ("mnist", "classification", 10, 784)
+    assert mnist.x_train.shape == (60000, 784) and mnist.x_test.shape == (10000, 784)
+    for x, y in ((mnist.x_train, mnist.y_train), (mnist.x_test, mnist.y_test)):
+        assert x.dtype == np.float32 and x.flags.c_contiguous and y.dtype == np.int32
+        assert x.min() == 0.0 and x.max() == 1.0
+    assert np.bincount(mnist.y_train).tolist() == TRAIN_COUNTS
+    assert np.bincount(mnist.y_test).tolist() == TEST_COUNTS
+    assert mnist.y_train[:10].tolist() == [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
+    # pixels / 255 exactly: every value is one of the 256 levels.
+    assert np.isin(np.unique(mnist.x_test), np.arange(256, dtype=np.float32) / np.float32(255)).all()
+    assert describe(mnist) == "dataset mnist: 60000 train / 10000 test samples, 784 features, 10 classes"
+
+
+@needs_mnist
+def test_mnist_uncompressed_copy_parses_identically(mnist, tmp_path):
+    for name in MNIST_FILES:
+        with gzip.open(os.path.join(MNIST_DIR, name + ".gz"), "rb") as src:
+            (tmp_path / name).write_bytes(src.read())
+    raw = load_dataset("mnist", data_dir=str(tmp_path))
+    for field in ("x_train", "y_train", "x_test", "y_test"):
+        assert np.array_equal(getattr(raw, field), getattr(mnist, field)), field
+
+
+def test_mnist_as_regression_targets(tmp_path):
+    small = write_small_mnist(tmp_path)
+    ds = load_dataset("mnist", data_dir=str(small), task="regression")
+    assert ds.num_classes == 0 and ds.task == "regression" and ds.y_train.dtype == np.float32
+
+
+# ---------------------------------------------------------------- IDX parsing on small files
+
+def idx(magic: int, dims: tuple[int, ...], payload: bytes) -> bytes:
+    return struct.pack(f">I{len(dims)}I", magic, *dims) + payload
+
+
+def small_mnist_files(n_train=30, n_test=10, side=4) -> dict[str, bytes]:
+    rng = np.random.default_rng(0)
+    files = {}
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        pixels = rng.integers(0, 256, (n, side, side), dtype=np.uint8)
+        files[f"{prefix}-images-idx3-ubyte"] = idx(2051, (n, side, side), pixels.tobytes())
+        files[f"{prefix}-labels-idx1-ubyte"] = idx(2049, (n,), (np.arange(n) % 10).astype(np.uint8).tobytes())
+    return files
+
+
+def write_small_mnist(root, files=None, gz=("train-images-idx3-ubyte",)):
+    """Writes the files (by default a valid tiny set), gzipping those named in `gz`."""
+    for name, data in (files or small_mnist_files()).items():
+        if name in gz:
+            (root / (name + ".gz")).write_bytes(gzip.compress(data))
+        else:
+            (root / name).write_bytes(data)
+    return root
+
+
+def test_small_idx_set_loads_with_any_image_size_and_mixed_compression(tmp_path):
+    ds = load_dataset("mnist", data_dir=str(write_small_mnist(tmp_path)))
+    assert ds.x_train.shape == (30, 16) and ds.x_test.shape == (10, 16)
+    pixels = np.frombuffer(small_mnist_files()["train-images-idx3-ubyte"][16:], np.uint8)
+    assert np.array_equal(ds.x_train.ravel(), pixels.astype(np.float32) / 255)
+    assert ds.y_train.tolist() == [i % 10 for i in range(30)]
+
+
+# case -> (file, how it is damaged, what the message says)
+MALFORMED = {
+    "bad magic": ("train-images-idx3-ubyte", lambda b: struct.pack(">I", 2049) + b[4:], "magic number"),
+    "truncated data": ("t10k-images-idx3-ubyte", lambda b: b[:-5], "truncated"),
+    "trailing bytes": ("t10k-labels-idx1-ubyte", lambda b: b + b"\0", "trailing bytes"),
+    "short header": ("train-labels-idx1-ubyte", lambda b: b"\0\0\x08", "header"),
+    "wrong count": ("train-labels-idx1-ubyte", lambda b: idx(2049, (29,), bytes(29)), "29 labels"),
+    "label above 9": ("t10k-labels-idx1-ubyte", lambda b: idx(2049, (10,), bytes([12] * 10)), "label 12"),
+    "image size differs": ("t10k-images-idx3-ubyte", lambda b: idx(2051, (10, 5, 5), bytes(250)), "25 pixels"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_idx_names_the_file(tmp_path, case):
+    culprit, damage, expected = MALFORMED[case]
+    files = small_mnist_files()
+    files[culprit] = damage(files[culprit])
+    write_small_mnist(tmp_path, files, gz=())
+    with pytest.raises(DataError) as err:
+        load_dataset("mnist", data_dir=str(tmp_path))
+    assert culprit in one_line(err) and expected in str(err.value)
+
+
+@pytest.mark.parametrize("damage", [lambda gz: gz[:len(gz) // 2], lambda gz: b"not gzip at all"])
+def test_broken_gzip_names_the_file(tmp_path, damage):
+    write_small_mnist(tmp_path)
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(DataError) as err:
+        load_dataset("mnist", data_dir=str(tmp_path))
+    assert str(path) in one_line(err) and "cannot read" in str(err.value)
+
+
+# ---------------------------------------------------------------- missing MNIST and downloads
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/"
+
+
+@pytest.fixture
+def mirror(tmp_path_factory):
+    """A real HTTP server on port 0 serving a directory; yields (directory, base URL)."""
+    root = tmp_path_factory.mktemp("mirror")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}/mnist"
+    server.shutdown()
+    server.server_close()
+
+
+@needs_mnist
+def test_missing_files_are_downloaded_checked_and_used(tmp_path, mirror, monkeypatch):
+    served, url = mirror
+    shutil.copytree(MNIST_DIR, served / "mnist")
+    monkeypatch.setenv(MNIST_MIRRORS_ENV, f"{closed_port_url()},{url}")  # the first mirror is down
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(os.path.join(MNIST_DIR, "t10k-labels-idx1-ubyte.gz"), data)  # one already there
+    ds = load_dataset("mnist", data_dir=str(data))
+    assert ds.num_train == 60000 and np.bincount(ds.y_test).tolist() == TEST_COUNTS
+    assert sorted(os.listdir(data)) == sorted(name + ".gz" for name in MNIST_FILES)  # no .part left
+    for name, (size, sha256) in MNIST_FILES.items():
+        assert hashlib.sha256((data / (name + ".gz")).read_bytes()).hexdigest() == sha256
+
+
+def test_download_with_a_wrong_checksum_is_deleted(tmp_path, mirror, monkeypatch):
+    served, url = mirror
+    (served / "mnist").mkdir()
+    (served / "mnist" / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(b"not mnist"))
+    monkeypatch.setenv(MNIST_MIRRORS_ENV, url)
+    data = tmp_path / "data"
+    data.mkdir()
+    with pytest.raises(DataError) as err:
+        load_dataset("mnist", data_dir=str(data))
+    assert "sha256" in one_line(err) and "train-images-idx3-ubyte.gz" in str(err.value)
+    assert os.listdir(data) == []
+
+
+def test_missing_files_fail_in_one_line_naming_the_dir_and_files(tmp_path, monkeypatch):
+    monkeypatch.setenv(MNIST_MIRRORS_ENV, closed_port_url())
+    write_small_mnist(tmp_path)
+    os.remove(tmp_path / "t10k-labels-idx1-ubyte")
+    with pytest.raises(DataError) as err:
+        load_dataset("mnist", data_dir=str(tmp_path))
+    message = one_line(err)
+    assert str(tmp_path) in message and "t10k-labels-idx1-ubyte" in message and "download failed" in message
+    assert "train-images" not in message  # only what is missing
+
+
+def test_missing_files_with_the_real_mirrors_fail_fast_or_download(tmp_path, monkeypatch):
+    monkeypatch.delenv(MNIST_MIRRORS_ENV, raising=False)
+    start = time.monotonic()
+    try:
+        ds = load_dataset("mnist", data_dir=str(tmp_path))
+    except DataError as err:  # no internet (the usual case here): it must say so quickly
+        assert time.monotonic() - start < 30
+        message = str(err)
+        assert "\n" not in message and str(tmp_path) in message and "download failed" in message
+        assert all(name in message for name in MNIST_FILES)
+    else:  # a machine with internet: the files came and passed their checksums
+        assert ds.num_train == 60000
+
+
+def test_mnist_directory_problems(tmp_path):
+    with pytest.raises(DataError) as err:
+        load_dataset("mnist", data_dir=str(tmp_path / "typo"))
+    assert str(tmp_path / "typo") in one_line(err) and "does not exist" in str(err.value)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DataError, match="not a directory"):
+        load_dataset("mnist", data_dir=str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match="--data-dir"):
+        load_dataset("mnist")
+
+
+# ---------------------------------------------------------------- epochs, ranks, batches
+
+@settings(max_examples=150, deadline=None)
+@given(num_train=st.integers(0, 3000), num_workers=st.integers(1, 40),
+       seed=st.integers(0, 2**40), epoch=st.integers(0, 10_000))
+def test_epoch_indices_partition_one_permutation(num_train, num_workers, seed, epoch):
+    per = num_train // num_workers
+    blocks = [epoch_indices(num_train, r, num_workers, seed, epoch) for r in range(num_workers)]
+    joined = np.concatenate(blocks)
+    assert all(len(b) == per for b in blocks)
+    assert len(np.unique(joined)) == len(joined)  # pairwise disjoint
+    assert ((joined >= 0) & (joined < num_train)).all()
+    assert np.array_equal(epoch_indices(num_train, num_workers - 1, num_workers, seed, epoch), blocks[-1])
+    if len(joined) >= 20:  # two orders of 20+ items agree by chance with probability < 1/20!
+        following = [epoch_indices(num_train, r, num_workers, seed, epoch + 1) for r in range(num_workers)]
+        assert not np.array_equal(np.concatenate(following), joined)
+
+
+def test_epoch_indices_rejects_a_bad_rank_or_cluster():
+    with pytest.raises(ConfigError, match="--rank"):
+        epoch_indices(100, 4, 4, 0, 0)
+    with pytest.raises(ConfigError, match="--rank"):
+        epoch_indices(100, -1, 4, 0, 0)
+    with pytest.raises(ConfigError, match="--num-workers"):
+        epoch_indices(100, 0, 0, 0, 0)
+    with pytest.raises(ConfigError, match="--seed"):
+        epoch_indices(100, 0, 1, -1, 0)
+
+
+def test_steps_per_epoch():
+    assert steps_per_epoch(60000, 4, 32) == 15000 // 32
+    assert steps_per_epoch(10, 3, 3) == 1
+    with pytest.raises(ConfigError, match="--batch-size") as err:
+        steps_per_epoch(100, 4, 26)
+    assert "25" in one_line(err)
+    with pytest.raises(ConfigError, match="--batch-size"):
+        steps_per_epoch(100, 4, 0)
+
+
+def test_iterate_batches_yields_full_batches_of_the_ranks_block():
+    ds = load_dataset("synthetic", samples=1003, test_samples=10, features=7, classes=3)
+    seen = []
+    for rank in range(3):
+        batches = list(iterate_batches(ds, rank, 3, 40, seed=5, epoch=2))
+        assert len(batches) == steps_per_epoch(1003, 3, 40) == 8
+        for x, y in batches:
+            assert x.shape == (40, 7) and x.dtype == np.float32 and x.flags.c_contiguous
+            assert y.shape == (40,) and y.dtype == np.int32
+        order = epoch_indices(1003, rank, 3, 5, 2)[:8 * 40]
+        assert np.array_equal(np.concatenate([x for x, _ in batches]), ds.x_train[order])
+        assert np.array_equal(np.concatenate([y for _, y in batches]), ds.y_train[order])
+        seen.append(order)
+    assert len(np.unique(np.concatenate(seen))) == 3 * 8 * 40
+    with pytest.raises(ConfigError, match="--batch-size"):
+        iterate_batches(ds, 0, 3, 335, seed=5, epoch=0)  # raises at the call, not at the first next()
+
+
+# ---------------------------------------------------------------- synthetic
+
+def logreg_accuracy(ds: Dataset, epochs: int, lr=0.1, batch=32) -> float:
+    """Plain minibatch-SGD softmax regression, written out independently of pserver's kernels."""
+    w = np.zeros((ds.features, ds.num_classes), np.float32)
+    b = np.zeros(ds.num_classes, np.float32)
+    rng = np.random.default_rng(0)
+    for _ in range(epochs):
+        order = rng.permutation(ds.num_train)
+        for i in range(0, ds.num_train - batch + 1, batch):
+            x, y = ds.x_train[order[i:i + batch]], ds.y_train[order[i:i + batch]]
+            z = x @ w + b
+            p = np.exp(z - z.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            p[np.arange(batch), y] -= 1  # d(cross-entropy)/dz
+            w -= lr * x.T @ p / batch
+            b -= lr * p.mean(axis=0)
+    return float(((ds.x_test @ w + b).argmax(axis=1) == ds.y_test).mean())
+
+
+def test_synthetic_is_learnable_but_not_trivial():
+    ds = load_dataset("synthetic", seed=3, samples=4000, test_samples=1000, features=50, classes=10)
+    assert 0.9 < logreg_accuracy(ds, epochs=3) < 1.0
+
+
+def test_synthetic_is_deterministic_in_seed():
+    kw = dict(samples=500, test_samples=100, features=20, classes=4)
+    a, b, c = (load_dataset("synthetic", seed=s, **kw) for s in (1, 1, 2))
+    for field in ("x_train", "y_train", "x_test", "y_test"):
+        assert np.array_equal(getattr(a, field), getattr(b, field))
+        assert not np.array_equal(getattr(a, field), getattr(c, field))
+    # The test set does not depend on how many training samples were asked for.
+    d = load_dataset("synthetic", seed=1, **{**kw, "samples": 77})
+    assert np.array_equal(d.x_test, a.x_test) and np.array_equal(d.y_test, a.y_test)
+    assert a.x_train.shape == (500, 20) and a.x_train.dtype == np.float32 and a.x_train.flags.c_contiguous
+    assert a.y_train.dtype == np.int32 and set(np.unique(a.y_train)) == {0, 1, 2, 3} and a.num_classes == 4
+
+
+def test_synthetic_regression_is_a_noisy_linear_task():
+    ds = load_dataset("synthetic", task="regression", samples=2000, test_samples=500, features=30)
+    assert ds.num_classes == 0 and ds.task == "regression"
+    assert describe(ds).endswith("30 features, regression")
+    assert ds.y_train.dtype == ds.y_test.dtype == np.float32
+    design = np.hstack([ds.x_train, np.ones((ds.num_train, 1), np.float32)])
+    coef = np.linalg.lstsq(design, ds.y_train, rcond=None)[0]
+    pred = ds.x_test @ coef[:-1] + coef[-1]
+    r2 = 1 - np.mean((pred - ds.y_test) ** 2) / np.var(ds.y_test)
+    assert 0.95 < r2 < 1.0
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"samples": 0}, "--samples"), ({"test_samples": 0}, "--test-samples"), ({"features": 0}, "--features"),
+    ({"classes": 1}, "--classes"), ({"seed": -1}, "--seed"), ({"task": "ranking"}, "--task")])
+def test_synthetic_rejects_bad_options(kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        load_dataset("synthetic", **kwargs)
+
+
+def test_unknown_dataset():
+    with pytest.raises(ConfigError) as err:
+        load_dataset("cifar")
+    assert str(err.value) == ("--dataset: unknown dataset 'cifar'; choose synthetic, mnist "
+                              "or a path to a .npz file")
+
+
+# ---------------------------------------------------------------- .npz
+
+def test_npz_round_trip_with_test_arrays(tmp_path):
+    rng = np.random.default_rng(0)
+    x, x_test = rng.random((50, 2, 3)), rng.random((20, 2, 3))  # float64, N-D: flattened to 6 features
+    y, y_test = rng.integers(0, 4, 50).astype(np.uint8), np.full(20, 6)
+    path = str(tmp_path / "d.npz")
+    np.savez(path, x=x, y=y, x_test=x_test, y_test=y_test)
+    ds = load_dataset(path)
+    assert (ds.name, ds.num_classes, ds.features, ds.num_train, ds.num_test) == (path, 7, 6, 50, 20)
+    assert np.array_equal(ds.x_train, x.reshape(50, 6).astype(np.float32)) and ds.x_train.flags.c_contiguous
+    assert np.array_equal(ds.y_train, y) and ds.y_train.dtype == np.int32
+    assert np.array_equal(ds.x_test, x_test.reshape(20, 6).astype(np.float32))
+    reg = load_dataset(path, task="regression")
+    assert reg.num_classes == 0 and np.array_equal(reg.y_test, np.full(20, 6.0, np.float32))
+
+
+def test_npz_without_test_arrays_holds_out_a_seeded_tenth(tmp_path):
+    x = np.arange(100, dtype=np.float32).reshape(50, 2)
+    y = np.linspace(-1, 1, 50)  # float targets: regression
+    path = str(tmp_path / "d.npz")
+    np.savez_compressed(path, x=x, y=y)
+    ds = load_dataset(path, seed=4)
+    assert ds.task == "regression" and (ds.num_train, ds.num_test) == (45, 5)
+    rows = np.concatenate([ds.x_train[:, 0], ds.x_test[:, 0]]) // 2
+    assert sorted(rows.astype(int).tolist()) == list(range(50))  # every sample exactly once
+    assert np.array_equal(ds.y_test, y[(ds.x_test[:, 0] // 2).astype(int)].astype(np.float32))
+    assert np.array_equal(load_dataset(path, seed=4).x_test, ds.x_test)
+    assert not np.array_equal(load_dataset(path, seed=5).x_test, ds.x_test)
+
+
+def _good():
+    return {"x": np.ones((10, 3)), "y": np.arange(10) % 2}
+
+
+NPZ_ERRORS = {
+    "no x": ({"y": np.arange(3)}, "'x'"),
+    "no y": ({"x": np.ones((3, 2))}, "'y'"),
+    "x_test without y_test": ({**_good(), "x_test": np.ones((2, 3))}, "'y_test'"),
+    "y length": ({"x": np.ones((10, 3)), "y": np.arange(9)}, "y has shape (9,)"),
+    "y_test length": ({**_good(), "x_test": np.ones((4, 3)), "y_test": np.arange(3)}, "y_test"),
+    "x_test features": ({**_good(), "x_test": np.ones((4, 2)), "y_test": np.arange(4)},
+                        "x_test has 2 features"),
+    "NaN in x": ({**_good(), "x": np.where(np.eye(10, 3) > 0, np.nan, 1.0)}, "x has 3 non-finite"),
+    "Inf in y": ({"x": np.ones((10, 3)), "y": np.r_[np.ones(9), np.inf]}, "y has 1 non-finite"),
+    "too big for float32": ({**_good(), "x": np.full((10, 3), 1e300)}, "non-finite"),
+    "negative label": ({"x": np.ones((3, 2)), "y": np.array([0, -1, 1])}, "y[1] = -1"),
+    "1-D x": ({"x": np.ones(10), "y": np.arange(10)}, "x has shape (10,)"),
+    "empty x": ({"x": np.ones((0, 3)), "y": np.arange(0)}, "x has shape (0, 3)"),
+    "string x": ({"x": np.array([["a", "b"]]), "y": np.arange(1)}, "x has dtype <U1"),
+    "2-D y": ({"x": np.ones((4, 2)), "y": np.ones((4, 1))}, "y has shape (4, 1)"),
+    "one class": ({"x": np.ones((4, 2)), "y": np.zeros(4, int)}, "at least 2 classes"),
+    "mixed label kinds": ({**_good(), "x_test": np.ones((2, 3)), "y_test": np.ones(2)}, "y_test is float64"),
+    "one sample": ({"x": np.ones((1, 3)), "y": np.arange(1)}, "x has 1 sample"),
+    "object array": ({**_good(), "x": np.array([{}, {}], dtype=object)}, "'x' is unreadable"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NPZ_ERRORS))
+def test_npz_errors_name_the_file_and_key(tmp_path, case):
+    arrays, expected = NPZ_ERRORS[case]
+    path = str(tmp_path / "bad.npz")
+    np.savez(path, **arrays)
+    with pytest.raises(DataError) as err:
+        load_dataset(path)
+    assert path in one_line(err) and expected in str(err.value)
+
+
+def test_npz_file_problems(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_dataset(str(tmp_path / "missing.npz"))
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"this is not a zip archive")
+    with pytest.raises(DataError, match="not a readable .npz") as err:
+        load_dataset(str(garbage))
+    one_line(err)
+    single = tmp_path / "single.npz"
+    with open(single, "wb") as f:
+        np.save(f, np.ones(3))
+    with pytest.raises(DataError, match="single .npy array"):
+        load_dataset(str(single))
