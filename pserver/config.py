@@ -6,10 +6,12 @@ The CLI builds these; everything below the CLI takes a config object, never argv
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from pserver.errors import ConfigError
 
+HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")   # name, IPv4 or [IPv6]
 DEFAULT_PORT = 2222            # TensorFlow's default, so TF_CONFIG addresses without a port work
 MODES = ("sync", "backup", "async", "ssp")
 
@@ -52,6 +54,15 @@ class ServerConfig:
             raise ConfigError(f"--threads: must be at least 4, got {self.threads}")
         if self.backup_workers < 0 or self.staleness < 0:
             raise ConfigError("--backup-workers and --staleness must be >= 0")
+        if self.mode == "backup" and self.backup_workers < 1:
+            raise ConfigError("--backup-workers: mode backup needs at least 1 backup worker")
+        if self.num_workers and self.backup_workers >= self.num_workers:
+            raise ConfigError(f"--backup-workers: {self.backup_workers} must be below the "
+                              f"number of workers ({self.num_workers})")
+        from pserver.optim import make_optimizer   # builds no kernel: only checks the values
+        make_optimizer(self.optimizer, 1, lr=self.lr, schedule=self.lr_schedule,
+                       momentum=self.momentum, nesterov=self.nesterov, beta1=self.beta1,
+                       beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay)
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,9 @@ class WorkerConfig:
             raise ConfigError(f"--batch-size: must be >= 1, got {self.batch_size}")
         if self.epochs < 1:
             raise ConfigError(f"--epochs: must be >= 1, got {self.epochs}")
+        if self.delay:
+            from pserver.stragglers import parse_delay
+            parse_delay(self.delay)
         if self.device != "cpu":
             raise ConfigError(f"--device: '{self.device}' is not available in this build; use cpu")
 
@@ -117,7 +131,7 @@ def parse_address(addr: str, what: str = "--ps") -> str:
     host, sep, port = addr.rpartition(":")
     if not sep:
         host, port = addr, str(DEFAULT_PORT)
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not HOST.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{what}: '{addr}' is not an address of the form host:port")
     return f"{host}:{int(port)}"
 

@@ -38,6 +38,7 @@ def test_same_api_and_compiled(name):
     assert inspect.signature(compiled.py_func) == inspect.signature(twin)
     opts = compiled.targetoptions
     assert opts.get("nogil") and not opts.get("parallel")
+    assert type(compiled._cache).__name__ == "FunctionCache"   # cache=True
 
 
 def test_get_backend():
@@ -186,7 +187,7 @@ def test_products_at_mlp_size():
     # blocked paths rather than the small-matrix ones the hypothesis shapes hit.
     rng = np.random.default_rng(0)
     x, W, dz = f32(rng, 64, 784), f32(rng, 784, 256), f32(rng, 64, 256)
-    got = [np.empty((784, 256), np.float32), np.empty(256, np.float32), np.empty((64, 784), np.float32)]
+    got = [np.empty(s, np.float32) for s in ((784, 256), (256,), (64, 784))]
     cpu.dense_backward(x, W, dz, *got, False)
     x64, W64, dz64 = (a.astype(np.float64) for a in (x, W, dz))
     np.testing.assert_allclose(got[0], x64.T @ dz64, rtol=1e-4, atol=1e-3)

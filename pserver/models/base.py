@@ -90,8 +90,10 @@ class DenseModel(Model):
 
     def loss_and_grad(self, w, x, y, grad_out):
         x, y = self._check_batch(w, x, y)
-        if grad_out.dtype != w.dtype:
-            raise ValueError(f"grad_out is {grad_out.dtype}, w is {w.dtype}")
+        # A strided grad_out would make layout.views copy, and the gradient would be lost.
+        if grad_out.dtype != w.dtype or not grad_out.flags.c_contiguous:
+            raise ValueError(f"grad_out must be a C-contiguous {w.dtype} vector, "
+                             f"got {grad_out.dtype} with strides {grad_out.strides}")
         params, grads = self.layout.views(w), self.layout.views(grad_out)
         acts, deltas = self._buffers(x.shape[0], w.dtype)
         self._forward(params, x, acts)
@@ -141,7 +143,8 @@ class DenseModel(Model):
             raise ValueError(f"w has shape {w.shape} and dtype {w.dtype}; "
                              f"{self.name} needs float ({self.layout.total},)")
         if x.ndim != 2 or x.shape[1] != self.in_features or x.shape[0] == 0:
-            raise ValueError(f"x has shape {x.shape}; {self.name} needs (n >= 1, {self.in_features})")
+            raise ValueError(f"x has shape {x.shape}; {self.name} needs "
+                             f"(n >= 1, {self.in_features})")
         if y.shape != (x.shape[0],):
             raise ValueError(f"y has shape {y.shape}; x has {x.shape[0]} rows")
         ydtype = np.int32 if self.task == "classification" else w.dtype

@@ -7,19 +7,13 @@ workers, and what arrives after the step completed is answered dropped_late and 
 
 from __future__ import annotations
 
-from pserver.errors import ConfigError, FailedPrecondition
+from pserver.errors import FailedPrecondition
 from pserver.modes.base import Outcome
 from pserver.modes.sync import SyncPolicy
 
 
 class BackupPolicy(SyncPolicy):
     name = "backup"
-
-    def __init__(self, store, cfg) -> None:
-        super().__init__(store, cfg)
-        if cfg.backup_workers < 1:
-            raise ConfigError("--backup-workers: mode backup needs b >= 1 "
-                              f"(got {cfg.backup_workers}); use --mode sync for b = 0")
 
     def join(self, rank, num_workers):
         if self.cfg.backup_workers >= num_workers:

@@ -1,0 +1,61 @@
+"""A user's mistake: one clear line on stderr, a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import LOGREG, run
+
+pytestmark = pytest.mark.e2e
+
+
+def one_clear_line(r, *words):
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_unreachable_ps():
+    r = run("worker", "--ps", "127.0.0.1:1", "--connect-timeout", "1", *LOGREG)
+    one_clear_line(r, "127.0.0.1:1", "no answer")
+
+
+def test_missing_data_dir(tmp_path):
+    r = run("worker", "--ps", "127.0.0.1:1", "--dataset", "mnist", "--data-dir", str(tmp_path / "nope"))
+    one_clear_line(r, "nope")
+
+
+def test_malformed_tf_config():
+    r = run("worker", env={"TF_CONFIG": "{oops"})
+    one_clear_line(r, "TF_CONFIG", "JSON")
+    r = run("serve", "--port", "0", env={"TF_CONFIG": '{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 4}}'})
+    one_clear_line(r, "TF_CONFIG")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["worker", "--ps", "127.0.0.1:2222", "--rank", "5", "--num-workers", "2"], "--rank"),
+    (["worker", "--ps", "not an address"], "--ps"),
+    (["serve", "--shard", "3", "--num-shards", "2"], "--shard"),
+    (["launch", "--optimizer", "sgd", "--lr", "-1", "--workers", "1"], "--lr"),
+    (["launch", "--delay", "gamma:1", "--workers", "1"], "--delay"),
+])
+def test_bad_flags(args, words):
+    one_clear_line(run(*args), words)
+
+
+def test_launch_names_the_failing_process(tmp_path):
+    r = run("launch", "--ps", "1", "--workers", "2", "--dataset", "mnist", "--data-dir", str(tmp_path),
+            timeout=120)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "exited with code" in r.stderr and "worker" in r.stderr, r.stderr
+
+
+def test_help_explains_every_command():
+    for cmd in ("serve", "worker", "launch", "status"):
+        r = run(cmd, "--help")
+        assert r.returncode == 0 and "Example" in r.stdout
+    assert "Consistency modes" in run("--help").stdout

@@ -1,0 +1,75 @@
+"""Real shard and worker processes train a model end to end."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.e2e.conftest import LOGREG, read_json, run
+
+pytestmark = pytest.mark.e2e
+
+SUMMARY_KEYS = {"mode", "num_shards", "num_workers", "dataset", "model", "optimizer", "batch_size",
+                "epochs", "steps", "test_accuracy", "test_loss", "wall_seconds",
+                "train_samples_per_second", "updates_applied", "pushes_rejected",
+                "pushes_dropped_late", "staleness_mean", "staleness_max"}
+
+
+def test_serve_and_worker_processes_train_logreg(procs, tmp_path):
+    shard = procs("serve", "--port", "0", "--num-workers", "2", "--optimizer", "sgd", "--lr", "0.1")
+    addr = shard.address()
+    summary = tmp_path / "summary.json"
+    chief = procs("worker", "--ps", addr, "--rank", "0", "--num-workers", "2", *LOGREG,
+                  "--summary-json", str(summary))
+    other = procs("worker", "--ps", addr, "--rank", "1", "--num-workers", "2", *LOGREG)
+    assert chief.wait() == 0, chief.output
+    assert other.wait() == 0, other.output
+    s = read_json(summary)
+    assert s["test_accuracy"] >= 0.9, s
+    assert s["steps"] == s["updates_applied"] == 2 * (6000 // 2 // 32)   # 2 epochs of 93 steps
+    assert s["pushes_aggregated"] == 2 * s["steps"] and s["pushes_rejected"] == 0
+    assert "epoch 2/2 done" in chief.output and "samples/s" in other.output
+    status = run("status", "--ps", addr)
+    assert status.returncode == 0, status.stderr
+    assert "version" in status.stdout and str(s["steps"]) in status.stdout
+    shard.stop()
+    assert shard.popen.returncode == 0 and "stopped at version" in shard.output
+
+
+def test_launch_two_shards_three_workers(tmp_path):
+    summary = tmp_path / "s.json"
+    r = run("launch", "--ps", "2", "--workers", "3", *LOGREG, "--optimizer", "sgd", "--lr", "0.1",
+            "--summary-json", str(summary))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    s = read_json(summary)
+    assert SUMMARY_KEYS <= s.keys()
+    assert s["test_accuracy"] >= 0.9
+    assert (s["mode"], s["num_shards"], s["num_workers"], s["model"]) == ("sync", 2, 3, "logreg")
+    for role in ("[ps0]", "[ps1]", "[worker0]", "[worker1]", "[worker2]"):
+        assert role in r.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tf_config_alone_configures_shard_and_workers(procs, tmp_path):
+    ps = f"127.0.0.1:{free_port()}"
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": [ps]}
+
+    def tf_config(kind, index):
+        return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})}
+
+    shard = procs("serve", "--optimizer", "sgd", "--lr", "0.1", env=tf_config("ps", 0))
+    assert shard.address() == ps
+    summary = tmp_path / "s.json"
+    chief = procs("worker", *LOGREG, "--summary-json", str(summary), env=tf_config("chief", 0))
+    worker = procs("worker", *LOGREG, env=tf_config("worker", 0))
+    assert chief.wait() == 0 and worker.wait() == 0, chief.output + worker.output
+    s = read_json(summary)
+    assert s["num_workers"] == 2 and s["test_accuracy"] >= 0.9
+    assert "rank 1/2" in worker.output

@@ -1,0 +1,256 @@
+"""Models: gradients against finite differences, cpu against reference, layouts, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from pserver.errors import ConfigError
+from pserver.models import MODELS, Layout, Model, make_model
+from pserver.optim import make_optimizer
+
+# Small sizes with distinct widths, so a transposed gradient has the wrong shape or values.
+IN, CLASSES, HIDDEN = 5, 3, (4, 6)
+
+
+def small(name, backend="reference"):
+    return make_model(name, IN, CLASSES, hidden=HIDDEN, backend=backend)
+
+
+def batch(model, n, rng, dtype=np.float32):
+    x = rng.standard_normal((n, model.in_features)).astype(dtype)
+    if model.task == "classification":
+        return x, rng.integers(0, model.num_classes, n).astype(np.int32)
+    return x, rng.standard_normal(n).astype(dtype)
+
+
+def random_params(model, rng, dtype=np.float32):
+    # Nonzero biases too, so that bias gradients and ReLU masks are exercised.
+    return (rng.standard_normal(model.layout.total) * 0.7).astype(dtype)
+
+
+# -- gradients --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("n", [1, 7])
+def test_gradient_matches_central_differences(name, n):
+    """Every coordinate, in float64 through the reference kernels: a missing 1/n, a
+    transposed weight gradient or a wrong ReLU mask all fail this by far more than the tolerance."""
+    model, rng = small(name), np.random.default_rng(n)
+    w = random_params(model, rng, np.float64)
+    x, y = batch(model, n, rng, np.float64)
+    grad = np.full_like(w, np.nan)
+    loss = model.loss_and_grad(w, x, y, grad)
+    eps, fd = 1e-6, np.empty_like(w)
+    for j in range(w.size):
+        wp, wm = w.copy(), w.copy()
+        wp[j] += eps
+        wm[j] -= eps
+        fd[j] = (model.loss_and_grad(wp, x, y, np.empty_like(w))
+                 - model.loss_and_grad(wm, x, y, np.empty_like(w))) / (2 * eps)
+    assert np.isfinite(loss)
+    np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gradient_float32_cpu_spot_check(name):
+    """The numba path on its own, in float32, on a few coordinates of a mid-size model."""
+    model = make_model(name, 20, 4, hidden=(16, 8), backend="cpu")
+    rng = np.random.default_rng(3)
+    w, (x, y) = random_params(model, rng), batch(model, 16, rng)
+    grad = np.empty_like(w)
+    model.loss_and_grad(w, x, y, grad)
+    eps = 1e-3  # big enough to beat float32 rounding, small enough to rarely cross a ReLU kink
+    for j in rng.choice(w.size, 8, replace=False):
+        wp, wm = w.copy(), w.copy()
+        wp[j] += eps
+        wm[j] -= eps
+        fd = (model.loss_and_grad(wp, x, y, np.empty_like(w))
+              - model.loss_and_grad(wm, x, y, np.empty_like(w))) / (2 * eps)
+        assert grad[j] == pytest.approx(fd, rel=1e-2, abs=1e-3), j
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("n", [1, 33])
+def test_cpu_equals_reference(name, n):
+    cpu_m, ref_m = small(name, "cpu"), small(name, "reference")
+    rng = np.random.default_rng(n)
+    w, (x, y) = random_params(cpu_m, rng), batch(cpu_m, n, rng)
+    g_c, g_r = np.full_like(w, np.nan), np.full_like(w, np.nan)
+    loss_c, loss_r = cpu_m.loss_and_grad(w, x, y, g_c), ref_m.loss_and_grad(w, x, y, g_r)
+    assert loss_c == pytest.approx(loss_r, rel=1e-5)
+    np.testing.assert_allclose(g_c, g_r, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_is_written_in_place_and_buffers_are_reused():
+    model, rng = small("mlp", "cpu"), np.random.default_rng(0)
+    w = model.init_params(0)
+    x1, y1 = batch(model, 8, rng)
+    x2, y2 = batch(model, 8, rng)
+    g1, g2, again = (np.full_like(w, np.nan) for _ in range(3))
+    model.loss_and_grad(w, x1, y1, g1)
+    model.loss_and_grad(w, x2, y2, g2)   # same batch size: the same buffers, reused
+    model.loss_and_grad(w, x1, y1, again)
+    assert np.isfinite(g1).all() and not np.array_equal(g1, g2)
+    np.testing.assert_array_equal(g1, again)
+
+
+def test_threads_do_not_share_buffers():
+    model, rng = small("mlp", "cpu"), np.random.default_rng(1)
+    w = model.init_params(1)
+    batches = [batch(model, 16, rng) for _ in range(4)]
+    want = []
+    for x, y in batches:
+        want.append(np.empty_like(w))
+        model.loss_and_grad(w, x, y, want[-1])
+    got = [np.empty_like(w) for _ in batches]
+
+    def run(i):
+        for _ in range(50):
+            model.loss_and_grad(w, *batches[i], got[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for g, h in zip(got, want):
+        np.testing.assert_array_equal(g, h)
+
+
+# -- layouts and init -------------------------------------------------------------------------
+
+def test_layouts():
+    mlp = make_model("mlp", 784, 10)
+    assert [(t.name, t.shape) for t in mlp.layout.tensors] == [
+        ("w0", (784, 256)), ("b0", (256,)), ("w1", (256, 256)), ("b1", (256,)),
+        ("w2", (256, 10)), ("b2", (10,))]
+    assert mlp.layout.total == 784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
+    assert (mlp.task, mlp.num_classes, mlp.in_features) == ("classification", 10, 784)
+    logreg = make_model("logreg", 7, 3)
+    assert logreg.layout == Layout.of([("w0", (7, 3)), ("b0", (3,))])
+    linreg = make_model("linreg", 7, 99)
+    assert linreg.layout == Layout.of([("w0", (7, 1)), ("b0", (1,))])
+    assert (linreg.task, linreg.num_classes) == ("regression", 0)
+    assert all(isinstance(m, Model) for m in (mlp, logreg, linreg))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_init_params_deterministic(name):
+    model = make_model(name, 784, 10)
+    a, b, c = model.init_params(7), model.init_params(7), model.init_params(8)
+    assert a.dtype == np.float32 and a.shape == (model.layout.total,)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    views = model.layout.views(a)
+    assert all(not views[t.name].any() for t in model.layout.tensors if t.name.startswith("b"))
+
+
+def test_init_scale():
+    views = make_model("mlp", 784, 10).layout.views(make_model("mlp", 784, 10).init_params(0))
+    assert views["w0"].std() == pytest.approx(np.sqrt(2 / 784), rel=0.02)   # He, into a ReLU
+    assert views["w1"].std() == pytest.approx(np.sqrt(2 / 256), rel=0.02)
+    assert views["w2"].std() == pytest.approx(np.sqrt(1 / 256), rel=0.05)   # LeCun, the logits
+
+
+# -- evaluate ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["mlp", "logreg"])
+def test_evaluate_classification(name):
+    model, rng = small(name, "cpu"), np.random.default_rng(0)
+    w, (x, y) = random_params(model, rng), batch(model, 50, rng)
+    res = model.evaluate(w, x, y, batch_size=16)   # 3 full batches and a short one
+    assert set(res) == {"loss", "accuracy"}
+    assert res["loss"] == pytest.approx(model.loss_and_grad(w, x, y, np.empty_like(w)), rel=1e-5)
+    if name == "logreg":
+        logits = x @ model.layout.views(w)["w0"] + model.layout.views(w)["b0"]
+        assert res["accuracy"] == pytest.approx(np.mean(logits.argmax(1) == y))
+    assert 0.0 <= res["accuracy"] <= 1.0
+
+
+def test_evaluate_regression_r2():
+    model, rng = make_model("linreg", 4, 0), np.random.default_rng(0)
+    x = rng.standard_normal((40, 4)).astype(np.float32)
+    w = model.init_params(0)
+    views = model.layout.views(w)
+    y = (x @ views["w0"][:, 0] + 0.5).astype(np.float32)
+    views["b0"][:] = 0.5
+    perfect = model.evaluate(w, x, y, batch_size=7)
+    assert set(perfect) == {"loss", "r2"}
+    assert perfect["r2"] == pytest.approx(1.0, abs=1e-6) and perfect["loss"] < 1e-10
+    views["w0"][:] = 0
+    views["b0"][:] = y.mean()    # predicting the mean explains nothing
+    assert model.evaluate(w, x, y)["r2"] == pytest.approx(0.0, abs=1e-6)
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+def test_make_model_errors():
+    with pytest.raises(ConfigError,
+                       match="--model: unknown model 'x'; choose one of mlp, logreg, linreg"):
+        make_model("x", 4, 2)
+    for hidden in [(256, 0), (-3,), (), (2.5,)]:
+        with pytest.raises(ConfigError, match="--hidden"):
+            make_model("mlp", 4, 2, hidden=hidden)
+    with pytest.raises(ConfigError, match="--device"):
+        make_model("mlp", 4, 2, backend="tpu")
+    with pytest.raises(ConfigError, match="classes"):
+        make_model("logreg", 4, 1)
+    with pytest.raises(ConfigError, match="input features"):
+        make_model("linreg", 0, 0)
+    make_model("logreg", 4, 2, hidden=(0,))   # hidden means nothing to logreg
+
+
+def test_bad_batches():
+    model, rng = small("mlp"), np.random.default_rng(0)
+    w = model.init_params(0)
+    g = np.empty_like(w)
+    x, y = batch(model, 4, rng)
+    with pytest.raises(ValueError, match="x has shape"):
+        model.loss_and_grad(w, x[:, :-1], y, g)
+    with pytest.raises(ValueError, match="x has shape"):
+        model.loss_and_grad(w, x[:0], y[:0], g)
+    with pytest.raises(ValueError, match="y has shape"):
+        model.loss_and_grad(w, x, y[:-1], g)
+    with pytest.raises(ValueError, match="w has shape"):
+        model.loss_and_grad(w[:-1], x, y, g)
+    with pytest.raises(ValueError, match="label out of range"):
+        model.loss_and_grad(w, x, y + CLASSES, g)
+    with pytest.raises(ValueError, match="grad_out must be a C-contiguous"):
+        model.loss_and_grad(w, x, y, np.empty(2 * w.size, np.float32)[::2])
+
+
+# -- it learns --------------------------------------------------------------------------------
+
+def test_logreg_with_sgd_learns_a_separable_problem():
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 256).astype(np.int32)
+    x = (rng.standard_normal((256, 2)) + np.where(y[:, None] == 1, 3.0, -3.0)).astype(np.float32)
+    model = make_model("logreg", 2, 2)
+    opt = make_optimizer("sgd", model.layout.total, lr=0.5)
+    w, g = model.init_params(0), np.empty(model.layout.total, np.float32)
+    first = model.evaluate(w, x, y)
+    for t in range(60):
+        idx = rng.choice(256, 32, replace=False)
+        model.loss_and_grad(w, x[idx], y[idx], g)
+        opt.step(w, g, t)
+    last = model.evaluate(w, x, y)
+    assert last["loss"] < 0.1 * first["loss"] and last["loss"] < 0.05
+    assert last["accuracy"] >= 0.99
+
+
+def test_mlp_with_adam_fits_xor():
+    # XOR is not linearly separable: only the hidden ReLU layers can fit it.
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (512, 2)).astype(np.float32)
+    y = ((x[:, 0] > 0) ^ (x[:, 1] > 0)).astype(np.int32)
+    model = make_model("mlp", 2, 2, hidden=(32, 32))
+    opt = make_optimizer("adam", model.layout.total, lr=1e-2)
+    w, g = model.init_params(0), np.empty(model.layout.total, np.float32)
+    for t in range(300):
+        idx = rng.choice(512, 64, replace=False)
+        model.loss_and_grad(w, x[idx], y[idx], g)
+        opt.step(w, g, t)
+    assert model.evaluate(w, x, y)["accuracy"] > 0.95

@@ -1,0 +1,275 @@
+"""Optimizers: numba kernels against NumPy twins, against hand-computed updates, and errors."""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba.core.registry import CPUDispatcher
+
+from pserver.errors import ConfigError
+from pserver.optim import OPTIMIZERS, adam, make_optimizer, momentum, sgd
+from pserver.optim.schedule import parse_schedule
+
+FAST = settings(max_examples=25, deadline=None)
+
+sizes = st.integers(1, 300)
+seeds = st.integers(0, 2**32 - 1)
+schedules = st.sampled_from(["constant", "step:2,0.5", "warmup:3", "cosine:4"])
+lrs = st.floats(1e-4, 1.0)
+decays = st.sampled_from([0.0, 1e-4, 0.1])
+
+
+def run_both(name, size, seed, steps, **kw):
+    """The same gradients through the numba and the numpy backend; returns both optimizers
+    and both weight vectors."""
+    rng = np.random.default_rng(seed)
+    opts = [make_optimizer(name, size, backend=b, **kw) for b in ("numba", "numpy")]
+    w0 = rng.standard_normal(size).astype(np.float32)
+    ws = [w0.copy(), w0.copy()]
+    for t in range(steps):
+        g = rng.standard_normal(size).astype(np.float32)
+        for opt, w in zip(opts, ws):
+            opt.step(w, g, t)
+    return opts, ws
+
+
+def assert_twins_agree(opts, ws):
+    np.testing.assert_allclose(ws[0], ws[1], rtol=1e-5, atol=1e-6)
+    assert opts[0].state.keys() == opts[1].state.keys()
+    for k in opts[0].state:
+        np.testing.assert_allclose(opts[0].state[k], opts[1].state[k], rtol=1e-5, atol=1e-6)
+
+
+# -- numba == numpy ------------------------------------------------------------------------
+
+@FAST
+@given(sizes, seeds, st.integers(1, 5), lrs, decays, schedules)
+def test_sgd_twins(size, seed, steps, lr, wd, schedule):
+    assert_twins_agree(*run_both("sgd", size, seed, steps, lr=lr, weight_decay=wd,
+                                 schedule=schedule))
+
+
+@FAST
+@given(sizes, seeds, st.integers(1, 5), lrs, decays, st.floats(0.0, 0.99), st.booleans())
+def test_momentum_twins(size, seed, steps, lr, wd, mu, nesterov):
+    assert_twins_agree(*run_both("momentum", size, seed, steps, lr=lr, weight_decay=wd,
+                                 momentum=mu, nesterov=nesterov))
+
+
+@FAST
+@given(sizes, seeds, st.integers(1, 5), lrs, decays, st.floats(0.0, 0.99),
+       st.floats(0.9, 0.9999), st.sampled_from([1e-8, 1e-6, 1e-3]), schedules)
+def test_adam_twins(size, seed, steps, lr, wd, b1, b2, eps, schedule):
+    assert_twins_agree(*run_both("adam", size, seed, steps, lr=lr, weight_decay=wd, beta1=b1,
+                                 beta2=b2, eps=eps, schedule=schedule))
+
+
+@pytest.mark.parametrize("rule", [sgd, momentum, adam], ids=["sgd", "momentum", "adam"])
+def test_kernels_are_nogil_serial_numba(rule):
+    assert isinstance(rule.update, CPUDispatcher)
+    opts = rule.update.targetoptions
+    # nogil: Hogwild threads run them at once; no parallel=True: numba's workqueue layer
+    # aborts when entered from several threads.
+    assert opts.get("nogil") and not opts.get("parallel")
+    assert type(rule.update._cache).__name__ == "FunctionCache"   # cache=True: no recompiles
+
+
+# -- against hand-computed updates ---------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_sgd_by_hand(backend):
+    opt = make_optimizer("sgd", 3, lr=0.5, weight_decay=0.1, backend=backend)
+    w, g = np.array([1.0, -2.0, 0.0], np.float32), np.array([0.2, 0.4, -1.0], np.float32)
+    opt.step(w, g, 0)
+    np.testing.assert_allclose(w, [1 - 0.5 * (0.2 + 0.1), -2 - 0.5 * (0.4 - 0.2), 0.5], rtol=1e-6)
+    assert opt.state == {}
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_by_hand(backend, nesterov):
+    lr, mu, g1, g2 = 0.1, 0.9, 1.0, -0.5
+    opt = make_optimizer("momentum", 1, lr=lr, momentum=mu, nesterov=nesterov, backend=backend)
+    w = np.zeros(1, np.float32)
+    opt.step(w, np.float32([g1]), 0)
+    opt.step(w, np.float32([g2]), 1)
+    v1, v2 = g1, mu * g1 + g2
+    want = -lr * ((g1 + mu * v1) + (g2 + mu * v2)) if nesterov else -lr * (v1 + v2)
+    assert w[0] == pytest.approx(want, rel=1e-6)
+    assert opt.state["v"][0] == pytest.approx(v2, rel=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_adam_bias_correction_at_t0(backend):
+    """With the correction the first step is lr * g / (|g| + eps), about lr * sign(g); without
+    it, it would be lr * (1 - b1) / sqrt(1 - b2) ~ 3.16 lr."""
+    opt = make_optimizer("adam", 4, lr=0.01, backend=backend)
+    w, g = np.zeros(4, np.float32), np.array([3.0, -0.2, 1e-3, 50.0], np.float32)
+    opt.step(w, g, 0)
+    np.testing.assert_allclose(w, -0.01 * g / (np.abs(g) + 1e-8), rtol=1e-5)
+    np.testing.assert_allclose(opt.state["m"], 0.1 * g, rtol=1e-6)
+    np.testing.assert_allclose(opt.state["v"], 0.001 * g.astype(np.float64) ** 2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_adam_second_step_by_hand(backend):
+    b1, b2, lr, eps, gs = 0.9, 0.999, 0.1, 1e-8, (1.0, 3.0)
+    opt = make_optimizer("adam", 1, lr=lr, backend=backend)
+    w = np.zeros(1, np.float32)
+    m = v = want = 0.0
+    for t, g in enumerate(gs):
+        opt.step(w, np.float32([g]), t)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        want -= lr * (m / (1 - b1 ** (t + 1))) / (math.sqrt(v / (1 - b2 ** (t + 1))) + eps)
+    assert w[0] == pytest.approx(want, rel=1e-5)
+
+
+def test_adam_kernels_refuse_t0():
+    # t counts updates including this one: t = 0 would divide by 1 - beta**0 = 0.
+    w = np.zeros(2, np.float32)
+    for f in (adam.update, adam.update_numpy):
+        with pytest.raises(ValueError, match="t >= 1"):
+            f(w, w.copy(), w.copy(), w.copy(), 0.1, 0.9, 0.999, 1e-8, 0, 0.0)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_step_checks_sizes_and_dtypes(name, backend):
+    opt = make_optimizer(name, 4, lr=0.1, backend=backend)
+    w = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match=r"g is float32\[3\], needs float32\[4\]"):
+        opt.step(w, np.zeros(3, np.float32), 0)
+    with pytest.raises(ValueError, match=r"g is float64"):
+        opt.step(w, np.zeros(4), 0)
+    assert not w.any()
+
+
+def test_kernels_check_sizes_themselves():
+    # numba does not bounds-check, so the kernels do: a short g must not be read past its end.
+    w, short = np.zeros(5, np.float32), np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="differ in size"):
+        sgd.update(w, short, 0.1, 0.0)
+    with pytest.raises(ValueError, match="differ in size"):
+        momentum.update(w, w.copy(), short, 0.1, 0.9, False, 0.0)
+    with pytest.raises(ValueError, match="differ in size"):
+        adam.update(w, w.copy(), w.copy(), short, 0.1, 0.9, 0.999, 1e-8, 1, 0.0)
+
+
+def test_schedule_scales_lr():
+    opt = make_optimizer("sgd", 1, lr=1.0, schedule="step:2,0.5")
+    w = np.zeros(1, np.float32)
+    deltas = []
+    for t in range(5):
+        before = float(w[0])
+        opt.step(w, np.float32([-1.0]), t)
+        deltas.append(float(w[0]) - before)
+    assert deltas == [1.0, 1.0, 0.5, 0.5, 0.25]
+
+
+def test_hogwild_threads_share_arrays():
+    """Several threads step the same arrays at once (async mode does this on purpose); it must
+    neither crash nor deadlock, and every element moves by at least one thread's updates."""
+    opt = make_optimizer("sgd", 100_000, lr=1.0)
+    w, g = np.zeros(100_000, np.float32), np.full(100_000, -1.0, np.float32)
+
+    def run():
+        for t in range(20):
+            opt.step(w, g, t)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert w.min() >= 20 and w.max() <= 80
+
+
+# -- state ----------------------------------------------------------------------------------
+
+def test_load_state_round_trip():
+    (a, _), (w_a, _) = run_both("adam", 10, 0, 3, lr=0.01)
+    b = make_optimizer("adam", 10, lr=0.01)
+    arrays = {k: v.copy() for k, v in a.state.items()}
+    held = b.state["m"]
+    b.load_state(arrays)
+    assert b.state["m"] is held   # refilled in place, not replaced
+    w_b, g = w_a.copy(), np.linspace(-1, 1, 10, dtype=np.float32)
+    a.step(w_a, g, 3)
+    b.step(w_b, g, 3)
+    np.testing.assert_array_equal(w_a, w_b)
+
+
+def test_load_state_validation():
+    opt = make_optimizer("momentum", 4, lr=0.1)
+    with pytest.raises(ConfigError,
+                       match=r"momentum keeps \['v'\], the checkpoint has \['m', 'v'\]"):
+        opt.load_state({"m": np.zeros(4, np.float32), "v": np.zeros(4, np.float32)})
+    with pytest.raises(ConfigError, match=r"'v' is float32\[5\], needs float32\[4\]"):
+        opt.load_state({"v": np.zeros(5, np.float32)})
+    with pytest.raises(ConfigError, match=r"'v' is int64"):
+        opt.load_state({"v": np.zeros(4, np.int64)})
+    with pytest.raises(ConfigError, match="sgd keeps"):
+        make_optimizer("sgd", 4, lr=0.1).load_state({"v": np.zeros(4, np.float32)})
+    make_optimizer("sgd", 4, lr=0.1).load_state({})
+    assert not opt.state["v"].any()   # nothing half-loaded
+
+
+# -- schedules ------------------------------------------------------------------------------
+
+def test_schedule_values():
+    assert [parse_schedule("constant")(t) for t in (0, 10**6)] == [1.0, 1.0]
+    step = parse_schedule("step:10,0.5")
+    assert [step(t) for t in (0, 9, 10, 25)] == [1.0, 1.0, 0.5, 0.25]
+    warm = parse_schedule("warmup:4")
+    assert [warm(t) for t in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = parse_schedule(" cosine:10 ")
+    assert cos(0) == 1.0 and cos(5) == pytest.approx(0.5) and cos(10) == 0.0 and cos(99) == 0.0
+    assert cos(2) > cos(3) > cos(7)
+
+
+@pytest.mark.parametrize("spec", ["", "linear", "constant:3", "step:10", "step:0,0.5",
+                                  "step:10,0", "step:10,2", "step:x,0.5", "step:1.5,0.5",
+                                  "warmup:0", "warmup:-2", "warmup:", "cosine:nan", "cosine:1,2",
+                                  "step:10,nan"])
+def test_bad_schedules(spec):
+    with pytest.raises(ConfigError, match="--lr-schedule: bad schedule " + re.escape(repr(spec))):
+        parse_schedule(spec)
+
+
+# -- make_optimizer errors ------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(name="rmsprop"),
+     "--optimizer: unknown optimizer 'rmsprop'; choose one of sgd, momentum, adam"),
+    (dict(lr=0.0), "--lr: must be a number > 0, got 0.0"),
+    (dict(lr=-1), "--lr: must be a number > 0, got -1"),
+    (dict(lr=float("nan")), "--lr"),
+    (dict(lr="fast"), "--lr"),
+    (dict(name="momentum", momentum=1.0), r"--momentum: must be in \[0, 1\), got 1.0"),
+    (dict(name="momentum", momentum=-0.1), "--momentum"),
+    (dict(name="adam", beta1=1.0), "--beta1"),
+    (dict(name="adam", beta2=1.5), "--beta2"),
+    (dict(name="adam", eps=0.0), "--eps"),
+    (dict(weight_decay=-1e-4), "--weight-decay"),
+    (dict(name="adam", nesterov=True), "--nesterov: applies to --optimizer momentum only"),
+    (dict(schedule="cosine:0"), "--lr-schedule"),
+    (dict(backend="cuda"), "optimizer backend"),
+])
+def test_make_optimizer_errors(kw, flag):
+    args = dict(name="sgd", size=4, lr=0.1) | kw
+    with pytest.raises(ConfigError, match=flag):
+        make_optimizer(args.pop("name"), args.pop("size"), **args)
+
+
+def test_make_optimizer_builds_each():
+    for name in OPTIMIZERS:
+        opt = make_optimizer(name, 0 if name == "sgd" else 3, lr=1e-3)
+        assert opt.name == name and opt.backend == "numba"
+    assert sorted(make_optimizer("adam", 3, lr=1e-3).state) == ["m", "v"]
+    assert sorted(make_optimizer("momentum", 3, lr=1e-3).state) == ["v"]

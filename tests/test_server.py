@@ -1,0 +1,141 @@
+"""The shard over real gRPC: status codes, messages, streams, sizes."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from pserver import codec
+from pserver._proto import pserver_pb2 as pb
+from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.client import PSClient
+from pserver.errors import FailedPrecondition, InvalidArgument, Unavailable
+from pserver.models.layout import Layout
+
+LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
+
+
+def ready_client(address, num_workers=1, rank=0, layout=LAYOUT, init=True):
+    c = PSClient([address], rank=rank, num_workers=num_workers, rpc_deadline=10)
+    c.connect(5)
+    c.register(layout)
+    if init:
+        c.init(np.arange(layout.total, dtype=np.float32))
+    return c
+
+
+def raw_push(address, chunks):
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
+    return stub.Push(iter(chunks), timeout=5)
+
+
+def test_push_and_pull_round_trip_over_grpc(shard_server):
+    addr, shard = shard_server(optimizer="sgd", lr=1.0)
+    c = ready_client(addr)
+    w = np.empty(LAYOUT.total, np.float32)
+    assert c.pull(w) == [0]
+    np.testing.assert_array_equal(w, np.arange(33))
+    assert c.push(np.ones(33, np.float32), num_samples=8) == [("aggregated", 1)]
+    assert c.pull(w) == [1]
+    np.testing.assert_array_equal(w, np.arange(33) - 1)
+    st = c.status()[0]
+    assert (st.version, st.mode, st.num_params, st.counters.pushes_aggregated,
+            st.counters.samples_pushed) == (1, "sync", 33, 1, 8)
+
+
+@pytest.mark.parametrize("mutate, code, field", [
+    (lambda h, g: setattr(h, "num_elements", 32), "INVALID_ARGUMENT", "num_elements"),
+    (lambda h, g: setattr(h, "dtype", "float64"), "INVALID_ARGUMENT", "dtype"),
+    (lambda h, g: g.__setitem__(5, np.nan), "INVALID_ARGUMENT", "non-finite"),
+    (lambda h, g: setattr(h, "step", 7), "FAILED_PRECONDITION", "step"),
+    (lambda h, g: setattr(h, "rank", 4), "FAILED_PRECONDITION", "rank"),
+    (lambda h, g: setattr(h, "shard", 2), "FAILED_PRECONDITION", "shard"),
+])
+def test_bad_push_gets_its_status_code_and_names_the_field(shard_server, mutate, code, field):
+    addr, shard = shard_server()
+    ready_client(addr)
+    before = shard.store.params.copy()
+    g = np.ones(33, np.float32)
+    h = pb.TensorHeader(rank=0, shard=0, step=0)
+    msgs = list(codec.encode(h, g, 64))
+    mutate(msgs[0].header, g)
+    if np.isnan(g).any():
+        msgs = list(codec.encode(h, g, 64))
+    with pytest.raises(grpc.RpcError) as e:
+        raw_push(addr, msgs)
+    assert e.value.code().name == code
+    assert field in e.value.details()
+    np.testing.assert_array_equal(shard.store.params, before)
+    assert shard.store.version == 0
+    assert shard.status()["counters"]["pushes_rejected"] == 1
+
+
+@pytest.mark.parametrize("chunks, words", [
+    ([], "empty"),
+    ([pb.TensorChunk(data=b"1234")], "no header"),
+    ([pb.TensorChunk(header=pb.TensorHeader(num_elements=33, dtype="float32")),
+      pb.TensorChunk(data=b"\0" * 100)], "truncated"),
+    ([pb.TensorChunk(header=pb.TensorHeader(num_elements=33, dtype="float32")),
+      pb.TensorChunk(data=b"\0" * 200)], "more than"),
+])
+def test_malformed_streams_are_invalid_argument(shard_server, chunks, words):
+    addr, shard = shard_server()
+    ready_client(addr)
+    with pytest.raises(grpc.RpcError) as e:
+        raw_push(addr, chunks)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+    assert shard.store.version == 0 and not shard.policy.pending
+
+
+def test_client_translates_status_codes(shard_server):
+    addr, _ = shard_server()
+    c = ready_client(addr)
+    with pytest.raises(FailedPrecondition, match="shard 0 at 127.0.0.1.*step"):
+        c.push(np.ones(33, np.float32), 1, steps=[3])
+    bad = np.ones(33, np.float32)
+    bad[0] = np.inf
+    with pytest.raises(InvalidArgument, match="non-finite"):
+        c.push(bad, 1)
+    with pytest.raises(FailedPrecondition, match="layout"):
+        ready_client(addr, layout=Layout.of([("w", (4,))]), init=False)
+
+
+def test_unreachable_shard_is_unavailable_with_the_address():
+    c = PSClient(["127.0.0.1:1"])
+    with pytest.raises(Unavailable, match="127.0.0.1:1"):
+        c.connect(0.5)
+
+
+def test_two_shards_split_the_vector_and_pull_in_parallel(shard_server):
+    a0, s0 = shard_server(shard=0, num_shards=2, optimizer="sgd", lr=0.5)
+    a1, s1 = shard_server(shard=1, num_shards=2, optimizer="sgd", lr=0.5)
+    c = PSClient([a0, a1], rpc_deadline=10)
+    c.connect(5)
+    infos = c.register(LAYOUT)
+    assert [(i.start, i.end) for i in infos] == [(0, 17), (17, 33)]
+    c.init(np.arange(33, dtype=np.float32))
+    w = np.empty(33, np.float32)
+    assert c.pull(w) == [0, 0]
+    c.push(np.full(33, 2, np.float32), 1)
+    assert c.pull(w) == [1, 1]
+    np.testing.assert_array_equal(w, np.arange(33) - 1.0)
+
+
+def test_hundred_million_parameters_fit_default_message_limits(shard_server):
+    """400 MB each way, in 1 MiB chunks, through gRPC's default 4 MiB limit."""
+    n = 100_000_000
+    layout = Layout.of([("w", (n,))])
+    addr, shard = shard_server(optimizer="sgd", lr=1.0)
+    c = PSClient([addr], rpc_deadline=120)
+    c.connect(5)
+    c.register(layout)
+    w = np.ones(n, np.float32)
+    c.init(w)
+    assert c.pull(w) == [0]
+    g = np.full(n, 0.5, np.float32)
+    c.push(g, 1)
+    w[:] = 0
+    assert c.pull(w) == [1]
+    assert w[0] == 0.5 and w[-1] == 0.5 and w[n // 2] == 0.5
+    del w, g
