@@ -1,3 +1,4 @@
+import os
 import pathlib
 
 import pytest
@@ -6,7 +7,8 @@ from pserver.config import ServerConfig
 from pserver.server.app import create_server
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MNIST_DIR = ROOT.parent / "shared" / "datasets" / "mnist"
+# The real MNIST files, beside the repo as in CI (../shared); PSERVER_MNIST_DIR overrides.
+MNIST_DIR = pathlib.Path(os.environ.get("PSERVER_MNIST_DIR", ROOT.parent / "shared" / "datasets" / "mnist"))
 
 
 @pytest.fixture

@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from tests.conftest import MNIST_DIR as _MNIST
 from pserver.data import (MNIST_FILES, MNIST_MIRRORS_ENV, Dataset, describe, epoch_indices,
                           iterate_batches, load_dataset, steps_per_epoch)
 from pserver.errors import ConfigError, DataError
 
-MNIST_DIR = "/work/shared/datasets/mnist"
+MNIST_DIR = str(_MNIST)
 # Label counts of the original MNIST, as published.
 TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
 TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
-needs_mnist = pytest.mark.skipif(not os.path.isdir(MNIST_DIR), reason=f"no MNIST in {MNIST_DIR}")
 
 
 def one_line(err: pytest.ExceptionInfo) -> str:
@@ -42,7 +42,6 @@ def mnist() -> Dataset:
     return load_dataset("mnist", data_dir=MNIST_DIR)
 
 
-@needs_mnist
 def test_mnist_loads_with_the_published_shapes_and_label_counts(mnist):
     assert (mnist.name, mnist.task, mnist.num_classes, mnist.features) == ("mnist", "classification", 10, 784)
     assert mnist.x_train.shape == (60000, 784) and mnist.x_test.shape == (10000, 784)
@@ -57,7 +56,6 @@ def test_mnist_loads_with_the_published_shapes_and_label_counts(mnist):
     assert describe(mnist) == "dataset mnist: 60000 train / 10000 test samples, 784 features, 10 classes"
 
 
-@needs_mnist
 def test_mnist_uncompressed_copy_parses_identically(mnist, tmp_path):
     for name in MNIST_FILES:
         with gzip.open(os.path.join(MNIST_DIR, name + ".gz"), "rb") as src:
@@ -162,7 +160,6 @@ def mirror(tmp_path_factory):
     server.server_close()
 
 
-@needs_mnist
 def test_missing_files_are_downloaded_checked_and_used(tmp_path, mirror, monkeypatch):
     served, url = mirror
     shutil.copytree(MNIST_DIR, served / "mnist")
