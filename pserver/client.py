@@ -134,10 +134,10 @@ class PSClient:
         self.each(lambda s: s.wait_ready(max(0.1, deadline - time.monotonic())))
 
     def register(self, layout: Layout, batch_size: int = 0) -> list[ShardInfo]:
-        infos = self.each(lambda s: s.register(self.rank, self.num_workers, len(self.shards),
-                                               layout, batch_size, self.rpc_deadline))
-        self.versions = [i.version for i in infos]
-        return infos
+        # versions stay "none seen": the first pull takes whatever is current, which for
+        # a restarted worker is the version the others have reached.
+        return self.each(lambda s: s.register(self.rank, self.num_workers, len(self.shards),
+                                              layout, batch_size, self.rpc_deadline))
 
     def init(self, flat: np.ndarray) -> list[bool]:
         return self.each(lambda s: s.init(self.rank, flat, self.rpc_deadline))

@@ -1,0 +1,60 @@
+"""A worker killed with SIGKILL mid-run: the others finish, the shard counts it, it can rejoin."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.e2e.conftest import read_json
+
+pytestmark = pytest.mark.e2e
+
+STEP_TIMEOUT = 2.0
+# ~90 steps of ~20 ms each per worker: long enough to kill one in the middle.
+TRAIN = ["--model", "logreg", "--samples", "8640", "--features", "20", "--batch-size", "32",
+         "--epochs", "1", "--delay", "fixed:0.02", "--log-every", "0.2"]
+
+
+def cluster(procs, tmp_path, name):
+    shard = procs("serve", "--port", "0", "--num-workers", "3", "--step-timeout", str(STEP_TIMEOUT),
+                  "--optimizer", "sgd", "--lr", "0.1")
+    addr = shard.address()
+    summary = tmp_path / f"{name}.json"
+    workers = [procs("worker", "--ps", addr, "--rank", str(r), "--num-workers", "3", *TRAIN,
+                     *(["--summary-json", str(summary)] if r == 0 else [])) for r in range(3)]
+    return shard, addr, workers, summary
+
+
+def wait_for_steps(proc, n, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum("step" in ln and "loss" in ln for ln in proc.lines) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(proc.output)
+
+
+def test_sigkill_in_sync_mode_does_not_stop_the_others_and_the_worker_can_rejoin(procs, tmp_path):
+    started = time.monotonic()
+    _, _, workers, summary = cluster(procs, tmp_path, "baseline")
+    assert all(w.wait() == 0 for w in workers)
+    baseline = time.monotonic() - started
+    assert read_json(summary)["workers_marked_dead"] == 0
+
+    started = time.monotonic()
+    shard, addr, workers, summary = cluster(procs, tmp_path, "killed")
+    wait_for_steps(workers[2], 3)
+    workers[2].popen.send_signal(signal.SIGKILL)
+    assert workers[0].wait() == 0 and workers[1].wait() == 0, workers[0].output
+    elapsed = time.monotonic() - started
+    assert elapsed <= baseline + STEP_TIMEOUT + 5, (elapsed, baseline)
+    s = read_json(summary)
+    assert s["workers_marked_dead"] >= 1
+    assert s["test_accuracy"] >= 0.85
+    assert "marked worker(s) [2] dead" in shard.output
+
+    again = procs("worker", "--ps", addr, "--rank", "2", "--num-workers", "3", *TRAIN, "--max-steps", "5")
+    assert again.wait() == 0, again.output
+    assert "registered again and rejoins" in shard.output

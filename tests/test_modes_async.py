@@ -1,0 +1,185 @@
+"""backup, async (Hogwild) and ssp as properties of the Shard, driven in-process."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from pserver.errors import FailedPrecondition
+from pserver.models.layout import Layout
+from pserver.modes import Outcome
+from pserver.optim import make_optimizer
+from tests.test_modes import SETTINGS, fill_with, make_cluster, pull_all, push_all
+
+
+def one_shard(size, num_workers, w0=None, **cfg):
+    w0 = np.zeros(size, np.float32) if w0 is None else w0
+    return make_cluster(Layout.of([("w", (size,))]), w0, 1, num_workers, **cfg)[0]
+
+
+def push(shard, rank, step, g, clock=0):
+    return shard.push(rank, 0, step, g.size, "float32", 1, clock, fill_with(g))[0]
+
+
+@SETTINGS
+@given(data=st.data(), num_workers=st.integers(2, 6), size=st.integers(1, 40), steps=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_backup_applies_the_mean_of_exactly_n_minus_b_distinct_workers(data, num_workers, size, steps, seed):
+    b = data.draw(st.integers(1, num_workers - 1))
+    rng = np.random.default_rng(seed)
+    shard = one_shard(size, num_workers, mode="backup", backup_workers=b, optimizer="sgd", lr=1.0)
+    w = np.zeros(size, np.float32)
+    for t in range(steps):
+        grads = rng.standard_normal((num_workers, size)).astype(np.float32)
+        order = data.draw(st.permutations(range(num_workers)))
+        outcomes = {r: push(shard, r, t, grads[r]) for r in order}
+        first = sorted(order[:num_workers - b])               # the quorum, summed in rank order
+        assert [outcomes[r] for r in order] == ([Outcome.AGGREGATED] * (num_workers - b)
+                                                + [Outcome.DROPPED_LATE] * b)
+        acc = grads[first[0]].copy()
+        for r in first[1:]:
+            acc += grads[r]
+        acc *= np.float32(1.0 / len(first))
+        w -= acc
+        np.testing.assert_allclose(shard.store.params, w, rtol=1e-6, atol=1e-7)
+        assert shard.store.version == t + 1
+    c = shard.store.counters.snapshot()
+    assert c["pushes_aggregated"] == steps * (num_workers - b)
+    assert c["pushes_dropped_late"] == steps * b
+    assert c["updates_applied"] == steps
+
+
+@SETTINGS
+@given(size=st.integers(1, 30), steps=st.integers(1, 8), optimizer=st.sampled_from(["sgd", "momentum", "adam"]),
+       seed=st.integers(0, 2**16))
+def test_async_with_one_worker_is_sequential_training(size, steps, optimizer, seed):
+    rng = np.random.default_rng(seed)
+    w0 = rng.standard_normal(size).astype(np.float32)
+    shard = one_shard(size, 1, w0=w0, mode="async", optimizer=optimizer, lr=0.05)
+    ref, w = make_optimizer(optimizer, size, lr=0.05, backend="numpy"), w0.copy()
+    for t in range(steps):
+        g = rng.standard_normal(size).astype(np.float32)
+        assert push(shard, 0, t, g, clock=t) == Outcome.APPLIED
+        ref.step(w, g, t)
+        assert shard.pull(0, 0, t, t + 1, timeout=1)[0] == t + 1
+    np.testing.assert_allclose(shard.store.params, w, rtol=1e-6, atol=1e-7)
+    assert shard.store.counters.snapshot()["staleness_max"] == 0
+
+
+@SETTINGS
+@given(workers=st.integers(2, 6), pushes=st.integers(1, 30), size=st.integers(6, 5000),
+       seed=st.integers(0, 2**16))
+def test_async_concurrent_pushers_on_disjoint_indices_sum_exactly(workers, pushes, size, seed):
+    """Hogwild: several threads update the array at once, without a lock; on disjoint
+    index sets no update is lost, so the result is the sum of all of them."""
+    rng = np.random.default_rng(seed)
+    owner = rng.integers(0, workers, size)
+    grads = [[np.where(owner == r, rng.integers(-4, 5, size), 0).astype(np.float32)
+              for _ in range(pushes)] for r in range(workers)]
+    shard = one_shard(size, workers, mode="async", optimizer="sgd", lr=1.0)
+    barrier = threading.Barrier(workers)
+
+    def run(r):
+        barrier.wait()
+        for i, g in enumerate(grads[r]):
+            push(shard, r, 0, g, clock=i)       # all computed on version 0: stale on purpose
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = -sum(sum(gs) for gs in grads)
+    np.testing.assert_array_equal(shard.store.params, expected.astype(np.float32))
+    c = shard.store.counters.snapshot()
+    assert c["pushes_applied"] == workers * pushes == c["updates_applied"]
+    assert c["staleness_max"] <= workers * pushes - 1
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_ssp_never_lets_a_clock_run_more_than_s_ahead_of_the_slowest(staleness):
+    workers, steps, size = 4, 25, 8
+    shard = one_shard(size, workers, mode="ssp", staleness=staleness, optimizer="sgd", lr=0.01)
+    done = [0] * workers                  # pushes completed, as the test saw them
+    gaps = []
+    lock = threading.Lock()
+
+    def run(r):
+        rnd = random.Random(r)
+        for c in range(steps):
+            shard.pull(r, 0, -1, c, timeout=10)
+            with lock:                    # others' clocks only grow after the grant
+                gaps.append(c - min(done))
+            time.sleep(rnd.random() * 0.004 * (1 + 3 * (r == 0)))   # rank 0 is slow
+            push(shard, r, shard.store.version, np.ones(size, np.float32), clock=c)
+            with lock:
+                done[r] = c + 1
+        shard.leave(r)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert max(gaps) <= staleness
+    assert max(gaps) == staleness or staleness == 0    # the bound is reached, not just kept
+    assert shard.store.counters.snapshot()["clock_gap_max"] <= staleness
+
+
+@pytest.mark.parametrize("mode, extra", [("sync", {}), ("backup", {"backup_workers": 1}),
+                                         ("async", {}), ("ssp", {"staleness": 1})])
+def test_every_push_gets_exactly_one_outcome(mode, extra):
+    """applied + aggregated + dropped + rejected = pushes sent, with bad pushes mixed in."""
+    workers, size = 3, 10
+    shard = one_shard(size, workers, mode=mode, optimizer="sgd", lr=0.1, **extra)
+    rng = np.random.default_rng(0)
+    sent = 0
+    for t in range(6):
+        for r in rng.permutation(workers):
+            g = rng.standard_normal(size).astype(np.float32)
+            if rng.random() < 0.2:
+                g[0] = np.nan
+            step = shard.store.version if rng.random() < 0.8 else shard.store.version + 5
+            sent += 1
+            try:
+                push(shard, int(r), step, g, clock=t)
+            except Exception:
+                pass
+    c = shard.store.counters.snapshot()
+    assert c["pushes_received"] == sent
+    assert (c["pushes_applied"] + c["pushes_aggregated"] + c["pushes_dropped_late"]
+            + c["pushes_rejected"]) == sent
+    assert c["pushes_rejected"] > 0
+
+
+def test_sync_step_timeout_marks_the_missing_worker_dead_and_goes_on():
+    shard = one_shard(4, 3, mode="sync", optimizer="sgd", lr=1.0, step_timeout=0.3)
+    push(shard, 0, 0, np.ones(4, np.float32))
+    push(shard, 1, 0, np.ones(4, np.float32))
+    started = time.monotonic()
+    version, _ = shard.pull(0, 0, 0, 1, timeout=5)          # worker 2 never pushes
+    assert version == 1 and 0.3 <= time.monotonic() - started < 2
+    st = shard.status()
+    assert st["counters"]["workers_marked_dead"] == 1 and st["live_workers"] == [0, 1]
+    push(shard, 0, 1, np.ones(4, np.float32))               # the step now needs only 0 and 1
+    push(shard, 1, 1, np.ones(4, np.float32))
+    assert shard.store.version == 2
+    shard.register(2, 3, 0, 1, Layout.of([("w", (4,))]))    # the dead worker comes back
+    assert shard.status()["live_workers"] == [0, 1, 2]
+    with pytest.raises(FailedPrecondition, match="step"):
+        push(shard, 2, 0, np.ones(4, np.float32))           # its old step is gone
+    for r in range(3):
+        push(shard, r, 2, np.ones(4, np.float32))
+    assert shard.store.version == 3
+
+
+def test_a_pull_never_waits_forever_for_a_worker_that_never_came():
+    shard = one_shard(4, 2, mode="sync", step_timeout=0.3)
+    shard.policy.registered.discard(1)                      # as if rank 1 never registered
+    push(shard, 0, 0, np.ones(4, np.float32))
+    assert shard.pull(0, 0, 0, 1, timeout=5)[0] == 1
