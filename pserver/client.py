@@ -77,28 +77,29 @@ class ShardClient:
         stream = codec.encode(header, flat[self.info.start:self.info.end], self.chunk_bytes)
         return self.call(self.stub.Init, stream, timeout=timeout).already_initialized
 
-    def pull_into(self, flat: np.ndarray, rank: int, seen_version: int, clock: int, timeout: float) -> int:
-        """Stream this shard's range straight into flat[start:end]; returns the version."""
+    def pull_into(self, flat: np.ndarray, rank: int, seen_version: int, clock: int,
+                  timeout: float) -> tuple[int, bool]:
+        """Stream this shard's range straight into flat[start:end]; returns (version, finished)."""
         req = pb.PullRequest(rank=rank, shard=self.index, seen_version=seen_version, clock=clock)
 
-        def run() -> int:
+        def run() -> tuple[int, bool]:
             chunks = iter(self.stub.Pull(req, timeout=timeout))
             header = codec.read_header(chunks)
             dest = flat[self.info.start:self.info.end]
             if header.num_elements != dest.size:
                 raise InvalidArgument(f"num_elements: shard sent {header.num_elements}, expected {dest.size}")
             codec.receive_into(dest, chunks)
-            return header.step
+            return header.step, header.finished
 
         return self.call(run)
 
     def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
-             timeout: float) -> tuple[str, int]:
+             timeout: float) -> tuple[str, int, bool]:
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
                                  clock=clock)
         stream = codec.encode(header, grad[self.info.start:self.info.end], self.chunk_bytes)
         reply = self.call(self.stub.Push, stream, timeout=timeout)
-        return OUTCOMES.get(reply.outcome, "unknown"), reply.version
+        return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished
 
     def status(self, timeout: float) -> pb.StatusReply:
         return self.call(self.stub.Status, pb.StatusRequest(), timeout=timeout)
@@ -121,6 +122,7 @@ class PSClient:
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-client") \
             if len(self.shards) > 1 else None
         self.versions = [-1] * len(self.shards)
+        self.finished = False          # a shard said the run is over (e.g. backup quorum gone)
 
     def each(self, fn: Callable[[ShardClient], T]) -> list[T]:
         """fn on every shard, in parallel; the first error (by shard order) is raised."""
@@ -145,16 +147,21 @@ class PSClient:
     def pull(self, flat: np.ndarray, clock: int = 0, seen: Sequence[int] | None = None) -> list[int]:
         """Pull every shard's range into `flat` (waiting as the mode says); returns versions."""
         seen = self.versions if seen is None else seen
-        self.versions = self.each(lambda s: s.pull_into(flat, self.rank, seen[s.index], clock,
-                                                        self.rpc_deadline))
+        replies = self.each(lambda s: s.pull_into(flat, self.rank, seen[s.index], clock,
+                                                  self.rpc_deadline))
+        self.versions = [v for v, _ in replies]
+        self.finished |= any(f for _, f in replies)
         return self.versions
 
     def push(self, grad: np.ndarray, num_samples: int, clock: int = 0,
              steps: Sequence[int] | None = None) -> list[tuple[str, int]]:
-        """Push each shard its slice of `grad`, computed on `steps` (default: last pulled)."""
+        """Push each shard its slice of `grad`, computed on `steps` (default: last pulled);
+        returns (outcome, version) per shard."""
         steps = self.versions if steps is None else steps
-        return self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
-                                          self.rpc_deadline))
+        replies = self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
+                                             self.rpc_deadline))
+        self.finished |= any(f for _, _, f in replies)
+        return [(o, v) for o, v, _ in replies]
 
     def status(self, timeout: float = 10.0) -> list[pb.StatusReply]:
         return self.each(lambda s: s.status(timeout))

@@ -73,11 +73,15 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
             clock += 1
             client.pull(w, clock)
-            progress.step(epoch, step, loss, force=step == steps - 1)
-            if cfg.max_steps and clock >= cfg.max_steps:
+            progress.step(epoch, step, loss, force=step == steps - 1 or client.finished)
+            if client.finished or (cfg.max_steps and clock >= cfg.max_steps):
                 break
         if cfg.rank == 0:
             epochs_log.append(log_epoch(cfg, ds, model, w, epoch, progress.elapsed))
+        if client.finished:
+            print(f"the shards ended the run at step {max(client.versions)} "
+                  f"(too few unfinished workers left for a step); stopping", flush=True)
+            break
         if cfg.max_steps and clock >= cfg.max_steps:
             break
     return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock,

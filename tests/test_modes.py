@@ -42,7 +42,7 @@ def make_cluster(layout: Layout, w0: np.ndarray, num_shards: int, num_workers: i
 def pull_all(shards, total: int, rank: int = 0, clock: int = 0) -> tuple[np.ndarray, list[int]]:
     w, versions = np.empty(total, np.float32), []
     for j, s in enumerate(shards):
-        v, params = s.pull(rank, j, -1, clock, timeout=5)
+        v, params, _ = s.pull(rank, j, -1, clock, timeout=5)
         w[s.store.start:s.store.end] = params
         versions.append(v)
     return w, versions

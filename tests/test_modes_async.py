@@ -162,7 +162,7 @@ def test_sync_step_timeout_marks_the_missing_worker_dead_and_goes_on():
     push(shard, 0, 0, np.ones(4, np.float32))
     push(shard, 1, 0, np.ones(4, np.float32))
     started = time.monotonic()
-    version, _ = shard.pull(0, 0, 0, 1, timeout=5)          # worker 2 never pushes
+    version, _, _ = shard.pull(0, 0, 0, 1, timeout=5)       # worker 2 never pushes
     assert version == 1 and 0.3 <= time.monotonic() - started < 2
     st = shard.status()
     assert st["counters"]["workers_marked_dead"] == 1 and st["live_workers"] == [0, 1]
@@ -183,3 +183,43 @@ def test_a_pull_never_waits_forever_for_a_worker_that_never_came():
     shard.policy.registered.discard(1)                      # as if rank 1 never registered
     push(shard, 0, 0, np.ones(4, np.float32))
     assert shard.pull(0, 0, 0, 1, timeout=5)[0] == 1
+
+
+@SETTINGS
+@given(data=st.data(), num_workers=st.integers(2, 6), seed=st.integers(0, 2**16))
+def test_backup_never_averages_fewer_than_n_minus_b_as_workers_finish(data, num_workers, seed):
+    """Workers finish one by one; no update ever averages fewer than N-b distinct workers,
+    and once too few are left the stragglers are told the run is over."""
+    b = data.draw(st.integers(1, num_workers - 1))
+    quorum = num_workers - b
+    shard = one_shard(3, num_workers, mode="backup", backup_workers=b, optimizer="sgd", lr=1.0)
+    sizes = []
+    real_apply = shard.store.apply
+
+    def counting_apply(grad):
+        sizes.append(len(shard.policy.pending))
+        real_apply(grad)
+    shard.store.apply = counting_apply
+    rounds = data.draw(st.lists(st.integers(1, 4), min_size=num_workers, max_size=num_workers))
+    active = list(range(num_workers))
+    for t in range(max(rounds)):
+        if shard.policy.finished:
+            break
+        order = data.draw(st.permutations(active))
+        step = shard.store.version
+        for r in order:
+            outcome = shard.push(r, 0, step, 3, "float32", 1, 0, fill_with(np.ones(3, np.float32)))[0]
+            assert outcome in (Outcome.AGGREGATED, Outcome.DROPPED_LATE)
+        for r in [r for r in active if rounds[r] == t + 1]:   # these finish their epochs
+            shard.leave(r)
+            active.remove(r)
+    assert sizes and min(sizes) >= quorum
+    assert shard.policy.finished == (len(active) < quorum)
+    if shard.policy.finished and active:
+        out = shard.push(active[0], 0, shard.store.version, 3, "float32", 1, 0,
+                         fill_with(np.ones(3, np.float32)))
+        assert out[0] == Outcome.DROPPED_LATE and out[3] is True
+        assert shard.pull(active[0], 0, shard.store.version, 0, timeout=1)[2] is True
+    c = shard.store.counters.snapshot()
+    assert c["pushes_aggregated"] == quorum * c["updates_applied"]
+    assert c["pushes_received"] == c["pushes_aggregated"] + c["pushes_dropped_late"]

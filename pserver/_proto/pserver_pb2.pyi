@@ -54,7 +54,7 @@ class RegisterReply(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., total_params: _Optional[int] = ..., layout_signature: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock")
+    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class TensorHeader(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     shard: int
     step: int
@@ -71,7 +72,8 @@ class TensorHeader(_message.Message):
     num_samples: int
     layout_signature: str
     clock: int
-    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ...) -> None: ...
+    finished: bool
+    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -102,7 +104,7 @@ class PullRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., seen_version: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("outcome", "version", "message")
+    __slots__ = ("outcome", "version", "message", "finished")
     class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OUTCOME_UNSPECIFIED: _ClassVar[PushReply.Outcome]
@@ -116,10 +118,12 @@ class PushReply(_message.Message):
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     outcome: PushReply.Outcome
     version: int
     message: str
-    def __init__(self, outcome: _Optional[_Union[PushReply.Outcome, str]] = ..., version: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    finished: bool
+    def __init__(self, outcome: _Optional[_Union[PushReply.Outcome, str]] = ..., version: _Optional[int] = ..., message: _Optional[str] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -3,12 +3,17 @@
 Backup workers (Chen et al. 2016; TensorFlow's SyncReplicasOptimizer with
 replicas_to_aggregate = N-b), except that the N-b gradients always come from distinct
 workers, and what arrives after the step completed is answered dropped_late and counted.
+
+An update never averages fewer than N-b workers, except when workers were marked dead
+(then the step goes on with what it has, as DESIGN §5 says for dead workers). Workers
+that finished their epochs do not lower the quorum: once the unfinished ones are fewer
+than the quorum, no step can complete, so the run is over, as TensorFlow's ends at a
+global step. The stragglers' remaining pushes are dropped late and they are told to stop.
 """
 
 from __future__ import annotations
 
 from pserver.errors import FailedPrecondition
-from pserver.modes.base import Outcome
 from pserver.modes.sync import SyncPolicy
 
 
@@ -22,13 +27,24 @@ class BackupPolicy(SyncPolicy):
         super().join(rank, num_workers)
 
     def quorum(self) -> int:
-        return min(self.num_workers - self.cfg.backup_workers, len(self.expected()))
+        return max(1, self.num_workers - self.cfg.backup_workers - len(self.dead))
+
+    def membership_changed(self) -> None:
+        if len(self.expected()) < self.quorum():
+            dropped = len(self.pending)
+            for r in list(self.pending):           # a step that can no longer complete
+                self.store.pool.release(self.pending.pop(r))
+            self.store.counters.add("pushes_aggregated", -dropped)
+            self.store.counters.add("pushes_dropped_late", dropped)
+            self.watch.reset()
+            self.finish(f"{len(self.expected())} unfinished worker(s) cannot make the quorum "
+                        f"of {self.quorum()}")
+        else:
+            self.maybe_complete()
 
     def off_step(self, rank, step, grad):
         if step < self.store.version:
-            self.store.pool.release(grad)
-            self.store.counters.add("pushes_dropped_late")
-            return Outcome.DROPPED_LATE, (f"step {step} already completed with the first "
-                                          f"{self.quorum()} workers; now at {self.store.version}")
+            return self.drop(grad, f"step {step} already completed with the first "
+                                   f"{self.quorum()} workers; now at {self.store.version}")
         raise FailedPrecondition(f"step: push for step {step} is ahead of shard "
                                  f"{self.store.shard}'s version {self.store.version}")

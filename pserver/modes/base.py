@@ -39,6 +39,7 @@ class Policy(ABC):
         self.left: set[int] = set()
         self.dead: set[int] = set()
         self.clocks: dict[int, int] = {}     # rank -> pushes completed (ssp)
+        self.finished = False                # no step can complete any more: workers stop
 
     # --- membership; all called with store.cond held -------------------------------
     def join(self, rank: int, num_workers: int) -> None:
@@ -71,6 +72,13 @@ class Policy(ABC):
 
     def membership_changed(self) -> None:
         """A worker left or died: a step waiting for it may now be complete."""
+
+    def finish(self, why: str) -> None:
+        """End the run on this shard (cond held): pushes are dropped, pulls stop waiting."""
+        if not self.finished:
+            self.finished = True
+            log.info("shard %d: run finished at version %d: %s", self.store.shard, self.store.version, why)
+            self.store.cond.notify_all()
 
     def check_rank(self, rank: int) -> None:
         if not 0 <= rank < max(self.num_workers, 1):

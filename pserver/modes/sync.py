@@ -30,6 +30,8 @@ class SyncPolicy(Policy):
         with self.store.cond:
             self.check_member(rank)
             version = self.store.version
+            if self.finished:
+                return self.drop(grad, "the run is over on this shard")
             if step != version:
                 return self.off_step(rank, step, grad)
             if rank in self.pending:
@@ -41,6 +43,11 @@ class SyncPolicy(Policy):
             self.watch.start()
             self.maybe_complete()
             return Outcome.AGGREGATED, ""
+
+    def drop(self, grad, why: str):
+        self.store.pool.release(grad)
+        self.store.counters.add("pushes_dropped_late")
+        return Outcome.DROPPED_LATE, why
 
     def off_step(self, rank, step, grad):
         raise FailedPrecondition(f"step: push for step {step} but shard {self.store.shard} is at "
@@ -76,5 +83,6 @@ class SyncPolicy(Policy):
 
     def wait_pull(self, rank, seen_version, clock, timeout):
         store = self.store
-        store.wait_for(lambda: store.initialized and store.version > seen_version, timeout,
+        store.wait_for(lambda: (store.initialized and store.version > seen_version) or self.finished,
+                       timeout,
                        on_tick=self.check_timeout)

@@ -75,19 +75,20 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_stream_status
     def Pull(self, request, context):
-        version, params = self.shard.pull(request.rank, request.shard, request.seen_version,
-                                          request.clock, _timeout(context))
-        header = pb.TensorHeader(shard=request.shard, step=version)
+        version, params, finished = self.shard.pull(request.rank, request.shard, request.seen_version,
+                                                    request.clock, _timeout(context))
+        header = pb.TensorHeader(shard=request.shard, step=version, finished=finished)
         yield from codec.encode(header, params, self.shard.cfg.chunk_bytes)
 
     @_status
     def Push(self, request_iterator, context):
         chunks = iter(request_iterator)
         h = codec.read_header(chunks)
-        outcome, version, message = self.shard.push(
+        outcome, version, message, finished = self.shard.push(
             h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples, h.clock,
             lambda dest: codec.receive_into(dest, chunks))
-        return pb.PushReply(outcome=outcome.value, version=version, message=message)
+        return pb.PushReply(outcome=outcome.value, version=version, message=message,
+                            finished=finished)
 
     @_status
     def Status(self, request, context):

@@ -107,8 +107,8 @@ class Shard:
                                   f"{self.cfg.shard}'s range of {self.store.size} elements")
 
     def pull(self, rank: int, shard: int, seen_version: int, clock: int,
-             timeout: float | None) -> tuple[int, np.ndarray]:
-        """Wait as the mode says, then return (version, parameters). In sync mode the
+             timeout: float | None) -> tuple[int, np.ndarray, bool]:
+        """Wait as the mode says, then return (version, parameters, finished). In sync mode the
         parameters cannot change until this worker pushes again, so a view is safe to
         stream; in async modes a racy read is the point."""
         self.check_shard(shard)
@@ -119,10 +119,10 @@ class Shard:
             self.policy.check_pull(seen_version)
             self.policy.wait_pull(rank, seen_version, clock, timeout)
             s.counters.add("pulls_served")
-            return s.version, s.params
+            return s.version, s.params, self.policy.finished
 
     def push(self, rank: int, shard: int, step: int, num_elements: int, dtype: str,
-             num_samples: int, clock: int, fill: Fill) -> tuple[Outcome, int, str]:
+             num_samples: int, clock: int, fill: Fill) -> tuple[Outcome, int, str, bool]:
         """Receive, validate, and hand a gradient to the policy; state is untouched by any
         rejection because everything is checked before the policy sees the gradient."""
         s = self.store
@@ -140,7 +140,7 @@ class Shard:
             s.counters.add("pushes_rejected")
             raise
         s.counters.add("samples_pushed", num_samples)
-        return outcome, s.version, message
+        return outcome, s.version, message, self.policy.finished
 
     def _receive_and_decide(self, rank, step, clock, fill):
         grad = self.store.pool.acquire()
