@@ -83,6 +83,7 @@ WORKER_FLAGS = [
     Flag("--log-every", dict(type=float, metavar="SEC", help="seconds between progress lines (default 2)")),
     Flag("--connect-timeout", dict(type=float, metavar="SEC", help="seconds to wait for the shards at start (default 30)")),
     Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take (default 300)")),
+    Flag("--eval-every", dict(type=float, metavar="SEC", help="chief: evaluate every SEC seconds too (accuracy against time in the summary)")),
     Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, exponential:MEAN, lognormal:MEAN,SIGMA")),
 ]
 
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rank", type=int, default=None, help="this worker's rank; 0 is the chief (default 0)")
     g.add_argument("--num-workers", type=int, default=None, help="number of workers N (default 1)")
     g.add_argument("--summary-json", default=None, metavar="PATH", help="chief: write the run summary here")
+    g.add_argument("--stats-json", default=None, metavar="PATH", help="write this worker's time breakdown here")
     add_flags(w, WORKER_FLAGS, "training")
     add_flags(w, COMMON_FLAGS, "transport")
 
@@ -194,7 +196,7 @@ def worker_config(ns) -> WorkerConfig:
         kw.update(ps=cluster.ps, rank=cluster.rank, num_workers=len(cluster.workers))
     if ns.ps is not None:
         kw["ps"] = parse_ps(ns.ps)
-    for name in ("rank", "num_workers", "summary_json"):
+    for name in ("rank", "num_workers", "summary_json", "stats_json"):
         if getattr(ns, name) is not None:
             kw[name] = getattr(ns, name)
     return WorkerConfig(**kw)

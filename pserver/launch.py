@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pserver.client import PSClient
 from pserver.errors import PServerError, Unavailable
-from pserver.metrics import combine_counters, format_summary, write_json
+from pserver.metrics import combine_counters, write_json
 
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 STARTUP_TIMEOUT = 60.0
@@ -107,6 +107,7 @@ def start_workers(cfg: LaunchConfig, addresses: str, worker_argv: list[str], env
             argv += ["--delay", cfg.delay]
         if i == 0:
             argv += ["--summary-json", chief_summary]
+        argv += ["--stats-json", os.path.join(os.path.dirname(chief_summary), f"worker{i}.json")]
         workers.append(Proc(f"worker{i}", argv, env))
     return workers
 
@@ -163,5 +164,14 @@ def final_summary(chief_path: str, addresses: str, launch_seconds: float) -> dic
         summary.update(combine_counters(client.status()))
     finally:
         client.close()
+    workers = []
+    for name in sorted(os.listdir(os.path.dirname(chief_path))):
+        if name.startswith("worker") and name.endswith(".json"):
+            with open(os.path.join(os.path.dirname(chief_path), name)) as f:
+                workers.append(json.load(f))
+    workers.sort(key=lambda w: w["rank"])
+    summary["workers"] = workers
+    if workers:
+        summary["idle_fraction_mean"] = round(sum(w["idle_fraction"] for w in workers) / len(workers), 4)
     summary["launch_wall_seconds"] = round(launch_seconds, 3)
     return summary

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Callable, Sequence
 
 
 class Progress:
@@ -34,6 +35,43 @@ class Progress:
     @property
     def elapsed(self) -> float:
         return time.monotonic() - self.started
+
+
+class StepTimer:
+    """Where a worker's time goes: compute, injected delay, push, pull (waiting included)."""
+
+    def __init__(self) -> None:
+        self.seconds = {"compute": 0.0, "delay": 0.0, "push": 0.0, "pull": 0.0}
+
+    @contextmanager
+    def __call__(self, what: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[what] += time.perf_counter() - t
+
+    def summary(self, wall: float, **extra) -> dict:
+        comm = self.seconds["push"] + self.seconds["pull"]
+        return {**extra, "wall_seconds": round(wall, 3),
+                **{f"{k}_seconds": round(v, 3) for k, v in self.seconds.items()},
+                # idle: waiting on the shards (transfer and consistency waits), not computing
+                "idle_fraction": round(comm / wall, 4) if wall > 0 else 0.0}
+
+
+class EvalCurve:
+    """The chief's test accuracy against wall time, every `every` seconds (0 = off)."""
+
+    def __init__(self, every: float) -> None:
+        self.every, self.next, self.points = every, every, []
+
+    def maybe(self, evaluate: Callable[[], dict], elapsed: float, client, clock: int) -> None:
+        if self.every <= 0 or elapsed < self.next:
+            return
+        ev = evaluate()
+        steps = max(client.versions)
+        self.points.append({"seconds": round(elapsed, 3), "steps": steps, "clock": clock, **ev})
+        self.next = elapsed + self.every
 
 
 def combine_counters(statuses: Sequence) -> dict:

@@ -15,7 +15,8 @@ from pserver.client import PSClient
 from pserver.config import WorkerConfig
 from pserver.data import describe, iterate_batches, load_dataset, steps_per_epoch
 from pserver.errors import DeadlineExceeded, FailedPrecondition
-from pserver.metrics import Progress, combine_counters, format_summary, write_json
+from pserver.metrics import (EvalCurve, Progress, StepTimer, combine_counters, format_summary,
+                             write_json)
 from pserver.models import make_model
 from pserver.stragglers import Delay
 
@@ -63,17 +64,23 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict
     g = np.empty_like(w)
     delay = Delay(cfg.delay, cfg.seed, cfg.rank)
     progress = Progress(cfg.rank, cfg.epochs, steps, cfg.batch_size, cfg.log_every, cfg.num_workers)
+    timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
     clock, epochs_log, outcomes = 0, [], {}
     for epoch in range(cfg.epochs):
         for step, (x, y) in enumerate(iterate_batches(ds, cfg.rank, cfg.num_workers,
                                                       cfg.batch_size, cfg.seed, epoch)):
-            loss = model.loss_and_grad(w, x, y, g)
-            delay.sleep()
-            for outcome in push(client, g, cfg.batch_size, clock):
-                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            with timer("compute"):
+                loss = model.loss_and_grad(w, x, y, g)
+            with timer("delay"):
+                delay.sleep()
+            with timer("push"):
+                for outcome in push(client, g, cfg.batch_size, clock):
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
             clock += 1
-            client.pull(w, clock)
+            with timer("pull"):
+                client.pull(w, clock)
             progress.step(epoch, step, loss, force=step == steps - 1 or client.finished)
+            curve.maybe(lambda: evaluate(model, w, ds, cfg), progress.elapsed, client, clock)
             if client.finished or (cfg.max_steps and clock >= cfg.max_steps):
                 break
         if cfg.rank == 0:
@@ -84,8 +91,12 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict
             break
         if cfg.max_steps and clock >= cfg.max_steps:
             break
-    return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock,
-            "delay_seconds": delay.total, "seconds": progress.elapsed}
+    stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock, samples=clock * cfg.batch_size,
+                          outcomes=outcomes)
+    if cfg.stats_json:
+        write_json(cfg.stats_json, stats)
+    return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock, "curve": curve.points,
+            "stats": stats, "seconds": progress.elapsed}
 
 
 def push(client: PSClient, g: np.ndarray, batch: int, clock: int) -> list[str]:
@@ -132,7 +143,7 @@ def finish(cfg, ds, model, client, w, mode, history, started) -> dict:
         "test_accuracy": ev.get("accuracy"), "test_loss": ev["loss"], "test_r2": ev.get("r2"),
         "wall_seconds": round(wall, 3),
         "train_samples_per_second": counters["samples_trained"] / wall if wall > 0 else 0.0,
-        "per_epoch": history["epochs"], "chief_push_outcomes": history["outcomes"],
+        "per_epoch": history["epochs"], "eval_curve": history["curve"], "chief": history["stats"],
         **counters,
     }
     print(format_summary(summary), flush=True)

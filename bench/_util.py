@@ -1,0 +1,63 @@
+"""What the bench scripts share: the machine they ran on, median/min/max, a text table."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+from importlib import metadata
+from typing import Sequence
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine(packages: Sequence[str] = ("grpcio", "numpy")) -> dict:
+    """Date, CPU, cores, load and versions: printed first and kept with every result."""
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "cpu": cpu_model(), "cores": os.cpu_count(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "python": platform.python_version(),
+            **{p: version(p) for p in packages}}
+
+
+def machine_lines(m: dict) -> list[str]:
+    versions = ", ".join(f"{k} {v}" for k, v in m.items()
+                         if k not in ("date", "cpu", "cores", "load_avg_1m"))
+    # The load average says whether something else was running: on a small machine
+    # another process halves a figure without any change in the code measured.
+    return [f"date: {m['date']}",
+            f"cpu: {m['cpu']}, {m['cores']} cores, load average (1 min) {m['load_avg_1m']} at start",
+            f"versions: {versions}"]
+
+
+def summary(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """Columns padded to their widest cell; the first `left` columns align left, the rest right."""
+    cells = [list(headers)] + [list(r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        lines.append("  ".join(c.ljust(w) if i < left else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    return "\n".join(lines)
