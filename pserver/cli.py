@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from pserver import allocator
 from pserver.config import MODES, ServerConfig, WorkerConfig, parse_address, parse_tf_config
 from pserver.errors import ConfigError, PServerError
 
@@ -87,7 +88,11 @@ WORKER_FLAGS = [
     Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, exponential:MEAN, lognormal:MEAN,SIGMA")),
 ]
 
-COMMON_FLAGS = [Flag("--chunk-bytes", dict(type=int, help="payload bytes per streamed message (default 1048576)"))]
+COMMON_FLAGS = [
+    Flag("--chunk-bytes", dict(type=int, help="payload bytes per streamed message (default 1048576)")),
+    Flag("--data-plane", dict(choices=("auto", "grpc"), help="auto (default): shards and workers on the same "
+                              "host exchange payloads through shared memory; grpc: gRPC streams only")),
+]
 
 
 def add_flags(parser, flags, title):
@@ -203,12 +208,14 @@ def worker_config(ns) -> WorkerConfig:
 
 
 def cmd_serve(ns) -> int:
+    allocator.tune()
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     from pserver.server.app import serve
     return serve(server_config(ns))
 
 
 def cmd_worker(ns) -> int:
+    allocator.tune()
     from pserver.worker import run_worker
     run_worker(worker_config(ns))
     return 0

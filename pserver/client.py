@@ -15,7 +15,7 @@ from typing import Callable, Sequence, TypeVar
 import grpc
 import numpy as np
 
-from pserver import codec
+from pserver import codec, dataplane
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import InvalidArgument, Unavailable, rpc_error_for
@@ -38,23 +38,32 @@ class ShardInfo:
     signature: str
     optimizer: str
     lr: float
+    dataplane: str
+    host_id: str
 
 
 class ShardClient:
     """One shard: its channel, stub and range; every call translates gRPC errors."""
 
-    def __init__(self, index: int, address: str, chunk_bytes: int = codec.CHUNK_BYTES) -> None:
+    def __init__(self, index: int, address: str, chunk_bytes: int = codec.CHUNK_BYTES,
+                 data_plane: str = "auto") -> None:
         self.index, self.address, self.chunk_bytes = index, address, chunk_bytes
+        self.data_plane = data_plane
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.ParameterServerStub(self.channel)
         self.info: ShardInfo | None = None
+        self.fast: dataplane.DataPlaneChannel | None = None   # same-host shared memory
+
+    @property
+    def label(self) -> str:
+        return f"shard {self.index} at {self.address}"
 
     def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         try:
             return fn(*args, **kwargs)
         except grpc.RpcError as e:
             code = e.code().name if e.code() is not None else "UNKNOWN"
-            raise rpc_error_for(code, f"shard {self.index} at {self.address}: {e.details()}") from None
+            raise rpc_error_for(code, f"{self.label}: {e.details()}") from None
 
     def wait_ready(self, timeout: float) -> None:
         try:
@@ -69,7 +78,10 @@ class ShardClient:
                                  layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors])
         r = self.call(self.stub.Register, req, timeout=timeout)
         self.info = ShardInfo(r.mode, r.version, r.initialized, r.range_start, r.range_end,
-                              r.total_params, r.layout_signature, r.optimizer, r.lr)
+                              r.total_params, r.layout_signature, r.optimizer, r.lr, r.dataplane, r.host_id)
+        if self.data_plane == "auto" and self.fast is None:
+            self.fast = dataplane.connect(r.dataplane, r.host_id, rank, self.index,
+                                          r.range_end - r.range_start, self.label)
         return self.info
 
     def init(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
@@ -80,6 +92,8 @@ class ShardClient:
     def pull_into(self, flat: np.ndarray, rank: int, seen_version: int, clock: int,
                   timeout: float) -> tuple[int, bool]:
         """Stream this shard's range straight into flat[start:end]; returns (version, finished)."""
+        if self.fast is not None:
+            return self.fast.pull_into(flat[self.info.start:self.info.end], seen_version, clock, timeout)
         req = pb.PullRequest(rank=rank, shard=self.index, seen_version=seen_version, clock=clock)
 
         def run() -> tuple[int, bool]:
@@ -95,6 +109,10 @@ class ShardClient:
 
     def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
              timeout: float) -> tuple[str, int, bool]:
+        if self.fast is not None:
+            outcome, version, finished = self.fast.push(grad[self.info.start:self.info.end], step,
+                                                        num_samples, clock, timeout)
+            return OUTCOMES.get(outcome, "unknown"), version, finished
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
                                  clock=clock)
         stream = codec.encode(header, grad[self.info.start:self.info.end], self.chunk_bytes)
@@ -108,6 +126,8 @@ class ShardClient:
         self.call(self.stub.Leave, pb.LeaveRequest(rank=rank), timeout=timeout)
 
     def close(self) -> None:
+        if self.fast is not None:
+            self.fast.close()
         self.channel.close()
 
 
@@ -116,9 +136,10 @@ class PSClient:
     the GIL while it waits on the network), so a step costs the slowest shard, not the sum."""
 
     def __init__(self, addresses: Sequence[str], rank: int = 0, num_workers: int = 1,
-                 chunk_bytes: int = codec.CHUNK_BYTES, rpc_deadline: float = 300.0) -> None:
+                 chunk_bytes: int = codec.CHUNK_BYTES, rpc_deadline: float = 300.0,
+                 data_plane: str = "auto") -> None:
         self.rank, self.num_workers, self.rpc_deadline = rank, num_workers, rpc_deadline
-        self.shards = [ShardClient(j, a, chunk_bytes) for j, a in enumerate(addresses)]
+        self.shards = [ShardClient(j, a, chunk_bytes, data_plane) for j, a in enumerate(addresses)]
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-client") \
             if len(self.shards) > 1 else None
         self.versions = [-1] * len(self.shards)
@@ -140,6 +161,11 @@ class PSClient:
         # a restarted worker is the version the others have reached.
         return self.each(lambda s: s.register(self.rank, self.num_workers, len(self.shards),
                                               layout, batch_size, self.rpc_deadline))
+
+    def plane_description(self) -> str:
+        fast = sum(s.fast is not None for s in self.shards)
+        return ("payloads over gRPC streams" if fast == 0 else "payloads through shared memory"
+                if fast == len(self.shards) else f"shared memory with {fast} of {len(self.shards)}")
 
     def init(self, flat: np.ndarray) -> list[bool]:
         return self.each(lambda s: s.init(self.rank, flat, self.rpc_deadline))

@@ -14,6 +14,7 @@ from pserver.errors import ConfigError
 HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")   # name, IPv4 or [IPv6]
 DEFAULT_PORT = 2222            # TensorFlow's default, so TF_CONFIG addresses without a port work
 MODES = ("sync", "backup", "async", "ssp")
+DATA_PLANES = ("auto", "grpc")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class ServerConfig:
     weight_decay: float = 0.0     # L2 coefficient added to the gradient
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
     threads: int = 64             # gRPC worker threads: pulls block while they wait for a step
+    data_plane: str = "auto"      # auto: also offer same-host shared memory; grpc: streams only
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -52,6 +54,8 @@ class ServerConfig:
             raise ConfigError(f"--step-timeout: must be > 0 seconds, got {self.step_timeout}")
         if self.threads < 4:
             raise ConfigError(f"--threads: must be at least 4, got {self.threads}")
+        if self.data_plane not in DATA_PLANES:
+            raise ConfigError(f"--data-plane: '{self.data_plane}' is not one of {', '.join(DATA_PLANES)}")
         if self.backup_workers < 0 or self.staleness < 0:
             raise ConfigError("--backup-workers and --staleness must be >= 0")
         if self.mode == "backup" and self.backup_workers < 1:
@@ -91,6 +95,7 @@ class WorkerConfig:
     stats_json: str | None = None    # write this worker's time breakdown (compute/push/pull/idle)
     eval_every: float = 0.0       # chief: also evaluate every this many seconds (0 = per epoch only)
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
+    data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
 
     def __post_init__(self) -> None:
         if not self.ps:
@@ -103,6 +108,8 @@ class WorkerConfig:
             raise ConfigError(f"--batch-size: must be >= 1, got {self.batch_size}")
         if self.epochs < 1:
             raise ConfigError(f"--epochs: must be >= 1, got {self.epochs}")
+        if self.data_plane not in DATA_PLANES:
+            raise ConfigError(f"--data-plane: '{self.data_plane}' is not one of {', '.join(DATA_PLANES)}")
         if self.delay:
             from pserver.stragglers import parse_delay
             parse_delay(self.delay)

@@ -37,14 +37,15 @@ def evaluate(model, w, ds, cfg: WorkerConfig) -> dict:
 def run_worker(cfg: WorkerConfig) -> dict | None:
     """Train until the epochs (or --max-steps) are done; the chief returns the summary."""
     ds, model = build(cfg)
-    client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline)
+    client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane)
     try:
         client.connect(cfg.connect_timeout)
         infos = client.register(model.layout, cfg.batch_size)
         mode = infos[0].mode
         print(f"worker rank {cfg.rank}/{cfg.num_workers} device {cfg.device}; "
               f"model {model.name} {model.layout.total:,} params; {describe(ds)}; mode {mode}, "
-              f"{len(cfg.ps)} shard(s), optimizer {infos[0].optimizer} lr {infos[0].lr:g}", flush=True)
+              f"{len(cfg.ps)} shard(s) ({client.plane_description()}), optimizer {infos[0].optimizer} "
+              f"lr {infos[0].lr:g}", flush=True)
         w = np.empty(model.layout.total, dtype=np.float32)
         if cfg.rank == 0:
             client.init(model.init_params(cfg.seed))

@@ -16,10 +16,17 @@ from pserver.models.layout import Layout
 LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
 
 
-def ready_client(address, num_workers=1, rank=0, layout=LAYOUT, init=True):
-    c = PSClient([address], rank=rank, num_workers=num_workers, rpc_deadline=10)
+@pytest.fixture(params=["grpc", "auto"])
+def plane(request):
+    """Every client-level test runs over gRPC streams and over the shared-memory plane."""
+    return request.param
+
+
+def ready_client(address, num_workers=1, rank=0, layout=LAYOUT, init=True, plane="grpc"):
+    c = PSClient([address], rank=rank, num_workers=num_workers, rpc_deadline=10, data_plane=plane)
     c.connect(5)
     c.register(layout)
+    assert (c.shards[0].fast is not None) == (plane == "auto"), "auto must use shared memory here"
     if init:
         c.init(np.arange(layout.total, dtype=np.float32))
     return c
@@ -30,9 +37,9 @@ def raw_push(address, chunks):
     return stub.Push(iter(chunks), timeout=5)
 
 
-def test_push_and_pull_round_trip_over_grpc(shard_server):
+def test_push_and_pull_round_trip(shard_server, plane):
     addr, shard = shard_server(optimizer="sgd", lr=1.0)
-    c = ready_client(addr)
+    c = ready_client(addr, plane=plane)
     w = np.empty(LAYOUT.total, np.float32)
     assert c.pull(w) == [0]
     np.testing.assert_array_equal(w, np.arange(33))
@@ -88,9 +95,10 @@ def test_malformed_streams_are_invalid_argument(shard_server, chunks, words):
     assert shard.store.version == 0 and not shard.policy.pending
 
 
-def test_client_translates_status_codes(shard_server):
-    addr, _ = shard_server()
-    c = ready_client(addr)
+def test_client_translates_status_codes_and_state_is_unchanged(shard_server, plane):
+    addr, shard = shard_server()
+    c = ready_client(addr, plane=plane)
+    before = shard.store.params.tobytes()
     with pytest.raises(FailedPrecondition, match="shard 0 at 127.0.0.1.*step"):
         c.push(np.ones(33, np.float32), 1, steps=[3])
     bad = np.ones(33, np.float32)
@@ -98,7 +106,25 @@ def test_client_translates_status_codes(shard_server):
     with pytest.raises(InvalidArgument, match="non-finite"):
         c.push(bad, 1)
     with pytest.raises(FailedPrecondition, match="layout"):
-        ready_client(addr, layout=Layout.of([("w", (4,))]), init=False)
+        ready_client(addr, layout=Layout.of([("w", (4,))]), init=False, plane=plane)
+    assert shard.store.params.tobytes() == before and shard.store.version == 0
+    assert shard.status()["counters"]["pushes_rejected"] == 2
+
+
+def test_data_plane_off_on_the_server_means_grpc(shard_server):
+    addr, _ = shard_server(data_plane="grpc")
+    c = PSClient([addr], data_plane="auto")
+    c.connect(5)
+    c.register(LAYOUT)
+    assert c.shards[0].fast is None and "gRPC" in c.plane_description()
+
+
+def test_lost_data_plane_is_unavailable(shard_server):
+    addr, shard = shard_server()
+    c = ready_client(addr, plane="auto")
+    shard.close()                                  # the shard goes away mid-run
+    with pytest.raises(Unavailable, match="shard 0"):
+        c.pull(np.empty(33, np.float32))
 
 
 def test_unreachable_shard_is_unavailable_with_the_address():
@@ -107,10 +133,10 @@ def test_unreachable_shard_is_unavailable_with_the_address():
         c.connect(0.5)
 
 
-def test_two_shards_split_the_vector_and_pull_in_parallel(shard_server):
+def test_two_shards_split_the_vector_and_pull_in_parallel(shard_server, plane):
     a0, s0 = shard_server(shard=0, num_shards=2, optimizer="sgd", lr=0.5)
     a1, s1 = shard_server(shard=1, num_shards=2, optimizer="sgd", lr=0.5)
-    c = PSClient([a0, a1], rpc_deadline=10)
+    c = PSClient([a0, a1], rpc_deadline=10, data_plane=plane)
     c.connect(5)
     infos = c.register(LAYOUT)
     assert [(i.start, i.end) for i in infos] == [(0, 17), (17, 33)]
@@ -127,7 +153,7 @@ def test_hundred_million_parameters_fit_default_message_limits(shard_server):
     n = 100_000_000
     layout = Layout.of([("w", (n,))])
     addr, shard = shard_server(optimizer="sgd", lr=1.0)
-    c = PSClient([addr], rpc_deadline=120)
+    c = PSClient([addr], rpc_deadline=120, data_plane="grpc")
     c.connect(5)
     c.register(layout)
     w = np.ones(n, np.float32)

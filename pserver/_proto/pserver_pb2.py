@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpserver.proto\x12\npserver.v1\")\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\x93\x01\n\x0fRegisterRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\r\n\x05shard\x18\x03 \x01(\x05\x12\x12\n\nnum_shards\x18\x04 \x01(\x05\x12&\n\x06layout\x18\x05 \x03(\x0b\x32\x16.pserver.v1.TensorSpec\x12\x12\n\nbatch_size\x18\x06 \x01(\x05\"\xba\x01\n\rRegisterReply\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0binitialized\x18\x03 \x01(\x08\x12\x13\n\x0brange_start\x18\x04 \x01(\x03\x12\x11\n\trange_end\x18\x05 \x01(\x03\x12\x14\n\x0ctotal_params\x18\x06 \x01(\x03\x12\x18\n\x10layout_signature\x18\x07 \x01(\t\x12\x11\n\toptimizer\x18\x08 \x01(\t\x12\n\n\x02lr\x18\t \x01(\x01\"\xae\x01\n\x0cTensorHeader\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x14\n\x0cnum_elements\x18\x04 \x01(\x03\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bnum_samples\x18\x06 \x01(\x05\x12\x18\n\x10layout_signature\x18\x07 \x01(\t\x12\r\n\x05\x63lock\x18\x08 \x01(\x03\x12\x10\n\x08\x66inished\x18\t \x01(\x08\"E\n\x0bTensorChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.pserver.v1.TensorHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"9\n\tInitReply\x12\x1b\n\x13\x61lready_initialized\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\"O\n\x0bPullRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x14\n\x0cseen_version\x18\x03 \x01(\x03\x12\r\n\x05\x63lock\x18\x04 \x01(\x03\"\xc2\x01\n\tPushReply\x12.\n\x07outcome\x18\x01 \x01(\x0e\x32\x1d.pserver.v1.PushReply.Outcome\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"Q\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPLIED\x10\x01\x12\x0e\n\nAGGREGATED\x10\x02\x12\x10\n\x0c\x44ROPPED_LATE\x10\x03\"\x0f\n\rStatusRequest\"\xd3\x02\n\x08\x43ounters\x12\x17\n\x0fpushes_received\x18\x01 \x01(\x03\x12\x16\n\x0epushes_applied\x18\x02 \x01(\x03\x12\x19\n\x11pushes_aggregated\x18\x03 \x01(\x03\x12\x1b\n\x13pushes_dropped_late\x18\x04 \x01(\x03\x12\x17\n\x0fpushes_rejected\x18\x05 \x01(\x03\x12\x17\n\x0fupdates_applied\x18\x06 \x01(\x03\x12\x1b\n\x13workers_marked_dead\x18\x07 \x01(\x03\x12\x16\n\x0esamples_pushed\x18\x08 \x01(\x03\x12\x16\n\x0estaleness_mean\x18\t \x01(\x01\x12\x15\n\rstaleness_max\x18\n \x01(\x03\x12\x1b\n\x13staleness_histogram\x18\x0b \x03(\x03\x12\x14\n\x0cpulls_served\x18\x0c \x01(\x03\x12\x15\n\rclock_gap_max\x18\r \x01(\x03\"\x9d\x02\n\x0bStatusReply\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x12\n\nnum_shards\x18\x02 \x01(\x05\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x12\n\nnum_params\x18\x05 \x01(\x03\x12\x14\n\x0ctotal_params\x18\x06 \x01(\x03\x12\x13\n\x0bnum_workers\x18\x07 \x01(\x05\x12\x11\n\toptimizer\x18\x08 \x01(\t\x12\n\n\x02lr\x18\t \x01(\x01\x12&\n\x08\x63ounters\x18\n \x01(\x0b\x32\x14.pserver.v1.Counters\x12\x14\n\x0clive_workers\x18\x0b \x03(\x05\x12\x16\n\x0euptime_seconds\x18\x0c \x01(\x01\x12\x18\n\x10layout_signature\x18\r \x01(\t\"\x1c\n\x0cLeaveRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\"\x0c\n\nLeaveReply2\xfe\x02\n\x0fParameterServer\x12\x42\n\x08Register\x12\x1b.pserver.v1.RegisterRequest\x1a\x19.pserver.v1.RegisterReply\x12\x38\n\x04Init\x12\x17.pserver.v1.TensorChunk\x1a\x15.pserver.v1.InitReply(\x01\x12:\n\x04Pull\x12\x17.pserver.v1.PullRequest\x1a\x17.pserver.v1.TensorChunk0\x01\x12\x38\n\x04Push\x12\x17.pserver.v1.TensorChunk\x1a\x15.pserver.v1.PushReply(\x01\x12<\n\x06Status\x12\x19.pserver.v1.StatusRequest\x1a\x17.pserver.v1.StatusReply\x12\x39\n\x05Leave\x12\x18.pserver.v1.LeaveRequest\x1a\x16.pserver.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpserver.proto\x12\npserver.v1\")\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\x93\x01\n\x0fRegisterRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\r\n\x05shard\x18\x03 \x01(\x05\x12\x12\n\nnum_shards\x18\x04 \x01(\x05\x12&\n\x06layout\x18\x05 \x03(\x0b\x32\x16.pserver.v1.TensorSpec\x12\x12\n\nbatch_size\x18\x06 \x01(\x05\"\xde\x01\n\rRegisterReply\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0binitialized\x18\x03 \x01(\x08\x12\x13\n\x0brange_start\x18\x04 \x01(\x03\x12\x11\n\trange_end\x18\x05 \x01(\x03\x12\x14\n\x0ctotal_params\x18\x06 \x01(\x03\x12\x18\n\x10layout_signature\x18\x07 \x01(\t\x12\x11\n\toptimizer\x18\x08 \x01(\t\x12\n\n\x02lr\x18\t \x01(\x01\x12\x11\n\tdataplane\x18\n \x01(\t\x12\x0f\n\x07host_id\x18\x0b \x01(\t\"\xae\x01\n\x0cTensorHeader\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x14\n\x0cnum_elements\x18\x04 \x01(\x03\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bnum_samples\x18\x06 \x01(\x05\x12\x18\n\x10layout_signature\x18\x07 \x01(\t\x12\r\n\x05\x63lock\x18\x08 \x01(\x03\x12\x10\n\x08\x66inished\x18\t \x01(\x08\"E\n\x0bTensorChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.pserver.v1.TensorHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"9\n\tInitReply\x12\x1b\n\x13\x61lready_initialized\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\"O\n\x0bPullRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x14\n\x0cseen_version\x18\x03 \x01(\x03\x12\r\n\x05\x63lock\x18\x04 \x01(\x03\"\xc2\x01\n\tPushReply\x12.\n\x07outcome\x18\x01 \x01(\x0e\x32\x1d.pserver.v1.PushReply.Outcome\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"Q\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPLIED\x10\x01\x12\x0e\n\nAGGREGATED\x10\x02\x12\x10\n\x0c\x44ROPPED_LATE\x10\x03\"\x0f\n\rStatusRequest\"\xd3\x02\n\x08\x43ounters\x12\x17\n\x0fpushes_received\x18\x01 \x01(\x03\x12\x16\n\x0epushes_applied\x18\x02 \x01(\x03\x12\x19\n\x11pushes_aggregated\x18\x03 \x01(\x03\x12\x1b\n\x13pushes_dropped_late\x18\x04 \x01(\x03\x12\x17\n\x0fpushes_rejected\x18\x05 \x01(\x03\x12\x17\n\x0fupdates_applied\x18\x06 \x01(\x03\x12\x1b\n\x13workers_marked_dead\x18\x07 \x01(\x03\x12\x16\n\x0esamples_pushed\x18\x08 \x01(\x03\x12\x16\n\x0estaleness_mean\x18\t \x01(\x01\x12\x15\n\rstaleness_max\x18\n \x01(\x03\x12\x1b\n\x13staleness_histogram\x18\x0b \x03(\x03\x12\x14\n\x0cpulls_served\x18\x0c \x01(\x03\x12\x15\n\rclock_gap_max\x18\r \x01(\x03\"\x9d\x02\n\x0bStatusReply\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x12\n\nnum_shards\x18\x02 \x01(\x05\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x12\n\nnum_params\x18\x05 \x01(\x03\x12\x14\n\x0ctotal_params\x18\x06 \x01(\x03\x12\x13\n\x0bnum_workers\x18\x07 \x01(\x05\x12\x11\n\toptimizer\x18\x08 \x01(\t\x12\n\n\x02lr\x18\t \x01(\x01\x12&\n\x08\x63ounters\x18\n \x01(\x0b\x32\x14.pserver.v1.Counters\x12\x14\n\x0clive_workers\x18\x0b \x03(\x05\x12\x16\n\x0euptime_seconds\x18\x0c \x01(\x01\x12\x18\n\x10layout_signature\x18\r \x01(\t\"\x1c\n\x0cLeaveRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\"\x0c\n\nLeaveReply2\xfe\x02\n\x0fParameterServer\x12\x42\n\x08Register\x12\x1b.pserver.v1.RegisterRequest\x1a\x19.pserver.v1.RegisterReply\x12\x38\n\x04Init\x12\x17.pserver.v1.TensorChunk\x1a\x15.pserver.v1.InitReply(\x01\x12:\n\x04Pull\x12\x17.pserver.v1.PullRequest\x1a\x17.pserver.v1.TensorChunk0\x01\x12\x38\n\x04Push\x12\x17.pserver.v1.TensorChunk\x1a\x15.pserver.v1.PushReply(\x01\x12<\n\x06Status\x12\x19.pserver.v1.StatusRequest\x1a\x17.pserver.v1.StatusReply\x12\x39\n\x05Leave\x12\x18.pserver.v1.LeaveRequest\x1a\x16.pserver.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_start=73
   _globals['_REGISTERREQUEST']._serialized_end=220
   _globals['_REGISTERREPLY']._serialized_start=223
-  _globals['_REGISTERREPLY']._serialized_end=409
-  _globals['_TENSORHEADER']._serialized_start=412
-  _globals['_TENSORHEADER']._serialized_end=586
-  _globals['_TENSORCHUNK']._serialized_start=588
-  _globals['_TENSORCHUNK']._serialized_end=657
-  _globals['_INITREPLY']._serialized_start=659
-  _globals['_INITREPLY']._serialized_end=716
-  _globals['_PULLREQUEST']._serialized_start=718
-  _globals['_PULLREQUEST']._serialized_end=797
-  _globals['_PUSHREPLY']._serialized_start=800
-  _globals['_PUSHREPLY']._serialized_end=994
-  _globals['_PUSHREPLY_OUTCOME']._serialized_start=913
-  _globals['_PUSHREPLY_OUTCOME']._serialized_end=994
-  _globals['_STATUSREQUEST']._serialized_start=996
-  _globals['_STATUSREQUEST']._serialized_end=1011
-  _globals['_COUNTERS']._serialized_start=1014
-  _globals['_COUNTERS']._serialized_end=1353
-  _globals['_STATUSREPLY']._serialized_start=1356
-  _globals['_STATUSREPLY']._serialized_end=1641
-  _globals['_LEAVEREQUEST']._serialized_start=1643
-  _globals['_LEAVEREQUEST']._serialized_end=1671
-  _globals['_LEAVEREPLY']._serialized_start=1673
-  _globals['_LEAVEREPLY']._serialized_end=1685
-  _globals['_PARAMETERSERVER']._serialized_start=1688
-  _globals['_PARAMETERSERVER']._serialized_end=2070
+  _globals['_REGISTERREPLY']._serialized_end=445
+  _globals['_TENSORHEADER']._serialized_start=448
+  _globals['_TENSORHEADER']._serialized_end=622
+  _globals['_TENSORCHUNK']._serialized_start=624
+  _globals['_TENSORCHUNK']._serialized_end=693
+  _globals['_INITREPLY']._serialized_start=695
+  _globals['_INITREPLY']._serialized_end=752
+  _globals['_PULLREQUEST']._serialized_start=754
+  _globals['_PULLREQUEST']._serialized_end=833
+  _globals['_PUSHREPLY']._serialized_start=836
+  _globals['_PUSHREPLY']._serialized_end=1030
+  _globals['_PUSHREPLY_OUTCOME']._serialized_start=949
+  _globals['_PUSHREPLY_OUTCOME']._serialized_end=1030
+  _globals['_STATUSREQUEST']._serialized_start=1032
+  _globals['_STATUSREQUEST']._serialized_end=1047
+  _globals['_COUNTERS']._serialized_start=1050
+  _globals['_COUNTERS']._serialized_end=1389
+  _globals['_STATUSREPLY']._serialized_start=1392
+  _globals['_STATUSREPLY']._serialized_end=1677
+  _globals['_LEAVEREQUEST']._serialized_start=1679
+  _globals['_LEAVEREQUEST']._serialized_end=1707
+  _globals['_LEAVEREPLY']._serialized_start=1709
+  _globals['_LEAVEREPLY']._serialized_end=1721
+  _globals['_PARAMETERSERVER']._serialized_start=1724
+  _globals['_PARAMETERSERVER']._serialized_end=2106
 # @@protoc_insertion_point(module_scope)

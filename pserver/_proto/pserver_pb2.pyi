@@ -32,7 +32,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("mode", "version", "initialized", "range_start", "range_end", "total_params", "layout_signature", "optimizer", "lr")
+    __slots__ = ("mode", "version", "initialized", "range_start", "range_end", "total_params", "layout_signature", "optimizer", "lr", "dataplane", "host_id")
     MODE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class RegisterReply(_message.Message):
     LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    DATAPLANE_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     mode: str
     version: int
     initialized: bool
@@ -51,7 +53,9 @@ class RegisterReply(_message.Message):
     layout_signature: str
     optimizer: str
     lr: float
-    def __init__(self, mode: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., total_params: _Optional[int] = ..., layout_signature: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ...) -> None: ...
+    dataplane: str
+    host_id: str
+    def __init__(self, mode: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., total_params: _Optional[int] = ..., layout_signature: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., dataplane: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
     __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished")

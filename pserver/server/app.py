@@ -10,6 +10,7 @@ from concurrent import futures
 
 import grpc
 
+from pserver import dataplane
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.codec import MAX_CHUNK_BYTES
 from pserver.config import ServerConfig
@@ -39,6 +40,8 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
     if port == 0:
         raise ConfigError(f"--port: cannot bind {address} (in use, or not an address of this host)")
     server.start()
+    if cfg.data_plane == "auto" and dataplane.supported():
+        shard.dataplane = dataplane.DataPlaneServer(shard)
     return server, port, shard
 
 

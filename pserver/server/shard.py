@@ -15,6 +15,7 @@ import numpy as np
 
 from pserver.codec import DTYPE_NAME
 from pserver.config import ServerConfig
+from pserver.dataplane import host_id
 from pserver.errors import FailedPrecondition, InvalidArgument, RpcError
 from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
@@ -37,6 +38,8 @@ class Registration:
     layout_signature: str
     optimizer: str
     lr: float
+    dataplane: str
+    host_id: str
 
 
 class Shard:
@@ -45,6 +48,7 @@ class Shard:
         self.store = ShardStore(cfg.shard, cfg.num_shards, self._optimizer_for)
         self.policy = make_policy(self.store, cfg)
         self.started = time.monotonic()
+        self.dataplane = None          # a DataPlaneServer, when app.py starts one
 
     def _optimizer_for(self, size: int):
         c = self.cfg
@@ -75,7 +79,8 @@ class Shard:
             s.configure(layout.signature(), total, start, end)
             self.policy.join(rank, num_workers)
             return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,
-                                s.signature, self.cfg.optimizer, self.cfg.lr)
+                                s.signature, self.cfg.optimizer, self.cfg.lr,
+                                self.dataplane.address if self.dataplane else "", host_id())
 
     def init(self, rank: int, signature: str, num_elements: int, dtype: str, fill: Fill) -> tuple[bool, int]:
         """Take the chief's initial values unless the shard already holds values."""
@@ -173,3 +178,5 @@ class Shard:
 
     def close(self) -> None:
         self.store.close()
+        if self.dataplane is not None:
+            self.dataplane.close()

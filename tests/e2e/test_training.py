@@ -31,6 +31,7 @@ def test_serve_and_worker_processes_train_logreg(procs, tmp_path):
     assert s["steps"] == s["updates_applied"] == 2 * (6000 // 2 // 32)   # 2 epochs of 93 steps
     assert s["pushes_aggregated"] == 2 * s["steps"] and s["pushes_rejected"] == 0
     assert "epoch 2/2 done" in chief.output and "samples/s" in other.output
+    assert "payloads through shared memory" in chief.output
     status = run("status", "--ps", addr)
     assert status.returncode == 0, status.stderr
     assert "version" in status.stdout and str(s["steps"]) in status.stdout
@@ -41,7 +42,7 @@ def test_serve_and_worker_processes_train_logreg(procs, tmp_path):
 def test_launch_two_shards_three_workers(tmp_path):
     summary = tmp_path / "s.json"
     r = run("launch", "--ps", "2", "--workers", "3", *LOGREG, "--optimizer", "sgd", "--lr", "0.1",
-            "--summary-json", str(summary))
+            "--data-plane", "grpc", "--summary-json", str(summary))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     s = read_json(summary)
     assert SUMMARY_KEYS <= s.keys()
@@ -49,6 +50,7 @@ def test_launch_two_shards_three_workers(tmp_path):
     assert (s["mode"], s["num_shards"], s["num_workers"], s["model"]) == ("sync", 2, 3, "logreg")
     for role in ("[ps0]", "[ps1]", "[worker0]", "[worker1]", "[worker2]"):
         assert role in r.stdout
+    assert "payloads over gRPC streams" in r.stdout
 
 
 def free_port() -> int:

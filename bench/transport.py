@@ -1,0 +1,573 @@
+"""Round trips through pserver's real client and shard processes, against raw gRPC and TCP.
+
+A round trip is what a worker does every step: push P float32 (the gradient), then pull
+P float32 (the weights). pserver runs as a user runs it: S `python -m pserver serve`
+processes in sync mode with one worker (so every push completes a step and the shard
+applies SGD), and a PSClient in this process. The baselines move the same bytes between
+this process and one server process started by this script:
+
+  raw_grpc  gRPC with generic handlers and no protobuf: push streams 1 MiB chunks of raw
+            bytes into a preallocated buffer, pull streams them back out of it;
+            run with glibc malloc's defaults and with malloc tuned (env of the server).
+  tcp       plain loopback sockets, preallocated buffers on both sides, TCP_NODELAY.
+
+    python bench/transport.py                     # 10M and 262,144 params, 1/2/4 shards
+    python bench/transport.py --quick             # small sizes, 1 shard, 3 repeats
+    python bench/transport.py --json out.json     # also write the rows as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import ctypes
+import inspect
+import json
+import os
+import queue
+import re
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
+from _util import machine, machine_lines, summary, table  # noqa: E402
+
+DEFINITIONS = """\
+round trip: push P float32 (the gradient), then pull P float32 (the weights), sequentially, one client
+mb_per_s_per_direction = (P * 4 bytes / 1e6) / (round-trip seconds / 2)
+round_trips_per_s = 1 / round-trip seconds
+each figure: median of the repeats (min, max beside it); a repeat times n round trips after
+warm-up round trips that are not timed; ratios divide pserver's median by the baseline's
+median on the same payload (equal for both metrics); baselines run one server process"""
+
+SYSTEMS = ("pserver", "raw_grpc", "tcp")
+METRICS = {"mb_per_s_per_direction": "MB/s", "round_trips_per_s": "1/s"}
+# Server-side env of the raw_grpc malloc-tuned variant: no mmap for large blocks and no
+# trimming, so the 1 MiB chunks reuse heap memory instead of mmap/munmap (page faults) each time.
+MALLOC_TUNED = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4000000000",
+                "MALLOC_TOP_PAD_": "268435456"}
+REFERENCE = ("raw_grpc", "malloc-tuned")          # the baseline the first ratio column uses
+LISTENING = re.compile(r"listening on (\S+):(\d+)")
+RAW_SERVICE = "bench.Raw"
+REPEAT_SECONDS = 0.5      # a repeat runs enough round trips to take about this long
+MIN_ROUND_TRIPS = 3       # ... and never fewer (a 40 MB round trip can take longer than that)
+WARMUP_SECONDS = 0.3      # untimed round trips first: connections, buffers, numba, caches
+MIN_WARMUP = 2
+START_TIMEOUT = 120.0     # seconds a server process may take to print its port (2 busy cores)
+PUSH, PULL, ACK = b"P", b"L", b"K"   # the TCP baseline's one-byte framing
+
+
+@dataclass
+class Measurement:
+    system: str
+    variant: str
+    params: int
+    shards: int
+    seconds: list[float]              # seconds per round trip, one figure per repeat
+    round_trips: int                  # round trips in each repeat
+    path: str = ""                    # how the payloads travelled, where the client says
+
+    def values(self, metric: str) -> list[float]:
+        if metric == "round_trips_per_s":
+            return [1.0 / s for s in self.seconds]
+        return [(self.params * 4 / 1e6) / (s / 2) for s in self.seconds]
+
+
+# ---------------------------------------------------------------------------- timing
+
+def time_round_trips(round_trip, repeats: int) -> tuple[list[float], int, int]:
+    """(seconds per round trip of each repeat, round trips per repeat, round trips run in all)."""
+    start, warm = time.perf_counter(), []
+    while len(warm) < MIN_WARMUP or time.perf_counter() - start < WARMUP_SECONDS:
+        t = time.perf_counter()
+        round_trip()
+        warm.append(time.perf_counter() - t)
+    # Sized on the warm-up's median without its first round trip, which carries one-time costs.
+    n = max(MIN_ROUND_TRIPS, round(REPEAT_SECONDS / max(summary(warm[1:])[0], 1e-6)))
+    seconds = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(n):
+            round_trip()
+        seconds.append((time.perf_counter() - t) / n)
+    return seconds, n, len(warm) + n * repeats
+
+
+def payloads(params: int) -> tuple[np.ndarray, np.ndarray]:
+    """(gradient, weights): random, finite float32, allocated once."""
+    rng = np.random.default_rng(0)
+    return rng.standard_normal(params, dtype=np.float32), rng.standard_normal(params, dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------- server processes
+
+def die_with_parent():
+    """A preexec_fn that makes the child get SIGTERM when this process dies (Linux), or None.
+    The libc function is looked up here, before the fork: the child only makes one call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    PR_SET_PDEATHSIG = 1
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ServerProcess:
+    """A child that prints `listening on HOST:PORT`. A thread drains its output, so a full
+    pipe never blocks it, and keeps the last lines for the error message if it dies."""
+
+    def __init__(self, name: str, argv: list[str], env: dict | None = None) -> None:
+        self.name = name
+        # A session of its own, so a Ctrl-C in the terminal reaches only this script, which
+        # then stops the servers itself (rather than racing them down and reporting a dead
+        # shard); and a parent-death signal, so even a killed bench leaves no orphans.
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, env=env,
+                                     start_new_session=True, preexec_fn=die_with_parent())
+        self.tail: collections.deque[str] = collections.deque(maxlen=20)
+        self._address: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip())
+            m = LISTENING.search(line)
+            if m:
+                self._address.put(f"{m.group(1)}:{m.group(2)}")
+        self._address.put(None)    # end of output: the process has gone
+
+    def address(self) -> str:
+        try:
+            addr = self._address.get(timeout=START_TIMEOUT)
+        except queue.Empty:
+            addr = None
+        if addr is None:
+            raise RuntimeError(f"{self.name} did not print its port (exit code {self.proc.poll()}); "
+                               f"its last output:\n  " + "\n  ".join(self.tail))
+        return addr
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self) -> None:
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def running(named_argvs: list[tuple[str, list[str]]], env: dict | None = None):
+    """Start the processes together, yield their addresses; SIGTERM them all however we leave."""
+    procs: list[ServerProcess] = []
+    try:
+        for name, argv in named_argvs:
+            procs.append(ServerProcess(name, argv, env))
+        yield [p.address() for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+        for p in procs:
+            p.wait()
+
+
+def this_script(mode: str, params: int, chunk_bytes: int) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), mode, "0",
+            "--params", str(params), "--chunk-bytes", str(chunk_bytes)]
+
+
+# ---------------------------------------------------------------------------- pserver
+
+def data_plane_keyword() -> bool:
+    """Whether PSClient takes `data_plane` yet (the faster same-host plane is in the works)."""
+    from pserver.client import PSClient
+    try:
+        inspect.signature(PSClient).bind_partial(data_plane="grpc")
+        return True
+    except TypeError:
+        return False
+
+
+def shard_argv(j: int, shards: int, chunk_bytes: int) -> list[str]:
+    argv = [sys.executable, "-m", "pserver", "serve", "--port", "0", "--shard", str(j),
+            "--num-shards", str(shards), "--num-workers", "1", "--optimizer", "sgd", "--lr", "1e-9"]
+    from pserver.codec import CHUNK_BYTES
+    return argv if chunk_bytes == CHUNK_BYTES else argv + ["--chunk-bytes", str(chunk_bytes)]
+
+
+def measure_pserver(params: int, shards: int, variant: str, repeats: int, chunk_bytes: int,
+                    has_keyword: bool) -> Measurement:
+    from pserver.client import PSClient
+    kw = {"data_plane": "auto" if variant == "fast" else "grpc"} if has_keyword else {}
+    argvs = [(f"pserver shard {j}", shard_argv(j, shards, chunk_bytes)) for j in range(shards)]
+    with running(argvs) as addresses:
+        client = PSClient(addresses, rank=0, num_workers=1, chunk_bytes=chunk_bytes, **kw)
+        try:
+            seconds, n = pserver_loop(client, params, repeats)
+            path = plane_description(client)
+        finally:
+            client.close()
+    return Measurement("pserver", variant, params, shards, seconds, n, path)
+
+
+def plane_description(client) -> str:
+    """What the client says carried the payloads: "auto" may fall back to gRPC, and a figure
+    for "fast" must say which path it measured."""
+    describe = getattr(client, "plane_description", None)
+    return describe() if describe is not None else "payloads over gRPC streams"
+
+
+def pserver_loop(client, params: int, repeats: int) -> tuple[list[float], int]:
+    from pserver.models.layout import Layout
+    client.connect(60.0)
+    client.register(Layout.of([("w", (params,))]))
+    g, w = payloads(params)
+    client.init(w)
+    start = list(client.pull(w))
+
+    def round_trip():
+        client.push(g, num_samples=1)
+        client.pull(w)
+
+    seconds, n, total = time_round_trips(round_trip, repeats)
+    # Each round trip must have been one SGD step on every shard, not a no-op.
+    if [v - s for v, s in zip(client.versions, start)] != [total] * len(start):
+        raise RuntimeError(f"pserver: versions went {start} -> {client.versions} in {total} round trips")
+    return seconds, n
+
+
+# ---------------------------------------------------------------------------- raw gRPC baseline
+
+def serve_raw_grpc(port: int, params: int, chunk_bytes: int) -> None:
+    """Push fills a preallocated buffer from 1 MiB chunks; pull streams that buffer back."""
+    import grpc
+    buf = np.zeros(params * 4, dtype=np.uint8)
+    mv = memoryview(buf)
+
+    def push(chunks, context):
+        pos = 0
+        for chunk in chunks:
+            buf[pos:pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            pos += len(chunk)
+        return pos.to_bytes(8, "little")
+
+    def pull(request, context):
+        for a in range(0, buf.size, chunk_bytes):
+            yield bytes(mv[a:a + chunk_bytes])     # the one copy gRPC needs: it takes bytes
+
+    # No serializers anywhere: requests and replies are bytes as they are.
+    handler = grpc.method_handlers_generic_handler(RAW_SERVICE, {
+        "Push": grpc.stream_unary_rpc_method_handler(push),
+        "Pull": grpc.unary_stream_rpc_method_handler(pull)})
+    # The options pserver's shard uses (4 MiB is also gRPC's default receive limit).
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                         options=[("grpc.max_receive_message_length", 4 << 20), ("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((handler,))
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    print(f"raw grpc server: {params} params listening on 127.0.0.1:{bound}", flush=True)
+    server.wait_for_termination()
+
+
+def measure_raw_grpc(params: int, variant: str, repeats: int, chunk_bytes: int) -> Measurement:
+    import grpc
+    env = {**os.environ, **MALLOC_TUNED} if variant == "malloc-tuned" else None
+    argv = this_script("--serve-raw-grpc", params, chunk_bytes)
+    with running([(f"raw_grpc server ({variant})", argv)], env) as [address]:
+        channel = grpc.insecure_channel(address)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=60)
+            seconds, n = raw_grpc_loop(channel, params, repeats, chunk_bytes)
+        finally:
+            channel.close()
+    return Measurement("raw_grpc", variant, params, 1, seconds, n, "raw bytes over gRPC streams")
+
+
+def raw_grpc_loop(channel, params: int, repeats: int, chunk_bytes: int) -> tuple[list[float], int]:
+    push = channel.stream_unary(f"/{RAW_SERVICE}/Push")   # no serializers: raw bytes
+    pull = channel.unary_stream(f"/{RAW_SERVICE}/Pull")
+    g, w = payloads(params)
+    graw, wraw = g.view(np.uint8), w.view(np.uint8)
+
+    def round_trip():
+        push(graw[a:a + chunk_bytes].tobytes() for a in range(0, graw.size, chunk_bytes))
+        pos = 0
+        for chunk in pull(b""):
+            wraw[pos:pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            pos += len(chunk)
+        if pos != wraw.size:
+            raise RuntimeError(f"raw_grpc: pulled {pos} of {wraw.size} bytes")
+
+    seconds, n, _ = time_round_trips(round_trip, repeats)
+    check_echo(g, w, "raw_grpc")
+    return seconds, n
+
+
+def check_echo(g: np.ndarray, w: np.ndarray, system: str) -> None:
+    """The baselines' pull returns what the push stored: the bytes really went both ways."""
+    if not np.array_equal(g, w):
+        raise RuntimeError(f"{system}: the pulled bytes differ from the pushed ones")
+
+
+# ---------------------------------------------------------------------------- TCP baseline
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view`; False on a clean end of stream before its first byte."""
+    pos = 0
+    while pos < len(view):
+        n = sock.recv_into(view[pos:])
+        if n == 0:
+            if pos == 0:
+                return False
+            raise ConnectionError(f"tcp: stream ended after {pos} of {len(view)} bytes")
+        pos += n
+    return True
+
+
+def serve_tcp(port: int, params: int, chunk_bytes: int) -> None:
+    """One connection at a time: 'P' + payload -> 'K'; 'L' -> payload."""
+    mv = memoryview(np.zeros(params * 4, dtype=np.uint8)).cast("B")
+    with socket.create_server(("127.0.0.1", port)) as listener:
+        print(f"tcp server: {params} params listening on 127.0.0.1:{listener.getsockname()[1]}", flush=True)
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                serve_tcp_connection(conn, mv)
+
+
+def serve_tcp_connection(conn: socket.socket, mv: memoryview) -> None:
+    op = bytearray(1)
+    while recv_exactly(conn, memoryview(op)):
+        if op == PUSH:
+            recv_exactly(conn, mv)
+            conn.sendall(ACK)
+        elif op == PULL:
+            conn.sendall(mv)
+        else:
+            raise ConnectionError(f"tcp: unknown op {bytes(op)!r}")
+
+
+def measure_tcp(params: int, variant: str, repeats: int, chunk_bytes: int) -> Measurement:
+    argv = this_script("--serve-tcp", params, chunk_bytes)
+    with running([("tcp server", argv)]) as [address]:
+        host, _, port = address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            seconds, n = tcp_loop(sock, params, repeats)
+    return Measurement("tcp", variant, params, 1, seconds, n, "loopback TCP socket")
+
+
+def tcp_loop(sock: socket.socket, params: int, repeats: int) -> tuple[list[float], int]:
+    g, w = payloads(params)
+    gmv, wmv = memoryview(g).cast("B"), memoryview(w).cast("B")
+    ack = memoryview(bytearray(1))
+
+    def round_trip():
+        sock.sendall(PUSH)
+        sock.sendall(gmv)
+        recv_exactly(sock, ack)      # the push is done when the server has every byte
+        sock.sendall(PULL)
+        recv_exactly(sock, wmv)
+
+    seconds, n, _ = time_round_trips(round_trip, repeats)
+    check_echo(g, w, "tcp")
+    return seconds, n
+
+
+# ---------------------------------------------------------------------------- the run
+
+def configurations(args, has_keyword: bool):
+    """(system, variant, params, shards) in the order they run: baselines first per size."""
+    variants = {"raw_grpc": ["default", "malloc-tuned"], "tcp": ["default"],
+                "pserver": ["grpc", "fast"] if has_keyword else ["grpc"]}
+    for params in args.sizes:
+        for system in ("tcp", "raw_grpc", "pserver"):
+            if system not in args.systems:
+                continue
+            for variant in variants[system]:
+                for shards in (args.shards if system == "pserver" else [1]):
+                    yield system, variant, params, shards
+
+
+def measure(system, variant, params, shards, args, has_keyword) -> Measurement:
+    if system == "pserver":
+        return measure_pserver(params, shards, variant, args.repeats, args.chunk_bytes, has_keyword)
+    fn = measure_raw_grpc if system == "raw_grpc" else measure_tcp
+    return fn(params, variant, args.repeats, args.chunk_bytes)
+
+
+def progress(m: Measurement) -> str:
+    ms = summary(m.seconds)[0] * 1e3
+    mbps = summary(m.values("mb_per_s_per_direction"))[0]
+    rtps = summary(m.values("round_trips_per_s"))[0]
+    return (f"{m.system:8s} {m.variant:12s} P={m.params:>10,} S={m.shards}: {len(m.seconds)} x "
+            f"{m.round_trips:3d} round trips, median {ms:8.2f} ms/round trip, "
+            f"{mbps:7.1f} MB/s/dir, {rtps:7.1f} rt/s ({m.path})")
+
+
+def primary_metric(params: int) -> str:
+    """The table shows MB/s for payloads of 4 MB and more, round trips/s below (--json has both)."""
+    return "mb_per_s_per_direction" if params * 4 >= 4e6 else "round_trips_per_s"
+
+
+def baseline(results: list[Measurement], system: str, variant: str, params: int, metric: str):
+    for m in results:
+        if (m.system, m.variant, m.params) == (system, variant, params):
+            return summary(m.values(metric))[0]
+    return None
+
+
+def ratio_cells(results, m: Measurement, metric: str) -> list[str]:
+    med = summary(m.values(metric))[0]
+    out = []
+    for system, variant in (REFERENCE, ("raw_grpc", "default"), ("tcp", "default")):
+        ref = baseline(results, system, variant, m.params, metric)
+        out.append("-" if ref is None else f"{med / ref:.2f}")
+    return out
+
+
+def result_table(results: list[Measurement]) -> str:
+    headers = ["system", "variant", "params", "shards", "metric", "median", "min", "max",
+               "x raw_grpc tuned", "x raw_grpc default", "x tcp"]
+    rows = []
+    for m in results:
+        metric = primary_metric(m.params)
+        med, lo, hi = summary(m.values(metric))
+        rows.append([m.system, m.variant, f"{m.params:,}", str(m.shards), metric,
+                     f"{med:,.1f}", f"{lo:,.1f}", f"{hi:,.1f}", *ratio_cells(results, m, metric)])
+    return table(headers, rows, left=2)
+
+
+def json_rows(results: list[Measurement], host: dict, chunk_bytes: int) -> list[dict]:
+    rows = []
+    for m in results:
+        for metric, unit in METRICS.items():
+            med, lo, hi = summary(m.values(metric))
+            rows.append(dict(system=m.system, params=m.params, shards=m.shards, metric=metric,
+                             value=med, unit=unit, variant=m.variant, min=lo, max=hi,
+                             repeats=len(m.seconds), round_trips_per_repeat=m.round_trips,
+                             chunk_bytes=chunk_bytes, path=m.path, host=host))
+    return rows
+
+
+def header_lines(args, has_keyword: bool, host: dict) -> list[str]:
+    env = ", ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in MALLOC_TUNED)
+    lines = ["bench/transport.py: " + " ".join(sys.argv[1:]), *machine_lines(host), DEFINITIONS,
+             f"sizes {args.sizes}, shards {args.shards}, {args.repeats} repeats, "
+             f"chunks of {args.chunk_bytes} bytes, systems {','.join(args.systems)}",
+             f"raw_grpc malloc-tuned: server env {' '.join(f'{k}={v}' for k, v in MALLOC_TUNED.items())}; "
+             f"this (client) process runs with {env}"]
+    if "pserver" in args.systems:
+        lines.append("pserver variants: grpc (data_plane='grpc') and fast (data_plane='auto')" if has_keyword
+                     else "pserver variants: grpc only (PSClient has no data_plane keyword yet, so no fast variant)")
+    if args.repeats < 5:
+        lines.append(f"note: {args.repeats} repeats (< 5): a functional check, not a measurement")
+    return lines
+
+
+def memory_line() -> str:
+    # ru_maxrss is in KiB on Linux; RUSAGE_CHILDREN is the largest server process waited for.
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return f"peak RSS: this process {own:,.0f} MiB, largest server process {child:,.0f} MiB"
+
+
+def run(args) -> int:
+    has_keyword = "pserver" in args.systems and data_plane_keyword()
+    host = machine()
+    print("\n".join(header_lines(args, has_keyword, host)), flush=True)
+    results = []
+    for config in configurations(args, has_keyword):
+        results.append(measure(*config, args, has_keyword))
+        print(progress(results[-1]), flush=True)
+    print()
+    print(result_table(results))
+    print(memory_line())
+    if args.json:
+        Path(args.json).write_text(json.dumps(json_rows(results, host, args.chunk_bytes), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- command line
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': give positive integers")
+    return values
+
+
+def system_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in SYSTEMS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"'{text}': choose from {','.join(SYSTEMS)}")
+    return names
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int_list, help="parameter counts P (default 10000000,262144)")
+    p.add_argument("--shards", type=int_list, help="pserver shard counts (default 1,2,4)")
+    p.add_argument("--repeats", type=int, help="timed repeats per configuration (default 5)")
+    p.add_argument("--systems", type=system_list, default=list(SYSTEMS),
+                   help="which of pserver,raw_grpc,tcp to run (default all)")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed message (default 1 MiB)")
+    p.add_argument("--json", metavar="PATH", help="write the rows {system, params, shards, metric, value, unit, ...}")
+    p.add_argument("--quick", action="store_true",
+                   help="functional check: sizes 1000000,262144, 1 shard, 3 repeats (flags given win)")
+    p.add_argument("--serve-raw-grpc", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    p.add_argument("--serve-tcp", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    p.add_argument("--params", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    quick = dict(sizes=[1_000_000, 262_144], shards=[1], repeats=3)
+    full = dict(sizes=[10_000_000, 262_144], shards=[1, 2, 4], repeats=5)
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.repeats < 1:
+        p.error("--repeats: give at least 1")
+    if not 0 < args.chunk_bytes <= (4 << 20) - 1024:   # gRPC's 4 MiB limit, less framing
+        p.error(f"--chunk-bytes: {args.chunk_bytes} is outside (0, {(4 << 20) - 1024}]")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.serve_raw_grpc is not None or args.serve_tcp is not None:
+        # A baseline server: SIGTERM's default action ends it; Ctrl-C in the terminal too, quietly.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if args.serve_raw_grpc is not None:
+            serve_raw_grpc(args.serve_raw_grpc, args.params, args.chunk_bytes)
+        else:
+            serve_tcp(args.serve_tcp, args.params, args.chunk_bytes)
+        return 0
+    # SIGTERM unwinds like Ctrl-C, so the `finally` blocks stop every server process.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("bench/transport.py: interrupted; server processes stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

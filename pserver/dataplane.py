@@ -1,0 +1,247 @@
+"""The same-host data plane: push and pull payloads through shared memory.
+
+gRPC in Python costs milliseconds per megabyte (framing, copies into bytes objects,
+thread hand-offs), which makes it the bottleneck for bulk tensors. When a worker and a
+shard run on the same machine, the shard offers this faster path beside its gRPC port:
+
+- a Unix socket (mode 0600, so only the same user can connect) carries 48-byte binary
+  request headers and short replies;
+- on connect the shard creates two memfd buffers the size of its range (one for pushed
+  gradients, one for pulled weights) and passes their file descriptors over the socket
+  (SCM_RIGHTS). Both processes map them; there are no named segments to leak, even
+  when a process is killed.
+
+A push is a memcpy into the shared buffer and one header; a pull is one header and a
+memcpy out. Both call the very same `Shard.push` / `Shard.pull` as the gRPC servicer,
+so validation, modes and counters are identical. Workers use it automatically when the
+shard's host id matches their own (`--data-plane auto`, the default); `--data-plane
+grpc` turns it off on either side.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import socket
+import struct
+import tempfile
+import threading
+
+import numpy as np
+
+from pserver.errors import InvalidArgument, PServerError, RpcError, Unavailable, rpc_error_for
+
+log = logging.getLogger("pserver.dataplane")
+
+MAGIC = b"PSD1"
+HELLO, PUSH, PULL = 1, 2, 3
+# magic, op, rank, shard, step (push) or seen_version (pull), clock, num_elements,
+# num_samples, timeout in ms
+REQUEST = struct.Struct("<4sB3xiiqqqiI")
+# status (index in CODES; 0 = OK), outcome, finished, message length, version
+REPLY = struct.Struct("<BBBxIq")
+CODES = ["OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAUTHENTICATED", "UNAVAILABLE",
+         "DEADLINE_EXCEEDED", "INTERNAL"]
+MAX_MESSAGE = 64 * 1024
+
+
+def supported() -> bool:
+    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(socket, "AF_UNIX")
+
+
+def host_id() -> str:
+    """Names this machine (and boot): equal ids mean a Unix socket path is reachable."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("peer closed the data-plane connection")
+        got += k
+    return bytes(buf)
+
+
+def shared_buffer(size: int) -> tuple[int, mmap.mmap, np.ndarray]:
+    """A memfd of `size` float32 elements, mapped: (fd, mapping, array view)."""
+    fd = os.memfd_create("pserver", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size * 4)
+    mm = mmap.mmap(fd, size * 4)
+    return fd, mm, np.frombuffer(mm, dtype=np.float32, count=size)
+
+
+class DataPlaneServer:
+    """Serves one shard's push and pull over a Unix socket + shared memory."""
+
+    def __init__(self, shard) -> None:
+        self.shard = shard
+        name = f"pserver-{os.getpid()}-shard{shard.cfg.shard}-{secrets.token_hex(4)}.sock"
+        self.path = os.path.join(tempfile.gettempdir(), name)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        os.chmod(self.path, 0o600)
+        self.sock.listen(64)
+        self.closed = False
+        self.conns: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, name="dataplane-accept", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.path}"
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="dataplane-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buffers = None
+        with self.lock:
+            self.conns.add(conn)
+        try:
+            while True:
+                req = REQUEST.unpack(recv_exact(conn, REQUEST.size))
+                if req[0] != MAGIC:
+                    raise ConnectionError("bad magic")
+                if req[1] == HELLO:
+                    buffers = self._hello(conn, req)
+                elif buffers is None:
+                    self._reply(conn, InvalidArgument("op: say hello first"))
+                else:
+                    self._reply(conn, *self._handle(req, *buffers))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            with self.lock:
+                self.conns.discard(conn)
+            conn.close()
+
+    def _hello(self, conn, req):
+        size = self.shard.store.size
+        made = [shared_buffer(size), shared_buffer(size)]      # push, pull
+        reply = REPLY.pack(0, 0, 0, 0, size)
+        socket.send_fds(conn, [reply], [made[0][0], made[1][0]])
+        for fd, _, _ in made:
+            os.close(fd)                                        # the mappings stay
+        return made[0][2], made[1][2]
+
+    def _handle(self, req, push_buf: np.ndarray, pull_buf: np.ndarray):
+        _, op, rank, shard, step, clock, num_elements, num_samples, timeout_ms = req
+        try:
+            if op == PUSH:
+                outcome, version, message, finished = self.shard.push(
+                    rank, shard, step, num_elements, "float32", num_samples, clock,
+                    lambda dest: np.copyto(dest, push_buf))
+                return None, outcome.value, finished, version, message
+            if op == PULL:
+                version, params, finished = self.shard.pull(rank, shard, step, clock, timeout_ms / 1000)
+                np.copyto(pull_buf, params)
+                return None, 0, finished, version, ""
+            raise InvalidArgument(f"op: unknown data-plane operation {op}")
+        except RpcError as e:
+            return e, 0, False, 0, ""
+        except Exception as e:  # a bug: report it to the caller, keep serving
+            log.exception("internal error on the data plane")
+            return rpc_error_for("INTERNAL", f"{type(e).__name__}: {e}"), 0, False, 0, ""
+
+    def _reply(self, conn, error, outcome=0, finished=False, version=0, message=""):
+        if error is not None:
+            code = CODES.index(error.code_name) if error.code_name in CODES else CODES.index("INTERNAL")
+            message = str(error)
+        else:
+            code = 0
+        data = message.encode()[:MAX_MESSAGE]
+        conn.sendall(REPLY.pack(code, outcome, bool(finished), len(data), version) + data)
+
+    def close(self) -> None:
+        """Stop accepting and cut every live connection (workers see UNAVAILABLE)."""
+        self.closed = True
+        with self.lock:
+            for conn in self.conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        try:
+            self.sock.close()
+        finally:
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+
+
+class DataPlaneChannel:
+    """A worker's connection to one shard's data plane. One call at a time."""
+
+    def __init__(self, address: str, rank: int, shard: int, size: int, label: str) -> None:
+        self.label = label
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(address.removeprefix("unix:"))
+        self.rank, self.shard = rank, shard
+        self.sock.sendall(REQUEST.pack(MAGIC, HELLO, rank, shard, 0, 0, 0, 0, 0))
+        msg, fds, _, _ = socket.recv_fds(self.sock, REPLY.size, 2)
+        if len(fds) != 2 or REPLY.unpack(msg)[4] != size:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError("the shard's data plane answered with the wrong buffers")
+        self.maps = [mmap.mmap(fd, size * 4) for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        self.push_buf, self.pull_buf = (np.frombuffer(m, dtype=np.float32, count=size) for m in self.maps)
+
+    def _call(self, op, step, clock, num_elements, num_samples, timeout: float):
+        self.sock.settimeout(timeout + 5)
+        try:
+            self.sock.sendall(REQUEST.pack(MAGIC, op, self.rank, self.shard, step, clock, num_elements,
+                                           num_samples, int(min(timeout, 4e6) * 1000)))
+            code, outcome, finished, n, version = REPLY.unpack(recv_exact(self.sock, REPLY.size))
+            message = recv_exact(self.sock, n).decode(errors="replace") if n else ""
+        except (OSError, ConnectionError) as e:
+            raise Unavailable(f"{self.label}: data-plane connection lost ({e})") from None
+        if code:
+            raise rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", f"{self.label}: {message}")
+        return outcome, bool(finished), version, message
+
+    def push(self, grad: np.ndarray, step: int, num_samples: int, clock: int, timeout: float):
+        np.copyto(self.push_buf, grad)
+        outcome, finished, version, _ = self._call(PUSH, step, clock, grad.size, num_samples, timeout)
+        return outcome, version, finished
+
+    def pull_into(self, dest: np.ndarray, seen_version: int, clock: int, timeout: float):
+        _, finished, version, _ = self._call(PULL, seen_version, clock, dest.size, 0, timeout)
+        np.copyto(dest, self.pull_buf)
+        return version, finished
+
+    def close(self) -> None:
+        self.sock.close()
+        self.push_buf = self.pull_buf = None
+        for m in self.maps:
+            try:
+                m.close()
+            except BufferError:       # a view is still alive somewhere; the GC will unmap
+                pass
+
+
+def connect(address: str, expected_host: str, rank: int, shard: int, size: int,
+            label: str) -> DataPlaneChannel | None:
+    """A channel if the shard is on this host and answers; None means: use gRPC."""
+    if not address or not supported() or size == 0 or expected_host != host_id():
+        return None
+    try:
+        return DataPlaneChannel(address, rank, shard, size, label)
+    except (OSError, ConnectionError, PServerError) as e:
+        log.info("%s: data plane unavailable (%s); using gRPC streams", label, e)
+        return None
