@@ -48,8 +48,8 @@ round trip: push P float32 (the gradient), then pull P float32 (the weights), se
 mb_per_s_per_direction = (P * 4 bytes / 1e6) / (round-trip seconds / 2)
 round_trips_per_s = 1 / round-trip seconds
 each figure: median of the repeats (min, max beside it); a repeat times n round trips after
-warm-up round trips that are not timed; ratios divide pserver's median by the baseline's
-median on the same payload (equal for both metrics); baselines run one server process"""
+warm-up round trips that are not timed; a ratio divides a row's median by the baseline's
+median on the same payload (the same for both metrics); baselines run one server process"""
 
 SYSTEMS = ("pserver", "raw_grpc", "tcp")
 METRICS = {"mb_per_s_per_direction": "MB/s", "round_trips_per_s": "1/s"}
@@ -479,6 +479,14 @@ def header_lines(args, has_keyword: bool, host: dict) -> list[str]:
     return lines
 
 
+def path_lines(results: list[Measurement]) -> str:
+    """What carried each variant's payloads, as its client said (auto may fall back to gRPC)."""
+    paths = {}
+    for m in results:
+        paths.setdefault(f"{m.system} {m.variant}", set()).add(m.path)
+    return "paths: " + "; ".join(f"{k}: {' / '.join(sorted(v))}" for k, v in paths.items())
+
+
 def memory_line() -> str:
     # ru_maxrss is in KiB on Linux; RUSAGE_CHILDREN is the largest server process waited for.
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -494,8 +502,10 @@ def run(args) -> int:
     for config in configurations(args, has_keyword):
         results.append(measure(*config, args, has_keyword))
         print(progress(results[-1]), flush=True)
-    print()
+    print("\ntable: MB/s per direction for payloads of 4 MB and more, round trips/s below; "
+          "--json has both metrics for every row")
     print(result_table(results))
+    print(path_lines(results))
     print(memory_line())
     if args.json:
         Path(args.json).write_text(json.dumps(json_rows(results, host, args.chunk_bytes), indent=1) + "\n")

@@ -50,6 +50,7 @@ def run_worker(cfg: WorkerConfig) -> dict | None:
         if cfg.rank == 0:
             client.init(model.init_params(cfg.seed))
         client.pull(w)                         # waits until the chief's values are there
+        warm_up(model, w, ds, cfg.batch_size)
         started = time.monotonic()
         history = train(cfg, ds, model, client, w)
         client.leave()
@@ -58,6 +59,13 @@ def run_worker(cfg: WorkerConfig) -> dict | None:
         return finish(cfg, ds, model, client, w, mode, history, started)
     finally:
         client.close()
+
+
+def warm_up(model, w: np.ndarray, ds, batch_size: int) -> None:
+    """One forward+backward, result discarded: loading the compiled kernels and sizing the
+    activation buffers happen here, not inside the first timed step."""
+    n = min(batch_size, ds.num_train)
+    model.loss_and_grad(w, ds.x_train[:n], ds.y_train[:n], np.empty_like(w))
 
 
 def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict:

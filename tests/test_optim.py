@@ -273,3 +273,23 @@ def test_make_optimizer_builds_each():
         assert opt.name == name and opt.backend == "numba"
     assert sorted(make_optimizer("adam", 3, lr=1e-3).state) == ["m", "v"]
     assert sorted(make_optimizer("momentum", 3, lr=1e-3).state) == ["v"]
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
+def test_parallel_pieces_equal_one_call_bit_for_bit(name, monkeypatch):
+    """Large steps run in pieces on several threads; the result must not change."""
+    import pserver.optim as optim
+    size = optim.PARALLEL_MIN_ELEMENTS + 12345
+    rng = np.random.default_rng(7)
+    w0 = rng.standard_normal(size).astype(np.float32)
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
+    results = []
+    for cpus in (1, 3):
+        monkeypatch.setattr(optim.os, "cpu_count", lambda: cpus)
+        opt, w = make_optimizer(name, size, lr=0.01), w0.copy()
+        for t, g in enumerate(grads):
+            opt.step(w, g, t)
+        results.append((w, {k: v.copy() for k, v in opt.state.items()}))
+    assert results[0][0].tobytes() == results[1][0].tobytes()
+    for k in results[0][1]:
+        assert results[0][1][k].tobytes() == results[1][1][k].tobytes()

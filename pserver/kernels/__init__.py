@@ -2,6 +2,8 @@
 
     reference   plain NumPy, the twin every compiled kernel is tested against
     cpu         numba @njit kernels (float32, C-contiguous, BLAS for the products)
+    cuda        numba.cuda kernels on device arrays (float32); imported only when asked for,
+                so a CPU-only install never imports numba.cuda
 
 A model is written once against this API and given a module by `get_backend`.
 """
@@ -13,19 +15,30 @@ from types import ModuleType
 
 from pserver.errors import ConfigError
 
+# Backends every install can import.
 BACKENDS = ("cpu", "reference")
+# Backends that need an accelerator stack (numba.cuda, and a GPU or the simulator).
+DEVICE_BACKENDS = ("cuda",)
 
-# The functions every backend module defines, with the same signatures.
+# The functions every backend module defines, with the same signatures (the cuda module's
+# take device arrays and a keyword-only `stream` as well).
 KERNELS = ("dense_forward", "dense_param_grads", "dense_backward", "relu_backward",
            "softmax_xent", "mse")
 
 
 def get_backend(name: str) -> ModuleType:
     """The kernel module for `name` (imported lazily: `reference` needs no numba compile)."""
-    if name not in BACKENDS:
+    if name not in BACKENDS + DEVICE_BACKENDS:
         raise ConfigError(f"--device: unknown kernel backend {name!r}; "
-                          f"choose one of {', '.join(BACKENDS)}")
-    return importlib.import_module(f"pserver.kernels.{name}")
+                          f"choose one of {', '.join(BACKENDS + DEVICE_BACKENDS)}")
+    try:
+        return importlib.import_module(f"pserver.kernels.{name}")
+    except ImportError as e:
+        if name not in DEVICE_BACKENDS:
+            raise
+        # numba-cuda without its CUDA bindings, for one, fails here rather than at launch.
+        raise ConfigError(f"--device {name}: numba.cuda cannot be imported ({e}); "
+                          f"install the GPU extra: pip install 'pserver[cuda]'") from e
 
 
-__all__ = ["BACKENDS", "KERNELS", "get_backend"]
+__all__ = ["BACKENDS", "DEVICE_BACKENDS", "KERNELS", "get_backend"]

@@ -69,3 +69,20 @@ def mse(pred, y, dpred):
     r = pred[:, 0] - y
     dpred[:, 0] = r / dpred.dtype.type(n)
     return float(0.5 * np.sum(r.astype(np.float64) ** 2) / n)
+
+
+# -- twins of the CUDA kernels that have no CPU counterpart above ---------------------------
+
+def matmul(a, b, out, trans_a=False, trans_b=False):
+    """out[:] = op(a) @ op(b), op transposing its operand when the flag is set."""
+    np.dot(a.T if trans_a else a, b.T if trans_b else b, out=out)
+
+
+def column_sum(a, out):
+    """out[:] = a summed over its rows (a bias gradient: dz summed over the batch)."""
+    a.sum(axis=0, out=out)
+
+
+def scaled_sum(values, scale) -> float:
+    """scale * sum(values), summed in float64: the loss reduction over per-row terms."""
+    return float(scale * np.sum(values, dtype=np.float64))

@@ -12,6 +12,8 @@ kernel by `backend` ("numba" or "numpy"), and scale lr by the schedule at each s
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -22,6 +24,19 @@ from pserver.optim.schedule import parse_schedule
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 OPTIM_BACKENDS = ("numba", "numpy")
+# Above this many elements a step is split into contiguous pieces run on several threads.
+# The kernels are element-wise and release the GIL, so the pieces run truly in parallel
+# and the result is bit-identical to one call. (numba's parallel=True is not used: its
+# default threading layer aborts when several gRPC threads call in at once, as Hogwild does.)
+PARALLEL_MIN_ELEMENTS = 1 << 20
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="optim")
+    return _POOL
 
 
 class Optimizer:
@@ -45,9 +60,19 @@ class Optimizer:
             if a.dtype != np.float32 or a.shape != (self.size,):
                 raise ValueError(f"{self.name}: {what} is {a.dtype}{list(a.shape)}, "
                                  f"needs float32[{self.size}]")
-        self._apply(w, g, int(t), self.lr * self.schedule(int(t)))
+        t, lr = int(t), self.lr * self.schedule(int(t))
+        pieces = os.cpu_count() or 1
+        if self.backend != "numba" or self.size < PARALLEL_MIN_ELEMENTS or pieces < 2:
+            self._apply(w, g, self.state, t, lr)
+            return
+        bounds = np.linspace(0, self.size, pieces + 1).astype(int)
+        futures = [_pool().submit(self._apply, w[a:b], g[a:b],
+                                  {k: v[a:b] for k, v in self.state.items()}, t, lr)
+                   for a, b in zip(bounds, bounds[1:])]
+        for f in futures:
+            f.result()
 
-    def _apply(self, w, g, t, lr):
+    def _apply(self, w, g, state, t, lr):
         raise NotImplementedError
 
     def load_state(self, state: dict) -> None:
@@ -71,7 +96,7 @@ class Optimizer:
 class SGD(Optimizer):
     name, rule = "sgd", sgd
 
-    def _apply(self, w, g, t, lr):
+    def _apply(self, w, g, state, t, lr):
         self._update(w, g, lr, self.weight_decay)
 
 
@@ -82,8 +107,8 @@ class Momentum(Optimizer):
         super().__init__(size, **kw)
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
 
-    def _apply(self, w, g, t, lr):
-        self._update(w, g, self.state["v"], lr, self.momentum, self.nesterov, self.weight_decay)
+    def _apply(self, w, g, state, t, lr):
+        self._update(w, g, state["v"], lr, self.momentum, self.nesterov, self.weight_decay)
 
 
 class Adam(Optimizer):
@@ -94,9 +119,9 @@ class Adam(Optimizer):
         super().__init__(size, **kw)
         self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
 
-    def _apply(self, w, g, t, lr):
+    def _apply(self, w, g, state, t, lr):
         # The bias correction counts this update too: t + 1 >= 1.
-        self._update(w, g, self.state["m"], self.state["v"], lr, self.beta1, self.beta2,
+        self._update(w, g, state["m"], state["v"], lr, self.beta1, self.beta2,
                      self.eps, t + 1, self.weight_decay)
 
 
