@@ -65,6 +65,8 @@ SERVER_FLAGS = [
     Flag("--eps", dict(type=float, help="Adam epsilon (default 1e-8)")),
     Flag("--weight-decay", dict(type=float, help="L2 coefficient (default 0)")),
     Flag("--threads", dict(type=int, help="gRPC threads per shard (default 64)")),
+    Flag("--checkpoint-every", dict(type=int, metavar="STEPS", help="checkpoint every STEPS steps (needs --checkpoint-dir)")),
+    Flag("--checkpoint-secs", dict(type=float, metavar="SEC", help="checkpoint every SEC seconds (needs --checkpoint-dir)")),
 ]
 
 # Flags forwarded by `launch` to every worker: everything but rank and addresses.
@@ -136,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-shards", type=int, default=None, help="number of shards S (default 1)")
     g.add_argument("--num-workers", type=int, default=None, help="number of workers N (default: learnt from the first worker)")
     g.add_argument("--log-level", default="INFO", help="server log level (default INFO)")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints here (atomically; the newest 3 are kept)")
+    g.add_argument("--restore", default=None, metavar="DIR", help="resume from the newest complete checkpoint in DIR (fresh if there is none)")
     add_flags(s, SERVER_FLAGS, "training")
     add_flags(s, COMMON_FLAGS, "transport")
 
@@ -188,7 +192,7 @@ def server_config(ns) -> ServerConfig:
                   port=int(cluster.ps[cluster.task_index].rpartition(":")[2]))
         if cluster.workers:
             kw["num_workers"] = len(cluster.workers)
-    for name in ("host", "port", "shard", "num_shards", "num_workers"):
+    for name in ("host", "port", "shard", "num_shards", "num_workers", "checkpoint_dir", "restore"):
         if getattr(ns, name) is not None:
             kw[name] = getattr(ns, name)
     return ServerConfig(**kw)

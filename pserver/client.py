@@ -7,6 +7,7 @@ traceback.
 
 from __future__ import annotations
 
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,10 +19,14 @@ import numpy as np
 from pserver import codec, dataplane
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
-from pserver.errors import InvalidArgument, Unavailable, rpc_error_for
+from pserver.errors import FailedPrecondition, InvalidArgument, Unavailable, rpc_error_for
 from pserver.models.layout import Layout
 
 T = TypeVar("T")
+# gRPC's own reconnect backoff starts at 1 s and grows to 2 min; a restarted shard should
+# be found within our retry loop's cadence instead.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
 OUTCOMES = {pb.PushReply.APPLIED: "applied", pb.PushReply.AGGREGATED: "aggregated",
             pb.PushReply.DROPPED_LATE: "dropped_late"}
 
@@ -49,10 +54,13 @@ class ShardClient:
                  data_plane: str = "auto") -> None:
         self.index, self.address, self.chunk_bytes = index, address, chunk_bytes
         self.data_plane = data_plane
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.ParameterServerStub(self.channel)
         self.info: ShardInfo | None = None
         self.fast: dataplane.DataPlaneChannel | None = None   # same-host shared memory
+        self._joined: tuple | None = None       # Register's arguments, to join a restarted shard
+        self.last_flat: np.ndarray | None = None  # where pulls land: weights to re-seed a shard
+        self.reset_seen = False                   # after a rejoin, pull what the shard has
 
     @property
     def label(self) -> str:
@@ -72,7 +80,58 @@ class ShardClient:
             raise Unavailable(f"shard {self.index} at {self.address}: no answer within {timeout:g} s "
                               f"(is `pserver serve` running there, and the address right?)") from None
 
+    # --- riding out restarts ----------------------------------------------------------
+    def resilient(self, op: Callable[[], T], retry_for: float) -> T:
+        """Run op; on UNAVAILABLE retry with exponential backoff and jitter for up to
+        `retry_for` seconds, re-registering with a shard that came back; then fail with one
+        line naming the shard."""
+        deadline, delay, rejoins = time.monotonic() + retry_for, 0.05, 0
+        while True:
+            try:
+                return op()
+            except Unavailable as e:
+                self._drop_fast()
+                if time.monotonic() + delay > deadline:
+                    raise Unavailable(f"{self.label}: unavailable for {retry_for:g} s despite retries "
+                                      f"(--rpc-deadline); last error: {e}") from None
+                time.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(delay * 2, 2.0)
+                self._rejoin(quiet=True)
+            except FailedPrecondition as e:
+                forgot = "has not registered" in str(e) or "no worker has registered" in str(e)
+                if not forgot or self._joined is None or rejoins >= 3:
+                    raise
+                rejoins += 1                   # the shard restarted and forgot us: join again
+                self._rejoin(quiet=False)
+
+    def _rejoin(self, quiet: bool) -> None:
+        """Register again (same arguments); a shard that came back empty gets the weights
+        this worker last pulled, so training goes on from there."""
+        if self._joined is None:
+            return
+        try:
+            info = self._register_once(*self._joined)
+            if not info.initialized and self.last_flat is not None:
+                self._init_once(self._joined[0], self.last_flat, self._joined[-1])
+            # A restarted shard lost the gradients it was holding for its step, ours maybe
+            # among them: waiting for the version after the one we saw could wait forever.
+            # The next pull takes whatever it holds now, and the worker goes on from there.
+            self.reset_seen = True
+        except Unavailable:
+            if not quiet:
+                raise
+
+    def _drop_fast(self) -> None:
+        if self.fast is not None:
+            self.fast.close()
+            self.fast = None
+
+    # --- operations -------------------------------------------------------------------
     def register(self, rank, num_workers, num_shards, layout: Layout, batch_size, timeout) -> ShardInfo:
+        self._joined = (rank, num_workers, num_shards, layout, batch_size, timeout)
+        return self.resilient(lambda: self._register_once(*self._joined), timeout)
+
+    def _register_once(self, rank, num_workers, num_shards, layout, batch_size, timeout) -> ShardInfo:
         req = pb.RegisterRequest(rank=rank, num_workers=num_workers, shard=self.index,
                                  num_shards=num_shards, batch_size=batch_size,
                                  layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors])
@@ -85,13 +144,33 @@ class ShardClient:
         return self.info
 
     def init(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
+        return self.resilient(lambda: self._init_once(rank, flat, timeout), timeout)
+
+    def _init_once(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
         header = pb.TensorHeader(rank=rank, shard=self.index, layout_signature=self.info.signature)
         stream = codec.encode(header, flat[self.info.start:self.info.end], self.chunk_bytes)
         return self.call(self.stub.Init, stream, timeout=timeout).already_initialized
 
     def pull_into(self, flat: np.ndarray, rank: int, seen_version: int, clock: int,
                   timeout: float) -> tuple[int, bool]:
-        """Stream this shard's range straight into flat[start:end]; returns (version, finished)."""
+        """This shard's range, straight into flat[start:end]; returns (version, finished).
+        A shard restored from an older checkpoint refuses a newer seen_version: pull what
+        it has and go on from there."""
+        self.last_flat = flat
+
+        def attempt() -> tuple[int, bool]:
+            seen = -1 if self.reset_seen else seen_version
+            self.reset_seen = False
+            try:
+                return self._pull_once(flat, rank, seen, clock, timeout)
+            except FailedPrecondition as e:
+                if "seen_version" not in str(e):
+                    raise
+                return self._pull_once(flat, rank, -1, clock, timeout)
+
+        return self.resilient(attempt, timeout)
+
+    def _pull_once(self, flat, rank, seen_version, clock, timeout) -> tuple[int, bool]:
         if self.fast is not None:
             return self.fast.pull_into(flat[self.info.start:self.info.end], seen_version, clock, timeout)
         req = pb.PullRequest(rank=rank, shard=self.index, seen_version=seen_version, clock=clock)
@@ -109,6 +188,9 @@ class ShardClient:
 
     def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
              timeout: float) -> tuple[str, int, bool]:
+        return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout), timeout)
+
+    def _push_once(self, grad, rank, step, num_samples, clock, timeout) -> tuple[str, int, bool]:
         if self.fast is not None:
             outcome, version, finished = self.fast.push(grad[self.info.start:self.info.end], step,
                                                         num_samples, clock, timeout)
@@ -118,6 +200,11 @@ class ShardClient:
         stream = codec.encode(header, grad[self.info.start:self.info.end], self.chunk_bytes)
         reply = self.call(self.stub.Push, stream, timeout=timeout)
         return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished
+
+    def checkpoint(self, rank: int, timeout: float) -> tuple[str, int]:
+        r = self.resilient(lambda: self.call(self.stub.Checkpoint, pb.CheckpointRequest(rank=rank),
+                                             timeout=timeout), timeout)
+        return r.path, r.version
 
     def status(self, timeout: float) -> pb.StatusReply:
         return self.call(self.stub.Status, pb.StatusRequest(), timeout=timeout)
@@ -194,6 +281,10 @@ class PSClient:
 
     def leave(self) -> None:
         self.each(lambda s: s.leave(self.rank, 10.0))
+
+    def checkpoint(self) -> list[tuple[str, int]]:
+        """Ask every shard to write a checkpoint now; ("", version) where it keeps none."""
+        return self.each(lambda s: s.checkpoint(self.rank, self.rpc_deadline))
 
     def close(self) -> None:
         for s in self.shards:

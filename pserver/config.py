@@ -40,6 +40,10 @@ class ServerConfig:
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
     threads: int = 64             # gRPC worker threads: pulls block while they wait for a step
     data_plane: str = "auto"      # auto: also offer same-host shared memory; grpc: streams only
+    checkpoint_dir: str | None = None  # where checkpoints go (default: --restore's directory)
+    checkpoint_every: int = 0     # also checkpoint every this many steps (0 = off)
+    checkpoint_secs: float = 0.0  # also checkpoint every this many seconds (0 = off)
+    restore: str | None = None    # resume from the newest complete checkpoint in this directory
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,6 +60,10 @@ class ServerConfig:
             raise ConfigError(f"--threads: must be at least 4, got {self.threads}")
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"--data-plane: '{self.data_plane}' is not one of {', '.join(DATA_PLANES)}")
+        if self.checkpoint_every < 0 or self.checkpoint_secs < 0:
+            raise ConfigError("--checkpoint-every and --checkpoint-secs must be >= 0")
+        if (self.checkpoint_every or self.checkpoint_secs) and not (self.checkpoint_dir or self.restore):
+            raise ConfigError("--checkpoint-every/--checkpoint-secs need --checkpoint-dir (or --restore)")
         if self.backup_workers < 0 or self.staleness < 0:
             raise ConfigError("--backup-workers and --staleness must be >= 0")
         if self.mode == "backup" and self.backup_workers < 1:

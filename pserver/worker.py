@@ -94,6 +94,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict
                 break
         if cfg.rank == 0:
             epochs_log.append(log_epoch(cfg, ds, model, w, epoch, progress.elapsed))
+            ask_checkpoint(client)
         if client.finished:
             print(f"the shards ended the run at step {max(client.versions)} "
                   f"(too few unfinished workers left for a step); stopping", flush=True)
@@ -119,6 +120,13 @@ def push(client: PSClient, g: np.ndarray, batch: int, clock: int) -> list[str]:
         return ["rejected"]
 
 
+def ask_checkpoint(client: PSClient) -> None:
+    """The chief asks every shard to checkpoint (a no-op on shards without a directory)."""
+    for j, (path, version) in enumerate(client.checkpoint()):
+        if path:
+            print(f"checkpoint: shard {j} at version {version} -> {path}", flush=True)
+
+
 def log_epoch(cfg, ds, model, w, epoch, elapsed) -> dict:
     ev = evaluate(model, w, ds, cfg)
     metric = (f"test accuracy {ev['accuracy']:.4f}" if "accuracy" in ev else f"test r2 {ev['r2']:.4f}")
@@ -140,6 +148,7 @@ def wait_for_others(client: PSClient, timeout: float) -> None:
 def finish(cfg, ds, model, client, w, mode, history, started) -> dict:
     wait_for_others(client, cfg.rpc_deadline)
     wall = time.monotonic() - started            # until the last worker finished
+    ask_checkpoint(client)
     client.pull(w, seen=[-1] * len(client.shards))      # the final weights
     ev = evaluate(model, w, ds, cfg)
     statuses = client.status()

@@ -119,11 +119,26 @@ def test_data_plane_off_on_the_server_means_grpc(shard_server):
     assert c.shards[0].fast is None and "gRPC" in c.plane_description()
 
 
-def test_lost_data_plane_is_unavailable(shard_server):
+def test_lost_data_plane_falls_back_to_grpc(shard_server):
     addr, shard = shard_server()
     c = ready_client(addr, plane="auto")
-    shard.close()                                  # the shard goes away mid-run
-    with pytest.raises(Unavailable, match="shard 0"):
+    shard.dataplane.close()                        # shared memory goes; gRPC stays
+    w = np.empty(33, np.float32)
+    assert c.pull(w) == [0] and c.shards[0].fast is None
+    np.testing.assert_array_equal(w, np.arange(33))
+
+
+def test_a_shard_gone_for_good_fails_with_one_line_after_retries():
+    from pserver.config import ServerConfig
+    from pserver.server.app import create_server
+    server, port, shard = create_server(ServerConfig(port=0))
+    c = PSClient([f"127.0.0.1:{port}"], rpc_deadline=1.5, data_plane="auto")
+    c.connect(5)
+    c.register(LAYOUT)
+    c.init(np.zeros(33, np.float32))
+    shard.close()
+    server.stop(0)
+    with pytest.raises(Unavailable, match=r"shard 0 at 127.0.0.1:\d+: unavailable for 1.5 s despite retries"):
         c.pull(np.empty(33, np.float32))
 
 

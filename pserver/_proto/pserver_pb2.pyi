@@ -202,3 +202,17 @@ class LeaveRequest(_message.Message):
 class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("rank",)
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    def __init__(self, rank: _Optional[int] = ...) -> None: ...
+
+class CheckpointReply(_message.Message):
+    __slots__ = ("path", "version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    version: int
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...

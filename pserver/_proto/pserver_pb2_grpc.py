@@ -64,6 +64,11 @@ class ParameterServerStub:
                 request_serializer=pserver__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=pserver__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/pserver.v1.ParameterServer/Checkpoint',
+                request_serializer=pserver__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=pserver__pb2.CheckpointReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -117,6 +122,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Write a checkpoint of this shard now (the chief asks after every epoch and at the end).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +161,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=pserver__pb2.LeaveRequest.FromString,
                     response_serializer=pserver__pb2.LeaveReply.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=pserver__pb2.CheckpointRequest.FromString,
+                    response_serializer=pserver__pb2.CheckpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +330,33 @@ class ParameterServer:
             '/pserver.v1.ParameterServer/Leave',
             pserver__pb2.LeaveRequest.SerializeToString,
             pserver__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pserver.v1.ParameterServer/Checkpoint',
+            pserver__pb2.CheckpointRequest.SerializeToString,
+            pserver__pb2.CheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,

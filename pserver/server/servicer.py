@@ -96,6 +96,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.StatusReply(counters=pb.Counters(**st.pop("counters")), **st)
 
     @_status
+    def Checkpoint(self, request, context):
+        path, version = self.shard.checkpoint(request.rank)
+        return pb.CheckpointReply(path=path, version=version)
+
+    @_status
     def Leave(self, request, context):
         self.shard.leave(request.rank)
         return pb.LeaveReply()

@@ -7,6 +7,7 @@ without a network, and the servicer only translates protobuf to these calls.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -16,13 +17,15 @@ import numpy as np
 from pserver.codec import DTYPE_NAME
 from pserver.config import ServerConfig
 from pserver.dataplane import host_id
-from pserver.errors import FailedPrecondition, InvalidArgument, RpcError
+from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument, RpcError
 from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
 from pserver.optim import make_optimizer
+from pserver.server import checkpoint
 from pserver.server.store import ShardStore
 from pserver.sharding import shard_range
 
+log = logging.getLogger("pserver.server")
 Fill = Callable[[np.ndarray], None]   # writes a received payload into the array it is given
 MAX_PARAMS = 1 << 33                  # 8G elements (32 GB) per model: a sanity bound on declared sizes
 
@@ -49,6 +52,29 @@ class Shard:
         self.policy = make_policy(self.store, cfg)
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
+        if cfg.restore:
+            self._restore(cfg.restore)
+        directory = cfg.checkpoint_dir or cfg.restore
+        self.checkpointer = checkpoint.Checkpointer(directory, self.store, cfg) if directory else None
+
+    def _restore(self, directory: str) -> None:
+        ckpt = checkpoint.load_latest(directory, self.cfg.shard, self.cfg.num_shards)
+        if ckpt is None:
+            log.info("shard %d: no checkpoint in %s; starting fresh", self.cfg.shard, directory)
+            return
+        if ckpt.optimizer != self.cfg.optimizer:
+            raise ConfigError(f"--restore: {ckpt.path} was written with --optimizer {ckpt.optimizer}, "
+                              f"this shard runs {self.cfg.optimizer}")
+        self.store.restore(ckpt)
+        log.info("shard %d: restored version %d from %s", self.cfg.shard, ckpt.version, ckpt.path)
+
+    def checkpoint(self, rank: int) -> tuple[str, int]:
+        """Write a checkpoint now (the chief asks); ("", version) without a directory."""
+        with self.store.cond:
+            self.policy.check_member(rank)
+        if self.checkpointer is None or not self.store.initialized:
+            return "", self.store.version
+        return self.checkpointer.write_now()
 
     def _optimizer_for(self, size: int):
         c = self.cfg
@@ -145,6 +171,8 @@ class Shard:
             s.counters.add("pushes_rejected")
             raise
         s.counters.add("samples_pushed", num_samples)
+        if self.checkpointer is not None:
+            self.checkpointer.maybe()
         return outcome, s.version, message, self.policy.finished
 
     def _receive_and_decide(self, rank, step, clock, fill):

@@ -14,7 +14,7 @@ from typing import Callable
 import numba
 import numpy as np
 
-from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from pserver.errors import ConfigError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 
 STALENESS_BUCKETS = 17   # histogram buckets 0..15, and one for 16 and more
 
@@ -101,6 +101,7 @@ class ShardStore:
         self.optimizer = None
         self.pool: BufferPool | None = None
         self.closed = False
+        self.restored_from = ""            # the checkpoint this shard resumed from, if any
 
     @property
     def size(self) -> int:
@@ -114,14 +115,39 @@ class ShardStore:
         """Fix the layout at the first Register; later ones must match it. Holds cond."""
         if self.signature:
             if signature != self.signature or total != self.total:
+                origin = f" (restored from {self.restored_from})" if self.restored_from else ""
                 raise FailedPrecondition(
                     f"layout: signature {signature} ({total} params) does not match this shard's "
-                    f"{self.signature} ({self.total} params); every worker must run the same model")
+                    f"{self.signature} ({self.total} params){origin}; every worker must run the same model")
             return
+        self._allocate(signature, total, start, end)
+
+    def _allocate(self, signature: str, total: int, start: int, end: int) -> None:
         self.signature, self.total, self.start, self.end = signature, total, start, end
         self.params = np.zeros(end - start, dtype=np.float32)
         self.optimizer = self._make_optimizer(end - start)
         self.pool = BufferPool(end - start)
+
+    def snapshot(self, meta: dict) -> dict:
+        """Copies of everything a checkpoint holds, taken under cond (consistent in sync
+        modes; in Hogwild modes as consistent as any read of a racing array)."""
+        with self.cond:
+            self.require_configured()
+            return dict(meta, version=self.version, signature=self.signature, total=self.total,
+                        start=self.start, end=self.end, params=self.params.copy(),
+                        state={k: v.copy() for k, v in self.optimizer.state.items()})
+
+    def restore(self, ckpt) -> None:
+        with self.cond:
+            self._allocate(ckpt.signature, ckpt.total, ckpt.start, ckpt.end)
+            if ckpt.params.shape != self.params.shape:
+                raise ConfigError(f"--restore: {ckpt.path} holds {ckpt.params.size} params for "
+                                  f"range [{ckpt.start}, {ckpt.end})")
+            self.params[:] = ckpt.params
+            self.optimizer.load_state(ckpt.state)
+            self.version = ckpt.version
+            self.restored_from = ckpt.path
+            self.cond.notify_all()
 
     def require_configured(self) -> None:
         if not self.signature:
