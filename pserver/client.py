@@ -147,6 +147,8 @@ class ShardClient:
         return self.resilient(lambda: self._init_once(rank, flat, timeout), timeout)
 
     def _init_once(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
+        if self.fast is not None:
+            return self.fast.init(flat[self.info.start:self.info.end], self.info.signature, timeout)
         header = pb.TensorHeader(rank=rank, shard=self.index, layout_signature=self.info.signature)
         stream = codec.encode(header, flat[self.info.start:self.info.end], self.chunk_bytes)
         return self.call(self.stub.Init, stream, timeout=timeout).already_initialized

@@ -6,14 +6,19 @@ shard run on the same machine, the shard offers this faster path beside its gRPC
 
 - a Unix socket (mode 0600, so only the same user can connect) carries 48-byte binary
   request headers and short replies;
-- on connect the shard creates two memfd buffers the size of its range (one for pushed
-  gradients, one for pulled weights) and passes their file descriptors over the socket
-  (SCM_RIGHTS). Both processes map them; there are no named segments to leak, even
-  when a process is killed.
+- on connect the shard passes two file descriptors over the socket (SCM_RIGHTS): a new
+  memfd the size of its range for this worker's pushed gradients, and the memfd that
+  holds the shard's parameters themselves, which the worker maps read-only. There are
+  no named segments to leak, even when a process is killed.
 
-A push is a memcpy into the shared buffer and one header; a pull is one header and a
-memcpy out. Both call the very same `Shard.push` / `Shard.pull` as the gRPC servicer,
-so validation, modes and counters are identical. Workers use it automatically when the
+A push is a memcpy into the shared buffer and one header; the shard validates the
+gradient where it lies and its policy may hold that buffer as the pending gradient
+until the step completes (the worker writes it again only after the pull that waits
+for that step). A pull is one header, the mode's wait, and a memcpy out of the shard's
+parameters by the worker (in sync mode they cannot change until this worker pushes
+again; in async modes a racy read is the point, as over gRPC). Memory on the shard:
+its parameters plus one buffer per worker. Both calls go to the very same `Shard.push`
+/ `Shard.pull` as the gRPC servicer, so validation, modes and counters are identical. Workers use it automatically when the
 shard's host id matches their own (`--data-plane auto`, the default); `--data-plane
 grpc` turns it off on either side.
 """
@@ -31,12 +36,16 @@ import threading
 
 import numpy as np
 
-from pserver.errors import InvalidArgument, PServerError, RpcError, Unavailable, rpc_error_for
+from pserver import security
+from pserver.errors import (InvalidArgument, PServerError, RpcError, Unauthenticated, Unavailable,
+                            rpc_error_for)
 
 log = logging.getLogger("pserver.dataplane")
 
 MAGIC = b"PSD1"
-HELLO, PUSH, PULL = 1, 2, 3
+HELLO, PUSH, PULL, INIT = 1, 2, 3, 4
+SIGNATURE = struct.Struct("16s")       # INIT: the layout signature follows the header
+TOKEN_LEN = struct.Struct("<I")        # HELLO: the token's length, then its bytes (0: none)
 # magic, op, rank, shard, step (push) or seen_version (pull), clock, num_elements,
 # num_samples, timeout in ms
 REQUEST = struct.Struct("<4sB3xiiqqqiI")
@@ -121,6 +130,9 @@ class DataPlaneServer:
                     buffers = self._hello(conn, req)
                 elif buffers is None:
                     self._reply(conn, InvalidArgument("op: say hello first"))
+                elif req[1] == INIT:
+                    sig = SIGNATURE.unpack(recv_exact(conn, SIGNATURE.size))[0].decode(errors="replace")
+                    self._reply(conn, *self._handle(req, *buffers, signature=sig))
                 else:
                     self._reply(conn, *self._handle(req, *buffers))
         except (ConnectionError, OSError):
@@ -131,26 +143,28 @@ class DataPlaneServer:
             conn.close()
 
     def _hello(self, conn, req):
-        size = self.shard.store.size
-        made = [shared_buffer(size), shared_buffer(size)]      # push, pull
-        reply = REPLY.pack(0, 0, 0, 0, size)
-        socket.send_fds(conn, [reply], [made[0][0], made[1][0]])
-        for fd, _, _ in made:
-            os.close(fd)                                        # the mappings stay
-        return made[0][2], made[1][2]
+        store = self.shard.store
+        if store.params_fd is None:
+            raise ConnectionError("the shard has no shared parameters yet")
+        fd, _, push_buf = shared_buffer(store.size)
+        reply = REPLY.pack(0, 0, 0, 0, store.size)
+        socket.send_fds(conn, [reply], [fd, store.params_fd])
+        os.close(fd)                                            # the mapping stays
+        return (push_buf,)
 
-    def _handle(self, req, push_buf: np.ndarray, pull_buf: np.ndarray):
+    def _handle(self, req, push_buf: np.ndarray, signature: str = ""):
         _, op, rank, shard, step, clock, num_elements, num_samples, timeout_ms = req
         try:
             if op == PUSH:
                 outcome, version, message, finished = self.shard.push(
-                    rank, shard, step, num_elements, "float32", num_samples, clock,
-                    lambda dest: np.copyto(dest, push_buf))
+                    rank, shard, step, num_elements, "float32", num_samples, clock, push_buf)
                 return None, outcome.value, finished, version, message
             if op == PULL:
-                version, params, finished = self.shard.pull(rank, shard, step, clock, timeout_ms / 1000)
-                np.copyto(pull_buf, params)
+                version, _, finished = self.shard.pull(rank, shard, step, clock, timeout_ms / 1000)
                 return None, 0, finished, version, ""
+            if op == INIT:
+                already, version = self.shard.init(rank, signature, num_elements, "float32", push_buf)
+                return None, int(already), False, version, ""
             raise InvalidArgument(f"op: unknown data-plane operation {op}")
         except RpcError as e:
             return e, 0, False, 0, ""
@@ -197,16 +211,17 @@ class DataPlaneChannel:
             for fd in fds:
                 os.close(fd)
             raise ConnectionError("the shard's data plane answered with the wrong buffers")
-        self.maps = [mmap.mmap(fd, size * 4) for fd in fds]
+        # our push buffer (read-write) and the shard's parameters (read-only)
+        self.maps = [mmap.mmap(fds[0], size * 4), mmap.mmap(fds[1], size * 4, prot=mmap.PROT_READ)]
         for fd in fds:
             os.close(fd)
-        self.push_buf, self.pull_buf = (np.frombuffer(m, dtype=np.float32, count=size) for m in self.maps)
+        self.push_buf, self.params = (np.frombuffer(m, dtype=np.float32, count=size) for m in self.maps)
 
-    def _call(self, op, step, clock, num_elements, num_samples, timeout: float):
+    def _call(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b""):
         self.sock.settimeout(timeout + 5)
         try:
             self.sock.sendall(REQUEST.pack(MAGIC, op, self.rank, self.shard, step, clock, num_elements,
-                                           num_samples, int(min(timeout, 4e6) * 1000)))
+                                           num_samples, int(min(timeout, 4e6) * 1000)) + tail)
             code, outcome, finished, n, version = REPLY.unpack(recv_exact(self.sock, REPLY.size))
             message = recv_exact(self.sock, n).decode(errors="replace") if n else ""
         except (OSError, ConnectionError) as e:
@@ -220,14 +235,21 @@ class DataPlaneChannel:
         outcome, finished, version, _ = self._call(PUSH, step, clock, grad.size, num_samples, timeout)
         return outcome, version, finished
 
+    def init(self, values: np.ndarray, signature: str, timeout: float) -> bool:
+        """Initial values through shared memory; True if the shard already had values."""
+        np.copyto(self.push_buf, values)
+        already, _, _, _ = self._call(INIT, 0, 0, values.size, 0, timeout,
+                                      SIGNATURE.pack(signature.encode()))
+        return bool(already)
+
     def pull_into(self, dest: np.ndarray, seen_version: int, clock: int, timeout: float):
         _, finished, version, _ = self._call(PULL, seen_version, clock, dest.size, 0, timeout)
-        np.copyto(dest, self.pull_buf)
+        np.copyto(dest, self.params)
         return version, finished
 
     def close(self) -> None:
         self.sock.close()
-        self.push_buf = self.pull_buf = None
+        self.push_buf = self.params = None
         for m in self.maps:
             try:
                 m.close()

@@ -26,7 +26,10 @@ from pserver.server.store import ShardStore
 from pserver.sharding import shard_range
 
 log = logging.getLogger("pserver.server")
-Fill = Callable[[np.ndarray], None]   # writes a received payload into the array it is given
+# How a push's payload arrives: a function that writes it into the array it is given (the
+# gRPC stream, copied into a pool buffer), or an array the shard may hold as it is until
+# the worker's next push (a data-plane connection's shared buffer: no copy).
+Fill = Callable[[np.ndarray], None] | np.ndarray
 MAX_PARAMS = 1 << 33                  # 8G elements (32 GB) per model: a sanity bound on declared sizes
 
 
@@ -109,7 +112,11 @@ class Shard:
                                 self.dataplane.address if self.dataplane else "", host_id())
 
     def init(self, rank: int, signature: str, num_elements: int, dtype: str, fill: Fill) -> tuple[bool, int]:
-        """Take the chief's initial values unless the shard already holds values."""
+        """Take the chief's initial values unless the shard already holds values.
+
+        The values land straight in the (not yet initialized) parameters, under the lock,
+        so a 40 MB model costs no second 40 MB; a payload that fails validation leaves
+        them zeroed and the shard still uninitialized."""
         s = self.store
         with s.cond:
             s.require_configured()
@@ -119,13 +126,16 @@ class Shard:
             self._check_payload(num_elements, dtype)
             if s.initialized:
                 return True, s.version
-        values = np.empty(s.size, dtype=np.float32)
-        fill(values)
-        s.check_gradient(values)
-        with s.cond:
-            if s.initialized:                # another Init won the race
-                return True, s.version
-            s.params[:] = values
+            try:
+                if isinstance(fill, np.ndarray):
+                    s.check_gradient(fill)
+                    s.params[:] = fill
+                else:
+                    fill(s.params)
+                    s.check_gradient(s.params)
+            except BaseException:
+                s.params[:] = 0
+                raise
             s.version = 0
             s.cond.notify_all()
             return False, s.version
@@ -176,6 +186,9 @@ class Shard:
         return outcome, s.version, message, self.policy.finished
 
     def _receive_and_decide(self, rank, step, clock, fill):
+        if isinstance(fill, np.ndarray):             # borrowed: already in shared memory
+            self.store.check_gradient(fill)
+            return self.policy.push(rank, step, fill, clock)
         grad = self.store.pool.acquire()
         try:
             fill(grad)

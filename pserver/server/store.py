@@ -7,6 +7,8 @@ notify_all wakes pulls waiting for a new version.
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 import time
 from typing import Callable
@@ -26,6 +28,15 @@ def all_finite(a):
         if not np.isfinite(a[i]):
             return False
     return True
+
+
+def shared_zeros(size: int) -> tuple[int | None, np.ndarray]:
+    """(fd, zeroed float32 array) in a memfd, or (None, array) where there is none."""
+    if size == 0 or not hasattr(os, "memfd_create"):
+        return None, np.zeros(size, dtype=np.float32)
+    fd = os.memfd_create("pserver-params", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size * 4)
+    return fd, np.frombuffer(mmap.mmap(fd, size * 4), dtype=np.float32)
 
 
 class Counters:
@@ -67,22 +78,31 @@ class Counters:
 
 
 class BufferPool:
-    """Reusable float32 scratch arrays of one size, so a push never allocates afresh."""
+    """Reusable float32 scratch arrays of one size, so a push never allocates afresh.
+
+    Policies hand every gradient back with `release` when done with it; gradients that
+    were borrowed rather than acquired (a data-plane connection's shared buffer) are
+    not the pool's and are ignored.
+    """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._free: list[np.ndarray] = []
+        self._own: set[int] = set()
         self._lock = threading.Lock()
 
     def acquire(self) -> np.ndarray:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return np.empty(self.size, dtype=np.float32)
+            buf = np.empty(self.size, dtype=np.float32)
+            self._own.add(id(buf))
+            return buf
 
     def release(self, buf: np.ndarray) -> None:
         with self._lock:
-            self._free.append(buf)
+            if id(buf) in self._own:
+                self._free.append(buf)
 
 
 class ShardStore:
@@ -102,6 +122,7 @@ class ShardStore:
         self.pool: BufferPool | None = None
         self.closed = False
         self.restored_from = ""            # the checkpoint this shard resumed from, if any
+        self.params_fd: int | None = None  # memfd behind params, for the data plane
 
     @property
     def size(self) -> int:
@@ -124,7 +145,11 @@ class ShardStore:
 
     def _allocate(self, signature: str, total: int, start: int, end: int) -> None:
         self.signature, self.total, self.start, self.end = signature, total, start, end
-        self.params = np.zeros(end - start, dtype=np.float32)
+        # In a memfd where the platform has one: same-host workers map it read-only and
+        # pull with one memcpy (pserver/dataplane.py). Otherwise plain memory.
+        if self.params_fd is not None:
+            os.close(self.params_fd)
+        self.params_fd, self.params = shared_zeros(end - start)
         self.optimizer = self._make_optimizer(end - start)
         self.pool = BufferPool(end - start)
 
