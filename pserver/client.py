@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from pserver import codec, dataplane
+from pserver.security import ClientSecurity
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import FailedPrecondition, InvalidArgument, Unavailable, rpc_error_for
@@ -51,11 +52,22 @@ class ShardClient:
     """One shard: its channel, stub and range; every call translates gRPC errors."""
 
     def __init__(self, index: int, address: str, chunk_bytes: int = codec.CHUNK_BYTES,
-                 data_plane: str = "auto") -> None:
+                 data_plane: str = "auto", security: ClientSecurity = ClientSecurity()) -> None:
         self.index, self.address, self.chunk_bytes = index, address, chunk_bytes
         self.data_plane = data_plane
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.security = security                  # token on every call, TLS when a CA is given
+        self.channel = security.channel(address, CHANNEL_OPTIONS)
         self.stub = pb_grpc.ParameterServerStub(self.channel)
+        # The tensor streams use the codec's hand-made TensorChunk encoding (same bytes on
+        # the wire as the generated stub would send, fewer copies).
+        service = "/pserver.v1.ParameterServer/"
+        self.init_call = self.channel.stream_unary(service + "Init", request_serializer=codec.serialize_chunk,
+                                                   response_deserializer=pb.InitReply.FromString)
+        self.push_call = self.channel.stream_unary(service + "Push", request_serializer=codec.serialize_chunk,
+                                                   response_deserializer=pb.PushReply.FromString)
+        self.pull_call = self.channel.unary_stream(service + "Pull",
+                                                   request_serializer=pb.PullRequest.SerializeToString,
+                                                   response_deserializer=codec.parse_chunk)
         self.info: ShardInfo | None = None
         self.fast: dataplane.DataPlaneChannel | None = None   # same-host shared memory
         self._joined: tuple | None = None       # Register's arguments, to join a restarted shard
@@ -77,8 +89,10 @@ class ShardClient:
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
+            tls = ("is its certificate signed by --tls-ca" if self.security.tls
+                   else "does it serve TLS, needing --tls-ca")
             raise Unavailable(f"shard {self.index} at {self.address}: no answer within {timeout:g} s "
-                              f"(is `pserver serve` running there, and the address right?)") from None
+                              f"(is `pserver serve` running there, the address right, {tls}?)") from None
 
     # --- riding out restarts ----------------------------------------------------------
     def resilient(self, op: Callable[[], T], retry_for: float) -> T:
@@ -140,7 +154,7 @@ class ShardClient:
                               r.total_params, r.layout_signature, r.optimizer, r.lr, r.dataplane, r.host_id)
         if self.data_plane == "auto" and self.fast is None:
             self.fast = dataplane.connect(r.dataplane, r.host_id, rank, self.index,
-                                          r.range_end - r.range_start, self.label)
+                                          r.range_end - r.range_start, self.label, self.security.token)
         return self.info
 
     def init(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
@@ -151,7 +165,7 @@ class ShardClient:
             return self.fast.init(flat[self.info.start:self.info.end], self.info.signature, timeout)
         header = pb.TensorHeader(rank=rank, shard=self.index, layout_signature=self.info.signature)
         stream = codec.encode(header, flat[self.info.start:self.info.end], self.chunk_bytes)
-        return self.call(self.stub.Init, stream, timeout=timeout).already_initialized
+        return self.call(self.init_call, stream, timeout=timeout).already_initialized
 
     def pull_into(self, flat: np.ndarray, rank: int, seen_version: int, clock: int,
                   timeout: float) -> tuple[int, bool]:
@@ -178,7 +192,7 @@ class ShardClient:
         req = pb.PullRequest(rank=rank, shard=self.index, seen_version=seen_version, clock=clock)
 
         def run() -> tuple[int, bool]:
-            chunks = iter(self.stub.Pull(req, timeout=timeout))
+            chunks = iter(self.pull_call(req, timeout=timeout))
             header = codec.read_header(chunks)
             dest = flat[self.info.start:self.info.end]
             if header.num_elements != dest.size:
@@ -200,7 +214,7 @@ class ShardClient:
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
                                  clock=clock)
         stream = codec.encode(header, grad[self.info.start:self.info.end], self.chunk_bytes)
-        reply = self.call(self.stub.Push, stream, timeout=timeout)
+        reply = self.call(self.push_call, stream, timeout=timeout)
         return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished
 
     def checkpoint(self, rank: int, timeout: float) -> tuple[str, int]:
@@ -226,9 +240,9 @@ class PSClient:
 
     def __init__(self, addresses: Sequence[str], rank: int = 0, num_workers: int = 1,
                  chunk_bytes: int = codec.CHUNK_BYTES, rpc_deadline: float = 300.0,
-                 data_plane: str = "auto") -> None:
+                 data_plane: str = "auto", security: ClientSecurity = ClientSecurity()) -> None:
         self.rank, self.num_workers, self.rpc_deadline = rank, num_workers, rpc_deadline
-        self.shards = [ShardClient(j, a, chunk_bytes, data_plane) for j, a in enumerate(addresses)]
+        self.shards = [ShardClient(j, a, chunk_bytes, data_plane, security) for j, a in enumerate(addresses)]
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-client") \
             if len(self.shards) > 1 else None
         self.versions = [-1] * len(self.shards)

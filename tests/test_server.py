@@ -33,8 +33,11 @@ def ready_client(address, num_workers=1, rank=0, layout=LAYOUT, init=True, plane
 
 
 def raw_push(address, chunks):
+    """A push through the generated stub: a plain protobuf client, as any language has."""
     stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
-    return stub.Push(iter(chunks), timeout=5)
+    msgs = [pb.TensorChunk.FromString(codec.serialize_chunk(m)) if isinstance(m, bytes) else m
+            for m in chunks]
+    return stub.Push(iter(msgs), timeout=5)
 
 
 def test_push_and_pull_round_trip(shard_server, plane):

@@ -10,12 +10,12 @@ from concurrent import futures
 
 import grpc
 
-from pserver import dataplane
+from pserver import dataplane, security
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.codec import MAX_CHUNK_BYTES
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError
-from pserver.server.servicer import ParameterServerServicer
+from pserver.server.servicer import ParameterServerServicer, add_to_server
 from pserver.server.shard import Shard
 
 log = logging.getLogger("pserver.server")
@@ -30,11 +30,12 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="pserver-rpc"),
         options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES),
-                 ("grpc.so_reuseport", 0)])
-    pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(shard), server)
+                 ("grpc.so_reuseport", 0)],
+        interceptors=security.server_interceptors(cfg.auth_token))   # token check, safe decoding
+    add_to_server(ParameterServerServicer(shard), server)
     address = f"{cfg.host}:{cfg.port}"
     try:
-        port = server.add_insecure_port(address)
+        port = security.add_port(server, address, cfg.tls_cert, cfg.tls_key)
     except RuntimeError as e:
         raise ConfigError(f"--port: cannot bind {address} ({e})") from None
     if port == 0:
@@ -49,7 +50,8 @@ def serve(cfg: ServerConfig) -> int:
     """Run a shard until SIGINT/SIGTERM, then stop gracefully (in-flight calls get 2 s)."""
     server, port, shard = create_server(cfg)
     print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "
-          f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}", flush=True)
+          f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}"
+          f"{' (TLS)' if cfg.tls_cert else ''}{' (token required)' if cfg.auth_token else ''}", flush=True)
     stop = threading.Event()
 
     def on_signal(signum, frame):

@@ -54,6 +54,23 @@ def _timeout(context) -> float:
     return MAX_WAIT if left is None else max(0.0, min(left - 0.05, MAX_WAIT))
 
 
+def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> None:
+    """Register every rpc of the service. As the generated add_..._to_server, except that
+    the tensor streams (Init, Push, Pull) use the codec's TensorChunk encoding."""
+    unary = {"Register": (pb.RegisterRequest, pb.RegisterReply), "Status": (pb.StatusRequest, pb.StatusReply),
+             "Leave": (pb.LeaveRequest, pb.LeaveReply), "Checkpoint": (pb.CheckpointRequest, pb.CheckpointReply)}
+    handlers = {name: grpc.unary_unary_rpc_method_handler(
+        getattr(servicer, name), request_deserializer=req.FromString,
+        response_serializer=rep.SerializeToString) for name, (req, rep) in unary.items()}
+    handlers["Init"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Init, request_deserializer=codec.parse_chunk, response_serializer=pb.InitReply.SerializeToString)
+    handlers["Push"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Push, request_deserializer=codec.parse_chunk, response_serializer=pb.PushReply.SerializeToString)
+    handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Pull, request_deserializer=pb.PullRequest.FromString, response_serializer=codec.serialize_chunk)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pserver.v1.ParameterServer", handlers),))
+
+
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
