@@ -1,0 +1,158 @@
+"""The figures of bench/modes.py, drawn from its aggregated entries (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")                  # files only: no display on a benchmark machine
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+ORDER = ("sync", "backup", "async", "ssp")
+
+
+def sort_labels(labels) -> list[str]:
+    """sync, backup-b1, backup-b2, async, ssp-s1, ssp-s4: families in ORDER, then by number."""
+    def key(label):
+        fam, _, rest = label.partition("-")
+        return ORDER.index(fam) if fam in ORDER else len(ORDER), int(rest[1:] or 0) if rest else 0
+    return sorted(set(labels), key=key)
+
+
+def colours(entries: list[dict]) -> dict[str, tuple]:
+    """One colour per mode label, the same in every figure."""
+    cmap = plt.get_cmap("tab10")
+    return {label: cmap(i % 10) for i, label in enumerate(sort_labels(e["label"] for e in entries))}
+
+
+def rank(colour: dict, item: dict) -> int:
+    """Where item's mode label comes in the legend order."""
+    return list(colour).index(item["label"])
+
+
+def width(panels) -> float:
+    """Figure width in inches: 5.2 per panel, and room for a two-line title with one."""
+    return max(7.0, 5.2 * len(panels))
+
+
+def profiles_at(entries: list[dict], n: int) -> list[str]:
+    return list(dict.fromkeys(e["profile"] for e in entries if e["workers"] == n))
+
+
+def curve_panel(ax, entries: list[dict], colour: dict, x: str) -> None:
+    """Every repeat's curve, a mode's repeats in its colour, labelled once."""
+    for e in sorted(entries, key=lambda e: rank(colour, e)):
+        for i, run in enumerate(r for r in e["runs"] if r["ok"]):
+            pts = run["curve"]
+            ax.plot([p[x] for p in pts], [p["accuracy"] for p in pts], color=colour[e["label"]],
+                    lw=1.4, alpha=0.9 if i == 0 else 0.45, marker=".", ms=3,
+                    label=e["label"] if i == 0 else None)
+
+
+def accuracy_figure(path: Path, entries: list[dict], n: int, args) -> None:
+    """Test accuracy against wall time (top) and applied samples (bottom), a column per profile."""
+    profiles, colour = profiles_at(entries, n), colours(entries)
+    fig, axes = plt.subplots(2, len(profiles), figsize=(width(profiles), 8.6), squeeze=False, sharey=True)
+    for j, profile in enumerate(profiles):
+        group = [e for e in entries if e["workers"] == n and e["profile"] == profile]
+        for i, (x, xlabel, mark) in enumerate((("seconds", "wall time (s)", args.budget),
+                                               ("samples", "applied samples", args.samples))):
+            ax = axes[i][j]
+            curve_panel(ax, group, colour, x)
+            ax.axhline(args.target, color="grey", ls="--", lw=0.8)
+            ax.axvline(mark, color="grey", ls=":", lw=0.8)
+            ax.set_xlabel(xlabel)
+            ax.set_title(f"{profile}, N={n}" + (": statistical efficiency" if i else ""), fontsize=10)
+            ax.grid(alpha=0.3)
+    for ax in axes.flat:                 # the approach to the target, not the first seconds' climb
+        ax.set_ylim(max(0.0, args.target - 0.15), 1.0)
+    axes[0][0].set_ylabel("test accuracy (chief)")
+    axes[1][0].set_ylabel("test accuracy (chief)")
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"Test accuracy by consistency mode, N={n}\ndashed: target {args.target:g}; dotted: "
+                 f"budget {args.budget:g} s (top), {args.samples:,} applied samples (bottom)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def scaling_figure(path: Path, entries: list[dict], scale: list[dict]) -> None:
+    """Samples/s against N, median with min-max bars, and the fitted Amdahl curve (dashed)."""
+    profiles, colour = list(dict.fromkeys(r["profile"] for r in scale)), colours(entries)
+    ns = sorted({e["workers"] for e in entries})
+    fig, axes = plt.subplots(1, len(profiles), figsize=(width(profiles), 4.8), squeeze=False)
+    grid = np.geomspace(1, max(ns), 100)
+    for ax, profile in zip(axes[0], profiles):
+        rows = sorted((r for r in scale if r["profile"] == profile), key=lambda r: rank(colour, r))
+        base = next((r["baseline_samples_per_s"] for r in rows if r["baseline_samples_per_s"]), None)
+        if base:
+            ax.plot(grid, base * grid, color="grey", lw=0.8, ls=":", label="ideal (x N)")
+        for r in rows:
+            pts, c, s = r["points"], colour[r["label"]], r["serial_fraction"]
+            x = np.array([p["workers"] for p in pts])
+            y = np.array([p["samples_per_s"] for p in pts])
+            err = [y - [p["min"] for p in pts], [p["max"] for p in pts] - y]
+            ax.errorbar(x, y, yerr=err, color=c, marker="o", ms=4, lw=0, elinewidth=1, capsize=3,
+                        label=r["label"] + ("" if s is None else f" (s={s:.2f})"))
+            if s is not None and base:
+                ax.plot(grid, base / (s + (1 - s) / grid), color=c, ls="--", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("workers N")
+        ax.set_title(f"{profile} (baseline {rows[0]['baseline'] if rows else '-'})", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    axes[0][0].set_ylabel("train samples/s (median, min-max)")
+    fig.suptitle("Throughput against N\ndashed: Amdahl fit, baseline x 1/(s + (1-s)/N)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def staleness_figure(path: Path, entries: list[dict], n: int) -> bool:
+    """Share of applied pushes by staleness (async, ssp; all repeats pooled), a panel per profile."""
+    stale = [e for e in entries if e["workers"] == n and e["mode"] in ("async", "ssp") and e["ok"]]
+    if not stale:
+        return False
+    profiles, colour = list(dict.fromkeys(e["profile"] for e in stale)), colours(entries)
+    fig, axes = plt.subplots(1, len(profiles), figsize=(width(profiles), 4.4), squeeze=False, sharey=True)
+    for ax, profile in zip(axes[0], profiles):
+        group = sorted((e for e in stale if e["profile"] == profile), key=lambda e: rank(colour, e))
+        bar = 0.8 / len(group)
+        for k, e in enumerate(group):
+            hist = np.sum([r["staleness_histogram"] for r in e["runs"] if r["ok"]], axis=0)
+            share = hist / max(hist.sum(), 1)
+            x = np.arange(len(share))
+            ax.bar(x + (k - (len(group) - 1) / 2) * bar, share, bar, color=colour[e["label"]],
+                   label=f"{e['label']} (mean {e['metrics']['staleness_mean']['median']:.2f})")
+        ticks = list(range(len(share)))
+        ax.set_xticks(ticks, [str(t) for t in ticks[:-1]] + [f">={ticks[-1]}"], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xlabel("staleness (versions behind when applied)")
+        ax.set_title(f"{profile}, N={n}", fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("share of applied pushes")
+    fig.suptitle(f"Staleness of applied pushes, N={n} (all repeats pooled)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def draw_all(out: Path, entries: list[dict], scale: list[dict], n: int | None, args) -> list[str]:
+    """Draw what the entries allow; the names of the files written."""
+    done = [e for e in entries if e["ok"]]
+    if not done or n is None:
+        return []
+    written = []
+    accuracy_figure(out / "accuracy.png", done, n, args)
+    written.append("accuracy.png")
+    scaling_figure(out / "scaling.png", done, scale)
+    written.append("scaling.png")
+    if staleness_figure(out / "staleness.png", done, n):
+        written.append("staleness.png")
+    return written
