@@ -65,6 +65,9 @@ SERVER_FLAGS = [
     Flag("--eps", dict(type=float, help="Adam epsilon (default 1e-8)")),
     Flag("--weight-decay", dict(type=float, help="L2 coefficient (default 0)")),
     Flag("--threads", dict(type=int, help="gRPC threads per shard (default 64)")),
+    Flag("--checkpoint-dir", dict(metavar="DIR", help="write checkpoints here, atomically (newest 3 kept; "
+                                  "after every epoch and at the end too)")),
+    Flag("--restore", dict(metavar="DIR", help="resume from the newest complete checkpoint in DIR (fresh if none)")),
     Flag("--checkpoint-every", dict(type=int, metavar="STEPS", help="checkpoint every STEPS steps (needs --checkpoint-dir)")),
     Flag("--checkpoint-secs", dict(type=float, metavar="SEC", help="checkpoint every SEC seconds (needs --checkpoint-dir)")),
 ]
@@ -76,13 +79,15 @@ WORKER_FLAGS = [
     Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, or a path to a .npz with x and y")),
     Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files")),
     Flag("--samples", dict(type=int, help="synthetic: training samples (default 60000)")),
+    Flag("--test-samples", dict(type=int, help="synthetic: test samples (default 10000)")),
     Flag("--features", dict(type=int, help="synthetic: input features (default 784)")),
     Flag("--classes", dict(type=int, help="synthetic: classes (default 10)")),
     Flag("--batch-size", dict(type=int, help="samples per step on each worker (default 64)")),
     Flag("--epochs", dict(type=int, help="passes over each worker's slice of the data (default 1)")),
     Flag("--max-steps", dict(type=int, help="stop each worker after this many steps (default: no limit)")),
     Flag("--seed", dict(type=int, help="seed for data order and initial weights (default 0)")),
-    Flag("--device", dict(help="where gradients are computed: cpu (default)")),
+    Flag("--device", dict(help="where gradients are computed: cpu (default), cuda or cuda:I (numba.cuda; "
+                               "honours CUDA_VISIBLE_DEVICES; launch spreads workers over the GPUs)")),
     Flag("--log-every", dict(type=float, metavar="SEC", help="seconds between progress lines (default 2)")),
     Flag("--connect-timeout", dict(type=float, metavar="SEC", help="seconds to wait for the shards at start (default 30)")),
     Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take (default 300)")),
@@ -95,6 +100,16 @@ COMMON_FLAGS = [
     Flag("--data-plane", dict(choices=("auto", "grpc"), help="auto (default): shards and workers on the same "
                               "host exchange payloads through shared memory; grpc: gRPC streams only")),
 ]
+
+# Security flags: in no table above, because launch must never put a token on a child's
+# command line (it hands PSERVER_AUTH_TOKEN over in the environment).
+AUTH_TOKEN = Flag("--auth-token", dict(metavar="TOKEN", help="shared secret that every RPC must carry "
+                  "(default: $PSERVER_AUTH_TOKEN, which is safer: a flag shows in `ps`)"))
+TLS_CERT = Flag("--tls-cert", dict(metavar="PEM", help="serve over TLS with this certificate (chain)"))
+TLS_KEY = Flag("--tls-key", dict(metavar="PEM", help="the private key of --tls-cert"))
+TLS_CA = Flag("--tls-ca", dict(metavar="PEM", help="talk to the shards over TLS, trusting this CA certificate"))
+SERVE_SECURITY = [AUTH_TOKEN, TLS_CERT, TLS_KEY]
+CLIENT_SECURITY = [AUTH_TOKEN, TLS_CA]
 
 
 def add_flags(parser, flags, title):
@@ -138,10 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-shards", type=int, default=None, help="number of shards S (default 1)")
     g.add_argument("--num-workers", type=int, default=None, help="number of workers N (default: learnt from the first worker)")
     g.add_argument("--log-level", default="INFO", help="server log level (default INFO)")
-    g.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints here (atomically; the newest 3 are kept)")
-    g.add_argument("--restore", default=None, metavar="DIR", help="resume from the newest complete checkpoint in DIR (fresh if there is none)")
     add_flags(s, SERVER_FLAGS, "training")
     add_flags(s, COMMON_FLAGS, "transport")
+    add_flags(s, SERVE_SECURITY, "security")
 
     w = sub.add_parser("worker", help="run one worker", formatter_class=fmt,
                        description="Run one worker: pull weights, compute gradients with numba kernels, push them.\n"
@@ -154,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats-json", default=None, metavar="PATH", help="write this worker's time breakdown here")
     add_flags(w, WORKER_FLAGS, "training")
     add_flags(w, COMMON_FLAGS, "transport")
+    add_flags(w, CLIENT_SECURITY, "security")
 
     la = sub.add_parser("launch", help="run S shards and N workers on this machine", formatter_class=fmt,
                         description="Start S shard processes and N worker processes on 127.0.0.1 with free ports,\n"
@@ -168,12 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(la, SERVER_FLAGS, "shard flags (passed to every shard)")
     add_flags(la, WORKER_FLAGS, "worker flags (passed to every worker)")
     add_flags(la, COMMON_FLAGS, "transport")
+    add_flags(la, SERVE_SECURITY + [TLS_CA], "security (a token is generated unless given; it reaches "
+                                             "the processes in their environment, never their argv)")
 
     st = sub.add_parser("status", help="show each shard's version, mode, size and counters",
                         description="Example: pserver status --ps 127.0.0.1:2222,127.0.0.1:2223")
     st.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]", help="shard addresses (default: from TF_CONFIG)")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each shard (default 5)")
+    add_flags(st, CLIENT_SECURITY, "security")
     return p
 
 
@@ -184,22 +202,28 @@ def parse_ps(text: str) -> tuple[str, ...]:
     return addrs
 
 
+def security_given(ns, flags) -> dict:
+    """The security flags set, the token falling back to PSERVER_AUTH_TOKEN."""
+    from pserver.security import resolve_token
+    return given(ns, flags) | {"auth_token": resolve_token(ns.auth_token)}
+
+
 def server_config(ns) -> ServerConfig:
-    kw = given(ns, SERVER_FLAGS + COMMON_FLAGS)
+    kw = given(ns, SERVER_FLAGS + COMMON_FLAGS) | security_given(ns, SERVE_SECURITY)
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
     if cluster and cluster.task_type == "ps":
         kw.update(shard=cluster.task_index, num_shards=len(cluster.ps),
                   port=int(cluster.ps[cluster.task_index].rpartition(":")[2]))
         if cluster.workers:
             kw["num_workers"] = len(cluster.workers)
-    for name in ("host", "port", "shard", "num_shards", "num_workers", "checkpoint_dir", "restore"):
+    for name in ("host", "port", "shard", "num_shards", "num_workers"):
         if getattr(ns, name) is not None:
             kw[name] = getattr(ns, name)
     return ServerConfig(**kw)
 
 
 def worker_config(ns) -> WorkerConfig:
-    kw = given(ns, WORKER_FLAGS + COMMON_FLAGS)
+    kw = given(ns, WORKER_FLAGS + COMMON_FLAGS) | security_given(ns, CLIENT_SECURITY)
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
     if cluster and cluster.task_type in ("worker", "chief"):
         kw.update(ps=cluster.ps, rank=cluster.rank, num_workers=len(cluster.workers))
@@ -226,15 +250,22 @@ def cmd_worker(ns) -> int:
 
 
 def cmd_launch(ns) -> int:
+    import secrets
     from pserver.launch import LaunchConfig, launch
+    if (ns.tls_cert is None) != (ns.tls_ca is None):
+        raise ConfigError("--tls-ca: launch needs --tls-cert/--tls-key and --tls-ca together "
+                          "(its shards serve TLS and its workers must trust them)")
+    # Our own cluster gets a fresh random token unless one is given (flag or environment).
+    token = security_given(ns, [])["auth_token"] or secrets.token_urlsafe(32)
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
-                       delay=ns.delay, delay_ranks=ns.delay_ranks)
+                       delay=ns.delay, delay_ranks=ns.delay_ranks, auth_token=token, tls_ca=ns.tls_ca,
+                       device=ns.device or "cpu")
+    server_flags, worker_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY], WORKER_FLAGS + COMMON_FLAGS + [TLS_CA]
     # Build both configs once here, so a bad flag fails now, before any process starts.
-    ServerConfig(num_shards=ns.ps, **given(ns, SERVER_FLAGS + COMMON_FLAGS))
-    WorkerConfig(num_workers=ns.workers, **given(ns, WORKER_FLAGS + COMMON_FLAGS))
-    worker_argv = [a for a in forward(ns, WORKER_FLAGS + COMMON_FLAGS)]
-    worker_argv = strip_flag(worker_argv, "--delay")
-    return launch(cfg, forward(ns, SERVER_FLAGS + COMMON_FLAGS), worker_argv)
+    ServerConfig(num_shards=ns.ps, auth_token=token, **given(ns, server_flags))
+    WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))
+    worker_argv = strip_flag(strip_flag(forward(ns, worker_flags), "--delay"), "--device")  # per rank
+    return launch(cfg, forward(ns, server_flags), worker_argv)     # no token in either argv
 
 
 def strip_flag(argv: list[str], name: str) -> list[str]:
@@ -260,13 +291,18 @@ def cmd_status(ns) -> int:
         addrs = cluster.ps
     else:
         addrs = parse_ps(text)
-    return show_status(addrs, ns.timeout, as_json=ns.json)
+    from pserver.security import client_security
+    return show_status(addrs, ns.timeout, as_json=ns.json,
+                       security=client_security(security_given(ns, [])["auth_token"], ns.tls_ca))
 
 
 COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "status": cmd_status}
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core prints INFO lines (one per failed TLS handshake, say) that would bury
+    # the one line we print; read before grpc loads, and GRPC_VERBOSITY=debug still wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     ns = build_parser().parse_args(argv)
     try:
         return COMMANDS[ns.command](ns)

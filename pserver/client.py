@@ -91,7 +91,7 @@ class ShardClient:
         except grpc.FutureTimeoutError:
             tls = ("is its certificate signed by --tls-ca" if self.security.tls
                    else "does it serve TLS, needing --tls-ca")
-            raise Unavailable(f"shard {self.index} at {self.address}: no answer within {timeout:g} s "
+            raise Unavailable(f"shard {self.index} at {self.address}: no answer within {timeout:.3g} s "
                               f"(is `pserver serve` running there, the address right, {tls}?)") from None
 
     # --- riding out restarts ----------------------------------------------------------

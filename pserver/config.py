@@ -44,6 +44,9 @@ class ServerConfig:
     checkpoint_every: int = 0     # also checkpoint every this many steps (0 = off)
     checkpoint_secs: float = 0.0  # also checkpoint every this many seconds (0 = off)
     restore: str | None = None    # resume from the newest complete checkpoint in this directory
+    auth_token: str | None = field(default=None, repr=False)  # every RPC must carry it; never shown
+    tls_cert: str | None = None   # PEM certificate (chain): serve over TLS (with tls_key)
+    tls_key: str | None = None    # PEM private key of tls_cert
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -60,6 +63,10 @@ class ServerConfig:
             raise ConfigError(f"--threads: must be at least 4, got {self.threads}")
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"--data-plane: '{self.data_plane}' is not one of {', '.join(DATA_PLANES)}")
+        from pserver import security   # grpc only when a config is built
+        if self.auth_token is not None:
+            security.check_token(self.auth_token, "--auth-token")
+        security.check_tls_files(self.tls_cert, self.tls_key)
         if self.checkpoint_every < 0 or self.checkpoint_secs < 0:
             raise ConfigError("--checkpoint-every and --checkpoint-secs must be >= 0")
         if (self.checkpoint_every or self.checkpoint_secs) and not (self.checkpoint_dir or self.restore):
@@ -87,13 +94,14 @@ class WorkerConfig:
     dataset: str = "synthetic"    # synthetic, mnist, or a path to a .npz file
     data_dir: str | None = None   # where the mnist IDX files are
     samples: int = 60000          # synthetic: training samples
+    test_samples: int = 10000     # synthetic: test samples
     features: int = 784           # synthetic: input features
     classes: int = 10             # synthetic: classes
     batch_size: int = 64          # samples per step on this worker
     epochs: int = 1               # passes over this worker's slice
     max_steps: int = 0            # stop after this many steps in total (0 = no limit)
     seed: int = 0                 # data order and initial weights
-    device: str = "cpu"           # where gradients are computed
+    device: str = "cpu"           # where gradients are computed: cpu, cuda or cuda:I
     log_every: float = 2.0        # seconds between progress lines
     connect_timeout: float = 30.0 # seconds to wait for every shard to answer at start
     rpc_deadline: float = 300.0   # seconds one pull/push may take (a sync pull waits for the step)
@@ -104,6 +112,8 @@ class WorkerConfig:
     eval_every: float = 0.0       # chief: also evaluate every this many seconds (0 = per epoch only)
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
+    auth_token: str | None = field(default=None, repr=False)  # sent with every RPC; never shown
+    tls_ca: str | None = None     # PEM CA certificate to trust: talk to the shards over TLS
 
     def __post_init__(self) -> None:
         if not self.ps:
@@ -118,11 +128,14 @@ class WorkerConfig:
             raise ConfigError(f"--epochs: must be >= 1, got {self.epochs}")
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"--data-plane: '{self.data_plane}' is not one of {', '.join(DATA_PLANES)}")
+        if self.auth_token is not None or self.tls_ca is not None:
+            from pserver import security
+            security.client_security(self.auth_token, self.tls_ca)   # a bad token or CA file fails now
         if self.delay:
             from pserver.stragglers import parse_delay
             parse_delay(self.delay)
-        if self.device != "cpu":
-            raise ConfigError(f"--device: '{self.device}' is not available in this build; use cpu")
+        from pserver.device import parse_device   # checks the form; imports no CUDA
+        parse_device(self.device)
 
 
 @dataclass(frozen=True)

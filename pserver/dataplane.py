@@ -94,6 +94,8 @@ class DataPlaneServer:
 
     def __init__(self, shard) -> None:
         self.shard = shard
+        token = shard.cfg.auth_token
+        self.token = token.encode() if token else None     # HELLO must carry it (security.py)
         name = f"pserver-{os.getpid()}-shard{shard.cfg.shard}-{secrets.token_hex(4)}.sock"
         self.path = os.path.join(tempfile.gettempdir(), name)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -128,6 +130,9 @@ class DataPlaneServer:
                     raise ConnectionError("bad magic")
                 if req[1] == HELLO:
                     buffers = self._hello(conn, req)
+                elif buffers is None and self.token is not None:
+                    self._reply(conn, Unauthenticated("authorization: send HELLO with the shard's token first"))
+                    raise ConnectionError("unauthenticated")
                 elif buffers is None:
                     self._reply(conn, InvalidArgument("op: say hello first"))
                 elif req[1] == INIT:
@@ -142,7 +147,21 @@ class DataPlaneServer:
                 self.conns.discard(conn)
             conn.close()
 
+    def _authenticate(self, conn) -> None:
+        """Read the token that follows HELLO; refuse and close unless it is the shard's
+        (compared in constant time). A refused connection never sees a buffer."""
+        (n,) = TOKEN_LEN.unpack(recv_exact(conn, TOKEN_LEN.size))
+        if n > security.MAX_TOKEN:             # checked before reading: no allocation by the peer's say-so
+            why = f"authorization: a {n}-byte token is longer than {security.MAX_TOKEN} bytes"
+        else:
+            presented = recv_exact(conn, n) if n else None
+            why = None if self.token is None else security.refusal(presented, self.token)
+        if why is not None:
+            self._reply(conn, Unauthenticated(why))
+            raise ConnectionError("unauthenticated")
+
     def _hello(self, conn, req):
+        self._authenticate(conn)
         store = self.shard.store
         if store.params_fd is None:
             raise ConnectionError("the shard has no shared parameters yet")
@@ -200,13 +219,17 @@ class DataPlaneServer:
 class DataPlaneChannel:
     """A worker's connection to one shard's data plane. One call at a time."""
 
-    def __init__(self, address: str, rank: int, shard: int, size: int, label: str) -> None:
+    def __init__(self, address: str, rank: int, shard: int, size: int, label: str,
+                 token: str | None = None) -> None:
         self.label = label
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(address.removeprefix("unix:"))
         self.rank, self.shard = rank, shard
-        self.sock.sendall(REQUEST.pack(MAGIC, HELLO, rank, shard, 0, 0, 0, 0, 0))
+        blob = token.encode() if token else b""
+        self.sock.sendall(REQUEST.pack(MAGIC, HELLO, rank, shard, 0, 0, 0, 0, 0)
+                          + TOKEN_LEN.pack(len(blob)) + blob)
         msg, fds, _, _ = socket.recv_fds(self.sock, REPLY.size, 2)
+        self._check_hello(msg, fds)
         if len(fds) != 2 or REPLY.unpack(msg)[4] != size:
             for fd in fds:
                 os.close(fd)
@@ -216,6 +239,20 @@ class DataPlaneChannel:
         for fd in fds:
             os.close(fd)
         self.push_buf, self.params = (np.frombuffer(m, dtype=np.float32, count=size) for m in self.maps)
+
+    def _check_hello(self, msg: bytes, fds: list[int]) -> None:
+        """A refused HELLO (wrong or missing token) is an error reply with no descriptors."""
+        code = REPLY.unpack(msg)[0] if len(msg) == REPLY.size else None
+        if code == 0:
+            return
+        for fd in fds:
+            os.close(fd)
+        if code is None:
+            raise ConnectionError("the shard's data plane closed the connection during HELLO")
+        n = REPLY.unpack(msg)[3]
+        message = recv_exact(self.sock, n).decode(errors="replace") if n else ""
+        self.sock.close()
+        raise rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", f"{self.label}: {message}")
 
     def _call(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b""):
         self.sock.settimeout(timeout + 5)
@@ -258,12 +295,12 @@ class DataPlaneChannel:
 
 
 def connect(address: str, expected_host: str, rank: int, shard: int, size: int,
-            label: str) -> DataPlaneChannel | None:
+            label: str, token: str | None = None) -> DataPlaneChannel | None:
     """A channel if the shard is on this host and answers; None means: use gRPC."""
     if not address or not supported() or size == 0 or expected_host != host_id():
         return None
     try:
-        return DataPlaneChannel(address, rank, shard, size, label)
+        return DataPlaneChannel(address, rank, shard, size, label, token)
     except (OSError, ConnectionError, PServerError) as e:
         log.info("%s: data plane unavailable (%s); using gRPC streams", label, e)
         return None

@@ -65,8 +65,10 @@ def select(device: Device) -> Device:
         raise ConfigError(_no_gpu_message(device))
     index = device.index or 0
     if index >= count:
-        raise ConfigError(f"--device {device}: only {count} CUDA device(s) visible "
-                          f"({_visible_env()}); use cuda:0 to cuda:{count - 1}")
+        where = "the CUDA simulator has one" if is_simulator() else _visible_env()
+        choices = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise ConfigError(f"--device {device}: only {count} CUDA device(s) visible ({where}); "
+                          f"use {choices}")
     if not is_simulator() and not cuda.is_available():
         # The driver sees a GPU, but numba finds no NVVM to compile kernels with.
         raise ConfigError(f"--device {device}: a GPU is visible but numba cannot compile for it "
@@ -101,6 +103,16 @@ def round_robin(num_workers: int, spec: str) -> list[str]:
     return [f"cuda:{r % count}" for r in range(num_workers)]
 
 
+def current_index() -> int:
+    """This thread's current CUDA device (cuda:0 if nothing was selected): what a CUDA model
+    binds to. A ConfigError, as from `select`, when there is none."""
+    cuda = _import_cuda(Device("cuda"))
+    if _count_visible(cuda) == 0:
+        raise ConfigError(_no_gpu_message(Device("cuda")))
+    # The simulator's one device has no id.
+    return int(getattr(cuda.current_context().device, "id", 0))
+
+
 def visible_gpus(device: Device = Device("cuda")) -> int:
     """How many CUDA devices this process can use (1 in the simulator, 0 with none)."""
     return _count_visible(_import_cuda(device))
@@ -122,6 +134,9 @@ def _import_cuda(device: Device):
 
 
 def _count_visible(cuda) -> int:
+    if is_simulator():
+        return len(cuda.gpus)
+    # Not importable from the simulator, whose numba.cuda.cudadrv is a stand-in.
     from numba.cuda.cudadrv.error import CudaDriverError, CudaSupportError
     try:
         # The driver's count already leaves out what CUDA_VISIBLE_DEVICES hides.
@@ -143,4 +158,4 @@ def _no_gpu_message(device: Device) -> str:
 
 
 __all__ = ["Device", "parse_device", "select", "describe", "round_robin", "visible_gpus",
-           "is_simulator"]
+           "current_index", "is_simulator"]

@@ -17,11 +17,13 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pserver.client import PSClient
+from pserver.device import round_robin
 from pserver.errors import PServerError, Unavailable
 from pserver.metrics import combine_counters, write_json
+from pserver.security import TOKEN_ENV, ClientSecurity, client_security
 
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 STARTUP_TIMEOUT = 60.0
@@ -34,6 +36,9 @@ class LaunchConfig:
     summary_json: str | None = None
     delay: str | None = None               # straggler delay for the ranks in delay_ranks
     delay_ranks: tuple[int, ...] | None = None   # None: every worker
+    device: str = "cpu"                    # cpu, or cuda[:I]: workers spread over the GPUs
+    auth_token: str | None = field(default=None, repr=False)  # to the children in their environment only
+    tls_ca: str | None = None              # the shards serve TLS: trust this CA when reading their status
 
 
 class Proc:
@@ -98,11 +103,11 @@ def start_shards(cfg: LaunchConfig, server_argv: list[str], env: dict) -> list[P
 
 
 def start_workers(cfg: LaunchConfig, addresses: str, worker_argv: list[str], env: dict,
-                  chief_summary: str) -> list[Proc]:
+                  chief_summary: str, devices: list[str]) -> list[Proc]:
     workers = []
     for i in range(cfg.num_workers):
         argv = [sys.executable, "-m", "pserver", "worker", "--ps", addresses, "--rank", str(i),
-                "--num-workers", str(cfg.num_workers), *worker_argv]
+                "--num-workers", str(cfg.num_workers), "--device", devices[i], *worker_argv]
         if cfg.delay and (cfg.delay_ranks is None or i in cfg.delay_ranks):
             argv += ["--delay", cfg.delay]
         if i == 0:
@@ -126,6 +131,9 @@ def supervise(shards: list[Proc], workers: list[Proc]) -> None:
 
 def launch(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]) -> int:
     env = child_env(cfg.num_workers)
+    devices = round_robin(cfg.num_workers, cfg.device)   # no GPU for cuda: fail before starting
+    if cfg.auth_token:
+        env[TOKEN_ENV] = cfg.auth_token      # never in argv: any user can read a command line
     started = time.monotonic()
     procs: list[Proc] = []
     tmpdir = tempfile.mkdtemp(prefix="pserver-launch-")
@@ -136,10 +144,11 @@ def launch(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]) ->
         addresses = ",".join(f"127.0.0.1:{p.port}" for p in shards)
         print(f"pserver launch: {cfg.num_shards} shard(s) at {addresses}; "
               f"starting {cfg.num_workers} worker(s)", flush=True)
-        workers = start_workers(cfg, addresses, worker_argv, env, chief_summary)
+        workers = start_workers(cfg, addresses, worker_argv, env, chief_summary, devices)
         procs += workers
         supervise(shards, workers)
-        summary = final_summary(chief_summary, addresses, time.monotonic() - started)
+        summary = final_summary(chief_summary, addresses, time.monotonic() - started,
+                                client_security(cfg.auth_token, cfg.tls_ca))
         if cfg.summary_json and summary is not None:
             write_json(cfg.summary_json, summary)
             print(f"pserver launch: summary written to {cfg.summary_json}", flush=True)
@@ -153,13 +162,14 @@ def launch(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]) ->
             p.stop()
 
 
-def final_summary(chief_path: str, addresses: str, launch_seconds: float) -> dict | None:
+def final_summary(chief_path: str, addresses: str, launch_seconds: float,
+                  security: ClientSecurity = ClientSecurity()) -> dict | None:
     """The chief's summary, with counters re-read now that every worker has finished."""
     if not os.path.exists(chief_path):
         return None
     with open(chief_path) as f:
         summary = json.load(f)
-    client = PSClient(addresses.split(","))
+    client = PSClient(addresses.split(","), security=security)
     try:
         summary.update(combine_counters(client.status()))
     finally:

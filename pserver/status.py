@@ -7,6 +7,7 @@ import json
 from google.protobuf.json_format import MessageToDict
 
 from pserver.client import PSClient
+from pserver.security import ClientSecurity
 from pserver.metrics import combine_counters
 
 COLUMNS = [("shard", "shard"), ("version", "version"), ("mode", "mode"), ("params", "num_params"),
@@ -29,8 +30,9 @@ def rows(statuses) -> list[dict]:
     return out
 
 
-def show_status(addresses, timeout: float, as_json: bool = False) -> int:
-    client = PSClient(addresses)
+def show_status(addresses, timeout: float, as_json: bool = False,
+                security: ClientSecurity = ClientSecurity()) -> int:
+    client = PSClient(addresses, security=security)
     try:
         client.connect(timeout)
         statuses = client.status(timeout)

@@ -14,20 +14,25 @@ import numpy as np
 from pserver.client import PSClient
 from pserver.config import WorkerConfig
 from pserver.data import describe, iterate_batches, load_dataset, steps_per_epoch
+from pserver.device import describe as describe_device
+from pserver.device import parse_device, select
 from pserver.errors import DeadlineExceeded, FailedPrecondition
 from pserver.metrics import (EvalCurve, Progress, StepTimer, combine_counters, format_summary,
                              write_json)
 from pserver.models import make_model
+from pserver.security import client_security
 from pserver.stragglers import Delay
 
 
 def build(cfg: WorkerConfig):
-    """Dataset and model for this worker (the chief and the others build the same)."""
+    """Device, dataset and model for this worker (the chief and the others build the same)."""
+    device = select(parse_device(cfg.device))   # before the model: it binds to this device
     task = "regression" if cfg.model == "linreg" else "classification"
     ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, task=task,
-                      samples=cfg.samples, features=cfg.features, classes=cfg.classes)
-    model = make_model(cfg.model, ds.features, ds.num_classes, hidden=cfg.hidden)
-    return ds, model
+                      samples=cfg.samples, test_samples=cfg.test_samples, features=cfg.features,
+                      classes=cfg.classes)
+    model = make_model(cfg.model, ds.features, ds.num_classes, hidden=cfg.hidden, backend=device.backend)
+    return device, ds, model
 
 
 def evaluate(model, w, ds, cfg: WorkerConfig) -> dict:
@@ -36,13 +41,14 @@ def evaluate(model, w, ds, cfg: WorkerConfig) -> dict:
 
 def run_worker(cfg: WorkerConfig) -> dict | None:
     """Train until the epochs (or --max-steps) are done; the chief returns the summary."""
-    ds, model = build(cfg)
-    client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane)
+    device, ds, model = build(cfg)
+    client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
+                      security=client_security(cfg.auth_token, cfg.tls_ca))
     try:
         client.connect(cfg.connect_timeout)
         infos = client.register(model.layout, cfg.batch_size)
         mode = infos[0].mode
-        print(f"worker rank {cfg.rank}/{cfg.num_workers} device {cfg.device}; "
+        print(f"worker rank {cfg.rank}/{cfg.num_workers} device {describe_device(device)}; "
               f"model {model.name} {model.layout.total:,} params; {describe(ds)}; mode {mode}, "
               f"{len(cfg.ps)} shard(s) ({client.plane_description()}), optimizer {infos[0].optimizer} "
               f"lr {infos[0].lr:g}", flush=True)

@@ -5,7 +5,8 @@
     mlp      dense + ReLU layers, default 784-256-256-10, softmax cross-entropy
 
 `make_model` is how the CLI and the tests build one; `backend` picks the kernel module
-("cpu" numba kernels, or the "reference" NumPy twins).
+("cpu" numba kernels, or the "reference" NumPy twins), or "cuda": the same model kept on a GPU
+(`pserver.models.cuda`, imported only then, as it imports numba.cuda).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from pserver.errors import ConfigError
+from pserver.kernels import get_backend
 from pserver.models.base import DenseModel, Model
 from pserver.models.layout import Layout, TensorSpec
 from pserver.models.linreg import LinReg
@@ -25,6 +27,16 @@ MODELS = ("mlp", "logreg", "linreg")
 def make_model(name: str, in_features: int, num_classes: int, *,
                hidden: tuple[int, ...] = (256, 256), backend: str = "cpu") -> Model:
     """Build a model by name; bad names and sizes raise ConfigError naming the flag."""
+    if backend == "cuda":
+        # Checked and laid out as on the host (the NumPy twins compile nothing), then moved.
+        host = _make_host_model(name, in_features, num_classes, hidden, "reference")
+        get_backend("cuda")  # numba.cuda missing: a ConfigError naming --device, not a traceback
+        from pserver.models.cuda import CudaDenseModel
+        return CudaDenseModel.like(host)
+    return _make_host_model(name, in_features, num_classes, hidden, backend)
+
+
+def _make_host_model(name, in_features, num_classes, hidden, backend) -> DenseModel:
     if name not in MODELS:
         raise ConfigError(f"--model: unknown model {name!r}; choose one of {', '.join(MODELS)}")
     _check_positive("input features", in_features)

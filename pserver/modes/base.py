@@ -42,12 +42,17 @@ class Policy(ABC):
         self.finished = False                # no step can complete any more: workers stop
 
     # --- membership; all called with store.cond held -------------------------------
-    def join(self, rank: int, num_workers: int) -> None:
+    def check_join(self, rank: int, num_workers: int) -> None:
+        """What join checks, changing nothing: Shard.register calls it before it fixes the layout."""
         if self.num_workers and num_workers != self.num_workers:
             raise FailedPrecondition(f"num_workers: worker {rank} says {num_workers} workers but "
                                      f"this shard serves {self.num_workers}")
+        if not 0 <= rank < num_workers:
+            raise FailedPrecondition(f"rank: {rank} is not a worker of this cluster (ranks 0..{num_workers - 1})")
+
+    def join(self, rank: int, num_workers: int) -> None:
+        self.check_join(rank, num_workers)
         self.num_workers = num_workers
-        self.check_rank(rank)
         self.registered.add(rank)
         self.left.discard(rank)
         if rank in self.dead:

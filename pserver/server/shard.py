@@ -33,6 +33,25 @@ Fill = Callable[[np.ndarray], None] | np.ndarray
 MAX_PARAMS = 1 << 33                  # 8G elements (32 GB) per model: a sanity bound on declared sizes
 
 
+def checked_total(layout: Layout) -> int:
+    """P of a layout a worker declared, checked before anything is allocated. Python
+    integers, capped: numpy's int64 product wraps around, which would let a huge layout
+    pass as a small (or empty) one."""
+    if any(d < 0 for t in layout.tensors for d in t.shape):
+        raise InvalidArgument("layout: a tensor has a negative dimension")
+    total = 0
+    for t in layout.tensors:
+        size = 1
+        for d in t.shape:
+            size = min(size * d, MAX_PARAMS + 1)
+        total = min(total + size, MAX_PARAMS + 1)
+    if not 1 <= total <= MAX_PARAMS:
+        told = f"more than {MAX_PARAMS}" if total > MAX_PARAMS else str(total)
+        raise InvalidArgument(f"layout: {len(layout.tensors)} tensors, {told} elements; "
+                              f"need 1 to {MAX_PARAMS} elements")
+    return total
+
+
 @dataclass(frozen=True)
 class Registration:
     mode: str
@@ -96,15 +115,11 @@ class Shard:
         self.check_shard(shard, num_shards)
         if num_workers < 1:
             raise InvalidArgument(f"num_workers: must be >= 1, got {num_workers}")
-        total = layout.total
-        if not layout.tensors or total > MAX_PARAMS:
-            raise InvalidArgument(f"layout: {len(layout.tensors)} tensors, {total} elements; "
-                                  f"need 1 to {MAX_PARAMS} elements")
-        if any(d < 0 for t in layout.tensors for d in t.shape):
-            raise InvalidArgument("layout: a tensor has a negative dimension")
+        total = checked_total(layout)
         start, end = shard_range(total, self.cfg.num_shards, self.cfg.shard)
         s = self.store
         with s.cond:
+            self.policy.check_join(rank, num_workers)   # a refused Register must not fix the layout
             s.configure(layout.signature(), total, start, end)
             self.policy.join(rank, num_workers)
             return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,

@@ -1,0 +1,187 @@
+"""The CUDA model against the CPU model, and pserver.device with a CUDA device present.
+
+Run by tests/test_kernels_cuda.py in a subprocess with NUMBA_ENABLE_CUDASIM=1 (see there why).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from pserver.device import Device, describe, parse_device, round_robin, select, visible_gpus
+from pserver.errors import ConfigError
+from pserver.models import MODELS, make_model
+from pserver.models.cuda import CudaDenseModel
+from tests.cuda_sim import simfix
+
+# Distinct small widths, so a transposed gradient has the wrong shape or values.
+IN, CLASSES, HIDDEN = 5, 3, (4, 6)
+
+
+def pair(name):
+    return (make_model(name, IN, CLASSES, hidden=HIDDEN, backend="cpu"),
+            make_model(name, IN, CLASSES, hidden=HIDDEN, backend="cuda"))
+
+
+def batch(model, n, rng):
+    x = rng.standard_normal((n, model.in_features)).astype(np.float32)
+    if model.task == "classification":
+        return x, rng.integers(0, model.num_classes, n).astype(np.int32)
+    return x, rng.standard_normal(n).astype(np.float32)
+
+
+def random_params(model, rng):
+    # Nonzero biases too, so that bias gradients and ReLU masks are exercised.
+    return (rng.standard_normal(model.layout.total) * 0.7).astype(np.float32)
+
+
+# -- the CUDA model equals the CPU model ----------------------------------------------------
+
+@pytest.mark.parametrize("name,n", [("mlp", 1), ("mlp", 20), ("logreg", 7), ("linreg", 7)])
+def test_loss_and_grad_equals_cpu(name, n):
+    # n = 20 crosses a 16-row tile: two row blocks forward, two K tiles in x.T @ dz.
+    cpu_m, gpu_m = pair(name)
+    rng = np.random.default_rng(n)
+    w, (x, y) = random_params(cpu_m, rng), batch(cpu_m, n, rng)
+    g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
+    loss_c, loss_g = cpu_m.loss_and_grad(w, x, y, g_c), gpu_m.loss_and_grad(w, x, y, g_g)
+    assert isinstance(loss_g, float)
+    assert loss_g == pytest.approx(loss_c, rel=1e-5)
+    np.testing.assert_allclose(g_g, g_c, rtol=1e-4, atol=1e-6)
+
+
+def test_buffers_are_reused_and_results_repeat():
+    _, model = pair("logreg")
+    rng = np.random.default_rng(0)
+    w = model.init_params(0)
+    (x1, y1), (x2, y2) = batch(model, 8, rng), batch(model, 3, rng)
+    g1, g2, again = (np.full_like(w, np.nan) for _ in range(3))
+    l1 = model.loss_and_grad(w, x1, y1, g1)
+    model.loss_and_grad(w, x2, y2, g2)        # another batch size: other buffers
+    assert model.loss_and_grad(w, x1, y1, again) == l1
+    np.testing.assert_array_equal(g1, again)  # the same sums in the same order
+    assert np.isfinite(g2).all() and not np.array_equal(g1, g2)
+
+
+def test_threads_have_their_own_streams_and_buffers():
+    _, model = pair("logreg")
+    rng = np.random.default_rng(1)
+    w = model.init_params(1)
+    batches = [batch(model, 6, rng) for _ in range(2)]
+    want = [np.empty_like(w) for _ in batches]
+    for (x, y), g in zip(batches, want):
+        model.loss_and_grad(w, x, y, g)
+    got, states = [np.empty_like(w) for _ in batches], [None, None]
+
+    def run(i):
+        model.loss_and_grad(w, *batches[i], got[i])
+        states[i] = model._state()
+
+    for i in range(2):
+        # One thread at a time: the simulator cannot run two kernels at once (a GPU can).
+        t = threading.Thread(target=run, args=(i,))
+        t.start()
+        t.join()
+    assert states[0] is not states[1] and states[0].stream is not states[1].stream
+    assert model._state() not in states
+    for g, h in zip(got, want):
+        np.testing.assert_array_equal(g, h)
+
+
+def test_evaluate_classification_equals_cpu():
+    cpu_m, gpu_m = pair("logreg")
+    rng = np.random.default_rng(2)
+    w, (x, y) = random_params(cpu_m, rng), batch(cpu_m, 9, rng)
+    got, want = gpu_m.evaluate(w, x, y, batch_size=4), cpu_m.evaluate(w, x, y, batch_size=4)
+    assert set(got) == {"loss", "accuracy"}       # 2 full batches and a short one
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["accuracy"] == want["accuracy"]
+
+
+def test_evaluate_regression_equals_cpu():
+    cpu_m, gpu_m = pair("linreg")
+    rng = np.random.default_rng(3)
+    w, (x, y) = random_params(cpu_m, rng), batch(cpu_m, 9, rng)
+    got, want = gpu_m.evaluate(w, x, y, batch_size=5), cpu_m.evaluate(w, x, y, batch_size=5)
+    assert set(got) == {"loss", "r2"}
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["r2"] == pytest.approx(want["r2"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_same_model_as_cpu(name):
+    cpu_m, gpu_m = pair(name)
+    assert isinstance(gpu_m, CudaDenseModel) and gpu_m.kernels.__name__ == "pserver.kernels.cuda"
+    assert gpu_m.layout == cpu_m.layout and gpu_m.name == cpu_m.name
+    assert (gpu_m.task, gpu_m.num_classes, gpu_m.in_features) == (cpu_m.task, cpu_m.num_classes,
+                                                                  cpu_m.in_features)
+    np.testing.assert_array_equal(gpu_m.init_params(4), cpu_m.init_params(4))
+
+
+def test_bad_inputs():
+    _, model = pair("mlp")
+    rng = np.random.default_rng(0)
+    w = model.init_params(0)
+    g = np.empty_like(w)
+    x, y = batch(model, 4, rng)
+    with pytest.raises(ValueError, match="label out of range"):
+        model.loss_and_grad(w, x, y + CLASSES, g)
+    with pytest.raises(ValueError, match="label out of range"):
+        model.evaluate(w, x, y - CLASSES)
+    with pytest.raises(ValueError, match="float32"):
+        model.loss_and_grad(w.astype(np.float64), x, y, g.astype(np.float64))
+    with pytest.raises(ValueError, match="grad_out must be a C-contiguous"):
+        model.loss_and_grad(w, x, y, np.empty(2 * w.size, np.float32)[::2])
+    with pytest.raises(ValueError, match="x has shape"):
+        model.loss_and_grad(w, x[:, :-1], y, g)
+    with pytest.raises(ConfigError, match="--hidden"):
+        make_model("mlp", IN, CLASSES, hidden=(0,), backend="cuda")
+
+
+# -- pserver.device with a device present ------------------------------------------------
+
+def test_select_and_describe():
+    assert simfix.SIMULATOR, "these expectations are the simulator's"
+    assert visible_gpus() == 1
+    assert select(parse_device("cuda")) == Device("cuda", 0)
+    assert select(parse_device("cuda:0")) == Device("cuda", 0)
+    assert describe(Device("cuda", 0)) == "cuda:0 (CUDA simulator)"
+    assert select(parse_device("cpu")) == Device("cpu") and describe(Device("cpu")) == "cpu"
+
+
+def test_select_an_index_that_is_not_visible():
+    with pytest.raises(ConfigError) as e:
+        select(parse_device("cuda:1"))
+    assert str(e.value) == ("--device cuda:1: only 1 CUDA device(s) visible "
+                            "(the CUDA simulator has one); use cuda:0")
+
+
+def test_round_robin_over_the_visible_devices():
+    assert round_robin(3, "cuda") == ["cuda:0"] * 3    # one simulated device
+    assert round_robin(2, "cuda:0") == ["cuda:0"] * 2
+    assert round_robin(2, "cpu") == ["cpu"] * 2
+
+
+def test_logreg_with_sgd_learns_on_the_device_as_on_the_cpu():
+    # The worker's loop in miniature: loss_and_grad, then the shard's SGD step, with the same
+    # batches for a CPU and a CUDA model: both learn, and their weights stay together.
+    from pserver.optim import make_optimizer
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 128).astype(np.int32)
+    x = (rng.standard_normal((128, 2)) + np.where(y[:, None] == 1, 3.0, -3.0)).astype(np.float32)
+    models = [make_model("logreg", 2, 2, backend=b) for b in ("cpu", "cuda")]
+    opts = [make_optimizer("sgd", models[0].layout.total, lr=1.0) for _ in models]
+    ws = [m.init_params(0) for m in models]
+    g = np.empty_like(ws[0])
+    first = models[1].evaluate(ws[1], x, y)
+    for t in range(8):
+        idx = rng.choice(128, 32, replace=False)
+        for m, opt, w in zip(models, opts, ws):
+            m.loss_and_grad(w, x[idx], y[idx], g)
+            opt.step(w, g, t)
+    last = models[1].evaluate(ws[1], x, y)
+    assert first["accuracy"] < 0.5 and last["accuracy"] == 1.0
+    assert last["loss"] < 1e-3 * first["loss"]
+    np.testing.assert_allclose(ws[1], ws[0], rtol=1e-4, atol=1e-5)

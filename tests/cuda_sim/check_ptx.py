@@ -1,0 +1,51 @@
+"""Every CUDA kernel compiles for a real GPU (PTX for sm_90), with no GPU needed.
+
+The simulator runs kernels as Python, so it cannot catch what only the CUDA compiler rejects
+(a shared-array shape that is not a compile-time constant, a type that does not unify, an
+accidental float64). This compiles each kernel with the signatures the models launch it with.
+It needs numba-cuda with NVVM (`pip install 'numba-cuda[cu12]'`, about 500 MB, so not in the
+test extra) and no NUMBA_ENABLE_CUDASIM; it is not collected by the default test run:
+
+    python -m pytest -q tests/cuda_sim/check_ptx.py
+"""
+
+from __future__ import annotations
+
+import pytest
+from numba import cuda, types
+
+import numba.cuda.dispatcher as dispatcher
+from pserver.kernels import cuda as K
+
+f32_2d = types.Array(types.float32, 2, "C")
+f32_1d = types.Array(types.float32, 1, "C")
+f64_1d = types.Array(types.float64, 1, "C")
+i32_1d = types.Array(types.int32, 1, "C")
+
+SIGNATURES = {
+    "matmul_bias_relu": (K.matmul_bias_relu, (f32_2d, f32_2d, f32_1d, f32_2d, types.boolean)),
+    "relu_backward_kernel": (K.relu_backward_kernel, (f32_2d, f32_2d)),
+    "column_sum_kernel": (K.column_sum_kernel, (f32_2d, f32_1d)),
+    "softmax_xent_rows": (K.softmax_xent_rows, (f32_2d, i32_1d, f32_2d, f32_1d)),
+    "mse_rows": (K.mse_rows, (f32_2d, f32_1d, f32_2d, f32_1d)),
+    "scaled_sum_kernel": (K.scaled_sum_kernel, (f32_1d, types.float64, f64_1d)),
+    **{f"matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
+       for (ta, tb), k in K.MATMUL.items()},
+}
+
+
+class _NoGpu:
+    # A device function asks the current device for its compute capability; there is none.
+    compute_capability = (9, 0)
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_compiles_to_ptx(name, monkeypatch):
+    assert not cuda.config.ENABLE_CUDASIM, "the simulator compiles nothing: unset NUMBA_ENABLE_CUDASIM"
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: _NoGpu(), raising=False)
+    kernel, sig = SIGNATURES[name]
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+    barriers = ptx.count("bar.sync")
+    assert barriers == {"matmul": 2, "column": 1, "scaled": 7}.get(name.split("_")[0], 0)
+    if name != "scaled_sum_kernel":   # the loss reduction sums in float64 on purpose
+        assert ".f64" not in ptx, f"{name} does float64 arithmetic"

@@ -1,0 +1,33 @@
+"""--device cuda end to end, in numba's CUDA simulator: the same weights as --device cpu."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pserver.server import checkpoint
+from tests.e2e.conftest import run
+
+pytestmark = pytest.mark.e2e
+
+TINY = ["--model", "mlp", "--hidden", "6", "--samples", "192", "--test-samples", "64", "--features", "5",
+        "--classes", "3", "--batch-size", "16", "--max-steps", "4", "--optimizer", "sgd", "--lr", "0.1",
+        "--seed", "5"]
+
+
+def final_weights(tmp_path, device: str) -> np.ndarray:
+    ckpt = tmp_path / device.replace(":", "")
+    r = run("launch", "--ps", "2", "--workers", "2", "--device", device, *TINY, "--checkpoint-dir", str(ckpt),
+            env={"NUMBA_ENABLE_CUDASIM": "1"}, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    assert ("CUDA simulator" in r.stdout) == device.startswith("cuda")
+    parts = [checkpoint.load_latest(str(ckpt), j, 2) for j in range(2)]
+    assert all(p.version == 4 for p in parts)      # 4 sync steps on each shard
+    return np.concatenate([p.params for p in parts])
+
+
+def test_cuda_workers_reach_the_same_weights_as_cpu_workers(tmp_path):
+    cpu = final_weights(tmp_path, "cpu")
+    gpu = final_weights(tmp_path, "cuda")
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(cpu, 0)

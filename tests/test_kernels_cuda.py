@@ -1,0 +1,163 @@
+"""The CUDA kernels, the CUDA model and the --device helpers, with no GPU needed.
+
+The CUDA tests run in numba's CUDA simulator, in a subprocess. numba reads
+NUMBA_ENABLE_CUDASIM once, when it is first imported, and by the time this module runs
+tests/conftest.py has long imported numba (the shards' optimizers): setting the variable here
+would change nothing, and reloading numba's config inside a live process would leave it half
+simulator, half driver. So the simulator tests live in tests/cuda_sim/check_*.py (names the
+default run does not collect), and each test below runs one of those modules in a fresh
+`python -m pytest` with NUMBA_ENABLE_CUDASIM=1, then reads its JUnit report: it must have run
+tests, and every one must have passed (none skipped). The two modules start together, so on
+two cores they run side by side.
+
+The same modules run against a real GPU when started by hand without the variable:
+`python -m pytest tests/cuda_sim/check_kernels_cuda.py tests/cuda_sim/check_model_cuda.py`;
+tests/cuda_sim/check_ptx.py compiles every kernel to PTX (it needs numba-cuda's NVVM).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from pserver.device import Device, describe, parse_device, round_robin, select
+from pserver.errors import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SIM_MODULES = ("check_kernels_cuda", "check_model_cuda")
+INNER_TIMEOUT = 300   # seconds; about 10-20 s each on two cores
+
+
+def _env(**changes) -> dict:
+    env = dict(os.environ)
+    for k, v in changes.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+@pytest.fixture(scope="module")
+def simulator_runs(tmp_path_factory):
+    """Start every simulator module at once; each test waits for its own."""
+    tmp = tmp_path_factory.mktemp("cuda_sim")
+    runs = {}
+    for name in SIM_MODULES:
+        report = tmp / f"{name}.xml"
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
+                f"--junitxml={report}", f"tests/cuda_sim/{name}.py"]
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=_env(NUMBA_ENABLE_CUDASIM="1"))
+        runs[name] = (proc, report)
+    yield runs
+    for proc, _ in runs.values():   # a test that failed early may leave one running
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("name", SIM_MODULES)
+def test_in_cuda_simulator(simulator_runs, name):
+    proc, report = simulator_runs[name]
+    try:
+        out, _ = proc.communicate(timeout=INNER_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"{name} ran past {INNER_TIMEOUT} s:\n{out[-4000:]}")
+    assert report.exists(), f"{name} wrote no report (exit {proc.returncode}):\n{out[-4000:]}"
+    suite = ET.parse(report).getroot().find("testsuite")
+    counts = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")}
+    why = f"{name}: {counts}\n{out[-6000:]}"
+    assert proc.returncode == 0 and counts["tests"] > 0, why
+    assert counts["failures"] == counts["errors"] == counts["skipped"] == 0, why
+
+
+# -- the --device flag: parsing needs no numba.cuda --------------------------------------
+
+@pytest.mark.parametrize("spec,want", [
+    ("cpu", Device("cpu")), ("cuda", Device("cuda")), ("cuda:0", Device("cuda", 0)),
+    ("cuda:3", Device("cuda", 3)), (" CUDA:1 ", Device("cuda", 1)),
+])
+def test_parse_device(spec, want):
+    got = parse_device(spec)
+    assert got == want and got.backend == want.kind
+    assert str(got) == spec.strip().lower()
+
+
+@pytest.mark.parametrize("spec", ["gpu", "", "cuda:", "cuda:-1", "cuda:x", "cuda0", "cuda:1:2",
+                                  "cpu:0", "tpu"])
+def test_parse_device_rejects(spec):
+    with pytest.raises(ConfigError, match=r"^--device: unknown device .*; use cpu, cuda or cuda:I"):
+        parse_device(spec)
+
+
+def test_cpu_and_pinned_devices_need_no_gpu():
+    assert select(Device("cpu")) == Device("cpu") and describe(Device("cpu")) == "cpu"
+    assert round_robin(3, "cpu") == ["cpu"] * 3
+    assert round_robin(2, "cuda:1") == ["cuda:1"] * 2   # pinned: the worker checks it
+    assert "numba.cuda" not in sys.modules
+
+
+# -- subprocesses: what a process imports, and the no-GPU error --------------------------
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=_env(**env))
+
+
+def test_cpu_install_never_imports_numba_cuda():
+    code = """
+import sys
+import pserver, pserver.kernels, pserver.models, pserver.device, pserver.worker, pserver.cli
+from pserver.kernels import get_backend
+from pserver.models import make_model
+from pserver.device import parse_device, select
+get_backend("cpu")
+select(parse_device("cpu"))
+parse_device("cuda:1")
+make_model("mlp", 4, 2, hidden=(3,), backend="cpu")
+assert "numba.cuda" not in sys.modules, sorted(m for m in sys.modules if m.startswith("numba.cuda"))
+print("ok")
+"""
+    r = _python(code, NUMBA_ENABLE_CUDASIM=None)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+NO_GPU = ("--device {spec}: no CUDA GPU is visible (CUDA_VISIBLE_DEVICES=\"\"); use --device cpu, "
+          "or set NUMBA_ENABLE_CUDASIM=1 to run the CUDA kernels in numba's simulator")
+
+
+@pytest.mark.parametrize("call,spec", [
+    ("select(parse_device(SPEC))", "cuda"), ("select(parse_device(SPEC))", "cuda:1"),
+    ("round_robin(2, SPEC)", "cuda"),
+    ("make_model('logreg', 4, 2, backend='cuda')", "cuda"),
+])
+def test_no_gpu_is_one_clear_line(call, spec):
+    # No simulator, and no device visible even where there is one: the error is certain.
+    code = f"""
+from pserver.device import parse_device, round_robin, select
+from pserver.errors import ConfigError
+from pserver.models import make_model
+SPEC = {spec!r}
+try:
+    {call}
+except ConfigError as e:
+    print(e)
+"""
+    r = _python(code, NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == [NO_GPU.format(spec=spec)]
+
+
+def test_cuda_kernels_import_without_a_gpu():
+    # They compile at their first launch, so importing the module needs no driver.
+    r = _python("import pserver.kernels.cuda as k; print(k.TILE)",
+                NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 0 and r.stdout.strip() == "16", r.stderr[-3000:]
