@@ -260,7 +260,8 @@ def cmd_launch(ns) -> int:
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks, auth_token=token, tls_ca=ns.tls_ca,
                        device=ns.device or "cpu")
-    server_flags, worker_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY], WORKER_FLAGS + COMMON_FLAGS + [TLS_CA]
+    server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY]
+    worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA]
     # Build both configs once here, so a bad flag fails now, before any process starts.
     ServerConfig(num_shards=ns.ps, auth_token=token, **given(ns, server_flags))
     WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))

@@ -134,9 +134,9 @@ class TokenAuth(grpc.ServerInterceptor):
     @staticmethod
     def _presented(metadata) -> bytes | None:
         for key, value in metadata or ():
-            if key == METADATA_KEY:
-                text = value.decode("latin-1") if isinstance(value, bytes) else value
-                return text[len(SCHEME):].encode("latin-1") if text.startswith(SCHEME) else b""
+            if key == METADATA_KEY:       # gRPC lowercases keys
+                raw = value if isinstance(value, bytes) else value.encode("utf-8", "replace")
+                return raw[len(SCHEME):] if raw.startswith(SCHEME.encode()) else b""
         return None
 
 

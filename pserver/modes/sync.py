@@ -23,8 +23,10 @@ class SyncPolicy(Policy):
         self.watch = StepWatch(cfg.step_timeout)
 
     def quorum(self) -> int:
-        """How many distinct workers complete a step: all the live ones."""
-        return len(self.expected())
+        """How many distinct workers complete a step: all the live ones. A worker that
+        pushed for this step and then left still counts, or its pending gradient would
+        stand in for a live worker's missing one."""
+        return len(self.expected() | self.pending.keys())
 
     def push(self, rank, step, grad, clock):
         with self.store.cond:

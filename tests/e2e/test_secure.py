@@ -1,0 +1,90 @@
+"""Real processes with a token and TLS: training works, the wrong credentials get one line,
+and `pserver launch` never puts its token on a command line."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from pserver import cli
+from pserver import launch as launch_module
+from pserver.security import TOKEN_ENV
+from tests.certs import make_certs
+from tests.e2e.conftest import LOGREG, read_json, run
+from tests.e2e.test_cli_errors import one_clear_line
+
+pytestmark = pytest.mark.e2e
+TOKEN = "e2e-Token_0123456789"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def test_tls_and_token_train_logreg_and_wrong_credentials_fail_in_one_line(procs, tmp_path, certs):
+    env = {TOKEN_ENV: TOKEN}
+    shard = procs("serve", "--port", "0", "--num-workers", "1", "--optimizer", "sgd", "--lr", "0.1",
+                  "--tls-cert", str(certs.cert), "--tls-key", str(certs.key), env=env)
+    addr = shard.address()
+    assert "(TLS) (token required)" in shard.output and TOKEN not in shard.output
+    fast = ("--connect-timeout", "2", "--rpc-deadline", "2")
+    no_ca = run("worker", "--ps", addr, *fast, *LOGREG, env=env)
+    one_clear_line(no_ca, f"shard 0 at {addr}", "no answer", "--tls-ca")
+    wrong_ca = run("worker", "--ps", addr, "--tls-ca", str(certs.other_ca), *fast, *LOGREG, env=env)
+    one_clear_line(wrong_ca, f"shard 0 at {addr}", "no answer")
+    no_token = run("worker", "--ps", addr, "--tls-ca", str(certs.ca), *fast, *LOGREG, env={TOKEN_ENV: ""})
+    one_clear_line(no_token, f"shard 0 at {addr}", "requires a token")
+    assert no_token.returncode == 1
+    summary = tmp_path / "summary.json"
+    chief = procs("worker", "--ps", addr, "--tls-ca", str(certs.ca), *LOGREG, "--summary-json", str(summary),
+                  env=env)
+    assert chief.wait() == 0, chief.output
+    s = read_json(summary)
+    assert s["test_accuracy"] >= 0.9 and s["pushes_rejected"] == 0, s
+    status = run("status", "--ps", addr, "--tls-ca", str(certs.ca), env=env)
+    assert status.returncode == 0 and "version" in status.stdout, status.stderr
+    for out in (chief.output, status.stdout, shard.output):
+        assert TOKEN not in out
+    shard.stop()
+
+
+def test_unreadable_tls_files_and_bad_tokens_are_one_line_exit_2(tmp_path):
+    missing = str(tmp_path / "missing.pem")
+    r = run("serve", "--port", "0", "--tls-cert", missing, "--tls-key", missing)
+    one_clear_line(r, "--tls-", f"cannot read {missing}")
+    assert r.returncode == 2
+    r = run("status", "--ps", "127.0.0.1:1", "--tls-ca", missing)
+    one_clear_line(r, f"--tls-ca: cannot read {missing}")
+    r = run("serve", "--port", "0", "--auth-token", "two words")
+    one_clear_line(r, "--auth-token", "printable ASCII")
+    assert "two words" not in r.stderr and r.returncode == 2
+
+
+def test_launch_generates_a_token_and_passes_it_only_in_the_environment(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    started = []
+    real_popen = subprocess.Popen
+
+    def spy(argv, *args, **kwargs):
+        started.append((list(argv), dict(kwargs.get("env") or {})))
+        return real_popen(argv, *args, **kwargs)
+
+    monkeypatch.setattr(launch_module.subprocess, "Popen", spy)
+    summary = tmp_path / "s.json"
+    code = cli.main(["launch", "--ps", "1", "--workers", "2", *LOGREG, "--epochs", "1",
+                     "--optimizer", "sgd", "--lr", "0.1", "--summary-json", str(summary)])
+    out = capsys.readouterr()
+    assert code == 0, out.out[-3000:] + out.err
+    assert len(started) == 3                        # one shard, two workers
+    tokens = {env.get(TOKEN_ENV) for _, env in started}
+    assert len(tokens) == 1
+    token = tokens.pop()
+    assert token and len(token) >= 40               # secrets.token_urlsafe(32): 43 characters
+    for argv, _ in started:
+        assert not any(token in a for a in argv) and "--auth-token" not in argv
+    assert token not in out.out + out.err
+    assert "(token required)" in out.out
+    assert read_json(summary)["test_accuracy"] >= 0.85

@@ -1,0 +1,302 @@
+"""The auth token, TLS and where shards bind, against live in-process shards.
+
+A refused call must change nothing: these tests compare the shard's whole state
+(parameters' bytes, version, layout, every counter, membership, pending gradients)
+before and after. Refused calls never reach the shard, so no counter moves, not even
+pushes_received.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import grpc
+import numpy as np
+import pytest
+
+from pserver import cli, codec, dataplane
+from pserver._proto import pserver_pb2 as pb
+from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.client import PSClient
+from pserver.config import ServerConfig
+from pserver.errors import ConfigError, Unauthenticated, Unavailable
+from pserver.models.layout import Layout
+from pserver.security import TOKEN_ENV, ClientSecurity, client_security
+from tests.certs import make_certs
+
+TOKEN = "s3cret-Token_for.tests"
+WRONG = "not-the-token"
+LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
+
+
+def state(shard) -> tuple:
+    """Everything a refused call must leave as it was."""
+    s, p = shard.store, shard.policy
+    return (None if s.params is None else s.params.tobytes(), s.version, s.signature, s.total, s.counters.snapshot(),
+            sorted(p.registered), sorted(p.left), sorted(p.dead), sorted(getattr(p, "pending", {})),
+            p.num_workers)
+
+
+def ready(address, token=TOKEN, plane="grpc", ca=None, init=True) -> PSClient:
+    sec = ClientSecurity(token, ca.read_bytes() if ca else None)
+    c = PSClient([address], rpc_deadline=10, data_plane=plane, security=sec)
+    c.connect(5)
+    c.register(LAYOUT)
+    if init:
+        c.init(np.arange(LAYOUT.total, dtype=np.float32))
+    return c
+
+
+def messages(header, arr, chunk_bytes=64) -> list:
+    """A tensor stream as plain protobuf messages, as any gRPC client would send it."""
+    return [pb.TensorChunk.FromString(codec.serialize_chunk(m)) for m in codec.encode(header, arr, chunk_bytes)]
+
+
+def every_rpc(stub, metadata) -> dict:
+    """One well-formed call of each RPC: with the right token each would be accepted."""
+    sig = LAYOUT.signature()
+    spec = [pb.TensorSpec(name=t.name, shape=t.shape) for t in LAYOUT.tensors]
+    kw = dict(metadata=metadata, timeout=5)
+    return {
+        "Register": lambda: stub.Register(pb.RegisterRequest(rank=0, num_workers=1, shard=0, num_shards=1,
+                                                             layout=spec), **kw),
+        "Init": lambda: stub.Init(iter(messages(pb.TensorHeader(rank=0, shard=0, layout_signature=sig),
+                                                 np.full(33, 7, np.float32))), **kw),
+        "Pull": lambda: list(stub.Pull(pb.PullRequest(rank=0, shard=0, seen_version=-1), **kw)),
+        "Push": lambda: stub.Push(iter(messages(pb.TensorHeader(rank=0, shard=0, step=0, num_samples=4),
+                                                 np.ones(33, np.float32))), **kw),
+        "Status": lambda: stub.Status(pb.StatusRequest(), **kw),
+        "Leave": lambda: stub.Leave(pb.LeaveRequest(rank=0), **kw),
+        "Checkpoint": lambda: stub.Checkpoint(pb.CheckpointRequest(rank=0), **kw),
+    }
+
+
+BAD_METADATA = {
+    "missing": None,
+    "wrong": [("authorization", f"Bearer {WRONG}")],
+    "no scheme": [("authorization", TOKEN)],
+    "prefix": [("authorization", f"Bearer {TOKEN[:-1]}")],
+    "empty": [("authorization", "Bearer ")],
+}
+
+
+@pytest.mark.parametrize("how", BAD_METADATA)
+def test_every_rpc_without_the_token_is_unauthenticated_and_changes_nothing(shard_server, how):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
+    c = ready(addr)
+    before = state(shard)
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(addr))
+    for name, call in every_rpc(stub, BAD_METADATA[how]).items():
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, e.value)
+        details = e.value.details()
+        assert "authorization" in details and TOKEN not in details and WRONG not in details
+    assert state(shard) == before
+    # The same calls with the token are accepted: the refusals above were about the token.
+    good = every_rpc(stub, [("authorization", f"Bearer {TOKEN}")])
+    assert good["Push"]().outcome == pb.PushReply.AGGREGATED and shard.store.version == 1
+    c.close()
+
+
+def test_client_with_a_wrong_or_missing_token_gets_one_line_naming_the_shard(shard_server):
+    addr, shard = shard_server(auth_token=TOKEN)
+    before = state(shard)
+    for token, words in ((WRONG, "does not match"), (None, "requires a token")):
+        with pytest.raises(Unauthenticated) as e:
+            ready(addr, token=token)
+        msg = str(e.value)
+        assert msg.startswith(f"shard 0 at {addr}: authorization:") and words in msg
+        assert "\n" not in msg and TOKEN not in msg and WRONG not in msg
+    assert state(shard) == before
+
+
+@pytest.mark.parametrize("plane", ["grpc", "auto"])
+def test_training_works_with_the_right_token(shard_server, plane):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
+    c = ready(addr, plane=plane)
+    assert (c.shards[0].fast is not None) == (plane == "auto")
+    w = np.empty(33, np.float32)
+    for step in range(3):
+        assert c.pull(w) == [step]
+        assert c.push(np.ones(33, np.float32), 4) == [("aggregated", step + 1)]
+    c.pull(w)
+    np.testing.assert_array_equal(w, np.arange(33) - 3.0)
+    st = c.status()[0].counters
+    assert (st.pushes_received, st.pushes_aggregated, st.pushes_rejected) == (3, 3, 0)
+    c.leave()
+    c.close()
+
+
+# --- the same-host data plane -----------------------------------------------------------
+def raw_dataplane(shard) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(shard.dataplane.path)
+    return s
+
+
+def read_reply(sock) -> tuple[int, str]:
+    code, _, _, n, _ = dataplane.REPLY.unpack(dataplane.recv_exact(sock, dataplane.REPLY.size))
+    return code, dataplane.recv_exact(sock, n).decode() if n else ""
+
+
+def assert_closed(sock) -> None:
+    assert sock.recv(1) == b"", "the shard must close a refused connection"
+
+
+@pytest.mark.parametrize("token, words", [(None, "requires a token"), (WRONG, "does not match"),
+                                          (TOKEN[:-1], "does not match")])
+def test_data_plane_hello_needs_the_token(shard_server, token, words):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
+    c = ready(addr, plane="auto")
+    before = state(shard)
+    with pytest.raises(Unauthenticated, match=words) as e:
+        dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, 33, "shard 0 (data plane)", token)
+    assert TOKEN not in str(e.value)
+    assert state(shard) == before
+    c.pull(np.empty(33, np.float32))
+    assert c.push(np.ones(33, np.float32), 1) == [("aggregated", 1)]   # the right token still works
+    c.close()
+
+
+def test_data_plane_refuses_requests_before_an_authenticated_hello(shard_server):
+    addr, shard = shard_server(auth_token=TOKEN)
+    c = ready(addr, plane="auto")
+    before = state(shard)
+    for op in (dataplane.PUSH, dataplane.PULL, dataplane.INIT):
+        sock = raw_dataplane(shard)
+        sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, op, 0, 0, 0, 0, 33, 1, 1000))
+        code, message = read_reply(sock)
+        assert dataplane.CODES[code] == "UNAUTHENTICATED" and "HELLO" in message
+        assert_closed(sock)
+    # A HELLO that declares a huge token is refused before anything is read or allocated.
+    sock = raw_dataplane(shard)
+    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, 0, 0, 0, 0, 0, 0, 0)
+                 + dataplane.TOKEN_LEN.pack(1 << 31))
+    code, message = read_reply(sock)
+    assert dataplane.CODES[code] == "UNAUTHENTICATED" and "longer than" in message
+    assert_closed(sock)
+    assert state(shard) == before
+    c.close()
+
+
+# --- TLS --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def test_tls_with_the_ca_trains_and_without_it_cannot_connect(shard_server, certs):
+    addr, shard = shard_server(auth_token=TOKEN, tls_cert=str(certs.cert), tls_key=str(certs.key),
+                               optimizer="sgd", lr=1.0)
+    c = ready(addr, ca=certs.ca)
+    w = np.empty(33, np.float32)
+    assert c.pull(w) == [0] and c.push(np.ones(33, np.float32), 1) == [("aggregated", 1)]
+    for ca in (None, certs.other_ca):               # plain text, or a CA that did not sign it
+        bad = PSClient([addr], rpc_deadline=1, security=ClientSecurity(TOKEN, ca.read_bytes() if ca else None))
+        with pytest.raises(Unavailable) as e:
+            bad.connect(1.0)
+        assert re.match(f"shard 0 at {addr}: no answer within [0-9.]+ s .*--tls-ca", str(e.value))
+        assert "\n" not in str(e.value)
+        with pytest.raises(Unavailable, match=f"shard 0 at {addr}: unavailable for 1 s despite retries"):
+            bad.register(LAYOUT)
+        bad.close()
+    assert shard.store.version == 1
+    c.close()
+
+
+def test_unreadable_tls_files_are_one_line_config_errors(tmp_path, certs):
+    missing = str(tmp_path / "nope.pem")
+    cases = [(dict(tls_cert=missing, tls_key=str(certs.key)), f"--tls-cert: cannot read {missing}"),
+             (dict(tls_cert=str(certs.cert), tls_key=missing), f"--tls-key: cannot read {missing}"),
+             (dict(tls_cert=str(certs.cert)), "go together"),
+             (dict(tls_cert=str(certs.key), tls_key=str(certs.key)), "not a PEM file holding a certificate")]
+    for kw, words in cases:
+        with pytest.raises(ConfigError, match=words):
+            ServerConfig(port=0, **kw)
+    with pytest.raises(ConfigError, match=f"--tls-ca: cannot read {missing}"):
+        client_security(None, missing)
+
+
+# --- flags, environment, and where shards bind -----------------------------------------
+def parse(*argv):
+    return cli.build_parser().parse_args(list(argv))
+
+
+def test_token_from_flag_or_environment_and_bad_tokens_are_not_echoed(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert cli.server_config(parse("serve", "--port", "0")).auth_token is None
+    assert cli.server_config(parse("serve", "--auth-token", TOKEN)).auth_token == TOKEN
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    cfg = cli.worker_config(parse("worker", "--ps", "127.0.0.1:2222"))
+    assert cfg.auth_token == TOKEN and TOKEN not in repr(cfg)
+    assert TOKEN not in repr(cli.server_config(parse("serve")))
+    assert TOKEN not in repr(ClientSecurity(TOKEN))
+    for bad in ("has space", "tab\there", "é-accent", "x" * 5000):
+        with pytest.raises(ConfigError, match="--auth-token: a token must be") as e:
+            cli.server_config(parse("serve", "--auth-token", bad))
+        assert bad not in str(e.value)
+    monkeypatch.setenv(TOKEN_ENV, "bad token")
+    with pytest.raises(ConfigError, match=f"{TOKEN_ENV}: a token must be"):
+        cli.worker_config(parse("worker", "--ps", "127.0.0.1:2222"))
+
+
+def status_main(monkeypatch, capsys, addr, token) -> tuple[int, str, str]:
+    if token is None:
+        monkeypatch.delenv(TOKEN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TOKEN_ENV, token)
+    code = cli.main(["status", "--ps", addr, "--timeout", "5"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_status_needs_the_token_and_says_so_in_one_line(shard_server, monkeypatch, capsys):
+    addr, shard = shard_server(auth_token=TOKEN)
+    ready(addr).close()
+    for token in (None, WRONG):
+        code, out, err = status_main(monkeypatch, capsys, addr, token)
+        assert code == 1 and out == "" and len(err.strip().splitlines()) == 1
+        assert "pserver status: error: shard 0" in err and "authorization" in err and TOKEN not in err
+    code, out, err = status_main(monkeypatch, capsys, addr, TOKEN)
+    assert code == 0 and "shard" in out and err == ""
+
+
+def listening_hosts(port: int) -> set[str]:
+    """Local addresses in LISTEN state on `port`, from /proc/net/tcp{,6}."""
+    found = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state_hex = line.split()[1], line.split()[3]
+            host, _, p = local.partition(":")
+            if int(p, 16) == port and state_hex == "0A":
+                found.add(proc_address(host))
+    return found
+
+
+def proc_address(text: str) -> str:
+    """/proc/net/tcp's hex (32-bit words in host order, little-endian here) -> dotted or v6 text;
+    an IPv4-mapped v6 address (gRPC binds 127.0.0.1 on a dual-stack socket) as plain v4."""
+    raw = b"".join(bytes.fromhex(text[i:i + 8])[::-1] for i in range(0, len(text), 8))
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw)
+    v6 = socket.inet_ntop(socket.AF_INET6, raw)
+    return v6.removeprefix("::ffff:")
+
+
+def test_shards_bind_loopback_unless_told(shard_server, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert ServerConfig().host == "127.0.0.1"
+    assert cli.server_config(parse("serve", "--port", "0")).host == "127.0.0.1"
+    addr, _ = shard_server()
+    port = int(addr.rpartition(":")[2])
+    hosts = listening_hosts(port)
+    if not hosts:
+        pytest.skip("/proc/net/tcp is not readable here")
+    assert hosts == {"127.0.0.1"}
