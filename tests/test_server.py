@@ -183,3 +183,34 @@ def test_hundred_million_parameters_fit_default_message_limits(shard_server):
     assert c.pull(w) == [1]
     assert w[0] == 0.5 and w[-1] == 0.5 and w[n // 2] == 0.5
     del w, g
+
+
+def test_a_stalled_init_does_not_block_other_calls(shard_server):
+    import threading
+    import time as _time
+    addr, shard = shard_server()
+    c = PSClient([addr], rpc_deadline=10, data_plane="grpc")
+    c.connect(5)
+    c.register(LAYOUT)
+    release = threading.Event()
+
+    def stalled():
+        msgs = list(codec.encode(pb.TensorHeader(rank=0, shard=0, layout_signature=LAYOUT.signature()),
+                                 np.ones(33, np.float32), 64))
+        yield msgs[0]
+        yield msgs[1]
+        release.wait(10)                      # the rest never comes until released
+        yield from msgs[2:]
+
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(addr))
+    t = threading.Thread(target=lambda: stub.Init(
+        (pb.TensorChunk.FromString(codec.serialize_chunk(m)) if isinstance(m, bytes) else m
+         for m in stalled()), timeout=10))
+    t.start()
+    _time.sleep(0.3)
+    started = _time.monotonic()
+    assert c.status()[0].version == -1          # answered while the Init is stalled
+    assert _time.monotonic() - started < 1
+    release.set()
+    t.join(10)
+    assert shard.store.version == 0

@@ -8,6 +8,7 @@ without a network, and the servicer only translates protobuf to these calls.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -74,6 +75,7 @@ class Shard:
         self.policy = make_policy(self.store, cfg)
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
+        self.init_lock = threading.Lock()
         if cfg.restore:
             self._restore(cfg.restore)
         directory = cfg.checkpoint_dir or cfg.restore
@@ -129,9 +131,10 @@ class Shard:
     def init(self, rank: int, signature: str, num_elements: int, dtype: str, fill: Fill) -> tuple[bool, int]:
         """Take the chief's initial values unless the shard already holds values.
 
-        The values land straight in the (not yet initialized) parameters, under the lock,
-        so a 40 MB model costs no second 40 MB; a payload that fails validation leaves
-        them zeroed and the shard still uninitialized."""
+        The values land straight in the (not yet initialized) parameters, so a 40 MB model
+        costs no second 40 MB; a payload that fails validation leaves them zeroed and the
+        shard still uninitialized. Inits take turns on their own lock, so a client that
+        stalls mid-stream holds up other Inits, not pulls, pushes or Status."""
         s = self.store
         with s.cond:
             s.require_configured()
@@ -139,7 +142,8 @@ class Shard:
             if signature != s.signature:
                 raise FailedPrecondition(f"layout_signature: {signature} does not match {s.signature}")
             self._check_payload(num_elements, dtype)
-            if s.initialized:
+        with self.init_lock:
+            if s.initialized:                 # checked again: another Init may have won
                 return True, s.version
             try:
                 if isinstance(fill, np.ndarray):
@@ -151,8 +155,9 @@ class Shard:
             except BaseException:
                 s.params[:] = 0
                 raise
-            s.version = 0
-            s.cond.notify_all()
+            with s.cond:
+                s.version = 0
+                s.cond.notify_all()
             return False, s.version
 
     def _check_payload(self, num_elements: int, dtype: str) -> None:
