@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
 import statistics
 from importlib import metadata
 from typing import Sequence
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: '1024,2_048' -> [1024, 2048]; positive integers only."""
+    try:
+        values = [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': give positive integers")
+    return values
 
 
 def cpu_model() -> str:

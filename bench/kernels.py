@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
-from _util import machine, machine_lines, summary, table  # noqa: E402
+from _util import machine, machine_lines, positive_ints, summary, table  # noqa: E402
 
 MLP_WIDTHS = (784, 256, 256, 10)
 SIM_MAX_SIZE = 64
@@ -332,16 +332,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"'{text}': give positive integers")
-    return values
-
-
 def _backends(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     if not names or set(names) - set(BACKENDS):
@@ -351,8 +341,8 @@ def _backends(text: str) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=_ints, default=[1024, 2048, 4096], help="matmul n (default 1024,2048,4096)")
-    p.add_argument("--batches", type=_ints, default=[256, 4096], help="MLP batch sizes (default 256,4096)")
+    p.add_argument("--sizes", type=positive_ints, default=[1024, 2048, 4096], help="matmul n (default 1024,2048,4096)")
+    p.add_argument("--batches", type=positive_ints, default=[256, 4096], help="MLP batch sizes (default 256,4096)")
     p.add_argument("--backends", type=_backends, default=list(BACKENDS),
                    help=f"which rows (default {','.join(BACKENDS)})")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per row, at least (default 2)")

@@ -17,20 +17,21 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
+from _util import cpu_model  # noqa: E402
 
 TF_PS_STRATEGY = 34_200      # samples/s, from the measurement on this machine class
 MODE_FLAGS = {"sync": [], "backup": ["--backup-workers", "1"], "async": [], "ssp": ["--staleness", "2"]}
 
 
 def machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    return f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def run_once(mode: str, args) -> dict:

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
-from _util import machine, machine_lines, summary, table  # noqa: E402
+from _util import machine, machine_lines, positive_ints, summary, table  # noqa: E402
 
 DEFINITIONS = """\
 round trip: push P float32 (the gradient), then pull P float32 (the weights), sequentially, one client
@@ -515,16 +515,6 @@ def run(args) -> int:
 
 # ---------------------------------------------------------------------------- command line
 
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"'{text}': give positive integers")
-    return values
-
-
 def system_list(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in SYSTEMS]
@@ -535,8 +525,8 @@ def system_list(text: str) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=int_list, help="parameter counts P (default 10000000,262144)")
-    p.add_argument("--shards", type=int_list, help="pserver shard counts (default 1,2,4)")
+    p.add_argument("--sizes", type=positive_ints, help="parameter counts P (default 10000000,262144)")
+    p.add_argument("--shards", type=positive_ints, help="pserver shard counts (default 1,2,4)")
     p.add_argument("--repeats", type=int, help="timed repeats per configuration (default 5)")
     p.add_argument("--systems", type=system_list, default=list(SYSTEMS),
                    help="which of pserver,raw_grpc,tcp to run (default all)")

@@ -8,7 +8,6 @@ failure at run time prints one line and exits 1; there is never a traceback for 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
