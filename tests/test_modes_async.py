@@ -14,7 +14,7 @@ from pserver.errors import FailedPrecondition
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
 from pserver.optim import make_optimizer
-from tests.test_modes import SETTINGS, fill_with, make_cluster, pull_all, push_all
+from tests.test_modes import SETTINGS, fill_with, make_cluster
 
 
 def one_shard(size, num_workers, w0=None, **cfg):
