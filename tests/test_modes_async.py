@@ -223,3 +223,11 @@ def test_backup_never_averages_fewer_than_n_minus_b_as_workers_finish(data, num_
     c = shard.store.counters.snapshot()
     assert c["pushes_aggregated"] == quorum * c["updates_applied"]
     assert c["pushes_received"] == c["pushes_aggregated"] + c["pushes_dropped_late"]
+
+
+def test_dropped_pushes_do_not_count_as_trained_samples():
+    shard = one_shard(4, 3, mode="backup", backup_workers=1, optimizer="sgd", lr=0.1)
+    for r in range(3):
+        shard.push(r, 0, 0, 4, "float32", 10, 0, fill_with(np.ones(4, np.float32)))
+    c = shard.store.counters.snapshot()
+    assert c["pushes_dropped_late"] == 1 and c["samples_pushed"] == 20

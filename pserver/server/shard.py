@@ -200,7 +200,8 @@ class Shard:
         except RpcError:
             s.counters.add("pushes_rejected")
             raise
-        s.counters.add("samples_pushed", num_samples)
+        if outcome is not Outcome.DROPPED_LATE:   # dropped work trained nothing
+            s.counters.add("samples_pushed", num_samples)
         if self.checkpointer is not None:
             self.checkpointer.maybe()
         return outcome, s.version, message, self.policy.finished
