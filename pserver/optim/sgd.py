@@ -22,9 +22,15 @@ def update(w, g, lr, weight_decay):
     lr32, wd32 = np.float32(lr), np.float32(weight_decay)
     # In async mode several gRPC threads run this on the same w at once, without a lock and
     # without the GIL: that race is deliberate (Hogwild!, Niu et al. 2011). An element may
-    # lose one of two concurrent updates; sparse, small updates make that harmless.
+    # lose one of two concurrent updates; sparse, small updates make that harmless. So an
+    # update must touch only the elements it changes: writing w[i] - 0 back would overwrite
+    # another thread's concurrent update of w[i] (the same value for this thread, a lost
+    # update for the other). Skipping those stores keeps pushes on disjoint index sets
+    # exact, as Hogwild assumes; the arithmetic is the twin's.
     for i in range(n):
-        w[i] -= lr32 * (g[i] + wd32 * w[i])
+        d = lr32 * (g[i] + wd32 * w[i])
+        if d != 0:
+            w[i] -= d
 
 
 def update_numpy(w, g, lr, weight_decay):
