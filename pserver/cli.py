@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--summary-json", default=None, metavar="PATH", help="write the run summary here")
     la.add_argument("--delay-ranks", type=int_list, default=None, metavar="I,J",
                     help="apply --delay only to these worker ranks (default: all)")
+    la.add_argument("--delay-for", action="append", default=[], metavar="I[,J]=DIST",
+                    help="these ranks get this delay instead (repeatable), e.g. --delay fixed:0.02 "
+                         "--delay-for 0=fixed:0.08: every worker slowed, rank 0 four times as much")
     add_flags(la, SERVER_FLAGS, "shard flags (passed to every shard)")
     add_flags(la, WORKER_FLAGS, "worker flags (passed to every worker)")
     add_flags(la, COMMON_FLAGS, "transport")
@@ -257,7 +260,8 @@ def cmd_launch(ns) -> int:
     # Our own cluster gets a fresh random token unless one is given (flag or environment).
     token = security_given(ns, [])["auth_token"] or secrets.token_urlsafe(32)
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
-                       delay=ns.delay, delay_ranks=ns.delay_ranks, auth_token=token, tls_ca=ns.tls_ca,
+                       delay=ns.delay, delay_ranks=ns.delay_ranks, delay_for=parse_delay_for(ns.delay_for, ns.workers),
+                       auth_token=token, tls_ca=ns.tls_ca,
                        device=ns.device or "cpu")
     server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY]
     worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA]
@@ -266,6 +270,26 @@ def cmd_launch(ns) -> int:
     WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))
     worker_argv = strip_flag(strip_flag(forward(ns, worker_flags), "--delay"), "--device")  # per rank
     return launch(cfg, forward(ns, server_flags), worker_argv)     # no token in either argv
+
+
+def parse_delay_for(specs: list[str], num_workers: int) -> tuple[tuple[int, str], ...]:
+    """['0,2=fixed:0.1', ...] -> ((0, 'fixed:0.1'), (2, 'fixed:0.1'), ...), checked."""
+    from pserver.stragglers import parse_delay
+    out = []
+    for spec in specs:
+        ranks, sep, dist = spec.partition("=")
+        try:
+            numbers = [int(r) for r in ranks.split(",") if r.strip()]
+        except ValueError:
+            numbers = []
+        if not sep or not numbers:
+            raise ConfigError(f"--delay-for: '{spec}' is not of the form I[,J]=DIST")
+        bad = [r for r in numbers if not 0 <= r < num_workers]
+        if bad:
+            raise ConfigError(f"--delay-for: rank {bad[0]} is outside [0, --workers={num_workers})")
+        parse_delay(dist)
+        out += [(r, dist) for r in numbers]
+    return tuple(out)
 
 
 def strip_flag(argv: list[str], name: str) -> list[str]:

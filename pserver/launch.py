@@ -36,6 +36,7 @@ class LaunchConfig:
     summary_json: str | None = None
     delay: str | None = None               # straggler delay for the ranks in delay_ranks
     delay_ranks: tuple[int, ...] | None = None   # None: every worker
+    delay_for: tuple[tuple[int, str], ...] = ()  # (rank, delay) overriding the above
     device: str = "cpu"                    # cpu, or cuda[:I]: workers spread over the GPUs
     auth_token: str | None = field(default=None, repr=False)  # to the children in their environment only
     tls_ca: str | None = None              # the shards serve TLS: trust this CA when reading their status
@@ -102,14 +103,25 @@ def start_shards(cfg: LaunchConfig, server_argv: list[str], env: dict) -> list[P
     return shards
 
 
+def worker_delay(cfg: LaunchConfig, rank: int) -> str | None:
+    """The --delay of one worker: its own from --delay-for, else --delay if it applies."""
+    own = dict(cfg.delay_for)
+    if rank in own:
+        return own[rank]
+    if cfg.delay and (cfg.delay_ranks is None or rank in cfg.delay_ranks):
+        return cfg.delay
+    return None
+
+
 def start_workers(cfg: LaunchConfig, addresses: str, worker_argv: list[str], env: dict,
                   chief_summary: str, devices: list[str]) -> list[Proc]:
     workers = []
     for i in range(cfg.num_workers):
         argv = [sys.executable, "-m", "pserver", "worker", "--ps", addresses, "--rank", str(i),
                 "--num-workers", str(cfg.num_workers), "--device", devices[i], *worker_argv]
-        if cfg.delay and (cfg.delay_ranks is None or i in cfg.delay_ranks):
-            argv += ["--delay", cfg.delay]
+        delay = worker_delay(cfg, i)
+        if delay:
+            argv += ["--delay", delay]
         if i == 0:
             argv += ["--summary-json", chief_summary]
         argv += ["--stats-json", os.path.join(os.path.dirname(chief_summary), f"worker{i}.json")]

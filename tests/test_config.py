@@ -60,3 +60,12 @@ def test_server_config_validation(kw, flag):
 def test_worker_config_validation(kw, flag):
     with pytest.raises(ConfigError, match=flag):
         WorkerConfig(**kw)
+
+
+def test_each_rank_gets_its_delay():
+    from pserver.cli import parse_delay_for
+    from pserver.launch import LaunchConfig, worker_delay
+    cfg = LaunchConfig(num_workers=4, delay="fixed:0.02", delay_for=parse_delay_for(["0,3=fixed:0.08"], 4))
+    assert [worker_delay(cfg, r) for r in range(4)] == ["fixed:0.08", "fixed:0.02", "fixed:0.02", "fixed:0.08"]
+    only = LaunchConfig(num_workers=3, delay="fixed:0.1", delay_ranks=(1,))
+    assert [worker_delay(only, r) for r in range(3)] == [None, "fixed:0.1", None]

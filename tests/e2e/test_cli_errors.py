@@ -59,3 +59,9 @@ def test_help_explains_every_command():
         r = run(cmd, "--help")
         assert r.returncode == 0 and "Example" in r.stdout
     assert "Consistency modes" in run("--help").stdout
+
+
+@pytest.mark.parametrize("spec, words", [("0fixed:1", "I[,J]=DIST"), ("5=fixed:1", "outside"),
+                                         ("0=gamma:1", "--delay")])
+def test_bad_delay_for(spec, words):
+    one_clear_line(run("launch", "--workers", "2", "--delay-for", spec), words)
