@@ -6,6 +6,7 @@ The CLI builds these; everything below the CLI takes a config object, never argv
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -67,6 +68,7 @@ class ServerConfig:
         if self.auth_token is not None:
             security.check_token(self.auth_token, "--auth-token")
         security.check_tls_files(self.tls_cert, self.tls_key)
+        check_positive(chunk_bytes=self.chunk_bytes)
         if self.checkpoint_every < 0 or self.checkpoint_secs < 0:
             raise ConfigError("--checkpoint-every and --checkpoint-secs must be >= 0")
         if (self.checkpoint_every or self.checkpoint_secs) and not (self.checkpoint_dir or self.restore):
@@ -131,11 +133,33 @@ class WorkerConfig:
         if self.auth_token is not None or self.tls_ca is not None:
             from pserver import security
             security.client_security(self.auth_token, self.tls_ca)   # a bad token or CA file fails now
+        check_positive(connect_timeout=self.connect_timeout, rpc_deadline=self.rpc_deadline,
+                       chunk_bytes=self.chunk_bytes, log_every=self.log_every)
+        if self.max_steps < 0:
+            raise ConfigError(f"--max-steps: must be >= 0, got {self.max_steps}")
+        for flag, path in (("--summary-json", self.summary_json), ("--stats-json", self.stats_json)):
+            check_writable(flag, path)
         if self.delay:
             from pserver.stragglers import parse_delay
             parse_delay(self.delay)
         from pserver.device import parse_device   # checks the form; imports no CUDA
         parse_device(self.device)
+
+
+def check_positive(**values) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
+    if "chunk_bytes" in values and values["chunk_bytes"] > (4 << 20) - 1024:
+        raise ConfigError(f"--chunk-bytes: {values['chunk_bytes']} is over gRPC's 4 MiB message limit")
+
+
+def check_writable(flag: str, path: str | None) -> None:
+    """A file we will write at the end: its directory must exist now, not after training."""
+    if path:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise ConfigError(f"{flag}: directory {parent} does not exist")
 
 
 @dataclass(frozen=True)

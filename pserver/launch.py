@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,20 +87,26 @@ def child_env(num_workers: int) -> dict:
     return env
 
 
-def start_shards(cfg: LaunchConfig, server_argv: list[str], env: dict) -> list[Proc]:
+def start_shards(cfg: LaunchConfig, server_argv: list[str], env: dict, procs: list[Proc]) -> list[Proc]:
+    """Start the shards; each is added to `procs` at once, so a failure stops them all."""
     shards = []
     for j in range(cfg.num_shards):
         argv = [sys.executable, "-m", "pserver", "serve", "--host", "127.0.0.1", "--port", "0",
                 "--shard", str(j), "--num-shards", str(cfg.num_shards),
                 "--num-workers", str(cfg.num_workers), *server_argv]
         shards.append(Proc(f"ps{j}", argv, env))
+        procs.append(shards[-1])
     deadline = time.monotonic() + STARTUP_TIMEOUT
     for p in shards:
         p.ready.wait(max(0.0, deadline - time.monotonic()))
         if p.port is None:
-            code = p.popen.poll()
-            raise Unavailable(f"{p.role} did not start listening within {STARTUP_TIMEOUT:g} s"
-                              + (f" (exited with code {code})" if code is not None else ""))
+            try:                              # its output closed: the exit code follows
+                code = p.popen.wait(2)
+            except subprocess.TimeoutExpired:
+                code = None
+            raise Unavailable(f"{p.role} exited with code {code} before listening (its error is above)"
+                              if code is not None else
+                              f"{p.role} did not start listening within {STARTUP_TIMEOUT:g} s")
     return shards
 
 
@@ -151,8 +158,7 @@ def launch(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]) ->
     tmpdir = tempfile.mkdtemp(prefix="pserver-launch-")
     chief_summary = os.path.join(tmpdir, "chief-summary.json")
     try:
-        shards = start_shards(cfg, server_argv, env)
-        procs += shards
+        shards = start_shards(cfg, server_argv, env, procs)
         addresses = ",".join(f"127.0.0.1:{p.port}" for p in shards)
         print(f"pserver launch: {cfg.num_shards} shard(s) at {addresses}; "
               f"starting {cfg.num_workers} worker(s)", flush=True)
@@ -172,6 +178,7 @@ def launch(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]) ->
     finally:
         for p in reversed(procs):           # workers first, then shards
             p.stop()
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def final_summary(chief_path: str, addresses: str, launch_seconds: float,

@@ -88,9 +88,11 @@ def test_mismatches_are_refused_with_a_clear_message(tmp_path):
     restored = Shard(ServerConfig(num_workers=2, optimizer="adam", restore=str(tmp_path)))
     with pytest.raises(FailedPrecondition, match="restored from .*v000000000004"):
         restored.register(0, 2, 0, 1, Layout.of([("w", (51,))]))
+    (tmp_path / "afile").write_text("x")
     with pytest.raises(ConfigError, match="not a directory"):
-        Shard(ServerConfig(restore=str(tmp_path / "missing")))
+        Shard(ServerConfig(restore=str(tmp_path / "afile")))
 
 
-def test_restore_from_an_empty_directory_starts_fresh(tmp_path):
+def test_restore_from_an_empty_or_missing_directory_starts_fresh(tmp_path):
     assert Shard(ServerConfig(restore=str(tmp_path))).store.version == -1
+    assert Shard(ServerConfig(restore=str(tmp_path / "first-start"))).store.version == -1

@@ -126,6 +126,8 @@ def load(path: str) -> Checkpoint:
 
 def load_latest(directory: str, shard: int, num_shards: int) -> Checkpoint | None:
     """The newest checkpoint of this shard that loads and verifies, or None."""
+    if not os.path.exists(directory):
+        return None                           # a first start: nothing to restore yet
     if not os.path.isdir(directory):
         raise ConfigError(f"--restore: {directory} is not a directory")
     for _, path in candidates(directory, shard, num_shards):

@@ -65,3 +65,26 @@ def test_help_explains_every_command():
                                          ("0=gamma:1", "--delay")])
 def test_bad_delay_for(spec, words):
     one_clear_line(run("launch", "--workers", "2", "--delay-for", spec), words)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["launch", "--workers", "1", "--summary-json", "/nonexistent/dir/s.json"], "--summary-json"),
+    (["worker", "--ps", "127.0.0.1:1", "--chunk-bytes", "0"], "--chunk-bytes"),
+    (["worker", "--ps", "127.0.0.1:1", "--rpc-deadline", "-1"], "--rpc-deadline"),
+    (["worker", "--ps", "127.0.0.1:1", "--max-steps", "-1"], "--max-steps"),
+    (["serve", "--chunk-bytes", "0"], "--chunk-bytes"),
+])
+def test_values_checked_before_anything_starts(args, words):
+    one_clear_line(run(*args), words)
+
+
+def test_launch_stops_every_shard_when_one_fails_to_start(tmp_path):
+    import glob
+    before = set(glob.glob("/tmp/pserver-launch-*"))
+    (tmp_path / "shard1-of3-v000000000001.ckpt").write_text("x")   # another cluster shape
+    r = run("launch", "--ps", "2", "--workers", "1", "--restore", str(tmp_path), timeout=120)
+    assert r.returncode == 1 and "exited with code 2" in r.stderr, r.stderr
+    assert set(glob.glob("/tmp/pserver-launch-*")) <= before      # its temp dir is gone too
+    import subprocess
+    left = subprocess.run(["pgrep", "-f", f"--restore {tmp_path}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "a shard was left running"
