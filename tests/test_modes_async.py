@@ -71,12 +71,9 @@ def test_async_with_one_worker_is_sequential_training(size, steps, optimizer, se
     assert shard.store.counters.snapshot()["staleness_max"] == 0
 
 
-@SETTINGS
-@given(workers=st.integers(2, 6), pushes=st.integers(1, 30), size=st.integers(6, 5000),
-       seed=st.integers(0, 2**16))
-def test_async_concurrent_pushers_on_disjoint_indices_sum_exactly(workers, pushes, size, seed):
-    """Hogwild: several threads update the array at once, without a lock; on disjoint
-    index sets no update is lost, so the result is the sum of all of them."""
+def hogwild_on_disjoint_indices(seed, workers, pushes, size):
+    """Threads push, at once and without a lock, integer gradients on disjoint index sets
+    (all computed on version 0: stale on purpose); returns the shard and the exact sum."""
     rng = np.random.default_rng(seed)
     owner = rng.integers(0, workers, size)
     grads = [[np.where(owner == r, rng.integers(-4, 5, size), 0).astype(np.float32)
@@ -87,14 +84,23 @@ def test_async_concurrent_pushers_on_disjoint_indices_sum_exactly(workers, pushe
     def run(r):
         barrier.wait()
         for i, g in enumerate(grads[r]):
-            push(shard, r, 0, g, clock=i)       # all computed on version 0: stale on purpose
+            push(shard, r, 0, g, clock=i)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    expected = -sum(sum(gs) for gs in grads)
+    return shard, -sum(sum(gs) for gs in grads)
+
+
+@SETTINGS
+@given(workers=st.integers(2, 6), pushes=st.integers(1, 30), size=st.integers(6, 5000),
+       seed=st.integers(0, 2**16))
+def test_async_concurrent_pushers_on_disjoint_indices_sum_exactly(workers, pushes, size, seed):
+    """Hogwild: several threads update the array at once, without a lock; on disjoint
+    index sets no update is lost, so the result is the sum of all of them."""
+    shard, expected = hogwild_on_disjoint_indices(seed, workers, pushes, size)
     np.testing.assert_array_equal(shard.store.params, expected.astype(np.float32))
     c = shard.store.counters.snapshot()
     assert c["pushes_applied"] == workers * pushes == c["updates_applied"]
@@ -237,23 +243,5 @@ def test_hogwild_on_disjoint_indices_loses_no_update_under_stress():
     """A kernel that writes back unchanged elements loses concurrent updates (it did: 7 of
     100 such trials before the fix); 30 trials catch that with probability ~0.9."""
     for trial in range(30):
-        rng = np.random.default_rng(trial)
-        workers, pushes, size = 4, 30, 5000
-        owner = rng.integers(0, workers, size)
-        grads = [[np.where(owner == r, rng.integers(-4, 5, size), 0).astype(np.float32)
-                  for _ in range(pushes)] for r in range(workers)]
-        shard = one_shard(size, workers, mode="async", optimizer="sgd", lr=1.0)
-        barrier = threading.Barrier(workers)
-
-        def run(r):
-            barrier.wait()
-            for i, g in enumerate(grads[r]):
-                push(shard, r, 0, g, clock=i)
-
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        expected = -sum(sum(gs) for gs in grads)
+        shard, expected = hogwild_on_disjoint_indices(trial, 4, 30, 5000)
         np.testing.assert_array_equal(shard.store.params, expected.astype(np.float32))
