@@ -134,7 +134,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late", "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed", "staleness_mean", "staleness_max", "staleness_histogram", "pulls_served", "clock_gap_max")
+    __slots__ = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late", "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed", "staleness_mean", "staleness_max", "staleness_histogram", "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed")
     PUSHES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_AGGREGATED_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,8 @@ class Counters(_message.Message):
     STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     PULLS_SERVED_FIELD_NUMBER: _ClassVar[int]
     CLOCK_GAP_MAX_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     pushes_received: int
     pushes_applied: int
     pushes_aggregated: int
@@ -161,7 +163,9 @@ class Counters(_message.Message):
     staleness_histogram: _containers.RepeatedScalarFieldContainer[int]
     pulls_served: int
     clock_gap_max: int
-    def __init__(self, pushes_received: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_aggregated: _Optional[int] = ..., pushes_dropped_late: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., updates_applied: _Optional[int] = ..., workers_marked_dead: _Optional[int] = ..., samples_pushed: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., staleness_max: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., pulls_served: _Optional[int] = ..., clock_gap_max: _Optional[int] = ...) -> None: ...
+    checkpoints_written: int
+    checkpoints_failed: int
+    def __init__(self, pushes_received: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_aggregated: _Optional[int] = ..., pushes_dropped_late: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., updates_applied: _Optional[int] = ..., workers_marked_dead: _Optional[int] = ..., samples_pushed: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., staleness_max: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., pulls_served: _Optional[int] = ..., clock_gap_max: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., checkpoints_failed: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("shard", "num_shards", "mode", "version", "num_params", "total_params", "num_workers", "optimizer", "lr", "counters", "live_workers", "uptime_seconds", "layout_signature")

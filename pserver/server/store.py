@@ -44,7 +44,7 @@ class Counters:
 
     FIELDS = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late",
               "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed",
-              "pulls_served", "clock_gap_max")
+              "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
