@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -96,3 +97,18 @@ def test_mismatches_are_refused_with_a_clear_message(tmp_path):
 def test_restore_from_an_empty_or_missing_directory_starts_fresh(tmp_path):
     assert Shard(ServerConfig(restore=str(tmp_path))).store.version == -1
     assert Shard(ServerConfig(restore=str(tmp_path / "first-start"))).store.version == -1
+
+
+def test_ssp_clocks_round_trip_and_files_without_them_still_load(tmp_path):
+    ckpt = checkpoint.Checkpoint("", 7, 0, 1, "sig", 4, 0, 4, "sgd", np.arange(4, dtype=np.float32), {},
+                                 clocks={0: 7, 3: 5})
+    assert checkpoint.load(checkpoint.save(str(tmp_path / "new"), ckpt)).clocks == {0: 7, 3: 5}
+    path = checkpoint.save(str(tmp_path / "old"), ckpt)
+    with np.load(path) as z:                       # rewritten as files were before clocks existed
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(arrays.pop("meta").tobytes())
+    del meta["clocks"]
+    with open(path, "wb") as f:
+        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    old = checkpoint.load(path)
+    assert old.clocks == {} and old.version == 7

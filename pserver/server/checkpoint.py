@@ -19,7 +19,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,6 +43,7 @@ class Checkpoint:
     optimizer: str
     params: np.ndarray
     state: dict
+    clocks: dict = field(default_factory=dict)   # ssp: rank -> clock; older files have none
 
 
 def file_name(shard: int, num_shards: int, version: int) -> str:
@@ -63,7 +64,8 @@ def save(directory: str, ckpt: Checkpoint) -> str:
     arrays = {"params": ckpt.params, **{f"opt.{k}": v for k, v in ckpt.state.items()}}
     meta = {"version": ckpt.version, "shard": ckpt.shard, "num_shards": ckpt.num_shards,
             "signature": ckpt.signature, "total": ckpt.total, "start": ckpt.start, "end": ckpt.end,
-            "optimizer": ckpt.optimizer, "sha256": digest(arrays)}
+            "optimizer": ckpt.optimizer, "clocks": {str(r): int(c) for r, c in ckpt.clocks.items()},
+            "sha256": digest(arrays)}
     final = os.path.join(directory, file_name(ckpt.shard, ckpt.num_shards, ckpt.version))
     tmp = f"{final}.{os.getpid()}.tmp"
     buf = io.BytesIO()
@@ -121,7 +123,8 @@ def load(path: str) -> Checkpoint:
     state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
     return Checkpoint(path, meta["version"], meta["shard"], meta["num_shards"], meta["signature"],
                       meta["total"], meta["start"], meta["end"], meta["optimizer"],
-                      arrays["params"], state)
+                      arrays["params"], state,
+                      {int(r): int(c) for r, c in meta.get("clocks", {}).items()})
 
 
 def load_latest(directory: str, shard: int, num_shards: int) -> Checkpoint | None:
