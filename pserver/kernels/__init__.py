@@ -26,6 +26,22 @@ KERNELS = ("dense_forward", "dense_param_grads", "dense_backward", "relu_backwar
            "softmax_xent", "mse")
 
 
+def conv_output(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:
+    """(output size, padding before) of a window sliding along one axis, as Keras/TF place it.
+
+    'valid': windows wholly inside, out = (size - kernel) // stride + 1 (0 when the kernel is
+    larger than the input), no padding. 'same': out = ceil(size / stride), padded by
+    max((out - 1) * stride + kernel - size, 0) in all, half before (rounded down) and the
+    rest after, as TensorFlow does.
+    """
+    if padding == "valid":
+        return max((size - kernel) // stride + 1, 0), 0
+    if padding == "same":
+        out = -(-size // stride)
+        return out, max((out - 1) * stride + kernel - size, 0) // 2
+    raise ValueError(f"padding must be 'valid' or 'same', got {padding!r}")
+
+
 def get_backend(name: str) -> ModuleType:
     """The kernel module for `name` (imported lazily: `reference` needs no numba compile)."""
     if name not in BACKENDS + DEVICE_BACKENDS:
@@ -41,4 +57,4 @@ def get_backend(name: str) -> ModuleType:
                           f"install the GPU extra: pip install 'pserver[cuda]'") from e
 
 
-__all__ = ["BACKENDS", "DEVICE_BACKENDS", "KERNELS", "get_backend"]
+__all__ = ["BACKENDS", "DEVICE_BACKENDS", "KERNELS", "conv_output", "get_backend"]

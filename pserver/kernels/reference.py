@@ -86,3 +86,244 @@ def column_sum(a, out):
 def scaled_sum(values, scale) -> float:
     """scale * sum(values), summed in float64: the loss reduction over per-row terms."""
     return float(scale * np.sum(values, dtype=np.float64))
+
+
+def sigmoid_bce(logits, y, dlogits):
+    """Mean binary cross-entropy from logits; dlogits[:] = (sigmoid(logits) - y) / n.
+
+    logits and dlogits (n, 1) or (n,), y (n,) of 0/1 floats. Written as
+    max(z, 0) - z*y + log(1 + exp(-|z|)), which neither overflows nor loses the small terms.
+    """
+    z = logits.reshape(-1)
+    n = z.shape[0]
+    t = y.reshape(-1).astype(z.dtype)
+    p = np.exp(-np.logaddexp(0, -z))   # sigmoid(z), with no overflow for large |z|
+    dlogits.reshape(-1)[:] = (p - t) / dlogits.dtype.type(n)
+    terms = np.maximum(z, 0) - z * t + np.log1p(np.exp(-np.abs(z)))
+    return float(np.sum(terms, dtype=np.float64) / n)
+
+
+# -- images: channels-last (N, H, W, C), windows placed by stride and padding ----------------
+#
+# Output position (oh, ow) reads the window whose top-left input element is
+# (oh*stride_h - pad_top, ow*stride_w - pad_left); elements outside the image read as zero
+# (conv), are never chosen (max pooling) or are not counted (average pooling). These twins
+# copy the input into a zero-padded buffer large enough for every window, then loop over the
+# kernel offsets (a few) with whole-array operations over everything else.
+
+def _padded_shape(x_shape, out_hw, kernel, stride, pad):
+    """Shape of a padded buffer that holds the image at (pad_top, pad_left) and every window."""
+    n, h, w, c = x_shape
+    hp = max(pad[0] + h, (out_hw[0] - 1) * stride[0] + kernel[0])
+    wp = max(pad[1] + w, (out_hw[1] - 1) * stride[1] + kernel[1])
+    return n, hp, wp, c
+
+
+def _pad(x, out_hw, kernel, stride, pad):
+    xp = np.zeros(_padded_shape(x.shape, out_hw, kernel, stride, pad), x.dtype)
+    xp[:, pad[0]:pad[0] + x.shape[1], pad[1]:pad[1] + x.shape[2]] = x
+    return xp
+
+
+def _window(xp, i, j, out_hw, stride):
+    """The (N, OH, OW, C) view of xp at kernel offset (i, j): element (oh, ow) of every window."""
+    return xp[:, i:i + (out_hw[0] - 1) * stride[0] + 1:stride[0],
+              j:j + (out_hw[1] - 1) * stride[1] + 1:stride[1]]
+
+
+def _inside(size, out, stride, pad, offset):
+    """(out,) input coordinate of each window at this kernel offset, and whether it is inside."""
+    pos = np.arange(out) * stride - pad + offset
+    return pos, (pos >= 0) & (pos < size)
+
+
+def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu):
+    """out[:] = conv(x, w) + b, then ReLU if `relu`. x (N,H,W,C), w (KH,KW,C,F), out (N,OH,OW,F)."""
+    kh, kw = w.shape[:2]
+    hw, stride = out.shape[1:3], (stride_h, stride_w)
+    xp = _pad(x, hw, (kh, kw), stride, (pad_top, pad_left))
+    out[:] = b
+    for i in range(kh):
+        for j in range(kw):
+            out += _window(xp, i, j, hw, stride) @ w[i, j]
+    if relu:
+        np.maximum(out, 0, out=out)   # keeps NaN, as the compiled kernels do
+
+
+def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left):
+    """dw, db (and dx unless it is None) from dy = d loss / d pre-activation (N,OH,OW,F)."""
+    kh, kw, c, f = w.shape
+    hw, stride, pad = dy.shape[1:3], (stride_h, stride_w), (pad_top, pad_left)
+    xp = _pad(x, hw, (kh, kw), stride, pad)
+    dyf = dy.reshape(-1, f)
+    dxp = np.zeros_like(xp) if dx is not None else None
+    for i in range(kh):
+        for j in range(kw):
+            dw[i, j] = _window(xp, i, j, hw, stride).reshape(-1, c).T @ dyf
+            if dxp is not None:
+                _window(dxp, i, j, hw, stride)[...] += dy @ w[i, j].T
+    dyf.sum(axis=0, out=db)
+    if dx is not None:
+        dx[:] = dxp[:, pad[0]:pad[0] + x.shape[1], pad[1]:pad[1] + x.shape[2]]
+
+
+def maxpool2d_forward(x, out, argmax, pool_h, pool_w, stride_h, stride_w, pad_top, pad_left):
+    """out[:] = each window's max; argmax[:] = its flat index h*W + w in the image.
+
+    Ties go to the first element in row-major order (as TF). A window with no element inside
+    the image (possible only with padding larger than any 'same' padding) gives 0 and index -1.
+    A NaN that comes first in its window stays (a blow-up stays visible); a later one loses.
+    """
+    _, h, w, _ = x.shape
+    hw, stride = out.shape[1:3], (stride_h, stride_w)
+    xp = _pad(x, hw, (pool_h, pool_w), stride, (pad_top, pad_left))
+    best = np.zeros(out.shape, x.dtype)
+    arg = np.full(out.shape, -1, np.int32)
+    for i in range(pool_h):
+        rows, row_in = _inside(h, hw[0], stride_h, pad_top, i)
+        for j in range(pool_w):
+            cols, col_in = _inside(w, hw[1], stride_w, pad_left, j)
+            v = _window(xp, i, j, hw, stride)
+            inside = (row_in[:, None] & col_in[None, :])[None, :, :, None]
+            take = inside & ((arg < 0) | (v > best))
+            best = np.where(take, v, best)
+            arg = np.where(take, (rows[:, None] * w + cols[None, :])[None, :, :, None], arg)
+    out[:] = best
+    argmax[:] = arg
+
+
+def maxpool2d_backward(dy, argmax, dx):
+    """dx[:] = 0, then each dy element added at its window's argmax (overlapping windows add)."""
+    n, h, w, c = dx.shape
+    dx[:] = 0
+    chosen = argmax >= 0
+    batch, _, _, chan = np.nonzero(chosen)
+    np.add.at(dx.reshape(n, h * w, c), (batch, argmax[chosen], chan), dy[chosen])
+
+
+def _window_counts(h, w, hw, pool, stride, pad):
+    """(OH, OW) number of each window's elements inside the image (average pooling's divisor)."""
+    rows = sum(_inside(h, hw[0], stride[0], pad[0], i)[1].astype(np.int64) for i in range(pool[0]))
+    cols = sum(_inside(w, hw[1], stride[1], pad[1], j)[1].astype(np.int64) for j in range(pool[1]))
+    return rows[:, None] * cols[None, :]
+
+
+def avgpool2d_forward(x, out, pool_h, pool_w, stride_h, stride_w, pad_top, pad_left):
+    """out[:] = mean of each window's elements inside the image (padding not counted, as TF).
+
+    A window with no element inside the image gives 0.
+    """
+    hw, pool, stride, pad = out.shape[1:3], (pool_h, pool_w), (stride_h, stride_w), (pad_top, pad_left)
+    xp = _pad(x, hw, pool, stride, pad)
+    total = np.zeros(out.shape, x.dtype)
+    for i in range(pool_h):
+        for j in range(pool_w):
+            total += _window(xp, i, j, hw, stride)
+    count = _window_counts(x.shape[1], x.shape[2], hw, pool, stride, pad)
+    out[:] = total / np.maximum(count, 1)[None, :, :, None].astype(x.dtype)
+
+
+def avgpool2d_backward(dy, dx, pool_h, pool_w, stride_h, stride_w, pad_top, pad_left):
+    """dx[:] = each window's dy / its count, spread over its elements inside the image."""
+    hw, pool, stride, pad = dy.shape[1:3], (pool_h, pool_w), (stride_h, stride_w), (pad_top, pad_left)
+    count = _window_counts(dx.shape[1], dx.shape[2], hw, pool, stride, pad)
+    share = dy / np.maximum(count, 1)[None, :, :, None].astype(dy.dtype)
+    dxp = np.zeros(_padded_shape(dx.shape, hw, pool, stride, pad), dx.dtype)
+    for i in range(pool_h):
+        for j in range(pool_w):
+            _window(dxp, i, j, hw, stride)[...] += share
+    dx[:] = dxp[:, pad[0]:pad[0] + dx.shape[1], pad[1]:pad[1] + dx.shape[2]]
+
+
+# -- elementwise ------------------------------------------------------------------------------
+
+ACTIVATIONS = ("relu", "sigmoid", "tanh", "linear")
+
+
+def _check_kind(kind):
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activation: unknown kind {kind!r}; choose one of {', '.join(ACTIVATIONS)}")
+
+
+def activation_forward(kind, x, out):
+    """out[:] = f(x) for f = relu | sigmoid | tanh | linear; any shape."""
+    _check_kind(kind)
+    if kind == "relu":
+        np.maximum(x, 0, out=out)
+    elif kind == "sigmoid":
+        out[:] = np.exp(-np.logaddexp(0, -x))   # no overflow for large |x|
+    elif kind == "tanh":
+        np.tanh(x, out=out)
+    else:
+        out[:] = x
+
+
+def activation_backward(kind, y, dy, dx):
+    """dx[:] = dy * f'(.), written in terms of the activation's output y."""
+    _check_kind(kind)
+    if kind == "relu":
+        dx[:] = np.where(y > 0, dy, 0)
+    elif kind == "sigmoid":
+        dx[:] = dy * y * (1 - y)
+    elif kind == "tanh":
+        dx[:] = dy * (1 - y * y)
+    else:
+        dx[:] = dy
+
+
+# Dropout's mask comes from a counter-based generator, so every backend draws the same mask
+# for a seed without sharing state: element i keeps iff the top 24 bits of the i-th output of
+# splitmix64 seeded with `seed` are >= dropout_threshold(rate). (splitmix64: Steele, Lea and
+# Flood 2014, the generator Java's SplittableRandom uses.)
+SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9
+SPLITMIX_MUL2 = 0x94D049BB133111EB
+MASK64 = (1 << 64) - 1
+
+
+def dropout_threshold(rate) -> int:
+    """The 24-bit integer a draw must reach to keep its element: P(keep) = 1 - rate (to 2^-24)."""
+    if not 0 <= rate < 1:
+        raise ValueError(f"dropout: rate must be in [0, 1), got {rate}")
+    return int(rate * (1 << 24))
+
+
+def splitmix64(seed, index):
+    """The index-th (0-based) output of splitmix64 seeded with `seed`: uint64 array like index."""
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed & MASK64) + (index.astype(np.uint64) + np.uint64(1)) * np.uint64(SPLITMIX_GAMMA)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(SPLITMIX_MUL1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(SPLITMIX_MUL2)
+        return z ^ (z >> np.uint64(31))
+
+
+def dropout_forward(x, out, mask, rate, seed):
+    """mask[:] = 0 or 1/(1 - rate) per element (kept with probability 1 - rate); out = x * mask."""
+    keep = splitmix64(seed, np.arange(x.size)) >> np.uint64(40) >= np.uint64(dropout_threshold(rate))
+    mask.reshape(-1)[:] = np.where(keep, 1 / (1 - rate), 0)
+    np.multiply(x, mask, out=out)
+
+
+def dropout_backward(dy, mask, dx):
+    """dx[:] = dy * mask."""
+    np.multiply(dy, mask, out=dx)
+
+
+# -- embedding ---------------------------------------------------------------------------------
+
+def _check_ids(ids, vocab):
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"embedding: id out of range [0, {vocab})")
+
+
+def embedding_forward(ids, table, out):
+    """out[n, l] = table[ids[n, l]]. ids int (N, L) in [0, V), table (V, D), out (N, L, D)."""
+    _check_ids(ids, table.shape[0])
+    np.take(table, ids, axis=0, out=out)
+
+
+def embedding_backward(ids, dy, dtable):
+    """dtable[:] = 0, then dy[n, l] added to row ids[n, l] (repeated ids add)."""
+    _check_ids(ids, dtable.shape[0])
+    dtable[:] = 0
+    np.add.at(dtable, ids.reshape(-1), dy.reshape(-1, dtable.shape[1]))
