@@ -66,7 +66,11 @@ SERVER_FLAGS = [
     Flag("--threads", dict(type=int, help="gRPC threads per shard (default 64)")),
     Flag("--checkpoint-dir", dict(metavar="DIR", help="write checkpoints here, atomically (newest 3 kept; "
                                   "after every epoch and at the end too)")),
-    Flag("--restore", dict(metavar="DIR", help="resume from the newest complete checkpoint in DIR (fresh if none)")),
+    Flag("--restore", dict(metavar="DIR", help="resume from the newest complete checkpoint in DIR (fresh if it has "
+                           "none; refused if it has only corrupt ones)")),
+    Flag("--restore-fresh-if-corrupt", dict(action="store_true", default=None,
+                                            help="with --restore: start fresh, losing the trained state, when "
+                                                 "every checkpoint in DIR is corrupt (default: refuse to start)")),
     Flag("--checkpoint-every", dict(type=int, metavar="STEPS", help="checkpoint every STEPS steps (needs --checkpoint-dir)")),
     Flag("--checkpoint-secs", dict(type=float, metavar="SEC", help="checkpoint every SEC seconds (needs --checkpoint-dir)")),
 ]

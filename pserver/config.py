@@ -45,6 +45,7 @@ class ServerConfig:
     checkpoint_every: int = 0     # also checkpoint every this many steps (0 = off)
     checkpoint_secs: float = 0.0  # also checkpoint every this many seconds (0 = off)
     restore: str | None = None    # resume from the newest complete checkpoint in this directory
+    restore_fresh_if_corrupt: bool = False  # start fresh when every checkpoint in restore is corrupt
     auth_token: str | None = field(default=None, repr=False)  # every RPC must carry it; never shown
     tls_cert: str | None = None   # PEM certificate (chain): serve over TLS (with tls_key)
     tls_key: str | None = None    # PEM private key of tls_cert
@@ -73,6 +74,8 @@ class ServerConfig:
             raise ConfigError("--checkpoint-every and --checkpoint-secs must be >= 0")
         if (self.checkpoint_every or self.checkpoint_secs) and not (self.checkpoint_dir or self.restore):
             raise ConfigError("--checkpoint-every/--checkpoint-secs need --checkpoint-dir (or --restore)")
+        if self.restore_fresh_if_corrupt and not self.restore:
+            raise ConfigError("--restore-fresh-if-corrupt: needs --restore DIR")
         if self.backup_workers < 0 or self.staleness < 0:
             raise ConfigError("--backup-workers and --staleness must be >= 0")
         if self.mode == "backup" and self.backup_workers < 1:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -73,11 +76,126 @@ def test_only_the_newest_three_are_kept(tmp_path):
     assert [v for v, _ in checkpoint.candidates(str(tmp_path), 0, 1)] == [5, 4, 3]
 
 
-def test_periodic_checkpoints_every_n_steps(tmp_path):
-    shard = trained_shard(tmp_path, steps=6, checkpoint_every=2)
-    shard.checkpointer.lock.acquire()                # wait for a background write to end
-    shard.checkpointer.lock.release()
-    assert checkpoint.candidates(str(tmp_path), 0, 1), "no periodic checkpoint was written"
+def join_background_writes():
+    for t in threading.enumerate():
+        if t.name == "checkpoint":
+            t.join()
+
+
+def test_periodic_checkpoints_land_on_multiples_of_every(tmp_path):
+    shard = trained_shard(tmp_path, steps=0, checkpoint_every=3, optimizer="sgd")
+    for t in range(10):
+        for r in range(2):
+            push_all([shard], r, [t], np.ones(50, np.float32))
+        join_background_writes()
+    assert sorted(v for v, _ in checkpoint.candidates(str(tmp_path), 0, 1)) == [3, 6, 9]
+
+
+def counting_writes(monkeypatch, shard, gate=None):
+    """Instrument the real snapshot and save: how many snapshots were taken, and the most
+    alive at once (taken, not yet written: each holds a copy of the shard's state)."""
+    seen = {"taken": 0, "alive": 0, "peak": 0}
+    lock = threading.Lock()
+    snapshot, save = shard.store.snapshot, checkpoint.save
+
+    def counted_snapshot(meta):
+        with lock:
+            seen["taken"] += 1
+            seen["alive"] += 1
+            seen["peak"] = max(seen["peak"], seen["alive"])
+        return snapshot(meta)
+
+    def slow_save(directory, ckpt):
+        try:
+            time.sleep(0.2)                       # a slow disk: requests pile up meanwhile
+            if gate is not None:
+                gate.wait(30)
+            return save(directory, ckpt)
+        finally:
+            with lock:
+                seen["alive"] -= 1
+
+    monkeypatch.setattr(shard.store, "snapshot", counted_snapshot)
+    monkeypatch.setattr(checkpoint, "save", slow_save)
+    return seen
+
+
+def test_concurrent_checkpoint_requests_share_one_write_at_a_time(tmp_path, monkeypatch):
+    shard = trained_shard(tmp_path, steps=2)
+    seen = counting_writes(monkeypatch, shard)
+    start, results = threading.Barrier(60), []
+
+    def ask():
+        start.wait()
+        results.append(shard.checkpoint(0))
+
+    threads = [threading.Thread(target=ask) for _ in range(60)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["peak"] == 1, f"{seen['peak']} snapshots were alive at once"
+    assert seen["taken"] < 60, "every request took a snapshot of its own"
+    assert len(results) == 60 and all(checkpoint.load(p).version == v == 2 for p, v in results)
+
+
+def test_a_request_newer_than_the_write_in_flight_gets_the_next_write(tmp_path, monkeypatch):
+    shard = trained_shard(tmp_path, steps=2)
+    gate = threading.Event()
+    seen = counting_writes(monkeypatch, shard, gate)
+    first = []
+    writer = threading.Thread(target=lambda: first.append(shard.checkpoint(0)))
+    writer.start()
+    while seen["taken"] == 0:
+        time.sleep(0.01)
+    for r in range(2):                            # version 3 while version 2 is being written
+        push_all([shard], r, [2], np.ones(50, np.float32))
+    later = []
+    asker = threading.Thread(target=lambda: later.append(shard.checkpoint(0)))
+    asker.start()
+    gate.set()
+    writer.join()
+    asker.join()
+    assert first[0][1] == 2 and later[0][1] == 3 and checkpoint.load(later[0][0]).version == 3
+    assert seen["peak"] == 1
+
+
+def test_an_unwritable_directory_is_refused_at_start(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="--checkpoint-dir: cannot write checkpoints to .*afile/ckpt"):
+        Shard(ServerConfig(checkpoint_dir=str(tmp_path / "afile" / "ckpt")))
+
+
+def test_a_failed_write_is_counted_and_the_next_one_is_tried(tmp_path, caplog):
+    shard = trained_shard(tmp_path / "ckpt", steps=0, checkpoint_every=1, optimizer="sgd")
+    for t in range(3):
+        if t == 2:
+            shutil.rmtree(tmp_path / "ckpt")
+            (tmp_path / "ckpt").write_text("not a directory any more")
+        for r in range(2):                        # the write at version 3 fails on its thread
+            push_all([shard], r, [t], np.ones(50, np.float32))
+        join_background_writes()
+    with pytest.raises(FailedPrecondition, match="checkpoint: shard 0 could not write version 3 to .*ckpt"):
+        shard.checkpoint(0)                       # the chief's request fails with a reason
+    counters = shard.status()["counters"]
+    assert counters["checkpoints_failed"] == 2
+    failures = [r for r in caplog.records if r.name == "pserver.checkpoint" and r.levelname == "ERROR"]
+    assert len(failures) == 2 and not any(r.exc_info for r in failures)   # a line each, no traceback
+    os.remove(tmp_path / "ckpt")
+    for r in range(2):                            # the directory is back: the next interval writes
+        push_all([shard], r, [3], np.ones(50, np.float32))
+    join_background_writes()
+    assert [v for v, _ in checkpoint.candidates(str(tmp_path / "ckpt"), 0, 1)] == [4]
+    assert shard.status()["counters"]["checkpoints_failed"] == 2
+
+
+def test_orphan_temporary_files_of_this_shard_are_removed_at_start(tmp_path):
+    mine = tmp_path / "shard0-of2-v000000000003.ckpt.4242.tmp"
+    other = tmp_path / "shard1-of2-v000000000003.ckpt.4243.tmp"   # shard 1 may be writing it now
+    for f in (mine, other):
+        f.write_bytes(b"half a checkpoint")
+    Shard(ServerConfig(num_shards=2, checkpoint_dir=str(tmp_path)))
+    assert not mine.exists() and other.exists()
 
 
 def test_mismatches_are_refused_with_a_clear_message(tmp_path):
@@ -112,3 +230,21 @@ def test_ssp_clocks_round_trip_and_files_without_them_still_load(tmp_path):
         np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
     old = checkpoint.load(path)
     assert old.clocks == {} and old.version == 7
+
+
+def test_restore_refuses_when_every_checkpoint_is_corrupt_unless_asked(tmp_path):
+    shard = trained_shard(tmp_path, steps=2)
+    path, _ = shard.checkpoint(0)
+    torn = tmp_path / "shard0-of1-v000000000001.ckpt"
+    torn.write_bytes(open(path, "rb").read()[:200])
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ConfigError) as e:
+        Shard(ServerConfig(num_workers=2, optimizer="adam", restore=str(tmp_path)))
+    assert "shard0-of1-v000000000002.ckpt: unreadable (BadZipFile: Bad CRC-32" in str(e.value)
+    assert "shard0-of1-v000000000001.ckpt: unreadable" in str(e.value)
+    assert "--restore-fresh-if-corrupt" in str(e.value)
+    fresh = Shard(ServerConfig(num_workers=2, optimizer="adam", restore=str(tmp_path),
+                               restore_fresh_if_corrupt=True))
+    assert fresh.store.version == -1

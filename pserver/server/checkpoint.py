@@ -17,17 +17,19 @@ import json
 import logging
 import os
 import re
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from pserver.errors import ConfigError
+from pserver.errors import ConfigError, FailedPrecondition
 
 log = logging.getLogger("pserver.checkpoint")
 KEEP = 3                                   # newest checkpoints kept per shard
 NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})\.ckpt$")
+TMP_NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})\.ckpt\.\d+\.tmp$")   # a write in progress
 
 
 @dataclass
@@ -59,7 +61,8 @@ def digest(arrays: dict) -> str:
 
 
 def save(directory: str, ckpt: Checkpoint) -> str:
-    """Write atomically; returns the final path. Older checkpoints beyond KEEP are removed."""
+    """Write atomically; returns the final path. Older checkpoints beyond KEEP are removed.
+    An OSError (disk full, read-only or missing directory) leaves no temporary file behind."""
     os.makedirs(directory, exist_ok=True)
     arrays = {"params": ckpt.params, **{f"opt.{k}": v for k, v in ckpt.state.items()}}
     meta = {"version": ckpt.version, "shard": ckpt.shard, "num_shards": ckpt.num_shards,
@@ -70,14 +73,25 @@ def save(directory: str, ckpt: Checkpoint) -> str:
     tmp = f"{final}.{os.getpid()}.tmp"
     buf = io.BytesIO()
     np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-    with open(tmp, "wb") as f:
-        f.write(buf.getbuffer())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buf.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
     fsync_dir(directory)
     prune(directory, ckpt.shard, ckpt.num_shards)
     return final
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass              # already gone, or the directory itself went away
 
 
 def fsync_dir(directory: str) -> None:
@@ -102,10 +116,7 @@ def candidates(directory: str, shard: int, num_shards: int) -> list[tuple[int, s
 
 def prune(directory: str, shard: int, num_shards: int) -> None:
     for _, path in candidates(directory, shard, num_shards)[KEEP:]:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+        remove_quietly(path)
 
 
 def load(path: str) -> Checkpoint:
@@ -127,17 +138,31 @@ def load(path: str) -> Checkpoint:
                       {int(r): int(c) for r, c in meta.get("clocks", {}).items()})
 
 
-def load_latest(directory: str, shard: int, num_shards: int) -> Checkpoint | None:
-    """The newest checkpoint of this shard that loads and verifies, or None."""
+def load_latest(directory: str, shard: int, num_shards: int,
+                fresh_if_corrupt: bool = False) -> Checkpoint | None:
+    """The newest checkpoint of this shard that loads and verifies, or None on a first start.
+    When this shard has checkpoints and none of them loads, starting fresh would silently
+    throw the trained state away: refused, naming each file and why, unless asked for."""
     if not os.path.exists(directory):
         return None                           # a first start: nothing to restore yet
     if not os.path.isdir(directory):
         raise ConfigError(f"--restore: {directory} is not a directory")
-    for _, path in candidates(directory, shard, num_shards):
+    found = candidates(directory, shard, num_shards)
+    failures = []
+    for _, path in found:
         try:
             return load(path)
         except ValueError as e:
             log.warning("skipping checkpoint %s: %s", path, e)
+            failures.append(f"{os.path.basename(path)}: {e}")
+    if failures and not fresh_if_corrupt:
+        raise ConfigError(f"--restore: no checkpoint of shard {shard} in {directory} loads, and starting "
+                          f"fresh would lose the trained state ({'; '.join(failures)}); move them away "
+                          f"or pass --restore-fresh-if-corrupt")
+    if failures:
+        log.warning("shard %d: every checkpoint in %s is corrupt; starting fresh as "
+                    "--restore-fresh-if-corrupt asks", shard, directory)
+        return None
     # Files of other shards of the same cluster are expected (a shared directory); files
     # written for another number of shards mean the cluster changed shape.
     other = sorted(n for n in os.listdir(directory)
@@ -148,45 +173,109 @@ def load_latest(directory: str, shard: int, num_shards: int) -> Checkpoint | Non
     return None
 
 
+def prepare(directory: str, flag: str, shard: int, num_shards: int) -> None:
+    """At start: the directory exists (made if need be) and takes a new file, so that an
+    unwritable one is refused now rather than after the first epoch; temporary files that
+    a killed writer of this shard left behind are removed."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".pserver-probe-", dir=directory)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot write checkpoints to {directory} ({e.strerror or e})") from None
+    orphans = [n for n in os.listdir(directory)
+               if (m := TMP_NAME.match(n)) and (int(m.group(1)), int(m.group(2))) == (shard, num_shards)]
+    for name in orphans:
+        remove_quietly(os.path.join(directory, name))
+    if orphans:
+        log.info("shard %d: removed %d temporary file(s) an interrupted checkpoint write left in %s",
+                 shard, len(orphans), directory)
+
+
 class Checkpointer:
-    """When and where one shard writes checkpoints: every N steps, every S seconds, on
-    request. Writes happen on a background thread, one at a time, from a snapshot taken
-    under the store's lock, so pushes wait only for the copy, not for the disk."""
+    """When and where one shard writes checkpoints: at versions K, 2K, 3K... (every K steps),
+    every S seconds, and on request. At most one write is in flight (DESIGN §8, §9): it
+    holds the one snapshot, taken under the store's lock, so pushes wait only for the copy.
+    A request that arrives meanwhile joins that write, or the write after it when the one
+    in flight is older than the version the request saw. A failed write is logged in one
+    line and counted, leaves no temporary file, and training goes on: the next interval
+    tries again."""
 
-    def __init__(self, directory: str, store, cfg) -> None:
+    def __init__(self, directory: str, store, cfg, flag: str) -> None:
+        prepare(directory, flag, cfg.shard, cfg.num_shards)
         self.directory, self.store, self.cfg = directory, store, cfg
-        self.lock = threading.Lock()         # one write at a time
-        self.last_version = store.version
+        self.cond = threading.Condition()
+        self.writing = False                  # a snapshot is being taken or written
+        self.generation = 0                   # writes ended so far
+        self.outcome: tuple[int, str | OSError] = (-1, "")   # (version, path or error) of the last
+        self.last_version = max(store.version, 0)   # periodic writes count from here
         self.last_time = time.monotonic()
-        self.busy = False
 
-    def write_now(self) -> tuple[str, int]:
-        snap = self.store.snapshot({"shard": self.cfg.shard, "num_shards": self.cfg.num_shards,
-                                    "optimizer": self.cfg.optimizer, "path": ""})
-        with self.lock:
-            path = save(self.directory, Checkpoint(**snap))
-        self.last_version, self.last_time = snap["version"], time.monotonic()
-        log.info("shard %d: checkpoint at version %d written to %s", self.cfg.shard, snap["version"], path)
-        return path, snap["version"]
-
-    def due(self) -> bool:
-        v = self.store.version
-        if v < 0 or v == self.last_version or self.busy:
-            return False
-        every, secs = self.cfg.checkpoint_every, self.cfg.checkpoint_secs
-        return bool((every and v - self.last_version >= every) or
-                    (secs and time.monotonic() - self.last_time >= secs))
+    def request(self) -> tuple[str, int]:
+        """(path, version) of a checkpoint at least as new as the store is now; FailedPrecondition
+        naming the directory and the OS error when it could not be written."""
+        wanted = self.store.version
+        with self.cond:
+            while self.writing:
+                seen = self.generation
+                self.cond.wait_for(lambda: self.generation != seen)
+                if self.outcome[0] >= wanted:
+                    return self._reply(*self.outcome)
+            self.writing = True
+        return self._reply(*self._write(self._snapshot()))
 
     def maybe(self) -> None:
-        """Called after pushes: start a background write when one is due."""
-        if self.due():
-            self.busy = True
-            threading.Thread(target=self._background, name="checkpoint", daemon=True).start()
+        """Called after pushes: when a write is due, snapshot now (the version that made it
+        due) and write on a background thread."""
+        with self.cond:
+            if self.writing or not self._due():
+                return
+            self.writing = True
+        snap = self._snapshot()
+        threading.Thread(target=self._write, args=(snap,), name="checkpoint", daemon=True).start()
 
-    def _background(self) -> None:
+    def _due(self) -> bool:
+        v, every, secs = self.store.version, self.cfg.checkpoint_every, self.cfg.checkpoint_secs
+        if v <= self.last_version:
+            return False
+        return bool((every and v // every > self.last_version // every) or
+                    (secs and time.monotonic() - self.last_time >= secs))
+
+    def _snapshot(self) -> dict:
         try:
-            self.write_now()
-        except Exception:
-            log.exception("shard %d: checkpoint failed", self.cfg.shard)
+            return self.store.snapshot({"shard": self.cfg.shard, "num_shards": self.cfg.num_shards,
+                                        "optimizer": self.cfg.optimizer, "path": ""})
+        except BaseException:
+            self._end(-1, "")
+            raise
+
+    def _write(self, snap: dict) -> tuple[int, str | OSError]:
+        version, result = snap["version"], ""
+        try:
+            result = save(self.directory, Checkpoint(**snap))
+            self.store.counters.add("checkpoints_written")
+            log.info("shard %d: checkpoint at version %d written to %s", self.cfg.shard, version, result)
+        except OSError as e:
+            result = e
+            self.store.counters.add("checkpoints_failed")
+            log.error("shard %d: checkpoint at version %d not written to %s: %s; training goes on, "
+                      "the next interval tries again", self.cfg.shard, version, self.directory, e)
         finally:
-            self.busy = False
+            self._end(version, result)
+        return version, result
+
+    def _end(self, version: int, result: str | OSError) -> None:
+        with self.cond:
+            self.writing = False
+            self.generation += 1
+            self.outcome = (version, result)
+            if version >= 0:
+                self.last_version, self.last_time = version, time.monotonic()
+            self.cond.notify_all()
+
+    def _reply(self, version: int, result: str | OSError) -> tuple[str, int]:
+        if isinstance(result, OSError):
+            raise FailedPrecondition(f"checkpoint: shard {self.cfg.shard} could not write version "
+                                     f"{version} to {self.directory}: {result.strerror or result}")
+        return result, version

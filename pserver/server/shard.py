@@ -79,10 +79,12 @@ class Shard:
         if cfg.restore:
             self._restore(cfg.restore)
         directory = cfg.checkpoint_dir or cfg.restore
-        self.checkpointer = checkpoint.Checkpointer(directory, self.store, cfg) if directory else None
+        flag = "--checkpoint-dir" if cfg.checkpoint_dir else "--restore"
+        self.checkpointer = checkpoint.Checkpointer(directory, self.store, cfg, flag) if directory else None
 
     def _restore(self, directory: str) -> None:
-        ckpt = checkpoint.load_latest(directory, self.cfg.shard, self.cfg.num_shards)
+        ckpt = checkpoint.load_latest(directory, self.cfg.shard, self.cfg.num_shards,
+                                      self.cfg.restore_fresh_if_corrupt)
         if ckpt is None:
             log.info("shard %d: no checkpoint in %s; starting fresh", self.cfg.shard, directory)
             return
@@ -92,13 +94,15 @@ class Shard:
         self.store.restore(ckpt)
         log.info("shard %d: restored version %d from %s", self.cfg.shard, ckpt.version, ckpt.path)
 
-    def checkpoint(self, rank: int) -> tuple[str, int]:
-        """Write a checkpoint now (the chief asks); ("", version) without a directory."""
-        with self.store.cond:
-            self.policy.check_member(rank)
+    def checkpoint(self, rank: int | None = None) -> tuple[str, int]:
+        """Write a checkpoint now, for the chief (rank) or for the shard itself (None, when it
+        stops); ("", version) without a directory. Concurrent requests share one write."""
+        if rank is not None:
+            with self.store.cond:
+                self.policy.check_member(rank)
         if self.checkpointer is None or not self.store.initialized:
             return "", self.store.version
-        return self.checkpointer.write_now()
+        return self.checkpointer.request()
 
     def _optimizer_for(self, size: int):
         c = self.cfg
