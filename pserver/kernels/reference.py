@@ -88,6 +88,12 @@ def scaled_sum(values, scale) -> float:
     return float(scale * np.sum(values, dtype=np.float64))
 
 
+def _sigmoid(z):
+    """1 / (1 + exp(-z)) from e = exp(-|z|) <= 1, so no exp overflows whatever z's sign."""
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1 / (1 + e), e / (1 + e)).astype(z.dtype)
+
+
 def sigmoid_bce(logits, y, dlogits):
     """Mean binary cross-entropy from logits; dlogits[:] = (sigmoid(logits) - y) / n.
 
@@ -97,7 +103,7 @@ def sigmoid_bce(logits, y, dlogits):
     z = logits.reshape(-1)
     n = z.shape[0]
     t = y.reshape(-1).astype(z.dtype)
-    p = np.exp(-np.logaddexp(0, -z))   # sigmoid(z), with no overflow for large |z|
+    p = _sigmoid(z)
     dlogits.reshape(-1)[:] = (p - t) / dlogits.dtype.type(n)
     terms = np.maximum(z, 0) - z * t + np.log1p(np.exp(-np.abs(z)))
     return float(np.sum(terms, dtype=np.float64) / n)
@@ -251,7 +257,7 @@ def activation_forward(kind, x, out):
     if kind == "relu":
         np.maximum(x, 0, out=out)
     elif kind == "sigmoid":
-        out[:] = np.exp(-np.logaddexp(0, -x))   # no overflow for large |x|
+        out[:] = _sigmoid(x)
     elif kind == "tanh":
         np.tanh(x, out=out)
     else:
@@ -278,20 +284,24 @@ def activation_backward(kind, y, dy, dx):
 SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
 SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9
 SPLITMIX_MUL2 = 0x94D049BB133111EB
-MASK64 = (1 << 64) - 1
 
 
-def dropout_threshold(rate) -> int:
-    """The 24-bit integer a draw must reach to keep its element: P(keep) = 1 - rate (to 2^-24)."""
+def dropout_threshold(rate, seed) -> int:
+    """The 24-bit integer a draw must reach to keep its element: P(keep) = 1 - rate (to 2^-24).
+
+    Checks both arguments: the seed is a non-negative int64 (what the compiled kernels take).
+    """
     if not 0 <= rate < 1:
         raise ValueError(f"dropout: rate must be in [0, 1), got {rate}")
+    if not 0 <= seed < 1 << 63:
+        raise ValueError(f"dropout: seed must be in [0, 2**63), got {seed}")
     return int(rate * (1 << 24))
 
 
 def splitmix64(seed, index):
     """The index-th (0-based) output of splitmix64 seeded with `seed`: uint64 array like index."""
     with np.errstate(over="ignore"):
-        z = np.uint64(seed & MASK64) + (index.astype(np.uint64) + np.uint64(1)) * np.uint64(SPLITMIX_GAMMA)
+        z = np.uint64(seed) + (index.astype(np.uint64) + np.uint64(1)) * np.uint64(SPLITMIX_GAMMA)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(SPLITMIX_MUL1)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(SPLITMIX_MUL2)
         return z ^ (z >> np.uint64(31))
@@ -299,7 +309,8 @@ def splitmix64(seed, index):
 
 def dropout_forward(x, out, mask, rate, seed):
     """mask[:] = 0 or 1/(1 - rate) per element (kept with probability 1 - rate); out = x * mask."""
-    keep = splitmix64(seed, np.arange(x.size)) >> np.uint64(40) >= np.uint64(dropout_threshold(rate))
+    threshold = np.uint64(dropout_threshold(rate, seed))
+    keep = splitmix64(seed, np.arange(x.size)) >> np.uint64(40) >= threshold
     mask.reshape(-1)[:] = np.where(keep, 1 / (1 - rate), 0)
     np.multiply(x, mask, out=out)
 
