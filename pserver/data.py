@@ -62,9 +62,9 @@ _NPZ_KEYS = ("x", "y", "x_test", "y_test")
 @dataclass(frozen=True, eq=False)  # eq=False: comparing ndarrays with == has no single truth value
 class Dataset:
     name: str  # "synthetic", "mnist" or the .npz path
-    x_train: np.ndarray  # (n, d) float32, C-contiguous
+    x_train: np.ndarray  # (n, *sample_shape) float32, C-contiguous: (n, d), or images (n, h, w, c)
     y_train: np.ndarray  # (n,) int32 labels (classification) or float32 targets (regression)
-    x_test: np.ndarray  # (m, d) float32, C-contiguous
+    x_test: np.ndarray  # (m, *sample_shape) float32, C-contiguous
     y_test: np.ndarray  # (m,)
     num_classes: int  # 0 for regression
 
@@ -72,21 +72,27 @@ class Dataset:
         # The worker's kernels rely on these; checking once here beats a wrong answer later.
         y_dtype = np.float32 if self.num_classes == 0 else np.int32
         for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
-            if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
-                raise DataError(f"{self.name}: x_{split} must be 2-D C-contiguous float32, "
-                                f"got {x.dtype} {x.shape}")
+            if x.ndim < 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
+                raise DataError(f"{self.name}: x_{split} must be C-contiguous float32 of shape "
+                                f"(samples, ...), got {x.dtype} {x.shape}")
             if y.shape != (len(x),) or y.dtype != y_dtype:
                 raise DataError(f"{self.name}: y_{split} must be {np.dtype(y_dtype)} of shape "
                                 f"({len(x)},), got {y.dtype} {y.shape}")
             if len(x) == 0:
                 raise DataError(f"{self.name}: the {split} set is empty")
-        if self.x_test.shape[1] != self.x_train.shape[1]:
-            raise DataError(f"{self.name}: x_test has {self.x_test.shape[1]} features, "
-                            f"x_train {self.x_train.shape[1]}")
+        if self.x_test.shape[1:] != self.x_train.shape[1:]:
+            raise DataError(f"{self.name}: x_test has samples of shape {self.x_test.shape[1:]}, "
+                            f"x_train {self.x_train.shape[1:]}")
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape: (features,), or (height, width, channels) for images."""
+        return tuple(self.x_train.shape[1:])
 
     @property
     def features(self) -> int:
-        return self.x_train.shape[1]
+        """Values per sample."""
+        return math.prod(self.sample_shape)
 
     @property
     def num_train(self) -> int:
@@ -104,8 +110,9 @@ class Dataset:
 def describe(ds: Dataset) -> str:
     """One line for the worker's log: what it trains on."""
     kind = "regression" if ds.num_classes == 0 else f"{ds.num_classes} classes"
-    return (f"dataset {ds.name}: {ds.num_train} train / {ds.num_test} test samples, "
-            f"{ds.features} features, {kind}")
+    shape = (f"{ds.features} features" if len(ds.sample_shape) == 1
+             else f"samples of shape {ds.sample_shape}")
+    return f"dataset {ds.name}: {ds.num_train} train / {ds.num_test} test samples, {shape}, {kind}"
 
 
 def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task: str = "classification",
@@ -124,9 +131,9 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
     if spec == "synthetic":
         return _synthetic(seed, task, samples, test_samples, features, classes)
     if spec == "mnist":
-        return _as_task(_load_mnist(data_dir), task)
+        return as_task(_load_mnist(data_dir), task)
     if spec.lower().endswith(".npz"):
-        return _as_task(_load_npz(spec, seed), task)
+        return as_task(_load_npz(spec, seed), task)
     raise ConfigError(f"--dataset: unknown dataset {spec!r}; "
                       "choose synthetic, mnist or a path to a .npz file")
 
@@ -136,12 +143,23 @@ def _check_int(flag: str, value: int, low: int) -> None:
         raise ConfigError(f"{flag}: must be an integer >= {low}, got {value!r}")
 
 
-def _as_task(ds: Dataset, task: str) -> Dataset:
+def as_task(ds: Dataset, task: str) -> Dataset:
     """Integer labels as float targets when regression was asked for (float y is already)."""
     if task == "classification" or ds.num_classes == 0:
         return ds
     return Dataset(ds.name, ds.x_train, ds.y_train.astype(np.float32), ds.x_test,
                    ds.y_test.astype(np.float32), 0)
+
+
+def from_arrays(x, y, x_test=None, y_test=None, *, name: str = "arrays", seed: int = 0) -> Dataset:
+    """A Dataset from arrays in memory (pserver.train): checked as an .npz's arrays are,
+    with a seeded held-out test set when x_test/y_test are not given."""
+    arrays = {"x": np.asarray(x), "y": np.asarray(y)}
+    if (x_test is None) != (y_test is None):
+        raise DataError(f"{name}: give both x_test and y_test, or neither")
+    if x_test is not None:
+        arrays.update(x_test=np.asarray(x_test), y_test=np.asarray(y_test))
+    return _dataset(name, arrays, seed)
 
 
 # ---------------------------------------------------------------- per-rank slices of an epoch
@@ -254,9 +272,9 @@ def _load_mnist(data_dir: str | None) -> Dataset:
                             f"put {put} (from {MNIST_SOURCE}) in {data_dir}")
     x_train, y_train = _mnist_split(paths["train-images-idx3-ubyte"], paths["train-labels-idx1-ubyte"])
     x_test, y_test = _mnist_split(paths["t10k-images-idx3-ubyte"], paths["t10k-labels-idx1-ubyte"])
-    if x_test.shape[1] != x_train.shape[1]:
-        raise DataError(f"mnist: {paths['t10k-images-idx3-ubyte']} has {x_test.shape[1]} pixels per image, "
-                        f"{paths['train-images-idx3-ubyte']} {x_train.shape[1]}")
+    if x_test.shape[1:] != x_train.shape[1:]:
+        raise DataError(f"mnist: {paths['t10k-images-idx3-ubyte']} has {math.prod(x_test.shape[1:])} pixels "
+                        f"per image, {paths['train-images-idx3-ubyte']} {math.prod(x_train.shape[1:])}")
     return Dataset("mnist", x_train, y_train, x_test, y_test, 10)
 
 
@@ -277,7 +295,8 @@ def _mnist_split(images_path: str, labels_path: str) -> tuple[np.ndarray, np.nda
     if len(labels) and labels.max() > 9:
         i = int(np.argmax(labels > 9))
         raise DataError(f"{labels_path}: label {labels[i]} at index {i} is not a digit 0-9")
-    x = np.divide(images.reshape(len(images), -1), 255, dtype=np.float32)
+    # (n, 28, 28, 1): channels-last images; a dense model's input takes them flat (a view).
+    x = np.divide(images[..., None], 255, dtype=np.float32)
     return x, labels.astype(np.int32)
 
 
@@ -374,14 +393,17 @@ def _one_line(e: BaseException) -> str:
 # ---------------------------------------------------------------- .npz
 
 def _load_npz(path: str, seed: int) -> Dataset:
-    arrays = _read_npz(path)
+    return _dataset(path, _read_npz(path), seed)
+
+
+def _dataset(path: str, arrays: dict[str, np.ndarray], seed: int) -> Dataset:
     x = _features(path, "x", arrays["x"])
     y = _targets(path, "y", arrays["y"], "x", len(x))
     if "x_test" in arrays:
         x_test = _features(path, "x_test", arrays["x_test"])
         y_test = _targets(path, "y_test", arrays["y_test"], "x_test", len(x_test))
-        if x_test.shape[1] != x.shape[1]:
-            raise DataError(f"{path}: x_test has {x_test.shape[1]} features per sample, x has {x.shape[1]}")
+        if x_test.shape[1:] != x.shape[1:]:
+            raise DataError(f"{path}: x_test has samples of shape {x_test.shape[1:]}, x {x.shape[1:]}")
         if (y_test.dtype == np.float32) != (y.dtype == np.float32):
             raise DataError(f"{path}: y is {arrays['y'].dtype} but y_test is {arrays['y_test'].dtype}; "
                             "both must be integer labels or both float targets")
@@ -421,13 +443,13 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
 
 
 def _features(path: str, key: str, a: np.ndarray) -> np.ndarray:
-    """(n, ...) numeric -> (n, d) float32, C-contiguous and finite."""
+    """(n, ...) numeric -> float32 of the same shape, C-contiguous and finite."""
     if a.dtype.kind not in "biuf":
         raise DataError(f"{path}: {key} has dtype {a.dtype}; it must be numeric")
     if a.ndim < 2 or a.shape[0] == 0 or math.prod(a.shape[1:]) == 0:
         raise DataError(f"{path}: {key} has shape {a.shape}; it must be (samples, features...) with both > 0")
     with np.errstate(over="ignore", invalid="ignore"):  # overflow becomes inf, which the check names
-        x = np.ascontiguousarray(a.reshape(len(a), -1), dtype=np.float32)
+        x = np.ascontiguousarray(a, dtype=np.float32)
     _check_finite(path, key, x)  # after the cast, so float64 values beyond float32's range count too
     return x
 

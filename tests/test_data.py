@@ -44,7 +44,8 @@ def mnist() -> Dataset:
 
 def test_mnist_loads_with_the_published_shapes_and_label_counts(mnist):
     assert (mnist.name, mnist.task, mnist.num_classes, mnist.features) == ("mnist", "classification", 10, 784)
-    assert mnist.x_train.shape == (60000, 784) and mnist.x_test.shape == (10000, 784)
+    # Channels-last images; a dense model's input takes them flat (data.shaped_for).
+    assert mnist.x_train.shape == (60000, 28, 28, 1) and mnist.x_test.shape == (10000, 28, 28, 1)
     for x, y in ((mnist.x_train, mnist.y_train), (mnist.x_test, mnist.y_test)):
         assert x.dtype == np.float32 and x.flags.c_contiguous and y.dtype == np.int32
         assert x.min() == 0.0 and x.max() == 1.0
@@ -53,7 +54,8 @@ def test_mnist_loads_with_the_published_shapes_and_label_counts(mnist):
     assert mnist.y_train[:10].tolist() == [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
     # pixels / 255 exactly: every value is one of the 256 levels.
     assert np.isin(np.unique(mnist.x_test), np.arange(256, dtype=np.float32) / np.float32(255)).all()
-    assert describe(mnist) == "dataset mnist: 60000 train / 10000 test samples, 784 features, 10 classes"
+    assert describe(mnist) == ("dataset mnist: 60000 train / 10000 test samples, "
+                               "samples of shape (28, 28, 1), 10 classes")
 
 
 def test_mnist_uncompressed_copy_parses_identically(mnist, tmp_path):
@@ -99,7 +101,7 @@ def write_small_mnist(root, files=None, gz=("train-images-idx3-ubyte",)):
 
 def test_small_idx_set_loads_with_any_image_size_and_mixed_compression(tmp_path):
     ds = load_dataset("mnist", data_dir=str(write_small_mnist(tmp_path)))
-    assert ds.x_train.shape == (30, 16) and ds.x_test.shape == (10, 16)
+    assert ds.x_train.shape == (30, 4, 4, 1) and ds.x_test.shape == (10, 4, 4, 1)
     pixels = np.frombuffer(small_mnist_files()["train-images-idx3-ubyte"][16:], np.uint8)
     assert np.array_equal(ds.x_train.ravel(), pixels.astype(np.float32) / 255)
     assert ds.y_train.tolist() == [i % 10 for i in range(30)]
@@ -349,15 +351,15 @@ def test_unknown_dataset():
 
 def test_npz_round_trip_with_test_arrays(tmp_path):
     rng = np.random.default_rng(0)
-    x, x_test = rng.random((50, 2, 3)), rng.random((20, 2, 3))  # float64, N-D: flattened to 6 features
+    x, x_test = rng.random((50, 2, 3)), rng.random((20, 2, 3))  # float64, N-D: kept N-D, 6 features
     y, y_test = rng.integers(0, 4, 50).astype(np.uint8), np.full(20, 6)
     path = str(tmp_path / "d.npz")
     np.savez(path, x=x, y=y, x_test=x_test, y_test=y_test)
     ds = load_dataset(path)
     assert (ds.name, ds.num_classes, ds.features, ds.num_train, ds.num_test) == (path, 7, 6, 50, 20)
-    assert np.array_equal(ds.x_train, x.reshape(50, 6).astype(np.float32)) and ds.x_train.flags.c_contiguous
+    assert np.array_equal(ds.x_train, x.astype(np.float32)) and ds.x_train.flags.c_contiguous
     assert np.array_equal(ds.y_train, y) and ds.y_train.dtype == np.int32
-    assert np.array_equal(ds.x_test, x_test.reshape(20, 6).astype(np.float32))
+    assert np.array_equal(ds.x_test, x_test.astype(np.float32))
     reg = load_dataset(path, task="regression")
     assert reg.num_classes == 0 and np.array_equal(reg.y_test, np.full(20, 6.0, np.float32))
 
@@ -387,7 +389,7 @@ NPZ_ERRORS = {
     "y length": ({"x": np.ones((10, 3)), "y": np.arange(9)}, "y has shape (9,)"),
     "y_test length": ({**_good(), "x_test": np.ones((4, 3)), "y_test": np.arange(3)}, "y_test"),
     "x_test features": ({**_good(), "x_test": np.ones((4, 2)), "y_test": np.arange(4)},
-                        "x_test has 2 features"),
+                        "x_test has samples of shape (2,), x (3,)"),
     "NaN in x": ({**_good(), "x": np.where(np.eye(10, 3) > 0, np.nan, 1.0)}, "x has 3 non-finite"),
     "Inf in y": ({"x": np.ones((10, 3)), "y": np.r_[np.ones(9), np.inf]}, "y has 1 non-finite"),
     "too big for float32": ({**_good(), "x": np.full((10, 3), 1e300)}, "non-finite"),

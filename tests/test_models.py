@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from pserver.errors import ConfigError
-from pserver.models import MODELS, Layout, Model, make_model
+from pserver.models import Layout, Model, make_model
 from pserver.optim import make_optimizer
 
+# The dense built-ins take flat inputs of any width; cnn is tested with images in test_layers.
+DENSE = ("mlp", "logreg", "linreg")
 # Small sizes with distinct widths, so a transposed gradient has the wrong shape or values.
 IN, CLASSES, HIDDEN = 5, 3, (4, 6)
 
@@ -33,7 +35,7 @@ def random_params(model, rng, dtype=np.float32):
 
 # -- gradients --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", DENSE)
 @pytest.mark.parametrize("n", [1, 7])
 def test_gradient_matches_central_differences(name, n):
     """Every coordinate, in float64 through the reference kernels: a missing 1/n, a
@@ -54,7 +56,7 @@ def test_gradient_matches_central_differences(name, n):
     np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", DENSE)
 def test_gradient_float32_cpu_spot_check(name):
     """The numba path on its own, in float32, on a few coordinates of a mid-size model."""
     model = make_model(name, 20, 4, hidden=(16, 8), backend="cpu")
@@ -72,7 +74,7 @@ def test_gradient_float32_cpu_spot_check(name):
         assert grad[j] == pytest.approx(fd, rel=1e-2, abs=1e-3), j
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", DENSE)
 @pytest.mark.parametrize("n", [1, 33])
 def test_cpu_equals_reference(name, n):
     cpu_m, ref_m = small(name, "cpu"), small(name, "reference")
@@ -125,19 +127,19 @@ def test_threads_do_not_share_buffers():
 def test_layouts():
     mlp = make_model("mlp", 784, 10)
     assert [(t.name, t.shape) for t in mlp.layout.tensors] == [
-        ("w0", (784, 256)), ("b0", (256,)), ("w1", (256, 256)), ("b1", (256,)),
-        ("w2", (256, 10)), ("b2", (10,))]
+        ("dense/kernel", (784, 256)), ("dense/bias", (256,)), ("dense_1/kernel", (256, 256)),
+        ("dense_1/bias", (256,)), ("dense_2/kernel", (256, 10)), ("dense_2/bias", (10,))]
     assert mlp.layout.total == 784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
     assert (mlp.task, mlp.num_classes, mlp.in_features) == ("classification", 10, 784)
     logreg = make_model("logreg", 7, 3)
-    assert logreg.layout == Layout.of([("w0", (7, 3)), ("b0", (3,))])
+    assert logreg.layout == Layout.of([("dense/kernel", (7, 3)), ("dense/bias", (3,))])
     linreg = make_model("linreg", 7, 99)
-    assert linreg.layout == Layout.of([("w0", (7, 1)), ("b0", (1,))])
+    assert linreg.layout == Layout.of([("dense/kernel", (7, 1)), ("dense/bias", (1,))])
     assert (linreg.task, linreg.num_classes) == ("regression", 0)
     assert all(isinstance(m, Model) for m in (mlp, logreg, linreg))
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", DENSE)
 def test_init_params_deterministic(name):
     model = make_model(name, 784, 10)
     a, b, c = model.init_params(7), model.init_params(7), model.init_params(8)
@@ -145,14 +147,14 @@ def test_init_params_deterministic(name):
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     views = model.layout.views(a)
-    assert all(not views[t.name].any() for t in model.layout.tensors if t.name.startswith("b"))
+    assert all(not views[t.name].any() for t in model.layout.tensors if t.name.endswith("/bias"))
 
 
 def test_init_scale():
     views = make_model("mlp", 784, 10).layout.views(make_model("mlp", 784, 10).init_params(0))
-    assert views["w0"].std() == pytest.approx(np.sqrt(2 / 784), rel=0.02)   # He, into a ReLU
-    assert views["w1"].std() == pytest.approx(np.sqrt(2 / 256), rel=0.02)
-    assert views["w2"].std() == pytest.approx(np.sqrt(1 / 256), rel=0.05)   # LeCun, the logits
+    assert views["dense/kernel"].std() == pytest.approx(np.sqrt(2 / 784), rel=0.02)  # He, into a ReLU
+    assert views["dense_1/kernel"].std() == pytest.approx(np.sqrt(2 / 256), rel=0.02)
+    assert views["dense_2/kernel"].std() == pytest.approx(np.sqrt(1 / 256), rel=0.05)  # LeCun, the logits
 
 
 # -- evaluate ---------------------------------------------------------------------------------
@@ -165,7 +167,7 @@ def test_evaluate_classification(name):
     assert set(res) == {"loss", "accuracy"}
     assert res["loss"] == pytest.approx(model.loss_and_grad(w, x, y, np.empty_like(w)), rel=1e-5)
     if name == "logreg":
-        logits = x @ model.layout.views(w)["w0"] + model.layout.views(w)["b0"]
+        logits = x @ model.layout.views(w)["dense/kernel"] + model.layout.views(w)["dense/bias"]
         assert res["accuracy"] == pytest.approx(np.mean(logits.argmax(1) == y))
     assert 0.0 <= res["accuracy"] <= 1.0
 
@@ -175,13 +177,13 @@ def test_evaluate_regression_r2():
     x = rng.standard_normal((40, 4)).astype(np.float32)
     w = model.init_params(0)
     views = model.layout.views(w)
-    y = (x @ views["w0"][:, 0] + 0.5).astype(np.float32)
-    views["b0"][:] = 0.5
+    y = (x @ views["dense/kernel"][:, 0] + 0.5).astype(np.float32)
+    views["dense/bias"][:] = 0.5
     perfect = model.evaluate(w, x, y, batch_size=7)
     assert set(perfect) == {"loss", "r2"}
     assert perfect["r2"] == pytest.approx(1.0, abs=1e-6) and perfect["loss"] < 1e-10
-    views["w0"][:] = 0
-    views["b0"][:] = y.mean()    # predicting the mean explains nothing
+    views["dense/kernel"][:] = 0
+    views["dense/bias"][:] = y.mean()    # predicting the mean explains nothing
     assert model.evaluate(w, x, y)["r2"] == pytest.approx(0.0, abs=1e-6)
 
 
@@ -189,7 +191,7 @@ def test_evaluate_regression_r2():
 
 def test_make_model_errors():
     with pytest.raises(ConfigError,
-                       match="--model: unknown model 'x'; choose one of mlp, logreg, linreg"):
+                       match="--model: unknown model 'x'; choose one of mlp, logreg, linreg, cnn, or FILE.py"):
         make_model("x", 4, 2)
     for hidden in [(256, 0), (-3,), (), (2.5,)]:
         with pytest.raises(ConfigError, match="--hidden"):

@@ -1,57 +1,92 @@
-"""Models: a layout of named float32 tensors, and loss and gradient on a flat vector.
+"""Models: Sequential stacks of layers, the built-in definitions, and users' own.
 
-    linreg   one dense layer to 1 output, 0.5 * mean squared error   (regression)
-    logreg   one dense layer to k logits, softmax cross-entropy      (classification)
-    mlp      dense + ReLU layers, default 784-256-256-10, softmax cross-entropy
+    mlp      Dense + ReLU layers, default 784-256-256-10, softmax cross-entropy
+    logreg   one Dense layer to k logits, softmax cross-entropy         (classification)
+    linreg   one Dense layer to 1 output, mean squared error            (regression)
+    cnn      the reference CNN: Conv2D(32, 3, relu), MaxPooling2D, Flatten, Dense(64, relu),
+             Dense(10), on (28, 28, 1) images
+    FILE.py:FUNCTION or package.module:FUNCTION   a user's model (pserver.models.user)
 
-`make_model` is how the CLI and the tests build one; `backend` picks the kernel module
-("cpu" numba kernels, or the "reference" NumPy twins), or "cuda": the same model kept on a GPU
-(`pserver.models.cuda`, imported only then, as it imports numba.cuda).
+`make_model` is how the CLI and the tests build one; `on_device` puts a model on a kernel
+backend: "cpu" numba kernels, "reference" NumPy twins, or "cuda" (`pserver.models.cuda`,
+imported only then, as it imports numba.cuda).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.kernels import get_backend
-from pserver.models.base import DenseModel, Model
+from pserver.models import losses
+from pserver.models.base import Model, fits, protocol_gaps, shaped_for
+from pserver.models.cnn import cnn
 from pserver.models.layout import Layout, TensorSpec
-from pserver.models.linreg import LinReg
-from pserver.models.logreg import LogReg
-from pserver.models.mlp import MLP
+from pserver.models.linreg import linreg
+from pserver.models.logreg import logreg
+from pserver.models.mlp import mlp
+from pserver.models.sequential import Sequential
+from pserver.models.user import is_user_spec, load_model
 
-MODELS = ("mlp", "logreg", "linreg")
+MODELS = ("mlp", "logreg", "linreg", "cnn")
 
 
-def make_model(name: str, in_features: int, num_classes: int, *,
-               hidden: tuple[int, ...] = (256, 256), backend: str = "cpu") -> Model:
-    """Build a model by name; bad names and sizes raise ConfigError naming the flag."""
+def make_model(name: str, input_shape, num_classes: int, *,
+               hidden: tuple[int, ...] = (256, 256), backend: str = "cpu"):
+    """Build a model by name (or FILE.py:FUNCTION) for inputs of `input_shape` (an int is a
+    flat input); bad names and sizes raise ConfigError naming the flag."""
+    shape = _input_shape(input_shape)
+    if is_user_spec(name):
+        model = load_model(name, shape, num_classes)
+    else:
+        model = _builtin(name, shape, num_classes, hidden)
+    return on_device(model, backend)
+
+
+def on_device(model, backend: str):
+    """The model computing with `backend`'s kernels (a user's protocol object: unchanged)."""
+    if not isinstance(model, Sequential):
+        get_backend(backend)   # an unknown backend is still an error
+        return model
     if backend == "cuda":
-        # Checked and laid out as on the host (the NumPy twins compile nothing), then moved.
-        host = _make_host_model(name, in_features, num_classes, hidden, "reference")
+        model.build()
         get_backend("cuda")  # numba.cuda missing: a ConfigError naming --device, not a traceback
         from pserver.models.cuda import CudaDenseModel
-        return CudaDenseModel.like(host)
-    return _make_host_model(name, in_features, num_classes, hidden, backend)
+        return CudaDenseModel(model)
+    return model.use_backend(backend)
 
 
-def _make_host_model(name, in_features, num_classes, hidden, backend) -> DenseModel:
+def _builtin(name, shape, num_classes, hidden) -> Sequential:
     if name not in MODELS:
-        raise ConfigError(f"--model: unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    _check_positive("input features", in_features)
+        raise ConfigError(f"--model: unknown model {name!r}; choose one of {', '.join(MODELS)}, "
+                          "or FILE.py:FUNCTION or package.module:FUNCTION for your own")
+    flat = (math.prod(shape),)
     if name == "linreg":
-        return LinReg(in_features, backend=backend)
+        return linreg(flat).build()
     _check_positive("number of classes", num_classes)
     if num_classes < 2:
         raise ConfigError(f"{name} needs at least 2 classes, got {num_classes}")
     if name == "logreg":
-        return LogReg(in_features, num_classes, backend=backend)
+        return logreg(flat, num_classes).build()
+    if name == "cnn":
+        return cnn(shape, num_classes).build()
     hidden = tuple(hidden)
     if not hidden or not all(_is_positive_int(h) for h in hidden):
         raise ConfigError(f"--hidden: layer widths must be positive integers, got "
                           f"{','.join(map(str, hidden)) or 'nothing'}")
-    return MLP(in_features, num_classes, hidden=tuple(int(h) for h in hidden), backend=backend)
+    return mlp(flat, num_classes, hidden=tuple(int(h) for h in hidden)).build()
+
+
+def _input_shape(input_shape) -> tuple[int, ...]:
+    shape = tuple(input_shape) if isinstance(input_shape, (tuple, list)) else (input_shape,)
+    for d in shape:
+        # These come from the dataset, not a flag, so the message names the quantity.
+        _check_positive("input features", d)
+    if not shape:
+        raise ConfigError("input shape must have at least one dimension, got ()")
+    return tuple(int(d) for d in shape)
 
 
 def _is_positive_int(v) -> bool:
@@ -59,10 +94,10 @@ def _is_positive_int(v) -> bool:
 
 
 def _check_positive(what: str, v) -> None:
-    # These come from the dataset, not a flag, so the message names the quantity.
     if not _is_positive_int(v):
         raise ConfigError(f"{what} must be a positive integer, got {v!r}")
 
 
-__all__ = ["MODELS", "make_model", "Model", "DenseModel", "LinReg", "LogReg", "MLP",
-           "Layout", "TensorSpec"]
+__all__ = ["MODELS", "make_model", "on_device", "Model", "Sequential", "Layout", "TensorSpec",
+           "losses", "mlp", "logreg", "linreg", "cnn", "load_model", "protocol_gaps", "fits",
+           "shaped_for"]

@@ -1,7 +1,9 @@
 """The dense models on a CUDA GPU: weights, activations and gradients stay on the device.
 
 `CudaDenseModel` has the interface of every `Model` (layout, init_params, loss_and_grad,
-evaluate), so the worker loop runs it unchanged; `make_model(..., backend="cuda")` builds one.
+evaluate), so the worker loop runs it unchanged; `on_device(model, "cuda")` builds one from a
+Sequential of Dense layers (ReLU between them, a linear last layer: mlp, logreg, linreg and
+their like). Other layers run on the CPU for now; asking for cuda with them is a ConfigError.
 Per training step, all on this thread's CUDA stream, in order:
 
     host -> device   the pulled flat weight vector w (P floats), the batch x (n x features)
@@ -20,27 +22,44 @@ Everything is float32, as on the wire.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import cuda
 
 from pserver.device import current_index
-from pserver.models.base import _MAX_CACHED_BATCH_SIZES, DenseModel
+from pserver.errors import ConfigError
+from pserver.kernels import get_backend
+from pserver.layers import Dense
+from pserver.models import losses, metrics
+from pserver.models.base import _MAX_CACHED_BATCH_SIZES, Model
+from pserver.models.sequential import Sequential
 
 
-class CudaDenseModel(DenseModel):
-    """A DenseModel (mlp, logreg or linreg) whose math runs in `pserver.kernels.cuda`."""
+class CudaDenseModel(Model):
+    """A Sequential of Dense layers whose math runs in `pserver.kernels.cuda`."""
 
-    def __init__(self, name: str, widths: tuple[int, ...], task: str):
-        super().__init__(name, widths, task, "cuda")
+    def __init__(self, host: Sequential):
+        _check_dense_only(host)
+        # The host model checks batches and initialises; its layout is ours, tensor for tensor.
+        self.host, self.name, self.layout = host, host.name, host.layout
+        self.task, self.num_classes, self.in_features = host.task, host.num_classes, host.in_features
+        dense = host.layers
+        self.widths = (host.in_features, *(layer.units for layer in dense))
+        self.tensor_names = [(f"{d.name}/kernel", f"{d.name}/bias") for d in dense]
         self.hidden = self.widths[1:-1]
+        self.kernels = get_backend("cuda")
+        self._local = threading.local()
         # The device that is current now (pserver.device.select made it so). Other threads
         # would otherwise start on device 0, so every call enters this one explicitly.
         self.device_id = current_index()
 
-    @classmethod
-    def like(cls, model: DenseModel) -> "CudaDenseModel":
-        """The same model (name, widths, task, so the same layout) on the GPU."""
-        return cls(model.name, model.widths, model.task)
+    @property
+    def num_layers(self) -> int:
+        return len(self.widths) - 1
+
+    def init_params(self, seed):
+        return self.host.init_params(seed)
 
     # -- training --------------------------------------------------------------------------
 
@@ -65,14 +84,22 @@ class CudaDenseModel(DenseModel):
             # and the staging buffers are free for the next step.
             s.synchronize()
         np.copyto(grad_out, st.g_host)
-        return float(st.loss_host[0])
+        if self._loss_scale != 1:
+            grad_out *= np.float32(self._loss_scale)   # linear in the output's gradient
+        return float(st.loss_host[0]) * self._loss_scale
+
+    @property
+    def _loss_scale(self) -> float:
+        """The mse kernel computes half the squared error; Keras's MSE is twice that."""
+        return 2.0 if self.task == "regression" else 1.0
 
     def _forward_on_device(self, params, b, stream):
         """b.acts[i] = output of layer i (post-ReLU for hidden layers, logits/pred for the last)."""
         inp = b.x
         for i in range(self.num_layers):
             last = i == self.num_layers - 1
-            self.kernels.dense_forward(inp, params[f"w{i}"], params[f"b{i}"], b.acts[i],
+            kernel, bias = self.tensor_names[i]
+            self.kernels.dense_forward(inp, params[kernel], params[bias], b.acts[i],
                                        not last, stream=stream)
             inp = b.acts[i]
 
@@ -83,12 +110,14 @@ class CudaDenseModel(DenseModel):
         into(b.acts[-1], b.y, b.deltas[-1], b.row_loss, b.loss, stream=stream)
 
     def _backward_on_device(self, params, b, grads, stream):
-        """As DenseModel._backward: deltas from the top down, gradients into the flat vector."""
+        """Deltas from the top down (the ReLU mask fused), gradients into the flat vector."""
         k = self.kernels
         for i in range(self.num_layers - 1, 0, -1):
-            k.dense_backward(b.acts[i - 1], params[f"w{i}"], b.deltas[i], grads[f"w{i}"],
-                             grads[f"b{i}"], b.deltas[i - 1], True, stream=stream)
-        k.dense_param_grads(b.x, b.deltas[0], grads["w0"], grads["b0"], stream=stream)
+            kernel, bias = self.tensor_names[i]
+            k.dense_backward(b.acts[i - 1], params[kernel], b.deltas[i], grads[kernel],
+                             grads[bias], b.deltas[i - 1], True, stream=stream)
+        kernel, bias = self.tensor_names[0]
+        k.dense_param_grads(b.x, b.deltas[0], grads[kernel], grads[bias], stream=stream)
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -107,35 +136,50 @@ class CudaDenseModel(DenseModel):
                 b.acts[-1].copy_to_host(b.out_host, stream=s)
                 b.loss.copy_to_host(st.loss_host, stream=s)
                 s.synchronize()               # outputs in; staging free for the next batch
-                loss_sum += float(st.loss_host[0]) * xb.shape[0]
+                loss_sum += float(st.loss_host[0]) * xb.shape[0] * self._loss_scale
                 if self.task == "classification":
                     correct += int(np.count_nonzero(b.out_host.argmax(axis=1) == yb))
                 else:
                     sse += float(np.sum((b.out_host[:, 0].astype(np.float64) - yb) ** 2))
         if self.task == "classification":
             return {"loss": loss_sum / n, "accuracy": correct / n}
-        sst = float(np.sum((y.astype(np.float64) - y.mean(dtype=np.float64)) ** 2))
-        # As the CPU model: a constant target has no variance; r2 is 1 for a perfect fit, else 0.
-        r2 = 1.0 - sse / sst if sst > 0 else float(sse == 0)
-        return {"loss": loss_sum / n, "r2": r2}
+        return {"loss": loss_sum / n, "r2": metrics.r2(sse, y)}
 
     # -- buffers and checks ----------------------------------------------------------------
 
     def _check(self, w, x, y):
         if w.dtype != np.float32:
             raise ValueError(f"w has dtype {w.dtype}; the cuda model computes in float32")
-        x, y = self._check_batch(w, x, y)
-        # The kernel writes nothing outside a row for a bad label, but the loss would be NaN:
-        # say why here, as the CPU kernels do.
-        if self.task == "classification" and (y.min() < 0 or y.max() >= self.num_classes):
-            raise ValueError("softmax_xent: label out of range [0, num_classes)")
-        return x, y
+        # The host model checks shapes and labels (a bad label would make the loss NaN here).
+        x, y = self.host._check_batch(w, x, y)
+        return x.reshape(x.shape[0], -1), y
 
     def _state(self) -> "_DeviceState":
         st = getattr(self._local, "device_state", None)
         if st is None:
             st = self._local.device_state = _DeviceState(self)
         return st
+
+
+def _check_dense_only(host: Sequential) -> None:
+    """The device-resident path runs Dense layers with ReLU between them and a linear last."""
+    why = None
+    for i, layer in enumerate(host.layers):
+        last = i == len(host.layers) - 1
+        if not isinstance(layer, Dense):
+            why = f"{layer.label} is not Dense"
+        elif not layer.use_bias or layer.activation != ("linear" if last else "relu"):
+            why = (f"{layer.label} has activation {layer.activation!r}"
+                   f"{'' if layer.use_bias else ' and no bias'}; the GPU path takes ReLU between "
+                   "layers and a linear last layer, with biases")
+        if why:
+            break
+    if why is None and not isinstance(host.loss, (losses.SparseCategoricalCrossentropy,
+                                                  losses.MeanSquaredError)):
+        why = f"its loss is {host.loss.name}"
+    if why:
+        raise ConfigError(f"--device cuda: runs models of Dense layers on the GPU; {host.name}: "
+                          f"{why}. Use --device cpu for this model")
 
 
 class _DeviceState:

@@ -1,13 +1,12 @@
-"""Linear regression: one dense layer to a single output, 0.5 * mean squared error."""
+"""Linear regression: one Dense layer to a single output, mean squared error."""
 
 from __future__ import annotations
 
-from pserver.models.base import DenseModel
+from pserver.layers import Dense
+from pserver.models.mlp import lecun
+from pserver.models.sequential import Sequential
 
 
-class LinReg(DenseModel):
-    """pred = x @ w0 + b0, w0 (in_features, 1); y is a float target per row."""
-
-    def __init__(self, in_features: int, num_classes: int = 0, *, backend: str = "cpu"):
-        # num_classes is accepted so every model has one constructor; regression has none.
-        super().__init__("linreg", (in_features, 1), "regression", backend)
+def linreg(input_shape: tuple[int, ...]) -> Sequential:
+    return Sequential([Dense(1, kernel_initializer=lecun())], input_shape=input_shape,
+                      name="linreg", loss="mean_squared_error")

@@ -1,12 +1,12 @@
-"""Multinomial logistic regression: one dense layer to num_classes logits, softmax cross-entropy."""
+"""Multinomial logistic regression: one Dense layer to num_classes logits, softmax cross-entropy."""
 
 from __future__ import annotations
 
-from pserver.models.base import DenseModel
+from pserver.layers import Dense
+from pserver.models.mlp import lecun
+from pserver.models.sequential import Sequential
 
 
-class LogReg(DenseModel):
-    """logits = x @ w0 + b0, w0 (in_features, num_classes); y is an int label per row."""
-
-    def __init__(self, in_features: int, num_classes: int, *, backend: str = "cpu"):
-        super().__init__("logreg", (in_features, num_classes), "classification", backend)
+def logreg(input_shape: tuple[int, ...], num_classes: int) -> Sequential:
+    return Sequential([Dense(num_classes, kernel_initializer=lecun())], input_shape=input_shape,
+                      name="logreg")

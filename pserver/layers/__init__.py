@@ -1,0 +1,24 @@
+"""Layers with Keras's names, arguments and defaults (channels-last images, glorot_uniform
+kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) stacks them.
+
+    Dense(units, activation=None, use_bias=True)
+    Conv2D(filters, kernel_size, strides=1, padding='valid', activation=None)
+    MaxPooling2D(pool_size=2, strides=None, padding='valid'), AveragePooling2D(...)
+    Flatten(), Dropout(rate), Embedding(input_dim, output_dim)
+
+Activations: None (linear), 'relu', 'sigmoid', 'tanh'. Any layer takes `input_shape=` (without
+the batch dimension) and `name=`.
+"""
+
+from pserver.layers.base import Layer, Pass, Weight
+from pserver.layers.conv import Conv2D
+from pserver.layers.dense import Dense
+from pserver.layers.dropout import Dropout
+from pserver.layers.embedding import Embedding
+from pserver.layers.initializers import Initializer, RandomUniform, VarianceScaling, Zeros
+from pserver.layers.pooling import AveragePooling2D, MaxPooling2D
+from pserver.layers.reshape import Flatten
+
+__all__ = ["Layer", "Weight", "Pass", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D",
+           "Flatten", "Dropout", "Embedding", "Initializer", "VarianceScaling", "RandomUniform",
+           "Zeros"]

@@ -1,0 +1,35 @@
+"""Activations by Keras's names, applied after a layer's kernel (ReLU fused into it).
+
+Backward turns d loss / d output into d loss / d pre-activation in place, from the output
+alone: relu' = (y > 0), sigmoid' = y (1 - y), tanh' = 1 - y^2, so no pre-activation is kept.
+"""
+
+from __future__ import annotations
+
+from pserver.errors import ConfigError
+
+ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh")
+
+
+def get(spec, owner: str) -> str:
+    """None or a Keras name -> one of ACTIVATIONS."""
+    kind = "linear" if spec is None else spec
+    if kind not in ACTIVATIONS:
+        raise ConfigError(f"{owner}: unknown activation {spec!r}; choose one of "
+                          f"{', '.join(ACTIVATIONS)} (or None)")
+    return kind
+
+
+def forward(k, kind: str, out) -> None:
+    """out = activation(out), in place; a no-op for relu (the kernel fused it) and linear."""
+    if kind in ("sigmoid", "tanh"):
+        k.activation_forward(kind, out, out)
+
+
+def backward(k, kind: str, out, dout) -> None:
+    """dout = d loss / d pre-activation, in place; out is the activation's output."""
+    if kind != "linear":
+        k.activation_backward(kind, out, dout, dout)
+
+
+__all__ = ["ACTIVATIONS", "get", "forward", "backward"]

@@ -1,0 +1,127 @@
+"""What a layer is: Keras's arguments at construction, weights declared by `build`, one
+forward and one backward pass through the kernels of a backend.
+
+A layer owns no arrays. `Sequential` hands it, per call, views of its weights and of their
+gradients in the flat vectors (by short name: "kernel", "bias", ...), its input, a preallocated
+output, the gradient of the loss with respect to that output, and scratch buffers it asked for.
+Shapes exclude the batch dimension, as Keras's `input_shape` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pserver.errors import ConfigError
+from pserver.layers import initializers
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A named tensor a layer owns; `name` is short ("kernel"), the model prefixes the layer's."""
+    name: str
+    shape: tuple[int, ...]
+    initializer: initializers.Initializer
+
+
+@dataclass(frozen=True)
+class Pass:
+    """What a forward pass needs besides arrays: training or inference, and a seed (Dropout)."""
+    training: bool = False
+    seed: int = 0
+
+
+class Layer:
+    """Base of every layer. Subclasses set `kind` (the Keras name prefix) and override
+    `output_shape_for`, and `forward`/`backward` unless they only reshape."""
+
+    kind = "layer"
+    # True for a layer whose output is its input reshaped (Flatten): no buffer, no kernel.
+    reshapes_only = False
+
+    def __init__(self, *, input_shape=None, name: str | None = None):
+        self.name = name
+        self.input_shape = None if input_shape is None else _shape("input_shape", input_shape)
+        self.output_shape: tuple[int, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name or ''})"
+
+    @property
+    def label(self) -> str:
+        """How errors name this layer: its name and kind."""
+        return f"layer {self.name or self.kind} ({type(self).__name__})"
+
+    def build(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Fix the input shape; return the output shape. Shapes that cannot work raise
+        ConfigError naming this layer and the shapes."""
+        self.input_shape = _shape("input_shape", input_shape)
+        self.output_shape = self.output_shape_for(self.input_shape)
+        return self.output_shape
+
+    def output_shape_for(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def weights(self) -> list[Weight]:
+        """The tensors this layer owns, once built (none by default)."""
+        return []
+
+    def scratch(self, n: int, dtype) -> dict[str, np.ndarray]:
+        """Per-batch-size buffers beyond input and output (a pooling argmax, a dropout mask)."""
+        return {}
+
+    def forward(self, k, p: dict, x: np.ndarray, out: np.ndarray, s: dict, run: Pass) -> None:
+        """out[:] = this layer applied to x; p are the weights' views, s the scratch."""
+        raise NotImplementedError
+
+    def backward(self, k, p: dict, g: dict, x: np.ndarray, out: np.ndarray, dout: np.ndarray,
+                 dx: np.ndarray | None, s: dict) -> None:
+        """Weight gradients into g, and dx[:] = d loss / d x unless dx is None (nothing
+        before this layer needs it). dout (d loss / d out) may be overwritten."""
+        raise NotImplementedError
+
+    def expect_rank(self, input_shape: tuple[int, ...], rank: int, what: str) -> None:
+        if len(input_shape) != rank:
+            raise ConfigError(f"{self.label}: needs {what} input (a shape of {rank} "
+                              f"dimension{'s' if rank > 1 else ''} without the batch), "
+                              f"got {input_shape}")
+
+
+def _shape(what: str, shape) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise ConfigError(f"{what}: {shape!r} is not a shape (a tuple of positive integers)") from None
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise ConfigError(f"{what}: {shape!r} is not a shape (a tuple of positive integers)")
+    return tuple(int(d) for d in dims)
+
+
+def positive_int(owner: str, what: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{owner}: {what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def pair(owner: str, what: str, value) -> tuple[int, int]:
+    """Keras's int-or-pair arguments (kernel_size, strides, pool_size) as (h, w)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = (value, value)
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ConfigError(f"{owner}: {what} must be an integer or a pair of integers, got {value!r}")
+    return positive_int(owner, what, value[0]), positive_int(owner, what, value[1])
+
+
+PADDINGS = ("valid", "same")
+
+
+def padding(owner: str, value) -> str:
+    if not isinstance(value, str) or value.lower() not in PADDINGS:
+        raise ConfigError(f"{owner}: padding must be 'valid' or 'same', got {value!r}")
+    return value.lower()
+
+
+__all__ = ["Layer", "Weight", "Pass", "pair", "padding", "positive_int"]

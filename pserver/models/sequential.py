@@ -1,0 +1,322 @@
+"""Sequential: a list of layers, as in Keras, trained on a flat parameter vector.
+
+The layout is the layers' weights end to end, named "<layer>/<weight>" ("dense/kernel",
+"conv2d/bias"), so shards, modes, checkpoints and the data plane see one flat vector of named
+tensors whatever the layers are. Every layer writes its gradient straight into its views of
+`grad_out`. Activations, deltas and scratch are preallocated per thread and batch size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+
+from pserver.errors import ConfigError, DataError
+from pserver.kernels import get_backend
+from pserver.layers.base import Layer, Pass
+from pserver.models import losses, metrics
+from pserver.models.base import _MAX_CACHED_BATCH_SIZES, Model, shaped_for
+from pserver.models.layout import Layout
+
+
+class Sequential(Model):
+    """Sequential([Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), ...]).
+
+    `input_shape` goes on the first layer or here (without the batch dimension). The loss is
+    sparse categorical cross-entropy from logits unless `compile(loss=...)` says otherwise.
+    """
+
+    def __init__(self, layers=(), input_shape=None, name: str = "sequential",
+                 loss="sparse_categorical_crossentropy", backend: str = "cpu"):
+        self.name = name
+        self._built = False
+        self.layers: list[Layer] = []
+        self._input_shape = input_shape
+        self.loss = losses.get(loss)
+        self.use_backend(backend)
+        self._seeds = itertools.count()
+        # Buffers are per thread: a worker may evaluate in one thread while it trains in another.
+        self._local = threading.local()
+        for layer in layers:
+            self.add(layer)
+
+    def add(self, layer: Layer) -> None:
+        if not isinstance(layer, Layer):
+            raise ConfigError(f"Sequential: {layer!r} is not a layer (pserver.layers.*)")
+        if self._built:
+            raise ConfigError("Sequential: the model is built (its layout is fixed); add layers first")
+        self.layers.append(layer)
+
+    def compile(self, loss="sparse_categorical_crossentropy") -> "Sequential":
+        """Keras's compile, minus the optimizer: that runs on the shards (--optimizer)."""
+        self.loss = losses.get(loss)
+        if self._built:
+            self.loss.check_outputs(self.output_shape[-1], self.name)
+        return self
+
+    def use_backend(self, backend: str) -> "Sequential":
+        """Compute with this kernel module: "cpu" (numba) or "reference" (NumPy)."""
+        if backend == "cuda":
+            raise ConfigError("Sequential.use_backend: for cuda use pserver.models.on_device")
+        self.backend, self.kernels = backend, get_backend(backend)
+        return self
+
+    # -- building ------------------------------------------------------------------------------
+
+    def build(self, input_shape=None) -> "Sequential":
+        """Name the layers, fix every shape and the layout; errors name the layer and shapes."""
+        if self._built:
+            return self
+        if not self.layers:
+            raise ConfigError(f"{self.name}: has no layers")
+        shape = input_shape or self._input_shape or self.layers[0].input_shape
+        if shape is None:
+            raise ConfigError(f"{self.name}: no input shape; give input_shape= to the first layer "
+                              "or to Sequential")
+        self._name_layers()
+        shapes = [Layer(input_shape=shape).input_shape]
+        for layer in self.layers:
+            shapes.append(layer.build(shapes[-1]))
+        weights = [layer.weights() for layer in self.layers]
+        layout = Layout.of((f"{layer.name}/{w.name}", w.shape)
+                           for layer, ws in zip(self.layers, weights) for w in ws)
+        shape = shapes[-1]
+        if layout.total == 0:
+            raise ConfigError(f"{self.name}: has no parameters to train (layers: "
+                              f"{', '.join(layer.name for layer in self.layers)})")
+        if len(shape) != 1:
+            raise ConfigError(f"{self.name}: the last layer ({self.layers[-1].label}) outputs "
+                              f"{shape}; end with Flatten() and Dense(...)")
+        self.loss.check_outputs(shape[0], self.name)
+        self._shapes, self._layout, self._weights = shapes, layout, weights
+        # Layer i computes d loss / d input only if a layer below it has weights.
+        self._needs_dx = [any(weights[:i]) for i in range(len(weights))]
+        self._built = True
+        return self
+
+    def _name_layers(self) -> None:
+        """Keras's default names (dense, dense_1, ...), numbered within this model."""
+        taken = {layer.name for layer in self.layers if layer.name}
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            if layer.name:
+                continue
+            while True:
+                n = counts.get(layer.kind, 0)
+                counts[layer.kind] = n + 1
+                name = layer.kind if n == 0 else f"{layer.kind}_{n}"
+                if name not in taken:
+                    break
+            layer.name = name
+            taken.add(name)
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ConfigError(f"{self.name}: two layers are named {dup!r}")
+
+    @property
+    def layout(self) -> Layout:
+        return self.build()._layout
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Without the batch dimension, as Keras's."""
+        return self.build()._shapes[0]
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return self.build()._shapes[-1]
+
+    @property
+    def task(self) -> str:
+        return self.loss.task
+
+    @property
+    def num_classes(self) -> int:
+        if self.task == "regression":
+            return 0
+        return max(2, self.output_shape[-1])
+
+    @property
+    def in_features(self) -> int:
+        return int(np.prod(self.input_shape))
+
+    def summary(self) -> str:
+        """One line per layer: name, output shape, parameters (as Keras's model.summary())."""
+        sizes = {t.name: t.size for t in self.layout.tensors}
+        lines = [f"{'layer':<32}{'output shape':<22}params"]
+        for layer in self.layers:
+            n = sum(v for k, v in sizes.items() if k.startswith(layer.name + "/"))
+            lines.append(f"{layer.name + ' (' + type(layer).__name__ + ')':<32}"
+                         f"{str((None, *layer.output_shape)):<22}{n:,}")
+        lines.append(f"total {self.layout.total:,} parameters")
+        return "\n".join(lines)
+
+    # -- parameters ----------------------------------------------------------------------------
+
+    def init_params(self, seed: int) -> np.ndarray:
+        """Each weight from its initialiser, in layout order, from one generator seeded `seed`."""
+        rng = np.random.default_rng(seed)
+        flat = np.zeros(self.layout.total, dtype=np.float32)
+        views = self.layout.views(flat)
+        for layer, weights in zip(self.layers, self._weights):
+            for w in weights:
+                w.initializer(rng, views[f"{layer.name}/{w.name}"])
+        return flat
+
+    def _per_layer(self, flat_views: dict) -> list[dict]:
+        """Each layer's views by short name ("kernel"), from the model's ("dense/kernel")."""
+        return [{w.name: flat_views[f"{layer.name}/{w.name}"] for w in weights}
+                for layer, weights in zip(self.layers, self._weights)]
+
+    # -- training ------------------------------------------------------------------------------
+
+    def loss_and_grad(self, w, x, y, grad_out, seed: int | None = None):
+        """Mean loss of the batch; its gradient into grad_out. `seed` draws dropout masks
+        (the worker derives one per rank and step); None takes the next of a counter."""
+        x, y = self._check_batch(w, x, y)
+        # A strided grad_out would make layout.views copy, and the gradient would be lost.
+        if grad_out.shape != w.shape or grad_out.dtype != w.dtype or not grad_out.flags.c_contiguous:
+            raise ValueError(f"grad_out must be a C-contiguous {w.dtype} vector of shape {w.shape}, "
+                             f"got {grad_out.dtype} {grad_out.shape} with strides {grad_out.strides}")
+        params = self._per_layer(self.layout.views(w))
+        grads = self._per_layer(self.layout.views(grad_out))
+        bufs = self._buffers(x.shape[0], w.dtype)
+        run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
+        ins = self._forward(params, x, bufs, run)
+        loss = self.loss(self.kernels, ins[-1], y, bufs.douts[-1])
+        self._backward(params, grads, ins, bufs)
+        return float(loss)
+
+    def _forward(self, params, x, bufs, run) -> list[np.ndarray]:
+        """[input, output of layer 0, output of layer 1, ...]."""
+        acts = [x]
+        for layer, p, out, s in zip(self.layers, params, bufs.outs, bufs.scratch):
+            inp = acts[-1]
+            if layer.reshapes_only:
+                out = inp.reshape((inp.shape[0], *layer.output_shape))
+            else:
+                layer.forward(self.kernels, p, inp, out, s, run)
+            acts.append(out)
+        return acts
+
+    def _backward(self, params, grads, acts, bufs) -> None:
+        """From the top down; bufs.douts[i] = d loss / d (output of layer i). A reshaping
+        layer has nothing to do: the buffer below it is a view of its own."""
+        for i in range(len(self.layers) - 1, -1, -1):
+            layer = self.layers[i]
+            if layer.reshapes_only:
+                continue
+            dx = bufs.douts[i - 1] if self._needs_dx[i] else None
+            layer.backward(self.kernels, params[i], grads[i], acts[i], acts[i + 1],
+                           bufs.douts[i], dx, bufs.scratch[i])
+
+    def _buffers(self, n: int, dtype) -> "_Buffers":
+        cache = getattr(self._local, "cache", None)
+        if cache is None:
+            cache = self._local.cache = {}
+        key = (n, np.dtype(dtype))
+        if key not in cache:
+            if len(cache) >= _MAX_CACHED_BATCH_SIZES:
+                cache.clear()
+            cache[key] = _Buffers(self.layers, n, dtype)
+        return cache[key]
+
+    # -- checks --------------------------------------------------------------------------------
+
+    @property
+    def _takes_ids(self) -> bool:
+        return getattr(self.layers[0], "takes_ids", False)
+
+    def _check_batch(self, w, x, y):
+        """x as C-contiguous (n, *input_shape), y as the loss's labels; else ValueError."""
+        if w.shape != (self.layout.total,) or w.dtype.kind != "f":
+            raise ValueError(f"w has shape {w.shape} and dtype {w.dtype}; "
+                             f"{self.name} needs float ({self.layout.total},)")
+        x, y = self._fit(x, y)
+        y = np.ascontiguousarray(y, dtype=self.loss.label_dtype(w.dtype))
+        return np.ascontiguousarray(x, dtype=None if self._takes_ids else w.dtype), y
+
+    def _fit(self, x, y) -> tuple[np.ndarray, np.ndarray]:
+        """x reshaped to the input; ValueError naming the layer and the shapes if it does not
+        fit, or if a label is outside what the last layer and the loss take."""
+        x, y = np.asarray(x), np.asarray(y)
+        first = self.layers[0].label
+        shaped = shaped_for(x, self.input_shape) if x.ndim >= 1 and x.shape[0] > 0 else None
+        if shaped is None:
+            raise ValueError(f"x has shape {x.shape}; {first} takes (n >= 1, "
+                             f"{', '.join(map(str, self.input_shape))})")
+        if x.dtype.kind not in "biuf":
+            raise ValueError(f"x has dtype {x.dtype}; {first} takes numbers")
+        if y.shape != (x.shape[0],):
+            raise ValueError(f"y has shape {y.shape}; x has {x.shape[0]} rows")
+        if self.task != "regression" and y.size:
+            hi = 1 if isinstance(self.loss, losses.BinaryCrossentropy) else self.output_shape[-1] - 1
+            bad = (y < 0) | (y > hi) | (y != np.floor(y))
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"label out of range: y[{i}] = {y[i]!r}; the last layer "
+                                 f"({self.layers[-1].label}) with {self.loss.name} takes 0..{hi}")
+        return shaped, y
+
+    def check_data(self, x: np.ndarray, y: np.ndarray, what: str = "data") -> np.ndarray:
+        """Everything about a whole dataset that would fail later, now; x reshaped to fit.
+
+        The shape against the input, labels against the outputs, NaN or Inf in x, ids
+        against an Embedding's input_dim: DataError naming `what`, the layer and the shapes.
+        """
+        try:
+            x, y = self._fit(x, y)
+            if self._takes_ids:
+                self.layers[0].check_ids(x)
+        except ValueError as e:
+            raise DataError(f"{what}: {e}") from None
+        if not self._takes_ids and x.dtype.kind == "f" and not np.isfinite(x).all():
+            bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1)
+            raise DataError(f"{what}: x has NaN or Inf values in {int(bad.sum())} samples, the "
+                            f"first at index {int(np.argmax(bad))}")
+        return x
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    def evaluate(self, w, x, y, batch_size=4096):
+        """Loss plus accuracy (and AUC for a binary loss), or r2 for regression, over all of x."""
+        x, y = self._check_batch(w, x, y)
+        params = self._per_layer(self.layout.views(w))
+        n, loss_sum, correct, sse, scores = x.shape[0], 0.0, 0, 0.0, []
+        for a in range(0, n, batch_size):
+            xb, yb = x[a:a + batch_size], y[a:a + batch_size]
+            bufs = self._buffers(xb.shape[0], w.dtype)
+            out = self._forward(params, xb, bufs, Pass(training=False))[-1]
+            # The loss also writes a gradient; the delta buffer is scratch here.
+            loss_sum += self.loss(self.kernels, out, yb, bufs.douts[-1]) * xb.shape[0]
+            if self.task == "regression":
+                sse += float(np.sum((out[:, 0].astype(np.float64) - yb) ** 2))
+            else:
+                correct += metrics.accuracy(out, yb)
+                if out.shape[1] == 1:
+                    scores.append(out[:, 0].copy())
+        if self.task == "regression":
+            return {"loss": loss_sum / n, "r2": metrics.r2(sse, y)}
+        result = {"loss": loss_sum / n, "accuracy": correct / n}
+        if scores:
+            result["auc"] = metrics.auc(np.concatenate(scores), y)
+        return result
+
+
+class _Buffers:
+    """One batch size's arrays: each layer's output and d loss / d output, and its scratch."""
+
+    def __init__(self, layers: list[Layer], n: int, dtype):
+        self.outs = [None if layer.reshapes_only else np.empty((n, *layer.output_shape), dtype)
+                     for layer in layers]
+        self.douts = [np.empty((n, *layer.output_shape), dtype) for layer in layers]
+        for i in range(len(layers) - 1, 0, -1):
+            if layers[i].reshapes_only:     # top down, so a chain of them shares one buffer
+                self.douts[i - 1] = self.douts[i].reshape((n, *layers[i - 1].output_shape))
+        self.scratch = [layer.scratch(n, dtype) for layer in layers]
+
+
+__all__ = ["Sequential"]
