@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pserver import allocator
 from pserver.config import MODES, check_writable, ServerConfig, WorkerConfig, parse_address, parse_tf_config
 from pserver.errors import ConfigError, PServerError
+from pserver.signals import Stopped, stop_on_signals
 
 DESCRIPTION = """\
 pserver: a parameter server for data-parallel training.
@@ -256,7 +257,8 @@ def cmd_worker(ns) -> int:
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
     from pserver.worker import run_worker
-    run_worker(worker_config(ns))
+    with stop_on_signals():           # SIGTERM, SIGHUP, Ctrl-C: Stopped, exit 128+signal
+        run_worker(worker_config(ns))
     return 0
 
 
@@ -349,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pserver {ns.command}: interrupted", file=sys.stderr)
         return 130
+    except Stopped as e:
+        print(f"pserver {ns.command}: stopped by {e}", file=sys.stderr)
+        return e.exit_code
 
 
 if __name__ == "__main__":

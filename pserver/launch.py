@@ -3,11 +3,13 @@
 A convenience over `pserver serve` and `pserver worker`, not a different system: it
 starts the shards on free ports, reads the ports they print, starts the workers, prefixes
 every line with its role, and stops everything when the workers are done, when one
-process fails (naming it, with its exit code) or on Ctrl-C.
+process fails (naming it, with its exit code) or on a stop signal (SIGTERM, SIGHUP,
+Ctrl-C: exit 128+signal). Its children never outlive it, even when it is SIGKILLed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -25,9 +27,16 @@ from pserver.device import round_robin
 from pserver.errors import PServerError, Unavailable
 from pserver.metrics import combine_counters, write_json
 from pserver.security import TOKEN_ENV, ClientSecurity, client_security
+from pserver.signals import Stopped, stop_on_signals
 
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 STARTUP_TIMEOUT = 60.0
+STOP_GRACE = 10.0                 # seconds a child has to stop (a shard writes its last checkpoint)
+PR_SET_PDEATHSIG = 1              # linux/prctl.h
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up before any fork, not in the child
+except (OSError, AttributeError):
+    _prctl = None                 # not Linux: children are stopped on every signal launch can catch
 
 
 @dataclass(frozen=True)
@@ -52,7 +61,8 @@ class Proc:
         self.ready = threading.Event()
         self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, text=True, bufsize=1, env=env,
-                                      start_new_session=True)   # our Ctrl-C handling stops it
+                                      start_new_session=True,   # our signal handling stops it
+                                      preexec_fn=die_with_parent())
         self.reader = threading.Thread(target=self._copy, daemon=True)
         self.reader.start()
 
@@ -66,15 +76,38 @@ class Proc:
             sys.stdout.flush()
         self.ready.set()
 
-    def stop(self, grace: float = 5.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self.reader.join(2.0)
+
+
+def die_with_parent():
+    """A preexec_fn: the child is sent SIGTERM when the thread that started it dies, which
+    covers a launcher killed by SIGKILL (prctl PR_SET_PDEATHSIG). Children are started from
+    the main thread, whose end is the launcher's end."""
+    if _prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:     # the launcher died before prctl: no signal would come
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec
+
+
+def stop_all(group: list[Proc], grace: float = STOP_GRACE) -> None:
+    """SIGTERM to every process of the group at once, then wait; SIGKILL what is still there
+    after `grace` seconds."""
+    for p in group:
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in group:
+        try:
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
+    for p in group:
+        p.reader.join(2.0)
 
 
 def child_env(num_workers: int) -> dict:
@@ -157,28 +190,29 @@ def launch(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]) ->
     procs: list[Proc] = []
     tmpdir = tempfile.mkdtemp(prefix="pserver-launch-")
     chief_summary = os.path.join(tmpdir, "chief-summary.json")
-    try:
-        shards = start_shards(cfg, server_argv, env, procs)
-        addresses = ",".join(f"127.0.0.1:{p.port}" for p in shards)
-        print(f"pserver launch: {cfg.num_shards} shard(s) at {addresses}; "
-              f"starting {cfg.num_workers} worker(s)", flush=True)
-        workers = start_workers(cfg, addresses, worker_argv, env, chief_summary, devices)
-        procs += workers
-        supervise(shards, workers)
-        summary = final_summary(chief_summary, addresses, time.monotonic() - started,
-                                client_security(cfg.auth_token, cfg.tls_ca))
-        if cfg.summary_json and summary is not None:
-            write_json(cfg.summary_json, summary)
-            print(f"pserver launch: summary written to {cfg.summary_json}", flush=True)
-        print(f"pserver launch: done in {time.monotonic() - started:.1f} s", flush=True)
-        return 0
-    except KeyboardInterrupt:
-        print("pserver launch: interrupted; stopping the cluster", file=sys.stderr, flush=True)
-        return 130
-    finally:
-        for p in reversed(procs):           # workers first, then shards
-            p.stop()
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    with stop_on_signals():
+        try:
+            shards = start_shards(cfg, server_argv, env, procs)
+            addresses = ",".join(f"127.0.0.1:{p.port}" for p in shards)
+            print(f"pserver launch: {cfg.num_shards} shard(s) at {addresses}; "
+                  f"starting {cfg.num_workers} worker(s)", flush=True)
+            workers = start_workers(cfg, addresses, worker_argv, env, chief_summary, devices)
+            procs += workers
+            supervise(shards, workers)
+            summary = final_summary(chief_summary, addresses, time.monotonic() - started,
+                                    client_security(cfg.auth_token, cfg.tls_ca))
+            if cfg.summary_json and summary is not None:
+                write_json(cfg.summary_json, summary)
+                print(f"pserver launch: summary written to {cfg.summary_json}", flush=True)
+            print(f"pserver launch: done in {time.monotonic() - started:.1f} s", flush=True)
+            return 0
+        except Stopped as e:
+            print(f"pserver launch: stopped by {e}; stopping the cluster", file=sys.stderr, flush=True)
+            return e.exit_code
+        finally:
+            stop_all([p for p in procs if p.role.startswith("worker")])   # workers first
+            stop_all([p for p in procs if not p.role.startswith("worker")])
+            shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def final_summary(chief_path: str, addresses: str, launch_seconds: float,

@@ -127,10 +127,20 @@ def push(client: PSClient, g: np.ndarray, batch: int, clock: int) -> list[str]:
 
 
 def ask_checkpoint(client: PSClient) -> None:
-    """The chief asks every shard to checkpoint (a no-op on shards without a directory)."""
-    for j, (path, version) in enumerate(client.checkpoint()):
-        if path:
-            print(f"checkpoint: shard {j} at version {version} -> {path}", flush=True)
+    """The chief asks every shard to checkpoint (a no-op on shards without a directory). A
+    shard that cannot write one (disk full, read-only directory) says why, and training
+    goes on: a lost checkpoint is no reason to lose the run."""
+    def ask(shard):
+        try:
+            return shard.checkpoint(client.rank, client.rpc_deadline)
+        except FailedPrecondition as e:
+            return e
+
+    for j, answer in enumerate(client.each(ask)):
+        if isinstance(answer, FailedPrecondition):
+            print(f"{answer}; training goes on", flush=True)
+        elif answer[0]:
+            print(f"checkpoint: shard {j} at version {answer[1]} -> {answer[0]}", flush=True)
 
 
 def log_epoch(cfg, ds, model, w, epoch, elapsed) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-import threading
 from concurrent import futures
 
 import grpc
@@ -14,9 +13,10 @@ from pserver import dataplane, security
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.codec import MAX_CHUNK_BYTES
 from pserver.config import ServerConfig
-from pserver.errors import ConfigError
+from pserver.errors import ConfigError, FailedPrecondition
 from pserver.server.servicer import ParameterServerServicer, add_to_server
 from pserver.server.shard import Shard
+from pserver.signals import Stopped, stop_on_signals
 
 log = logging.getLogger("pserver.server")
 
@@ -47,26 +47,28 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
 
 
 def serve(cfg: ServerConfig) -> int:
-    """Run a shard until SIGINT/SIGTERM, then stop gracefully (in-flight calls get 2 s)."""
-    server, port, shard = create_server(cfg)
-    print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "
-          f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}"
-          f"{' (TLS)' if cfg.tls_cert else ''}{' (token required)' if cfg.auth_token else ''}", flush=True)
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    while not stop.wait(0.5):
-        pass
-    shard.close()                       # wake pulls that wait for a step
-    server.stop(grace=2.0).wait()
+    """Run a shard until SIGTERM, SIGHUP or SIGINT, then stop gracefully (in-flight calls get
+    2 s), write a last checkpoint where there is a directory, and return 128+signal."""
+    with stop_on_signals():
+        server, port, shard = create_server(cfg)
+        print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "
+              f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}"
+              f"{' (TLS)' if cfg.tls_cert else ''}{' (token required)' if cfg.auth_token else ''}", flush=True)
+        try:
+            while True:
+                signal.pause()
+        except Stopped as e:
+            stopped = e
+        shard.close()                       # wake pulls that wait for a step
+        server.stop(grace=2.0).wait()
+        try:
+            shard.checkpoint()              # no push can come now: this is the final state
+        except FailedPrecondition:
+            pass                            # logged and counted where it failed
     st = shard.status()
     c = st["counters"]
-    print(f"pserver serve: shard {cfg.shard} stopped at version {st['version']}: "
+    print(f"pserver serve: shard {cfg.shard} stopped by {stopped} at version {st['version']}: "
           f"{c['updates_applied']} updates, {c['pushes_received']} pushes "
           f"({c['pushes_rejected']} rejected, {c['pushes_dropped_late']} dropped late)", flush=True)
     sys.stdout.flush()
-    return 0
+    return stopped.exit_code

@@ -1,0 +1,105 @@
+"""Signals as schedulers send them: SIGTERM, SIGHUP, SIGKILL to real launcher, shard and
+worker processes. Nothing outlives the launcher; every process exits 128+signal."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from pserver.server import checkpoint
+from tests.e2e.conftest import LOGREG
+
+pytestmark = pytest.mark.e2e
+
+ENDLESS = [*LOGREG, "--epochs", "1000", "--delay", "fixed:0.01"]   # still training when signalled
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        with open(path) as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped, not gone and not a zombie (an orphan nobody reaped is dead too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def training_cluster(procs):
+    """A launcher with 2 shards and 2 workers, once both workers are past their first steps."""
+    launcher = procs("launch", "--ps", "2", "--workers", "2", *ENDLESS)
+    assert wait_until(lambda: all(f"[worker{r}] epoch 1/1000 step" in launcher.output for r in (0, 1)),
+                      180), launcher.output[-3000:]
+    kids = children(launcher.popen.pid)
+    assert len(kids) == 4, kids
+    return launcher, kids
+
+
+def kill_leftovers(pids: list[int]) -> None:
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signalled_launcher_stops_workers_then_shards_and_exits_128_plus_signal(procs, sig):
+    launcher, kids = training_cluster(procs)
+    try:
+        launcher.popen.send_signal(sig)
+        assert launcher.wait(60) == 128 + sig, launcher.output[-3000:]
+        assert [pid for pid in kids if alive(pid)] == []
+    finally:
+        kill_leftovers(kids)
+    out = launcher.output
+    name = signal.Signals(sig).name
+    assert f"pserver launch: stopped by {name}; stopping the cluster" in out
+    last_worker = max(out.index(f"[worker{r}] pserver worker: stopped by SIGTERM") for r in (0, 1))
+    first_shard = min(out.index(f"[ps{j}] pserver serve: shard {j} stopped by SIGTERM") for j in (0, 1))
+    assert last_worker < first_shard, out[-3000:]          # workers first, then shards
+
+
+def test_children_die_with_a_launcher_killed_by_sigkill(procs):
+    launcher, kids = training_cluster(procs)
+    try:
+        launcher.popen.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        assert wait_until(lambda: not any(alive(pid) for pid in kids), 30), \
+            [pid for pid in kids if alive(pid)]
+    finally:
+        kill_leftovers(kids)
+
+
+def test_sigterm_stops_a_worker_and_a_shard_that_keeps_its_last_state(procs, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shard = procs("serve", "--port", "0", "--num-workers", "1", "--optimizer", "sgd", "--lr", "0.1",
+                  "--checkpoint-dir", str(ckpt))
+    worker = procs("worker", "--ps", shard.address(), "--rank", "0", "--num-workers", "1", *ENDLESS)
+    assert wait_until(lambda: "epoch 1/1000 step" in worker.output, 120), worker.output
+    worker.popen.send_signal(signal.SIGTERM)
+    assert worker.wait(60) == 143 and "pserver worker: stopped by SIGTERM" in worker.output, worker.output
+    shard.popen.send_signal(signal.SIGTERM)
+    assert shard.wait(60) == 143, shard.output
+    version = int(re.search(r"stopped by SIGTERM at version (\d+)", shard.output).group(1))
+    assert version > 0
+    newest = checkpoint.load_latest(str(ckpt), 0, 1)      # what a restart with --restore takes
+    assert newest is not None and newest.version == version, shard.output
