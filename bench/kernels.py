@@ -15,6 +15,14 @@ Rows, each on float32 data already where the kernel reads it, unless a row says 
            cuda    the CUDA model, including its per-step copies: w, x, y to the device
                    and the gradient back, through pinned buffers
            cupy    the same math in CuPy, with the same copies (pageable memory)
+  cnn      one forward + backward of the reference CNN (Conv2D(32, 3, relu) on 28x28x1,
+           MaxPooling2D(2), Flatten, Dense(64, relu), Dense(10), softmax cross-entropy),
+           in a process where every library has one thread:
+           cpu     the numba CPU kernels, called as a Sequential calls them
+           torch   the same network and weights in PyTorch (CPU, torch.set_num_threads(1)),
+                   when torch is installed (pip install torch: a bench-only dependency);
+                   checked to give our loss and gradients before anything is timed.
+                   The two are timed in turn, so load from elsewhere falls on both.
 
 Each row: warm-up first, never timed (compilation, first touch, caches, BLAS threads waking),
 until both --warmup runs and --warmup-seconds are reached; then timed runs until both
@@ -24,6 +32,7 @@ until both --warmup runs and --warmup-seconds are reached; then timed runs until
     python bench/kernels.py                                   # 1024,2048,4096; batches 256,4096
     python bench/kernels.py --sizes 512 --batches 256         # quick
     python bench/kernels.py --json kernels.json
+    python bench/kernels.py --sections cnn --cnn-batches 64,256   # the CNN against PyTorch
     NUMBA_ENABLE_CUDASIM=1 python bench/kernels.py --sizes 32 --batches 256   # simulator smoke
 
 With no GPU the CUDA and CuPy rows are skipped, and the output says why. Under numba's CUDA
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -50,6 +60,7 @@ from _util import machine, machine_lines, positive_ints, summary, table  # noqa:
 MLP_WIDTHS = (784, 256, 256, 10)
 SIM_MAX_SIZE = 64
 BACKENDS = ("numpy", "cpu", "cuda", "cupy")
+SECTIONS = ("matmul", "mlp", "cnn")
 
 
 # -- what there is to run on ---------------------------------------------------------------
@@ -186,11 +197,12 @@ def xp_mlp_step(xp, layout, w, x, y, g) -> float:
 
     Checked against the reference model with xp = numpy before anything is timed.
     """
-    p, d = layout.views(w), layout.views(g)
-    layers = len(layout.tensors) // 2
+    # The tensors in layout order: each layer's kernel, then its bias (whatever their names).
+    p, d = (list(layout.views(a).values()) for a in (w, g))
+    layers = len(p) // 2
     acts = [x]
     for i in range(layers):
-        z = acts[-1] @ p[f"w{i}"] + p[f"b{i}"]
+        z = acts[-1] @ p[2 * i] + p[2 * i + 1]
         acts.append(xp.maximum(z, 0) if i < layers - 1 else z)
     z = acts[-1] - acts[-1].max(axis=1, keepdims=True)
     e = xp.exp(z)
@@ -201,10 +213,10 @@ def xp_mlp_step(xp, layout, w, x, y, g) -> float:
     delta[rows, y] -= 1
     delta /= n
     for i in range(layers - 1, -1, -1):
-        d[f"w{i}"][...] = acts[i].T @ delta
-        d[f"b{i}"][...] = delta.sum(axis=0)
+        d[2 * i][...] = acts[i].T @ delta
+        d[2 * i + 1][...] = delta.sum(axis=0)
         if i:
-            delta = (delta @ p[f"w{i}"].T) * (acts[i] > 0)
+            delta = (delta @ p[2 * i].T) * (acts[i] > 0)
     return loss
 
 
@@ -219,6 +231,171 @@ def check_xp_step() -> None:
     loss = model.loss_and_grad(w, x, y, want)
     assert abs(xp_mlp_step(np, model.layout, w, x, y, got) - loss) < 1e-5 * max(1.0, loss)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+# -- the reference CNN ---------------------------------------------------------------------------
+#
+# Conv2D(32, 3, relu) on 28x28x1 -> MaxPooling2D(2) -> Flatten -> Dense(64, relu) -> Dense(10),
+# softmax cross-entropy: one forward + backward, written straight on the CPU kernels (the way a
+# Sequential calls them), against the same network in PyTorch, both on one thread.
+
+CNN_IMAGE, CNN_FILTERS, CNN_KERNEL, CNN_POOL, CNN_HIDDEN, CNN_CLASSES = 28, 32, 3, 2, 64, 10
+# Set before numpy, numba and torch load, in the child process that times the CNN.
+ONE_THREAD = {v: "1" for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                "NUMBA_NUM_THREADS")}
+
+
+def glorot(rng, shape, fan_in, fan_out):
+    limit = np.sqrt(6 / (fan_in + fan_out))
+    return rng.uniform(-limit, limit, shape).astype(np.float32)
+
+
+class KernelCNN:
+    """The reference CNN on `pserver.kernels.cpu`, its buffers allocated once per batch size."""
+
+    def __init__(self, batch: int, rng):
+        from pserver.kernels import conv_output
+        k, f, h = CNN_KERNEL, CNN_FILTERS, CNN_HIDDEN
+        self.conv_hw = conv_output(CNN_IMAGE, k, 1, "valid")[0]                # 26
+        self.pool_hw = conv_output(self.conv_hw, CNN_POOL, CNN_POOL, "valid")[0]  # 13
+        flat = self.pool_hw ** 2 * f
+        self.params = {"w1": glorot(rng, (k, k, 1, f), k * k, k * k * f), "b1": np.zeros(f, np.float32),
+                       "w2": glorot(rng, (flat, h), flat, h), "b2": np.zeros(h, np.float32),
+                       "w3": glorot(rng, (h, CNN_CLASSES), h, CNN_CLASSES),
+                       "b3": np.zeros(CNN_CLASSES, np.float32)}
+        self.grads = {name: np.empty_like(v) for name, v in self.params.items()}
+        conv, pool = (batch, self.conv_hw, self.conv_hw, f), (batch, self.pool_hw, self.pool_hw, f)
+        self.a1, self.da1 = np.empty(conv, np.float32), np.empty(conv, np.float32)
+        self.p, self.dp = np.empty(pool, np.float32), np.empty(pool, np.float32)
+        self.argmax = np.empty(pool, np.int32)
+        self.h, self.dh = np.empty((batch, h), np.float32), np.empty((batch, h), np.float32)
+        self.logits = np.empty((batch, CNN_CLASSES), np.float32)
+        self.dlogits = np.empty_like(self.logits)
+
+    def step(self, x, y) -> float:
+        """Loss of one batch; every parameter's gradient into self.grads."""
+        from pserver.kernels import cpu as k
+        p, g, n = self.params, self.grads, x.shape[0]
+        k.conv2d_forward(x, p["w1"], p["b1"], self.a1, 1, 1, 0, 0, True)
+        k.maxpool2d_forward(self.a1, self.p, self.argmax, CNN_POOL, CNN_POOL, CNN_POOL, CNN_POOL, 0, 0)
+        flat, dflat = self.p.reshape(n, -1), self.dp.reshape(n, -1)
+        k.dense_forward(flat, p["w2"], p["b2"], self.h, True)
+        k.dense_forward(self.h, p["w3"], p["b3"], self.logits, False)
+        loss = k.softmax_xent(self.logits, y, self.dlogits)
+        k.dense_backward(self.h, p["w3"], self.dlogits, g["w3"], g["b3"], self.dh, True)
+        k.dense_backward(flat, p["w2"], self.dh, g["w2"], g["b2"], dflat, False)
+        k.maxpool2d_backward(self.dp, self.argmax, self.da1)
+        k.activation_backward("relu", self.a1, self.da1, self.da1)
+        k.conv2d_backward(x, p["w1"], self.da1, None, g["w1"], g["b1"], 1, 1, 0, 0)
+        return loss
+
+
+def torch_cnn(torch, cnn: KernelCNN):
+    """The same network in PyTorch (NCHW, its native layout), with cnn's weights."""
+    f, hw = CNN_FILTERS, cnn.pool_hw
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, f, CNN_KERNEL), torch.nn.ReLU(), torch.nn.MaxPool2d(CNN_POOL),
+        torch.nn.Flatten(), torch.nn.Linear(hw * hw * f, CNN_HIDDEN), torch.nn.ReLU(),
+        torch.nn.Linear(CNN_HIDDEN, CNN_CLASSES))
+    p = cnn.params
+    # Our Flatten reads (h, w, c) and torch's (c, h, w): reorder the dense layer's rows to match.
+    w2 = p["w2"].reshape(hw, hw, f, -1).transpose(2, 0, 1, 3).reshape(hw * hw * f, -1)
+    with torch.no_grad():
+        for layer, w, b in ((net[0], p["w1"].transpose(3, 2, 0, 1), p["b1"]),
+                            (net[4], w2.T, p["b2"]), (net[6], p["w3"].T, p["b3"])):
+            layer.weight.copy_(torch.from_numpy(np.ascontiguousarray(w)))
+            layer.bias.copy_(torch.from_numpy(b))
+    return net
+
+
+def cnn_pair(batch: int, rng):
+    """{"cpu": step, "torch": step or the reason torch is absent}, checked equal first."""
+    cnn = KernelCNN(batch, rng)
+    x = rng.standard_normal((batch, CNN_IMAGE, CNN_IMAGE, 1), dtype=np.float32)
+    y = rng.integers(0, CNN_CLASSES, batch).astype(np.int32)
+    steps = {"cpu": lambda: cnn.step(x, y)}
+    try:
+        import torch
+    except ImportError:
+        steps["torch"] = "torch not installed (pip install torch)"
+        return steps
+    torch.set_num_threads(1)
+    net, lossf = torch_cnn(torch, cnn), torch.nn.CrossEntropyLoss()
+    tx, ty = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), torch.from_numpy(y.astype(np.int64))
+
+    def torch_step():
+        net.zero_grad(set_to_none=False)
+        loss = lossf(net(tx), ty)
+        loss.backward()
+        return loss
+
+    want = torch_step().item()
+    assert abs(steps["cpu"]() - want) < 1e-4 * max(1.0, want), "the two CNNs differ"
+    np.testing.assert_allclose(cnn.grads["w1"].transpose(3, 2, 0, 1), net[0].weight.grad.numpy(),
+                               rtol=1e-3, atol=1e-5)
+    steps["torch"] = torch_step
+    return steps
+
+
+def measure_interleaved(fns: dict, args) -> dict:
+    """Median seconds per call of each fn, the fns timed in turn, so that load from elsewhere
+    on the machine falls on all of them alike; warm-up as `measure`."""
+    start, done = time.perf_counter(), 0
+    while done < args.warmup or time.perf_counter() - start < args.warmup_seconds:
+        for fn in fns.values():
+            fn()
+        done += 1
+    times, start = {name: [] for name in fns}, time.perf_counter()
+    while done < args.warmup + args.min_runs or time.perf_counter() - start < args.min_seconds:
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        done += 1
+    return {name: dict(zip(("seconds", "min_seconds", "max_seconds"), summary(t)), runs=len(t))
+            for name, t in times.items()}
+
+
+def cnn_rows(args) -> list[dict]:
+    rows = []
+    for n in args.cnn_batches:
+        steps = cnn_pair(n, np.random.default_rng(n))
+        ready = {name: fn for name, fn in steps.items() if not isinstance(fn, str)}
+        timed = measure_interleaved(ready, args)
+        for name, fn in steps.items():
+            row = {"kind": "cnn", "size": n, "backend": name}
+            row.update({"skipped": fn} if isinstance(fn, str) else
+                       {**timed[name], "samples_per_second": n / timed[name]["seconds"]})
+            rows.append(row)
+        print(f"  cnn {n}: " + ", ".join(f"{k} {v['seconds'] * 1e3:.3f} ms" for k, v in timed.items()),
+              file=sys.stderr, flush=True)
+    return rows
+
+
+def run_cnn_alone(args) -> list[dict]:
+    """The CNN rows, in a fresh process with one thread for every library (see ONE_THREAD)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--cnn-batches",
+                ",".join(map(str, args.cnn_batches)), *_timing_argv(args), "--child-cnn-json", str(out)]
+        subprocess.run(argv, check=True, env={**os.environ, **ONE_THREAD})
+        return json.loads(out.read_text())
+
+
+def render_cnn(rows: list[dict]) -> str:
+    out, notes = [], []
+    for r in rows:
+        if "skipped" in r:
+            notes.append(r["skipped"])
+            out.append([str(r["size"]), r["backend"], "skipped", "", "", ""])
+            continue
+        torch_row = next((b for b in rows if b["size"] == r["size"] and b["backend"] == "torch"
+                          and "seconds" in b), None)
+        ratio = f"{torch_row['seconds'] / r['seconds']:.2f}x" if torch_row else "-"
+        out.append([str(r["size"]), r["backend"], f"{r['seconds'] * 1e3:.3f}",
+                    f"{r['samples_per_second']:,.0f}", ratio, str(r["runs"])])
+    text = table(["batch", "backend", "ms (median)", "samples/s", "speed vs torch", "runs"], out, left=2)
+    return "\n".join([text, *(f"  {n}" for n in dict.fromkeys(notes))])
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -253,17 +430,21 @@ def run_backend_alone(backend: str, args) -> list[dict]:
         out = Path(tmp) / "rows.json"
         argv = [sys.executable, str(Path(__file__).resolve()), "--backends", backend,
                 "--sizes", ",".join(map(str, args.sizes)), "--batches", ",".join(map(str, args.batches)),
-                "--warmup", str(args.warmup), "--warmup-seconds", str(args.warmup_seconds),
-                "--min-runs", str(args.min_runs), "--min-seconds", str(args.min_seconds),
-                "--child-json", str(out)]
+                "--sections", ",".join(args.sections), *_timing_argv(args), "--child-json", str(out)]
         subprocess.run(argv, check=True)
         return json.loads(out.read_text())
+
+
+def _timing_argv(args) -> list[str]:
+    return ["--warmup", str(args.warmup), "--warmup-seconds", str(args.warmup_seconds),
+            "--min-runs", str(args.min_runs), "--min-seconds", str(args.min_seconds)]
 
 
 def child(args) -> int:
     """--child-json: measure args.backends here, write the rows, print nothing on stdout."""
     st = gpu_status() if set(args.backends) & {"cuda", "cupy"} else {}
-    rows = run_rows("matmul", args.sizes, st, args) + run_rows("mlp", args.batches, st, args)
+    rows = [r for kind, sizes in (("matmul", args.sizes), ("mlp", args.batches))
+            if kind in args.sections for r in run_rows(kind, sizes, st, args)]
     Path(args.child_json).write_text(json.dumps(rows))
     return 0
 
@@ -299,6 +480,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child_json:
         return child(args)
+    if args.child_cnn_json:
+        Path(args.child_cnn_json).write_text(json.dumps(cnn_rows(args)))
+        return 0
     check_xp_step()
     st = gpu_status()
     host = machine(("numpy", "numba", "numba-cuda", "cupy"))
@@ -312,31 +496,48 @@ def main(argv=None) -> int:
     if st["simulator"]:
         print("NOTE: the CUDA rows ran in numba's CUDA simulator: they check that the kernels run, "
               "they say nothing about a GPU's speed")
-    rows = [r for b in args.backends for r in run_backend_alone(b, args)]
+    rows = [r for b in args.backends if {"matmul", "mlp"} & set(args.sections)
+            for r in run_backend_alone(b, args)]
     rows.sort(key=lambda r: (r["size"], BACKENDS.index(r["backend"])))
     mm, mlp = ([r for r in rows if r["kind"] == kind] for kind in ("matmul", "mlp"))
     add_ratios(mm, "gflops")
     add_ratios(mlp, "samples_per_second")
-    print("\nmatrix product C = A @ B, n x n float32 (size = n)")
-    print(render(mm, "gflops", "GFLOP/s", st["simulator"]))
-    print(f"\nMLP {'-'.join(map(str, MLP_WIDTHS))} forward + backward, one loss_and_grad (size = batch)")
-    print(render(mlp, "samples_per_second", "samples/s", st["simulator"]))
+    if mm:
+        print("\nmatrix product C = A @ B, n x n float32 (size = n)")
+        print(render(mm, "gflops", "GFLOP/s", st["simulator"]))
+    if mlp:
+        print(f"\nMLP {'-'.join(map(str, MLP_WIDTHS))} forward + backward, one loss_and_grad "
+              f"(size = batch)")
+        print(render(mlp, "samples_per_second", "samples/s", st["simulator"]))
+    cnn = run_cnn_alone(args) if "cnn" in args.sections else []
+    if cnn:
+        print("\nreference CNN (Conv2D 32x3x3 relu, MaxPool 2, Dense 64 relu, Dense 10) forward + "
+              "backward on one thread (size = batch)")
+        print(render_cnn(cnn))
     if args.json:
         doc = {"machine": host, "blas": blas_name(), "gpu": gpu, "simulator": st["simulator"],
                "timing": {"warmup": args.warmup, "warmup_seconds": args.warmup_seconds,
                           "min_runs": args.min_runs,
                           "min_seconds": args.min_seconds, "statistic": "median"},
-               "rows": mm + mlp}
+               "rows": mm + mlp + cnn}
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
 
 
-def _backends(text: str) -> list[str]:
+def _names(text: str, choices) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
-    if not names or set(names) - set(BACKENDS):
-        raise argparse.ArgumentTypeError(f"'{text}': choose from {','.join(BACKENDS)}")
+    if not names or set(names) - set(choices):
+        raise argparse.ArgumentTypeError(f"'{text}': choose from {','.join(choices)}")
     return names
+
+
+def _backends(text: str) -> list[str]:
+    return _names(text, BACKENDS)
+
+
+def _sections(text: str) -> list[str]:
+    return _names(text, SECTIONS)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -345,6 +546,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", type=positive_ints, default=[256, 4096], help="MLP batch sizes (default 256,4096)")
     p.add_argument("--backends", type=_backends, default=list(BACKENDS),
                    help=f"which rows (default {','.join(BACKENDS)})")
+    p.add_argument("--cnn-batches", type=positive_ints, default=[64, 256],
+                   help="reference CNN batch sizes (default 64,256)")
+    p.add_argument("--sections", type=_sections, default=list(SECTIONS),
+                   help=f"which tables (default {','.join(SECTIONS)})")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per row, at least (default 2)")
     p.add_argument("--warmup-seconds", type=float, default=0.5,
                    help="untimed seconds per row, at least (default 0.5)")
@@ -352,6 +557,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-seconds", type=float, default=1.0, help="timed seconds per row, at least (default 1)")
     p.add_argument("--json", metavar="PATH", help="also write every row (and the machine) as JSON")
     p.add_argument("--child-json", metavar="PATH", help=argparse.SUPPRESS)
+    p.add_argument("--child-cnn-json", metavar="PATH", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
