@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from pserver import codec, dataplane
 from pserver.security import ClientSecurity
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
-from pserver.errors import FailedPrecondition, InvalidArgument, Unavailable, rpc_error_for
+from pserver.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, InvalidArgument,
+                            PServerError, ResourceExhausted, Unavailable, rpc_error_for)
 from pserver.models.layout import Layout
 
 T = TypeVar("T")
@@ -28,6 +30,7 @@ T = TypeVar("T")
 # be found within our retry loop's cadence instead.
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 2000)]
+WAIT_NOTICE_EVERY = 10.0   # seconds between "still waiting" lines
 OUTCOMES = {pb.PushReply.APPLIED: "applied", pb.PushReply.AGGREGATED: "aggregated",
             pb.PushReply.DROPPED_LATE: "dropped_late"}
 
@@ -73,6 +76,8 @@ class ShardClient:
         self._joined: tuple | None = None       # Register's arguments, to join a restarted shard
         self.last_flat: np.ndarray | None = None  # where pulls land: weights to re-seed a shard
         self.reset_seen = False                   # after a rejoin, pull what the shard has
+        self.session = ""                         # our credential from Register
+        self.session_timeout = 0.0                # the shard expires a silent session after this
 
     @property
     def label(self) -> str:
@@ -95,22 +100,27 @@ class ShardClient:
                               f"(is `pserver serve` running there, the address right, {tls}?)") from None
 
     # --- riding out restarts ----------------------------------------------------------
-    def resilient(self, op: Callable[[], T], retry_for: float) -> T:
+    def resilient(self, op: Callable[[], T], retry_for: float, waits: bool = False) -> T:
         """Run op; on UNAVAILABLE retry with exponential backoff and jitter for up to
         `retry_for` seconds, re-registering with a shard that came back; then fail with one
-        line naming the shard."""
+        line naming the shard. RESOURCE_EXHAUSTED (the shard is at a bound, server/limits.py)
+        is retried the same way, and so is DEADLINE_EXCEEDED for a call that `waits` (a pull
+        whose wait ran out on the shard: what it waits for may still come)."""
         deadline, delay, rejoins = time.monotonic() + retry_for, 0.05, 0
+        retried = (Unavailable, ResourceExhausted) + ((DeadlineExceeded,) if waits else ())
         while True:
             try:
                 return op()
-            except Unavailable as e:
-                self._drop_fast()
+            except retried as e:
                 if time.monotonic() + delay > deadline:
-                    raise Unavailable(f"{self.label}: unavailable for {retry_for:g} s despite retries "
-                                      f"(--rpc-deadline); last error: {e}") from None
+                    raise type(e)(f"{self.label}: {e.code_name.lower().replace('_', ' ')} for "
+                                  f"{retry_for:g} s despite retries (--rpc-deadline); last error: {e}") from None
+                if isinstance(e, Unavailable):
+                    self._drop_fast()
                 time.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(delay * 2, 2.0)
-                self._rejoin(quiet=True)
+                if isinstance(e, Unavailable):
+                    self._rejoin(quiet=True)
             except FailedPrecondition as e:
                 forgot = "has not registered" in str(e) or "no worker has registered" in str(e)
                 if not forgot or self._joined is None or rejoins >= 3:
@@ -123,6 +133,7 @@ class ShardClient:
         this worker last pulled, so training goes on from there."""
         if self._joined is None:
             return
+        self._drop_fast()                    # bound to the old session, or to a dead process
         try:
             info = self._register_once(*self._joined)
             if not info.initialized and self.last_flat is not None:
@@ -131,6 +142,8 @@ class ShardClient:
             # among them: waiting for the version after the one we saw could wait forever.
             # The next pull takes whatever it holds now, and the worker goes on from there.
             self.reset_seen = True
+        except AlreadyExists:
+            pass        # the shard did not restart: it still holds our session, which goes on
         except Unavailable:
             if not quiet:
                 raise
@@ -142,19 +155,35 @@ class ShardClient:
 
     # --- operations -------------------------------------------------------------------
     def register(self, rank, num_workers, num_shards, layout: Layout, batch_size, timeout) -> ShardInfo:
+        """Register; while an earlier session of this rank is still live on the shard (this
+        worker restarted before the shard noticed), say so and wait for it to expire."""
         self._joined = (rank, num_workers, num_shards, layout, batch_size, timeout)
-        return self.resilient(lambda: self._register_once(*self._joined), timeout)
+        deadline, told = time.monotonic() + timeout, -WAIT_NOTICE_EVERY
+        while True:
+            try:
+                return self.resilient(lambda: self._register_once(*self._joined), timeout)
+            except AlreadyExists as e:
+                now = time.monotonic()
+                if now > deadline:
+                    raise
+                if now - told >= WAIT_NOTICE_EVERY:
+                    told = now
+                    print(f"{self.label}: {e}; waiting for that session to expire", flush=True)
+                time.sleep(0.5)
 
     def _register_once(self, rank, num_workers, num_shards, layout, batch_size, timeout) -> ShardInfo:
         req = pb.RegisterRequest(rank=rank, num_workers=num_workers, shard=self.index,
                                  num_shards=num_shards, batch_size=batch_size,
+                                 protocol_version=codec.PROTOCOL_VERSION,
                                  layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors])
         r = self.call(self.stub.Register, req, timeout=timeout)
         self.info = ShardInfo(r.mode, r.version, r.initialized, r.range_start, r.range_end,
                               r.total_params, r.layout_signature, r.optimizer, r.lr, r.dataplane, r.host_id)
+        self.session, self.session_timeout = r.session, r.session_timeout_seconds
         if self.data_plane == "auto" and self.fast is None:
             self.fast = dataplane.connect(r.dataplane, r.host_id, rank, self.index,
-                                          r.range_end - r.range_start, self.label, self.security.token)
+                                          r.range_end - r.range_start, self.label, self.security.token,
+                                          session=self.session)
         return self.info
 
     def init(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
@@ -163,7 +192,8 @@ class ShardClient:
     def _init_once(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
         if self.fast is not None:
             return self.fast.init(flat[self.info.start:self.info.end], self.info.signature, timeout)
-        header = pb.TensorHeader(rank=rank, shard=self.index, layout_signature=self.info.signature)
+        header = pb.TensorHeader(rank=rank, shard=self.index, layout_signature=self.info.signature,
+                                 session=self.session)
         stream = codec.encode(header, flat[self.info.start:self.info.end], self.chunk_bytes)
         return self.call(self.init_call, stream, timeout=timeout).already_initialized
 
@@ -184,12 +214,13 @@ class ShardClient:
                     raise
                 return self._pull_once(flat, rank, -1, clock, timeout)
 
-        return self.resilient(attempt, timeout)
+        return self.resilient(attempt, timeout, waits=True)
 
     def _pull_once(self, flat, rank, seen_version, clock, timeout) -> tuple[int, bool]:
         if self.fast is not None:
             return self.fast.pull_into(flat[self.info.start:self.info.end], seen_version, clock, timeout)
-        req = pb.PullRequest(rank=rank, shard=self.index, seen_version=seen_version, clock=clock)
+        req = pb.PullRequest(rank=rank, shard=self.index, seen_version=seen_version, clock=clock,
+                             session=self.session)
 
         def run() -> tuple[int, bool]:
             chunks = iter(self.pull_call(req, timeout=timeout))
@@ -212,13 +243,13 @@ class ShardClient:
                                                         num_samples, clock, timeout)
             return OUTCOMES.get(outcome, "unknown"), version, finished
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
-                                 clock=clock)
+                                 clock=clock, session=self.session)
         stream = codec.encode(header, grad[self.info.start:self.info.end], self.chunk_bytes)
         reply = self.call(self.push_call, stream, timeout=timeout)
         return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished
 
     def checkpoint(self, rank: int, timeout: float) -> tuple[str, int]:
-        r = self.resilient(lambda: self.call(self.stub.Checkpoint, pb.CheckpointRequest(rank=rank),
+        r = self.resilient(lambda: self.call(self.stub.Checkpoint, pb.CheckpointRequest(rank=rank, session=self.session),
                                              timeout=timeout), timeout)
         return r.path, r.version
 
@@ -226,7 +257,10 @@ class ShardClient:
         return self.call(self.stub.Status, pb.StatusRequest(), timeout=timeout)
 
     def leave(self, rank: int, timeout: float) -> None:
-        self.call(self.stub.Leave, pb.LeaveRequest(rank=rank), timeout=timeout)
+        self.call(self.stub.Leave, pb.LeaveRequest(rank=rank, session=self.session), timeout=timeout)
+
+    def heartbeat(self, rank: int, timeout: float) -> None:
+        self.call(self.stub.Heartbeat, pb.HeartbeatRequest(rank=rank, session=self.session), timeout=timeout)
 
     def close(self) -> None:
         if self.fast is not None:
@@ -247,6 +281,8 @@ class PSClient:
             if len(self.shards) > 1 else None
         self.versions = [-1] * len(self.shards)
         self.finished = False          # a shard said the run is over (e.g. backup quorum gone)
+        self._heartbeat: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def each(self, fn: Callable[[ShardClient], T]) -> list[T]:
         """fn on every shard, in parallel; the first error (by shard order) is raised."""
@@ -262,8 +298,22 @@ class PSClient:
     def register(self, layout: Layout, batch_size: int = 0) -> list[ShardInfo]:
         # versions stay "none seen": the first pull takes whatever is current, which for
         # a restarted worker is the version the others have reached.
-        return self.each(lambda s: s.register(self.rank, self.num_workers, len(self.shards),
-                                              layout, batch_size, self.rpc_deadline))
+        infos = self.each(lambda s: s.register(self.rank, self.num_workers, len(self.shards),
+                                               layout, batch_size, self.rpc_deadline))
+        if self._heartbeat is None:
+            self._heartbeat = threading.Thread(target=self._beat, name="ps-heartbeat", daemon=True)
+            self._heartbeat.start()
+        return infos
+
+    def _beat(self) -> None:
+        """Keep this worker's sessions live while it computes or evaluates: a shard expires a
+        session that made no call for its --step-timeout. Errors are the main calls' to report."""
+        while not self._stop.wait(min(5.0, max(0.05, min(s.session_timeout for s in self.shards) / 4))):
+            for s in self.shards:
+                try:
+                    s.heartbeat(self.rank, timeout=2.0)
+                except PServerError:
+                    pass
 
     def plane_description(self) -> str:
         fast = sum(s.fast is not None for s in self.shards)
@@ -296,6 +346,7 @@ class PSClient:
         return self.each(lambda s: s.status(timeout))
 
     def leave(self) -> None:
+        self._stop.set()
         self.each(lambda s: s.leave(self.rank, 10.0))
 
     def checkpoint(self) -> list[tuple[str, int]]:
@@ -303,6 +354,7 @@ class PSClient:
         return self.each(lambda s: s.checkpoint(self.rank, self.rpc_deadline))
 
     def close(self) -> None:
+        self._stop.set()
         for s in self.shards:
             s.close()
         if self._pool is not None:

@@ -23,6 +23,8 @@ from pserver.errors import InvalidArgument
 
 DTYPE = np.dtype("<f4")
 DTYPE_NAME = "float32"
+# The wire protocol's version: Register refuses a peer that speaks another (2: sessions).
+PROTOCOL_VERSION = 2
 CHUNK_BYTES = 1 << 20          # 1 MiB: well under gRPC's 4 MiB default message limit
 MAX_CHUNK_BYTES = 4 << 20      # largest chunk a sender may use (gRPC's default limit)
 

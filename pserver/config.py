@@ -39,7 +39,9 @@ class ServerConfig:
     eps: float = 1e-8             # Adam
     weight_decay: float = 0.0     # L2 coefficient added to the gradient
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
-    threads: int = 64             # gRPC worker threads: pulls block while they wait for a step
+    threads: int = 64             # gRPC worker threads (at least 2 per worker + 12): see server/limits.py
+    max_inflight_mb: int = 1024   # MiB of gradients being received at once (RESOURCE_EXHAUSTED past it)
+    max_memory_mb: int = 0        # MiB a layout may need on this shard; 0 = 90% of available memory
     data_plane: str = "auto"      # auto: also offer same-host shared memory; grpc: streams only
     checkpoint_dir: str | None = None  # where checkpoints go (default: --restore's directory)
     checkpoint_every: int = 0     # also checkpoint every this many steps (0 = off)
@@ -63,6 +65,10 @@ class ServerConfig:
             raise ConfigError(f"--step-timeout: must be > 0 seconds, got {self.step_timeout}")
         if self.threads < 4:
             raise ConfigError(f"--threads: must be at least 4, got {self.threads}")
+        if self.max_inflight_mb < 1:
+            raise ConfigError(f"--max-inflight-mb: must be >= 1, got {self.max_inflight_mb}")
+        if self.max_memory_mb < 0:
+            raise ConfigError(f"--max-memory-mb: must be >= 0 (0: automatic), got {self.max_memory_mb}")
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"--data-plane: '{self.data_plane}' is not one of {', '.join(DATA_PLANES)}")
         from pserver import security   # grpc only when a config is built
@@ -94,7 +100,7 @@ class WorkerConfig:
     ps: tuple[str, ...] = ("127.0.0.1:2222",)  # shard addresses, shard j at index j
     rank: int = 0                 # this worker's rank; 0 is the chief
     num_workers: int = 1          # N
-    model: str = "mlp"            # mlp, logreg or linreg
+    model: str = "mlp"            # mlp, logreg, linreg, cnn, or FILE.py:FUNCTION / package.module:FUNCTION
     hidden: tuple[int, ...] = (256, 256)  # mlp hidden widths
     dataset: str = "synthetic"    # synthetic, mnist, or a path to a .npz file
     data_dir: str | None = None   # where the mnist IDX files are
@@ -147,6 +153,8 @@ class WorkerConfig:
             parse_delay(self.delay)
         from pserver.device import parse_device   # checks the form; imports no CUDA
         parse_device(self.device)
+        from pserver.models import check_model_spec   # a user's code runs later, in the worker
+        check_model_spec(self.model)
 
 
 def check_positive(**values) -> None:

@@ -6,7 +6,9 @@
      +-- RpcError                something a shard answered (or failed to answer)
           +-- InvalidArgument    shape, dtype, size, non-finite values, unknown tensor
           +-- FailedPrecondition wrong step, unknown worker, layout mismatch
-          +-- Unauthenticated    missing or wrong token
+          +-- Unauthenticated    missing or wrong token, or another worker's session
+          +-- AlreadyExists      Register for a rank whose session is still live
+          +-- ResourceExhausted  a bound on parked pulls, streams, bytes or memory
           +-- Unavailable        shard down or unreachable
           +-- DeadlineExceeded   a wait ran past its deadline
 
@@ -47,6 +49,14 @@ class Unauthenticated(RpcError):
     code_name = "UNAUTHENTICATED"
 
 
+class AlreadyExists(RpcError):
+    code_name = "ALREADY_EXISTS"
+
+
+class ResourceExhausted(RpcError):
+    code_name = "RESOURCE_EXHAUSTED"
+
+
 class Unavailable(RpcError):
     code_name = "UNAVAILABLE"
 
@@ -56,7 +66,8 @@ class DeadlineExceeded(RpcError):
 
 
 RPC_ERRORS = {cls.code_name: cls for cls in
-              (InvalidArgument, FailedPrecondition, Unauthenticated, Unavailable, DeadlineExceeded)}
+              (InvalidArgument, FailedPrecondition, Unauthenticated, AlreadyExists, ResourceExhausted,
+               Unavailable, DeadlineExceeded)}
 
 
 def rpc_error_for(code_name: str, message: str) -> RpcError:

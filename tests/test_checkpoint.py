@@ -42,9 +42,10 @@ def test_checkpoint_round_trip_and_training_goes_on_identically(tmp_path):
     assert version == 4 and os.path.basename(path) == "shard0-of1-v000000000004.ckpt"
     restored = Shard(ServerConfig(num_workers=2, optimizer="adam", lr=0.01, restore=str(tmp_path)))
     assert state(restored) == state(shard)
+    for r in range(2):                               # the workers join the restored shard
+        restored.register(r, 2, 0, 1, LAYOUT)
     for s in (shard, restored):                      # one more step on each: same result
         for r in range(2):
-            s.register(r, 2, 0, 1, LAYOUT)
             push_all([s], r, [4], np.full(50, 0.5, np.float32))
     assert state(restored) == state(shard)
 

@@ -38,7 +38,8 @@ def state(shard) -> dict:
     return dict(params=None if s.params is None else s.params.tobytes(), version=s.version,
                 signature=s.signature, total=s.total, counters=s.counters.snapshot(),
                 registered=sorted(p.registered), left=sorted(p.left), dead=sorted(p.dead),
-                pending=sorted(getattr(p, "pending", {})), num_workers=p.num_workers)
+                pending=sorted(getattr(p, "pending", {})), num_workers=p.num_workers,
+                sessions=dict(p.sessions))
 
 
 def settled(shard, timeout: float = 2.0) -> dict:
@@ -119,19 +120,21 @@ def live(shard_server):
         c.register(LAYOUT)
         clients.append(c)
     clients[0].init(np.arange(33, dtype=np.float32))
-    yield addr, shard, Raw(addr)
+    raw = Raw(addr)
+    raw.clients = clients                         # the two workers, whose sessions stay live
+    raw.session = clients[0].shards[0].session    # rank 0's credential, for well-formed requests
+    yield addr, shard, raw
     for c in clients:
         c.close()
 
 
-def still_serves(addr: str) -> None:
-    """Both workers rejoin, push and pull: one step completes."""
-    cs = [PSClient([addr], rank=r, num_workers=2, rpc_deadline=10, data_plane="grpc") for r in (0, 1)]
+def still_serves(raw) -> None:
+    """Both workers (their sessions untouched by the hostile calls) push and pull: one step
+    completes."""
+    cs = raw.clients
     w = np.empty(33, np.float32)
     for c in cs:
-        c.connect(5)
-        c.register(LAYOUT)
-        c.pull(w)
+        c.pull(w, seen=[-1])
     v = cs[0].versions[0]
     for c in cs:
         try:
@@ -139,63 +142,89 @@ def still_serves(addr: str) -> None:
         except FailedPrecondition as e:     # a fuzzed push was accepted for this step already
             assert "already pushed" in str(e)
     assert cs[0].pull(w) == [v + 1]
-    for c in cs:
-        c.close()
 
 
 # --- named hostile inputs ----------------------------------------------------------
-GOOD = dict(rank=0, shard=0, step=0, num_samples=1)
 ONES = np.ones(33)
-CASES = {
-    "second header": ("Push", tensor(ONES, **GOOD)[:2] + [wire(pb.TensorHeader(rank=0))], "INVALID_ARGUMENT"),
-    "data before header": ("Push", [wire(data=b"\0" * 8)] + tensor(ONES, **GOOD), "INVALID_ARGUMENT"),
-    "no header": ("Push", [wire(data=b"\0" * 132)], "INVALID_ARGUMENT"),
-    "empty stream": ("Push", [], "INVALID_ARGUMENT"),
-    "truncated": ("Push", tensor(ONES, **GOOD)[:2], "INVALID_ARGUMENT"),
-    "too long": ("Push", tensor(ONES, **GOOD) + [wire(data=b"\0" * 4)], "INVALID_ARGUMENT"),
-    "not a message": ("Push", [b"\xff\xff\xff"], "INVALID_ARGUMENT"),
-    "negative rank": ("Push", tensor(ONES, **GOOD | dict(rank=-1)), "FAILED_PRECONDITION"),
-    "step far ahead": ("Push", tensor(ONES, **GOOD | dict(step=1 << 62)), "FAILED_PRECONDITION"),
-    "negative step": ("Push", tensor(ONES, **GOOD | dict(step=-5)), "FAILED_PRECONDITION"),
-    "unknown shard": ("Push", tensor(ONES, **GOOD | dict(shard=7)), "FAILED_PRECONDITION"),
-    "huge declared size": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=1 << 40, dtype="float32"))],
-                           "INVALID_ARGUMENT"),
-    "negative declared size": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=-1, dtype="float32"))],
+
+
+def cases(session: str) -> dict:
+    """Each hostile request, well-formed but for its one fault (rank 0's session inside)."""
+    GOOD = dict(rank=0, shard=0, step=0, num_samples=1, session=session)  # noqa: N806
+    return {
+        "second header": ("Push", tensor(ONES, **GOOD)[:2] + [wire(pb.TensorHeader(rank=0))], "INVALID_ARGUMENT"),
+        "data before header": ("Push", [wire(data=b"\0" * 8)] + tensor(ONES, **GOOD), "INVALID_ARGUMENT"),
+        "no header": ("Push", [wire(data=b"\0" * 132)], "INVALID_ARGUMENT"),
+        "empty stream": ("Push", [], "INVALID_ARGUMENT"),
+        "truncated": ("Push", tensor(ONES, **GOOD)[:2], "INVALID_ARGUMENT"),
+        "too long": ("Push", tensor(ONES, **GOOD) + [wire(data=b"\0" * 4)], "INVALID_ARGUMENT"),
+        "not a message": ("Push", [b"\xff\xff\xff"], "INVALID_ARGUMENT"),
+        "negative rank": ("Push", tensor(ONES, **GOOD | dict(rank=-1)), "FAILED_PRECONDITION"),
+        "step far ahead": ("Push", tensor(ONES, **GOOD | dict(step=1 << 62)), "FAILED_PRECONDITION"),
+        "negative step": ("Push", tensor(ONES, **GOOD | dict(step=-5)), "FAILED_PRECONDITION"),
+        "unknown shard": ("Push", tensor(ONES, **GOOD | dict(shard=7)), "FAILED_PRECONDITION"),
+        "huge declared size": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=1 << 40, dtype="float32"))],
                                "INVALID_ARGUMENT"),
-    "float64": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=33, dtype="float64"))], "INVALID_ARGUMENT"),
-    "NaN": ("Push", tensor(np.full(33, np.nan), **GOOD), "INVALID_ARGUMENT"),
-    "chunk over 4 MiB": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=33, dtype="float32")),
-                                  wire(data=b"\0" * (5 << 20))], "RESOURCE_EXHAUSTED"),
-    "init: huge size": ("Init", [wire(pb.TensorHeader(rank=0, layout_signature=SIG, num_elements=1 << 40,
-                                                      dtype="float32"))], "INVALID_ARGUMENT"),
-    "init: wrong layout": ("Init", tensor(ONES, rank=0, layout_signature="0" * 16), "FAILED_PRECONDITION"),
-    "init: negative rank": ("Init", tensor(ONES, rank=-3, layout_signature=SIG), "FAILED_PRECONDITION"),
-    "pull: negative rank": ("Pull", pb.PullRequest(rank=-1).SerializeToString(), "FAILED_PRECONDITION"),
-    "pull: version far ahead": ("Pull", pb.PullRequest(rank=0, seen_version=1 << 62).SerializeToString(),
-                                "FAILED_PRECONDITION"),
-    "pull: unknown shard": ("Pull", pb.PullRequest(rank=0, shard=9).SerializeToString(), "FAILED_PRECONDITION"),
-    "pull: not a message": ("Pull", b"\x08", "INVALID_ARGUMENT"),
-    "register: negative rank": ("Register", pb.RegisterRequest(
-        rank=-1, num_workers=2, num_shards=1, layout=[pb.TensorSpec(name="w", shape=[10, 3]),
-                                                      pb.TensorSpec(name="b", shape=[3])]).SerializeToString(),
-        "FAILED_PRECONDITION"),
-    "register: unknown shard": ("Register", pb.RegisterRequest(rank=0, num_workers=2, shard=3, num_shards=4)
-                                .SerializeToString(), "FAILED_PRECONDITION"),
-    "register: over 4 MiB": ("Register", pb.RegisterRequest(
-        layout=[pb.TensorSpec(name="x" * 1024, shape=[1])] * 5000).SerializeToString(), "RESOURCE_EXHAUSTED"),
-    "leave: negative rank": ("Leave", pb.LeaveRequest(rank=-1).SerializeToString(), "FAILED_PRECONDITION"),
-    "unknown method": ("Destroy", b"", "UNIMPLEMENTED"),
-}
+        "negative declared size": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=-1, dtype="float32"))],
+                                   "INVALID_ARGUMENT"),
+        "float64": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=33, dtype="float64"))], "INVALID_ARGUMENT"),
+        "NaN": ("Push", tensor(np.full(33, np.nan), **GOOD), "INVALID_ARGUMENT"),
+        "chunk over 4 MiB": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=33, dtype="float32")),
+                                      wire(data=b"\0" * (5 << 20))], "RESOURCE_EXHAUSTED"),
+        "init: huge size": ("Init", [wire(pb.TensorHeader(rank=0, layout_signature=SIG, num_elements=1 << 40, session=session,
+                                                          dtype="float32"))], "INVALID_ARGUMENT"),
+        "init: wrong layout": ("Init", tensor(ONES, rank=0, layout_signature="0" * 16, session=session), "FAILED_PRECONDITION"),
+        "init: negative rank": ("Init", tensor(ONES, rank=-3, layout_signature=SIG, session=session), "FAILED_PRECONDITION"),
+        "pull: negative rank": ("Pull", pb.PullRequest(rank=-1).SerializeToString(), "FAILED_PRECONDITION"),
+        "pull: version far ahead": ("Pull", pb.PullRequest(rank=0, seen_version=1 << 62, session=session).SerializeToString(),
+                                    "FAILED_PRECONDITION"),
+        "pull: unknown shard": ("Pull", pb.PullRequest(rank=0, shard=9, session=session).SerializeToString(), "FAILED_PRECONDITION"),
+        "pull: not a message": ("Pull", b"\x08", "INVALID_ARGUMENT"),
+        "register: negative rank": ("Register", pb.RegisterRequest(
+            rank=-1, num_workers=2, num_shards=1, protocol_version=codec.PROTOCOL_VERSION, layout=[pb.TensorSpec(name="w", shape=[10, 3]),
+                                                          pb.TensorSpec(name="b", shape=[3])]).SerializeToString(),
+            "FAILED_PRECONDITION"),
+        "register: unknown shard": ("Register", pb.RegisterRequest(rank=0, num_workers=2, shard=3, num_shards=4,
+                                                                   protocol_version=codec.PROTOCOL_VERSION)
+                                    .SerializeToString(), "FAILED_PRECONDITION"),
+        # sessions (DESIGN §9): a token holder cannot act for another worker, nor take a live rank
+        "register: a live rank": ("Register", pb.RegisterRequest(
+            rank=1, num_workers=2, num_shards=1, protocol_version=codec.PROTOCOL_VERSION,
+            layout=[pb.TensorSpec(name="w", shape=[10, 3]), pb.TensorSpec(name="b", shape=[3])])
+            .SerializeToString(), "ALREADY_EXISTS"),
+        "register: another protocol": ("Register", pb.RegisterRequest(
+            rank=1, num_workers=2, num_shards=1, protocol_version=1,
+            layout=[pb.TensorSpec(name="w", shape=[10, 3]), pb.TensorSpec(name="b", shape=[3])])
+            .SerializeToString(), "FAILED_PRECONDITION"),
+        "push: no session": ("Push", tensor(ONES, **GOOD | dict(session="")), "UNAUTHENTICATED"),
+        "push: rank 0's session for rank 1": ("Push", tensor(ONES, **GOOD | dict(rank=1)), "UNAUTHENTICATED"),
+        "pull: rank 0's session for rank 1": ("Pull", pb.PullRequest(rank=1, seen_version=-1, session=session)
+                                              .SerializeToString(), "UNAUTHENTICATED"),
+        "leave: rank 0's session for rank 1": ("Leave", pb.LeaveRequest(rank=1, session=session)
+                                               .SerializeToString(), "UNAUTHENTICATED"),
+        "leave: no session": ("Leave", pb.LeaveRequest(rank=0).SerializeToString(), "UNAUTHENTICATED"),
+        "checkpoint: no session": ("Checkpoint", pb.CheckpointRequest(rank=0).SerializeToString(),
+                                   "UNAUTHENTICATED"),
+        "heartbeat: no session": ("Heartbeat", pb.HeartbeatRequest(rank=1).SerializeToString(),
+                                  "UNAUTHENTICATED"),
+        "register: over 4 MiB": ("Register", pb.RegisterRequest(
+            layout=[pb.TensorSpec(name="x" * 1024, shape=[1])] * 5000).SerializeToString(), "RESOURCE_EXHAUSTED"),
+        "leave: negative rank": ("Leave", pb.LeaveRequest(rank=-1).SerializeToString(), "FAILED_PRECONDITION"),
+        "unknown method": ("Destroy", b"", "UNIMPLEMENTED"),
+    }
+
+
+CASES = list(cases(""))
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_hostile_request_gets_its_code_and_changes_nothing(live, name):
     addr, shard, raw = live
-    method, payload, code = CASES[name]
+    method, payload, code = cases(raw.session)[name]
     before = state(shard)
     assert raw.call(method, payload).name == code
     assert_unchanged(before, settled(shard), push=method == "Push")
-    still_serves(addr)
+    still_serves(raw)
 
 
 LAYOUTS = {
@@ -214,7 +243,8 @@ def test_register_checks_declared_sizes_before_it_allocates(shard_server, name):
     """On a fresh shard: a bad layout is INVALID_ARGUMENT and leaves it unconfigured."""
     addr, shard = shard_server()
     layout = [pb.TensorSpec(name=f"t{i}", shape=s) for i, s in enumerate(LAYOUTS[name])]
-    req = pb.RegisterRequest(rank=0, num_workers=1, num_shards=1, layout=layout)
+    req = pb.RegisterRequest(rank=0, num_workers=1, num_shards=1, layout=layout,
+                             protocol_version=codec.PROTOCOL_VERSION)
     before = state(shard)
     assert Raw(addr).call("Register", req.SerializeToString()).name == "INVALID_ARGUMENT"
     assert_unchanged(before, state(shard))
@@ -227,7 +257,8 @@ def test_register_checks_declared_sizes_before_it_allocates(shard_server, name):
 def test_a_refused_register_leaves_a_fresh_shard_unconfigured(shard_server, rank, num_workers, code):
     addr, shard = shard_server(num_workers=2)
     spec = [pb.TensorSpec(name=t.name, shape=t.shape) for t in LAYOUT.tensors]
-    req = pb.RegisterRequest(rank=rank, num_workers=num_workers, num_shards=1, layout=spec)
+    req = pb.RegisterRequest(rank=rank, num_workers=num_workers, num_shards=1, layout=spec,
+                             protocol_version=codec.PROTOCOL_VERSION)
     before = state(shard)
     assert Raw(addr).call("Register", req.SerializeToString()).name == code
     assert_unchanged(before, state(shard))
@@ -237,7 +268,10 @@ def test_a_refused_register_leaves_a_fresh_shard_unconfigured(shard_server, rank
 small = st.integers(-2, 3)
 i32 = st.one_of(small, st.integers(-(1 << 31), (1 << 31) - 1))
 i64 = st.one_of(small, st.integers(-(1 << 63), (1 << 63) - 1))
+LIVE_SESSION = [""]   # rank 0's credential, set by the test: well-formed requests reach the checks
+sessions = st.one_of(st.just(""), st.text(max_size=8), st.builds(lambda: LIVE_SESSION[0]))
 headers = st.builds(pb.TensorHeader, rank=i32, shard=i32, step=i64, clock=i64, num_samples=i32,
+                    session=sessions,
                     num_elements=st.one_of(st.just(33), i64),
                     dtype=st.one_of(st.sampled_from(["float32", "float64", ""]), st.text(max_size=6)),
                     layout_signature=st.one_of(st.just(SIG), st.text(max_size=20)), finished=st.booleans())
@@ -250,11 +284,12 @@ streams = st.one_of(st.lists(chunks, max_size=6),
                     st.tuples(headers, finite).map(lambda t: [wire(t[0]), wire(data=t[1])]))
 specs = st.builds(pb.TensorSpec, name=st.text(max_size=8), shape=st.lists(i64, max_size=4))
 registers = st.builds(pb.RegisterRequest, rank=i32, num_workers=st.one_of(st.just(2), i32),
+                      protocol_version=st.one_of(st.just(codec.PROTOCOL_VERSION), i32),
                       shard=st.one_of(st.just(0), i32), num_shards=st.one_of(st.just(1), i32),
                       batch_size=i32, layout=st.one_of(st.lists(specs, max_size=4),
                                                        st.just([pb.TensorSpec(name="w", shape=[10, 3]),
                                                                 pb.TensorSpec(name="b", shape=[3])])))
-pulls = st.builds(pb.PullRequest, rank=i32, shard=i32, seen_version=i64, clock=i64)
+pulls = st.builds(pb.PullRequest, rank=i32, shard=i32, seen_version=i64, clock=i64, session=sessions)
 unary = st.one_of(registers.map(lambda m: ("Register", m.SerializeToString())),
                   pulls.map(lambda m: ("Pull", m.SerializeToString())),
                   i32.map(lambda r: ("Leave", pb.LeaveRequest(rank=r).SerializeToString())),
@@ -267,6 +302,7 @@ FUZZ = settings(max_examples=300, deadline=None, database=None, derandomize=True
 
 def test_fuzz_live_server(live):
     addr, shard, raw = live
+    LIVE_SESSION[0] = raw.session
     seen: dict[str, set] = {}
     rss_start = None
 
@@ -297,7 +333,7 @@ def test_fuzz_live_server(live):
     assert grown < 40, f"RSS grew by {grown:.1f} MB"
     assert "INVALID_ARGUMENT" in seen["Push"] and "FAILED_PRECONDITION" in seen["Push"], seen
     print(f"fuzz: {time.monotonic() - started:.1f} s, RSS +{grown:.1f} MB, codes {seen}")
-    still_serves(addr)
+    still_serves(raw)
 
 
 # --- the same-host data plane -------------------------------------------------------
@@ -308,8 +344,8 @@ planes = st.tuples(st.sampled_from([dataplane.PUSH, dataplane.PULL, dataplane.IN
 
 def test_fuzz_data_plane(live):
     """Random requests after a HELLO: each gets a status in the reply, none INTERNAL."""
-    addr, shard, _ = live
-    chan = dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, 33, "shard 0")
+    addr, shard, raw = live
+    chan = dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, 33, "shard 0", session=raw.session)
     seen = set()
 
     @FUZZ
@@ -332,4 +368,4 @@ def test_fuzz_data_plane(live):
     fuzz()
     chan.close()
     assert {"INVALID_ARGUMENT", "FAILED_PRECONDITION"} <= seen, seen
-    still_serves(addr)
+    still_serves(raw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import contextlib
 import threading
 import time
 
@@ -163,12 +164,26 @@ def test_every_push_gets_exactly_one_outcome(mode, extra):
     assert c["pushes_rejected"] > 0
 
 
+@contextlib.contextmanager
+def heartbeats(shard, rank, every=0.05):
+    """A live worker's client heartbeats while it computes; this is that, for `rank`."""
+    stop = threading.Event()
+    t = threading.Thread(target=lambda: [shard.heartbeat(rank) for _ in iter(lambda: stop.wait(every), True)])
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
 def test_sync_step_timeout_marks_the_missing_worker_dead_and_goes_on():
     shard = one_shard(4, 3, mode="sync", optimizer="sgd", lr=1.0, step_timeout=0.3)
     push(shard, 0, 0, np.ones(4, np.float32))
     push(shard, 1, 0, np.ones(4, np.float32))
     started = time.monotonic()
-    version, _, _ = shard.pull(0, 0, 0, 1, timeout=5)       # worker 2 never pushes
+    with heartbeats(shard, 1):                             # worker 1 is alive, just waiting
+        version, _, _ = shard.pull(0, 0, 0, 1, timeout=5)   # worker 2 never pushes
     assert version == 1 and 0.3 <= time.monotonic() - started < 2
     st = shard.status()
     assert st["counters"]["workers_marked_dead"] == 1 and st["live_workers"] == [0, 1]

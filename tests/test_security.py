@@ -53,22 +53,22 @@ def messages(header, arr, chunk_bytes=64) -> list:
     return [pb.TensorChunk.FromString(codec.serialize_chunk(m)) for m in codec.encode(header, arr, chunk_bytes)]
 
 
-def every_rpc(stub, metadata) -> dict:
+def every_rpc(stub, metadata, session: str = "") -> dict:
     """One well-formed call of each RPC: with the right token each would be accepted."""
     sig = LAYOUT.signature()
     spec = [pb.TensorSpec(name=t.name, shape=t.shape) for t in LAYOUT.tensors]
     kw = dict(metadata=metadata, timeout=5)
     return {
         "Register": lambda: stub.Register(pb.RegisterRequest(rank=0, num_workers=1, shard=0, num_shards=1,
-                                                             layout=spec), **kw),
-        "Init": lambda: stub.Init(iter(messages(pb.TensorHeader(rank=0, shard=0, layout_signature=sig),
+                                                             layout=spec, protocol_version=2), **kw),
+        "Init": lambda: stub.Init(iter(messages(pb.TensorHeader(rank=0, shard=0, layout_signature=sig, session=session),
                                                  np.full(33, 7, np.float32))), **kw),
-        "Pull": lambda: list(stub.Pull(pb.PullRequest(rank=0, shard=0, seen_version=-1), **kw)),
-        "Push": lambda: stub.Push(iter(messages(pb.TensorHeader(rank=0, shard=0, step=0, num_samples=4),
+        "Pull": lambda: list(stub.Pull(pb.PullRequest(rank=0, shard=0, seen_version=-1, session=session), **kw)),
+        "Push": lambda: stub.Push(iter(messages(pb.TensorHeader(rank=0, shard=0, step=0, num_samples=4, session=session),
                                                  np.ones(33, np.float32))), **kw),
         "Status": lambda: stub.Status(pb.StatusRequest(), **kw),
-        "Leave": lambda: stub.Leave(pb.LeaveRequest(rank=0), **kw),
-        "Checkpoint": lambda: stub.Checkpoint(pb.CheckpointRequest(rank=0), **kw),
+        "Leave": lambda: stub.Leave(pb.LeaveRequest(rank=0, session=session), **kw),
+        "Checkpoint": lambda: stub.Checkpoint(pb.CheckpointRequest(rank=0, session=session), **kw),
     }
 
 
@@ -95,7 +95,7 @@ def test_every_rpc_without_the_token_is_unauthenticated_and_changes_nothing(shar
         assert "authorization" in details and TOKEN not in details and WRONG not in details
     assert state(shard) == before
     # The same calls with the token are accepted: the refusals above were about the token.
-    good = every_rpc(stub, [("authorization", f"Bearer {TOKEN}")])
+    good = every_rpc(stub, [("authorization", f"Bearer {TOKEN}")], c.shards[0].session)
     assert good["Push"]().outcome == pb.PushReply.AGGREGATED and shard.store.version == 1
     c.close()
 

@@ -64,10 +64,10 @@ def test_push_and_pull_round_trip(shard_server, plane):
 ])
 def test_bad_push_gets_its_status_code_and_names_the_field(shard_server, mutate, code, field):
     addr, shard = shard_server()
-    ready_client(addr)
+    c = ready_client(addr)
     before = shard.store.params.copy()
     g = np.ones(33, np.float32)
-    h = pb.TensorHeader(rank=0, shard=0, step=0)
+    h = pb.TensorHeader(rank=0, shard=0, step=0, session=c.shards[0].session)
     msgs = list(codec.encode(h, g, 64))
     mutate(msgs[0].header, g)
     if np.isnan(g).any():
@@ -91,7 +91,9 @@ def test_bad_push_gets_its_status_code_and_names_the_field(shard_server, mutate,
 ])
 def test_malformed_streams_are_invalid_argument(shard_server, chunks, words):
     addr, shard = shard_server()
-    ready_client(addr)
+    c = ready_client(addr)
+    if chunks and chunks[0].HasField("header"):
+        chunks[0].header.session = c.shards[0].session     # only the stream's shape is wrong
     with pytest.raises(grpc.RpcError) as e:
         raw_push(addr, chunks)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
@@ -195,7 +197,8 @@ def test_a_stalled_init_does_not_block_other_calls(shard_server):
     release = threading.Event()
 
     def stalled():
-        msgs = list(codec.encode(pb.TensorHeader(rank=0, shard=0, layout_signature=LAYOUT.signature()),
+        msgs = list(codec.encode(pb.TensorHeader(rank=0, shard=0, layout_signature=LAYOUT.signature(),
+                                                 session=c.shards[0].session),
                                  np.ones(33, np.float32), 64))
         yield msgs[0]
         yield msgs[1]

@@ -39,6 +39,11 @@ class ParameterServerStub:
                 request_serializer=pserver__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=pserver__pb2.RegisterReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/pserver.v1.ParameterServer/Heartbeat',
+                request_serializer=pserver__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=pserver__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
         self.Init = channel.stream_unary(
                 '/pserver.v1.ParameterServer/Init',
                 request_serializer=pserver__pb2.TensorChunk.SerializeToString,
@@ -77,7 +82,17 @@ class ParameterServerServicer:
     def Register(self, request, context):
         """A worker joins: it states its rank, the cluster size it expects and its model's
         parameter layout; the shard checks all three and answers with its range of the flat
-        vector, its mode and its current version. Registering again (a restarted worker) is allowed.
+        vector, its mode, its current version and a session credential that every later
+        call for this rank must carry. A rank whose session is still live (an RPC or heartbeat
+        within the shard's --step-timeout) is refused with ALREADY_EXISTS; a restarted worker
+        waits until its old session expires (or left) and then takes the rank over.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Keeps a worker's session live while it computes (e.g. a long evaluation on the chief).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,6 +152,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=pserver__pb2.RegisterRequest.FromString,
                     response_serializer=pserver__pb2.RegisterReply.SerializeToString,
             ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=pserver__pb2.HeartbeatRequest.FromString,
+                    response_serializer=pserver__pb2.HeartbeatReply.SerializeToString,
+            ),
             'Init': grpc.stream_unary_rpc_method_handler(
                     servicer.Init,
                     request_deserializer=pserver__pb2.TensorChunk.FromString,
@@ -195,6 +215,33 @@ class ParameterServer:
             '/pserver.v1.ParameterServer/Register',
             pserver__pb2.RegisterRequest.SerializeToString,
             pserver__pb2.RegisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pserver.v1.ParameterServer/Heartbeat',
+            pserver__pb2.HeartbeatRequest.SerializeToString,
+            pserver__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,

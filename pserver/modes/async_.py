@@ -15,17 +15,17 @@ from pserver.modes.base import Outcome, Policy
 class AsyncPolicy(Policy):
     name = "async"
 
-    def push(self, rank, step, grad, clock):
+    def push(self, rank, step, grad, clock, samples=0):
         store = self.store
         with store.cond:
             self.check_member(rank)
-            self.dead.discard(rank)            # a worker marked dead that pushes is alive
             version = store.version
             if step > version or step < 0:
                 raise FailedPrecondition(f"step: push computed on version {step} but shard "
                                          f"{store.shard} is at version {version}")
             store.counters.record_staleness(version - step)
             store.counters.add("pushes_applied")
+            store.counters.add("samples_pushed", samples)
         try:
             store.apply_hogwild(grad)          # outside the lock, on purpose
         finally:

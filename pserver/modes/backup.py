@@ -4,9 +4,9 @@ Backup workers (Chen et al. 2016; TensorFlow's SyncReplicasOptimizer with
 replicas_to_aggregate = N-b), except that the N-b gradients always come from distinct
 workers, and what arrives after the step completed is answered dropped_late and counted.
 
-An update never averages fewer than N-b workers, except when workers were marked dead
-(then the step goes on with what it has, as DESIGN §5 says for dead workers). Workers
-that finished their epochs do not lower the quorum: once the unfinished ones are fewer
+An update averages min(N-b, live) distinct workers, never fewer: a worker marked dead
+lowers the quorum only once the slack of b backups is used up (N=4, b=1: one dead worker
+leaves the quorum at 3). Workers that finished their epochs do not lower the quorum: once the unfinished ones are fewer
 than the quorum, no step can complete, so the run is over, as TensorFlow's ends at a
 global step. The stragglers' remaining pushes are dropped late and they are told to stop.
 """
@@ -20,20 +20,24 @@ from pserver.modes.sync import SyncPolicy
 class BackupPolicy(SyncPolicy):
     name = "backup"
 
-    def join(self, rank, num_workers):
+    def check_join(self, rank, num_workers):
+        # Checked before Shard.register fixes the layout: a refused Register changes nothing.
         if self.cfg.backup_workers >= num_workers:
             raise FailedPrecondition(f"backup_workers: b={self.cfg.backup_workers} must be below "
                                      f"the number of workers N={num_workers}")
-        super().join(rank, num_workers)
+        super().check_join(rank, num_workers)
 
     def quorum(self) -> int:
-        return max(1, self.num_workers - self.cfg.backup_workers - len(self.dead))
+        """min(N-b, live workers); finished workers still count as live (see above)."""
+        live = self.num_workers - len(self.dead - self.left)
+        return max(1, min(self.num_workers - self.cfg.backup_workers, live))
 
     def membership_changed(self) -> None:
         if len(self.expected()) < self.quorum():
             dropped = len(self.pending)
             for r in list(self.pending):           # a step that can no longer complete
                 self.store.pool.release(self.pending.pop(r))
+                self.pending_samples.pop(r)        # dropped work trained nothing
             self.store.counters.add("pushes_aggregated", -dropped)
             self.store.counters.add("pushes_dropped_late", dropped)
             self.watch.reset()

@@ -8,14 +8,16 @@ servicer and the store never look at the mode's name.
 from __future__ import annotations
 
 import enum
+import hmac
 import logging
+import secrets
 import time
 from abc import ABC, abstractmethod
 
 import numpy as np
 
 from pserver.config import ServerConfig
-from pserver.errors import FailedPrecondition
+from pserver.errors import AlreadyExists, FailedPrecondition, Unauthenticated
 from pserver.server.store import ShardStore
 
 log = logging.getLogger("pserver.modes")
@@ -28,7 +30,14 @@ class Outcome(enum.Enum):
 
 
 class Policy(ABC):
-    """Membership and the shared checks; subclasses define push and the pull wait."""
+    """Membership, sessions and the shared checks; subclasses define push and the pull wait.
+
+    Sessions (DESIGN §9): Register hands each worker a random credential, and every later
+    call for that rank must carry it, so a token holder cannot act for another worker. A
+    session is live while its worker made an RPC (or heartbeat) within --step-timeout;
+    `expire` marks the others dead in every mode, and only then (or after Leave) may a new
+    Register take the rank. A worker marked dead rejoins on its next push or pull.
+    """
 
     name = ""
 
@@ -38,6 +47,8 @@ class Policy(ABC):
         self.registered: set[int] = set()
         self.left: set[int] = set()
         self.dead: set[int] = set()
+        self.sessions: dict[int, str] = {}   # rank -> its worker's credential
+        self.last_seen: dict[int, float] = {}  # rank -> time.monotonic() of its last call
         self.clocks: dict[int, int] = {}     # rank -> pushes completed (ssp)
         self.finished = False                # no step can complete any more: workers stop
 
@@ -50,15 +61,67 @@ class Policy(ABC):
         if not 0 <= rank < num_workers:
             raise FailedPrecondition(f"rank: {rank} is not a worker of this cluster (ranks 0..{num_workers - 1})")
 
-    def join(self, rank: int, num_workers: int) -> None:
+    def join(self, rank: int, num_workers: int) -> str:
+        """Register `rank`; returns its new session credential. Refused while the rank's
+        session is live (checked after the layout, so a wrong model hears that first)."""
         self.check_join(rank, num_workers)
+        if self.session_live(rank):
+            ago = time.monotonic() - self.last_seen[rank]
+            raise AlreadyExists(
+                f"rank: worker {rank} is already registered with shard {self.store.shard} and its "
+                f"session is live (last seen {ago:.1f} s ago; it expires after "
+                f"{self.cfg.step_timeout:g} s without a call, --step-timeout)")
         self.num_workers = num_workers
+        if rank in self.sessions:
+            why = "left" if rank in self.left else "expired"
+            self.store.counters.add("sessions_replaced")
+            log.info("shard %d: worker %d registered again (its previous session %s)",
+                     self.store.shard, rank, why)
+        self.sessions[rank] = secrets.token_hex(16)
         self.registered.add(rank)
         self.left.discard(rank)
+        self.touch(rank)
+        self.revive(rank, "registered again")
+        self.store.cond.notify_all()
+        return self.sessions[rank]
+
+    def session_live(self, rank: int) -> bool:
+        return (rank in self.sessions and rank not in self.left
+                and time.monotonic() - self.last_seen.get(rank, 0.0) <= self.cfg.step_timeout)
+
+    def authorize(self, rank: int, session: str | None, revive: bool = False) -> None:
+        """Check that `session` is rank's credential and note that the worker is alive.
+
+        session None is an in-process caller (tests, a Python user driving a Shard): the
+        credential is checked on every call that comes over the wire (gRPC, data plane),
+        where a missing one arrives as "". `revive`: a push or pull brings a worker marked
+        dead back (DESIGN §5)."""
+        self.check_member(rank)
+        if session is not None and not hmac.compare_digest(session.encode(), self.sessions[rank].encode()):
+            raise Unauthenticated(
+                f"session: the call for worker {rank} does not carry that worker's session "
+                f"credential (from its Register; another process may have registered as rank {rank})")
+        self.touch(rank)
+        if revive:
+            self.revive(rank, "pushed or pulled again")
+
+    def touch(self, rank: int) -> None:
+        self.last_seen[rank] = time.monotonic()
+
+    def revive(self, rank: int, why: str) -> None:
         if rank in self.dead:
             self.dead.discard(rank)
-            log.info("worker %d registered again and rejoins at version %d", rank, self.store.version)
-        self.store.cond.notify_all()
+            self.store.counters.add("workers_rejoined")
+            log.info("shard %d: worker %d %s and rejoins at version %d",
+                     self.store.shard, rank, why, self.store.version)
+            self.store.cond.notify_all()
+
+    def expire(self) -> None:
+        """Mark dead every worker whose session saw no call within --step-timeout."""
+        now, limit = time.monotonic(), self.cfg.step_timeout
+        stale = [r for r in self.registered - self.left - self.dead
+                 if now - self.last_seen.get(r, now) > limit]
+        self.mark_dead(stale, f"no call or heartbeat for more than {limit:g} s (--step-timeout)")
 
     def leave(self, rank: int) -> None:
         self.check_rank(rank)
@@ -102,13 +165,17 @@ class Policy(ABC):
 
     # --- the two decisions ----------------------------------------------------------
     @abstractmethod
-    def push(self, rank: int, step: int, grad: np.ndarray, clock: int) -> tuple[Outcome, str]:
+    def push(self, rank: int, step: int, grad: np.ndarray, clock: int,
+             samples: int = 0) -> tuple[Outcome, str]:
         """Decide what becomes of a validated gradient. Takes ownership of `grad`: the
-        policy returns it to store.pool when done. Raises FailedPrecondition to reject."""
+        policy returns it to store.pool when done, and counts `samples` as trained once the
+        gradient is applied (never when it is dropped). Raises FailedPrecondition to reject."""
 
-    def wait_pull(self, rank: int, seen_version: int, clock: int, timeout: float | None) -> None:
-        """Block (cond held) as the mode requires before a pull. Default: until initialized."""
-        self.store.wait_for(lambda: self.store.initialized, timeout)
+    def wait_pull(self, rank: int, seen_version: int, clock: int, timeout: float | None,
+                  alive=None) -> None:
+        """Block (cond held) as the mode requires before a pull. Default: until initialized.
+        `alive` (see ShardStore.wait_for) ends the wait when the caller is gone."""
+        self.store.wait_for(lambda: self.store.initialized, timeout, alive=alive)
 
     def check_pull(self, seen_version: int) -> None:
         if seen_version > self.store.version >= 0:

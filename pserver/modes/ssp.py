@@ -18,6 +18,7 @@ class SSPPolicy(AsyncPolicy):
 
     def __init__(self, store, cfg) -> None:
         super().__init__(store, cfg)
+        self.clocks = store.clocks             # the store checkpoints and restores them
         self.watch = StepWatch(cfg.step_timeout)
 
     def pushed(self, rank, clock):
@@ -34,7 +35,7 @@ class SSPPolicy(AsyncPolicy):
         low = min(self.clocks.get(r, 0) for r in live)
         return low, {r for r in live if self.clocks.get(r, 0) == low}
 
-    def wait_pull(self, rank, seen_version, clock, timeout):
+    def wait_pull(self, rank, seen_version, clock, timeout, alive=None):
         store, s = self.store, self.cfg.staleness
 
         def may_pull() -> bool:
@@ -48,7 +49,10 @@ class SSPPolicy(AsyncPolicy):
                                                f"{self.cfg.step_timeout:g} s (--step-timeout)")
                 self.watch.reset()
 
-        store.wait_for(may_pull, timeout, on_tick=on_tick)
+        # A pull at clock c proves c pushes: after a shard restart (clocks restored from an
+        # older checkpoint, or none) the slowest clock must not lag behind what workers show.
+        self.clocks[rank] = max(self.clocks.get(rank, 0), clock)
+        store.wait_for(may_pull, timeout, on_tick=on_tick, alive=alive)
         low = self.slowest()[0]
         if low < (1 << 62):
             store.counters.raise_to("clock_gap_max", max(clock - low, 0))

@@ -20,6 +20,7 @@ class SyncPolicy(Policy):
     def __init__(self, store, cfg) -> None:
         super().__init__(store, cfg)
         self.pending: dict[int, np.ndarray] = {}   # rank -> gradient for the current step
+        self.pending_samples: dict[int, int] = {}  # rank -> samples behind that gradient
         self.watch = StepWatch(cfg.step_timeout)
 
     def quorum(self) -> int:
@@ -28,7 +29,7 @@ class SyncPolicy(Policy):
         stand in for a live worker's missing one."""
         return len(self.expected() | self.pending.keys())
 
-    def push(self, rank, step, grad, clock):
+    def push(self, rank, step, grad, clock, samples=0):
         with self.store.cond:
             self.check_member(rank)
             version = self.store.version
@@ -38,9 +39,9 @@ class SyncPolicy(Policy):
                 return self.off_step(rank, step, grad)
             if rank in self.pending:
                 raise FailedPrecondition(f"rank: worker {rank} already pushed for step {step}")
-            if rank in self.dead:   # a worker we stopped waiting for is back in time
-                self.dead.discard(rank)
+            self.revive(rank, "pushed in time")   # marked dead while its push was arriving
             self.pending[rank] = grad
+            self.pending_samples[rank] = samples
             self.store.counters.add("pushes_aggregated")
             self.watch.start()
             self.maybe_complete()
@@ -68,6 +69,7 @@ class SyncPolicy(Policy):
         if len(ranks) > 1:
             acc *= np.float32(1.0 / len(ranks))
         self.store.apply(acc)
+        self.store.counters.add("samples_pushed", sum(self.pending_samples.pop(r) for r in ranks))
         for r in ranks:
             self.store.pool.release(self.pending.pop(r))
         self.watch.reset()
@@ -83,8 +85,7 @@ class SyncPolicy(Policy):
                                     f"{self.cfg.step_timeout:g} s (--step-timeout)")
             self.maybe_complete()
 
-    def wait_pull(self, rank, seen_version, clock, timeout):
+    def wait_pull(self, rank, seen_version, clock, timeout, alive=None):
         store = self.store
         store.wait_for(lambda: (store.initialized and store.version > seen_version) or self.finished,
-                       timeout,
-                       on_tick=self.check_timeout)
+                       timeout, on_tick=self.check_timeout, alive=alive)

@@ -14,6 +14,7 @@ from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.codec import MAX_CHUNK_BYTES
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition
+from pserver.server.limits import pool_threads
 from pserver.server.servicer import ParameterServerServicer, add_to_server
 from pserver.server.shard import Shard
 from pserver.signals import Stopped, stop_on_signals
@@ -28,7 +29,8 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
     """
     shard = Shard(cfg)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="pserver-rpc"),
+        futures.ThreadPoolExecutor(max_workers=pool_threads(cfg.threads, cfg.num_workers),
+                                   thread_name_prefix="pserver-rpc"),   # split by server/limits.py
         options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES),
                  ("grpc.so_reuseport", 0)],
         interceptors=security.server_interceptors(cfg.auth_token))   # token check, safe decoding

@@ -22,19 +22,25 @@ log = logging.getLogger("pserver.server")
 MAX_WAIT = 3600.0   # a pull with no deadline still stops waiting after an hour
 
 
+def _abort(context, e: Exception, name: str):
+    """A pserver error becomes its status code; anything else is a bug, reported as INTERNAL
+    while the server keeps serving. grpc's own abort exceptions pass through."""
+    if isinstance(e, RpcError):
+        context.abort(getattr(grpc.StatusCode, e.code_name, grpc.StatusCode.UNKNOWN), str(e))
+    if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
+        raise e
+    log.exception("internal error in %s", name)
+    context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+
 def _status(method):
     """Translate exceptions raised by a handler into gRPC status codes, in one place."""
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
-        except RpcError as e:
-            context.abort(getattr(grpc.StatusCode, e.code_name, grpc.StatusCode.UNKNOWN), str(e))
-        except Exception as e:  # a bug: report it, keep serving
-            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
-                raise
-            log.exception("internal error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        except Exception as e:
+            _abort(context, e, method.__name__)
     return wrapper
 
 
@@ -44,8 +50,8 @@ def _stream_status(method):
     def wrapper(self, request, context):
         try:
             yield from method(self, request, context)
-        except RpcError as e:
-            context.abort(getattr(grpc.StatusCode, e.code_name, grpc.StatusCode.UNKNOWN), str(e))
+        except Exception as e:
+            _abort(context, e, method.__name__)
     return wrapper
 
 
@@ -58,7 +64,8 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
     """Register every rpc of the service. As the generated add_..._to_server, except that
     the tensor streams (Init, Push, Pull) use the codec's TensorChunk encoding."""
     unary = {"Register": (pb.RegisterRequest, pb.RegisterReply), "Status": (pb.StatusRequest, pb.StatusReply),
-             "Leave": (pb.LeaveRequest, pb.LeaveReply), "Checkpoint": (pb.CheckpointRequest, pb.CheckpointReply)}
+             "Leave": (pb.LeaveRequest, pb.LeaveReply), "Checkpoint": (pb.CheckpointRequest, pb.CheckpointReply),
+             "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatReply)}
     handlers = {name: grpc.unary_unary_rpc_method_handler(
         getattr(servicer, name), request_deserializer=req.FromString,
         response_serializer=rep.SerializeToString) for name, (req, rep) in unary.items()}
@@ -79,33 +86,45 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def Register(self, request, context):
         layout = Layout.of((t.name, tuple(t.shape)) for t in request.layout)
         reg = self.shard.register(request.rank, request.num_workers, request.shard,
-                                  request.num_shards, layout)
+                                  request.num_shards, layout, request.protocol_version)
         return pb.RegisterReply(**reg.__dict__)
+
+    def _stream(self, request_iterator, context, call):
+        """A push or init stream within the shard's bounds (server/limits.py): counted from
+        its first message, cancelled when it stalls, at most 2 in flight per rank."""
+        limits = self.shard.limits
+        with limits.stream(context.cancel, self.shard.store.size * 4) as stream:
+            chunks = limits.progress(stream, request_iterator)
+            h = codec.read_header(chunks)
+            with limits.stream_rank(h.rank):
+                return call(h, lambda dest: codec.receive_into(dest, chunks))
 
     @_status
     def Init(self, request_iterator, context):
-        chunks = iter(request_iterator)
-        h = codec.read_header(chunks)
-        already, version = self.shard.init(h.rank, h.layout_signature, h.num_elements, h.dtype,
-                                           lambda dest: codec.receive_into(dest, chunks))
+        already, version = self._stream(request_iterator, context, lambda h, fill: self.shard.init(
+            h.rank, h.layout_signature, h.num_elements, h.dtype, fill, session=h.session))
         return pb.InitReply(already_initialized=already, version=version)
 
     @_stream_status
     def Pull(self, request, context):
         version, params, finished = self.shard.pull(request.rank, request.shard, request.seen_version,
-                                                    request.clock, _timeout(context))
+                                                    request.clock, _timeout(context),
+                                                    session=request.session, alive=context.is_active)
         header = pb.TensorHeader(shard=request.shard, step=version, finished=finished)
         yield from codec.encode(header, params, self.shard.cfg.chunk_bytes)
 
     @_status
     def Push(self, request_iterator, context):
-        chunks = iter(request_iterator)
-        h = codec.read_header(chunks)
-        outcome, version, message, finished = self.shard.push(
-            h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples, h.clock,
-            lambda dest: codec.receive_into(dest, chunks))
+        outcome, version, message, finished = self._stream(
+            request_iterator, context, lambda h, fill: self.shard.push(
+                h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples, h.clock, fill,
+                session=h.session))
         return pb.PushReply(outcome=outcome.value, version=version, message=message,
                             finished=finished)
+
+    @_status
+    def Heartbeat(self, request, context):
+        return pb.HeartbeatReply(version=self.shard.heartbeat(request.rank, request.session))
 
     @_status
     def Status(self, request, context):
@@ -114,10 +133,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_status
     def Checkpoint(self, request, context):
-        path, version = self.shard.checkpoint(request.rank)
+        with self.shard.limits.checkpoint_call():
+            path, version = self.shard.checkpoint(request.rank, request.session)
         return pb.CheckpointReply(path=path, version=version)
 
     @_status
     def Leave(self, request, context):
-        self.shard.leave(request.rank)
+        self.shard.leave(request.rank, request.session)
         return pb.LeaveReply()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,18 +19,20 @@ import numpy as np
 from pserver.codec import DTYPE_NAME
 from pserver.config import ServerConfig
 from pserver.dataplane import host_id
-from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument, RpcError
+from pserver.codec import PROTOCOL_VERSION
+from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted, RpcError
 from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
 from pserver.optim import make_optimizer
 from pserver.server import checkpoint
+from pserver.server.limits import Limits, pool_threads
 from pserver.server.store import ShardStore
 from pserver.sharding import shard_range
 
 log = logging.getLogger("pserver.server")
 # How a push's payload arrives: a function that writes it into the array it is given (the
-# gRPC stream, copied into a pool buffer), or an array the shard may hold as it is until
-# the worker's next push (a data-plane connection's shared buffer: no copy).
+# gRPC stream, copied into a pool buffer), or an array that its client can still write (a
+# data-plane connection's shared buffer), which the shard copies and checks in one pass.
 Fill = Callable[[np.ndarray], None] | np.ndarray
 MAX_PARAMS = 1 << 33                  # 8G elements (32 GB) per model: a sanity bound on declared sizes
 
@@ -66,6 +69,21 @@ class Registration:
     lr: float
     dataplane: str
     host_id: str
+    session: str
+    session_timeout_seconds: float
+    protocol_version: int = PROTOCOL_VERSION
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give (MemAvailable), or 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 class Shard:
@@ -76,6 +94,11 @@ class Shard:
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
         self.init_lock = threading.Lock()
+        self.limits = Limits(pool_threads(cfg.threads, cfg.num_workers), cfg.max_inflight_mb << 20,
+                             cfg.step_timeout, self.store.counters)
+        # Sessions expire and idle streams are cancelled even when no call is waiting.
+        threading.Thread(target=Shard._reap, args=(weakref.ref(self), min(1.0, cfg.step_timeout / 4)),
+                         name="pserver-reaper", daemon=True).start()
         if cfg.restore:
             self._restore(cfg.restore)
         directory = cfg.checkpoint_dir or cfg.restore
@@ -94,12 +117,12 @@ class Shard:
         self.store.restore(ckpt)
         log.info("shard %d: restored version %d from %s", self.cfg.shard, ckpt.version, ckpt.path)
 
-    def checkpoint(self, rank: int | None = None) -> tuple[str, int]:
+    def checkpoint(self, rank: int | None = None, session: str | None = None) -> tuple[str, int]:
         """Write a checkpoint now, for the chief (rank) or for the shard itself (None, when it
         stops); ("", version) without a directory. Concurrent requests share one write."""
         if rank is not None:
             with self.store.cond:
-                self.policy.check_member(rank)
+                self.policy.authorize(rank, session)
         if self.checkpointer is None or not self.store.initialized:
             return "", self.store.version
         return self.checkpointer.request()
@@ -117,7 +140,11 @@ class Shard:
                                      f"{self.cfg.shard} of {self.cfg.num_shards}")
 
     def register(self, rank: int, num_workers: int, shard: int, num_shards: int,
-                 layout: Layout) -> Registration:
+                 layout: Layout, protocol_version: int = PROTOCOL_VERSION) -> Registration:
+        if protocol_version != PROTOCOL_VERSION:
+            raise FailedPrecondition(
+                f"protocol_version: the worker speaks wire protocol {protocol_version} and this "
+                f"shard speaks {PROTOCOL_VERSION}; run the same pserver release on both sides")
         self.check_shard(shard, num_shards)
         if num_workers < 1:
             raise InvalidArgument(f"num_workers: must be >= 1, got {num_workers}")
@@ -125,14 +152,50 @@ class Shard:
         start, end = shard_range(total, self.cfg.num_shards, self.cfg.shard)
         s = self.store
         with s.cond:
-            self.policy.check_join(rank, num_workers)   # a refused Register must not fix the layout
+            # Everything that can refuse runs before anything changes: a refused Register
+            # must not fix the layout or allocate.
+            self.policy.check_join(rank, num_workers)
+            if not s.signature:
+                self._check_memory(end - start)
             s.configure(layout.signature(), total, start, end)
-            self.policy.join(rank, num_workers)
+            session = self.policy.join(rank, num_workers)
             return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,
                                 s.signature, self.cfg.optimizer, self.cfg.lr,
-                                self.dataplane.address if self.dataplane else "", host_id())
+                                self.dataplane.address if self.dataplane else "", host_id(),
+                                session, self.cfg.step_timeout)
 
-    def init(self, rank: int, signature: str, num_elements: int, dtype: str, fill: Fill) -> tuple[bool, int]:
+    def _check_memory(self, size: int) -> None:
+        """RESOURCE_EXHAUSTED, before allocating, when the shard's range cannot fit."""
+        slots = len(self._optimizer_for(0).state)
+        need = size * 4 * (2 + slots)         # parameters, optimizer state, one gradient
+        limit = self.cfg.max_memory_mb << 20 or int(0.9 * available_memory())
+        if limit and need > limit:
+            raise ResourceExhausted(
+                f"layout: shard {self.cfg.shard}'s range of {size} elements needs {need >> 20} MiB "
+                f"(parameters, {self.cfg.optimizer} state and one gradient, float32) and the limit "
+                f"is {limit >> 20} MiB (--max-memory-mb; default 90% of available memory)")
+
+    def heartbeat(self, rank: int, session: str | None = None) -> int:
+        with self.store.cond:
+            self.policy.authorize(rank, session)
+            return self.store.version
+
+    @staticmethod
+    def _reap(ref: weakref.ref, tick: float) -> None:
+        """Every tick: expire silent sessions, cancel stalled streams. Holds the shard only
+        weakly, so a Shard that is dropped (tests make many) takes its thread with it."""
+        while True:
+            time.sleep(tick)
+            shard = ref()
+            if shard is None or shard.store.closed:
+                return
+            with shard.store.cond:
+                shard.policy.expire()
+            shard.limits.cancel_idle()
+            del shard
+
+    def init(self, rank: int, signature: str, num_elements: int, dtype: str, fill: Fill,
+             session: str | None = None) -> tuple[bool, int]:
         """Take the chief's initial values unless the shard already holds values.
 
         The values land straight in the (not yet initialized) parameters, so a 40 MB model
@@ -142,7 +205,7 @@ class Shard:
         s = self.store
         with s.cond:
             s.require_configured()
-            self.policy.check_member(rank)
+            self.policy.authorize(rank, session)
             if signature != s.signature:
                 raise FailedPrecondition(f"layout_signature: {signature} does not match {s.signature}")
             self._check_payload(num_elements, dtype)
@@ -150,9 +213,8 @@ class Shard:
             if s.initialized:                 # checked again: another Init may have won
                 return True, s.version
             try:
-                if isinstance(fill, np.ndarray):
-                    s.check_gradient(fill)
-                    s.params[:] = fill
+                if isinstance(fill, np.ndarray):      # a client's shared memory: check what is copied
+                    s.copy_gradient(fill, s.params)
                 else:
                     fill(s.params)
                     s.check_gradient(s.params)
@@ -172,22 +234,32 @@ class Shard:
                                   f"{self.cfg.shard}'s range of {self.store.size} elements")
 
     def pull(self, rank: int, shard: int, seen_version: int, clock: int,
-             timeout: float | None) -> tuple[int, np.ndarray, bool]:
+             timeout: float | None, session: str | None = None,
+             alive: Callable[[], bool] | None = None) -> tuple[int, np.ndarray, bool]:
         """Wait as the mode says, then return (version, parameters, finished). In sync mode the
         parameters cannot change until this worker pushes again, so a view is safe to
-        stream; in async modes a racy read is the point."""
+        stream; in async modes a racy read is the point. `alive` says whether the caller is
+        still there: a pull whose client went away stops waiting (and a waiting pull keeps
+        its worker's session live)."""
         self.check_shard(shard)
         s = self.store
         with s.cond:
             s.require_configured()
-            self.policy.check_member(rank)
+            self.policy.authorize(rank, session, revive=True)
             self.policy.check_pull(seen_version)
-            self.policy.wait_pull(rank, seen_version, clock, timeout)
+
+        def still_there() -> bool:
+            self.policy.touch(rank)
+            return alive is None or alive()
+
+        with self.limits.pull(rank), s.cond:
+            self.policy.wait_pull(rank, seen_version, clock, timeout, alive=still_there)
             s.counters.add("pulls_served")
             return s.version, s.params, self.policy.finished
 
     def push(self, rank: int, shard: int, step: int, num_elements: int, dtype: str,
-             num_samples: int, clock: int, fill: Fill) -> tuple[Outcome, int, str, bool]:
+             num_samples: int, clock: int, fill: Fill,
+             session: str | None = None) -> tuple[Outcome, int, str, bool]:
         """Receive, validate, and hand a gradient to the policy; state is untouched by any
         rejection because everything is checked before the policy sees the gradient."""
         s = self.store
@@ -196,49 +268,49 @@ class Shard:
             self.check_shard(shard)
             with s.cond:
                 s.require_configured()
-                self.policy.check_member(rank)
+                self.policy.authorize(rank, session, revive=True)
             self._check_payload(num_elements, dtype)
             if num_samples < 0:
                 raise InvalidArgument(f"num_samples: must be >= 0, got {num_samples}")
-            outcome, message = self._receive_and_decide(rank, step, clock, fill)
+            outcome, message = self._receive_and_decide(rank, step, clock, fill, num_samples)
         except RpcError:
             s.counters.add("pushes_rejected")
             raise
-        if outcome is not Outcome.DROPPED_LATE:   # dropped work trained nothing
-            s.counters.add("samples_pushed", num_samples)
         if self.checkpointer is not None:
             self.checkpointer.maybe()
         return outcome, s.version, message, self.policy.finished
 
-    def _receive_and_decide(self, rank, step, clock, fill):
-        if isinstance(fill, np.ndarray):             # borrowed: already in shared memory
-            self.store.check_gradient(fill)
-            return self.policy.push(rank, step, fill, clock)
+    def _receive_and_decide(self, rank, step, clock, fill, samples=0):
         grad = self.store.pool.acquire()
         try:
-            fill(grad)
-            self.store.check_gradient(grad)
+            if isinstance(fill, np.ndarray):
+                self.store.copy_gradient(fill, grad)
+            else:
+                fill(grad)
+                self.store.check_gradient(grad)
         except BaseException:
             self.store.pool.release(grad)
             raise
         try:
-            return self.policy.push(rank, step, grad, clock)
+            return self.policy.push(rank, step, grad, clock, samples)
         except RpcError:
             self.store.pool.release(grad)   # rejected: the policy did not keep it
             raise
 
-    def leave(self, rank: int) -> None:
+    def leave(self, rank: int, session: str | None = None) -> None:
         with self.store.cond:
+            self.policy.authorize(rank, session)
             self.policy.leave(rank)
 
     def status(self) -> dict:
         s, p = self.store, self.policy
         with s.cond:
             live = sorted(p.registered - p.left - p.dead)
+            dead = sorted(p.dead)
             return dict(shard=self.cfg.shard, num_shards=self.cfg.num_shards, mode=self.cfg.mode,
                         version=s.version, num_params=s.size, total_params=s.total,
                         num_workers=p.num_workers, optimizer=self.cfg.optimizer, lr=self.cfg.lr,
-                        counters=s.counters.snapshot(), live_workers=live,
+                        counters=s.counters.snapshot(), live_workers=live, dead_workers=dead,
                         uptime_seconds=time.monotonic() - self.started,
                         layout_signature=s.signature)
 

@@ -7,7 +7,7 @@ notify_all wakes pulls waiting for a new version.
 
 from __future__ import annotations
 
-import mmap
+import logging
 import os
 import threading
 import time
@@ -16,27 +16,61 @@ from typing import Callable
 import numba
 import numpy as np
 
+from pserver import dataplane
 from pserver.errors import ConfigError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 
+log = logging.getLogger("pserver.server")
 STALENESS_BUCKETS = 17   # histogram buckets 0..15, and one for 16 and more
+# A float32 whose exponent bits are all ones is +-Inf or NaN: testing the bits of uint32
+# views needs no float compare, so the loops below vectorize like a plain memcpy.
+EXPONENT = np.uint32(0x7F800000)
 
 
 @numba.njit(cache=True, nogil=True)
-def all_finite(a):
-    """True if no element is NaN or +-Inf (one pass, no temporary like np.isfinite makes)."""
-    for i in range(a.size):
-        if not np.isfinite(a[i]):
-            return False
-    return True
+def _copy_words(src, dst):
+    """dst[:] = src over uint32 words; True if any word copied is a non-finite float32.
+    Each word is loaded once and both stored and tested, so what passed is what dst holds."""
+    bad = False
+    for i in range(src.size):
+        w = src[i]
+        dst[i] = w
+        bad |= (w & EXPONENT) == EXPONENT
+    return bad
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_nonfinite_word(words):
+    for i in range(words.size):
+        if (words[i] & EXPONENT) == EXPONENT:
+            return i
+    return -1
+
+
+def first_nonfinite(a: np.ndarray) -> int:
+    """The index of the first NaN or +-Inf in a float32 array, or -1 (one pass, no temporary)."""
+    return _first_nonfinite_word(a.view(np.uint32))
+
+
+def copy_finite(src: np.ndarray, dst: np.ndarray) -> int:
+    """dst[:] = src (float32) in one pass that also checks every value it copies; returns the
+    index of the first non-finite value copied, or -1. Only dst is searched afterwards: src
+    may be memory that another process is still writing."""
+    if _copy_words(src.view(np.uint32), dst.view(np.uint32)):
+        return _first_nonfinite_word(dst.view(np.uint32))
+    return -1
 
 
 def shared_zeros(size: int) -> tuple[int | None, np.ndarray]:
-    """(fd, zeroed float32 array) in a memfd, or (None, array) where there is none."""
-    if size == 0 or not hasattr(os, "memfd_create"):
+    """(fd, zeroed float32 array) in a memfd that the data plane can hand to workers: sealed,
+    so they can map it read-only and never resize it. (None, array) where there is none."""
+    if size == 0 or not dataplane.supported():
         return None, np.zeros(size, dtype=np.float32)
-    fd = os.memfd_create("pserver-params", os.MFD_CLOEXEC)
-    os.ftruncate(fd, size * 4)
-    return fd, np.frombuffer(mmap.mmap(fd, size * 4), dtype=np.float32)
+    try:
+        fd, mm = dataplane.sealed_memfd("pserver-params", size * 4, clients_write=False)
+    except OSError as e:       # Linux < 5.1 has no F_SEAL_FUTURE_WRITE: no data plane rather than an unsafe one
+        log.warning("parameters cannot be shared read-only (%s); same-host workers use gRPC", e)
+        return None, np.zeros(size, dtype=np.float32)
+    return fd, np.frombuffer(mm, dtype=np.float32)
 
 
 class Counters:
@@ -44,7 +78,8 @@ class Counters:
 
     FIELDS = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late",
               "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed",
-              "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed")
+              "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed",
+              "workers_rejoined", "sessions_replaced", "requests_refused_busy")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -123,6 +158,7 @@ class ShardStore:
         self.closed = False
         self.restored_from = ""            # the checkpoint this shard resumed from, if any
         self.params_fd: int | None = None  # memfd behind params, for the data plane
+        self.clocks: dict[int, int] = {}   # ssp: rank -> pushes completed; checkpointed with the rest
 
     @property
     def size(self) -> int:
@@ -160,7 +196,8 @@ class ShardStore:
             self.require_configured()
             return dict(meta, version=self.version, signature=self.signature, total=self.total,
                         start=self.start, end=self.end, params=self.params.copy(),
-                        state={k: v.copy() for k, v in self.optimizer.state.items()})
+                        state={k: v.copy() for k, v in self.optimizer.state.items()},
+                        clocks=dict(self.clocks))
 
     def restore(self, ckpt) -> None:
         with self.cond:
@@ -171,6 +208,8 @@ class ShardStore:
             self.params[:] = ckpt.params
             self.optimizer.load_state(ckpt.state)
             self.version = ckpt.version
+            self.clocks.clear()
+            self.clocks.update(ckpt.clocks)
             self.restored_from = ckpt.path
             self.cond.notify_all()
 
@@ -200,16 +239,20 @@ class ShardStore:
             return self.version
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float | None,
-                 on_tick: Callable[[], None] | None = None, tick: float = 0.25) -> None:
+                 on_tick: Callable[[], None] | None = None, tick: float = 0.25,
+                 alive: Callable[[], bool] | None = None) -> None:
         """Block (holding cond) until predicate() is true; DeadlineExceeded after timeout.
 
         `on_tick` runs every `tick` seconds while waiting: policies use it to notice a
-        step that has waited too long for a worker.
+        step that has waited too long for a worker. `alive` is polled as often: when it
+        says the caller went away (a closed connection), the wait ends at once.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not predicate():
             if self.closed:
                 raise Unavailable(f"shard {self.shard}: shutting down")
+            if alive is not None and not alive():
+                raise Unavailable(f"shard {self.shard}: the caller went away while it waited")
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise DeadlineExceeded(f"deadline: waited {timeout:.1f} s and what this call "
@@ -224,8 +267,15 @@ class ShardStore:
             self.cond.notify_all()
 
     def check_gradient(self, grad: np.ndarray) -> None:
-        if not all_finite(grad):
-            bad = int(np.flatnonzero(~np.isfinite(grad))[0])
-            raise InvalidArgument(f"data: the gradient holds a non-finite value ({grad[bad]}) at "
-                                  f"element {self.start + bad} of the flat vector")
+        """Refuse a gradient (or Init values) in shard-owned memory that holds NaN or Inf."""
+        self._refuse_nonfinite(grad, first_nonfinite(grad))
 
+    def copy_gradient(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """dst[:] = src, refused if a value copied is not finite. src may be a client's shared
+        memory: checking the values as they are copied means what passed is what is applied."""
+        self._refuse_nonfinite(dst, copy_finite(src, dst))
+
+    def _refuse_nonfinite(self, checked: np.ndarray, bad: int) -> None:
+        if bad >= 0:
+            raise InvalidArgument(f"data: the gradient holds a non-finite value ({checked[bad]}) at "
+                                  f"element {self.start + bad} of the flat vector")
