@@ -78,7 +78,9 @@ SERVER_FLAGS = [
 
 # Flags forwarded by `launch` to every worker: everything but rank and addresses.
 WORKER_FLAGS = [
-    Flag("--model", dict(choices=("mlp", "logreg", "linreg"), help="model to train (default mlp)")),
+    Flag("--model", dict(metavar="NAME", help="mlp (default), logreg, linreg, cnn, or your own: "
+                                              "FILE.py:FUNCTION or package.module:FUNCTION returning a "
+                                              "pserver.Sequential")),
     Flag("--hidden", dict(type=int_list, metavar="W,W", help="mlp hidden widths (default 256,256)")),
     Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, or a path to a .npz with x and y")),
     Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files")),

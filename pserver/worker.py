@@ -7,13 +7,14 @@ the pushes combine and how long each pull waits. The loop does not branch on the
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import numpy as np
 
 from pserver.client import PSClient
 from pserver.config import WorkerConfig
-from pserver.data import describe, iterate_batches, load_dataset, steps_per_epoch
+from pserver.data import Dataset, as_task, describe, iterate_batches, load_dataset, steps_per_epoch
 from pserver.device import describe as describe_device
 from pserver.device import parse_device, select
 from pserver.errors import DeadlineExceeded, FailedPrecondition
@@ -25,14 +26,50 @@ from pserver.stragglers import Delay
 
 
 def build(cfg: WorkerConfig):
-    """Device, dataset and model for this worker (the chief and the others build the same)."""
+    """Device, dataset and model for this worker (the chief and the others build the same).
+
+    A user's model (--model FILE.py:FUNCTION) is built for the dataset's sample shape and
+    number of classes; then the data is checked against the model, before any training.
+    """
     device = select(parse_device(cfg.device))   # before the model: it binds to this device
     task = "regression" if cfg.model == "linreg" else "classification"
     ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, task=task,
                       samples=cfg.samples, test_samples=cfg.test_samples, features=cfg.features,
                       classes=cfg.classes)
-    model = make_model(cfg.model, ds.features, ds.num_classes, hidden=cfg.hidden, backend=device.backend)
-    return device, ds, model
+    model = make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden,
+                       backend=device.backend)
+    return device, fit_data(model, ds), model
+
+
+def fit_data(model, ds: Dataset) -> Dataset:
+    """The dataset as the model takes it: float targets for a regression loss, samples
+    reshaped to the model's input, everything checked (DataError naming layer and shapes).
+    A model without `check_data` (a user's protocol object) gets the data as it is."""
+    if getattr(model, "task", None) == "regression":
+        ds = as_task(ds, "regression")
+    check = getattr(model, "check_data", None)
+    if check is None:
+        return ds
+    x_train = check(ds.x_train, ds.y_train, f"{ds.name} training set")
+    x_test = check(ds.x_test, ds.y_test, f"{ds.name} test set")
+    return Dataset(ds.name, x_train, ds.y_train, x_test, ds.y_test, ds.num_classes)
+
+
+def gradient_fn(model, seed: int, rank: int):
+    """model.loss_and_grad as f(w, x, y, g, step). A model that draws random numbers
+    (Dropout) takes a `seed`: one per (run seed, rank, step), so a run repeats exactly and no
+    two workers or steps share a mask."""
+    if "seed" not in inspect.signature(model.loss_and_grad).parameters:
+        return lambda w, x, y, g, step: model.loss_and_grad(w, x, y, g)
+
+    def step_with_seed(w, x, y, g, step):
+        s = int(np.random.SeedSequence((seed, rank, step)).generate_state(1, np.uint64)[0])
+        return model.loss_and_grad(w, x, y, g, seed=s)
+    return step_with_seed
+
+
+def model_name(model) -> str:
+    return getattr(model, "name", type(model).__name__)
 
 
 def evaluate(model, w, ds, cfg: WorkerConfig) -> dict:
@@ -42,6 +79,11 @@ def evaluate(model, w, ds, cfg: WorkerConfig) -> dict:
 def run_worker(cfg: WorkerConfig) -> dict | None:
     """Train until the epochs (or --max-steps) are done; the chief returns the summary."""
     device, ds, model = build(cfg)
+    return run(cfg, device, ds, model)
+
+
+def run(cfg: WorkerConfig, device, ds: Dataset, model) -> dict | None:
+    """The training loop with a model and data already built (the CLI and pserver.train)."""
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca))
     try:
@@ -49,7 +91,7 @@ def run_worker(cfg: WorkerConfig) -> dict | None:
         infos = client.register(model.layout, cfg.batch_size)
         mode = infos[0].mode
         print(f"worker rank {cfg.rank}/{cfg.num_workers} device {describe_device(device)}; "
-              f"model {model.name} {model.layout.total:,} params; {describe(ds)}; mode {mode}, "
+              f"model {model_name(model)} {model.layout.total:,} params; {describe(ds)}; mode {mode}, "
               f"{len(cfg.ps)} shard(s) ({client.plane_description()}), optimizer {infos[0].optimizer} "
               f"lr {infos[0].lr:g}", flush=True)
         w = np.empty(model.layout.total, dtype=np.float32)
@@ -77,6 +119,7 @@ def warm_up(model, w: np.ndarray, ds, batch_size: int) -> None:
 def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict:
     steps = steps_per_epoch(ds.num_train, cfg.num_workers, cfg.batch_size)
     g = np.empty_like(w)
+    gradient = gradient_fn(model, cfg.seed, cfg.rank)
     delay = Delay(cfg.delay, cfg.seed, cfg.rank)
     progress = Progress(cfg.rank, cfg.epochs, steps, cfg.batch_size, cfg.log_every, cfg.num_workers)
     timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
@@ -85,7 +128,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict
         for step, (x, y) in enumerate(iterate_batches(ds, cfg.rank, cfg.num_workers,
                                                       cfg.batch_size, cfg.seed, epoch)):
             with timer("compute"):
-                loss = model.loss_and_grad(w, x, y, g)
+                loss = gradient(w, x, y, g, clock)
             with timer("delay"):
                 delay.sleep()
             with timer("push"):
@@ -171,7 +214,7 @@ def finish(cfg, ds, model, client, w, mode, history, started) -> dict:
     counters = combine_counters(statuses)
     summary = {
         "mode": mode, "num_shards": len(cfg.ps), "num_workers": cfg.num_workers,
-        "dataset": cfg.dataset, "model": cfg.model, "num_params": model.layout.total,
+        "dataset": ds.name, "model": model_name(model), "num_params": model.layout.total,
         "optimizer": statuses[0].optimizer, "lr": statuses[0].lr, "batch_size": cfg.batch_size,
         "epochs": cfg.epochs, "seed": cfg.seed,
         "test_accuracy": ev.get("accuracy"), "test_loss": ev["loss"], "test_r2": ev.get("r2"),

@@ -28,7 +28,7 @@ from pserver.models.linreg import linreg
 from pserver.models.logreg import logreg
 from pserver.models.mlp import mlp
 from pserver.models.sequential import Sequential
-from pserver.models.user import is_user_spec, load_model
+from pserver.models.user import check_spec, is_user_spec, load_model
 
 MODELS = ("mlp", "logreg", "linreg", "cnn")
 
@@ -58,10 +58,17 @@ def on_device(model, backend: str):
     return model.use_backend(backend)
 
 
-def _builtin(name, shape, num_classes, hidden) -> Sequential:
-    if name not in MODELS:
-        raise ConfigError(f"--model: unknown model {name!r}; choose one of {', '.join(MODELS)}, "
+def check_model_spec(spec: str) -> None:
+    """A built-in name, or a user's FILE.py:FUNCTION whose file exists (none of its code runs)."""
+    if is_user_spec(spec):
+        check_spec(spec)
+    elif spec not in MODELS:
+        raise ConfigError(f"--model: unknown model {spec!r}; choose one of {', '.join(MODELS)}, "
                           "or FILE.py:FUNCTION or package.module:FUNCTION for your own")
+
+
+def _builtin(name, shape, num_classes, hidden) -> Sequential:
+    check_model_spec(name)
     flat = (math.prod(shape),)
     if name == "linreg":
         return linreg(flat).build()
@@ -98,6 +105,6 @@ def _check_positive(what: str, v) -> None:
         raise ConfigError(f"{what} must be a positive integer, got {v!r}")
 
 
-__all__ = ["MODELS", "make_model", "on_device", "Model", "Sequential", "Layout", "TensorSpec",
+__all__ = ["MODELS", "make_model", "on_device", "check_model_spec", "Model", "Sequential", "Layout", "TensorSpec",
            "losses", "mlp", "logreg", "linreg", "cnn", "load_model", "protocol_gaps", "fits",
            "shaped_for"]

@@ -23,11 +23,24 @@ def is_user_spec(spec: str) -> bool:
     return ":" in spec
 
 
-def load_model(spec: str, input_shape: tuple[int, ...], num_classes: int):
-    """Import, call and check the user's build function."""
+def check_spec(spec: str) -> None:
+    """The form of a user spec, and that its file exists, without running any of its code
+    (so `launch` fails before it starts a process)."""
     target, _, attr = spec.rpartition(":")
     if not target or not attr.isidentifier():
         raise ConfigError(f"--model {spec}: expected FILE.py:FUNCTION or package.module:FUNCTION")
+    if _is_path(target) and not os.path.isfile(target):
+        raise ConfigError(f"--model {spec}: no such file {target}")
+
+
+def _is_path(target: str) -> bool:
+    return target.endswith(".py") or os.sep in target or "/" in target
+
+
+def load_model(spec: str, input_shape: tuple[int, ...], num_classes: int):
+    """Import, call and check the user's build function."""
+    check_spec(spec)
+    target, _, attr = spec.rpartition(":")
     module = _import(spec, target)
     fn = getattr(module, attr, None)
     if fn is None:
@@ -49,7 +62,7 @@ def load_model(spec: str, input_shape: tuple[int, ...], num_classes: int):
 
 
 def _import(spec: str, target: str):
-    if target.endswith(".py") or os.sep in target or "/" in target:
+    if _is_path(target):
         return _import_file(spec, target)
     try:
         return importlib.import_module(target)
@@ -60,8 +73,6 @@ def _import(spec: str, target: str):
 
 
 def _import_file(spec: str, path: str):
-    if not os.path.isfile(path):
-        raise ConfigError(f"--model {spec}: no such file {path}")
     # A name of its own per file, so two model files called model.py do not collide.
     name = "pserver_user_model_" + hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:12]
     if name in sys.modules:
@@ -89,4 +100,4 @@ def _accepted(fn, offered: dict) -> dict:
     return {k: v for k, v in offered.items() if k in names}
 
 
-__all__ = ["is_user_spec", "load_model"]
+__all__ = ["is_user_spec", "check_spec", "load_model"]
