@@ -30,7 +30,9 @@ import math
 import warnings
 
 import numpy as np
-from numba import cuda, float32, float64
+from numba import cuda, float32, float64, uint64
+
+from pserver.kernels import reference
 
 # numba warns when a launch has fewer than 128 blocks. Here that is by design (the loss
 # reduction is one block) or the model's size (a 64-row batch through 256 units is 64 blocks):
@@ -249,6 +251,313 @@ def scaled_sum_kernel(values, scale, out):
         out[0] = part[0] * scale
 
 
+# -- images: channels-last (N, H, W, C), one thread per output element ------------------------
+#
+# Output position (oh, ow) reads the window whose top-left input element is
+# (oh*stride_h - pad_top, ow*stride_w - pad_left), as in the CPU kernels. Each kernel takes a
+# flat 1-D grid over the elements it writes (ELEMENT_THREADS per block) and decodes the flat
+# index into (n, h, w, c) itself. Backward passes gather: the thread that owns an input
+# element sums over the windows that read it, so no two threads write one element and no
+# atomics are needed (the sums' order, and so their value, is fixed).
+
+# Threads per block of the flat element kernels.
+ELEMENT_THREADS = 256
+
+
+@cuda.jit(device=True)
+def _unflatten4(i, shape):
+    """(a, b, c, d) of flat index i in a C-ordered array of `shape` (4-D)."""
+    d = i % shape[3]
+    i //= shape[3]
+    c = i % shape[2]
+    i //= shape[2]
+    return i // shape[1], i % shape[1], c, d
+
+
+@cuda.jit(device=True)
+def _first_window(pos, pad, pool, stride, out_size):
+    """[first, stop) of the output positions whose window covers input position pos."""
+    p = pos + pad
+    # o*stride <= p < o*stride + pool  <=>  (p - pool) // stride < o <= p // stride
+    first = max((p - pool) // stride + 1, 0) if p >= pool else 0
+    return first, min(p // stride + 1, out_size)
+
+
+@cuda.jit
+def conv2d_forward_kernel(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu):
+    """out[n, oh, ow, f] = b[f] + sum over the window of x * w[:, :, :, f], then ReLU if `relu`."""
+    i = cuda.grid(1)
+    if i >= out.size:
+        return
+    n, oh, ow, f = _unflatten4(i, out.shape)
+    acc = b[f]
+    for ki in range(w.shape[0]):
+        h = oh * stride_h - pad_top + ki
+        if 0 <= h < x.shape[1]:
+            for kj in range(w.shape[1]):
+                col = ow * stride_w - pad_left + kj
+                if 0 <= col < x.shape[2]:
+                    for c in range(x.shape[3]):
+                        acc += x[n, h, col, c] * w[ki, kj, c, f]
+    # `acc < 0` (not `not acc > 0`) keeps NaN, as the CPU kernel and the twin do.
+    if relu and acc < 0:
+        acc = float32(0.0)
+    out[n, oh, ow, f] = acc
+
+
+@cuda.jit
+def conv2d_dw_kernel(x, dy, dw, stride_h, stride_w, pad_top, pad_left):
+    """dw[ki, kj, c, f] = sum over every output pixel of x at tap (ki, kj, c) times dy[.., f].
+
+    One block per element of dw: its REDUCE_THREADS threads take strided slices of the
+    N*OH*OW pixels, then a tree adds their partial sums in shared memory.
+    """
+    part = cuda.shared.array(REDUCE_THREADS, float32)
+    t = cuda.threadIdx.x
+    ki, kj, c, f = _unflatten4(cuda.blockIdx.x, dw.shape)
+    oh_n, ow_n = dy.shape[1], dy.shape[2]
+    acc = float32(0.0)
+    for r in range(t, dy.shape[0] * oh_n * ow_n, REDUCE_THREADS):
+        ow = r % ow_n
+        oh = (r // ow_n) % oh_n
+        n = r // (ow_n * oh_n)
+        h, col = oh * stride_h - pad_top + ki, ow * stride_w - pad_left + kj
+        if 0 <= h < x.shape[1] and 0 <= col < x.shape[2]:
+            acc += x[n, h, col, c] * dy[n, oh, ow, f]
+    part[t] = acc
+    step = REDUCE_THREADS // 2
+    while step > 0:
+        # The previous level's partial sums are all written before this level reads them.
+        cuda.syncthreads()
+        if t < step:
+            part[t] += part[t + step]
+        step //= 2
+    if t == 0:
+        dw[ki, kj, c, f] = part[0]
+
+
+@cuda.jit
+def conv2d_dx_kernel(w, dy, dx, stride_h, stride_w, pad_top, pad_left):
+    """dx[n, h, col, c] = sum over the windows that read it of dy[n, oh, ow, :] . w[ki, kj, c, :]."""
+    i = cuda.grid(1)
+    if i >= dx.size:
+        return
+    n, h, col, c = _unflatten4(i, dx.shape)
+    acc = float32(0.0)
+    oh0, oh1 = _first_window(h, pad_top, w.shape[0], stride_h, dy.shape[1])
+    ow0, ow1 = _first_window(col, pad_left, w.shape[1], stride_w, dy.shape[2])
+    for oh in range(oh0, oh1):
+        ki = h + pad_top - oh * stride_h
+        for ow in range(ow0, ow1):
+            kj = col + pad_left - ow * stride_w
+            for f in range(w.shape[3]):
+                acc += dy[n, oh, ow, f] * w[ki, kj, c, f]
+    dx[n, h, col, c] = acc
+
+
+@cuda.jit
+def maxpool2d_forward_kernel(x, out, argmax, pool_h, pool_w, stride_h, stride_w, pad_top, pad_left):
+    """out = the window's max, argmax = its flat index h*W + w; the CPU kernel's tie and NaN rules."""
+    i = cuda.grid(1)
+    if i >= out.size:
+        return
+    n, oh, ow, c = _unflatten4(i, out.shape)
+    h0, h1 = max(oh * stride_h - pad_top, 0), min(oh * stride_h - pad_top + pool_h, x.shape[1])
+    w0, w1 = max(ow * stride_w - pad_left, 0), min(ow * stride_w - pad_left + pool_w, x.shape[2])
+    best, arg = float32(0.0), -1
+    if h0 < h1 and w0 < w1:
+        best, arg = x[n, h0, w0, c], h0 * x.shape[2] + w0
+        for h in range(h0, h1):
+            for col in range(w0, w1):
+                v = x[n, h, col, c]
+                if v > best:
+                    best, arg = v, h * x.shape[2] + col
+    out[n, oh, ow, c] = best
+    argmax[n, oh, ow, c] = arg
+
+
+@cuda.jit
+def maxpool2d_backward_kernel(dy, argmax, dx):
+    """dx[n, a // W, a % W, c] += dy[n, oh, ow, c] for a = argmax[n, oh, ow, c] (dx zeroed first).
+
+    A scatter, as the CPU kernel: the argmax is all it knows of the windows. The add is atomic
+    since overlapping windows can choose one element; with windows that do not overlap (the
+    usual pool == stride) every element gets at most one add, so the result is exact.
+    """
+    i = cuda.grid(1)
+    if i >= dy.size:
+        return
+    n, oh, ow, c = _unflatten4(i, dy.shape)
+    a = argmax[n, oh, ow, c]
+    if 0 <= a < dx.shape[1] * dx.shape[2]:
+        cuda.atomic.add(dx, (n, a // dx.shape[2], a % dx.shape[2], c), dy[n, oh, ow, c])
+
+
+@cuda.jit(device=True)
+def _window_count(o, stride, pad, pool, size):
+    return max(min(o * stride - pad + pool, size) - max(o * stride - pad, 0), 0)
+
+
+@cuda.jit
+def avgpool2d_forward_kernel(x, out, pool_h, pool_w, stride_h, stride_w, pad_top, pad_left):
+    """out = mean of the window's elements inside the image (0 for a window with none)."""
+    i = cuda.grid(1)
+    if i >= out.size:
+        return
+    n, oh, ow, c = _unflatten4(i, out.shape)
+    h0, w0 = max(oh * stride_h - pad_top, 0), max(ow * stride_w - pad_left, 0)
+    h1 = min(oh * stride_h - pad_top + pool_h, x.shape[1])
+    w1 = min(ow * stride_w - pad_left + pool_w, x.shape[2])
+    acc = float32(0.0)
+    for h in range(h0, h1):
+        for col in range(w0, w1):
+            acc += x[n, h, col, c]
+    count = _window_count(oh, stride_h, pad_top, pool_h, x.shape[1]) * \
+        _window_count(ow, stride_w, pad_left, pool_w, x.shape[2])
+    out[n, oh, ow, c] = acc / max(count, 1)
+
+
+@cuda.jit
+def avgpool2d_backward_kernel(dy, dx, pool_h, pool_w, stride_h, stride_w, pad_top, pad_left):
+    """dx[n, h, w, c] = sum over the windows that hold it of dy / the window's count."""
+    i = cuda.grid(1)
+    if i >= dx.size:
+        return
+    n, h, col, c = _unflatten4(i, dx.shape)
+    acc = float32(0.0)
+    oh0, oh1 = _first_window(h, pad_top, pool_h, stride_h, dy.shape[1])
+    ow0, ow1 = _first_window(col, pad_left, pool_w, stride_w, dy.shape[2])
+    for oh in range(oh0, oh1):
+        rows = _window_count(oh, stride_h, pad_top, pool_h, dx.shape[1])
+        for ow in range(ow0, ow1):
+            count = rows * _window_count(ow, stride_w, pad_left, pool_w, dx.shape[2])
+            acc += dy[n, oh, ow, c] / max(count, 1)
+    dx[n, h, col, c] = acc
+
+
+# -- elementwise (flat 1-D views), embedding, binary cross-entropy ---------------------------
+
+# Activation kinds as the kernels take them (the launchers map the names).
+ACTIVATION_CODES = {"relu": 0, "sigmoid": 1, "tanh": 2, "linear": 3}
+
+
+@cuda.jit(device=True)
+def _sigmoid(z):
+    """1 / (1 + exp(-z)) from e = exp(-|z|) <= 1, so no exp overflows whatever z's sign."""
+    e = math.exp(-abs(z))
+    return float32(1.0) / (1 + e) if z >= 0 else e / (1 + e)
+
+
+@cuda.jit
+def activation_forward_kernel(code, x, out):
+    i = cuda.grid(1)
+    if i >= x.shape[0]:
+        return
+    v = x[i]
+    if code == 0:
+        out[i] = float32(0.0) if v < 0 else v   # `v < 0` keeps NaN
+    elif code == 1:
+        out[i] = _sigmoid(v)
+    elif code == 2:
+        out[i] = math.tanh(v)
+    else:
+        out[i] = v
+
+
+@cuda.jit
+def activation_backward_kernel(code, y, dy, dx):
+    i = cuda.grid(1)
+    if i >= y.shape[0]:
+        return
+    v, g = y[i], dy[i]
+    if code == 0:
+        dx[i] = g if v > 0 else float32(0.0)
+    elif code == 1:
+        dx[i] = g * v * (1 - v)
+    elif code == 2:
+        dx[i] = g * (1 - v * v)
+    else:
+        dx[i] = g
+
+
+# splitmix64's constants (see pserver.kernels.reference.dropout_forward), as uint64.
+_GAMMA = uint64(0x9E3779B97F4A7C15)
+_MUL1 = uint64(0xBF58476D1CE4E5B9)
+_MUL2 = uint64(0x94D049BB133111EB)
+
+
+@cuda.jit
+def dropout_forward_kernel(x, out, mask, threshold, scale, seed):
+    """mask[i] = scale if the i-th splitmix64 draw's top 24 bits reach threshold, else 0."""
+    i = cuda.grid(1)
+    if i >= x.shape[0]:
+        return
+    z = seed + (uint64(i) + uint64(1)) * _GAMMA
+    z = (z ^ (z >> uint64(30))) * _MUL1
+    z = (z ^ (z >> uint64(27))) * _MUL2
+    z = z ^ (z >> uint64(31))
+    m = scale if z >> uint64(40) >= threshold else float32(0.0)
+    mask[i] = m
+    out[i] = x[i] * m
+
+
+@cuda.jit
+def multiply_kernel(a, b, out):
+    """out = a * b, element by element (dropout's backward)."""
+    i = cuda.grid(1)
+    if i < a.shape[0]:
+        out[i] = a[i] * b[i]
+
+
+@cuda.jit
+def embedding_forward_kernel(ids, table, out):
+    """out[n, l, :] = table[ids[n, l], :]; an id outside [0, V) gives a row of NaN."""
+    i = cuda.grid(1)
+    if i >= out.size:
+        return
+    d = i % out.shape[2]
+    r = i // out.shape[2]
+    n, pos = r // out.shape[1], r % out.shape[1]
+    row = ids[n, pos]
+    out[n, pos, d] = table[row, d] if 0 <= row < table.shape[0] else math.nan
+
+
+@cuda.jit
+def fill_kernel(a, value):
+    i = cuda.grid(1)
+    if i < a.shape[0]:
+        a[i] = value
+
+
+@cuda.jit
+def embedding_backward_kernel(ids, dy, dtable):
+    """dtable[ids[n, l], :] += dy[n, l, :]; ids outside [0, V) are skipped.
+
+    Atomic adds: a repeated id is a row that several threads add to, and a gather over the
+    ids per table row would read every id for every row.
+    """
+    i = cuda.grid(1)
+    if i >= dy.size:
+        return
+    d = i % dy.shape[2]
+    r = i // dy.shape[2]
+    n, pos = r // dy.shape[1], r % dy.shape[1]
+    row = ids[n, pos]
+    if 0 <= row < dtable.shape[0]:
+        cuda.atomic.add(dtable, (row, d), dy[n, pos, d])
+
+
+@cuda.jit
+def sigmoid_bce_rows(z, y, dz, row_loss):
+    """Row i: row_loss[i] = the binary cross-entropy of logit z[i]; dz[i] = (sigmoid - y) / n."""
+    i = cuda.grid(1)
+    n = z.shape[0]
+    if i < n:
+        v, t = z[i], y[i]
+        dz[i] = (_sigmoid(v) - t) / float32(n)
+        row_loss[i] = max(v, float32(0.0)) - v * t + math.log1p(math.exp(-abs(v)))
+
+
 # -- launchers ------------------------------------------------------------------------------
 
 def matmul(A, B, C, trans_a=False, trans_b=False, *, stream=0):
@@ -365,3 +674,157 @@ def _loss_now(into, out, y, dout, stream) -> float:
     if stream:  # an async copy on a stream: wait for it (the default stream's copy already did)
         stream.synchronize()
     return float(host[0])
+
+
+# -- layer launchers: the CPU kernels' names and arguments, on device arrays ----------------
+
+def _launch_elements(kernel, count, stream, *args):
+    """kernel over a flat 1-D grid of `count` threads, ELEMENT_THREADS per block."""
+    if count:
+        kernel[_blocks(count, ELEMENT_THREADS), ELEMENT_THREADS, stream](*args)
+
+
+def _flat(a):
+    return a.reshape(a.size)
+
+
+def _check_image_shapes(name, x, out, channels_out):
+    if len(x.shape) != 4 or len(out.shape) != 4 or out.shape[0] != x.shape[0] \
+            or out.shape[3] != channels_out:
+        raise ValueError(f"{name}: x {x.shape}, out {out.shape}")
+
+
+def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu, *, stream=0):
+    """out[:] = conv(x, w) + b, then ReLU if `relu`. x (N,H,W,C), w (KH,KW,C,F), out (N,OH,OW,F)."""
+    _check_image_shapes("conv2d_forward", x, out, w.shape[3])
+    if w.shape[2] != x.shape[3] or b.shape != (w.shape[3],):
+        raise ValueError(f"conv2d_forward: x {x.shape}, w {w.shape}, b {b.shape}")
+    # One thread per output element.
+    _launch_elements(conv2d_forward_kernel, out.size, stream, x, w, b, out,
+                     stride_h, stride_w, pad_top, pad_left, bool(relu))
+
+
+def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left, *, stream=0):
+    """dw, db (and dx unless it is None) from dy = d loss / d pre-activation (N,OH,OW,F)."""
+    _check_image_shapes("conv2d_backward", x, dy, w.shape[3])
+    if dw.shape != w.shape or (dx is not None and dx.shape != x.shape):
+        raise ValueError(f"conv2d_backward: x {x.shape}, w {w.shape}, dw {dw.shape}")
+    if dw.size:
+        # One block of REDUCE_THREADS per element of dw (see conv2d_dw_kernel).
+        conv2d_dw_kernel[dw.size, REDUCE_THREADS, stream](x, dy, dw, stride_h, stride_w,
+                                                          pad_top, pad_left)
+    column_sum(dy.reshape(dy.size // dy.shape[3], dy.shape[3]), db, stream=stream)
+    if dx is not None:
+        # One thread per input element, gathering from the windows that read it.
+        _launch_elements(conv2d_dx_kernel, dx.size, stream, w, dy, dx, stride_h, stride_w,
+                         pad_top, pad_left)
+
+
+def maxpool2d_forward(x, out, argmax, pool_h, pool_w, stride_h, stride_w, pad_top, pad_left, *,
+                      stream=0):
+    """out[:] = each window's max; argmax[:] = its flat index h*W + w (int32)."""
+    _check_image_shapes("maxpool2d_forward", x, out, x.shape[3])
+    if argmax.shape != out.shape:
+        raise ValueError(f"maxpool2d_forward: out {out.shape}, argmax {argmax.shape}")
+    # One thread per output element.
+    _launch_elements(maxpool2d_forward_kernel, out.size, stream, x, out, argmax,
+                     pool_h, pool_w, stride_h, stride_w, pad_top, pad_left)
+
+
+def maxpool2d_backward(dy, argmax, dx, *, stream=0):
+    """dx[:] = 0, then each dy element added at its window's argmax (overlapping windows add)."""
+    if argmax.shape != dy.shape or dx.shape[0] != dy.shape[0] or dx.shape[3] != dy.shape[3]:
+        raise ValueError(f"maxpool2d_backward: dy {dy.shape}, argmax {argmax.shape}, dx {dx.shape}")
+    # One thread per element: zero dx, then one per dy element to scatter it.
+    _launch_elements(fill_kernel, dx.size, stream, _flat(dx), float32(0.0))
+    _launch_elements(maxpool2d_backward_kernel, dy.size, stream, dy, argmax, dx)
+
+
+def avgpool2d_forward(x, out, pool_h, pool_w, stride_h, stride_w, pad_top, pad_left, *, stream=0):
+    """out[:] = mean of each window's elements inside the image (padding not counted)."""
+    _check_image_shapes("avgpool2d_forward", x, out, x.shape[3])
+    # One thread per output element.
+    _launch_elements(avgpool2d_forward_kernel, out.size, stream, x, out, pool_h, pool_w,
+                     stride_h, stride_w, pad_top, pad_left)
+
+
+def avgpool2d_backward(dy, dx, pool_h, pool_w, stride_h, stride_w, pad_top, pad_left, *, stream=0):
+    """dx[:] = each window's dy / its count, spread over its elements inside the image."""
+    _check_image_shapes("avgpool2d_backward", dx, dy, dx.shape[3])
+    # One thread per input element, gathering from the windows that hold it.
+    _launch_elements(avgpool2d_backward_kernel, dx.size, stream, dy, dx, pool_h, pool_w,
+                     stride_h, stride_w, pad_top, pad_left)
+
+
+def _activation_code(kind) -> int:
+    if kind not in ACTIVATION_CODES:
+        raise ValueError(f"activation: unknown kind {kind!r}; choose one of {', '.join(ACTIVATION_CODES)}")
+    return ACTIVATION_CODES[kind]
+
+
+def activation_forward(kind, x, out, *, stream=0):
+    """out[:] = f(x) for f = relu | sigmoid | tanh | linear; any shape."""
+    code = _activation_code(kind)
+    # One thread per element of the flat views.
+    _launch_elements(activation_forward_kernel, x.size, stream, code, _flat(x), _flat(out))
+
+
+def activation_backward(kind, y, dy, dx, *, stream=0):
+    """dx[:] = dy * f'(.), written in terms of the activation's output y."""
+    code = _activation_code(kind)
+    # One thread per element of the flat views.
+    _launch_elements(activation_backward_kernel, y.size, stream, code, _flat(y), _flat(dy), _flat(dx))
+
+
+def dropout_forward(x, out, mask, rate, seed, *, stream=0):
+    """mask[:] = 0 or 1/(1 - rate) per element, the same mask as every backend's for this
+    seed (see reference.dropout_forward); out = x * mask."""
+    threshold = uint64(reference.dropout_threshold(rate, seed))
+    # One thread per element of the flat views.
+    _launch_elements(dropout_forward_kernel, x.size, stream, _flat(x), _flat(out), _flat(mask),
+                     threshold, float32(1 / (1 - rate)), uint64(seed))
+
+
+def dropout_backward(dy, mask, dx, *, stream=0):
+    """dx[:] = dy * mask."""
+    # One thread per element of the flat views.
+    _launch_elements(multiply_kernel, dy.size, stream, _flat(dy), _flat(mask), _flat(dx))
+
+
+def embedding_forward(ids, table, out, *, stream=0):
+    """out[n, l] = table[ids[n, l]]. ids int (N, L), table (V, D), out (N, L, D).
+
+    Ids are not checked here (that would need them on the host): an id outside [0, V) reads
+    nothing and gives a row of NaN, which the loss then shows.
+    """
+    if out.shape != (*ids.shape, table.shape[1]):
+        raise ValueError(f"embedding_forward: ids {ids.shape}, table {table.shape}, out {out.shape}")
+    # One thread per output element.
+    _launch_elements(embedding_forward_kernel, out.size, stream, ids, table, out)
+
+
+def embedding_backward(ids, dy, dtable, *, stream=0):
+    """dtable[:] = 0, then dy[n, l] added to row ids[n, l] (repeated ids add; others skipped)."""
+    if dy.shape != (*ids.shape, dtable.shape[1]):
+        raise ValueError(f"embedding_backward: ids {ids.shape}, dy {dy.shape}, dtable {dtable.shape}")
+    # One thread per element: zero the table, then one per dy element to scatter it.
+    _launch_elements(fill_kernel, dtable.size, stream, _flat(dtable), float32(0.0))
+    _launch_elements(embedding_backward_kernel, dy.size, stream, ids, dy, dtable)
+
+
+def sigmoid_bce_into(logits, y, dlogits, row_loss, loss, *, stream=0):
+    """dlogits as `sigmoid_bce`; the mean loss goes to loss[0] on the device (no wait)."""
+    n = logits.size
+    if y.shape != (n,) or dlogits.shape != logits.shape or row_loss.shape != (n,) or n == 0 \
+            or logits.shape not in ((n,), (n, 1)):
+        raise ValueError(f"sigmoid_bce: logits {logits.shape}, y {y.shape}, "
+                         f"dlogits {dlogits.shape}, row_loss {row_loss.shape}")
+    # One thread per row, ROW_THREADS rows per block.
+    sigmoid_bce_rows[_blocks(n, ROW_THREADS), ROW_THREADS, stream](_flat(logits), y, _flat(dlogits),
+                                                                  row_loss)
+    scaled_sum(row_loss, 1.0 / n, loss, stream=stream)
+
+
+def sigmoid_bce(logits, y, dlogits, *, stream=0):
+    """Mean binary cross-entropy from logits; dlogits[:] = (sigmoid(logits) - y) / n. Waits."""
+    return _loss_now(sigmoid_bce_into, logits, y, dlogits, stream)
