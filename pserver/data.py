@@ -106,9 +106,50 @@ class Dataset:
     def task(self) -> str:
         return "regression" if self.num_classes == 0 else "classification"
 
+    def steps(self, num_workers: int, batch_size: int) -> int:
+        return steps_per_epoch(self.num_train, num_workers, batch_size)
 
-def describe(ds: Dataset) -> str:
+    def epoch(self, rank: int, num_workers: int, batch_size: int, seed: int,
+              epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return iterate_batches(self, rank, num_workers, batch_size, seed, epoch)
+
+
+@dataclass(frozen=True, eq=False)
+class Stream:
+    """One worker's training data as (x, y) batches from Python, for data larger than memory.
+
+    `source` is an iterable of batches, or a function returning one: it is called each epoch,
+    so a generator that reads the user's files starts over. Each worker is given its own
+    batches (the split by rank is the caller's, as with TensorFlow's per-worker datasets);
+    in sync mode every worker should yield the same number per epoch. x_test/y_test are the
+    chief's evaluation set, or None (no evaluation).
+    """
+    name: str
+    source: object
+    x_test: np.ndarray | None = None
+    y_test: np.ndarray | None = None
+    num_classes: int = 0
+
+    def steps(self, num_workers: int, batch_size: int) -> int:
+        return 0   # unknown until the source runs out
+
+    def epoch(self, rank: int, num_workers: int, batch_size: int, seed: int,
+              epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        batches = self.source() if callable(self.source) else self.source
+        if epoch > 0 and iter(batches) is batches and not callable(self.source):
+            raise DataError(f"{self.name}: an iterator runs out after one epoch; for --epochs > 1 "
+                            "pass a function that returns a fresh one")
+        for i, batch in enumerate(batches):
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise DataError(f"{self.name}: batch {i} is a {type(batch).__name__}, not an (x, y) pair")
+            yield np.asarray(batch[0]), np.asarray(batch[1])
+
+
+def describe(ds: Dataset | Stream) -> str:
     """One line for the worker's log: what it trains on."""
+    if isinstance(ds, Stream):
+        test = "no test set" if ds.x_test is None else f"{len(ds.x_test)} test samples"
+        return f"dataset {ds.name}: batches from Python, {test}"
     kind = "regression" if ds.num_classes == 0 else f"{ds.num_classes} classes"
     shape = (f"{ds.features} features" if len(ds.sample_shape) == 1
              else f"samples of shape {ds.sample_shape}")

@@ -27,7 +27,7 @@ class Progress:
         now = time.monotonic()
         if force or now - self.last >= self.every:
             rate = (self.samples - self.last_samples) / max(now - self.last, 1e-9)
-            print(f"epoch {epoch + 1}/{self.epochs} step {step + 1}/{self.steps} "
+            print(f"epoch {epoch + 1}/{self.epochs} step {step + 1}/{self.steps or '?'} "
                   f"loss {self.loss_sum / self.loss_n:.4f} {rate:,.0f} samples/s", flush=True)
             self.last, self.last_samples = now, self.samples
             self.loss_sum, self.loss_n = 0.0, 0
@@ -101,11 +101,15 @@ def combine_counters(statuses: Sequence) -> dict:
 def format_summary(s: dict) -> str:
     acc = s.get("test_accuracy")
     metric = f"test accuracy {acc:.4f}" if acc is not None else f"test r2 {s.get('test_r2', 0):.4f}"
+    if s.get("test_loss") is None:
+        metric = "no test set"      # a Stream from Python without one
+    else:
+        metric += f", test loss {s['test_loss']:.4f}"
     lines = [
         f"== pserver run summary: {s['mode']}, {s['num_shards']} shard(s), {s['num_workers']} worker(s) ==",
         f"model {s['model']} ({s['num_params']:,} params), dataset {s['dataset']}, "
         f"optimizer {s['optimizer']} lr {s['lr']:g}, batch {s['batch_size']}/worker, {s['epochs']} epoch(s)",
-        f"{metric}, test loss {s['test_loss']:.4f}",
+        metric,
         f"{s['steps']} steps in {s['wall_seconds']:.1f} s: {s['train_samples_per_second']:,.0f} train samples/s",
         f"pushes: {s['pushes_applied']} applied, {s['pushes_aggregated']} aggregated, "
         f"{s['pushes_dropped_late']} dropped late, {s['pushes_rejected']} rejected; "

@@ -14,10 +14,10 @@ import numpy as np
 
 from pserver.client import PSClient
 from pserver.config import WorkerConfig
-from pserver.data import Dataset, as_task, describe, iterate_batches, load_dataset, steps_per_epoch
+from pserver.data import Dataset, Stream, as_task, describe, load_dataset
 from pserver.device import describe as describe_device
 from pserver.device import parse_device, select
-from pserver.errors import DeadlineExceeded, FailedPrecondition
+from pserver.errors import DeadlineExceeded, FailedPrecondition, PServerError
 from pserver.metrics import (EvalCurve, Progress, StepTimer, combine_counters, format_summary,
                              write_json)
 from pserver.models import make_model
@@ -41,13 +41,19 @@ def build(cfg: WorkerConfig):
     return device, fit_data(model, ds), model
 
 
-def fit_data(model, ds: Dataset) -> Dataset:
+def fit_data(model, ds: Dataset | Stream) -> Dataset | Stream:
     """The dataset as the model takes it: float targets for a regression loss, samples
     reshaped to the model's input, everything checked (DataError naming layer and shapes).
-    A model without `check_data` (a user's protocol object) gets the data as it is."""
+    A model without `check_data` (a user's protocol object) gets the data as it is; a
+    Stream's batches are checked by the model as they come, its test set here."""
+    check = getattr(model, "check_data", None)
+    if isinstance(ds, Stream):
+        if check is None or ds.x_test is None:
+            return ds
+        x_test = check(ds.x_test, ds.y_test, f"{ds.name} test set")
+        return Stream(ds.name, ds.source, x_test, ds.y_test, ds.num_classes)
     if getattr(model, "task", None) == "regression":
         ds = as_task(ds, "regression")
-    check = getattr(model, "check_data", None)
     if check is None:
         return ds
     x_train = check(ds.x_train, ds.y_train, f"{ds.name} training set")
@@ -73,6 +79,9 @@ def model_name(model) -> str:
 
 
 def evaluate(model, w, ds, cfg: WorkerConfig) -> dict:
+    """The model's metrics on the test set ({} when there is none: a Stream without one)."""
+    if ds.x_test is None:
+        return {}
     return model.evaluate(w, ds.x_test, ds.y_test, batch_size=cfg.eval_batch)
 
 
@@ -103,21 +112,37 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model) -> dict | None:
         history = train(cfg, ds, model, client, w)
         client.leave()
         if cfg.rank != 0:
+            say_if_chief_gone(client)
             return None
         return finish(cfg, ds, model, client, w, mode, history, started)
     finally:
         client.close()
 
 
+def say_if_chief_gone(client: PSClient) -> None:
+    """A worker's last line says so when the chief is gone: no final evaluation or summary
+    will come from it (a restarted chief rejoins and writes them)."""
+    try:
+        statuses = client.status()
+    except PServerError:
+        return
+    if any(0 in st.dead_workers for st in statuses):
+        print("the chief (rank 0) is gone: the shards marked it dead, so no final evaluation or "
+              "summary will be written unless it is restarted", flush=True)
+
+
 def warm_up(model, w: np.ndarray, ds, batch_size: int) -> None:
     """One forward+backward, result discarded: loading the compiled kernels and sizing the
-    activation buffers happen here, not inside the first timed step."""
+    activation buffers happen here, not inside the first timed step. (A Stream's batches are
+    the user's to read once, so its first step does this instead.)"""
+    if isinstance(ds, Stream):
+        return
     n = min(batch_size, ds.num_train)
     model.loss_and_grad(w, ds.x_train[:n], ds.y_train[:n], np.empty_like(w))
 
 
 def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict:
-    steps = steps_per_epoch(ds.num_train, cfg.num_workers, cfg.batch_size)
+    steps = ds.steps(cfg.num_workers, cfg.batch_size)
     g = np.empty_like(w)
     gradient = gradient_fn(model, cfg.seed, cfg.rank)
     delay = Delay(cfg.delay, cfg.seed, cfg.rank)
@@ -125,14 +150,14 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict
     timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
     clock, epochs_log, outcomes = 0, [], {}
     for epoch in range(cfg.epochs):
-        for step, (x, y) in enumerate(iterate_batches(ds, cfg.rank, cfg.num_workers,
-                                                      cfg.batch_size, cfg.seed, epoch)):
+        for step, (x, y) in enumerate(ds.epoch(cfg.rank, cfg.num_workers, cfg.batch_size,
+                                               cfg.seed, epoch)):
             with timer("compute"):
                 loss = gradient(w, x, y, g, clock)
             with timer("delay"):
                 delay.sleep()
             with timer("push"):
-                for outcome in push(client, g, cfg.batch_size, clock):
+                for outcome in push(client, g, len(x), clock):
                     outcomes[outcome] = outcomes.get(outcome, 0) + 1
             clock += 1
             with timer("pull"):
@@ -188,10 +213,15 @@ def ask_checkpoint(client: PSClient) -> None:
 
 def log_epoch(cfg, ds, model, w, epoch, elapsed) -> dict:
     ev = evaluate(model, w, ds, cfg)
-    metric = (f"test accuracy {ev['accuracy']:.4f}" if "accuracy" in ev else f"test r2 {ev['r2']:.4f}")
-    print(f"epoch {epoch + 1}/{cfg.epochs} done in {elapsed:.1f} s: {metric}, "
-          f"test loss {ev['loss']:.4f}", flush=True)
+    print(f"epoch {epoch + 1}/{cfg.epochs} done in {elapsed:.1f} s: {format_metrics(ev)}", flush=True)
     return {"epoch": epoch + 1, "seconds": round(elapsed, 3), **ev}
+
+
+def format_metrics(ev: dict) -> str:
+    if not ev:
+        return "no test set"
+    shown = [f"test {k} {ev[k]:.4f}" for k in ("accuracy", "auc", "r2") if k in ev]
+    return ", ".join(shown + [f"test loss {ev['loss']:.4f}"])
 
 
 def wait_for_others(client: PSClient, timeout: float) -> None:
@@ -217,7 +247,7 @@ def finish(cfg, ds, model, client, w, mode, history, started) -> dict:
         "dataset": ds.name, "model": model_name(model), "num_params": model.layout.total,
         "optimizer": statuses[0].optimizer, "lr": statuses[0].lr, "batch_size": cfg.batch_size,
         "epochs": cfg.epochs, "seed": cfg.seed,
-        "test_accuracy": ev.get("accuracy"), "test_loss": ev["loss"], "test_r2": ev.get("r2"),
+        "test_accuracy": ev.get("accuracy"), "test_loss": ev.get("loss"), "test_r2": ev.get("r2"), "test_auc": ev.get("auc"),
         "wall_seconds": round(wall, 3),
         "train_samples_per_second": counters["samples_trained"] / wall if wall > 0 else 0.0,
         "per_epoch": history["epochs"], "eval_curve": history["curve"], "chief": history["stats"],

@@ -1,0 +1,117 @@
+"""The Python API: serve a shard and train a model from a script or a notebook.
+
+    shard = pserver.serve(mode="sync", optimizer="adam", lr=1e-3, num_workers=1)
+    summary = pserver.train(model, x, y, ps=[shard.address], validation_data=(x_test, y_test))
+    shard.stop()
+
+or, all in this process, `pserver.train(model, x, y, ps=2, optimizer="adam", lr=1e-3)`, which
+starts two shards here, trains one worker and stops them. `pserver serve` and `pserver worker`
+run the same code (pserver.server.app, pserver.worker) from flags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from pserver.config import ServerConfig, WorkerConfig
+from pserver.data import Stream, from_arrays
+from pserver.errors import ConfigError
+
+
+@dataclass
+class Server:
+    """A shard serving in this process (gRPC threads); stop() it, or use it as a context."""
+    address: str
+    config: ServerConfig
+    _server: object
+    _shard: object
+
+    def stop(self, grace: float = 2.0) -> None:
+        self._shard.close()             # wake pulls that wait for a step
+        self._server.stop(grace=grace).wait()
+
+    def status(self) -> dict:
+        return self._shard.status()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(*, port: int = 0, host: str = "127.0.0.1", **options) -> Server:
+    """Start one shard in this process. `options` are ServerConfig's fields, the `pserver
+    serve` flags with underscores: shard, num_shards, num_workers, mode, optimizer, lr, ...
+    Port 0 (the default) picks a free port: see `.address`."""
+    from pserver.server.app import create_server
+    cfg = ServerConfig(host=host, port=port, **options)
+    server, bound, shard = create_server(cfg)
+    return Server(f"{host}:{bound}", cfg, server, shard)
+
+
+def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_workers: int = 1,
+          **options) -> dict | None:
+    """Train `model` (a Sequential, or an object with the model protocol) as worker `rank`.
+
+    x, y: arrays (a seeded tenth is held out for evaluation unless validation_data=(x, y)
+    is given), or x alone as an iterable of (x, y) batches, or a function returning one per
+    epoch: this worker's data, streamed. ps: shard addresses, or a number of shards to start
+    in this process for this one worker (they take the shard options: mode, optimizer, lr,
+    ...). Other `options` are WorkerConfig's fields (batch_size, epochs, seed, max_steps,
+    device, ...). Returns the run summary on the chief (rank 0), None on the others.
+    """
+    if isinstance(ps, int) and not isinstance(ps, bool):
+        return _train_on_own_shards(model, x, y, ps, validation_data, options)
+    cfg = WorkerConfig(ps=_addresses(ps), rank=rank, num_workers=num_workers, **options)
+    return _run(cfg, model, _data(x, y, validation_data, cfg.seed))
+
+
+def _run(cfg: WorkerConfig, model, data) -> dict | None:
+    from pserver.device import parse_device, select
+    from pserver.models import on_device
+    from pserver.worker import fit_data, run
+    device = select(parse_device(cfg.device))
+    model = on_device(model, device.backend)
+    return run(cfg, device, fit_data(model, data), model)
+
+
+def _train_on_own_shards(model, x, y, num_shards, validation_data, options) -> dict | None:
+    if num_shards < 1:
+        raise ConfigError(f"ps: a number of shards must be >= 1, got {num_shards}")
+    shard_fields = set(ServerConfig.__dataclass_fields__) - {"host", "port", "shard", "num_shards"}
+    shard_opts = {k: options.pop(k) for k in list(options) if k in shard_fields}
+    shard_opts.pop("num_workers", None)
+    cfg_seed = options.get("seed", 0)
+    data = _data(x, y, validation_data, cfg_seed)
+    with contextlib.ExitStack() as stack:
+        shards = [stack.enter_context(serve(shard=j, num_shards=num_shards, num_workers=1,
+                                            **shard_opts)) for j in range(num_shards)]
+        cfg = WorkerConfig(ps=tuple(s.address for s in shards), **options)
+        return _run(cfg, model, data)
+
+
+def _addresses(ps) -> tuple[str, ...]:
+    from pserver.config import parse_address
+    if isinstance(ps, str):
+        ps = ps.split(",")
+    return tuple(parse_address(a, "ps") for a in ps)
+
+
+def _data(x, y, validation_data, seed: int):
+    test = (None, None) if validation_data is None else tuple(validation_data)
+    if len(test) != 2:
+        raise ConfigError("validation_data: give (x_test, y_test)")
+    if y is None:
+        if isinstance(x, np.ndarray):
+            raise ConfigError("y: required when x is an array (x alone is an iterable of (x, y) batches)")
+        x_test, y_test = (None, None) if test[0] is None else (np.asarray(test[0]), np.asarray(test[1]))
+        classes = 0 if y_test is None or y_test.dtype.kind == "f" else int(y_test.max()) + 1
+        return Stream("batches", x, x_test, y_test, classes)
+    return from_arrays(x, y, *test, seed=seed)
+
+
+__all__ = ["Server", "serve", "train"]
