@@ -1,0 +1,160 @@
+"""Checkpoint directories that fail under a real shard: full, read-only, unwritable from the
+start, littered by a killed writer, holding only corrupt files.
+
+A full or read-only disk is a small tmpfs of the test's own (tests run as root here and in
+CI, where chmod stops no write). Where mount is not permitted, the directory's path is
+replaced by a regular file instead: every write then fails with an OSError as well."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from pserver.server import checkpoint
+from tests.e2e.conftest import LOGREG, run
+
+pytestmark = pytest.mark.e2e
+
+FAILED_LINE = "not written to"          # the shard's one log line per failed write
+
+
+class Disk:
+    """A directory on its own small tmpfs, which the test fills up or makes read-only."""
+
+    def __init__(self, path, size: str = "1m", read_only: bool = False) -> None:
+        self.path = path
+        path.mkdir()
+        opts = f"size={size}" + (",ro" if read_only else "")
+        self.mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
+                                      capture_output=True).returncode == 0
+        if read_only and not self.mounted:
+            self.replace_by_file()
+
+    def fill(self) -> None:
+        """ENOSPC from now on (a ballast file takes every free block)."""
+        if not self.mounted:
+            return self.replace_by_file()
+        with open(self.path / "ballast", "wb", buffering=0) as f:   # nothing left to flush at close
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+
+    def make_read_only(self) -> None:
+        if not self.mounted:
+            return self.replace_by_file()
+        subprocess.run(["mount", "-o", "remount,ro", str(self.path)], check=True)
+
+    def replace_by_file(self) -> None:
+        if self.path.is_dir():
+            self.path.rename(self.path.with_name(self.path.name + ".away"))
+        self.path.write_text("in the way of the checkpoint directory")
+
+    def close(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+
+
+@pytest.fixture
+def disks(tmp_path):
+    made = []
+
+    def make(name: str, **kw) -> Disk:
+        made.append(Disk(tmp_path / name, **kw))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def wait_until(condition, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.1)
+    return condition()
+
+
+def train_through(procs, tmp_path, disk: Disk, break_disk):
+    """A shard checkpointing every 10 steps and two workers; the disk breaks once the first
+    checkpoint is on it. Returns (shard, chief, summary, the shard's counters)."""
+    shard = procs("serve", "--port", "0", "--num-workers", "2", "--optimizer", "sgd", "--lr", "0.1",
+                  "--checkpoint-dir", str(disk.path), "--checkpoint-every", "10")
+    addr = shard.address()
+    summary = tmp_path / "summary.json"
+    train = [*LOGREG, "--delay", "fixed:0.005"]
+    chief = procs("worker", "--ps", addr, "--rank", "0", "--num-workers", "2", *train, "--summary-json", str(summary))
+    other = procs("worker", "--ps", addr, "--rank", "1", "--num-workers", "2", *train)
+    assert wait_until(lambda: list(disk.path.glob("*.ckpt"))), shard.output
+    break_disk()
+    assert chief.wait() == 0, chief.output[-3000:]
+    assert other.wait() == 0, other.output[-3000:]
+    status = run("status", "--ps", addr, "--json")
+    assert status.returncode == 0, status.stderr
+    counters = json.loads(status.stdout)["shards"][0]["counters"]
+    with open(summary) as f:
+        return shard, chief, json.load(f), {k: int(v) for k, v in counters.items() if k.startswith("checkpoints")}
+
+
+@pytest.mark.parametrize("breakage", ["full", "read-only"])
+def test_a_disk_that_fails_mid_run_never_stops_training(procs, tmp_path, disks, breakage):
+    disk = disks("ckpt", size="256k")
+    shard, chief, summary, counters = train_through(
+        procs, tmp_path, disk, disk.fill if breakage == "full" else disk.make_read_only)
+    assert summary["test_accuracy"] >= 0.9, summary
+    assert counters["checkpoints_written"] >= 1 and counters["checkpoints_failed"] >= 3, counters
+    # one line per failed write, never a traceback; the chief's requests got the reason
+    assert wait_until(lambda: shard.output.count(FAILED_LINE) == counters["checkpoints_failed"], 10), \
+        (counters, shard.output[-3000:])
+    assert "Traceback" not in shard.output and "INTERNAL" not in chief.output
+    assert "checkpoint: shard 0 could not write version" in chief.output and "training goes on" in chief.output
+    if disk.mounted:
+        assert not list(disk.path.glob("*.tmp")), os.listdir(disk.path)
+        newest = checkpoint.load_latest(str(disk.path), 0, 1)     # what was written before still loads
+        assert newest is not None and newest.version >= 10
+
+
+def exit_code_before_listening(p, timeout: float = 60):
+    """The exit code of a process that stops at start, or None if it starts listening."""
+    p.port_seen.wait(timeout)
+    return None if p.port else p.wait(10)
+
+
+def test_an_unwritable_checkpoint_directory_is_refused_at_start(procs, disks):
+    disk = disks("ckpt", read_only=True)
+    shard = procs("serve", "--port", "0", "--checkpoint-dir", str(disk.path))
+    assert exit_code_before_listening(shard) == 2, shard.output
+    lines = shard.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"pserver serve: error: --checkpoint-dir: cannot write checkpoints to {disk.path}"), lines
+
+
+def test_temporary_files_of_a_killed_writer_are_removed_at_start(procs, tmp_path):
+    mine = tmp_path / "shard0-of1-v000000000030.ckpt.4242.tmp"
+    other = tmp_path / "shard0-of2-v000000000030.ckpt.4243.tmp"   # another cluster shape: not ours
+    for f in (mine, other):
+        f.write_bytes(b"the first half of a checkpoint")
+    shard = procs("serve", "--port", "0", "--checkpoint-dir", str(tmp_path))
+    shard.address()
+    assert not mine.exists() and other.exists()
+    assert "removed 1 temporary file(s)" in shard.output
+
+
+def test_restore_with_only_corrupt_checkpoints_refuses_to_start_unless_asked(procs, tmp_path):
+    (tmp_path / "shard0-of1-v000000000040.ckpt").write_bytes(b"PK\x03\x04 torn")
+    (tmp_path / "shard0-of1-v000000000020.ckpt").write_bytes(b"")
+    refused = procs("serve", "--port", "0", "--restore", str(tmp_path))
+    assert exit_code_before_listening(refused) == 2, refused.output
+    error = [line for line in refused.output.splitlines() if line.startswith("pserver serve: error:")]
+    assert len(error) == 1 and "Traceback" not in refused.output, refused.output
+    for name in ("shard0-of1-v000000000040.ckpt: unreadable", "shard0-of1-v000000000020.ckpt: unreadable",
+                 "--restore-fresh-if-corrupt"):
+        assert name in error[0], error[0]
+    fresh = procs("serve", "--port", "0", "--restore", str(tmp_path), "--restore-fresh-if-corrupt")
+    assert exit_code_before_listening(fresh) is None, fresh.output
+    assert "starting fresh as --restore-fresh-if-corrupt asks" in fresh.output
