@@ -23,7 +23,10 @@ DEVICE_BACKENDS = ("cuda",)
 # The functions every backend module defines, with the same signatures (the cuda module's
 # take device arrays and a keyword-only `stream` as well).
 KERNELS = ("dense_forward", "dense_param_grads", "dense_backward", "relu_backward",
-           "softmax_xent", "mse")
+           "softmax_xent", "mse", "sigmoid_bce",
+           "conv2d_forward", "conv2d_backward", "maxpool2d_forward", "maxpool2d_backward",
+           "avgpool2d_forward", "avgpool2d_backward", "activation_forward", "activation_backward",
+           "dropout_forward", "dropout_backward", "embedding_forward", "embedding_backward")
 
 
 def conv_output(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:

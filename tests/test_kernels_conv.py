@@ -1,0 +1,475 @@
+"""The layer kernels (conv, pooling, activations, dropout, embedding, binary cross-entropy):
+the numba CPU kernels against their NumPy twins, the twins against finite differences and
+independent definitions, and the window arithmetic (`conv_output`) against Keras's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pserver.kernels import conv_output, cpu, reference
+
+FAST = settings(max_examples=30, deadline=None)
+GRAD = settings(max_examples=10, deadline=None)
+seeds = st.integers(0, 2**32 - 1)
+
+
+def f32(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def nans(shape, dtype=np.float32):
+    """A buffer a kernel must overwrite: a forgotten element stays NaN (or -7) and fails."""
+    return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -7, dtype)
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+# -- window geometry --------------------------------------------------------------------------
+
+@st.composite
+def geometry(draw, channels_out=True):
+    """An image batch and a window placement: kernels 1-5 up to the input's size (equal
+    included), strides 1-3, 'valid' or 'same'."""
+    h, w = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    g = {"n": draw(st.integers(1, 3)), "h": h, "w": w, "c": draw(st.integers(1, 4)),
+         "f": draw(st.integers(1, 4)) if channels_out else None,
+         "kh": draw(st.integers(1, min(5, h))), "kw": draw(st.integers(1, min(5, w))),
+         "sh": draw(st.integers(1, 3)), "sw": draw(st.integers(1, 3)),
+         "padding": draw(st.sampled_from(["valid", "same"]))}
+    g["oh"], g["pt"] = conv_output(h, g["kh"], g["sh"], g["padding"])
+    g["ow"], g["pl"] = conv_output(w, g["kw"], g["sw"], g["padding"])
+    return g
+
+
+def placement(g):
+    """The kernels' (stride_h, stride_w, pad_top, pad_left)."""
+    return g["sh"], g["sw"], g["pt"], g["pl"]
+
+
+@pytest.mark.parametrize("size,kernel,stride,padding,want", [
+    (28, 3, 1, "valid", (26, 0)), (26, 2, 2, "valid", (13, 0)), (28, 3, 1, "same", (28, 1)),
+    (5, 2, 2, "same", (3, 0)),    # total pad 1: none before, one after (TF puts the extra after)
+    (7, 4, 1, "same", (7, 1)),    # total pad 3: one before, two after
+    (6, 3, 3, "same", (2, 0)), (4, 5, 1, "valid", (0, 0)), (4, 4, 1, "valid", (1, 0)),
+    (1, 1, 3, "same", (1, 0)),
+])
+def test_conv_output_matches_keras(size, kernel, stride, padding, want):
+    assert conv_output(size, kernel, stride, padding) == want
+
+
+def test_conv_output_rejects_unknown_padding():
+    with pytest.raises(ValueError, match="padding must be 'valid' or 'same', got 'full'"):
+        conv_output(5, 3, 1, "full")
+
+
+@given(st.integers(1, 40), st.integers(1, 7), st.integers(1, 4))
+def test_same_padding_windows_cover_the_image(size, kernel, stride):
+    out, before = conv_output(size, kernel, stride, "same")
+    starts = np.arange(out) * stride - before
+    assert out == -(-size // stride)
+    assert (starts + kernel > 0).all() and (starts < size).all()   # no window wholly padding
+    read = np.zeros(size + 2 * kernel, bool)
+    for s in starts:
+        read[s + kernel:s + 2 * kernel] = True   # shifted by kernel: padding indexes >= 0
+    if stride <= kernel:   # windows that touch or overlap read every element
+        assert read[kernel:kernel + size].all()
+
+
+# -- compiled == twin -------------------------------------------------------------------------
+
+@FAST
+@given(geometry(), seeds, st.booleans())
+def test_conv2d(g, seed, relu):
+    rng = np.random.default_rng(seed)
+    x, w, b = f32(rng, g["n"], g["h"], g["w"], g["c"]), f32(rng, g["kh"], g["kw"], g["c"], g["f"]), \
+        f32(rng, g["f"])
+    out_shape = (g["n"], g["oh"], g["ow"], g["f"])
+    got, want = nans(out_shape), nans(out_shape)
+    cpu.conv2d_forward(x, w, b, got, *placement(g), relu)
+    reference.conv2d_forward(x, w, b, want, *placement(g), relu)
+    close(got, want)
+    dy = f32(rng, *out_shape)
+    grads = {k: [nans(a.shape) for a in (x, w, b)] for k in ("cpu", "ref")}
+    cpu.conv2d_backward(x, w, dy, *grads["cpu"], *placement(g))
+    reference.conv2d_backward(x, w, dy, *grads["ref"], *placement(g))
+    for a, e in zip(grads["cpu"], grads["ref"]):
+        close(a, e, 1e-4)
+    first_layer = [nans(w.shape), nans(b.shape)]   # no dx: the first layer's call
+    cpu.conv2d_backward(x, w, dy, None, *first_layer, *placement(g))
+    close(first_layer[0], grads["ref"][1], 1e-4)
+
+
+@FAST
+@given(geometry(channels_out=False), seeds)
+def test_maxpool2d(g, seed):
+    rng = np.random.default_rng(seed)
+    x = f32(rng, g["n"], g["h"], g["w"], g["c"])
+    x[0, 0, 0, 0] = x[0, -1, -1, 0]   # a tie somewhere, sometimes inside one window
+    shape = (g["n"], g["oh"], g["ow"], g["c"])
+    got, want = (nans(shape), nans(shape, np.int32)), (nans(shape), nans(shape, np.int32))
+    cpu.maxpool2d_forward(x, *got, g["kh"], g["kw"], *placement(g))
+    reference.maxpool2d_forward(x, *want, g["kh"], g["kw"], *placement(g))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    # Every chosen index is inside the image and holds the value chosen.
+    assert (want[1] >= 0).all()
+    flat = x.reshape(g["n"], -1, g["c"])
+    np.testing.assert_array_equal(np.take_along_axis(flat, want[1].reshape(g["n"], -1, g["c"]), 1),
+                                  want[0].reshape(g["n"], -1, g["c"]))
+    dy = f32(rng, *shape)
+    dx_c, dx_r = nans(x.shape), nans(x.shape)
+    cpu.maxpool2d_backward(dy, got[1], dx_c)
+    reference.maxpool2d_backward(dy, want[1], dx_r)
+    close(dx_c, dx_r)
+    assert dx_r.sum() == pytest.approx(dy.sum(), rel=1e-4, abs=1e-4)   # all of dy lands
+
+
+@FAST
+@given(geometry(channels_out=False), seeds)
+def test_avgpool2d(g, seed):
+    rng = np.random.default_rng(seed)
+    x = f32(rng, g["n"], g["h"], g["w"], g["c"])
+    shape = (g["n"], g["oh"], g["ow"], g["c"])
+    got, want = nans(shape), nans(shape)
+    cpu.avgpool2d_forward(x, got, g["kh"], g["kw"], *placement(g))
+    reference.avgpool2d_forward(x, want, g["kh"], g["kw"], *placement(g))
+    close(got, want)
+    dy = f32(rng, *shape)
+    dx_c, dx_r = nans(x.shape), nans(x.shape)
+    cpu.avgpool2d_backward(dy, dx_c, g["kh"], g["kw"], *placement(g))
+    reference.avgpool2d_backward(dy, dx_r, g["kh"], g["kw"], *placement(g))
+    close(dx_c, dx_r)
+
+
+def test_conv_both_paths_at_model_sizes():
+    # The reference CNN's first layer (3x3x1: the direct loops) and a second layer (3x3x32:
+    # im2col + gemm), against the twin at their real sizes; the geometry tests above stay
+    # below 100 taps.
+    rng = np.random.default_rng(0)
+    for c, f, hw in ((1, 32, 28), (32, 16, 13)):
+        assert (9 * c <= cpu.DIRECT_MAX_TAPS) == (c == 1)
+        x, w, b = f32(rng, 4, hw, hw, c), f32(rng, 3, 3, c, f) * 0.3, f32(rng, f)
+        out = [np.empty((4, hw, hw, f), np.float32) for _ in range(2)]
+        cpu.conv2d_forward(x, w, b, out[0], 1, 1, 1, 1, True)
+        reference.conv2d_forward(x, w, b, out[1], 1, 1, 1, 1, True)
+        close(out[0], out[1], 1e-4)
+        dy = f32(rng, *out[0].shape)
+        grads = [[np.empty_like(a) for a in (x, w, b)] for _ in range(2)]
+        cpu.conv2d_backward(x, w, dy, *grads[0], 1, 1, 1, 1)
+        reference.conv2d_backward(x, w, dy, *grads[1], 1, 1, 1, 1)
+        for a, e in zip(*grads):
+            np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
+def test_pooling_ties_and_nan(k):
+    # Ties go to the first element in row-major order (as TF); a NaN that comes first stays.
+    x = np.stack([np.array([[1, 3], [3, 2]], np.float32),
+                  np.array([[np.nan, 1], [2, 0]], np.float32)], axis=-1)[None]
+    out, arg = np.empty((1, 1, 1, 2), np.float32), np.empty((1, 1, 1, 2), np.int32)
+    k.maxpool2d_forward(x, out, arg, 2, 2, 2, 2, 0, 0)
+    assert out[0, 0, 0, 0] == 3 and arg[0, 0, 0, 0] == 1
+    assert np.isnan(out[0, 0, 0, 1]) and arg[0, 0, 0, 1] == 0
+
+
+@pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
+def test_windows_wholly_in_padding(k):
+    # Only a caller's own padding can do this ('same' never does): 0 out, no gradient back.
+    x = np.ones((1, 1, 1, 1), np.float32)
+    out, arg = np.empty((1, 2, 1, 1), np.float32), np.empty((1, 2, 1, 1), np.int32)
+    k.maxpool2d_forward(x, out, arg, 1, 1, 1, 1, 1, 0)   # row 0 of the output reads padding
+    assert out.ravel().tolist() == [0, 1] and arg.ravel().tolist() == [-1, 0]
+    k.avgpool2d_forward(x, out, 1, 1, 1, 1, 1, 0)
+    assert out.ravel().tolist() == [0, 1]
+    dx = np.empty_like(x)
+    k.maxpool2d_backward(np.full((1, 2, 1, 1), 5, np.float32), arg, dx)
+    assert dx.ravel().tolist() == [5]
+
+
+KINDS = ["relu", "sigmoid", "tanh", "linear"]
+
+
+@FAST
+@given(st.sampled_from(KINDS), st.lists(st.integers(1, 5), min_size=1, max_size=4), seeds)
+def test_activations(kind, shape, seed):
+    rng = np.random.default_rng(seed)
+    x = f32(rng, *shape) * 4
+    got, want = nans(x.shape), nans(x.shape)
+    cpu.activation_forward(kind, x, got)
+    reference.activation_forward(kind, x, want)
+    close(got, want, 1e-6)
+    x64 = x.astype(np.float64)
+    textbook = {"relu": np.maximum(x64, 0), "sigmoid": 1 / (1 + np.exp(-x64)), "tanh": np.tanh(x64),
+                "linear": x64}[kind]
+    close(want, textbook, 1e-6)
+    dy = f32(rng, *shape)
+    dx_c, dx_r = nans(x.shape), nans(x.shape)
+    cpu.activation_backward(kind, want, dy, dx_c)
+    reference.activation_backward(kind, want, dy, dx_r)
+    close(dx_c, dx_r, 1e-6)
+
+
+@pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
+def test_sigmoid_saturates_without_overflow(k):
+    x = np.array([-1e4, -100, 0, 100, 1e4], np.float32)
+    out = np.empty_like(x)
+    with np.errstate(over="raise", divide="raise", invalid="raise"):
+        k.activation_forward("sigmoid", x, out)
+    assert out.tolist() == [0, pytest.approx(0, abs=1e-40), 0.5, 1, 1]
+
+
+@pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
+def test_unknown_activation(k):
+    x = np.zeros(2, np.float32)
+    with pytest.raises(ValueError, match="activation: unknown kind"):
+        k.activation_forward("gelu", x, x.copy())
+    with pytest.raises(ValueError, match="activation: unknown kind"):
+        k.activation_backward("gelu", x, x, x.copy())
+
+
+@FAST
+@given(st.integers(1, 9), seeds, st.sampled_from([1.0, 40.0]), st.booleans())
+def test_sigmoid_bce(n, seed, scale, column):
+    rng = np.random.default_rng(seed)
+    z = f32(rng, n, 1) * np.float32(scale)
+    y = (rng.random(n) < 0.5).astype(np.float32)
+    if not column:
+        z = z[:, 0].copy()
+    got, want = nans(z.shape), nans(z.shape)
+    loss_c, loss_r = cpu.sigmoid_bce(z, y, got), reference.sigmoid_bce(z, y, want)
+    assert loss_c == pytest.approx(loss_r, rel=1e-5, abs=1e-6)
+    close(got, want, 1e-6)
+    z64 = z.reshape(-1).astype(np.float64)   # -log p(y) = log(1 + e^z) - y*z, in float64
+    assert loss_r == pytest.approx(np.mean(np.logaddexp(0, z64) - y * z64), rel=1e-5, abs=1e-6)
+    close(want.reshape(-1), (1 / (1 + np.exp(-z64)) - y) / n, 1e-6)
+
+
+@FAST
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(1, 6), st.integers(1, 3), seeds)
+def test_embedding(n, length, vocab, dim, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (n, length))
+    table = f32(rng, vocab, dim)
+    got, want = nans((n, length, dim)), nans((n, length, dim))
+    cpu.embedding_forward(ids, table, got)
+    reference.embedding_forward(ids, table, want)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(want, table[ids])
+    dy = f32(rng, n, length, dim)
+    d_c, d_r = nans(table.shape), nans(table.shape)
+    cpu.embedding_backward(ids, dy, d_c)
+    reference.embedding_backward(ids, dy, d_r)
+    close(d_c, d_r)
+    onehot = np.eye(vocab)[ids.reshape(-1)]   # (N*L, V): the gradient as a product
+    close(d_r, onehot.T @ dy.reshape(-1, dim))
+
+
+@pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_embedding_rejects_ids_out_of_range(k, bad):
+    # numba does not bounds-check: this guard is what stops a read or write outside the table.
+    ids, table = np.array([[0, bad]]), np.zeros((3, 2), np.float32)
+    with pytest.raises(ValueError, match=r"embedding: id out of range \[0, "):
+        k.embedding_forward(ids, table, np.empty((1, 2, 2), np.float32))
+    with pytest.raises(ValueError, match=r"embedding: id out of range \[0, "):
+        k.embedding_backward(ids, np.zeros((1, 2, 2), np.float32), table)
+
+
+# -- dropout ----------------------------------------------------------------------------------
+
+def splitmix64_python(seed, count):
+    """splitmix64 as published (Steele, Lea and Flood 2014; Vigna's splitmix64.c), in Python ints."""
+    out, state, m = [], seed, (1 << 64) - 1
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & m
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def test_splitmix64_is_the_published_generator():
+    # The published sequence for seed 1234567.
+    assert splitmix64_python(1234567, 3) == [6457827717110365317, 3203168211198807973,
+                                             9817491932198370423]
+    got = reference.splitmix64(2**63 - 25, np.arange(50))
+    assert got.tolist() == splitmix64_python(2**63 - 25, 50)
+
+
+@FAST
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=3), st.sampled_from([0.0, 0.1, 0.5, 0.9]),
+       st.integers(0, 2**63 - 1), seeds)
+def test_dropout_same_mask_on_cpu_and_reference(shape, rate, seed, data_seed):
+    x = f32(np.random.default_rng(data_seed), *shape)
+    bufs = {k: [nans(x.shape), nans(x.shape)] for k in ("cpu", "ref")}
+    cpu.dropout_forward(x, *bufs["cpu"], rate, seed)
+    reference.dropout_forward(x, *bufs["ref"], rate, seed)
+    out, mask = bufs["ref"]
+    np.testing.assert_array_equal(bufs["cpu"][1], mask)
+    np.testing.assert_array_equal(bufs["cpu"][0], out)
+    assert set(np.unique(mask)) <= {0, np.float32(1 / (1 - rate))}
+    np.testing.assert_array_equal(out, x * mask)
+    dy = f32(np.random.default_rng(seed % 2**32), *shape)
+    dx_c, dx_r = nans(x.shape), nans(x.shape)
+    cpu.dropout_backward(dy, mask, dx_c)
+    reference.dropout_backward(dy, mask, dx_r)
+    np.testing.assert_array_equal(dx_c, dx_r)
+    np.testing.assert_array_equal(dx_r, dy * mask)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.8])
+def test_dropout_keeps_one_minus_rate_and_preserves_the_mean(rate):
+    n = 200_000
+    x = np.full(n, 3.0, np.float32)
+    out, mask = np.empty_like(x), np.empty_like(x)
+    cpu.dropout_forward(x, out, mask, rate, 42)
+    kept = (mask > 0).mean()
+    sd = np.sqrt(rate * (1 - rate) / n)
+    assert abs(kept - (1 - rate)) < 5 * sd
+    assert abs(out.mean() - 3.0) < 5 * 3.0 * sd / (1 - rate)   # E[out] == x
+    other = np.empty_like(mask)
+    cpu.dropout_forward(x, out, other, rate, 43)
+    assert abs((mask > 0).astype(float) @ (other > 0) / n - (1 - rate) ** 2) < 5 * sd  # seeds independent
+
+
+def test_dropout_rate_zero_keeps_everything():
+    x = np.arange(5, dtype=np.float32)
+    out, mask = np.empty_like(x), np.empty_like(x)
+    cpu.dropout_forward(x, out, mask, 0.0, 7)
+    assert mask.tolist() == [1] * 5 and out.tolist() == x.tolist()
+
+
+@pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
+@pytest.mark.parametrize("rate,seed,match", [(1.0, 0, "rate must be in"), (-0.1, 0, "rate must be in"),
+                                             (0.5, -1, "seed must be in")])
+def test_dropout_rejects(k, rate, seed, match):
+    x = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match=f"dropout: {match}"):
+        k.dropout_forward(x, x.copy(), x.copy(), rate, seed)
+
+
+# -- the twins' gradients against central differences (float64, small shapes) ----------------
+
+def numeric_grad(forward, arrays, dy, eps=1e-6):
+    """d sum(forward() * dy) / d each array, by central differences (the arrays are perturbed
+    in place, and restored)."""
+    grads = []
+    for a in arrays:
+        g = np.zeros_like(a)
+        for idx in np.ndindex(a.shape):
+            keep = a[idx]
+            a[idx] = keep + eps
+            plus = np.sum(forward() * dy)
+            a[idx] = keep - eps
+            minus = np.sum(forward() * dy)
+            a[idx] = keep
+            g[idx] = (plus - minus) / (2 * eps)
+        grads.append(g)
+    return grads
+
+
+def small_geometry():
+    return geometry().filter(lambda g: g["n"] * g["h"] * g["w"] * g["c"] <= 60 and g["oh"] > 0
+                             and g["ow"] > 0)
+
+
+@GRAD
+@given(small_geometry(), seeds)
+def test_conv2d_backward_is_the_gradient(g, seed):
+    rng = np.random.default_rng(seed)
+    x, w = rng.standard_normal((g["n"], g["h"], g["w"], g["c"])), rng.standard_normal((g["kh"], g["kw"], g["c"], g["f"]))
+    b = rng.standard_normal(g["f"])
+    out = np.empty((g["n"], g["oh"], g["ow"], g["f"]))
+
+    def forward():
+        reference.conv2d_forward(x, w, b, out, *placement(g), False)
+        return out
+
+    dy = rng.standard_normal(out.shape)
+    got = [np.empty_like(a) for a in (x, w, b)]
+    reference.conv2d_backward(x, w, dy, *got, *placement(g))
+    for a, e in zip(got, numeric_grad(forward, [x, w, b], dy)):
+        np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6)
+
+
+@GRAD
+@given(small_geometry(), seeds, st.booleans())
+def test_pooling_backward_is_the_gradient(g, seed, use_max):
+    rng = np.random.default_rng(seed)
+    # Distinct values, far apart next to eps: no tie, so max pooling is differentiable here.
+    x = rng.permutation(g["n"] * g["h"] * g["w"] * g["c"]).reshape(g["n"], g["h"], g["w"], g["c"]) * 0.1
+    shape, pool = (g["n"], g["oh"], g["ow"], g["c"]), (g["kh"], g["kw"])
+    out, arg = np.empty(shape), np.empty(shape, np.int32)
+
+    def forward():
+        if use_max:
+            reference.maxpool2d_forward(x, out, arg, *pool, *placement(g))
+        else:
+            reference.avgpool2d_forward(x, out, *pool, *placement(g))
+        return out
+
+    forward()
+    dy, dx = rng.standard_normal(shape), np.empty_like(x)
+    if use_max:
+        reference.maxpool2d_backward(dy, arg, dx)
+    else:
+        reference.avgpool2d_backward(dy, dx, *pool, *placement(g))
+    np.testing.assert_allclose(dx, numeric_grad(forward, [x], dy)[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_activation_backward_is_the_gradient(kind):
+    rng = np.random.default_rng(len(kind))
+    x = rng.uniform(0.1, 2, (3, 4)) * rng.choice([-1, 1], (3, 4))   # away from relu's kink
+    out = np.empty_like(x)
+
+    def forward():
+        reference.activation_forward(kind, x, out)
+        return out
+
+    dy, dx = rng.standard_normal(x.shape), np.empty_like(x)
+    reference.activation_backward(kind, forward().copy(), dy, dx)
+    np.testing.assert_allclose(dx, numeric_grad(forward, [x], dy)[0], rtol=1e-6, atol=1e-8)
+
+
+def test_embedding_and_bce_backward_are_the_gradient():
+    rng = np.random.default_rng(5)
+    ids, table = np.array([[0, 2, 2], [1, 2, 0]]), rng.standard_normal((4, 3))
+    out = np.empty((2, 3, 3))
+
+    def forward():
+        reference.embedding_forward(ids, table, out)
+        return out
+
+    dy, dtable = rng.standard_normal(out.shape), np.empty_like(table)
+    reference.embedding_backward(ids, dy, dtable)
+    np.testing.assert_allclose(dtable, numeric_grad(forward, [table], dy)[0], atol=1e-8)
+    assert not dtable[3].any()   # row 3 was never looked up
+    z, y = rng.standard_normal((5, 1)) * 3, np.array([0, 1, 1, 0, 1], np.float64)
+    dz = np.empty_like(z)
+    reference.sigmoid_bce(z, y, dz)
+    scratch = np.empty_like(z)
+    want = numeric_grad(lambda: np.array(reference.sigmoid_bce(z, y, scratch)), [z], np.array(1.0))[0]
+    np.testing.assert_allclose(dz, want, rtol=1e-6, atol=1e-9)
+
+
+def test_dropout_backward_is_the_gradient():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((4, 5))
+    out, mask = np.empty_like(x), np.empty_like(x)
+
+    def forward():
+        reference.dropout_forward(x, out, mask, 0.3, 11)   # the same seed: the same mask
+        return out
+
+    forward()
+    dy, dx = rng.standard_normal(x.shape), np.empty_like(x)
+    reference.dropout_backward(dy, mask, dx)
+    assert 0 < (mask > 0).sum() < x.size   # both kinds of element are there to check
+    np.testing.assert_allclose(dx, numeric_grad(forward, [x], dy)[0], atol=1e-8)
