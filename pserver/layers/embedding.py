@@ -38,7 +38,7 @@ class Embedding(Layer):
         if x.size and (x.min() < 0 or x.max() >= self.input_dim or not np.all(x == np.floor(x))):
             bad = (x < 0) | (x >= self.input_dim) | (x != np.floor(x))
             first = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"{self.label}: id {x[first]!r} at {first} is not an integer in "
+            raise ValueError(f"{self.label}: id {x[first].item()!r} at {first} is not an integer in "
                             f"[0, input_dim={self.input_dim})")
 
     def forward(self, k, p, x, out, s, run):

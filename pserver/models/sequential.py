@@ -47,6 +47,7 @@ class Sequential(Model):
             raise ConfigError(f"Sequential: {layer!r} is not a layer (pserver.layers.*)")
         if self._built:
             raise ConfigError("Sequential: the model is built (its layout is fixed); add layers first")
+        self._name(layer)
         self.layers.append(layer)
 
     def compile(self, loss="sparse_categorical_crossentropy") -> "Sequential":
@@ -75,7 +76,7 @@ class Sequential(Model):
         if shape is None:
             raise ConfigError(f"{self.name}: no input shape; give input_shape= to the first layer "
                               "or to Sequential")
-        self._name_layers()
+        self._check_names()
         shapes = [Layer(input_shape=shape).input_shape]
         for layer in self.layers:
             shapes.append(layer.build(shapes[-1]))
@@ -96,24 +97,20 @@ class Sequential(Model):
         self._built = True
         return self
 
-    def _name_layers(self) -> None:
+    def _name(self, layer: Layer) -> None:
         """Keras's default names (dense, dense_1, ...), numbered within this model."""
-        taken = {layer.name for layer in self.layers if layer.name}
-        counts: dict[str, int] = {}
-        for layer in self.layers:
-            if layer.name:
-                continue
-            while True:
-                n = counts.get(layer.kind, 0)
-                counts[layer.kind] = n + 1
-                name = layer.kind if n == 0 else f"{layer.kind}_{n}"
-                if name not in taken:
-                    break
-            layer.name = name
-            taken.add(name)
+        if layer.name:
+            return
+        taken = {other.name for other in self.layers}
+        n = 0
+        while (name := layer.kind if n == 0 else f"{layer.kind}_{n}") in taken:
+            n += 1
+        layer.name = name
+
+    def _check_names(self) -> None:
         names = [layer.name for layer in self.layers]
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup:
             raise ConfigError(f"{self.name}: two layers are named {dup!r}")
 
     @property
@@ -257,7 +254,7 @@ class Sequential(Model):
             bad = (y < 0) | (y > hi) | (y != np.floor(y))
             if bad.any():
                 i = int(np.argmax(bad))
-                raise ValueError(f"label out of range: y[{i}] = {y[i]!r}; the last layer "
+                raise ValueError(f"label out of range: y[{i}] = {y[i].item()!r}; the last layer "
                                  f"({self.layers[-1].label}) with {self.loss.name} takes 0..{hi}")
         return shaped, y
 

@@ -1,0 +1,236 @@
+"""Layers and Sequential: shapes as Keras computes them, gradients against finite differences,
+the numba kernels against the NumPy twins, initialisers, the reference CNN, and bad models."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pserver.errors import ConfigError, DataError
+from pserver.layers import (AveragePooling2D, Conv2D, Dense, Dropout, Embedding, Flatten,
+                            MaxPooling2D)
+from pserver.models import Sequential, make_model
+
+FAST = settings(max_examples=20, deadline=None)
+
+
+def keras_out(size, window, stride, padding):
+    """Keras's output length, written independently of pserver.kernels.conv_output."""
+    if padding == "same":
+        return math.ceil(size / stride)
+    return math.floor((size - window) / stride) + 1
+
+
+# -- shapes -------------------------------------------------------------------------------
+
+@FAST
+@given(h=st.integers(3, 12), w=st.integers(3, 12), c=st.integers(1, 3), f=st.integers(1, 4),
+       k=st.integers(1, 3), s=st.integers(1, 3), padding=st.sampled_from(["valid", "same"]),
+       pool=st.integers(1, 2))
+def test_conv_and_pool_shapes_are_keras(h, w, c, f, k, s, padding, pool):
+    model = Sequential([Conv2D(f, k, strides=s, padding=padding, input_shape=(h, w, c)),
+                        MaxPooling2D(pool, padding="same"), Flatten(), Dense(2)]).build()
+    oh, ow = keras_out(h, k, s, padding), keras_out(w, k, s, padding)
+    conv, pooling, flat, _ = model.layers
+    assert conv.output_shape == (oh, ow, f)
+    assert pooling.output_shape == (keras_out(oh, pool, pool, "same"), keras_out(ow, pool, pool, "same"), f)
+    assert flat.output_shape == (math.prod(pooling.output_shape),)
+    assert [(t.name, t.shape) for t in model.layout.tensors] == [
+        ("conv2d/kernel", (k, k, c, f)), ("conv2d/bias", (f,)),
+        ("dense/kernel", (flat.output_shape[0], 2)), ("dense/bias", (2,))]
+
+
+def test_keras_defaults_and_names():
+    model = Sequential([Dense(4, input_shape=(3,)), Dense(4, use_bias=False), Dense(2, name="out")])
+    assert [layer.name for layer in model.layers] == ["dense", "dense_1", "out"]
+    assert model.layout.describe() == "dense/kernel[3, 4], dense/bias[4], dense_1/kernel[4, 4], " \
+                                      "out/kernel[4, 2], out/bias[2]"
+    pool = MaxPooling2D()
+    assert (pool.pool_size, pool.strides, pool.padding) == ((2, 2), (2, 2), "valid")
+    conv = Conv2D(8, 3)
+    assert (conv.kernel_size, conv.strides, conv.padding, conv.activation) == ((3, 3), (1, 1), "valid", "linear")
+
+
+def test_reference_cnn_is_the_tutorial_model():
+    model = make_model("cnn", (28, 28, 1), 10)
+    assert [type(layer).__name__ for layer in model.layers] == [
+        "Conv2D", "MaxPooling2D", "Flatten", "Dense", "Dense"]
+    assert [(t.name, t.shape) for t in model.layout.tensors] == [
+        ("conv2d/kernel", (3, 3, 1, 32)), ("conv2d/bias", (32,)), ("dense/kernel", (5408, 64)),
+        ("dense/bias", (64,)), ("dense_1/kernel", (64, 10)), ("dense_1/bias", (10,))]
+    assert model.layout.total == 347_146      # Keras's model.summary() for the same model
+    assert model.layers[0].activation == "relu" and model.layers[3].activation == "relu"
+    assert model.layers[4].activation == "linear" and model.loss.name == "sparse_categorical_crossentropy"
+
+
+def test_glorot_uniform_kernels_zero_biases():
+    w = make_model("cnn", (28, 28, 1), 10).init_params(0)
+    views = make_model("cnn", (28, 28, 1), 10).layout.views(w)
+    for name, fan_in, fan_out in [("conv2d/kernel", 9, 9 * 32), ("dense/kernel", 5408, 64),
+                                  ("dense_1/kernel", 64, 10)]:
+        limit = math.sqrt(6 / (fan_in + fan_out))
+        v = views[name]
+        assert v.max() <= limit and v.min() >= -limit
+        # Uniform on [-limit, limit]: std limit / sqrt(3).
+        assert v.std() == pytest.approx(limit / math.sqrt(3), rel=0.1)
+    assert not any(views[n].any() for n in ("conv2d/bias", "dense/bias", "dense_1/bias"))
+
+
+# -- gradients ----------------------------------------------------------------------------
+
+def tiny_models():
+    """Every layer kind, every activation, strides and padding, in float64-sized models."""
+    return {
+        "conv": lambda: Sequential([
+            Conv2D(3, 3, strides=(2, 1), padding="same", activation="relu", input_shape=(7, 6, 2)),
+            MaxPooling2D(), Conv2D(2, 2, activation="tanh"), AveragePooling2D(1), Flatten(),
+            Dense(5, activation="sigmoid"), Dropout(0.3), Dense(4)]),
+        "pool-same": lambda: Sequential([
+            Conv2D(2, 2, use_bias=False, input_shape=(5, 5, 1)), AveragePooling2D(3, 2, "same"),
+            MaxPooling2D(2, 1, "same"), Flatten(), Dense(3)]),
+        "embedding": lambda: Sequential([Embedding(7, 3, input_shape=(4,)), Flatten(),
+                                         Dense(2, activation="tanh"), Dense(3)]),
+        "binary": lambda: Sequential([Dense(4, activation="relu", input_shape=(5,)), Dense(1)],
+                                     loss="binary_crossentropy"),
+        "mse": lambda: Sequential([Flatten(input_shape=(2, 3)), Dense(3, activation="sigmoid"),
+                                   Dense(1)], loss="mse"),
+    }
+
+
+def tiny_batch(model, n, rng, dtype=np.float64):
+    if isinstance(model.layers[0], Embedding):
+        x = rng.integers(0, model.layers[0].input_dim, (n, *model.input_shape)).astype(dtype)
+    else:
+        x = rng.standard_normal((n, *model.input_shape)).astype(dtype)
+    if model.task == "regression":
+        return x, rng.standard_normal(n).astype(dtype)
+    return x, rng.integers(0, model.num_classes if model.output_shape[0] > 1 else 2, n).astype(np.int32)
+
+
+@pytest.mark.parametrize("kind", sorted(tiny_models()))
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(1, 4), seed=st.integers(0, 2**31))
+def test_gradient_matches_central_differences(kind, n, seed):
+    """Every coordinate, float64 through the NumPy twins, with a fixed dropout seed."""
+    model = tiny_models()[kind]().use_backend("reference")
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(model.layout.total) * 0.5
+    x, y = tiny_batch(model, n, rng)
+    grad = np.full_like(w, np.nan)
+    loss = model.loss_and_grad(w, x, y, grad, seed=seed)
+
+    def f(v):
+        return model.loss_and_grad(v, x, y, np.empty_like(w), seed=seed)
+    eps, fd = 1e-6, np.empty_like(w)
+    for j in range(w.size):
+        wp, wm = w.copy(), w.copy()
+        wp[j] += eps
+        wm[j] -= eps
+        fd[j] = (f(wp) - f(wm)) / (2 * eps)
+    assert np.isfinite(loss)
+    # atol: a max-pool or ReLU kink within eps of a coordinate is rare but possible.
+    np.testing.assert_allclose(grad, fd, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(tiny_models()))
+def test_cpu_kernels_equal_the_reference(kind):
+    cpu_m, ref_m = tiny_models()[kind](), tiny_models()[kind]().use_backend("reference")
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
+    x, y = tiny_batch(cpu_m, 9, rng, np.float32)
+    g_c, g_r = np.full_like(w, np.nan), np.full_like(w, np.nan)
+    loss_c, loss_r = cpu_m.loss_and_grad(w, x, y, g_c, seed=3), ref_m.loss_and_grad(w, x, y, g_r, seed=3)
+    assert loss_c == pytest.approx(loss_r, rel=1e-5)
+    np.testing.assert_allclose(g_c, g_r, rtol=1e-4, atol=1e-5)
+    ev_c, ev_r = cpu_m.evaluate(w, x, y, batch_size=4), ref_m.evaluate(w, x, y, batch_size=4)
+    assert ev_c.keys() == ev_r.keys() and ev_c["loss"] == pytest.approx(ev_r["loss"], rel=1e-5)
+
+
+def test_dropout_is_seeded_and_off_at_evaluation():
+    model = Sequential([Dense(8, input_shape=(6,)), Dropout(0.5), Dense(3)])
+    rng = np.random.default_rng(0)
+    w = model.init_params(0)
+    x, y = tiny_batch(model, 16, rng, np.float32)
+    grads = [np.empty_like(w) for _ in range(3)]
+    model.loss_and_grad(w, x, y, grads[0], seed=1)
+    model.loss_and_grad(w, x, y, grads[1], seed=1)
+    model.loss_and_grad(w, x, y, grads[2], seed=2)
+    np.testing.assert_array_equal(grads[0], grads[1])
+    assert not np.array_equal(grads[0], grads[2])
+    # Evaluation is the identity through Dropout: the same as the model without it.
+    plain = Sequential([Dense(8, input_shape=(6,)), Dense(3)])
+    assert model.evaluate(w, x, y) == plain.evaluate(w, x, y)
+
+
+def test_binary_metrics_accuracy_and_auc():
+    model = Sequential([Dense(1, input_shape=(1,))], loss="binary_crossentropy")
+    x = np.array([[-2.0], [-1.0], [0.5], [1.0], [3.0]], np.float32)
+    y = np.array([0, 1, 0, 1, 1])
+    w = np.array([1.0, 0.0], np.float32)            # the logit is x itself
+    ev = model.evaluate(w, x, y)
+    assert ev["accuracy"] == pytest.approx(3 / 5)   # predictions 0,0,1,1,1
+    # Of the 6 (positive, negative) pairs, the positive scores higher in 5.
+    assert ev["auc"] == pytest.approx(5 / 6)
+
+
+# -- bad models and bad data: one error naming the layer and the shapes ----------------------
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: Sequential([Conv2D(4, 5, input_shape=(3, 8, 1)), Flatten(), Dense(2)]),
+     r"layer conv2d \(Conv2D\): kernel 5x5 is larger than its input \(3, 8, 1\)"),
+    (lambda: Sequential([MaxPooling2D(4, input_shape=(3, 3, 2)), Flatten(), Dense(2)]),
+     r"layer max_pooling2d \(MaxPooling2D\): pool_size 4x4 is larger than its input \(3, 3, 2\)"),
+    (lambda: Sequential([Flatten(input_shape=(4, 4))]), "has no parameters to train"),
+    (lambda: Sequential([Dense(3, input_shape=(4, 4)), Dense(2)]),
+     r"layer dense \(Dense\): needs a flat \(features,\) input .* got \(4, 4\)"),
+    (lambda: Sequential([Conv2D(2, 3, input_shape=(10,))]), r"layer conv2d \(Conv2D\): needs an image"),
+    (lambda: Sequential([Dense(3)]), "no input shape"),
+    (lambda: Sequential([Dense(1, input_shape=(3,))]), "sparse_categorical_crossentropy needs at least 2 outputs"),
+    (lambda: Sequential([Conv2D(2, 3, input_shape=(5, 5, 1))]), r"outputs \(3, 3, 2\); end with Flatten"),
+    (lambda: Sequential([Dense(0, input_shape=(3,))]), "Dense: units must be a positive integer, got 0"),
+    (lambda: Sequential([Dense(2, activation="gelu", input_shape=(3,))]), "unknown activation 'gelu'"),
+    (lambda: Sequential([Conv2D(2, 3, padding="full", input_shape=(5, 5, 1))]), "padding must be 'valid' or 'same'"),
+    (lambda: Sequential([Dropout(1.0, input_shape=(3,)), Dense(2)]), r"rate must be in \[0, 1\)"),
+    (lambda: Sequential([Dense(2, input_shape=(3,), name="a"), Dense(2, name="a")]), "two layers are named 'a'"),
+    (lambda: Sequential([Dense(2, input_shape=(3,))], loss="hinge"), "unknown loss 'hinge'"),
+])
+def test_bad_models_fail_at_build(build, match):
+    with pytest.raises(ConfigError, match=match):
+        build().build()
+
+
+def test_bad_data_names_the_layer_and_the_shapes():
+    model = make_model("cnn", (28, 28, 1), 10)
+    y = np.zeros(5, np.int32)
+    with pytest.raises(DataError, match=r"train: x has shape \(5, 28, 27, 1\); layer conv2d \(Conv2D\) "
+                                        r"takes \(n >= 1, 28, 28, 1\)"):
+        model.check_data(np.zeros((5, 28, 27, 1), np.float32), y, "train")
+    with pytest.raises(DataError, match=r"label out of range: y\[3\] = 10; the last layer \(layer "
+                                        r"dense_1 \(Dense\)\) with sparse_categorical_crossentropy takes 0..9"):
+        model.check_data(np.zeros((5, 784), np.float32), np.array([0, 1, 2, 10, 4]), "train")
+    x = np.zeros((5, 28, 28, 1), np.float32)
+    x[2, 3, 4, 0] = np.nan
+    with pytest.raises(DataError, match="x has NaN or Inf values in 1 samples, the first at index 2"):
+        model.check_data(x, y, "train")
+    emb = Sequential([Embedding(5, 2, input_shape=(3,)), Flatten(), Dense(2)])
+    with pytest.raises(DataError, match=r"layer embedding \(Embedding\): id 5.0 at \(1, 2\) is not an "
+                                        r"integer in \[0, input_dim=5\)"):
+        emb.check_data(np.array([[0, 1, 2], [3, 4, 5]], np.float32), np.zeros(2, np.int32), "train")
+
+
+def test_data_reshapes_to_the_input_only_when_it_fits():
+    dense, conv = make_model("mlp", (784,), 10), make_model("cnn", (28, 28, 1), 10)
+    y = np.zeros(2, np.int32)
+    images, flat = np.zeros((2, 28, 28, 1), np.float32), np.zeros((2, 784), np.float32)
+    assert dense.check_data(images, y).shape == (2, 784)       # images into a dense model: flat
+    assert conv.check_data(flat, y).shape == (2, 28, 28, 1)    # flat rows into an image model
+    assert conv.check_data(np.zeros((2, 28, 28), np.float32), y).shape == (2, 28, 28, 1)
+    assert np.shares_memory(dense.check_data(images, y), images)    # a view, not a copy
+    # Channels-first images have the right number of values but not the right shape.
+    rgb = Sequential([Conv2D(2, 3, input_shape=(8, 8, 3)), Flatten(), Dense(2)])
+    with pytest.raises(DataError, match=r"x has shape \(2, 3, 8, 8\); layer conv2d \(Conv2D\) takes"):
+        rgb.check_data(np.zeros((2, 3, 8, 8), np.float32), y)
