@@ -214,7 +214,10 @@ class ShardClient:
                     raise
                 return self._pull_once(flat, rank, -1, clock, timeout)
 
-        return self.resilient(attempt, timeout, waits=True)
+        # A pull may legitimately wait for a slow worker until the shard gives up on it
+        # (--step-timeout, which the shard told us as the session timeout): an attempt that
+        # the shard answers DEADLINE_EXCEEDED is tried again for that long on top.
+        return self.resilient(attempt, timeout + 2 * self.session_timeout, waits=True)
 
     def _pull_once(self, flat, rank, seen_version, clock, timeout) -> tuple[int, bool]:
         if self.fast is not None:

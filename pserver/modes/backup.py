@@ -33,7 +33,8 @@ class BackupPolicy(SyncPolicy):
         return max(1, min(self.num_workers - self.cfg.backup_workers, live))
 
     def membership_changed(self) -> None:
-        if len(self.expected()) < self.quorum():
+        # Only finishing ends a run: workers marked dead may still come back.
+        if self.left and len(self.expected()) < self.quorum():
             dropped = len(self.pending)
             for r in list(self.pending):           # a step that can no longer complete
                 self.store.pool.release(self.pending.pop(r))

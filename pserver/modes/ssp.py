@@ -51,7 +51,9 @@ class SSPPolicy(AsyncPolicy):
 
         # A pull at clock c proves c pushes: after a shard restart (clocks restored from an
         # older checkpoint, or none) the slowest clock must not lag behind what workers show.
-        self.clocks[rank] = max(self.clocks.get(rank, 0), clock)
+        if clock > self.clocks.get(rank, 0):
+            self.clocks[rank] = clock
+            store.cond.notify_all()            # a pull waiting for this worker may go on
         store.wait_for(may_pull, timeout, on_tick=on_tick, alive=alive)
         low = self.slowest()[0]
         if low < (1 << 62):

@@ -1,0 +1,210 @@
+"""Dead workers, rejoins, quorums and clocks: the rules of DESIGN §5 that a fault exercises.
+
+Driven in-process on real Shards; each test names the bug it catches.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from pserver.config import ServerConfig
+from pserver.models.layout import Layout
+from pserver.modes import Outcome
+from pserver.server.shard import Shard
+from tests.test_modes import SETTINGS, fill_with
+from tests.test_modes_async import heartbeats, one_shard, push
+
+ONES = np.ones(4, np.float32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def compiled():
+    """Load the numba kernels once, so no test's short --step-timeout runs out while a
+    kernel loads."""
+    shard = one_shard(4, 1, mode="sync", optimizer="sgd", lr=1.0)
+    push(shard, 0, 0, ONES)
+
+
+def pull_in_thread(shard, rank, seen, clock=0, timeout=10.0):
+    """Start a pull that may wait; returns (thread, result dict with 'version' once done)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["version"] = shard.pull(rank, 0, seen, clock, timeout=timeout)[0]
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def mark_dead_by_step_timeout(shard, alive: list[int], dead: list[int], step: int) -> None:
+    """`alive` push for `step` and wait; the step times out and marks `dead` (who never push)."""
+    for r in alive:
+        assert push(shard, r, step, ONES) is Outcome.AGGREGATED
+    with heartbeats(shard, alive[-1]):
+        assert shard.pull(alive[0], 0, step, 1, timeout=10)[0] == step + 1
+    assert sorted(shard.policy.dead) == sorted(dead)
+
+
+def test_backup_quorum_is_min_of_n_minus_b_and_live_never_fewer():
+    """Catches quorum = max(1, N-b-dead): the b slack counted twice, so after two deaths a
+    single worker's gradient made a step (N=4, b=1: min(3, 2 live) = 2, not 1)."""
+    shard = one_shard(4, 4, mode="backup", backup_workers=1, optimizer="sgd", lr=1.0, step_timeout=0.5)
+    mark_dead_by_step_timeout(shard, [0, 1], [2, 3], step=0)
+    assert push(shard, 0, 1, ONES) is Outcome.AGGREGATED
+    time.sleep(0.05)
+    assert shard.store.version == 1, "a step completed with 1 gradient while 2 workers live"
+    assert push(shard, 1, 1, ONES) is Outcome.AGGREGATED
+    assert shard.store.version == 2
+
+
+def test_backup_quorum_keeps_n_minus_b_while_the_slack_covers_the_dead():
+    """N=4, b=1, one dead: min(3, 3 live) = 3 (max(1, N-b-dead) gave 2)."""
+    shard = one_shard(4, 4, mode="backup", backup_workers=1, optimizer="sgd", lr=1.0, step_timeout=0.5)
+    for r in (0, 1, 2):
+        push(shard, r, 0, ONES)                       # step 0 completes with the first 3
+    assert shard.store.version == 1
+    shard.policy.mark_dead([3], "test")
+    push(shard, 0, 1, ONES)
+    push(shard, 1, 1, ONES)
+    assert shard.store.version == 1, "2 of 3 live workers made a step; the quorum is 3"
+    push(shard, 2, 1, ONES)
+    assert shard.store.version == 2
+
+
+def test_a_dead_backup_worker_rejoins_on_its_next_pull_and_is_counted():
+    """Catches a worker once marked dead never coming back (its late pushes are dropped, so
+    in backup mode only a pull can bring it back)."""
+    shard = one_shard(4, 4, mode="backup", backup_workers=1, optimizer="sgd", lr=1.0, step_timeout=0.5)
+    mark_dead_by_step_timeout(shard, [0, 1], [2, 3], step=0)
+    assert shard.pull(2, 0, -1, 0, timeout=5)[0] == 1
+    st = shard.status()
+    assert 2 in st["live_workers"] and st["counters"].get("workers_rejoined") == 1
+    for r in (0, 1):                                  # the quorum is min(3, 3 live) again
+        push(shard, r, 1, ONES)
+    assert shard.store.version == 1
+    push(shard, 2, 1, ONES)
+    assert shard.store.version == 2
+
+
+def test_a_sync_straggler_marked_dead_is_waited_for_again_after_it_pulls():
+    """Catches "a straggler marked dead is never waited for again": its late push is
+    rejected, and the others' steps used to complete without it forever."""
+    shard = one_shard(4, 2, mode="sync", optimizer="sgd", lr=1.0, step_timeout=0.5)
+    mark_dead_by_step_timeout(shard, [0], [1], step=0)
+    shard.pull(1, 0, -1, 0, timeout=5)                # the straggler comes back
+    assert shard.status()["live_workers"] == [0, 1]
+    push(shard, 0, 1, ONES)
+    assert shard.store.version == 1, "step 1 completed without the worker that rejoined"
+    push(shard, 1, 1, ONES)
+    assert shard.store.version == 2
+    assert shard.status()["counters"].get("workers_rejoined") == 1
+
+
+def test_a_killed_worker_is_marked_dead_in_async_mode_too():
+    """Catches async/ssp never marking a crashed worker dead (the chief then waited
+    --rpc-deadline at the end): a session with no call for --step-timeout expires."""
+    for mode in ("async", "ssp"):
+        shard = one_shard(4, 2, mode=mode, optimizer="sgd", lr=1.0, step_timeout=0.5, staleness=5)
+        with heartbeats(shard, 0):
+            time.sleep(1.0)
+        st = shard.status()
+        assert st["live_workers"] == [0] and st["counters"]["workers_marked_dead"] == 1, (mode, st)
+
+
+def test_ssp_clocks_survive_a_restart_from_a_checkpoint(tmp_path):
+    """Catches a restored ssp shard with no clocks: the first pull at clock c > s waited for
+    --step-timeout and then marked every other worker dead."""
+    cfg = dict(mode="ssp", staleness=1, optimizer="sgd", lr=0.1, step_timeout=2.0)
+    shard = one_shard(4, 2, checkpoint_dir=str(tmp_path), **cfg)
+    for clock in range(5):
+        for r in (0, 1):
+            shard.pull(r, 0, -1, clock, timeout=5)
+            push(shard, r, shard.store.version, ONES, clock=clock)
+    shard.checkpoint(0)
+    restored = Shard(ServerConfig(restore=str(tmp_path), num_workers=2, **cfg))
+    for r in (0, 1):
+        restored.register(r, 2, 0, 1, Layout.of([("w", (4,))]))
+    started = time.monotonic()
+    restored.pull(0, 0, -1, 6, timeout=5)             # 6 - s = 5 <= the slowest clock
+    assert time.monotonic() - started < 1.0
+    assert restored.status()["counters"]["workers_marked_dead"] == 0
+
+
+def test_an_ssp_pull_at_clock_c_proves_c_pushes():
+    """After a restart with no checkpointed clocks, a worker's pull at clock c shows it has
+    pushed c times: the others may then run up to c + s without waiting for it."""
+    shard = one_shard(4, 2, mode="ssp", staleness=0, optimizer="sgd", lr=0.1, step_timeout=5.0)
+    t, out = pull_in_thread(shard, 1, -1, clock=3)    # worker 1 is at clock 3
+    t.join(0.5)
+    started = time.monotonic()
+    shard.pull(0, 0, -1, 3, timeout=5)                # worker 0 at clock 3 too: both proved 3
+    t.join(1.0)
+    assert time.monotonic() - started < 1.0 and out.get("version") == 0
+
+
+def test_a_refused_backup_register_fixes_no_layout():
+    """Catches a Register refused for N <= b that still fixed the layout, leaving the shard
+    refusing the real workers' model."""
+    shard = Shard(ServerConfig(mode="backup", backup_workers=1))
+    try:
+        shard.register(0, 1, 0, 1, Layout.of([("w", (7,))]))
+    except Exception as e:  # noqa: BLE001
+        assert "backup_workers" in str(e)
+    else:
+        raise AssertionError("a backup shard with b=1 accepted N=1")
+    assert shard.store.signature == "" and shard.store.params is None
+    shard.register(0, 2, 0, 1, Layout.of([("w", (4,))]))   # the real model still fits
+    assert shard.store.total == 4
+
+
+def test_dropped_gradients_are_not_counted_as_trained_samples():
+    """Catches samples_pushed counting the gradients a backup run drops at its end."""
+    shard = one_shard(4, 3, mode="backup", backup_workers=1, optimizer="sgd", lr=1.0)
+    shard.push(0, 0, 0, 4, "float32", 10, 0, fill_with(ONES))       # held for step 0
+    shard.leave(1)
+    shard.leave(2)                                                   # no step can complete now
+    c = shard.status()["counters"]
+    assert shard.policy.finished and c["pushes_dropped_late"] == 1
+    assert c["samples_pushed"] == 0, "the dropped gradient's 10 samples were counted as trained"
+
+
+def test_a_completed_sync_step_counts_every_pusher_samples():
+    shard = one_shard(4, 2, mode="sync", optimizer="sgd", lr=1.0)
+    shard.push(0, 0, 0, 4, "float32", 10, 0, fill_with(ONES))
+    assert shard.status()["counters"]["samples_pushed"] == 0          # not trained yet
+    shard.push(1, 0, 0, 4, "float32", 7, 0, fill_with(ONES))
+    assert shard.status()["counters"]["samples_pushed"] == 17
+
+
+@SETTINGS
+@given(num_workers=st.integers(2, 6), data=st.data())
+def test_backup_never_aggregates_fewer_than_min_n_minus_b_and_live(num_workers, data):
+    """Workers die at random moments; every applied update averages at least
+    min(N-b, live) distinct workers, and exactly that many when all live ones push."""
+    b = data.draw(st.integers(1, num_workers - 1))
+    shard = one_shard(4, num_workers, mode="backup", backup_workers=b, optimizer="sgd", lr=1.0)
+    sizes = []
+    real_apply = shard.store.apply
+    shard.store.apply = lambda g: (sizes.append(len(shard.policy.pending)), real_apply(g))[1]
+    for step in range(4):
+        live = sorted(set(range(num_workers)) - shard.policy.dead)
+        if len(live) > 1 and data.draw(st.booleans()):
+            with shard.store.cond:
+                shard.policy.mark_dead([data.draw(st.sampled_from(live))], "test")
+            live = sorted(set(range(num_workers)) - shard.policy.dead)
+        need = min(num_workers - b, len(live))
+        for r in data.draw(st.permutations(live)):
+            if shard.store.version > step:
+                break
+            push(shard, r, step, ONES)
+        assert shard.store.version == step + 1
+        assert sizes[-1] == need, (sizes, need, live)
