@@ -17,6 +17,7 @@ import sys
 
 from pserver.errors import ConfigError, PServerError
 from pserver.models.base import protocol_gaps
+from pserver.models.sequential import Sequential
 
 
 def is_user_spec(spec: str) -> bool:
@@ -50,6 +51,8 @@ def load_model(spec: str, input_shape: tuple[int, ...], num_classes: int):
     kwargs = _accepted(fn, {"input_shape": tuple(input_shape), "num_classes": num_classes})
     try:
         model = fn(**kwargs)
+        if isinstance(model, Sequential):
+            model.build()    # a layer that cannot work says so here, as this --model's error
     except PServerError as e:
         raise ConfigError(f"--model {spec}: {e}") from None
     except Exception as e:  # the user's code: any failure becomes one line, not a traceback
