@@ -4,32 +4,43 @@ gRPC in Python costs milliseconds per megabyte (framing, copies into bytes objec
 thread hand-offs), which makes it the bottleneck for bulk tensors. When a worker and a
 shard run on the same machine, the shard offers this faster path beside its gRPC port:
 
-- a Unix socket (mode 0600, so only the same user can connect) carries 48-byte binary
-  request headers and short replies;
-- on connect the shard passes two file descriptors over the socket (SCM_RIGHTS): a new
-  memfd the size of its range for this worker's pushed gradients, and the memfd that
-  holds the shard's parameters themselves, which the worker maps read-only. There are
-  no named segments to leak, even when a process is killed.
+- a Unix socket carries 48-byte binary request headers and short replies. It lives in a
+  directory only its user can enter (`<tmp>/pserver-<uid>`, mode 0700, checked at start),
+  and sockets left there by killed shards are removed when a shard starts;
+- HELLO carries the token (when the shard has one) and the worker's session credential
+  from Register: the connection then acts for that rank with that session only;
+- the shard answers HELLO with two file descriptors (SCM_RIGHTS): a new memfd the size of
+  its range for this worker's pushed gradients, and the memfd that holds the shard's
+  parameters. Both are sealed against shrinking and growing, so no client can make the
+  shard's own mappings fault (SIGBUS); the parameters are also sealed against writing
+  (F_SEAL_FUTURE_WRITE), so a client can only map them read-only. There are no named
+  segments to leak, even when a process is killed.
 
-A push is a memcpy into the shared buffer and one header; the shard validates the
-gradient where it lies and its policy may hold that buffer as the pending gradient
-until the step completes (the worker writes it again only after the pull that waits
-for that step). A pull is one header, the mode's wait, and a memcpy out of the shard's
-parameters by the worker (in sync mode they cannot change until this worker pushes
-again; in async modes a racy read is the point, as over gRPC). Memory on the shard:
-its parameters plus one buffer per worker. Both calls go to the very same `Shard.push`
-/ `Shard.pull` as the gRPC servicer, so validation, modes and counters are identical. Workers use it automatically when the
+A push is a memcpy into the shared buffer and one header; the shard copies the gradient
+into its own memory, checking every value in the same pass, so what it validated is what
+it applies whatever the client writes afterwards. A pull is one header, the mode's wait,
+and a memcpy out of the shard's parameters by the worker (in sync mode they cannot change
+until this worker pushes again; in async modes a racy read is the point, as over gRPC).
+A pull that waits notices when its client hangs up, and its thread goes. Memory on the
+shard: its parameters plus one buffer per connection, at most MAX_CONNECTIONS of them.
+Both calls go to the very same `Shard.push` / `Shard.pull` as the gRPC servicer, so
+validation, modes and counters are identical. Workers use it automatically when the
 shard's host id matches their own (`--data-plane auto`, the default); `--data-plane
 grpc` turns it off on either side.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
+import select
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -37,23 +48,31 @@ import threading
 import numpy as np
 
 from pserver import security
-from pserver.errors import (InvalidArgument, PServerError, RpcError, Unauthenticated, Unavailable,
-                            rpc_error_for)
+from pserver.errors import (ConfigError, InvalidArgument, PServerError, RpcError, Unauthenticated,
+                            Unavailable, rpc_error_for)
 
 log = logging.getLogger("pserver.dataplane")
 
 MAGIC = b"PSD1"
 HELLO, PUSH, PULL, INIT = 1, 2, 3, 4
 SIGNATURE = struct.Struct("16s")       # INIT: the layout signature follows the header
-TOKEN_LEN = struct.Struct("<I")        # HELLO: the token's length, then its bytes (0: none)
+# HELLO: the token's length and bytes (0: none), then the session's length and bytes
+TOKEN_LEN = struct.Struct("<I")
+MAX_SESSION = 256                      # bytes; Register's credentials are 32 hex characters
 # magic, op, rank, shard, step (push) or seen_version (pull), clock, num_elements,
 # num_samples, timeout in ms
 REQUEST = struct.Struct("<4sB3xiiqqqiI")
 # status (index in CODES; 0 = OK), outcome, finished, message length, version
 REPLY = struct.Struct("<BBBxIq")
 CODES = ["OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAUTHENTICATED", "UNAVAILABLE",
-         "DEADLINE_EXCEEDED", "INTERNAL"]
+         "DEADLINE_EXCEEDED", "INTERNAL", "ALREADY_EXISTS", "RESOURCE_EXHAUSTED"]
 MAX_MESSAGE = 64 * 1024
+MAX_CONNECTIONS = 256     # per shard: each holds a thread and a buffer the size of the shard's range
+HELLO_TIMEOUT = 10.0      # seconds a new connection may take to say HELLO before it is cut
+# Seals from <linux/fcntl.h> (Python's fcntl module has no F_SEAL_FUTURE_WRITE, Linux >= 5.1).
+SEAL_SEAL, SEAL_SHRINK, SEAL_GROW, SEAL_FUTURE_WRITE = 0x1, 0x2, 0x4, 0x10
+SIZE_SEALS = SEAL_SHRINK | SEAL_GROW
+SOCKET_NAME = re.compile(r"pserver-(\d+)-[\w-]+\.sock(\.new)?")
 
 
 def supported() -> bool:
@@ -81,12 +100,120 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def shared_buffer(size: int) -> tuple[int, mmap.mmap, np.ndarray]:
-    """A memfd of `size` float32 elements, mapped: (fd, mapping, array view)."""
-    fd = os.memfd_create("pserver", os.MFD_CLOEXEC)
-    os.ftruncate(fd, size * 4)
-    mm = mmap.mmap(fd, size * 4)
-    return fd, mm, np.frombuffer(mm, dtype=np.float32, count=size)
+# --- shared memory -----------------------------------------------------------------------
+def sealed_memfd(name: str, nbytes: int, clients_write: bool) -> tuple[int, mmap.mmap]:
+    """A memfd of `nbytes`, mapped read-write here, then sealed before anyone else sees it:
+    its size is fixed for good, and unless `clients_write` nobody can map it writable or
+    write to it any more (this process's mapping, made first, still can)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+        seals = SIZE_SEALS | SEAL_SEAL | (0 if clients_write else SEAL_FUTURE_WRITE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mm
+
+
+def require_seals(fd: int, seals: int, what: str) -> None:
+    """Refuse a memfd that someone else could still resize (or write, as `seals` says)."""
+    try:
+        has = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        has, why = 0, f"not a sealable memfd ({e.strerror})"
+    else:
+        why = f"seals 0x{has:x}"
+    if has & seals != seals:
+        raise InvalidArgument(f"{what}: the shared memory lacks seals 0x{seals & ~has:x} ({why}); "
+                              f"refusing to map memory that another process could resize or write")
+
+
+def mapped(fd: int, nbytes: int, writable: bool, what: str) -> mmap.mmap:
+    """Map a memfd received from a peer, after checking that nobody can shrink it under us."""
+    require_seals(fd, SIZE_SEALS, what)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    return mmap.mmap(fd, nbytes, prot=prot)
+
+
+def peer_open(conn: socket.socket) -> bool:
+    """False once the peer has hung up: polled while a pull waits for its step."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    events = poller.poll(0)
+    if not events:
+        return True
+    if events[0][1] & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+        return False
+    try:                       # readable: a request sent early (alive) or end of file (gone)
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+# --- the socket's directory --------------------------------------------------------------
+def socket_dir() -> str:
+    """`<tmp>/pserver-<uid>`: created with mode 0700 if missing; refused if it is anything
+    but a directory of this user that nobody else can enter (someone could then connect
+    to, or replace, the shard's socket)."""
+    path = os.path.join(tempfile.gettempdir(), f"pserver-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)             # the umask may have taken bits off
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
+        raise ConfigError(f"data plane: {path} must be a directory owned by uid {os.getuid()} with mode "
+                          f"0700; it is {kind} owned by uid {st.st_uid} with mode "
+                          f"{stat.S_IMODE(st.st_mode):04o} (remove it, or run with --data-plane grpc)")
+    return path
+
+
+def remove_stale(directory: str) -> None:
+    """Remove the sockets of shards that are gone: SIGKILL leaves them behind. A socket is
+    stale when the process named in it is dead, or when it refuses connections (its pid
+    was reused). One being set up (`.sock.new`, before listen) is judged by its pid only."""
+    for entry in os.scandir(directory):
+        m = SOCKET_NAME.fullmatch(entry.name)
+        if m and (not pid_alive(int(m.group(1))) or (not m.group(2) and refuses(entry.path))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                log.info("removed the stale data-plane socket %s", entry.path)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:      # alive, another user's
+        pass
+    return True
+
+
+def refuses(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:              # busy (a full backlog) or not a socket: not ours to judge
+        return False
+    finally:
+        probe.close()
+    return False
+
+
+# --- the shard's side ----------------------------------------------------------------------
+class Connection:
+    """One worker's connection after HELLO: who it acts for, and its push buffer."""
+
+    def __init__(self, rank: int, session: str, push_buf: np.ndarray) -> None:
+        self.rank, self.session, self.push_buf = rank, session, push_buf
 
 
 class DataPlaneServer:
@@ -96,12 +223,17 @@ class DataPlaneServer:
         self.shard = shard
         token = shard.cfg.auth_token
         self.token = token.encode() if token else None     # HELLO must carry it (security.py)
+        directory = socket_dir()
+        remove_stale(directory)
         name = f"pserver-{os.getpid()}-shard{shard.cfg.shard}-{secrets.token_hex(4)}.sock"
-        self.path = os.path.join(tempfile.gettempdir(), name)
+        self.path = os.path.join(directory, name)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(self.path)
-        os.chmod(self.path, 0o600)
+        # Bound under a temporary name and renamed once listening, so that another shard
+        # starting now never takes it for a stale socket that refuses connections.
+        self.sock.bind(self.path + ".new")
+        os.chmod(self.path + ".new", 0o600)
         self.sock.listen(64)
+        os.rename(self.path + ".new", self.path)
         self.closed = False
         self.conns: set[socket.socket] = set()
         self.lock = threading.Lock()
@@ -117,29 +249,44 @@ class DataPlaneServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="dataplane-conn", daemon=True).start()
+            with self.lock:
+                admitted = len(self.conns) < MAX_CONNECTIONS
+                if admitted:
+                    self.conns.add(conn)
+            if admitted:
+                threading.Thread(target=self._serve, args=(conn,), name="dataplane-conn", daemon=True).start()
+            else:
+                self._refuse(conn, rpc_error_for("RESOURCE_EXHAUSTED", (
+                    f"connections: shard {self.shard.cfg.shard}'s data plane already serves "
+                    f"{MAX_CONNECTIONS} connections, its limit")))
+
+    def _refuse(self, conn, error: RpcError) -> None:
+        with contextlib.suppress(OSError):
+            conn.settimeout(1.0)
+            self._reply(conn, error)
+        conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        buffers = None
-        with self.lock:
-            self.conns.add(conn)
+        peer = None
         try:
+            conn.settimeout(HELLO_TIMEOUT)
             while True:
                 req = REQUEST.unpack(recv_exact(conn, REQUEST.size))
                 if req[0] != MAGIC:
                     raise ConnectionError("bad magic")
                 if req[1] == HELLO:
-                    buffers = self._hello(conn, req)
-                elif buffers is None and self.token is not None:
-                    self._reply(conn, Unauthenticated("authorization: send HELLO with the shard's token first"))
+                    peer = self._hello(conn, req)
+                    conn.settimeout(None)          # a worker may compute for long between calls
+                elif peer is None and self.token is not None:
+                    self._reply(conn, Unauthenticated("authorization: send HELLO with the token first"))
                     raise ConnectionError("unauthenticated")
-                elif buffers is None:
+                elif peer is None:
                     self._reply(conn, InvalidArgument("op: say hello first"))
                 elif req[1] == INIT:
                     sig = SIGNATURE.unpack(recv_exact(conn, SIGNATURE.size))[0].decode(errors="replace")
-                    self._reply(conn, *self._handle(req, *buffers, signature=sig))
+                    self._reply(conn, *self._handle(conn, req, peer, signature=sig))
                 else:
-                    self._reply(conn, *self._handle(req, *buffers))
+                    self._reply(conn, *self._handle(conn, req, peer))
         except (ConnectionError, OSError):
             pass
         finally:
@@ -147,42 +294,59 @@ class DataPlaneServer:
                 self.conns.discard(conn)
             conn.close()
 
-    def _authenticate(self, conn) -> None:
-        """Read the token that follows HELLO; refuse and close unless it is the shard's
-        (compared in constant time). A refused connection never sees a buffer."""
+    def _read_field(self, conn, limit: int, field: str, noun: str) -> bytes | None:
+        """A length-prefixed HELLO field (None when empty); too long a length is refused
+        before anything is read, so the peer cannot make the shard allocate."""
         (n,) = TOKEN_LEN.unpack(recv_exact(conn, TOKEN_LEN.size))
-        if n > security.MAX_TOKEN:             # checked before reading: no allocation by the peer's say-so
-            why = f"authorization: a {n}-byte token is longer than {security.MAX_TOKEN} bytes"
-        else:
-            presented = recv_exact(conn, n) if n else None
-            why = None if self.token is None else security.refusal(presented, self.token)
+        if n > limit:
+            self._reply(conn, Unauthenticated(f"{field}: a {n}-byte {noun} is longer than {limit} bytes"))
+            raise ConnectionError("unauthenticated")
+        return recv_exact(conn, n) if n else None
+
+    def _authenticate(self, conn) -> str:
+        """Read the token and session that follow HELLO; refuse and close unless the token is
+        the shard's (compared in constant time). A refused connection never sees a buffer.
+        Returns the session, which the shard checks on every call."""
+        presented = self._read_field(conn, security.MAX_TOKEN, "authorization", "token")
+        session = self._read_field(conn, MAX_SESSION, "session", "session credential")
+        why = None if self.token is None else security.refusal(presented, self.token)
         if why is not None:
             self._reply(conn, Unauthenticated(why))
             raise ConnectionError("unauthenticated")
+        return session.decode(errors="replace") if session else ""
 
-    def _hello(self, conn, req):
-        self._authenticate(conn)
+    def _hello(self, conn, req) -> Connection:
+        session = self._authenticate(conn)
         store = self.shard.store
         if store.params_fd is None:
             raise ConnectionError("the shard has no shared parameters yet")
-        fd, _, push_buf = shared_buffer(store.size)
-        reply = REPLY.pack(0, 0, 0, 0, store.size)
-        socket.send_fds(conn, [reply], [fd, store.params_fd])
-        os.close(fd)                                            # the mapping stays
-        return (push_buf,)
+        require_seals(store.params_fd, SIZE_SEALS | SEAL_FUTURE_WRITE, "parameters")
+        fd, mm = sealed_memfd("pserver-push", store.size * 4, clients_write=True)
+        try:
+            socket.send_fds(conn, [REPLY.pack(0, 0, 0, 0, store.size)], [fd, store.params_fd])
+        finally:
+            os.close(fd)                                        # the mapping stays
+        return Connection(req[2], session, np.frombuffer(mm, dtype=np.float32, count=store.size))
 
-    def _handle(self, req, push_buf: np.ndarray, signature: str = ""):
+    def _handle(self, conn, req, peer: Connection, signature: str = ""):
         _, op, rank, shard, step, clock, num_elements, num_samples, timeout_ms = req
         try:
+            if rank != peer.rank:
+                raise Unauthenticated(f"rank: this connection said HELLO as worker {peer.rank}; "
+                                      f"it cannot act for worker {rank}")
             if op == PUSH:
                 outcome, version, message, finished = self.shard.push(
-                    rank, shard, step, num_elements, "float32", num_samples, clock, push_buf)
+                    rank, shard, step, num_elements, "float32", num_samples, clock, peer.push_buf,
+                    session=peer.session)
                 return None, outcome.value, finished, version, message
             if op == PULL:
-                version, _, finished = self.shard.pull(rank, shard, step, clock, timeout_ms / 1000)
+                version, _, finished = self.shard.pull(
+                    rank, shard, step, clock, timeout_ms / 1000,
+                    session=peer.session, alive=lambda: peer_open(conn))
                 return None, 0, finished, version, ""
             if op == INIT:
-                already, version = self.shard.init(rank, signature, num_elements, "float32", push_buf)
+                already, version = self.shard.init(rank, signature, num_elements, "float32", peer.push_buf,
+                                                  session=peer.session)
                 return None, int(already), False, version, ""
             raise InvalidArgument(f"op: unknown data-plane operation {op}")
         except RpcError as e:
@@ -220,24 +384,28 @@ class DataPlaneChannel:
     """A worker's connection to one shard's data plane. One call at a time."""
 
     def __init__(self, address: str, rank: int, shard: int, size: int, label: str,
-                 token: str | None = None) -> None:
+                 token: str | None = None, session: str = "") -> None:
         self.label = label
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(address.removeprefix("unix:"))
         self.rank, self.shard = rank, shard
-        blob = token.encode() if token else b""
-        self.sock.sendall(REQUEST.pack(MAGIC, HELLO, rank, shard, 0, 0, 0, 0, 0)
-                          + TOKEN_LEN.pack(len(blob)) + blob)
+        fields = [(token or "").encode(), session.encode()]
+        # A shard at its connection limit answers and hangs up before reading anything:
+        # its reply is still there to read when sending fails.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.sock.sendall(REQUEST.pack(MAGIC, HELLO, rank, shard, 0, 0, 0, 0, 0)
+                              + b"".join(TOKEN_LEN.pack(len(f)) + f for f in fields))
         msg, fds, _, _ = socket.recv_fds(self.sock, REPLY.size, 2)
         self._check_hello(msg, fds)
-        if len(fds) != 2 or REPLY.unpack(msg)[4] != size:
+        try:
+            if len(fds) != 2 or REPLY.unpack(msg)[4] != size:
+                raise ConnectionError("the shard's data plane answered with the wrong buffers")
+            # our push buffer (read-write) and the shard's parameters (read-only)
+            self.maps = [mapped(fds[0], size * 4, True, f"{label}: push buffer"),
+                         mapped(fds[1], size * 4, False, f"{label}: parameters")]
+        finally:
             for fd in fds:
                 os.close(fd)
-            raise ConnectionError("the shard's data plane answered with the wrong buffers")
-        # our push buffer (read-write) and the shard's parameters (read-only)
-        self.maps = [mmap.mmap(fds[0], size * 4), mmap.mmap(fds[1], size * 4, prot=mmap.PROT_READ)]
-        for fd in fds:
-            os.close(fd)
         self.push_buf, self.params = (np.frombuffer(m, dtype=np.float32, count=size) for m in self.maps)
 
     def _check_hello(self, msg: bytes, fds: list[int]) -> None:
@@ -295,12 +463,12 @@ class DataPlaneChannel:
 
 
 def connect(address: str, expected_host: str, rank: int, shard: int, size: int,
-            label: str, token: str | None = None) -> DataPlaneChannel | None:
+            label: str, token: str | None = None, session: str = "") -> DataPlaneChannel | None:
     """A channel if the shard is on this host and answers; None means: use gRPC."""
     if not address or not supported() or size == 0 or expected_host != host_id():
         return None
     try:
-        return DataPlaneChannel(address, rank, shard, size, label, token)
+        return DataPlaneChannel(address, rank, shard, size, label, token, session)
     except (OSError, ConnectionError, PServerError) as e:
         log.info("%s: data plane unavailable (%s); using gRPC streams", label, e)
         return None

@@ -1,0 +1,263 @@
+"""Hostile clients of the same-host data plane (pserver/dataplane.py), against live
+in-process shards.
+
+A process that completed HELLO holds the shard's memfds and speaks the socket protocol
+by hand. Whatever it does with them, the shard's memory stays the shard's: it cannot
+write the parameters, cannot resize anything the shard maps, cannot change a gradient
+after the shard checked it, cannot act for another rank, and cannot make the shard hold
+threads or connections without bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pserver import dataplane
+from pserver.client import PSClient
+from pserver.errors import InvalidArgument, RpcError, Unauthenticated, Unavailable
+from pserver.models.layout import Layout
+from pserver.security import ClientSecurity
+from pserver.server.store import copy_finite, first_nonfinite
+
+TOKEN = "s3cret-Token_for.tests"
+LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
+NBYTES = LAYOUT.total * 4
+START = np.arange(LAYOUT.total, dtype=np.float32)
+
+
+def worker(addr: str, rank: int = 0, num_workers: int = 1, init: bool = True) -> PSClient:
+    """A real client on the data plane (sync pulls may wait up to 120 s)."""
+    c = PSClient([addr], rank=rank, num_workers=num_workers, rpc_deadline=120, data_plane="auto",
+                 security=ClientSecurity(TOKEN))
+    c.connect(5)
+    c.register(LAYOUT)
+    if init:
+        c.init(START)
+    assert c.shards[0].fast is not None, "the worker must use the data plane"
+    return c
+
+
+def raw_hello(shard, rank: int = 0, session: str = "") -> tuple[socket.socket, list[int]]:
+    """HELLO by hand (token, then session, each length-prefixed): (socket, its two fds)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(shard.dataplane.path)
+    sock.sendall(hello_bytes(rank, session))
+    msg, fds, _, _ = socket.recv_fds(sock, dataplane.REPLY.size, 2)
+    assert dataplane.REPLY.unpack(msg)[0] == 0 and len(fds) == 2
+    return sock, fds
+
+
+def hello_bytes(rank: int, session: str = "") -> bytes:
+    fields = [TOKEN.encode(), session.encode()]
+    return (dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, rank, 0, 0, 0, 0, 0, 0)
+            + b"".join(dataplane.TOKEN_LEN.pack(len(f)) + f for f in fields))
+
+
+def counters(shard) -> dict:
+    return shard.status()["counters"]
+
+
+def train_one_step(c: PSClient, expected: np.ndarray) -> None:
+    """A single-worker sync step with gradient 1 and lr 1 lands exactly on `expected`."""
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    c.push(np.ones(LAYOUT.total, np.float32), 1)
+    c.pull(w)
+    np.testing.assert_array_equal(w, expected)
+
+
+# Any float32 bit pattern: every NaN payload, both infinities, subnormals, -0.0.
+bit_patterns = st.lists(st.integers(0, (1 << 32) - 1), min_size=0, max_size=300).map(
+    lambda words: np.array(words, dtype=np.uint32).view(np.float32))
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=bit_patterns)
+def test_the_fused_copy_and_check_agrees_with_numpy(values):
+    expected = int(np.flatnonzero(~np.isfinite(values))[0]) if not np.isfinite(values).all() else -1
+    assert first_nonfinite(values) == expected
+    dst = np.full(values.size, 7, np.float32)
+    assert copy_finite(values, dst) == expected
+    assert dst.tobytes() == values.tobytes()                # every bit, NaN payloads included
+
+
+def test_a_client_can_map_the_parameters_only_read_only(shard_server):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
+    c = worker(addr)
+    sock, (push_fd, params_fd) = raw_hello(shard)
+    poison = np.full(LAYOUT.total, np.nan, np.float32).tobytes()
+    with pytest.raises(PermissionError):
+        mmap.mmap(params_fd, NBYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    with pytest.raises(PermissionError):
+        os.pwrite(params_fd, poison, 0)
+    with pytest.raises(PermissionError):
+        os.write(params_fd, poison)
+    for size in (0, NBYTES // 2, 2 * NBYTES):      # nor resize it, nor its own push buffer
+        for fd in (params_fd, push_fd):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+    # A private (copy-on-write) mapping may be scribbled on: the shard never sees it.
+    private = mmap.mmap(params_fd, NBYTES, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    private[:] = poison
+    readonly = np.frombuffer(mmap.mmap(params_fd, NBYTES, prot=mmap.PROT_READ), np.float32)
+    np.testing.assert_array_equal(readonly, START)
+    np.testing.assert_array_equal(shard.store.params, START)
+    train_one_step(c, START - 1)
+    np.testing.assert_array_equal(readonly, START - 1)     # the read-only view follows the shard
+    for fd in (push_fd, params_fd):
+        os.close(fd)
+    sock.close()
+    c.close()
+
+
+def test_what_the_shard_validated_is_what_it_applies(shard_server):
+    """Sync, 2 workers: worker 0 pushes, then writes NaN into its shared buffer before the
+    step completes. The step applies the gradient as it was pushed."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync")
+    a = worker(addr, rank=0, num_workers=2)
+    b = worker(addr, rank=1, num_workers=2, init=False)
+    w = np.empty(LAYOUT.total, np.float32)
+    assert a.pull(w) == [0] and b.pull(w) == [0]
+    assert a.push(np.ones(LAYOUT.total, np.float32), 4) == [("aggregated", 0)]
+    a.shards[0].fast.push_buf[:] = np.nan             # the step is still waiting for worker 1
+    assert b.push(np.full(LAYOUT.total, 3, np.float32), 4) == [("aggregated", 1)]
+    assert a.pull(w) == [1]
+    np.testing.assert_array_equal(w, START - 2)        # lr 1 x the mean of 1 and 3
+    assert np.isfinite(shard.store.params).all()
+    assert counters(shard)["pushes_rejected"] == 0
+    # NaN in the buffer when the push is sent (the last element) is refused and counted.
+    b.pull(w)
+    bad = np.ones(LAYOUT.total, np.float32)
+    bad[-1] = np.nan
+    with pytest.raises(InvalidArgument, match=f"non-finite value \\(nan\\) at element {LAYOUT.total - 1}"):
+        a.push(bad, 4)
+    assert counters(shard)["pushes_rejected"] == 1
+    np.testing.assert_array_equal(shard.store.params, START - 2)
+    a.close()
+    b.close()
+
+
+def test_init_through_shared_memory_is_checked_as_it_is_copied(shard_server):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
+    c = worker(addr, init=False)
+    bad = START.copy()
+    bad[LAYOUT.total - 1] = np.inf
+    with pytest.raises(InvalidArgument, match=f"non-finite value \\(inf\\) at element {LAYOUT.total - 1}"):
+        c.init(bad)
+    assert shard.store.version == -1 and not shard.store.params.any()   # zeroed, not initialized
+    c.init(START)
+    train_one_step(c, START - 1)
+    c.close()
+
+
+def test_a_connection_acts_only_for_the_rank_it_said_hello_as(shard_server):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync")
+    a = worker(addr, rank=0, num_workers=2)
+    b = worker(addr, rank=1, num_workers=2, init=False)
+    w = np.empty(LAYOUT.total, np.float32)
+    a.pull(w)
+    fast = a.shards[0].fast
+    fast.rank = 1                              # worker 0's connection pushes as worker 1
+    with pytest.raises(Unauthenticated, match="HELLO as worker 0; it cannot act for worker 1"):
+        fast.push(np.ones(LAYOUT.total, np.float32), 0, 4, 0, 5)
+    assert counters(shard)["pushes_received"] == 0 and shard.store.version == 0
+    fast.rank = 0
+    b.pull(w)
+    assert a.push(np.ones(LAYOUT.total, np.float32), 4) == [("aggregated", 0)]
+    assert b.push(np.ones(LAYOUT.total, np.float32), 4) == [("aggregated", 1)]
+    a.close()
+    b.close()
+
+
+def conn_threads() -> int:
+    return sum(t.name == "dataplane-conn" for t in threading.enumerate())
+
+
+def wait_until(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_a_pull_whose_client_hung_up_frees_its_thread(shard_server):
+    """Worker 0 pulls for a step that worker 1 never completes, then its connection goes
+    (as when its process is killed): the shard's thread stops waiting within a tick or
+    two, not at the pull's deadline (120 s here)."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync", step_timeout=600)
+    a = worker(addr, rank=0, num_workers=2)
+    b = worker(addr, rank=1, num_workers=2, init=False)
+    w = np.empty(LAYOUT.total, np.float32)
+    a.pull(w)
+    b.pull(w)
+    a.push(np.ones(LAYOUT.total, np.float32), 4)
+    fast = a.shards[0].fast
+    errors = []
+
+    def parked_pull():
+        try:
+            fast.pull_into(w, 0, 0, 120)
+        except Unavailable as e:
+            errors.append(e)
+
+    t = threading.Thread(target=parked_pull)
+    t.start()
+    assert wait_until(lambda: counters(shard)["pulls_served"] == 2 and conn_threads() == 2)
+    time.sleep(0.5)                            # the pull is parked in the shard's wait
+    assert t.is_alive()
+    fast.sock.shutdown(socket.SHUT_RDWR)       # the worker's end goes away
+    t.join(10)
+    assert errors and not t.is_alive()
+    assert wait_until(lambda: conn_threads() == 1, 10), "the parked pull's thread is still waiting"
+    # The step still completes for the others.
+    assert b.push(np.ones(LAYOUT.total, np.float32), 4) == [("aggregated", 1)]
+    a.close()
+    b.close()
+
+
+def test_connections_are_bounded_and_the_extra_one_is_told_why(shard_server):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
+    c = worker(addr)
+    held, refused = [], None
+    for _ in range(300):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(shard.dataplane.path)
+        with contextlib.suppress(BrokenPipeError):          # refused at once: the reply waits
+            sock.sendall(hello_bytes(0))
+        msg, fds, _, _ = socket.recv_fds(sock, dataplane.REPLY.size, 2)
+        for fd in fds:
+            os.close(fd)
+        code, _, _, n, _ = dataplane.REPLY.unpack(msg)
+        if code:
+            refused = (dataplane.CODES[code], dataplane.recv_exact(sock, n).decode())
+            sock.close()
+            break
+        held.append(sock)
+    assert refused is not None, "300 connections were all accepted"
+    serving = 1 + len(held)                                # the worker's own, then ours
+    assert refused[0] == "RESOURCE_EXHAUSTED" and f"already serves {serving} connections" in refused[1]
+    assert serving == dataplane.MAX_CONNECTIONS
+    with pytest.raises(RpcError, match="its limit") as e:   # the client library says the same
+        dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, LAYOUT.total, "shard 0", TOKEN)
+    assert e.value.code_name == "RESOURCE_EXHAUSTED"
+    train_one_step(c, START - 1)                           # the connected worker is unaffected
+    for sock in held:
+        sock.close()
+    assert wait_until(lambda: conn_threads() == 1)
+    sock, fds = raw_hello(shard)                           # room again: a new connection gets in
+    for fd in fds:
+        os.close(fd)
+    sock.close()
+    c.close()
