@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from pserver.kernels import KERNELS, get_backend, reference
+from pserver.kernels import KERNELS, conv_output, get_backend, reference
 from pserver.kernels import cuda as K
 from tests.cuda_sim import simfix  # noqa: F401  (a device or the simulator; fixes the latter)
 
@@ -52,6 +52,7 @@ def test_backend_and_signatures():
 
 def test_tile_sizes_are_what_the_tests_assume():
     assert K.TILE == 16 and (K.BLOCK_X, K.BLOCK_Y) == (32, 8) and K.ROW_THREADS == 128
+    assert K.ELEMENT_THREADS == 256 and K.REDUCE_THREADS == 128
 
 
 # -- the tiled products ---------------------------------------------------------------------
@@ -244,3 +245,150 @@ def test_mse(n):
 def test_mse_needs_one_column():
     with pytest.raises(ValueError, match="one column"):
         K.mse(*(cuda.device_array(s, np.float32) for s in ((2, 2), (2,), (2, 2))))
+
+
+# -- layer kernels: images (N, H, W, C) ----------------------------------------------------
+
+# (n, h, w, c, f, kh, kw, stride_h, stride_w, padding): a plain 'valid' layer, 'same' with
+# strides (a pad before), and a kernel as large as the input. Small: each element of dw is a
+# block of REDUCE_THREADS simulated threads (about 2 s each on two busy cores).
+GEOMETRIES = [(2, 5, 4, 1, 2, 2, 2, 1, 1, "valid"), (1, 5, 6, 2, 1, 2, 2, 2, 3, "same"),
+              (2, 2, 3, 1, 2, 2, 3, 1, 1, "valid")]
+
+
+def _placement(h, w, kh, kw, sh, sw, padding):
+    oh, pt = conv_output(h, kh, sh, padding)
+    ow, pl = conv_output(w, kw, sw, padding)
+    return (oh, ow), (sh, sw, pt, pl)
+
+
+@pytest.mark.parametrize("g", GEOMETRIES, ids=lambda g: g[-1])
+def test_conv2d(g):
+    n, h, w, c, f, kh, kw, sh, sw, padding = g
+    (oh, ow), place = _placement(h, w, kh, kw, sh, sw, padding)
+    rng = np.random.default_rng(h * w)
+    x, wt, b, dy = f32(rng, n, h, w, c), f32(rng, kh, kw, c, f), f32(rng, f), f32(rng, n, oh, ow, f)
+    got, want = nans(n, oh, ow, f), np.empty((n, oh, ow, f), np.float32)
+    K.conv2d_forward(cuda.to_device(x), cuda.to_device(wt), cuda.to_device(b), got, *place, True)
+    reference.conv2d_forward(x, wt, b, want, *place, True)
+    close(got.copy_to_host(), want)
+    first_layer = kh == h and kw == w   # the last geometry: no dx, as a first layer calls it
+    grads = [None if first_layer else nans(*x.shape), nans(*wt.shape), nans(f)]
+    wants = [np.empty_like(a) for a in (x, wt, b)]
+    K.conv2d_backward(cuda.to_device(x), cuda.to_device(wt), cuda.to_device(dy), *grads, *place)
+    reference.conv2d_backward(x, wt, dy, *wants, *place)
+    for a, e in zip(grads, wants):
+        if a is not None:
+            np.testing.assert_allclose(a.copy_to_host(), e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("g", GEOMETRIES, ids=lambda g: g[-1])
+def test_pooling(g):
+    n, h, w, c, _, kh, kw, sh, sw, padding = g
+    (oh, ow), place = _placement(h, w, kh, kw, sh, sw, padding)
+    rng = np.random.default_rng(h + w)
+    x, dy = f32(rng, n, h, w, c), f32(rng, n, oh, ow, c)
+    x[0, 0, 0, 0] = x[0, -1, -1, 0]   # a tie
+    dx_, dy_ = cuda.to_device(x), cuda.to_device(dy)
+    out, arg = nans(n, oh, ow, c), cuda.to_device(np.full((n, oh, ow, c), -7, np.int32))
+    want, want_arg = np.empty((n, oh, ow, c), np.float32), np.empty((n, oh, ow, c), np.int32)
+    K.maxpool2d_forward(dx_, out, arg, kh, kw, *place)
+    reference.maxpool2d_forward(x, want, want_arg, kh, kw, *place)
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+    np.testing.assert_array_equal(arg.copy_to_host(), want_arg)
+    got_dx, want_dx = nans(*x.shape), np.empty_like(x)
+    K.maxpool2d_backward(dy_, arg, got_dx)
+    reference.maxpool2d_backward(dy, want_arg, want_dx)
+    close(got_dx.copy_to_host(), want_dx)
+    K.avgpool2d_forward(dx_, out, kh, kw, *place)
+    reference.avgpool2d_forward(x, want, kh, kw, *place)
+    close(out.copy_to_host(), want)
+    K.avgpool2d_backward(dy_, got_dx, kh, kw, *place)
+    reference.avgpool2d_backward(dy, want_dx, kh, kw, *place)
+    close(got_dx.copy_to_host(), want_dx)
+
+
+# -- layer kernels: elementwise, dropout, embedding, binary cross-entropy -------------------
+
+@pytest.mark.parametrize("kind", ["relu", "sigmoid", "tanh", "linear"])
+def test_activations(kind):
+    # 3 x 10 x 10 = 300 elements: two blocks of ELEMENT_THREADS, the second ragged.
+    rng = np.random.default_rng(len(kind))
+    x, dy = f32(rng, 3, 10, 10) * 4, f32(rng, 3, 10, 10)
+    got, want = nans(*x.shape), np.empty_like(x)
+    K.activation_forward(kind, cuda.to_device(x), got)
+    reference.activation_forward(kind, x, want)
+    close(got.copy_to_host(), want)
+    got_dx, want_dx = nans(*x.shape), np.empty_like(x)
+    K.activation_backward(kind, cuda.to_device(want), cuda.to_device(dy), got_dx)
+    reference.activation_backward(kind, want, dy, want_dx)
+    close(got_dx.copy_to_host(), want_dx)
+
+
+def test_unknown_activation_is_refused_before_launch():
+    a = cuda.device_array(3, np.float32)
+    with pytest.raises(ValueError, match="activation: unknown kind 'gelu'"):
+        K.activation_forward("gelu", a, a)
+
+
+# The simulator runs the kernel's uint64 arithmetic as NumPy scalars, which warn on the
+# wraparound that splitmix64 is built on (a GPU wraps silently, as the CPU kernel does).
+@pytest.mark.filterwarnings("ignore:overflow encountered in scalar:RuntimeWarning")
+@pytest.mark.parametrize("rate,seed", [(0.0, 1), (0.3, 2**63 - 1), (0.75, 12345)])
+def test_dropout_same_mask_as_every_backend(rate, seed):
+    x, dy = f32(np.random.default_rng(seed % 97), 5, 61), f32(np.random.default_rng(1), 5, 61)
+    out, mask = nans(5, 61), nans(5, 61)
+    want_out, want_mask = np.empty_like(x), np.empty_like(x)
+    K.dropout_forward(cuda.to_device(x), out, mask, rate, seed)
+    reference.dropout_forward(x, want_out, want_mask, rate, seed)
+    np.testing.assert_array_equal(mask.copy_to_host(), want_mask)
+    np.testing.assert_array_equal(out.copy_to_host(), want_out)
+    dx = nans(5, 61)
+    K.dropout_backward(cuda.to_device(dy), mask, dx)
+    np.testing.assert_array_equal(dx.copy_to_host(), dy * want_mask)
+
+
+def test_dropout_checks_rate_and_seed_on_the_host():
+    a = cuda.device_array(3, np.float32)
+    with pytest.raises(ValueError, match=r"dropout: rate must be in \[0, 1\), got 1.0"):
+        K.dropout_forward(a, a, a, 1.0, 0)
+    with pytest.raises(ValueError, match=r"dropout: seed must be in \[0, 2\*\*63\), got -1"):
+        K.dropout_forward(a, a, a, 0.5, -1)
+
+
+def test_embedding():
+    rng = np.random.default_rng(4)
+    ids, table, dy = np.array([[0, 3, 3], [1, 3, 0]]), f32(rng, 5, 4), f32(rng, 2, 3, 4)
+    got, want = nans(2, 3, 4), np.empty((2, 3, 4), np.float32)
+    K.embedding_forward(cuda.to_device(ids), cuda.to_device(table), got)
+    reference.embedding_forward(ids, table, want)
+    np.testing.assert_array_equal(got.copy_to_host(), want)
+    got_d, want_d = nans(5, 4), np.empty_like(table)
+    K.embedding_backward(cuda.to_device(ids), cuda.to_device(dy), got_d)   # repeated ids add
+    reference.embedding_backward(ids, dy, want_d)
+    close(got_d.copy_to_host(), want_d)
+
+
+def test_embedding_bad_id_touches_nothing_outside_the_table():
+    # The kernels cannot raise: a bad id reads a NaN row and its gradient is dropped.
+    table, ids = np.ones((3, 2), np.float32), np.array([[0, 3]])
+    out = nans(1, 2, 2)
+    K.embedding_forward(cuda.to_device(ids), cuda.to_device(table), out)
+    host = out.copy_to_host()
+    assert (host[0, 0] == 1).all() and np.isnan(host[0, 1]).all()
+    buf = cuda.to_device(np.full((4, 2), 7.0, np.float32))   # rows 0-2: dtable; row 3: a guard
+    K.embedding_backward(cuda.to_device(ids), cuda.to_device(np.ones((1, 2, 2), np.float32)), buf[:3])
+    np.testing.assert_array_equal(buf.copy_to_host(), [[1, 1], [0, 0], [0, 0], [7, 7]])
+
+
+@pytest.mark.parametrize("n,column", [(1, True), (130, True), (9, False)])
+def test_sigmoid_bce(n, column):
+    # n = 130 > ROW_THREADS: two blocks of rows; logits as (n, 1) and as (n,).
+    rng = np.random.default_rng(n)
+    z = f32(rng, n, 1) * 20
+    z = z if column else z[:, 0].copy()
+    y = (rng.random(n) < 0.5).astype(np.float32)
+    got, want = nans(*z.shape), np.empty_like(z)
+    loss = K.sigmoid_bce(cuda.to_device(z), cuda.to_device(y), got)
+    assert loss == pytest.approx(reference.sigmoid_bce(z, y, want), rel=1e-5, abs=1e-6)
+    close(got.copy_to_host(), want)
