@@ -78,13 +78,14 @@ def combine_counters(statuses: Sequence) -> dict:
     """Cluster-wide counters from every shard's StatusReply.
 
     Each worker push reaches every shard, so push counters are summed over shards (they
-    count push messages); updates_applied and workers_marked_dead are the largest any
-    shard saw (every shard applies the same steps); staleness is pooled.
+    count push messages), as are checkpoints written and failed; updates_applied and
+    workers_marked_dead are the largest any shard saw (every shard applies the same steps);
+    staleness is pooled.
     """
     cs = [s.counters for s in statuses]
     out = {k: sum(getattr(c, k) for c in cs) for k in
            ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late",
-            "pushes_rejected", "pulls_served")}
+            "pushes_rejected", "pulls_served", "checkpoints_written", "checkpoints_failed")}
     out["updates_applied"] = max(c.updates_applied for c in cs)
     out["workers_marked_dead"] = max(c.workers_marked_dead for c in cs)
     out["clock_gap_max"] = max(c.clock_gap_max for c in cs)

@@ -108,6 +108,7 @@ def test_a_disk_that_fails_mid_run_never_stops_training(procs, tmp_path, disks, 
         procs, tmp_path, disk, disk.fill if breakage == "full" else disk.make_read_only)
     assert summary["test_accuracy"] >= 0.9, summary
     assert counters["checkpoints_written"] >= 1 and counters["checkpoints_failed"] >= 3, counters
+    assert summary["checkpoints_failed"] >= 1                 # the run summary reports them too
     # one line per failed write, never a traceback; the chief's requests got the reason
     assert wait_until(lambda: shard.output.count(FAILED_LINE) == counters["checkpoints_failed"], 10), \
         (counters, shard.output[-3000:])
