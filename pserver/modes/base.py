@@ -172,10 +172,10 @@ class Policy(ABC):
         gradient is applied (never when it is dropped). Raises FailedPrecondition to reject."""
 
     def wait_pull(self, rank: int, seen_version: int, clock: int, timeout: float | None,
-                  alive=None) -> None:
+                  waiter=None) -> None:
         """Block (cond held) as the mode requires before a pull. Default: until initialized.
-        `alive` (see ShardStore.wait_for) ends the wait when the caller is gone."""
-        self.store.wait_for(lambda: self.store.initialized, timeout, alive=alive)
+        `waiter`: see ShardStore.wait_for."""
+        self.store.wait_for(lambda: self.store.initialized, timeout, waiter=waiter)
 
     def check_pull(self, seen_version: int) -> None:
         if seen_version > self.store.version >= 0:

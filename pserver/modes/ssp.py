@@ -35,7 +35,7 @@ class SSPPolicy(AsyncPolicy):
         low = min(self.clocks.get(r, 0) for r in live)
         return low, {r for r in live if self.clocks.get(r, 0) == low}
 
-    def wait_pull(self, rank, seen_version, clock, timeout, alive=None):
+    def wait_pull(self, rank, seen_version, clock, timeout, waiter=None):
         store, s = self.store, self.cfg.staleness
 
         def may_pull() -> bool:
@@ -54,7 +54,7 @@ class SSPPolicy(AsyncPolicy):
         if clock > self.clocks.get(rank, 0):
             self.clocks[rank] = clock
             store.cond.notify_all()            # a pull waiting for this worker may go on
-        store.wait_for(may_pull, timeout, on_tick=on_tick, alive=alive)
+        store.wait_for(may_pull, timeout, on_tick=on_tick, waiter=waiter)
         low = self.slowest()[0]
         if low < (1 << 62):
             store.counters.raise_to("clock_gap_max", max(clock - low, 0))

@@ -85,7 +85,7 @@ class SyncPolicy(Policy):
                                     f"{self.cfg.step_timeout:g} s (--step-timeout)")
             self.maybe_complete()
 
-    def wait_pull(self, rank, seen_version, clock, timeout, alive=None):
+    def wait_pull(self, rank, seen_version, clock, timeout, waiter=None):
         store = self.store
         store.wait_for(lambda: (store.initialized and store.version > seen_version) or self.finished,
-                       timeout, on_tick=self.check_timeout, alive=alive)
+                       timeout, on_tick=self.check_timeout, waiter=waiter)

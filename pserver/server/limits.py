@@ -43,6 +43,18 @@ class _Stream:
     last: float = field(default_factory=time.monotonic)
 
 
+class Waiter:
+    """What ShardStore.wait_for needs of a waiting call: `park` once before it first
+    waits (may refuse), then `alive` every tick (False: the caller went away)."""
+
+    def __init__(self, limits: "Limits", rank: int, alive) -> None:
+        self.limits, self.rank, self.alive, self.parked = limits, rank, alive, False
+
+    def park(self) -> None:
+        self.limits._park(self.rank)
+        self.parked = True
+
+
 class Limits:
     def __init__(self, threads: int, max_inflight_bytes: int, idle_timeout: float,
                  counters) -> None:
@@ -61,18 +73,25 @@ class Limits:
 
     # --- parked pulls -----------------------------------------------------------------
     @contextlib.contextmanager
-    def pull(self, rank: int):
+    def waiting(self, rank: int, alive):
+        """A pull's Waiter: it takes a parking slot only if the pull must wait (a pull whose
+        version is there never needs one, so refused pullers always get the step they
+        wait for), and gives it back when the pull ends."""
+        waiter = Waiter(self, rank, alive)
+        try:
+            yield waiter
+        finally:
+            if waiter.parked:
+                with self._lock:
+                    self._pulls[rank] -= 1
+
+    def _park(self, rank: int) -> None:
         with self._lock:
             total, mine = sum(self._pulls.values()), self._pulls.get(rank, 0)
             if total >= self.max_pulls or mine >= PER_RANK:
                 self._refuse(f"pulls: {total} pulls wait on this shard ({mine} of worker {rank}); "
                              f"the bound is {self.max_pulls} (from --threads) and {PER_RANK} per worker")
             self._pulls[rank] = mine + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._pulls[rank] -= 1
 
     def parked_pulls(self) -> int:
         with self._lock:

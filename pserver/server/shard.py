@@ -252,8 +252,8 @@ class Shard:
             self.policy.touch(rank)
             return alive is None or alive()
 
-        with self.limits.pull(rank), s.cond:
-            self.policy.wait_pull(rank, seen_version, clock, timeout, alive=still_there)
+        with self.limits.waiting(rank, still_there) as waiter, s.cond:
+            self.policy.wait_pull(rank, seen_version, clock, timeout, waiter=waiter)
             s.counters.add("pulls_served")
             return s.version, s.params, self.policy.finished
 

@@ -250,18 +250,24 @@ class ShardStore:
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float | None,
                  on_tick: Callable[[], None] | None = None, tick: float = 0.25,
-                 alive: Callable[[], bool] | None = None) -> None:
+                 waiter=None) -> None:
         """Block (holding cond) until predicate() is true; DeadlineExceeded after timeout.
 
         `on_tick` runs every `tick` seconds while waiting: policies use it to notice a
-        step that has waited too long for a worker. `alive` is polled as often: when it
-        says the caller went away (a closed connection), the wait ends at once.
+        step that has waited too long for a worker. A `waiter` (server/limits.py) is asked
+        to park before the first wait, which it may refuse (a bound on waiting calls),
+        and whether its caller is alive every tick: a caller that went away (a closed
+        connection) ends the wait at once.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        parked = waiter is None
         while not predicate():
             if self.closed:
                 raise Unavailable(f"shard {self.shard}: shutting down")
-            if alive is not None and not alive():
+            if not parked:
+                waiter.park()
+                parked = True
+            if waiter is not None and not waiter.alive():
                 raise Unavailable(f"shard {self.shard}: the caller went away while it waited")
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:

@@ -1,0 +1,201 @@
+"""What a client can make a shard hold is bounded, and Status answers under every load.
+
+Real gRPC servers in this process, real clients on their own channels. Each test starts a
+load that held a shard's threads or memory before the bounds of server/limits.py existed.
+Latencies are printed (pytest -s shows them) and asserted only against generous deadlines.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from pserver import codec
+from pserver._proto import pserver_pb2 as pb
+from pserver.client import PSClient
+from pserver.models.layout import Layout
+
+LAYOUT = Layout.of([("w", (64,))])
+SERVICE = "/pserver.v1.ParameterServer/"
+
+
+def status_latency(address: str, deadline: float = 20.0) -> float:
+    """Seconds one Status call took on a fresh channel (raises if it missed the deadline)."""
+    channel = grpc.insecure_channel(address)
+    started = time.monotonic()
+    channel.unary_unary(SERVICE + "Status")(pb.StatusRequest().SerializeToString(), timeout=deadline)
+    took = time.monotonic() - started
+    channel.close()
+    return took
+
+
+def waiting_in_shard(kind: str = "wait_for") -> int:
+    """Threads of this process currently blocked in the shard's `kind` function."""
+    count = 0
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code.co_name == kind and "pserver" in frame.f_code.co_filename:
+                count += 1
+                break
+            frame = frame.f_back
+    return count
+
+
+def session_of(c: PSClient) -> str:
+    """A worker's session credential ("" from a client that has none)."""
+    return getattr(c.shards[0], "session", "")
+
+
+def client(address, rank, num_workers, deadline=60.0):
+    c = PSClient([address], rank=rank, num_workers=num_workers, rpc_deadline=deadline, data_plane="grpc")
+    c.connect(5)
+    c.register(LAYOUT)
+    return c
+
+
+def test_more_sync_workers_than_threads_all_train_and_none_is_marked_dead(shard_server):
+    """40 sync workers against a 16-thread shard, half of them a second late to each step.
+    The early half's parked pulls used to take every thread, so the late pushes never ran
+    until the step timed out and live workers were marked dead."""
+    n, steps = 40, 3
+    addr, shard = shard_server(threads=16, optimizer="sgd", lr=0.1, step_timeout=10)
+    clients = [client(addr, r, n) for r in range(n)]
+    clients[0].init(np.zeros(LAYOUT.total, np.float32))
+    errors: list = []
+
+    def train(c):
+        w = np.empty(LAYOUT.total, np.float32)
+        try:
+            c.pull(w)
+            for _ in range(steps):
+                if c.rank >= n // 2:
+                    time.sleep(1.0)
+                c.push(np.ones(LAYOUT.total, np.float32), 1)
+                c.pull(w)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(c,)) for c in clients]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    latencies = []
+    while any(t.is_alive() for t in threads) and time.monotonic() - started < 120:
+        latencies.append(status_latency(addr))
+        time.sleep(0.2)
+    for t in threads:
+        t.join(1)
+    st = shard.status()
+    print(f"40 sync workers, 16 threads: {time.monotonic() - started:.1f} s, Status latency max "
+          f"{max(latencies):.3f} s (median {sorted(latencies)[len(latencies) // 2]:.3f}), "
+          f"{st['counters'].get('requests_refused_busy')} calls refused busy and retried")
+    assert not errors, errors[:3]
+    assert st["version"] == steps and st["counters"]["workers_marked_dead"] == 0
+    for c in clients:
+        c.close()
+
+
+def stalled_push(address, session, rank, release: threading.Event, out: dict) -> threading.Thread:
+    """A push stream that sends its header and one chunk, then nothing until released."""
+    with_session = {"session": session} if session else {}
+    msgs = list(codec.encode(pb.TensorHeader(rank=rank, shard=0, step=0, num_samples=1, **with_session),
+                             np.ones(LAYOUT.total, np.float32), 64))
+
+    def stream():
+        yield msgs[0]
+        yield msgs[1]
+        release.wait(60)
+
+    def run():
+        channel = grpc.insecure_channel(address)
+        call = channel.stream_unary(SERVICE + "Push", request_serializer=codec.serialize_chunk)
+        try:
+            call(stream(), timeout=60)
+            out[rank] = "OK"
+        except grpc.RpcError as e:
+            out[rank] = e.code().name
+        channel.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_stalled_push_streams_neither_block_status_nor_hold_threads(shard_server):
+    """30 authenticated workers each open a push and stall mid-stream on a 16-thread shard.
+    They used to hold every thread: Status timed out. Now streams past their share are
+    refused at once, and a stream silent for --step-timeout is cancelled."""
+    n = 30
+    addr, shard = shard_server(threads=16, optimizer="sgd", lr=0.1, step_timeout=2.0)
+    clients = [client(addr, r, n) for r in range(n)]
+    clients[0].init(np.zeros(LAYOUT.total, np.float32))
+    release, out = threading.Event(), {}
+    stalls = [stalled_push(addr, session_of(c), c.rank, release, out) for c in clients]
+    time.sleep(0.5)
+    took = status_latency(addr, deadline=10)
+    print(f"Status under {n} stalled push streams: {took:.3f} s")
+    assert took < 10
+    for t in stalls:
+        t.join(10)                        # refused at once, or cancelled after --step-timeout
+    release.set()
+    assert set(out.values()) <= {"RESOURCE_EXHAUSTED", "CANCELLED"}, out
+    assert "RESOURCE_EXHAUSTED" in out.values() and len(out) == n
+    assert shard.store.version == 0 and not shard.policy.pending     # nothing half-received applied
+    for c in clients:
+        c.close()
+
+
+def test_pulls_whose_client_went_away_stop_waiting(shard_server):
+    """A sync pull parks until the next step; when its client disconnects it used to keep
+    its thread until its own deadline."""
+    addr, shard = shard_server(threads=32, optimizer="sgd", lr=0.1)
+    clients = [client(addr, r, 2) for r in range(2)]
+    clients[0].init(np.zeros(LAYOUT.total, np.float32))
+    channels = []
+    for c in clients:
+        ch = grpc.insecure_channel(addr)
+        call = ch.unary_stream(SERVICE + "Pull")
+        with_session = {"session": session_of(c)} if session_of(c) else {}
+        req = pb.PullRequest(rank=c.rank, seen_version=0, **with_session).SerializeToString()
+        fut = call(req, timeout=120)            # waits for version 1, which never comes
+        channels.append((ch, fut))
+    deadline = time.monotonic() + 5
+    while waiting_in_shard() < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert waiting_in_shard() == 2
+    for ch, fut in channels:
+        fut.cancel()
+        ch.close()
+    deadline = time.monotonic() + 5
+    while waiting_in_shard() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert waiting_in_shard() == 0, "a pull kept waiting after its client went away"
+    for c in clients:
+        c.close()
+
+
+def test_a_layout_too_big_for_memory_is_refused_before_anything_is_allocated(shard_server):
+    """2^33 float32 elements (within the documented bound of a layout) need 64 GiB with
+    SGD on one shard: RESOURCE_EXHAUSTED naming the size and the limit, nothing changed."""
+    addr, shard = shard_server()
+    version = {"protocol_version": codec.PROTOCOL_VERSION} if hasattr(codec, "PROTOCOL_VERSION") else {}
+    req = pb.RegisterRequest(rank=0, num_workers=1, num_shards=1, layout=[pb.TensorSpec(name="w", shape=[1 << 33])],
+                             **version)
+    channel = grpc.insecure_channel(addr)
+    try:
+        channel.unary_unary(SERVICE + "Register")(req.SerializeToString(), timeout=30)
+        code, details = "OK", ""
+    except grpc.RpcError as e:
+        code, details = e.code().name, e.details()
+    assert code == "RESOURCE_EXHAUSTED", (code, details)
+    assert "8589934592 elements" in details and "MiB" in details and "limit" in details
+    st = shard.status()
+    assert st["total_params"] == 0 and st["layout_signature"] == "" and shard.store.params is None
+    c = st["counters"]
+    assert c["pushes_received"] == c["pushes_rejected"] == 0
+    client(addr, 0, 1)                           # a model that fits still registers
+    assert shard.status()["total_params"] == LAYOUT.total
