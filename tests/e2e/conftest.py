@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -75,6 +76,14 @@ def env_with(extra: dict | None) -> dict:
 def run(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(pserver_cmd(*args), capture_output=True, text=True, env=env_with(env),
                           timeout=timeout)
+
+
+def wait_until(condition, timeout: float = 60) -> bool:
+    """Poll condition() until it holds or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.1)
+    return condition()
 
 
 def read_json(path) -> dict:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 
 import pytest
 
 from pserver.server import checkpoint
-from tests.e2e.conftest import LOGREG, run
+from tests.e2e.conftest import LOGREG, run, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -71,13 +70,6 @@ def disks(tmp_path):
     yield make
     for d in made:
         d.close()
-
-
-def wait_until(condition, timeout: float = 60) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not condition():
-        time.sleep(0.1)
-    return condition()
 
 
 def train_through(procs, tmp_path, disk: Disk, break_disk):

@@ -7,12 +7,11 @@ import glob
 import os
 import re
 import signal
-import time
 
 import pytest
 
 from pserver.server import checkpoint
-from tests.e2e.conftest import LOGREG
+from tests.e2e.conftest import LOGREG, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -34,15 +33,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
-
-
-def wait_until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 def training_cluster(procs):
