@@ -414,7 +414,7 @@ def avgpool2d_forward_kernel(x, out, pool_h, pool_w, stride_h, stride_w, pad_top
             acc += x[n, h, col, c]
     count = _window_count(oh, stride_h, pad_top, pool_h, x.shape[1]) * \
         _window_count(ow, stride_w, pad_left, pool_w, x.shape[2])
-    out[n, oh, ow, c] = acc / max(count, 1)
+    out[n, oh, ow, c] = acc / float32(max(count, 1))
 
 
 @cuda.jit
@@ -431,7 +431,7 @@ def avgpool2d_backward_kernel(dy, dx, pool_h, pool_w, stride_h, stride_w, pad_to
         rows = _window_count(oh, stride_h, pad_top, pool_h, dx.shape[1])
         for ow in range(ow0, ow1):
             count = rows * _window_count(ow, stride_w, pad_left, pool_w, dx.shape[2])
-            acc += dy[n, oh, ow, c] / max(count, 1)
+            acc += dy[n, oh, ow, c] / float32(max(count, 1))
     dx[n, h, col, c] = acc
 
 
@@ -445,7 +445,9 @@ ACTIVATION_CODES = {"relu": 0, "sigmoid": 1, "tanh": 2, "linear": 3}
 def _sigmoid(z):
     """1 / (1 + exp(-z)) from e = exp(-|z|) <= 1, so no exp overflows whatever z's sign."""
     e = math.exp(-abs(z))
-    return float32(1.0) / (1 + e) if z >= 0 else e / (1 + e)
+    # float32 constants throughout: numba widens float32 with an int to float64.
+    one = float32(1.0)
+    return one / (one + e) if z >= 0 else e / (one + e)
 
 
 @cuda.jit
@@ -473,9 +475,9 @@ def activation_backward_kernel(code, y, dy, dx):
     if code == 0:
         dx[i] = g if v > 0 else float32(0.0)
     elif code == 1:
-        dx[i] = g * v * (1 - v)
+        dx[i] = g * v * (float32(1.0) - v)
     elif code == 2:
-        dx[i] = g * (1 - v * v)
+        dx[i] = g * (float32(1.0) - v * v)
     else:
         dx[i] = g
 

@@ -21,6 +21,14 @@ f32_2d = types.Array(types.float32, 2, "C")
 f32_1d = types.Array(types.float32, 1, "C")
 f64_1d = types.Array(types.float64, 1, "C")
 i32_1d = types.Array(types.int32, 1, "C")
+f32_3d = types.Array(types.float32, 3, "C")
+f32_4d = types.Array(types.float32, 4, "C")
+i32_4d = types.Array(types.int32, 4, "C")
+i64_2d = types.Array(types.int64, 2, "C")
+i64 = types.int64
+# stride_h, stride_w, pad_top, pad_left; pool_h, pool_w before them for pooling.
+PLACE = (i64,) * 4
+POOL = (i64,) * 6
 
 SIGNATURES = {
     "matmul_bias_relu": (K.matmul_bias_relu, (f32_2d, f32_2d, f32_1d, f32_2d, types.boolean)),
@@ -29,9 +37,31 @@ SIGNATURES = {
     "softmax_xent_rows": (K.softmax_xent_rows, (f32_2d, i32_1d, f32_2d, f32_1d)),
     "mse_rows": (K.mse_rows, (f32_2d, f32_1d, f32_2d, f32_1d)),
     "scaled_sum_kernel": (K.scaled_sum_kernel, (f32_1d, types.float64, f64_1d)),
+    "conv2d_forward_kernel": (K.conv2d_forward_kernel,
+                              (f32_4d, f32_4d, f32_1d, f32_4d, *PLACE, types.boolean)),
+    "conv2d_dw_kernel": (K.conv2d_dw_kernel, (f32_4d, f32_4d, f32_4d, *PLACE)),
+    "conv2d_dx_kernel": (K.conv2d_dx_kernel, (f32_4d, f32_4d, f32_4d, *PLACE)),
+    "maxpool2d_forward_kernel": (K.maxpool2d_forward_kernel, (f32_4d, f32_4d, i32_4d, *POOL)),
+    "maxpool2d_backward_kernel": (K.maxpool2d_backward_kernel, (f32_4d, i32_4d, f32_4d)),
+    "avgpool2d_forward_kernel": (K.avgpool2d_forward_kernel, (f32_4d, f32_4d, *POOL)),
+    "avgpool2d_backward_kernel": (K.avgpool2d_backward_kernel, (f32_4d, f32_4d, *POOL)),
+    "activation_forward_kernel": (K.activation_forward_kernel, (i64, f32_1d, f32_1d)),
+    "activation_backward_kernel": (K.activation_backward_kernel, (i64, f32_1d, f32_1d, f32_1d)),
+    "dropout_forward_kernel": (K.dropout_forward_kernel,
+                               (f32_1d, f32_1d, f32_1d, types.uint64, types.float32, types.uint64)),
+    "multiply_kernel": (K.multiply_kernel, (f32_1d, f32_1d, f32_1d)),
+    "fill_kernel": (K.fill_kernel, (f32_1d, types.float32)),
+    "embedding_forward_kernel": (K.embedding_forward_kernel, (i64_2d, f32_2d, f32_3d)),
+    "embedding_backward_kernel": (K.embedding_backward_kernel, (i64_2d, f32_3d, f32_2d)),
+    "sigmoid_bce_rows": (K.sigmoid_bce_rows, (f32_1d, f32_1d, f32_1d, f32_1d)),
     **{f"matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
        for (ta, tb), k in K.MATMUL.items()},
 }
+
+
+# bar.sync count by kernel-name prefix (others have none): a tree over REDUCE_THREADS = 128
+# partial sums meets log2(128) = 7 barriers.
+BARRIERS = {"matmul": 2, "column": 1, "scaled": 7, "conv2d_dw": 7}
 
 
 class _NoGpu:
@@ -46,6 +76,6 @@ def test_compiles_to_ptx(name, monkeypatch):
     kernel, sig = SIGNATURES[name]
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     barriers = ptx.count("bar.sync")
-    assert barriers == {"matmul": 2, "column": 1, "scaled": 7}.get(name.split("_")[0], 0)
+    assert barriers == next((n for prefix, n in BARRIERS.items() if name.startswith(prefix)), 0)
     if name != "scaled_sum_kernel":   # the loss reduction sums in float64 on purpose
         assert ".f64" not in ptx, f"{name} does float64 arithmetic"
