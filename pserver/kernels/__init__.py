@@ -6,6 +6,12 @@
                 so a CPU-only install never imports numba.cuda
 
 A model is written once against this API and given a module by `get_backend`.
+
+Conventions every kernel keeps: output and gradient buffers are preallocated by the caller and
+overwritten (never accumulated into); images are channels-last (N, H, W, C), as Keras's; a
+window (convolution or pooling) is placed by stride and the padding before it, as
+`conv_output` computes them, and elements outside the image read as zero (convolution), are
+never chosen (max pooling) or are not counted (average pooling).
 """
 
 from __future__ import annotations

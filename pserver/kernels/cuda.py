@@ -10,18 +10,22 @@ Two layers:
     kernels      `@cuda.jit` functions on device arrays, each with its bounds checks:
                  the tiled products (`op(A) @ op(B)`, op = identity or transpose),
                  the product with a fused bias + ReLU epilogue, the column sum (bias
-                 gradients), the ReLU backward mask, the per-row softmax cross-entropy
-                 and MSE (loss terms and gradients) and the one-block loss reduction.
+                 gradients), the ReLU backward mask, the per-row softmax cross-entropy,
+                 binary cross-entropy and MSE (loss terms and gradients), the one-block
+                 loss reduction; and the layers' kernels: convolution (forward, weight
+                 gradient, input gradient), max and average pooling, activations,
+                 dropout and embedding lookups.
     launchers    plain functions that check shapes on the host, size the grid and launch on a
-                 stream. `dense_forward`, `dense_param_grads`, `dense_backward`,
-                 `relu_backward`, `softmax_xent` and `mse` have the same names, arguments and
-                 in-place contracts as `pserver.kernels.cpu`, on device arrays, plus a
-                 keyword-only `stream`.
+                 stream. Every name in `pserver.kernels.KERNELS` is here with the same
+                 arguments and in-place contracts as in `pserver.kernels.cpu`, on device
+                 arrays, plus a keyword-only `stream`.
 
 Everything is float32 with C-contiguous device arrays, as the models keep them. Launches are
-asynchronous on their stream; only `softmax_xent` and `mse` (which return the loss as a float,
-as the CPU kernels do) wait for it. The device model uses the `*_into` forms, which leave the
-loss on the device.
+asynchronous on their stream; only `softmax_xent`, `sigmoid_bce` and `mse` (which return the
+loss as a float, as the CPU kernels do) wait for it. The device model uses the `*_into` forms,
+which leave the loss on the device. Where the CPU kernels raise on bad data they cannot see
+without a copy to the host (an embedding id out of range), these keep every write in bounds
+and make the result NaN instead.
 """
 
 from __future__ import annotations
