@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.layers import initializers
+from pserver.layers import activations, initializers
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,41 @@ class Layer:
                               f"got {input_shape}")
 
 
+class KernelLayer(Layer):
+    """A layer with a kernel, an optional bias (units or filters wide) and an activation
+    (Dense, Conv2D): the weights, the bias-less case and the activation in one place."""
+
+    def __init__(self, width: int, activation, use_bias: bool, kernel_initializer,
+                 bias_initializer, **kwargs):
+        super().__init__(**kwargs)
+        owner = type(self).__name__
+        self.width = width
+        self.activation = activations.get(activation, owner)
+        self.use_bias = bool(use_bias)
+        self.kernel_initializer = initializers.get(kernel_initializer, f"{owner}: kernel_initializer")
+        self.bias_initializer = initializers.get(bias_initializer, f"{owner}: bias_initializer")
+
+    def kernel_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def weights(self):
+        w = [Weight("kernel", self.kernel_shape(), self.kernel_initializer)]
+        if self.use_bias:
+            w.append(Weight("bias", (self.width,), self.bias_initializer))
+        return w
+
+    def scratch(self, n, dtype):
+        # Without a bias the kernels still add one and write its gradient: zeros, and a sink.
+        return {} if self.use_bias else {"bias": np.zeros(self.width, dtype),
+                                         "dbias": np.empty(self.width, dtype)}
+
+    def bias(self, p: dict, s: dict) -> np.ndarray:
+        return p["bias"] if self.use_bias else s["bias"]
+
+    def dbias(self, g: dict, s: dict) -> np.ndarray:
+        return g["bias"] if self.use_bias else s["dbias"]
+
+
 def _shape(what: str, shape) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)):
         shape = (shape,)
@@ -124,4 +159,4 @@ def padding(owner: str, value) -> str:
     return value.lower()
 
 
-__all__ = ["Layer", "Weight", "Pass", "pair", "padding", "positive_int"]
+__all__ = ["Layer", "KernelLayer", "Weight", "Pass", "pair", "padding", "positive_int"]

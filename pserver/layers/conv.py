@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from pserver.errors import ConfigError
-from pserver.layers import activations, initializers
-from pserver.layers import base
-from pserver.layers.base import Layer, Weight, pair, positive_int
+from pserver.layers import activations, base
+from pserver.layers.base import KernelLayer, Layer, pair, positive_int
 
 
-class Conv2D(Layer):
+class Conv2D(KernelLayer):
     kind = "conv2d"
 
     def __init__(self, filters: int, kernel_size, strides=1, padding="valid", activation=None,
                  use_bias: bool = True, kernel_initializer="glorot_uniform",
                  bias_initializer="zeros", **kwargs):
-        super().__init__(**kwargs)
         self.filters = positive_int("Conv2D", "filters", filters)
+        super().__init__(self.filters, activation, use_bias, kernel_initializer, bias_initializer,
+                         **kwargs)
         self.kernel_size = pair("Conv2D", "kernel_size", kernel_size)
         self.strides = pair("Conv2D", "strides", strides)
         self.padding = base.padding("Conv2D", padding)
-        self.activation = activations.get(activation, "Conv2D")
-        self.use_bias = bool(use_bias)
-        self.kernel_initializer = initializers.get(kernel_initializer, "Conv2D: kernel_initializer")
-        self.bias_initializer = initializers.get(bias_initializer, "Conv2D: bias_initializer")
 
     def output_shape_for(self, input_shape):
         self.expect_rank(input_shape, 3, "an image (height, width, channels)")
@@ -32,27 +26,17 @@ class Conv2D(Layer):
             self, input_shape, self.kernel_size, self.strides, self.padding, "kernel")
         return (oh, ow, self.filters)
 
-    def weights(self):
-        kh, kw = self.kernel_size
-        w = [Weight("kernel", (kh, kw, self.input_shape[2], self.filters), self.kernel_initializer)]
-        if self.use_bias:
-            w.append(Weight("bias", (self.filters,), self.bias_initializer))
-        return w
-
-    def scratch(self, n, dtype):
-        return {} if self.use_bias else {"bias": np.zeros(self.filters, dtype),
-                                         "dbias": np.empty(self.filters, dtype)}
+    def kernel_shape(self):
+        return (*self.kernel_size, self.input_shape[2], self.filters)
 
     def forward(self, k, p, x, out, s, run):
-        bias = p["bias"] if self.use_bias else s["bias"]
-        k.conv2d_forward(x, p["kernel"], bias, out, *self.strides, self.pad_top, self.pad_left,
-                         self.activation == "relu")
+        k.conv2d_forward(x, p["kernel"], self.bias(p, s), out, *self.strides, self.pad_top,
+                         self.pad_left, self.activation == "relu")
         activations.forward(k, self.activation, out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         activations.backward(k, self.activation, out, dout)
-        dbias = g["bias"] if self.use_bias else s["dbias"]
-        k.conv2d_backward(x, p["kernel"], dout, dx, g["kernel"], dbias, *self.strides,
+        k.conv2d_backward(x, p["kernel"], dout, dx, g["kernel"], self.dbias(g, s), *self.strides,
                           self.pad_top, self.pad_left)
 
 
