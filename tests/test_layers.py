@@ -203,6 +203,16 @@ def test_bad_models_fail_at_build(build, match):
         build().build()
 
 
+def test_compile_takes_keras_arguments_but_not_an_optimizer():
+    model = Sequential([Dense(1, input_shape=(3,))]).compile(loss="binary_crossentropy",
+                                                            metrics=["accuracy", "auc"])
+    assert model.loss.name == "binary_crossentropy" and model.task == "classification"
+    with pytest.raises(ConfigError, match="optimizer='adam': the optimizer runs on the shards"):
+        model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(ConfigError, match=r"unknown metrics \['mae'\]"):
+        model.compile(loss="mse", metrics=["mae"])
+
+
 def test_bad_data_names_the_layer_and_the_shapes():
     model = make_model("cnn", (28, 28, 1), 10)
     y = np.zeros(5, np.int32)

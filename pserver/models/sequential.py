@@ -50,8 +50,18 @@ class Sequential(Model):
         self._name(layer)
         self.layers.append(layer)
 
-    def compile(self, loss="sparse_categorical_crossentropy") -> "Sequential":
-        """Keras's compile, minus the optimizer: that runs on the shards (--optimizer)."""
+    def compile(self, optimizer=None, loss="sparse_categorical_crossentropy",
+                metrics=None) -> "Sequential":
+        """Keras's compile. The optimizer runs on the shards, so it is not taken here; the
+        metrics are the loss's (accuracy, plus AUC for a binary loss; r2 for regression)."""
+        if optimizer is not None:
+            raise ConfigError(f"compile: optimizer={optimizer!r}: the optimizer runs on the shards; "
+                              "give it to them (pserver serve --optimizer adam --lr 0.001, or "
+                              "pserver.train(..., optimizer='adam', lr=0.001))")
+        unknown = set(metrics or ()) - {"accuracy", "auc", "r2"}
+        if unknown:
+            raise ConfigError(f"compile: unknown metrics {sorted(unknown)}; evaluation reports "
+                              "accuracy (and auc for binary_crossentropy) or r2 (mse)")
         self.loss = losses.get(loss)
         if self._built:
             self.loss.check_outputs(self.output_shape[-1], self.name)
