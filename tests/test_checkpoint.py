@@ -77,10 +77,10 @@ def test_only_the_newest_three_are_kept(tmp_path):
     assert [v for v, _ in checkpoint.candidates(str(tmp_path), 0, 1)] == [5, 4, 3]
 
 
-def join_background_writes():
-    for t in threading.enumerate():
-        if t.name == "checkpoint":
-            t.join()
+def wait_for_writes(shard):
+    """Until no checkpoint write is in flight."""
+    while shard.checkpointer.busy:
+        time.sleep(0.005)
 
 
 def test_periodic_checkpoints_land_on_multiples_of_every(tmp_path):
@@ -88,7 +88,7 @@ def test_periodic_checkpoints_land_on_multiples_of_every(tmp_path):
     for t in range(10):
         for r in range(2):
             push_all([shard], r, [t], np.ones(50, np.float32))
-        join_background_writes()
+        wait_for_writes(shard)
     assert sorted(v for v, _ in checkpoint.candidates(str(tmp_path), 0, 1)) == [3, 6, 9]
 
 
@@ -175,7 +175,7 @@ def test_a_failed_write_is_counted_and_the_next_one_is_tried(tmp_path, caplog):
             (tmp_path / "ckpt").write_text("not a directory any more")
         for r in range(2):                        # the write at version 3 fails on its thread
             push_all([shard], r, [t], np.ones(50, np.float32))
-        join_background_writes()
+        wait_for_writes(shard)
     with pytest.raises(FailedPrecondition, match="checkpoint: shard 0 could not write version 3 to .*ckpt"):
         shard.checkpoint(0)                       # the chief's request fails with a reason
     counters = shard.status()["counters"]
@@ -185,7 +185,7 @@ def test_a_failed_write_is_counted_and_the_next_one_is_tried(tmp_path, caplog):
     os.remove(tmp_path / "ckpt")
     for r in range(2):                            # the directory is back: the next interval writes
         push_all([shard], r, [3], np.ones(50, np.float32))
-    join_background_writes()
+    wait_for_writes(shard)
     assert [v for v, _ in checkpoint.candidates(str(tmp_path / "ckpt"), 0, 1)] == [4]
     assert shard.status()["counters"]["checkpoints_failed"] == 2
 

@@ -12,7 +12,6 @@ that does not load, falling back to the next older one.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ import re
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,7 +56,7 @@ def digest(arrays: dict) -> str:
     h = hashlib.sha256()
     for name in sorted(arrays):
         h.update(name.encode())
-        h.update(np.ascontiguousarray(arrays[name]).tobytes())
+        h.update(memoryview(np.ascontiguousarray(arrays[name])).cast("B"))   # no copy
     return h.hexdigest()
 
 
@@ -71,11 +71,9 @@ def save(directory: str, ckpt: Checkpoint) -> str:
             "sha256": digest(arrays)}
     final = os.path.join(directory, file_name(ckpt.shard, ckpt.num_shards, ckpt.version))
     tmp = f"{final}.{os.getpid()}.tmp"
-    buf = io.BytesIO()
-    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
     try:
-        with open(tmp, "wb") as f:
-            f.write(buf.getbuffer())
+        with open(tmp, "wb") as f:           # straight to the file: no second copy in memory
+            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -200,13 +198,19 @@ class Checkpointer:
     A request that arrives meanwhile joins that write, or the write after it when the one
     in flight is older than the version the request saw. A failed write is logged in one
     line and counted, leaves no temporary file, and training goes on: the next interval
-    tries again."""
+    tries again.
+
+    Snapshots are taken and written on one thread of their own, for the process's life:
+    pserver keeps freed heap memory where the thread that freed it will find it again
+    (allocator.py), so one writer thread reuses one snapshot's memory write after write,
+    where snapshots taken by whichever RPC thread asked would each leave theirs behind."""
 
     def __init__(self, directory: str, store, cfg, flag: str) -> None:
         prepare(directory, flag, cfg.shard, cfg.num_shards)
         self.directory, self.store, self.cfg = directory, store, cfg
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self.cond = threading.Condition()
-        self.writing = False                  # a snapshot is being taken or written
+        self.busy = False                     # a snapshot is being taken or written
         self.generation = 0                   # writes ended so far
         self.outcome: tuple[int, str | OSError] = (-1, "")   # (version, path or error) of the last
         self.last_version = max(store.version, 0)   # periodic writes count from here
@@ -217,23 +221,22 @@ class Checkpointer:
         naming the directory and the OS error when it could not be written."""
         wanted = self.store.version
         with self.cond:
-            while self.writing:
+            while self.busy:
                 seen = self.generation
                 self.cond.wait_for(lambda: self.generation != seen)
                 if self.outcome[0] >= wanted:
                     return self._reply(*self.outcome)
-            self.writing = True
-        return self._reply(*self._write(self._snapshot()))
+            self.busy = True
+        return self._reply(*self._start().result())
 
     def maybe(self) -> None:
-        """Called after pushes: when a write is due, snapshot now (the version that made it
-        due) and write on a background thread."""
+        """Called after pushes: when a write is due, start it, and return once its snapshot
+        is taken (so it holds the version that made it due); the disk is not waited for."""
         with self.cond:
-            if self.writing or not self._due():
+            if self.busy or not self._due():
                 return
-            self.writing = True
-        snap = self._snapshot()
-        threading.Thread(target=self._write, args=(snap,), name="checkpoint", daemon=True).start()
+            self.busy = True
+        self._start()
 
     def _due(self) -> bool:
         v, every, secs = self.store.version, self.cfg.checkpoint_every, self.cfg.checkpoint_secs
@@ -242,15 +245,23 @@ class Checkpointer:
         return bool((every and v // every > self.last_version // every) or
                     (secs and time.monotonic() - self.last_time >= secs))
 
-    def _snapshot(self) -> dict:
+    def _start(self) -> Future:
+        """Snapshot and write on the writer thread; returns once the snapshot is taken."""
+        taken = threading.Event()
+        future = self.writer.submit(self._snapshot_and_write, taken)
+        future.add_done_callback(_report_bug)
+        taken.wait()
+        return future
+
+    def _snapshot_and_write(self, taken: threading.Event) -> tuple[int, str | OSError]:
         try:
-            return self.store.snapshot({"shard": self.cfg.shard, "num_shards": self.cfg.num_shards,
+            snap = self.store.snapshot({"shard": self.cfg.shard, "num_shards": self.cfg.num_shards,
                                         "optimizer": self.cfg.optimizer, "path": ""})
         except BaseException:
             self._end(-1, "")
             raise
-
-    def _write(self, snap: dict) -> tuple[int, str | OSError]:
+        finally:
+            taken.set()
         version, result = snap["version"], ""
         try:
             result = save(self.directory, Checkpoint(**snap))
@@ -267,7 +278,7 @@ class Checkpointer:
 
     def _end(self, version: int, result: str | OSError) -> None:
         with self.cond:
-            self.writing = False
+            self.busy = False
             self.generation += 1
             self.outcome = (version, result)
             if version >= 0:
@@ -279,3 +290,9 @@ class Checkpointer:
             raise FailedPrecondition(f"checkpoint: shard {self.cfg.shard} could not write version "
                                      f"{version} to {self.directory}: {result.strerror or result}")
         return result, version
+
+
+def _report_bug(future: Future) -> None:
+    """A write that raised anything but an OSError is a bug: say so even when nobody waits."""
+    if future.exception() is not None:
+        log.error("checkpoint writer failed", exc_info=future.exception())
