@@ -66,6 +66,8 @@ def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_work
     """
     if isinstance(ps, int) and not isinstance(ps, bool):
         return _train_on_own_shards(model, x, y, ps, validation_data, options)
+    _check_options(options, WorkerConfig, "a worker option; shards at addresses have their own "
+                                          "settings (pserver serve --mode, --optimizer, --lr)")
     cfg = WorkerConfig(ps=_addresses(ps), rank=rank, num_workers=num_workers, **options)
     return _run(cfg, model, _data(x, y, validation_data, cfg.seed))
 
@@ -82,9 +84,10 @@ def _run(cfg: WorkerConfig, model, data) -> dict | None:
 def _train_on_own_shards(model, x, y, num_shards, validation_data, options) -> dict | None:
     if num_shards < 1:
         raise ConfigError(f"ps: a number of shards must be >= 1, got {num_shards}")
-    shard_fields = set(ServerConfig.__dataclass_fields__) - {"host", "port", "shard", "num_shards"}
+    shard_fields = set(ServerConfig.__dataclass_fields__) - {"host", "port", "shard", "num_shards",
+                                                             "num_workers"}
     shard_opts = {k: options.pop(k) for k in list(options) if k in shard_fields}
-    shard_opts.pop("num_workers", None)
+    _check_options(options, WorkerConfig, "neither a worker nor a shard option")
     cfg_seed = options.get("seed", 0)
     data = _data(x, y, validation_data, cfg_seed)
     with contextlib.ExitStack() as stack:
@@ -92,6 +95,12 @@ def _train_on_own_shards(model, x, y, num_shards, validation_data, options) -> d
                                             **shard_opts)) for j in range(num_shards)]
         cfg = WorkerConfig(ps=tuple(s.address for s in shards), **options)
         return _run(cfg, model, data)
+
+
+def _check_options(options: dict, config, why: str) -> None:
+    unknown = sorted(set(options) - set(config.__dataclass_fields__) - {"ps", "rank", "num_workers"})
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not an option here ({why})")
 
 
 def _addresses(ps) -> tuple[str, ...]:

@@ -62,6 +62,15 @@ def test_train_streams_batches_against_a_served_shard():
     assert [e["epoch"] for e in s["per_epoch"]] == [1, 2, 3]
 
 
+def test_options_that_do_not_apply_are_named():
+    x, y = blobs()
+    with pytest.raises(ConfigError, match=r"optimizer: not an option here \(a worker option; shards at "
+                                          r"addresses have their own settings"):
+        pserver.train(small_model(), x, y, ps=["127.0.0.1:1"], optimizer="adam")
+    with pytest.raises(ConfigError, match="epoch: not an option here"):
+        pserver.train(small_model(), x, y, ps=1, epoch=3)
+
+
 def test_an_iterator_is_one_epoch_only():
     x, y = blobs()
     with pserver.serve(num_workers=1) as shard, pytest.raises(DataError, match="runs out after one epoch"):
