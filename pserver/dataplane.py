@@ -8,7 +8,8 @@ shard run on the same machine, the shard offers this faster path beside its gRPC
   directory only its user can enter (`<tmp>/pserver-<uid>`, mode 0700, checked at start),
   and sockets left there by killed shards are removed when a shard starts;
 - HELLO carries the token (when the shard has one) and the worker's session credential
-  from Register: the connection then acts for that rank with that session only;
+  from Register, checked before any memory is shared: the connection then acts for that
+  rank with that session only;
 - the shard answers HELLO with two file descriptors (SCM_RIGHTS): a new memfd the size of
   its range for this worker's pushed gradients, and the memfd that holds the shard's
   parameters. Both are sealed against shrinking and growing, so no client can make the
@@ -306,7 +307,7 @@ class DataPlaneServer:
     def _authenticate(self, conn) -> str:
         """Read the token and session that follow HELLO; refuse and close unless the token is
         the shard's (compared in constant time). A refused connection never sees a buffer.
-        Returns the session, which the shard checks on every call."""
+        Returns the session."""
         presented = self._read_field(conn, security.MAX_TOKEN, "authorization", "token")
         session = self._read_field(conn, MAX_SESSION, "session", "session credential")
         why = None if self.token is None else security.refusal(presented, self.token)
@@ -317,6 +318,11 @@ class DataPlaneServer:
 
     def _hello(self, conn, req) -> Connection:
         session = self._authenticate(conn)
+        try:               # the rank's session, as a gRPC Pull would need it, before any memory
+            self.shard.heartbeat(req[2], session)
+        except RpcError as e:
+            self._reply(conn, e)
+            raise ConnectionError("refused") from None
         store = self.shard.store
         if store.params_fd is None:
             raise ConnectionError("the shard has no shared parameters yet")

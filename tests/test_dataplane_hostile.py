@@ -47,21 +47,42 @@ def worker(addr: str, rank: int = 0, num_workers: int = 1, init: bool = True) ->
     return c
 
 
-def raw_hello(shard, rank: int = 0, session: str = "") -> tuple[socket.socket, list[int]]:
-    """HELLO by hand (token, then session, each length-prefixed): (socket, its two fds)."""
+def session_of(c: PSClient) -> str:
+    """The worker's credential from Register ("" from a shard without sessions)."""
+    return getattr(c.shards[0], "session", "")
+
+
+def raw_hello(shard, c: PSClient) -> tuple[socket.socket, list[int]]:
+    """HELLO by hand as worker c (token, then its session, each length-prefixed): (socket,
+    its two fds)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5)
     sock.connect(shard.dataplane.path)
-    sock.sendall(hello_bytes(rank, session))
+    sock.sendall(hello_bytes(c.rank, session_of(c)))
     msg, fds, _, _ = socket.recv_fds(sock, dataplane.REPLY.size, 2)
     assert dataplane.REPLY.unpack(msg)[0] == 0 and len(fds) == 2
     return sock, fds
 
 
-def hello_bytes(rank: int, session: str = "") -> bytes:
+def hello_bytes(rank: int, session: str) -> bytes:
     fields = [TOKEN.encode(), session.encode()]
     return (dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, rank, 0, 0, 0, 0, 0, 0)
             + b"".join(dataplane.TOKEN_LEN.pack(len(f)) + f for f in fields))
+
+
+@pytest.fixture
+def two_sync_workers(shard_server):
+    """Start (shard, worker 0, worker 1): a sync shard (SGD, lr 1) that worker 0 initialized."""
+    clients = []
+
+    def start(**cfg) -> tuple:
+        addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync", **cfg)
+        clients.extend([worker(addr, rank=0, num_workers=2), worker(addr, rank=1, num_workers=2, init=False)])
+        return shard, *clients
+
+    yield start
+    for c in clients:
+        c.close()
 
 
 def counters(shard) -> dict:
@@ -95,7 +116,7 @@ def test_the_fused_copy_and_check_agrees_with_numpy(values):
 def test_a_client_can_map_the_parameters_only_read_only(shard_server):
     addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
     c = worker(addr)
-    sock, (push_fd, params_fd) = raw_hello(shard)
+    sock, (push_fd, params_fd) = raw_hello(shard, c)
     poison = np.full(LAYOUT.total, np.nan, np.float32).tobytes()
     with pytest.raises(PermissionError):
         mmap.mmap(params_fd, NBYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -121,12 +142,10 @@ def test_a_client_can_map_the_parameters_only_read_only(shard_server):
     c.close()
 
 
-def test_what_the_shard_validated_is_what_it_applies(shard_server):
+def test_what_the_shard_validated_is_what_it_applies(two_sync_workers):
     """Sync, 2 workers: worker 0 pushes, then writes NaN into its shared buffer before the
     step completes. The step applies the gradient as it was pushed."""
-    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync")
-    a = worker(addr, rank=0, num_workers=2)
-    b = worker(addr, rank=1, num_workers=2, init=False)
+    shard, a, b = two_sync_workers()
     w = np.empty(LAYOUT.total, np.float32)
     assert a.pull(w) == [0] and b.pull(w) == [0]
     assert a.push(np.ones(LAYOUT.total, np.float32), 4) == [("aggregated", 0)]
@@ -144,8 +163,6 @@ def test_what_the_shard_validated_is_what_it_applies(shard_server):
         a.push(bad, 4)
     assert counters(shard)["pushes_rejected"] == 1
     np.testing.assert_array_equal(shard.store.params, START - 2)
-    a.close()
-    b.close()
 
 
 def test_init_through_shared_memory_is_checked_as_it_is_copied(shard_server):
@@ -161,10 +178,8 @@ def test_init_through_shared_memory_is_checked_as_it_is_copied(shard_server):
     c.close()
 
 
-def test_a_connection_acts_only_for_the_rank_it_said_hello_as(shard_server):
-    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync")
-    a = worker(addr, rank=0, num_workers=2)
-    b = worker(addr, rank=1, num_workers=2, init=False)
+def test_a_connection_acts_only_for_the_rank_it_said_hello_as(two_sync_workers):
+    shard, a, b = two_sync_workers()
     w = np.empty(LAYOUT.total, np.float32)
     a.pull(w)
     fast = a.shards[0].fast
@@ -176,8 +191,24 @@ def test_a_connection_acts_only_for_the_rank_it_said_hello_as(shard_server):
     b.pull(w)
     assert a.push(np.ones(LAYOUT.total, np.float32), 4) == [("aggregated", 0)]
     assert b.push(np.ones(LAYOUT.total, np.float32), 4) == [("aggregated", 1)]
-    a.close()
-    b.close()
+
+
+def test_a_hello_without_the_ranks_session_gets_no_memory(shard_server):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
+    c = worker(addr)
+    for rank, session, words in ((0, "", "session"), (0, "f" * 32, "session"), (1, session_of(c), "rank")):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(shard.dataplane.path)
+        sock.sendall(hello_bytes(rank, session))
+        msg, fds, _, _ = socket.recv_fds(sock, dataplane.REPLY.size, 2)
+        code, _, _, n, _ = dataplane.REPLY.unpack(msg)
+        assert fds == [] and code != 0
+        assert words in dataplane.recv_exact(sock, n).decode()
+        assert sock.recv(1) == b"", "the shard must close a refused connection"
+        sock.close()
+    train_one_step(c, START - 1)
+    c.close()
 
 
 def conn_threads() -> int:
@@ -191,13 +222,11 @@ def wait_until(predicate, timeout: float = 20.0) -> bool:
     return predicate()
 
 
-def test_a_pull_whose_client_hung_up_frees_its_thread(shard_server):
+def test_a_pull_whose_client_hung_up_frees_its_thread(two_sync_workers):
     """Worker 0 pulls for a step that worker 1 never completes, then its connection goes
     (as when its process is killed): the shard's thread stops waiting within a tick or
     two, not at the pull's deadline (120 s here)."""
-    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync", step_timeout=600)
-    a = worker(addr, rank=0, num_workers=2)
-    b = worker(addr, rank=1, num_workers=2, init=False)
+    shard, a, b = two_sync_workers(step_timeout=600)
     w = np.empty(LAYOUT.total, np.float32)
     a.pull(w)
     b.pull(w)
@@ -222,8 +251,6 @@ def test_a_pull_whose_client_hung_up_frees_its_thread(shard_server):
     assert wait_until(lambda: conn_threads() == 1, 10), "the parked pull's thread is still waiting"
     # The step still completes for the others.
     assert b.push(np.ones(LAYOUT.total, np.float32), 4) == [("aggregated", 1)]
-    a.close()
-    b.close()
 
 
 def test_connections_are_bounded_and_the_extra_one_is_told_why(shard_server):
@@ -235,7 +262,7 @@ def test_connections_are_bounded_and_the_extra_one_is_told_why(shard_server):
         sock.settimeout(10)
         sock.connect(shard.dataplane.path)
         with contextlib.suppress(BrokenPipeError):          # refused at once: the reply waits
-            sock.sendall(hello_bytes(0))
+            sock.sendall(hello_bytes(0, session_of(c)))
         msg, fds, _, _ = socket.recv_fds(sock, dataplane.REPLY.size, 2)
         for fd in fds:
             os.close(fd)
@@ -250,13 +277,14 @@ def test_connections_are_bounded_and_the_extra_one_is_told_why(shard_server):
     assert refused[0] == "RESOURCE_EXHAUSTED" and f"already serves {serving} connections" in refused[1]
     assert serving == dataplane.MAX_CONNECTIONS
     with pytest.raises(RpcError, match="its limit") as e:   # the client library says the same
-        dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, LAYOUT.total, "shard 0", TOKEN)
+        dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, LAYOUT.total, "shard 0", TOKEN,
+                                   session_of(c))
     assert e.value.code_name == "RESOURCE_EXHAUSTED"
     train_one_step(c, START - 1)                           # the connected worker is unaffected
     for sock in held:
         sock.close()
     assert wait_until(lambda: conn_threads() == 1)
-    sock, fds = raw_hello(shard)                           # room again: a new connection gets in
+    sock, fds = raw_hello(shard, c)                        # room again: a new connection gets in
     for fd in fds:
         os.close(fd)
     sock.close()
