@@ -168,7 +168,7 @@ class ShardClient:
                     raise
                 if now - told >= WAIT_NOTICE_EVERY:
                     told = now
-                    print(f"{self.label}: {e}; waiting for that session to expire", flush=True)
+                    print(f"{e}; waiting for that session to expire", flush=True)
                 time.sleep(0.5)
 
     def _register_once(self, rank, num_workers, num_shards, layout, batch_size, timeout) -> ShardInfo:

@@ -11,7 +11,7 @@ from tests.e2e.conftest import read_json
 
 pytestmark = pytest.mark.e2e
 
-STEP_TIMEOUT = 2.0
+STEP_TIMEOUT = 3.0   # a session also expires after this: leave room for a busy machine
 # ~90 steps of ~20 ms each per worker: long enough to kill one in the middle.
 TRAIN = ["--model", "logreg", "--samples", "8640", "--features", "20", "--batch-size", "32",
          "--epochs", "1", "--delay", "fixed:0.02", "--log-every", "0.2"]
