@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import threading
 
+import numpy as np
 import pytest
 
+from pserver.client import PSClient
+from pserver.models.layout import Layout
 from pserver.server import checkpoint
 from tests.e2e.conftest import LOGREG, run, wait_until
 
@@ -151,3 +156,42 @@ def test_restore_with_only_corrupt_checkpoints_refuses_to_start_unless_asked(pro
     fresh = procs("serve", "--port", "0", "--restore", str(tmp_path), "--restore-fresh-if-corrupt")
     assert exit_code_before_listening(fresh) is None, fresh.output
     assert "starting fresh as --restore-fresh-if-corrupt asks" in fresh.output
+
+
+def rss_mb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) // 1024
+
+
+def test_concurrent_checkpoint_rpcs_hold_one_snapshot_of_memory(procs, tmp_path):
+    size = 1 << 20
+    snapshot_mb = 3 * size * 4 >> 20              # adam: params, m and v
+    shard = procs("serve", "--port", "0", "--num-workers", "1", "--optimizer", "adam",
+                  "--checkpoint-dir", str(tmp_path))
+    client = PSClient([shard.address()], rank=0, num_workers=1, rpc_deadline=300)
+    try:
+        client.connect(30)
+        client.register(Layout.of([("w", (size,))]))
+        client.init(np.ones(size, np.float32))
+        client.checkpoint()                       # the first write's memory is in the heap now
+        before, peak, done = rss_mb(shard.popen.pid), [0], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], rss_mb(shard.popen.pid))
+                done.wait(0.005)
+
+        answers = []
+        callers = [threading.Thread(target=lambda: answers.append(client.shards[0].checkpoint(0, 300)))
+                   for _ in range(60)]
+        sampler = threading.Thread(target=sample)
+        for t in [sampler, *callers]:
+            t.start()
+        for t in callers:
+            t.join()
+        done.set()
+        sampler.join()
+    finally:
+        client.close()
+    assert len(answers) == 60 and all(checkpoint.load(path).version == v == 0 for path, v in answers)
+    assert peak[0] - before < 2 * snapshot_mb, f"RSS {before} MB -> {peak[0]} MB: over two snapshots' worth"
