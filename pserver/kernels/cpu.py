@@ -154,11 +154,13 @@ DIRECT_MAX_TAPS = 16
 
 
 @njit(cache=True, nogil=True)
-def _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n):
-    """cols[r] = the window of output pixel r (n, oh, ow) flattened as (i, j, c); zero outside."""
-    _, h_n, w_n, c_n = x.shape
+def _im2col(img, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, back):
+    """cols[r] = the window of output pixel r (n, oh, ow), flattened as (i, j, c), zero
+    outside the image; or, `back`, the reverse: each element of cols added into img where it
+    was read from (img zeroed by the caller)."""
+    _, h_n, w_n, c_n = img.shape
     r = 0
-    for n in range(x.shape[0]):
+    for n in range(img.shape[0]):
         for oh in range(oh_n):
             for ow in range(ow_n):
                 k = 0
@@ -168,45 +170,34 @@ def _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n):
                         w = ow * stride_w - pad_left + j
                         inside = 0 <= h < h_n and 0 <= w < w_n
                         for c in range(c_n):
-                            cols[r, k] = x[n, h, w, c] if inside else 0
+                            if back:
+                                if inside:
+                                    img[n, h, w, c] += cols[r, k]
+                            else:
+                                cols[r, k] = img[n, h, w, c] if inside else 0
                             k += 1
                 r += 1
 
 
 @njit(cache=True, nogil=True)
-def _col2im(cols, dx, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n):
-    """dx[:] = 0, then each element of cols added back where _im2col read it from."""
-    _, h_n, w_n, c_n = dx.shape
-    dx[:] = 0
-    r = 0
-    for n in range(dx.shape[0]):
-        for oh in range(oh_n):
-            for ow in range(ow_n):
-                for i in range(kh):
-                    h = oh * stride_h - pad_top + i
-                    for j in range(kw):
-                        w = ow * stride_w - pad_left + j
-                        if 0 <= h < h_n and 0 <= w < w_n:
-                            k = (i * kw + j) * c_n
-                            for c in range(c_n):
-                                dx[n, h, w, c] += cols[r, k + c]
-                r += 1
+def _conv_direct(x, per_pixel, per_tap, kh, kw, stride_h, stride_w, pad_top, pad_left,
+                 oh_n, ow_n, weight_grad):
+    """The convolution's products as loops, no gemm: for each output pixel r and each tap k
+    of its window inside the image, with x's value v there,
 
+        forward      per_pixel[r] += v * per_tap[k]    (out2 (pixels, F), w2 (taps, F))
+        weight_grad  per_tap[k] += v * per_pixel[r]    (dw2 (taps, F), dy2 (pixels, F))
 
-@njit(cache=True, nogil=True)
-def _conv_direct(x, w2, kh, kw, out2, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n):
-    """out2[r] += sum over the window of pixel r of x * w2 (w2 (taps, F)); loops, no gemm.
-
-    The innermost loop runs over the F filters, contiguous in both w2 and out2, so it
-    vectorizes; the window's bounds are checked once per row and column, not per element.
+    The innermost loop runs over the F filters, contiguous in both, so it vectorizes; the
+    window's bounds are checked once per row and column, not per element.
     """
     _, h_n, w_n, c_n = x.shape
-    f_n = w2.shape[1]
+    f_n = per_pixel.shape[1]
     r = 0
     for n in range(x.shape[0]):
         for oh in range(oh_n):
             for ow in range(ow_n):
-                acc = out2[r]
+                pix = per_pixel[r]
                 for i in range(kh):
                     h = oh * stride_h - pad_top + i
                     if h < 0 or h >= h_n:
@@ -217,37 +208,13 @@ def _conv_direct(x, w2, kh, kw, out2, stride_h, stride_w, pad_top, pad_left, oh_
                             continue
                         k = (i * kw + j) * c_n
                         for c in range(c_n):
-                            v = x[n, h, w, c]
-                            wr = w2[k + c]
-                            for f in range(f_n):
-                                acc[f] += v * wr[f]
-                r += 1
-
-
-@njit(cache=True, nogil=True)
-def _conv_dw_direct(x, dy2, kh, kw, dw2, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n):
-    """dw2[k] += x's tap k of pixel r times dy2[r], over every pixel r (dw2 zeroed by the caller)."""
-    _, h_n, w_n, c_n = x.shape
-    f_n = dy2.shape[1]
-    r = 0
-    for n in range(x.shape[0]):
-        for oh in range(oh_n):
-            for ow in range(ow_n):
-                g = dy2[r]
-                for i in range(kh):
-                    h = oh * stride_h - pad_top + i
-                    if h < 0 or h >= h_n:
-                        continue
-                    for j in range(kw):
-                        w = ow * stride_w - pad_left + j
-                        if w < 0 or w >= w_n:
-                            continue
-                        k = (i * kw + j) * c_n
-                        for c in range(c_n):
-                            v = x[n, h, w, c]
-                            dwr = dw2[k + c]
-                            for f in range(f_n):
-                                dwr[f] += v * g[f]
+                            v, tap = x[n, h, w, c], per_tap[k + c]
+                            if weight_grad:
+                                for f in range(f_n):
+                                    tap[f] += v * pix[f]
+                            else:
+                                for f in range(f_n):
+                                    pix[f] += v * tap[f]
                 r += 1
 
 
@@ -261,10 +228,10 @@ def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu):
     out2 = out.reshape((n_ * oh_n * ow_n, f_n))
     if taps <= DIRECT_MAX_TAPS:
         out2[:] = 0
-        _conv_direct(x, w2, kh, kw, out2, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n)
+        _conv_direct(x, out2, w2, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False)
     else:
         cols = np.empty((out2.shape[0], taps), np.float32)
-        _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n)
+        _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False)
         np.dot(cols, w2, out2)
     for r in range(out2.shape[0]):
         for f in range(f_n):
@@ -285,16 +252,17 @@ def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left)
     _column_sum(dy2, db)
     if taps <= DIRECT_MAX_TAPS:
         dw2[:] = 0
-        _conv_dw_direct(x, dy2, kh, kw, dw2, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n)
+        _conv_direct(x, dy2, dw2, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, True)
     else:
         cols = np.empty((dy2.shape[0], taps), np.float32)
-        _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n)
+        _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False)
         np.dot(cols.T, dy2, dw2)
     if dx is not None:
         # A product whatever the taps: pixel r's window gets dy2[r] @ w2.T, added back in place.
         dcols = np.empty((dy2.shape[0], taps), np.float32)
         np.dot(dy2, w2.T, dcols)
-        _col2im(dcols, dx, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n)
+        dx[:] = 0
+        _im2col(dx, dcols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, True)
 
 
 @njit(cache=True, nogil=True)

@@ -232,6 +232,23 @@ def mse_rows(pred, y, dpred, row_loss):
         row_loss[i] = r * r
 
 
+@cuda.jit(device=True)
+def _block_sum(part, t, acc):
+    """The sum of every thread's `acc` over a block of REDUCE_THREADS threads (thread t puts
+    its own in part[t]; a tree then halves the partial sums in place). Every thread of the
+    block must call it, since all meet at its barriers; the result is right in thread 0 only.
+    """
+    part[t] = acc
+    step = REDUCE_THREADS // 2
+    while step > 0:
+        # The partial sums of the previous level are all written before this level reads them.
+        cuda.syncthreads()
+        if t < step:
+            part[t] += part[t + step]
+        step //= 2
+    return part[0]
+
+
 @cuda.jit
 def scaled_sum_kernel(values, scale, out):
     """out[0] = scale * sum(values), in float64, by one block of REDUCE_THREADS threads.
@@ -243,16 +260,9 @@ def scaled_sum_kernel(values, scale, out):
     acc = float64(0.0)
     for i in range(t, values.shape[0], REDUCE_THREADS):
         acc += values[i]
-    part[t] = acc
-    step = REDUCE_THREADS // 2
-    while step > 0:
-        # The partial sums of the previous level are all written before this level reads them.
-        cuda.syncthreads()
-        if t < step:
-            part[t] += part[t + step]
-        step //= 2
+    total = _block_sum(part, t, acc)
     if t == 0:
-        out[0] = part[0] * scale
+        out[0] = total * scale
 
 
 # -- images: channels-last (N, H, W, C), one thread per output element ------------------------
@@ -328,16 +338,9 @@ def conv2d_dw_kernel(x, dy, dw, stride_h, stride_w, pad_top, pad_left):
         h, col = oh * stride_h - pad_top + ki, ow * stride_w - pad_left + kj
         if 0 <= h < x.shape[1] and 0 <= col < x.shape[2]:
             acc += x[n, h, col, c] * dy[n, oh, ow, f]
-    part[t] = acc
-    step = REDUCE_THREADS // 2
-    while step > 0:
-        # The previous level's partial sums are all written before this level reads them.
-        cuda.syncthreads()
-        if t < step:
-            part[t] += part[t + step]
-        step //= 2
+    total = _block_sum(part, t, acc)
     if t == 0:
-        dw[ki, kj, c, f] = part[0]
+        dw[ki, kj, c, f] = total
 
 
 @cuda.jit
