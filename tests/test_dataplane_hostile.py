@@ -27,7 +27,7 @@ from pserver.client import PSClient
 from pserver.errors import InvalidArgument, RpcError, Unauthenticated, Unavailable
 from pserver.models.layout import Layout
 from pserver.security import ClientSecurity
-from pserver.server.store import copy_finite, first_nonfinite
+from pserver.server import store
 
 TOKEN = "s3cret-Token_for.tests"
 LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
@@ -107,9 +107,9 @@ bit_patterns = st.lists(st.integers(0, (1 << 32) - 1), min_size=0, max_size=300)
 @given(values=bit_patterns)
 def test_the_fused_copy_and_check_agrees_with_numpy(values):
     expected = int(np.flatnonzero(~np.isfinite(values))[0]) if not np.isfinite(values).all() else -1
-    assert first_nonfinite(values) == expected
+    assert store.first_nonfinite(values) == expected
     dst = np.full(values.size, 7, np.float32)
-    assert copy_finite(values, dst) == expected
+    assert store.copy_finite(values, dst) == expected
     assert dst.tobytes() == values.tobytes()                # every bit, NaN payloads included
 
 
