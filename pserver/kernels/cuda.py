@@ -289,6 +289,13 @@ def _unflatten4(i, shape):
 
 
 @cuda.jit(device=True)
+def _window_range(o, stride, pad, pool, size):
+    """[start, stop) of the window of output position o, clipped to the image (may be empty)."""
+    start = o * stride - pad
+    return max(start, 0), min(start + pool, size)
+
+
+@cuda.jit(device=True)
 def _first_window(pos, pad, pool, stride, out_size):
     """[first, stop) of the output positions whose window covers input position pos."""
     p = pos + pad
@@ -369,8 +376,8 @@ def maxpool2d_forward_kernel(x, out, argmax, pool_h, pool_w, stride_h, stride_w,
     if i >= out.size:
         return
     n, oh, ow, c = _unflatten4(i, out.shape)
-    h0, h1 = max(oh * stride_h - pad_top, 0), min(oh * stride_h - pad_top + pool_h, x.shape[1])
-    w0, w1 = max(ow * stride_w - pad_left, 0), min(ow * stride_w - pad_left + pool_w, x.shape[2])
+    h0, h1 = _window_range(oh, stride_h, pad_top, pool_h, x.shape[1])
+    w0, w1 = _window_range(ow, stride_w, pad_left, pool_w, x.shape[2])
     best, arg = float32(0.0), -1
     if h0 < h1 and w0 < w1:
         best, arg = x[n, h0, w0, c], h0 * x.shape[2] + w0
@@ -402,7 +409,8 @@ def maxpool2d_backward_kernel(dy, argmax, dx):
 
 @cuda.jit(device=True)
 def _window_count(o, stride, pad, pool, size):
-    return max(min(o * stride - pad + pool, size) - max(o * stride - pad, 0), 0)
+    start, stop = _window_range(o, stride, pad, pool, size)
+    return max(stop - start, 0)
 
 
 @cuda.jit
@@ -412,15 +420,13 @@ def avgpool2d_forward_kernel(x, out, pool_h, pool_w, stride_h, stride_w, pad_top
     if i >= out.size:
         return
     n, oh, ow, c = _unflatten4(i, out.shape)
-    h0, w0 = max(oh * stride_h - pad_top, 0), max(ow * stride_w - pad_left, 0)
-    h1 = min(oh * stride_h - pad_top + pool_h, x.shape[1])
-    w1 = min(ow * stride_w - pad_left + pool_w, x.shape[2])
+    h0, h1 = _window_range(oh, stride_h, pad_top, pool_h, x.shape[1])
+    w0, w1 = _window_range(ow, stride_w, pad_left, pool_w, x.shape[2])
     acc = float32(0.0)
     for h in range(h0, h1):
         for col in range(w0, w1):
             acc += x[n, h, col, c]
-    count = _window_count(oh, stride_h, pad_top, pool_h, x.shape[1]) * \
-        _window_count(ow, stride_w, pad_left, pool_w, x.shape[2])
+    count = max(h1 - h0, 0) * max(w1 - w0, 0)
     out[n, oh, ow, c] = acc / float32(max(count, 1))
 
 
