@@ -8,6 +8,7 @@ tensors whatever the layers are. Every layer writes its gradient straight into i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 
@@ -297,8 +298,9 @@ class Sequential(Model):
             xb, yb = x[a:a + batch_size], y[a:a + batch_size]
             bufs = self._buffers(xb.shape[0], w.dtype)
             out = self._forward(params, xb, bufs, Pass(training=False))[-1]
-            # The loss also writes a gradient; the delta buffer is scratch here.
-            loss_sum += self.loss(self.kernels, out, yb, bufs.douts[-1]) * xb.shape[0]
+            # The loss also writes a gradient: a small scratch array, so evaluation never
+            # allocates the per-layer gradient buffers (at 4096 images, hundreds of MB).
+            loss_sum += self.loss(self.kernels, out, yb, np.empty_like(out)) * xb.shape[0]
             if self.task == "regression":
                 sse += float(np.sum((out[:, 0].astype(np.float64) - yb) ** 2))
             else:
@@ -317,13 +319,20 @@ class _Buffers:
     """One batch size's arrays: each layer's output and d loss / d output, and its scratch."""
 
     def __init__(self, layers: list[Layer], n: int, dtype):
+        self.layers, self.n, self.dtype = layers, n, dtype
         self.outs = [None if layer.reshapes_only else np.empty((n, *layer.output_shape), dtype)
                      for layer in layers]
-        self.douts = [np.empty((n, *layer.output_shape), dtype) for layer in layers]
+        self.scratch = [layer.scratch(n, dtype) for layer in layers]
+
+    @functools.cached_property
+    def douts(self) -> list[np.ndarray]:
+        """Made at the first training step of this size (evaluation needs none)."""
+        layers, n = self.layers, self.n
+        douts = [np.empty((n, *layer.output_shape), self.dtype) for layer in layers]
         for i in range(len(layers) - 1, 0, -1):
             if layers[i].reshapes_only:     # top down, so a chain of them shares one buffer
-                self.douts[i - 1] = self.douts[i].reshape((n, *layers[i - 1].output_shape))
-        self.scratch = [layer.scratch(n, dtype) for layer in layers]
+                douts[i - 1] = douts[i].reshape((n, *layers[i - 1].output_shape))
+        return douts
 
 
 __all__ = ["Sequential"]
