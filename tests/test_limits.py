@@ -199,3 +199,40 @@ def test_a_layout_too_big_for_memory_is_refused_before_anything_is_allocated(sha
     assert c["pushes_received"] == c["pushes_rejected"] == 0
     client(addr, 0, 1)                           # a model that fits still registers
     assert shard.status()["total_params"] == LAYOUT.total
+
+
+def test_limits_refuse_past_each_share_and_give_slots_back():
+    """The arithmetic of server/limits.py, alone: shares of a 24-thread pool, the per-worker
+    bound, the bytes bound, the Checkpoint-call bound; a refused call is counted."""
+    from pserver.errors import ResourceExhausted
+    from pserver.server.limits import CHECKPOINT_CALLS, PER_RANK, RESERVED, Limits, pool_threads
+    from pserver.server.store import Counters
+
+    counters = Counters()
+    lim = Limits(24, 10 << 20, 1.0, counters)
+    assert (lim.max_pulls, lim.max_streams) == (9, 7) and 24 - RESERVED == 16
+    assert lim.stream_slots(4 << 20) == 2 and lim.stream_slots(1) == 7      # bytes, then threads
+    assert pool_threads(64, 100) == 2 * 100 + RESERVED + 4 and pool_threads(64, 2) == 64
+    with lim.waiting(0, lambda: True) as a, lim.waiting(0, lambda: True) as b:
+        a.park()
+        b.park()
+        with lim.waiting(0, lambda: True) as c:
+            try:
+                c.park()
+                raise AssertionError(f"a third waiting pull of one worker was admitted ({PER_RANK} max)")
+            except ResourceExhausted as e:
+                assert "2 per worker" in str(e)
+    assert lim.parked_pulls() == 0
+    held = [lim.checkpoint_call() for _ in range(CHECKPOINT_CALLS)]
+    for h in held:
+        h.__enter__()
+    try:
+        with lim.checkpoint_call():
+            raise AssertionError("a fifth Checkpoint call was admitted")
+    except ResourceExhausted as e:
+        assert "Checkpoint calls" in str(e)
+    for h in held:
+        h.__exit__(None, None, None)
+    with lim.checkpoint_call():
+        pass
+    assert counters.snapshot()["requests_refused_busy"] == 2

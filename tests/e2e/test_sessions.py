@@ -88,3 +88,20 @@ def test_a_second_worker_with_a_live_rank_is_refused_and_waits(procs, tmp_path):
     assert not any("epoch " in ln or "loss" in ln for ln in twin.lines), twin.output
     assert all(w.wait(120) == 0 for w in workers)
     assert read_json(summary)["test_accuracy"] >= 0.85
+
+
+def test_a_stopped_worker_is_marked_dead_and_rejoins_when_it_continues(procs, tmp_path):
+    """SIGSTOP freezes a worker, heartbeats included: the others go on without it after
+    --step-timeout; SIGCONT brings it back into the steps, and every worker finishes."""
+    shard, _, workers, summary = cluster(procs, tmp_path, "sync")
+    wait_for_steps(workers[2], 3)
+    workers[2].popen.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while "marked worker(s) [2] dead" not in shard.output and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "marked worker(s) [2] dead" in shard.output, shard.output
+    workers[2].popen.send_signal(signal.SIGCONT)
+    assert all(w.wait(120) == 0 for w in workers), [w.output for w in workers]
+    assert "worker 2 pushed or pulled again and rejoins" in shard.output, shard.output
+    s = read_json(summary)
+    assert s["workers_marked_dead"] >= 1 and s["test_accuracy"] >= 0.85
