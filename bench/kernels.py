@@ -339,21 +339,29 @@ def cnn_pair(batch: int, rng):
 
 def measure_interleaved(fns: dict, args) -> dict:
     """Median seconds per call of each fn, the fns timed in turn, so that load from elsewhere
-    on the machine falls on all of them alike; warm-up as `measure`."""
+    on the machine falls on all of them alike; warm-up as `measure`.
+
+    Each call's CPU time (the process's, all threads) is kept beside its wall time: with one
+    thread per library the work is the CPU time, and it counts no time spent waiting for a
+    core that another process holds (wall time does; on a shared machine that is most of it).
+    """
     start, done = time.perf_counter(), 0
     while done < args.warmup or time.perf_counter() - start < args.warmup_seconds:
         for fn in fns.values():
             fn()
         done += 1
-    times, start = {name: [] for name in fns}, time.perf_counter()
+    wall, cpu = ({name: [] for name in fns} for _ in range(2))
+    start = time.perf_counter()
     while done < args.warmup + args.min_runs or time.perf_counter() - start < args.min_seconds:
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+            wall[name].append(time.perf_counter() - t0)
         done += 1
-    return {name: dict(zip(("seconds", "min_seconds", "max_seconds"), summary(t)), runs=len(t))
-            for name, t in times.items()}
+    return {name: {**dict(zip(("seconds", "min_seconds", "max_seconds"), summary(wall[name]))),
+                   "cpu_seconds": summary(cpu[name])[0], "runs": len(wall[name])}
+            for name in fns}
 
 
 def cnn_rows(args) -> list[dict]:
@@ -387,14 +395,16 @@ def render_cnn(rows: list[dict]) -> str:
     for r in rows:
         if "skipped" in r:
             notes.append(r["skipped"])
-            out.append([str(r["size"]), r["backend"], "skipped", "", "", ""])
+            out.append([str(r["size"]), r["backend"], "skipped", "", "", "", "", ""])
             continue
         torch_row = next((b for b in rows if b["size"] == r["size"] and b["backend"] == "torch"
                           and "seconds" in b), None)
-        ratio = f"{torch_row['seconds'] / r['seconds']:.2f}x" if torch_row else "-"
+        ratios = [f"{torch_row[k] / r[k]:.2f}x" if torch_row else "-" for k in ("seconds", "cpu_seconds")]
         out.append([str(r["size"]), r["backend"], f"{r['seconds'] * 1e3:.3f}",
-                    f"{r['samples_per_second']:,.0f}", ratio, str(r["runs"])])
-    text = table(["batch", "backend", "ms (median)", "samples/s", "speed vs torch", "runs"], out, left=2)
+                    f"{r['cpu_seconds'] * 1e3:.3f}", f"{r['samples_per_second']:,.0f}", *ratios,
+                    str(r["runs"])])
+    text = table(["batch", "backend", "wall ms", "CPU ms", "samples/s (wall)", "vs torch (wall)",
+                  "vs torch (CPU)", "runs"], out, left=2)
     return "\n".join([text, *(f"  {n}" for n in dict.fromkeys(notes))])
 
 
@@ -512,7 +522,7 @@ def main(argv=None) -> int:
     cnn = run_cnn_alone(args) if "cnn" in args.sections else []
     if cnn:
         print("\nreference CNN (Conv2D 32x3x3 relu, MaxPool 2, Dense 64 relu, Dense 10) forward + "
-              "backward on one thread (size = batch)")
+              "backward on one thread (size = batch; medians of wall and CPU time per step)")
         print(render_cnn(cnn))
     if args.json:
         doc = {"machine": host, "blas": blas_name(), "gpu": gpu, "simulator": st["simulator"],
