@@ -104,18 +104,40 @@ def test_a_killed_shards_socket_is_removed_when_the_next_one_starts(procs, tmpdi
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
 
 
-@pytest.mark.parametrize("mode", [0o755, 0o1777], ids=["0755", "1777"])
-def test_a_socket_directory_others_can_enter_is_refused(procs, tmpdir_env, mode):
+def with_mode(path: str, mode: int) -> str:
+    os.mkdir(path)
+    os.chmod(path, mode)
+    return f"a directory owned by uid {os.getuid()} with mode {mode:04o}"
+
+
+def elsewhere(path: str) -> str:
+    """A symlink to a directory of ours with the right mode: someone could point it anywhere."""
+    os.mkdir(path + ".real", 0o700)
+    os.symlink(path + ".real", path)
+    return "not a directory"
+
+
+def other_owner(path: str) -> str:
+    os.mkdir(path, 0o700)
+    os.chown(path, 65534, 65534)
+    return "a directory owned by uid 65534 with mode 0700"
+
+
+SETUPS = {"0755": lambda p: with_mode(p, 0o755), "1777": lambda p: with_mode(p, 0o1777), "symlink": elsewhere,
+          "other owner": pytest.param(other_owner, marks=pytest.mark.skipif(
+              os.getuid() != 0, reason="only root can give a directory to another user"))}
+
+
+@pytest.mark.parametrize("setup", SETUPS.values(), ids=SETUPS.keys())
+def test_a_socket_directory_others_can_enter_is_refused(procs, tmpdir_env, setup):
     tmp, env = tmpdir_env
     directory = os.path.join(tmp, f"pserver-{os.getuid()}")
-    os.mkdir(directory)
-    os.chmod(directory, mode)
+    found = setup(directory)
     shard: Proc = procs(*SERVE, env=env)
     shard.port_seen.wait(60)                   # set when it listens, or when its output ends
     assert shard.port is None, "the shard started with a socket directory others can enter"
     assert shard.wait(30) == 2
     out = shard.output
-    assert "Traceback" not in out
-    assert f"{directory} must be a directory owned by uid {os.getuid()} with mode 0700" in out
-    assert f"with mode {mode:04o}" in out and len(out.strip().splitlines()) == 1
+    assert "Traceback" not in out and len(out.strip().splitlines()) == 1
+    assert f"{directory} must be a directory owned by uid {os.getuid()} with mode 0700; it is {found}" in out
     assert not sockets_under(tmp)
