@@ -42,7 +42,7 @@ class Layer:
 
     def __init__(self, *, input_shape=None, name: str | None = None):
         self.name = name
-        self.input_shape = None if input_shape is None else _shape("input_shape", input_shape)
+        self.input_shape = None if input_shape is None else as_shape("input_shape", input_shape)
         self.output_shape: tuple[int, ...] | None = None
 
     def __repr__(self) -> str:
@@ -56,7 +56,7 @@ class Layer:
     def build(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
         """Fix the input shape; return the output shape. Shapes that cannot work raise
         ConfigError naming this layer and the shapes."""
-        self.input_shape = _shape("input_shape", input_shape)
+        self.input_shape = as_shape("input_shape", input_shape)
         self.output_shape = self.output_shape_for(self.input_shape)
         return self.output_shape
 
@@ -123,7 +123,7 @@ class KernelLayer(Layer):
         return g["bias"] if self.use_bias else s["dbias"]
 
 
-def _shape(what: str, shape) -> tuple[int, ...]:
+def as_shape(what: str, shape) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)):
         shape = (shape,)
     try:
@@ -159,4 +159,4 @@ def padding(owner: str, value) -> str:
     return value.lower()
 
 
-__all__ = ["Layer", "KernelLayer", "Weight", "Pass", "pair", "padding", "positive_int"]
+__all__ = ["Layer", "KernelLayer", "Weight", "Pass", "as_shape", "pair", "padding", "positive_int"]

@@ -16,7 +16,7 @@ import numpy as np
 
 from pserver.errors import ConfigError, DataError
 from pserver.kernels import get_backend
-from pserver.layers.base import Layer, Pass
+from pserver.layers.base import Layer, Pass, as_shape
 from pserver.models import losses, metrics
 from pserver.models.base import _MAX_CACHED_BATCH_SIZES, Model, shaped_for
 from pserver.models.layout import Layout
@@ -78,7 +78,7 @@ class Sequential(Model):
     # -- building ------------------------------------------------------------------------------
 
     def build(self, input_shape=None) -> "Sequential":
-        """Name the layers, fix every shape and the layout; errors name the layer and shapes."""
+        """Fix every shape and the layout; a shape that cannot work names the layer and shapes."""
         if self._built:
             return self
         if not self.layers:
@@ -88,7 +88,7 @@ class Sequential(Model):
             raise ConfigError(f"{self.name}: no input shape; give input_shape= to the first layer "
                               "or to Sequential")
         self._check_names()
-        shapes = [Layer(input_shape=shape).input_shape]
+        shapes = [as_shape("input_shape", shape)]
         for layer in self.layers:
             shapes.append(layer.build(shapes[-1]))
         weights = [layer.weights() for layer in self.layers]
