@@ -23,7 +23,7 @@ it applies whatever the client writes afterwards. A pull is one header, the mode
 and a memcpy out of the shard's parameters by the worker (in sync mode they cannot change
 until this worker pushes again; in async modes a racy read is the point, as over gRPC).
 A pull that waits notices when its client hangs up, and its thread goes. Memory on the
-shard: its parameters plus one buffer per connection, at most MAX_CONNECTIONS of them.
+shard: its parameters plus one buffer per connection, at most connection_limit() of them.
 Both calls go to the very same `Shard.push` / `Shard.pull` as the gRPC servicer, so
 validation, modes and counters are identical. Workers use it automatically when the
 shard's host id matches their own (`--data-plane auto`, the default); `--data-plane
@@ -68,12 +68,18 @@ REPLY = struct.Struct("<BBBxIq")
 CODES = ["OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAUTHENTICATED", "UNAVAILABLE",
          "DEADLINE_EXCEEDED", "INTERNAL", "ALREADY_EXISTS", "RESOURCE_EXHAUSTED"]
 MAX_MESSAGE = 64 * 1024
-MAX_CONNECTIONS = 256     # per shard: each holds a thread and a buffer the size of the shard's range
 HELLO_TIMEOUT = 10.0      # seconds a new connection may take to say HELLO before it is cut
 # Seals from <linux/fcntl.h> (Python's fcntl module has no F_SEAL_FUTURE_WRITE, Linux >= 5.1).
 SEAL_SEAL, SEAL_SHRINK, SEAL_GROW, SEAL_FUTURE_WRITE = 0x1, 0x2, 0x4, 0x10
 SIZE_SEALS = SEAL_SHRINK | SEAL_GROW
 SOCKET_NAME = re.compile(r"pserver-(\d+)-[\w-]+\.sock(\.new)?")
+
+
+def connection_limit(num_workers: int) -> int:
+    """Connections one shard serves at once. Each holds a thread and a buffer the size of
+    the shard's range, so the bound follows the cluster: a few per worker (a reconnecting
+    worker's new connection may overlap its old one's end), and some for tools."""
+    return 4 * max(num_workers, 1) + 16
 
 
 def supported() -> bool:
@@ -250,8 +256,10 @@ class DataPlaneServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            workers = self.shard.policy.num_workers
+            limit = connection_limit(workers)
             with self.lock:
-                admitted = len(self.conns) < MAX_CONNECTIONS
+                admitted = len(self.conns) < limit
                 if admitted:
                     self.conns.add(conn)
             if admitted:
@@ -259,7 +267,7 @@ class DataPlaneServer:
             else:
                 self._refuse(conn, rpc_error_for("RESOURCE_EXHAUSTED", (
                     f"connections: shard {self.shard.cfg.shard}'s data plane already serves "
-                    f"{MAX_CONNECTIONS} connections, its limit")))
+                    f"{limit} connections, its limit for a cluster of {workers} workers")))
 
     def _refuse(self, conn, error: RpcError) -> None:
         with contextlib.suppress(OSError):
