@@ -1,0 +1,191 @@
+"""The reference CNN under TensorFlow's ParameterServerStrategy, and pserver on the same task
+in the same run: end-to-end training samples/s with 1 parameter server and 2 workers.
+
+A local cluster of real processes: NUM_PS parameter-server tasks and NUM_WORKERS worker tasks
+(tf.distribute.Server each), and this process as the coordinator, which schedules the training
+steps of the TensorFlow tutorial's custom loop (ClusterCoordinator, one step = one worker's
+batch, Adam, sparse categorical cross-entropy from logits) and times them after a warm-up.
+Runs in its own virtual environment (see bench/tf_baseline/README.md); it imports nothing
+from pserver. With --pserver PYTHON it then runs `PYTHON -m pserver launch --ps 1 --workers 2
+--model cnn` (Adam 0.001, batch 64 per worker, one epoch of MNIST) and prints both rates.
+
+    python bench/tf_baseline/ps_cnn.py --data-dir DIR_WITH_MNIST_IDX --pserver .venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import multiprocessing
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+import time
+
+# Keras 2 (the tf-keras package): Keras 3 does not run under ParameterServerStrategy.
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["CUDA_VISIBLE_DEVICES"] = "-1"     # CPU, as pserver's workers in the comparison
+
+import numpy as np  # noqa: E402
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def read_idx(path: str) -> np.ndarray:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    ndim = data[3]
+    dims = np.frombuffer(data, ">u4", ndim, 4)
+    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def mnist(data_dir: str, split: str) -> tuple[np.ndarray, np.ndarray]:
+    prefix = "train" if split == "train" else "t10k"
+
+    def find(name):
+        for ext in ("", ".gz"):
+            if os.path.exists(os.path.join(data_dir, name + ext)):
+                return os.path.join(data_dir, name + ext)
+        raise SystemExit(f"{data_dir}: no {name}(.gz)")
+    x = read_idx(find(f"{prefix}-images-idx3-ubyte"))[..., None].astype(np.float32) / 255
+    y = read_idx(find(f"{prefix}-labels-idx1-ubyte")).astype(np.int64)
+    return x, y
+
+
+def serve(cluster: dict, job: str, index: int) -> None:
+    import tensorflow as tf
+    server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index,
+                                  protocol="grpc", start=True)
+    server.join()
+
+
+def reference_cnn(tf):
+    return tf.keras.Sequential([
+        tf.keras.layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(64, activation="relu"),
+        tf.keras.layers.Dense(10)])
+
+
+def train(args, cluster: dict) -> dict:
+    import tensorflow as tf
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), rpc_layer="grpc")
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = reference_cnn(tf)
+        optimizer = tf.keras.optimizers.Adam(args.lr)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+    x, y = mnist(args.data_dir, "train")
+
+    def dataset_fn(_):
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(60000, seed=args.seed).repeat()
+        return ds.batch(args.batch_size, drop_remainder=True).prefetch(4)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    @tf.function
+    def step_fn(it):
+        def replica_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)),
+                                                  global_batch_size=args.batch_size)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        xb, yb = next(it)
+        return strategy.run(replica_fn, args=(xb, yb))
+
+    for _ in range(args.warmup):           # tracing, connections, the first allocations
+        coordinator.schedule(step_fn, args=(iterator,))
+    coordinator.join()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        coordinator.schedule(step_fn, args=(iterator,))
+    coordinator.join()
+    seconds = time.perf_counter() - started
+    x_test, y_test = mnist(args.data_dir, "test")
+    accuracy = float(np.mean(np.argmax(model.predict(x_test, batch_size=1000, verbose=0), 1) == y_test))
+    return {"framework": f"tensorflow {tf.__version__} ParameterServerStrategy",
+            "num_ps": args.ps, "num_workers": args.workers, "batch_size": args.batch_size,
+            "steps": args.steps, "seconds": round(seconds, 3),
+            "train_samples_per_second": args.steps * args.batch_size / seconds,
+            "test_accuracy_after": accuracy, "cpus": os.cpu_count(), "machine": platform.processor()}
+
+
+def run_pserver(args) -> dict:
+    """pserver on the same model, data, batch and optimizer: its summary's samples/s."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "s.json")
+        cmd = [args.pserver, "-m", "pserver", "launch", "--ps", str(args.ps), "--workers", str(args.workers),
+               "--model", "cnn", "--dataset", "mnist", "--data-dir", args.data_dir, "--optimizer", "adam",
+               "--lr", str(args.lr), "--batch-size", str(args.batch_size), "--epochs", "1",
+               "--seed", str(args.seed), "--log-every", "1000", "--summary-json", path]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"pserver launch failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        with open(path) as f:
+            s = json.load(f)
+    return {"framework": "pserver", "num_ps": args.ps, "num_workers": args.workers,
+            "batch_size": args.batch_size, "steps": s["steps"], "seconds": s["wall_seconds"],
+            "train_samples_per_second": s["train_samples_per_second"],
+            "test_accuracy_after": s["test_accuracy"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", required=True, help="directory with the four MNIST IDX files")
+    p.add_argument("--ps", type=int, default=1, help="parameter-server tasks (default 1)")
+    p.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
+    p.add_argument("--batch-size", type=int, default=64, help="per step, one worker's (default 64)")
+    p.add_argument("--steps", type=int, default=1500, help="timed steps, over all workers (default 1500)")
+    p.add_argument("--warmup", type=int, default=50, help="untimed steps first (default 50)")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 0.001)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pserver", metavar="PYTHON", help="also run pserver with this interpreter "
+                   "(one that has pserver installed) and compare")
+    p.add_argument("--json", metavar="PATH", help="write the results here too")
+    args = p.parse_args()
+    ports = free_ports(args.ps + args.workers)
+    cluster = {"ps": [f"127.0.0.1:{q}" for q in ports[:args.ps]],
+               "worker": [f"127.0.0.1:{q}" for q in ports[args.ps:]]}
+    ctx = multiprocessing.get_context("spawn")
+    tasks = [ctx.Process(target=serve, args=(cluster, job, i), daemon=True)
+             for job in ("ps", "worker") for i in range(len(cluster[job]))]
+    for t in tasks:
+        t.start()
+    try:
+        results = [train(args, cluster)]
+    finally:
+        for t in tasks:
+            t.terminate()
+    if args.pserver:
+        results.append(run_pserver(args))
+    print(json.dumps(results, indent=2))
+    for r in results:
+        print(f"{r['framework']:>50}: {r['train_samples_per_second']:>8,.0f} samples/s "
+              f"({r['steps']} steps of {r['batch_size']} in {r['seconds']:.1f} s; "
+              f"test accuracy after {r['test_accuracy_after']:.4f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
