@@ -267,6 +267,7 @@ def cmd_worker(ns) -> int:
 def cmd_launch(ns) -> int:
     import secrets
     from pserver.launch import LaunchConfig, launch
+    from pserver.server.checkpoint import check_directory, write_directory
     if (ns.tls_cert is None) != (ns.tls_ca is None):
         raise ConfigError("--tls-ca: launch needs --tls-cert/--tls-key and --tls-ca together "
                           "(its shards serve TLS and its workers must trust them)")
@@ -280,7 +281,10 @@ def cmd_launch(ns) -> int:
     server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY]
     worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA]
     # Build both configs once here, so a bad flag fails now, before any process starts.
-    ServerConfig(num_shards=ns.ps, auth_token=token, **given(ns, server_flags))
+    server_cfg = ServerConfig(num_shards=ns.ps, auth_token=token, **given(ns, server_flags))
+    where = write_directory(server_cfg)
+    if where:
+        check_directory(*where)        # now, rather than as a shard's exit once it started
     WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))
     worker_argv = strip_flag(strip_flag(forward(ns, worker_flags), "--delay"), "--device")  # per rank
     return launch(cfg, forward(ns, server_flags), worker_argv)     # no token in either argv

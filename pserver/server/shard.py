@@ -101,9 +101,8 @@ class Shard:
                          name="pserver-reaper", daemon=True).start()
         if cfg.restore:
             self._restore(cfg.restore)
-        directory = cfg.checkpoint_dir or cfg.restore
-        flag = "--checkpoint-dir" if cfg.checkpoint_dir else "--restore"
-        self.checkpointer = checkpoint.Checkpointer(directory, self.store, cfg, flag) if directory else None
+        where = checkpoint.write_directory(cfg)
+        self.checkpointer = checkpoint.Checkpointer(*where, self.store, cfg) if where else None
 
     def _restore(self, directory: str) -> None:
         ckpt = checkpoint.load_latest(directory, self.cfg.shard, self.cfg.num_shards,

@@ -125,9 +125,8 @@ class Counters:
 class BufferPool:
     """Reusable float32 scratch arrays of one size, so a push never allocates afresh.
 
-    Policies hand every gradient back with `release` when done with it; gradients that
-    were borrowed rather than acquired (a data-plane connection's shared buffer) are
-    not the pool's and are ignored.
+    Policies hand every gradient back with `release` when done with it; arrays that were
+    not acquired here (a caller driving a policy directly with its own) are ignored.
     """
 
     def __init__(self, size: int) -> None:
