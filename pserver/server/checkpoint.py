@@ -171,10 +171,17 @@ def load_latest(directory: str, shard: int, num_shards: int,
     return None
 
 
-def prepare(directory: str, flag: str, shard: int, num_shards: int) -> None:
-    """At start: the directory exists (made if need be) and takes a new file, so that an
-    unwritable one is refused now rather than after the first epoch; temporary files that
-    a killed writer of this shard left behind are removed."""
+def write_directory(cfg) -> tuple[str, str] | None:
+    """(directory, flag) where a shard writes its checkpoints: --checkpoint-dir, else the
+    directory it restores from; None for neither."""
+    if cfg.checkpoint_dir:
+        return cfg.checkpoint_dir, "--checkpoint-dir"
+    return (cfg.restore, "--restore") if cfg.restore else None
+
+
+def check_directory(directory: str, flag: str) -> None:
+    """The directory exists (made if need be) and takes a new file: an unwritable one is
+    refused at start rather than after the first epoch."""
     try:
         os.makedirs(directory, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".pserver-probe-", dir=directory)
@@ -182,6 +189,12 @@ def prepare(directory: str, flag: str, shard: int, num_shards: int) -> None:
         os.remove(probe)
     except OSError as e:
         raise ConfigError(f"{flag}: cannot write checkpoints to {directory} ({e.strerror or e})") from None
+
+
+def prepare(directory: str, flag: str, shard: int, num_shards: int) -> None:
+    """At start: the directory is writable, and the temporary files that a killed writer of
+    this shard left behind are removed."""
+    check_directory(directory, flag)
     orphans = [n for n in os.listdir(directory)
                if (m := TMP_NAME.match(n)) and (int(m.group(1)), int(m.group(2))) == (shard, num_shards)]
     for name in orphans:
@@ -205,7 +218,7 @@ class Checkpointer:
     (allocator.py), so one writer thread reuses one snapshot's memory write after write,
     where snapshots taken by whichever RPC thread asked would each leave theirs behind."""
 
-    def __init__(self, directory: str, store, cfg, flag: str) -> None:
+    def __init__(self, directory: str, flag: str, store, cfg) -> None:
         prepare(directory, flag, cfg.shard, cfg.num_shards)
         self.directory, self.store, self.cfg = directory, store, cfg
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")

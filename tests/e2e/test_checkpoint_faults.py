@@ -130,6 +130,11 @@ def test_an_unwritable_checkpoint_directory_is_refused_at_start(procs, disks):
     lines = shard.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         f"pserver serve: error: --checkpoint-dir: cannot write checkpoints to {disk.path}"), lines
+    launched = run("launch", "--ps", "1", "--workers", "1", *LOGREG, "--checkpoint-dir", str(disk.path))
+    lines = launched.stderr.strip().splitlines()
+    assert launched.returncode == 2 and len(lines) == 1 and lines[0].startswith(
+        f"pserver launch: error: --checkpoint-dir: cannot write checkpoints to {disk.path}"), launched
+    assert "pserver launch: 1 shard(s)" not in launched.stdout             # refused before starting any
 
 
 def test_temporary_files_of_a_killed_writer_are_removed_at_start(procs, tmp_path):
