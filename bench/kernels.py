@@ -495,7 +495,7 @@ def main(argv=None) -> int:
         return 0
     check_xp_step()
     st = gpu_status()
-    host = machine(("numpy", "numba", "numba-cuda", "cupy"))
+    host = machine(("numpy", "numba", "numba-cuda", "cupy", "torch"))
     print("\n".join(machine_lines(host)))
     print(f"BLAS (numpy, and numba's np.dot through scipy): {blas_name()}")
     gpu = st["device"] if not st["cuda"] else f"none ({st['cuda']})"
