@@ -65,14 +65,15 @@ SERVER_FLAGS = [
     Flag("--eps", dict(type=float, help="Adam epsilon (default 1e-8)")),
     Flag("--weight-decay", dict(type=float, help="L2 coefficient (default 0)")),
     Flag("--threads", dict(type=int, help="gRPC threads per shard (default 64)")),
-    Flag("--checkpoint-dir", dict(metavar="DIR", help="write checkpoints here, atomically (newest 3 kept; "
-                                  "after every epoch and at the end too)")),
+    Flag("--checkpoint-dir", dict(metavar="DIR", help="write checkpoints here, atomically (checked writable at "
+                                  "start; newest 3 kept; after every epoch, at the end and on SIGTERM too)")),
     Flag("--restore", dict(metavar="DIR", help="resume from the newest complete checkpoint in DIR (fresh if it has "
                            "none; refused if it has only corrupt ones)")),
     Flag("--restore-fresh-if-corrupt", dict(action="store_true", default=None,
                                             help="with --restore: start fresh, losing the trained state, when "
                                                  "every checkpoint in DIR is corrupt (default: refuse to start)")),
-    Flag("--checkpoint-every", dict(type=int, metavar="STEPS", help="checkpoint every STEPS steps (needs --checkpoint-dir)")),
+    Flag("--checkpoint-every", dict(type=int, metavar="STEPS", help="checkpoint at versions STEPS, 2*STEPS, ... "
+                                    "(needs --checkpoint-dir)")),
     Flag("--checkpoint-secs", dict(type=float, metavar="SEC", help="checkpoint every SEC seconds (needs --checkpoint-dir)")),
 ]
 
