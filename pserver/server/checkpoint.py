@@ -1,10 +1,13 @@
-"""Checkpoints of one shard: its slice, optimizer state, version and layout, in one file.
+"""Checkpoints of one shard: its slice, optimizer state, version, the ssp workers' clocks and
+the layout, in one file.
 
 Written atomically (DESIGN §8): a temporary file in the same directory, fsync, rename
 over the final name, then fsync of the directory, so a crash at any moment leaves either
-the previous checkpoint or the new one, never a half-written file under a final name.
-Loading also verifies a checksum over the arrays and skips (with a warning) any file
-that does not load, falling back to the next older one.
+the previous checkpoint or the new one, never a half-written file under a final name; a
+write that fails removes its temporary file, and those a killed shard left are removed
+when it starts again. Loading verifies a checksum over the arrays and skips (with a
+warning) any file that does not load, falling back to the next older one; when none of a
+shard's files loads, restoring refuses rather than start fresh unasked.
 
     shard{J}-of{S}-v{VERSION:012d}.ckpt     an .npz: params, opt.<name> arrays, meta (JSON)
 """
@@ -145,9 +148,8 @@ def load_latest(directory: str, shard: int, num_shards: int,
         return None                           # a first start: nothing to restore yet
     if not os.path.isdir(directory):
         raise ConfigError(f"--restore: {directory} is not a directory")
-    found = candidates(directory, shard, num_shards)
     failures = []
-    for _, path in found:
+    for _, path in candidates(directory, shard, num_shards):
         try:
             return load(path)
         except ValueError as e:
