@@ -87,12 +87,29 @@ def hogwild_on_disjoint_indices(seed, workers, pushes, size):
         for i, g in enumerate(grads[r]):
             push(shard, r, 0, g, clock=i)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
+    run_threads(run, workers)
+    return shard, -sum(sum(gs) for gs in grads)
+
+
+def run_threads(target, n: int, timeout: float = 60.0) -> None:
+    """target(r) for r in 0..n-1, each in a thread; re-raises the first exception a thread
+    raised, so a test whose threads crash fails instead of asserting on what they left."""
+    errors: list[BaseException] = []
+
+    def guarded(r):
+        try:
+            target(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    return shard, -sum(sum(gs) for gs in grads)
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), f"a worker thread still ran after {timeout:g} s"
 
 
 @SETTINGS
@@ -128,11 +145,8 @@ def test_ssp_never_lets_a_clock_run_more_than_s_ahead_of_the_slowest(staleness):
                 done[r] = c + 1
         shard.leave(r)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_threads(run, workers)
+    assert len(gaps) == workers * steps
     assert max(gaps) <= staleness
     assert max(gaps) == staleness or staleness == 0    # the bound is reached, not just kept
     assert shard.store.counters.snapshot()["clock_gap_max"] <= staleness

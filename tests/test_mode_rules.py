@@ -1,0 +1,285 @@
+"""The rules of DESIGN §5 and §6 that a one-line change to pserver/modes or the shard's
+validate-and-apply path would break, driven in-process on real Shards.
+
+Each test names in its docstring the wrong implementation it fails for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pserver.config import ServerConfig
+from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from pserver.models.layout import Layout
+from pserver.modes import Outcome
+from pserver.server import checkpoint
+from pserver.server.shard import Shard
+from tests.test_modes import fill_with, make_cluster
+from tests.test_modes_async import heartbeats, one_shard, push
+
+ONES = np.ones(4, np.float32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def compiled():
+    """Load the numba kernels once, so no short --step-timeout runs out while one loads."""
+    push(one_shard(4, 1, mode="sync", optimizer="sgd", lr=1.0), 0, 0, ONES)
+
+
+def counters(shard) -> dict:
+    return shard.status()["counters"]
+
+
+def mark_dead(shard, ranks):
+    with shard.store.cond:
+        shard.policy.mark_dead(ranks, "test")
+
+
+# --- sync: the mean is summed in rank order ----------------------------------------------
+
+# Three ranks' float32 gradients whose sum depends on the order: (1e8 + 1) - 1e8 is 0 in
+# float32 but (1e8 - 1e8) + 1 is 1. Each column puts the small value at another rank.
+ORDER_SENSITIVE = np.array([[1e8, 1.0, 1e8], [1.0, 1e8, -1e8], [-1e8, -1e8, 1.0]], np.float32)
+
+
+@pytest.mark.parametrize("mode, extra", [("sync", {}), ("backup", {"backup_workers": 1})])
+def test_the_step_mean_is_summed_in_rank_order_whatever_the_arrival_order(mode, extra):
+    """Fails for a sum taken in arrival order (the pending dict's insertion order): the
+    update then depends on which worker's gradient came first."""
+    workers = 3 if mode == "sync" else 4          # backup: the first 3 of 4 make the step
+    for order in itertools.permutations(range(3)):
+        shard = one_shard(3, workers, mode=mode, optimizer="sgd", lr=1.0, **extra)
+        for r in order:
+            assert push(shard, r, 0, ORDER_SENSITIVE[r]) is Outcome.AGGREGATED
+        acc = ORDER_SENSITIVE[0] + ORDER_SENSITIVE[1] + ORDER_SENSITIVE[2]
+        expected = np.zeros(3, np.float32) - acc * np.float32(1.0 / 3)   # sgd, lr 1, from 0
+        assert shard.store.version == 1
+        assert shard.store.params.tobytes() == expected.tobytes(), order
+
+
+# --- backup: distinct workers, and a future step is rejected -----------------------------
+
+def test_backup_refuses_a_second_push_from_the_same_rank_in_one_step():
+    """Fails for backup accepting the same rank twice in one step: the step would be made
+    (or its gradient replaced) by one worker's two pushes instead of N-b distinct ones."""
+    shard = one_shard(2, 3, mode="backup", backup_workers=1, optimizer="sgd", lr=1.0)
+    push(shard, 0, 0, np.array([2, 4], np.float32))
+    with pytest.raises(FailedPrecondition, match="already pushed"):
+        push(shard, 0, 0, np.array([100, 100], np.float32))
+    assert shard.store.version == 0, "one worker's two pushes made a quorum of 2"
+    push(shard, 1, 0, np.array([4, 8], np.float32))
+    assert shard.store.version == 1
+    np.testing.assert_array_equal(shard.store.params, [-3, -6])    # the first push counted
+    c = counters(shard)
+    assert (c["pushes_aggregated"], c["pushes_rejected"], c["pushes_dropped_late"]) == (2, 1, 0)
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_a_backup_push_for_a_future_step_is_rejected_not_dropped(ahead):
+    """Fails for a push for a step the shard has not reached being answered dropped_late
+    (as if it were late): a worker ahead of the shard must hear that it is wrong."""
+    shard = one_shard(2, 3, mode="backup", backup_workers=1, optimizer="sgd", lr=1.0)
+    with pytest.raises(FailedPrecondition, match="ahead"):
+        push(shard, 0, ahead, ONES[:2])
+    c = counters(shard)
+    assert (c["pushes_rejected"], c["pushes_dropped_late"], c["pushes_aggregated"]) == (1, 0, 0)
+    push(shard, 0, 0, ONES[:2])
+    push(shard, 1, 0, ONES[:2])                        # step 0 completes with 2 of 3
+    assert push(shard, 2, 0, ONES[:2]) is Outcome.DROPPED_LATE   # a past step is late
+    assert counters(shard)["pushes_dropped_late"] == 1
+
+
+# --- async and ssp: staleness and versions ------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_staleness_is_version_now_minus_version_computed_on_for_applied_pushes_only(mode):
+    """Fails for staleness counted off by one, or recorded for a push that is then rejected."""
+    shard = one_shard(4, 1, mode=mode, optimizer="sgd", lr=1.0, staleness=100)
+    for clock in range(3):                             # all computed on version 0
+        assert push(shard, 0, 0, ONES, clock=clock) is Outcome.APPLIED
+    push(shard, 0, 2, ONES, clock=3)                   # on version 2, now 3: staleness 1
+    for bad in (shard.store.version + 1, -1):
+        with pytest.raises(FailedPrecondition, match="step"):
+            push(shard, 0, bad, ONES, clock=4)
+    c = counters(shard)
+    assert c["staleness_histogram"][:4] == [1, 2, 1, 0] and sum(c["staleness_histogram"]) == 4
+    assert c["staleness_max"] == 2 and c["staleness_mean"] == 1.0
+    assert (c["pushes_applied"], c["pushes_rejected"]) == (4, 2)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_an_async_push_for_a_version_that_does_not_exist_is_rejected(mode):
+    """Fails for a push computed on version t+1 (or later) being applied while the shard is
+    at t: no worker can have pulled that version."""
+    shard = one_shard(4, 2, mode=mode, optimizer="sgd", lr=1.0, staleness=100)
+    params = shard.store.params.copy()
+    with pytest.raises(FailedPrecondition, match="step: push computed on version 1"):
+        push(shard, 0, 1, ONES)
+    assert shard.store.version == 0 and counters(shard)["updates_applied"] == 0
+    np.testing.assert_array_equal(shard.store.params, params)
+    assert push(shard, 0, 0, ONES) is Outcome.APPLIED  # version 0 exists
+    assert shard.store.version == 1
+
+
+# --- a dead worker rejoins on its next push or pull ---------------------------------------
+
+@pytest.mark.parametrize("mode", ["sync", "backup", "async", "ssp"])
+@pytest.mark.parametrize("how", ["pull", "push"])
+def test_a_worker_marked_dead_is_live_again_after_it_pushes_or_pulls(mode, how):
+    """Fails for a worker once marked dead never revived (in any mode): it stays out of the
+    live workers, and sync steps would go on without it for the rest of the run."""
+    shard = one_shard(4, 3, mode=mode, optimizer="sgd", lr=1.0, backup_workers=1, staleness=5)
+    mark_dead(shard, [2])
+    assert shard.status()["live_workers"] == [0, 1]
+    if how == "pull":
+        assert shard.pull(2, 0, -1, 0, timeout=5)[0] == 0
+    else:
+        push(shard, 2, 0, ONES)
+    st = shard.status()
+    assert st["live_workers"] == [0, 1, 2] and st["dead_workers"] == []
+    assert st["counters"]["workers_rejoined"] == 1 and st["counters"]["workers_marked_dead"] == 1
+
+
+def test_a_revived_sync_worker_is_waited_for_in_the_next_step():
+    """Fails for a revive that only updates the status: the worker must count again."""
+    shard = one_shard(4, 2, mode="sync", optimizer="sgd", lr=1.0)
+    mark_dead(shard, [1])
+    push(shard, 0, 0, ONES)                            # step 0 goes on without worker 1
+    assert shard.store.version == 1
+    push(shard, 1, 1, ONES)                            # worker 1 is back and pushes for step 1
+    assert shard.store.version == 1, "step 1 completed without worker 0"
+    push(shard, 0, 1, ONES)
+    assert shard.store.version == 2
+
+
+# --- ssp: the clock bound -----------------------------------------------------------------
+
+@pytest.mark.parametrize("s", [0, 1, 2])
+def test_ssp_lets_a_worker_run_exactly_s_clocks_ahead_and_no_further(s):
+    """Fails for the ssp clock off by one: with s = 0 both workers' first pulls deadlock (or
+    one waits for the other forever), or a worker may pull one clock further than s."""
+    shard = one_shard(4, 2, mode="ssp", staleness=s, optimizer="sgd", lr=1.0, step_timeout=60)
+    for clock in range(s + 1):                         # worker 0 runs ahead while 1 stays at 0
+        shard.pull(0, 0, -1, clock, timeout=5)
+        push(shard, 0, shard.store.version, ONES, clock=clock)
+    assert shard.policy.clocks[0] == s + 1
+    with pytest.raises(DeadlineExceeded):              # clock s+1 is s+1 ahead of worker 1's 0
+        shard.pull(0, 0, -1, s + 1, timeout=0.5)
+    shard.pull(1, 0, -1, 0, timeout=10)                # the slowest never waits
+    push(shard, 1, shard.store.version, ONES, clock=0)
+    assert shard.pull(0, 0, -1, s + 1, timeout=10)[0] == s + 2
+    assert counters(shard)["clock_gap_max"] == s
+
+
+# --- step timeouts fire for workers that are alive but slow -------------------------------
+
+@pytest.mark.parametrize("mode, extra", [("sync", {}), ("backup", {"backup_workers": 1})])
+def test_a_step_waiting_for_live_but_slow_workers_times_out(mode, extra):
+    """Fails for the sync/backup step timeout never firing: the stragglers heartbeat, so
+    their sessions stay live and only the step timeout can mark them dead."""
+    shard = one_shard(4, 3, mode=mode, optimizer="sgd", lr=1.0, step_timeout=1.0, **extra)
+    push(shard, 0, 0, ONES)
+    with heartbeats(shard, 1), heartbeats(shard, 2):
+        assert shard.pull(0, 0, 0, 1, timeout=20)[0] == 1
+    st = shard.status()
+    assert st["dead_workers"] == [1, 2] and st["counters"]["workers_marked_dead"] == 2
+    np.testing.assert_array_equal(shard.store.params, -ONES)      # worker 0's gradient alone
+
+
+def test_an_ssp_clock_waiting_for_a_live_but_slow_worker_times_out():
+    """Fails for the ssp step timeout never firing: the slow worker heartbeats, so its
+    session stays live and only the clock's timeout can mark it dead."""
+    shard = one_shard(4, 2, mode="ssp", staleness=0, optimizer="sgd", lr=1.0, step_timeout=1.0)
+    shard.pull(0, 0, -1, 0, timeout=10)
+    push(shard, 0, 0, ONES, clock=0)
+    with heartbeats(shard, 1):
+        assert shard.pull(0, 0, -1, 1, timeout=20)[0] == 1
+    st = shard.status()
+    assert st["dead_workers"] == [1] and st["counters"]["workers_marked_dead"] == 1
+
+
+# --- NaN and Inf anywhere, the last element included --------------------------------------
+
+POISONS = [np.nan, np.inf, -np.inf]
+
+
+def poisoned(size: int, where: int, value: float) -> np.ndarray:
+    g = np.arange(1, size + 1, dtype=np.float32)
+    g[where] = value
+    return g
+
+
+def fills(g: np.ndarray):
+    """The two ways a payload arrives: written by a function (gRPC) or a client's array
+    that the shard copies and checks in one pass (data plane)."""
+    return {"function": fill_with(g), "array": g}
+
+
+@pytest.mark.parametrize("value", POISONS)
+@pytest.mark.parametrize("size", [1, 2, 7, 64, 1001])
+@pytest.mark.parametrize("via", ["function", "array"])
+def test_a_gradient_with_a_non_finite_last_element_is_rejected(value, size, via):
+    """Fails for a check loop that stops one element short (range(n - 1)): NaN or Inf in the
+    last element was applied. Shard 1 of 2, so the message must name the flat index."""
+    layout = Layout.of([("w", (2 * size,))])
+    shards = make_cluster(layout, np.zeros(2 * size, np.float32), 2, 1, optimizer="sgd", lr=1.0)
+    shard = shards[1]
+    for where in sorted({0, size // 2, size - 1}):
+        g = poisoned(size, where, value)
+        with pytest.raises(InvalidArgument, match=f"non-finite.* element {size + where} "):
+            shard.push(0, 1, 0, size, "float32", 1, 0, fills(g)[via])
+    assert shard.store.version == 0 and not shard.store.params.any()
+    good = np.arange(1, size + 1, dtype=np.float32)
+    shard.push(0, 1, 0, size, "float32", 1, 0, fills(good)[via])
+    assert shard.store.params.tobytes() == (-good).tobytes()       # every element applied
+
+
+@pytest.mark.parametrize("value", POISONS)
+@pytest.mark.parametrize("via", ["function", "array"])
+def test_init_values_with_a_non_finite_last_element_are_refused(value, via):
+    """Fails for Init's check stopping one element short: the shard started from NaN."""
+    size = 9
+    layout = Layout.of([("w", (size,))])
+    shard = Shard(ServerConfig())
+    shard.register(0, 1, 0, 1, layout)
+    with pytest.raises(InvalidArgument, match=f"element {size - 1} "):
+        shard.init(0, layout.signature(), size, "float32", fills(poisoned(size, size - 1, value))[via])
+    assert not shard.store.initialized and not shard.store.params.any()
+    good = np.arange(size, dtype=np.float32)
+    assert shard.init(0, layout.signature(), size, "float32", fills(good)[via]) == (False, 0)
+    assert shard.store.params.tobytes() == good.tobytes()
+
+
+# --- checkpoints: a writer killed mid-write leaves no file under a final name -------------
+
+WRITER = """
+import resource, signal, sys
+import numpy as np
+from pserver.server import checkpoint
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)         # Python ignores it; the default ends the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+params = np.ones(1 << 20, np.float32)                 # 4 MiB: the kernel kills the writer at 1 MiB
+checkpoint.save(sys.argv[1], checkpoint.Checkpoint("", 2, 0, 1, "sig", params.size, 0, params.size,
+                                                   "sgd", params, {}))
+"""
+
+
+def test_a_checkpoint_writer_killed_mid_write_leaves_the_previous_checkpoint_whole(tmp_path):
+    """Fails for a checkpoint written in place instead of to a temporary file renamed over
+    the final name: the killed writer left a torn file named as version 2. The kill is
+    real: the writer runs with a 1 MiB file-size limit, so the kernel ends it (SIGXFSZ)."""
+    params = np.zeros(8, np.float32)
+    first = checkpoint.save(str(tmp_path), checkpoint.Checkpoint("", 1, 0, 1, "sig", 8, 0, 8, "sgd",
+                                                                 params, {}))
+    run = subprocess.run([sys.executable, "-c", WRITER, str(tmp_path)], capture_output=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == -signal.SIGXFSZ, run.stderr.decode()[-2000:]
+    assert checkpoint.candidates(str(tmp_path), 0, 1) == [(1, first)]
+    assert checkpoint.load_latest(str(tmp_path), 0, 1).version == 1
