@@ -23,9 +23,14 @@ from numba import njit
 def dense_forward(x, W, b, out, relu):
     """out[:] = x @ W + b, then ReLU in place if `relu`. x (n, i), W (i, o), b (o,), out (n, o)."""
     np.dot(x, W, out)
-    n, o = out.shape
-    for i in range(n):
-        for j in range(o):
+    _add_bias(out, b, relu)
+
+
+@njit(cache=True, nogil=True)
+def _add_bias(out, b, relu):
+    """out[i] += b for every row i, then ReLU in place if `relu`."""
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
             v = out[i, j] + b[j]
             # `v < 0` (not `not v > 0`) keeps NaN, as np.maximum does in the twin.
             if relu and v < 0:
@@ -205,15 +210,10 @@ def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu):
     taps = kh * kw * c_n
     w2 = w.reshape((taps, f_n))
     out2 = out.reshape((n_ * oh_n * ow_n, f_n))
-    cols = np.empty((out2.shape[0], taps), np.float32)
+    cols = np.empty((out2.shape[0], taps), x.dtype)
     _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False)
     np.dot(cols, w2, out2)
-    for r in range(out2.shape[0]):
-        for f in range(f_n):
-            v = out2[r, f] + b[f]
-            if relu and v < 0:   # `v < 0` keeps NaN, as np.maximum does in the twin
-                v = 0
-            out2[r, f] = v
+    _add_bias(out2, b, relu)
 
 
 @njit(cache=True, nogil=True)
@@ -225,7 +225,7 @@ def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left)
     w2, dw2 = w.reshape((taps, f_n)), dw.reshape((taps, f_n))
     dy2 = dy.reshape((n_ * oh_n * ow_n, f_n))
     _column_sum(dy2, db)
-    cols = np.empty((dy2.shape[0], taps), np.float32)
+    cols = np.empty((dy2.shape[0], taps), x.dtype)
     _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False)
     np.dot(cols.T, dy2, dw2)
     if dx is not None:
