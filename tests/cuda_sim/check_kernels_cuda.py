@@ -308,6 +308,40 @@ def test_pooling(g):
     close(got_dx.copy_to_host(), want_dx)
 
 
+@st.composite
+def image_geometry(draw):
+    """(n, h, w, c, f, kh, kw, stride_h, stride_w, padding) with kernels up to the input."""
+    h, w = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    return (draw(st.integers(1, 2)), h, w, draw(st.integers(1, 3)), draw(st.integers(1, 3)),
+            draw(st.integers(1, h)), draw(st.integers(1, w)), draw(st.integers(1, 3)),
+            draw(st.integers(1, 3)), draw(st.sampled_from(["valid", "same"])))
+
+
+@FEW
+@given(image_geometry(), seeds)
+def test_image_forwards_and_input_gradients(g, seed):
+    # Over random geometry, the kernels with one thread per element (cheap to simulate); the
+    # weight gradient's block reductions run in test_conv2d above.
+    n, h, w, c, f, kh, kw, sh, sw, padding = g
+    (oh, ow), place = _placement(h, w, kh, kw, sh, sw, padding)
+    rng = np.random.default_rng(seed)
+    x, wt, b = f32(rng, n, h, w, c), f32(rng, kh, kw, c, f), f32(rng, f)
+    dy = f32(rng, n, oh, ow, f)
+    got, want = nans(n, oh, ow, f), np.empty((n, oh, ow, f), np.float32)
+    K.conv2d_forward(cuda.to_device(x), cuda.to_device(wt), cuda.to_device(b), got, *place, False)
+    reference.conv2d_forward(x, wt, b, want, *place, False)
+    close(got.copy_to_host(), want)
+    got_dx, want_dx = nans(*x.shape), np.empty_like(x)
+    K.conv2d_dx_kernel[K._blocks(x.size, K.ELEMENT_THREADS), K.ELEMENT_THREADS](
+        cuda.to_device(wt), cuda.to_device(dy), got_dx, *place)
+    reference.conv2d_backward(x, wt, dy, want_dx, np.empty_like(wt), np.empty_like(b), *place)
+    np.testing.assert_allclose(got_dx.copy_to_host(), want_dx, rtol=1e-4, atol=1e-5)
+    pooled, want_pool = nans(n, oh, ow, c), np.empty((n, oh, ow, c), np.float32)
+    K.avgpool2d_forward(cuda.to_device(x), pooled, kh, kw, *place)
+    reference.avgpool2d_forward(x, want_pool, kh, kw, *place)
+    close(pooled.copy_to_host(), want_pool)
+
+
 # -- layer kernels: elementwise, dropout, embedding, binary cross-entropy -------------------
 
 @pytest.mark.parametrize("kind", ["relu", "sigmoid", "tanh", "linear"])
