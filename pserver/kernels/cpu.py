@@ -1,7 +1,8 @@
 """Model math as numba CPU kernels; `pserver.kernels.reference` is the NumPy twin.
 
 All kernels write into caller-owned buffers (the model preallocates them per batch size), so a
-training step allocates nothing here. Inputs are C-contiguous; float32 is what the models use.
+training step allocates nothing here but the convolutions' im2col matrix, one per call (small
+next to its product). Inputs are C-contiguous; float32 is what the models use.
 
 Matrix products go through `np.dot(a, b, out)`, which numba lowers to BLAS gemm (scipy's
 cython_blas). A transposed view of a C-contiguous array (`x.T`, `W.T`) is typed as an F-contiguous
@@ -10,7 +11,9 @@ untransposed product. Only a non-contiguous ('A' layout) operand, such as a stri
 numba copy it first (with a NumbaPerformanceWarning). numba only switches on BLAS when scipy is
 installed, hence the dependency.
 
-`nogil=True` lets a worker overlap a step with gRPC I/O in another thread.
+`nogil=True` lets a worker overlap a step with gRPC I/O in another thread. Every kernel runs on
+the calling thread: a worker is one process per core, and numba's parallel=True is not used (its
+default threading layer aborts when several threads call in at once; see pserver.optim).
 """
 
 from __future__ import annotations
