@@ -140,8 +140,8 @@ def test_ssp_never_lets_a_clock_run_more_than_s_ahead_of_the_slowest(staleness):
             with lock:                    # others' clocks only grow after the grant
                 gaps.append(c - min(done))
             time.sleep(rnd.random() * 0.004 * (1 + 3 * (r == 0)))   # rank 0 is slow
-            push(shard, r, shard.store.version, np.ones(size, np.float32), clock=c)
-            with lock:
+            with lock:                    # the push and its record at once: `done` never lags the shard
+                push(shard, r, shard.store.version, np.ones(size, np.float32), clock=c)
                 done[r] = c + 1
         shard.leave(r)
 
