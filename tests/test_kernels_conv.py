@@ -177,6 +177,16 @@ def test_pooling_ties_and_nan(k):
 
 
 @pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
+def test_conv_relu_keeps_nan(k):
+    # A diverged run must stay visibly non-finite (the shard rejects it), not be masked to 0.
+    x = np.full((1, 2, 2, 1), np.nan, np.float32)
+    out = np.empty((1, 1, 1, 2), np.float32)
+    k.conv2d_forward(x, np.ones((2, 2, 1, 2), np.float32), np.zeros(2, np.float32), out, 1, 1, 0, 0,
+                     True)
+    assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
 def test_windows_wholly_in_padding(k):
     # Only a caller's own padding can do this ('same' never does): 0 out, no gradient back.
     x = np.ones((1, 1, 1, 1), np.float32)
