@@ -94,7 +94,7 @@ def train(args, cluster: dict) -> dict:
         from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
     x, y = mnist(args.data_dir, "train")
 
-    def dataset_fn(_):
+    def dataset_fn():
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(60000, seed=args.seed).repeat()
         return ds.batch(args.batch_size, drop_remainder=True).prefetch(4)
 
@@ -124,7 +124,7 @@ def train(args, cluster: dict) -> dict:
     accuracy = float(np.mean(np.argmax(model.predict(x_test, batch_size=1000, verbose=0), 1) == y_test))
     return {"framework": f"tensorflow {tf.__version__} ParameterServerStrategy",
             "num_ps": args.ps, "num_workers": args.workers, "batch_size": args.batch_size,
-            "steps": args.steps, "seconds": round(seconds, 3),
+            "samples": args.steps * args.batch_size, "seconds": round(seconds, 3),
             "train_samples_per_second": args.steps * args.batch_size / seconds,
             "test_accuracy_after": accuracy, "cpus": os.cpu_count(), "machine": platform.processor()}
 
@@ -143,7 +143,8 @@ def run_pserver(args) -> dict:
         with open(path) as f:
             s = json.load(f)
     return {"framework": "pserver", "num_ps": args.ps, "num_workers": args.workers,
-            "batch_size": args.batch_size, "steps": s["steps"], "seconds": s["wall_seconds"],
+            "batch_size": args.batch_size, "seconds": s["wall_seconds"],
+            "samples": round(s["train_samples_per_second"] * s["wall_seconds"]),
             "train_samples_per_second": s["train_samples_per_second"],
             "test_accuracy_after": s["test_accuracy"]}
 
@@ -180,7 +181,7 @@ def main() -> None:
     print(json.dumps(results, indent=2))
     for r in results:
         print(f"{r['framework']:>50}: {r['train_samples_per_second']:>8,.0f} samples/s "
-              f"({r['steps']} steps of {r['batch_size']} in {r['seconds']:.1f} s; "
+              f"({r['samples']:,} samples in {r['seconds']:.1f} s, batch {r['batch_size']} per worker; "
               f"test accuracy after {r['test_accuracy_after']:.4f})")
     if args.json:
         with open(args.json, "w") as f:
