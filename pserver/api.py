@@ -65,6 +65,9 @@ def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_work
     device, ...). Returns the run summary on the chief (rank 0), None on the others.
     """
     if isinstance(ps, int) and not isinstance(ps, bool):
+        if (rank, num_workers) != (0, 1):
+            raise ConfigError(f"rank={rank}, num_workers={num_workers}: shards started by train "
+                              "(ps=N) serve this one worker; for more, start them with serve()")
         return _train_on_own_shards(model, x, y, ps, validation_data, options)
     _check_options(options, WorkerConfig, "a worker option; shards at addresses have their own "
                                           "settings (pserver serve --mode, --optimizer, --lr)")
@@ -88,8 +91,7 @@ def _train_on_own_shards(model, x, y, num_shards, validation_data, options) -> d
                                                              "num_workers"}
     shard_opts = {k: options.pop(k) for k in list(options) if k in shard_fields}
     _check_options(options, WorkerConfig, "neither a worker nor a shard option")
-    cfg_seed = options.get("seed", 0)
-    data = _data(x, y, validation_data, cfg_seed)
+    data = _data(x, y, validation_data, options.get("seed", 0))
     with contextlib.ExitStack() as stack:
         shards = [stack.enter_context(serve(shard=j, num_shards=num_shards, num_workers=1,
                                             **shard_opts)) for j in range(num_shards)]
@@ -98,7 +100,7 @@ def _train_on_own_shards(model, x, y, num_shards, validation_data, options) -> d
 
 
 def _check_options(options: dict, config, why: str) -> None:
-    unknown = sorted(set(options) - set(config.__dataclass_fields__) - {"ps", "rank", "num_workers"})
+    unknown = sorted(set(options) - set(config.__dataclass_fields__))
     if unknown:
         raise ConfigError(f"{unknown[0]}: not an option here ({why})")
 
