@@ -399,7 +399,8 @@ def render_cnn(rows: list[dict]) -> str:
             continue
         torch_row = next((b for b in rows if b["size"] == r["size"] and b["backend"] == "torch"
                           and "seconds" in b), None)
-        ratios = [f"{torch_row[k] / r[k]:.2f}x" if torch_row else "-" for k in ("seconds", "cpu_seconds")]
+        ratios = [f"{torch_row[k] / r[k]:.2f}x" if torch_row else "-"
+                  for k in ("seconds", "cpu_seconds")]
         out.append([str(r["size"]), r["backend"], f"{r['seconds'] * 1e3:.3f}",
                     f"{r['cpu_seconds'] * 1e3:.3f}", f"{r['samples_per_second']:,.0f}", *ratios,
                     str(r["runs"])])

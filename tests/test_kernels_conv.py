@@ -344,7 +344,8 @@ def test_dropout_keeps_one_minus_rate_and_preserves_the_mean(rate):
     assert abs(out.mean() - 3.0) < 5 * 3.0 * sd / (1 - rate)   # E[out] == x
     other = np.empty_like(mask)
     cpu.dropout_forward(x, out, other, rate, 43)
-    assert abs((mask > 0).astype(float) @ (other > 0) / n - (1 - rate) ** 2) < 5 * sd  # seeds independent
+    both = (mask > 0).astype(float) @ (other > 0) / n
+    assert abs(both - (1 - rate) ** 2) < 5 * sd   # two seeds' masks are independent
 
 
 def test_dropout_rate_zero_keeps_everything():
@@ -392,7 +393,8 @@ def small_geometry():
 @given(small_geometry(), seeds)
 def test_conv2d_backward_is_the_gradient(g, seed):
     rng = np.random.default_rng(seed)
-    x, w = rng.standard_normal((g["n"], g["h"], g["w"], g["c"])), rng.standard_normal((g["kh"], g["kw"], g["c"], g["f"]))
+    x = rng.standard_normal((g["n"], g["h"], g["w"], g["c"]))
+    w = rng.standard_normal((g["kh"], g["kw"], g["c"], g["f"]))
     b = rng.standard_normal(g["f"])
     out = np.empty((g["n"], g["oh"], g["ow"], g["f"]))
 
@@ -412,7 +414,8 @@ def test_conv2d_backward_is_the_gradient(g, seed):
 def test_pooling_backward_is_the_gradient(g, seed, use_max):
     rng = np.random.default_rng(seed)
     # Distinct values, far apart next to eps: no tie, so max pooling is differentiable here.
-    x = rng.permutation(g["n"] * g["h"] * g["w"] * g["c"]).reshape(g["n"], g["h"], g["w"], g["c"]) * 0.1
+    in_shape = (g["n"], g["h"], g["w"], g["c"])
+    x = rng.permutation(np.prod(in_shape)).reshape(in_shape) * 0.1
     shape, pool = (g["n"], g["oh"], g["ow"], g["c"]), (g["kh"], g["kw"])
     out, arg = np.empty(shape), np.empty(shape, np.int32)
 

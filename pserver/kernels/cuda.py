@@ -773,7 +773,8 @@ def avgpool2d_backward(dy, dx, pool_h, pool_w, stride_h, stride_w, pad_top, pad_
 
 def _activation_code(kind) -> int:
     if kind not in ACTIVATION_CODES:
-        raise ValueError(f"activation: unknown kind {kind!r}; choose one of {', '.join(ACTIVATION_CODES)}")
+        raise ValueError(f"activation: unknown kind {kind!r}; "
+                         f"choose one of {', '.join(ACTIVATION_CODES)}")
     return ACTIVATION_CODES[kind]
 
 
