@@ -42,6 +42,10 @@ def make_model(name: str, input_shape, num_classes: int, *,
         model = load_model(name, shape, num_classes)
     else:
         model = _builtin(name, shape, num_classes, hidden)
+        try:
+            model.build()
+        except ConfigError as e:   # a cnn on flat data, say: the flag and the dataset's shape
+            raise ConfigError(f"--model {name} for inputs of shape {shape}: {e}") from None
     return on_device(model, backend)
 
 
@@ -68,22 +72,23 @@ def check_model_spec(spec: str) -> None:
 
 
 def _builtin(name, shape, num_classes, hidden) -> Sequential:
+    """The definition, not yet built (make_model builds it, naming the flag in errors)."""
     check_model_spec(name)
     flat = (math.prod(shape),)
     if name == "linreg":
-        return linreg(flat).build()
+        return linreg(flat)
     _check_positive("number of classes", num_classes)
     if num_classes < 2:
         raise ConfigError(f"{name} needs at least 2 classes, got {num_classes}")
     if name == "logreg":
-        return logreg(flat, num_classes).build()
+        return logreg(flat, num_classes)
     if name == "cnn":
-        return cnn(shape, num_classes).build()
+        return cnn(shape, num_classes)
     hidden = tuple(hidden)
     if not hidden or not all(_is_positive_int(h) for h in hidden):
         raise ConfigError(f"--hidden: layer widths must be positive integers, got "
                           f"{','.join(map(str, hidden)) or 'nothing'}")
-    return mlp(flat, num_classes, hidden=tuple(int(h) for h in hidden)).build()
+    return mlp(flat, num_classes, hidden=tuple(int(h) for h in hidden))
 
 
 def _input_shape(input_shape) -> tuple[int, ...]:
