@@ -22,15 +22,9 @@ from pserver.modes import Outcome
 from pserver.server import checkpoint
 from pserver.server.shard import Shard
 from tests.test_modes import fill_with, make_cluster
-from tests.test_modes_async import heartbeats, one_shard, push
+from tests.test_modes_async import compiled, heartbeats, one_shard, push  # noqa: F401 - compiled: autouse
 
 ONES = np.ones(4, np.float32)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def compiled():
-    """Load the numba kernels once, so no short --step-timeout runs out while one loads."""
-    push(one_shard(4, 1, mode="sync", optimizer="sgd", lr=1.0), 0, 0, ONES)
 
 
 def counters(shard) -> dict:

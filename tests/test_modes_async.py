@@ -18,6 +18,13 @@ from pserver.optim import make_optimizer
 from tests.test_modes import SETTINGS, fill_with, make_cluster
 
 
+@pytest.fixture(autouse=True, scope="module")
+def compiled():
+    """Load the numba kernels once, before any test whose short --step-timeout starts
+    counting while the first push loads them."""
+    push(one_shard(4, 1, mode="sync", optimizer="sgd", lr=1.0), 0, 0, np.ones(4, np.float32))
+
+
 def one_shard(size, num_workers, w0=None, **cfg):
     w0 = np.zeros(size, np.float32) if w0 is None else w0
     return make_cluster(Layout.of([("w", (size,))]), w0, 1, num_workers, **cfg)[0]
@@ -192,7 +199,7 @@ def heartbeats(shard, rank, every=0.05):
 
 
 def test_sync_step_timeout_marks_the_missing_worker_dead_and_goes_on():
-    shard = one_shard(4, 3, mode="sync", optimizer="sgd", lr=1.0, step_timeout=0.3)
+    shard = one_shard(4, 3, mode="sync", optimizer="sgd", lr=1.0, step_timeout=0.5)
     push(shard, 0, 0, np.ones(4, np.float32))
     push(shard, 1, 0, np.ones(4, np.float32))
     with heartbeats(shard, 1):                             # worker 1 is alive, just waiting
