@@ -100,21 +100,22 @@ class ShardClient:
                               f"(is `pserver serve` running there, the address right, {tls}?)") from None
 
     # --- riding out restarts ----------------------------------------------------------
-    def resilient(self, op: Callable[[], T], retry_for: float, waits: bool = False) -> T:
+    def resilient(self, op: Callable[[], T], retry_for: float, waits: float = 0.0) -> T:
         """Run op; on UNAVAILABLE retry with exponential backoff and jitter for up to
         `retry_for` seconds, re-registering with a shard that came back; then fail with one
         line naming the shard. RESOURCE_EXHAUSTED (the shard is at a bound, server/limits.py)
-        is retried the same way, and so is DEADLINE_EXCEEDED for a call that `waits` (a pull
-        whose wait ran out on the shard: what it waits for may still come)."""
+        is retried the same way, and DEADLINE_EXCEEDED for `waits` seconds more in a call
+        that waits (a pull whose wait ran out on the shard: what it waits for may still come)."""
         deadline, delay, rejoins = time.monotonic() + retry_for, 0.05, 0
         retried = (Unavailable, ResourceExhausted) + ((DeadlineExceeded,) if waits else ())
         while True:
             try:
                 return op()
             except retried as e:
-                if time.monotonic() + delay > deadline:
+                extra = waits if isinstance(e, DeadlineExceeded) else 0.0
+                if time.monotonic() + delay > deadline + extra:
                     raise type(e)(f"{self.label}: {e.code_name.lower().replace('_', ' ')} for "
-                                  f"{retry_for:g} s despite retries (--rpc-deadline); last error: {e}") from None
+                                  f"{retry_for + extra:g} s despite retries (--rpc-deadline); last error: {e}") from None
                 if isinstance(e, Unavailable):
                     self._drop_fast()
                 time.sleep(delay * random.uniform(0.5, 1.5))
@@ -217,7 +218,7 @@ class ShardClient:
         # A pull may legitimately wait for a slow worker until the shard gives up on it
         # (--step-timeout, which the shard told us as the session timeout): an attempt that
         # the shard answers DEADLINE_EXCEEDED is tried again for that long on top.
-        return self.resilient(attempt, timeout + 2 * self.session_timeout, waits=True)
+        return self.resilient(attempt, timeout, waits=2 * self.session_timeout)
 
     def _pull_once(self, flat, rank, seen_version, clock, timeout) -> tuple[int, bool]:
         if self.fast is not None:

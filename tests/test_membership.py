@@ -208,3 +208,28 @@ def test_backup_never_aggregates_fewer_than_min_n_minus_b_and_live(num_workers, 
             push(shard, r, step, ONES)
         assert shard.store.version == step + 1
         assert sizes[-1] == need, (sizes, need, live)
+
+
+def test_a_pull_whose_wait_runs_out_on_the_shard_is_tried_again(shard_server):
+    """ssp: worker 0's pull waits for a slow worker 1 longer than --rpc-deadline but less
+    than the shard's --step-timeout. The pull's DEADLINE_EXCEEDED killed the worker; it is
+    tried again while the shard may still end the wait (2 x --step-timeout)."""
+    from pserver.client import PSClient
+    addr, shard = shard_server(mode="ssp", staleness=0, optimizer="sgd", lr=0.1, step_timeout=4.0)
+    layout = Layout.of([("w", (4,))])
+    fast, slow = (PSClient([addr], rank=r, num_workers=2, rpc_deadline=1.5, data_plane="grpc") for r in (0, 1))
+    for c in (fast, slow):
+        c.connect(5)
+        c.register(layout)
+    fast.init(np.zeros(4, np.float32))
+    w = np.empty(4, np.float32)
+    for c in (fast, slow):
+        c.pull(w)
+    fast.push(ONES, 1, clock=0)
+    threading.Timer(2.5, lambda: slow.push(ONES, 1, clock=0)).start()
+    started = time.monotonic()
+    fast.pull(w, clock=1)                   # clock 1 - s waits for the slow worker's push
+    assert 2.0 < time.monotonic() - started < 8.0
+    assert shard.status()["counters"]["workers_marked_dead"] == 0
+    for c in (fast, slow):
+        c.close()
