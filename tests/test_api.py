@@ -73,13 +73,17 @@ def test_options_that_do_not_apply_are_named():
 
 def test_an_iterator_is_one_epoch_only():
     x, y = blobs()
-    with pserver.serve(num_workers=1) as shard, pytest.raises(DataError, match="runs out after one epoch"):
-        pserver.train(small_model(), iter([(x[:32], y[:32])]), ps=[shard.address], epochs=2, log_every=60)
+    with pserver.serve(num_workers=1) as shard, \
+            pytest.raises(DataError, match="runs out after one epoch"):
+        pserver.train(small_model(), iter([(x[:32], y[:32])]), ps=[shard.address], epochs=2,
+                      log_every=60)
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda x, y: (np.where(np.arange(len(x))[:, None] == 7, np.nan, x), y), "x has 6 non-finite values"),
-    (lambda x, y: (x[:, :5], y), r"x has shape \(\d+, 5\); layer dense \(Dense\) takes \(n >= 1, 6\)"),
+    (lambda x, y: (np.where(np.arange(len(x))[:, None] == 7, np.nan, x), y),
+     "x has 6 non-finite values"),
+    (lambda x, y: (x[:, :5], y),
+     r"x has shape \(\d+, 5\); layer dense \(Dense\) takes \(n >= 1, 6\)"),
     (lambda x, y: (x, y + 1), r"label out of range: y\[\d+\] = 2; the last layer \(layer dense_1"),
 ])
 def test_bad_data_fails_before_training(change, match):
@@ -110,7 +114,8 @@ def test_build_gets_the_keywords_its_signature_takes(tmp_path):
             seen.append(kw)
             return pserver.Sequential([Flatten(input_shape=kw["input_shape"]), Dense(3)])
         def fixed():
-            return pserver.Sequential([Flatten(input_shape=(2, 2)), Dense(4)]).compile(loss="sparse_categorical_crossentropy")
+            model = pserver.Sequential([Flatten(input_shape=(2, 2)), Dense(4)])
+            return model.compile(loss="sparse_categorical_crossentropy")
     """)
     m = load_model(f"{path}:by_name", (4, 4, 1), 5)
     assert m.layout.describe() == "dense/kernel[16, 5], dense/bias[5]"
@@ -144,11 +149,13 @@ def test_a_protocol_object_is_a_model(tmp_path):
     ("x = 1\n", "build", r"--model {p}:build: {p} has no attribute 'build'"),
     ("build = 3\n", "build", r"--model {p}:build: build is a int, not a function"),
     ("def build():\n    return [1, 2]\n", "build",
-     r"--model {p}:build: build\(\) returned a list, not a Sequential or a model \(it lacks layout, init_params"),
+     r"--model {p}:build: build\(\) returned a list, not a Sequential or a model "
+     r"\(it lacks layout, init_params"),
     ("def build():\n    raise RuntimeError('no GPU here')\n", "build",
      r"--model {p}:build: build\(\) raised RuntimeError: no GPU here"),
     ("import pserver\nfrom pserver.layers import Conv2D, Flatten, Dense\n"
-     "def build():\n    return pserver.Sequential([Conv2D(2, 9, input_shape=(4, 4, 1)), Flatten(), Dense(2)])\n",
+     "def build():\n"
+     "    return pserver.Sequential([Conv2D(2, 9, input_shape=(4, 4, 1)), Flatten(), Dense(2)])\n",
      "build", r"--model {p}:build: layer conv2d \(Conv2D\): kernel 9x9 is larger than its input \(4, 4, 1\)"),
     ("def build(:\n", "build", r"--model {p}:build: importing {p} raised SyntaxError"),
     ("", "9x", r"--model {p}:9x: expected FILE.py:FUNCTION or package.module:FUNCTION"),
@@ -160,7 +167,8 @@ def test_user_model_mistakes_are_one_config_error(tmp_path, code, attr, match):
 
 
 def test_missing_module_and_file():
-    with pytest.raises(ConfigError, match=r"--model no_such_pkg.models:build: cannot import no_such_pkg.models"):
+    with pytest.raises(ConfigError,
+                       match=r"--model no_such_pkg.models:build: cannot import no_such_pkg.models"):
         make_model("no_such_pkg.models:build", (4,), 2)
     with pytest.raises(ConfigError, match=r"--model nowhere/m.py:build: no such file nowhere/m.py"):
         make_model("nowhere/m.py:build", (4,), 2)

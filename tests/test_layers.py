@@ -37,7 +37,8 @@ def test_conv_and_pool_shapes_are_keras(h, w, c, f, k, s, padding, pool):
     oh, ow = keras_out(h, k, s, padding), keras_out(w, k, s, padding)
     conv, pooling, flat, _ = model.layers
     assert conv.output_shape == (oh, ow, f)
-    assert pooling.output_shape == (keras_out(oh, pool, pool, "same"), keras_out(ow, pool, pool, "same"), f)
+    assert pooling.output_shape == (keras_out(oh, pool, pool, "same"),
+                                    keras_out(ow, pool, pool, "same"), f)
     assert flat.output_shape == (math.prod(pooling.output_shape),)
     assert [(t.name, t.shape) for t in model.layout.tensors] == [
         ("conv2d/kernel", (k, k, c, f)), ("conv2d/bias", (f,)),
@@ -52,7 +53,8 @@ def test_keras_defaults_and_names():
     pool = MaxPooling2D()
     assert (pool.pool_size, pool.strides, pool.padding) == ((2, 2), (2, 2), "valid")
     conv = Conv2D(8, 3)
-    assert (conv.kernel_size, conv.strides, conv.padding, conv.activation) == ((3, 3), (1, 1), "valid", "linear")
+    assert (conv.kernel_size, conv.strides, conv.padding, conv.activation) == \
+        ((3, 3), (1, 1), "valid", "linear")
 
 
 def test_reference_cnn_is_the_tutorial_model():
@@ -187,15 +189,19 @@ def test_binary_metrics_accuracy_and_auc():
     (lambda: Sequential([Flatten(input_shape=(4, 4))]), "has no parameters to train"),
     (lambda: Sequential([Dense(3, input_shape=(4, 4)), Dense(2)]),
      r"layer dense \(Dense\): needs a flat \(features,\) input .* got \(4, 4\)"),
-    (lambda: Sequential([Conv2D(2, 3, input_shape=(10,))]), r"layer conv2d \(Conv2D\): needs an image"),
+    (lambda: Sequential([Conv2D(2, 3, input_shape=(10,))]),
+     r"layer conv2d \(Conv2D\): needs an image"),
     (lambda: Sequential([Dense(3)]), "no input shape"),
-    (lambda: Sequential([Dense(1, input_shape=(3,))]), "sparse_categorical_crossentropy needs at least 2 outputs"),
+    (lambda: Sequential([Dense(1, input_shape=(3,))]),
+     "sparse_categorical_crossentropy needs at least 2 outputs"),
     (lambda: Sequential([Conv2D(2, 3, input_shape=(5, 5, 1))]), r"outputs \(3, 3, 2\); end with Flatten"),
     (lambda: Sequential([Dense(0, input_shape=(3,))]), "Dense: units must be a positive integer, got 0"),
     (lambda: Sequential([Dense(2, activation="gelu", input_shape=(3,))]), "unknown activation 'gelu'"),
-    (lambda: Sequential([Conv2D(2, 3, padding="full", input_shape=(5, 5, 1))]), "padding must be 'valid' or 'same'"),
+    (lambda: Sequential([Conv2D(2, 3, padding="full", input_shape=(5, 5, 1))]),
+     "padding must be 'valid' or 'same'"),
     (lambda: Sequential([Dropout(1.0, input_shape=(3,)), Dense(2)]), r"rate must be in \[0, 1\)"),
-    (lambda: Sequential([Dense(2, input_shape=(3,), name="a"), Dense(2, name="a")]), "two layers are named 'a'"),
+    (lambda: Sequential([Dense(2, input_shape=(3,), name="a"), Dense(2, name="a")]),
+     "two layers are named 'a'"),
     (lambda: Sequential([Dense(2, input_shape=(3,))], loss="hinge"), "unknown loss 'hinge'"),
 ])
 def test_bad_models_fail_at_build(build, match):
@@ -220,7 +226,8 @@ def test_bad_data_names_the_layer_and_the_shapes():
                                         r"takes \(n >= 1, 28, 28, 1\)"):
         model.check_data(np.zeros((5, 28, 27, 1), np.float32), y, "train")
     with pytest.raises(DataError, match=r"label out of range: y\[3\] = 10; the last layer \(layer "
-                                        r"dense_1 \(Dense\)\) with sparse_categorical_crossentropy takes 0..9"):
+                                        r"dense_1 \(Dense\)\) with sparse_categorical_crossentropy "
+                                        r"takes 0..9"):
         model.check_data(np.zeros((5, 784), np.float32), np.array([0, 1, 2, 10, 4]), "train")
     x = np.zeros((5, 28, 28, 1), np.float32)
     x[2, 3, 4, 0] = np.nan

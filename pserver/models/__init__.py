@@ -110,6 +110,7 @@ def _check_positive(what: str, v) -> None:
         raise ConfigError(f"{what} must be a positive integer, got {v!r}")
 
 
-__all__ = ["MODELS", "make_model", "on_device", "check_model_spec", "Model", "Sequential", "Layout", "TensorSpec",
+__all__ = ["MODELS", "make_model", "on_device", "check_model_spec", "Model", "Sequential", "Layout",
+           "TensorSpec",
            "losses", "mlp", "logreg", "linreg", "cnn", "load_model", "protocol_gaps", "fits",
            "shaped_for"]
