@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pserver.config import ServerConfig
-from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
 from pserver.server import checkpoint
@@ -277,3 +277,40 @@ def test_a_checkpoint_writer_killed_mid_write_leaves_the_previous_checkpoint_who
     assert run.returncode == -signal.SIGXFSZ, run.stderr.decode()[-2000:]
     assert checkpoint.candidates(str(tmp_path), 0, 1) == [(1, first)]
     assert checkpoint.load_latest(str(tmp_path), 0, 1).version == 1
+
+
+# --- what mutation testing found unchecked ------------------------------------------------
+
+def test_a_dropped_push_says_why_and_its_buffer_is_reused():
+    """Fails for a dropped push whose buffer is not given back to the pool (every late push
+    then allocates a new gradient buffer) or whose reply does not say why it was dropped."""
+    shard = one_shard(4, 3, mode="backup", backup_workers=1, optimizer="sgd", lr=1.0)
+    for step in range(20):
+        for r in range(3):
+            outcome, version, message, _ = shard.push(r, 0, step, 4, "float32", 1, 0, fill_with(ONES))
+        assert outcome is Outcome.DROPPED_LATE and f"step {step} already completed" in message
+    assert len(shard.store.pool._own) <= 3, "late pushes allocated fresh buffers"
+
+
+def test_a_late_ssp_push_with_an_older_clock_does_not_move_the_clock_back():
+    """Fails for a push's clock replacing the worker's clock instead of raising it: a late
+    push with an old clock would make the others wait for pushes already done."""
+    shard = one_shard(4, 2, mode="ssp", staleness=0, optimizer="sgd", lr=1.0, step_timeout=60)
+    for clock in range(3):
+        push(shard, 0, shard.store.version, ONES, clock=clock)
+    push(shard, 0, 0, ONES, clock=0)                   # a late push, computed long ago
+    assert shard.policy.clocks[0] == 3
+    for clock in range(3):                             # worker 1 catches up without waiting
+        shard.pull(1, 0, -1, clock, timeout=5)
+        push(shard, 1, shard.store.version, ONES, clock=clock)
+
+
+def test_an_async_pull_before_init_keeps_its_deadline_and_notices_a_gone_caller():
+    """Fails for the default pull wait (async: until the chief's Init) dropping its timeout
+    (it waited forever) or its waiter (a caller that went away kept a thread)."""
+    shard = Shard(ServerConfig(mode="async", num_workers=1))
+    shard.register(0, 1, 0, 1, Layout.of([("w", (4,))]))
+    with pytest.raises(DeadlineExceeded):
+        shard.pull(0, 0, -1, 0, timeout=0.3)
+    with pytest.raises(Unavailable, match="went away"):
+        shard.pull(0, 0, -1, 0, timeout=30, alive=lambda: False)
