@@ -64,7 +64,15 @@ SERVER_FLAGS = [
     Flag("--beta2", dict(type=float, help="Adam beta2 (default 0.999)")),
     Flag("--eps", dict(type=float, help="Adam epsilon (default 1e-8)")),
     Flag("--weight-decay", dict(type=float, help="L2 coefficient (default 0)")),
-    Flag("--threads", dict(type=int, help="gRPC threads per shard (default 64)")),
+    Flag("--threads", dict(type=int, help="gRPC threads per shard (default 64, raised to 2 per "
+                                          "worker + 12): parked pulls may take 60%% of the threads "
+                                          "left after 8 kept for Status and other control calls")),
+    Flag("--max-inflight-mb", dict(type=int, help="MiB of pushed gradients a shard receives at once "
+                                                  "(default 1024); more pushes wait their turn "
+                                                  "(RESOURCE_EXHAUSTED, retried by workers)")),
+    Flag("--max-memory-mb", dict(type=int, help="MiB that a model's layout may need on this shard "
+                                                "(parameters, optimizer state, one gradient); "
+                                                "default 0: 90%% of the memory available at Register")),
     Flag("--checkpoint-dir", dict(metavar="DIR", help="write checkpoints here, atomically (checked writable at "
                                   "start; newest 3 kept; after every epoch, at the end and on SIGTERM too)")),
     Flag("--restore", dict(metavar="DIR", help="resume from the newest complete checkpoint in DIR (fresh if it has "

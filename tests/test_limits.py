@@ -236,3 +236,17 @@ def test_limits_refuse_past_each_share_and_give_slots_back():
     with lim.checkpoint_call():
         pass
     assert counters.snapshot()["requests_refused_busy"] == 2
+
+
+def test_max_memory_mb_bounds_the_layout_a_shard_accepts(shard_server):
+    """--max-memory-mb 1: a 1M-element layout (4 MiB of parameters) is refused by name."""
+    addr, shard = shard_server(max_memory_mb=1)
+    big = PSClient([addr], rpc_deadline=5, data_plane="grpc")
+    big.connect(5)
+    try:
+        big.register(Layout.of([("w", (1 << 20,))]))
+        raise AssertionError("a layout over --max-memory-mb was accepted")
+    except Exception as e:  # noqa: BLE001 - the message is the point
+        assert type(e).__name__ == "ResourceExhausted" and "--max-memory-mb" in str(e), e
+    assert shard.store.params is None
+    client(addr, 0, 1)                               # 64 elements fit
