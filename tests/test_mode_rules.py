@@ -1,26 +1,32 @@
-"""The rules of DESIGN §5 and §6 that a one-line change to pserver/modes or the shard's
-validate-and-apply path would break, driven in-process on real Shards.
+"""The rules of DESIGN §5 and §6 that a one-line change to pserver/modes, the shard's
+validate-and-apply path or its bounds (server/limits.py) would break, driven in-process
+on real Shards.
 
 Each test names in its docstring the wrong implementation it fails for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 from pserver.config import ServerConfig
-from pserver.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from pserver.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted,
+                            Unauthenticated, Unavailable)
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
 from pserver.server import checkpoint
+from pserver.server.limits import Limits
 from pserver.server.shard import Shard
+from pserver.server.store import Counters
 from tests.test_modes import fill_with, make_cluster
 from tests.test_modes_async import compiled, heartbeats, one_shard, push  # noqa: F401 - compiled: autouse
 
@@ -191,10 +197,11 @@ def test_an_ssp_clock_waiting_for_a_live_but_slow_worker_times_out():
     """Fails for the ssp step timeout never firing: the slow worker heartbeats, so its
     session stays live and only the clock's timeout can mark it dead."""
     shard = one_shard(4, 2, mode="ssp", staleness=0, optimizer="sgd", lr=1.0, step_timeout=1.0)
-    shard.pull(0, 0, -1, 0, timeout=10)
-    push(shard, 0, 0, ONES, clock=0)
+    for r in (0, 1):                                   # both at clock 1: the slowest clock is not 0
+        push(shard, r, shard.store.version, ONES, clock=0)
+    push(shard, 0, shard.store.version, ONES, clock=1)
     with heartbeats(shard, 1):
-        assert shard.pull(0, 0, -1, 1, timeout=20)[0] == 1
+        assert shard.pull(0, 0, -1, 2, timeout=20)[0] == 3
     st = shard.status()
     assert st["dead_workers"] == [1] and st["counters"]["workers_marked_dead"] == 1
 
@@ -281,6 +288,13 @@ def test_a_checkpoint_writer_killed_mid_write_leaves_the_previous_checkpoint_who
 
 # --- what mutation testing found unchecked ------------------------------------------------
 
+def every_buffer_back(shard) -> bool:
+    """With no gradient pending, every buffer the pool ever handed out is free again (a
+    count of buffers made would not do: a leaked buffer's id is reused by the next one)."""
+    pool = shard.store.pool
+    return len(pool._free) == len(pool._own)
+
+
 def test_a_dropped_push_says_why_and_its_buffer_is_reused():
     """Fails for a dropped push whose buffer is not given back to the pool (every late push
     then allocates a new gradient buffer) or whose reply does not say why it was dropped."""
@@ -289,20 +303,65 @@ def test_a_dropped_push_says_why_and_its_buffer_is_reused():
         for r in range(3):
             outcome, version, message, _ = shard.push(r, 0, step, 4, "float32", 1, 0, fill_with(ONES))
         assert outcome is Outcome.DROPPED_LATE and f"step {step} already completed" in message
-    assert len(shard.store.pool._own) <= 3, "late pushes allocated fresh buffers"
+        assert every_buffer_back(shard), "a late push kept its buffer from the pool"
 
 
-def test_a_late_ssp_push_with_an_older_clock_does_not_move_the_clock_back():
-    """Fails for a push's clock replacing the worker's clock instead of raising it: a late
-    push with an old clock would make the others wait for pushes already done."""
+def test_an_applied_async_push_reuses_its_buffer_and_counts_its_samples():
+    """Fails for an async push that keeps its buffer from the pool, counts one sample per
+    push instead of num_samples, or answers with a message (applied needs none)."""
+    shard = one_shard(4, 1, mode="async", optimizer="sgd", lr=1.0)
+    for step in range(10):
+        outcome, _, message, _ = shard.push(0, 0, step, 4, "float32", 7, step, fill_with(ONES))
+        assert (outcome, message) == (Outcome.APPLIED, "")
+        assert every_buffer_back(shard)
+    assert counters(shard)["samples_pushed"] == 70
+
+
+def test_a_backup_run_that_cannot_finish_uncounts_the_held_gradients():
+    """Fails for the end of a backup run counting its held gradients as aggregated twice
+    (+dropped instead of -dropped) or keeping their buffers."""
+    shard = one_shard(4, 3, mode="backup", backup_workers=1, optimizer="sgd", lr=1.0)
+    push(shard, 0, 0, ONES)
+    shard.leave(1)
+    shard.leave(2)                                     # 1 unfinished worker, the quorum is 2
+    c = counters(shard)
+    assert (c["pushes_aggregated"], c["pushes_dropped_late"]) == (0, 1) and shard.policy.finished
+    assert every_buffer_back(shard)
+    push(shard, 0, 0, ONES)                            # dropped: the run is over
+    assert every_buffer_back(shard)
+
+
+def test_an_ssp_pull_at_clock_1_after_a_restart_proves_one_push():
+    """Fails for a missing clock counted as 1 rather than 0 when a pull proves its pushes:
+    two workers each showing clock 1 (s = 0) then wait for each other for ever."""
+    shard = one_shard(4, 2, mode="ssp", staleness=0, optimizer="sgd", lr=1.0, step_timeout=60)
+    shard.store.clocks.clear()                         # as after a restart without clocks
+    waiting = pull_in_thread(shard, 1, clock=1)
+    assert shard.pull(0, 0, -1, 1, timeout=10)[0] == 0
+    waiting.join(10)
+    assert waiting.result == 0
+
+
+def test_a_left_ssp_worker_that_is_the_last_never_waits():
+    """Fails for the 'no live worker' clock being small: a pull with no live worker to wait
+    for must not block (ssp with every worker gone)."""
+    shard = one_shard(4, 1, mode="ssp", staleness=0, optimizer="sgd", lr=1.0, step_timeout=60)
+    shard.leave(0)
+    assert shard.pull(0, 0, -1, 5, timeout=5)[0] == 0
+
+
+def test_a_late_ssp_push_or_pull_with_an_older_clock_does_not_move_the_clock_back():
+    """Fails for a push's or a pull's clock replacing the worker's clock instead of raising
+    it: a late call with an old clock made the others wait for pushes already done."""
     shard = one_shard(4, 2, mode="ssp", staleness=0, optimizer="sgd", lr=1.0, step_timeout=60)
     for clock in range(3):
         push(shard, 0, shard.store.version, ONES, clock=clock)
     push(shard, 0, 0, ONES, clock=0)                   # a late push, computed long ago
-    assert shard.policy.clocks[0] == 3
     for clock in range(3):                             # worker 1 catches up without waiting
         shard.pull(1, 0, -1, clock, timeout=5)
         push(shard, 1, shard.store.version, ONES, clock=clock)
+    shard.pull(0, 0, -1, 1, timeout=5)                 # a late pull (a retry) of worker 0
+    shard.pull(1, 0, -1, 3, timeout=5)                 # worker 0's 3 pushes still count
 
 
 def test_an_async_pull_before_init_keeps_its_deadline_and_notices_a_gone_caller():
@@ -314,3 +373,63 @@ def test_an_async_pull_before_init_keeps_its_deadline_and_notices_a_gone_caller(
         shard.pull(0, 0, -1, 0, timeout=0.3)
     with pytest.raises(Unavailable, match="went away"):
         shard.pull(0, 0, -1, 0, timeout=30, alive=lambda: False)
+
+
+class PullThread:
+    """A pull that may wait, in a thread; `result` is its version (or the exception it raised)."""
+
+    def __init__(self, shard, rank: int, clock: int) -> None:
+        self.result = None
+        self.thread = threading.Thread(target=self._run, args=(shard, rank, clock), daemon=True)
+        self.thread.start()
+
+    def _run(self, shard, rank, clock):
+        try:
+            self.result = shard.pull(rank, 0, -1, clock, timeout=10)[0]
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            self.result = e
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+
+def pull_in_thread(shard, rank: int, clock: int) -> PullThread:
+    return PullThread(shard, rank, clock)
+
+
+# --- the shard's other calls --------------------------------------------------------------
+
+def test_control_calls_check_the_session_and_report_the_shard():
+    """Fails for Heartbeat, Leave or Checkpoint not checking the caller's session, for a
+    Checkpoint without a directory failing or naming a file, for Status fields left out,
+    and for close() not ending waits."""
+    shard = Shard(ServerConfig(mode="sync", num_workers=1, shard=1, num_shards=2))
+    session = shard.register(0, 1, 1, 2, Layout.of([("w", (8,))])).session
+    for call in (shard.heartbeat, shard.leave, shard.checkpoint):
+        with pytest.raises(Unauthenticated, match="session"):
+            call(0, "not-" + session)
+    shard.init(0, shard.store.signature, 4, "float32", fill_with(ONES), session=session)
+    assert shard.checkpoint(0, session) == ("", 0)
+    assert shard.heartbeat(0, session) == 0
+    st = shard.status()
+    assert (st["shard"], st["num_shards"], st["mode"], st["num_params"]) == (1, 2, "sync", 4)
+    shard.close()
+    with pytest.raises(Unavailable, match="shutting down"):
+        shard.pull(0, 1, 0, 1, timeout=5, session=session)   # waits for version 1
+
+
+def test_limits_refuse_the_first_call_past_each_bound():
+    """Fails for a bound off by one: the pull share admitting one more parked pull than
+    max_pulls, or a byte bound that allows two streams when one fills --max-inflight-mb."""
+    lim = Limits(24, 10 << 20, 1.0, Counters())
+    with contextlib.ExitStack() as stack:
+        for rank in range(lim.max_pulls):              # one each: the per-worker bound is not hit
+            stack.enter_context(lim.waiting(rank, lambda: True)).park()
+        with pytest.raises(ResourceExhausted, match=f"the bound is {lim.max_pulls}"):
+            with lim.waiting(lim.max_pulls, lambda: True) as extra:
+                extra.park()
+    assert lim.stream_slots(8 << 20) == 1
+    with lim.stream(lambda: None, 8 << 20):
+        with pytest.raises(ResourceExhausted, match="the bound is 1"):
+            with lim.stream(lambda: None, 8 << 20):
+                pass
