@@ -90,6 +90,7 @@ def test_a_backup_push_for_a_future_step_is_rejected_not_dropped(ahead):
         push(shard, 0, ahead, ONES[:2])
     c = counters(shard)
     assert (c["pushes_rejected"], c["pushes_dropped_late"], c["pushes_aggregated"]) == (1, 0, 0)
+    assert every_buffer_back(shard), "a rejected push kept its buffer"
     push(shard, 0, 0, ONES[:2])
     push(shard, 1, 0, ONES[:2])                        # step 0 completes with 2 of 3
     assert push(shard, 2, 0, ONES[:2]) is Outcome.DROPPED_LATE   # a past step is late
@@ -237,6 +238,7 @@ def test_a_gradient_with_a_non_finite_last_element_is_rejected(value, size, via)
         with pytest.raises(InvalidArgument, match=f"non-finite.* element {size + where} "):
             shard.push(0, 1, 0, size, "float32", 1, 0, fills(g)[via])
     assert shard.store.version == 0 and not shard.store.params.any()
+    assert every_buffer_back(shard), "a refused gradient kept its buffer"
     good = np.arange(1, size + 1, dtype=np.float32)
     shard.push(0, 1, 0, size, "float32", 1, 0, fills(good)[via])
     assert shard.store.params.tobytes() == (-good).tobytes()       # every element applied
@@ -327,7 +329,8 @@ def test_a_backup_run_that_cannot_finish_uncounts_the_held_gradients():
     c = counters(shard)
     assert (c["pushes_aggregated"], c["pushes_dropped_late"]) == (0, 1) and shard.policy.finished
     assert every_buffer_back(shard)
-    push(shard, 0, 0, ONES)                            # dropped: the run is over
+    outcome, _, message, finished = shard.push(0, 0, 0, 4, "float32", 1, 0, fill_with(ONES))
+    assert (outcome, message, finished) == (Outcome.DROPPED_LATE, "the run is over on this shard", True)
     assert every_buffer_back(shard)
 
 
@@ -403,16 +406,30 @@ def test_control_calls_check_the_session_and_report_the_shard():
     """Fails for Heartbeat, Leave or Checkpoint not checking the caller's session, for a
     Checkpoint without a directory failing or naming a file, for Status fields left out,
     and for close() not ending waits."""
-    shard = Shard(ServerConfig(mode="sync", num_workers=1, shard=1, num_shards=2))
+    shard = Shard(ServerConfig(mode="sync", num_workers=1, shard=1, num_shards=2, lr=0.5))
     session = shard.register(0, 1, 1, 2, Layout.of([("w", (8,))])).session
-    for call in (shard.heartbeat, shard.leave, shard.checkpoint):
+    wrong = "not-" + session
+    calls = [lambda: shard.heartbeat(0, wrong), lambda: shard.leave(0, wrong),
+             lambda: shard.checkpoint(0, wrong),
+             lambda: shard.init(0, shard.store.signature, 4, "float32", fill_with(ONES), session=wrong)]
+    for call in calls:
         with pytest.raises(Unauthenticated, match="session"):
-            call(0, "not-" + session)
-    shard.init(0, shard.store.signature, 4, "float32", fill_with(ONES), session=session)
+            call()
+    assert shard.init(0, shard.store.signature, 4, "float32", fill_with(ONES), session=session) == (False, 0)
+    assert shard.init(0, shard.store.signature, 4, "float32", fill_with(ONES), session=session) == (True, 0)
+    for call in (lambda: shard.pull(0, 1, -1, 0, timeout=5, session=wrong),
+                 lambda: shard.push(0, 1, 0, 4, "float32", 1, 0, fill_with(ONES), session=wrong)):
+        with pytest.raises(Unauthenticated, match="session"):
+            call()
     assert shard.checkpoint(0, session) == ("", 0)
     assert shard.heartbeat(0, session) == 0
     st = shard.status()
-    assert (st["shard"], st["num_shards"], st["mode"], st["num_params"]) == (1, 2, "sync", 4)
+    assert {k: st[k] for k in ("shard", "num_shards", "mode", "num_params", "total_params", "num_workers",
+                               "optimizer", "lr", "version")} == dict(
+        shard=1, num_shards=2, mode="sync", num_params=4, total_params=8, num_workers=1,
+        optimizer="sgd", lr=0.5, version=0)
+    assert 0 <= st["uptime_seconds"] < 3600
+    assert shard.limits.max_inflight_bytes == shard.cfg.max_inflight_mb << 20
     shard.close()
     with pytest.raises(Unavailable, match="shutting down"):
         shard.pull(0, 1, 0, 1, timeout=5, session=session)   # waits for version 1
@@ -433,3 +450,36 @@ def test_limits_refuse_the_first_call_past_each_bound():
         with pytest.raises(ResourceExhausted, match="the bound is 1"):
             with lim.stream(lambda: None, 8 << 20):
                 pass
+
+
+def test_sync_replies_pull_deadlines_and_request_checks():
+    """Fails for an aggregated push answered with a message, a sync pull that ignores its
+    deadline, a heartbeat that revives a worker marked dead (only a push or pull does),
+    a seen_version ahead of version 0 accepted, num_samples = 0 refused, or a layout with
+    an empty tensor refused."""
+    shard = one_shard(4, 2, mode="sync", optimizer="sgd", lr=1.0)
+    outcome, _, message, _ = shard.push(0, 0, 0, 4, "float32", 0, 0, fill_with(ONES))
+    assert (outcome, message) == (Outcome.AGGREGATED, "")
+    with pytest.raises(InvalidArgument, match="num_samples: must be >= 0, got -1"):
+        shard.push(1, 0, 0, 4, "float32", -1, 0, fill_with(ONES))
+    with pytest.raises(DeadlineExceeded):
+        shard.pull(0, 0, 0, 1, timeout=0.3)            # worker 1 has not pushed
+    with pytest.raises(FailedPrecondition, match="seen_version: 1 is ahead"):
+        shard.pull(0, 0, 1, 1, timeout=5)
+    mark_dead(shard, [1])
+    shard.heartbeat(1)
+    assert shard.status()["dead_workers"] == [1]
+    layout = Layout.of([("w", (4,)), ("none", (0, 3))])
+    assert Shard(ServerConfig()).register(0, 1, 0, 1, layout).total_params == 4
+
+
+def test_idle_streams_are_cancelled_once_and_busy_ones_never():
+    """Fails for the idle watchdog cancelling a stream that just delivered, or cancelling
+    one idle stream again on every tick."""
+    lim = Limits(24, 10 << 20, 0.2, Counters())
+    cancelled = []
+    with lim.stream(lambda: cancelled.append("idle"), 4) as idle, lim.stream(lambda: cancelled.append("busy"), 4):
+        assert lim.cancel_idle() == 0
+        idle.last -= 1.0                               # delivered nothing for a second
+        assert lim.cancel_idle() == 1 and lim.cancel_idle() == 0
+    assert cancelled == ["idle"]
