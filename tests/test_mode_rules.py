@@ -478,7 +478,8 @@ def test_idle_streams_are_cancelled_once_and_busy_ones_never():
     one idle stream again on every tick."""
     lim = Limits(24, 10 << 20, 0.2, Counters())
     cancelled = []
-    with lim.stream(lambda: cancelled.append("idle"), 4) as idle, lim.stream(lambda: cancelled.append("busy"), 4):
+    with lim.stream(lambda: cancelled.append("idle"), 4) as idle, \
+            lim.stream(lambda: cancelled.append("busy"), 4):
         assert lim.cancel_idle() == 0
         idle.last -= 1.0                               # delivered nothing for a second
         assert lim.cancel_idle() == 1 and lim.cancel_idle() == 0
