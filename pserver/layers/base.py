@@ -9,6 +9,8 @@ Shapes exclude the batch dimension, as Keras's `input_shape` does.
 
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +34,7 @@ class Pass:
     seed: int = 0
 
 
-class Layer:
+class Layer(abc.ABC):
     """Base of every layer. Subclasses set `kind` (the Keras name prefix) and override
     `output_shape_for`, and `forward`/`backward` unless they only reshape."""
 
@@ -60,8 +62,9 @@ class Layer:
         self.output_shape = self.output_shape_for(self.input_shape)
         return self.output_shape
 
+    @abc.abstractmethod
     def output_shape_for(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
-        raise NotImplementedError
+        """This layer's output shape (without the batch) for `input_shape`."""
 
     def weights(self) -> list[Weight]:
         """The tensors this layer owns, once built (none by default)."""
@@ -71,15 +74,15 @@ class Layer:
         """Per-batch-size buffers beyond input and output (a pooling argmax, a dropout mask)."""
         return {}
 
+    @abc.abstractmethod
     def forward(self, k, p: dict, x: np.ndarray, out: np.ndarray, s: dict, run: Pass) -> None:
         """out[:] = this layer applied to x; p are the weights' views, s the scratch."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def backward(self, k, p: dict, g: dict, x: np.ndarray, out: np.ndarray, dout: np.ndarray,
                  dx: np.ndarray | None, s: dict) -> None:
         """Weight gradients into g, and dx[:] = d loss / d x unless dx is None (nothing
         before this layer needs it). dout (d loss / d out) may be overwritten."""
-        raise NotImplementedError
 
     def expect_rank(self, input_shape: tuple[int, ...], rank: int, what: str) -> None:
         if len(input_shape) != rank:
@@ -102,8 +105,9 @@ class KernelLayer(Layer):
         self.kernel_initializer = initializers.get(kernel_initializer, f"{owner}: kernel_initializer")
         self.bias_initializer = initializers.get(bias_initializer, f"{owner}: bias_initializer")
 
+    @abc.abstractmethod
     def kernel_shape(self) -> tuple[int, ...]:
-        raise NotImplementedError
+        """The kernel's shape, from the built input shape and the layer's arguments."""
 
     def weights(self):
         w = [Weight("kernel", self.kernel_shape(), self.kernel_initializer)]

@@ -7,6 +7,7 @@ fans (in, out); a conv kernel (kh, kw, c, f) has (kh*kw*c, kh*kw*f).
 
 from __future__ import annotations
 
+import abc
 import math
 
 import numpy as np
@@ -29,9 +30,10 @@ def fans(shape: tuple[int, ...]) -> tuple[int, int]:
     return shape[-2] * receptive, shape[-1] * receptive
 
 
-class Initializer:
+class Initializer(abc.ABC):
+    @abc.abstractmethod
     def __call__(self, rng: np.random.Generator, out: np.ndarray) -> None:
-        raise NotImplementedError
+        """Fill `out` in place with initial values drawn from `rng`."""
 
 
 class Zeros(Initializer):

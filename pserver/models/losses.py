@@ -6,12 +6,14 @@ over the batch. `task` says what labels it takes: integer classes, or float targ
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from pserver.errors import ConfigError
 
 
-class Loss:
+class Loss(abc.ABC):
     name = "loss"
     task = "classification"
 
@@ -21,8 +23,9 @@ class Loss:
     def label_dtype(self, dtype) -> np.dtype:
         return np.dtype(np.int32)
 
+    @abc.abstractmethod
     def __call__(self, k, out: np.ndarray, y: np.ndarray, dout: np.ndarray) -> float:
-        raise NotImplementedError
+        """Mean loss of `out` against `y` over the batch; its gradient into `dout` (kernels `k`)."""
 
 
 class _FromLogits(Loss):
