@@ -18,7 +18,6 @@ class SSPPolicy(AsyncPolicy):
 
     def __init__(self, store, cfg) -> None:
         super().__init__(store, cfg)
-        self.clocks = store.clocks             # the store checkpoints and restores them
         self.watch = StepWatch(cfg.step_timeout)
 
     def pushed(self, rank, clock):
