@@ -17,7 +17,7 @@ from typing import Callable, Sequence, TypeVar
 import grpc
 import numpy as np
 
-from pserver import codec, dataplane
+from pserver import codec, dataplane, sparse
 from pserver.security import ClientSecurity
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
@@ -31,6 +31,7 @@ T = TypeVar("T")
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 2000)]
 WAIT_NOTICE_EVERY = 10.0   # seconds between "still waiting" lines
+MAX_IDS_PER_PULL = 1 << 18  # ids per PullRows request: 2 MiB, well under gRPC's 4 MiB message limit
 OUTCOMES = {pb.PushReply.APPLIED: "applied", pb.PushReply.AGGREGATED: "aggregated",
             pb.PushReply.DROPPED_LATE: "dropped_late"}
 
@@ -71,6 +72,9 @@ class ShardClient:
         self.pull_call = self.channel.unary_stream(service + "Pull",
                                                    request_serializer=pb.PullRequest.SerializeToString,
                                                    response_deserializer=codec.parse_chunk)
+        self.pull_rows_call = self.channel.unary_stream(service + "PullRows",
+                                                        request_serializer=pb.PullRowsRequest.SerializeToString,
+                                                        response_deserializer=codec.parse_chunk)
         self.info: ShardInfo | None = None
         self.fast: dataplane.DataPlaneChannel | None = None   # same-host shared memory
         self._joined: tuple | None = None       # Register's arguments, to join a restarted shard
@@ -176,7 +180,8 @@ class ShardClient:
         req = pb.RegisterRequest(rank=rank, num_workers=num_workers, shard=self.index,
                                  num_shards=num_shards, batch_size=batch_size,
                                  protocol_version=codec.PROTOCOL_VERSION,
-                                 layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors])
+                                 layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors],
+                                 tables=[codec.table_spec(t) for t in layout.tables])
         r = self.call(self.stub.Register, req, timeout=timeout)
         self.info = ShardInfo(r.mode, r.version, r.initialized, r.range_start, r.range_end,
                               r.total_params, r.layout_signature, r.optimizer, r.lr, r.dataplane, r.host_id)
@@ -237,18 +242,43 @@ class ShardClient:
 
         return self.call(run)
 
-    def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
-             timeout: float) -> tuple[str, int, bool]:
-        return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout), timeout)
+    def pull_rows(self, rank: int, table: str, ids: np.ndarray, out: np.ndarray, timeout: float) -> None:
+        """Rows of `table` for `ids` (uint64, all on this shard) into `out` (len(ids), dim)."""
+        for a in range(0, ids.size, MAX_IDS_PER_PULL):
+            b = min(a + MAX_IDS_PER_PULL, ids.size)
+            self.resilient(lambda: self._pull_rows_once(rank, table, ids[a:b], out[a:b], timeout), timeout)
 
-    def _push_once(self, grad, rank, step, num_samples, clock, timeout) -> tuple[str, int, bool]:
-        if self.fast is not None:
+    def _pull_rows_once(self, rank, table, ids, out, timeout) -> None:
+        req = pb.PullRowsRequest(rank=rank, shard=self.index, session=self.session, table=table,
+                                 ids=np.ascontiguousarray(ids, dtype="<u8").tobytes())
+
+        def run() -> None:
+            chunks = iter(self.pull_rows_call(req, timeout=timeout))
+            header = codec.read_header(chunks)
+            if header.num_elements != out.size:
+                raise InvalidArgument(f"num_elements: shard sent {header.num_elements} row values, "
+                                      f"expected {out.size}")
+            codec.receive_into(out, chunks)
+
+        self.call(run)
+
+    def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
+             timeout: float, rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()) -> tuple[str, int, bool]:
+        """This shard's slice of `grad`, and `rows`: (table, unique ids on this shard, their
+        gradients) for each sparse table, in one push."""
+        return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows),
+                              timeout)
+
+    def _push_once(self, grad, rank, step, num_samples, clock, timeout, rows=()) -> tuple[str, int, bool]:
+        if self.fast is not None and not rows:
             outcome, version, finished = self.fast.push(grad[self.info.start:self.info.end], step,
                                                         num_samples, clock, timeout)
             return OUTCOMES.get(outcome, "unknown"), version, finished
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
-                                 clock=clock, session=self.session)
-        stream = codec.encode(header, grad[self.info.start:self.info.end], self.chunk_bytes)
+                                 clock=clock, session=self.session,
+                                 sparse=[pb.SparsePart(table=t, num_ids=ids.size) for t, ids, _ in rows])
+        arrays = [grad[self.info.start:self.info.end]] + [a for _, ids, g in rows for a in (ids, g)]
+        stream = codec.encode_parts(header, arrays, self.chunk_bytes)
         reply = self.call(self.push_call, stream, timeout=timeout)
         return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished
 
@@ -336,13 +366,41 @@ class PSClient:
         self.finished |= any(f for _, f in replies)
         return self.versions
 
+    def owners(self, lookups: Sequence[sparse.TableLookup]) -> list[list[np.ndarray]]:
+        """For each lookup, for each shard: the positions in lookup.uniq of the ids it holds."""
+        out = []
+        for lk in lookups:
+            owner = sparse.shard_of(lk.uniq, len(self.shards))
+            order = np.argsort(owner, kind="stable")
+            cuts = np.searchsorted(owner[order], np.arange(1, len(self.shards)))
+            out.append(np.split(order, cuts))
+        return out
+
+    def pull_rows(self, lookups: Sequence[sparse.TableLookup], tables: Sequence[str]) -> None:
+        """Fill each lookup's rows from the shards that hold them (all shards in parallel)."""
+        owners = self.owners(lookups)
+
+        def pull(s: ShardClient) -> None:
+            for lk, name, where in zip(lookups, tables, owners):
+                idx = where[s.index]
+                if idx.size:
+                    rows = np.empty((idx.size, lk.rows.shape[1]), dtype=np.float32)
+                    s.pull_rows(self.rank, name, lk.uniq[idx], rows, self.rpc_deadline)
+                    lk.rows[idx] = rows
+        self.each(pull)
+
     def push(self, grad: np.ndarray, num_samples: int, clock: int = 0,
-             steps: Sequence[int] | None = None) -> list[tuple[str, int]]:
-        """Push each shard its slice of `grad`, computed on `steps` (default: last pulled);
-        returns (outcome, version) per shard."""
+             steps: Sequence[int] | None = None, lookups: Sequence[sparse.TableLookup] = (),
+             tables: Sequence[str] = ()) -> list[tuple[str, int]]:
+        """Push each shard its slice of `grad`, and the gradients of the sparse rows it holds
+        (each lookup's grads, already summed per unique id), computed on `steps` (default:
+        last pulled); returns (outcome, version) per shard."""
         steps = self.versions if steps is None else steps
+        owners = self.owners(lookups)
+        rows = [[(name, lk.uniq[w[j]], lk.grads[w[j]]) for lk, name, w in zip(lookups, tables, owners)]
+                for j in range(len(self.shards))]
         replies = self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
-                                             self.rpc_deadline))
+                                             self.rpc_deadline, rows[s.index]))
         self.finished |= any(f for _, _, f in replies)
         return [(o, v) for o, v, _ in replies]
 

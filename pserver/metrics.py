@@ -99,6 +99,25 @@ def combine_counters(statuses: Sequence) -> dict:
     return out
 
 
+TABLE_FIELDS = ("rows", "bytes", "pending_ids", "admissions", "creations", "evictions")
+
+
+def sparse_summary(statuses: Sequence) -> dict:
+    """The sparse tables summed over shards (each holds its own rows), with the rows moved:
+    {"sparse_tables": {name: {rows, bytes, ...}}, "rows_pulled", "rows_pushed"}; {} for a
+    dense model."""
+    tables: dict[str, dict] = {}
+    for st in statuses:
+        for t in st.tables:
+            agg = tables.setdefault(t.name, dict.fromkeys(TABLE_FIELDS, 0) | {"dim": t.dim, "optimizer": t.optimizer})
+            for k in TABLE_FIELDS:
+                agg[k] += getattr(t, k)
+    if not tables:
+        return {}
+    return {"sparse_tables": tables, "rows_pulled": sum(st.counters.rows_pulled for st in statuses),
+            "rows_pushed": sum(st.counters.rows_pushed for st in statuses)}
+
+
 def format_summary(s: dict) -> str:
     acc = s.get("test_accuracy")
     metric = f"test accuracy {acc:.4f}" if acc is not None else f"test r2 {s.get('test_r2', 0):.4f}"

@@ -166,10 +166,12 @@ class Policy(ABC):
     # --- the two decisions ----------------------------------------------------------
     @abstractmethod
     def push(self, rank: int, step: int, grad: np.ndarray, clock: int,
-             samples: int = 0) -> tuple[Outcome, str]:
-        """Decide what becomes of a validated gradient. Takes ownership of `grad`: the
-        policy returns it to store.pool when done, and counts `samples` as trained once the
-        gradient is applied (never when it is dropped). Raises FailedPrecondition to reject."""
+             samples: int = 0, rows: list = ()) -> tuple[Outcome, str]:
+        """Decide what becomes of a validated gradient and the sparse rows that came with it
+        (store.RowGrads): both are applied together, or dropped together. Takes ownership of
+        `grad`: the policy returns it to store.pool when done, and counts `samples` as
+        trained once the gradient is applied (never when it is dropped). Raises
+        FailedPrecondition to reject."""
 
     def wait_pull(self, rank: int, seen_version: int, clock: int, timeout: float | None,
                   waiter=None) -> None:

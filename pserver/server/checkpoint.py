@@ -9,7 +9,8 @@ when it starts again. Loading verifies a checksum over the arrays and skips (wit
 warning) any file that does not load, falling back to the next older one; when none of a
 shard's files loads, restoring refuses rather than start fresh unasked.
 
-    shard{J}-of{S}-v{VERSION:012d}.ckpt     an .npz: params, opt.<name> arrays, meta (JSON)
+    shard{J}-of{S}-v{VERSION:012d}.ckpt     an .npz: params, opt.<name> arrays, meta (JSON), and
+                                            rows.<T>.<name> arrays of sparse table T (meta["tables"][T])
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class Checkpoint:
     params: np.ndarray
     state: dict
     clocks: dict = field(default_factory=dict)   # ssp: rank -> clock; older files have none
+    tables: list = field(default_factory=list)   # sparse tables' configs (TableConfig.to_dict())
+    rows: dict = field(default_factory=dict)     # table name -> its SparseTable.state() arrays
 
 
 def file_name(shard: int, num_shards: int, version: int) -> str:
@@ -68,7 +71,9 @@ def save(directory: str, ckpt: Checkpoint) -> str:
     An OSError (disk full, read-only or missing directory) leaves no temporary file behind."""
     os.makedirs(directory, exist_ok=True)
     arrays = {"params": ckpt.params, **{f"opt.{k}": v for k, v in ckpt.state.items()}}
-    meta = {"version": ckpt.version, "shard": ckpt.shard, "num_shards": ckpt.num_shards,
+    for i, t in enumerate(ckpt.tables):
+        arrays.update({f"rows.{i}.{k}": v for k, v in ckpt.rows[t["name"]].items()})
+    meta = {"tables": ckpt.tables,"version": ckpt.version, "shard": ckpt.shard, "num_shards": ckpt.num_shards,
             "signature": ckpt.signature, "total": ckpt.total, "start": ckpt.start, "end": ckpt.end,
             "optimizer": ckpt.optimizer, "clocks": {str(r): int(c) for r, c in ckpt.clocks.items()},
             "sha256": digest(arrays)}
@@ -133,10 +138,13 @@ def load(path: str) -> Checkpoint:
     if digest(arrays) != meta.get("sha256"):
         raise ValueError("checksum mismatch")
     state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
+    tables = meta.get("tables", [])
+    rows = {t["name"]: {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"rows.{i}.")}
+            for i, t in enumerate(tables)}
     return Checkpoint(path, meta["version"], meta["shard"], meta["num_shards"], meta["signature"],
                       meta["total"], meta["start"], meta["end"], meta["optimizer"],
                       arrays["params"], state,
-                      {int(r): int(c) for r, c in meta.get("clocks", {}).items()})
+                      {int(r): int(c) for r, c in meta.get("clocks", {}).items()}, tables, rows)
 
 
 def load_latest(directory: str, shard: int, num_shards: int,
