@@ -87,11 +87,16 @@ SERVER_FLAGS = [
 
 # Flags forwarded by `launch` to every worker: everything but rank and addresses.
 WORKER_FLAGS = [
-    Flag("--model", dict(metavar="NAME", help="mlp (default), logreg, linreg, cnn, or your own: "
+    Flag("--model", dict(metavar="NAME", help="mlp (default), logreg, linreg, cnn; on Criteo data the "
+                                              "click-through-rate models lr, fm, wide_deep, deepfm (sparse "
+                                              "embedding tables on the shards); or your own: "
                                               "FILE.py:FUNCTION or package.module:FUNCTION returning a "
                                               "pserver.Sequential")),
-    Flag("--hidden", dict(type=int_list, metavar="W,W", help="mlp hidden widths (default 256,256)")),
-    Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, or a path to a .npz with x and y")),
+    Flag("--hidden", dict(type=int_list, metavar="W,W", help="hidden widths: mlp (default 256,256), the deep "
+                                                                  "tower of wide_deep and deepfm (default 256,128)")),
+    Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, a path to a .npz with x and y, "
+                                                "criteo:PATH (a Criteo TSV file, plain or .gz) or "
+                                                "criteo-synthetic (Criteo-shaped, from a planted model)")),
     Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files")),
     Flag("--samples", dict(type=int, help="synthetic: training samples (default 60000)")),
     Flag("--test-samples", dict(type=int, help="synthetic: test samples (default 10000)")),
@@ -108,6 +113,18 @@ WORKER_FLAGS = [
     Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take (default 300)")),
     Flag("--eval-every", dict(type=float, metavar="SEC", help="chief: evaluate every SEC seconds too (accuracy against time in the summary)")),
     Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, exponential:MEAN, lognormal:MEAN,SIGMA")),
+    Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "
+                                 "sparse factor table (default 8)")),
+    Flag("--row-optimizer", dict(choices=("sgd", "adagrad", "adam", "ftrl"), help="lr, fm, wide_deep, deepfm: "
+                                 "the sparse tables' row optimizer, run on the shards on the rows a push "
+                                 "touches (default adagrad; adam is lazy: untouched rows do not step)")),
+    Flag("--row-lr", dict(type=float, help="the row optimizer's learning rate (default 0.05)")),
+    Flag("--min-count", dict(type=int, metavar="K", help="sparse tables: store an id's row only once it was "
+                             "pushed K times; until then it reads its initial value (default 0: at once)")),
+    Flag("--max-rows", dict(type=int, metavar="R", help="sparse tables: at most R rows per table per shard, "
+                            "the least recently updated evicted first (default 0: no bound)")),
+    Flag("--ttl-steps", dict(type=int, metavar="T", help="sparse tables: evict rows not updated for T steps "
+                             "(default 0: never)")),
 ]
 
 COMMON_FLAGS = [

@@ -101,7 +101,7 @@ class WorkerConfig:
     rank: int = 0                 # this worker's rank; 0 is the chief
     num_workers: int = 1          # N
     model: str = "mlp"            # mlp, logreg, linreg, cnn, or FILE.py:FUNCTION / package.module:FUNCTION
-    hidden: tuple[int, ...] = (256, 256)  # mlp hidden widths
+    hidden: tuple[int, ...] | None = None  # hidden widths: mlp (256,256), wide_deep/deepfm towers (256,128)
     dataset: str = "synthetic"    # synthetic, mnist, or a path to a .npz file
     data_dir: str | None = None   # where the mnist IDX files are
     samples: int = 60000          # synthetic: training samples
@@ -125,6 +125,13 @@ class WorkerConfig:
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     auth_token: str | None = field(default=None, repr=False)  # sent with every RPC; never shown
     tls_ca: str | None = None     # PEM CA certificate to trust: talk to the shards over TLS
+    # Sparse embedding tables of the click-through-rate models (lr, fm, wide_deep, deepfm)
+    embedding_dim: int = 8        # values per id in the factor table (fm, wide_deep, deepfm)
+    row_optimizer: str = "adagrad"  # the tables' row optimizer on the shards: sgd, adagrad, adam, ftrl
+    row_lr: float = 0.05          # its learning rate
+    min_count: int = 0            # admission: store an id once it was pushed this many times
+    max_rows: int = 0             # eviction: rows per table per shard, least recently updated out first
+    ttl_steps: int = 0            # eviction: rows not updated for this many steps
 
     def __post_init__(self) -> None:
         if not self.ps:

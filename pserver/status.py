@@ -54,4 +54,22 @@ def show_status(addresses, timeout: float, as_json: bool = False,
     print(f"cluster: {total['steps']} steps, {total['samples_trained']:,} samples; optimizer "
           f"{statuses[0].optimizer} lr {statuses[0].lr:g}; staleness histogram "
           f"{hist[:last + 1] if last >= 0 else '(no async pushes)'}; clock gap max {total['clock_gap_max']}")
+    print_tables(statuses)
     return 0
+
+
+TABLE_COLUMNS = ("table", "shard", "dim", "optimizer", "rows", "bytes", "pending_ids", "admissions",
+                 "creations", "evictions")
+
+
+def print_tables(statuses) -> None:
+    """One line per sparse table per shard: its rows and what admission and eviction did."""
+    table = [{"table": t.name, "shard": s.shard, **{k: getattr(t, k) for k in TABLE_COLUMNS[2:]}}
+             for s in statuses for t in s.tables]
+    if not table:
+        return
+    widths = [max(len(h), *(len(str(r[h])) for r in table)) for h in TABLE_COLUMNS]
+    print("sparse tables:")
+    print("  ".join(h.rjust(w) for h, w in zip(TABLE_COLUMNS, widths)))
+    for r in table:
+        print("  ".join(str(r[h]).rjust(w) for h, w in zip(TABLE_COLUMNS, widths)))

@@ -21,6 +21,7 @@ from pserver.errors import DeadlineExceeded, FailedPrecondition, PServerError
 from pserver.metrics import (EvalCurve, Progress, StepTimer, combine_counters, format_summary,
                              sparse_summary, write_json)
 from pserver.models import make_model
+from pserver.models.ctr import CTR_MODELS
 from pserver.models.layout import Layout
 from pserver.sparse import TableLookup
 from pserver.security import client_security
@@ -38,9 +39,17 @@ def build(cfg: WorkerConfig):
     ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, task=task,
                       samples=cfg.samples, test_samples=cfg.test_samples, features=cfg.features,
                       classes=cfg.classes)
-    model = make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden,
+    model = make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden, **table_options(cfg),
                        backend=device.backend)
     return device, fit_data(model, ds), model
+
+
+def table_options(cfg: WorkerConfig) -> dict:
+    """The sparse-table flags, for the models that have sparse tables."""
+    if cfg.model not in CTR_MODELS:
+        return {}
+    return dict(embedding_dim=cfg.embedding_dim, optimizer=cfg.row_optimizer, lr=cfg.row_lr,
+                min_count=cfg.min_count, max_rows=cfg.max_rows, ttl_steps=cfg.ttl_steps, seed=cfg.seed)
 
 
 def fit_data(model, ds: Dataset | Stream) -> Dataset | Stream:

@@ -64,4 +64,5 @@ class Layout:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
-        return ", ".join(f"{t.name}{list(t.shape)}" for t in self.tensors)
+        return ", ".join([f"{t.name}{list(t.shape)}" for t in self.tensors]
+                         + [f"{t.name}[ids x {t.dim}, sparse]" for t in self.tables])
