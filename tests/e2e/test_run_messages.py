@@ -1,0 +1,72 @@
+"""What a worker tells its user while a run goes wrong and recovers, and what the summary
+counts: real shard and worker processes."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from tests.e2e.conftest import wait_until
+from tests.e2e.test_training import free_port
+
+pytestmark = pytest.mark.e2e
+
+SLOW = ["--model", "logreg", "--samples", "9600", "--features", "40", "--batch-size", "32",
+        "--epochs", "3", "--delay", "fixed:0.02", "--log-every", "0.5", "--rpc-deadline", "120"]
+
+
+def serve(procs, port: int, *extra: str):
+    shard = procs("serve", "--port", str(port), "--num-workers", "2", "--optimizer", "sgd", "--lr", "0.1",
+                  *extra)
+    shard.address()
+    return shard
+
+
+def two_workers(procs, addr: str, *extra: str):
+    return [procs("worker", "--ps", addr, "--rank", str(r), "--num-workers", "2", *SLOW, *extra)
+            for r in range(2)]
+
+
+def kill_and_restart(procs, shard, port: int, away: float, *extra: str):
+    shard.popen.send_signal(signal.SIGKILL)
+    shard.popen.wait()
+    wait_until(lambda: False, away)                  # the shard stays away this long
+    return serve(procs, port, *extra)
+
+
+def test_workers_say_at_once_that_a_shard_is_gone_keep_saying_it_and_say_what_came_back(procs):
+    port = free_port()
+    shard = serve(procs, port)
+    workers = two_workers(procs, f"127.0.0.1:{port}")
+    assert wait_until(lambda: "epoch 1/3 step" in workers[0].output, 120), workers[0].output
+    kill_and_restart(procs, shard, port, 11.5)
+    for w in workers:
+        assert w.wait(240) == 0, w.output[-3000:]
+    label = f"shard 0 at 127.0.0.1:{port}"
+    for w in workers:
+        out = w.output
+        assert f"{label} unreachable, retrying for up to 120 s" in out, out
+        assert re.search(f"{label} still unreachable after 1\\d s", out), out
+        assert re.search(f"{label} is back after \\d+\\.\\d s; restarted at version 0; re-seeded from", out), out
+        assert out.index("unreachable, retrying") < out.index("still unreachable") < out.index("is back")
+    # Both workers found it empty; exactly one of them gave it its weights.
+    assert sum("re-seeded from this worker's weights" in w.output for w in workers) == 1, \
+        [w.output[-1500:] for w in workers]
+
+
+def test_a_shard_restored_from_its_checkpoint_is_named_with_that_checkpoint(procs, tmp_path):
+    port, ckpt = free_port(), tmp_path / "ckpt"
+    restore = ("--checkpoint-every", "20", "--restore", str(ckpt))
+    ckpt.mkdir()
+    shard = serve(procs, port, *restore)
+    workers = two_workers(procs, f"127.0.0.1:{port}")
+    assert wait_until(lambda: list(ckpt.glob("shard0-*.ckpt")), 120), shard.output
+    restarted = kill_and_restart(procs, shard, port, 0.5, *restore)
+    for w in workers:
+        assert w.wait(240) == 0, w.output[-3000:]
+    path = re.search(r"restored version \d+ from (\S+)", restarted.output).group(1)
+    for w in workers:
+        assert re.search(f"is back after .*; restarted at version [1-9]\\d*; restored from checkpoint {path}",
+                         w.output), w.output[-3000:]
