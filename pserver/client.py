@@ -31,6 +31,7 @@ T = TypeVar("T")
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 2000)]
 WAIT_NOTICE_EVERY = 10.0   # seconds between "still waiting" lines
+LEAVE_ON_STOP_S = 2.0      # per shard: a stopped worker's Leave must not hold up its exit
 OUTCOMES = {pb.PushReply.APPLIED: "applied", pb.PushReply.AGGREGATED: "aggregated",
             pb.PushReply.DROPPED_LATE: "dropped_late"}
 
@@ -401,6 +402,18 @@ class PSClient:
     def leave(self) -> None:
         self._stop.set()
         self.each(lambda s: s.leave(self.rank, 10.0))
+
+    def leave_on_stop(self, timeout: float = LEAVE_ON_STOP_S) -> None:
+        """Leave every shard on the way out of a stopped run, so that no step waits
+        --step-timeout for us. From this thread, one shard after another: the pool's threads
+        may be parked in a pull. Errors are ignored: the worker exits either way."""
+        self._stop.set()
+        for s in self.shards:
+            if s.session:
+                try:
+                    s.leave(self.rank, timeout)
+                except PServerError:
+                    pass
 
     def checkpoint(self) -> list[tuple[str, int]]:
         """Ask every shard to write a checkpoint now; ("", version) where it keeps none."""

@@ -22,6 +22,7 @@ from pserver.metrics import (EvalCurve, Progress, StepTimer, combine_counters, f
                              write_json)
 from pserver.models import make_model
 from pserver.security import client_security
+from pserver.signals import Stopped
 from pserver.stragglers import Delay
 
 
@@ -115,6 +116,9 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model) -> dict | None:
             say_if_chief_gone(client)
             return None
         return finish(cfg, ds, model, client, w, mode, history, started)
+    except (Stopped, KeyboardInterrupt):
+        client.leave_on_stop()                 # the others' steps stop waiting for us now
+        raise
     finally:
         client.close()
 

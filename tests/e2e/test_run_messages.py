@@ -3,12 +3,13 @@ counts: real shard and worker processes."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 
 import pytest
 
-from tests.e2e.conftest import wait_until
+from tests.e2e.conftest import read_json, run, wait_until
 from tests.e2e.test_training import free_port
 
 pytestmark = pytest.mark.e2e
@@ -70,3 +71,17 @@ def test_a_shard_restored_from_its_checkpoint_is_named_with_that_checkpoint(proc
     for w in workers:
         assert re.search(f"is back after .*; restarted at version [1-9]\\d*; restored from checkpoint {path}",
                          w.output), w.output[-3000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_worker_leaves_so_the_chief_goes_on_without_waiting_for_it(procs, tmp_path, sig):
+    shard = serve(procs, free_port(), "--step-timeout", "120")
+    summary = tmp_path / "summary.json"
+    chief, other = two_workers(procs, shard.address(), "--summary-json", str(summary))
+    assert wait_until(lambda: "epoch 1/3 step" in other.output, 120), other.output
+    other.popen.send_signal(sig)
+    assert other.wait(30) == 128 + sig, other.output
+    status = run("status", "--ps", shard.address(), "--json")
+    assert json.loads(status.stdout)["shards"][0]["live_workers"] == [0], status.stdout
+    assert chief.wait(240) == 0, chief.output[-3000:]
+    assert read_json(summary)["workers_marked_dead"] == 0      # nobody waited for it to time out
