@@ -108,6 +108,9 @@ WORKER_FLAGS = [
     Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take (default 300)")),
     Flag("--eval-every", dict(type=float, metavar="SEC", help="chief: evaluate every SEC seconds too (accuracy against time in the summary)")),
     Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, exponential:MEAN, lognormal:MEAN,SIGMA")),
+    Flag("--require-fresh", dict(action="store_true", default=None,
+                                 help="chief: refuse (exit 2) when the shards already hold trained state "
+                                      "(default: continue from it, saying so)")),
 ]
 
 COMMON_FLAGS = [
@@ -285,7 +288,7 @@ def cmd_launch(ns) -> int:
     check_writable("--summary-json", ns.summary_json)
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks, delay_for=parse_delay_for(ns.delay_for, ns.workers),
-                       auth_token=token, tls_ca=ns.tls_ca,
+                       auth_token=token,
                        device=ns.device or "cpu")
     server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY]
     worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA]

@@ -74,14 +74,17 @@ class EvalCurve:
         self.next = elapsed + self.every
 
 
-def combine_counters(statuses: Sequence) -> dict:
-    """Cluster-wide counters from every shard's StatusReply.
+def combine_counters(statuses: Sequence, since: Sequence | None = None) -> dict:
+    """Cluster-wide counters from every shard's StatusReply; with `since` (the statuses at
+    a run's start), that run's part only (see run_part).
 
     Each worker push reaches every shard, so push counters are summed over shards (they
     count push messages), as are checkpoints written and failed; updates_applied and
     workers_marked_dead are the largest any shard saw (every shard applies the same steps);
     staleness is pooled.
     """
+    if since is not None:
+        statuses = [run_part(now, then) for now, then in zip(statuses, since)]
     cs = [s.counters for s in statuses]
     out = {k: sum(getattr(c, k) for c in cs) for k in
            ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late",
@@ -96,6 +99,38 @@ def combine_counters(statuses: Sequence) -> dict:
     out["staleness_histogram"] = hist
     out["samples_trained"] = statuses[0].counters.samples_pushed   # shard 0 sees every push
     out["steps"] = max(s.version for s in statuses)
+    return out
+
+
+# Highest values seen, not sums: a run's part of them cannot be told apart.
+PEAKS = ("staleness_max", "clock_gap_max")
+
+
+def run_part(now, start):
+    """A shard's StatusReply less what it held at `start`: the counters and version of the
+    run in between. A shard that restarted since (another instance) counts from its restart;
+    its version goes on from the start's only when it resumed from a checkpoint."""
+    out = type(now)()
+    out.CopyFrom(now)
+    same = now.instance == start.instance
+    base = max(start.version, 0) if same or now.restored_from else 0
+    out.version = max(now.version - base, 0)
+    if not same:
+        return out
+    c, c0 = out.counters, start.counters
+    for f in c.DESCRIPTOR.fields:
+        value, before = getattr(c, f.name), getattr(c0, f.name)
+        if f.name in PEAKS or isinstance(value, float):
+            continue
+        if isinstance(value, int):
+            setattr(c, f.name, value - before)
+        else:                                   # the staleness histogram, bucket by bucket
+            buckets = [a - b for a, b in zip(value, before)]
+            del value[:]
+            value.extend(buckets)
+    n, n0 = sum(now.counters.staleness_histogram), sum(c0.staleness_histogram)
+    total = now.counters.staleness_mean * n - c0.staleness_mean * n0
+    c.staleness_mean = total / (n - n0) if n > n0 else 0.0
     return out
 
 

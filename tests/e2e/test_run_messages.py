@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from tests.e2e.conftest import read_json, run, wait_until
+from tests.e2e.conftest import LOGREG, read_json, run, wait_until
 from tests.e2e.test_training import free_port
 
 pytestmark = pytest.mark.e2e
@@ -85,3 +85,27 @@ def test_a_stopped_worker_leaves_so_the_chief_goes_on_without_waiting_for_it(pro
     assert json.loads(status.stdout)["shards"][0]["live_workers"] == [0], status.stdout
     assert chief.wait(240) == 0, chief.output[-3000:]
     assert read_json(summary)["workers_marked_dead"] == 0      # nobody waited for it to time out
+
+
+def test_a_second_run_on_trained_shards_counts_only_itself_says_it_continues_and_can_refuse(procs, tmp_path):
+    shard = serve(procs, 0, "--num-workers", "1")
+    steps = 2 * (6000 // 32)                          # LOGREG: 2 epochs of 6000 samples, one worker
+    summaries, chiefs = [], []
+    for name in ("first", "second"):
+        summaries.append(tmp_path / f"{name}.json")
+        chief = procs("worker", "--ps", shard.address(), *LOGREG, "--summary-json", str(summaries[-1]))
+        assert chief.wait() == 0, chief.output
+        chiefs.append(chief)
+    first, second = map(read_json, summaries)
+    for s in (first, second):
+        assert s["steps"] == s["updates_applied"] == s["pushes_aggregated"] == steps, s
+        assert s["samples_trained"] == steps * 32 and s["pushes_rejected"] == 0
+    assert "already holds" not in chiefs[0].output
+    assert re.search(f"shard 0 at \\S+ already holds trained state \\(version {steps}\\): this run continues "
+                     "from it, not from new initial weights", chiefs[1].output), chiefs[1].output
+    assert second["test_accuracy"] >= first["test_accuracy"] - 0.01   # it went on from the trained weights
+    r = run("worker", "--ps", shard.address(), *LOGREG, "--require-fresh")
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"pserver worker: error: --require-fresh: shard 0 at {shard.address()} already holds trained "
+        f"state (version {2 * steps}); start fresh shards, or drop --require-fresh to continue from it"]
