@@ -134,6 +134,16 @@ def run_part(now, start):
     return out
 
 
+def describe_updates(c: dict) -> str:
+    """The one vocabulary of the summary, the status table and the shard's log: an update is
+    one optimizer step on the parameters; a push is one gradient a worker sent, which is
+    averaged into a step's update (sync, backup), applied on arrival as an update of its own
+    (async, ssp), dropped late (backup) or rejected. Push counts are summed over shards."""
+    return (f"{c['updates_applied']} updates from {c['pushes_received']} pushes: "
+            f"{c['pushes_aggregated']} averaged into a step, {c['pushes_applied']} applied on arrival, "
+            f"{c['pushes_dropped_late']} dropped late, {c['pushes_rejected']} rejected")
+
+
 def format_summary(s: dict) -> str:
     acc = s.get("test_accuracy")
     metric = f"test accuracy {acc:.4f}" if acc is not None else f"test r2 {s.get('test_r2', 0):.4f}"
@@ -147,9 +157,7 @@ def format_summary(s: dict) -> str:
         f"optimizer {s['optimizer']} lr {s['lr']:g}, batch {s['batch_size']}/worker, {s['epochs']} epoch(s)",
         metric,
         f"{s['steps']} steps in {s['wall_seconds']:.1f} s: {s['train_samples_per_second']:,.0f} train samples/s",
-        f"pushes: {s['pushes_applied']} applied, {s['pushes_aggregated']} aggregated, "
-        f"{s['pushes_dropped_late']} dropped late, {s['pushes_rejected']} rejected; "
-        f"{s['workers_marked_dead']} worker(s) marked dead",
+        f"{describe_updates(s)}; {s['workers_marked_dead']} worker(s) marked dead",
         f"staleness mean {s['staleness_mean']:.2f} max {s['staleness_max']}; "
         f"clock gap max {s['clock_gap_max']}",
     ]

@@ -14,6 +14,7 @@ from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.codec import MAX_CHUNK_BYTES
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition
+from pserver.metrics import describe_updates
 from pserver.server.limits import pool_threads
 from pserver.server.servicer import ParameterServerServicer, add_to_server
 from pserver.server.shard import Shard
@@ -70,7 +71,6 @@ def serve(cfg: ServerConfig) -> int:
     st = shard.status()
     c = st["counters"]
     print(f"pserver serve: shard {cfg.shard} stopped by {stopped} at version {st['version']}: "
-          f"{c['updates_applied']} updates, {c['pushes_received']} pushes "
-          f"({c['pushes_rejected']} rejected, {c['pushes_dropped_late']} dropped late)", flush=True)
+          f"{describe_updates(c)}", flush=True)
     sys.stdout.flush()
     return stopped.exit_code

@@ -109,3 +109,24 @@ def test_a_second_run_on_trained_shards_counts_only_itself_says_it_continues_and
     assert r.stderr.strip().splitlines() == [
         f"pserver worker: error: --require-fresh: shard 0 at {shard.address()} already holds trained "
         f"state (version {2 * steps}); start fresh shards, or drop --require-fresh to continue from it"]
+
+
+def test_summary_status_and_shard_log_count_pushes_and_updates_in_the_same_words(procs):
+    shard = serve(procs, 0)
+    workers = [procs("worker", "--ps", shard.address(), "--rank", str(r), "--num-workers", "2", *LOGREG)
+               for r in range(2)]
+    for w in workers:
+        assert w.wait() == 0, w.output
+    steps = 2 * (6000 // 2 // 32)
+    said = f"{steps} updates from {2 * steps} pushes: {2 * steps} averaged into a step, 0 applied on arrival, " \
+           f"0 dropped late, 0 rejected"
+    assert said in workers[0].output, workers[0].output
+    table = run("status", "--ps", shard.address()).stdout.splitlines()
+    header = table[0].split()
+    assert header[6:12] == ["updates", "pushes", "averaged", "on_arrival", "late", "rejected"], table
+    assert table[1].split()[6:12] == [str(steps), str(2 * steps), str(2 * steps), "0", "0", "0"], table
+    shards = json.loads(run("status", "--ps", shard.address(), "--json").stdout)["shards"]
+    assert shards[0]["version"] == steps and shards[0]["counters"]["pushes_received"] == 2 * steps
+    assert shards[0]["counters"]["staleness_histogram"][0] == 0    # numbers, not strings
+    shard.stop()
+    assert f"at version {steps}: {said}" in shard.output, shard.output
