@@ -125,6 +125,9 @@ WORKER_FLAGS = [
                             "the least recently updated evicted first (default 0: no bound)")),
     Flag("--ttl-steps", dict(type=int, metavar="T", help="sparse tables: evict rows not updated for T steps "
                              "(default 0: never)")),
+    Flag("--require-fresh", dict(action="store_true", default=None,
+                                 help="chief: refuse (exit 2) when the shards already hold trained state "
+                                      "(default: continue from it, saying so)")),
 ]
 
 COMMON_FLAGS = [
@@ -302,7 +305,7 @@ def cmd_launch(ns) -> int:
     check_writable("--summary-json", ns.summary_json)
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks, delay_for=parse_delay_for(ns.delay_for, ns.workers),
-                       auth_token=token, tls_ca=ns.tls_ca,
+                       auth_token=token,
                        device=ns.device or "cpu")
     server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY]
     worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA]

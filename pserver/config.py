@@ -123,6 +123,7 @@ class WorkerConfig:
     eval_every: float = 0.0       # chief: also evaluate every this many seconds (0 = per epoch only)
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
+    require_fresh: bool = False   # chief: refuse shards that already hold trained state (default: continue)
     auth_token: str | None = field(default=None, repr=False)  # sent with every RPC; never shown
     tls_ca: str | None = None     # PEM CA certificate to trust: talk to the shards over TLS
     # Sparse embedding tables of the click-through-rate models (lr, fm, wide_deep, deepfm)

@@ -17,7 +17,7 @@ from pserver.config import WorkerConfig
 from pserver.data import Dataset, Stream, as_task, describe, load_dataset
 from pserver.device import describe as describe_device
 from pserver.device import parse_device, select
-from pserver.errors import DeadlineExceeded, FailedPrecondition, PServerError
+from pserver.errors import ConfigError, DeadlineExceeded, FailedPrecondition, PServerError
 from pserver.metrics import (EvalCurve, Progress, StepTimer, combine_counters, format_summary,
                              sparse_summary, write_json)
 from pserver.models import make_model
@@ -25,6 +25,7 @@ from pserver.models.ctr import CTR_MODELS
 from pserver.models.layout import Layout
 from pserver.sparse import TableLookup
 from pserver.security import client_security
+from pserver.signals import Stopped
 from pserver.stragglers import Delay
 
 
@@ -153,7 +154,10 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model) -> dict | None:
               f"{len(cfg.ps)} shard(s) ({client.plane_description()}), optimizer {infos[0].optimizer} "
               f"lr {infos[0].lr:g}", flush=True)
         w = np.empty(model.layout.total, dtype=np.float32)
+        start = None
         if cfg.rank == 0:
+            start = client.status()            # before Init: no push can come before it
+            check_fresh(client, infos, cfg.require_fresh)
             client.init(model.init_params(cfg.seed))
         client.pull(w)                         # waits until the chief's values are there
         rows = Rows(model, client)
@@ -164,9 +168,30 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model) -> dict | None:
         if cfg.rank != 0:
             say_if_chief_gone(client)
             return None
-        return finish(cfg, ds, model, client, w, mode, history, started, rows)
+        return finish(cfg, ds, model, client, w, mode, history, started, start, rows)
+    except (Stopped, KeyboardInterrupt):
+        client.leave_on_stop()                 # the others' steps stop waiting for us now
+        raise
     finally:
         client.close()
+
+
+def check_fresh(client: PSClient, infos, require_fresh: bool) -> None:
+    """The chief joining shards that already hold values (restored from a checkpoint, or
+    trained by an earlier run) continues from them: its Init is ignored. Say so in one
+    line, or refuse with --require-fresh."""
+    held = [(s, i) for s, i in zip(client.shards, infos) if i.initialized]
+    if not held:
+        return
+    shard, info = held[0]
+    what = (f"{shard.label}{f' and {len(held) - 1} more' if len(held) > 1 else ''} already "
+            f"hold{'s' if len(held) == 1 else ''} trained state (version {info.version}"
+            f"{f', restored from {info.restored_from}' if info.restored_from else ''})")
+    if require_fresh:
+        raise ConfigError(f"--require-fresh: {what}; start fresh shards, or drop --require-fresh "
+                          "to continue from it")
+    print(f"{what}: this run continues from it, not from new initial weights "
+          "(--require-fresh refuses instead)", flush=True)
 
 
 def say_if_chief_gone(client: PSClient) -> None:
@@ -301,14 +326,14 @@ def binary_metrics(ev: dict, ds) -> dict:
     return out
 
 
-def finish(cfg, ds, model, client, w, mode, history, started, rows) -> dict:
+def finish(cfg, ds, model, client, w, mode, history, started, start, rows) -> dict:
     wait_for_others(client, cfg.rpc_deadline)
     wall = time.monotonic() - started            # until the last worker finished
     ask_checkpoint(client)
     client.pull(w, seen=[-1] * len(client.shards))      # the final weights
     ev = evaluate(model, w, ds, cfg, rows)
     statuses = client.status()
-    counters = combine_counters(statuses)
+    counters = combine_counters(statuses, since=start)     # this run's, not the shards' lifetime
     summary = {
         "mode": mode, "num_shards": len(cfg.ps), "num_workers": cfg.num_workers,
         "dataset": ds.name, "model": model_name(model), "num_params": model.layout.total,

@@ -111,7 +111,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., batch_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[SparseTableSpec, _Mapping]]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("mode", "version", "initialized", "range_start", "range_end", "total_params", "layout_signature", "optimizer", "lr", "dataplane", "host_id", "session", "session_timeout_seconds", "protocol_version")
+    __slots__ = ("mode", "version", "initialized", "range_start", "range_end", "total_params", "layout_signature", "optimizer", "lr", "dataplane", "host_id", "session", "session_timeout_seconds", "protocol_version", "restored_from", "seeded_by_rank")
     MODE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class RegisterReply(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    SEEDED_BY_RANK_FIELD_NUMBER: _ClassVar[int]
     mode: str
     version: int
     initialized: bool
@@ -140,7 +142,9 @@ class RegisterReply(_message.Message):
     session: str
     session_timeout_seconds: float
     protocol_version: int
-    def __init__(self, mode: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., total_params: _Optional[int] = ..., layout_signature: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., dataplane: _Optional[str] = ..., host_id: _Optional[str] = ..., session: _Optional[str] = ..., session_timeout_seconds: _Optional[float] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    restored_from: str
+    seeded_by_rank: int
+    def __init__(self, mode: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., total_params: _Optional[int] = ..., layout_signature: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., dataplane: _Optional[str] = ..., host_id: _Optional[str] = ..., session: _Optional[str] = ..., session_timeout_seconds: _Optional[float] = ..., protocol_version: _Optional[int] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "session")
@@ -283,7 +287,7 @@ class Counters(_message.Message):
     def __init__(self, pushes_received: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_aggregated: _Optional[int] = ..., pushes_dropped_late: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., updates_applied: _Optional[int] = ..., workers_marked_dead: _Optional[int] = ..., samples_pushed: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., staleness_max: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., pulls_served: _Optional[int] = ..., clock_gap_max: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., checkpoints_failed: _Optional[int] = ..., workers_rejoined: _Optional[int] = ..., sessions_replaced: _Optional[int] = ..., requests_refused_busy: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "mode", "version", "num_params", "total_params", "num_workers", "optimizer", "lr", "counters", "live_workers", "uptime_seconds", "layout_signature", "dead_workers", "tables")
+    __slots__ = ("shard", "num_shards", "mode", "version", "num_params", "total_params", "num_workers", "optimizer", "lr", "counters", "live_workers", "uptime_seconds", "layout_signature", "dead_workers", "tables", "restored_from", "seeded_by_rank", "instance")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +303,9 @@ class StatusReply(_message.Message):
     LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     DEAD_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    SEEDED_BY_RANK_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     mode: str
@@ -314,7 +321,10 @@ class StatusReply(_message.Message):
     layout_signature: str
     dead_workers: _containers.RepeatedScalarFieldContainer[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., total_params: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., live_workers: _Optional[_Iterable[int]] = ..., uptime_seconds: _Optional[float] = ..., layout_signature: _Optional[str] = ..., dead_workers: _Optional[_Iterable[int]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ...) -> None: ...
+    restored_from: str
+    seeded_by_rank: int
+    instance: str
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., total_params: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., live_workers: _Optional[_Iterable[int]] = ..., uptime_seconds: _Optional[float] = ..., layout_signature: _Optional[str] = ..., dead_workers: _Optional[_Iterable[int]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("rank", "session")

@@ -8,6 +8,7 @@ without a network, and the servicer only translates protobuf to these calls.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -91,6 +92,8 @@ class Registration:
     session: str
     session_timeout_seconds: float
     protocol_version: int = PROTOCOL_VERSION
+    restored_from: str = ""           # the checkpoint the shard resumed from at start
+    seeded_by_rank: int = -1          # the rank whose Init supplied the values, -1 if none
 
 
 def available_memory() -> int:
@@ -113,6 +116,8 @@ class Shard:
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
         self.init_lock = threading.Lock()
+        self.seeded_by = -1            # the rank whose Init supplied the values
+        self.instance = secrets.token_hex(8)   # tells a restarted shard from the one before
         self.limits = Limits(pool_threads(cfg.threads, cfg.num_workers), cfg.max_inflight_mb << 20,
                              cfg.step_timeout, self.store.counters)
         # Sessions expire and idle streams are cancelled even when no call is waiting.
@@ -181,7 +186,8 @@ class Shard:
             return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,
                                 s.signature, self.cfg.optimizer, self.cfg.lr,
                                 self.dataplane.address if self.dataplane else "", host_id(),
-                                session, self.cfg.step_timeout)
+                                session, self.cfg.step_timeout, restored_from=s.restored_from,
+                                seeded_by_rank=self.seeded_by)
 
     def _check_memory(self, size: int) -> None:
         """RESOURCE_EXHAUSTED, before allocating, when the shard's range cannot fit."""
@@ -242,6 +248,7 @@ class Shard:
                 raise
             with s.cond:
                 s.version = 0
+                self.seeded_by = rank
                 s.cond.notify_all()
             return False, s.version
 
@@ -403,7 +410,8 @@ class Shard:
                         num_workers=p.num_workers, optimizer=self.cfg.optimizer, lr=self.cfg.lr,
                         counters=s.counters.snapshot(), live_workers=live, dead_workers=dead,
                         uptime_seconds=time.monotonic() - self.started,
-                        layout_signature=s.signature,
+                        layout_signature=s.signature, restored_from=s.restored_from,
+                        seeded_by_rank=self.seeded_by, instance=self.instance,
                         tables=[dict(name=n, dim=t.config.dim, optimizer=t.config.optimizer, **t.stats())
                                 for n, t in s.tables.items()])
 
