@@ -161,7 +161,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--samples", type=int, default=50_000, help="applied samples for acc @ samples")
     s.add_argument("--ref-workers", type=int, default=4, help="reference scenario's N (else the largest)")
     s.add_argument("--ref-profile", default="heavy", help="reference scenario's profile")
-    p.add_argument("--out", default="bench-modes", help="output directory (default bench-modes)")
+    p.add_argument("--out", default="results/modes", help="output directory (default results/modes)")
     p.add_argument("--list", action="store_true", help="print the configurations and what is skipped; run nothing")
     p.add_argument("--no-plots", dest="plots", action="store_false",
                    help="write results.json, results.csv and summary.md but no figures (no matplotlib needed)")

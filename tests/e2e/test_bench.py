@@ -43,9 +43,8 @@ def test_modes_without_matplotlib_stops_before_running_anything(tmp_path):
 
 
 def test_modes_no_plots_writes_results_and_replot_needs_matplotlib(tmp_path):
-    out = tmp_path / "out"
-    r = bench("modes.py", *GRID, "--no-plots", "--out", str(out), *SMALL, cwd=tmp_path,
-              env=without_matplotlib(tmp_path))
+    out = tmp_path / "results" / "modes"      # the default: under the directory it runs in
+    r = bench("modes.py", *GRID, "--no-plots", *SMALL, cwd=tmp_path, env=without_matplotlib(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads((out / "results.json").read_text())
     [entry] = result["configs"]
@@ -56,3 +55,14 @@ def test_modes_no_plots_writes_results_and_replot_needs_matplotlib(tmp_path):
     assert r.returncode != 0 and "matplotlib" in r.stderr and "Traceback" not in r.stderr
     r = bench("modes.py", "--replot", "--no-plots", "--out", str(out), cwd=tmp_path)
     assert r.returncode == 0 and json.loads((out / "results.json").read_text())["configs"] == [entry]
+
+
+def test_throughput_writes_to_the_users_results_directory_not_the_committed_one(tmp_path):
+    committed = (ROOT / "bench" / "results" / "throughput.json").read_bytes()
+    r = bench("throughput.py", "--modes", "sync", "--repeats", "1", "--epochs", "1",
+              "--", "--samples", "2048", "--test-samples", "256", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    [row] = json.loads((tmp_path / "results" / "throughput.json").read_text())
+    assert row["mode"] == "sync" and row["steps"] == 4 and row["train_samples_per_second"] > 0
+    assert f"wrote {Path('results') / 'throughput.json'}" in r.stdout
+    assert (ROOT / "bench" / "results" / "throughput.json").read_bytes() == committed
