@@ -92,7 +92,9 @@ WORKER_FLAGS = [
                                               "pserver.Sequential")),
     Flag("--hidden", dict(type=int_list, metavar="W,W", help="mlp hidden widths (default 256,256)")),
     Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, or a path to a .npz with x and y")),
-    Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files")),
+    Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files, downloaded there when "
+                                                "missing (default $XDG_CACHE_HOME/pserver/mnist, "
+                                                "~/.cache/pserver/mnist)")),
     Flag("--samples", dict(type=int, help="synthetic: training samples (default 60000)")),
     Flag("--test-samples", dict(type=int, help="synthetic: test samples (default 10000)")),
     Flag("--features", dict(type=int, help="synthetic: input features (default 784)")),
@@ -174,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run one worker", formatter_class=fmt,
                        description="Run one worker: pull weights, compute gradients with numba kernels, push them.\n"
-                                   "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 --num-workers 2 --dataset mnist --data-dir ./mnist")
+                                   "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 --num-workers 2 --dataset mnist")
     g = w.add_argument_group("cluster (TF_CONFIG with task.type worker or chief fills what is not given)")
     g.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]", help="shard addresses host:port, shard 0 first")
     g.add_argument("--rank", type=int, default=None, help="this worker's rank; 0 is the chief (default 0)")
@@ -189,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start S shard processes and N worker processes on 127.0.0.1 with free ports,\n"
                                     "prefix their output with their role, stop everything if one fails, and report.\n"
                                     "Any serve or worker flag below is passed on to every shard or worker.\n"
-                                    "Example: pserver launch --ps 2 --workers 4 --dataset mnist --data-dir ./mnist --optimizer adam --lr 0.001 --epochs 2")
+                                    "Example: pserver launch --ps 2 --workers 4 --dataset mnist --optimizer adam --lr 0.001 --epochs 2")
     la.add_argument("--ps", type=int, default=1, metavar="S", help="number of shards (default 1)")
     la.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
     la.add_argument("--summary-json", default=None, metavar="PATH", help="write the run summary here")

@@ -103,7 +103,7 @@ class WorkerConfig:
     model: str = "mlp"            # mlp, logreg, linreg, cnn, or FILE.py:FUNCTION / package.module:FUNCTION
     hidden: tuple[int, ...] = (256, 256)  # mlp hidden widths
     dataset: str = "synthetic"    # synthetic, mnist, or a path to a .npz file
-    data_dir: str | None = None   # where the mnist IDX files are
+    data_dir: str | None = None   # where the mnist IDX files are (None: data.default_mnist_dir())
     samples: int = 60000          # synthetic: training samples
     test_samples: int = 10000     # synthetic: test samples
     features: int = 784           # synthetic: input features
