@@ -1,4 +1,4 @@
-"""The `pserver` command: serve, worker, launch, status.
+"""The `pserver` command: serve, worker, launch, status, evaluate.
 
 Each subcommand parses flags (falling back to TF_CONFIG for the cluster), builds a
 frozen config and calls one function. A user's mistake prints one line and exits 2; a
@@ -110,7 +110,14 @@ WORKER_FLAGS = [
     Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take (default 300)")),
     Flag("--eval-every", dict(type=float, metavar="SEC", help="chief: evaluate every SEC seconds too (accuracy against time in the summary)")),
     Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, exponential:MEAN, lognormal:MEAN,SIGMA")),
+    Flag("--save", dict(metavar="PATH", help="chief: write the trained model here at the end: its definition and "
+                                             "weights in an .npz that numpy reads (docs/model-file.md; "
+                                             "`pserver evaluate --model-file PATH`)")),
 ]
+# What `pserver evaluate` takes of the worker flags: the model and the dataset.
+EVALUATE_FLAGS = [f for f in WORKER_FLAGS if f.name in ("--model", "--hidden", "--dataset", "--data-dir",
+                                                        "--samples", "--test-samples", "--features",
+                                                        "--classes", "--seed")]
 
 COMMON_FLAGS = [
     Flag("--chunk-bytes", dict(type=int, help="payload bytes per streamed message (default 1048576)")),
@@ -212,6 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each shard (default 5)")
     add_flags(st, CLIENT_SECURITY, "security")
+
+    ev = sub.add_parser("evaluate", help="test metrics of a saved model (--save) or of checkpoints",
+                        formatter_class=fmt,
+                        description="Evaluate a trained model on a dataset's test set: the model file that --save\n"
+                                    "wrote (its definition, weights and dataset), or the shards' checkpoints in\n"
+                                    "--checkpoint DIR (weights only: the model and dataset from the file or the flags).\n"
+                                    "Example: pserver evaluate --model-file model.npz\n"
+                                    "         pserver evaluate --checkpoint ckpt --model mlp --dataset mnist")
+    ev.add_argument("--model-file", default=None, metavar="PATH", help="a model file written by --save")
+    ev.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="take the weights from the newest checkpoint of every shard in DIR")
+    ev.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    add_flags(ev, EVALUATE_FLAGS, "model and dataset (default: the model file's)")
     return p
 
 
@@ -349,7 +369,23 @@ def cmd_status(ns) -> int:
                        security=client_security(security_given(ns, [])["auth_token"], ns.tls_ca))
 
 
-COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "status": cmd_status}
+def cmd_evaluate(ns) -> int:
+    import json
+    from pserver.model_file import evaluate_files
+    result = evaluate_files(ns.model_file, ns.checkpoint, given(ns, EVALUATE_FLAGS))
+    if ns.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith("test_") and
+                        k != "test_samples")
+    print(f"{result['model']} ({result['num_params']:,} parameters) with the weights of {result['weights']}, "
+          f"on the {result['dataset']} test set ({result['test_samples']:,} samples): "
+          f"{metrics.replace('_', ' ')}")
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "status": cmd_status,
+            "evaluate": cmd_evaluate}
 
 
 def main(argv: list[str] | None = None) -> int:

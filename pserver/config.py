@@ -119,6 +119,7 @@ class WorkerConfig:
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
     eval_batch: int = 4096        # test-set evaluation batch
     summary_json: str | None = None  # chief: write the run summary here
+    save: str | None = None       # chief: write the trained model here (pserver.model_file)
     stats_json: str | None = None    # write this worker's time breakdown (compute/push/pull/idle)
     eval_every: float = 0.0       # chief: also evaluate every this many seconds (0 = per epoch only)
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
@@ -146,7 +147,8 @@ class WorkerConfig:
                        chunk_bytes=self.chunk_bytes, log_every=self.log_every)
         if self.max_steps < 0:
             raise ConfigError(f"--max-steps: must be >= 0, got {self.max_steps}")
-        for flag, path in (("--summary-json", self.summary_json), ("--stats-json", self.stats_json)):
+        for flag, path in (("--summary-json", self.summary_json), ("--stats-json", self.stats_json),
+                           ("--save", self.save)):
             check_writable(flag, path)
         if self.delay:
             from pserver.stragglers import parse_delay
