@@ -1,4 +1,4 @@
-"""The `pserver` command: serve, worker, launch, status.
+"""The `pserver` command: serve, worker, launch, status, evaluate.
 
 Each subcommand parses flags (falling back to TF_CONFIG for the cluster), builds a
 frozen config and calls one function. A user's mistake prints one line and exits 2; a
@@ -97,7 +97,9 @@ WORKER_FLAGS = [
     Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, a path to a .npz with x and y, "
                                                 "criteo:PATH (a Criteo TSV file, plain or .gz) or "
                                                 "criteo-synthetic (Criteo-shaped, from a planted model)")),
-    Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files")),
+    Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files, downloaded there when "
+                                                "missing (default $XDG_CACHE_HOME/pserver/mnist, "
+                                                "~/.cache/pserver/mnist)")),
     Flag("--samples", dict(type=int, help="synthetic: training samples (default 60000)")),
     Flag("--test-samples", dict(type=int, help="synthetic: test samples (default 10000)")),
     Flag("--features", dict(type=int, help="synthetic: input features (default 784)")),
@@ -128,7 +130,14 @@ WORKER_FLAGS = [
     Flag("--require-fresh", dict(action="store_true", default=None,
                                  help="chief: refuse (exit 2) when the shards already hold trained state "
                                       "(default: continue from it, saying so)")),
+    Flag("--save", dict(metavar="PATH", help="chief: write the trained model here at the end: its definition and "
+                                             "weights in an .npz that numpy reads (docs/model-file.md; "
+                                             "`pserver evaluate --model-file PATH`)")),
 ]
+# What `pserver evaluate` takes of the worker flags: the model and the dataset.
+EVALUATE_FLAGS = [f for f in WORKER_FLAGS if f.name in ("--model", "--hidden", "--dataset", "--data-dir",
+                                                        "--samples", "--test-samples", "--features",
+                                                        "--classes", "--seed")]
 
 COMMON_FLAGS = [
     Flag("--chunk-bytes", dict(type=int, help="payload bytes per streamed message (default 1048576)")),
@@ -194,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run one worker", formatter_class=fmt,
                        description="Run one worker: pull weights, compute gradients with numba kernels, push them.\n"
-                                   "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 --num-workers 2 --dataset mnist --data-dir ./mnist")
+                                   "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 --num-workers 2 --dataset mnist")
     g = w.add_argument_group("cluster (TF_CONFIG with task.type worker or chief fills what is not given)")
     g.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]", help="shard addresses host:port, shard 0 first")
     g.add_argument("--rank", type=int, default=None, help="this worker's rank; 0 is the chief (default 0)")
@@ -209,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start S shard processes and N worker processes on 127.0.0.1 with free ports,\n"
                                     "prefix their output with their role, stop everything if one fails, and report.\n"
                                     "Any serve or worker flag below is passed on to every shard or worker.\n"
-                                    "Example: pserver launch --ps 2 --workers 4 --dataset mnist --data-dir ./mnist --optimizer adam --lr 0.001 --epochs 2")
+                                    "Example: pserver launch --ps 2 --workers 4 --dataset mnist --optimizer adam --lr 0.001 --epochs 2")
     la.add_argument("--ps", type=int, default=1, metavar="S", help="number of shards (default 1)")
     la.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
     la.add_argument("--summary-json", default=None, metavar="PATH", help="write the run summary here")
@@ -230,6 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each shard (default 5)")
     add_flags(st, CLIENT_SECURITY, "security")
+
+    ev = sub.add_parser("evaluate", help="test metrics of a saved model (--save) or of checkpoints",
+                        formatter_class=fmt,
+                        description="Evaluate a trained model on a dataset's test set: the model file that --save\n"
+                                    "wrote (its definition, weights and dataset), or the shards' checkpoints in\n"
+                                    "--checkpoint DIR (weights only: the model and dataset from the file or the flags).\n"
+                                    "Example: pserver evaluate --model-file model.npz\n"
+                                    "         pserver evaluate --checkpoint ckpt --model mlp --dataset mnist")
+    ev.add_argument("--model-file", default=None, metavar="PATH", help="a model file written by --save")
+    ev.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="take the weights from the newest checkpoint of every shard in DIR")
+    ev.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    add_flags(ev, EVALUATE_FLAGS, "model and dataset (default: the model file's)")
     return p
 
 
@@ -367,7 +389,23 @@ def cmd_status(ns) -> int:
                        security=client_security(security_given(ns, [])["auth_token"], ns.tls_ca))
 
 
-COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "status": cmd_status}
+def cmd_evaluate(ns) -> int:
+    import json
+    from pserver.model_file import evaluate_files
+    result = evaluate_files(ns.model_file, ns.checkpoint, given(ns, EVALUATE_FLAGS))
+    if ns.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith("test_") and
+                        k != "test_samples")
+    print(f"{result['model']} ({result['num_params']:,} parameters) with the weights of {result['weights']}, "
+          f"on the {result['dataset']} test set ({result['test_samples']:,} samples): "
+          f"{metrics.replace('_', ' ')}")
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "status": cmd_status,
+            "evaluate": cmd_evaluate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,7 +103,7 @@ class WorkerConfig:
     model: str = "mlp"            # mlp, logreg, linreg, cnn, or FILE.py:FUNCTION / package.module:FUNCTION
     hidden: tuple[int, ...] | None = None  # hidden widths: mlp (256,256), wide_deep/deepfm towers (256,128)
     dataset: str = "synthetic"    # synthetic, mnist, or a path to a .npz file
-    data_dir: str | None = None   # where the mnist IDX files are
+    data_dir: str | None = None   # where the mnist IDX files are (None: data.default_mnist_dir())
     samples: int = 60000          # synthetic: training samples
     test_samples: int = 10000     # synthetic: test samples
     features: int = 784           # synthetic: input features
@@ -119,6 +119,7 @@ class WorkerConfig:
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
     eval_batch: int = 4096        # test-set evaluation batch
     summary_json: str | None = None  # chief: write the run summary here
+    save: str | None = None       # chief: write the trained model here (pserver.model_file)
     stats_json: str | None = None    # write this worker's time breakdown (compute/push/pull/idle)
     eval_every: float = 0.0       # chief: also evaluate every this many seconds (0 = per epoch only)
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
@@ -154,7 +155,8 @@ class WorkerConfig:
                        chunk_bytes=self.chunk_bytes, log_every=self.log_every)
         if self.max_steps < 0:
             raise ConfigError(f"--max-steps: must be >= 0, got {self.max_steps}")
-        for flag, path in (("--summary-json", self.summary_json), ("--stats-json", self.stats_json)):
+        for flag, path in (("--summary-json", self.summary_json), ("--stats-json", self.stats_json),
+                           ("--save", self.save)):
             check_writable(flag, path)
         if self.delay:
             from pserver.stragglers import parse_delay

@@ -7,9 +7,10 @@ Every epoch is one permutation of the training set drawn from `seed + epoch`, th
 worker; rank r takes the r-th of `num_workers` equal blocks, so the ranks never overlap and all run
 the same number of steps (the `num_train % num_workers` left-over samples sit that epoch out).
 
-MNIST comes from the four IDX files in `--data-dir` (.gz or not). Missing ones are fetched from the
-mirrors in MNIST_MIRRORS, or from the comma-separated base URLs in $PSERVER_MNIST_MIRRORS (set it
-empty to never download), and kept only if their sha256 matches.
+MNIST comes from the four IDX files in `--data-dir` (.gz or not), by default a directory in the
+user's cache (default_mnist_dir), created when missing. Missing files are fetched from the
+mirrors in MNIST_MIRRORS, one after the other, or from the comma-separated base URLs in
+$PSERVER_MNIST_MIRRORS (set it empty to never download), and kept only if their sha256 matches.
 Every problem with the data raises DataError, every bad option ConfigError, with one line that names
 the file, key or flag and the value.
 """
@@ -44,12 +45,12 @@ SYNTHETIC_SEPARATION = 5.5
 SYNTHETIC_REGRESSION_NOISE = 0.1  # target noise std; the signal's std is ~1
 HOLDOUT_FRACTION = 0.1  # of an .npz without x_test/y_test
 
-MNIST_SOURCE = "http://yann.lecun.com/exdb/mnist/"
 MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/",
-                 "https://storage.googleapis.com/cvdf-datasets/mnist/")
+                 "https://storage.googleapis.com/cvdf-datasets/mnist/",
+                 "http://yann.lecun.com/exdb/mnist/")
 MNIST_MIRRORS_ENV = "PSERVER_MNIST_MIRRORS"
 DOWNLOAD_TIMEOUT_S = 10.0  # per socket operation, so a dead mirror costs seconds, not minutes
-# name -> (bytes, sha256) of the original .gz files (see shared/datasets/mnist/README.md).
+# name -> (bytes, sha256) of the original .gz files, as every mirror above serves them.
 MNIST_FILES = {
     "train-images-idx3-ubyte": (9912422, "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609"),
     "train-labels-idx1-ubyte": (28881, "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c"),
@@ -293,30 +294,51 @@ def _linear(ss: np.random.SeedSequence, n: int, w: np.ndarray,
 
 # ---------------------------------------------------------------- mnist
 
+def default_mnist_dir() -> str:
+    """Where MNIST goes without --data-dir: $XDG_CACHE_HOME/pserver/mnist, ~/.cache by default."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "pserver", "mnist")
+
+
 def _load_mnist(data_dir: str | None) -> Dataset:
-    if data_dir is None:
-        raise ConfigError("--data-dir: required for --dataset mnist (the directory with the MNIST IDX files)")
+    data_dir = default_mnist_dir() if data_dir is None else data_dir
     root = os.path.expanduser(data_dir)
-    if not os.path.isdir(root):
-        what = "is not a directory" if os.path.exists(root) else "does not exist"
-        raise DataError(f"mnist: --data-dir {data_dir} {what}")
+    _make_dir(root, data_dir)
     paths = _mnist_paths(root)
     missing = [name for name, path in paths.items() if path is None]
     if missing:
         why = _download_missing(root, missing)
         paths = _mnist_paths(root)
         if why is not None:
-            missing = [name for name, path in paths.items() if path is None]  # some may have come
-            have_not = ", ".join(f"{name}(.gz)" for name in missing)
-            put = ", ".join(f"{name}.gz" for name in missing)
-            raise DataError(f"mnist: {data_dir} has no {have_not}; download failed ({why}); "
-                            f"put {put} (from {MNIST_SOURCE}) in {data_dir}")
+            raise DataError(_missing_message(data_dir, paths, why))
     x_train, y_train = _mnist_split(paths["train-images-idx3-ubyte"], paths["train-labels-idx1-ubyte"])
     x_test, y_test = _mnist_split(paths["t10k-images-idx3-ubyte"], paths["t10k-labels-idx1-ubyte"])
     if x_test.shape[1:] != x_train.shape[1:]:
         raise DataError(f"mnist: {paths['t10k-images-idx3-ubyte']} has {math.prod(x_test.shape[1:])} pixels "
                         f"per image, {paths['train-images-idx3-ubyte']} {math.prod(x_train.shape[1:])}")
     return Dataset("mnist", x_train, y_train, x_test, y_test, 10)
+
+
+def _make_dir(root: str, data_dir: str) -> None:
+    """The directory exists afterwards (made here if need be), ready for the files."""
+    if os.path.isdir(root):
+        return
+    if os.path.exists(root):
+        raise DataError(f"mnist: --data-dir {data_dir} is not a directory")
+    try:
+        os.makedirs(root)
+    except OSError as e:
+        raise DataError(f"mnist: cannot create --data-dir {data_dir} ({e.strerror or e})") from None
+
+
+def _missing_message(data_dir: str, paths: dict, why: str) -> str:
+    """One line: what is missing, why the download failed, how to put the files there by hand."""
+    missing = [name for name, path in paths.items() if path is None]  # some may have come
+    have_not = ", ".join(f"{name}(.gz)" for name in missing)
+    get = ", ".join(f"{name}.gz" for name in missing)
+    return (f"mnist: {data_dir} has no {have_not}; download failed ({why}); download {get} by hand "
+            f"from any of {', '.join(MNIST_MIRRORS)} and put them in {data_dir} (or give --data-dir "
+            f"a directory that holds them)")
 
 
 def _mnist_paths(root: str) -> dict[str, str | None]:
@@ -387,6 +409,7 @@ def _download_missing(root: str, missing: list[str]) -> str | None:
         reasons = []
         for base in mirrors:
             url = base + name + ".gz"
+            print(f"mnist: downloading {url} into {root}", flush=True)   # stderr: errors only
             try:
                 _download(url, root, name)
                 break

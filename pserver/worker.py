@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from pserver import model_file
 from pserver.client import PSClient
 from pserver.config import WorkerConfig
 from pserver.data import Dataset, Stream, as_task, describe, load_dataset
@@ -138,11 +139,12 @@ def evaluate(model, w, ds, cfg: WorkerConfig, rows: Rows | None = None) -> dict:
 def run_worker(cfg: WorkerConfig) -> dict | None:
     """Train until the epochs (or --max-steps) are done; the chief returns the summary."""
     device, ds, model = build(cfg)
-    return run(cfg, device, ds, model)
+    return run(cfg, device, ds, model, model_file.definition(cfg, model, ds))
 
 
-def run(cfg: WorkerConfig, device, ds: Dataset, model) -> dict | None:
-    """The training loop with a model and data already built (the CLI and pserver.train)."""
+def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None = None) -> dict | None:
+    """The training loop with a model and data already built (the CLI and pserver.train).
+    `definition` is how the model was built (for --save; None: a model built in Python)."""
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca))
     try:
@@ -168,7 +170,12 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model) -> dict | None:
         if cfg.rank != 0:
             say_if_chief_gone(client)
             return None
-        return finish(cfg, ds, model, client, w, mode, history, started, start, rows)
+        summary = finish(cfg, ds, model, client, w, mode, history, started, start, rows)
+        if cfg.save:
+            model_file.save(cfg.save, model, w, definition, summary)
+            print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
+                  f"{cfg.save}", flush=True)
+        return summary
     except (Stopped, KeyboardInterrupt):
         client.leave_on_stop()                 # the others' steps stop waiting for us now
         raise

@@ -147,6 +147,45 @@ def load(path: str) -> Checkpoint:
                       {int(r): int(c) for r, c in meta.get("clocks", {}).items()}, tables, rows)
 
 
+def newest(directory: str, shard: int, num_shards: int) -> tuple[Checkpoint | None, list[str]]:
+    """This shard's newest checkpoint that loads and verifies (None if none does), and
+    "file: why" for each newer one that did not."""
+    failures = []
+    for _, path in candidates(directory, shard, num_shards):
+        try:
+            return load(path), failures
+        except ValueError as e:
+            log.warning("skipping checkpoint %s: %s", path, e)
+            failures.append(f"{os.path.basename(path)}: {e}")
+    return None, failures
+
+
+def load_weights(directory: str, layout) -> tuple[np.ndarray, list[int]]:
+    """The whole flat vector of `layout` from the newest checkpoint of every shard in directory
+    (`pserver evaluate --checkpoint`), and each shard's version; ConfigError naming
+    --checkpoint when a shard has none that loads or a file is of another model."""
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--checkpoint: {directory} is not a directory")
+    counts = sorted({int(m.group(2)) for n in os.listdir(directory) if (m := NAME.match(n))})
+    if len(counts) != 1:
+        raise ConfigError(f"--checkpoint: {directory} holds " + (
+            "no checkpoint (shard{J}-of{S}-v{VERSION}.ckpt files)" if not counts else
+            f"checkpoints of clusters of {' and '.join(map(str, counts))} shards; keep one"))
+    flat, versions = np.empty(layout.total, dtype=np.float32), []
+    for j in range(counts[0]):
+        ckpt, failures = newest(directory, j, counts[0])
+        if ckpt is None:
+            raise ConfigError(f"--checkpoint: {directory} has no checkpoint of shard {j} of {counts[0]} "
+                              f"that loads" + (f" ({'; '.join(failures)})" if failures else ""))
+        if (ckpt.signature, ckpt.total) != (layout.signature(), layout.total):
+            raise ConfigError(f"--checkpoint: {ckpt.path} is of another model (layout {ckpt.signature}, "
+                              f"{ckpt.total:,} parameters; this model's is {layout.signature()}, "
+                              f"{layout.total:,}): check --model or --model-file")
+        flat[ckpt.start:ckpt.end] = ckpt.params
+        versions.append(ckpt.version)
+    return flat, versions
+
+
 def load_latest(directory: str, shard: int, num_shards: int,
                 fresh_if_corrupt: bool = False) -> Checkpoint | None:
     """The newest checkpoint of this shard that loads and verifies, or None on a first start.
@@ -156,13 +195,9 @@ def load_latest(directory: str, shard: int, num_shards: int,
         return None                           # a first start: nothing to restore yet
     if not os.path.isdir(directory):
         raise ConfigError(f"--restore: {directory} is not a directory")
-    failures = []
-    for _, path in candidates(directory, shard, num_shards):
-        try:
-            return load(path)
-        except ValueError as e:
-            log.warning("skipping checkpoint %s: %s", path, e)
-            failures.append(f"{os.path.basename(path)}: {e}")
+    ckpt, failures = newest(directory, shard, num_shards)
+    if ckpt is not None:
+        return ckpt
     if failures and not fresh_if_corrupt:
         raise ConfigError(f"--restore: no checkpoint of shard {shard} in {directory} loads, and starting "
                           f"fresh would lose the trained state ({'; '.join(failures)}); move them away "
