@@ -91,10 +91,12 @@ WORKER_FLAGS = [
                                               "FILE.py:FUNCTION or package.module:FUNCTION returning a "
                                               "pserver.Sequential")),
     Flag("--hidden", dict(type=int_list, metavar="W,W", help="mlp hidden widths (default 256,256)")),
-    Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, or a path to a .npz with x and y")),
+    Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, a path to a .npz with x and y, "
+                                              "criteo-synthetic, or criteo:PATH (a Criteo TSV file, .gz or not)")),
     Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files")),
-    Flag("--samples", dict(type=int, help="synthetic: training samples (default 60000)")),
-    Flag("--test-samples", dict(type=int, help="synthetic: test samples (default 10000)")),
+    Flag("--samples", dict(type=int, help="synthetic, criteo-synthetic: training samples (default 60000)")),
+    Flag("--test-samples", dict(type=int, help="synthetic, criteo-synthetic: test samples; criteo:PATH: at most "
+                                                        "this many held-out lines (default 10000)")),
     Flag("--features", dict(type=int, help="synthetic: input features (default 784)")),
     Flag("--classes", dict(type=int, help="synthetic: classes (default 10)")),
     Flag("--batch-size", dict(type=int, help="samples per step on each worker (default 64)")),
