@@ -100,8 +100,9 @@ WORKER_FLAGS = [
     Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files, downloaded there when "
                                                 "missing (default $XDG_CACHE_HOME/pserver/mnist, "
                                                 "~/.cache/pserver/mnist)")),
-    Flag("--samples", dict(type=int, help="synthetic: training samples (default 60000)")),
-    Flag("--test-samples", dict(type=int, help="synthetic: test samples (default 10000)")),
+    Flag("--samples", dict(type=int, help="synthetic, criteo-synthetic: training samples (default 60000)")),
+    Flag("--test-samples", dict(type=int, help="synthetic, criteo-synthetic: test samples; criteo:PATH: at most "
+                                                        "this many held-out lines (default 10000)")),
     Flag("--features", dict(type=int, help="synthetic: input features (default 784)")),
     Flag("--classes", dict(type=int, help="synthetic: classes (default 10)")),
     Flag("--batch-size", dict(type=int, help="samples per step on each worker (default 64)")),

@@ -102,10 +102,10 @@ class WorkerConfig:
     num_workers: int = 1          # N
     model: str = "mlp"            # mlp, logreg, linreg, cnn, or FILE.py:FUNCTION / package.module:FUNCTION
     hidden: tuple[int, ...] | None = None  # hidden widths: mlp (256,256), wide_deep/deepfm towers (256,128)
-    dataset: str = "synthetic"    # synthetic, mnist, or a path to a .npz file
+    dataset: str = "synthetic"    # synthetic, mnist, a path to a .npz file, criteo-synthetic or criteo:PATH
     data_dir: str | None = None   # where the mnist IDX files are (None: data.default_mnist_dir())
-    samples: int = 60000          # synthetic: training samples
-    test_samples: int = 10000     # synthetic: test samples
+    samples: int = 60000          # synthetic, criteo-synthetic: training samples
+    test_samples: int = 10000     # synthetic, criteo-synthetic: test samples; criteo:PATH: at most this many
     features: int = 784           # synthetic: input features
     classes: int = 10             # synthetic: classes
     batch_size: int = 64          # samples per step on this worker

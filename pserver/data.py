@@ -1,6 +1,7 @@
 """Datasets and the per-rank slices that workers train on.
 
     load_dataset("synthetic" | "mnist" | "path.npz") -> Dataset   (float32 x, int32 labels or float32 targets)
+    load_dataset("criteo:PATH" | "criteo-synthetic")              (click-through data: pserver.criteo)
     epoch_indices / iterate_batches                                 (rank r's disjoint block of one epoch)
 
 Every epoch is one permutation of the training set drawn from `seed + epoch`, the same on every
@@ -35,7 +36,7 @@ import numpy as np
 
 from pserver.errors import ConfigError, DataError
 
-DATASETS = ("synthetic", "mnist")  # plus any path ending in .npz
+DATASETS = ("synthetic", "mnist", "criteo-synthetic")  # plus criteo:PATH and any path ending in .npz
 TASKS = ("classification", "regression")
 
 # Distance between two class centres of `synthetic`, in units of the (unit) noise. 5.5 puts the
@@ -146,8 +147,10 @@ class Stream:
             yield np.asarray(batch[0]), np.asarray(batch[1])
 
 
-def describe(ds: Dataset | Stream) -> str:
+def describe(ds) -> str:
     """One line for the worker's log: what it trains on."""
+    if not isinstance(ds, (Dataset, Stream)):   # Criteo data (pserver.criteo) describes itself
+        return ds.describe()
     if isinstance(ds, Stream):
         test = "no test set" if ds.x_test is None else f"{len(ds.x_test)} test samples"
         return f"dataset {ds.name}: batches from Python, {test}"
@@ -159,11 +162,13 @@ def describe(ds: Dataset | Stream) -> str:
 
 def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task: str = "classification",
                  samples: int = 60000, test_samples: int = 10000, features: int = 784,
-                 classes: int = 10) -> Dataset:
-    """Load `spec`: "synthetic", "mnist" or a path ending in .npz.
+                 classes: int = 10):
+    """Load `spec`: "synthetic", "mnist", a path ending in .npz (each a Dataset), or Criteo data:
+    "criteo:PATH" (a TSV file, plain or .gz, streamed) or "criteo-synthetic" (see pserver.criteo).
 
-    samples/test_samples/features/classes shape `synthetic` only; seed generates `synthetic` and
-    shuffles an .npz's held-out test set. task="regression" asks for float targets: synthetic
+    samples/test_samples/features/classes shape `synthetic` only, samples/test_samples also
+    `criteo-synthetic`; test_samples caps the test set held out of a Criteo file. seed generates
+    both synthetic kinds and shuffles an .npz's held-out test set. task="regression" asks for float targets: synthetic
     then draws a linear-regression task, and integer labels (mnist, .npz) become float32 targets.
     A float `y` in an .npz is always regression.
     """
@@ -174,10 +179,24 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
         return _synthetic(seed, task, samples, test_samples, features, classes)
     if spec == "mnist":
         return as_task(_load_mnist(data_dir), task)
+    if spec == "criteo-synthetic" or spec.startswith("criteo:"):
+        return _load_criteo(spec, seed, task, samples, test_samples)
     if spec.lower().endswith(".npz"):
         return as_task(_load_npz(spec, seed), task)
-    raise ConfigError(f"--dataset: unknown dataset {spec!r}; "
-                      "choose synthetic, mnist or a path to a .npz file")
+    raise ConfigError(f"--dataset: unknown dataset {spec!r}; choose synthetic, mnist, criteo-synthetic, "
+                      "criteo:PATH (a Criteo TSV file) or a path to a .npz file")
+
+
+def _load_criteo(spec: str, seed: int, task: str, samples: int, test_samples: int):
+    from pserver import criteo   # imports this module: here, not at the top
+    if task != "classification":
+        raise ConfigError(f"--dataset {spec}: click-through data is binary classification, not {task}")
+    if spec == "criteo-synthetic":
+        return criteo.load_synthetic(seed, samples, test_samples)
+    path = spec[len("criteo:"):]
+    if not path:
+        raise ConfigError("--dataset criteo:PATH: the path is empty (e.g. criteo:train.txt or criteo:day_0.gz)")
+    return criteo.load_file(os.path.expanduser(path), test_samples)
 
 
 def _check_int(flag: str, value: int, low: int) -> None:
