@@ -15,6 +15,7 @@ import numpy as np
 from pserver import model_file
 from pserver.client import PSClient
 from pserver.config import WorkerConfig
+from pserver.criteo import CriteoData
 from pserver.data import Dataset, Stream, as_task, describe, load_dataset
 from pserver.device import describe as describe_device
 from pserver.device import parse_device, select
@@ -60,6 +61,10 @@ def fit_data(model, ds: Dataset | Stream) -> Dataset | Stream:
     A model without `check_data` (a user's protocol object) gets the data as it is; a
     Stream's batches are checked by the model as they come, its test set here."""
     check = getattr(model, "check_data", None)
+    if isinstance(ds, CriteoData):       # records the CTR models check batch by batch
+        if check is not None:
+            check(ds.x_test, ds.y_test, f"{ds.name} test set")
+        return ds
     if isinstance(ds, Stream):
         if check is None or ds.x_test is None:
             return ds
@@ -216,11 +221,12 @@ def say_if_chief_gone(client: PSClient) -> None:
 def warm_up(model, w: np.ndarray, ds, batch_size: int, rows: Rows) -> None:
     """One forward+backward, result discarded: loading the compiled kernels and sizing the
     activation buffers happen here, not inside the first timed step. (A Stream's batches are
-    the user's to read once, so its first step does this instead.)"""
+    the user's to read once, so its first step does this instead; streamed Criteo data warms
+    up on its test set.)"""
     if isinstance(ds, Stream):
         return
-    n = min(batch_size, ds.num_train)
-    x, y = ds.x_train[:n], ds.y_train[:n]
+    x, y = (ds.x_test, ds.y_test) if isinstance(ds, CriteoData) else (ds.x_train, ds.y_train)
+    x, y = x[:batch_size], y[:batch_size]
     if rows:
         model.loss_and_grad(w, x, y, np.empty_like(w), sparse=rows.for_batch(x))
     else:
