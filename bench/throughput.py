@@ -7,8 +7,8 @@ synthetic MNIST-shaped data, SGD) once per mode and repeat, and reports the run'
 train samples/s as the chief's summary measures it: samples pushed to the shard
 divided by the wall time from the first pull to the last worker's finish (process
 start-up, data generation and one warm-up step that loads the compiled kernels are
-excluded; every push and pull of training is inside it). The reference is TensorFlow 2.21's
-ParameterServerStrategy on the same model and machine class: 34,200 samples/s.
+excluded; every push and pull of training is inside it). For a comparison with TensorFlow's
+ParameterServerStrategy measured in the same run, see bench/tf_baseline/.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
 from _util import cpu_model, result_path  # noqa: E402
 
-TF_PS_STRATEGY = 34_200      # samples/s, from the issue's measurement on this machine class
 MODE_FLAGS = {"sync": [], "backup": ["--backup-workers", "1"], "async": [], "ssp": ["--staleness", "2"]}
 
 
@@ -72,7 +71,6 @@ def main() -> None:
         rows.append(row)
         print(f"  {mode:7s} {row['train_samples_per_second']:>9,.0f} samples/s (min {min(rates):,.0f}, "
               f"max {max(rates):,.0f})  {row['steps']} steps in {row['wall_seconds']:.2f} s  "
-              f"x{row['train_samples_per_second'] / TF_PS_STRATEGY:.2f} TF PS strategy  "
               f"acc {row['test_accuracy']:.3f}", flush=True)
     path = result_path(args.json, "throughput.json")
     path.write_text(json.dumps(rows, indent=2))

@@ -20,7 +20,7 @@ DATA_PLANES = ("auto", "grpc")
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"       # bind address; 127.0.0.1 unless told otherwise (DESIGN §9)
+    host: str = "127.0.0.1"       # bind address: only this machine unless told otherwise
     port: int = DEFAULT_PORT      # 0 picks a free port, printed at start
     shard: int = 0                # this shard's index J in [0, num_shards)
     num_shards: int = 1           # S

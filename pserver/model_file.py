@@ -32,11 +32,11 @@ TRAINED_FIELDS = ("mode", "num_shards", "num_workers", "optimizer", "lr", "batch
 def definition(cfg, model, ds) -> dict:
     """How `pserver worker` built `model` from its flags: the spec (a user's file made absolute,
     so the file works from any directory), the arguments it was called with, and the dataset."""
-    from pserver.models.user import is_user_spec
+    from pserver.models.user import is_path, is_user_spec
     spec = cfg.model
     if is_user_spec(spec):
         target, _, attr = spec.rpartition(":")
-        if target.endswith(".py") or "/" in target:
+        if is_path(target):
             spec = f"{os.path.abspath(target)}:{attr}"
     arguments = {"input_shape": list(getattr(model, "input_shape", ds.sample_shape)),
                  "num_classes": ds.num_classes}

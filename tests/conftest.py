@@ -10,7 +10,8 @@ from pserver.config import ServerConfig
 from pserver.server.app import create_server
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# The real MNIST files, beside the repo as in CI (../shared); PSERVER_MNIST_DIR overrides.
+# The real MNIST files (the four IDX files): $PSERVER_MNIST_DIR, else shared/datasets/mnist beside
+# the checkout, where CI keeps them.
 MNIST_DIR = pathlib.Path(os.environ.get("PSERVER_MNIST_DIR", ROOT.parent / "shared" / "datasets" / "mnist"))
 
 

@@ -1,4 +1,4 @@
-"""Dead workers, rejoins, quorums and clocks: the rules of DESIGN §5 that a fault exercises.
+"""Dead workers, rejoins, quorums and clocks: the rules of docs/semantics.md ("Modes") that a fault exercises.
 
 Driven in-process on real Shards; each test names the bug it catches.
 """

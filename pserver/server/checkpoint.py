@@ -1,7 +1,7 @@
 """Checkpoints of one shard: its slice, optimizer state, version, the ssp workers' clocks and
 the layout, in one file.
 
-Written atomically (DESIGN §8): a temporary file in the same directory, fsync, rename
+Written atomically (docs/semantics.md, "Checkpoints"): a temporary file in the same directory, fsync, rename
 over the final name, then fsync of the directory, so a crash at any moment leaves either
 the previous checkpoint or the new one, never a half-written file under a final name; a
 write that fails removes its temporary file, and those a killed shard left are removed
@@ -251,7 +251,7 @@ def prepare(directory: str, flag: str, shard: int, num_shards: int) -> None:
 
 class Checkpointer:
     """When and where one shard writes checkpoints: at versions K, 2K, 3K... (every K steps),
-    every S seconds, and on request. At most one write is in flight (DESIGN §8, §9): it
+    every S seconds, and on request. At most one write is in flight (a bound on what a client can make it hold): it
     holds the one snapshot, taken under the store's lock, so pushes wait only for the copy.
     A request that arrives meanwhile joins that write, or the write after it when the one
     in flight is older than the version the request saw. A failed write is logged in one
