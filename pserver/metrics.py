@@ -170,6 +170,10 @@ def format_summary(s: dict) -> str:
         metric = "no test set"      # a Stream from Python without one
     else:
         metric += f", test loss {s['test_loss']:.4f}"
+    if s.get("test_auc") is not None:
+        metric += f", test AUC {s['test_auc']:.4f}"
+        if s.get("best_auc") is not None:
+            metric += f" (the planted model's: {s['best_auc']:.4f})"
     lines = [
         f"== pserver run summary: {s['mode']}, {s['num_shards']} shard(s), {s['num_workers']} worker(s) ==",
         f"model {s['model']} ({s['num_params']:,} params), dataset {s['dataset']}, "
@@ -180,6 +184,9 @@ def format_summary(s: dict) -> str:
         f"staleness mean {s['staleness_mean']:.2f} max {s['staleness_max']}; "
         f"clock gap max {s['clock_gap_max']}",
     ]
+    lines += [f"sparse table {name}: {t['rows']:,} rows x {t['dim']} ({t['bytes'] / 2**20:,.1f} MiB, "
+              f"{t['optimizer']}), {t['creations']:,} created, {t['admissions']:,} admitted, "
+              f"{t['evictions']:,} evicted" for name, t in s.get("sparse_tables", {}).items()]
     return "\n".join(lines)
 
 

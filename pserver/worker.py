@@ -96,6 +96,11 @@ def gradient_fn(model, seed: int, rank: int):
     return step
 
 
+def describe_params(model) -> str:
+    tables = ", ".join(f"{t.name} (ids x {t.dim}, {t.optimizer})" for t in sparse_tables(model))
+    return f"{model.layout.total:,} params" + (f" + sparse tables {tables}" if tables else "")
+
+
 def sparse_tables(model) -> list:
     """The model's sparse tables (pserver.sparse.TableConfig); [] for a dense model."""
     return list(getattr(model, "sparse_tables", None) or [])
@@ -150,6 +155,10 @@ def run_worker(cfg: WorkerConfig) -> dict | None:
 def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None = None) -> dict | None:
     """The training loop with a model and data already built (the CLI and pserver.train).
     `definition` is how the model was built (for --save; None: a model built in Python)."""
+    if cfg.save and sparse_tables(model):
+        raise ConfigError(f"--save: model {model_name(model)} keeps its sparse tables on the shards, and a "
+                          f"model file holds dense weights only; keep the rows with --checkpoint-dir "
+                          f"(every shard's checkpoint holds its rows)")
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca))
     try:
@@ -157,7 +166,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         infos = client.register(registered_layout(model), cfg.batch_size)
         mode = infos[0].mode
         print(f"worker rank {cfg.rank}/{cfg.num_workers} device {describe_device(device)}; "
-              f"model {model_name(model)} {model.layout.total:,} params; {describe(ds)}; mode {mode}, "
+              f"model {model_name(model)} {describe_params(model)}; {describe(ds)}; mode {mode}, "
               f"{len(cfg.ps)} shard(s) ({client.plane_description()}), optimizer {infos[0].optimizer} "
               f"lr {infos[0].lr:g}", flush=True)
         w = np.empty(model.layout.total, dtype=np.float32)
