@@ -84,5 +84,33 @@ def delete_at(slots, keys, pos, bits):
 @njit(cache=True, nogil=True)
 def repoint(slots, keys, key, entry, bits):
     """The slot of `key` now holds `entry` (the key moved to another entry number)."""
-    pos, _ = find(slots, keys, key, bits)
+    pos, e = find(slots, keys, key, bits)
+    if e == EMPTY:
+        raise ValueError("sparse index: a key to move is not in the index")
     slots[pos] = entry
+
+
+@njit(cache=True, nogil=True)
+def find_many(slots, keys, ids, bits, out):
+    """out[i] = the entry of ids[i], EMPTY where absent.
+
+    A key is at its home slot most of the time, so the first two passes read every id's home
+    slot, then that slot's key, without a branch on what they find: the loads of many ids are
+    in flight at once instead of one cache miss after another. The ids that were not settled
+    there (a home slot holding another key) are probed one by one.
+    """
+    n = ids.shape[0]
+    if keys.shape[0] == 0:   # no entry yet (keys[0] below must exist)
+        out[:] = EMPTY
+        return
+    for i in range(n):
+        out[i] = slots[home(ids[i], bits)]
+    redo, m = np.empty(n, np.int64), 0
+    for i in range(n):
+        e = out[i]
+        other = keys[max(e, 0)] != ids[i]
+        redo[m] = i
+        m += (e != EMPTY) & other
+    for j in range(m):
+        i = redo[j]
+        out[i] = find(slots, keys, ids[i], bits)[1]

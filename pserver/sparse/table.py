@@ -244,9 +244,8 @@ class SparseTable:
         if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.shape != (ids.shape[0], self.dim):
             raise InvalidArgument(f"table {name!r}: grads need float32[{ids.shape[0]}, {self.dim}], got "
                                   f"{getattr(grads, 'dtype', type(grads).__name__)}{list(np.shape(grads))}")
-        bad = np.flatnonzero(~np.isfinite(grads).all(axis=1))
-        if bad.size:
-            i = int(bad[0])
+        i = _first_nonfinite(grads)
+        if i >= 0:
             raise InvalidArgument(f"table {name!r}: the gradient of id {int(ids[i])} (row {i} of the "
                                   f"push) is not finite: {grads[i].tolist()}")
         if not math.isfinite(scale):
@@ -336,8 +335,10 @@ def _check_values(what: str, a: dict, min_count: int) -> None:
 @njit(cache=True, nogil=True)
 def _lookup(slots, keys, bits, data, ids, key, scale, out):
     d = out.shape[1]
+    idx = np.empty(ids.shape[0], np.int64)
+    index.find_many(slots, keys, ids, bits, idx)
     for i in range(ids.shape[0]):
-        _, e = index.find(slots, keys, ids[i], bits)
+        e = idx[i]
         if e == index.EMPTY:
             initial_row(key, ids[i], scale, out[i])
         else:
@@ -349,10 +350,9 @@ def _lookup(slots, keys, bits, data, ids, key, scale, out):
 def _plan(slots, keys, bits, pslots, pkeys, pbits, pcounts, ids, min_count, idx):
     """idx[i] = the row of ids[i] or EMPTY; returns (rows this push creates, new pending ids)."""
     creates, new_pending = 0, 0
+    index.find_many(slots, keys, ids, bits, idx)
     for i in range(ids.shape[0]):
-        _, e = index.find(slots, keys, ids[i], bits)
-        idx[i] = e
-        if e != index.EMPTY:
+        if idx[i] != index.EMPTY:
             continue
         if min_count <= 1:
             creates += 1
@@ -406,6 +406,16 @@ def _admit(slots, keys, bits, n, data, steps, pslots, pkeys, pbits, pn, pcounts,
             steps[n] = 0
         n += 1
     return n, pn
+
+
+@njit(cache=True, nogil=True)
+def _first_nonfinite(grads):
+    """The first row of grads holding a NaN or an infinity, or -1."""
+    for i in range(grads.shape[0]):
+        for j in range(grads.shape[1]):
+            if not np.isfinite(grads[i, j]):
+                return i
+    return -1
 
 
 @njit(cache=True, nogil=True)
