@@ -113,7 +113,7 @@ def lines_of_fields(draw):
     return "\t".join(cols) + draw(st.sampled_from(["", "\r"]))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(lines_of_fields(), min_size=1, max_size=8), st.booleans())
 def test_the_numba_parser_agrees_with_the_python_twin(texts, final_newline):
     data = "\n".join(texts) + ("\n" if final_newline else "")
