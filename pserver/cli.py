@@ -297,7 +297,9 @@ def cmd_launch(ns) -> int:
     where = write_directory(server_cfg)
     if where:
         check_directory(*where)        # now, rather than as a shard's exit once it started
-    WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))
+    worker_cfg = WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))
+    from pserver.worker import check_data
+    check_data(worker_cfg)
     worker_argv = strip_flag(strip_flag(forward(ns, worker_flags), "--delay"), "--device")  # per rank
     return launch(cfg, forward(ns, server_flags), worker_argv)     # no token in either argv
 

@@ -17,7 +17,7 @@ from pserver.config import WorkerConfig
 from pserver.data import Dataset, Stream, as_task, describe, load_dataset
 from pserver.device import describe as describe_device
 from pserver.device import parse_device, select
-from pserver.errors import ConfigError, DeadlineExceeded, FailedPrecondition, PServerError
+from pserver.errors import ConfigError, DataError, DeadlineExceeded, FailedPrecondition, PServerError
 from pserver.metrics import (EvalCurve, Progress, StepTimer, combine_counters, format_summary,
                              write_json)
 from pserver.models import make_model
@@ -33,13 +33,27 @@ def build(cfg: WorkerConfig):
     number of classes; then the data is checked against the model, before any training.
     """
     device = select(parse_device(cfg.device))   # before the model: it binds to this device
-    task = "regression" if cfg.model == "linreg" else "classification"
-    ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, task=task,
-                      samples=cfg.samples, test_samples=cfg.test_samples, features=cfg.features,
-                      classes=cfg.classes)
+    ds = load_data(cfg)
     model = make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden,
                        backend=device.backend)
     return device, fit_data(model, ds), model
+
+
+def load_data(cfg: WorkerConfig) -> Dataset:
+    task = "regression" if cfg.model == "linreg" else "classification"
+    return load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, task=task,
+                        samples=cfg.samples, test_samples=cfg.test_samples, features=cfg.features,
+                        classes=cfg.classes)
+
+
+def check_data(cfg: WorkerConfig) -> None:
+    """What every worker would find wrong with the data (a dataset name, a directory, a
+    file, a batch larger than a worker's slice), found once, before anything starts: as a
+    ConfigError, which `pserver launch` exits 2 with."""
+    try:
+        load_data(cfg).steps(cfg.num_workers, cfg.batch_size)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
 
 
 def fit_data(model, ds: Dataset | Stream) -> Dataset | Stream:

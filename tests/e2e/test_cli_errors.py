@@ -47,11 +47,25 @@ def test_bad_flags(args, words):
 
 
 def test_launch_names_the_failing_process(tmp_path):
-    r = run("launch", "--ps", "1", "--workers", "2", "--dataset", "mnist", "--data-dir", str(tmp_path),
-            timeout=120)
+    (tmp_path / "bad.py").write_text("def build(input_shape, num_classes):\n    raise ValueError('no')\n")
+    r = run("launch", "--ps", "1", "--workers", "2", "--model", f"{tmp_path / 'bad.py'}:build", timeout=120)
     assert r.returncode == 1
     assert "Traceback" not in r.stdout + r.stderr
-    assert "exited with code" in r.stderr and "worker" in r.stderr, r.stderr
+    assert "exited with code 2" in r.stderr and "worker" in r.stderr, r.stderr
+    assert "build() raised ValueError: no" in r.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--dataset", "mnits"], "--dataset: unknown dataset 'mnits'"),
+    (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "--data-dir /nonexistent/mnist does not exist"),
+    (["--dataset", "BAD.npz"], "not a readable .npz file"),
+    (["--samples", "100", "--batch-size", "64"], "--batch-size: 64 is larger than each worker's slice of 50"),
+])
+def test_launch_checks_the_data_before_anything_starts(tmp_path, args, words):
+    (tmp_path / "BAD.npz").write_text("not a zip")
+    r = run("launch", "--ps", "1", "--workers", "2", *[str(tmp_path / a) if a == "BAD.npz" else a for a in args])
+    assert r.returncode == 2 and r.stdout == "", r.stdout          # no shard, no worker started
+    one_clear_line(r, "pserver launch: error:", words)
 
 
 def test_help_explains_every_command():
