@@ -118,6 +118,8 @@ WORKER_FLAGS = [
     Flag("--hidden", dict(type=int_list, metavar="W,W", help="mlp hidden widths (default 256,256)")),
     Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, or a path to a .npz with x and y")),
     Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files")),
+    Flag("--scale-uint8", dict(choices=("auto", "none"), help="a .npz whose x is uint8 (0-255 pixels): "
+                               "auto (default) divides it by 255 and says so; none keeps the raw values")),
     Flag("--samples", dict(type=int, help="synthetic: training samples (default 60000)")),
     Flag("--test-samples", dict(type=int, help="synthetic: test samples (default 10000)")),
     Flag("--features", dict(type=int, help="synthetic: input features (default 784)")),

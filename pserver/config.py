@@ -103,6 +103,7 @@ class WorkerConfig:
     model: str = "mlp"            # mlp, logreg, linreg, cnn, or FILE.py:FUNCTION / package.module:FUNCTION
     hidden: tuple[int, ...] = (256, 256)  # mlp hidden widths
     dataset: str = "synthetic"    # synthetic, mnist, or a path to a .npz file
+    scale_uint8: str = "auto"     # .npz: divide uint8 features by 255 (auto, saying so) or not (none)
     data_dir: str | None = None   # where the mnist IDX files are
     samples: int = 60000          # synthetic: training samples
     test_samples: int = 10000     # synthetic: test samples

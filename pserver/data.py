@@ -43,6 +43,7 @@ TASKS = ("classification", "regression")
 SYNTHETIC_SEPARATION = 5.5
 SYNTHETIC_REGRESSION_NOISE = 0.1  # target noise std; the signal's std is ~1
 HOLDOUT_FRACTION = 0.1  # of an .npz without x_test/y_test
+SCALE_UINT8 = ("auto", "none")  # auto: an .npz's uint8 features (0-255 pixels) are divided by 255
 
 MNIST_SOURCE = "http://yann.lecun.com/exdb/mnist/"
 MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/",
@@ -158,13 +159,14 @@ def describe(ds: Dataset | Stream) -> str:
 
 def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task: str = "classification",
                  samples: int = 60000, test_samples: int = 10000, features: int = 784,
-                 classes: int = 10) -> Dataset:
+                 classes: int = 10, scale_uint8: str = "auto") -> Dataset:
     """Load `spec`: "synthetic", "mnist" or a path ending in .npz.
 
     samples/test_samples/features/classes shape `synthetic` only; seed generates `synthetic` and
     shuffles an .npz's held-out test set. task="regression" asks for float targets: synthetic
     then draws a linear-regression task, and integer labels (mnist, .npz) become float32 targets.
-    A float `y` in an .npz is always regression.
+    A float `y` in an .npz is always regression. An .npz's uint8 features (images, 0-255)
+    are divided by 255, saying so, unless scale_uint8 is "none".
     """
     if task not in TASKS:
         raise ConfigError(f"--task: unknown task {task!r}; choose classification or regression")
@@ -174,7 +176,9 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
     if spec == "mnist":
         return as_task(_load_mnist(data_dir), task)
     if spec.lower().endswith(".npz"):
-        return as_task(_load_npz(spec, seed), task)
+        if scale_uint8 not in SCALE_UINT8:
+            raise ConfigError(f"--scale-uint8: {scale_uint8!r} is not one of {', '.join(SCALE_UINT8)}")
+        return as_task(_load_npz(spec, seed, scale_uint8 == "auto"), task)
     raise ConfigError(f"--dataset: unknown dataset {spec!r}; "
                       "choose synthetic, mnist or a path to a .npz file")
 
@@ -433,8 +437,17 @@ def _one_line(e: BaseException) -> str:
 
 # ---------------------------------------------------------------- .npz
 
-def _load_npz(path: str, seed: int) -> Dataset:
-    return _dataset(path, _read_npz(path), seed)
+def _load_npz(path: str, seed: int, scale_uint8: bool) -> Dataset:
+    arrays = _read_npz(path)
+    if scale_uint8:
+        raw = [key for key in ("x", "x_test") if key in arrays and arrays[key].dtype == np.uint8]
+        for key in raw:
+            arrays[key] = np.divide(arrays[key], 255, dtype=np.float32)
+        if raw:
+            # Unscaled pixels train to nonsense (losses in the hundreds) without a word otherwise.
+            print(f"{path}: {' and '.join(raw)} {'are' if len(raw) > 1 else 'is'} uint8: scaled from "
+                  "0-255 to [0, 1] (--scale-uint8 none keeps the raw values)", flush=True)
+    return _dataset(path, arrays, seed)
 
 
 def _dataset(path: str, arrays: dict[str, np.ndarray], seed: int) -> Dataset:

@@ -7,6 +7,7 @@ the pushes combine and how long each pull waits. The loop does not branch on the
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 
@@ -43,15 +44,15 @@ def load_data(cfg: WorkerConfig) -> Dataset:
     task = "regression" if cfg.model == "linreg" else "classification"
     return load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, task=task,
                         samples=cfg.samples, test_samples=cfg.test_samples, features=cfg.features,
-                        classes=cfg.classes)
+                        classes=cfg.classes, scale_uint8=cfg.scale_uint8)
 
 
 def check_data(cfg: WorkerConfig) -> None:
     """What every worker would find wrong with the data (a dataset name, a directory, a
     file, a batch larger than a worker's slice), found once, before anything starts: as a
     ConfigError, which `pserver launch` exits 2 with."""
-    try:
-        load_data(cfg).steps(cfg.num_workers, cfg.batch_size)
+    try:   # quietly: the workers say what they do with the data
+        load_data(dataclasses.replace(cfg, scale_uint8="none")).steps(cfg.num_workers, cfg.batch_size)
     except DataError as e:
         raise ConfigError(str(e)) from None
 
