@@ -8,12 +8,13 @@ failure at run time prints one line and exits 1; there is never a traceback for 
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
 
-from pserver import allocator
+from pserver import __version__, allocator
 from pserver.config import MODES, check_writable, ServerConfig, WorkerConfig, parse_address, parse_tf_config
 from pserver.errors import ConfigError, PServerError
 from pserver.signals import Stopped, stop_on_signals
@@ -40,6 +41,30 @@ class Flag:
     @property
     def dest(self) -> str:
         return self.name.lstrip("-").replace("-", "_")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error, like every other error of ours (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def unrecognized(self, extra: list[str]):
+        """The error for arguments no flag takes, with the closest flag to the first one."""
+        bad = next((a for a in extra if a.startswith("-")), extra[0])
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        close = difflib.get_close_matches(bad.partition("=")[0], known, n=1)
+        self.error(f"unrecognized argument {bad}" + (f"; did you mean {close[0]}?" if close else ""))
+
+
+def shard_count(text: str) -> int:
+    """launch --ps: how many shards to start; shard addresses get told what --ps means here."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not a number: on launch, --ps is how many shards to start on this machine "
+            "(`pserver worker` and `pserver status` take shard addresses host:port)") from None
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -100,6 +125,8 @@ WORKER_FLAGS = [
     Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files, downloaded there when "
                                                 "missing (default $XDG_CACHE_HOME/pserver/mnist, "
                                                 "~/.cache/pserver/mnist)")),
+    Flag("--scale-uint8", dict(choices=("auto", "none"), help="a .npz whose x is uint8 (0-255 pixels): "
+                               "auto (default) divides it by 255 and says so; none keeps the raw values")),
     Flag("--samples", dict(type=int, help="synthetic, criteo-synthetic: training samples (default 60000)")),
     Flag("--test-samples", dict(type=int, help="synthetic, criteo-synthetic: test samples; criteo:PATH: at most "
                                                         "this many held-out lines (default 10000)")),
@@ -183,9 +210,10 @@ def forward(ns, flags) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pserver", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="pserver", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"pserver {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    p.commands = sub.choices          # name -> its parser, for main's errors
     fmt = argparse.RawDescriptionHelpFormatter
 
     s = sub.add_parser("serve", help="run one parameter-server shard", formatter_class=fmt,
@@ -206,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run one worker: pull weights, compute gradients with numba kernels, push them.\n"
                                    "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 --num-workers 2 --dataset mnist")
     g = w.add_argument_group("cluster (TF_CONFIG with task.type worker or chief fills what is not given)")
-    g.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]", help="shard addresses host:port, shard 0 first")
+    g.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]",
+                   help="shard addresses host:port, shard 0 first (default: TF_CONFIG's cluster.ps, "
+                        "else 127.0.0.1:2222, which the worker then says it dials)")
     g.add_argument("--rank", type=int, default=None, help="this worker's rank; 0 is the chief (default 0)")
     g.add_argument("--num-workers", type=int, default=None, help="number of workers N (default 1)")
     g.add_argument("--summary-json", default=None, metavar="PATH", help="chief: write the run summary here")
@@ -220,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "prefix their output with their role, stop everything if one fails, and report.\n"
                                     "Any serve or worker flag below is passed on to every shard or worker.\n"
                                     "Example: pserver launch --ps 2 --workers 4 --dataset mnist --optimizer adam --lr 0.001 --epochs 2")
-    la.add_argument("--ps", type=int, default=1, metavar="S", help="number of shards (default 1)")
+    la.add_argument("--ps", type=shard_count, default=1, metavar="S",
+                    help="number of shards to start (default 1); worker and status take addresses instead")
     la.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
     la.add_argument("--summary-json", default=None, metavar="PATH", help="write the run summary here")
     la.add_argument("--delay-ranks", type=int_list, default=None, metavar="I,J",
@@ -256,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_ps(text: str) -> tuple[str, ...]:
+def parse_ps(text: str, command: str) -> tuple[str, ...]:
+    if text.strip().isdigit():
+        raise ConfigError(f"--ps: '{text}' is a number: on {command}, --ps takes shard addresses "
+                          "host:port, shard 0 first (`pserver launch --ps S` starts S shards)")
     addrs = tuple(parse_address(a) for a in text.split(",") if a.strip())
     if not addrs:
         raise ConfigError("--ps: give at least one shard address host:port")
@@ -272,6 +306,7 @@ def security_given(ns, flags) -> dict:
 def server_config(ns) -> ServerConfig:
     kw = given(ns, SERVER_FLAGS + COMMON_FLAGS) | security_given(ns, SERVE_SECURITY)
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
+    refuse_evaluator(cluster)
     if cluster and cluster.task_type == "ps":
         kw.update(shard=cluster.task_index, num_shards=len(cluster.ps),
                   port=int(cluster.ps[cluster.task_index].rpartition(":")[2]))
@@ -283,13 +318,26 @@ def server_config(ns) -> ServerConfig:
     return ServerConfig(**kw)
 
 
+def refuse_evaluator(cluster) -> None:
+    """TF_CONFIG's evaluator task (TensorFlow evaluates the newest checkpoint there while
+    the others train) has no pserver counterpart: the chief evaluates. Refused, not ignored."""
+    if cluster and cluster.task_type == "evaluator":
+        raise ConfigError("TF_CONFIG: task.type 'evaluator' is not supported: pserver has no evaluator "
+                          "task (the chief, rank 0, evaluates on the test set after every epoch and with "
+                          "--eval-every); leave this task out of the job")
+
+
 def worker_config(ns) -> WorkerConfig:
     kw = given(ns, WORKER_FLAGS + COMMON_FLAGS) | security_given(ns, CLIENT_SECURITY)
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
+    refuse_evaluator(cluster)
     if cluster and cluster.task_type in ("worker", "chief"):
         kw.update(ps=cluster.ps, rank=cluster.rank, num_workers=len(cluster.workers))
     if ns.ps is not None:
-        kw["ps"] = parse_ps(ns.ps)
+        kw["ps"] = parse_ps(ns.ps, "worker")
+    elif "ps" not in kw:
+        print(f"pserver worker: no --ps and no TF_CONFIG: dialing {WorkerConfig.ps[0]}, the default shard "
+              "address", flush=True)
     for name in ("rank", "num_workers", "summary_json", "stats_json"):
         if getattr(ns, name) is not None:
             kw[name] = getattr(ns, name)
@@ -326,6 +374,9 @@ def cmd_launch(ns) -> int:
     # Our own cluster gets a fresh random token unless one is given (flag or environment).
     token = security_given(ns, [])["auth_token"] or secrets.token_urlsafe(32)
     check_writable("--summary-json", ns.summary_json)
+    for flag, count in (("--ps", ns.ps), ("--workers", ns.workers)):
+        if count < 1:
+            raise ConfigError(f"{flag}: launch needs 1 or more, got {count}")
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks, delay_for=parse_delay_for(ns.delay_for, ns.workers),
                        auth_token=token,
@@ -337,7 +388,9 @@ def cmd_launch(ns) -> int:
     where = write_directory(server_cfg)
     if where:
         check_directory(*where)        # now, rather than as a shard's exit once it started
-    WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))
+    worker_cfg = WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))
+    from pserver.worker import check_data
+    check_data(worker_cfg)
     worker_argv = strip_flag(strip_flag(forward(ns, worker_flags), "--delay"), "--device")  # per rank
     return launch(cfg, forward(ns, server_flags), worker_argv)     # no token in either argv
 
@@ -384,7 +437,7 @@ def cmd_status(ns) -> int:
             raise ConfigError("--ps: give the shard addresses (or set TF_CONFIG)")
         addrs = cluster.ps
     else:
-        addrs = parse_ps(text)
+        addrs = parse_ps(text, "status")
     from pserver.security import client_security
     return show_status(addrs, ns.timeout, as_json=ns.json,
                        security=client_security(security_given(ns, [])["auth_token"], ns.tls_ca))
@@ -413,7 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     # gRPC's C core prints INFO lines (one per failed TLS handshake, say) that would bury
     # the one line we print; read before grpc loads, and GRPC_VERBOSITY=debug still wins.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands[ns.command].unrecognized(extra)
     try:
         return COMMANDS[ns.command](ns)
     except ConfigError as e:

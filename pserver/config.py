@@ -103,6 +103,7 @@ class WorkerConfig:
     model: str = "mlp"            # mlp, logreg, linreg, cnn, or FILE.py:FUNCTION / package.module:FUNCTION
     hidden: tuple[int, ...] | None = None  # hidden widths: mlp (256,256), wide_deep/deepfm towers (256,128)
     dataset: str = "synthetic"    # synthetic, mnist, a path to a .npz file, criteo-synthetic or criteo:PATH
+    scale_uint8: str = "auto"     # .npz: divide uint8 features by 255 (auto, saying so) or not (none)
     data_dir: str | None = None   # where the mnist IDX files are (None: data.default_mnist_dir())
     samples: int = 60000          # synthetic, criteo-synthetic: training samples
     test_samples: int = 10000     # synthetic, criteo-synthetic: test samples; criteo:PATH: at most this many

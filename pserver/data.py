@@ -45,6 +45,7 @@ TASKS = ("classification", "regression")
 SYNTHETIC_SEPARATION = 5.5
 SYNTHETIC_REGRESSION_NOISE = 0.1  # target noise std; the signal's std is ~1
 HOLDOUT_FRACTION = 0.1  # of an .npz without x_test/y_test
+SCALE_UINT8 = ("auto", "none")  # auto: an .npz's uint8 features (0-255 pixels) are divided by 255
 
 MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/",
                  "https://storage.googleapis.com/cvdf-datasets/mnist/",
@@ -162,7 +163,7 @@ def describe(ds) -> str:
 
 def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task: str = "classification",
                  samples: int = 60000, test_samples: int = 10000, features: int = 784,
-                 classes: int = 10):
+                 classes: int = 10, scale_uint8: str = "auto"):
     """Load `spec`: "synthetic", "mnist", a path ending in .npz (each a Dataset), or Criteo data:
     "criteo:PATH" (a TSV file, plain or .gz, streamed) or "criteo-synthetic" (see pserver.criteo).
 
@@ -170,7 +171,8 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
     `criteo-synthetic`; test_samples caps the test set held out of a Criteo file. seed generates
     both synthetic kinds and shuffles an .npz's held-out test set. task="regression" asks for float targets: synthetic
     then draws a linear-regression task, and integer labels (mnist, .npz) become float32 targets.
-    A float `y` in an .npz is always regression.
+    A float `y` in an .npz is always regression. An .npz's uint8 features (images, 0-255)
+    are divided by 255, saying so, unless scale_uint8 is "none".
     """
     if task not in TASKS:
         raise ConfigError(f"--task: unknown task {task!r}; choose classification or regression")
@@ -182,8 +184,11 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
     if spec == "criteo-synthetic" or spec.startswith("criteo:"):
         return _load_criteo(spec, seed, task, samples, test_samples)
     if spec.lower().endswith(".npz"):
-        return as_task(_load_npz(spec, seed), task)
-    raise ConfigError(f"--dataset: unknown dataset {spec!r}; choose synthetic, mnist, criteo-synthetic, "
+        if scale_uint8 not in SCALE_UINT8:
+            raise ConfigError(f"--scale-uint8: {scale_uint8!r} is not one of {', '.join(SCALE_UINT8)}")
+        return as_task(_load_npz(spec, seed, scale_uint8 == "auto"), task)
+    raise ConfigError(f"--dataset: unknown dataset {spec!r}; "
+                      "choose synthetic, mnist, criteo-synthetic, "
                       "criteo:PATH (a Criteo TSV file) or a path to a .npz file")
 
 
@@ -475,8 +480,17 @@ def _one_line(e: BaseException) -> str:
 
 # ---------------------------------------------------------------- .npz
 
-def _load_npz(path: str, seed: int) -> Dataset:
-    return _dataset(path, _read_npz(path), seed)
+def _load_npz(path: str, seed: int, scale_uint8: bool) -> Dataset:
+    arrays = _read_npz(path)
+    if scale_uint8:
+        raw = [key for key in ("x", "x_test") if key in arrays and arrays[key].dtype == np.uint8]
+        for key in raw:
+            arrays[key] = np.divide(arrays[key], 255, dtype=np.float32)
+        if raw:
+            # Unscaled pixels train to nonsense (losses in the hundreds) without a word otherwise.
+            print(f"{path}: {' and '.join(raw)} {'are' if len(raw) > 1 else 'is'} uint8: scaled from "
+                  "0-255 to [0, 1] (--scale-uint8 none keeps the raw values)", flush=True)
+    return _dataset(path, arrays, seed)
 
 
 def _dataset(path: str, arrays: dict[str, np.ndarray], seed: int) -> Dataset:

@@ -7,6 +7,7 @@ the pushes combine and how long each pull waits. The loop does not branch on the
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 
@@ -19,7 +20,7 @@ from pserver.criteo import CriteoData
 from pserver.data import Dataset, Stream, as_task, describe, load_dataset
 from pserver.device import describe as describe_device
 from pserver.device import parse_device, select
-from pserver.errors import ConfigError, DeadlineExceeded, FailedPrecondition, PServerError
+from pserver.errors import ConfigError, DataError, DeadlineExceeded, FailedPrecondition, PServerError
 from pserver.metrics import (EvalCurve, Progress, StepTimer, combine_counters, format_summary,
                              sparse_summary, write_json)
 from pserver.models import make_model
@@ -38,10 +39,7 @@ def build(cfg: WorkerConfig):
     number of classes; then the data is checked against the model, before any training.
     """
     device = select(parse_device(cfg.device))   # before the model: it binds to this device
-    task = "regression" if cfg.model == "linreg" else "classification"
-    ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, task=task,
-                      samples=cfg.samples, test_samples=cfg.test_samples, features=cfg.features,
-                      classes=cfg.classes)
+    ds = load_data(cfg)
     model = make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden, **table_options(cfg),
                        backend=device.backend)
     return device, fit_data(model, ds), model
@@ -53,6 +51,23 @@ def table_options(cfg: WorkerConfig) -> dict:
         return {}
     return dict(embedding_dim=cfg.embedding_dim, optimizer=cfg.row_optimizer, lr=cfg.row_lr,
                 min_count=cfg.min_count, max_rows=cfg.max_rows, ttl_steps=cfg.ttl_steps, seed=cfg.seed)
+
+
+def load_data(cfg: WorkerConfig) -> Dataset:
+    task = "regression" if cfg.model == "linreg" else "classification"
+    return load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, task=task,
+                        samples=cfg.samples, test_samples=cfg.test_samples, features=cfg.features,
+                        classes=cfg.classes, scale_uint8=cfg.scale_uint8)
+
+
+def check_data(cfg: WorkerConfig) -> None:
+    """What every worker would find wrong with the data (a dataset name, a directory, a
+    file, a batch larger than a worker's slice), found once, before anything starts: as a
+    ConfigError, which `pserver launch` exits 2 with."""
+    try:   # quietly: the workers say what they do with the data
+        load_data(dataclasses.replace(cfg, scale_uint8="none")).steps(cfg.num_workers, cfg.batch_size)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
 
 
 def fit_data(model, ds: Dataset | Stream) -> Dataset | Stream:

@@ -431,3 +431,20 @@ def test_npz_file_problems(tmp_path):
         np.save(f, np.ones(3))
     with pytest.raises(DataError, match="single .npy array"):
         load_dataset(str(single))
+
+
+def test_uint8_npz_features_are_scaled_to_unit_range_unless_told_not_to(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (50, 6), dtype=np.uint8)
+    path = str(tmp_path / "pixels.npz")
+    np.savez(path, x=x, y=np.arange(50) % 2, x_test=x[:5], y_test=np.arange(5) % 2)
+    ds = load_dataset(path)
+    said = capsys.readouterr().out
+    assert said == f"{path}: x and x_test are uint8: scaled from 0-255 to [0, 1] (--scale-uint8 none keeps the raw values)\n"
+    np.testing.assert_array_equal(np.sort(ds.x_test, axis=0), np.sort(x[:5] / np.float32(255), axis=0))
+    assert 0.0 <= ds.x_train.min() and ds.x_train.max() <= 1.0
+    raw = load_dataset(path, scale_uint8="none")
+    assert capsys.readouterr().out == "" and raw.x_train.max() > 1.0
+    np.testing.assert_array_equal(raw.x_test, x[:5].astype(np.float32))
+    with pytest.raises(ConfigError, match="--scale-uint8: 'always'"):
+        load_dataset(path, scale_uint8="always")
