@@ -58,13 +58,14 @@ def test_launch_names_the_failing_process(tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["--dataset", "mnits"], "--dataset: unknown dataset 'mnits'"),
-    (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "--data-dir /nonexistent/mnist does not exist"),
+    (["--dataset", "mnist", "--data-dir", "BAD.npz/mnist"], "cannot create --data-dir"),
     (["--dataset", "BAD.npz"], "not a readable .npz file"),
     (["--samples", "100", "--batch-size", "64"], "--batch-size: 64 is larger than each worker's slice of 50"),
 ])
 def test_launch_checks_the_data_before_anything_starts(tmp_path, args, words):
     (tmp_path / "BAD.npz").write_text("not a zip")
-    r = run("launch", "--ps", "1", "--workers", "2", *[str(tmp_path / a) if a == "BAD.npz" else a for a in args])
+    r = run("launch", "--ps", "1", "--workers", "2",
+            *[str(tmp_path / a) if a.startswith("BAD.npz") else a for a in args])
     assert r.returncode == 2 and r.stdout == "", r.stdout          # no shard, no worker started
     one_clear_line(r, "pserver launch: error:", words)
 
