@@ -25,7 +25,7 @@ from typing import Iterator
 import numpy as np
 from numba import njit
 
-from pserver.data import _check_int, steps_per_epoch
+from pserver.data import _check_int, _check_rank, steps_per_epoch
 from pserver.errors import ConfigError, DataError
 
 NUM_DENSE = 13
@@ -105,6 +105,19 @@ _LOG1P = np.log1p(np.arange(1 << 16, dtype=np.float64)).astype(np.float32)
 
 
 @njit(cache=True, nogil=True)
+def _scan_number(buf, p, end, digit, base, max_digits):
+    """The number in buf[p:] up to the next tab (or end): (value, digits, where it stopped);
+    digits is -1 for a byte that is not a digit (`digit`: byte -> value or -1) or too many digits."""
+    v, digits = 0, 0
+    while p < end and buf[p] != 9:
+        d = digit[buf[p]]
+        if d < 0 or digits == max_digits:
+            return 0, -1, p
+        v, digits, p = v * base + d, digits + 1, p + 1
+    return v, digits, p
+
+
+@njit(cache=True, nogil=True)
 def _parse_line(buf, p, end, k, labels, dense, cat, bases, decimal, hexa, log1p):
     """Line k (buf[p:end], no newline) into row k; False if it is malformed (the row is then junk).
     One pass: each field is decoded as its bytes are scanned for the next tab."""
@@ -118,26 +131,18 @@ def _parse_line(buf, p, end, k, labels, dense, cat, bases, decimal, hexa, log1p)
         negative = p < end and buf[p] == 45   # '-'
         if negative:
             p += 1
-        v, digits = 0, 0
-        while p < end and buf[p] != 9:
-            d = decimal[buf[p]]
-            if d < 0 or digits == MAX_INT_DIGITS:
-                return False
-            v, digits, p = v * 10 + d, digits + 1, p + 1
-        if p == end or (negative and digits == 0):
-            return False                  # too few columns, or a lone '-'
+        v, digits, p = _scan_number(buf, p, end, decimal, 10, MAX_INT_DIGITS)
+        if digits < 0 or p == end or (negative and digits == 0):
+            return False                  # not a number, too few columns, or a lone '-'
         p += 1
         if negative or v == 0:
             dense[k, j] = 0.0
         else:
             dense[k, j] = log1p[v] if v < log1p.shape[0] else np.float32(math.log1p(v))
     for j in range(NUM_CAT):
-        v, digits = 0, 0
-        while p < end and buf[p] != 9:
-            d = hexa[buf[p]]
-            if d < 0 or digits == MAX_HEX_DIGITS:
-                return False
-            v, digits, p = v * 16 + d, digits + 1, p + 1
+        v, digits, p = _scan_number(buf, p, end, hexa, 16, MAX_HEX_DIGITS)
+        if digits < 0:
+            return False
         cat[k, j] = np.int64(_mix(bases[j] + np.uint64(v + 1 if digits else 0)))
         if j < NUM_CAT - 1:
             if p == end:
@@ -258,6 +263,9 @@ class MalformedLines:
 
 # ---------------------------------------------------------------- a file, streamed
 
+_FEATURES = f"{NUM_DENSE} dense + {NUM_CAT} categorical features, 2 classes"
+
+
 @dataclass(frozen=True, eq=False)
 class CriteoData:
     """What the worker loop uses of a dataset, for both kinds of Criteo data."""
@@ -270,6 +278,14 @@ class CriteoData:
     @property
     def num_test(self) -> int:
         return len(self.x_test)
+
+    def epoch(self, rank: int, num_workers: int, batch_size: int, seed: int,
+              epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Rank's batches of this epoch (seed: the dataset's own, given at load)."""
+        _check_rank(rank, num_workers)
+        self.steps(num_workers, batch_size)   # a bad flag fails here, not at the first batch
+        _check_int("--batch-size", batch_size, 1)
+        return self._batches(rank, num_workers, batch_size, epoch)
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,18 +309,10 @@ class CriteoFile(CriteoData):
     def describe(self) -> str:
         return (f"dataset {self.name}: streamed, each worker its share of the training lines; "
                 f"{self.num_test} test samples (every {TEST_EVERY}th of the first {self.test_lines} "
-                f"lines), {NUM_DENSE} dense + {NUM_CAT} categorical features, 2 classes")
+                f"lines), {_FEATURES}")
 
-    def epoch(self, rank: int, num_workers: int, batch_size: int, seed: int,
-              epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        _check_int("--num-workers", num_workers, 1)
-        _check_int("--batch-size", batch_size, 1)
-        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_workers:
-            raise ConfigError(f"--rank: must be in [0, {num_workers}) for {num_workers} workers, got {rank!r}")
-        return self._batches(rank, num_workers, batch_size, rank == 0 and epoch == 0)
-
-    def _batches(self, rank, num_workers, batch_size, report):
-        bad = MalformedLines(self.path, report)
+    def _batches(self, rank, num_workers, batch_size, epoch):
+        bad = MalformedLines(self.path, report=rank == 0 and epoch == 0)
         mine = _Pending(batch_size)
         trained = 0   # training lines so far, every worker's
         for block in read_blocks(self.path):
@@ -617,18 +625,12 @@ class CriteoSynthetic(CriteoData):
         return self.bias + planted(self.seed, x["cat"], pairwise)
 
     def describe(self) -> str:
-        return (f"dataset {self.name}: {self.samples} train / {self.num_test} test samples, {NUM_DENSE} "
-                f"dense + {NUM_CAT} categorical features, 2 classes; the planted model's test AUC is "
+        return (f"dataset {self.name}: {self.samples} train / {self.num_test} test samples, {_FEATURES}; "
+                f"the planted model's test AUC is "
                 f"{self.best_auc:.4f} ({self.linear_auc:.4f} without its pairwise terms)")
 
-    def epoch(self, rank: int, num_workers: int, batch_size: int, seed: int,
-              epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def _batches(self, rank, num_workers, batch_size, epoch):
         steps = self.steps(num_workers, batch_size)
-        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_workers:
-            raise ConfigError(f"--rank: must be in [0, {num_workers}) for {num_workers} workers, got {rank!r}")
-        return self._batches(rank, num_workers, batch_size, steps)
-
-    def _batches(self, rank, num_workers, batch_size, steps):
         per_chunk = max(1, _GENERATE_CHUNK // batch_size)   # rounds generated at once
         for first in range(0, steps, per_chunk):
             rounds = np.arange(first, min(steps, first + per_chunk), dtype=np.uint64)

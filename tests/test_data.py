@@ -343,8 +343,8 @@ def test_synthetic_rejects_bad_options(kwargs, flag):
 def test_unknown_dataset():
     with pytest.raises(ConfigError) as err:
         load_dataset("cifar")
-    assert str(err.value) == ("--dataset: unknown dataset 'cifar'; choose synthetic, mnist "
-                              "or a path to a .npz file")
+    assert str(err.value) == ("--dataset: unknown dataset 'cifar'; choose synthetic, mnist, criteo-synthetic, "
+                              "criteo:PATH (a Criteo TSV file) or a path to a .npz file")
 
 
 # ---------------------------------------------------------------- .npz
