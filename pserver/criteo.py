@@ -19,7 +19,7 @@ import gzip
 import math
 import sys
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -40,6 +40,7 @@ MAX_INT_DIGITS = 18   # beyond that an integer feature would overflow int64: mal
 TEST_EVERY = 10
 BLOCK_BYTES = 4 << 20   # read and parse the file this many bytes at a time
 REPORTED_LINES = 5      # malformed lines reported one by one; the rest only counted
+MAX_LINE_BYTES = 1 << 20   # a longer line means the file is not Criteo TSV (and would fill memory)
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -222,11 +223,14 @@ def read_blocks(path: str, block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
             while chunk := f.read(block_bytes):
                 data = rest + chunk
                 cut = data.rfind(b"\n") + 1
-                rest = data[cut:]
                 if cut:
                     block = parse_block(np.frombuffer(data, np.uint8, cut), first)
                     first += len(block.ok)
                     yield block
+                rest = data[cut:]
+                if len(rest) > MAX_LINE_BYTES:
+                    raise DataError(f"{path}: line {first + 1} is longer than {MAX_LINE_BYTES} bytes: "
+                                    "not a Criteo TSV file")
     except (OSError, EOFError, zlib.error) as e:   # a cut or corrupt gzip stream, a vanished file
         raise DataError(f"{path}: cannot read ({' '.join(str(e).split()) or type(e).__name__})") from None
     if rest:
@@ -397,7 +401,7 @@ DENSE_LOG_MEAN, DENSE_LOG_STD = 1.0, 1.5   # integer features: floor(exp(N(1, 1.
 TEST_START = 1 << 40
 CALIBRATION_START = 1 << 41
 CALIBRATION_SAMPLES = 100_000
-ZIPF_ATTEMPTS = 32     # rejections per draw (each < 10% likely); the 32nd attempt's id is kept
+ZIPF_ATTEMPTS = 32     # attempts per draw (each rejected with p < 1%); the 32nd attempt's id is kept
 _SAMPLE_STREAMS = NUM_CAT * ZIPF_ATTEMPTS   # then a pair per 2 integer features, then the label's
 _GENERATE_CHUNK = 1 << 16                  # samples generated at once
 
