@@ -443,6 +443,8 @@ _H_X1 = _h_integral.py_func(1.5) - 1.0
 _H_N = _h_integral.py_func(SYNTHETIC_VOCABS + 0.5)
 _S = 2.0 - _h_integral_inverse.py_func(_h_integral.py_func(2.5) - 2.0 ** -ZIPF_EXPONENT)
 _PAIRS = np.array(FM_PAIRS, np.int64)
+_PAIRED = np.isin(np.arange(NUM_CAT), _PAIRS)   # the fields whose ids have factors
+HEAD_IDS = 1024   # each field's most frequent ids whose params generate() tabulates (~90% of draws)
 
 
 @njit(cache=True, nogil=True)
@@ -460,60 +462,79 @@ def _zipf_at(h0, field, vocab, h_n):
 
 
 @njit(cache=True, nogil=True)
-def _factors_at(h0, out):
-    """An id's FACTOR_RANK planted factors, from normal pairs at streams 2, 4, ... (stream 0: its weight)."""
-    for r in range(0, FACTOR_RANK, 2):
-        out[r], out[r + 1] = _normals_at(h0, 2 + r)
+def _id_params(h0, out, factors):
+    """An id's planted weight (out[0]) and, if `factors`, its FACTOR_RANK factors (out[1:]), from
+    normal pairs at streams 0 (the weight), 2, 4, ...; h0 = splitmix64(id ^ salt)."""
+    out[0] = WEIGHT_STD * _normals_at(h0, 0)[0]
+    if factors:
+        for r in range(0, FACTOR_RANK, 2):
+            a, b = _normals_at(h0, 2 + r)
+            out[1 + r], out[2 + r] = FACTOR_STD * a, FACTOR_STD * b
 
 
 @njit(cache=True, nogil=True)
-def _planted_at(ids, salt, pairs, pairwise, va, vb):
-    """The planted model's logit, without its bias, for one sample's 26 ids (as uint64)."""
+def _logit_of(params, pairs, pairwise):
+    """The planted logit without bias from one sample's per-field params (26, 1 + FACTOR_RANK)."""
     logit = 0.0
-    for f in range(ids.shape[0]):
-        logit += WEIGHT_STD * _normals_at(_mix(ids[f] ^ salt), 0)[0]
+    for f in range(params.shape[0]):
+        logit += params[f, 0]
     if pairwise:
         for p in range(pairs.shape[0]):
-            _factors_at(_mix(ids[pairs[p, 0]] ^ salt), va)
-            _factors_at(_mix(ids[pairs[p, 1]] ^ salt), vb)
-            for r in range(FACTOR_RANK):   # a loop: np.dot would call BLAS for 4 numbers
-                logit += FACTOR_STD ** 2 * va[r] * vb[r]
+            for r in range(1, 1 + FACTOR_RANK):   # a loop: np.dot would call BLAS for 4 numbers
+                logit += params[pairs[p, 0], r] * params[pairs[p, 1], r]
     return logit
 
 
 @njit(cache=True, nogil=True)
-def _generate_kernel(index, salt, id_salt, bias, vocabs, h_n, bases, pairs, cat, dense, y):
-    """Samples index[i] into cat[i] (int64 ids), dense[i] and y[i]."""
-    ids = np.empty(NUM_CAT, np.uint64)
-    va, vb = np.empty(FACTOR_RANK), np.empty(FACTOR_RANK)
+def _head_params(id_salt, bases, paired, out):
+    """out[f, k - 1]: the params of field f's k-th most frequent id, for k up to out.shape[1]."""
+    for f in range(out.shape[0]):
+        for k in range(out.shape[1]):
+            _id_params(_mix(_mix(bases[f] + np.uint64(k + 1)) ^ id_salt), out[f, k], paired[f])
+
+
+@njit(cache=True, nogil=True)
+def _generate_kernel(index, salt, id_salt, bias, vocabs, h_n, bases, pairs, paired, head, cat, dense, y):
+    """Samples index[i] into cat[i] (int64 ids), dense[i] and y[i]; head: _head_params' table,
+    which spares most ids (Zipf: the frequent ones) the normals of their params."""
+    params = np.zeros((NUM_CAT, 1 + FACTOR_RANK))
     for i in range(index.shape[0]):
         h0 = _mix(index[i] ^ salt)
         for f in range(NUM_CAT):
-            ids[f] = _mix(bases[f] + np.uint64(_zipf_at(h0, f, vocabs[f], h_n[f])))
-            cat[i, f] = np.int64(ids[f])
+            k = _zipf_at(h0, f, vocabs[f], h_n[f])
+            id_ = _mix(bases[f] + np.uint64(k))
+            cat[i, f] = np.int64(id_)
+            if k <= head.shape[1]:
+                params[f] = head[f, int(k) - 1]
+            else:
+                _id_params(_mix(id_ ^ id_salt), params[f], paired[f])
         for j in range(0, NUM_DENSE, 2):
             pair = _normals_at(h0, _SAMPLE_STREAMS + j)
             for t in range(min(2, NUM_DENSE - j)):
                 count = math.floor(math.exp(DENSE_LOG_MEAN + DENSE_LOG_STD * pair[t]))
                 dense[i, j + t] = np.float32(math.log1p(count))
-        p = 1.0 / (1.0 + math.exp(-(bias + _planted_at(ids, id_salt, pairs, True, va, vb))))
+        p = 1.0 / (1.0 + math.exp(-(bias + _logit_of(params, pairs, True))))
         y[i] = 1.0 if _uniform_at(h0, _SAMPLE_STREAMS + NUM_DENSE + 1) < p else 0.0
 
 
 @njit(cache=True, nogil=True)
-def _planted_kernel(cat, id_salt, pairs, pairwise, out):
-    va, vb = np.empty(FACTOR_RANK), np.empty(FACTOR_RANK)
+def _planted_kernel(cat, id_salt, pairs, paired, pairwise, out):
+    params = np.zeros((NUM_CAT, 1 + FACTOR_RANK))
     for i in range(cat.shape[0]):
-        out[i] = _planted_at(cat[i].view(np.uint64), id_salt, pairs, pairwise, va, vb)
+        for f in range(NUM_CAT):
+            _id_params(_mix(np.uint64(cat[i, f]) ^ id_salt), params[f], paired[f] and pairwise)
+        out[i] = _logit_of(params, pairs, pairwise)
 
 
 def generate(seed: int, bias: float, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Samples `index` (uint64) of criteo-synthetic with this seed: (RECORD (n,), float32 0/1 (n,))."""
-    index = np.ascontiguousarray(index, dtype=np.uint64)
+    index, id_salt = np.ascontiguousarray(index, dtype=np.uint64), _salt(seed, 1)
+    head = np.zeros((NUM_CAT, HEAD_IDS, 1 + FACTOR_RANK))
+    _head_params(id_salt, _FIELD_BASES, _PAIRED, head)
     cat, dense = np.empty((len(index), NUM_CAT), np.int64), np.empty((len(index), NUM_DENSE), np.float32)
     y = np.empty(len(index), np.float32)
-    _generate_kernel(index, _salt(seed, 0), _salt(seed, 1), float(bias), SYNTHETIC_VOCABS.astype(np.float64),
-                     _H_N, _FIELD_BASES, _PAIRS, cat, dense, y)
+    _generate_kernel(index, _salt(seed, 0), id_salt, float(bias), SYNTHETIC_VOCABS.astype(np.float64), _H_N,
+                     _FIELD_BASES, _PAIRS, _PAIRED, head, cat, dense, y)
     x = np.empty(len(index), RECORD)
     x["cat"], x["dense"] = cat, dense
     return x, y
@@ -522,7 +543,7 @@ def generate(seed: int, bias: float, index: np.ndarray) -> tuple[np.ndarray, np.
 def planted(seed: int, cat: np.ndarray, pairwise: bool = True) -> np.ndarray:
     """The planted model's logits without the bias, for int64 ids cat (n, 26): float64 (n,)."""
     out = np.empty(len(cat))
-    _planted_kernel(np.ascontiguousarray(cat, dtype=np.int64), _salt(seed, 1), _PAIRS, pairwise, out)
+    _planted_kernel(np.ascontiguousarray(cat, dtype=np.int64), _salt(seed, 1), _PAIRS, _PAIRED, pairwise, out)
     return out
 
 
@@ -561,15 +582,15 @@ def zipf_ranks_numpy(index: np.ndarray, salt: np.uint64) -> np.ndarray:
 
 def _factors_numpy(h0: np.ndarray) -> np.ndarray:
     pairs = [np.stack(_normals_numpy(h0, 2 + r), axis=-1) for r in range(0, FACTOR_RANK, 2)]
-    return np.concatenate(pairs, axis=-1)
+    return FACTOR_STD * np.concatenate(pairs, axis=-1)
 
 
 def planted_numpy(seed: int, cat: np.ndarray, pairwise: bool = True) -> np.ndarray:
     h0 = splitmix64(np.ascontiguousarray(cat).view(np.uint64) ^ _salt(seed, 1))
-    logit = WEIGHT_STD * _normals_numpy(h0, 0)[0].sum(axis=1)
+    logit = (WEIGHT_STD * _normals_numpy(h0, 0)[0]).sum(axis=1)
     if pairwise:
         for a, b in FM_PAIRS:
-            logit += FACTOR_STD ** 2 * (_factors_numpy(h0[:, a]) * _factors_numpy(h0[:, b])).sum(axis=1)
+            logit += (_factors_numpy(h0[:, a]) * _factors_numpy(h0[:, b])).sum(axis=1)
     return logit
 
 
