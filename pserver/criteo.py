@@ -19,13 +19,13 @@ import gzip
 import math
 import sys
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 from numba import njit
 
-from pserver.data import _check_int, steps_per_epoch
+from pserver.data import _check_int, _check_rank, steps_per_epoch
 from pserver.errors import ConfigError, DataError
 
 NUM_DENSE = 13
@@ -40,6 +40,7 @@ MAX_INT_DIGITS = 18   # beyond that an integer feature would overflow int64: mal
 TEST_EVERY = 10
 BLOCK_BYTES = 4 << 20   # read and parse the file this many bytes at a time
 REPORTED_LINES = 5      # malformed lines reported one by one; the rest only counted
+MAX_LINE_BYTES = 1 << 20   # a longer line means the file is not Criteo TSV (and would fill memory)
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -105,6 +106,19 @@ _LOG1P = np.log1p(np.arange(1 << 16, dtype=np.float64)).astype(np.float32)
 
 
 @njit(cache=True, nogil=True)
+def _scan_number(buf, p, end, digit, base, max_digits):
+    """The number in buf[p:] up to the next tab (or end): (value, digits, where it stopped);
+    digits is -1 for a byte that is not a digit (`digit`: byte -> value or -1) or too many digits."""
+    v, digits = 0, 0
+    while p < end and buf[p] != 9:
+        d = digit[buf[p]]
+        if d < 0 or digits == max_digits:
+            return 0, -1, p
+        v, digits, p = v * base + d, digits + 1, p + 1
+    return v, digits, p
+
+
+@njit(cache=True, nogil=True)
 def _parse_line(buf, p, end, k, labels, dense, cat, bases, decimal, hexa, log1p):
     """Line k (buf[p:end], no newline) into row k; False if it is malformed (the row is then junk).
     One pass: each field is decoded as its bytes are scanned for the next tab."""
@@ -118,26 +132,18 @@ def _parse_line(buf, p, end, k, labels, dense, cat, bases, decimal, hexa, log1p)
         negative = p < end and buf[p] == 45   # '-'
         if negative:
             p += 1
-        v, digits = 0, 0
-        while p < end and buf[p] != 9:
-            d = decimal[buf[p]]
-            if d < 0 or digits == MAX_INT_DIGITS:
-                return False
-            v, digits, p = v * 10 + d, digits + 1, p + 1
-        if p == end or (negative and digits == 0):
-            return False                  # too few columns, or a lone '-'
+        v, digits, p = _scan_number(buf, p, end, decimal, 10, MAX_INT_DIGITS)
+        if digits < 0 or p == end or (negative and digits == 0):
+            return False                  # not a number, too few columns, or a lone '-'
         p += 1
         if negative or v == 0:
             dense[k, j] = 0.0
         else:
             dense[k, j] = log1p[v] if v < log1p.shape[0] else np.float32(math.log1p(v))
     for j in range(NUM_CAT):
-        v, digits = 0, 0
-        while p < end and buf[p] != 9:
-            d = hexa[buf[p]]
-            if d < 0 or digits == MAX_HEX_DIGITS:
-                return False
-            v, digits, p = v * 16 + d, digits + 1, p + 1
+        v, digits, p = _scan_number(buf, p, end, hexa, 16, MAX_HEX_DIGITS)
+        if digits < 0:
+            return False
         cat[k, j] = np.int64(_mix(bases[j] + np.uint64(v + 1 if digits else 0)))
         if j < NUM_CAT - 1:
             if p == end:
@@ -217,11 +223,14 @@ def read_blocks(path: str, block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
             while chunk := f.read(block_bytes):
                 data = rest + chunk
                 cut = data.rfind(b"\n") + 1
-                rest = data[cut:]
                 if cut:
                     block = parse_block(np.frombuffer(data, np.uint8, cut), first)
                     first += len(block.ok)
                     yield block
+                rest = data[cut:]
+                if len(rest) > MAX_LINE_BYTES:
+                    raise DataError(f"{path}: line {first + 1} is longer than {MAX_LINE_BYTES} bytes: "
+                                    "not a Criteo TSV file")
     except (OSError, EOFError, zlib.error) as e:   # a cut or corrupt gzip stream, a vanished file
         raise DataError(f"{path}: cannot read ({' '.join(str(e).split()) or type(e).__name__})") from None
     if rest:
@@ -258,6 +267,9 @@ class MalformedLines:
 
 # ---------------------------------------------------------------- a file, streamed
 
+_FEATURES = f"{NUM_DENSE} dense + {NUM_CAT} categorical features, 2 classes"
+
+
 @dataclass(frozen=True, eq=False)
 class CriteoData:
     """What the worker loop uses of a dataset, for both kinds of Criteo data."""
@@ -270,6 +282,14 @@ class CriteoData:
     @property
     def num_test(self) -> int:
         return len(self.x_test)
+
+    def epoch(self, rank: int, num_workers: int, batch_size: int, seed: int,
+              epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Rank's batches of this epoch (seed: the dataset's own, given at load)."""
+        _check_rank(rank, num_workers)
+        self.steps(num_workers, batch_size)   # a bad flag fails here, not at the first batch
+        _check_int("--batch-size", batch_size, 1)
+        return self._batches(rank, num_workers, batch_size, epoch)
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,18 +313,10 @@ class CriteoFile(CriteoData):
     def describe(self) -> str:
         return (f"dataset {self.name}: streamed, each worker its share of the training lines; "
                 f"{self.num_test} test samples (every {TEST_EVERY}th of the first {self.test_lines} "
-                f"lines), {NUM_DENSE} dense + {NUM_CAT} categorical features, 2 classes")
+                f"lines), {_FEATURES}")
 
-    def epoch(self, rank: int, num_workers: int, batch_size: int, seed: int,
-              epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        _check_int("--num-workers", num_workers, 1)
-        _check_int("--batch-size", batch_size, 1)
-        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_workers:
-            raise ConfigError(f"--rank: must be in [0, {num_workers}) for {num_workers} workers, got {rank!r}")
-        return self._batches(rank, num_workers, batch_size, rank == 0 and epoch == 0)
-
-    def _batches(self, rank, num_workers, batch_size, report):
-        bad = MalformedLines(self.path, report)
+    def _batches(self, rank, num_workers, batch_size, epoch):
+        bad = MalformedLines(self.path, report=rank == 0 and epoch == 0)
         mine = _Pending(batch_size)
         trained = 0   # training lines so far, every worker's
         for block in read_blocks(self.path):
@@ -389,7 +401,7 @@ DENSE_LOG_MEAN, DENSE_LOG_STD = 1.0, 1.5   # integer features: floor(exp(N(1, 1.
 TEST_START = 1 << 40
 CALIBRATION_START = 1 << 41
 CALIBRATION_SAMPLES = 100_000
-ZIPF_ATTEMPTS = 32     # rejections per draw (each < 10% likely); the 32nd attempt's id is kept
+ZIPF_ATTEMPTS = 32     # attempts per draw (each rejected with p < 1%); the 32nd attempt's id is kept
 _SAMPLE_STREAMS = NUM_CAT * ZIPF_ATTEMPTS   # then a pair per 2 integer features, then the label's
 _GENERATE_CHUNK = 1 << 16                  # samples generated at once
 
@@ -431,6 +443,8 @@ _H_X1 = _h_integral.py_func(1.5) - 1.0
 _H_N = _h_integral.py_func(SYNTHETIC_VOCABS + 0.5)
 _S = 2.0 - _h_integral_inverse.py_func(_h_integral.py_func(2.5) - 2.0 ** -ZIPF_EXPONENT)
 _PAIRS = np.array(FM_PAIRS, np.int64)
+_PAIRED = np.isin(np.arange(NUM_CAT), _PAIRS)   # the fields whose ids have factors
+HEAD_IDS = 1024   # each field's most frequent ids whose params generate() tabulates (~90% of draws)
 
 
 @njit(cache=True, nogil=True)
@@ -448,60 +462,79 @@ def _zipf_at(h0, field, vocab, h_n):
 
 
 @njit(cache=True, nogil=True)
-def _factors_at(h0, out):
-    """An id's FACTOR_RANK planted factors, from normal pairs at streams 2, 4, ... (stream 0: its weight)."""
-    for r in range(0, FACTOR_RANK, 2):
-        out[r], out[r + 1] = _normals_at(h0, 2 + r)
+def _id_params(h0, out, factors):
+    """An id's planted weight (out[0]) and, if `factors`, its FACTOR_RANK factors (out[1:]), from
+    normal pairs at streams 0 (the weight), 2, 4, ...; h0 = splitmix64(id ^ salt)."""
+    out[0] = WEIGHT_STD * _normals_at(h0, 0)[0]
+    if factors:
+        for r in range(0, FACTOR_RANK, 2):
+            a, b = _normals_at(h0, 2 + r)
+            out[1 + r], out[2 + r] = FACTOR_STD * a, FACTOR_STD * b
 
 
 @njit(cache=True, nogil=True)
-def _planted_at(ids, salt, pairs, pairwise, va, vb):
-    """The planted model's logit, without its bias, for one sample's 26 ids (as uint64)."""
+def _logit_of(params, pairs, pairwise):
+    """The planted logit without bias from one sample's per-field params (26, 1 + FACTOR_RANK)."""
     logit = 0.0
-    for f in range(ids.shape[0]):
-        logit += WEIGHT_STD * _normals_at(_mix(ids[f] ^ salt), 0)[0]
+    for f in range(params.shape[0]):
+        logit += params[f, 0]
     if pairwise:
         for p in range(pairs.shape[0]):
-            _factors_at(_mix(ids[pairs[p, 0]] ^ salt), va)
-            _factors_at(_mix(ids[pairs[p, 1]] ^ salt), vb)
-            for r in range(FACTOR_RANK):   # a loop: np.dot would call BLAS for 4 numbers
-                logit += FACTOR_STD ** 2 * va[r] * vb[r]
+            for r in range(1, 1 + FACTOR_RANK):   # a loop: np.dot would call BLAS for 4 numbers
+                logit += params[pairs[p, 0], r] * params[pairs[p, 1], r]
     return logit
 
 
 @njit(cache=True, nogil=True)
-def _generate_kernel(index, salt, id_salt, bias, vocabs, h_n, bases, pairs, cat, dense, y):
-    """Samples index[i] into cat[i] (int64 ids), dense[i] and y[i]."""
-    ids = np.empty(NUM_CAT, np.uint64)
-    va, vb = np.empty(FACTOR_RANK), np.empty(FACTOR_RANK)
+def _head_params(id_salt, bases, paired, out):
+    """out[f, k - 1]: the params of field f's k-th most frequent id, for k up to out.shape[1]."""
+    for f in range(out.shape[0]):
+        for k in range(out.shape[1]):
+            _id_params(_mix(_mix(bases[f] + np.uint64(k + 1)) ^ id_salt), out[f, k], paired[f])
+
+
+@njit(cache=True, nogil=True)
+def _generate_kernel(index, salt, id_salt, bias, vocabs, h_n, bases, pairs, paired, head, cat, dense, y):
+    """Samples index[i] into cat[i] (int64 ids), dense[i] and y[i]; head: _head_params' table,
+    which spares most ids (Zipf: the frequent ones) the normals of their params."""
+    params = np.zeros((NUM_CAT, 1 + FACTOR_RANK))
     for i in range(index.shape[0]):
         h0 = _mix(index[i] ^ salt)
         for f in range(NUM_CAT):
-            ids[f] = _mix(bases[f] + np.uint64(_zipf_at(h0, f, vocabs[f], h_n[f])))
-            cat[i, f] = np.int64(ids[f])
+            k = _zipf_at(h0, f, vocabs[f], h_n[f])
+            id_ = _mix(bases[f] + np.uint64(k))
+            cat[i, f] = np.int64(id_)
+            if k <= head.shape[1]:
+                params[f] = head[f, int(k) - 1]
+            else:
+                _id_params(_mix(id_ ^ id_salt), params[f], paired[f])
         for j in range(0, NUM_DENSE, 2):
             pair = _normals_at(h0, _SAMPLE_STREAMS + j)
             for t in range(min(2, NUM_DENSE - j)):
                 count = math.floor(math.exp(DENSE_LOG_MEAN + DENSE_LOG_STD * pair[t]))
                 dense[i, j + t] = np.float32(math.log1p(count))
-        p = 1.0 / (1.0 + math.exp(-(bias + _planted_at(ids, id_salt, pairs, True, va, vb))))
+        p = 1.0 / (1.0 + math.exp(-(bias + _logit_of(params, pairs, True))))
         y[i] = 1.0 if _uniform_at(h0, _SAMPLE_STREAMS + NUM_DENSE + 1) < p else 0.0
 
 
 @njit(cache=True, nogil=True)
-def _planted_kernel(cat, id_salt, pairs, pairwise, out):
-    va, vb = np.empty(FACTOR_RANK), np.empty(FACTOR_RANK)
+def _planted_kernel(cat, id_salt, pairs, paired, pairwise, out):
+    params = np.zeros((NUM_CAT, 1 + FACTOR_RANK))
     for i in range(cat.shape[0]):
-        out[i] = _planted_at(cat[i].view(np.uint64), id_salt, pairs, pairwise, va, vb)
+        for f in range(NUM_CAT):
+            _id_params(_mix(np.uint64(cat[i, f]) ^ id_salt), params[f], paired[f] and pairwise)
+        out[i] = _logit_of(params, pairs, pairwise)
 
 
 def generate(seed: int, bias: float, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Samples `index` (uint64) of criteo-synthetic with this seed: (RECORD (n,), float32 0/1 (n,))."""
-    index = np.ascontiguousarray(index, dtype=np.uint64)
+    index, id_salt = np.ascontiguousarray(index, dtype=np.uint64), _salt(seed, 1)
+    head = np.zeros((NUM_CAT, HEAD_IDS, 1 + FACTOR_RANK))
+    _head_params(id_salt, _FIELD_BASES, _PAIRED, head)
     cat, dense = np.empty((len(index), NUM_CAT), np.int64), np.empty((len(index), NUM_DENSE), np.float32)
     y = np.empty(len(index), np.float32)
-    _generate_kernel(index, _salt(seed, 0), _salt(seed, 1), float(bias), SYNTHETIC_VOCABS.astype(np.float64),
-                     _H_N, _FIELD_BASES, _PAIRS, cat, dense, y)
+    _generate_kernel(index, _salt(seed, 0), id_salt, float(bias), SYNTHETIC_VOCABS.astype(np.float64), _H_N,
+                     _FIELD_BASES, _PAIRS, _PAIRED, head, cat, dense, y)
     x = np.empty(len(index), RECORD)
     x["cat"], x["dense"] = cat, dense
     return x, y
@@ -510,7 +543,7 @@ def generate(seed: int, bias: float, index: np.ndarray) -> tuple[np.ndarray, np.
 def planted(seed: int, cat: np.ndarray, pairwise: bool = True) -> np.ndarray:
     """The planted model's logits without the bias, for int64 ids cat (n, 26): float64 (n,)."""
     out = np.empty(len(cat))
-    _planted_kernel(np.ascontiguousarray(cat, dtype=np.int64), _salt(seed, 1), _PAIRS, pairwise, out)
+    _planted_kernel(np.ascontiguousarray(cat, dtype=np.int64), _salt(seed, 1), _PAIRS, _PAIRED, pairwise, out)
     return out
 
 
@@ -549,15 +582,15 @@ def zipf_ranks_numpy(index: np.ndarray, salt: np.uint64) -> np.ndarray:
 
 def _factors_numpy(h0: np.ndarray) -> np.ndarray:
     pairs = [np.stack(_normals_numpy(h0, 2 + r), axis=-1) for r in range(0, FACTOR_RANK, 2)]
-    return np.concatenate(pairs, axis=-1)
+    return FACTOR_STD * np.concatenate(pairs, axis=-1)
 
 
 def planted_numpy(seed: int, cat: np.ndarray, pairwise: bool = True) -> np.ndarray:
     h0 = splitmix64(np.ascontiguousarray(cat).view(np.uint64) ^ _salt(seed, 1))
-    logit = WEIGHT_STD * _normals_numpy(h0, 0)[0].sum(axis=1)
+    logit = (WEIGHT_STD * _normals_numpy(h0, 0)[0]).sum(axis=1)
     if pairwise:
         for a, b in FM_PAIRS:
-            logit += FACTOR_STD ** 2 * (_factors_numpy(h0[:, a]) * _factors_numpy(h0[:, b])).sum(axis=1)
+            logit += (_factors_numpy(h0[:, a]) * _factors_numpy(h0[:, b])).sum(axis=1)
     return logit
 
 
@@ -617,18 +650,12 @@ class CriteoSynthetic(CriteoData):
         return self.bias + planted(self.seed, x["cat"], pairwise)
 
     def describe(self) -> str:
-        return (f"dataset {self.name}: {self.samples} train / {self.num_test} test samples, {NUM_DENSE} "
-                f"dense + {NUM_CAT} categorical features, 2 classes; the planted model's test AUC is "
+        return (f"dataset {self.name}: {self.samples} train / {self.num_test} test samples, {_FEATURES}; "
+                f"the planted model's test AUC is "
                 f"{self.best_auc:.4f} ({self.linear_auc:.4f} without its pairwise terms)")
 
-    def epoch(self, rank: int, num_workers: int, batch_size: int, seed: int,
-              epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def _batches(self, rank, num_workers, batch_size, epoch):
         steps = self.steps(num_workers, batch_size)
-        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_workers:
-            raise ConfigError(f"--rank: must be in [0, {num_workers}) for {num_workers} workers, got {rank!r}")
-        return self._batches(rank, num_workers, batch_size, steps)
-
-    def _batches(self, rank, num_workers, batch_size, steps):
         per_chunk = max(1, _GENERATE_CHUNK // batch_size)   # rounds generated at once
         for first in range(0, steps, per_chunk):
             rounds = np.arange(first, min(steps, first + per_chunk), dtype=np.uint64)

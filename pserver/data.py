@@ -209,6 +209,12 @@ def _check_int(flag: str, value: int, low: int) -> None:
         raise ConfigError(f"{flag}: must be an integer >= {low}, got {value!r}")
 
 
+def _check_rank(rank: int, num_workers: int) -> None:
+    _check_int("--num-workers", num_workers, 1)
+    if not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_workers:
+        raise ConfigError(f"--rank: must be in [0, {num_workers}) for {num_workers} workers, got {rank!r}")
+
+
 def as_task(ds: Dataset, task: str) -> Dataset:
     """Integer labels as float targets when regression was asked for (float y is already)."""
     if task == "classification" or ds.num_classes == 0:
@@ -244,9 +250,7 @@ def steps_per_epoch(num_train: int, num_workers: int, batch_size: int) -> int:
 
 def epoch_indices(num_train: int, rank: int, num_workers: int, seed: int, epoch: int) -> np.ndarray:
     """Rank's block of this epoch's permutation of range(num_train), length num_train // num_workers."""
-    _check_int("--num-workers", num_workers, 1)
-    if not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_workers:
-        raise ConfigError(f"--rank: must be in [0, {num_workers}) for {num_workers} workers, got {rank!r}")
+    _check_rank(rank, num_workers)
     _check_int("--seed", seed, 0)
     _check_int("epoch", epoch, 0)
     _check_int("num_train", num_train, 0)

@@ -234,6 +234,10 @@ def test_an_empty_file_one_without_a_valid_line_and_a_missing_one_are_data_error
         load_dataset(f"criteo:{short}")
     with pytest.raises(DataError, match="nothing.tsv: cannot read"):
         load_dataset(f"criteo:{tmp_path / 'nothing.tsv'}")
+    binary = tmp_path / "binary.bin"        # no newline for megabytes: never held in memory whole
+    binary.write_bytes(b"\x00" * (criteo.MAX_LINE_BYTES + 10))
+    with pytest.raises(DataError, match=f"{binary}: line 1 is longer than {criteo.MAX_LINE_BYTES} bytes"):
+        load_dataset(f"criteo:{binary}")
 
 
 def test_a_cut_gzip_stream_is_a_data_error_naming_the_file(tmp_path):
