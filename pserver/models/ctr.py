@@ -22,7 +22,6 @@ the rows of the batch's unique ids (`pserver.sparse.TableLookup`) and writing th
 from __future__ import annotations
 
 import functools
-import threading
 
 import numpy as np
 
@@ -30,7 +29,7 @@ from pserver.errors import ConfigError, DataError
 from pserver.kernels import get_backend
 from pserver.layers import FM, Dense, Embedding, Pass, RandomUniform
 from pserver.models import losses, metrics
-from pserver.models.base import _MAX_CACHED_BATCH_SIZES, Model
+from pserver.models.base import BatchBuffers, Model
 from pserver.models.layout import Layout
 from pserver.models.mlp import he, lecun
 from pserver.sparse import TableLookup
@@ -73,7 +72,7 @@ class CTRModel(Model):
             self.deep.append(Dense(1, kernel_initializer=lecun(), name=f"deep_{len(hidden)}"))
         self._build(dense_features)
         self.use_backend(backend)
-        self._local = threading.local()   # buffers per thread, as Sequential's
+        self._buffers = BatchBuffers(lambda n, dtype: _Buffers(self, n, dtype))
 
     def _build(self, dense_features: int) -> None:
         self.wide.build((self.fields,))
@@ -218,17 +217,6 @@ class CTRModel(Model):
             d["factors"] += demb
         else:
             np.copyto(d["factors"], demb)
-
-    def _buffers(self, n: int, dtype) -> "_Buffers":
-        cache = getattr(self._local, "cache", None)
-        if cache is None:
-            cache = self._local.cache = {}
-        key = (n, np.dtype(dtype))
-        if key not in cache:
-            if len(cache) >= _MAX_CACHED_BATCH_SIZES:
-                cache.clear()
-            cache[key] = _Buffers(self, n, dtype)
-        return cache[key]
 
     # -- checks --------------------------------------------------------------------------------
 
