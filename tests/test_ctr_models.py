@@ -393,6 +393,8 @@ def test_bad_batches_labels_and_lookups():
     (lambda: make_model("fm", (), 2, embedding_dim=0), "--model fm: Embedding: output_dim"),
     (lambda: make_model("wide_deep", (), 2, hidden=(8, 0)), "--hidden: layer widths"),
     (lambda: make_model("lr", (), 2, hidden=(8,), min_count=-1), "--model lr: .*min_count"),
+    (lambda: make_model("fm", (), 2, fields=0), "--model fm: CTRModel: fields must be a positive integer, got 0"),
+    (lambda: make_model("fm", (), 2, init_scale=-1), "--model fm: CTRModel: init_scale must be a number >= 0"),
     (lambda: make_model("wide_deep", (), 2, dropout=0.5), r"--model wide_deep: unknown options \['dropout'\]"),
     (lambda: make_model("mlp", 5, 3, optimizer="sgd"), "--model mlp: takes no sparse table options"),
     (lambda: make_model("lr", (), 2, backend="cuda"), "--device cuda: lr runs on the CPU"),

@@ -28,6 +28,7 @@ import numpy as np
 from pserver.errors import ConfigError, DataError
 from pserver.kernels import get_backend
 from pserver.layers import FM, Dense, Embedding, Pass, RandomUniform
+from pserver.layers.base import positive_int
 from pserver.models import losses, metrics
 from pserver.models.base import BatchBuffers, Model
 from pserver.models.layout import Layout
@@ -58,6 +59,10 @@ class CTRModel(Model):
     def __init__(self, name: str, *, fm: bool = False, hidden: tuple[int, ...] = (),
                  embedding_dim: int = 8, init_scale: float = 0.05, dense_features: int = 13,
                  fields: int = 26, backend: str = "cpu", **table):
+        fields = positive_int("CTRModel", "fields", fields)
+        dense_features = positive_int("CTRModel", "dense_features", dense_features)
+        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale >= 0:
+            raise ConfigError(f"CTRModel: init_scale must be a number >= 0, got {init_scale!r}")
         self.name, self.fields = name, fields
         self.loss = losses.BinaryCrossentropy()
         self.record = record_dtype(dense_features, fields)
