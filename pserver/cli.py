@@ -1,4 +1,4 @@
-"""The `pserver` command: serve, worker, launch, status.
+"""The `pserver` command: serve, worker, launch, status, evaluate.
 
 Each subcommand parses flags (falling back to TF_CONFIG for the cluster), builds a
 frozen config and calls one function. A user's mistake prints one line and exits 2; a
@@ -8,12 +8,13 @@ failure at run time prints one line and exits 1; there is never a traceback for 
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
 
-from pserver import allocator
+from pserver import __version__, allocator
 from pserver.config import MODES, check_writable, ServerConfig, WorkerConfig, parse_address, parse_tf_config
 from pserver.errors import ConfigError, PServerError
 from pserver.signals import Stopped, stop_on_signals
@@ -40,6 +41,30 @@ class Flag:
     @property
     def dest(self) -> str:
         return self.name.lstrip("-").replace("-", "_")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error, like every other error of ours (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def unrecognized(self, extra: list[str]):
+        """The error for arguments no flag takes, with the closest flag to the first one."""
+        bad = next((a for a in extra if a.startswith("-")), extra[0])
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        close = difflib.get_close_matches(bad.partition("=")[0], known, n=1)
+        self.error(f"unrecognized argument {bad}" + (f"; did you mean {close[0]}?" if close else ""))
+
+
+def shard_count(text: str) -> int:
+    """launch --ps: how many shards to start; shard addresses get told what --ps means here."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not a number: on launch, --ps is how many shards to start on this machine "
+            "(`pserver worker` and `pserver status` take shard addresses host:port)") from None
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -87,14 +112,24 @@ SERVER_FLAGS = [
 
 # Flags forwarded by `launch` to every worker: everything but rank and addresses.
 WORKER_FLAGS = [
-    Flag("--model", dict(metavar="NAME", help="mlp (default), logreg, linreg, cnn, or your own: "
+    Flag("--model", dict(metavar="NAME", help="mlp (default), logreg, linreg, cnn; on Criteo data the "
+                                              "click-through-rate models lr, fm, wide_deep, deepfm (sparse "
+                                              "embedding tables on the shards); or your own: "
                                               "FILE.py:FUNCTION or package.module:FUNCTION returning a "
                                               "pserver.Sequential")),
-    Flag("--hidden", dict(type=int_list, metavar="W,W", help="mlp hidden widths (default 256,256)")),
-    Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, or a path to a .npz with x and y")),
-    Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files")),
-    Flag("--samples", dict(type=int, help="synthetic: training samples (default 60000)")),
-    Flag("--test-samples", dict(type=int, help="synthetic: test samples (default 10000)")),
+    Flag("--hidden", dict(type=int_list, metavar="W,W", help="hidden widths: mlp (default 256,256), the deep "
+                                                                  "tower of wide_deep and deepfm (default 256,128)")),
+    Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, a path to a .npz with x and y, "
+                                                "criteo:PATH (a Criteo TSV file, plain or .gz) or "
+                                                "criteo-synthetic (Criteo-shaped, from a planted model)")),
+    Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files, downloaded there when "
+                                                "missing (default $XDG_CACHE_HOME/pserver/mnist, "
+                                                "~/.cache/pserver/mnist)")),
+    Flag("--scale-uint8", dict(choices=("auto", "none"), help="a .npz whose x is uint8 (0-255 pixels): "
+                               "auto (default) divides it by 255 and says so; none keeps the raw values")),
+    Flag("--samples", dict(type=int, help="synthetic, criteo-synthetic: training samples (default 60000)")),
+    Flag("--test-samples", dict(type=int, help="synthetic, criteo-synthetic: test samples; criteo:PATH: at most "
+                                                        "this many held-out lines (default 10000)")),
     Flag("--features", dict(type=int, help="synthetic: input features (default 784)")),
     Flag("--classes", dict(type=int, help="synthetic: classes (default 10)")),
     Flag("--batch-size", dict(type=int, help="samples per step on each worker (default 64)")),
@@ -108,7 +143,29 @@ WORKER_FLAGS = [
     Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take (default 300)")),
     Flag("--eval-every", dict(type=float, metavar="SEC", help="chief: evaluate every SEC seconds too (accuracy against time in the summary)")),
     Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, exponential:MEAN, lognormal:MEAN,SIGMA")),
+    Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "
+                                 "sparse factor table (default 8)")),
+    Flag("--row-optimizer", dict(choices=("sgd", "adagrad", "adam", "ftrl"), help="lr, fm, wide_deep, deepfm: "
+                                 "the sparse tables' row optimizer, run on the shards on the rows a push "
+                                 "touches (default adagrad; adam is lazy: untouched rows do not step)")),
+    Flag("--row-lr", dict(type=float, help="the row optimizer's learning rate (default 0.05)")),
+    Flag("--min-count", dict(type=int, metavar="K", help="sparse tables: store an id's row only once it was "
+                             "pushed K times; until then it reads its initial value (default 0: at once)")),
+    Flag("--max-rows", dict(type=int, metavar="R", help="sparse tables: at most R rows per table per shard, "
+                            "the least recently updated evicted first (default 0: no bound)")),
+    Flag("--ttl-steps", dict(type=int, metavar="T", help="sparse tables: evict rows not updated for T steps "
+                             "(default 0: never)")),
+    Flag("--require-fresh", dict(action="store_true", default=None,
+                                 help="chief: refuse (exit 2) when the shards already hold trained state "
+                                      "(default: continue from it, saying so)")),
+    Flag("--save", dict(metavar="PATH", help="chief: write the trained model here at the end: its definition and "
+                                             "weights in an .npz that numpy reads (docs/model-file.md; "
+                                             "`pserver evaluate --model-file PATH`)")),
 ]
+# What `pserver evaluate` takes of the worker flags: the model and the dataset.
+EVALUATE_FLAGS = [f for f in WORKER_FLAGS if f.name in ("--model", "--hidden", "--dataset", "--data-dir",
+                                                        "--samples", "--test-samples", "--features",
+                                                        "--classes", "--seed")]
 
 COMMON_FLAGS = [
     Flag("--chunk-bytes", dict(type=int, help="payload bytes per streamed message (default 1048576)")),
@@ -153,9 +210,10 @@ def forward(ns, flags) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pserver", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="pserver", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"pserver {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    p.commands = sub.choices          # name -> its parser, for main's errors
     fmt = argparse.RawDescriptionHelpFormatter
 
     s = sub.add_parser("serve", help="run one parameter-server shard", formatter_class=fmt,
@@ -174,9 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run one worker", formatter_class=fmt,
                        description="Run one worker: pull weights, compute gradients with numba kernels, push them.\n"
-                                   "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 --num-workers 2 --dataset mnist --data-dir ./mnist")
+                                   "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 --num-workers 2 --dataset mnist")
     g = w.add_argument_group("cluster (TF_CONFIG with task.type worker or chief fills what is not given)")
-    g.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]", help="shard addresses host:port, shard 0 first")
+    g.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]",
+                   help="shard addresses host:port, shard 0 first (default: TF_CONFIG's cluster.ps, "
+                        "else 127.0.0.1:2222, which the worker then says it dials)")
     g.add_argument("--rank", type=int, default=None, help="this worker's rank; 0 is the chief (default 0)")
     g.add_argument("--num-workers", type=int, default=None, help="number of workers N (default 1)")
     g.add_argument("--summary-json", default=None, metavar="PATH", help="chief: write the run summary here")
@@ -189,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start S shard processes and N worker processes on 127.0.0.1 with free ports,\n"
                                     "prefix their output with their role, stop everything if one fails, and report.\n"
                                     "Any serve or worker flag below is passed on to every shard or worker.\n"
-                                    "Example: pserver launch --ps 2 --workers 4 --dataset mnist --data-dir ./mnist --optimizer adam --lr 0.001 --epochs 2")
-    la.add_argument("--ps", type=int, default=1, metavar="S", help="number of shards (default 1)")
+                                    "Example: pserver launch --ps 2 --workers 4 --dataset mnist --optimizer adam --lr 0.001 --epochs 2")
+    la.add_argument("--ps", type=shard_count, default=1, metavar="S",
+                    help="number of shards to start (default 1); worker and status take addresses instead")
     la.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
     la.add_argument("--summary-json", default=None, metavar="PATH", help="write the run summary here")
     la.add_argument("--delay-ranks", type=int_list, default=None, metavar="I,J",
@@ -210,10 +271,26 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each shard (default 5)")
     add_flags(st, CLIENT_SECURITY, "security")
+
+    ev = sub.add_parser("evaluate", help="test metrics of a saved model (--save) or of checkpoints",
+                        formatter_class=fmt,
+                        description="Evaluate a trained model on a dataset's test set: the model file that --save\n"
+                                    "wrote (its definition, weights and dataset), or the shards' checkpoints in\n"
+                                    "--checkpoint DIR (weights only: the model and dataset from the file or the flags).\n"
+                                    "Example: pserver evaluate --model-file model.npz\n"
+                                    "         pserver evaluate --checkpoint ckpt --model mlp --dataset mnist")
+    ev.add_argument("--model-file", default=None, metavar="PATH", help="a model file written by --save")
+    ev.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="take the weights from the newest checkpoint of every shard in DIR")
+    ev.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    add_flags(ev, EVALUATE_FLAGS, "model and dataset (default: the model file's)")
     return p
 
 
-def parse_ps(text: str) -> tuple[str, ...]:
+def parse_ps(text: str, command: str) -> tuple[str, ...]:
+    if text.strip().isdigit():
+        raise ConfigError(f"--ps: '{text}' is a number: on {command}, --ps takes shard addresses "
+                          "host:port, shard 0 first (`pserver launch --ps S` starts S shards)")
     addrs = tuple(parse_address(a) for a in text.split(",") if a.strip())
     if not addrs:
         raise ConfigError("--ps: give at least one shard address host:port")
@@ -229,6 +306,7 @@ def security_given(ns, flags) -> dict:
 def server_config(ns) -> ServerConfig:
     kw = given(ns, SERVER_FLAGS + COMMON_FLAGS) | security_given(ns, SERVE_SECURITY)
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
+    refuse_evaluator(cluster)
     if cluster and cluster.task_type == "ps":
         kw.update(shard=cluster.task_index, num_shards=len(cluster.ps),
                   port=int(cluster.ps[cluster.task_index].rpartition(":")[2]))
@@ -240,13 +318,26 @@ def server_config(ns) -> ServerConfig:
     return ServerConfig(**kw)
 
 
+def refuse_evaluator(cluster) -> None:
+    """TF_CONFIG's evaluator task (TensorFlow evaluates the newest checkpoint there while
+    the others train) has no pserver counterpart: the chief evaluates. Refused, not ignored."""
+    if cluster and cluster.task_type == "evaluator":
+        raise ConfigError("TF_CONFIG: task.type 'evaluator' is not supported: pserver has no evaluator "
+                          "task (the chief, rank 0, evaluates on the test set after every epoch and with "
+                          "--eval-every); leave this task out of the job")
+
+
 def worker_config(ns) -> WorkerConfig:
     kw = given(ns, WORKER_FLAGS + COMMON_FLAGS) | security_given(ns, CLIENT_SECURITY)
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
+    refuse_evaluator(cluster)
     if cluster and cluster.task_type in ("worker", "chief"):
         kw.update(ps=cluster.ps, rank=cluster.rank, num_workers=len(cluster.workers))
     if ns.ps is not None:
-        kw["ps"] = parse_ps(ns.ps)
+        kw["ps"] = parse_ps(ns.ps, "worker")
+    elif "ps" not in kw:
+        print(f"pserver worker: no --ps and no TF_CONFIG: dialing {WorkerConfig.ps[0]}, the default shard "
+              "address", flush=True)
     for name in ("rank", "num_workers", "summary_json", "stats_json"):
         if getattr(ns, name) is not None:
             kw[name] = getattr(ns, name)
@@ -283,9 +374,12 @@ def cmd_launch(ns) -> int:
     # Our own cluster gets a fresh random token unless one is given (flag or environment).
     token = security_given(ns, [])["auth_token"] or secrets.token_urlsafe(32)
     check_writable("--summary-json", ns.summary_json)
+    for flag, count in (("--ps", ns.ps), ("--workers", ns.workers)):
+        if count < 1:
+            raise ConfigError(f"{flag}: launch needs 1 or more, got {count}")
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks, delay_for=parse_delay_for(ns.delay_for, ns.workers),
-                       auth_token=token, tls_ca=ns.tls_ca,
+                       auth_token=token,
                        device=ns.device or "cpu")
     server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY]
     worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA]
@@ -294,7 +388,9 @@ def cmd_launch(ns) -> int:
     where = write_directory(server_cfg)
     if where:
         check_directory(*where)        # now, rather than as a shard's exit once it started
-    WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))
+    worker_cfg = WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))
+    from pserver.worker import check_data
+    check_data(worker_cfg)
     worker_argv = strip_flag(strip_flag(forward(ns, worker_flags), "--delay"), "--device")  # per rank
     return launch(cfg, forward(ns, server_flags), worker_argv)     # no token in either argv
 
@@ -341,20 +437,39 @@ def cmd_status(ns) -> int:
             raise ConfigError("--ps: give the shard addresses (or set TF_CONFIG)")
         addrs = cluster.ps
     else:
-        addrs = parse_ps(text)
+        addrs = parse_ps(text, "status")
     from pserver.security import client_security
     return show_status(addrs, ns.timeout, as_json=ns.json,
                        security=client_security(security_given(ns, [])["auth_token"], ns.tls_ca))
 
 
-COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "status": cmd_status}
+def cmd_evaluate(ns) -> int:
+    import json
+    from pserver.model_file import evaluate_files
+    result = evaluate_files(ns.model_file, ns.checkpoint, given(ns, EVALUATE_FLAGS))
+    if ns.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith("test_") and
+                        k != "test_samples")
+    print(f"{result['model']} ({result['num_params']:,} parameters) with the weights of {result['weights']}, "
+          f"on the {result['dataset']} test set ({result['test_samples']:,} samples): "
+          f"{metrics.replace('_', ' ')}")
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "status": cmd_status,
+            "evaluate": cmd_evaluate}
 
 
 def main(argv: list[str] | None = None) -> int:
     # gRPC's C core prints INFO lines (one per failed TLS handshake, say) that would bury
     # the one line we print; read before grpc loads, and GRPC_VERBOSITY=debug still wins.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands[ns.command].unrecognized(extra)
     try:
         return COMMANDS[ns.command](ns)
     except ConfigError as e:

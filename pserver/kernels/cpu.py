@@ -389,15 +389,17 @@ def activation_backward(kind, y, dy, dx):
 
 
 # splitmix64's constants (see reference.dropout_forward): uint64 throughout, since numba
-# turns a uint64 mixed with a signed int into a float.
+# turns a uint64 mixed with a signed int into a float. The one compiled splitmix64: dropout's
+# masks and pserver.sparse's id hashing and initial rows all call it.
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
 _MUL2 = np.uint64(0x94D049BB133111EB)
 
 
 @njit(cache=True, nogil=True)
-def _splitmix64(seed, index):
-    """The index-th (0-based) output of splitmix64 seeded with `seed` (both uint64)."""
+def splitmix64(seed, index):
+    """The index-th (0-based) output of splitmix64 seeded with `seed` (both uint64);
+    reference.splitmix64 is its twin."""
     z = seed + (index + np.uint64(1)) * _GAMMA
     z = (z ^ (z >> np.uint64(30))) * _MUL1
     z = (z ^ (z >> np.uint64(27))) * _MUL2
@@ -416,7 +418,7 @@ def dropout_forward(x, out, mask, rate, seed):
     key = np.uint64(seed)
     xf, of, mf = x.reshape(x.size), out.reshape(out.size), mask.reshape(mask.size)
     for i in range(xf.shape[0]):
-        keep = _splitmix64(key, np.uint64(i)) >> np.uint64(40) >= threshold
+        keep = splitmix64(key, np.uint64(i)) >> np.uint64(40) >= threshold
         mf[i] = scale if keep else 0
         of[i] = xf[i] * mf[i]
 

@@ -24,8 +24,9 @@ def test_unreachable_ps():
 
 
 def test_missing_data_dir(tmp_path):
-    r = run("worker", "--ps", "127.0.0.1:1", "--dataset", "mnist", "--data-dir", str(tmp_path / "nope"))
-    one_clear_line(r, "nope")
+    r = run("worker", "--ps", "127.0.0.1:1", "--dataset", "mnist", "--data-dir", str(tmp_path / "nope"),
+            env={"PSERVER_MNIST_MIRRORS": ""})        # no download: the files are missing
+    one_clear_line(r, "nope", "by hand")
 
 
 def test_malformed_tf_config():
@@ -47,11 +48,25 @@ def test_bad_flags(args, words):
 
 
 def test_launch_names_the_failing_process(tmp_path):
-    r = run("launch", "--ps", "1", "--workers", "2", "--dataset", "mnist", "--data-dir", str(tmp_path),
-            timeout=120)
+    (tmp_path / "bad.py").write_text("def build(input_shape, num_classes):\n    raise ValueError('no')\n")
+    r = run("launch", "--ps", "1", "--workers", "2", "--model", f"{tmp_path / 'bad.py'}:build", timeout=120)
     assert r.returncode == 1
     assert "Traceback" not in r.stdout + r.stderr
-    assert "exited with code" in r.stderr and "worker" in r.stderr, r.stderr
+    assert "exited with code 2" in r.stderr and "worker" in r.stderr, r.stderr
+    assert "build() raised ValueError: no" in r.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--dataset", "mnits"], "--dataset: unknown dataset 'mnits'"),
+    (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "--data-dir /nonexistent/mnist does not exist"),
+    (["--dataset", "BAD.npz"], "not a readable .npz file"),
+    (["--samples", "100", "--batch-size", "64"], "--batch-size: 64 is larger than each worker's slice of 50"),
+])
+def test_launch_checks_the_data_before_anything_starts(tmp_path, args, words):
+    (tmp_path / "BAD.npz").write_text("not a zip")
+    r = run("launch", "--ps", "1", "--workers", "2", *[str(tmp_path / a) if a == "BAD.npz" else a for a in args])
+    assert r.returncode == 2 and r.stdout == "", r.stdout          # no shard, no worker started
+    one_clear_line(r, "pserver launch: error:", words)
 
 
 def test_help_explains_every_command():
@@ -88,3 +103,61 @@ def test_launch_stops_every_shard_when_one_fails_to_start(tmp_path):
     import subprocess
     left = subprocess.run(["pgrep", "-f", f"--restore {tmp_path}"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "a shard was left running"
+
+
+def test_a_port_in_use_is_named_in_one_line():
+    import socket
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        r = run("serve", "--port", str(port))
+    assert r.returncode == 2
+    one_clear_line(r, f"--port: port {port} is already in use on 127.0.0.1")
+    assert r.stdout == ""                  # and no log line of gRPC's before it
+
+
+@pytest.mark.parametrize("args, words", [
+    (["launch", "--ps", "0"], "--ps: launch needs 1 or more, got 0"),
+    (["launch", "--workers", "0"], "--workers: launch needs 1 or more, got 0"),
+    (["launch", "--ps", "127.0.0.1:2222,127.0.0.1:2223"], "on launch, --ps is how many shards to start"),
+    (["worker", "--ps", "2"], "--ps: '2' is a number: on worker, --ps takes shard addresses host:port"),
+    (["status", "--ps", "2"], "--ps: '2' is a number: on status, --ps takes shard addresses host:port"),
+])
+def test_flag_names_in_messages_are_the_flags_the_user_typed(args, words):
+    r = run(*args)
+    assert r.returncode == 2
+    one_clear_line(r, words)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["launch", "--optimiser", "adam"], "unrecognized argument --optimiser; did you mean --optimizer?"),
+    (["serve", "--num-shardz=2"], "unrecognized argument --num-shardz=2; did you mean --num-shards?"),
+    (["worker", "--batchsize", "8"], "unrecognized argument --batchsize; did you mean --batch-size?"),
+    (["status", "--jsn"], "unrecognized argument --jsn; did you mean --json?"),
+])
+def test_a_misspelled_flag_gets_one_line_with_a_suggestion(args, words):
+    r = run(*args)
+    assert r.returncode == 2
+    one_clear_line(r, f"pserver {args[0]}: error: {words}")
+
+
+def test_version():
+    from pserver import __version__
+    r = run("--version")
+    assert (r.returncode, r.stdout.strip()) == (0, f"pserver {__version__}")
+
+
+def test_a_worker_without_ps_says_which_address_it_dials():
+    assert "127.0.0.1:2222" in " ".join(run("worker", "--help").stdout.split())
+    r = run("worker", "--rank", "3")          # fails on --rank before it dials anything
+    assert "pserver worker: no --ps and no TF_CONFIG: dialing 127.0.0.1:2222" in r.stdout
+    one_clear_line(r, "--rank")
+
+
+def test_a_tf_config_evaluator_task_is_refused():
+    tf = '{"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, "task": {"type": "evaluator", "index": 0}}'
+    for cmd in ("worker", "serve"):
+        r = run(cmd, env={"TF_CONFIG": tf})
+        assert r.returncode == 2
+        one_clear_line(r, "TF_CONFIG: task.type 'evaluator' is not supported")

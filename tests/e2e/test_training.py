@@ -75,3 +75,21 @@ def test_tf_config_alone_configures_shard_and_workers(procs, tmp_path):
     s = read_json(summary)
     assert s["num_workers"] == 2 and s["test_accuracy"] >= 0.9
     assert "rank 1/2" in worker.output
+
+
+def test_a_uint8_npz_is_scaled_saying_so_once_per_worker(tmp_path):
+    import numpy as np
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 4000)
+    bright = np.where(np.arange(64) < 32, 1, -1) * np.where(y[:, None] == 1, 1, -1)   # class sets the halves
+    x = np.clip(128 + 60 * bright + rng.normal(0, 40, (4000, 64)), 0, 255).astype(np.uint8)
+    data = tmp_path / "pixels.npz"
+    np.savez(data, x=x, y=y)
+    summary = tmp_path / "s.json"
+    r = run("launch", "--ps", "1", "--workers", "2", "--model", "logreg", "--dataset", str(data),
+            "--batch-size", "32", "--optimizer", "sgd", "--lr", "0.1", "--summary-json", str(summary))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    said = f"{data}: x is uint8: scaled from 0-255 to [0, 1] (--scale-uint8 none keeps the raw values)"
+    assert sorted(ln.split("] ", 1)[0] for ln in r.stdout.splitlines() if said in ln) == ["[worker0", "[worker1"]
+    s = read_json(summary)
+    assert s["test_accuracy"] >= 0.95 and s["test_loss"] < 0.5, s
