@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba.core.registry import CPUDispatcher
 
+from pserver.criteo import RECORD
 from pserver.errors import ConfigError, DataError
 from pserver.kernels import CPU_KERNELS, cpu, reference
 from pserver.layers import Dense, Embedding, Flatten, Pass
@@ -197,8 +198,7 @@ def test_layouts_and_tables():
         for t in m.sparse_tables:
             assert (t.optimizer, t.lr, t.min_count, t.max_rows, t.ttl_steps, t.seed) == (
                 "sgd", 0.3, 2, 100, 7, 5)
-    assert lr.record == record_dtype() == np.dtype([("dense", np.float32, (13,)),
-                                                    ("cat", np.int64, (26,))])
+    assert lr.record == record_dtype() == RECORD   # what the Criteo reader yields
     assert make_model("deepfm", (), 2, hidden=(8,)).layout.tensors[-2].shape == (8, 1)
     # The dense built-ins are unchanged, their default widths included.
     assert make_model("mlp", 5, 3).layout.describe().endswith("dense_2/kernel[256, 3], dense_2/bias[3]")
