@@ -47,9 +47,10 @@ def make_model(name: str, input_shape, num_classes: int, *,
     CTR model takes records, so its `input_shape` is () (one record per sample).
     """
     if name in CTR_MODELS:
+        deep = hidden is not None and CTR_MODELS[name][1]   # lr and fm have no tower to size
         try:
-            model = ctr_model(name, input_shape, num_classes,
-                              None if hidden is None else _hidden(hidden), **options)
+            model = ctr_model(name, input_shape, num_classes, _hidden(hidden) if deep else None,
+                              **options)
         except ConfigError as e:
             msg = str(e)
             raise ConfigError(msg if msg.startswith("--") else f"--model {name}: {msg}") from None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import abc
 import math
+import threading
+from typing import Callable
 
 import numpy as np
 
@@ -49,6 +51,26 @@ class Model(abc.ABC):
         return f"{type(self).__name__}({self.layout.describe()})"
 
 
+class BatchBuffers:
+    """A model's preallocated arrays per (batch size, dtype), made by `make(n, dtype)` when
+    first asked for, and kept per thread: a worker may evaluate in one thread while it trains
+    in another."""
+
+    def __init__(self, make: Callable[[int, np.dtype], object]):
+        self._make, self._local = make, threading.local()
+
+    def __call__(self, n: int, dtype):
+        cache = getattr(self._local, "cache", None)
+        if cache is None:
+            cache = self._local.cache = {}
+        key = (n, np.dtype(dtype))
+        if key not in cache:
+            if len(cache) >= _MAX_CACHED_BATCH_SIZES:
+                cache.clear()
+            cache[key] = self._make(n, np.dtype(dtype))
+        return cache[key]
+
+
 def protocol_gaps(obj) -> list[str]:
     """The protocol members `obj` lacks (empty: it can be trained)."""
     gaps = [m for m in PROTOCOL if not hasattr(obj, m)]
@@ -79,4 +101,4 @@ def shaped_for(x: np.ndarray, input_shape: tuple[int, ...]) -> np.ndarray | None
     return x.reshape((x.shape[0], *input_shape))
 
 
-__all__ = ["Model", "PROTOCOL", "protocol_gaps", "fits", "shaped_for"]
+__all__ = ["Model", "BatchBuffers", "PROTOCOL", "protocol_gaps", "fits", "shaped_for"]

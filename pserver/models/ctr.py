@@ -22,15 +22,15 @@ the rows of the batch's unique ids (`pserver.sparse.TableLookup`) and writing th
 from __future__ import annotations
 
 import functools
-import threading
 
 import numpy as np
 
 from pserver.errors import ConfigError, DataError
 from pserver.kernels import get_backend
 from pserver.layers import FM, Dense, Embedding, Pass, RandomUniform
+from pserver.layers.base import positive_int
 from pserver.models import losses, metrics
-from pserver.models.base import _MAX_CACHED_BATCH_SIZES, Model
+from pserver.models.base import BatchBuffers, Model
 from pserver.models.layout import Layout
 from pserver.models.mlp import he, lecun
 from pserver.sparse import TableLookup
@@ -59,6 +59,10 @@ class CTRModel(Model):
     def __init__(self, name: str, *, fm: bool = False, hidden: tuple[int, ...] = (),
                  embedding_dim: int = 8, init_scale: float = 0.05, dense_features: int = 13,
                  fields: int = 26, backend: str = "cpu", **table):
+        fields = positive_int("CTRModel", "fields", fields)
+        dense_features = positive_int("CTRModel", "dense_features", dense_features)
+        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale >= 0:
+            raise ConfigError(f"CTRModel: init_scale must be a number >= 0, got {init_scale!r}")
         self.name, self.fields = name, fields
         self.loss = losses.BinaryCrossentropy()
         self.record = record_dtype(dense_features, fields)
@@ -73,7 +77,7 @@ class CTRModel(Model):
             self.deep.append(Dense(1, kernel_initializer=lecun(), name=f"deep_{len(hidden)}"))
         self._build(dense_features)
         self.use_backend(backend)
-        self._local = threading.local()   # buffers per thread, as Sequential's
+        self._buffers = BatchBuffers(lambda n, dtype: _Buffers(self, n, dtype))
 
     def _build(self, dense_features: int) -> None:
         self.wide.build((self.fields,))
@@ -218,17 +222,6 @@ class CTRModel(Model):
             d["factors"] += demb
         else:
             np.copyto(d["factors"], demb)
-
-    def _buffers(self, n: int, dtype) -> "_Buffers":
-        cache = getattr(self._local, "cache", None)
-        if cache is None:
-            cache = self._local.cache = {}
-        key = (n, np.dtype(dtype))
-        if key not in cache:
-            if len(cache) >= _MAX_CACHED_BATCH_SIZES:
-                cache.clear()
-            cache[key] = _Buffers(self, n, dtype)
-        return cache[key]
 
     # -- checks --------------------------------------------------------------------------------
 

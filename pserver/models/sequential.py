@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
 
 import numpy as np
 
@@ -18,7 +17,7 @@ from pserver.errors import ConfigError, DataError
 from pserver.kernels import get_backend
 from pserver.layers.base import Layer, Pass, as_shape
 from pserver.models import losses, metrics
-from pserver.models.base import _MAX_CACHED_BATCH_SIZES, Model, shaped_for
+from pserver.models.base import BatchBuffers, Model, shaped_for
 from pserver.models.layout import Layout
 
 
@@ -38,8 +37,7 @@ class Sequential(Model):
         self.loss = losses.get(loss)
         self.use_backend(backend)
         self._seeds = itertools.count()
-        # Buffers are per thread: a worker may evaluate in one thread while it trains in another.
-        self._local = threading.local()
+        self._buffers = BatchBuffers(lambda n, dtype: _Buffers(self.layers, n, dtype))
         for layer in layers:
             self.add(layer)
 
@@ -220,17 +218,6 @@ class Sequential(Model):
             dx = bufs.douts[i - 1] if self._needs_dx[i] else None
             layer.backward(self.kernels, params[i], grads[i], acts[i], acts[i + 1],
                            bufs.douts[i], dx, bufs.scratch[i])
-
-    def _buffers(self, n: int, dtype) -> "_Buffers":
-        cache = getattr(self._local, "cache", None)
-        if cache is None:
-            cache = self._local.cache = {}
-        key = (n, np.dtype(dtype))
-        if key not in cache:
-            if len(cache) >= _MAX_CACHED_BATCH_SIZES:
-                cache.clear()
-            cache[key] = _Buffers(self.layers, n, dtype)
-        return cache[key]
 
     # -- checks --------------------------------------------------------------------------------
 
