@@ -101,6 +101,8 @@ def train(args, cluster: dict, data: tuple, sizes: list[int]) -> dict:
     with strategy.scope():
         model = wide_deep(tf, sizes, args.dim)
         model((tf.zeros((1, NUM_DENSE)), tf.zeros((1, NUM_CAT), tf.int32)))       # build the weights
+        # The legacy optimizers apply an IndexedSlices in one fused op on the ps
+        # (ResourceSparseApplyAdagradV2); they ran faster here than the newer Keras ones.
         table_opt = tf.keras.optimizers.legacy.Adagrad(args.lr)
         dense_opt = tf.keras.optimizers.legacy.Adam(args.dense_lr)
     tables = model.tables()
