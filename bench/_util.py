@@ -8,7 +8,19 @@ import os
 import platform
 import statistics
 from importlib import metadata
+from pathlib import Path
 from typing import Sequence
+
+# Where results go unless a path is given: ./results/ under the directory the script runs in,
+# the user's own. The committed figures in bench/results/ change only when a path there is given.
+RESULTS = Path("results")
+
+
+def result_path(given: str | None, name: str) -> Path:
+    """The path asked for, else results/NAME; its directory is created."""
+    path = Path(given) if given else RESULTS / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def positive_ints(text: str) -> list[int]:

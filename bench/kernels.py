@@ -31,7 +31,7 @@ until both --warmup runs and --warmup-seconds are reached; then timed runs until
 
     python bench/kernels.py                                   # 1024,2048,4096; batches 256,4096
     python bench/kernels.py --sizes 512 --batches 256         # quick
-    python bench/kernels.py --json kernels.json
+    .venv/bin/python bench/kernels.py --json kernels.json
     python bench/kernels.py --sections cnn --cnn-batches 64,256   # the CNN against PyTorch
     NUMBA_ENABLE_CUDASIM=1 python bench/kernels.py --sizes 32 --batches 256   # simulator smoke
 
@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
-from _util import machine, machine_lines, positive_ints, summary, table  # noqa: E402
+from _util import machine, machine_lines, positive_ints, result_path, summary, table  # noqa: E402
 
 MLP_WIDTHS = (784, 256, 256, 10)
 SIM_MAX_SIZE = 64
@@ -525,14 +525,14 @@ def main(argv=None) -> int:
         print("\nreference CNN (Conv2D 32x3x3 relu, MaxPool 2, Dense 64 relu, Dense 10) forward + "
               "backward on one thread (size = batch; medians of wall and CPU time per step)")
         print(render_cnn(cnn))
-    if args.json:
-        doc = {"machine": host, "blas": blas_name(), "gpu": gpu, "simulator": st["simulator"],
-               "timing": {"warmup": args.warmup, "warmup_seconds": args.warmup_seconds,
-                          "min_runs": args.min_runs,
-                          "min_seconds": args.min_seconds, "statistic": "median"},
-               "rows": mm + mlp + cnn}
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"wrote {args.json}")
+    doc = {"machine": host, "blas": blas_name(), "gpu": gpu, "simulator": st["simulator"],
+           "timing": {"warmup": args.warmup, "warmup_seconds": args.warmup_seconds,
+                      "min_runs": args.min_runs,
+                      "min_seconds": args.min_seconds, "statistic": "median"},
+           "rows": mm + mlp + cnn}
+    path = result_path(args.json, "kernels.json")
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
     return 0
 
 
@@ -566,7 +566,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="untimed seconds per row, at least (default 0.5)")
     p.add_argument("--min-runs", type=int, default=3, help="timed runs per row, at least (default 3)")
     p.add_argument("--min-seconds", type=float, default=1.0, help="timed seconds per row, at least (default 1)")
-    p.add_argument("--json", metavar="PATH", help="also write every row (and the machine) as JSON")
+    p.add_argument("--json", metavar="PATH", help="write every row (and the machine) as JSON here "
+                                                  "(default results/kernels.json)")
     p.add_argument("--child-json", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--child-cnn-json", metavar="PATH", help=argparse.SUPPRESS)
     return p.parse_args(argv)

@@ -1,8 +1,9 @@
 """Consistency modes under stragglers: sync, backup, async and bounded staleness (ssp).
 
-    python bench/modes.py --data-dir ../shared/datasets/mnist --out bench-modes       # the full grid
-    python bench/modes.py --quick --data-dir ../shared/datasets/mnist --out /tmp/modes  # < 10 min, 2 cores
-    python bench/modes.py --quick --workers 1,2 --modes sync,async --profiles none     # a subset
+    .venv/bin/pip install -e ".[bench]"        # matplotlib, for the figures (or pass --no-plots)
+    .venv/bin/python bench/modes.py --dataset mnist                              # the full grid
+    .venv/bin/python bench/modes.py --quick --dataset mnist   # < 10 min on 2 cores
+    .venv/bin/python bench/modes.py --quick --workers 1,2 --modes sync,async --profiles none   # a subset
 
 Every run is a real cluster: one `python -m pserver launch` process (S shards and N workers,
 each its own process) with a hard timeout, whose summary JSON (`--summary-json`) is the only
@@ -15,6 +16,8 @@ from another process on the machine spreads over configurations rather than hitt
 
 Out (--out DIR): results.json, results.csv, summary.md (read this first), accuracy.png,
 scaling.png, staleness.png; runs/ (each launch's summary JSON) and logs/ (each launch's output).
+Whether matplotlib imports is checked before anything runs, and results.json is written before
+any figure is drawn, so `--replot` can always redraw a finished run.
 """
 
 from __future__ import annotations
@@ -138,7 +141,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--epochs", type=int, help="epochs per run (full: 3, quick: 2)")
     g.add_argument("--timeout", type=float, help="hard limit per launch in seconds (full: 300, quick: 150)")
     t = p.add_argument_group("training (the same in every run)")
-    t.add_argument("--data-dir", help="MNIST IDX files; without it, pserver's synthetic MNIST-shaped data")
+    t.add_argument("--dataset", choices=("synthetic", "mnist"),
+                   help="mnist, or pserver's synthetic MNIST-shaped data (default: mnist with --data-dir, "
+                        "else synthetic)")
+    t.add_argument("--data-dir", help="the MNIST IDX files (default: pserver's, in its cache directory)")
     t.add_argument("--hidden", default="128,128", help="mlp hidden widths (default 128,128: 784-128-128-10)")
     t.add_argument("--optimizer", default="adam")
     t.add_argument("--lr", type=float, default=0.001, help="the same for every N and mode (default 0.001)")
@@ -155,12 +161,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--samples", type=int, default=50_000, help="applied samples for acc @ samples")
     s.add_argument("--ref-workers", type=int, default=4, help="reference scenario's N (else the largest)")
     s.add_argument("--ref-profile", default="heavy", help="reference scenario's profile")
-    p.add_argument("--out", default="bench-modes", help="output directory (default bench-modes)")
+    p.add_argument("--out", default="results/modes", help="output directory (default results/modes)")
     p.add_argument("--list", action="store_true", help="print the configurations and what is skipped; run nothing")
+    p.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="write results.json, results.csv and summary.md but no figures (no matplotlib needed)")
     p.add_argument("--replot", action="store_true",
                    help="run nothing: rewrite summary.md, results.csv and the PNGs from --out's results.json")
     p.add_argument("extra", nargs="*", help="more flags for every pserver launch (after --)")
     args = p.parse_args(argv)
+    if args.dataset is None:
+        args.dataset = "mnist" if args.data_dir else "synthetic"
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -221,7 +231,7 @@ def build_grid(args) -> tuple[list[Scenario], list[str]]:
 
 def launch_argv(sc: Scenario | None, n: int, args, seed: int, summary: str, delay: list[str],
                 extra: list[str] = ()) -> list[str]:
-    data = ["--dataset", "mnist", "--data-dir", args.data_dir] if args.data_dir else ["--dataset", "synthetic"]
+    data = ["--dataset", args.dataset] + (["--data-dir", args.data_dir] if args.data_dir else [])
     mode = ["--mode", sc.mode, *sc.mode_flags()] if sc else ["--mode", "async"]
     return [sys.executable, "-m", "pserver", "launch", "--ps", str(args.ps), "--workers", str(n), *mode,
             *data, "--model", "mlp", "--hidden", args.hidden, "--optimizer", args.optimizer,
@@ -742,7 +752,8 @@ def run_grid(grid: list[Scenario], args, calibration: dict, out: Path) -> dict[S
 
 def header(args, grid: list[Scenario], skipped: list[str]) -> dict:
     m = machine(("grpcio", "numpy", "numba", "matplotlib"))
-    data = f"MNIST from {args.data_dir}" if args.data_dir else "synthetic MNIST-shaped data (no --data-dir)"
+    data = ("synthetic MNIST-shaped data" if args.dataset == "synthetic"
+            else f"MNIST from {args.data_dir or 'pserver cache directory'}")
     ctx = {"machine": m, "machine_lines": machine_lines(m),
            "command": " ".join(shlex.quote(a) for a in ["python", "bench/modes.py", *sys.argv[1:]]),
            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -758,8 +769,20 @@ def header(args, grid: list[Scenario], skipped: list[str]) -> dict:
     return ctx
 
 
-def write_outputs(out: Path, ctx: dict, entries: list[dict], calibration: dict, args) -> None:
-    import _plots                      # matplotlib only once there is something to draw
+def load_plots(args):
+    """bench/_plots.py (which imports matplotlib), or None with --no-plots. Called before any
+    launch runs: a missing matplotlib must not cost a finished grid."""
+    if not args.plots:
+        return None
+    try:
+        import _plots
+    except ImportError as e:
+        raise SystemExit(f"bench/modes.py: the figures need matplotlib ({e}); install it with "
+                         f"`.venv/bin/pip install -e \".[bench]\"`, or pass --no-plots") from None
+    return _plots
+
+
+def write_outputs(out: Path, ctx: dict, entries: list[dict], calibration: dict, args, plots) -> None:
     scale = scaling(entries)
     n, profile = reference(entries, args)
     ctx.update(reference={"workers": n, "profile": profile}, runs=sum(e["repeats"] for e in entries),
@@ -770,7 +793,7 @@ def write_outputs(out: Path, ctx: dict, entries: list[dict], calibration: dict, 
               "modes": modes_object(entries, n, profile) if n else {}, "scaling": scale, "configs": entries}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     write_csv(out / "results.csv", entries)
-    pngs = _plots.draw_all(out, entries, scale, n, args)
+    pngs = plots.draw_all(out, entries, scale, n, args) if plots else []
     write_summary(out / "summary.md", ctx, entries, scale, pngs, args)
     print(f"\n{ctx['findings']}\n")
     headers, rows = config_rows([e for e in entries if e["workers"] == n and e["profile"] == profile], args.target)
@@ -778,14 +801,17 @@ def write_outputs(out: Path, ctx: dict, entries: list[dict], calibration: dict, 
     print(f"\nwrote {', '.join(str(out / f) for f in ['summary.md', 'results.json', 'results.csv', *pngs])}")
 
 
-def replot(out: Path) -> int:
+def replot(out: Path, plots) -> int:
     """Redraw from a finished run's results.json, with the settings it ran with."""
+    if not (out / "results.json").is_file():
+        raise SystemExit(f"bench/modes.py: --replot: {out / 'results.json'} does not exist (--out names "
+                         "the directory of a finished run)")
     saved = json.loads((out / "results.json").read_text())
-    args = argparse.Namespace(**{**saved["settings"], "out": str(out)})
+    args = argparse.Namespace(**{**saved["settings"], "out": str(out), "plots": plots is not None})
     ctx = {k: saved[k] for k in ("machine", "command", "started", "seconds", "training", "notes")}
     ctx["machine_lines"] = machine_lines(ctx["machine"])
     calibration = {int(k): v for k, v in saved["calibration"].items()}
-    write_outputs(out, ctx, saved["configs"], calibration, args)
+    write_outputs(out, ctx, saved["configs"], calibration, args, plots)
     return 0
 
 
@@ -795,13 +821,14 @@ def interrupt(signum, frame):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.replot:
-        return replot(Path(args.out))
     grid, skipped = build_grid(args)
     if args.list:
         total = f"{len(grid)} configurations x {args.repeats} repeat(s) = {len(grid) * args.repeats} launches"
         print("\n".join([sc.name for sc in grid] + skipped + [total]))
         return 0
+    plots = load_plots(args)
+    if args.replot:
+        return replot(Path(args.out), plots)
     out = Path(args.out)
     for sub in ("runs", "logs"):
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -819,7 +846,7 @@ def main(argv=None) -> int:
         print("bench/modes.py: interrupted; the running cluster was stopped", file=sys.stderr)
         return 130
     ctx["seconds"] = time.monotonic() - started
-    write_outputs(out, ctx, [aggregate(sc, recs) for sc, recs in records.items()], calibration, args)
+    write_outputs(out, ctx, [aggregate(sc, recs) for sc, recs in records.items()], calibration, args, plots)
     print(f"took {ctx['seconds'] / 60:.1f} min")
     return 0
 

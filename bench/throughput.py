@@ -1,14 +1,14 @@
 """End-to-end training throughput with real processes, for each consistency mode.
 
-    python bench/throughput.py [--modes sync,async,...] [--epochs 3] [--repeats 3] [--json PATH]
+    .venv/bin/python bench/throughput.py [--modes sync,async,...] [--epochs 3] [--repeats 3] [--json PATH]
 
 Runs `pserver launch --ps 1 --workers 2` (MLP 784-256-256-10, batch 256 per worker,
 synthetic MNIST-shaped data, SGD) once per mode and repeat, and reports the run's
 train samples/s as the chief's summary measures it: samples pushed to the shard
 divided by the wall time from the first pull to the last worker's finish (process
 start-up, data generation and one warm-up step that loads the compiled kernels are
-excluded; every push and pull of training is inside it). The reference is TensorFlow 2.21's
-ParameterServerStrategy on the same model and machine class: 34,200 samples/s.
+excluded; every push and pull of training is inside it). For a comparison with TensorFlow's
+ParameterServerStrategy measured in the same run, see bench/tf_baseline/.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
-from _util import cpu_model  # noqa: E402
+from _util import cpu_model, result_path  # noqa: E402
 
-TF_PS_STRATEGY = 34_200      # samples/s, from the issue's measurement on this machine class
 MODE_FLAGS = {"sync": [], "backup": ["--backup-workers", "1"], "async": [], "ssp": ["--staleness", "2"]}
 
 
@@ -56,7 +55,8 @@ def main() -> None:
     p.add_argument("--modes", default="sync,backup,async,ssp")
     p.add_argument("--epochs", type=int, default=5, help="epochs per run (default 5: 585 steps per worker)")
     p.add_argument("--repeats", type=int, default=3, help="runs per mode; the median is reported")
-    p.add_argument("--json", metavar="PATH", help="write {mode, train_samples_per_second, wall_seconds, steps} rows")
+    p.add_argument("--json", metavar="PATH", help="write the {mode, train_samples_per_second, wall_seconds, "
+                   "steps} rows here (default results/throughput.json)")
     p.add_argument("extra", nargs="*", help="more flags for pserver launch (after --)")
     args = p.parse_args()
     print(f"pserver end-to-end throughput: 1 shard + 2 workers, MLP 784-256-256-10, batch 256/worker, "
@@ -71,12 +71,10 @@ def main() -> None:
         rows.append(row)
         print(f"  {mode:7s} {row['train_samples_per_second']:>9,.0f} samples/s (min {min(rates):,.0f}, "
               f"max {max(rates):,.0f})  {row['steps']} steps in {row['wall_seconds']:.2f} s  "
-              f"x{row['train_samples_per_second'] / TF_PS_STRATEGY:.2f} TF PS strategy  "
               f"acc {row['test_accuracy']:.3f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-        print(f"wrote {args.json}")
+    path = result_path(args.json, "throughput.json")
+    path.write_text(json.dumps(rows, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

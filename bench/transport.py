@@ -11,9 +11,9 @@ this process and one server process started by this script:
             run with glibc malloc's defaults and with malloc tuned (env of the server).
   tcp       plain loopback sockets, preallocated buffers on both sides, TCP_NODELAY.
 
-    python bench/transport.py                     # 10M and 262,144 params, 1/2/4 shards
-    python bench/transport.py --quick             # small sizes, 1 shard, 3 repeats
-    python bench/transport.py --json out.json     # also write the rows as JSON
+    .venv/bin/python bench/transport.py                  # 10M and 262,144 params, 1/2/4 shards
+    .venv/bin/python bench/transport.py --quick          # small sizes, 1 shard, 3 repeats
+    .venv/bin/python bench/transport.py --json out.json  # the rows as JSON (default results/transport.json)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
-from _util import machine, machine_lines, positive_ints, summary, table  # noqa: E402
+from _util import machine, machine_lines, positive_ints, result_path, summary, table  # noqa: E402
 
 DEFINITIONS = """\
 round trip: push P float32 (the gradient), then pull P float32 (the weights), sequentially, one client
@@ -507,9 +507,9 @@ def run(args) -> int:
     print(result_table(results))
     print(path_lines(results))
     print(memory_line())
-    if args.json:
-        Path(args.json).write_text(json.dumps(json_rows(results, host, args.chunk_bytes), indent=1) + "\n")
-        print(f"wrote {args.json}")
+    path = result_path(args.json, "transport.json")
+    path.write_text(json.dumps(json_rows(results, host, args.chunk_bytes), indent=1) + "\n")
+    print(f"wrote {path}")
     return 0
 
 
@@ -531,7 +531,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", type=system_list, default=list(SYSTEMS),
                    help="which of pserver,raw_grpc,tcp to run (default all)")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed message (default 1 MiB)")
-    p.add_argument("--json", metavar="PATH", help="write the rows {system, params, shards, metric, value, unit, ...}")
+    p.add_argument("--json", metavar="PATH", help="write the rows {system, params, shards, metric, value, unit, ...} "
+                                                  "here (default results/transport.json)")
     p.add_argument("--quick", action="store_true",
                    help="functional check: sizes 1000000,262144, 1 shard, 3 repeats (flags given win)")
     p.add_argument("--serve-raw-grpc", type=int, metavar="PORT", help=argparse.SUPPRESS)

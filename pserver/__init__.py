@@ -10,9 +10,11 @@
 
 `serve` starts a shard in this process, `train` runs a worker against shards (addresses, or a
 number of shards to start here); the `pserver` command line runs the same functions.
+`train(..., save="model.npz")` writes the trained model; `load_model` reads it back and
+`predict` runs it.
 """
 
-from pserver.api import Server, serve, train
+from pserver.api import SavedModel, Server, load_model, predict, serve, train
 from pserver.data import Dataset, Stream, load_dataset
 from pserver.errors import ConfigError, DataError, PServerError, RpcError
 from pserver.layers import (AveragePooling2D, Conv2D, Dense, Dropout, Embedding, Flatten, Layer,
@@ -28,7 +30,7 @@ __all__ = [
     "AveragePooling2D", "Flatten", "Dropout", "Embedding",
     "SparseCategoricalCrossentropy", "BinaryCrossentropy", "MeanSquaredError",
     # running
-    "serve", "train", "Server",
+    "serve", "train", "Server", "load_model", "predict", "SavedModel",
     # data
     "Dataset", "Stream", "load_dataset",
     # errors

@@ -2,10 +2,10 @@
 
 By default glibc serves every allocation above 128 KiB-32 MiB with a fresh mmap and
 returns it to the kernel on free, so each multi-megabyte message costs thousands of
-minor page faults (the issue measured ~23,000 per 40 MB call). Keeping freed memory in
-the process makes the next buffer of that size free of faults: the same effect as
-MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... MALLOC_TOP_PAD_=256MiB, applied by
-`pserver serve` and `pserver worker` at start through mallopt(3).
+minor page faults (one per 4 KiB page it touches). Keeping freed memory in the process
+makes the next buffer of that size free of faults: the same effect as MALLOC_MMAP_MAX_=0
+MALLOC_TRIM_THRESHOLD_=... MALLOC_TOP_PAD_=256MiB, applied by `pserver serve` and
+`pserver worker` at start through mallopt(3).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@
 
 or, all in this process, `pserver.train(model, x, y, ps=2, optimizer="adam", lr=1e-3)`, which
 starts two shards here, trains one worker and stops them. `pserver serve` and `pserver worker`
-run the same code (pserver.server.app, pserver.worker) from flags.
+run the same code (pserver.server.app, pserver.worker) from flags. With `save="model.npz"`
+(`--save`), the chief writes the trained model; `pserver.load_model("model.npz")` reads it
+back and `pserver.predict(...)` runs it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from pserver.config import ServerConfig, WorkerConfig
 from pserver.data import Stream, from_arrays
 from pserver.errors import ConfigError
+from pserver.model_file import SavedModel, load
 
 
 @dataclass
@@ -125,4 +128,27 @@ def _data(x, y, validation_data, seed: int):
     return from_arrays(x, y, *test, seed=seed)
 
 
-__all__ = ["Server", "serve", "train"]
+def load_model(path: str, model=None) -> SavedModel:
+    """A model file written by `--save` / `train(..., save=PATH)`: the model, built again from
+    its definition, with its trained weights (`.model`, `.weights`, `.meta`; `.predict(x)`,
+    `.evaluate(x, y)`). A model built in Python is not rebuilt by the file: pass it as
+    `model` (a Sequential with the same layers); `model` may also be a --model spec string."""
+    return load(path, model)
+
+
+def predict(model, x, *, weights=None, batch_size: int = 4096) -> np.ndarray:
+    """The last layer's outputs for x, (n, units): logits for a classifier (their argmax is the
+    class), predicted values for regression. `model` is a model file's path, a SavedModel,
+    or a model with its flat `weights`."""
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        model = load(str(model))
+    if isinstance(model, SavedModel):
+        if weights is not None:
+            raise ConfigError("weights: a saved model has its own; give one or the other")
+        return model.predict(x, batch_size)
+    if weights is None:
+        raise ConfigError("weights: give the model's flat weights (or a model file's path)")
+    return model.predict(np.asarray(weights, dtype=np.float32), x, batch_size=batch_size)
+
+
+__all__ = ["Server", "SavedModel", "serve", "train", "load_model", "predict"]

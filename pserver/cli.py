@@ -1,4 +1,4 @@
-"""The `pserver` command: serve, worker, launch, status.
+"""The `pserver` command: serve, worker, launch, status, evaluate.
 
 Each subcommand parses flags (falling back to TF_CONFIG for the cluster), builds a
 frozen config and calls one function. A user's mistake prints one line and exits 2; a
@@ -87,14 +87,22 @@ SERVER_FLAGS = [
 
 # Flags forwarded by `launch` to every worker: everything but rank and addresses.
 WORKER_FLAGS = [
-    Flag("--model", dict(metavar="NAME", help="mlp (default), logreg, linreg, cnn, or your own: "
+    Flag("--model", dict(metavar="NAME", help="mlp (default), logreg, linreg, cnn; on Criteo data the "
+                                              "click-through-rate models lr, fm, wide_deep, deepfm (sparse "
+                                              "embedding tables on the shards); or your own: "
                                               "FILE.py:FUNCTION or package.module:FUNCTION returning a "
                                               "pserver.Sequential")),
-    Flag("--hidden", dict(type=int_list, metavar="W,W", help="mlp hidden widths (default 256,256)")),
-    Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, or a path to a .npz with x and y")),
-    Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files")),
-    Flag("--samples", dict(type=int, help="synthetic: training samples (default 60000)")),
-    Flag("--test-samples", dict(type=int, help="synthetic: test samples (default 10000)")),
+    Flag("--hidden", dict(type=int_list, metavar="W,W", help="hidden widths: mlp (default 256,256), the deep "
+                                                                  "tower of wide_deep and deepfm (default 256,128)")),
+    Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, a path to a .npz with x and y, "
+                                                "criteo:PATH (a Criteo TSV file, plain or .gz) or "
+                                                "criteo-synthetic (Criteo-shaped, from a planted model)")),
+    Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files, downloaded there when "
+                                                "missing (default $XDG_CACHE_HOME/pserver/mnist, "
+                                                "~/.cache/pserver/mnist)")),
+    Flag("--samples", dict(type=int, help="synthetic, criteo-synthetic: training samples (default 60000)")),
+    Flag("--test-samples", dict(type=int, help="synthetic, criteo-synthetic: test samples; criteo:PATH: at most "
+                                                        "this many held-out lines (default 10000)")),
     Flag("--features", dict(type=int, help="synthetic: input features (default 784)")),
     Flag("--classes", dict(type=int, help="synthetic: classes (default 10)")),
     Flag("--batch-size", dict(type=int, help="samples per step on each worker (default 64)")),
@@ -108,7 +116,29 @@ WORKER_FLAGS = [
     Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take (default 300)")),
     Flag("--eval-every", dict(type=float, metavar="SEC", help="chief: evaluate every SEC seconds too (accuracy against time in the summary)")),
     Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, exponential:MEAN, lognormal:MEAN,SIGMA")),
+    Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "
+                                 "sparse factor table (default 8)")),
+    Flag("--row-optimizer", dict(choices=("sgd", "adagrad", "adam", "ftrl"), help="lr, fm, wide_deep, deepfm: "
+                                 "the sparse tables' row optimizer, run on the shards on the rows a push "
+                                 "touches (default adagrad; adam is lazy: untouched rows do not step)")),
+    Flag("--row-lr", dict(type=float, help="the row optimizer's learning rate (default 0.05)")),
+    Flag("--min-count", dict(type=int, metavar="K", help="sparse tables: store an id's row only once it was "
+                             "pushed K times; until then it reads its initial value (default 0: at once)")),
+    Flag("--max-rows", dict(type=int, metavar="R", help="sparse tables: at most R rows per table per shard, "
+                            "the least recently updated evicted first (default 0: no bound)")),
+    Flag("--ttl-steps", dict(type=int, metavar="T", help="sparse tables: evict rows not updated for T steps "
+                             "(default 0: never)")),
+    Flag("--require-fresh", dict(action="store_true", default=None,
+                                 help="chief: refuse (exit 2) when the shards already hold trained state "
+                                      "(default: continue from it, saying so)")),
+    Flag("--save", dict(metavar="PATH", help="chief: write the trained model here at the end: its definition and "
+                                             "weights in an .npz that numpy reads (docs/model-file.md; "
+                                             "`pserver evaluate --model-file PATH`)")),
 ]
+# What `pserver evaluate` takes of the worker flags: the model and the dataset.
+EVALUATE_FLAGS = [f for f in WORKER_FLAGS if f.name in ("--model", "--hidden", "--dataset", "--data-dir",
+                                                        "--samples", "--test-samples", "--features",
+                                                        "--classes", "--seed")]
 
 COMMON_FLAGS = [
     Flag("--chunk-bytes", dict(type=int, help="payload bytes per streamed message (default 1048576)")),
@@ -174,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run one worker", formatter_class=fmt,
                        description="Run one worker: pull weights, compute gradients with numba kernels, push them.\n"
-                                   "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 --num-workers 2 --dataset mnist --data-dir ./mnist")
+                                   "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 --num-workers 2 --dataset mnist")
     g = w.add_argument_group("cluster (TF_CONFIG with task.type worker or chief fills what is not given)")
     g.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]", help="shard addresses host:port, shard 0 first")
     g.add_argument("--rank", type=int, default=None, help="this worker's rank; 0 is the chief (default 0)")
@@ -189,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start S shard processes and N worker processes on 127.0.0.1 with free ports,\n"
                                     "prefix their output with their role, stop everything if one fails, and report.\n"
                                     "Any serve or worker flag below is passed on to every shard or worker.\n"
-                                    "Example: pserver launch --ps 2 --workers 4 --dataset mnist --data-dir ./mnist --optimizer adam --lr 0.001 --epochs 2")
+                                    "Example: pserver launch --ps 2 --workers 4 --dataset mnist --optimizer adam --lr 0.001 --epochs 2")
     la.add_argument("--ps", type=int, default=1, metavar="S", help="number of shards (default 1)")
     la.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
     la.add_argument("--summary-json", default=None, metavar="PATH", help="write the run summary here")
@@ -210,6 +240,19 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each shard (default 5)")
     add_flags(st, CLIENT_SECURITY, "security")
+
+    ev = sub.add_parser("evaluate", help="test metrics of a saved model (--save) or of checkpoints",
+                        formatter_class=fmt,
+                        description="Evaluate a trained model on a dataset's test set: the model file that --save\n"
+                                    "wrote (its definition, weights and dataset), or the shards' checkpoints in\n"
+                                    "--checkpoint DIR (weights only: the model and dataset from the file or the flags).\n"
+                                    "Example: pserver evaluate --model-file model.npz\n"
+                                    "         pserver evaluate --checkpoint ckpt --model mlp --dataset mnist")
+    ev.add_argument("--model-file", default=None, metavar="PATH", help="a model file written by --save")
+    ev.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="take the weights from the newest checkpoint of every shard in DIR")
+    ev.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    add_flags(ev, EVALUATE_FLAGS, "model and dataset (default: the model file's)")
     return p
 
 
@@ -285,7 +328,7 @@ def cmd_launch(ns) -> int:
     check_writable("--summary-json", ns.summary_json)
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks, delay_for=parse_delay_for(ns.delay_for, ns.workers),
-                       auth_token=token, tls_ca=ns.tls_ca,
+                       auth_token=token,
                        device=ns.device or "cpu")
     server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY]
     worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA]
@@ -347,7 +390,23 @@ def cmd_status(ns) -> int:
                        security=client_security(security_given(ns, [])["auth_token"], ns.tls_ca))
 
 
-COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "status": cmd_status}
+def cmd_evaluate(ns) -> int:
+    import json
+    from pserver.model_file import evaluate_files
+    result = evaluate_files(ns.model_file, ns.checkpoint, given(ns, EVALUATE_FLAGS))
+    if ns.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith("test_") and
+                        k != "test_samples")
+    print(f"{result['model']} ({result['num_params']:,} parameters) with the weights of {result['weights']}, "
+          f"on the {result['dataset']} test set ({result['test_samples']:,} samples): "
+          f"{metrics.replace('_', ' ')}")
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "status": cmd_status,
+            "evaluate": cmd_evaluate}
 
 
 def main(argv: list[str] | None = None) -> int:

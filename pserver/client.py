@@ -17,7 +17,7 @@ from typing import Callable, Sequence, TypeVar
 import grpc
 import numpy as np
 
-from pserver import codec, dataplane
+from pserver import codec, dataplane, sparse
 from pserver.security import ClientSecurity
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
@@ -31,6 +31,8 @@ T = TypeVar("T")
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 2000)]
 WAIT_NOTICE_EVERY = 10.0   # seconds between "still waiting" lines
+MAX_IDS_PER_PULL = 1 << 18  # ids per PullRows request: 2 MiB, well under gRPC's 4 MiB message limit
+LEAVE_ON_STOP_S = 2.0      # per shard: a stopped worker's Leave must not hold up its exit
 OUTCOMES = {pb.PushReply.APPLIED: "applied", pb.PushReply.AGGREGATED: "aggregated",
             pb.PushReply.DROPPED_LATE: "dropped_late"}
 
@@ -49,6 +51,8 @@ class ShardInfo:
     lr: float
     dataplane: str
     host_id: str
+    restored_from: str = ""     # the checkpoint the shard resumed from at start
+    seeded_by_rank: int = -1    # the rank whose Init supplied its values
 
 
 class ShardClient:
@@ -71,6 +75,9 @@ class ShardClient:
         self.pull_call = self.channel.unary_stream(service + "Pull",
                                                    request_serializer=pb.PullRequest.SerializeToString,
                                                    response_deserializer=codec.parse_chunk)
+        self.pull_rows_call = self.channel.unary_stream(service + "PullRows",
+                                                        request_serializer=pb.PullRowsRequest.SerializeToString,
+                                                        response_deserializer=codec.parse_chunk)
         self.info: ShardInfo | None = None
         self.fast: dataplane.DataPlaneChannel | None = None   # same-host shared memory
         self._joined: tuple | None = None       # Register's arguments, to join a restarted shard
@@ -78,6 +85,9 @@ class ShardClient:
         self.reset_seen = False                   # after a rejoin, pull what the shard has
         self.session = ""                         # our credential from Register
         self.session_timeout = 0.0                # the shard expires a silent session after this
+        self.down_since: float | None = None      # when the shard stopped answering
+        self.down_told = 0.0                      # when we last said so
+        self.restart_note = ""                    # what a restarted shard had, told once it is back
 
     @property
     def label(self) -> str:
@@ -110,44 +120,70 @@ class ShardClient:
         retried = (Unavailable, ResourceExhausted) + ((DeadlineExceeded,) if waits else ())
         while True:
             try:
-                return op()
+                result = op()
+                self._say_back()
+                return result
             except retried as e:
                 extra = waits if isinstance(e, DeadlineExceeded) else 0.0
                 if time.monotonic() + delay > deadline + extra:
                     raise type(e)(f"{self.label}: {e.code_name.lower().replace('_', ' ')} for "
                                   f"{retry_for + extra:g} s despite retries (--rpc-deadline); last error: {e}") from None
                 if isinstance(e, Unavailable):
+                    self._say_down(retry_for)
                     self._drop_fast()
                 time.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(delay * 2, 2.0)
                 if isinstance(e, Unavailable):
-                    self._rejoin(quiet=True)
+                    self.restart_note = self._rejoin(quiet=True) or self.restart_note
             except FailedPrecondition as e:
                 forgot = "has not registered" in str(e) or "no worker has registered" in str(e)
                 if not forgot or self._joined is None or rejoins >= 3:
                     raise
                 rejoins += 1                   # the shard restarted and forgot us: join again
-                self._rejoin(quiet=False)
+                note = self._rejoin(quiet=False)
+                if note:
+                    print(f"{self.label} {note}", flush=True)
 
-    def _rejoin(self, quiet: bool) -> None:
-        """Register again (same arguments); a shard that came back empty gets the weights
-        this worker last pulled, so training goes on from there."""
-        if self._joined is None:
+    def _say_down(self, retry_for: float) -> None:
+        """A line at once when the shard stops answering, then one every WAIT_NOTICE_EVERY s."""
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = self.down_told = now
+            print(f"{self.label} unreachable, retrying for up to {retry_for:g} s (--rpc-deadline)", flush=True)
+        elif now - self.down_told >= WAIT_NOTICE_EVERY:
+            self.down_told = now
+            print(f"{self.label} still unreachable after {now - self.down_since:.0f} s", flush=True)
+
+    def _say_back(self) -> None:
+        if self.down_since is None:
             return
+        note = f"; {self.restart_note}" if self.restart_note else ""
+        print(f"{self.label} is back after {time.monotonic() - self.down_since:.1f} s{note}", flush=True)
+        self.down_since, self.restart_note = None, ""
+
+    def _rejoin(self, quiet: bool) -> str:
+        """Register again (same arguments); a shard that came back empty gets the weights
+        this worker last pulled, so training goes on from there. Returns what the restarted
+        shard had ("" when it did not restart)."""
+        if self._joined is None:
+            return ""
         self._drop_fast()                    # bound to the old session, or to a dead process
         try:
             info = self._register_once(*self._joined)
+            seeded = None
             if not info.initialized and self.last_flat is not None:
-                self._init_once(self._joined[0], self.last_flat, self._joined[-1])
+                seeded = not self._init_once(self._joined[0], self.last_flat, self._joined[-1])
             # A restarted shard lost the gradients it was holding for its step, ours maybe
             # among them: waiting for the version after the one we saw could wait forever.
             # The next pull takes whatever it holds now, and the worker goes on from there.
             self.reset_seen = True
+            return restart_note(info, seeded)
         except AlreadyExists:
-            pass        # the shard did not restart: it still holds our session, which goes on
+            return ""   # the shard did not restart: it still holds our session, which goes on
         except Unavailable:
             if not quiet:
                 raise
+            return ""
 
     def _drop_fast(self) -> None:
         if self.fast is not None:
@@ -176,10 +212,12 @@ class ShardClient:
         req = pb.RegisterRequest(rank=rank, num_workers=num_workers, shard=self.index,
                                  num_shards=num_shards, batch_size=batch_size,
                                  protocol_version=codec.PROTOCOL_VERSION,
-                                 layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors])
+                                 layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors],
+                                 tables=[codec.table_spec(t) for t in layout.tables])
         r = self.call(self.stub.Register, req, timeout=timeout)
         self.info = ShardInfo(r.mode, r.version, r.initialized, r.range_start, r.range_end,
-                              r.total_params, r.layout_signature, r.optimizer, r.lr, r.dataplane, r.host_id)
+                              r.total_params, r.layout_signature, r.optimizer, r.lr, r.dataplane, r.host_id,
+                              r.restored_from, r.seeded_by_rank)
         self.session, self.session_timeout = r.session, r.session_timeout_seconds
         if self.data_plane == "auto" and self.fast is None:
             self.fast = dataplane.connect(r.dataplane, r.host_id, rank, self.index,
@@ -237,18 +275,43 @@ class ShardClient:
 
         return self.call(run)
 
-    def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
-             timeout: float) -> tuple[str, int, bool]:
-        return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout), timeout)
+    def pull_rows(self, rank: int, table: str, ids: np.ndarray, out: np.ndarray, timeout: float) -> None:
+        """Rows of `table` for `ids` (uint64, all on this shard) into `out` (len(ids), dim)."""
+        for a in range(0, ids.size, MAX_IDS_PER_PULL):
+            b = min(a + MAX_IDS_PER_PULL, ids.size)
+            self.resilient(lambda: self._pull_rows_once(rank, table, ids[a:b], out[a:b], timeout), timeout)
 
-    def _push_once(self, grad, rank, step, num_samples, clock, timeout) -> tuple[str, int, bool]:
-        if self.fast is not None:
+    def _pull_rows_once(self, rank, table, ids, out, timeout) -> None:
+        req = pb.PullRowsRequest(rank=rank, shard=self.index, session=self.session, table=table,
+                                 ids=np.ascontiguousarray(ids, dtype="<u8").tobytes())
+
+        def run() -> None:
+            chunks = iter(self.pull_rows_call(req, timeout=timeout))
+            header = codec.read_header(chunks)
+            if header.num_elements != out.size:
+                raise InvalidArgument(f"num_elements: shard sent {header.num_elements} row values, "
+                                      f"expected {out.size}")
+            codec.receive_into(out, chunks)
+
+        self.call(run)
+
+    def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
+             timeout: float, rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()) -> tuple[str, int, bool]:
+        """This shard's slice of `grad`, and `rows`: (table, unique ids on this shard, their
+        gradients) for each sparse table, in one push."""
+        return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows),
+                              timeout)
+
+    def _push_once(self, grad, rank, step, num_samples, clock, timeout, rows=()) -> tuple[str, int, bool]:
+        if self.fast is not None and not rows:
             outcome, version, finished = self.fast.push(grad[self.info.start:self.info.end], step,
                                                         num_samples, clock, timeout)
             return OUTCOMES.get(outcome, "unknown"), version, finished
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
-                                 clock=clock, session=self.session)
-        stream = codec.encode(header, grad[self.info.start:self.info.end], self.chunk_bytes)
+                                 clock=clock, session=self.session,
+                                 sparse=[pb.SparsePart(table=t, num_ids=ids.size) for t, ids, _ in rows])
+        arrays = [grad[self.info.start:self.info.end]] + [a for _, ids, g in rows for a in (ids, g)]
+        stream = codec.encode_parts(header, arrays, self.chunk_bytes)
         reply = self.call(self.push_call, stream, timeout=timeout)
         return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished
 
@@ -270,6 +333,23 @@ class ShardClient:
         if self.fast is not None:
             self.fast.close()
         self.channel.close()
+
+
+def restart_note(info: ShardInfo, seeded: bool | None) -> str:
+    """What a restarted shard had when this worker joined it again; `seeded`: whether this
+    worker's Init gave it the values (None: it did not try, the shard had values)."""
+    if info.restored_from:
+        source = f"restored from checkpoint {info.restored_from}"
+    elif seeded:
+        source = "re-seeded from this worker's weights"
+    elif seeded is False:
+        source = "re-seeded from another worker's weights"
+    elif info.seeded_by_rank >= 0:
+        source = ("re-seeded from the chief's weights" if info.seeded_by_rank == 0
+                  else f"re-seeded from worker {info.seeded_by_rank}'s weights")
+    else:
+        source = "empty: the next worker to reach it re-seeds it"
+    return f"restarted at version {max(info.version, 0)}; {source}"
 
 
 class PSClient:
@@ -336,13 +416,41 @@ class PSClient:
         self.finished |= any(f for _, f in replies)
         return self.versions
 
+    def owners(self, lookups: Sequence[sparse.TableLookup]) -> list[list[np.ndarray]]:
+        """For each lookup, for each shard: the positions in lookup.uniq of the ids it holds."""
+        out = []
+        for lk in lookups:
+            owner = sparse.shard_of(lk.uniq, len(self.shards))
+            order = np.argsort(owner, kind="stable")
+            cuts = np.searchsorted(owner[order], np.arange(1, len(self.shards)))
+            out.append(np.split(order, cuts))
+        return out
+
+    def pull_rows(self, lookups: Sequence[sparse.TableLookup], tables: Sequence[str]) -> None:
+        """Fill each lookup's rows from the shards that hold them (all shards in parallel)."""
+        owners = self.owners(lookups)
+
+        def pull(s: ShardClient) -> None:
+            for lk, name, where in zip(lookups, tables, owners):
+                idx = where[s.index]
+                if idx.size:
+                    rows = np.empty((idx.size, lk.rows.shape[1]), dtype=np.float32)
+                    s.pull_rows(self.rank, name, lk.uniq[idx], rows, self.rpc_deadline)
+                    lk.rows[idx] = rows
+        self.each(pull)
+
     def push(self, grad: np.ndarray, num_samples: int, clock: int = 0,
-             steps: Sequence[int] | None = None) -> list[tuple[str, int]]:
-        """Push each shard its slice of `grad`, computed on `steps` (default: last pulled);
-        returns (outcome, version) per shard."""
+             steps: Sequence[int] | None = None, lookups: Sequence[sparse.TableLookup] = (),
+             tables: Sequence[str] = ()) -> list[tuple[str, int]]:
+        """Push each shard its slice of `grad`, and the gradients of the sparse rows it holds
+        (each lookup's grads, already summed per unique id), computed on `steps` (default:
+        last pulled); returns (outcome, version) per shard."""
         steps = self.versions if steps is None else steps
+        owners = self.owners(lookups)
+        rows = [[(name, lk.uniq[w[j]], lk.grads[w[j]]) for lk, name, w in zip(lookups, tables, owners)]
+                for j in range(len(self.shards))]
         replies = self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
-                                             self.rpc_deadline))
+                                             self.rpc_deadline, rows[s.index]))
         self.finished |= any(f for _, _, f in replies)
         return [(o, v) for o, v, _ in replies]
 
@@ -352,6 +460,18 @@ class PSClient:
     def leave(self) -> None:
         self._stop.set()
         self.each(lambda s: s.leave(self.rank, 10.0))
+
+    def leave_on_stop(self, timeout: float = LEAVE_ON_STOP_S) -> None:
+        """Leave every shard on the way out of a stopped run, so that no step waits
+        --step-timeout for us. From this thread, one shard after another: the pool's threads
+        may be parked in a pull. Errors are ignored: the worker exits either way."""
+        self._stop.set()
+        for s in self.shards:
+            if s.session:
+                try:
+                    s.leave(self.rank, timeout)
+                except PServerError:
+                    pass
 
     def checkpoint(self) -> list[tuple[str, int]]:
         """Ask every shard to write a checkpoint now; ("", version) where it keeps none."""

@@ -119,15 +119,7 @@ def encode(header: pb.TensorHeader, arr: np.ndarray,
            chunk_bytes: int = CHUNK_BYTES) -> Iterator:
     """Yield the header message, then `arr`'s bytes as encoded TensorChunks of at most
     `chunk_bytes` payload each (one copy: from the array into the message bytes)."""
-    check_chunk_bytes(chunk_bytes)
-    flat = np.ascontiguousarray(arr, dtype=DTYPE).reshape(-1)
-    header.num_elements = flat.size
-    header.dtype = DTYPE_NAME
-    yield pb.TensorChunk(header=header)
-    raw = memoryview(flat.view(np.uint8))
-    for start in range(0, len(raw), chunk_bytes):
-        piece = raw[start:start + chunk_bytes]
-        yield b"".join((DATA_TAG, varint(len(piece)), piece))
+    return encode_parts(header, [np.ascontiguousarray(arr, dtype=DTYPE).reshape(-1)], chunk_bytes)
 
 
 def read_header(chunks: Iterator[pb.TensorChunk]) -> pb.TensorHeader:
@@ -154,28 +146,74 @@ def check_header(header: pb.TensorHeader, expected_elements: int) -> None:
                               f"shard's range of {expected_elements} elements")
 
 
-def receive_into(dest: np.ndarray, chunks: Iterable[pb.TensorChunk]) -> None:
-    """Fill `dest` (1-D, contiguous) from the data chunks that follow a header.
+def receive_into(dest: np.ndarray, chunks: Iterable[pb.TensorChunk], *more: np.ndarray) -> None:
+    """Fill `dest`, then each of `more` (contiguous arrays), from the data chunks that follow
+    a header: the bytes run on from one array into the next, as a push's dense slice and
+    then its sparse ids and rows do.
 
     Raises InvalidArgument if the stream carries too many or too few bytes, or a second
-    header; `dest` may then be partly written, so callers receive into a scratch buffer.
+    header; the arrays may then be partly written, so callers receive into scratch buffers.
     """
-    raw = dest.view(np.uint8)
-    pos = 0
+    dests = [a.reshape(-1).view(np.uint8) for a in (dest, *more)]
+    size = sum(d.size for d in dests)
+    which, pos, total = 0, 0, 0         # the array being filled, the position in it, bytes so far
     for chunk in chunks:
         chunk = as_chunk(chunk)
         if getattr(chunk, "error", ""):
             raise InvalidArgument(chunk.error)
         if chunk.HasField("header"):
             raise InvalidArgument("header: a second header arrived in the middle of the stream")
-        n = len(chunk.data)
-        if pos + n > raw.size:
-            raise InvalidArgument(f"data: the stream carries more than the {raw.size} bytes "
+        data = np.frombuffer(chunk.data, dtype=np.uint8)
+        if total + data.size > size:
+            raise InvalidArgument(f"data: the stream carries more than the {size} bytes "
                                   f"its header declared")
-        raw[pos:pos + n] = np.frombuffer(chunk.data, dtype=np.uint8)
-        pos += n
-    if pos != raw.size:
-        raise InvalidArgument(f"data: the stream ended after {pos} of {raw.size} bytes (truncated)")
+        total += data.size
+        while data.size:
+            while dests[which].size == pos:
+                which, pos = which + 1, 0
+            n = min(data.size, dests[which].size - pos)
+            dests[which][pos:pos + n] = data[:n]
+            data, pos = data[n:], pos + n
+    if total != size:
+        raise InvalidArgument(f"data: the stream ended after {total} of {size} bytes (truncated)")
+
+
+def table_spec(t) -> pb.SparseTableSpec:
+    """A pserver.sparse.TableConfig as Register carries it."""
+    d = t.to_dict()
+    return pb.SparseTableSpec(**{k: v for k, v in d.items() if k != "params"}, params=dict(d["params"]))
+
+
+def table_config(spec: pb.SparseTableSpec):
+    from pserver.sparse import TableConfig
+    return TableConfig.from_dict(dict(name=spec.name, dim=spec.dim, optimizer=spec.optimizer, lr=spec.lr,
+                                      init_scale=spec.init_scale, seed=spec.seed, min_count=spec.min_count,
+                                      max_rows=spec.max_rows, ttl_steps=spec.ttl_steps,
+                                      params=dict(spec.params)))
+
+
+def encode_parts(header: pb.TensorHeader, arrays: list[np.ndarray],
+                 chunk_bytes: int = CHUNK_BYTES) -> Iterator:
+    """As `encode`, for a payload made of several arrays back to back (a push's dense slice,
+    then its sparse ids and rows); header.num_elements counts the first array's elements."""
+    check_chunk_bytes(chunk_bytes)
+    header.num_elements = arrays[0].size
+    header.dtype = DTYPE_NAME
+    yield pb.TensorChunk(header=header)
+    views = [memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays]
+    pending, held = [], 0
+    for raw in views:
+        start = 0
+        while start < len(raw):
+            piece = raw[start:start + chunk_bytes - held]
+            pending.append(piece)
+            held += len(piece)
+            start += len(piece)
+            if held == chunk_bytes:
+                yield b"".join((DATA_TAG, varint(held), *pending))
+                pending, held = [], 0
+    if held:
+        yield b"".join((DATA_TAG, varint(held), *pending))
 
 
 def decode(chunks: Iterable[pb.TensorChunk],

@@ -20,7 +20,7 @@ DATA_PLANES = ("auto", "grpc")
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"       # bind address; 127.0.0.1 unless told otherwise (DESIGN §9)
+    host: str = "127.0.0.1"       # bind address: only this machine unless told otherwise
     port: int = DEFAULT_PORT      # 0 picks a free port, printed at start
     shard: int = 0                # this shard's index J in [0, num_shards)
     num_shards: int = 1           # S
@@ -101,11 +101,11 @@ class WorkerConfig:
     rank: int = 0                 # this worker's rank; 0 is the chief
     num_workers: int = 1          # N
     model: str = "mlp"            # mlp, logreg, linreg, cnn, or FILE.py:FUNCTION / package.module:FUNCTION
-    hidden: tuple[int, ...] = (256, 256)  # mlp hidden widths
-    dataset: str = "synthetic"    # synthetic, mnist, or a path to a .npz file
-    data_dir: str | None = None   # where the mnist IDX files are
-    samples: int = 60000          # synthetic: training samples
-    test_samples: int = 10000     # synthetic: test samples
+    hidden: tuple[int, ...] | None = None  # hidden widths: mlp (256,256), wide_deep/deepfm towers (256,128)
+    dataset: str = "synthetic"    # synthetic, mnist, a path to a .npz file, criteo-synthetic or criteo:PATH
+    data_dir: str | None = None   # where the mnist IDX files are (None: data.default_mnist_dir())
+    samples: int = 60000          # synthetic, criteo-synthetic: training samples
+    test_samples: int = 10000     # synthetic, criteo-synthetic: test samples; criteo:PATH: at most this many
     features: int = 784           # synthetic: input features
     classes: int = 10             # synthetic: classes
     batch_size: int = 64          # samples per step on this worker
@@ -119,12 +119,21 @@ class WorkerConfig:
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
     eval_batch: int = 4096        # test-set evaluation batch
     summary_json: str | None = None  # chief: write the run summary here
+    save: str | None = None       # chief: write the trained model here (pserver.model_file)
     stats_json: str | None = None    # write this worker's time breakdown (compute/push/pull/idle)
     eval_every: float = 0.0       # chief: also evaluate every this many seconds (0 = per epoch only)
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
+    require_fresh: bool = False   # chief: refuse shards that already hold trained state (default: continue)
     auth_token: str | None = field(default=None, repr=False)  # sent with every RPC; never shown
     tls_ca: str | None = None     # PEM CA certificate to trust: talk to the shards over TLS
+    # Sparse embedding tables of the click-through-rate models (lr, fm, wide_deep, deepfm)
+    embedding_dim: int = 8        # values per id in the factor table (fm, wide_deep, deepfm)
+    row_optimizer: str = "adagrad"  # the tables' row optimizer on the shards: sgd, adagrad, adam, ftrl
+    row_lr: float = 0.05          # its learning rate
+    min_count: int = 0            # admission: store an id once it was pushed this many times
+    max_rows: int = 0             # eviction: rows per table per shard, least recently updated out first
+    ttl_steps: int = 0            # eviction: rows not updated for this many steps
 
     def __post_init__(self) -> None:
         if not self.ps:
@@ -146,7 +155,8 @@ class WorkerConfig:
                        chunk_bytes=self.chunk_bytes, log_every=self.log_every)
         if self.max_steps < 0:
             raise ConfigError(f"--max-steps: must be >= 0, got {self.max_steps}")
-        for flag, path in (("--summary-json", self.summary_json), ("--stats-json", self.stats_json)):
+        for flag, path in (("--summary-json", self.summary_json), ("--stats-json", self.stats_json),
+                           ("--save", self.save)):
             check_writable(flag, path)
         if self.delay:
             from pserver.stragglers import parse_delay

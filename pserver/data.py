@@ -1,15 +1,17 @@
 """Datasets and the per-rank slices that workers train on.
 
     load_dataset("synthetic" | "mnist" | "path.npz") -> Dataset   (float32 x, int32 labels or float32 targets)
+    load_dataset("criteo:PATH" | "criteo-synthetic")              (click-through data: pserver.criteo)
     epoch_indices / iterate_batches                                 (rank r's disjoint block of one epoch)
 
 Every epoch is one permutation of the training set drawn from `seed + epoch`, the same on every
 worker; rank r takes the r-th of `num_workers` equal blocks, so the ranks never overlap and all run
 the same number of steps (the `num_train % num_workers` left-over samples sit that epoch out).
 
-MNIST comes from the four IDX files in `--data-dir` (.gz or not). Missing ones are fetched from the
-mirrors in MNIST_MIRRORS, or from the comma-separated base URLs in $PSERVER_MNIST_MIRRORS (set it
-empty to never download), and kept only if their sha256 matches.
+MNIST comes from the four IDX files in `--data-dir` (.gz or not), by default a directory in the
+user's cache (default_mnist_dir), created when missing. Missing files are fetched from the
+mirrors in MNIST_MIRRORS, one after the other, or from the comma-separated base URLs in
+$PSERVER_MNIST_MIRRORS (set it empty to never download), and kept only if their sha256 matches.
 Every problem with the data raises DataError, every bad option ConfigError, with one line that names
 the file, key or flag and the value.
 """
@@ -34,7 +36,7 @@ import numpy as np
 
 from pserver.errors import ConfigError, DataError
 
-DATASETS = ("synthetic", "mnist")  # plus any path ending in .npz
+DATASETS = ("synthetic", "mnist", "criteo-synthetic")  # plus criteo:PATH and any path ending in .npz
 TASKS = ("classification", "regression")
 
 # Distance between two class centres of `synthetic`, in units of the (unit) noise. 5.5 puts the
@@ -44,12 +46,12 @@ SYNTHETIC_SEPARATION = 5.5
 SYNTHETIC_REGRESSION_NOISE = 0.1  # target noise std; the signal's std is ~1
 HOLDOUT_FRACTION = 0.1  # of an .npz without x_test/y_test
 
-MNIST_SOURCE = "http://yann.lecun.com/exdb/mnist/"
 MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/",
-                 "https://storage.googleapis.com/cvdf-datasets/mnist/")
+                 "https://storage.googleapis.com/cvdf-datasets/mnist/",
+                 "http://yann.lecun.com/exdb/mnist/")
 MNIST_MIRRORS_ENV = "PSERVER_MNIST_MIRRORS"
 DOWNLOAD_TIMEOUT_S = 10.0  # per socket operation, so a dead mirror costs seconds, not minutes
-# name -> (bytes, sha256) of the original .gz files (see shared/datasets/mnist/README.md).
+# name -> (bytes, sha256) of the original .gz files, as every mirror above serves them.
 MNIST_FILES = {
     "train-images-idx3-ubyte": (9912422, "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609"),
     "train-labels-idx1-ubyte": (28881, "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c"),
@@ -145,8 +147,10 @@ class Stream:
             yield np.asarray(batch[0]), np.asarray(batch[1])
 
 
-def describe(ds: Dataset | Stream) -> str:
+def describe(ds) -> str:
     """One line for the worker's log: what it trains on."""
+    if not isinstance(ds, (Dataset, Stream)):   # Criteo data (pserver.criteo) describes itself
+        return ds.describe()
     if isinstance(ds, Stream):
         test = "no test set" if ds.x_test is None else f"{len(ds.x_test)} test samples"
         return f"dataset {ds.name}: batches from Python, {test}"
@@ -158,11 +162,13 @@ def describe(ds: Dataset | Stream) -> str:
 
 def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task: str = "classification",
                  samples: int = 60000, test_samples: int = 10000, features: int = 784,
-                 classes: int = 10) -> Dataset:
-    """Load `spec`: "synthetic", "mnist" or a path ending in .npz.
+                 classes: int = 10):
+    """Load `spec`: "synthetic", "mnist", a path ending in .npz (each a Dataset), or Criteo data:
+    "criteo:PATH" (a TSV file, plain or .gz, streamed) or "criteo-synthetic" (see pserver.criteo).
 
-    samples/test_samples/features/classes shape `synthetic` only; seed generates `synthetic` and
-    shuffles an .npz's held-out test set. task="regression" asks for float targets: synthetic
+    samples/test_samples/features/classes shape `synthetic` only, samples/test_samples also
+    `criteo-synthetic`; test_samples caps the test set held out of a Criteo file. seed generates
+    both synthetic kinds and shuffles an .npz's held-out test set. task="regression" asks for float targets: synthetic
     then draws a linear-regression task, and integer labels (mnist, .npz) become float32 targets.
     A float `y` in an .npz is always regression.
     """
@@ -173,10 +179,24 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
         return _synthetic(seed, task, samples, test_samples, features, classes)
     if spec == "mnist":
         return as_task(_load_mnist(data_dir), task)
+    if spec == "criteo-synthetic" or spec.startswith("criteo:"):
+        return _load_criteo(spec, seed, task, samples, test_samples)
     if spec.lower().endswith(".npz"):
         return as_task(_load_npz(spec, seed), task)
-    raise ConfigError(f"--dataset: unknown dataset {spec!r}; "
-                      "choose synthetic, mnist or a path to a .npz file")
+    raise ConfigError(f"--dataset: unknown dataset {spec!r}; choose synthetic, mnist, criteo-synthetic, "
+                      "criteo:PATH (a Criteo TSV file) or a path to a .npz file")
+
+
+def _load_criteo(spec: str, seed: int, task: str, samples: int, test_samples: int):
+    from pserver import criteo   # imports this module: here, not at the top
+    if task != "classification":
+        raise ConfigError(f"--dataset {spec}: click-through data is binary classification, not {task}")
+    if spec == "criteo-synthetic":
+        return criteo.load_synthetic(seed, samples, test_samples)
+    path = spec[len("criteo:"):]
+    if not path:
+        raise ConfigError("--dataset criteo:PATH: the path is empty (e.g. criteo:train.txt or criteo:day_0.gz)")
+    return criteo.load_file(os.path.expanduser(path), test_samples)
 
 
 def _check_int(flag: str, value: int, low: int) -> None:
@@ -293,30 +313,51 @@ def _linear(ss: np.random.SeedSequence, n: int, w: np.ndarray,
 
 # ---------------------------------------------------------------- mnist
 
+def default_mnist_dir() -> str:
+    """Where MNIST goes without --data-dir: $XDG_CACHE_HOME/pserver/mnist, ~/.cache by default."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "pserver", "mnist")
+
+
 def _load_mnist(data_dir: str | None) -> Dataset:
-    if data_dir is None:
-        raise ConfigError("--data-dir: required for --dataset mnist (the directory with the MNIST IDX files)")
+    data_dir = default_mnist_dir() if data_dir is None else data_dir
     root = os.path.expanduser(data_dir)
-    if not os.path.isdir(root):
-        what = "is not a directory" if os.path.exists(root) else "does not exist"
-        raise DataError(f"mnist: --data-dir {data_dir} {what}")
+    _make_dir(root, data_dir)
     paths = _mnist_paths(root)
     missing = [name for name, path in paths.items() if path is None]
     if missing:
         why = _download_missing(root, missing)
         paths = _mnist_paths(root)
         if why is not None:
-            missing = [name for name, path in paths.items() if path is None]  # some may have come
-            have_not = ", ".join(f"{name}(.gz)" for name in missing)
-            put = ", ".join(f"{name}.gz" for name in missing)
-            raise DataError(f"mnist: {data_dir} has no {have_not}; download failed ({why}); "
-                            f"put {put} (from {MNIST_SOURCE}) in {data_dir}")
+            raise DataError(_missing_message(data_dir, paths, why))
     x_train, y_train = _mnist_split(paths["train-images-idx3-ubyte"], paths["train-labels-idx1-ubyte"])
     x_test, y_test = _mnist_split(paths["t10k-images-idx3-ubyte"], paths["t10k-labels-idx1-ubyte"])
     if x_test.shape[1:] != x_train.shape[1:]:
         raise DataError(f"mnist: {paths['t10k-images-idx3-ubyte']} has {math.prod(x_test.shape[1:])} pixels "
                         f"per image, {paths['train-images-idx3-ubyte']} {math.prod(x_train.shape[1:])}")
     return Dataset("mnist", x_train, y_train, x_test, y_test, 10)
+
+
+def _make_dir(root: str, data_dir: str) -> None:
+    """The directory exists afterwards (made here if need be), ready for the files."""
+    if os.path.isdir(root):
+        return
+    if os.path.exists(root):
+        raise DataError(f"mnist: --data-dir {data_dir} is not a directory")
+    try:
+        os.makedirs(root)
+    except OSError as e:
+        raise DataError(f"mnist: cannot create --data-dir {data_dir} ({e.strerror or e})") from None
+
+
+def _missing_message(data_dir: str, paths: dict, why: str) -> str:
+    """One line: what is missing, why the download failed, how to put the files there by hand."""
+    missing = [name for name, path in paths.items() if path is None]  # some may have come
+    have_not = ", ".join(f"{name}(.gz)" for name in missing)
+    get = ", ".join(f"{name}.gz" for name in missing)
+    return (f"mnist: {data_dir} has no {have_not}; download failed ({why}); download {get} by hand "
+            f"from any of {', '.join(MNIST_MIRRORS)} and put them in {data_dir} (or give --data-dir "
+            f"a directory that holds them)")
 
 
 def _mnist_paths(root: str) -> dict[str, str | None]:
@@ -387,6 +428,7 @@ def _download_missing(root: str, missing: list[str]) -> str | None:
         reasons = []
         for base in mirrors:
             url = base + name + ".gz"
+            print(f"mnist: downloading {url} into {root}", flush=True)   # stderr: errors only
             try:
                 _download(url, root, name)
                 break

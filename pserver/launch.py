@@ -22,11 +22,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pserver.client import PSClient
 from pserver.device import round_robin
 from pserver.errors import PServerError, Unavailable
-from pserver.metrics import combine_counters, write_json
-from pserver.security import TOKEN_ENV, ClientSecurity, client_security
+from pserver.metrics import write_json
+from pserver.security import TOKEN_ENV
 from pserver.signals import Stopped, stop_on_signals
 
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
@@ -49,7 +48,6 @@ class LaunchConfig:
     delay_for: tuple[tuple[int, str], ...] = ()  # (rank, delay) overriding the above
     device: str = "cpu"                    # cpu, or cuda[:I]: workers spread over the GPUs
     auth_token: str | None = field(default=None, repr=False)  # to the children in their environment only
-    tls_ca: str | None = None              # the shards serve TLS: trust this CA when reading their status
 
 
 class Proc:
@@ -199,8 +197,7 @@ def launch(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]) ->
             workers = start_workers(cfg, addresses, worker_argv, env, chief_summary, devices)
             procs += workers
             supervise(shards, workers)
-            summary = final_summary(chief_summary, addresses, time.monotonic() - started,
-                                    client_security(cfg.auth_token, cfg.tls_ca))
+            summary = final_summary(chief_summary, time.monotonic() - started)
             if cfg.summary_json and summary is not None:
                 write_json(cfg.summary_json, summary)
                 print(f"pserver launch: summary written to {cfg.summary_json}", flush=True)
@@ -215,18 +212,13 @@ def launch(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]) ->
             shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def final_summary(chief_path: str, addresses: str, launch_seconds: float,
-                  security: ClientSecurity = ClientSecurity()) -> dict | None:
-    """The chief's summary, with counters re-read now that every worker has finished."""
+def final_summary(chief_path: str, launch_seconds: float) -> dict | None:
+    """The chief's summary (its counters were read once every worker had left), with
+    every worker's time breakdown."""
     if not os.path.exists(chief_path):
         return None
     with open(chief_path) as f:
         summary = json.load(f)
-    client = PSClient(addresses.split(","), security=security)
-    try:
-        summary.update(combine_counters(client.status()))
-    finally:
-        client.close()
     workers = []
     for name in sorted(os.listdir(os.path.dirname(chief_path))):
         if name.startswith("worker") and name.endswith(".json"):

@@ -74,14 +74,17 @@ class EvalCurve:
         self.next = elapsed + self.every
 
 
-def combine_counters(statuses: Sequence) -> dict:
-    """Cluster-wide counters from every shard's StatusReply.
+def combine_counters(statuses: Sequence, since: Sequence | None = None) -> dict:
+    """Cluster-wide counters from every shard's StatusReply; with `since` (the statuses at
+    a run's start), that run's part only (see run_part).
 
     Each worker push reaches every shard, so push counters are summed over shards (they
     count push messages), as are checkpoints written and failed; updates_applied and
     workers_marked_dead are the largest any shard saw (every shard applies the same steps);
     staleness is pooled.
     """
+    if since is not None:
+        statuses = [run_part(now, then) for now, then in zip(statuses, since)]
     cs = [s.counters for s in statuses]
     out = {k: sum(getattr(c, k) for c in cs) for k in
            ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late",
@@ -99,6 +102,67 @@ def combine_counters(statuses: Sequence) -> dict:
     return out
 
 
+TABLE_FIELDS = ("rows", "bytes", "pending_ids", "admissions", "creations", "evictions")
+
+
+def sparse_summary(statuses: Sequence) -> dict:
+    """The sparse tables summed over shards (each holds its own rows), with the rows moved:
+    {"sparse_tables": {name: {rows, bytes, ...}}, "rows_pulled", "rows_pushed"}; {} for a
+    dense model."""
+    tables: dict[str, dict] = {}
+    for st in statuses:
+        for t in st.tables:
+            agg = tables.setdefault(t.name, dict.fromkeys(TABLE_FIELDS, 0) | {"dim": t.dim, "optimizer": t.optimizer})
+            for k in TABLE_FIELDS:
+                agg[k] += getattr(t, k)
+    if not tables:
+        return {}
+    return {"sparse_tables": tables, "rows_pulled": sum(st.counters.rows_pulled for st in statuses),
+            "rows_pushed": sum(st.counters.rows_pushed for st in statuses)}
+
+
+# Highest values seen, not sums: a run's part of them cannot be told apart.
+PEAKS = ("staleness_max", "clock_gap_max")
+
+
+def run_part(now, start):
+    """A shard's StatusReply less what it held at `start`: the counters and version of the
+    run in between. A shard that restarted since (another instance) counts from its restart;
+    its version goes on from the start's only when it resumed from a checkpoint."""
+    out = type(now)()
+    out.CopyFrom(now)
+    same = now.instance == start.instance
+    base = max(start.version, 0) if same or now.restored_from else 0
+    out.version = max(now.version - base, 0)
+    if not same:
+        return out
+    c, c0 = out.counters, start.counters
+    for f in c.DESCRIPTOR.fields:
+        value, before = getattr(c, f.name), getattr(c0, f.name)
+        if f.name in PEAKS or isinstance(value, float):
+            continue
+        if isinstance(value, int):
+            setattr(c, f.name, value - before)
+        else:                                   # the staleness histogram, bucket by bucket
+            buckets = [a - b for a, b in zip(value, before)]
+            del value[:]
+            value.extend(buckets)
+    n, n0 = sum(now.counters.staleness_histogram), sum(c0.staleness_histogram)
+    total = now.counters.staleness_mean * n - c0.staleness_mean * n0
+    c.staleness_mean = total / (n - n0) if n > n0 else 0.0
+    return out
+
+
+def describe_updates(c: dict) -> str:
+    """The one vocabulary of the summary, the status table and the shard's log: an update is
+    one optimizer step on the parameters; a push is one gradient a worker sent, which is
+    averaged into a step's update (sync, backup), applied on arrival as an update of its own
+    (async, ssp), dropped late (backup) or rejected. Push counts are summed over shards."""
+    return (f"{c['updates_applied']} updates from {c['pushes_received']} pushes: "
+            f"{c['pushes_aggregated']} averaged into a step, {c['pushes_applied']} applied on arrival, "
+            f"{c['pushes_dropped_late']} dropped late, {c['pushes_rejected']} rejected")
+
+
 def format_summary(s: dict) -> str:
     acc = s.get("test_accuracy")
     metric = f"test accuracy {acc:.4f}" if acc is not None else f"test r2 {s.get('test_r2', 0):.4f}"
@@ -106,18 +170,23 @@ def format_summary(s: dict) -> str:
         metric = "no test set"      # a Stream from Python without one
     else:
         metric += f", test loss {s['test_loss']:.4f}"
+    if s.get("test_auc") is not None:
+        metric += f", test AUC {s['test_auc']:.4f}"
+        if s.get("best_auc") is not None:
+            metric += f" (the planted model's: {s['best_auc']:.4f})"
     lines = [
         f"== pserver run summary: {s['mode']}, {s['num_shards']} shard(s), {s['num_workers']} worker(s) ==",
         f"model {s['model']} ({s['num_params']:,} params), dataset {s['dataset']}, "
         f"optimizer {s['optimizer']} lr {s['lr']:g}, batch {s['batch_size']}/worker, {s['epochs']} epoch(s)",
         metric,
         f"{s['steps']} steps in {s['wall_seconds']:.1f} s: {s['train_samples_per_second']:,.0f} train samples/s",
-        f"pushes: {s['pushes_applied']} applied, {s['pushes_aggregated']} aggregated, "
-        f"{s['pushes_dropped_late']} dropped late, {s['pushes_rejected']} rejected; "
-        f"{s['workers_marked_dead']} worker(s) marked dead",
+        f"{describe_updates(s)}; {s['workers_marked_dead']} worker(s) marked dead",
         f"staleness mean {s['staleness_mean']:.2f} max {s['staleness_max']}; "
         f"clock gap max {s['clock_gap_max']}",
     ]
+    lines += [f"sparse table {name}: {t['rows']:,} rows x {t['dim']} ({t['bytes'] / 2**20:,.1f} MiB, "
+              f"{t['optimizer']}), {t['creations']:,} created, {t['admissions']:,} admitted, "
+              f"{t['evictions']:,} evicted" for name, t in s.get("sparse_tables", {}).items()]
     return "\n".join(lines)
 
 

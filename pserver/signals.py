@@ -1,5 +1,5 @@
 """How every pserver process stops: on SIGTERM (Kubernetes, Slurm, systemd), SIGHUP (a closed
-terminal) and SIGINT (Ctrl-C), cleanly, exiting 128+signal (DESIGN §9).
+terminal) and SIGINT (Ctrl-C), cleanly, exiting 128+signal (docs/semantics.md, "Signals").
 
     with stop_on_signals():
         try:

@@ -12,16 +12,22 @@ import time
 
 import numpy as np
 
+from pserver import model_file
 from pserver.client import PSClient
 from pserver.config import WorkerConfig
+from pserver.criteo import CriteoData
 from pserver.data import Dataset, Stream, as_task, describe, load_dataset
 from pserver.device import describe as describe_device
 from pserver.device import parse_device, select
-from pserver.errors import DeadlineExceeded, FailedPrecondition, PServerError
+from pserver.errors import ConfigError, DeadlineExceeded, FailedPrecondition, PServerError
 from pserver.metrics import (EvalCurve, Progress, StepTimer, combine_counters, format_summary,
-                             write_json)
+                             sparse_summary, write_json)
 from pserver.models import make_model
+from pserver.models.ctr import CTR_MODELS
+from pserver.models.layout import Layout
+from pserver.sparse import TableLookup
 from pserver.security import client_security
+from pserver.signals import Stopped
 from pserver.stragglers import Delay
 
 
@@ -36,9 +42,17 @@ def build(cfg: WorkerConfig):
     ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, task=task,
                       samples=cfg.samples, test_samples=cfg.test_samples, features=cfg.features,
                       classes=cfg.classes)
-    model = make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden,
+    model = make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden, **table_options(cfg),
                        backend=device.backend)
     return device, fit_data(model, ds), model
+
+
+def table_options(cfg: WorkerConfig) -> dict:
+    """The sparse-table flags, for the models that have sparse tables."""
+    if cfg.model not in CTR_MODELS:
+        return {}
+    return dict(embedding_dim=cfg.embedding_dim, optimizer=cfg.row_optimizer, lr=cfg.row_lr,
+                min_count=cfg.min_count, max_rows=cfg.max_rows, ttl_steps=cfg.ttl_steps, seed=cfg.seed)
 
 
 def fit_data(model, ds: Dataset | Stream) -> Dataset | Stream:
@@ -47,6 +61,10 @@ def fit_data(model, ds: Dataset | Stream) -> Dataset | Stream:
     A model without `check_data` (a user's protocol object) gets the data as it is; a
     Stream's batches are checked by the model as they come, its test set here."""
     check = getattr(model, "check_data", None)
+    if isinstance(ds, CriteoData):       # records the CTR models check batch by batch
+        if check is not None:
+            check(ds.x_test, ds.y_test, f"{ds.name} test set")
+        return ds
     if isinstance(ds, Stream):
         if check is None or ds.x_test is None:
             return ds
@@ -62,61 +80,139 @@ def fit_data(model, ds: Dataset | Stream) -> Dataset | Stream:
 
 
 def gradient_fn(model, seed: int, rank: int):
-    """model.loss_and_grad as f(w, x, y, g, step). A model that draws random numbers
+    """model.loss_and_grad as f(w, x, y, g, step, lookups). A model that draws random numbers
     (Dropout) takes a `seed`: one per (run seed, rank, step), so a run repeats exactly and no
-    two workers or steps share a mask."""
-    if "seed" not in inspect.signature(model.loss_and_grad).parameters:
-        return lambda w, x, y, g, step: model.loss_and_grad(w, x, y, g)
+    two workers or steps share a mask. A model with sparse tables takes the batch's rows
+    (`sparse`, a list of pserver.sparse.TableLookup) and writes their gradients into them."""
+    takes = inspect.signature(model.loss_and_grad).parameters
 
-    def step_with_seed(w, x, y, g, step):
-        s = int(np.random.SeedSequence((seed, rank, step)).generate_state(1, np.uint64)[0])
-        return model.loss_and_grad(w, x, y, g, seed=s)
-    return step_with_seed
+    def step(w, x, y, g, clock, lookups):
+        extra = {}
+        if "seed" in takes:
+            extra["seed"] = int(np.random.SeedSequence((seed, rank, clock)).generate_state(1, np.uint64)[0])
+        if lookups:
+            extra["sparse"] = lookups
+        return model.loss_and_grad(w, x, y, g, **extra)
+    return step
+
+
+def describe_params(model) -> str:
+    tables = ", ".join(f"{t.name} (ids x {t.dim}, {t.optimizer})" for t in sparse_tables(model))
+    return f"{model.layout.total:,} params" + (f" + sparse tables {tables}" if tables else "")
+
+
+def sparse_tables(model) -> list:
+    """The model's sparse tables (pserver.sparse.TableConfig); [] for a dense model."""
+    return list(getattr(model, "sparse_tables", None) or [])
+
+
+def registered_layout(model) -> Layout:
+    """What the shards are told: the dense tensors and the sparse tables."""
+    return Layout(model.layout.tensors, tuple(sparse_tables(model)))
+
+
+class Rows:
+    """A worker's view of the model's sparse tables: the batch's unique ids per table, and
+    their rows pulled from the shards that hold them."""
+
+    def __init__(self, model, client: PSClient) -> None:
+        self.tables = sparse_tables(model)
+        self.names = [t.name for t in self.tables]
+        self.model, self.client = model, client
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def lookup(self, ids_per_table) -> list[TableLookup]:
+        lookups = [TableLookup.of(ids, t.dim) for ids, t in zip(ids_per_table, self.tables)]
+        self.client.pull_rows(lookups, self.names)
+        return lookups
+
+    def for_batch(self, x) -> list[TableLookup]:
+        return self.lookup(self.model.batch_ids(x)) if self.tables else []
 
 
 def model_name(model) -> str:
     return getattr(model, "name", type(model).__name__)
 
 
-def evaluate(model, w, ds, cfg: WorkerConfig) -> dict:
-    """The model's metrics on the test set ({} when there is none: a Stream without one)."""
+def evaluate(model, w, ds, cfg: WorkerConfig, rows: Rows | None = None) -> dict:
+    """The model's metrics on the test set ({} when there is none: a Stream without one).
+    A model with sparse tables reads its rows from the shards through `rows`."""
     if ds.x_test is None:
         return {}
+    if rows:
+        return model.evaluate(w, ds.x_test, ds.y_test, batch_size=cfg.eval_batch, rows=rows.lookup)
     return model.evaluate(w, ds.x_test, ds.y_test, batch_size=cfg.eval_batch)
 
 
 def run_worker(cfg: WorkerConfig) -> dict | None:
     """Train until the epochs (or --max-steps) are done; the chief returns the summary."""
     device, ds, model = build(cfg)
-    return run(cfg, device, ds, model)
+    return run(cfg, device, ds, model, model_file.definition(cfg, model, ds))
 
 
-def run(cfg: WorkerConfig, device, ds: Dataset, model) -> dict | None:
-    """The training loop with a model and data already built (the CLI and pserver.train)."""
+def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None = None) -> dict | None:
+    """The training loop with a model and data already built (the CLI and pserver.train).
+    `definition` is how the model was built (for --save; None: a model built in Python)."""
+    if cfg.save and sparse_tables(model):
+        raise ConfigError(f"--save: model {model_name(model)} keeps its sparse tables on the shards, and a "
+                          f"model file holds dense weights only; keep the rows with --checkpoint-dir "
+                          f"(every shard's checkpoint holds its rows)")
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca))
     try:
         client.connect(cfg.connect_timeout)
-        infos = client.register(model.layout, cfg.batch_size)
+        infos = client.register(registered_layout(model), cfg.batch_size)
         mode = infos[0].mode
         print(f"worker rank {cfg.rank}/{cfg.num_workers} device {describe_device(device)}; "
-              f"model {model_name(model)} {model.layout.total:,} params; {describe(ds)}; mode {mode}, "
+              f"model {model_name(model)} {describe_params(model)}; {describe(ds)}; mode {mode}, "
               f"{len(cfg.ps)} shard(s) ({client.plane_description()}), optimizer {infos[0].optimizer} "
               f"lr {infos[0].lr:g}", flush=True)
         w = np.empty(model.layout.total, dtype=np.float32)
+        start = None
         if cfg.rank == 0:
+            start = client.status()            # before Init: no push can come before it
+            check_fresh(client, infos, cfg.require_fresh)
             client.init(model.init_params(cfg.seed))
         client.pull(w)                         # waits until the chief's values are there
-        warm_up(model, w, ds, cfg.batch_size)
+        rows = Rows(model, client)
+        warm_up(model, w, ds, cfg.batch_size, rows)
         started = time.monotonic()
-        history = train(cfg, ds, model, client, w)
+        history = train(cfg, ds, model, client, w, rows)
         client.leave()
         if cfg.rank != 0:
             say_if_chief_gone(client)
             return None
-        return finish(cfg, ds, model, client, w, mode, history, started)
+        summary = finish(cfg, ds, model, client, w, mode, history, started, start, rows)
+        if cfg.save:
+            model_file.save(cfg.save, model, w, definition, summary)
+            print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
+                  f"{cfg.save}", flush=True)
+        return summary
+    except (Stopped, KeyboardInterrupt):
+        client.leave_on_stop()                 # the others' steps stop waiting for us now
+        raise
     finally:
         client.close()
+
+
+def check_fresh(client: PSClient, infos, require_fresh: bool) -> None:
+    """The chief joining shards that already hold values (restored from a checkpoint, or
+    trained by an earlier run) continues from them: its Init is ignored. Say so in one
+    line, or refuse with --require-fresh."""
+    held = [(s, i) for s, i in zip(client.shards, infos) if i.initialized]
+    if not held:
+        return
+    shard, info = held[0]
+    what = (f"{shard.label}{f' and {len(held) - 1} more' if len(held) > 1 else ''} already "
+            f"hold{'s' if len(held) == 1 else ''} trained state (version {info.version}"
+            f"{f', restored from {info.restored_from}' if info.restored_from else ''})")
+    if require_fresh:
+        raise ConfigError(f"--require-fresh: {what}; start fresh shards, or drop --require-fresh "
+                          "to continue from it")
+    print(f"{what}: this run continues from it, not from new initial weights "
+          "(--require-fresh refuses instead)", flush=True)
 
 
 def say_if_chief_gone(client: PSClient) -> None:
@@ -131,17 +227,22 @@ def say_if_chief_gone(client: PSClient) -> None:
               "summary will be written unless it is restarted", flush=True)
 
 
-def warm_up(model, w: np.ndarray, ds, batch_size: int) -> None:
+def warm_up(model, w: np.ndarray, ds, batch_size: int, rows: Rows) -> None:
     """One forward+backward, result discarded: loading the compiled kernels and sizing the
     activation buffers happen here, not inside the first timed step. (A Stream's batches are
-    the user's to read once, so its first step does this instead.)"""
+    the user's to read once, so its first step does this instead; streamed Criteo data warms
+    up on its test set.)"""
     if isinstance(ds, Stream):
         return
-    n = min(batch_size, ds.num_train)
-    model.loss_and_grad(w, ds.x_train[:n], ds.y_train[:n], np.empty_like(w))
+    x, y = (ds.x_test, ds.y_test) if isinstance(ds, CriteoData) else (ds.x_train, ds.y_train)
+    x, y = x[:batch_size], y[:batch_size]
+    if rows:
+        model.loss_and_grad(w, x, y, np.empty_like(w), sparse=rows.for_batch(x))
+    else:
+        model.loss_and_grad(w, x, y, np.empty_like(w))
 
 
-def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict:
+def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: Rows) -> dict:
     steps = ds.steps(cfg.num_workers, cfg.batch_size)
     g = np.empty_like(w)
     gradient = gradient_fn(model, cfg.seed, cfg.rank)
@@ -152,22 +253,24 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict
     for epoch in range(cfg.epochs):
         for step, (x, y) in enumerate(ds.epoch(cfg.rank, cfg.num_workers, cfg.batch_size,
                                                cfg.seed, epoch)):
+            with timer("pull"):
+                lookups = rows.for_batch(x)
             with timer("compute"):
-                loss = gradient(w, x, y, g, clock)
+                loss = gradient(w, x, y, g, clock, lookups)
             with timer("delay"):
                 delay.sleep()
             with timer("push"):
-                for outcome in push(client, g, len(x), clock):
+                for outcome in push(client, g, len(x), clock, lookups, rows.names):
                     outcomes[outcome] = outcomes.get(outcome, 0) + 1
             clock += 1
             with timer("pull"):
                 client.pull(w, clock)
             progress.step(epoch, step, loss, force=step == steps - 1 or client.finished)
-            curve.maybe(lambda: evaluate(model, w, ds, cfg), progress.elapsed, client, clock)
+            curve.maybe(lambda: evaluate(model, w, ds, cfg, rows), progress.elapsed, client, clock)
             if client.finished or (cfg.max_steps and clock >= cfg.max_steps):
                 break
         if cfg.rank == 0:
-            epochs_log.append(log_epoch(cfg, ds, model, w, epoch, progress.elapsed))
+            epochs_log.append(log_epoch(cfg, ds, model, w, epoch, progress.elapsed, rows))
             ask_checkpoint(client)
         if client.finished:
             print(f"the shards ended the run at step {max(client.versions)} "
@@ -183,11 +286,11 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray) -> dict
             "stats": stats, "seconds": progress.elapsed}
 
 
-def push(client: PSClient, g: np.ndarray, batch: int, clock: int) -> list[str]:
+def push(client: PSClient, g: np.ndarray, batch: int, clock: int, lookups=(), tables=()) -> list[str]:
     """Push; a rejection for a stale step (sync after a timeout) is survivable: the
     next pull brings the current version and training goes on."""
     try:
-        return [o for o, _ in client.push(g, batch, clock)]
+        return [o for o, _ in client.push(g, batch, clock, lookups=lookups, tables=tables)]
     except FailedPrecondition as e:
         if "step" not in str(e):
             raise
@@ -211,8 +314,8 @@ def ask_checkpoint(client: PSClient) -> None:
             print(f"checkpoint: shard {j} at version {answer[1]} -> {answer[0]}", flush=True)
 
 
-def log_epoch(cfg, ds, model, w, epoch, elapsed) -> dict:
-    ev = evaluate(model, w, ds, cfg)
+def log_epoch(cfg, ds, model, w, epoch, elapsed, rows) -> dict:
+    ev = evaluate(model, w, ds, cfg, rows)
     print(f"epoch {epoch + 1}/{cfg.epochs} done in {elapsed:.1f} s: {format_metrics(ev)}", flush=True)
     return {"epoch": epoch + 1, "seconds": round(elapsed, 3), **ev}
 
@@ -234,14 +337,25 @@ def wait_for_others(client: PSClient, timeout: float) -> None:
     raise DeadlineExceeded(f"deadline: other workers were still training {timeout:g} s after the chief finished")
 
 
-def finish(cfg, ds, model, client, w, mode, history, started) -> dict:
+def binary_metrics(ev: dict, ds) -> dict:
+    """A click-through-rate run's figures: logloss by its name, and the best AUC any model
+    can reach on the test set when the data says (criteo-synthetic's planted model)."""
+    if "auc" not in ev:
+        return {}
+    out = {"test_logloss": ev.get("loss")}
+    if getattr(ds, "best_auc", None) is not None:
+        out["best_auc"] = ds.best_auc
+    return out
+
+
+def finish(cfg, ds, model, client, w, mode, history, started, start, rows) -> dict:
     wait_for_others(client, cfg.rpc_deadline)
     wall = time.monotonic() - started            # until the last worker finished
     ask_checkpoint(client)
     client.pull(w, seen=[-1] * len(client.shards))      # the final weights
-    ev = evaluate(model, w, ds, cfg)
+    ev = evaluate(model, w, ds, cfg, rows)
     statuses = client.status()
-    counters = combine_counters(statuses)
+    counters = combine_counters(statuses, since=start)     # this run's, not the shards' lifetime
     summary = {
         "mode": mode, "num_shards": len(cfg.ps), "num_workers": cfg.num_workers,
         "dataset": ds.name, "model": model_name(model), "num_params": model.layout.total,
@@ -249,10 +363,11 @@ def finish(cfg, ds, model, client, w, mode, history, started) -> dict:
         "epochs": cfg.epochs, "seed": cfg.seed,
         "test_accuracy": ev.get("accuracy"), "test_loss": ev.get("loss"), "test_r2": ev.get("r2"),
         "test_auc": ev.get("auc"),
+        **binary_metrics(ev, ds),
         "wall_seconds": round(wall, 3),
         "train_samples_per_second": counters["samples_trained"] / wall if wall > 0 else 0.0,
         "per_epoch": history["epochs"], "eval_curve": history["curve"], "chief": history["stats"],
-        **counters,
+        **counters, **sparse_summary(statuses),
     }
     print(format_summary(summary), flush=True)
     if cfg.summary_json:

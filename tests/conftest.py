@@ -1,5 +1,8 @@
+import functools
+import http.server
 import os
 import pathlib
+import threading
 
 import pytest
 
@@ -7,7 +10,8 @@ from pserver.config import ServerConfig
 from pserver.server.app import create_server
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# The real MNIST files, beside the repo as in CI (../shared); PSERVER_MNIST_DIR overrides.
+# The real MNIST files (the four IDX files): $PSERVER_MNIST_DIR, else shared/datasets/mnist beside
+# the checkout, where CI keeps them.
 MNIST_DIR = pathlib.Path(os.environ.get("PSERVER_MNIST_DIR", ROOT.parent / "shared" / "datasets" / "mnist"))
 
 
@@ -26,3 +30,17 @@ def shard_server():
     for server, shard in started:
         shard.close()
         server.stop(0)
+
+
+@pytest.fixture
+def mirror(tmp_path_factory):
+    """A real HTTP server on port 0 serving a directory; yields (directory, base URL)."""
+    root = tmp_path_factory.mktemp("mirror")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}/mnist"
+    server.shutdown()
+    server.server_close()

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import gzip
 import hashlib
-import http.server
 import os
 import shutil
 import socket
 import struct
-import threading
 import time
 
 import numpy as np
@@ -18,8 +15,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.conftest import MNIST_DIR as _MNIST
-from pserver.data import (MNIST_FILES, MNIST_MIRRORS_ENV, Dataset, describe, epoch_indices,
-                          iterate_batches, load_dataset, steps_per_epoch)
+from pserver.data import (MNIST_FILES, MNIST_MIRRORS, MNIST_MIRRORS_ENV, Dataset, default_mnist_dir,
+                          describe, epoch_indices, iterate_batches, load_dataset, steps_per_epoch)
 from pserver.errors import ConfigError, DataError
 
 MNIST_DIR = str(_MNIST)
@@ -148,20 +145,6 @@ def closed_port_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}/"
 
 
-@pytest.fixture
-def mirror(tmp_path_factory):
-    """A real HTTP server on port 0 serving a directory; yields (directory, base URL)."""
-    root = tmp_path_factory.mktemp("mirror")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    handler.log_message = lambda *args: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield root, f"http://127.0.0.1:{server.server_address[1]}/mnist"
-    server.shutdown()
-    server.server_close()
-
-
 def test_missing_files_are_downloaded_checked_and_used(tmp_path, mirror, monkeypatch):
     served, url = mirror
     shutil.copytree(MNIST_DIR, served / "mnist")
@@ -198,6 +181,24 @@ def test_missing_files_fail_in_one_line_naming_the_dir_and_files(tmp_path, monke
     message = one_line(err)
     assert str(tmp_path) in message and "t10k-labels-idx1-ubyte" in message and "download failed" in message
     assert "train-images" not in message  # only what is missing
+    # How to do it by hand: every well-known mirror, the file, where to put it.
+    assert "by hand" in message and all(url in message for url in MNIST_MIRRORS)
+    assert "t10k-labels-idx1-ubyte.gz by hand" in message and f"put them in {tmp_path}" in message
+
+
+def test_the_default_data_dir_is_the_users_cache_made_and_filled(tmp_path, mirror, monkeypatch):
+    served, url = mirror
+    shutil.copytree(MNIST_DIR, served / "mnist")
+    monkeypatch.setenv(MNIST_MIRRORS_ENV, f"{closed_port_url()},{url}")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))      # does not exist yet
+    ds = load_dataset("mnist")                                          # no data_dir
+    assert ds.num_test == 10000 and np.bincount(ds.y_test).tolist() == TEST_COUNTS
+    where = tmp_path / "cache" / "pserver" / "mnist"
+    assert default_mnist_dir() == str(where)
+    assert sorted(os.listdir(where)) == sorted(name + ".gz" for name in MNIST_FILES)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_mnist_dir() == str(tmp_path / "home" / ".cache" / "pserver" / "mnist")
 
 
 def test_missing_files_with_the_real_mirrors_fail_fast_or_download(tmp_path, monkeypatch):
@@ -214,15 +215,17 @@ def test_missing_files_with_the_real_mirrors_fail_fast_or_download(tmp_path, mon
         assert ds.num_train == 60000
 
 
-def test_mnist_directory_problems(tmp_path):
-    with pytest.raises(DataError) as err:
-        load_dataset("mnist", data_dir=str(tmp_path / "typo"))
-    assert str(tmp_path / "typo") in one_line(err) and "does not exist" in str(err.value)
+def test_mnist_directory_problems(tmp_path, monkeypatch):
+    monkeypatch.setenv(MNIST_MIRRORS_ENV, "")          # never download
+    with pytest.raises(DataError) as err:               # a missing directory is made for the files
+        load_dataset("mnist", data_dir=str(tmp_path / "new" / "mnist"))
+    assert f"put them in {tmp_path / 'new' / 'mnist'}" in one_line(err)
+    assert (tmp_path / "new" / "mnist").is_dir()
     (tmp_path / "file").write_text("")
-    with pytest.raises(DataError, match="not a directory"):
+    with pytest.raises(DataError, match="--data-dir .*file is not a directory"):
         load_dataset("mnist", data_dir=str(tmp_path / "file"))
-    with pytest.raises(ConfigError, match="--data-dir"):
-        load_dataset("mnist")
+    with pytest.raises(DataError, match="cannot create --data-dir"):
+        load_dataset("mnist", data_dir=str(tmp_path / "file" / "below"))
 
 
 # ---------------------------------------------------------------- epochs, ranks, batches

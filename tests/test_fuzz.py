@@ -3,7 +3,7 @@
 Every request gets a proper status code (never INTERNAL or UNKNOWN, which mean a bug),
 a rejected request changes nothing, and the shard keeps serving with bounded memory.
 "Changes nothing" is checked on the whole state; the one documented exception: a push
-whose header was read counts in pushes_received and pushes_rejected (DESIGN §5: every
+whose header was read counts in pushes_received and pushes_rejected (docs/semantics.md: every
 push is accounted for), so those two counters may both move by one.
 
 Messages over gRPC's 4 MiB receive limit get RESOURCE_EXHAUSTED from gRPC itself,
@@ -187,7 +187,7 @@ def cases(session: str) -> dict:
         "register: unknown shard": ("Register", pb.RegisterRequest(rank=0, num_workers=2, shard=3, num_shards=4,
                                                                    protocol_version=codec.PROTOCOL_VERSION)
                                     .SerializeToString(), "FAILED_PRECONDITION"),
-        # sessions (DESIGN §9): a token holder cannot act for another worker, nor take a live rank
+        # sessions (docs/semantics.md, "Security"): a token holder cannot act for another worker, nor take a live rank
         "register: a live rank": ("Register", pb.RegisterRequest(
             rank=1, num_workers=2, num_shards=1, protocol_version=codec.PROTOCOL_VERSION,
             layout=[pb.TensorSpec(name="w", shape=[10, 3]), pb.TensorSpec(name="b", shape=[3])])

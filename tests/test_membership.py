@@ -1,4 +1,4 @@
-"""Dead workers, rejoins, quorums and clocks: the rules of DESIGN §5 that a fault exercises.
+"""Dead workers, rejoins, quorums and clocks: the rules of docs/semantics.md ("Modes") that a fault exercises.
 
 Driven in-process on real Shards; each test names the bug it catches.
 """
@@ -197,7 +197,7 @@ def test_backup_never_aggregates_fewer_than_min_n_minus_b_and_live(num_workers, 
     shard = one_shard(4, num_workers, mode="backup", backup_workers=b, optimizer="sgd", lr=1.0)
     sizes = []
     real_apply = shard.store.apply
-    shard.store.apply = lambda g: (sizes.append(len(shard.policy.pending)), real_apply(g))[1]
+    shard.store.apply = lambda g, *rows: (sizes.append(len(shard.policy.pending)), real_apply(g, *rows))[1]
     for step in range(4):
         live = sorted(set(range(num_workers)) - shard.policy.dead)
         if len(live) > 1 and data.draw(st.booleans()):

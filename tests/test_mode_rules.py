@@ -1,4 +1,4 @@
-"""The rules of DESIGN §5 and §6 that a one-line change to pserver/modes, the shard's
+"""The rules of docs/semantics.md ("Modes", "Sharding") that a one-line change to pserver/modes, the shard's
 validate-and-apply path or its bounds (server/limits.py) would break, driven in-process
 on real Shards.
 

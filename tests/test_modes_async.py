@@ -237,9 +237,9 @@ def test_backup_never_averages_fewer_than_n_minus_b_as_workers_finish(data, num_
     sizes = []
     real_apply = shard.store.apply
 
-    def counting_apply(grad):
+    def counting_apply(grad, *rows):
         sizes.append(len(shard.policy.pending))
-        real_apply(grad)
+        real_apply(grad, *rows)
     shard.store.apply = counting_apply
     rounds = data.draw(st.lists(st.integers(1, 4), min_size=num_workers, max_size=num_workers))
     active = list(range(num_workers))

@@ -7,6 +7,81 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SparseTableSpec(_message.Message):
+    __slots__ = ("name", "dim", "optimizer", "lr", "init_scale", "seed", "min_count", "max_rows", "ttl_steps", "params")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    INIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TTL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    optimizer: str
+    lr: float
+    init_scale: float
+    seed: int
+    min_count: int
+    max_rows: int
+    ttl_steps: int
+    params: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., min_count: _Optional[int] = ..., max_rows: _Optional[int] = ..., ttl_steps: _Optional[int] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class SparsePart(_message.Message):
+    __slots__ = ("table", "num_ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    num_ids: int
+    def __init__(self, table: _Optional[str] = ..., num_ids: _Optional[int] = ...) -> None: ...
+
+class PullRowsRequest(_message.Message):
+    __slots__ = ("rank", "shard", "session", "table", "ids")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    shard: int
+    session: str
+    table: str
+    ids: bytes
+    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., session: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class TableStatus(_message.Message):
+    __slots__ = ("name", "dim", "optimizer", "rows", "bytes", "pending_ids", "admissions", "creations", "evictions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    CREATIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    optimizer: str
+    rows: int
+    bytes: int
+    pending_ids: int
+    admissions: int
+    creations: int
+    evictions: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., pending_ids: _Optional[int] = ..., admissions: _Optional[int] = ..., creations: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -16,7 +91,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rank", "num_workers", "shard", "num_shards", "layout", "batch_size", "protocol_version")
+    __slots__ = ("rank", "num_workers", "shard", "num_shards", "layout", "batch_size", "protocol_version", "tables")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +99,7 @@ class RegisterRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     num_workers: int
     shard: int
@@ -31,10 +107,11 @@ class RegisterRequest(_message.Message):
     layout: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     batch_size: int
     protocol_version: int
-    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., batch_size: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[SparseTableSpec]
+    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., batch_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[SparseTableSpec, _Mapping]]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("mode", "version", "initialized", "range_start", "range_end", "total_params", "layout_signature", "optimizer", "lr", "dataplane", "host_id", "session", "session_timeout_seconds", "protocol_version")
+    __slots__ = ("mode", "version", "initialized", "range_start", "range_end", "total_params", "layout_signature", "optimizer", "lr", "dataplane", "host_id", "session", "session_timeout_seconds", "protocol_version", "restored_from", "seeded_by_rank")
     MODE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +126,8 @@ class RegisterReply(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    SEEDED_BY_RANK_FIELD_NUMBER: _ClassVar[int]
     mode: str
     version: int
     initialized: bool
@@ -63,7 +142,9 @@ class RegisterReply(_message.Message):
     session: str
     session_timeout_seconds: float
     protocol_version: int
-    def __init__(self, mode: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., total_params: _Optional[int] = ..., layout_signature: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., dataplane: _Optional[str] = ..., host_id: _Optional[str] = ..., session: _Optional[str] = ..., session_timeout_seconds: _Optional[float] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    restored_from: str
+    seeded_by_rank: int
+    def __init__(self, mode: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., total_params: _Optional[int] = ..., layout_signature: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., dataplane: _Optional[str] = ..., host_id: _Optional[str] = ..., session: _Optional[str] = ..., session_timeout_seconds: _Optional[float] = ..., protocol_version: _Optional[int] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "session")
@@ -80,7 +161,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session")
+    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session", "sparse")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +172,7 @@ class TensorHeader(_message.Message):
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     shard: int
     step: int
@@ -101,7 +183,8 @@ class TensorHeader(_message.Message):
     clock: int
     finished: bool
     session: str
-    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ...) -> None: ...
+    sparse: _containers.RepeatedCompositeFieldContainer[SparsePart]
+    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ..., sparse: _Optional[_Iterable[_Union[SparsePart, _Mapping]]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -160,7 +243,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late", "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed", "staleness_mean", "staleness_max", "staleness_histogram", "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed", "workers_rejoined", "sessions_replaced", "requests_refused_busy")
+    __slots__ = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late", "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed", "staleness_mean", "staleness_max", "staleness_histogram", "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed", "workers_rejoined", "sessions_replaced", "requests_refused_busy", "rows_pulled", "rows_pushed")
     PUSHES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_AGGREGATED_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +262,8 @@ class Counters(_message.Message):
     WORKERS_REJOINED_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_REPLACED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_REFUSED_BUSY_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     pushes_received: int
     pushes_applied: int
     pushes_aggregated: int
@@ -197,10 +282,12 @@ class Counters(_message.Message):
     workers_rejoined: int
     sessions_replaced: int
     requests_refused_busy: int
-    def __init__(self, pushes_received: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_aggregated: _Optional[int] = ..., pushes_dropped_late: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., updates_applied: _Optional[int] = ..., workers_marked_dead: _Optional[int] = ..., samples_pushed: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., staleness_max: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., pulls_served: _Optional[int] = ..., clock_gap_max: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., checkpoints_failed: _Optional[int] = ..., workers_rejoined: _Optional[int] = ..., sessions_replaced: _Optional[int] = ..., requests_refused_busy: _Optional[int] = ...) -> None: ...
+    rows_pulled: int
+    rows_pushed: int
+    def __init__(self, pushes_received: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_aggregated: _Optional[int] = ..., pushes_dropped_late: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., updates_applied: _Optional[int] = ..., workers_marked_dead: _Optional[int] = ..., samples_pushed: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., staleness_max: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., pulls_served: _Optional[int] = ..., clock_gap_max: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., checkpoints_failed: _Optional[int] = ..., workers_rejoined: _Optional[int] = ..., sessions_replaced: _Optional[int] = ..., requests_refused_busy: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "mode", "version", "num_params", "total_params", "num_workers", "optimizer", "lr", "counters", "live_workers", "uptime_seconds", "layout_signature", "dead_workers")
+    __slots__ = ("shard", "num_shards", "mode", "version", "num_params", "total_params", "num_workers", "optimizer", "lr", "counters", "live_workers", "uptime_seconds", "layout_signature", "dead_workers", "tables", "restored_from", "seeded_by_rank", "instance")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +302,10 @@ class StatusReply(_message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     DEAD_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    SEEDED_BY_RANK_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     mode: str
@@ -229,7 +320,11 @@ class StatusReply(_message.Message):
     uptime_seconds: float
     layout_signature: str
     dead_workers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., total_params: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., live_workers: _Optional[_Iterable[int]] = ..., uptime_seconds: _Optional[float] = ..., layout_signature: _Optional[str] = ..., dead_workers: _Optional[_Iterable[int]] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
+    restored_from: str
+    seeded_by_rank: int
+    instance: str
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., total_params: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., live_workers: _Optional[_Iterable[int]] = ..., uptime_seconds: _Optional[float] = ..., layout_signature: _Optional[str] = ..., dead_workers: _Optional[_Iterable[int]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("rank", "session")

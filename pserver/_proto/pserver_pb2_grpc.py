@@ -74,6 +74,11 @@ class ParameterServerStub:
                 request_serializer=pserver__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=pserver__pb2.CheckpointReply.FromString,
                 _registered_method=True)
+        self.PullRows = channel.unary_stream(
+                '/pserver.v1.ParameterServer/PullRows',
+                request_serializer=pserver__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=pserver__pb2.TensorChunk.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -144,6 +149,17 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullRows(self, request, context):
+        """Rows of one sparse table for the given ids (all of which must live on this shard, see
+        SparseTableSpec): header first (num_elements = ids x dim, step = the shard's version),
+        then the rows' float32 bytes in chunks, in the order of the ids. A stored row, or the
+        row's initial value when the id has none yet (reading never creates a row). No wait:
+        call it after Pull, which waits as the mode says.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +202,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=pserver__pb2.CheckpointRequest.FromString,
                     response_serializer=pserver__pb2.CheckpointReply.SerializeToString,
+            ),
+            'PullRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=pserver__pb2.PullRowsRequest.FromString,
+                    response_serializer=pserver__pb2.TensorChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +425,33 @@ class ParameterServer:
             '/pserver.v1.ParameterServer/Checkpoint',
             pserver__pb2.CheckpointRequest.SerializeToString,
             pserver__pb2.CheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pserver.v1.ParameterServer/PullRows',
+            pserver__pb2.PullRowsRequest.SerializeToString,
+            pserver__pb2.TensorChunk.FromString,
             options,
             channel_credentials,
             insecure,

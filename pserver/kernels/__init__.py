@@ -33,6 +33,9 @@ KERNELS = ("dense_forward", "dense_param_grads", "dense_backward", "relu_backwar
            "conv2d_forward", "conv2d_backward", "maxpool2d_forward", "maxpool2d_backward",
            "avgpool2d_forward", "avgpool2d_backward", "activation_forward", "activation_backward",
            "dropout_forward", "dropout_backward", "embedding_forward", "embedding_backward")
+# The functions of the CPU backends alone (cpu and its twin): the click-through-rate models'
+# math, which runs where their sparse rows are, on the host.
+CPU_KERNELS = ("fm_forward", "fm_backward")
 
 
 def conv_output(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:
@@ -66,4 +69,4 @@ def get_backend(name: str) -> ModuleType:
                           f"install the GPU extra: pip install 'pserver[cuda]'") from e
 
 
-__all__ = ["BACKENDS", "DEVICE_BACKENDS", "KERNELS", "conv_output", "get_backend"]
+__all__ = ["BACKENDS", "DEVICE_BACKENDS", "KERNELS", "CPU_KERNELS", "conv_output", "get_backend"]

@@ -389,15 +389,17 @@ def activation_backward(kind, y, dy, dx):
 
 
 # splitmix64's constants (see reference.dropout_forward): uint64 throughout, since numba
-# turns a uint64 mixed with a signed int into a float.
+# turns a uint64 mixed with a signed int into a float. The one compiled splitmix64: dropout's
+# masks and pserver.sparse's id hashing and initial rows all call it.
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
 _MUL2 = np.uint64(0x94D049BB133111EB)
 
 
 @njit(cache=True, nogil=True)
-def _splitmix64(seed, index):
-    """The index-th (0-based) output of splitmix64 seeded with `seed` (both uint64)."""
+def splitmix64(seed, index):
+    """The index-th (0-based) output of splitmix64 seeded with `seed` (both uint64);
+    reference.splitmix64 is its twin."""
     z = seed + (index + np.uint64(1)) * _GAMMA
     z = (z ^ (z >> np.uint64(30))) * _MUL1
     z = (z ^ (z >> np.uint64(27))) * _MUL2
@@ -416,7 +418,7 @@ def dropout_forward(x, out, mask, rate, seed):
     key = np.uint64(seed)
     xf, of, mf = x.reshape(x.size), out.reshape(out.size), mask.reshape(mask.size)
     for i in range(xf.shape[0]):
-        keep = _splitmix64(key, np.uint64(i)) >> np.uint64(40) >= threshold
+        keep = splitmix64(key, np.uint64(i)) >> np.uint64(40) >= threshold
         mf[i] = scale if keep else 0
         of[i] = xf[i] * mf[i]
 
@@ -456,3 +458,42 @@ def embedding_backward(ids, dy, dtable):
     for n in range(ids.shape[0]):
         for l in range(ids.shape[1]):
             dtable[ids[n, l]] += dy[n, l]
+
+
+# -- factorization machine ---------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def fm_forward(v, out):
+    """out[n] = sum over field pairs f < g of <v[n, f], v[n, g]>, computed as
+    0.5 * sum_d ((sum_f v[n, f, d])^2 - sum_f v[n, f, d]^2): O(F k), not O(F^2 k) (Rendle 2010).
+    v (N, F, K), out (N, 1)."""
+    n_, f_n, k_n = v.shape
+    of = out.reshape(out.size)
+    s = np.empty(k_n, v.dtype)
+    for n in range(n_):
+        s[:] = 0
+        sq = 0.0
+        for f in range(f_n):
+            for d in range(k_n):
+                e = v[n, f, d]
+                s[d] += e
+                sq += e * e
+        total = 0.0
+        for d in range(k_n):
+            total += s[d] * s[d]
+        of[n] = 0.5 * (total - sq)
+
+
+@njit(cache=True, nogil=True)
+def fm_backward(v, dout, dv):
+    """dv[n, f, d] = dout[n] * (sum_g v[n, g, d] - v[n, f, d]). v, dv (N, F, K), dout (N, 1)."""
+    n_, f_n, k_n = v.shape
+    df = dout.reshape(dout.size)
+    s = np.empty(k_n, v.dtype)
+    for n in range(n_):
+        s[:] = 0
+        for f in range(f_n):
+            s += v[n, f]
+        for f in range(f_n):
+            for d in range(k_n):
+                dv[n, f, d] = df[n] * (s[d] - v[n, f, d])

@@ -338,3 +338,18 @@ def embedding_backward(ids, dy, dtable):
     _check_ids(ids, dtable.shape[0])
     dtable[:] = 0
     np.add.at(dtable, ids.reshape(-1), dy.reshape(-1, dtable.shape[1]))
+
+
+# -- factorization machine ---------------------------------------------------------------------
+
+def fm_forward(v, out):
+    """out[n] = sum over field pairs f < g of <v[n, f], v[n, g]>, computed as
+    0.5 * sum_d ((sum_f v[n, f, d])^2 - sum_f v[n, f, d]^2): O(F k), not O(F^2 k) (Rendle 2010).
+    v (N, F, K), out (N, 1)."""
+    s = v.sum(axis=1)
+    out.reshape(-1)[:] = 0.5 * ((s * s).sum(axis=1) - (v * v).sum(axis=(1, 2)))
+
+
+def fm_backward(v, dout, dv):
+    """dv[n, f, d] = dout[n] * (sum_g v[n, g, d] - v[n, f, d]). v, dv (N, F, K), dout (N, 1)."""
+    dv[:] = dout.reshape(-1, 1, 1) * (v.sum(axis=1, keepdims=True) - v)

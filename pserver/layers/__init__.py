@@ -5,6 +5,9 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
     Conv2D(filters, kernel_size, strides=1, padding='valid', activation=None)
     MaxPooling2D(pool_size=2, strides=None, padding='valid'), AveragePooling2D(...)
     Flatten(), Dropout(rate), Embedding(input_dim, output_dim)
+    Embedding(None, output_dim, sparse=True, optimizer='adagrad', lr=0.05, min_count=0,
+              max_rows=0, ttl_steps=0): a table of unbounded ids on the shards
+    FM(): a factorization machine's pairwise term over (fields, k) embeddings
 
 Activations: None (linear), 'relu', 'sigmoid', 'tanh'. Any layer takes `input_shape=` (without
 the batch dimension) and `name=`.
@@ -15,10 +18,11 @@ from pserver.layers.conv import Conv2D
 from pserver.layers.dense import Dense
 from pserver.layers.dropout import Dropout
 from pserver.layers.embedding import Embedding
+from pserver.layers.fm import FM
 from pserver.layers.initializers import Initializer, RandomUniform, VarianceScaling, Zeros
 from pserver.layers.pooling import AveragePooling2D, MaxPooling2D
 from pserver.layers.reshape import Flatten
 
 __all__ = ["Layer", "Weight", "Pass", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D",
-           "Flatten", "Dropout", "Embedding", "Initializer", "VarianceScaling", "RandomUniform",
+           "Flatten", "Dropout", "Embedding", "FM", "Initializer", "VarianceScaling", "RandomUniform",
            "Zeros"]

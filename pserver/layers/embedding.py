@@ -1,37 +1,74 @@
-"""Embedding(input_dim, output_dim): integer ids (n, length) -> rows of a dense table
-(n, length, output_dim). The table is a dense tensor of the layout like any other."""
+"""Embedding(input_dim, output_dim): integer ids (n, length) -> rows of a table
+(n, length, output_dim).
+
+Dense (the default): the table is a dense tensor of the layout like any other, input_dim rows.
+
+Sparse (`sparse=True`, and `input_dim=None` for unbounded 64-bit ids): the table lives on the
+shards as a `pserver.sparse` table that grows row by row, so the layer owns no dense weights;
+it declares a `TableConfig` instead (its row optimizer, admission and eviction are arguments
+here). Per batch, the model hands the layer the rows of the batch's unique ids (a
+`TableLookup`) as its table and each id's position among them (`lookup.inverse`) as its
+input; the kernels are the dense ones, and the backward pass sums the gradients of repeated
+ids into `lookup.grads`, one row per unique id, which is what the worker pushes.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from pserver.errors import ConfigError
 from pserver.layers import initializers
 from pserver.layers.base import Layer, Weight, positive_int
+from pserver.sparse import TableConfig
 
 
 class Embedding(Layer):
     kind = "embedding"
     takes_ids = True     # its input is integer ids, not float features
 
-    def __init__(self, input_dim: int, output_dim: int, embeddings_initializer="uniform",
-                 input_length: int | None = None, **kwargs):
+    def __init__(self, input_dim: int | None, output_dim: int, embeddings_initializer="uniform",
+                 input_length: int | None = None, *, sparse: bool = False,
+                 optimizer: str = "adagrad", lr: float = 0.05, min_count: int = 0,
+                 max_rows: int = 0, ttl_steps: int = 0, seed: int = 0,
+                 optimizer_params: dict | None = None, **kwargs):
         if input_length is not None and "input_shape" not in kwargs:
             kwargs["input_shape"] = (input_length,)
         super().__init__(**kwargs)
-        self.input_dim = positive_int("Embedding", "input_dim", input_dim)
+        self.sparse = bool(sparse)
+        if input_dim is None and not self.sparse:
+            raise ConfigError("Embedding: input_dim=None (unbounded ids) needs sparse=True")
+        self.input_dim = None if input_dim is None else positive_int("Embedding", "input_dim", input_dim)
         self.output_dim = positive_int("Embedding", "output_dim", output_dim)
         self.embeddings_initializer = initializers.get(embeddings_initializer,
                                                        "Embedding: embeddings_initializer")
+        if self.sparse:
+            # Every field but the name, which the model gives the layer later.
+            self._table = dict(dim=self.output_dim, optimizer=optimizer, lr=lr,
+                               init_scale=_init_scale(self.embeddings_initializer), seed=seed,
+                               min_count=min_count, max_rows=max_rows, ttl_steps=ttl_steps,
+                               params=tuple(sorted((optimizer_params or {}).items())))
+            self.table_config("embedding")    # a bad option fails here, not at the first step
+
+    def table_config(self, name: str | None = None) -> TableConfig:
+        """The sparse table this layer declares, named after the layer (sparse mode only)."""
+        config = TableConfig(name=name or self.name, **self._table)
+        try:
+            config.check()
+        except ValueError as e:
+            raise ConfigError(f"Embedding(sparse=True): {e}") from None
+        return config
 
     def output_shape_for(self, input_shape):
         self.expect_rank(input_shape, 1, "ids (length,)")
         return (input_shape[0], self.output_dim)
 
     def weights(self):
+        if self.sparse:
+            return []
         return [Weight("embeddings", (self.input_dim, self.output_dim), self.embeddings_initializer)]
 
     def scratch(self, n, dtype):
-        return {"ids": np.empty((n, *self.input_shape), np.int64)}
+        return {} if self.sparse else {"ids": np.empty((n, *self.input_shape), np.int64)}
 
     def check_ids(self, x: np.ndarray) -> None:
         """Ids outside [0, input_dim) would read another row, or outside the table."""
@@ -41,10 +78,33 @@ class Embedding(Layer):
             raise ValueError(f"{self.label}: id {x[first].item()!r} at {first} is not an integer in "
                             f"[0, input_dim={self.input_dim})")
 
+    def _ids(self, p, x, s) -> np.ndarray:
+        """The row of the table each input reads: a sparse layer's x is already the lookup's
+        inverse (int64 positions among the batch's rows); a dense one's are checked and copied."""
+        if not self.sparse:
+            self.check_ids(x)
+            np.copyto(s["ids"], x, casting="unsafe")
+            return s["ids"]
+        if "embeddings" not in p:
+            raise ConfigError(f"{self.label}: a sparse Embedding trains in a model with sparse "
+                              "tables (pserver.models.ctr); Sequential holds dense tensors only")
+        return x
+
     def forward(self, k, p, x, out, s, run):
-        self.check_ids(x)
-        np.copyto(s["ids"], x, casting="unsafe")
-        k.embedding_forward(s["ids"], p["embeddings"], out)
+        k.embedding_forward(self._ids(p, x, s), p["embeddings"], out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
-        k.embedding_backward(s["ids"], dout, g["embeddings"])
+        k.embedding_backward(x if self.sparse else s["ids"], dout, g["embeddings"])
+
+
+def _init_scale(init: initializers.Initializer) -> float:
+    """A sparse row's initial value is uniform(-scale, scale), computed on the shards from its
+    id (so every process agrees without drawing it): the initialisers that fit that form."""
+    if isinstance(init, initializers.Zeros):
+        return 0.0
+    if (isinstance(init, initializers.RandomUniform) and init.maxval >= 0
+            and init.minval == -init.maxval):
+        return init.maxval
+    raise ConfigError("Embedding(sparse=True): embeddings_initializer must be 'zeros', 'uniform' or "
+                      f"RandomUniform(-s, s) (the shards compute each row's initial value), got "
+                      f"{type(init).__name__}{vars(init)}")

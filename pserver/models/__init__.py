@@ -5,6 +5,8 @@
     linreg   one Dense layer to 1 output, mean squared error            (regression)
     cnn      the reference CNN: Conv2D(32, 3, relu), MaxPooling2D, Flatten, Dense(64, relu),
              Dense(10), on (28, 28, 1) images
+    lr, fm, wide_deep, deepfm   click-through-rate models on Criteo records, with sparse
+             embedding tables on the shards (pserver.models.ctr)
     FILE.py:FUNCTION or package.module:FUNCTION   a user's model (pserver.models.user)
 
 `make_model` is how the CLI and the tests build one; `on_device` puts a model on a kernel
@@ -23,6 +25,7 @@ from pserver.kernels import get_backend
 from pserver.models import losses
 from pserver.models.base import Model, fits, protocol_gaps, shaped_for
 from pserver.models.cnn import cnn
+from pserver.models.ctr import CTR_MODELS, CTRModel, ctr_model
 from pserver.models.layout import Layout, TensorSpec
 from pserver.models.linreg import linreg
 from pserver.models.logreg import logreg
@@ -30,13 +33,30 @@ from pserver.models.mlp import mlp
 from pserver.models.sequential import Sequential
 from pserver.models.user import check_spec, is_user_spec, load_model
 
-MODELS = ("mlp", "logreg", "linreg", "cnn")
+MODELS = ("mlp", "logreg", "linreg", "cnn", *CTR_MODELS)
+DEFAULT_HIDDEN = (256, 256)   # the mlp's; the CTR models' deep towers have their own
 
 
 def make_model(name: str, input_shape, num_classes: int, *,
-               hidden: tuple[int, ...] = (256, 256), backend: str = "cpu"):
+               hidden: tuple[int, ...] | None = None, backend: str = "cpu", **options):
     """Build a model by name (or FILE.py:FUNCTION) for inputs of `input_shape` (an int is a
-    flat input); bad names and sizes raise ConfigError naming the flag."""
+    flat input); bad names and sizes raise ConfigError naming the flag.
+
+    `options` are the CTR models' (embedding_dim, init_scale and the sparse tables' optimizer,
+    lr, min_count, max_rows, ttl_steps, seed, optimizer_params: see pserver.models.ctr); a
+    CTR model takes records, so its `input_shape` is () (one record per sample).
+    """
+    if name in CTR_MODELS:
+        try:
+            model = ctr_model(name, input_shape, num_classes,
+                              None if hidden is None else _hidden(hidden), **options)
+        except ConfigError as e:
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith("--") else f"--model {name}: {msg}") from None
+        return on_device(model, backend)
+    if options:
+        raise ConfigError(f"--model {name}: takes no sparse table options ({', '.join(options)}); "
+                          f"those are for {', '.join(CTR_MODELS)}")
     shape = _input_shape(input_shape)
     if is_user_spec(name):
         model = load_model(name, shape, num_classes)
@@ -51,6 +71,8 @@ def make_model(name: str, input_shape, num_classes: int, *,
 
 def on_device(model, backend: str):
     """The model computing with `backend`'s kernels (a user's protocol object: unchanged)."""
+    if isinstance(model, CTRModel):
+        return model.use_backend(backend)
     if not isinstance(model, Sequential):
         get_backend(backend)   # an unknown backend is still an error
         return model
@@ -84,11 +106,15 @@ def _builtin(name, shape, num_classes, hidden) -> Sequential:
         return logreg(flat, num_classes)
     if name == "cnn":
         return cnn(shape, num_classes)
+    return mlp(flat, num_classes, hidden=_hidden(DEFAULT_HIDDEN if hidden is None else hidden))
+
+
+def _hidden(hidden) -> tuple[int, ...]:
     hidden = tuple(hidden)
     if not hidden or not all(_is_positive_int(h) for h in hidden):
         raise ConfigError(f"--hidden: layer widths must be positive integers, got "
                           f"{','.join(map(str, hidden)) or 'nothing'}")
-    return mlp(flat, num_classes, hidden=tuple(int(h) for h in hidden))
+    return tuple(int(h) for h in hidden)
 
 
 def _input_shape(input_shape) -> tuple[int, ...]:
@@ -111,6 +137,6 @@ def _check_positive(what: str, v) -> None:
 
 
 __all__ = ["MODELS", "make_model", "on_device", "check_model_spec", "Model", "Sequential", "Layout",
-           "TensorSpec",
+           "TensorSpec", "CTRModel", "ctr_model",
            "losses", "mlp", "logreg", "linreg", "cnn", "load_model", "protocol_gaps", "fits",
            "shaped_for"]

@@ -26,11 +26,15 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Layout:
+    """Dense tensors (the flat vector) and, for a model with sparse embeddings, its sparse
+    tables (pserver.sparse.TableConfig): rows keyed by 64-bit ids, held apart from the flat
+    vector and spread over the shards by id."""
     tensors: tuple[TensorSpec, ...]
+    tables: tuple = ()
 
     @classmethod
-    def of(cls, pairs: Iterable[tuple[str, tuple[int, ...]]]) -> "Layout":
-        return cls(tuple(TensorSpec(n, tuple(int(d) for d in s)) for n, s in pairs))
+    def of(cls, pairs: Iterable[tuple[str, tuple[int, ...]]], tables: Iterable = ()) -> "Layout":
+        return cls(tuple(TensorSpec(n, tuple(int(d) for d in s)) for n, s in pairs), tuple(tables))
 
     @property
     def total(self) -> int:
@@ -55,7 +59,10 @@ class Layout:
     def signature(self) -> str:
         """A short hash of names and shapes: equal layouts, equal signatures."""
         text = ";".join(f"{t.name}:{'x'.join(map(str, t.shape))}" for t in self.tensors)
+        if self.tables:         # dense-only layouts keep the signature they always had
+            text += "|" + ";".join(t.signature() for t in self.tables)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
-        return ", ".join(f"{t.name}{list(t.shape)}" for t in self.tensors)
+        return ", ".join([f"{t.name}{list(t.shape)}" for t in self.tensors]
+                         + [f"{t.name}[ids x {t.dim}, sparse]" for t in self.tables])

@@ -240,17 +240,19 @@ class Sequential(Model):
 
     def _check_batch(self, w, x, y):
         """x as C-contiguous (n, *input_shape), y as the loss's labels; else ValueError."""
-        if w.shape != (self.layout.total,) or w.dtype.kind != "f":
-            raise ValueError(f"w has shape {w.shape} and dtype {w.dtype}; "
-                             f"{self.name} needs float ({self.layout.total},)")
+        self._check_w(w)
         x, y = self._fit(x, y)
         y = np.ascontiguousarray(y, dtype=self.loss.label_dtype(w.dtype))
         return np.ascontiguousarray(x, dtype=None if self._takes_ids else w.dtype), y
 
-    def _fit(self, x, y) -> tuple[np.ndarray, np.ndarray]:
-        """x reshaped to the input; ValueError naming the layer and the shapes if it does not
-        fit, or if a label is outside what the last layer and the loss take."""
-        x, y = np.asarray(x), np.asarray(y)
+    def _check_w(self, w) -> None:
+        if w.shape != (self.layout.total,) or w.dtype.kind != "f":
+            raise ValueError(f"w has shape {w.shape} and dtype {w.dtype}; "
+                             f"{self.name} needs float ({self.layout.total},)")
+
+    def _fit_x(self, x) -> np.ndarray:
+        """x reshaped to the input; ValueError naming the layer and the shapes if it does not fit."""
+        x = np.asarray(x)
         first = self.layers[0].label
         shaped = shaped_for(x, self.input_shape) if x.ndim >= 1 and x.shape[0] > 0 else None
         if shaped is None:
@@ -258,8 +260,14 @@ class Sequential(Model):
                              f"{', '.join(map(str, self.input_shape))})")
         if x.dtype.kind not in "biuf":
             raise ValueError(f"x has dtype {x.dtype}; {first} takes numbers")
-        if y.shape != (x.shape[0],):
-            raise ValueError(f"y has shape {y.shape}; x has {x.shape[0]} rows")
+        return shaped
+
+    def _fit(self, x, y) -> tuple[np.ndarray, np.ndarray]:
+        """x reshaped to the input; ValueError naming the layer and the shapes if it does not
+        fit, or if a label is outside what the last layer and the loss take."""
+        shaped, y = self._fit_x(x), np.asarray(y)
+        if y.shape != (shaped.shape[0],):
+            raise ValueError(f"y has shape {y.shape}; x has {shaped.shape[0]} rows")
         if self.task != "regression" and y.size:
             hi = 1 if isinstance(self.loss, losses.BinaryCrossentropy) else self.output_shape[-1] - 1
             bad = (y < 0) | (y > hi) | (y != np.floor(y))
@@ -288,6 +296,19 @@ class Sequential(Model):
         return x
 
     # -- evaluation ----------------------------------------------------------------------------
+
+    def predict(self, w, x, batch_size=4096) -> np.ndarray:
+        """The last layer's outputs for every sample of x, (n, units) in w's dtype: logits for
+        a classifier (argmax is the class), the prediction for regression."""
+        self._check_w(w)
+        x = np.ascontiguousarray(self._fit_x(x), dtype=None if self._takes_ids else w.dtype)
+        params = self._per_layer(self.layout.views(w))
+        out = np.empty((x.shape[0], *self.output_shape), w.dtype)
+        for a in range(0, x.shape[0], batch_size):
+            xb = x[a:a + batch_size]
+            out[a:a + len(xb)] = self._forward(params, xb, self._buffers(len(xb), w.dtype),
+                                               Pass(training=False))[-1]
+        return out
 
     def evaluate(self, w, x, y, batch_size=4096):
         """Loss plus accuracy (and AUC for a binary loss), or r2 for regression, over all of x."""

@@ -30,11 +30,12 @@ def check_spec(spec: str) -> None:
     target, _, attr = spec.rpartition(":")
     if not target or not attr.isidentifier():
         raise ConfigError(f"--model {spec}: expected FILE.py:FUNCTION or package.module:FUNCTION")
-    if _is_path(target) and not os.path.isfile(target):
+    if is_path(target) and not os.path.isfile(target):
         raise ConfigError(f"--model {spec}: no such file {target}")
 
 
-def _is_path(target: str) -> bool:
+def is_path(target: str) -> bool:
+    """Whether a spec's part before ':' names a file (FILE.py), not a module."""
     return target.endswith(".py") or os.sep in target or "/" in target
 
 
@@ -65,7 +66,7 @@ def load_model(spec: str, input_shape: tuple[int, ...], num_classes: int):
 
 
 def _import(spec: str, target: str):
-    if _is_path(target):
+    if is_path(target):
         return _import_file(spec, target)
     try:
         return importlib.import_module(target)
@@ -103,4 +104,4 @@ def _accepted(fn, offered: dict) -> dict:
     return {k: v for k, v in offered.items() if k in names}
 
 
-__all__ = ["is_user_spec", "check_spec", "load_model"]
+__all__ = ["is_user_spec", "is_path", "check_spec", "load_model"]

@@ -1,4 +1,4 @@
-"""Consistency modes: one policy each over the same shard store (DESIGN §5)."""
+"""Consistency modes: one policy each over the same shard store (docs/semantics.md, "Modes")."""
 
 from pserver.modes.async_ import AsyncPolicy
 from pserver.modes.backup import BackupPolicy

@@ -15,7 +15,7 @@ from pserver.modes.base import Outcome, Policy
 class AsyncPolicy(Policy):
     name = "async"
 
-    def push(self, rank, step, grad, clock, samples=0):
+    def push(self, rank, step, grad, clock, samples=0, rows=()):
         store = self.store
         with store.cond:
             self.check_member(rank)
@@ -27,7 +27,7 @@ class AsyncPolicy(Policy):
             store.counters.add("pushes_applied")
             store.counters.add("samples_pushed", samples)
         try:
-            store.apply_hogwild(grad)          # outside the lock, on purpose
+            store.apply_hogwild(grad, rows)    # outside the lock, on purpose
         finally:
             store.pool.release(grad)
         self.pushed(rank, clock)

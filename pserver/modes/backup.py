@@ -39,6 +39,7 @@ class BackupPolicy(SyncPolicy):
             for r in list(self.pending):           # a step that can no longer complete
                 self.store.pool.release(self.pending.pop(r))
                 self.pending_samples.pop(r)        # dropped work trained nothing
+                self.pending_rows.pop(r)
             self.store.counters.add("pushes_aggregated", -dropped)
             self.store.counters.add("pushes_dropped_late", dropped)
             self.watch.reset()

@@ -32,7 +32,7 @@ class Outcome(enum.Enum):
 class Policy(ABC):
     """Membership, sessions and the shared checks; subclasses define push and the pull wait.
 
-    Sessions (DESIGN §9): Register hands each worker a random credential, and every later
+    Sessions (docs/semantics.md, "Security"): Register hands each worker a random credential, and every later
     call for that rank must carry it, so a token holder cannot act for another worker. A
     session is live while its worker made an RPC (or heartbeat) within --step-timeout;
     `expire` marks the others dead in every mode, and only then (or after Leave) may a new
@@ -95,7 +95,7 @@ class Policy(ABC):
         session None is an in-process caller (tests, a Python user driving a Shard): the
         credential is checked on every call that comes over the wire (gRPC, data plane),
         where a missing one arrives as "". `revive`: a push or pull brings a worker marked
-        dead back (DESIGN §5)."""
+        dead back (docs/semantics.md, "Dead workers")."""
         self.check_member(rank)
         if session is not None and not hmac.compare_digest(session.encode(), self.sessions[rank].encode()):
             raise Unauthenticated(
@@ -166,10 +166,12 @@ class Policy(ABC):
     # --- the two decisions ----------------------------------------------------------
     @abstractmethod
     def push(self, rank: int, step: int, grad: np.ndarray, clock: int,
-             samples: int = 0) -> tuple[Outcome, str]:
-        """Decide what becomes of a validated gradient. Takes ownership of `grad`: the
-        policy returns it to store.pool when done, and counts `samples` as trained once the
-        gradient is applied (never when it is dropped). Raises FailedPrecondition to reject."""
+             samples: int = 0, rows: list = ()) -> tuple[Outcome, str]:
+        """Decide what becomes of a validated gradient and the sparse rows that came with it
+        (store.RowGrads): both are applied together, or dropped together. Takes ownership of
+        `grad`: the policy returns it to store.pool when done, and counts `samples` as
+        trained once the gradient is applied (never when it is dropped). Raises
+        FailedPrecondition to reject."""
 
     def wait_pull(self, rank: int, seen_version: int, clock: int, timeout: float | None,
                   waiter=None) -> None:

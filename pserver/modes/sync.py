@@ -21,6 +21,7 @@ class SyncPolicy(Policy):
         super().__init__(store, cfg)
         self.pending: dict[int, np.ndarray] = {}   # rank -> gradient for the current step
         self.pending_samples: dict[int, int] = {}  # rank -> samples behind that gradient
+        self.pending_rows: dict[int, list] = {}    # rank -> its sparse rows for the step
         self.watch = StepWatch(cfg.step_timeout)
 
     def quorum(self) -> int:
@@ -29,7 +30,7 @@ class SyncPolicy(Policy):
         stand in for a live worker's missing one."""
         return len(self.expected() | self.pending.keys())
 
-    def push(self, rank, step, grad, clock, samples=0):
+    def push(self, rank, step, grad, clock, samples=0, rows=()):
         with self.store.cond:
             self.check_member(rank)
             version = self.store.version
@@ -42,6 +43,7 @@ class SyncPolicy(Policy):
             self.revive(rank, "pushed in time")   # marked dead while its push was arriving
             self.pending[rank] = grad
             self.pending_samples[rank] = samples
+            self.pending_rows[rank] = list(rows)
             self.store.counters.add("pushes_aggregated")
             self.watch.start()
             self.maybe_complete()
@@ -68,7 +70,7 @@ class SyncPolicy(Policy):
             acc += self.pending[r]
         if len(ranks) > 1:
             acc *= np.float32(1.0 / len(ranks))
-        self.store.apply(acc)
+        self.store.apply(acc, [p for r in ranks for p in self.pending_rows.pop(r)], len(ranks))
         self.store.counters.add("samples_pushed", sum(self.pending_samples.pop(r) for r in ranks))
         for r in ranks:
             self.store.pool.release(self.pending.pop(r))

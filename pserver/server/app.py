@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 import sys
 from concurrent import futures
 
@@ -14,6 +16,7 @@ from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.codec import MAX_CHUNK_BYTES
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition
+from pserver.metrics import describe_updates
 from pserver.server.limits import pool_threads
 from pserver.server.servicer import ParameterServerServicer, add_to_server
 from pserver.server.shard import Shard
@@ -36,6 +39,7 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
         interceptors=security.server_interceptors(cfg.auth_token))   # token check, safe decoding
     add_to_server(ParameterServerServicer(shard), server)
     address = f"{cfg.host}:{cfg.port}"
+    check_port_free(cfg.host, cfg.port)
     try:
         port = security.add_port(server, address, cfg.tls_cert, cfg.tls_key)
     except RuntimeError as e:
@@ -46,6 +50,25 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
     if cfg.data_plane == "auto" and dataplane.supported():
         shard.dataplane = dataplane.DataPlaneServer(shard)
     return server, port, shard
+
+
+def check_port_free(host: str, port: int) -> None:
+    """A port that another process listens on is named in one line, before gRPC tries it
+    (its failure comes with a log line of its own and a vaguer reason)."""
+    if port == 0:
+        return
+    try:
+        family, kind, _, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror:
+        return                        # gRPC's own error names an address it cannot use
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gRPC binds
+        try:
+            probe.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(f"--port: port {port} is already in use on {host}; stop what holds it "
+                                  "or pick another port (--port 0 picks a free one)") from None
 
 
 def serve(cfg: ServerConfig) -> int:
@@ -70,7 +93,6 @@ def serve(cfg: ServerConfig) -> int:
     st = shard.status()
     c = st["counters"]
     print(f"pserver serve: shard {cfg.shard} stopped by {stopped} at version {st['version']}: "
-          f"{c['updates_applied']} updates, {c['pushes_received']} pushes "
-          f"({c['pushes_rejected']} rejected, {c['pushes_dropped_late']} dropped late)", flush=True)
+          f"{describe_updates(c)}", flush=True)
     sys.stdout.flush()
     return stopped.exit_code

@@ -1,7 +1,7 @@
 """Checkpoints of one shard: its slice, optimizer state, version, the ssp workers' clocks and
 the layout, in one file.
 
-Written atomically (DESIGN §8): a temporary file in the same directory, fsync, rename
+Written atomically (docs/semantics.md, "Checkpoints"): a temporary file in the same directory, fsync, rename
 over the final name, then fsync of the directory, so a crash at any moment leaves either
 the previous checkpoint or the new one, never a half-written file under a final name; a
 write that fails removes its temporary file, and those a killed shard left are removed
@@ -9,7 +9,8 @@ when it starts again. Loading verifies a checksum over the arrays and skips (wit
 warning) any file that does not load, falling back to the next older one; when none of a
 shard's files loads, restoring refuses rather than start fresh unasked.
 
-    shard{J}-of{S}-v{VERSION:012d}.ckpt     an .npz: params, opt.<name> arrays, meta (JSON)
+    shard{J}-of{S}-v{VERSION:012d}.ckpt     an .npz: params, opt.<name> arrays, meta (JSON), and
+                                            rows.<T>.<name> arrays of sparse table T (meta["tables"][T])
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class Checkpoint:
     params: np.ndarray
     state: dict
     clocks: dict = field(default_factory=dict)   # ssp: rank -> clock; older files have none
+    tables: list = field(default_factory=list)   # sparse tables' configs (TableConfig.to_dict())
+    rows: dict = field(default_factory=dict)     # table name -> its SparseTable.state() arrays
 
 
 def file_name(shard: int, num_shards: int, version: int) -> str:
@@ -68,7 +71,9 @@ def save(directory: str, ckpt: Checkpoint) -> str:
     An OSError (disk full, read-only or missing directory) leaves no temporary file behind."""
     os.makedirs(directory, exist_ok=True)
     arrays = {"params": ckpt.params, **{f"opt.{k}": v for k, v in ckpt.state.items()}}
-    meta = {"version": ckpt.version, "shard": ckpt.shard, "num_shards": ckpt.num_shards,
+    for i, t in enumerate(ckpt.tables):
+        arrays.update({f"rows.{i}.{k}": v for k, v in ckpt.rows[t["name"]].items()})
+    meta = {"tables": ckpt.tables,"version": ckpt.version, "shard": ckpt.shard, "num_shards": ckpt.num_shards,
             "signature": ckpt.signature, "total": ckpt.total, "start": ckpt.start, "end": ckpt.end,
             "optimizer": ckpt.optimizer, "clocks": {str(r): int(c) for r, c in ckpt.clocks.items()},
             "sha256": digest(arrays)}
@@ -133,10 +138,52 @@ def load(path: str) -> Checkpoint:
     if digest(arrays) != meta.get("sha256"):
         raise ValueError("checksum mismatch")
     state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
+    tables = meta.get("tables", [])
+    rows = {t["name"]: {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"rows.{i}.")}
+            for i, t in enumerate(tables)}
     return Checkpoint(path, meta["version"], meta["shard"], meta["num_shards"], meta["signature"],
                       meta["total"], meta["start"], meta["end"], meta["optimizer"],
                       arrays["params"], state,
-                      {int(r): int(c) for r, c in meta.get("clocks", {}).items()})
+                      {int(r): int(c) for r, c in meta.get("clocks", {}).items()}, tables, rows)
+
+
+def newest(directory: str, shard: int, num_shards: int) -> tuple[Checkpoint | None, list[str]]:
+    """This shard's newest checkpoint that loads and verifies (None if none does), and
+    "file: why" for each newer one that did not."""
+    failures = []
+    for _, path in candidates(directory, shard, num_shards):
+        try:
+            return load(path), failures
+        except ValueError as e:
+            log.warning("skipping checkpoint %s: %s", path, e)
+            failures.append(f"{os.path.basename(path)}: {e}")
+    return None, failures
+
+
+def load_weights(directory: str, layout) -> tuple[np.ndarray, list[int]]:
+    """The whole flat vector of `layout` from the newest checkpoint of every shard in directory
+    (`pserver evaluate --checkpoint`), and each shard's version; ConfigError naming
+    --checkpoint when a shard has none that loads or a file is of another model."""
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--checkpoint: {directory} is not a directory")
+    counts = sorted({int(m.group(2)) for n in os.listdir(directory) if (m := NAME.match(n))})
+    if len(counts) != 1:
+        raise ConfigError(f"--checkpoint: {directory} holds " + (
+            "no checkpoint (shard{J}-of{S}-v{VERSION}.ckpt files)" if not counts else
+            f"checkpoints of clusters of {' and '.join(map(str, counts))} shards; keep one"))
+    flat, versions = np.empty(layout.total, dtype=np.float32), []
+    for j in range(counts[0]):
+        ckpt, failures = newest(directory, j, counts[0])
+        if ckpt is None:
+            raise ConfigError(f"--checkpoint: {directory} has no checkpoint of shard {j} of {counts[0]} "
+                              f"that loads" + (f" ({'; '.join(failures)})" if failures else ""))
+        if (ckpt.signature, ckpt.total) != (layout.signature(), layout.total):
+            raise ConfigError(f"--checkpoint: {ckpt.path} is of another model (layout {ckpt.signature}, "
+                              f"{ckpt.total:,} parameters; this model's is {layout.signature()}, "
+                              f"{layout.total:,}): check --model or --model-file")
+        flat[ckpt.start:ckpt.end] = ckpt.params
+        versions.append(ckpt.version)
+    return flat, versions
 
 
 def load_latest(directory: str, shard: int, num_shards: int,
@@ -148,13 +195,9 @@ def load_latest(directory: str, shard: int, num_shards: int,
         return None                           # a first start: nothing to restore yet
     if not os.path.isdir(directory):
         raise ConfigError(f"--restore: {directory} is not a directory")
-    failures = []
-    for _, path in candidates(directory, shard, num_shards):
-        try:
-            return load(path)
-        except ValueError as e:
-            log.warning("skipping checkpoint %s: %s", path, e)
-            failures.append(f"{os.path.basename(path)}: {e}")
+    ckpt, failures = newest(directory, shard, num_shards)
+    if ckpt is not None:
+        return ckpt
     if failures and not fresh_if_corrupt:
         raise ConfigError(f"--restore: no checkpoint of shard {shard} in {directory} loads, and starting "
                           f"fresh would lose the trained state ({'; '.join(failures)}); move them away "
@@ -208,7 +251,7 @@ def prepare(directory: str, flag: str, shard: int, num_shards: int) -> None:
 
 class Checkpointer:
     """When and where one shard writes checkpoints: at versions K, 2K, 3K... (every K steps),
-    every S seconds, and on request. At most one write is in flight (DESIGN §8, §9): it
+    every S seconds, and on request. At most one write is in flight (a bound on what a client can make it hold): it
     holds the one snapshot, taken under the store's lock, so pushes wait only for the copy.
     A request that arrives meanwhile joins that write, or the write after it when the one
     in flight is older than the version the request saw. A failed write is logged in one

@@ -3,7 +3,7 @@
 The gRPC server runs every call on one pool of `--threads` threads, and a call holds its
 thread while it waits (a sync pull parks until the step completes; a push stream holds one
 while its chunks trickle in). Unbounded, parked pulls can take every thread, and the pushes
-that would complete the step, or a Status, never run. So the pool is split (DESIGN §9):
+that would complete the step, or a Status, never run. So the pool is split (docs/semantics.md, "Bounds"):
 
     pulls    at most PULL_SHARE of the threads park in pulls (and 2 per rank)
     streams  push/init streams being received: the rest less RESERVED, fewer when

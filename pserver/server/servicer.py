@@ -10,11 +10,12 @@ import functools
 import logging
 
 import grpc
+import numpy as np
 
 from pserver import codec
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
-from pserver.errors import RpcError
+from pserver.errors import InvalidArgument, RpcError
 from pserver.models.layout import Layout
 from pserver.server.shard import Shard
 
@@ -75,6 +76,9 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
         servicer.Push, request_deserializer=codec.parse_chunk, response_serializer=pb.PushReply.SerializeToString)
     handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
         servicer.Pull, request_deserializer=pb.PullRequest.FromString, response_serializer=codec.serialize_chunk)
+    handlers["PullRows"] = grpc.unary_stream_rpc_method_handler(
+        servicer.PullRows, request_deserializer=pb.PullRowsRequest.FromString,
+        response_serializer=codec.serialize_chunk)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pserver.v1.ParameterServer", handlers),))
 
 
@@ -84,24 +88,31 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_status
     def Register(self, request, context):
-        layout = Layout.of((t.name, tuple(t.shape)) for t in request.layout)
+        layout = Layout.of(((t.name, tuple(t.shape)) for t in request.layout),
+                           [codec.table_config(t) for t in request.tables])
         reg = self.shard.register(request.rank, request.num_workers, request.shard,
                                   request.num_shards, layout, request.protocol_version)
         return pb.RegisterReply(**reg.__dict__)
 
     def _stream(self, request_iterator, context, call):
         """A push or init stream within the shard's bounds (server/limits.py): counted from
-        its first message, cancelled when it stalls, at most 2 in flight per rank."""
+        its first message, cancelled when it stalls, at most 2 in flight per rank. A push's
+        sparse rows follow its dense slice in the same stream, into arrays sized (and
+        bounded) from its header before any of them is received."""
         limits = self.shard.limits
         with limits.stream(context.cancel, self.shard.store.size * 4) as stream:
             chunks = limits.progress(stream, request_iterator)
             h = codec.read_header(chunks)
             with limits.stream_rank(h.rank):
-                return call(h, lambda dest: codec.receive_into(dest, chunks))
+                if h.sparse and call != self._push:
+                    raise InvalidArgument("sparse: only a Push carries sparse rows")
+                rows = self.shard.row_buffers([(p.table, p.num_ids) for p in h.sparse])
+                more = [a for r in rows for a in (r.ids, r.grads)]
+                return call(h, rows, lambda dest: codec.receive_into(dest, chunks, *more))
 
     @_status
     def Init(self, request_iterator, context):
-        already, version = self._stream(request_iterator, context, lambda h, fill: self.shard.init(
+        already, version = self._stream(request_iterator, context, lambda h, rows, fill: self.shard.init(
             h.rank, h.layout_signature, h.num_elements, h.dtype, fill, session=h.session))
         return pb.InitReply(already_initialized=already, version=version)
 
@@ -115,12 +126,23 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_status
     def Push(self, request_iterator, context):
-        outcome, version, message, finished = self._stream(
-            request_iterator, context, lambda h, fill: self.shard.push(
-                h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples, h.clock, fill,
-                session=h.session))
+        outcome, version, message, finished = self._stream(request_iterator, context, self._push)
         return pb.PushReply(outcome=outcome.value, version=version, message=message,
                             finished=finished)
+
+    @_stream_status
+    def PullRows(self, request, context):
+        if len(request.ids) % 8:
+            raise InvalidArgument(f"ids: {len(request.ids)} bytes is not a whole number of uint64 ids")
+        ids = np.frombuffer(request.ids, dtype="<u8")
+        version, rows = self.shard.pull_rows(request.rank, request.shard, request.table, ids,
+                                             session=request.session)
+        header = pb.TensorHeader(shard=request.shard, step=version)
+        yield from codec.encode(header, rows, self.shard.cfg.chunk_bytes)
+
+    def _push(self, h, rows, fill):
+        return self.shard.push(h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples, h.clock,
+                               fill, session=h.session, rows=rows)
 
     @_status
     def Heartbeat(self, request, context):
@@ -129,7 +151,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_status
     def Status(self, request, context):
         st = self.shard.status()
-        return pb.StatusReply(counters=pb.Counters(**st.pop("counters")), **st)
+        return pb.StatusReply(counters=pb.Counters(**st.pop("counters")),
+                              tables=[pb.TableStatus(**t) for t in st.pop("tables")], **st)
 
     @_status
     def Checkpoint(self, request, context):

@@ -8,6 +8,7 @@ without a network, and the servicer only translates protobuf to these calls.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -26,7 +27,8 @@ from pserver.modes import Outcome, make_policy
 from pserver.optim import make_optimizer
 from pserver.server import checkpoint
 from pserver.server.limits import Limits, pool_threads
-from pserver.server.store import ShardStore
+from pserver import sparse
+from pserver.server.store import RowGrads, ShardStore, first_nonfinite
 from pserver.sharding import shard_range
 
 log = logging.getLogger("pserver.server")
@@ -35,6 +37,8 @@ log = logging.getLogger("pserver.server")
 # data-plane connection's shared buffer), which the shard copies and checks in one pass.
 Fill = Callable[[np.ndarray], None] | np.ndarray
 MAX_PARAMS = 1 << 33                  # 8G elements (32 GB) per model: a sanity bound on declared sizes
+MAX_TABLES = 1024                     # sparse tables per model
+MAX_ROW_DIM = 1 << 16                 # values per sparse row
 
 
 def checked_total(layout: Layout) -> int:
@@ -56,6 +60,22 @@ def checked_total(layout: Layout) -> int:
     return total
 
 
+def checked_tables(tables) -> None:
+    """The sparse tables a worker declared, checked before anything is allocated."""
+    if len(tables) > MAX_TABLES:
+        raise InvalidArgument(f"tables: {len(tables)} sparse tables; at most {MAX_TABLES}")
+    names = [t.name for t in tables]
+    for t in tables:
+        if not t.name or names.count(t.name) > 1:
+            raise InvalidArgument(f"tables: sparse table names must be unique and non-empty, got {names}")
+        if not 1 <= t.dim <= MAX_ROW_DIM:
+            raise InvalidArgument(f"tables: table '{t.name}' has dim {t.dim}; need 1 to {MAX_ROW_DIM}")
+        try:
+            t.check()
+        except (ValueError, ConfigError) as e:
+            raise InvalidArgument(f"tables: table '{t.name}': {e}") from None
+
+
 @dataclass(frozen=True)
 class Registration:
     mode: str
@@ -72,6 +92,8 @@ class Registration:
     session: str
     session_timeout_seconds: float
     protocol_version: int = PROTOCOL_VERSION
+    restored_from: str = ""           # the checkpoint the shard resumed from at start
+    seeded_by_rank: int = -1          # the rank whose Init supplied the values, -1 if none
 
 
 def available_memory() -> int:
@@ -94,6 +116,8 @@ class Shard:
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
         self.init_lock = threading.Lock()
+        self.seeded_by = -1            # the rank whose Init supplied the values
+        self.instance = secrets.token_hex(8)   # tells a restarted shard from the one before
         self.limits = Limits(pool_threads(cfg.threads, cfg.num_workers), cfg.max_inflight_mb << 20,
                              cfg.step_timeout, self.store.counters)
         # Sessions expire and idle streams are cancelled even when no call is waiting.
@@ -148,6 +172,7 @@ class Shard:
         if num_workers < 1:
             raise InvalidArgument(f"num_workers: must be >= 1, got {num_workers}")
         total = checked_total(layout)
+        checked_tables(layout.tables)
         start, end = shard_range(total, self.cfg.num_shards, self.cfg.shard)
         s = self.store
         with s.cond:
@@ -156,12 +181,13 @@ class Shard:
             self.policy.check_join(rank, num_workers)
             if not s.signature:
                 self._check_memory(end - start)
-            s.configure(layout.signature(), total, start, end)
+            s.configure(layout.signature(), total, start, end, layout.tables)
             session = self.policy.join(rank, num_workers)
             return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,
                                 s.signature, self.cfg.optimizer, self.cfg.lr,
                                 self.dataplane.address if self.dataplane else "", host_id(),
-                                session, self.cfg.step_timeout)
+                                session, self.cfg.step_timeout, restored_from=s.restored_from,
+                                seeded_by_rank=self.seeded_by)
 
     def _check_memory(self, size: int) -> None:
         """RESOURCE_EXHAUSTED, before allocating, when the shard's range cannot fit."""
@@ -222,6 +248,7 @@ class Shard:
                 raise
             with s.cond:
                 s.version = 0
+                self.seeded_by = rank
                 s.cond.notify_all()
             return False, s.version
 
@@ -231,6 +258,75 @@ class Shard:
         if num_elements != self.store.size:
             raise InvalidArgument(f"num_elements: {num_elements} does not match shard "
                                   f"{self.cfg.shard}'s range of {self.store.size} elements")
+
+    def table(self, name: str) -> sparse.SparseTable:
+        table = self.store.tables.get(name)
+        if table is None:
+            have = ", ".join(self.store.tables) or "none"
+            raise InvalidArgument(f"table: the model has no sparse table '{name}' (its tables: {have})")
+        return table
+
+    def check_ids(self, ids: np.ndarray, what: str) -> None:
+        """Every id must live on this shard: a client that hashed wrongly would otherwise
+        create rows that no other worker ever reads."""
+        owner = sparse.shard_of(ids, self.cfg.num_shards)
+        wrong = np.flatnonzero(owner != self.cfg.shard)
+        if wrong.size:
+            i = int(wrong[0])
+            raise InvalidArgument(f"{what}: id {ids[i]} (element {i}) lives on shard {owner[i]}, not on "
+                                  f"shard {self.cfg.shard} (pserver.sparse.shard_of)")
+
+    def pull_rows(self, rank: int, shard: int, table: str, ids: np.ndarray,
+                  session: str | None = None) -> tuple[int, np.ndarray]:
+        """(version, rows) of one sparse table for `ids` (uint64): stored rows, or their
+        initial values. No wait: a worker calls it after the pull that waited."""
+        self.check_shard(shard)
+        s = self.store
+        with s.cond:
+            s.require_configured()
+            self.policy.authorize(rank, session, revive=True)
+            t = self.table(table)
+            version = s.version
+        self.check_ids(ids, "ids")
+        rows = np.empty((ids.size, t.config.dim), dtype=np.float32)
+        t.lookup(ids, rows)
+        s.counters.add("rows_pulled", ids.size)
+        return version, rows
+
+    def row_buffers(self, parts: list[tuple[str, int]]) -> list[RowGrads]:
+        """Shard-owned arrays for a push's sparse parts [(table, number of ids)], checked
+        before a byte of them is received."""
+        out, nbytes = [], 0
+        for name, n in parts:
+            t = self.table(name)
+            if n < 0:
+                raise InvalidArgument(f"num_ids: must be >= 0, got {n} for table '{name}'")
+            nbytes += n * (8 + 4 * t.config.dim)
+            if nbytes > self.limits.max_inflight_bytes:
+                raise ResourceExhausted(f"sparse: the push's rows need more than {nbytes >> 20} MiB and "
+                                        f"one push may carry {self.limits.max_inflight_bytes >> 20} MiB "
+                                        f"(--max-inflight-mb)")
+            out.append(RowGrads(name, np.empty(n, np.uint64), np.empty((n, t.config.dim), np.float32)))
+        return out
+
+    def check_rows(self, rows: list[RowGrads]) -> None:
+        """What a sparse push must be before anything is applied: ids unique, on this shard,
+        one part per table, gradients finite."""
+        seen = set()
+        for p in rows:
+            if p.table in seen:
+                raise InvalidArgument(f"sparse: table '{p.table}' appears twice in one push; send "
+                                      f"each table's rows once")
+            seen.add(p.table)
+            self.check_ids(p.ids, f"sparse '{p.table}'")
+            if sparse.unique_inverse(p.ids)[0].size != p.ids.size:
+                raise InvalidArgument(f"sparse '{p.table}': ids repeat within the push; sum the "
+                                      f"gradients of each id and send it once")
+            bad = first_nonfinite(p.grads.reshape(-1))
+            if bad >= 0:
+                row, col = divmod(bad, p.grads.shape[1])
+                raise InvalidArgument(f"sparse '{p.table}': the gradient of id {p.ids[row]} holds a "
+                                      f"non-finite value ({p.grads[row, col]}) at column {col}")
 
     def pull(self, rank: int, shard: int, seen_version: int, clock: int,
              timeout: float | None, session: str | None = None,
@@ -258,9 +354,11 @@ class Shard:
 
     def push(self, rank: int, shard: int, step: int, num_elements: int, dtype: str,
              num_samples: int, clock: int, fill: Fill,
-             session: str | None = None) -> tuple[Outcome, int, str, bool]:
+             session: str | None = None, rows: list[RowGrads] = ()) -> tuple[Outcome, int, str, bool]:
         """Receive, validate, and hand a gradient to the policy; state is untouched by any
-        rejection because everything is checked before the policy sees the gradient."""
+        rejection because everything is checked before the policy sees the gradient. `rows`:
+        the push's sparse parts, in arrays from row_buffers that `fill` fills with the
+        dense gradient (or already filled, when fill is an array)."""
         s = self.store
         s.counters.add("pushes_received")
         try:
@@ -271,7 +369,7 @@ class Shard:
             self._check_payload(num_elements, dtype)
             if num_samples < 0:
                 raise InvalidArgument(f"num_samples: must be >= 0, got {num_samples}")
-            outcome, message = self._receive_and_decide(rank, step, clock, fill, num_samples)
+            outcome, message = self._receive_and_decide(rank, step, clock, fill, num_samples, rows)
         except RpcError:
             s.counters.add("pushes_rejected")
             raise
@@ -279,7 +377,7 @@ class Shard:
             self.checkpointer.maybe()
         return outcome, s.version, message, self.policy.finished
 
-    def _receive_and_decide(self, rank, step, clock, fill, samples=0):
+    def _receive_and_decide(self, rank, step, clock, fill, samples=0, rows=()):
         grad = self.store.pool.acquire()
         try:
             if isinstance(fill, np.ndarray):
@@ -287,11 +385,12 @@ class Shard:
             else:
                 fill(grad)
                 self.store.check_gradient(grad)
+            self.check_rows(rows)
         except BaseException:
             self.store.pool.release(grad)
             raise
         try:
-            return self.policy.push(rank, step, grad, clock, samples)
+            return self.policy.push(rank, step, grad, clock, samples, rows)
         except RpcError:
             self.store.pool.release(grad)   # rejected: the policy did not keep it
             raise
@@ -311,7 +410,10 @@ class Shard:
                         num_workers=p.num_workers, optimizer=self.cfg.optimizer, lr=self.cfg.lr,
                         counters=s.counters.snapshot(), live_workers=live, dead_workers=dead,
                         uptime_seconds=time.monotonic() - self.started,
-                        layout_signature=s.signature)
+                        layout_signature=s.signature, restored_from=s.restored_from,
+                        seeded_by_rank=self.seeded_by, instance=self.instance,
+                        tables=[dict(name=n, dim=t.config.dim, optimizer=t.config.optimizer, **t.stats())
+                                for n, t in s.tables.items()])
 
     def close(self) -> None:
         self.store.close()

@@ -11,12 +11,13 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numba
 import numpy as np
 
-from pserver import dataplane
+from pserver import dataplane, sparse
 from pserver.errors import ConfigError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 
 log = logging.getLogger("pserver.server")
@@ -89,7 +90,8 @@ class Counters:
     FIELDS = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late",
               "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed",
               "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed",
-              "workers_rejoined", "sessions_replaced", "requests_refused_busy")
+              "workers_rejoined", "sessions_replaced", "requests_refused_busy",
+              "rows_pulled", "rows_pushed")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -149,8 +151,35 @@ class BufferPool:
                 self._free.append(buf)
 
 
+@dataclass
+class RowGrads:
+    """A push's gradients for some rows of one sparse table: unique ids on this shard and
+    their rows' gradients, (n, dim) float32, in shard-owned memory once received."""
+    table: str
+    ids: np.ndarray
+    grads: np.ndarray
+
+
+def merge_rows(parts: list[RowGrads]) -> list[RowGrads]:
+    """One RowGrads per table: several workers' rows for a table are summed per id."""
+    by_table: dict[str, list[RowGrads]] = {}
+    for p in parts:
+        by_table.setdefault(p.table, []).append(p)
+    merged = []
+    for name, group in by_table.items():
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        ids = np.concatenate([p.ids for p in group])
+        uniq, inverse = sparse.unique_inverse(ids)
+        grads = sparse.segment_sum(np.concatenate([p.grads for p in group]), inverse, uniq.size)
+        merged.append(RowGrads(name, uniq, grads))
+    return merged
+
+
 class ShardStore:
-    """Parameters [start, end) of the flat vector, the optimizer's state and the version."""
+    """Parameters [start, end) of the flat vector, the optimizer's state and the version, and
+    this shard's rows of the model's sparse tables."""
 
     def __init__(self, shard: int, num_shards: int, make_optimizer: Callable[[int], object]):
         self.shard, self.num_shards = shard, num_shards
@@ -168,6 +197,7 @@ class ShardStore:
         self.restored_from = ""            # the checkpoint this shard resumed from, if any
         self.params_fd: int | None = None  # memfd behind params, for the data plane
         self.clocks: dict[int, int] = {}   # ssp: rank -> pushes completed; checkpointed with the rest
+        self.tables: dict[str, sparse.SparseTable] = {}   # the model's sparse tables: this shard's rows
 
     @property
     def size(self) -> int:
@@ -177,7 +207,7 @@ class ShardStore:
     def initialized(self) -> bool:
         return self.version >= 0
 
-    def configure(self, signature: str, total: int, start: int, end: int) -> None:
+    def configure(self, signature: str, total: int, start: int, end: int, tables=()) -> None:
         """Fix the layout at the first Register; later ones must match it. Holds cond."""
         if self.signature:
             if signature != self.signature or total != self.total:
@@ -186,10 +216,11 @@ class ShardStore:
                     f"layout: signature {signature} ({total} params) does not match this shard's "
                     f"{self.signature} ({self.total} params){origin}; every worker must run the same model")
             return
-        self._allocate(signature, total, start, end)
+        self._allocate(signature, total, start, end, tables)
 
-    def _allocate(self, signature: str, total: int, start: int, end: int) -> None:
+    def _allocate(self, signature: str, total: int, start: int, end: int, tables) -> None:
         self.signature, self.total, self.start, self.end = signature, total, start, end
+        self.tables = {t.name: sparse.SparseTable(t, i) for i, t in enumerate(tables)}
         # In a memfd where the platform has one: same-host workers map it read-only and
         # pull with one memcpy (pserver/dataplane.py). Otherwise plain memory.
         if self.params_fd is not None:
@@ -206,16 +237,21 @@ class ShardStore:
             return dict(meta, version=self.version, signature=self.signature, total=self.total,
                         start=self.start, end=self.end, params=self.params.copy(),
                         state={k: v.copy() for k, v in self.optimizer.state.items()},
-                        clocks=dict(self.clocks))
+                        clocks=dict(self.clocks),
+                        tables=[t.config.to_dict() for t in self.tables.values()],
+                        rows={name: t.state() for name, t in self.tables.items()})
 
     def restore(self, ckpt) -> None:
         with self.cond:
-            self._allocate(ckpt.signature, ckpt.total, ckpt.start, ckpt.end)
+            self._allocate(ckpt.signature, ckpt.total, ckpt.start, ckpt.end,
+                           [sparse.TableConfig.from_dict(t) for t in ckpt.tables])
             if ckpt.params.shape != self.params.shape:
                 raise ConfigError(f"--restore: {ckpt.path} holds {ckpt.params.size} params for "
                                   f"range [{ckpt.start}, {ckpt.end})")
             self.params[:] = ckpt.params
             self.optimizer.load_state(ckpt.state)
+            for name, table in self.tables.items():
+                table.load(ckpt.rows.get(name, {}))
             self.version = ckpt.version
             self.clocks.clear()
             self.clocks.update(ckpt.clocks)
@@ -226,14 +262,24 @@ class ShardStore:
         if not self.signature:
             raise FailedPrecondition("layout: no worker has registered with this shard yet")
 
-    def apply(self, grad: np.ndarray) -> None:
-        """One optimizer step on the mean gradient; the caller holds cond."""
+    def apply(self, grad: np.ndarray, rows: list[RowGrads] = (), workers: int = 1) -> None:
+        """One optimizer step on the mean gradient, and on the mean of the rows the step's
+        `workers` pushed (a worker that did not touch a row adds zero to it); the caller
+        holds cond."""
         self.optimizer.step(self.params, grad, self.version)
+        self.apply_rows(merge_rows(list(rows)), 1.0 / workers, self.version)
         self.version += 1
         self.counters.add("updates_applied")
         self.cond.notify_all()
 
-    def apply_hogwild(self, grad: np.ndarray) -> int:
+    def apply_rows(self, rows: list[RowGrads], scale: float, step: int) -> None:
+        """Each table's row optimizer on its rows (scaled), at version `step`: the tables lock
+        themselves, so this is safe with or without cond."""
+        for part in rows:
+            self.tables[part.table].apply(part.ids, part.grads, step, scale)
+            self.counters.add("rows_pushed", part.ids.size)
+
+    def apply_hogwild(self, grad: np.ndarray, rows: list[RowGrads] = ()) -> int:
         """Apply without the lock (async modes): concurrent callers race on purpose.
 
         The optimizer kernels release the GIL, so pushes from several gRPC threads update
@@ -241,6 +287,7 @@ class ShardStore:
         the wake-up take the lock. Returns the version after this update.
         """
         self.optimizer.step(self.params, grad, max(self.version, 0))
+        self.apply_rows(list(rows), 1.0, max(self.version, 0))
         with self.cond:
             self.version += 1
             self.counters.add("updates_applied")

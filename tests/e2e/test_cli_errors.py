@@ -24,8 +24,9 @@ def test_unreachable_ps():
 
 
 def test_missing_data_dir(tmp_path):
-    r = run("worker", "--ps", "127.0.0.1:1", "--dataset", "mnist", "--data-dir", str(tmp_path / "nope"))
-    one_clear_line(r, "nope")
+    r = run("worker", "--ps", "127.0.0.1:1", "--dataset", "mnist", "--data-dir", str(tmp_path / "nope"),
+            env={"PSERVER_MNIST_MIRRORS": ""})        # no download: the files are missing
+    one_clear_line(r, "nope", "by hand")
 
 
 def test_malformed_tf_config():
@@ -88,3 +89,15 @@ def test_launch_stops_every_shard_when_one_fails_to_start(tmp_path):
     import subprocess
     left = subprocess.run(["pgrep", "-f", f"--restore {tmp_path}"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "a shard was left running"
+
+
+def test_a_port_in_use_is_named_in_one_line():
+    import socket
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        r = run("serve", "--port", str(port))
+    assert r.returncode == 2
+    one_clear_line(r, f"--port: port {port} is already in use on 127.0.0.1")
+    assert r.stdout == ""                  # and no log line of gRPC's before it

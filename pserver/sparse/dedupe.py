@@ -1,0 +1,120 @@
+"""A batch's ids made unique, and its row gradients summed per unique id (the worker's side).
+
+`unique_inverse` is one pass of a hash table (pserver.sparse.index) that starts small and
+doubles, so that a batch with few distinct ids keeps its table in cache; `segment_sum` is the
+scatter-add that np.add.at does, compiled. Both have NumPy twins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from pserver.errors import InvalidArgument
+from pserver.sparse import index
+from pserver.sparse.hashing import as_ids
+
+
+@njit(cache=True, nogil=True)
+def _unique_inverse_kernel(ids, uniq, inverse):
+    """uniq[:u] = the distinct ids in order of first appearance, inverse[i] = their position of
+    ids[i]; returns u."""
+    bits = index.MIN_BITS
+    slots = np.full(1 << bits, index.EMPTY, np.int32)
+    u = 0
+    for i in range(ids.shape[0]):
+        pos, e = index.find(slots, uniq, ids[i], bits)
+        if e == index.EMPTY:
+            e = u
+            uniq[u] = ids[i]
+            slots[pos] = u
+            u += 1
+            if u > (1 << bits) * index.MAX_LOAD:
+                bits += 1
+                slots = index.rehash(uniq, u, bits)
+        inverse[i] = e
+    return u
+
+
+def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(uniq, inverse) of a 1-D uint64 array: uniq in order of first appearance, uniq[inverse] == ids."""
+    ids = _check_ids(ids)
+    uniq, inverse = np.empty_like(ids), np.empty(ids.shape, np.int64)
+    u = _unique_inverse_kernel(ids, uniq, inverse)
+    return uniq[:u].copy(), inverse
+
+
+def unique_inverse_numpy(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy twin of unique_inverse (np.unique, then renumbered by first appearance)."""
+    ids = _check_ids(ids)
+    sorted_uniq, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return sorted_uniq[order], rank[inverse.reshape(-1)].astype(np.int64)
+
+
+def _check_ids(ids: np.ndarray) -> np.ndarray:
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
+        raise InvalidArgument(f"ids: needs a 1-D uint64 array (see as_ids), got "
+                              f"{getattr(ids, 'dtype', type(ids).__name__)}{list(np.shape(ids))}")
+    return np.ascontiguousarray(ids)
+
+
+@njit(cache=True, nogil=True)
+def _segment_sum_kernel(grads, inverse, out):
+    u = out.shape[0]
+    for i in range(grads.shape[0]):
+        k = inverse[i]
+        # numba does not bounds-check: a bad inverse would write outside out.
+        if k < 0 or k >= u:
+            raise ValueError("segment_sum: inverse has a value outside [0, u)")
+        for j in range(grads.shape[1]):
+            out[k, j] += grads[i, j]
+
+
+def _check_segments(grads: np.ndarray, inverse: np.ndarray, u: int) -> np.ndarray:
+    if grads.dtype != np.float32 or grads.ndim != 2:
+        raise InvalidArgument(f"grads: needs float32 (n, dim), got {grads.dtype}{list(grads.shape)}")
+    if inverse.shape != grads.shape[:1] or inverse.dtype.kind not in "iu":
+        raise InvalidArgument(f"inverse: needs integers of shape ({grads.shape[0]},), got "
+                              f"{inverse.dtype}{list(inverse.shape)}")
+    if u < 0:
+        raise InvalidArgument(f"u: must be >= 0, got {u}")
+    return np.zeros((u, grads.shape[1]), np.float32)
+
+
+def segment_sum(grads: np.ndarray, inverse: np.ndarray, u: int) -> np.ndarray:
+    """out[k] = sum of grads[i] over every i with inverse[i] == k: float32 (u, dim)."""
+    out = _check_segments(grads, inverse, u)
+    _segment_sum_kernel(np.ascontiguousarray(grads), inverse.astype(np.int64, copy=False), out)
+    return out
+
+
+def segment_sum_numpy(grads: np.ndarray, inverse: np.ndarray, u: int) -> np.ndarray:
+    """NumPy twin of segment_sum."""
+    out = _check_segments(grads, inverse, u)
+    if inverse.size and not 0 <= inverse.min() <= inverse.max() < u:
+        raise ValueError("segment_sum: inverse has a value outside [0, u)")
+    np.add.at(out, inverse, grads)
+    return out
+
+
+@dataclass
+class TableLookup:
+    """What the worker hands a model for one table and one batch."""
+
+    uniq: np.ndarray     # uint64 (u,): the batch's unique ids, in order of first appearance
+    inverse: np.ndarray  # int64, the shape of the batch's ids: uniq[inverse] == ids
+    rows: np.ndarray     # float32 (u, dim): the pulled rows (the worker fills them)
+    grads: np.ndarray    # float32 (u, dim): d loss / d row, summed per unique id (the model writes)
+
+    @classmethod
+    def of(cls, ids, dim: int, what: str = "ids") -> TableLookup:
+        """The lookup of a batch's ids (any shape, any integer type as_ids takes)."""
+        ids = as_ids(ids, what)
+        uniq, inverse = unique_inverse(ids.reshape(-1))
+        rows = np.zeros((uniq.shape[0], dim), np.float32)
+        return cls(uniq, inverse.reshape(ids.shape), rows, np.zeros_like(rows))

@@ -1,0 +1,231 @@
+"""Row-wise optimizers that a shard runs over the rows a push touched, and only those.
+
+A table keeps each row and its optimizer slots side by side in one float32 matrix `data`:
+columns [0, dim) are the row (the weights), then one block of dim columns per slot, in the
+order of SLOTS. So data[r, :dim] is row r, data[r, dim:2 dim] its first slot, and one row's
+whole state is contiguous (one pass over memory per touched row). Adam also keeps a per-row
+step count in `steps` (int64).
+
+Every step takes row numbers `idx` (int64, -1 = skip that gradient: an id not admitted),
+gradients `grads` (float32 (n, dim), one row per idx, distinct rows) and `scale` (the
+gradients are multiplied by it first):
+
+    sgd      w -= lr * g
+    adagrad  a += g^2;  w -= lr * g / (sqrt(a) + eps)              a starts at initial_accumulator
+    adam     t += 1 (this row's own count: lazy Adam, untouched rows neither move nor count)
+             m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+             w -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+    ftrl     FTRL-Proximal (McMahan et al. 2013, "Ad Click Prediction: a View from the Trenches",
+             algorithm 1, with alpha = lr and a general lr_power p, -0.5 in the paper):
+             sigma = ((n + g^2)^-p - n^-p) / lr;  z += g - sigma w;  n += g^2
+             w = 0 if |z| <= l1, else -(z - sign(z) l1) / ((beta + n^-p) / lr + l2)
+             (z and n start at 0: the initial row enters z through sigma w at its first step)
+
+Each kernel is numba (nogil); `*_numpy` is its twin. The kernels trust their arguments:
+SparseTable checks them once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from pserver.errors import ConfigError
+
+ROW_OPTIMIZERS = ("sgd", "adagrad", "adam", "ftrl")
+SLOTS = {"sgd": (), "adagrad": ("accumulator",), "adam": ("m", "v"), "ftrl": ("z", "n")}
+# Hyper-parameters besides lr, with their defaults (Keras's for adagrad and adam, the paper's
+# for ftrl).
+DEFAULTS = {"sgd": {},
+            "adagrad": {"initial_accumulator": 0.1, "eps": 1e-7},
+            "adam": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
+            "ftrl": {"beta": 1.0, "l1": 0.0, "l2": 0.0, "lr_power": -0.5}}
+# Range checks: (test, what the value must be).
+_RULES = {"lr": (lambda v: v > 0, "> 0"),
+          "initial_accumulator": (lambda v: v >= 0, ">= 0"),
+          "eps": (lambda v: v >= 0, ">= 0"),
+          "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+          "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+          "beta": (lambda v: v >= 0, ">= 0"),
+          "l1": (lambda v: v >= 0, ">= 0"),
+          "l2": (lambda v: v >= 0, ">= 0"),
+          "lr_power": (lambda v: v <= 0, "<= 0")}
+
+
+def hyper(name: str, lr: float, params: dict, what: str = "optimizer") -> dict:
+    """lr and every hyper-parameter of optimizer `name`, defaults filled in, all checked."""
+    if name not in ROW_OPTIMIZERS:
+        raise ConfigError(f"{what}: unknown row optimizer {name!r}; choose one of "
+                          f"{', '.join(ROW_OPTIMIZERS)}")
+    unknown = sorted(set(params) - set(DEFAULTS[name]))
+    if unknown:
+        raise ConfigError(f"{what}: {name} takes no parameter {unknown[0]!r}; it takes "
+                          f"{sorted(DEFAULTS[name]) or 'none besides lr'}")
+    values = {"lr": lr, **DEFAULTS[name], **params}
+    for key, v in values.items():
+        ok, rule = _RULES[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+            raise ConfigError(f"{what}: {name} {key} must be a finite number {rule}, got {v!r}")
+    if name == "adagrad" and values["initial_accumulator"] == 0 and values["eps"] == 0:
+        raise ConfigError(f"{what}: adagrad needs initial_accumulator > 0 or eps > 0 "
+                          f"(a zero gradient would divide 0 by 0)")
+    return {k: float(v) for k, v in values.items()}
+
+
+def initial_slots(name: str, h: dict) -> tuple[float, ...]:
+    """The value every column of each slot of a new row starts at."""
+    return tuple(h["initial_accumulator"] if s == "accumulator" else 0.0 for s in SLOTS[name])
+
+
+# -- sgd -----------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def sgd(data, steps, idx, grads, scale, lr):
+    d, s, lr32 = grads.shape[1], np.float32(scale), np.float32(lr)
+    for i in range(idx.shape[0]):
+        r = idx[i]
+        if r >= 0:
+            for j in range(d):
+                data[r, j] -= lr32 * (grads[i, j] * s)
+
+
+def sgd_numpy(data, steps, idx, grads, scale, lr):
+    rows, g = _touched(idx, grads, scale)
+    d = grads.shape[1]
+    data[rows, :d] -= np.float32(lr) * g
+
+
+def _touched(idx, grads, scale):
+    """(row numbers, their scaled float32 gradients) of the admitted entries of idx."""
+    keep = idx >= 0
+    return idx[keep], grads[keep] * np.float32(scale)
+
+
+# -- adagrad -------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def adagrad(data, steps, idx, grads, scale, lr, eps):
+    d, s = grads.shape[1], np.float32(scale)
+    lr32, eps32 = np.float32(lr), np.float32(eps)
+    for i in range(idx.shape[0]):
+        r = idx[i]
+        if r >= 0:
+            for j in range(d):
+                g = grads[i, j] * s
+                a = data[r, d + j] + g * g
+                data[r, d + j] = a
+                data[r, j] -= lr32 * g / (np.sqrt(a) + eps32)
+
+
+def adagrad_numpy(data, steps, idx, grads, scale, lr, eps):
+    rows, g = _touched(idx, grads, scale)
+    d = grads.shape[1]
+    a = data[rows, d:2 * d] + g * g
+    data[rows, d:2 * d] = a
+    data[rows, :d] -= np.float32(lr) * g / (np.sqrt(a) + np.float32(eps))
+
+
+# -- adam ----------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def adam(data, steps, idx, grads, scale, lr, beta1, beta2, eps):
+    d, s = grads.shape[1], np.float32(scale)
+    b1, b2 = np.float32(beta1), np.float32(beta2)
+    one_b1, one_b2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)
+    lr32, eps32 = np.float32(lr), np.float32(eps)
+    for i in range(idx.shape[0]):
+        r = idx[i]
+        if r < 0:
+            continue
+        t = steps[r] + 1
+        steps[r] = t
+        # Bias corrections in float64 (beta2**t is close to 1 for small t), used as float32.
+        inv_c1 = np.float32(1.0 / (1.0 - beta1 ** t))
+        inv_c2 = np.float32(1.0 / (1.0 - beta2 ** t))
+        for j in range(d):
+            g = grads[i, j] * s
+            m = b1 * data[r, d + j] + one_b1 * g
+            v = b2 * data[r, 2 * d + j] + one_b2 * (g * g)
+            data[r, d + j], data[r, 2 * d + j] = m, v
+            data[r, j] -= lr32 * (m * inv_c1) / (np.sqrt(v * inv_c2) + eps32)
+
+
+def adam_numpy(data, steps, idx, grads, scale, lr, beta1, beta2, eps):
+    rows, g = _touched(idx, grads, scale)
+    d = grads.shape[1]
+    steps[rows] += 1
+    t = steps[rows].astype(np.float64)[:, None]
+    inv_c1 = (1.0 / (1.0 - beta1 ** t)).astype(np.float32)
+    inv_c2 = (1.0 / (1.0 - beta2 ** t)).astype(np.float32)
+    m = np.float32(beta1) * data[rows, d:2 * d] + np.float32(1.0 - beta1) * g
+    v = np.float32(beta2) * data[rows, 2 * d:3 * d] + np.float32(1.0 - beta2) * (g * g)
+    data[rows, d:2 * d], data[rows, 2 * d:3 * d] = m, v
+    data[rows, :d] -= np.float32(lr) * (m * inv_c1) / (np.sqrt(v * inv_c2) + np.float32(eps))
+
+
+# -- ftrl ----------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True, inline="always")
+def _root(n, power):
+    """n ** -power (power <= 0), with sqrt for the paper's -0.5."""
+    return math.sqrt(n) if power == -0.5 else n ** -power
+
+
+@njit(cache=True, nogil=True)
+def ftrl(data, steps, idx, grads, scale, lr, beta, l1, l2, lr_power):
+    # In float64 (sigma is a difference of nearly equal roots), stored as float32.
+    d = grads.shape[1]
+    for i in range(idx.shape[0]):
+        r = idx[i]
+        if r < 0:
+            continue
+        for j in range(d):
+            g = np.float64(grads[i, j] * np.float32(scale))
+            n_old = np.float64(data[r, 2 * d + j])
+            n = n_old + g * g
+            root = _root(n, lr_power)
+            z = data[r, d + j] + g - (root - _root(n_old, lr_power)) / lr * data[r, j]
+            w = 0.0
+            if abs(z) > l1:
+                w = -(z - math.copysign(l1, z)) / ((beta + root) / lr + l2)
+            data[r, j], data[r, d + j], data[r, 2 * d + j] = w, z, n
+
+
+def ftrl_numpy(data, steps, idx, grads, scale, lr, beta, l1, l2, lr_power):
+    rows, g = _touched(idx, grads, scale)
+    d = grads.shape[1]
+    g = g.astype(np.float64)
+    n_old = data[rows, 2 * d:3 * d].astype(np.float64)
+    n = n_old + g * g
+    root = n ** -lr_power
+    z = data[rows, d:2 * d] + g - (root - n_old ** -lr_power) / lr * data[rows, :d]
+    w = np.where(np.abs(z) > l1, -(z - np.sign(z) * l1) / ((beta + root) / lr + l2), 0.0)
+    data[rows, :d], data[rows, d:2 * d], data[rows, 2 * d:3 * d] = w, z, n
+
+
+STEPS = {"sgd": (sgd, sgd_numpy), "adagrad": (adagrad, adagrad_numpy),
+         "adam": (adam, adam_numpy), "ftrl": (ftrl, ftrl_numpy)}
+
+
+class RowOptimizer:
+    """One row optimizer with its checked hyper-parameters; `step` runs the kernel (or its twin)."""
+
+    def __init__(self, name: str, lr: float, params: dict, backend: str = "numba",
+                 what: str = "optimizer"):
+        self.name, self.h = name, hyper(name, lr, params, what)
+        self.slots = SLOTS[name]
+        self.initial = initial_slots(name, self.h)
+        kernel, twin = STEPS[name]
+        self._step = kernel if backend == "numba" else twin
+        # The kernel's hyper-parameters after scale, in its signature's order.
+        self._args = tuple(self.h[k] for k in ("lr", *DEFAULTS[name]) if k != "initial_accumulator")
+        self.counts_steps = name == "adam"
+
+    def width(self, dim: int) -> int:
+        """Columns of `data` per row: the row and its slots."""
+        return dim * (1 + len(self.slots))
+
+    def step(self, data, steps, idx, grads, scale: float) -> None:
+        self._step(data, steps, idx, grads, float(scale), *self._args)

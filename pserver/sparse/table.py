@@ -1,0 +1,441 @@
+"""One sparse table on one shard: ids -> float32 rows, grown on demand and evicted by age.
+
+Storage (all NumPy arrays, so the memory per row is what the arrays hold):
+
+    ids     uint64 (cap,)               the id of each row, stored once
+    slots   int32 (2**bits,)            open addressing over ids (pserver.sparse.index)
+    data    float32 (cap, dim * (1+k))  each row and its k optimizer slots side by side
+    last    int64 (cap,)                the step of each row's last update
+    steps   int64 (cap,)                adam only: each row's own update count
+
+Rows 0..n-1 are live and dense: eviction moves the last row into each freed one. The arrays
+grow in place (ndarray.resize, a realloc) by at least 10% or MIN_CHUNK rows; the table never
+hands out views of them, so growing cannot pull memory from under a reader.
+
+Admission counts pushes of ids that are not stored, exactly, in a second index of the same
+kind (`pending`, ids and counts); an id is admitted (its row created, initial value first) on
+the push that brings its count to min_count, and that push's gradient is applied. Until then
+it reads its initial value and its gradients are counted, not stored. An evicted id starts
+counting again from zero.
+
+Counters: `creations` counts rows created (every admitted id, including an evicted id that
+came back), `admissions` the ids that passed a min_count >= 2 filter, `evictions` rows evicted.
+
+Every public method holds the table's lock, so a push never races a structural change; the
+kernels release the GIL, so different tables run in parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+from numba import njit
+
+from pserver.errors import ConfigError, InvalidArgument
+from pserver.sparse import index
+from pserver.sparse.hashing import initial_row, table_key
+from pserver.sparse.optim import RowOptimizer
+
+MIN_CHUNK = 1024   # rows: the smallest growth, so that a small table does not realloc per push
+COUNTERS = ("admissions", "creations", "evictions")
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    name: str                  # unique per model, e.g. "emb_deep"
+    dim: int                   # floats per row (the Embedding's output_dim)
+    optimizer: str = "adagrad" # one of ROW_OPTIMIZERS
+    lr: float = 0.05           # the row optimizer's learning rate (alpha for ftrl)
+    init_scale: float = 0.05   # initial values uniform(-init_scale, init_scale); 0 -> zeros
+    seed: int = 0              # the run's seed: part of every row's initial value
+    min_count: int = 0         # admission: an id is stored once pushed this many times; 0/1 = at once
+    max_rows: int = 0          # eviction per shard, least recently updated first; 0 = no bound
+    ttl_steps: int = 0         # eviction of rows not updated for this many steps; 0 = never
+    params: tuple = ()         # optimizer extras as sorted (key, value) pairs (optim.DEFAULTS)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.params, dict):   # accepted for convenience, kept as sorted pairs
+            object.__setattr__(self, "params", tuple(sorted(self.params.items())))
+        self.check()
+
+    def check(self) -> None:
+        """ConfigError naming the field, for any value a table cannot run with."""
+        what = f"table {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"{what}: name must be a non-empty string")
+        for field, low in (("dim", 1), ("seed", 0), ("min_count", 0), ("max_rows", 0),
+                           ("ttl_steps", 0)):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                raise ConfigError(f"{what}: {field} must be an integer >= {low}, got {v!r}")
+        if self.seed >= 1 << 64:
+            raise ConfigError(f"{what}: seed must be below 2**64, got {self.seed}")
+        if not (isinstance(self.init_scale, (int, float)) and math.isfinite(self.init_scale)
+                and self.init_scale >= 0):
+            raise ConfigError(f"{what}: init_scale must be a finite number >= 0, got {self.init_scale!r}")
+        pairs = self.params
+        if (not isinstance(pairs, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in pairs)
+                or [k for k, _ in pairs] != sorted({k for k, _ in pairs})):
+            raise ConfigError(f"{what}: params must be (key, value) pairs sorted by distinct key, "
+                              f"got {pairs!r}")
+        RowOptimizer(self.optimizer, self.lr, dict(pairs), what=what)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["params"] = [list(p) for p in self.params]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TableConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"table config: unknown field {unknown[0]!r}; fields are {sorted(names)}")
+        d = dict(d)
+        d["params"] = tuple(tuple(p) for p in d.get("params", ()))
+        return cls(**d)
+
+    def signature(self) -> str:
+        """Stable text of every field: equal for equal configs, on every process."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+class _Entries:
+    """Keys stored once in entry order, their hash index, and per-entry arrays growing with them."""
+
+    def __init__(self, columns: dict):
+        self.columns = columns   # name -> (shape of one entry, dtype)
+        self.n = 0
+        self.keys = np.empty(0, np.uint64)
+        self.arrays = {k: np.empty((0, *shape), dtype) for k, (shape, dtype) in columns.items()}
+        self.bits = index.MIN_BITS
+        self.slots = np.full(1 << self.bits, index.EMPTY, np.int32)
+
+    def reserve(self, extra: int) -> None:
+        """Room for `extra` more entries: arrays grown by >= 10% (or MIN_CHUNK), index rehashed."""
+        need = self.n + extra
+        if need > self.keys.shape[0]:
+            cap = need + max(need // 10, MIN_CHUNK)
+            # In place: the table holds the only references (refcheck would count our own).
+            self.keys.resize(cap, refcheck=False)
+            for k, (shape, _) in self.columns.items():
+                self.arrays[k].resize((cap, *shape), refcheck=False)
+        bits = index.bits_for(need)
+        if bits > self.bits:
+            self.bits, self.slots = bits, index.rehash(self.keys, self.n, bits)
+
+    def fill(self, keys: np.ndarray, arrays: dict) -> None:
+        """Set the entries of an empty store to `keys` and their arrays (already checked)."""
+        self.reserve(keys.shape[0])
+        self.n = keys.shape[0]
+        self.keys[:self.n] = keys
+        for k, a in arrays.items():
+            self.arrays[k][:self.n] = a
+        self.slots = index.rehash(self.keys, self.n, self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.slots.nbytes + sum(a.nbytes for a in self.arrays.values())
+
+
+class SparseTable:
+    """One table on one shard; thread-safe (its own lock). See the module docstring."""
+
+    def __init__(self, config: TableConfig, table_index: int, backend: str = "numba"):
+        config.check()
+        self.config, self.table_index = config, int(table_index)
+        self.dim = config.dim
+        self.opt = RowOptimizer(config.optimizer, config.lr, dict(config.params), backend,
+                                what=f"table {config.name!r}")
+        self._key = table_key(config.seed, self.table_index)
+        self._slot_init = np.repeat(np.array(self.opt.initial, np.float32), self.dim)
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        cols = {"data": ((self.opt.width(self.dim),), np.float32), "last": ((), np.int64)}
+        if self.opt.counts_steps:
+            cols["steps"] = ((), np.int64)
+        self._rows = _Entries(cols)
+        self._pending = _Entries({"count": ((), np.int64)})
+        self._counters = dict.fromkeys(COUNTERS, 0)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def lookup(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """out[i] = the stored row of ids[i], else its initial value (computed, not stored)."""
+        ids = self._check_ids(ids)
+        if out.dtype != np.float32 or out.shape != (ids.shape[0], self.dim) or not out.flags.c_contiguous:
+            raise InvalidArgument(f"table {self.config.name!r}: out needs a C-contiguous "
+                                  f"float32[{ids.shape[0]}, {self.dim}], got {out.dtype}{list(out.shape)}")
+        with self._lock:
+            r = self._rows
+            _lookup(r.slots, r.keys, r.bits, r.arrays["data"], ids, self._key,
+                    float(self.config.init_scale), out)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"rows": self._rows.n, "bytes": self._rows.nbytes + self._pending.nbytes,
+                    "pending_ids": self._pending.n, **self._counters}
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def apply(self, ids: np.ndarray, grads: np.ndarray, step: int, scale: float = 1.0) -> None:
+        """Push grads * scale for distinct ids at `step`: admission, creation, the row optimizer,
+        last update = step, then eviction (see the module docstring)."""
+        ids, grads, step, scale = self._check_push(ids, grads, step, scale)
+        c = self.config
+        with self._lock:
+            r, p = self._rows, self._pending
+            idx = np.empty(ids.shape[0], np.int64)
+            creates, new_pending = _plan(r.slots, r.keys, r.bits, p.slots, p.keys, p.bits,
+                                         p.arrays["count"], ids, c.min_count, idx)
+            r.reserve(creates)
+            p.reserve(new_pending)
+            before = r.n
+            r.n, p.n = _admit(r.slots, r.keys, r.bits, r.n, r.arrays["data"], self._steps(),
+                              p.slots, p.keys, p.bits, p.n, p.arrays["count"], ids, idx,
+                              c.min_count, self._key, float(c.init_scale), self._slot_init)
+            self._counters["creations"] += r.n - before
+            if c.min_count > 1:
+                self._counters["admissions"] += r.n - before
+            self.opt.step(r.arrays["data"], self._steps(), idx, grads, scale)
+            _touch(r.arrays["last"], idx, step)
+            self._evict(step)
+
+    def _steps(self) -> np.ndarray:
+        return self._rows.arrays.get("steps", _NO_STEPS)
+
+    def _evict(self, step: int) -> None:
+        """Evict rows idle for more than ttl_steps, then the least recently updated beyond
+        max_rows: the k smallest (last update, id), k found by one partition, not a scan per row."""
+        c, r = self.config, self._rows
+        last = r.arrays["last"][:r.n]
+        k = max(r.n - c.max_rows, 0) if c.max_rows else 0
+        if c.ttl_steps:
+            k = max(k, int(np.count_nonzero(last < step - c.ttl_steps)))
+        if k == 0:
+            return
+        bound = np.partition(last, k - 1)[k - 1]
+        below = np.flatnonzero(last < bound)
+        tied = np.flatnonzero(last == bound)
+        need = k - below.shape[0]
+        # Ties (rows last updated at the same step) go by id, so eviction is deterministic.
+        tied = tied[np.argpartition(r.keys[tied], need - 1)[:need]] if need < tied.shape[0] else tied
+        victims = np.sort(np.concatenate([below, tied]))[::-1].copy()
+        r.n = _evict(r.slots, r.keys, r.bits, r.n, r.arrays["data"], r.arrays["last"],
+                     self._steps(), victims)
+        self._counters["evictions"] += k
+
+    # -- checking -----------------------------------------------------------------------------
+
+    def _check_ids(self, ids) -> np.ndarray:
+        if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
+            raise InvalidArgument(f"table {self.config.name!r}: ids need a 1-D uint64 array, got "
+                                  f"{getattr(ids, 'dtype', type(ids).__name__)}{list(np.shape(ids))}")
+        return np.ascontiguousarray(ids)
+
+    def _check_push(self, ids, grads, step, scale):
+        ids, name = self._check_ids(ids), self.config.name
+        if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.shape != (ids.shape[0], self.dim):
+            raise InvalidArgument(f"table {name!r}: grads need float32[{ids.shape[0]}, {self.dim}], got "
+                                  f"{getattr(grads, 'dtype', type(grads).__name__)}{list(np.shape(grads))}")
+        i = _first_nonfinite(grads)
+        if i >= 0:
+            raise InvalidArgument(f"table {name!r}: the gradient of id {int(ids[i])} (row {i} of the "
+                                  f"push) is not finite: {grads[i].tolist()}")
+        if not math.isfinite(scale):
+            raise InvalidArgument(f"table {name!r}: scale must be finite, got {scale}")
+        if isinstance(step, bool) or int(step) != step or step < 0:
+            raise InvalidArgument(f"table {name!r}: step must be an integer >= 0, got {step!r}")
+        return ids, np.ascontiguousarray(grads), int(step), float(scale)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Copies of everything needed to continue exactly (load is its inverse)."""
+        with self._lock:
+            r, p, d = self._rows, self._pending, self.dim
+            data = r.arrays["data"][:r.n]
+            out = {"ids": r.keys[:r.n].copy(), "rows": data[:, :d].copy(),
+                   "last_update": r.arrays["last"][:r.n].copy(),
+                   "pending_ids": p.keys[:p.n].copy(),
+                   "pending_counts": p.arrays["count"][:p.n].copy(),
+                   "counters": np.array([self._counters[k] for k in COUNTERS], np.int64)}
+            for s, name in enumerate(self.opt.slots, 1):
+                out[f"slot_{name}"] = data[:, s * d:(s + 1) * d].copy()
+            if self.opt.counts_steps:
+                out["steps"] = self._steps()[:r.n].copy()
+            return out
+
+    def load(self, state: dict[str, np.ndarray]) -> None:
+        """Replace the table by a state() (checked first: on an error nothing changes)."""
+        state = _check_state(self, state)
+        data = np.concatenate([state["rows"]] + [state[f"slot_{s}"] for s in self.opt.slots], axis=1)
+        arrays = {"data": data, "last": state["last_update"]}
+        if self.opt.counts_steps:
+            arrays["steps"] = state["steps"]
+        with self._lock:
+            self._reset()
+            self._rows.fill(state["ids"], arrays)
+            self._pending.fill(state["pending_ids"], {"count": state["pending_counts"]})
+            self._counters = dict(zip(COUNTERS, (int(v) for v in state["counters"])))
+
+
+_NO_STEPS = np.empty(0, np.int64)
+
+
+def _check_state(table: SparseTable, state: dict) -> dict:
+    """The arrays of a state() for this table, or ConfigError naming the first inconsistency."""
+    what, d, opt = f"table {table.config.name!r} state", table.dim, table.opt
+    want = {"ids": (np.uint64, 1), "rows": (np.float32, 2), "last_update": (np.int64, 1),
+            "pending_ids": (np.uint64, 1), "pending_counts": (np.int64, 1), "counters": (np.int64, 1),
+            **{f"slot_{s}": (np.float32, 2) for s in opt.slots},
+            **({"steps": (np.int64, 1)} if opt.counts_steps else {})}
+    if sorted(state) != sorted(want):
+        raise ConfigError(f"{what}: has arrays {sorted(state)}, a {opt.name} table keeps {sorted(want)}")
+    arrays = {k: np.asarray(v) for k, v in state.items()}
+    for k, (dtype, ndim) in want.items():
+        if arrays[k].dtype != dtype or arrays[k].ndim != ndim:
+            raise ConfigError(f"{what}: {k} is {arrays[k].dtype}{list(arrays[k].shape)}, needs "
+                              f"{np.dtype(dtype).name} with {ndim} dimension(s)")
+    n, p = arrays["ids"].shape[0], arrays["pending_ids"].shape[0]
+    shapes = {"rows": (n, d), "last_update": (n,), "pending_counts": (p,), "counters": (len(COUNTERS),),
+              **{f"slot_{s}": (n, d) for s in opt.slots}, **({"steps": (n,)} if opt.counts_steps else {})}
+    for k, shape in shapes.items():
+        if arrays[k].shape != shape:
+            raise ConfigError(f"{what}: {k} has shape {list(arrays[k].shape)}, needs {list(shape)} "
+                              f"({n} rows, {p} pending ids, dim {d})")
+    _check_values(what, arrays, table.config.min_count)
+    return arrays
+
+
+def _check_values(what: str, a: dict, min_count: int) -> None:
+    from pserver.sparse.dedupe import unique_inverse
+    every = np.concatenate([a["ids"], a["pending_ids"]])
+    if unique_inverse(every)[0].shape[0] != every.shape[0]:
+        raise ConfigError(f"{what}: an id appears twice among ids and pending_ids")
+    for k in a:
+        if a[k].dtype == np.float32 and not np.isfinite(a[k]).all():
+            raise ConfigError(f"{what}: {k} holds a value that is not finite")
+    for k in ("last_update", "counters", "steps"):
+        if k in a and a[k].size and a[k].min() < 0:
+            raise ConfigError(f"{what}: {k} holds a negative value")
+    if a["pending_counts"].size and not (1 <= a["pending_counts"].min() and
+                                         a["pending_counts"].max() < max(min_count, 1)):
+        raise ConfigError(f"{what}: pending_counts must lie in [1, min_count={min_count})")
+
+
+# -- kernels --------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def _lookup(slots, keys, bits, data, ids, key, scale, out):
+    d = out.shape[1]
+    idx = np.empty(ids.shape[0], np.int64)
+    index.find_many(slots, keys, ids, bits, idx)
+    for i in range(ids.shape[0]):
+        e = idx[i]
+        if e == index.EMPTY:
+            initial_row(key, ids[i], scale, out[i])
+        else:
+            for j in range(d):
+                out[i, j] = data[e, j]
+
+
+@njit(cache=True, nogil=True)
+def _plan(slots, keys, bits, pslots, pkeys, pbits, pcounts, ids, min_count, idx):
+    """idx[i] = the row of ids[i] or EMPTY; returns (rows this push creates, new pending ids)."""
+    creates, new_pending = 0, 0
+    index.find_many(slots, keys, ids, bits, idx)
+    for i in range(ids.shape[0]):
+        if idx[i] != index.EMPTY:
+            continue
+        if min_count <= 1:
+            creates += 1
+            continue
+        _, pe = index.find(pslots, pkeys, ids[i], pbits)
+        count = 0 if pe == index.EMPTY else pcounts[pe]
+        if count + 1 >= min_count:
+            creates += 1
+        elif pe == index.EMPTY:
+            new_pending += 1
+    return creates, new_pending
+
+
+@njit(cache=True, nogil=True)
+def _count(pslots, pkeys, pbits, pn, pcounts, id_, min_count):
+    """Count one push of an id that is not stored; returns (admitted, pending entries)."""
+    pos, pe = index.find(pslots, pkeys, id_, pbits)
+    if pe == index.EMPTY:
+        pe = pn
+        pkeys[pe], pcounts[pe], pslots[pos] = id_, 0, pe
+        pn += 1
+    pcounts[pe] += 1
+    if pcounts[pe] < min_count:
+        return False, pn
+    # Admitted: its count is no longer kept; the last pending entry fills the hole.
+    index.delete_at(pslots, pkeys, pos, pbits)
+    pn -= 1
+    if pe != pn:
+        index.repoint(pslots, pkeys, pkeys[pn], pe, pbits)
+        pkeys[pe], pcounts[pe] = pkeys[pn], pcounts[pn]
+    return True, pn
+
+
+@njit(cache=True, nogil=True)
+def _admit(slots, keys, bits, n, data, steps, pslots, pkeys, pbits, pn, pcounts, ids, idx,
+           min_count, key, scale, slot_init):
+    """Count the ids that _plan found absent; create the rows of those admitted (idx[i] = row)."""
+    d = data.shape[1] - slot_init.shape[0]
+    for i in range(ids.shape[0]):
+        if idx[i] != index.EMPTY:
+            continue
+        if min_count > 1:
+            admitted, pn = _count(pslots, pkeys, pbits, pn, pcounts, ids[i], min_count)
+            if not admitted:
+                continue
+        pos, _ = index.find(slots, keys, ids[i], bits)
+        keys[n], slots[pos], idx[i] = ids[i], n, n
+        initial_row(key, ids[i], scale, data[n, :d])
+        data[n, d:] = slot_init
+        if steps.shape[0]:
+            steps[n] = 0
+        n += 1
+    return n, pn
+
+
+@njit(cache=True, nogil=True)
+def _first_nonfinite(grads):
+    """The first row of grads holding a NaN or an infinity, or -1."""
+    for i in range(grads.shape[0]):
+        for j in range(grads.shape[1]):
+            if not np.isfinite(grads[i, j]):
+                return i
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _touch(last, idx, step):
+    for i in range(idx.shape[0]):
+        if idx[i] >= 0:
+            last[idx[i]] = step
+
+
+@njit(cache=True, nogil=True)
+def _evict(slots, keys, bits, n, data, last, steps, victims):
+    """Remove the rows in victims (distinct, descending); the last row fills each hole."""
+    for e in victims:
+        pos, _ = index.find(slots, keys, keys[e], bits)
+        index.delete_at(slots, keys, pos, bits)
+        n -= 1
+        if e != n:
+            index.repoint(slots, keys, keys[n], e, bits)
+            keys[e], last[e] = keys[n], last[n]
+            data[e, :] = data[n, :]
+            if steps.shape[0]:
+                steps[e] = steps[n]
+    return n

@@ -1,0 +1,68 @@
+"""The bench scripts as a user runs them: real launches, small grids, output where it belongs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+# One tiny configuration: sync, 1 worker, a few hundred synthetic samples.
+GRID = ["--quick", "--workers", "1", "--modes", "sync", "--profiles", "none", "--epochs", "1"]
+SMALL = ["--", "--samples", "2000", "--test-samples", "500"]   # flags for every launch
+
+
+def bench(script: str, *args: str, cwd: Path, env: dict | None = None, timeout: float = 300):
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def without_matplotlib(tmp_path: Path) -> dict:
+    """An environment where `import matplotlib` fails, as on an install without the bench extra."""
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True, exist_ok=True)
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+    return {"PYTHONPATH": f"{shadow.parent}:{ROOT}"}
+
+
+def test_modes_without_matplotlib_stops_before_running_anything(tmp_path):
+    out = tmp_path / "out"
+    r = bench("modes.py", *GRID, "--out", str(out), cwd=tmp_path, env=without_matplotlib(tmp_path))
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "matplotlib" in lines[0] and 'pip install -e ".[bench]"' in lines[0]
+    assert "--no-plots" in lines[0] and "Traceback" not in r.stderr
+    assert not out.exists()           # not one launch ran
+
+
+def test_modes_no_plots_writes_results_and_replot_needs_matplotlib(tmp_path):
+    out = tmp_path / "results" / "modes"      # the default: under the directory it runs in
+    r = bench("modes.py", *GRID, "--no-plots", *SMALL, cwd=tmp_path, env=without_matplotlib(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads((out / "results.json").read_text())
+    [entry] = result["configs"]
+    assert (entry["mode"], entry["workers"], entry["ok"]) == ("sync", 1, True)
+    assert (out / "summary.md").is_file() and not list(out.glob("*.png"))
+    # A finished run can be redrawn later; without matplotlib that says so in one line.
+    r = bench("modes.py", "--replot", "--out", str(out), cwd=tmp_path, env=without_matplotlib(tmp_path))
+    assert r.returncode != 0 and "matplotlib" in r.stderr and "Traceback" not in r.stderr
+    r = bench("modes.py", "--replot", "--no-plots", "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 0 and json.loads((out / "results.json").read_text())["configs"] == [entry]
+
+
+def test_throughput_writes_to_the_users_results_directory_not_the_committed_one(tmp_path):
+    committed = (ROOT / "bench" / "results" / "throughput.json").read_bytes()
+    r = bench("throughput.py", "--modes", "sync", "--repeats", "1", "--epochs", "1",
+              "--", "--samples", "2048", "--test-samples", "256", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    [row] = json.loads((tmp_path / "results" / "throughput.json").read_text())
+    assert row["mode"] == "sync" and row["steps"] == 4 and row["train_samples_per_second"] > 0
+    assert f"wrote {Path('results') / 'throughput.json'}" in r.stdout
+    assert (ROOT / "bench" / "results" / "throughput.json").read_bytes() == committed

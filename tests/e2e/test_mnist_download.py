@@ -1,0 +1,41 @@
+"""MNIST as a new user gets it: no --data-dir, the files fetched into the user's cache from the
+first mirror that answers (a real HTTP server here, after one that is down), checked, trained on."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+
+import pytest
+
+from pserver.data import MNIST_FILES
+from tests.conftest import MNIST_DIR
+from tests.e2e.conftest import read_json, run
+
+pytestmark = pytest.mark.e2e
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/"
+
+
+def test_launch_without_data_dir_downloads_mnist_into_the_cache_and_trains(tmp_path, mirror):
+    served, url = mirror
+    shutil.copytree(MNIST_DIR, served / "mnist")
+    cache = tmp_path / "cache"
+    env = {"XDG_CACHE_HOME": str(cache), "PSERVER_MNIST_MIRRORS": f"{dead_url()},{url}"}
+    r = run("launch", "--ps", "1", "--workers", "1", "--dataset", "mnist", "--model", "logreg",
+            "--optimizer", "adam", "--lr", "0.001", "--batch-size", "64", "--max-steps", "200",
+            "--summary-json", str(tmp_path / "s.json"), env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(p.name for p in (cache / "pserver" / "mnist").iterdir()) == sorted(
+        name + ".gz" for name in MNIST_FILES)
+    summary = read_json(tmp_path / "s.json")
+    assert summary["dataset"] == "mnist" and summary["test_accuracy"] > 0.8
+    assert "mnist: downloading" in r.stdout
+    # A second run finds the files where the first put them: no mirror is needed any more.
+    r = run("launch", "--ps", "1", "--workers", "1", "--dataset", "mnist", "--model", "logreg",
+            "--max-steps", "5", env={"XDG_CACHE_HOME": str(cache), "PSERVER_MNIST_MIRRORS": ""})
+    assert r.returncode == 0 and "downloading" not in r.stdout, r.stderr[-2000:]

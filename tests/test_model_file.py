@@ -1,0 +1,144 @@
+"""The model file (`--save`, `pserver.load_model`, `pserver.predict`): written by a real training
+run against in-process shards, read back by pserver and by numpy alone."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+import pserver
+from pserver.config import WorkerConfig
+from pserver.data import load_dataset
+from pserver.errors import ConfigError, DataError
+from pserver.layers import Conv2D, Dense, Flatten, MaxPooling2D
+from pserver.model_file import META, definition, load, save
+from pserver.models import make_model
+from pserver.worker import fit_data
+
+
+def blobs(n=600, seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, n)
+    x = (rng.standard_normal((n, 6)) + 3.0 * np.eye(3, 6)[y]).astype(np.float32)
+    return x, y
+
+
+def python_model():
+    return pserver.Sequential([Dense(16, activation="relu", input_shape=(6,)), Dense(3)])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A model built in Python, trained on 1 in-process shard and saved by the chief."""
+    path = tmp_path_factory.mktemp("saved") / "model.npz"
+    x, y = blobs()
+    summary = pserver.train(python_model(), x[:500], y[:500], ps=1, optimizer="adam", lr=1e-2,
+                            epochs=3, batch_size=25, log_every=60, validation_data=(x[500:], y[500:]),
+                            save=str(path))
+    return path, summary, x[500:], y[500:]
+
+
+def test_numpy_alone_reads_the_definition_and_every_tensor(trained):
+    path, summary, _, _ = trained
+    with np.load(path, allow_pickle=False) as z:            # no pickle anywhere
+        meta = json.loads(str(z[META]))
+        tensors = {t["name"]: z[t["name"]] for t in meta["layout"]}
+    assert (meta["format"], meta["version"], meta["model"]) == ("pserver-model", 1, None)
+    assert [(t["name"], t["shape"]) for t in meta["layout"]] == [
+        ("dense/kernel", [6, 16]), ("dense/bias", [16]), ("dense_1/kernel", [16, 3]), ("dense_1/bias", [3])]
+    assert all(a.dtype == np.float32 for a in tensors.values())
+    assert meta["num_params"] == sum(a.size for a in tensors.values()) == 6 * 16 + 16 + 16 * 3 + 3
+    assert meta["trained"]["test_accuracy"] == summary["test_accuracy"]
+    assert meta["trained"]["steps"] == summary["steps"] == 3 * (500 // 25)
+    with zipfile.ZipFile(path) as zf:                          # nothing but .npy members
+        assert sorted(zf.namelist()) == sorted(f"{k}.npy" for k in [META, *tensors])
+
+
+def test_a_python_built_model_needs_its_definition_then_predicts_what_it_learnt(trained):
+    path, summary, x_test, y_test = trained
+    with pytest.raises(ConfigError, match="built in Python.*model=") as err:
+        pserver.load_model(str(path))
+    assert "\n" not in str(err.value)
+    saved = pserver.load_model(str(path), model=python_model())
+    logits = saved.predict(x_test)
+    assert logits.shape == (100, 3) and logits.dtype == np.float32
+    # The chief's final evaluation saw these very weights on this very test set.
+    assert np.mean(np.argmax(logits, axis=1) == y_test) == summary["test_accuracy"] > 0.9
+    assert saved.evaluate(x_test, y_test)["accuracy"] == summary["test_accuracy"]
+    # predict() in its three forms gives the same numbers, in batches or not.
+    np.testing.assert_array_equal(pserver.predict(saved, x_test, batch_size=7), logits)
+    np.testing.assert_array_equal(pserver.predict(python_model(), x_test, weights=saved.weights), logits)
+
+
+def test_a_model_of_another_layout_is_refused_naming_both(trained):
+    path, *_ = trained
+    other = pserver.Sequential([Dense(8, activation="relu", input_shape=(6,)), Dense(3)])
+    with pytest.raises(DataError, match=r"dense/kernel\[6, 16\].*dense/kernel\[6, 8\]"):
+        pserver.load_model(str(path), model=other)
+
+
+def test_a_builtin_model_is_rebuilt_from_the_file_alone(tmp_path):
+    cfg = WorkerConfig(model="mlp", hidden=(7, 5), dataset="synthetic", samples=200, test_samples=50,
+                       features=12, classes=4, seed=3)
+    ds = load_dataset("synthetic", samples=200, test_samples=50, features=12, classes=4, seed=3)
+    model = make_model("mlp", ds.sample_shape, ds.num_classes, hidden=(7, 5))
+    w = model.init_params(1)
+    save(str(tmp_path / "m.npz"), model, w, definition(cfg, model, ds), {"test_accuracy": 0.5})
+    saved = load(str(tmp_path / "m.npz"))
+    assert saved.meta["arguments"] == {"input_shape": [12], "num_classes": 4, "hidden": [7, 5]}
+    assert saved.model.layout == model.layout
+    np.testing.assert_array_equal(saved.weights, w)
+    ds = fit_data(model, ds)
+    np.testing.assert_array_equal(saved.predict(ds.x_test), model.predict(w, ds.x_test))
+
+
+def test_predict_equals_a_numpy_forward_pass_of_the_cnn():
+    model = pserver.Sequential([Conv2D(4, 3, activation="relu", input_shape=(8, 8, 1)), MaxPooling2D(),
+                                Flatten(), Dense(3)])
+    w = model.init_params(0)
+    x = np.random.default_rng(1).standard_normal((5, 8, 8, 1)).astype(np.float32)
+    ref = model.use_backend("reference").predict(w, x)
+    np.testing.assert_allclose(model.use_backend("cpu").predict(w, x), ref, rtol=1e-5, atol=1e-5)
+    p = model.layout.views(w)                     # by hand: conv (valid), relu, 2x2 max, dense
+    conv = np.zeros((5, 6, 6, 4), np.float32)
+    for i in range(6):
+        for j in range(6):
+            conv[:, i, j] = np.einsum("nhwc,hwcf->nf", x[:, i:i + 3, j:j + 3], p["conv2d/kernel"])
+    conv = np.maximum(conv + p["conv2d/bias"], 0)
+    pooled = conv.reshape(5, 3, 2, 3, 2, 4).max(axis=(2, 4))
+    np.testing.assert_allclose(ref, pooled.reshape(5, -1) @ p["dense/kernel"] + p["dense/bias"],
+                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"x has shape \(5, 9\)"):
+        model.predict(w, np.zeros((5, 9), np.float32))
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda p: p.write_bytes(b"not a zip"), "not a readable pserver model file"),
+    (lambda p: np.savez(p, x=np.zeros(3)), "no 'pserver_model' entry"),
+    (lambda p: np.savez(p, pserver_model=np.array('{"format": "other"}')), "format 'other'"),
+    (lambda p: np.savez(p, pserver_model=np.array('{"format": "pserver-model", "version": 9}')),
+     "version 9"),
+])
+def test_a_file_that_is_not_a_model_file_is_one_clear_error(tmp_path, damage, words):
+    path = tmp_path / "bad.npz"
+    damage(path)
+    with pytest.raises(DataError) as err:
+        pserver.load_model(str(path), model=python_model())
+    assert words in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_tensor_of_the_wrong_shape_or_with_nan_is_refused(trained, tmp_path):
+    path, *_ = trained
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    bad = dict(arrays, **{"dense_1/bias": np.zeros(4, np.float32)})
+    np.savez(tmp_path / "shape.npz", **bad)
+    with pytest.raises(DataError, match=r"tensor dense_1/bias is float32 \(4,\); expected float32 \(3,\)"):
+        pserver.load_model(str(tmp_path / "shape.npz"), model=python_model())
+    nan = dict(arrays, **{"dense_1/bias": np.full(3, np.nan, np.float32)})
+    np.savez(tmp_path / "nan.npz", **nan)
+    with pytest.raises(DataError, match="NaN or Inf"):
+        pserver.load_model(str(tmp_path / "nan.npz"), model=python_model())

@@ -1,0 +1,261 @@
+"""Sparse tables through real gRPC shards: Register with tables, PullRows, pushes that carry
+rows, the four modes, rejections that change nothing, checkpoints and status."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pserver import codec, sparse
+from pserver._proto import pserver_pb2 as pb
+from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.client import PSClient
+from pserver.errors import InvalidArgument
+from pserver.models.layout import Layout
+from pserver.server import checkpoint
+from pserver.sparse import TableConfig, TableLookup
+
+DIM = 4
+TABLE = TableConfig("emb", DIM, optimizer="sgd", lr=0.5, init_scale=0.1, seed=7)
+LAYOUT = Layout.of([("b", (3,))], [TABLE])
+
+
+def cluster(shard_server, num_shards=2, **cfg):
+    return [shard_server(shard=j, num_shards=num_shards, optimizer="sgd", lr=1.0, **cfg)
+            for j in range(num_shards)]
+
+
+def client(servers, rank=0, num_workers=1, init=True):
+    c = PSClient([a for a, _ in servers], rank=rank, num_workers=num_workers, rpc_deadline=10,
+                 data_plane="grpc")
+    c.connect(5)
+    c.register(LAYOUT)
+    if init and rank == 0:
+        c.init(np.zeros(LAYOUT.total, np.float32))
+    return c
+
+
+def initial(ids) -> np.ndarray:
+    out = np.empty((len(ids), DIM), np.float32)
+    sparse.initial_rows(np.asarray(ids, np.uint64), DIM, TABLE.seed, 0, TABLE.init_scale, out)
+    return out
+
+
+def pulled(c: PSClient, ids) -> np.ndarray:
+    lk = TableLookup.of(np.asarray(ids, np.int64), DIM)
+    c.pull_rows([lk], ["emb"])
+    return lk.rows[lk.inverse]
+
+
+def lookup_with_grads(ids, grads) -> TableLookup:
+    lk = TableLookup.of(np.asarray(ids, np.int64), DIM)
+    lk.grads[:] = sparse.segment_sum(np.asarray(grads, np.float32), lk.inverse, lk.uniq.size)
+    return lk
+
+
+def push(c: PSClient, lk: TableLookup, dense=None):
+    dense = np.zeros(LAYOUT.total, np.float32) if dense is None else dense
+    return c.push(dense, num_samples=1, lookups=[lk], tables=["emb"])
+
+
+def rows_on_shards(servers) -> int:
+    return sum(shard.store.tables["emb"].stats()["rows"] for _, shard in servers)
+
+
+def test_unknown_ids_read_their_initial_value_and_create_nothing(shard_server):
+    servers = cluster(shard_server)
+    c = client(servers)
+    ids = [5, -1, 2**40, 5]          # negative int64 ids map to uint64 bit for bit
+    np.testing.assert_array_equal(pulled(c, ids), initial(np.array(ids, np.int64).view(np.uint64)))
+    assert rows_on_shards(servers) == 0
+
+
+def test_sync_averages_each_row_over_the_workers_of_the_step(shard_server):
+    """Worker 0 touches ids 1 and 2, worker 1 only id 2: id 1 moves by half of worker 0's
+    gradient (worker 1 adds zero), id 2 by the mean of both."""
+    servers = cluster(shard_server, num_workers=2)
+    c0, c1 = client(servers, 0, 2), client(servers, 1, 2)
+    w = np.empty(LAYOUT.total, np.float32)
+    c0.pull(w)
+    c1.pull(w)
+    g0 = np.arange(2 * DIM, dtype=np.float32).reshape(2, DIM)
+    g1 = np.full((1, DIM), 4.0, np.float32)
+    push(c0, lookup_with_grads([1, 2], g0))
+    push(c1, lookup_with_grads([2], g1))
+    c0.pull(w)
+    want = initial([1, 2]) - TABLE.lr * np.stack([g0[0] / 2, (g0[1] + g1[0]) / 2])
+    np.testing.assert_allclose(pulled(c0, [1, 2]), want, rtol=1e-6)
+    assert rows_on_shards(servers) == 2
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_modes_apply_rows_on_arrival(shard_server, mode):
+    servers = cluster(shard_server, mode=mode, num_workers=2)
+    c0 = client(servers, 0, 2)
+    w = np.empty(LAYOUT.total, np.float32)
+    c0.pull(w)
+    g = np.ones((1, DIM), np.float32)
+    assert {o for o, _ in push(c0, lookup_with_grads([9], g))} == {"applied"}
+    np.testing.assert_allclose(pulled(c0, [9]), initial([9]) - TABLE.lr * g, rtol=1e-6)
+
+
+def test_backup_drops_late_rows_with_their_push(shard_server):
+    servers = cluster(shard_server, mode="backup", backup_workers=1, num_workers=2)
+    c0, c1 = client(servers, 0, 2), client(servers, 1, 2)
+    w = np.empty(LAYOUT.total, np.float32)
+    c0.pull(w)
+    c1.pull(w)
+    push(c0, lookup_with_grads([3], np.ones((1, DIM))))
+    outcomes = {o for o, _ in push(c1, lookup_with_grads([4], np.ones((1, DIM))))}
+    assert outcomes == {"dropped_late"}
+    np.testing.assert_allclose(pulled(c0, [3, 4]), initial([3, 4]) - TABLE.lr * np.array([[1.0] * DIM, [0.0] * DIM]),
+                               rtol=1e-6)
+
+
+def raw_push(address, header: pb.TensorHeader, payload: bytes):
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
+    msgs = [pb.TensorChunk(header=header), pb.TensorChunk(data=payload)]
+    return stub.Push(iter(msgs), timeout=5)
+
+
+def ids_of_shard(j: int, num_shards: int, n: int) -> np.ndarray:
+    cand = np.arange(1, 50 * n, dtype=np.uint64)
+    return cand[sparse.shard_of(cand, num_shards) == j][:n]
+
+
+@pytest.mark.parametrize("case, field", [
+    ("wrong_shard", "lives on shard"), ("repeated", "ids repeat"), ("nan", "non-finite"),
+    ("no_table", "no sparse table"), ("truncated", "truncated"), ("twice", "appears twice"),
+])
+def test_a_rejected_sparse_push_changes_nothing(shard_server, case, field):
+    servers = cluster(shard_server)
+    c = client(servers)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    addr, shard = servers[0]
+    mine, theirs = ids_of_shard(0, 2, 3), ids_of_shard(1, 2, 1)
+    ids = {"wrong_shard": np.concatenate([mine[:2], theirs]), "repeated": mine[[0, 1, 0]]}.get(case, mine)
+    grads = np.ones((3, DIM), np.float32)
+    if case == "nan":
+        grads[1, 2] = np.nan
+    parts = [pb.SparsePart(table="nope" if case == "no_table" else "emb", num_ids=3)]
+    if case == "twice":
+        parts = parts * 2
+    payload = np.zeros(shard.store.size, np.float32).tobytes() + (ids.tobytes() + grads.tobytes()) * len(parts)
+    if case == "truncated":
+        payload = payload[:-4]
+    header = pb.TensorHeader(rank=0, shard=0, step=shard.store.version, num_elements=shard.store.size,
+                             dtype="float32", session=c.shards[0].session, sparse=parts)
+    before = shard.store.params.copy(), shard.store.version
+    with pytest.raises(grpc.RpcError) as e:
+        raw_push(addr, header, payload)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    assert rows_on_shards(servers) == 0 and shard.store.version == before[1]
+    np.testing.assert_array_equal(shard.store.params, before[0])
+    # the worker's own next push still counts: nothing of the rejected one was held
+    push(c, lookup_with_grads(mine[:1].view(np.int64), np.ones((1, DIM))))
+    assert shard.store.version == before[1] + 1 and rows_on_shards(servers) == 1
+
+
+def test_pull_rows_refuses_bad_requests(shard_server):
+    servers = cluster(shard_server)
+    c = client(servers)
+    addr, _ = servers[0]
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(addr))
+    session = c.shards[0].session
+    for req, field in [
+        (pb.PullRowsRequest(rank=0, shard=0, session=session, table="emb", ids=b"\x01" * 7), "whole number"),
+        (pb.PullRowsRequest(rank=0, shard=0, session=session, table="other", ids=b""), "no sparse table"),
+        (pb.PullRowsRequest(rank=0, shard=0, session=session, table="emb",
+                            ids=ids_of_shard(1, 2, 1).tobytes()), "lives on shard"),
+    ]:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.PullRows(req, timeout=5))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.PullRows(pb.PullRowsRequest(rank=0, shard=0, session="x" * 32, table="emb"), timeout=5))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_worker_with_other_tables_is_refused(shard_server):
+    servers = cluster(shard_server)
+    client(servers)
+    other = PSClient([a for a, _ in servers], rank=0, num_workers=1, rpc_deadline=5, data_plane="grpc")
+    other.connect(5)
+    with pytest.raises(Exception, match="does not match"):
+        other.register(Layout.of([("b", (3,))], [TableConfig("emb", DIM + 1, optimizer="sgd")]))
+
+
+def test_checkpoints_keep_the_rows_and_restore_them(shard_server, tmp_path):
+    servers = cluster(shard_server, checkpoint_dir=str(tmp_path))
+    c = client(servers)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    ids = np.arange(1, 40)
+    push(c, lookup_with_grads(ids, np.ones((ids.size, DIM))))
+    want = pulled(c, ids)
+    paths = [p for p, _ in c.checkpoint()]
+    assert all(paths)
+    restored = [shard_server(shard=j, num_shards=2, optimizer="sgd", lr=1.0, restore=str(tmp_path))
+                for j in range(2)]
+    c2 = client(restored, init=False)
+    np.testing.assert_array_equal(pulled(c2, ids), want)
+    assert rows_on_shards(restored) == ids.size
+    ckpt = checkpoint.load(paths[0])
+    assert ckpt.tables[0]["name"] == "emb" and len(ckpt.rows["emb"]) > 0
+
+
+def test_status_reports_each_table(shard_server):
+    servers = cluster(shard_server)
+    c = client(servers)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    push(c, lookup_with_grads(np.arange(10), np.ones((10, DIM))))
+    tables = [t for st in c.status() for t in st.tables]
+    assert [t.name for t in tables] == ["emb", "emb"]
+    assert sum(t.rows for t in tables) == 10 and sum(t.creations for t in tables) == 10
+    assert all(t.bytes > 0 and t.dim == DIM and t.optimizer == "sgd" for t in tables)
+    assert sum(st.counters.rows_pushed for st in c.status()) == 10
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batches=st.lists(st.lists(st.integers(-3, 20), min_size=1, max_size=12), min_size=2, max_size=3),
+       data=st.data())
+def test_sync_equals_one_large_batch(shard_server, batches, data):
+    """N workers' rows in one sync step move each row exactly as one process applying the
+    mean of their gradients would (sgd)."""
+    n = len(batches)
+    servers = cluster(shard_server, num_workers=n)
+    clients = [client(servers, r, n) for r in range(n)]
+    w = np.empty(LAYOUT.total, np.float32)
+    for c in clients:
+        c.pull(w)
+    total: dict[int, np.ndarray] = {}
+    for c, ids in zip(clients, batches):
+        grads = np.array(data.draw(st.lists(st.lists(st.integers(-4, 4), min_size=DIM, max_size=DIM),
+                                            min_size=len(ids), max_size=len(ids))), np.float32)
+        for i, g in zip(ids, grads):
+            total[i] = total.get(i, 0) + g
+        push(c, lookup_with_grads(ids, grads))
+    clients[0].pull(w)
+    ids = sorted(total)
+    want = initial(np.array(ids, np.int64).view(np.uint64)) - TABLE.lr * np.stack([total[i] for i in ids]) / n
+    np.testing.assert_allclose(pulled(clients[0], ids), want, rtol=1e-5, atol=1e-6)
+    for c in clients:
+        c.close()
+
+
+def test_codec_streams_several_arrays_back_to_back():
+    arrays = [np.arange(5, dtype=np.float32), np.arange(3, dtype=np.uint64),
+              np.arange(6, dtype=np.float32).reshape(3, 2)]
+    chunks = list(codec.encode_parts(pb.TensorHeader(), arrays, chunk_bytes=7))
+    assert all(len(codec.parse_chunk(m).data) <= 7 for m in chunks[1:])
+    out = [np.empty_like(a) for a in arrays]
+    codec.receive_into(out[0], iter(chunks[1:]), *out[1:])
+    for a, b in zip(arrays, out):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(InvalidArgument, match="more than"):
+        codec.receive_into(out[0], iter(chunks[1:]), out[1])
