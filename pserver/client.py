@@ -222,7 +222,7 @@ class ShardClient:
         if self.data_plane == "auto" and self.fast is None:
             self.fast = dataplane.connect(r.dataplane, r.host_id, rank, self.index,
                                           r.range_end - r.range_start, self.label, self.security.token,
-                                          session=self.session)
+                                          session=self.session, tables=[t.name for t in layout.tables])
         return self.info
 
     def init(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
@@ -276,10 +276,18 @@ class ShardClient:
         return self.call(run)
 
     def pull_rows(self, rank: int, table: str, ids: np.ndarray, out: np.ndarray, timeout: float) -> None:
-        """Rows of `table` for `ids` (uint64, all on this shard) into `out` (len(ids), dim)."""
-        for a in range(0, ids.size, MAX_IDS_PER_PULL):
-            b = min(a + MAX_IDS_PER_PULL, ids.size)
-            self.resilient(lambda: self._pull_rows_once(rank, table, ids[a:b], out[a:b], timeout), timeout)
+        """Rows of `table` for `ids` (uint64, all on this shard) into `out` (len(ids), dim):
+        through shared memory in one request when its rows buffer can hold them, else over
+        gRPC in requests of at most MAX_IDS_PER_PULL ids."""
+        def attempt() -> None:
+            if self.fast is not None and dataplane.fits([(ids.size, out.shape[1])]):
+                self.fast.pull_rows(table, ids, out, timeout)
+                return
+            for a in range(0, ids.size, MAX_IDS_PER_PULL):
+                b = min(a + MAX_IDS_PER_PULL, ids.size)
+                self._pull_rows_once(rank, table, ids[a:b], out[a:b], timeout)
+
+        self.resilient(attempt, timeout)
 
     def _pull_rows_once(self, rank, table, ids, out, timeout) -> None:
         req = pb.PullRowsRequest(rank=rank, shard=self.index, session=self.session, table=table,
@@ -303,9 +311,9 @@ class ShardClient:
                               timeout)
 
     def _push_once(self, grad, rank, step, num_samples, clock, timeout, rows=()) -> tuple[str, int, bool]:
-        if self.fast is not None and not rows:
+        if self.fast is not None and dataplane.fits([(ids.size, g.shape[1]) for _, ids, g in rows]):
             outcome, version, finished = self.fast.push(grad[self.info.start:self.info.end], step,
-                                                        num_samples, clock, timeout)
+                                                        num_samples, clock, timeout, rows)
             return OUTCOMES.get(outcome, "unknown"), version, finished
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
                                  clock=clock, session=self.session,

@@ -25,7 +25,19 @@ until this worker pushes again; in async modes a racy read is the point, as over
 A pull that waits notices when its client hangs up, and its thread goes. Memory on the
 shard: its parameters plus one buffer per connection, at most connection_limit() of them.
 Both calls go to the very same `Shard.push` / `Shard.pull` as the gRPC servicer, so
-validation, modes and counters are identical. Workers use it automatically when the
+validation, modes and counters are identical.
+
+Sparse tables change size every batch, so their rows travel through a second buffer per
+connection, made on first use: PULL_ROWS (ids in, rows out) and PUSH_ROWS (a push whose
+sparse parts, each table's unique ids then their gradients, follow its dense gradient). The
+worker asks for room first (ROWS_BUFFER): when a request outgrows the buffer, the shard
+makes a new sealed memfd of at least twice the size and drops its mapping of the old one.
+Each connection's rows buffer is bounded by ROWS_BUFFER_MAX (and by --max-inflight-mb),
+so the shard maps at most connection_limit() of them; a request too big for it goes over
+gRPC. The shard copies the ids and gradients out of the buffer into its own memory before
+it checks them (`Shard.row_buffers` / `Shard.push`, as gRPC pushes), and writes pulled rows
+into it after the ids were read, so what a client scribbles there can only spoil its own
+answer. A request names each table by its index in the registered layout. Workers use it automatically when the
 shard's host id matches their own (`--data-plane auto`, the default); `--data-plane
 grpc` turns it off on either side.
 """
@@ -45,6 +57,7 @@ import stat
 import struct
 import tempfile
 import threading
+from typing import Sequence
 
 import numpy as np
 
@@ -55,8 +68,13 @@ from pserver.errors import (ConfigError, InvalidArgument, PServerError, RpcError
 log = logging.getLogger("pserver.dataplane")
 
 MAGIC = b"PSD1"
-HELLO, PUSH, PULL, INIT = 1, 2, 3, 4
+HELLO, PUSH, PULL, INIT, PULL_ROWS, PUSH_ROWS, ROWS_BUFFER = 1, 2, 3, 4, 5, 6, 7
 SIGNATURE = struct.Struct("16s")       # INIT: the layout signature follows the header
+# PULL_ROWS and PUSH_ROWS: the number of sparse parts, then per part the table's index in
+# the layout and the number of ids. ROWS_BUFFER: num_elements is the room wanted, in bytes.
+PARTS = struct.Struct("<I")
+PART = struct.Struct("<IQ")
+ROWS_BUFFER_MAX = 64 << 20             # bytes of rows buffer per connection (930k rows of dim 16)
 # HELLO: the token's length and bytes (0: none), then the session's length and bytes
 TOKEN_LEN = struct.Struct("<I")
 MAX_SESSION = 256                      # bytes; Register's credentials are 32 hex characters
@@ -107,6 +125,22 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def row_layout(parts: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], int]:
+    """Where each sparse part [(number of ids, dim)] sits in a rows buffer: ([(offset of its
+    ids, offset of its rows)], bytes in all). Parts follow one another, each 8-byte aligned."""
+    slots, at = [], 0
+    for n, dim in parts:
+        rows_at = at + 8 * n
+        slots.append((at, rows_at))
+        at = rows_at + (4 * n * dim + 7) // 8 * 8
+    return slots, at
+
+
+def fits(parts: list[tuple[int, int]]) -> bool:
+    """Whether sparse parts [(number of ids, dim)] fit in one connection's rows buffer."""
+    return row_layout(parts)[1] <= ROWS_BUFFER_MAX
+
+
 # --- shared memory -----------------------------------------------------------------------
 def sealed_memfd(name: str, nbytes: int, clients_write: bool) -> tuple[int, mmap.mmap]:
     """A memfd of `nbytes`, mapped read-write here, then sealed before anyone else sees it:
@@ -142,6 +176,27 @@ def mapped(fd: int, nbytes: int, writable: bool, what: str) -> mmap.mmap:
     require_seals(fd, SIZE_SEALS, what)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     return mmap.mmap(fd, nbytes, prot=prot)
+
+
+class RowsBuffer:
+    """One connection's rows buffer, on either side: a mapping of a sealed memfd that a
+    bigger one replaces when a request outgrows it (None until the first sparse request)."""
+
+    def __init__(self) -> None:
+        self.map: mmap.mmap | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.map) if self.map is not None else 0
+
+    def region(self, offset: int, dtype, count: int) -> np.ndarray:
+        return np.frombuffer(self.map, dtype, count, offset)
+
+    def replace(self, mm: mmap.mmap | None) -> None:
+        old, self.map = self.map, mm
+        if old is not None:
+            with contextlib.suppress(BufferError):     # a view still alive: the GC unmaps it
+                old.close()
 
 
 def peer_open(conn: socket.socket) -> bool:
@@ -217,10 +272,12 @@ def refuses(path: str) -> bool:
 
 # --- the shard's side ----------------------------------------------------------------------
 class Connection:
-    """One worker's connection after HELLO: who it acts for, and its push buffer."""
+    """One worker's connection after HELLO: who it acts for, its push buffer and its rows
+    buffer."""
 
     def __init__(self, rank: int, session: str, push_buf: np.ndarray) -> None:
         self.rank, self.session, self.push_buf = rank, session, push_buf
+        self.rows = RowsBuffer()
 
 
 class DataPlaneServer:
@@ -294,6 +351,11 @@ class DataPlaneServer:
                 elif req[1] == INIT:
                     sig = SIGNATURE.unpack(recv_exact(conn, SIGNATURE.size))[0].decode(errors="replace")
                     self._reply(conn, *self._handle(conn, req, peer, signature=sig))
+                elif req[1] == ROWS_BUFFER:
+                    self._grow_rows(conn, req, peer)
+                elif req[1] in (PULL_ROWS, PUSH_ROWS):
+                    parts = self._read_parts(conn)
+                    self._reply(conn, *self._handle(conn, req, peer, parts=parts))
                 else:
                     self._reply(conn, *self._handle(conn, req, peer))
         except (ConnectionError, OSError):
@@ -302,6 +364,8 @@ class DataPlaneServer:
             with self.lock:
                 self.conns.discard(conn)
             conn.close()
+            if peer is not None:
+                peer.rows.replace(None)
 
     def _read_field(self, conn, limit: int, field: str, noun: str) -> bytes | None:
         """A length-prefixed HELLO field (None when empty); too long a length is refused
@@ -342,17 +406,88 @@ class DataPlaneServer:
             os.close(fd)                                        # the mapping stays
         return Connection(req[2], session, np.frombuffer(mm, dtype=np.float32, count=store.size))
 
-    def _handle(self, conn, req, peer: Connection, signature: str = ""):
+    def _read_parts(self, conn) -> list[tuple[int, int]]:
+        """The [(table index, number of ids)] that follow a sparse request's header. A
+        request has at most one part per table: more is refused before it is read, and the
+        connection closed (what follows could not be framed)."""
+        (k,) = PARTS.unpack(recv_exact(conn, PARTS.size))
+        tables = len(self.shard.store.tables)
+        if k > tables:
+            self._reply(conn, InvalidArgument(f"sparse: {k} parts in one request; the model has "
+                                              f"{tables} sparse tables"))
+            raise ConnectionError("too many parts")
+        return [PART.unpack(recv_exact(conn, PART.size)) for _ in range(k)] if k else []
+
+    def _grow_rows(self, conn, req, peer: Connection) -> None:
+        """A new rows buffer of at least the bytes asked (num_elements) and twice the old one,
+        within ROWS_BUFFER_MAX and --max-inflight-mb; its fd goes with the reply."""
+        wanted, limit = req[6], min(ROWS_BUFFER_MAX, self.shard.limits.max_inflight_bytes)
+        if not 0 < wanted <= limit:
+            self._reply(conn, InvalidArgument(f"rows buffer: {wanted} bytes asked; a connection's rows "
+                                              f"buffer holds 1 to {limit} bytes (larger requests go over gRPC)"))
+            return
+        size = max(wanted, min(max(2 * peer.rows.size, 1 << 20), limit))
+        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE     # the limit is whole MiB: still within it
+        fd, mm = sealed_memfd("pserver-rows", size, clients_write=True)
+        try:
+            socket.send_fds(conn, [REPLY.pack(0, 0, 0, 0, size)], [fd])
+        finally:
+            os.close(fd)                                        # the mapping stays
+        peer.rows.replace(mm)
+
+    def _tables(self, parts: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
+        """[(table name, number of ids, dim)] of a request's parts, or InvalidArgument."""
+        names, out = list(self.shard.store.tables), []
+        for index, n in parts:
+            if index >= len(names):
+                raise InvalidArgument(f"table: index {index}; the model has {len(names)} sparse tables")
+            out.append((names[index], n, self.shard.table(names[index]).config.dim))
+        return out
+
+    def _placed(self, peer: Connection, tables: list[tuple[str, int, int]]) -> list[tuple[int, int]]:
+        """Where the parts sit in the connection's rows buffer, checked to fit in it."""
+        slots, end = row_layout([(n, dim) for _, n, dim in tables])
+        if end > peer.rows.size:
+            raise InvalidArgument(f"num_ids: the request's rows take {end} bytes and this connection's "
+                                  f"rows buffer holds {peer.rows.size} (send ROWS_BUFFER first)")
+        return slots
+
+    def _received_rows(self, peer: Connection, parts: list[tuple[int, int]]) -> list:
+        """A push's sparse parts, copied from the rows buffer into arrays of the shard's own."""
+        tables = self._tables(parts)
+        slots = self._placed(peer, tables)
+        rows = self.shard.row_buffers([(name, n) for name, n, _ in tables])
+        for r, (ids_at, grads_at) in zip(rows, slots):
+            n, dim = r.grads.shape
+            np.copyto(r.ids, peer.rows.region(ids_at, np.uint64, n))
+            np.copyto(r.grads, peer.rows.region(grads_at, np.float32, n * dim).reshape(n, dim))
+        return rows
+
+    def _pull_rows(self, peer: Connection, rank: int, shard: int, parts: list[tuple[int, int]]) -> int:
+        """Rows of one table for the ids in the rows buffer, written after them; the version."""
+        if len(parts) != 1:
+            raise InvalidArgument(f"sparse: a row pull names one table, this one {len(parts)}")
+        [(name, n, dim)] = tables = self._tables(parts)
+        [(ids_at, rows_at)] = self._placed(peer, tables)
+        ids = peer.rows.region(ids_at, np.uint64, n).copy()      # ours before it is checked
+        version, rows = self.shard.pull_rows(rank, shard, name, ids, session=peer.session)
+        np.copyto(peer.rows.region(rows_at, np.float32, n * dim), rows.reshape(-1))
+        return version
+
+    def _handle(self, conn, req, peer: Connection, signature: str = "", parts=()):
         _, op, rank, shard, step, clock, num_elements, num_samples, timeout_ms = req
         try:
             if rank != peer.rank:
                 raise Unauthenticated(f"rank: this connection said HELLO as worker {peer.rank}; "
                                       f"it cannot act for worker {rank}")
-            if op == PUSH:
+            if op in (PUSH, PUSH_ROWS):
+                rows = self._received_rows(peer, parts) if op == PUSH_ROWS else ()
                 outcome, version, message, finished = self.shard.push(
                     rank, shard, step, num_elements, "float32", num_samples, clock, peer.push_buf,
-                    session=peer.session)
+                    session=peer.session, rows=rows)
                 return None, outcome.value, finished, version, message
+            if op == PULL_ROWS:
+                return None, 0, False, self._pull_rows(peer, rank, shard, parts), ""
             if op == PULL:
                 version, _, finished = self.shard.pull(
                     rank, shard, step, clock, timeout_ms / 1000,
@@ -398,21 +533,26 @@ class DataPlaneChannel:
     """A worker's connection to one shard's data plane. One call at a time."""
 
     def __init__(self, address: str, rank: int, shard: int, size: int, label: str,
-                 token: str | None = None, session: str = "") -> None:
+                 token: str | None = None, session: str = "", tables: Sequence[str] = ()) -> None:
         self.label = label
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(address.removeprefix("unix:"))
         self.rank, self.shard = rank, shard
+        self.tables = {name: i for i, name in enumerate(tables)}   # requests name a table by index
+        self.rows = RowsBuffer()
         fields = [(token or "").encode(), session.encode()]
         # A shard at its connection limit answers and hangs up before reading anything:
         # its reply is still there to read when sending fails.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self.sock.sendall(REQUEST.pack(MAGIC, HELLO, rank, shard, 0, 0, 0, 0, 0)
                               + b"".join(TOKEN_LEN.pack(len(f)) + f for f in fields))
-        msg, fds, _, _ = socket.recv_fds(self.sock, REPLY.size, 2)
-        self._check_hello(msg, fds)
         try:
-            if len(fds) != 2 or REPLY.unpack(msg)[4] != size:
+            told, fds = self._receive_fds(2, "HELLO")
+        except BaseException:
+            self.sock.close()
+            raise
+        try:
+            if told != size:
                 raise ConnectionError("the shard's data plane answered with the wrong buffers")
             # our push buffer (read-write) and the shard's parameters (read-only)
             self.maps = [mapped(fds[0], size * 4, True, f"{label}: push buffer"),
@@ -422,25 +562,31 @@ class DataPlaneChannel:
                 os.close(fd)
         self.push_buf, self.params = (np.frombuffer(m, dtype=np.float32, count=size) for m in self.maps)
 
-    def _check_hello(self, msg: bytes, fds: list[int]) -> None:
-        """A refused HELLO (wrong or missing token) is an error reply with no descriptors."""
+    def _receive_fds(self, count: int, what: str) -> tuple[int, list[int]]:
+        """A reply that carries `count` descriptors: (its version field, the fds). A refusal
+        (wrong token, too big a buffer) is an error reply with none."""
+        msg, fds, _, _ = socket.recv_fds(self.sock, REPLY.size, count)
         code = REPLY.unpack(msg)[0] if len(msg) == REPLY.size else None
-        if code == 0:
-            return
+        if code == 0 and len(fds) == count:
+            return REPLY.unpack(msg)[4], fds
         for fd in fds:
             os.close(fd)
         if code is None:
-            raise ConnectionError("the shard's data plane closed the connection during HELLO")
+            raise ConnectionError(f"the shard's data plane closed the connection during {what}")
+        if code == 0:
+            raise ConnectionError(f"the shard's data plane answered {what} with the wrong buffers")
         n = REPLY.unpack(msg)[3]
         message = recv_exact(self.sock, n).decode(errors="replace") if n else ""
-        self.sock.close()
         raise rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", f"{self.label}: {message}")
 
-    def _call(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b""):
+    def _send(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b"") -> None:
         self.sock.settimeout(timeout + 5)
+        self.sock.sendall(REQUEST.pack(MAGIC, op, self.rank, self.shard, step, clock, num_elements,
+                                       num_samples, int(min(timeout, 4e6) * 1000)) + tail)
+
+    def _call(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b""):
         try:
-            self.sock.sendall(REQUEST.pack(MAGIC, op, self.rank, self.shard, step, clock, num_elements,
-                                           num_samples, int(min(timeout, 4e6) * 1000)) + tail)
+            self._send(op, step, clock, num_elements, num_samples, timeout, tail)
             code, outcome, finished, n, version = REPLY.unpack(recv_exact(self.sock, REPLY.size))
             message = recv_exact(self.sock, n).decode(errors="replace") if n else ""
         except (OSError, ConnectionError) as e:
@@ -449,10 +595,57 @@ class DataPlaneChannel:
             raise rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", f"{self.label}: {message}")
         return outcome, bool(finished), version, message
 
-    def push(self, grad: np.ndarray, step: int, num_samples: int, clock: int, timeout: float):
+    def _room(self, nbytes: int, timeout: float) -> None:
+        """A rows buffer of at least `nbytes`: the shard's new one replaces ours if ours is smaller."""
+        if nbytes <= self.rows.size:
+            return
+        try:
+            self._send(ROWS_BUFFER, 0, 0, nbytes, 0, timeout)
+            size, [fd] = self._receive_fds(1, "ROWS_BUFFER")
+        except (OSError, ConnectionError) as e:
+            raise Unavailable(f"{self.label}: data-plane connection lost ({e})") from None
+        try:
+            if size < nbytes:
+                raise Unavailable(f"{self.label}: the shard's rows buffer of {size} bytes is smaller "
+                                  f"than the {nbytes} asked")
+            self.rows.replace(mapped(fd, size, True, f"{self.label}: rows buffer"))
+        finally:
+            os.close(fd)
+
+    def _place(self, parts: list[tuple[str, np.ndarray, np.ndarray]],
+               timeout: float) -> tuple[bytes, list[tuple[int, int]]]:
+        """Write the ids of sparse parts [(table, ids, rows or gradients)] into the rows buffer;
+        returns the request's tail and where each part's ids and rows sit."""
+        for name, _, _ in parts:
+            if name not in self.tables:
+                raise InvalidArgument(f"table: the model has no sparse table '{name}' (its tables: "
+                                      f"{', '.join(self.tables) or 'none'})")
+        slots, end = row_layout([(ids.size, a.shape[1]) for _, ids, a in parts])
+        self._room(end, timeout)
+        for (_, ids, _), (ids_at, _) in zip(parts, slots):
+            np.copyto(self.rows.region(ids_at, np.uint64, ids.size), ids)
+        tail = PARTS.pack(len(parts)) + b"".join(PART.pack(self.tables[name], ids.size)
+                                                 for name, ids, _ in parts)
+        return tail, slots
+
+    def push(self, grad: np.ndarray, step: int, num_samples: int, clock: int, timeout: float,
+             rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()):
+        """Push the dense slice, and sparse rows [(table, unique ids, their gradients)]."""
         np.copyto(self.push_buf, grad)
-        outcome, finished, version, _ = self._call(PUSH, step, clock, grad.size, num_samples, timeout)
+        op, tail = PUSH, b""
+        if rows:
+            op, (tail, slots) = PUSH_ROWS, self._place(rows, timeout)
+            for (_, _, g), (_, grads_at) in zip(rows, slots):
+                np.copyto(self.rows.region(grads_at, np.float32, g.size).reshape(g.shape), g)
+        outcome, finished, version, _ = self._call(op, step, clock, grad.size, num_samples, timeout, tail)
         return outcome, version, finished
+
+    def pull_rows(self, table: str, ids: np.ndarray, out: np.ndarray, timeout: float) -> int:
+        """Rows of `table` for `ids` (all on this shard) into `out` (len(ids), dim); the version."""
+        tail, [(_, rows_at)] = self._place([(table, ids, out)], timeout)
+        _, _, version, _ = self._call(PULL_ROWS, 0, 0, ids.size, 0, timeout, tail)
+        np.copyto(out, self.rows.region(rows_at, np.float32, out.size).reshape(out.shape))
+        return version
 
     def init(self, values: np.ndarray, signature: str, timeout: float) -> bool:
         """Initial values through shared memory; True if the shard already had values."""
@@ -469,6 +662,7 @@ class DataPlaneChannel:
     def close(self) -> None:
         self.sock.close()
         self.push_buf = self.params = None
+        self.rows.replace(None)
         for m in self.maps:
             try:
                 m.close()
@@ -477,12 +671,13 @@ class DataPlaneChannel:
 
 
 def connect(address: str, expected_host: str, rank: int, shard: int, size: int,
-            label: str, token: str | None = None, session: str = "") -> DataPlaneChannel | None:
+            label: str, token: str | None = None, session: str = "",
+            tables: Sequence[str] = ()) -> DataPlaneChannel | None:
     """A channel if the shard is on this host and answers; None means: use gRPC."""
     if not address or not supported() or size == 0 or expected_host != host_id():
         return None
     try:
-        return DataPlaneChannel(address, rank, shard, size, label, token, session)
+        return DataPlaneChannel(address, rank, shard, size, label, token, session, tables)
     except (OSError, ConnectionError, PServerError) as e:
         log.info("%s: data plane unavailable (%s); using gRPC streams", label, e)
         return None

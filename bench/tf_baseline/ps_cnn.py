@@ -15,6 +15,7 @@ from pserver. With --pserver PYTHON it then runs `PYTHON -m pserver launch --ps 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import multiprocessing
@@ -72,6 +73,34 @@ def serve(cluster: dict, job: str, index: int) -> None:
     server.join()
 
 
+@contextlib.contextmanager
+def local_cluster(num_ps: int, num_workers: int):
+    """Start `num_ps` ps tasks and `num_workers` worker tasks as processes on this machine;
+    yields the cluster spec (a dict) and stops the tasks after."""
+    ports = free_ports(num_ps + num_workers)
+    cluster = {"ps": [f"127.0.0.1:{q}" for q in ports[:num_ps]],
+               "worker": [f"127.0.0.1:{q}" for q in ports[num_ps:]]}
+    ctx = multiprocessing.get_context("spawn")
+    tasks = [ctx.Process(target=serve, args=(cluster, job, i), daemon=True)
+             for job in ("ps", "worker") for i in range(len(cluster[job]))]
+    for t in tasks:
+        t.start()
+    try:
+        yield cluster
+    finally:
+        for t in tasks:
+            t.terminate()
+
+
+def coordinator_for(cluster: dict, variable_partitioner=None):
+    """The strategy over `cluster` and the ClusterCoordinator that schedules its steps."""
+    import tensorflow as tf
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), rpc_layer="grpc")
+    strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner)
+    return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+
 def reference_cnn(tf):
     return tf.keras.Sequential([
         tf.keras.layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
@@ -83,10 +112,7 @@ def reference_cnn(tf):
 
 def train(args, cluster: dict) -> dict:
     import tensorflow as tf
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(cluster), rpc_layer="grpc")
-    strategy = tf.distribute.ParameterServerStrategy(resolver)
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    strategy, coordinator = coordinator_for(cluster)
     with strategy.scope():
         model = reference_cnn(tf)
         optimizer = tf.keras.optimizers.Adam(args.lr)
@@ -163,19 +189,8 @@ def main() -> None:
                    "(one that has pserver installed) and compare")
     p.add_argument("--json", metavar="PATH", help="write the results here too")
     args = p.parse_args()
-    ports = free_ports(args.ps + args.workers)
-    cluster = {"ps": [f"127.0.0.1:{q}" for q in ports[:args.ps]],
-               "worker": [f"127.0.0.1:{q}" for q in ports[args.ps:]]}
-    ctx = multiprocessing.get_context("spawn")
-    tasks = [ctx.Process(target=serve, args=(cluster, job, i), daemon=True)
-             for job in ("ps", "worker") for i in range(len(cluster[job]))]
-    for t in tasks:
-        t.start()
-    try:
+    with local_cluster(args.ps, args.workers) as cluster:
         results = [train(args, cluster)]
-    finally:
-        for t in tasks:
-            t.terminate()
     if args.pserver:
         results.append(run_pserver(args))
     print(json.dumps(results, indent=2))
