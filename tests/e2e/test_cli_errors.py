@@ -59,6 +59,7 @@ def test_launch_names_the_failing_process(tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--dataset", "mnits"], "--dataset: unknown dataset 'mnits'"),
     (["--dataset", "mnist", "--data-dir", "BAD.npz/mnist"], "cannot create --data-dir"),
+    (["--dataset", "mnist", "--data-dir", "BAD.npz"], "BAD.npz is not a directory"),
     (["--dataset", "BAD.npz"], "not a readable .npz file"),
     (["--samples", "100", "--batch-size", "64"], "--batch-size: 64 is larger than each worker's slice of 50"),
 ])
