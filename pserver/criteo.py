@@ -449,8 +449,8 @@ HEAD_IDS = 1024   # each field's most frequent ids whose params generate() tabul
 
 @njit(cache=True, nogil=True)
 def _zipf_at(h0, field, vocab, h_n):
-    """Sample `key`'s Zipf rank (1 = most frequent) in `field`, exact for a bounded Zipf law;
-    each attempt has its own stream."""
+    """The Zipf rank (1 = most frequent, up to vocab) in `field` of the sample hashed to h0, by
+    rejection-inversion: exact for a bounded Zipf law; each attempt has its own stream."""
     k = 1.0
     for attempt in range(ZIPF_ATTEMPTS):
         u = h_n + _uniform_at(h0, field * ZIPF_ATTEMPTS + attempt) * (_H_X1 - h_n)
