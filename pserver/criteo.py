@@ -27,6 +27,8 @@ from numba import njit
 
 from pserver.data import _check_int, _check_rank, steps_per_epoch
 from pserver.errors import ConfigError, DataError
+from pserver.kernels.cpu import splitmix64 as _draw
+from pserver.sparse import splitmix64   # the standard SplitMix64 output function, a bijection
 
 NUM_DENSE = 13
 NUM_CAT = 26
@@ -42,22 +44,11 @@ BLOCK_BYTES = 4 << 20   # read and parse the file this many bytes at a time
 REPORTED_LINES = 5      # malformed lines reported one by one; the rest only counted
 MAX_LINE_BYTES = 1 << 20   # a longer line means the file is not Criteo TSV (and would fill memory)
 
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
-_MUL2 = np.uint64(0x94D049BB133111EB)
+_ZERO = np.uint64(0)
 _FIELD_STRIDE = np.uint64(1 << 33)   # room for v + 1 in [0, 2**32]
 
 
 # ---------------------------------------------------------------- hashing
-
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's output function (Steele et al. 2014) on each uint64, vectorised: a bijection."""
-    with np.errstate(over="ignore"):   # arithmetic modulo 2**64 is the point (NumPy warns for 0-d)
-        z = np.asarray(x, dtype=np.uint64) + _GAMMA
-        z = (z ^ (z >> np.uint64(30))) * _MUL1
-        z = (z ^ (z >> np.uint64(27))) * _MUL2
-        return z ^ (z >> np.uint64(31))
-
 
 def hash_categorical(field: int, values) -> np.ndarray:
     """Field `field`'s categorical values (integers in [0, 2**32), -1 for an empty value) as int64 ids.
@@ -87,10 +78,7 @@ _FIELD_BASES = np.arange(NUM_CAT, dtype=np.uint64) * _FIELD_STRIDE
 @njit(cache=True, nogil=True)
 def _mix(x):
     """splitmix64 of one uint64, for the kernels (its twin: splitmix64)."""
-    z = x + _GAMMA
-    z = (z ^ (z >> np.uint64(30))) * _MUL1
-    z = (z ^ (z >> np.uint64(27))) * _MUL2
-    return z ^ (z >> np.uint64(31))
+    return _draw(x, _ZERO)
 
 
 # ---------------------------------------------------------------- parsing one block of lines

@@ -35,10 +35,10 @@ def _splitmix64_kernel(x, out):
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """splitmix64 of every element of a uint64 array (any shape): a new uint64 array."""
-    x = np.ascontiguousarray(x, dtype=np.uint64)
-    out = np.empty_like(x)
-    _splitmix64_kernel(x.reshape(-1), out.reshape(-1))
-    return out
+    x = np.asarray(x, dtype=np.uint64)
+    out = np.empty(x.size, np.uint64)
+    _splitmix64_kernel(np.ascontiguousarray(x).reshape(-1), out)
+    return out.reshape(x.shape)
 
 
 def splitmix64_numpy(x: np.ndarray) -> np.ndarray:
