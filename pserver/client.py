@@ -426,12 +426,14 @@ class PSClient:
 
     def owners(self, lookups: Sequence[sparse.TableLookup]) -> list[list[np.ndarray]]:
         """For each lookup, for each shard: the positions in lookup.uniq of the ids it holds."""
-        out = []
+        out, done = [], {}            # lookups that share their ids share the answer
         for lk in lookups:
-            owner = sparse.shard_of(lk.uniq, len(self.shards))
-            order = np.argsort(owner, kind="stable")
-            cuts = np.searchsorted(owner[order], np.arange(1, len(self.shards)))
-            out.append(np.split(order, cuts))
+            if id(lk.uniq) not in done:
+                owner = sparse.shard_of(lk.uniq, len(self.shards))
+                order = np.argsort(owner, kind="stable")
+                cuts = np.searchsorted(owner[order], np.arange(1, len(self.shards)))
+                done[id(lk.uniq)] = np.split(order, cuts)
+            out.append(done[id(lk.uniq)])
         return out
 
     def pull_rows(self, lookups: Sequence[sparse.TableLookup], tables: Sequence[str]) -> None:

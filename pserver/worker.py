@@ -139,7 +139,11 @@ class Rows:
         return bool(self.tables)
 
     def lookup(self, ids_per_table) -> list[TableLookup]:
-        lookups = [TableLookup.of(ids, t.dim) for ids, t in zip(ids_per_table, self.tables)]
+        lookups, seen = [], {}       # tables fed the same ids (the CTR models' two) dedupe them once
+        for ids, t in zip(ids_per_table, self.tables):
+            first = seen.get(id(ids))
+            lookups.append(TableLookup.like(first, t.dim) if first else TableLookup.of(ids, t.dim))
+            seen.setdefault(id(ids), lookups[-1])
         self.client.pull_rows(lookups, self.names)
         return lookups
 

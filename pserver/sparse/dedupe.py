@@ -138,5 +138,10 @@ class TableLookup:
         """The lookup of a batch's ids (any shape, any integer type as_ids takes)."""
         ids = as_ids(ids, what)
         uniq, inverse = unique_inverse(ids.reshape(-1))
-        rows = np.zeros((uniq.shape[0], dim), np.float32)
-        return cls(uniq, inverse.reshape(ids.shape), rows, np.zeros_like(rows))
+        return cls.like(cls(uniq, inverse.reshape(ids.shape), None, None), dim)
+
+    @classmethod
+    def like(cls, other: TableLookup, dim: int) -> TableLookup:
+        """A lookup of the same ids as `other` (sharing its uniq and inverse) for a table of `dim`."""
+        rows = np.zeros((other.uniq.shape[0], dim), np.float32)
+        return cls(other.uniq, other.inverse, rows, np.zeros_like(rows))
