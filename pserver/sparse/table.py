@@ -9,8 +9,10 @@ Storage (all NumPy arrays, so the memory per row is what the arrays hold):
     steps   int64 (cap,)                adam only: each row's own update count
 
 Rows 0..n-1 are live and dense: eviction moves the last row into each freed one. The arrays
-grow in place (ndarray.resize, a realloc) by at least 10% or MIN_CHUNK rows; the table never
-hands out views of them, so growing cannot pull memory from under a reader.
+grow by 10% (at least MIN_CHUNK rows) into new arrays, copied, rather than in place with a
+realloc: NumPy asks for transparent huge pages for a new large array, and with them a random
+row access in a large table costs about half as much (fewer TLB misses), measured on a 1M-row
+table. np.empty leaves the unused tail untouched, so the slack costs address space, not RSS.
 
 Admission counts pushes of ids that are not stored, exactly, in a second index of the same
 kind (`pending`, ids and counts); an id is admitted (its row created, initial value first) on
@@ -108,7 +110,7 @@ class _Entries:
     """Keys stored once in entry order, their hash index, and per-entry arrays growing with them."""
 
     def __init__(self, columns: dict):
-        self.columns = columns   # name -> (shape of one entry, dtype)
+        # columns: name -> (shape of one entry, dtype)
         self.n = 0
         self.keys = np.empty(0, np.uint64)
         self.arrays = {k: np.empty((0, *shape), dtype) for k, (shape, dtype) in columns.items()}
@@ -120,10 +122,8 @@ class _Entries:
         need = self.n + extra
         if need > self.keys.shape[0]:
             cap = need + max(need // 10, MIN_CHUNK)
-            # In place: the table holds the only references (refcheck would count our own).
-            self.keys.resize(cap, refcheck=False)
-            for k, (shape, _) in self.columns.items():
-                self.arrays[k].resize((cap, *shape), refcheck=False)
+            self.keys = _grown(self.keys, cap, self.n)
+            self.arrays = {k: _grown(a, cap, self.n) for k, a in self.arrays.items()}
         bits = index.bits_for(need)
         if bits > self.bits:
             self.bits, self.slots = bits, index.rehash(self.keys, self.n, bits)
@@ -140,6 +140,13 @@ class _Entries:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.slots.nbytes + sum(a.nbytes for a in self.arrays.values())
+
+
+def _grown(a: np.ndarray, cap: int, n: int) -> np.ndarray:
+    """A new array of cap entries (like a's) holding a's first n."""
+    new = np.empty((cap, *a.shape[1:]), a.dtype)
+    new[:n] = a[:n]
+    return new
 
 
 class SparseTable:
