@@ -39,6 +39,7 @@ from numba import njit
 
 from pserver.errors import ConfigError, InvalidArgument
 from pserver.sparse import index
+from pserver.sparse.dedupe import _unique_inverse_kernel
 from pserver.sparse.hashing import initial_row, table_key
 from pserver.sparse.optim import RowOptimizer
 
@@ -193,7 +194,8 @@ class SparseTable:
 
     def apply(self, ids: np.ndarray, grads: np.ndarray, step: int, scale: float = 1.0) -> None:
         """Push grads * scale for distinct ids at `step`: admission, creation, the row optimizer,
-        last update = step, then eviction (see the module docstring)."""
+        last update = step, then eviction (see the module docstring). An id repeated in one push
+        (TableLookup.of never does it) is counted and stepped once per occurrence."""
         ids, grads, step, scale = self._check_push(ids, grads, step, scale)
         c = self.config
         with self._lock:
@@ -355,21 +357,25 @@ def _lookup(slots, keys, bits, data, ids, key, scale, out):
 
 @njit(cache=True, nogil=True)
 def _plan(slots, keys, bits, pslots, pkeys, pbits, pcounts, ids, min_count, idx):
-    """idx[i] = the row of ids[i] or EMPTY; returns (rows this push creates, new pending ids)."""
-    creates, new_pending = 0, 0
+    """idx[i] = the row of ids[i] or EMPTY; returns (at most how many rows this push creates,
+    at most how many pending entries it adds), counting each id not stored once, with all its
+    occurrences (a repeated id may reach min_count within one push)."""
     index.find_many(slots, keys, ids, bits, idx)
-    for i in range(ids.shape[0]):
-        if idx[i] != index.EMPTY:
-            continue
-        if min_count <= 1:
-            creates += 1
-            continue
-        _, pe = index.find(pslots, pkeys, ids[i], pbits)
+    missing = ids[idx == index.EMPTY]
+    uniq, inverse = np.empty_like(missing), np.empty(missing.shape[0], np.int64)
+    u = _unique_inverse_kernel(missing, uniq, inverse)
+    seen = np.zeros(u, np.int64)
+    for k in inverse:
+        seen[k] += 1
+    if min_count <= 1:
+        return u, 0
+    creates, new_pending = 0, 0
+    for k in range(u):
+        _, pe = index.find(pslots, pkeys, uniq[k], pbits)
         count = 0 if pe == index.EMPTY else pcounts[pe]
-        if count + 1 >= min_count:
-            creates += 1
-        elif pe == index.EMPTY:
-            new_pending += 1
+        creates += count + seen[k] >= min_count
+        # Even if admitted in this push, a repeated id is pending until its k-th occurrence.
+        new_pending += pe == index.EMPTY
     return creates, new_pending
 
 
@@ -401,11 +407,14 @@ def _admit(slots, keys, bits, n, data, steps, pslots, pkeys, pbits, pn, pcounts,
     for i in range(ids.shape[0]):
         if idx[i] != index.EMPTY:
             continue
+        pos, e = index.find(slots, keys, ids[i], bits)
+        if e != index.EMPTY:   # created earlier in this push: a repeated id shares its row
+            idx[i] = e
+            continue
         if min_count > 1:
             admitted, pn = _count(pslots, pkeys, pbits, pn, pcounts, ids[i], min_count)
             if not admitted:
                 continue
-        pos, _ = index.find(slots, keys, ids[i], bits)
         keys[n], slots[pos], idx[i] = ids[i], n, n
         initial_row(key, ids[i], scale, data[n, :d])
         data[n, d:] = slot_init
