@@ -241,6 +241,18 @@ def test_state_and_load_continue_exactly(opt):
     assert read(a, q).tobytes() == read(b, q).tobytes()
 
 
+@pytest.mark.parametrize("min_count, rows, value", [(0, [4, 9], -3.0), (2, [4], -2.0), (3, [], 0.0)])
+def test_a_repeated_id_is_counted_and_stepped_per_occurrence(min_count, rows, value):
+    t = SparseTable(TableConfig("emb", 1, optimizer="sgd", lr=1.0, init_scale=0.0,
+                                min_count=min_count), 0)
+    t.apply(ids_of(4, 9, 4), np.array([[1.0], [1.0], [2.0]], np.float32), step=1)
+    assert sorted(t.state()["ids"].tolist()) == rows
+    assert read(t, ids_of(4)).tolist() == [[value]]
+    SparseTable(t.config, 0).load(t.state())    # still consistent: one row or count per id
+    t.apply(ids_of(*range(100, 3000), 4, 4), ones(2902, 1), step=2)   # grows meanwhile
+    assert t.stats()["rows"] == (2902 if min_count == 0 else 1)
+
+
 def filled_table() -> SparseTable:
     t = SparseTable(TableConfig("emb", 3, optimizer="adam", min_count=2), 0)
     for ids, grads, step in push_sequence(1, 5):

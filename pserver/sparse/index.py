@@ -53,17 +53,25 @@ def find(slots, keys, key, bits):
         pos = (pos + 1) & mask
 
 
-@njit(cache=True, nogil=True)
-def rehash(keys, count, bits):
-    """New slots (2**bits of them) indexing entries 0..count-1 of keys (which are distinct)."""
+def rehash(keys: np.ndarray, count: int, bits: int) -> np.ndarray:
+    """New slots (2**bits of them) indexing entries 0..count-1 of keys (which are distinct).
+
+    Allocated by NumPy, which asks for transparent huge pages for large arrays (numba's
+    allocator does not): a probe into a large index then rarely misses the TLB.
+    """
     slots = np.full(1 << bits, EMPTY, np.int32)
+    _fill(slots, keys, count, bits)
+    return slots
+
+
+@njit(cache=True, nogil=True)
+def _fill(slots, keys, count, bits):
     mask = slots.shape[0] - 1
     for e in range(count):
         pos = home(keys[e], bits)
         while slots[pos] != EMPTY:
             pos = (pos + 1) & mask
         slots[pos] = e
-    return slots
 
 
 @njit(cache=True, nogil=True)
