@@ -29,7 +29,7 @@ def cluster(shard_server, num_shards=2, **cfg):
 
 
 def client(servers, rank=0, num_workers=1, init=True):
-    c = PSClient([a for a, _ in servers], rank=rank, num_workers=num_workers, rpc_deadline=10,
+    c = PSClient([a for a, _ in servers], rank=rank, num_workers=num_workers, rpc_deadline=120,
                  data_plane="grpc")
     c.connect(5)
     c.register(LAYOUT)
