@@ -63,6 +63,8 @@ def main() -> int:
     ap.add_argument("--shards", type=int, default=2, help="shards (default 2)")
     ap.add_argument("--optimizer", default="adagrad", choices=sorted(SLOTS), help="row optimizer (default adagrad)")
     ap.add_argument("--batch", type=int, default=1 << 18, help="ids per push (default 262144)")
+    ap.add_argument("--data-plane", default="auto", choices=("auto", "grpc"),
+                    help="how the pushes travel: auto (shared memory, this machine) or grpc (default auto)")
     ap.add_argument("--json", default=None, help="write the results here (default results/sparse_memory.json)")
     args = ap.parse_args()
     m = machine()
@@ -97,7 +99,7 @@ def push(client: PSClient, w: np.ndarray, ids: np.ndarray, dim: int) -> None:
 
 
 def measure(args, layout: Layout, procs, addrs) -> dict:
-    client = PSClient(addrs, rpc_deadline=600, data_plane="grpc")
+    client = PSClient(addrs, rpc_deadline=600, data_plane=args.data_plane)
     client.connect(60)
     client.register(layout)
     client.init(np.zeros(1, np.float32))
@@ -122,7 +124,7 @@ def measure(args, layout: Layout, procs, addrs) -> dict:
     bound = 1.2 * (dim * 4 + SLOTS[args.optimizer] * dim * 4) + 32
     per_row = [(b - i) / (r - r0) for i, b, r, r0 in zip(idle, after, rows, warm)]
     print(f"{n:,} distinct ids, dim {dim}, {args.optimizer}, {args.shards} shards, pushed in {seconds:.1f} s "
-          f"({n / seconds:,.0f} rows/s over gRPC)")
+          f"({n / seconds:,.0f} rows/s, --data-plane {args.data_plane})")
     for j in range(args.shards):
         print(f"shard {j}: {rows[j]:,} rows; RSS idle {idle[j] / MiB:,.0f} MiB -> {after[j] / MiB:,.0f} MiB: "
               f"{per_row[j]:.1f} bytes/row (bound {bound:.1f}; the table's arrays hold "

@@ -17,6 +17,7 @@ from pserver.codec import MAX_CHUNK_BYTES
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition
 from pserver.metrics import describe_updates
+from pserver.server import memory
 from pserver.server.limits import pool_threads
 from pserver.server.servicer import ParameterServerServicer, add_to_server
 from pserver.server.shard import Shard
@@ -74,6 +75,7 @@ def check_port_free(host: str, port: int) -> None:
 def serve(cfg: ServerConfig) -> int:
     """Run a shard until SIGTERM, SIGHUP or SIGINT, then stop gracefully (in-flight calls get
     2 s), write a last checkpoint where there is a directory, and return 128+signal."""
+    memory.pin_mmap_threshold()
     with stop_on_signals():
         server, port, shard = create_server(cfg)
         print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "

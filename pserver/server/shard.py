@@ -25,7 +25,7 @@ from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument, Res
 from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
 from pserver.optim import make_optimizer
-from pserver.server import checkpoint
+from pserver.server import checkpoint, memory
 from pserver.server.limits import Limits, pool_threads
 from pserver import sparse
 from pserver.server.store import RowGrads, ShardStore, first_nonfinite
@@ -218,6 +218,7 @@ class Shard:
                 shard.policy.expire()
             shard.limits.cancel_idle()
             del shard
+            memory.trim()
 
     def init(self, rank: int, signature: str, num_elements: int, dtype: str, fill: Fill,
              session: str | None = None) -> tuple[bool, int]:
