@@ -424,14 +424,20 @@ class PSClient:
         self.finished |= any(f for _, f in replies)
         return self.versions
 
-    def owners(self, lookups: Sequence[sparse.TableLookup]) -> list[list[np.ndarray]]:
-        """For each lookup, for each shard: the positions in lookup.uniq of the ids it holds."""
+    def owners(self, lookups: Sequence[sparse.TableLookup]) -> list[list[np.ndarray | slice]]:
+        """For each lookup, for each shard: the positions in lookup.uniq of the ids it holds
+        (with one shard, a slice of all of them: no gather, no scatter)."""
+        n = len(self.shards)
+        if n == 1:
+            return [[slice(None)] for _ in lookups]
         out = []
         for lk in lookups:
-            owner = sparse.shard_of(lk.uniq, len(self.shards))
+            owner = sparse.shard_of(lk.uniq, n)
+            if n <= 16:        # a pass per shard beats a sort (n log n) of 64k owners
+                out.append([np.flatnonzero(owner == j) for j in range(n)])
+                continue
             order = np.argsort(owner, kind="stable")
-            cuts = np.searchsorted(owner[order], np.arange(1, len(self.shards)))
-            out.append(np.split(order, cuts))
+            out.append(np.split(order, np.searchsorted(owner[order], np.arange(1, n))))
         return out
 
     def pull_rows(self, lookups: Sequence[sparse.TableLookup], tables: Sequence[str]) -> None:
@@ -441,10 +447,13 @@ class PSClient:
         def pull(s: ShardClient) -> None:
             for lk, name, where in zip(lookups, tables, owners):
                 idx = where[s.index]
-                if idx.size:
-                    rows = np.empty((idx.size, lk.rows.shape[1]), dtype=np.float32)
-                    s.pull_rows(self.rank, name, lk.uniq[idx], rows, self.rpc_deadline)
-                    lk.rows[idx] = rows
+                ids = lk.uniq[idx]
+                if ids.size:
+                    whole = isinstance(idx, slice)
+                    rows = lk.rows if whole else np.empty((ids.size, lk.rows.shape[1]), dtype=np.float32)
+                    s.pull_rows(self.rank, name, ids, rows, self.rpc_deadline)
+                    if not whole:
+                        lk.rows[idx] = rows
         self.each(pull)
 
     def push(self, grad: np.ndarray, num_samples: int, clock: int = 0,

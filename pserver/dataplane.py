@@ -289,7 +289,9 @@ class DataPlaneServer:
         self.token = token.encode() if token else None     # HELLO must carry it (security.py)
         directory = socket_dir()
         remove_stale(directory)
-        name = f"pserver-{os.getpid()}-shard{shard.cfg.shard}-{secrets.token_hex(4)}.sock"
+        # Names this server's socket and its rows buffers (/proc/PID/maps shows memfd names).
+        self.tag = f"shard{shard.cfg.shard}-{secrets.token_hex(4)}"
+        name = f"pserver-{os.getpid()}-{self.tag}.sock"
         self.path = os.path.join(directory, name)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # Bound under a temporary name and renamed once listening, so that another shard
@@ -428,12 +430,12 @@ class DataPlaneServer:
             return
         size = max(wanted, min(max(2 * peer.rows.size, 1 << 20), limit))
         size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE     # the limit is whole MiB: still within it
-        fd, mm = sealed_memfd("pserver-rows", size, clients_write=True)
+        fd, mm = sealed_memfd(f"pserver-rows-{self.tag}", size, clients_write=True)
+        peer.rows.replace(mm)              # before the reply: once told, the client may count on it
         try:
             socket.send_fds(conn, [REPLY.pack(0, 0, 0, 0, size)], [fd])
         finally:
             os.close(fd)                                        # the mapping stays
-        peer.rows.replace(mm)
 
     def _tables(self, parts: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
         """[(table name, number of ids, dim)] of a request's parts, or InvalidArgument."""
