@@ -169,18 +169,19 @@ def sparse_figure(path: Path, results: list[dict], baseline: float, args, target
         for i, plane in enumerate(dict.fromkeys(r["plane"] for r in results)):
             pts = sorted((r["shards"], r["rows_per_s"]) for r in results if r["plane"] == plane and r["op"] == op)
             xs = [s for s, _ in pts]
-            med = np.array([np.median(v) for _, v in pts])
-            err = [med - [min(v) for _, v in pts], [max(v) for _, v in pts] - med]
+            med = np.array([np.median(v) for _, v in pts]) / 1e6
+            err = [med - np.array([min(v) for _, v in pts]) / 1e6, np.array([max(v) for _, v in pts]) / 1e6 - med]
             ax.errorbar(xs, med, yerr=err, color=cmap(i), marker="o", capsize=3, label=plane)
-        ax.axhline(baseline, color="grey", ls="--", lw=0.9, label="np.add.at (in process)")
-        ax.axhline(target, color="grey", ls=":", lw=0.9, label=f"target {target / 1e6:g}M rows/s")
+        ax.axhline(baseline / 1e6, color="grey", ls="--", lw=0.9, label="np.add.at (in process)")
+        ax.axhline(target / 1e6, color="grey", ls=":", lw=0.9, label=f"target {target / 1e6:g}M rows/s")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xticks(sorted({r["shards"] for r in results}))
         ax.get_xaxis().set_major_formatter(ScalarFormatter())
         ax.set_xlabel("shards")
-        ax.set_title(f"row {op}s", fontsize=10)
+        ax.set_title({"pull": "row pulls", "push": "row pushes (adagrad applied)"}[op], fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("distinct rows / s (all shards)")
+    axes[0].set_ylabel("million distinct rows / s (all shards)")
     axes[1].legend(fontsize=8)
     fig.suptitle(f"Sparse rows through pserver's client and shards: dim {args.dim}, adagrad, "
                  f"{args.rows:,} rows and {args.ids:,} ids per shard per request", fontsize=11)

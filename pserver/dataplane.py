@@ -190,6 +190,8 @@ class RowsBuffer:
         return len(self.map) if self.map is not None else 0
 
     def region(self, offset: int, dtype, count: int) -> np.ndarray:
+        if count == 0:                 # an empty part needs no buffer, and may come before one
+            return np.empty(0, dtype)
         return np.frombuffer(self.map, dtype, count, offset)
 
     def replace(self, mm: mmap.mmap | None) -> None:

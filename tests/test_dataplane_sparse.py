@@ -131,6 +131,17 @@ def test_rows_over_shared_memory_equal_rows_over_grpc(shard_server):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_first_push_with_no_rows_for_a_shard(shard_server):
+    """Every shard gets the push, and the one that holds none of its ids an empty part, before
+    either has a rows buffer."""
+    servers = cluster(shard_server, 2)
+    c = client(servers)
+    ids = ids_of_shard(0, 2, 3).view(np.int64)
+    assert push(c, lookups(ids, 1)) == [("aggregated", 1), ("aggregated", 1)]
+    assert [s.fast.rows.size > 0 for s in c.shards] == [True, False]
+    assert [shard.status()["tables"][0]["rows"] for _, shard in servers] == [3, 0]
+
+
 def test_a_request_that_outgrows_the_buffer_gets_a_new_one_and_the_old_is_unmapped(shard_server):
     [(addr, shard)] = servers = cluster(shard_server)
     c = client(servers)
