@@ -11,9 +11,9 @@ a worker does. The baseline, measured in the same run: np.add.at of the same num
 gradient rows into a float32 matrix of --rows rows, which is what a shard's update costs
 without a hash table or an optimizer.
 
-    python bench/sparse.py                         # 1,2,4 shards, 1M rows, 64k ids, dim 16
-    python bench/sparse.py --quick                 # 100k rows, 16k ids, 1 shard
-    python bench/sparse.py --json r.json --plot r.png
+    python bench/sparse.py              # 1,2,4 shards, 1M rows, 64k ids, dim 16: results/sparse.{json,png}
+    python bench/sparse.py --quick      # 100k rows, 16k ids, 1 shard
+    python bench/sparse.py --json r.json --plot r.png    # elsewhere; --no-plot: no matplotlib needed
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util, _plots, transport sit beside this file
-from _util import machine, machine_lines, positive_ints, summary, table  # noqa: E402
+from _util import machine, machine_lines, positive_ints, result_path, summary, table  # noqa: E402
 from transport import running, shard_argv, time_round_trips  # noqa: E402
 
 DEFINITIONS = """\
@@ -200,8 +200,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ids", type=int, default=1 << 16, help="distinct ids per shard per request (default 65,536)")
     p.add_argument("--dim", type=int, default=16, help="floats per row (default 16)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (default 5)")
-    p.add_argument("--json", metavar="PATH", help="write the results here too")
-    p.add_argument("--plot", metavar="PATH", help="draw rows/s against shards into this PNG")
+    p.add_argument("--json", metavar="PATH", help="write the results here (default results/sparse.json)")
+    p.add_argument("--plot", metavar="PATH", help="draw rows/s against shards into this PNG "
+                   "(default results/sparse.png; needs matplotlib, the bench extra)")
+    p.add_argument("--no-plot", action="store_true", help="draw nothing")
     p.add_argument("--quick", action="store_true", help="100k rows, 16k ids, 1 shard, 3 repeats")
     args = p.parse_args(argv)
     if args.quick:
@@ -216,7 +218,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.plot:
+    if not args.no_plot:
         import _plots  # noqa: F401  (matplotlib, the bench extra: fail before measuring, not after)
     host = machine(("grpcio", "numpy", "numba"))
     print("\n".join(machine_lines(host)))
@@ -227,12 +229,16 @@ def main(argv=None) -> int:
     results = [r for s in args.shards for r in measure_shards(s, args)]
     base_rate = summary(base["rows_per_s"])[0]
     print("\n" + result_table(results + [base], base_rate))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": host, "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
-                       "definitions": DEFINITIONS, "results": results + [base]}, f, indent=2)
-    if args.plot:
-        _plots.sparse_figure(Path(args.plot), results, base_rate, args)
+    path = result_path(args.json, "sparse.json")
+    with open(path, "w") as f:
+        json.dump({"machine": host, "args": {k: v for k, v in vars(args).items()
+                                             if k not in ("json", "plot", "no_plot")},
+                   "definitions": DEFINITIONS, "results": results + [base]}, f, indent=2)
+    print(f"wrote {path}")
+    if not args.no_plot:
+        png = result_path(args.plot, "sparse.png")
+        _plots.sparse_figure(png, results, base_rate, args)
+        print(f"wrote {png}")
     return 0
 
 

@@ -25,12 +25,11 @@ after --warmup. Runs in its own virtual environment (see bench/tf_baseline/READM
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
 
-from ps_cnn import coordinator_for, local_cluster   # sets TensorFlow's environment first
+from ps_cnn import coordinator_for, local_cluster, report   # sets TensorFlow's environment first
 
 import numpy as np  # noqa: E402
 
@@ -181,13 +180,10 @@ def main() -> None:
     train_split, test_split, sizes = load(args.data, args.test_fraction)
     with local_cluster(args.ps, args.workers) as cluster:
         result = train(args, cluster, (train_split, test_split), sizes)
-    print(json.dumps(result, indent=2))
-    print(f"{result['framework']} wide_deep: {result['train_samples_per_second']:,.0f} samples/s "
-          f"({result['timed_samples']:,} samples in {result['seconds']:.1f} s after {args.warmup} warm-up "
-          f"steps, batch {args.batch_size} per worker); test AUC {result['test_auc']:.4f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, [f"{result['framework']} wide_deep: {result['train_samples_per_second']:,.0f} samples/s "
+                    f"({result['timed_samples']:,} samples in {result['seconds']:.1f} s after {args.warmup} "
+                    f"warm-up steps, batch {args.batch_size} per worker); test AUC {result['test_auc']:.4f}"],
+           args.json)
 
 
 if __name__ == "__main__":
