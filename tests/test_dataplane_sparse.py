@@ -111,6 +111,33 @@ def test_row_layout_places_each_part_aligned_and_apart(parts):
     assert dataplane.fits(parts) == (end <= dataplane.ROWS_BUFFER_MAX)
 
 
+SHARD_COUNTS = (1, 2, 5, 16, 17, 40)
+
+
+@pytest.fixture(scope="module")
+def clients():
+    """A client per shard count (no shard answers: owners() needs none)."""
+    made = {n: PSClient(["127.0.0.1:1"] * n, data_plane="grpc") for n in SHARD_COUNTS}
+    yield made
+    for c in made.values():
+        c.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(-2**63, 2**63 - 1), max_size=300), shards=st.sampled_from(SHARD_COUNTS))
+def test_the_client_splits_a_lookup_by_owner_in_order(clients, ids, shards):
+    """owners(): for each shard, the positions of the unique ids it holds, ascending; all of
+    them, each once (a pass per shard up to 16 shards, a sort beyond)."""
+    lk = TableLookup.of(np.array(ids, np.int64), DIM)
+    [where] = clients[shards].owners([lk])
+    positions = [np.arange(lk.uniq.size)[w] for w in where]
+    assert len(positions) == shards
+    np.testing.assert_array_equal(np.sort(np.concatenate(positions)), np.arange(lk.uniq.size))
+    owner = sparse.shard_of(lk.uniq, shards)
+    for j, p in enumerate(positions):
+        assert (owner[p] == j).all() and (np.diff(p) > 0).all()
+
+
 # --- real clients: the same answers as gRPC -------------------------------------------------
 
 def test_rows_over_shared_memory_equal_rows_over_grpc(shard_server):
