@@ -25,7 +25,9 @@ until this worker pushes again; in async modes a racy read is the point, as over
 A pull that waits notices when its client hangs up, and its thread goes. Memory on the
 shard: its parameters plus one buffer per connection, at most connection_limit() of them.
 Both calls go to the very same `Shard.push` / `Shard.pull` as the gRPC servicer, so
-validation, modes and counters are identical.
+validation, modes and counters are identical. Workers use it automatically when the
+shard's host id matches their own (`--data-plane auto`, the default); `--data-plane
+grpc` turns it off on either side.
 
 Sparse tables change size every batch, so their rows travel through a second buffer per
 connection, made on first use: PULL_ROWS (ids in, rows out) and PUSH_ROWS (a push whose
@@ -37,9 +39,7 @@ so the shard maps at most connection_limit() of them; a request too big for it g
 gRPC. The shard copies the ids and gradients out of the buffer into its own memory before
 it checks them (`Shard.row_buffers` / `Shard.push`, as gRPC pushes), and writes pulled rows
 into it after the ids were read, so what a client scribbles there can only spoil its own
-answer. A request names each table by its index in the registered layout. Workers use it automatically when the
-shard's host id matches their own (`--data-plane auto`, the default); `--data-plane
-grpc` turns it off on either side.
+answer. A request names each table by its index in the registered layout.
 """
 
 from __future__ import annotations
