@@ -1,4 +1,5 @@
-"""The figures of bench/modes.py, drawn from its aggregated entries (matplotlib, Agg backend)."""
+"""The figures of bench/modes.py, drawn from its aggregated entries, and of bench/sparse.py
+(matplotlib, Agg backend)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")                  # files only: no display on a benchmark machine
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import ScalarFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 
 ORDER = ("sync", "backup", "async", "ssp")
@@ -156,3 +158,33 @@ def draw_all(out: Path, entries: list[dict], scale: list[dict], n: int | None, a
     if staleness_figure(out / "staleness.png", done, n):
         written.append("staleness.png")
     return written
+
+
+def sparse_figure(path: Path, results: list[dict], baseline: float, args, target: float = 10e6) -> None:
+    """Rows/s against shard count, pull and push side by side: a line per plane (median,
+    min-max bars), np.add.at's rows/s dashed and the 10M rows/s target dotted."""
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.6), sharey=True)
+    cmap = plt.get_cmap("tab10")
+    for ax, op in zip(axes, ("pull", "push")):
+        for i, plane in enumerate(dict.fromkeys(r["plane"] for r in results)):
+            pts = sorted((r["shards"], r["rows_per_s"]) for r in results if r["plane"] == plane and r["op"] == op)
+            xs = [s for s, _ in pts]
+            med = np.array([np.median(v) for _, v in pts]) / 1e6
+            err = [med - np.array([min(v) for _, v in pts]) / 1e6, np.array([max(v) for _, v in pts]) / 1e6 - med]
+            ax.errorbar(xs, med, yerr=err, color=cmap(i), marker="o", capsize=3, label=plane)
+        ax.axhline(baseline / 1e6, color="grey", ls="--", lw=0.9, label="np.add.at (in process)")
+        ax.axhline(target / 1e6, color="grey", ls=":", lw=0.9, label=f"target {target / 1e6:g}M rows/s")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sorted({r["shards"] for r in results}))
+        ax.get_xaxis().set_major_formatter(ScalarFormatter())
+        ax.set_xlabel("shards")
+        ax.set_title({"pull": "row pulls", "push": "row pushes (adagrad applied)"}[op], fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("million distinct rows / s (all shards)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"Sparse rows through pserver's client and shards: dim {args.dim}, adagrad, "
+                 f"{args.rows:,} rows and {args.ids:,} ids per shard per request", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -25,7 +25,9 @@ until this worker pushes again; in async modes a racy read is the point, as over
 A pull that waits notices when its client hangs up, and its thread goes. Memory on the
 shard: its parameters plus one buffer per connection, at most connection_limit() of them.
 Both calls go to the very same `Shard.push` / `Shard.pull` as the gRPC servicer, so
-validation, modes and counters are identical.
+validation, modes and counters are identical. Workers use it automatically when the
+shard's host id matches their own (`--data-plane auto`, the default); `--data-plane
+grpc` turns it off on either side.
 
 Sparse tables change size every batch, so their rows travel through a second buffer per
 connection, made on first use: PULL_ROWS (ids in, rows out) and PUSH_ROWS (a push whose
@@ -37,9 +39,7 @@ so the shard maps at most connection_limit() of them; a request too big for it g
 gRPC. The shard copies the ids and gradients out of the buffer into its own memory before
 it checks them (`Shard.row_buffers` / `Shard.push`, as gRPC pushes), and writes pulled rows
 into it after the ids were read, so what a client scribbles there can only spoil its own
-answer. A request names each table by its index in the registered layout. Workers use it automatically when the
-shard's host id matches their own (`--data-plane auto`, the default); `--data-plane
-grpc` turns it off on either side.
+answer. A request names each table by its index in the registered layout.
 """
 
 from __future__ import annotations
@@ -190,6 +190,8 @@ class RowsBuffer:
         return len(self.map) if self.map is not None else 0
 
     def region(self, offset: int, dtype, count: int) -> np.ndarray:
+        if count == 0:                 # an empty part needs no buffer, and may come before one
+            return np.empty(0, dtype)
         return np.frombuffer(self.map, dtype, count, offset)
 
     def replace(self, mm: mmap.mmap | None) -> None:
@@ -289,7 +291,9 @@ class DataPlaneServer:
         self.token = token.encode() if token else None     # HELLO must carry it (security.py)
         directory = socket_dir()
         remove_stale(directory)
-        name = f"pserver-{os.getpid()}-shard{shard.cfg.shard}-{secrets.token_hex(4)}.sock"
+        # Names this server's socket and its rows buffers (/proc/PID/maps shows memfd names).
+        self.tag = f"shard{shard.cfg.shard}-{secrets.token_hex(4)}"
+        name = f"pserver-{os.getpid()}-{self.tag}.sock"
         self.path = os.path.join(directory, name)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # Bound under a temporary name and renamed once listening, so that another shard
@@ -428,12 +432,12 @@ class DataPlaneServer:
             return
         size = max(wanted, min(max(2 * peer.rows.size, 1 << 20), limit))
         size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE     # the limit is whole MiB: still within it
-        fd, mm = sealed_memfd("pserver-rows", size, clients_write=True)
+        fd, mm = sealed_memfd(f"pserver-rows-{self.tag}", size, clients_write=True)
+        peer.rows.replace(mm)              # before the reply: once told, the client may count on it
         try:
             socket.send_fds(conn, [REPLY.pack(0, 0, 0, 0, size)], [fd])
         finally:
             os.close(fd)                                        # the mapping stays
-        peer.rows.replace(mm)
 
     def _tables(self, parts: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
         """[(table name, number of ids, dim)] of a request's parts, or InvalidArgument."""

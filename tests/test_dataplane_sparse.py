@@ -10,11 +10,8 @@ no table.
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -86,19 +83,11 @@ def assert_same_state(a: list[dict], b: list[dict]) -> None:
                 np.testing.assert_array_equal(sa[name][k], sb[name][k], err_msg=f"{name} {k}")
 
 
-def rows_mappings() -> int:
-    """Mappings of rows buffers in this process (the in-process shards' and clients')."""
+def rows_mappings(shard) -> int:
+    """Mappings in this process of the rows buffers of one in-process shard (its own, and
+    those of its clients here)."""
     with open("/proc/self/maps") as f:
-        return sum("memfd:pserver-rows" in line for line in f)
-
-
-@pytest.fixture
-def quiet():
-    """No connection of an earlier test still winding down: mappings can then be counted."""
-    deadline = time.monotonic() + 20
-    while any(t.name == "dataplane-conn" for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    gc.collect()
+        return sum(f"memfd:pserver-rows-{shard.dataplane.tag} " in line for line in f)
 
 
 def ids_of_shard(j: int, num_shards: int, n: int) -> np.ndarray:
@@ -122,6 +111,33 @@ def test_row_layout_places_each_part_aligned_and_apart(parts):
     assert dataplane.fits(parts) == (end <= dataplane.ROWS_BUFFER_MAX)
 
 
+SHARD_COUNTS = (1, 2, 5, 16, 17, 40)
+
+
+@pytest.fixture(scope="module")
+def clients():
+    """A client per shard count (no shard answers: owners() needs none)."""
+    made = {n: PSClient(["127.0.0.1:1"] * n, data_plane="grpc") for n in SHARD_COUNTS}
+    yield made
+    for c in made.values():
+        c.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(-2**63, 2**63 - 1), max_size=300), shards=st.sampled_from(SHARD_COUNTS))
+def test_the_client_splits_a_lookup_by_owner_in_order(clients, ids, shards):
+    """owners(): for each shard, the positions of the unique ids it holds, ascending; all of
+    them, each once (a pass per shard up to 16 shards, a sort beyond)."""
+    lk = TableLookup.of(np.array(ids, np.int64), DIM)
+    [where] = clients[shards].owners([lk])
+    positions = [np.arange(lk.uniq.size)[w] for w in where]
+    assert len(positions) == shards
+    np.testing.assert_array_equal(np.sort(np.concatenate(positions)), np.arange(lk.uniq.size))
+    owner = sparse.shard_of(lk.uniq, shards)
+    for j, p in enumerate(positions):
+        assert (owner[p] == j).all() and (np.diff(p) > 0).all()
+
+
 # --- real clients: the same answers as gRPC -------------------------------------------------
 
 def test_rows_over_shared_memory_equal_rows_over_grpc(shard_server):
@@ -142,17 +158,27 @@ def test_rows_over_shared_memory_equal_rows_over_grpc(shard_server):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_request_that_outgrows_the_buffer_gets_a_new_one_and_the_old_is_unmapped(shard_server, quiet):
+def test_a_first_push_with_no_rows_for_a_shard(shard_server):
+    """Every shard gets the push, and the one that holds none of its ids an empty part, before
+    either has a rows buffer."""
+    servers = cluster(shard_server, 2)
+    c = client(servers)
+    ids = ids_of_shard(0, 2, 3).view(np.int64)
+    assert push(c, lookups(ids, 1)) == [("aggregated", 1), ("aggregated", 1)]
+    assert [s.fast.rows.size > 0 for s in c.shards] == [True, False]
+    assert [shard.status()["tables"][0]["rows"] for _, shard in servers] == [3, 0]
+
+
+def test_a_request_that_outgrows_the_buffer_gets_a_new_one_and_the_old_is_unmapped(shard_server):
     [(addr, shard)] = servers = cluster(shard_server)
     c = client(servers)
-    before = rows_mappings()
     pulled(c, [1, 2, 3])
     size = c.shards[0].fast.rows.size
-    assert size == 1 << 20 and rows_mappings() == before + 2           # the shard's and ours
+    assert size == 1 << 20 and rows_mappings(shard) == 2        # the shard's and ours
     n = size // (8 + 4 * DIM) + 1000                                    # the emb part no longer fits
     pulled(c, np.arange(n))
     assert c.shards[0].fast.rows.size >= 2 * size
-    assert rows_mappings() == before + 2, "the old buffer must be unmapped on both sides"
+    assert rows_mappings(shard) == 2, "the old buffer must be unmapped on both sides"
     assert shard.status()["counters"]["rows_pulled"] == 2 * (3 + n)
 
 
@@ -208,11 +234,10 @@ def parts_tail(*parts) -> bytes:
     return dataplane.PARTS.pack(len(parts)) + b"".join(dataplane.PART.pack(*p) for p in parts)
 
 
-def test_the_rows_buffer_is_sealed_and_bounded(shard_server, quiet):
+def test_the_rows_buffer_is_sealed_and_bounded(shard_server):
     [(addr, shard)] = servers = cluster(shard_server)
     c = client(servers)
     sock = raw_connection(shard, c)
-    before = rows_mappings()
     fd = grow(sock, 100)
     size = os.fstat(fd).st_size
     for new_size in (0, size // 2, 2 * size):
@@ -221,7 +246,7 @@ def test_the_rows_buffer_is_sealed_and_bounded(shard_server, quiet):
     os.close(fd)
     for _ in range(6):                 # asking again and again: the shard keeps one mapping
         os.close(grow(sock, 100))
-    assert rows_mappings() == before + 1
+    assert rows_mappings(shard) == 1
     request(sock, dataplane.ROWS_BUFFER, dataplane.ROWS_BUFFER_MAX + 1)
     code, message = reply(sock)
     assert dataplane.CODES[code] == "INVALID_ARGUMENT" and "rows buffer" in message

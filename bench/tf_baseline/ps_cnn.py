@@ -175,6 +175,15 @@ def run_pserver(args) -> dict:
             "test_accuracy_after": s["test_accuracy"]}
 
 
+def report(results, lines: list[str], path: str | None) -> None:
+    """Print the results as JSON, then a line each; write the JSON to `path` too."""
+    print(json.dumps(results, indent=2))
+    print("\n".join(lines))
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", required=True, help="directory with the four MNIST IDX files")
@@ -193,14 +202,9 @@ def main() -> None:
         results = [train(args, cluster)]
     if args.pserver:
         results.append(run_pserver(args))
-    print(json.dumps(results, indent=2))
-    for r in results:
-        print(f"{r['framework']:>50}: {r['train_samples_per_second']:>8,.0f} samples/s "
-              f"({r['samples']:,} samples in {r['seconds']:.1f} s, batch {r['batch_size']} per worker; "
-              f"test accuracy after {r['test_accuracy_after']:.4f})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    report(results, [f"{r['framework']:>50}: {r['train_samples_per_second']:>8,.0f} samples/s "
+                     f"({r['samples']:,} samples in {r['seconds']:.1f} s, batch {r['batch_size']} per worker; "
+                     f"test accuracy after {r['test_accuracy_after']:.4f})" for r in results], args.json)
 
 
 if __name__ == "__main__":

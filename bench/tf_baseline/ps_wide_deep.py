@@ -2,9 +2,10 @@
 end-to-end training samples/s with 1 parameter server and 2 workers, and the test AUC after.
 
 The model, as `pserver --model wide_deep` builds it: per categorical field a deep embedding
-(--dim) and a wide one (dim 1); deep = concat(26 deep embeddings, 13 dense features) ->
-Dense(256, relu) -> Dense(128, relu) -> Dense(1); logit = deep + the sum of the 26 wide
-embeddings; binary cross-entropy from logits. The embedding tables take sparse updates: the
+(--dim, pserver's --embedding-dim) and a wide one (dim 1); deep = concat(26 deep embeddings,
+13 dense features) -> Dense(256, relu) -> Dense(128, relu) -> Dense(1); wide = the sum of the
+26 wide embeddings + Dense(1) on the dense features; logit = wide + deep; binary
+cross-entropy from logits. The embedding tables take sparse updates: the
 gradient of a Keras Embedding is an IndexedSlices of the batch's rows, which Adagrad (--lr)
 applies on the parameter server to those rows only; the dense layers train with Adam
 (--dense-lr). TensorFlow's tables have a fixed size, so each field's ids are first mapped to
@@ -12,7 +13,8 @@ applies on the parameter server to those rows only; the dense layers train with 
 collisions, and no row that is never used).
 
 The data is an .npz with `dense` float32 (n, 13), `cat` int64 (n, 26) and `label` float32
-(n,); the last --test-fraction of the rows is held out for the AUC. The cluster and the custom
+(n,); its last `test_rows` rows (a key of the file; else the last --test-fraction) are held
+out for the AUC. criteo_npz.py writes criteo-synthetic so, from pserver's environment. The cluster and the custom
 loop are those of ps_cnn.py (real tf.distribute.Server processes on this machine, the
 coordinator in this process); one step is one worker's batch, and samples/s counts the steps
 after --warmup. Runs in its own virtual environment (see bench/tf_baseline/README.md).
@@ -23,12 +25,11 @@ after --warmup. Runs in its own virtual environment (see bench/tf_baseline/READM
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
 
-from ps_cnn import coordinator_for, local_cluster   # sets TensorFlow's environment first
+from ps_cnn import coordinator_for, local_cluster, report   # sets TensorFlow's environment first
 
 import numpy as np  # noqa: E402
 
@@ -42,6 +43,7 @@ def load(path: str, test_fraction: float) -> tuple[tuple, tuple, list[int]]:
         if missing:
             raise SystemExit(f"--data {path}: no {', '.join(sorted(missing))} in the file")
         dense, cat, label = f["dense"].astype(np.float32), f["cat"], f["label"].astype(np.float32)
+        test_rows = int(f["test_rows"]) if "test_rows" in f.files else round(len(label) * test_fraction)
     n = len(label)
     if dense.shape != (n, NUM_DENSE) or cat.shape != (n, NUM_CAT) or cat.dtype.kind not in "iu":
         raise SystemExit(f"--data {path}: need dense (n, {NUM_DENSE}), integer cat (n, {NUM_CAT}) "
@@ -51,9 +53,9 @@ def load(path: str, test_fraction: float) -> tuple[tuple, tuple, list[int]]:
     for f in range(NUM_CAT):
         uniq, index[:, f] = np.unique(cat[:, f], return_inverse=True)
         sizes.append(len(uniq))
-    cut = n - int(round(n * test_fraction))
+    cut = n - test_rows
     if not 0 < cut < n:
-        raise SystemExit(f"--test-fraction {test_fraction}: leaves no training or no test rows of {n}")
+        raise SystemExit(f"--data {path}: {test_rows} test rows of {n} leave no training or no test rows")
     return (dense[:cut], index[:cut], label[:cut]), (dense[cut:], index[cut:], label[cut:]), sizes
 
 
@@ -76,6 +78,7 @@ def wide_deep(tf, sizes: list[int], dim: int):
             super().__init__()
             self.deep = [tf.keras.layers.Embedding(k, dim, name=f"deep_{i}") for i, k in enumerate(sizes)]
             self.wide = [tf.keras.layers.Embedding(k, 1, name=f"wide_{i}") for i, k in enumerate(sizes)]
+            self.linear = tf.keras.layers.Dense(1)
             self.mlp = tf.keras.Sequential([tf.keras.layers.Dense(256, activation="relu"),
                                             tf.keras.layers.Dense(128, activation="relu"),
                                             tf.keras.layers.Dense(1)])
@@ -83,7 +86,7 @@ def wide_deep(tf, sizes: list[int], dim: int):
         def call(self, inputs):
             dense, cat = inputs
             deep = tf.concat([e(cat[:, i]) for i, e in enumerate(self.deep)] + [dense], axis=1)
-            wide = tf.add_n([e(cat[:, i]) for i, e in enumerate(self.wide)])
+            wide = tf.add_n([e(cat[:, i]) for i, e in enumerate(self.wide)]) + self.linear(dense)
             return tf.squeeze(self.mlp(deep) + wide, axis=1)
 
         def tables(self):
@@ -158,11 +161,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help=".npz with dense (n, 13), cat (n, 26), label (n,)")
     p.add_argument("--test-fraction", type=float, default=0.1,
-                   help="the last part of the rows held out for the AUC (default 0.1)")
+                   help="the last part of the rows held out for the AUC, where the file has no "
+                   "test_rows (default 0.1)")
     p.add_argument("--ps", type=int, default=1, help="parameter-server tasks (default 1)")
     p.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
     p.add_argument("--batch-size", type=int, default=512, help="per step, one worker's (default 512)")
-    p.add_argument("--dim", type=int, default=16, help="deep embedding dimension (default 16)")
+    p.add_argument("--dim", type=int, default=8, help="deep embedding dimension (default 8, as "
+                   "pserver's --embedding-dim)")
     p.add_argument("--steps", type=int, default=0,
                    help="steps over all workers (default: one pass over the training rows)")
     p.add_argument("--warmup", type=int, default=50, help="untimed steps first (default 50)")
@@ -175,13 +180,10 @@ def main() -> None:
     train_split, test_split, sizes = load(args.data, args.test_fraction)
     with local_cluster(args.ps, args.workers) as cluster:
         result = train(args, cluster, (train_split, test_split), sizes)
-    print(json.dumps(result, indent=2))
-    print(f"{result['framework']} wide_deep: {result['train_samples_per_second']:,.0f} samples/s "
-          f"({result['timed_samples']:,} samples in {result['seconds']:.1f} s after {args.warmup} warm-up "
-          f"steps, batch {args.batch_size} per worker); test AUC {result['test_auc']:.4f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, [f"{result['framework']} wide_deep: {result['train_samples_per_second']:,.0f} samples/s "
+                    f"({result['timed_samples']:,} samples in {result['seconds']:.1f} s after {args.warmup} "
+                    f"warm-up steps, batch {args.batch_size} per worker); test AUC {result['test_auc']:.4f}"],
+           args.json)
 
 
 if __name__ == "__main__":
