@@ -573,9 +573,18 @@ def _factors_numpy(h0: np.ndarray) -> np.ndarray:
     return FACTOR_STD * np.concatenate(pairs, axis=-1)
 
 
+def _planted_h0(seed: int, cat: np.ndarray) -> np.ndarray:
+    return splitmix64(np.ascontiguousarray(cat).view(np.uint64) ^ _salt(seed, 1))
+
+
+def planted_weights(seed: int, cat: np.ndarray) -> np.ndarray:
+    """The planted per-id weight of every id in `cat` (int64 (n, 26)), float64 (n, 26)."""
+    return WEIGHT_STD * _normals_numpy(_planted_h0(seed, cat), 0)[0]
+
+
 def planted_numpy(seed: int, cat: np.ndarray, pairwise: bool = True) -> np.ndarray:
-    h0 = splitmix64(np.ascontiguousarray(cat).view(np.uint64) ^ _salt(seed, 1))
-    logit = (WEIGHT_STD * _normals_numpy(h0, 0)[0]).sum(axis=1)
+    h0 = _planted_h0(seed, cat)
+    logit = planted_weights(seed, cat).sum(axis=1)
     if pairwise:
         for a, b in FM_PAIRS:
             logit += (_factors_numpy(h0[:, a]) * _factors_numpy(h0[:, b])).sum(axis=1)
