@@ -17,6 +17,7 @@ from pserver.codec import MAX_CHUNK_BYTES
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition
 from pserver.metrics import describe_updates
+from pserver.server.health import Readiness
 from pserver.server.limits import pool_threads
 from pserver.server.servicer import ParameterServerServicer, add_to_server
 from pserver.server.shard import Shard
@@ -30,14 +31,17 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
 
     Port 0 binds a free port, which is how tests and `pserver launch` start shards.
     """
-    shard = Shard(cfg)
+    shard = Shard(cfg, open_now=False)
+    shard.readiness = Readiness()         # NOT_SERVING until shard.open() below is done
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=pool_threads(cfg.threads, cfg.num_workers),
                                    thread_name_prefix="pserver-rpc"),   # split by server/limits.py
         options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES),
                  ("grpc.so_reuseport", 0)],
-        interceptors=security.server_interceptors(cfg.auth_token))   # token check, safe decoding
+        # token check, readiness gate, safe decoding
+        interceptors=security.server_interceptors(cfg.auth_token, shard.readiness))
     add_to_server(ParameterServerServicer(shard), server)
+    shard.readiness.add_to(server)
     address = f"{cfg.host}:{cfg.port}"
     check_port_free(cfg.host, cfg.port)
     try:
@@ -47,6 +51,12 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
     if port == 0:
         raise ConfigError(f"--port: cannot bind {address} (in use, or not an address of this host)")
     server.start()
+    try:
+        shard.open()
+    except BaseException:
+        server.stop(0)
+        raise
+    shard.readiness.serving()
     if cfg.data_plane == "auto" and dataplane.supported():
         shard.dataplane = dataplane.DataPlaneServer(shard)
     return server, port, shard

@@ -109,12 +109,13 @@ def available_memory() -> int:
 
 
 class Shard:
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: ServerConfig, open_now: bool = True) -> None:
         self.cfg = cfg
         self.store = ShardStore(cfg.shard, cfg.num_shards, self._optimizer_for)
         self.policy = make_policy(self.store, cfg)
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
+        self.readiness = None          # the health service's state, when app.py serves one
         self.init_lock = threading.Lock()
         self.seeded_by = -1            # the rank whose Init supplied the values
         self.instance = secrets.token_hex(8)   # tells a restarted shard from the one before
@@ -123,10 +124,17 @@ class Shard:
         # Sessions expire and idle streams are cancelled even when no call is waiting.
         threading.Thread(target=Shard._reap, args=(weakref.ref(self), min(1.0, cfg.step_timeout / 4)),
                          name="pserver-reaper", daemon=True).start()
-        if cfg.restore:
-            self._restore(cfg.restore)
-        where = checkpoint.write_directory(cfg)
-        self.checkpointer = checkpoint.Checkpointer(*where, self.store, cfg) if where else None
+        self.checkpointer = None
+        if open_now:
+            self.open()
+
+    def open(self) -> None:
+        """Restore (--restore) and start checkpointing: what the shard does before it accepts
+        workers. app.py calls it once the port is open, so that health probes see the restore."""
+        if self.cfg.restore:
+            self._restore(self.cfg.restore)
+        where = checkpoint.write_directory(self.cfg)
+        self.checkpointer = checkpoint.Checkpointer(*where, self.store, self.cfg) if where else None
 
     def _restore(self, directory: str) -> None:
         ckpt = checkpoint.load_latest(directory, self.cfg.shard, self.cfg.num_shards,
@@ -416,6 +424,8 @@ class Shard:
                                 for n, t in s.tables.items()])
 
     def close(self) -> None:
+        if self.readiness is not None:
+            self.readiness.stopping()  # NOT_SERVING first: probes see the shutdown begin
         self.store.close()
         if self.dataplane is not None:
             self.dataplane.close()
