@@ -125,6 +125,7 @@ class WorkerConfig:
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     require_fresh: bool = False   # chief: refuse shards that already hold trained state (default: continue)
+    stop_shards: bool = False     # chief: end the shards (exit 0) once the run is over (pserver slurm)
     auth_token: str | None = field(default=None, repr=False)  # sent with every RPC; never shown
     tls_ca: str | None = None     # PEM CA certificate to trust: talk to the shards over TLS
     # Sparse embedding tables of the click-through-rate models (lr, fm, wide_deep, deepfm)
@@ -142,6 +143,8 @@ class WorkerConfig:
             raise ConfigError(f"--num-workers: must be >= 1, got {self.num_workers}")
         if not 0 <= self.rank < self.num_workers:
             raise ConfigError(f"--rank: {self.rank} is outside [0, --num-workers={self.num_workers})")
+        if self.stop_shards and self.rank != 0:
+            raise ConfigError(f"--stop-shards: only the chief (rank 0) ends the run; this is rank {self.rank}")
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size: must be >= 1, got {self.batch_size}")
         if self.epochs < 1:

@@ -180,6 +180,9 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
             model_file.save(cfg.save, model, w, definition, summary)
             print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
                   f"{cfg.save}", flush=True)
+        if cfg.stop_shards:
+            client.stop_shards()
+            print(f"stopped the {len(cfg.ps)} shard(s): the run is over", flush=True)
         return summary
     except (Stopped, KeyboardInterrupt):
         client.leave_on_stop()                 # the others' steps stop waiting for us now

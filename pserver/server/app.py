@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import signal
 import socket
 import sys
 from concurrent import futures
@@ -82,16 +81,18 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def serve(cfg: ServerConfig) -> int:
-    """Run a shard until SIGTERM, SIGHUP or SIGINT, then stop gracefully (in-flight calls get
-    2 s), write a last checkpoint where there is a directory, and return 128+signal."""
+    """Run a shard until SIGTERM, SIGHUP or SIGINT, or until the chief ends the run (worker
+    --stop-shards), then stop gracefully (in-flight calls get 2 s), write a last checkpoint
+    where there is a directory, and return 128+signal (0 when the chief ended it)."""
     with stop_on_signals():
         server, port, shard = create_server(cfg)
         print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "
               f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}"
               f"{' (TLS)' if cfg.tls_cert else ''}{' (token required)' if cfg.auth_token else ''}", flush=True)
+        stopped = None
         try:
-            while True:
-                signal.pause()
+            while not shard.ended.wait(0.5):
+                pass
         except Stopped as e:
             stopped = e
         shard.close()                       # wake pulls that wait for a step
@@ -102,7 +103,8 @@ def serve(cfg: ServerConfig) -> int:
             pass                            # logged and counted where it failed
     st = shard.status()
     c = st["counters"]
-    print(f"pserver serve: shard {cfg.shard} stopped by {stopped} at version {st['version']}: "
+    why = f"stopped by {stopped}" if stopped else "done (the chief ended the run)"
+    print(f"pserver serve: shard {cfg.shard} {why} at version {st['version']}: "
           f"{describe_updates(c)}", flush=True)
     sys.stdout.flush()
-    return stopped.exit_code
+    return stopped.exit_code if stopped else 0

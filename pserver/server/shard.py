@@ -116,6 +116,7 @@ class Shard:
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
         self.readiness = None          # the health service's state, when app.py serves one
+        self.ended = threading.Event() # the chief ended the run (stop_after_checkpoint): serve() exits 0
         self.init_lock = threading.Lock()
         self.seeded_by = -1            # the rank whose Init supplied the values
         self.instance = secrets.token_hex(8)   # tells a restarted shard from the one before
@@ -157,6 +158,20 @@ class Shard:
         if self.checkpointer is None or not self.store.initialized:
             return "", self.store.version
         return self.checkpointer.request()
+
+    def stop_after_checkpoint(self, rank: int, session: str | None) -> tuple[str, int]:
+        """The chief ends the run (worker --stop-shards, how `pserver slurm` ends its step):
+        once every worker has left, checkpoint, then set `ended`, on which serve() exits 0."""
+        with self.store.cond:
+            self.policy.authorize(rank, session)
+            live = sorted(self.policy.registered - self.policy.left - self.policy.dead)
+        if rank != 0:
+            raise FailedPrecondition(f"then_stop: only the chief (rank 0) ends the run, not rank {rank}")
+        if live:
+            raise FailedPrecondition(f"then_stop: worker(s) {live} are still training")
+        result = self.checkpoint(rank, session)
+        self.ended.set()
+        return result
 
     def _optimizer_for(self, size: int):
         c = self.cfg
