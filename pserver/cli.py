@@ -131,6 +131,8 @@ WORKER_FLAGS = [
     Flag("--require-fresh", dict(action="store_true", default=None,
                                  help="chief: refuse (exit 2) when the shards already hold trained state "
                                       "(default: continue from it, saying so)")),
+    Flag("--tensorboard", dict(metavar="DIR", help="chief: write TensorBoard scalars here (train loss, "
+                               "samples/s, staleness; test accuracy or AUC and loss per epoch)")),
     Flag("--save", dict(metavar="PATH", help="chief: write the trained model here at the end: its definition and "
                                              "weights in an .npz that numpy reads (docs/model-file.md; "
                                              "`pserver evaluate --model-file PATH`)")),
@@ -144,6 +146,15 @@ COMMON_FLAGS = [
     Flag("--chunk-bytes", dict(type=int, help="payload bytes per streamed message (default 1048576)")),
     Flag("--data-plane", dict(choices=("auto", "grpc"), help="auto (default): shards and workers on the same "
                               "host exchange payloads through shared memory; grpc: gRPC streams only")),
+]
+
+# Prometheus metrics, on shards and workers alike; launch and slurm give each process its own port.
+METRICS_FLAGS = [
+    Flag("--metrics-port", dict(type=int, metavar="P", help="serve Prometheus metrics at http://HOST:P/metrics "
+                                "(0: a free port, printed); under launch and slurm the processes of a host "
+                                "get P, P+1, ..., shards first")),
+    Flag("--metrics-host", dict(metavar="HOST", help="address the metrics listen on (default: a shard's "
+                                "--host, a worker's 127.0.0.1)")),
 ]
 
 # Security flags: in no table above, because launch must never put a token on a child's
@@ -200,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="INFO", help="server log level (default INFO)")
     add_flags(s, SERVER_FLAGS, "training")
     add_flags(s, COMMON_FLAGS, "transport")
+    add_flags(s, METRICS_FLAGS, "metrics")
     add_flags(s, SERVE_SECURITY, "security")
 
     w = sub.add_parser("worker", help="run one worker", formatter_class=fmt,
@@ -215,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chief: once the run is over, every shard checkpoints and exits 0")
     add_flags(w, WORKER_FLAGS, "training")
     add_flags(w, COMMON_FLAGS, "transport")
+    add_flags(w, METRICS_FLAGS, "metrics")
     add_flags(w, CLIENT_SECURITY, "security")
 
     la = sub.add_parser("launch", help="run S shards and N workers on this machine", formatter_class=fmt,
@@ -233,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(la, SERVER_FLAGS, "shard flags (passed to every shard)")
     add_flags(la, WORKER_FLAGS, "worker flags (passed to every worker)")
     add_flags(la, COMMON_FLAGS, "transport")
+    add_flags(la, METRICS_FLAGS, "metrics")
     add_flags(la, SERVE_SECURITY + [TLS_CA], "security (a token is generated unless given; it reaches "
                                              "the processes in their environment, never their argv)")
 
@@ -254,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(sl, SERVER_FLAGS, "shard flags")
     add_flags(sl, WORKER_FLAGS, "worker flags")
     add_flags(sl, COMMON_FLAGS, "transport")
+    add_flags(sl, METRICS_FLAGS, "metrics")
     add_flags(sl, [TLS_CERT, TLS_KEY, TLS_CA], "security")
 
     st = sub.add_parser("status", help="show each shard's version, mode, size and counters",
@@ -292,7 +307,7 @@ def security_given(ns, flags) -> dict:
 
 
 def server_config(ns) -> ServerConfig:
-    kw = given(ns, SERVER_FLAGS + COMMON_FLAGS) | security_given(ns, SERVE_SECURITY)
+    kw = given(ns, SERVER_FLAGS + COMMON_FLAGS + METRICS_FLAGS) | security_given(ns, SERVE_SECURITY)
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
     if cluster and cluster.task_type == "ps":
         kw.update(shard=cluster.task_index, num_shards=len(cluster.ps),
@@ -306,7 +321,7 @@ def server_config(ns) -> ServerConfig:
 
 
 def worker_config(ns) -> WorkerConfig:
-    kw = given(ns, WORKER_FLAGS + COMMON_FLAGS) | security_given(ns, CLIENT_SECURITY)
+    kw = given(ns, WORKER_FLAGS + COMMON_FLAGS + METRICS_FLAGS) | security_given(ns, CLIENT_SECURITY)
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
     if cluster and cluster.task_type in ("worker", "chief"):
         kw.update(ps=cluster.ps, rank=cluster.rank, num_workers=len(cluster.workers))
@@ -359,17 +374,21 @@ def cmd_slurm(ns) -> int:
         raise ConfigError(f"{TOKEN_ENV}: pserver slurm needs a token in every task's environment "
                           "(deploy/slurm/pserver.sbatch writes one to a file only the job can read)")
     print(f"pserver slurm: {task.describe()}", flush=True)
+    metrics = given(ns, METRICS_FLAGS)
+    if ns.metrics_port:                # the same offset on its host as its gRPC port
+        metrics["metrics_port"] = ns.metrics_port + task.ports[task.procid] - ns.base_port
     if task.is_shard:
         return run_shard(ServerConfig(host=ns.host or task.hosts[task.procid], port=task.ports[task.procid],
                                       shard=task.index, num_shards=task.num_shards,
-                                      num_workers=task.num_workers, auth_token=token,
+                                      num_workers=task.num_workers, auth_token=token, **metrics,
                                       **given(ns, SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY])),
                          ns.log_level)
     chief = task.index == 0
     one_blas_thread()
     return run_training(WorkerConfig(ps=task.shards, rank=task.index, num_workers=task.num_workers,
                                      summary_json=ns.summary_json if chief else None, stop_shards=chief,
-                                     auth_token=token, **given(ns, WORKER_FLAGS + COMMON_FLAGS + [TLS_CA])))
+                                     auth_token=token, **metrics,
+                                     **given(ns, WORKER_FLAGS + COMMON_FLAGS + [TLS_CA])))
 
 
 def cmd_launch(ns) -> int:
@@ -384,10 +403,11 @@ def cmd_launch(ns) -> int:
     check_writable("--summary-json", ns.summary_json)
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks, delay_for=parse_delay_for(ns.delay_for, ns.workers),
-                       auth_token=token,
+                       auth_token=token, metrics_port=ns.metrics_port,
                        device=ns.device or "cpu")
-    server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY]
-    worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA]
+    # --metrics-port is given per process (launch.py); --metrics-host goes to every one
+    server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY] + METRICS_FLAGS[1:]
+    worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA] + METRICS_FLAGS[1:]
     # Build both configs once here, so a bad flag fails now, before any process starts.
     server_cfg = ServerConfig(num_shards=ns.ps, auth_token=token, **given(ns, server_flags))
     where = write_directory(server_cfg)

@@ -51,8 +51,11 @@ class ServerConfig:
     auth_token: str | None = field(default=None, repr=False)  # every RPC must carry it; never shown
     tls_cert: str | None = None   # PEM certificate (chain): serve over TLS (with tls_key)
     tls_key: str | None = None    # PEM private key of tls_cert
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port, printed)
+    metrics_host: str | None = None  # where they listen (default: host)
 
     def __post_init__(self) -> None:
+        check_metrics(self.metrics_port)
         if self.mode not in MODES:
             raise ConfigError(f"--mode: unknown mode '{self.mode}'; choose one of {', '.join(MODES)}")
         if not 0 <= self.shard < self.num_shards:
@@ -135,8 +138,14 @@ class WorkerConfig:
     min_count: int = 0            # admission: store an id once it was pushed this many times
     max_rows: int = 0             # eviction: rows per table per shard, least recently updated out first
     ttl_steps: int = 0            # eviction: rows not updated for this many steps
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port, printed)
+    metrics_host: str | None = None  # where they listen (default 127.0.0.1)
+    tensorboard: str | None = None   # chief: write TensorBoard scalars to this directory
 
     def __post_init__(self) -> None:
+        check_metrics(self.metrics_port)
+        if self.tensorboard:
+            check_tensorboard(self.tensorboard)
         if not self.ps:
             raise ConfigError("--ps: give at least one shard address host:port")
         if self.num_workers < 1:
@@ -168,6 +177,20 @@ class WorkerConfig:
         parse_device(self.device)
         from pserver.models import check_model_spec   # a user's code runs later, in the worker
         check_model_spec(self.model)
+
+
+def check_metrics(port: int | None) -> None:
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics-port: {port} is not a TCP port")
+
+
+def check_tensorboard(directory: str) -> None:
+    import importlib.util
+    if importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(f"--tensorboard: writing to {directory} needs tensorboardX "
+                          "(pip install 'pserver[tensorboard]')")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ConfigError(f"--tensorboard: {directory} is a file, not a directory")
 
 
 def check_positive(**values) -> None:

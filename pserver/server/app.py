@@ -21,6 +21,7 @@ from pserver.server.limits import pool_threads
 from pserver.server.servicer import ParameterServerServicer, add_to_server
 from pserver.server.shard import Shard
 from pserver.signals import Stopped, stop_on_signals
+from pserver.telemetry import serve_metrics
 
 log = logging.getLogger("pserver.server")
 
@@ -86,6 +87,13 @@ def serve(cfg: ServerConfig) -> int:
     where there is a directory, and return 128+signal (0 when the chief ended it)."""
     with stop_on_signals():
         server, port, shard = create_server(cfg)
+        if cfg.metrics_port is not None:
+            try:
+                serve_metrics(shard.metrics.registry, cfg.metrics_host or cfg.host, cfg.metrics_port,
+                              f"pserver serve: shard {cfg.shard}")
+            except ConfigError:
+                server.stop(0)
+                raise
         print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "
               f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}"
               f"{' (TLS)' if cfg.tls_cert else ''}{' (token required)' if cfg.auth_token else ''}", flush=True)

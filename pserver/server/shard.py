@@ -30,6 +30,7 @@ from pserver.server.limits import Limits, pool_threads
 from pserver import sparse
 from pserver.server.store import RowGrads, ShardStore, first_nonfinite
 from pserver.sharding import shard_range
+from pserver.telemetry import ShardMetrics
 
 log = logging.getLogger("pserver.server")
 # How a push's payload arrives: a function that writes it into the array it is given (the
@@ -117,6 +118,8 @@ class Shard:
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
         self.readiness = None          # the health service's state, when app.py serves one
         self.ended = threading.Event() # the chief ended the run (stop_after_checkpoint): serve() exits 0
+        self.metrics = ShardMetrics()  # for --metrics-port; the counters are read when scraped
+        self.metrics.watch(self)
         self.init_lock = threading.Lock()
         self.seeded_by = -1            # the rank whose Init supplied the values
         self.instance = secrets.token_hex(8)   # tells a restarted shard from the one before
@@ -371,8 +374,10 @@ class Shard:
             return alive is None or alive()
 
         with self.limits.waiting(rank, still_there) as waiter, s.cond:
-            self.policy.wait_pull(rank, seen_version, clock, timeout, waiter=waiter)
+            with self.metrics.pull_wait.time():
+                self.policy.wait_pull(rank, seen_version, clock, timeout, waiter=waiter)
             s.counters.add("pulls_served")
+            self.metrics.sent.inc(s.params.nbytes)
             return s.version, s.params, self.policy.finished
 
     def push(self, rank: int, shard: int, step: int, num_elements: int, dtype: str,
@@ -390,11 +395,13 @@ class Shard:
                 s.require_configured()
                 self.policy.authorize(rank, session, revive=True)
             self._check_payload(num_elements, dtype)
+            self.metrics.received.inc(num_elements * 4)          # float32, checked above
             if num_samples < 0:
                 raise InvalidArgument(f"num_samples: must be >= 0, got {num_samples}")
             outcome, message = self._receive_and_decide(rank, step, clock, fill, num_samples, rows)
-        except RpcError:
+        except RpcError as e:
             s.counters.add("pushes_rejected")
+            self.metrics.rejected.labels(e.code_name.lower()).inc()
             raise
         if self.checkpointer is not None:
             self.checkpointer.maybe()
