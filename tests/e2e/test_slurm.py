@@ -121,11 +121,14 @@ def srun(env: dict, ntasks: int, *args: str, **popen) -> subprocess.Popen:
 
 
 def test_srun_trains_with_one_shard_and_two_workers_and_the_step_ends(slurm, tmp_path):
-    summary = tmp_path / "summary.json"
+    summary, metrics = tmp_path / "summary.json", free_port()
     step = srun(slurm, 3, "--ps", "1", "--base-port", str(free_port()), *LOGREG, "--optimizer", "sgd",
-                "--lr", "0.1", "--summary-json", str(summary))
+                "--lr", "0.1", "--summary-json", str(summary), "--metrics-port", str(metrics))
     out, _ = step.communicate(timeout=300)
     assert step.returncode == 0, out
+    # task i of the host serves its metrics on P + i: the shard first, then worker ranks 0, 1
+    said = dict(re.findall(r"(shard 0|worker \d): Prometheus metrics at http://\S+?:(\d+)/metrics", out))
+    assert said == {"shard 0": str(metrics), "worker 0": str(metrics + 1), "worker 1": str(metrics + 2)}, out
     roles = sorted(re.findall(r"task (\d) of 3 on \S+: (shard 0|worker rank \d)", out))
     assert roles == [("0", "shard 0"), ("1", "worker rank 0"), ("2", "worker rank 1")], out
     s = read_json(summary)
