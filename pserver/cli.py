@@ -1,4 +1,4 @@
-"""The `pserver` command: serve, worker, launch, status, evaluate.
+"""The `pserver` command: serve, worker, launch, slurm, status, evaluate.
 
 Each subcommand parses flags (falling back to TF_CONFIG for the cluster), builds a
 frozen config and calls one function. A user's mistake prints one line and exits 2; a
@@ -158,6 +158,8 @@ WORKER_FLAGS = [
     Flag("--require-fresh", dict(action="store_true", default=None,
                                  help="chief: refuse (exit 2) when the shards already hold trained state "
                                       "(default: continue from it, saying so)")),
+    Flag("--tensorboard", dict(metavar="DIR", help="chief: write TensorBoard scalars here (train loss, "
+                               "samples/s, staleness; test accuracy or AUC and loss per epoch)")),
     Flag("--save", dict(metavar="PATH", help="chief: write the trained model here at the end: its definition and "
                                              "weights in an .npz that numpy reads (docs/model-file.md; "
                                              "`pserver evaluate --model-file PATH`)")),
@@ -171,6 +173,15 @@ COMMON_FLAGS = [
     Flag("--chunk-bytes", dict(type=int, help="payload bytes per streamed message (default 1048576)")),
     Flag("--data-plane", dict(choices=("auto", "grpc"), help="auto (default): shards and workers on the same "
                               "host exchange payloads through shared memory; grpc: gRPC streams only")),
+]
+
+# Prometheus metrics, on shards and workers alike; launch and slurm give each process its own port.
+METRICS_FLAGS = [
+    Flag("--metrics-port", dict(type=int, metavar="P", help="serve Prometheus metrics at http://HOST:P/metrics "
+                                "(0: a free port, printed); under launch and slurm the processes of a host "
+                                "get P, P+1, ..., shards first")),
+    Flag("--metrics-host", dict(metavar="HOST", help="address the metrics listen on (default: a shard's "
+                                "--host, a worker's 127.0.0.1)")),
 ]
 
 # Security flags: in no table above, because launch must never put a token on a child's
@@ -228,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="INFO", help="server log level (default INFO)")
     add_flags(s, SERVER_FLAGS, "training")
     add_flags(s, COMMON_FLAGS, "transport")
+    add_flags(s, METRICS_FLAGS, "metrics")
     add_flags(s, SERVE_SECURITY, "security")
 
     w = sub.add_parser("worker", help="run one worker", formatter_class=fmt,
@@ -241,8 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-workers", type=int, default=None, help="number of workers N (default 1)")
     g.add_argument("--summary-json", default=None, metavar="PATH", help="chief: write the run summary here")
     g.add_argument("--stats-json", default=None, metavar="PATH", help="write this worker's time breakdown here")
+    g.add_argument("--stop-shards", action="store_true", default=None,
+                   help="chief: once the run is over, every shard checkpoints and exits 0")
     add_flags(w, WORKER_FLAGS, "training")
     add_flags(w, COMMON_FLAGS, "transport")
+    add_flags(w, METRICS_FLAGS, "metrics")
     add_flags(w, CLIENT_SECURITY, "security")
 
     la = sub.add_parser("launch", help="run S shards and N workers on this machine", formatter_class=fmt,
@@ -262,8 +277,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(la, SERVER_FLAGS, "shard flags (passed to every shard)")
     add_flags(la, WORKER_FLAGS, "worker flags (passed to every worker)")
     add_flags(la, COMMON_FLAGS, "transport")
+    add_flags(la, METRICS_FLAGS, "metrics")
     add_flags(la, SERVE_SECURITY + [TLS_CA], "security (a token is generated unless given; it reaches "
                                              "the processes in their environment, never their argv)")
+
+    sl = sub.add_parser("slurm", help="one task of an srun step: a shard or a worker, by SLURM_PROCID",
+                        formatter_class=fmt,
+                        description="Run as every task of one srun step: tasks 0..S-1 serve, the others are workers\n"
+                                    "with rank SLURM_PROCID - S; the chief ends the shards when the run is over.\n"
+                                    "The token comes from $PSERVER_AUTH_TOKEN (deploy/slurm/pserver.sbatch makes one).\n"
+                                    "Exit codes: 0 done, 2 a bad flag or environment, 1 a failure, 128+signal when\n"
+                                    "stopped (143: scancel's SIGTERM); srun exits with the highest of its tasks'.\n"
+                                    "Example: srun --ntasks=6 pserver slurm --ps 2 --dataset mnist --epochs 2")
+    sl.add_argument("--ps", type=int, required=True, metavar="S", help="how many of the step's tasks are shards")
+    sl.add_argument("--base-port", type=int, default=8888, metavar="P",
+                    help="a task listens on P + its index on its host (default 8888)")
+    sl.add_argument("--host", default=None, help="address shards bind (default: their host's name as "
+                                                 "SLURM_STEP_NODELIST lists it, the one the workers dial)")
+    sl.add_argument("--summary-json", default=None, metavar="PATH", help="chief: write the run summary here")
+    sl.add_argument("--log-level", default="INFO", help="shard log level (default INFO)")
+    add_flags(sl, SERVER_FLAGS, "shard flags")
+    add_flags(sl, WORKER_FLAGS, "worker flags")
+    add_flags(sl, COMMON_FLAGS, "transport")
+    add_flags(sl, METRICS_FLAGS, "metrics")
+    add_flags(sl, [TLS_CERT, TLS_KEY, TLS_CA], "security")
 
     st = sub.add_parser("status", help="show each shard's version, mode, size and counters",
                         description="Example: pserver status --ps 127.0.0.1:2222,127.0.0.1:2223")
@@ -304,7 +341,7 @@ def security_given(ns, flags) -> dict:
 
 
 def server_config(ns) -> ServerConfig:
-    kw = given(ns, SERVER_FLAGS + COMMON_FLAGS) | security_given(ns, SERVE_SECURITY)
+    kw = given(ns, SERVER_FLAGS + COMMON_FLAGS + METRICS_FLAGS) | security_given(ns, SERVE_SECURITY)
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
     refuse_evaluator(cluster)
     if cluster and cluster.task_type == "ps":
@@ -328,7 +365,7 @@ def refuse_evaluator(cluster) -> None:
 
 
 def worker_config(ns) -> WorkerConfig:
-    kw = given(ns, WORKER_FLAGS + COMMON_FLAGS) | security_given(ns, CLIENT_SECURITY)
+    kw = given(ns, WORKER_FLAGS + COMMON_FLAGS + METRICS_FLAGS) | security_given(ns, CLIENT_SECURITY)
     cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
     refuse_evaluator(cluster)
     if cluster and cluster.task_type in ("worker", "chief"):
@@ -338,30 +375,68 @@ def worker_config(ns) -> WorkerConfig:
     elif "ps" not in kw:
         print(f"pserver worker: no --ps and no TF_CONFIG: dialing {WorkerConfig.ps[0]}, the default shard "
               "address", flush=True)
-    for name in ("rank", "num_workers", "summary_json", "stats_json"):
+    for name in ("rank", "num_workers", "summary_json", "stats_json", "stop_shards"):
         if getattr(ns, name) is not None:
             kw[name] = getattr(ns, name)
     return WorkerConfig(**kw)
 
 
 def cmd_serve(ns) -> int:
+    return run_shard(server_config(ns), ns.log_level)
+
+
+def run_shard(cfg: ServerConfig, log_level: str) -> int:
     allocator.tune()
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     from pserver.server.app import serve
-    return serve(server_config(ns))
+    return serve(cfg)
 
 
 def cmd_worker(ns) -> int:
-    allocator.tune()
-    # One BLAS thread per worker unless told otherwise (before numpy/scipy load): several
-    # workers on one host with a thread per core each spin against each other (19x slower
-    # measured with 4 workers on 2 cores). launch does the same for its workers.
+    one_blas_thread()
+    return run_training(worker_config(ns))
+
+
+def one_blas_thread() -> None:
+    """One BLAS thread per worker unless told otherwise (before numpy/scipy load): several
+    workers on one host with a thread per core each spin against each other (19x slower
+    measured with 4 workers on 2 cores). launch does the same for its workers."""
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
+
+
+def run_training(cfg: WorkerConfig) -> int:
+    allocator.tune()
     from pserver.worker import run_worker
     with stop_on_signals():           # SIGTERM, SIGHUP, Ctrl-C: Stopped, exit 128+signal
-        run_worker(worker_config(ns))
+        run_worker(cfg)
     return 0
+
+
+def cmd_slurm(ns) -> int:
+    from pserver.security import TOKEN_ENV, resolve_token
+    from pserver.slurm import slurm_task
+    task = slurm_task(os.environ, ns.ps, ns.base_port)
+    token = resolve_token(None)     # never a flag: a command line is public
+    if token is None:      # other users' jobs share the cluster's network
+        raise ConfigError(f"{TOKEN_ENV}: pserver slurm needs a token in every task's environment "
+                          "(deploy/slurm/pserver.sbatch writes one to a file only the job can read)")
+    print(f"pserver slurm: {task.describe()}", flush=True)
+    metrics = given(ns, METRICS_FLAGS)
+    if ns.metrics_port:                # the same offset on its host as its gRPC port
+        metrics["metrics_port"] = ns.metrics_port + task.ports[task.procid] - ns.base_port
+    if task.is_shard:
+        return run_shard(ServerConfig(host=ns.host or task.hosts[task.procid], port=task.ports[task.procid],
+                                      shard=task.index, num_shards=task.num_shards,
+                                      num_workers=task.num_workers, auth_token=token, **metrics,
+                                      **given(ns, SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY])),
+                         ns.log_level)
+    chief = task.index == 0
+    one_blas_thread()
+    return run_training(WorkerConfig(ps=task.shards, rank=task.index, num_workers=task.num_workers,
+                                     summary_json=ns.summary_json if chief else None, stop_shards=chief,
+                                     auth_token=token, **metrics,
+                                     **given(ns, WORKER_FLAGS + COMMON_FLAGS + [TLS_CA])))
 
 
 def cmd_launch(ns) -> int:
@@ -379,10 +454,11 @@ def cmd_launch(ns) -> int:
             raise ConfigError(f"{flag}: launch needs 1 or more, got {count}")
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks, delay_for=parse_delay_for(ns.delay_for, ns.workers),
-                       auth_token=token,
+                       auth_token=token, metrics_port=ns.metrics_port,
                        device=ns.device or "cpu")
-    server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY]
-    worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA]
+    # --metrics-port is given per process (launch.py); --metrics-host goes to every one
+    server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY] + METRICS_FLAGS[1:]
+    worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA] + METRICS_FLAGS[1:]
     # Build both configs once here, so a bad flag fails now, before any process starts.
     server_cfg = ServerConfig(num_shards=ns.ps, auth_token=token, **given(ns, server_flags))
     where = write_directory(server_cfg)
@@ -458,8 +534,8 @@ def cmd_evaluate(ns) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "status": cmd_status,
-            "evaluate": cmd_evaluate}
+COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "slurm": cmd_slurm,
+            "status": cmd_status, "evaluate": cmd_evaluate}
 
 
 def main(argv: list[str] | None = None) -> int:

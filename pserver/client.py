@@ -323,9 +323,9 @@ class ShardClient:
         reply = self.call(self.push_call, stream, timeout=timeout)
         return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished
 
-    def checkpoint(self, rank: int, timeout: float) -> tuple[str, int]:
-        r = self.resilient(lambda: self.call(self.stub.Checkpoint, pb.CheckpointRequest(rank=rank, session=self.session),
-                                             timeout=timeout), timeout)
+    def checkpoint(self, rank: int, timeout: float, then_stop: bool = False) -> tuple[str, int]:
+        request = pb.CheckpointRequest(rank=rank, session=self.session, then_stop=then_stop)
+        r = self.resilient(lambda: self.call(self.stub.Checkpoint, request, timeout=timeout), timeout)
         return r.path, r.version
 
     def status(self, timeout: float) -> pb.StatusReply:
@@ -498,6 +498,10 @@ class PSClient:
     def checkpoint(self) -> list[tuple[str, int]]:
         """Ask every shard to write a checkpoint now; ("", version) where it keeps none."""
         return self.each(lambda s: s.checkpoint(self.rank, self.rpc_deadline))
+
+    def stop_shards(self) -> list[tuple[str, int]]:
+        """The chief's last call: every shard checkpoints, then exits 0 (--stop-shards)."""
+        return self.each(lambda s: s.checkpoint(self.rank, self.rpc_deadline, then_stop=True))
 
     def close(self) -> None:
         self._stop.set()

@@ -51,8 +51,11 @@ class ServerConfig:
     auth_token: str | None = field(default=None, repr=False)  # every RPC must carry it; never shown
     tls_cert: str | None = None   # PEM certificate (chain): serve over TLS (with tls_key)
     tls_key: str | None = None    # PEM private key of tls_cert
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port, printed)
+    metrics_host: str | None = None  # where they listen (default: host)
 
     def __post_init__(self) -> None:
+        check_metrics(self.metrics_port)
         if self.mode not in MODES:
             raise ConfigError(f"--mode: unknown mode '{self.mode}'; choose one of {', '.join(MODES)}")
         if not 0 <= self.shard < self.num_shards:
@@ -126,6 +129,7 @@ class WorkerConfig:
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     require_fresh: bool = False   # chief: refuse shards that already hold trained state (default: continue)
+    stop_shards: bool = False     # chief: end the shards (exit 0) once the run is over (pserver slurm)
     auth_token: str | None = field(default=None, repr=False)  # sent with every RPC; never shown
     tls_ca: str | None = None     # PEM CA certificate to trust: talk to the shards over TLS
     # Sparse embedding tables of the click-through-rate models (lr, fm, wide_deep, deepfm)
@@ -135,14 +139,22 @@ class WorkerConfig:
     min_count: int = 0            # admission: store an id once it was pushed this many times
     max_rows: int = 0             # eviction: rows per table per shard, least recently updated out first
     ttl_steps: int = 0            # eviction: rows not updated for this many steps
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port, printed)
+    metrics_host: str | None = None  # where they listen (default 127.0.0.1)
+    tensorboard: str | None = None   # chief: write TensorBoard scalars to this directory
 
     def __post_init__(self) -> None:
+        check_metrics(self.metrics_port)
+        if self.tensorboard:
+            check_tensorboard(self.tensorboard)
         if not self.ps:
             raise ConfigError("--ps: give at least one shard address host:port")
         if self.num_workers < 1:
             raise ConfigError(f"--num-workers: must be >= 1, got {self.num_workers}")
         if not 0 <= self.rank < self.num_workers:
             raise ConfigError(f"--rank: {self.rank} is outside [0, --num-workers={self.num_workers})")
+        if self.stop_shards and self.rank != 0:
+            raise ConfigError(f"--stop-shards: only the chief (rank 0) ends the run; this is rank {self.rank}")
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size: must be >= 1, got {self.batch_size}")
         if self.epochs < 1:
@@ -166,6 +178,20 @@ class WorkerConfig:
         parse_device(self.device)
         from pserver.models import check_model_spec   # a user's code runs later, in the worker
         check_model_spec(self.model)
+
+
+def check_metrics(port: int | None) -> None:
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics-port: {port} is not a TCP port")
+
+
+def check_tensorboard(directory: str) -> None:
+    import importlib.util
+    if importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(f"--tensorboard: writing to {directory} needs tensorboardX "
+                          "(pip install 'pserver[tensorboard]')")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ConfigError(f"--tensorboard: {directory} is a file, not a directory")
 
 
 def check_positive(**values) -> None:

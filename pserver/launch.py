@@ -47,6 +47,7 @@ class LaunchConfig:
     delay_ranks: tuple[int, ...] | None = None   # None: every worker
     delay_for: tuple[tuple[int, str], ...] = ()  # (rank, delay) overriding the above
     device: str = "cpu"                    # cpu, or cuda[:I]: workers spread over the GPUs
+    metrics_port: int | None = None        # process i (shards first) serves Prometheus metrics on this + i
     auth_token: str | None = field(default=None, repr=False)  # to the children in their environment only
 
 
@@ -124,7 +125,7 @@ def start_shards(cfg: LaunchConfig, server_argv: list[str], env: dict, procs: li
     for j in range(cfg.num_shards):
         argv = [sys.executable, "-m", "pserver", "serve", "--host", "127.0.0.1", "--port", "0",
                 "--shard", str(j), "--num-shards", str(cfg.num_shards),
-                "--num-workers", str(cfg.num_workers), *server_argv]
+                "--num-workers", str(cfg.num_workers), *metrics_argv(cfg, j), *server_argv]
         shards.append(Proc(f"ps{j}", argv, env))
         procs.append(shards[-1])
     deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -139,6 +140,14 @@ def start_shards(cfg: LaunchConfig, server_argv: list[str], env: dict, procs: li
                               if code is not None else
                               f"{p.role} did not start listening within {STARTUP_TIMEOUT:g} s")
     return shards
+
+
+def metrics_argv(cfg: LaunchConfig, process: int) -> list[str]:
+    """Process i of the cluster (shards first) serves its metrics on --metrics-port + i
+    (--metrics-port 0: each on a free port of its own)."""
+    if cfg.metrics_port is None:
+        return []
+    return ["--metrics-port", str(cfg.metrics_port + process if cfg.metrics_port else 0)]
 
 
 def worker_delay(cfg: LaunchConfig, rank: int) -> str | None:
@@ -156,7 +165,8 @@ def start_workers(cfg: LaunchConfig, addresses: str, worker_argv: list[str], env
     workers = []
     for i in range(cfg.num_workers):
         argv = [sys.executable, "-m", "pserver", "worker", "--ps", addresses, "--rank", str(i),
-                "--num-workers", str(cfg.num_workers), "--device", devices[i], *worker_argv]
+                "--num-workers", str(cfg.num_workers), "--device", devices[i],
+                *metrics_argv(cfg, cfg.num_shards + i), *worker_argv]
         delay = worker_delay(cfg, i)
         if delay:
             argv += ["--delay", delay]

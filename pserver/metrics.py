@@ -20,17 +20,21 @@ class Progress:
         self.samples = self.last_samples = 0
         self.loss_sum, self.loss_n = 0.0, 0
 
-    def step(self, epoch: int, step: int, loss: float, force: bool = False) -> None:
+    def step(self, epoch: int, step: int, loss: float, force: bool = False) -> tuple[float, float] | None:
+        """(mean loss, samples/s) of the line printed now; None when it is not time yet."""
         self.samples += self.batch
         self.loss_sum += loss
         self.loss_n += 1
         now = time.monotonic()
         if force or now - self.last >= self.every:
             rate = (self.samples - self.last_samples) / max(now - self.last, 1e-9)
+            mean = self.loss_sum / self.loss_n
             print(f"epoch {epoch + 1}/{self.epochs} step {step + 1}/{self.steps or '?'} "
-                  f"loss {self.loss_sum / self.loss_n:.4f} {rate:,.0f} samples/s", flush=True)
+                  f"loss {mean:.4f} {rate:,.0f} samples/s", flush=True)
             self.last, self.last_samples = now, self.samples
             self.loss_sum, self.loss_n = 0.0, 0
+            return mean, rate
+        return None
 
     @property
     def elapsed(self) -> float:

@@ -107,7 +107,12 @@ def _behavior(handler: grpc.RpcMethodHandler) -> Callable:
             or handler.stream_stream)
 
 
-def _same_shape(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMethodHandler:
+# Health checks need no token: Kubernetes' gRPC probes cannot send one, and the answer
+# (SERVING or NOT_SERVING) says nothing that an open port does not.
+PUBLIC_METHODS = "/grpc.health.v1.Health/"
+
+
+def same_shape(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind that receives raw bytes (no deserializer)."""
     make = _HANDLERS[(handler.request_streaming, handler.response_streaming)]
     return make(behavior, request_deserializer=None, response_serializer=handler.response_serializer)
@@ -123,13 +128,15 @@ class TokenAuth(grpc.ServerInterceptor):
         handler = continuation(details)          # a lookup only; nothing runs yet
         if handler is None:
             return None                          # unknown method: UNIMPLEMENTED
+        if details.method.startswith(PUBLIC_METHODS):
+            return handler
         why = refusal(self._presented(details.invocation_metadata), self._expected)
         if why is None:
             return handler
 
         def refuse(request, context):            # the request is never parsed
             context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-        return _same_shape(handler, refuse)
+        return same_shape(handler, refuse)
 
     @staticmethod
     def _presented(metadata) -> bytes | None:
@@ -161,7 +168,7 @@ class SafeDecode(grpc.ServerInterceptor):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"request: {len(request)} bytes are not a valid {method} request")
                 return behavior(message, context)
-        return _same_shape(handler, run)
+        return same_shape(handler, run)
 
 
 def _parsed(requests: Iterator[bytes], parse: Callable, method: str) -> Iterator:
@@ -183,9 +190,10 @@ def _parsed(requests: Iterator[bytes], parse: Callable, method: str) -> Iterator
                                          f"(cancelled, past its deadline or over the size limit)") from None
 
 
-def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
-    """Authentication first (nothing of a refused call is parsed), then safe decoding."""
-    return ([TokenAuth(token)] if token else []) + [SafeDecode()]
+def server_interceptors(token: str | None, *more: grpc.ServerInterceptor) -> list[grpc.ServerInterceptor]:
+    """Authentication first (nothing of a refused call is parsed), then `more`, then safe
+    decoding."""
+    return ([TokenAuth(token)] if token else []) + [*more, SafeDecode()]
 
 
 # --- the client side ------------------------------------------------------------------

@@ -30,6 +30,7 @@ from pserver.sparse import TableLookup
 from pserver.security import client_security
 from pserver.signals import Stopped
 from pserver.stragglers import Delay
+from pserver.telemetry import TrainingReport
 
 
 def build(cfg: WorkerConfig):
@@ -178,6 +179,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         raise ConfigError(f"--save: model {model_name(model)} keeps its sparse tables on the shards, and a "
                           f"model file holds dense weights only; keep the rows with --checkpoint-dir "
                           f"(every shard's checkpoint holds its rows)")
+    report = TrainingReport(cfg)            # a busy --metrics-port fails here, before any call
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca))
     try:
@@ -198,7 +200,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         rows = Rows(model, client)
         warm_up(model, w, ds, cfg.batch_size, rows)
         started = time.monotonic()
-        history = train(cfg, ds, model, client, w, rows)
+        history = train(cfg, ds, model, client, w, rows, report)
         client.leave()
         if cfg.rank != 0:
             say_if_chief_gone(client)
@@ -208,11 +210,15 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
             model_file.save(cfg.save, model, w, definition, summary)
             print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
                   f"{cfg.save}", flush=True)
+        if cfg.stop_shards:
+            client.stop_shards()
+            print(f"stopped the {len(cfg.ps)} shard(s): the run is over", flush=True)
         return summary
     except (Stopped, KeyboardInterrupt):
         client.leave_on_stop()                 # the others' steps stop waiting for us now
         raise
     finally:
+        report.close()
         client.close()
 
 
@@ -261,7 +267,8 @@ def warm_up(model, w: np.ndarray, ds, batch_size: int, rows: Rows) -> None:
         model.loss_and_grad(w, x, y, np.empty_like(w))
 
 
-def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: Rows) -> dict:
+def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: Rows,
+          report: TrainingReport) -> dict:
     steps = ds.steps(cfg.num_workers, cfg.batch_size)
     g = np.empty_like(w)
     gradient = gradient_fn(model, cfg.seed, cfg.rank)
@@ -272,6 +279,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
     for epoch in range(cfg.epochs):
         for step, (x, y) in enumerate(ds.epoch(cfg.rank, cfg.num_workers, cfg.batch_size,
                                                cfg.seed, epoch)):
+            step_started = time.perf_counter()
             with timer("pull"):
                 lookups = rows.for_batch(x)
             with timer("compute"):
@@ -282,14 +290,20 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
                 for outcome in push(client, g, len(x), clock, lookups, rows.names):
                     outcomes[outcome] = outcomes.get(outcome, 0) + 1
             clock += 1
+            pull_started = time.perf_counter()
             with timer("pull"):
                 client.pull(w, clock)
-            progress.step(epoch, step, loss, force=step == steps - 1 or client.finished)
+            done = time.perf_counter()
+            report.step(done - step_started, done - pull_started, len(x))
+            line = progress.step(epoch, step, loss, force=step == steps - 1 or client.finished)
+            if line:
+                report.progress(clock, *line)
             curve.maybe(lambda: evaluate(model, w, ds, cfg, rows), progress.elapsed, client, clock)
             if client.finished or (cfg.max_steps and clock >= cfg.max_steps):
                 break
         if cfg.rank == 0:
             epochs_log.append(log_epoch(cfg, ds, model, w, epoch, progress.elapsed, rows))
+            report.evaluated(clock, epochs_log[-1], lambda: combine_counters(client.status())["staleness_mean"])
             ask_checkpoint(client)
         if client.finished:
             print(f"the shards ended the run at step {max(client.versions)} "

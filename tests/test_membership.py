@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from pserver.config import ServerConfig
+from pserver.errors import FailedPrecondition
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
 from pserver.server.shard import Shard
@@ -236,3 +237,21 @@ def test_a_pull_whose_wait_runs_out_on_the_shard_is_tried_again(shard_server):
     assert shard.status()["counters"]["workers_marked_dead"] == 0
     for c in (fast, slow):
         c.close()
+
+
+def test_only_the_chief_ends_the_shard_and_only_once_every_worker_has_left(tmp_path):
+    """stop_after_checkpoint (worker --stop-shards, pserver slurm): refused while a worker
+    trains or for another rank; then a checkpoint is written and `ended` is set."""
+    shard = Shard(ServerConfig(num_workers=2, checkpoint_dir=str(tmp_path)))
+    layout = Layout.of([("w", (4,))])
+    s0, s1 = (shard.register(r, 2, 0, 1, layout).session for r in (0, 1))
+    shard.init(0, layout.signature(), 4, "float32", fill_with(np.ones(4, np.float32)), s0)
+    shard.leave(0, s0)
+    with pytest.raises(FailedPrecondition, match=r"worker\(s\) \[1\] are still training"):
+        shard.stop_after_checkpoint(0, s0)
+    with pytest.raises(FailedPrecondition, match="only the chief"):
+        shard.stop_after_checkpoint(1, s1)
+    assert not shard.ended.is_set()
+    shard.leave(1, s1)
+    path, version = shard.stop_after_checkpoint(0, s0)
+    assert shard.ended.is_set() and path.startswith(str(tmp_path)) and version == shard.status()["version"]

@@ -339,12 +339,14 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("rank", "session")
+    __slots__ = ("rank", "session", "then_stop")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    THEN_STOP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     session: str
-    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+    then_stop: bool
+    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., then_stop: _Optional[bool] = ...) -> None: ...
 
 class CheckpointReply(_message.Message):
     __slots__ = ("path", "version")

@@ -143,7 +143,8 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Checkpoint(self, request, context):
-        """Write a checkpoint of this shard now (the chief asks after every epoch and at the end).
+        """Write a checkpoint of this shard now (the chief asks after every epoch and at the end);
+        with then_stop, once every worker has left, the shard then stops serving and exits 0.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

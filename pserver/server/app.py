@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import signal
 import socket
 import sys
 from concurrent import futures
@@ -18,10 +17,12 @@ from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition
 from pserver.metrics import describe_updates
 from pserver.server import memory
+from pserver.server.health import Readiness
 from pserver.server.limits import pool_threads
 from pserver.server.servicer import ParameterServerServicer, add_to_server
 from pserver.server.shard import Shard
 from pserver.signals import Stopped, stop_on_signals
+from pserver.telemetry import serve_metrics
 
 log = logging.getLogger("pserver.server")
 
@@ -31,14 +32,17 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
 
     Port 0 binds a free port, which is how tests and `pserver launch` start shards.
     """
-    shard = Shard(cfg)
+    shard = Shard(cfg, open_now=False)
+    shard.readiness = Readiness()         # NOT_SERVING until shard.open() below is done
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=pool_threads(cfg.threads, cfg.num_workers),
                                    thread_name_prefix="pserver-rpc"),   # split by server/limits.py
         options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES),
                  ("grpc.so_reuseport", 0)],
-        interceptors=security.server_interceptors(cfg.auth_token))   # token check, safe decoding
+        # token check, readiness gate, safe decoding
+        interceptors=security.server_interceptors(cfg.auth_token, shard.readiness))
     add_to_server(ParameterServerServicer(shard), server)
+    shard.readiness.add_to(server)
     address = f"{cfg.host}:{cfg.port}"
     check_port_free(cfg.host, cfg.port)
     try:
@@ -48,6 +52,12 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
     if port == 0:
         raise ConfigError(f"--port: cannot bind {address} (in use, or not an address of this host)")
     server.start()
+    try:
+        shard.open()
+    except BaseException:
+        server.stop(0)
+        raise
+    shard.readiness.serving()
     if cfg.data_plane == "auto" and dataplane.supported():
         shard.dataplane = dataplane.DataPlaneServer(shard)
     return server, port, shard
@@ -73,17 +83,26 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def serve(cfg: ServerConfig) -> int:
-    """Run a shard until SIGTERM, SIGHUP or SIGINT, then stop gracefully (in-flight calls get
-    2 s), write a last checkpoint where there is a directory, and return 128+signal."""
+    """Run a shard until SIGTERM, SIGHUP or SIGINT, or until the chief ends the run (worker
+    --stop-shards), then stop gracefully (in-flight calls get 2 s), write a last checkpoint
+    where there is a directory, and return 128+signal (0 when the chief ended it)."""
     memory.pin_mmap_threshold()
     with stop_on_signals():
         server, port, shard = create_server(cfg)
+        if cfg.metrics_port is not None:
+            try:
+                serve_metrics(shard.metrics.registry, cfg.metrics_host or cfg.host, cfg.metrics_port,
+                              f"pserver serve: shard {cfg.shard}")
+            except ConfigError:
+                server.stop(0)
+                raise
         print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "
               f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}"
               f"{' (TLS)' if cfg.tls_cert else ''}{' (token required)' if cfg.auth_token else ''}", flush=True)
+        stopped = None
         try:
-            while True:
-                signal.pause()
+            while not shard.ended.wait(0.5):
+                pass
         except Stopped as e:
             stopped = e
         shard.close()                       # wake pulls that wait for a step
@@ -94,7 +113,8 @@ def serve(cfg: ServerConfig) -> int:
             pass                            # logged and counted where it failed
     st = shard.status()
     c = st["counters"]
-    print(f"pserver serve: shard {cfg.shard} stopped by {stopped} at version {st['version']}: "
+    why = f"stopped by {stopped}" if stopped else "done (the chief ended the run)"
+    print(f"pserver serve: shard {cfg.shard} {why} at version {st['version']}: "
           f"{describe_updates(c)}", flush=True)
     sys.stdout.flush()
-    return stopped.exit_code
+    return stopped.exit_code if stopped else 0

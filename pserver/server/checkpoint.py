@@ -273,6 +273,7 @@ class Checkpointer:
         self.outcome: tuple[int, str | OSError] = (-1, "")   # (version, path or error) of the last
         self.last_version = max(store.version, 0)   # periodic writes count from here
         self.last_time = time.monotonic()
+        self.last_written: float | None = None   # monotonic time of the last write that succeeded
 
     def request(self) -> tuple[str, int]:
         """(path, version) of a checkpoint at least as new as the store is now; FailedPrecondition
@@ -341,6 +342,8 @@ class Checkpointer:
             self.outcome = (version, result)
             if version >= 0:
                 self.last_version, self.last_time = version, time.monotonic()
+            if version >= 0 and not isinstance(result, OSError):
+                self.last_written = self.last_time
             self.cond.notify_all()
 
     def _reply(self, version: int, result: str | OSError) -> tuple[str, int]:

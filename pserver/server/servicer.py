@@ -157,7 +157,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_status
     def Checkpoint(self, request, context):
         with self.shard.limits.checkpoint_call():
-            path, version = self.shard.checkpoint(request.rank, request.session)
+            ask = self.shard.stop_after_checkpoint if request.then_stop else self.shard.checkpoint
+            path, version = ask(request.rank, request.session)
         return pb.CheckpointReply(path=path, version=version)
 
     @_status

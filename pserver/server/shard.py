@@ -30,6 +30,7 @@ from pserver.server.limits import Limits, pool_threads
 from pserver import sparse
 from pserver.server.store import RowGrads, ShardStore, first_nonfinite
 from pserver.sharding import shard_range
+from pserver.telemetry import ShardMetrics
 
 log = logging.getLogger("pserver.server")
 # How a push's payload arrives: a function that writes it into the array it is given (the
@@ -109,12 +110,16 @@ def available_memory() -> int:
 
 
 class Shard:
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: ServerConfig, open_now: bool = True) -> None:
         self.cfg = cfg
         self.store = ShardStore(cfg.shard, cfg.num_shards, self._optimizer_for)
         self.policy = make_policy(self.store, cfg)
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
+        self.readiness = None          # the health service's state, when app.py serves one
+        self.ended = threading.Event() # the chief ended the run (stop_after_checkpoint): serve() exits 0
+        self.metrics = ShardMetrics()  # for --metrics-port; the counters are read when scraped
+        self.metrics.watch(self)
         self.init_lock = threading.Lock()
         self.seeded_by = -1            # the rank whose Init supplied the values
         self.instance = secrets.token_hex(8)   # tells a restarted shard from the one before
@@ -123,10 +128,17 @@ class Shard:
         # Sessions expire and idle streams are cancelled even when no call is waiting.
         threading.Thread(target=Shard._reap, args=(weakref.ref(self), min(1.0, cfg.step_timeout / 4)),
                          name="pserver-reaper", daemon=True).start()
-        if cfg.restore:
-            self._restore(cfg.restore)
-        where = checkpoint.write_directory(cfg)
-        self.checkpointer = checkpoint.Checkpointer(*where, self.store, cfg) if where else None
+        self.checkpointer = None
+        if open_now:
+            self.open()
+
+    def open(self) -> None:
+        """Restore (--restore) and start checkpointing: what the shard does before it accepts
+        workers. app.py calls it once the port is open, so that health probes see the restore."""
+        if self.cfg.restore:
+            self._restore(self.cfg.restore)
+        where = checkpoint.write_directory(self.cfg)
+        self.checkpointer = checkpoint.Checkpointer(*where, self.store, self.cfg) if where else None
 
     def _restore(self, directory: str) -> None:
         ckpt = checkpoint.load_latest(directory, self.cfg.shard, self.cfg.num_shards,
@@ -149,6 +161,20 @@ class Shard:
         if self.checkpointer is None or not self.store.initialized:
             return "", self.store.version
         return self.checkpointer.request()
+
+    def stop_after_checkpoint(self, rank: int, session: str | None) -> tuple[str, int]:
+        """The chief ends the run (worker --stop-shards, how `pserver slurm` ends its step):
+        once every worker has left, checkpoint, then set `ended`, on which serve() exits 0."""
+        with self.store.cond:
+            self.policy.authorize(rank, session)
+            live = sorted(self.policy.registered - self.policy.left - self.policy.dead)
+        if rank != 0:
+            raise FailedPrecondition(f"then_stop: only the chief (rank 0) ends the run, not rank {rank}")
+        if live:
+            raise FailedPrecondition(f"then_stop: worker(s) {live} are still training")
+        result = self.checkpoint(rank, session)
+        self.ended.set()
+        return result
 
     def _optimizer_for(self, size: int):
         c = self.cfg
@@ -349,8 +375,10 @@ class Shard:
             return alive is None or alive()
 
         with self.limits.waiting(rank, still_there) as waiter, s.cond:
-            self.policy.wait_pull(rank, seen_version, clock, timeout, waiter=waiter)
+            with self.metrics.pull_wait.time():
+                self.policy.wait_pull(rank, seen_version, clock, timeout, waiter=waiter)
             s.counters.add("pulls_served")
+            self.metrics.sent.inc(s.params.nbytes)
             return s.version, s.params, self.policy.finished
 
     def push(self, rank: int, shard: int, step: int, num_elements: int, dtype: str,
@@ -368,11 +396,13 @@ class Shard:
                 s.require_configured()
                 self.policy.authorize(rank, session, revive=True)
             self._check_payload(num_elements, dtype)
+            self.metrics.received.inc(num_elements * 4)          # float32, checked above
             if num_samples < 0:
                 raise InvalidArgument(f"num_samples: must be >= 0, got {num_samples}")
             outcome, message = self._receive_and_decide(rank, step, clock, fill, num_samples, rows)
-        except RpcError:
+        except RpcError as e:
             s.counters.add("pushes_rejected")
+            self.metrics.rejected.labels(e.code_name.lower()).inc()
             raise
         if self.checkpointer is not None:
             self.checkpointer.maybe()
@@ -417,6 +447,8 @@ class Shard:
                                 for n, t in s.tables.items()])
 
     def close(self) -> None:
+        if self.readiness is not None:
+            self.readiness.stopping()  # NOT_SERVING first: probes see the shutdown begin
         self.store.close()
         if self.dataplane is not None:
             self.dataplane.close()

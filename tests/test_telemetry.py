@@ -1,0 +1,51 @@
+"""What a shard records for Prometheus as pushes arrive, and how its staleness counts
+become a Prometheus histogram."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from pserver.config import ServerConfig, WorkerConfig
+from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument
+from pserver.telemetry import staleness_histogram
+from tests.test_modes import fill_with
+from tests.test_modes_async import one_shard, push
+
+
+def rejected(shard, reason: str) -> float:
+    return shard.metrics.registry.get_sample_value("pserver_pushes_rejected_total", {"reason": reason}) or 0.0
+
+
+def test_rejected_pushes_are_counted_by_the_status_code_sent_back():
+    shard = one_shard(4, 2, mode="async", optimizer="sgd", lr=1.0)
+    push(shard, 0, 0, np.ones(4, np.float32))
+    with pytest.raises(InvalidArgument):
+        shard.push(0, 0, 0, 4, "float64", 1, 0, fill_with(np.ones(4)))
+    with pytest.raises(FailedPrecondition):
+        push(shard, 1, 99, np.ones(4, np.float32))              # a step from the future
+    assert rejected(shard, "invalid_argument") == 1 and rejected(shard, "failed_precondition") == 1
+    counters = shard.status()["counters"]
+    assert counters["pushes_rejected"] == 2 and counters["pushes_applied"] == 1
+    # one accepted float32 payload and the rejected one from the future; the wrong dtype is not read
+    assert shard.metrics.registry.get_sample_value("pserver_received_bytes_total") == 2 * 4 * 4
+
+
+@given(st.lists(st.integers(0, 1000), min_size=2, max_size=12), st.floats(0, 5))
+def test_the_staleness_histogram_is_cumulative_and_ends_with_every_push(counts, mean):
+    family = staleness_histogram({"staleness_histogram": counts, "staleness_mean": mean})
+    buckets = [s for s in family.samples if s.name.endswith("_bucket")]
+    assert [s.labels["le"] for s in buckets] == [f"{i}.0" for i in range(len(counts) - 1)] + ["+Inf"]
+    assert [s.value for s in buckets] == list(np.cumsum(counts))
+    count = next(s for s in family.samples if s.name.endswith("_count"))
+    total = next(s for s in family.samples if s.name.endswith("_sum"))
+    assert count.value == sum(counts) and total.value == pytest.approx(mean * sum(counts))
+
+
+def test_bad_metrics_and_tensorboard_flags_are_one_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="--metrics-port: 70000 is not a TCP port"):
+        ServerConfig(metrics_port=70000)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match="--tensorboard: .*afile is a file"):
+        WorkerConfig(tensorboard=str(tmp_path / "afile"))
