@@ -20,6 +20,7 @@ import os
 import numpy as np
 
 from pserver.errors import ConfigError, DataError
+from pserver.models import DEFAULT_HIDDEN
 
 FORMAT = "pserver-model"
 VERSION = 1
@@ -41,7 +42,7 @@ def definition(cfg, model, ds) -> dict:
     arguments = {"input_shape": list(getattr(model, "input_shape", ds.sample_shape)),
                  "num_classes": ds.num_classes}
     if spec == "mlp":
-        arguments["hidden"] = list(cfg.hidden)
+        arguments["hidden"] = list(cfg.hidden or DEFAULT_HIDDEN)
     dataset = {k: getattr(cfg, k) for k in DATASET_FIELDS}
     for k in ("dataset", "data_dir"):       # paths, so that they hold from another directory
         if dataset[k] and (k == "data_dir" or dataset[k].lower().endswith(".npz")):
@@ -113,7 +114,7 @@ def _build(meta: dict, spec: str, hidden=None):
     args = meta.get("arguments") or {}
     if not {"input_shape", "num_classes"} <= set(args):
         raise DataError(f"model file: 'arguments' lacks input_shape or num_classes ({args})")
-    hidden = hidden or tuple(args.get("hidden", (256, 256)))
+    hidden = hidden or tuple(args.get("hidden", DEFAULT_HIDDEN))
     return make_model(spec, tuple(args["input_shape"]), args["num_classes"], hidden=hidden)
 
 
@@ -177,7 +178,7 @@ def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict
     if meta:
         model = _build(meta, spec, options.get("hidden"))
     else:          # as the worker built it: for the dataset's samples and classes
-        model = make_model(spec, ds.sample_shape, ds.num_classes, hidden=options.get("hidden") or (256, 256))
+        model = make_model(spec, ds.sample_shape, ds.num_classes, hidden=options.get("hidden") or DEFAULT_HIDDEN)
     if checkpoint:
         weights, versions = load_weights(checkpoint, model.layout)
         source = f"{checkpoint} (shard versions {', '.join(map(str, versions))})"
