@@ -259,3 +259,16 @@ def test_codec_streams_several_arrays_back_to_back():
         np.testing.assert_array_equal(a, b)
     with pytest.raises(InvalidArgument, match="more than"):
         codec.receive_into(out[0], iter(chunks[1:]), out[1])
+
+
+def test_merge_rows_sums_each_tables_rows_per_id_and_keeps_every_table():
+    """Several workers' parts of one step: one result per table, ids summed once each; a
+    table that only one part touched is kept as it is."""
+    from pserver.server.store import RowGrads, merge_rows
+    one = RowGrads("a", np.array([3], np.uint64), np.ones((1, 2), np.float32))
+    b0 = RowGrads("b", np.array([1, 2], np.uint64), np.array([[1, 1], [2, 2]], np.float32))
+    b1 = RowGrads("b", np.array([2, 5], np.uint64), np.array([[10, 10], [5, 5]], np.float32))
+    merged = {m.table: m for m in merge_rows([one, b0, b1])}
+    assert set(merged) == {"a", "b"} and merged["a"] is one
+    got = dict(zip(merged["b"].ids.tolist(), merged["b"].grads[:, 0].tolist()))
+    assert got == {1: 1.0, 2: 12.0, 5: 5.0}
