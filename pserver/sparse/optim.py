@@ -22,7 +22,8 @@ gradients are multiplied by it first):
              (z and n start at 0: the initial row enters z through sigma w at its first step)
 
 Each kernel is numba (nogil); `*_numpy` is its twin. The kernels trust their arguments:
-SparseTable checks them once.
+SparseTable checks them once. Touched rows lie anywhere in a large table, so each kernel
+prefetches the row it will update index.AHEAD entries later (a hint: the values are the same).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 from numba import njit
 
 from pserver.errors import ConfigError
+from pserver.sparse.index import prefetch_ahead
 
 ROW_OPTIMIZERS = ("sgd", "adagrad", "adam", "ftrl")
 SLOTS = {"sgd": (), "adagrad": ("accumulator",), "adam": ("m", "v"), "ftrl": ("z", "n")}
@@ -85,6 +87,7 @@ def initial_slots(name: str, h: dict) -> tuple[float, ...]:
 def sgd(data, steps, idx, grads, scale, lr):
     d, s, lr32 = grads.shape[1], np.float32(scale), np.float32(lr)
     for i in range(idx.shape[0]):
+        prefetch_ahead(data, idx, i)
         r = idx[i]
         if r >= 0:
             for j in range(d):
@@ -110,6 +113,7 @@ def adagrad(data, steps, idx, grads, scale, lr, eps):
     d, s = grads.shape[1], np.float32(scale)
     lr32, eps32 = np.float32(lr), np.float32(eps)
     for i in range(idx.shape[0]):
+        prefetch_ahead(data, idx, i)
         r = idx[i]
         if r >= 0:
             for j in range(d):
@@ -136,6 +140,7 @@ def adam(data, steps, idx, grads, scale, lr, beta1, beta2, eps):
     one_b1, one_b2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)
     lr32, eps32 = np.float32(lr), np.float32(eps)
     for i in range(idx.shape[0]):
+        prefetch_ahead(data, idx, i)
         r = idx[i]
         if r < 0:
             continue
@@ -178,6 +183,7 @@ def ftrl(data, steps, idx, grads, scale, lr, beta, l1, l2, lr_power):
     # In float64 (sigma is a difference of nearly equal roots), stored as float32.
     d = grads.shape[1]
     for i in range(idx.shape[0]):
+        prefetch_ahead(data, idx, i)
         r = idx[i]
         if r < 0:
             continue

@@ -347,6 +347,7 @@ def _lookup(slots, keys, bits, data, ids, key, scale, out):
     idx = np.empty(ids.shape[0], np.int64)
     index.find_many(slots, keys, ids, bits, idx)
     for i in range(ids.shape[0]):
+        index.prefetch_ahead(data, idx, i)
         e = idx[i]
         if e == index.EMPTY:
             initial_row(key, ids[i], scale, out[i])
