@@ -74,7 +74,8 @@ def prefetch_ahead(data, idx, i):
             prefetch_row(data, r)
 
 
-def bits_for(count: int) -> int:
+@njit(cache=True, nogil=True)
+def bits_for(count):
     """log2 of the smallest slot count that holds `count` keys within MAX_LOAD."""
     bits = MIN_BITS
     while (1 << bits) * MAX_LOAD < count:
