@@ -76,6 +76,8 @@ def shard_of_numpy(ids: np.ndarray, num_shards: int) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def _first_foreign_kernel(ids, num_shards, shard):
+    if num_shards == 1:   # no hash needed: every id is on shard 0
+        return -1 if shard == 0 or ids.shape[0] == 0 else 0
     seed, s = np.uint64(HASH_SEED), np.uint64(num_shards)
     for i in range(ids.shape[0]):
         if np.int64(_draw(ids[i] ^ seed, _ZERO) % s) != shard:
