@@ -49,7 +49,8 @@ def prefetch(typingctx, arr, i):
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, where, wraparound=False)
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # The typed-pointer name (numba >= 0.59 ships LLVM 14); newer LLVMs remangle it.
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
         # read (0), keep in every cache level (3), data cache (1)
         builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
         return context.get_dummy_value()
