@@ -474,9 +474,8 @@ class DataPlaneServer:
         [(name, n, dim)] = tables = self._tables(parts)
         [(ids_at, rows_at)] = self._placed(peer, tables)
         ids = peer.rows.region(ids_at, np.uint64, n).copy()      # ours before it is checked
-        version, rows = self.shard.pull_rows(rank, shard, name, ids, session=peer.session)
-        np.copyto(peer.rows.region(rows_at, np.float32, n * dim), rows.reshape(-1))
-        return version
+        out = peer.rows.region(rows_at, np.float32, n * dim).reshape(n, dim)
+        return self.shard.pull_rows(rank, shard, name, ids, session=peer.session, out=out)[0]
 
     def _handle(self, conn, req, peer: Connection, signature: str = "", parts=()):
         _, op, rank, shard, step, clock, num_elements, num_samples, timeout_ms = req

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pserver.errors import ConfigError, InvalidArgument
-from pserver.sparse import (HASH_SEED, ROW_OPTIMIZERS, TableLookup, as_ids, initial_rows,
-                            segment_sum, shard_of, splitmix64, unique_inverse)
+from pserver.sparse import (HASH_SEED, ROW_OPTIMIZERS, TableLookup, as_ids, first_foreign,
+                            first_repeat, initial_rows, segment_sum, shard_of, splitmix64,
+                            unique_inverse)
 from pserver.sparse import dedupe, hashing, index, optim
 from tests.test_kernels_conv import splitmix64_python
 
@@ -69,6 +70,15 @@ def test_shard_of_puts_every_id_on_exactly_one_shard_and_balances(shards):
     assert np.array_equal(np.sort(np.concatenate(parts)), np.sort(ids))   # ... all of them
     # Consecutive ids spread evenly (a hash, not a modulus of the id).
     assert max(abs(p.size - ids.size / shards) for p in parts) < 0.02 * ids.size
+
+
+@FAST
+@given(st.lists(u64s, max_size=100), st.integers(1, 5), st.integers(0, 4))
+def test_first_foreign_is_the_first_id_shard_of_sends_elsewhere(values, shards, shard):
+    ids = u64_array(values)
+    owner = shard_of(ids, shards).tolist()
+    want = next((i for i, o in enumerate(owner) if o != shard), -1)
+    assert first_foreign(ids, shards, shard) == want == hashing.first_foreign_numpy(ids, shards, shard)
 
 
 def test_shard_of_refuses_a_bad_shard_count():
@@ -146,6 +156,27 @@ def test_unique_inverse_through_many_rehashes():
     uniq, inverse = unique_inverse(ids)
     assert uniq.tolist() == list(dict.fromkeys(ids.tolist()))
     assert (uniq[inverse] == ids).all()
+
+
+@FAST
+@given(ids_lists)
+def test_first_repeat_twins(values):
+    ids = u64_array(values)
+    seen, want = set(), -1
+    for i, v in enumerate(values):
+        if v in seen:
+            want = i
+            break
+        seen.add(v)
+    assert first_repeat(ids) == want == dedupe.first_repeat_numpy(ids)
+
+
+def test_first_repeat_in_a_large_batch():
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 2**64, 70_000, dtype=np.uint64)   # distinct with near certainty
+    assert first_repeat(ids) == -1 == dedupe.first_repeat_numpy(ids)
+    ids[60_000] = ids[123]
+    assert first_repeat(ids) == 60_000 == dedupe.first_repeat_numpy(ids)
 
 
 def test_unique_inverse_refuses_other_dtypes():

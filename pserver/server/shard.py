@@ -296,17 +296,17 @@ class Shard:
     def check_ids(self, ids: np.ndarray, what: str) -> None:
         """Every id must live on this shard: a client that hashed wrongly would otherwise
         create rows that no other worker ever reads."""
-        owner = sparse.shard_of(ids, self.cfg.num_shards)
-        wrong = np.flatnonzero(owner != self.cfg.shard)
-        if wrong.size:
-            i = int(wrong[0])
-            raise InvalidArgument(f"{what}: id {ids[i]} (element {i}) lives on shard {owner[i]}, not on "
+        i = sparse.first_foreign(ids, self.cfg.num_shards, self.cfg.shard)
+        if i >= 0:
+            owner = int(sparse.shard_of(ids[i:i + 1], self.cfg.num_shards)[0])
+            raise InvalidArgument(f"{what}: id {ids[i]} (element {i}) lives on shard {owner}, not on "
                                   f"shard {self.cfg.shard} (pserver.sparse.shard_of)")
 
     def pull_rows(self, rank: int, shard: int, table: str, ids: np.ndarray,
-                  session: str | None = None) -> tuple[int, np.ndarray]:
+                  session: str | None = None, out: np.ndarray | None = None) -> tuple[int, np.ndarray]:
         """(version, rows) of one sparse table for `ids` (uint64): stored rows, or their
-        initial values. No wait: a worker calls it after the pull that waited."""
+        initial values, written into `out` when given (the data plane's buffer: no copy).
+        No wait: a worker calls it after the pull that waited."""
         self.check_shard(shard)
         s = self.store
         with s.cond:
@@ -315,7 +315,7 @@ class Shard:
             t = self.table(table)
             version = s.version
         self.check_ids(ids, "ids")
-        rows = np.empty((ids.size, t.config.dim), dtype=np.float32)
+        rows = np.empty((ids.size, t.config.dim), dtype=np.float32) if out is None else out
         t.lookup(ids, rows)
         s.counters.add("rows_pulled", ids.size)
         return version, rows
@@ -346,7 +346,7 @@ class Shard:
                                       f"each table's rows once")
             seen.add(p.table)
             self.check_ids(p.ids, f"sparse '{p.table}'")
-            if sparse.unique_inverse(p.ids)[0].size != p.ids.size:
+            if sparse.first_repeat(p.ids) >= 0:
                 raise InvalidArgument(f"sparse '{p.table}': ids repeat within the push; sum the "
                                       f"gradients of each id and send it once")
             bad = first_nonfinite(p.grads.reshape(-1))

@@ -2,7 +2,8 @@
 
 `unique_inverse` is one pass of an open-addressing hash table (probed as pserver.sparse.index
 probes) that starts small and doubles, so that a batch with few distinct ids keeps its table in cache; `segment_sum` is the
-scatter-add that np.add.at does, compiled. Both have NumPy twins.
+scatter-add that np.add.at does, compiled; `first_repeat` is the shard's check that a push's
+ids are distinct. Each has a NumPy twin.
 """
 
 from __future__ import annotations
@@ -66,6 +67,36 @@ def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     uniq, inverse = np.empty_like(ids), np.empty(ids.shape, np.int64)
     u = _unique_inverse_kernel(ids, uniq, inverse)
     return uniq[:u].copy(), inverse
+
+
+@njit(cache=True, nogil=True)
+def _first_repeat_kernel(ids):
+    bits = index.bits_for(ids.shape[0])
+    slots = np.full(1 << bits, index.EMPTY, np.int32)
+    mask = (1 << bits) - 1
+    for i in range(ids.shape[0]):
+        pos = index.home(ids[i], bits)
+        while slots[pos] != index.EMPTY:
+            if ids[slots[pos]] == ids[i]:
+                return i
+            pos = (pos + 1) & mask
+        slots[pos] = i
+    return -1
+
+
+def first_repeat(ids: np.ndarray) -> int:
+    """The first i such that ids[i] occurs in ids[:i], or -1 when the ids are distinct: the
+    check that unique_inverse would make, without building uniq and inverse."""
+    return _first_repeat_kernel(_check_ids(ids))
+
+
+def first_repeat_numpy(ids: np.ndarray) -> int:
+    """NumPy twin of first_repeat."""
+    ids = _check_ids(ids)
+    first = np.zeros(ids.shape[0], bool)
+    first[np.unique(ids, return_index=True)[1]] = True
+    repeats = np.flatnonzero(~first)
+    return int(repeats[0]) if repeats.size else -1
 
 
 def unique_inverse_numpy(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

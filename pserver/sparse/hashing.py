@@ -74,6 +74,30 @@ def shard_of_numpy(ids: np.ndarray, num_shards: int) -> np.ndarray:
     return (mixed % np.uint64(_check_shards(num_shards))).astype(np.int64)
 
 
+@njit(cache=True, nogil=True)
+def _first_foreign_kernel(ids, num_shards, shard):
+    if num_shards == 1:   # no hash needed: every id is on shard 0
+        return -1 if shard == 0 or ids.shape[0] == 0 else 0
+    seed, s = np.uint64(HASH_SEED), np.uint64(num_shards)
+    for i in range(ids.shape[0]):
+        if np.int64(_draw(ids[i] ^ seed, _ZERO) % s) != shard:
+            return i
+    return -1
+
+
+def first_foreign(ids: np.ndarray, num_shards: int, shard: int) -> int:
+    """The first i with shard_of(ids[i]) != shard, or -1: a shard's check of a request, in one
+    pass that allocates nothing (1-D uint64 ids)."""
+    return _first_foreign_kernel(np.ascontiguousarray(ids, dtype=np.uint64), _check_shards(num_shards),
+                                 int(shard))
+
+
+def first_foreign_numpy(ids: np.ndarray, num_shards: int, shard: int) -> int:
+    """NumPy twin of first_foreign."""
+    wrong = np.flatnonzero(shard_of_numpy(ids, num_shards) != shard)
+    return int(wrong[0]) if wrong.size else -1
+
+
 # -- as_ids -------------------------------------------------------------------------------------
 
 def _where(a: np.ndarray, flat_index: int):

@@ -15,7 +15,10 @@ probe until a full rehash. Callers keep the load at most MAX_LOAD, so a probe al
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from pserver.kernels.cpu import splitmix64 as _draw
 
@@ -25,9 +28,55 @@ EMPTY = -1
 MAX_LOAD = 0.5
 MIN_BITS = 4
 _ZERO = np.uint64(0)
+# How many entries ahead a batch kernel asks for the memory it will touch: far enough for a
+# miss (about 100 ns) to arrive in time, near enough that the line is still cached when used.
+# A row update does about 20 ns of arithmetic per row, a probe pass almost none, hence two
+# distances. Measured on a 1M-row adagrad table (dim 16), 64k ids: the row update went from
+# 13.4 to 5.1 ms, find_many from 5.4 to 3.5 ms.
+AHEAD = 8
+PROBE_AHEAD = 32
 
 
-def bits_for(count: int) -> int:
+@intrinsic
+def prefetch(typingctx, arr, i):
+    """Ask the CPU to start loading the cache line of arr[i] (of arr[i, 0] for a 2-D array):
+    a hint that changes no value, so a kernel with it computes what its NumPy twin does."""
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        where = [args[1]] + [zero] * (aryty.ndim - 1)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, where, wraparound=False)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        # The typed-pointer name (numba >= 0.59 ships LLVM 14); newer LLVMs remangle it.
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        # read (0), keep in every cache level (3), data cache (1)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.void(arr, types.intp), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_row(data, r):
+    """prefetch every cache line of row r of a 2-D C-contiguous array."""
+    row = data[r]
+    for c in range(0, row.shape[0], 16):
+        prefetch(row, c)
+    prefetch(row, row.shape[0] - 1)   # a row need not start on a line: its end may be one more
+
+
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_ahead(data, idx, i):
+    """prefetch_row the row of idx[i + AHEAD], if there is one (idx < 0: no row)."""
+    if i + AHEAD < idx.shape[0]:
+        r = idx[i + AHEAD]
+        if r >= 0:
+            prefetch_row(data, r)
+
+
+@njit(cache=True, nogil=True)
+def bits_for(count):
     """log2 of the smallest slot count that holds `count` keys within MAX_LOAD."""
     bits = MIN_BITS
     while (1 << bits) * MAX_LOAD < count:
@@ -102,19 +151,26 @@ def repoint(slots, keys, key, entry, bits):
 def find_many(slots, keys, ids, bits, out):
     """out[i] = the entry of ids[i], EMPTY where absent.
 
-    A key is at its home slot most of the time, so the first two passes read every id's home
-    slot, then that slot's key, without a branch on what they find: the loads of many ids are
-    in flight at once instead of one cache miss after another. The ids that were not settled
-    there (a home slot holding another key) are probed one by one.
+    A key is at its home slot most of the time, so the passes compute every id's home slot,
+    read those slots, then their keys, without a branch on what they find, prefetching
+    PROBE_AHEAD ids in advance: the loads of many ids are in flight at once instead of one
+    cache miss after another. The ids that were not settled there (a home slot holding
+    another key) are probed one by one.
     """
     n = ids.shape[0]
     if keys.shape[0] == 0:   # no entry yet (keys[0] below must exist)
         out[:] = EMPTY
         return
     for i in range(n):
-        out[i] = slots[home(ids[i], bits)]
+        out[i] = home(ids[i], bits)
+    for i in range(n):
+        if i + PROBE_AHEAD < n:
+            prefetch(slots, out[i + PROBE_AHEAD])
+        out[i] = slots[out[i]]
     redo, m = np.empty(n, np.int64), 0
     for i in range(n):
+        if i + PROBE_AHEAD < n:
+            prefetch(keys, max(out[i + PROBE_AHEAD], 0))
         e = out[i]
         other = keys[max(e, 0)] != ids[i]
         redo[m] = i

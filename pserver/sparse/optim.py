@@ -22,7 +22,8 @@ gradients are multiplied by it first):
              (z and n start at 0: the initial row enters z through sigma w at its first step)
 
 Each kernel is numba (nogil); `*_numpy` is its twin. The kernels trust their arguments:
-SparseTable checks them once.
+SparseTable checks them once. Touched rows lie anywhere in a large table, so each kernel
+prefetches the row it will update index.AHEAD entries later (a hint: the values are the same).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 from numba import njit
 
 from pserver.errors import ConfigError
+from pserver.sparse.index import prefetch_ahead
 
 ROW_OPTIMIZERS = ("sgd", "adagrad", "adam", "ftrl")
 SLOTS = {"sgd": (), "adagrad": ("accumulator",), "adam": ("m", "v"), "ftrl": ("z", "n")}
@@ -79,12 +81,35 @@ def initial_slots(name: str, h: dict) -> tuple[float, ...]:
     return tuple(h["initial_accumulator"] if s == "accumulator" else 0.0 for s in SLOTS[name])
 
 
+# -- row blocks ----------------------------------------------------------------------------------
+# adagrad and adam update a row's blocks in scratch arrays of their own: with no aliasing between
+# what they read and write, and error_model="numpy" (a division needs no zero check: numpy's
+# semantics, the twins'), LLVM vectorizes the sqrt and the division: adagrad's update of 64k
+# rows of dim 16 in a 1M-row table took 8.3 ms, now 5.3 (3.0 for rows in order, 6.0 before).
+
+@njit(cache=True, nogil=True, inline="always")
+def _load(data, r, block, out):
+    """out[:] = block `block` of row r (0: the weights, k: the k-th slot), one block per loop."""
+    at = block * out.shape[0]
+    for j in range(out.shape[0]):
+        out[j] = data[r, at + j]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _store(data, r, block, src):
+    """The inverse of _load."""
+    at = block * src.shape[0]
+    for j in range(src.shape[0]):
+        data[r, at + j] = src[j]
+
+
 # -- sgd -----------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True)
 def sgd(data, steps, idx, grads, scale, lr):
     d, s, lr32 = grads.shape[1], np.float32(scale), np.float32(lr)
     for i in range(idx.shape[0]):
+        prefetch_ahead(data, idx, i)
         r = idx[i]
         if r >= 0:
             for j in range(d):
@@ -105,18 +130,23 @@ def _touched(idx, grads, scale):
 
 # -- adagrad -------------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def adagrad(data, steps, idx, grads, scale, lr, eps):
     d, s = grads.shape[1], np.float32(scale)
     lr32, eps32 = np.float32(lr), np.float32(eps)
+    w, a = np.empty(d, np.float32), np.empty(d, np.float32)
     for i in range(idx.shape[0]):
+        prefetch_ahead(data, idx, i)
         r = idx[i]
         if r >= 0:
+            _load(data, r, 0, w)
+            _load(data, r, 1, a)
             for j in range(d):
                 g = grads[i, j] * s
-                a = data[r, d + j] + g * g
-                data[r, d + j] = a
-                data[r, j] -= lr32 * g / (np.sqrt(a) + eps32)
+                a[j] += g * g
+                w[j] -= lr32 * g / (np.sqrt(a[j]) + eps32)
+            _store(data, r, 0, w)
+            _store(data, r, 1, a)
 
 
 def adagrad_numpy(data, steps, idx, grads, scale, lr, eps):
@@ -129,13 +159,15 @@ def adagrad_numpy(data, steps, idx, grads, scale, lr, eps):
 
 # -- adam ----------------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def adam(data, steps, idx, grads, scale, lr, beta1, beta2, eps):
     d, s = grads.shape[1], np.float32(scale)
     b1, b2 = np.float32(beta1), np.float32(beta2)
     one_b1, one_b2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)
     lr32, eps32 = np.float32(lr), np.float32(eps)
+    w, m, v = np.empty(d, np.float32), np.empty(d, np.float32), np.empty(d, np.float32)
     for i in range(idx.shape[0]):
+        prefetch_ahead(data, idx, i)
         r = idx[i]
         if r < 0:
             continue
@@ -144,12 +176,17 @@ def adam(data, steps, idx, grads, scale, lr, beta1, beta2, eps):
         # Bias corrections in float64 (beta2**t is close to 1 for small t), used as float32.
         inv_c1 = np.float32(1.0 / (1.0 - beta1 ** t))
         inv_c2 = np.float32(1.0 / (1.0 - beta2 ** t))
+        _load(data, r, 0, w)
+        _load(data, r, 1, m)
+        _load(data, r, 2, v)
         for j in range(d):
             g = grads[i, j] * s
-            m = b1 * data[r, d + j] + one_b1 * g
-            v = b2 * data[r, 2 * d + j] + one_b2 * (g * g)
-            data[r, d + j], data[r, 2 * d + j] = m, v
-            data[r, j] -= lr32 * (m * inv_c1) / (np.sqrt(v * inv_c2) + eps32)
+            m[j] = b1 * m[j] + one_b1 * g
+            v[j] = b2 * v[j] + one_b2 * (g * g)
+            w[j] -= lr32 * (m[j] * inv_c1) / (np.sqrt(v[j] * inv_c2) + eps32)
+        _store(data, r, 0, w)
+        _store(data, r, 1, m)
+        _store(data, r, 2, v)
 
 
 def adam_numpy(data, steps, idx, grads, scale, lr, beta1, beta2, eps):
@@ -178,6 +215,7 @@ def ftrl(data, steps, idx, grads, scale, lr, beta, l1, l2, lr_power):
     # In float64 (sigma is a difference of nearly equal roots), stored as float32.
     d = grads.shape[1]
     for i in range(idx.shape[0]):
+        prefetch_ahead(data, idx, i)
         r = idx[i]
         if r < 0:
             continue

@@ -347,6 +347,7 @@ def _lookup(slots, keys, bits, data, ids, key, scale, out):
     idx = np.empty(ids.shape[0], np.int64)
     index.find_many(slots, keys, ids, bits, idx)
     for i in range(ids.shape[0]):
+        index.prefetch_ahead(data, idx, i)
         e = idx[i]
         if e == index.EMPTY:
             initial_row(key, ids[i], scale, out[i])
@@ -426,17 +427,22 @@ def _admit(slots, keys, bits, n, data, steps, pslots, pkeys, pbits, pn, pcounts,
 
 @njit(cache=True, nogil=True)
 def _first_nonfinite(grads):
-    """The first row of grads holding a NaN or an infinity, or -1."""
+    """The first row of grads holding a NaN or an infinity, or -1. x - x is 0 for a finite x
+    and NaN otherwise: a test of a whole row without a branch, which vectorizes."""
     for i in range(grads.shape[0]):
+        bad = False
         for j in range(grads.shape[1]):
-            if not np.isfinite(grads[i, j]):
-                return i
+            bad |= (grads[i, j] - grads[i, j]) != 0
+        if bad:
+            return i
     return -1
 
 
 @njit(cache=True, nogil=True)
 def _touch(last, idx, step):
     for i in range(idx.shape[0]):
+        if i + index.PROBE_AHEAD < idx.shape[0]:
+            index.prefetch(last, max(idx[i + index.PROBE_AHEAD], 0))
         if idx[i] >= 0:
             last[idx[i]] = step
 
