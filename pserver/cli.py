@@ -2,7 +2,8 @@
 
 Each subcommand parses flags (falling back to TF_CONFIG for the cluster), builds a
 frozen config and calls one function. A user's mistake prints one line and exits 2; a
-failure at run time prints one line and exits 1; there is never a traceback for either.
+failure at run time prints one line and exits 1, or 138 when a restart may fix it (a shard
+unreachable past the deadline); there is never a traceback for any of them.
 """
 
 from __future__ import annotations
@@ -158,6 +159,11 @@ WORKER_FLAGS = [
     Flag("--require-fresh", dict(action="store_true", default=None,
                                  help="chief: refuse (exit 2) when the shards already hold trained state "
                                       "(default: continue from it, saying so)")),
+    Flag("--no-resume", dict(action="store_true", default=None,
+                             help="start this worker's data at epoch 1, step 1, even where the shards "
+                                  "recorded its position (default: a restarted worker, or a job restored "
+                                  "from checkpoints, goes on from the step it had reached; --epochs counts "
+                                  "the epochs of the whole run, as in Keras)")),
     Flag("--tensorboard", dict(metavar="DIR", help="chief: write TensorBoard scalars here (train loss, "
                                "samples/s, staleness; test accuracy or AUC and loss per epoch)")),
     Flag("--save", dict(metavar="PATH", help="chief: write the trained model here at the end: its definition and "
@@ -548,12 +554,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.commands[ns.command].unrecognized(extra)
     try:
         return COMMANDS[ns.command](ns)
-    except ConfigError as e:
+    except PServerError as e:                  # its exit_code: 2 usage, 1 failed, 138 transient
         print(f"pserver {ns.command}: error: {e}", file=sys.stderr)
-        return 2
-    except PServerError as e:
-        print(f"pserver {ns.command}: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     except KeyboardInterrupt:
         print(f"pserver {ns.command}: interrupted", file=sys.stderr)
         return 130

@@ -53,6 +53,7 @@ class ShardInfo:
     host_id: str
     restored_from: str = ""     # the checkpoint the shard resumed from at start
     seeded_by_rank: int = -1    # the rank whose Init supplied its values
+    position: codec.Position | None = None   # where this rank stood, as the shard recorded it
 
 
 class ShardClient:
@@ -172,7 +173,8 @@ class ShardClient:
             info = self._register_once(*self._joined)
             seeded = None
             if not info.initialized and self.last_flat is not None:
-                seeded = not self._init_once(self._joined[0], self.last_flat, self._joined[-1])
+                rank, timeout = self._joined[0], self._joined[5]
+                seeded = not self._init_once(rank, self.last_flat, timeout)
             # A restarted shard lost the gradients it was holding for its step, ours maybe
             # among them: waiting for the version after the one we saw could wait forever.
             # The next pull takes whatever it holds now, and the worker goes on from there.
@@ -191,10 +193,11 @@ class ShardClient:
             self.fast = None
 
     # --- operations -------------------------------------------------------------------
-    def register(self, rank, num_workers, num_shards, layout: Layout, batch_size, timeout) -> ShardInfo:
+    def register(self, rank, num_workers, num_shards, layout: Layout, batch_size, timeout,
+                 data_order: tuple[int, int] = (0, 0)) -> ShardInfo:
         """Register; while an earlier session of this rank is still live on the shard (this
         worker restarted before the shard noticed), say so and wait for it to expire."""
-        self._joined = (rank, num_workers, num_shards, layout, batch_size, timeout)
+        self._joined = (rank, num_workers, num_shards, layout, batch_size, timeout, data_order)
         deadline, told = time.monotonic() + timeout, -WAIT_NOTICE_EVERY
         while True:
             try:
@@ -208,16 +211,18 @@ class ShardClient:
                     print(f"{e}; waiting for that session to expire", flush=True)
                 time.sleep(0.5)
 
-    def _register_once(self, rank, num_workers, num_shards, layout, batch_size, timeout) -> ShardInfo:
+    def _register_once(self, rank, num_workers, num_shards, layout, batch_size, timeout,
+                       data_order=(0, 0)) -> ShardInfo:
         req = pb.RegisterRequest(rank=rank, num_workers=num_workers, shard=self.index,
                                  num_shards=num_shards, batch_size=batch_size,
+                                 data_seed=data_order[0], steps_per_epoch=data_order[1],
                                  protocol_version=codec.PROTOCOL_VERSION,
                                  layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors],
                                  tables=[codec.table_spec(t) for t in layout.tables])
         r = self.call(self.stub.Register, req, timeout=timeout)
         self.info = ShardInfo(r.mode, r.version, r.initialized, r.range_start, r.range_end,
                               r.total_params, r.layout_signature, r.optimizer, r.lr, r.dataplane, r.host_id,
-                              r.restored_from, r.seeded_by_rank)
+                              r.restored_from, r.seeded_by_rank, codec.Position.of(r))
         self.session, self.session_timeout = r.session, r.session_timeout_seconds
         if self.data_plane == "auto" and self.fast is None:
             self.fast = dataplane.connect(r.dataplane, r.host_id, rank, self.index,
@@ -387,11 +392,14 @@ class PSClient:
         deadline = time.monotonic() + timeout
         self.each(lambda s: s.wait_ready(max(0.1, deadline - time.monotonic())))
 
-    def register(self, layout: Layout, batch_size: int = 0) -> list[ShardInfo]:
+    def register(self, layout: Layout, batch_size: int = 0,
+                 data_order: tuple[int, int] = (0, 0)) -> list[ShardInfo]:
+        """Register with every shard. `data_order` (seed, steps per epoch) is recorded with
+        this rank's position, which each ShardInfo returns (docs/semantics.md, "Resuming")."""
         # versions stay "none seen": the first pull takes whatever is current, which for
         # a restarted worker is the version the others have reached.
         infos = self.each(lambda s: s.register(self.rank, self.num_workers, len(self.shards),
-                                               layout, batch_size, self.rpc_deadline))
+                                               layout, batch_size, self.rpc_deadline, data_order))
         if self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._beat, name="ps-heartbeat", daemon=True)
             self._heartbeat.start()

@@ -14,7 +14,7 @@ and receiving none before the copy into the destination, instead of three each w
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -190,6 +190,27 @@ def table_config(spec: pb.SparseTableSpec):
                                       init_scale=spec.init_scale, seed=spec.seed, min_count=spec.min_count,
                                       max_rows=spec.max_rows, ttl_steps=spec.ttl_steps,
                                       params=dict(spec.params)))
+
+
+class Position(NamedTuple):
+    """Where a worker stands in its data (pb.TrainingPosition): the shard records it per rank,
+    checkpoints it, and hands it back when the rank registers again."""
+    clock: int              # steps of the rank taken in; the next one is this
+    data_seed: int          # the seed of the data order those steps followed
+    steps_per_epoch: int    # the epoch length they were counted in
+
+    @property
+    def epoch(self) -> int:
+        return self.clock // max(self.steps_per_epoch, 1)
+
+    @property
+    def step(self) -> int:
+        return self.clock % max(self.steps_per_epoch, 1)
+
+    @staticmethod
+    def of(reply) -> Position | None:
+        return Position(reply.position.clock, reply.position.data_seed,
+                        reply.position.steps_per_epoch) if reply.HasField("position") else None
 
 
 def encode_parts(header: pb.TensorHeader, arrays: list[np.ndarray],

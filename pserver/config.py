@@ -129,6 +129,7 @@ class WorkerConfig:
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     require_fresh: bool = False   # chief: refuse shards that already hold trained state (default: continue)
+    no_resume: bool = False       # start the data at epoch 1 even where the shards recorded this rank's position
     stop_shards: bool = False     # chief: end the shards (exit 0) once the run is over (pserver slurm)
     auth_token: str | None = field(default=None, repr=False)  # sent with every RPC; never shown
     tls_ca: str | None = None     # PEM CA certificate to trust: talk to the shards over TLS

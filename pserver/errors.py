@@ -14,17 +14,34 @@
 
 `grpc.RpcError` is translated into this tree once, in `pserver.client`; the server
 raises the RpcError subclasses and the servicer turns them into status codes.
+
+Each error carries the exit code of the process it ends, after Kubeflow's ExitCode restart
+policy: 1-127 for what a restart cannot fix (retrying is pointless), >= 128 for what it may
+(the policy restarts those): 138 for a transient failure, 128+N for signal N (pserver.signals). docs/semantics.md,
+"Errors and exit codes", lists them.
 """
 
 from __future__ import annotations
 
 
+EXIT_FAILED = 1        # a failure a restart cannot fix: refused request, unreadable data or model
+EXIT_USAGE = 2         # a user's mistake found before anything ran: flag, TF_CONFIG, file
+# A failure a restart may fix (a shard unreachable or busy past the deadline): 128 + SIGUSR1,
+# the code Kubeflow's operator has reserved for a user's retryable error since its ExitCode
+# policy began (later releases retry every code >= 128; both retry this one).
+EXIT_TRANSIENT = 138
+
+
 class PServerError(Exception):
     """Base of every error pserver raises for a reason it can explain."""
+
+    exit_code = EXIT_FAILED
 
 
 class ConfigError(PServerError):
     """A flag, TF_CONFIG or option combination that cannot work."""
+
+    exit_code = EXIT_USAGE
 
 
 class DataError(PServerError):
@@ -55,14 +72,29 @@ class AlreadyExists(RpcError):
 
 class ResourceExhausted(RpcError):
     code_name = "RESOURCE_EXHAUSTED"
+    exit_code = EXIT_TRANSIENT         # a bound of a busy shard: it frees up
 
 
 class Unavailable(RpcError):
     code_name = "UNAVAILABLE"
+    exit_code = EXIT_TRANSIENT         # a shard down or unreachable: it may come back
 
 
 class DeadlineExceeded(RpcError):
     code_name = "DEADLINE_EXCEEDED"
+    exit_code = EXIT_TRANSIENT
+
+
+class ProcessFailed(PServerError):
+    """A process of the cluster (launch's child, a Ray actor) exited with `code`: the
+    launcher exits transient when it did (or when a signal killed it), else failed."""
+
+    def __init__(self, role: str, code: int, what: str = "; stopping the cluster") -> None:
+        if code < 0:                   # Popen: killed by signal -code
+            code = 128 - code
+        super().__init__(f"{role} exited with code {code}{what}")
+        self.code = code
+        self.exit_code = EXIT_TRANSIENT if code >= 128 else EXIT_FAILED
 
 
 RPC_ERRORS = {cls.code_name: cls for cls in

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from pserver.device import round_robin
-from pserver.errors import PServerError, Unavailable
+from pserver.errors import ProcessFailed, Unavailable
 from pserver.metrics import write_json
 from pserver.security import TOKEN_ENV
 from pserver.signals import Stopped, stop_on_signals
@@ -136,9 +136,9 @@ def start_shards(cfg: LaunchConfig, server_argv: list[str], env: dict, procs: li
                 code = p.popen.wait(2)
             except subprocess.TimeoutExpired:
                 code = None
-            raise Unavailable(f"{p.role} exited with code {code} before listening (its error is above)"
-                              if code is not None else
-                              f"{p.role} did not start listening within {STARTUP_TIMEOUT:g} s")
+            if code is not None:
+                raise ProcessFailed(p.role, code, " before listening (its error is above)")
+            raise Unavailable(f"{p.role} did not start listening within {STARTUP_TIMEOUT:g} s")
     return shards
 
 
@@ -183,7 +183,7 @@ def supervise(shards: list[Proc], workers: list[Proc]) -> None:
         for p in workers + shards:
             code = p.popen.poll()
             if code is not None and (code != 0 or p in shards):
-                raise PServerError(f"{p.role} exited with code {code}; stopping the cluster")
+                raise ProcessFailed(p.role, code)
         if all(w.popen.poll() == 0 for w in workers):
             return
         time.sleep(0.1)

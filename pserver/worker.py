@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import time
 
 import numpy as np
@@ -184,7 +185,8 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
                       security=client_security(cfg.auth_token, cfg.tls_ca))
     try:
         client.connect(cfg.connect_timeout)
-        infos = client.register(registered_layout(model), cfg.batch_size)
+        steps = ds.steps(cfg.num_workers, cfg.batch_size)
+        infos = client.register(registered_layout(model), cfg.batch_size, (cfg.seed, steps))
         mode = infos[0].mode
         print(f"worker rank {cfg.rank}/{cfg.num_workers} device {describe_device(device)}; "
               f"model {model_name(model)} {describe_params(model)}; {describe(ds)}; mode {mode}, "
@@ -200,7 +202,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         rows = Rows(model, client)
         warm_up(model, w, ds, cfg.batch_size, rows)
         started = time.monotonic()
-        history = train(cfg, ds, model, client, w, rows, report)
+        history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps))
         client.leave()
         if cfg.rank != 0:
             say_if_chief_gone(client)
@@ -240,6 +242,32 @@ def check_fresh(client: PSClient, infos, require_fresh: bool) -> None:
           "(--require-fresh refuses instead)", flush=True)
 
 
+def resume_clock(cfg: WorkerConfig, infos, steps: int) -> int:
+    """The step this rank goes on from: where every shard recorded it (the smallest, since each
+    checkpointed at its own time), when it followed this data order; else 0. Says which, in one line."""
+    found = [i.position for i in infos]
+    if all(p is None or p.clock == 0 for p in found):
+        return 0
+    if cfg.no_resume:
+        print(f"--no-resume: starting at epoch 1 (the shards recorded rank {cfg.rank} at step "
+              f"{max(p.clock for p in found if p)})", flush=True)
+        return 0
+    other = next((p for p in found if p and (p.data_seed, p.steps_per_epoch) != (cfg.seed, steps)), None)
+    if other is not None or not steps:
+        why = ("its data has no known epoch length" if not steps else
+               f"they were counted in another data order (seed {other.data_seed}, "
+               f"{other.steps_per_epoch} steps per epoch; now seed {cfg.seed}, {steps})")
+        print(f"the shards recorded rank {cfg.rank}'s position, but {why}: starting at epoch 1", flush=True)
+        return 0
+    clock = min(p.clock if p else 0 for p in found)
+    at = found[0]._replace(clock=clock)
+    left = ("nothing is left to train" if at.epoch >= cfg.epochs or (cfg.max_steps and clock >= cfg.max_steps)
+            else f"{steps * cfg.epochs - clock} step(s) to go")
+    print(f"resuming rank {cfg.rank} at epoch {at.epoch + 1}/{cfg.epochs}, step {at.step + 1}/{steps} "
+          f"(step {clock} of the run, as the shards recorded it; --no-resume starts over): {left}", flush=True)
+    return clock
+
+
 def say_if_chief_gone(client: PSClient) -> None:
     """A worker's last line says so when the chief is gone: no final evaluation or summary
     will come from it (a restarted chief rejoins and writes them)."""
@@ -268,17 +296,23 @@ def warm_up(model, w: np.ndarray, ds, batch_size: int, rows: Rows) -> None:
 
 
 def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: Rows,
-          report: TrainingReport) -> dict:
+          report: TrainingReport, start: int = 0) -> dict:
+    """The epochs, from step `start` of the run on (a resumed worker's; 0 otherwise)."""
     steps = ds.steps(cfg.num_workers, cfg.batch_size)
     g = np.empty_like(w)
     gradient = gradient_fn(model, cfg.seed, cfg.rank)
     delay = Delay(cfg.delay, cfg.seed, cfg.rank)
     progress = Progress(cfg.rank, cfg.epochs, steps, cfg.batch_size, cfg.log_every, cfg.num_workers)
     timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
-    clock, epochs_log, outcomes = 0, [], {}
-    for epoch in range(cfg.epochs):
-        for step, (x, y) in enumerate(ds.epoch(cfg.rank, cfg.num_workers, cfg.batch_size,
-                                               cfg.seed, epoch)):
+    clock, epochs_log, outcomes = start, [], {}
+    first_epoch, skip = divmod(start, steps) if steps else (0, 0)
+    if cfg.max_steps and start >= cfg.max_steps:
+        first_epoch = cfg.epochs               # resumed past --max-steps: nothing left
+    for epoch in range(first_epoch, cfg.epochs):
+        offset, skip = skip, 0                 # a resumed epoch starts at its step
+        batches = itertools.islice(ds.epoch(cfg.rank, cfg.num_workers, cfg.batch_size, cfg.seed, epoch),
+                                   offset, None)
+        for step, (x, y) in enumerate(batches, start=offset):
             step_started = time.perf_counter()
             with timer("pull"):
                 lookups = rows.for_batch(x)
@@ -311,12 +345,12 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             break
         if cfg.max_steps and clock >= cfg.max_steps:
             break
-    stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock, samples=clock * cfg.batch_size,
-                          outcomes=outcomes)
+    stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock - start,
+                          samples=(clock - start) * cfg.batch_size, outcomes=outcomes)
     if cfg.stats_json:
         write_json(cfg.stats_json, stats)
     return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock, "curve": curve.points,
-            "stats": stats, "seconds": progress.elapsed}
+            "stats": stats, "seconds": progress.elapsed, "resumed_at_step": start}
 
 
 def push(client: PSClient, g: np.ndarray, batch: int, clock: int, lookups=(), tables=()) -> list[str]:
@@ -393,7 +427,7 @@ def finish(cfg, ds, model, client, w, mode, history, started, start, rows) -> di
         "mode": mode, "num_shards": len(cfg.ps), "num_workers": cfg.num_workers,
         "dataset": ds.name, "model": model_name(model), "num_params": model.layout.total,
         "optimizer": statuses[0].optimizer, "lr": statuses[0].lr, "batch_size": cfg.batch_size,
-        "epochs": cfg.epochs, "seed": cfg.seed,
+        "epochs": cfg.epochs, "seed": cfg.seed, "resumed_at_step": history["resumed_at_step"],
         "test_accuracy": ev.get("accuracy"), "test_loss": ev.get("loss"), "test_r2": ev.get("r2"),
         "test_auc": ev.get("auc"),
         **binary_metrics(ev, ds),

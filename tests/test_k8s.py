@@ -5,6 +5,8 @@ Both come from kubeflow/training-operator, branch release-1.9 at commit
 078ec30ff26649a07d2e28893c332d4cef70e233 (the last line with the TFJob operator):
 - tests/data/kubeflow/kubeflow.org_tfjobs.yaml.gz is manifests/base/crds/kubeflow.org_tfjobs.yaml
   of that commit, gzipped (Apache License 2.0).
+- is_retryable_exit_code() below is IsRetryableExitCode in pkg/util/train/train_util.go, what
+  the ExitCode restart policy (pkg/controller.v1/common/pod.go) asks of a failed pod.
 - operator_tf_config() below follows, line for line, genTFConfigJSONStr and genClusterSpec in
   pkg/controller.v1/tensorflow/tensorflow.go, GetPortFromTFJob in
   pkg/controller.v1/tensorflow/util.go, GenGeneralName in pkg/controller.v1/common/util.go
@@ -17,12 +19,16 @@ import copy
 import gzip
 import json
 import pathlib
+import signal
 
 import jsonschema
 import pytest
 import yaml
 
 from pserver import cli
+from pserver.errors import (AlreadyExists, ConfigError, DataError, DeadlineExceeded, FailedPrecondition,
+                            InvalidArgument, ProcessFailed, ResourceExhausted, Unauthenticated, Unavailable)
+from pserver.signals import Stopped
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CRD = ROOT / "tests" / "data" / "kubeflow" / "kubeflow.org_tfjobs.yaml.gz"
@@ -135,3 +141,25 @@ def test_the_manifests_probe_the_shards_with_grpc_health_and_take_the_token_from
     names = ",".join(f"{stateful['metadata']['name']}-{j}.{service['metadata']['name']}.default.svc:2222"
                      for j in range(stateful["spec"]["replicas"]))
     assert f"--ps {names}" in " ".join(workers["spec"]["template"]["spec"]["containers"][0]["args"][0].split())
+
+
+def is_retryable_exit_code(exit_code: int) -> bool:
+    """train.IsRetryableExitCode: the ExitCode policy restarts a pod that failed with such a code."""
+    return exit_code >= 128
+
+
+def test_the_exit_code_policy_retries_what_a_restart_may_fix_and_nothing_else(tfjob):
+    """Catches a transient failure (a shard unreachable past the deadline, a signal) that fails
+    the job for good, and a user's mistake or a refused request that is retried forever."""
+    for err in (ConfigError("x"), DataError("x"), InvalidArgument("x"), FailedPrecondition("x"),
+                Unauthenticated("x"), AlreadyExists("x"), ProcessFailed("worker1", 2)):
+        assert 1 <= err.exit_code <= 127 and not is_retryable_exit_code(err.exit_code), err
+    for err in (Unavailable("x"), DeadlineExceeded("x"), ResourceExhausted("x"), ProcessFailed("ps0", -9),
+                ProcessFailed("worker0", 143), Stopped(signal.SIGTERM), Stopped(signal.SIGINT)):
+        assert is_retryable_exit_code(err.exit_code), err
+    for spec in tfjob["spec"]["tfReplicaSpecs"].values():
+        assert spec["restartPolicy"] == "ExitCode"
+    jobs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "statefulset.yaml").read_text())
+            if d["kind"] == "Job"]
+    (rule,) = jobs[0]["spec"]["podFailurePolicy"]["rules"]      # the plain Job: the same split
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [1, 2]

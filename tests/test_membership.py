@@ -255,3 +255,48 @@ def test_only_the_chief_ends_the_shard_and_only_once_every_worker_has_left(tmp_p
     shard.leave(1, s1)
     path, version = shard.stop_after_checkpoint(0, s0)
     assert shard.ended.is_set() and path.startswith(str(tmp_path)) and version == shard.status()["version"]
+
+
+# --- positions: where each worker stands, for a restart to resume from (docs/semantics.md) ---
+
+def register(shard, rank, num_workers, seed=7, steps=10):
+    """Register `rank` again (one_shard registered it with no data order) with this one."""
+    if shard.policy.session_live(rank):
+        shard.leave(rank)
+    return shard.register(rank, num_workers, 0, 1, Layout.of([("w", (4,))]), data_seed=seed,
+                          steps_per_epoch=steps).position
+
+
+@pytest.mark.parametrize("mode", ["sync", "backup", "async", "ssp"])
+def test_a_position_counts_the_steps_taken_in_and_survives_a_checkpoint(tmp_path, mode):
+    """Catches a position counted at arrival in sync (a checkpoint between a push and its
+    step's completion would skip a batch that was never applied), a position lost by the
+    checkpoint, and a rank's position handed to another rank."""
+    cfg = dict(mode=mode, optimizer="sgd", lr=0.1, step_timeout=20.0, checkpoint_dir=str(tmp_path),
+               **({"backup_workers": 1} if mode == "backup" else {}))
+    shard = one_shard(4, 2, **cfg)
+    assert register(shard, 0, 2) == (0, 0, 0)             # one_shard's Register, before any push
+    register(shard, 1, 2, seed=8, steps=20)
+    for clock in range(3):
+        for r in (0, 1):
+            push(shard, r, shard.store.version, ONES, clock=clock)
+    push(shard, 0, shard.store.version, ONES, clock=3)     # aggregated, step 3 not complete in sync
+    expected = {0: 3 if mode == "sync" else 4, 1: 3}
+    if mode == "backup":
+        expected[0] = 4                                    # b=1: one push completes a step of 2 workers
+    shard.checkpoint(0)
+    restored = Shard(ServerConfig(restore=str(tmp_path), num_workers=2, **cfg))
+    assert register(restored, 0, 2) == (expected[0], 7, 10)
+    assert register(restored, 1, 2, seed=8, steps=20) == (expected[1], 8, 20)
+
+
+def test_a_rank_back_with_another_data_order_is_told_the_old_one_and_counts_anew():
+    """Catches a clock counted in one data order taken as a position in another: a worker
+    restarted with a new --seed (or batch size) must start its data over, and a later restart
+    must not resume from the old count."""
+    shard = one_shard(4, 1, mode="async", optimizer="sgd", lr=0.1)
+    register(shard, 0, 1)
+    for clock in range(5):
+        push(shard, 0, shard.store.version, ONES, clock=clock)
+    assert register(shard, 0, 1, seed=9) == (5, 7, 10)    # what it was, for the worker to compare
+    assert register(shard, 0, 1, seed=9) == (0, 9, 10)    # counted anew in the new order

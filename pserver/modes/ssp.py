@@ -22,7 +22,7 @@ class SSPPolicy(AsyncPolicy):
 
     def pushed(self, rank, clock):
         with self.store.cond:
-            self.clocks[rank] = max(self.clocks.get(rank, 0), clock + 1)
+            self.store.took(rank, clock)       # before the wake-up: waiters read the clocks
             self.watch.reset()                 # progress: whoever waits, waits anew
             self.store.cond.notify_all()
 

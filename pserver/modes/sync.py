@@ -22,6 +22,7 @@ class SyncPolicy(Policy):
         self.pending: dict[int, np.ndarray] = {}   # rank -> gradient for the current step
         self.pending_samples: dict[int, int] = {}  # rank -> samples behind that gradient
         self.pending_rows: dict[int, list] = {}    # rank -> its sparse rows for the step
+        self.pending_clocks: dict[int, int] = {}   # rank -> its own step count for that push
         self.watch = StepWatch(cfg.step_timeout)
 
     def quorum(self) -> int:
@@ -44,6 +45,7 @@ class SyncPolicy(Policy):
             self.pending[rank] = grad
             self.pending_samples[rank] = samples
             self.pending_rows[rank] = list(rows)
+            self.pending_clocks[rank] = clock
             self.store.counters.add("pushes_aggregated")
             self.watch.start()
             self.maybe_complete()
@@ -74,6 +76,7 @@ class SyncPolicy(Policy):
         self.store.counters.add("samples_pushed", sum(self.pending_samples.pop(r) for r in ranks))
         for r in ranks:
             self.store.pool.release(self.pending.pop(r))
+            self.store.took(r, self.pending_clocks.pop(r))
         self.watch.reset()
 
     def membership_changed(self) -> None:

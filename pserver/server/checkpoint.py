@@ -49,9 +49,10 @@ class Checkpoint:
     optimizer: str
     params: np.ndarray
     state: dict
-    clocks: dict = field(default_factory=dict)   # ssp: rank -> clock; older files have none
+    clocks: dict = field(default_factory=dict)   # rank -> steps taken in; older files have none
     tables: list = field(default_factory=list)   # sparse tables' configs (TableConfig.to_dict())
     rows: dict = field(default_factory=dict)     # table name -> its SparseTable.state() arrays
+    positions: dict = field(default_factory=dict)  # rank -> (data_seed, steps_per_epoch) of its clock
 
 
 def file_name(shard: int, num_shards: int, version: int) -> str:
@@ -76,6 +77,7 @@ def save(directory: str, ckpt: Checkpoint) -> str:
     meta = {"tables": ckpt.tables,"version": ckpt.version, "shard": ckpt.shard, "num_shards": ckpt.num_shards,
             "signature": ckpt.signature, "total": ckpt.total, "start": ckpt.start, "end": ckpt.end,
             "optimizer": ckpt.optimizer, "clocks": {str(r): int(c) for r, c in ckpt.clocks.items()},
+            "positions": {str(r): [int(v) for v in p] for r, p in ckpt.positions.items()},
             "sha256": digest(arrays)}
     final = os.path.join(directory, file_name(ckpt.shard, ckpt.num_shards, ckpt.version))
     tmp = f"{final}.{os.getpid()}.tmp"
@@ -144,7 +146,8 @@ def load(path: str) -> Checkpoint:
     return Checkpoint(path, meta["version"], meta["shard"], meta["num_shards"], meta["signature"],
                       meta["total"], meta["start"], meta["end"], meta["optimizer"],
                       arrays["params"], state,
-                      {int(r): int(c) for r, c in meta.get("clocks", {}).items()}, tables, rows)
+                      {int(r): int(c) for r, c in meta.get("clocks", {}).items()}, tables, rows,
+                      {int(r): tuple(int(v) for v in p) for r, p in meta.get("positions", {}).items()})
 
 
 def newest(directory: str, shard: int, num_shards: int) -> tuple[Checkpoint | None, list[str]]:

@@ -91,8 +91,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         layout = Layout.of(((t.name, tuple(t.shape)) for t in request.layout),
                            [codec.table_config(t) for t in request.tables])
         reg = self.shard.register(request.rank, request.num_workers, request.shard,
-                                  request.num_shards, layout, request.protocol_version)
-        return pb.RegisterReply(**reg.__dict__)
+                                  request.num_shards, layout, request.protocol_version,
+                                  request.data_seed, request.steps_per_epoch)
+        fields = dict(reg.__dict__)
+        position = fields.pop("position")
+        return pb.RegisterReply(**fields, position=pb.TrainingPosition(**position._asdict()) if position else None)
 
     def _stream(self, request_iterator, context, call):
         """A push or init stream within the shard's bounds (server/limits.py): counted from

@@ -20,7 +20,7 @@ import numpy as np
 from pserver.codec import DTYPE_NAME
 from pserver.config import ServerConfig
 from pserver.dataplane import host_id
-from pserver.codec import PROTOCOL_VERSION
+from pserver.codec import PROTOCOL_VERSION, Position
 from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted, RpcError
 from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
@@ -95,6 +95,7 @@ class Registration:
     protocol_version: int = PROTOCOL_VERSION
     restored_from: str = ""           # the checkpoint the shard resumed from at start
     seeded_by_rank: int = -1          # the rank whose Init supplied the values, -1 if none
+    position: Position | None = None  # the rank's recorded position; None when there is none
 
 
 def available_memory() -> int:
@@ -189,7 +190,8 @@ class Shard:
                                      f"{self.cfg.shard} of {self.cfg.num_shards}")
 
     def register(self, rank: int, num_workers: int, shard: int, num_shards: int,
-                 layout: Layout, protocol_version: int = PROTOCOL_VERSION) -> Registration:
+                 layout: Layout, protocol_version: int = PROTOCOL_VERSION, data_seed: int = 0,
+                 steps_per_epoch: int = 0) -> Registration:
         if protocol_version != PROTOCOL_VERSION:
             raise FailedPrecondition(
                 f"protocol_version: the worker speaks wire protocol {protocol_version} and this "
@@ -213,7 +215,8 @@ class Shard:
                                 s.signature, self.cfg.optimizer, self.cfg.lr,
                                 self.dataplane.address if self.dataplane else "", host_id(),
                                 session, self.cfg.step_timeout, restored_from=s.restored_from,
-                                seeded_by_rank=self.seeded_by)
+                                seeded_by_rank=self.seeded_by,
+                                position=s.position_of(rank, data_seed, steps_per_epoch))
 
     def _check_memory(self, size: int) -> None:
         """RESOURCE_EXHAUSTED, before allocating, when the shard's range cannot fit."""
@@ -421,10 +424,14 @@ class Shard:
             self.store.pool.release(grad)
             raise
         try:
-            return self.policy.push(rank, step, grad, clock, samples, rows)
+            outcome, message = self.policy.push(rank, step, grad, clock, samples, rows)
         except RpcError:
             self.store.pool.release(grad)   # rejected: the policy did not keep it
             raise
+        if outcome is not Outcome.AGGREGATED:   # an aggregated step is taken in when its step completes
+            with self.store.cond:
+                self.store.took(rank, clock)
+        return outcome, message
 
     def leave(self, rank: int, session: str | None = None) -> None:
         with self.store.cond:

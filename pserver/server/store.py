@@ -18,6 +18,7 @@ import numba
 import numpy as np
 
 from pserver import dataplane, sparse
+from pserver.codec import Position
 from pserver.errors import ConfigError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 
 log = logging.getLogger("pserver.server")
@@ -196,7 +197,9 @@ class ShardStore:
         self.closed = False
         self.restored_from = ""            # the checkpoint this shard resumed from, if any
         self.params_fd: int | None = None  # memfd behind params, for the data plane
-        self.clocks: dict[int, int] = {}   # ssp: rank -> pushes completed; checkpointed with the rest
+        # Where each worker stands (docs/semantics.md, "Resuming"), checkpointed with the rest:
+        self.clocks: dict[int, int] = {}   # rank -> its steps taken in (ssp bounds staleness by them)
+        self.positions: dict[int, tuple[int, int]] = {}   # rank -> (data_seed, steps_per_epoch)
         self.tables: dict[str, sparse.SparseTable] = {}   # the model's sparse tables: this shard's rows
 
     @property
@@ -237,7 +240,7 @@ class ShardStore:
             return dict(meta, version=self.version, signature=self.signature, total=self.total,
                         start=self.start, end=self.end, params=self.params.copy(),
                         state={k: v.copy() for k, v in self.optimizer.state.items()},
-                        clocks=dict(self.clocks),
+                        clocks=dict(self.clocks), positions=dict(self.positions),
                         tables=[t.config.to_dict() for t in self.tables.values()],
                         rows={name: t.state() for name, t in self.tables.items()})
 
@@ -255,8 +258,30 @@ class ShardStore:
             self.version = ckpt.version
             self.clocks.clear()
             self.clocks.update(ckpt.clocks)
+            self.positions.clear()
+            self.positions.update(ckpt.positions)
             self.restored_from = ckpt.path
             self.cond.notify_all()
+
+    def took(self, rank: int, clock: int) -> None:
+        """rank's step `clock` is taken in: applied, part of a completed step, or dropped late
+        (its batch is consumed either way). Holds cond."""
+        self.clocks[rank] = max(self.clocks.get(rank, 0), clock + 1)
+
+    def position_of(self, rank: int, data_seed: int, steps_per_epoch: int) -> Position | None:
+        """rank's recorded position (None when there is none), then the data order it registers
+        with now. A rank that comes back with another data order starts its count again:
+        its old clock does not say where it stands in the new order. Holds cond."""
+        known = self.positions.get(rank)
+        if known is None and rank not in self.clocks:
+            found = None
+        else:
+            seed, steps = known or (data_seed, steps_per_epoch)
+            found = Position(self.clocks.get(rank, 0), seed, steps)
+        if known is not None and known != (data_seed, steps_per_epoch):
+            self.clocks.pop(rank, None)
+        self.positions[rank] = (data_seed, steps_per_epoch)
+        return found
 
     def require_configured(self) -> None:
         if not self.signature:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -55,6 +56,10 @@ def test_sigkill_in_sync_mode_does_not_stop_the_others_and_the_worker_can_rejoin
     assert s["test_accuracy"] >= 0.85
     assert "marked worker(s) [2] dead" in shard.output
 
-    again = procs("worker", "--ps", addr, "--rank", "2", "--num-workers", "3", *TRAIN, "--max-steps", "5")
+    done = sum("step" in ln and "loss" in ln for ln in workers[2].lines)   # progress lines it printed
+    again = procs("worker", "--ps", addr, "--rank", "2", "--num-workers", "3", *TRAIN, "--max-steps", "60")
     assert again.wait() == 0, again.output
     assert "registered again and rejoins" in shard.output
+    # It goes on from the step it had reached (the shard kept its count), not from step 1.
+    resumed = re.search(r"resuming rank 2 at epoch 1/1, step (\d+)/", again.output)
+    assert resumed and int(resumed.group(1)) > done, again.output

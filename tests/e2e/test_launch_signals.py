@@ -10,6 +10,7 @@ import signal
 
 import pytest
 
+from pserver.errors import EXIT_TRANSIENT
 from pserver.server import checkpoint
 from tests.e2e.conftest import LOGREG, wait_until
 
@@ -93,3 +94,17 @@ def test_sigterm_stops_a_worker_and_a_shard_that_keeps_its_last_state(procs, tmp
     assert version > 0
     newest = checkpoint.load_latest(str(ckpt), 0, 1)      # what a restart with --restore takes
     assert newest is not None and newest.version == version, shard.output
+
+
+def test_a_worker_killed_by_sigkill_makes_the_launcher_exit_transient(procs):
+    """Kubeflow's ExitCode policy restarts a replica that exits >= 128: a child killed from
+    outside (the OOM killer, a preempted node) is such a failure, unlike a refused request (1)."""
+    launcher, kids = training_cluster(procs)
+    try:
+        worker = next(pid for pid in kids if b"--rank\x001" in open(f"/proc/{pid}/cmdline", "rb").read())
+        os.kill(worker, signal.SIGKILL)
+        assert launcher.wait(60) == EXIT_TRANSIENT, launcher.output[-3000:]
+        assert "pserver launch: error: worker1 exited with code 137; stopping the cluster" in launcher.output
+        assert [pid for pid in kids if alive(pid)] == []
+    finally:
+        kill_leftovers(kids)
