@@ -69,9 +69,19 @@ class ShardState:
         yield GaugeMetricFamily("pserver_parameters", "Dense parameters held by this shard", value=st["num_params"])
         rows = GaugeMetricFamily("pserver_table_rows", "Rows of each sparse table held by this shard",
                                  labels=["table"])
+        held = GaugeMetricFamily("pserver_table_bytes", "Bytes of each sparse table on this shard (rows, "
+                                 "optimizer state, hash index, pending admission counts)", labels=["table"])
         for t in st["tables"]:
             rows.add_metric([t["name"]], t["rows"])
+            held.add_metric([t["name"]], t["bytes"])
         yield rows
+        yield held
+        moved = CounterMetricFamily("pserver_rows", "Sparse rows sent in pulls, and rows updated by pushes (a row that several workers of a sync "
+                                    "step pushed is updated once)",
+                                    labels=["direction"])
+        moved.add_metric(["pulled"], c["rows_pulled"])
+        moved.add_metric(["pushed"], c["rows_pushed"])
+        yield moved
         workers = GaugeMetricFamily("pserver_workers", "Workers by state", labels=["state"])
         workers.add_metric(["live"], len(st["live_workers"]))
         workers.add_metric(["dead"], len(st["dead_workers"]))

@@ -89,6 +89,14 @@ def test_sync_averages_each_row_over_the_workers_of_the_step(shard_server):
     want = initial([1, 2]) - TABLE.lr * np.stack([g0[0] / 2, (g0[1] + g1[0]) / 2])
     np.testing.assert_allclose(pulled(c0, [1, 2]), want, rtol=1e-6)
     assert rows_on_shards(servers) == 2
+    # What Prometheus scrapes says the same: 2 rows updated (id 2's two gradients are one update),
+    # and the rows each shard holds.
+    metric = lambda shard, name, labels: shard.metrics.registry.get_sample_value(name, labels)  # noqa: E731
+    assert sum(metric(s, "pserver_rows_total", {"direction": "pushed"}) for _, s in servers) == 2
+    for _, s in servers:
+        stats = s.store.tables["emb"].stats()
+        assert metric(s, "pserver_table_rows", {"table": "emb"}) == stats["rows"]
+        assert metric(s, "pserver_table_bytes", {"table": "emb"}) == stats["bytes"] > 0
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])

@@ -91,9 +91,11 @@ def test_a_second_run_on_trained_shards_counts_only_itself_says_it_continues_and
     shard = serve(procs, 0, "--num-workers", "1")
     steps = 2 * (6000 // 32)                          # LOGREG: 2 epochs of 6000 samples, one worker
     summaries, chiefs = [], []
-    for name in ("first", "second"):
+    # The second run trains its epochs again on purpose (--no-resume): without it, it would
+    # resume at the end of the first run's data and find nothing left (tests/e2e/test_resume.py).
+    for name, again in (("first", []), ("second", ["--no-resume"])):
         summaries.append(tmp_path / f"{name}.json")
-        chief = procs("worker", "--ps", shard.address(), *LOGREG, "--summary-json", str(summaries[-1]))
+        chief = procs("worker", "--ps", shard.address(), *LOGREG, *again, "--summary-json", str(summaries[-1]))
         assert chief.wait() == 0, chief.output
         chiefs.append(chief)
     first, second = map(read_json, summaries)
