@@ -54,6 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pserver.progress import track
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
 from _util import machine, machine_lines, positive_ints, result_path, summary, table  # noqa: E402
 
@@ -413,7 +415,7 @@ def render_cnn(rows: list[dict]) -> str:
 
 def run_rows(kind: str, sizes, st: dict, args) -> list[dict]:
     rows, build = [], matmul_row if kind == "matmul" else mlp_row
-    for n in sizes:
+    for n in track(sizes, f"{kind} sizes"):
         for backend in args.backends:
             made = build(backend, n, st, np.random.default_rng(n))
             row = {"kind": kind, "size": n, "backend": backend}

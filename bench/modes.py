@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pserver.progress import Bar
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util and _plots sit beside this file
 from _util import machine, machine_lines, table  # noqa: E402
 
@@ -741,12 +743,14 @@ def run_grid(grid: list[Scenario], args, calibration: dict, out: Path) -> dict[S
     """Repeat by repeat over the whole grid, a progress line per launch."""
     records: dict[Scenario, list[dict]] = {sc: [] for sc in grid}
     total, i = len(grid) * args.repeats, 0
-    for repeat in range(args.repeats):
-        for sc in grid:
-            i += 1
-            rec = run_one(sc, repeat, args, calibration, out)
-            records[sc].append(rec)
-            print(progress_line(i, total, sc, rec, args), flush=True)
+    with Bar("launches", total) as bar:
+        for repeat in range(args.repeats):
+            for sc in grid:
+                i += 1
+                rec = run_one(sc, repeat, args, calibration, out)
+                records[sc].append(rec)
+                print(progress_line(i, total, sc, rec, args), flush=True)
+                bar.update()
     return records
 
 

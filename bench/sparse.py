@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pserver.progress import track
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util, _plots, transport sit beside this file
 from _util import machine, machine_lines, positive_ints, result_path, summary, table  # noqa: E402
 from transport import running, shard_argv, time_round_trips  # noqa: E402
@@ -139,7 +141,7 @@ def measure_shards(shards: int, args) -> list[dict]:
     argvs = [(f"pserver shard {j}", shard_argv(j, shards, 1 << 20)) for j in range(shards)]
     results, lookups, left = [], None, None
     with running(argvs) as addresses:
-        for label, plane in PLANES.items():
+        for label, plane in track(PLANES.items(), f"planes at {shards} shard(s)"):
             worker = Worker(addresses, plane, args)
             try:
                 if lookups is None:

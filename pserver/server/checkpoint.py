@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pserver.errors import ConfigError, FailedPrecondition
+from pserver.progress import Bar
 
 log = logging.getLogger("pserver.checkpoint")
 KEEP = 3                                   # newest checkpoints kept per shard
+HASH_CHUNK = 64 << 20                      # bytes hashed between two progress updates
 NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})\.ckpt$")
 TMP_NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})\.ckpt\.\d+\.tmp$")   # a write in progress
 
@@ -59,11 +61,15 @@ def file_name(shard: int, num_shards: int, version: int) -> str:
     return f"shard{shard}-of{num_shards}-v{version:012d}.ckpt"
 
 
-def digest(arrays: dict) -> str:
+def digest(arrays: dict, bar: Bar | None = None) -> str:
     h = hashlib.sha256()
     for name in sorted(arrays):
         h.update(name.encode())
-        h.update(memoryview(np.ascontiguousarray(arrays[name])).cast("B"))   # no copy
+        data = memoryview(np.ascontiguousarray(arrays[name])).cast("B")   # no copy
+        for i in range(0, len(data), HASH_CHUNK):
+            h.update(data[i:i + HASH_CHUNK])
+            if bar is not None:
+                bar.update(min(HASH_CHUNK, len(data) - i))
     return h.hexdigest()
 
 
@@ -128,17 +134,25 @@ def prune(directory: str, shard: int, num_shards: int) -> None:
 
 
 def load(path: str) -> Checkpoint:
-    """Load and verify one file; ValueError (with why) if it is not a whole checkpoint."""
+    """Load and verify one file; ValueError (with why) if it is not a whole checkpoint. A large
+    one shows its progress (pserver.progress): reading, then checking, every byte."""
     try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
+        with np.load(path, allow_pickle=False) as z, \
+                Bar(f"restoring {os.path.basename(path)}", 2 * sum(i.file_size for i in z.zip.infolist()),
+                    unit="B") as bar:
+            arrays = {}
+            for k in z.files:
+                arrays[k] = z[k]
+                bar.update(arrays[k].nbytes)
+            meta = json.loads(arrays.pop("meta").tobytes()) if "meta" in arrays else None
+            if meta is None or "params" not in arrays:
+                raise ValueError("missing meta or params")
+            if digest(arrays, bar) != meta.get("sha256"):
+                raise ValueError("checksum mismatch")
+    except ValueError:
+        raise
     except Exception as e:  # a truncated zip raises several types
         raise ValueError(f"unreadable ({type(e).__name__}: {e})") from None
-    if "meta" not in arrays or "params" not in arrays:
-        raise ValueError("missing meta or params")
-    meta = json.loads(arrays.pop("meta").tobytes())
-    if digest(arrays) != meta.get("sha256"):
-        raise ValueError("checksum mismatch")
     state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
     tables = meta.get("tables", [])
     rows = {t["name"]: {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"rows.{i}.")}
