@@ -93,7 +93,6 @@ class ProcessFailed(PServerError):
         if code < 0:                   # Popen: killed by signal -code
             code = 128 - code
         super().__init__(f"{role} exited with code {code}{what}")
-        self.code = code
         self.exit_code = EXIT_TRANSIENT if code >= 128 else EXIT_FAILED
 
 

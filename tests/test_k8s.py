@@ -157,6 +157,9 @@ def test_the_exit_code_policy_retries_what_a_restart_may_fix_and_nothing_else(tf
     for err in (Unavailable("x"), DeadlineExceeded("x"), ResourceExhausted("x"), ProcessFailed("ps0", -9),
                 ProcessFailed("worker0", 143), Stopped(signal.SIGTERM), Stopped(signal.SIGINT)):
         assert is_retryable_exit_code(err.exit_code), err
+    # launch's children: a code as the shell shows it (Popen's -9 for SIGKILL is 137); 128 is the first transient one
+    assert str(ProcessFailed("ps0", -9)) == "ps0 exited with code 137; stopping the cluster"
+    assert [ProcessFailed("w", c).exit_code for c in (127, 128)] == [1, 138]
     for spec in tfjob["spec"]["tfReplicaSpecs"].values():
         assert spec["restartPolicy"] == "ExitCode"
     jobs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "statefulset.yaml").read_text())
