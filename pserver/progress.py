@@ -47,9 +47,9 @@ class Bar:
             self._line()
 
     def _line(self, end: str = "") -> None:
-        pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
-        print(f"{self.what}: {self.amount(self.done)} of {self.amount(self.total)}{pct}, "
-              f"{time.monotonic() - self.started:.1f} s{end}", file=self.stream, flush=True)
+        of = f" of {self.amount(self.total)} ({100 * self.done / self.total:.0f}%)" if self.total else ""
+        print(f"{self.what}: {self.amount(self.done)}{of}, {time.monotonic() - self.started:.1f} s{end}",
+              file=self.stream, flush=True)
 
     def amount(self, n: float) -> str:
         return f"{n / 2**20:,.0f} MiB" if self.unit == "B" else f"{n:,.0f} {self.unit}"

@@ -30,6 +30,17 @@ def test_off_a_terminal_lines_come_every_few_seconds_and_one_at_the_end():
     assert lines[-1].endswith(", done")
 
 
+def test_track_counts_what_it_can_and_says_the_time_it_took():
+    sized, unsized = io.StringIO(), io.StringIO()
+    assert list(track(["a", "b", "c"], "q", stream=sized, every=0.0)) == ["a", "b", "c"]
+    assert list(track((i for i in range(2)), "g", stream=unsized, every=0.0)) == [0, 1]
+    assert [ln.split(",")[0] for ln in sized.getvalue().splitlines()] == \
+        ["q: 1 it of 3 it (33%)", "q: 2 it of 3 it (67%)", "q: 3 it of 3 it (100%)", "q: 3 it of 3 it (100%)"]
+    assert [ln.split(",")[0] for ln in unsized.getvalue().splitlines()] == ["g: 1 it", "g: 2 it", "g: 2 it"]
+    seconds = [float(re.search(r", ([\d.]+) s", ln).group(1)) for ln in sized.getvalue().splitlines()]
+    assert all(0 <= t < 60 for t in seconds), seconds
+
+
 def test_short_work_off_a_terminal_prints_nothing():
     out = io.StringIO()
     assert list(track(range(3), "quick", stream=out, every=60.0)) == [0, 1, 2]
