@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from pserver.errors import EXIT_TRANSIENT
@@ -98,13 +100,13 @@ def test_values_checked_before_anything_starts(args, words):
 
 
 def test_launch_stops_every_shard_when_one_fails_to_start(tmp_path):
-    import glob
-    before = set(glob.glob("/tmp/pserver-launch-*"))
     (tmp_path / "shard1-of3-v000000000001.ckpt").write_text("x")   # another cluster shape
-    r = run("launch", "--ps", "2", "--workers", "1", "--restore", str(tmp_path), timeout=120)
+    scratch = tmp_path / "tmp"                  # launch's temporary directory goes here (TMPDIR)
+    scratch.mkdir()
+    r = run("launch", "--ps", "2", "--workers", "1", "--restore", str(tmp_path), timeout=120,
+            env={"TMPDIR": str(scratch)})
     assert r.returncode == 1 and "exited with code 2" in r.stderr, r.stderr
-    assert set(glob.glob("/tmp/pserver-launch-*")) <= before      # its temp dir is gone too
-    import subprocess
+    assert list(scratch.glob("pserver-launch-*")) == []           # its temp dir is gone too
     left = subprocess.run(["pgrep", "-f", f"--restore {tmp_path}"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "a shard was left running"
 
