@@ -287,6 +287,8 @@ def test_a_position_counts_the_steps_taken_in_and_survives_a_checkpoint(tmp_path
     shard.checkpoint(0)
     restored = Shard(ServerConfig(restore=str(tmp_path), num_workers=2, **cfg))
     assert register(restored, 0, 2) == (expected[0], 7, 10)
+    fresh = Shard(ServerConfig(num_workers=2, **dict(cfg, checkpoint_dir=None)))
+    assert register(fresh, 0, 2) is None                  # nothing recorded: no position at all
     assert register(restored, 1, 2, seed=8, steps=20) == (expected[1], 8, 20)
 
 
