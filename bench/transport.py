@@ -52,6 +52,7 @@ warm-up round trips that are not timed; a ratio divides a row's median by the ba
 median on the same payload (the same for both metrics); baselines run one server process"""
 
 SYSTEMS = ("pserver", "raw_grpc", "tcp")
+PSERVER_VARIANTS = ("grpc", "fast")
 METRICS = {"mb_per_s_per_direction": "MB/s", "round_trips_per_s": "1/s"}
 # Server-side env of the raw_grpc malloc-tuned variant: no mmap for large blocks and no
 # trimming, so the 1 MiB chunks reuse heap memory instead of mmap/munmap (page faults) each time.
@@ -393,7 +394,7 @@ def tcp_loop(sock: socket.socket, params: int, repeats: int) -> tuple[list[float
 def configurations(args, has_keyword: bool):
     """(system, variant, params, shards) in the order they run: baselines first per size."""
     variants = {"raw_grpc": ["default", "malloc-tuned"], "tcp": ["default"],
-                "pserver": ["grpc", "fast"] if has_keyword else ["grpc"]}
+                "pserver": [v for v in args.pserver_variants if has_keyword or v == "grpc"]}
     for params in args.sizes:
         for system in ("tcp", "raw_grpc", "pserver"):
             if system not in args.systems:
@@ -515,12 +516,18 @@ def run(args) -> int:
 
 # ---------------------------------------------------------------------------- command line
 
-def system_list(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in SYSTEMS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"'{text}': choose from {','.join(SYSTEMS)}")
-    return names
+def choices(allowed: tuple[str, ...]):
+    """An argparse type: a comma-separated subset of `allowed`."""
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"'{text}': choose from {','.join(allowed)}")
+        return names
+    return parse
+
+
+system_list, variant_list = choices(SYSTEMS), choices(PSERVER_VARIANTS)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -530,6 +537,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="timed repeats per configuration (default 5)")
     p.add_argument("--systems", type=system_list, default=list(SYSTEMS),
                    help="which of pserver,raw_grpc,tcp to run (default all)")
+    p.add_argument("--pserver-variants", type=variant_list, default=list(PSERVER_VARIANTS),
+                   help="which pserver rows to run: grpc (data_plane='grpc', every multi-host user's path), "
+                        "fast (data_plane='auto'); default both")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed message (default 1 MiB)")
     p.add_argument("--json", metavar="PATH", help="write the rows {system, params, shards, metric, value, unit, ...} "
                                                   "here (default results/transport.json)")

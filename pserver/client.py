@@ -265,8 +265,7 @@ class ShardClient:
                              session=self.session)
 
         def run() -> tuple[int, bool]:
-            chunks = iter(self.pull_call(req, timeout=timeout))
-            header = codec.read_header(chunks)
+            header, chunks = codec.read_header(iter(self.pull_call(req, timeout=timeout)))
             dest = flat[self.info.start:self.info.end]
             if header.num_elements != dest.size:
                 raise InvalidArgument(f"num_elements: shard sent {header.num_elements}, expected {dest.size}")
@@ -294,8 +293,7 @@ class ShardClient:
                                  ids=np.ascontiguousarray(ids, dtype="<u8").tobytes())
 
         def run() -> None:
-            chunks = iter(self.pull_rows_call(req, timeout=timeout))
-            header = codec.read_header(chunks)
+            header, chunks = codec.read_header(iter(self.pull_rows_call(req, timeout=timeout)))
             if header.num_elements != out.size:
                 raise InvalidArgument(f"num_elements: shard sent {header.num_elements} row values, "
                                       f"expected {out.size}")

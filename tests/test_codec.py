@@ -71,7 +71,7 @@ def test_overlong_stream_is_rejected():
 
 
 def test_missing_header_second_header_and_empty_stream():
-    msgs = _stream(np.ones(10, np.float32))
+    msgs = _stream(np.ones(40, np.float32))        # 160 bytes: three messages
     with pytest.raises(InvalidArgument, match="no header"):
         codec.to_array(msgs[1:])
     with pytest.raises(InvalidArgument, match="second header"):

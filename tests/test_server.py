@@ -35,7 +35,7 @@ def ready_client(address, num_workers=1, rank=0, layout=LAYOUT, init=True, plane
 def raw_push(address, chunks):
     """A push through the generated stub: a plain protobuf client, as any language has."""
     stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
-    msgs = [pb.TensorChunk.FromString(codec.serialize_chunk(m)) if isinstance(m, bytes) else m
+    msgs = [m if isinstance(m, pb.TensorChunk) else pb.TensorChunk.FromString(codec.serialize_chunk(m))
             for m in chunks]
     return stub.Push(iter(msgs), timeout=5)
 
@@ -207,8 +207,7 @@ def test_a_stalled_init_does_not_block_other_calls(shard_server):
 
     stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(addr))
     t = threading.Thread(target=lambda: stub.Init(
-        (pb.TensorChunk.FromString(codec.serialize_chunk(m)) if isinstance(m, bytes) else m
-         for m in stalled()), timeout=10))
+        (pb.TensorChunk.FromString(codec.serialize_chunk(m)) for m in stalled()), timeout=10))
     t.start()
     _time.sleep(0.3)
     started = _time.monotonic()
