@@ -28,6 +28,7 @@ import os
 import queue
 import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -185,8 +186,8 @@ def running(named_argvs: list[tuple[str, list[str]]], env: dict | None = None):
             p.wait()
 
 
-def this_script(mode: str, params: int, chunk_bytes: int) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), mode, "0",
+def this_script(mode: str, params: int, chunk_bytes: int, value: str = "0") -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), mode, value,
             "--params", str(params), "--chunk-bytes", str(chunk_bytes)]
 
 
@@ -389,6 +390,135 @@ def tcp_loop(sock: socket.socket, params: int, repeats: int) -> tuple[list[float
     return seconds, n
 
 
+# ---------------------------------------------------------------------------- two hosts
+
+# Two network namespaces joined by a veth pair (as tests/e2e/test_netns.py sets up), each end
+# limited to LINK_RATE by a token bucket: the shard in one, the client in the other.
+LINK_RATE = "10gbit"
+TWO_HOSTS_IPS = ("10.78.0.1", "10.78.0.2")          # shard side, client side
+IPERF_SECONDS = 2
+TWO_HOSTS_PARAMS = 10_000_000                        # 40 MB
+
+
+def sh(*argv: str, timeout: float = 60) -> str:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"--two-hosts: `{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()}")
+    return r.stdout
+
+
+@contextlib.contextmanager
+def veth_pair():
+    """(shard namespace, client namespace), joined by a rate-limited veth pair; always removed."""
+    tag = os.getpid() % 100000
+    names, devs = (f"pst-ps-{tag}", f"pst-w-{tag}"), (f"pst{tag}a", f"pst{tag}b")
+    made = []
+    try:
+        for ns in names:
+            sh("ip", "netns", "add", ns)
+            made.append(ns)
+        sh("ip", "link", "add", devs[0], "type", "veth", "peer", "name", devs[1])
+        for ns, dev, ip in zip(names, devs, TWO_HOSTS_IPS):
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            # burst: at least rate / timer tick (1.25 MB at 10 Gbit/s and 1 ms), or tbf falls short of the rate
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+               "rate", LINK_RATE, "burst", "4mb", "latency", "20ms")
+        yield names
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)   # takes the veth pair with it
+
+
+def iperf3_mb_per_s(server_ns: str, client_ns: str) -> float:
+    """The link rate iperf3 measures from the client's namespace to the shard's, in MB/s."""
+    server = subprocess.Popen(["ip", "netns", "exec", server_ns, "iperf3", "-s", "-1", "--forceflush",
+                               "-B", TWO_HOSTS_IPS[0]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in server.stdout:          # the client may start once the server listens
+            if "listening" in line:
+                break
+        out = sh("ip", "netns", "exec", client_ns, "iperf3", "-c", TWO_HOSTS_IPS[0], "-J", "-t", str(IPERF_SECONDS))
+        return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8e6
+    finally:
+        server.kill()
+        server.wait()
+
+
+def measure_two_hosts(params: int, repeats: int, chunk_bytes: int) -> tuple[Measurement, list[float]]:
+    """The pserver gRPC path across the veth pair and iperf3 on it, a repeat of each in turn:
+    the client runs in the other namespace (this script again, --two-hosts-client) and times
+    one repeat each time it reads a line."""
+    for tool in ("ip", "tc", "iperf3"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"--two-hosts: the `{tool}` command is not installed")
+    if os.geteuid() != 0:
+        raise RuntimeError("--two-hosts: network namespaces need root")
+    with veth_pair() as (ps_ns, w_ns):
+        argv = ["ip", "netns", "exec", ps_ns, *shard_argv(0, 1, chunk_bytes), "--host", TWO_HOSTS_IPS[0]]
+        with running([("pserver shard (two hosts)", argv)]) as [address]:
+            client = subprocess.Popen(["ip", "netns", "exec", w_ns, *this_script("--two-hosts-client", params, chunk_bytes,
+                                                                                 address)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                seconds, link = [], []
+                for _ in range(repeats):
+                    link.append(iperf3_mb_per_s(ps_ns, w_ns))
+                    client.stdin.write("go\n")
+                    client.stdin.flush()
+                    seconds.append(float(client.stdout.readline()))
+                client.stdin.close()
+                n = int(client.stdout.readline())
+            finally:
+                client.kill()
+                client.wait()
+    path = f"payloads over gRPC across a veth pair limited to {LINK_RATE}/s"
+    return Measurement("pserver", "two-hosts", params, 1, seconds, n, path), link
+
+
+def two_hosts_client(address: str, params: int) -> None:
+    """In the client's namespace: warm up, print the round trips per repeat, then time one
+    repeat per line read from stdin, printing its seconds per round trip."""
+    from pserver.client import PSClient
+    from pserver.models.layout import Layout
+    client = PSClient([address], rank=0, num_workers=1, data_plane="grpc")
+    client.connect(60.0)
+    client.register(Layout.of([("w", (params,))]))
+    g, w = payloads(params)
+    client.init(w)
+    client.pull(w)
+
+    def round_trip():
+        client.push(g, num_samples=1)
+        client.pull(w)
+
+    _, n, _ = time_round_trips(round_trip, 0)
+    for _ in sys.stdin:
+        t = time.perf_counter()
+        for _ in range(n):
+            round_trip()
+        print((time.perf_counter() - t) / n, flush=True)
+    print(n, flush=True)
+    client.close()
+
+
+def two_hosts_report(m: Measurement, link: list[float]) -> tuple[str, list[dict]]:
+    mbps = summary(m.values("mb_per_s_per_direction"))
+    rate = summary(link)
+    text = (f"two hosts ({m.path}): pserver gRPC {m.params * 4 / 1e6:.0f} MB push+pull "
+            f"{mbps[0]:,.1f} MB/s per direction (min {mbps[1]:,.1f}, max {mbps[2]:,.1f}); iperf3 on the "
+            f"same veth {rate[0]:,.1f} MB/s (min {rate[1]:,.1f}, max {rate[2]:,.1f}); "
+            f"ratio {mbps[0] / rate[0]:.2f}x the link rate ({len(link)} interleaved repeats each)")
+    row = dict(system="pserver", variant="two-hosts", params=m.params, shards=1, metric="mb_per_s_per_direction",
+               value=mbps[0], unit="MB/s", min=mbps[1], max=mbps[2], repeats=len(m.seconds),
+               round_trips_per_repeat=m.round_trips, path=m.path, link_rate=LINK_RATE,
+               iperf3_mb_per_s=rate[0], iperf3_min=rate[1], iperf3_max=rate[2],
+               x_link_rate=mbps[0] / rate[0])
+    return text, [row]
+
+
 # ---------------------------------------------------------------------------- the run
 
 def configurations(args, has_keyword: bool):
@@ -507,9 +637,14 @@ def run(args) -> int:
           "--json has both metrics for every row")
     print(result_table(results))
     print(path_lines(results))
+    rows = json_rows(results, host, args.chunk_bytes)
+    if args.two_hosts:
+        text, more = two_hosts_report(*measure_two_hosts(TWO_HOSTS_PARAMS, args.repeats, args.chunk_bytes))
+        print(text)
+        rows += [dict(r, chunk_bytes=args.chunk_bytes, host=host) for r in more]
     print(memory_line())
     path = result_path(args.json, "transport.json")
-    path.write_text(json.dumps(json_rows(results, host, args.chunk_bytes), indent=1) + "\n")
+    path.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
 
@@ -545,6 +680,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                   "here (default results/transport.json)")
     p.add_argument("--quick", action="store_true",
                    help="functional check: sizes 1000000,262144, 1 shard, 3 repeats (flags given win)")
+    p.add_argument("--two-hosts", action="store_true",
+                   help=f"also the two-host row: a shard and this client in two network namespaces joined by a "
+                        f"veth pair limited to {LINK_RATE}/s, 40 MB push+pull over gRPC against the rate iperf3 "
+                        f"measures on it (needs root, ip, tc and iperf3)")
+    p.add_argument("--two-hosts-client", metavar="ADDRESS", help=argparse.SUPPRESS)
     p.add_argument("--serve-raw-grpc", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--serve-tcp", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--params", type=int, help=argparse.SUPPRESS)
@@ -563,6 +703,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.two_hosts_client:
+        two_hosts_client(args.two_hosts_client, args.params)
+        return 0
     if args.serve_raw_grpc is not None or args.serve_tcp is not None:
         # A baseline server: SIGTERM's default action ends it; Ctrl-C in the terminal too, quietly.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
