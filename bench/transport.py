@@ -14,6 +14,8 @@ this process and one server process started by this script:
     .venv/bin/python bench/transport.py                  # 10M and 262,144 params, 1/2/4 shards
     .venv/bin/python bench/transport.py --quick          # small sizes, 1 shard, 3 repeats
     .venv/bin/python bench/transport.py --json out.json  # the rows as JSON (default results/transport.json)
+    .venv/bin/python bench/transport.py --systems raw_grpc,pserver --pserver-variants grpc   # the gRPC path only
+    sudo .venv/bin/python bench/transport.py --two-hosts  # also 40 MB across a 10 Gbit/s veth pair, beside iperf3
 """
 
 from __future__ import annotations
@@ -603,7 +605,8 @@ def header_lines(args, has_keyword: bool, host: dict) -> list[str]:
              f"raw_grpc malloc-tuned: server env {' '.join(f'{k}={v}' for k, v in MALLOC_TUNED.items())}; "
              f"this (client) process runs with {env}"]
     if "pserver" in args.systems:
-        lines.append("pserver variants: grpc (data_plane='grpc') and fast (data_plane='auto')" if has_keyword
+        lines.append(f"pserver variants: {', '.join(args.pserver_variants)} (grpc: data_plane='grpc'; "
+                     f"fast: data_plane='auto')" if has_keyword
                      else "pserver variants: grpc only (PSClient has no data_plane keyword yet, so no fast variant)")
     if args.repeats < 5:
         lines.append(f"note: {args.repeats} repeats (< 5): a functional check, not a measurement")
