@@ -449,15 +449,18 @@ def iperf3_mb_per_s(server_ns: str, client_ns: str) -> float:
         server.wait()
 
 
+def two_hosts_missing() -> str:
+    """Why --two-hosts cannot run here, or ""."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    missing = [tool for tool in ("ip", "tc", "iperf3") if shutil.which(tool) is None]
+    return f"install {', '.join(missing)} (apt install iproute2 iperf3)" if missing else ""
+
+
 def measure_two_hosts(params: int, repeats: int, chunk_bytes: int) -> tuple[Measurement, list[float]]:
     """The pserver gRPC path across the veth pair and iperf3 on it, a repeat of each in turn:
     the client runs in the other namespace (this script again, --two-hosts-client) and times
     one repeat each time it reads a line."""
-    for tool in ("ip", "tc", "iperf3"):
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"--two-hosts: the `{tool}` command is not installed")
-    if os.geteuid() != 0:
-        raise RuntimeError("--two-hosts: network namespaces need root")
     with veth_pair() as (ps_ns, w_ns):
         argv = ["ip", "netns", "exec", ps_ns, *shard_argv(0, 1, chunk_bytes), "--host", TWO_HOSTS_IPS[0]]
         with running([("pserver shard (two hosts)", argv)]) as [address]:
@@ -699,6 +702,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.repeats < 1:
         p.error("--repeats: give at least 1")
+    if args.two_hosts and two_hosts_missing():
+        p.error(f"--two-hosts: {two_hosts_missing()}")
     if not 0 < args.chunk_bytes <= (4 << 20) - 1024:   # gRPC's 4 MiB limit, less framing
         p.error(f"--chunk-bytes: {args.chunk_bytes} is outside (0, {(4 << 20) - 1024}]")
     return args
