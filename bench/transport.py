@@ -25,6 +25,7 @@ import collections
 import contextlib
 import ctypes
 import inspect
+import itertools
 import json
 import os
 import queue
@@ -38,7 +39,8 @@ import sys
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +53,8 @@ round trip: push P float32 (the gradient), then pull P float32 (the weights), se
 mb_per_s_per_direction = (P * 4 bytes / 1e6) / (round-trip seconds / 2)
 round_trips_per_s = 1 / round-trip seconds
 each figure: median of the repeats (min, max beside it); a repeat times n round trips after
-warm-up round trips that are not timed; a ratio divides a row's median by the baseline's
+warm-up round trips that are not timed; every configuration of one payload size runs at once, its
+repeats interleaved with theirs (repeat r of each before repeat r + 1 of any); a ratio divides a row's median by the baseline's
 median on the same payload (the same for both metrics); baselines run one server process"""
 
 SYSTEMS = ("pserver", "raw_grpc", "tcp")
@@ -89,6 +92,37 @@ class Measurement:
 
 
 # ---------------------------------------------------------------------------- timing
+
+@dataclass
+class Running:
+    """A configuration with its processes up: one round trip, and the check that the
+    round trips did what they should (run once timing is over)."""
+    system: str
+    variant: str
+    params: int
+    shards: int
+    round_trip: Callable[[], None]
+    check: Callable[[], None]
+    path: Callable[[], str]
+    n: int = 0
+    seconds: list[float] = field(default_factory=list)
+
+
+def time_interleaved(configs: list[Running], repeats: int) -> list[Measurement]:
+    """Warm every configuration up, then time repeat r of each in turn before repeat r + 1
+    of any, so that a change in the machine's load falls on every configuration alike."""
+    for c in configs:
+        _, c.n, _ = time_round_trips(c.round_trip, 0)
+    for _ in range(repeats):
+        for c in configs:
+            t = time.perf_counter()
+            for _ in range(c.n):
+                c.round_trip()
+            c.seconds.append((time.perf_counter() - t) / c.n)
+    for c in configs:
+        c.check()
+    return [Measurement(c.system, c.variant, c.params, c.shards, c.seconds, c.n, c.path()) for c in configs]
+
 
 def time_round_trips(round_trip, repeats: int) -> tuple[list[float], int, int]:
     """(seconds per round trip of each repeat, round trips per repeat, round trips run in all)."""
@@ -212,19 +246,16 @@ def shard_argv(j: int, shards: int, chunk_bytes: int) -> list[str]:
     return argv if chunk_bytes == CHUNK_BYTES else argv + ["--chunk-bytes", str(chunk_bytes)]
 
 
-def measure_pserver(params: int, shards: int, variant: str, repeats: int, chunk_bytes: int,
-                    has_keyword: bool) -> Measurement:
+def start_pserver(stack: contextlib.ExitStack, params: int, shards: int, variant: str, chunk_bytes: int,
+                  has_keyword: bool) -> Running:
     from pserver.client import PSClient
     kw = {"data_plane": "auto" if variant == "fast" else "grpc"} if has_keyword else {}
     argvs = [(f"pserver shard {j}", shard_argv(j, shards, chunk_bytes)) for j in range(shards)]
-    with running(argvs) as addresses:
-        client = PSClient(addresses, rank=0, num_workers=1, chunk_bytes=chunk_bytes, **kw)
-        try:
-            seconds, n = pserver_loop(client, params, repeats)
-            path = plane_description(client)
-        finally:
-            client.close()
-    return Measurement("pserver", variant, params, shards, seconds, n, path)
+    addresses = stack.enter_context(running(argvs))
+    client = PSClient(addresses, rank=0, num_workers=1, chunk_bytes=chunk_bytes, **kw)
+    stack.callback(client.close)
+    round_trip, check = pserver_loop(client, params)
+    return Running("pserver", variant, params, shards, round_trip, check, lambda: plane_description(client))
 
 
 def plane_description(client) -> str:
@@ -234,23 +265,26 @@ def plane_description(client) -> str:
     return describe() if describe is not None else "payloads over gRPC streams"
 
 
-def pserver_loop(client, params: int, repeats: int) -> tuple[list[float], int]:
+def pserver_loop(client, params: int):
+    """(round trip, check) for a client of fresh shards."""
     from pserver.models.layout import Layout
     client.connect(60.0)
     client.register(Layout.of([("w", (params,))]))
     g, w = payloads(params)
     client.init(w)
     start = list(client.pull(w))
+    total = [0]
 
     def round_trip():
         client.push(g, num_samples=1)
         client.pull(w)
+        total[0] += 1
 
-    seconds, n, total = time_round_trips(round_trip, repeats)
-    # Each round trip must have been one SGD step on every shard, not a no-op.
-    if [v - s for v, s in zip(client.versions, start)] != [total] * len(start):
-        raise RuntimeError(f"pserver: versions went {start} -> {client.versions} in {total} round trips")
-    return seconds, n
+    def check():
+        # Each round trip must have been one SGD step on every shard, not a no-op.
+        if [v - s for v, s in zip(client.versions, start)] != [total[0]] * len(start):
+            raise RuntimeError(f"pserver: versions went {start} -> {client.versions} in {total[0]} round trips")
+    return round_trip, check
 
 
 # ---------------------------------------------------------------------------- raw gRPC baseline
@@ -286,21 +320,20 @@ def serve_raw_grpc(port: int, params: int, chunk_bytes: int) -> None:
     server.wait_for_termination()
 
 
-def measure_raw_grpc(params: int, variant: str, repeats: int, chunk_bytes: int) -> Measurement:
+def start_raw_grpc(stack: contextlib.ExitStack, params: int, variant: str, chunk_bytes: int) -> Running:
     import grpc
     env = {**os.environ, **MALLOC_TUNED} if variant == "malloc-tuned" else None
     argv = this_script("--serve-raw-grpc", params, chunk_bytes)
-    with running([(f"raw_grpc server ({variant})", argv)], env) as [address]:
-        channel = grpc.insecure_channel(address)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=60)
-            seconds, n = raw_grpc_loop(channel, params, repeats, chunk_bytes)
-        finally:
-            channel.close()
-    return Measurement("raw_grpc", variant, params, 1, seconds, n, "raw bytes over gRPC streams")
+    [address] = stack.enter_context(running([(f"raw_grpc server ({variant})", argv)], env))
+    channel = grpc.insecure_channel(address)
+    stack.callback(channel.close)
+    grpc.channel_ready_future(channel).result(timeout=60)
+    round_trip, check = raw_grpc_loop(channel, params, chunk_bytes)
+    return Running("raw_grpc", variant, params, 1, round_trip, check, lambda: "raw bytes over gRPC streams")
 
 
-def raw_grpc_loop(channel, params: int, repeats: int, chunk_bytes: int) -> tuple[list[float], int]:
+def raw_grpc_loop(channel, params: int, chunk_bytes: int):
+    """(round trip, check): the same bytes as pserver moves, with nothing else done to them."""
     push = channel.stream_unary(f"/{RAW_SERVICE}/Push")   # no serializers: raw bytes
     pull = channel.unary_stream(f"/{RAW_SERVICE}/Pull")
     g, w = payloads(params)
@@ -315,9 +348,7 @@ def raw_grpc_loop(channel, params: int, repeats: int, chunk_bytes: int) -> tuple
         if pos != wraw.size:
             raise RuntimeError(f"raw_grpc: pulled {pos} of {wraw.size} bytes")
 
-    seconds, n, _ = time_round_trips(round_trip, repeats)
-    check_echo(g, w, "raw_grpc")
-    return seconds, n
+    return round_trip, lambda: check_echo(g, w, "raw_grpc")
 
 
 def check_echo(g: np.ndarray, w: np.ndarray, system: str) -> None:
@@ -365,17 +396,18 @@ def serve_tcp_connection(conn: socket.socket, mv: memoryview) -> None:
             raise ConnectionError(f"tcp: unknown op {bytes(op)!r}")
 
 
-def measure_tcp(params: int, variant: str, repeats: int, chunk_bytes: int) -> Measurement:
+def start_tcp(stack: contextlib.ExitStack, params: int, variant: str, chunk_bytes: int) -> Running:
     argv = this_script("--serve-tcp", params, chunk_bytes)
-    with running([("tcp server", argv)]) as [address]:
-        host, _, port = address.rpartition(":")
-        with socket.create_connection((host, int(port)), timeout=60) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            seconds, n = tcp_loop(sock, params, repeats)
-    return Measurement("tcp", variant, params, 1, seconds, n, "loopback TCP socket")
+    [address] = stack.enter_context(running([("tcp server", argv)]))
+    host, _, port = address.rpartition(":")
+    sock = stack.enter_context(socket.create_connection((host, int(port)), timeout=60))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    round_trip, check = tcp_loop(sock, params)
+    return Running("tcp", variant, params, 1, round_trip, check, lambda: "loopback TCP socket")
 
 
-def tcp_loop(sock: socket.socket, params: int, repeats: int) -> tuple[list[float], int]:
+def tcp_loop(sock: socket.socket, params: int):
+    """(round trip, check) over a connected socket."""
     g, w = payloads(params)
     gmv, wmv = memoryview(g).cast("B"), memoryview(w).cast("B")
     ack = memoryview(bytearray(1))
@@ -387,9 +419,7 @@ def tcp_loop(sock: socket.socket, params: int, repeats: int) -> tuple[list[float
         sock.sendall(PULL)
         recv_exactly(sock, wmv)
 
-    seconds, n, _ = time_round_trips(round_trip, repeats)
-    check_echo(g, w, "tcp")
-    return seconds, n
+    return round_trip, lambda: check_echo(g, w, "tcp")
 
 
 # ---------------------------------------------------------------------------- two hosts
@@ -527,7 +557,8 @@ def two_hosts_report(m: Measurement, link: list[float]) -> tuple[str, list[dict]
 # ---------------------------------------------------------------------------- the run
 
 def configurations(args, has_keyword: bool):
-    """(system, variant, params, shards) in the order they run: baselines first per size."""
+    """(system, variant, params, shards) in the order they run: baselines first per size;
+    the configurations of one size are timed together, interleaved."""
     variants = {"raw_grpc": ["default", "malloc-tuned"], "tcp": ["default"],
                 "pserver": [v for v in args.pserver_variants if has_keyword or v == "grpc"]}
     for params in args.sizes:
@@ -539,11 +570,11 @@ def configurations(args, has_keyword: bool):
                     yield system, variant, params, shards
 
 
-def measure(system, variant, params, shards, args, has_keyword) -> Measurement:
+def start(stack: contextlib.ExitStack, system, variant, params, shards, args, has_keyword) -> Running:
     if system == "pserver":
-        return measure_pserver(params, shards, variant, args.repeats, args.chunk_bytes, has_keyword)
-    fn = measure_raw_grpc if system == "raw_grpc" else measure_tcp
-    return fn(params, variant, args.repeats, args.chunk_bytes)
+        return start_pserver(stack, params, shards, variant, args.chunk_bytes, has_keyword)
+    fn = start_raw_grpc if system == "raw_grpc" else start_tcp
+    return fn(stack, params, variant, args.chunk_bytes)
 
 
 def progress(m: Measurement) -> str:
@@ -636,9 +667,12 @@ def run(args) -> int:
     host = machine()
     print("\n".join(header_lines(args, has_keyword, host)), flush=True)
     results = []
-    for config in configurations(args, has_keyword):
-        results.append(measure(*config, args, has_keyword))
-        print(progress(results[-1]), flush=True)
+    for _, configs in itertools.groupby(configurations(args, has_keyword), key=lambda c: c[2]):
+        with contextlib.ExitStack() as stack:
+            measured = time_interleaved([start(stack, *c, args, has_keyword) for c in configs], args.repeats)
+        for m in measured:
+            results.append(m)
+            print(progress(m), flush=True)
     print("\ntable: MB/s per direction for payloads of 4 MB and more, round trips/s below; "
           "--json has both metrics for every row")
     print(result_table(results))
