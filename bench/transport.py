@@ -246,12 +246,10 @@ def shard_argv(j: int, shards: int, chunk_bytes: int) -> list[str]:
     return argv if chunk_bytes == CHUNK_BYTES else argv + ["--chunk-bytes", str(chunk_bytes)]
 
 
-def start_pserver(stack: contextlib.ExitStack, params: int, shards: int, variant: str, chunk_bytes: int,
-                  has_keyword: bool) -> Running:
+def start_pserver(stack: contextlib.ExitStack, addresses: list[str], params: int, shards: int, variant: str,
+                  chunk_bytes: int, has_keyword: bool) -> Running:
     from pserver.client import PSClient
     kw = {"data_plane": "auto" if variant == "fast" else "grpc"} if has_keyword else {}
-    argvs = [(f"pserver shard {j}", shard_argv(j, shards, chunk_bytes)) for j in range(shards)]
-    addresses = stack.enter_context(running(argvs))
     client = PSClient(addresses, rank=0, num_workers=1, chunk_bytes=chunk_bytes, **kw)
     stack.callback(client.close)
     round_trip, check = pserver_loop(client, params)
@@ -320,11 +318,9 @@ def serve_raw_grpc(port: int, params: int, chunk_bytes: int) -> None:
     server.wait_for_termination()
 
 
-def start_raw_grpc(stack: contextlib.ExitStack, params: int, variant: str, chunk_bytes: int) -> Running:
+def start_raw_grpc(stack: contextlib.ExitStack, address: str, params: int, variant: str,
+                   chunk_bytes: int) -> Running:
     import grpc
-    env = {**os.environ, **MALLOC_TUNED} if variant == "malloc-tuned" else None
-    argv = this_script("--serve-raw-grpc", params, chunk_bytes)
-    [address] = stack.enter_context(running([(f"raw_grpc server ({variant})", argv)], env))
     channel = grpc.insecure_channel(address)
     stack.callback(channel.close)
     grpc.channel_ready_future(channel).result(timeout=60)
@@ -396,9 +392,7 @@ def serve_tcp_connection(conn: socket.socket, mv: memoryview) -> None:
             raise ConnectionError(f"tcp: unknown op {bytes(op)!r}")
 
 
-def start_tcp(stack: contextlib.ExitStack, params: int, variant: str, chunk_bytes: int) -> Running:
-    argv = this_script("--serve-tcp", params, chunk_bytes)
-    [address] = stack.enter_context(running([("tcp server", argv)]))
+def start_tcp(stack: contextlib.ExitStack, address: str, params: int, variant: str, chunk_bytes: int) -> Running:
     host, _, port = address.rpartition(":")
     sock = stack.enter_context(socket.create_connection((host, int(port)), timeout=60))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -570,11 +564,29 @@ def configurations(args, has_keyword: bool):
                     yield system, variant, params, shards
 
 
-def start(stack: contextlib.ExitStack, system, variant, params, shards, args, has_keyword) -> Running:
+def server_processes(system, variant, params, shards, chunk_bytes) -> tuple[list[tuple[str, list[str]]], dict | None]:
+    """(named argvs, env) of a configuration's server processes."""
     if system == "pserver":
-        return start_pserver(stack, params, shards, variant, args.chunk_bytes, has_keyword)
-    fn = start_raw_grpc if system == "raw_grpc" else start_tcp
-    return fn(stack, params, variant, args.chunk_bytes)
+        return [(f"pserver shard {j}", shard_argv(j, shards, chunk_bytes)) for j in range(shards)], None
+    if system == "raw_grpc":
+        env = {**os.environ, **MALLOC_TUNED} if variant == "malloc-tuned" else None
+        return [(f"raw_grpc server ({variant})", this_script("--serve-raw-grpc", params, chunk_bytes))], env
+    return [("tcp server", this_script("--serve-tcp", params, chunk_bytes))], None
+
+
+def start_all(stack: contextlib.ExitStack, configs: list[tuple], args, has_keyword: bool) -> list[Running]:
+    """Every configuration's servers first, then its client: a process started while this one
+    has gRPC channels open can inherit gRPC's threads' state half-copied (fork without exec
+    handlers) and abort."""
+    addresses = [stack.enter_context(running(*server_processes(*c, args.chunk_bytes))) for c in configs]
+    out = []
+    for (system, variant, params, shards), where in zip(configs, addresses):
+        if system == "pserver":
+            out.append(start_pserver(stack, where, params, shards, variant, args.chunk_bytes, has_keyword))
+        else:
+            fn = start_raw_grpc if system == "raw_grpc" else start_tcp
+            out.append(fn(stack, where[0], params, variant, args.chunk_bytes))
+    return out
 
 
 def progress(m: Measurement) -> str:
@@ -669,7 +681,7 @@ def run(args) -> int:
     results = []
     for _, configs in itertools.groupby(configurations(args, has_keyword), key=lambda c: c[2]):
         with contextlib.ExitStack() as stack:
-            measured = time_interleaved([start(stack, *c, args, has_keyword) for c in configs], args.repeats)
+            measured = time_interleaved(start_all(stack, list(configs), args, has_keyword), args.repeats)
         for m in measured:
             results.append(m)
             print(progress(m), flush=True)
