@@ -497,14 +497,25 @@ def measure_two_hosts(params: int, repeats: int, chunk_bytes: int) -> tuple[Meas
                     link.append(iperf3_mb_per_s(ps_ns, w_ns))
                     client.stdin.write("go\n")
                     client.stdin.flush()
-                    seconds.append(float(client.stdout.readline()))
+                    seconds.append(read_number(client.stdout))
                 client.stdin.close()
-                n = int(client.stdout.readline())
+                n = int(read_number(client.stdout))
             finally:
                 client.kill()
                 client.wait()
     path = f"payloads over gRPC across a veth pair limited to {LINK_RATE}/s"
     return Measurement("pserver", "two-hosts", params, 1, seconds, n, path), link
+
+
+def read_number(lines) -> float:
+    """The next number the client prints; what else it prints (a shard that stopped
+    answering for a while, and that it rode out) is passed on."""
+    for line in lines:
+        try:
+            return float(line)
+        except ValueError:
+            print(f"two-hosts client: {line.rstrip()}", flush=True)
+    raise RuntimeError("--two-hosts: the client in the other namespace ended early")
 
 
 def two_hosts_client(address: str, params: int) -> None:
