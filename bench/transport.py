@@ -14,6 +14,8 @@ this process and one server process started by this script:
     .venv/bin/python bench/transport.py                  # 10M and 262,144 params, 1/2/4 shards
     .venv/bin/python bench/transport.py --quick          # small sizes, 1 shard, 3 repeats
     .venv/bin/python bench/transport.py --json out.json  # the rows as JSON (default results/transport.json)
+    .venv/bin/python bench/transport.py --systems raw_grpc,pserver --pserver-variants grpc   # the gRPC path only
+    sudo .venv/bin/python bench/transport.py --two-hosts  # also 40 MB across a 10 Gbit/s veth pair, beside iperf3
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import collections
 import contextlib
 import ctypes
 import inspect
+import itertools
 import json
 import os
 import queue
 import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +39,8 @@ import sys
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,10 +53,12 @@ round trip: push P float32 (the gradient), then pull P float32 (the weights), se
 mb_per_s_per_direction = (P * 4 bytes / 1e6) / (round-trip seconds / 2)
 round_trips_per_s = 1 / round-trip seconds
 each figure: median of the repeats (min, max beside it); a repeat times n round trips after
-warm-up round trips that are not timed; a ratio divides a row's median by the baseline's
+warm-up round trips that are not timed; every configuration of one payload size runs at once, its
+repeats interleaved with theirs (repeat r of each before repeat r + 1 of any); a ratio divides a row's median by the baseline's
 median on the same payload (the same for both metrics); baselines run one server process"""
 
 SYSTEMS = ("pserver", "raw_grpc", "tcp")
+PSERVER_VARIANTS = ("grpc", "fast")
 METRICS = {"mb_per_s_per_direction": "MB/s", "round_trips_per_s": "1/s"}
 # Server-side env of the raw_grpc malloc-tuned variant: no mmap for large blocks and no
 # trimming, so the 1 MiB chunks reuse heap memory instead of mmap/munmap (page faults) each time.
@@ -85,6 +92,37 @@ class Measurement:
 
 
 # ---------------------------------------------------------------------------- timing
+
+@dataclass
+class Running:
+    """A configuration with its processes up: one round trip, and the check that the
+    round trips did what they should (run once timing is over)."""
+    system: str
+    variant: str
+    params: int
+    shards: int
+    round_trip: Callable[[], None]
+    check: Callable[[], None]
+    path: Callable[[], str]
+    n: int = 0
+    seconds: list[float] = field(default_factory=list)
+
+
+def time_interleaved(configs: list[Running], repeats: int) -> list[Measurement]:
+    """Warm every configuration up, then time repeat r of each in turn before repeat r + 1
+    of any, so that a change in the machine's load falls on every configuration alike."""
+    for c in configs:
+        _, c.n, _ = time_round_trips(c.round_trip, 0)
+    for _ in range(repeats):
+        for c in configs:
+            t = time.perf_counter()
+            for _ in range(c.n):
+                c.round_trip()
+            c.seconds.append((time.perf_counter() - t) / c.n)
+    for c in configs:
+        c.check()
+    return [Measurement(c.system, c.variant, c.params, c.shards, c.seconds, c.n, c.path()) for c in configs]
+
 
 def time_round_trips(round_trip, repeats: int) -> tuple[list[float], int, int]:
     """(seconds per round trip of each repeat, round trips per repeat, round trips run in all)."""
@@ -184,8 +222,8 @@ def running(named_argvs: list[tuple[str, list[str]]], env: dict | None = None):
             p.wait()
 
 
-def this_script(mode: str, params: int, chunk_bytes: int) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), mode, "0",
+def this_script(mode: str, params: int, chunk_bytes: int, value: str = "0") -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), mode, value,
             "--params", str(params), "--chunk-bytes", str(chunk_bytes)]
 
 
@@ -208,19 +246,14 @@ def shard_argv(j: int, shards: int, chunk_bytes: int) -> list[str]:
     return argv if chunk_bytes == CHUNK_BYTES else argv + ["--chunk-bytes", str(chunk_bytes)]
 
 
-def measure_pserver(params: int, shards: int, variant: str, repeats: int, chunk_bytes: int,
-                    has_keyword: bool) -> Measurement:
+def start_pserver(stack: contextlib.ExitStack, addresses: list[str], params: int, shards: int, variant: str,
+                  chunk_bytes: int, has_keyword: bool) -> Running:
     from pserver.client import PSClient
     kw = {"data_plane": "auto" if variant == "fast" else "grpc"} if has_keyword else {}
-    argvs = [(f"pserver shard {j}", shard_argv(j, shards, chunk_bytes)) for j in range(shards)]
-    with running(argvs) as addresses:
-        client = PSClient(addresses, rank=0, num_workers=1, chunk_bytes=chunk_bytes, **kw)
-        try:
-            seconds, n = pserver_loop(client, params, repeats)
-            path = plane_description(client)
-        finally:
-            client.close()
-    return Measurement("pserver", variant, params, shards, seconds, n, path)
+    client = PSClient(addresses, rank=0, num_workers=1, chunk_bytes=chunk_bytes, **kw)
+    stack.callback(client.close)
+    round_trip, check = pserver_loop(client, params)
+    return Running("pserver", variant, params, shards, round_trip, check, lambda: plane_description(client))
 
 
 def plane_description(client) -> str:
@@ -230,23 +263,26 @@ def plane_description(client) -> str:
     return describe() if describe is not None else "payloads over gRPC streams"
 
 
-def pserver_loop(client, params: int, repeats: int) -> tuple[list[float], int]:
+def pserver_loop(client, params: int):
+    """(round trip, check) for a client of fresh shards."""
     from pserver.models.layout import Layout
     client.connect(60.0)
     client.register(Layout.of([("w", (params,))]))
     g, w = payloads(params)
     client.init(w)
     start = list(client.pull(w))
+    total = [0]
 
     def round_trip():
         client.push(g, num_samples=1)
         client.pull(w)
+        total[0] += 1
 
-    seconds, n, total = time_round_trips(round_trip, repeats)
-    # Each round trip must have been one SGD step on every shard, not a no-op.
-    if [v - s for v, s in zip(client.versions, start)] != [total] * len(start):
-        raise RuntimeError(f"pserver: versions went {start} -> {client.versions} in {total} round trips")
-    return seconds, n
+    def check():
+        # Each round trip must have been one SGD step on every shard, not a no-op.
+        if [v - s for v, s in zip(client.versions, start)] != [total[0]] * len(start):
+            raise RuntimeError(f"pserver: versions went {start} -> {client.versions} in {total[0]} round trips")
+    return round_trip, check
 
 
 # ---------------------------------------------------------------------------- raw gRPC baseline
@@ -282,21 +318,18 @@ def serve_raw_grpc(port: int, params: int, chunk_bytes: int) -> None:
     server.wait_for_termination()
 
 
-def measure_raw_grpc(params: int, variant: str, repeats: int, chunk_bytes: int) -> Measurement:
+def start_raw_grpc(stack: contextlib.ExitStack, address: str, params: int, variant: str,
+                   chunk_bytes: int) -> Running:
     import grpc
-    env = {**os.environ, **MALLOC_TUNED} if variant == "malloc-tuned" else None
-    argv = this_script("--serve-raw-grpc", params, chunk_bytes)
-    with running([(f"raw_grpc server ({variant})", argv)], env) as [address]:
-        channel = grpc.insecure_channel(address)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=60)
-            seconds, n = raw_grpc_loop(channel, params, repeats, chunk_bytes)
-        finally:
-            channel.close()
-    return Measurement("raw_grpc", variant, params, 1, seconds, n, "raw bytes over gRPC streams")
+    channel = grpc.insecure_channel(address)
+    stack.callback(channel.close)
+    grpc.channel_ready_future(channel).result(timeout=60)
+    round_trip, check = raw_grpc_loop(channel, params, chunk_bytes)
+    return Running("raw_grpc", variant, params, 1, round_trip, check, lambda: "raw bytes over gRPC streams")
 
 
-def raw_grpc_loop(channel, params: int, repeats: int, chunk_bytes: int) -> tuple[list[float], int]:
+def raw_grpc_loop(channel, params: int, chunk_bytes: int):
+    """(round trip, check): the same bytes as pserver moves, with nothing else done to them."""
     push = channel.stream_unary(f"/{RAW_SERVICE}/Push")   # no serializers: raw bytes
     pull = channel.unary_stream(f"/{RAW_SERVICE}/Pull")
     g, w = payloads(params)
@@ -311,9 +344,7 @@ def raw_grpc_loop(channel, params: int, repeats: int, chunk_bytes: int) -> tuple
         if pos != wraw.size:
             raise RuntimeError(f"raw_grpc: pulled {pos} of {wraw.size} bytes")
 
-    seconds, n, _ = time_round_trips(round_trip, repeats)
-    check_echo(g, w, "raw_grpc")
-    return seconds, n
+    return round_trip, lambda: check_echo(g, w, "raw_grpc")
 
 
 def check_echo(g: np.ndarray, w: np.ndarray, system: str) -> None:
@@ -361,17 +392,16 @@ def serve_tcp_connection(conn: socket.socket, mv: memoryview) -> None:
             raise ConnectionError(f"tcp: unknown op {bytes(op)!r}")
 
 
-def measure_tcp(params: int, variant: str, repeats: int, chunk_bytes: int) -> Measurement:
-    argv = this_script("--serve-tcp", params, chunk_bytes)
-    with running([("tcp server", argv)]) as [address]:
-        host, _, port = address.rpartition(":")
-        with socket.create_connection((host, int(port)), timeout=60) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            seconds, n = tcp_loop(sock, params, repeats)
-    return Measurement("tcp", variant, params, 1, seconds, n, "loopback TCP socket")
+def start_tcp(stack: contextlib.ExitStack, address: str, params: int, variant: str, chunk_bytes: int) -> Running:
+    host, _, port = address.rpartition(":")
+    sock = stack.enter_context(socket.create_connection((host, int(port)), timeout=60))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    round_trip, check = tcp_loop(sock, params)
+    return Running("tcp", variant, params, 1, round_trip, check, lambda: "loopback TCP socket")
 
 
-def tcp_loop(sock: socket.socket, params: int, repeats: int) -> tuple[list[float], int]:
+def tcp_loop(sock: socket.socket, params: int):
+    """(round trip, check) over a connected socket."""
     g, w = payloads(params)
     gmv, wmv = memoryview(g).cast("B"), memoryview(w).cast("B")
     ack = memoryview(bytearray(1))
@@ -383,17 +413,159 @@ def tcp_loop(sock: socket.socket, params: int, repeats: int) -> tuple[list[float
         sock.sendall(PULL)
         recv_exactly(sock, wmv)
 
-    seconds, n, _ = time_round_trips(round_trip, repeats)
-    check_echo(g, w, "tcp")
-    return seconds, n
+    return round_trip, lambda: check_echo(g, w, "tcp")
+
+
+# ---------------------------------------------------------------------------- two hosts
+
+# Two network namespaces joined by a veth pair (as tests/e2e/test_netns.py sets up), each end
+# limited to LINK_RATE by a token bucket: the shard in one, the client in the other.
+LINK_RATE = "10gbit"
+TWO_HOSTS_IPS = ("10.78.0.1", "10.78.0.2")          # shard side, client side
+IPERF_SECONDS = 2
+TWO_HOSTS_PARAMS = 10_000_000                        # 40 MB
+
+
+def sh(*argv: str, timeout: float = 60) -> str:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"--two-hosts: `{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()}")
+    return r.stdout
+
+
+@contextlib.contextmanager
+def veth_pair():
+    """(shard namespace, client namespace), joined by a rate-limited veth pair; always removed."""
+    tag = os.getpid() % 100000
+    names, devs = (f"pst-ps-{tag}", f"pst-w-{tag}"), (f"pst{tag}a", f"pst{tag}b")
+    made = []
+    try:
+        for ns in names:
+            sh("ip", "netns", "add", ns)
+            made.append(ns)
+        sh("ip", "link", "add", devs[0], "type", "veth", "peer", "name", devs[1])
+        for ns, dev, ip in zip(names, devs, TWO_HOSTS_IPS):
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            # burst: at least rate / timer tick (1.25 MB at 10 Gbit/s and 1 ms), or tbf falls short of the rate
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+               "rate", LINK_RATE, "burst", "4mb", "latency", "20ms")
+        yield names
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)   # takes the veth pair with it
+
+
+def iperf3_mb_per_s(server_ns: str, client_ns: str) -> float:
+    """The link rate iperf3 measures from the client's namespace to the shard's, in MB/s."""
+    server = subprocess.Popen(["ip", "netns", "exec", server_ns, "iperf3", "-s", "-1", "--forceflush",
+                               "-B", TWO_HOSTS_IPS[0]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in server.stdout:          # the client may start once the server listens
+            if "listening" in line:
+                break
+        out = sh("ip", "netns", "exec", client_ns, "iperf3", "-c", TWO_HOSTS_IPS[0], "-J", "-t", str(IPERF_SECONDS))
+        return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8e6
+    finally:
+        server.kill()
+        server.wait()
+
+
+def two_hosts_missing() -> str:
+    """Why --two-hosts cannot run here, or ""."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    missing = [tool for tool in ("ip", "tc", "iperf3") if shutil.which(tool) is None]
+    return f"install {', '.join(missing)} (apt install iproute2 iperf3)" if missing else ""
+
+
+def measure_two_hosts(params: int, repeats: int, chunk_bytes: int) -> tuple[Measurement, list[float]]:
+    """The pserver gRPC path across the veth pair and iperf3 on it, a repeat of each in turn:
+    the client runs in the other namespace (this script again, --two-hosts-client) and times
+    one repeat each time it reads a line."""
+    with veth_pair() as (ps_ns, w_ns):
+        argv = ["ip", "netns", "exec", ps_ns, *shard_argv(0, 1, chunk_bytes), "--host", TWO_HOSTS_IPS[0]]
+        with running([("pserver shard (two hosts)", argv)]) as [address]:
+            client = subprocess.Popen(["ip", "netns", "exec", w_ns, *this_script("--two-hosts-client", params, chunk_bytes,
+                                                                                 address)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                seconds, link = [], []
+                for _ in range(repeats):
+                    link.append(iperf3_mb_per_s(ps_ns, w_ns))
+                    client.stdin.write("go\n")
+                    client.stdin.flush()
+                    seconds.append(read_number(client.stdout))
+                client.stdin.close()
+                n = int(read_number(client.stdout))
+            finally:
+                client.kill()
+                client.wait()
+    path = f"payloads over gRPC across a veth pair limited to {LINK_RATE}/s"
+    return Measurement("pserver", "two-hosts", params, 1, seconds, n, path), link
+
+
+def read_number(lines) -> float:
+    """The next number the client prints; what else it prints (a shard that stopped
+    answering for a while, and that it rode out) is passed on."""
+    for line in lines:
+        try:
+            return float(line)
+        except ValueError:
+            print(f"two-hosts client: {line.rstrip()}", flush=True)
+    raise RuntimeError("--two-hosts: the client in the other namespace ended early")
+
+
+def two_hosts_client(address: str, params: int) -> None:
+    """In the client's namespace: warm up, print the round trips per repeat, then time one
+    repeat per line read from stdin, printing its seconds per round trip."""
+    from pserver.client import PSClient
+    from pserver.models.layout import Layout
+    client = PSClient([address], rank=0, num_workers=1, data_plane="grpc")
+    client.connect(60.0)
+    client.register(Layout.of([("w", (params,))]))
+    g, w = payloads(params)
+    client.init(w)
+    client.pull(w)
+
+    def round_trip():
+        client.push(g, num_samples=1)
+        client.pull(w)
+
+    _, n, _ = time_round_trips(round_trip, 0)
+    for _ in sys.stdin:
+        t = time.perf_counter()
+        for _ in range(n):
+            round_trip()
+        print((time.perf_counter() - t) / n, flush=True)
+    print(n, flush=True)
+    client.close()
+
+
+def two_hosts_report(m: Measurement, link: list[float]) -> tuple[str, list[dict]]:
+    mbps = summary(m.values("mb_per_s_per_direction"))
+    rate = summary(link)
+    text = (f"two hosts ({m.path}): pserver gRPC {m.params * 4 / 1e6:.0f} MB push+pull "
+            f"{mbps[0]:,.1f} MB/s per direction (min {mbps[1]:,.1f}, max {mbps[2]:,.1f}); iperf3 on the "
+            f"same veth {rate[0]:,.1f} MB/s (min {rate[1]:,.1f}, max {rate[2]:,.1f}); "
+            f"ratio {mbps[0] / rate[0]:.2f}x the link rate ({len(link)} interleaved repeats each)")
+    row = dict(system="pserver", variant="two-hosts", params=m.params, shards=1, metric="mb_per_s_per_direction",
+               value=mbps[0], unit="MB/s", min=mbps[1], max=mbps[2], repeats=len(m.seconds),
+               round_trips_per_repeat=m.round_trips, path=m.path, link_rate=LINK_RATE,
+               iperf3_mb_per_s=rate[0], iperf3_min=rate[1], iperf3_max=rate[2],
+               x_link_rate=mbps[0] / rate[0])
+    return text, [row]
 
 
 # ---------------------------------------------------------------------------- the run
 
 def configurations(args, has_keyword: bool):
-    """(system, variant, params, shards) in the order they run: baselines first per size."""
+    """(system, variant, params, shards) in the order they run: baselines first per size;
+    the configurations of one size are timed together, interleaved."""
     variants = {"raw_grpc": ["default", "malloc-tuned"], "tcp": ["default"],
-                "pserver": ["grpc", "fast"] if has_keyword else ["grpc"]}
+                "pserver": [v for v in args.pserver_variants if has_keyword or v == "grpc"]}
     for params in args.sizes:
         for system in ("tcp", "raw_grpc", "pserver"):
             if system not in args.systems:
@@ -403,11 +575,29 @@ def configurations(args, has_keyword: bool):
                     yield system, variant, params, shards
 
 
-def measure(system, variant, params, shards, args, has_keyword) -> Measurement:
+def server_processes(system, variant, params, shards, chunk_bytes) -> tuple[list[tuple[str, list[str]]], dict | None]:
+    """(named argvs, env) of a configuration's server processes."""
     if system == "pserver":
-        return measure_pserver(params, shards, variant, args.repeats, args.chunk_bytes, has_keyword)
-    fn = measure_raw_grpc if system == "raw_grpc" else measure_tcp
-    return fn(params, variant, args.repeats, args.chunk_bytes)
+        return [(f"pserver shard {j}", shard_argv(j, shards, chunk_bytes)) for j in range(shards)], None
+    if system == "raw_grpc":
+        env = {**os.environ, **MALLOC_TUNED} if variant == "malloc-tuned" else None
+        return [(f"raw_grpc server ({variant})", this_script("--serve-raw-grpc", params, chunk_bytes))], env
+    return [("tcp server", this_script("--serve-tcp", params, chunk_bytes))], None
+
+
+def start_all(stack: contextlib.ExitStack, configs: list[tuple], args, has_keyword: bool) -> list[Running]:
+    """Every configuration's servers first, then its client: a process started while this one
+    has gRPC channels open can inherit gRPC's threads' state half-copied (fork without exec
+    handlers) and abort."""
+    addresses = [stack.enter_context(running(*server_processes(*c, args.chunk_bytes))) for c in configs]
+    out = []
+    for (system, variant, params, shards), where in zip(configs, addresses):
+        if system == "pserver":
+            out.append(start_pserver(stack, where, params, shards, variant, args.chunk_bytes, has_keyword))
+        else:
+            fn = start_raw_grpc if system == "raw_grpc" else start_tcp
+            out.append(fn(stack, where[0], params, variant, args.chunk_bytes))
+    return out
 
 
 def progress(m: Measurement) -> str:
@@ -472,7 +662,8 @@ def header_lines(args, has_keyword: bool, host: dict) -> list[str]:
              f"raw_grpc malloc-tuned: server env {' '.join(f'{k}={v}' for k, v in MALLOC_TUNED.items())}; "
              f"this (client) process runs with {env}"]
     if "pserver" in args.systems:
-        lines.append("pserver variants: grpc (data_plane='grpc') and fast (data_plane='auto')" if has_keyword
+        lines.append(f"pserver variants: {', '.join(args.pserver_variants)} (grpc: data_plane='grpc'; "
+                     f"fast: data_plane='auto')" if has_keyword
                      else "pserver variants: grpc only (PSClient has no data_plane keyword yet, so no fast variant)")
     if args.repeats < 5:
         lines.append(f"note: {args.repeats} repeats (< 5): a functional check, not a measurement")
@@ -499,28 +690,42 @@ def run(args) -> int:
     host = machine()
     print("\n".join(header_lines(args, has_keyword, host)), flush=True)
     results = []
-    for config in configurations(args, has_keyword):
-        results.append(measure(*config, args, has_keyword))
-        print(progress(results[-1]), flush=True)
+    for _, configs in itertools.groupby(configurations(args, has_keyword), key=lambda c: c[2]):
+        with contextlib.ExitStack() as stack:
+            measured = time_interleaved(start_all(stack, list(configs), args, has_keyword), args.repeats)
+        for m in measured:
+            results.append(m)
+            print(progress(m), flush=True)
     print("\ntable: MB/s per direction for payloads of 4 MB and more, round trips/s below; "
           "--json has both metrics for every row")
     print(result_table(results))
     print(path_lines(results))
+    rows = json_rows(results, host, args.chunk_bytes)
+    if args.two_hosts:
+        text, more = two_hosts_report(*measure_two_hosts(TWO_HOSTS_PARAMS, args.repeats, args.chunk_bytes))
+        print(text)
+        rows += [dict(r, chunk_bytes=args.chunk_bytes, host=host) for r in more]
     print(memory_line())
     path = result_path(args.json, "transport.json")
-    path.write_text(json.dumps(json_rows(results, host, args.chunk_bytes), indent=1) + "\n")
+    path.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
 
 
 # ---------------------------------------------------------------------------- command line
 
-def system_list(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in SYSTEMS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"'{text}': choose from {','.join(SYSTEMS)}")
-    return names
+def choices(allowed: tuple[str, ...]):
+    """An argparse type: a comma-separated subset of `allowed`."""
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"'{text}': choose from {','.join(allowed)}")
+        return names
+    return parse
+
+
+system_list, variant_list = choices(SYSTEMS), choices(PSERVER_VARIANTS)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -530,11 +735,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="timed repeats per configuration (default 5)")
     p.add_argument("--systems", type=system_list, default=list(SYSTEMS),
                    help="which of pserver,raw_grpc,tcp to run (default all)")
+    p.add_argument("--pserver-variants", type=variant_list, default=list(PSERVER_VARIANTS),
+                   help="which pserver rows to run: grpc (data_plane='grpc', every multi-host user's path), "
+                        "fast (data_plane='auto'); default both")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed message (default 1 MiB)")
     p.add_argument("--json", metavar="PATH", help="write the rows {system, params, shards, metric, value, unit, ...} "
                                                   "here (default results/transport.json)")
     p.add_argument("--quick", action="store_true",
                    help="functional check: sizes 1000000,262144, 1 shard, 3 repeats (flags given win)")
+    p.add_argument("--two-hosts", action="store_true",
+                   help=f"also the two-host row: a shard and this client in two network namespaces joined by a "
+                        f"veth pair limited to {LINK_RATE}/s, 40 MB push+pull over gRPC against the rate iperf3 "
+                        f"measures on it (needs root, ip, tc and iperf3)")
+    p.add_argument("--two-hosts-client", metavar="ADDRESS", help=argparse.SUPPRESS)
     p.add_argument("--serve-raw-grpc", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--serve-tcp", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--params", type=int, help=argparse.SUPPRESS)
@@ -546,6 +759,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.repeats < 1:
         p.error("--repeats: give at least 1")
+    if args.two_hosts and two_hosts_missing():
+        p.error(f"--two-hosts: {two_hosts_missing()}")
     if not 0 < args.chunk_bytes <= (4 << 20) - 1024:   # gRPC's 4 MiB limit, less framing
         p.error(f"--chunk-bytes: {args.chunk_bytes} is outside (0, {(4 << 20) - 1024}]")
     return args
@@ -553,6 +768,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.two_hosts_client:
+        two_hosts_client(args.two_hosts_client, args.params)
+        return 0
     if args.serve_raw_grpc is not None or args.serve_tcp is not None:
         # A baseline server: SIGTERM's default action ends it; Ctrl-C in the terminal too, quietly.
         signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -7,6 +7,7 @@ traceback.
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import grpc
+import grpc.experimental
 import numpy as np
 
 from pserver import codec, dataplane, sparse
@@ -28,8 +30,11 @@ from pserver.models.layout import Layout
 T = TypeVar("T")
 # gRPC's own reconnect backoff starts at 1 s and grows to 2 min; a restarted shard should
 # be found within our retry loop's cadence instead.
+# A pull reads its stream in the calling thread: without this, every Pull call starts a
+# thread of its own to drive the channel (gRPC's default), a cost that 1 MiB round trips feel.
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 2000)]
+                   ("grpc.max_reconnect_backoff_ms", 2000),
+                   (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 WAIT_NOTICE_EVERY = 10.0   # seconds between "still waiting" lines
 MAX_IDS_PER_PULL = 1 << 18  # ids per PullRows request: 2 MiB, well under gRPC's 4 MiB message limit
 LEAVE_ON_STOP_S = 2.0      # per shard: a stopped worker's Leave must not hold up its exit
@@ -73,6 +78,13 @@ class ShardClient:
                                                    response_deserializer=pb.InitReply.FromString)
         self.push_call = self.channel.stream_unary(service + "Push", request_serializer=codec.serialize_chunk,
                                                    response_deserializer=pb.PushReply.FromString)
+        # The same methods for a stream of one message (header and payload fit in one chunk):
+        # on the wire a client stream of one message is a unary call, and gRPC's unary call
+        # needs no thread to feed it, where every streaming call starts one.
+        self.init_one = self.channel.unary_unary(service + "Init", request_serializer=codec.serialize_chunk,
+                                                 response_deserializer=pb.InitReply.FromString)
+        self.push_one = self.channel.unary_unary(service + "Push", request_serializer=codec.serialize_chunk,
+                                                 response_deserializer=pb.PushReply.FromString)
         self.pull_call = self.channel.unary_stream(service + "Pull",
                                                    request_serializer=pb.PullRequest.SerializeToString,
                                                    response_deserializer=codec.parse_chunk)
@@ -100,6 +112,15 @@ class ShardClient:
         except grpc.RpcError as e:
             code = e.code().name if e.code() is not None else "UNKNOWN"
             raise rpc_error_for(code, f"{self.label}: {e.details()}") from None
+
+    def send(self, streaming, one, stream, timeout: float):
+        """A client stream through `streaming`, or through `one` (the same method called as
+        unary) when the stream is a single message."""
+        first = next(stream)
+        second = next(stream, None)
+        if second is None:
+            return self.call(one, first, timeout=timeout)
+        return self.call(streaming, itertools.chain((first, second), stream), timeout=timeout)
 
     def wait_ready(self, timeout: float) -> None:
         try:
@@ -239,7 +260,7 @@ class ShardClient:
         header = pb.TensorHeader(rank=rank, shard=self.index, layout_signature=self.info.signature,
                                  session=self.session)
         stream = codec.encode(header, flat[self.info.start:self.info.end], self.chunk_bytes)
-        return self.call(self.init_call, stream, timeout=timeout).already_initialized
+        return self.send(self.init_call, self.init_one, stream, timeout).already_initialized
 
     def pull_into(self, flat: np.ndarray, rank: int, seen_version: int, clock: int,
                   timeout: float) -> tuple[int, bool]:
@@ -270,8 +291,7 @@ class ShardClient:
                              session=self.session)
 
         def run() -> tuple[int, bool]:
-            chunks = iter(self.pull_call(req, timeout=timeout))
-            header = codec.read_header(chunks)
+            header, chunks = codec.read_header(iter(self.pull_call(req, timeout=timeout)))
             dest = flat[self.info.start:self.info.end]
             if header.num_elements != dest.size:
                 raise InvalidArgument(f"num_elements: shard sent {header.num_elements}, expected {dest.size}")
@@ -299,8 +319,7 @@ class ShardClient:
                                  ids=np.ascontiguousarray(ids, dtype="<u8").tobytes())
 
         def run() -> None:
-            chunks = iter(self.pull_rows_call(req, timeout=timeout))
-            header = codec.read_header(chunks)
+            header, chunks = codec.read_header(iter(self.pull_rows_call(req, timeout=timeout)))
             if header.num_elements != out.size:
                 raise InvalidArgument(f"num_elements: shard sent {header.num_elements} row values, "
                                       f"expected {out.size}")
@@ -325,7 +344,7 @@ class ShardClient:
                                  sparse=[pb.SparsePart(table=t, num_ids=ids.size) for t, ids, _ in rows])
         arrays = [grad[self.info.start:self.info.end]] + [a for _, ids, g in rows for a in (ids, g)]
         stream = codec.encode_parts(header, arrays, self.chunk_bytes)
-        reply = self.call(self.push_call, stream, timeout=timeout)
+        reply = self.send(self.push_call, self.push_one, stream, timeout)
         return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished
 
     def checkpoint(self, rank: int, timeout: float, then_stop: bool = False) -> tuple[str, int]:
@@ -374,7 +393,7 @@ class PSClient:
                  data_plane: str = "auto", security: ClientSecurity = ClientSecurity()) -> None:
         self.rank, self.num_workers, self.rpc_deadline = rank, num_workers, rpc_deadline
         self.shards = [ShardClient(j, a, chunk_bytes, data_plane, security) for j, a in enumerate(addresses)]
-        self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-client") \
+        self._pool = ThreadPoolExecutor(max_workers=len(self.shards) - 1, thread_name_prefix="ps-client") \
             if len(self.shards) > 1 else None
         self.versions = [-1] * len(self.shards)
         self.finished = False          # a shard said the run is over (e.g. backup quorum gone)
@@ -382,11 +401,19 @@ class PSClient:
         self._stop = threading.Event()
 
     def each(self, fn: Callable[[ShardClient], T]) -> list[T]:
-        """fn on every shard, in parallel; the first error (by shard order) is raised."""
+        """fn on every shard, in parallel; the first error (by shard order) is raised. The
+        last shard's call runs in this thread, which would otherwise only wait."""
         if self._pool is None:
             return [fn(s) for s in self.shards]
-        futures = [self._pool.submit(fn, s) for s in self.shards]
-        return [f.result() for f in futures]
+        futures = [self._pool.submit(fn, s) for s in self.shards[:-1]]
+        try:
+            last, error = fn(self.shards[-1]), None
+        except Exception as e:
+            last, error = None, e
+        results = [f.result() for f in futures]
+        if error is not None:
+            raise error
+        return results + [last]
 
     def connect(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -1,9 +1,12 @@
 """ndarray <-> streamed chunks: the one place where tensors become bytes and back.
 
-A tensor travels as a stream of `TensorChunk` messages: the first carries only the
-header (sizes, dtype, step...), the rest carry raw little-endian float32 bytes, at most
-`chunk_bytes` each. Receiving writes each chunk straight into a preallocated array, so
-a 100M-parameter model never needs one 400 MB message or one 400 MB bytes object.
+A tensor travels as a stream of `TensorChunk` messages: the first carries the header
+(sizes, dtype, step...) and the first chunk of raw little-endian float32 bytes, the rest
+carry the following bytes, at most `chunk_bytes` each. A payload of one chunk (1 MiB by
+default) is therefore one message each way, not two: a message costs a wake-up of a
+thread on each side, which is what small round trips pay for. Receiving writes each
+chunk straight into a preallocated array, so a 100M-parameter model never needs one
+400 MB message or one 400 MB bytes object.
 
 Payload chunks are encoded and parsed here by hand rather than through protobuf
 objects: the bytes on the wire are exactly the `TensorChunk` of protos/pserver.proto
@@ -14,6 +17,7 @@ and receiving none before the copy into the destination, instead of three each w
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
@@ -23,8 +27,9 @@ from pserver.errors import InvalidArgument
 
 DTYPE = np.dtype("<f4")
 DTYPE_NAME = "float32"
-# The wire protocol's version: Register refuses a peer that speaks another (2: sessions).
-PROTOCOL_VERSION = 2
+# The wire protocol's version: Register refuses a peer that speaks another (2: sessions;
+# 3: the header message carries the first payload chunk).
+PROTOCOL_VERSION = 3
 CHUNK_BYTES = 1 << 20          # 1 MiB: well under gRPC's 4 MiB default message limit
 MAX_CHUNK_BYTES = 4 << 20      # largest chunk a sender may use (gRPC's default limit)
 
@@ -105,25 +110,50 @@ def read_varint(view: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+class HeadChunk:
+    """The first message of a stream: the header and the first payload bytes. It becomes
+    bytes only as it is sent (one copy, as every payload chunk), so until then the header
+    is still an ordinary message that its sender may fill in."""
+
+    __slots__ = ("header", "pieces")
+
+    def __init__(self, header: pb.TensorHeader, pieces: list) -> None:
+        self.header, self.pieces = header, pieces
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 - protobuf's spelling
+        return name == "header"
+
+    def to_bytes(self) -> bytes:
+        head = pb.TensorChunk(header=self.header).SerializeToString()
+        if not self.pieces:
+            return head
+        return b"".join((head, DATA_TAG, varint(sum(len(p) for p in self.pieces)), *self.pieces))
+
+
 def serialize_chunk(msg) -> bytes:
     """gRPC serializer for TensorChunk streams: payload chunks come pre-encoded as bytes."""
-    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+    if isinstance(msg, bytes):
+        return msg
+    return msg.to_bytes() if isinstance(msg, HeadChunk) else msg.SerializeToString()
 
 
 def as_chunk(msg):
-    """Whatever a stream yields (pre-encoded bytes, a RawChunk, a TensorChunk) as a chunk."""
+    """Whatever a stream yields (pre-encoded bytes, a HeadChunk, a RawChunk, a TensorChunk) as a chunk."""
+    if isinstance(msg, HeadChunk):
+        msg = msg.to_bytes()
     return parse_chunk(msg) if isinstance(msg, (bytes, bytearray)) else msg
 
 
 def encode(header: pb.TensorHeader, arr: np.ndarray,
            chunk_bytes: int = CHUNK_BYTES) -> Iterator:
-    """Yield the header message, then `arr`'s bytes as encoded TensorChunks of at most
-    `chunk_bytes` payload each (one copy: from the array into the message bytes)."""
+    """Yield `arr`'s bytes as encoded TensorChunks of at most `chunk_bytes` payload each,
+    the first with the header (one copy: from the array into the message bytes)."""
     return encode_parts(header, [np.ascontiguousarray(arr, dtype=DTYPE).reshape(-1)], chunk_bytes)
 
 
-def read_header(chunks: Iterator[pb.TensorChunk]) -> pb.TensorHeader:
-    """Take the first message of a stream, which must carry the header and no data."""
+def read_header(chunks: Iterator[pb.TensorChunk]) -> tuple[pb.TensorHeader, Iterator]:
+    """Take the first message of a stream, which must carry the header (and may carry the
+    first payload bytes); returns (header, the payload chunks: those bytes, then the rest)."""
     first = next(chunks, None)
     if first is None:
         raise InvalidArgument("header: the stream is empty; its first message must carry a header")
@@ -132,9 +162,9 @@ def read_header(chunks: Iterator[pb.TensorChunk]) -> pb.TensorHeader:
         raise InvalidArgument(first.error)
     if not first.HasField("header"):
         raise InvalidArgument("header: the first message of the stream carries no header")
-    if first.data:
-        raise InvalidArgument("data: the header message must not carry payload bytes")
-    return first.header
+    if not first.data:
+        return first.header, chunks
+    return first.header, itertools.chain((RawChunk(data=memoryview(first.data)),), chunks)
 
 
 def check_header(header: pb.TensorHeader, expected_elements: int) -> None:
@@ -216,13 +246,13 @@ class Position(NamedTuple):
 def encode_parts(header: pb.TensorHeader, arrays: list[np.ndarray],
                  chunk_bytes: int = CHUNK_BYTES) -> Iterator:
     """As `encode`, for a payload made of several arrays back to back (a push's dense slice,
-    then its sparse ids and rows); header.num_elements counts the first array's elements."""
+    then its sparse ids and rows); header.num_elements counts the first array's elements.
+    The first message (a HeadChunk) carries the header and the first chunk's bytes."""
     check_chunk_bytes(chunk_bytes)
     header.num_elements = arrays[0].size
     header.dtype = DTYPE_NAME
-    yield pb.TensorChunk(header=header)
     views = [memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays]
-    pending, held = [], 0
+    first, pending, held = True, [], 0
     for raw in views:
         start = 0
         while start < len(raw):
@@ -231,19 +261,20 @@ def encode_parts(header: pb.TensorHeader, arrays: list[np.ndarray],
             held += len(piece)
             start += len(piece)
             if held == chunk_bytes:
-                yield b"".join((DATA_TAG, varint(held), *pending))
-                pending, held = [], 0
-    if held:
+                yield HeadChunk(header, pending) if first else b"".join((DATA_TAG, varint(held), *pending))
+                first, pending, held = False, [], 0
+    if first:
+        yield HeadChunk(header, pending)
+    elif held:
         yield b"".join((DATA_TAG, varint(held), *pending))
 
 
 def decode(chunks: Iterable[pb.TensorChunk],
            dest_for: Callable[[pb.TensorHeader], np.ndarray]) -> tuple[pb.TensorHeader, np.ndarray]:
     """Read a whole stream: header, then payload into the array `dest_for(header)` gives."""
-    it = iter(chunks)
-    header = read_header(it)
+    header, rest = read_header(iter(chunks))
     dest = dest_for(header)
-    receive_into(dest, it)
+    receive_into(dest, rest)
     return header, dest
 
 

@@ -71,7 +71,7 @@ def test_overlong_stream_is_rejected():
 
 
 def test_missing_header_second_header_and_empty_stream():
-    msgs = _stream(np.ones(10, np.float32))
+    msgs = _stream(np.ones(40, np.float32))        # 160 bytes: three messages
     with pytest.raises(InvalidArgument, match="no header"):
         codec.to_array(msgs[1:])
     with pytest.raises(InvalidArgument, match="second header"):
@@ -90,3 +90,23 @@ def test_check_header_names_the_field():
 def test_bad_chunk_size():
     with pytest.raises(InvalidArgument, match="chunk_bytes"):
         list(codec.encode(pb.TensorHeader(), np.ones(3, np.float32), 0))
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(0, 700), chunk_bytes=st.integers(1, 1000))
+def test_the_first_message_carries_the_header_and_the_first_chunk(n, chunk_bytes):
+    """A payload of k chunks is k messages (one when empty), not k + 1: the header rides
+    with the first chunk, and no other message carries a header."""
+    arr = np.arange(n, dtype=np.float32)
+    msgs = wire(codec.encode(pb.TensorHeader(step=5), arr, chunk_bytes))
+    assert len(msgs) == max(1, -(-arr.nbytes // chunk_bytes))
+    assert msgs[0].header.step == 5 and len(msgs[0].data) == min(arr.nbytes, chunk_bytes)
+    assert not any(m.HasField("header") for m in msgs[1:])
+
+
+def test_a_header_alone_then_the_data_is_still_read():
+    """The form a client of protocol 2 sends: the header message without payload bytes."""
+    arr = np.arange(7, dtype=np.float32)
+    msgs = [pb.TensorChunk(header=pb.TensorHeader(num_elements=7, dtype="float32")),
+            pb.TensorChunk(data=arr.tobytes())]
+    assert np.array_equal(codec.to_array(msgs)[1], arr)

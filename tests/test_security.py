@@ -60,7 +60,7 @@ def every_rpc(stub, metadata, session: str = "") -> dict:
     kw = dict(metadata=metadata, timeout=5)
     return {
         "Register": lambda: stub.Register(pb.RegisterRequest(rank=0, num_workers=1, shard=0, num_shards=1,
-                                                             layout=spec, protocol_version=2), **kw),
+                                                             layout=spec, protocol_version=codec.PROTOCOL_VERSION), **kw),
         "Init": lambda: stub.Init(iter(messages(pb.TensorHeader(rank=0, shard=0, layout_signature=sig, session=session),
                                                  np.full(33, 7, np.float32))), **kw),
         "Pull": lambda: list(stub.Pull(pb.PullRequest(rank=0, shard=0, seen_version=-1, session=session), **kw)),

@@ -35,7 +35,7 @@ def ready_client(address, num_workers=1, rank=0, layout=LAYOUT, init=True, plane
 def raw_push(address, chunks):
     """A push through the generated stub: a plain protobuf client, as any language has."""
     stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
-    msgs = [pb.TensorChunk.FromString(codec.serialize_chunk(m)) if isinstance(m, bytes) else m
+    msgs = [m if isinstance(m, pb.TensorChunk) else pb.TensorChunk.FromString(codec.serialize_chunk(m))
             for m in chunks]
     return stub.Push(iter(msgs), timeout=5)
 
@@ -207,8 +207,7 @@ def test_a_stalled_init_does_not_block_other_calls(shard_server):
 
     stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(addr))
     t = threading.Thread(target=lambda: stub.Init(
-        (pb.TensorChunk.FromString(codec.serialize_chunk(m)) if isinstance(m, bytes) else m
-         for m in stalled()), timeout=10))
+        (pb.TensorChunk.FromString(codec.serialize_chunk(m)) for m in stalled()), timeout=10))
     t.start()
     _time.sleep(0.3)
     started = _time.monotonic()
@@ -217,3 +216,22 @@ def test_a_stalled_init_does_not_block_other_calls(shard_server):
     release.set()
     t.join(10)
     assert shard.store.version == 0
+
+
+def test_a_push_of_one_message_and_one_of_several_do_the_same(shard_server):
+    """A push that fits one message goes as a unary call, a longer one as a stream, and a
+    plain protobuf client may still send the header alone first: the shard applies each."""
+    addr, shard = shard_server(optimizer="sgd", lr=1.0)
+    c = ready_client(addr)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    assert c.push(np.ones(33, np.float32), num_samples=1) == [("aggregated", 1)]   # 132 bytes: one message
+    c.pull(w)
+    c.shards[0].chunk_bytes = 40                                                    # four messages
+    assert c.push(np.full(33, 2, np.float32), num_samples=1) == [("aggregated", 2)]
+    raw_push(addr, [pb.TensorChunk(header=pb.TensorHeader(rank=0, shard=0, step=2, num_samples=1, num_elements=33,
+                                                          dtype="float32", session=c.shards[0].session)),
+                    pb.TensorChunk(data=np.full(33, 4, np.float32).tobytes())])
+    c.pull(w)
+    np.testing.assert_array_equal(w, np.arange(33) - 1 - 2 - 4)
+    assert shard.status()["counters"]["pushes_aggregated"] == 3

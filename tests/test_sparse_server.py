@@ -259,14 +259,16 @@ def test_sync_equals_one_large_batch(shard_server, batches, data):
 def test_codec_streams_several_arrays_back_to_back():
     arrays = [np.arange(5, dtype=np.float32), np.arange(3, dtype=np.uint64),
               np.arange(6, dtype=np.float32).reshape(3, 2)]
-    chunks = list(codec.encode_parts(pb.TensorHeader(), arrays, chunk_bytes=7))
-    assert all(len(codec.parse_chunk(m).data) <= 7 for m in chunks[1:])
+    chunks = [codec.as_chunk(m) for m in codec.encode_parts(pb.TensorHeader(), arrays, chunk_bytes=7)]
+    assert all(len(m.data) <= 7 for m in chunks)
     out = [np.empty_like(a) for a in arrays]
-    codec.receive_into(out[0], iter(chunks[1:]), *out[1:])
+    header, rest = codec.read_header(iter(chunks))
+    assert header.num_elements == 5
+    codec.receive_into(out[0], rest, *out[1:])
     for a, b in zip(arrays, out):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(InvalidArgument, match="more than"):
-        codec.receive_into(out[0], iter(chunks[1:]), out[1])
+        codec.receive_into(out[0], codec.read_header(iter(chunks))[1], out[1])
 
 
 def test_merge_rows_sums_each_tables_rows_per_id_and_keeps_every_table():

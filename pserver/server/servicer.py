@@ -104,8 +104,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         bounded) from its header before any of them is received."""
         limits = self.shard.limits
         with limits.stream(context.cancel, self.shard.store.size * 4) as stream:
-            chunks = limits.progress(stream, request_iterator)
-            h = codec.read_header(chunks)
+            h, chunks = codec.read_header(limits.progress(stream, request_iterator))
             with limits.stream_rank(h.rank):
                 if h.sparse and call != self._push:
                     raise InvalidArgument("sparse: only a Push carries sparse rows")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,18 @@ def test_throughput_writes_to_the_users_results_directory_not_the_committed_one(
     assert row["mode"] == "sync" and row["steps"] == 4 and row["train_samples_per_second"] > 0
     assert f"wrote {Path('results') / 'throughput.json'}" in r.stdout
     assert (ROOT / "bench" / "results" / "throughput.json").read_bytes() == committed
+
+
+def test_transport_two_hosts_row_measures_pserver_and_iperf3_on_the_same_veth(tmp_path):
+    """The opt-in row: a shard in one network namespace, the client in another, and iperf3
+    between them; both figures land in the JSON and the namespaces are gone afterwards."""
+    if os.geteuid() != 0 or any(shutil.which(t) is None for t in ("ip", "tc", "iperf3")):
+        pytest.skip("--two-hosts needs root, ip, tc and iperf3")
+    r = bench("transport.py", "--systems", "tcp", "--sizes", "1000", "--repeats", "1", "--two-hosts",
+              "--json", str(tmp_path / "t.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    [row] = [x for x in json.loads((tmp_path / "t.json").read_text()) if x["variant"] == "two-hosts"]
+    assert row["params"] == 10_000_000 and row["value"] > 0 and row["iperf3_mb_per_s"] > 0
+    assert row["x_link_rate"] == pytest.approx(row["value"] / row["iperf3_mb_per_s"])
+    assert "x the link rate" in r.stdout
+    assert "pst-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
