@@ -115,8 +115,12 @@ def host_id() -> str:
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = sock.recv(n)            # almost always whole: headers and replies are small
+    if len(data) == n:
+        return data
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    view, got = memoryview(buf), len(data)
+    view[:got] = data
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
@@ -583,7 +587,8 @@ class DataPlaneChannel:
         raise rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", f"{self.label}: {message}")
 
     def _send(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b"") -> None:
-        self.sock.settimeout(timeout + 5)
+        if self.sock.gettimeout() != timeout + 5:      # each settimeout costs system calls
+            self.sock.settimeout(timeout + 5)
         self.sock.sendall(REQUEST.pack(MAGIC, op, self.rank, self.shard, step, clock, num_elements,
                                        num_samples, int(min(timeout, 4e6) * 1000)) + tail)
 

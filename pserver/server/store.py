@@ -328,6 +328,15 @@ class ShardStore:
             self.closed = True
             self.cond.notify_all()
 
+    def warm_kernels(self) -> None:
+        """Load the compiled kernels a dense push runs (validate-and-copy, the optimizer's
+        update) on a few elements, so that the first step is not slow, and the memory they
+        take is part of the shard's idle footprint rather than of its first push."""
+        a, b = np.zeros(16, dtype=np.float32), np.zeros(16, dtype=np.float32)
+        copy_finite(a, b)
+        first_nonfinite(b)
+        self._make_optimizer(a.size).step(a, b, 0)
+
     def check_gradient(self, grad: np.ndarray) -> None:
         """Refuse a gradient (or Init values) in shard-owned memory that holds NaN or Inf."""
         self._refuse_nonfinite(grad, first_nonfinite(grad))
