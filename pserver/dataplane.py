@@ -23,9 +23,10 @@ it applies whatever the client writes afterwards. A range larger than PART_ELEME
 parts through two slots of that size (so a connection's buffer stays small whatever the
 model): the client writes part k into slot k % 2 and says READY (part 0: the header), the
 shard copies and checks it and says FREE when the client may write that slot again, so
-the client writes one part while the shard copies the one before. A pull is one header, the mode's wait,
-and a memcpy out of the shard's parameters by the worker (in sync mode they cannot change
-until this worker pushes again; in async modes a racy read is the point, as over gRPC).
+the client writes one part while the shard copies the one before. A pull is one header,
+the mode's wait, and a memcpy out of the shard's parameters by the worker (in sync mode
+they cannot change until this worker pushes again; in async modes a racy read is the
+point, as over gRPC).
 A pull that waits notices when its client hangs up, and its thread goes. Memory on the
 shard: its parameters plus one buffer per connection (its range, or two parts of it), at
 most connection_limit() of them.
