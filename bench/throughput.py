@@ -63,7 +63,18 @@ def run_once(mode: str, args) -> dict:
         s = json.load(open(path))
         return {"mode": mode, "train_samples_per_second": s["train_samples_per_second"],
                 "wall_seconds": s["wall_seconds"], "steps": s["steps"],
-                "launch_seconds": round(time.monotonic() - started, 2), "test_accuracy": s["test_accuracy"]}
+                "launch_seconds": round(time.monotonic() - started, 2), "test_accuracy": s["test_accuracy"],
+                "time_split": time_split(s["workers"])}
+
+
+def time_split(workers: list[dict]) -> dict:
+    """Where the workers' time went, as fractions of their wall time (mean over workers), and
+    their compute seconds per step: beside the compute bound's, it says what sharing the
+    cores with the shard cost."""
+    split = {k: sum(w[f"{k}_seconds"] / w["wall_seconds"] for w in workers) / len(workers)
+             for k in ("compute", "push", "pull")}
+    split["compute_ms_per_step"] = 1e3 * sum(w["compute_seconds"] / w["steps"] for w in workers) / len(workers)
+    return split
 
 
 def compute_once(args) -> dict:
@@ -78,7 +89,8 @@ def compute_once(args) -> dict:
     parallel = min(WORKERS, os.cpu_count() or 1)
     return {"mode": "compute_bound", "train_samples_per_second": one["samples_per_second"] * parallel,
             "one_process_samples_per_second": one["samples_per_second"], "workers_at_once": parallel,
-            "wall_seconds": one["seconds"], "steps": one["steps"]}
+            "wall_seconds": one["seconds"], "steps": one["steps"],
+            "time_split": {"compute": 1.0, "compute_ms_per_step": 1e3 * one["seconds"] / one["steps"]}}
 
 
 def compute_child(seconds: float) -> None:
@@ -131,8 +143,12 @@ def line(row: dict, bound: dict | None, tf: dict | None) -> str:
     ratios = [f"{rate / ref['train_samples_per_second']:.2f}x {name}" for name, ref in
               (("compute bound", bound), ("TF PSS", tf)) if ref is not None and ref is not row]
     short = "  (< %g s of training)" % MIN_SECONDS if row["wall_seconds"] < MIN_SECONDS else ""
+    split = row.get("time_split")
+    where = "" if split is None else ("  time: " + ", ".join(
+        f"{k} {split[k]:.0%}" for k in ("compute", "push", "pull") if k in split)
+        + f", {split['compute_ms_per_step']:.1f} ms compute/step")
     return (f"  {row['mode']:13s} {rate:>9,.0f} samples/s (min {row['min']:,.0f}, max {row['max']:,.0f})  "
-            f"{row['steps']} steps in {row['wall_seconds']:.1f} s  {', '.join(ratios)}{short}")
+            f"{row['steps']} steps in {row['wall_seconds']:.1f} s  {', '.join(ratios)}{short}{where}")
 
 
 def main() -> None:

@@ -635,10 +635,11 @@ class DataPlaneChannel:
             self.sock.close()
             raise
         try:
-            if told != size:
-                raise ConnectionError("the shard's data plane answered with the wrong buffers")
             # our push buffer (read-write: one or two slots) and the shard's parameters (read-only)
             self.slot, slots = push_slots(size)
+            if told != size or [os.fstat(fd).st_size for fd in fds] != [self.slot * slots * 4, size * 4]:
+                # another version of pserver, say, whose buffers are laid out otherwise: use gRPC
+                raise ConnectionError("the shard's data plane answered with the wrong buffers")
             self.maps = [mapped(fds[0], self.slot * slots * 4, True, f"{label}: push buffer"),
                          mapped(fds[1], size * 4, False, f"{label}: parameters")]
         finally:
