@@ -19,7 +19,7 @@ import json
 import os
 import time
 
-from ps_cnn import coordinator_for, local_cluster  # the script's directory is on sys.path
+from ps_cnn import coordinator_for, local_cluster, training_step  # the script's directory is on sys.path
 
 import numpy as np  # noqa: E402  (ps_cnn set TensorFlow's environment first)
 
@@ -37,8 +37,6 @@ def train(args, cluster: dict) -> dict:
     with strategy.scope():
         model = mlp(tf)
         optimizer = tf.keras.optimizers.SGD(args.lr)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((args.samples, 784), dtype=np.float32)
     y = rng.integers(0, 10, args.samples)
@@ -48,18 +46,7 @@ def train(args, cluster: dict) -> dict:
         return ds.batch(args.batch_size, drop_remainder=True).prefetch(4)
 
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-
-    @tf.function
-    def step_fn(it):
-        def replica_fn(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)),
-                                                  global_batch_size=args.batch_size)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-        xb, yb = next(it)
-        return strategy.run(replica_fn, args=(xb, yb))
+    step_fn = training_step(tf, strategy, model, optimizer, args.batch_size)
 
     def schedule(steps: int) -> None:
         for _ in range(steps):
