@@ -132,6 +132,17 @@ def tf_once(args) -> dict | None:
             "wall_seconds": result["seconds"], "steps": result["steps"], "framework": result["framework"]}
 
 
+def tf_available(args) -> bool:
+    if args.no_tf:
+        print("  tf_pss: not run (--no-tf)")
+    elif not args.tf_python.is_file():
+        print(f"  tf_pss: no TensorFlow figure: no Python at {args.tf_python} (make the virtual "
+              f"environment as bench/tf_baseline/README.md says, or pass --tf-python)")
+    else:
+        return True
+    return False
+
+
 def median_row(runs: list[dict]) -> dict:
     rates = [r["train_samples_per_second"] for r in runs]
     best = sorted(runs, key=lambda r: r["train_samples_per_second"])[len(runs) // 2]
@@ -174,24 +185,25 @@ def main() -> None:
     print(f"pserver end-to-end throughput: 1 shard + {WORKERS} workers, MLP 784-256-256-10, batch {BATCH}/worker, "
           f"synthetic data, epochs of {SAMPLES:,} samples, median of {args.repeats}")
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M')}")
-    bound = median_row([compute_once(args) for _ in range(args.repeats)])
-    print(line(bound, None, None), flush=True)
-    if args.epochs is None:
-        args.epochs = math.ceil(args.seconds * bound["max"] / SAMPLES)
-        print(f"  pserver runs: {args.epochs} epochs ({args.epochs * SAMPLES:,} samples)")
-    tf = None
-    if args.no_tf:
-        print("  tf_pss        not run (--no-tf)")
-    elif not args.tf_python.is_file():
-        print(f"  tf_pss        no TensorFlow figure: no Python at {args.tf_python} (make the virtual "
-              f"environment as bench/tf_baseline/README.md says, or pass --tf-python)")
-    else:
-        tf = median_row([tf_once(args) for _ in range(args.repeats)])
-        print(line(tf, bound, None), flush=True)
-    rows = [bound] + ([tf] if tf else [])
-    for mode in args.modes.split(","):
-        rows.append(median_row([run_once(mode, args) for _ in range(args.repeats)]))
-        print(line(rows[-1], bound, tf), flush=True)
+    have_tf = tf_available(args)
+    modes = args.modes.split(",")
+    runs: dict[str, list[dict]] = {m: [] for m in ["compute_bound"] + ["tf_pss"] * have_tf + modes}
+    for r in range(args.repeats):       # interleaved: the machine's load drifts over a run
+        runs["compute_bound"].append(compute_once(args))
+        if args.epochs is None:
+            args.epochs = math.ceil(args.seconds * runs["compute_bound"][0]["train_samples_per_second"] * 1.2
+                                    / SAMPLES)
+            print(f"  pserver runs: {args.epochs} epochs ({args.epochs * SAMPLES:,} samples)", flush=True)
+        if have_tf:
+            runs["tf_pss"].append(tf_once(args))
+        for mode in modes:
+            runs[mode].append(run_once(mode, args))
+        print(f"  repeat {r + 1} of {args.repeats} done; load average "
+              f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    rows = [median_row(v) for v in runs.values()]
+    bound, tf = rows[0], rows[1] if have_tf else None
+    for row in rows:
+        print(line(row, bound, tf))
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     path = result_path(args.json, "throughput.json")
     path.write_text(json.dumps(rows, indent=2))
