@@ -11,6 +11,12 @@ this process and one server process started by this script:
             run with glibc malloc's defaults and with malloc tuned (env of the server).
   tcp       plain loopback sockets, preallocated buffers on both sides, TCP_NODELAY.
 
+Then the shard's memory: for each pserver variant, a shard in sync mode with 4 worker
+threads (a PSClient each) running 20 steps at the largest size; its idle RSS (started, its
+kernels loaded, before any worker), its peak RSS under that load (VmHWM, reset after the
+idle reading), and the bound idle + 1.2 x (parameters + optimizer state + the 4 gradients a
+sync step holds), each term printed (--memory-workers 0: none).
+
     .venv/bin/python bench/transport.py                  # 10M and 262,144 params, 1/2/4 shards
     .venv/bin/python bench/transport.py --quick          # small sizes, 1 shard, 3 repeats
     .venv/bin/python bench/transport.py --json out.json  # the rows as JSON (default results/transport.json)
