@@ -11,6 +11,12 @@ this process and one server process started by this script:
             run with glibc malloc's defaults and with malloc tuned (env of the server).
   tcp       plain loopback sockets, preallocated buffers on both sides, TCP_NODELAY.
 
+Then the shard's memory: for each pserver variant, a shard in sync mode with 4 worker
+threads (a PSClient each) running 20 steps at the largest size; its idle RSS (started, its
+kernels loaded, before any worker), its peak RSS under that load (VmHWM, reset after the
+idle reading), and the bound idle + 1.2 x (parameters + optimizer state + the 4 gradients a
+sync step holds), each term printed (--memory-workers 0: none).
+
     .venv/bin/python bench/transport.py                  # 10M and 262,144 params, 1/2/4 shards
     .venv/bin/python bench/transport.py --quick          # small sizes, 1 shard, 3 repeats
     .venv/bin/python bench/transport.py --json out.json  # the rows as JSON (default results/transport.json)
@@ -175,6 +181,7 @@ class ServerProcess:
                                      start_new_session=True, preexec_fn=die_with_parent())
         self.tail: collections.deque[str] = collections.deque(maxlen=20)
         self._address: queue.Queue[str | None] = queue.Queue()
+        self._seen: str | None = None
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self) -> None:
@@ -186,6 +193,8 @@ class ServerProcess:
         self._address.put(None)    # end of output: the process has gone
 
     def address(self) -> str:
+        if self._seen is not None:
+            return self._seen
         try:
             addr = self._address.get(timeout=START_TIMEOUT)
         except queue.Empty:
@@ -193,6 +202,7 @@ class ServerProcess:
         if addr is None:
             raise RuntimeError(f"{self.name} did not print its port (exit code {self.proc.poll()}); "
                                f"its last output:\n  " + "\n  ".join(self.tail))
+        self._seen = addr
         return addr
 
     def stop(self) -> None:
@@ -208,18 +218,28 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running(named_argvs: list[tuple[str, list[str]]], env: dict | None = None):
-    """Start the processes together, yield their addresses; SIGTERM them all however we leave."""
+def started(named_argvs: list[tuple[str, list[str]]], env: dict | None = None):
+    """Start the processes together, yield them once each printed its address; SIGTERM them
+    all however we leave."""
     procs: list[ServerProcess] = []
     try:
         for name, argv in named_argvs:
             procs.append(ServerProcess(name, argv, env))
-        yield [p.address() for p in procs]
+        for p in procs:
+            p.address()
+        yield procs
     finally:
         for p in procs:
             p.stop()
         for p in procs:
             p.wait()
+
+
+@contextlib.contextmanager
+def running(named_argvs: list[tuple[str, list[str]]], env: dict | None = None):
+    """Start the processes together, yield their addresses."""
+    with started(named_argvs, env) as procs:
+        yield [p.address() for p in procs]
 
 
 def this_script(mode: str, params: int, chunk_bytes: int, value: str = "0") -> list[str]:
@@ -239,9 +259,9 @@ def data_plane_keyword() -> bool:
         return False
 
 
-def shard_argv(j: int, shards: int, chunk_bytes: int) -> list[str]:
+def shard_argv(j: int, shards: int, chunk_bytes: int, workers: int = 1) -> list[str]:
     argv = [sys.executable, "-m", "pserver", "serve", "--port", "0", "--shard", str(j),
-            "--num-shards", str(shards), "--num-workers", "1", "--optimizer", "sgd", "--lr", "1e-9"]
+            "--num-shards", str(shards), "--num-workers", str(workers), "--optimizer", "sgd", "--lr", "1e-9"]
     from pserver.codec import CHUNK_BYTES
     return argv if chunk_bytes == CHUNK_BYTES else argv + ["--chunk-bytes", str(chunk_bytes)]
 
@@ -283,6 +303,101 @@ def pserver_loop(client, params: int):
         if [v - s for v, s in zip(client.versions, start)] != [total[0]] * len(start):
             raise RuntimeError(f"pserver: versions went {start} -> {client.versions} in {total[0]} round trips")
     return round_trip, check
+
+
+# ---------------------------------------------------------------------------- shard memory
+
+@dataclass
+class MemoryUse:
+    """One shard's resident memory in sync mode with `workers` workers pushing P float32."""
+    variant: str
+    params: int
+    workers: int
+    steps: int
+    idle: int                 # bytes: VmRSS once started (kernels compiled), before any worker
+    peak: int                 # bytes: VmHWM over the load, the peak reset after `idle` was read
+
+    def terms(self) -> dict[str, int]:
+        """What sync mode must hold, in bytes: parameters, SGD's state (none), and one
+        pending gradient per worker (a step applies the rank-ordered mean of them all)."""
+        return {"parameters": self.params * 4, "optimizer_state": 0,
+                f"gradient_buffers ({self.workers})": self.workers * self.params * 4}
+
+    @property
+    def bound(self) -> float:
+        return self.idle + 1.2 * sum(self.terms().values())
+
+
+def proc_status(pid: int, field: str) -> int:
+    """Bytes of a /proc/PID/status memory field (VmRSS, VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
+
+
+def reset_peak(pid: int) -> None:
+    """Make VmHWM start again from the current RSS (Linux >= 4.0: clear_refs value 5)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def measure_memory(params: int, variant: str, workers: int, steps: int, chunk_bytes: int) -> MemoryUse:
+    """Peak shard RSS while `workers` worker threads (a PSClient each) run `steps` sync steps."""
+    argv = shard_argv(0, 1, chunk_bytes, workers)
+    with started([("pserver shard 0", argv)]) as [shard]:
+        time.sleep(1.0)                        # let start-up's garbage go before the idle reading
+        pid = shard.proc.pid
+        idle = proc_status(pid, "VmRSS")
+        reset_peak(pid)
+        clients = [memory_client(shard.address(), rank, workers, chunk_bytes, variant) for rank in range(workers)]
+        try:
+            with futures.ThreadPoolExecutor(workers) as pool:
+                for f in [pool.submit(worker_steps, c, params, steps) for c in clients]:
+                    f.result()
+            peak = proc_status(pid, "VmHWM")
+        finally:
+            for c in clients:
+                c.close()
+    return MemoryUse(variant, params, workers, steps, idle, peak)
+
+
+def memory_client(address: str, rank: int, workers: int, chunk_bytes: int, variant: str):
+    from pserver.client import PSClient
+    return PSClient([address], rank=rank, num_workers=workers, chunk_bytes=chunk_bytes,
+                    data_plane="auto" if variant == "fast" else "grpc")
+
+
+def worker_steps(client, params: int, steps: int) -> None:
+    """Register, pull (the chief inits first), then push and pull `steps` times, as a worker."""
+    from pserver.models.layout import Layout
+    client.connect(60.0)
+    client.register(Layout.of([("w", (params,))]))
+    g, w = payloads(params)
+    if client.rank == 0:
+        client.init(w)
+    client.pull(w)
+    for _ in range(steps):
+        client.push(g, num_samples=1)
+        client.pull(w)
+
+
+def memory_report(m: MemoryUse) -> str:
+    mib = 1 << 20
+    terms = " + ".join(f"{k} {v / mib:,.0f}" for k, v in m.terms().items())
+    verdict = "within" if m.peak <= m.bound else f"over by {(m.peak - m.bound) / mib:,.0f} MiB"
+    return (f"shard memory, pserver {m.variant}, sync, {m.workers} workers x {m.steps} steps, P={m.params:,}: "
+            f"peak {m.peak / mib:,.0f} MiB, bound {m.bound / mib:,.0f} MiB = idle {m.idle / mib:,.0f} "
+            f"+ 1.2 x ({terms}) MiB: {verdict}")
+
+
+def memory_rows(m: MemoryUse, host: dict) -> list[dict]:
+    mib = 1 << 20
+    return [dict(system="pserver", variant=m.variant, params=m.params, shards=1, metric="shard_peak_rss",
+                 value=m.peak / mib, unit="MiB", bound=m.bound / mib, idle=m.idle / mib,
+                 terms={k: v / mib for k, v in m.terms().items()}, bound_factor=1.2, workers=m.workers,
+                 steps=m.steps, mode="sync", within_bound=m.peak <= m.bound, host=host)]
 
 
 # ---------------------------------------------------------------------------- raw gRPC baseline
@@ -705,6 +820,11 @@ def run(args) -> int:
         text, more = two_hosts_report(*measure_two_hosts(TWO_HOSTS_PARAMS, args.repeats, args.chunk_bytes))
         print(text)
         rows += [dict(r, chunk_bytes=args.chunk_bytes, host=host) for r in more]
+    memory = "pserver" in args.systems and args.memory_workers
+    for variant in (("grpc", "fast") if has_keyword else ("grpc",)) if memory else ():
+        use = measure_memory(max(args.sizes), variant, args.memory_workers, args.memory_steps, args.chunk_bytes)
+        print(memory_report(use), flush=True)
+        rows += memory_rows(use, host)
     print(memory_line())
     path = result_path(args.json, "transport.json")
     path.write_text(json.dumps(rows, indent=1) + "\n")
@@ -741,6 +861,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed message (default 1 MiB)")
     p.add_argument("--json", metavar="PATH", help="write the rows {system, params, shards, metric, value, unit, ...} "
                                                   "here (default results/transport.json)")
+    p.add_argument("--memory-workers", type=int, default=4,
+                   help="worker threads for the shard memory rows, at the largest size (default 4; 0: none)")
+    p.add_argument("--memory-steps", type=int, default=20, help="sync steps each of them runs (default 20)")
     p.add_argument("--quick", action="store_true",
                    help="functional check: sizes 1000000,262144, 1 shard, 3 repeats (flags given win)")
     p.add_argument("--two-hosts", action="store_true",
@@ -761,6 +884,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--repeats: give at least 1")
     if args.two_hosts and two_hosts_missing():
         p.error(f"--two-hosts: {two_hosts_missing()}")
+    if args.memory_workers < 0 or args.memory_steps < 1:
+        p.error(f"--memory-workers {args.memory_workers} / --memory-steps {args.memory_steps}: "
+                f"give >= 0 workers and >= 1 step")
     if not 0 < args.chunk_bytes <= (4 << 20) - 1024:   # gRPC's 4 MiB limit, less framing
         p.error(f"--chunk-bytes: {args.chunk_bytes} is outside (0, {(4 << 20) - 1024}]")
     return args

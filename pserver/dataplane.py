@@ -19,11 +19,17 @@ shard run on the same machine, the shard offers this faster path beside its gRPC
 
 A push is a memcpy into the shared buffer and one header; the shard copies the gradient
 into its own memory, checking every value in the same pass, so what it validated is what
-it applies whatever the client writes afterwards. A pull is one header, the mode's wait,
-and a memcpy out of the shard's parameters by the worker (in sync mode they cannot change
-until this worker pushes again; in async modes a racy read is the point, as over gRPC).
+it applies whatever the client writes afterwards. A range larger than PART_ELEMENTS goes in
+parts through two slots of that size (so a connection's buffer stays small whatever the
+model): the client writes part k into slot k % 2 and says READY (part 0: the header), the
+shard copies and checks it and says FREE when the client may write that slot again, so
+the client writes one part while the shard copies the one before. A pull is one header,
+the mode's wait, and a memcpy out of the shard's parameters by the worker (in sync mode
+they cannot change until this worker pushes again; in async modes a racy read is the
+point, as over gRPC).
 A pull that waits notices when its client hangs up, and its thread goes. Memory on the
-shard: its parameters plus one buffer per connection, at most connection_limit() of them.
+shard: its parameters plus one buffer per connection (its range, or two parts of it), at
+most connection_limit() of them.
 Both calls go to the very same `Shard.push` / `Shard.pull` as the gRPC servicer, so
 validation, modes and counters are identical. Workers use it automatically when the
 shard's host id matches their own (`--data-plane auto`, the default); `--data-plane
@@ -86,6 +92,9 @@ REPLY = struct.Struct("<BBBxIq")
 CODES = ["OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAUTHENTICATED", "UNAVAILABLE",
          "DEADLINE_EXCEEDED", "INTERNAL", "ALREADY_EXISTS", "RESOURCE_EXHAUSTED"]
 MAX_MESSAGE = 64 * 1024
+# A dense payload larger than this many float32 travels in parts through two slots this size.
+PART_ELEMENTS = 1 << 19
+READY, FREE = b"R", b"F"   # part k is in its slot / slot k % 2 may be written again
 HELLO_TIMEOUT = 10.0      # seconds a new connection may take to say HELLO before it is cut
 # Seals from <linux/fcntl.h> (Python's fcntl module has no F_SEAL_FUTURE_WRITE, Linux >= 5.1).
 SEAL_SEAL, SEAL_SHRINK, SEAL_GROW, SEAL_FUTURE_WRITE = 0x1, 0x2, 0x4, 0x10
@@ -115,8 +124,12 @@ def host_id() -> str:
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = sock.recv(n)            # almost always whole: headers and replies are small
+    if len(data) == n:
+        return data
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    view, got = memoryview(buf), len(data)
+    view[:got] = data
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
@@ -134,6 +147,11 @@ def row_layout(parts: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], int
         slots.append((at, rows_at))
         at = rows_at + (4 * n * dim + 7) // 8 * 8
     return slots, at
+
+
+def push_slots(size: int) -> tuple[int, int]:
+    """(elements per slot, slots) of a connection's push buffer for a range of `size`."""
+    return (size, 1) if size <= PART_ELEMENTS else (PART_ELEMENTS, 2)
 
 
 def fits(parts: list[tuple[int, int]]) -> bool:
@@ -277,9 +295,56 @@ class Connection:
     """One worker's connection after HELLO: who it acts for, its push buffer and its rows
     buffer."""
 
-    def __init__(self, rank: int, session: str, push_buf: np.ndarray) -> None:
-        self.rank, self.session, self.push_buf = rank, session, push_buf
+    def __init__(self, rank: int, session: str, push_buf: np.ndarray, size: int) -> None:
+        self.rank, self.session, self.push_buf, self.size = rank, session, push_buf, size
         self.rows = RowsBuffer()
+
+
+class Parts:
+    """A dense payload received part by part from a connection's two slots (see the module's
+    docstring): a fill that checks every value as it copies it into shard-owned memory.
+    Whatever the shard answers, every part is taken (drain) before the reply, so the stream
+    stays framed; a client that stops sending parts is cut after the request's timeout."""
+
+    checks_values = True
+
+    def __init__(self, conn: socket.socket, peer: Connection, store, timeout: float) -> None:
+        self.conn, self.store = conn, store
+        self.slot, _ = push_slots(peer.size)
+        self.slots = peer.push_buf.reshape(2, self.slot)
+        self.count = -(-peer.size // self.slot)
+        self.taken = 0
+        conn.settimeout(timeout + 5)
+
+    def _take(self) -> np.ndarray:
+        """Wait until the next part is in its slot (part 0 came with the header); its slot."""
+        k = self.taken
+        if k and recv_exact(self.conn, 1) != READY:
+            raise ConnectionError("a part's READY expected")
+        self.taken += 1
+        return self.slots[k % 2]
+
+    def _free(self, k: int) -> None:
+        if k + 2 < self.count:            # the client writes that slot again only if parts remain
+            self.conn.sendall(FREE)
+
+    def __call__(self, dst: np.ndarray) -> None:
+        bad = -1
+        for k in range(self.count):
+            a, b = k * self.slot, min((k + 1) * self.slot, dst.size)
+            first = self.store.copy_finite(self._take()[:b - a], dst[a:b])
+            self._free(k)
+            if bad < 0 <= first:
+                bad = a + first
+        self.store.refuse_nonfinite(dst, bad)
+
+    def drain(self) -> None:
+        """Take the parts the shard did not copy (it refused the call first), then restore
+        the connection's blocking reads."""
+        while self.taken < self.count:
+            self._take()
+            self._free(self.taken - 1)
+        self.conn.settimeout(None)
 
 
 class DataPlaneServer:
@@ -403,12 +468,13 @@ class DataPlaneServer:
         if store.params_fd is None:
             raise ConnectionError("the shard has no shared parameters yet")
         require_seals(store.params_fd, SIZE_SEALS | SEAL_FUTURE_WRITE, "parameters")
-        fd, mm = sealed_memfd("pserver-push", store.size * 4, clients_write=True)
+        slot, slots = push_slots(store.size)
+        fd, mm = sealed_memfd("pserver-push", slot * slots * 4, clients_write=True)
         try:
             socket.send_fds(conn, [REPLY.pack(0, 0, 0, 0, store.size)], [fd, store.params_fd])
         finally:
             os.close(fd)                                        # the mapping stays
-        return Connection(req[2], session, np.frombuffer(mm, dtype=np.float32, count=store.size))
+        return Connection(req[2], session, np.frombuffer(mm, dtype=np.float32), store.size)
 
     def _read_parts(self, conn) -> list[tuple[int, int]]:
         """The [(table index, number of ids)] that follow a sparse request's header. A
@@ -478,6 +544,18 @@ class DataPlaneServer:
         return self.shard.pull_rows(rank, shard, name, ids, session=peer.session, out=out)[0]
 
     def _handle(self, conn, req, peer: Connection, signature: str = "", parts=()):
+        """The reply to a request. A dense payload in parts is taken whole whatever the
+        answer; a connection that breaks or stalls during one is cut."""
+        op, timeout_ms = req[1], req[8]
+        fill = peer.push_buf
+        if op in (PUSH, PUSH_ROWS, INIT) and push_slots(peer.size)[1] > 1:
+            fill = Parts(conn, peer, self.shard.store, timeout_ms / 1000)
+        reply = self._answer(conn, req, peer, fill, signature, parts)
+        if isinstance(fill, Parts):
+            fill.drain()
+        return reply
+
+    def _answer(self, conn, req, peer: Connection, fill, signature: str, parts):
         _, op, rank, shard, step, clock, num_elements, num_samples, timeout_ms = req
         try:
             if rank != peer.rank:
@@ -486,7 +564,7 @@ class DataPlaneServer:
             if op in (PUSH, PUSH_ROWS):
                 rows = self._received_rows(peer, parts) if op == PUSH_ROWS else ()
                 outcome, version, message, finished = self.shard.push(
-                    rank, shard, step, num_elements, "float32", num_samples, clock, peer.push_buf,
+                    rank, shard, step, num_elements, "float32", num_samples, clock, fill,
                     session=peer.session, rows=rows)
                 return None, outcome.value, finished, version, message
             if op == PULL_ROWS:
@@ -497,12 +575,14 @@ class DataPlaneServer:
                     session=peer.session, alive=lambda: peer_open(conn))
                 return None, 0, finished, version, ""
             if op == INIT:
-                already, version = self.shard.init(rank, signature, num_elements, "float32", peer.push_buf,
+                already, version = self.shard.init(rank, signature, num_elements, "float32", fill,
                                                   session=peer.session)
                 return None, int(already), False, version, ""
             raise InvalidArgument(f"op: unknown data-plane operation {op}")
         except RpcError as e:
             return e, 0, False, 0, ""
+        except (ConnectionError, OSError):      # the client went or stalled mid-request
+            raise
         except Exception as e:  # a bug: report it to the caller, keep serving
             log.exception("internal error on the data plane")
             return rpc_error_for("INTERNAL", f"{type(e).__name__}: {e}"), 0, False, 0, ""
@@ -555,15 +635,18 @@ class DataPlaneChannel:
             self.sock.close()
             raise
         try:
-            if told != size:
+            # our push buffer (read-write: one or two slots) and the shard's parameters (read-only)
+            self.slot, slots = push_slots(size)
+            if told != size or [os.fstat(fd).st_size for fd in fds] != [self.slot * slots * 4, size * 4]:
+                # another version of pserver, say, whose buffers are laid out otherwise: use gRPC
                 raise ConnectionError("the shard's data plane answered with the wrong buffers")
-            # our push buffer (read-write) and the shard's parameters (read-only)
-            self.maps = [mapped(fds[0], size * 4, True, f"{label}: push buffer"),
+            self.maps = [mapped(fds[0], self.slot * slots * 4, True, f"{label}: push buffer"),
                          mapped(fds[1], size * 4, False, f"{label}: parameters")]
         finally:
             for fd in fds:
                 os.close(fd)
-        self.push_buf, self.params = (np.frombuffer(m, dtype=np.float32, count=size) for m in self.maps)
+        self.push_buf = np.frombuffer(self.maps[0], dtype=np.float32)
+        self.params = np.frombuffer(self.maps[1], dtype=np.float32, count=size)
 
     def _receive_fds(self, count: int, what: str) -> tuple[int, list[int]]:
         """A reply that carries `count` descriptors: (its version field, the fds). A refusal
@@ -583,13 +666,20 @@ class DataPlaneChannel:
         raise rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", f"{self.label}: {message}")
 
     def _send(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b"") -> None:
-        self.sock.settimeout(timeout + 5)
+        if self.sock.gettimeout() != timeout + 5:      # each settimeout costs system calls
+            self.sock.settimeout(timeout + 5)
         self.sock.sendall(REQUEST.pack(MAGIC, op, self.rank, self.shard, step, clock, num_elements,
                                        num_samples, int(min(timeout, 4e6) * 1000)) + tail)
 
-    def _call(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b""):
+    def _call(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b"",
+              values: np.ndarray | None = None):
+        """One request and its reply; `values`, a dense payload, go through the push buffer
+        (in parts through its two slots when they are larger than one)."""
         try:
-            self._send(op, step, clock, num_elements, num_samples, timeout, tail)
+            if values is None:
+                self._send(op, step, clock, num_elements, num_samples, timeout, tail)
+            else:
+                self._send_values(values, op, step, clock, num_samples, timeout, tail)
             code, outcome, finished, n, version = REPLY.unpack(recv_exact(self.sock, REPLY.size))
             message = recv_exact(self.sock, n).decode(errors="replace") if n else ""
         except (OSError, ConnectionError) as e:
@@ -597,6 +687,17 @@ class DataPlaneChannel:
         if code:
             raise rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", f"{self.label}: {message}")
         return outcome, bool(finished), version, message
+
+    def _send_values(self, values: np.ndarray, op, step, clock, num_samples, timeout: float, tail: bytes) -> None:
+        for k, a in enumerate(range(0, values.size, self.slot)):
+            if k >= 2 and recv_exact(self.sock, 1) != FREE:      # the shard has copied part k - 2
+                raise ConnectionError("a part's FREE expected")
+            part = values[a:a + self.slot]
+            np.copyto(self.push_buf[k % 2 * self.slot:][:part.size], part)
+            if k == 0:
+                self._send(op, step, clock, values.size, num_samples, timeout, tail)
+            else:
+                self.sock.sendall(READY)
 
     def _room(self, nbytes: int, timeout: float) -> None:
         """A rows buffer of at least `nbytes`: the shard's new one replaces ours if ours is smaller."""
@@ -634,13 +735,13 @@ class DataPlaneChannel:
     def push(self, grad: np.ndarray, step: int, num_samples: int, clock: int, timeout: float,
              rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()):
         """Push the dense slice, and sparse rows [(table, unique ids, their gradients)]."""
-        np.copyto(self.push_buf, grad)
         op, tail = PUSH, b""
         if rows:
             op, (tail, slots) = PUSH_ROWS, self._place(rows, timeout)
             for (_, _, g), (_, grads_at) in zip(rows, slots):
                 np.copyto(self.rows.region(grads_at, np.float32, g.size).reshape(g.shape), g)
-        outcome, finished, version, _ = self._call(op, step, clock, grad.size, num_samples, timeout, tail)
+        outcome, finished, version, _ = self._call(op, step, clock, grad.size, num_samples, timeout, tail,
+                                                   values=grad)
         return outcome, version, finished
 
     def pull_rows(self, table: str, ids: np.ndarray, out: np.ndarray, timeout: float) -> int:
@@ -652,9 +753,8 @@ class DataPlaneChannel:
 
     def init(self, values: np.ndarray, signature: str, timeout: float) -> bool:
         """Initial values through shared memory; True if the shard already had values."""
-        np.copyto(self.push_buf, values)
         already, _, _, _ = self._call(INIT, 0, 0, values.size, 0, timeout,
-                                      SIGNATURE.pack(signature.encode()))
+                                      SIGNATURE.pack(signature.encode()), values=values)
         return bool(already)
 
     def pull_into(self, dest: np.ndarray, seen_version: int, clock: int, timeout: float):

@@ -110,14 +110,32 @@ def reference_cnn(tf):
         tf.keras.layers.Dense(10)])
 
 
+def training_step(tf, strategy, model, optimizer, batch_size: int):
+    """The tutorial's step: one worker's batch, sparse categorical cross-entropy from
+    logits, the optimizer's update on the ps."""
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+
+    @tf.function
+    def step_fn(it):
+        def replica_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)),
+                                                  global_batch_size=batch_size)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        xb, yb = next(it)
+        return strategy.run(replica_fn, args=(xb, yb))
+    return step_fn
+
+
 def train(args, cluster: dict) -> dict:
     import tensorflow as tf
     strategy, coordinator = coordinator_for(cluster)
     with strategy.scope():
         model = reference_cnn(tf)
         optimizer = tf.keras.optimizers.Adam(args.lr)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
     x, y = mnist(args.data_dir, "train")
 
     def dataset_fn():
@@ -125,19 +143,7 @@ def train(args, cluster: dict) -> dict:
         return ds.batch(args.batch_size, drop_remainder=True).prefetch(4)
 
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-
-    @tf.function
-    def step_fn(it):
-        def replica_fn(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)),
-                                                  global_batch_size=args.batch_size)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-        xb, yb = next(it)
-        return strategy.run(replica_fn, args=(xb, yb))
-
+    step_fn = training_step(tf, strategy, model, optimizer, args.batch_size)
     for _ in range(args.warmup):           # tracing, connections, the first allocations
         coordinator.schedule(step_fn, args=(iterator,))
     coordinator.join()

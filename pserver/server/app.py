@@ -89,6 +89,7 @@ def serve(cfg: ServerConfig) -> int:
     memory.pin_mmap_threshold()
     with stop_on_signals():
         server, port, shard = create_server(cfg)
+        shard.store.warm_kernels()
         if cfg.metrics_port is not None:
             try:
                 serve_metrics(shard.metrics.registry, cfg.metrics_host or cfg.host, cfg.metrics_port,

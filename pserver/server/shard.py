@@ -268,11 +268,7 @@ class Shard:
             if s.initialized:                 # checked again: another Init may have won
                 return True, s.version
             try:
-                if isinstance(fill, np.ndarray):      # a client's shared memory: check what is copied
-                    s.copy_gradient(fill, s.params)
-                else:
-                    fill(s.params)
-                    s.check_gradient(s.params)
+                s.fill(fill, s.params)
             except BaseException:
                 s.params[:] = 0
                 raise
@@ -414,11 +410,7 @@ class Shard:
     def _receive_and_decide(self, rank, step, clock, fill, samples=0, rows=()):
         grad = self.store.pool.acquire()
         try:
-            if isinstance(fill, np.ndarray):
-                self.store.copy_gradient(fill, grad)
-            else:
-                fill(grad)
-                self.store.check_gradient(grad)
+            self.store.fill(fill, grad)
             self.check_rows(rows)
         except BaseException:
             self.store.pool.release(grad)

@@ -182,6 +182,8 @@ class ShardStore:
     """Parameters [start, end) of the flat vector, the optimizer's state and the version, and
     this shard's rows of the model's sparse tables."""
 
+    copy_finite = staticmethod(copy_finite)   # for the data plane, which this module imports
+
     def __init__(self, shard: int, num_shards: int, make_optimizer: Callable[[int], object]):
         self.shard, self.num_shards = shard, num_shards
         self._make_optimizer = make_optimizer
@@ -353,16 +355,36 @@ class ShardStore:
             self.closed = True
             self.cond.notify_all()
 
+    def warm_kernels(self) -> None:
+        """Load the compiled kernels a dense push runs (validate-and-copy, the optimizer's
+        update) on a few elements, so that the first step is not slow, and the memory they
+        take is part of the shard's idle footprint rather than of its first push."""
+        a, b = np.zeros(16, dtype=np.float32), np.zeros(16, dtype=np.float32)
+        copy_finite(a, b)
+        first_nonfinite(b)
+        self._make_optimizer(a.size).step(a, b, 0)
+
     def check_gradient(self, grad: np.ndarray) -> None:
         """Refuse a gradient (or Init values) in shard-owned memory that holds NaN or Inf."""
-        self._refuse_nonfinite(grad, first_nonfinite(grad))
+        self.refuse_nonfinite(grad, first_nonfinite(grad))
+
+    def fill(self, fill, dst: np.ndarray) -> None:
+        """dst from a push's or an Init's payload, every value checked: a client's shared
+        memory (an array) as it is copied; a callable that checks as it copies (its
+        `checks_values` is true) is left to; any other callable's result after it."""
+        if isinstance(fill, np.ndarray):
+            self.copy_gradient(fill, dst)
+            return
+        fill(dst)
+        if not getattr(fill, "checks_values", False):
+            self.check_gradient(dst)
 
     def copy_gradient(self, src: np.ndarray, dst: np.ndarray) -> None:
         """dst[:] = src, refused if a value copied is not finite. src may be a client's shared
         memory: checking the values as they are copied means what passed is what is applied."""
-        self._refuse_nonfinite(dst, copy_finite(src, dst))
+        self.refuse_nonfinite(dst, copy_finite(src, dst))
 
-    def _refuse_nonfinite(self, checked: np.ndarray, bad: int) -> None:
+    def refuse_nonfinite(self, checked: np.ndarray, bad: int) -> None:
         if bad >= 0:
             raise InvalidArgument(f"data: the gradient holds a non-finite value ({checked[bad]}) at "
                                   f"element {self.start + bad} of the flat vector")
