@@ -254,7 +254,8 @@ def launch_ray(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]
         multi_node = cluster.connect()
         with stop_on_signals():
             try:
-                run(cluster, multi_node, server_argv, worker_argv, chief_summary)
+                with stop_through_ray():
+                    run(cluster, multi_node, server_argv, worker_argv, chief_summary)
                 report(cfg, chief_summary, started)
                 return 0
             except Stopped as e:
@@ -263,6 +264,18 @@ def launch_ray(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]
                 cluster.stop()
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def stop_through_ray():
+    """A stop signal that lands while Ray's compiled code runs comes out of it as a
+    SystemError whose cause is our Stopped: raise the Stopped itself."""
+    try:
+        yield
+    except SystemError as e:
+        if isinstance(e.__cause__, Stopped):
+            raise e.__cause__ from None
+        raise
 
 
 def run(cluster: RayCluster, multi_node: bool, server_argv: list[str], worker_argv: list[str],
