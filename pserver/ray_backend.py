@@ -69,6 +69,10 @@ class RoleHost:
         return code, files
 
 
+def ended(role: str, code: int | None) -> str:
+    return f"{role} exited with code {code}" if code is not None else f"{role}'s actor died"
+
+
 @contextlib.contextmanager
 def lines_to(queue, role: str):
     """Inside: whatever this process writes to stdout or stderr (print, logging, C code) goes
@@ -166,7 +170,7 @@ class RayCluster:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         env = {k: v for k, v in child_env(self.cfg.num_workers).items() if k in FORWARDED_ENV}
         if self.cfg.auth_token:
-            env[TOKEN_ENV] = self.cfg.auth_token   # never in argv: Ray shows a task's arguments
+            env[TOKEN_ENV] = self.cfg.auth_token   # never in argv, as with the local backend
         actor = self.ray.remote(RoleHost).options(
             num_cpus=1, max_restarts=0, runtime_env={"env_vars": env},
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
@@ -189,18 +193,19 @@ class RayCluster:
                 done, _ = self.ray.wait([ref], timeout=0)
                 if done and role not in self.ports:
                     time.sleep(0.5)        # its last lines are still on their way
-                    raise Unavailable(f"{role} exited with code {self.exit_code(ref)} before listening "
+                    raise Unavailable(f"{ended(role, self.result(ref)[0])} before listening "
                                       "(its error is above)")
             if time.monotonic() > deadline:
                 raise Unavailable(f"a shard did not start listening within {STARTUP_TIMEOUT:g} s")
             time.sleep(0.1)
         return [self.ports[r] for r in roles]
 
-    def exit_code(self, ref) -> int | str:
+    def result(self, ref) -> tuple[int | None, dict[str, str]]:
+        """An ended run's exit code and files; no code when its actor died without one."""
         try:
-            return self.ray.get(ref)[0]
-        except self.ray.exceptions.RayError as e:
-            return f"none ({type(e).__name__}: the actor died)"
+            return self.ray.get(ref)
+        except self.ray.exceptions.RayError:
+            return None, {}
 
     def supervise(self, workers: list[str]) -> dict[str, str]:
         """Wait until every worker exited 0 and return the files they wrote; raise naming the
@@ -210,15 +215,11 @@ class RayCluster:
             done, _ = self.ray.wait(list(pending), num_returns=1, timeout=0.1)
             for ref in done:
                 role = pending.pop(ref)
-                try:
-                    code, written = self.ray.get(ref)
-                except self.ray.exceptions.RayError:
-                    code, written = self.exit_code(ref), {}
+                code, written = self.result(ref)
                 if code != 0:
-                    raise PServerError(f"{role} exited with code {code}; stopping the cluster")
+                    raise PServerError(f"{ended(role, code)}; stopping the cluster")
                 files.update(written)
-        shards = [ref for ref, role in pending.items()]
-        self.ray.wait(shards, num_returns=len(shards), timeout=STOP_GRACE)   # the chief ended them
+        self.ray.wait(list(pending), num_returns=len(pending), timeout=STOP_GRACE)   # the chief ended the shards
         return files
 
     def stop(self) -> None:

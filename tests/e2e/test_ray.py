@@ -104,3 +104,13 @@ def test_address_needs_the_ray_backend():
     assert r.returncode == 2
     assert r.stderr.splitlines() == ["pserver launch: error: --address: 'auto' is a Ray cluster's address; "
                                      "give it with --backend ray"]
+
+
+def test_launch_cluster_runs_launch_from_python():
+    import pserver
+    summary = pserver.launch_cluster(ps=2, workers=2, backend="local", model="logreg", samples=6000,
+                                     features=40, batch_size=32, epochs=2, mode="sync", seed=3)
+    assert (summary["num_shards"], summary["num_workers"], summary["mode"]) == (2, 2, "sync")
+    assert summary["test_accuracy"] > 0.9 and len(summary["workers"]) == 2
+    with pytest.raises(pserver.ConfigError, match="^bogus: not a launch option"):
+        pserver.launch_cluster(bogus=1)
