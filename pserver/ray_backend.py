@@ -15,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
 import time
 
+from pserver.config import parse_address
 from pserver.errors import ConfigError, PServerError, Unavailable
 from pserver.launch import (LISTENING, STARTUP_TIMEOUT, STOP_GRACE, LaunchConfig, announce, child_env,
                             report, shard_args, stats_path, stopped, worker_args)
@@ -27,6 +29,7 @@ from pserver.security import TOKEN_ENV
 from pserver.signals import Stopped, stop_on_signals
 
 OBJECT_STORE_BYTES = 80 * 1024**2      # a Ray started here: pserver's data never goes through it
+REACH_TIMEOUT = 10.0                   # seconds to connect to --address
 FORWARDED_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED")
 
 
@@ -67,6 +70,20 @@ class RoleHost:
         for d in made:
             shutil.rmtree(d, ignore_errors=True)
         return code, files
+
+
+def check_reachable(address: str) -> None:
+    """A cluster address that nothing answers at is one line now, not Ray's minutes of retries."""
+    if address == "auto":               # Ray looks for this machine's cluster itself
+        return
+    if ":" not in address:
+        raise ConfigError(f"--address: '{address}' is not auto or HOST:PORT (a Ray head's GCS address)")
+    host, _, port = parse_address(address, "--address").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT).close()
+    except OSError as e:
+        raise Unavailable(f"--address: no Ray cluster answers at {address} ({e.strerror or e}); "
+                          "start one with `ray start --head`") from None
 
 
 def ended(role: str, code: int | None) -> str:
@@ -124,7 +141,11 @@ class RayCluster:
             # The actors' output comes through our queue, with launch's prefixes: not Ray's log stream.
             common = dict(log_to_driver=False, logging_level="WARNING")
             if cfg.address:
-                ray.init(address=cfg.address, **common)
+                check_reachable(cfg.address)
+                try:
+                    ray.init(address=cfg.address, **common)
+                except ConnectionError as e:
+                    raise Unavailable(f"--address: {e}") from None
             else:                                  # one actor per logical CPU, however few cores
                 ray.init(num_cpus=cfg.num_shards + cfg.num_workers, include_dashboard=False,
                          object_store_memory=OBJECT_STORE_BYTES, **common)

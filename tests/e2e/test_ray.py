@@ -52,7 +52,7 @@ def test_ray_backend_reaches_the_local_backends_accuracy(ray_installed, tmp_path
         r = run("launch", "--backend", backend, *CLUSTER, *LOGREG, "--summary-json", str(path), timeout=400)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         summaries[backend] = read_json(path)
-        assert f"[worker0] epoch 2/2 done" in r.stdout and "[worker1] epoch 2/2 step" in r.stdout
+        assert "[worker0] epoch 2/2 done" in r.stdout and "[worker1] epoch 2/2 step" in r.stdout
         assert "[ps1] pserver serve: shard 1/2 mode=sync" in r.stdout
         assert "pserver launch: 2 shard(s) at 127.0.0.1:" in r.stdout
     local, ray = summaries["local"], summaries["ray"]
@@ -104,6 +104,16 @@ def test_address_needs_the_ray_backend():
     assert r.returncode == 2
     assert r.stderr.splitlines() == ["pserver launch: error: --address: 'auto' is a Ray cluster's address; "
                                      "give it with --backend ray"]
+
+
+@pytest.mark.parametrize("address, code, line", [
+    ("127.0.0.1:1", 1, "--address: no Ray cluster answers at 127.0.0.1:1 (Connection refused); start one "
+                       "with `ray start --head`"),
+    ("headnode", 2, "--address: 'headnode' is not auto or HOST:PORT (a Ray head's GCS address)"),
+])
+def test_a_ray_address_without_a_cluster_is_one_line(ray_installed, address, code, line):
+    r = run("launch", "--backend", "ray", "--address", address, *LOGREG, timeout=60)
+    assert (r.returncode, r.stderr.splitlines()) == (code, [f"pserver launch: error: {line}"])
 
 
 def test_launch_cluster_runs_launch_from_python():
