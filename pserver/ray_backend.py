@@ -133,6 +133,7 @@ class RayCluster:
         self.ports: dict[str, str] = {}            # shard role -> host:port it listens on
         self.printer: threading.Thread | None = None
         self.printing = threading.Event()
+        self.printed = threading.Lock()             # held while a line is taken and printed
 
     def connect(self) -> bool:
         """Join or start Ray; whether it has more than one node."""
@@ -174,17 +175,27 @@ class RayCluster:
         """Copy the actors' lines to our stdout with their role prefix, noting where shards listen."""
         from ray.util.queue import Empty
         while not self.printing.is_set():
-            try:
-                role, line = self.lines.get(timeout=0.2)
-            except Empty:
-                continue
-            except Exception:             # the queue's actor is gone: the cluster is stopping
-                return
-            m = LISTENING.search(line)
-            if m and role not in self.ports:
-                self.ports[role] = f"{m.group(1)}:{m.group(2)}"
-            sys.stdout.write(f"[{role}] {line}")
-            sys.stdout.flush()
+            with self.printed:
+                try:
+                    role, line = self.lines.get(timeout=0.2)
+                except Empty:
+                    continue
+                except Exception:         # the queue's actor is gone: the cluster is stopping
+                    return
+                m = LISTENING.search(line)
+                if m and role not in self.ports:
+                    self.ports[role] = f"{m.group(1)}:{m.group(2)}"
+                sys.stdout.write(f"[{role}] {line}")
+                sys.stdout.flush()
+
+    def drain(self) -> None:
+        """Return once every line queued so far is printed (an actor's run() returns only
+        after its last line is in the queue)."""
+        with contextlib.suppress(Exception):     # a queue already gone has nothing to print
+            while not self.lines.empty():
+                time.sleep(0.05)
+        with self.printed:
+            pass
 
     def add(self, role: str, index: int) -> None:
         """An actor for `role` in bundle `index` of the placement group."""
@@ -251,9 +262,9 @@ class RayCluster:
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
             remove_placement_group(self.pg)
-        time.sleep(0.3)                    # the last lines in the queue
-        self.printing.set()
         if self.printer is not None:
+            self.drain()
+            self.printing.set()
             self.printer.join(2.0)
         if self.lines is not None:
             self.lines.shutdown()
@@ -305,18 +316,20 @@ def run(cluster: RayCluster, multi_node: bool, server_argv: list[str], worker_ar
     cfg = cluster.cfg
     cluster.place()
     shards = [f"ps{j}" for j in range(cfg.num_shards)]
-    for j, role in enumerate(shards):
-        cluster.add(role, j)         # before its arguments: on several nodes its host is where Ray put it
+    workers = [f"worker{i}" for i in range(cfg.num_workers)]
+    for index, role in enumerate(shards + workers):
+        cluster.add(role, index)     # all at once: their processes start while the shards do
+    for j, role in enumerate(shards):  # on several nodes a shard's host is where Ray put it
         cluster.submit(role, shard_args(cfg, j, cluster.shard_host(role, multi_node), server_argv), [])
     addresses = ",".join(cluster.wait_listening(shards))
     announce(cfg, addresses)
-    workers = [f"worker{i}" for i in range(cfg.num_workers)]
     for i, role in enumerate(workers):
         argv = worker_args(cfg, i, addresses, worker_argv, chief_summary, "cpu")
         argv += ["--stop-shards"] if i == 0 else []      # the shards end, with a last checkpoint
         outputs = [chief_summary] if i == 0 else []
-        cluster.add(role, cfg.num_shards + i)
         cluster.submit(role, argv, outputs + [stats_path(chief_summary, i)])
-    for path, text in cluster.supervise(workers).items():
+    files = cluster.supervise(workers)
+    cluster.drain()                  # the workers' last lines before launch's own
+    for path, text in files.items():
         with open(path, "w") as f:
             f.write(text)
