@@ -264,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start S shard processes and N worker processes on 127.0.0.1 with free ports,\n"
                                     "prefix their output with their role, stop everything if one fails, and report.\n"
                                     "Any serve or worker flag below is passed on to every shard or worker.\n"
+                                    "With --backend ray they are Ray actors instead, on a Ray started here or the\n"
+                                    "cluster at --address, with the same output, summary and exit codes.\n"
                                     "Example: pserver launch --ps 2 --workers 4 --dataset mnist --optimizer adam --lr 0.001 --epochs 2")
     la.add_argument("--ps", type=shard_count, default=1, metavar="S",
                     help="number of shards to start (default 1); worker and status take addresses instead")

@@ -37,6 +37,10 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
 def command_line(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -80,6 +84,8 @@ def test_sigterm_to_the_ray_launcher_removes_every_actor(ray_installed, procs):
         assert "pserver launch: stopped by SIGTERM; stopping the cluster" in launcher.output
         assert wait_until(lambda: not any(alive(pid) for pid in tree), 60), \
             [command_line(pid) for pid in tree if alive(pid)]
+        # nor any actor that left the launcher's process tree
+        assert [pid for pid in all_pids() if "RoleHost" in command_line(pid)] == []
     finally:
         for pid in tree:
             if alive(pid):
