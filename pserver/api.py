@@ -8,19 +8,23 @@ or, all in this process, `pserver.train(model, x, y, ps=2, optimizer="adam", lr=
 starts two shards here, trains one worker and stops them. `pserver serve` and `pserver worker`
 run the same code (pserver.server.app, pserver.worker) from flags. With `save="model.npz"`
 (`--save`), the chief writes the trained model; `pserver.load_model("model.npz")` reads it
-back and `pserver.predict(...)` runs it.
+back and `pserver.predict(...)` runs it. `pserver.launch_cluster(ps=2, workers=2,
+backend="ray", ...)` runs a whole cluster as `pserver launch` does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 
 from pserver.config import ServerConfig, WorkerConfig
 from pserver.data import Stream, from_arrays
-from pserver.errors import ConfigError
+from pserver.errors import ConfigError, PServerError
 from pserver.model_file import SavedModel, load
 
 
@@ -128,6 +132,33 @@ def _data(x, y, validation_data, seed: int):
     return from_arrays(x, y, *test, seed=seed)
 
 
+def launch_cluster(*, ps: int = 1, workers: int = 2, backend: str = "local", address: str | None = None,
+                   **flags) -> dict:
+    """Run `ps` shards and `workers` workers to the end, as `pserver launch` does: processes
+    on this machine (backend="local") or Ray actors (backend="ray": on the Ray cluster at
+    `address`, "auto" or "HOST:PORT", else on a Ray started here for this run). `flags` are
+    launch's flags with underscores (model="logreg", mode="sync", epochs=2, lr=0.1, ...; True
+    for a switch). Returns the run summary; raises PServerError when a process fails or a
+    signal stops the run."""
+    from pserver.cli import build_parser, cmd_launch
+    argv = ["launch", "--ps", str(ps), "--workers", str(workers), "--backend", backend]
+    for name, value in ({"address": address} | flags).items():
+        if value is not None and value is not False:
+            argv.append("--" + name.replace("_", "-"))
+            if value is not True:
+                argv.append(",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "summary.json")
+        ns, extra = build_parser().parse_known_args(argv + ["--summary-json", path])
+        if extra:
+            raise ConfigError(f"{extra[0].lstrip('-').replace('-', '_')}: not a launch option")
+        code = cmd_launch(ns)
+        if code != 0:
+            raise PServerError(f"launch stopped with exit code {code}")
+        with open(path) as f:
+            return json.load(f)
+
+
 def load_model(path: str, model=None) -> SavedModel:
     """A model file written by `--save` / `train(..., save=PATH)`: the model, built again from
     its definition, with its trained weights (`.model`, `.weights`, `.meta`; `.predict(x)`,
@@ -151,4 +182,4 @@ def predict(model, x, *, weights=None, batch_size: int = 4096) -> np.ndarray:
     return model.predict(np.asarray(weights, dtype=np.float32), x, batch_size=batch_size)
 
 
-__all__ = ["Server", "SavedModel", "serve", "train", "load_model", "predict"]
+__all__ = ["Server", "SavedModel", "serve", "train", "launch_cluster", "load_model", "predict"]

@@ -270,11 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start S shard processes and N worker processes on 127.0.0.1 with free ports,\n"
                                     "prefix their output with their role, stop everything if one fails, and report.\n"
                                     "Any serve or worker flag below is passed on to every shard or worker.\n"
+                                    "With --backend ray they are Ray actors instead, on a Ray started here or the\n"
+                                    "cluster at --address, with the same output, summary and exit codes.\n"
                                     "Example: pserver launch --ps 2 --workers 4 --dataset mnist --optimizer adam --lr 0.001 --epochs 2")
     la.add_argument("--ps", type=shard_count, default=1, metavar="S",
                     help="number of shards to start (default 1); worker and status take addresses instead")
     la.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
     la.add_argument("--summary-json", default=None, metavar="PATH", help="write the run summary here")
+    la.add_argument("--backend", choices=("local", "ray"), default="local",
+                    help="local (default): child processes of this one; ray: Ray actors, one process each, "
+                         "spread over the nodes by a placement group (pip install -e '.[ray]')")
+    la.add_argument("--address", default=None, metavar="auto|HOST:PORT",
+                    help="with --backend ray: the running Ray cluster to use (auto: the one this machine "
+                         "belongs to); default: start a Ray on this machine for this run")
     la.add_argument("--delay-ranks", type=int_list, default=None, metavar="I,J",
                     help="apply --delay only to these worker ranks (default: all)")
     la.add_argument("--delay-for", action="append", default=[], metavar="I[,J]=DIST",
@@ -455,13 +463,15 @@ def cmd_launch(ns) -> int:
     # Our own cluster gets a fresh random token unless one is given (flag or environment).
     token = security_given(ns, [])["auth_token"] or secrets.token_urlsafe(32)
     check_writable("--summary-json", ns.summary_json)
+    if ns.address is not None and ns.backend != "ray":
+        raise ConfigError(f"--address: '{ns.address}' is a Ray cluster's address; give it with --backend ray")
     for flag, count in (("--ps", ns.ps), ("--workers", ns.workers)):
         if count < 1:
             raise ConfigError(f"{flag}: launch needs 1 or more, got {count}")
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks, delay_for=parse_delay_for(ns.delay_for, ns.workers),
                        auth_token=token, metrics_port=ns.metrics_port,
-                       device=ns.device or "cpu")
+                       device=ns.device or "cpu", backend=ns.backend, address=ns.address)
     # --metrics-port is given per process (launch.py); --metrics-host goes to every one
     server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY] + METRICS_FLAGS[1:]
     worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA] + METRICS_FLAGS[1:]

@@ -49,6 +49,8 @@ class LaunchConfig:
     device: str = "cpu"                    # cpu, or cuda[:I]: workers spread over the GPUs
     metrics_port: int | None = None        # process i (shards first) serves Prometheus metrics on this + i
     auth_token: str | None = field(default=None, repr=False)  # to the children in their environment only
+    backend: str = "local"                 # local: child processes here; ray: Ray actors (ray_backend.py)
+    address: str | None = None             # ray: a running cluster's (auto, HOST:PORT); None: start one here
 
 
 class Proc:
@@ -123,9 +125,7 @@ def start_shards(cfg: LaunchConfig, server_argv: list[str], env: dict, procs: li
     """Start the shards; each is added to `procs` at once, so a failure stops them all."""
     shards = []
     for j in range(cfg.num_shards):
-        argv = [sys.executable, "-m", "pserver", "serve", "--host", "127.0.0.1", "--port", "0",
-                "--shard", str(j), "--num-shards", str(cfg.num_shards),
-                "--num-workers", str(cfg.num_workers), *metrics_argv(cfg, j), *server_argv]
+        argv = [sys.executable, "-m", "pserver", *shard_args(cfg, j, "127.0.0.1", server_argv)]
         shards.append(Proc(f"ps{j}", argv, env))
         procs.append(shards[-1])
     deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -140,6 +140,12 @@ def start_shards(cfg: LaunchConfig, server_argv: list[str], env: dict, procs: li
                 raise ProcessFailed(p.role, code, " before listening (its error is above)")
             raise Unavailable(f"{p.role} did not start listening within {STARTUP_TIMEOUT:g} s")
     return shards
+
+
+def shard_args(cfg: LaunchConfig, j: int, host: str, server_argv: list[str]) -> list[str]:
+    """`pserver` arguments of shard j, listening on `host` at a free port."""
+    return ["serve", "--host", host, "--port", "0", "--shard", str(j), "--num-shards", str(cfg.num_shards),
+            "--num-workers", str(cfg.num_workers), *metrics_argv(cfg, j), *server_argv]
 
 
 def metrics_argv(cfg: LaunchConfig, process: int) -> list[str]:
@@ -162,19 +168,27 @@ def worker_delay(cfg: LaunchConfig, rank: int) -> str | None:
 
 def start_workers(cfg: LaunchConfig, addresses: str, worker_argv: list[str], env: dict,
                   chief_summary: str, devices: list[str]) -> list[Proc]:
-    workers = []
-    for i in range(cfg.num_workers):
-        argv = [sys.executable, "-m", "pserver", "worker", "--ps", addresses, "--rank", str(i),
-                "--num-workers", str(cfg.num_workers), "--device", devices[i],
-                *metrics_argv(cfg, cfg.num_shards + i), *worker_argv]
-        delay = worker_delay(cfg, i)
-        if delay:
-            argv += ["--delay", delay]
-        if i == 0:
-            argv += ["--summary-json", chief_summary]
-        argv += ["--stats-json", os.path.join(os.path.dirname(chief_summary), f"worker{i}.json")]
-        workers.append(Proc(f"worker{i}", argv, env))
-    return workers
+    return [Proc(f"worker{i}", [sys.executable, "-m", "pserver",
+                                *worker_args(cfg, i, addresses, worker_argv, chief_summary, devices[i])], env)
+            for i in range(cfg.num_workers)]
+
+
+def worker_args(cfg: LaunchConfig, i: int, addresses: str, worker_argv: list[str], chief_summary: str,
+                device: str) -> list[str]:
+    """`pserver` arguments of worker i; the chief writes its summary to `chief_summary`, and
+    every worker its time breakdown to stats_path(chief_summary, i)."""
+    argv = ["worker", "--ps", addresses, "--rank", str(i), "--num-workers", str(cfg.num_workers),
+            "--device", device, *metrics_argv(cfg, cfg.num_shards + i), *worker_argv]
+    delay = worker_delay(cfg, i)
+    if delay:
+        argv += ["--delay", delay]
+    if i == 0:
+        argv += ["--summary-json", chief_summary]
+    return argv + ["--stats-json", stats_path(chief_summary, i)]
+
+
+def stats_path(chief_summary: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(chief_summary), f"worker{rank}.json")
 
 
 def supervise(shards: list[Proc], workers: list[Proc]) -> None:
@@ -190,6 +204,9 @@ def supervise(shards: list[Proc], workers: list[Proc]) -> None:
 
 
 def launch(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]) -> int:
+    if cfg.backend == "ray":
+        from pserver.ray_backend import launch_ray
+        return launch_ray(cfg, server_argv, worker_argv)
     env = child_env(cfg.num_workers)
     devices = round_robin(cfg.num_workers, cfg.device)   # no GPU for cuda: fail before starting
     if cfg.auth_token:
@@ -202,24 +219,38 @@ def launch(cfg: LaunchConfig, server_argv: list[str], worker_argv: list[str]) ->
         try:
             shards = start_shards(cfg, server_argv, env, procs)
             addresses = ",".join(f"127.0.0.1:{p.port}" for p in shards)
-            print(f"pserver launch: {cfg.num_shards} shard(s) at {addresses}; "
-                  f"starting {cfg.num_workers} worker(s)", flush=True)
+            announce(cfg, addresses)
             workers = start_workers(cfg, addresses, worker_argv, env, chief_summary, devices)
             procs += workers
             supervise(shards, workers)
-            summary = final_summary(chief_summary, time.monotonic() - started)
-            if cfg.summary_json and summary is not None:
-                write_json(cfg.summary_json, summary)
-                print(f"pserver launch: summary written to {cfg.summary_json}", flush=True)
-            print(f"pserver launch: done in {time.monotonic() - started:.1f} s", flush=True)
+            report(cfg, chief_summary, started)
             return 0
         except Stopped as e:
-            print(f"pserver launch: stopped by {e}; stopping the cluster", file=sys.stderr, flush=True)
-            return e.exit_code
+            return stopped(e)
         finally:
             stop_all([p for p in procs if p.role.startswith("worker")])   # workers first
             stop_all([p for p in procs if not p.role.startswith("worker")])
             shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def stopped(e: Stopped) -> int:
+    """The launcher's exit code when a signal stops it, once it said so."""
+    print(f"pserver launch: stopped by {e}; stopping the cluster", file=sys.stderr, flush=True)
+    return e.exit_code
+
+
+def announce(cfg: LaunchConfig, addresses: str) -> None:
+    print(f"pserver launch: {cfg.num_shards} shard(s) at {addresses}; starting {cfg.num_workers} worker(s)",
+          flush=True)
+
+
+def report(cfg: LaunchConfig, chief_summary: str, started: float) -> None:
+    """The end of a run: the summary JSON written where asked, and the time it took."""
+    summary = final_summary(chief_summary, time.monotonic() - started)
+    if cfg.summary_json and summary is not None:
+        write_json(cfg.summary_json, summary)
+        print(f"pserver launch: summary written to {cfg.summary_json}", flush=True)
+    print(f"pserver launch: done in {time.monotonic() - started:.1f} s", flush=True)
 
 
 def final_summary(chief_path: str, launch_seconds: float) -> dict | None:
