@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+# One BLAS thread, as `pserver launch` gives each worker; set before numpy and numba load.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
 from _util import machine, machine_lines  # noqa: E402
