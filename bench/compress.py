@@ -5,7 +5,7 @@ workers (MLP 784-256-256-10 on MNIST, --epochs epochs, async), every worker on
 `--data-plane grpc` so that every byte crosses the link. The chief evaluates every
 --eval-every seconds, so time to --target is read off its curve, not interpolated.
 
-Links: `loopback` (everything on 127.0.0.1) and RATE (e.g. 1gbit, 10gbit): the shard in one
+Links: `loopback` (everything on 127.0.0.1) and RATE (e.g. 100mbit, 1gbit, 10gbit): the shard in one
 network namespace, the workers in another, joined by a veth pair whose both ends a
 `tc qdisc tbf` limits to RATE (needs root, ip and tc; the namespaces are removed afterwards).
 
@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,7 +52,8 @@ def link(rate: str):
         sh("ip", "netns", "add", w_ns)
         sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
         # A bucket of 1 ms at the link's rate (at least 1 MB) lets TCP reach the rate.
-        burst = max(1 << 20, int(float(rate.rstrip("gbit")) * 1e9 / 8 / 1000))
+        bits = float(rate[:-4]) * {"gbit": 1e9, "mbit": 1e6}[rate[-4:]]
+        burst = max(1 << 20, int(bits / 8 / 1000))
         for ns, dev, ip in ((ps_ns, a, PS_IP), (w_ns, b, WORKER_IP)):
             sh("ip", "link", "set", dev, "netns", ns)
             sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
@@ -137,12 +139,13 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=0.05, help="momentum 0.9 on the shard")
+    p.add_argument("--lr", type=float, default=0.02, help="momentum 0.9 on the shard")
     p.add_argument("--eval-every", type=float, default=3.0)
     p.add_argument("--target", type=float, default=0.96)
     p.add_argument("--run-timeout", type=float, default=600.0)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/compress.json)")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwinds `link`: namespaces removed
     out = result_path(args.out, "compress.json")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
