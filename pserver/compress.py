@@ -159,11 +159,11 @@ def fp16_decode(halves, scale, out):
         h = np.int64(halves[i])
         exponent, mantissa = (h >> 10) & 0x1F, h & 0x3FF
         if exponent == 0:
-            v = mantissa * 2.0 ** -24
+            v = math.ldexp(float(mantissa), -24)
         elif exponent == 31:
             v = np.inf if mantissa == 0 else np.nan
         else:
-            v = (1024 + mantissa) * 2.0 ** (exponent - 25)
+            v = math.ldexp(float(1024 + mantissa), exponent - 25)
         out[i] = np.float32(-v if h & 0x8000 else v) / scale
 
 
@@ -188,9 +188,10 @@ def sign_decode(bits, scales, block, out):
         s = scales[b]
         if not (s >= 0 and s < np.inf):
             return b
-    for i in range(out.size):
-        s = scales[i // block]
-        out[i] = s if (bits[i >> 3] >> (i & 7)) & 1 else -s
+    for b in range(scales.size):
+        s = scales[b]
+        for i in range(b * block, min(out.size, (b + 1) * block)):
+            out[i] = s if (bits[i >> 3] >> (i & 7)) & 1 else -s
     return -1
 
 
