@@ -143,10 +143,15 @@ def main(argv=None) -> int:
     p.add_argument("--eval-every", type=float, default=3.0)
     p.add_argument("--target", type=float, default=0.96)
     p.add_argument("--run-timeout", type=float, default=600.0)
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/compress.json)")
+    p.add_argument("--out", default=None, help="JSON path (default results/compress.json)")
+    p.add_argument("--replot", action="store_true", help="only print the table and draw the plot of "
+                   "--out (the rows finished so far, if the run was stopped)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwinds `link`: namespaces removed
     out = result_path(args.out, "compress.json")
+    if args.replot:
+        report(out, json.loads(out.read_text())["rows"])
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.links.split(","):
@@ -159,12 +164,16 @@ def main(argv=None) -> int:
                 out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))   # partial
     host = machine() | {"loadavg_after": os.getloadavg()}
     print("\n".join(machine_lines(host)))
+    out.write_text(json.dumps({"host": host, "args": vars(args), "rows": rows}, indent=1))
+    report(out, rows)
+    return 0
+
+
+def report(out: Path, rows: list[dict]) -> None:
     print(table(["link", "codec", "time to target s", "speedup vs none", "final acc", "pp vs none", "run s"],
                 speedups(rows)))
-    out.write_text(json.dumps({"host": host, "args": vars(args), "rows": rows}, indent=1))
     figure(out.with_suffix(".png"), rows)
     print(f"wrote {out} and {out.with_suffix('.png')}")
-    return 0
 
 
 if __name__ == "__main__":
