@@ -9,8 +9,8 @@ Links: `loopback` (everything on 127.0.0.1) and RATE (e.g. 100mbit, 1gbit, 10gbi
 network namespace, the workers in another, joined by a veth pair whose both ends a
 `tc qdisc tbf` limits to RATE (needs root, ip and tc; the namespaces are removed afterwards).
 
-    sudo python bench/compress.py --data-dir DIR          # every codec on every link
-    python bench/compress.py --links loopback --codecs none,bf16
+    .venv/bin/python bench/compress.py --data-dir DIR    # every codec on every link (as root)
+    .venv/bin/python bench/compress.py --links loopback --codecs none,bf16
 
 Writes JSON rows {codec, link, time_to_target_s, final_accuracy, ...} and PNG plots.
 """
@@ -77,7 +77,8 @@ def one_run(codec: str, rate: str, args, tmp: Path) -> dict:
             summary = tmp / f"{codec.replace(':', '_')}-{rate}.json"
             workers = [subprocess.Popen(w_pre + PY + [
                 "worker", "--ps", f"{host}:{PORT}", "--rank", str(r), "--num-workers", str(args.workers),
-                "--model", "mlp", "--dataset", "mnist", "--data-dir", args.data_dir, "--epochs", str(args.epochs),
+                "--model", "mlp", "--dataset", "mnist", "--epochs", str(args.epochs),
+                *(["--data-dir", args.data_dir] if args.data_dir else []),
                 "--batch-size", str(args.batch_size), "--eval-every", str(args.eval_every),
                 "--data-plane", "grpc", "--compress", codec, "--summary-json", str(summary)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(args.workers)]
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--codecs", default="none,bf16,fp16,topk:0.01,sign")
     p.add_argument("--links", default="1gbit,loopback,10gbit")
-    p.add_argument("--data-dir", default="../shared/datasets/mnist", help="MNIST IDX files")
+    p.add_argument("--data-dir", default=None, help="the MNIST IDX files (default: pserver's cache directory)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=128)
