@@ -114,8 +114,7 @@ def test_a_bad_codec_names_the_flag_and_value(text):
 
 def compressed_push(address, session, mutate):
     g = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
-    packed = compress.encode(compress.parse("topk:0.5"), g) if mutate[0] == "topk" else \
-        compress.encode(compress.parse(mutate[0]), g)
+    packed = compress.encode(compress.parse(mutate[0]), g)
     h = pb.TensorHeader(rank=0, shard=0, step=0, session=session, compression=packed.compression,
                         num_values=packed.num_values, scale=packed.scale)
     mutate[1](h, packed.arrays)
@@ -123,10 +122,10 @@ def compressed_push(address, session, mutate):
 
 
 BAD = {
-    "repeated index": ("topk", lambda h, a: a[0].__setitem__(1, a[0][0]), "topk: index"),
-    "index out of range": ("topk", lambda h, a: a[0].__setitem__(-1, 33), "topk: index 33"),
-    "num_values too many": ("topk", lambda h, a: setattr(h, "num_values", 34), "num_values: topk sent 34"),
-    "wrong length": ("topk", lambda h, a: setattr(h, "num_values", 3), "more than"),
+    "repeated index": ("topk:0.5", lambda h, a: a[0].__setitem__(1, a[0][0]), "topk: index"),
+    "index out of range": ("topk:0.5", lambda h, a: a[0].__setitem__(-1, 33), "topk: index 33"),
+    "num_values too many": ("topk:0.5", lambda h, a: setattr(h, "num_values", 34), "num_values: topk sent 34"),
+    "wrong length": ("topk:0.5", lambda h, a: setattr(h, "num_values", 3), "more than"),
     "NaN scale": ("sign", lambda h, a: a[1].__setitem__(0, np.nan), "sign: block 0"),
     "zero fp16 scale": ("fp16", lambda h, a: setattr(h, "scale", 0.0), "scale: fp16"),
     "unknown codec": ("bf16", lambda h, a: setattr(h, "compression", "zstd"), "compression: 'zstd'"),
@@ -146,7 +145,7 @@ def test_a_malformed_compressed_push_is_rejected_and_changes_nothing(shard_serve
     np.testing.assert_array_equal(shard.store.params, before)
     assert shard.store.version == 0 and not shard.policy.pending
     # A good compressed push still goes through afterwards.
-    compressed_push(addr, c.shards[0].session, ("topk", lambda h, a: None))
+    compressed_push(addr, c.shards[0].session, ("topk:0.5", lambda h, a: None))
     assert shard.store.version == 1
 
 
