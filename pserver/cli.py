@@ -143,6 +143,12 @@ WORKER_FLAGS = [
     Flag("--connect-timeout", dict(type=float, metavar="SEC", help="seconds to wait for the shards at start (default 30)")),
     Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take (default 300)")),
     Flag("--eval-every", dict(type=float, metavar="SEC", help="chief: evaluate every SEC seconds too (accuracy against time in the summary)")),
+    Flag("--compress", dict(metavar="CODEC", help="compress pushes: none (default), bf16 (half the bytes, "
+                            "rounded to nearest even), fp16 (half, scaled per push so nothing overflows), "
+                            "topk:RATIO (the largest RATIO of |g| per 4096 elements as index+value pairs), "
+                            "sign (1 bit per element, one scale per 4096); the lossy ones keep what they "
+                            "drop as a residual added to the next gradient. Pulls stay float32; compressed "
+                            "pushes always go over gRPC (README: Choosing a codec)")),
     Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, exponential:MEAN, lognormal:MEAN,SIGMA")),
     Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "
                                  "sparse factor table (default 8)")),

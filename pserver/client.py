@@ -19,7 +19,7 @@ import grpc
 import grpc.experimental
 import numpy as np
 
-from pserver import codec, dataplane, sparse
+from pserver import codec, compress, dataplane, sparse
 from pserver.security import ClientSecurity
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
@@ -328,22 +328,32 @@ class ShardClient:
         self.call(run)
 
     def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
-             timeout: float, rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()) -> tuple[str, int, bool]:
-        """This shard's slice of `grad`, and `rows`: (table, unique ids on this shard, their
-        gradients) for each sparse table, in one push."""
-        return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows),
-                              timeout)
+             timeout: float, rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
+             packed: compress.Packed | None = None) -> tuple[str, int, bool]:
+        """This shard's slice of `grad` (or `packed`, that slice compressed), and `rows`: (table,
+        unique ids on this shard, their gradients) for each sparse table, in one push."""
+        return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows,
+                                                      packed), timeout)
 
-    def _push_once(self, grad, rank, step, num_samples, clock, timeout, rows=()) -> tuple[str, int, bool]:
-        if self.fast is not None and dataplane.fits([(ids.size, g.shape[1]) for _, ids, g in rows]):
+    def _push_once(self, grad, rank, step, num_samples, clock, timeout, rows=(),
+                   packed=None) -> tuple[str, int, bool]:
+        # The data plane carries float32 only: a compressed push goes over gRPC.
+        if packed is None and self.fast is not None and dataplane.fits([(ids.size, g.shape[1])
+                                                                        for _, ids, g in rows]):
             outcome, version, finished = self.fast.push(grad[self.info.start:self.info.end], step,
                                                         num_samples, clock, timeout, rows)
             return OUTCOMES.get(outcome, "unknown"), version, finished
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
                                  clock=clock, session=self.session,
                                  sparse=[pb.SparsePart(table=t, num_ids=ids.size) for t, ids, _ in rows])
-        arrays = [grad[self.info.start:self.info.end]] + [a for _, ids, g in rows for a in (ids, g)]
-        stream = codec.encode_parts(header, arrays, self.chunk_bytes)
+        dense = [grad[self.info.start:self.info.end]]
+        if packed is not None:
+            header.compression, header.num_values, header.scale = (packed.compression, packed.num_values,
+                                                                   packed.scale)
+            dense = packed.arrays
+        arrays = dense + [a for _, ids, g in rows for a in (ids, g)]
+        stream = codec.encode_parts(header, arrays, self.chunk_bytes,
+                                    packed.num_elements if packed is not None else None)
         reply = self.send(self.push_call, self.push_one, stream, timeout)
         return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished
 
@@ -390,8 +400,11 @@ class PSClient:
 
     def __init__(self, addresses: Sequence[str], rank: int = 0, num_workers: int = 1,
                  chunk_bytes: int = codec.CHUNK_BYTES, rpc_deadline: float = 300.0,
-                 data_plane: str = "auto", security: ClientSecurity = ClientSecurity()) -> None:
+                 data_plane: str = "auto", security: ClientSecurity = ClientSecurity(),
+                 compression: str = "none") -> None:
         self.rank, self.num_workers, self.rpc_deadline = rank, num_workers, rpc_deadline
+        self.compression = compress.parse(compression)
+        self.feedback: compress.ErrorFeedback | None = None   # made at register, sized by the layout
         self.shards = [ShardClient(j, a, chunk_bytes, data_plane, security) for j, a in enumerate(addresses)]
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards) - 1, thread_name_prefix="ps-client") \
             if len(self.shards) > 1 else None
@@ -427,6 +440,8 @@ class PSClient:
         # a restarted worker is the version the others have reached.
         infos = self.each(lambda s: s.register(self.rank, self.num_workers, len(self.shards),
                                                layout, batch_size, self.rpc_deadline, data_order))
+        if self.compression.name != "none" and self.feedback is None:
+            self.feedback = compress.ErrorFeedback(self.compression, infos[0].total)
         if self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._beat, name="ps-heartbeat", daemon=True)
             self._heartbeat.start()
@@ -444,8 +459,12 @@ class PSClient:
 
     def plane_description(self) -> str:
         fast = sum(s.fast is not None for s in self.shards)
-        return ("payloads over gRPC streams" if fast == 0 else "payloads through shared memory"
-                if fast == len(self.shards) else f"shared memory with {fast} of {len(self.shards)}")
+        plane = ("payloads over gRPC streams" if fast == 0 else "payloads through shared memory"
+                 if fast == len(self.shards) else f"shared memory with {fast} of {len(self.shards)}")
+        if self.feedback is None:
+            return plane
+        told = "; pushes go over gRPC: shared memory carries float32 only" if fast else ""
+        return f"{plane}; pushes compressed {self.compression} with error feedback{told}"
 
     def init(self, flat: np.ndarray) -> list[bool]:
         return self.each(lambda s: s.init(self.rank, flat, self.rpc_deadline))
@@ -507,9 +526,13 @@ class PSClient:
         rows = [[(name, lk.uniq[w[j]], lk.grads[w[j]]) for lk, name, w in zip(lookups, tables, owners)]
                 for j in range(len(self.shards))]
         replies = self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
-                                             self.rpc_deadline, rows[s.index]))
+                                             self.rpc_deadline, rows[s.index], self._packed(grad, s)))
         self.finished |= any(f for _, _, f in replies)
         return [(o, v) for o, v, _ in replies]
+
+    def _packed(self, grad: np.ndarray, s: ShardClient) -> compress.Packed | None:
+        """Shard s's slice of grad compressed, residual added and kept (None: --compress none)."""
+        return None if self.feedback is None else self.feedback.pack(grad, s.info.start, s.info.end)
 
     def status(self, timeout: float = 10.0) -> list[pb.StatusReply]:
         return self.each(lambda s: s.status(timeout))

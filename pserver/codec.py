@@ -244,12 +244,13 @@ class Position(NamedTuple):
 
 
 def encode_parts(header: pb.TensorHeader, arrays: list[np.ndarray],
-                 chunk_bytes: int = CHUNK_BYTES) -> Iterator:
+                 chunk_bytes: int = CHUNK_BYTES, num_elements: int | None = None) -> Iterator:
     """As `encode`, for a payload made of several arrays back to back (a push's dense slice,
-    then its sparse ids and rows); header.num_elements counts the first array's elements.
-    The first message (a HeadChunk) carries the header and the first chunk's bytes."""
+    then its sparse ids and rows); header.num_elements counts the first array's elements,
+    or is `num_elements` (a compressed slice: the elements it decodes to). The first message
+    (a HeadChunk) carries the header and the first chunk's bytes."""
     check_chunk_bytes(chunk_bytes)
-    header.num_elements = arrays[0].size
+    header.num_elements = arrays[0].size if num_elements is None else num_elements
     header.dtype = DTYPE_NAME
     views = [memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays]
     first, pending, held = True, [], 0

@@ -128,6 +128,7 @@ class WorkerConfig:
     eval_every: float = 0.0       # chief: also evaluate every this many seconds (0 = per epoch only)
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
+    compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.compress)
     require_fresh: bool = False   # chief: refuse shards that already hold trained state (default: continue)
     no_resume: bool = False       # start the data at epoch 1 even where the shards recorded this rank's position
     stop_shards: bool = False     # chief: end the shards (exit 0) once the run is over (pserver slurm)
@@ -165,6 +166,8 @@ class WorkerConfig:
         if self.auth_token is not None or self.tls_ca is not None:
             from pserver import security
             security.client_security(self.auth_token, self.tls_ca)   # a bad token or CA file fails now
+        from pserver.compress import parse
+        parse(self.compress)
         check_positive(connect_timeout=self.connect_timeout, rpc_deadline=self.rpc_deadline,
                        chunk_bytes=self.chunk_bytes, log_every=self.log_every)
         if self.max_steps < 0:

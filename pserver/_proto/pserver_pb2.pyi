@@ -177,7 +177,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session", "sparse")
+    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session", "sparse", "compression", "num_values", "scale")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,9 @@ class TensorHeader(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     shard: int
     step: int
@@ -200,7 +203,10 @@ class TensorHeader(_message.Message):
     finished: bool
     session: str
     sparse: _containers.RepeatedCompositeFieldContainer[SparsePart]
-    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ..., sparse: _Optional[_Iterable[_Union[SparsePart, _Mapping]]] = ...) -> None: ...
+    compression: str
+    num_values: int
+    scale: float
+    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ..., sparse: _Optional[_Iterable[_Union[SparsePart, _Mapping]]] = ..., compression: _Optional[str] = ..., num_values: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("header", "data")

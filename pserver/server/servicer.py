@@ -12,7 +12,7 @@ import logging
 import grpc
 import numpy as np
 
-from pserver import codec
+from pserver import codec, compress
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import InvalidArgument, RpcError
@@ -106,11 +106,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         with limits.stream(context.cancel, self.shard.store.size * 4) as stream:
             h, chunks = codec.read_header(limits.progress(stream, request_iterator))
             with limits.stream_rank(h.rank):
-                if h.sparse and call != self._push:
-                    raise InvalidArgument("sparse: only a Push carries sparse rows")
+                if (h.sparse or h.compression) and call != self._push:
+                    raise InvalidArgument("sparse, compression: only a Push carries sparse rows "
+                                          "or a compressed payload")
                 rows = self.shard.row_buffers([(p.table, p.num_ids) for p in h.sparse])
                 more = [a for r in rows for a in (r.ids, r.grads)]
-                return call(h, rows, lambda dest: codec.receive_into(dest, chunks, *more))
+                return call(h, rows, compress.fill_for(h, chunks, more))
 
     @_status
     def Init(self, request_iterator, context):

@@ -1,0 +1,181 @@
+"""Push compression on a slow link: time to a test accuracy, and the accuracy after the run.
+
+For each codec of --codecs and each link of --links, one training run: a shard and --workers
+workers (MLP 784-256-256-10 on MNIST, --epochs epochs, async), every worker on
+`--data-plane grpc` so that every byte crosses the link. The chief evaluates every
+--eval-every seconds, so time to --target is read off its curve, not interpolated.
+
+Links: `loopback` (everything on 127.0.0.1) and RATE (e.g. 100mbit, 1gbit, 10gbit): the shard in one
+network namespace, the workers in another, joined by a veth pair whose both ends a
+`tc qdisc tbf` limits to RATE (needs root, ip and tc; the namespaces are removed afterwards).
+
+    .venv/bin/python bench/compress.py --data-dir DIR    # every codec on every link (as root)
+    .venv/bin/python bench/compress.py --links loopback --codecs none,bf16
+
+Writes JSON rows {codec, link, time_to_target_s, final_accuracy, ...} and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import machine, machine_lines, result_path, table  # noqa: E402
+
+PS_IP, WORKER_IP, PORT = "10.78.0.1", "10.78.0.2", 23461
+PY = [sys.executable, "-m", "pserver"]
+
+
+def sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, text=True, timeout=30)
+
+
+@contextlib.contextmanager
+def link(rate: str):
+    """Yield (shard prefix, worker prefix, shard host): commands run in the right namespace."""
+    if rate == "loopback":
+        yield [], [], "127.0.0.1"
+        return
+    tag = str(os.getpid() % 100000)
+    ps_ns, w_ns, a, b = f"pscmp-ps-{tag}", f"pscmp-w-{tag}", f"pcm{tag}a", f"pcm{tag}b"
+    try:
+        sh("ip", "netns", "add", ps_ns)
+        sh("ip", "netns", "add", w_ns)
+        sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+        # A bucket of 1 ms at the link's rate (at least 1 MB) lets TCP reach the rate.
+        bits = float(rate[:-4]) * {"gbit": 1e9, "mbit": 1e6}[rate[-4:]]
+        burst = max(1 << 20, int(bits / 8 / 1000))
+        for ns, dev, ip in ((ps_ns, a, PS_IP), (w_ns, b, WORKER_IP)):
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+               "burst", str(burst), "latency", "50ms")
+        yield ["ip", "netns", "exec", ps_ns], ["ip", "netns", "exec", w_ns], PS_IP
+    finally:
+        for ns in (ps_ns, w_ns):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def one_run(codec: str, rate: str, args, tmp: Path) -> dict:
+    with link(rate) as (ps_pre, w_pre, host):
+        shard = subprocess.Popen(ps_pre + PY + ["serve", "--host", host, "--port", str(PORT), "--mode", "async",
+                                                "--num-workers", str(args.workers), "--optimizer", "momentum",
+                                                "--lr", str(args.lr), "--data-plane", "grpc"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            summary = tmp / f"{codec.replace(':', '_')}-{rate}.json"
+            workers = [subprocess.Popen(w_pre + PY + [
+                "worker", "--ps", f"{host}:{PORT}", "--rank", str(r), "--num-workers", str(args.workers),
+                "--model", "mlp", "--dataset", "mnist", "--epochs", str(args.epochs),
+                *(["--data-dir", args.data_dir] if args.data_dir else []),
+                "--batch-size", str(args.batch_size), "--eval-every", str(args.eval_every),
+                "--data-plane", "grpc", "--compress", codec, "--summary-json", str(summary)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(args.workers)]
+            start = time.monotonic()
+            errors = [w.communicate(timeout=args.run_timeout)[1] for w in workers]
+            wall = time.monotonic() - start
+        finally:
+            shard.terminate()
+            shard.wait(timeout=30)
+    if any(w.returncode for w in workers):
+        raise RuntimeError(f"{codec} over {rate}: a worker failed:\n" + "\n".join(e[-2000:] for e in errors))
+    return row(codec, rate, json.loads(summary.read_text()), wall, args.target)
+
+
+def row(codec: str, rate: str, s: dict, wall: float, target: float) -> dict:
+    curve = [(p["seconds"], p["accuracy"]) for p in s["eval_curve"]]
+    hit = next((t for t, acc in curve if acc >= target), None)
+    return {"codec": codec, "link": rate, "time_to_target_s": hit, "target": target,
+            "final_accuracy": s["test_accuracy"], "run_wall_s": round(wall, 2),
+            "curve": [{"seconds": t, "accuracy": acc} for t, acc in curve]}
+
+
+def figure(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    fig, axes = plt.subplots(1, len(links), figsize=(5.2 * len(links), 4.2), squeeze=False)
+    for ax, lk in zip(axes[0], links):
+        for r in (r for r in rows if r["link"] == lk):
+            ax.plot([p["seconds"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]],
+                    marker=".", label=r["codec"])
+        ax.axhline(rows[0]["target"], color="grey", lw=0.8, ls="--")
+        ax.set(title=f"link: {lk}", xlabel="seconds since the chief started", ylabel="MNIST test accuracy",
+               ylim=(0.85, 1.0))
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def speedups(rows: list[dict]) -> list[list[str]]:
+    base = {r["link"]: r for r in rows if r["codec"] == "none"}
+    out = []
+    for r in rows:
+        b = base.get(r["link"])
+        ratio = (f"{b['time_to_target_s'] / r['time_to_target_s']:.2f}x"
+                 if b and b["time_to_target_s"] and r["time_to_target_s"] else "-")
+        dacc = f"{100 * (r['final_accuracy'] - b['final_accuracy']):+.2f}" if b else "-"
+        out.append([r["link"], r["codec"], f"{r['time_to_target_s']}", ratio, f"{r['final_accuracy']:.4f}",
+                    dacc, f"{r['run_wall_s']:.1f}"])
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--codecs", default="none,bf16,fp16,topk:0.01,sign")
+    p.add_argument("--links", default="1gbit,loopback,10gbit")
+    p.add_argument("--data-dir", default=None, help="the MNIST IDX files (default: pserver's cache directory)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=0.02, help="momentum 0.9 on the shard")
+    p.add_argument("--eval-every", type=float, default=3.0)
+    p.add_argument("--target", type=float, default=0.96)
+    p.add_argument("--run-timeout", type=float, default=600.0)
+    p.add_argument("--out", default=None, help="JSON path (default results/compress.json)")
+    p.add_argument("--replot", action="store_true", help="only print the table and draw the plot of "
+                   "--out (the rows finished so far, if the run was stopped)")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwinds `link`: namespaces removed
+    out = result_path(args.out, "compress.json")
+    if args.replot:
+        report(out, json.loads(out.read_text())["rows"])
+        return 0
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rate in args.links.split(","):
+            for codec in args.codecs.split(","):      # codecs interleaved within each link
+                rows.append(one_run(codec, rate, args, Path(tmp)))
+                r = rows[-1]
+                print(f"{rate:9s} {codec:10s} to {args.target}: {r['time_to_target_s']} s, "
+                      f"final {r['final_accuracy']:.4f}, run {r['run_wall_s']} s, load {os.getloadavg()[0]:.1f}",
+                      flush=True)
+                out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))   # partial
+    host = machine() | {"loadavg_after": os.getloadavg()}
+    print("\n".join(machine_lines(host)))
+    out.write_text(json.dumps({"host": host, "args": vars(args), "rows": rows}, indent=1))
+    report(out, rows)
+    return 0
+
+
+def report(out: Path, rows: list[dict]) -> None:
+    print(table(["link", "codec", "time to target s", "speedup vs none", "final acc", "pp vs none", "run s"],
+                speedups(rows)))
+    figure(out.with_suffix(".png"), rows)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
