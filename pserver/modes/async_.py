@@ -34,4 +34,6 @@ class AsyncPolicy(Policy):
         return Outcome.APPLIED, ""
 
     def pushed(self, rank: int, clock: int) -> None:
-        """Hook for ssp: a worker's clock advanced."""
+        """The push is applied: its step is taken in (ssp also wakes the pulls its clock frees)."""
+        with self.store.cond:
+            self.store.took(rank, clock)

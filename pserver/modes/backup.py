@@ -49,9 +49,9 @@ class BackupPolicy(SyncPolicy):
         else:
             self.maybe_complete()
 
-    def off_step(self, rank, step, grad):
+    def off_step(self, rank, step, clock, grad):
         if step < self.store.version:
-            return self.drop(grad, f"step {step} already completed with the first "
+            return self.drop(rank, clock, grad, f"step {step} already completed with the first "
                                    f"{self.quorum()} workers; now at {self.store.version}")
         raise FailedPrecondition(f"step: push for step {step} is ahead of shard "
                                  f"{self.store.shard}'s version {self.store.version}")

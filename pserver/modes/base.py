@@ -49,7 +49,7 @@ class Policy(ABC):
         self.dead: set[int] = set()
         self.sessions: dict[int, str] = {}   # rank -> its worker's credential
         self.last_seen: dict[int, float] = {}  # rank -> time.monotonic() of its last call
-        self.clocks = store.clocks           # rank -> pushes completed (ssp); checkpointed by the store
+        self.clocks = store.clocks           # rank -> steps taken in (store.took); ssp bounds staleness by them
         self.finished = False                # no step can complete any more: workers stop
 
     # --- membership; all called with store.cond held -------------------------------

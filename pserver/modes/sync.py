@@ -36,9 +36,9 @@ class SyncPolicy(Policy):
             self.check_member(rank)
             version = self.store.version
             if self.finished:
-                return self.drop(grad, "the run is over on this shard")
+                return self.drop(rank, clock, grad, "the run is over on this shard")
             if step != version:
-                return self.off_step(rank, step, grad)
+                return self.off_step(rank, step, clock, grad)
             if rank in self.pending:
                 raise FailedPrecondition(f"rank: worker {rank} already pushed for step {step}")
             self.revive(rank, "pushed in time")   # marked dead while its push was arriving
@@ -51,12 +51,13 @@ class SyncPolicy(Policy):
             self.maybe_complete()
             return Outcome.AGGREGATED, ""
 
-    def drop(self, grad, why: str):
+    def drop(self, rank, clock, grad, why: str):
         self.store.pool.release(grad)
+        self.store.took(rank, clock)           # its batch is consumed all the same
         self.store.counters.add("pushes_dropped_late")
         return Outcome.DROPPED_LATE, why
 
-    def off_step(self, rank, step, grad):
+    def off_step(self, rank, step, clock, grad):
         raise FailedPrecondition(f"step: push for step {step} but shard {self.store.shard} is at "
                                  f"version {self.store.version}; pull and compute again")
 

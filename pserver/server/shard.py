@@ -416,14 +416,10 @@ class Shard:
             self.store.pool.release(grad)
             raise
         try:
-            outcome, message = self.policy.push(rank, step, grad, clock, samples, rows)
+            return self.policy.push(rank, step, grad, clock, samples, rows)
         except RpcError:
             self.store.pool.release(grad)   # rejected: the policy did not keep it
             raise
-        if outcome is not Outcome.AGGREGATED:   # an aggregated step is taken in when its step completes
-            with self.store.cond:
-                self.store.took(rank, clock)
-        return outcome, message
 
     def leave(self, rank: int, session: str | None = None) -> None:
         with self.store.cond:
