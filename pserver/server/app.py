@@ -27,6 +27,17 @@ from pserver.telemetry import serve_metrics
 log = logging.getLogger("pserver.server")
 
 
+def flow_control(chunk_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options that bound what a shard buffers per stream. By default each stream's
+    window grows with the bandwidth-delay product that gRPC probes for (megabytes on
+    loopback), and a shard that several workers push to holds that much received data per
+    stream: 60-200 MiB above its memory bound in bench/transport.py's shard memory row. A
+    fixed window of one chunk (at least gRPC's 64 KiB) keeps about a chunk per stream in
+    flight; no ratio of bench/transport.py (loopback, or --two-hosts at 10 Gbit/s) moved
+    beyond its run-to-run noise."""
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", max(chunk_bytes, 64 << 10))]
+
+
 def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
     """A started gRPC server for one shard; returns (server, bound port, shard).
 
@@ -38,7 +49,7 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
         futures.ThreadPoolExecutor(max_workers=pool_threads(cfg.threads, cfg.num_workers),
                                    thread_name_prefix="pserver-rpc"),   # split by server/limits.py
         options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES),
-                 ("grpc.so_reuseport", 0)],
+                 ("grpc.so_reuseport", 0), *flow_control(cfg.chunk_bytes)],
         # token check, readiness gate, safe decoding
         interceptors=security.server_interceptors(cfg.auth_token, shard.readiness))
     add_to_server(ParameterServerServicer(shard), server)
@@ -86,7 +97,7 @@ def serve(cfg: ServerConfig) -> int:
     """Run a shard until SIGTERM, SIGHUP or SIGINT, or until the chief ends the run (worker
     --stop-shards), then stop gracefully (in-flight calls get 2 s), write a last checkpoint
     where there is a directory, and return 128+signal (0 when the chief ended it)."""
-    memory.pin_mmap_threshold()
+    memory.configure()
     with stop_on_signals():
         server, port, shard = create_server(cfg)
         shard.store.warm_kernels()
