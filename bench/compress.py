@@ -11,6 +11,10 @@ network namespace, the workers in another, joined by a veth pair whose both ends
 
     .venv/bin/python bench/compress.py --data-dir DIR    # every codec on every link (as root)
     .venv/bin/python bench/compress.py --links loopback --codecs none,bf16
+    .venv/bin/python bench/compress.py --links 1gbit --codecs none,bf16,bf16+bf16,topk:0.01+bf16
+
+A codec is what `--compress` takes, optionally followed by `+bf16`: then the workers also pull
+in bf16 (`--pull-compress bf16`), so both directions shrink.
 
 Writes JSON rows {codec, link, time_to_target_s, final_accuracy, ...} and PNG plots.
 """
@@ -67,20 +71,28 @@ def link(rate: str):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def codecs(entry: str) -> tuple[str, str]:
+    """'PUSH' or 'PUSH+bf16' -> (--compress, --pull-compress)."""
+    push, _, pull = entry.partition("+")
+    return push, pull or "none"
+
+
 def one_run(codec: str, rate: str, args, tmp: Path) -> dict:
+    push, pull = codecs(codec)
     with link(rate) as (ps_pre, w_pre, host):
         shard = subprocess.Popen(ps_pre + PY + ["serve", "--host", host, "--port", str(PORT), "--mode", "async",
                                                 "--num-workers", str(args.workers), "--optimizer", "momentum",
                                                 "--lr", str(args.lr), "--data-plane", "grpc"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            summary = tmp / f"{codec.replace(':', '_')}-{rate}.json"
+            summary = tmp / f"{codec.replace(':', '_').replace('+', '_')}-{rate}.json"
             workers = [subprocess.Popen(w_pre + PY + [
                 "worker", "--ps", f"{host}:{PORT}", "--rank", str(r), "--num-workers", str(args.workers),
                 "--model", "mlp", "--dataset", "mnist", "--epochs", str(args.epochs),
                 *(["--data-dir", args.data_dir] if args.data_dir else []),
                 "--batch-size", str(args.batch_size), "--eval-every", str(args.eval_every),
-                "--data-plane", "grpc", "--compress", codec, "--summary-json", str(summary)],
+                "--data-plane", "grpc", "--compress", push, "--pull-compress", pull,
+                "--summary-json", str(summary)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(args.workers)]
             start = time.monotonic()
             errors = [w.communicate(timeout=args.run_timeout)[1] for w in workers]
@@ -96,7 +108,9 @@ def one_run(codec: str, rate: str, args, tmp: Path) -> dict:
 def row(codec: str, rate: str, s: dict, wall: float, target: float) -> dict:
     curve = [(p["seconds"], p["accuracy"]) for p in s["eval_curve"]]
     hit = next((t for t, acc in curve if acc >= target), None)
-    return {"codec": codec, "link": rate, "time_to_target_s": hit, "target": target,
+    push, pull = codecs(codec)
+    return {"codec": codec, "push_codec": push, "pull_codec": pull, "link": rate,
+            "time_to_target_s": hit, "target": target,
             "final_accuracy": s["test_accuracy"], "run_wall_s": round(wall, 2),
             "curve": [{"seconds": t, "accuracy": acc} for t, acc in curve]}
 

@@ -147,8 +147,12 @@ WORKER_FLAGS = [
                             "rounded to nearest even), fp16 (half, scaled per push so nothing overflows), "
                             "topk:RATIO (the largest RATIO of |g| per 4096 elements as index+value pairs), "
                             "sign (1 bit per element, one scale per 4096); the lossy ones keep what they "
-                            "drop as a residual added to the next gradient. Pulls stay float32; compressed "
-                            "pushes always go over gRPC (README: Choosing a codec)")),
+                            "drop as a residual added to the next gradient. Compressed pushes always go "
+                            "over gRPC (README: Choosing a codec)")),
+    Flag("--pull-compress", dict(metavar="CODEC", help="compress gRPC pulls: none (default) or bf16 (half "
+                                 "the bytes; the shard keeps float32 weights and applies every update to "
+                                 "them, the worker computes with them rounded to bf16). Pulls through "
+                                 "shared memory stay float32")),
     Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, exponential:MEAN, lognormal:MEAN,SIGMA")),
     Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "
                                  "sparse factor table (default 8)")),

@@ -65,8 +65,12 @@ class ShardClient:
     """One shard: its channel, stub and range; every call translates gRPC errors."""
 
     def __init__(self, index: int, address: str, chunk_bytes: int = codec.CHUNK_BYTES,
-                 data_plane: str = "auto", security: ClientSecurity = ClientSecurity()) -> None:
+                 data_plane: str = "auto", security: ClientSecurity = ClientSecurity(),
+                 pull_compression: str = "none") -> None:
         self.index, self.address, self.chunk_bytes = index, address, chunk_bytes
+        # what a gRPC pull asks the shard to send ("" float32, "bf16"), and where bf16 lands
+        self.pull_codec = "" if pull_compression == "none" else pull_compression
+        self.bits = np.empty(0, np.uint16)
         self.data_plane = data_plane
         self.security = security                  # token on every call, TLS when a CA is given
         self.channel = security.channel(address, CHANNEL_OPTIONS)
@@ -288,17 +292,20 @@ class ShardClient:
         if self.fast is not None:
             return self.fast.pull_into(flat[self.info.start:self.info.end], seen_version, clock, timeout)
         req = pb.PullRequest(rank=rank, shard=self.index, seen_version=seen_version, clock=clock,
-                             session=self.session)
+                             session=self.session, compression=self.pull_codec)
 
         def run() -> tuple[int, bool]:
             header, chunks = codec.read_header(iter(self.pull_call(req, timeout=timeout)))
-            dest = flat[self.info.start:self.info.end]
-            if header.num_elements != dest.size:
-                raise InvalidArgument(f"num_elements: shard sent {header.num_elements}, expected {dest.size}")
-            codec.receive_into(dest, chunks)
+            compress.receive_pull(header, chunks, flat[self.info.start:self.info.end], self._bits)
             return header.step, header.finished
 
         return self.call(run)
+
+    def _bits(self, n: int) -> np.ndarray:
+        """The reusable uint16 array that a bf16 pull of n elements is received into."""
+        if self.bits.size != n:
+            self.bits = np.empty(n, np.uint16)
+        return self.bits
 
     def pull_rows(self, rank: int, table: str, ids: np.ndarray, out: np.ndarray, timeout: float) -> None:
         """Rows of `table` for `ids` (uint64, all on this shard) into `out` (len(ids), dim):
@@ -401,11 +408,13 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], rank: int = 0, num_workers: int = 1,
                  chunk_bytes: int = codec.CHUNK_BYTES, rpc_deadline: float = 300.0,
                  data_plane: str = "auto", security: ClientSecurity = ClientSecurity(),
-                 compression: str = "none") -> None:
+                 compression: str = "none", pull_compression: str = "none") -> None:
         self.rank, self.num_workers, self.rpc_deadline = rank, num_workers, rpc_deadline
         self.compression = compress.parse(compression)
+        self.pull_compression = compress.parse_pull(pull_compression)
         self.feedback: compress.ErrorFeedback | None = None   # made at register, sized by the layout
-        self.shards = [ShardClient(j, a, chunk_bytes, data_plane, security) for j, a in enumerate(addresses)]
+        self.shards = [ShardClient(j, a, chunk_bytes, data_plane, security, self.pull_compression)
+                       for j, a in enumerate(addresses)]
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards) - 1, thread_name_prefix="ps-client") \
             if len(self.shards) > 1 else None
         self.versions = [-1] * len(self.shards)
@@ -461,10 +470,13 @@ class PSClient:
         fast = sum(s.fast is not None for s in self.shards)
         plane = ("payloads over gRPC streams" if fast == 0 else "payloads through shared memory"
                  if fast == len(self.shards) else f"shared memory with {fast} of {len(self.shards)}")
-        if self.feedback is None:
-            return plane
-        told = "; pushes go over gRPC: shared memory carries float32 only" if fast else ""
-        return f"{plane}; pushes compressed {self.compression} with error feedback{told}"
+        if self.feedback is not None:
+            told = "; pushes go over gRPC: shared memory carries float32 only" if fast else ""
+            plane += f"; pushes compressed {self.compression} with error feedback{told}"
+        if self.pull_compression != "none":
+            how = "pulls over shared memory stay float32" if fast == len(self.shards) else "gRPC pulls in bf16"
+            plane += f"; {how}"
+        return plane
 
     def init(self, flat: np.ndarray) -> list[bool]:
         return self.each(lambda s: s.init(self.rank, flat, self.rpc_deadline))

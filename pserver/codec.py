@@ -243,7 +243,7 @@ class Position(NamedTuple):
                         reply.position.steps_per_epoch) if reply.HasField("position") else None
 
 
-def encode_parts(header: pb.TensorHeader, arrays: list[np.ndarray],
+def encode_parts(header: pb.TensorHeader, arrays: Iterable[np.ndarray],
                  chunk_bytes: int = CHUNK_BYTES, num_elements: int | None = None) -> Iterator:
     """As `encode`, for a payload made of several arrays back to back (a push's dense slice,
     then its sparse ids and rows); header.num_elements counts the first array's elements,
@@ -252,7 +252,8 @@ def encode_parts(header: pb.TensorHeader, arrays: list[np.ndarray],
     check_chunk_bytes(chunk_bytes)
     header.num_elements = arrays[0].size if num_elements is None else num_elements
     header.dtype = DTYPE_NAME
-    views = [memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays]
+    # made as they are sent: `arrays` may be an iterator that makes each one (a bf16 pull)
+    views = (memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in arrays)
     first, pending, held = True, [], 0
     for raw in views:
         start = 0

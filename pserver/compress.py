@@ -1,5 +1,7 @@
 """Gradient compression for pushes (`--compress`): the worker's encoders with error feedback,
-and the shard's decoders, numba kernels that validate as they decode.
+and the shard's decoders, numba kernels that validate as they decode. And the one codec for
+pulls (`--pull-compress bf16`): the shard encodes its range as it streams it, the worker
+decodes into its float32 weights.
 
 A compressed push carries its dense slice in one of these layouts (all little-endian), named by
 TensorHeader.compression; its sparse rows follow uncompressed, as in any push:
@@ -17,14 +19,17 @@ TensorHeader.compression; its sparse rows follow uncompressed, as in any push:
 The lossy codecs lose what they round away only for one step: the worker keeps it as a residual
 and adds it to its next gradient (error feedback: Seide et al. 2014, 1-bit SGD; Lin et al. 2018,
 Deep Gradient Compression), so the sum of what the shards receive tracks the sum of the true
-gradients. Every kernel has a NumPy twin (`*_ref`) that the tests compare it with.
+gradients. A bf16 pull needs no residual: the shard keeps the float32 weights and applies every
+update to them; only the worker's copy, which it computes with, is rounded (as mixed-precision
+training computes with bf16 weights and keeps float32 masters). Every kernel has a NumPy twin
+(`*_ref`, or the encoder `bf16_bits`) that the tests compare it with.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 from numba import njit
@@ -33,6 +38,7 @@ from pserver import codec
 from pserver.errors import ConfigError, InvalidArgument
 
 CODECS = ("none", "bf16", "fp16", "topk", "sign")
+PULL_CODECS = ("none", "bf16")
 BLOCK = 4096          # elements per top-k selection and per sign scale: one scale costs 1/1024 bit each
 FP16_TOP = 15         # the fp16 scale puts max|g| just under 2**15 (fp16's largest finite is 65504)
 
@@ -61,6 +67,13 @@ def parse(text: str) -> Spec:
     if not 0 < ratio <= 1:
         raise ConfigError(f"--compress: topk ratio '{arg}' must be a number in (0, 1], e.g. topk:0.01")
     return Spec(name, ratio)
+
+
+def parse_pull(text: str) -> str:
+    """--pull-compress: 'none' or 'bf16'."""
+    if (text or "none") not in PULL_CODECS:
+        raise ConfigError(f"--pull-compress: '{text}' is not one of {', '.join(PULL_CODECS)}")
+    return text or "none"
 
 
 @dataclass
@@ -142,6 +155,54 @@ class ErrorFeedback:
         decode_ref(packed, decoded)
         np.subtract(corrected, decoded, out=self.residual[start:end])
         return packed
+
+
+# ---- pulls: the shard's bf16 encoder (twin: bf16_bits) and the worker's side ----
+
+@njit(cache=True, nogil=True)
+def bf16_encode(values, out):
+    """float32 -> bfloat16 bits rounded to nearest even, as bf16_bits (the shard's weights are
+    always finite, so NaN needs no care)."""
+    u = values.view(np.uint32)
+    for i in range(out.size):
+        x = u[i]
+        out[i] = (x + (((x >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF))) >> np.uint32(16)
+
+
+def check_pull(compression: str) -> None:
+    """A PullRequest's codec, checked before its pull waits."""
+    if compression not in ("", "bf16"):
+        raise InvalidArgument(f"compression: a pull may ask for '' (float32) or 'bf16', not '{compression}'")
+
+
+def pull_payload(params: np.ndarray, compression: str, chunk_bytes: int) -> Iterable[np.ndarray]:
+    """What a pull streams after its header (codec checked by check_pull): the float32 range,
+    or its bf16 bits made one chunk at a time as the stream is sent (so a pull holds a
+    chunk, not half its range)."""
+    return _bf16_blocks(params, max(1, chunk_bytes // 2)) if compression else [params]
+
+
+def _bf16_blocks(params: np.ndarray, step: int) -> Iterator[np.ndarray]:
+    for a in range(0, params.size, step):
+        block = params[a:a + step]
+        out = np.empty(block.size, np.uint16)
+        bf16_encode(block, out)
+        yield out
+
+
+def receive_pull(header, chunks: Iterator, dest: np.ndarray, scratch: Callable[[int], np.ndarray]) -> None:
+    """A pulled range into dest (float32), as its header says it was sent; `scratch(n)` gives
+    a reusable uint16 array of n elements for a bf16 range."""
+    if header.num_elements != dest.size:
+        raise InvalidArgument(f"num_elements: shard sent {header.num_elements}, expected {dest.size}")
+    if not header.compression:
+        codec.receive_into(dest, chunks)
+    elif header.compression == "bf16":
+        bits = scratch(dest.size)
+        codec.receive_into(bits, chunks)
+        bf16_decode(bits, dest.view(np.uint32))
+    else:
+        raise InvalidArgument(f"compression: the shard sent a pull as '{header.compression}'")
 
 
 # ---- shard side: numba decoders that validate as they decode, and their NumPy twins ----

@@ -129,6 +129,7 @@ class WorkerConfig:
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.compress)
+    pull_compress: str = "none"   # pull codec over gRPC: none, bf16
     require_fresh: bool = False   # chief: refuse shards that already hold trained state (default: continue)
     no_resume: bool = False       # start the data at epoch 1 even where the shards recorded this rank's position
     stop_shards: bool = False     # chief: end the shards (exit 0) once the run is over (pserver slurm)
@@ -166,8 +167,9 @@ class WorkerConfig:
         if self.auth_token is not None or self.tls_ca is not None:
             from pserver import security
             security.client_security(self.auth_token, self.tls_ca)   # a bad token or CA file fails now
-        from pserver.compress import parse
+        from pserver.compress import parse, parse_pull
         parse(self.compress)
+        parse_pull(self.pull_compress)
         check_positive(connect_timeout=self.connect_timeout, rpc_deadline=self.rpc_deadline,
                        chunk_bytes=self.chunk_bytes, log_every=self.log_every)
         if self.max_steps < 0:

@@ -182,7 +182,8 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
                           f"(every shard's checkpoint holds its rows)")
     report = TrainingReport(cfg)            # a busy --metrics-port fails here, before any call
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
-                      security=client_security(cfg.auth_token, cfg.tls_ca), compression=cfg.compress)
+                      security=client_security(cfg.auth_token, cfg.tls_ca), compression=cfg.compress,
+                      pull_compression=cfg.pull_compress)
     try:
         client.connect(cfg.connect_timeout)
         steps = ds.steps(cfg.num_workers, cfg.batch_size)

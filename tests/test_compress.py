@@ -12,6 +12,7 @@ from hypothesis.extra.numpy import arrays
 
 from pserver import codec, compress
 from pserver._proto import pserver_pb2 as pb
+from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.client import PSClient
 from pserver.errors import ConfigError
 from tests.test_server import LAYOUT, raw_push, ready_client
@@ -166,3 +167,57 @@ def test_client_pushes_compressed_over_either_plane_with_error_feedback(shard_se
     c.pull(w)
     np.testing.assert_allclose(-w + c.feedback.residual, g, atol=1e-6)
     assert shard.status()["counters"]["pushes_aggregated"] == 1
+
+
+# ---- bf16 pulls ----
+
+any_float32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=st.integers(0, 5000).flatmap(lambda n: arrays(np.float32, n, elements=any_float32)))
+def test_the_shards_bf16_encoder_matches_its_numpy_twin(w):
+    out = np.empty(w.size, np.uint16)
+    compress.bf16_encode(w, out)
+    np.testing.assert_array_equal(out, compress.bf16_bits(w))
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 64, 77])   # one message; many; uint16s across chunks
+@pytest.mark.parametrize("plane", ["grpc", "auto"])
+def test_a_bf16_pull_gives_the_weights_rounded_and_leaves_the_shard_float32(shard_server, chunk_bytes, plane):
+    addr, shard = shard_server(optimizer="sgd", lr=1.0, chunk_bytes=chunk_bytes)
+    c = PSClient([addr], rpc_deadline=10, data_plane=plane, pull_compression="bf16")
+    c.connect(5)
+    c.register(LAYOUT)
+    w0 = np.linspace(-3.3, 2.9, LAYOUT.total, dtype=np.float32) * np.float32(1.001)
+    c.init(w0)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    rounded = np.empty_like(w0)
+    compress.bf16_decode_ref(compress.bf16_bits(w0), rounded)
+    assert not np.array_equal(rounded, w0)            # the test data loses bits in bf16
+    np.testing.assert_array_equal(w, rounded if plane == "grpc" else w0)
+    # The shard keeps and updates float32: a push of g moves it by exactly -g.
+    g = np.full(LAYOUT.total, 0.25, np.float32)
+    c.push(g, num_samples=1)
+    c.pull(w)
+    np.testing.assert_array_equal(shard.store.params, w0 - g)
+    assert ("gRPC pulls in bf16" if plane == "grpc" else "pulls over shared memory stay float32") \
+        in c.plane_description()
+
+
+def test_a_pull_asking_for_an_unknown_codec_is_refused_before_it_waits(shard_server):
+    addr, shard = shard_server(optimizer="sgd", lr=1.0)
+    c = ready_client(addr)
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(addr))
+    req = pb.PullRequest(rank=0, shard=0, seen_version=0, clock=0, session=c.shards[0].session,
+                         compression="zstd")   # seen_version 0 would wait for version 1 in sync mode
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Pull(req, timeout=5))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'zstd'" in e.value.details()
+    assert shard.status()["counters"]["pulls_served"] == 0
+
+
+def test_a_bad_pull_codec_names_the_flag():
+    with pytest.raises(ConfigError, match="--pull-compress: 'fp16' is not one of none, bf16"):
+        PSClient(["127.0.0.1:1"], pull_compression="fp16")

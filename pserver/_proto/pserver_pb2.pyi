@@ -225,18 +225,20 @@ class InitReply(_message.Message):
     def __init__(self, already_initialized: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("rank", "shard", "seen_version", "clock", "session")
+    __slots__ = ("rank", "shard", "seen_version", "clock", "session", "compression")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SEEN_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     shard: int
     seen_version: int
     clock: int
     session: str
-    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., seen_version: _Optional[int] = ..., clock: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+    compression: str
+    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., seen_version: _Optional[int] = ..., clock: _Optional[int] = ..., session: _Optional[str] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("outcome", "version", "message", "finished")

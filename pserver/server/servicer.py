@@ -121,11 +121,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_stream_status
     def Pull(self, request, context):
+        compress.check_pull(request.compression)
         version, params, finished = self.shard.pull(request.rank, request.shard, request.seen_version,
                                                     request.clock, _timeout(context),
                                                     session=request.session, alive=context.is_active)
-        header = pb.TensorHeader(shard=request.shard, step=version, finished=finished)
-        yield from codec.encode(header, params, self.shard.cfg.chunk_bytes)
+        header = pb.TensorHeader(shard=request.shard, step=version, finished=finished,
+                                 compression=request.compression)
+        chunk_bytes = self.shard.cfg.chunk_bytes
+        yield from codec.encode_parts(header, compress.pull_payload(params, request.compression, chunk_bytes),
+                                      chunk_bytes, params.size)
 
     @_status
     def Push(self, request_iterator, context):
