@@ -61,7 +61,9 @@ round_trips_per_s = 1 / round-trip seconds
 each figure: median of the repeats (min, max beside it); a repeat times n round trips after
 warm-up round trips that are not timed; every configuration of one payload size runs at once, its
 repeats interleaved with theirs (repeat r of each before repeat r + 1 of any); a ratio divides a row's median by the baseline's
-median on the same payload (the same for both metrics); baselines run one server process"""
+median on the same payload (the same for both metrics); tcp runs one server process; raw_grpc runs one
+server process per shard, each holding its shard's range, the client calling them in parallel as
+pserver's does, and a pserver row's raw_grpc ratios use raw_grpc with the same number of shards"""
 
 SYSTEMS = ("pserver", "raw_grpc", "tcp")
 PSERVER_VARIANTS = ("grpc", "fast")
@@ -433,14 +435,37 @@ def serve_raw_grpc(port: int, params: int, chunk_bytes: int) -> None:
     server.wait_for_termination()
 
 
-def start_raw_grpc(stack: contextlib.ExitStack, address: str, params: int, variant: str,
+def parts(params: int, shards: int) -> list[int]:
+    """Elements of each shard's range, as pserver splits P (pserver.sharding)."""
+    from pserver.sharding import shard_range
+    return [b - a for a, b in (shard_range(params, shards, j) for j in range(shards))]
+
+
+def start_raw_grpc(stack: contextlib.ExitStack, addresses: list[str], params: int, variant: str,
                    chunk_bytes: int) -> Running:
+    """One channel per server; a round trip calls them all at once, the last in this thread
+    (as PSClient does: gRPC releases the GIL while it waits)."""
     import grpc
-    channel = grpc.insecure_channel(address)
-    stack.callback(channel.close)
-    grpc.channel_ready_future(channel).result(timeout=60)
-    round_trip, check = raw_grpc_loop(channel, params, chunk_bytes)
-    return Running("raw_grpc", variant, params, 1, round_trip, check, lambda: "raw bytes over gRPC streams")
+    loops = []
+    for address, part in zip(addresses, parts(params, len(addresses))):
+        channel = grpc.insecure_channel(address)
+        stack.callback(channel.close)
+        grpc.channel_ready_future(channel).result(timeout=60)
+        loops.append(raw_grpc_loop(channel, part, chunk_bytes))
+    pool = stack.enter_context(futures.ThreadPoolExecutor(len(loops) - 1)) if len(loops) > 1 else None
+
+    def round_trip():
+        pending = [pool.submit(rt) for rt, _ in loops[:-1]]
+        loops[-1][0]()
+        for f in pending:
+            f.result()
+
+    def check():
+        for _, ok in loops:
+            ok()
+
+    path = "raw bytes over gRPC streams" + (f", {len(loops)} servers" if len(loops) > 1 else "")
+    return Running("raw_grpc", variant, params, len(loops), round_trip, check, lambda: path)
 
 
 def raw_grpc_loop(channel, params: int, chunk_bytes: int):
@@ -686,7 +711,7 @@ def configurations(args, has_keyword: bool):
             if system not in args.systems:
                 continue
             for variant in variants[system]:
-                for shards in (args.shards if system == "pserver" else [1]):
+                for shards in (args.shards if system != "tcp" else [1]):
                     yield system, variant, params, shards
 
 
@@ -696,7 +721,8 @@ def server_processes(system, variant, params, shards, chunk_bytes) -> tuple[list
         return [(f"pserver shard {j}", shard_argv(j, shards, chunk_bytes)) for j in range(shards)], None
     if system == "raw_grpc":
         env = {**os.environ, **MALLOC_TUNED} if variant == "malloc-tuned" else None
-        return [(f"raw_grpc server ({variant})", this_script("--serve-raw-grpc", params, chunk_bytes))], env
+        return [(f"raw_grpc server {j} ({variant})", this_script("--serve-raw-grpc", part, chunk_bytes))
+                for j, part in enumerate(parts(params, shards))], env
     return [("tcp server", this_script("--serve-tcp", params, chunk_bytes))], None
 
 
@@ -709,9 +735,10 @@ def start_all(stack: contextlib.ExitStack, configs: list[tuple], args, has_keywo
     for (system, variant, params, shards), where in zip(configs, addresses):
         if system == "pserver":
             out.append(start_pserver(stack, where, params, shards, variant, args.chunk_bytes, has_keyword))
+        elif system == "raw_grpc":
+            out.append(start_raw_grpc(stack, where, params, variant, args.chunk_bytes))
         else:
-            fn = start_raw_grpc if system == "raw_grpc" else start_tcp
-            out.append(fn(stack, where[0], params, variant, args.chunk_bytes))
+            out.append(start_tcp(stack, where[0], params, variant, args.chunk_bytes))
     return out
 
 
@@ -729,9 +756,9 @@ def primary_metric(params: int) -> str:
     return "mb_per_s_per_direction" if params * 4 >= 4e6 else "round_trips_per_s"
 
 
-def baseline(results: list[Measurement], system: str, variant: str, params: int, metric: str):
+def baseline(results: list[Measurement], system: str, variant: str, params: int, shards: int, metric: str):
     for m in results:
-        if (m.system, m.variant, m.params) == (system, variant, params):
+        if (m.system, m.variant, m.params, m.shards) == (system, variant, params, shards):
             return summary(m.values(metric))[0]
     return None
 
@@ -740,7 +767,7 @@ def ratio_cells(results, m: Measurement, metric: str) -> list[str]:
     med = summary(m.values(metric))[0]
     out = []
     for system, variant in (REFERENCE, ("raw_grpc", "default"), ("tcp", "default")):
-        ref = baseline(results, system, variant, m.params, metric)
+        ref = baseline(results, system, variant, m.params, 1 if system == "tcp" else m.shards, metric)
         out.append("-" if ref is None else f"{med / ref:.2f}")
     return out
 
