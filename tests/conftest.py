@@ -3,6 +3,7 @@ import http.server
 import os
 import pathlib
 import threading
+import time
 
 import pytest
 
@@ -13,6 +14,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The real MNIST files (the four IDX files): $PSERVER_MNIST_DIR, else shared/datasets/mnist beside
 # the checkout, where CI keeps them.
 MNIST_DIR = pathlib.Path(os.environ.get("PSERVER_MNIST_DIR", ROOT.parent / "shared" / "datasets" / "mnist"))
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """With $PSERVER_TEST_TRACE set (.ci/run sets it), each test's id and start time are appended
+    there first: a run cut off by CI's time limit still says which test it was in."""
+    trace = os.environ.get("PSERVER_TEST_TRACE")
+    if trace:
+        with open(trace, "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {nodeid}\n")
 
 
 @pytest.fixture
