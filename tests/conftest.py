@@ -5,6 +5,7 @@ import pathlib
 import threading
 import time
 
+import grpc
 import pytest
 
 from pserver.config import ServerConfig
@@ -23,6 +24,15 @@ def pytest_runtest_logstart(nodeid, location):
     if trace:
         with open(trace, "a") as f:
             f.write(f"{time.strftime('%H:%M:%S')} {nodeid}\n")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def grpc_core_stays_up():
+    """One idle channel for the whole session, never closed. Each gRPC channel and server holds a
+    reference on gRPC core, which shuts down (grpc_shutdown, waiting for its threads) whenever the
+    last one goes; that teardown can deadlock on the GIL (grpc/grpc#42247), at whatever test drops
+    the last reference. Held here, the core starts once and ends with the pytest process."""
+    yield grpc.insecure_channel("127.0.0.1:9")   # never connects: no call is made on it
 
 
 @pytest.fixture
