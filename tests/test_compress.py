@@ -14,7 +14,7 @@ from pserver import codec, compress
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.client import PSClient
-from pserver.errors import ConfigError
+from pserver.errors import ConfigError, InvalidArgument
 from tests.test_server import LAYOUT, raw_push, ready_client
 
 SPECS = [compress.parse(s) for s in ("bf16", "fp16", "topk:0.1", "topk:1", "sign")]
@@ -180,6 +180,43 @@ def test_the_shards_bf16_encoder_matches_its_numpy_twin(w):
     out = np.empty(w.size, np.uint16)
     compress.bf16_encode(w, out)
     np.testing.assert_array_equal(out, compress.bf16_bits(w))
+
+
+def test_bf16_rounds_ties_to_even_in_the_kernel_and_its_twin():
+    # upper half even or odd, lower half just below, at and just above the halfway point
+    upper = np.array([0x3F80, 0x3F81], np.uint32)              # 1.0 and the bf16 number above it
+    lower = np.array([0x7FFF, 0x8000, 0x8001], np.uint32)
+    u = (upper[:, None] << 16 | lower[None, :]).reshape(-1)
+    want = np.array([0x3F80, 0x3F80, 0x3F81,                  # even: a tie stays
+                     0x3F81, 0x3F82, 0x3F82], np.uint16)      # odd: a tie goes up to even
+    out = np.empty(u.size, np.uint16)
+    compress.bf16_encode(u.view(np.float32), out)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(compress.bf16_bits(u.view(np.float32)), want)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 64, 77])
+def test_a_bf16_pull_is_made_a_chunk_at_a_time(chunk_bytes):
+    params = np.linspace(-1, 1, 101, dtype=np.float32)
+    blocks = list(compress.pull_payload(params, "bf16", chunk_bytes))
+    np.testing.assert_array_equal(np.concatenate(blocks), compress.bf16_bits(params))
+    full = max(2, chunk_bytes - chunk_bytes % 2)              # whole uint16s, at least one
+    assert all(b.nbytes == full for b in blocks[:-1]) and 0 < blocks[-1].nbytes <= full
+    assert compress.pull_payload(params, "", chunk_bytes) == [params]
+
+
+def test_the_worker_refuses_a_pull_the_shard_sent_wrong():
+    dest = np.empty(4, np.float32)
+    scratch = lambda n: np.empty(n, np.uint16)  # noqa: E731
+    with pytest.raises(InvalidArgument, match="num_elements: shard sent 3, expected 4"):
+        compress.receive_pull(pb.TensorHeader(num_elements=3), iter(()), dest, scratch)
+    with pytest.raises(InvalidArgument, match="compression: the shard sent a pull as 'zstd'"):
+        compress.receive_pull(pb.TensorHeader(num_elements=4, compression="zstd"), iter(()), dest, scratch)
+
+
+@pytest.mark.parametrize("text, want", [("", "none"), (None, "none"), ("none", "none"), ("bf16", "bf16")])
+def test_pull_compress_defaults_to_none(text, want):
+    assert compress.parse_pull(text) == want
 
 
 @pytest.mark.parametrize("chunk_bytes", [1 << 20, 64, 77])   # one message; many; uint16s across chunks
