@@ -61,8 +61,10 @@ from _util import machine, machine_lines, positive_ints, result_path, summary, t
 
 MLP_WIDTHS = (784, 256, 256, 10)
 SIM_MAX_SIZE = 64
-BACKENDS = ("numpy", "cpu", "cuda", "cupy")
-SECTIONS = ("matmul", "mlp", "cnn")
+CUDA_TILES = (16, 64, 128)
+BACKENDS = ("numpy", "cpu", "cpu1", "cuda", *(f"cuda-t{t}" for t in CUDA_TILES), "cupy", "torch")
+# torch: the MLP's and the products' rows come from cupy (cuBLAS); torch times the CNN on the GPU.
+SECTIONS = ("matmul", "mlp", "cnn", "gpu-cnn")
 
 
 # -- what there is to run on ---------------------------------------------------------------
@@ -136,11 +138,13 @@ def matmul_row(backend: str, n: int, st: dict, rng):
     if backend == "numpy":
         c = np.empty((n, n), np.float32)
         return (lambda: np.dot(a, b, out=c)), _nothing
-    if backend == "cpu":
+    if backend in ("cpu", "cpu1"):
         from pserver.kernels import cpu
         c, bias = np.empty((n, n), np.float32), np.zeros(n, np.float32)
         return (lambda: cpu.dense_forward(a, b, bias, c, False)), _nothing
-    if backend == "cuda":
+    if backend == "torch":
+        return "torch: CNN rows only (cupy is the cuBLAS reference)"
+    if backend.startswith("cuda"):
         if st["cuda"]:
             return st["cuda"]
         if st["simulator"] and n > SIM_MAX_SIZE:
@@ -170,18 +174,25 @@ def mlp_row(backend: str, batch: int, st: dict, rng):
     g = np.empty_like(w)
     x = rng.standard_normal((batch, MLP_WIDTHS[0]), dtype=np.float32)
     y = rng.integers(0, MLP_WIDTHS[-1], batch).astype(np.int32)
-    if backend in ("numpy", "cpu"):
+    if backend in ("numpy", "cpu", "cpu1"):
         model = host if backend == "numpy" else make_model(
             "mlp", MLP_WIDTHS[0], MLP_WIDTHS[-1], hidden=MLP_WIDTHS[1:-1], backend="cpu")
         return (lambda: model.loss_and_grad(w, x, y, g)), _nothing
-    if backend == "cuda":
+    if backend == "torch":
+        return "torch: CNN rows only (cupy is the cuBLAS reference)"
+    if backend.startswith("cuda"):
         if st["cuda"]:
             return st["cuda"]
         if st["simulator"]:
             return "simulator: the 784-wide layer alone is thousands of simulated blocks per step"
         model = make_model("mlp", MLP_WIDTHS[0], MLP_WIDTHS[-1], hidden=MLP_WIDTHS[1:-1],
                            backend="cuda")
-        return (lambda: model.loss_and_grad(w, x, y, g)), _nothing   # it waits for its copy
+
+        def step():
+            model.loss_and_grad(w, x, y, g)   # it waits for its copy
+        # Where a step's time goes: CUDA events between upload, compute and download.
+        step.split = lambda: model.loss_and_grad(w, x, y, g, timings=True)[1]
+        return step, _nothing
     cp = st["cupy"]
     if isinstance(cp, str):
         return cp
@@ -411,6 +422,201 @@ def render_cnn(rows: list[dict]) -> str:
     return "\n".join([text, *(f"  {n}" for n in dict.fromkeys(notes))])
 
 
+# -- the CNN on the GPU: our kernels against cuDNN -------------------------------------------------
+#
+# Two tables (section gpu-cnn), float32 on both sides, TF32 off in PyTorch, cuDNN free to pick its
+# fastest algorithm (cudnn.benchmark):
+#   conv2d   one Conv2D layer's forward + backward (output, weight, bias and input gradients) on
+#            device-resident data: pserver.kernels.cuda (channels-last) against
+#            torch.nn.functional.conv2d (cuDNN, channels-first), checked equal first.
+#   step     one training step of the reference CNN: ours is CudaSequential.loss_and_grad as the
+#            worker calls it (weights and batch up, gradient down, through pinned buffers), with
+#            its compute part from CUDA events beside it; torch's is forward + backward on data
+#            already on the GPU (no copies): its numbers favour torch.
+
+# (name, input h = w, channels, filters, kernel, padding): the reference CNN's convolution, and the
+# shape a second convolution would have after its pooling.
+GPU_CONVS = (("conv1 28x28x1->32", 28, 1, 32, 3, "valid"), ("conv2 13x13x32->64", 13, 32, 64, 3, "same"))
+
+
+def torch_gpu_status():
+    """(torch, None) or (None, why not)."""
+    try:
+        import torch
+    except ImportError:
+        return None, "torch not installed"
+    if not torch.cuda.is_available():
+        return None, "torch sees no GPU"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = True
+    return torch, None
+
+
+def gpu_baselines() -> dict:
+    """The GPU reference libraries' versions and math modes, as measured rows name them."""
+    out = {}
+    torch, why = torch_gpu_status()
+    if torch:
+        out["torch"] = {"version": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+                        "cuda": torch.version.cuda, "allow_tf32": {
+                            "matmul": torch.backends.cuda.matmul.allow_tf32,
+                            "cudnn": torch.backends.cudnn.allow_tf32}}
+    else:
+        out["torch"] = why
+    try:
+        import cupy
+        from cupy_backends.cuda.libs import cublas
+        out["cupy"] = {"version": cupy.__version__,
+                       "cublas": cublas.getVersion(cupy.cuda.device.get_cublas_handle()),
+                       "CUPY_TF32": os.environ.get("CUPY_TF32", "0 (unset: fp32 math)")}
+    except Exception as e:  # noqa: BLE001 - not there, or no GPU: say so
+        out["cupy"] = f"{type(e).__name__}: {e}".splitlines()[0]
+    try:
+        from numba import cuda
+        dev = cuda.get_current_device()
+        out["gpu"] = {"name": dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name),
+                      "compute_capability": list(dev.compute_capability),
+                      "multiprocessors": dev.MULTIPROCESSOR_COUNT,
+                      "driver": ".".join(map(str, cuda.cudadrv.driver.driver.get_version()))}
+    except Exception as e:  # noqa: BLE001
+        out["gpu"] = f"{type(e).__name__}: {e}".splitlines()[0]
+    return out
+
+
+def conv_pair(torch, n: int, hw: int, c: int, f: int, k: int, pad: str, rng):
+    """{"cuda": fn, "torch": fn}, each one conv forward + backward, checked equal first."""
+    from numba import cuda
+    from pserver.kernels import conv_output
+    from pserver.kernels import cuda as K
+    oh, top = conv_output(hw, k, 1, pad)
+    x = rng.standard_normal((n, hw, hw, c), dtype=np.float32)
+    w = (rng.standard_normal((k, k, c, f)) / np.sqrt(k * k * c)).astype(np.float32)
+    b = rng.standard_normal(f).astype(np.float32)
+    dy = rng.standard_normal((n, oh, oh, f), dtype=np.float32)
+    dx_, dw_, db_ = (cuda.device_array(s, np.float32) for s in (x.shape, w.shape, (f,)))
+    xd, wd, bd, dyd = (cuda.to_device(a) for a in (x, w, b, dy))
+    out = cuda.device_array(dy.shape, np.float32)
+
+    def ours():
+        K.conv2d_forward(xd, wd, bd, out, 1, 1, top, top, False)
+        K.conv2d_backward(xd, wd, dyd, dx_, dw_, db_, 1, 1, top, top)
+
+    dev = torch.device("cuda")
+    xt = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()).to(dev).requires_grad_(True)
+    wt = torch.from_numpy(w.transpose(3, 2, 0, 1).copy()).to(dev).requires_grad_(True)
+    bt = torch.from_numpy(b).to(dev).requires_grad_(True)
+    dyt = torch.from_numpy(dy.transpose(0, 3, 1, 2).copy()).to(dev)
+    F = torch.nn.functional
+
+    def theirs():
+        for t in (xt, wt, bt):
+            t.grad = None
+        yt = F.conv2d(xt, wt, bt, padding=top)
+        yt.backward(dyt)
+        return yt
+
+    yt = theirs()
+    ours()
+    cuda.synchronize()
+    torch.cuda.synchronize()
+    rel = lambda got, want: float(np.linalg.norm(got - want) / np.linalg.norm(want))  # noqa: E731
+    errs = {"out": rel(out.copy_to_host(), yt.detach().cpu().numpy().transpose(0, 2, 3, 1)),
+            "dw": rel(dw_.copy_to_host(), wt.grad.cpu().numpy().transpose(2, 3, 1, 0)),
+            "db": rel(db_.copy_to_host(), bt.grad.cpu().numpy()),
+            "dx": rel(dx_.copy_to_host(), xt.grad.cpu().numpy().transpose(0, 2, 3, 1))}
+    assert max(errs.values()) < 1e-3, f"conv2d differs from cuDNN: {errs}"
+    flops = 3 * 2 * n * oh * oh * f * k * k * c     # forward, weight and input gradients
+    return {"cuda": ours, "torch": theirs}, {"cuda": cuda.synchronize, "torch": torch.cuda.synchronize}, flops, errs
+
+
+def cnn_step_pair(torch, n: int, rng):
+    """{"cuda": our worker's step, "torch": forward + backward on device-resident data}."""
+    from pserver.models import make_model
+    model = make_model("cnn", (CNN_IMAGE, CNN_IMAGE, 1), CNN_CLASSES, backend="cuda")
+    cpu = make_model("cnn", (CNN_IMAGE, CNN_IMAGE, 1), CNN_CLASSES, backend="cpu")
+    w = model.init_params(n)
+    g, g_cpu = np.empty_like(w), np.empty_like(w)
+    x = rng.standard_normal((n, CNN_IMAGE, CNN_IMAGE, 1), dtype=np.float32)
+    y = rng.integers(0, CNN_CLASSES, n).astype(np.int32)
+    loss, loss_cpu = model.loss_and_grad(w, x, y, g), cpu.loss_and_grad(w, x, y, g_cpu)
+    assert abs(loss - loss_cpu) < 1e-4 * max(1.0, loss_cpu), (loss, loss_cpu)
+    assert np.linalg.norm(g - g_cpu) < 1e-4 * np.linalg.norm(g_cpu), "GPU and CPU gradients differ"
+
+    def ours():
+        model.loss_and_grad(w, x, y, g)
+    ours.split = lambda: model.loss_and_grad(w, x, y, g, timings=True)[1]
+
+    kc = KernelCNN(n, rng)    # the same network, torch's layout (see torch_cnn)
+    net = torch_cnn(torch, kc).cuda()
+    lossf = torch.nn.CrossEntropyLoss()
+    xt = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()).cuda()
+    yt = torch.from_numpy(y.astype(np.int64)).cuda()
+
+    def theirs():
+        net.zero_grad(set_to_none=False)
+        lossf(net(xt), yt).backward()
+
+    return {"cuda": ours, "torch": theirs}, {"cuda": _nothing, "torch": torch.cuda.synchronize}
+
+
+def gpu_cnn_rows(args) -> list[dict]:
+    torch, why = torch_gpu_status()
+    st = gpu_status()
+    if st["cuda"] or st["simulator"] or torch is None:
+        reason = st["cuda"] or ("the CUDA simulator is on" if st["simulator"] else why)
+        return [{"kind": "gpu-cnn", "skipped": reason}]
+    rows = []
+    for n in args.cnn_batches:
+        for name, hw, c, f, k, pad in GPU_CONVS:
+            fns, syncs, flops, errs = conv_pair(torch, n, hw, c, f, k, pad, np.random.default_rng(n))
+            for backend, fn in fns.items():
+                r = measure(fn, syncs[backend], args)
+                rows.append({"kind": "conv2d", "size": n, "layer": name, "backend": backend, **r,
+                             "gflops": flops / r["seconds"] / 1e9, "rel_error_vs_cudnn": errs})
+                print(f"  conv2d {name} batch {n} {backend}: {r['seconds'] * 1e3:.3f} ms",
+                      file=sys.stderr, flush=True)
+        fns, syncs = cnn_step_pair(torch, n, np.random.default_rng(n))
+        for backend, fn in fns.items():
+            r = {"kind": "cnn-step", "size": n, "backend": backend, **measure(fn, syncs[backend], args)}
+            r["samples_per_second"] = n / r["seconds"]
+            if hasattr(fn, "split"):
+                splits = [fn.split() for _ in range(max(args.min_runs, 20))]
+                r["split_ms"] = {key: summary([sp[key] for sp in splits])[0] for key in splits[0]}
+            rows.append(r)
+            print(f"  cnn step batch {n} {backend}: {r['seconds'] * 1e3:.3f} ms", file=sys.stderr, flush=True)
+    return rows
+
+
+def run_gpu_cnn_alone(args) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--cnn-batches",
+                ",".join(map(str, args.cnn_batches)), *_timing_argv(args), "--child-gpu-cnn-json", str(out)]
+        r = subprocess.run(argv)
+        if r.returncode != 0:
+            return [{"kind": "gpu-cnn", "skipped": f"the measuring process exited with {r.returncode}"}]
+        return json.loads(out.read_text())
+
+
+def render_gpu_cnn(rows: list[dict]) -> str:
+    if rows and "skipped" in rows[0]:
+        return f"  skipped: {rows[0]['skipped']}"
+    out = []
+    for r in rows:
+        what = r.get("layer", "whole step")
+        base = next((b for b in rows if b["kind"] == r["kind"] and b["size"] == r["size"]
+                     and b.get("layer") == r.get("layer") and b["backend"] == "torch"), None)
+        split = r.get("split_ms")
+        out.append([str(r["size"]), what, r["backend"], f"{r['seconds'] * 1e3:.3f}",
+                    f"{r['gflops']:,.0f}" if "gflops" in r else f"{r['samples_per_second']:,.0f}",
+                    f"{base['seconds'] / r['seconds']:.2f}x" if base else "-",
+                    "/".join(f"{split[k]:.3f}" for k in ("h2d", "compute", "d2h")) if split else "",
+                    str(r["runs"])])
+    return table(["batch", "what", "backend", "ms (median)", "GFLOP/s | samples/s", "vs torch",
+                  "h2d/compute/d2h ms", "runs"], out, left=2)
+
+
 # -- report ------------------------------------------------------------------------------------
 
 def run_rows(kind: str, sizes, st: dict, args) -> list[dict]:
@@ -423,6 +629,9 @@ def run_rows(kind: str, sizes, st: dict, args) -> list[dict]:
                 rows.append({**row, "skipped": made})
                 continue
             row.update(measure(*made, args))
+            if hasattr(made[0], "split"):
+                splits = [made[0].split() for _ in range(max(args.min_runs, 20))]
+                row["split_ms"] = {k: summary([sp[k] for sp in splits])[0] for k in splits[0]}
             if kind == "matmul":
                 row["gflops"] = 2 * n ** 3 / row["seconds"] / 1e9
             else:
@@ -444,7 +653,14 @@ def run_backend_alone(backend: str, args) -> list[dict]:
         argv = [sys.executable, str(Path(__file__).resolve()), "--backends", backend,
                 "--sizes", ",".join(map(str, args.sizes)), "--batches", ",".join(map(str, args.batches)),
                 "--sections", ",".join(args.sections), *_timing_argv(args), "--child-json", str(out)]
-        subprocess.run(argv, check=True)
+        # cpu1: the CPU kernels on one core (every library one thread), the issue's baseline
+        # for a GPU step.
+        r = subprocess.run(argv, env={**os.environ, **(ONE_THREAD if backend == "cpu1" else {})})
+        if r.returncode != 0:     # its traceback is above; the other backends' rows still count
+            why = f"{backend}: the measuring process exited with {r.returncode}"
+            return [{"kind": kind, "size": n, "backend": backend, "skipped": why}
+                    for kind, sizes in (("matmul", args.sizes), ("mlp", args.batches))
+                    if kind in args.sections for n in sizes]
         return json.loads(out.read_text())
 
 
@@ -455,7 +671,11 @@ def _timing_argv(args) -> list[str]:
 
 def child(args) -> int:
     """--child-json: measure args.backends here, write the rows, print nothing on stdout."""
-    st = gpu_status() if set(args.backends) & {"cuda", "cupy"} else {}
+    st = gpu_status() if any(b.startswith(("cuda", "cupy", "torch")) for b in args.backends) else {}
+    tiles = [int(b[len("cuda-t"):]) for b in args.backends if b.startswith("cuda-t")]
+    if tiles and not st.get("cuda"):
+        from pserver.kernels import cuda as kernels
+        kernels.FORCE_TILE = tiles[0]      # one backend per child process
     rows = [r for kind, sizes in (("matmul", args.sizes), ("mlp", args.batches))
             if kind in args.sections for r in run_rows(kind, sizes, st, args)]
     Path(args.child_json).write_text(json.dumps(rows))
@@ -464,7 +684,7 @@ def child(args) -> int:
 
 def add_ratios(rows: list[dict], metric: str) -> None:
     for r in rows:
-        for ref in ("numpy", "cupy"):
+        for ref in ("numpy", "cpu1", "cupy"):
             base = next((b for b in rows if b["size"] == r["size"] and b["backend"] == ref
                          and metric in b), None)
             if base and metric in r:
@@ -475,17 +695,20 @@ def render(rows: list[dict], metric: str, label: str, sim: bool) -> str:
     """The table, with each distinct reason for a skipped row once, as a note below it."""
     out, notes = [], []
     for r in rows:
-        name = r["backend"] + (" (simulator)" if sim and r["backend"] == "cuda" else "")
+        name = r["backend"] + (" (simulator)" if sim and r["backend"].startswith("cuda") else "")
         if "skipped" in r:
             if r["skipped"] not in notes:
                 notes.append(r["skipped"])
             out.append([str(r["size"]), name, f"skipped [{notes.index(r['skipped']) + 1}]",
-                        "", "", "", ""])
+                        "", "", "", "", "", ""])
             continue
-        ratio = [f"{r[k]:.2f}x" if k in r else "-" for k in ("vs_numpy", "vs_cupy")]
+        ratio = [f"{r[k]:.2f}x" if k in r else "-" for k in ("vs_numpy", "vs_cpu1", "vs_cupy")]
+        split = r.get("split_ms")
         out.append([str(r["size"]), name, f"{r['seconds'] * 1e3:.3f}", f"{r[metric]:,.1f}",
-                    *ratio, str(r["runs"])])
-    text = table(["size", "backend", "ms (median)", label, "vs numpy", "vs cupy", "runs"], out, left=2)
+                    *ratio, "/".join(f"{split[k]:.3f}" for k in ("h2d", "compute", "d2h")) if split else "",
+                    str(r["runs"])])
+    text = table(["size", "backend", "ms (median)", label, "vs numpy", "vs cpu1", "vs cupy",
+                  "h2d/compute/d2h ms", "runs"], out, left=2)
     return "\n".join([text, *(f"  [{i}] {n}" for i, n in enumerate(notes, 1))])
 
 
@@ -495,6 +718,9 @@ def main(argv=None) -> int:
         return child(args)
     if args.child_cnn_json:
         Path(args.child_cnn_json).write_text(json.dumps(cnn_rows(args)))
+        return 0
+    if args.child_gpu_cnn_json:
+        Path(args.child_gpu_cnn_json).write_text(json.dumps(gpu_cnn_rows(args)))
         return 0
     check_xp_step()
     st = gpu_status()
@@ -509,7 +735,7 @@ def main(argv=None) -> int:
     if st["simulator"]:
         print("NOTE: the CUDA rows ran in numba's CUDA simulator: they check that the kernels run, "
               "they say nothing about a GPU's speed")
-    rows = [r for b in args.backends if {"matmul", "mlp"} & set(args.sections)
+    rows = [r for b in args.backends if {"matmul", "mlp"} & set(args.sections) and b != "torch"
             for r in run_backend_alone(b, args)]
     rows.sort(key=lambda r: (r["size"], BACKENDS.index(r["backend"])))
     mm, mlp = ([r for r in rows if r["kind"] == kind] for kind in ("matmul", "mlp"))
@@ -527,11 +753,20 @@ def main(argv=None) -> int:
         print("\nreference CNN (Conv2D 32x3x3 relu, MaxPool 2, Dense 64 relu, Dense 10) forward + "
               "backward on one thread (size = batch; medians of wall and CPU time per step)")
         print(render_cnn(cnn))
+    gcnn = run_gpu_cnn_alone(args) if "gpu-cnn" in args.sections else []
+    if gcnn:
+        print("\nthe CNN on the GPU: one Conv2D layer forward + backward (GFLOP/s), and the reference "
+              "CNN's whole training step (samples/s), against PyTorch with cuDNN (fp32, TF32 off)")
+        print(render_gpu_cnn(gcnn))
+    baselines = gpu_baselines() if not st["cuda"] and not st["simulator"] else {}
+    if baselines:
+        print(f"GPU reference libraries: {json.dumps(baselines)}")
     doc = {"machine": host, "blas": blas_name(), "gpu": gpu, "simulator": st["simulator"],
+           "gpu_baselines": baselines,
            "timing": {"warmup": args.warmup, "warmup_seconds": args.warmup_seconds,
                       "min_runs": args.min_runs,
                       "min_seconds": args.min_seconds, "statistic": "median"},
-           "rows": mm + mlp + cnn}
+           "rows": mm + mlp + cnn + gcnn}
     path = result_path(args.json, "kernels.json")
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
@@ -572,6 +807,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                   "(default results/kernels.json)")
     p.add_argument("--child-json", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--child-cnn-json", metavar="PATH", help=argparse.SUPPRESS)
+    p.add_argument("--child-gpu-cnn-json", metavar="PATH", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

@@ -154,6 +154,142 @@ def matmul_bias_relu(A, B, bias, C, relu):
 MATMUL = {(ta, tb): _matmul_kernel(ta, tb) for ta in (False, True) for tb in (False, True)}
 
 
+# -- the register-blocked products -----------------------------------------------------------
+#
+# The tiled product above computes one element of C per thread: per multiply-add it reads two
+# floats from shared memory, so shared-memory bandwidth, not arithmetic, bounds it. These
+# kernels give each thread a TM x TN block of C held in registers. A block of
+# (BN / TN) x (BM / TM) = 16 x 16 threads computes a BM x BN tile of C; per step along K it
+# stages a BK-deep strip of op(A) (BM x BK) and op(B) (BK x BN) in shared memory, and each thread
+# then reads TM + TN floats per k for TM * TN multiply-adds. Thread (ty, tx) owns rows
+# ty + i * 16 and columns tx + j * 16 of the tile (strided, not contiguous): a warp's 32 threads
+# then read 16 consecutive floats of the B strip and 2 of the A strip (broadcasts), so shared
+# memory serves every read without bank conflicts, and C is written 16 floats at a time.
+# Shared strips are stored k-major (BK rows of BM + 4): the 4 extra floats per row put the
+# threads that store one column of a strip into different banks.
+
+BLOCKED_THREADS = 16          # threads along each side of a block: 256 per block
+
+
+def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool):
+    """A device function: acc[i, j] += (op(A) @ op(B))[r0 + ty + 16 i, c0 + tx + 16 j] over K.
+
+    bm, bn, bk and the flags are closure constants: numba compiles one branch-free function per
+    form, with every loop over TM, TN and BK of constant length, which the compiler unrolls so
+    that `acc`, `a` and `b` live in registers. Every thread of the block must call it (all
+    of them load strips and meet at the barriers).
+    """
+    tm, tn = bm // BLOCKED_THREADS, bn // BLOCKED_THREADS
+    threads = BLOCKED_THREADS * BLOCKED_THREADS
+    a_loads, b_loads = bm * bk // threads, bn * bk // threads
+    a_rows, b_rows = bm + 4, bn + 4           # padded strip rows (see above)
+
+    @cuda.jit(device=True)
+    def product(A, B, K, acc):
+        sA = cuda.shared.array((bk, a_rows), float32)
+        sB = cuda.shared.array((bk, b_rows), float32)
+        a = cuda.local.array(tm, float32)
+        b = cuda.local.array(tn, float32)
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        t = ty * BLOCKED_THREADS + tx
+        r0, c0 = cuda.blockIdx.y * bm, cuda.blockIdx.x * bn
+        for i in range(tm):
+            for j in range(tn):
+                acc[i, j] = float32(0.0)
+        for k0 in range(0, K, bk):
+            # sA[k, m] = op(A)[r0 + m, k0 + k]: consecutive threads read consecutive addresses
+            # of A as stored (along m when A is stored transposed, along k otherwise).
+            for s in range(a_loads):
+                e = t + s * threads
+                if trans_a:
+                    k, m = e // bm, e % bm
+                    i, j = k0 + k, r0 + m
+                else:
+                    m, k = e // bk, e % bk
+                    i, j = r0 + m, k0 + k
+                sA[k, m] = A[i, j] if i < A.shape[0] and j < A.shape[1] else float32(0.0)
+            # sB[k, n] = op(B)[k0 + k, c0 + n], the same way.
+            for s in range(b_loads):
+                e = t + s * threads
+                if trans_b:
+                    n, k = e // bk, e % bk
+                    i, j = c0 + n, k0 + k
+                else:
+                    k, n = e // bn, e % bn
+                    i, j = k0 + k, c0 + n
+                sB[k, n] = B[i, j] if i < B.shape[0] and j < B.shape[1] else float32(0.0)
+            # Both strips complete before any thread reads them.
+            cuda.syncthreads()
+            # Out-of-range elements were loaded as 0, so a ragged last strip adds nothing.
+            for k in range(bk):
+                for i in range(tm):
+                    a[i] = sA[k, ty + i * BLOCKED_THREADS]
+                for j in range(tn):
+                    b[j] = sB[k, tx + j * BLOCKED_THREADS]
+                for i in range(tm):
+                    for j in range(tn):
+                        acc[i, j] += a[i] * b[j]
+            # Every thread done reading before the next step overwrites the strips.
+            cuda.syncthreads()
+
+    return product
+
+
+def _blocked_kernels(bm: int, bk: int):
+    """{(trans_a, trans_b): C[:] = op(A) @ op(B)} and the dense forward (x @ W + bias, ReLU),
+    for square bm x bm tiles of C."""
+    tm = bm // BLOCKED_THREADS
+
+    def plain(trans_a, trans_b):
+        product = _blocked_product(bm, bm, bk, trans_a, trans_b)
+
+        @cuda.jit
+        def matmul(A, B, C):
+            """C[:] = op(A) @ op(B)."""
+            acc = cuda.local.array((tm, tm), float32)
+            product(A, B, A.shape[0] if trans_a else A.shape[1], acc)
+            r0 = cuda.blockIdx.y * bm + cuda.threadIdx.y
+            c0 = cuda.blockIdx.x * bm + cuda.threadIdx.x
+            for i in range(tm):
+                row = r0 + i * BLOCKED_THREADS
+                if row < C.shape[0]:
+                    for j in range(tm):
+                        col = c0 + j * BLOCKED_THREADS
+                        if col < C.shape[1]:
+                            C[row, col] = acc[i, j]
+
+        return matmul
+
+    product_nn = _blocked_product(bm, bm, bk, False, False)
+
+    @cuda.jit
+    def dense(A, B, bias, C, relu):
+        """C[:] = A @ B + bias, then ReLU if `relu`."""
+        acc = cuda.local.array((tm, tm), float32)
+        product_nn(A, B, A.shape[1], acc)
+        r0 = cuda.blockIdx.y * bm + cuda.threadIdx.y
+        c0 = cuda.blockIdx.x * bm + cuda.threadIdx.x
+        for i in range(tm):
+            row = r0 + i * BLOCKED_THREADS
+            if row < C.shape[0]:
+                for j in range(tm):
+                    col = c0 + j * BLOCKED_THREADS
+                    if col < C.shape[1]:
+                        v = acc[i, j] + bias[col]
+                        # `v < 0` keeps NaN, as the tiled kernel does.
+                        if relu and v < 0:
+                            v = float32(0.0)
+                        C[row, col] = v
+
+    return {(ta, tb): plain(ta, tb) for ta in (False, True) for tb in (False, True)}, dense
+
+
+# Tile side of C -> (the four product forms, the dense forward). 128: 8 x 8 floats of C per
+# thread, K strips 8 deep (2 x 8 x 132 floats: 8.4 KB of shared memory per block);
+# 64: 4 x 4 per thread, strips 16 deep (2 x 16 x 68 floats: 8.7 KB).
+BLOCKED = {128: _blocked_kernels(128, 8), 64: _blocked_kernels(64, 16)}
+
+
 # -- elementwise, column and row kernels ---------------------------------------------------
 
 @cuda.jit
@@ -582,10 +718,52 @@ def matmul(A, B, C, trans_a=False, trans_b=False, *, stream=0):
     if K != K2 or C.shape != (M, N):
         raise ValueError(f"matmul: op(A) is {(M, K)}, op(B) is {(K2, N)}, C is {C.shape}")
     if M and N:
-        # One thread per element of C, TILE x TILE per block, blocks covering C's columns (x)
-        # and rows (y); the last row and column of blocks may hang over C's edges.
+        matmul_tiled(A, B, C, trans_a, trans_b, tile_for(M, N), stream=stream)
+
+
+def matmul_tiled(A, B, C, trans_a, trans_b, tile, *, stream=0):
+    """matmul with a chosen kernel: tile 16 (one element of C per thread) or 64 or 128
+    (register-blocked); shapes already checked. Blocks cover C's columns (x) and rows (y);
+    the last row and column of blocks may hang over C's edges."""
+    M, N = C.shape
+    if tile == TILE:
         MATMUL[bool(trans_a), bool(trans_b)][(_blocks(N, TILE), _blocks(M, TILE)),
                                              (TILE, TILE), stream](A, B, C)
+    else:
+        BLOCKED[tile][0][bool(trans_a), bool(trans_b)][
+            (_blocks(N, tile), _blocks(M, tile)), (BLOCKED_THREADS, BLOCKED_THREADS), stream](A, B, C)
+
+
+def tile_for(M: int, N: int) -> int:
+    """The side of C's tile per block for an M x N product: the largest register-blocked tile
+    (128, then 64) that still gives every multiprocessor a block; else 16, the one-element-per-
+    thread kernel, whose many small blocks keep small products spread over the GPU."""
+    if FORCE_TILE is not None:
+        return FORCE_TILE
+    sms = _multiprocessors()
+    for tile in (128, 64):
+        if _blocks(M, tile) * _blocks(N, tile) >= sms:
+            return tile
+    return TILE
+
+
+_SMS: list[int] = []
+# 16, 64 or 128: every product and dense forward takes that kernel (bench/kernels.py times each
+# this way); None: tile_for chooses.
+FORCE_TILE: int | None = None
+
+
+# The simulator has no multiprocessor count; it takes an H100's, so that a product takes the
+# kernel it would take on that GPU (the tests call each kernel by its tile as well).
+SIMULATED_MULTIPROCESSORS = 132
+
+
+def _multiprocessors() -> int:
+    """The current device's multiprocessor count, read once."""
+    if not _SMS:
+        _SMS.append(SIMULATED_MULTIPROCESSORS if cuda.config.ENABLE_CUDASIM
+                    else int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
+    return _SMS[0]
 
 
 def dense_forward(x, W, b, out, relu, *, stream=0):
@@ -594,9 +772,18 @@ def dense_forward(x, W, b, out, relu, *, stream=0):
     if x.shape[1] != W.shape[0] or (x.shape[0], W.shape[1]) != (n, o) or b.shape != (o,):
         raise ValueError(f"dense_forward: x {x.shape}, W {W.shape}, b {b.shape}, out {out.shape}")
     if n and o:
-        # As matmul: TILE x TILE threads per block, one per element of out.
+        dense_forward_tiled(x, W, b, out, relu, tile_for(n, o), stream=stream)
+
+
+def dense_forward_tiled(x, W, b, out, relu, tile, *, stream=0):
+    """dense_forward with a chosen kernel, as matmul_tiled; shapes already checked."""
+    n, o = out.shape
+    if tile == TILE:
         matmul_bias_relu[(_blocks(o, TILE), _blocks(n, TILE)), (TILE, TILE), stream](
             x, W, b, out, bool(relu))
+    else:
+        BLOCKED[tile][1][(_blocks(o, tile), _blocks(n, tile)),
+                         (BLOCKED_THREADS, BLOCKED_THREADS), stream](x, W, b, out, bool(relu))
 
 
 def column_sum(a, out, *, stream=0):

@@ -80,8 +80,8 @@ def on_device(model, backend: str):
     if backend == "cuda":
         model.build()
         get_backend("cuda")  # numba.cuda missing: a ConfigError naming --device, not a traceback
-        from pserver.models.cuda import CudaDenseModel
-        return CudaDenseModel(model)
+        from pserver.models.cuda import CudaSequential
+        return CudaSequential(model)
     return model.use_backend(backend)
 
 

@@ -1,12 +1,15 @@
-"""The dense models on a CUDA GPU: weights, activations and gradients stay on the device.
+"""Sequential models on a CUDA GPU: weights, activations and gradients stay on the device.
 
-`CudaDenseModel` has the interface of every `Model` (layout, init_params, loss_and_grad,
+`CudaSequential` has the interface of every `Model` (layout, init_params, loss_and_grad,
 evaluate), so the worker loop runs it unchanged; `on_device(model, "cuda")` builds one from a
-Sequential of Dense layers (ReLU between them, a linear last layer: mlp, logreg, linreg and
-their like). Other layers run on the CPU for now; asking for cuda with them is a ConfigError.
-Per training step, all on this thread's CUDA stream, in order:
+Sequential. It runs the Sequential's own layer objects, their forward and backward passes
+unchanged, with `pserver.kernels.cuda` on device arrays in place of the CPU kernels: Dense,
+Conv2D, MaxPooling2D, AveragePooling2D, Flatten and Dropout, with any of their activations,
+and the sparse categorical cross-entropy or MSE loss (mlp, logreg, linreg, cnn and a user's
+model of those layers). Other layers (Embedding, the CTR models) are a ConfigError naming the
+layer. Per training step, all on this thread's CUDA stream, in order:
 
-    host -> device   the pulled flat weight vector w (P floats), the batch x (n x features)
+    host -> device   the pulled flat weight vector w (P floats), the batch x (n x input shape)
                      and its labels or targets y (n): each staged through a pinned host buffer,
                      so the copy is a true async DMA (from pageable memory the driver would
                      stage it itself, synchronously)
@@ -17,11 +20,13 @@ Per training step, all on this thread's CUDA stream, in order:
 
 The per-thread state (stream, pinned buffers, device buffers per batch size) mirrors the CPU
 model's per-thread buffers: a worker may evaluate in one thread while it trains in another.
-Everything is float32, as on the wire.
+Everything is float32, as on the wire. `timings=True` on loss_and_grad records CUDA events
+between the three phases (bench/kernels.py reads them; the worker does not ask).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -30,94 +35,113 @@ from numba import cuda
 from pserver.device import current_index
 from pserver.errors import ConfigError
 from pserver.kernels import get_backend
-from pserver.layers import Dense
+from pserver.layers import AveragePooling2D, Conv2D, Dense, Dropout, Flatten, MaxPooling2D
+from pserver.layers.base import Pass
 from pserver.models import losses, metrics
 from pserver.models.base import _MAX_CACHED_BATCH_SIZES, Model
 from pserver.models.sequential import Sequential
 
+# The layers whose every pass has a CUDA kernel.
+DEVICE_LAYERS = (Dense, Conv2D, MaxPooling2D, AveragePooling2D, Flatten, Dropout)
 
-class CudaDenseModel(Model):
-    """A Sequential of Dense layers whose math runs in `pserver.kernels.cuda`."""
+
+class CudaSequential(Model):
+    """A Sequential whose math runs in `pserver.kernels.cuda`, on device arrays."""
 
     def __init__(self, host: Sequential):
-        _check_dense_only(host)
+        _check_device_layers(host)
         # The host model checks batches and initialises; its layout is ours, tensor for tensor.
         self.host, self.name, self.layout = host, host.name, host.layout
         self.task, self.num_classes, self.in_features = host.task, host.num_classes, host.in_features
-        dense = host.layers
-        self.widths = (host.in_features, *(layer.units for layer in dense))
-        self.tensor_names = [(f"{d.name}/kernel", f"{d.name}/bias") for d in dense]
-        self.hidden = self.widths[1:-1]
+        self.layers = host.layers
         self.kernels = get_backend("cuda")
+        self._seeds = host._seeds
         self._local = threading.local()
         # The device that is current now (pserver.device.select made it so). Other threads
         # would otherwise start on device 0, so every call enters this one explicitly.
         self.device_id = current_index()
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.widths) - 1
 
     def init_params(self, seed):
         return self.host.init_params(seed)
 
     # -- training --------------------------------------------------------------------------
 
-    def loss_and_grad(self, w, x, y, grad_out):
+    def loss_and_grad(self, w, x, y, grad_out, seed: int | None = None, timings: bool = False):
+        """As Sequential.loss_and_grad. With `timings`, returns (loss, {"h2d", "compute",
+        "d2h"}: milliseconds between CUDA events recorded on the step's stream)."""
         x, y = self._check(w, x, y)
         if (grad_out.shape != w.shape or grad_out.dtype != w.dtype
                 or not grad_out.flags.c_contiguous):
             raise ValueError(f"grad_out must be a C-contiguous {w.dtype} vector of shape "
                              f"{w.shape}, got {grad_out.dtype} {grad_out.shape} with strides "
                              f"{grad_out.strides}")
+        run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
         with cuda.gpus[self.device_id]:
             st = self._state()
             b, s = st.batch(self, x.shape[0]), st.stream
+            events = [cuda.event() for _ in range(4)] if timings else None
+            _record(events, 0, s)
             st.upload_weights(w)
             b.upload(x, y, s)
-            self._forward_on_device(st.params, b, s)
-            self._loss_on_device(b, s)
-            self._backward_on_device(st.params, b, st.grads, s)
+            _record(events, 1, s)
+            acts = self._forward_on_device(st.layer_params, b, s, run)
+            self._loss_on_device(acts[-1], b, b.douts[-1], s)
+            self._backward_on_device(st.layer_params, st.layer_grads, acts, b, s)
+            _record(events, 2, s)
             st.g.copy_to_host(st.g_host, stream=s)
             b.loss.copy_to_host(st.loss_host, stream=s)
+            _record(events, 3, s)
             # The step's one wait: after it the gradient and the loss are in pinned memory,
             # and the staging buffers are free for the next step.
             s.synchronize()
         np.copyto(grad_out, st.g_host)
         if self._loss_scale != 1:
             grad_out *= np.float32(self._loss_scale)   # linear in the output's gradient
-        return float(st.loss_host[0]) * self._loss_scale
+        loss = float(st.loss_host[0]) * self._loss_scale
+        if not timings:
+            return loss
+        ms = [events[i].elapsed_time(events[i + 1]) for i in range(3)]
+        return loss, dict(zip(("h2d", "compute", "d2h"), ms))
 
     @property
     def _loss_scale(self) -> float:
         """The mse kernel computes half the squared error; Keras's MSE is twice that."""
         return 2.0 if self.task == "regression" else 1.0
 
-    def _forward_on_device(self, params, b, stream):
-        """b.acts[i] = output of layer i (post-ReLU for hidden layers, logits/pred for the last)."""
-        inp = b.x
-        for i in range(self.num_layers):
-            last = i == self.num_layers - 1
-            kernel, bias = self.tensor_names[i]
-            self.kernels.dense_forward(inp, params[kernel], params[bias], b.acts[i],
-                                       not last, stream=stream)
-            inp = b.acts[i]
+    def _forward_on_device(self, params, b, stream, run) -> list:
+        """[input, output of layer 0, output of layer 1, ...], as Sequential._forward."""
+        k, acts = _OnStream(self.kernels, stream), [b.x]
+        for layer, p, out, sc in zip(self.layers, params, b.outs, b.scratch):
+            inp = acts[-1]
+            if layer.reshapes_only:
+                out = inp.reshape(inp.shape[0], *layer.output_shape)
+            elif isinstance(layer, Dropout) and not (run.training and layer.rate > 0):
+                out.copy_to_device(inp, stream=stream)     # the identity, device to device
+            else:
+                layer.forward(k, p, inp, out, sc, run)
+            acts.append(out)
+        return acts
 
-    def _loss_on_device(self, b, stream):
-        """b.deltas[-1] = d loss / d output; b.loss[0] = the mean loss, left on the device."""
+    def _loss_on_device(self, out, b, dout, stream):
+        """dout = d loss / d output; b.loss[0] = the mean loss, left on the device."""
         into = (self.kernels.softmax_xent_into if self.task == "classification"
                 else self.kernels.mse_into)
-        into(b.acts[-1], b.y, b.deltas[-1], b.row_loss, b.loss, stream=stream)
+        into(out, b.y, dout, b.row_loss, b.loss, stream=stream)
 
-    def _backward_on_device(self, params, b, grads, stream):
-        """Deltas from the top down (the ReLU mask fused), gradients into the flat vector."""
-        k = self.kernels
-        for i in range(self.num_layers - 1, 0, -1):
-            kernel, bias = self.tensor_names[i]
-            k.dense_backward(b.acts[i - 1], params[kernel], b.deltas[i], grads[kernel],
-                             grads[bias], b.deltas[i - 1], True, stream=stream)
-        kernel, bias = self.tensor_names[0]
-        k.dense_param_grads(b.x, b.deltas[0], grads[kernel], grads[bias], stream=stream)
+    def _backward_on_device(self, params, grads, acts, b, stream):
+        """From the top down, as Sequential._backward: gradients into the flat vector's views."""
+        k = _OnStream(self.kernels, stream)
+        for i in range(len(self.layers) - 1, -1, -1):
+            layer = self.layers[i]
+            if layer.reshapes_only:
+                continue
+            dx = b.douts[i - 1] if self.host._needs_dx[i] else None
+            if isinstance(layer, Dropout) and layer.rate == 0:
+                if dx is not None:
+                    dx.copy_to_device(b.douts[i], stream=stream)
+                continue
+            layer.backward(k, params[i], grads[i], acts[i], acts[i + 1], b.douts[i], dx,
+                           b.scratch[i])
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -131,9 +155,9 @@ class CudaDenseModel(Model):
                 xb, yb = x[a:a + batch_size], y[a:a + batch_size]
                 b, s = st.batch(self, xb.shape[0]), st.stream
                 b.upload(xb, yb, s)
-                self._forward_on_device(st.params, b, s)
-                self._loss_on_device(b, s)    # its gradient output is scratch here
-                b.acts[-1].copy_to_host(b.out_host, stream=s)
+                out = self._forward_on_device(st.layer_params, b, s, Pass(training=False))[-1]
+                self._loss_on_device(out, b, b.eval_dout, s)   # its gradient is scratch here
+                out.copy_to_host(b.out_host, stream=s)
                 b.loss.copy_to_host(st.loss_host, stream=s)
                 s.synchronize()               # outputs in; staging free for the next batch
                 loss_sum += float(st.loss_host[0]) * xb.shape[0] * self._loss_scale
@@ -151,8 +175,7 @@ class CudaDenseModel(Model):
         if w.dtype != np.float32:
             raise ValueError(f"w has dtype {w.dtype}; the cuda model computes in float32")
         # The host model checks shapes and labels (a bad label would make the loss NaN here).
-        x, y = self.host._check_batch(w, x, y)
-        return x.reshape(x.shape[0], -1), y
+        return self.host._check_batch(w, x, y)
 
     def _state(self) -> "_DeviceState":
         st = getattr(self._local, "device_state", None)
@@ -161,31 +184,40 @@ class CudaDenseModel(Model):
         return st
 
 
-def _check_dense_only(host: Sequential) -> None:
-    """The device-resident path runs Dense layers with ReLU between them and a linear last."""
-    why = None
-    for i, layer in enumerate(host.layers):
-        last = i == len(host.layers) - 1
-        if not isinstance(layer, Dense):
-            why = f"{layer.label} is not Dense"
-        elif not layer.use_bias or layer.activation != ("linear" if last else "relu"):
-            why = (f"{layer.label} has activation {layer.activation!r}"
-                   f"{'' if layer.use_bias else ' and no bias'}; the GPU path takes ReLU between "
-                   "layers and a linear last layer, with biases")
-        if why:
-            break
+def _record(events, i, stream) -> None:
+    if events is not None:
+        events[i].record(stream)
+
+
+class _OnStream:
+    """The kernel module with `stream=` bound: a layer calls `k.conv2d_forward(...)` as it
+    would on the CPU, and the launch goes on the step's stream."""
+
+    def __init__(self, kernels, stream):
+        self._kernels, self._stream = kernels, stream
+
+    def __getattr__(self, name):
+        return functools.partial(getattr(self._kernels, name), stream=self._stream)
+
+
+def _check_device_layers(host: Sequential) -> None:
+    """Every layer has CUDA kernels, and so has the loss."""
+    why = next((f"{layer.label} has no CUDA kernels" for layer in host.layers
+                if not isinstance(layer, DEVICE_LAYERS)), None)
     if why is None and not isinstance(host.loss, (losses.SparseCategoricalCrossentropy,
                                                   losses.MeanSquaredError)):
         why = f"its loss is {host.loss.name}"
     if why:
-        raise ConfigError(f"--device cuda: runs models of Dense layers on the GPU; {host.name}: "
-                          f"{why}. Use --device cpu for this model")
+        names = ", ".join(t.__name__ for t in DEVICE_LAYERS)
+        raise ConfigError(f"--device cuda: runs Sequential models of {names} layers with a "
+                          f"cross-entropy or MSE loss on the GPU; {host.name}: {why}. "
+                          f"Use --device cpu for this model")
 
 
 class _DeviceState:
     """One thread's stream, flat weight and gradient vectors (device + pinned host twins)."""
 
-    def __init__(self, model: CudaDenseModel):
+    def __init__(self, model: CudaSequential):
         p = model.layout.total
         self.stream = cuda.stream()
         self.w_host = cuda.pinned_array(p, np.float32)
@@ -193,16 +225,18 @@ class _DeviceState:
         self.loss_host = cuda.pinned_array(1, np.float64)
         self.w = cuda.device_array(p, np.float32)
         self.g = cuda.device_array(p, np.float32)
-        # Views into the flat device vectors, as Layout.views gives on the host: the kernels
-        # write each tensor's gradient in place, so the flat gradient needs no gathering.
-        self.params, self.grads = model.layout.views(self.w), model.layout.views(self.g)
+        # Views into the flat device vectors, as Layout.views gives on the host, per layer by
+        # short name: the kernels write each tensor's gradient in place, so the flat gradient
+        # needs no gathering.
+        self.layer_params = model.host._per_layer(model.layout.views(self.w))
+        self.layer_grads = model.host._per_layer(model.layout.views(self.g))
         self._batches: dict[int, _Batch] = {}
 
     def upload_weights(self, w: np.ndarray) -> None:
         np.copyto(self.w_host, w)
         self.w.copy_to_device(self.w_host, stream=self.stream)
 
-    def batch(self, model: CudaDenseModel, n: int) -> "_Batch":
+    def batch(self, model: CudaSequential, n: int) -> "_Batch":
         if n not in self._batches:
             if len(self._batches) >= _MAX_CACHED_BATCH_SIZES:
                 self._batches.clear()
@@ -211,18 +245,32 @@ class _DeviceState:
 
 
 class _Batch:
-    """Device buffers for batch size n: input, labels, per-layer outputs and deltas, loss."""
+    """Device buffers for batch size n: input, labels, each layer's output, d loss / d output
+    and scratch, the loss; pinned staging for the input, labels and the last output."""
 
-    def __init__(self, model: CudaDenseModel, n: int, stream):
+    def __init__(self, model: CudaSequential, n: int, stream):
         ydtype = np.int32 if model.task == "classification" else np.float32
-        self.x_host = cuda.pinned_array((n, model.in_features), np.float32)
+        shape, layers = (n, *model.host.input_shape), model.layers
+        last = (n, *layers[-1].output_shape)
+        self.x_host = cuda.pinned_array(shape, np.float32)
         self.y_host = cuda.pinned_array(n, ydtype)
-        self.out_host = cuda.pinned_array((n, model.widths[-1]), np.float32)
-        self.x = cuda.device_array((n, model.in_features), np.float32, stream=stream)
+        self.out_host = cuda.pinned_array(last, np.float32)
+        self.x = cuda.device_array(shape, np.float32, stream=stream)
         self.y = cuda.device_array(n, ydtype, stream=stream)
-        self.acts = [cuda.device_array((n, d), np.float32, stream=stream) for d in model.widths[1:]]
-        self.deltas = [cuda.device_array((n, d), np.float32, stream=stream)
-                       for d in model.widths[1:]]
+        self.outs = [None if layer.reshapes_only else
+                     cuda.device_array((n, *layer.output_shape), np.float32, stream=stream)
+                     for layer in layers]
+        # d loss / d output of each layer; a reshaping layer's is a view of the one above it.
+        douts = [cuda.device_array((n, *layer.output_shape), np.float32, stream=stream)
+                 for layer in layers]
+        for i in range(len(layers) - 1, 0, -1):
+            if layers[i].reshapes_only:
+                douts[i - 1] = douts[i].reshape(n, *layers[i - 1].output_shape)
+        self.douts = douts
+        self.eval_dout = cuda.device_array(last, np.float32, stream=stream)
+        # Scratch as the layer asks for it (zeros stay zeros: a bias-less layer's bias).
+        self.scratch = [{name: cuda.to_device(a, stream=stream)
+                         for name, a in layer.scratch(n, np.float32).items()} for layer in layers]
         self.row_loss = cuda.device_array(n, np.float32, stream=stream)
         self.loss = cuda.device_array(1, np.float64, stream=stream)
 
@@ -233,4 +281,4 @@ class _Batch:
         self.y.copy_to_device(self.y_host, stream=stream)
 
 
-__all__ = ["CudaDenseModel"]
+__all__ = ["CudaSequential", "DEVICE_LAYERS"]

@@ -75,6 +75,51 @@ def test_matmul(trans_a, trans_b, m, k, n):
     np.testing.assert_allclose(want, a64 @ b64, rtol=1e-4, atol=1e-5)
 
 
+# Per tile: a 2 x 2 grid of blocks with ragged last rows and columns, and K crossing a strip
+# (8 deep for tile 128, 16 for 64) with a ragged last strip.
+TILE_SHAPES = {16: (17, 33, 18), 64: (70, 20, 66), 128: (130, 11, 129)}
+
+
+@pytest.mark.parametrize("trans_a,trans_b", FORMS, ids=["nn", "tn", "nt", "tt"])
+@pytest.mark.parametrize("tile", sorted(TILE_SHAPES))
+def test_matmul_each_tile(tile, trans_a, trans_b):
+    m, k, n = TILE_SHAPES[tile]
+    rng = np.random.default_rng(tile + 2 * trans_a + trans_b)
+    A = f32(rng, k, m) if trans_a else f32(rng, m, k)
+    B = f32(rng, n, k) if trans_b else f32(rng, k, n)
+    got = nans(m, n)
+    K.matmul_tiled(cuda.to_device(A), cuda.to_device(B), got, trans_a, trans_b, tile)
+    a64, b64 = (A.T if trans_a else A).astype(np.float64), (B.T if trans_b else B).astype(np.float64)
+    np.testing.assert_allclose(got.copy_to_host(), a64 @ b64, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tile", sorted(TILE_SHAPES))
+def test_dense_forward_each_tile(tile):
+    n, i, o = TILE_SHAPES[tile]
+    rng = np.random.default_rng(tile)
+    x, W, b = f32(rng, n, i), f32(rng, i, o), f32(rng, o)
+    x[0, 0] = np.nan                       # row 0 stays NaN through the ReLU
+    for relu in (False, True):
+        got, want = nans(n, o), np.empty((n, o), np.float32)
+        K.dense_forward_tiled(cuda.to_device(x), cuda.to_device(W), cuda.to_device(b), got, relu, tile)
+        reference.dense_forward(x, W, b, want, relu)
+        np.testing.assert_allclose(got.copy_to_host(), want, rtol=1e-4, atol=1e-4)
+        if relu:
+            assert np.isnan(want[0]).all() and (want[1:] >= 0).all() and (want[1:] == 0).any()
+
+
+def test_tile_for_fills_the_multiprocessors():
+    sms = K._multiprocessors()
+    for m, n in [(1, 1), (64, 256), (4096, 256), (4096, 4096), (784, 256)]:
+        tile = K.tile_for(m, n)
+        assert tile in (16, 64, 128)
+        if tile != 16:
+            assert K._blocks(m, tile) * K._blocks(n, tile) >= sms
+        if tile != 128:   # a larger tile would have left a multiprocessor without a block
+            larger = 128 if tile == 64 else 64
+            assert K._blocks(m, larger) * K._blocks(n, larger) < sms
+
+
 def test_matmul_checks_shapes_before_launching():
     a, b = cuda.device_array((3, 4), np.float32), cuda.device_array((5, 2), np.float32)
     with pytest.raises(ValueError, match="matmul"):

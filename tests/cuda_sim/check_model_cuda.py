@@ -14,7 +14,7 @@ from pserver.device import Device, describe, parse_device, round_robin, select, 
 from pserver.errors import ConfigError
 from pserver.models import MODELS, make_model
 from pserver.models.ctr import CTR_MODELS   # CPU only: their rows come from the shards
-from pserver.models.cuda import CudaDenseModel
+from pserver.models.cuda import CudaSequential
 from tests.cuda_sim import simfix
 
 # Distinct small widths, so a transposed gradient has the wrong shape or values.
@@ -114,7 +114,7 @@ def test_evaluate_regression_equals_cpu():
 @pytest.mark.parametrize("name", [m for m in MODELS if m not in ("cnn", *CTR_MODELS)])
 def test_same_model_as_cpu(name):
     cpu_m, gpu_m = pair(name)
-    assert isinstance(gpu_m, CudaDenseModel) and gpu_m.kernels.__name__ == "pserver.kernels.cuda"
+    assert isinstance(gpu_m, CudaSequential) and gpu_m.kernels.__name__ == "pserver.kernels.cuda"
     assert gpu_m.layout == cpu_m.layout and gpu_m.name == cpu_m.name
     assert (gpu_m.task, gpu_m.num_classes, gpu_m.in_features) == (cpu_m.task, cpu_m.num_classes,
                                                                   cpu_m.in_features)
@@ -139,9 +139,70 @@ def test_bad_inputs():
         model.loss_and_grad(w, x[:, :-1], y, g)
     with pytest.raises(ConfigError, match="--hidden"):
         make_model("mlp", IN, CLASSES, hidden=(0,), backend="cuda")
-    # Conv layers run on the CPU only: asking for the GPU says so, naming the layer.
-    with pytest.raises(ConfigError, match=r"--device cuda: .* layer conv2d \(Conv2D\) is not Dense"):
-        make_model("cnn", (8, 8, 1), CLASSES, backend="cuda")
+    # Embeddings run on the CPU only: asking for the GPU says so, naming the layer.
+    from pserver.layers import Dense, Embedding, Flatten
+    from pserver.models import on_device
+    from pserver.models.sequential import Sequential
+    emb = Sequential([Embedding(10, 4, input_shape=(3,)), Flatten(), Dense(CLASSES)])
+    with pytest.raises(ConfigError, match=r"--device cuda: .*layer embedding \(Embedding\) has no CUDA kernels"):
+        on_device(emb, "cuda")
+
+
+# -- layers beyond Dense: the reference CNN and the rest ------------------------------------
+
+def cnn_pair(layers_fn, shape):
+    from pserver.models import on_device
+    from pserver.models.sequential import Sequential
+    cpu_m = Sequential(layers_fn(), input_shape=shape).build()
+    gpu_m = on_device(Sequential(layers_fn(), input_shape=shape), "cuda")
+    return cpu_m, gpu_m
+
+
+def reference_cnn():
+    # The layers of `--model cnn` (TensorFlow's distributed-training guide), narrower (4 filters,
+    # 6 units instead of 32 and 64) so the simulator runs them in seconds.
+    from pserver.layers import Conv2D, Dense, Flatten, MaxPooling2D
+    return [Conv2D(4, 3, activation="relu"), MaxPooling2D(2), Flatten(), Dense(6, activation="relu"),
+            Dense(CLASSES)]
+
+
+def other_layers():
+    from pserver.layers import AveragePooling2D, Conv2D, Dense, Dropout, Flatten, MaxPooling2D
+    return [Conv2D(3, 3, padding="same", activation="tanh", use_bias=False),
+            AveragePooling2D(2, strides=1), Conv2D(2, (2, 3), strides=(2, 1), activation="sigmoid"),
+            MaxPooling2D(2, padding="same"), Flatten(), Dropout(0.5), Dense(5, activation="relu"),
+            Dropout(0.0), Dense(CLASSES)]
+
+
+@pytest.mark.parametrize("layers_fn", [reference_cnn, other_layers], ids=["cnn", "others"])
+def test_layers_beyond_dense_equal_cpu(layers_fn):
+    import copy
+    layers = layers_fn()
+    cpu_m, gpu_m = cnn_pair(lambda: copy.deepcopy(layers), (8, 8, 1))
+    assert isinstance(gpu_m, CudaSequential) and gpu_m.layout == cpu_m.layout
+    rng = np.random.default_rng(3)
+    w = random_params(cpu_m, rng)
+    x = rng.standard_normal((5, 8, 8, 1)).astype(np.float32)
+    y = rng.integers(0, CLASSES, 5).astype(np.int32)
+    for seed in (11, 12)[:2 if layers_fn is other_layers else 1]:   # Dropout's mask: from the seed
+        g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
+        loss_c = cpu_m.loss_and_grad(w, x, y, g_c, seed=seed)
+        loss_g = gpu_m.loss_and_grad(w, x, y, g_g, seed=seed)
+        assert loss_g == pytest.approx(loss_c, rel=1e-5)
+        np.testing.assert_allclose(g_g, g_c, rtol=1e-4, atol=1e-6)
+        assert np.isfinite(g_g).all() and np.count_nonzero(g_g) > w.size // 2
+    got, want = gpu_m.evaluate(w, x, y), cpu_m.evaluate(w, x, y)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5) and got["accuracy"] == want["accuracy"]
+
+
+def test_timings_split_the_step():
+    _, gpu_m = pair("mlp")
+    rng = np.random.default_rng(1)
+    w, (x, y) = random_params(gpu_m, rng), batch(gpu_m, 6, rng)
+    g = np.empty_like(w)
+    loss, ms = gpu_m.loss_and_grad(w, x, y, g, timings=True)
+    assert loss == pytest.approx(gpu_m.loss_and_grad(w, x, y, np.empty_like(w)), rel=1e-6)
+    assert set(ms) == {"h2d", "compute", "d2h"} and all(v >= 0 for v in ms.values())
 
 
 # -- pserver.device with a device present ------------------------------------------------

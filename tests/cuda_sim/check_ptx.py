@@ -56,12 +56,16 @@ SIGNATURES = {
     "sigmoid_bce_rows": (K.sigmoid_bce_rows, (f32_1d, f32_1d, f32_1d, f32_1d)),
     **{f"matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
        for (ta, tb), k in K.MATMUL.items()},
+    **{f"blocked{tile}_matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
+       for tile, (forms, _) in K.BLOCKED.items() for (ta, tb), k in forms.items()},
+    **{f"blocked{tile}_dense": (dense, (f32_2d, f32_2d, f32_1d, f32_2d, types.boolean))
+       for tile, (_, dense) in K.BLOCKED.items()},
 }
 
 
 # bar.sync count by kernel-name prefix (others have none): a tree over REDUCE_THREADS = 128
 # partial sums meets log2(128) = 7 barriers.
-BARRIERS = {"matmul": 2, "column": 1, "scaled": 7, "conv2d_dw": 7}
+BARRIERS = {"matmul": 2, "blocked": 2, "column": 1, "scaled": 7, "conv2d_dw": 7}
 
 
 class _NoGpu:
@@ -79,3 +83,10 @@ def test_compiles_to_ptx(name, monkeypatch):
     assert barriers == next((n for prefix, n in BARRIERS.items() if name.startswith(prefix)), 0)
     if name != "scaled_sum_kernel":   # the loss reduction sums in float64 on purpose
         assert ".f64" not in ptx, f"{name} does float64 arithmetic"
+    if name.startswith("blocked"):
+        # The register-blocked products keep each thread's block of C in registers: a loop
+        # the compiler did not unroll would leave it in local memory, several times slower.
+        assert ".local" not in ptx, f"{name} keeps an array in local memory"
+        tile = int(name[len("blocked"):].split("_")[0])
+        per_thread = (tile // K.BLOCKED_THREADS) ** 2
+        assert ptx.count("fma.rn.f32") >= per_thread, f"{name}: the {per_thread} multiply-adds per k are not unrolled"

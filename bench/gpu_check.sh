@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Everything issue 16 asks of a real NVIDIA GPU, in one run that fits a short lease:
+#
+#   1. the CUDA tests on the device, not the simulator (tests/cuda_sim/check_*.py, PTX included)
+#   2. bench/kernels.py: matmul (each kernel, and cuBLAS through CuPy), the MLP step (GPU against
+#      one CPU core, with the step's copy/compute split), conv2d and the CNN step against cuDNN
+#   3. MNIST with 2 workers and 1 CPU shard: the MLP and the reference CNN, --device cpu and cuda
+#
+#   bash bench/gpu_check.sh OUT_DIR [MNIST_DIR]
+#
+# OUT_DIR gets env.txt, tests.log, tests.xml, bench.log, kernels.json, mnist.log, mnist.json.
+# Python packages missing on the machine can sit as wheels in .whl/ (installed into /tmp/site
+# first). Each step has its own time limit, so one that hangs still leaves the others' results.
+set -u
+OUT=${1:?usage: bash bench/gpu_check.sh OUT_DIR [MNIST_DIR]}
+DATA=${2:-.gpu_data/mnist}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+stamp() { echo "== $(date +%T) $*"; }
+
+{
+  stamp env
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu --format=csv
+  nproc; $PY --version
+  $PY - <<'EOF'
+from importlib import metadata
+for p in ("numpy", "numba", "numba-cuda", "llvmlite", "cupy-cuda13x", "cupy-cuda12x", "torch",
+          "grpcio", "protobuf", "hypothesis", "pytest", "scipy"):
+    try:
+        print(p, metadata.version(p))
+    except metadata.PackageNotFoundError:
+        print(p, "-")
+from numba import cuda
+cuda.detect()
+EOF
+} > "$OUT/env.txt" 2>&1
+
+stamp "tests on the device" | tee "$OUT/tests.log"
+timeout 200 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 --junitxml="$OUT/tests.xml" \
+  tests/cuda_sim/check_kernels_cuda.py tests/cuda_sim/check_model_cuda.py tests/cuda_sim/check_ptx.py \
+  >> "$OUT/tests.log" 2>&1
+echo "exit $?" >> "$OUT/tests.log"
+tail -4 "$OUT/tests.log"
+
+stamp "bench/kernels.py" | tee "$OUT/bench.log"
+timeout 230 $PY bench/kernels.py --sizes 1024,2048,4096 --batches 64,2048,4096 --cnn-batches 64,256 \
+  --sections matmul,mlp,gpu-cnn --backends numpy,cpu1,cuda,cuda-t16,cuda-t64,cuda-t128,cupy,torch \
+  --warmup-seconds 0.3 --min-seconds 0.5 --json "$OUT/kernels.json" >> "$OUT/bench.log" 2>&1
+echo "exit $?" >> "$OUT/bench.log"
+
+stamp "MNIST" | tee "$OUT/mnist.log"
+for model in mlp cnn; do
+  for device in cuda cpu; do
+    stamp "$model $device" >> "$OUT/mnist.log"
+    timeout 75 $PY -m pserver launch --ps 1 --workers 2 --model "$model" --device "$device" \
+      --dataset mnist --data-dir "$DATA" --epochs 1 --batch-size 128 --optimizer adam --lr 0.001 \
+      --summary-json "/tmp/mnist-$model-$device.json" >> "$OUT/mnist.log" 2>&1
+    echo "exit $?" >> "$OUT/mnist.log"
+  done
+done
+$PY - "$OUT/mnist.json" <<'EOF'
+import json, sys, pathlib
+runs = {}
+for p in sorted(pathlib.Path("/tmp").glob("mnist-*.json")):
+    d = json.loads(p.read_text())
+    runs[p.stem[len("mnist-"):]] = {k: d.get(k) for k in (
+        "model", "num_workers", "num_shards", "batch_size", "epochs", "steps", "samples_trained",
+        "test_accuracy", "test_loss", "train_samples_per_second", "wall_seconds", "launch_wall_seconds")}
+pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1) + "\n")
+for k, v in runs.items():
+    print(k, v["test_accuracy"], round(v["train_samples_per_second"] or 0), v["wall_seconds"])
+EOF
+grep -E "^(size|[0-9]+ ) |x  " "$OUT/bench.log" | tail -40
+stamp done
