@@ -43,28 +43,31 @@ EOF
 } > "$OUT/env.txt" 2>&1
 
 stamp "tests on the device" | tee "$OUT/tests.log"
-timeout 200 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 --junitxml="$OUT/tests.xml" \
+timeout ${TESTS_LIMIT:-160} $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 --junitxml="$OUT/tests.xml" \
   tests/cuda_sim/check_kernels_cuda.py tests/cuda_sim/check_model_cuda.py tests/cuda_sim/check_ptx.py \
   >> "$OUT/tests.log" 2>&1
 echo "exit $?" >> "$OUT/tests.log"
 tail -4 "$OUT/tests.log"
 
+mnist() {   # mnist MODEL DEVICE SECONDS
+  stamp "$1 $2" >> "$OUT/mnist.log"
+  timeout "$3" $PY -m pserver launch --ps 1 --workers 2 --model "$1" --device "$2" \
+    --dataset mnist --data-dir "$DATA" --epochs 1 --batch-size 128 --optimizer adam --lr 0.001 \
+    --summary-json "/tmp/mnist-$1-$2.json" >> "$OUT/mnist.log" 2>&1
+  echo "exit $?" >> "$OUT/mnist.log"
+}
+stamp "MNIST" | tee "$OUT/mnist.log"
+mnist mlp cuda 60
+mnist cnn cuda 60
+
 stamp "bench/kernels.py" | tee "$OUT/bench.log"
-timeout 230 $PY bench/kernels.py --sizes 1024,2048,4096 --batches 64,2048,4096 --cnn-batches 64,256 \
-  --sections matmul,mlp,gpu-cnn --backends numpy,cpu1,cuda,cuda-t16,cuda-t64,cuda-t128,cupy,torch \
+timeout ${BENCH_LIMIT:-190} $PY bench/kernels.py --sizes 1024,2048,4096 --batches 64,2048,4096 --cnn-batches 64,256 \
+  --sections matmul,mlp,gpu-cnn --backends ${BACKENDS:-cpu1,cuda,cuda-t16,cuda-t64,cuda-t128,cupy,torch} \
   --warmup-seconds 0.3 --min-seconds 0.5 --json "$OUT/kernels.json" >> "$OUT/bench.log" 2>&1
 echo "exit $?" >> "$OUT/bench.log"
 
-stamp "MNIST" | tee "$OUT/mnist.log"
-for model in mlp cnn; do
-  for device in cuda cpu; do
-    stamp "$model $device" >> "$OUT/mnist.log"
-    timeout 75 $PY -m pserver launch --ps 1 --workers 2 --model "$model" --device "$device" \
-      --dataset mnist --data-dir "$DATA" --epochs 1 --batch-size 128 --optimizer adam --lr 0.001 \
-      --summary-json "/tmp/mnist-$model-$device.json" >> "$OUT/mnist.log" 2>&1
-    echo "exit $?" >> "$OUT/mnist.log"
-  done
-done
+mnist mlp cpu 25
+mnist cnn cpu 30
 $PY - "$OUT/mnist.json" <<'EOF'
 import json, sys, pathlib
 runs = {}
