@@ -9,6 +9,8 @@
 #   bash bench/gpu_check.sh OUT_DIR [MNIST_DIR]
 #
 # OUT_DIR gets env.txt, tests.log, tests.xml, bench.log, kernels.json, mnist.log, mnist.json.
+# Environment: TESTS_LIMIT, BENCH_LIMIT (seconds), SECTIONS and BACKENDS (bench/kernels.py's),
+# MNIST_GPU and MNIST_CPU (the models to run on each, default "mlp cnn"; "" for none).
 # Python packages missing on the machine can sit as wheels in .whl/ (installed into /tmp/site
 # first). Each step has its own time limit, so one that hangs still leaves the others' results.
 set -u
@@ -57,17 +59,15 @@ mnist() {   # mnist MODEL DEVICE SECONDS
   echo "exit $?" >> "$OUT/mnist.log"
 }
 stamp "MNIST" | tee "$OUT/mnist.log"
-mnist mlp cuda 60
-mnist cnn cuda 60
+for m in ${MNIST_GPU-mlp cnn}; do mnist "$m" cuda 60; done
 
 stamp "bench/kernels.py" | tee "$OUT/bench.log"
 timeout ${BENCH_LIMIT:-190} $PY bench/kernels.py --sizes 1024,2048,4096 --batches 64,2048,4096 --cnn-batches 64,256 \
-  --sections matmul,mlp,gpu-cnn --backends ${BACKENDS:-cpu1,cuda,cuda-t16,cuda-t64,cuda-t128,cupy,torch} \
+  --sections ${SECTIONS:-matmul,mlp,gpu-cnn} --backends ${BACKENDS:-cpu1,cuda,cuda-t16,cuda-b64k16,cuda-b128k8,cupy,torch} \
   --warmup-seconds 0.3 --min-seconds 0.5 --json "$OUT/kernels.json" >> "$OUT/bench.log" 2>&1
 echo "exit $?" >> "$OUT/bench.log"
 
-mnist mlp cpu 25
-mnist cnn cpu 30
+for m in ${MNIST_CPU-mlp cnn}; do mnist "$m" cpu 30; done
 $PY - "$OUT/mnist.json" <<'EOF'
 import json, sys, pathlib
 runs = {}

@@ -61,8 +61,11 @@ from _util import machine, machine_lines, positive_ints, result_path, summary, t
 
 MLP_WIDTHS = (784, 256, 256, 10)
 SIM_MAX_SIZE = 64
-CUDA_TILES = (16, 64, 128)
-BACKENDS = ("numpy", "cpu", "cpu1", "cuda", *(f"cuda-t{t}" for t in CUDA_TILES), "cupy", "torch")
+# cuda-t16: the one-element-per-thread kernel; cuda-b<tile>k<depth>[p]: a register-blocked
+# variant of pserver.kernels.cuda.BLOCKED_VARIANTS (tile side, strip depth, prefetch), every
+# product of the row forced to it; cuda alone: the kernel tile_for chooses per product.
+CUDA_KERNELS = ("t16", "b64k16", "b64k16p", "b64k32", "b64k32p", "b128k8", "b128k8p", "b128k16", "b128k16p")
+BACKENDS = ("numpy", "cpu", "cpu1", "cuda", *(f"cuda-{k}" for k in CUDA_KERNELS), "cupy", "torch")
 # torch: the MLP's and the products' rows come from cupy (cuBLAS); torch times the CNN on the GPU.
 SECTIONS = ("matmul", "mlp", "cnn", "gpu-cnn")
 
@@ -155,7 +158,14 @@ def matmul_row(backend: str, n: int, st: dict, rng):
         from numba import cuda
         from pserver.kernels import cuda as kernels
         da, db, dc = cuda.to_device(a), cuda.to_device(b), cuda.device_array((n, n), np.float32)
-        return (lambda: kernels.matmul(da, db, dc)), cuda.synchronize
+        kernels.matmul(da, db, dc)
+        want = np.dot(a, b)
+        err = float(np.linalg.norm(dc.copy_to_host() - want) / np.linalg.norm(want))
+        # float32 sums of n products: far under 1e-5 relative; a wrong kernel is far over it
+        assert err < 1e-5, f"{backend} n={n}: relative error {err:.2e} against numpy"
+        fn = lambda: kernels.matmul(da, db, dc)   # noqa: E731
+        fn.rel_error = err
+        return fn, cuda.synchronize
     cp = st["cupy"]
     if isinstance(cp, str):
         return cp
@@ -629,6 +639,8 @@ def run_rows(kind: str, sizes, st: dict, args) -> list[dict]:
                 rows.append({**row, "skipped": made})
                 continue
             row.update(measure(*made, args))
+            if hasattr(made[0], "rel_error"):
+                row["rel_error_vs_numpy"] = made[0].rel_error
             if hasattr(made[0], "split"):
                 splits = [made[0].split() for _ in range(max(args.min_runs, 20))]
                 row["split_ms"] = {k: summary([sp[k] for sp in splits])[0] for k in splits[0]}
@@ -672,10 +684,11 @@ def _timing_argv(args) -> list[str]:
 def child(args) -> int:
     """--child-json: measure args.backends here, write the rows, print nothing on stdout."""
     st = gpu_status() if any(b.startswith(("cuda", "cupy", "torch")) for b in args.backends) else {}
-    tiles = [int(b[len("cuda-t"):]) for b in args.backends if b.startswith("cuda-t")]
-    if tiles and not st.get("cuda"):
+    forced = [b[len("cuda-"):] for b in args.backends if b.startswith("cuda-")]
+    if forced and not st.get("cuda"):
         from pserver.kernels import cuda as kernels
-        kernels.FORCE_TILE = tiles[0]      # one backend per child process
+        # one backend per child process
+        kernels.FORCE_TILE = int(forced[0][1:]) if forced[0].startswith("t") else forced[0]
     rows = [r for kind, sizes in (("matmul", args.sizes), ("mlp", args.batches))
             if kind in args.sections for r in run_rows(kind, sizes, st, args)]
     Path(args.child_json).write_text(json.dumps(rows))

@@ -41,8 +41,14 @@ from pserver.kernels import reference
 # numba warns when a launch has fewer than 128 blocks. Here that is by design (the loss
 # reduction is one block) or the model's size (a 64-row batch through 256 units is 64 blocks):
 # a warning per launch site would only be noise in every worker's log.
-warnings.filterwarnings("ignore",
-                        message=r"Grid size \d+ will likely result in GPU under-utilization")
+# numba-cuda 0.30 on a GPU wraps the message in terminal bold codes (the simulator does not warn
+# at all), hence the leading `.*`: without it every worker's log repeated it at every size.
+def quiet_low_occupancy() -> None:
+    warnings.filterwarnings("ignore",
+                            message=r".*Grid size \d+ will likely result in GPU under-utilization")
+
+
+quiet_low_occupancy()
 
 # Output tile of the products: a TILE x TILE block of threads computes a TILE x TILE tile of C,
 # reading TILE-wide strips of both operands through shared memory. 16 gives 256 threads per
@@ -171,13 +177,15 @@ MATMUL = {(ta, tb): _matmul_kernel(ta, tb) for ta in (False, True) for tb in (Fa
 BLOCKED_THREADS = 16          # threads along each side of a block: 256 per block
 
 
-def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool):
+def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, prefetch: bool):
     """A device function: acc[i, j] += (op(A) @ op(B))[r0 + ty + 16 i, c0 + tx + 16 j] over K.
 
     bm, bn, bk and the flags are closure constants: numba compiles one branch-free function per
     form, with every loop over TM, TN and BK of constant length, which the compiler unrolls so
-    that `acc`, `a` and `b` live in registers. Every thread of the block must call it (all
-    of them load strips and meet at the barriers).
+    that `acc`, `a` and `b` live in registers. With `prefetch`, each thread loads its share of
+    the next strip from global memory into registers before it computes on the current one, so
+    those loads are in flight during the multiply-adds instead of between two barriers. Every
+    thread of the block must call it (all of them load strips and meet at the barriers).
     """
     tm, tn = bm // BLOCKED_THREADS, bn // BLOCKED_THREADS
     threads = BLOCKED_THREADS * BLOCKED_THREADS
@@ -185,41 +193,64 @@ def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool):
     a_rows, b_rows = bm + 4, bn + 4           # padded strip rows (see above)
 
     @cuda.jit(device=True)
+    def a_pos(e):
+        """(k, m) of element e of the A strip: consecutive e walk along A as stored (along m
+        when A is stored transposed, along k otherwise), so the loads coalesce."""
+        return (e // bm, e % bm) if trans_a else (e % bk, e // bk)
+
+    @cuda.jit(device=True)
+    def a_at(A, e, r0, k0):
+        """op(A)[r0 + m, k0 + k] for element e of the strip; 0 out of range."""
+        k, m = a_pos(e)
+        i, j = (k0 + k, r0 + m) if trans_a else (r0 + m, k0 + k)
+        return A[i, j] if i < A.shape[0] and j < A.shape[1] else float32(0.0)
+
+    @cuda.jit(device=True)
+    def b_pos(e):
+        """(k, n) of element e of the B strip, the same way."""
+        return (e % bk, e // bk) if trans_b else (e // bn, e % bn)
+
+    @cuda.jit(device=True)
+    def b_at(B, e, c0, k0):
+        """op(B)[k0 + k, c0 + n] for element e of the strip; 0 out of range."""
+        k, n = b_pos(e)
+        i, j = (c0 + n, k0 + k) if trans_b else (k0 + k, c0 + n)
+        return B[i, j] if i < B.shape[0] and j < B.shape[1] else float32(0.0)
+
+    @cuda.jit(device=True)
     def product(A, B, K, acc):
         sA = cuda.shared.array((bk, a_rows), float32)
         sB = cuda.shared.array((bk, b_rows), float32)
         a = cuda.local.array(tm, float32)
         b = cuda.local.array(tn, float32)
+        ra = cuda.local.array(a_loads, float32)    # the next strip, on its way (prefetch)
+        rb = cuda.local.array(b_loads, float32)
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         t = ty * BLOCKED_THREADS + tx
         r0, c0 = cuda.blockIdx.y * bm, cuda.blockIdx.x * bn
         for i in range(tm):
             for j in range(tn):
                 acc[i, j] = float32(0.0)
-        for k0 in range(0, K, bk):
-            # sA[k, m] = op(A)[r0 + m, k0 + k]: consecutive threads read consecutive addresses
-            # of A as stored (along m when A is stored transposed, along k otherwise).
+        if prefetch:
             for s in range(a_loads):
-                e = t + s * threads
-                if trans_a:
-                    k, m = e // bm, e % bm
-                    i, j = k0 + k, r0 + m
-                else:
-                    m, k = e // bk, e % bk
-                    i, j = r0 + m, k0 + k
-                sA[k, m] = A[i, j] if i < A.shape[0] and j < A.shape[1] else float32(0.0)
-            # sB[k, n] = op(B)[k0 + k, c0 + n], the same way.
+                ra[s] = a_at(A, t + s * threads, r0, 0)
             for s in range(b_loads):
-                e = t + s * threads
-                if trans_b:
-                    n, k = e // bk, e % bk
-                    i, j = c0 + n, k0 + k
-                else:
-                    k, n = e // bn, e % bn
-                    i, j = k0 + k, c0 + n
-                sB[k, n] = B[i, j] if i < B.shape[0] and j < B.shape[1] else float32(0.0)
+                rb[s] = b_at(B, t + s * threads, c0, 0)
+        for k0 in range(0, K, bk):
+            # sA[k, m] = op(A)[r0 + m, k0 + k] and sB[k, n] = op(B)[k0 + k, c0 + n].
+            for s in range(a_loads):
+                k, m = a_pos(t + s * threads)
+                sA[k, m] = ra[s] if prefetch else a_at(A, t + s * threads, r0, k0)
+            for s in range(b_loads):
+                k, n = b_pos(t + s * threads)
+                sB[k, n] = rb[s] if prefetch else b_at(B, t + s * threads, c0, k0)
             # Both strips complete before any thread reads them.
             cuda.syncthreads()
+            if prefetch:
+                for s in range(a_loads):
+                    ra[s] = a_at(A, t + s * threads, r0, k0 + bk)
+                for s in range(b_loads):
+                    rb[s] = b_at(B, t + s * threads, c0, k0 + bk)
             # Out-of-range elements were loaded as 0, so a ragged last strip adds nothing.
             for k in range(bk):
                 for i in range(tm):
@@ -235,13 +266,13 @@ def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool):
     return product
 
 
-def _blocked_kernels(bm: int, bk: int):
+def _blocked_kernels(bm: int, bk: int, prefetch: bool):
     """{(trans_a, trans_b): C[:] = op(A) @ op(B)} and the dense forward (x @ W + bias, ReLU),
     for square bm x bm tiles of C."""
     tm = bm // BLOCKED_THREADS
 
     def plain(trans_a, trans_b):
-        product = _blocked_product(bm, bm, bk, trans_a, trans_b)
+        product = _blocked_product(bm, bm, bk, trans_a, trans_b, prefetch)
 
         @cuda.jit
         def matmul(A, B, C):
@@ -260,7 +291,7 @@ def _blocked_kernels(bm: int, bk: int):
 
         return matmul
 
-    product_nn = _blocked_product(bm, bm, bk, False, False)
+    product_nn = _blocked_product(bm, bm, bk, False, False, prefetch)
 
     @cuda.jit
     def dense(A, B, bias, C, relu):
@@ -284,10 +315,14 @@ def _blocked_kernels(bm: int, bk: int):
     return {(ta, tb): plain(ta, tb) for ta in (False, True) for tb in (False, True)}, dense
 
 
-# Tile side of C -> (the four product forms, the dense forward). 128: 8 x 8 floats of C per
-# thread, K strips 8 deep (2 x 8 x 132 floats: 8.4 KB of shared memory per block);
-# 64: 4 x 4 per thread, strips 16 deep (2 x 16 x 68 floats: 8.7 KB).
-BLOCKED = {128: _blocked_kernels(128, 8), 64: _blocked_kernels(64, 16)}
+# Variants by name (tile side, strip depth, prefetch): "b64k16p" is 64 x 64 tiles of C (4 x 4
+# floats per thread), strips 16 deep, prefetched. Shared memory per block: 2 x bk x (tile + 4)
+# floats (8.4 KB for b128k8, 8.7 KB for b64k16, 16.9 KB for b128k16 and 17.4 KB for b64k32).
+BLOCKED_VARIANTS = {f"b{tile}k{bk}{'p' if pre else ''}": (tile, *_blocked_kernels(tile, bk, pre))
+                    for tile, bk in ((64, 16), (64, 32), (128, 8), (128, 16)) for pre in (False, True)}
+# Tile side -> the variant tile_for uses for it: (the four product forms, the dense forward).
+BLOCKED_CHOICE = {64: "b64k16", 128: "b128k8"}
+BLOCKED = {tile: BLOCKED_VARIANTS[name][1:] for tile, name in BLOCKED_CHOICE.items()}
 
 
 # -- elementwise, column and row kernels ---------------------------------------------------
@@ -730,8 +765,14 @@ def matmul_tiled(A, B, C, trans_a, trans_b, tile, *, stream=0):
         MATMUL[bool(trans_a), bool(trans_b)][(_blocks(N, TILE), _blocks(M, TILE)),
                                              (TILE, TILE), stream](A, B, C)
     else:
-        BLOCKED[tile][0][bool(trans_a), bool(trans_b)][
-            (_blocks(N, tile), _blocks(M, tile)), (BLOCKED_THREADS, BLOCKED_THREADS), stream](A, B, C)
+        side, forms, _ = _blocked(tile)
+        forms[bool(trans_a), bool(trans_b)][
+            (_blocks(N, side), _blocks(M, side)), (BLOCKED_THREADS, BLOCKED_THREADS), stream](A, B, C)
+
+
+def _blocked(tile):
+    """(side, forms, dense) of a tile side (the chosen variant) or of a variant's name."""
+    return BLOCKED_VARIANTS[BLOCKED_CHOICE[tile] if isinstance(tile, int) else tile]
 
 
 def tile_for(M: int, N: int) -> int:
@@ -748,9 +789,9 @@ def tile_for(M: int, N: int) -> int:
 
 
 _SMS: list[int] = []
-# 16, 64 or 128: every product and dense forward takes that kernel (bench/kernels.py times each
-# this way); None: tile_for chooses.
-FORCE_TILE: int | None = None
+# 16, 64, 128 or a name in BLOCKED_VARIANTS: every product and dense forward takes that kernel
+# (bench/kernels.py times each this way); None: tile_for chooses.
+FORCE_TILE: int | str | None = None
 
 
 # The simulator has no multiprocessor count; it takes an H100's, so that a product takes the
@@ -782,8 +823,9 @@ def dense_forward_tiled(x, W, b, out, relu, tile, *, stream=0):
         matmul_bias_relu[(_blocks(o, TILE), _blocks(n, TILE)), (TILE, TILE), stream](
             x, W, b, out, bool(relu))
     else:
-        BLOCKED[tile][1][(_blocks(o, tile), _blocks(n, tile)),
-                         (BLOCKED_THREADS, BLOCKED_THREADS), stream](x, W, b, out, bool(relu))
+        side, _, dense = _blocked(tile)
+        dense[(_blocks(o, side), _blocks(n, side)),
+              (BLOCKED_THREADS, BLOCKED_THREADS), stream](x, W, b, out, bool(relu))
 
 
 def column_sum(a, out, *, stream=0):

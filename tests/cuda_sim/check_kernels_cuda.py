@@ -76,32 +76,39 @@ def test_matmul(trans_a, trans_b, m, k, n):
 
 
 # Per tile: a 2 x 2 grid of blocks with ragged last rows and columns, and K crossing a strip
-# (8 deep for tile 128, 16 for 64) with a ragged last strip.
-TILE_SHAPES = {16: (17, 33, 18), 64: (70, 20, 66), 128: (130, 11, 129)}
+# (8 to 32 deep) with a ragged last strip.
+TILE_SHAPES = {16: (17, 33, 18), 64: (70, 37, 66), 128: (130, 19, 129)}
+# Every kernel on a GPU; in the simulator (about 7 s per 128-tile launch) the ones tile_for
+# chooses, by their tile side.
+PRODUCT_KERNELS = ([16, 64, 128] if simfix.SIMULATOR else [16, *K.BLOCKED_VARIANTS])
+
+
+def _side(kernel):
+    return kernel if isinstance(kernel, int) else K.BLOCKED_VARIANTS[kernel][0]
 
 
 @pytest.mark.parametrize("trans_a,trans_b", FORMS, ids=["nn", "tn", "nt", "tt"])
-@pytest.mark.parametrize("tile", sorted(TILE_SHAPES))
-def test_matmul_each_tile(tile, trans_a, trans_b):
-    m, k, n = TILE_SHAPES[tile]
-    rng = np.random.default_rng(tile + 2 * trans_a + trans_b)
+@pytest.mark.parametrize("kernel", PRODUCT_KERNELS)
+def test_matmul_each_kernel(kernel, trans_a, trans_b):
+    m, k, n = TILE_SHAPES[_side(kernel)]
+    rng = np.random.default_rng(_side(kernel) + 2 * trans_a + trans_b)
     A = f32(rng, k, m) if trans_a else f32(rng, m, k)
     B = f32(rng, n, k) if trans_b else f32(rng, k, n)
     got = nans(m, n)
-    K.matmul_tiled(cuda.to_device(A), cuda.to_device(B), got, trans_a, trans_b, tile)
+    K.matmul_tiled(cuda.to_device(A), cuda.to_device(B), got, trans_a, trans_b, kernel)
     a64, b64 = (A.T if trans_a else A).astype(np.float64), (B.T if trans_b else B).astype(np.float64)
     np.testing.assert_allclose(got.copy_to_host(), a64 @ b64, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tile", sorted(TILE_SHAPES))
-def test_dense_forward_each_tile(tile):
-    n, i, o = TILE_SHAPES[tile]
-    rng = np.random.default_rng(tile)
+@pytest.mark.parametrize("kernel", PRODUCT_KERNELS)
+def test_dense_forward_each_kernel(kernel):
+    n, i, o = TILE_SHAPES[_side(kernel)]
+    rng = np.random.default_rng(_side(kernel))
     x, W, b = f32(rng, n, i), f32(rng, i, o), f32(rng, o)
     x[0, 0] = np.nan                       # row 0 stays NaN through the ReLU
     for relu in (False, True):
         got, want = nans(n, o), np.empty((n, o), np.float32)
-        K.dense_forward_tiled(cuda.to_device(x), cuda.to_device(W), cuda.to_device(b), got, relu, tile)
+        K.dense_forward_tiled(cuda.to_device(x), cuda.to_device(W), cuda.to_device(b), got, relu, kernel)
         reference.dense_forward(x, W, b, want, relu)
         np.testing.assert_allclose(got.copy_to_host(), want, rtol=1e-4, atol=1e-4)
         if relu:
@@ -471,3 +478,18 @@ def test_sigmoid_bce(n, column):
     loss = K.sigmoid_bce(cuda.to_device(z), cuda.to_device(y), got)
     assert loss == pytest.approx(reference.sigmoid_bce(z, y, want), rel=1e-5, abs=1e-6)
     close(got.copy_to_host(), want)
+
+
+def test_low_occupancy_warnings_stay_out_of_the_logs():
+    # On a GPU, numba-cuda wraps this message in terminal bold codes; a filter that matched only
+    # the plain text let every small launch print it into every worker's log.
+    import warnings
+    from numba.core.errors import NumbaPerformanceWarning
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")     # pytest records every warning: start from that
+        K.quiet_low_occupancy()
+        warnings.warn(NumbaPerformanceWarning("\x1b[1mGrid size 8 will likely result in GPU "
+                                              "under-utilization due to low occupancy.\x1b[0m"))
+        warnings.warn(NumbaPerformanceWarning("Grid size 1 will likely result in GPU under-utilization"))
+        warnings.warn(NumbaPerformanceWarning("another performance warning"))
+    assert [str(w.message) for w in seen] == ["another performance warning"]

@@ -5,6 +5,7 @@ Run by tests/test_kernels_cuda.py in a subprocess with NUMBA_ENABLE_CUDASIM=1 (s
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -208,23 +209,30 @@ def test_timings_split_the_step():
 # -- pserver.device with a device present ------------------------------------------------
 
 def test_select_and_describe():
-    assert simfix.SIMULATOR, "these expectations are the simulator's"
-    assert visible_gpus() == 1
+    # The simulator has one device; a machine has what CUDA_VISIBLE_DEVICES shows.
+    count = visible_gpus()
+    assert count >= 1 and (count == 1 or not simfix.SIMULATOR)
     assert select(parse_device("cuda")) == Device("cuda", 0)
     assert select(parse_device("cuda:0")) == Device("cuda", 0)
-    assert describe(Device("cuda", 0)) == "cuda:0 (CUDA simulator)"
+    want = (r"cuda:0 \(CUDA simulator\)" if simfix.SIMULATOR
+            else r"cuda:0 \(NVIDIA .+, compute capability \d+\.\d+\)")
+    assert re.fullmatch(want, describe(Device("cuda", 0))), describe(Device("cuda", 0))
     assert select(parse_device("cpu")) == Device("cpu") and describe(Device("cpu")) == "cpu"
 
 
 def test_select_an_index_that_is_not_visible():
+    count = visible_gpus()
     with pytest.raises(ConfigError) as e:
-        select(parse_device("cuda:1"))
-    assert str(e.value) == ("--device cuda:1: only 1 CUDA device(s) visible "
-                            "(the CUDA simulator has one); use cuda:0")
+        select(parse_device(f"cuda:{count}"))
+    where = "the CUDA simulator has one" if simfix.SIMULATOR else "CUDA_VISIBLE_DEVICES="
+    choices = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+    assert str(e.value).startswith(f"--device cuda:{count}: only {count} CUDA device(s) visible ({where}")
+    assert str(e.value).endswith(f"; use {choices}")
 
 
 def test_round_robin_over_the_visible_devices():
-    assert round_robin(3, "cuda") == ["cuda:0"] * 3    # one simulated device
+    count = visible_gpus()
+    assert round_robin(3, "cuda") == [f"cuda:{r % count}" for r in range(3)]
     assert round_robin(2, "cuda:0") == ["cuda:0"] * 2
     assert round_robin(2, "cpu") == ["cpu"] * 2
 

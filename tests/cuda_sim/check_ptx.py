@@ -56,10 +56,10 @@ SIGNATURES = {
     "sigmoid_bce_rows": (K.sigmoid_bce_rows, (f32_1d, f32_1d, f32_1d, f32_1d)),
     **{f"matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
        for (ta, tb), k in K.MATMUL.items()},
-    **{f"blocked{tile}_matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
-       for tile, (forms, _) in K.BLOCKED.items() for (ta, tb), k in forms.items()},
-    **{f"blocked{tile}_dense": (dense, (f32_2d, f32_2d, f32_1d, f32_2d, types.boolean))
-       for tile, (_, dense) in K.BLOCKED.items()},
+    **{f"blocked_{name}_matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
+       for name, (_, forms, _) in K.BLOCKED_VARIANTS.items() for (ta, tb), k in forms.items()},
+    **{f"blocked_{name}_dense": (dense, (f32_2d, f32_2d, f32_1d, f32_2d, types.boolean))
+       for name, (_, _, dense) in K.BLOCKED_VARIANTS.items()},
 }
 
 
@@ -87,6 +87,6 @@ def test_compiles_to_ptx(name, monkeypatch):
         # The register-blocked products keep each thread's block of C in registers: a loop
         # the compiler did not unroll would leave it in local memory, several times slower.
         assert ".local" not in ptx, f"{name} keeps an array in local memory"
-        tile = int(name[len("blocked"):].split("_")[0])
+        tile = K.BLOCKED_VARIANTS[name.split("_")[1]][0]
         per_thread = (tile // K.BLOCKED_THREADS) ** 2
         assert ptx.count("fma.rn.f32") >= per_thread, f"{name}: the {per_thread} multiply-adds per k are not unrolled"
