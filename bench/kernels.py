@@ -1,4 +1,5 @@
-"""Model-math kernels: the matrix product in GFLOP/s, an MLP training step in samples/s.
+"""Model-math kernels: the matrix product in GFLOP/s, an MLP training step in samples/s, the
+reference CNN on one CPU thread against PyTorch, and the CNN on the GPU against cuDNN.
 
 Rows, each on float32 data already where the kernel reads it, unless a row says otherwise:
 
@@ -6,14 +7,21 @@ Rows, each on float32 data already where the kernel reads it, unless a row says 
            numpy   np.dot, i.e. the BLAS numpy links (the CPU reference)
            cpu     pserver.kernels.cpu.dense_forward with a zero bias: numba's np.dot, the
                    same BLAS gemm, plus the bias pass
-           cuda    pserver.kernels.cuda.matmul: the tiled shared-memory kernel (device arrays)
-           cupy    cupy.matmul, i.e. cuBLAS (the GPU reference), when CuPy and a GPU are there
+           cpu1    the same in a process where every library has one thread (one CPU core)
+           cuda    pserver.kernels.cuda.matmul on device arrays, the kernel its tile_for picks;
+                   checked against numpy before it is timed
+           cuda-t16, cuda-b64k16p
+                   the same with every product forced to one kernel: t16 one element of C per
+                   thread, b64k16p the register-blocked 64 x 64 tile (BLOCKED_VARIANTS)
+           cupy    cupy.matmul, i.e. cuBLAS (the GPU reference), when CuPy and a GPU are there;
+                   fp32 math (CuPy uses TF32 only when CUPY_TF32=1, and the JSON says which)
   mlp      one loss_and_grad of the 784-256-256-10 MLP (forward, softmax cross-entropy,
            backward into the flat gradient), as the worker calls it:
            numpy   the "reference" backend (NumPy twins)
-           cpu     the "cpu" backend (numba kernels)
-           cuda    the CUDA model, including its per-step copies: w, x, y to the device
-                   and the gradient back, through pinned buffers
+           cpu     the "cpu" backend (numba kernels); cpu1 the same on one core
+           cuda*   the CUDA model, including its per-step copies: w, x, y to the device
+                   and the gradient back, through pinned buffers; the h2d/compute/d2h column
+                   splits its step by CUDA events (medians of 20 steps)
            cupy    the same math in CuPy, with the same copies (pageable memory)
   cnn      one forward + backward of the reference CNN (Conv2D(32, 3, relu) on 28x28x1,
            MaxPooling2D(2), Flatten, Dense(64, relu), Dense(10), softmax cross-entropy),
@@ -23,17 +31,21 @@ Rows, each on float32 data already where the kernel reads it, unless a row says 
                    when torch is installed (pip install torch: a bench-only dependency);
                    checked to give our loss and gradients before anything is timed.
                    The two are timed in turn, so load from elsewhere falls on both.
+  gpu-cnn  on a GPU with PyTorch: one Conv2D layer's forward + backward (conv2d rows, GFLOP/s)
+           and the reference CNN's training step (samples/s), ours against cuDNN (fp32, TF32
+           off); see gpu_cnn_rows.
 
 Each row: warm-up first, never timed (compilation, first touch, caches, BLAS threads waking),
 until both --warmup runs and --warmup-seconds are reached; then timed runs until both
 --min-runs and --min-seconds are; the table shows the median. Ratios are to the CPU reference
-(numpy) and to the GPU reference (cupy).
+(numpy), to one CPU core (cpu1) and to the GPU reference (cupy).
 
     python bench/kernels.py                                   # 1024,2048,4096; batches 256,4096
     python bench/kernels.py --sizes 512 --batches 256         # quick
     .venv/bin/python bench/kernels.py --json kernels.json
     python bench/kernels.py --sections cnn --cnn-batches 64,256   # the CNN against PyTorch
     NUMBA_ENABLE_CUDASIM=1 python bench/kernels.py --sizes 32 --batches 256   # simulator smoke
+    bash bench/gpu_check.sh OUT_DIR       # on a GPU machine: the CUDA tests, this, MNIST
 
 With no GPU the CUDA and CuPy rows are skipped, and the output says why. Under numba's CUDA
 simulator (NUMBA_ENABLE_CUDASIM=1) the CUDA rows run only for sizes up to 64 (one Python thread
@@ -64,7 +76,8 @@ SIM_MAX_SIZE = 64
 # cuda-t16: the one-element-per-thread kernel; cuda-b<tile>k<depth>[p]: a register-blocked
 # variant of pserver.kernels.cuda.BLOCKED_VARIANTS (tile side, strip depth, prefetch), every
 # product of the row forced to it; cuda alone: the kernel tile_for chooses per product.
-CUDA_KERNELS = ("t16", "b64k16", "b64k16p", "b64k32", "b64k32p", "b128k8", "b128k8p", "b128k16", "b128k16p")
+# (The sweep in bench/results/gpu/run-3 timed eight b* variants, at commit bdc2eb8.)
+CUDA_KERNELS = ("t16", "b64k16p")
 BACKENDS = ("numpy", "cpu", "cpu1", "cuda", *(f"cuda-{k}" for k in CUDA_KERNELS), "cupy", "torch")
 # torch: the MLP's and the products' rows come from cupy (cuBLAS); torch times the CNN on the GPU.
 SECTIONS = ("matmul", "mlp", "cnn", "gpu-cnn")
@@ -488,7 +501,8 @@ def gpu_baselines() -> dict:
         out["gpu"] = {"name": dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name),
                       "compute_capability": list(dev.compute_capability),
                       "multiprocessors": dev.MULTIPROCESSOR_COUNT,
-                      "driver": ".".join(map(str, cuda.cudadrv.driver.driver.get_version()))}
+                      # the CUDA version the driver supports (nvidia-smi gives its own number)
+                      "driver_cuda_version": ".".join(map(str, cuda.cudadrv.driver.driver.get_version()))}
     except Exception as e:  # noqa: BLE001
         out["gpu"] = f"{type(e).__name__}: {e}".splitlines()[0]
     return out
@@ -665,7 +679,7 @@ def run_backend_alone(backend: str, args) -> list[dict]:
         argv = [sys.executable, str(Path(__file__).resolve()), "--backends", backend,
                 "--sizes", ",".join(map(str, args.sizes)), "--batches", ",".join(map(str, args.batches)),
                 "--sections", ",".join(args.sections), *_timing_argv(args), "--child-json", str(out)]
-        # cpu1: the CPU kernels on one core (every library one thread), the issue's baseline
+        # cpu1: the CPU kernels on one core (every library one thread), the baseline
         # for a GPU step.
         r = subprocess.run(argv, env={**os.environ, **(ONE_THREAD if backend == "cpu1" else {})})
         if r.returncode != 0:     # its traceback is above; the other backends' rows still count
@@ -737,7 +751,7 @@ def main(argv=None) -> int:
         return 0
     check_xp_step()
     st = gpu_status()
-    host = machine(("numpy", "numba", "numba-cuda", "cupy", "torch"))
+    host = machine(("numpy", "numba", "numba-cuda", "cupy-cuda12x", "cupy-cuda13x", "torch"))
     print("\n".join(machine_lines(host)))
     print(f"BLAS (numpy, and numba's np.dot through scipy): {blas_name()}")
     gpu = st["device"] if not st["cuda"] else f"none ({st['cuda']})"

@@ -316,13 +316,16 @@ def _blocked_kernels(bm: int, bk: int, prefetch: bool):
 
 
 # Variants by name (tile side, strip depth, prefetch): "b64k16p" is 64 x 64 tiles of C (4 x 4
-# floats per thread), strips 16 deep, prefetched. Shared memory per block: 2 x bk x (tile + 4)
-# floats (8.4 KB for b128k8, 8.7 KB for b64k16, 16.9 KB for b128k16 and 17.4 KB for b64k32).
+# floats per thread), strips 16 deep (2 x 16 x 68 floats: 8.7 KB of shared memory per block),
+# the next strip prefetched into registers; 106 registers per thread, no spills (ptxas, sm_90).
+# Chosen on an H100 from a sweep of eight (bench/results/gpu/run-3, at commit bdc2eb8): tiles 64
+# and 128, strips 8 to 32 deep, with and without prefetch. At n = 4096 it ran at 16.8 TFLOP/s;
+# the best 128 tile (8 x 8 floats per thread, 128-216 registers, so one or two blocks per
+# multiprocessor) reached 15.6, and no variant beat it at 1024 or 2048.
 BLOCKED_VARIANTS = {f"b{tile}k{bk}{'p' if pre else ''}": (tile, *_blocked_kernels(tile, bk, pre))
-                    for tile, bk in ((64, 16), (64, 32), (128, 8), (128, 16)) for pre in (False, True)}
-# Tile side -> the variant tile_for uses for it: (the four product forms, the dense forward).
-BLOCKED_CHOICE = {64: "b64k16", 128: "b128k8"}
-BLOCKED = {tile: BLOCKED_VARIANTS[name][1:] for tile, name in BLOCKED_CHOICE.items()}
+                    for tile, bk, pre in ((64, 16, True),)}
+# Tile side -> the variant tile_for uses for it.
+BLOCKED_CHOICE = {64: "b64k16p"}
 
 
 # -- elementwise, column and row kernels ---------------------------------------------------
@@ -757,8 +760,8 @@ def matmul(A, B, C, trans_a=False, trans_b=False, *, stream=0):
 
 
 def matmul_tiled(A, B, C, trans_a, trans_b, tile, *, stream=0):
-    """matmul with a chosen kernel: tile 16 (one element of C per thread) or 64 or 128
-    (register-blocked); shapes already checked. Blocks cover C's columns (x) and rows (y);
+    """matmul with a chosen kernel: tile 16 (one element of C per thread), 64 (register-
+    blocked) or a name in BLOCKED_VARIANTS; shapes already checked. Blocks cover C's columns (x) and rows (y);
     the last row and column of blocks may hang over C's edges."""
     M, N = C.shape
     if tile == TILE:
@@ -776,20 +779,17 @@ def _blocked(tile):
 
 
 def tile_for(M: int, N: int) -> int:
-    """The side of C's tile per block for an M x N product: the largest register-blocked tile
-    (128, then 64) that still gives every multiprocessor a block; else 16, the one-element-per-
-    thread kernel, whose many small blocks keep small products spread over the GPU."""
+    """The side of C's tile per block for an M x N product: 64, the register-blocked kernel,
+    when its blocks give every multiprocessor one; else 16, the one-element-per-thread kernel,
+    whose many small blocks keep a small product (or a narrow one with a long K, as a weight
+    gradient x.T @ dz) spread over the GPU."""
     if FORCE_TILE is not None:
         return FORCE_TILE
-    sms = _multiprocessors()
-    for tile in (128, 64):
-        if _blocks(M, tile) * _blocks(N, tile) >= sms:
-            return tile
-    return TILE
+    return 64 if _blocks(M, 64) * _blocks(N, 64) >= _multiprocessors() else TILE
 
 
 _SMS: list[int] = []
-# 16, 64, 128 or a name in BLOCKED_VARIANTS: every product and dense forward takes that kernel
+# 16, 64 or a name in BLOCKED_VARIANTS: every product and dense forward takes that kernel
 # (bench/kernels.py times each this way); None: tile_for chooses.
 FORCE_TILE: int | str | None = None
 
