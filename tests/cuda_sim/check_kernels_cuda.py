@@ -116,11 +116,15 @@ def test_dense_forward_each_kernel(kernel):
 
 def test_tile_for_fills_the_multiprocessors():
     sms = K._multiprocessors()
-    for m, n in [(1, 1), (64, 256), (4096, 256), (4096, 4096), (784, 256), (4096, 784)]:
+    # (768, 704) is 12 x 11 = 132 blocks of 64: exactly an H100's multiprocessors, and the
+    # simulator's count.
+    for m, n in [(1, 1), (64, 256), (4096, 256), (4096, 4096), (784, 256), (4096, 784), (768, 704)]:
         tile = K.tile_for(m, n)
         # The blocked kernel exactly when its blocks cover every multiprocessor.
         assert tile == (64 if K._blocks(m, 64) * K._blocks(n, 64) >= sms else 16)
     assert K.tile_for(4096, 4096) == 64 and K.tile_for(64, 256) == 16
+    if simfix.SIMULATOR:
+        assert K.tile_for(768, 704) == 64 and K.tile_for(768, 640) == 16
 
 
 def test_matmul_checks_shapes_before_launching():
