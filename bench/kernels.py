@@ -418,11 +418,19 @@ def cnn_rows(args) -> list[dict]:
 
 def run_cnn_alone(args) -> list[dict]:
     """The CNN rows, in a fresh process with one thread for every library (see ONE_THREAD)."""
+    return _section_in_child(args, "--child-cnn-json", ONE_THREAD, "cnn")
+
+
+def _section_in_child(args, flag: str, env: dict, kind: str) -> list[dict]:
+    """A section's rows, measured by a fresh process of this script (`flag` says which); if it
+    fails, one row saying so (its traceback is above), so the other sections still count."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         argv = [sys.executable, str(Path(__file__).resolve()), "--cnn-batches",
-                ",".join(map(str, args.cnn_batches)), *_timing_argv(args), "--child-cnn-json", str(out)]
-        subprocess.run(argv, check=True, env={**os.environ, **ONE_THREAD})
+                ",".join(map(str, args.cnn_batches)), *_timing_argv(args), flag, str(out)]
+        r = subprocess.run(argv, env={**os.environ, **env})
+        if r.returncode != 0:
+            return [{"kind": kind, "skipped": f"the measuring process exited with {r.returncode}"}]
         return json.loads(out.read_text())
 
 
@@ -431,7 +439,7 @@ def render_cnn(rows: list[dict]) -> str:
     for r in rows:
         if "skipped" in r:
             notes.append(r["skipped"])
-            out.append([str(r["size"]), r["backend"], "skipped", "", "", "", "", ""])
+            out.append([str(r.get("size", "-")), r.get("backend", "-"), "skipped", "", "", "", "", ""])
             continue
         torch_row = next((b for b in rows if b["size"] == r["size"] and b["backend"] == "torch"
                           and "seconds" in b), None)
@@ -613,14 +621,7 @@ def gpu_cnn_rows(args) -> list[dict]:
 
 
 def run_gpu_cnn_alone(args) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        argv = [sys.executable, str(Path(__file__).resolve()), "--cnn-batches",
-                ",".join(map(str, args.cnn_batches)), *_timing_argv(args), "--child-gpu-cnn-json", str(out)]
-        r = subprocess.run(argv)
-        if r.returncode != 0:
-            return [{"kind": "gpu-cnn", "skipped": f"the measuring process exited with {r.returncode}"}]
-        return json.loads(out.read_text())
+    return _section_in_child(args, "--child-gpu-cnn-json", {}, "gpu-cnn")
 
 
 def render_gpu_cnn(rows: list[dict]) -> str:

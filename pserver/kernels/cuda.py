@@ -177,6 +177,28 @@ MATMUL = {(ta, tb): _matmul_kernel(ta, tb) for ta in (False, True) for tb in (Fa
 BLOCKED_THREADS = 16          # threads along each side of a block: 256 per block
 
 
+def _strip_loader(width: int, bk: int, k_rows: bool):
+    """Device functions (pos, at) for one operand's strip: `width` along M (or N) by bk along K.
+
+    pos(e) -> (k, w): where element e of the strip goes. Consecutive e walk along the operand
+    as it is stored, so the loads coalesce: along w when K indexes its rows (`k_rows`: A
+    transposed, or B as it is), along k otherwise. at(X, e, w0, k0) -> the element's value,
+    X[k0 + k, w0 + w] or X[w0 + w, k0 + k], and 0 outside X.
+    """
+
+    @cuda.jit(device=True)
+    def pos(e):
+        return (e // width, e % width) if k_rows else (e % bk, e // bk)
+
+    @cuda.jit(device=True)
+    def at(X, e, w0, k0):
+        k, w = pos(e)
+        i, j = (k0 + k, w0 + w) if k_rows else (w0 + w, k0 + k)
+        return X[i, j] if i < X.shape[0] and j < X.shape[1] else float32(0.0)
+
+    return pos, at
+
+
 def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, prefetch: bool):
     """A device function: acc[i, j] += (op(A) @ op(B))[r0 + ty + 16 i, c0 + tx + 16 j] over K.
 
@@ -192,30 +214,8 @@ def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, pr
     a_loads, b_loads = bm * bk // threads, bn * bk // threads
     a_rows, b_rows = bm + 4, bn + 4           # padded strip rows (see above)
 
-    @cuda.jit(device=True)
-    def a_pos(e):
-        """(k, m) of element e of the A strip: consecutive e walk along A as stored (along m
-        when A is stored transposed, along k otherwise), so the loads coalesce."""
-        return (e // bm, e % bm) if trans_a else (e % bk, e // bk)
-
-    @cuda.jit(device=True)
-    def a_at(A, e, r0, k0):
-        """op(A)[r0 + m, k0 + k] for element e of the strip; 0 out of range."""
-        k, m = a_pos(e)
-        i, j = (k0 + k, r0 + m) if trans_a else (r0 + m, k0 + k)
-        return A[i, j] if i < A.shape[0] and j < A.shape[1] else float32(0.0)
-
-    @cuda.jit(device=True)
-    def b_pos(e):
-        """(k, n) of element e of the B strip, the same way."""
-        return (e % bk, e // bk) if trans_b else (e // bn, e % bn)
-
-    @cuda.jit(device=True)
-    def b_at(B, e, c0, k0):
-        """op(B)[k0 + k, c0 + n] for element e of the strip; 0 out of range."""
-        k, n = b_pos(e)
-        i, j = (c0 + n, k0 + k) if trans_b else (k0 + k, c0 + n)
-        return B[i, j] if i < B.shape[0] and j < B.shape[1] else float32(0.0)
+    a_pos, a_at = _strip_loader(bm, bk, trans_a)          # A stored K x M when transposed
+    b_pos, b_at = _strip_loader(bn, bk, not trans_b)      # B stored K x N unless transposed
 
     @cuda.jit(device=True)
     def product(A, B, K, acc):
@@ -266,10 +266,37 @@ def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, pr
     return product
 
 
+def _store_tile(bm: int, fused: bool):
+    """A device function: this thread's block of C from `acc`, in bounds; with `fused` (a
+    closure constant), plus bias[col] and then ReLU if `relu`."""
+    tm = bm // BLOCKED_THREADS
+
+    @cuda.jit(device=True)
+    def store(C, acc, bias, relu):
+        r0 = cuda.blockIdx.y * bm + cuda.threadIdx.y
+        c0 = cuda.blockIdx.x * bm + cuda.threadIdx.x
+        for i in range(tm):
+            row = r0 + i * BLOCKED_THREADS
+            if row < C.shape[0]:
+                for j in range(tm):
+                    col = c0 + j * BLOCKED_THREADS
+                    if col < C.shape[1]:
+                        v = acc[i, j]
+                        if fused:
+                            v += bias[col]
+                            # `v < 0` keeps NaN, as the tiled kernel does.
+                            if relu and v < 0:
+                                v = float32(0.0)
+                        C[row, col] = v
+
+    return store
+
+
 def _blocked_kernels(bm: int, bk: int, prefetch: bool):
     """{(trans_a, trans_b): C[:] = op(A) @ op(B)} and the dense forward (x @ W + bias, ReLU),
     for square bm x bm tiles of C."""
     tm = bm // BLOCKED_THREADS
+    store, store_fused = _store_tile(bm, False), _store_tile(bm, True)
 
     def plain(trans_a, trans_b):
         product = _blocked_product(bm, bm, bk, trans_a, trans_b, prefetch)
@@ -279,15 +306,7 @@ def _blocked_kernels(bm: int, bk: int, prefetch: bool):
             """C[:] = op(A) @ op(B)."""
             acc = cuda.local.array((tm, tm), float32)
             product(A, B, A.shape[0] if trans_a else A.shape[1], acc)
-            r0 = cuda.blockIdx.y * bm + cuda.threadIdx.y
-            c0 = cuda.blockIdx.x * bm + cuda.threadIdx.x
-            for i in range(tm):
-                row = r0 + i * BLOCKED_THREADS
-                if row < C.shape[0]:
-                    for j in range(tm):
-                        col = c0 + j * BLOCKED_THREADS
-                        if col < C.shape[1]:
-                            C[row, col] = acc[i, j]
+            store(C, acc, C, False)      # no bias: C stands in for it, never read
 
         return matmul
 
@@ -298,19 +317,7 @@ def _blocked_kernels(bm: int, bk: int, prefetch: bool):
         """C[:] = A @ B + bias, then ReLU if `relu`."""
         acc = cuda.local.array((tm, tm), float32)
         product_nn(A, B, A.shape[1], acc)
-        r0 = cuda.blockIdx.y * bm + cuda.threadIdx.y
-        c0 = cuda.blockIdx.x * bm + cuda.threadIdx.x
-        for i in range(tm):
-            row = r0 + i * BLOCKED_THREADS
-            if row < C.shape[0]:
-                for j in range(tm):
-                    col = c0 + j * BLOCKED_THREADS
-                    if col < C.shape[1]:
-                        v = acc[i, j] + bias[col]
-                        # `v < 0` keeps NaN, as the tiled kernel does.
-                        if relu and v < 0:
-                            v = float32(0.0)
-                        C[row, col] = v
+        store_fused(C, acc, bias, relu)
 
     return {(ta, tb): plain(ta, tb) for ta in (False, True) for tb in (False, True)}, dense
 
