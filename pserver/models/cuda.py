@@ -260,19 +260,26 @@ class _Batch:
         self.outs = [None if layer.reshapes_only else
                      cuda.device_array((n, *layer.output_shape), np.float32, stream=stream)
                      for layer in layers]
-        # d loss / d output of each layer; a reshaping layer's is a view of the one above it.
-        douts = [cuda.device_array((n, *layer.output_shape), np.float32, stream=stream)
-                 for layer in layers]
-        for i in range(len(layers) - 1, 0, -1):
-            if layers[i].reshapes_only:
-                douts[i - 1] = douts[i].reshape(n, *layers[i - 1].output_shape)
-        self.douts = douts
+        self._layers, self._n, self._stream = layers, n, stream
         self.eval_dout = cuda.device_array(last, np.float32, stream=stream)
         # Scratch as the layer asks for it (zeros stay zeros: a bias-less layer's bias).
         self.scratch = [{name: cuda.to_device(a, stream=stream)
                          for name, a in layer.scratch(n, np.float32).items()} for layer in layers]
         self.row_loss = cuda.device_array(n, np.float32, stream=stream)
         self.loss = cuda.device_array(1, np.float64, stream=stream)
+
+    @functools.cached_property
+    def douts(self) -> list:
+        """d loss / d output of each layer, made at the first training step of this size
+        (evaluation needs none: for the CNN at 4096 images they are hundreds of MB); a
+        reshaping layer's is a view of the one above it."""
+        layers, n = self._layers, self._n
+        douts = [cuda.device_array((n, *layer.output_shape), np.float32, stream=self._stream)
+                 for layer in layers]
+        for i in range(len(layers) - 1, 0, -1):
+            if layers[i].reshapes_only:
+                douts[i - 1] = douts[i].reshape(n, *layers[i - 1].output_shape)
+        return douts
 
     def upload(self, x: np.ndarray, y: np.ndarray, stream) -> None:
         np.copyto(self.x_host, x)

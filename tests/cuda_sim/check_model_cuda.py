@@ -258,3 +258,16 @@ def test_logreg_with_sgd_learns_on_the_device_as_on_the_cpu():
     assert first["accuracy"] < 0.5 and last["accuracy"] == 1.0
     assert last["loss"] < 1e-3 * first["loss"]
     np.testing.assert_allclose(ws[1], ws[0], rtol=1e-4, atol=1e-5)
+
+
+def test_evaluation_allocates_no_gradient_buffers():
+    # The CPU model's rule on the device too: evaluating 4096 CNN images must not also hold
+    # every layer's d loss / d output (hundreds of MB); the first training step makes them.
+    _, gpu_m = pair("mlp")
+    rng = np.random.default_rng(2)
+    w, (x, y) = random_params(gpu_m, rng), batch(gpu_m, 7, rng)
+    gpu_m.evaluate(w, x, y)
+    b = gpu_m._state()._batches[7]
+    assert "douts" not in vars(b)
+    gpu_m.loss_and_grad(w, x, y, np.empty_like(w))
+    assert "douts" in vars(b) and len(b.douts) == len(gpu_m.layers)
