@@ -73,8 +73,34 @@ def select(device: Device) -> Device:
         # The driver sees a GPU, but numba finds no NVVM to compile kernels with.
         raise ConfigError(f"--device {device}: a GPU is visible but numba cannot compile for it "
                           f"(no NVVM/libdevice found); install pserver[cuda] or a CUDA toolkit")
+    if not is_simulator():
+        check_compiler(device)
     cuda.select_device(index)
     return Device("cuda", index)
+
+
+def _noop(a):
+    a[0] = 0.0
+
+
+def check_compiler(device: Device) -> None:
+    """Compile one tiny kernel, so that a numba-cuda that cannot compile with the installed
+    numpy fails here, in one line, rather than in the middle of the first step. Seen on a GPU
+    machine: numba-cuda 0.30.4 with numpy 2.5, which removed np.row_stack (AttributeError while
+    numba-cuda loads its NumPy support)."""
+    from numba import cuda, types
+    import numpy as np
+    try:
+        cuda.compile_ptx(_noop, (types.float32[::1],), cc=(7, 5))
+    except AttributeError as e:
+        from importlib import metadata
+        try:
+            version = metadata.version("numba-cuda")
+        except metadata.PackageNotFoundError:
+            version = "(numba's own)"
+        raise ConfigError(f"--device {device}: numba-cuda {version} cannot compile kernels with "
+                          f"numpy {np.__version__} ({e}); install numpy<2.5 "
+                          f"(pip install 'pserver[cuda]' pins it)") from e
 
 
 def describe(device: Device) -> str:
