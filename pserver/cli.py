@@ -137,7 +137,8 @@ WORKER_FLAGS = [
     Flag("--epochs", dict(type=int, help="passes over each worker's slice of the data (default 1)")),
     Flag("--max-steps", dict(type=int, help="stop each worker after this many steps (default: no limit)")),
     Flag("--seed", dict(type=int, help="seed for data order and initial weights (default 0)")),
-    Flag("--device", dict(help="where gradients are computed: cpu (default), cuda or cuda:I (numba.cuda; "
+    Flag("--device", dict(help="where gradients are computed: cpu (default), cuda or cuda:I (numba.cuda, "
+                               "for models of Dense, Conv2D, pooling, Flatten and Dropout layers; "
                                "honours CUDA_VISIBLE_DEVICES; launch spreads workers over the GPUs)")),
     Flag("--log-every", dict(type=float, metavar="SEC", help="seconds between progress lines (default 2)")),
     Flag("--connect-timeout", dict(type=float, metavar="SEC", help="seconds to wait for the shards at start (default 30)")),
