@@ -18,7 +18,10 @@ OUT=${1:?usage: bash bench/gpu_check.sh OUT_DIR [MNIST_DIR]}
 DATA=${2:-.gpu_data/mnist}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)                       # both as given from where it was started
+[ -d "$DATA" ] && DATA=$(cd "$DATA" && pwd)
 cd "$(dirname "$0")/.."
+RUNS=$(mktemp -d)                             # this run's MNIST summaries, and only this run's
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -55,7 +58,7 @@ mnist() {   # mnist MODEL DEVICE SECONDS
   stamp "$1 $2" >> "$OUT/mnist.log"
   timeout "$3" $PY -m pserver launch --ps 1 --workers 2 --model "$1" --device "$2" \
     --dataset mnist --data-dir "$DATA" --epochs 1 --batch-size 128 --optimizer adam --lr 0.001 \
-    --summary-json "/tmp/mnist-$1-$2.json" >> "$OUT/mnist.log" 2>&1
+    --summary-json "$RUNS/mnist-$1-$2.json" >> "$OUT/mnist.log" 2>&1
   echo "exit $?" >> "$OUT/mnist.log"
 }
 stamp "MNIST" | tee "$OUT/mnist.log"
@@ -68,10 +71,10 @@ timeout ${BENCH_LIMIT:-190} $PY bench/kernels.py --sizes 1024,2048,4096 --batche
 echo "exit $?" >> "$OUT/bench.log"
 
 for m in ${MNIST_CPU-mlp cnn}; do mnist "$m" cpu 30; done
-$PY - "$OUT/mnist.json" <<'EOF'
+$PY - "$OUT/mnist.json" "$RUNS" <<'EOF'
 import json, sys, pathlib
 runs = {}
-for p in sorted(pathlib.Path("/tmp").glob("mnist-*.json")):
+for p in sorted(pathlib.Path(sys.argv[2]).glob("mnist-*.json")):
     d = json.loads(p.read_text())
     runs[p.stem[len("mnist-"):]] = {k: d.get(k) for k in (
         "model", "num_workers", "num_shards", "batch_size", "epochs", "steps", "samples_trained",

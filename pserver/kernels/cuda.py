@@ -171,8 +171,9 @@ MATMUL = {(ta, tb): _matmul_kernel(ta, tb) for ta in (False, True) for tb in (Fa
 # ty + i * 16 and columns tx + j * 16 of the tile (strided, not contiguous): a warp's 32 threads
 # then read 16 consecutive floats of the B strip and 2 of the A strip (broadcasts), so shared
 # memory serves every read without bank conflicts, and C is written 16 floats at a time.
-# Shared strips are stored k-major (BK rows of BM + 4): the 4 extra floats per row put the
-# threads that store one column of a strip into different banks.
+# Shared strips are stored k-major (BK rows of BM + 4): for the operand loaded along K (A as
+# stored, B transposed), the 4 extra floats per row spread a warp's stores over the banks
+# (bank 4k + w: at most 2 threads share one with 16-deep strips, instead of all 16 of a column).
 
 BLOCKED_THREADS = 16          # threads along each side of a block: 256 per block
 
@@ -200,11 +201,12 @@ def _strip_loader(width: int, bk: int, k_rows: bool):
 
 
 def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, prefetch: bool):
-    """A device function: acc[i, j] += (op(A) @ op(B))[r0 + ty + 16 i, c0 + tx + 16 j] over K.
+    """A device function: acc[i, j] = (op(A) @ op(B))[r0 + ty + 16 i, c0 + tx + 16 j], summed
+    over K (acc is zeroed first).
 
     bm, bn, bk and the flags are closure constants: numba compiles one branch-free function per
-    form, with every loop over TM, TN and BK of constant length, which the compiler unrolls so
-    that `acc`, `a` and `b` live in registers. With `prefetch`, each thread loads its share of
+    form. The loops over TM and TN have constant lengths and the compiler unrolls them, so that
+    `acc`, `a` and `b` live in registers (the loop over one strip's BK stays a loop). With `prefetch`, each thread loads its share of
     the next strip from global memory into registers before it computes on the current one, so
     those loads are in flight during the multiply-adds instead of between two barriers. Every
     thread of the block must call it (all of them load strips and meet at the barriers).
@@ -324,11 +326,13 @@ def _blocked_kernels(bm: int, bk: int, prefetch: bool):
 
 # Variants by name (tile side, strip depth, prefetch): "b64k16p" is 64 x 64 tiles of C (4 x 4
 # floats per thread), strips 16 deep (2 x 16 x 68 floats: 8.7 KB of shared memory per block),
-# the next strip prefetched into registers; 106 registers per thread, no spills (ptxas, sm_90).
+# the next strip prefetched into registers; 88 to 108 registers per thread by form, no spills
+# (ptxas, sm_90).
 # Chosen on an H100 from a sweep of eight (bench/results/gpu/run-3, at commit bdc2eb8): tiles 64
 # and 128, strips 8 to 32 deep, with and without prefetch. At n = 4096 it ran at 16.8 TFLOP/s;
 # the best 128 tile (8 x 8 floats per thread, 128-216 registers, so one or two blocks per
-# multiprocessor) reached 15.6, and no variant beat it at 1024 or 2048.
+# multiprocessor) reached 15.6. At 1024 none came close (12.5 against 6.9 for the best 128
+# tile); at 2048 b128k8p ran 0.2% faster (15.02 against 14.99), within the noise.
 BLOCKED_VARIANTS = {f"b{tile}k{bk}{'p' if pre else ''}": (tile, *_blocked_kernels(tile, bk, pre))
                     for tile, bk, pre in ((64, 16, True),)}
 # Tile side -> the variant tile_for uses for it.

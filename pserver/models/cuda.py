@@ -210,7 +210,7 @@ def _check_device_layers(host: Sequential) -> None:
     if why:
         names = ", ".join(t.__name__ for t in DEVICE_LAYERS)
         raise ConfigError(f"--device cuda: runs Sequential models of {names} layers with a "
-                          f"cross-entropy or MSE loss on the GPU; {host.name}: {why}. "
+                          f"sparse categorical cross-entropy or MSE loss on the GPU; {host.name}: {why}. "
                           f"Use --device cpu for this model")
 
 
@@ -271,8 +271,8 @@ class _Batch:
     @functools.cached_property
     def douts(self) -> list:
         """d loss / d output of each layer, made at the first training step of this size
-        (evaluation needs none: for the CNN at 4096 images they are hundreds of MB); a
-        reshaping layer's is a view of the one above it."""
+        (evaluation needs none: for the CNN at 4096 images they are hundreds of MB). Below a
+        reshaping layer (Flatten), the layer's buffer is a view of the reshaping layer's."""
         layers, n = self._layers, self._n
         douts = [cuda.device_array((n, *layer.output_shape), np.float32, stream=self._stream)
                  for layer in layers]
