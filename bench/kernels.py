@@ -146,6 +146,19 @@ def _nothing():
     pass
 
 
+def step_split(fn, args) -> dict:
+    """{"split_ms": medians of a GPU step's h2d/compute/d2h over >= 20 steps} if `fn` has a
+    `split` (a step that returns its CUDA-event timings), else nothing."""
+    if not hasattr(fn, "split"):
+        return {}
+    splits = [fn.split() for _ in range(max(args.min_runs, 20))]
+    return {"split_ms": {k: summary([sp[k] for sp in splits])[0] for k in splits[0]}}
+
+
+def split_text(split) -> str:
+    return "/".join(f"{split[k]:.3f}" for k in ("h2d", "compute", "d2h")) if split else ""
+
+
 # -- matrix products -------------------------------------------------------------------------
 
 def matmul_row(backend: str, n: int, st: dict, rng):
@@ -612,9 +625,7 @@ def gpu_cnn_rows(args) -> list[dict]:
         for backend, fn in fns.items():
             r = {"kind": "cnn-step", "size": n, "backend": backend, **measure(fn, syncs[backend], args)}
             r["samples_per_second"] = n / r["seconds"]
-            if hasattr(fn, "split"):
-                splits = [fn.split() for _ in range(max(args.min_runs, 20))]
-                r["split_ms"] = {key: summary([sp[key] for sp in splits])[0] for key in splits[0]}
+            r.update(step_split(fn, args))
             rows.append(r)
             print(f"  cnn step batch {n} {backend}: {r['seconds'] * 1e3:.3f} ms", file=sys.stderr, flush=True)
     return rows
@@ -632,11 +643,10 @@ def render_gpu_cnn(rows: list[dict]) -> str:
         what = r.get("layer", "whole step")
         base = next((b for b in rows if b["kind"] == r["kind"] and b["size"] == r["size"]
                      and b.get("layer") == r.get("layer") and b["backend"] == "torch"), None)
-        split = r.get("split_ms")
         out.append([str(r["size"]), what, r["backend"], f"{r['seconds'] * 1e3:.3f}",
                     f"{r['gflops']:,.0f}" if "gflops" in r else f"{r['samples_per_second']:,.0f}",
                     f"{base['seconds'] / r['seconds']:.2f}x" if base else "-",
-                    "/".join(f"{split[k]:.3f}" for k in ("h2d", "compute", "d2h")) if split else "",
+                    split_text(r.get("split_ms")),
                     str(r["runs"])])
     return table(["batch", "what", "backend", "ms (median)", "GFLOP/s | samples/s", "vs torch",
                   "h2d/compute/d2h ms", "runs"], out, left=2)
@@ -656,9 +666,7 @@ def run_rows(kind: str, sizes, st: dict, args) -> list[dict]:
             row.update(measure(*made, args))
             if hasattr(made[0], "rel_error"):
                 row["rel_error_vs_numpy"] = made[0].rel_error
-            if hasattr(made[0], "split"):
-                splits = [made[0].split() for _ in range(max(args.min_runs, 20))]
-                row["split_ms"] = {k: summary([sp[k] for sp in splits])[0] for k in splits[0]}
+            row.update(step_split(made[0], args))
             if kind == "matmul":
                 row["gflops"] = 2 * n ** 3 / row["seconds"] / 1e9
             else:
@@ -731,9 +739,8 @@ def render(rows: list[dict], metric: str, label: str, sim: bool) -> str:
                         "", "", "", "", "", ""])
             continue
         ratio = [f"{r[k]:.2f}x" if k in r else "-" for k in ("vs_numpy", "vs_cpu1", "vs_cupy")]
-        split = r.get("split_ms")
         out.append([str(r["size"]), name, f"{r['seconds'] * 1e3:.3f}", f"{r[metric]:,.1f}",
-                    *ratio, "/".join(f"{split[k]:.3f}" for k in ("h2d", "compute", "d2h")) if split else "",
+                    *ratio, split_text(r.get("split_ms")),
                     str(r["runs"])])
     text = table(["size", "backend", "ms (median)", label, "vs numpy", "vs cpu1", "vs cupy",
                   "h2d/compute/d2h ms", "runs"], out, left=2)

@@ -192,3 +192,22 @@ def test_products_at_mlp_size():
     x64, W64, dz64 = (a.astype(np.float64) for a in (x, W, dz))
     np.testing.assert_allclose(got[0], x64.T @ dz64, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(got[2], dz64 @ W64.T, rtol=1e-4, atol=1e-3)
+
+
+@FAST
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=4), seeds)
+@pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
+def test_copy_is_the_identity_of_any_shape(k, dims, seed):
+    x = f32(np.random.default_rng(seed), *dims)
+    x.reshape(-1)[0] = np.nan
+    out = np.full_like(x, 7.0)
+    k.copy(x, out)
+    np.testing.assert_array_equal(out, x)   # NaN in the same place, every bit otherwise
+
+
+@pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
+def test_copy_refuses_another_shape(k):
+    out = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match="copy: x and out differ in shape"):
+        k.copy(np.ones((3, 2), np.float32), out)
+    assert not out.any()

@@ -32,7 +32,8 @@ KERNELS = ("dense_forward", "dense_param_grads", "dense_backward", "relu_backwar
            "softmax_xent", "mse", "sigmoid_bce",
            "conv2d_forward", "conv2d_backward", "maxpool2d_forward", "maxpool2d_backward",
            "avgpool2d_forward", "avgpool2d_backward", "activation_forward", "activation_backward",
-           "dropout_forward", "dropout_backward", "embedding_forward", "embedding_backward")
+           "dropout_forward", "dropout_backward", "embedding_forward", "embedding_backward",
+           "copy")
 # The functions of the CPU backends alone (cpu and its twin): the click-through-rate models'
 # math, which runs where their sparse rows are, on the host.
 CPU_KERNELS = ("fm_forward", "fm_backward")

@@ -431,6 +431,14 @@ def dropout_backward(dy, mask, dx):
         df[i] = gf[i] * mf[i]
 
 
+@njit(cache=True, nogil=True)
+def copy(x, out):
+    """out[:] = x, of the same shape (an identity layer: Dropout at inference or at rate 0)."""
+    if x.shape != out.shape:
+        raise ValueError("copy: x and out differ in shape")
+    out[...] = x
+
+
 # -- embedding ---------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True)

@@ -1047,6 +1047,13 @@ def dropout_backward(dy, mask, dx, *, stream=0):
     _launch_elements(multiply_kernel, dy.size, stream, _flat(dy), _flat(mask), _flat(dx))
 
 
+def copy(x, out, *, stream=0):
+    """out[:] = x, device to device, on the stream."""
+    if x.shape != out.shape:
+        raise ValueError(f"copy: x {x.shape}, out {out.shape}")
+    out.copy_to_device(x, stream=stream)
+
+
 def embedding_forward(ids, table, out, *, stream=0):
     """out[n, l] = table[ids[n, l]]. ids int (N, L), table (V, D), out (N, L, D).
 

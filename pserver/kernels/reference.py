@@ -320,6 +320,13 @@ def dropout_backward(dy, mask, dx):
     np.multiply(dy, mask, out=dx)
 
 
+def copy(x, out):
+    """out[:] = x, of the same shape (an identity layer: Dropout at inference or at rate 0)."""
+    if x.shape != out.shape:
+        raise ValueError("copy: x and out differ in shape")
+    np.copyto(out, x)
+
+
 # -- embedding ---------------------------------------------------------------------------------
 
 def _check_ids(ids, vocab):

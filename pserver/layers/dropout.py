@@ -33,7 +33,7 @@ class Dropout(Layer):
         if run.training and self.rate > 0:
             k.dropout_forward(x, out, s["mask"], self.rate, (run.seed + self.seed) % (1 << 63))
         else:
-            np.copyto(out, x)
+            k.copy(x, out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         if dx is None:
@@ -41,4 +41,4 @@ class Dropout(Layer):
         if self.rate > 0:
             k.dropout_backward(dout, s["mask"], dx)
         else:
-            np.copyto(dx, dout)
+            k.copy(dout, dx)

@@ -109,18 +109,8 @@ class CudaSequential(Model):
         return 2.0 if self.task == "regression" else 1.0
 
     def _forward_on_device(self, params, b, stream, run) -> list:
-        """[input, output of layer 0, output of layer 1, ...], as Sequential._forward."""
-        k, acts = _OnStream(self.kernels, stream), [b.x]
-        for layer, p, out, sc in zip(self.layers, params, b.outs, b.scratch):
-            inp = acts[-1]
-            if layer.reshapes_only:
-                out = inp.reshape(inp.shape[0], *layer.output_shape)
-            elif isinstance(layer, Dropout) and not (run.training and layer.rate > 0):
-                out.copy_to_device(inp, stream=stream)     # the identity, device to device
-            else:
-                layer.forward(k, p, inp, out, sc, run)
-            acts.append(out)
-        return acts
+        """[input, output of layer 0, ...]: Sequential's own pass, with the CUDA kernels."""
+        return self.host._forward(params, b.x, b, run, _OnStream(self.kernels, stream))
 
     def _loss_on_device(self, out, b, dout, stream):
         """dout = d loss / d output; b.loss[0] = the mean loss, left on the device."""
@@ -129,19 +119,9 @@ class CudaSequential(Model):
         into(out, b.y, dout, b.row_loss, b.loss, stream=stream)
 
     def _backward_on_device(self, params, grads, acts, b, stream):
-        """From the top down, as Sequential._backward: gradients into the flat vector's views."""
-        k = _OnStream(self.kernels, stream)
-        for i in range(len(self.layers) - 1, -1, -1):
-            layer = self.layers[i]
-            if layer.reshapes_only:
-                continue
-            dx = b.douts[i - 1] if self.host._needs_dx[i] else None
-            if isinstance(layer, Dropout) and layer.rate == 0:
-                if dx is not None:
-                    dx.copy_to_device(b.douts[i], stream=stream)
-                continue
-            layer.backward(k, params[i], grads[i], acts[i], acts[i + 1], b.douts[i], dx,
-                           b.scratch[i])
+        """Sequential's own backward pass, with the CUDA kernels: gradients into the flat
+        vector's views."""
+        self.host._backward(params, grads, acts, b, _OnStream(self.kernels, stream))
 
     # -- evaluation ------------------------------------------------------------------------
 

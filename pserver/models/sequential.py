@@ -196,27 +196,30 @@ class Sequential(Model):
         self._backward(params, grads, ins, bufs)
         return float(loss)
 
-    def _forward(self, params, x, bufs, run) -> list[np.ndarray]:
-        """[input, output of layer 0, output of layer 1, ...]."""
+    def _forward(self, params, x, bufs, run, k=None) -> list[np.ndarray]:
+        """[input, output of layer 0, output of layer 1, ...]. `k`: the kernels, if not this
+        model's (CudaSequential passes the CUDA ones, bound to its stream, and device arrays)."""
+        k = self.kernels if k is None else k
         acts = [x]
         for layer, p, out, s in zip(self.layers, params, bufs.outs, bufs.scratch):
             inp = acts[-1]
             if layer.reshapes_only:
                 out = inp.reshape((inp.shape[0], *layer.output_shape))
             else:
-                layer.forward(self.kernels, p, inp, out, s, run)
+                layer.forward(k, p, inp, out, s, run)
             acts.append(out)
         return acts
 
-    def _backward(self, params, grads, acts, bufs) -> None:
+    def _backward(self, params, grads, acts, bufs, k=None) -> None:
         """From the top down; bufs.douts[i] = d loss / d (output of layer i). A reshaping
         layer has nothing to do: the buffer below it is a view of its own."""
+        k = self.kernels if k is None else k
         for i in range(len(self.layers) - 1, -1, -1):
             layer = self.layers[i]
             if layer.reshapes_only:
                 continue
             dx = bufs.douts[i - 1] if self._needs_dx[i] else None
-            layer.backward(self.kernels, params[i], grads[i], acts[i], acts[i + 1],
+            layer.backward(k, params[i], grads[i], acts[i], acts[i + 1],
                            bufs.douts[i], dx, bufs.scratch[i])
 
     # -- checks --------------------------------------------------------------------------------

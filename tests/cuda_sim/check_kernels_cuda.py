@@ -494,3 +494,12 @@ def test_low_occupancy_warnings_stay_out_of_the_logs():
         warnings.warn(NumbaPerformanceWarning("another performance warning"))
     # On a GPU numba-cuda wraps every message of the class in bold codes: compare the text.
     assert [re.sub(r"\x1b\[\d+m", "", str(w.message)) for w in seen] == ["another performance warning"]
+
+
+def test_copy_device_to_device():
+    x = f32(np.random.default_rng(4), 3, 5, 2)
+    out = nans(3, 5, 2)
+    K.copy(cuda.to_device(x), out)
+    np.testing.assert_array_equal(out.copy_to_host(), x)
+    with pytest.raises(ValueError, match="copy"):
+        K.copy(cuda.to_device(x), nans(5, 3, 2))
