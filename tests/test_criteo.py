@@ -9,7 +9,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from pserver import criteo
 from pserver.criteo import (COLUMNS, NUM_CAT, NUM_DENSE, RECORD, REPORTED_LINES, SYNTHETIC_VOCABS,
@@ -116,6 +116,9 @@ def lines_of_fields(draw):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(lines_of_fields(), min_size=1, max_size=8), st.booleans())
 def test_the_numba_parser_agrees_with_the_python_twin(texts, final_newline):
+    # An empty last text with no newline after it is no line at all: the data ends with the
+    # newline before it, as a file of one line fewer would (found by hypothesis in a fresh run).
+    assume(final_newline or texts[-1] != "")
     data = "\n".join(texts) + ("\n" if final_newline else "")
     block = parse_block(np.frombuffer(data.encode(), np.uint8), 0)
     assert len(block.ok) == len(texts)
