@@ -66,7 +66,7 @@ for m in ${MNIST_GPU-mlp cnn}; do mnist "$m" cuda 60; done
 
 stamp "bench/kernels.py" | tee "$OUT/bench.log"
 timeout ${BENCH_LIMIT:-190} $PY bench/kernels.py --sizes 1024,2048,4096 --batches 64,2048,4096 --cnn-batches 64,256 \
-  --sections ${SECTIONS:-matmul,mlp,gpu-cnn} --backends ${BACKENDS:-cpu1,cuda,cuda-t16,cuda-b64k16p,cupy,torch} \
+  --sections ${SECTIONS:-matmul,mlp,gpu-cnn} --backends ${BACKENDS:-cpu1,cuda,cuda-t16,cuda-b64k16p,cuda-b128k16pc,cupy,torch} \
   --warmup-seconds 0.3 --min-seconds 0.5 --json "$OUT/kernels.json" >> "$OUT/bench.log" 2>&1
 echo "exit $?" >> "$OUT/bench.log"
 

@@ -10,9 +10,9 @@ Rows, each on float32 data already where the kernel reads it, unless a row says 
            cpu1    the same in a process where every library has one thread (one CPU core)
            cuda    pserver.kernels.cuda.matmul on device arrays, the kernel its tile_for picks;
                    checked against numpy before it is timed
-           cuda-t16, cuda-b64k16p
+           cuda-t16, cuda-b64k16p, cuda-b128k16pc
                    the same with every product forced to one kernel: t16 one element of C per
-                   thread, b64k16p the register-blocked 64 x 64 tile (BLOCKED_VARIANTS)
+                   thread, b<tile>k<depth>[p][c] a register-blocked tile (BLOCKED_VARIANTS)
            cupy    cupy.matmul, i.e. cuBLAS (the GPU reference), when CuPy and a GPU are there;
                    fp32 math (CuPy uses TF32 only when CUPY_TF32=1, and the JSON says which)
   mlp      one loss_and_grad of the 784-256-256-10 MLP (forward, softmax cross-entropy,
@@ -73,11 +73,12 @@ from _util import machine, machine_lines, positive_ints, result_path, summary, t
 
 MLP_WIDTHS = (784, 256, 256, 10)
 SIM_MAX_SIZE = 64
-# cuda-t16: the one-element-per-thread kernel; cuda-b<tile>k<depth>[p]: a register-blocked
-# variant of pserver.kernels.cuda.BLOCKED_VARIANTS (tile side, strip depth, prefetch), every
+# cuda-t16: the one-element-per-thread kernel; cuda-b<tile>k<depth>[p][c]: a register-blocked
+# variant of pserver.kernels.cuda.BLOCKED_VARIANTS (tile side, strip depth, prefetch, runs of 4
+# consecutive floats per thread), every
 # product of the row forced to it; cuda alone: the kernel tile_for chooses per product.
-# (The sweep in bench/results/gpu/run-3 timed eight b* variants, at commit bdc2eb8.)
-CUDA_KERNELS = ("t16", "b64k16p")
+# (The sweeps in bench/results/gpu/run-3 and run-4 timed twelve b* variants; see BLOCKED_VARIANTS.)
+CUDA_KERNELS = ("t16", "b64k16p", "b128k16pc")
 BACKENDS = ("numpy", "cpu", "cpu1", "cuda", *(f"cuda-{k}" for k in CUDA_KERNELS), "cupy", "torch")
 # torch: the MLP's and the products' rows come from cupy (cuBLAS); torch times the CNN on the GPU.
 SECTIONS = ("matmul", "mlp", "cnn", "gpu-cnn")

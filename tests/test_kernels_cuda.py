@@ -30,7 +30,7 @@ from pserver.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIM_MODULES = ("check_kernels_cuda", "check_model_cuda")
-INNER_TIMEOUT = 540   # seconds; the two modules took 156 s one after the other on 2 cores (2026-11-25)
+INNER_TIMEOUT = 540   # seconds; the two modules took about 245 s side by side on 2 cores (2026-11-26, with the 128 tile)
 
 
 def _env(**changes) -> dict:

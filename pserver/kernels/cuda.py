@@ -200,7 +200,16 @@ def _strip_loader(width: int, bk: int, k_rows: bool):
     return pos, at
 
 
-def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, prefetch: bool):
+@cuda.jit(device=True)
+def _owned(t, i):
+    """The tile row (column) of thread t's i-th row (column) in the `contig` layout: runs of 4,
+    the runs of the 16 threads side by side, then the next run 64 further (so that a warp's
+    128-bit loads of a strip row touch consecutive 16-byte words, without bank conflicts)."""
+    return (i // 4) * (4 * BLOCKED_THREADS) + t * 4 + i % 4
+
+
+def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, prefetch: bool,
+                     contig: bool = False):
     """A device function: acc[i, j] = (op(A) @ op(B))[r0 + ty + 16 i, c0 + tx + 16 j], summed
     over K (acc is zeroed first).
 
@@ -215,14 +224,17 @@ def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, pr
     threads = BLOCKED_THREADS * BLOCKED_THREADS
     a_loads, b_loads = bm * bk // threads, bn * bk // threads
     a_rows, b_rows = bm + 4, bn + 4           # padded strip rows (see above)
+    # Thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j of the tile, or with `contig`
+    # rows _owned(ty, i) and columns _owned(tx, j): runs of 4 consecutive floats, 16-byte
+    # aligned, which the compiler reads from a strip row with one 128-bit load each.
 
     a_pos, a_at = _strip_loader(bm, bk, trans_a)          # A stored K x M when transposed
     b_pos, b_at = _strip_loader(bn, bk, not trans_b)      # B stored K x N unless transposed
 
     @cuda.jit(device=True)
     def product(A, B, K, acc):
-        sA = cuda.shared.array((bk, a_rows), float32)
-        sB = cuda.shared.array((bk, b_rows), float32)
+        sA = cuda.shared.array((bk, a_rows), float32, alignment=16)
+        sB = cuda.shared.array((bk, b_rows), float32, alignment=16)
         a = cuda.local.array(tm, float32)
         b = cuda.local.array(tn, float32)
         ra = cuda.local.array(a_loads, float32)    # the next strip, on its way (prefetch)
@@ -256,9 +268,9 @@ def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, pr
             # Out-of-range elements were loaded as 0, so a ragged last strip adds nothing.
             for k in range(bk):
                 for i in range(tm):
-                    a[i] = sA[k, ty + i * BLOCKED_THREADS]
+                    a[i] = sA[k, _owned(ty, i) if contig else ty + i * BLOCKED_THREADS]
                 for j in range(tn):
-                    b[j] = sB[k, tx + j * BLOCKED_THREADS]
+                    b[j] = sB[k, _owned(tx, j) if contig else tx + j * BLOCKED_THREADS]
                 for i in range(tm):
                     for j in range(tn):
                         acc[i, j] += a[i] * b[j]
@@ -268,20 +280,20 @@ def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, pr
     return product
 
 
-def _store_tile(bm: int, fused: bool):
+def _store_tile(bm: int, fused: bool, contig: bool = False):
     """A device function: this thread's block of C from `acc`, in bounds; with `fused` (a
-    closure constant), plus bias[col] and then ReLU if `relu`."""
+    closure constant), plus bias[col] and then ReLU if `relu`. `contig`: as _blocked_product."""
     tm = bm // BLOCKED_THREADS
 
     @cuda.jit(device=True)
     def store(C, acc, bias, relu):
-        r0 = cuda.blockIdx.y * bm + cuda.threadIdx.y
-        c0 = cuda.blockIdx.x * bm + cuda.threadIdx.x
+        r0, c0 = cuda.blockIdx.y * bm, cuda.blockIdx.x * bm
+        ty, tx = cuda.threadIdx.y, cuda.threadIdx.x
         for i in range(tm):
-            row = r0 + i * BLOCKED_THREADS
+            row = r0 + (_owned(ty, i) if contig else ty + i * BLOCKED_THREADS)
             if row < C.shape[0]:
                 for j in range(tm):
-                    col = c0 + j * BLOCKED_THREADS
+                    col = c0 + (_owned(tx, j) if contig else tx + j * BLOCKED_THREADS)
                     if col < C.shape[1]:
                         v = acc[i, j]
                         if fused:
@@ -294,14 +306,14 @@ def _store_tile(bm: int, fused: bool):
     return store
 
 
-def _blocked_kernels(bm: int, bk: int, prefetch: bool):
+def _blocked_kernels(bm: int, bk: int, prefetch: bool, contig: bool = False):
     """{(trans_a, trans_b): C[:] = op(A) @ op(B)} and the dense forward (x @ W + bias, ReLU),
     for square bm x bm tiles of C."""
     tm = bm // BLOCKED_THREADS
-    store, store_fused = _store_tile(bm, False), _store_tile(bm, True)
+    store, store_fused = _store_tile(bm, False, contig), _store_tile(bm, True, contig)
 
     def plain(trans_a, trans_b):
-        product = _blocked_product(bm, bm, bk, trans_a, trans_b, prefetch)
+        product = _blocked_product(bm, bm, bk, trans_a, trans_b, prefetch, contig)
 
         @cuda.jit
         def matmul(A, B, C):
@@ -312,7 +324,7 @@ def _blocked_kernels(bm: int, bk: int, prefetch: bool):
 
         return matmul
 
-    product_nn = _blocked_product(bm, bm, bk, False, False, prefetch)
+    product_nn = _blocked_product(bm, bm, bk, False, False, prefetch, contig)
 
     @cuda.jit
     def dense(A, B, bias, C, relu):
@@ -324,19 +336,26 @@ def _blocked_kernels(bm: int, bk: int, prefetch: bool):
     return {(ta, tb): plain(ta, tb) for ta in (False, True) for tb in (False, True)}, dense
 
 
-# Variants by name (tile side, strip depth, prefetch): "b64k16p" is 64 x 64 tiles of C (4 x 4
-# floats per thread), strips 16 deep (2 x 16 x 68 floats: 8.7 KB of shared memory per block),
-# the next strip prefetched into registers; 88 to 108 registers per thread by form, no spills
-# (ptxas, sm_90).
-# Chosen on an H100 from a sweep of eight (bench/results/gpu/run-3, at commit bdc2eb8): tiles 64
-# and 128, strips 8 to 32 deep, with and without prefetch. At n = 4096 it ran at 16.8 TFLOP/s;
-# the best 128 tile (8 x 8 floats per thread, 128-216 registers, so one or two blocks per
-# multiprocessor) reached 15.6. At 1024 none came close (12.5 against 6.9 for the best 128
-# tile); at 2048 b128k8p ran 0.2% faster (15.02 against 14.99), within the noise.
-BLOCKED_VARIANTS = {f"b{tile}k{bk}{'p' if pre else ''}": (tile, *_blocked_kernels(tile, bk, pre))
-                    for tile, bk, pre in ((64, 16, True),)}
-# Tile side -> the variant tile_for uses for it.
-BLOCKED_CHOICE = {64: "b64k16p"}
+# Variants by name: b<tile side>k<strip depth>, p: the next strip prefetched into registers,
+# c: each thread's rows and columns in runs of 4 (_owned), read with 128-bit shared loads.
+# b64k16p: 64 x 64 tiles of C (4 x 4 floats per thread, strided), strips 16 deep (2 x 16 x 68
+# floats: 8.7 KB of shared memory per block); 88 to 108 registers per thread by form.
+# b128k16pc: 128 x 128 tiles (8 x 8 floats per thread, in runs of 4), strips 16 deep (17 KB);
+# 172 to 193 registers, so one block per multiprocessor. Neither spills (ptxas, sm_90).
+# Chosen on GPUs from two sweeps, each timing every variant in one run:
+# - bench/results/gpu/run-3 (H100, commit bdc2eb8): tiles 64 and 128, strips 8 to 32 deep,
+#   with and without prefetch, all strided. b64k16p won: 16.8 TFLOP/s at n = 4096 (0.33x
+#   cuBLAS); the best strided 128 tile reached 15.6, and none came close at 1024.
+# - bench/results/gpu/run-4 (H200): b64k16p against contiguous runs of 4 (b64k16pc, b64k8pc,
+#   b128k8pc, b128k16pc). b128k16pc reached 20.4 TFLOP/s at 4096 and 19.3 at 2048 (0.41x
+#   cuBLAS at both), against 16.8 and 15.9 for b64k16p; at 1024 (64 blocks of 128: half the
+#   multiprocessors idle) b64k16p stays ahead, 12.7 against 8.6. Runs of 4 did not help the 64
+#   tile (16.1 at 4096).
+BLOCKED_VARIANTS = {f"b{tile}k{bk}{'p' if pre else ''}{'c' if con else ''}":
+                    (tile, *_blocked_kernels(tile, bk, pre, con))
+                    for tile, bk, pre, con in ((64, 16, True, False), (128, 16, True, True))}
+# Tile side -> the variant tile_for uses for it (the other variants are at the commits named above).
+BLOCKED_CHOICE = {64: "b64k16p", 128: "b128k16pc"}
 
 
 # -- elementwise, column and row kernels ---------------------------------------------------
@@ -771,8 +790,8 @@ def matmul(A, B, C, trans_a=False, trans_b=False, *, stream=0):
 
 
 def matmul_tiled(A, B, C, trans_a, trans_b, tile, *, stream=0):
-    """matmul with a chosen kernel: tile 16 (one element of C per thread), 64 (register-
-    blocked) or a name in BLOCKED_VARIANTS; shapes already checked. Blocks cover C's columns (x) and rows (y);
+    """matmul with a chosen kernel: tile 16 (one element of C per thread), 64 or 128 (register-
+    blocked, BLOCKED_CHOICE) or a name in BLOCKED_VARIANTS; shapes already checked. Blocks cover C's columns (x) and rows (y);
     the last row and column of blocks may hang over C's edges."""
     M, N = C.shape
     if tile == TILE:
@@ -790,17 +809,20 @@ def _blocked(tile):
 
 
 def tile_for(M: int, N: int) -> int:
-    """The side of C's tile per block for an M x N product: 64, the register-blocked kernel,
-    when its blocks give every multiprocessor one; else 16, the one-element-per-thread kernel,
-    whose many small blocks keep a small product (or a narrow one with a long K, as a weight
-    gradient x.T @ dz) spread over the GPU."""
+    """The side of C's tile per block for an M x N product: the largest register-blocked tile
+    (128, then 64) whose blocks give every multiprocessor one; else 16, the one-element-per-
+    thread kernel, whose many small blocks keep a small product (or a narrow one with a long K,
+    as a weight gradient x.T @ dz) spread over the GPU."""
     if FORCE_TILE is not None:
         return FORCE_TILE
-    return 64 if _blocks(M, 64) * _blocks(N, 64) >= _multiprocessors() else TILE
+    for side in sorted(BLOCKED_CHOICE, reverse=True):
+        if _blocks(M, side) * _blocks(N, side) >= _multiprocessors():
+            return side
+    return TILE
 
 
 _SMS: list[int] = []
-# 16, 64 or a name in BLOCKED_VARIANTS: every product and dense forward takes that kernel
+# 16, 64, 128 or a name in BLOCKED_VARIANTS: every product and dense forward takes that kernel
 # (bench/kernels.py times each this way); None: tile_for chooses.
 FORCE_TILE: int | str | None = None
 

@@ -77,8 +77,10 @@ def test_matmul(trans_a, trans_b, m, k, n):
 
 
 # Per tile: a 2 x 2 grid of blocks with ragged last rows and columns, and K crossing a strip
-# (16 deep) with a ragged last strip.
-TILE_SHAPES = {16: (17, 33, 18), 64: (70, 37, 66)}
+# (16 deep) with a ragged last strip. The 128 tile gets 2 x 1 blocks and 2 strips: the
+# simulator runs a block's 256 threads as Python threads, about 75 s per product at 2 x 2
+# blocks and 3 strips on 2 cores.
+TILE_SHAPES = {16: (17, 33, 18), 64: (70, 37, 66), 128: (130, 20, 70)}
 PRODUCT_KERNELS = [16, *K.BLOCKED_VARIANTS]
 
 
@@ -117,14 +119,17 @@ def test_dense_forward_each_kernel(kernel):
 def test_tile_for_fills_the_multiprocessors():
     sms = K._multiprocessors()
     # (768, 704) is 12 x 11 = 132 blocks of 64: exactly an H100's multiprocessors, and the
-    # simulator's count.
-    for m, n in [(1, 1), (64, 256), (4096, 256), (4096, 4096), (784, 256), (4096, 784), (768, 704)]:
-        tile = K.tile_for(m, n)
-        # The blocked kernel exactly when its blocks cover every multiprocessor.
-        assert tile == (64 if K._blocks(m, 64) * K._blocks(n, 64) >= sms else 16)
-    assert K.tile_for(4096, 4096) == 64 and K.tile_for(64, 256) == 16
+    # simulator's; (1536, 1408) is the same in blocks of 128.
+    shapes = [(1, 1), (64, 256), (4096, 256), (4096, 4096), (784, 256), (4096, 784), (768, 704),
+              (1536, 1408), (1536, 1280), (2048, 2048)]
+    for m, n in shapes:
+        want = next((side for side in (128, 64) if K._blocks(m, side) * K._blocks(n, side) >= sms), 16)
+        assert K.tile_for(m, n) == want
+    assert K.tile_for(4096, 4096) == 128 and K.tile_for(64, 256) == 16
     if simfix.SIMULATOR:
+        assert K.tile_for(4096, 256) == 64
         assert K.tile_for(768, 704) == 64 and K.tile_for(768, 640) == 16
+        assert K.tile_for(1536, 1408) == 128 and K.tile_for(1536, 1280) == 64
 
 
 def test_matmul_checks_shapes_before_launching():
