@@ -96,6 +96,9 @@ SERVER_FLAGS = [
     Flag("--max-inflight-mb", dict(type=int, help="MiB of pushed gradients a shard receives at once "
                                                   "(default 1024); more pushes wait their turn "
                                                   "(RESOURCE_EXHAUSTED, retried by workers)")),
+    Flag("--table-threads", dict(type=int, metavar="T", help="threads one sparse pull or push of at least "
+                                 "16,384 ids may use on a shard, in parts of 8,192 or more ids "
+                                 "(default 2; 1: the calling thread only)")),
     Flag("--max-memory-mb", dict(type=int, help="MiB that a model's layout may need on this shard "
                                                 "(parameters, optimizer state, one gradient); "
                                                 "default 0: 90%% of the memory available at Register")),

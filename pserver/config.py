@@ -41,6 +41,7 @@ class ServerConfig:
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
     threads: int = 64             # gRPC worker threads (at least 2 per worker + 12): see server/limits.py
     max_inflight_mb: int = 1024   # MiB of gradients being received at once (RESOURCE_EXHAUSTED past it)
+    table_threads: int = 2        # threads that one large sparse lookup or push may use (sparse/table.py)
     max_memory_mb: int = 0        # MiB a layout may need on this shard; 0 = 90% of available memory
     data_plane: str = "auto"      # auto: also offer same-host shared memory; grpc: streams only
     checkpoint_dir: str | None = None  # where checkpoints go (default: --restore's directory)
@@ -68,6 +69,9 @@ class ServerConfig:
             raise ConfigError(f"--step-timeout: must be > 0 seconds, got {self.step_timeout}")
         if self.threads < 4:
             raise ConfigError(f"--threads: must be at least 4, got {self.threads}")
+        if isinstance(self.table_threads, bool) or not isinstance(self.table_threads, int) \
+                or not 1 <= self.table_threads <= 64:
+            raise ConfigError(f"--table-threads: must be an integer in [1, 64], got {self.table_threads!r}")
         if self.max_inflight_mb < 1:
             raise ConfigError(f"--max-inflight-mb: must be >= 1, got {self.max_inflight_mb}")
         if self.max_memory_mb < 0:

@@ -48,7 +48,9 @@ def test_addresses():
 
 @pytest.mark.parametrize("kw, flag", [
     (dict(mode="bsp"), "--mode"), (dict(shard=2, num_shards=2), "--shard"),
-    (dict(port=70000), "--port"), (dict(step_timeout=0), "--step-timeout")])
+    (dict(port=70000), "--port"), (dict(step_timeout=0), "--step-timeout"),
+    (dict(table_threads=0), "--table-threads"), (dict(table_threads=65), "--table-threads"),
+    (dict(table_threads=2.0), "--table-threads")])
 def test_server_config_validation(kw, flag):
     with pytest.raises(ConfigError, match=flag):
         ServerConfig(**kw)

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -352,6 +352,70 @@ def test_concurrent_pushes_and_lookups_equal_one_thread():
     a, b = as_model(shared.state(), 4, shared.opt), as_model(alone.state(), 4, alone.opt)
     assert a["rows"].keys() == b["rows"].keys()
     assert all(np.array_equal(a["rows"][k], b["rows"][k]) for k in a["rows"])
+
+
+# -- parts on several threads ----------------------------------------------------------------
+
+@pytest.mark.parametrize("n,threads,parts", [(0, 4, 1), (5, 4, 1), (16, 2, 2), (17, 4, 4),
+                                             (40, 3, 3), (40, 64, 10), (1000, 1, 1)])
+def test_in_parts_covers_every_index_once_on_as_many_threads(monkeypatch, n, threads, parts):
+    monkeypatch.setattr(table_module, "PARALLEL_MIN", 4)
+    seen, where, barrier = np.zeros(n, np.int64), set(), threading.Barrier(parts, timeout=10)
+
+    def fn(a, b):
+        seen[a:b] += 1
+        where.add(threading.get_ident())
+        barrier.wait()      # every part runs at once, or this times out
+        assert b - a >= (4 if parts > 1 else 0)
+
+    assert table_module.in_parts(fn, n, threads) == parts
+    assert (seen == 1).all() and len(where) == parts and threading.get_ident() in where
+
+
+def test_in_parts_raises_a_parts_error_after_every_part_has_finished(monkeypatch):
+    monkeypatch.setattr(table_module, "PARALLEL_MIN", 1)
+    done = []
+
+    def fn(a, b):
+        if a > 0:
+            raise ValueError(f"part at {a}")
+        threading.Event().wait(0.2)
+        done.append(a)
+
+    with pytest.raises(ValueError, match="part at"):
+        table_module.in_parts(fn, 4, 2)
+    assert done == [0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(config=configs, table_index=st.integers(0, 3), threads=st.integers(2, 5),
+       seed=st.integers(0, 2**32 - 1), sizes=st.lists(st.integers(0, 60), min_size=1, max_size=6))
+def test_a_push_and_a_lookup_in_parts_equal_one_thread(config, table_index, threads, seed, sizes):
+    """Distinct ids drawn from a small universe (rows created, admitted, updated and evicted
+    in one push), split into parts of at least 4 ids: the same state, bit for bit."""
+    rng = np.random.default_rng(seed)
+    universe = rng.integers(0, 2**64, 150, dtype=np.uint64)
+    one, many = SparseTable(config, table_index), SparseTable(config, table_index, threads=threads)
+    before = table_module.PARALLEL_MIN
+    table_module.PARALLEL_MIN = 4
+    try:
+        for step, n in enumerate(sizes):
+            ids = rng.choice(universe, n, replace=False)
+            grads = rng.standard_normal((n, config.dim)).astype(np.float32)
+            one.apply(ids, grads, step, scale=0.5)
+            many.apply(ids, grads, step, scale=0.5, checked=True)
+            a, b = one.state(), many.state()
+            assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+            probe = rng.choice(universe, 90, replace=False)
+            assert np.array_equal(read(one, probe), read(many, probe))
+    finally:
+        table_module.PARALLEL_MIN = before
+
+
+def test_threads_must_be_a_count():
+    for bad in (0, -1, 65, 2.0, True, "2"):
+        with pytest.raises(ConfigError, match="threads must be an integer in"):
+            SparseTable(TableConfig("emb", 2), 0, threads=bad)
 
 
 # -- config -----------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def available_memory() -> int:
 class Shard:
     def __init__(self, cfg: ServerConfig, open_now: bool = True) -> None:
         self.cfg = cfg
-        self.store = ShardStore(cfg.shard, cfg.num_shards, self._optimizer_for)
+        self.store = ShardStore(cfg.shard, cfg.num_shards, self._optimizer_for, cfg.table_threads)
         self.policy = make_policy(self.store, cfg)
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one

@@ -184,8 +184,10 @@ class ShardStore:
 
     copy_finite = staticmethod(copy_finite)   # for the data plane, which this module imports
 
-    def __init__(self, shard: int, num_shards: int, make_optimizer: Callable[[int], object]):
+    def __init__(self, shard: int, num_shards: int, make_optimizer: Callable[[int], object],
+                 table_threads: int = 1):
         self.shard, self.num_shards = shard, num_shards
+        self.table_threads = table_threads   # per sparse lookup or push (SparseTable's threads)
         self._make_optimizer = make_optimizer
         self.cond = threading.Condition()
         self.counters = Counters()
@@ -225,7 +227,8 @@ class ShardStore:
 
     def _allocate(self, signature: str, total: int, start: int, end: int, tables) -> None:
         self.signature, self.total, self.start, self.end = signature, total, start, end
-        self.tables = {t.name: sparse.SparseTable(t, i) for i, t in enumerate(tables)}
+        self.tables = {t.name: sparse.SparseTable(t, i, threads=self.table_threads)
+                       for i, t in enumerate(tables)}
         # In a memfd where the platform has one: same-host workers map it read-only and
         # pull with one memcpy (pserver/dataplane.py). Otherwise plain memory.
         if self.params_fd is not None:
@@ -303,7 +306,10 @@ class ShardStore:
         """Each table's row optimizer on its rows (scaled), at version `step`: the tables lock
         themselves, so this is safe with or without cond."""
         for part in rows:
-            self.tables[part.table].apply(part.ids, part.grads, step, scale)
+            # Checked: Shard.check_rows refused repeats and non-finite values as each push
+            # arrived, and merge_rows sums per id. (A sum of finite rows may overflow to inf;
+            # it is applied, as the dense mean is.)
+            self.tables[part.table].apply(part.ids, part.grads, step, scale, checked=True)
             self.counters.add("rows_pushed", part.ids.size)
 
     def apply_hogwild(self, grad: np.ndarray, rows: list[RowGrads] = ()) -> int:

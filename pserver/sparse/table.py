@@ -25,6 +25,16 @@ came back), `admissions` the ids that passed a min_count >= 2 filter, `evictions
 
 Every public method holds the table's lock, so a push never races a structural change; the
 kernels release the GIL, so different tables run in parallel.
+
+Threads: with `threads` > 1, a lookup, and the probe and the row optimizer of a push that the
+caller has checked (`checked=True`: the shard checks every push for repeats and non-finite
+values when it arrives),
+run in up to `threads` contiguous parts at once, each of at least PARALLEL_MIN ids: one in the
+calling thread, the others on a process-wide pool. The parts touch different rows, so the
+result is the one a single thread computes, bit for bit. Creating rows, admission and
+eviction change the index and stay in one thread. One core keeps about 8 misses to memory in
+flight, and a random row update is mostly waiting on them: measured on a 1M-row adagrad table
+(dim 16, 64k ids) on 2 cores, find + update + last went from 6.2-7.0 ms to 3.5-3.9 ms with 2 parts.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -45,6 +56,40 @@ from pserver.sparse.optim import RowOptimizer
 
 MIN_CHUNK = 1024   # rows: the smallest growth, so that a small table does not realloc per push
 COUNTERS = ("admissions", "creations", "evictions")
+PARALLEL_MIN = 8192   # ids per part, at least: below it a hand-off to a thread costs more than it saves
+MAX_THREADS = 64
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _shared_pool() -> ThreadPoolExecutor:
+    """The process's pool for table parts; its threads start on demand, never more than the
+    parts submitted at once."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(MAX_THREADS - 1, thread_name_prefix="pserver-table")
+        return _pool
+
+
+def in_parts(fn, n: int, threads: int) -> int:
+    """fn(a, b) over contiguous [a, b) covering [0, n), in min(threads, n // PARALLEL_MIN)
+    parts at once (at least one): the first in this thread, the others on the shared pool.
+    Returns the number of parts. Every part has finished when it returns, or raises."""
+    k = max(1, min(threads, n // PARALLEL_MIN))
+    if k == 1:
+        fn(0, n)
+        return 1
+    bounds = [n * j // k for j in range(k + 1)]
+    pool = _shared_pool()
+    others = [pool.submit(fn, bounds[j], bounds[j + 1]) for j in range(1, k)]
+    try:
+        fn(0, bounds[1])
+    finally:
+        for f in others:
+            f.result()
+    return k
 
 
 @dataclass(frozen=True)
@@ -153,8 +198,13 @@ def _grown(a: np.ndarray, cap: int, n: int) -> np.ndarray:
 class SparseTable:
     """One table on one shard; thread-safe (its own lock). See the module docstring."""
 
-    def __init__(self, config: TableConfig, table_index: int, backend: str = "numba"):
+    def __init__(self, config: TableConfig, table_index: int, backend: str = "numba",
+                 threads: int = 1):
         config.check()
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+            raise ConfigError(f"table {config.name!r}: threads must be an integer in [1, {MAX_THREADS}], "
+                              f"got {threads!r}")
+        self.threads = threads if backend == "numba" else 1   # the NumPy twins hold the GIL
         self.config, self.table_index = config, int(table_index)
         self.dim = config.dim
         self.opt = RowOptimizer(config.optimizer, config.lr, dict(config.params), backend,
@@ -181,9 +231,9 @@ class SparseTable:
             raise InvalidArgument(f"table {self.config.name!r}: out needs a C-contiguous "
                                   f"float32[{ids.shape[0]}, {self.dim}], got {out.dtype}{list(out.shape)}")
         with self._lock:
-            r = self._rows
-            _lookup(r.slots, r.keys, r.bits, r.arrays["data"], ids, self._key,
-                    float(self.config.init_scale), out)
+            r, data, scale = self._rows, self._rows.arrays["data"], float(self.config.init_scale)
+            in_parts(lambda a, b: _lookup(r.slots, r.keys, r.bits, data, ids[a:b], self._key, scale,
+                                          out[a:b]), ids.shape[0], self.threads)
 
     def stats(self) -> dict:
         with self._lock:
@@ -192,17 +242,26 @@ class SparseTable:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def apply(self, ids: np.ndarray, grads: np.ndarray, step: int, scale: float = 1.0) -> None:
+    def apply(self, ids: np.ndarray, grads: np.ndarray, step: int, scale: float = 1.0,
+              checked: bool = False) -> None:
         """Push grads * scale for distinct ids at `step`: admission, creation, the row optimizer,
         last update = step, then eviction (see the module docstring). An id repeated in one push
-        (TableLookup.of never does it) is counted and stepped once per occurrence."""
-        ids, grads, step, scale = self._check_push(ids, grads, step, scale)
+        (TableLookup.of never does it) is counted and stepped once per occurrence.
+
+        `checked`: the caller (the shard, Shard.check_rows) has already checked that no id
+        repeats and that every gradient is finite. Then the gradients are not scanned again,
+        and the probe and the update may run in parts (module docstring); a wrong promise would
+        let two threads step one row at once."""
+        ids, grads, step, scale = self._check_push(ids, grads, step, scale, finite=checked)
         c = self.config
+        threads = self.threads if checked else 1
         with self._lock:
             r, p = self._rows, self._pending
             idx = np.empty(ids.shape[0], np.int64)
-            creates, new_pending = _plan(r.slots, r.keys, r.bits, p.slots, p.keys, p.bits,
-                                         p.arrays["count"], ids, c.min_count, idx)
+            in_parts(lambda a, b: index.find_many(r.slots, r.keys, ids[a:b], r.bits, idx[a:b]),
+                     ids.shape[0], threads)
+            creates, new_pending = _plan(p.slots, p.keys, p.bits, p.arrays["count"], ids,
+                                         c.min_count, idx)
             r.reserve(creates)
             p.reserve(new_pending)
             before = r.n
@@ -212,8 +271,13 @@ class SparseTable:
             self._counters["creations"] += r.n - before
             if c.min_count > 1:
                 self._counters["admissions"] += r.n - before
-            self.opt.step(r.arrays["data"], self._steps(), idx, grads, scale)
-            _touch(r.arrays["last"], idx, step)
+            data, steps, last = r.arrays["data"], self._steps(), r.arrays["last"]
+
+            def update(a, b):
+                self.opt.step(data, steps, idx[a:b], grads[a:b], scale)
+                _touch(last, idx[a:b], step)
+
+            in_parts(update, ids.shape[0], threads)
             self._evict(step)
 
     def _steps(self) -> np.ndarray:
@@ -248,12 +312,12 @@ class SparseTable:
                                   f"{getattr(ids, 'dtype', type(ids).__name__)}{list(np.shape(ids))}")
         return np.ascontiguousarray(ids)
 
-    def _check_push(self, ids, grads, step, scale):
+    def _check_push(self, ids, grads, step, scale, finite=False):
         ids, name = self._check_ids(ids), self.config.name
         if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.shape != (ids.shape[0], self.dim):
             raise InvalidArgument(f"table {name!r}: grads need float32[{ids.shape[0]}, {self.dim}], got "
                                   f"{getattr(grads, 'dtype', type(grads).__name__)}{list(np.shape(grads))}")
-        i = _first_nonfinite(grads)
+        i = -1 if finite else _first_nonfinite(grads)
         if i >= 0:
             raise InvalidArgument(f"table {name!r}: the gradient of id {int(ids[i])} (row {i} of the "
                                   f"push) is not finite: {grads[i].tolist()}")
@@ -357,11 +421,10 @@ def _lookup(slots, keys, bits, data, ids, key, scale, out):
 
 
 @njit(cache=True, nogil=True)
-def _plan(slots, keys, bits, pslots, pkeys, pbits, pcounts, ids, min_count, idx):
-    """idx[i] = the row of ids[i] or EMPTY; returns (at most how many rows this push creates,
-    at most how many pending entries it adds), counting each id not stored once, with all its
-    occurrences (a repeated id may reach min_count within one push)."""
-    index.find_many(slots, keys, ids, bits, idx)
+def _plan(pslots, pkeys, pbits, pcounts, ids, min_count, idx):
+    """Given idx[i] = the row of ids[i] or EMPTY (index.find_many), returns (at most how many
+    rows this push creates, at most how many pending entries it adds), counting each id not
+    stored once, with all its occurrences (a repeated id may reach min_count within one push)."""
     missing = ids[idx == index.EMPTY]
     uniq, inverse = np.empty_like(missing), np.empty(missing.shape[0], np.int64)
     u = _unique_inverse_kernel(missing, uniq, inverse)
