@@ -207,10 +207,12 @@ def test_checkpoints_keep_the_rows_and_restore_them(shard_server, tmp_path):
     want = pulled(c, ids)
     paths = [p for p, _ in c.checkpoint()]
     assert all(paths)
-    restored = [shard_server(shard=j, num_shards=2, optimizer="sgd", lr=1.0, restore=str(tmp_path))
-                for j in range(2)]
+    assert all(s.store.tables["emb"].threads == 2 for _, s in servers)   # --table-threads' default
+    restored = [shard_server(shard=j, num_shards=2, optimizer="sgd", lr=1.0, restore=str(tmp_path),
+                             table_threads=3) for j in range(2)]
     c2 = client(restored, init=False)
     np.testing.assert_array_equal(pulled(c2, ids), want)
+    assert all(s.store.tables["emb"].threads == 3 for _, s in restored)
     assert rows_on_shards(restored) == ids.size
     ckpt = checkpoint.load(paths[0])
     assert ckpt.tables[0]["name"] == "emb" and len(ckpt.rows["emb"]) > 0
@@ -278,7 +280,20 @@ def test_merge_rows_sums_each_tables_rows_per_id_and_keeps_every_table():
     one = RowGrads("a", np.array([3], np.uint64), np.ones((1, 2), np.float32))
     b0 = RowGrads("b", np.array([1, 2], np.uint64), np.array([[1, 1], [2, 2]], np.float32))
     b1 = RowGrads("b", np.array([2, 5], np.uint64), np.array([[10, 10], [5, 5]], np.float32))
-    merged = {m.table: m for m in merge_rows([one, b0, b1])}
-    assert set(merged) == {"a", "b"} and merged["a"] is one
-    got = dict(zip(merged["b"].ids.tolist(), merged["b"].grads[:, 0].tolist()))
-    assert got == {1: 1.0, 2: 12.0, 5: 5.0}
+    merged = {m.table: (m, scale) for m, scale in merge_rows([one, b0, b1], workers=2)}
+    assert set(merged) == {"a", "b"} and merged["a"] == (one, 0.5)
+    got = dict(zip(merged["b"][0].ids.tolist(), merged["b"][0].grads[:, 0].tolist()))
+    assert got == {1: 1.0, 2: 12.0, 5: 5.0} and merged["b"][1] == 0.5
+
+
+def test_a_merged_sum_that_overflows_is_averaged_row_by_row_and_stays_finite():
+    """Two workers' finite rows whose sum passes float32's largest value: the table gets
+    their mean (finite), not inf, and the ids that did not overflow keep the same mean."""
+    from pserver.server.store import RowGrads, merge_rows
+    big = np.float32(3e38)
+    w0 = RowGrads("t", np.array([1, 2], np.uint64), np.array([[big, 1], [2, 2]], np.float32))
+    w1 = RowGrads("t", np.array([1, 3], np.uint64), np.array([[big, 3], [4, 4]], np.float32))
+    [(m, scale)] = merge_rows([w0, w1], workers=2)
+    assert scale == 1.0 and np.isfinite(m.grads).all()
+    got = {i: (m.grads[k] * np.float32(scale)).tolist() for k, i in enumerate(m.ids.tolist())}
+    assert got == {1: [big, 2.0], 2: [1.0, 1.0], 3: [2.0, 2.0]}

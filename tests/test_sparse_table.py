@@ -372,19 +372,36 @@ def test_in_parts_covers_every_index_once_on_as_many_threads(monkeypatch, n, thr
     assert (seen == 1).all() and len(where) == parts and threading.get_ident() in where
 
 
-def test_in_parts_raises_a_parts_error_after_every_part_has_finished(monkeypatch):
+@pytest.mark.parametrize("failing", [0, 1, 2])
+def test_in_parts_raises_a_parts_error_after_every_part_has_finished(monkeypatch, failing):
     monkeypatch.setattr(table_module, "PARALLEL_MIN", 1)
     done = []
 
     def fn(a, b):
-        if a > 0:
+        if a == failing:
             raise ValueError(f"part at {a}")
-        threading.Event().wait(0.2)
+        threading.Event().wait(0.3 if a == 2 else 0.1)   # the last part is the slowest
         done.append(a)
 
-    with pytest.raises(ValueError, match="part at"):
-        table_module.in_parts(fn, 4, 2)
-    assert done == [0]
+    with pytest.raises(ValueError, match=f"part at {failing}"):
+        table_module.in_parts(fn, 3, 3)
+    assert sorted(done) == sorted({0, 1, 2} - {failing})
+
+
+def test_only_a_checked_push_is_split(monkeypatch):
+    """An unchecked push may repeat an id (stepped once per occurrence): it runs in one part,
+    or two threads could step one row at once. A lookup and a checked push are split."""
+    monkeypatch.setattr(table_module, "PARALLEL_MIN", 2)
+    calls, real = [], table_module.in_parts
+    monkeypatch.setattr(table_module, "in_parts", lambda fn, n, threads: calls.append(threads) or real(fn, n, threads))
+    t = SparseTable(TableConfig("emb", 2, optimizer="sgd"), 0, threads=3)
+    ids = ids_of(1, 2, 3, 4, 5, 6)
+    t.apply(ids, ones(6, 2), step=1)
+    assert calls == [1, 1]
+    calls.clear()
+    t.apply(ids, ones(6, 2), step=2, checked=True)
+    read(t, ids)
+    assert calls == [3, 3, 3]
 
 
 @settings(max_examples=40, deadline=None)
@@ -396,8 +413,9 @@ def test_a_push_and_a_lookup_in_parts_equal_one_thread(config, table_index, thre
     rng = np.random.default_rng(seed)
     universe = rng.integers(0, 2**64, 150, dtype=np.uint64)
     one, many = SparseTable(config, table_index), SparseTable(config, table_index, threads=threads)
-    before = table_module.PARALLEL_MIN
-    table_module.PARALLEL_MIN = 4
+    before = table_module.PARALLEL_MIN, table_module.MIN_CHUNK
+    # Parts of 4 ids, and arrays that grow (new arrays) in the middle of the run.
+    table_module.PARALLEL_MIN, table_module.MIN_CHUNK = 4, 8
     try:
         for step, n in enumerate(sizes):
             ids = rng.choice(universe, n, replace=False)
@@ -409,7 +427,7 @@ def test_a_push_and_a_lookup_in_parts_equal_one_thread(config, table_index, thre
             probe = rng.choice(universe, 90, replace=False)
             assert np.array_equal(read(one, probe), read(many, probe))
     finally:
-        table_module.PARALLEL_MIN = before
+        table_module.PARALLEL_MIN, table_module.MIN_CHUNK = before
 
 
 def test_threads_must_be_a_count():

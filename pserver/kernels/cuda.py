@@ -171,6 +171,9 @@ MATMUL = {(ta, tb): _matmul_kernel(ta, tb) for ta in (False, True) for tb in (Fa
 # ty + i * 16 and columns tx + j * 16 of the tile (strided, not contiguous): a warp's 32 threads
 # then read 16 consecutive floats of the B strip and 2 of the A strip (broadcasts), so shared
 # memory serves every read without bank conflicts, and C is written 16 floats at a time.
+# In the `contig` layout (the 128 tile) a thread owns runs of 4 consecutive rows and columns
+# instead (_owned), and reads each run with one 128-bit shared load: 4 loads per k for 8 x 8
+# multiply-adds, against 16 in the strided layout.
 # Shared strips are stored k-major (BK rows of BM + 4): for the operand loaded along K (A as
 # stored, B transposed), the 4 extra floats per row spread a warp's stores over the banks
 # (bank 4k + w: at most 2 threads share one with 16-deep strips, instead of all 16 of a column).
@@ -211,7 +214,7 @@ def _owned(t, i):
 def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, prefetch: bool,
                      contig: bool = False):
     """A device function: acc[i, j] = (op(A) @ op(B))[r0 + ty + 16 i, c0 + tx + 16 j], summed
-    over K (acc is zeroed first).
+    over K (acc is zeroed first); with `contig`, at [r0 + _owned(ty, i), c0 + _owned(tx, j)].
 
     bm, bn, bk and the flags are closure constants: numba compiles one branch-free function per
     form. The loops over TM and TN have constant lengths and the compiler unrolls them, so that
@@ -221,6 +224,8 @@ def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, pr
     thread of the block must call it (all of them load strips and meet at the barriers).
     """
     tm, tn = bm // BLOCKED_THREADS, bn // BLOCKED_THREADS
+    if contig and (tm % 4 or tn % 4):
+        raise ValueError(f"contig needs runs of 4 floats per thread; a {bm} x {bn} tile gives {tm} x {tn}")
     threads = BLOCKED_THREADS * BLOCKED_THREADS
     a_loads, b_loads = bm * bk // threads, bn * bk // threads
     a_rows, b_rows = bm + 4, bn + 4           # padded strip rows (see above)

@@ -161,20 +161,28 @@ class RowGrads:
     grads: np.ndarray
 
 
-def merge_rows(parts: list[RowGrads]) -> list[RowGrads]:
-    """One RowGrads per table: several workers' rows for a table are summed per id."""
+def merge_rows(parts: list[RowGrads], workers: int = 1) -> list[tuple[RowGrads, float]]:
+    """One (rows, scale) per table: several workers' rows for a table summed per id, to be
+    applied times scale = 1 / workers (their mean). A sum of finite rows can overflow float32;
+    such a table is summed again from its rows divided by `workers` first, with scale 1, so the
+    mean that is applied is finite, as every pushed row was."""
     by_table: dict[str, list[RowGrads]] = {}
     for p in parts:
         by_table.setdefault(p.table, []).append(p)
-    merged = []
+    merged, scale = [], 1.0 / workers
     for name, group in by_table.items():
         if len(group) == 1:
-            merged.append(group[0])
+            merged.append((group[0], scale))
             continue
         ids = np.concatenate([p.ids for p in group])
         uniq, inverse = sparse.unique_inverse(ids)
-        grads = sparse.segment_sum(np.concatenate([p.grads for p in group]), inverse, uniq.size)
-        merged.append(RowGrads(name, uniq, grads))
+        grads = np.concatenate([p.grads for p in group])
+        summed = sparse.segment_sum(grads, inverse, uniq.size)
+        if first_nonfinite(summed.reshape(-1)) < 0:
+            merged.append((RowGrads(name, uniq, summed), scale))
+        else:
+            grads *= np.float32(scale)
+            merged.append((RowGrads(name, uniq, sparse.segment_sum(grads, inverse, uniq.size)), 1.0))
     return merged
 
 
@@ -297,7 +305,8 @@ class ShardStore:
         `workers` pushed (a worker that did not touch a row adds zero to it); the caller
         holds cond."""
         self.optimizer.step(self.params, grad, self.version)
-        self.apply_rows(merge_rows(list(rows)), 1.0 / workers, self.version)
+        for part, scale in merge_rows(list(rows), workers):
+            self.apply_rows([part], scale, self.version)
         self.version += 1
         self.counters.add("updates_applied")
         self.cond.notify_all()
@@ -307,8 +316,7 @@ class ShardStore:
         themselves, so this is safe with or without cond."""
         for part in rows:
             # Checked: Shard.check_rows refused repeats and non-finite values as each push
-            # arrived, and merge_rows sums per id. (A sum of finite rows may overflow to inf;
-            # it is applied, as the dense mean is.)
+            # arrived, and merge_rows sums per id into finite means.
             self.tables[part.table].apply(part.ids, part.grads, step, scale, checked=True)
             self.counters.add("rows_pushed", part.ids.size)
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -82,13 +82,17 @@ def in_parts(fn, n: int, threads: int) -> int:
         fn(0, n)
         return 1
     bounds = [n * j // k for j in range(k + 1)]
-    pool = _shared_pool()
-    others = [pool.submit(fn, bounds[j], bounds[j + 1]) for j in range(1, k)]
+    pool, others = _shared_pool(), []
     try:
+        for j in range(1, k):
+            others.append(pool.submit(fn, bounds[j], bounds[j + 1]))
         fn(0, bounds[1])
     finally:
-        for f in others:
-            f.result()
+        # Every part ends before this returns or raises: the caller's lock guards the arrays
+        # that they write. Then the first part's error, if any, is raised.
+        wait(others)
+    for f in others:
+        f.result()
     return k
 
 
