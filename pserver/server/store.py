@@ -161,7 +161,7 @@ class RowGrads:
     grads: np.ndarray
 
 
-def merge_rows(parts: list[RowGrads], workers: int = 1) -> list[tuple[RowGrads, float]]:
+def merge_rows(parts: list[RowGrads], workers: int) -> list[tuple[RowGrads, float]]:
     """One (rows, scale) per table: several workers' rows for a table summed per id, to be
     applied times scale = 1 / workers (their mean). A sum of finite rows can overflow float32;
     such a table is summed again from its rows divided by `workers` first, with scale 1, so the
