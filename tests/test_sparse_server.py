@@ -294,6 +294,6 @@ def test_a_merged_sum_that_overflows_is_averaged_row_by_row_and_stays_finite():
     w0 = RowGrads("t", np.array([1, 2], np.uint64), np.array([[big, 1], [2, 2]], np.float32))
     w1 = RowGrads("t", np.array([1, 3], np.uint64), np.array([[big, 3], [4, 4]], np.float32))
     [(m, scale)] = merge_rows([w0, w1], workers=2)
-    assert scale == 1.0 and np.isfinite(m.grads).all()
+    assert m.table == "t" and scale == 1.0 and np.isfinite(m.grads).all()
     got = {i: (m.grads[k] * np.float32(scale)).tolist() for k, i in enumerate(m.ids.tolist())}
     assert got == {1: [big, 2.0], 2: [1.0, 1.0], 3: [2.0, 2.0]}
