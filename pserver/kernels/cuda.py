@@ -813,17 +813,30 @@ def _blocked(tile):
     return BLOCKED_VARIANTS[BLOCKED_CHOICE[tile] if isinstance(tile, int) else tile]
 
 
+# Per blocked tile side: (blocks that fit on one multiprocessor at once, by registers: 256
+# threads of b64k16p take 88-108 registers each, of b128k16pc 172-193; the time of one such
+# wave, relative to a wave of 128 tiles). A wave of 64 tiles does half a 128 wave's work, at
+# 16.8 TFLOP/s against 20.4 for full 128 waves (bench/results/gpu/run-4, H200): 0.5 * 20.4 /
+# 16.8 = 0.61.
+WAVES = {64: (2, 0.61), 128: (1, 1.0)}
+
+
 def tile_for(M: int, N: int) -> int:
-    """The side of C's tile per block for an M x N product: the largest register-blocked tile
-    (128, then 64) whose blocks give every multiprocessor one; else 16, the one-element-per-
-    thread kernel, whose many small blocks keep a small product (or a narrow one with a long K,
-    as a weight gradient x.T @ dz) spread over the GPU."""
+    """The side of C's tile per block for an M x N product. 16, the one-element-per-thread
+    kernel, when the 64 tile's blocks do not give every multiprocessor one: its many small
+    blocks keep a small product (or a narrow one with a long K, as a weight gradient x.T @ dz)
+    spread over the GPU. Otherwise the blocked tile whose waves (WAVES) take least time: a
+    partly idle last wave costs as much as a full one. On the H200 this picked the faster of the
+    two tiles at every size timed, 1024 to 4096 (bench/results/gpu/README.md)."""
     if FORCE_TILE is not None:
         return FORCE_TILE
-    for side in sorted(BLOCKED_CHOICE, reverse=True):
-        if _blocks(M, side) * _blocks(N, side) >= _multiprocessors():
-            return side
-    return TILE
+    sms = _multiprocessors()
+    if _blocks(M, 64) * _blocks(N, 64) < sms:
+        return TILE
+    def waves(side):
+        per_sm, unit = WAVES[side]
+        return -(-_blocks(M, side) * _blocks(N, side) // (sms * per_sm)) * unit
+    return min(sorted(BLOCKED_CHOICE), key=waves)
 
 
 _SMS: list[int] = []
