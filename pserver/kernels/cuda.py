@@ -218,10 +218,11 @@ def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, pr
 
     bm, bn, bk and the flags are closure constants: numba compiles one branch-free function per
     form. The loops over TM and TN have constant lengths and the compiler unrolls them, so that
-    `acc`, `a` and `b` live in registers (the loop over one strip's BK stays a loop). With `prefetch`, each thread loads its share of
-    the next strip from global memory into registers before it computes on the current one, so
-    those loads are in flight during the multiply-adds instead of between two barriers. Every
-    thread of the block must call it (all of them load strips and meet at the barriers).
+    `acc`, `a` and `b` live in registers (the loop over one strip's BK stays a loop). With
+    `prefetch`, each thread loads its share of the next strip from global memory into registers
+    before it computes on the current one, so those loads are in flight during the multiply-adds
+    instead of between two barriers. Every thread of the block must call it (all of them load
+    strips and meet at the barriers).
     """
     tm, tn = bm // BLOCKED_THREADS, bn // BLOCKED_THREADS
     if contig and (tm % 4 or tn % 4):
@@ -229,9 +230,6 @@ def _blocked_product(bm: int, bn: int, bk: int, trans_a: bool, trans_b: bool, pr
     threads = BLOCKED_THREADS * BLOCKED_THREADS
     a_loads, b_loads = bm * bk // threads, bn * bk // threads
     a_rows, b_rows = bm + 4, bn + 4           # padded strip rows (see above)
-    # Thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j of the tile, or with `contig`
-    # rows _owned(ty, i) and columns _owned(tx, j): runs of 4 consecutive floats, 16-byte
-    # aligned, which the compiler reads from a strip row with one 128-bit load each.
 
     a_pos, a_at = _strip_loader(bm, bk, trans_a)          # A stored K x M when transposed
     b_pos, b_at = _strip_loader(bn, bk, not trans_b)      # B stored K x N unless transposed
@@ -833,9 +831,11 @@ def tile_for(M: int, N: int) -> int:
     sms = _multiprocessors()
     if _blocks(M, 64) * _blocks(N, 64) < sms:
         return TILE
+
     def waves(side):
         per_sm, unit = WAVES[side]
-        return -(-_blocks(M, side) * _blocks(N, side) // (sms * per_sm)) * unit
+        return _blocks(_blocks(M, side) * _blocks(N, side), sms * per_sm) * unit
+
     return min(sorted(BLOCKED_CHOICE), key=waves)
 
 

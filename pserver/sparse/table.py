@@ -28,9 +28,8 @@ kernels release the GIL, so different tables run in parallel.
 
 Threads: with `threads` > 1, a lookup, and the probe and the row optimizer of a push that the
 caller has checked (`checked=True`: the shard checks every push for repeats and non-finite
-values when it arrives),
-run in up to `threads` contiguous parts at once, each of at least PARALLEL_MIN ids: one in the
-calling thread, the others on a process-wide pool. The parts touch different rows, so the
+values when it arrives), run in up to `threads` contiguous parts at once, each of at least
+PARALLEL_MIN ids: one in the calling thread, the others on a process-wide pool. The parts touch different rows, so the
 result is the one a single thread computes, bit for bit. Creating rows, admission and
 eviction change the index and stay in one thread. One core keeps about 8 misses to memory in
 flight, and a random row update is mostly waiting on them: measured on a 1M-row adagrad table
