@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 
 from pserver._proto import pserver_pb2 as pb
-from pserver.errors import InvalidArgument
+from pserver.errors import ConfigError, InvalidArgument
 
 DTYPE = np.dtype("<f4")
 DTYPE_NAME = "float32"
@@ -215,11 +215,15 @@ def table_spec(t) -> pb.SparseTableSpec:
 
 
 def table_config(spec: pb.SparseTableSpec):
+    """The TableConfig a Register carries; InvalidArgument for one no table can run with."""
     from pserver.sparse import TableConfig
-    return TableConfig.from_dict(dict(name=spec.name, dim=spec.dim, optimizer=spec.optimizer, lr=spec.lr,
-                                      init_scale=spec.init_scale, seed=spec.seed, min_count=spec.min_count,
-                                      max_rows=spec.max_rows, ttl_steps=spec.ttl_steps,
-                                      params=dict(spec.params)))
+    try:
+        return TableConfig.from_dict(dict(name=spec.name, dim=spec.dim, optimizer=spec.optimizer,
+                                          lr=spec.lr, init_scale=spec.init_scale, seed=spec.seed,
+                                          min_count=spec.min_count, max_rows=spec.max_rows,
+                                          ttl_steps=spec.ttl_steps, params=dict(spec.params)))
+    except ConfigError as e:
+        raise InvalidArgument(f"tables: {e}") from None
 
 
 class Position(NamedTuple):

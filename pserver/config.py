@@ -143,6 +143,7 @@ class WorkerConfig:
     embedding_dim: int = 8        # values per id in the factor table (fm, wide_deep, deepfm)
     row_optimizer: str = "adagrad"  # the tables' row optimizer on the shards: sgd, adagrad, adam, ftrl
     row_lr: float = 0.05          # its learning rate
+    row_params: str = ""          # its other hyper-parameters, KEY=VALUE,... (initial_accumulator, beta, l2, ...)
     min_count: int = 0            # admission: store an id once it was pushed this many times
     max_rows: int = 0             # eviction: rows per table per shard, least recently updated out first
     ttl_steps: int = 0            # eviction: rows not updated for this many steps
@@ -184,6 +185,8 @@ class WorkerConfig:
         if self.delay:
             from pserver.stragglers import parse_delay
             parse_delay(self.delay)
+        from pserver.sparse.optim import hyper, parse_params
+        hyper(self.row_optimizer, self.row_lr, parse_params(self.row_params), what="--row-params")
         from pserver.device import parse_device   # checks the form; imports no CUDA
         parse_device(self.device)
         from pserver.models import check_model_spec   # a user's code runs later, in the worker

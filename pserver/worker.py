@@ -51,7 +51,9 @@ def table_options(cfg: WorkerConfig) -> dict:
     """The sparse-table flags, for the models that have sparse tables."""
     if cfg.model not in CTR_MODELS:
         return {}
+    from pserver.sparse.optim import parse_params
     return dict(embedding_dim=cfg.embedding_dim, optimizer=cfg.row_optimizer, lr=cfg.row_lr,
+                optimizer_params=parse_params(cfg.row_params),
                 min_count=cfg.min_count, max_rows=cfg.max_rows, ttl_steps=cfg.ttl_steps, seed=cfg.seed)
 
 

@@ -197,6 +197,50 @@ def test_a_worker_with_other_tables_is_refused(shard_server):
         other.register(Layout.of([("b", (3,))], [TableConfig("emb", DIM + 1, optimizer="sgd")]))
 
 
+def test_a_tables_optimizer_params_reach_the_shard_and_set_its_steps(shard_server):
+    """Register carries params as a map: the shard's table must run with them (adagrad's first
+    step is lr g / sqrt(initial_accumulator + g^2)), not refuse them or fall back to defaults."""
+    table = TableConfig("emb", DIM, optimizer="adagrad", lr=0.5, init_scale=0.0,
+                        params={"initial_accumulator": 3.0, "eps": 0.0})
+    layout = Layout.of([("b", (3,))], [table])
+    servers = cluster(shard_server)
+    c = PSClient([a for a, _ in servers], rank=0, num_workers=1, rpc_deadline=30, data_plane="grpc")
+    c.connect(5)
+    c.register(layout)
+    c.init(np.zeros(layout.total, np.float32))
+    c.pull(np.empty(layout.total, np.float32))
+    assert {shard.store.tables["emb"].config for _, shard in servers} == {table}
+    ids = [5, 6, 7, 8]
+    lk = TableLookup.of(np.asarray(ids, np.int64), DIM)
+    lk.grads[:] = 1.0
+    c.push(np.zeros(layout.total, np.float32), num_samples=1, lookups=[lk], tables=["emb"])
+    got = TableLookup.of(np.asarray(ids, np.int64), DIM)
+    c.pull_rows([got], ["emb"])
+    np.testing.assert_allclose(got.rows, -0.5 / np.sqrt(4.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("spec, words", [
+    (dict(optimizer="rmsprop"), "unknown row optimizer 'rmsprop'"),
+    (dict(dim=0), "dim must be an integer >= 1"),
+    (dict(lr=float("nan")), "lr must be a finite number > 0"),
+    (dict(params={"initial_accumulator": -1.0}), "initial_accumulator must be a finite number >= 0"),
+    (dict(params={"l1": 1.0}), "adagrad takes no parameter 'l1'"),
+    (dict(name=""), "name must be a non-empty string")])
+def test_register_refuses_a_table_no_shard_can_run(shard_server, spec, words):
+    """A raw client's bad SparseTableSpec is INVALID_ARGUMENT naming the field (not INTERNAL),
+    and the shard stays unconfigured."""
+    addr, shard = shard_server()
+    fields = dict(name="emb", dim=DIM, optimizer="adagrad", lr=0.05) | spec
+    req = pb.RegisterRequest(rank=0, num_workers=1, num_shards=1, layout=[pb.TensorSpec(name="b", shape=[3])],
+                             tables=[pb.SparseTableSpec(**fields)], protocol_version=codec.PROTOCOL_VERSION)
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(addr))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Register(req, timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in e.value.details() and "tables:" in e.value.details()
+    assert not shard.store.signature and not shard.store.tables and shard.store.params is None
+
+
 def test_checkpoints_keep_the_rows_and_restore_them(shard_server, tmp_path):
     servers = cluster(shard_server, checkpoint_dir=str(tmp_path))
     c = client(servers)

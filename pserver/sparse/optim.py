@@ -76,6 +76,25 @@ def hyper(name: str, lr: float, params: dict, what: str = "optimizer") -> dict:
     return {k: float(v) for k, v in values.items()}
 
 
+def parse_params(text: str, what: str = "--row-params") -> dict:
+    """KEY=VALUE[,KEY=VALUE...] (the form of --row-params) as {key: float}; "" is {}. Whether
+    the optimizer takes each key, and its range, are hyper()'s to check."""
+    params = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        key, eq, value = (t.strip() for t in item.partition("="))
+        if not eq or not key:
+            raise ConfigError(f"{what}: {item!r} is not KEY=VALUE (e.g. initial_accumulator=1e-6,eps=1e-8)")
+        if key in params:
+            raise ConfigError(f"{what}: {key} is given twice")
+        try:
+            params[key] = float(value)
+        except ValueError:
+            raise ConfigError(f"{what}: {key}={value!r} is not a number") from None
+    return params
+
+
 def initial_slots(name: str, h: dict) -> tuple[float, ...]:
     """The value every column of each slot of a new row starts at."""
     return tuple(h["initial_accumulator"] if s == "accumulator" else 0.0 for s in SLOTS[name])

@@ -147,7 +147,10 @@ class TableConfig:
         if unknown:
             raise ConfigError(f"table config: unknown field {unknown[0]!r}; fields are {sorted(names)}")
         d = dict(d)
-        d["params"] = tuple(tuple(p) for p in d.get("params", ()))
+        params = d.get("params", ())
+        if isinstance(params, dict):   # Register's map: sorted pairs, as __post_init__ keeps them
+            params = sorted(params.items())
+        d["params"] = tuple(tuple(p) for p in params)
         return cls(**d)
 
     def signature(self) -> str:
