@@ -165,9 +165,9 @@ WORKER_FLAGS = [
                                  "touches (default adagrad; adam is lazy: untouched rows do not step)")),
     Flag("--row-lr", dict(type=float, help="the row optimizer's learning rate (default 0.05)")),
     Flag("--row-params", dict(metavar="KEY=VALUE,...", help="the row optimizer's other hyper-parameters: "
-                              "adagrad initial_accumulator (default 0.1), eps (1e-7); adam beta1, beta2, "
+                              "adagrad initial_accumulator (default 0), eps (1e-7); adam beta1, beta2, "
                               "eps; ftrl beta (1), l1, l2 (0), lr_power (-0.5); e.g. "
-                              "--row-params initial_accumulator=1e-6")),
+                              "--row-params initial_accumulator=0.1 (Keras's)")),
     Flag("--min-count", dict(type=int, metavar="K", help="sparse tables: store an id's row only once it was "
                              "pushed K times; until then it reads its initial value (default 0: at once)")),
     Flag("--max-rows", dict(type=int, metavar="R", help="sparse tables: at most R rows per table per shard, "

@@ -38,10 +38,14 @@ from pserver.sparse.index import prefetch_ahead
 
 ROW_OPTIMIZERS = ("sgd", "adagrad", "adam", "ftrl")
 SLOTS = {"sgd": (), "adagrad": ("accumulator",), "adam": ("m", "v"), "ftrl": ("z", "n")}
-# Hyper-parameters besides lr, with their defaults (Keras's for adagrad and adam, the paper's
-# for ftrl).
+# Hyper-parameters besides lr, with their defaults: MXNet's for adagrad (an accumulator that
+# starts at 0, so the first step is lr g / (|g| + eps)), Keras's for adam, the paper's for ftrl.
+# A row's gradient is of its batch's mean loss, of order 1 / batch: Keras's initial accumulator
+# of 0.1 is larger than a row's g^2 for thousands of steps and shrank every row step about
+# 100-fold at batch 512 (lr sync on 1M criteo-synthetic samples: test AUC 0.762 at row lr 0.05,
+# 0.856 with 0).
 DEFAULTS = {"sgd": {},
-            "adagrad": {"initial_accumulator": 0.1, "eps": 1e-7},
+            "adagrad": {"initial_accumulator": 0.0, "eps": 1e-7},
             "adam": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
             "ftrl": {"beta": 1.0, "l1": 0.0, "l2": 0.0, "lr_power": -0.5}}
 # Range checks: (test, what the value must be).
