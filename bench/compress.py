@@ -1,22 +1,26 @@
 """Push compression on a slow link: time to a test accuracy, and the accuracy after the run.
 
-For each codec of --codecs and each link of --links, one training run: a shard and --workers
-workers (MLP 784-256-256-10 on MNIST, --epochs epochs, async), every worker on
-`--data-plane grpc` so that every byte crosses the link. The chief evaluates every
---eval-every seconds, so time to --target is read off its curve, not interpolated.
+For each link of --links, --repeats rounds of one training run per codec of --codecs, the codecs
+interleaved within each round: a shard and --workers workers (MLP 784-256-256-10 on MNIST,
+--epochs epochs, async), every worker on `--data-plane grpc` so that every byte crosses the
+link. The chief evaluates every --eval-every seconds and after each epoch, so time to --target
+is read off those evaluations, not interpolated (a run that never reaches it counts as slower
+than any that does). Each codec's figure is the median over its repeats, and its speedup is
+none's median time over its own, on the same link.
 
 Links: `loopback` (everything on 127.0.0.1) and RATE (e.g. 100mbit, 1gbit, 10gbit): the shard in one
 network namespace, the workers in another, joined by a veth pair whose both ends a
 `tc qdisc tbf` limits to RATE (needs root, ip and tc; the namespaces are removed afterwards).
 
-    .venv/bin/python bench/compress.py --data-dir DIR    # every codec on every link (as root)
+    .venv/bin/python bench/compress.py --data-dir DIR    # every codec on every link, 5 repeats (as root)
     .venv/bin/python bench/compress.py --links loopback --codecs none,bf16
     .venv/bin/python bench/compress.py --links 1gbit --codecs none,bf16,bf16+bf16,topk:0.01+bf16
 
 A codec is what `--compress` takes, optionally followed by `+bf16`: then the workers also pull
 in bf16 (`--pull-compress bf16`), so both directions shrink.
 
-Writes JSON rows {codec, link, time_to_target_s, final_accuracy, ...} and PNG plots.
+Writes JSON: a row per run {codec, link, repeat, time_to_target_s, final_accuracy, ...} and a
+summary row per link and codec (medians, speedup), and PNG plots.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -106,7 +111,8 @@ def one_run(codec: str, rate: str, args, tmp: Path) -> dict:
 
 
 def row(codec: str, rate: str, s: dict, wall: float, target: float) -> dict:
-    curve = [(p["seconds"], p["accuracy"]) for p in s["eval_curve"]]
+    # Every evaluation the chief made: the periodic ones and the one after each epoch.
+    curve = sorted((p["seconds"], p["accuracy"]) for p in s["eval_curve"] + s["per_epoch"])
     hit = next((t for t, acc in curve if acc >= target), None)
     push, pull = codecs(codec)
     return {"codec": codec, "push_codec": push, "pull_codec": pull, "link": rate,
@@ -121,10 +127,13 @@ def figure(path: Path, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
     links = list(dict.fromkeys(r["link"] for r in rows))
     fig, axes = plt.subplots(1, len(links), figsize=(5.2 * len(links), 4.2), squeeze=False)
+    codecs = list(dict.fromkeys(r["codec"] for r in rows))
     for ax, lk in zip(axes[0], links):
         for r in (r for r in rows if r["link"] == lk):
+            first = r.get("repeat", 0) == 0
             ax.plot([p["seconds"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]],
-                    marker=".", label=r["codec"])
+                    marker=".", lw=0.8, color=f"C{codecs.index(r['codec'])}",
+                    label=r["codec"] if first else None)
         ax.axhline(rows[0]["target"], color="grey", lw=0.8, ls="--")
         ax.set(title=f"link: {lk}", xlabel="seconds since the chief started", ylabel="MNIST test accuracy",
                ylim=(0.85, 1.0))
@@ -133,17 +142,42 @@ def figure(path: Path, rows: list[dict]) -> None:
     fig.savefig(path, dpi=110)
 
 
-def speedups(rows: list[dict]) -> list[list[str]]:
-    base = {r["link"]: r for r in rows if r["codec"] == "none"}
-    out = []
+def median(values: list[float]) -> float:
+    v = sorted(values)
+    return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """A row per link and codec: medians over its repeats (a run that never reached the target
+    counts as infinitely slow: the median is None when half or more of them did not)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        b = base.get(r["link"])
-        ratio = (f"{b['time_to_target_s'] / r['time_to_target_s']:.2f}x"
-                 if b and b["time_to_target_s"] and r["time_to_target_s"] else "-")
-        dacc = f"{100 * (r['final_accuracy'] - b['final_accuracy']):+.2f}" if b else "-"
-        out.append([r["link"], r["codec"], f"{r['time_to_target_s']}", ratio, f"{r['final_accuracy']:.4f}",
-                    dacc, f"{r['run_wall_s']:.1f}"])
+        groups.setdefault((r["link"], r["codec"]), []).append(r)
+    out = []
+    for (lk, codec), rs in groups.items():
+        t = median([r["time_to_target_s"] if r["time_to_target_s"] is not None else math.inf for r in rs])
+        out.append({"link": lk, "codec": codec, "repeats": len(rs),
+                    "time_to_target_s": t if math.isfinite(t) else None,
+                    "times_to_target_s": [r["time_to_target_s"] for r in rs],
+                    "final_accuracy": median([r["final_accuracy"] for r in rs]),
+                    "final_accuracies": [r["final_accuracy"] for r in rs],
+                    "run_wall_s": median([r["run_wall_s"] for r in rs])})
+    base = {s["link"]: s for s in out if s["codec"] == "none"}
+    for s in out:
+        b = base.get(s["link"])
+        s["speedup"] = (b["time_to_target_s"] / s["time_to_target_s"]
+                        if b and b["time_to_target_s"] and s["time_to_target_s"] else None)
+        s["pp_vs_none"] = 100 * (s["final_accuracy"] - b["final_accuracy"]) if b else None
     return out
+
+
+def speedups(summary: list[dict]) -> list[list[str]]:
+    def times(s):
+        return " ".join("-" if t is None else f"{t:.1f}" for t in s["times_to_target_s"])
+    return [[s["link"], s["codec"], "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}",
+             times(s), "-" if s["speedup"] is None else f"{s['speedup']:.2f}x", f"{s['final_accuracy']:.4f}",
+             "-" if s["pp_vs_none"] is None else f"{s['pp_vs_none']:+.2f}", f"{s['run_wall_s']:.1f}"]
+            for s in summary]
 
 
 def main(argv=None) -> int:
@@ -156,6 +190,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=64, help="per worker (default 64: at 128 no codec reached 0.96 in 2 epochs here)")
     p.add_argument("--lr", type=float, default=0.02, help="momentum 0.9 on the shard")
     p.add_argument("--eval-every", type=float, default=2.0)
+    p.add_argument("--repeats", type=int, default=5, help="runs per link and codec, interleaved (default 5)")
     p.add_argument("--target", type=float, default=0.96)
     p.add_argument("--run-timeout", type=float, default=600.0)
     p.add_argument("--out", default=None, help="JSON path (default results/compress.json)")
@@ -164,6 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-plots", dest="plots", action="store_false", help="write the JSON and the "
                    "table only (no matplotlib needed)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats: must be >= 1, got {args.repeats}")
     if args.plots:
         try:
             import matplotlib  # noqa: F401 - checked before an hour of runs, not after
@@ -177,23 +214,26 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.links.split(","):
-            for codec in args.codecs.split(","):      # codecs interleaved within each link
-                rows.append(one_run(codec, rate, args, Path(tmp)))
-                r = rows[-1]
-                print(f"{rate:9s} {codec:10s} to {args.target}: {r['time_to_target_s']} s, "
-                      f"final {r['final_accuracy']:.4f}, run {r['run_wall_s']} s, load {os.getloadavg()[0]:.1f}",
-                      flush=True)
-                out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))   # partial
+            for repeat in range(args.repeats):
+                for codec in args.codecs.split(","):      # codecs interleaved within each round
+                    rows.append(one_run(codec, rate, args, Path(tmp)) | {"repeat": repeat})
+                    r = rows[-1]
+                    print(f"{rate:9s} {codec:10s} {repeat + 1}/{args.repeats} to {args.target}: {r['time_to_target_s']} s, "
+                          f"final {r['final_accuracy']:.4f}, run {r['run_wall_s']} s, load {os.getloadavg()[0]:.1f}",
+                          flush=True)
+                    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))   # partial
     host = machine() | {"loadavg_after": os.getloadavg()}
     print("\n".join(machine_lines(host)))
-    out.write_text(json.dumps({"host": host, "args": vars(args), "rows": rows}, indent=1))
+    out.write_text(json.dumps({"host": host, "args": vars(args), "rows": rows, "summary": summarize(rows)},
+                              indent=1))
     report(out, rows, args.plots)
     return 0
 
 
 def report(out: Path, rows: list[dict], plots: bool) -> None:
-    print(table(["link", "codec", "time to target s", "speedup vs none", "final acc", "pp vs none", "run s"],
-                speedups(rows)))
+    print(table(["link", "codec", "time to target s", "each repeat", "speedup vs none", "final acc",
+                 "pp vs none", "run s"], speedups(summarize(rows))))
+    print("medians over the repeats; speedup: none's median time to target / the codec's")
     if plots:
         figure(out.with_suffix(".png"), rows)
     print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if plots else ""))

@@ -87,3 +87,26 @@ def test_transport_two_hosts_row_measures_pserver_and_iperf3_on_the_same_veth(tm
     assert row["x_link_rate"] == pytest.approx(row["value"] / row["iperf3_mb_per_s"])
     assert "x the link rate" in r.stdout
     assert "pst-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_compress_summary_takes_medians_and_counts_a_miss_as_slowest():
+    """The compress bench's figures: per link and codec the median over repeats, a run that
+    never reached the target slower than any that did, speedup = none's median / the codec's."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import compress
+
+    def run(codec, t, acc, repeat):
+        return {"link": "1gbit", "codec": codec, "time_to_target_s": t, "final_accuracy": acc,
+                "run_wall_s": 10.0 + repeat, "repeat": repeat}
+    rows = [run("none", t, a, i) for i, (t, a) in enumerate([(30.0, 0.96), (None, 0.95), (20.0, 0.97)])]
+    rows += [run("bf16", t, a, i) for i, (t, a) in enumerate([(10.0, 0.962), (14.0, 0.961), (None, 0.96)])]
+    rows += [run("sign", t, 0.9, i) for i, t in enumerate([None, None, 8.0])]
+    s = {r["codec"]: r for r in compress.summarize(rows)}
+    assert s["none"]["time_to_target_s"] == 30.0 and s["bf16"]["time_to_target_s"] == 14.0
+    assert s["none"]["final_accuracy"] == 0.96 and s["bf16"]["final_accuracy"] == 0.961
+    assert s["bf16"]["speedup"] == pytest.approx(30.0 / 14.0)
+    assert s["bf16"]["pp_vs_none"] == pytest.approx(0.1)
+    assert s["sign"]["time_to_target_s"] is None and s["sign"]["speedup"] is None   # 2 of 3 missed
+    assert s["bf16"]["times_to_target_s"] == [10.0, 14.0, None] and s["none"]["repeats"] == 3
+    r = bench("compress.py", "--repeats", "0", cwd=ROOT)
+    assert r.returncode == 2 and "--repeats: must be >= 1" in r.stderr
