@@ -89,22 +89,26 @@ def one_run(codec: str, rate: str, args, tmp: Path) -> dict:
                                                 "--num-workers", str(args.workers), "--optimizer", "momentum",
                                                 "--lr", str(args.lr), "--data-plane", "grpc"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        workers = []
         try:
             summary = tmp / f"{codec.replace(':', '_').replace('+', '_')}-{rate}.json"
-            workers = [subprocess.Popen(w_pre + PY + [
-                "worker", "--ps", f"{host}:{PORT}", "--rank", str(r), "--num-workers", str(args.workers),
-                "--model", "mlp", "--dataset", "mnist", "--epochs", str(args.epochs),
-                *(["--data-dir", args.data_dir] if args.data_dir else []),
-                "--batch-size", str(args.batch_size), "--eval-every", str(args.eval_every),
-                "--data-plane", "grpc", "--compress", push, "--pull-compress", pull,
-                "--summary-json", str(summary)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(args.workers)]
+            for r in range(args.workers):
+                workers.append(subprocess.Popen(w_pre + PY + [
+                    "worker", "--ps", f"{host}:{PORT}", "--rank", str(r), "--num-workers", str(args.workers),
+                    "--model", "mlp", "--dataset", "mnist", "--epochs", str(args.epochs),
+                    *(["--data-dir", args.data_dir] if args.data_dir else []),
+                    "--batch-size", str(args.batch_size), "--eval-every", str(args.eval_every),
+                    "--data-plane", "grpc", "--compress", push, "--pull-compress", pull,
+                    "--summary-json", str(summary)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
             start = time.monotonic()
             errors = [w.communicate(timeout=args.run_timeout)[1] for w in workers]
             wall = time.monotonic() - start
-        finally:
-            shard.terminate()
-            shard.wait(timeout=30)
+        finally:   # also on SIGTERM or an error: no worker outlives the run (or its namespace)
+            for p in [*workers, shard]:
+                p.terminate()
+            for p in [*workers, shard]:
+                p.wait(timeout=30)
     if any(w.returncode for w in workers):
         raise RuntimeError(f"{codec} over {rate}: a worker failed:\n" + "\n".join(e[-2000:] for e in errors))
     return row(codec, rate, json.loads(summary.read_text()), wall, args.target)
