@@ -62,6 +62,7 @@ def test_server_config_validation(kw, flag):
     (dict(row_params="initial_accumulator"), "--row-params: 'initial_accumulator' is not KEY=VALUE"),
     (dict(row_params="eps=1,eps=2"), "--row-params: eps is given twice"),
     (dict(row_params="eps=small"), "--row-params: eps='small' is not a number"),
+    (dict(row_params="eps=1=2"), "--row-params: eps='1=2' is not a number"),
     (dict(row_params="beta=1"), "--row-params: adagrad takes no parameter 'beta'"),
     (dict(row_optimizer="ftrl", row_params="l2=-1"), "--row-params: ftrl l2 must be a finite number >= 0"),
     (dict(row_lr=0.0), "--row-params: adagrad lr must be")])
@@ -72,7 +73,7 @@ def test_worker_config_validation(kw, flag):
 
 def test_row_params_reach_the_models_tables():
     from pserver.worker import table_options
-    cfg = WorkerConfig(model="lr", row_optimizer="ftrl", row_lr=0.1, row_params=" l2=4, beta=0.5 ,")
+    cfg = WorkerConfig(model="lr", row_optimizer="ftrl", row_lr=0.1, row_params=" l2=4,, beta=0.5 ,")
     assert table_options(cfg)["optimizer_params"] == {"l2": 4.0, "beta": 0.5}
     assert table_options(WorkerConfig(model="lr"))["optimizer_params"] == {}
 

@@ -219,6 +219,12 @@ def test_a_tables_optimizer_params_reach_the_shard_and_set_its_steps(shard_serve
     np.testing.assert_allclose(got.rows, -0.5 / np.sqrt(4.0), rtol=1e-6)
 
 
+def test_register_carries_every_field_of_a_table():
+    c = TableConfig("emb", 3, optimizer="ftrl", lr=0.2, init_scale=0.01, seed=9, min_count=2,
+                    max_rows=100, ttl_steps=7, params={"l2": 1.0, "beta": 0.5})
+    assert codec.table_config(codec.table_spec(c)) == c
+
+
 @pytest.mark.parametrize("spec, words", [
     (dict(optimizer="rmsprop"), "unknown row optimizer 'rmsprop'"),
     (dict(dim=0), "dim must be an integer >= 1"),

@@ -442,6 +442,7 @@ def test_table_config_round_trips_and_signs_every_field():
     c = TableConfig("emb_deep", 8, optimizer="ftrl", params={"l1": 0.1, "beta": 2.0}, min_count=3)
     assert c.params == (("beta", 2.0), ("l1", 0.1))
     assert TableConfig.from_dict(c.to_dict()) == c
+    assert TableConfig.from_dict({"name": "e", "dim": 2}) == TableConfig("e", 2)   # params may be left out
     assert c.signature() == TableConfig.from_dict(c.to_dict()).signature()
     for change in ({"dim": 9}, {"lr": 0.1}, {"seed": 1}, {"max_rows": 5}, {"params": {"l1": 0.2}}):
         assert TableConfig(**{**c.__dict__, **change}).signature() != c.signature()
