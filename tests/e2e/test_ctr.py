@@ -34,10 +34,12 @@ def test_deepfm_learns_click_through_rate_in_sync_mode(tmp_path):
 
 def test_async_with_admission_and_eviction(tmp_path):
     """min_count 2: ids pushed once are counted, not stored; max_rows bounds each shard's
-    table, the least recently updated rows going first."""
+    table, the least recently updated rows going first. --row-params travel with the tables'
+    Register to every shard (a table with params could not register before)."""
     summary = tmp_path / "s.json"
     r = run("launch", "--ps", "2", "--workers", "2", "--model", "lr", *SYNTHETIC, "--mode", "async",
-            "--min-count", "2", "--max-rows", "3000", "--summary-json", str(summary), timeout=600)
+            "--min-count", "2", "--max-rows", "3000", "--row-params", "initial_accumulator=1e-4,eps=1e-6",
+            "--summary-json", str(summary), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     s = read_json(summary)
     linear = s["sparse_tables"]["linear"]
