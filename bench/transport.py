@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import ctypes
 import inspect
 import itertools
 import json
@@ -158,17 +157,6 @@ def payloads(params: int) -> tuple[np.ndarray, np.ndarray]:
 
 # ---------------------------------------------------------------------------- server processes
 
-def die_with_parent():
-    """A preexec_fn that makes the child get SIGTERM when this process dies (Linux), or None.
-    The libc function is looked up here, before the fork: the child only makes one call."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    PR_SET_PDEATHSIG = 1
-    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class ServerProcess:
     """A child that prints `listening on HOST:PORT`. A thread drains its output, so a full
     pipe never blocks it, and keeps the last lines for the error message if it dies."""
@@ -177,10 +165,13 @@ class ServerProcess:
         self.name = name
         # A session of its own, so a Ctrl-C in the terminal reaches only this script, which
         # then stops the servers itself (rather than racing them down and reporting a dead
-        # shard); and a parent-death signal, so even a killed bench leaves no orphans.
+        # shard); and a parent-death signal, so even a killed bench leaves no orphans (set
+        # by the child itself: pserver's main and this script's servers call follow_parent).
+        from pserver.signals import with_parent_death
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, text=True, env=env,
-                                     start_new_session=True, preexec_fn=die_with_parent())
+                                     stdin=subprocess.DEVNULL, text=True,
+                                     env=with_parent_death(os.environ if env is None else env),
+                                     start_new_session=True)
         self.tail: collections.deque[str] = collections.deque(maxlen=20)
         self._address: queue.Queue[str | None] = queue.Queue()
         self._seen: str | None = None
@@ -926,6 +917,8 @@ def main(argv=None) -> int:
         return 0
     if args.serve_raw_grpc is not None or args.serve_tcp is not None:
         # A baseline server: SIGTERM's default action ends it; Ctrl-C in the terminal too, quietly.
+        from pserver.signals import follow_parent
+        follow_parent()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         if args.serve_raw_grpc is not None:
             serve_raw_grpc(args.serve_raw_grpc, args.params, args.chunk_bytes)

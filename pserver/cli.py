@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pserver import __version__, allocator
 from pserver.config import MODES, check_writable, ServerConfig, WorkerConfig, parse_address, parse_tf_config
 from pserver.errors import ConfigError, PServerError
-from pserver.signals import Stopped, stop_on_signals
+from pserver.signals import Stopped, follow_parent, stop_on_signals
 
 DESCRIPTION = """\
 pserver: a parameter server for data-parallel training.
@@ -573,6 +573,7 @@ COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "slu
 
 
 def main(argv: list[str] | None = None) -> int:
+    follow_parent()                            # started by launch: stop when it dies
     # gRPC's C core prints INFO lines (one per failed TLS handshake, say) that would bury
     # the one line we print; read before grpc loads, and GRPC_VERBOSITY=debug still wins.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

@@ -9,7 +9,6 @@ Ctrl-C: exit 128+signal). Its children never outlive it, even when it is SIGKILL
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
@@ -26,16 +25,11 @@ from pserver.device import round_robin
 from pserver.errors import ProcessFailed, Unavailable
 from pserver.metrics import write_json
 from pserver.security import TOKEN_ENV
-from pserver.signals import Stopped, stop_on_signals
+from pserver.signals import Stopped, stop_on_signals, with_parent_death
 
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 STARTUP_TIMEOUT = 60.0
 STOP_GRACE = 10.0                 # seconds a child has to stop (a shard writes its last checkpoint)
-PR_SET_PDEATHSIG = 1              # linux/prctl.h
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up before any fork, not in the child
-except (OSError, AttributeError):
-    _prctl = None                 # not Linux: children are stopped on every signal launch can catch
 
 
 @dataclass(frozen=True)
@@ -60,10 +54,11 @@ class Proc:
         self.role = role
         self.port: int | None = None
         self.ready = threading.Event()
+        # Its own session: our signal handling stops it. It gets SIGTERM if we die, even by
+        # SIGKILL (signals.follow_parent, in the child: no preexec_fn, see with_parent_death).
         self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, text=True, bufsize=1, env=env,
-                                      start_new_session=True,   # our signal handling stops it
-                                      preexec_fn=die_with_parent())
+                                      stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                                      env=with_parent_death(env), start_new_session=True)
         self.reader = threading.Thread(target=self._copy, daemon=True)
         self.reader.start()
 
@@ -77,21 +72,6 @@ class Proc:
             sys.stdout.flush()
         self.ready.set()
 
-
-
-def die_with_parent():
-    """A preexec_fn: the child is sent SIGTERM when the thread that started it dies, which
-    covers a launcher killed by SIGKILL (prctl PR_SET_PDEATHSIG). Children are started from
-    the main thread, whose end is the launcher's end."""
-    if _prctl is None:
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:     # the launcher died before prctl: no signal would come
-            os.kill(os.getpid(), signal.SIGTERM)
-    return preexec
 
 
 def stop_all(group: list[Proc], grace: float = STOP_GRACE) -> None:
