@@ -29,11 +29,12 @@ kernels release the GIL, so different tables run in parallel.
 Threads: with `threads` > 1, a lookup, and the probe and the row optimizer of a push that the
 caller has checked (`checked=True`: the shard checks every push for repeats and non-finite
 values when it arrives), run in up to `threads` contiguous parts at once, each of at least
-PARALLEL_MIN ids: one in the calling thread, the others on a process-wide pool. The parts touch different rows, so the
-result is the one a single thread computes, bit for bit. Creating rows, admission and
-eviction change the index and stay in one thread. One core keeps about 8 misses to memory in
-flight, and a random row update is mostly waiting on them: measured on a 1M-row adagrad table
-(dim 16, 64k ids) on 2 cores, find + update + last went from 6.2-7.0 ms to 3.5-3.9 ms with 2 parts.
+PARALLEL_MIN ids: one in the calling thread, the others on a process-wide pool. The parts
+touch different rows, so the result is the one a single thread computes, bit for bit.
+Creating rows, admission and eviction change the index and stay in one thread. One core
+keeps about 8 misses to memory in flight, and a random row update is mostly waiting on them:
+measured on a 1M-row adagrad table (dim 16, 64k ids) on 2 cores, find + update + last went
+from 6.2-7.0 ms to 3.5-3.9 ms with 2 parts.
 """
 
 from __future__ import annotations
@@ -147,10 +148,8 @@ class TableConfig:
         if unknown:
             raise ConfigError(f"table config: unknown field {unknown[0]!r}; fields are {sorted(names)}")
         d = dict(d)
-        params = d.get("params", ())
-        if isinstance(params, dict):   # Register's map: sorted pairs, as __post_init__ keeps them
-            params = sorted(params.items())
-        d["params"] = tuple(tuple(p) for p in params)
+        params = d.get("params", ())   # Register's map __post_init__ sorts; JSON's pairs as tuples
+        d["params"] = params if isinstance(params, dict) else tuple(tuple(p) for p in params)
         return cls(**d)
 
     def signature(self) -> str:
