@@ -397,7 +397,7 @@ def worker_figures(s: dict, sc: Scenario) -> dict:
     compute = sum(w["compute_seconds"] for w in workers)
     delay = sum(w["delay_seconds"] for w in workers)
     c = s["chief"]
-    busy = c["compute_seconds"] + c["delay_seconds"] + c["push_seconds"] + c["pull_seconds"]
+    busy = sum(c.get(f"{k}_seconds", 0.0) for k in ("compute", "delay", "push", "pull", "push_pull"))
     out = {"idle_fraction_mean": s.get("idle_fraction_mean"),
            "idle_fraction_max": max((w["idle_fraction"] for w in workers), default=None),
            "delay_share": delay / (compute + delay) if compute + delay > 0 else None,
@@ -425,7 +425,8 @@ def run_figures(s: dict, sc: Scenario, args) -> dict:
             **{k: s[k] for k in keep}, **worker_figures(s, sc),
             "curve": curve,
             "workers": [{k: w[k] for k in ("rank", "steps", "wall_seconds", "compute_seconds", "delay_seconds",
-                                           "push_seconds", "pull_seconds", "idle_fraction")}
+                                           "push_seconds", "pull_seconds", "push_pull_seconds",
+                                           "idle_fraction") if k in w}
                         for w in s.get("workers", [])]}
 
 

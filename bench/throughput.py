@@ -41,6 +41,9 @@ MODE_FLAGS = {"sync": [], "backup": ["--backup-workers", "1"], "async": [], "ssp
 WORKERS, BATCH, LR, SAMPLES, TEST_SAMPLES = 2, 256, 0.05, 60000, 1000
 TF_PYTHON = Path(__file__).resolve().parent / "tf_baseline" / ".venv" / "bin" / "python"
 MIN_SECONDS = 20.0        # of training under every figure
+# where the workers' time goes; push_pull: a step's push and the pull after it, one exchange
+# over the shared-memory data plane (push and pull: separate calls, as over gRPC)
+SPLIT = ("compute", "push", "pull", "push_pull")
 
 
 def machine() -> str:
@@ -71,8 +74,8 @@ def time_split(workers: list[dict]) -> dict:
     """Where the workers' time went, as fractions of their wall time (mean over workers), and
     their compute seconds per step: beside the compute bound's, it says what sharing the
     cores with the shard cost."""
-    split = {k: sum(w[f"{k}_seconds"] / w["wall_seconds"] for w in workers) / len(workers)
-             for k in ("compute", "push", "pull")}
+    split = {k: sum(w.get(f"{k}_seconds", 0.0) / w["wall_seconds"] for w in workers) / len(workers)
+             for k in SPLIT}
     split["compute_ms_per_step"] = 1e3 * sum(w["compute_seconds"] / w["steps"] for w in workers) / len(workers)
     return split
 
@@ -156,7 +159,7 @@ def line(row: dict, bound: dict | None, tf: dict | None) -> str:
     short = "  (< %g s of training)" % MIN_SECONDS if row["wall_seconds"] < MIN_SECONDS else ""
     split = row.get("time_split")
     where = "" if split is None else ("  time: " + ", ".join(
-        f"{k} {split[k]:.0%}" for k in ("compute", "push", "pull") if k in split)
+        f"{k.replace('_', '+')} {split[k]:.0%}" for k in SPLIT if split.get(k))
         + f", {split['compute_ms_per_step']:.1f} ms compute/step")
     return (f"  {row['mode']:13s} {rate:>9,.0f} samples/s (min {row['min']:,.0f}, max {row['max']:,.0f})  "
             f"{row['steps']} steps in {row['wall_seconds']:.1f} s  {', '.join(ratios)}{short}{where}")

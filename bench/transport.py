@@ -1,7 +1,8 @@
 """Round trips through pserver's real client and shard processes, against raw gRPC and TCP.
 
 A round trip is what a worker does every step: push P float32 (the gradient), then pull
-P float32 (the weights). pserver runs as a user runs it: S `python -m pserver serve`
+P float32 (the weights), through PSClient.push_pull as the worker calls it (over the
+data plane the pull rides with the push: one exchange). pserver runs as a user runs it: S `python -m pserver serve`
 processes in sync mode with one worker (so every push completes a step and the shard
 applies SGD), and a PSClient in this process. The baselines move the same bytes between
 this process and one server process started by this script:
@@ -286,9 +287,12 @@ def pserver_loop(client, params: int):
     start = list(client.pull(w))
     total = [0]
 
+    # What a worker does every step: one exchange over the data plane (the pull rides with
+    # the push), a push and then a pull over gRPC.
+    clock = itertools.count()
+
     def round_trip():
-        client.push(g, num_samples=1)
-        client.pull(w)
+        client.push_pull(g, w, num_samples=1, clock=next(clock))
         total[0] += 1
 
     def check():
@@ -371,9 +375,8 @@ def worker_steps(client, params: int, steps: int) -> None:
     if client.rank == 0:
         client.init(w)
     client.pull(w)
-    for _ in range(steps):
-        client.push(g, num_samples=1)
-        client.pull(w)
+    for clock in range(steps):
+        client.push_pull(g, w, num_samples=1, clock=clock)
 
 
 def memory_report(m: MemoryUse) -> str:

@@ -340,16 +340,34 @@ class ShardClient:
         """This shard's slice of `grad` (or `packed`, that slice compressed), and `rows`: (table,
         unique ids on this shard, their gradients) for each sparse table, in one push."""
         return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows,
-                                                      packed), timeout)
+                                                      packed), timeout)[:3]
+
+    def push_pull(self, grad: np.ndarray, flat: np.ndarray, rank: int, step: int, num_samples: int,
+                  clock: int, seen_version: int, pull_clock: int, timeout: float,
+                  rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
+                  packed: compress.Packed | None = None) -> tuple[str, int, bool]:
+        """push, then pull_into(flat, seen_version, pull_clock): (push outcome, version pulled,
+        finished). Over the data plane the pull rides with the push (one exchange); over gRPC,
+        after a rejoin, or when that pull fails, the pull goes on its own, exactly as
+        pull_into. A refused push raises before anything is pulled."""
+        self.last_flat = flat
+        then = None if self.reset_seen else (flat[self.info.start:self.info.end], seen_version, pull_clock)
+        outcome, _, finished, pulled = self.resilient(
+            lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows, packed, then), timeout)
+        if pulled is None:
+            version, pull_finished = self.pull_into(flat, rank, seen_version, pull_clock, timeout)
+        else:
+            version, pull_finished = pulled
+        return outcome, version, finished or pull_finished
 
     def _push_once(self, grad, rank, step, num_samples, clock, timeout, rows=(),
-                   packed=None) -> tuple[str, int, bool]:
+                   packed=None, then_pull=None) -> tuple[str, int, bool, tuple[int, bool] | None]:
         # The data plane carries float32 only: a compressed push goes over gRPC.
         if packed is None and self.fast is not None and dataplane.fits([(ids.size, g.shape[1])
                                                                         for _, ids, g in rows]):
-            outcome, version, finished = self.fast.push(grad[self.info.start:self.info.end], step,
-                                                        num_samples, clock, timeout, rows)
-            return OUTCOMES.get(outcome, "unknown"), version, finished
+            outcome, version, finished, pulled = self.fast.push(grad[self.info.start:self.info.end], step,
+                                                                num_samples, clock, timeout, rows, then_pull)
+            return OUTCOMES.get(outcome, "unknown"), version, finished, pulled
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
                                  clock=clock, session=self.session,
                                  sparse=[pb.SparsePart(table=t, num_ids=ids.size) for t, ids, _ in rows])
@@ -362,7 +380,7 @@ class ShardClient:
         stream = codec.encode_parts(header, arrays, self.chunk_bytes,
                                     packed.num_elements if packed is not None else None)
         reply = self.send(self.push_call, self.push_one, stream, timeout)
-        return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished
+        return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished, None
 
     def checkpoint(self, rank: int, timeout: float, then_stop: bool = False) -> tuple[str, int]:
         request = pb.CheckpointRequest(rank=rank, session=self.session, then_stop=then_stop)
@@ -534,13 +552,32 @@ class PSClient:
         (each lookup's grads, already summed per unique id), computed on `steps` (default:
         last pulled); returns (outcome, version) per shard."""
         steps = self.versions if steps is None else steps
-        owners = self.owners(lookups)
-        rows = [[(name, lk.uniq[w[j]], lk.grads[w[j]]) for lk, name, w in zip(lookups, tables, owners)]
-                for j in range(len(self.shards))]
+        rows = self._rows(lookups, tables)
         replies = self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
                                              self.rpc_deadline, rows[s.index], self._packed(grad, s)))
         self.finished |= any(f for _, _, f in replies)
         return [(o, v) for o, v, _ in replies]
+
+    def push_pull(self, grad: np.ndarray, flat: np.ndarray, num_samples: int, clock: int = 0,
+                  lookups: Sequence[sparse.TableLookup] = (), tables: Sequence[str] = ()) -> list[str]:
+        """A worker's step on the shards: push (as push, computed on the versions last
+        pulled), then pull into `flat` with clock + 1 (as pull); the outcome per shard. Over
+        the data plane each shard answers both in one exchange. A refused push raises, and
+        then nothing is known to be pulled: pull again."""
+        rows = self._rows(lookups, tables)
+        seen = self.versions
+        replies = self.each(lambda s: s.push_pull(grad, flat, self.rank, seen[s.index], num_samples, clock,
+                                                  seen[s.index], clock + 1, self.rpc_deadline, rows[s.index],
+                                                  self._packed(grad, s)))
+        self.versions = [v for _, v, _ in replies]
+        self.finished |= any(f for _, _, f in replies)
+        return [o for o, _, _ in replies]
+
+    def _rows(self, lookups: Sequence[sparse.TableLookup], tables: Sequence[str]) -> list[list]:
+        """Per shard: (table, unique ids it holds, their gradients) for each lookup."""
+        owners = self.owners(lookups)
+        return [[(name, lk.uniq[w[j]], lk.grads[w[j]]) for lk, name, w in zip(lookups, tables, owners)]
+                for j in range(len(self.shards))]
 
     def _packed(self, grad: np.ndarray, s: ShardClient) -> compress.Packed | None:
         """Shard s's slice of grad compressed, residual added and kept (None: --compress none)."""

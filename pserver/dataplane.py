@@ -27,6 +27,11 @@ the client writes one part while the shard copies the one before. A pull is one 
 the mode's wait, and a memcpy out of the shard's parameters by the worker (in sync mode
 they cannot change until this worker pushes again; in async modes a racy read is the
 point, as over gRPC).
+A worker's step is a push and then a pull, so a push may carry the pull that follows it
+(THEN_PULL): the shard applies the push, waits as the pull would, and answers both in one
+message, which saves the pull's request, a wake-up on each side, and the shard's dispatch.
+A push that is refused gets its own error reply and no pull; a pull part that fails is
+answered as it would have been alone, and the worker then pulls on its own.
 A pull that waits notices when its client hangs up, and its thread goes. Memory on the
 shard: its parameters plus one buffer per connection (its range, or two parts of it), at
 most connection_limit() of them.
@@ -75,6 +80,11 @@ log = logging.getLogger("pserver.dataplane")
 
 MAGIC = b"PSD1"
 HELLO, PUSH, PULL, INIT, PULL_ROWS, PUSH_ROWS, ROWS_BUFFER = 1, 2, 3, 4, 5, 6, 7
+# Set on PUSH or PUSH_ROWS: the pull that follows the push rides with it. Its seen_version
+# and clock come right after the header (before any other tail); the shard answers with
+# the push's reply and then, if the push was taken, the pull's, in one message.
+THEN_PULL = 0x40
+PULL_AFTER = struct.Struct("<qq")
 SIGNATURE = struct.Struct("16s")       # INIT: the layout signature follows the header
 # PULL_ROWS and PUSH_ROWS: the number of sparse parts, then per part the table's index in
 # the layout and the number of ids. ROWS_BUFFER: num_elements is the room wanted, in bytes.
@@ -422,11 +432,8 @@ class DataPlaneServer:
                     self._reply(conn, *self._handle(conn, req, peer, signature=sig))
                 elif req[1] == ROWS_BUFFER:
                     self._grow_rows(conn, req, peer)
-                elif req[1] in (PULL_ROWS, PUSH_ROWS):
-                    parts = self._read_parts(conn)
-                    self._reply(conn, *self._handle(conn, req, peer, parts=parts))
                 else:
-                    self._reply(conn, *self._handle(conn, req, peer))
+                    self._request(conn, req, peer)
         except (ConnectionError, OSError):
             pass
         finally:
@@ -543,6 +550,25 @@ class DataPlaneServer:
         out = peer.rows.region(rows_at, np.float32, n * dim).reshape(n, dim)
         return self.shard.pull_rows(rank, shard, name, ids, session=peer.session, out=out)[0]
 
+    def _request(self, conn, req, peer: Connection) -> None:
+        """A push (with the pull that follows it, under THEN_PULL), a pull or a row request,
+        answered in one message."""
+        then_pull = None
+        if req[1] & THEN_PULL:
+            then_pull = PULL_AFTER.unpack(recv_exact(conn, PULL_AFTER.size))
+            req = (req[0], req[1] & ~THEN_PULL, *req[2:])
+            if req[1] not in (PUSH, PUSH_ROWS):
+                self._reply(conn, InvalidArgument(f"op: only a push can carry a pull, not operation {req[1]}"))
+                raise ConnectionError("a pull on something other than a push")  # what follows cannot be framed
+        parts = self._read_parts(conn) if req[1] in (PULL_ROWS, PUSH_ROWS) else ()
+        answer = self._handle(conn, req, peer, parts=parts)
+        reply = self._encode_reply(*answer)
+        if then_pull is not None and answer[0] is None:
+            # the pull as if it had come alone: this worker's own request, after its push
+            pull = (req[0], PULL, req[2], req[3], then_pull[0], then_pull[1], req[6], 0, req[8])
+            reply += self._encode_reply(*self._answer(conn, pull, peer, None, "", ()))
+        conn.sendall(reply)
+
     def _handle(self, conn, req, peer: Connection, signature: str = "", parts=()):
         """The reply to a request. A dense payload in parts is taken whole whatever the
         answer; a connection that breaks or stalls during one is cut."""
@@ -588,13 +614,17 @@ class DataPlaneServer:
             return rpc_error_for("INTERNAL", f"{type(e).__name__}: {e}"), 0, False, 0, ""
 
     def _reply(self, conn, error, outcome=0, finished=False, version=0, message=""):
+        conn.sendall(self._encode_reply(error, outcome, finished, version, message))
+
+    @staticmethod
+    def _encode_reply(error, outcome=0, finished=False, version=0, message="") -> bytes:
         if error is not None:
             code = CODES.index(error.code_name) if error.code_name in CODES else CODES.index("INTERNAL")
             message = str(error)
         else:
             code = 0
         data = message.encode()[:MAX_MESSAGE]
-        conn.sendall(REPLY.pack(code, outcome, bool(finished), len(data), version) + data)
+        return REPLY.pack(code, outcome, bool(finished), len(data), version) + data
 
     def close(self) -> None:
         """Stop accepting and cut every live connection (workers see UNAVAILABLE)."""
@@ -680,10 +710,14 @@ class DataPlaneChannel:
                 self._send(op, step, clock, num_elements, num_samples, timeout, tail)
             else:
                 self._send_values(values, op, step, clock, num_samples, timeout, tail)
-            code, outcome, finished, n, version = REPLY.unpack(recv_exact(self.sock, REPLY.size))
-            message = recv_exact(self.sock, n).decode(errors="replace") if n else ""
+            return self._reply()
         except (OSError, ConnectionError) as e:
             raise Unavailable(f"{self.label}: data-plane connection lost ({e})") from None
+
+    def _reply(self):
+        """(outcome, finished, version, message) of the next reply; its error raised."""
+        code, outcome, finished, n, version = REPLY.unpack(recv_exact(self.sock, REPLY.size))
+        message = recv_exact(self.sock, n).decode(errors="replace") if n else ""
         if code:
             raise rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", f"{self.label}: {message}")
         return outcome, bool(finished), version, message
@@ -733,16 +767,33 @@ class DataPlaneChannel:
         return tail, slots
 
     def push(self, grad: np.ndarray, step: int, num_samples: int, clock: int, timeout: float,
-             rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()):
-        """Push the dense slice, and sparse rows [(table, unique ids, their gradients)]."""
+             rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
+             then_pull: tuple[np.ndarray, int, int] | None = None):
+        """Push the dense slice, and sparse rows [(table, unique ids, their gradients)];
+        returns (outcome, version, finished, pulled). With then_pull = (dest, seen_version,
+        clock), the pull that follows rides with the push: pulled is (version, finished)
+        with dest filled, or None when that pull failed (the push was taken all the same;
+        pull again on its own, which reports the error or rides it out)."""
         op, tail = PUSH, b""
         if rows:
             op, (tail, slots) = PUSH_ROWS, self._place(rows, timeout)
             for (_, _, g), (_, grads_at) in zip(rows, slots):
                 np.copyto(self.rows.region(grads_at, np.float32, g.size).reshape(g.shape), g)
+        if then_pull is not None:
+            op, tail = op | THEN_PULL, PULL_AFTER.pack(then_pull[1], then_pull[2]) + tail
         outcome, finished, version, _ = self._call(op, step, clock, grad.size, num_samples, timeout, tail,
                                                    values=grad)
-        return outcome, version, finished
+        pulled = None
+        if then_pull is not None:
+            try:
+                _, pull_finished, pull_version, _ = self._reply()
+                np.copyto(then_pull[0], self.params)
+                pulled = (pull_version, pull_finished)
+            except RpcError as e:
+                log.debug("%s: the pull after a push failed (%s); pulling on its own", self.label, e)
+            except (OSError, ConnectionError):
+                self.sock.close()     # unframed now: the next call fails over (UNAVAILABLE) and rejoins
+        return outcome, version, finished, pulled
 
     def pull_rows(self, table: str, ids: np.ndarray, out: np.ndarray, timeout: float) -> int:
         """Rows of `table` for `ids` (all on this shard) into `out` (len(ids), dim); the version."""

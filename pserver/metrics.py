@@ -42,10 +42,12 @@ class Progress:
 
 
 class StepTimer:
-    """Where a worker's time goes: compute, injected delay, push, pull (waiting included)."""
+    """Where a worker's time goes: compute, injected delay, push, pull (waiting included),
+    and push_pull: a step's push and the pull after it, which over the data plane are one
+    exchange and cannot be told apart (pull alone: a batch's sparse rows, the first pull)."""
 
     def __init__(self) -> None:
-        self.seconds = {"compute": 0.0, "delay": 0.0, "push": 0.0, "pull": 0.0}
+        self.seconds = {"compute": 0.0, "delay": 0.0, "push": 0.0, "pull": 0.0, "push_pull": 0.0}
 
     @contextmanager
     def __call__(self, what: str):
@@ -56,7 +58,7 @@ class StepTimer:
             self.seconds[what] += time.perf_counter() - t
 
     def summary(self, wall: float, **extra) -> dict:
-        comm = self.seconds["push"] + self.seconds["pull"]
+        comm = self.seconds["push"] + self.seconds["pull"] + self.seconds["push_pull"]
         return {**extra, "wall_seconds": round(wall, 3),
                 **{f"{k}_seconds": round(v, 3) for k, v in self.seconds.items()},
                 # idle: waiting on the shards (transfer and consistency waits), not computing

@@ -115,7 +115,8 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self.step = Histogram("pserver_worker_step_seconds", "Seconds per training step (compute, push, pull)",
                               buckets=WAIT_BUCKETS, registry=self.registry)
-        self.pull = Histogram("pserver_worker_pull_seconds", "Seconds a step's pull took, waiting included",
+        self.pull = Histogram("pserver_worker_pull_seconds", "Seconds a step's push and pull took (one exchange "
+                              "over the data plane), waiting included",
                               buckets=WAIT_BUCKETS, registry=self.registry)
         self.samples = Counter("pserver_worker_samples", "Training samples this worker computed gradients on",
                                registry=self.registry)

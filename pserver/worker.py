@@ -323,15 +323,13 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
                 loss = gradient(w, x, y, g, clock, lookups)
             with timer("delay"):
                 delay.sleep()
-            with timer("push"):
-                for outcome in push(client, g, len(x), clock, lookups, rows.names):
+            exchange_started = time.perf_counter()
+            with timer("push_pull"):
+                for outcome in push_pull(client, g, w, len(x), clock, lookups, rows.names):
                     outcomes[outcome] = outcomes.get(outcome, 0) + 1
             clock += 1
-            pull_started = time.perf_counter()
-            with timer("pull"):
-                client.pull(w, clock)
             done = time.perf_counter()
-            report.step(done - step_started, done - pull_started, len(x))
+            report.step(done - step_started, done - exchange_started, len(x))
             line = progress.step(epoch, step, loss, force=step == steps - 1 or client.finished)
             if line:
                 report.progress(clock, *line)
@@ -356,14 +354,17 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             "stats": stats, "seconds": progress.elapsed, "resumed_at_step": start}
 
 
-def push(client: PSClient, g: np.ndarray, batch: int, clock: int, lookups=(), tables=()) -> list[str]:
-    """Push; a rejection for a stale step (sync after a timeout) is survivable: the
-    next pull brings the current version and training goes on."""
+def push_pull(client: PSClient, g: np.ndarray, w: np.ndarray, batch: int, clock: int, lookups=(),
+              tables=()) -> list[str]:
+    """Push, then pull into w (one exchange per shard over the data plane); the outcomes.
+    A rejection for a stale step (sync after a timeout) is survivable: the pull brings
+    the current version and training goes on."""
     try:
-        return [o for o, _ in client.push(g, batch, clock, lookups=lookups, tables=tables)]
+        return client.push_pull(g, w, batch, clock, lookups=lookups, tables=tables)
     except FailedPrecondition as e:
         if "step" not in str(e):
             raise
+        client.pull(w, clock + 1)
         return ["rejected"]
 
 

@@ -1,0 +1,176 @@
+"""A worker's step as one exchange: PSClient.push_pull, and the data plane's THEN_PULL
+(pserver/dataplane.py), against live in-process shards.
+
+The pull that rides with a push must be exactly the pull the worker would have sent after
+it: same wait, same version, same values. A refused push pulls nothing and leaves the shard
+as it was; a pull part that fails leaves the push taken and the worker pulling on its own;
+and a raw client cannot use the flag to desynchronise the connection.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from pserver import dataplane
+from pserver.client import PSClient
+from pserver.errors import FailedPrecondition, InvalidArgument
+from pserver.security import ClientSecurity
+from tests.test_dataplane_hostile import LAYOUT, START, TOKEN, counters, raw_hello, two_sync_workers, worker  # noqa: F401 (a fixture)
+
+ONES = np.ones(LAYOUT.total, np.float32)
+
+
+def grpc_worker(addr: str, rank: int = 0, num_workers: int = 1, init: bool = True) -> PSClient:
+    c = PSClient([addr], rank=rank, num_workers=num_workers, rpc_deadline=120, data_plane="grpc",
+                 security=ClientSecurity(TOKEN))
+    c.connect(5)
+    c.register(LAYOUT)
+    if init:
+        c.init(START)
+    assert c.shards[0].fast is None
+    return c
+
+
+@pytest.mark.parametrize("plane", ["auto", "grpc"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_push_pull_lands_where_push_then_pull_does(shard_server, plane, mode):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=0.5, mode=mode)
+    c = (worker if plane == "auto" else grpc_worker)(addr)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    g = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
+    outcomes = c.push_pull(g, w, 8, clock=0)
+    expected = START - np.float32(0.5) * g
+    assert outcomes == ["aggregated" if mode == "sync" else "applied"]
+    np.testing.assert_array_equal(w, expected)
+    np.testing.assert_array_equal(shard.store.params, expected)
+    assert c.versions == [1] == [shard.store.version]
+    st = counters(shard)
+    assert st["pushes_received"] == 1 and st["pulls_served"] == 2 and st["samples_pushed"] == 8
+    c.push_pull(g, w, 8, clock=1)                   # the next step starts from what was pulled
+    np.testing.assert_array_equal(w, START - 2 * (np.float32(0.5) * g))
+    assert c.versions == [2]
+    c.close()
+
+
+def test_in_sync_the_riding_pull_waits_for_the_step(two_sync_workers):
+    """Worker 0's exchange returns only once worker 1 has pushed: the pull part waits for
+    version 1, as the pull on its own would."""
+    import threading
+    import time
+    shard, a, b = two_sync_workers()
+    w0, w1 = np.empty(LAYOUT.total, np.float32), np.empty(LAYOUT.total, np.float32)
+    a.pull(w0)
+    b.pull(w1)
+    done = []
+    t = threading.Thread(target=lambda: done.append(a.push_pull(ONES, w0, 1, clock=0)))
+    t.start()
+    time.sleep(0.5)
+    assert not done and shard.store.version == 0    # aggregated, the pull part waiting
+    b.push(3 * ONES, 1)
+    t.join(10)
+    assert done == [["aggregated"]] and a.versions == [1]
+    np.testing.assert_array_equal(w0, START - 2 * ONES)   # lr 1, mean of 1 and 3
+
+
+def test_a_refused_push_pulls_nothing_and_changes_nothing(shard_server):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    c = worker(addr)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    bad = ONES.copy()
+    bad[7] = np.nan
+    w[:] = -5
+    with pytest.raises(InvalidArgument, match="non-finite"):
+        c.push_pull(bad, w, 1, clock=0)
+    assert (w == -5).all()                            # nothing pulled into it
+    np.testing.assert_array_equal(shard.store.params, START)
+    assert shard.store.version == 0 and counters(shard)["pushes_rejected"] == 1
+    c.push_pull(ONES, w, 1, clock=0)                  # the connection is still framed
+    np.testing.assert_array_equal(w, START - 1)
+    assert c.shards[0].fast is not None
+
+
+def test_a_stale_push_in_a_worker_still_pulls(shard_server):
+    """pserver.worker.push_pull: a push refused for its step is survivable; the pull that
+    it could not carry is made on its own, so the worker goes on from the current version."""
+    from pserver.worker import push_pull
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync")
+    c = worker(addr)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    c.push_pull(ONES, w, 1, clock=0)
+    c.versions = [0]                                  # as if it had missed the step
+    w[:] = 0
+    assert push_pull(c, ONES, w, 1, clock=1) == ["rejected"]
+    np.testing.assert_array_equal(w, START - 1)      # pulled: the shard's current values
+    assert c.versions == [1] and shard.store.version == 1
+
+
+def test_a_failed_pull_part_leaves_the_push_taken_and_pulls_on_its_own(shard_server):
+    """A pull part refused (here: a seen_version the shard never reached) comes back as an
+    error reply after the push's; the channel reports no pull, stays framed, and the client
+    then pulls the usual way."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    c = worker(addr)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    fast = c.shards[0].fast
+    dest = np.full(LAYOUT.total, -5, np.float32)
+    outcome, version, finished, pulled = fast.push(ONES, 0, 1, 0, 5, then_pull=(dest, 99, 1))
+    assert pulled is None and (dest == -5).all()
+    assert version == 1 == shard.store.version       # the push was applied
+    np.testing.assert_array_equal(shard.store.params, START - 1)
+    assert fast.pull_into(dest, 1, 1, 5) == (1, False)     # still framed
+    np.testing.assert_array_equal(dest, START - 1)
+    # Through the client: the seen_version the shard refuses is retried as "none seen".
+    c.shards[0].reset_seen = False
+    w[:] = 0
+    c.versions = [99]
+    with pytest.raises(FailedPrecondition):
+        c.shards[0].push(ONES, 0, 99, 1, 1, 5)       # a push for a version it never had
+    assert c.shards[0].push_pull(ONES, w, 0, 1, 1, 1, 99, 2, 5)[:2] == ("applied", 2)
+    np.testing.assert_array_equal(w, START - 2)
+
+
+def test_then_pull_on_anything_but_a_push_is_refused_and_cut(shard_server):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
+    c = worker(addr)
+    sock, fds = raw_hello(shard, c)
+    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.PULL | dataplane.THEN_PULL, 0, 0, -1, 0,
+                                        LAYOUT.total, 0, 1000) + dataplane.PULL_AFTER.pack(-1, 0))
+    code, _, _, n, _ = dataplane.REPLY.unpack(dataplane.recv_exact(sock, dataplane.REPLY.size))
+    assert dataplane.CODES[code] == "INVALID_ARGUMENT"
+    assert "only a push can carry a pull" in dataplane.recv_exact(sock, n).decode()
+    assert sock.recv(1) == b""                        # the connection is closed
+    sock.close()
+    assert counters(shard)["pulls_served"] == 0
+    c.close()
+
+
+def test_a_raw_push_with_then_pull_gets_both_replies_in_one_message(shard_server):
+    """On the wire: the push's reply and the pull's, back to back, with the pull's version."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    c = worker(addr)
+    sock, (push_fd, params_fd) = raw_hello(shard, c)
+    import mmap
+    import os
+    buf = mmap.mmap(push_fd, os.fstat(push_fd).st_size)
+    np.frombuffer(buf, np.float32)[:LAYOUT.total] = 2
+    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.PUSH | dataplane.THEN_PULL, 0, 0, 0, 0,
+                                        LAYOUT.total, 4, 1000) + dataplane.PULL_AFTER.pack(0, 1))
+    size = dataplane.REPLY.size
+    push_reply = dataplane.REPLY.unpack(dataplane.recv_exact(sock, size))
+    pull_reply = dataplane.REPLY.unpack(dataplane.recv_exact(sock, size))
+    assert push_reply == (0, 1, False, 0, 1)          # OK, applied, version 1
+    assert pull_reply == (0, 0, False, 0, 1)          # OK, version 1
+    np.testing.assert_array_equal(shard.store.params, START - 2)
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    del buf
+    for fd in (push_fd, params_fd):
+        os.close(fd)
+    c.close()
