@@ -48,6 +48,7 @@ def test_push_pull_lands_where_push_then_pull_does(shard_server, plane, mode):
     np.testing.assert_array_equal(w, expected)
     np.testing.assert_array_equal(shard.store.params, expected)
     assert c.versions == [1] == [shard.store.version]
+    assert c.shards[0].last_flat is w                # what a restarted shard would be re-seeded with
     st = counters(shard)
     assert st["pushes_received"] == 1 and st["pulls_served"] == 2 and st["samples_pushed"] == 8
     c.push_pull(g, w, 8, clock=1)                   # the next step starts from what was pulled
@@ -94,20 +95,38 @@ def test_a_refused_push_pulls_nothing_and_changes_nothing(shard_server):
     assert c.shards[0].fast is not None
 
 
-def test_a_stale_push_in_a_worker_still_pulls(shard_server):
-    """pserver.worker.push_pull: a push refused for its step is survivable; the pull that
-    it could not carry is made on its own, so the worker goes on from the current version."""
+def test_the_worker_step_pushes_its_batch_size_and_pulls_at_the_next_clock(shard_server):
+    """pserver.worker.push_pull, as the training loop calls it: the samples it trained on are
+    counted, and in ssp its clock moves to the one its next step pulls for."""
     from pserver.worker import push_pull
-    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync")
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="ssp", staleness=5)
+    c = worker(addr)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    assert push_pull(c, ONES, w, 32, clock=3) == ["applied"]
+    assert counters(shard)["samples_pushed"] == 32
+    assert shard.store.clocks[0] == 4
+    np.testing.assert_array_equal(w, START - 1)
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_stale_push_in_a_worker_still_pulls(shard_server, mode):
+    """pserver.worker.push_pull: a push refused for its step is survivable; the pull that
+    it could not carry is made on its own, for the clock after the push's, so the worker
+    goes on from the current version."""
+    from pserver.worker import push_pull
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode=mode, staleness=5)
     c = worker(addr)
     w = np.empty(LAYOUT.total, np.float32)
     c.pull(w)
     c.push_pull(ONES, w, 1, clock=0)
-    c.versions = [0]                                  # as if it had missed the step
+    c.versions = [0] if mode == "sync" else [7]       # a step it missed / a version it never saw
     w[:] = 0
-    assert push_pull(c, ONES, w, 1, clock=1) == ["rejected"]
+    assert push_pull(c, ONES, w, 1, clock=6) == ["rejected"]
     np.testing.assert_array_equal(w, START - 1)      # pulled: the shard's current values
     assert c.versions == [1] and shard.store.version == 1
+    if mode == "ssp":
+        assert shard.store.clocks[0] == 7             # the pull was for clock 6 + 1
 
 
 def test_a_failed_pull_part_leaves_the_push_taken_and_pulls_on_its_own(shard_server):
@@ -144,7 +163,7 @@ def test_then_pull_on_anything_but_a_push_is_refused_and_cut(shard_server):
                                         LAYOUT.total, 0, 1000) + dataplane.PULL_AFTER.pack(-1, 0))
     code, _, _, n, _ = dataplane.REPLY.unpack(dataplane.recv_exact(sock, dataplane.REPLY.size))
     assert dataplane.CODES[code] == "INVALID_ARGUMENT"
-    assert "only a push can carry a pull" in dataplane.recv_exact(sock, n).decode()
+    assert f"only a push can carry a pull, not operation {dataplane.PULL}" in dataplane.recv_exact(sock, n).decode()
     assert sock.recv(1) == b""                        # the connection is closed
     sock.close()
     assert counters(shard)["pulls_served"] == 0
@@ -174,3 +193,17 @@ def test_a_raw_push_with_then_pull_gets_both_replies_in_one_message(shard_server
     for fd in (push_fd, params_fd):
         os.close(fd)
     c.close()
+
+
+@pytest.mark.parametrize("plane", ["auto", "grpc"])
+def test_a_second_worker_exchanges_as_itself(shard_server, plane):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    make = worker if plane == "auto" else grpc_worker
+    a, b = make(addr, rank=0, num_workers=2), make(addr, rank=1, num_workers=2, init=False)
+    w = np.empty(LAYOUT.total, np.float32)
+    b.pull(w)
+    assert b.push_pull(ONES, w, 1, clock=0) == ["applied"]
+    assert shard.store.clocks.get(1) == 1 and shard.store.clocks.get(0, 0) == 0
+    np.testing.assert_array_equal(w, START - 1)
+    a.close()
+    b.close()
