@@ -207,3 +207,23 @@ def test_a_second_worker_exchanges_as_itself(shard_server, plane):
     np.testing.assert_array_equal(w, START - 1)
     a.close()
     b.close()
+
+
+def test_over_the_data_plane_a_step_is_one_request(shard_server):
+    """The point of push_pull: one request per shard and step, the push flagged THEN_PULL;
+    after a rejoin (reset_seen) it does not ride, since the pull must not assume a version."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    c = worker(addr)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    fast = c.shards[0].fast
+    sent, send = [], fast._send
+    fast._send = lambda op, *a, **k: (sent.append(op), send(op, *a, **k))[1]
+    c.push_pull(ONES, w, 1, clock=0)
+    assert sent == [dataplane.PUSH | dataplane.THEN_PULL]
+    c.shards[0].reset_seen = True
+    sent.clear()
+    c.push_pull(ONES, w, 1, clock=1)
+    assert sent == [dataplane.PUSH, dataplane.PULL]
+    np.testing.assert_array_equal(w, START - 2)
+    c.close()
