@@ -159,7 +159,7 @@ def line(row: dict, bound: dict | None, tf: dict | None) -> str:
     short = "  (< %g s of training)" % MIN_SECONDS if row["wall_seconds"] < MIN_SECONDS else ""
     split = row.get("time_split")
     where = "" if split is None else ("  time: " + ", ".join(
-        f"{k.replace('_', '+')} {split[k]:.0%}" for k in SPLIT if split.get(k))
+        f"{k.replace('_', '+')} {split[k]:.0%}" for k in SPLIT if k in split and (k == "compute" or split[k] >= 0.005))
         + f", {split['compute_ms_per_step']:.1f} ms compute/step")
     return (f"  {row['mode']:13s} {rate:>9,.0f} samples/s (min {row['min']:,.0f}, max {row['max']:,.0f})  "
             f"{row['steps']} steps in {row['wall_seconds']:.1f} s  {', '.join(ratios)}{short}{where}")
