@@ -35,15 +35,17 @@ NBYTES = LAYOUT.total * 4
 START = np.arange(LAYOUT.total, dtype=np.float32)
 
 
-def worker(addr: str, rank: int = 0, num_workers: int = 1, init: bool = True) -> PSClient:
-    """A real client on the data plane (sync pulls may wait up to 120 s)."""
-    c = PSClient([addr], rank=rank, num_workers=num_workers, rpc_deadline=120, data_plane="auto",
+def worker(addr: str, rank: int = 0, num_workers: int = 1, init: bool = True,
+           data_plane: str = "auto") -> PSClient:
+    """A real client on the data plane, or on gRPC alone with data_plane="grpc" (sync pulls
+    may wait up to 120 s)."""
+    c = PSClient([addr], rank=rank, num_workers=num_workers, rpc_deadline=120, data_plane=data_plane,
                  security=ClientSecurity(TOKEN))
     c.connect(5)
     c.register(LAYOUT)
     if init:
         c.init(START)
-    assert c.shards[0].fast is not None, "the worker must use the data plane"
+    assert (c.shards[0].fast is not None) == (data_plane == "auto"), f"the worker must use {data_plane}"
     return c
 
 

@@ -15,30 +15,17 @@ import numpy as np
 import pytest
 
 from pserver import dataplane
-from pserver.client import PSClient
 from pserver.errors import FailedPrecondition, InvalidArgument
-from pserver.security import ClientSecurity
 from tests.test_dataplane_hostile import LAYOUT, START, TOKEN, counters, raw_hello, two_sync_workers, worker  # noqa: F401 (a fixture)
 
 ONES = np.ones(LAYOUT.total, np.float32)
-
-
-def grpc_worker(addr: str, rank: int = 0, num_workers: int = 1, init: bool = True) -> PSClient:
-    c = PSClient([addr], rank=rank, num_workers=num_workers, rpc_deadline=120, data_plane="grpc",
-                 security=ClientSecurity(TOKEN))
-    c.connect(5)
-    c.register(LAYOUT)
-    if init:
-        c.init(START)
-    assert c.shards[0].fast is None
-    return c
 
 
 @pytest.mark.parametrize("plane", ["auto", "grpc"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_push_pull_lands_where_push_then_pull_does(shard_server, plane, mode):
     addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=0.5, mode=mode)
-    c = (worker if plane == "auto" else grpc_worker)(addr)
+    c = worker(addr, data_plane=plane)
     w = np.empty(LAYOUT.total, np.float32)
     c.pull(w)
     g = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
@@ -198,8 +185,8 @@ def test_a_raw_push_with_then_pull_gets_both_replies_in_one_message(shard_server
 @pytest.mark.parametrize("plane", ["auto", "grpc"])
 def test_a_second_worker_exchanges_as_itself(shard_server, plane):
     addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
-    make = worker if plane == "auto" else grpc_worker
-    a, b = make(addr, rank=0, num_workers=2), make(addr, rank=1, num_workers=2, init=False)
+    a = worker(addr, rank=0, num_workers=2, data_plane=plane)
+    b = worker(addr, rank=1, num_workers=2, init=False, data_plane=plane)
     w = np.empty(LAYOUT.total, np.float32)
     b.pull(w)
     assert b.push_pull(ONES, w, 1, clock=0) == ["applied"]
