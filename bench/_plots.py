@@ -9,8 +9,8 @@ import matplotlib
 
 matplotlib.use("Agg")                  # files only: no display on a benchmark machine
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import ScalarFormatter  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import ScalarFormatter  # noqa: E402
 
 ORDER = ("sync", "backup", "async", "ssp")
 

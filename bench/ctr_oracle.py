@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine, machine_lines  # noqa: E402
 
-from pserver import criteo  # noqa: E402
+from pserver.data import criteo  # noqa: E402
 from pserver.models.metrics import auc  # noqa: E402
 
 

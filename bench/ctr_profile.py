@@ -34,7 +34,7 @@ from _util import machine, machine_lines  # noqa: E402
 def batches(seed: int, bias: float, batch_size: int, count: int):
     """`count` criteo-synthetic training batches (records, labels), generated in one call as a
     worker generates a chunk (65,536 samples) at once."""
-    from pserver.criteo import generate
+    from pserver.data.criteo import generate
     x, y = generate(seed, bias, np.arange(count * batch_size, dtype=np.uint64))
     for k in range(0, len(y), batch_size):
         yield x[k:k + batch_size], y[k:k + batch_size]
@@ -58,7 +58,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=40, help="profiled batches (default 40)")
     p.add_argument("--top", type=int, default=12, help="functions listed (default 12)")
     args = p.parse_args()
-    from pserver.criteo import calibrate_bias
+    from pserver.data.criteo import calibrate_bias
     from pserver.models.ctr import ctr_model
     model = ctr_model(args.model)
     w = model.init_params(0)

@@ -66,7 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pserver.progress import track
+from pserver.observe.progress import track
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
 from _util import machine, machine_lines, positive_ints, result_path, summary, table  # noqa: E402
@@ -88,8 +88,8 @@ SECTIONS = ("matmul", "mlp", "cnn", "gpu-cnn")
 
 def gpu_status() -> dict:
     """{"cuda": None or why not, "simulator": bool, "device": name, "cupy": module or why not}."""
-    from pserver.device import describe, is_simulator, parse_device, select
     from pserver.errors import ConfigError
+    from pserver.kernels.device import describe, is_simulator, parse_device, select
     st = {"simulator": False, "device": "none", "cuda": None}
     try:
         dev = select(parse_device("cuda"))
@@ -183,6 +183,7 @@ def matmul_row(backend: str, n: int, st: dict, rng):
             return (f"simulator: n > {SIM_MAX_SIZE} not run (n = {n} would take about "
                     f"{hours:.2g} h per product; try --sizes 32)")
         from numba import cuda
+
         from pserver.kernels import cuda as kernels
         da, db, dc = cuda.to_device(a), cuda.to_device(b), cuda.device_array((n, n), np.float32)
         kernels.matmul(da, db, dc)
@@ -533,6 +534,7 @@ def gpu_baselines() -> dict:
 def conv_pair(torch, n: int, hw: int, c: int, f: int, k: int, pad: str, rng):
     """{"cuda": fn, "torch": fn}, each one conv forward + backward, checked equal first."""
     from numba import cuda
+
     from pserver.kernels import conv_output
     from pserver.kernels import cuda as K
     oh, top = conv_output(hw, k, 1, pad)

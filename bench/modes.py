@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pserver.progress import Bar
+from pserver.observe.progress import Bar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util and _plots sit beside this file
 from _util import machine, machine_lines, table  # noqa: E402

@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-from pserver.progress import track
+from pserver.observe.progress import track
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util, _plots, transport sit beside this file
 from _util import machine, machine_lines, positive_ints, result_path, summary, table  # noqa: E402
@@ -82,7 +81,7 @@ class Worker:
     """One PSClient on the shards, on one plane; pushes carry the step each shard is at."""
 
     def __init__(self, addresses: list[str], plane: str, args) -> None:
-        from pserver.client import PSClient
+        from pserver.worker.client import PSClient
         self.client = PSClient(addresses, rank=0, num_workers=1, rpc_deadline=600, data_plane=plane)
         self.client.connect(120)
         self.client.register(layout(args.dim))

@@ -33,8 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # _util sits beside this file
 from _util import machine, machine_lines, table  # noqa: E402
 
-from pserver.sparse import (ROW_OPTIMIZERS, SparseTable, TableConfig,  # noqa: E402
-                            segment_sum, unique_inverse)
+from pserver.sparse import ROW_OPTIMIZERS, SparseTable, TableConfig, segment_sum, unique_inverse  # noqa: E402
 
 
 def rates(ours, base, items: int, args) -> tuple[float, float]:

@@ -25,9 +25,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine, machine_lines, positive_ints, result_path  # noqa: E402
 
-from pserver.client import PSClient  # noqa: E402
 from pserver.models.layout import Layout  # noqa: E402
 from pserver.sparse import TableConfig, TableLookup  # noqa: E402
+from pserver.worker.client import PSClient  # noqa: E402
 
 SLOTS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 2}    # float32 state values per row value
 MiB = 1 << 20

@@ -46,8 +46,8 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -245,7 +245,7 @@ def this_script(mode: str, params: int, chunk_bytes: int, value: str = "0") -> l
 
 def data_plane_keyword() -> bool:
     """Whether PSClient takes `data_plane` yet (the faster same-host plane is in the works)."""
-    from pserver.client import PSClient
+    from pserver.worker.client import PSClient
     try:
         inspect.signature(PSClient).bind_partial(data_plane="grpc")
         return True
@@ -256,13 +256,13 @@ def data_plane_keyword() -> bool:
 def shard_argv(j: int, shards: int, chunk_bytes: int, workers: int = 1) -> list[str]:
     argv = [sys.executable, "-m", "pserver", "serve", "--port", "0", "--shard", str(j),
             "--num-shards", str(shards), "--num-workers", str(workers), "--optimizer", "sgd", "--lr", "1e-9"]
-    from pserver.codec import CHUNK_BYTES
+    from pserver.wire.codec import CHUNK_BYTES
     return argv if chunk_bytes == CHUNK_BYTES else argv + ["--chunk-bytes", str(chunk_bytes)]
 
 
 def start_pserver(stack: contextlib.ExitStack, addresses: list[str], params: int, shards: int, variant: str,
                   chunk_bytes: int, has_keyword: bool) -> Running:
-    from pserver.client import PSClient
+    from pserver.worker.client import PSClient
     kw = {"data_plane": "auto" if variant == "fast" else "grpc"} if has_keyword else {}
     client = PSClient(addresses, rank=0, num_workers=1, chunk_bytes=chunk_bytes, **kw)
     stack.callback(client.close)
@@ -361,7 +361,7 @@ def measure_memory(params: int, variant: str, workers: int, steps: int, chunk_by
 
 
 def memory_client(address: str, rank: int, workers: int, chunk_bytes: int, variant: str):
-    from pserver.client import PSClient
+    from pserver.worker.client import PSClient
     return PSClient([address], rank=rank, num_workers=workers, chunk_bytes=chunk_bytes,
                     data_plane="auto" if variant == "fast" else "grpc")
 
@@ -430,8 +430,8 @@ def serve_raw_grpc(port: int, params: int, chunk_bytes: int) -> None:
 
 
 def parts(params: int, shards: int) -> list[int]:
-    """Elements of each shard's range, as pserver splits P (pserver.sharding)."""
-    from pserver.sharding import shard_range
+    """Elements of each shard's range, as pserver splits P (pserver.wire.sharding)."""
+    from pserver.wire.sharding import shard_range
     return [b - a for a, b in (shard_range(params, shards, j) for j in range(shards))]
 
 
@@ -655,8 +655,8 @@ def read_number(lines) -> float:
 def two_hosts_client(address: str, params: int) -> None:
     """In the client's namespace: warm up, print the round trips per repeat, then time one
     repeat per line read from stdin, printing its seconds per round trip."""
-    from pserver.client import PSClient
     from pserver.models.layout import Layout
+    from pserver.worker.client import PSClient
     client = PSClient([address], rank=0, num_workers=1, data_plane="grpc")
     client.connect(60.0)
     client.register(Layout.of([("w", (params,))]))

@@ -18,9 +18,8 @@ OUT = ROOT / "pserver" / "_proto"
 
 
 def generate(out_dir: pathlib.Path = OUT) -> None:
-    from grpc_tools import protoc  # imported here: only developers need grpcio-tools
-
     import grpc_tools
+    from grpc_tools import protoc  # imported here: only developers need grpcio-tools
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     args = ["protoc", f"-I{PROTO.parent}", f"-I{include}", f"--python_out={out_dir}",
             f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", str(PROTO)]

@@ -17,8 +17,7 @@ number of shards to start here); the `pserver` command line runs the same functi
 from pserver.api import SavedModel, Server, launch_cluster, load_model, predict, serve, train
 from pserver.data import Dataset, Stream, load_dataset
 from pserver.errors import ConfigError, DataError, PServerError, RpcError
-from pserver.layers import (AveragePooling2D, Conv2D, Dense, Dropout, Embedding, Flatten, Layer,
-                            MaxPooling2D)
+from pserver.layers import AveragePooling2D, Conv2D, Dense, Dropout, Embedding, Flatten, Layer, MaxPooling2D
 from pserver.models import Model, Sequential, make_model
 from pserver.models.losses import BinaryCrossentropy, MeanSquaredError, SparseCategoricalCrossentropy
 

@@ -6,7 +6,7 @@
 
 or, all in this process, `pserver.train(model, x, y, ps=2, optimizer="adam", lr=1e-3)`, which
 starts two shards here, trains one worker and stops them. `pserver serve` and `pserver worker`
-run the same code (pserver.server.app, pserver.worker) from flags. With `save="model.npz"`
+run the same code (pserver.server.app, pserver.worker.loop) from flags. With `save="model.npz"`
 (`--save`), the chief writes the trained model; `pserver.load_model("model.npz")` reads it
 back and `pserver.predict(...)` runs it. `pserver.launch_cluster(ps=2, workers=2,
 backend="ray", ...)` runs a whole cluster as `pserver launch` does.
@@ -22,10 +22,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pserver import models
 from pserver.config import ServerConfig, WorkerConfig
-from pserver.data import Stream, from_arrays
+from pserver.data import Stream, from_arrays, load_dataset
 from pserver.errors import ConfigError, PServerError
-from pserver.model_file import SavedModel, load
+from pserver.models import saved
+from pserver.models.saved import SavedModel, load
 
 
 @dataclass
@@ -83,9 +85,9 @@ def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_work
 
 
 def _run(cfg: WorkerConfig, model, data) -> dict | None:
-    from pserver.device import parse_device, select
+    from pserver.kernels.device import parse_device, select
     from pserver.models import on_device
-    from pserver.worker import fit_data, run
+    from pserver.worker.loop import fit_data, run
     device = select(parse_device(cfg.device))
     model = on_device(model, device.backend)
     return run(cfg, device, fit_data(model, data), model)
@@ -133,30 +135,78 @@ def _data(x, y, validation_data, seed: int):
 
 
 def launch_cluster(*, ps: int = 1, workers: int = 2, backend: str = "local", address: str | None = None,
-                   **flags) -> dict:
+                   **options) -> dict:
     """Run `ps` shards and `workers` workers to the end, as `pserver launch` does: processes
     on this machine (backend="local") or Ray actors (backend="ray": on the Ray cluster at
-    `address`, "auto" or "HOST:PORT", else on a Ray started here for this run). `flags` are
-    launch's flags with underscores (model="logreg", mode="sync", epochs=2, lr=0.1, ...; True
-    for a switch). Returns the run summary; raises PServerError when a process fails or a
-    signal stops the run."""
-    from pserver.cli import build_parser, cmd_launch
-    argv = ["launch", "--ps", str(ps), "--workers", str(workers), "--backend", backend]
-    for name, value in ({"address": address} | flags).items():
-        if value is not None and value is not False:
-            argv.append("--" + name.replace("_", "-"))
-            if value is not True:
-                argv.append(",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value))
+    `address`, "auto" or "HOST:PORT", else on a Ray started here for this run). `options` are
+    launch's flags with underscores, as values of the configs' fields (model="logreg",
+    mode="sync", epochs=2, lr=0.1, hidden=(64, 64), ...; True for a switch): each goes to the
+    shards' config (ServerConfig), the workers' (WorkerConfig) or both; delay, delay_ranks,
+    delay_for (["0,2=fixed:0.1"] as the flag, or (rank, delay) pairs), device and metrics_port
+    to the launch's (LaunchConfig). Returns the run summary; raises PServerError when a process
+    fails or a signal stops the run."""
+    from pserver.launch import LaunchConfig, launch
+    from pserver.launch.base import parse_delay_for
+    per_cluster = {k: options.pop(k) for k in LAUNCH_OPTIONS if k in options}
+    if per_cluster.get("delay_for") and isinstance(per_cluster["delay_for"][0], str):
+        per_cluster["delay_for"] = parse_delay_for(per_cluster["delay_for"], workers)
+    per_cluster["device"] = per_cluster.get("device") or "cpu"
+    server = {k: v for k, v in options.items() if k in ServerConfig.__dataclass_fields__}
+    worker = {k: v for k, v in options.items() if k in WorkerConfig.__dataclass_fields__}
+    unknown = sorted(set(options) - set(server) - set(worker) | set(options) & NOT_LAUNCH_OPTIONS)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a launch option")
+    if "device" in per_cluster:
+        worker["device"] = per_cluster["device"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "summary.json")
-        ns, extra = build_parser().parse_known_args(argv + ["--summary-json", path])
-        if extra:
-            raise ConfigError(f"{extra[0].lstrip('-').replace('-', '_')}: not a launch option")
-        code = cmd_launch(ns)
+        cfg = LaunchConfig(num_shards=ps, num_workers=workers, summary_json=path, backend=backend,
+                           address=address, **per_cluster)
+        code = launch(cfg, ServerConfig(num_shards=ps, **server), WorkerConfig(num_workers=workers, **worker))
         if code != 0:
             raise PServerError(f"launch stopped with exit code {code}")
         with open(path) as f:
             return json.load(f)
+
+
+# launch_cluster: options of the launch itself, and the configs' fields that it sets per process
+LAUNCH_OPTIONS = ("delay", "delay_ranks", "delay_for", "device", "metrics_port")
+NOT_LAUNCH_OPTIONS = {"host", "port", "shard", "num_shards", "num_workers", "ps", "rank", "summary_json",
+                      "stats_json", "stop_shards"}
+
+
+def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:
+    """`pserver evaluate`: the test metrics of a model with the weights of a model file or of
+    the checkpoints in `checkpoint`. The model and dataset are the file's unless `options`
+    (the flags given: model, hidden and the dataset fields) say otherwise."""
+    from pserver.server.checkpoint import load_weights
+    from pserver.worker.loop import fit_data
+    if model_file is None and checkpoint is None:
+        raise ConfigError("--model-file: give the model file (--model-file PATH), checkpoints "
+                          "(--checkpoint DIR, with --model and the dataset flags), or both")
+    meta, arrays = saved.read(model_file) if model_file else ({}, {})
+    spec = options.get("model") or (meta.get("model") if meta else "mlp")
+    if spec is None:
+        raise ConfigError(f"--model: {model_file} was saved from a model built in Python; give its "
+                          "definition with --model FILE.py:FUNCTION")
+    data = {k: v for k, v in (meta.get("dataset") or {}).items() if k in saved.DATASET_FIELDS}
+    data |= {k: options[k] for k in saved.DATASET_FIELDS if options.get(k) is not None}
+    ds = load_dataset(data.pop("dataset", "synthetic"),
+                      task="regression" if spec == "linreg" else "classification", **data)
+    if meta:
+        model = saved.build(meta, spec, options.get("hidden"))
+    else:          # as the worker built it: for the dataset's samples and classes
+        model = models.make_model(spec, ds.sample_shape, ds.num_classes, hidden=options.get("hidden") or models.DEFAULT_HIDDEN)
+    if checkpoint:
+        weights, versions = load_weights(checkpoint, model.layout)
+        source = f"{checkpoint} (shard versions {', '.join(map(str, versions))})"
+    else:
+        weights, source = saved.weights_of(model_file, meta, arrays, model.layout), model_file
+    ds = fit_data(model, ds)
+    metrics = model.evaluate(weights, ds.x_test, ds.y_test)
+    return {"model": getattr(model, "name", type(model).__name__), "num_params": model.layout.total,
+            "weights": source, "dataset": ds.name, "test_samples": ds.num_test,
+            **{f"test_{k}": v for k, v in metrics.items()}}
 
 
 def load_model(path: str, model=None) -> SavedModel:

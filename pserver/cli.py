@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import logging
 import os
 import sys
 from dataclasses import dataclass, field
 
-from pserver import __version__, allocator
-from pserver.config import MODES, check_writable, ServerConfig, WorkerConfig, parse_address, parse_tf_config
-from pserver.errors import ConfigError, PServerError
-from pserver.signals import Stopped, follow_parent, stop_on_signals
+from pserver import __version__
+from pserver.config import MODES, ServerConfig, WorkerConfig, parse_address, parse_tf_config
+from pserver.errors import ConfigError
+from pserver.launch.base import BACKENDS, parse_delay_for
+from pserver.launch.roles import exit_code, one_blas_thread, run_shard, run_training
+from pserver.signals import follow_parent
 
 DESCRIPTION = """\
 pserver: a parameter server for data-parallel training.
@@ -230,20 +231,6 @@ def given(ns, flags) -> dict:
     return {f.dest: getattr(ns, f.dest) for f in flags if getattr(ns, f.dest, None) is not None}
 
 
-def forward(ns, flags) -> list[str]:
-    """argv that repeats the flags the user set (how launch passes them on)."""
-    argv = []
-    for f in flags:
-        v = getattr(ns, f.dest, None)
-        if v is None:
-            continue
-        if v is True:
-            argv.append(f.name)
-        else:
-            argv += [f.name, ",".join(map(str, v)) if isinstance(v, tuple) else str(v)]
-    return argv
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="pserver", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"pserver {__version__}")
@@ -295,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="number of shards to start (default 1); worker and status take addresses instead")
     la.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
     la.add_argument("--summary-json", default=None, metavar="PATH", help="write the run summary here")
-    la.add_argument("--backend", choices=("local", "ray"), default="local",
+    la.add_argument("--backend", choices=BACKENDS, default="local",
                     help="local (default): child processes of this one; ray: Ray actors, one process each, "
                          "spread over the nodes by a placement group (pip install -e '.[ray]')")
     la.add_argument("--address", default=None, metavar="auto|HOST:PORT",
@@ -368,7 +355,7 @@ def parse_ps(text: str, command: str) -> tuple[str, ...]:
 
 def security_given(ns, flags) -> dict:
     """The security flags set, the token falling back to PSERVER_AUTH_TOKEN."""
-    from pserver.security import resolve_token
+    from pserver.wire.security import resolve_token
     return given(ns, flags) | {"auth_token": resolve_token(ns.auth_token)}
 
 
@@ -417,37 +404,14 @@ def cmd_serve(ns) -> int:
     return run_shard(server_config(ns), ns.log_level)
 
 
-def run_shard(cfg: ServerConfig, log_level: str) -> int:
-    allocator.tune()
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
-    from pserver.server.app import serve
-    return serve(cfg)
-
-
 def cmd_worker(ns) -> int:
     one_blas_thread()
     return run_training(worker_config(ns))
 
 
-def one_blas_thread() -> None:
-    """One BLAS thread per worker unless told otherwise (before numpy/scipy load): several
-    workers on one host with a thread per core each spin against each other (19x slower
-    measured with 4 workers on 2 cores). launch does the same for its workers."""
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(var, "1")
-
-
-def run_training(cfg: WorkerConfig) -> int:
-    allocator.tune()
-    from pserver.worker import run_worker
-    with stop_on_signals():           # SIGTERM, SIGHUP, Ctrl-C: Stopped, exit 128+signal
-        run_worker(cfg)
-    return 0
-
-
 def cmd_slurm(ns) -> int:
-    from pserver.security import TOKEN_ENV, resolve_token
-    from pserver.slurm import slurm_task
+    from pserver.launch.slurm import slurm_task
+    from pserver.wire.security import TOKEN_ENV, resolve_token
     task = slurm_task(os.environ, ns.ps, ns.base_port)
     token = resolve_token(None)     # never a flag: a command line is public
     if token is None:      # other users' jobs share the cluster's network
@@ -472,74 +436,22 @@ def cmd_slurm(ns) -> int:
 
 
 def cmd_launch(ns) -> int:
-    import secrets
     from pserver.launch import LaunchConfig, launch
-    from pserver.server.checkpoint import check_directory, write_directory
-    if (ns.tls_cert is None) != (ns.tls_ca is None):
-        raise ConfigError("--tls-ca: launch needs --tls-cert/--tls-key and --tls-ca together "
-                          "(its shards serve TLS and its workers must trust them)")
-    # Our own cluster gets a fresh random token unless one is given (flag or environment).
-    token = security_given(ns, [])["auth_token"] or secrets.token_urlsafe(32)
-    check_writable("--summary-json", ns.summary_json)
-    if ns.address is not None and ns.backend != "ray":
-        raise ConfigError(f"--address: '{ns.address}' is a Ray cluster's address; give it with --backend ray")
-    for flag, count in (("--ps", ns.ps), ("--workers", ns.workers)):
-        if count < 1:
-            raise ConfigError(f"{flag}: launch needs 1 or more, got {count}")
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks, delay_for=parse_delay_for(ns.delay_for, ns.workers),
-                       auth_token=token, metrics_port=ns.metrics_port,
-                       device=ns.device or "cpu", backend=ns.backend, address=ns.address)
-    # --metrics-port is given per process (launch.py); --metrics-host goes to every one
+                       metrics_port=ns.metrics_port, device=ns.device or "cpu", backend=ns.backend, address=ns.address)
+    # The token: the flag's or PSERVER_AUTH_TOKEN's; launch() makes one for its own cluster otherwise.
+    token = security_given(ns, [])["auth_token"]
+    # --metrics-port is given per process (launch/base.py); --metrics-host goes to every one
     server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY] + METRICS_FLAGS[1:]
     worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA] + METRICS_FLAGS[1:]
-    # Build both configs once here, so a bad flag fails now, before any process starts.
     server_cfg = ServerConfig(num_shards=ns.ps, auth_token=token, **given(ns, server_flags))
-    where = write_directory(server_cfg)
-    if where:
-        check_directory(*where)        # now, rather than as a shard's exit once it started
     worker_cfg = WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))
-    from pserver.worker import check_data
-    check_data(worker_cfg)
-    worker_argv = strip_flag(strip_flag(forward(ns, worker_flags), "--delay"), "--device")  # per rank
-    return launch(cfg, forward(ns, server_flags), worker_argv)     # no token in either argv
-
-
-def parse_delay_for(specs: list[str], num_workers: int) -> tuple[tuple[int, str], ...]:
-    """['0,2=fixed:0.1', ...] -> ((0, 'fixed:0.1'), (2, 'fixed:0.1'), ...), checked."""
-    from pserver.stragglers import parse_delay
-    out = []
-    for spec in specs:
-        ranks, sep, dist = spec.partition("=")
-        try:
-            numbers = [int(r) for r in ranks.split(",") if r.strip()]
-        except ValueError:
-            numbers = []
-        if not sep or not numbers:
-            raise ConfigError(f"--delay-for: '{spec}' is not of the form I[,J]=DIST")
-        bad = [r for r in numbers if not 0 <= r < num_workers]
-        if bad:
-            raise ConfigError(f"--delay-for: rank {bad[0]} is outside [0, --workers={num_workers})")
-        parse_delay(dist)
-        out += [(r, dist) for r in numbers]
-    return tuple(out)
-
-
-def strip_flag(argv: list[str], name: str) -> list[str]:
-    """argv without `name VALUE` (launch applies --delay per rank itself)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == name:
-            skip = True
-        else:
-            out.append(a)
-    return out
+    return launch(cfg, server_cfg, worker_cfg)
 
 
 def cmd_status(ns) -> int:
-    from pserver.status import show_status
+    from pserver.observe.status import show_status
     text = ns.ps
     if text is None:
         cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
@@ -548,14 +460,21 @@ def cmd_status(ns) -> int:
         addrs = cluster.ps
     else:
         addrs = parse_ps(text, "status")
-    from pserver.security import client_security
-    return show_status(addrs, ns.timeout, as_json=ns.json,
-                       security=client_security(security_given(ns, [])["auth_token"], ns.tls_ca))
+    from pserver.wire.security import client_security
+    from pserver.worker.client import PSClient
+    client = PSClient(addrs, security=client_security(security_given(ns, [])["auth_token"], ns.tls_ca))
+    try:
+        client.connect(ns.timeout)
+        statuses = client.status(ns.timeout)
+    finally:
+        client.close()
+    return show_status(statuses, as_json=ns.json)
 
 
 def cmd_evaluate(ns) -> int:
     import json
-    from pserver.model_file import evaluate_files
+
+    from pserver.api import evaluate_files
     result = evaluate_files(ns.model_file, ns.checkpoint, given(ns, EVALUATE_FLAGS))
     if ns.json:
         print(json.dumps(result, indent=2))
@@ -581,17 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     ns, extra = parser.parse_known_args(argv)
     if extra:
         parser.commands[ns.command].unrecognized(extra)
-    try:
-        return COMMANDS[ns.command](ns)
-    except PServerError as e:                  # its exit_code: 2 usage, 1 failed, 138 transient
-        print(f"pserver {ns.command}: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print(f"pserver {ns.command}: interrupted", file=sys.stderr)
-        return 130
-    except Stopped as e:
-        print(f"pserver {ns.command}: stopped by {e}", file=sys.stderr)
-        return e.exit_code
+    return exit_code(ns.command, lambda: COMMANDS[ns.command](ns))
 
 
 if __name__ == "__main__":

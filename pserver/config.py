@@ -6,6 +6,7 @@ The CLI builds these; everything below the CLI takes a config object, never argv
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -78,7 +79,7 @@ class ServerConfig:
             raise ConfigError(f"--max-memory-mb: must be >= 0 (0: automatic), got {self.max_memory_mb}")
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"--data-plane: '{self.data_plane}' is not one of {', '.join(DATA_PLANES)}")
-        from pserver import security   # grpc only when a config is built
+        from pserver.wire import security  # grpc only when a config is built
         if self.auth_token is not None:
             security.check_token(self.auth_token, "--auth-token")
         security.check_tls_files(self.tls_cert, self.tls_key)
@@ -96,7 +97,7 @@ class ServerConfig:
         if self.num_workers and self.backup_workers >= self.num_workers:
             raise ConfigError(f"--backup-workers: {self.backup_workers} must be below the "
                               f"number of workers ({self.num_workers})")
-        from pserver.optim import make_optimizer   # builds no kernel: only checks the values
+        from pserver.optim import make_optimizer  # builds no kernel: only checks the values
         make_optimizer(self.optimizer, 1, lr=self.lr, schedule=self.lr_schedule,
                        momentum=self.momentum, nesterov=self.nesterov, beta1=self.beta1,
                        beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay)
@@ -127,12 +128,12 @@ class WorkerConfig:
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
     eval_batch: int = 4096        # test-set evaluation batch
     summary_json: str | None = None  # chief: write the run summary here
-    save: str | None = None       # chief: write the trained model here (pserver.model_file)
+    save: str | None = None       # chief: write the trained model here (pserver.models.saved)
     stats_json: str | None = None    # write this worker's time breakdown (compute/push/pull/idle)
     eval_every: float = 0.0       # chief: also evaluate every this many seconds (0 = per epoch only)
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
-    compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.compress)
+    compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.wire.compress)
     pull_compress: str = "none"   # pull codec over gRPC: none, bf16
     require_fresh: bool = False   # chief: refuse shards that already hold trained state (default: continue)
     no_resume: bool = False       # start the data at epoch 1 even where the shards recorded this rank's position
@@ -170,9 +171,9 @@ class WorkerConfig:
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"--data-plane: '{self.data_plane}' is not one of {', '.join(DATA_PLANES)}")
         if self.auth_token is not None or self.tls_ca is not None:
-            from pserver import security
+            from pserver.wire import security
             security.client_security(self.auth_token, self.tls_ca)   # a bad token or CA file fails now
-        from pserver.compress import parse, parse_pull
+        from pserver.wire.compress import parse, parse_pull
         parse(self.compress)
         parse_pull(self.pull_compress)
         check_positive(connect_timeout=self.connect_timeout, rpc_deadline=self.rpc_deadline,
@@ -183,13 +184,12 @@ class WorkerConfig:
                            ("--save", self.save)):
             check_writable(flag, path)
         if self.delay:
-            from pserver.stragglers import parse_delay
             parse_delay(self.delay)
         from pserver.sparse.optim import hyper, parse_params
         hyper(self.row_optimizer, self.row_lr, parse_params(self.row_params), what="--row-params")
-        from pserver.device import parse_device   # checks the form; imports no CUDA
+        from pserver.kernels.device import parse_device  # checks the form; imports no CUDA
         parse_device(self.device)
-        from pserver.models import check_model_spec   # a user's code runs later, in the worker
+        from pserver.models import check_model_spec  # a user's code runs later, in the worker
         check_model_spec(self.model)
 
 
@@ -280,3 +280,25 @@ def parse_tf_config(text: str | None) -> Cluster | None:
                           f"({len(lists[task_type])} entries)")
     return Cluster(ps=lists["ps"], workers=lists["chief"] + lists["worker"], task_type=task_type,
                    task_index=index, has_chief=bool(lists["chief"]))
+
+
+# --delay (pserver.worker.stragglers draws the delays): distribution -> how many numbers it takes
+DELAYS = {"fixed": 1, "uniform": 2, "exponential": 1, "lognormal": 2}
+
+
+def parse_delay(spec: str) -> tuple[str, tuple[float, ...]]:
+    kind, _, rest = spec.partition(":")
+    if kind not in DELAYS:
+        raise ConfigError(f"--delay: unknown distribution '{kind}' in '{spec}'; "
+                          f"use fixed:S, uniform:A,B, exponential:MEAN or lognormal:MEAN,SIGMA")
+    try:
+        args = tuple(float(x) for x in rest.split(",")) if rest else ()
+    except ValueError:
+        raise ConfigError(f"--delay: '{spec}' has a value that is not a number") from None
+    if len(args) != DELAYS[kind] or any(x < 0 or not math.isfinite(x) for x in args):
+        raise ConfigError(f"--delay: '{spec}' needs {DELAYS[kind]} non-negative number(s) after '{kind}:'")
+    if kind == "uniform" and args[0] > args[1]:
+        raise ConfigError(f"--delay: '{spec}' has A > B")
+    if kind == "lognormal" and args[0] == 0:
+        raise ConfigError(f"--delay: '{spec}' needs a mean above 0")
+    return kind, args

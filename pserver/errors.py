@@ -12,7 +12,7 @@
           +-- Unavailable        shard down or unreachable
           +-- DeadlineExceeded   a wait ran past its deadline
 
-`grpc.RpcError` is translated into this tree once, in `pserver.client`; the server
+`grpc.RpcError` is translated into this tree once, in `pserver.worker.client`; the server
 raises the RpcError subclasses and the servicer turns them into status codes.
 
 Each error carries the exit code of the process it ends, after Kubeflow's ExitCode restart
@@ -22,7 +22,6 @@ policy: 1-127 for what a restart cannot fix (retrying is pointless), >= 128 for 
 """
 
 from __future__ import annotations
-
 
 EXIT_FAILED = 1        # a failure a restart cannot fix: refused request, unreadable data or model
 EXIT_USAGE = 2         # a user's mistake found before anything ran: flag, TF_CONFIG, file

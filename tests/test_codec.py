@@ -1,11 +1,13 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from pserver import codec
 from pserver._proto import pserver_pb2 as pb
 from pserver.errors import InvalidArgument
+from pserver.wire import codec
+
 
 def wire(msgs):
     """What the receiver sees: each message serialized as gRPC would, then parsed."""

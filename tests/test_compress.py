@@ -10,11 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from pserver import codec, compress
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
-from pserver.client import PSClient
 from pserver.errors import ConfigError, InvalidArgument
+from pserver.server import compress as server_compress
+from pserver.wire import codec, compress
+from pserver.worker import compress as worker_compress
+from pserver.worker.client import PSClient
 from tests.test_server import LAYOUT, raw_push, ready_client
 
 SPECS = [compress.parse(s) for s in ("bf16", "fp16", "topk:0.1", "topk:1", "sign")]
@@ -95,7 +97,7 @@ def test_kernels_and_twins_find_the_same_bad_entry(kernel, twin, args):
        spec=st.sampled_from(SPECS))
 def test_error_feedback_loses_nothing_in_sum(steps, spec):
     """sum of what the shards decode + the final residual == sum of the raw gradients."""
-    fb = compress.ErrorFeedback(spec, 300)
+    fb = worker_compress.ErrorFeedback(spec, 300)
     received = np.zeros(300, np.float64)
     for g in steps:
         for start, end in ((0, 120), (120, 300)):       # two shards' slices
@@ -198,20 +200,20 @@ def test_bf16_rounds_ties_to_even_in_the_kernel_and_its_twin():
 @pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 64, 77])
 def test_a_bf16_pull_is_made_a_chunk_at_a_time(chunk_bytes):
     params = np.linspace(-1, 1, 101, dtype=np.float32)
-    blocks = list(compress.pull_payload(params, "bf16", chunk_bytes))
+    blocks = list(server_compress.pull_payload(params, "bf16", chunk_bytes))
     np.testing.assert_array_equal(np.concatenate(blocks), compress.bf16_bits(params))
     full = max(2, chunk_bytes - chunk_bytes % 2)              # whole uint16s, at least one
     assert all(b.nbytes == full for b in blocks[:-1]) and 0 < blocks[-1].nbytes <= full
-    assert compress.pull_payload(params, "", chunk_bytes) == [params]
+    assert server_compress.pull_payload(params, "", chunk_bytes) == [params]
 
 
 def test_the_worker_refuses_a_pull_the_shard_sent_wrong():
     dest = np.empty(4, np.float32)
     scratch = lambda n: np.empty(n, np.uint16)  # noqa: E731
     with pytest.raises(InvalidArgument, match="num_elements: shard sent 3, expected 4"):
-        compress.receive_pull(pb.TensorHeader(num_elements=3), iter(()), dest, scratch)
+        worker_compress.receive_pull(pb.TensorHeader(num_elements=3), iter(()), dest, scratch)
     with pytest.raises(InvalidArgument, match="compression: the shard sent a pull as 'zstd'"):
-        compress.receive_pull(pb.TensorHeader(num_elements=4, compression="zstd"), iter(()), dest, scratch)
+        worker_compress.receive_pull(pb.TensorHeader(num_elements=4, compression="zstd"), iter(()), dest, scratch)
 
 
 @pytest.mark.parametrize("text, want", [("", "none"), (None, "none"), ("none", "none"), ("bf16", "bf16")])

@@ -72,15 +72,14 @@ def test_worker_config_validation(kw, flag):
 
 
 def test_row_params_reach_the_models_tables():
-    from pserver.worker import table_options
+    from pserver.worker.loop import table_options
     cfg = WorkerConfig(model="lr", row_optimizer="ftrl", row_lr=0.1, row_params=" l2=4,, beta=0.5 ,")
     assert table_options(cfg)["optimizer_params"] == {"l2": 4.0, "beta": 0.5}
     assert table_options(WorkerConfig(model="lr"))["optimizer_params"] == {}
 
 
 def test_each_rank_gets_its_delay():
-    from pserver.cli import parse_delay_for
-    from pserver.launch import LaunchConfig, worker_delay
+    from pserver.launch.base import LaunchConfig, parse_delay_for, worker_delay
     cfg = LaunchConfig(num_workers=4, delay="fixed:0.02", delay_for=parse_delay_for(["0,3=fixed:0.08"], 4))
     assert [worker_delay(cfg, r) for r in range(4)] == ["fixed:0.08", "fixed:0.02", "fixed:0.02", "fixed:0.08"]
     only = LaunchConfig(num_workers=3, delay="fixed:0.1", delay_ranks=(1,))

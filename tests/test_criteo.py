@@ -1,4 +1,4 @@
-"""pserver.criteo on real files written here (plain and gzip) and on criteo-synthetic's generator."""
+"""pserver.data.criteo on real files written here (plain and gzip) and on criteo-synthetic's generator."""
 
 from __future__ import annotations
 
@@ -9,12 +9,22 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from pserver import criteo
-from pserver.criteo import (COLUMNS, NUM_CAT, NUM_DENSE, RECORD, REPORTED_LINES, SYNTHETIC_VOCABS,
-                            ZIPF_EXPONENT, hash_categorical, parse_block, parse_line_python)
-from pserver.data import describe, load_dataset
+from pserver.data import criteo, describe, load_dataset
+from pserver.data.criteo import (
+    COLUMNS,
+    NUM_CAT,
+    NUM_DENSE,
+    RECORD,
+    REPORTED_LINES,
+    SYNTHETIC_VOCABS,
+    ZIPF_EXPONENT,
+    hash_categorical,
+    parse_block,
+    parse_line_python,
+)
 from pserver.errors import ConfigError, DataError
 from pserver.models.metrics import auc
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba.core.registry import CPUDispatcher
 
-from pserver.criteo import RECORD
+from pserver.data.criteo import RECORD
 from pserver.errors import ConfigError, DataError
 from pserver.kernels import CPU_KERNELS, cpu, reference
 from pserver.layers import Dense, Embedding, Flatten, Pass

@@ -12,12 +12,21 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tests.conftest import MNIST_DIR as _MNIST
-from pserver.data import (MNIST_FILES, MNIST_MIRRORS, MNIST_MIRRORS_ENV, Dataset, default_mnist_dir,
-                          describe, epoch_indices, iterate_batches, load_dataset, steps_per_epoch)
+from pserver.data import (
+    Dataset,
+    default_mnist_dir,
+    describe,
+    epoch_indices,
+    iterate_batches,
+    load_dataset,
+    steps_per_epoch,
+)
+from pserver.data.mnist import MNIST_FILES, MNIST_MIRRORS, MNIST_MIRRORS_ENV
 from pserver.errors import ConfigError, DataError
+from tests.conftest import MNIST_DIR as _MNIST
 
 MNIST_DIR = str(_MNIST)
 # Label counts of the original MNIST, as published.

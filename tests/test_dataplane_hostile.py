@@ -1,4 +1,4 @@
-"""Hostile clients of the same-host data plane (pserver/dataplane.py), against live
+"""Hostile clients of the same-host data plane (pserver/server/dataplane.py), against live
 in-process shards.
 
 A process that completed HELLO holds the shard's memfds and speaks the socket protocol
@@ -22,12 +22,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pserver import dataplane
-from pserver.client import PSClient
 from pserver.errors import InvalidArgument, RpcError, Unauthenticated, Unavailable
 from pserver.models.layout import Layout
-from pserver.security import ClientSecurity
 from pserver.server import store
+from pserver.wire import frames
+from pserver.wire.security import ClientSecurity
+from pserver.worker import dataplane as worker_dataplane
+from pserver.worker.client import PSClient
 
 TOKEN = "s3cret-Token_for.tests"
 LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
@@ -61,15 +62,15 @@ def raw_hello(shard, c: PSClient) -> tuple[socket.socket, list[int]]:
     sock.settimeout(5)
     sock.connect(shard.dataplane.path)
     sock.sendall(hello_bytes(c.rank, session_of(c)))
-    msg, fds, _, _ = socket.recv_fds(sock, dataplane.REPLY.size, 2)
-    assert dataplane.REPLY.unpack(msg)[0] == 0 and len(fds) == 2
+    msg, fds, _, _ = socket.recv_fds(sock, frames.REPLY.size, 2)
+    assert frames.REPLY.unpack(msg)[0] == 0 and len(fds) == 2
     return sock, fds
 
 
 def hello_bytes(rank: int, session: str) -> bytes:
     fields = [TOKEN.encode(), session.encode()]
-    return (dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, rank, 0, 0, 0, 0, 0, 0)
-            + b"".join(dataplane.TOKEN_LEN.pack(len(f)) + f for f in fields))
+    return (frames.REQUEST.pack(frames.MAGIC, frames.HELLO, rank, 0, 0, 0, 0, 0, 0)
+            + b"".join(frames.TOKEN_LEN.pack(len(f)) + f for f in fields))
 
 
 @pytest.fixture
@@ -203,10 +204,10 @@ def test_a_hello_without_the_ranks_session_gets_no_memory(shard_server):
         sock.settimeout(5)
         sock.connect(shard.dataplane.path)
         sock.sendall(hello_bytes(rank, session))
-        msg, fds, _, _ = socket.recv_fds(sock, dataplane.REPLY.size, 2)
-        code, _, _, n, _ = dataplane.REPLY.unpack(msg)
+        msg, fds, _, _ = socket.recv_fds(sock, frames.REPLY.size, 2)
+        code, _, _, n, _ = frames.REPLY.unpack(msg)
         assert fds == [] and code != 0
-        assert words in dataplane.recv_exact(sock, n).decode()
+        assert words in frames.recv_exact(sock, n).decode()
         assert sock.recv(1) == b"", "the shard must close a refused connection"
         sock.close()
     train_one_step(c, START - 1)
@@ -265,21 +266,21 @@ def test_connections_are_bounded_and_the_extra_one_is_told_why(shard_server):
         sock.connect(shard.dataplane.path)
         with contextlib.suppress(BrokenPipeError):          # refused at once: the reply waits
             sock.sendall(hello_bytes(0, session_of(c)))
-        msg, fds, _, _ = socket.recv_fds(sock, dataplane.REPLY.size, 2)
+        msg, fds, _, _ = socket.recv_fds(sock, frames.REPLY.size, 2)
         for fd in fds:
             os.close(fd)
-        code, _, _, n, _ = dataplane.REPLY.unpack(msg)
+        code, _, _, n, _ = frames.REPLY.unpack(msg)
         if code:
-            refused = (dataplane.CODES[code], dataplane.recv_exact(sock, n).decode())
+            refused = (frames.CODES[code], frames.recv_exact(sock, n).decode())
             sock.close()
             break
         held.append(sock)
     assert refused is not None, "100 connections were all accepted"
     serving = 1 + len(held)                                # the worker's own, then ours
     assert refused[0] == "RESOURCE_EXHAUSTED" and f"already serves {serving} connections" in refused[1]
-    assert serving == dataplane.connection_limit(1) == 20
+    assert serving == frames.connection_limit(1) == 20
     with pytest.raises(RpcError, match="its limit") as e:   # the client library says the same
-        dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, LAYOUT.total, "shard 0", TOKEN,
+        worker_dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, LAYOUT.total, "shard 0", TOKEN,
                                    session_of(c))
     assert e.value.code_name == "RESOURCE_EXHAUSTED"
     train_one_step(c, START - 1)                           # the connected worker is unaffected

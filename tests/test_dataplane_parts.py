@@ -1,4 +1,4 @@
-"""Dense payloads larger than one part on the same-host data plane (pserver/dataplane.py):
+"""Dense payloads larger than one part on the same-host data plane (pserver/server/dataplane.py):
 they travel through a push buffer of two slots, part by part, with every value checked as
 the shard copies it, against live in-process shards. The part size is made small here, so
 that a 33-element model takes five parts (the last one short)."""
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pserver import dataplane
 from pserver.errors import FailedPrecondition, InvalidArgument
+from pserver.wire import frames
 from tests.test_dataplane_hostile import LAYOUT, START, TOKEN, counters, raw_hello, worker
 
 PART = 8
@@ -22,7 +22,7 @@ PART = 8
 
 @pytest.fixture
 def small_parts(monkeypatch):
-    monkeypatch.setattr(dataplane, "PART_ELEMENTS", PART)
+    monkeypatch.setattr(frames, "PART_ELEMENTS", PART)
 
 
 @pytest.fixture
@@ -99,13 +99,13 @@ def test_a_client_that_stops_between_parts_is_cut_and_others_go_on(sgd_shard):
     c = worker(addr)
     sock, fds = raw_hello(shard, c)
     # Part 0 announced with the header, then silence: no READY for part 1.
-    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.PUSH, 0, 0, 0, 0, LAYOUT.total, 1, 100))
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.PUSH, 0, 0, 0, 0, LAYOUT.total, 1, 100))
     sock.settimeout(30)
     started = time.monotonic()
     said = b""
     while chunk := sock.recv(64):                                 # until the shard hangs up
         said += chunk
-    assert said == dataplane.FREE                                 # part 0 copied, no reply
+    assert said == frames.FREE                                 # part 0 copied, no reply
     assert time.monotonic() - started < 20
     np.testing.assert_array_equal(step(c, np.ones(LAYOUT.total, np.float32)), START - 1)
     sock.close()

@@ -1,4 +1,4 @@
-"""Sparse rows over the same-host data plane (pserver/dataplane.py): PULL_ROWS, PUSH_ROWS and
+"""Sparse rows over the same-host data plane (pserver/server/dataplane.py): PULL_ROWS, PUSH_ROWS and
 the per-connection rows buffer, against live in-process shards, with real clients and with
 hostile ones that speak the socket protocol by hand.
 
@@ -18,11 +18,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pserver import dataplane, sparse
-from pserver.client import PSClient
+from pserver import sparse
 from pserver.errors import InvalidArgument
 from pserver.models.layout import Layout
 from pserver.sparse import TableConfig, TableLookup
+from pserver.wire import frames
+from pserver.worker.client import PSClient
 
 DIM = 4
 TABLES = [TableConfig("emb", DIM, optimizer="sgd", lr=0.5, init_scale=0.1, seed=7),
@@ -100,7 +101,7 @@ def ids_of_shard(j: int, num_shards: int, n: int) -> np.ndarray:
 @settings(max_examples=200, deadline=None)
 @given(parts=st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 33)), max_size=8))
 def test_row_layout_places_each_part_aligned_and_apart(parts):
-    slots, end = dataplane.row_layout(parts)
+    slots, end = frames.row_layout(parts)
     spans = []
     for (n, dim), (ids_at, rows_at) in zip(parts, slots):
         assert ids_at % 8 == 0 and rows_at == ids_at + 8 * n
@@ -108,7 +109,7 @@ def test_row_layout_places_each_part_aligned_and_apart(parts):
     spans.sort()
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))            # no overlap
     assert end == sum(8 * n + -(-4 * n * dim // 8) * 8 for n, dim in parts)
-    assert dataplane.fits(parts) == (end <= dataplane.ROWS_BUFFER_MAX)
+    assert frames.fits(parts) == (end <= frames.ROWS_BUFFER_MAX)
 
 
 SHARD_COUNTS = (1, 2, 5, 16, 17, 40)
@@ -183,7 +184,7 @@ def test_a_request_that_outgrows_the_buffer_gets_a_new_one_and_the_old_is_unmapp
 
 
 def test_a_request_beyond_the_bound_goes_over_grpc(shard_server, monkeypatch):
-    monkeypatch.setattr(dataplane, "ROWS_BUFFER_MAX", 4096)
+    monkeypatch.setattr(frames, "ROWS_BUFFER_MAX", 4096)
     servers = cluster(shard_server)
     c, ref = client(servers), client(cluster(shard_server), "grpc")
     ids = np.arange(1000)                                     # 1000 * 24 bytes > 4096
@@ -203,35 +204,35 @@ def raw_connection(shard, c: PSClient) -> socket.socket:
     sock.settimeout(10)
     sock.connect(shard.dataplane.path)
     fields = [b"", c.shards[0].session.encode()]
-    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, c.rank, 0, 0, 0, 0, 0, 0)
-                 + b"".join(dataplane.TOKEN_LEN.pack(len(f)) + f for f in fields))
-    msg, fds, _, _ = socket.recv_fds(sock, dataplane.REPLY.size, 2)
-    assert dataplane.REPLY.unpack(msg)[0] == 0
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.HELLO, c.rank, 0, 0, 0, 0, 0, 0)
+                 + b"".join(frames.TOKEN_LEN.pack(len(f)) + f for f in fields))
+    msg, fds, _, _ = socket.recv_fds(sock, frames.REPLY.size, 2)
+    assert frames.REPLY.unpack(msg)[0] == 0
     for fd in fds:
         os.close(fd)
     return sock
 
 
 def request(sock, op, num_elements=0, tail=b"", step=0):
-    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, op, 0, 0, step, 0, num_elements, 1, 5000) + tail)
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, op, 0, 0, step, 0, num_elements, 1, 5000) + tail)
 
 
 def reply(sock) -> tuple[int, str]:
-    code, _, _, n, _ = dataplane.REPLY.unpack(dataplane.recv_exact(sock, dataplane.REPLY.size))
-    return code, dataplane.recv_exact(sock, n).decode() if n else ""
+    code, _, _, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
+    return code, frames.recv_exact(sock, n).decode() if n else ""
 
 
 def grow(sock, nbytes: int) -> int:
     """ROWS_BUFFER by hand: the fd of the new buffer (the caller closes it)."""
-    request(sock, dataplane.ROWS_BUFFER, nbytes)
-    msg, fds, _, _ = socket.recv_fds(sock, dataplane.REPLY.size, 1)
-    code, _, _, n, size = dataplane.REPLY.unpack(msg)
+    request(sock, frames.ROWS_BUFFER, nbytes)
+    msg, fds, _, _ = socket.recv_fds(sock, frames.REPLY.size, 1)
+    code, _, _, n, size = frames.REPLY.unpack(msg)
     assert code == 0 and len(fds) == 1 and size >= nbytes
     return fds[0]
 
 
 def parts_tail(*parts) -> bytes:
-    return dataplane.PARTS.pack(len(parts)) + b"".join(dataplane.PART.pack(*p) for p in parts)
+    return frames.PARTS.pack(len(parts)) + b"".join(frames.PART.pack(*p) for p in parts)
 
 
 def test_the_rows_buffer_is_sealed_and_bounded(shard_server):
@@ -247,11 +248,11 @@ def test_the_rows_buffer_is_sealed_and_bounded(shard_server):
     for _ in range(6):                 # asking again and again: the shard keeps one mapping
         os.close(grow(sock, 100))
     assert rows_mappings(shard) == 1
-    request(sock, dataplane.ROWS_BUFFER, dataplane.ROWS_BUFFER_MAX + 1)
+    request(sock, frames.ROWS_BUFFER, frames.ROWS_BUFFER_MAX + 1)
     code, message = reply(sock)
-    assert dataplane.CODES[code] == "INVALID_ARGUMENT" and "rows buffer" in message
-    request(sock, dataplane.ROWS_BUFFER, -5)
-    assert dataplane.CODES[reply(sock)[0]] == "INVALID_ARGUMENT"
+    assert frames.CODES[code] == "INVALID_ARGUMENT" and "rows buffer" in message
+    request(sock, frames.ROWS_BUFFER, -5)
+    assert frames.CODES[reply(sock)[0]] == "INVALID_ARGUMENT"
     os.close(grow(sock, 100))          # the connection still serves
     sock.close()
 
@@ -278,16 +279,16 @@ def test_a_refused_sparse_push_changes_nothing(shard_server, case, error):
         grads[2, 1] = np.nan
     if case != "no_buffer":
         fd = grow(sock, 100)
-        buf = np.frombuffer(dataplane.mapped(fd, os.fstat(fd).st_size, True, "test"), np.uint8)
+        buf = np.frombuffer(frames.mapped(fd, os.fstat(fd).st_size, True, "test"), np.uint8)
         os.close(fd)
         buf[:32] = ids.view(np.uint8)
         buf[32:32 + grads.nbytes] = grads.reshape(-1).view(np.uint8)
     n = {"too_big": 10**6}.get(case, 4)
     table = {"no_table": 2}.get(case, 0)
     parts = [(table, n)] * (2 if case == "twice" else 1)
-    request(sock, dataplane.PUSH_ROWS, shard.store.size, parts_tail(*parts), step=shard.store.version)
+    request(sock, frames.PUSH_ROWS, shard.store.size, parts_tail(*parts), step=shard.store.version)
     code, message = reply(sock)
-    assert dataplane.CODES[code] == "INVALID_ARGUMENT" and error in message
+    assert frames.CODES[code] == "INVALID_ARGUMENT" and error in message
     assert_same_state(table_state(servers), before)
     sock.close()
 
@@ -296,9 +297,9 @@ def test_more_parts_than_tables_are_refused_and_the_connection_closed(shard_serv
     servers = cluster(shard_server)
     c = client(servers)
     sock = raw_connection(servers[0][1], c)
-    request(sock, dataplane.PULL_ROWS, 0, dataplane.PARTS.pack(1 << 30))     # no parts follow
+    request(sock, frames.PULL_ROWS, 0, frames.PARTS.pack(1 << 30))     # no parts follow
     code, message = reply(sock)
-    assert dataplane.CODES[code] == "INVALID_ARGUMENT" and "1073741824 parts" in message
+    assert frames.CODES[code] == "INVALID_ARGUMENT" and "1073741824 parts" in message
     assert sock.recv(1) == b""
     sock.close()
     for a, b in zip(pulled(c, [1, 2]), pulled(client(cluster(shard_server), "grpc"), [1, 2])):
@@ -313,9 +314,9 @@ def test_a_pull_names_one_table_that_fits(shard_server):
         fast.pull_rows("nope", np.arange(3, dtype=np.uint64), np.empty((3, DIM), np.float32), 5)
     sock = raw_connection(servers[0][1], c)
     os.close(grow(sock, 100))
-    request(sock, dataplane.PULL_ROWS, 0, parts_tail((0, 1), (1, 1)))
+    request(sock, frames.PULL_ROWS, 0, parts_tail((0, 1), (1, 1)))
     assert "names one table" in reply(sock)[1]
-    request(sock, dataplane.PULL_ROWS, 0, parts_tail((0, 10**6)))
+    request(sock, frames.PULL_ROWS, 0, parts_tail((0, 10**6)))
     assert "rows buffer holds" in reply(sock)[1]
     sock.close()
 

@@ -20,11 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pserver import codec, dataplane
 from pserver._proto import pserver_pb2 as pb
-from pserver.client import PSClient
 from pserver.errors import FailedPrecondition
 from pserver.models.layout import Layout
+from pserver.wire import codec, frames
+from pserver.worker import dataplane as worker_dataplane
+from pserver.worker.client import PSClient
 
 LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
 SIG = LAYOUT.signature()
@@ -34,12 +35,12 @@ PUSH_COUNTERS = {"pushes_received", "pushes_rejected"}
 
 
 def state(shard) -> dict:
-    s, p = shard.store, shard.policy
+    s, p, m = shard.store, shard.policy, shard.members
     return dict(params=None if s.params is None else s.params.tobytes(), version=s.version,
                 signature=s.signature, total=s.total, counters=s.counters.snapshot(),
-                registered=sorted(p.registered), left=sorted(p.left), dead=sorted(p.dead),
-                pending=sorted(getattr(p, "pending", {})), num_workers=p.num_workers,
-                sessions=dict(p.sessions))
+                registered=sorted(m.registered), left=sorted(m.left), dead=sorted(m.dead),
+                pending=sorted(getattr(p, "pending", {})), num_workers=m.num_workers,
+                sessions=dict(m.sessions))
 
 
 def settled(shard, timeout: float = 2.0) -> dict:
@@ -337,7 +338,7 @@ def test_fuzz_live_server(live):
 
 
 # --- the same-host data plane -------------------------------------------------------
-planes = st.tuples(st.sampled_from([dataplane.PUSH, dataplane.PULL, dataplane.INIT, 0, 9]), i32, i32, i64, i64,
+planes = st.tuples(st.sampled_from([frames.PUSH, frames.PULL, frames.INIT, 0, 9]), i32, i32, i64, i64,
                    st.one_of(st.just(33), i64), i32, st.integers(0, 50),
                    st.one_of(st.binary(min_size=132, max_size=132), finite))
 
@@ -345,7 +346,7 @@ planes = st.tuples(st.sampled_from([dataplane.PUSH, dataplane.PULL, dataplane.IN
 def test_fuzz_data_plane(live):
     """Random requests after a HELLO: each gets a status in the reply, none INTERNAL."""
     addr, shard, raw = live
-    chan = dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, 33, "shard 0", session=raw.session)
+    chan = worker_dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, 33, "shard 0", session=raw.session)
     seen = set()
 
     @FUZZ
@@ -354,16 +355,16 @@ def test_fuzz_data_plane(live):
         op, rank, sh, step, clock, n, samples, timeout_ms, payload = req
         chan.push_buf[:] = np.frombuffer(payload, np.float32)
         before = state(shard)
-        tail = dataplane.SIGNATURE.pack(SIG.encode()) if op == dataplane.INIT else b""
-        chan.sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, op, rank, sh, step, clock, n, samples,
+        tail = frames.SIGNATURE.pack(SIG.encode()) if op == frames.INIT else b""
+        chan.sock.sendall(frames.REQUEST.pack(frames.MAGIC, op, rank, sh, step, clock, n, samples,
                                                  timeout_ms) + tail)
-        code, _, _, size, _ = dataplane.REPLY.unpack(dataplane.recv_exact(chan.sock, dataplane.REPLY.size))
-        message = dataplane.recv_exact(chan.sock, size).decode() if size else ""
-        assert dataplane.CODES[code] != "INTERNAL", message
-        seen.add(dataplane.CODES[code])
+        code, _, _, size, _ = frames.REPLY.unpack(frames.recv_exact(chan.sock, frames.REPLY.size))
+        message = frames.recv_exact(chan.sock, size).decode() if size else ""
+        assert frames.CODES[code] != "INTERNAL", message
+        seen.add(frames.CODES[code])
         if code:
             assert message
-            assert_unchanged(before, settled(shard), push=op == dataplane.PUSH)
+            assert_unchanged(before, settled(shard), push=op == frames.PUSH)
 
     fuzz()
     chan.close()

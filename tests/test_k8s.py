@@ -26,8 +26,18 @@ import pytest
 import yaml
 
 from pserver import cli
-from pserver.errors import (AlreadyExists, ConfigError, DataError, DeadlineExceeded, FailedPrecondition,
-                            InvalidArgument, ProcessFailed, ResourceExhausted, Unauthenticated, Unavailable)
+from pserver.errors import (
+    AlreadyExists,
+    ConfigError,
+    DataError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ProcessFailed,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 from pserver.signals import Stopped
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

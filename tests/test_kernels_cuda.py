@@ -25,8 +25,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from pserver.device import Device, describe, parse_device, round_robin, select
 from pserver.errors import ConfigError
+from pserver.kernels.device import Device, describe, parse_device, round_robin, select
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIM_MODULES = ("check_kernels_cuda", "check_model_cuda")
@@ -115,10 +115,10 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 def test_cpu_install_never_imports_numba_cuda():
     code = """
 import sys
-import pserver, pserver.kernels, pserver.models, pserver.device, pserver.worker, pserver.cli
+import pserver, pserver.kernels, pserver.models, pserver.kernels.device, pserver.worker.loop, pserver.cli
 from pserver.kernels import get_backend
 from pserver.models import make_model
-from pserver.device import parse_device, select
+from pserver.kernels.device import parse_device, select
 get_backend("cpu")
 select(parse_device("cpu"))
 parse_device("cuda:1")
@@ -142,7 +142,7 @@ NO_GPU = ("--device {spec}: no CUDA GPU is visible (CUDA_VISIBLE_DEVICES=\"\"); 
 def test_no_gpu_is_one_clear_line(call, spec):
     # No simulator, and no device visible even where there is one: the error is certain.
     code = f"""
-from pserver.device import parse_device, round_robin, select
+from pserver.kernels.device import parse_device, round_robin, select
 from pserver.errors import ConfigError
 from pserver.models import make_model
 SPEC = {spec!r}

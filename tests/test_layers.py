@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pserver.errors import ConfigError, DataError
-from pserver.layers import (AveragePooling2D, Conv2D, Dense, Dropout, Embedding, Flatten,
-                            MaxPooling2D)
+from pserver.layers import AveragePooling2D, Conv2D, Dense, Dropout, Embedding, Flatten, MaxPooling2D
 from pserver.models import Sequential, make_model
 
 FAST = settings(max_examples=20, deadline=None)

@@ -14,10 +14,10 @@ import time
 import grpc
 import numpy as np
 
-from pserver import codec
 from pserver._proto import pserver_pb2 as pb
-from pserver.client import PSClient
 from pserver.models.layout import Layout
+from pserver.wire import codec
+from pserver.worker.client import PSClient
 
 LAYOUT = Layout.of([("w", (64,))])
 SERVICE = "/pserver.v1.ParameterServer/"

@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from pserver.client import PSClient
 from pserver.config import ServerConfig
-from pserver.server.shard import Shard
 from pserver.models.layout import Layout
-from pserver.security import TOKEN_ENV, ClientSecurity
+from pserver.server.shard import Shard
+from pserver.wire.security import TOKEN_ENV, ClientSecurity
+from pserver.worker.client import PSClient
 from tests.e2e.conftest import Proc
 
 CLIENTS = 32

@@ -10,7 +10,8 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pserver.config import ServerConfig
 from pserver.errors import FailedPrecondition
@@ -52,7 +53,7 @@ def mark_dead_by_step_timeout(shard, alive: list[int], dead: list[int], step: in
         assert push(shard, r, step, ONES) is Outcome.AGGREGATED
     with heartbeats(shard, alive[-1]):
         assert shard.pull(alive[0], 0, step, 1, timeout=10)[0] == step + 1
-    assert sorted(shard.policy.dead) == sorted(dead)
+    assert sorted(shard.members.dead) == sorted(dead)
 
 
 def test_backup_quorum_is_min_of_n_minus_b_and_live_never_fewer():
@@ -73,7 +74,7 @@ def test_backup_quorum_keeps_n_minus_b_while_the_slack_covers_the_dead():
     for r in (0, 1, 2):
         push(shard, r, 0, ONES)                       # step 0 completes with the first 3
     assert shard.store.version == 1
-    shard.policy.mark_dead([3], "test")
+    shard.members.mark_dead([3], "test")
     push(shard, 0, 1, ONES)
     push(shard, 1, 1, ONES)
     assert shard.store.version == 1, "2 of 3 live workers made a step; the quorum is 3"
@@ -200,11 +201,11 @@ def test_backup_never_aggregates_fewer_than_min_n_minus_b_and_live(num_workers, 
     real_apply = shard.store.apply
     shard.store.apply = lambda g, *rows: (sizes.append(len(shard.policy.pending)), real_apply(g, *rows))[1]
     for step in range(4):
-        live = sorted(set(range(num_workers)) - shard.policy.dead)
+        live = sorted(set(range(num_workers)) - shard.members.dead)
         if len(live) > 1 and data.draw(st.booleans()):
             with shard.store.cond:
-                shard.policy.mark_dead([data.draw(st.sampled_from(live))], "test")
-            live = sorted(set(range(num_workers)) - shard.policy.dead)
+                shard.members.mark_dead([data.draw(st.sampled_from(live))], "test")
+            live = sorted(set(range(num_workers)) - shard.members.dead)
         need = min(num_workers - b, len(live))
         for r in data.draw(st.permutations(live)):
             if shard.store.version > step:
@@ -218,7 +219,7 @@ def test_a_pull_whose_wait_runs_out_on_the_shard_is_tried_again(shard_server):
     """ssp: worker 0's pull waits for a slow worker 1 longer than --rpc-deadline but less
     than the shard's --step-timeout. The pull's DEADLINE_EXCEEDED killed the worker; it is
     tried again while the shard may still end the wait (2 x --step-timeout)."""
-    from pserver.client import PSClient
+    from pserver.worker.client import PSClient
     addr, shard = shard_server(mode="ssp", staleness=0, optimizer="sgd", lr=0.1, step_timeout=4.0)
     layout = Layout.of([("w", (4,))])
     fast, slow = (PSClient([addr], rank=r, num_workers=2, rpc_deadline=1.5, data_plane="grpc") for r in (0, 1))
@@ -261,7 +262,7 @@ def test_only_the_chief_ends_the_shard_and_only_once_every_worker_has_left(tmp_p
 
 def register(shard, rank, num_workers, seed=7, steps=10):
     """Register `rank` again (one_shard registered it with no data order) with this one."""
-    if shard.policy.session_live(rank):
+    if shard.members.session_live(rank):
         shard.leave(rank)
     return shard.register(rank, num_workers, 0, 1, Layout.of([("w", (4,))]), data_seed=seed,
                           steps_per_epoch=steps).position

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pserver._proto import pserver_pb2 as pb
-from pserver.metrics import combine_counters, run_part
+from pserver.observe.metrics import combine_counters, run_part
 
 
 def status(instance: str, version: int, hist, mean: float, restored_from: str = "", **counters):

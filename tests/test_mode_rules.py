@@ -19,8 +19,14 @@ import numpy as np
 import pytest
 
 from pserver.config import ServerConfig
-from pserver.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted,
-                            Unauthenticated, Unavailable)
+from pserver.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
 from pserver.server import checkpoint
@@ -39,7 +45,7 @@ def counters(shard) -> dict:
 
 def mark_dead(shard, ranks):
     with shard.store.cond:
-        shard.policy.mark_dead(ranks, "test")
+        shard.members.mark_dead(ranks, "test")
 
 
 # --- sync: the mean is summed in rank order ----------------------------------------------

@@ -14,9 +14,9 @@ from pserver.config import WorkerConfig
 from pserver.data import load_dataset
 from pserver.errors import ConfigError, DataError
 from pserver.layers import Conv2D, Dense, Flatten, MaxPooling2D
-from pserver.model_file import META, definition, load, save
 from pserver.models import make_model
-from pserver.worker import fit_data
+from pserver.models.saved import META, definition, load, save
+from pserver.worker.loop import fit_data
 
 
 def blobs(n=600, seed=0):

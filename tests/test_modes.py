@@ -9,7 +9,8 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pserver.config import ServerConfig
 from pserver.errors import FailedPrecondition, InvalidArgument

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import random
 import contextlib
+import random
 import threading
 import time
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pserver.errors import FailedPrecondition
 from pserver.models.layout import Layout
@@ -221,7 +222,7 @@ def test_sync_step_timeout_marks_the_missing_worker_dead_and_goes_on():
 
 def test_a_pull_never_waits_forever_for_a_worker_that_never_came():
     shard = one_shard(4, 2, mode="sync", step_timeout=0.3)
-    shard.policy.registered.discard(1)                      # as if rank 1 never registered
+    shard.members.registered.discard(1)                      # as if rank 1 never registered
     push(shard, 0, 0, np.ones(4, np.float32))
     assert shard.pull(0, 0, 0, 1, timeout=5)[0] == 1
 

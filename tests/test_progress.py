@@ -1,4 +1,4 @@
-"""Progress of long work (pserver.progress): a bar on a terminal, plain lines elsewhere, and a
+"""Progress of long work (pserver.observe.progress): a bar on a terminal, plain lines elsewhere, and a
 large checkpoint's restore counted to its last byte."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 
-from pserver import progress
-from pserver.progress import Bar, track
+from pserver.observe import progress
+from pserver.observe.progress import Bar, track
 from pserver.server import checkpoint
 
 

@@ -1,5 +1,5 @@
 """A worker's step as one exchange: PSClient.push_pull, and the data plane's THEN_PULL
-(pserver/dataplane.py), against live in-process shards.
+(pserver/server/dataplane.py), against live in-process shards.
 
 The pull that rides with a push must be exactly the pull the worker would have sent after
 it: same wait, same version, same values. A refused push pulls nothing and leaves the shard
@@ -14,9 +14,9 @@ import socket
 import numpy as np
 import pytest
 
-from pserver import dataplane
 from pserver.errors import FailedPrecondition, InvalidArgument
-from tests.test_dataplane_hostile import LAYOUT, START, TOKEN, counters, raw_hello, two_sync_workers, worker  # noqa: F401 (a fixture)
+from pserver.wire import frames
+from tests.test_dataplane_hostile import LAYOUT, START, TOKEN, counters, raw_hello, two_sync_workers, worker  # noqa: F401 (two_sync_workers: a fixture)
 
 ONES = np.ones(LAYOUT.total, np.float32)
 
@@ -44,7 +44,7 @@ def test_push_pull_lands_where_push_then_pull_does(shard_server, plane, mode):
     c.close()
 
 
-def test_in_sync_the_riding_pull_waits_for_the_step(two_sync_workers):
+def test_in_sync_the_riding_pull_waits_for_the_step(two_sync_workers):  # noqa: F811 (the fixture)
     """Worker 0's exchange returns only once worker 1 has pushed: the pull part waits for
     version 1, as the pull on its own would."""
     import threading
@@ -83,9 +83,9 @@ def test_a_refused_push_pulls_nothing_and_changes_nothing(shard_server):
 
 
 def test_the_worker_step_pushes_its_batch_size_and_pulls_at_the_next_clock(shard_server):
-    """pserver.worker.push_pull, as the training loop calls it: the samples it trained on are
+    """pserver.worker.loop.push_pull, as the training loop calls it: the samples it trained on are
     counted, and in ssp its clock moves to the one its next step pulls for."""
-    from pserver.worker import push_pull
+    from pserver.worker.loop import push_pull
     addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="ssp", staleness=5)
     c = worker(addr)
     w = np.empty(LAYOUT.total, np.float32)
@@ -98,10 +98,10 @@ def test_the_worker_step_pushes_its_batch_size_and_pulls_at_the_next_clock(shard
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
 def test_a_stale_push_in_a_worker_still_pulls(shard_server, mode):
-    """pserver.worker.push_pull: a push refused for its step is survivable; the pull that
+    """pserver.worker.loop.push_pull: a push refused for its step is survivable; the pull that
     it could not carry is made on its own, for the clock after the push's, so the worker
     goes on from the current version."""
-    from pserver.worker import push_pull
+    from pserver.worker.loop import push_pull
     addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode=mode, staleness=5)
     c = worker(addr)
     w = np.empty(LAYOUT.total, np.float32)
@@ -146,11 +146,11 @@ def test_then_pull_on_anything_but_a_push_is_refused_and_cut(shard_server):
     addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
     c = worker(addr)
     sock, fds = raw_hello(shard, c)
-    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.PULL | dataplane.THEN_PULL, 0, 0, -1, 0,
-                                        LAYOUT.total, 0, 1000) + dataplane.PULL_AFTER.pack(-1, 0))
-    code, _, _, n, _ = dataplane.REPLY.unpack(dataplane.recv_exact(sock, dataplane.REPLY.size))
-    assert dataplane.CODES[code] == "INVALID_ARGUMENT"
-    assert f"only a push can carry a pull, not operation {dataplane.PULL}" in dataplane.recv_exact(sock, n).decode()
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.PULL | frames.THEN_PULL, 0, 0, -1, 0,
+                                        LAYOUT.total, 0, 1000) + frames.PULL_AFTER.pack(-1, 0))
+    code, _, _, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
+    assert frames.CODES[code] == "INVALID_ARGUMENT"
+    assert f"only a push can carry a pull, not operation {frames.PULL}" in frames.recv_exact(sock, n).decode()
     assert sock.recv(1) == b""                        # the connection is closed
     sock.close()
     assert counters(shard)["pulls_served"] == 0
@@ -166,11 +166,11 @@ def test_a_raw_push_with_then_pull_gets_both_replies_in_one_message(shard_server
     import os
     buf = mmap.mmap(push_fd, os.fstat(push_fd).st_size)
     np.frombuffer(buf, np.float32)[:LAYOUT.total] = 2
-    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.PUSH | dataplane.THEN_PULL, 0, 0, 0, 0,
-                                        LAYOUT.total, 4, 1000) + dataplane.PULL_AFTER.pack(0, 1))
-    size = dataplane.REPLY.size
-    push_reply = dataplane.REPLY.unpack(dataplane.recv_exact(sock, size))
-    pull_reply = dataplane.REPLY.unpack(dataplane.recv_exact(sock, size))
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.PUSH | frames.THEN_PULL, 0, 0, 0, 0,
+                                        LAYOUT.total, 4, 1000) + frames.PULL_AFTER.pack(0, 1))
+    size = frames.REPLY.size
+    push_reply = frames.REPLY.unpack(frames.recv_exact(sock, size))
+    pull_reply = frames.REPLY.unpack(frames.recv_exact(sock, size))
     assert push_reply == (0, 1, False, 0, 1)          # OK, applied, version 1
     assert pull_reply == (0, 0, False, 0, 1)          # OK, version 1
     np.testing.assert_array_equal(shard.store.params, START - 2)
@@ -207,10 +207,10 @@ def test_over_the_data_plane_a_step_is_one_request(shard_server):
     sent, send = [], fast._send
     fast._send = lambda op, *a, **k: (sent.append(op), send(op, *a, **k))[1]
     c.push_pull(ONES, w, 1, clock=0)
-    assert sent == [dataplane.PUSH | dataplane.THEN_PULL]
+    assert sent == [frames.PUSH | frames.THEN_PULL]
     c.shards[0].reset_seen = True
     sent.clear()
     c.push_pull(ONES, w, 1, clock=1)
-    assert sent == [dataplane.PUSH, dataplane.PULL]
+    assert sent == [frames.PUSH, frames.PULL]
     np.testing.assert_array_equal(w, START - 2)
     c.close()

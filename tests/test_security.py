@@ -15,14 +15,16 @@ import grpc
 import numpy as np
 import pytest
 
-from pserver import cli, codec, dataplane
+from pserver import cli
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
-from pserver.client import PSClient
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, Unauthenticated, Unavailable
 from pserver.models.layout import Layout
-from pserver.security import TOKEN_ENV, ClientSecurity, client_security
+from pserver.wire import codec, frames
+from pserver.wire.security import TOKEN_ENV, ClientSecurity, client_security
+from pserver.worker import dataplane as worker_dataplane
+from pserver.worker.client import PSClient
 from tests.certs import make_certs
 
 TOKEN = "s3cret-Token_for.tests"
@@ -32,10 +34,10 @@ LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
 
 def state(shard) -> tuple:
     """Everything a refused call must leave as it was."""
-    s, p = shard.store, shard.policy
+    s, p, m = shard.store, shard.policy, shard.members
     return (None if s.params is None else s.params.tobytes(), s.version, s.signature, s.total, s.counters.snapshot(),
-            sorted(p.registered), sorted(p.left), sorted(p.dead), sorted(getattr(p, "pending", {})),
-            p.num_workers)
+            sorted(m.registered), sorted(m.left), sorted(m.dead), sorted(getattr(p, "pending", {})),
+            m.num_workers)
 
 
 def ready(address, token=TOKEN, plane="grpc", ca=None, init=True) -> PSClient:
@@ -138,8 +140,8 @@ def raw_dataplane(shard) -> socket.socket:
 
 
 def read_reply(sock) -> tuple[int, str]:
-    code, _, _, n, _ = dataplane.REPLY.unpack(dataplane.recv_exact(sock, dataplane.REPLY.size))
-    return code, dataplane.recv_exact(sock, n).decode() if n else ""
+    code, _, _, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
+    return code, frames.recv_exact(sock, n).decode() if n else ""
 
 
 def assert_closed(sock) -> None:
@@ -153,7 +155,7 @@ def test_data_plane_hello_needs_the_token(shard_server, token, words):
     c = ready(addr, plane="auto")
     before = state(shard)
     with pytest.raises(Unauthenticated, match=words) as e:
-        dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, 33, "shard 0 (data plane)", token)
+        worker_dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, 33, "shard 0 (data plane)", token)
     assert TOKEN not in str(e.value)
     assert state(shard) == before
     c.pull(np.empty(33, np.float32))
@@ -165,18 +167,18 @@ def test_data_plane_refuses_requests_before_an_authenticated_hello(shard_server)
     addr, shard = shard_server(auth_token=TOKEN)
     c = ready(addr, plane="auto")
     before = state(shard)
-    for op in (dataplane.PUSH, dataplane.PULL, dataplane.INIT):
+    for op in (frames.PUSH, frames.PULL, frames.INIT):
         sock = raw_dataplane(shard)
-        sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, op, 0, 0, 0, 0, 33, 1, 1000))
+        sock.sendall(frames.REQUEST.pack(frames.MAGIC, op, 0, 0, 0, 0, 33, 1, 1000))
         code, message = read_reply(sock)
-        assert dataplane.CODES[code] == "UNAUTHENTICATED" and "HELLO" in message
+        assert frames.CODES[code] == "UNAUTHENTICATED" and "HELLO" in message
         assert_closed(sock)
     # A HELLO that declares a huge token is refused before anything is read or allocated.
     sock = raw_dataplane(shard)
-    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, 0, 0, 0, 0, 0, 0, 0)
-                 + dataplane.TOKEN_LEN.pack(1 << 31))
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.HELLO, 0, 0, 0, 0, 0, 0, 0)
+                 + frames.TOKEN_LEN.pack(1 << 31))
     code, message = read_reply(sock)
-    assert dataplane.CODES[code] == "UNAUTHENTICATED" and "longer than" in message
+    assert frames.CODES[code] == "UNAUTHENTICATED" and "longer than" in message
     assert_closed(sock)
     assert state(shard) == before
     c.close()

@@ -6,12 +6,12 @@ import grpc
 import numpy as np
 import pytest
 
-from pserver import codec
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
-from pserver.client import PSClient
 from pserver.errors import FailedPrecondition, InvalidArgument, Unavailable
 from pserver.models.layout import Layout
+from pserver.wire import codec
+from pserver.worker.client import PSClient
 
 LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
 

@@ -1,8 +1,9 @@
-from hypothesis import given, strategies as st
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pserver.errors import ConfigError
-from pserver.sharding import shard_range, shard_ranges
+from pserver.wire.sharding import shard_range, shard_ranges
 
 
 @given(total=st.integers(0, 10**9), num_shards=st.integers(1, 64))

@@ -4,11 +4,12 @@ tasks per node, and each task's role, host and port."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pserver import cli
 from pserver.errors import ConfigError
-from pserver.slurm import expand_hostlist, expand_tasks_per_node, slurm_task
+from pserver.launch.slurm import expand_hostlist, expand_tasks_per_node, slurm_task
 
 
 @pytest.mark.parametrize("text, hosts", [

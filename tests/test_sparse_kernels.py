@@ -12,10 +12,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pserver.errors import ConfigError, InvalidArgument
-from pserver.sparse import (HASH_SEED, ROW_OPTIMIZERS, TableLookup, as_ids, first_foreign,
-                            first_repeat, initial_rows, segment_sum, shard_of, splitmix64,
-                            unique_inverse)
-from pserver.sparse import dedupe, hashing, index, optim
+from pserver.sparse import (
+    HASH_SEED,
+    ROW_OPTIMIZERS,
+    TableLookup,
+    as_ids,
+    dedupe,
+    first_foreign,
+    first_repeat,
+    hashing,
+    index,
+    initial_rows,
+    optim,
+    segment_sum,
+    shard_of,
+    splitmix64,
+    unique_inverse,
+)
 from tests.test_kernels_conv import splitmix64_python
 
 FAST = settings(max_examples=30, deadline=None)

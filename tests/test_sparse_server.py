@@ -9,14 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pserver import codec, sparse
+from pserver import sparse
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
-from pserver.client import PSClient
 from pserver.errors import InvalidArgument
 from pserver.models.layout import Layout
 from pserver.server import checkpoint
 from pserver.sparse import TableConfig, TableLookup
+from pserver.wire import codec
+from pserver.worker.client import PSClient
 
 DIM = 4
 TABLE = TableConfig("emb", DIM, optimizer="sgd", lr=0.5, init_scale=0.1, seed=7)

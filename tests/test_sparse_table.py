@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pserver.errors import ConfigError, InvalidArgument
-from pserver.sparse import ROW_OPTIMIZERS, SparseTable, TableConfig, initial_rows
-from pserver.sparse import hashing, optim, table as table_module
+from pserver.sparse import ROW_OPTIMIZERS, SparseTable, TableConfig, hashing, initial_rows, optim
+from pserver.sparse import table as table_module
 
 POOL = [0, 1, 2, 3, 5, 8, 13, 2**32, 2**63, 2**64 - 1, 12345678901234567890, 777]
 

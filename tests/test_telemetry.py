@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pserver.config import ServerConfig, WorkerConfig
 from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument
-from pserver.telemetry import staleness_histogram
+from pserver.observe.telemetry import staleness_histogram
 from tests.test_modes import fill_with
 from tests.test_modes_async import one_shard, push
 

@@ -12,7 +12,7 @@ import argparse
 
 import numpy as np
 
-from pserver import criteo
+from pserver.data import criteo
 
 
 def main() -> None:

@@ -19,9 +19,8 @@ import json
 import os
 import time
 
-from ps_cnn import coordinator_for, local_cluster, training_step  # the script's directory is on sys.path
-
 import numpy as np  # noqa: E402  (ps_cnn set TensorFlow's environment first)
+from ps_cnn import coordinator_for, local_cluster, training_step  # the script's directory is on sys.path
 
 ROUND = 100           # steps scheduled between two looks at the clock
 

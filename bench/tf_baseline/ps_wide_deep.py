@@ -29,9 +29,8 @@ import os
 import platform
 import time
 
-from ps_cnn import coordinator_for, local_cluster, report   # sets TensorFlow's environment first
-
 import numpy as np  # noqa: E402
+from ps_cnn import coordinator_for, local_cluster, report  # sets TensorFlow's environment first
 
 NUM_DENSE, NUM_CAT = 13, 26
 

@@ -38,6 +38,7 @@ from numba import cuda, float32, float64, uint64
 
 from pserver.kernels import reference
 
+
 # numba warns when a launch has fewer than 128 blocks. Here that is by design (the loss
 # reduction is one block) or the model's size (a 64-row batch through 256 units is 64 blocks):
 # a warning per launch site would only be noise in every worker's log.

@@ -10,7 +10,6 @@ Shapes exclude the batch dimension, as Keras's `input_shape` does.
 from __future__ import annotations
 
 import abc
-
 from dataclasses import dataclass
 
 import numpy as np

@@ -1,6 +1,6 @@
 """Click-through-rate models on Criteo records, with sparse embedding tables on the shards.
 
-A batch is a structured array of records (pserver.criteo.RECORD): x["dense"] float32
+A batch is a structured array of records (pserver.data.criteo.RECORD): x["dense"] float32
 (n, 13), x["cat"] int64 (n, 26), one hashed id per categorical field; labels are 0/1. Each
 model computes one logit per record and trains on binary cross-entropy from it:
 
@@ -41,7 +41,7 @@ CTR_MODELS = {"lr": (False, ()), "fm": (True, ()), "wide_deep": (False, (256, 12
 
 
 def record_dtype(dense_features: int = 13, fields: int = 26) -> np.dtype:
-    """The records the models take; the defaults are Criteo's (pserver.criteo.RECORD)."""
+    """The records the models take; the defaults are Criteo's (pserver.data.criteo.RECORD)."""
     return np.dtype([("dense", np.float32, (dense_features,)), ("cat", np.int64, (fields,))])
 
 
@@ -228,7 +228,7 @@ class CTRModel(Model):
     def _records(self, x) -> np.ndarray:
         """x as a 1-D array of records; ValueError naming the field and what it should be."""
         x = np.asarray(x)
-        want = f"{self.name} takes records with fields {_describe(self.record)} (pserver.criteo.RECORD)"
+        want = f"{self.name} takes records with fields {_describe(self.record)} (pserver.data.criteo.RECORD)"
         names = x.dtype.names or ()
         if "dense" not in names or "cat" not in names:
             raise ValueError(f"x has dtype {x.dtype}; {want}")

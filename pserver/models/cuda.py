@@ -32,9 +32,9 @@ import threading
 import numpy as np
 from numba import cuda
 
-from pserver.device import current_index
 from pserver.errors import ConfigError
 from pserver.kernels import get_backend
+from pserver.kernels.device import current_index
 from pserver.layers import AveragePooling2D, Conv2D, Dense, Dropout, Flatten, MaxPooling2D
 from pserver.layers.base import Pass
 from pserver.models import losses, metrics
@@ -57,7 +57,7 @@ class CudaSequential(Model):
         self.kernels = get_backend("cuda")
         self._seeds = host._seeds
         self._local = threading.local()
-        # The device that is current now (pserver.device.select made it so). Other threads
+        # The device that is current now (pserver.kernels.device.select made it so). Other threads
         # would otherwise start on device 0, so every call enters this one explicitly.
         self.device_id = current_index()
 

@@ -18,7 +18,7 @@ def auc(scores: np.ndarray, y: np.ndarray) -> float:
     n_pos, n_neg = int(pos.sum()), int((~pos).sum())
     if n_pos == 0 or n_neg == 0:
         return float("nan")
-    from scipy.stats import rankdata   # scipy.stats takes a while to import: only when asked
+    from scipy.stats import rankdata  # scipy.stats takes a while to import: only when asked
     ranks = rankdata(scores)
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 

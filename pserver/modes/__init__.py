@@ -9,9 +9,10 @@ from pserver.modes.sync import SyncPolicy
 POLICIES = {p.name: p for p in (SyncPolicy, BackupPolicy, AsyncPolicy, SSPPolicy)}
 
 
-def make_policy(store, cfg) -> Policy:
-    """The policy for cfg.mode (ServerConfig has already checked the name)."""
-    return POLICIES[cfg.mode](store, cfg)
+def make_policy(store, cfg, members) -> Policy:
+    """The policy for cfg.mode (ServerConfig has already checked the name), over the shard's
+    store and its workers' membership (pserver.server.membership)."""
+    return POLICIES[cfg.mode](store, cfg, members)
 
 
 __all__ = ["Outcome", "Policy", "POLICIES", "make_policy",

@@ -18,7 +18,7 @@ class AsyncPolicy(Policy):
     def push(self, rank, step, grad, clock, samples=0, rows=()):
         store = self.store
         with store.cond:
-            self.check_member(rank)
+            self.members.check_member(rank)
             version = store.version
             if step > version or step < 0:
                 raise FailedPrecondition(f"step: push computed on version {step} but shard "

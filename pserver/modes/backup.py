@@ -25,16 +25,15 @@ class BackupPolicy(SyncPolicy):
         if self.cfg.backup_workers >= num_workers:
             raise FailedPrecondition(f"backup_workers: b={self.cfg.backup_workers} must be below "
                                      f"the number of workers N={num_workers}")
-        super().check_join(rank, num_workers)
 
     def quorum(self) -> int:
         """min(N-b, live workers); finished workers still count as live (see above)."""
-        live = self.num_workers - len(self.dead - self.left)
-        return max(1, min(self.num_workers - self.cfg.backup_workers, live))
+        live = self.members.num_workers - len(self.members.dead - self.members.left)
+        return max(1, min(self.members.num_workers - self.cfg.backup_workers, live))
 
     def membership_changed(self) -> None:
         # Only finishing ends a run: workers marked dead may still come back.
-        if self.left and len(self.expected()) < self.quorum():
+        if self.members.left and len(self.members.expected()) < self.quorum():
             dropped = len(self.pending)
             for r in list(self.pending):           # a step that can no longer complete
                 self.store.pool.release(self.pending.pop(r))
@@ -44,7 +43,7 @@ class BackupPolicy(SyncPolicy):
             self.store.counters.add("pushes_aggregated", -dropped)
             self.store.counters.add("pushes_dropped_late", dropped)
             self.watch.reset()
-            self.finish(f"{len(self.expected())} unfinished worker(s) cannot make the quorum "
+            self.finish(f"{len(self.members.expected())} unfinished worker(s) cannot make the quorum "
                         f"of {self.quorum()}")
         else:
             self.maybe_complete()

@@ -16,8 +16,8 @@ from pserver.modes.base import StepWatch
 class SSPPolicy(AsyncPolicy):
     name = "ssp"
 
-    def __init__(self, store, cfg) -> None:
-        super().__init__(store, cfg)
+    def __init__(self, store, cfg, members) -> None:
+        super().__init__(store, cfg, members)
         self.watch = StepWatch(cfg.step_timeout)
 
     def pushed(self, rank, clock):
@@ -28,7 +28,7 @@ class SSPPolicy(AsyncPolicy):
 
     def slowest(self) -> tuple[int, set[int]]:
         """The slowest live clock and the ranks at it."""
-        live = self.expected()
+        live = self.members.expected()
         if not live:
             return 1 << 62, set()
         low = min(self.clocks.get(r, 0) for r in live)
@@ -44,7 +44,7 @@ class SSPPolicy(AsyncPolicy):
             self.watch.start()
             if self.watch.expired():
                 low, ranks = self.slowest()
-                self.mark_dead(ranks - {rank}, f"clock {low} did not advance for "
+                self.members.mark_dead(ranks - {rank}, f"clock {low} did not advance for "
                                                f"{self.cfg.step_timeout:g} s (--step-timeout)")
                 self.watch.reset()
 

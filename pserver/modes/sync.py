@@ -17,8 +17,8 @@ from pserver.modes.base import Outcome, Policy, StepWatch
 class SyncPolicy(Policy):
     name = "sync"
 
-    def __init__(self, store, cfg) -> None:
-        super().__init__(store, cfg)
+    def __init__(self, store, cfg, members) -> None:
+        super().__init__(store, cfg, members)
         self.pending: dict[int, np.ndarray] = {}   # rank -> gradient for the current step
         self.pending_samples: dict[int, int] = {}  # rank -> samples behind that gradient
         self.pending_rows: dict[int, list] = {}    # rank -> its sparse rows for the step
@@ -29,11 +29,11 @@ class SyncPolicy(Policy):
         """How many distinct workers complete a step: all the live ones. A worker that
         pushed for this step and then left still counts, or its pending gradient would
         stand in for a live worker's missing one."""
-        return len(self.expected() | self.pending.keys())
+        return len(self.members.expected() | self.pending.keys())
 
     def push(self, rank, step, grad, clock, samples=0, rows=()):
         with self.store.cond:
-            self.check_member(rank)
+            self.members.check_member(rank)
             version = self.store.version
             if self.finished:
                 return self.drop(rank, clock, grad, "the run is over on this shard")
@@ -41,7 +41,7 @@ class SyncPolicy(Policy):
                 return self.off_step(rank, step, clock, grad)
             if rank in self.pending:
                 raise FailedPrecondition(f"rank: worker {rank} already pushed for step {step}")
-            self.revive(rank, "pushed in time")   # marked dead while its push was arriving
+            self.members.revive(rank, "pushed in time")   # marked dead while its push was arriving
             self.pending[rank] = grad
             self.pending_samples[rank] = samples
             self.pending_rows[rank] = list(rows)
@@ -86,8 +86,8 @@ class SyncPolicy(Policy):
     def check_timeout(self) -> None:
         """Runs while pulls wait: a step that waited too long goes on without the missing."""
         if self.watch.expired():
-            missing = self.expected() - set(self.pending)
-            self.mark_dead(missing, f"step {self.store.version} waited more than "
+            missing = self.members.expected() - set(self.pending)
+            self.members.mark_dead(missing, f"step {self.store.version} waited more than "
                                     f"{self.cfg.step_timeout:g} s (--step-timeout)")
             self.maybe_complete()
 

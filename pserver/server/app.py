@@ -10,19 +10,18 @@ from concurrent import futures
 
 import grpc
 
-from pserver import dataplane, security
-from pserver._proto import pserver_pb2_grpc as pb_grpc
-from pserver.codec import MAX_CHUNK_BYTES
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition
-from pserver.metrics import describe_updates
-from pserver.server import memory
+from pserver.observe.metrics import describe_updates
+from pserver.observe.telemetry import serve_metrics
+from pserver.server import dataplane, memory
 from pserver.server.health import Readiness
 from pserver.server.limits import pool_threads
 from pserver.server.servicer import ParameterServerServicer, add_to_server
 from pserver.server.shard import Shard
 from pserver.signals import Stopped, stop_on_signals
-from pserver.telemetry import serve_metrics
+from pserver.wire import frames, security
+from pserver.wire.codec import MAX_CHUNK_BYTES
 
 log = logging.getLogger("pserver.server")
 
@@ -69,7 +68,7 @@ def create_server(cfg: ServerConfig) -> tuple[grpc.Server, int, Shard]:
         server.stop(0)
         raise
     shard.readiness.serving()
-    if cfg.data_plane == "auto" and dataplane.supported():
+    if cfg.data_plane == "auto" and frames.supported():
         shard.dataplane = dataplane.DataPlaneServer(shard)
     return server, port, shard
 

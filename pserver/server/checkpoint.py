@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pserver.errors import ConfigError, FailedPrecondition
-from pserver.progress import Bar
+from pserver.observe.progress import Bar
 
 log = logging.getLogger("pserver.checkpoint")
 KEEP = 3                                   # newest checkpoints kept per shard
@@ -135,7 +135,7 @@ def prune(directory: str, shard: int, num_shards: int) -> None:
 
 def load(path: str) -> Checkpoint:
     """Load and verify one file; ValueError (with why) if it is not a whole checkpoint. A large
-    one shows its progress (pserver.progress): reading, then checking, every byte."""
+    one shows its progress (pserver.observe.progress): reading, then checking, every byte."""
     try:
         with np.load(path, allow_pickle=False) as z, \
                 Bar(f"restoring {os.path.basename(path)}", 2 * sum(i.file_size for i in z.zip.infolist()),
@@ -277,7 +277,7 @@ class Checkpointer:
 
     Snapshots are taken and written on one thread of their own, for the process's life:
     pserver keeps freed heap memory where the thread that freed it will find it again
-    (allocator.py), so one writer thread reuses one snapshot's memory write after write,
+    (pserver/launch/allocator.py), so one writer thread reuses one snapshot's memory write after write,
     where snapshots taken by whichever RPC thread asked would each leave theirs behind."""
 
     def __init__(self, directory: str, flag: str, store, cfg) -> None:

@@ -15,7 +15,7 @@ import threading
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pserver.security import PUBLIC_METHODS, same_shape
+from pserver.wire.security import PUBLIC_METHODS, same_shape
 
 SERVICE = "pserver.v1.ParameterServer"   # the service name a probe may ask about ("" = the server)
 

@@ -12,12 +12,13 @@ import logging
 import grpc
 import numpy as np
 
-from pserver import codec, compress
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import InvalidArgument, RpcError
 from pserver.models.layout import Layout
+from pserver.server import compress
 from pserver.server.shard import Shard
+from pserver.wire import codec
 
 log = logging.getLogger("pserver.server")
 MAX_WAIT = 3600.0   # a pull with no deadline still stops waiting after an hour

@@ -17,20 +17,20 @@ from typing import Callable
 
 import numpy as np
 
-from pserver.codec import DTYPE_NAME
+from pserver import sparse
 from pserver.config import ServerConfig
-from pserver.dataplane import host_id
-from pserver.codec import PROTOCOL_VERSION, Position
 from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted, RpcError
 from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
+from pserver.observe.telemetry import ShardMetrics
 from pserver.optim import make_optimizer
 from pserver.server import checkpoint, memory
 from pserver.server.limits import Limits, pool_threads
-from pserver import sparse
+from pserver.server.membership import Membership
 from pserver.server.store import RowGrads, ShardStore, first_nonfinite
-from pserver.sharding import shard_range
-from pserver.telemetry import ShardMetrics
+from pserver.wire.codec import DTYPE_NAME, PROTOCOL_VERSION, Position
+from pserver.wire.frames import host_id
+from pserver.wire.sharding import shard_range
 
 log = logging.getLogger("pserver.server")
 # How a push's payload arrives: a function that writes it into the array it is given (the
@@ -114,7 +114,8 @@ class Shard:
     def __init__(self, cfg: ServerConfig, open_now: bool = True) -> None:
         self.cfg = cfg
         self.store = ShardStore(cfg.shard, cfg.num_shards, self._optimizer_for, cfg.table_threads)
-        self.policy = make_policy(self.store, cfg)
+        self.members = Membership(self.store, cfg, on_change=lambda: self.policy.membership_changed())
+        self.policy = make_policy(self.store, cfg, self.members)
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
         self.readiness = None          # the health service's state, when app.py serves one
@@ -158,7 +159,7 @@ class Shard:
         stops); ("", version) without a directory. Concurrent requests share one write."""
         if rank is not None:
             with self.store.cond:
-                self.policy.authorize(rank, session)
+                self.members.authorize(rank, session)
         if self.checkpointer is None or not self.store.initialized:
             return "", self.store.version
         return self.checkpointer.request()
@@ -167,8 +168,8 @@ class Shard:
         """The chief ends the run (worker --stop-shards, how `pserver slurm` ends its step):
         once every worker has left, checkpoint, then set `ended`, on which serve() exits 0."""
         with self.store.cond:
-            self.policy.authorize(rank, session)
-            live = sorted(self.policy.registered - self.policy.left - self.policy.dead)
+            self.members.authorize(rank, session)
+            live = sorted(self.members.registered - self.members.left - self.members.dead)
         if rank != 0:
             raise FailedPrecondition(f"then_stop: only the chief (rank 0) ends the run, not rank {rank}")
         if live:
@@ -207,10 +208,11 @@ class Shard:
             # Everything that can refuse runs before anything changes: a refused Register
             # must not fix the layout or allocate.
             self.policy.check_join(rank, num_workers)
+            self.members.check_join(rank, num_workers)
             if not s.signature:
                 self._check_memory(end - start)
             s.configure(layout.signature(), total, start, end, layout.tables)
-            session = self.policy.join(rank, num_workers)
+            session = self.members.join(rank, num_workers)
             return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,
                                 s.signature, self.cfg.optimizer, self.cfg.lr,
                                 self.dataplane.address if self.dataplane else "", host_id(),
@@ -231,7 +233,7 @@ class Shard:
 
     def heartbeat(self, rank: int, session: str | None = None) -> int:
         with self.store.cond:
-            self.policy.authorize(rank, session)
+            self.members.authorize(rank, session)
             return self.store.version
 
     @staticmethod
@@ -244,7 +246,7 @@ class Shard:
             if shard is None or shard.store.closed:
                 return
             with shard.store.cond:
-                shard.policy.expire()
+                shard.members.expire()
             shard.limits.cancel_idle()
             del shard
             memory.trim()
@@ -260,7 +262,7 @@ class Shard:
         s = self.store
         with s.cond:
             s.require_configured()
-            self.policy.authorize(rank, session)
+            self.members.authorize(rank, session)
             if signature != s.signature:
                 raise FailedPrecondition(f"layout_signature: {signature} does not match {s.signature}")
             self._check_payload(num_elements, dtype)
@@ -310,7 +312,7 @@ class Shard:
         s = self.store
         with s.cond:
             s.require_configured()
-            self.policy.authorize(rank, session, revive=True)
+            self.members.authorize(rank, session, revive=True)
             t = self.table(table)
             version = s.version
         self.check_ids(ids, "ids")
@@ -366,11 +368,11 @@ class Shard:
         s = self.store
         with s.cond:
             s.require_configured()
-            self.policy.authorize(rank, session, revive=True)
+            self.members.authorize(rank, session, revive=True)
             self.policy.check_pull(seen_version)
 
         def still_there() -> bool:
-            self.policy.touch(rank)
+            self.members.touch(rank)
             return alive is None or alive()
 
         with self.limits.waiting(rank, still_there) as waiter, s.cond:
@@ -393,7 +395,7 @@ class Shard:
             self.check_shard(shard)
             with s.cond:
                 s.require_configured()
-                self.policy.authorize(rank, session, revive=True)
+                self.members.authorize(rank, session, revive=True)
             self._check_payload(num_elements, dtype)
             self.metrics.received.inc(num_elements * 4)          # float32, checked above
             if num_samples < 0:
@@ -423,11 +425,11 @@ class Shard:
 
     def leave(self, rank: int, session: str | None = None) -> None:
         with self.store.cond:
-            self.policy.authorize(rank, session)
-            self.policy.leave(rank)
+            self.members.authorize(rank, session)
+            self.members.leave(rank)
 
     def status(self) -> dict:
-        s, p = self.store, self.policy
+        s, p = self.store, self.members
         with s.cond:
             live = sorted(p.registered - p.left - p.dead)
             dead = sorted(p.dead)

@@ -17,9 +17,10 @@ from typing import Callable
 import numba
 import numpy as np
 
-from pserver import dataplane, sparse
-from pserver.codec import Position
+from pserver import sparse
 from pserver.errors import ConfigError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from pserver.wire import frames
+from pserver.wire.codec import Position
 
 log = logging.getLogger("pserver.server")
 STALENESS_BUCKETS = 17   # histogram buckets 0..15, and one for 16 and more
@@ -75,10 +76,10 @@ def copy_finite(src: np.ndarray, dst: np.ndarray) -> int:
 def shared_zeros(size: int) -> tuple[int | None, np.ndarray]:
     """(fd, zeroed float32 array) in a memfd that the data plane can hand to workers: sealed,
     so they can map it read-only and never resize it. (None, array) where there is none."""
-    if size == 0 or not dataplane.supported():
+    if size == 0 or not frames.supported():
         return None, np.zeros(size, dtype=np.float32)
     try:
-        fd, mm = dataplane.sealed_memfd("pserver-params", size * 4, clients_write=False)
+        fd, mm = frames.sealed_memfd("pserver-params", size * 4, clients_write=False)
     except OSError as e:       # Linux < 5.1 has no F_SEAL_FUTURE_WRITE: no data plane rather than an unsafe one
         log.warning("parameters cannot be shared read-only (%s); same-host workers use gRPC", e)
         return None, np.zeros(size, dtype=np.float32)
@@ -238,7 +239,7 @@ class ShardStore:
         self.tables = {t.name: sparse.SparseTable(t, i, threads=self.table_threads)
                        for i, t in enumerate(tables)}
         # In a memfd where the platform has one: same-host workers map it read-only and
-        # pull with one memcpy (pserver/dataplane.py). Otherwise plain memory.
+        # pull with one memcpy (pserver/server/dataplane.py). Otherwise plain memory.
         if self.params_fd is not None:
             os.close(self.params_fd)
         self.params_fd, self.params = shared_zeros(end - start)

@@ -495,6 +495,7 @@ def test_low_occupancy_warnings_stay_out_of_the_logs():
     # On a GPU, numba-cuda wraps this message in terminal bold codes; a filter that matched only
     # the plain text let every small launch print it into every worker's log.
     import warnings
+
     from numba.core.errors import NumbaPerformanceWarning
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")     # pytest records every warning: start from that

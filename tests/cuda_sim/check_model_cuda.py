@@ -1,4 +1,4 @@
-"""The CUDA model against the CPU model, and pserver.device with a CUDA device present.
+"""The CUDA model against the CPU model, and pserver.kernels.device with a CUDA device present.
 
 Run by tests/test_kernels_cuda.py in a subprocess with NUMBA_ENABLE_CUDASIM=1 (see there why).
 """
@@ -11,10 +11,10 @@ import threading
 import numpy as np
 import pytest
 
-from pserver.device import Device, describe, parse_device, round_robin, select, visible_gpus
 from pserver.errors import ConfigError
+from pserver.kernels.device import Device, describe, parse_device, round_robin, select, visible_gpus
 from pserver.models import MODELS, make_model
-from pserver.models.ctr import CTR_MODELS   # CPU only: their rows come from the shards
+from pserver.models.ctr import CTR_MODELS  # CPU only: their rows come from the shards
 from pserver.models.cuda import CudaSequential
 from tests.cuda_sim import simfix
 
@@ -206,7 +206,7 @@ def test_timings_split_the_step():
     assert set(ms) == {"h2d", "compute", "d2h"} and all(v >= 0 for v in ms.values())
 
 
-# -- pserver.device with a device present ------------------------------------------------
+# -- pserver.kernels.device with a device present ------------------------------------------------
 
 def test_select_and_describe():
     # The simulator has one device; a machine has what CUDA_VISIBLE_DEVICES shows.

@@ -11,10 +11,10 @@ test extra) and no NUMBA_ENABLE_CUDASIM; it is not collected by the default test
 
 from __future__ import annotations
 
+import numba.cuda.dispatcher as dispatcher
 import pytest
 from numba import cuda, types
 
-import numba.cuda.dispatcher as dispatcher
 from pserver.kernels import cuda as K
 
 f32_2d = types.Array(types.float32, 2, "C")
@@ -99,7 +99,7 @@ def test_a_numpy_numba_cuda_cannot_compile_with_is_one_clear_line():
     import subprocess
     import sys
     code = ("import numpy as np; del np.row_stack\n"
-            "from pserver.device import Device, check_compiler\n"
+            "from pserver.kernels.device import Device, check_compiler\n"
             "check_compiler(Device('cuda', 0))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
@@ -109,5 +109,5 @@ def test_a_numpy_numba_cuda_cannot_compile_with_is_one_clear_line():
 
 
 def test_the_compiler_check_passes_with_this_numpy():
-    from pserver.device import Device, check_compiler
+    from pserver.kernels.device import Device, check_compiler
     check_compiler(Device("cuda", 0))

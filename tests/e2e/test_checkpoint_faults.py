@@ -16,9 +16,9 @@ import threading
 import numpy as np
 import pytest
 
-from pserver.client import PSClient
 from pserver.models.layout import Layout
 from pserver.server import checkpoint
+from pserver.worker.client import PSClient
 from tests.e2e.conftest import LOGREG, run, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -15,9 +15,9 @@ import tempfile
 import numpy as np
 import pytest
 
-from pserver import dataplane
-from pserver.client import PSClient
 from pserver.models.layout import Layout
+from pserver.wire import frames
+from pserver.worker.client import PSClient
 from tests.e2e.conftest import Proc
 
 LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
@@ -40,10 +40,10 @@ def sockets_under(directory: str) -> list[str]:
 
 def request(sock, op, step=0, seen=0) -> tuple[int, int, str]:
     """One data-plane call as rank 0: (status code, version, message)."""
-    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, op, 0, 0, step if op == dataplane.PUSH else seen,
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, op, 0, 0, step if op == frames.PUSH else seen,
                                         0, LAYOUT.total, 1, 10_000))
-    code, _, _, n, version = dataplane.REPLY.unpack(dataplane.recv_exact(sock, dataplane.REPLY.size))
-    return code, version, dataplane.recv_exact(sock, n).decode() if n else ""
+    code, _, _, n, version = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
+    return code, version, frames.recv_exact(sock, n).decode() if n else ""
 
 
 def test_a_client_that_resizes_its_memfds_cannot_crash_the_shard(procs, tmpdir_env):
@@ -60,9 +60,9 @@ def test_a_client_that_resizes_its_memfds_cannot_crash_the_shard(procs, tmpdir_e
     sock.settimeout(30)
     sock.connect(info.dataplane.removeprefix("unix:"))
     session = getattr(c.shards[0], "session", "").encode()
-    sock.sendall(dataplane.REQUEST.pack(dataplane.MAGIC, dataplane.HELLO, 0, 0, 0, 0, 0, 0, 0)
-                 + dataplane.TOKEN_LEN.pack(0) + dataplane.TOKEN_LEN.pack(len(session)) + session)
-    _, (push_fd, params_fd), _, _ = socket.recv_fds(sock, dataplane.REPLY.size, 2)
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.HELLO, 0, 0, 0, 0, 0, 0, 0)
+                 + frames.TOKEN_LEN.pack(0) + frames.TOKEN_LEN.pack(len(session)) + session)
+    _, (push_fd, params_fd), _, _ = socket.recv_fds(sock, frames.REPLY.size, 2)
     for fd in (push_fd, params_fd):            # the sizes the shard maps are sealed
         for size in (0, 4, 1 << 20):
             with pytest.raises(PermissionError):
@@ -72,8 +72,8 @@ def test_a_client_that_resizes_its_memfds_cannot_crash_the_shard(procs, tmpdir_e
     push = np.frombuffer(mmap.mmap(push_fd, NBYTES), np.float32)
     params = np.frombuffer(mmap.mmap(params_fd, NBYTES, prot=mmap.PROT_READ), np.float32)
     push[:] = 1
-    assert request(sock, dataplane.PUSH, step=0)[:2] == (0, 1)
-    assert request(sock, dataplane.PULL, seen=0)[:2] == (0, 1)
+    assert request(sock, frames.PUSH, step=0)[:2] == (0, 1)
+    assert request(sock, frames.PULL, seen=0)[:2] == (0, 1)
     np.testing.assert_array_equal(params, START - 1)
     assert shard.popen.poll() is None, shard.output
     status = c.status()[0]

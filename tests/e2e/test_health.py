@@ -14,9 +14,9 @@ from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError
-from pserver.security import TOKEN_ENV
 from pserver.server.app import create_server
 from pserver.server.health import SERVICE
+from pserver.wire.security import TOKEN_ENV
 
 pytestmark = pytest.mark.e2e
 SERVING = health_pb2.HealthCheckResponse.SERVING

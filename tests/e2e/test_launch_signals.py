@@ -101,7 +101,7 @@ def test_a_worker_killed_by_sigkill_makes_the_launcher_exit_transient(procs):
     outside (the OOM killer, a preempted node) is such a failure, unlike a refused request (1)."""
     launcher, kids = training_cluster(procs)
     try:
-        worker = next(pid for pid in kids if b"--rank\x001" in open(f"/proc/{pid}/cmdline", "rb").read())
+        worker = next(pid for pid in kids if b"worker1.config" in open(f"/proc/{pid}/cmdline", "rb").read())
         os.kill(worker, signal.SIGKILL)
         assert launcher.wait(60) == EXIT_TRANSIENT, launcher.output[-3000:]
         assert "pserver launch: error: worker1 exited with code 137; stopping the cluster" in launcher.output
@@ -136,7 +136,7 @@ def test_launch_starts_children_safely_from_a_process_that_uses_grpc():
 
     import grpc
 
-    from pserver.launch import Proc
+    from pserver.launch.local import Proc
     server = grpc.server(futures.ThreadPoolExecutor(2))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

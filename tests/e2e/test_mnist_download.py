@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from pserver.data import MNIST_FILES
+from pserver.data.mnist import MNIST_FILES
 from tests.conftest import MNIST_DIR
 from tests.e2e.conftest import read_json, run
 

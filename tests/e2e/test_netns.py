@@ -23,7 +23,7 @@ import threading
 
 import pytest
 
-from pserver.security import TOKEN_ENV
+from pserver.wire.security import TOKEN_ENV
 from tests.e2e.conftest import LOGREG, env_with, missing, read_json
 
 pytestmark = pytest.mark.e2e

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from pserver import cli
-from pserver import launch as launch_module
-from pserver.security import TOKEN_ENV
+from pserver.launch import local as launch_module
+from pserver.wire.security import TOKEN_ENV
 from tests.certs import make_certs
 from tests.e2e.conftest import LOGREG, read_json, run
 from tests.e2e.test_cli_errors import one_clear_line
@@ -69,7 +69,9 @@ def test_launch_generates_a_token_and_passes_it_only_in_the_environment(monkeypa
     real_popen = subprocess.Popen
 
     def spy(argv, *args, **kwargs):
-        started.append((list(argv), dict(kwargs.get("env") or {})))
+        with open(argv[-1], "rb") as f:         # the child's config file (pserver.launch.child)
+            config = f.read()
+        started.append((list(argv), dict(kwargs.get("env") or {}), config))
         return real_popen(argv, *args, **kwargs)
 
     monkeypatch.setattr(launch_module.subprocess, "Popen", spy)
@@ -79,12 +81,13 @@ def test_launch_generates_a_token_and_passes_it_only_in_the_environment(monkeypa
     out = capsys.readouterr()
     assert code == 0, out.out[-3000:] + out.err
     assert len(started) == 3                        # one shard, two workers
-    tokens = {env.get(TOKEN_ENV) for _, env in started}
+    tokens = {env.get(TOKEN_ENV) for _, env, _ in started}
     assert len(tokens) == 1
     token = tokens.pop()
     assert token and len(token) >= 40               # secrets.token_urlsafe(32): 43 characters
-    for argv, _ in started:
+    for argv, _, config in started:
         assert not any(token in a for a in argv) and "--auth-token" not in argv
+        assert token.encode() not in config and b"auth_token" in config   # the field, left empty
     assert token not in out.out + out.err
     assert "(token required)" in out.out
     assert read_json(summary)["test_accuracy"] >= 0.85

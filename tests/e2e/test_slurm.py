@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from pserver.security import TOKEN_ENV
+from pserver.wire.security import TOKEN_ENV
 from tests.e2e.conftest import LOGREG, missing, read_json, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -91,8 +91,9 @@ def slurm(tmp_path_factory):
                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 for name in ("slurmctld", "slurmd")]
     try:
-        idle = lambda: "idle" in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
-                                                text=True).stdout
+        def idle() -> bool:
+            return "idle" in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
+                                            text=True).stdout
         assert wait_until(idle, 30), f"the node never became idle: {daemon_logs(d)}"
         yield env
     finally:

@@ -14,24 +14,30 @@ import time
 
 import numpy as np
 
-from pserver import model_file
-from pserver.client import PSClient
 from pserver.config import WorkerConfig
-from pserver.criteo import CriteoData
 from pserver.data import Dataset, Stream, as_task, describe, load_dataset
-from pserver.device import describe as describe_device
-from pserver.device import parse_device, select
+from pserver.data.criteo import CriteoData
 from pserver.errors import ConfigError, DataError, DeadlineExceeded, FailedPrecondition, PServerError
-from pserver.metrics import (EvalCurve, Progress, StepTimer, combine_counters, format_summary,
-                             sparse_summary, write_json)
-from pserver.models import make_model
+from pserver.kernels.device import describe as describe_device
+from pserver.kernels.device import parse_device, select
+from pserver.models import make_model, saved
 from pserver.models.ctr import CTR_MODELS
 from pserver.models.layout import Layout
-from pserver.sparse import TableLookup
-from pserver.security import client_security
+from pserver.observe.metrics import (
+    EvalCurve,
+    Progress,
+    StepTimer,
+    combine_counters,
+    format_summary,
+    sparse_summary,
+    write_json,
+)
+from pserver.observe.telemetry import TrainingReport
 from pserver.signals import Stopped
-from pserver.stragglers import Delay
-from pserver.telemetry import TrainingReport
+from pserver.sparse import TableLookup
+from pserver.wire.security import client_security
+from pserver.worker.client import PSClient
+from pserver.worker.stragglers import Delay
 
 
 def build(cfg: WorkerConfig):
@@ -172,7 +178,7 @@ def evaluate(model, w, ds, cfg: WorkerConfig, rows: Rows | None = None) -> dict:
 def run_worker(cfg: WorkerConfig) -> dict | None:
     """Train until the epochs (or --max-steps) are done; the chief returns the summary."""
     device, ds, model = build(cfg)
-    return run(cfg, device, ds, model, model_file.definition(cfg, model, ds))
+    return run(cfg, device, ds, model, saved.definition(cfg, model, ds))
 
 
 def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None = None) -> dict | None:
@@ -212,7 +218,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
             return None
         summary = finish(cfg, ds, model, client, w, mode, history, started, start, rows)
         if cfg.save:
-            model_file.save(cfg.save, model, w, definition, summary)
+            saved.save(cfg.save, model, w, definition, summary)
             print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
                   f"{cfg.save}", flush=True)
         if cfg.stop_shards:

@@ -1,0 +1,87 @@
+"""Datasets and the per-rank slices that workers train on: one module per kind (synthetic,
+mnist, npz, criteo), the Dataset and the slicing in dataset.
+
+    load_dataset("synthetic" | "mnist" | "path.npz") -> Dataset   (float32 x, int32 labels or float32 targets)
+    load_dataset("criteo:PATH" | "criteo-synthetic")              (click-through data: pserver.data.criteo)
+    epoch_indices / iterate_batches                                 (rank r's disjoint block of one epoch)
+
+Every epoch is one permutation of the training set drawn from `seed + epoch`, the same on every
+worker; rank r takes the r-th of `num_workers` equal blocks, so the ranks never overlap and all run
+the same number of steps (the `num_train % num_workers` left-over samples sit that epoch out).
+
+MNIST comes from the four IDX files in `--data-dir` (.gz or not), by default a directory in the
+user's cache (default_mnist_dir), created when missing. Missing files are fetched from the
+mirrors in MNIST_MIRRORS, one after the other, or from the comma-separated base URLs in
+$PSERVER_MNIST_MIRRORS (set it empty to never download), and kept only if their sha256 matches.
+Every problem with the data raises DataError, every bad option ConfigError, with one line that names
+the file, key or flag and the value.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pserver.data import criteo, mnist, npz, synthetic
+from pserver.data.dataset import (
+    DATASETS,
+    TASKS,
+    Dataset,
+    Stream,
+    as_task,
+    check_int,
+    check_rank,
+    describe,
+    epoch_indices,
+    iterate_batches,
+    steps_per_epoch,
+)
+from pserver.data.mnist import default_mnist_dir
+from pserver.data.npz import from_arrays
+from pserver.errors import ConfigError
+
+
+def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task: str = "classification",
+                 samples: int = 60000, test_samples: int = 10000, features: int = 784,
+                 classes: int = 10, scale_uint8: str = "auto"):
+    """Load `spec`: "synthetic", "mnist", a path ending in .npz (each a Dataset), or Criteo data:
+    "criteo:PATH" (a TSV file, plain or .gz, streamed) or "criteo-synthetic" (see pserver.data.criteo).
+
+    samples/test_samples/features/classes shape `synthetic` only, samples/test_samples also
+    `criteo-synthetic`; test_samples caps the test set held out of a Criteo file. seed generates
+    both synthetic kinds and shuffles an .npz's held-out test set. task="regression" asks for float targets: synthetic
+    then draws a linear-regression task, and integer labels (mnist, .npz) become float32 targets.
+    A float `y` in an .npz is always regression. An .npz's uint8 features (images, 0-255)
+    are divided by 255, saying so, unless scale_uint8 is "none".
+    """
+    if task not in TASKS:
+        raise ConfigError(f"--task: unknown task {task!r}; choose classification or regression")
+    check_int("--seed", seed, 0)
+    if spec == "synthetic":
+        return synthetic.generate(seed, task, samples, test_samples, features, classes)
+    if spec == "mnist":
+        return as_task(mnist.load(data_dir), task)
+    if spec == "criteo-synthetic" or spec.startswith("criteo:"):
+        return _load_criteo(spec, seed, task, samples, test_samples)
+    if spec.lower().endswith(".npz"):
+        if scale_uint8 not in npz.SCALE_UINT8:
+            raise ConfigError(f"--scale-uint8: {scale_uint8!r} is not one of {', '.join(npz.SCALE_UINT8)}")
+        return as_task(npz.load(spec, seed, scale_uint8 == "auto"), task)
+    raise ConfigError(f"--dataset: unknown dataset {spec!r}; "
+                      "choose synthetic, mnist, criteo-synthetic, "
+                      "criteo:PATH (a Criteo TSV file) or a path to a .npz file")
+
+
+def _load_criteo(spec: str, seed: int, task: str, samples: int, test_samples: int):
+    if task != "classification":
+        raise ConfigError(f"--dataset {spec}: click-through data is binary classification, not {task}")
+    if spec == "criteo-synthetic":
+        return criteo.load_synthetic(seed, samples, test_samples)
+    path = spec[len("criteo:"):]
+    if not path:
+        raise ConfigError("--dataset criteo:PATH: the path is empty (e.g. criteo:train.txt or criteo:day_0.gz)")
+    return criteo.load_file(os.path.expanduser(path), test_samples)
+
+
+__all__ = ["DATASETS", "TASKS", "Dataset", "Stream", "as_task", "check_int", "check_rank", "describe",
+           "default_mnist_dir", "epoch_indices", "from_arrays", "iterate_batches", "load_dataset",
+           "steps_per_epoch"]

@@ -1,0 +1,200 @@
+"""Datasets and the per-rank slices that workers train on.
+
+    load_dataset("synthetic" | "mnist" | "path.npz") -> Dataset   (float32 x, int32 labels or float32 targets)
+    load_dataset("criteo:PATH" | "criteo-synthetic")              (click-through data: pserver.data.criteo)
+    epoch_indices / iterate_batches                                 (rank r's disjoint block of one epoch)
+
+Every epoch is one permutation of the training set drawn from `seed + epoch`, the same on every
+worker; rank r takes the r-th of `num_workers` equal blocks, so the ranks never overlap and all run
+the same number of steps (the `num_train % num_workers` left-over samples sit that epoch out).
+
+MNIST comes from the four IDX files in `--data-dir` (.gz or not), by default a directory in the
+user's cache (default_mnist_dir), created when missing. Missing files are fetched from the
+mirrors in MNIST_MIRRORS, one after the other, or from the comma-separated base URLs in
+$PSERVER_MNIST_MIRRORS (set it empty to never download), and kept only if their sha256 matches.
+Every problem with the data raises DataError, every bad option ConfigError, with one line that names
+the file, key or flag and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from pserver.errors import ConfigError, DataError
+
+DATASETS = ("synthetic", "mnist", "criteo-synthetic")  # plus criteo:PATH and any path ending in .npz
+TASKS = ("classification", "regression")
+
+
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: comparing ndarrays with == has no single truth value
+class Dataset:
+    name: str  # "synthetic", "mnist" or the .npz path
+    x_train: np.ndarray  # (n, *sample_shape) float32, C-contiguous: (n, d), or images (n, h, w, c)
+    y_train: np.ndarray  # (n,) int32 labels (classification) or float32 targets (regression)
+    x_test: np.ndarray  # (m, *sample_shape) float32, C-contiguous
+    y_test: np.ndarray  # (m,)
+    num_classes: int  # 0 for regression
+
+    def __post_init__(self):
+        # The worker's kernels rely on these; checking once here beats a wrong answer later.
+        y_dtype = np.float32 if self.num_classes == 0 else np.int32
+        for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
+            if x.ndim < 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
+                raise DataError(f"{self.name}: x_{split} must be C-contiguous float32 of shape "
+                                f"(samples, ...), got {x.dtype} {x.shape}")
+            if y.shape != (len(x),) or y.dtype != y_dtype:
+                raise DataError(f"{self.name}: y_{split} must be {np.dtype(y_dtype)} of shape "
+                                f"({len(x)},), got {y.dtype} {y.shape}")
+            if len(x) == 0:
+                raise DataError(f"{self.name}: the {split} set is empty")
+        if self.x_test.shape[1:] != self.x_train.shape[1:]:
+            raise DataError(f"{self.name}: x_test has samples of shape {self.x_test.shape[1:]}, "
+                            f"x_train {self.x_train.shape[1:]}")
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape: (features,), or (height, width, channels) for images."""
+        return tuple(self.x_train.shape[1:])
+
+    @property
+    def features(self) -> int:
+        """Values per sample."""
+        return math.prod(self.sample_shape)
+
+    @property
+    def num_train(self) -> int:
+        return len(self.x_train)
+
+    @property
+    def num_test(self) -> int:
+        return len(self.x_test)
+
+    @property
+    def task(self) -> str:
+        return "regression" if self.num_classes == 0 else "classification"
+
+    def steps(self, num_workers: int, batch_size: int) -> int:
+        return steps_per_epoch(self.num_train, num_workers, batch_size)
+
+    def epoch(self, rank: int, num_workers: int, batch_size: int, seed: int,
+              epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return iterate_batches(self, rank, num_workers, batch_size, seed, epoch)
+
+
+@dataclass(frozen=True, eq=False)
+class Stream:
+    """One worker's training data as (x, y) batches from Python, for data larger than memory.
+
+    `source` is an iterable of batches, or a function returning one: it is called each epoch,
+    so a generator that reads the user's files starts over. Each worker is given its own
+    batches (the split by rank is the caller's, as with TensorFlow's per-worker datasets);
+    in sync mode every worker should yield the same number per epoch. x_test/y_test are the
+    chief's evaluation set, or None (no evaluation).
+    """
+    name: str
+    source: object
+    x_test: np.ndarray | None = None
+    y_test: np.ndarray | None = None
+    num_classes: int = 0
+
+    def steps(self, num_workers: int, batch_size: int) -> int:
+        return 0   # unknown until the source runs out
+
+    def epoch(self, rank: int, num_workers: int, batch_size: int, seed: int,
+              epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        batches = self.source() if callable(self.source) else self.source
+        if epoch > 0 and iter(batches) is batches and not callable(self.source):
+            raise DataError(f"{self.name}: an iterator runs out after one epoch; for --epochs > 1 "
+                            "pass a function that returns a fresh one")
+        for i, batch in enumerate(batches):
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise DataError(f"{self.name}: batch {i} is a {type(batch).__name__}, not an (x, y) pair")
+            yield np.asarray(batch[0]), np.asarray(batch[1])
+
+
+def describe(ds) -> str:
+    """One line for the worker's log: what it trains on."""
+    if not isinstance(ds, (Dataset, Stream)):   # Criteo data (pserver.data.criteo) describes itself
+        return ds.describe()
+    if isinstance(ds, Stream):
+        test = "no test set" if ds.x_test is None else f"{len(ds.x_test)} test samples"
+        return f"dataset {ds.name}: batches from Python, {test}"
+    kind = "regression" if ds.num_classes == 0 else f"{ds.num_classes} classes"
+    shape = (f"{ds.features} features" if len(ds.sample_shape) == 1
+             else f"samples of shape {ds.sample_shape}")
+    return f"dataset {ds.name}: {ds.num_train} train / {ds.num_test} test samples, {shape}, {kind}"
+
+
+def check_int(flag: str, value: int, low: int) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{flag}: must be an integer >= {low}, got {value!r}")
+
+
+def check_rank(rank: int, num_workers: int) -> None:
+    check_int("--num-workers", num_workers, 1)
+    if not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_workers:
+        raise ConfigError(f"--rank: must be in [0, {num_workers}) for {num_workers} workers, got {rank!r}")
+
+
+def as_task(ds: Dataset, task: str) -> Dataset:
+    """Integer labels as float targets when regression was asked for (float y is already)."""
+    if task == "classification" or ds.num_classes == 0:
+        return ds
+    return Dataset(ds.name, ds.x_train, ds.y_train.astype(np.float32), ds.x_test,
+                   ds.y_test.astype(np.float32), 0)
+
+
+# ---------------------------------------------------------------- per-rank slices of an epoch
+
+def steps_per_epoch(num_train: int, num_workers: int, batch_size: int) -> int:
+    """Steps every worker runs per epoch: full batches from its equal share of the data."""
+    check_int("--num-workers", num_workers, 1)
+    check_int("--batch-size", batch_size, 1)
+    per_worker = num_train // num_workers
+    steps = per_worker // batch_size
+    if steps == 0:
+        raise ConfigError(f"--batch-size: {batch_size} is larger than each worker's slice of {per_worker} "
+                          f"samples ({num_train} training samples / {num_workers} workers)")
+    return steps
+
+
+def epoch_indices(num_train: int, rank: int, num_workers: int, seed: int, epoch: int) -> np.ndarray:
+    """Rank's block of this epoch's permutation of range(num_train), length num_train // num_workers."""
+    check_rank(rank, num_workers)
+    check_int("--seed", seed, 0)
+    check_int("epoch", epoch, 0)
+    check_int("num_train", num_train, 0)
+    per_worker = num_train // num_workers
+    # Every rank draws the same permutation (same seed), so the blocks partition it.
+    order = np.random.default_rng(seed + epoch).permutation(num_train)
+    return order[rank * per_worker:(rank + 1) * per_worker].copy()  # copy: don't pin the whole order
+
+
+def iterate_batches(ds: Dataset, rank: int, num_workers: int, batch_size: int, seed: int,
+                    epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Exactly steps_per_epoch(...) batches (x, y) of batch_size rows from this rank's block."""
+    # Validate now, not at the first next(): a bad flag should fail where it is passed.
+    steps = steps_per_epoch(ds.num_train, num_workers, batch_size)
+    order = epoch_indices(ds.num_train, rank, num_workers, seed, epoch)
+    return _batches(ds, order, steps, batch_size)
+
+
+def _batches(ds: Dataset, order: np.ndarray, steps: int, batch_size: int):
+    for step in range(steps):
+        take = order[step * batch_size:(step + 1) * batch_size]
+        yield ds.x_train[take], ds.y_train[take]  # fancy indexing: fresh C-contiguous copies
+
+
+def one_line(e: BaseException) -> str:
+    """The exception as one line; for a failed connection just its reason ("Name or service not known")."""
+    network = isinstance(e, urllib.error.URLError) and not isinstance(e, urllib.error.HTTPError)
+    reason = e.reason if network else e
+    return " ".join(str(reason).split()) or type(e).__name__

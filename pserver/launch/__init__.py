@@ -1,0 +1,55 @@
+"""A whole cluster from one call: S shards and N workers, started, supervised and stopped.
+
+    launch(LaunchConfig(num_shards=2, num_workers=4), ServerConfig(...), WorkerConfig(...)) -> exit code
+
+takes configs, never argv: `pserver launch` builds them from its flags, pserver.launch_cluster
+from keyword arguments. The backends behind it (BACKENDS, chosen by LaunchConfig.backend):
+
+    local   child processes on this machine (pserver.launch.local)
+    ray     Ray actors, on a Ray started here or a running cluster (pserver.launch.ray)
+
+`pserver slurm` runs one process of a cluster per Slurm task instead (pserver.launch.slurm).
+Each process runs one role (pserver.launch.roles): a shard or a worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+from pserver._moved import forward
+from pserver.config import ServerConfig, WorkerConfig, check_writable
+from pserver.errors import ConfigError
+from pserver.launch.base import BACKENDS, LaunchConfig
+
+
+def launch(cfg: LaunchConfig, server: ServerConfig, worker: WorkerConfig) -> int:
+    """Run the cluster to its end on cfg.backend; the exit code (0 when every worker
+    finished; the failed process's code read as launch reads it; 128+signal when stopped).
+    Everything that can be checked is checked before the first process starts."""
+    from pserver.wire.security import resolve_token  # grpc: not when the CLI merely starts
+    if (server.tls_cert is None) != (worker.tls_ca is None):
+        raise ConfigError("--tls-ca: launch needs --tls-cert/--tls-key and --tls-ca together "
+                          "(its shards serve TLS and its workers must trust them)")
+    check_writable("--summary-json", cfg.summary_json)
+    from pserver.server.checkpoint import check_directory, write_directory
+    where = write_directory(server)
+    if where:
+        check_directory(*where)        # now, rather than as a shard's exit once it started
+    from pserver.worker.loop import check_data
+    check_data(worker)
+    # Our own cluster gets a fresh random token unless one is given (config or environment).
+    token = server.auth_token or worker.auth_token or resolve_token(None) or secrets.token_urlsafe(32)
+    cfg = dataclasses.replace(cfg, auth_token=token)
+    if cfg.backend == "ray":
+        from pserver.launch import ray  # Ray is imported only when asked for
+        return ray.launch(cfg, server, worker)
+    from pserver.launch import local
+    return local.launch(cfg, server, worker)
+
+
+__all__ = ["BACKENDS", "LaunchConfig", "launch"]
+
+# The other names of the module pserver.launch was before 0.2 (Proc, worker_delay, ...), with a
+# DeprecationWarning: they are in pserver.launch.base and pserver.launch.local.
+__getattr__ = forward(__name__, warn_now=False)

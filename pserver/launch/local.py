@@ -1,0 +1,159 @@
+"""`pserver launch`'s local backend: S shards and N workers as separate processes on 127.0.0.1.
+
+A convenience over `pserver serve` and `pserver worker`, not a different system: each child
+runs the same function as those commands (pserver.launch.roles) on its own config, which
+it reads from a file only this user can open (pserver.launch.child). It
+starts the shards on free ports, reads the ports they print, starts the workers, prefixes
+every line with its role, and stops everything when the workers are done, when one
+process fails (naming it, with its exit code) or on a stop signal (SIGTERM, SIGHUP,
+Ctrl-C: exit 128+signal). Its children never outlive it, even when it is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from pserver.config import ServerConfig, WorkerConfig
+from pserver.errors import ProcessFailed, Unavailable
+from pserver.kernels.device import round_robin
+from pserver.launch.base import (
+    LISTENING,
+    STARTUP_TIMEOUT,
+    STOP_GRACE,
+    LaunchConfig,
+    announce,
+    child_env,
+    report,
+    shard_config,
+    stopped,
+    worker_config,
+)
+from pserver.signals import Stopped, stop_on_signals, with_parent_death
+from pserver.wire.security import TOKEN_ENV
+
+
+class Proc:
+    """A child process whose output is copied to ours with a role prefix."""
+
+    def __init__(self, role: str, argv: list[str], env: dict) -> None:
+        self.role = role
+        self.port: int | None = None
+        self.ready = threading.Event()
+        # Its own session: our signal handling stops it. It gets SIGTERM if we die, even by
+        # SIGKILL (signals.follow_parent, in the child: no preexec_fn, see with_parent_death).
+        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                                      env=with_parent_death(env), start_new_session=True)
+        self.reader = threading.Thread(target=self._copy, daemon=True)
+        self.reader.start()
+
+    def _copy(self) -> None:
+        for line in self.popen.stdout:
+            m = LISTENING.search(line)
+            if m and self.port is None:
+                self.port = int(m.group(2))
+                self.ready.set()
+            sys.stdout.write(f"[{self.role}] {line}")
+            sys.stdout.flush()
+        self.ready.set()
+
+
+def stop_all(group: list[Proc], grace: float = STOP_GRACE) -> None:
+    """SIGTERM to every process of the group at once, then wait; SIGKILL what is still there
+    after `grace` seconds."""
+    for p in group:
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in group:
+        try:
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
+    for p in group:
+        p.reader.join(2.0)
+
+
+def child(role: str, name: str, config, tmpdir: str, env: dict) -> Proc:
+    """A child that runs `role` ("serve" or "worker") on `config`, written for it to a file in
+    the launch's own directory (mode 0700: no other user reads it; no token in it either)."""
+    path = os.path.join(tmpdir, f"{name}.config")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        pickle.dump(config, f)
+    return Proc(name, [sys.executable, "-m", "pserver.launch.child", role, path], env)
+
+
+def start_shards(cfg: LaunchConfig, server: ServerConfig, env: dict, procs: list[Proc], tmpdir: str) -> list[Proc]:
+    """Start the shards; each is added to `procs` at once, so a failure stops them all."""
+    shards = []
+    for j in range(cfg.num_shards):
+        shards.append(child("serve", f"ps{j}", shard_config(cfg, server, j, "127.0.0.1"), tmpdir, env))
+        procs.append(shards[-1])
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    for p in shards:
+        p.ready.wait(max(0.0, deadline - time.monotonic()))
+        if p.port is None:
+            try:                              # its output closed: the exit code follows
+                code = p.popen.wait(2)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is not None:
+                raise ProcessFailed(p.role, code, " before listening (its error is above)")
+            raise Unavailable(f"{p.role} did not start listening within {STARTUP_TIMEOUT:g} s")
+    return shards
+
+
+def start_workers(cfg: LaunchConfig, worker: WorkerConfig, addresses: tuple[str, ...], env: dict,
+                  chief_summary: str, devices: list[str], tmpdir: str) -> list[Proc]:
+    return [child("worker", f"worker{i}", worker_config(cfg, worker, i, addresses, chief_summary, devices[i]),
+                  tmpdir, env)
+            for i in range(cfg.num_workers)]
+
+
+def supervise(shards: list[Proc], workers: list[Proc]) -> None:
+    """Return when every worker exited 0; raise naming the first process that failed."""
+    while True:
+        for p in workers + shards:
+            code = p.popen.poll()
+            if code is not None and (code != 0 or p in shards):
+                raise ProcessFailed(p.role, code)
+        if all(w.popen.poll() == 0 for w in workers):
+            return
+        time.sleep(0.1)
+
+
+def launch(cfg: LaunchConfig, server: ServerConfig, worker: WorkerConfig) -> int:
+    """Run the cluster as child processes of this one until the workers are done; the exit code."""
+    env = child_env(cfg.num_workers)
+    devices = round_robin(cfg.num_workers, cfg.device)   # no GPU for cuda: fail before starting
+    if cfg.auth_token:
+        env[TOKEN_ENV] = cfg.auth_token      # never in argv or a file: any user can read a command line
+    started = time.monotonic()
+    procs: list[Proc] = []
+    tmpdir = tempfile.mkdtemp(prefix="pserver-launch-")
+    chief_summary = os.path.join(tmpdir, "chief-summary.json")
+    with stop_on_signals():
+        try:
+            shards = start_shards(cfg, server, env, procs, tmpdir)
+            addresses = tuple(f"127.0.0.1:{p.port}" for p in shards)
+            announce(cfg, ",".join(addresses))
+            workers = start_workers(cfg, worker, addresses, env, chief_summary, devices, tmpdir)
+            procs += workers
+            supervise(shards, workers)
+            report(cfg, chief_summary, started)
+            return 0
+        except Stopped as e:
+            return stopped(e)
+        finally:
+            stop_all([p for p in procs if p.role.startswith("worker")])   # workers first
+            stop_all([p for p in procs if not p.role.startswith("worker")])
+            shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,0 +1,629 @@
+"""Talking to all shards: register, init, parallel pull and push, status, leave.
+
+`grpc.RpcError` is translated into pserver.errors here and nowhere else, with the
+shard's index and address in the message, so a worker's user never sees a raw gRPC
+traceback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+import grpc
+import grpc.experimental
+import numpy as np
+
+from pserver import sparse
+from pserver._proto import pserver_pb2 as pb
+from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    PServerError,
+    ResourceExhausted,
+    Unavailable,
+    rpc_error_for,
+)
+from pserver.models.layout import Layout
+from pserver.wire import codec, frames
+from pserver.wire import compress as codecs
+from pserver.wire.security import ClientSecurity
+from pserver.worker import compress, dataplane
+
+T = TypeVar("T")
+# gRPC's own reconnect backoff starts at 1 s and grows to 2 min; a restarted shard should
+# be found within our retry loop's cadence instead.
+# A pull reads its stream in the calling thread: without this, every Pull call starts a
+# thread of its own to drive the channel (gRPC's default), a cost that 1 MiB round trips feel.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 2000),
+                   (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+WAIT_NOTICE_EVERY = 10.0   # seconds between "still waiting" lines
+MAX_IDS_PER_PULL = 1 << 18  # ids per PullRows request: 2 MiB, well under gRPC's 4 MiB message limit
+LEAVE_ON_STOP_S = 2.0      # per shard: a stopped worker's Leave must not hold up its exit
+OUTCOMES = {pb.PushReply.APPLIED: "applied", pb.PushReply.AGGREGATED: "aggregated",
+            pb.PushReply.DROPPED_LATE: "dropped_late"}
+
+
+@dataclass
+class ShardInfo:
+    """What a shard told us at Register."""
+    mode: str
+    version: int
+    initialized: bool
+    start: int
+    end: int
+    total: int
+    signature: str
+    optimizer: str
+    lr: float
+    dataplane: str
+    host_id: str
+    restored_from: str = ""     # the checkpoint the shard resumed from at start
+    seeded_by_rank: int = -1    # the rank whose Init supplied its values
+    position: codec.Position | None = None   # where this rank stood, as the shard recorded it
+
+
+class ShardClient:
+    """One shard: its channel, stub and range; every call translates gRPC errors."""
+
+    def __init__(self, index: int, address: str, chunk_bytes: int = codec.CHUNK_BYTES,
+                 data_plane: str = "auto", security: ClientSecurity = ClientSecurity(),
+                 pull_compression: str = "none") -> None:
+        self.index, self.address, self.chunk_bytes = index, address, chunk_bytes
+        # what a gRPC pull asks the shard to send ("" float32, "bf16"), and where bf16 lands
+        self.pull_codec = "" if pull_compression == "none" else pull_compression
+        self.bits = np.empty(0, np.uint16)
+        self.data_plane = data_plane
+        self.security = security                  # token on every call, TLS when a CA is given
+        self.channel = security.channel(address, CHANNEL_OPTIONS)
+        self.stub = pb_grpc.ParameterServerStub(self.channel)
+        # The tensor streams use the codec's hand-made TensorChunk encoding (same bytes on
+        # the wire as the generated stub would send, fewer copies).
+        service = "/pserver.v1.ParameterServer/"
+        self.init_call = self.channel.stream_unary(service + "Init", request_serializer=codec.serialize_chunk,
+                                                   response_deserializer=pb.InitReply.FromString)
+        self.push_call = self.channel.stream_unary(service + "Push", request_serializer=codec.serialize_chunk,
+                                                   response_deserializer=pb.PushReply.FromString)
+        # The same methods for a stream of one message (header and payload fit in one chunk):
+        # on the wire a client stream of one message is a unary call, and gRPC's unary call
+        # needs no thread to feed it, where every streaming call starts one.
+        self.init_one = self.channel.unary_unary(service + "Init", request_serializer=codec.serialize_chunk,
+                                                 response_deserializer=pb.InitReply.FromString)
+        self.push_one = self.channel.unary_unary(service + "Push", request_serializer=codec.serialize_chunk,
+                                                 response_deserializer=pb.PushReply.FromString)
+        self.pull_call = self.channel.unary_stream(service + "Pull",
+                                                   request_serializer=pb.PullRequest.SerializeToString,
+                                                   response_deserializer=codec.parse_chunk)
+        self.pull_rows_call = self.channel.unary_stream(service + "PullRows",
+                                                        request_serializer=pb.PullRowsRequest.SerializeToString,
+                                                        response_deserializer=codec.parse_chunk)
+        self.info: ShardInfo | None = None
+        self.fast: dataplane.DataPlaneChannel | None = None   # same-host shared memory
+        self._joined: tuple | None = None       # Register's arguments, to join a restarted shard
+        self.last_flat: np.ndarray | None = None  # where pulls land: weights to re-seed a shard
+        self.reset_seen = False                   # after a rejoin, pull what the shard has
+        self.session = ""                         # our credential from Register
+        self.session_timeout = 0.0                # the shard expires a silent session after this
+        self.down_since: float | None = None      # when the shard stopped answering
+        self.down_told = 0.0                      # when we last said so
+        self.restart_note = ""                    # what a restarted shard had, told once it is back
+
+    @property
+    def label(self) -> str:
+        return f"shard {self.index} at {self.address}"
+
+    def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as e:
+            code = e.code().name if e.code() is not None else "UNKNOWN"
+            raise rpc_error_for(code, f"{self.label}: {e.details()}") from None
+
+    def send(self, streaming, one, stream, timeout: float):
+        """A client stream through `streaming`, or through `one` (the same method called as
+        unary) when the stream is a single message."""
+        first = next(stream)
+        second = next(stream, None)
+        if second is None:
+            return self.call(one, first, timeout=timeout)
+        return self.call(streaming, itertools.chain((first, second), stream), timeout=timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            tls = ("is its certificate signed by --tls-ca" if self.security.tls
+                   else "does it serve TLS, needing --tls-ca")
+            raise Unavailable(f"shard {self.index} at {self.address}: no answer within {timeout:.3g} s "
+                              f"(is `pserver serve` running there, the address right, {tls}?)") from None
+
+    # --- riding out restarts ----------------------------------------------------------
+    def resilient(self, op: Callable[[], T], retry_for: float, waits: float = 0.0) -> T:
+        """Run op; on UNAVAILABLE retry with exponential backoff and jitter for up to
+        `retry_for` seconds, re-registering with a shard that came back; then fail with one
+        line naming the shard. RESOURCE_EXHAUSTED (the shard is at a bound, server/limits.py)
+        is retried the same way, and DEADLINE_EXCEEDED for `waits` seconds more in a call
+        that waits (a pull whose wait ran out on the shard: what it waits for may still come)."""
+        deadline, delay, rejoins = time.monotonic() + retry_for, 0.05, 0
+        retried = (Unavailable, ResourceExhausted) + ((DeadlineExceeded,) if waits else ())
+        while True:
+            try:
+                result = op()
+                self._say_back()
+                return result
+            except retried as e:
+                extra = waits if isinstance(e, DeadlineExceeded) else 0.0
+                if time.monotonic() + delay > deadline + extra:
+                    raise type(e)(f"{self.label}: {e.code_name.lower().replace('_', ' ')} for "
+                                  f"{retry_for + extra:g} s despite retries (--rpc-deadline); last error: {e}") from None
+                if isinstance(e, Unavailable):
+                    self._say_down(retry_for)
+                    self._drop_fast()
+                time.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(delay * 2, 2.0)
+                if isinstance(e, Unavailable):
+                    self.restart_note = self._rejoin(quiet=True) or self.restart_note
+            except FailedPrecondition as e:
+                forgot = "has not registered" in str(e) or "no worker has registered" in str(e)
+                if not forgot or self._joined is None or rejoins >= 3:
+                    raise
+                rejoins += 1                   # the shard restarted and forgot us: join again
+                note = self._rejoin(quiet=False)
+                if note:
+                    print(f"{self.label} {note}", flush=True)
+
+    def _say_down(self, retry_for: float) -> None:
+        """A line at once when the shard stops answering, then one every WAIT_NOTICE_EVERY s."""
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = self.down_told = now
+            print(f"{self.label} unreachable, retrying for up to {retry_for:g} s (--rpc-deadline)", flush=True)
+        elif now - self.down_told >= WAIT_NOTICE_EVERY:
+            self.down_told = now
+            print(f"{self.label} still unreachable after {now - self.down_since:.0f} s", flush=True)
+
+    def _say_back(self) -> None:
+        if self.down_since is None:
+            return
+        note = f"; {self.restart_note}" if self.restart_note else ""
+        print(f"{self.label} is back after {time.monotonic() - self.down_since:.1f} s{note}", flush=True)
+        self.down_since, self.restart_note = None, ""
+
+    def _rejoin(self, quiet: bool) -> str:
+        """Register again (same arguments); a shard that came back empty gets the weights
+        this worker last pulled, so training goes on from there. Returns what the restarted
+        shard had ("" when it did not restart)."""
+        if self._joined is None:
+            return ""
+        self._drop_fast()                    # bound to the old session, or to a dead process
+        try:
+            info = self._register_once(*self._joined)
+            seeded = None
+            if not info.initialized and self.last_flat is not None:
+                rank, timeout = self._joined[0], self._joined[5]
+                seeded = not self._init_once(rank, self.last_flat, timeout)
+            # A restarted shard lost the gradients it was holding for its step, ours maybe
+            # among them: waiting for the version after the one we saw could wait forever.
+            # The next pull takes whatever it holds now, and the worker goes on from there.
+            self.reset_seen = True
+            return restart_note(info, seeded)
+        except AlreadyExists:
+            return ""   # the shard did not restart: it still holds our session, which goes on
+        except Unavailable:
+            if not quiet:
+                raise
+            return ""
+
+    def _drop_fast(self) -> None:
+        if self.fast is not None:
+            self.fast.close()
+            self.fast = None
+
+    # --- operations -------------------------------------------------------------------
+    def register(self, rank, num_workers, num_shards, layout: Layout, batch_size, timeout,
+                 data_order: tuple[int, int] = (0, 0)) -> ShardInfo:
+        """Register; while an earlier session of this rank is still live on the shard (this
+        worker restarted before the shard noticed), say so and wait for it to expire."""
+        self._joined = (rank, num_workers, num_shards, layout, batch_size, timeout, data_order)
+        deadline, told = time.monotonic() + timeout, -WAIT_NOTICE_EVERY
+        while True:
+            try:
+                return self.resilient(lambda: self._register_once(*self._joined), timeout)
+            except AlreadyExists as e:
+                now = time.monotonic()
+                if now > deadline:
+                    raise
+                if now - told >= WAIT_NOTICE_EVERY:
+                    told = now
+                    print(f"{e}; waiting for that session to expire", flush=True)
+                time.sleep(0.5)
+
+    def _register_once(self, rank, num_workers, num_shards, layout, batch_size, timeout,
+                       data_order=(0, 0)) -> ShardInfo:
+        req = pb.RegisterRequest(rank=rank, num_workers=num_workers, shard=self.index,
+                                 num_shards=num_shards, batch_size=batch_size,
+                                 data_seed=data_order[0], steps_per_epoch=data_order[1],
+                                 protocol_version=codec.PROTOCOL_VERSION,
+                                 layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors],
+                                 tables=[codec.table_spec(t) for t in layout.tables])
+        r = self.call(self.stub.Register, req, timeout=timeout)
+        self.info = ShardInfo(r.mode, r.version, r.initialized, r.range_start, r.range_end,
+                              r.total_params, r.layout_signature, r.optimizer, r.lr, r.dataplane, r.host_id,
+                              r.restored_from, r.seeded_by_rank, codec.Position.of(r))
+        self.session, self.session_timeout = r.session, r.session_timeout_seconds
+        if self.data_plane == "auto" and self.fast is None:
+            self.fast = dataplane.connect(r.dataplane, r.host_id, rank, self.index,
+                                          r.range_end - r.range_start, self.label, self.security.token,
+                                          session=self.session, tables=[t.name for t in layout.tables])
+        return self.info
+
+    def init(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
+        return self.resilient(lambda: self._init_once(rank, flat, timeout), timeout)
+
+    def _init_once(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
+        if self.fast is not None:
+            return self.fast.init(flat[self.info.start:self.info.end], self.info.signature, timeout)
+        header = pb.TensorHeader(rank=rank, shard=self.index, layout_signature=self.info.signature,
+                                 session=self.session)
+        stream = codec.encode(header, flat[self.info.start:self.info.end], self.chunk_bytes)
+        return self.send(self.init_call, self.init_one, stream, timeout).already_initialized
+
+    def pull_into(self, flat: np.ndarray, rank: int, seen_version: int, clock: int,
+                  timeout: float) -> tuple[int, bool]:
+        """This shard's range, straight into flat[start:end]; returns (version, finished).
+        A shard restored from an older checkpoint refuses a newer seen_version: pull what
+        it has and go on from there."""
+        self.last_flat = flat
+
+        def attempt() -> tuple[int, bool]:
+            seen = -1 if self.reset_seen else seen_version
+            self.reset_seen = False
+            try:
+                return self._pull_once(flat, rank, seen, clock, timeout)
+            except FailedPrecondition as e:
+                if "seen_version" not in str(e):
+                    raise
+                return self._pull_once(flat, rank, -1, clock, timeout)
+
+        # A pull may legitimately wait for a slow worker until the shard gives up on it
+        # (--step-timeout, which the shard told us as the session timeout): an attempt that
+        # the shard answers DEADLINE_EXCEEDED is tried again for that long on top.
+        return self.resilient(attempt, timeout, waits=2 * self.session_timeout)
+
+    def _pull_once(self, flat, rank, seen_version, clock, timeout) -> tuple[int, bool]:
+        if self.fast is not None:
+            return self.fast.pull_into(flat[self.info.start:self.info.end], seen_version, clock, timeout)
+        req = pb.PullRequest(rank=rank, shard=self.index, seen_version=seen_version, clock=clock,
+                             session=self.session, compression=self.pull_codec)
+
+        def run() -> tuple[int, bool]:
+            header, chunks = codec.read_header(iter(self.pull_call(req, timeout=timeout)))
+            compress.receive_pull(header, chunks, flat[self.info.start:self.info.end], self._bits)
+            return header.step, header.finished
+
+        return self.call(run)
+
+    def _bits(self, n: int) -> np.ndarray:
+        """The reusable uint16 array that a bf16 pull of n elements is received into."""
+        if self.bits.size != n:
+            self.bits = np.empty(n, np.uint16)
+        return self.bits
+
+    def pull_rows(self, rank: int, table: str, ids: np.ndarray, out: np.ndarray, timeout: float) -> None:
+        """Rows of `table` for `ids` (uint64, all on this shard) into `out` (len(ids), dim):
+        through shared memory in one request when its rows buffer can hold them, else over
+        gRPC in requests of at most MAX_IDS_PER_PULL ids."""
+        def attempt() -> None:
+            if self.fast is not None and frames.fits([(ids.size, out.shape[1])]):
+                self.fast.pull_rows(table, ids, out, timeout)
+                return
+            for a in range(0, ids.size, MAX_IDS_PER_PULL):
+                b = min(a + MAX_IDS_PER_PULL, ids.size)
+                self._pull_rows_once(rank, table, ids[a:b], out[a:b], timeout)
+
+        self.resilient(attempt, timeout)
+
+    def _pull_rows_once(self, rank, table, ids, out, timeout) -> None:
+        req = pb.PullRowsRequest(rank=rank, shard=self.index, session=self.session, table=table,
+                                 ids=np.ascontiguousarray(ids, dtype="<u8").tobytes())
+
+        def run() -> None:
+            header, chunks = codec.read_header(iter(self.pull_rows_call(req, timeout=timeout)))
+            if header.num_elements != out.size:
+                raise InvalidArgument(f"num_elements: shard sent {header.num_elements} row values, "
+                                      f"expected {out.size}")
+            codec.receive_into(out, chunks)
+
+        self.call(run)
+
+    def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
+             timeout: float, rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
+             packed: codecs.Packed | None = None) -> tuple[str, int, bool]:
+        """This shard's slice of `grad` (or `packed`, that slice compressed), and `rows`: (table,
+        unique ids on this shard, their gradients) for each sparse table, in one push."""
+        return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows,
+                                                      packed), timeout)[:3]
+
+    def push_pull(self, grad: np.ndarray, flat: np.ndarray, rank: int, step: int, num_samples: int,
+                  clock: int, seen_version: int, pull_clock: int, timeout: float,
+                  rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
+                  packed: codecs.Packed | None = None) -> tuple[str, int, bool]:
+        """push, then pull_into(flat, seen_version, pull_clock): (push outcome, version pulled,
+        finished). Over the data plane the pull rides with the push (one exchange); over gRPC,
+        after a rejoin, or when that pull fails, the pull goes on its own, exactly as
+        pull_into. A refused push raises before anything is pulled."""
+        self.last_flat = flat
+        then = None if self.reset_seen else (flat[self.info.start:self.info.end], seen_version, pull_clock)
+        outcome, _, finished, pulled = self.resilient(
+            lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows, packed, then), timeout)
+        if pulled is None:
+            version, pull_finished = self.pull_into(flat, rank, seen_version, pull_clock, timeout)
+        else:
+            version, pull_finished = pulled
+        return outcome, version, finished or pull_finished
+
+    def _push_once(self, grad, rank, step, num_samples, clock, timeout, rows=(),
+                   packed=None, then_pull=None) -> tuple[str, int, bool, tuple[int, bool] | None]:
+        # The data plane carries float32 only: a compressed push goes over gRPC.
+        if packed is None and self.fast is not None and frames.fits([(ids.size, g.shape[1])
+                                                                        for _, ids, g in rows]):
+            outcome, version, finished, pulled = self.fast.push(grad[self.info.start:self.info.end], step,
+                                                                num_samples, clock, timeout, rows, then_pull)
+            return OUTCOMES.get(outcome, "unknown"), version, finished, pulled
+        header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
+                                 clock=clock, session=self.session,
+                                 sparse=[pb.SparsePart(table=t, num_ids=ids.size) for t, ids, _ in rows])
+        dense = [grad[self.info.start:self.info.end]]
+        if packed is not None:
+            header.compression, header.num_values, header.scale = (packed.compression, packed.num_values,
+                                                                   packed.scale)
+            dense = packed.arrays
+        arrays = dense + [a for _, ids, g in rows for a in (ids, g)]
+        stream = codec.encode_parts(header, arrays, self.chunk_bytes,
+                                    packed.num_elements if packed is not None else None)
+        reply = self.send(self.push_call, self.push_one, stream, timeout)
+        return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished, None
+
+    def checkpoint(self, rank: int, timeout: float, then_stop: bool = False) -> tuple[str, int]:
+        request = pb.CheckpointRequest(rank=rank, session=self.session, then_stop=then_stop)
+        r = self.resilient(lambda: self.call(self.stub.Checkpoint, request, timeout=timeout), timeout)
+        return r.path, r.version
+
+    def status(self, timeout: float) -> pb.StatusReply:
+        return self.call(self.stub.Status, pb.StatusRequest(), timeout=timeout)
+
+    def leave(self, rank: int, timeout: float) -> None:
+        self.call(self.stub.Leave, pb.LeaveRequest(rank=rank, session=self.session), timeout=timeout)
+
+    def heartbeat(self, rank: int, timeout: float) -> None:
+        self.call(self.stub.Heartbeat, pb.HeartbeatRequest(rank=rank, session=self.session), timeout=timeout)
+
+    def close(self) -> None:
+        if self.fast is not None:
+            self.fast.close()
+        self.channel.close()
+
+
+def restart_note(info: ShardInfo, seeded: bool | None) -> str:
+    """What a restarted shard had when this worker joined it again; `seeded`: whether this
+    worker's Init gave it the values (None: it did not try, the shard had values)."""
+    if info.restored_from:
+        source = f"restored from checkpoint {info.restored_from}"
+    elif seeded:
+        source = "re-seeded from this worker's weights"
+    elif seeded is False:
+        source = "re-seeded from another worker's weights"
+    elif info.seeded_by_rank >= 0:
+        source = ("re-seeded from the chief's weights" if info.seeded_by_rank == 0
+                  else f"re-seeded from worker {info.seeded_by_rank}'s weights")
+    else:
+        source = "empty: the next worker to reach it re-seeds it"
+    return f"restarted at version {max(info.version, 0)}; {source}"
+
+
+class PSClient:
+    """All shards at once. Calls to several shards run in parallel threads (gRPC releases
+    the GIL while it waits on the network), so a step costs the slowest shard, not the sum."""
+
+    def __init__(self, addresses: Sequence[str], rank: int = 0, num_workers: int = 1,
+                 chunk_bytes: int = codec.CHUNK_BYTES, rpc_deadline: float = 300.0,
+                 data_plane: str = "auto", security: ClientSecurity = ClientSecurity(),
+                 compression: str = "none", pull_compression: str = "none") -> None:
+        self.rank, self.num_workers, self.rpc_deadline = rank, num_workers, rpc_deadline
+        self.compression = codecs.parse(compression)
+        self.pull_compression = codecs.parse_pull(pull_compression)
+        self.feedback: compress.ErrorFeedback | None = None   # made at register, sized by the layout
+        self.shards = [ShardClient(j, a, chunk_bytes, data_plane, security, self.pull_compression)
+                       for j, a in enumerate(addresses)]
+        self._pool = ThreadPoolExecutor(max_workers=len(self.shards) - 1, thread_name_prefix="ps-client") \
+            if len(self.shards) > 1 else None
+        self.versions = [-1] * len(self.shards)
+        self.finished = False          # a shard said the run is over (e.g. backup quorum gone)
+        self._heartbeat: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def each(self, fn: Callable[[ShardClient], T]) -> list[T]:
+        """fn on every shard, in parallel; the first error (by shard order) is raised. The
+        last shard's call runs in this thread, which would otherwise only wait."""
+        if self._pool is None:
+            return [fn(s) for s in self.shards]
+        futures = [self._pool.submit(fn, s) for s in self.shards[:-1]]
+        try:
+            last, error = fn(self.shards[-1]), None
+        except Exception as e:
+            last, error = None, e
+        results = [f.result() for f in futures]
+        if error is not None:
+            raise error
+        return results + [last]
+
+    def connect(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self.each(lambda s: s.wait_ready(max(0.1, deadline - time.monotonic())))
+
+    def register(self, layout: Layout, batch_size: int = 0,
+                 data_order: tuple[int, int] = (0, 0)) -> list[ShardInfo]:
+        """Register with every shard. `data_order` (seed, steps per epoch) is recorded with
+        this rank's position, which each ShardInfo returns (docs/semantics.md, "Resuming")."""
+        # versions stay "none seen": the first pull takes whatever is current, which for
+        # a restarted worker is the version the others have reached.
+        infos = self.each(lambda s: s.register(self.rank, self.num_workers, len(self.shards),
+                                               layout, batch_size, self.rpc_deadline, data_order))
+        if self.compression.name != "none" and self.feedback is None:
+            self.feedback = compress.ErrorFeedback(self.compression, infos[0].total)
+        if self._heartbeat is None:
+            self._heartbeat = threading.Thread(target=self._beat, name="ps-heartbeat", daemon=True)
+            self._heartbeat.start()
+        return infos
+
+    def _beat(self) -> None:
+        """Keep this worker's sessions live while it computes or evaluates: a shard expires a
+        session that made no call for its --step-timeout. Errors are the main calls' to report."""
+        while not self._stop.wait(min(5.0, max(0.05, min(s.session_timeout for s in self.shards) / 4))):
+            for s in self.shards:
+                try:
+                    s.heartbeat(self.rank, timeout=2.0)
+                except PServerError:
+                    pass
+
+    def plane_description(self) -> str:
+        fast = sum(s.fast is not None for s in self.shards)
+        plane = ("payloads over gRPC streams" if fast == 0 else "payloads through shared memory"
+                 if fast == len(self.shards) else f"shared memory with {fast} of {len(self.shards)}")
+        if self.feedback is not None:
+            told = "; pushes go over gRPC: shared memory carries float32 only" if fast else ""
+            plane += f"; pushes compressed {self.compression} with error feedback{told}"
+        if self.pull_compression != "none":
+            how = "pulls over shared memory stay float32" if fast == len(self.shards) else "gRPC pulls in bf16"
+            plane += f"; {how}"
+        return plane
+
+    def init(self, flat: np.ndarray) -> list[bool]:
+        return self.each(lambda s: s.init(self.rank, flat, self.rpc_deadline))
+
+    def pull(self, flat: np.ndarray, clock: int = 0, seen: Sequence[int] | None = None) -> list[int]:
+        """Pull every shard's range into `flat` (waiting as the mode says); returns versions."""
+        seen = self.versions if seen is None else seen
+        replies = self.each(lambda s: s.pull_into(flat, self.rank, seen[s.index], clock,
+                                                  self.rpc_deadline))
+        self.versions = [v for v, _ in replies]
+        self.finished |= any(f for _, f in replies)
+        return self.versions
+
+    def owners(self, lookups: Sequence[sparse.TableLookup]) -> list[list[np.ndarray | slice]]:
+        """For each lookup, for each shard: the positions in lookup.uniq of the ids it holds
+        (with one shard, a slice of all of them: no gather, no scatter). Lookups that share
+        their ids (tables fed the same ids) share the answer."""
+        n = len(self.shards)
+        if n == 1:
+            return [[slice(None)] for _ in lookups]
+        out, done = [], {}
+        for lk in lookups:
+            if id(lk.uniq) not in done:
+                done[id(lk.uniq)] = self._split_by_owner(sparse.shard_of(lk.uniq, n), n)
+            out.append(done[id(lk.uniq)])
+        return out
+
+    @staticmethod
+    def _split_by_owner(owner: np.ndarray, n: int) -> list[np.ndarray]:
+        if n <= 16:        # a pass per shard beats a sort (n log n) of 64k owners
+            return [np.flatnonzero(owner == j) for j in range(n)]
+        order = np.argsort(owner, kind="stable")
+        return np.split(order, np.searchsorted(owner[order], np.arange(1, n)))
+
+    def pull_rows(self, lookups: Sequence[sparse.TableLookup], tables: Sequence[str]) -> None:
+        """Fill each lookup's rows from the shards that hold them (all shards in parallel)."""
+        owners = self.owners(lookups)
+
+        def pull(s: ShardClient) -> None:
+            for lk, name, where in zip(lookups, tables, owners):
+                idx = where[s.index]
+                ids = lk.uniq[idx]
+                if ids.size:
+                    whole = isinstance(idx, slice)
+                    rows = lk.rows if whole else np.empty((ids.size, lk.rows.shape[1]), dtype=np.float32)
+                    s.pull_rows(self.rank, name, ids, rows, self.rpc_deadline)
+                    if not whole:
+                        lk.rows[idx] = rows
+        self.each(pull)
+
+    def push(self, grad: np.ndarray, num_samples: int, clock: int = 0,
+             steps: Sequence[int] | None = None, lookups: Sequence[sparse.TableLookup] = (),
+             tables: Sequence[str] = ()) -> list[tuple[str, int]]:
+        """Push each shard its slice of `grad`, and the gradients of the sparse rows it holds
+        (each lookup's grads, already summed per unique id), computed on `steps` (default:
+        last pulled); returns (outcome, version) per shard."""
+        steps = self.versions if steps is None else steps
+        rows = self._rows(lookups, tables)
+        replies = self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
+                                             self.rpc_deadline, rows[s.index], self._packed(grad, s)))
+        self.finished |= any(f for _, _, f in replies)
+        return [(o, v) for o, v, _ in replies]
+
+    def push_pull(self, grad: np.ndarray, flat: np.ndarray, num_samples: int, clock: int = 0,
+                  lookups: Sequence[sparse.TableLookup] = (), tables: Sequence[str] = ()) -> list[str]:
+        """A worker's step on the shards: push (as push, computed on the versions last
+        pulled), then pull into `flat` with clock + 1 (as pull); the outcome per shard. Over
+        the data plane each shard answers both in one exchange. A refused push raises, and
+        then nothing is known to be pulled: pull again."""
+        rows = self._rows(lookups, tables)
+        seen = self.versions
+        replies = self.each(lambda s: s.push_pull(grad, flat, self.rank, seen[s.index], num_samples, clock,
+                                                  seen[s.index], clock + 1, self.rpc_deadline, rows[s.index],
+                                                  self._packed(grad, s)))
+        self.versions = [v for _, v, _ in replies]
+        self.finished |= any(f for _, _, f in replies)
+        return [o for o, _, _ in replies]
+
+    def _rows(self, lookups: Sequence[sparse.TableLookup], tables: Sequence[str]) -> list[list]:
+        """Per shard: (table, unique ids it holds, their gradients) for each lookup."""
+        owners = self.owners(lookups)
+        return [[(name, lk.uniq[w[j]], lk.grads[w[j]]) for lk, name, w in zip(lookups, tables, owners)]
+                for j in range(len(self.shards))]
+
+    def _packed(self, grad: np.ndarray, s: ShardClient) -> codecs.Packed | None:
+        """Shard s's slice of grad compressed, residual added and kept (None: --compress none)."""
+        return None if self.feedback is None else self.feedback.pack(grad, s.info.start, s.info.end)
+
+    def status(self, timeout: float = 10.0) -> list[pb.StatusReply]:
+        return self.each(lambda s: s.status(timeout))
+
+    def leave(self) -> None:
+        self._stop.set()
+        self.each(lambda s: s.leave(self.rank, 10.0))
+
+    def leave_on_stop(self, timeout: float = LEAVE_ON_STOP_S) -> None:
+        """Leave every shard on the way out of a stopped run, so that no step waits
+        --step-timeout for us. From this thread, one shard after another: the pool's threads
+        may be parked in a pull. Errors are ignored: the worker exits either way."""
+        self._stop.set()
+        for s in self.shards:
+            if s.session:
+                try:
+                    s.leave(self.rank, timeout)
+                except PServerError:
+                    pass
+
+    def checkpoint(self) -> list[tuple[str, int]]:
+        """Ask every shard to write a checkpoint now; ("", version) where it keeps none."""
+        return self.each(lambda s: s.checkpoint(self.rank, self.rpc_deadline))
+
+    def stop_shards(self) -> list[tuple[str, int]]:
+        """The chief's last call: every shard checkpoints, then exits 0 (--stop-shards)."""
+        return self.each(lambda s: s.checkpoint(self.rank, self.rpc_deadline, then_stop=True))
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in self.shards:
+            s.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
