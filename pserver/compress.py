@@ -1,4 +1,5 @@
-"""Moved to pserver.wire.compress, pserver.worker.compress and pserver.server.compress: this path warns and goes away in the next release."""
+"""Moved to pserver.wire.compress, pserver.worker.compress and pserver.server.compress: this
+path warns and goes away in the next release."""
 
 from pserver._moved import forward
 

@@ -1,4 +1,5 @@
-"""Moved to pserver.wire.frames, pserver.server.dataplane and pserver.worker.dataplane: this path warns and goes away in the next release."""
+"""Moved to pserver.wire.frames, pserver.server.dataplane and pserver.worker.dataplane: this
+path warns and goes away in the next release."""
 
 from pserver._moved import forward
 

@@ -1,4 +1,5 @@
-"""Moved to pserver.models.saved (evaluate_files: pserver.api): this path warns and goes away in the next release."""
+"""Moved to pserver.models.saved (evaluate_files: pserver.api): this path warns and goes away
+in the next release."""
 
 from pserver._moved import forward
 

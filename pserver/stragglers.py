@@ -1,4 +1,5 @@
-"""Moved to pserver.worker.stragglers (parse_delay: pserver.config): this path warns and goes away in the next release."""
+"""Moved to pserver.worker.stragglers (parse_delay: pserver.config): this path warns and goes
+away in the next release."""
 
 from pserver._moved import forward
 
