@@ -167,10 +167,12 @@ def sparse_figure(path: Path, results: list[dict], baseline: float, args, target
     cmap = plt.get_cmap("tab10")
     for ax, op in zip(axes, ("pull", "push")):
         for i, plane in enumerate(dict.fromkeys(r["plane"] for r in results)):
-            pts = sorted((r["shards"], r["rows_per_s"]) for r in results if r["plane"] == plane and r["op"] == op)
+            pts = sorted((r["shards"], r["rows_per_s"]) for r in results
+                         if r["plane"] == plane and r["op"] == op)
             xs = [s for s, _ in pts]
             med = np.array([np.median(v) for _, v in pts]) / 1e6
-            err = [med - np.array([min(v) for _, v in pts]) / 1e6, np.array([max(v) for _, v in pts]) / 1e6 - med]
+            err = [med - np.array([min(v) for _, v in pts]) / 1e6,
+                   np.array([max(v) for _, v in pts]) / 1e6 - med]
             ax.errorbar(xs, med, yerr=err, color=cmap(i), marker="o", capsize=3, label=plane)
         ax.axhline(baseline / 1e6, color="grey", ls="--", lw=0.9, label="np.add.at (in process)")
         ax.axhline(target / 1e6, color="grey", ls=":", lw=0.9, label=f"target {target / 1e6:g}M rows/s")

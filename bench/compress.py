@@ -85,9 +85,10 @@ def codecs(entry: str) -> tuple[str, str]:
 def one_run(codec: str, rate: str, args, tmp: Path) -> dict:
     push, pull = codecs(codec)
     with link(rate) as (ps_pre, w_pre, host):
-        shard = subprocess.Popen(ps_pre + PY + ["serve", "--host", host, "--port", str(PORT), "--mode", "async",
-                                                "--num-workers", str(args.workers), "--optimizer", "momentum",
-                                                "--lr", str(args.lr), "--data-plane", "grpc"],
+        shard = subprocess.Popen(ps_pre + PY + ["serve", "--host", host, "--port", str(PORT),
+                                                "--mode", "async", "--num-workers", str(args.workers),
+                                                "--optimizer", "momentum", "--lr", str(args.lr),
+                                                "--data-plane", "grpc"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         workers = []
         try:
@@ -186,12 +187,15 @@ def speedups(summary: list[dict]) -> list[list[str]]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--codecs", default="none,bf16,bf16+bf16,none+bf16,fp16+bf16,topk:0.01,topk:0.01+bf16,sign")
+    p.add_argument("--codecs",
+                   default="none,bf16,bf16+bf16,none+bf16,fp16+bf16,topk:0.01,topk:0.01+bf16,sign")
     p.add_argument("--links", default="1gbit,loopback,10gbit")
-    p.add_argument("--data-dir", default=None, help="the MNIST IDX files (default: pserver's cache directory)")
+    p.add_argument("--data-dir", default=None, help="the MNIST IDX files "
+                                                    "(default: pserver's cache directory)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64, help="per worker (default 64: at 128 no codec reached 0.96 in 2 epochs here)")
+    p.add_argument("--batch-size", type=int, default=64, help="per worker (default 64: at 128 no codec "
+                                                              "reached 0.96 in 2 epochs here)")
     p.add_argument("--lr", type=float, default=0.02, help="momentum 0.9 on the shard")
     p.add_argument("--eval-every", type=float, default=2.0)
     p.add_argument("--repeats", type=int, default=5, help="runs per link and codec, interleaved (default 5)")
@@ -222,8 +226,9 @@ def main(argv=None) -> int:
                 for codec in args.codecs.split(","):      # codecs interleaved within each round
                     rows.append(one_run(codec, rate, args, Path(tmp)) | {"repeat": repeat})
                     r = rows[-1]
-                    print(f"{rate:9s} {codec:10s} {repeat + 1}/{args.repeats} to {args.target}: {r['time_to_target_s']} s, "
-                          f"final {r['final_accuracy']:.4f}, run {r['run_wall_s']} s, load {os.getloadavg()[0]:.1f}",
+                    print(f"{rate:9s} {codec:10s} {repeat + 1}/{args.repeats} to {args.target}: "
+                          f"{r['time_to_target_s']} s, final {r['final_accuracy']:.4f}, run "
+                          f"{r['run_wall_s']} s, load {os.getloadavg()[0]:.1f}",
                           flush=True)
                     out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))   # partial
     host = machine() | {"loadavg_after": os.getloadavg()}

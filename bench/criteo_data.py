@@ -84,7 +84,8 @@ def main() -> None:
     timed_epoch(load_dataset("criteo-synthetic", samples=1000, test_samples=100), 1, 16)
     for workers in args.workers:
         n, wall, cpu = timed_epoch(ds, workers, args.batch_size)
-        rows.append(["criteo-synthetic", str(workers), f"{n:,}", f"{n / wall:,.0f}", f"{n / cpu:,.0f}", "samples/s"])
+        rows.append(["criteo-synthetic", str(workers), f"{n:,}", f"{n / wall:,.0f}", f"{n / cpu:,.0f}",
+                     "samples/s"])
     print(table(["what", "workers", "rank 0's samples", "per s (wall)", "per s (CPU)", "unit"], rows, left=1))
 
 

@@ -135,7 +135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     g = p.add_argument_group("grid (defaults: the full grid, or --quick's)")
     g.add_argument("--workers", help=f"worker counts N (full: {FULL['workers']})")
-    g.add_argument("--modes", help="mode families and/or labels, e.g. sync,backup,async,ssp or sync,backup-b1")
+    g.add_argument("--modes",
+                   help="mode families and/or labels, e.g. sync,backup,async,ssp or sync,backup-b1")
     g.add_argument("--backup", help="backup b values: integers or N/4 (full: 1,N/4); only 0 < b < N run")
     g.add_argument("--staleness", help="ssp s values (full: 1,4)")
     g.add_argument("--profiles", help="straggler profiles among none,heavy,slow4x")
@@ -164,9 +165,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--ref-workers", type=int, default=4, help="reference scenario's N (else the largest)")
     s.add_argument("--ref-profile", default="heavy", help="reference scenario's profile")
     p.add_argument("--out", default="results/modes", help="output directory (default results/modes)")
-    p.add_argument("--list", action="store_true", help="print the configurations and what is skipped; run nothing")
+    p.add_argument("--list", action="store_true",
+                   help="print the configurations and what is skipped; run nothing")
     p.add_argument("--no-plots", dest="plots", action="store_false",
-                   help="write results.json, results.csv and summary.md but no figures (no matplotlib needed)")
+                   help="write results.json, results.csv and summary.md but no figures "
+                        "(no matplotlib needed)")
     p.add_argument("--replot", action="store_true",
                    help="run nothing: rewrite summary.md, results.csv and the PNGs from --out's results.json")
     p.add_argument("extra", nargs="*", help="more flags for every pserver launch (after --)")
@@ -206,7 +209,8 @@ def variants(n: int, args) -> tuple[list[tuple], list[str]]:
                 else:
                     notes.append(f"N={n}: backup b={b} skipped (needs 0 < b < N)")
         elif fam in ("async", "ssp"):
-            values = [0] if fam == "async" else [int(x) for x in (only[1:] if only else args.staleness).split(",")]
+            values = [0] if fam == "async" else [int(x) for x in
+                                                 (only[1:] if only else args.staleness).split(",")]
             out += [(fam, 0, s) for s in values]
         else:
             raise SystemExit(f"--modes: unknown mode '{fam}'")
@@ -424,9 +428,9 @@ def run_figures(s: dict, sc: Scenario, args) -> dict:
             "final_accuracy": s["test_accuracy"],
             **{k: s[k] for k in keep}, **worker_figures(s, sc),
             "curve": curve,
-            "workers": [{k: w[k] for k in ("rank", "steps", "wall_seconds", "compute_seconds", "delay_seconds",
-                                           "push_seconds", "pull_seconds", "push_pull_seconds",
-                                           "idle_fraction") if k in w}
+            "workers": [{k: w[k] for k in ("rank", "steps", "wall_seconds", "compute_seconds",
+                                           "delay_seconds", "push_seconds", "pull_seconds",
+                                           "push_pull_seconds", "idle_fraction") if k in w}
                         for w in s.get("workers", [])]}
 
 
@@ -466,11 +470,13 @@ def progress_line(i: int, total: int, sc: Scenario, rec: dict, args) -> str:
 def stat(values: list, late_is_never: bool = False) -> dict | None:
     """median/min/max over the repeats that have a value; for time to target, a repeat that
     never reached it counts as infinitely late (and an infinite statistic is written null)."""
-    vals = [math.inf if v is None else v for v in values] if late_is_never else [v for v in values if v is not None]
+    vals = ([math.inf if v is None else v for v in values] if late_is_never
+            else [v for v in values if v is not None])
     if not vals:
         return None
     fin = lambda x: None if math.isinf(x) else x      # noqa: E731
-    out = {"median": fin(statistics.median(vals)), "min": fin(min(vals)), "max": fin(max(vals)), "n": len(vals)}
+    out = {"median": fin(statistics.median(vals)), "min": fin(min(vals)), "max": fin(max(vals)),
+           "n": len(vals)}
     if late_is_never:
         out["reached"] = sum(1 for v in values if v is not None)
     return out
@@ -479,8 +485,10 @@ def stat(values: list, late_is_never: bool = False) -> dict | None:
 def aggregate(sc: Scenario, records: list[dict]) -> dict:
     ok = [r for r in records if r["ok"]]
     metrics = {m: stat([r[m] for r in ok], m == "time_to_target_s") if ok else None for m in METRICS}
-    return {"label": sc.label, "name": sc.name, **asdict(sc), "slug": sc.slug, "repeats": len(records), "ok": len(ok),
-            "failures": [f"repeat {r['repeat']}: {r['error']} (log {r['log']})" for r in records if not r["ok"]],
+    return {"label": sc.label, "name": sc.name, **asdict(sc), "slug": sc.slug, "repeats": len(records),
+            "ok": len(ok),
+            "failures": [f"repeat {r['repeat']}: {r['error']} (log {r['log']})"
+                         for r in records if not r["ok"]],
             "metrics": metrics, "runs": records}
 
 
@@ -542,7 +550,8 @@ def modes_object(entries: list[dict], n: int, profile: str) -> dict:
                                "time_to_target_s": med(e, "time_to_target_s"),
                                "samples_per_s": med(e, "samples_per_s"),
                                "final_accuracy": med(e, "final_accuracy"),
-                               "target_reached_in": f"{tt['reached']}/{e['repeats']}" if tt else f"0/{e['repeats']}",
+                               "target_reached_in": (f"{tt['reached']}/{e['repeats']}" if tt
+                                                     else f"0/{e['repeats']}"),
                                "ranges": {m: e["metrics"][m] for m in
                                           ("time_to_target_s", "samples_per_s", "final_accuracy")}}
     return out
@@ -578,8 +587,9 @@ def write_csv(path: Path, entries: list[dict]) -> None:
 
 
 def config_rows(entries: list[dict], target: float) -> tuple[list[str], list[list[str]]]:
-    headers = ["N", "profile", "mode", "ok", "samples/s", "updates/s", f"time to {target:g} (s)", "acc @ budget",
-               "acc @ samples", "final acc", "staleness mean/max", "dropped late", "idle mean", "delay share"]
+    headers = ["N", "profile", "mode", "ok", "samples/s", "updates/s", f"time to {target:g} (s)",
+               "acc @ budget", "acc @ samples", "final acc", "staleness mean/max", "dropped late",
+               "idle mean", "delay share"]
     rows = []
     for e in entries:
         m = e["metrics"]
@@ -614,9 +624,11 @@ def compare(a: dict | None, b: dict | None, name_a: str, name_b: str, target: fl
     """One sentence on whether a reached the target sooner than b, with the numbers."""
     ta, tb = (e and e["metrics"]["time_to_target_s"] for e in (a, b))
     if not a or not b:
-        return f"{name_a} against {name_b} was not measured (no {name_a if not a else name_b} run in this grid)."
+        return (f"{name_a} against {name_b} was not measured (no {name_a if not a else name_b} run in "
+                "this grid).")
     if not ta or not tb:
-        return f"{name_a} and {name_b} cannot be compared: every repeat of {name_a if not ta else name_b} failed."
+        return (f"{name_a} and {name_b} cannot be compared: every repeat of "
+                f"{name_a if not ta else name_b} failed.")
     if ta["median"] is None and tb["median"] is None:
         return f"neither {name_a} nor {name_b} reached {target:g} (median of the repeats)."
     if ta["median"] is None or tb["median"] is None:
@@ -678,10 +690,11 @@ def profile_notes(args, calibration: dict, entries: list[dict]) -> list[str]:
     share = f" (delay share {min(shares):.2f}-{max(shares):.2f} in these runs)" if shares else ""
     notes = ["none: no injected delay."] if "none" in ran else []
     if "heavy" in ran:
-        notes.append(f"heavy: `--delay {args.heavy}` on every worker: a seeded lognormal sleep per step (mean "
-                     "in seconds, log-space sigma), heavy-tailed: some steps take several times the mean. The "
-                     "mean is chosen well above a step's compute here, so the sleep, which uses no CPU, "
-                     f"dominates compute{share} and N processes on few cores behave more like N machines.")
+        notes.append(f"heavy: `--delay {args.heavy}` on every worker: a seeded lognormal sleep per step "
+                     "(mean in seconds, log-space sigma), heavy-tailed: some steps take several times the "
+                     "mean. The mean is chosen well above a step's compute here, so the sleep, which uses no "
+                     f"CPU, dominates compute{share} and N processes on few cores behave more like N "
+                     "machines.")
     for n, c in sorted(calibration.items()):
         ratio = [med(e, "slow_step_ratio") for e in entries
                  if e["workers"] == n and e["profile"] == "slow4x" and e["mode"] == "async"]
@@ -689,7 +702,8 @@ def profile_notes(args, calibration: dict, entries: list[dict]) -> list[str]:
                     if ratio and ratio[0] else "")
         notes.append(f"slow4x N={n}: " + (c["error"] if "error" in c else
                      f"`--delay fixed:{c['delay_s']:.4f} --delay-ranks 0`: rank 0 sleeps "
-                     f"{args.slow_factor - 1:g}x the base step ({c.get('base_step_s', float('nan')) * 1e3:.2f} ms, "
+                     f"{args.slow_factor - 1:g}x the base step "
+                     f"({c.get('base_step_s', float('nan')) * 1e3:.2f} ms, "
                      f"{c['source']}), so its step takes ~{args.slow_factor:g}x the others'{measured}. "
                      "launch gives one delay to the ranks in --delay-ranks, so a base delay on every worker "
                      "with 4x on one cannot be expressed: the others run at compute speed."))
@@ -704,12 +718,13 @@ def context_notes(args, grid: list[Scenario], skipped: list[str]) -> list[str]:
         notes.append(f"compute is oversubscribed at N = {', '.join(map(str, over))}: N workers and {args.ps} "
                      f"shard(s) share {cores} cores, so without injected delays throughput cannot scale "
                      "with N there; speed-ups at those N measure the machine, not the modes.")
-    notes.append(f"every process of a run (N workers + {args.ps} shard(s)) shares this machine's {cores} cores; "
-                 "other processes on it (load average above) slow runs unevenly.")
+    notes.append(f"every process of a run (N workers + {args.ps} shard(s)) shares this machine's {cores} "
+                 "cores; other processes on it (load average above) slow runs unevenly.")
     return notes + skipped
 
 
-def write_summary(path: Path, ctx: dict, entries: list[dict], scale: list[dict], pngs: list[str], args) -> None:
+def write_summary(path: Path, ctx: dict, entries: list[dict], scale: list[dict], pngs: list[str],
+                  args) -> None:
     n, profile = ctx["reference"]["workers"], ctx["reference"]["profile"]
     ref = [e for e in entries if e["workers"] == n and e["profile"] == profile]
     ns = sorted({e["workers"] for e in entries})
@@ -726,7 +741,8 @@ def write_summary(path: Path, ctx: dict, entries: list[dict], scale: list[dict],
              "## Straggler profiles", "", *[f"- {x}" for x in ctx["profiles"]], "",
              "## Notes", "", *[f"- {x}" for x in ctx["notes"]], "",
              "## Definitions", "", DEFINITIONS.replace("--budget", f"--budget ({args.budget:g})")
-             .replace("--samples", f"--samples ({args.samples:,})").replace("--target", f"--target ({args.target:g})"),
+             .replace("--samples", f"--samples ({args.samples:,})")
+             .replace("--target", f"--target ({args.target:g})"),
              "", "## Failed runs", ""]
     failures = [f"- {e['name']}: {f}" for e in entries for f in e["failures"]]
     lines += failures or ["none"]
@@ -762,11 +778,13 @@ def header(args, grid: list[Scenario], skipped: list[str]) -> dict:
     ctx = {"machine": m, "machine_lines": machine_lines(m),
            "command": " ".join(shlex.quote(a) for a in ["python", "bench/modes.py", *sys.argv[1:]]),
            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "training": (f"{data}; mlp 784-{args.hidden.replace(',', '-')}-10, {args.optimizer} lr {args.lr:g}, "
-                        f"batch {args.batch_size} per worker, {args.epochs} epoch(s) (each worker a 1/N slice), "
-                        f"{args.ps} shard(s), chief evaluates every {args.eval_every:g} s; seeds {args.seed}.."
+           "training": (f"{data}; mlp 784-{args.hidden.replace(',', '-')}-10, {args.optimizer} "
+                        f"lr {args.lr:g}, batch {args.batch_size} per worker, {args.epochs} epoch(s) "
+                        f"(each worker a 1/N slice), {args.ps} shard(s), chief evaluates every "
+                        f"{args.eval_every:g} s; seeds {args.seed}.."
                         f"{args.seed + args.repeats - 1} (one per repeat); target {args.target:g}, budget "
-                        f"{args.budget:g} s, {args.samples:,} samples; timeout {args.timeout:g} s per launch"),
+                        f"{args.budget:g} s, {args.samples:,} samples; timeout {args.timeout:g} s "
+                        "per launch"),
            "notes": context_notes(args, grid, skipped)}
     print(f"pserver consistency modes: {len(grid)} configurations x {args.repeats} repeat(s)")
     for line in ctx["machine_lines"] + [ctx["training"]] + ctx["notes"]:
@@ -801,7 +819,8 @@ def write_outputs(out: Path, ctx: dict, entries: list[dict], calibration: dict, 
     pngs = plots.draw_all(out, entries, scale, n, args) if plots else []
     write_summary(out / "summary.md", ctx, entries, scale, pngs, args)
     print(f"\n{ctx['findings']}\n")
-    headers, rows = config_rows([e for e in entries if e["workers"] == n and e["profile"] == profile], args.target)
+    headers, rows = config_rows([e for e in entries if e["workers"] == n and e["profile"] == profile],
+                                args.target)
     print(table(headers, rows, left=3))
     print(f"\nwrote {', '.join(str(out / f) for f in ['summary.md', 'results.json', 'results.csv', *pngs])}")
 

@@ -197,8 +197,10 @@ def result_table(results: list[dict], base: float) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", type=positive_ints, default=[1, 2, 4], help="shard counts (default 1,2,4)")
-    p.add_argument("--rows", type=int, default=1 << 20, help="rows per shard in the table (default 1,048,576)")
-    p.add_argument("--ids", type=int, default=1 << 16, help="distinct ids per shard per request (default 65,536)")
+    p.add_argument("--rows", type=int, default=1 << 20, help="rows per shard in the table "
+                                                             "(default 1,048,576)")
+    p.add_argument("--ids", type=int, default=1 << 16, help="distinct ids per shard per request "
+                                                            "(default 65,536)")
     p.add_argument("--dim", type=int, default=16, help="floats per row (default 16)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (default 5)")
     p.add_argument("--json", metavar="PATH", help="write the results here (default results/sparse.json)")

@@ -47,7 +47,8 @@ def start_shards(n: int, ckpt: str) -> tuple[list[subprocess.Popen], list[str]]:
     for j in range(n):
         p = subprocess.Popen([sys.executable, "-m", "pserver", "serve", "--port", "0", "--shard", str(j),
                               "--num-shards", str(n), "--num-workers", "1", "--checkpoint-dir", ckpt,
-                              "--optimizer", "sgd"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              "--optimizer", "sgd"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in p.stdout:
             if "listening on" in line:
                 addrs.append(line.split("listening on")[1].split()[0].rstrip(",;"))
@@ -58,14 +59,17 @@ def start_shards(n: int, ckpt: str) -> tuple[list[subprocess.Popen], list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ids", type=positive_ints, default=[10_000_000], help="distinct ids to push (default 10M)")
+    ap.add_argument("--ids", type=positive_ints, default=[10_000_000], help="distinct ids to push "
+                                                                            "(default 10M)")
     ap.add_argument("--dim", type=int, default=16, help="values per row (default 16)")
     ap.add_argument("--shards", type=int, default=2, help="shards (default 2)")
-    ap.add_argument("--optimizer", default="adagrad", choices=sorted(SLOTS), help="row optimizer (default adagrad)")
+    ap.add_argument("--optimizer", default="adagrad", choices=sorted(SLOTS), help="row optimizer "
+                                                                                  "(default adagrad)")
     ap.add_argument("--batch", type=int, default=1 << 18, help="ids per push (default 262144)")
     ap.add_argument("--data-plane", default="auto", choices=("auto", "grpc"),
                     help="how the pushes travel: auto (shared memory, this machine) or grpc (default auto)")
-    ap.add_argument("--json", default=None, help="write the results here (default results/sparse_memory.json)")
+    ap.add_argument("--json", default=None, help="write the results here "
+                                                 "(default results/sparse_memory.json)")
     args = ap.parse_args()
     m = machine()
     print("\n".join(machine_lines(m)), flush=True)
@@ -133,8 +137,8 @@ def measure(args, layout: Layout, procs, addrs) -> dict:
     worst = max(per_row)
     print(f"worst shard: {worst:.1f} bytes/row = {worst / bound:.2f} x the bound")
     return {"ids": n, "dim": dim, "optimizer": args.optimizer, "shards": args.shards, "rows": rows,
-            "rss_idle": idle, "rss_after": after, "rss_peak_checkpoint": peak, "table_bytes": held, "bytes_per_row": per_row,
-            "bound_bytes_per_row": bound, "push_seconds": seconds}
+            "rss_idle": idle, "rss_after": after, "rss_peak_checkpoint": peak, "table_bytes": held,
+            "bytes_per_row": per_row, "bound_bytes_per_row": bound, "push_seconds": seconds}
 
 
 if __name__ == "__main__":

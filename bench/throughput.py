@@ -54,15 +54,17 @@ def machine() -> str:
 def run_once(mode: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "s.json")
-        cmd = [sys.executable, "-m", "pserver", "launch", "--ps", "1", "--workers", str(WORKERS), "--mode", mode,
-               *MODE_FLAGS[mode], "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(BATCH),
+        cmd = [sys.executable, "-m", "pserver", "launch", "--ps", "1", "--workers", str(WORKERS),
+               "--mode", mode, *MODE_FLAGS[mode],
+               "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(BATCH),
                "--samples", str(SAMPLES), "--test-samples", str(TEST_SAMPLES),
                "--epochs", str(args.epochs), "--optimizer", "sgd", "--lr", str(LR), "--log-every", "100000",
                "--summary-json", path, *args.extra]
         started = time.monotonic()
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            raise SystemExit(f"{mode}: pserver launch failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+            raise SystemExit(f"{mode}: pserver launch failed ({r.returncode}):\n"
+                             f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
         s = json.load(open(path))
         return {"mode": mode, "train_samples_per_second": s["train_samples_per_second"],
                 "wall_seconds": s["wall_seconds"], "steps": s["steps"],
@@ -76,7 +78,8 @@ def time_split(workers: list[dict]) -> dict:
     cores with the shard cost."""
     split = {k: sum(w.get(f"{k}_seconds", 0.0) / w["wall_seconds"] for w in workers) / len(workers)
              for k in SPLIT}
-    split["compute_ms_per_step"] = 1e3 * sum(w["compute_seconds"] / w["steps"] for w in workers) / len(workers)
+    split["compute_ms_per_step"] = (1e3 * sum(w["compute_seconds"] / w["steps"] for w in workers)
+                                    / len(workers))
     return split
 
 
@@ -125,11 +128,13 @@ def compute_child(seconds: float) -> None:
 def tf_once(args) -> dict | None:
     """TensorFlow PSS on the same task, from its own virtual environment; None without one."""
     script = Path(__file__).resolve().parent / "tf_baseline" / "ps_mlp.py"
-    r = subprocess.run([str(args.tf_python), str(script), "--seconds", str(args.seconds), "--workers", str(WORKERS),
+    r = subprocess.run([str(args.tf_python), str(script), "--seconds", str(args.seconds),
+                        "--workers", str(WORKERS),
                         "--batch-size", str(BATCH), "--lr", str(LR), "--samples", str(SAMPLES)],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        raise SystemExit(f"tf_pss: {script.name} failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        raise SystemExit(f"tf_pss: {script.name} failed ({r.returncode}):\n"
+                         f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
     result = json.loads(r.stdout.strip().splitlines()[-1])
     return {"mode": "tf_pss", "train_samples_per_second": result["train_samples_per_second"],
             "wall_seconds": result["seconds"], "steps": result["steps"], "framework": result["framework"]}
@@ -159,7 +164,8 @@ def line(row: dict, bound: dict | None, tf: dict | None) -> str:
     short = "  (< %g s of training)" % MIN_SECONDS if row["wall_seconds"] < MIN_SECONDS else ""
     split = row.get("time_split")
     where = "" if split is None else ("  time: " + ", ".join(
-        f"{k.replace('_', '+')} {split[k]:.0%}" for k in SPLIT if k in split and (k == "compute" or split[k] >= 0.005))
+        f"{k.replace('_', '+')} {split[k]:.0%}" for k in SPLIT
+        if k in split and (k == "compute" or split[k] >= 0.005))
         + f", {split['compute_ms_per_step']:.1f} ms compute/step")
     return (f"  {row['mode']:13s} {rate:>9,.0f} samples/s (min {row['min']:,.0f}, max {row['max']:,.0f})  "
             f"{row['steps']} steps in {row['wall_seconds']:.1f} s  {', '.join(ratios)}{short}{where}")
@@ -185,8 +191,8 @@ def main() -> None:
     if args.compute_child is not None:
         compute_child(args.compute_child)
         return
-    print(f"pserver end-to-end throughput: 1 shard + {WORKERS} workers, MLP 784-256-256-10, batch {BATCH}/worker, "
-          f"synthetic data, epochs of {SAMPLES:,} samples, median of {args.repeats}")
+    print(f"pserver end-to-end throughput: 1 shard + {WORKERS} workers, MLP 784-256-256-10, batch "
+          f"{BATCH}/worker, synthetic data, epochs of {SAMPLES:,} samples, median of {args.repeats}")
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M')}")
     have_tf = tf_available(args)
     modes = args.modes.split(",")

@@ -2,10 +2,10 @@
 
 A round trip is what a worker does every step: push P float32 (the gradient), then pull
 P float32 (the weights), through PSClient.push_pull as the worker calls it (over the
-data plane the pull rides with the push: one exchange). pserver runs as a user runs it: S `python -m pserver serve`
-processes in sync mode with one worker (so every push completes a step and the shard
-applies SGD), and a PSClient in this process. The baselines move the same bytes between
-this process and one server process started by this script:
+data plane the pull rides with the push: one exchange). pserver runs as a user runs it:
+S `python -m pserver serve` processes in sync mode with one worker (so every push completes
+a step and the shard applies SGD), and a PSClient in this process. The baselines move the
+same bytes between this process and one server process started by this script:
 
   raw_grpc  gRPC with generic handlers and no protobuf: push streams 1 MiB chunks of raw
             bytes into a preallocated buffer, pull streams them back out of it;
@@ -21,8 +21,10 @@ sync step holds), each term printed (--memory-workers 0: none).
     .venv/bin/python bench/transport.py                  # 10M and 262,144 params, 1/2/4 shards
     .venv/bin/python bench/transport.py --quick          # small sizes, 1 shard, 3 repeats
     .venv/bin/python bench/transport.py --json out.json  # the rows as JSON (default results/transport.json)
-    .venv/bin/python bench/transport.py --systems raw_grpc,pserver --pserver-variants grpc   # the gRPC path only
-    sudo .venv/bin/python bench/transport.py --two-hosts  # also 40 MB across a 10 Gbit/s veth pair, beside iperf3
+    # the gRPC path only
+    .venv/bin/python bench/transport.py --systems raw_grpc,pserver --pserver-variants grpc
+    # also 40 MB across a 10 Gbit/s veth pair, beside iperf3
+    sudo .venv/bin/python bench/transport.py --two-hosts
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ mb_per_s_per_direction = (P * 4 bytes / 1e6) / (round-trip seconds / 2)
 round_trips_per_s = 1 / round-trip seconds
 each figure: median of the repeats (min, max beside it); a repeat times n round trips after
 warm-up round trips that are not timed; every configuration of one payload size runs at once, its
-repeats interleaved with theirs (repeat r of each before repeat r + 1 of any); a ratio divides a row's median by the baseline's
+repeats interleaved with theirs (repeat r of each before repeat r + 1 of any); a ratio divides \
+a row's median by the baseline's
 median on the same payload (the same for both metrics); tcp runs one server process; raw_grpc runs one
 server process per shard, each holding its shard's range, the client calling them in parallel as
 pserver's does, and a pserver row's raw_grpc ratios use raw_grpc with the same number of shards"""
@@ -298,7 +301,8 @@ def pserver_loop(client, params: int):
     def check():
         # Each round trip must have been one SGD step on every shard, not a no-op.
         if [v - s for v, s in zip(client.versions, start)] != [total[0]] * len(start):
-            raise RuntimeError(f"pserver: versions went {start} -> {client.versions} in {total[0]} round trips")
+            raise RuntimeError(f"pserver: versions went {start} -> {client.versions} "
+                               f"in {total[0]} round trips")
     return round_trip, check
 
 
@@ -348,7 +352,8 @@ def measure_memory(params: int, variant: str, workers: int, steps: int, chunk_by
         pid = shard.proc.pid
         idle = proc_status(pid, "VmRSS")
         reset_peak(pid)
-        clients = [memory_client(shard.address(), rank, workers, chunk_bytes, variant) for rank in range(workers)]
+        clients = [memory_client(shard.address(), rank, workers, chunk_bytes, variant)
+                   for rank in range(workers)]
         try:
             with futures.ThreadPoolExecutor(workers) as pool:
                 for f in [pool.submit(worker_steps, c, params, steps) for c in clients]:
@@ -383,9 +388,9 @@ def memory_report(m: MemoryUse) -> str:
     mib = 1 << 20
     terms = " + ".join(f"{k} {v / mib:,.0f}" for k, v in m.terms().items())
     verdict = "within" if m.peak <= m.bound else f"over by {(m.peak - m.bound) / mib:,.0f} MiB"
-    return (f"shard memory, pserver {m.variant}, sync, {m.workers} workers x {m.steps} steps, P={m.params:,}: "
-            f"peak {m.peak / mib:,.0f} MiB, bound {m.bound / mib:,.0f} MiB = idle {m.idle / mib:,.0f} "
-            f"+ 1.2 x ({terms}) MiB: {verdict}")
+    return (f"shard memory, pserver {m.variant}, sync, {m.workers} workers x {m.steps} steps, "
+            f"P={m.params:,}: peak {m.peak / mib:,.0f} MiB, bound {m.bound / mib:,.0f} MiB = idle "
+            f"{m.idle / mib:,.0f} + 1.2 x ({terms}) MiB: {verdict}")
 
 
 def memory_rows(m: MemoryUse, host: dict) -> list[dict]:
@@ -526,7 +531,8 @@ def serve_tcp_connection(conn: socket.socket, mv: memoryview) -> None:
             raise ConnectionError(f"tcp: unknown op {bytes(op)!r}")
 
 
-def start_tcp(stack: contextlib.ExitStack, address: str, params: int, variant: str, chunk_bytes: int) -> Running:
+def start_tcp(stack: contextlib.ExitStack, address: str, params: int, variant: str,
+              chunk_bytes: int) -> Running:
     host, _, port = address.rpartition(":")
     sock = stack.enter_context(socket.create_connection((host, int(port)), timeout=60))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -583,7 +589,8 @@ def veth_pair():
             sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
             sh("ip", "-n", ns, "link", "set", dev, "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-            # burst: at least rate / timer tick (1.25 MB at 10 Gbit/s and 1 ms), or tbf falls short of the rate
+            # burst: at least rate / timer tick (1.25 MB at 10 Gbit/s and 1 ms), or tbf falls short of
+            # the rate
             sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                "rate", LINK_RATE, "burst", "4mb", "latency", "20ms")
         yield names
@@ -595,12 +602,14 @@ def veth_pair():
 def iperf3_mb_per_s(server_ns: str, client_ns: str) -> float:
     """The link rate iperf3 measures from the client's namespace to the shard's, in MB/s."""
     server = subprocess.Popen(["ip", "netns", "exec", server_ns, "iperf3", "-s", "-1", "--forceflush",
-                               "-B", TWO_HOSTS_IPS[0]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               "-B", TWO_HOSTS_IPS[0]],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in server.stdout:          # the client may start once the server listens
             if "listening" in line:
                 break
-        out = sh("ip", "netns", "exec", client_ns, "iperf3", "-c", TWO_HOSTS_IPS[0], "-J", "-t", str(IPERF_SECONDS))
+        out = sh("ip", "netns", "exec", client_ns, "iperf3", "-c", TWO_HOSTS_IPS[0], "-J", "-t",
+                 str(IPERF_SECONDS))
         return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8e6
     finally:
         server.kill()
@@ -622,8 +631,8 @@ def measure_two_hosts(params: int, repeats: int, chunk_bytes: int) -> tuple[Meas
     with veth_pair() as (ps_ns, w_ns):
         argv = ["ip", "netns", "exec", ps_ns, *shard_argv(0, 1, chunk_bytes), "--host", TWO_HOSTS_IPS[0]]
         with running([("pserver shard (two hosts)", argv)]) as [address]:
-            client = subprocess.Popen(["ip", "netns", "exec", w_ns, *this_script("--two-hosts-client", params, chunk_bytes,
-                                                                                 address)],
+            client = subprocess.Popen(["ip", "netns", "exec", w_ns,
+                                       *this_script("--two-hosts-client", params, chunk_bytes, address)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             try:
                 seconds, link = [], []
@@ -685,9 +694,9 @@ def two_hosts_report(m: Measurement, link: list[float]) -> tuple[str, list[dict]
             f"{mbps[0]:,.1f} MB/s per direction (min {mbps[1]:,.1f}, max {mbps[2]:,.1f}); iperf3 on the "
             f"same veth {rate[0]:,.1f} MB/s (min {rate[1]:,.1f}, max {rate[2]:,.1f}); "
             f"ratio {mbps[0] / rate[0]:.2f}x the link rate ({len(link)} interleaved repeats each)")
-    row = dict(system="pserver", variant="two-hosts", params=m.params, shards=1, metric="mb_per_s_per_direction",
-               value=mbps[0], unit="MB/s", min=mbps[1], max=mbps[2], repeats=len(m.seconds),
-               round_trips_per_repeat=m.round_trips, path=m.path, link_rate=LINK_RATE,
+    row = dict(system="pserver", variant="two-hosts", params=m.params, shards=1,
+               metric="mb_per_s_per_direction", value=mbps[0], unit="MB/s", min=mbps[1], max=mbps[2],
+               repeats=len(m.seconds), round_trips_per_repeat=m.round_trips, path=m.path, link_rate=LINK_RATE,
                iperf3_mb_per_s=rate[0], iperf3_min=rate[1], iperf3_max=rate[2],
                x_link_rate=mbps[0] / rate[0])
     return text, [row]
@@ -709,7 +718,8 @@ def configurations(args, has_keyword: bool):
                     yield system, variant, params, shards
 
 
-def server_processes(system, variant, params, shards, chunk_bytes) -> tuple[list[tuple[str, list[str]]], dict | None]:
+def server_processes(system, variant, params, shards,
+                     chunk_bytes) -> tuple[list[tuple[str, list[str]]], dict | None]:
     """(named argvs, env) of a configuration's server processes."""
     if system == "pserver":
         return [(f"pserver shard {j}", shard_argv(j, shards, chunk_bytes)) for j in range(shards)], None
@@ -800,7 +810,8 @@ def header_lines(args, has_keyword: bool, host: dict) -> list[str]:
     if "pserver" in args.systems:
         lines.append(f"pserver variants: {', '.join(args.pserver_variants)} (grpc: data_plane='grpc'; "
                      f"fast: data_plane='auto')" if has_keyword
-                     else "pserver variants: grpc only (PSClient has no data_plane keyword yet, so no fast variant)")
+                     else "pserver variants: grpc only "
+                          "(PSClient has no data_plane keyword yet, so no fast variant)")
     if args.repeats < 5:
         lines.append(f"note: {args.repeats} repeats (< 5): a functional check, not a measurement")
     return lines
@@ -843,7 +854,8 @@ def run(args) -> int:
         rows += [dict(r, chunk_bytes=args.chunk_bytes, host=host) for r in more]
     memory = "pserver" in args.systems and args.memory_workers
     for variant in (("grpc", "fast") if has_keyword else ("grpc",)) if memory else ():
-        use = measure_memory(max(args.sizes), variant, args.memory_workers, args.memory_steps, args.chunk_bytes)
+        use = measure_memory(max(args.sizes), variant, args.memory_workers, args.memory_steps,
+                             args.chunk_bytes)
         print(memory_report(use), flush=True)
         rows += memory_rows(use, host)
     print(memory_line())
@@ -879,18 +891,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pserver-variants", type=variant_list, default=list(PSERVER_VARIANTS),
                    help="which pserver rows to run: grpc (data_plane='grpc', every multi-host user's path), "
                         "fast (data_plane='auto'); default both")
-    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed message (default 1 MiB)")
-    p.add_argument("--json", metavar="PATH", help="write the rows {system, params, shards, metric, value, unit, ...} "
-                                                  "here (default results/transport.json)")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed message "
+                                                                    "(default 1 MiB)")
+    p.add_argument("--json", metavar="PATH", help="write the rows {system, params, shards, metric, value, "
+                                                  "unit, ...} here (default results/transport.json)")
     p.add_argument("--memory-workers", type=int, default=4,
                    help="worker threads for the shard memory rows, at the largest size (default 4; 0: none)")
     p.add_argument("--memory-steps", type=int, default=20, help="sync steps each of them runs (default 20)")
     p.add_argument("--quick", action="store_true",
                    help="functional check: sizes 1000000,262144, 1 shard, 3 repeats (flags given win)")
     p.add_argument("--two-hosts", action="store_true",
-                   help=f"also the two-host row: a shard and this client in two network namespaces joined by a "
-                        f"veth pair limited to {LINK_RATE}/s, 40 MB push+pull over gRPC against the rate iperf3 "
-                        f"measures on it (needs root, ip, tc and iperf3)")
+                   help=f"also the two-host row: a shard and this client in two network namespaces joined "
+                        f"by a veth pair limited to {LINK_RATE}/s, 40 MB push+pull over gRPC against the "
+                        f"rate iperf3 measures on it (needs root, ip, tc and iperf3)")
     p.add_argument("--two-hosts-client", metavar="ADDRESS", help=argparse.SUPPRESS)
     p.add_argument("--serve-raw-grpc", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--serve-tcp", type=int, metavar="PORT", help=argparse.SUPPRESS)

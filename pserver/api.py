@@ -196,7 +196,8 @@ def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict
     if meta:
         model = saved.build(meta, spec, options.get("hidden"))
     else:          # as the worker built it: for the dataset's samples and classes
-        model = models.make_model(spec, ds.sample_shape, ds.num_classes, hidden=options.get("hidden") or models.DEFAULT_HIDDEN)
+        model = models.make_model(spec, ds.sample_shape, ds.num_classes,
+                                  hidden=options.get("hidden") or models.DEFAULT_HIDDEN)
     if checkpoint:
         weights, versions = load_weights(checkpoint, model.layout)
         source = f"{checkpoint} (shard versions {', '.join(map(str, versions))})"

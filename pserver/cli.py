@@ -79,12 +79,17 @@ def int_list(text: str) -> tuple[int, ...]:
 # Flags forwarded by `launch` to every shard: everything but where the shard listens.
 SERVER_FLAGS = [
     Flag("--mode", dict(choices=MODES, help="consistency mode (default sync)")),
-    Flag("--backup-workers", dict(type=int, metavar="B", help="backup mode: a step completes once N-B distinct workers pushed")),
-    Flag("--staleness", dict(type=int, metavar="S", help="ssp mode: a worker may run at most S clocks ahead of the slowest")),
-    Flag("--step-timeout", dict(type=float, metavar="SEC", help="seconds a step waits for a worker before marking it dead (default 60)")),
-    Flag("--optimizer", dict(choices=("sgd", "momentum", "adam"), help="update rule run on the shards (default sgd)")),
+    Flag("--backup-workers", dict(type=int, metavar="B", help="backup mode: a step completes once N-B "
+                                                              "distinct workers pushed")),
+    Flag("--staleness", dict(type=int, metavar="S", help="ssp mode: a worker may run at most S clocks ahead "
+                                                         "of the slowest")),
+    Flag("--step-timeout", dict(type=float, metavar="SEC", help="seconds a step waits for a worker before "
+                                                                "marking it dead (default 60)")),
+    Flag("--optimizer", dict(choices=("sgd", "momentum", "adam"), help="update rule run on the shards "
+                                                                       "(default sgd)")),
     Flag("--lr", dict(type=float, help="learning rate for the mean gradient of a step (default 0.05)")),
-    Flag("--lr-schedule", dict(metavar="SPEC", help="constant | step:EVERY,GAMMA | warmup:STEPS | cosine:TOTAL")),
+    Flag("--lr-schedule", dict(metavar="SPEC", help="constant | step:EVERY,GAMMA | warmup:STEPS | "
+                                                    "cosine:TOTAL")),
     Flag("--momentum", dict(type=float, help="momentum coefficient (default 0.9)")),
     Flag("--nesterov", dict(action="store_true", default=None, help="Nesterov momentum")),
     Flag("--beta1", dict(type=float, help="Adam beta1 (default 0.9)")),
@@ -103,16 +108,19 @@ SERVER_FLAGS = [
     Flag("--max-memory-mb", dict(type=int, help="MiB that a model's layout may need on this shard "
                                                 "(parameters, optimizer state, one gradient); "
                                                 "default 0: 90%% of the memory available at Register")),
-    Flag("--checkpoint-dir", dict(metavar="DIR", help="write checkpoints here, atomically (checked writable at "
-                                  "start; newest 3 kept; after every epoch, at the end and on SIGTERM too)")),
-    Flag("--restore", dict(metavar="DIR", help="resume from the newest complete checkpoint in DIR (fresh if it has "
-                           "none; refused if it has only corrupt ones)")),
+    Flag("--checkpoint-dir", dict(metavar="DIR", help="write checkpoints here, atomically (checked writable "
+                                  "at start; newest 3 kept; after every epoch, at the end and "
+                                  "on SIGTERM too)")),
+    Flag("--restore", dict(metavar="DIR", help="resume from the newest complete checkpoint in DIR (fresh if "
+                           "it has none; refused if it has only corrupt ones)")),
     Flag("--restore-fresh-if-corrupt", dict(action="store_true", default=None,
-                                            help="with --restore: start fresh, losing the trained state, when "
-                                                 "every checkpoint in DIR is corrupt (default: refuse to start)")),
-    Flag("--checkpoint-every", dict(type=int, metavar="STEPS", help="checkpoint at versions STEPS, 2*STEPS, ... "
-                                    "(needs --checkpoint-dir)")),
-    Flag("--checkpoint-secs", dict(type=float, metavar="SEC", help="checkpoint every SEC seconds (needs --checkpoint-dir)")),
+                                            help="with --restore: start fresh, losing the trained state, "
+                                                 "when every checkpoint in DIR is corrupt "
+                                                 "(default: refuse to start)")),
+    Flag("--checkpoint-every", dict(type=int, metavar="STEPS", help="checkpoint at versions STEPS, 2*STEPS, "
+                                    "... (needs --checkpoint-dir)")),
+    Flag("--checkpoint-secs", dict(type=float, metavar="SEC", help="checkpoint every SEC seconds "
+                                                                   "(needs --checkpoint-dir)")),
 ]
 
 # Flags forwarded by `launch` to every worker: everything but rank and addresses.
@@ -123,7 +131,8 @@ WORKER_FLAGS = [
                                               "FILE.py:FUNCTION or package.module:FUNCTION returning a "
                                               "pserver.Sequential")),
     Flag("--hidden", dict(type=int_list, metavar="W,W", help="hidden widths: mlp (default 256,256), the deep "
-                                                                  "tower of wide_deep and deepfm (default 256,128)")),
+                                                                  "tower of wide_deep and deepfm "
+                                                                  "(default 256,128)")),
     Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, a path to a .npz with x and y, "
                                                 "criteo:PATH (a Criteo TSV file, plain or .gz) or "
                                                 "criteo-synthetic (Criteo-shaped, from a planted model)")),
@@ -133,8 +142,8 @@ WORKER_FLAGS = [
     Flag("--scale-uint8", dict(choices=("auto", "none"), help="a .npz whose x is uint8 (0-255 pixels): "
                                "auto (default) divides it by 255 and says so; none keeps the raw values")),
     Flag("--samples", dict(type=int, help="synthetic, criteo-synthetic: training samples (default 60000)")),
-    Flag("--test-samples", dict(type=int, help="synthetic, criteo-synthetic: test samples; criteo:PATH: at most "
-                                                        "this many held-out lines (default 10000)")),
+    Flag("--test-samples", dict(type=int, help="synthetic, criteo-synthetic: test samples; criteo:PATH: "
+                                                        "at most this many held-out lines (default 10000)")),
     Flag("--features", dict(type=int, help="synthetic: input features (default 784)")),
     Flag("--classes", dict(type=int, help="synthetic: classes (default 10)")),
     Flag("--batch-size", dict(type=int, help="samples per step on each worker (default 64)")),
@@ -145,9 +154,12 @@ WORKER_FLAGS = [
                                "for models of Dense, Conv2D, pooling, Flatten and Dropout layers; "
                                "honours CUDA_VISIBLE_DEVICES; launch spreads workers over the GPUs)")),
     Flag("--log-every", dict(type=float, metavar="SEC", help="seconds between progress lines (default 2)")),
-    Flag("--connect-timeout", dict(type=float, metavar="SEC", help="seconds to wait for the shards at start (default 30)")),
-    Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take (default 300)")),
-    Flag("--eval-every", dict(type=float, metavar="SEC", help="chief: evaluate every SEC seconds too (accuracy against time in the summary)")),
+    Flag("--connect-timeout", dict(type=float, metavar="SEC", help="seconds to wait for the shards at start "
+                                                                   "(default 30)")),
+    Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take "
+                                                                "(default 300)")),
+    Flag("--eval-every", dict(type=float, metavar="SEC", help="chief: evaluate every SEC seconds too "
+                                                              "(accuracy against time in the summary)")),
     Flag("--compress", dict(metavar="CODEC", help="compress pushes: none (default), bf16 (half the bytes, "
                             "rounded to nearest even), fp16 (half, scaled per push so nothing overflows), "
                             "topk:RATIO (the largest RATIO of |g| per 4096 elements as index+value pairs), "
@@ -158,12 +170,13 @@ WORKER_FLAGS = [
                                  "the bytes; the shard keeps float32 weights and applies every update to "
                                  "them, the worker computes with them rounded to bf16). Pulls through "
                                  "shared memory stay float32")),
-    Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, exponential:MEAN, lognormal:MEAN,SIGMA")),
+    Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, "
+                                              "exponential:MEAN, lognormal:MEAN,SIGMA")),
     Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "
                                  "sparse factor table (default 8)")),
-    Flag("--row-optimizer", dict(choices=("sgd", "adagrad", "adam", "ftrl"), help="lr, fm, wide_deep, deepfm: "
-                                 "the sparse tables' row optimizer, run on the shards on the rows a push "
-                                 "touches (default adagrad; adam is lazy: untouched rows do not step)")),
+    Flag("--row-optimizer", dict(choices=("sgd", "adagrad", "adam", "ftrl"), help="lr, fm, wide_deep, "
+                                 "deepfm: the sparse tables' row optimizer, run on the shards on the rows a "
+                                 "push touches (default adagrad; adam is lazy: untouched rows do not step)")),
     Flag("--row-lr", dict(type=float, help="the row optimizer's learning rate (default 0.05)")),
     Flag("--row-params", dict(metavar="KEY=VALUE,...", help="the row optimizer's other hyper-parameters: "
                               "adagrad initial_accumulator (default 0), eps (1e-7); adam beta1, beta2, "
@@ -185,8 +198,8 @@ WORKER_FLAGS = [
                                   "the epochs of the whole run, as in Keras)")),
     Flag("--tensorboard", dict(metavar="DIR", help="chief: write TensorBoard scalars here (train loss, "
                                "samples/s, staleness; test accuracy or AUC and loss per epoch)")),
-    Flag("--save", dict(metavar="PATH", help="chief: write the trained model here at the end: its definition and "
-                                             "weights in an .npz that numpy reads (docs/model-file.md; "
+    Flag("--save", dict(metavar="PATH", help="chief: write the trained model here at the end: its definition "
+                                             "and weights in an .npz that numpy reads (docs/model-file.md; "
                                              "`pserver evaluate --model-file PATH`)")),
 ]
 # What `pserver evaluate` takes of the worker flags: the model and the dataset.
@@ -202,9 +215,9 @@ COMMON_FLAGS = [
 
 # Prometheus metrics, on shards and workers alike; launch and slurm give each process its own port.
 METRICS_FLAGS = [
-    Flag("--metrics-port", dict(type=int, metavar="P", help="serve Prometheus metrics at http://HOST:P/metrics "
-                                "(0: a free port, printed); under launch and slurm the processes of a host "
-                                "get P, P+1, ..., shards first")),
+    Flag("--metrics-port", dict(type=int, metavar="P", help="serve Prometheus metrics at "
+                                "http://HOST:P/metrics (0: a free port, printed); under launch and slurm the "
+                                "processes of a host get P, P+1, ..., shards first")),
     Flag("--metrics-host", dict(metavar="HOST", help="address the metrics listen on (default: a shard's "
                                 "--host, a worker's 127.0.0.1)")),
 ]
@@ -215,7 +228,8 @@ AUTH_TOKEN = Flag("--auth-token", dict(metavar="TOKEN", help="shared secret that
                   "(default: $PSERVER_AUTH_TOKEN, which is safer: a flag shows in `ps`)"))
 TLS_CERT = Flag("--tls-cert", dict(metavar="PEM", help="serve over TLS with this certificate (chain)"))
 TLS_KEY = Flag("--tls-key", dict(metavar="PEM", help="the private key of --tls-cert"))
-TLS_CA = Flag("--tls-ca", dict(metavar="PEM", help="talk to the shards over TLS, trusting this CA certificate"))
+TLS_CA = Flag("--tls-ca", dict(metavar="PEM", help="talk to the shards over TLS, "
+                                                   "trusting this CA certificate"))
 SERVE_SECURITY = [AUTH_TOKEN, TLS_CERT, TLS_KEY]
 CLIENT_SECURITY = [AUTH_TOKEN, TLS_CA]
 
@@ -239,14 +253,19 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
 
     s = sub.add_parser("serve", help="run one parameter-server shard", formatter_class=fmt,
-                       description="Run one shard: hold parameters [start, end) of the flat vector and apply updates.\n"
-                                   "Example: pserver serve --port 2222 --shard 0 --num-shards 2 --num-workers 4 --optimizer adam --lr 0.001")
+                       description="Run one shard: hold parameters [start, end) of the flat vector and apply "
+                                   "updates.\n"
+                                   "Example: pserver serve --port 2222 --shard 0 --num-shards 2 "
+                                   "--num-workers 4 --optimizer adam --lr 0.001")
     g = s.add_argument_group("cluster (TF_CONFIG with task.type ps fills what is not given)")
-    g.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
-    g.add_argument("--port", type=int, default=None, help="port to bind (default 2222; 0 picks a free one and prints it)")
+    g.add_argument("--host", default=None,
+                   help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    g.add_argument("--port", type=int, default=None,
+                   help="port to bind (default 2222; 0 picks a free one and prints it)")
     g.add_argument("--shard", type=int, default=None, help="this shard's index J (default 0)")
     g.add_argument("--num-shards", type=int, default=None, help="number of shards S (default 1)")
-    g.add_argument("--num-workers", type=int, default=None, help="number of workers N (default: learnt from the first worker)")
+    g.add_argument("--num-workers", type=int, default=None,
+                   help="number of workers N (default: learnt from the first worker)")
     g.add_argument("--log-level", default="INFO", help="server log level (default INFO)")
     add_flags(s, SERVER_FLAGS, "training")
     add_flags(s, COMMON_FLAGS, "transport")
@@ -254,8 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(s, SERVE_SECURITY, "security")
 
     w = sub.add_parser("worker", help="run one worker", formatter_class=fmt,
-                       description="Run one worker: pull weights, compute gradients with numba kernels, push them.\n"
-                                   "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 --num-workers 2 --dataset mnist")
+                       description="Run one worker: pull weights, compute gradients with numba kernels, push "
+                                   "them.\n"
+                                   "Example: pserver worker --ps 127.0.0.1:2222,127.0.0.1:2223 --rank 0 "
+                                   "--num-workers 2 --dataset mnist")
     g = w.add_argument_group("cluster (TF_CONFIG with task.type worker or chief fills what is not given)")
     g.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]",
                    help="shard addresses host:port, shard 0 first (default: TF_CONFIG's cluster.ps, "
@@ -263,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rank", type=int, default=None, help="this worker's rank; 0 is the chief (default 0)")
     g.add_argument("--num-workers", type=int, default=None, help="number of workers N (default 1)")
     g.add_argument("--summary-json", default=None, metavar="PATH", help="chief: write the run summary here")
-    g.add_argument("--stats-json", default=None, metavar="PATH", help="write this worker's time breakdown here")
+    g.add_argument("--stats-json", default=None, metavar="PATH",
+                   help="write this worker's time breakdown here")
     g.add_argument("--stop-shards", action="store_true", default=None,
                    help="chief: once the run is over, every shard checkpoints and exits 0")
     add_flags(w, WORKER_FLAGS, "training")
@@ -272,12 +294,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(w, CLIENT_SECURITY, "security")
 
     la = sub.add_parser("launch", help="run S shards and N workers on this machine", formatter_class=fmt,
-                        description="Start S shard processes and N worker processes on 127.0.0.1 with free ports,\n"
-                                    "prefix their output with their role, stop everything if one fails, and report.\n"
+                        description="Start S shard processes and N worker processes on 127.0.0.1 with free "
+                                    "ports,\n"
+                                    "prefix their output with their role, stop everything if one fails, and "
+                                    "report.\n"
                                     "Any serve or worker flag below is passed on to every shard or worker.\n"
-                                    "With --backend ray they are Ray actors instead, on a Ray started here or the\n"
+                                    "With --backend ray they are Ray actors instead, on a Ray started here "
+                                    "or the\n"
                                     "cluster at --address, with the same output, summary and exit codes.\n"
-                                    "Example: pserver launch --ps 2 --workers 4 --dataset mnist --optimizer adam --lr 0.001 --epochs 2")
+                                    "Example: pserver launch --ps 2 --workers 4 --dataset mnist --optimizer "
+                                    "adam --lr 0.001 --epochs 2")
     la.add_argument("--ps", type=shard_count, default=1, metavar="S",
                     help="number of shards to start (default 1); worker and status take addresses instead")
     la.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
@@ -302,13 +328,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     sl = sub.add_parser("slurm", help="one task of an srun step: a shard or a worker, by SLURM_PROCID",
                         formatter_class=fmt,
-                        description="Run as every task of one srun step: tasks 0..S-1 serve, the others are workers\n"
-                                    "with rank SLURM_PROCID - S; the chief ends the shards when the run is over.\n"
-                                    "The token comes from $PSERVER_AUTH_TOKEN (deploy/slurm/pserver.sbatch makes one).\n"
-                                    "Exit codes: 0 done, 2 a bad flag or environment, 1 a failure, 128+signal when\n"
-                                    "stopped (143: scancel's SIGTERM); srun exits with the highest of its tasks'.\n"
-                                    "Example: srun --ntasks=6 pserver slurm --ps 2 --dataset mnist --epochs 2")
-    sl.add_argument("--ps", type=int, required=True, metavar="S", help="how many of the step's tasks are shards")
+                        description="Run as every task of one srun step: tasks 0..S-1 serve, the others are "
+                                    "workers\n"
+                                    "with rank SLURM_PROCID - S; the chief ends the shards when the run is "
+                                    "over.\n"
+                                    "The token comes from $PSERVER_AUTH_TOKEN (deploy/slurm/pserver.sbatch "
+                                    "makes one).\n"
+                                    "Exit codes: 0 done, 2 a bad flag or environment, 1 a failure, "
+                                    "128+signal when\n"
+                                    "stopped (143: scancel's SIGTERM); srun exits with the highest of its "
+                                    "tasks'.\n"
+                                    "Example: srun --ntasks=6 pserver slurm --ps 2 --dataset mnist "
+                                    "--epochs 2")
+    sl.add_argument("--ps", type=int, required=True, metavar="S",
+                    help="how many of the step's tasks are shards")
     sl.add_argument("--base-port", type=int, default=8888, metavar="P",
                     help="a task listens on P + its index on its host (default 8888)")
     sl.add_argument("--host", default=None, help="address shards bind (default: their host's name as "
@@ -323,16 +356,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="show each shard's version, mode, size and counters",
                         description="Example: pserver status --ps 127.0.0.1:2222,127.0.0.1:2223")
-    st.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]", help="shard addresses (default: from TF_CONFIG)")
+    st.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]",
+                    help="shard addresses (default: from TF_CONFIG)")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each shard (default 5)")
     add_flags(st, CLIENT_SECURITY, "security")
 
     ev = sub.add_parser("evaluate", help="test metrics of a saved model (--save) or of checkpoints",
                         formatter_class=fmt,
-                        description="Evaluate a trained model on a dataset's test set: the model file that --save\n"
-                                    "wrote (its definition, weights and dataset), or the shards' checkpoints in\n"
-                                    "--checkpoint DIR (weights only: the model and dataset from the file or the flags).\n"
+                        description="Evaluate a trained model on a dataset's test set: the model file that "
+                                    "--save\n"
+                                    "wrote (its definition, weights and dataset), or the shards' checkpoints "
+                                    "in\n"
+                                    "--checkpoint DIR (weights only: the model and dataset from the file or "
+                                    "the flags).\n"
                                     "Example: pserver evaluate --model-file model.npz\n"
                                     "         pserver evaluate --checkpoint ckpt --model mlp --dataset mnist")
     ev.add_argument("--model-file", default=None, metavar="PATH", help="a model file written by --save")
@@ -438,8 +475,9 @@ def cmd_slurm(ns) -> int:
 def cmd_launch(ns) -> int:
     from pserver.launch import LaunchConfig, launch
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
-                       delay=ns.delay, delay_ranks=ns.delay_ranks, delay_for=parse_delay_for(ns.delay_for, ns.workers),
-                       metrics_port=ns.metrics_port, device=ns.device or "cpu", backend=ns.backend, address=ns.address)
+                       delay=ns.delay, delay_ranks=ns.delay_ranks,
+                       delay_for=parse_delay_for(ns.delay_for, ns.workers), metrics_port=ns.metrics_port,
+                       device=ns.device or "cpu", backend=ns.backend, address=ns.address)
     # The token: the flag's or PSERVER_AUTH_TOKEN's; launch() makes one for its own cluster otherwise.
     token = security_given(ns, [])["auth_token"]
     # --metrics-port is given per process (launch/base.py); --metrics-host goes to every one

@@ -136,7 +136,8 @@ class WorkerConfig:
     compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.wire.compress)
     pull_compress: str = "none"   # pull codec over gRPC: none, bf16
     require_fresh: bool = False   # chief: refuse shards that already hold trained state (default: continue)
-    no_resume: bool = False       # start the data at epoch 1 even where the shards recorded this rank's position
+    no_resume: bool = False       # start the data at epoch 1 even where the shards recorded this
+                                  # rank's position
     stop_shards: bool = False     # chief: end the shards (exit 0) once the run is over (pserver slurm)
     auth_token: str | None = field(default=None, repr=False)  # sent with every RPC; never shown
     tls_ca: str | None = None     # PEM CA certificate to trust: talk to the shards over TLS
@@ -144,7 +145,8 @@ class WorkerConfig:
     embedding_dim: int = 8        # values per id in the factor table (fm, wide_deep, deepfm)
     row_optimizer: str = "adagrad"  # the tables' row optimizer on the shards: sgd, adagrad, adam, ftrl
     row_lr: float = 0.05          # its learning rate
-    row_params: str = ""          # its other hyper-parameters, KEY=VALUE,... (initial_accumulator, beta, l2, ...)
+    row_params: str = ""          # its other hyper-parameters, KEY=VALUE,... (initial_accumulator,
+                                  # beta, l2, ...)
     min_count: int = 0            # admission: store an id once it was pushed this many times
     max_rows: int = 0             # eviction: rows per table per shard, least recently updated out first
     ttl_steps: int = 0            # eviction: rows not updated for this many steps
@@ -163,7 +165,8 @@ class WorkerConfig:
         if not 0 <= self.rank < self.num_workers:
             raise ConfigError(f"--rank: {self.rank} is outside [0, --num-workers={self.num_workers})")
         if self.stop_shards and self.rank != 0:
-            raise ConfigError(f"--stop-shards: only the chief (rank 0) ends the run; this is rank {self.rank}")
+            raise ConfigError("--stop-shards: only the chief (rank 0) ends the run; "
+                              f"this is rank {self.rank}")
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size: must be >= 1, got {self.batch_size}")
         if self.epochs < 1:

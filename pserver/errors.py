@@ -17,8 +17,8 @@ raises the RpcError subclasses and the servicer turns them into status codes.
 
 Each error carries the exit code of the process it ends, after Kubeflow's ExitCode restart
 policy: 1-127 for what a restart cannot fix (retrying is pointless), >= 128 for what it may
-(the policy restarts those): 138 for a transient failure, 128+N for signal N (pserver.signals). docs/semantics.md,
-"Errors and exit codes", lists them.
+(the policy restarts those): 138 for a transient failure, 128+N for signal N (pserver.signals).
+docs/semantics.md, "Errors and exit codes", lists them.
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ def compressed_push(address, session, mutate):
 BAD = {
     "repeated index": ("topk:0.5", lambda h, a: a[0].__setitem__(1, a[0][0]), "topk: index"),
     "index out of range": ("topk:0.5", lambda h, a: a[0].__setitem__(-1, 33), "topk: index 33"),
-    "num_values too many": ("topk:0.5", lambda h, a: setattr(h, "num_values", 34), "num_values: topk sent 34"),
+    "num_values too many": ("topk:0.5", lambda h, a: setattr(h, "num_values", 34),
+                            "num_values: topk sent 34"),
     "wrong length": ("topk:0.5", lambda h, a: setattr(h, "num_values", 3), "more than"),
     "NaN scale": ("sign", lambda h, a: a[1].__setitem__(0, np.nan), "sign: block 0"),
     "zero fp16 scale": ("fp16", lambda h, a: setattr(h, "scale", 0.0), "scale: fp16"),
@@ -213,7 +214,8 @@ def test_the_worker_refuses_a_pull_the_shard_sent_wrong():
     with pytest.raises(InvalidArgument, match="num_elements: shard sent 3, expected 4"):
         worker_compress.receive_pull(pb.TensorHeader(num_elements=3), iter(()), dest, scratch)
     with pytest.raises(InvalidArgument, match="compression: the shard sent a pull as 'zstd'"):
-        worker_compress.receive_pull(pb.TensorHeader(num_elements=4, compression="zstd"), iter(()), dest, scratch)
+        worker_compress.receive_pull(pb.TensorHeader(num_elements=4, compression="zstd"), iter(()),
+                                     dest, scratch)
 
 
 @pytest.mark.parametrize("text, want", [("", "none"), (None, "none"), ("none", "none"), ("bf16", "bf16")])

@@ -81,6 +81,7 @@ def test_row_params_reach_the_models_tables():
 def test_each_rank_gets_its_delay():
     from pserver.launch.base import LaunchConfig, parse_delay_for, worker_delay
     cfg = LaunchConfig(num_workers=4, delay="fixed:0.02", delay_for=parse_delay_for(["0,3=fixed:0.08"], 4))
-    assert [worker_delay(cfg, r) for r in range(4)] == ["fixed:0.08", "fixed:0.02", "fixed:0.02", "fixed:0.08"]
+    assert [worker_delay(cfg, r) for r in range(4)] == ["fixed:0.08", "fixed:0.02", "fixed:0.02",
+                                                        "fixed:0.08"]
     only = LaunchConfig(num_workers=3, delay="fixed:0.1", delay_ranks=(1,))
     assert [worker_delay(only, r) for r in range(3)] == [None, "fixed:0.1", None]

@@ -95,7 +95,8 @@ def test_a_well_formed_line_is_parsed_as_the_python_twin_and_by_hand(tmp_path):
     label, dense, cat = parse_line_python(text)
     assert label == 1.0
     # ints: 5 % 7 = 5, empty, -3 (negative: 0), 12345678, then 0, 5, 10, ...
-    expected = np.log1p(np.array([5, 0, 0, 12345678] + [5 * j for j in range(9)], np.float64)).astype(np.float32)
+    expected = np.log1p(np.array([5, 0, 0, 12345678] + [5 * j for j in range(9)],
+                                 np.float64)).astype(np.float32)
     np.testing.assert_array_equal(dense, expected)
     assert cat[0] == hash_categorical(0, [5])[0] and cat[1] == hash_categorical(1, [-1])[0]
     assert cat[2] == hash_categorical(2, [0xDEADBEEF])[0] and cat[3] == hash_categorical(3, [0])[0]
@@ -106,10 +107,12 @@ def test_a_well_formed_line_is_parsed_as_the_python_twin_and_by_hand(tmp_path):
 
 
 # A field of each kind: well formed or not (the twin decides which).
-_INT_TEXT = st.one_of(st.sampled_from(["", "0", "-1", "-", "65535", "65536", "1e3", " 7", "+4", "99999999999999999",
-                                       "999999999999999999", "9999999999999999999", "٣"]),
+_INT_TEXT = st.one_of(st.sampled_from(["", "0", "-1", "-", "65535", "65536", "1e3", " 7", "+4",
+                                       "99999999999999999", "999999999999999999",
+                                       "9999999999999999999", "٣"]),
                       st.integers(0, 10 ** 9).map(str))
-_HEX_TEXT = st.one_of(st.sampled_from(["", "0", "ffffffff", "FFFFFFFF", "123456789", "xyz", "0x12", "é", "g"]),
+_HEX_TEXT = st.one_of(st.sampled_from(["", "0", "ffffffff", "FFFFFFFF", "123456789", "xyz",
+                                       "0x12", "é", "g"]),
                       st.integers(0, (1 << 32) - 1).map(lambda v: format(v, "x")))
 
 
@@ -224,7 +227,8 @@ def test_malformed_lines_are_skipped_counted_and_the_first_few_reported_by_line_
         f"warning: {path} line 6: integer feature 4 is '12x', not an integer; skipped",
         f"warning: {path} line 7: label '7' is not 0 or 1; skipped",
         f"warning: {path} line 12: 41 tab-separated columns, expected 40; skipped",
-        f"warning: {path} line 13: categorical feature 3 is 'DEADbeefa', not a hex value of at most 8 digits; "
+        f"warning: {path} line 13: categorical feature 3 is 'DEADbeefa', "
+        "not a hex value of at most 8 digits; "
         "skipped"]
     assert err[REPORTED_LINES:] == [f"warning: {path}: skipped 7 malformed line(s) of 40"]
     all_batches(ds, 1, 2, 1)                       # another worker, or another epoch: no repeat
@@ -299,8 +303,8 @@ def test_synthetic_kernels_agree_with_their_numpy_twins(synthetic):
     assert np.array_equal(x["cat"], x2["cat"]) and np.array_equal(y, y2)
     np.testing.assert_allclose(x["dense"], x2["dense"], rtol=1e-6)
     for pairwise in (True, False):
-        np.testing.assert_allclose(criteo.planted(7, x["cat"], pairwise), criteo.planted_numpy(7, x["cat"], pairwise),
-                                   rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(criteo.planted(7, x["cat"], pairwise),
+                                   criteo.planted_numpy(7, x["cat"], pairwise), rtol=1e-12, atol=1e-12)
 
 
 def test_worker_parts_of_synthetic_are_disjoint_and_cover_the_complete_rounds(synthetic):
@@ -313,7 +317,8 @@ def test_worker_parts_of_synthetic_are_disjoint_and_cover_the_complete_rounds(sy
     for r, part in enumerate(parts):
         for k, (x, y) in enumerate(part):
             start = (k * workers + r) * batch      # round k, the r-th batch of it
-            assert np.array_equal(x, x_all[start:start + batch]) and np.array_equal(y, y_all[start:start + batch])
+            assert (np.array_equal(x, x_all[start:start + batch])
+                    and np.array_equal(y, y_all[start:start + batch]))
     with pytest.raises(ConfigError, match="--batch-size"):
         synthetic.steps(3, 5000)
 

@@ -121,7 +121,8 @@ MALFORMED = {
     "short header": ("train-labels-idx1-ubyte", lambda b: b"\0\0\x08", "header"),
     "wrong count": ("train-labels-idx1-ubyte", lambda b: idx(2049, (29,), bytes(29)), "29 labels"),
     "label above 9": ("t10k-labels-idx1-ubyte", lambda b: idx(2049, (10,), bytes([12] * 10)), "label 12"),
-    "image size differs": ("t10k-images-idx3-ubyte", lambda b: idx(2051, (10, 5, 5), bytes(250)), "25 pixels"),
+    "image size differs": ("t10k-images-idx3-ubyte", lambda b: idx(2051, (10, 5, 5), bytes(250)),
+                           "25 pixels"),
 }
 
 
@@ -449,7 +450,8 @@ def test_uint8_npz_features_are_scaled_to_unit_range_unless_told_not_to(tmp_path
     np.savez(path, x=x, y=np.arange(50) % 2, x_test=x[:5], y_test=np.arange(5) % 2)
     ds = load_dataset(path)
     said = capsys.readouterr().out
-    assert said == f"{path}: x and x_test are uint8: scaled from 0-255 to [0, 1] (--scale-uint8 none keeps the raw values)\n"
+    assert said == (f"{path}: x and x_test are uint8: scaled from 0-255 to [0, 1] "
+                    "(--scale-uint8 none keeps the raw values)\n")
     np.testing.assert_array_equal(np.sort(ds.x_test, axis=0), np.sort(x[:5] / np.float32(255), axis=0))
     assert 0.0 <= ds.x_train.min() and ds.x_train.max() <= 1.0
     raw = load_dataset(path, scale_uint8="none")

@@ -153,7 +153,8 @@ def cases(session: str) -> dict:
     """Each hostile request, well-formed but for its one fault (rank 0's session inside)."""
     GOOD = dict(rank=0, shard=0, step=0, num_samples=1, session=session)  # noqa: N806
     return {
-        "second header": ("Push", tensor(ONES, **GOOD)[:2] + [wire(pb.TensorHeader(rank=0))], "INVALID_ARGUMENT"),
+        "second header": ("Push", tensor(ONES, **GOOD)[:2] + [wire(pb.TensorHeader(rank=0))],
+                          "INVALID_ARGUMENT"),
         "data before header": ("Push", [wire(data=b"\0" * 8)] + tensor(ONES, **GOOD), "INVALID_ARGUMENT"),
         "no header": ("Push", [wire(data=b"\0" * 132)], "INVALID_ARGUMENT"),
         "empty stream": ("Push", [], "INVALID_ARGUMENT"),
@@ -168,27 +169,33 @@ def cases(session: str) -> dict:
                                "INVALID_ARGUMENT"),
         "negative declared size": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=-1, dtype="float32"))],
                                    "INVALID_ARGUMENT"),
-        "float64": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=33, dtype="float64"))], "INVALID_ARGUMENT"),
+        "float64": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=33, dtype="float64"))],
+                    "INVALID_ARGUMENT"),
         "NaN": ("Push", tensor(np.full(33, np.nan), **GOOD), "INVALID_ARGUMENT"),
         "chunk over 4 MiB": ("Push", [wire(pb.TensorHeader(**GOOD, num_elements=33, dtype="float32")),
                                       wire(data=b"\0" * (5 << 20))], "RESOURCE_EXHAUSTED"),
-        "init: huge size": ("Init", [wire(pb.TensorHeader(rank=0, layout_signature=SIG, num_elements=1 << 40, session=session,
-                                                          dtype="float32"))], "INVALID_ARGUMENT"),
-        "init: wrong layout": ("Init", tensor(ONES, rank=0, layout_signature="0" * 16, session=session), "FAILED_PRECONDITION"),
-        "init: negative rank": ("Init", tensor(ONES, rank=-3, layout_signature=SIG, session=session), "FAILED_PRECONDITION"),
+        "init: huge size": ("Init", [wire(pb.TensorHeader(rank=0, layout_signature=SIG, num_elements=1 << 40,
+                                                          session=session, dtype="float32"))],
+                            "INVALID_ARGUMENT"),
+        "init: wrong layout": ("Init", tensor(ONES, rank=0, layout_signature="0" * 16, session=session),
+                               "FAILED_PRECONDITION"),
+        "init: negative rank": ("Init", tensor(ONES, rank=-3, layout_signature=SIG, session=session),
+                                "FAILED_PRECONDITION"),
         "pull: negative rank": ("Pull", pb.PullRequest(rank=-1).SerializeToString(), "FAILED_PRECONDITION"),
-        "pull: version far ahead": ("Pull", pb.PullRequest(rank=0, seen_version=1 << 62, session=session).SerializeToString(),
-                                    "FAILED_PRECONDITION"),
-        "pull: unknown shard": ("Pull", pb.PullRequest(rank=0, shard=9, session=session).SerializeToString(), "FAILED_PRECONDITION"),
+        "pull: version far ahead": ("Pull", pb.PullRequest(rank=0, seen_version=1 << 62, session=session)
+                                    .SerializeToString(), "FAILED_PRECONDITION"),
+        "pull: unknown shard": ("Pull", pb.PullRequest(rank=0, shard=9, session=session).SerializeToString(),
+                                "FAILED_PRECONDITION"),
         "pull: not a message": ("Pull", b"\x08", "INVALID_ARGUMENT"),
         "register: negative rank": ("Register", pb.RegisterRequest(
-            rank=-1, num_workers=2, num_shards=1, protocol_version=codec.PROTOCOL_VERSION, layout=[pb.TensorSpec(name="w", shape=[10, 3]),
-                                                          pb.TensorSpec(name="b", shape=[3])]).SerializeToString(),
-            "FAILED_PRECONDITION"),
-        "register: unknown shard": ("Register", pb.RegisterRequest(rank=0, num_workers=2, shard=3, num_shards=4,
-                                                                   protocol_version=codec.PROTOCOL_VERSION)
-                                    .SerializeToString(), "FAILED_PRECONDITION"),
-        # sessions (docs/semantics.md, "Security"): a token holder cannot act for another worker, nor take a live rank
+            rank=-1, num_workers=2, num_shards=1, protocol_version=codec.PROTOCOL_VERSION,
+            layout=[pb.TensorSpec(name="w", shape=[10, 3]), pb.TensorSpec(name="b", shape=[3])])
+            .SerializeToString(), "FAILED_PRECONDITION"),
+        "register: unknown shard": ("Register", pb.RegisterRequest(
+            rank=0, num_workers=2, shard=3, num_shards=4, protocol_version=codec.PROTOCOL_VERSION)
+            .SerializeToString(), "FAILED_PRECONDITION"),
+        # sessions (docs/semantics.md, "Security"): a token holder cannot act for another worker,
+        # nor take a live rank
         "register: a live rank": ("Register", pb.RegisterRequest(
             rank=1, num_workers=2, num_shards=1, protocol_version=codec.PROTOCOL_VERSION,
             layout=[pb.TensorSpec(name="w", shape=[10, 3]), pb.TensorSpec(name="b", shape=[3])])
@@ -209,8 +216,10 @@ def cases(session: str) -> dict:
         "heartbeat: no session": ("Heartbeat", pb.HeartbeatRequest(rank=1).SerializeToString(),
                                   "UNAUTHENTICATED"),
         "register: over 4 MiB": ("Register", pb.RegisterRequest(
-            layout=[pb.TensorSpec(name="x" * 1024, shape=[1])] * 5000).SerializeToString(), "RESOURCE_EXHAUSTED"),
-        "leave: negative rank": ("Leave", pb.LeaveRequest(rank=-1).SerializeToString(), "FAILED_PRECONDITION"),
+            layout=[pb.TensorSpec(name="x" * 1024, shape=[1])] * 5000).SerializeToString(),
+            "RESOURCE_EXHAUSTED"),
+        "leave: negative rank": ("Leave", pb.LeaveRequest(rank=-1).SerializeToString(),
+                                 "FAILED_PRECONDITION"),
         "unknown method": ("Destroy", b"", "UNIMPLEMENTED"),
     }
 
@@ -346,7 +355,8 @@ planes = st.tuples(st.sampled_from([frames.PUSH, frames.PULL, frames.INIT, 0, 9]
 def test_fuzz_data_plane(live):
     """Random requests after a HELLO: each gets a status in the reply, none INTERNAL."""
     addr, shard, raw = live
-    chan = worker_dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, 33, "shard 0", session=raw.session)
+    chan = worker_dataplane.DataPlaneChannel(shard.dataplane.address, 0, 0, 33, "shard 0",
+                                             session=raw.session)
     seen = set()
 
     @FUZZ

@@ -44,7 +44,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CRD = ROOT / "tests" / "data" / "kubeflow" / "kubeflow.org_tfjobs.yaml.gz"
 TFJOB = ROOT / "deploy" / "k8s" / "tfjob.yaml"
 # pkg/apis/kubeflow.org/v1/tensorflow_types.go
-TF_JOB_DEFAULT_PORT_NAME, TF_JOB_DEFAULT_CONTAINER_NAME, TF_JOB_DEFAULT_PORT = "tfjob-port", "tensorflow", 2222
+TF_JOB_DEFAULT_PORT_NAME, TF_JOB_DEFAULT_CONTAINER_NAME, TF_JOB_DEFAULT_PORT = (
+    "tfjob-port", "tensorflow", 2222)
 
 
 def gen_general_name(job_name: str, rtype: str, index: str) -> str:
@@ -70,7 +71,8 @@ def gen_cluster_spec(job: dict, cluster_domain: str = "") -> dict:
         port = get_port_from_tfjob(job, rtype)
         names = []
         for i in range(spec["replicas"]):
-            svc = gen_general_name(job["metadata"]["name"], rt, str(i)) + "." + job["metadata"]["namespace"] + ".svc"
+            svc = (gen_general_name(job["metadata"]["name"], rt, str(i)) + "." + job["metadata"]["namespace"]
+                   + ".svc")
             if cluster_domain:
                 svc += "." + cluster_domain
             names.append(f"{svc}:{port}")
@@ -126,8 +128,8 @@ def test_every_replica_takes_its_role_from_the_operators_tf_config(tfjob, monkey
         monkeypatch.setenv("TF_CONFIG", operator_tf_config(tfjob, "PS", j))
         args = specs["PS"]["template"]["spec"]["containers"][0]["args"]
         cfg = cli.server_config(parser.parse_args(args))
-        assert (cfg.shard, cfg.num_shards, cfg.port, cfg.num_workers, cfg.host) == (j, num_ps, 2222, num_workers,
-                                                                                     "0.0.0.0")
+        assert (cfg.shard, cfg.num_shards, cfg.port, cfg.num_workers, cfg.host) == (j, num_ps, 2222,
+                                                                                     num_workers, "0.0.0.0")
     for i in range(num_workers):
         monkeypatch.setenv("TF_CONFIG", operator_tf_config(tfjob, "Worker", i))
         args = specs["Worker"]["template"]["spec"]["containers"][0]["args"]
@@ -150,7 +152,8 @@ def test_the_manifests_probe_the_shards_with_grpc_health_and_take_the_token_from
     service, stateful, workers = docs[1:]
     names = ",".join(f"{stateful['metadata']['name']}-{j}.{service['metadata']['name']}.default.svc:2222"
                      for j in range(stateful["spec"]["replicas"]))
-    assert f"--ps {names}" in " ".join(workers["spec"]["template"]["spec"]["containers"][0]["args"][0].split())
+    assert f"--ps {names}" in " ".join(
+        workers["spec"]["template"]["spec"]["containers"][0]["args"][0].split())
 
 
 def is_retryable_exit_code(exit_code: int) -> bool:
@@ -167,7 +170,8 @@ def test_the_exit_code_policy_retries_what_a_restart_may_fix_and_nothing_else(tf
     for err in (Unavailable("x"), DeadlineExceeded("x"), ResourceExhausted("x"), ProcessFailed("ps0", -9),
                 ProcessFailed("worker0", 143), Stopped(signal.SIGTERM), Stopped(signal.SIGINT)):
         assert is_retryable_exit_code(err.exit_code), err
-    # launch's children: a code as the shell shows it (Popen's -9 for SIGKILL is 137); 128 is the first transient one
+    # launch's children: a code as the shell shows it (Popen's -9 for SIGKILL is 137); 128 is the first
+    # transient one
     assert str(ProcessFailed("ps0", -9)) == "ps0 exited with code 137; stopping the cluster"
     assert [ProcessFailed("w", c).exit_code for c in (127, 128)] == [1, 138]
     for spec in tfjob["spec"]["tfReplicaSpecs"].values():

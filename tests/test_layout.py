@@ -66,8 +66,9 @@ def test_the_cycle_finder_finds_a_cycle_made_inside_a_function():
 
 OLD_NAMES = {   # an old path, and a name that lived there
     "pserver.allocator": "tune", "pserver.client": "PSClient", "pserver.codec": "parse_chunk",
-    "pserver.compress": "ErrorFeedback", "pserver.criteo": "load_file", "pserver.dataplane": "DataPlaneServer",
-    "pserver.device": "parse_device", "pserver.metrics": "format_summary", "pserver.model_file": "evaluate_files",
+    "pserver.compress": "ErrorFeedback", "pserver.criteo": "load_file",
+    "pserver.dataplane": "DataPlaneServer", "pserver.device": "parse_device",
+    "pserver.metrics": "format_summary", "pserver.model_file": "evaluate_files",
     "pserver.progress": "track", "pserver.ray_backend": "RoleHost", "pserver.security": "TOKEN_ENV",
     "pserver.sharding": "shard_range", "pserver.slurm": "slurm_task", "pserver.status": "show_status",
     "pserver.stragglers": "parse_delay", "pserver.telemetry": "ShardMetrics", "pserver.worker": "run_worker",

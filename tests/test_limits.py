@@ -183,8 +183,8 @@ def test_a_layout_too_big_for_memory_is_refused_before_anything_is_allocated(sha
     SGD on one shard: RESOURCE_EXHAUSTED naming the size and the limit, nothing changed."""
     addr, shard = shard_server()
     version = {"protocol_version": codec.PROTOCOL_VERSION} if hasattr(codec, "PROTOCOL_VERSION") else {}
-    req = pb.RegisterRequest(rank=0, num_workers=1, num_shards=1, layout=[pb.TensorSpec(name="w", shape=[1 << 33])],
-                             **version)
+    req = pb.RegisterRequest(rank=0, num_workers=1, num_shards=1,
+                             layout=[pb.TensorSpec(name="w", shape=[1 << 33])], **version)
     channel = grpc.insecure_channel(addr)
     try:
         channel.unary_unary(SERVICE + "Register")(req.SerializeToString(), timeout=30)

@@ -222,7 +222,8 @@ def test_a_pull_whose_wait_runs_out_on_the_shard_is_tried_again(shard_server):
     from pserver.worker.client import PSClient
     addr, shard = shard_server(mode="ssp", staleness=0, optimizer="sgd", lr=0.1, step_timeout=4.0)
     layout = Layout.of([("w", (4,))])
-    fast, slow = (PSClient([addr], rank=r, num_workers=2, rpc_deadline=1.5, data_plane="grpc") for r in (0, 1))
+    fast, slow = (PSClient([addr], rank=r, num_workers=2, rpc_deadline=1.5, data_plane="grpc")
+                  for r in (0, 1))
     for c in (fast, slow):
         c.connect(5)
         c.register(layout)

@@ -64,8 +64,8 @@ def test_backup_applies_the_mean_of_exactly_n_minus_b_distinct_workers(data, num
 
 
 @SETTINGS
-@given(size=st.integers(1, 30), steps=st.integers(1, 8), optimizer=st.sampled_from(["sgd", "momentum", "adam"]),
-       seed=st.integers(0, 2**16))
+@given(size=st.integers(1, 30), steps=st.integers(1, 8),
+       optimizer=st.sampled_from(["sgd", "momentum", "adam"]), seed=st.integers(0, 2**16))
 def test_async_with_one_worker_is_sequential_training(size, steps, optimizer, seed):
     rng = np.random.default_rng(seed)
     w0 = rng.standard_normal(size).astype(np.float32)

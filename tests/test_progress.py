@@ -26,7 +26,8 @@ def test_off_a_terminal_lines_come_every_few_seconds_and_one_at_the_end():
             bar.update()
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue()
-    assert [ln.split(",")[0] for ln in lines] == [f"work: {i} files of 4 files ({25 * i}%)" for i in (1, 2, 3, 4, 4)]
+    assert [ln.split(",")[0] for ln in lines] == [f"work: {i} files of 4 files ({25 * i}%)"
+                                                  for i in (1, 2, 3, 4, 4)]
     assert lines[-1].endswith(", done")
 
 
@@ -63,6 +64,6 @@ def test_restoring_a_checkpoint_counts_reading_and_checking_every_byte(tmp_path,
     monkeypatch.setattr(progress, "EVERY", 0.0)
     assert checkpoint.load(path).version == 7
     lines = capsys.readouterr().err.splitlines()
-    done = re.fullmatch(r"restoring shard0-of1-v000000000007\.ckpt: (\d+) MiB of (\d+) MiB \(100%\), .*, done",
-                        lines[-1])
+    done = re.fullmatch(r"restoring shard0-of1-v000000000007\.ckpt: (\d+) MiB of (\d+) MiB "
+                        r"\(100%\), .*, done", lines[-1])
     assert done and done.group(1) == done.group(2) == "24", lines[-3:]    # 12 MiB read, 12 MiB hashed

@@ -35,9 +35,9 @@ LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
 def state(shard) -> tuple:
     """Everything a refused call must leave as it was."""
     s, p, m = shard.store, shard.policy, shard.members
-    return (None if s.params is None else s.params.tobytes(), s.version, s.signature, s.total, s.counters.snapshot(),
-            sorted(m.registered), sorted(m.left), sorted(m.dead), sorted(getattr(p, "pending", {})),
-            m.num_workers)
+    return (None if s.params is None else s.params.tobytes(), s.version, s.signature, s.total,
+            s.counters.snapshot(), sorted(m.registered), sorted(m.left), sorted(m.dead),
+            sorted(getattr(p, "pending", {})), m.num_workers)
 
 
 def ready(address, token=TOKEN, plane="grpc", ca=None, init=True) -> PSClient:
@@ -52,7 +52,8 @@ def ready(address, token=TOKEN, plane="grpc", ca=None, init=True) -> PSClient:
 
 def messages(header, arr, chunk_bytes=64) -> list:
     """A tensor stream as plain protobuf messages, as any gRPC client would send it."""
-    return [pb.TensorChunk.FromString(codec.serialize_chunk(m)) for m in codec.encode(header, arr, chunk_bytes)]
+    return [pb.TensorChunk.FromString(codec.serialize_chunk(m))
+            for m in codec.encode(header, arr, chunk_bytes)]
 
 
 def every_rpc(stub, metadata, session: str = "") -> dict:
@@ -62,11 +63,15 @@ def every_rpc(stub, metadata, session: str = "") -> dict:
     kw = dict(metadata=metadata, timeout=5)
     return {
         "Register": lambda: stub.Register(pb.RegisterRequest(rank=0, num_workers=1, shard=0, num_shards=1,
-                                                             layout=spec, protocol_version=codec.PROTOCOL_VERSION), **kw),
-        "Init": lambda: stub.Init(iter(messages(pb.TensorHeader(rank=0, shard=0, layout_signature=sig, session=session),
+                                                             layout=spec,
+                                                             protocol_version=codec.PROTOCOL_VERSION), **kw),
+        "Init": lambda: stub.Init(iter(messages(pb.TensorHeader(rank=0, shard=0, layout_signature=sig,
+                                                                session=session),
                                                  np.full(33, 7, np.float32))), **kw),
-        "Pull": lambda: list(stub.Pull(pb.PullRequest(rank=0, shard=0, seen_version=-1, session=session), **kw)),
-        "Push": lambda: stub.Push(iter(messages(pb.TensorHeader(rank=0, shard=0, step=0, num_samples=4, session=session),
+        "Pull": lambda: list(stub.Pull(pb.PullRequest(rank=0, shard=0, seen_version=-1, session=session),
+                                       **kw)),
+        "Push": lambda: stub.Push(iter(messages(pb.TensorHeader(rank=0, shard=0, step=0, num_samples=4,
+                                                                session=session),
                                                  np.ones(33, np.float32))), **kw),
         "Status": lambda: stub.Status(pb.StatusRequest(), **kw),
         "Leave": lambda: stub.Leave(pb.LeaveRequest(rank=0, session=session), **kw),
@@ -197,7 +202,8 @@ def test_tls_with_the_ca_trains_and_without_it_cannot_connect(shard_server, cert
     w = np.empty(33, np.float32)
     assert c.pull(w) == [0] and c.push(np.ones(33, np.float32), 1) == [("aggregated", 1)]
     for ca in (None, certs.other_ca):               # plain text, or a CA that did not sign it
-        bad = PSClient([addr], rpc_deadline=1, security=ClientSecurity(TOKEN, ca.read_bytes() if ca else None))
+        bad = PSClient([addr], rpc_deadline=1,
+                       security=ClientSecurity(TOKEN, ca.read_bytes() if ca else None))
         with pytest.raises(Unavailable) as e:
             bad.connect(1.0)
         assert re.match(f"shard 0 at {addr}: no answer within [0-9.]+ s .*--tls-ca", str(e.value))

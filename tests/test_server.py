@@ -229,8 +229,9 @@ def test_a_push_of_one_message_and_one_of_several_do_the_same(shard_server):
     c.pull(w)
     c.shards[0].chunk_bytes = 40                                                    # four messages
     assert c.push(np.full(33, 2, np.float32), num_samples=1) == [("aggregated", 2)]
-    raw_push(addr, [pb.TensorChunk(header=pb.TensorHeader(rank=0, shard=0, step=2, num_samples=1, num_elements=33,
-                                                          dtype="float32", session=c.shards[0].session)),
+    raw_push(addr, [pb.TensorChunk(header=pb.TensorHeader(rank=0, shard=0, step=2, num_samples=1,
+                                                          num_elements=33, dtype="float32",
+                                                          session=c.shards[0].session)),
                     pb.TensorChunk(data=np.full(33, 4, np.float32).tobytes())])
     c.pull(w)
     np.testing.assert_array_equal(w, np.arange(33) - 1 - 2 - 4)

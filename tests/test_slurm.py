@@ -57,7 +57,8 @@ def step(procid: int, **extra) -> dict:
 
 def test_the_first_s_tasks_serve_and_the_others_are_workers_on_ports_by_local_index():
     tasks = [slurm_task(step(i), num_shards=2, base_port=8888) for i in range(5)]
-    assert [(t.is_shard, t.index) for t in tasks] == [(True, 0), (True, 1), (False, 0), (False, 1), (False, 2)]
+    assert [(t.is_shard, t.index) for t in tasks] == [(True, 0), (True, 1), (False, 0), (False, 1),
+                                                      (False, 2)]
     assert all(t.shards == ("n1:8888", "n1:8889") for t in tasks)
     assert [(t.hosts[t.procid], t.ports[t.procid]) for t in tasks] == [
         ("n1", 8888), ("n1", 8889), ("n1", 8890), ("n2", 8888), ("n2", 8889)]

@@ -120,8 +120,8 @@ def test_backup_drops_late_rows_with_their_push(shard_server):
     push(c0, lookup_with_grads([3], np.ones((1, DIM))))
     outcomes = {o for o, _ in push(c1, lookup_with_grads([4], np.ones((1, DIM))))}
     assert outcomes == {"dropped_late"}
-    np.testing.assert_allclose(pulled(c0, [3, 4]), initial([3, 4]) - TABLE.lr * np.array([[1.0] * DIM, [0.0] * DIM]),
-                               rtol=1e-6)
+    np.testing.assert_allclose(pulled(c0, [3, 4]),
+                               initial([3, 4]) - TABLE.lr * np.array([[1.0] * DIM, [0.0] * DIM]), rtol=1e-6)
 
 
 def raw_push(address, header: pb.TensorHeader, payload: bytes):
@@ -153,7 +153,8 @@ def test_a_rejected_sparse_push_changes_nothing(shard_server, case, field):
     parts = [pb.SparsePart(table="nope" if case == "no_table" else "emb", num_ids=3)]
     if case == "twice":
         parts = parts * 2
-    payload = np.zeros(shard.store.size, np.float32).tobytes() + (ids.tobytes() + grads.tobytes()) * len(parts)
+    payload = (np.zeros(shard.store.size, np.float32).tobytes()
+               + (ids.tobytes() + grads.tobytes()) * len(parts))
     if case == "truncated":
         payload = payload[:-4]
     header = pb.TensorHeader(rank=0, shard=0, step=shard.store.version, num_elements=shard.store.size,

@@ -267,7 +267,8 @@ def same_state(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("ids, grads, step, match", [
     (ids_of(1, 2), np.array([[0, 1, 2], [np.nan, 0, 0]], np.float32), 1,
      r"the gradient of id 2 \(row 1 of the push\) is not finite"),
-    (ids_of(1), np.array([[np.inf, 0, 0]], np.float32), 1, r"the gradient of id 1 .* not finite: \[inf, 0.0, 0.0\]"),
+    (ids_of(1), np.array([[np.inf, 0, 0]], np.float32), 1,
+     r"the gradient of id 1 .* not finite: \[inf, 0.0, 0.0\]"),
     (np.array([1, 2]), ones(2, 3), 1, "ids need a 1-D uint64 array, got int64"),
     (ids_of(1, 2), ones(2, 4), 1, r"grads need float32\[2, 3\], got float32\[2, 4\]"),
     (ids_of(1), np.ones((1, 3)), 1, r"grads need float32\[1, 3\], got float64"),
@@ -295,9 +296,11 @@ def broken(state: dict, key: str, value) -> dict:
     (lambda s: broken(s, "pending_ids", np.concatenate([s["pending_ids"][:-1], s["ids"][:1]])),
      "an id appears twice"),
     (lambda s: broken(s, "slot_v", np.where(np.arange(s["slot_v"].size).reshape(s["slot_v"].shape) == 0,
-                                            np.float32(np.nan), s["slot_v"])), "slot_v holds a value that is not finite"),
+                                            np.float32(np.nan), s["slot_v"])),
+     "slot_v holds a value that is not finite"),
     (lambda s: broken(s, "last_update", s["last_update"] - 100), "last_update holds a negative value"),
-    (lambda s: broken(s, "pending_counts", s["pending_counts"] + 1), r"pending_counts must lie in \[1, min_count=2\)"),
+    (lambda s: broken(s, "pending_counts", s["pending_counts"] + 1),
+     r"pending_counts must lie in \[1, min_count=2\)"),
     (lambda s: broken(s, "counters", s["counters"][:2]), "counters has shape"),
 ])
 def test_load_refuses_an_inconsistent_state_and_changes_nothing(change, match):
@@ -393,7 +396,8 @@ def test_only_a_checked_push_is_split(monkeypatch):
     or two threads could step one row at once. A lookup and a checked push are split."""
     monkeypatch.setattr(table_module, "PARALLEL_MIN", 2)
     calls, real = [], table_module.in_parts
-    monkeypatch.setattr(table_module, "in_parts", lambda fn, n, threads: calls.append(threads) or real(fn, n, threads))
+    monkeypatch.setattr(table_module, "in_parts",
+                        lambda fn, n, threads: calls.append(threads) or real(fn, n, threads))
     t = SparseTable(TableConfig("emb", 2, optimizer="sgd"), 0, threads=3)
     ids = ids_of(1, 2, 3, 4, 5, 6)
     t.apply(ids, ones(6, 2), step=1)

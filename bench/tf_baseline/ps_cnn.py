@@ -209,8 +209,9 @@ def main() -> None:
     if args.pserver:
         results.append(run_pserver(args))
     report(results, [f"{r['framework']:>50}: {r['train_samples_per_second']:>8,.0f} samples/s "
-                     f"({r['samples']:,} samples in {r['seconds']:.1f} s, batch {r['batch_size']} per worker; "
-                     f"test accuracy after {r['test_accuracy_after']:.4f})" for r in results], args.json)
+                     f"({r['samples']:,} samples in {r['seconds']:.1f} s, batch {r['batch_size']} per "
+                     f"worker; test accuracy after {r['test_accuracy_after']:.4f})" for r in results],
+           args.json)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def train(args, cluster: dict) -> dict:
         schedule(ROUND)
         steps += ROUND
     seconds = time.perf_counter() - started
-    return {"framework": f"tensorflow {tf.__version__} ParameterServerStrategy", "model": "mlp 784-256-256-10",
+    return {"framework": f"tensorflow {tf.__version__} ParameterServerStrategy",
+            "model": "mlp 784-256-256-10",
             "optimizer": f"sgd {args.lr}", "num_ps": args.ps, "num_workers": args.workers,
             "batch_size": args.batch_size, "steps": steps, "samples": steps * args.batch_size,
             "seconds": round(seconds, 3), "train_samples_per_second": steps * args.batch_size / seconds,

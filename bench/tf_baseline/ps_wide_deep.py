@@ -14,10 +14,11 @@ collisions, and no row that is never used).
 
 The data is an .npz with `dense` float32 (n, 13), `cat` int64 (n, 26) and `label` float32
 (n,); its last `test_rows` rows (a key of the file; else the last --test-fraction) are held
-out for the AUC. criteo_npz.py writes criteo-synthetic so, from pserver's environment. The cluster and the custom
-loop are those of ps_cnn.py (real tf.distribute.Server processes on this machine, the
-coordinator in this process); one step is one worker's batch, and samples/s counts the steps
-after --warmup. Runs in its own virtual environment (see bench/tf_baseline/README.md).
+out for the AUC. criteo_npz.py writes criteo-synthetic so, from pserver's environment. The
+cluster and the custom loop are those of ps_cnn.py (real tf.distribute.Server processes on
+this machine, the coordinator in this process); one step is one worker's batch, and samples/s
+counts the steps after --warmup. Runs in its own virtual environment (see
+bench/tf_baseline/README.md).
 
     python bench/tf_baseline/ps_wide_deep.py --data criteo.npz --json tf_wide_deep.json
 """
@@ -170,7 +171,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=0,
                    help="steps over all workers (default: one pass over the training rows)")
     p.add_argument("--warmup", type=int, default=50, help="untimed steps first (default 50)")
-    p.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate of the tables (default 0.05)")
+    p.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate of the tables "
+                                                          "(default 0.05)")
     p.add_argument("--dense-lr", type=float, default=1e-3, help="Adam learning rate of the dense layers "
                    "(default 0.001)")
     p.add_argument("--seed", type=int, default=0)

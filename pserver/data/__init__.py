@@ -48,10 +48,10 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
 
     samples/test_samples/features/classes shape `synthetic` only, samples/test_samples also
     `criteo-synthetic`; test_samples caps the test set held out of a Criteo file. seed generates
-    both synthetic kinds and shuffles an .npz's held-out test set. task="regression" asks for float targets: synthetic
-    then draws a linear-regression task, and integer labels (mnist, .npz) become float32 targets.
-    A float `y` in an .npz is always regression. An .npz's uint8 features (images, 0-255)
-    are divided by 255, saying so, unless scale_uint8 is "none".
+    both synthetic kinds and shuffles an .npz's held-out test set. task="regression" asks for
+    float targets: synthetic then draws a linear-regression task, and integer labels (mnist,
+    .npz) become float32 targets. A float `y` in an .npz is always regression. An .npz's uint8
+    features (images, 0-255) are divided by 255, saying so, unless scale_uint8 is "none".
     """
     if task not in TASKS:
         raise ConfigError(f"--task: unknown task {task!r}; choose classification or regression")
@@ -78,7 +78,8 @@ def _load_criteo(spec: str, seed: int, task: str, samples: int, test_samples: in
         return criteo.load_synthetic(seed, samples, test_samples)
     path = spec[len("criteo:"):]
     if not path:
-        raise ConfigError("--dataset criteo:PATH: the path is empty (e.g. criteo:train.txt or criteo:day_0.gz)")
+        raise ConfigError("--dataset criteo:PATH: the path is empty "
+                          "(e.g. criteo:train.txt or criteo:day_0.gz)")
     return criteo.load_file(os.path.expanduser(path), test_samples)
 
 

@@ -48,23 +48,25 @@ class LaunchConfig:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend: '{self.backend}' is not one of {', '.join(BACKENDS)}")
         if self.address is not None and self.backend != "ray":
-            raise ConfigError(f"--address: '{self.address}' is a Ray cluster's address; give it with --backend ray")
+            raise ConfigError(f"--address: '{self.address}' is a Ray cluster's address; give it with "
+                              "--backend ray")
 
 
 def shard_config(cfg: LaunchConfig, server: ServerConfig, j: int, host: str) -> ServerConfig:
     """Shard j's config: the cluster's, listening on `host` at a free port. No token: it
     reaches the process in its environment only (TOKEN_ENV), as from the command line."""
     return dataclasses.replace(server, host=host, port=0, shard=j, num_shards=cfg.num_shards,
-                               num_workers=cfg.num_workers, metrics_port=metrics_port(cfg, j), auth_token=None)
+                               num_workers=cfg.num_workers, metrics_port=metrics_port(cfg, j),
+                               auth_token=None)
 
 
 def worker_config(cfg: LaunchConfig, worker: WorkerConfig, i: int, addresses: tuple[str, ...],
                   chief_summary: str, device: str) -> WorkerConfig:
     """Worker i's config; the chief writes its summary to `chief_summary`, and every worker
     its time breakdown to stats_path(chief_summary, i). No token (see shard_config)."""
-    return dataclasses.replace(worker, ps=tuple(addresses), rank=i, num_workers=cfg.num_workers, device=device,
-                               metrics_port=metrics_port(cfg, cfg.num_shards + i), delay=worker_delay(cfg, i),
-                               summary_json=chief_summary if i == 0 else None,
+    return dataclasses.replace(worker, ps=tuple(addresses), rank=i, num_workers=cfg.num_workers,
+                               device=device, metrics_port=metrics_port(cfg, cfg.num_shards + i),
+                               delay=worker_delay(cfg, i), summary_json=chief_summary if i == 0 else None,
                                stats_json=stats_path(chief_summary, i), auth_token=None)
 
 

@@ -92,7 +92,8 @@ def child(role: str, name: str, config, tmpdir: str, env: dict) -> Proc:
     return Proc(name, [sys.executable, "-m", "pserver.launch.child", role, path], env)
 
 
-def start_shards(cfg: LaunchConfig, server: ServerConfig, env: dict, procs: list[Proc], tmpdir: str) -> list[Proc]:
+def start_shards(cfg: LaunchConfig, server: ServerConfig, env: dict, procs: list[Proc],
+                 tmpdir: str) -> list[Proc]:
     """Start the shards; each is added to `procs` at once, so a failure stops them all."""
     shards = []
     for j in range(cfg.num_shards):

@@ -1,7 +1,8 @@
 """`pserver launch --backend ray`: the shards and workers of `pserver launch` as Ray actors.
 
 Each actor is one process that runs a shard or a worker (pserver.launch.roles), on the
-config the local backend gives its child processes (launch.base.shard_config, worker_config). The actors are spread over the nodes by a placement group (strategy
+config the local backend gives its child processes (launch.base.shard_config, worker_config).
+The actors are spread over the nodes by a placement group (strategy
 SPREAD), one bundle of 1 CPU each, on a Ray started here (no --address) or on a running
 cluster. Their output comes back through a Ray queue and is printed with the same role
 prefixes as the local backend; the summary JSON, the progress lines and the exit codes are
@@ -48,7 +49,8 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise ConfigError("--backend: ray needs Ray, which is not installed: pip install -e '.[ray]'") from None
+        raise ConfigError("--backend: ray needs Ray, which is not installed: "
+                          "pip install -e '.[ray]'") from None
     return ray
 
 
@@ -266,7 +268,8 @@ class RayCluster:
                 if code != 0:
                     raise ended(role, code)
                 files.update(written)
-        self.ray.wait(list(pending), num_returns=len(pending), timeout=STOP_GRACE)   # the chief ended the shards
+        # the chief ended the shards
+        self.ray.wait(list(pending), num_returns=len(pending), timeout=STOP_GRACE)
         return files
 
     def stop(self) -> None:

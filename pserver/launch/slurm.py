@@ -48,7 +48,8 @@ class SlurmTask:
     def describe(self) -> str:
         role = f"shard {self.index}" if self.is_shard else f"worker rank {self.index}"
         return (f"task {self.procid} of {len(self.hosts)} on {self.hosts[self.procid]}: {role} "
-                f"({self.num_shards} shard(s), {self.num_workers} worker(s)); shards at {','.join(self.shards)}")
+                f"({self.num_shards} shard(s), {self.num_workers} worker(s)); "
+                f"shards at {','.join(self.shards)}")
 
 
 def split_top(text: str) -> list[str]:
@@ -154,7 +155,8 @@ def check_block_placement(env, task: SlurmTask) -> None:
     first_here = task.hosts.index(task.hosts[task.procid])
     expected = task.procid - first_here
     node = env.get("SLURMD_NODENAME")
-    if (local is not None and local != str(expected)) or (node is not None and node != task.hosts[task.procid]):
-        raise ConfigError(f"SLURM_LOCALID: task {task.procid} is task {local} on {node or 'its host'}, where block "
-                          f"placement puts it at {expected} on {task.hosts[task.procid]}; run srun "
-                          f"with --distribution=block (the default)")
+    if ((local is not None and local != str(expected))
+            or (node is not None and node != task.hosts[task.procid])):
+        raise ConfigError(f"SLURM_LOCALID: task {task.procid} is task {local} on {node or 'its host'}, where "
+                          f"block placement puts it at {expected} on {task.hosts[task.procid]}; run srun "
+                          "with --distribution=block (the default)")

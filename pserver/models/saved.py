@@ -155,4 +155,5 @@ def weights_of(path: str, meta: dict, arrays: dict, layout) -> np.ndarray:
     return flat
 
 
-__all__ = ["FORMAT", "VERSION", "META", "SavedModel", "definition", "save", "load", "read", "build", "weights_of"]
+__all__ = ["FORMAT", "VERSION", "META", "SavedModel", "definition", "save", "load", "read", "build",
+           "weights_of"]

@@ -6,9 +6,10 @@ workers, and what arrives after the step completed is answered dropped_late and 
 
 An update averages min(N-b, live) distinct workers, never fewer: a worker marked dead
 lowers the quorum only once the slack of b backups is used up (N=4, b=1: one dead worker
-leaves the quorum at 3). Workers that finished their epochs do not lower the quorum: once the unfinished ones are fewer
-than the quorum, no step can complete, so the run is over, as TensorFlow's ends at a
-global step. The stragglers' remaining pushes are dropped late and they are told to stop.
+leaves the quorum at 3). Workers that finished their epochs do not lower the quorum: once
+the unfinished ones are fewer than the quorum, no step can complete, so the run is over, as
+TensorFlow's ends at a global step. The stragglers' remaining pushes are dropped late and
+they are told to stop.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ class Policy(ABC):
 
     def __init__(self, store, cfg: ServerConfig, members) -> None:
         self.store, self.cfg, self.members = store, cfg, members
-        self.clocks = store.clocks           # rank -> steps taken in (store.took); ssp bounds staleness by them
+        self.clocks = store.clocks           # rank -> steps taken in (store.took); ssp bounds
+                                             # staleness by them
         self.finished = False                # no step can complete any more: workers stop
 
     def check_join(self, rank: int, num_workers: int) -> None:

@@ -118,7 +118,8 @@ def sparse_summary(statuses: Sequence) -> dict:
     tables: dict[str, dict] = {}
     for st in statuses:
         for t in st.tables:
-            agg = tables.setdefault(t.name, dict.fromkeys(TABLE_FIELDS, 0) | {"dim": t.dim, "optimizer": t.optimizer})
+            agg = tables.setdefault(t.name,
+                                    dict.fromkeys(TABLE_FIELDS, 0) | {"dim": t.dim, "optimizer": t.optimizer})
             for k in TABLE_FIELDS:
                 agg[k] += getattr(t, k)
     if not tables:
@@ -185,7 +186,8 @@ def format_summary(s: dict) -> str:
         f"model {s['model']} ({s['num_params']:,} params), dataset {s['dataset']}, "
         f"optimizer {s['optimizer']} lr {s['lr']:g}, batch {s['batch_size']}/worker, {s['epochs']} epoch(s)",
         metric,
-        f"{s['steps']} steps in {s['wall_seconds']:.1f} s: {s['train_samples_per_second']:,.0f} train samples/s",
+        f"{s['steps']} steps in {s['wall_seconds']:.1f} s: "
+        f"{s['train_samples_per_second']:,.0f} train samples/s",
         f"{describe_updates(s)}; {s['workers_marked_dead']} worker(s) marked dead",
         f"staleness mean {s['staleness_mean']:.2f} max {s['staleness_max']}; "
         f"clock gap max {s['clock_gap_max']}",

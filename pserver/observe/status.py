@@ -28,8 +28,8 @@ def rows(statuses) -> list[dict]:
         out.append({"shard": s.shard, "version": s.version, "mode": s.mode, "num_params": s.num_params,
                     "num_workers": s.num_workers, "live": ",".join(map(str, s.live_workers)) or "-",
                     **{k: getattr(c, k) for k in ("updates_applied", "pushes_received", "pushes_applied",
-                                                  "pushes_aggregated", "pushes_dropped_late", "pushes_rejected",
-                                                  "workers_marked_dead", "staleness_max")},
+                                                  "pushes_aggregated", "pushes_dropped_late",
+                                                  "pushes_rejected", "workers_marked_dead", "staleness_max")},
                     "staleness_mean": round(c.staleness_mean, 3)})
     return out
 

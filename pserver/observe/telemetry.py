@@ -39,7 +39,8 @@ class ShardMetrics:
                                 ["reason"], registry=self.registry)
         self.received = Counter("pserver_received_bytes", "Gradient payload bytes received in pushes",
                                 registry=self.registry)
-        self.sent = Counter("pserver_sent_bytes", "Parameter payload bytes sent in pulls", registry=self.registry)
+        self.sent = Counter("pserver_sent_bytes", "Parameter payload bytes sent in pulls",
+                            registry=self.registry)
         self.pull_wait = Histogram("pserver_pull_wait_seconds", "Seconds a pull waited for the step the "
                                    "mode requires", buckets=WAIT_BUCKETS, registry=self.registry)
 
@@ -66,7 +67,8 @@ class ShardState:
                                   value=c["updates_applied"])
         yield staleness_histogram(c)
         yield GaugeMetricFamily("pserver_version", "Parameter version (steps applied)", value=st["version"])
-        yield GaugeMetricFamily("pserver_parameters", "Dense parameters held by this shard", value=st["num_params"])
+        yield GaugeMetricFamily("pserver_parameters", "Dense parameters held by this shard",
+                                value=st["num_params"])
         rows = GaugeMetricFamily("pserver_table_rows", "Rows of each sparse table held by this shard",
                                  labels=["table"])
         held = GaugeMetricFamily("pserver_table_bytes", "Bytes of each sparse table on this shard (rows, "
@@ -76,8 +78,8 @@ class ShardState:
             held.add_metric([t["name"]], t["bytes"])
         yield rows
         yield held
-        moved = CounterMetricFamily("pserver_rows", "Sparse rows sent in pulls, and rows updated by pushes (a row that several workers of a sync "
-                                    "step pushed is updated once)",
+        moved = CounterMetricFamily("pserver_rows", "Sparse rows sent in pulls, and rows updated by pushes "
+                                    "(a row that several workers of a sync step pushed is updated once)",
                                     labels=["direction"])
         moved.add_metric(["pulled"], c["rows_pulled"])
         moved.add_metric(["pushed"], c["rows_pushed"])
@@ -92,7 +94,8 @@ class ShardState:
         yield ckpt
         written = self.shard.checkpointer.last_written if self.shard.checkpointer else None
         if written is not None:
-            yield GaugeMetricFamily("pserver_checkpoint_age_seconds", "Seconds since the last checkpoint written",
+            yield GaugeMetricFamily("pserver_checkpoint_age_seconds",
+                                    "Seconds since the last checkpoint written",
                                     value=time.monotonic() - written)
 
 
@@ -113,10 +116,11 @@ class WorkerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.step = Histogram("pserver_worker_step_seconds", "Seconds per training step (compute, push, pull)",
+        self.step = Histogram("pserver_worker_step_seconds",
+                              "Seconds per training step (compute, push, pull)",
                               buckets=WAIT_BUCKETS, registry=self.registry)
-        self.pull = Histogram("pserver_worker_pull_seconds", "Seconds a step's push and pull took (one exchange "
-                              "over the data plane), waiting included",
+        self.pull = Histogram("pserver_worker_pull_seconds", "Seconds a step's push and pull took (one "
+                              "exchange over the data plane), waiting included",
                               buckets=WAIT_BUCKETS, registry=self.registry)
         self.samples = Counter("pserver_worker_samples", "Training samples this worker computed gradients on",
                                registry=self.registry)

@@ -109,7 +109,8 @@ def serve(cfg: ServerConfig) -> int:
                 raise
         print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "
               f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}"
-              f"{' (TLS)' if cfg.tls_cert else ''}{' (token required)' if cfg.auth_token else ''}", flush=True)
+              f"{' (TLS)' if cfg.tls_cert else ''}{' (token required)' if cfg.auth_token else ''}",
+              flush=True)
         stopped = None
         try:
             while not shard.ended.wait(0.5):

@@ -268,8 +268,9 @@ def prepare(directory: str, flag: str, shard: int, num_shards: int) -> None:
 
 class Checkpointer:
     """When and where one shard writes checkpoints: at versions K, 2K, 3K... (every K steps),
-    every S seconds, and on request. At most one write is in flight (a bound on what a client can make it hold): it
-    holds the one snapshot, taken under the store's lock, so pushes wait only for the copy.
+    every S seconds, and on request. At most one write is in flight (a bound on what a client
+    can make it hold): it holds the one snapshot, taken under the store's lock, so pushes wait
+    only for the copy.
     A request that arrives meanwhile joins that write, or the write after it when the one
     in flight is older than the version the request saw. A failed write is logged in one
     line and counted, leaves no temporary file, and training goes on: the next interval

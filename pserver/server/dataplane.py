@@ -330,7 +330,8 @@ class DataPlaneServer:
         wanted, limit = req[6], min(frames.ROWS_BUFFER_MAX, self.shard.limits.max_inflight_bytes)
         if not 0 < wanted <= limit:
             self._reply(conn, InvalidArgument(f"rows buffer: {wanted} bytes asked; a connection's rows "
-                                              f"buffer holds 1 to {limit} bytes (larger requests go over gRPC)"))
+                                              f"buffer holds 1 to {limit} bytes "
+                                              "(larger requests go over gRPC)"))
             return
         size = max(wanted, min(max(2 * peer.rows.size, 1 << 20), limit))
         size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE     # the limit is whole MiB: still within it
@@ -387,8 +388,10 @@ class DataPlaneServer:
             then_pull = PULL_AFTER.unpack(recv_exact(conn, PULL_AFTER.size))
             req = (req[0], req[1] & ~THEN_PULL, *req[2:])
             if req[1] not in (PUSH, PUSH_ROWS):
-                self._reply(conn, InvalidArgument(f"op: only a push can carry a pull, not operation {req[1]}"))
-                raise ConnectionError("a pull on something other than a push")  # what follows cannot be framed
+                self._reply(conn, InvalidArgument("op: only a push can carry a pull, "
+                                                  f"not operation {req[1]}"))
+                # what follows cannot be framed
+                raise ConnectionError("a pull on something other than a push")
         parts = self._read_parts(conn) if req[1] in (PULL_ROWS, PUSH_ROWS) else ()
         answer = self._handle(conn, req, peer, parts=parts)
         reply = self._encode_reply(*answer)

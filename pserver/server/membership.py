@@ -30,7 +30,8 @@ class Membership:
     Register take the rank. A worker marked dead rejoins on its next push or pull.
     """
 
-    def __init__(self, store: ShardStore, cfg: ServerConfig, on_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, store: ShardStore, cfg: ServerConfig,
+                 on_change: Callable[[], None] = lambda: None) -> None:
         self.store, self.cfg = store, cfg
         self.on_change = on_change             # a worker left or died (the policy's membership_changed)
         self.num_workers = cfg.num_workers   # 0 until the first Register says
@@ -46,7 +47,8 @@ class Membership:
             raise FailedPrecondition(f"num_workers: worker {rank} says {num_workers} workers but "
                                      f"this shard serves {self.num_workers}")
         if not 0 <= rank < num_workers:
-            raise FailedPrecondition(f"rank: {rank} is not a worker of this cluster (ranks 0..{num_workers - 1})")
+            raise FailedPrecondition(f"rank: {rank} is not a worker of this cluster "
+                                     f"(ranks 0..{num_workers - 1})")
 
     def join(self, rank: int, num_workers: int) -> str:
         """Register `rank`; returns its new session credential. Refused while the rank's

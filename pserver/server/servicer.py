@@ -66,21 +66,26 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
     """Register every rpc of the service. As the generated add_..._to_server, except that
     the tensor streams (Init, Push, Pull) use the codec's TensorChunk encoding."""
     unary = {"Register": (pb.RegisterRequest, pb.RegisterReply), "Status": (pb.StatusRequest, pb.StatusReply),
-             "Leave": (pb.LeaveRequest, pb.LeaveReply), "Checkpoint": (pb.CheckpointRequest, pb.CheckpointReply),
+             "Leave": (pb.LeaveRequest, pb.LeaveReply),
+             "Checkpoint": (pb.CheckpointRequest, pb.CheckpointReply),
              "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatReply)}
     handlers = {name: grpc.unary_unary_rpc_method_handler(
         getattr(servicer, name), request_deserializer=req.FromString,
         response_serializer=rep.SerializeToString) for name, (req, rep) in unary.items()}
     handlers["Init"] = grpc.stream_unary_rpc_method_handler(
-        servicer.Init, request_deserializer=codec.parse_chunk, response_serializer=pb.InitReply.SerializeToString)
+        servicer.Init, request_deserializer=codec.parse_chunk,
+        response_serializer=pb.InitReply.SerializeToString)
     handlers["Push"] = grpc.stream_unary_rpc_method_handler(
-        servicer.Push, request_deserializer=codec.parse_chunk, response_serializer=pb.PushReply.SerializeToString)
+        servicer.Push, request_deserializer=codec.parse_chunk,
+        response_serializer=pb.PushReply.SerializeToString)
     handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
-        servicer.Pull, request_deserializer=pb.PullRequest.FromString, response_serializer=codec.serialize_chunk)
+        servicer.Pull, request_deserializer=pb.PullRequest.FromString,
+        response_serializer=codec.serialize_chunk)
     handlers["PullRows"] = grpc.unary_stream_rpc_method_handler(
         servicer.PullRows, request_deserializer=pb.PullRowsRequest.FromString,
         response_serializer=codec.serialize_chunk)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pserver.v1.ParameterServer", handlers),))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("pserver.v1.ParameterServer", handlers),))
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -96,7 +101,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                                   request.data_seed, request.steps_per_epoch)
         fields = dict(reg.__dict__)
         position = fields.pop("position")
-        return pb.RegisterReply(**fields, position=pb.TrainingPosition(**position._asdict()) if position else None)
+        return pb.RegisterReply(**fields,
+                                position=pb.TrainingPosition(**position._asdict()) if position else None)
 
     def _stream(self, request_iterator, context, call):
         """A push or init stream within the shard's bounds (server/limits.py): counted from

@@ -80,7 +80,8 @@ def shared_zeros(size: int) -> tuple[int | None, np.ndarray]:
         return None, np.zeros(size, dtype=np.float32)
     try:
         fd, mm = frames.sealed_memfd("pserver-params", size * 4, clients_write=False)
-    except OSError as e:       # Linux < 5.1 has no F_SEAL_FUTURE_WRITE: no data plane rather than an unsafe one
+    except OSError as e:
+        # Linux < 5.1 has no F_SEAL_FUTURE_WRITE: no data plane rather than an unsafe one
         log.warning("parameters cannot be shared read-only (%s); same-host workers use gRPC", e)
         return None, np.zeros(size, dtype=np.float32)
     return fd, np.frombuffer(mm, dtype=np.float32)

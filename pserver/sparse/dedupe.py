@@ -1,9 +1,9 @@
 """A batch's ids made unique, and its row gradients summed per unique id (the worker's side).
 
 `unique_inverse` is one pass of an open-addressing hash table (probed as pserver.sparse.index
-probes) that starts small and doubles, so that a batch with few distinct ids keeps its table in cache; `segment_sum` is the
-scatter-add that np.add.at does, compiled; `first_repeat` is the shard's check that a push's
-ids are distinct. Each has a NumPy twin.
+probes) that starts small and doubles, so that a batch with few distinct ids keeps its table
+in cache; `segment_sum` is the scatter-add that np.add.at does, compiled; `first_repeat` is
+the shard's check that a push's ids are distinct. Each has a NumPy twin.
 """
 
 from __future__ import annotations

@@ -319,7 +319,8 @@ class SparseTable:
 
     def _check_push(self, ids, grads, step, scale, finite=False):
         ids, name = self._check_ids(ids), self.config.name
-        if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.shape != (ids.shape[0], self.dim):
+        if (not isinstance(grads, np.ndarray) or grads.dtype != np.float32
+                or grads.shape != (ids.shape[0], self.dim)):
             raise InvalidArgument(f"table {name!r}: grads need float32[{ids.shape[0]}, {self.dim}], got "
                                   f"{getattr(grads, 'dtype', type(grads).__name__)}{list(np.shape(grads))}")
         i = -1 if finite else _first_nonfinite(grads)

@@ -133,7 +133,8 @@ def encode(spec: Spec, g: np.ndarray) -> Packed:
         return Packed("fp16", n, [(g * np.float32(scale)).astype("<f2").view(np.uint16)], scale=scale)
     if spec.name == "topk":
         if n >= 1 << 32:
-            raise ConfigError(f"--compress: topk indexes a shard's slice with uint32; {n} elements is too many")
+            raise ConfigError("--compress: topk indexes a shard's slice with uint32; "
+                              f"{n} elements is too many")
         idx = topk_indices(g, spec.ratio)
         return Packed("topk", n, [idx, g[idx]], num_values=idx.size)
     if spec.name == "sign":

@@ -164,7 +164,8 @@ class ShardClient:
                 extra = waits if isinstance(e, DeadlineExceeded) else 0.0
                 if time.monotonic() + delay > deadline + extra:
                     raise type(e)(f"{self.label}: {e.code_name.lower().replace('_', ' ')} for "
-                                  f"{retry_for + extra:g} s despite retries (--rpc-deadline); last error: {e}") from None
+                                  f"{retry_for + extra:g} s despite retries (--rpc-deadline); "
+                                  f"last error: {e}") from None
                 if isinstance(e, Unavailable):
                     self._say_down(retry_for)
                     self._drop_fast()
@@ -186,7 +187,8 @@ class ShardClient:
         now = time.monotonic()
         if self.down_since is None:
             self.down_since = self.down_told = now
-            print(f"{self.label} unreachable, retrying for up to {retry_for:g} s (--rpc-deadline)", flush=True)
+            print(f"{self.label} unreachable, retrying for up to {retry_for:g} s (--rpc-deadline)",
+                  flush=True)
         elif now - self.down_told >= WAIT_NOTICE_EVERY:
             self.down_told = now
             print(f"{self.label} still unreachable after {now - self.down_since:.0f} s", flush=True)
@@ -364,7 +366,8 @@ class ShardClient:
         self.last_flat = flat
         then = None if self.reset_seen else (flat[self.info.start:self.info.end], seen_version, pull_clock)
         outcome, _, finished, pulled = self.resilient(
-            lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows, packed, then), timeout)
+            lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows, packed, then),
+            timeout)
         if pulled is None:
             version, pull_finished = self.pull_into(flat, rank, seen_version, pull_clock, timeout)
         else:
@@ -503,7 +506,8 @@ class PSClient:
             told = "; pushes go over gRPC: shared memory carries float32 only" if fast else ""
             plane += f"; pushes compressed {self.compression} with error feedback{told}"
         if self.pull_compression != "none":
-            how = "pulls over shared memory stay float32" if fast == len(self.shards) else "gRPC pulls in bf16"
+            how = ("pulls over shared memory stay float32" if fast == len(self.shards)
+                   else "gRPC pulls in bf16")
             plane += f"; {how}"
         return plane
 

@@ -125,7 +125,8 @@ class DataPlaneChannel:
             raise rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", f"{self.label}: {message}")
         return outcome, bool(finished), version, message
 
-    def _send_values(self, values: np.ndarray, op, step, clock, num_samples, timeout: float, tail: bytes) -> None:
+    def _send_values(self, values: np.ndarray, op, step, clock, num_samples, timeout: float,
+                     tail: bytes) -> None:
         for k, a in enumerate(range(0, values.size, self.slot)):
             if k >= 2 and recv_exact(self.sock, 1) != FREE:      # the shard has copied part k - 2
                 raise ConnectionError("a part's FREE expected")

@@ -273,7 +273,8 @@ def resume_clock(cfg: WorkerConfig, infos, steps: int) -> int:
     left = ("nothing is left to train" if at.epoch >= cfg.epochs or (cfg.max_steps and clock >= cfg.max_steps)
             else f"{steps * cfg.epochs - clock} step(s) to go")
     print(f"resuming rank {cfg.rank} at epoch {at.epoch + 1}/{cfg.epochs}, step {at.step + 1}/{steps} "
-          f"(step {clock} of the run, as the shards recorded it; --no-resume starts over): {left}", flush=True)
+          f"(step {clock} of the run, as the shards recorded it; --no-resume starts over): {left}",
+          flush=True)
     return clock
 
 
@@ -344,7 +345,8 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
                 break
         if cfg.rank == 0:
             epochs_log.append(log_epoch(cfg, ds, model, w, epoch, progress.elapsed, rows))
-            report.evaluated(clock, epochs_log[-1], lambda: combine_counters(client.status())["staleness_mean"])
+            report.evaluated(clock, epochs_log[-1],
+                             lambda: combine_counters(client.status())["staleness_mean"])
             ask_checkpoint(client)
         if client.finished:
             print(f"the shards ended the run at step {max(client.versions)} "
@@ -411,7 +413,8 @@ def wait_for_others(client: PSClient, timeout: float) -> None:
         if not any(s.live_workers for s in client.status()):
             return
         time.sleep(0.05)
-    raise DeadlineExceeded(f"deadline: other workers were still training {timeout:g} s after the chief finished")
+    raise DeadlineExceeded(f"deadline: other workers were still training {timeout:g} s "
+                           "after the chief finished")
 
 
 def binary_metrics(ev: dict, ds) -> dict:

@@ -85,7 +85,8 @@ def train_through(procs, tmp_path, disk: Disk, break_disk):
     addr = shard.address()
     summary = tmp_path / "summary.json"
     train = [*LOGREG, "--delay", "fixed:0.005"]
-    chief = procs("worker", "--ps", addr, "--rank", "0", "--num-workers", "2", *train, "--summary-json", str(summary))
+    chief = procs("worker", "--ps", addr, "--rank", "0", "--num-workers", "2", *train,
+                  "--summary-json", str(summary))
     other = procs("worker", "--ps", addr, "--rank", "1", "--num-workers", "2", *train)
     assert wait_until(lambda: list(disk.path.glob("*.ckpt"))), shard.output
     break_disk()
@@ -95,7 +96,8 @@ def train_through(procs, tmp_path, disk: Disk, break_disk):
     assert status.returncode == 0, status.stderr
     counters = json.loads(status.stdout)["shards"][0]["counters"]
     with open(summary) as f:
-        return shard, chief, json.load(f), {k: int(v) for k, v in counters.items() if k.startswith("checkpoints")}
+        return shard, chief, json.load(f), {k: int(v) for k, v in counters.items()
+                                            if k.startswith("checkpoints")}
 
 
 @pytest.mark.parametrize("breakage", ["full", "read-only"])
@@ -110,7 +112,8 @@ def test_a_disk_that_fails_mid_run_never_stops_training(procs, tmp_path, disks, 
     assert wait_until(lambda: shard.output.count(FAILED_LINE) == counters["checkpoints_failed"], 10), \
         (counters, shard.output[-3000:])
     assert "Traceback" not in shard.output and "INTERNAL" not in chief.output
-    assert "checkpoint: shard 0 could not write version" in chief.output and "training goes on" in chief.output
+    assert ("checkpoint: shard 0 could not write version" in chief.output
+            and "training goes on" in chief.output)
     if disk.mounted:
         assert not list(disk.path.glob("*.tmp")), os.listdir(disk.path)
         newest = checkpoint.load_latest(str(disk.path), 0, 1)     # what was written before still loads

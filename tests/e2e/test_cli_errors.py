@@ -36,7 +36,8 @@ def test_missing_data_dir(tmp_path):
 def test_malformed_tf_config():
     r = run("worker", env={"TF_CONFIG": "{oops"})
     one_clear_line(r, "TF_CONFIG", "JSON")
-    r = run("serve", "--port", "0", env={"TF_CONFIG": '{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 4}}'})
+    r = run("serve", "--port", "0",
+            env={"TF_CONFIG": '{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 4}}'})
     one_clear_line(r, "TF_CONFIG")
 
 
@@ -162,7 +163,8 @@ def test_a_worker_without_ps_says_which_address_it_dials():
 
 
 def test_a_tf_config_evaluator_task_is_refused():
-    tf = '{"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, "task": {"type": "evaluator", "index": 0}}'
+    tf = ('{"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, '
+          '"task": {"type": "evaluator", "index": 0}}')
     for cmd in ("worker", "serve"):
         r = run(cmd, env={"TF_CONFIG": tf})
         assert r.returncode == 2

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.e2e
 def test_two_workers_converge_with_each_codec(tmp_path, codec, mode, plane, pulls):
     summary = tmp_path / "s.json"
     r = run("launch", "--ps", "2", "--workers", "2", *LOGREG, *mode, "--optimizer", "sgd", "--lr", "0.1",
-            "--data-plane", plane, "--compress", codec, "--pull-compress", pulls, "--summary-json", str(summary))
+            "--data-plane", plane, "--compress", codec, "--pull-compress", pulls,
+            "--summary-json", str(summary))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     s = read_json(summary)
     assert s["test_accuracy"] >= 0.9, s

@@ -14,7 +14,8 @@ from tests.e2e.test_training import free_port
 pytestmark = pytest.mark.e2e
 
 TRAIN = ["--model", "mlp", "--hidden", "64", "--samples", "9600", "--features", "40", "--batch-size", "32",
-         "--epochs", "2", "--delay", "fixed:0.01", "--seed", "3", "--log-every", "0.5", "--rpc-deadline", "60"]
+         "--epochs", "2", "--delay", "fixed:0.01", "--seed", "3", "--log-every", "0.5",
+         "--rpc-deadline", "60"]
 
 
 def serve_args(shard: int, port: int, ckpt_dir) -> list[str]:

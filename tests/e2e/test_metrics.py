@@ -31,12 +31,13 @@ def metrics_url(proc) -> str:
 
 
 def test_a_live_shard_and_worker_expose_what_the_run_did_and_the_chief_writes_curves(procs, tmp_path):
-    shard = procs("serve", "--port", "0", "--num-workers", "2", "--mode", "async", "--optimizer", "sgd", "--lr", "0.1",
-                  "--metrics-port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    shard = procs("serve", "--port", "0", "--num-workers", "2", "--mode", "async", "--optimizer", "sgd",
+                  "--lr", "0.1", "--metrics-port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"))
     addr = shard.address()
     board, summary = tmp_path / "tb", tmp_path / "summary.json"
     common = ("--ps", addr, "--num-workers", "2", *LOGREG)
-    chief = procs("worker", *common, "--rank", "0", "--tensorboard", str(board), "--summary-json", str(summary))
+    chief = procs("worker", *common, "--rank", "0", "--tensorboard", str(board),
+                  "--summary-json", str(summary))
     slow = procs("worker", *common, "--rank", "1", "--delay", "fixed:0.01", "--metrics-port", "0")
 
     worker_url = metrics_url(slow)           # scraped while it trains

@@ -49,7 +49,8 @@ def namespaces():
         for ns in (ps_ns, w_ns):
             r = sh("ip", "netns", "add", ns)
             if r.returncode != 0:
-                missing("the network-namespace test", f"cannot create a network namespace: {r.stderr.strip()}")
+                missing("the network-namespace test",
+                        f"cannot create a network namespace: {r.stderr.strip()}")
             made.append(ns)
         steps = [("ip", "link", "add", f"psv{tag}a", "type", "veth", "peer", "name", f"psv{tag}b"),
                  ("ip", "link", "set", f"psv{tag}a", "netns", ps_ns),
@@ -61,7 +62,8 @@ def namespaces():
         for step in steps:
             r = sh(*step)
             if r.returncode != 0:
-                missing("the network-namespace test", f"cannot set up the veth pair ({' '.join(step)}): {r.stderr.strip()}")
+                missing("the network-namespace test",
+                        f"cannot set up the veth pair ({' '.join(step)}): {r.stderr.strip()}")
         yield ps_ns, w_ns
     finally:
         for ns in made:

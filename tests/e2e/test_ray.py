@@ -112,8 +112,9 @@ def test_address_needs_the_ray_backend():
 
 
 @pytest.mark.parametrize("address, code, line", [
-    ("127.0.0.1:1", EXIT_TRANSIENT, "--address: no Ray cluster answers at 127.0.0.1:1 (Connection refused); start one "
-                       "with `ray start --head`"),
+    ("127.0.0.1:1", EXIT_TRANSIENT,
+     "--address: no Ray cluster answers at 127.0.0.1:1 (Connection refused); start one "
+     "with `ray start --head`"),
     ("headnode", 2, "--address: 'headnode' is not auto or HOST:PORT (a Ray head's GCS address)"),
 ])
 def test_a_ray_address_without_a_cluster_is_one_line(ray_installed, address, code, line):

@@ -50,7 +50,8 @@ def test_workers_say_at_once_that_a_shard_is_gone_keep_saying_it_and_say_what_ca
         out = w.output
         assert f"{label} unreachable, retrying for up to 120 s" in out, out
         assert re.search(f"{label} still unreachable after 1\\d s", out), out
-        assert re.search(f"{label} is back after \\d+\\.\\d s; restarted at version 0; re-seeded from", out), out
+        assert re.search(f"{label} is back after \\d+\\.\\d s; restarted at version 0; "
+                         "re-seeded from", out), out
         assert out.index("unreachable, retrying") < out.index("still unreachable") < out.index("is back")
     # Both workers found it empty; exactly one of them gave it its weights.
     assert sum("re-seeded from this worker's weights" in w.output for w in workers) == 1, \
@@ -95,7 +96,8 @@ def test_a_second_run_on_trained_shards_counts_only_itself_says_it_continues_and
     # resume at the end of the first run's data and find nothing left (tests/e2e/test_resume.py).
     for name, again in (("first", []), ("second", ["--no-resume"])):
         summaries.append(tmp_path / f"{name}.json")
-        chief = procs("worker", "--ps", shard.address(), *LOGREG, *again, "--summary-json", str(summaries[-1]))
+        chief = procs("worker", "--ps", shard.address(), *LOGREG, *again,
+                      "--summary-json", str(summaries[-1]))
         assert chief.wait() == 0, chief.output
         chiefs.append(chief)
     first, second = map(read_json, summaries)
@@ -120,8 +122,8 @@ def test_summary_status_and_shard_log_count_pushes_and_updates_in_the_same_words
     for w in workers:
         assert w.wait() == 0, w.output
     steps = 2 * (6000 // 2 // 32)
-    said = f"{steps} updates from {2 * steps} pushes: {2 * steps} averaged into a step, 0 applied on arrival, " \
-           f"0 dropped late, 0 rejected"
+    said = (f"{steps} updates from {2 * steps} pushes: {2 * steps} averaged into a step, "
+            f"0 applied on arrival, 0 dropped late, 0 rejected")
     assert said in workers[0].output, workers[0].output
     table = run("status", "--ps", shard.address()).stdout.splitlines()
     header = table[0].split()

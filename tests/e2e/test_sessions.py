@@ -1,5 +1,6 @@
 """Sessions and dead workers with real processes: a killed worker never hangs the run, a
-restarted one rejoins, a second worker cannot take a live rank (docs/semantics.md, "Dead workers" and "Security")."""
+restarted one rejoins, a second worker cannot take a live rank (docs/semantics.md, "Dead
+workers" and "Security")."""
 
 from __future__ import annotations
 

@@ -86,7 +86,8 @@ def slurm(tmp_path_factory):
                for argv in (["munged", "-F", "-f", f"--key-file={d}/munge/munge.key",
                              f"--socket={d}/munge/munge.socket", f"--pid-file={d}/munge/munged.pid",
                              f"--log-file={d}/munge/munged.log", f"--seed-file={d}/munge/munged.seed"],)]
-    assert wait_until(lambda: (d / "munge" / "munge.socket").exists(), 10), (d / "munge" / "munged.log").read_text()
+    assert wait_until(lambda: (d / "munge" / "munge.socket").exists(), 10), (
+        (d / "munge" / "munged.log").read_text())
     daemons += [subprocess.Popen([name, "-D"] + (["-c"] if name == "slurmctld" else []), env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                 for name in ("slurmctld", "slurmd")]
@@ -112,7 +113,8 @@ def daemon_logs(d: pathlib.Path) -> str:
 
 def srun(env: dict, ntasks: int, *args: str, **popen) -> subprocess.Popen:
     """A real step: every task runs this checkout's pserver with the test's interpreter."""
-    env = dict(env, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", **{TOKEN_ENV: TOKEN})
+    env = dict(env, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1",
+               **{TOKEN_ENV: TOKEN})
     return subprocess.Popen(["srun", "--overcommit", f"--ntasks={ntasks}", "--kill-on-bad-exit=1",
                              "--chdir", str(ROOT), sys.executable, "-m", "pserver", "slurm", *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
@@ -145,7 +147,8 @@ def test_scancel_stops_every_task_with_sigterm_and_the_shard_keeps_its_checkpoin
         lines.append(line)
         if line.startswith("epoch 2/500"):          # training, well past the start
             break
-    jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm, capture_output=True, text=True).stdout.split()
+    jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm, capture_output=True,
+                          text=True).stdout.split()
     assert len(jobs) == 1, jobs
     subprocess.run(["scancel", jobs[0]], env=slurm, check=True)
     rest, _ = step.communicate(timeout=60)
@@ -164,7 +167,8 @@ def test_scancel_stops_every_task_with_sigterm_and_the_shard_keeps_its_checkpoin
 
 def test_the_sbatch_example_runs_as_written(slurm, tmp_path):
     """deploy/slurm/pserver.sbatch, submitted with sbatch --wait: its token file, its step."""
-    env = dict(slurm, PYTHONPATH=str(ROOT), PATH=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
+    env = dict(slurm, PYTHONPATH=str(ROOT),
+               PATH=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
                SHARDS="1", OPENBLAS_NUM_THREADS="1")
     env.pop(TOKEN_ENV, None)
     job = subprocess.run(["sbatch", "--wait", "--nodes=1", "--ntasks=3", "--overcommit",

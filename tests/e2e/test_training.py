@@ -90,6 +90,7 @@ def test_a_uint8_npz_is_scaled_saying_so_once_per_worker(tmp_path):
             "--batch-size", "32", "--optimizer", "sgd", "--lr", "0.1", "--summary-json", str(summary))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     said = f"{data}: x is uint8: scaled from 0-255 to [0, 1] (--scale-uint8 none keeps the raw values)"
-    assert sorted(ln.split("] ", 1)[0] for ln in r.stdout.splitlines() if said in ln) == ["[worker0", "[worker1"]
+    assert sorted(ln.split("] ", 1)[0] for ln in r.stdout.splitlines()
+                  if said in ln) == ["[worker0", "[worker1"]
     s = read_json(summary)
     assert s["test_accuracy"] >= 0.95 and s["test_loss"] < 0.5, s
