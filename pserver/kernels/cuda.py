@@ -36,7 +36,7 @@ import warnings
 import numpy as np
 from numba import cuda, float32, float64, uint64
 
-from pserver.kernels import reference
+from pserver.kernels import cuda_gemm, reference
 
 # numba warns when a launch has fewer than 128 blocks. Here that is by design (the loss
 # reduction is one block) or the model's size (a 64-row batch through 256 units is 64 blocks):
@@ -989,11 +989,26 @@ def _check_image_shapes(name, x, out, channels_out):
         raise ValueError(f"{name}: x {x.shape}, out {out.shape}")
 
 
+# The convolutions' kernels: "igemm", implicit GEMM on the blocked product (cuda_gemm, its
+# CONV_DEFAULT variant), or a variant of cuda_gemm.VARIANTS by name (bench/kernels.py times each
+# this way); "direct", the kernels above with one thread per output element (one block per
+# weight for dw): the fallback, 0.02x cuDNN at the reference CNN's shapes (bench/results/gpu).
+CONV_KERNEL = "igemm"
+
+
+def _conv_variant():
+    return None if CONV_KERNEL == "igemm" else CONV_KERNEL
+
+
 def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu, *, stream=0):
     """out[:] = conv(x, w) + b, then ReLU if `relu`. x (N,H,W,C), w (KH,KW,C,F), out (N,OH,OW,F)."""
     _check_image_shapes("conv2d_forward", x, out, w.shape[3])
     if w.shape[2] != x.shape[3] or b.shape != (w.shape[3],):
         raise ValueError(f"conv2d_forward: x {x.shape}, w {w.shape}, b {b.shape}")
+    if CONV_KERNEL != "direct":
+        cuda_gemm.conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu,
+                                 _conv_variant(), stream=stream)
+        return
     # One thread per output element.
     _launch_elements(conv2d_forward_kernel, out.size, stream, x, w, b, out,
                      stride_h, stride_w, pad_top, pad_left, bool(relu))
@@ -1002,8 +1017,12 @@ def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu, *,
 def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left, *, stream=0):
     """dw, db (and dx unless it is None) from dy = d loss / d pre-activation (N,OH,OW,F)."""
     _check_image_shapes("conv2d_backward", x, dy, w.shape[3])
-    if dw.shape != w.shape or (dx is not None and dx.shape != x.shape):
-        raise ValueError(f"conv2d_backward: x {x.shape}, w {w.shape}, dw {dw.shape}")
+    if dw.shape != w.shape or (dx is not None and dx.shape != x.shape) or db.shape != (w.shape[3],):
+        raise ValueError(f"conv2d_backward: x {x.shape}, w {w.shape}, dw {dw.shape}, db {db.shape}")
+    if CONV_KERNEL != "direct":
+        cuda_gemm.conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left,
+                                  _conv_variant(), stream=stream)
+        return
     if dw.size:
         # One block of REDUCE_THREADS per element of dw (see conv2d_dw_kernel).
         conv2d_dw_kernel[dw.size, REDUCE_THREADS, stream](x, dy, dw, stride_h, stride_w,
