@@ -660,9 +660,10 @@ def render_gpu_cnn(rows: list[dict]) -> str:
 # without PyTorch), then timed by DeviceClock: device milliseconds per call from CUDA events,
 # and the host's milliseconds per call (Python and the launches: dispatch) apart.
 
-SWEEP_MATMUL = ("b64k16p", "b128k16pc", "g64k16d", "g64k16dc", "g128k8dc", "g128k16dc", "g128k8dcr2",
-                "g128x64k16dc", "g128x64k8dc")
-SWEEP_CONV = ("direct", "g64k16", "g64k16d", "g64k8d", "g128k8d")
+# run-7 timed two sweeps; these are the second's (the first's are in bench/results/gpu/run-7).
+SWEEP_MATMUL = ("b64k16p", "b128k16pc", "g128x64k16dc", "g128k8dcr2", "g128k8cr2", "g128x64k8dcr3",
+                "g64k16dcr3", "g64k16c", "g128x64k8c")
+SWEEP_CONV = ("g64k16", "g64k16c", "g128x64k8c", "g64k16dcr3")
 # (name, batch, h = w, channels, filters, kernel, padding, input gradient): the reference CNN's
 # second-layer shape as run-2 timed it, a 3x3 64 -> 64 layer, and the first layer (no dx).
 SWEEP_CONVS = (("conv2 13x13x32->64", 256, 13, 32, 64, 3, "same", True),

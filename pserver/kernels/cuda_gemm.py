@@ -7,11 +7,13 @@ that sit in shared memory (as `pserver.kernels.cuda`'s blocked product). What di
 the products is where an element of op(A) or op(B) comes from. An operand is a pair of device
 functions, chosen per product:
 
-    prep(info, X, geo, w0, t)                 once per block: what thread t can work out before
-                                              the loop (the pixels its rows stand for), in `info`
+    prep(info, X, geo, w0, k0, t)             once per block, k0 its first strip: what thread t
+                                              can work out before the loop (the pixels its rows
+                                              stand for), in `info`
     load(regs, X, info, geo, k0, kend, w0, t) thread t's share of the strip at k0 into `regs`:
                                               element s of it is e = t + 256 s of the strip,
-                                              0 outside the operand or past kend
+                                              0 outside the operand or past kend; called once
+                                              per strip, in order (it may move `info` along)
 
 With `kfast` an operand's strip is walked along the reduction first (consecutive threads read
 consecutive k: right when k is the contiguous index in memory, as a channel is in NHWC),
@@ -71,7 +73,7 @@ def _pos(width: int, bk: int, kfast: bool):
 
 
 @cuda.jit(device=True)
-def _no_prep(info, X, geo, w0, t):
+def _no_prep(info, X, geo, w0, k0, t):
     pass
 
 
@@ -130,7 +132,7 @@ def conv_patches(width, bk):
     step = NT // bk
 
     @cuda.jit(device=True)
-    def prep(info, x, geo, w0, t):
+    def prep(info, x, geo, w0, k0, t):
         ohw, ow_n = geo[3] * geo[4], geo[4]
         for s in range(loads):
             m = w0 + t // bk + s * step
@@ -161,7 +163,7 @@ def conv_windows(width, bk):
     step = NT // bk
 
     @cuda.jit(device=True)
-    def prep(info, dy, geo, w0, t):
+    def prep(info, dy, geo, w0, k0, t):
         hw, w_n = geo[0] * geo[1], geo[1]
         for s in range(loads):
             m = w0 + t // bk + s * step
@@ -209,38 +211,52 @@ def conv_filters_t(width, bk):
 
 def conv_patches_t(width, bk):
     """A of the weight gradient: row k = (ki, kj, c) (row KH*KW*C: all ones, for the bias),
-    column p (an output pixel), from x. Each thread's row is fixed: decoded once (prep)."""
+    column p (an output pixel), from x. Each thread's row is fixed (decoded once, into the
+    spare row of `info`); its pixels are decoded once too, then moved along by bk per strip
+    with a carry instead of a division per element and strip (the reduction runs over
+    pixels here: two divisions per element were as many instructions as the multiply-adds)."""
     loads = width * bk // NT
     step = NT // width
 
     @cuda.jit(device=True)
-    def prep(info, x, geo, w0, t):
+    def prep(info, x, geo, w0, k0, t):
         m = w0 + t % width
         taps = geo[6] * geo[7] * x.shape[3]
-        info[0, 0] = 0 if m < taps else (1 if m == taps else -1)
+        info[loads, 0] = 0 if m < taps else (1 if m == taps else -1)
         tap, c = _divmod(min(m, taps - 1), x.shape[3])
         ki, kj = _divmod(tap, geo[7])
-        info[0, 1] = ki - geo[10]
-        info[0, 2] = kj - geo[11]
-        info[0, 3] = c
+        info[loads, 1] = ki - geo[10]
+        info[loads, 2] = kj - geo[11]
+        info[loads, 3] = c
+        for s in range(loads):
+            n, r = _divmod(k0 + t // width + s * step, geo[3] * geo[4])
+            oh, ow = _divmod(r, geo[4])
+            info[s, 0], info[s, 1], info[s, 2] = n, oh, ow
 
     @cuda.jit(device=True)
     def load(regs, x, info, geo, k0, kend, w0, t):
-        kind, di, dj, c = info[0, 0], info[0, 1], info[0, 2], info[0, 3]
-        ohw, ow_n = geo[3] * geo[4], geo[4]
+        kind, di, dj, c = info[loads, 0], info[loads, 1], info[loads, 2], info[loads, 3]
+        oh_n, ow_n = geo[3], geo[4]
         for s in range(loads):
-            p = k0 + t // width + s * step
+            n, oh, ow = info[s, 0], info[s, 1], info[s, 2]
             v = float32(0.0)
-            if p < kend:
+            if k0 + t // width + s * step < kend:
                 if kind == 1:
                     v = float32(1.0)
                 elif kind == 0:
-                    n, r = _divmod(p, ohw)
-                    oh, ow = _divmod(r, ow_n)
                     ih, iw = oh * geo[8] + di, ow * geo[9] + dj
                     if 0 <= ih < x.shape[1] and 0 <= iw < x.shape[2]:
                         v = x[n, ih, iw, c]
             regs[s] = v
+            # This element's pixel in the next strip: bk further along (n, oh, ow).
+            ow += bk
+            while ow >= ow_n:
+                ow -= ow_n
+                oh += 1
+            while oh >= oh_n:
+                oh -= oh_n
+                n += 1
+            info[s, 0], info[s, 1], info[s, 2] = n, oh, ow
 
     return prep, load, False
 
@@ -268,6 +284,7 @@ def _gemm(bm, bn, bk, a_op, b_op, epilogue, dbuf=False, contig=False, bounds=Non
     b_prep, b_load, b_kfast = b_op(bn, bk)
     a_pos, b_pos = _pos(bm, bk, a_kfast), _pos(bn, bk, b_kfast)
     nbuf = 2 if dbuf else 1
+    a_info, b_info = al + 1, bl + 1     # a row per element of the strip, and a spare: conv_patches_t
     a_rows, b_rows = bm + 4, bn + 4     # +4: a warp's stores of a k-walked strip spread over banks
 
     @cuda.jit(device=True)
@@ -341,8 +358,8 @@ def _gemm(bm, bn, bk, a_op, b_op, epilogue, dbuf=False, contig=False, bounds=Non
         b = cuda.local.array(tn, float32)
         ra = cuda.local.array(al, float32)
         rb = cuda.local.array(bl, float32)
-        ia = cuda.local.array((al, 4), int32)
-        ib = cuda.local.array((bl, 4), int32)
+        ia = cuda.local.array((a_info, 4), int32)
+        ib = cuda.local.array((b_info, 4), int32)
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         t = ty * THREADS + tx
         # Row tiles along x (up to 2**31 - 1 blocks: a large batch's pixels), columns along y.
@@ -352,8 +369,8 @@ def _gemm(bm, bn, bk, a_op, b_op, epilogue, dbuf=False, contig=False, bounds=Non
         for i in range(tm):
             for j in range(tn):
                 acc[i, j] = float32(0.0)
-        a_prep(ia, X, geo, r0, t)
-        b_prep(ib, Y, geo, c0, t)
+        a_prep(ia, X, geo, r0, kbeg, t)
+        b_prep(ib, Y, geo, c0, kbeg, t)
         a_load(ra, X, ia, geo, kbeg, kend, r0, t)
         b_load(rb, Y, ib, geo, kbeg, kend, c0, t)
         if dbuf:
@@ -436,9 +453,18 @@ VARIANTS = {
     "g128k8dcr2": Variant(128, 8, 128, dbuf=True, contig=True, bounds=(NT, 2)),
     "g128x64k16dc": Variant(128, 16, 64, dbuf=True, contig=True),
     "g128x64k8dc": Variant(128, 8, 64, dbuf=True, contig=True),
+    # After run-7's first sweep: register caps for more blocks per multiprocessor (r2 won at
+    # 4096), and single-buffered tiles (the 64 one won the convolutions) with runs of 4. ptxas
+    # (sm_90) spills 4-24 bytes of the capped products, 24-208 of their convolutions; the caps
+    # r2 on g128k16dc and r3 on g64k16 spilled 150-650 bytes and were not kept.
+    "g128k8cr2": Variant(128, 8, 128, contig=True, bounds=(NT, 2)),
+    "g128x64k8dcr3": Variant(128, 8, 64, dbuf=True, contig=True, bounds=(NT, 3)),
+    "g64k16dcr3": Variant(64, 16, 64, dbuf=True, contig=True, bounds=(NT, 3)),
+    "g64k16c": Variant(64, 16, 64, contig=True),
+    "g128x64k8c": Variant(128, 8, 64, contig=True),
 }
 # The convolutions' variant when none is named (see bench/results/gpu/README.md, run-7).
-CONV_DEFAULT = "g64k16d"
+CONV_DEFAULT = "g64k16"
 
 _PLAIN_A = {False: plain_a(False), True: plain_a(True)}
 _PLAIN_B = {False: plain_b(False), True: plain_b(True)}

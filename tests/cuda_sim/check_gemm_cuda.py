@@ -78,11 +78,11 @@ def test_convolutions_equal_their_twins(g, seed, variant, relu):
     _check_conv(g, seed, variant, relu)
 
 
-@pytest.mark.parametrize("variant", ["g64k16dc", "g128x64k8dc", "g128k8d"])
+@pytest.mark.parametrize("variant", ["g64k16dc", "g128x64k8c", "g64k16dcr3"])
 def test_wide_and_contiguous_variants(variant):
-    # 40 filters and 36 channels: 64-wide tiles, in the runs-of-4 layout where the variant
-    # has it; 70 output pixels cross no 128-row tile, 2 x 6 x 6 = 72 taps rows cross 64.
-    _check_conv((2, 6, 6, 36, 40, 3, 3, 1, 1, "same"), 7, variant)
+    # 33 filters and 33 channels: 64-wide tiles, in the runs-of-4 layout where the variant
+    # has it; the weight gradient's 2 x 2 x 33 + 1 = 133 rows cross the 64 and 128 tiles.
+    _check_conv((1, 5, 5, 33, 33, 2, 2, 1, 1, "same"), 7, variant)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 7])
