@@ -357,8 +357,12 @@ def _blocked_kernels(bm: int, bk: int, prefetch: bool, contig: bool = False):
 BLOCKED_VARIANTS = {f"b{tile}k{bk}{'p' if pre else ''}{'c' if con else ''}":
                     (tile, *_blocked_kernels(tile, bk, pre, con))
                     for tile, bk, pre, con in ((64, 16, True, False), (128, 16, True, True))}
-# Tile side -> the variant tile_for uses for it (the other variants are at the commits named above).
-BLOCKED_CHOICE = {64: "b64k16p", 128: "b128k16pc"}
+# Tile side -> the variant tile_for uses for it (the other variants are at the commits named
+# above): a name here or in cuda_gemm.VARIANTS. The 128 tile is cuda_gemm's g128k8cr2 (128 x 128,
+# strips 8 deep, runs of 4, at most 128 registers so that 2 blocks fit on a multiprocessor):
+# 24.1 TFLOP/s at n = 4096 against b128k16pc's 20.7 (0.47x and 0.40x cuBLAS, the same run:
+# bench/results/gpu/run-7, H100), the same at 1024 (9.8 and 9.9).
+BLOCKED_CHOICE = {64: "b64k16p", 128: "g128k8cr2"}
 
 
 # -- elementwise, column and row kernels ---------------------------------------------------
@@ -800,10 +804,18 @@ def matmul_tiled(A, B, C, trans_a, trans_b, tile, *, stream=0):
     if tile == TILE:
         MATMUL[bool(trans_a), bool(trans_b)][(_blocks(N, TILE), _blocks(M, TILE)),
                                              (TILE, TILE), stream](A, B, C)
+    elif _gemm_name(tile):
+        cuda_gemm.matmul(A, B, C, trans_a, trans_b, _gemm_name(tile), stream=stream)
     else:
         side, forms, _ = _blocked(tile)
         forms[bool(trans_a), bool(trans_b)][
             (_blocks(N, side), _blocks(M, side)), (BLOCKED_THREADS, BLOCKED_THREADS), stream](A, B, C)
+
+
+def _gemm_name(tile):
+    """The cuda_gemm variant a tile side or name stands for, or None (a BLOCKED_VARIANTS one)."""
+    name = BLOCKED_CHOICE.get(tile) if isinstance(tile, int) else tile
+    return name if name in cuda_gemm.VARIANTS else None
 
 
 def _blocked(tile):
@@ -815,7 +827,9 @@ def _blocked(tile):
 # threads of b64k16p take 88-108 registers each, of b128k16pc 172-193; the time of one such
 # wave, relative to a wave of 128 tiles). A wave of 64 tiles does half a 128 wave's work, at
 # 16.8 TFLOP/s against 20.4 for full 128 waves (bench/results/gpu/run-4, H200): 0.5 * 20.4 /
-# 16.8 = 0.61.
+# 16.8 = 0.61. Measured with b128k16pc for the 128 tile; its successor g128k8cr2 fits 2 blocks
+# and was faster at both sizes timed (1024, 4096, run-7), so the rule is kept as measured
+# until the sizes between are timed with it.
 WAVES = {64: (2, 0.61), 128: (1, 1.0)}
 
 
@@ -873,6 +887,8 @@ def dense_forward_tiled(x, W, b, out, relu, tile, *, stream=0):
     if tile == TILE:
         matmul_bias_relu[(_blocks(o, TILE), _blocks(n, TILE)), (TILE, TILE), stream](
             x, W, b, out, bool(relu))
+    elif _gemm_name(tile):
+        cuda_gemm.dense_forward(x, W, b, out, relu, _gemm_name(tile), stream=stream)
     else:
         side, _, dense = _blocked(tile)
         dense[(_blocks(o, side), _blocks(n, side)),

@@ -463,8 +463,12 @@ VARIANTS = {
     "g64k16c": Variant(64, 16, 64, contig=True),
     "g128x64k8c": Variant(128, 8, 64, contig=True),
 }
-# The convolutions' variant when none is named (see bench/results/gpu/README.md, run-7).
-CONV_DEFAULT = "g64k16"
+# The convolutions' variant when none is named: the fastest at the reference CNN's second-layer
+# shape and at 3x3 64 -> 64 (bench/results/gpu/run-7, H100: 0.43x and 0.26x cuDNN). A weight
+# gradient with at most 64 rows (KH*KW*C + 1: a few input channels, as the first layer's 10)
+# takes WGRAD_SMALL instead, whose tile wastes fewer of them (0.189 against 0.251 ms there).
+CONV_DEFAULT = "g128x64k8c"
+WGRAD_SMALL = "g64k16"
 
 _PLAIN_A = {False: plain_a(False), True: plain_a(True)}
 _PLAIN_B = {False: plain_b(False), True: plain_b(True)}
@@ -487,6 +491,17 @@ def matmul(A, B, C, trans_a=False, trans_b=False, variant="g128k8dc", *, stream=
     if M and N:
         k[(_blocks(M, v.bm), _blocks(N, bn), 1), (THREADS, THREADS), stream](A, B, C, C, _NO_GEO, False, K,
                                                                             max(K, 1))
+
+
+def dense_forward(x, W, b, out, relu, variant, *, stream=0):
+    """out[:] = x @ W + b, then ReLU if `relu`, with a named variant (shapes checked by the caller)."""
+    v = VARIANTS[variant]
+    (n, o), k = out.shape, x.shape[1]
+    bn = v.width(o)
+    kern = v.kernel(_PLAIN_A[False], _PLAIN_B[False], BIAS, bn)
+    if n and o:
+        kern[(_blocks(n, v.bm), _blocks(o, bn), 1), (THREADS, THREADS), stream](
+            x, W, out, b, _NO_GEO, bool(relu), k, max(k, 1))
 
 
 def geometry(x_shape, w_shape, y_shape, stride_h, stride_w, pad_top, pad_left) -> tuple:
@@ -554,10 +569,10 @@ def conv2d_weight_grad(x, dy, dw, db, stride_h, stride_w, pad_top, pad_left, var
                        splits=None, stream=0):
     """dw[:] and db[:] from x and dy (shapes checked by the caller); `splits`: slices of the
     pixels (default splits_for's choice; the tests ask for ragged ones)."""
-    v = VARIANTS[variant or CONV_DEFAULT]
-    geo = geometry(x.shape, dw.shape, dy.shape, stride_h, stride_w, pad_top, pad_left)
     kh, kw, c, f = dw.shape
     taps = kh * kw * c
+    v = VARIANTS[variant or (WGRAD_SMALL if taps + 1 <= 64 else CONV_DEFAULT)]
+    geo = geometry(x.shape, dw.shape, dy.shape, stride_h, stride_w, pad_top, pad_left)
     P = dy.size // f if f else 0
     if not f:
         return
@@ -583,5 +598,5 @@ def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left,
         conv2d_input_grad(w, dy, dx, stride_h, stride_w, pad_top, pad_left, variant, stream=stream)
 
 
-__all__ = ["VARIANTS", "CONV_DEFAULT", "matmul", "conv2d_forward", "conv2d_backward",
+__all__ = ["VARIANTS", "CONV_DEFAULT", "WGRAD_SMALL", "matmul", "dense_forward", "conv2d_forward", "conv2d_backward",
            "conv2d_input_grad", "conv2d_weight_grad", "geometry", "splits_for"]
