@@ -14,7 +14,9 @@ Two layers:
                  binary cross-entropy and MSE (loss terms and gradients), the one-block
                  loss reduction; and the layers' kernels: convolution (forward, weight
                  gradient, input gradient), max and average pooling, activations,
-                 dropout and embedding lookups.
+                 dropout and embedding lookups. The convolutions run as implicit GEMM
+                 (pserver.kernels.cuda_gemm) unless CONV_KERNEL = "direct" picks the direct
+                 kernels here.
     launchers    plain functions that check shapes on the host, size the grid and launch on a
                  stream. Every name in `pserver.kernels.KERNELS` is here with the same
                  arguments and in-place contracts as in `pserver.kernels.cpu`, on device
@@ -798,8 +800,9 @@ def matmul(A, B, C, trans_a=False, trans_b=False, *, stream=0):
 
 def matmul_tiled(A, B, C, trans_a, trans_b, tile, *, stream=0):
     """matmul with a chosen kernel: tile 16 (one element of C per thread), 64 or 128 (register-
-    blocked, BLOCKED_CHOICE) or a name in BLOCKED_VARIANTS; shapes already checked. Blocks cover C's columns (x) and rows (y);
-    the last row and column of blocks may hang over C's edges."""
+    blocked, BLOCKED_CHOICE), or a name in BLOCKED_VARIANTS or cuda_gemm.VARIANTS; shapes already
+    checked. Blocks cover C's columns (x) and rows (y) (cuda_gemm's: rows along x); the last row
+    and column of blocks may hang over C's edges."""
     M, N = C.shape
     if tile == TILE:
         MATMUL[bool(trans_a), bool(trans_b)][(_blocks(N, TILE), _blocks(M, TILE)),

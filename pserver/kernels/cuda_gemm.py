@@ -598,5 +598,6 @@ def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left,
         conv2d_input_grad(w, dy, dx, stride_h, stride_w, pad_top, pad_left, variant, stream=stream)
 
 
-__all__ = ["VARIANTS", "CONV_DEFAULT", "WGRAD_SMALL", "matmul", "dense_forward", "conv2d_forward", "conv2d_backward",
+__all__ = ["VARIANTS", "CONV_DEFAULT", "WGRAD_SMALL", "matmul", "dense_forward", "conv2d_forward",
+           "conv2d_backward",
            "conv2d_input_grad", "conv2d_weight_grad", "geometry", "splits_for"]
