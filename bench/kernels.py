@@ -34,6 +34,10 @@ Rows, each on float32 data already where the kernel reads it, unless a row says 
   gpu-cnn  on a GPU with PyTorch: one Conv2D layer's forward + backward (conv2d rows, GFLOP/s)
            and the reference CNN's training step (samples/s), ours against cuDNN (fp32, TF32
            off); see gpu_cnn_rows.
+  gpu-sweep on a GPU: every product variant (--sweep-matmul) at --sizes against cuBLAS, and
+           every convolution kernel (--sweep-conv) at three layer shapes against cuDNN, each
+           checked first; device time by CUDA events with the host's dispatch apart
+           (DeviceClock); not in the default sections.
 
 Each row: warm-up first, never timed (compilation, first touch, caches, BLAS threads waking),
 until both --warmup runs and --warmup-seconds are reached; then timed runs until both
@@ -82,6 +86,7 @@ CUDA_KERNELS = ("t16", "b64k16p", "b128k16pc")
 BACKENDS = ("numpy", "cpu", "cpu1", "cuda", *(f"cuda-{k}" for k in CUDA_KERNELS), "cupy", "torch")
 # torch: the MLP's and the products' rows come from cupy (cuBLAS); torch times the CNN on the GPU.
 SECTIONS = ("matmul", "mlp", "cnn", "gpu-cnn", "gpu-sweep")
+DEFAULT_SECTIONS = ("matmul", "mlp", "cnn", "gpu-cnn")
 
 
 # -- what there is to run on ---------------------------------------------------------------
@@ -1109,8 +1114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"which rows (default {','.join(BACKENDS)})")
     p.add_argument("--cnn-batches", type=positive_ints, default=[64, 256],
                    help="reference CNN batch sizes (default 64,256)")
-    p.add_argument("--sections", type=_sections, default=list(SECTIONS),
-                   help=f"which tables (default {','.join(SECTIONS)})")
+    p.add_argument("--sections", type=_sections, default=list(DEFAULT_SECTIONS),
+                   help=f"which tables: {','.join(SECTIONS)} (default {','.join(DEFAULT_SECTIONS)})")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per row, at least (default 2)")
     p.add_argument("--warmup-seconds", type=float, default=0.5,
                    help="untimed seconds per row, at least (default 0.5)")
