@@ -10,7 +10,12 @@
 #
 # OUT_DIR gets env.txt, tests.log, tests.xml, bench.log, kernels.json, mnist.log, mnist.json.
 # Environment: TESTS_LIMIT, BENCH_LIMIT (seconds), SECTIONS and BACKENDS (bench/kernels.py's),
-# MNIST_GPU and MNIST_CPU (the models to run on each, default "mlp cnn"; "" for none).
+# SIZES and CNN_BATCHES (its --sizes and --cnn-batches), MNIST_GPU and MNIST_CPU (the models to
+# run on each, default "mlp cnn"; "" for none), MNIST_BATCH (per worker, default 128),
+# MNIST_ONE_CORE=1 (the CPU runs with one thread per library in each process: one core per
+# worker), MNIST_GPU_LIMIT and MNIST_CPU_LIMIT (seconds per run), and STEPS: the steps in order
+# (default "tests mnist-gpu bench mnist-cpu"); a step written with a trailing "+" runs beside the
+# next one (for the tests beside the CPU's MNIST runs, which use no GPU).
 # Python packages missing on the machine can sit as wheels in .whl/ (installed into /tmp/site
 # first). Each step has its own time limit, so one that hangs still leaves the others' results.
 set -u
@@ -47,30 +52,58 @@ cuda.detect()
 EOF
 } > "$OUT/env.txt" 2>&1
 
-stamp "tests on the device" | tee "$OUT/tests.log"
-timeout ${TESTS_LIMIT:-160} $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 --junitxml="$OUT/tests.xml" \
-  tests/cuda_sim/check_kernels_cuda.py tests/cuda_sim/check_model_cuda.py tests/cuda_sim/check_ptx.py \
-  >> "$OUT/tests.log" 2>&1
-echo "exit $?" >> "$OUT/tests.log"
-tail -4 "$OUT/tests.log"
+tests() {
+  stamp "tests on the device" > "$OUT/tests.log"
+  timeout ${TESTS_LIMIT:-160} $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 --junitxml="$OUT/tests.xml" \
+    tests/cuda_sim/check_kernels_cuda.py tests/cuda_sim/check_gemm_cuda.py tests/cuda_sim/check_model_cuda.py \
+    tests/cuda_sim/check_ptx.py >> "$OUT/tests.log" 2>&1
+  echo "exit $?" >> "$OUT/tests.log"
+  tail -4 "$OUT/tests.log"
+}
 
 mnist() {   # mnist MODEL DEVICE SECONDS
   stamp "$1 $2" >> "$OUT/mnist.log"
   timeout "$3" $PY -m pserver launch --ps 1 --workers 2 --model "$1" --device "$2" \
-    --dataset mnist --data-dir "$DATA" --epochs 1 --batch-size 128 --optimizer adam --lr 0.001 \
+    --dataset mnist --data-dir "$DATA" --epochs 1 --batch-size ${MNIST_BATCH:-128} --optimizer adam --lr 0.001 \
     --summary-json "$RUNS/mnist-$1-$2.json" >> "$OUT/mnist.log" 2>&1
   echo "exit $?" >> "$OUT/mnist.log"
 }
-stamp "MNIST" | tee "$OUT/mnist.log"
-for m in ${MNIST_GPU-mlp cnn}; do mnist "$m" cuda 60; done
 
-stamp "bench/kernels.py" | tee "$OUT/bench.log"
-timeout ${BENCH_LIMIT:-190} $PY bench/kernels.py --sizes 1024,2048,4096 --batches 64,2048,4096 --cnn-batches 64,256 \
-  --sections ${SECTIONS:-matmul,mlp,gpu-cnn} --backends ${BACKENDS:-cpu1,cuda,cuda-t16,cuda-b64k16p,cuda-b128k16pc,cupy,torch} \
-  --warmup-seconds 0.3 --min-seconds 0.5 --json "$OUT/kernels.json" >> "$OUT/bench.log" 2>&1
-echo "exit $?" >> "$OUT/bench.log"
+mnist_gpu() {
+  stamp "MNIST on the GPU" | tee -a "$OUT/mnist.log"
+  for m in ${MNIST_GPU-mlp cnn}; do mnist "$m" cuda ${MNIST_GPU_LIMIT:-60}; done
+}
 
-for m in ${MNIST_CPU-mlp cnn}; do mnist "$m" cpu 30; done
+mnist_cpu() (     # a subshell: the thread settings stay in it
+  stamp "MNIST on the CPU" | tee -a "$OUT/mnist.log"
+  if [ "${MNIST_ONE_CORE:-}" = 1 ]; then
+    export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
+  fi
+  for m in ${MNIST_CPU-mlp cnn}; do mnist "$m" cpu ${MNIST_CPU_LIMIT:-30}; done
+)
+
+bench() {
+  stamp "bench/kernels.py" | tee "$OUT/bench.log"
+  timeout ${BENCH_LIMIT:-190} $PY bench/kernels.py --sizes ${SIZES:-1024,2048,4096} --batches 64,2048,4096 \
+    --cnn-batches ${CNN_BATCHES:-64,256} --sections ${SECTIONS:-matmul,mlp,gpu-cnn} \
+    --backends ${BACKENDS:-cpu1,cuda,cuda-t16,cuda-b64k16p,cuda-b128k16pc,cupy,torch} \
+    --warmup-seconds 0.3 --min-seconds 0.5 --json "$OUT/kernels.json" >> "$OUT/bench.log" 2>&1
+  echo "exit $?" >> "$OUT/bench.log"
+}
+
+: > "$OUT/mnist.log"
+beside=""
+for step in ${STEPS:-tests mnist-gpu bench mnist-cpu}; do
+  fn=${step%+}; fn=${fn//-/_}
+  if [ "$step" != "${step%+}" ]; then
+    $fn & beside=$!
+  else
+    $fn
+    [ -n "$beside" ] && wait "$beside"; beside=""
+  fi
+done
+wait
+
 $PY - "$OUT/mnist.json" "$RUNS" <<'EOF'
 import json, sys, pathlib
 runs = {}
@@ -83,5 +116,5 @@ pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1) + "\n")
 for k, v in runs.items():
     print(k, v["test_accuracy"], round(v["train_samples_per_second"] or 0), v["wall_seconds"])
 EOF
-grep -E "^(size|[0-9]+ ) |x  " "$OUT/bench.log" | tail -40
+grep -E "^(size|[0-9]+ ) |x  |^  (what|matmul|conv|3x3)" "$OUT/bench.log" | tail -60
 stamp done

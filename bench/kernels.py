@@ -34,6 +34,10 @@ Rows, each on float32 data already where the kernel reads it, unless a row says 
   gpu-cnn  on a GPU with PyTorch: one Conv2D layer's forward + backward (conv2d rows, GFLOP/s)
            and the reference CNN's training step (samples/s), ours against cuDNN (fp32, TF32
            off); see gpu_cnn_rows.
+  gpu-sweep on a GPU: every product variant (--sweep-matmul) at --sizes against cuBLAS, and
+           every convolution kernel (--sweep-conv) at three layer shapes against cuDNN, each
+           checked first; device time by CUDA events with the host's dispatch apart
+           (DeviceClock); not in the default sections.
 
 Each row: warm-up first, never timed (compilation, first touch, caches, BLAS threads waking),
 until both --warmup runs and --warmup-seconds are reached; then timed runs until both
@@ -81,7 +85,8 @@ SIM_MAX_SIZE = 64
 CUDA_KERNELS = ("t16", "b64k16p", "b128k16pc")
 BACKENDS = ("numpy", "cpu", "cpu1", "cuda", *(f"cuda-{k}" for k in CUDA_KERNELS), "cupy", "torch")
 # torch: the MLP's and the products' rows come from cupy (cuBLAS); torch times the CNN on the GPU.
-SECTIONS = ("matmul", "mlp", "cnn", "gpu-cnn")
+SECTIONS = ("matmul", "mlp", "cnn", "gpu-cnn", "gpu-sweep")
+DEFAULT_SECTIONS = ("matmul", "mlp", "cnn", "gpu-cnn")
 
 
 # -- what there is to run on ---------------------------------------------------------------
@@ -436,13 +441,13 @@ def run_cnn_alone(args) -> list[dict]:
     return _section_in_child(args, "--child-cnn-json", ONE_THREAD, "cnn")
 
 
-def _section_in_child(args, flag: str, env: dict, kind: str) -> list[dict]:
+def _section_in_child(args, flag: str, env: dict, kind: str, extra=()) -> list[dict]:
     """A section's rows, measured by a fresh process of this script (`flag` says which); if it
     fails, one row saying so (its traceback is above), so the other sections still count."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         argv = [sys.executable, str(Path(__file__).resolve()), "--cnn-batches",
-                ",".join(map(str, args.cnn_batches)), *_timing_argv(args), flag, str(out)]
+                ",".join(map(str, args.cnn_batches)), *_timing_argv(args), *extra, flag, str(out)]
         r = subprocess.run(argv, env={**os.environ, **env})
         if r.returncode != 0:
             return [{"kind": kind, "skipped": f"the measuring process exited with {r.returncode}"}]
@@ -655,6 +660,271 @@ def render_gpu_cnn(rows: list[dict]) -> str:
                   "h2d/compute/d2h ms", "runs"], out, left=2)
 
 
+# -- the GPU sweep: every variant against cuBLAS and cuDNN, device time apart from dispatch --------
+#
+# Section gpu-sweep (issue 36). Each kernel is checked first (matmul against cuBLAS's product,
+# or numpy's without CuPy; convolutions against cuDNN's output and gradients, or the NumPy twins
+# without PyTorch), then timed by DeviceClock: device milliseconds per call from CUDA events,
+# and the host's milliseconds per call (Python and the launches: dispatch) apart.
+
+# run-7 timed two sweeps; these are the second's (the first's are in bench/results/gpu/run-7).
+SWEEP_MATMUL = ("b64k16p", "b128k16pc", "g128x64k16dc", "g128k8dcr2", "g128k8cr2", "g128x64k8dcr3",
+                "g64k16dcr3", "g64k16c", "g128x64k8c")
+SWEEP_CONV = ("g64k16", "g64k16c", "g128x64k8c", "g64k16dcr3")
+# (name, batch, h = w, channels, filters, kernel, padding, input gradient): the reference CNN's
+# second-layer shape as run-2 timed it, a 3x3 64 -> 64 layer, and the first layer (no dx).
+SWEEP_CONVS = (("conv2 13x13x32->64", 256, 13, 32, 64, 3, "same", True),
+               ("3x3 28x28x64->64", 256, 28, 64, 64, 3, "same", True),
+               ("conv1 28x28x1->32", 256, 28, 1, 32, 3, "valid", False))
+
+
+class DeviceClock:
+    """Device time per call by CUDA events around `reps` calls, with the host's time per call
+    (dispatch) apart. A one-thread kernel first holds the GPU (nanosleep) while the host
+    queues the calls, so the events see the kernels back to back: launch gaps from a slow
+    dispatch do not count as device time. `gapped` says the host outran the hold (the device
+    time then includes gaps; it is an upper bound)."""
+
+    def __init__(self):
+        from numba import cuda
+        self.cuda = cuda
+        self.hold = None
+        if not cuda.config.ENABLE_CUDASIM:
+            @cuda.jit
+            def hold(n):
+                for _ in range(n):
+                    cuda.nanosleep(1000)
+
+            self.hold = hold
+            hold[1, 1](1)
+            e0, e1 = cuda.event(), cuda.event()
+            e0.record()
+            hold[1, 1](2000)
+            e1.record()
+            e1.synchronize()
+            self.ms_per_iter = max(e0.elapsed_time(e1) / 2000, 1e-4)
+
+    def time(self, fn, target_s=0.04, repeats=3) -> dict:
+        cuda = self.cuda
+        for _ in range(2):                    # warm-up: compiles, cuDNN's autotuning, caches
+            fn()
+        cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        cuda.synchronize()
+        one = time.perf_counter() - t0
+        reps = int(min(200, max(5, target_s / max(one, 1e-6))))
+        devs, hosts, gapped = [], [], False
+        for _ in range(repeats):
+            h0, e0, e1 = cuda.event(), cuda.event(), cuda.event()
+            h0.record()
+            if self.hold is not None:
+                ms = min(1.5 * reps * one * 1e3 + 2.0, 800.0)
+                self.hold[1, 1](int(ms / self.ms_per_iter))
+            e0.record()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            host = time.perf_counter() - t0
+            e1.record()
+            e1.synchronize()
+            held = h0.elapsed_time(e0)
+            gapped = gapped or host * 1e3 > held
+            devs.append(e0.elapsed_time(e1) / reps)
+            hosts.append(host * 1e3 / reps)
+        return {"device_ms": float(np.median(devs)), "host_ms": float(np.median(hosts)),
+                "device_ms_min": float(min(devs)), "reps": reps, "gapped": gapped}
+
+
+def _rel(got, want) -> float:
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def sweep_matmul_rows(clock, cp, sizes, variants) -> list[dict]:
+    from numba import cuda
+    from pserver.kernels import cuda as K
+    from pserver.kernels import cuda_gemm as G
+    rows = []
+    for n in sizes:
+        rng = np.random.default_rng(n)
+        a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+        da, db, dc = cuda.to_device(a), cuda.to_device(b), cuda.device_array((n, n), np.float32)
+        fns = {}
+        for v in variants:
+            if v in K.BLOCKED_VARIANTS:
+                fns[v] = lambda v=v: K.matmul_tiled(da, db, dc, False, False, v)
+            else:
+                fns[v] = lambda v=v: G.matmul(da, db, dc, False, False, v)
+        if cp is not None:
+            ca, cb, cc = cp.asarray(a), cp.asarray(b), cp.empty((n, n), cp.float32)
+            want = cp.asnumpy(cp.matmul(ca, cb))
+            fns["cublas"] = lambda: cp.matmul(ca, cb, out=cc)
+        else:
+            want = a @ b
+        for name, fn in fns.items():
+            err = 0.0
+            if name != "cublas":
+                dc.copy_to_device(np.full((n, n), np.nan, np.float32))
+                fn()
+                err = _rel(dc.copy_to_host(), want)
+                if not err < 1e-5:
+                    rows.append({"kind": "sweep-matmul", "size": n, "variant": name,
+                                 "skipped": f"wrong: relative error {err:.2e}"})
+                    print(f"  sweep matmul {n} {name}: WRONG ({err:.2e})", file=sys.stderr, flush=True)
+                    continue
+            r = {"kind": "sweep-matmul", "size": n, "variant": name, "rel_error": err,
+                 **clock.time(fn)}
+            r["gflops"] = 2 * n ** 3 / r["device_ms"] / 1e6
+            rows.append(r)
+            print(f"  sweep matmul {n} {name}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _conv_case(torch, spec, rng):
+    """Host arrays, our device arrays and a torch closure for one convolution shape, and the
+    wanted results (cuDNN's, else the NumPy twins')."""
+    from pserver.kernels import conv_output, reference
+    name, n, hw, c, f, k, pad, with_dx = spec
+    oh, top = conv_output(hw, k, 1, pad)
+    x = rng.standard_normal((n, hw, hw, c), dtype=np.float32)
+    w = (rng.standard_normal((k, k, c, f)) / np.sqrt(k * k * c)).astype(np.float32)
+    b = rng.standard_normal(f).astype(np.float32)
+    dy = rng.standard_normal((n, oh, oh, f), dtype=np.float32)
+    want = {"out": np.empty(dy.shape, np.float32), "dw": np.empty_like(w), "db": np.empty_like(b),
+            "dx": np.empty_like(x) if with_dx else None}
+    theirs = None
+    if torch is not None:
+        dev = torch.device("cuda")
+        xt = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()).to(dev).requires_grad_(with_dx)
+        wt = torch.from_numpy(w.transpose(3, 2, 0, 1).copy()).to(dev).requires_grad_(True)
+        bt = torch.from_numpy(b).to(dev).requires_grad_(True)
+        dyt = torch.from_numpy(dy.transpose(0, 3, 1, 2).copy()).to(dev)
+
+        def theirs():
+            for t in (xt, wt, bt):
+                t.grad = None
+            yt = torch.nn.functional.conv2d(xt, wt, bt, padding=top)
+            yt.backward(dyt)
+            return yt
+
+        def theirs_forward():
+            with torch.no_grad():
+                torch.nn.functional.conv2d(xt, wt, bt, padding=top)
+
+        theirs.forward = theirs_forward
+        yt = theirs()
+        torch.cuda.synchronize()
+        want["out"] = yt.detach().cpu().numpy().transpose(0, 2, 3, 1)
+        want["dw"] = wt.grad.cpu().numpy().transpose(2, 3, 1, 0)
+        want["db"] = bt.grad.cpu().numpy()
+        if with_dx:
+            want["dx"] = xt.grad.cpu().numpy().transpose(0, 2, 3, 1)
+    else:
+        reference.conv2d_forward(x, w, b, want["out"], 1, 1, top, top, False)
+        reference.conv2d_backward(x, w, dy, want["dx"], want["dw"], want["db"], 1, 1, top, top)
+    flops = (3 if with_dx else 2) * 2 * n * oh * oh * f * k * k * c
+    return (x, w, b, dy, top), want, theirs, flops
+
+
+def sweep_conv_rows(clock, torch, specs, variants) -> list[dict]:
+    from numba import cuda
+    from pserver.kernels import cuda as K
+    from pserver.kernels import cuda_gemm as G
+    rows = []
+    for spec in specs:
+        name = spec[0]
+        (x, w, b, dy, top), want, theirs, flops = _conv_case(torch, spec, np.random.default_rng(spec[1]))
+        xd, wd, bd, dyd = (cuda.to_device(a) for a in (x, w, b, dy))
+        bufs = {k: cuda.device_array(v.shape, np.float32) for k, v in want.items() if v is not None}
+        dx = bufs.get("dx")
+        for v in variants:
+            K.CONV_KERNEL = v
+
+            def fwd():
+                K.conv2d_forward(xd, wd, bd, bufs["out"], 1, 1, top, top, False)
+
+            def bwd():
+                K.conv2d_backward(xd, wd, dyd, dx, bufs["dw"], bufs["db"], 1, 1, top, top)
+
+            def both():
+                fwd()
+                bwd()
+
+            for buf in bufs.values():
+                buf.copy_to_device(np.full(buf.shape, np.nan, np.float32))
+            both()
+            errs = {k: _rel(buf.copy_to_host(), want[k]) for k, buf in bufs.items()}
+            row = {"kind": "sweep-conv", "layer": name, "size": spec[1], "variant": v, "rel_error": errs}
+            if not max(errs.values()) < 1e-4:
+                rows.append({**row, "skipped": f"wrong: {errs}"})
+                print(f"  sweep conv {name} {v}: WRONG {errs}", file=sys.stderr, flush=True)
+                continue
+            row.update(clock.time(both))
+            row["gflops"] = flops / row["device_ms"] / 1e6
+            parts = {"forward": fwd}
+            if v != "direct":
+                parts["weight_grad"] = lambda v=v: G.conv2d_weight_grad(
+                    xd, dyd, bufs["dw"], bufs["db"], 1, 1, top, top, v)
+                if dx is not None:
+                    parts["input_grad"] = lambda v=v: G.conv2d_input_grad(wd, dyd, dx, 1, 1, top, top, v)
+            row["parts_device_ms"] = {k: clock.time(fn, repeats=2)["device_ms"] for k, fn in parts.items()}
+            rows.append(row)
+            print(f"  sweep conv {name} {v}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        K.CONV_KERNEL = "igemm"
+        if theirs is not None:
+            row = {"kind": "sweep-conv", "layer": name, "size": spec[1], "variant": "cudnn",
+                   **clock.time(theirs)}
+            row["gflops"] = flops / row["device_ms"] / 1e6
+            row["parts_device_ms"] = {"forward": clock.time(theirs.forward, repeats=2)["device_ms"]}
+            rows.append(row)
+            print(f"  sweep conv {name} cudnn: {json.dumps(row)}", file=sys.stderr, flush=True)
+    return rows
+
+
+def gpu_sweep_rows(args) -> list[dict]:
+    st = gpu_status()
+    if st["cuda"]:
+        return [{"kind": "gpu-sweep", "skipped": st["cuda"]}]
+    torch, why = torch_gpu_status() if not st["simulator"] else (None, "simulator")
+    cp = None if isinstance(st["cupy"], str) or st["simulator"] else st["cupy"]
+    clock = DeviceClock()
+    specs = SWEEP_CONVS
+    if st["simulator"]:   # a smoke run: the same code on shapes the simulator gets through
+        specs = tuple((nm, 2, 5, min(c, 3), min(f, 4), k, pad, dx) for nm, _, _, c, f, k, pad, dx in specs)
+    rows = sweep_matmul_rows(clock, cp, args.sizes, args.sweep_matmul)
+    rows += sweep_conv_rows(clock, torch, specs, args.sweep_conv)
+    for r in rows:
+        base = next((b for b in rows if b["kind"] == r["kind"] and b.get("size") == r.get("size")
+                     and b.get("layer") == r.get("layer") and b["variant"] in ("cublas", "cudnn")
+                     and "device_ms" in b), None)
+        if base and "device_ms" in r:
+            r["vs_baseline"] = base["device_ms"] / r["device_ms"]
+    return rows
+
+
+def run_gpu_sweep_alone(args) -> list[dict]:
+    extra = ["--sizes", ",".join(map(str, args.sizes)), "--sweep-matmul", ",".join(args.sweep_matmul),
+             "--sweep-conv", ",".join(args.sweep_conv)]
+    return _section_in_child(args, "--child-gpu-sweep-json", {}, "gpu-sweep", extra)
+
+
+def render_gpu_sweep(rows: list[dict]) -> str:
+    if rows and "skipped" in rows[0] and "variant" not in rows[0]:
+        return f"  skipped: {rows[0]['skipped']}"
+    out = []
+    for r in rows:
+        what = r.get("layer") or f"matmul {r['size']}"
+        if "skipped" in r:
+            out.append([what, r["variant"], r["skipped"][:60], "", "", "", "", ""])
+            continue
+        parts = "/".join(f"{v:.3f}" for v in r.get("parts_device_ms", {}).values())
+        out.append([what, r["variant"], f"{r['device_ms']:.3f}", f"{r['host_ms']:.3f}", f"{r['gflops']:,.0f}",
+                    f"{r['vs_baseline']:.2f}x" if "vs_baseline" in r else "-", parts,
+                    f"{r['reps']}{' gapped' if r['gapped'] else ''}"])
+    return table(["what", "variant", "device ms", "host ms", "GFLOP/s", "vs cuBLAS|cuDNN",
+                  "fwd/wgrad/dgrad ms", "reps"], out, left=2)
+
+
 # -- report ------------------------------------------------------------------------------------
 
 def run_rows(kind: str, sizes, st: dict, args) -> list[dict]:
@@ -760,6 +1030,9 @@ def main(argv=None) -> int:
     if args.child_gpu_cnn_json:
         Path(args.child_gpu_cnn_json).write_text(json.dumps(gpu_cnn_rows(args)))
         return 0
+    if args.child_gpu_sweep_json:
+        Path(args.child_gpu_sweep_json).write_text(json.dumps(gpu_sweep_rows(args)))
+        return 0
     check_xp_step()
     st = gpu_status()
     host = machine(("numpy", "numba", "numba-cuda", "cupy-cuda12x", "cupy-cuda13x", "torch"))
@@ -791,6 +1064,11 @@ def main(argv=None) -> int:
         print("\nreference CNN (Conv2D 32x3x3 relu, MaxPool 2, Dense 64 relu, Dense 10) forward + "
               "backward on one thread (size = batch; medians of wall and CPU time per step)")
         print(render_cnn(cnn))
+    sweep = run_gpu_sweep_alone(args) if "gpu-sweep" in args.sections else []
+    if sweep:
+        print("\nthe GPU sweep: each variant's device time (CUDA events, calls queued back to back) "
+              "and host time per call (dispatch), against cuBLAS (CuPy) and cuDNN (PyTorch), fp32")
+        print(render_gpu_sweep(sweep))
     gcnn = run_gpu_cnn_alone(args) if "gpu-cnn" in args.sections else []
     if gcnn:
         print("\nthe CNN on the GPU: one Conv2D layer forward + backward (GFLOP/s), and the reference "
@@ -804,7 +1082,7 @@ def main(argv=None) -> int:
            "timing": {"warmup": args.warmup, "warmup_seconds": args.warmup_seconds,
                       "min_runs": args.min_runs,
                       "min_seconds": args.min_seconds, "statistic": "median"},
-           "rows": mm + mlp + cnn + gcnn}
+           "rows": mm + mlp + cnn + sweep + gcnn}
     path = result_path(args.json, "kernels.json")
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
@@ -822,6 +1100,10 @@ def _backends(text: str) -> list[str]:
     return _names(text, BACKENDS)
 
 
+def _list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def _sections(text: str) -> list[str]:
     return _names(text, SECTIONS)
 
@@ -834,8 +1116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"which rows (default {','.join(BACKENDS)})")
     p.add_argument("--cnn-batches", type=positive_ints, default=[64, 256],
                    help="reference CNN batch sizes (default 64,256)")
-    p.add_argument("--sections", type=_sections, default=list(SECTIONS),
-                   help=f"which tables (default {','.join(SECTIONS)})")
+    p.add_argument("--sections", type=_sections, default=list(DEFAULT_SECTIONS),
+                   help=f"which tables: {','.join(SECTIONS)} (default {','.join(DEFAULT_SECTIONS)})")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per row, at least (default 2)")
     p.add_argument("--warmup-seconds", type=float, default=0.5,
                    help="untimed seconds per row, at least (default 0.5)")
@@ -846,6 +1128,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--child-json", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--child-cnn-json", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--child-gpu-cnn-json", metavar="PATH", help=argparse.SUPPRESS)
+    p.add_argument("--child-gpu-sweep-json", metavar="PATH", help=argparse.SUPPRESS)
+    p.add_argument("--sweep-matmul", type=_list, default=list(SWEEP_MATMUL),
+                   help=f"gpu-sweep's product variants (default {','.join(SWEEP_MATMUL)})")
+    p.add_argument("--sweep-conv", type=_list, default=list(SWEEP_CONV),
+                   help=f"gpu-sweep's convolution kernels (default {','.join(SWEEP_CONV)})")
     return p.parse_args(argv)
 
 

@@ -14,7 +14,9 @@ Two layers:
                  binary cross-entropy and MSE (loss terms and gradients), the one-block
                  loss reduction; and the layers' kernels: convolution (forward, weight
                  gradient, input gradient), max and average pooling, activations,
-                 dropout and embedding lookups.
+                 dropout and embedding lookups. The convolutions run as implicit GEMM
+                 (pserver.kernels.cuda_gemm) unless CONV_KERNEL = "direct" picks the direct
+                 kernels here.
     launchers    plain functions that check shapes on the host, size the grid and launch on a
                  stream. Every name in `pserver.kernels.KERNELS` is here with the same
                  arguments and in-place contracts as in `pserver.kernels.cpu`, on device
@@ -36,7 +38,7 @@ import warnings
 import numpy as np
 from numba import cuda, float32, float64, uint64
 
-from pserver.kernels import reference
+from pserver.kernels import cuda_gemm, reference
 
 
 # numba warns when a launch has fewer than 128 blocks. Here that is by design (the loss
@@ -358,8 +360,12 @@ def _blocked_kernels(bm: int, bk: int, prefetch: bool, contig: bool = False):
 BLOCKED_VARIANTS = {f"b{tile}k{bk}{'p' if pre else ''}{'c' if con else ''}":
                     (tile, *_blocked_kernels(tile, bk, pre, con))
                     for tile, bk, pre, con in ((64, 16, True, False), (128, 16, True, True))}
-# Tile side -> the variant tile_for uses for it (the other variants are at the commits named above).
-BLOCKED_CHOICE = {64: "b64k16p", 128: "b128k16pc"}
+# Tile side -> the variant tile_for uses for it (the other variants are at the commits named
+# above): a name here or in cuda_gemm.VARIANTS. The 128 tile is cuda_gemm's g128k8cr2 (128 x 128,
+# strips 8 deep, runs of 4, at most 128 registers so that 2 blocks fit on a multiprocessor):
+# 24.1 TFLOP/s at n = 4096 against b128k16pc's 20.7 (0.47x and 0.40x cuBLAS, the same run:
+# bench/results/gpu/run-7, H100), the same at 1024 (9.8 and 9.9).
+BLOCKED_CHOICE = {64: "b64k16p", 128: "g128k8cr2"}
 
 
 # -- elementwise, column and row kernels ---------------------------------------------------
@@ -795,16 +801,25 @@ def matmul(A, B, C, trans_a=False, trans_b=False, *, stream=0):
 
 def matmul_tiled(A, B, C, trans_a, trans_b, tile, *, stream=0):
     """matmul with a chosen kernel: tile 16 (one element of C per thread), 64 or 128 (register-
-    blocked, BLOCKED_CHOICE) or a name in BLOCKED_VARIANTS; shapes already checked. Blocks cover C's columns (x) and rows (y);
-    the last row and column of blocks may hang over C's edges."""
+    blocked, BLOCKED_CHOICE), or a name in BLOCKED_VARIANTS or cuda_gemm.VARIANTS; shapes already
+    checked. Blocks cover C's columns (x) and rows (y) (cuda_gemm's: rows along x); the last row
+    and column of blocks may hang over C's edges."""
     M, N = C.shape
     if tile == TILE:
         MATMUL[bool(trans_a), bool(trans_b)][(_blocks(N, TILE), _blocks(M, TILE)),
                                              (TILE, TILE), stream](A, B, C)
+    elif _gemm_name(tile):
+        cuda_gemm.matmul(A, B, C, trans_a, trans_b, _gemm_name(tile), stream=stream)
     else:
         side, forms, _ = _blocked(tile)
         forms[bool(trans_a), bool(trans_b)][
             (_blocks(N, side), _blocks(M, side)), (BLOCKED_THREADS, BLOCKED_THREADS), stream](A, B, C)
+
+
+def _gemm_name(tile):
+    """The cuda_gemm variant a tile side or name stands for, or None (a BLOCKED_VARIANTS one)."""
+    name = BLOCKED_CHOICE.get(tile) if isinstance(tile, int) else tile
+    return name if name in cuda_gemm.VARIANTS else None
 
 
 def _blocked(tile):
@@ -816,7 +831,9 @@ def _blocked(tile):
 # threads of b64k16p take 88-108 registers each, of b128k16pc 172-193; the time of one such
 # wave, relative to a wave of 128 tiles). A wave of 64 tiles does half a 128 wave's work, at
 # 16.8 TFLOP/s against 20.4 for full 128 waves (bench/results/gpu/run-4, H200): 0.5 * 20.4 /
-# 16.8 = 0.61.
+# 16.8 = 0.61. Measured with b128k16pc for the 128 tile; its successor g128k8cr2 fits 2 blocks
+# and was faster at both sizes timed (1024, 4096, run-7), so the rule is kept as measured
+# until the sizes between are timed with it.
 WAVES = {64: (2, 0.61), 128: (1, 1.0)}
 
 
@@ -874,6 +891,8 @@ def dense_forward_tiled(x, W, b, out, relu, tile, *, stream=0):
     if tile == TILE:
         matmul_bias_relu[(_blocks(o, TILE), _blocks(n, TILE)), (TILE, TILE), stream](
             x, W, b, out, bool(relu))
+    elif _gemm_name(tile):
+        cuda_gemm.dense_forward(x, W, b, out, relu, _gemm_name(tile), stream=stream)
     else:
         side, _, dense = _blocked(tile)
         dense[(_blocks(o, side), _blocks(n, side)),
@@ -990,11 +1009,26 @@ def _check_image_shapes(name, x, out, channels_out):
         raise ValueError(f"{name}: x {x.shape}, out {out.shape}")
 
 
+# The convolutions' kernels: "igemm", implicit GEMM on the blocked product (cuda_gemm, its
+# CONV_DEFAULT variant), or a variant of cuda_gemm.VARIANTS by name (bench/kernels.py times each
+# this way); "direct", the kernels above with one thread per output element (one block per
+# weight for dw): the fallback, 0.02x cuDNN at the reference CNN's shapes (bench/results/gpu).
+CONV_KERNEL = "igemm"
+
+
+def _conv_variant():
+    return None if CONV_KERNEL == "igemm" else CONV_KERNEL
+
+
 def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu, *, stream=0):
     """out[:] = conv(x, w) + b, then ReLU if `relu`. x (N,H,W,C), w (KH,KW,C,F), out (N,OH,OW,F)."""
     _check_image_shapes("conv2d_forward", x, out, w.shape[3])
     if w.shape[2] != x.shape[3] or b.shape != (w.shape[3],):
         raise ValueError(f"conv2d_forward: x {x.shape}, w {w.shape}, b {b.shape}")
+    if CONV_KERNEL != "direct":
+        cuda_gemm.conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu,
+                                 _conv_variant(), stream=stream)
+        return
     # One thread per output element.
     _launch_elements(conv2d_forward_kernel, out.size, stream, x, w, b, out,
                      stride_h, stride_w, pad_top, pad_left, bool(relu))
@@ -1003,8 +1037,12 @@ def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu, *,
 def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left, *, stream=0):
     """dw, db (and dx unless it is None) from dy = d loss / d pre-activation (N,OH,OW,F)."""
     _check_image_shapes("conv2d_backward", x, dy, w.shape[3])
-    if dw.shape != w.shape or (dx is not None and dx.shape != x.shape):
-        raise ValueError(f"conv2d_backward: x {x.shape}, w {w.shape}, dw {dw.shape}")
+    if dw.shape != w.shape or (dx is not None and dx.shape != x.shape) or db.shape != (w.shape[3],):
+        raise ValueError(f"conv2d_backward: x {x.shape}, w {w.shape}, dw {dw.shape}, db {db.shape}")
+    if CONV_KERNEL != "direct":
+        cuda_gemm.conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left,
+                                  _conv_variant(), stream=stream)
+        return
     if dw.size:
         # One block of REDUCE_THREADS per element of dw (see conv2d_dw_kernel).
         conv2d_dw_kernel[dw.size, REDUCE_THREADS, stream](x, dy, dw, stride_h, stride_w,

@@ -19,6 +19,7 @@ from numba import cuda
 
 from pserver.kernels import KERNELS, conv_output, get_backend, reference
 from pserver.kernels import cuda as K
+from pserver.kernels import cuda_gemm as G
 from tests.cuda_sim import simfix  # noqa: F401  (a device or the simulator; fixes the latter)
 
 # Few examples: each costs about a second in the simulator. Derandomized, so a run is repeatable.
@@ -81,11 +82,17 @@ def test_matmul(trans_a, trans_b, m, k, n):
 # simulator runs a block's 256 threads as Python threads, about 75 s per product at 2 x 2
 # blocks and 3 strips on 2 cores.
 TILE_SHAPES = {16: (17, 33, 18), 64: (70, 37, 66), 128: (130, 20, 70)}
-PRODUCT_KERNELS = [16, *K.BLOCKED_VARIANTS]
+# 128: the tile side as tile_for gives it, which names a cuda_gemm variant (BLOCKED_CHOICE).
+PRODUCT_KERNELS = [16, 128, *K.BLOCKED_VARIANTS]
 
 
 def _side(kernel):
     return kernel if isinstance(kernel, int) else K.BLOCKED_VARIANTS[kernel][0]
+
+
+def test_the_128_tile_is_cuda_gemms():
+    assert K._gemm_name(128) == K.BLOCKED_CHOICE[128] and K._gemm_name(128) in G.VARIANTS
+    assert K._gemm_name(64) is None and K._gemm_name("b128k16pc") is None
 
 
 @pytest.mark.parametrize("trans_a,trans_b", FORMS, ids=["nn", "tn", "nt", "tt"])

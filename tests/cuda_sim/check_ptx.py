@@ -16,6 +16,7 @@ import pytest
 from numba import cuda, types
 
 from pserver.kernels import cuda as K
+from pserver.kernels import cuda_gemm as G
 
 f32_2d = types.Array(types.float32, 2, "C")
 f32_1d = types.Array(types.float32, 1, "C")
@@ -54,6 +55,7 @@ SIGNATURES = {
     "embedding_forward_kernel": (K.embedding_forward_kernel, (i64_2d, f32_2d, f32_3d)),
     "embedding_backward_kernel": (K.embedding_backward_kernel, (i64_2d, f32_3d, f32_2d)),
     "sigmoid_bce_rows": (K.sigmoid_bce_rows, (f32_1d, f32_1d, f32_1d, f32_1d)),
+    "split_sum_kernel": (G.split_sum_kernel, (f32_3d, f32_2d, f32_1d)),
     **{f"matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
        for (ta, tb), k in K.MATMUL.items()},
     **{f"blocked_{name}_matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
@@ -111,3 +113,46 @@ def test_a_numpy_numba_cuda_cannot_compile_with_is_one_clear_line():
 def test_the_compiler_check_passes_with_this_numpy():
     from pserver.kernels.device import Device, check_compiler
     check_compiler(Device("cuda", 0))
+
+
+# -- pserver.kernels.cuda_gemm: the implicit-GEMM convolutions and the product's variants -------
+
+_GEO = types.UniTuple(types.int64, 12)
+_GEMM_TAIL = (_GEO, types.boolean, i64, i64)
+# form -> (A's operand, B's operand, epilogue, columns the launcher sizes the tile for, arrays)
+_GEMM_FORMS = {
+    "matmul": (G._PLAIN_A[False], G._PLAIN_B[False], G.PLAIN, 4096, (f32_2d, f32_2d, f32_2d, f32_2d)),
+    "forward": (G.conv_patches, G._PLAIN_B[False], G.BIAS, 64, (f32_4d, f32_2d, f32_2d, f32_1d)),
+    "input_grad": (G.conv_windows, G.conv_filters_t, G.PLAIN, 32, (f32_4d, f32_3d, f32_2d, f32_4d)),
+    "weight_grad": (G.conv_patches_t, G._PLAIN_B[False], G.SPLIT, 64, (f32_4d, f32_2d, f32_3d, f32_1d)),
+}
+# Every variant's product, and every form of the convolutions' default and of one contig variant.
+_GEMM_CASES = sorted({(v, "matmul") for v in G.VARIANTS} |
+                     {(v, f) for v in (G.CONV_DEFAULT, "g64k16dc") for f in _GEMM_FORMS})
+
+
+@pytest.mark.parametrize("variant, form", _GEMM_CASES)
+def test_gemm_kernels_compile_to_ptx(variant, form, monkeypatch):
+    assert not cuda.config.ENABLE_CUDASIM, "the simulator compiles nothing: unset NUMBA_ENABLE_CUDASIM"
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: _NoGpu(), raising=False)
+    v = G.VARIANTS[variant]
+    a_op, b_op, epilogue, cols, arrays = _GEMM_FORMS[form]
+    bn = v.width(cols)
+    kernel = v.kernel(a_op, b_op, epilogue, bn)
+    ptx, _ = cuda.compile_ptx(kernel.py_func, (*arrays, *_GEMM_TAIL), cc=(9, 0), launch_bounds=v.bounds)
+    assert ".f64" not in ptx and ".local" not in ptx, f"{variant} {form}: float64 or local memory"
+    tm, tn = v.bm // G.THREADS, bn // G.THREADS
+    assert ptx.count("fma.rn.f32") >= tm * tn, f"{variant} {form}: the multiply-adds are not unrolled"
+    # One barrier per strip with two shared strips (the loop runs two strips a turn: 2, plus
+    # one before it), two with one.
+    assert ptx.count("bar.sync") == (3 if v.dbuf else 2)
+    if v.contig and bn % 64 == 0:
+        # Runs of 4 read with 128-bit shared loads only: a shared strip named by a run-time
+        # index once split them into scalar and 64-bit loads (the compiler lost the alignment).
+        assert ptx.count("ld.shared.v4.f32") >= tm // 4 + tn // 4
+        assert "ld.shared.f32" not in ptx and "ld.shared.v2.f32" not in ptx
+    if form in ("forward", "weight_grad"):
+        # Index arithmetic in 32 bits (div.u32): a 64-bit division is a long subroutine, and
+        # these decode pixels and taps in the loops. (The input gradient's strided case,
+        # never the stride-1 one, divides in 64 bits.)
+        assert not any(op in ptx for op in ("div.s64", "rem.s64", "div.u64", "rem.u64"))

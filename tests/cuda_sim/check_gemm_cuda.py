@@ -1,0 +1,175 @@
+"""The implicit-GEMM convolutions and the blocked product's variants (pserver.kernels.cuda_gemm)
+against the NumPy twins (pserver.kernels.reference), on small shapes.
+
+Run by tests/test_kernels_cuda.py in a subprocess with NUMBA_ENABLE_CUDASIM=1; run directly on
+a machine with a GPU, on the device. Outputs start as NaN, so an element no thread writes fails.
+The shapes cross the tiles' edges (64 and 128 rows, 32 and 64 columns) and the strips' (8, 16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import cuda
+
+from pserver.kernels import conv_output, reference
+from pserver.kernels import cuda as K
+from pserver.kernels import cuda_gemm as G
+from tests.cuda_sim import simfix  # (a device or the simulator; fixes the latter)
+
+FEW = settings(max_examples=5, deadline=None, derandomize=True, database=None)
+
+
+def f32(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def nans(*shape):
+    return cuda.to_device(np.full(shape, np.nan, np.float32))
+
+
+def close(got, want, tol=1e-4):
+    np.testing.assert_allclose(got.copy_to_host(), want, rtol=tol, atol=tol)
+
+
+@st.composite
+def geometry(draw):
+    """(n, h, w, c, f, kh, kw, stride_h, stride_w, padding), kernels up to the input."""
+    h, w = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    return (draw(st.integers(1, 2)), h, w, draw(st.integers(1, 5)), draw(st.integers(1, 5)),
+            draw(st.integers(1, h)), draw(st.integers(1, w)), draw(st.integers(1, 3)),
+            draw(st.integers(1, 3)), draw(st.sampled_from(["valid", "same"])))
+
+
+def _case(g, seed):
+    n, h, w, c, f, kh, kw, sh, sw, padding = g
+    oh, pt = conv_output(h, kh, sh, padding)
+    ow, pl = conv_output(w, kw, sw, padding)
+    rng = np.random.default_rng(seed)
+    arrays = f32(rng, n, h, w, c), f32(rng, kh, kw, c, f), f32(rng, f), f32(rng, n, oh, ow, f)
+    return arrays, (sh, sw, pt, pl)
+
+
+def _check_conv(g, seed, variant, relu=True, splits=None):
+    (x, wt, b, dy), place = _case(g, seed)
+    out = nans(*dy.shape)
+    want = np.empty(dy.shape, np.float32)
+    G.conv2d_forward(cuda.to_device(x), cuda.to_device(wt), cuda.to_device(b), out, *place, relu,
+                     variant)
+    reference.conv2d_forward(x, wt, b, want, *place, relu)
+    close(out, want)
+    dx, dw, db = nans(*x.shape), nans(*wt.shape), nans(*b.shape)
+    wants = [np.empty_like(a) for a in (x, wt, b)]
+    G.conv2d_weight_grad(cuda.to_device(x), cuda.to_device(dy), dw, db, *place, variant, splits=splits)
+    G.conv2d_input_grad(cuda.to_device(wt), cuda.to_device(dy), dx, *place, variant)
+    reference.conv2d_backward(x, wt, dy, *wants, *place)
+    for got, want in zip((dx, dw, db), wants):
+        close(got, want)
+
+
+@FEW
+@given(geometry(), st.integers(0, 2**16), st.sampled_from(["g64k16", "g64k8d"]), st.booleans())
+def test_convolutions_equal_their_twins(g, seed, variant, relu):
+    # Forward (bias, ReLU), weight and bias gradient, input gradient, over random geometry:
+    # strides that skip input pixels (the input gradient's inexact divisions), 'same' padding
+    # before and after, kernels as large as the image, one strip or a ragged last one.
+    _check_conv(g, seed, variant, relu)
+
+
+@pytest.mark.parametrize("variant", ["g64k16dc", "g128x64k8c", "g64k16dcr3"])
+def test_wide_and_contiguous_variants(variant):
+    # 33 filters and 33 channels: 64-wide tiles, in the runs-of-4 layout where the variant
+    # has it; the weight gradient's 2 x 2 x 33 + 1 = 133 rows cross the 64 and 128 tiles.
+    _check_conv((1, 5, 5, 33, 33, 2, 2, 1, 1, "same"), 7, variant)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_weight_gradient_over_ragged_slices(splits):
+    # 2 x 5 x 5 = 50 pixels in slices of whole 8-deep strips: 3 slices of 24, 24 and 2 (7 asks
+    # for more slices than strips: 7 slices of 8 and one empty). The bias row comes out of
+    # every slice and the slices add up in order.
+    _check_conv((2, 5, 5, 3, 4, 3, 3, 1, 1, "same"), splits, "g64k8d", splits=splits)
+
+
+def test_splits_stay_within_the_pixels():
+    assert G.splits_for(tiles=5, pixels=43264, bk=16) == G._blocks(G.WGRAD_BLOCKS, 5)
+    assert G.splits_for(tiles=5, pixels=200, bk=16) == 1        # too few strips to split
+    assert G.splits_for(tiles=10_000, pixels=10**6, bk=16) == 1
+
+
+def _distinct_in_simulator():
+    """Every variant on a device; in the simulator, which ignores launch bounds, one per shape
+    (a register cap changes nothing there but the time the test takes)."""
+    if not simfix.SIMULATOR:
+        return sorted(G.VARIANTS)
+    shapes = {}
+    for name in sorted(G.VARIANTS, key=len):
+        v = G.VARIANTS[name]
+        shapes.setdefault((v.bm, v.bn, v.bk, v.dbuf, v.contig), name)
+    return sorted(shapes.values())
+
+
+@pytest.mark.parametrize("variant", _distinct_in_simulator())
+def test_each_product_variant(variant):
+    rng = np.random.default_rng(len(variant))
+    a, b = f32(rng, 130, 37), f32(rng, 37, 67)
+    c = nans(130, 67)
+    G.matmul(cuda.to_device(a), cuda.to_device(b), c, False, False, variant)
+    close(c, a @ b, 1e-5)
+
+
+@pytest.mark.parametrize("trans_a, trans_b", [(True, False), (False, True), (True, True)])
+def test_transposed_products(trans_a, trans_b):
+    rng = np.random.default_rng(3)
+    a, b = f32(rng, 70, 21), f32(rng, 21, 45)
+    c = nans(70, 45)
+    G.matmul(cuda.to_device(a.T.copy() if trans_a else a), cuda.to_device(b.T.copy() if trans_b else b),
+             c, trans_a, trans_b, "g64k8d")
+    close(c, a @ b, 1e-5)
+
+
+def test_matmul_checks_shapes_before_launching():
+    with pytest.raises(ValueError, match="matmul"):
+        G.matmul(*(cuda.device_array(s, np.float32) for s in ((2, 3), (4, 2), (2, 2))))
+
+
+def test_the_model_kernels_take_the_implicit_gemm_and_keep_the_direct_fallback(monkeypatch):
+    assert K.CONV_KERNEL == "igemm"
+    calls = []
+    monkeypatch.setattr(G, "conv2d_forward", lambda *a, **k: calls.append("forward"))
+    monkeypatch.setattr(G, "conv2d_backward", lambda *a, **k: calls.append("backward"))
+    (x, wt, b, dy), place = _case((1, 3, 3, 1, 2, 2, 2, 1, 1, "valid"), 0)
+    xd, wd, bd, dyd = (cuda.to_device(a) for a in (x, wt, b, dy))
+    K.conv2d_forward(xd, wd, bd, nans(*dy.shape), *place, False)
+    K.conv2d_backward(xd, wd, dyd, None, nans(*wt.shape), nans(2), *place)
+    assert calls == ["forward", "backward"]
+    monkeypatch.setattr(K, "CONV_KERNEL", "direct")
+    out, want = nans(*dy.shape), np.empty(dy.shape, np.float32)
+    K.conv2d_forward(xd, wd, bd, out, *place, False)
+    reference.conv2d_forward(x, wt, b, want, *place, False)
+    close(out, want)
+    assert calls == ["forward", "backward"]
+
+
+def test_conv_backward_checks_the_bias_gradient_shape():
+    (x, wt, b, dy), place = _case((1, 3, 3, 1, 2, 2, 2, 1, 1, "valid"), 0)
+    with pytest.raises(ValueError, match="db"):
+        K.conv2d_backward(cuda.to_device(x), cuda.to_device(wt), cuda.to_device(dy), None,
+                          nans(*wt.shape), nans(3), *place)
+
+
+def test_a_workspace_per_stream():
+    # The weight gradient's slices sit in a workspace that launches on one stream share (the
+    # stream orders them); another stream must get its own, or two workers' steps could mix.
+    s1, s2 = cuda.stream(), cuda.stream()
+    w1, w2 = G._workspace((2, 3), s1), G._workspace((2, 3), s2)
+    assert w1.shape == w2.shape == (2, 3)
+    w1.copy_to_device(np.zeros((2, 3), np.float32))
+    w2.copy_to_device(np.ones((2, 3), np.float32))
+    assert not w1.copy_to_host().any()
+    again = G._workspace((3, 2), s1)
+    again.copy_to_device(np.full((3, 2), 5, np.float32))
+    assert (G._workspace((2, 3), s1).copy_to_host() == 5).all()     # reused, not reallocated
+    assert (w2.copy_to_host() == 1).all()
