@@ -580,7 +580,8 @@ def conv_pair(torch, n: int, hw: int, c: int, f: int, k: int, pad: str, rng):
             "dx": rel(dx_.copy_to_host(), xt.grad.cpu().numpy().transpose(0, 2, 3, 1))}
     assert max(errs.values()) < 1e-3, f"conv2d differs from cuDNN: {errs}"
     flops = 3 * 2 * n * oh * oh * f * k * k * c     # forward, weight and input gradients
-    return {"cuda": ours, "torch": theirs}, {"cuda": cuda.synchronize, "torch": torch.cuda.synchronize}, flops, errs
+    syncs = {"cuda": cuda.synchronize, "torch": torch.cuda.synchronize}
+    return {"cuda": ours, "torch": theirs}, syncs, flops, errs
 
 
 def cnn_step_pair(torch, n: int, rng):
@@ -742,6 +743,7 @@ def _rel(got, want) -> float:
 
 def sweep_matmul_rows(clock, cp, sizes, variants) -> list[dict]:
     from numba import cuda
+
     from pserver.kernels import cuda as K
     from pserver.kernels import cuda_gemm as G
     rows = []
@@ -828,6 +830,7 @@ def _conv_case(torch, spec, rng):
 
 def sweep_conv_rows(clock, torch, specs, variants) -> list[dict]:
     from numba import cuda
+
     from pserver.kernels import cuda as K
     from pserver.kernels import cuda_gemm as G
     rows = []
@@ -1110,8 +1113,10 @@ def _sections(text: str) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=positive_ints, default=[1024, 2048, 4096], help="matmul n (default 1024,2048,4096)")
-    p.add_argument("--batches", type=positive_ints, default=[256, 4096], help="MLP batch sizes (default 256,4096)")
+    p.add_argument("--sizes", type=positive_ints, default=[1024, 2048, 4096],
+                   help="matmul n (default 1024,2048,4096)")
+    p.add_argument("--batches", type=positive_ints, default=[256, 4096],
+                   help="MLP batch sizes (default 256,4096)")
     p.add_argument("--backends", type=_backends, default=list(BACKENDS),
                    help=f"which rows (default {','.join(BACKENDS)})")
     p.add_argument("--cnn-batches", type=positive_ints, default=[64, 256],
@@ -1122,7 +1127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-seconds", type=float, default=0.5,
                    help="untimed seconds per row, at least (default 0.5)")
     p.add_argument("--min-runs", type=int, default=3, help="timed runs per row, at least (default 3)")
-    p.add_argument("--min-seconds", type=float, default=1.0, help="timed seconds per row, at least (default 1)")
+    p.add_argument("--min-seconds", type=float, default=1.0,
+                   help="timed seconds per row, at least (default 1)")
     p.add_argument("--json", metavar="PATH", help="write every row (and the machine) as JSON here "
                                                   "(default results/kernels.json)")
     p.add_argument("--child-json", metavar="PATH", help=argparse.SUPPRESS)

@@ -145,7 +145,8 @@ def test_bad_inputs():
     from pserver.models import on_device
     from pserver.models.sequential import Sequential
     emb = Sequential([Embedding(10, 4, input_shape=(3,)), Flatten(), Dense(CLASSES)])
-    with pytest.raises(ConfigError, match=r"--device cuda: .*layer embedding \(Embedding\) has no CUDA kernels"):
+    with pytest.raises(ConfigError,
+                       match=r"--device cuda: .*layer embedding \(Embedding\) has no CUDA kernels"):
         on_device(emb, "cuda")
 
 

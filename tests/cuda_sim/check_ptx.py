@@ -91,7 +91,8 @@ def test_compiles_to_ptx(name, monkeypatch):
         assert ".local" not in ptx, f"{name} keeps an array in local memory"
         tile = K.BLOCKED_VARIANTS[name.split("_")[1]][0]
         per_thread = (tile // K.BLOCKED_THREADS) ** 2
-        assert ptx.count("fma.rn.f32") >= per_thread, f"{name}: the {per_thread} multiply-adds per k are not unrolled"
+        assert ptx.count("fma.rn.f32") >= per_thread, \
+            f"{name}: the {per_thread} multiply-adds per k are not unrolled"
 
 
 def test_a_numpy_numba_cuda_cannot_compile_with_is_one_clear_line():
