@@ -304,3 +304,48 @@ def test_a_rank_back_with_another_data_order_is_told_the_old_one_and_counts_anew
         push(shard, 0, shard.store.version, ONES, clock=clock)
     assert register(shard, 0, 1, seed=9) == (5, 7, 10)    # what it was, for the worker to compare
     assert register(shard, 0, 1, seed=9) == (0, 9, 10)    # counted anew in the new order
+
+
+# -- the membership's own checks (pserver/server/membership.py; mutmut survivors) -------------
+
+def test_a_rank_outside_the_cluster_is_refused_at_register_and_at_leave():
+    """Catches `rank < num_workers` loosened to `<=`: rank N of N workers is not a worker."""
+    shard = Shard(ServerConfig())
+    layout = Layout.of([("w", (4,))])
+    with pytest.raises(FailedPrecondition, match=r"^rank: 2 is not a worker of this cluster \(ranks 0..1\)"):
+        shard.register(2, 2, 0, 1, layout)
+    shard.register(0, 2, 0, 1, layout)
+    with pytest.raises(FailedPrecondition, match=r"^rank: 2 is not a worker of this cluster \(ranks 0..1\)"):
+        shard.leave(2)
+    with pytest.raises(FailedPrecondition, match=r"^rank: worker 1 has not registered with shard 0; "):
+        shard.leave(1)
+
+
+def test_a_live_rank_cannot_be_registered_again_and_a_left_one_can(caplog):
+    """Catches the live-session check looking at the wrong rank, and the log naming why the
+    previous session ended."""
+    from pserver.errors import AlreadyExists
+    shard = Shard(ServerConfig())
+    layout = Layout.of([("w", (4,))])
+    first = shard.register(0, 2, 0, 1, layout).session
+    shard.register(1, 2, 0, 1, layout)
+    with pytest.raises(AlreadyExists, match=r"^rank: worker 0 is already registered with shard 0"):
+        shard.register(0, 2, 0, 1, layout)
+    shard.leave(0, first)
+    with caplog.at_level("INFO", logger="pserver.modes"):
+        again = shard.register(0, 2, 0, 1, layout).session
+    assert again != first and shard.members.sessions[0] == again
+    assert "worker 0 registered again (its previous session left)" in caplog.text
+
+
+def test_marking_workers_dead_logs_which_and_why(caplog):
+    shard = one_shard(4, 3, mode="sync")
+    with caplog.at_level("WARNING", logger="pserver.modes"):
+        with shard.store.cond:
+            shard.members.mark_dead([2, 1], "a test's reason")
+    assert "shard 0: marked worker(s) [1, 2] dead: a test's reason" in caplog.text
+    assert shard.members.dead == {1, 2} and shard.store.counters.snapshot()["workers_marked_dead"] == 2
+    with caplog.at_level("INFO", logger="pserver.modes"):
+        shard.pull(1, 0, -1, 0, timeout=5)
+    assert "shard 0: worker 1 pushed or pulled again and rejoins at version 0" in caplog.text
+    assert shard.members.dead == {2}
