@@ -329,7 +329,8 @@ def test_a_live_rank_cannot_be_registered_again_and_a_left_one_can(caplog):
     layout = Layout.of([("w", (4,))])
     first = shard.register(0, 2, 0, 1, layout).session
     shard.register(1, 2, 0, 1, layout)
-    with pytest.raises(AlreadyExists, match=r"^rank: worker 0 is already registered with shard 0"):
+    with pytest.raises(AlreadyExists, match=r"^rank: worker 0 is already registered with shard 0 and its "
+                                            r"session is live \(last seen 0\.\d s ago"):
         shard.register(0, 2, 0, 1, layout)
     shard.leave(0, first)
     with caplog.at_level("INFO", logger="pserver.modes"):
@@ -349,3 +350,14 @@ def test_marking_workers_dead_logs_which_and_why(caplog):
         shard.pull(1, 0, -1, 0, timeout=5)
     assert "shard 0: worker 1 pushed or pulled again and rejoins at version 0" in caplog.text
     assert shard.members.dead == {2}
+
+
+def test_a_rank_whose_session_expired_registers_again_and_the_log_says_expired(caplog):
+    shard = Shard(ServerConfig(step_timeout=0.05))
+    layout = Layout.of([("w", (4,))])
+    first = shard.register(0, 1, 0, 1, layout).session
+    assert len(first) == 32                            # secrets.token_hex(16)
+    time.sleep(0.2)
+    with caplog.at_level("INFO", logger="pserver.modes"):
+        assert shard.register(0, 1, 0, 1, layout).session != first
+    assert "worker 0 registered again (its previous session expired)" in caplog.text
