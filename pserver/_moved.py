@@ -1,4 +1,4 @@
-"""Module paths of pserver before its packages (0.1): each old path still imports, warns
+"""Module paths of pserver before its packages: each old path still imports, warns
 once (DeprecationWarning) and forwards every name to its new home, for one release."""
 
 from __future__ import annotations

@@ -50,6 +50,6 @@ def launch(cfg: LaunchConfig, server: ServerConfig, worker: WorkerConfig) -> int
 
 __all__ = ["BACKENDS", "LaunchConfig", "launch"]
 
-# The other names of the module pserver.launch was before 0.2 (Proc, worker_delay, ...), with a
+# The other names of the module pserver.launch was before the packages (Proc, worker_delay, ...), with a
 # DeprecationWarning: they are in pserver.launch.base and pserver.launch.local.
 __getattr__ = forward(__name__, warn_now=False)

@@ -2,8 +2,8 @@
 same-host data plane (dataplane), its side of compression (compress), and injected straggler
 delays (stragglers).
 
-`from pserver.worker import run_worker` (the names of the module pserver.worker was before
-0.2) still works, with a DeprecationWarning: import them from pserver.worker.loop.
+`from pserver.worker import run_worker` (the names of the module pserver.worker was before the
+packages) still works, with a DeprecationWarning: import them from pserver.worker.loop.
 """
 
 from pserver._moved import forward
