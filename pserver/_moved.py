@@ -53,7 +53,7 @@ def forward(old: str, warn_now: bool = True):
             module = importlib.import_module(new)
             if hasattr(module, name):
                 if not warn_now:
-                    warn(f"{old}", stacklevel=3)
+                    warn(old, stacklevel=3)
                 return getattr(module, name)
         raise AttributeError(f"module {old!r} has no attribute {name!r}")
     return __getattr__

@@ -146,18 +146,16 @@ def launch_cluster(*, ps: int = 1, workers: int = 2, backend: str = "local", add
     to the launch's (LaunchConfig). Returns the run summary; raises PServerError when a process
     fails or a signal stops the run."""
     from pserver.launch import LaunchConfig, launch
-    from pserver.launch.base import parse_delay_for
+    from pserver.launch.base import LAUNCH_OPTIONS, PER_PROCESS, parse_delay_for
     per_cluster = {k: options.pop(k) for k in LAUNCH_OPTIONS if k in options}
     if per_cluster.get("delay_for") and isinstance(per_cluster["delay_for"][0], str):
         per_cluster["delay_for"] = parse_delay_for(per_cluster["delay_for"], workers)
-    per_cluster["device"] = per_cluster.get("device") or "cpu"
     server = {k: v for k, v in options.items() if k in ServerConfig.__dataclass_fields__}
     worker = {k: v for k, v in options.items() if k in WorkerConfig.__dataclass_fields__}
-    unknown = sorted(set(options) - set(server) - set(worker) | set(options) & NOT_LAUNCH_OPTIONS)
+    unknown = sorted(set(options) - set(server) - set(worker) | set(options) & PER_PROCESS)
     if unknown:
         raise ConfigError(f"{unknown[0]}: not a launch option")
-    if "device" in per_cluster:
-        worker["device"] = per_cluster["device"]
+    per_cluster["device"] = worker["device"] = per_cluster.get("device") or "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "summary.json")
         cfg = LaunchConfig(num_shards=ps, num_workers=workers, summary_json=path, backend=backend,
@@ -167,12 +165,6 @@ def launch_cluster(*, ps: int = 1, workers: int = 2, backend: str = "local", add
             raise PServerError(f"launch stopped with exit code {code}")
         with open(path) as f:
             return json.load(f)
-
-
-# launch_cluster: options of the launch itself, and the configs' fields that it sets per process
-LAUNCH_OPTIONS = ("delay", "delay_ranks", "delay_for", "device", "metrics_port")
-NOT_LAUNCH_OPTIONS = {"host", "port", "shard", "num_shards", "num_workers", "ps", "rank", "summary_json",
-                      "stats_json", "stop_shards"}
 
 
 def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:

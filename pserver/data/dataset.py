@@ -1,19 +1,10 @@
-"""Datasets and the per-rank slices that workers train on.
-
-    load_dataset("synthetic" | "mnist" | "path.npz") -> Dataset   (float32 x, int32 labels or float32 targets)
-    load_dataset("criteo:PATH" | "criteo-synthetic")              (click-through data: pserver.data.criteo)
-    epoch_indices / iterate_batches                                 (rank r's disjoint block of one epoch)
+"""The Dataset and Stream containers, and the per-rank slices that workers train on.
 
 Every epoch is one permutation of the training set drawn from `seed + epoch`, the same on every
 worker; rank r takes the r-th of `num_workers` equal blocks, so the ranks never overlap and all run
 the same number of steps (the `num_train % num_workers` left-over samples sit that epoch out).
-
-MNIST comes from the four IDX files in `--data-dir` (.gz or not), by default a directory in the
-user's cache (default_mnist_dir), created when missing. Missing files are fetched from the
-mirrors in MNIST_MIRRORS, one after the other, or from the comma-separated base URLs in
-$PSERVER_MNIST_MIRRORS (set it empty to never download), and kept only if their sha256 matches.
-Every problem with the data raises DataError, every bad option ConfigError, with one line that names
-the file, key or flag and the value.
+The kinds of data are their own modules (synthetic, mnist, npz, criteo); `load_dataset` is the
+package's.
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ from pserver.observe.metrics import write_json
 from pserver.signals import Stopped
 
 BACKENDS = ("local", "ray")       # pserver.launch.local, pserver.launch.ray
+# Options of a launch that LaunchConfig holds and applies per process (shard_config, worker_config)
+LAUNCH_OPTIONS = ("delay", "delay_ranks", "delay_for", "device", "metrics_port")
+# Fields of the shards' and workers' configs that launch sets for each process itself
+PER_PROCESS = frozenset({"host", "port", "shard", "num_shards", "num_workers", "ps", "rank", "summary_json",
+                         "stats_json", "stop_shards"})
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 STARTUP_TIMEOUT = 60.0
 STOP_GRACE = 10.0                 # seconds a child has to stop (a shard writes its last checkpoint)

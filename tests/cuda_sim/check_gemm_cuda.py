@@ -18,6 +18,7 @@ from pserver.kernels import conv_output, reference
 from pserver.kernels import cuda as K
 from pserver.kernels import cuda_gemm as G
 from tests.cuda_sim import simfix  # (a device or the simulator; fixes the latter)
+from tests.cuda_sim.check_kernels_cuda import image_geometry
 
 FEW = settings(max_examples=5, deadline=None, derandomize=True, database=None)
 
@@ -32,15 +33,6 @@ def nans(*shape):
 
 def close(got, want, tol=1e-4):
     np.testing.assert_allclose(got.copy_to_host(), want, rtol=tol, atol=tol)
-
-
-@st.composite
-def geometry(draw):
-    """(n, h, w, c, f, kh, kw, stride_h, stride_w, padding), kernels up to the input."""
-    h, w = draw(st.integers(1, 7)), draw(st.integers(1, 7))
-    return (draw(st.integers(1, 2)), h, w, draw(st.integers(1, 5)), draw(st.integers(1, 5)),
-            draw(st.integers(1, h)), draw(st.integers(1, w)), draw(st.integers(1, 3)),
-            draw(st.integers(1, 3)), draw(st.sampled_from(["valid", "same"])))
 
 
 def _case(g, seed):
@@ -70,7 +62,8 @@ def _check_conv(g, seed, variant, relu=True, splits=None):
 
 
 @FEW
-@given(geometry(), st.integers(0, 2**16), st.sampled_from(["g64k16", "g64k8d"]), st.booleans())
+@given(image_geometry(max_hw=7, max_channels=5), st.integers(0, 2**16), st.sampled_from(["g64k16", "g64k8d"]),
+       st.booleans())
 def test_convolutions_equal_their_twins(g, seed, variant, relu):
     # Forward (bias, ReLU), weight and bias gradient, input gradient, over random geometry:
     # strides that skip input pixels (the input gradient's inexact divisions), 'same' padding

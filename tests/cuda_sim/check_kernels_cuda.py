@@ -379,10 +379,11 @@ def test_pooling(g):
 
 
 @st.composite
-def image_geometry(draw):
+def image_geometry(draw, max_hw: int = 6, max_channels: int = 3):
     """(n, h, w, c, f, kh, kw, stride_h, stride_w, padding) with kernels up to the input."""
-    h, w = draw(st.integers(1, 6)), draw(st.integers(1, 6))
-    return (draw(st.integers(1, 2)), h, w, draw(st.integers(1, 3)), draw(st.integers(1, 3)),
+    h, w = draw(st.integers(1, max_hw)), draw(st.integers(1, max_hw))
+    channels = st.integers(1, max_channels)
+    return (draw(st.integers(1, 2)), h, w, draw(channels), draw(channels),
             draw(st.integers(1, h)), draw(st.integers(1, w)), draw(st.integers(1, 3)),
             draw(st.integers(1, 3)), draw(st.sampled_from(["valid", "same"])))
 
