@@ -196,6 +196,11 @@ WORKER_FLAGS = [
                                   "recorded its position (default: a restarted worker, or a job restored "
                                   "from checkpoints, goes on from the step it had reached; --epochs counts "
                                   "the epochs of the whole run, as in Keras)")),
+    Flag("--session-dir", dict(metavar="DIR", help="where this worker keeps its session credentials, in a "
+                               "file of mode 0600 in a directory of mode 0700, so that a restarted worker "
+                               "takes its rank back at once instead of waiting --step-timeout for its old "
+                               "session (default $XDG_STATE_HOME/pserver/sessions, i.e. "
+                               "~/.local/state/pserver/sessions; 'none': keep no file)")),
     Flag("--tensorboard", dict(metavar="DIR", help="chief: write TensorBoard scalars here (train loss, "
                                "samples/s, staleness; test accuracy or AUC and loss per epoch)")),
     Flag("--save", dict(metavar="PATH", help="chief: write the trained model here at the end: its definition "
@@ -230,8 +235,11 @@ TLS_CERT = Flag("--tls-cert", dict(metavar="PEM", help="serve over TLS with this
 TLS_KEY = Flag("--tls-key", dict(metavar="PEM", help="the private key of --tls-cert"))
 TLS_CA = Flag("--tls-ca", dict(metavar="PEM", help="talk to the shards over TLS, "
                                                    "trusting this CA certificate"))
-SERVE_SECURITY = [AUTH_TOKEN, TLS_CERT, TLS_KEY]
-CLIENT_SECURITY = [AUTH_TOKEN, TLS_CA]
+TOKEN_FILE = Flag("--token-file", dict(metavar="PATH", help="read the token from this file (one line; "
+                  "it must be your own, mode 0600, as ssh asks of a key); `pserver launch` writes its "
+                  "generated token to one and prints its path"))
+SERVE_SECURITY = [AUTH_TOKEN, TOKEN_FILE, TLS_CERT, TLS_KEY]
+CLIENT_SECURITY = [AUTH_TOKEN, TOKEN_FILE, TLS_CA]
 
 
 def add_flags(parser, flags, title):
@@ -352,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(sl, WORKER_FLAGS, "worker flags")
     add_flags(sl, COMMON_FLAGS, "transport")
     add_flags(sl, METRICS_FLAGS, "metrics")
-    add_flags(sl, [TLS_CERT, TLS_KEY, TLS_CA], "security")
+    add_flags(sl, [TOKEN_FILE, TLS_CERT, TLS_KEY, TLS_CA], "security")
 
     st = sub.add_parser("status", help="show each shard's version, mode, size and counters",
                         description="Example: pserver status --ps 127.0.0.1:2222,127.0.0.1:2223")
@@ -391,9 +399,12 @@ def parse_ps(text: str, command: str) -> tuple[str, ...]:
 
 
 def security_given(ns, flags) -> dict:
-    """The security flags set, the token falling back to PSERVER_AUTH_TOKEN."""
+    """The security flags set, the token from --auth-token, else --token-file, else
+    PSERVER_AUTH_TOKEN."""
     from pserver.wire.security import resolve_token
-    return given(ns, flags) | {"auth_token": resolve_token(ns.auth_token)}
+    kw = {k: v for k, v in given(ns, flags).items() if k != "token_file"}
+    return kw | {"auth_token": resolve_token(getattr(ns, "auth_token", None),
+                                             token_file=getattr(ns, "token_file", None))}
 
 
 def server_config(ns) -> ServerConfig:
@@ -450,10 +461,11 @@ def cmd_slurm(ns) -> int:
     from pserver.launch.slurm import slurm_task
     from pserver.wire.security import TOKEN_ENV, resolve_token
     task = slurm_task(os.environ, ns.ps, ns.base_port)
-    token = resolve_token(None)     # never a flag: a command line is public
+    token = resolve_token(None, token_file=ns.token_file)   # never the token itself as a flag: argv is public
     if token is None:      # other users' jobs share the cluster's network
-        raise ConfigError(f"{TOKEN_ENV}: pserver slurm needs a token in every task's environment "
-                          "(deploy/slurm/pserver.sbatch writes one to a file only the job can read)")
+        raise ConfigError(f"{TOKEN_ENV}: pserver slurm needs a token in every task's environment or "
+                          "--token-file (deploy/slurm/pserver.sbatch writes one to a file only the job "
+                          "can read)")
     print(f"pserver slurm: {task.describe()}", flush=True)
     metrics = given(ns, METRICS_FLAGS)
     if ns.metrics_port:                # the same offset on its host as its gRPC port
@@ -477,8 +489,9 @@ def cmd_launch(ns) -> int:
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks,
                        delay_for=parse_delay_for(ns.delay_for, ns.workers), metrics_port=ns.metrics_port,
-                       device=ns.device or "cpu", backend=ns.backend, address=ns.address)
-    # The token: the flag's or PSERVER_AUTH_TOKEN's; launch() makes one for its own cluster otherwise.
+                       device=ns.device or "cpu", backend=ns.backend, address=ns.address,
+                       token_file=ns.token_file)
+    # The token: the flag's, the file's or PSERVER_AUTH_TOKEN's; launch() makes one otherwise.
     token = security_given(ns, [])["auth_token"]
     # --metrics-port is given per process (launch/base.py); --metrics-host goes to every one
     server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY] + METRICS_FLAGS[1:]

@@ -16,6 +16,11 @@ from pserver.errors import ConfigError
 HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")   # name, IPv4 or [IPv6]
 DEFAULT_PORT = 2222            # TensorFlow's default, so TF_CONFIG addresses without a port work
 MODES = ("sync", "backup", "async", "ssp")
+# The ServerConfig fields that shape training, by the names of pb.TrainingSettings' fields (and
+# of the flags): every shard of one job must hold the same values (worker/client.py compares
+# what each shard's Register reply carries). num_workers joins them as the shard serves it.
+TRAINING_SETTINGS = ("mode", "backup_workers", "staleness", "optimizer", "lr", "lr_schedule", "momentum",
+                     "nesterov", "beta1", "beta2", "eps", "weight_decay", "step_timeout")
 DATA_PLANES = ("auto", "grpc")
 
 
@@ -102,6 +107,11 @@ class ServerConfig:
                        momentum=self.momentum, nesterov=self.nesterov, beta1=self.beta1,
                        beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay)
 
+    def training_settings(self, num_workers: int) -> dict:
+        """What this shard was started with that shapes training (pb.TrainingSettings), with N as
+        the shard serves it (`num_workers`: configured, or learnt from the first Register)."""
+        return {name: getattr(self, name) for name in TRAINING_SETTINGS} | {"num_workers": num_workers}
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -139,6 +149,8 @@ class WorkerConfig:
     no_resume: bool = False       # start the data at epoch 1 even where the shards recorded this
                                   # rank's position
     stop_shards: bool = False     # chief: end the shards (exit 0) once the run is over (pserver slurm)
+    session_dir: str | None = None  # where the session file is kept (worker/sessions.py): None for
+                                    # $XDG_STATE_HOME/pserver/sessions, "none" for no file
     auth_token: str | None = field(default=None, repr=False)  # sent with every RPC; never shown
     tls_ca: str | None = None     # PEM CA certificate to trust: talk to the shards over TLS
     # Sparse embedding tables of the click-through-rate models (lr, fm, wide_deep, deepfm)

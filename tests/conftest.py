@@ -2,6 +2,7 @@ import functools
 import http.server
 import os
 import pathlib
+import tempfile
 import threading
 import time
 
@@ -15,6 +16,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The real MNIST files (the four IDX files): $PSERVER_MNIST_DIR, else shared/datasets/mnist beside
 # the checkout, where CI keeps them.
 MNIST_DIR = pathlib.Path(os.environ.get("PSERVER_MNIST_DIR", ROOT.parent / "shared" / "datasets" / "mnist"))
+
+
+# Workers keep their session files under $XDG_STATE_HOME (pserver/worker/sessions.py); the tests'
+# workers, and the processes they start, keep theirs in a directory of the run's own.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="pserver-tests-state-")
 
 
 def pytest_runtest_logstart(nodeid, location):

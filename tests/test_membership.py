@@ -361,3 +361,71 @@ def test_a_rank_whose_session_expired_registers_again_and_the_log_says_expired(c
     with caplog.at_level("INFO", logger="pserver.modes"):
         assert shard.register(0, 1, 0, 1, layout).session != first
     assert "worker 0 registered again (its previous session expired)" in caplog.text
+
+
+# --- a restarted worker takes its live session over (issue: "a minute of silence") ----------
+def test_a_register_with_the_live_sessions_credential_takes_the_rank_over_at_once(caplog):
+    """Catches a takeover that waits for expiry, that accepts any credential, or that leaves the
+    old credential usable."""
+    from pserver.errors import AlreadyExists, Unauthenticated
+    shard = Shard(ServerConfig(step_timeout=60))
+    layout = Layout.of([("w", (4,))])
+    first = shard.register(0, 1, 0, 1, layout)
+    assert not first.took_over
+    with pytest.raises(AlreadyExists):                  # a wrong credential is no takeover
+        shard.register(0, 1, 0, 1, layout, previous_session="0" * 32)
+    with caplog.at_level("INFO", logger="pserver.modes"):
+        second = shard.register(0, 1, 0, 1, layout, previous_session=first.session)
+    assert second.took_over and second.session not in ("", first.session)
+    assert shard.members.sessions[0] == second.session
+    assert shard.store.counters.snapshot()["sessions_taken_over"] == 1
+    assert "worker 0 registered again with its previous session's credential" in caplog.text
+    for call in (lambda: shard.heartbeat(0, first.session), lambda: shard.leave(0, first.session)):
+        with pytest.raises(Unauthenticated, match=r"^session: rank 0 was taken over by a restarted process"):
+            call()
+    with pytest.raises(Unauthenticated, match="does not carry that worker's session"):
+        shard.heartbeat(0, "f" * 32)                   # never anyone's: the usual refusal
+    shard.heartbeat(0, second.session)
+    with pytest.raises(AlreadyExists):                  # the displaced credential takes nothing back
+        shard.register(0, 1, 0, 1, layout, previous_session=first.session)
+
+
+def test_a_takeover_discards_the_old_sessions_gradient_for_the_open_step():
+    """The new process trains the batch again (its position was not advanced), so the step
+    averages its gradient and the other worker's, never the old session's."""
+    shard = one_shard(3, 2, mode="sync", optimizer="sgd", lr=1.0, step_timeout=60)
+    sessions = {r: shard.members.sessions[r] for r in (0, 1)}
+    old = np.array([100.0, 100.0, 100.0], np.float32)
+    shard.push(1, 0, 0, 3, "float32", 8, 0, fill_with(old), session=sessions[1])
+    assert shard.policy.pending.keys() == {1}
+    layout = Layout.of([("w", (3,))])
+    taken = shard.register(1, 2, 0, 1, layout, previous_session=sessions[1])   # the same data order
+    assert taken.took_over and not shard.policy.pending and shard.store.clocks.get(1, 0) == 0
+    assert shard.store.counters.snapshot()["pushes_aggregated"] == 0
+    g0, g1 = np.array([1.0, 2.0, 3.0], np.float32), np.array([3.0, 2.0, 1.0], np.float32)
+    shard.push(0, 0, 0, 3, "float32", 8, 0, fill_with(g0), session=sessions[0])
+    assert shard.store.version == 0                     # still waiting for rank 1's new push
+    shard.push(1, 0, 0, 3, "float32", 8, 0, fill_with(g1), session=taken.session)
+    assert shard.store.version == 1
+    np.testing.assert_array_equal(shard.store.params, -(g0 + g1) / np.float32(2))
+
+
+def test_a_left_rank_is_registered_again_without_a_takeover():
+    shard = Shard(ServerConfig())
+    layout = Layout.of([("w", (4,))])
+    first = shard.register(0, 1, 0, 1, layout)
+    shard.leave(0, first.session)
+    again = shard.register(0, 1, 0, 1, layout, previous_session=first.session)
+    assert not again.took_over
+    assert shard.store.counters.snapshot()["sessions_replaced"] == 1
+    assert shard.store.counters.snapshot()["sessions_taken_over"] == 0
+
+
+def test_register_reports_the_shards_training_settings():
+    cfg = ServerConfig(mode="backup", backup_workers=1, optimizer="adam", lr=0.003, beta2=0.99,
+                       step_timeout=7, lr_schedule="constant")
+    reg = Shard(cfg).register(0, 3, 0, 1, Layout.of([("w", (4,))]))
+    assert reg.settings == {"mode": "backup", "backup_workers": 1, "staleness": 0, "optimizer": "adam",
+                            "lr": 0.003, "lr_schedule": "constant", "momentum": 0.9, "nesterov": False,
+                            "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0,
+                            "step_timeout": 7, "num_workers": 3}

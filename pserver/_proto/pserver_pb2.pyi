@@ -91,7 +91,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rank", "num_workers", "shard", "num_shards", "layout", "batch_size", "protocol_version", "tables", "data_seed", "steps_per_epoch")
+    __slots__ = ("rank", "num_workers", "shard", "num_shards", "layout", "batch_size", "protocol_version", "tables", "data_seed", "steps_per_epoch", "previous_session")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class RegisterRequest(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     DATA_SEED_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_SESSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     num_workers: int
     shard: int
@@ -112,7 +113,40 @@ class RegisterRequest(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[SparseTableSpec]
     data_seed: int
     steps_per_epoch: int
-    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., batch_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[SparseTableSpec, _Mapping]]] = ..., data_seed: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ...) -> None: ...
+    previous_session: str
+    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., batch_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[SparseTableSpec, _Mapping]]] = ..., data_seed: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., previous_session: _Optional[str] = ...) -> None: ...
+
+class TrainingSettings(_message.Message):
+    __slots__ = ("mode", "backup_workers", "staleness", "optimizer", "lr", "lr_schedule", "momentum", "nesterov", "beta1", "beta2", "eps", "weight_decay", "step_timeout", "num_workers")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    backup_workers: int
+    staleness: int
+    optimizer: str
+    lr: float
+    lr_schedule: str
+    momentum: float
+    nesterov: bool
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step_timeout: float
+    num_workers: int
+    def __init__(self, mode: _Optional[str] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., step_timeout: _Optional[float] = ..., num_workers: _Optional[int] = ...) -> None: ...
 
 class TrainingPosition(_message.Message):
     __slots__ = ("clock", "data_seed", "steps_per_epoch")
@@ -125,7 +159,7 @@ class TrainingPosition(_message.Message):
     def __init__(self, clock: _Optional[int] = ..., data_seed: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("mode", "version", "initialized", "range_start", "range_end", "total_params", "layout_signature", "optimizer", "lr", "dataplane", "host_id", "session", "session_timeout_seconds", "protocol_version", "restored_from", "seeded_by_rank", "position")
+    __slots__ = ("mode", "version", "initialized", "range_start", "range_end", "total_params", "layout_signature", "optimizer", "lr", "dataplane", "host_id", "session", "session_timeout_seconds", "protocol_version", "restored_from", "seeded_by_rank", "position", "settings", "instance", "took_over")
     MODE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +177,9 @@ class RegisterReply(_message.Message):
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
     SEEDED_BY_RANK_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    TOOK_OVER_FIELD_NUMBER: _ClassVar[int]
     mode: str
     version: int
     initialized: bool
@@ -160,7 +197,10 @@ class RegisterReply(_message.Message):
     restored_from: str
     seeded_by_rank: int
     position: TrainingPosition
-    def __init__(self, mode: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., total_params: _Optional[int] = ..., layout_signature: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., dataplane: _Optional[str] = ..., host_id: _Optional[str] = ..., session: _Optional[str] = ..., session_timeout_seconds: _Optional[float] = ..., protocol_version: _Optional[int] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., position: _Optional[_Union[TrainingPosition, _Mapping]] = ...) -> None: ...
+    settings: TrainingSettings
+    instance: str
+    took_over: bool
+    def __init__(self, mode: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., total_params: _Optional[int] = ..., layout_signature: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., dataplane: _Optional[str] = ..., host_id: _Optional[str] = ..., session: _Optional[str] = ..., session_timeout_seconds: _Optional[float] = ..., protocol_version: _Optional[int] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., position: _Optional[_Union[TrainingPosition, _Mapping]] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., instance: _Optional[str] = ..., took_over: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "session")
@@ -267,7 +307,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late", "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed", "staleness_mean", "staleness_max", "staleness_histogram", "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed", "workers_rejoined", "sessions_replaced", "requests_refused_busy", "rows_pulled", "rows_pushed")
+    __slots__ = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late", "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed", "staleness_mean", "staleness_max", "staleness_histogram", "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed", "workers_rejoined", "sessions_replaced", "sessions_taken_over", "requests_refused_busy", "rows_pulled", "rows_pushed")
     PUSHES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_AGGREGATED_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +325,7 @@ class Counters(_message.Message):
     CHECKPOINTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_REJOINED_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_REPLACED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_TAKEN_OVER_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_REFUSED_BUSY_FIELD_NUMBER: _ClassVar[int]
     ROWS_PULLED_FIELD_NUMBER: _ClassVar[int]
     ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
@@ -305,13 +346,14 @@ class Counters(_message.Message):
     checkpoints_failed: int
     workers_rejoined: int
     sessions_replaced: int
+    sessions_taken_over: int
     requests_refused_busy: int
     rows_pulled: int
     rows_pushed: int
-    def __init__(self, pushes_received: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_aggregated: _Optional[int] = ..., pushes_dropped_late: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., updates_applied: _Optional[int] = ..., workers_marked_dead: _Optional[int] = ..., samples_pushed: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., staleness_max: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., pulls_served: _Optional[int] = ..., clock_gap_max: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., checkpoints_failed: _Optional[int] = ..., workers_rejoined: _Optional[int] = ..., sessions_replaced: _Optional[int] = ..., requests_refused_busy: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ...) -> None: ...
+    def __init__(self, pushes_received: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_aggregated: _Optional[int] = ..., pushes_dropped_late: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., updates_applied: _Optional[int] = ..., workers_marked_dead: _Optional[int] = ..., samples_pushed: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., staleness_max: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., pulls_served: _Optional[int] = ..., clock_gap_max: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., checkpoints_failed: _Optional[int] = ..., workers_rejoined: _Optional[int] = ..., sessions_replaced: _Optional[int] = ..., sessions_taken_over: _Optional[int] = ..., requests_refused_busy: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "mode", "version", "num_params", "total_params", "num_workers", "optimizer", "lr", "counters", "live_workers", "uptime_seconds", "layout_signature", "dead_workers", "tables", "restored_from", "seeded_by_rank", "instance")
+    __slots__ = ("shard", "num_shards", "mode", "version", "num_params", "total_params", "num_workers", "optimizer", "lr", "counters", "live_workers", "uptime_seconds", "layout_signature", "dead_workers", "tables", "restored_from", "seeded_by_rank", "instance", "settings")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +372,7 @@ class StatusReply(_message.Message):
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
     SEEDED_BY_RANK_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     mode: str
@@ -348,7 +391,8 @@ class StatusReply(_message.Message):
     restored_from: str
     seeded_by_rank: int
     instance: str
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., total_params: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., live_workers: _Optional[_Iterable[int]] = ..., uptime_seconds: _Optional[float] = ..., layout_signature: _Optional[str] = ..., dead_workers: _Optional[_Iterable[int]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+    settings: TrainingSettings
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., total_params: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., live_workers: _Optional[_Iterable[int]] = ..., uptime_seconds: _Optional[float] = ..., layout_signature: _Optional[str] = ..., dead_workers: _Optional[_Iterable[int]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., instance: _Optional[str] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("rank", "session")

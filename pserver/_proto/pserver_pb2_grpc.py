@@ -89,8 +89,10 @@ class ParameterServerServicer:
         parameter layout; the shard checks all three and answers with its range of the flat
         vector, its mode, its current version and a session credential that every later
         call for this rank must carry. A rank whose session is still live (an RPC or heartbeat
-        within the shard's --step-timeout) is refused with ALREADY_EXISTS; a restarted worker
-        waits until its old session expires (or left) and then takes the rank over.
+        within the shard's --step-timeout) is refused with ALREADY_EXISTS, unless the Register
+        presents that session's credential (previous_session: a restarted worker, which kept it
+        in its session file): then the new session takes the rank over at once. Otherwise a
+        restarted worker waits until its old session expires (or left) and then takes the rank.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

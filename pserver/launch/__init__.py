@@ -15,7 +15,9 @@ Each process runs one role (pserver.launch.roles): a shard or a worker.
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
+import shlex
 
 from pserver._moved import forward
 from pserver.config import ServerConfig, WorkerConfig, check_writable
@@ -27,7 +29,7 @@ def launch(cfg: LaunchConfig, server: ServerConfig, worker: WorkerConfig) -> int
     """Run the cluster to its end on cfg.backend; the exit code (0 when every worker
     finished; the failed process's code read as launch reads it; 128+signal when stopped).
     Everything that can be checked is checked before the first process starts."""
-    from pserver.wire.security import resolve_token  # grpc: not when the CLI merely starts
+    from pserver.wire.security import resolve_token, write_token_file  # grpc: not when the CLI merely starts
     if (server.tls_cert is None) != (worker.tls_ca is None):
         raise ConfigError("--tls-ca: launch needs --tls-cert/--tls-key and --tls-ca together "
                           "(its shards serve TLS and its workers must trust them)")
@@ -38,14 +40,31 @@ def launch(cfg: LaunchConfig, server: ServerConfig, worker: WorkerConfig) -> int
         check_directory(*where)        # now, rather than as a shard's exit once it started
     from pserver.worker.loop import check_data
     check_data(worker)
-    # Our own cluster gets a fresh random token unless one is given (config or environment).
-    token = server.auth_token or worker.auth_token or resolve_token(None) or secrets.token_urlsafe(32)
-    cfg = dataclasses.replace(cfg, auth_token=token)
-    if cfg.backend == "ray":
-        from pserver.launch import ray  # Ray is imported only when asked for
-        return ray.launch(cfg, server, worker)
-    from pserver.launch import local
-    return local.launch(cfg, server, worker)
+    # Our own cluster gets a fresh random token unless one is given (config, file or environment);
+    # a generated one goes to a file only this user can read, for `pserver status --token-file`.
+    token = server.auth_token or worker.auth_token or resolve_token(None)
+    written = None
+    if token is None:
+        token = secrets.token_urlsafe(32)
+        written = write_token_file(token, f"launch-{os.getpid()}.token")
+    cfg = dataclasses.replace(cfg, auth_token=token, token_file=cfg.token_file or written,
+                              status_flags=status_flags(cfg.token_file or written, worker.tls_ca))
+    try:
+        if cfg.backend == "ray":
+            from pserver.launch import ray  # Ray is imported only when asked for
+            return ray.launch(cfg, server, worker)
+        from pserver.launch import local
+        return local.launch(cfg, server, worker)
+    finally:
+        if written is not None:
+            os.unlink(written)          # the token dies with the cluster
+
+
+def status_flags(token_file: str | None, tls_ca: str | None) -> str:
+    """What `pserver status` needs besides --ps to reach a launched cluster."""
+    how = (f" --token-file {shlex.quote(token_file)}" if token_file
+           else " (with this launch's token in PSERVER_AUTH_TOKEN)")
+    return (f" --tls-ca {shlex.quote(tls_ca)}" if tls_ca else "") + how
 
 
 __all__ = ["BACKENDS", "LaunchConfig", "launch"]

@@ -43,6 +43,8 @@ class LaunchConfig:
     device: str = "cpu"                    # cpu, or cuda[:I]: workers spread over the GPUs
     metrics_port: int | None = None        # process i (shards first) serves Prometheus metrics on this + i
     auth_token: str | None = field(default=None, repr=False)  # to the children in their environment only
+    token_file: str | None = None          # where the token is (--token-file, or the file launch wrote)
+    status_flags: str = ""                 # what `pserver status` needs besides --ps (announce prints it)
     backend: str = "local"                 # local: child processes here; ray: Ray actors (launch/ray.py)
     address: str | None = None             # ray: a running cluster's (auto, HOST:PORT); None: start one here
 
@@ -116,6 +118,8 @@ def stopped(e: Stopped) -> int:
 def announce(cfg: LaunchConfig, addresses: str) -> None:
     print(f"pserver launch: {cfg.num_shards} shard(s) at {addresses}; starting {cfg.num_workers} worker(s)",
           flush=True)
+    print(f"pserver launch: watch it from another terminal with: pserver status --ps {addresses}"
+          f"{cfg.status_flags}", flush=True)
 
 
 def report(cfg: LaunchConfig, chief_summary: str, started: float) -> None:

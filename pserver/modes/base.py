@@ -47,6 +47,11 @@ class Policy(ABC):
     def membership_changed(self) -> None:
         """A worker left or died: a step waiting for it may now be complete."""
 
+    def forget(self, rank: int) -> None:
+        """A restarted worker took `rank`'s session over (cond held): drop what the old session
+        holds for the open step, uncounted, so the new one trains that batch again. Default:
+        nothing is held (async modes apply on arrival)."""
+
     def finish(self, why: str) -> None:
         """End the run on this shard (cond held): pushes are dropped, pulls stop waiting."""
         if not self.finished:

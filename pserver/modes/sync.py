@@ -83,6 +83,17 @@ class SyncPolicy(Policy):
     def membership_changed(self) -> None:
         self.maybe_complete()
 
+    def forget(self, rank: int) -> None:
+        if rank not in self.pending:
+            return
+        self.store.pool.release(self.pending.pop(rank))
+        self.pending_samples.pop(rank)
+        self.pending_rows.pop(rank)
+        self.pending_clocks.pop(rank)          # not took(): its batch counts as not trained
+        self.store.counters.add("pushes_aggregated", -1)
+        if not self.pending:
+            self.watch.reset()
+
     def check_timeout(self) -> None:
         """Runs while pulls wait: a step that waited too long goes on without the missing."""
         if self.watch.expired():

@@ -46,11 +46,21 @@ def as_dict(msg) -> dict:
     return out
 
 
+def differing_settings(statuses) -> dict:
+    """{setting: [each shard's value]} for the training settings on which the shards differ."""
+    names = [f.name for f in statuses[0].settings.DESCRIPTOR.fields] if statuses else []
+    values = {n: [getattr(s.settings, n) for s in statuses] for n in names}
+    return {n: v for n, v in values.items() if len(set(v)) > 1}
+
+
 def show_status(statuses, as_json: bool = False) -> int:
-    """Print the shards' Status replies (PSClient.status) as a table, or as JSON."""
+    """Print the shards' Status replies (PSClient.status) as a table, or as JSON. Training
+    settings on which the shards differ (a misconfigured job) are shown per shard."""
+    differ = differing_settings(statuses)
     if as_json:
         shards = [as_dict(s) for s in statuses]
-        print(json.dumps({"shards": shards, "cluster": combine_counters(statuses)}, indent=2))
+        print(json.dumps({"shards": shards, "cluster": combine_counters(statuses),
+                          "settings_differ": differ}, indent=2))
         return 0
     table = rows(statuses)
     widths = [max(len(h), *(len(str(r[k])) for r in table)) for h, k in COLUMNS]
@@ -60,8 +70,14 @@ def show_status(statuses, as_json: bool = False) -> int:
     total = combine_counters(statuses)
     hist = total["staleness_histogram"]
     last = max((i for i, n in enumerate(hist) if n), default=-1)
+    for name, values in differ.items():
+        print(f"settings differ: --{name.replace('_', '-')}: "
+              + ", ".join(f"shard {s.shard} {v!r}" for s, v in zip(statuses, values))
+              + " (workers refuse shards that disagree)")
+    optimizer = ("differs by shard" if {"optimizer", "lr"} & differ.keys()
+                 else f"{statuses[0].optimizer} lr {statuses[0].lr:g}")
     print(f"cluster: {total['steps']} steps, {total['samples_trained']:,} samples; optimizer "
-          f"{statuses[0].optimizer} lr {statuses[0].lr:g}; staleness histogram "
+          f"{optimizer}; staleness histogram "
           f"{hist[:last + 1] if last >= 0 else '(no async pushes)'}; clock gap max {total['clock_gap_max']}")
     print_tables(statuses)
     return 0

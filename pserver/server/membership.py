@@ -27,18 +27,24 @@ class Membership:
     call for that rank must carry it, so a token holder cannot act for another worker. A
     session is live while its worker made an RPC (or heartbeat) within --step-timeout;
     `expire` marks the others dead in every mode, and only then (or after Leave) may a new
-    Register take the rank. A worker marked dead rejoins on its next push or pull.
+    Register take the rank, unless it presents the live session's credential (a restarted
+    worker's session file): then it takes the rank over at once, `on_takeover(rank)` lets the
+    policy discard what the old session held for the open step, and the old credential is
+    refused from then on with "taken over". A worker marked dead rejoins on its next push or pull.
     """
 
     def __init__(self, store: ShardStore, cfg: ServerConfig,
-                 on_change: Callable[[], None] = lambda: None) -> None:
+                 on_change: Callable[[], None] = lambda: None,
+                 on_takeover: Callable[[int], None] = lambda rank: None) -> None:
         self.store, self.cfg = store, cfg
         self.on_change = on_change             # a worker left or died (the policy's membership_changed)
+        self.on_takeover = on_takeover         # a rank's live session was taken over (the policy's forget)
         self.num_workers = cfg.num_workers   # 0 until the first Register says
         self.registered: set[int] = set()
         self.left: set[int] = set()
         self.dead: set[int] = set()
         self.sessions: dict[int, str] = {}   # rank -> its worker's credential
+        self.displaced: dict[int, set[str]] = {}  # rank -> credentials taken over (told "taken over")
         self.last_seen: dict[int, float] = {}  # rank -> time.monotonic() of its last call
 
     def check_join(self, rank: int, num_workers: int) -> None:
@@ -50,18 +56,27 @@ class Membership:
             raise FailedPrecondition(f"rank: {rank} is not a worker of this cluster "
                                      f"(ranks 0..{num_workers - 1})")
 
-    def join(self, rank: int, num_workers: int) -> str:
-        """Register `rank`; returns its new session credential. Refused while the rank's
-        session is live (checked after the layout, so a wrong model hears that first)."""
+    def join(self, rank: int, num_workers: int, previous: str = "") -> tuple[str, bool]:
+        """Register `rank`; returns (its new session credential, whether it took a live session
+        over). Refused while the rank's session is live, unless `previous` is that session's
+        credential (checked after the layout, so a wrong model hears that first)."""
         self.check_join(rank, num_workers)
-        if self.session_live(rank):
+        took_over = bool(previous) and rank in self.sessions and rank not in self.left and \
+            hmac.compare_digest(previous.encode(), self.sessions[rank].encode())
+        if self.session_live(rank) and not took_over:
             ago = time.monotonic() - self.last_seen[rank]
             raise AlreadyExists(
                 f"rank: worker {rank} is already registered with shard {self.store.shard} and its "
                 f"session is live (last seen {ago:.1f} s ago; it expires after "
                 f"{self.cfg.step_timeout:g} s without a call, --step-timeout)")
         self.num_workers = num_workers
-        if rank in self.sessions:
+        if took_over:
+            self.displaced.setdefault(rank, set()).add(self.sessions[rank])
+            self.store.counters.add("sessions_taken_over")
+            log.info("shard %d: worker %d registered again with its previous session's credential and "
+                     "takes the rank over at once", self.store.shard, rank)
+            self.on_takeover(rank)
+        elif rank in self.sessions:
             why = "left" if rank in self.left else "expired"
             self.store.counters.add("sessions_replaced")
             log.info("shard %d: worker %d registered again (its previous session %s)",
@@ -72,7 +87,7 @@ class Membership:
         self.touch(rank)
         self.revive(rank, "registered again")
         self.store.cond.notify_all()
-        return self.sessions[rank]
+        return self.sessions[rank], took_over
 
     def session_live(self, rank: int) -> bool:
         return (rank in self.sessions and rank not in self.left
@@ -87,6 +102,11 @@ class Membership:
         dead back (docs/semantics.md, "Dead workers")."""
         self.check_member(rank)
         if session is not None and not hmac.compare_digest(session.encode(), self.sessions[rank].encode()):
+            given = session.encode()
+            if any(hmac.compare_digest(given, old.encode()) for old in self.displaced.get(rank, ())):
+                raise Unauthenticated(
+                    f"session: rank {rank} was taken over by a restarted process of the same worker "
+                    f"(it registered with this session's credential); this process must stop")
             raise Unauthenticated(
                 f"session: the call for worker {rank} does not carry that worker's session "
                 f"credential (from its Register; another process may have registered as rank {rank})")

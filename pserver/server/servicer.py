@@ -98,10 +98,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                            [codec.table_config(t) for t in request.tables])
         reg = self.shard.register(request.rank, request.num_workers, request.shard,
                                   request.num_shards, layout, request.protocol_version,
-                                  request.data_seed, request.steps_per_epoch)
+                                  request.data_seed, request.steps_per_epoch, request.previous_session)
         fields = dict(reg.__dict__)
         position = fields.pop("position")
-        return pb.RegisterReply(**fields,
+        return pb.RegisterReply(**fields | {"settings": pb.TrainingSettings(**fields["settings"])},
                                 position=pb.TrainingPosition(**position._asdict()) if position else None)
 
     def _stream(self, request_iterator, context, call):
@@ -166,7 +166,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def Status(self, request, context):
         st = self.shard.status()
         return pb.StatusReply(counters=pb.Counters(**st.pop("counters")),
-                              tables=[pb.TableStatus(**t) for t in st.pop("tables")], **st)
+                              tables=[pb.TableStatus(**t) for t in st.pop("tables")],
+                              settings=pb.TrainingSettings(**st.pop("settings")), **st)
 
     @_status
     def Checkpoint(self, request, context):

@@ -96,6 +96,9 @@ class Registration:
     restored_from: str = ""           # the checkpoint the shard resumed from at start
     seeded_by_rank: int = -1          # the rank whose Init supplied the values, -1 if none
     position: Position | None = None  # the rank's recorded position; None when there is none
+    settings: dict | None = None      # ServerConfig.training_settings: compared across shards
+    instance: str = ""                # this shard process's random id
+    took_over: bool = False           # the Register took the rank's live session over
 
 
 def available_memory() -> int:
@@ -114,7 +117,8 @@ class Shard:
     def __init__(self, cfg: ServerConfig, open_now: bool = True) -> None:
         self.cfg = cfg
         self.store = ShardStore(cfg.shard, cfg.num_shards, self._optimizer_for, cfg.table_threads)
-        self.members = Membership(self.store, cfg, on_change=lambda: self.policy.membership_changed())
+        self.members = Membership(self.store, cfg, on_change=lambda: self.policy.membership_changed(),
+                                  on_takeover=lambda rank: self.policy.forget(rank))
         self.policy = make_policy(self.store, cfg, self.members)
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
@@ -192,7 +196,9 @@ class Shard:
 
     def register(self, rank: int, num_workers: int, shard: int, num_shards: int,
                  layout: Layout, protocol_version: int = PROTOCOL_VERSION, data_seed: int = 0,
-                 steps_per_epoch: int = 0) -> Registration:
+                 steps_per_epoch: int = 0, previous_session: str = "") -> Registration:
+        """Join `rank` (Membership.join); `previous_session`: the credential the worker held
+        before it restarted, with which it takes its live session over at once."""
         if protocol_version != PROTOCOL_VERSION:
             raise FailedPrecondition(
                 f"protocol_version: the worker speaks wire protocol {protocol_version} and this "
@@ -212,13 +218,15 @@ class Shard:
             if not s.signature:
                 self._check_memory(end - start)
             s.configure(layout.signature(), total, start, end, layout.tables)
-            session = self.members.join(rank, num_workers)
+            session, took_over = self.members.join(rank, num_workers, previous_session)
             return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,
                                 s.signature, self.cfg.optimizer, self.cfg.lr,
                                 self.dataplane.address if self.dataplane else "", host_id(),
                                 session, self.cfg.step_timeout, restored_from=s.restored_from,
                                 seeded_by_rank=self.seeded_by,
-                                position=s.position_of(rank, data_seed, steps_per_epoch))
+                                position=s.position_of(rank, data_seed, steps_per_epoch),
+                                settings=self.cfg.training_settings(self.members.num_workers),
+                                instance=self.instance, took_over=took_over)
 
     def _check_memory(self, size: int) -> None:
         """RESOURCE_EXHAUSTED, before allocating, when the shard's range cannot fit."""
@@ -440,6 +448,7 @@ class Shard:
                         uptime_seconds=time.monotonic() - self.started,
                         layout_signature=s.signature, restored_from=s.restored_from,
                         seeded_by_rank=self.seeded_by, instance=self.instance,
+                        settings=self.cfg.training_settings(p.num_workers),
                         tables=[dict(name=n, dim=t.config.dim, optimizer=t.config.optimizer, **t.stats())
                                 for n, t in s.tables.items()])
 

@@ -93,7 +93,7 @@ class Counters:
     FIELDS = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late",
               "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed",
               "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed",
-              "workers_rejoined", "sessions_replaced", "requests_refused_busy",
+              "workers_rejoined", "sessions_replaced", "sessions_taken_over", "requests_refused_busy",
               "rows_pulled", "rows_pushed")
 
     def __init__(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import hmac
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -30,12 +31,82 @@ MAX_PEM = 1 << 20           # a certificate chain or key file larger than 1 MiB 
 
 
 # --- the token ------------------------------------------------------------------------
-def resolve_token(flag_value: str | None, flag: str = "--auth-token") -> str | None:
-    """The token from the flag, else from PSERVER_AUTH_TOKEN (empty means unset), checked."""
+def resolve_token(flag_value: str | None, flag: str = "--auth-token",
+                  token_file: str | None = None) -> str | None:
+    """The token from the flag, else from --token-file, else from PSERVER_AUTH_TOKEN (empty
+    means unset), checked."""
+    if flag_value is not None and token_file is not None:
+        raise ConfigError(f"{flag} and --token-file: give the token one way, not both")
     if flag_value is not None:
         return check_token(flag_value, flag)
+    if token_file is not None:
+        return read_token_file(token_file)
     env = os.environ.get(TOKEN_ENV)
     return check_token(env, TOKEN_ENV) if env else None
+
+
+def state_dir() -> str:
+    """pserver's per-user state: $XDG_STATE_HOME/pserver (default ~/.local/state/pserver)."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "pserver")
+
+
+def check_private(path: str, mode_bits: int, what: str, flag: str) -> None:
+    """Refuse (ConfigError naming `flag`) a file or directory that is not this user's own or
+    that others may read or change: ssh's rule for its keys."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot read {path} ({e.strerror or e})") from None
+    kind = stat.S_ISDIR if what == "directory" else stat.S_ISREG
+    if not kind(st.st_mode):
+        raise ConfigError(f"{flag}: {path} is not a {what}")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"{flag}: {path} belongs to user id {st.st_uid}, not to this user "
+                          f"({os.geteuid()}); it must be your own")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise ConfigError(f"{flag}: {path} has mode {stat.S_IMODE(st.st_mode):04o}: others may read or "
+                          f"change it; it must be {mode_bits:04o} (chmod {mode_bits:o} {path})")
+
+
+def private_dir(path: str, flag: str) -> str:
+    """`path` made (mode 0700) if missing, and checked private; returns it."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot create {path} ({e.strerror or e})") from None
+    check_private(path, 0o700, "directory", flag)
+    return path
+
+
+def read_token_file(path: str) -> str:
+    """The token in `path` (one line; a final newline is not part of it), from a file only
+    this user may read."""
+    check_private(path, 0o600, "file", "--token-file")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN + 3)
+    except OSError as e:
+        raise ConfigError(f"--token-file: cannot read {path} ({e.strerror or e})") from None
+    text = raw.decode("ascii", errors="replace")
+    return check_token(text[:-2] if text.endswith("\r\n") else text.rstrip("\n"), f"--token-file {path}")
+
+
+def write_token_file(token: str, name: str) -> str:
+    """Write `token` to a new file of mode 0600 in a directory of mode 0700 (under
+    $XDG_RUNTIME_DIR when set, a per-user directory that goes with the session, else in
+    state_dir()/tokens); returns its path."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    where = os.path.join(runtime, "pserver") if runtime else os.path.join(state_dir(), "tokens")
+    directory = private_dir(where, "--token-file")
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+    except OSError as e:
+        raise ConfigError(f"--token-file: cannot write {path} ({e.strerror or e})") from None
+    return path
 
 
 def check_token(token: str, where: str) -> str:

@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import threading
 import time
@@ -24,6 +25,7 @@ from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import (
     AlreadyExists,
+    ConfigError,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -37,6 +39,7 @@ from pserver.wire import codec, frames
 from pserver.wire import compress as codecs
 from pserver.wire.security import ClientSecurity
 from pserver.worker import compress, dataplane
+from pserver.worker.sessions import NONE, SessionFile
 
 T = TypeVar("T")
 # gRPC's own reconnect backoff starts at 1 s and grows to 2 min; a restarted shard should
@@ -70,6 +73,9 @@ class ShardInfo:
     restored_from: str = ""     # the checkpoint the shard resumed from at start
     seeded_by_rank: int = -1    # the rank whose Init supplied its values
     position: codec.Position | None = None   # where this rank stood, as the shard recorded it
+    settings: dict | None = None  # pb.TrainingSettings as a dict: what the shard was started with
+    instance: str = ""          # the shard process's random id
+    took_over: bool = False     # this Register took the rank's live session over (session file)
 
 
 class ShardClient:
@@ -112,6 +118,9 @@ class ShardClient:
         self.last_flat: np.ndarray | None = None  # where pulls land: weights to re-seed a shard
         self.reset_seen = False                   # after a rejoin, pull what the shard has
         self.session = ""                         # our credential from Register
+        self.previous = ""                        # the credential the session file kept, for the
+                                                  # first Register only (a takeover at once)
+        self.on_register: Callable[[], None] | None = None   # after a rejoin: keep the new session
         self.session_timeout = 0.0                # the shard expires a silent session after this
         self.down_since: float | None = None      # when the shard stopped answering
         self.down_told = 0.0                      # when we last said so
@@ -239,7 +248,8 @@ class ShardClient:
         deadline, told = time.monotonic() + timeout, -WAIT_NOTICE_EVERY
         while True:
             try:
-                return self.resilient(lambda: self._register_once(*self._joined), timeout)
+                return self.resilient(lambda: self._register_once(*self._joined, previous=self.previous),
+                                      timeout)
             except AlreadyExists as e:
                 now = time.monotonic()
                 if now > deadline:
@@ -250,9 +260,12 @@ class ShardClient:
                 time.sleep(0.5)
 
     def _register_once(self, rank, num_workers, num_shards, layout, batch_size, timeout,
-                       data_order=(0, 0)) -> ShardInfo:
+                       data_order=(0, 0), previous: str = "") -> ShardInfo:
+        """One Register. `previous`: the session file's credential, presented by the first
+        Register only: a rejoin (a shard that restarted, a network blip) never presents one, or
+        it would take over its own live session and lose the gradient that session holds."""
         req = pb.RegisterRequest(rank=rank, num_workers=num_workers, shard=self.index,
-                                 num_shards=num_shards, batch_size=batch_size,
+                                 num_shards=num_shards, batch_size=batch_size, previous_session=previous,
                                  data_seed=data_order[0], steps_per_epoch=data_order[1],
                                  protocol_version=codec.PROTOCOL_VERSION,
                                  layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors],
@@ -260,8 +273,12 @@ class ShardClient:
         r = self.call(self.stub.Register, req, timeout=timeout)
         self.info = ShardInfo(r.mode, r.version, r.initialized, r.range_start, r.range_end,
                               r.total_params, r.layout_signature, r.optimizer, r.lr, r.dataplane, r.host_id,
-                              r.restored_from, r.seeded_by_rank, codec.Position.of(r))
+                              r.restored_from, r.seeded_by_rank, codec.Position.of(r),
+                              settings_of(r.settings), r.instance, r.took_over)
         self.session, self.session_timeout = r.session, r.session_timeout_seconds
+        self.previous = ""
+        if self.on_register is not None:
+            self.on_register()
         if self.data_plane == "auto" and self.fast is None:
             self.fast = dataplane.connect(r.dataplane, r.host_id, rank, self.index,
                                           r.range_end - r.range_start, self.label, self.security.token,
@@ -416,6 +433,41 @@ class ShardClient:
         self.channel.close()
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc), None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def settings_of(msg: pb.TrainingSettings) -> dict:
+    """A TrainingSettings message as {setting: value}, every field (defaults included)."""
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+
+
+def disagreement(labels: Sequence[str], settings: Sequence[dict | None]) -> str:
+    """"" when every shard reports the same training settings, else one line naming the first
+    setting that differs, the shards and both values."""
+    known = [(label, s) for label, s in zip(labels, settings) if s is not None]
+    if len(known) < 2:
+        return ""
+    (first, ref), others = known[0], known[1:]
+    for name in ref:
+        for label, s in others:
+            if s.get(name) != ref[name]:
+                flag = "--" + name.replace("_", "-")
+                return (f"the shards disagree on {flag}: {first} has {ref[name]!r} and {label} has "
+                        f"{s.get(name)!r}; every shard of one job must be started with the same "
+                        f"training settings (mode, optimizer and its hyper-parameters, schedule, "
+                        f"step timeout, workers)")
+    return ""
+
+
 def restart_note(info: ShardInfo, seeded: bool | None) -> str:
     """What a restarted shard had when this worker joined it again; `seeded`: whether this
     worker's Init gave it the values (None: it did not try, the shard had values)."""
@@ -440,8 +492,14 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], rank: int = 0, num_workers: int = 1,
                  chunk_bytes: int = codec.CHUNK_BYTES, rpc_deadline: float = 300.0,
                  data_plane: str = "auto", security: ClientSecurity = ClientSecurity(),
-                 compression: str = "none", pull_compression: str = "none") -> None:
+                 compression: str = "none", pull_compression: str = "none",
+                 session_dir: str | None = NONE) -> None:
+        """`session_dir`: where this worker keeps its session file (worker/sessions.py; None:
+        the default directory; "none", the default here: no file)."""
         self.rank, self.num_workers, self.rpc_deadline = rank, num_workers, rpc_deadline
+        self.session_file = SessionFile(session_dir, addresses, rank)
+        self._file_lock = threading.Lock()
+        self.took_over_at: float | None = None   # set by a takeover until the first push is told
         self.compression = codecs.parse(compression)
         self.pull_compression = codecs.parse_pull(pull_compression)
         self.feedback: compress.ErrorFeedback | None = None   # made at register, sized by the layout
@@ -479,14 +537,35 @@ class PSClient:
         this rank's position, which each ShardInfo returns (docs/semantics.md, "Resuming")."""
         # versions stay "none seen": the first pull takes whatever is current, which for
         # a restarted worker is the version the others have reached.
+        kept = self.session_file.load()        # a file others may read is refused here
+        for s in self.shards:
+            s.previous = kept.get(s.address, "")
         infos = self.each(lambda s: s.register(self.rank, self.num_workers, len(self.shards),
                                                layout, batch_size, self.rpc_deadline, data_order))
+        why = disagreement([s.label for s in self.shards], [i.settings for i in infos])
+        if why:
+            self.leave_on_stop()               # free the rank at once: nothing was trained
+            raise ConfigError(why)
+        self._keep_sessions()
+        for s in self.shards:
+            s.on_register = self._keep_sessions     # a rejoin gets a new credential: keep it too
+        taken = sum(i.took_over for i in infos)
+        if taken:
+            self.took_over_at = process_age()
+            print(f"worker {self.rank}: took its rank back at once on {taken} of {len(infos)} shard(s) with "
+                  f"the session kept in {self.session_file.path} (the previous process's gradient for "
+                  f"the open step is discarded; this one trains that batch again)", flush=True)
         if self.compression.name != "none" and self.feedback is None:
             self.feedback = compress.ErrorFeedback(self.compression, infos[0].total)
         if self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._beat, name="ps-heartbeat", daemon=True)
             self._heartbeat.start()
         return infos
+
+    def _keep_sessions(self) -> None:
+        with self._file_lock:
+            self.session_file.save([(s.address, s.info.instance if s.info else "", s.session)
+                                    for s in self.shards])
 
     def _beat(self) -> None:
         """Keep this worker's sessions live while it computes or evaluates: a shard expires a
@@ -571,6 +650,7 @@ class PSClient:
         replies = self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
                                              self.rpc_deadline, rows[s.index], self._packed(grad, s)))
         self.finished |= any(f for _, _, f in replies)
+        self._first_push_done()
         return [(o, v) for o, v, _ in replies]
 
     def push_pull(self, grad: np.ndarray, flat: np.ndarray, num_samples: int, clock: int = 0,
@@ -586,7 +666,17 @@ class PSClient:
                                                   self._packed(grad, s)))
         self.versions = [v for _, v, _ in replies]
         self.finished |= any(f for _, _, f in replies)
+        self._first_push_done()
         return [o for o, _, _ in replies]
+
+    def _first_push_done(self) -> None:
+        """After a takeover, say once how long the restart took to its first push taken in."""
+        if self.took_over_at is not None:
+            age = process_age()
+            print(f"worker {self.rank}: first push after the takeover taken in "
+                  f"{age:.1f} s after this process started" if age is not None else
+                  f"worker {self.rank}: first push after the takeover taken in", flush=True)
+            self.took_over_at = None
 
     def _rows(self, lookups: Sequence[sparse.TableLookup], tables: Sequence[str]) -> list[list]:
         """Per shard: (table, unique ids it holds, their gradients) for each lookup."""
@@ -604,6 +694,7 @@ class PSClient:
     def leave(self) -> None:
         self._stop.set()
         self.each(lambda s: s.leave(self.rank, 10.0))
+        self.session_file.remove({s.address: s.session for s in self.shards})
 
     def leave_on_stop(self, timeout: float = LEAVE_ON_STOP_S) -> None:
         """Leave every shard on the way out of a stopped run, so that no step waits
@@ -616,6 +707,7 @@ class PSClient:
                     s.leave(self.rank, timeout)
                 except PServerError:
                     pass
+        self.session_file.remove({s.address: s.session for s in self.shards})
 
     def checkpoint(self) -> list[tuple[str, int]]:
         """Ask every shard to write a checkpoint now; ("", version) where it keeps none."""

@@ -191,7 +191,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
     report = TrainingReport(cfg)            # a busy --metrics-port fails here, before any call
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca), compression=cfg.compress,
-                      pull_compression=cfg.pull_compress)
+                      pull_compression=cfg.pull_compress, session_dir=cfg.session_dir)
     try:
         client.connect(cfg.connect_timeout)
         steps = ds.steps(cfg.num_workers, cfg.batch_size)

@@ -169,3 +169,33 @@ def test_a_tf_config_evaluator_task_is_refused():
         r = run(cmd, env={"TF_CONFIG": tf})
         assert r.returncode == 2
         one_clear_line(r, "TF_CONFIG: task.type 'evaluator' is not supported")
+
+
+def test_shards_that_disagree_are_refused_by_the_worker_and_shown_by_status(procs):
+    """Shard 0 sync/adam 0.001 and shard 1 async/sgd 0.5: the worker trained, exited 0 and said
+    "sync, adam 0.001" everywhere."""
+    a = procs("serve", "--port", "0", "--shard", "0", "--num-shards", "2", "--mode", "sync",
+              "--optimizer", "adam", "--lr", "0.001")
+    b = procs("serve", "--port", "0", "--shard", "1", "--num-shards", "2", "--mode", "sync",
+              "--optimizer", "sgd", "--lr", "0.5")
+    ps = f"{a.address()},{b.address()}"
+    r = run("worker", "--ps", ps, "--num-workers", "1", *LOGREG)
+    one_clear_line(r, "the shards disagree on --optimizer", f"shard 0 at {a.address()} has 'adam'",
+                   f"shard 1 at {b.address()} has 'sgd'")
+    assert r.returncode == 2 and "epoch" not in r.stdout
+    shown = run("status", "--ps", ps)
+    assert shown.returncode == 0, shown.stderr
+    assert "settings differ: --optimizer: shard 0 'adam', shard 1 'sgd'" in shown.stdout
+    assert "settings differ: --lr: shard 0 0.001, shard 1 0.5" in shown.stdout
+    assert "--mode" not in shown.stdout and "optimizer differs by shard" in shown.stdout
+    # The refusal left nothing behind: the worker's rank is free at once, nothing was trained.
+    assert all(s.version < 1 for s in status_of(ps))
+
+
+def status_of(ps: str):
+    from pserver.worker.client import PSClient
+    client = PSClient(ps.split(","))
+    try:
+        return client.status(5.0)
+    finally:
+        client.close()

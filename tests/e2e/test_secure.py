@@ -3,6 +3,9 @@ and `pserver launch` never puts its token on a command line."""
 
 from __future__ import annotations
 
+import os
+import shlex
+import stat
 import subprocess
 
 import pytest
@@ -11,7 +14,7 @@ from pserver import cli
 from pserver.launch import local as launch_module
 from pserver.wire.security import TOKEN_ENV
 from tests.certs import make_certs
-from tests.e2e.conftest import LOGREG, read_json, run
+from tests.e2e.conftest import LOGREG, read_json, run, wait_until
 from tests.e2e.test_cli_errors import one_clear_line
 
 pytestmark = pytest.mark.e2e
@@ -91,3 +94,26 @@ def test_launch_generates_a_token_and_passes_it_only_in_the_environment(monkeypa
     assert token not in out.out + out.err
     assert "(token required)" in out.out
     assert read_json(summary)["test_accuracy"] >= 0.85
+
+
+def test_launch_prints_a_status_command_that_works_and_its_token_file_dies_with_the_cluster(procs, tmp_path):
+    """`pserver status` on a launched cluster failed with an authentication error: launch made
+    a random token and never said where it was."""
+    env = {TOKEN_ENV: "", "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    launch = procs("launch", "--ps", "2", "--workers", "1", "--model", "logreg", "--samples", "20000",
+                   "--features", "20", "--batch-size", "16", "--epochs", "1", "--delay", "fixed:0.01",
+                   env=env)
+    assert wait_until(lambda: "watch it from another terminal with: pserver status" in launch.output, 60), \
+        launch.output
+    line = next(ln for ln in launch.lines if "watch it from another terminal" in ln)
+    command = shlex.split(line.split("with: pserver ", 1)[1])
+    path = command[command.index("--token-file") + 1]
+    assert path.startswith(str(tmp_path / "run" / "pserver")) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    shown = run(*command, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "cluster:" in shown.stdout and "settings differ" not in shown.stdout
+    refused = run(*command[:command.index("--token-file")], env=env)       # the same without the file
+    assert refused.returncode != 0 and "token" in refused.stderr
+    assert launch.wait(180) == 0, launch.output
+    assert not os.path.exists(path)                       # the token dies with the cluster
+    assert sum("watch it from another terminal" in ln for ln in launch.lines) == 1

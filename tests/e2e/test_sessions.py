@@ -4,12 +4,13 @@ workers" and "Security")."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
 import pytest
 
-from tests.e2e.conftest import read_json
+from tests.e2e.conftest import read_json, wait_until
 from tests.e2e.test_dead_worker import wait_for_steps
 
 pytestmark = pytest.mark.e2e
@@ -60,9 +61,10 @@ def test_a_killed_chief_does_not_stop_the_others_and_they_say_it_is_gone(procs, 
         assert "the chief (rank 0) is gone" in last, w.output
 
 
-def test_a_restarted_chief_waits_for_its_old_session_then_rejoins_and_writes_the_summary(procs, tmp_path):
+def test_a_restarted_chief_without_a_session_file_waits_for_its_old_session_then_rejoins(procs, tmp_path):
     # A session that outlives the restart of the process (20 s, on a busy machine too).
-    train = [*TRAIN[:TRAIN.index("--epochs")], "--epochs", "5", *TRAIN[TRAIN.index("--epochs") + 2:]]
+    train = [*TRAIN[:TRAIN.index("--epochs")], "--epochs", "5", *TRAIN[TRAIN.index("--epochs") + 2:],
+             "--session-dir", "none"]
     shard, addr, workers, summary = cluster(procs, tmp_path, "backup", extra=("--backup-workers", "1"),
                                             step_timeout="20", train=train)
     wait_for_steps(workers[0], 3)
@@ -83,7 +85,7 @@ def test_a_second_worker_with_a_live_rank_is_refused_and_waits(procs, tmp_path):
     shard, addr, workers, summary = cluster(procs, tmp_path, "sync", n=2)
     wait_for_steps(workers[0], 2)
     twin = procs("worker", "--ps", addr, "--rank", "0", "--num-workers", "2", *TRAIN[:-2],
-                 "--rpc-deadline", "3")
+                 "--rpc-deadline", "3", "--session-dir", "none")   # no credential: no takeover
     assert twin.wait(60) != 0
     assert "already registered" in twin.output and "waiting for that session to expire" in twin.output
     assert not any("epoch " in ln or "loss" in ln for ln in twin.lines), twin.output
@@ -106,3 +108,55 @@ def test_a_stopped_worker_is_marked_dead_and_rejoins_when_it_continues(procs, tm
     assert "worker 2 pushed or pulled again and rejoins" in shard.output, shard.output
     s = read_json(summary)
     assert s["workers_marked_dead"] >= 1 and s["test_accuracy"] >= 0.85
+
+
+def shard_version(addr: str) -> int:
+    from pserver.worker.client import PSClient
+    client = PSClient([addr])
+    try:
+        return client.status(5.0)[0].version
+    finally:
+        client.close()
+
+
+def wait_for_version(addr: str, n: int, timeout: float = 60) -> None:
+    assert wait_until(lambda: shard_version(addr) >= n, timeout), f"the shard never reached version {n}"
+
+
+def test_a_worker_restarted_after_kill_9_takes_its_rank_back_at_once(procs, tmp_path):
+    """The minute of silence: a sync job with --step-timeout 60 stalled about 61 s when a
+    killed worker was restarted with the same command, waiting for its own old session."""
+    shard, addr, workers, summary = cluster(procs, tmp_path, "sync", n=2, step_timeout="60")
+    wait_for_version(addr, 5)
+    workers[1].popen.send_signal(signal.SIGKILL)
+    workers[1].wait()
+    killed = time.monotonic()
+    again = start_worker(procs, addr, 1, 2, summary)          # the same command
+    assert again.wait(120) == 0 and workers[0].wait(120) == 0, again.output + workers[0].output
+    assert time.monotonic() - killed < 40, "the restart waited for the old session (--step-timeout 60)"
+    assert "took its rank back at once on 1 of 1 shard(s)" in again.output, again.output
+    assert "waiting for that session to expire" not in again.output
+    first = re.search(r"first push after the takeover taken in (\d+\.\d) s after this process started",
+                      again.output)
+    assert first, again.output
+    assert "takes the rank over at once" in shard.output and "marked worker" not in shard.output
+    s = read_json(summary)
+    assert s["workers_marked_dead"] == 0 and s["test_accuracy"] >= 0.85
+
+
+def test_a_displaced_worker_that_wakes_up_is_told_it_was_taken_over_and_stops(procs, tmp_path):
+    """SIGSTOP a worker, start its rank again (it takes the rank over), SIGCONT the old one: its
+    next call is refused with "taken over" and it exits at once without retrying."""
+    shard, addr, workers, summary = cluster(procs, tmp_path, "sync", n=2, step_timeout="60")
+    wait_for_version(addr, 5)
+    workers[1].popen.send_signal(signal.SIGSTOP)
+    again = start_worker(procs, addr, 1, 2, summary)
+    assert wait_until(lambda: "took its rank back at once" in again.output, 60), again.output
+    workers[1].popen.send_signal(signal.SIGCONT)
+    woke = time.monotonic()
+    assert workers[1].wait(60) == 1, workers[1].output
+    assert time.monotonic() - woke < 20
+    assert "rank 1 was taken over by a restarted process" in workers[1].output, workers[1].output
+    assert "retrying" not in workers[1].output
+    assert again.wait(120) == 0 and workers[0].wait(120) == 0, again.output + workers[0].output
+    assert read_json(summary)["test_accuracy"] >= 0.85
