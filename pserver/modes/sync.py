@@ -66,15 +66,13 @@ class SyncPolicy(Policy):
             self.complete()
 
     def complete(self) -> None:
-        """Apply the rank-ordered mean of the pending gradients (cond held)."""
+        """Apply the pending gradients' mean, each weighted by the samples its push carried,
+        summed in rank order (ShardStore.apply); cond held."""
         ranks = sorted(self.pending)
-        acc = self.pending[ranks[0]]         # sum in place into the lowest rank's buffer
-        for r in ranks[1:]:
-            acc += self.pending[r]
-        if len(ranks) > 1:
-            acc *= np.float32(1.0 / len(ranks))
-        self.store.apply(acc, [p for r in ranks for p in self.pending_rows.pop(r)], len(ranks))
-        self.store.counters.add("samples_pushed", sum(self.pending_samples.pop(r) for r in ranks))
+        counts = [self.pending_samples.pop(r) for r in ranks]
+        rows = [(p, n) for r, n in zip(ranks, counts) for p in self.pending_rows.pop(r)]
+        self.store.apply([self.pending[r] for r in ranks], counts, rows)
+        self.store.counters.add("samples_pushed", sum(counts))
         for r in ranks:
             self.store.pool.release(self.pending.pop(r))
             self.store.took(r, self.pending_clocks.pop(r))
