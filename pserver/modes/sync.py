@@ -1,8 +1,10 @@
-"""sync: one update per step, the rank-ordered mean of every live worker's gradient.
+"""sync: one update per step, the rank-ordered, sample-weighted mean of every live worker's gradient.
 
-w(t+1) = opt(w(t), mean of the gradients pushed for step t), summed in rank order so the
-result does not depend on arrival order: N workers on batches b1..bN give the weights one
-process would get on their concatenation. A push for any step but t is rejected; a pull
+w(t+1) = opt(w(t), sum(n_i g_i) / sum(n_i) over the pushes for step t), n_i the samples push
+i carries, summed in rank order so the result does not depend on arrival order: N workers on
+batches b1..bN of any sizes give the weights one process would get on their concatenation
+(equal batches: the sum times 1/N, as unweighted). A sparse row's denominator is the step's
+samples, touched or not (ShardStore.apply). A push for any step but t is rejected; a pull
 waits until the version after the one the worker has seen exists.
 """
 
