@@ -118,8 +118,8 @@ def test_a_bad_codec_names_the_flag_and_value(text):
 def compressed_push(address, session, mutate):
     g = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
     packed = compress.encode(compress.parse(mutate[0]), g)
-    h = pb.TensorHeader(rank=0, shard=0, step=0, session=session, compression=packed.compression,
-                        num_values=packed.num_values, scale=packed.scale)
+    h = pb.TensorHeader(rank=0, shard=0, step=0, num_samples=1, session=session,
+                        compression=packed.compression, num_values=packed.num_values, scale=packed.scale)
     mutate[1](h, packed.arrays)
     return raw_push(address, list(codec.encode_parts(h, packed.arrays, 64, LAYOUT.total)))
 

@@ -459,3 +459,15 @@ def test_uint8_npz_features_are_scaled_to_unit_range_unless_told_not_to(tmp_path
     np.testing.assert_array_equal(raw.x_test, x[:5].astype(np.float32))
     with pytest.raises(ConfigError, match="--scale-uint8: 'always'"):
         load_dataset(path, scale_uint8="always")
+
+
+def test_a_stream_refuses_an_empty_batch_by_its_index():
+    """Each push weighs its gradient by the samples behind it, and the shards refuse a push of
+    none: an empty batch from the user's generator is named here, not as a refused push."""
+    from pserver.data import Stream
+    one = (np.ones((2, 3), np.float32), np.zeros(2, np.int32))
+    empty = (np.ones((0, 3), np.float32), np.zeros(0, np.int32))
+    batches = Stream("mine", [one, empty]).epoch(0, 1, 2, 0, 0)
+    assert next(batches)[0].shape == (2, 3)
+    with pytest.raises(DataError, match="mine: batch 1 is empty; a step trains on at least one sample"):
+        next(batches)

@@ -461,13 +461,14 @@ def test_limits_refuse_the_first_call_past_each_bound():
 def test_sync_replies_pull_deadlines_and_request_checks():
     """Fails for an aggregated push answered with a message, a sync pull that ignores its
     deadline, a heartbeat that revives a worker marked dead (only a push or pull does),
-    a seen_version ahead of version 0 accepted, num_samples = 0 refused, or a layout with
-    an empty tensor refused."""
+    a seen_version ahead of version 0 accepted, num_samples = 1 refused, 0 or -1 accepted, or a
+    layout with an empty tensor refused."""
     shard = one_shard(4, 2, mode="sync", optimizer="sgd", lr=1.0)
-    outcome, _, message, _ = shard.push(0, 0, 0, 4, "float32", 0, 0, fill_with(ONES))
+    outcome, _, message, _ = shard.push(0, 0, 0, 4, "float32", 1, 0, fill_with(ONES))
     assert (outcome, message) == (Outcome.AGGREGATED, "")
-    with pytest.raises(InvalidArgument, match="num_samples: must be >= 0, got -1"):
-        shard.push(1, 0, 0, 4, "float32", -1, 0, fill_with(ONES))
+    for samples in (0, -1):
+        with pytest.raises(InvalidArgument, match=f"num_samples: {samples} for a push that carries a grad"):
+            shard.push(1, 0, 0, 4, "float32", samples, 0, fill_with(ONES))
     with pytest.raises(DeadlineExceeded):
         shard.pull(0, 0, 0, 1, timeout=0.3)            # worker 1 has not pushed
     with pytest.raises(FailedPrecondition, match="seen_version: 1 is ahead"):

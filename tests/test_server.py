@@ -61,13 +61,14 @@ def test_push_and_pull_round_trip(shard_server, plane):
     (lambda h, g: setattr(h, "step", 7), "FAILED_PRECONDITION", "step"),
     (lambda h, g: setattr(h, "rank", 4), "FAILED_PRECONDITION", "rank"),
     (lambda h, g: setattr(h, "shard", 2), "FAILED_PRECONDITION", "shard"),
+    (lambda h, g: setattr(h, "num_samples", 0), "INVALID_ARGUMENT", "num_samples: 0 for a push that carries"),
 ])
 def test_bad_push_gets_its_status_code_and_names_the_field(shard_server, mutate, code, field):
     addr, shard = shard_server()
     c = ready_client(addr)
     before = shard.store.params.copy()
     g = np.ones(33, np.float32)
-    h = pb.TensorHeader(rank=0, shard=0, step=0, session=c.shards[0].session)
+    h = pb.TensorHeader(rank=0, shard=0, step=0, num_samples=1, session=c.shards[0].session)
     msgs = list(codec.encode(h, g, 64))
     mutate(msgs[0].header, g)
     if np.isnan(g).any():
@@ -84,9 +85,9 @@ def test_bad_push_gets_its_status_code_and_names_the_field(shard_server, mutate,
 @pytest.mark.parametrize("chunks, words", [
     ([], "empty"),
     ([pb.TensorChunk(data=b"1234")], "no header"),
-    ([pb.TensorChunk(header=pb.TensorHeader(num_elements=33, dtype="float32")),
+    ([pb.TensorChunk(header=pb.TensorHeader(num_elements=33, dtype="float32", num_samples=1)),
       pb.TensorChunk(data=b"\0" * 100)], "truncated"),
-    ([pb.TensorChunk(header=pb.TensorHeader(num_elements=33, dtype="float32")),
+    ([pb.TensorChunk(header=pb.TensorHeader(num_elements=33, dtype="float32", num_samples=1)),
       pb.TensorChunk(data=b"\0" * 200)], "more than"),
 ])
 def test_malformed_streams_are_invalid_argument(shard_server, chunks, words):

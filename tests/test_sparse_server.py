@@ -57,9 +57,9 @@ def lookup_with_grads(ids, grads) -> TableLookup:
     return lk
 
 
-def push(c: PSClient, lk: TableLookup, dense=None):
+def push(c: PSClient, lk: TableLookup, dense=None, num_samples=1):
     dense = np.zeros(LAYOUT.total, np.float32) if dense is None else dense
-    return c.push(dense, num_samples=1, lookups=[lk], tables=["emb"])
+    return c.push(dense, num_samples=num_samples, lookups=[lk], tables=["emb"])
 
 
 def rows_on_shards(servers) -> int:
@@ -74,9 +74,11 @@ def test_unknown_ids_read_their_initial_value_and_create_nothing(shard_server):
     assert rows_on_shards(servers) == 0
 
 
-def test_sync_averages_each_row_over_the_workers_of_the_step(shard_server):
-    """Worker 0 touches ids 1 and 2, worker 1 only id 2: id 1 moves by half of worker 0's
-    gradient (worker 1 adds zero), id 2 by the mean of both."""
+def test_sync_averages_each_row_over_the_samples_of_the_step(shard_server):
+    """Worker 0 touches ids 1 and 2 with a batch of 1 sample, worker 1 only id 2 with 3 samples:
+    id 1 moves by 1/4 of worker 0's gradient (worker 1 adds zero, but its samples count), id 2
+    by (1 g0 + 3 g1) / 4. Fails for a row averaged over the workers (or the samples) that
+    touched it, or for an unweighted mean."""
     servers = cluster(shard_server, num_workers=2)
     c0, c1 = client(servers, 0, 2), client(servers, 1, 2)
     w = np.empty(LAYOUT.total, np.float32)
@@ -84,10 +86,10 @@ def test_sync_averages_each_row_over_the_workers_of_the_step(shard_server):
     c1.pull(w)
     g0 = np.arange(2 * DIM, dtype=np.float32).reshape(2, DIM)
     g1 = np.full((1, DIM), 4.0, np.float32)
-    push(c0, lookup_with_grads([1, 2], g0))
-    push(c1, lookup_with_grads([2], g1))
+    push(c0, lookup_with_grads([1, 2], g0), num_samples=1)
+    push(c1, lookup_with_grads([2], g1), num_samples=3)
     c0.pull(w)
-    want = initial([1, 2]) - TABLE.lr * np.stack([g0[0] / 2, (g0[1] + g1[0]) / 2])
+    want = initial([1, 2]) - TABLE.lr * np.stack([g0[0] / 4, (g0[1] + 3 * g1[0]) / 4])
     np.testing.assert_allclose(pulled(c0, [1, 2]), want, rtol=1e-6)
     assert rows_on_shards(servers) == 2
     # What Prometheus scrapes says the same: 2 rows updated (id 2's two gradients are one update),
@@ -158,7 +160,7 @@ def test_a_rejected_sparse_push_changes_nothing(shard_server, case, field):
     if case == "truncated":
         payload = payload[:-4]
     header = pb.TensorHeader(rank=0, shard=0, step=shard.store.version, num_elements=shard.store.size,
-                             dtype="float32", session=c.shards[0].session, sparse=parts)
+                             dtype="float32", num_samples=1, session=c.shards[0].session, sparse=parts)
     before = shard.store.params.copy(), shard.store.version
     with pytest.raises(grpc.RpcError) as e:
         raw_push(addr, header, payload)
@@ -287,8 +289,9 @@ def test_status_reports_each_table(shard_server):
 @given(batches=st.lists(st.lists(st.integers(-3, 20), min_size=1, max_size=12), min_size=2, max_size=3),
        data=st.data())
 def test_sync_equals_one_large_batch(shard_server, batches, data):
-    """N workers' rows in one sync step move each row exactly as one process applying the
-    mean of their gradients would (sgd)."""
+    """N workers with batches of different sizes, each pushing its batch's mean row gradients
+    and its batch's size: one sync step moves each row exactly as one process on the
+    concatenated batch would (sgd), the sum over every sample divided by all the samples."""
     n = len(batches)
     servers = cluster(shard_server, num_workers=n)
     clients = [client(servers, r, n) for r in range(n)]
@@ -301,10 +304,12 @@ def test_sync_equals_one_large_batch(shard_server, batches, data):
                                             min_size=len(ids), max_size=len(ids))), np.float32)
         for i, g in zip(ids, grads):
             total[i] = total.get(i, 0) + g
-        push(c, lookup_with_grads(ids, grads))
+        push(c, lookup_with_grads(ids, grads / len(ids)), num_samples=len(ids))
     clients[0].pull(w)
     ids = sorted(total)
-    want = initial(np.array(ids, np.int64).view(np.uint64)) - TABLE.lr * np.stack([total[i] for i in ids]) / n
+    samples = sum(len(b) for b in batches)
+    want = (initial(np.array(ids, np.int64).view(np.uint64))
+            - TABLE.lr * np.stack([total[i] for i in ids]) / samples)
     np.testing.assert_allclose(pulled(clients[0], ids), want, rtol=1e-5, atol=1e-6)
     for c in clients:
         c.close()
@@ -332,7 +337,7 @@ def test_merge_rows_sums_each_tables_rows_per_id_and_keeps_every_table():
     one = RowGrads("a", np.array([3], np.uint64), np.ones((1, 2), np.float32))
     b0 = RowGrads("b", np.array([1, 2], np.uint64), np.array([[1, 1], [2, 2]], np.float32))
     b1 = RowGrads("b", np.array([2, 5], np.uint64), np.array([[10, 10], [5, 5]], np.float32))
-    merged = {m.table: (m, scale) for m, scale in merge_rows([one, b0, b1], workers=2)}
+    merged = {m.table: (m, scale) for m, scale in merge_rows([(one, 1), (b0, 1), (b1, 1)], total=2)}
     assert set(merged) == {"a", "b"} and merged["a"] == (one, 0.5)
     got = dict(zip(merged["b"][0].ids.tolist(), merged["b"][0].grads[:, 0].tolist()))
     assert got == {1: 1.0, 2: 12.0, 5: 5.0} and merged["b"][1] == 0.5
@@ -345,7 +350,31 @@ def test_a_merged_sum_that_overflows_is_averaged_row_by_row_and_stays_finite():
     big = np.float32(3e38)
     w0 = RowGrads("t", np.array([1, 2], np.uint64), np.array([[big, 1], [2, 2]], np.float32))
     w1 = RowGrads("t", np.array([1, 3], np.uint64), np.array([[big, 3], [4, 4]], np.float32))
-    [(m, scale)] = merge_rows([w0, w1], workers=2)
+    [(m, scale)] = merge_rows([(w0, 1), (w1, 1)], total=2)
     assert m.table == "t" and scale == 1.0 and np.isfinite(m.grads).all()
     got = {i: (m.grads[k] * np.float32(scale)).tolist() for k, i in enumerate(m.ids.tolist())}
     assert got == {1: [big, 2.0], 2: [1.0, 1.0], 3: [2.0, 2.0]}
+
+
+def test_merge_rows_weighs_each_part_by_the_samples_of_its_push():
+    """Parts from pushes of 1 and 3 samples in a step of 4: a table one part touched gets
+    scale 1/4, not 1; ids are summed n_i g_i then scaled 1/4; parts of one count n are summed
+    as they are with scale n/total; an overflowing weighted sum is scaled first and stays
+    finite."""
+    from pserver.server.store import RowGrads, merge_rows
+    one = RowGrads("a", np.array([3], np.uint64), np.ones((1, 2), np.float32))
+    b0 = RowGrads("b", np.array([1, 2], np.uint64), np.array([[1, 1], [2, 2]], np.float32))
+    b1 = RowGrads("b", np.array([2, 5], np.uint64), np.array([[10, 10], [5, 5]], np.float32))
+    merged = {m.table: (m, scale) for m, scale in merge_rows([(one, 1), (b0, 1), (b1, 3)], total=4)}
+    assert merged["a"] == (one, 0.25) and merged["b"][1] == 0.25
+    got = dict(zip(merged["b"][0].ids.tolist(), merged["b"][0].grads[:, 0].tolist()))
+    assert got == {1: 1.0, 2: 32.0, 5: 15.0}
+    [(m, scale)] = merge_rows([(b0, 2), (b1, 2)], total=5)       # a third push touched no row
+    assert scale == 0.4 and m.grads[:, 0].tolist() == [1.0, 12.0, 5.0]
+    big = np.float32(3e38)
+    w0 = RowGrads("t", np.array([1, 2], np.uint64), np.array([[big, 1], [2, 2]], np.float32))
+    w1 = RowGrads("t", np.array([1], np.uint64), np.array([[big, 3]], np.float32))
+    [(m, scale)] = merge_rows([(w0, 1), (w1, 3)], total=4)
+    assert scale == 1.0 and np.isfinite(m.grads).all()
+    assert m.grads.tolist() == [[np.float32(big * np.float32(0.25)) + np.float32(big * np.float32(0.75)),
+                                 np.float32(0.25) + 3 * np.float32(0.75)], [0.5, 0.5]]

@@ -108,7 +108,10 @@ class Stream:
         for i, batch in enumerate(batches):
             if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                 raise DataError(f"{self.name}: batch {i} is a {type(batch).__name__}, not an (x, y) pair")
-            yield np.asarray(batch[0]), np.asarray(batch[1])
+            x = np.asarray(batch[0])
+            if x.ndim and x.shape[0] == 0:   # its gradient would weigh nothing (docs/semantics.md)
+                raise DataError(f"{self.name}: batch {i} is empty; a step trains on at least one sample")
+            yield x, np.asarray(batch[1])
 
 
 def describe(ds) -> str:

@@ -4,7 +4,8 @@ Backup workers (Chen et al. 2016; TensorFlow's SyncReplicasOptimizer with
 replicas_to_aggregate = N-b), except that the N-b gradients always come from distinct
 workers, and what arrives after the step completed is answered dropped_late and counted.
 
-An update averages min(N-b, live) distinct workers, never fewer: a worker marked dead
+An update is the sample-weighted mean (as sync's) of min(N-b, live) distinct workers'
+pushes, never fewer, the late pushes' samples in neither sum: a worker marked dead
 lowers the quorum only once the slack of b backups is used up (N=4, b=1: one dead worker
 leaves the quorum at 3). Workers that finished their epochs do not lower the quorum: once
 the unfinished ones are fewer than the quorum, no step can complete, so the run is over, as

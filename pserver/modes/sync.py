@@ -1,8 +1,10 @@
-"""sync: one update per step, the rank-ordered mean of every live worker's gradient.
+"""sync: one update per step, the rank-ordered, sample-weighted mean of every live worker's gradient.
 
-w(t+1) = opt(w(t), mean of the gradients pushed for step t), summed in rank order so the
-result does not depend on arrival order: N workers on batches b1..bN give the weights one
-process would get on their concatenation. A push for any step but t is rejected; a pull
+w(t+1) = opt(w(t), sum(n_i g_i) / sum(n_i) over the pushes for step t), n_i the samples push
+i carries, summed in rank order so the result does not depend on arrival order: N workers on
+batches b1..bN of any sizes give the weights one process would get on their concatenation
+(equal batches: the sum times 1/N, as unweighted). A sparse row's denominator is the step's
+samples, touched or not (ShardStore.apply). A push for any step but t is rejected; a pull
 waits until the version after the one the worker has seen exists.
 """
 
@@ -66,15 +68,13 @@ class SyncPolicy(Policy):
             self.complete()
 
     def complete(self) -> None:
-        """Apply the rank-ordered mean of the pending gradients (cond held)."""
+        """Apply the pending gradients' mean, each weighted by the samples its push carried,
+        summed in rank order (ShardStore.apply); cond held."""
         ranks = sorted(self.pending)
-        acc = self.pending[ranks[0]]         # sum in place into the lowest rank's buffer
-        for r in ranks[1:]:
-            acc += self.pending[r]
-        if len(ranks) > 1:
-            acc *= np.float32(1.0 / len(ranks))
-        self.store.apply(acc, [p for r in ranks for p in self.pending_rows.pop(r)], len(ranks))
-        self.store.counters.add("samples_pushed", sum(self.pending_samples.pop(r) for r in ranks))
+        counts = [self.pending_samples.pop(r) for r in ranks]
+        rows = [(p, n) for r, n in zip(ranks, counts) for p in self.pending_rows.pop(r)]
+        self.store.apply([self.pending[r] for r in ranks], counts, rows)
+        self.store.counters.add("samples_pushed", sum(counts))
         for r in ranks:
             self.store.pool.release(self.pending.pop(r))
             self.store.took(r, self.pending_clocks.pop(r))

@@ -77,6 +77,16 @@ def checked_tables(tables) -> None:
             raise InvalidArgument(f"tables: table '{t.name}': {e}") from None
 
 
+def check_samples(num_samples: int) -> None:
+    """A push's gradient is the mean over the samples it carries, and a sync or backup step
+    weighs each push by them (docs/semantics.md): a gradient of no samples has no weight, and
+    a negative count is no count. Every push carries a gradient (its range's values)."""
+    if num_samples < 1:
+        raise InvalidArgument(f"num_samples: {num_samples} for a push that carries a gradient; a "
+                              f"gradient is the mean over its batch and a sync step weighs it by the "
+                              f"batch's samples, so send the batch's size (at least 1)")
+
+
 @dataclass(frozen=True)
 class Registration:
     mode: str
@@ -401,13 +411,12 @@ class Shard:
         s.counters.add("pushes_received")
         try:
             self.check_shard(shard)
+            check_samples(num_samples)       # before authorize, which may revive the rank
             with s.cond:
                 s.require_configured()
                 self.members.authorize(rank, session, revive=True)
             self._check_payload(num_elements, dtype)
             self.metrics.received.inc(num_elements * 4)          # float32, checked above
-            if num_samples < 0:
-                raise InvalidArgument(f"num_samples: must be >= 0, got {num_samples}")
             outcome, message = self._receive_and_decide(rank, step, clock, fill, num_samples, rows)
         except RpcError as e:
             s.counters.add("pushes_rejected")

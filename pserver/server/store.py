@@ -163,27 +163,76 @@ class RowGrads:
     grads: np.ndarray
 
 
-def merge_rows(parts: list[RowGrads], workers: int) -> list[tuple[RowGrads, float]]:
-    """One (rows, scale) per table: several workers' rows for a table summed per id, to be
-    applied times scale = 1 / workers (their mean). A sum of finite rows can overflow float32;
-    such a table is summed again from its rows divided by `workers` first, with scale 1, so the
-    mean that is applied is finite, as every pushed row was."""
-    by_table: dict[str, list[RowGrads]] = {}
-    for p in parts:
-        by_table.setdefault(p.table, []).append(p)
-    merged, scale = [], 1.0 / workers
+@numba.njit(cache=True, nogil=True)
+def _add_scaled(acc, g, w):
+    """acc += g * w (float32; w a float32), without numpy's temporary array."""
+    for i in range(acc.size):
+        acc[i] += g[i] * w
+
+
+def mean_gradient(grads: list[np.ndarray], counts: list[int], out: np.ndarray | None) -> np.ndarray:
+    """The step's dense mean, sum(n_i g_i) / sum(n_i), of gradients in rank order (n_i =
+    counts[i], the samples of each push), summed in that order into `out`, then scaled; the
+    gradients are left as they are. With equal counts it is the plain sum times float32(1/N),
+    bit for bit as before the weighting. One gradient is its own mean, returned as it is.
+
+    A sum of finite gradients can overflow float32: then the mean is computed again from
+    gradients scaled by n_i / sum(n) first, so that it is finite, as every gradient was."""
+    if len(grads) == 1:
+        return grads[0]
+    total = sum(counts)
+    if len(set(counts)) == 1:
+        with np.errstate(over="ignore"):        # found below, and summed again scaled first
+            np.add(grads[0], grads[1], out=out)
+            for g in grads[2:]:
+                out += g
+        scale = np.float32(1.0 / len(grads))
+    else:
+        np.multiply(grads[0], np.float32(counts[0]), out=out)
+        for g, n in zip(grads[1:], counts[1:]):
+            _add_scaled(out, g, np.float32(n))
+        scale = np.float32(1.0 / total)
+    if first_nonfinite(out) < 0:
+        out *= scale
+        return out
+    np.multiply(grads[0], np.float32(counts[0] / total), out=out)
+    for g, n in zip(grads[1:], counts[1:]):
+        _add_scaled(out, g, np.float32(n / total))
+    return out
+
+
+def merge_rows(parts: list[tuple[RowGrads, int]], total: int) -> list[tuple[RowGrads, float]]:
+    """One (rows, scale) per table: the step's rows of a table summed per id, each part weighted
+    by the samples n of the push that carried it (parts: (rows, n) pairs), to be applied times
+    scale, so that every row gets sum(n_i g_i) / total, total being the step's samples: a push
+    that did not touch a row adds zero to it, and its samples count all the same. A table whose
+    parts carry the same count n is summed as it is, with scale n / total (equal batches: 1/N,
+    the unweighted mean, bit for bit). A sum of finite rows can overflow float32; such a table
+    is summed again from its rows scaled by n_i / total first, with scale 1, so the mean that is
+    applied is finite, as every pushed row was."""
+    by_table: dict[str, list[tuple[RowGrads, int]]] = {}
+    for p, n in parts:
+        by_table.setdefault(p.table, []).append((p, n))
+    merged = []
     for name, group in by_table.items():
         if len(group) == 1:
-            merged.append((group[0], scale))
+            merged.append((group[0][0], group[0][1] / total))
             continue
-        ids = np.concatenate([p.ids for p in group])
+        ids = np.concatenate([p.ids for p, _ in group])
         uniq, inverse = sparse.unique_inverse(ids)
-        grads = np.concatenate([p.grads for p in group])
-        summed = sparse.segment_sum(grads, inverse, uniq.size)
+        grads = np.concatenate([p.grads for p, _ in group])
+        sizes = [p.ids.size for p, _ in group]
+        ns = [n for _, n in group]
+        if len(set(ns)) == 1:
+            summed, scale = sparse.segment_sum(grads, inverse, uniq.size), ns[0] / total
+        else:
+            with np.errstate(over="ignore"):    # found below, and summed again scaled first
+                weighted = grads * np.repeat(np.asarray(ns, np.float32), sizes)[:, None]
+            summed, scale = sparse.segment_sum(weighted, inverse, uniq.size), 1.0 / total
         if first_nonfinite(summed.reshape(-1)) < 0:
             merged.append((RowGrads(name, uniq, summed), scale))
         else:
-            grads *= np.float32(scale)
+            grads *= np.repeat(np.asarray([n / total for n in ns], np.float32), sizes)[:, None]
             merged.append((RowGrads(name, uniq, sparse.segment_sum(grads, inverse, uniq.size)), 1.0))
     return merged
 
@@ -302,12 +351,19 @@ class ShardStore:
         if not self.signature:
             raise FailedPrecondition("layout: no worker has registered with this shard yet")
 
-    def apply(self, grad: np.ndarray, rows: list[RowGrads] = (), workers: int = 1) -> None:
-        """One optimizer step on the mean gradient, and on the mean of the rows the step's
-        `workers` pushed (a worker that did not touch a row adds zero to it); the caller
-        holds cond."""
-        self.optimizer.step(self.params, grad, self.version)
-        for part, scale in merge_rows(list(rows), workers):
+    def apply(self, grads: list[np.ndarray], counts: list[int],
+              rows: list[tuple[RowGrads, int]] = ()) -> None:
+        """One optimizer step on the mean of a step's pushes: their gradients in rank order,
+        counts[i] the samples the push of grads[i] carried, and their sparse rows, each with its
+        push's samples (mean_gradient, merge_rows: a push that did not touch a row adds zero to
+        it). The gradients are left as they are; the caller holds cond."""
+        out = self.pool.acquire() if len(grads) > 1 else None
+        try:
+            self.optimizer.step(self.params, mean_gradient(grads, counts, out), self.version)
+        finally:
+            if out is not None:
+                self.pool.release(out)
+        for part, scale in merge_rows(list(rows), sum(counts)):
             self.apply_rows([part], scale, self.version)
         self.version += 1
         self.counters.add("updates_applied")

@@ -39,6 +39,25 @@ def test_serve_and_worker_processes_train_logreg(procs, tmp_path):
     assert shard.popen.returncode == 143 and "stopped by SIGTERM at version" in shard.output
 
 
+def test_sync_workers_with_different_batch_sizes_finish_and_every_sample_counts(procs, tmp_path):
+    """Rank 0 on batches of 16 (30 steps), rank 1 on batches of 48 (10 steps) of 480 samples
+    each: both finish, the first 10 steps weigh 16 and 48 samples, the last 20 rank 0's alone,
+    and the shard counted each push's true samples (960), none refused."""
+    shard = procs("serve", "--port", "0", "--num-workers", "2", "--optimizer", "sgd", "--lr", "0.1")
+    addr = shard.address()
+    summary = tmp_path / "summary.json"
+    common = ["--model", "logreg", "--dataset", "synthetic", "--samples", "960", "--features", "10",
+              "--epochs", "1", "--log-every", "0.5", "--num-workers", "2", "--ps", addr]
+    chief = procs("worker", "--rank", "0", *common, "--batch-size", "16", "--summary-json", str(summary))
+    other = procs("worker", "--rank", "1", *common, "--batch-size", "48")
+    assert chief.wait() == 0, chief.output
+    assert other.wait() == 0, other.output
+    s = read_json(summary)
+    assert s["steps"] == s["updates_applied"] == 30, s
+    assert s["pushes_aggregated"] == 40 and s["pushes_rejected"] == 0
+    assert s["samples_trained"] == 30 * 16 + 10 * 48
+
+
 def test_launch_two_shards_three_workers(tmp_path):
     summary = tmp_path / "s.json"
     r = run("launch", "--ps", "2", "--workers", "3", *LOGREG, "--optimizer", "sgd", "--lr", "0.1",
