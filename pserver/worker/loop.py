@@ -18,6 +18,7 @@ from pserver.config import WorkerConfig
 from pserver.data import Dataset, Stream, as_task, describe, load_dataset
 from pserver.data.criteo import CriteoData
 from pserver.errors import ConfigError, DataError, DeadlineExceeded, FailedPrecondition, PServerError
+from pserver.kernels.cache import CompileWatch
 from pserver.kernels.device import describe as describe_device
 from pserver.kernels.device import parse_device, select
 from pserver.models import make_model, saved
@@ -70,12 +71,18 @@ def load_data(cfg: WorkerConfig) -> Dataset:
                         classes=cfg.classes, scale_uint8=cfg.scale_uint8)
 
 
-def check_data(cfg: WorkerConfig) -> None:
+def check_model_and_data(cfg: WorkerConfig) -> None:
     """What every worker would find wrong with the data (a dataset name, a directory, a
-    file, a batch larger than a worker's slice), found once, before anything starts: as a
-    ConfigError, which `pserver launch` exits 2 with."""
+    file, a batch larger than a worker's slice) or the model (a mistake in a model file, a
+    model that does not fit the data), found once, before anything starts: as a ConfigError,
+    which `pserver launch` exits 2 with. The model is built as the workers build it, with
+    the NumPy kernels (nothing is compiled for it)."""
     try:   # quietly: the workers say what they do with the data
-        load_data(dataclasses.replace(cfg, scale_uint8="none")).steps(cfg.num_workers, cfg.batch_size)
+        ds = load_data(dataclasses.replace(cfg, scale_uint8="none"))
+        ds.steps(cfg.num_workers, cfg.batch_size)
+        model = make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden,
+                           **table_options(cfg), backend="reference")
+        fit_data(model, ds)
     except DataError as e:
         raise ConfigError(str(e)) from None
 
@@ -192,6 +199,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca), compression=cfg.compress,
                       pull_compression=cfg.pull_compress)
+    compiling = CompileWatch().start()        # the first pulls and the warm-up call every kernel
     try:
         client.connect(cfg.connect_timeout)
         steps = ds.steps(cfg.num_workers, cfg.batch_size)
@@ -210,6 +218,8 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         client.pull(w)                         # waits until the chief's values are there
         rows = Rows(model, client)
         warm_up(model, w, ds, cfg.batch_size, rows)
+        if compiling.stop().compiled and cfg.rank == 0:     # a first run: why it took a while
+            print(compiling.describe(), flush=True)
         started = time.monotonic()
         history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps))
         client.leave()
