@@ -52,7 +52,8 @@ def files(tmp_path):
                        "unexpected keyword argument 'activaton', at {d}/models.py line 6: return "
                        "pserver.Sequential([Dense(8, activaton=\"relu\", input_shape=input_shape),"),
     ("broken.py:build", "--model {d}/broken.py:build: importing {d}/broken.py raised NameError: name "
-                        "'undefined_name' is not defined, at {d}/broken.py line 3: scale = undefined_name * 2"),
+                        "'undefined_name' is not defined, at {d}/broken.py line 3: "
+                        "scale = undefined_name * 2"),
     ("syntax.py:build", "--model {d}/syntax.py:build: importing {d}/syntax.py raised SyntaxError: "),
     ("models.py", "--model {d}/models.py: give the function that builds the model, as "
                   "{d}/models.py:FUNCTION; in {d}/models.py, mlp, linear return one "
