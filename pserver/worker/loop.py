@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import sys
 import time
 
 import numpy as np
@@ -26,13 +27,13 @@ from pserver.models.ctr import CTR_MODELS
 from pserver.models.layout import Layout
 from pserver.observe.metrics import (
     EvalCurve,
-    Progress,
     StepTimer,
     combine_counters,
     format_summary,
     sparse_summary,
     write_json,
 )
+from pserver.observe.progress import Progress, style_for
 from pserver.observe.telemetry import TrainingReport
 from pserver.signals import Stopped
 from pserver.sparse import TableLookup
@@ -322,7 +323,8 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
     g = np.empty_like(w)
     gradient = gradient_fn(model, cfg.seed, cfg.rank)
     delay = Delay(cfg.delay, cfg.seed, cfg.rank)
-    progress = Progress(cfg.rank, cfg.epochs, steps, cfg.batch_size, cfg.log_every, cfg.num_workers)
+    style = style_for(cfg.progress, cfg.rank, sys.stderr.isatty())
+    progress = Progress(cfg.epochs, steps, cfg.log_every, style, start)
     timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
     clock, epochs_log, outcomes = start, [], {}
     first_epoch, skip = divmod(start, steps) if steps else (0, 0)
@@ -330,6 +332,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
         first_epoch = cfg.epochs               # resumed past --max-steps: nothing left
     for epoch in range(first_epoch, cfg.epochs):
         offset, skip = skip, 0                 # a resumed epoch starts at its step
+        epoch_started = time.monotonic()
         batches = itertools.islice(ds.epoch(cfg.rank, cfg.num_workers, cfg.batch_size, cfg.seed, epoch),
                                    offset, None)
         for step, (x, y) in enumerate(batches, start=offset):
@@ -347,23 +350,26 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             clock += 1
             done = time.perf_counter()
             report.step(done - step_started, done - exchange_started, len(x))
-            line = progress.step(epoch, step, loss, force=step == steps - 1 or client.finished)
+            last = step == steps - 1 or client.finished or (cfg.max_steps and clock >= cfg.max_steps)
+            line = progress.step(epoch, step, loss, len(x), force=bool(last))
             if line:
                 report.progress(clock, *line)
             curve.maybe(lambda: evaluate(model, w, ds, cfg, rows), progress.elapsed, client, clock)
             if client.finished or (cfg.max_steps and clock >= cfg.max_steps):
                 break
         if cfg.rank == 0:
-            epochs_log.append(log_epoch(cfg, ds, model, w, epoch, progress.elapsed, rows))
+            epochs_log.append(log_epoch(cfg, ds, model, w, epoch, (epoch_started, progress.started), rows,
+                                        progress.say))
             report.evaluated(clock, epochs_log[-1],
                              lambda: combine_counters(client.status())["staleness_mean"])
-            ask_checkpoint(client)
+            ask_checkpoint(client, progress.say)
         if client.finished:
-            print(f"the shards ended the run at step {max(client.versions)} "
-                  f"(too few unfinished workers left for a step); stopping", flush=True)
+            progress.say(f"the shards ended the run at step {max(client.versions)} "
+                         f"(too few unfinished workers left for a step); stopping")
             break
         if cfg.max_steps and clock >= cfg.max_steps:
             break
+    progress.close()
     stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock - start,
                           samples=(clock - start) * cfg.batch_size, outcomes=outcomes)
     if cfg.stats_json:
@@ -386,27 +392,30 @@ def push_pull(client: PSClient, g: np.ndarray, w: np.ndarray, batch: int, clock:
         return ["rejected"]
 
 
-def ask_checkpoint(client: PSClient) -> None:
+def ask_checkpoint(client: PSClient, say=print) -> None:
     """The chief asks every shard to checkpoint (a no-op on shards without a directory). A
     shard that cannot write one (disk full, read-only directory) says why, and training
-    goes on: a lost checkpoint is no reason to lose the run."""
+    goes on: a lost checkpoint is no reason to lose the run. A checkpoint written is the
+    shard's to log (once per version), not ours as well."""
     def ask(shard):
         try:
             return shard.checkpoint(client.rank, client.rpc_deadline)
         except FailedPrecondition as e:
             return e
 
-    for j, answer in enumerate(client.each(ask)):
+    for answer in client.each(ask):
         if isinstance(answer, FailedPrecondition):
-            print(f"{answer}; training goes on", flush=True)
-        elif answer[0]:
-            print(f"checkpoint: shard {j} at version {answer[1]} -> {answer[0]}", flush=True)
+            say(f"{answer}; training goes on")
 
 
-def log_epoch(cfg, ds, model, w, epoch, elapsed, rows) -> dict:
+def log_epoch(cfg, ds, model, w, epoch, started: tuple[float, float], rows, say=print) -> dict:
+    """The chief's line at an epoch's end: the epoch's own time (and the run's so far, from
+    `started`: the epoch's start and the run's), its test metrics."""
     ev = evaluate(model, w, ds, cfg, rows)
-    print(f"epoch {epoch + 1}/{cfg.epochs} done in {elapsed:.1f} s: {format_metrics(ev)}", flush=True)
-    return {"epoch": epoch + 1, "seconds": round(elapsed, 3), **ev}
+    now = time.monotonic()
+    own, total = now - started[0], now - started[1]
+    say(f"epoch {epoch + 1}/{cfg.epochs} done in {own:.1f} s ({total:.1f} s in all): {format_metrics(ev)}")
+    return {"epoch": epoch + 1, "seconds": round(total, 3), "epoch_seconds": round(own, 3), **ev}
 
 
 def format_metrics(ev: dict) -> str:
