@@ -45,8 +45,8 @@ from pserver.wire.security import TOKEN_ENV
 class Proc:
     """A child process whose output is copied to ours with a role prefix."""
 
-    def __init__(self, role: str, argv: list[str], env: dict, relay: Relay) -> None:
-        self.role, self.relay = role, relay
+    def __init__(self, role: str, argv: list[str], env: dict, relay: Relay | None = None) -> None:
+        self.role, self.relay = role, relay or Relay()
         self.port: int | None = None
         self.ready = threading.Event()
         # Its own session: our signal handling stops it. It gets SIGTERM if we die, even by
