@@ -153,7 +153,8 @@ WORKER_FLAGS = [
     Flag("--device", dict(help="where gradients are computed: cpu (default), cuda or cuda:I (numba.cuda, "
                                "for models of Dense, Conv2D, pooling, Flatten and Dropout layers; "
                                "honours CUDA_VISIBLE_DEVICES; launch spreads workers over the GPUs)")),
-    Flag("--log-every", dict(type=float, metavar="SEC", help="seconds between progress lines (default 2)")),
+    Flag("--log-every", dict(type=float, metavar="SEC", help="seconds between progress lines when the output "
+                             "is not a terminal (default 10; on one, the chief shows a bar)")),
     Flag("--connect-timeout", dict(type=float, metavar="SEC", help="seconds to wait for the shards at start "
                                                                    "(default 30)")),
     Flag("--rpc-deadline", dict(type=float, metavar="SEC", help="seconds one pull or push may take "

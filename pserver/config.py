@@ -22,6 +22,7 @@ MODES = ("sync", "backup", "async", "ssp")
 TRAINING_SETTINGS = ("mode", "backup_workers", "staleness", "optimizer", "lr", "lr_schedule", "momentum",
                      "nesterov", "beta1", "beta2", "eps", "weight_decay", "step_timeout")
 DATA_PLANES = ("auto", "grpc")
+PROGRESS = ("auto", "bar", "lines", "relay")   # WorkerConfig.progress (pserver.observe.progress)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,10 @@ class WorkerConfig:
     max_steps: int = 0            # stop after this many steps in total (0 = no limit)
     seed: int = 0                 # data order and initial weights
     device: str = "cpu"           # where gradients are computed: cpu, cuda or cuda:I
-    log_every: float = 2.0        # seconds between progress lines
+    log_every: float = 10.0       # seconds between progress lines in a log (stderr not a terminal)
+    progress: str = "auto"        # auto: a bar on a terminal (the chief's), lines in a log; lines: always
+                                  # lines; relay: the chief's bar drawn by `pserver launch`
+                                  # (pserver.observe.progress.style_for)
     connect_timeout: float = 30.0 # seconds to wait for every shard to answer at start
     rpc_deadline: float = 300.0   # seconds one pull/push may take (a sync pull waits for the step)
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
@@ -183,6 +187,8 @@ class WorkerConfig:
             raise ConfigError(f"--batch-size: must be >= 1, got {self.batch_size}")
         if self.epochs < 1:
             raise ConfigError(f"--epochs: must be >= 1, got {self.epochs}")
+        if self.progress not in PROGRESS:
+            raise ConfigError(f"progress: '{self.progress}' is not one of {', '.join(PROGRESS)}")
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"--data-plane: '{self.data_plane}' is not one of {', '.join(DATA_PLANES)}")
         if self.auth_token is not None or self.tls_ca is not None:

@@ -15,10 +15,12 @@ import contextlib
 import ctypes
 import os
 import signal
+import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 PARENT_ENV = "PSERVER_PARENT_PID"  # a child of `launch` (or a bench) stops when this process dies
 PR_SET_PDEATHSIG = 1               # linux/prctl.h
+_stopping = threading.Event()      # a stop signal came: what fails from now on is the stop's doing
 
 
 def with_parent_death(env: dict) -> dict:
@@ -45,6 +47,12 @@ def follow_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def stopping() -> bool:
+    """Whether this process got a stop signal. A Ctrl-C reaches every process of the terminal's
+    group at once: a shard that it stops first is then no news worth a line in a worker."""
+    return _stopping.is_set()
+
+
 class Stopped(BaseException):
     """Raised in the main thread by a stop signal. A BaseException, as KeyboardInterrupt is,
     so that no `except Exception` on the way up swallows it, while every `finally` runs."""
@@ -66,6 +74,7 @@ def stop_on_signals():
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
 
     def handler(signum, frame):
+        _stopping.set()
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         raise Stopped(signum)

@@ -4,6 +4,7 @@ large checkpoint's restore counted to its last byte."""
 from __future__ import annotations
 
 import io
+import json
 import re
 import time
 
@@ -67,3 +68,45 @@ def test_restoring_a_checkpoint_counts_reading_and_checking_every_byte(tmp_path,
     done = re.fullmatch(r"restoring shard0-of1-v000000000007\.ckpt: (\d+) MiB of (\d+) MiB "
                         r"\(100%\), .*, done", lines[-1])
     assert done and done.group(1) == done.group(2) == "24", lines[-3:]    # 12 MiB read, 12 MiB hashed
+
+
+def test_the_chief_draws_the_bar_on_a_terminal_the_others_stay_quiet_and_a_log_gets_lines():
+    assert [progress.style_for("auto", r, True) for r in (0, 1)] == ["bar", "quiet"]
+    assert [progress.style_for("auto", r, False) for r in (0, 1)] == ["lines", "lines"]
+    assert [progress.style_for("relay", r, False) for r in (0, 1)] == ["relay", "quiet"]
+    assert [progress.style_for("lines", r, True) for r in (0, 1)] == ["lines", "lines"]
+
+
+def test_the_launchers_relay_draws_the_chiefs_records_as_one_bar_and_copies_every_other_line():
+    out, bar = Terminal(), Terminal()
+    relay = progress.Relay(out, bar)
+    relay.line("worker1", "hello\n")
+    fig = {"epoch": 1, "epochs": 2, "step": 30, "steps": 50, "clock": 30, "start": 0, "total": 100,
+           "loss": 0.25, "rate": 1234.0}
+    relay.line("worker0", progress.RECORD + json.dumps(fig) + "\n")
+    time.sleep(0.01)                      # the bar shows from its second record on (tqdm's delay)
+    relay.line("worker0", progress.RECORD + json.dumps(fig) + "\n")
+    relay.line("ps0", "a line under the bar\n")
+    relay.line("worker0", progress.RECORD + json.dumps(fig | {"step": 50, "clock": 100, "epoch": 2}) + "\n")
+    relay.close()
+    assert out.getvalue() == "[worker1] hello\n[ps0] a line under the bar\n"
+    frames = bar.getvalue().split("\r")
+    assert any(f.startswith("epoch 1/2 step 30/50:  30%|") and "| loss 0.2500, 1,234 samples/s, ETA" in f
+               for f in frames), frames
+    assert "epoch 2/2 step 50/50: 100%" in frames[-1] and bar.getvalue().endswith("\n")   # closed at the end
+    assert progress.RECORD not in out.getvalue() + bar.getvalue()
+
+
+def test_training_lines_in_a_log_come_every_few_seconds_with_an_eta_and_the_epochs_last():
+    out = io.StringIO()
+    p = progress.Progress(epochs=2, steps_per_epoch=4, every=3600, style="lines", out=out)
+    shown = [p.step(0, s, 1.0, 16, force=s == 3) for s in range(4)]
+    assert shown[:3] == [None] * 3 and shown[3][0] == 1.0
+    assert re.fullmatch(r"epoch 1/2 step 4/4 loss 1\.0000 [\d,]+ samples/s, ETA \d\d:\d\d\n", out.getvalue())
+
+
+def test_a_version_before_init_reads_not_initialized():
+    from pserver._proto import pserver_pb2 as pb
+    from pserver.observe.status import rows
+    assert [r["version"] for r in rows([pb.StatusReply(version=-1), pb.StatusReply(version=7)])] == \
+        ["not initialized", "7"]

@@ -38,8 +38,8 @@ def launch(cfg: LaunchConfig, server: ServerConfig, worker: WorkerConfig) -> int
     where = write_directory(server)
     if where:
         check_directory(*where)        # now, rather than as a shard's exit once it started
-    from pserver.worker.loop import check_data
-    check_data(worker)
+    from pserver.worker.loop import check_model_and_data
+    check_model_and_data(worker)   # a model file's mistake too, before any process starts
     # Our own cluster gets a fresh random token unless one is given (config, file or environment);
     # a generated one goes to a file only this user can read, for `pserver status --token-file`.
     token = server.auth_token or worker.auth_token or resolve_token(None)

@@ -11,6 +11,7 @@ Ctrl-C: exit 128+signal). Its children never outlive it, even when it is SIGKILL
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -36,6 +37,7 @@ from pserver.launch.base import (
     stopped,
     worker_config,
 )
+from pserver.observe.progress import Relay
 from pserver.signals import Stopped, stop_on_signals, with_parent_death
 from pserver.wire.security import TOKEN_ENV
 
@@ -43,8 +45,8 @@ from pserver.wire.security import TOKEN_ENV
 class Proc:
     """A child process whose output is copied to ours with a role prefix."""
 
-    def __init__(self, role: str, argv: list[str], env: dict) -> None:
-        self.role = role
+    def __init__(self, role: str, argv: list[str], env: dict, relay: Relay | None = None) -> None:
+        self.role, self.relay = role, relay or Relay()
         self.port: int | None = None
         self.ready = threading.Event()
         # Its own session: our signal handling stops it. It gets SIGTERM if we die, even by
@@ -61,8 +63,7 @@ class Proc:
             if m and self.port is None:
                 self.port = int(m.group(2))
                 self.ready.set()
-            sys.stdout.write(f"[{self.role}] {line}")
-            sys.stdout.flush()
+            self.relay.line(self.role, line)
         self.ready.set()
 
 
@@ -83,21 +84,21 @@ def stop_all(group: list[Proc], grace: float = STOP_GRACE) -> None:
         p.reader.join(2.0)
 
 
-def child(role: str, name: str, config, tmpdir: str, env: dict) -> Proc:
+def child(role: str, name: str, config, tmpdir: str, env: dict, relay: Relay) -> Proc:
     """A child that runs `role` ("serve" or "worker") on `config`, written for it to a file in
     the launch's own directory (mode 0700: no other user reads it; no token in it either)."""
     path = os.path.join(tmpdir, f"{name}.config")
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
         pickle.dump(config, f)
-    return Proc(name, [sys.executable, "-m", "pserver.launch.child", role, path], env)
+    return Proc(name, [sys.executable, "-m", "pserver.launch.child", role, path], env, relay)
 
 
 def start_shards(cfg: LaunchConfig, server: ServerConfig, env: dict, procs: list[Proc],
-                 tmpdir: str) -> list[Proc]:
+                 tmpdir: str, relay: Relay) -> list[Proc]:
     """Start the shards; each is added to `procs` at once, so a failure stops them all."""
     shards = []
     for j in range(cfg.num_shards):
-        shards.append(child("serve", f"ps{j}", shard_config(cfg, server, j, "127.0.0.1"), tmpdir, env))
+        shards.append(child("serve", f"ps{j}", shard_config(cfg, server, j, "127.0.0.1"), tmpdir, env, relay))
         procs.append(shards[-1])
     deadline = time.monotonic() + STARTUP_TIMEOUT
     for p in shards:
@@ -114,9 +115,9 @@ def start_shards(cfg: LaunchConfig, server: ServerConfig, env: dict, procs: list
 
 
 def start_workers(cfg: LaunchConfig, worker: WorkerConfig, addresses: tuple[str, ...], env: dict,
-                  chief_summary: str, devices: list[str], tmpdir: str) -> list[Proc]:
+                  chief_summary: str, devices: list[str], tmpdir: str, relay: Relay) -> list[Proc]:
     return [child("worker", f"worker{i}", worker_config(cfg, worker, i, addresses, chief_summary, devices[i]),
-                  tmpdir, env)
+                  tmpdir, env, relay)
             for i in range(cfg.num_workers)]
 
 
@@ -142,14 +143,18 @@ def launch(cfg: LaunchConfig, server: ServerConfig, worker: WorkerConfig) -> int
     procs: list[Proc] = []
     tmpdir = tempfile.mkdtemp(prefix="pserver-launch-")
     chief_summary = os.path.join(tmpdir, "chief-summary.json")
+    relay = Relay()
+    if worker.progress == "auto" and sys.stderr.isatty():   # we own the terminal: we draw the bar
+        worker = dataclasses.replace(worker, progress="relay")
     with stop_on_signals():
         try:
-            shards = start_shards(cfg, server, env, procs, tmpdir)
+            shards = start_shards(cfg, server, env, procs, tmpdir, relay)
             addresses = tuple(f"127.0.0.1:{p.port}" for p in shards)
             announce(cfg, ",".join(addresses))
-            workers = start_workers(cfg, worker, addresses, env, chief_summary, devices, tmpdir)
+            workers = start_workers(cfg, worker, addresses, env, chief_summary, devices, tmpdir, relay)
             procs += workers
             supervise(shards, workers)
+            relay.close()
             report(cfg, chief_summary, started)
             return 0
         except Stopped as e:
@@ -157,4 +162,5 @@ def launch(cfg: LaunchConfig, server: ServerConfig, worker: WorkerConfig) -> int
         finally:
             stop_all([p for p in procs if p.role.startswith("worker")])   # workers first
             stop_all([p for p in procs if not p.role.startswith("worker")])
+            relay.close()
             shutil.rmtree(tmpdir, ignore_errors=True)

@@ -14,6 +14,11 @@ ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh")
 def get(spec, owner: str) -> str:
     """None or a Keras name -> one of ACTIVATIONS."""
     kind = "linear" if spec is None else spec
+    if kind == "softmax":
+        raise ConfigError(f"{owner}: activation='softmax' is not supported: pserver trains from logits "
+                          "(sparse_categorical_crossentropy with from_logits=True, which applies the "
+                          "softmax itself); drop activation='softmax' from the last layer (evaluation "
+                          "applies it)")
     if kind not in ACTIVATIONS:
         raise ConfigError(f"{owner}: unknown activation {spec!r}; choose one of "
                           f"{', '.join(ACTIVATIONS)} (or None)")

@@ -17,6 +17,7 @@ imported only then, as it imports numba.cuda).
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from pserver.models.linreg import linreg
 from pserver.models.logreg import logreg
 from pserver.models.mlp import mlp
 from pserver.models.sequential import Sequential
-from pserver.models.user import check_spec, is_user_spec, load_model
+from pserver.models.user import bare_file_error, check_spec, is_bare_file, is_user_spec, load_model
 
 MODELS = ("mlp", "logreg", "linreg", "cnn", *CTR_MODELS)
 DEFAULT_HIDDEN = (256, 256)   # the mlp's; the CTR models' deep towers have their own
@@ -59,6 +60,8 @@ def make_model(name: str, input_shape, num_classes: int, *,
         raise ConfigError(f"--model {name}: takes no sparse table options ({', '.join(options)}); "
                           f"those are for {', '.join(CTR_MODELS)}")
     shape = _input_shape(input_shape)
+    if is_bare_file(name):
+        raise bare_file_error(name, shape, num_classes)
     if is_user_spec(name):
         model = load_model(name, shape, num_classes)
     else:
@@ -86,9 +89,13 @@ def on_device(model, backend: str):
 
 
 def check_model_spec(spec: str) -> None:
-    """A built-in name, or a user's FILE.py:FUNCTION whose file exists (none of its code runs)."""
+    """A built-in name, or a user's FILE.py:FUNCTION whose file exists (none of its code runs;
+    a FILE.py without its function gets the list of them when the model is made)."""
     if is_user_spec(spec):
         check_spec(spec)
+    elif is_bare_file(spec):
+        if not os.path.isfile(spec):
+            raise ConfigError(f"--model {spec}: no such file")
     elif spec not in MODELS:
         raise ConfigError(f"--model: unknown model {spec!r}; choose one of {', '.join(MODELS)}, "
                           "or FILE.py:FUNCTION or package.module:FUNCTION for your own")

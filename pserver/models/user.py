@@ -3,7 +3,9 @@
 `build` is called with `input_shape` (a tuple, without the batch dimension) and `num_classes`
 (0 for regression) for each of them its signature accepts, by name or through **kwargs, and
 with none otherwise. It returns a Sequential or any object with the model protocol
-(`pserver.models.base.PROTOCOL`). Every mistake is one ConfigError line naming --model.
+(`pserver.models.base.PROTOCOL`). Every mistake is one ConfigError line naming --model; an
+exception in the user's code names the file, the line and the code on it. `--model FILE.py`
+without a function lists the functions of the file that return a model (`builders`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import linecache
 import os
 import sys
 
@@ -22,6 +25,11 @@ from pserver.models.sequential import Sequential
 
 def is_user_spec(spec: str) -> bool:
     return ":" in spec
+
+
+def is_bare_file(spec: str) -> bool:
+    """`--model FILE.py` without `:FUNCTION`."""
+    return ":" not in spec and spec.endswith(".py")
 
 
 def check_spec(spec: str) -> None:
@@ -55,9 +63,10 @@ def load_model(spec: str, input_shape: tuple[int, ...], num_classes: int):
         if isinstance(model, Sequential):
             model.build()    # a layer that cannot work says so here, as this --model's error
     except PServerError as e:
-        raise ConfigError(f"--model {spec}: {e}") from None
+        raise ConfigError(f"--model {spec}: {e}{where(e, module)}") from None
     except Exception as e:  # the user's code: any failure becomes one line, not a traceback
-        raise ConfigError(f"--model {spec}: {attr}() raised {type(e).__name__}: {e}") from None
+        raise ConfigError(f"--model {spec}: {attr}() raised {type(e).__name__}: {e}"
+                          f"{where(e, module)}") from None
     gaps = protocol_gaps(model)
     if gaps:
         raise ConfigError(f"--model {spec}: {attr}() returned a {type(model).__name__}, not a "
@@ -73,7 +82,8 @@ def _import(spec: str, target: str):
     except ImportError as e:
         raise ConfigError(f"--model {spec}: cannot import {target} ({e})") from None
     except Exception as e:
-        raise ConfigError(f"--model {spec}: importing {target} raised {type(e).__name__}: {e}") from None
+        raise ConfigError(f"--model {spec}: importing {target} raised {describe(e)}"
+                          f"{where(e, path=_origin(target))}") from None
 
 
 def _import_file(spec: str, path: str):
@@ -88,8 +98,90 @@ def _import_file(spec: str, path: str):
         module_spec.loader.exec_module(module)
     except Exception as e:  # the user's code: a SyntaxError or a raise at import time
         del sys.modules[name]
-        raise ConfigError(f"--model {spec}: importing {path} raised {type(e).__name__}: {e}") from None
+        raise ConfigError(f"--model {spec}: importing {path} raised {describe(e)}"
+                          f"{where(e, path=path)}") from None
     return module
+
+
+def describe(e: Exception) -> str:
+    """'NameError: name 'x' is not defined'; a SyntaxError without its '(file, line N)', which
+    `where` says."""
+    return f"{type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}"
+
+
+def where(e: BaseException, module=None, path: str | None = None) -> str:
+    """', at FILE line N: CODE' for the deepest line of the user's file (`path`, or the file of
+    `module`) that `e` went through, or a SyntaxError's own line; '' when there is none."""
+    if isinstance(e, SyntaxError) and e.filename and e.lineno:
+        return _at(e.filename, e.lineno, e.text)
+    own = path or getattr(module, "__file__", None)
+    if not own:
+        return ""
+    own, found, tb = os.path.abspath(own), None, e.__traceback__
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename) == own:
+            found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return _at(*found) if found else ""
+
+
+def _origin(target: str) -> str | None:
+    """The file of module `target`, without running it (None if not found)."""
+    try:
+        found = importlib.util.find_spec(target)
+    except Exception:   # noqa: BLE001 - a parent package that fails to import: no file to name
+        return None
+    return found.origin if found is not None else None
+
+
+def _at(filename: str, lineno: int, text: str | None = None) -> str:
+    code = (text if text is not None else linecache.getline(filename, lineno)).strip()
+    return f", at {filename} line {lineno}" + (f": {code}" if code else "")
+
+
+def builders(path: str, input_shape: tuple[int, ...], num_classes: int) -> list[str]:
+    """The functions of the file at `path` that return a model when called as --model
+    FILE.py:FUNCTION would call them (only those whose required arguments are among
+    input_shape and num_classes are called)."""
+    module = _import_file(path, path)
+    found = []
+    for attr, fn in vars(module).items():
+        if (attr.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__
+                or not _callable_with(fn, ("input_shape", "num_classes"))):
+            continue
+        try:
+            model = fn(**_accepted(fn, {"input_shape": tuple(input_shape), "num_classes": num_classes}))
+            if isinstance(model, Sequential):
+                model.build()
+        except Exception:   # noqa: BLE001 - not a builder for this data: not listed
+            continue
+        if not protocol_gaps(model):
+            found.append(attr)
+    return found
+
+
+def bare_file_error(path: str, input_shape: tuple[int, ...], num_classes: int) -> ConfigError:
+    """What `--model FILE.py` (no function) gets: the functions to choose from."""
+    if not os.path.isfile(path):
+        return ConfigError(f"--model {path}: no such file")
+    found = builders(path, input_shape, num_classes)
+    if not found:
+        return ConfigError(f"--model {path}: give the function that builds the model, as {path}:FUNCTION; "
+                           f"no function in {path} returns a model for inputs of shape {tuple(input_shape)} "
+                           f"and {num_classes} classes")
+    return ConfigError(f"--model {path}: give the function that builds the model, as {path}:FUNCTION; in "
+                       f"{path}, {', '.join(found)} return{'s' if len(found) == 1 else ''} one "
+                       f"(--model {path}:{found[0]})")
+
+
+def _callable_with(fn, offered: tuple[str, ...]) -> bool:
+    """Whether every parameter of fn without a default is one of `offered`."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in offered
+               for p in params)
 
 
 def _accepted(fn, offered: dict) -> dict:
@@ -104,4 +196,5 @@ def _accepted(fn, offered: dict) -> dict:
     return {k: v for k, v in offered.items() if k in names}
 
 
-__all__ = ["is_user_spec", "is_path", "check_spec", "load_model"]
+__all__ = ["is_user_spec", "is_bare_file", "is_path", "check_spec", "load_model", "builders",
+           "bare_file_error"]

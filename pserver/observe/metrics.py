@@ -1,4 +1,5 @@
-"""Progress lines while training, and the run summary (printed, and written as JSON)."""
+"""Where a worker's time goes, the cluster's counters, and the run summary (printed, and written as
+JSON); the progress while training is pserver.observe.progress's."""
 
 from __future__ import annotations
 
@@ -7,38 +8,6 @@ import os
 import time
 from contextlib import contextmanager
 from typing import Callable, Sequence
-
-
-class Progress:
-    """Prints `epoch, step, loss, samples/s` at most every `every` seconds."""
-
-    def __init__(self, rank: int, epochs: int, steps_per_epoch: int, batch_size: int,
-                 every: float, num_workers: int) -> None:
-        self.rank, self.epochs, self.steps = rank, epochs, steps_per_epoch
-        self.batch, self.every, self.num_workers = batch_size, every, num_workers
-        self.started = self.last = time.monotonic()
-        self.samples = self.last_samples = 0
-        self.loss_sum, self.loss_n = 0.0, 0
-
-    def step(self, epoch: int, step: int, loss: float, force: bool = False) -> tuple[float, float] | None:
-        """(mean loss, samples/s) of the line printed now; None when it is not time yet."""
-        self.samples += self.batch
-        self.loss_sum += loss
-        self.loss_n += 1
-        now = time.monotonic()
-        if force or now - self.last >= self.every:
-            rate = (self.samples - self.last_samples) / max(now - self.last, 1e-9)
-            mean = self.loss_sum / self.loss_n
-            print(f"epoch {epoch + 1}/{self.epochs} step {step + 1}/{self.steps or '?'} "
-                  f"loss {mean:.4f} {rate:,.0f} samples/s", flush=True)
-            self.last, self.last_samples = now, self.samples
-            self.loss_sum, self.loss_n = 0.0, 0
-            return mean, rate
-        return None
-
-    @property
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
 
 
 class StepTimer:
@@ -168,6 +137,12 @@ def describe_updates(c: dict) -> str:
     return (f"{c['updates_applied']} updates from {c['pushes_received']} pushes: "
             f"{c['pushes_aggregated']} averaged into a step, {c['pushes_applied']} applied on arrival, "
             f"{c['pushes_dropped_late']} dropped late, {c['pushes_rejected']} rejected")
+
+
+def describe_version(version: int) -> str:
+    """A shard's version as a user reads it: the shards hold -1 until the chief's Init (or a
+    restore) gives them values, which is "not initialized", not a version."""
+    return str(version) if version >= 0 else "not initialized"
 
 
 def format_summary(s: dict) -> str:

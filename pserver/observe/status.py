@@ -7,7 +7,7 @@ import json
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
-from pserver.observe.metrics import combine_counters
+from pserver.observe.metrics import combine_counters, describe_version
 
 # The words of metrics.describe_updates: updates are optimizer steps; pushes are gradients,
 # averaged into a step, applied on arrival, dropped late or rejected.
@@ -25,7 +25,8 @@ def rows(statuses) -> list[dict]:
     out = []
     for s in statuses:
         c = s.counters
-        out.append({"shard": s.shard, "version": s.version, "mode": s.mode, "num_params": s.num_params,
+        out.append({"shard": s.shard, "version": describe_version(s.version), "mode": s.mode,
+                    "num_params": s.num_params,
                     "num_workers": s.num_workers, "live": ",".join(map(str, s.live_workers)) or "-",
                     **{k: getattr(c, k) for k in ("updates_applied", "pushes_received", "pushes_applied",
                                                   "pushes_aggregated", "pushes_dropped_late",

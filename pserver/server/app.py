@@ -126,7 +126,8 @@ def serve(cfg: ServerConfig) -> int:
     st = shard.status()
     c = st["counters"]
     why = f"stopped by {stopped}" if stopped else "done (the chief ended the run)"
-    print(f"pserver serve: shard {cfg.shard} {why} at version {st['version']}: "
+    at = f" at version {st['version']}" if st["version"] >= 0 else ", not initialized (no Init came)"
+    print(f"pserver serve: shard {cfg.shard} {why}{at}: "
           f"{describe_updates(c)}", flush=True)
     sys.stdout.flush()
     return stopped.exit_code if stopped else 0

@@ -343,7 +343,11 @@ class Checkpointer:
         try:
             result = save(self.directory, Checkpoint(**snap))
             self.store.counters.add("checkpoints_written")
-            log.info("shard %d: checkpoint at version %d written to %s", self.cfg.shard, version, result)
+            # Once per version: the chief's ask at the end and the shard's own last write on
+            # stopping rewrite the version the last epoch's checkpoint already has.
+            again = self.outcome[0] == version and not isinstance(self.outcome[1], OSError)
+            log.log(logging.DEBUG if again else logging.INFO, "shard %d: checkpoint at version %d "
+                    "written to %s%s", self.cfg.shard, version, result, " again" if again else "")
         except OSError as e:
             result = e
             self.store.counters.add("checkpoints_failed")

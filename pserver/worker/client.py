@@ -35,6 +35,7 @@ from pserver.errors import (
     rpc_error_for,
 )
 from pserver.models.layout import Layout
+from pserver.signals import stopping
 from pserver.wire import codec, frames
 from pserver.wire import compress as codecs
 from pserver.wire.security import ClientSecurity
@@ -123,7 +124,7 @@ class ShardClient:
         self.on_register: Callable[[], None] | None = None   # after a rejoin: keep the new session
         self.session_timeout = 0.0                # the shard expires a silent session after this
         self.down_since: float | None = None      # when the shard stopped answering
-        self.down_told = 0.0                      # when we last said so
+        self.down_told: float | None = None       # when we last said so (None: not yet)
         self.restart_note = ""                    # what a restarted shard had, told once it is back
 
     @property
@@ -192,10 +193,16 @@ class ShardClient:
                     print(f"{self.label} {note}", flush=True)
 
     def _say_down(self, retry_for: float) -> None:
-        """A line at once when the shard stops answering, then one every WAIT_NOTICE_EVERY s."""
+        """A line when the shard has not answered twice (the first failure may be a Ctrl-C that
+        stopped it and is about to stop us too: nothing to say then), then one every
+        WAIT_NOTICE_EVERY s."""
         now = time.monotonic()
+        if stopping():
+            return
         if self.down_since is None:
-            self.down_since = self.down_told = now
+            self.down_since, self.down_told = now, None
+        elif self.down_told is None:
+            self.down_told = now
             print(f"{self.label} unreachable, retrying for up to {retry_for:g} s (--rpc-deadline)",
                   flush=True)
         elif now - self.down_told >= WAIT_NOTICE_EVERY:
@@ -204,6 +211,9 @@ class ShardClient:
 
     def _say_back(self) -> None:
         if self.down_since is None:
+            return
+        if self.down_told is None and not self.restart_note:   # a blip we did not mention
+            self.down_since = None
             return
         note = f"; {self.restart_note}" if self.restart_note else ""
         print(f"{self.label} is back after {time.monotonic() - self.down_since:.1f} s{note}", flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import sys
 import time
 
 import numpy as np
@@ -18,6 +19,7 @@ from pserver.config import WorkerConfig
 from pserver.data import Dataset, Stream, as_task, describe, load_dataset
 from pserver.data.criteo import CriteoData
 from pserver.errors import ConfigError, DataError, DeadlineExceeded, FailedPrecondition, PServerError
+from pserver.kernels.cache import CompileWatch
 from pserver.kernels.device import describe as describe_device
 from pserver.kernels.device import parse_device, select
 from pserver.models import make_model, saved
@@ -25,13 +27,13 @@ from pserver.models.ctr import CTR_MODELS
 from pserver.models.layout import Layout
 from pserver.observe.metrics import (
     EvalCurve,
-    Progress,
     StepTimer,
     combine_counters,
     format_summary,
     sparse_summary,
     write_json,
 )
+from pserver.observe.progress import Progress, style_for
 from pserver.observe.telemetry import TrainingReport
 from pserver.signals import Stopped
 from pserver.sparse import TableLookup
@@ -70,12 +72,18 @@ def load_data(cfg: WorkerConfig) -> Dataset:
                         classes=cfg.classes, scale_uint8=cfg.scale_uint8)
 
 
-def check_data(cfg: WorkerConfig) -> None:
+def check_model_and_data(cfg: WorkerConfig) -> None:
     """What every worker would find wrong with the data (a dataset name, a directory, a
-    file, a batch larger than a worker's slice), found once, before anything starts: as a
-    ConfigError, which `pserver launch` exits 2 with."""
+    file, a batch larger than a worker's slice) or the model (a mistake in a model file, a
+    model that does not fit the data), found once, before anything starts: as a ConfigError,
+    which `pserver launch` exits 2 with. The model is built as the workers build it, with
+    the NumPy kernels (nothing is compiled for it)."""
     try:   # quietly: the workers say what they do with the data
-        load_data(dataclasses.replace(cfg, scale_uint8="none")).steps(cfg.num_workers, cfg.batch_size)
+        ds = load_data(dataclasses.replace(cfg, scale_uint8="none"))
+        ds.steps(cfg.num_workers, cfg.batch_size)
+        model = make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden,
+                           **table_options(cfg), backend="reference")
+        fit_data(model, ds)
     except DataError as e:
         raise ConfigError(str(e)) from None
 
@@ -192,6 +200,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca), compression=cfg.compress,
                       pull_compression=cfg.pull_compress, session_dir=cfg.session_dir)
+    compiling = CompileWatch().start()        # the first pulls and the warm-up call every kernel
     try:
         client.connect(cfg.connect_timeout)
         steps = ds.steps(cfg.num_workers, cfg.batch_size)
@@ -210,6 +219,8 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         client.pull(w)                         # waits until the chief's values are there
         rows = Rows(model, client)
         warm_up(model, w, ds, cfg.batch_size, rows)
+        if compiling.stop().compiled and cfg.rank == 0:     # a first run: why it took a while
+            print(compiling.describe(), flush=True)
         started = time.monotonic()
         history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps))
         client.leave()
@@ -312,7 +323,8 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
     g = np.empty_like(w)
     gradient = gradient_fn(model, cfg.seed, cfg.rank)
     delay = Delay(cfg.delay, cfg.seed, cfg.rank)
-    progress = Progress(cfg.rank, cfg.epochs, steps, cfg.batch_size, cfg.log_every, cfg.num_workers)
+    style = style_for(cfg.progress, cfg.rank, sys.stderr.isatty())
+    progress = Progress(cfg.epochs, steps, cfg.log_every, style, start)
     timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
     clock, epochs_log, outcomes = start, [], {}
     first_epoch, skip = divmod(start, steps) if steps else (0, 0)
@@ -320,6 +332,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
         first_epoch = cfg.epochs               # resumed past --max-steps: nothing left
     for epoch in range(first_epoch, cfg.epochs):
         offset, skip = skip, 0                 # a resumed epoch starts at its step
+        epoch_started = time.monotonic()
         batches = itertools.islice(ds.epoch(cfg.rank, cfg.num_workers, cfg.batch_size, cfg.seed, epoch),
                                    offset, None)
         for step, (x, y) in enumerate(batches, start=offset):
@@ -337,23 +350,26 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             clock += 1
             done = time.perf_counter()
             report.step(done - step_started, done - exchange_started, len(x))
-            line = progress.step(epoch, step, loss, force=step == steps - 1 or client.finished)
+            last = step == steps - 1 or client.finished or (cfg.max_steps and clock >= cfg.max_steps)
+            line = progress.step(epoch, step, loss, len(x), force=bool(last))
             if line:
                 report.progress(clock, *line)
             curve.maybe(lambda: evaluate(model, w, ds, cfg, rows), progress.elapsed, client, clock)
             if client.finished or (cfg.max_steps and clock >= cfg.max_steps):
                 break
         if cfg.rank == 0:
-            epochs_log.append(log_epoch(cfg, ds, model, w, epoch, progress.elapsed, rows))
+            epochs_log.append(log_epoch(cfg, ds, model, w, epoch, (epoch_started, progress.started), rows,
+                                        progress.say))
             report.evaluated(clock, epochs_log[-1],
                              lambda: combine_counters(client.status())["staleness_mean"])
-            ask_checkpoint(client)
+            ask_checkpoint(client, progress.say)
         if client.finished:
-            print(f"the shards ended the run at step {max(client.versions)} "
-                  f"(too few unfinished workers left for a step); stopping", flush=True)
+            progress.say(f"the shards ended the run at step {max(client.versions)} "
+                         f"(too few unfinished workers left for a step); stopping")
             break
         if cfg.max_steps and clock >= cfg.max_steps:
             break
+    progress.close()
     stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock - start,
                           samples=(clock - start) * cfg.batch_size, outcomes=outcomes)
     if cfg.stats_json:
@@ -376,27 +392,30 @@ def push_pull(client: PSClient, g: np.ndarray, w: np.ndarray, batch: int, clock:
         return ["rejected"]
 
 
-def ask_checkpoint(client: PSClient) -> None:
+def ask_checkpoint(client: PSClient, say=print) -> None:
     """The chief asks every shard to checkpoint (a no-op on shards without a directory). A
     shard that cannot write one (disk full, read-only directory) says why, and training
-    goes on: a lost checkpoint is no reason to lose the run."""
+    goes on: a lost checkpoint is no reason to lose the run. A checkpoint written is the
+    shard's to log (once per version), not ours as well."""
     def ask(shard):
         try:
             return shard.checkpoint(client.rank, client.rpc_deadline)
         except FailedPrecondition as e:
             return e
 
-    for j, answer in enumerate(client.each(ask)):
+    for answer in client.each(ask):
         if isinstance(answer, FailedPrecondition):
-            print(f"{answer}; training goes on", flush=True)
-        elif answer[0]:
-            print(f"checkpoint: shard {j} at version {answer[1]} -> {answer[0]}", flush=True)
+            say(f"{answer}; training goes on")
 
 
-def log_epoch(cfg, ds, model, w, epoch, elapsed, rows) -> dict:
+def log_epoch(cfg, ds, model, w, epoch, started: tuple[float, float], rows, say=print) -> dict:
+    """The chief's line at an epoch's end: the epoch's own time (and the run's so far, from
+    `started`: the epoch's start and the run's), its test metrics."""
     ev = evaluate(model, w, ds, cfg, rows)
-    print(f"epoch {epoch + 1}/{cfg.epochs} done in {elapsed:.1f} s: {format_metrics(ev)}", flush=True)
-    return {"epoch": epoch + 1, "seconds": round(elapsed, 3), **ev}
+    now = time.monotonic()
+    own, total = now - started[0], now - started[1]
+    say(f"epoch {epoch + 1}/{cfg.epochs} done in {own:.1f} s ({total:.1f} s in all): {format_metrics(ev)}")
+    return {"epoch": epoch + 1, "seconds": round(total, 3), "epoch_seconds": round(own, 3), **ev}
 
 
 def format_metrics(ev: dict) -> str:

@@ -53,7 +53,13 @@ def test_bad_flags(args, words):
 
 
 def test_launch_names_the_failing_process(tmp_path):
-    (tmp_path / "bad.py").write_text("def build(input_shape, num_classes):\n    raise ValueError('no')\n")
+    # A model that builds in launch's check but not in a launched worker: a failure at run time.
+    (tmp_path / "bad.py").write_text("import sys\n"
+                                     "from pserver.models import mlp\n"
+                                     "def build(input_shape, num_classes):\n"
+                                     "    if sys.argv[0].endswith('child.py'):\n"
+                                     "        raise ValueError('no')\n"
+                                     "    return mlp(input_shape, num_classes)\n")
     r = run("launch", "--ps", "1", "--workers", "2", "--model", f"{tmp_path / 'bad.py'}:build", timeout=120)
     assert r.returncode == 1
     assert "Traceback" not in r.stdout + r.stderr
