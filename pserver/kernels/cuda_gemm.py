@@ -548,12 +548,15 @@ VARIANTS = {
     "g128x64k8cws2": Variant(128, 8, 64, contig=True, warp=True, splitk=2),
     "g64k16cs2": Variant(64, 16, 64, contig=True, splitk=2),
 }
-# The convolutions' variant when none is named: the fastest at the reference CNN's second-layer
-# shape and at 3x3 64 -> 64 (bench/results/gpu/run-7, H100: 0.43x and 0.26x cuDNN). A weight
+# The convolutions' variant when none is named (bench/results/gpu/run-7, H100: g128x64k8c, 0.43x
+# and 0.26x cuDNN at the reference CNN's second-layer shape and at 3x3 64 -> 64). A weight
 # gradient with at most 64 rows (KH*KW*C + 1: a few input channels, as the first layer's 10)
 # takes WGRAD_SMALL instead, whose tile wastes fewer of them (0.189 against 0.251 ms there).
-CONV_DEFAULT = "g128x64k8c"
-WGRAD_DEFAULT = "g128x64k8c"
+# Run 8 (H100): g128x64k16cwr2 for all three parts, 2.983 ms at 3x3 64 -> 64 against g128x64k8c's
+# 3.278 (0.28x and 0.26x cuDNN: the weight gradient 1.115 against 1.369), 0.586 against 0.584 at
+# conv2 (the same within 0.4%).
+CONV_DEFAULT = "g128x64k16cwr2"
+WGRAD_DEFAULT = "g128x64k16cwr2"
 WGRAD_SMALL = "g64k16"
 
 _PLAIN_A = {False: plain_a(False), True: plain_a(True)}
