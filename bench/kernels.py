@@ -668,10 +668,12 @@ def render_gpu_cnn(rows: list[dict]) -> str:
 # without PyTorch), then timed by DeviceClock: device milliseconds per call from CUDA events,
 # and the host's milliseconds per call (Python and the launches: dispatch) apart.
 
-# run-7 timed two sweeps; these are the second's (the first's are in bench/results/gpu/run-7).
-SWEEP_MATMUL = ("b64k16p", "b128k16pc", "g128x64k16dc", "g128k8dcr2", "g128k8cr2", "g128x64k8dcr3",
-                "g64k16dcr3", "g64k16c", "g128x64k8c")
-SWEEP_CONV = ("g64k16", "g64k16c", "g128x64k8c", "g64k16dcr3")
+# Run 8's (issue 36, second round): the defaults before it (b64k16p, g128k8cr2, g128x64k8c) and
+# the new variants (run-7's sweeps are in bench/results/gpu/run-7).
+SWEEP_MATMUL = ("b64k16p", "g128k8cr2", "g128x64k8c", "g128k8cwr2", "g128k8dcwr2", "g128x64k8cw",
+                "g128x64k8cwr2", "g128x64k16cwr2", "g128k8cr2s2", "g128k8cr2s4", "g128k8cr2sa",
+                "g128k8cwr2s4", "g128k8cwr2sa", "g128x64k8cs2", "g128x64k8cws2", "g64k16cs2")
+SWEEP_CONV = ("g64k16", "g128x64k8c", "g128x64k8cr2", "g128x64k8cw", "g128x64k8cwr2", "g128x64k16cwr2")
 # (name, batch, h = w, channels, filters, kernel, padding, input gradient): the reference CNN's
 # second-layer shape as run-2 timed it, a 3x3 64 -> 64 layer, and the first layer (no dx).
 SWEEP_CONVS = (("conv2 13x13x32->64", 256, 13, 32, 64, 3, "same", True),

@@ -365,7 +365,11 @@ BLOCKED_VARIANTS = {f"b{tile}k{bk}{'p' if pre else ''}{'c' if con else ''}":
 # strips 8 deep, runs of 4, at most 128 registers so that 2 blocks fit on a multiprocessor):
 # 24.1 TFLOP/s at n = 4096 against b128k16pc's 20.7 (0.47x and 0.40x cuBLAS, the same run:
 # bench/results/gpu/run-7, H100), the same at 1024 (9.8 and 9.9).
-BLOCKED_CHOICE = {64: "b64k16p", 128: "g128k8cr2"}
+# Run 8 (H100): g128k8cwr2sa (the same tile, runs of 4 placed per warp, the reduction split
+# where its tiles leave multiprocessors idle) 25.9 / 25.3 / 19.4 TFLOP/s at 4096 / 2048 / 1024
+# against g128k8cr2's 24.1 / 23.5 / 9.8 in the same run. tile_for's rule is unchanged: at 1024
+# it still takes the 64 tile (b64k16p, 15.8), though the split 128 tile is faster there.
+BLOCKED_CHOICE = {64: "b64k16p", 128: "g128k8cwr2sa"}
 
 
 # -- elementwise, column and row kernels ---------------------------------------------------

@@ -55,11 +55,48 @@ def _divmod(a, b):
     return int32(q), int32(a32 - q * b32)
 
 
-@cuda.jit(device=True)
-def _owned(t, i):
-    """The `contig` layout's row (column) of thread t's i-th: runs of 4, the 16 threads' runs
-    side by side, then the next run 64 further (as pserver.kernels.cuda._owned)."""
-    return (i // 4) * (4 * THREADS) + t * 4 + i % 4
+STRIDED, CONTIG, WARP = 0, 1, 2     # where a thread's rows and columns of the tile lie
+
+
+def _layout(kind: int, tm: int, tn: int):
+    """(row, col): row(ty, tx, i) and col(ty, tx, j), thread (ty, tx)'s i-th row and j-th
+    column of the tile. STRIDED: every 16th; CONTIG: runs of 4, 64 apart (the 16 threads' runs
+    side by side, as pserver.kernels.cuda._owned); WARP: each warp (2 rows of the 16 x 16
+    threads) owns a 4tm x 8tn block of the tile (32 x 64 for 128 x 128), its 32 lanes as 4 x 8
+    threads with runs of 4, 16 (rows) and 32 (columns) apart: a 128-bit shared load of A then
+    touches 4 runs and one of B 8 (one pass of the banks each), against 2 and 16 in CONTIG.
+    (Worked out where used, from ty and tx: offsets kept from the start in 64-bit registers
+    made g128k8cr2 spill 148 bytes instead of 20.)"""
+    if kind == WARP:
+        # Thread t = 16 ty + tx is lane (ty & 1) * 16 + tx of warp ty >> 1. In uint32: the
+        # compiler then knows the offsets are not negative (no wraparound select per row,
+        # which split the 128-bit shared loads: seen in the PTX).
+        @cuda.jit(device=True)
+        def row(ty, tx, i):
+            y, x = uint32(ty), uint32(tx)
+            return (y >> 2) * (4 * tm) + ((y & 1) * 2 + (x >> 3)) * 4 + (i // 4) * 16 + i % 4
+
+        @cuda.jit(device=True)
+        def col(ty, tx, j):
+            y, x = uint32(ty), uint32(tx)
+            return ((y >> 1) & 1) * (8 * tn) + (x & 7) * 4 + (j // 4) * 32 + j % 4
+    elif kind == CONTIG:
+        @cuda.jit(device=True)
+        def row(ty, tx, i):
+            return (i // 4) * (4 * THREADS) + ty * 4 + i % 4
+
+        @cuda.jit(device=True)
+        def col(ty, tx, j):
+            return (j // 4) * (4 * THREADS) + tx * 4 + j % 4
+    else:
+        @cuda.jit(device=True)
+        def row(ty, tx, i):
+            return ty + i * THREADS
+
+        @cuda.jit(device=True)
+        def col(ty, tx, j):
+            return tx + j * THREADS
+    return row, col
 
 
 def _pos(width: int, bk: int, kfast: bool):
@@ -266,7 +303,7 @@ def conv_patches_t(width, bk):
 PLAIN, BIAS, SPLIT = 0, 1, 2      # epilogues: C[r, c] = acc; + bias, ReLU; C[z, r, c] = acc
 
 
-def _gemm(bm, bn, bk, a_op, b_op, epilogue, dbuf=False, contig=False, bounds=None):
+def _gemm(bm, bn, bk, a_op, b_op, epilogue, dbuf=False, contig=False, bounds=None, warp=False):
     """A kernel (X, Y, C, bias, geo, relu, kred, kspan): C = op(A) @ op(B) over the reduction
     [z * kspan, min(kred, (z + 1) * kspan)) for block z of the grid's third axis.
 
@@ -274,12 +311,13 @@ def _gemm(bm, bn, bk, a_op, b_op, epilogue, dbuf=False, contig=False, bounds=Non
     read, one barrier per strip instead of two. Either way each thread loads its share of the
     next strip into registers before it computes on the current one (the loads in flight
     during the multiply-adds). `contig`: runs of 4 rows and columns per thread, read with
-    128-bit shared loads. `bounds`: (threads, blocks per multiprocessor) for the compiler's
-    register budget."""
+    128-bit shared loads; `warp` (with contig): those runs placed per warp (_layout's WARP).
+    `bounds`: (threads, blocks per multiprocessor) for the compiler's register budget."""
     tm, tn = bm // THREADS, bn // THREADS
     al, bl = bm * bk // NT, bn * bk // NT
     if min(al, bl) < 1 or NT % bk or (contig and (tm % 4 or tn % 4)):
         raise ValueError(f"no such blocked product: {bm} x {bn} x {bk}, contig={contig}")
+    row_of, col_of = _layout((WARP if warp else CONTIG) if contig else STRIDED, tm, tn)
     a_prep, a_load, a_kfast = a_op(bm, bk)
     b_prep, b_load, b_kfast = b_op(bn, bk)
     a_pos, b_pos = _pos(bm, bk, a_kfast), _pos(bn, bk, b_kfast)
@@ -300,9 +338,9 @@ def _gemm(bm, bn, bk, a_op, b_op, epilogue, dbuf=False, contig=False, bounds=Non
     def compute(sA, sB, buf, acc, a, b, ty, tx):
         for k in range(bk):
             for i in range(tm):
-                a[i] = sA[buf, k, _owned(ty, i) if contig else ty + i * THREADS]
+                a[i] = sA[buf, k, row_of(ty, tx, i)]
             for j in range(tn):
-                b[j] = sB[buf, k, _owned(tx, j) if contig else tx + j * THREADS]
+                b[j] = sB[buf, k, col_of(ty, tx, j)]
             for i in range(tm):
                 for j in range(tn):
                     acc[i, j] += a[i] * b[j]
@@ -328,10 +366,10 @@ def _gemm(bm, bn, bk, a_op, b_op, epilogue, dbuf=False, contig=False, bounds=Non
     def store(C, acc, bias, relu, r0, c0, z, ty, tx):
         rows, cols = C.shape[C.ndim - 2], C.shape[C.ndim - 1]
         for i in range(tm):
-            row = r0 + (_owned(ty, i) if contig else ty + i * THREADS)
+            row = r0 + row_of(ty, tx, i)
             if row < rows:
                 for j in range(tn):
-                    col = c0 + (_owned(tx, j) if contig else tx + j * THREADS)
+                    col = c0 + col_of(ty, tx, j)
                     if col < cols:
                         put_one(C, acc[i, j], bias, relu, row, col, z)
 
@@ -418,16 +456,40 @@ def split_sum_kernel(ws, dw, db):
         db[c] = acc
 
 
+@cuda.jit
+def slice_sum_kernel(ws, C):
+    """C[r, c] = ws[:, r, c] summed in slice order (the split-K product's second kernel)."""
+    c, r = cuda.grid(2)
+    if r >= C.shape[0] or c >= C.shape[1]:
+        return
+    acc = ws[0, r, c]
+    for z in range(1, ws.shape[0]):
+        acc += ws[z, r, c]
+    C[r, c] = acc
+
+
 # -- variants ------------------------------------------------------------------------------------
 
 class Variant:
     """One shape of the skeleton (tile bm x bn, strips bk deep, options), compiled per product
     on first use. `bn` None: 32 where the product has at most 32 columns (the 32-filter layer,
-    the input gradient of 32 channels), else 64."""
+    the input gradient of 32 channels), else 64. `warp`: runs of 4 placed per warp (with
+    contig). `splitk` (plain products only): the reduction split over that many blocks per
+    tile, each writing its slice to a workspace that a second kernel sums in order; "auto":
+    as many slices (up to 4) as fill `per_sm` blocks per multiprocessor where the tiles do not."""
 
-    def __init__(self, bm, bk, bn=None, dbuf=False, contig=False, bounds=None):
+    def __init__(self, bm, bk, bn=None, dbuf=False, contig=False, bounds=None, warp=False, splitk=1,
+                 per_sm=2):
         self.bm, self.bk, self.bn, self.dbuf, self.contig, self.bounds = bm, bk, bn, dbuf, contig, bounds
+        self.warp, self.splitk, self.per_sm = warp, splitk, per_sm
         self._kernels: dict = {}
+
+    def splits(self, tiles: int, k: int) -> int:
+        """The product's slices of the reduction: splitk, or auto's choice; at least 8 strips each."""
+        want = self.splitk
+        if want == "auto":
+            want = max(1, min(4, (_multiprocessors() * self.per_sm) // max(tiles, 1)))
+        return max(1, min(int(want), k // (8 * self.bk)))
 
     def width(self, cols: int) -> int:
         return self.bn or (32 if cols <= 32 else 64)
@@ -436,7 +498,8 @@ class Variant:
         key = (a_op, b_op, epilogue, bn)
         if key not in self._kernels:
             self._kernels[key] = _gemm(self.bm, bn, self.bk, a_op, b_op, epilogue, self.dbuf,
-                                       self.contig and bn % 64 == 0, self.bounds)
+                                       self.contig and bn % 64 == 0, self.bounds,
+                                       self.warp and self.contig and bn % 64 == 0)
         return self._kernels[key]
 
 
@@ -462,12 +525,38 @@ VARIANTS = {
     "g64k16dcr3": Variant(64, 16, 64, dbuf=True, contig=True, bounds=(NT, 3)),
     "g64k16c": Variant(64, 16, 64, contig=True),
     "g128x64k8c": Variant(128, 8, 64, contig=True),
+    # Issue 36's second round (run 8). w: runs of 4 placed per warp (each warp a 32 x 64 block
+    # of the 128 x 128 tile, 32 x 32 of the 128 x 64 one); s<n>: split-K into n slices (sa: as
+    # many as fill 2 blocks per multiprocessor, up to 4) for products whose tiles leave
+    # multiprocessors idle (64 tiles of 128 at n = 1024 on 132); r2 on the 128 x 64 tile, whose
+    # input gradient took 128-130 registers (1 block per multiprocessor) without it. ptxas
+    # (sm_90, CUDA 13.0) spills 16-108 bytes of the capped 128 x 128 tiles (as g128k8cr2: 20-96),
+    # none of the 128 x 64 k8 ones, 0-64 of g128x64k16cwr2. (w on the 64 x 64 tile lost its
+    # 128-bit shared loads, and the 128 x 64 k16 tile without a cap took 140-174 registers: not kept.)
+    "g128k8cwr2": Variant(128, 8, 128, contig=True, bounds=(NT, 2), warp=True),
+    "g128k8dcwr2": Variant(128, 8, 128, dbuf=True, contig=True, bounds=(NT, 2), warp=True),
+    "g128x64k8cw": Variant(128, 8, 64, contig=True, warp=True),
+    "g128x64k8cr2": Variant(128, 8, 64, contig=True, bounds=(NT, 2)),
+    "g128x64k8cwr2": Variant(128, 8, 64, contig=True, bounds=(NT, 2), warp=True),
+    "g128x64k16cwr2": Variant(128, 16, 64, contig=True, bounds=(NT, 2), warp=True),
+    "g128k8cr2s2": Variant(128, 8, 128, contig=True, bounds=(NT, 2), splitk=2),
+    "g128k8cr2s4": Variant(128, 8, 128, contig=True, bounds=(NT, 2), splitk=4),
+    "g128k8cr2sa": Variant(128, 8, 128, contig=True, bounds=(NT, 2), splitk="auto"),
+    "g128k8cwr2s4": Variant(128, 8, 128, contig=True, bounds=(NT, 2), warp=True, splitk=4),
+    "g128k8cwr2sa": Variant(128, 8, 128, contig=True, bounds=(NT, 2), warp=True, splitk="auto"),
+    "g128x64k8cs2": Variant(128, 8, 64, contig=True, splitk=2),
+    "g128x64k8cws2": Variant(128, 8, 64, contig=True, warp=True, splitk=2),
+    "g64k16cs2": Variant(64, 16, 64, contig=True, splitk=2),
 }
-# The convolutions' variant when none is named: the fastest at the reference CNN's second-layer
-# shape and at 3x3 64 -> 64 (bench/results/gpu/run-7, H100: 0.43x and 0.26x cuDNN). A weight
+# The convolutions' variant when none is named (bench/results/gpu/run-7, H100: g128x64k8c, 0.43x
+# and 0.26x cuDNN at the reference CNN's second-layer shape and at 3x3 64 -> 64). A weight
 # gradient with at most 64 rows (KH*KW*C + 1: a few input channels, as the first layer's 10)
 # takes WGRAD_SMALL instead, whose tile wastes fewer of them (0.189 against 0.251 ms there).
-CONV_DEFAULT = "g128x64k8c"
+# Run 8 (H100): g128x64k16cwr2 for all three parts, 2.983 ms at 3x3 64 -> 64 against g128x64k8c's
+# 3.278 (0.28x and 0.26x cuDNN: the weight gradient 1.115 against 1.369), 0.586 against 0.584 at
+# conv2 (the same within 0.4%).
+CONV_DEFAULT = "g128x64k16cwr2"
+WGRAD_DEFAULT = "g128x64k16cwr2"
 WGRAD_SMALL = "g64k16"
 
 _PLAIN_A = {False: plain_a(False), True: plain_a(True)}
@@ -479,18 +568,41 @@ def _blocks(n: int, per: int) -> int:
     return (n + per - 1) // per
 
 
-def matmul(A, B, C, trans_a=False, trans_b=False, variant="g128k8dc", *, stream=0):
-    """C[:] = op(A) @ op(B) with a named variant; shapes as pserver.kernels.cuda.matmul."""
+def _multiprocessors() -> int:
+    """The current device's multiprocessor count (the simulator: an H100's 132), read once."""
+    if not _SMS:
+        _SMS.append(132 if cuda.config.ENABLE_CUDASIM
+                    else int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
+    return _SMS[0]
+
+
+_SMS: list[int] = []
+
+
+def matmul(A, B, C, trans_a=False, trans_b=False, variant="g128k8dc", *, splits=None, stream=0):
+    """C[:] = op(A) @ op(B) with a named variant; shapes as pserver.kernels.cuda.matmul.
+    `splits`: slices of the reduction (default the variant's; the tests ask for ragged ones)."""
     M, K = (A.shape[1], A.shape[0]) if trans_a else A.shape
     K2, N = (B.shape[1], B.shape[0]) if trans_b else B.shape
     if K != K2 or C.shape != (M, N):
         raise ValueError(f"matmul: op(A) is {(M, K)}, op(B) is {(K2, N)}, C is {C.shape}")
+    if not (M and N):
+        return
     v = VARIANTS[variant]
     bn = v.width(N)
-    k = v.kernel(_PLAIN_A[bool(trans_a)], _PLAIN_B[bool(trans_b)], PLAIN, bn)
-    if M and N:
-        k[(_blocks(M, v.bm), _blocks(N, bn), 1), (THREADS, THREADS), stream](A, B, C, C, _NO_GEO, False, K,
-                                                                            max(K, 1))
+    ops = _PLAIN_A[bool(trans_a)], _PLAIN_B[bool(trans_b)]
+    grid = (_blocks(M, v.bm), _blocks(N, bn))
+    splits = splits or v.splits(grid[0] * grid[1], K)
+    span = _blocks(_blocks(K, splits), v.bk) * v.bk       # whole strips per slice
+    splits = max(1, _blocks(K, span)) if K else 1
+    if splits == 1:
+        v.kernel(*ops, PLAIN, bn)[(*grid, 1), (THREADS, THREADS), stream](
+            A, B, C, C, _NO_GEO, False, K, max(K, 1))
+        return
+    ws = _workspace((splits, M, N), stream)
+    v.kernel(*ops, SPLIT, bn)[(*grid, splits), (THREADS, THREADS), stream](
+        A, B, ws, C, _NO_GEO, False, K, span)
+    slice_sum_kernel[(_blocks(N, 32), _blocks(M, 8)), (32, 8), stream](ws, C)
 
 
 def dense_forward(x, W, b, out, relu, variant, *, stream=0):
@@ -504,6 +616,15 @@ def dense_forward(x, W, b, out, relu, variant, *, stream=0):
             x, W, out, b, _NO_GEO, bool(relu), k, max(k, 1))
 
 
+def _conv_variant(variant, part: str):
+    """The variant a convolution's part takes: `variant` names one for all three, or "X+Y": X
+    for the forward and input gradient, Y for the weight gradient; None: the defaults."""
+    if variant and "+" in variant:
+        main, wgrad = variant.split("+", 1)
+        return wgrad if part == "wgrad" else main
+    return variant
+
+
 def geometry(x_shape, w_shape, y_shape, stride_h, stride_w, pad_top, pad_left) -> tuple:
     """The kernels' `geo`: (H, W, C, OH, OW, F, KH, KW, sh, sw, pt, pl), as Python ints."""
     _, h, w, c = x_shape
@@ -515,7 +636,7 @@ def geometry(x_shape, w_shape, y_shape, stride_h, stride_w, pad_top, pad_left) -
 def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu, variant=None, *,
                    stream=0):
     """out[:] = conv(x, w) + b, then ReLU if `relu` (shapes checked by the caller)."""
-    v = VARIANTS[variant or CONV_DEFAULT]
+    v = VARIANTS[_conv_variant(variant, "forward") or CONV_DEFAULT]
     geo = geometry(x.shape, w.shape, out.shape, stride_h, stride_w, pad_top, pad_left)
     kh, kw, c, f = w.shape
     P, K = out.size // f, kh * kw * c
@@ -529,7 +650,7 @@ def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu, va
 
 def conv2d_input_grad(w, dy, dx, stride_h, stride_w, pad_top, pad_left, variant=None, *, stream=0):
     """dx[:] = d loss / d x from dy (shapes checked by the caller)."""
-    v = VARIANTS[variant or CONV_DEFAULT]
+    v = VARIANTS[_conv_variant(variant, "input") or CONV_DEFAULT]
     geo = geometry(dx.shape, w.shape, dy.shape, stride_h, stride_w, pad_top, pad_left)
     kh, kw, c, f = w.shape
     Q, K = dx.size // c if c else 0, kh * kw * f
@@ -571,7 +692,7 @@ def conv2d_weight_grad(x, dy, dw, db, stride_h, stride_w, pad_top, pad_left, var
     pixels (default splits_for's choice; the tests ask for ragged ones)."""
     kh, kw, c, f = dw.shape
     taps = kh * kw * c
-    v = VARIANTS[variant or (WGRAD_SMALL if taps + 1 <= 64 else CONV_DEFAULT)]
+    v = VARIANTS[_conv_variant(variant, "wgrad") or (WGRAD_SMALL if taps + 1 <= 64 else WGRAD_DEFAULT)]
     geo = geometry(x.shape, dw.shape, dy.shape, stride_h, stride_w, pad_top, pad_left)
     P = dy.size // f if f else 0
     if not f:
@@ -598,6 +719,6 @@ def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left,
         conv2d_input_grad(w, dy, dx, stride_h, stride_w, pad_top, pad_left, variant, stream=stream)
 
 
-__all__ = ["VARIANTS", "CONV_DEFAULT", "WGRAD_SMALL", "matmul", "dense_forward", "conv2d_forward",
-           "conv2d_backward",
-           "conv2d_input_grad", "conv2d_weight_grad", "geometry", "splits_for"]
+__all__ = ["VARIANTS", "CONV_DEFAULT", "WGRAD_DEFAULT", "WGRAD_SMALL", "matmul", "dense_forward",
+           "conv2d_forward", "conv2d_backward", "conv2d_input_grad", "conv2d_weight_grad", "geometry",
+           "splits_for"]

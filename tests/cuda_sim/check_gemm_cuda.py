@@ -71,10 +71,12 @@ def test_convolutions_equal_their_twins(g, seed, variant, relu):
     _check_conv(g, seed, variant, relu)
 
 
-@pytest.mark.parametrize("variant", ["g64k16dc", "g128x64k8c", "g64k16dcr3"])
+@pytest.mark.parametrize("variant", ["g64k16dc", "g128x64k8c", "g64k16dcr3", "g128x64k8cw",
+                                     "g128x64k16cwr2", "g128x64k8cw+g128x64k16cwr2"])
 def test_wide_and_contiguous_variants(variant):
     # 33 filters and 33 channels: 64-wide tiles, in the runs-of-4 layout where the variant
-    # has it; the weight gradient's 2 x 2 x 33 + 1 = 133 rows cross the 64 and 128 tiles.
+    # has it (per warp with w); the weight gradient's 2 x 2 x 33 + 1 = 133 rows cross the 64
+    # and 128 tiles. "X+Y": X for the forward and input gradient, Y for the weight gradient.
     _check_conv((1, 5, 5, 33, 33, 2, 2, 1, 1, "same"), 7, variant)
 
 
@@ -100,7 +102,7 @@ def _distinct_in_simulator():
     shapes = {}
     for name in sorted(G.VARIANTS, key=len):
         v = G.VARIANTS[name]
-        shapes.setdefault((v.bm, v.bn, v.bk, v.dbuf, v.contig), name)
+        shapes.setdefault((v.bm, v.bn, v.bk, v.dbuf, v.contig, v.warp, v.splitk), name)
     return sorted(shapes.values())
 
 
@@ -111,6 +113,31 @@ def test_each_product_variant(variant):
     c = nans(130, 67)
     G.matmul(cuda.to_device(a), cuda.to_device(b), c, False, False, variant)
     close(c, a @ b, 1e-5)
+
+
+@pytest.mark.parametrize("variant, splits", [("g128k8cr2s4", None), ("g128k8cwr2s4", 3), ("g64k16cs2", 2),
+                                             ("g128x64k8cws2", 5)])
+def test_split_k_products(variant, splits):
+    # K = 100 in slices of whole strips: s4's own choice is 1 slice (100 // 64: fewer than 8
+    # strips of 8 each: no split); asked for 3 at bk 8, slices of 40, 40, 20; 2 at bk 16, 64
+    # and 36; 5 at bk 8, four of 24 and one of 4. The slices add up in order in a second
+    # kernel; transposed operands take the same path.
+    rng = np.random.default_rng(11)
+    a, b = f32(rng, 70, 100), f32(rng, 100, 131)
+    for ta, tb in ((False, False), (True, True)):
+        c = nans(70, 131)
+        G.matmul(cuda.to_device(a.T.copy() if ta else a), cuda.to_device(b.T.copy() if tb else b), c,
+                 ta, tb, variant, splits=splits)
+        close(c, a @ b, 1e-5)
+
+
+def test_split_k_choice():
+    v = G.VARIANTS["g128k8cr2sa"]
+    assert v.splits(tiles=64, k=1024) == 4              # 64 tiles of 128 at n = 1024: 4 x 64 <= 264
+    assert v.splits(tiles=128, k=2048) == 2
+    assert v.splits(tiles=1024, k=4096) == 1            # enough tiles: no split
+    assert v.splits(tiles=64, k=100) == 1               # under 8 strips per slice: no split
+    assert G.VARIANTS["g128k8cr2s4"].splits(tiles=1024, k=4096) == 4
 
 
 @pytest.mark.parametrize("trans_a, trans_b", [(True, False), (False, True), (True, True)])
