@@ -367,8 +367,8 @@ BLOCKED_VARIANTS = {f"b{tile}k{bk}{'p' if pre else ''}{'c' if con else ''}":
 # bench/results/gpu/run-7, H100), the same at 1024 (9.8 and 9.9).
 # Run 8 (H100): g128k8cwr2sa (the same tile, runs of 4 placed per warp, the reduction split
 # where its tiles leave multiprocessors idle) 25.9 / 25.3 / 19.4 TFLOP/s at 4096 / 2048 / 1024
-# against g128k8cr2's 24.1 / 23.5 / 9.8 in the same run, and b64k16p's 15.8 at 1024: tile_for
-# takes it there now (SPLIT_MIN_K).
+# against g128k8cr2's 24.1 / 23.5 / 9.8 in the same run, and b64k16p's 15.8 at 1024 (device
+# time; with its host time, slower at n = 1024: see SPLIT_MIN_K).
 BLOCKED_CHOICE = {64: "b64k16p", 128: "g128k8cwr2sa"}
 
 
@@ -844,11 +844,14 @@ WAVES = {64: (2, 0.61), 128: (1, 1.0)}
 # Split-K where the 64 tile leaves multiprocessors idle (bench/results/gpu/run-8, H100): at n =
 # 1024 b64k16p's 256 blocks are under one wave (2 per multiprocessor: 264 on 132), and the 128
 # tile with its reduction split in 4 (BLOCKED_CHOICE[128], g128k8cwr2sa: 64 tiles x 4 slices)
-# gave 19.4 TFLOP/s against 15.8 (0.51x and 0.41x cuBLAS; unsplit, the 128 tile gave 10.3).
+# gave 19.4 TFLOP/s of device time against 15.8 (0.51x and 0.41x cuBLAS; unsplit, 10.3).
 # Only products split (dense_forward does not), and only a reduction at least SPLIT_MIN_K long:
-# 1024 is the shortest timed, and the split costs a second launch (about 0.1 ms of host time)
-# and a pass over its slices, a larger share of a shorter product.
-SPLIT_MIN_K = 1024
+# the split's second launch costs host time (0.18-0.20 ms per product against 0.07, run-8), so
+# it pays only where the product's device time is above that. Run 9 (H100, the worker's path,
+# a sync per product) at n = 1024, with SPLIT_MIN_K = 1024: 0.194 ms split against 0.171 for
+# b64k16p (whose device time there is 0.136 ms: under the split's host time). From K = 2048 the
+# 64 tile's device time (about 0.27 ms at 1024 x 1024) is above it; not timed yet.
+SPLIT_MIN_K = 2048
 
 
 def _splits_128() -> bool:
@@ -863,8 +866,8 @@ def tile_for(M: int, N: int, K: int = 0) -> int:
     kernel, when the 64 tile's blocks do not give every multiprocessor one: its many small
     blocks keep a small product (or a narrow one with a long K, as a weight gradient x.T @ dz)
     spread over the GPU. 128 (split-K) when the 64 tile's blocks give every multiprocessor one
-    but fill less than one wave of WAVES[64] per multiprocessor and K >= SPLIT_MIN_K (n = 1024
-    on 132: 0.51x cuBLAS against 0.41x, run-8). Otherwise the blocked tile whose waves (WAVES)
+    but fill less than one wave of WAVES[64] per multiprocessor and K >= SPLIT_MIN_K (a 1024 x
+    1024 product with K >= 2048 on 132 multiprocessors). Otherwise the blocked tile whose waves (WAVES)
     take least time: a partly idle last wave costs as much as a full one. On the H200 this
     picked the faster of the two tiles at every size timed, 1024 to 4096
     (bench/results/gpu/README.md)."""

@@ -147,9 +147,10 @@ def test_tile_for_fills_the_multiprocessors_in_the_fewest_waves():
         assert [K.tile_for(n, n) for n in (1024, 1280, 1536, 1792, 2048, 4096)] == [64, 128, 64, 64, 128, 128]
         assert K.tile_for(768, 704) == 64 and K.tile_for(768, 640) == 16
         assert K.tile_for(4096, 256) == 64 and K.tile_for(64, 256) == 16
-        # Run 8 (H100): a product at n = 1024 takes the split 128 tile (0.51x cuBLAS against
-        # 0.41x); a short reduction, or a dense forward (no K: it does not split), the 64 tile.
-        assert K.tile_for(1024, 1024, 1024) == 128 and K.tile_for(1024, 1024, 512) == 64
+        # Runs 8 and 9 (H100): a 1024 x 1024 product with a long reduction takes the split 128
+        # tile; at K = 1024 (the split's host time above b64k16p's device time), or a dense
+        # forward (no K: it does not split), the 64 tile.
+        assert K.tile_for(1024, 1024, 2048) == 128 and K.tile_for(1024, 1024, 1024) == 64
         assert [K.tile_for(n, n, n) for n in (1280, 1536, 2048, 4096)] == [128, 64, 128, 128]
         assert K.tile_for(768, 704, 4096) == 128 and K.tile_for(768, 640, 4096) == 16
 
