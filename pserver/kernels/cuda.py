@@ -367,8 +367,8 @@ BLOCKED_VARIANTS = {f"b{tile}k{bk}{'p' if pre else ''}{'c' if con else ''}":
 # bench/results/gpu/run-7, H100), the same at 1024 (9.8 and 9.9).
 # Run 8 (H100): g128k8cwr2sa (the same tile, runs of 4 placed per warp, the reduction split
 # where its tiles leave multiprocessors idle) 25.9 / 25.3 / 19.4 TFLOP/s at 4096 / 2048 / 1024
-# against g128k8cr2's 24.1 / 23.5 / 9.8 in the same run. tile_for's rule is unchanged: at 1024
-# it still takes the 64 tile (b64k16p, 15.8), though the split 128 tile is faster there.
+# against g128k8cr2's 24.1 / 23.5 / 9.8 in the same run, and b64k16p's 15.8 at 1024 (device
+# time; with its host time, slower at n = 1024: see SPLIT_MIN_K).
 BLOCKED_CHOICE = {64: "b64k16p", 128: "g128k8cwr2sa"}
 
 
@@ -800,7 +800,7 @@ def matmul(A, B, C, trans_a=False, trans_b=False, *, stream=0):
     if K != K2 or C.shape != (M, N):
         raise ValueError(f"matmul: op(A) is {(M, K)}, op(B) is {(K2, N)}, C is {C.shape}")
     if M and N:
-        matmul_tiled(A, B, C, trans_a, trans_b, tile_for(M, N), stream=stream)
+        matmul_tiled(A, B, C, trans_a, trans_b, tile_for(M, N, K), stream=stream)
 
 
 def matmul_tiled(A, B, C, trans_a, trans_b, tile, *, stream=0):
@@ -841,18 +841,44 @@ def _blocked(tile):
 WAVES = {64: (2, 0.61), 128: (1, 1.0)}
 
 
-def tile_for(M: int, N: int) -> int:
-    """The side of C's tile per block for an M x N product. 16, the one-element-per-thread
+# Split-K where the 64 tile leaves multiprocessors idle (bench/results/gpu/run-8, H100): at n =
+# 1024 b64k16p's 256 blocks are under one wave (2 per multiprocessor: 264 on 132), and the 128
+# tile with its reduction split in 4 (BLOCKED_CHOICE[128], g128k8cwr2sa: 64 tiles x 4 slices)
+# gave 19.4 TFLOP/s of device time against 15.8 (0.51x and 0.41x cuBLAS; unsplit, 10.3).
+# Only products split (dense_forward does not), and only a reduction at least SPLIT_MIN_K long:
+# the split's second launch costs host time (0.18-0.20 ms per product against 0.07, run-8), so
+# it pays only where the product's device time is above that. Run 9 (H100, the worker's path,
+# a sync per product) at n = 1024, with SPLIT_MIN_K = 1024: 0.194 ms split against 0.171 for
+# b64k16p (whose device time there is 0.136 ms: under the split's host time). From K = 2048 the
+# 64 tile's device time (about 0.27 ms at 1024 x 1024) is above it; not timed yet.
+SPLIT_MIN_K = 2048
+
+
+def _splits_128() -> bool:
+    """Whether BLOCKED_CHOICE[128] is a cuda_gemm variant that splits the reduction."""
+    name = _gemm_name(128)
+    return name is not None and cuda_gemm.VARIANTS[name].splitk != 1
+
+
+def tile_for(M: int, N: int, K: int = 0) -> int:
+    """The side of C's tile per block for an M x N product with a reduction K long (0: not a
+    plain product, as dense_forward, which does not split). 16, the one-element-per-thread
     kernel, when the 64 tile's blocks do not give every multiprocessor one: its many small
     blocks keep a small product (or a narrow one with a long K, as a weight gradient x.T @ dz)
-    spread over the GPU. Otherwise the blocked tile whose waves (WAVES) take least time: a
-    partly idle last wave costs as much as a full one. On the H200 this picked the faster of the
-    two tiles at every size timed, 1024 to 4096 (bench/results/gpu/README.md)."""
+    spread over the GPU. 128 (split-K) when the 64 tile's blocks give every multiprocessor one
+    but fill less than one wave of WAVES[64] per multiprocessor and K >= SPLIT_MIN_K (a 1024 x
+    1024 product with K >= 2048 on 132 multiprocessors). Otherwise the blocked tile whose waves (WAVES)
+    take least time: a partly idle last wave costs as much as a full one. On the H200 this
+    picked the faster of the two tiles at every size timed, 1024 to 4096
+    (bench/results/gpu/README.md)."""
     if FORCE_TILE is not None:
         return FORCE_TILE
     sms = _multiprocessors()
-    if _blocks(M, 64) * _blocks(N, 64) < sms:
+    blocks64 = _blocks(M, 64) * _blocks(N, 64)
+    if blocks64 < sms:
         return TILE
+    if K >= SPLIT_MIN_K and blocks64 < sms * WAVES[64][0] and _splits_128():
+        return 128
 
     def waves(side):
         per_sm, unit = WAVES[side]

@@ -676,14 +676,20 @@ def splits_for(tiles: int, pixels: int, bk: int) -> int:
 
 def _workspace(shape, stream):
     """A float32 device array of `shape`, reused by the launches on this stream (the stream
-    orders them, so a reuse never overlaps the last use); kept with its stream."""
+    orders them, so a reuse never overlaps the last use); kept with its stream, with its views
+    by shape (slicing a device array costs host time on every call)."""
     key = id(stream) if stream else 0
     have = _WORKSPACES.get(key)
     size = int(np.prod(shape))
     if have is None or have[1].size < size:
-        have = (stream, cuda.device_array(max(size, 1), np.float32, stream=stream))
+        have = (stream, cuda.device_array(max(size, 1), np.float32, stream=stream), {})
         _WORKSPACES[key] = have
-    return have[1][:size].reshape(shape)
+    view = have[2].get(shape)
+    if view is None:
+        if len(have[2]) >= 64:        # a few shapes per worker; never an unbounded map
+            have[2].clear()
+        view = have[2][shape] = have[1][:size].reshape(shape)
+    return view
 
 
 def conv2d_weight_grad(x, dy, dw, db, stride_h, stride_w, pad_top, pad_left, variant=None, *,

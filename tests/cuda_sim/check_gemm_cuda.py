@@ -140,6 +140,27 @@ def test_split_k_choice():
     assert G.VARIANTS["g128k8cr2s4"].splits(tiles=1024, k=4096) == 4
 
 
+def test_matmul_takes_the_split_128_tile_under_one_wave_of_64s(monkeypatch):
+    # tile_for as at n = 1024 on 132 multiprocessors, scaled down for the simulator: 2
+    # multiprocessors, a 128 x 64 product (2 blocks of 64: under one wave of 2 per
+    # multiprocessor) with a reduction of 128 >= SPLIT_MIN_K (lowered) takes the 128 tile,
+    # which splits it in 2 (splits: 8 strips of 8 each); a shorter one takes the 64 tile.
+    monkeypatch.setattr(K, "_SMS", [2])
+    monkeypatch.setattr(G, "_SMS", [2])
+    monkeypatch.setattr(K, "SPLIT_MIN_K", 128)
+    tiles = []
+    real = K.matmul_tiled
+    monkeypatch.setattr(K, "matmul_tiled", lambda *a, **kw: tiles.append(a[5]) or real(*a, **kw))
+    rng = np.random.default_rng(5)
+    for k in (128, 100):
+        a, b = f32(rng, 128, k), f32(rng, k, 64)
+        c = nans(128, 64)
+        K.matmul(cuda.to_device(a), cuda.to_device(b), c)
+        close(c, a @ b, 1e-5)
+    assert tiles == [128, 64]
+    assert G.VARIANTS[K.BLOCKED_CHOICE[128]].splits(tiles=1, k=128) == 2
+
+
 @pytest.mark.parametrize("trans_a, trans_b", [(True, False), (False, True), (True, True)])
 def test_transposed_products(trans_a, trans_b):
     rng = np.random.default_rng(3)

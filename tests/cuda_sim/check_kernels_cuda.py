@@ -133,16 +133,31 @@ def test_tile_for_fills_the_multiprocessors_in_the_fewest_waves():
     shapes = [(1, 1), (64, 256), (4096, 256), (4096, 4096), (784, 256), (4096, 784), (768, 704),
               (768, 640), (1024, 1024), (1280, 1280), (1536, 1536), (1792, 1792), (2048, 2048)]
     for m, n in shapes:
-        tile = K.tile_for(m, n)
-        if K._blocks(m, 64) * K._blocks(n, 64) < sms:
-            assert tile == 16            # too few blocks of 64 to give every multiprocessor one
-        else:
-            assert tile in (64, 128) and waves(m, n, tile) == min(waves(m, n, 64), waves(m, n, 128))
+        for k in (0, K.SPLIT_MIN_K - 1, K.SPLIT_MIN_K, 4096):
+            tile = K.tile_for(m, n, k)
+            blocks64 = K._blocks(m, 64) * K._blocks(n, 64)
+            if blocks64 < sms:
+                assert tile == 16        # too few blocks of 64 to give every multiprocessor one
+            elif blocks64 < sms * K.WAVES[64][0] and k >= K.SPLIT_MIN_K:
+                assert tile == 128       # under one wave of 64s, a long reduction: split-K 128
+            else:
+                assert tile in (64, 128) and waves(m, n, tile) == min(waves(m, n, 64), waves(m, n, 128))
     if simfix.SIMULATOR:   # an H100's or H200's 132 multiprocessors
         # What the H200 measured (bench/results/gpu/run-6): the faster tile at each size.
         assert [K.tile_for(n, n) for n in (1024, 1280, 1536, 1792, 2048, 4096)] == [64, 128, 64, 64, 128, 128]
         assert K.tile_for(768, 704) == 64 and K.tile_for(768, 640) == 16
         assert K.tile_for(4096, 256) == 64 and K.tile_for(64, 256) == 16
+        # Runs 8 and 9 (H100): a 1024 x 1024 product with a long reduction takes the split 128
+        # tile; at K = 1024 (the split's host time above b64k16p's device time), or a dense
+        # forward (no K: it does not split), the 64 tile.
+        assert K.tile_for(1024, 1024, 2048) == 128 and K.tile_for(1024, 1024, 1024) == 64
+        assert [K.tile_for(n, n, n) for n in (1280, 1536, 2048, 4096)] == [128, 64, 128, 128]
+        assert K.tile_for(768, 704, 4096) == 128 and K.tile_for(768, 640, 4096) == 16
+
+
+def test_tile_for_splits_only_with_a_splitting_128_tile(monkeypatch):
+    monkeypatch.setitem(K.BLOCKED_CHOICE, 128, "g128k8cwr2")      # the same tile, unsplit
+    assert K.tile_for(1024, 1024, 4096) == 64
 
 
 def test_matmul_checks_shapes_before_launching():
