@@ -47,17 +47,23 @@ def as_dict(msg) -> dict:
     return out
 
 
-def differing_settings(statuses) -> dict:
-    """{setting: [each shard's value]} for the training settings on which the shards differ."""
-    names = [f.name for f in statuses[0].settings.DESCRIPTOR.fields] if statuses else []
-    values = {n: [getattr(s.settings, n) for s in statuses] for n in names}
-    return {n: v for n, v in values.items() if len(set(v)) > 1}
+def settings_of(msg) -> dict:
+    """A TrainingSettings message as {setting: value}, every field (defaults included)."""
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+
+
+def differing_settings(settings: list[dict]) -> dict:
+    """{setting: [each shard's value]} for the training settings on which the shards differ
+    (`settings`: each shard's, as settings_of gives them), in the message's field order. The
+    worker refuses such a cluster (worker/client.py); `pserver status` shows it."""
+    return {n: [s[n] for s in settings] for n in (settings[0] if settings else ())
+            if len({s[n] for s in settings}) > 1}
 
 
 def show_status(statuses, as_json: bool = False) -> int:
     """Print the shards' Status replies (PSClient.status) as a table, or as JSON. Training
     settings on which the shards differ (a misconfigured job) are shown per shard."""
-    differ = differing_settings(statuses)
+    differ = differing_settings([settings_of(s.settings) for s in statuses])
     if as_json:
         shards = [as_dict(s) for s in statuses]
         print(json.dumps({"shards": shards, "cluster": combine_counters(statuses),

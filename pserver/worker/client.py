@@ -35,6 +35,7 @@ from pserver.errors import (
     rpc_error_for,
 )
 from pserver.models.layout import Layout
+from pserver.observe.status import differing_settings, settings_of
 from pserver.signals import stopping
 from pserver.wire import codec, frames
 from pserver.wire import compress as codecs
@@ -455,27 +456,17 @@ def process_age() -> float | None:
         return None
 
 
-def settings_of(msg: pb.TrainingSettings) -> dict:
-    """A TrainingSettings message as {setting: value}, every field (defaults included)."""
-    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
-
-
-def disagreement(labels: Sequence[str], settings: Sequence[dict | None]) -> str:
+def disagreement(labels: Sequence[str], settings: Sequence[dict]) -> str:
     """"" when every shard reports the same training settings, else one line naming the first
-    setting that differs, the shards and both values."""
-    known = [(label, s) for label, s in zip(labels, settings) if s is not None]
-    if len(known) < 2:
+    setting that differs, shard 0 and the first shard that differs from it, and both values."""
+    differ = differing_settings(list(settings))
+    if not differ:
         return ""
-    (first, ref), others = known[0], known[1:]
-    for name in ref:
-        for label, s in others:
-            if s.get(name) != ref[name]:
-                flag = "--" + name.replace("_", "-")
-                return (f"the shards disagree on {flag}: {first} has {ref[name]!r} and {label} has "
-                        f"{s.get(name)!r}; every shard of one job must be started with the same "
-                        f"training settings (mode, optimizer and its hyper-parameters, schedule, "
-                        f"step timeout, workers)")
-    return ""
+    name, values = next(iter(differ.items()))
+    j = next(j for j, v in enumerate(values) if v != values[0])
+    return (f"the shards disagree on --{name.replace('_', '-')}: {labels[0]} has {values[0]!r} and "
+            f"{labels[j]} has {values[j]!r}; every shard of one job must be started with the same "
+            f"training settings (mode, optimizer and its hyper-parameters, schedule, step timeout, workers)")
 
 
 def restart_note(info: ShardInfo, seeded: bool | None) -> str:
