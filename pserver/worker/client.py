@@ -500,7 +500,7 @@ class PSClient:
         self.rank, self.num_workers, self.rpc_deadline = rank, num_workers, rpc_deadline
         self.session_file = SessionFile(session_dir, addresses, rank)
         self._file_lock = threading.Lock()
-        self.took_over_at: float | None = None   # set by a takeover until the first push is told
+        self.tell_first_push = False             # a takeover: say when the first push is taken in
         self.compression = codecs.parse(compression)
         self.pull_compression = codecs.parse_pull(pull_compression)
         self.feedback: compress.ErrorFeedback | None = None   # made at register, sized by the layout
@@ -552,7 +552,7 @@ class PSClient:
             s.on_register = self._keep_sessions     # a rejoin gets a new credential: keep it too
         taken = sum(i.took_over for i in infos)
         if taken:
-            self.took_over_at = process_age()
+            self.tell_first_push = True
             print(f"worker {self.rank}: took its rank back at once on {taken} of {len(infos)} shard(s) with "
                   f"the session kept in {self.session_file.path} (the previous process's gradient for "
                   f"the open step is discarded; this one trains that batch again)", flush=True)
@@ -672,12 +672,11 @@ class PSClient:
 
     def _first_push_done(self) -> None:
         """After a takeover, say once how long the restart took to its first push taken in."""
-        if self.took_over_at is not None:
+        if self.tell_first_push:
             age = process_age()
-            print(f"worker {self.rank}: first push after the takeover taken in "
-                  f"{age:.1f} s after this process started" if age is not None else
-                  f"worker {self.rank}: first push after the takeover taken in", flush=True)
-            self.took_over_at = None
+            when = f" {age:.1f} s after this process started" if age is not None else ""
+            print(f"worker {self.rank}: first push after the takeover taken in{when}", flush=True)
+            self.tell_first_push = False
 
     def _rows(self, lookups: Sequence[sparse.TableLookup], tables: Sequence[str]) -> list[list]:
         """Per shard: (table, unique ids it holds, their gradients) for each lookup."""
