@@ -24,7 +24,7 @@ from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
 from pserver.observe.telemetry import ShardMetrics
 from pserver.optim import make_optimizer
-from pserver.server import checkpoint, memory
+from pserver.server import checkpoint, memory, reshard
 from pserver.server.limits import Limits, pool_threads
 from pserver.server.membership import Membership
 from pserver.server.store import RowGrads, ShardStore, first_nonfinite
@@ -157,8 +157,9 @@ class Shard:
         self.checkpointer = checkpoint.Checkpointer(*where, self.store, self.cfg) if where else None
 
     def _restore(self, directory: str) -> None:
-        ckpt = checkpoint.load_latest(directory, self.cfg.shard, self.cfg.num_shards,
+        point = reshard.restore_point(directory, self.cfg.shard, self.cfg.num_shards, self.cfg.mode,
                                       self.cfg.restore_fresh_if_corrupt)
+        ckpt = point.ckpt
         if ckpt is None:
             log.info("shard %d: no checkpoint in %s; starting fresh", self.cfg.shard, directory)
             return
@@ -166,7 +167,9 @@ class Shard:
             raise ConfigError(f"--restore: {ckpt.path} was written with --optimizer {ckpt.optimizer}, "
                               f"this shard runs {self.cfg.optimizer}")
         self.store.restore(ckpt)
-        log.info("shard %d: restored version %d from %s", self.cfg.shard, ckpt.version, ckpt.path)
+        log.info("shard %d: restored version %d from %s%s", self.cfg.shard, ckpt.version, ckpt.path,
+                 f" (written by {point.resharded_from} shards, now {self.cfg.num_shards})"
+                 if point.resharded_from else "")
 
     def checkpoint(self, rank: int | None = None, session: str | None = None) -> tuple[str, int]:
         """Write a checkpoint now, for the chief (rank) or for the shard itself (None, when it
