@@ -259,3 +259,26 @@ def inspect(directory: str) -> dict:
         report["sets"].append({"num_shards": s, "layout": layout, "files": files, "consistent_cuts": cuts,
                                "missing_shards": [j for j in range(s) if j not in shards]})
     return report
+
+
+def describe(report: dict) -> list[str]:
+    """`inspect`'s report as the lines `pserver checkpoint inspect` prints."""
+    if not report["sets"]:
+        return [f"{report['directory']}: no checkpoint files"]
+    lines = []
+    for cs in report["sets"]:
+        lay = cs["layout"] or {}
+        tables = ", ".join(f"{t['name']} (dim {t['dim']}, {t['row_optimizer']})"
+                           for t in lay.get("tables", []))
+        lines.append(f"{cs['num_shards']} shard(s): layout {lay.get('signature', '?')}, "
+                     f"{lay.get('parameters', 0):,} parameters, optimizer {lay.get('optimizer', '?')}; "
+                     f"tables: {tables or 'none'}")
+        for f in cs["files"]:
+            rows = ", ".join(f"{k} {v:,}" for k, v in f.get("rows", {}).items()) or "none"
+            what = f"loads, range {f['range']}, rows {rows}" if f["loads"] else f"DOES NOT LOAD: {f['why']}"
+            lines.append(f"  {f['file']}  {f['bytes']:,} bytes  {what}")
+        if cs["missing_shards"]:
+            lines.append(f"  no file of shard(s) {', '.join(map(str, cs['missing_shards']))}")
+        lines.append("  consistent cuts (versions every shard has a file of that loads): "
+                     + (", ".join(map(str, cs["consistent_cuts"])) or "none"))
+    return lines
