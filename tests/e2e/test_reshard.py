@@ -4,6 +4,8 @@ gets (docs/semantics.md, "Restore onto another number of shards")."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -55,6 +57,17 @@ def test_a_ctr_job_stopped_on_2_shards_goes_on_on_3(tmp_path):
             assert (sparse.shard_of(table.state()["ids"], 3) == j).all()
     for s in before + after:
         s.close()
+
+    # The same offline, through the command: three files whose rows add up to the same tables.
+    r = run("checkpoint", "reshard", "--from", ckpt, "--to", str(tmp_path / "three"), "--num-shards", "3")
+    assert r.returncode == 0 and "wrote 3 checkpoint(s)" in r.stdout, r.stdout + r.stderr
+    r = run("checkpoint", "inspect", "--json", str(tmp_path / "three"))
+    (three,) = json.loads(r.stdout)["sets"]
+    assert three["consistent_cuts"] == [version] and three["num_shards"] == 3
+    assert {name: sum(f["rows"][name] for f in three["files"]) for name in rows} == \
+        {name: len(t) for name, t in rows.items()}
+    r = run("checkpoint", "inspect", str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and r.stderr.strip().endswith("not a directory"), r.stderr
 
     r = run("launch", "--ps", "3", *JOB, "--epochs", "2", "--checkpoint-dir", ckpt, "--restore", ckpt,
             "--summary-json", second, timeout=600)
