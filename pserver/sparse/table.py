@@ -207,9 +207,11 @@ class _Entries:
         if bits > self.bits:
             self.bits, self.slots = bits, index.rehash(self.keys, self.n, bits)
 
-    def shrunk(self) -> None:
-        """After eviction: give back the pages past the live entries when they are many."""
-        if self.growable and (self.high - self.n) * self.entry_bytes >= SHRINK_BYTES:
+    def shrunk(self, force: bool = False) -> None:
+        """After eviction: give back the pages past the live entries when they are many (or
+        any, forced: the shard's budget needs them)."""
+        if self.growable and self.high > self.n and (force or
+                                                     (self.high - self.n) * self.entry_bytes >= SHRINK_BYTES):
             for a in (self.keys, *self.arrays.values()):
                 release_tail(a, self.n)
             self.high = self.n
@@ -368,14 +370,21 @@ class SparseTable:
 
     def _evict(self, step: int) -> None:
         """Evict rows idle for more than ttl_steps, then the least recently updated beyond
-        max_rows: the k smallest (last update, id), k found by one partition, not a scan per row."""
+        max_rows."""
         c, r = self.config, self._rows
-        last = r.arrays["last"][:r.n]
         k = max(r.n - c.max_rows, 0) if c.max_rows else 0
         if c.ttl_steps:
-            k = max(k, int(np.count_nonzero(last < step - c.ttl_steps)))
-        if k == 0:
+            k = max(k, int(np.count_nonzero(r.arrays["last"][:r.n] < step - c.ttl_steps)))
+        self._evict_oldest(k)
+
+    def _evict_oldest(self, k: int, release: bool = False) -> None:
+        """Evict the k least recently updated rows: the k smallest (last update, id), found by
+        one partition, not a scan per row; `release`: their pages go back at once. Holds the lock."""
+        r = self._rows
+        k = min(k, r.n)
+        if k <= 0:
             return
+        last = r.arrays["last"][:r.n]
         bound = np.partition(last, k - 1)[k - 1]
         below = np.flatnonzero(last < bound)
         tied = np.flatnonzero(last == bound)
@@ -385,8 +394,45 @@ class SparseTable:
         victims = np.sort(np.concatenate([below, tied]))[::-1].copy()
         r.n = _evict(r.slots, r.keys, r.bits, r.n, r.arrays["data"], r.arrays["last"],
                      self._steps(), victims)
-        r.shrunk()
+        r.shrunk(force=release)
         self._counters["evictions"] += k
+
+    # -- the shard's memory budget (pserver.server.budget) ------------------------------------
+
+    @property
+    def evictable(self) -> bool:
+        """Whether rows may be evicted to make room: the table has an eviction rule of its own
+        (max_rows or ttl_steps), so its user has accepted that rows go."""
+        return bool(self.config.max_rows or self.config.ttl_steps)
+
+    def growth_bytes(self, new: int) -> int:
+        """What `new` rows created (or ids counted for admission) add at most: their entries, and
+        the index when it must grow to hold them (it doubles: a push that crosses the bound pays
+        for the whole new index)."""
+        with self._lock:
+            worst = 0
+            for e in (self._rows, self._pending):
+                bits = index.bits_for(e.n + new)
+                grown = ((1 << bits) - (1 << e.bits)) * 4 if bits > e.bits else 0
+                worst = max(worst, new * e.entry_bytes + grown)
+            return worst
+
+    def absent(self, ids: np.ndarray) -> int:
+        """How many of ids (distinct, checked) the table does not hold: at most the rows or
+        pending entries a push of them creates."""
+        with self._lock:
+            r = self._rows
+            idx = np.empty(ids.shape[0], np.int64)
+            index.find_many(r.slots, r.keys, ids, r.bits, idx)
+            return int(np.count_nonzero(idx == index.EMPTY))
+
+    def evict_for(self, nbytes: int) -> int:
+        """Evict least recently updated rows, their pages given back, until nbytes are free or
+        no row is left; the rows evicted."""
+        with self._lock:
+            k = min(-(-nbytes // self._rows.entry_bytes), self._rows.n)
+            self._evict_oldest(k, release=True)
+            return k
 
     # -- checking -----------------------------------------------------------------------------
 
