@@ -29,15 +29,15 @@ MiB = 1 << 20
 
 
 class Budget:
-    def __init__(self, limit: int, counters, flag: str = "--max-memory-mb") -> None:
+    def __init__(self, limit: int, counters, dense=lambda: 0, flag: str = "--max-memory-mb") -> None:
         self.limit, self.counters, self.flag = int(limit), counters, flag
-        self.fixed = 0                    # the dense range's bytes, set at the first Register
+        self.dense = dense                # () -> the dense range's bytes (0 before the first Register)
         self.reserved = 0                 # bytes of rows that pushes not applied yet may create
         self._holds: list[tuple[int, int]] = []   # (step, bytes) of pushes not applied yet
         self._lock = threading.Lock()
 
     def used(self, tables: dict) -> int:
-        return self.fixed + sum(t.stats()["bytes"] for t in tables.values())
+        return self.dense() + sum(t.stats()["bytes"] for t in tables.values())
 
     def report(self, tables: dict) -> dict:
         """For Status: the budget, what is used, and what waiting pushes have reserved."""
