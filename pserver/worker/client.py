@@ -2,7 +2,7 @@
 
 `grpc.RpcError` is translated into pserver.errors here and nowhere else, with the
 shard's index and address in the message, so a worker's user never sees a raw gRPC
-traceback.
+traceback; the error kind in its trailing metadata picks the class (pserver.errors.KINDS).
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ from pserver import sparse
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import (
+    KIND_METADATA,
     AlreadyExists,
     ConfigError,
     DeadlineExceeded,
-    FailedPrecondition,
     InvalidArgument,
+    NotRegistered,
     PServerError,
     ResourceExhausted,
+    SeenVersionAhead,
     Unavailable,
     rpc_error_for,
 )
@@ -137,7 +139,7 @@ class ShardClient:
             return fn(*args, **kwargs)
         except grpc.RpcError as e:
             code = e.code().name if e.code() is not None else "UNKNOWN"
-            raise rpc_error_for(code, f"{self.label}: {e.details()}") from None
+            raise rpc_error_for(code, f"{self.label}: {e.details()}", error_kind(e)) from None
 
     def send(self, streaming, one, stream, timeout: float):
         """A client stream through `streaming`, or through `one` (the same method called as
@@ -184,9 +186,8 @@ class ShardClient:
                 delay = min(delay * 2, 2.0)
                 if isinstance(e, Unavailable):
                     self.restart_note = self._rejoin(quiet=True) or self.restart_note
-            except FailedPrecondition as e:
-                forgot = "has not registered" in str(e) or "no worker has registered" in str(e)
-                if not forgot or self._joined is None or rejoins >= 3:
+            except NotRegistered:
+                if self._joined is None or rejoins >= 3:
                     raise
                 rejoins += 1                   # the shard restarted and forgot us: join again
                 note = self._rejoin(quiet=False)
@@ -319,9 +320,7 @@ class ShardClient:
             self.reset_seen = False
             try:
                 return self._pull_once(flat, rank, seen, clock, timeout)
-            except FailedPrecondition as e:
-                if "seen_version" not in str(e):
-                    raise
+            except SeenVersionAhead:
                 return self._pull_once(flat, rank, -1, clock, timeout)
 
         # A pull may legitimately wait for a slow worker until the shard gives up on it
@@ -444,6 +443,16 @@ class ShardClient:
         self.channel.close()
 
 
+def error_kind(e: grpc.RpcError) -> str:
+    """The error kind a shard sent with its status (trailing metadata KIND_METADATA); "" when
+    there is none: an older shard, or an error that never reached one."""
+    trailing = getattr(e, "trailing_metadata", None)
+    for key, value in (trailing() if trailing is not None else None) or ():
+        if key == KIND_METADATA:
+            return value
+    return ""
+
+
 def process_age() -> float | None:
     """Seconds since this process started (Linux: /proc), None where unknown."""
     try:
@@ -509,6 +518,9 @@ class PSClient:
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards) - 1, thread_name_prefix="ps-client") \
             if len(self.shards) > 1 else None
         self.versions = [-1] * len(self.shards)
+        # owners() of the last lookups (their ids arrays, the answer): a step's row pull and
+        # its push ask for the same batch, which is hashed once
+        self._owned: tuple[list[np.ndarray], list] = ([], [])
         self.finished = False          # a shard said the run is over (e.g. backup quorum gone)
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
@@ -606,15 +618,20 @@ class PSClient:
     def owners(self, lookups: Sequence[sparse.TableLookup]) -> list[list[np.ndarray | slice]]:
         """For each lookup, for each shard: the positions in lookup.uniq of the ids it holds
         (with one shard, a slice of all of them: no gather, no scatter). Lookups that share
-        their ids (tables fed the same ids) share the answer."""
+        their ids (tables fed the same ids) share the answer, and the same ids asked again
+        (a step's push after its row pull) get the answer kept from the last call."""
         n = len(self.shards)
         if n == 1:
             return [[slice(None)] for _ in lookups]
+        keys, kept = [lk.uniq for lk in lookups], self._owned
+        if len(keys) == len(kept[0]) and all(a is b for a, b in zip(keys, kept[0])):
+            return kept[1]
         out, done = [], {}
         for lk in lookups:
             if id(lk.uniq) not in done:
                 done[id(lk.uniq)] = self._split_by_owner(sparse.shard_of(lk.uniq, n), n)
             out.append(done[id(lk.uniq)])
+        self._owned = (keys, out)
         return out
 
     @staticmethod
