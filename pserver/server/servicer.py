@@ -17,6 +17,7 @@ from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import KIND_METADATA, InvalidArgument, RpcError
 from pserver.models.layout import Layout
+from pserver.records import registration_reply
 from pserver.server import compress
 from pserver.server.shard import Shard
 from pserver.wire import codec
@@ -103,10 +104,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         reg = self.shard.register(request.rank, request.num_workers, request.shard,
                                   request.num_shards, layout, request.protocol_version,
                                   request.data_seed, request.steps_per_epoch, request.previous_session)
-        fields = dict(reg.__dict__)
-        position = fields.pop("position")
-        return pb.RegisterReply(**fields | {"settings": pb.TrainingSettings(**fields["settings"])},
-                                position=pb.TrainingPosition(**position._asdict()) if position else None)
+        return registration_reply(reg)
 
     def _stream(self, request_iterator, context, call):
         """A push or init stream within the shard's bounds (server/limits.py): counted from
