@@ -6,7 +6,12 @@
      +-- RpcError                something a shard answered (or failed to answer)
           +-- InvalidArgument    shape, dtype, size, non-finite values, unknown tensor
           +-- FailedPrecondition wrong step, unknown worker, layout mismatch
+          |    +-- StaleStep          a push for a step the shard does not take now: pull again
+          |    |    +-- AlreadyPushed this rank's push for the step is already held
+          |    +-- NotRegistered      the rank (or no worker) has registered with the shard
+          |    +-- SeenVersionAhead   a pull that saw a version the shard does not have
           +-- Unauthenticated    missing or wrong token, or another worker's session
+          |    +-- TakenOver          the rank's session was taken over by a restarted process
           +-- AlreadyExists      Register for a rank whose session is still live
           +-- ResourceExhausted  a bound on parked pulls, streams, bytes or memory
           +-- Unavailable        shard down or unreachable
@@ -14,6 +19,13 @@
 
 `grpc.RpcError` is translated into this tree once, in `pserver.worker.client`; the server
 raises the RpcError subclasses and the servicer turns them into status codes.
+
+The subclasses below the status codes' classes are error kinds: the callers that recover
+from one (a worker rejoins a shard that forgot it, pulls again after a stale step) catch its
+class, never match its text. Each has a stable wire name, `kind`, which a refusal carries
+beside its status code and unchanged message: as gRPC trailing metadata KIND_METADATA, and
+on the data plane as its position in KINDS (pserver.wire.frames). A peer that sends no kind
+(an older release) or one this release does not know gives the status code's class.
 
 Each error carries the exit code of the process it ends, after Kubeflow's ExitCode restart
 policy: 1-127 for what a restart cannot fix (retrying is pointless), >= 128 for what it may
@@ -48,9 +60,11 @@ class DataError(PServerError):
 
 
 class RpcError(PServerError):
-    """An error that crosses the wire; `code_name` is the grpc.StatusCode name."""
+    """An error that crosses the wire; `code_name` is the grpc.StatusCode name, `kind` the
+    error kind's wire name ("" for the status codes' own classes)."""
 
     code_name = "UNKNOWN"
+    kind = ""
 
 
 class InvalidArgument(RpcError):
@@ -84,6 +98,37 @@ class DeadlineExceeded(RpcError):
     exit_code = EXIT_TRANSIENT
 
 
+# --- error kinds: what a caller tells apart (by class) ------------------------------------
+class StaleStep(FailedPrecondition):
+    """A push for a step (version) the shard does not take now: the worker pulls what the
+    shard has and computes again."""
+    kind = "stale_step"
+
+
+class AlreadyPushed(StaleStep):
+    """This rank's push for the open step is already held (a push retried after its reply
+    was lost): as a stale step, pull and go on."""
+    kind = "already_pushed"
+
+
+class NotRegistered(FailedPrecondition):
+    """The rank has not registered with this shard, or no worker has (a restarted shard):
+    the worker registers again."""
+    kind = "not_registered"
+
+
+class SeenVersionAhead(FailedPrecondition):
+    """A pull that saw a version the shard does not have (restored from an older
+    checkpoint): the worker pulls what the shard has."""
+    kind = "seen_version_ahead"
+
+
+class TakenOver(Unauthenticated):
+    """The rank's session was taken over by a restarted process of the same worker: this
+    process must stop."""
+    kind = "taken_over"
+
+
 class ProcessFailed(PServerError):
     """A process of the cluster (launch's child, a Ray actor) exited with `code`: the
     launcher exits transient when it did (or when a signal killed it), else failed."""
@@ -100,9 +145,19 @@ RPC_ERRORS = {cls.code_name: cls for cls in
                Unavailable, DeadlineExceeded)}
 
 
-def rpc_error_for(code_name: str, message: str) -> RpcError:
-    """The RpcError subclass for a grpc status code name (RpcError itself if unknown)."""
-    err = RPC_ERRORS.get(code_name, RpcError)(message)
+# kind -> class. Append only: the data plane sends a kind as its position in this table.
+KINDS = {cls.kind: cls for cls in (StaleStep, AlreadyPushed, NotRegistered, SeenVersionAhead, TakenOver)}
+KIND_METADATA = "pserver-error-kind"   # the gRPC trailing metadata key that carries a kind
+
+
+def rpc_error_for(code_name: str, message: str, kind: str = "") -> RpcError:
+    """The RpcError subclass for an error kind's wire name, or (no kind, a kind this release
+    does not know, or one that does not belong to the status code) for the grpc status code
+    name; RpcError itself if that is unknown too."""
+    cls = KINDS.get(kind)
+    if cls is None or cls.code_name != code_name:
+        cls = RPC_ERRORS.get(code_name, RpcError)
+    err = cls(message)
     if type(err) is RpcError:
         err.code_name = code_name
     return err

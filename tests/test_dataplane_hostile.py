@@ -205,7 +205,7 @@ def test_a_hello_without_the_ranks_session_gets_no_memory(shard_server):
         sock.connect(shard.dataplane.path)
         sock.sendall(hello_bytes(rank, session))
         msg, fds, _, _ = socket.recv_fds(sock, frames.REPLY.size, 2)
-        code, _, _, n, _ = frames.REPLY.unpack(msg)
+        code, _, _, _, n, _ = frames.REPLY.unpack(msg)
         assert fds == [] and code != 0
         assert words in frames.recv_exact(sock, n).decode()
         assert sock.recv(1) == b"", "the shard must close a refused connection"
@@ -269,7 +269,7 @@ def test_connections_are_bounded_and_the_extra_one_is_told_why(shard_server):
         msg, fds, _, _ = socket.recv_fds(sock, frames.REPLY.size, 2)
         for fd in fds:
             os.close(fd)
-        code, _, _, n, _ = frames.REPLY.unpack(msg)
+        code, _, _, _, n, _ = frames.REPLY.unpack(msg)
         if code:
             refused = (frames.CODES[code], frames.recv_exact(sock, n).decode())
             sock.close()

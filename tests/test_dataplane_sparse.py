@@ -218,7 +218,7 @@ def request(sock, op, num_elements=0, tail=b"", step=0):
 
 
 def reply(sock) -> tuple[int, str]:
-    code, _, _, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
+    code, _, _, _, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
     return code, frames.recv_exact(sock, n).decode() if n else ""
 
 
@@ -226,7 +226,7 @@ def grow(sock, nbytes: int) -> int:
     """ROWS_BUFFER by hand: the fd of the new buffer (the caller closes it)."""
     request(sock, frames.ROWS_BUFFER, nbytes)
     msg, fds, _, _ = socket.recv_fds(sock, frames.REPLY.size, 1)
-    code, _, _, n, size = frames.REPLY.unpack(msg)
+    code, _, _, _, n, size = frames.REPLY.unpack(msg)
     assert code == 0 and len(fds) == 1 and size >= nbytes
     return fds[0]
 

@@ -368,7 +368,7 @@ def test_fuzz_data_plane(live):
         tail = frames.SIGNATURE.pack(SIG.encode()) if op == frames.INIT else b""
         chan.sock.sendall(frames.REQUEST.pack(frames.MAGIC, op, rank, sh, step, clock, n, samples,
                                                  timeout_ms) + tail)
-        code, _, _, size, _ = frames.REPLY.unpack(frames.recv_exact(chan.sock, frames.REPLY.size))
+        code, _, _, _, size, _ = frames.REPLY.unpack(frames.recv_exact(chan.sock, frames.REPLY.size))
         message = frames.recv_exact(chan.sock, size).decode() if size else ""
         assert frames.CODES[code] != "INTERNAL", message
         seen.add(frames.CODES[code])

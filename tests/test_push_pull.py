@@ -148,7 +148,7 @@ def test_then_pull_on_anything_but_a_push_is_refused_and_cut(shard_server):
     sock, fds = raw_hello(shard, c)
     sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.PULL | frames.THEN_PULL, 0, 0, -1, 0,
                                         LAYOUT.total, 0, 1000) + frames.PULL_AFTER.pack(-1, 0))
-    code, _, _, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
+    code, _, _, _, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
     assert frames.CODES[code] == "INVALID_ARGUMENT"
     assert f"only a push can carry a pull, not operation {frames.PULL}" in frames.recv_exact(sock, n).decode()
     assert sock.recv(1) == b""                        # the connection is closed
@@ -171,8 +171,8 @@ def test_a_raw_push_with_then_pull_gets_both_replies_in_one_message(shard_server
     size = frames.REPLY.size
     push_reply = frames.REPLY.unpack(frames.recv_exact(sock, size))
     pull_reply = frames.REPLY.unpack(frames.recv_exact(sock, size))
-    assert push_reply == (0, 1, False, 0, 1)          # OK, applied, version 1
-    assert pull_reply == (0, 0, False, 0, 1)          # OK, version 1
+    assert push_reply == (0, 1, False, 0, 0, 1)       # OK, applied, no error kind, version 1
+    assert pull_reply == (0, 0, False, 0, 0, 1)       # OK, version 1
     np.testing.assert_array_equal(shard.store.params, START - 2)
     sock.shutdown(socket.SHUT_RDWR)
     sock.close()

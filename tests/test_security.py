@@ -145,7 +145,7 @@ def raw_dataplane(shard) -> socket.socket:
 
 
 def read_reply(sock) -> tuple[int, str]:
-    code, _, _, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
+    code, _, _, _, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
     return code, frames.recv_exact(sock, n).decode() if n else ""
 
 

@@ -160,7 +160,7 @@ def test_two_shards_split_the_vector_and_pull_in_parallel(shard_server, plane):
     c = PSClient([a0, a1], rpc_deadline=10, data_plane=plane)
     c.connect(5)
     infos = c.register(LAYOUT)
-    assert [(i.start, i.end) for i in infos] == [(0, 17), (17, 33)]
+    assert [(i.range_start, i.range_end) for i in infos] == [(0, 17), (17, 33)]
     c.init(np.arange(33, dtype=np.float32))
     w = np.empty(33, np.float32)
     assert c.pull(w) == [0, 0]

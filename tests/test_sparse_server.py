@@ -378,3 +378,27 @@ def test_merge_rows_weighs_each_part_by_the_samples_of_its_push():
     assert scale == 1.0 and np.isfinite(m.grads).all()
     assert m.grads.tolist() == [[np.float32(big * np.float32(0.25)) + np.float32(big * np.float32(0.75)),
                                  np.float32(0.25) + 3 * np.float32(0.75)], [0.5, 0.5]]
+
+
+def test_a_steps_row_pull_and_push_hash_its_ids_once(shard_server, monkeypatch):
+    """A step pulls its rows, then pushes their gradients: the batch's ids are hashed for
+    their shards once; a new batch is hashed anew, and the rows land where they belong."""
+    from pserver.worker import client as client_module
+    servers = cluster(shard_server, mode="async")
+    c = client(servers)
+    calls = []
+    real = client_module.sparse.shard_of
+    monkeypatch.setattr(client_module.sparse, "shard_of",
+                        lambda ids, n: (calls.append(ids.size), real(ids, n))[1])
+    c.pull(np.empty(LAYOUT.total, np.float32))
+    ids = np.arange(40)
+    lk = TableLookup.of(ids, DIM)
+    c.pull_rows([lk], ["emb"])
+    np.testing.assert_array_equal(lk.rows[lk.inverse], initial(ids))
+    lk.grads[:] = 1
+    c.push(np.zeros(LAYOUT.total, np.float32), 1, lookups=[lk], tables=["emb"])
+    assert calls == [40]
+    assert rows_on_shards(servers) == 40
+    np.testing.assert_allclose(pulled(c, ids), initial(ids) - TABLE.lr, rtol=1e-6)    # sgd
+    assert calls == [40, 40]                       # a new lookup: hashed again
+    c.close()

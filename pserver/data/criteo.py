@@ -271,6 +271,19 @@ class CriteoData:
     def num_test(self) -> int:
         return len(self.x_test)
 
+    def fit(self, model) -> CriteoData:
+        """Itself, its test set checked by the model's `check_data` (the CTR models check the
+        training records batch by batch)."""
+        check = getattr(model, "check_data", None)
+        if check is not None:
+            check(self.x_test, self.y_test, f"{self.name} test set")
+        return self
+
+    def warm_up_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """A batch to run once before the first timed step: the test set's first (the
+        training records are streamed)."""
+        return self.x_test[:batch_size], self.y_test[:batch_size]
+
     def epoch(self, rank: int, num_workers: int, batch_size: int, seed: int,
               epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Rank's batches of this epoch (seed: the dataset's own, given at load)."""

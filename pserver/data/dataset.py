@@ -79,6 +79,28 @@ class Dataset:
               epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return iterate_batches(self, rank, num_workers, batch_size, seed, epoch)
 
+    def fit(self, model) -> Dataset:
+        """The data as `model` takes it: float targets for a regression loss, both sets
+        reshaped and checked by the model's `check_data` (a DataError naming layer and
+        shapes); as it is for a model without one (a user's protocol object)."""
+        ds = as_task(self, "regression") if getattr(model, "task", None) == "regression" else self
+        check = getattr(model, "check_data", None)
+        if check is None:
+            return ds
+        x_train = check(ds.x_train, ds.y_train, f"{ds.name} training set")
+        x_test = check(ds.x_test, ds.y_test, f"{ds.name} test set")
+        return Dataset(ds.name, x_train, ds.y_train, x_test, ds.y_test, ds.num_classes)
+
+    def warm_up_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """A batch to run once before the first timed step: the training set's first."""
+        return self.x_train[:batch_size], self.y_train[:batch_size]
+
+    def describe(self) -> str:
+        kind = "regression" if self.num_classes == 0 else f"{self.num_classes} classes"
+        shape = (f"{self.features} features" if len(self.sample_shape) == 1
+                 else f"samples of shape {self.sample_shape}")
+        return f"dataset {self.name}: {self.num_train} train / {self.num_test} test samples, {shape}, {kind}"
+
 
 @dataclass(frozen=True, eq=False)
 class Stream:
@@ -113,18 +135,27 @@ class Stream:
                 raise DataError(f"{self.name}: batch {i} is empty; a step trains on at least one sample")
             yield x, np.asarray(batch[1])
 
+    def fit(self, model) -> Stream:
+        """The test set as `model` takes it (its batches are checked by the model as they
+        come); as it is without a test set or a model's `check_data`."""
+        check = getattr(model, "check_data", None)
+        if check is None or self.x_test is None:
+            return self
+        x_test = check(self.x_test, self.y_test, f"{self.name} test set")
+        return Stream(self.name, self.source, x_test, self.y_test, self.num_classes)
+
+    def warm_up_batch(self, batch_size: int) -> None:
+        """None: the batches are the user's to read once, so the first step warms up."""
+        return None
+
+    def describe(self) -> str:
+        test = "no test set" if self.x_test is None else f"{len(self.x_test)} test samples"
+        return f"dataset {self.name}: batches from Python, {test}"
+
 
 def describe(ds) -> str:
-    """One line for the worker's log: what it trains on."""
-    if not isinstance(ds, (Dataset, Stream)):   # Criteo data (pserver.data.criteo) describes itself
-        return ds.describe()
-    if isinstance(ds, Stream):
-        test = "no test set" if ds.x_test is None else f"{len(ds.x_test)} test samples"
-        return f"dataset {ds.name}: batches from Python, {test}"
-    kind = "regression" if ds.num_classes == 0 else f"{ds.num_classes} classes"
-    shape = (f"{ds.features} features" if len(ds.sample_shape) == 1
-             else f"samples of shape {ds.sample_shape}")
-    return f"dataset {ds.name}: {ds.num_train} train / {ds.num_test} test samples, {shape}, {kind}"
+    """One line for the worker's log: what it trains on (each kind of data says)."""
+    return ds.describe()
 
 
 def check_int(flag: str, value: int, low: int) -> None:

@@ -8,7 +8,7 @@ minus the version its gradient was computed on.
 
 from __future__ import annotations
 
-from pserver.errors import FailedPrecondition
+from pserver.errors import StaleStep
 from pserver.modes.base import Outcome, Policy
 
 
@@ -21,8 +21,8 @@ class AsyncPolicy(Policy):
             self.members.check_member(rank)
             version = store.version
             if step > version or step < 0:
-                raise FailedPrecondition(f"step: push computed on version {step} but shard "
-                                         f"{store.shard} is at version {version}")
+                raise StaleStep(f"step: push computed on version {step} but shard "
+                                f"{store.shard} is at version {version}")
             store.counters.record_staleness(version - step)
             store.counters.add("pushes_applied")
             store.counters.add("samples_pushed", samples)

@@ -15,7 +15,7 @@ they are told to stop.
 
 from __future__ import annotations
 
-from pserver.errors import FailedPrecondition
+from pserver.errors import FailedPrecondition, StaleStep
 from pserver.modes.sync import SyncPolicy
 
 
@@ -54,5 +54,5 @@ class BackupPolicy(SyncPolicy):
         if step < self.store.version:
             return self.drop(rank, clock, grad, f"step {step} already completed with the first "
                                    f"{self.quorum()} workers; now at {self.store.version}")
-        raise FailedPrecondition(f"step: push for step {step} is ahead of shard "
-                                 f"{self.store.shard}'s version {self.store.version}")
+        raise StaleStep(f"step: push for step {step} is ahead of shard "
+                        f"{self.store.shard}'s version {self.store.version}")

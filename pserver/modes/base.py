@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from pserver.config import ServerConfig
-from pserver.errors import FailedPrecondition
+from pserver.errors import SeenVersionAhead
 
 log = logging.getLogger("pserver.modes")
 
@@ -67,7 +67,7 @@ class Policy(ABC):
         (store.RowGrads): both are applied together, or dropped together. Takes ownership of
         `grad`: the policy returns it to store.pool when done, and counts `samples` as
         trained once the gradient is applied (never when it is dropped). Raises
-        FailedPrecondition to reject."""
+        FailedPrecondition (StaleStep for a step it does not take now) to reject."""
 
     def wait_pull(self, rank: int, seen_version: int, clock: int, timeout: float | None,
                   waiter=None) -> None:
@@ -77,7 +77,7 @@ class Policy(ABC):
 
     def check_pull(self, seen_version: int) -> None:
         if seen_version > self.store.version >= 0:
-            raise FailedPrecondition(
+            raise SeenVersionAhead(
                 f"seen_version: {seen_version} is ahead of shard {self.store.shard}'s version "
                 f"{self.store.version} (did the shard restart from an older checkpoint?)")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pserver.errors import FailedPrecondition
+from pserver.errors import AlreadyPushed, StaleStep
 from pserver.modes.base import Outcome, Policy, StepWatch
 
 
@@ -42,7 +42,7 @@ class SyncPolicy(Policy):
             if step != version:
                 return self.off_step(rank, step, clock, grad)
             if rank in self.pending:
-                raise FailedPrecondition(f"rank: worker {rank} already pushed for step {step}")
+                raise AlreadyPushed(f"rank: worker {rank} already pushed for step {step}")
             self.members.revive(rank, "pushed in time")   # marked dead while its push was arriving
             self.pending[rank] = grad
             self.pending_samples[rank] = samples
@@ -60,8 +60,8 @@ class SyncPolicy(Policy):
         return Outcome.DROPPED_LATE, why
 
     def off_step(self, rank, step, clock, grad):
-        raise FailedPrecondition(f"step: push for step {step} but shard {self.store.shard} is at "
-                                 f"version {self.store.version}; pull and compute again")
+        raise StaleStep(f"step: push for step {step} but shard {self.store.shard} is at "
+                        f"version {self.store.version}; pull and compute again")
 
     def maybe_complete(self) -> None:
         if self.pending and len(self.pending) >= max(self.quorum(), 1):

@@ -21,7 +21,6 @@ import numpy as np
 from pserver.errors import ConfigError, InvalidArgument, RpcError, Unauthenticated, rpc_error_for
 from pserver.wire import frames, security
 from pserver.wire.frames import (
-    CODES,
     FREE,
     HELLO,
     HELLO_TIMEOUT,
@@ -307,7 +306,7 @@ class DataPlaneServer:
         slot, slots = push_slots(store.size)
         fd, mm = sealed_memfd("pserver-push", slot * slots * 4, clients_write=True)
         try:
-            socket.send_fds(conn, [REPLY.pack(0, 0, 0, 0, store.size)], [fd, store.params_fd])
+            socket.send_fds(conn, [REPLY.pack(0, 0, 0, 0, 0, store.size)], [fd, store.params_fd])
         finally:
             os.close(fd)                                        # the mapping stays
         return Connection(req[2], session, np.frombuffer(mm, dtype=np.float32), store.size)
@@ -338,7 +337,7 @@ class DataPlaneServer:
         fd, mm = sealed_memfd(f"pserver-rows-{self.tag}", size, clients_write=True)
         peer.rows.replace(mm)              # before the reply: once told, the client may count on it
         try:
-            socket.send_fds(conn, [REPLY.pack(0, 0, 0, 0, size)], [fd])
+            socket.send_fds(conn, [REPLY.pack(0, 0, 0, 0, 0, size)], [fd])
         finally:
             os.close(fd)                                        # the mapping stays
 
@@ -450,13 +449,11 @@ class DataPlaneServer:
 
     @staticmethod
     def _encode_reply(error, outcome=0, finished=False, version=0, message="") -> bytes:
+        code, kind = (0, 0) if error is None else frames.error_codes(error)
         if error is not None:
-            code = CODES.index(error.code_name) if error.code_name in CODES else CODES.index("INTERNAL")
             message = str(error)
-        else:
-            code = 0
         data = message.encode()[:MAX_MESSAGE]
-        return REPLY.pack(code, outcome, bool(finished), len(data), version) + data
+        return REPLY.pack(code, outcome, bool(finished), kind, len(data), version) + data
 
     def close(self) -> None:
         """Stop accepting and cut every live connection (workers see UNAVAILABLE)."""

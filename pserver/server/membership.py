@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from pserver.config import ServerConfig
-from pserver.errors import AlreadyExists, FailedPrecondition, Unauthenticated
+from pserver.errors import AlreadyExists, FailedPrecondition, NotRegistered, TakenOver, Unauthenticated
 from pserver.server.store import ShardStore
 
 log = logging.getLogger("pserver.modes")
@@ -104,7 +104,7 @@ class Membership:
         if session is not None and not hmac.compare_digest(session.encode(), self.sessions[rank].encode()):
             given = session.encode()
             if any(hmac.compare_digest(given, old.encode()) for old in self.displaced.get(rank, ())):
-                raise Unauthenticated(
+                raise TakenOver(
                     f"session: rank {rank} was taken over by a restarted process of the same worker "
                     f"(it registered with this session's credential); this process must stop")
             raise Unauthenticated(
@@ -155,8 +155,8 @@ class Membership:
     def check_member(self, rank: int) -> None:
         self.check_rank(rank)
         if rank not in self.registered:
-            raise FailedPrecondition(f"rank: worker {rank} has not registered with shard "
-                                     f"{self.store.shard}; call Register first")
+            raise NotRegistered(f"rank: worker {rank} has not registered with shard "
+                                f"{self.store.shard}; call Register first")
 
     def expected(self) -> set[int]:
         """Ranks a step still counts on: all N, less those that left or were marked dead."""

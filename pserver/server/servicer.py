@@ -1,7 +1,8 @@
 """The gRPC servicer: decode, call the Shard, encode. No arithmetic, no mode logic.
 
-Every pserver error becomes its status code with its message; anything else is a bug
-and becomes INTERNAL with the exception's text (the server keeps serving).
+Every pserver error becomes its status code with its message, and an error kind's wire name
+(pserver.errors.KINDS) goes with it as trailing metadata; anything else is a bug and becomes
+INTERNAL with the exception's text (the server keeps serving).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import numpy as np
 
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
-from pserver.errors import InvalidArgument, RpcError
+from pserver.errors import KIND_METADATA, InvalidArgument, RpcError
 from pserver.models.layout import Layout
+from pserver.records import registration_reply
 from pserver.server import compress
 from pserver.server.shard import Shard
 from pserver.wire import codec
@@ -25,9 +27,12 @@ MAX_WAIT = 3600.0   # a pull with no deadline still stops waiting after an hour
 
 
 def _abort(context, e: Exception, name: str):
-    """A pserver error becomes its status code; anything else is a bug, reported as INTERNAL
-    while the server keeps serving. grpc's own abort exceptions pass through."""
+    """A pserver error becomes its status code (its kind, if it has one, in the trailing
+    metadata); anything else is a bug, reported as INTERNAL while the server keeps serving.
+    grpc's own abort exceptions pass through."""
     if isinstance(e, RpcError):
+        if e.kind:
+            context.set_trailing_metadata(((KIND_METADATA, e.kind),))
         context.abort(getattr(grpc.StatusCode, e.code_name, grpc.StatusCode.UNKNOWN), str(e))
     if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortError":
         raise e
@@ -99,10 +104,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         reg = self.shard.register(request.rank, request.num_workers, request.shard,
                                   request.num_shards, layout, request.protocol_version,
                                   request.data_seed, request.steps_per_epoch, request.previous_session)
-        fields = dict(reg.__dict__)
-        position = fields.pop("position")
-        return pb.RegisterReply(**fields | {"settings": pb.TrainingSettings(**fields["settings"])},
-                                position=pb.TrainingPosition(**position._asdict()) if position else None)
+        return registration_reply(reg)
 
     def _stream(self, request_iterator, context, call):
         """A push or init stream within the shard's bounds (server/limits.py): counted from

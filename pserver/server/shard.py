@@ -12,7 +12,6 @@ import secrets
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -24,12 +23,13 @@ from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
 from pserver.observe.telemetry import ShardMetrics
 from pserver.optim import make_optimizer
+from pserver.records import Registration
 from pserver.server import checkpoint, memory, reshard
 from pserver.server.budget import Budget
 from pserver.server.limits import Limits, pool_threads
 from pserver.server.membership import Membership
 from pserver.server.store import RowGrads, ShardStore, first_nonfinite
-from pserver.wire.codec import DTYPE_NAME, PROTOCOL_VERSION, Position
+from pserver.wire.codec import DTYPE_NAME, PROTOCOL_VERSION
 from pserver.wire.frames import host_id
 from pserver.wire.sharding import shard_range
 
@@ -86,30 +86,6 @@ def check_samples(num_samples: int) -> None:
         raise InvalidArgument(f"num_samples: {num_samples} for a push that carries a gradient; a "
                               f"gradient is the mean over its batch and a sync step weighs it by the "
                               f"batch's samples, so send the batch's size (at least 1)")
-
-
-@dataclass(frozen=True)
-class Registration:
-    mode: str
-    version: int
-    initialized: bool
-    range_start: int
-    range_end: int
-    total_params: int
-    layout_signature: str
-    optimizer: str
-    lr: float
-    dataplane: str
-    host_id: str
-    session: str
-    session_timeout_seconds: float
-    protocol_version: int = PROTOCOL_VERSION
-    restored_from: str = ""           # the checkpoint the shard resumed from at start
-    seeded_by_rank: int = -1          # the rank whose Init supplied the values, -1 if none
-    position: Position | None = None  # the rank's recorded position; None when there is none
-    settings: dict | None = None      # ServerConfig.training_settings: compared across shards
-    instance: str = ""                # this shard process's random id
-    took_over: bool = False           # the Register took the rank's live session over
 
 
 def available_memory() -> int:

@@ -18,7 +18,14 @@ import numba
 import numpy as np
 
 from pserver import sparse
-from pserver.errors import ConfigError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from pserver.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotRegistered,
+    Unavailable,
+)
 from pserver.wire import frames
 from pserver.wire.codec import Position
 
@@ -349,7 +356,7 @@ class ShardStore:
 
     def require_configured(self) -> None:
         if not self.signature:
-            raise FailedPrecondition("layout: no worker has registered with this shard yet")
+            raise NotRegistered("layout: no worker has registered with this shard yet")
 
     def apply(self, grads: list[np.ndarray], counts: list[int],
               rows: list[tuple[RowGrads, int]] = ()) -> None:

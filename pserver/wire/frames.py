@@ -69,7 +69,8 @@ import struct
 
 import numpy as np
 
-from pserver.errors import InvalidArgument
+from pserver.errors import KINDS as ERROR_KINDS
+from pserver.errors import InvalidArgument, RpcError, rpc_error_for
 
 MAGIC = b"PSD1"
 HELLO, PUSH, PULL, INIT, PULL_ROWS, PUSH_ROWS, ROWS_BUFFER = 1, 2, 3, 4, 5, 6, 7
@@ -90,10 +91,13 @@ MAX_SESSION = 256                      # bytes; Register's credentials are 32 he
 # magic, op, rank, shard, step (push) or seen_version (pull), clock, num_elements,
 # num_samples, timeout in ms
 REQUEST = struct.Struct("<4sB3xiiqqqiI")
-# status (index in CODES; 0 = OK), outcome, finished, message length, version
-REPLY = struct.Struct("<BBBxIq")
+# status (index in CODES; 0 = OK), outcome, finished, error kind (index in KINDS; 0 = none),
+# message length, version. The kind's byte was padding before: an older peer sends 0 there
+# and ignores what it receives there, so both read the same status and message as before.
+REPLY = struct.Struct("<BBBBIq")
 CODES = ["OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAUTHENTICATED", "UNAVAILABLE",
          "DEADLINE_EXCEEDED", "INTERNAL", "ALREADY_EXISTS", "RESOURCE_EXHAUSTED"]
+KINDS = ["", *ERROR_KINDS]     # pserver.errors.KINDS, which is append only, after "no kind"
 MAX_MESSAGE = 64 * 1024
 # A dense payload larger than this many float32 travels in parts through two slots this size.
 PART_ELEMENTS = 1 << 19
@@ -103,6 +107,20 @@ HELLO_TIMEOUT = 10.0      # seconds a new connection may take to say HELLO befor
 SEAL_SEAL, SEAL_SHRINK, SEAL_GROW, SEAL_FUTURE_WRITE = 0x1, 0x2, 0x4, 0x10
 SIZE_SEALS = SEAL_SHRINK | SEAL_GROW
 SOCKET_NAME = re.compile(r"pserver-(\d+)-[\w-]+\.sock(\.new)?")
+
+
+def error_codes(error: RpcError) -> tuple[int, int]:
+    """(status, kind) of a reply that refuses with `error`: their indices in CODES and KINDS
+    (a status code the data plane has no index for goes as INTERNAL, an unknown kind as none)."""
+    code = CODES.index(error.code_name) if error.code_name in CODES else CODES.index("INTERNAL")
+    return code, KINDS.index(error.kind) if error.kind in KINDS else 0
+
+
+def reply_error(code: int, kind: int, message: str) -> RpcError:
+    """The error of a refusing reply: its status and kind bytes (indices into CODES and KINDS;
+    out of range: INTERNAL, no kind) and its message."""
+    return rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", message,
+                         KINDS[kind] if kind < len(KINDS) else "")
 
 
 def connection_limit(num_workers: int) -> int:

@@ -2,7 +2,7 @@
 
 `grpc.RpcError` is translated into pserver.errors here and nowhere else, with the
 shard's index and address in the message, so a worker's user never sees a raw gRPC
-traceback.
+traceback; the error kind in its trailing metadata picks the class (pserver.errors.KINDS).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import grpc
@@ -24,18 +23,21 @@ from pserver import sparse
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import (
+    KIND_METADATA,
     AlreadyExists,
     ConfigError,
     DeadlineExceeded,
-    FailedPrecondition,
     InvalidArgument,
+    NotRegistered,
     PServerError,
     ResourceExhausted,
+    SeenVersionAhead,
     Unavailable,
     rpc_error_for,
 )
 from pserver.models.layout import Layout
-from pserver.observe.status import differing_settings, settings_of
+from pserver.observe.status import differing_settings
+from pserver.records import Registration, registration_of
 from pserver.signals import stopping
 from pserver.wire import codec, frames
 from pserver.wire import compress as codecs
@@ -56,28 +58,6 @@ MAX_IDS_PER_PULL = 1 << 18  # ids per PullRows request: 2 MiB, well under gRPC's
 LEAVE_ON_STOP_S = 2.0      # per shard: a stopped worker's Leave must not hold up its exit
 OUTCOMES = {pb.PushReply.APPLIED: "applied", pb.PushReply.AGGREGATED: "aggregated",
             pb.PushReply.DROPPED_LATE: "dropped_late"}
-
-
-@dataclass
-class ShardInfo:
-    """What a shard told us at Register."""
-    mode: str
-    version: int
-    initialized: bool
-    start: int
-    end: int
-    total: int
-    signature: str
-    optimizer: str
-    lr: float
-    dataplane: str
-    host_id: str
-    restored_from: str = ""     # the checkpoint the shard resumed from at start
-    seeded_by_rank: int = -1    # the rank whose Init supplied its values
-    position: codec.Position | None = None   # where this rank stood, as the shard recorded it
-    settings: dict | None = None  # pb.TrainingSettings as a dict: what the shard was started with
-    instance: str = ""          # the shard process's random id
-    took_over: bool = False     # this Register took the rank's live session over (session file)
 
 
 class ShardClient:
@@ -114,7 +94,7 @@ class ShardClient:
         self.pull_rows_call = self.channel.unary_stream(service + "PullRows",
                                                         request_serializer=pb.PullRowsRequest.SerializeToString,
                                                         response_deserializer=codec.parse_chunk)
-        self.info: ShardInfo | None = None
+        self.info: Registration | None = None
         self.fast: dataplane.DataPlaneChannel | None = None   # same-host shared memory
         self._joined: tuple | None = None       # Register's arguments, to join a restarted shard
         self.last_flat: np.ndarray | None = None  # where pulls land: weights to re-seed a shard
@@ -128,6 +108,10 @@ class ShardClient:
         self.down_told: float | None = None       # when we last said so (None: not yet)
         self.restart_note = ""                    # what a restarted shard had, told once it is back
 
+    def own(self, flat: np.ndarray) -> np.ndarray:
+        """This shard's range of a flat vector (of the whole model's parameters)."""
+        return flat[self.info.range_start:self.info.range_end]
+
     @property
     def label(self) -> str:
         return f"shard {self.index} at {self.address}"
@@ -137,7 +121,7 @@ class ShardClient:
             return fn(*args, **kwargs)
         except grpc.RpcError as e:
             code = e.code().name if e.code() is not None else "UNKNOWN"
-            raise rpc_error_for(code, f"{self.label}: {e.details()}") from None
+            raise rpc_error_for(code, f"{self.label}: {e.details()}", error_kind(e)) from None
 
     def send(self, streaming, one, stream, timeout: float):
         """A client stream through `streaming`, or through `one` (the same method called as
@@ -184,9 +168,8 @@ class ShardClient:
                 delay = min(delay * 2, 2.0)
                 if isinstance(e, Unavailable):
                     self.restart_note = self._rejoin(quiet=True) or self.restart_note
-            except FailedPrecondition as e:
-                forgot = "has not registered" in str(e) or "no worker has registered" in str(e)
-                if not forgot or self._joined is None or rejoins >= 3:
+            except NotRegistered:
+                if self._joined is None or rejoins >= 3:
                     raise
                 rejoins += 1                   # the shard restarted and forgot us: join again
                 note = self._rejoin(quiet=False)
@@ -252,7 +235,7 @@ class ShardClient:
 
     # --- operations -------------------------------------------------------------------
     def register(self, rank, num_workers, num_shards, layout: Layout, batch_size, timeout,
-                 data_order: tuple[int, int] = (0, 0)) -> ShardInfo:
+                 data_order: tuple[int, int] = (0, 0)) -> Registration:
         """Register; while an earlier session of this rank is still live on the shard (this
         worker restarted before the shard noticed), say so and wait for it to expire."""
         self._joined = (rank, num_workers, num_shards, layout, batch_size, timeout, data_order)
@@ -271,7 +254,7 @@ class ShardClient:
                 time.sleep(0.5)
 
     def _register_once(self, rank, num_workers, num_shards, layout, batch_size, timeout,
-                       data_order=(0, 0), previous: str = "") -> ShardInfo:
+                       data_order=(0, 0), previous: str = "") -> Registration:
         """One Register. `previous`: the session file's credential, presented by the first
         Register only: a rejoin (a shard that restarted, a network blip) never presents one, or
         it would take over its own live session and lose the gradient that session holds."""
@@ -281,11 +264,7 @@ class ShardClient:
                                  protocol_version=codec.PROTOCOL_VERSION,
                                  layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors],
                                  tables=[codec.table_spec(t) for t in layout.tables])
-        r = self.call(self.stub.Register, req, timeout=timeout)
-        self.info = ShardInfo(r.mode, r.version, r.initialized, r.range_start, r.range_end,
-                              r.total_params, r.layout_signature, r.optimizer, r.lr, r.dataplane, r.host_id,
-                              r.restored_from, r.seeded_by_rank, codec.Position.of(r),
-                              settings_of(r.settings), r.instance, r.took_over)
+        self.info = r = registration_of(self.call(self.stub.Register, req, timeout=timeout))
         self.session, self.session_timeout = r.session, r.session_timeout_seconds
         self.previous = ""
         if self.on_register is not None:
@@ -301,10 +280,10 @@ class ShardClient:
 
     def _init_once(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
         if self.fast is not None:
-            return self.fast.init(flat[self.info.start:self.info.end], self.info.signature, timeout)
-        header = pb.TensorHeader(rank=rank, shard=self.index, layout_signature=self.info.signature,
+            return self.fast.init(self.own(flat), self.info.layout_signature, timeout)
+        header = pb.TensorHeader(rank=rank, shard=self.index, layout_signature=self.info.layout_signature,
                                  session=self.session)
-        stream = codec.encode(header, flat[self.info.start:self.info.end], self.chunk_bytes)
+        stream = codec.encode(header, self.own(flat), self.chunk_bytes)
         return self.send(self.init_call, self.init_one, stream, timeout).already_initialized
 
     def pull_into(self, flat: np.ndarray, rank: int, seen_version: int, clock: int,
@@ -319,9 +298,7 @@ class ShardClient:
             self.reset_seen = False
             try:
                 return self._pull_once(flat, rank, seen, clock, timeout)
-            except FailedPrecondition as e:
-                if "seen_version" not in str(e):
-                    raise
+            except SeenVersionAhead:
                 return self._pull_once(flat, rank, -1, clock, timeout)
 
         # A pull may legitimately wait for a slow worker until the shard gives up on it
@@ -331,13 +308,13 @@ class ShardClient:
 
     def _pull_once(self, flat, rank, seen_version, clock, timeout) -> tuple[int, bool]:
         if self.fast is not None:
-            return self.fast.pull_into(flat[self.info.start:self.info.end], seen_version, clock, timeout)
+            return self.fast.pull_into(self.own(flat), seen_version, clock, timeout)
         req = pb.PullRequest(rank=rank, shard=self.index, seen_version=seen_version, clock=clock,
                              session=self.session, compression=self.pull_codec)
 
         def run() -> tuple[int, bool]:
             header, chunks = codec.read_header(iter(self.pull_call(req, timeout=timeout)))
-            compress.receive_pull(header, chunks, flat[self.info.start:self.info.end], self._bits)
+            compress.receive_pull(header, chunks, self.own(flat), self._bits)
             return header.step, header.finished
 
         return self.call(run)
@@ -392,7 +369,7 @@ class ShardClient:
         after a rejoin, or when that pull fails, the pull goes on its own, exactly as
         pull_into. A refused push raises before anything is pulled."""
         self.last_flat = flat
-        then = None if self.reset_seen else (flat[self.info.start:self.info.end], seen_version, pull_clock)
+        then = None if self.reset_seen else (self.own(flat), seen_version, pull_clock)
         outcome, _, finished, pulled = self.resilient(
             lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows, packed, then),
             timeout)
@@ -407,13 +384,13 @@ class ShardClient:
         # The data plane carries float32 only: a compressed push goes over gRPC.
         if packed is None and self.fast is not None and frames.fits([(ids.size, g.shape[1])
                                                                         for _, ids, g in rows]):
-            outcome, version, finished, pulled = self.fast.push(grad[self.info.start:self.info.end], step,
+            outcome, version, finished, pulled = self.fast.push(self.own(grad), step,
                                                                 num_samples, clock, timeout, rows, then_pull)
             return OUTCOMES.get(outcome, "unknown"), version, finished, pulled
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
                                  clock=clock, session=self.session,
                                  sparse=[pb.SparsePart(table=t, num_ids=ids.size) for t, ids, _ in rows])
-        dense = [grad[self.info.start:self.info.end]]
+        dense = [self.own(grad)]
         if packed is not None:
             header.compression, header.num_values, header.scale = (packed.compression, packed.num_values,
                                                                    packed.scale)
@@ -444,6 +421,16 @@ class ShardClient:
         self.channel.close()
 
 
+def error_kind(e: grpc.RpcError) -> str:
+    """The error kind a shard sent with its status (trailing metadata KIND_METADATA); "" when
+    there is none: an older shard, or an error that never reached one."""
+    trailing = getattr(e, "trailing_metadata", None)
+    for key, value in (trailing() if trailing is not None else None) or ():
+        if key == KIND_METADATA:
+            return value
+    return ""
+
+
 def process_age() -> float | None:
     """Seconds since this process started (Linux: /proc), None where unknown."""
     try:
@@ -469,7 +456,7 @@ def disagreement(labels: Sequence[str], settings: Sequence[dict]) -> str:
             f"training settings (mode, optimizer and its hyper-parameters, schedule, step timeout, workers)")
 
 
-def restart_note(info: ShardInfo, seeded: bool | None) -> str:
+def restart_note(info: Registration, seeded: bool | None) -> str:
     """What a restarted shard had when this worker joined it again; `seeded`: whether this
     worker's Init gave it the values (None: it did not try, the shard had values)."""
     if info.restored_from:
@@ -509,6 +496,9 @@ class PSClient:
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards) - 1, thread_name_prefix="ps-client") \
             if len(self.shards) > 1 else None
         self.versions = [-1] * len(self.shards)
+        # owners() of the last lookups (their ids arrays, the answer): a step's row pull and
+        # its push ask for the same batch, which is hashed once
+        self._owned: tuple[list[np.ndarray], list] = ([], [])
         self.finished = False          # a shard said the run is over (e.g. backup quorum gone)
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
@@ -533,9 +523,9 @@ class PSClient:
         self.each(lambda s: s.wait_ready(max(0.1, deadline - time.monotonic())))
 
     def register(self, layout: Layout, batch_size: int = 0,
-                 data_order: tuple[int, int] = (0, 0)) -> list[ShardInfo]:
+                 data_order: tuple[int, int] = (0, 0)) -> list[Registration]:
         """Register with every shard. `data_order` (seed, steps per epoch) is recorded with
-        this rank's position, which each ShardInfo returns (docs/semantics.md, "Resuming")."""
+        this rank's position, which each Registration returns (docs/semantics.md, "Resuming")."""
         # versions stay "none seen": the first pull takes whatever is current, which for
         # a restarted worker is the version the others have reached.
         kept = self.session_file.load()        # a file others may read is refused here
@@ -557,7 +547,7 @@ class PSClient:
                   f"the session kept in {self.session_file.path} (the previous process's gradient for "
                   f"the open step is discarded; this one trains that batch again)", flush=True)
         if self.compression.name != "none" and self.feedback is None:
-            self.feedback = compress.ErrorFeedback(self.compression, infos[0].total)
+            self.feedback = compress.ErrorFeedback(self.compression, infos[0].total_params)
         if self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._beat, name="ps-heartbeat", daemon=True)
             self._heartbeat.start()
@@ -606,15 +596,20 @@ class PSClient:
     def owners(self, lookups: Sequence[sparse.TableLookup]) -> list[list[np.ndarray | slice]]:
         """For each lookup, for each shard: the positions in lookup.uniq of the ids it holds
         (with one shard, a slice of all of them: no gather, no scatter). Lookups that share
-        their ids (tables fed the same ids) share the answer."""
+        their ids (tables fed the same ids) share the answer, and the same ids asked again
+        (a step's push after its row pull) get the answer kept from the last call."""
         n = len(self.shards)
         if n == 1:
             return [[slice(None)] for _ in lookups]
+        keys, kept = [lk.uniq for lk in lookups], self._owned
+        if len(keys) == len(kept[0]) and all(a is b for a, b in zip(keys, kept[0])):
+            return kept[1]
         out, done = [], {}
         for lk in lookups:
             if id(lk.uniq) not in done:
                 done[id(lk.uniq)] = self._split_by_owner(sparse.shard_of(lk.uniq, n), n)
             out.append(done[id(lk.uniq)])
+        self._owned = (keys, out)
         return out
 
     @staticmethod
@@ -686,7 +681,9 @@ class PSClient:
 
     def _packed(self, grad: np.ndarray, s: ShardClient) -> codecs.Packed | None:
         """Shard s's slice of grad compressed, residual added and kept (None: --compress none)."""
-        return None if self.feedback is None else self.feedback.pack(grad, s.info.start, s.info.end)
+        if self.feedback is None:
+            return None
+        return self.feedback.pack(grad, s.info.range_start, s.info.range_end)
 
     def status(self, timeout: float = 10.0) -> list[pb.StatusReply]:
         return self.each(lambda s: s.status(timeout))

@@ -12,9 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from pserver.errors import InvalidArgument, PServerError, RpcError, Unavailable, rpc_error_for
+from pserver.errors import InvalidArgument, PServerError, RpcError, Unavailable
 from pserver.wire.frames import (
-    CODES,
     FREE,
     HELLO,
     INIT,
@@ -38,6 +37,7 @@ from pserver.wire.frames import (
     mapped,
     push_slots,
     recv_exact,
+    reply_error,
     row_layout,
     supported,
 )
@@ -87,16 +87,16 @@ class DataPlaneChannel:
         msg, fds, _, _ = socket.recv_fds(self.sock, REPLY.size, count)
         code = REPLY.unpack(msg)[0] if len(msg) == REPLY.size else None
         if code == 0 and len(fds) == count:
-            return REPLY.unpack(msg)[4], fds
+            return REPLY.unpack(msg)[5], fds
         for fd in fds:
             os.close(fd)
         if code is None:
             raise ConnectionError(f"the shard's data plane closed the connection during {what}")
         if code == 0:
             raise ConnectionError(f"the shard's data plane answered {what} with the wrong buffers")
-        n = REPLY.unpack(msg)[3]
+        _, _, _, kind, n, _ = REPLY.unpack(msg)
         message = recv_exact(self.sock, n).decode(errors="replace") if n else ""
-        raise rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", f"{self.label}: {message}")
+        raise reply_error(code, kind, f"{self.label}: {message}")
 
     def _send(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b"") -> None:
         if self.sock.gettimeout() != timeout + 5:      # each settimeout costs system calls
@@ -119,10 +119,10 @@ class DataPlaneChannel:
 
     def _reply(self):
         """(outcome, finished, version, message) of the next reply; its error raised."""
-        code, outcome, finished, n, version = REPLY.unpack(recv_exact(self.sock, REPLY.size))
+        code, outcome, finished, kind, n, version = REPLY.unpack(recv_exact(self.sock, REPLY.size))
         message = recv_exact(self.sock, n).decode(errors="replace") if n else ""
         if code:
-            raise rpc_error_for(CODES[code] if code < len(CODES) else "INTERNAL", f"{self.label}: {message}")
+            raise reply_error(code, kind, f"{self.label}: {message}")
         return outcome, bool(finished), version, message
 
     def _send_values(self, values: np.ndarray, op, step, clock, num_samples, timeout: float,

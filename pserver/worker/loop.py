@@ -16,9 +16,15 @@ import time
 import numpy as np
 
 from pserver.config import WorkerConfig
-from pserver.data import Dataset, Stream, as_task, describe, load_dataset
-from pserver.data.criteo import CriteoData
-from pserver.errors import ConfigError, DataError, DeadlineExceeded, FailedPrecondition, PServerError
+from pserver.data import Dataset, Stream, describe, load_dataset
+from pserver.errors import (
+    ConfigError,
+    DataError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    PServerError,
+    StaleStep,
+)
 from pserver.kernels.cache import CompileWatch
 from pserver.kernels.device import describe as describe_device
 from pserver.kernels.device import parse_device, select
@@ -93,23 +99,7 @@ def fit_data(model, ds: Dataset | Stream) -> Dataset | Stream:
     reshaped to the model's input, everything checked (DataError naming layer and shapes).
     A model without `check_data` (a user's protocol object) gets the data as it is; a
     Stream's batches are checked by the model as they come, its test set here."""
-    check = getattr(model, "check_data", None)
-    if isinstance(ds, CriteoData):       # records the CTR models check batch by batch
-        if check is not None:
-            check(ds.x_test, ds.y_test, f"{ds.name} test set")
-        return ds
-    if isinstance(ds, Stream):
-        if check is None or ds.x_test is None:
-            return ds
-        x_test = check(ds.x_test, ds.y_test, f"{ds.name} test set")
-        return Stream(ds.name, ds.source, x_test, ds.y_test, ds.num_classes)
-    if getattr(model, "task", None) == "regression":
-        ds = as_task(ds, "regression")
-    if check is None:
-        return ds
-    x_train = check(ds.x_train, ds.y_train, f"{ds.name} training set")
-    x_test = check(ds.x_test, ds.y_test, f"{ds.name} test set")
-    return Dataset(ds.name, x_train, ds.y_train, x_test, ds.y_test, ds.num_classes)
+    return ds.fit(model)
 
 
 def gradient_fn(model, seed: int, rank: int):
@@ -306,10 +296,10 @@ def warm_up(model, w: np.ndarray, ds, batch_size: int, rows: Rows) -> None:
     activation buffers happen here, not inside the first timed step. (A Stream's batches are
     the user's to read once, so its first step does this instead; streamed Criteo data warms
     up on its test set.)"""
-    if isinstance(ds, Stream):
+    batch = ds.warm_up_batch(batch_size)
+    if batch is None:
         return
-    x, y = (ds.x_test, ds.y_test) if isinstance(ds, CriteoData) else (ds.x_train, ds.y_train)
-    x, y = x[:batch_size], y[:batch_size]
+    x, y = batch
     if rows:
         model.loss_and_grad(w, x, y, np.empty_like(w), sparse=rows.for_batch(x))
     else:
@@ -381,13 +371,11 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
 def push_pull(client: PSClient, g: np.ndarray, w: np.ndarray, batch: int, clock: int, lookups=(),
               tables=()) -> list[str]:
     """Push, then pull into w (one exchange per shard over the data plane); the outcomes.
-    A rejection for a stale step (sync after a timeout) is survivable: the pull brings
-    the current version and training goes on."""
+    A rejection for a stale step (sync after a timeout; a push already held) is survivable:
+    the pull brings the current version and training goes on."""
     try:
         return client.push_pull(g, w, batch, clock, lookups=lookups, tables=tables)
-    except FailedPrecondition as e:
-        if "step" not in str(e):
-            raise
+    except StaleStep:
         client.pull(w, clock + 1)
         return ["rejected"]
 

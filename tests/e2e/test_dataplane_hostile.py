@@ -42,7 +42,7 @@ def request(sock, op, step=0, seen=0) -> tuple[int, int, str]:
     """One data-plane call as rank 0: (status code, version, message)."""
     sock.sendall(frames.REQUEST.pack(frames.MAGIC, op, 0, 0, step if op == frames.PUSH else seen,
                                         0, LAYOUT.total, 1, 10_000))
-    code, _, _, n, version = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
+    code, _, _, _, n, version = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
     return code, version, frames.recv_exact(sock, n).decode() if n else ""
 
 

@@ -1,0 +1,52 @@
+"""One record per message, shared by the shard and the worker, with its one converter to and
+from the protobuf message.
+
+`Registration` is what a shard answers a Register with: `Shard.register` returns it, the
+servicer sends it as a RegisterReply (registration_reply), and the worker's client reads the
+reply back into the same record (registration_of), kept per shard as `ShardClient.info`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pserver._proto import pserver_pb2 as pb
+from pserver.observe.status import settings_of
+from pserver.wire.codec import PROTOCOL_VERSION, Position
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A shard's answer to Register (pb.RegisterReply, field for field)."""
+    mode: str
+    version: int
+    initialized: bool
+    range_start: int                  # this shard's range of the flat parameter vector
+    range_end: int
+    total_params: int
+    layout_signature: str
+    optimizer: str
+    lr: float
+    dataplane: str                    # the data plane's address ("" without one)
+    host_id: str
+    session: str                      # the rank's credential for every later call
+    session_timeout_seconds: float
+    protocol_version: int = PROTOCOL_VERSION
+    restored_from: str = ""           # the checkpoint the shard resumed from at start
+    seeded_by_rank: int = -1          # the rank whose Init supplied the values, -1 if none
+    position: Position | None = None  # the rank's recorded position; None when there is none
+    settings: dict | None = None      # ServerConfig.training_settings: compared across shards
+    instance: str = ""                # the shard process's random id
+    took_over: bool = False           # the Register took the rank's live session over
+
+
+def registration_reply(reg: Registration) -> pb.RegisterReply:
+    fields = asdict(reg) | {"settings": pb.TrainingSettings(**(reg.settings or {}))}
+    position = fields.pop("position")
+    return pb.RegisterReply(**fields,
+                            position=pb.TrainingPosition(**position._asdict()) if position else None)
+
+
+def registration_of(reply: pb.RegisterReply) -> Registration:
+    fields = {name: getattr(reply, name) for name in Registration.__dataclass_fields__}
+    return Registration(**fields | {"position": Position.of(reply), "settings": settings_of(reply.settings)})

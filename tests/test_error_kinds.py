@@ -1,0 +1,299 @@
+"""Error kinds (pserver.errors.KINDS) across the wire: the servicer's trailing metadata, the
+data plane's kind byte, the client's translation, and the callers that branch on the class.
+No code in pserver/ may branch on an error's text: the last tests grep for it."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import struct
+
+import grpc
+import numpy as np
+import pytest
+
+from pserver import errors
+from pserver._proto import pserver_pb2 as pb
+from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.errors import (
+    KIND_METADATA,
+    AlreadyPushed,
+    FailedPrecondition,
+    NotRegistered,
+    SeenVersionAhead,
+    StaleStep,
+    TakenOver,
+    Unauthenticated,
+    rpc_error_for,
+)
+from pserver.wire import frames
+from pserver.wire.security import ClientSecurity
+from pserver.worker.client import PSClient
+from pserver.worker.loop import push_pull
+from tests.test_dataplane_hostile import LAYOUT, START, TOKEN, raw_hello, worker
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ONES = np.ones(LAYOUT.total, np.float32)
+
+
+# --- the table --------------------------------------------------------------------------
+def test_every_kind_has_a_unique_wire_name_and_a_status_codes_class_above_it():
+    assert list(errors.KINDS) == ["stale_step", "already_pushed", "not_registered", "seen_version_ahead",
+                                  "taken_over"]       # append only: the data plane sends positions
+    for kind, cls in errors.KINDS.items():
+        assert cls.kind == kind and cls.code_name in errors.RPC_ERRORS
+        assert issubclass(cls, errors.RPC_ERRORS[cls.code_name])
+    assert frames.KINDS == ["", *errors.KINDS]
+    assert all(cls.kind == "" for cls in errors.RPC_ERRORS.values())
+
+
+@pytest.mark.parametrize("code, kind, expected", [
+    ("FAILED_PRECONDITION", "stale_step", StaleStep),
+    ("FAILED_PRECONDITION", "already_pushed", AlreadyPushed),
+    ("FAILED_PRECONDITION", "not_registered", NotRegistered),
+    ("FAILED_PRECONDITION", "seen_version_ahead", SeenVersionAhead),
+    ("UNAUTHENTICATED", "taken_over", TakenOver),
+    ("FAILED_PRECONDITION", "", FailedPrecondition),                 # an older shard: no kind
+    ("FAILED_PRECONDITION", "a_kind_from_a_newer_release", FailedPrecondition),
+    ("UNAUTHENTICATED", "stale_step", Unauthenticated),              # a kind of another status code
+    ("INVALID_ARGUMENT", "not_registered", errors.InvalidArgument),
+])
+def test_the_kind_picks_the_class_and_the_status_code_is_the_fallback(code, kind, expected):
+    e = rpc_error_for(code, "shard 0: the message", kind)
+    assert type(e) is expected and str(e) == "shard 0: the message" and e.code_name == code
+
+
+def test_an_unknown_status_code_stays_a_plain_rpc_error_with_its_name():
+    e = rpc_error_for("DATA_LOSS", "lost", "stale_step")
+    assert type(e) is errors.RpcError and e.code_name == "DATA_LOSS" and str(e) == "lost"
+
+
+# --- gRPC: trailing metadata --------------------------------------------------------------
+def trailing_kind(e: grpc.RpcError) -> str | None:
+    return dict(e.trailing_metadata() or ()).get(KIND_METADATA)
+
+
+def test_a_raw_grpc_client_reads_the_kind_in_the_trailing_metadata(shard_server):
+    """The stubs generated from protos/pserver.proto (tests/test_proto.py keeps them current),
+    as any other language's client: status and message as before, the kind beside them."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync")
+    meta = [("authorization", f"Bearer {TOKEN}")]
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(addr))
+
+    def pull(**fields) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Pull(pb.PullRequest(**fields), timeout=5, metadata=meta))
+        return e.value
+
+    e = pull(rank=0, shard=0)                       # nobody has registered yet
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and trailing_kind(e) == "not_registered"
+    assert e.details() == "layout: no worker has registered with this shard yet"
+    c = worker(addr, data_plane="grpc")
+    e = pull(rank=0, shard=0, seen_version=99, session=c.shards[0].session)
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and trailing_kind(e) == "seen_version_ahead"
+    assert e.details().startswith("seen_version: 99 is ahead of shard 0's version 0")
+    e = pull(rank=0, shard=3, session=c.shards[0].session)    # a refusal of no kind: no metadata
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and trailing_kind(e) is None
+    e = pull(rank=0, shard=0, session="not-the-session")
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED and trailing_kind(e) is None
+    c.close()
+
+
+# --- the data plane: the kind byte ------------------------------------------------------------
+def raw_reply(sock) -> tuple[int, int, str]:
+    code, _, _, kind, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
+    return code, kind, frames.recv_exact(sock, n).decode() if n else ""
+
+
+def test_the_data_plane_carries_the_kind_in_the_byte_that_was_padding(shard_server):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync")
+    c = worker(addr)
+    sock, _ = raw_hello(shard, c)
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.PULL, 0, 0, 99, 0, LAYOUT.total, 0, 1000))
+    reply = frames.recv_exact(sock, frames.REPLY.size)
+    code, _, _, kind, n, _ = frames.REPLY.unpack(reply)
+    assert (frames.CODES[code], frames.KINDS[kind]) == ("FAILED_PRECONDITION", "seen_version_ahead")
+    message = frames.recv_exact(sock, n).decode()
+    assert message.startswith("seen_version: 99 is ahead of shard 0's version 0")
+    # An older client reads the same header with a pad byte where the kind is: same answer.
+    assert struct.unpack("<BBBxIq", reply)[0] == code and struct.unpack("<BBBxIq", reply)[3] == n
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.PULL, 0, 3, -1, 0, LAYOUT.total, 0, 1000))
+    code, kind, message = raw_reply(sock)               # a refusal of no kind: byte 0
+    assert (frames.CODES[code], kind) == ("FAILED_PRECONDITION", 0) and message.startswith("shard: ")
+    sock.close()
+    c.close()
+
+
+def test_a_reply_decodes_to_the_kind_or_falls_back_on_the_status_code():
+    fp = frames.CODES.index("FAILED_PRECONDITION")
+    assert type(frames.reply_error(fp, frames.KINDS.index("stale_step"), "m")) is StaleStep
+    assert type(frames.reply_error(fp, 0, "m")) is FailedPrecondition          # an older shard
+    assert type(frames.reply_error(fp, len(frames.KINDS), "m")) is FailedPrecondition   # a newer one
+    assert type(frames.reply_error(len(frames.CODES), 1, "m")).__name__ == "RpcError"
+    assert frames.reply_error(len(frames.CODES), 1, "m").code_name == "INTERNAL"
+    assert frames.error_codes(StaleStep("m")) == (fp, frames.KINDS.index("stale_step"))
+    assert frames.error_codes(TakenOver("m")) == (frames.CODES.index("UNAUTHENTICATED"),
+                                                  frames.KINDS.index("taken_over"))
+    assert frames.error_codes(FailedPrecondition("m")) == (fp, 0)
+    assert frames.error_codes(errors.DeadlineExceeded("m")) == (frames.CODES.index("DEADLINE_EXCEEDED"), 0)
+    odd = errors.RpcError("m")
+    odd.code_name = "DATA_LOSS"
+    assert frames.error_codes(odd) == (frames.CODES.index("INTERNAL"), 0)
+
+
+# --- the client: the class a user sees ----------------------------------------------------------
+@pytest.mark.parametrize("plane", ["auto", "grpc"])
+def test_the_client_raises_the_kind_over_either_plane(shard_server, plane):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync")
+    c = worker(addr, num_workers=2, data_plane=plane)
+    s = c.shards[0]
+    with pytest.raises(StaleStep, match="^shard 0 at .*: step: push for step 99 but shard 0 is at version 0"):
+        s.push(ONES, 0, 99, 1, 0, 5)
+    with pytest.raises(SeenVersionAhead, match="seen_version: 99 is ahead"):
+        s._pull_once(np.empty(LAYOUT.total, np.float32), 0, 99, 0, 5)
+    other = PSClient([addr], rank=1, num_workers=2, rpc_deadline=5, security=ClientSecurity(TOKEN))
+    with pytest.raises(NotRegistered, match="rank: worker 1 has not registered with shard 0"):
+        other.shards[0]._pull_once(np.empty(LAYOUT.total, np.float32), 1, -1, 0, 5)
+    other.close()
+    c.close()
+
+
+def test_a_taken_over_session_is_told_apart_from_a_wrong_one(shard_server, tmp_path):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    c = worker(addr, data_plane="grpc")
+    old = c.shards[0].session
+    c.shards[0].previous = old
+    c.shards[0]._register_once(0, 1, 1, LAYOUT, 0, 5, previous=old)     # a restarted process
+    c.shards[0].session = old
+    with pytest.raises(TakenOver, match="was taken over by a restarted process"):
+        c.shards[0].heartbeat(0, 5)
+    c.shards[0].session = "0" * 32
+    with pytest.raises(Unauthenticated, match="does not carry that worker's session") as e:
+        c.shards[0].heartbeat(0, 5)
+    assert type(e.value) is Unauthenticated
+    c.close()
+
+
+def test_a_shard_that_forgot_the_worker_is_joined_again(shard_server, capsys):
+    """NotRegistered (the shard restarted and lost its members) makes the client register
+    again and repeat the call; any other refusal goes to the caller."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    c = worker(addr, data_plane="grpc")
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    with shard.store.cond:                     # as a restart would: rank 0 unknown
+        shard.members.registered.discard(0)
+        shard.members.sessions.pop(0)
+    before = c.shards[0].session
+    assert c.pull(w) == [0]
+    assert c.shards[0].session != before and shard.members.registered == {0}
+    c.shards[0]._joined = None                 # nothing to join again with: the error goes up
+    with shard.store.cond:
+        shard.members.registered.discard(0)
+        shard.members.sessions.pop(0)
+    with pytest.raises(NotRegistered):
+        c.pull(w)
+    c.close()
+
+
+def test_a_shard_that_keeps_forgetting_is_joined_three_times_then_reported(shard_server, monkeypatch):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    c = worker(addr, data_plane="grpc")
+    s = c.shards[0]
+    joins = []
+    real = s._rejoin
+    monkeypatch.setattr(s, "_rejoin", lambda quiet: (joins.append(quiet), real(quiet))[1])
+    calls = []
+
+    def forgetful():
+        calls.append(1)
+        raise NotRegistered("rank: worker 0 has not registered with shard 0; call Register first")
+
+    with pytest.raises(NotRegistered):
+        s.resilient(forgetful, 5)
+    assert joins == [False, False, False] and len(calls) == 4
+    with pytest.raises(StaleStep):             # not a forgotten worker: no rejoin
+        s.resilient(lambda: (_ for _ in ()).throw(StaleStep("step: x")), 5)
+    assert len(joins) == 3
+    c.close()
+
+
+def test_the_seen_version_a_shard_refuses_is_pulled_again_as_none_seen(shard_server):
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    c = worker(addr, data_plane="grpc")
+    w = np.zeros(LAYOUT.total, np.float32)
+    assert c.pull(w, seen=[99]) == [0]
+    np.testing.assert_array_equal(w, START)
+    c.close()
+
+
+# --- the worker: survives a stale step, nothing else ---------------------------------------------
+class Refusing:
+    """A PSClient whose push_pull raises `error`; records the pulls made after it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error, self.pulls = error, []
+
+    def push_pull(self, *args, **kwargs):
+        raise self.error
+
+    def pull(self, w, clock=0):
+        self.pulls.append(clock)
+
+
+@pytest.mark.parametrize("error", [StaleStep("step: push for step 3 but shard 0 is at version 4"),
+                                   AlreadyPushed("rank: worker 0 already pushed for step 4")])
+def test_the_worker_pulls_again_after_a_stale_step(error):
+    client = Refusing(error)
+    assert push_pull(client, ONES, ONES.copy(), 4, 6) == ["rejected"] and client.pulls == [7]
+
+
+@pytest.mark.parametrize("error", [
+    FailedPrecondition("step: a message that names the step but is no kind (an older shard)"),
+    FailedPrecondition("rank: worker 0 was marked dead after --step-timeout"),
+    NotRegistered("rank: worker 0 has not registered with shard 0; call Register first"),
+    SeenVersionAhead("seen_version: 9 is ahead of shard 0's version 4 (step)"),
+])
+def test_the_worker_stops_on_any_other_refusal_whatever_its_text(error):
+    client = Refusing(error)
+    with pytest.raises(type(error)) as e:
+        push_pull(client, ONES, ONES.copy(), 4, 6)
+    assert e.value is error and client.pulls == []
+
+
+# --- nothing branches on an error's text --------------------------------------------------------
+ERR = r"(?:e|ex|exc|err|error|failure|\w+_err|\w+_error)"          # what an error is called
+TEXT_BRANCHES = [
+    re.compile(rf"\bin\s+str\(\s*{ERR}\s*\)"),                            # "x" in str(e)
+    re.compile(rf"\bstr\(\s*{ERR}\s*\)\s*(==|!=|\.(startswith|endswith|find|index|count)\b)"),
+    re.compile(r"\.details\(\)\s*(==|!=|\.(startswith|endswith|find|index|count)\b)"),
+    re.compile(r"\bin\s+\w+(\.\w+)*\.details\(\)"),                       # "x" in e.details()
+    re.compile(rf"(==|!=|\bin)\s+{ERR}\.args\b|\b{ERR}\.args\s*(==|!=|\[)"),  # e.args compared
+    re.compile(rf"\bre\.\w+\([^)]*(\bstr\({ERR}\)|\.details\(\))"),      # re.search(.., str(e))
+]
+
+
+def text_branches(source: str) -> list[str]:
+    return [line.strip() for line in source.splitlines()
+            if any(p.search(line) for p in TEXT_BRANCHES)]
+
+
+@pytest.mark.parametrize("line", [
+    'forgot = "has not registered" in str(e)',
+    'if "step" not in str(err):',
+    'if str(e).startswith("seen_version"):',
+    'if e.details() == "gone":',
+    'if "deadline" in e.details():',
+    'if "x" in e.args[0]:',
+    'if err.args == ("gone",):',
+    'if re.search("step", exc.details()):',
+    'if re.search("step", str(e)):',
+])
+def test_the_grep_finds_a_branch_on_text(line):
+    assert text_branches(line) == [line]
+
+
+def test_no_code_in_pserver_branches_on_an_errors_text():
+    found = {str(p.relative_to(ROOT)): hits for p in sorted((ROOT / "pserver").rglob("*.py"))
+             if "_proto" not in p.parts and (hits := text_branches(p.read_text()))}
+    assert found == {}, "branch on the error's class (pserver.errors.KINDS), not on its text"
