@@ -12,9 +12,10 @@ it (`reserve`): the ids its tables do not hold yet, their entries and the index 
 budget cannot take them, rows are evicted, least recently updated first, from the pushed tables
 and then from the others, but only from tables whose rows may be evicted (they have an eviction
 rule of their own: max_rows or ttl_steps). When that is not enough the push is refused whole,
-RESOURCE_EXHAUSTED naming the table, its new rows and bytes and the budget, and nothing has
-changed. A reservation is held until the step it belongs to has been applied (`settle`), so
-that pushes waiting for one sync step cannot together overshoot the budget.
+RESOURCE_EXHAUSTED of kind OverBudget (which workers do not retry), naming the table, its new
+rows and bytes and the budget, and nothing has changed. A reservation is held until the step
+it belongs to has been applied (`settle`), so that pushes waiting for one sync step cannot
+together overshoot the budget.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 
 import numpy as np
 
-from pserver.errors import ResourceExhausted
+from pserver.errors import OverBudget
 
 MiB = 1 << 20
 
@@ -84,7 +85,7 @@ class Budget:
         why = ("and no table may evict rows (give a table max_rows or ttl_steps to let its least "
                "recently updated rows go)" if not any(x.evictable for x in tables.values()) else
                "after evicting every row the tables allow")
-        raise ResourceExhausted(
+        raise OverBudget(
             f"{self.flag}: table '{name}' would create {new[name]:,} new rows "
             f"({t.growth_bytes(new[name]) / MiB:.1f} MiB; the whole push {need / MiB:.1f} MiB), "
             f"and the shard holds {used / MiB:.1f} MiB of its {self.limit / MiB:.0f} MiB budget {why}; "

@@ -117,7 +117,8 @@ class Shard:
         self.seeded_by = -1            # the rank whose Init supplied the values
         self.instance = secrets.token_hex(8)   # tells a restarted shard from the one before
         # --max-memory-mb bounds the state and the pushes in flight together: an explicit budget
-        # keeps at most an eighth of itself for the bytes in flight (--max-inflight-mb), the
+        # keeps at most an eighth of itself for the bytes in flight (--max-inflight-mb) and a
+        # sixteenth for what is copied for a moment (an index rehashed, a push's checks), the
         # rest for the state (pserver.server.budget).
         limit = cfg.max_memory_mb << 20 or int(0.9 * available_memory()) or (1 << 62)
         inflight = cfg.max_inflight_mb << 20
@@ -125,8 +126,8 @@ class Shard:
             inflight = min(inflight, limit // 8)
         self.limits = Limits(pool_threads(cfg.threads, cfg.num_workers), inflight,
                              cfg.step_timeout, self.store.counters)
-        self.budget = Budget(limit - (inflight if cfg.max_memory_mb else 0), self.store.counters,
-                             dense=lambda: self._dense_bytes(self.store.size))
+        state = limit - (inflight + limit // 16 if cfg.max_memory_mb else 0)
+        self.budget = Budget(state, self.store.counters, dense=lambda: self._dense_bytes(self.store.size))
         # Sessions expire and idle streams are cancelled even when no call is waiting.
         threading.Thread(target=Shard._reap, args=(weakref.ref(self), min(1.0, cfg.step_timeout / 4)),
                          name="pserver-reaper", daemon=True).start()
