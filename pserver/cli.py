@@ -105,9 +105,12 @@ SERVER_FLAGS = [
     Flag("--table-threads", dict(type=int, metavar="T", help="threads one sparse pull or push of at least "
                                  "16,384 ids may use on a shard, in parts of 8,192 or more ids "
                                  "(default 2; 1: the calling thread only)")),
-    Flag("--max-memory-mb", dict(type=int, help="MiB that a model's layout may need on this shard "
-                                                "(parameters, optimizer state, one gradient); "
-                                                "default 0: 90%% of the memory available at Register")),
+    Flag("--max-memory-mb", dict(type=int, help="MiB this shard may hold: the dense range and every "
+                                                "sparse table's rows, slots and index, with an eighth "
+                                                "for pushes in flight; a push whose new rows do not "
+                                                "fit evicts rows of tables with max_rows or ttl_steps, "
+                                                "else is refused (default 0: 90%% of the memory "
+                                                "available at start)")),
     Flag("--checkpoint-dir", dict(metavar="DIR", help="write checkpoints here, atomically (checked writable "
                                   "at start; newest 3 kept; after every epoch, at the end and "
                                   "on SIGTERM too)")),
