@@ -38,7 +38,7 @@ class Budget:
         self._lock = threading.Lock()
 
     def used(self, tables: dict) -> int:
-        return self.dense() + sum(t.stats()["bytes"] for t in tables.values())
+        return self.dense() + sum(t.nbytes for t in tables.values())
 
     def report(self, tables: dict) -> dict:
         """For Status: the budget, what is used, and what waiting pushes have reserved."""
@@ -74,9 +74,9 @@ class Budget:
                 break
             if not t.evictable:
                 continue
-            before = t.stats()["bytes"]
+            before = t.nbytes
             self.counters.add("rows_evicted_for_memory", t.evict_for(short))
-            short -= before - t.stats()["bytes"]
+            short -= before - t.nbytes
         return short
 
     def _refuse(self, tables, parts, new, need, used) -> None:

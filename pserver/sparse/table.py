@@ -320,6 +320,11 @@ class SparseTable:
             in_parts(lambda a, b: _lookup(r.slots, r.keys, r.bits, data, ids[a:b], self._key, scale,
                                           out[a:b]), ids.shape[0], self.threads)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes stats() reports, without the lock (a racing push may move it a little)."""
+        return self._rows.nbytes + self._pending.nbytes
+
     def stats(self) -> dict:
         with self._lock:
             return {"rows": self._rows.n, "bytes": self._rows.nbytes + self._pending.nbytes,
