@@ -100,14 +100,14 @@ def in_parts(fn, n: int, threads: int) -> int:
 class TableConfig:
     name: str                  # unique per model, e.g. "emb_deep"
     dim: int                   # floats per row (the Embedding's output_dim)
-    optimizer: str = "adagrad" # one of ROW_OPTIMIZERS
+    optimizer: str = "adagrad" # a name in optim.ROWS
     lr: float = 0.05           # the row optimizer's learning rate (alpha for ftrl)
     init_scale: float = 0.05   # initial values uniform(-init_scale, init_scale); 0 -> zeros
     seed: int = 0              # the run's seed: part of every row's initial value
     min_count: int = 0         # admission: an id is stored once pushed this many times; 0/1 = at once
     max_rows: int = 0          # eviction per shard, least recently updated first; 0 = no bound
     ttl_steps: int = 0         # eviction of rows not updated for this many steps; 0 = never
-    params: tuple = ()         # optimizer extras as sorted (key, value) pairs (optim.DEFAULTS)
+    params: tuple = ()         # optimizer extras as sorted (key, value) pairs (its RowRule.params)
 
     def __post_init__(self) -> None:
         if isinstance(self.params, dict):   # accepted for convenience, kept as sorted pairs
