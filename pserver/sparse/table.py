@@ -323,7 +323,7 @@ class SparseTable:
                 or grads.shape != (ids.shape[0], self.dim)):
             raise InvalidArgument(f"table {name!r}: grads need float32[{ids.shape[0]}, {self.dim}], got "
                                   f"{getattr(grads, 'dtype', type(grads).__name__)}{list(np.shape(grads))}")
-        i = -1 if finite else _first_nonfinite(grads)
+        i = -1 if finite else first_nonfinite_row(grads)
         if i >= 0:
             raise InvalidArgument(f"table {name!r}: the gradient of id {int(ids[i])} (row {i} of the "
                                   f"push) is not finite: {grads[i].tolist()}")
@@ -495,7 +495,7 @@ def _admit(slots, keys, bits, n, data, steps, pslots, pkeys, pbits, pn, pcounts,
 
 
 @njit(cache=True, nogil=True)
-def _first_nonfinite(grads):
+def first_nonfinite_row(grads):
     """The first row of grads holding a NaN or an infinity, or -1. x - x is 0 for a finite x
     and NaN otherwise: a test of a whole row without a branch, which vectorizes."""
     for i in range(grads.shape[0]):
