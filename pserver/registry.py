@@ -18,6 +18,7 @@ class Entry:
     name: str
     summary: str   # one line, for --help and the docs' tables
     value: Any     # what the name stands for: a class, a function, or None for a plain choice
+    form: str      # how a user writes it: the name, or with its arguments ("topk:RATIO")
 
 
 class Registry:
@@ -30,22 +31,30 @@ class Registry:
         self.kind, self.flag = kind, flag
         self._entries: dict[str, Entry] = {}
 
-    def add(self, name: str, summary: str, value: Any = None) -> Any:
-        """Register `name`; returns `value`, so a module can add and keep what it defined."""
+    def add(self, name: str, summary: str, value: Any = None, form: str | None = None) -> Any:
+        """Register `name` (written as `form` where it takes arguments, e.g. "topk:RATIO");
+        returns `value`, so a module can add and keep what it defined."""
         if name in self._entries:
             raise ValueError(f"{self.kind} {name!r} is registered twice")
         if not summary or "\n" in summary:
             raise ValueError(f"{self.kind} {name!r}: the summary must be one line")
-        self._entries[name] = Entry(name, summary, value)
+        self._entries[name] = Entry(name, summary, value, form or name)
         return value
 
     def register(self, cls):
-        """Class decorator: registers `cls` under cls.name with cls.summary."""
-        self.add(cls.name, cls.summary, cls)
+        """Class decorator: registers `cls` under cls.name with cls.summary (and cls.form)."""
+        self.add(cls.name, cls.summary, cls, getattr(cls, "form", None))
         return cls
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._entries)
+
+    def forms(self) -> tuple[str, ...]:
+        """How each entry is written, arguments included ("topk:RATIO"), for help and errors."""
+        return tuple(e.form for e in self._entries.values())
+
+    def values(self) -> tuple:
+        return tuple(e.value for e in self._entries.values())
 
     def get(self, name: str, what: str | None = None):
         """The value registered as `name`; an unknown name raises ConfigError listing the names."""
@@ -58,8 +67,8 @@ class Registry:
         return self._entries[name].summary
 
     def table_rows(self) -> list[tuple[str, str]]:
-        """(name, summary) per entry, for a docs table."""
-        return [(e.name, e.summary) for e in self._entries.values()]
+        """(form, summary) per entry, for a docs table."""
+        return [(e.form, e.summary) for e in self._entries.values()]
 
     def __contains__(self, name) -> bool:
         return name in self._entries

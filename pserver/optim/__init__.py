@@ -20,9 +20,10 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.optim import adam, momentum, sgd
-from pserver.optim.schedule import parse_schedule
+from pserver.optim.schedule import SCHEDULES, parse_schedule
+from pserver.registry import Registry
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
+OPTIMIZERS = Registry("optimizer", "--optimizer")   # the classes below, by name
 OPTIM_BACKENDS = ("numba", "numpy")
 # Above this many elements a step is split into contiguous pieces run on several threads.
 # The kernels are element-wise and release the GIL, so the pieces run truly in parallel
@@ -43,6 +44,7 @@ class Optimizer:
     """An update rule with its state for `size` elements; `step` applies it in place."""
 
     name = ""
+    summary = ""  # one line for OPTIMIZERS' table
     rule = sgd  # the module with update / update_numpy / STATE
 
     def __init__(self, size: int, *, lr: float, schedule: Callable[[int], float],
@@ -93,15 +95,19 @@ class Optimizer:
         return f"{type(self).__name__}(size={self.size}, lr={self.lr}, schedule={self.schedule})"
 
 
+@OPTIMIZERS.register
 class SGD(Optimizer):
     name, rule = "sgd", sgd
+    summary = "w -= lr * (g + weight_decay * w)"
 
     def _apply(self, w, g, state, t, lr):
         self._update(w, g, lr, self.weight_decay)
 
 
+@OPTIMIZERS.register
 class Momentum(Optimizer):
     name, rule = "momentum", momentum
+    summary = "heavy-ball momentum (--momentum), or Nesterov's (--nesterov)"
 
     def __init__(self, size, *, momentum: float = 0.9, nesterov: bool = False, **kw):
         super().__init__(size, **kw)
@@ -111,8 +117,10 @@ class Momentum(Optimizer):
         self._update(w, g, state["v"], lr, self.momentum, self.nesterov, self.weight_decay)
 
 
+@OPTIMIZERS.register
 class Adam(Optimizer):
     name, rule = "adam", adam
+    summary = "Adam with bias correction (--beta1, --beta2, --eps)"
 
     def __init__(self, size, *, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  **kw):
@@ -130,9 +138,7 @@ def make_optimizer(name: str, size: int, *, lr: float, schedule: str = "constant
                    beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                    backend: str = "numba") -> Optimizer:
     """Build an optimizer by name; bad names and values raise ConfigError naming the flag."""
-    if name not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer: unknown optimizer {name!r}; "
-                          f"choose one of {', '.join(OPTIMIZERS)}")
+    OPTIMIZERS.get(name)
     if backend not in OPTIM_BACKENDS:
         raise ConfigError(f"optimizer backend: unknown {backend!r}; "
                           f"choose one of {', '.join(OPTIM_BACKENDS)}")
@@ -169,5 +175,5 @@ def _no_nesterov(name: str, nesterov: bool) -> None:
         raise ConfigError(f"--nesterov: applies to --optimizer momentum only, not {name!r}")
 
 
-__all__ = ["OPTIMIZERS", "OPTIM_BACKENDS", "Optimizer", "SGD", "Momentum", "Adam",
+__all__ = ["OPTIMIZERS", "OPTIM_BACKENDS", "SCHEDULES", "Optimizer", "SGD", "Momentum", "Adam",
            "make_optimizer", "parse_schedule"]

@@ -173,7 +173,7 @@ def _touched(idx, grads, scale):
 
 @ROWS.register
 class SGD(RowRule):
-    name, summary = "sgd", "plain SGD: w -= lr * g; no slots"
+    name, summary = "sgd", "w -= lr * g, no slots"
     kernels = (sgd, sgd_numpy)
 
 
@@ -208,7 +208,7 @@ def adagrad_numpy(data, steps, idx, grads, scale, lr, eps):
 
 @ROWS.register
 class Adagrad(RowRule):
-    name, summary = "adagrad", "Adagrad: a per-value sum of squared gradients scales each step"
+    name, summary = "adagrad", "a per-value sum of squared gradients scales each step"
     slots = ("accumulator",)
     # MXNet's defaults: an accumulator that starts at 0, so the first step is lr g / (|g| + eps).
     # A row's gradient is of its batch's mean loss, of order 1 / batch: Keras's initial
@@ -277,7 +277,7 @@ def adam_numpy(data, steps, idx, grads, scale, lr, beta1, beta2, eps):
 
 @ROWS.register
 class Adam(RowRule):
-    name, summary = "adam", "lazy Adam: each row counts and bias-corrects its own steps"
+    name, summary = "adam", "Adam, lazy: each row counts and bias-corrects its own steps"
     slots = ("m", "v")
     params = {"beta1": unit(0.9), "beta2": unit(0.999), "eps": nonnegative(1e-8)}   # Keras's
     kernel_params = ("lr", "beta1", "beta2", "eps")
@@ -330,7 +330,7 @@ def ftrl_numpy(data, steps, idx, grads, scale, lr, beta, l1, l2, lr_power):
 
 @ROWS.register
 class FTRL(RowRule):
-    name, summary = "ftrl", "FTRL-Proximal (McMahan et al. 2013): l1 makes rows exactly 0"
+    name, summary = "ftrl", "FTRL-Proximal (McMahan et al. 2013), whose l1 makes rows exactly 0"
     slots = ("z", "n")
     params = {"beta": nonnegative(1.0), "l1": nonnegative(0.0), "l2": nonnegative(0.0),   # the paper's
               "lr_power": Param(-0.5, "<= 0", lambda v: v <= 0)}
