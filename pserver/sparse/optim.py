@@ -127,8 +127,8 @@ def parse_params(text: str, what: str = "--row-params") -> dict:
 # -- row blocks ----------------------------------------------------------------------------------
 # adagrad and adam update a row's blocks in scratch arrays of their own: with no aliasing between
 # what they read and write, and error_model="numpy" (a division needs no zero check: numpy's
-# semantics, the twins'), LLVM vectorizes the sqrt and the division (bench/results/sparse_kernels/
-# notes.md has the timings).
+# semantics, the twins'), LLVM vectorizes the sqrt and the division (timings:
+# bench/results/sparse/notes.md).
 
 @njit(cache=True, nogil=True, inline="always")
 def _load(data, r, block, out):

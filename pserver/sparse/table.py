@@ -6,13 +6,13 @@ Storage (all NumPy arrays, so the memory per row is what the arrays hold):
     slots   int32 (2**bits,)            open addressing over ids (pserver.sparse.index)
     data    float32 (cap, dim * (1+k))  each row and its k optimizer slots side by side
     last    int64 (cap,)                the step of each row's last update
-    steps   int64 (cap,)                adam only: each row's own update count
+    steps   int64 (cap,)                optimizers that count steps (adam): each row's own count
 
 Rows 0..n-1 are live and dense: eviction moves the last row into each freed one. The arrays
 grow by 10% (at least MIN_CHUNK rows) into new arrays, copied, rather than in place with a
 realloc: NumPy asks for transparent huge pages for a new large array, and with them a random
-row access in a large table costs about half as much (fewer TLB misses), measured on a 1M-row
-table. np.empty leaves the unused tail untouched, so the slack costs address space, not RSS.
+row access in a large table misses the TLB less often (bench/results/sparse/notes.md).
+np.empty leaves the unused tail untouched, so the slack costs address space, not RSS.
 
 Admission counts pushes of ids that are not stored, exactly, in a second index of the same
 kind (`pending`, ids and counts); an id is admitted (its row created, initial value first) on
@@ -31,10 +31,9 @@ caller has checked (`checked=True`: the shard checks every push for repeats and 
 values when it arrives), run in up to `threads` contiguous parts at once, each of at least
 PARALLEL_MIN ids: one in the calling thread, the others on a process-wide pool. The parts
 touch different rows, so the result is the one a single thread computes, bit for bit.
-Creating rows, admission and eviction change the index and stay in one thread. One core
-keeps about 8 misses to memory in flight, and a random row update is mostly waiting on them:
-measured on a 1M-row adagrad table (dim 16, 64k ids) on 2 cores, find + update + last went
-from 6.2-7.0 ms to 3.5-3.9 ms with 2 parts.
+Creating rows, admission and eviction change the index and stay in one thread. Parts pay
+because one core keeps only about 8 misses to memory in flight, and a random row update is
+mostly waiting on them (bench/results/sparse/notes.md).
 """
 
 from __future__ import annotations
