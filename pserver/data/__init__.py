@@ -75,7 +75,7 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
         if scale_uint8 not in npz.SCALE_UINT8:
             raise ConfigError(f"--scale-uint8: {scale_uint8!r} is not one of {', '.join(npz.SCALE_UINT8)}")
         return as_task(npz.load(spec, seed, scale_uint8 == "auto"), task)
-    named = ", ".join(DATASETS.forms()[:3])
+    named = ", ".join(f for f in DATASETS.forms() if f in DATASETS)   # those without a path
     raise ConfigError(f"--dataset: unknown dataset {spec!r}; choose {named}, "
                       "criteo:PATH (a Criteo TSV file) or a path to a .npz file")
 
