@@ -55,6 +55,14 @@ class Optimizer:
         # Live state arrays (not copies): the server checkpoints them, load_state refills them.
         self.state = {k: np.zeros(self.size, dtype=np.float32) for k in self.rule.STATE}
 
+    @classmethod
+    def checked(cls, size: int, common: dict, *, momentum: float, nesterov: bool, beta1: float,
+                beta2: float, eps: float) -> Optimizer:
+        """This optimizer from make_optimizer's arguments, after checking the ones it takes (and
+        that it is not given --nesterov, which only momentum takes)."""
+        _no_nesterov(cls.name, nesterov)
+        return cls(size, **common)
+
     def step(self, w: np.ndarray, g: np.ndarray, t: int) -> None:
         """Apply update number t (0-based: the shard's version before it) to w, in place."""
         for what, a in (("w", w), ("g", g)):
@@ -113,6 +121,11 @@ class Momentum(Optimizer):
         super().__init__(size, **kw)
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
 
+    @classmethod
+    def checked(cls, size, common, *, momentum, nesterov, **_):
+        _check("--momentum", momentum, "in [0, 1)", lambda x: 0 <= x < 1)
+        return cls(size, momentum=momentum, nesterov=nesterov, **common)
+
     def _apply(self, w, g, state, t, lr):
         self._update(w, g, state["v"], lr, self.momentum, self.nesterov, self.weight_decay)
 
@@ -127,6 +140,14 @@ class Adam(Optimizer):
         super().__init__(size, **kw)
         self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
 
+    @classmethod
+    def checked(cls, size, common, *, nesterov, beta1, beta2, eps, **_):
+        _no_nesterov(cls.name, nesterov)
+        _check("--beta1", beta1, "in [0, 1)", lambda x: 0 <= x < 1)
+        _check("--beta2", beta2, "in [0, 1)", lambda x: 0 <= x < 1)
+        _check("--eps", eps, "a number > 0", lambda x: x > 0)
+        return cls(size, beta1=beta1, beta2=beta2, eps=eps, **common)
+
     def _apply(self, w, g, state, t, lr):
         # The bias correction counts this update too: t + 1 >= 1.
         self._update(w, g, state["m"], state["v"], lr, self.beta1, self.beta2,
@@ -138,7 +159,7 @@ def make_optimizer(name: str, size: int, *, lr: float, schedule: str = "constant
                    beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                    backend: str = "numba") -> Optimizer:
     """Build an optimizer by name; bad names and values raise ConfigError naming the flag."""
-    OPTIMIZERS.get(name)
+    cls = OPTIMIZERS.get(name)
     if backend not in OPTIM_BACKENDS:
         raise ConfigError(f"optimizer backend: unknown {backend!r}; "
                           f"choose one of {', '.join(OPTIM_BACKENDS)}")
@@ -148,17 +169,8 @@ def make_optimizer(name: str, size: int, *, lr: float, schedule: str = "constant
     _check("--weight-decay", weight_decay, "a number >= 0", lambda x: x >= 0)
     common = dict(lr=lr, schedule=parse_schedule(schedule), weight_decay=weight_decay,
                   backend=backend)
-    if name == "sgd":
-        _no_nesterov(name, nesterov)
-        return SGD(size, **common)
-    if name == "momentum":
-        _check("--momentum", momentum, "in [0, 1)", lambda x: 0 <= x < 1)
-        return Momentum(size, momentum=momentum, nesterov=nesterov, **common)
-    _no_nesterov(name, nesterov)
-    _check("--beta1", beta1, "in [0, 1)", lambda x: 0 <= x < 1)
-    _check("--beta2", beta2, "in [0, 1)", lambda x: 0 <= x < 1)
-    _check("--eps", eps, "a number > 0", lambda x: x > 0)
-    return Adam(size, beta1=beta1, beta2=beta2, eps=eps, **common)
+    return cls.checked(size, common, momentum=momentum, nesterov=nesterov, beta1=beta1, beta2=beta2,
+                       eps=eps)
 
 
 def _check(flag: str, value, wanted: str, ok: Callable[[float], bool]) -> None:
