@@ -26,11 +26,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine, machine_lines, positive_ints, result_path  # noqa: E402
 
+from pserver.config import DATA_PLANES  # noqa: E402
 from pserver.models.layout import Layout  # noqa: E402
-from pserver.sparse import TableConfig, TableLookup  # noqa: E402
+from pserver.sparse import ROWS, TableConfig, TableLookup  # noqa: E402
 from pserver.worker.client import PSClient  # noqa: E402
 
-SLOTS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 2}    # float32 state values per row value
 MiB = 1 << 20
 
 
@@ -64,10 +64,10 @@ def main() -> int:
                                                                             "(default 10M)")
     ap.add_argument("--dim", type=int, default=16, help="values per row (default 16)")
     ap.add_argument("--shards", type=int, default=2, help="shards (default 2)")
-    ap.add_argument("--optimizer", default="adagrad", choices=sorted(SLOTS), help="row optimizer "
+    ap.add_argument("--optimizer", default="adagrad", choices=ROWS.names(), help="row optimizer "
                                                                                   "(default adagrad)")
     ap.add_argument("--batch", type=int, default=1 << 18, help="ids per push (default 262144)")
-    ap.add_argument("--data-plane", default="auto", choices=("auto", "grpc"),
+    ap.add_argument("--data-plane", default="auto", choices=DATA_PLANES.names(),
                     help="how the pushes travel: auto (shared memory, this machine) or grpc (default auto)")
     ap.add_argument("--json", default=None, help="write the results here "
                                                  "(default results/sparse_memory.json)")
@@ -127,7 +127,8 @@ def measure(args, layout: Layout, procs, addrs) -> dict:
     client.checkpoint()
     peak = [rss(p.pid, "VmHWM") for p in procs]
     client.close()
-    bound = 1.2 * (dim * 4 + SLOTS[args.optimizer] * dim * 4) + 32
+    slots = len(ROWS.get(args.optimizer).slots)      # float32 state values per row value
+    bound = 1.2 * (dim * 4 + slots * dim * 4) + 32
     per_row = [(b - i) / (r - r0) for i, b, r, r0 in zip(idle, after, rows, warm)]
     print(f"{n:,} distinct ids, dim {dim}, {args.optimizer}, {args.shards} shards, pushed in {seconds:.1f} s "
           f"({n / seconds:,.0f} rows/s, --data-plane {args.data_plane})")

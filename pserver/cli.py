@@ -15,11 +15,17 @@ import sys
 from dataclasses import dataclass, field
 
 from pserver import __version__
-from pserver.config import MODES, ServerConfig, WorkerConfig, parse_address, parse_tf_config
+from pserver.config import DATA_PLANES, MODES, ServerConfig, WorkerConfig, parse_address, parse_tf_config
+from pserver.data import DATASETS
+from pserver.data.npz import SCALE_UINT8
 from pserver.errors import ConfigError
 from pserver.launch.base import BACKENDS, parse_delay_for
 from pserver.launch.roles import exit_code, one_blas_thread, run_shard, run_training
+from pserver.models import MODELS
+from pserver.optim import OPTIMIZERS, SCHEDULES
 from pserver.signals import follow_parent
+from pserver.sparse.optim import ROWS
+from pserver.wire.compress import CODECS, PULL_CODECS
 
 DESCRIPTION = """\
 pserver: a parameter server for data-parallel training.
@@ -29,10 +35,19 @@ apply updates; workers (`pserver worker`) pull the weights, compute gradients on
 slice of the data and push them back. `pserver launch` runs a whole cluster on this
 machine; `pserver status` shows what the shards are doing.
 
-Consistency modes (--mode): sync (mean of all N workers per step, the default), backup
-(the first N-b workers complete a step), async (Hogwild: apply every push on arrival),
-ssp (async, but no worker runs more than --staleness clocks ahead of the slowest).
-"""
+Consistency modes (--mode):
+""" + "".join(f"  {name:8} {summary}\n" for name, summary in MODES.table_rows())
+
+
+def described(registry) -> str:
+    """A registry's entries for a flag's help: "form: summary; form: summary; ..."."""
+    return "; ".join(f"{form}: {summary}" for form, summary in registry.table_rows())
+
+
+def row_params_help() -> str:
+    """Each row optimizer's hyper-parameters and their defaults, from ROWS."""
+    return "; ".join(f"{rule.name} " + ", ".join(f"{k} ({p.default:g})" for k, p in rule.params.items())
+                     for rule in ROWS.values() if rule.params)
 
 
 @dataclass(frozen=True)
@@ -78,18 +93,17 @@ def int_list(text: str) -> tuple[int, ...]:
 
 # Flags forwarded by `launch` to every shard: everything but where the shard listens.
 SERVER_FLAGS = [
-    Flag("--mode", dict(choices=MODES, help="consistency mode (default sync)")),
+    Flag("--mode", dict(choices=MODES.names(), help="consistency mode (default sync)")),
     Flag("--backup-workers", dict(type=int, metavar="B", help="backup mode: a step completes once N-B "
                                                               "distinct workers pushed")),
     Flag("--staleness", dict(type=int, metavar="S", help="ssp mode: a worker may run at most S clocks ahead "
                                                          "of the slowest")),
     Flag("--step-timeout", dict(type=float, metavar="SEC", help="seconds a step waits for a worker before "
                                                                 "marking it dead (default 60)")),
-    Flag("--optimizer", dict(choices=("sgd", "momentum", "adam"), help="update rule run on the shards "
-                                                                       "(default sgd)")),
+    Flag("--optimizer", dict(choices=OPTIMIZERS.names(), help="update rule run on the shards "
+                             f"(default sgd). {described(OPTIMIZERS)}")),
     Flag("--lr", dict(type=float, help="learning rate for the mean gradient of a step (default 0.05)")),
-    Flag("--lr-schedule", dict(metavar="SPEC", help="constant | step:EVERY,GAMMA | warmup:STEPS | "
-                                                    "cosine:TOTAL")),
+    Flag("--lr-schedule", dict(metavar="SPEC", help=" | ".join(SCHEDULES.forms()))),
     Flag("--momentum", dict(type=float, help="momentum coefficient (default 0.9)")),
     Flag("--nesterov", dict(action="store_true", default=None, help="Nesterov momentum")),
     Flag("--beta1", dict(type=float, help="Adam beta1 (default 0.9)")),
@@ -128,21 +142,18 @@ SERVER_FLAGS = [
 
 # Flags forwarded by `launch` to every worker: everything but rank and addresses.
 WORKER_FLAGS = [
-    Flag("--model", dict(metavar="NAME", help="mlp (default), logreg, linreg, cnn; on Criteo data the "
-                                              "click-through-rate models lr, fm, wide_deep, deepfm (sparse "
-                                              "embedding tables on the shards); or your own: "
-                                              "FILE.py:FUNCTION or package.module:FUNCTION returning a "
-                                              "pserver.Sequential")),
+    Flag("--model", dict(metavar="NAME", help=f"one of {', '.join(MODELS.names())} (default mlp; "
+                         "lr, fm, wide_deep and deepfm take Criteo data and keep sparse embedding tables "
+                         "on the shards); or your own: FILE.py:FUNCTION or package.module:FUNCTION "
+                         "returning a pserver.Sequential")),
     Flag("--hidden", dict(type=int_list, metavar="W,W", help="hidden widths: mlp (default 256,256), the deep "
                                                                   "tower of wide_deep and deepfm "
                                                                   "(default 256,128)")),
-    Flag("--dataset", dict(metavar="NAME", help="synthetic (default), mnist, a path to a .npz with x and y, "
-                                                "criteo:PATH (a Criteo TSV file, plain or .gz) or "
-                                                "criteo-synthetic (Criteo-shaped, from a planted model)")),
+    Flag("--dataset", dict(metavar="NAME", help=f"default synthetic. {described(DATASETS)}")),
     Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files, downloaded there when "
                                                 "missing (default $XDG_CACHE_HOME/pserver/mnist, "
                                                 "~/.cache/pserver/mnist)")),
-    Flag("--scale-uint8", dict(choices=("auto", "none"), help="a .npz whose x is uint8 (0-255 pixels): "
+    Flag("--scale-uint8", dict(choices=SCALE_UINT8, help="a .npz whose x is uint8 (0-255 pixels): "
                                "auto (default) divides it by 255 and says so; none keeps the raw values")),
     Flag("--samples", dict(type=int, help="synthetic, criteo-synthetic: training samples (default 60000)")),
     Flag("--test-samples", dict(type=int, help="synthetic, criteo-synthetic: test samples; criteo:PATH: "
@@ -164,27 +175,22 @@ WORKER_FLAGS = [
                                                                 "(default 300)")),
     Flag("--eval-every", dict(type=float, metavar="SEC", help="chief: evaluate every SEC seconds too "
                                                               "(accuracy against time in the summary)")),
-    Flag("--compress", dict(metavar="CODEC", help="compress pushes: none (default), bf16 (half the bytes, "
-                            "rounded to nearest even), fp16 (half, scaled per push so nothing overflows), "
-                            "topk:RATIO (the largest RATIO of |g| per 4096 elements as index+value pairs), "
-                            "sign (1 bit per element, one scale per 4096); the lossy ones keep what they "
-                            "drop as a residual added to the next gradient. Compressed pushes always go "
-                            "over gRPC (README: Choosing a codec)")),
-    Flag("--pull-compress", dict(metavar="CODEC", help="compress gRPC pulls: none (default) or bf16 (half "
-                                 "the bytes; the shard keeps float32 weights and applies every update to "
-                                 "them, the worker computes with them rounded to bf16). Pulls through "
+    Flag("--compress", dict(metavar="CODEC", help=f"compress pushes. {described(CODECS)}. The lossy ones "
+                            "keep what they drop as a residual added to the next gradient. Compressed "
+                            "pushes always go over gRPC (README: Choosing a codec)")),
+    Flag("--pull-compress", dict(metavar="CODEC", help=f"compress gRPC pulls. {described(PULL_CODECS)}: "
+                                 "the worker computes with the weights rounded to bf16. Pulls through "
                                  "shared memory stay float32")),
     Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, "
                                               "exponential:MEAN, lognormal:MEAN,SIGMA")),
     Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "
                                  "sparse factor table (default 8)")),
-    Flag("--row-optimizer", dict(choices=("sgd", "adagrad", "adam", "ftrl"), help="lr, fm, wide_deep, "
-                                 "deepfm: the sparse tables' row optimizer, run on the shards on the rows a "
-                                 "push touches (default adagrad; adam is lazy: untouched rows do not step)")),
+    Flag("--row-optimizer", dict(choices=ROWS.names(), help="lr, fm, wide_deep, deepfm: the sparse "
+                                 "tables' row optimizer, run on the shards on the rows a push touches "
+                                 f"(default adagrad). {described(ROWS)}")),
     Flag("--row-lr", dict(type=float, help="the row optimizer's learning rate (default 0.05)")),
-    Flag("--row-params", dict(metavar="KEY=VALUE,...", help="the row optimizer's other hyper-parameters: "
-                              "adagrad initial_accumulator (default 0), eps (1e-7); adam beta1, beta2, "
-                              "eps; ftrl beta (1), l1, l2 (0), lr_power (-0.5); e.g. "
+    Flag("--row-params", dict(metavar="KEY=VALUE,...", help="the row optimizer's other hyper-parameters, "
+                              f"with their defaults: {row_params_help()}; e.g. "
                               "--row-params initial_accumulator=0.1 (Keras's)")),
     Flag("--min-count", dict(type=int, metavar="K", help="sparse tables: store an id's row only once it was "
                              "pushed K times; until then it reads its initial value (default 0: at once)")),
@@ -218,8 +224,7 @@ EVALUATE_FLAGS = [f for f in WORKER_FLAGS if f.name in ("--model", "--hidden", "
 
 COMMON_FLAGS = [
     Flag("--chunk-bytes", dict(type=int, help="payload bytes per streamed message (default 1048576)")),
-    Flag("--data-plane", dict(choices=("auto", "grpc"), help="auto (default): shards and workers on the same "
-                              "host exchange payloads through shared memory; grpc: gRPC streams only")),
+    Flag("--data-plane", dict(choices=DATA_PLANES.names(), help=described(DATA_PLANES))),
 ]
 
 # Prometheus metrics, on shards and workers alike; launch and slurm give each process its own port.
@@ -329,9 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="number of shards to start (default 1); worker and status take addresses instead")
     la.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
     la.add_argument("--summary-json", default=None, metavar="PATH", help="write the run summary here")
-    la.add_argument("--backend", choices=BACKENDS, default="local",
-                    help="local (default): child processes of this one; ray: Ray actors, one process each, "
-                         "spread over the nodes by a placement group (pip install -e '.[ray]')")
+    la.add_argument("--backend", choices=BACKENDS.names(), default="local",
+                    help=f"{described(BACKENDS)}; ray needs pip install -e '.[ray]'")
     la.add_argument("--address", default=None, metavar="auto|HOST:PORT",
                     help="with --backend ray: the running Ray cluster to use (auto: the one this machine "
                          "belongs to); default: start a Ray on this machine for this run")

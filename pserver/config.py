@@ -12,16 +12,25 @@ import re
 from dataclasses import dataclass, field
 
 from pserver.errors import ConfigError
+from pserver.registry import Registry
 
 HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")   # name, IPv4 or [IPv6]
 DEFAULT_PORT = 2222            # TensorFlow's default, so TF_CONFIG addresses without a port work
-MODES = ("sync", "backup", "async", "ssp")
+# The consistency modes: pserver.modes holds one policy per name (modes sits above config, so
+# the names live here and tests/test_registries.py checks that the two agree).
+MODES = Registry("mode", "--mode")
+MODES.add("sync", "the mean of all N workers' gradients per step (the default)")
+MODES.add("backup", "the first N-b distinct workers to push complete a step (--backup-workers b)")
+MODES.add("async", "Hogwild: every push is applied on arrival")
+MODES.add("ssp", "async, but no worker runs more than --staleness clocks ahead of the slowest")
 # The ServerConfig fields that shape training, by the names of pb.TrainingSettings' fields (and
 # of the flags): every shard of one job must hold the same values (worker/client.py compares
 # what each shard's Register reply carries). num_workers joins them as the shard serves it.
 TRAINING_SETTINGS = ("mode", "backup_workers", "staleness", "optimizer", "lr", "lr_schedule", "momentum",
                      "nesterov", "beta1", "beta2", "eps", "weight_decay", "step_timeout")
-DATA_PLANES = ("auto", "grpc")
+DATA_PLANES = Registry("data plane", "--data-plane")
+DATA_PLANES.add("auto", "same-host shards and workers exchange payloads through shared memory (default)")
+DATA_PLANES.add("grpc", "gRPC streams only")
 PROGRESS = ("auto", "bar", "lines", "relay")   # WorkerConfig.progress (pserver.observe.progress)
 
 
@@ -32,7 +41,7 @@ class ServerConfig:
     shard: int = 0                # this shard's index J in [0, num_shards)
     num_shards: int = 1           # S
     num_workers: int = 0          # N; 0 = learn it from the first worker that registers
-    mode: str = "sync"            # consistency mode, one of MODES
+    mode: str = "sync"            # consistency mode, a name in MODES
     backup_workers: int = 0       # b for mode=backup: a step completes after N-b distinct workers
     staleness: int = 0            # s for mode=ssp: how many clocks a worker may run ahead
     step_timeout: float = 60.0    # seconds a sync/backup step waits for a worker before marking it dead
@@ -64,8 +73,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_metrics(self.metrics_port)
-        if self.mode not in MODES:
-            raise ConfigError(f"--mode: unknown mode '{self.mode}'; choose one of {', '.join(MODES)}")
+        MODES.get(self.mode)
         if not 0 <= self.shard < self.num_shards:
             raise ConfigError(f"--shard: {self.shard} is outside [0, --num-shards={self.num_shards})")
         if not 0 <= self.port <= 65535:

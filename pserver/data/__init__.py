@@ -23,7 +23,6 @@ import os
 
 from pserver.data import criteo, mnist, npz, synthetic
 from pserver.data.dataset import (
-    DATASETS,
     TASKS,
     Dataset,
     Stream,
@@ -38,6 +37,16 @@ from pserver.data.dataset import (
 from pserver.data.mnist import default_mnist_dir
 from pserver.data.npz import from_arrays
 from pserver.errors import ConfigError
+from pserver.registry import Registry
+
+# What --dataset takes: load_dataset dispatches on these; the last two take a path.
+DATASETS = Registry("dataset", "--dataset")
+DATASETS.add("synthetic", "separable Gaussian classes, or a linear-regression task (--samples, --features, "
+             "--classes)")
+DATASETS.add("mnist", "the MNIST digits from --data-dir, downloaded there when missing (sha256-checked)")
+DATASETS.add("criteo-synthetic", "Criteo-shaped click records from a planted model (--samples)")
+DATASETS.add("criteo", "a Criteo TSV file, plain or .gz, streamed", form="criteo:PATH")
+DATASETS.add("npz", "a path to a .npz with x and y (and x_test, y_test)", form="PATH.npz")
 
 
 def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task: str = "classification",
@@ -66,8 +75,8 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
         if scale_uint8 not in npz.SCALE_UINT8:
             raise ConfigError(f"--scale-uint8: {scale_uint8!r} is not one of {', '.join(npz.SCALE_UINT8)}")
         return as_task(npz.load(spec, seed, scale_uint8 == "auto"), task)
-    raise ConfigError(f"--dataset: unknown dataset {spec!r}; "
-                      "choose synthetic, mnist, criteo-synthetic, "
+    named = ", ".join(f for f in DATASETS.forms() if f in DATASETS)   # those without a path
+    raise ConfigError(f"--dataset: unknown dataset {spec!r}; choose {named}, "
                       "criteo:PATH (a Criteo TSV file) or a path to a .npz file")
 
 

@@ -19,7 +19,6 @@ import numpy as np
 
 from pserver.errors import ConfigError, DataError
 
-DATASETS = ("synthetic", "mnist", "criteo-synthetic")  # plus criteo:PATH and any path ending in .npz
 TASKS = ("classification", "regression")
 
 

@@ -348,27 +348,15 @@ def _blocked_kernels(bm: int, bk: int, prefetch: bool, contig: bool = False):
 # floats: 8.7 KB of shared memory per block); 88 to 108 registers per thread by form.
 # b128k16pc: 128 x 128 tiles (8 x 8 floats per thread, in runs of 4), strips 16 deep (17 KB);
 # 172 to 193 registers, so one block per multiprocessor. Neither spills (ptxas, sm_90).
-# Chosen on GPUs from two sweeps, each timing every variant in one run:
-# - bench/results/gpu/run-3 (H100, commit bdc2eb8): tiles 64 and 128, strips 8 to 32 deep,
-#   with and without prefetch, all strided. b64k16p won: 16.8 TFLOP/s at n = 4096 (0.33x
-#   cuBLAS); the best strided 128 tile reached 15.6, and none came close at 1024.
-# - bench/results/gpu/run-4 (H200): b64k16p against contiguous runs of 4 (b64k16pc, b64k8pc,
-#   b128k8pc, b128k16pc). b128k16pc reached 20.4 TFLOP/s at 4096 and 19.3 at 2048 (0.41x
-#   cuBLAS at both), against 16.8 and 15.9 for b64k16p; at 1024 (64 blocks of 128: half the
-#   multiprocessors idle) b64k16p stays ahead, 12.7 against 8.6. Runs of 4 did not help the 64
-#   tile (16.1 at 4096).
+# These two won sweeps of every variant on an H100 and an H200 (bench/results/gpu/notes.md).
 BLOCKED_VARIANTS = {f"b{tile}k{bk}{'p' if pre else ''}{'c' if con else ''}":
                     (tile, *_blocked_kernels(tile, bk, pre, con))
                     for tile, bk, pre, con in ((64, 16, True, False), (128, 16, True, True))}
 # Tile side -> the variant tile_for uses for it (the other variants are at the commits named
-# above): a name here or in cuda_gemm.VARIANTS. The 128 tile is cuda_gemm's g128k8cr2 (128 x 128,
-# strips 8 deep, runs of 4, at most 128 registers so that 2 blocks fit on a multiprocessor):
-# 24.1 TFLOP/s at n = 4096 against b128k16pc's 20.7 (0.47x and 0.40x cuBLAS, the same run:
-# bench/results/gpu/run-7, H100), the same at 1024 (9.8 and 9.9).
-# Run 8 (H100): g128k8cwr2sa (the same tile, runs of 4 placed per warp, the reduction split
-# where its tiles leave multiprocessors idle) 25.9 / 25.3 / 19.4 TFLOP/s at 4096 / 2048 / 1024
-# against g128k8cr2's 24.1 / 23.5 / 9.8 in the same run, and b64k16p's 15.8 at 1024 (device
-# time; with its host time, slower at n = 1024: see SPLIT_MIN_K).
+# in bench/results/gpu/notes.md): a name here or in cuda_gemm.VARIANTS. The 128 tile is
+# cuda_gemm's g128k8cwr2sa: 128 x 128, strips 8 deep, runs of 4 placed per warp, at most 128
+# registers so that 2 blocks fit on a multiprocessor, and the reduction split where its tiles
+# leave multiprocessors idle (see SPLIT_MIN_K); the fastest 128 tile timed (runs 7 and 8).
 BLOCKED_CHOICE = {64: "b64k16p", 128: "g128k8cwr2sa"}
 
 
@@ -834,23 +822,17 @@ def _blocked(tile):
 # Per blocked tile side: (blocks that fit on one multiprocessor at once, by registers: 256
 # threads of b64k16p take 88-108 registers each, of b128k16pc 172-193; the time of one such
 # wave, relative to a wave of 128 tiles). A wave of 64 tiles does half a 128 wave's work, at
-# 16.8 TFLOP/s against 20.4 for full 128 waves (bench/results/gpu/run-4, H200): 0.5 * 20.4 /
-# 16.8 = 0.61. Measured with b128k16pc for the 128 tile; its successor g128k8cr2 fits 2 blocks
-# and was faster at both sizes timed (1024, 4096, run-7), so the rule is kept as measured
-# until the sizes between are timed with it.
+# 16.8 TFLOP/s against 20.4 for full 128 waves: 0.5 * 20.4 / 16.8 = 0.61 (run-4, H200, timed
+# with b128k16pc, and kept for its successors until the sizes between are timed with them:
+# bench/results/gpu/notes.md).
 WAVES = {64: (2, 0.61), 128: (1, 1.0)}
 
 
-# Split-K where the 64 tile leaves multiprocessors idle (bench/results/gpu/run-8, H100): at n =
-# 1024 b64k16p's 256 blocks are under one wave (2 per multiprocessor: 264 on 132), and the 128
-# tile with its reduction split in 4 (BLOCKED_CHOICE[128], g128k8cwr2sa: 64 tiles x 4 slices)
-# gave 19.4 TFLOP/s of device time against 15.8 (0.51x and 0.41x cuBLAS; unsplit, 10.3).
-# Only products split (dense_forward does not), and only a reduction at least SPLIT_MIN_K long:
-# the split's second launch costs host time (0.18-0.20 ms per product against 0.07, run-8), so
-# it pays only where the product's device time is above that. Run 9 (H100, the worker's path,
-# a sync per product) at n = 1024, with SPLIT_MIN_K = 1024: 0.194 ms split against 0.171 for
-# b64k16p (whose device time there is 0.136 ms: under the split's host time). From K = 2048 the
-# 64 tile's device time (about 0.27 ms at 1024 x 1024) is above it; not timed yet.
+# Split-K where the 64 tile leaves multiprocessors idle: the 128 tile with its reduction split
+# in 4 (BLOCKED_CHOICE[128]: 64 tiles x 4 slices) keeps them busy at n = 1024. Only products
+# split (dense_forward does not), and only a reduction at least SPLIT_MIN_K long: the split's
+# second launch costs host time, so it pays only where the product's device time is above that
+# (from K = 2048 on an H100; the timings are in bench/results/gpu/notes.md, runs 8 and 9).
 SPLIT_MIN_K = 2048
 
 

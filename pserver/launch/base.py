@@ -19,9 +19,13 @@ from dataclasses import dataclass, field
 from pserver.config import ServerConfig, WorkerConfig, parse_delay
 from pserver.errors import ConfigError
 from pserver.observe.metrics import write_json
+from pserver.registry import Registry
 from pserver.signals import Stopped
 
-BACKENDS = ("local", "ray")       # pserver.launch.local, pserver.launch.ray
+BACKENDS = Registry("launch backend", "--backend")
+BACKENDS.add("local", "child processes of this one (pserver.launch.local; the default)")
+BACKENDS.add("ray", "Ray actors, one process each, spread over the nodes by a placement group "
+             "(pserver.launch.ray)")
 # Options of a launch that LaunchConfig holds and applies per process (shard_config, worker_config)
 LAUNCH_OPTIONS = ("delay", "delay_ranks", "delay_for", "device", "metrics_port")
 # Fields of the shards' and workers' configs that launch sets for each process itself
@@ -53,7 +57,7 @@ class LaunchConfig:
             if count < 1:
                 raise ConfigError(f"{flag}: launch needs 1 or more, got {count}")
         if self.backend not in BACKENDS:
-            raise ConfigError(f"--backend: '{self.backend}' is not one of {', '.join(BACKENDS)}")
+            raise ConfigError(f"--backend: '{self.backend}' is not one of {', '.join(BACKENDS.names())}")
         if self.address is not None and self.backend != "ray":
             raise ConfigError(f"--address: '{self.address}' is a Ray cluster's address; give it with "
                               "--backend ray")

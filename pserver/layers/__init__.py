@@ -22,7 +22,21 @@ from pserver.layers.fm import FM
 from pserver.layers.initializers import Initializer, RandomUniform, VarianceScaling, Zeros
 from pserver.layers.pooling import AveragePooling2D, MaxPooling2D
 from pserver.layers.reshape import Flatten
+from pserver.registry import Registry
 
-__all__ = ["Layer", "Weight", "Pass", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D",
+# The layers by their Keras class names, for the docs' table (a model names the classes).
+LAYERS = Registry("layer", "layer")
+LAYERS.add("Dense", "units outputs from all inputs: x @ kernel + bias, then the activation", Dense)
+LAYERS.add("Conv2D", "2-D convolution over channels-last images (strides, 'valid' or 'same' padding)", Conv2D)
+LAYERS.add("MaxPooling2D", "the largest value of each pool_size window", MaxPooling2D)
+LAYERS.add("AveragePooling2D", "the mean of each pool_size window", AveragePooling2D)
+LAYERS.add("Flatten", "a sample's values as one vector", Flatten)
+LAYERS.add("Dropout", "in training, zeroes each value with probability rate, scales the rest by "
+           "1/(1-rate)", Dropout)
+LAYERS.add("Embedding", "a row per id: a dense table, or with sparse=True a table of unbounded ids on the "
+           "shards", Embedding)
+LAYERS.add("FM", "a factorization machine's pairwise term over (fields, k) embeddings", FM)
+
+__all__ = ["LAYERS", "Layer", "Weight", "Pass", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D",
            "Flatten", "Dropout", "Embedding", "FM", "Initializer", "VarianceScaling", "RandomUniform",
            "Zeros"]

@@ -7,8 +7,13 @@ alone: relu' = (y > 0), sigmoid' = y (1 - y), tanh' = 1 - y^2, so no pre-activat
 from __future__ import annotations
 
 from pserver.errors import ConfigError
+from pserver.registry import Registry
 
-ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh")
+ACTIVATIONS = Registry("activation", "activation")
+ACTIVATIONS.add("linear", "none: the layer's output as it is (activation=None)")
+ACTIVATIONS.add("relu", "max(0, x), fused into the layer's kernel")
+ACTIVATIONS.add("sigmoid", "1 / (1 + exp(-x))")
+ACTIVATIONS.add("tanh", "tanh(x)")
 
 
 def get(spec, owner: str) -> str:
@@ -21,7 +26,7 @@ def get(spec, owner: str) -> str:
                           "applies it)")
     if kind not in ACTIVATIONS:
         raise ConfigError(f"{owner}: unknown activation {spec!r}; choose one of "
-                          f"{', '.join(ACTIVATIONS)} (or None)")
+                          f"{', '.join(ACTIVATIONS.names())} (or None)")
     return kind
 
 

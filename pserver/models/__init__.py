@@ -33,8 +33,18 @@ from pserver.models.logreg import logreg
 from pserver.models.mlp import mlp
 from pserver.models.sequential import Sequential
 from pserver.models.user import bare_file_error, check_spec, is_bare_file, is_user_spec, load_model
+from pserver.registry import Registry
 
-MODELS = ("mlp", "logreg", "linreg", "cnn", *CTR_MODELS)
+# The built-in models by --model name (a user's FILE.py:FUNCTION is not one: see check_model_spec).
+MODELS = Registry("model", "--model")
+MODELS.add("mlp", "Dense + ReLU layers (--hidden, default 256,256), softmax cross-entropy", mlp)
+MODELS.add("logreg", "one Dense layer to k logits, softmax cross-entropy (classification)", logreg)
+MODELS.add("linreg", "one Dense layer to 1 output, mean squared error (regression)", linreg)
+MODELS.add("cnn", "the reference CNN: Conv2D(32, 3), MaxPooling2D, Dense(64), Dense(10), on 28x28x1", cnn)
+MODELS.add("lr", "Criteo: logistic regression over dense features and one sparse weight per id", ctr_model)
+MODELS.add("fm", "Criteo: lr plus a factorization machine's pairwise term (--embedding-dim)", ctr_model)
+MODELS.add("wide_deep", "Criteo: lr plus a deep tower over the ids' embeddings (--hidden)", ctr_model)
+MODELS.add("deepfm", "Criteo: fm plus a deep tower over the same embeddings (--hidden)", ctr_model)
 DEFAULT_HIDDEN = (256, 256)   # the mlp's; the CTR models' deep towers have their own
 
 
@@ -97,7 +107,7 @@ def check_model_spec(spec: str) -> None:
         if not os.path.isfile(spec):
             raise ConfigError(f"--model {spec}: no such file")
     elif spec not in MODELS:
-        raise ConfigError(f"--model: unknown model {spec!r}; choose one of {', '.join(MODELS)}, "
+        raise ConfigError(f"--model: unknown model {spec!r}; choose one of {', '.join(MODELS.names())}, "
                           "or FILE.py:FUNCTION or package.module:FUNCTION for your own")
 
 

@@ -20,9 +20,10 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.optim import adam, momentum, sgd
-from pserver.optim.schedule import parse_schedule
+from pserver.optim.schedule import SCHEDULES, parse_schedule
+from pserver.registry import Registry
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
+OPTIMIZERS = Registry("optimizer", "--optimizer")   # the classes below, by name
 OPTIM_BACKENDS = ("numba", "numpy")
 # Above this many elements a step is split into contiguous pieces run on several threads.
 # The kernels are element-wise and release the GIL, so the pieces run truly in parallel
@@ -43,6 +44,7 @@ class Optimizer:
     """An update rule with its state for `size` elements; `step` applies it in place."""
 
     name = ""
+    summary = ""  # one line for OPTIMIZERS' table
     rule = sgd  # the module with update / update_numpy / STATE
 
     def __init__(self, size: int, *, lr: float, schedule: Callable[[int], float],
@@ -52,6 +54,14 @@ class Optimizer:
         self._update = self.rule.update if backend == "numba" else self.rule.update_numpy
         # Live state arrays (not copies): the server checkpoints them, load_state refills them.
         self.state = {k: np.zeros(self.size, dtype=np.float32) for k in self.rule.STATE}
+
+    @classmethod
+    def checked(cls, size: int, common: dict, *, momentum: float, nesterov: bool, beta1: float,
+                beta2: float, eps: float) -> Optimizer:
+        """This optimizer from make_optimizer's arguments, after checking the ones it takes (and
+        that it is not given --nesterov, which only momentum takes)."""
+        _no_nesterov(cls.name, nesterov)
+        return cls(size, **common)
 
     def step(self, w: np.ndarray, g: np.ndarray, t: int) -> None:
         """Apply update number t (0-based: the shard's version before it) to w, in place."""
@@ -93,31 +103,50 @@ class Optimizer:
         return f"{type(self).__name__}(size={self.size}, lr={self.lr}, schedule={self.schedule})"
 
 
+@OPTIMIZERS.register
 class SGD(Optimizer):
     name, rule = "sgd", sgd
+    summary = "w -= lr * (g + weight_decay * w)"
 
     def _apply(self, w, g, state, t, lr):
         self._update(w, g, lr, self.weight_decay)
 
 
+@OPTIMIZERS.register
 class Momentum(Optimizer):
     name, rule = "momentum", momentum
+    summary = "heavy-ball momentum (--momentum), or Nesterov's (--nesterov)"
 
     def __init__(self, size, *, momentum: float = 0.9, nesterov: bool = False, **kw):
         super().__init__(size, **kw)
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
 
+    @classmethod
+    def checked(cls, size, common, *, momentum, nesterov, **_):
+        _check("--momentum", momentum, "in [0, 1)", lambda x: 0 <= x < 1)
+        return cls(size, momentum=momentum, nesterov=nesterov, **common)
+
     def _apply(self, w, g, state, t, lr):
         self._update(w, g, state["v"], lr, self.momentum, self.nesterov, self.weight_decay)
 
 
+@OPTIMIZERS.register
 class Adam(Optimizer):
     name, rule = "adam", adam
+    summary = "Adam with bias correction (--beta1, --beta2, --eps)"
 
     def __init__(self, size, *, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  **kw):
         super().__init__(size, **kw)
         self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
+
+    @classmethod
+    def checked(cls, size, common, *, nesterov, beta1, beta2, eps, **_):
+        _no_nesterov(cls.name, nesterov)
+        _check("--beta1", beta1, "in [0, 1)", lambda x: 0 <= x < 1)
+        _check("--beta2", beta2, "in [0, 1)", lambda x: 0 <= x < 1)
+        _check("--eps", eps, "a number > 0", lambda x: x > 0)
+        return cls(size, beta1=beta1, beta2=beta2, eps=eps, **common)
 
     def _apply(self, w, g, state, t, lr):
         # The bias correction counts this update too: t + 1 >= 1.
@@ -130,9 +159,7 @@ def make_optimizer(name: str, size: int, *, lr: float, schedule: str = "constant
                    beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                    backend: str = "numba") -> Optimizer:
     """Build an optimizer by name; bad names and values raise ConfigError naming the flag."""
-    if name not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer: unknown optimizer {name!r}; "
-                          f"choose one of {', '.join(OPTIMIZERS)}")
+    cls = OPTIMIZERS.get(name)
     if backend not in OPTIM_BACKENDS:
         raise ConfigError(f"optimizer backend: unknown {backend!r}; "
                           f"choose one of {', '.join(OPTIM_BACKENDS)}")
@@ -142,17 +169,8 @@ def make_optimizer(name: str, size: int, *, lr: float, schedule: str = "constant
     _check("--weight-decay", weight_decay, "a number >= 0", lambda x: x >= 0)
     common = dict(lr=lr, schedule=parse_schedule(schedule), weight_decay=weight_decay,
                   backend=backend)
-    if name == "sgd":
-        _no_nesterov(name, nesterov)
-        return SGD(size, **common)
-    if name == "momentum":
-        _check("--momentum", momentum, "in [0, 1)", lambda x: 0 <= x < 1)
-        return Momentum(size, momentum=momentum, nesterov=nesterov, **common)
-    _no_nesterov(name, nesterov)
-    _check("--beta1", beta1, "in [0, 1)", lambda x: 0 <= x < 1)
-    _check("--beta2", beta2, "in [0, 1)", lambda x: 0 <= x < 1)
-    _check("--eps", eps, "a number > 0", lambda x: x > 0)
-    return Adam(size, beta1=beta1, beta2=beta2, eps=eps, **common)
+    return cls.checked(size, common, momentum=momentum, nesterov=nesterov, beta1=beta1, beta2=beta2,
+                       eps=eps)
 
 
 def _check(flag: str, value, wanted: str, ok: Callable[[float], bool]) -> None:
@@ -169,5 +187,5 @@ def _no_nesterov(name: str, nesterov: bool) -> None:
         raise ConfigError(f"--nesterov: applies to --optimizer momentum only, not {name!r}")
 
 
-__all__ = ["OPTIMIZERS", "OPTIM_BACKENDS", "Optimizer", "SGD", "Momentum", "Adam",
+__all__ = ["OPTIMIZERS", "OPTIM_BACKENDS", "SCHEDULES", "Optimizer", "SGD", "Momentum", "Adam",
            "make_optimizer", "parse_schedule"]

@@ -16,18 +16,27 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pserver.errors import ConfigError
+from pserver.registry import Registry
 
-SCHEDULES = ("constant", "step:EVERY,GAMMA", "warmup:STEPS", "cosine:TOTAL")
+SCHEDULES = Registry("lr schedule", "--lr-schedule")   # the classes below, by name
 
 
+@SCHEDULES.register
 @dataclass(frozen=True)
 class Constant:
+    name, form = "constant", "constant"
+    summary = "1: the base lr throughout (the default)"
+
     def __call__(self, step: int) -> float:
         return 1.0
 
 
+@SCHEDULES.register
 @dataclass(frozen=True)
 class StepDecay:
+    name, form = "step", "step:EVERY,GAMMA"
+    summary = "GAMMA ** (step // EVERY)"
+
     every: int
     gamma: float
 
@@ -35,8 +44,12 @@ class StepDecay:
         return self.gamma ** (step // self.every)
 
 
+@SCHEDULES.register
 @dataclass(frozen=True)
 class Warmup:
+    name, form = "warmup", "warmup:STEPS"
+    summary = "(step + 1) / STEPS for the first STEPS steps, then 1"
+
     steps: int
 
     def __call__(self, step: int) -> float:
@@ -44,8 +57,12 @@ class Warmup:
         return min(1.0, (step + 1) / self.steps)
 
 
+@SCHEDULES.register
 @dataclass(frozen=True)
 class Cosine:
+    name, form = "cosine", "cosine:TOTAL"
+    summary = "0.5 * (1 + cos(pi * step / TOTAL)) until TOTAL, then 0"
+
     total: int
 
     def __call__(self, step: int) -> float:
@@ -70,7 +87,7 @@ def parse_schedule(spec: str) -> Callable[[int], float]:
         return Warmup(_count(spec, parts[0], "STEPS"))
     if kind == "cosine" and len(parts) == 1:
         return Cosine(_count(spec, parts[0], "TOTAL"))
-    _bad(spec, f"expected one of {', '.join(SCHEDULES)}")
+    _bad(spec, f"expected one of {', '.join(SCHEDULES.forms())}")
 
 
 def _count(spec: str, text: str, what: str) -> int:

@@ -11,7 +11,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import numba
@@ -26,6 +25,7 @@ from pserver.errors import (
     NotRegistered,
     Unavailable,
 )
+from pserver.sparse.merge import RowGrads, merge_rows
 from pserver.wire import frames
 from pserver.wire.codec import Position
 
@@ -161,15 +161,6 @@ class BufferPool:
                 self._free.append(buf)
 
 
-@dataclass
-class RowGrads:
-    """A push's gradients for some rows of one sparse table: unique ids on this shard and
-    their rows' gradients, (n, dim) float32, in shard-owned memory once received."""
-    table: str
-    ids: np.ndarray
-    grads: np.ndarray
-
-
 @numba.njit(cache=True, nogil=True)
 def _add_scaled(acc, g, w):
     """acc += g * w (float32; w a float32), without numpy's temporary array."""
@@ -181,7 +172,7 @@ def mean_gradient(grads: list[np.ndarray], counts: list[int], out: np.ndarray | 
     """The step's dense mean, sum(n_i g_i) / sum(n_i), of gradients in rank order (n_i =
     counts[i], the samples of each push), summed in that order into `out`, then scaled; the
     gradients are left as they are. With equal counts it is the plain sum times float32(1/N),
-    bit for bit as before the weighting. One gradient is its own mean, returned as it is.
+    the unweighted mean bit for bit. One gradient is its own mean, returned as it is.
 
     A sum of finite gradients can overflow float32: then the mean is computed again from
     gradients scaled by n_i / sum(n) first, so that it is finite, as every gradient was."""
@@ -206,42 +197,6 @@ def mean_gradient(grads: list[np.ndarray], counts: list[int], out: np.ndarray | 
     for g, n in zip(grads[1:], counts[1:]):
         _add_scaled(out, g, np.float32(n / total))
     return out
-
-
-def merge_rows(parts: list[tuple[RowGrads, int]], total: int) -> list[tuple[RowGrads, float]]:
-    """One (rows, scale) per table: the step's rows of a table summed per id, each part weighted
-    by the samples n of the push that carried it (parts: (rows, n) pairs), to be applied times
-    scale, so that every row gets sum(n_i g_i) / total, total being the step's samples: a push
-    that did not touch a row adds zero to it, and its samples count all the same. A table whose
-    parts carry the same count n is summed as it is, with scale n / total (equal batches: 1/N,
-    the unweighted mean, bit for bit). A sum of finite rows can overflow float32; such a table
-    is summed again from its rows scaled by n_i / total first, with scale 1, so the mean that is
-    applied is finite, as every pushed row was."""
-    by_table: dict[str, list[tuple[RowGrads, int]]] = {}
-    for p, n in parts:
-        by_table.setdefault(p.table, []).append((p, n))
-    merged = []
-    for name, group in by_table.items():
-        if len(group) == 1:
-            merged.append((group[0][0], group[0][1] / total))
-            continue
-        ids = np.concatenate([p.ids for p, _ in group])
-        uniq, inverse = sparse.unique_inverse(ids)
-        grads = np.concatenate([p.grads for p, _ in group])
-        sizes = [p.ids.size for p, _ in group]
-        ns = [n for _, n in group]
-        if len(set(ns)) == 1:
-            summed, scale = sparse.segment_sum(grads, inverse, uniq.size), ns[0] / total
-        else:
-            with np.errstate(over="ignore"):    # found below, and summed again scaled first
-                weighted = grads * np.repeat(np.asarray(ns, np.float32), sizes)[:, None]
-            summed, scale = sparse.segment_sum(weighted, inverse, uniq.size), 1.0 / total
-        if first_nonfinite(summed.reshape(-1)) < 0:
-            merged.append((RowGrads(name, uniq, summed), scale))
-        else:
-            grads *= np.repeat(np.asarray([n / total for n in ns], np.float32), sizes)[:, None]
-            merged.append((RowGrads(name, uniq, sparse.segment_sum(grads, inverse, uniq.size)), 1.0))
-    return merged
 
 
 class ShardStore:

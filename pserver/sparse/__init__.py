@@ -4,8 +4,9 @@
     index     open addressing over uint64 keys stored once (the kernels the others share)
     dedupe    unique_inverse, segment_sum, TableLookup: a batch's ids made unique (worker side);
               first_repeat (the shard's check that a push's ids are distinct)
-    optim     row optimizers sgd, adagrad, lazy adam, ftrl: numba kernels with NumPy twins
+    optim     row optimizers (ROWS: sgd, adagrad, lazy adam, ftrl): numba kernels with NumPy twins
     table     TableConfig and SparseTable: one table on one shard (admission, eviction, state)
+    merge     RowGrads, merge_rows: a step's pushed rows summed per table and id (the shard's side)
 
 Every numba kernel has a NumPy twin (`*_numpy`, or a plain dict model for the table itself)
 that the tests compare it with.
@@ -13,9 +14,10 @@ that the tests compare it with.
 
 from pserver.sparse.dedupe import TableLookup, first_repeat, segment_sum, unique_inverse
 from pserver.sparse.hashing import HASH_SEED, as_ids, first_foreign, initial_rows, shard_of, splitmix64
-from pserver.sparse.optim import ROW_OPTIMIZERS
+from pserver.sparse.merge import RowGrads, merge_rows
+from pserver.sparse.optim import ROW_OPTIMIZERS, ROWS
 from pserver.sparse.table import SparseTable, TableConfig
 
-__all__ = ["HASH_SEED", "ROW_OPTIMIZERS", "SparseTable", "TableConfig", "TableLookup", "as_ids",
-           "first_foreign", "first_repeat", "initial_rows", "segment_sum", "shard_of", "splitmix64",
-           "unique_inverse"]
+__all__ = ["HASH_SEED", "ROWS", "ROW_OPTIMIZERS", "RowGrads", "SparseTable", "TableConfig", "TableLookup",
+           "as_ids", "first_foreign", "first_repeat", "initial_rows", "merge_rows", "segment_sum", "shard_of",
+           "splitmix64", "unique_inverse"]

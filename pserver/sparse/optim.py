@@ -2,8 +2,8 @@
 
 A table keeps each row and its optimizer slots side by side in one float32 matrix `data`:
 columns [0, dim) are the row (the weights), then one block of dim columns per slot, in the
-order of SLOTS. So data[r, :dim] is row r, data[r, dim:2 dim] its first slot, and one row's
-whole state is contiguous (one pass over memory per touched row). Adam also keeps a per-row
+order of its RowRule's `slots`. So data[r, :dim] is row r, data[r, dim:2 dim] its first slot, and
+one row's whole state is contiguous (one pass over memory per touched row). Adam also keeps a per-row
 step count in `steps` (int64).
 
 Every step takes row numbers `idx` (int64, -1 = skip that gradient: an id not admitted),
@@ -21,7 +21,9 @@ gradients are multiplied by it first):
              w = 0 if |z| <= l1, else -(z - sign(z) l1) / ((beta + n^-p) / lr + l2)
              (z and n start at 0: the initial row enters z through sigma w at its first step)
 
-Each kernel is numba (nogil); `*_numpy` is its twin. The kernels trust their arguments:
+Each optimizer is one RowRule subclass in ROWS: its slots, hyper-parameters with their defaults
+and ranges, and its kernels. Each kernel is numba (nogil), a module-level function (so numba's
+cache finds it); `*_numpy` is its twin. The kernels trust their arguments:
 SparseTable checks them once. Touched rows lie anywhere in a large table, so each kernel
 prefetches the row it will update index.AHEAD entries later (a hint: the values are the same).
 """
@@ -29,54 +31,77 @@ prefetches the row it will update index.AHEAD entries later (a hint: the values 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from numba import njit
 
 from pserver.errors import ConfigError
+from pserver.registry import Registry
 from pserver.sparse.index import prefetch_ahead
 
-ROW_OPTIMIZERS = ("sgd", "adagrad", "adam", "ftrl")
-SLOTS = {"sgd": (), "adagrad": ("accumulator",), "adam": ("m", "v"), "ftrl": ("z", "n")}
-# Hyper-parameters besides lr, with their defaults: MXNet's for adagrad (an accumulator that
-# starts at 0, so the first step is lr g / (|g| + eps)), Keras's for adam, the paper's for ftrl.
-# A row's gradient is of its batch's mean loss, of order 1 / batch: Keras's initial accumulator
-# of 0.1 is larger than a row's g^2 for thousands of steps and shrank every row step about
-# 100-fold at batch 512 (lr sync on 1M criteo-synthetic samples: test AUC 0.762 at row lr 0.05,
-# 0.856 with 0).
-DEFAULTS = {"sgd": {},
-            "adagrad": {"initial_accumulator": 0.0, "eps": 1e-7},
-            "adam": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
-            "ftrl": {"beta": 1.0, "l1": 0.0, "l2": 0.0, "lr_power": -0.5}}
-# Range checks: (test, what the value must be).
-_RULES = {"lr": (lambda v: v > 0, "> 0"),
-          "initial_accumulator": (lambda v: v >= 0, ">= 0"),
-          "eps": (lambda v: v >= 0, ">= 0"),
-          "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-          "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-          "beta": (lambda v: v >= 0, ">= 0"),
-          "l1": (lambda v: v >= 0, ">= 0"),
-          "l2": (lambda v: v >= 0, ">= 0"),
-          "lr_power": (lambda v: v <= 0, "<= 0")}
+
+@dataclass(frozen=True)
+class Param:
+    """A hyper-parameter besides lr: its default and the range it must lie in."""
+    default: float
+    rule: str                       # the range in words, for errors: "> 0", "in [0, 1)"
+    ok: Callable[[float], bool]
+
+
+def nonnegative(default: float) -> Param:
+    return Param(default, ">= 0", lambda v: v >= 0)
+
+
+def unit(default: float) -> Param:
+    return Param(default, "in [0, 1)", lambda v: 0 <= v < 1)
+
+
+LR = Param(0.05, "> 0", lambda v: v > 0)     # every optimizer's (TableConfig.lr's default)
+
+
+class RowRule:
+    """One row optimizer: what a table keeps per row for it and the kernels that step it.
+
+    A subclass per optimizer sets the class attributes and is registered in ROWS; everything
+    else (SparseTable, its checkpoints, the config checks, the CLI) asks it rather than its name.
+    """
+
+    name = ""
+    summary = ""
+    slots: tuple[str, ...] = ()     # one block of dim columns each, after the row, in this order
+    params: dict[str, Param] = {}   # hyper-parameters besides lr, with their defaults
+    kernel_params: tuple[str, ...] = ("lr",)   # what the kernels take after scale, in order
+    kernels: tuple = ()             # (the numba kernel, its NumPy twin), module-level functions
+    counts_steps = False            # keeps a per-row step count in `steps` (int64)
+
+    @classmethod
+    def initial_slots(cls, h: dict) -> tuple[float, ...]:
+        """The value every column of each slot of a new row starts at, given the checked values."""
+        return (0.0,) * len(cls.slots)
+
+    @classmethod
+    def check(cls, h: dict, what: str) -> None:
+        """Checks across parameters, after each one's range (none by default)."""
+
+
+ROWS = Registry("row optimizer", "--row-optimizer")
 
 
 def hyper(name: str, lr: float, params: dict, what: str = "optimizer") -> dict:
     """lr and every hyper-parameter of optimizer `name`, defaults filled in, all checked."""
-    if name not in ROW_OPTIMIZERS:
-        raise ConfigError(f"{what}: unknown row optimizer {name!r}; choose one of "
-                          f"{', '.join(ROW_OPTIMIZERS)}")
-    unknown = sorted(set(params) - set(DEFAULTS[name]))
+    rule = ROWS.get(name, what)
+    unknown = sorted(set(params) - set(rule.params))
     if unknown:
         raise ConfigError(f"{what}: {name} takes no parameter {unknown[0]!r}; it takes "
-                          f"{sorted(DEFAULTS[name]) or 'none besides lr'}")
-    values = {"lr": lr, **DEFAULTS[name], **params}
+                          f"{sorted(rule.params) or 'none besides lr'}")
+    values = {"lr": lr, **{k: p.default for k, p in rule.params.items()}, **params}
     for key, v in values.items():
-        ok, rule = _RULES[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
-            raise ConfigError(f"{what}: {name} {key} must be a finite number {rule}, got {v!r}")
-    if name == "adagrad" and values["initial_accumulator"] == 0 and values["eps"] == 0:
-        raise ConfigError(f"{what}: adagrad needs initial_accumulator > 0 or eps > 0 "
-                          f"(a zero gradient would divide 0 by 0)")
+        p = LR if key == "lr" else rule.params[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not p.ok(v):
+            raise ConfigError(f"{what}: {name} {key} must be a finite number {p.rule}, got {v!r}")
+    rule.check(values, what)
     return {k: float(v) for k, v in values.items()}
 
 
@@ -99,16 +124,11 @@ def parse_params(text: str, what: str = "--row-params") -> dict:
     return params
 
 
-def initial_slots(name: str, h: dict) -> tuple[float, ...]:
-    """The value every column of each slot of a new row starts at."""
-    return tuple(h["initial_accumulator"] if s == "accumulator" else 0.0 for s in SLOTS[name])
-
-
 # -- row blocks ----------------------------------------------------------------------------------
 # adagrad and adam update a row's blocks in scratch arrays of their own: with no aliasing between
 # what they read and write, and error_model="numpy" (a division needs no zero check: numpy's
-# semantics, the twins'), LLVM vectorizes the sqrt and the division: adagrad's update of 64k
-# rows of dim 16 in a 1M-row table took 8.3 ms, now 5.3 (3.0 for rows in order, 6.0 before).
+# semantics, the twins'), LLVM vectorizes the sqrt and the division (timings:
+# bench/results/sparse/notes.md).
 
 @njit(cache=True, nogil=True, inline="always")
 def _load(data, r, block, out):
@@ -151,6 +171,12 @@ def _touched(idx, grads, scale):
     return idx[keep], grads[keep] * np.float32(scale)
 
 
+@ROWS.register
+class SGD(RowRule):
+    name, summary = "sgd", "w -= lr * g, no slots"
+    kernels = (sgd, sgd_numpy)
+
+
 # -- adagrad -------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -178,6 +204,30 @@ def adagrad_numpy(data, steps, idx, grads, scale, lr, eps):
     a = data[rows, d:2 * d] + g * g
     data[rows, d:2 * d] = a
     data[rows, :d] -= np.float32(lr) * g / (np.sqrt(a) + np.float32(eps))
+
+
+@ROWS.register
+class Adagrad(RowRule):
+    name, summary = "adagrad", "a per-value sum of squared gradients scales each step"
+    slots = ("accumulator",)
+    # MXNet's defaults: an accumulator that starts at 0, so the first step is lr g / (|g| + eps).
+    # A row's gradient is of its batch's mean loss, of order 1 / batch: Keras's initial
+    # accumulator of 0.1 is larger than a row's g^2 for thousands of steps and shrank every row
+    # step about 100-fold at batch 512 (lr sync on 1M criteo-synthetic samples: test AUC 0.762
+    # at row lr 0.05, 0.856 with 0).
+    params = {"initial_accumulator": nonnegative(0.0), "eps": nonnegative(1e-7)}
+    kernel_params = ("lr", "eps")
+    kernels = (adagrad, adagrad_numpy)
+
+    @classmethod
+    def initial_slots(cls, h):
+        return (h["initial_accumulator"],)
+
+    @classmethod
+    def check(cls, h, what):
+        if h["initial_accumulator"] == 0 and h["eps"] == 0:
+            raise ConfigError(f"{what}: adagrad needs initial_accumulator > 0 or eps > 0 "
+                              f"(a zero gradient would divide 0 by 0)")
 
 
 # -- adam ----------------------------------------------------------------------------------------
@@ -225,6 +275,16 @@ def adam_numpy(data, steps, idx, grads, scale, lr, beta1, beta2, eps):
     data[rows, :d] -= np.float32(lr) * (m * inv_c1) / (np.sqrt(v * inv_c2) + np.float32(eps))
 
 
+@ROWS.register
+class Adam(RowRule):
+    name, summary = "adam", "Adam, lazy: each row counts and bias-corrects its own steps"
+    slots = ("m", "v")
+    params = {"beta1": unit(0.9), "beta2": unit(0.999), "eps": nonnegative(1e-8)}   # Keras's
+    kernel_params = ("lr", "beta1", "beta2", "eps")
+    kernels = (adam, adam_numpy)
+    counts_steps = True
+
+
 # -- ftrl ----------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, inline="always")
@@ -266,23 +326,34 @@ def ftrl_numpy(data, steps, idx, grads, scale, lr, beta, l1, l2, lr_power):
     data[rows, :d], data[rows, d:2 * d], data[rows, 2 * d:3 * d] = w, z, n
 
 
-STEPS = {"sgd": (sgd, sgd_numpy), "adagrad": (adagrad, adagrad_numpy),
-         "adam": (adam, adam_numpy), "ftrl": (ftrl, ftrl_numpy)}
+
+
+@ROWS.register
+class FTRL(RowRule):
+    name, summary = "ftrl", "FTRL-Proximal (McMahan et al. 2013), whose l1 makes rows exactly 0"
+    slots = ("z", "n")
+    params = {"beta": nonnegative(1.0), "l1": nonnegative(0.0), "l2": nonnegative(0.0),   # the paper's
+              "lr_power": Param(-0.5, "<= 0", lambda v: v <= 0)}
+    kernel_params = ("lr", "beta", "l1", "l2", "lr_power")
+    kernels = (ftrl, ftrl_numpy)
+
+
+ROW_OPTIMIZERS = ROWS.names()
+SLOTS = {name: ROWS.get(name).slots for name in ROWS}
 
 
 class RowOptimizer:
-    """One row optimizer with its checked hyper-parameters; `step` runs the kernel (or its twin)."""
+    """A row optimizer with its checked hyper-parameters; `step` runs the kernel (or its twin)."""
 
     def __init__(self, name: str, lr: float, params: dict, backend: str = "numba",
                  what: str = "optimizer"):
+        self.rule = ROWS.get(name, what)
         self.name, self.h = name, hyper(name, lr, params, what)
-        self.slots = SLOTS[name]
-        self.initial = initial_slots(name, self.h)
-        kernel, twin = STEPS[name]
+        self.slots, self.counts_steps = self.rule.slots, self.rule.counts_steps
+        self.initial = self.rule.initial_slots(self.h)
+        kernel, twin = self.rule.kernels
         self._step = kernel if backend == "numba" else twin
-        # The kernel's hyper-parameters after scale, in its signature's order.
-        self._args = tuple(self.h[k] for k in ("lr", *DEFAULTS[name]) if k != "initial_accumulator")
-        self.counts_steps = name == "adam"
+        self._args = tuple(self.h[k] for k in self.rule.kernel_params)
 
     def width(self, dim: int) -> int:
         """Columns of `data` per row: the row and its slots."""

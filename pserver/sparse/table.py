@@ -6,13 +6,13 @@ Storage (all NumPy arrays, so the memory per row is what the arrays hold):
     slots   int32 (2**bits,)            open addressing over ids (pserver.sparse.index)
     data    float32 (cap, dim * (1+k))  each row and its k optimizer slots side by side
     last    int64 (cap,)                the step of each row's last update
-    steps   int64 (cap,)                adam only: each row's own update count
+    steps   int64 (cap,)                optimizers that count steps (adam): each row's own count
 
 Rows 0..n-1 are live and dense: eviction moves the last row into each freed one. The arrays
 grow by 10% (at least MIN_CHUNK rows) into new arrays, copied, rather than in place with a
 realloc: NumPy asks for transparent huge pages for a new large array, and with them a random
-row access in a large table costs about half as much (fewer TLB misses), measured on a 1M-row
-table. np.empty leaves the unused tail untouched, so the slack costs address space, not RSS.
+row access in a large table misses the TLB less often (bench/results/sparse/notes.md).
+np.empty leaves the unused tail untouched, so the slack costs address space, not RSS.
 
 Admission counts pushes of ids that are not stored, exactly, in a second index of the same
 kind (`pending`, ids and counts); an id is admitted (its row created, initial value first) on
@@ -31,10 +31,9 @@ caller has checked (`checked=True`: the shard checks every push for repeats and 
 values when it arrives), run in up to `threads` contiguous parts at once, each of at least
 PARALLEL_MIN ids: one in the calling thread, the others on a process-wide pool. The parts
 touch different rows, so the result is the one a single thread computes, bit for bit.
-Creating rows, admission and eviction change the index and stay in one thread. One core
-keeps about 8 misses to memory in flight, and a random row update is mostly waiting on them:
-measured on a 1M-row adagrad table (dim 16, 64k ids) on 2 cores, find + update + last went
-from 6.2-7.0 ms to 3.5-3.9 ms with 2 parts.
+Creating rows, admission and eviction change the index and stay in one thread. Parts pay
+because one core keeps only about 8 misses to memory in flight, and a random row update is
+mostly waiting on them (bench/results/sparse/notes.md).
 """
 
 from __future__ import annotations
@@ -106,14 +105,14 @@ def in_parts(fn, n: int, threads: int) -> int:
 class TableConfig:
     name: str                  # unique per model, e.g. "emb_deep"
     dim: int                   # floats per row (the Embedding's output_dim)
-    optimizer: str = "adagrad" # one of ROW_OPTIMIZERS
+    optimizer: str = "adagrad" # a name in optim.ROWS
     lr: float = 0.05           # the row optimizer's learning rate (alpha for ftrl)
     init_scale: float = 0.05   # initial values uniform(-init_scale, init_scale); 0 -> zeros
     seed: int = 0              # the run's seed: part of every row's initial value
     min_count: int = 0         # admission: an id is stored once pushed this many times; 0/1 = at once
     max_rows: int = 0          # eviction per shard, least recently updated first; 0 = no bound
     ttl_steps: int = 0         # eviction of rows not updated for this many steps; 0 = never
-    params: tuple = ()         # optimizer extras as sorted (key, value) pairs (optim.DEFAULTS)
+    params: tuple = ()         # optimizer extras as sorted (key, value) pairs (its RowRule.params)
 
     def __post_init__(self) -> None:
         if isinstance(self.params, dict):   # accepted for convenience, kept as sorted pairs
@@ -453,7 +452,7 @@ class SparseTable:
                 or grads.shape != (ids.shape[0], self.dim)):
             raise InvalidArgument(f"table {name!r}: grads need float32[{ids.shape[0]}, {self.dim}], got "
                                   f"{getattr(grads, 'dtype', type(grads).__name__)}{list(np.shape(grads))}")
-        i = -1 if finite else _first_nonfinite(grads)
+        i = -1 if finite else first_nonfinite_row(grads)
         if i >= 0:
             raise InvalidArgument(f"table {name!r}: the gradient of id {int(ids[i])} (row {i} of the "
                                   f"push) is not finite: {grads[i].tolist()}")
@@ -625,7 +624,7 @@ def _admit(slots, keys, bits, n, data, steps, pslots, pkeys, pbits, pn, pcounts,
 
 
 @njit(cache=True, nogil=True)
-def _first_nonfinite(grads):
+def first_nonfinite_row(grads):
     """The first row of grads holding a NaN or an infinity, or -1. x - x is 0 for a finite x
     and NaN otherwise: a test of a whole row without a branch, which vectorizes."""
     for i in range(grads.shape[0]):

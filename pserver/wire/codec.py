@@ -1,4 +1,5 @@
-"""ndarray <-> streamed chunks: the one place where tensors become bytes and back.
+"""ndarray <-> streamed gRPC chunks (the shared-memory data plane's layout is wire.frames, a
+compressed push's wire.compress).
 
 A tensor travels as a stream of `TensorChunk` messages: the first carries the header
 (sizes, dtype, step...) and the first chunk of raw little-endian float32 bytes, the rest

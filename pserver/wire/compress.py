@@ -38,11 +38,21 @@ import numpy as np
 from numba import njit
 
 from pserver.errors import ConfigError, InvalidArgument
+from pserver.registry import Registry
 
-CODECS = ("none", "bf16", "fp16", "topk", "sign")
-PULL_CODECS = ("none", "bf16")
 BLOCK = 4096          # elements per top-k selection and per sign scale: one scale costs 1/1024 bit each
 FP16_TOP = 15         # the fp16 scale puts max|g| just under 2**15 (fp16's largest finite is 65504)
+# TensorHeader.compression names one of these; "none" sends float32 as it is.
+CODECS = Registry("codec", "--compress")
+CODECS.add("none", "float32 as it is (the default)")
+CODECS.add("bf16", "half the bytes, rounded to nearest even")
+CODECS.add("fp16", "half the bytes, scaled per push so that nothing overflows")
+CODECS.add("topk", f"the largest RATIO of |g| per {BLOCK} elements, as index+value pairs",
+           form="topk:RATIO")
+CODECS.add("sign", f"1 bit per element, one scale per {BLOCK}")
+PULL_CODECS = Registry("pull codec", "--pull-compress")
+PULL_CODECS.add("none", "float32 as it is (the default)")
+PULL_CODECS.add("bf16", "half the bytes; the shard keeps and updates float32 weights")
 
 
 @dataclass(frozen=True)
@@ -56,10 +66,10 @@ class Spec:
 
 
 def parse(text: str) -> Spec:
-    """'none', 'bf16', 'fp16', 'sign' or 'topk:RATIO' (0 < RATIO <= 1)."""
+    """A form in CODECS: 'none', 'bf16', 'fp16', 'sign' or 'topk:RATIO' (0 < RATIO <= 1)."""
     name, _, arg = (text or "none").partition(":")
     if name not in CODECS or bool(arg) != (name == "topk"):
-        raise ConfigError(f"--compress: '{text}' is not one of none, bf16, fp16, topk:RATIO, sign")
+        raise ConfigError(f"--compress: '{text}' is not one of {', '.join(CODECS.forms())}")
     if name != "topk":
         return Spec(name)
     try:
@@ -258,7 +268,7 @@ def buffers(header, n: int) -> list[np.ndarray]:
         return [np.empty(header.num_values, "<u4"), np.empty(header.num_values, "<f4")]
     if name == "sign":
         return [np.empty((n + 7) // 8, np.uint8), np.empty(-(-n // BLOCK), "<f4")]
-    raise InvalidArgument(f"compression: '{name}' is not one of {', '.join(CODECS[1:])}")
+    raise InvalidArgument(f"compression: '{name}' is not one of {', '.join(CODECS.names()[1:])}")
 
 
 def decode(header, parts: list[np.ndarray], out: np.ndarray) -> None:
