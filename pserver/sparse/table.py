@@ -8,11 +8,14 @@ Storage (all NumPy arrays, so the memory per row is what the arrays hold):
     last    int64 (cap,)                the step of each row's last update
     steps   int64 (cap,)                optimizers that count steps (adam): each row's own count
 
-Rows 0..n-1 are live and dense: eviction moves the last row into each freed one. The arrays
-grow by 10% (at least MIN_CHUNK rows) into new arrays, copied, rather than in place with a
-realloc: NumPy asks for transparent huge pages for a new large array, and with them a random
-row access in a large table misses the TLB less often (bench/results/sparse/notes.md).
-np.empty leaves the unused tail untouched, so the slack costs address space, not RSS.
+Rows 0..n-1 are live and dense: eviction moves the last row into each freed one. Each array
+is a view of reserved address space with room for as many rows as the machine's memory could
+hold (`_Entries`): rows written commit pages, growth never copies, and transparent huge pages
+are asked for (a random row access in a large table misses the TLB less often,
+bench/results/sparse/notes.md). Where the system refuses the reservation the arrays grow by
+10% (at least MIN_CHUNK rows) into new arrays, copied. The shard's memory budget
+(pserver.server.budget) asks a table what a push would add (`absent`, `growth_bytes`) and
+makes room (`evict_for`).
 
 Admission counts pushes of ids that are not stored, exactly, in a second index of the same
 kind (`pending`, ids and counts); an id is admitted (its row created, initial value first) on
