@@ -8,6 +8,7 @@ created), then reads each shard's VmRSS from /proc. Bytes per row = (RSS after -
 after Register) / rows on the shard; the bound printed beside it is 1.2 x (dim x 4 bytes +
 the optimizer's state) + 32 bytes. A checkpoint is written afterwards and the shard's peak
 RSS during it (VmHWM) reported separately: a snapshot copies the table while it is written.
+The peak while the table grew (VmHWM before the checkpoint) is reported beside the end's RSS.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def measure(args, layout: Layout, procs, addrs) -> dict:
     seconds = time.monotonic() - started
     time.sleep(1.0)
     after = [rss(p.pid) for p in procs]
+    growth_peak = [rss(p.pid, "VmHWM") for p in procs]     # the most it held while the table grew
     rows, held = table_rows(client), table_rows(client, "bytes")
     client.checkpoint()
     peak = [rss(p.pid, "VmHWM") for p in procs]
@@ -133,12 +135,14 @@ def measure(args, layout: Layout, procs, addrs) -> dict:
     for j in range(args.shards):
         print(f"shard {j}: {rows[j]:,} rows; RSS idle {idle[j] / MiB:,.0f} MiB -> {after[j] / MiB:,.0f} MiB: "
               f"{per_row[j]:.1f} bytes/row (bound {bound:.1f}; the table's arrays hold "
-              f"{held[j] / rows[j]:.1f}); peak during a checkpoint "
+              f"{held[j] / rows[j]:.1f}); peak while growing {growth_peak[j] / MiB:,.0f} MiB "
+              f"({growth_peak[j] / after[j]:.2f} x the end); peak during a checkpoint "
               f"{peak[j] / MiB:,.0f} MiB (+{(peak[j] - after[j]) / MiB:,.0f} MiB for the snapshot)")
     worst = max(per_row)
     print(f"worst shard: {worst:.1f} bytes/row = {worst / bound:.2f} x the bound")
     return {"ids": n, "dim": dim, "optimizer": args.optimizer, "shards": args.shards, "rows": rows,
-            "rss_idle": idle, "rss_after": after, "rss_peak_checkpoint": peak, "table_bytes": held,
+            "rss_idle": idle, "rss_after": after, "rss_peak_growth": growth_peak,
+            "rss_peak_checkpoint": peak, "table_bytes": held,
             "bytes_per_row": per_row, "bound_bytes_per_row": bound, "push_seconds": seconds}
 
 

@@ -1,4 +1,4 @@
-"""The `pserver` command: serve, worker, launch, slurm, status, evaluate.
+"""The `pserver` command: serve, worker, launch, slurm, status, evaluate, checkpoint.
 
 Each subcommand parses flags (falling back to TF_CONFIG for the cluster), builds a
 frozen config and calls one function. A user's mistake prints one line and exits 2; a
@@ -119,9 +119,12 @@ SERVER_FLAGS = [
     Flag("--table-threads", dict(type=int, metavar="T", help="threads one sparse pull or push of at least "
                                  "16,384 ids may use on a shard, in parts of 8,192 or more ids "
                                  "(default 2; 1: the calling thread only)")),
-    Flag("--max-memory-mb", dict(type=int, help="MiB that a model's layout may need on this shard "
-                                                "(parameters, optimizer state, one gradient); "
-                                                "default 0: 90%% of the memory available at Register")),
+    Flag("--max-memory-mb", dict(type=int, help="MiB this shard may hold: the dense range and every "
+                                                "sparse table's rows, slots and index, with an eighth "
+                                                "for pushes in flight; a push whose new rows do not "
+                                                "fit evicts rows of tables with max_rows or ttl_steps, "
+                                                "else is refused (default 0: 90%% of the memory "
+                                                "available at start)")),
     Flag("--checkpoint-dir", dict(metavar="DIR", help="write checkpoints here, atomically (checked writable "
                                   "at start; newest 3 kept; after every epoch, at the end and "
                                   "on SIGTERM too)")),
@@ -259,6 +262,15 @@ def given(ns, flags) -> dict:
     return {f.dest: getattr(ns, f.dest) for f in flags if getattr(ns, f.dest, None) is not None}
 
 
+CHECKPOINT_HELP = """\
+Checkpoint directories, offline (no shard needs to run).
+Example: pserver checkpoint inspect ckpt
+         pserver checkpoint reshard --from ckpt --to ckpt3 --num-shards 3
+A shard started with --restore on a directory of another number of shards does
+the same as reshard by itself (docs/semantics.md, "Checkpoints").
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="pserver", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"pserver {__version__}")
@@ -390,6 +402,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="take the weights from the newest checkpoint of every shard in DIR")
     ev.add_argument("--json", action="store_true", help="print JSON instead of a line")
     add_flags(ev, EVALUATE_FLAGS, "model and dataset (default: the model file's)")
+
+    ck = sub.add_parser("checkpoint", help="inspect a checkpoint directory, or reshard it offline",
+                        formatter_class=fmt,
+                        description=CHECKPOINT_HELP)
+    cks = ck.add_subparsers(dest="action", metavar="ACTION", required=True)
+    ins = cks.add_parser("inspect", help="files, versions, layout, tables, rows, bytes, checksums and the "
+                                         "consistent cuts of a directory")
+    ins.add_argument("directory", metavar="DIR")
+    ins.add_argument("--json", action="store_true", help="print JSON instead of text")
+    rs = cks.add_parser("reshard", help="write the newest usable set of DIR as checkpoints of S' shards",
+                        description="Combine the checkpoints S shards wrote into files for S' shards: each "
+                                    "new shard\ntakes its dense range and the rows whose id hashes to it, "
+                                    "with their optimizer state.")
+    rs.add_argument("--from", dest="source", required=True, metavar="DIR", help="the directory to read")
+    rs.add_argument("--to", dest="target", required=True, metavar="DIR", help="where the new files go")
+    rs.add_argument("--num-shards", type=int, required=True, metavar="S", help="the new number of shards")
+    rs.add_argument("--mode", default="sync", choices=MODES,
+                    help="the job's mode: sync and backup read the newest version every shard has (a "
+                         "consistent cut), async and ssp each shard's newest (default sync)")
     return p
 
 
@@ -543,8 +574,27 @@ def cmd_evaluate(ns) -> int:
     return 0
 
 
+def cmd_checkpoint(ns) -> int:
+    import json
+
+    from pserver.server import reshard
+    if ns.action == "reshard":
+        if ns.num_shards < 1:
+            raise ConfigError(f"--num-shards: must be at least 1, got {ns.num_shards}")
+        paths = reshard.reshard_directory(ns.source, ns.target, ns.num_shards, ns.mode)
+        print(f"wrote {len(paths)} checkpoint(s) to {ns.target}: "
+              + ", ".join(os.path.basename(p) for p in paths))
+        return 0
+    report = reshard.inspect(ns.directory)
+    if ns.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print("\n".join(reshard.describe(report)))
+    return 0
+
+
 COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "slurm": cmd_slurm,
-            "status": cmd_status, "evaluate": cmd_evaluate}
+            "status": cmd_status, "evaluate": cmd_evaluate, "checkpoint": cmd_checkpoint}
 
 
 def main(argv: list[str] | None = None) -> int:

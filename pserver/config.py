@@ -58,7 +58,7 @@ class ServerConfig:
     threads: int = 64             # gRPC worker threads (at least 2 per worker + 12): see server/limits.py
     max_inflight_mb: int = 1024   # MiB of gradients being received at once (RESOURCE_EXHAUSTED past it)
     table_threads: int = 2        # threads that one large sparse lookup or push may use (sparse/table.py)
-    max_memory_mb: int = 0        # MiB a layout may need on this shard; 0 = 90% of available memory
+    max_memory_mb: int = 0        # MiB this shard's state may hold (server/budget.py); 0 = 90% of available
     data_plane: str = "auto"      # auto: also offer same-host shared memory; grpc: streams only
     checkpoint_dir: str | None = None  # where checkpoints go (default: --restore's directory)
     checkpoint_every: int = 0     # also checkpoint every this many steps (0 = off)

@@ -129,6 +129,14 @@ class TakenOver(Unauthenticated):
     kind = "taken_over"
 
 
+class OverBudget(ResourceExhausted):
+    """A push whose new sparse rows do not fit the shard's --max-memory-mb, with no row that
+    may be evicted to make room: not retried (waiting frees nothing), and a restart cannot fix
+    it either, so the worker stops with the shard's line."""
+    kind = "over_budget"
+    exit_code = EXIT_FAILED
+
+
 class ProcessFailed(PServerError):
     """A process of the cluster (launch's child, a Ray actor) exited with `code`: the
     launcher exits transient when it did (or when a signal killed it), else failed."""
@@ -146,7 +154,8 @@ RPC_ERRORS = {cls.code_name: cls for cls in
 
 
 # kind -> class. Append only: the data plane sends a kind as its position in this table.
-KINDS = {cls.kind: cls for cls in (StaleStep, AlreadyPushed, NotRegistered, SeenVersionAhead, TakenOver)}
+KINDS = {cls.kind: cls for cls in (StaleStep, AlreadyPushed, NotRegistered, SeenVersionAhead, TakenOver,
+                                   OverBudget)}
 KIND_METADATA = "pserver-error-kind"   # the gRPC trailing metadata key that carries a kind
 
 

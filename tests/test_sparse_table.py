@@ -311,7 +311,23 @@ def test_load_refuses_an_inconsistent_state_and_changes_nothing(change, match):
     assert same_state(t.state(), before)
 
 
-def test_rows_grow_with_at_most_ten_percent_slack_and_bytes_count_the_arrays():
+def test_rows_grow_in_place_never_copied_and_bytes_count_the_rows_written():
+    t = SparseTable(TableConfig("emb", 4, optimizer="adagrad"), 0)
+    r = t._rows
+    assert r.growable, "this Linux refused to reserve address space"
+    where = {k: a.ctypes.data for k, a in {"keys": r.keys, **r.arrays}.items()}
+    rng = np.random.default_rng(0)
+    for step in range(40):
+        ids = np.unique(rng.integers(0, 2**64, 3000, dtype=np.uint64))
+        t.apply(ids, ones(ids.size, 4), step)
+    assert {k: a.ctypes.data for k, a in {"keys": r.keys, **r.arrays}.items()} == where   # never moved
+    rows = t.stats()["rows"]
+    assert rows > 100_000 and r.high == rows
+    assert t.stats()["bytes"] == rows * (8 + 8 * 4 + 8) + r.slots.nbytes + t._pending.nbytes
+
+
+def test_without_a_reservation_rows_grow_by_copying_with_at_most_ten_percent_slack(monkeypatch):
+    monkeypatch.setattr(table_module, "reserved", lambda shape, dtype: None)
     t = SparseTable(TableConfig("emb", 4, optimizer="adagrad"), 0)
     rng = np.random.default_rng(0)
     for step in range(40):
@@ -320,9 +336,33 @@ def test_rows_grow_with_at_most_ten_percent_slack_and_bytes_count_the_arrays():
         rows, cap = t.stats()["rows"], t._rows.keys.shape[0]
         assert rows <= cap <= max(1.1 * rows, rows + table_module.MIN_CHUNK) + 1
     r = t._rows
+    assert not r.growable
     assert t.stats()["bytes"] == (r.keys.nbytes + r.slots.nbytes + r.arrays["data"].nbytes
                                   + r.arrays["last"].nbytes + t._pending.nbytes)
     assert r.arrays["data"].shape == (cap, 8)
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def test_evicted_rows_give_their_pages_back():
+    t = SparseTable(TableConfig("emb", 16, optimizer="adagrad", max_rows=0, ttl_steps=1), 0)
+    ids = np.arange(400_000, dtype=np.uint64)
+    t.apply(ids, ones(ids.size, 16), 0)
+    table = 400_000 * (8 + 32 * 4 + 8)            # id, row and adagrad slot, last update
+    before = rss()
+    t.apply(ids[:1000], ones(1000, 16), 5)        # every other row idle past ttl_steps: evicted
+    assert t.stats()["rows"] == 1000 and t._rows.high == 1000
+    assert before - rss() >= 0.8 * table, (before, rss(), table)
+    t.apply(ids[1000:3000], ones(2000, 16), 6)    # and the table grows again into the same space
+    fresh = SparseTable(TableConfig("emb", 16, optimizer="adagrad", max_rows=0, ttl_steps=1), 0)
+    fresh.apply(ids[1000:3000], ones(2000, 16), 6)
+    got, want = np.empty((2000, 16), np.float32), np.empty((2000, 16), np.float32)
+    t.lookup(ids[1000:3000], got)
+    fresh.lookup(ids[1000:3000], want)
+    assert t.stats()["rows"] == 3000 and got.tobytes() == want.tobytes()
 
 
 def test_concurrent_pushes_and_lookups_equal_one_thread():

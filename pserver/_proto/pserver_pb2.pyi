@@ -307,7 +307,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late", "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed", "staleness_mean", "staleness_max", "staleness_histogram", "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed", "workers_rejoined", "sessions_replaced", "sessions_taken_over", "requests_refused_busy", "rows_pulled", "rows_pushed")
+    __slots__ = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late", "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed", "staleness_mean", "staleness_max", "staleness_histogram", "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed", "workers_rejoined", "sessions_replaced", "sessions_taken_over", "requests_refused_busy", "rows_pulled", "rows_pushed", "rows_evicted_for_memory", "pushes_refused_for_memory")
     PUSHES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_AGGREGATED_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +329,8 @@ class Counters(_message.Message):
     REQUESTS_REFUSED_BUSY_FIELD_NUMBER: _ClassVar[int]
     ROWS_PULLED_FIELD_NUMBER: _ClassVar[int]
     ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_EVICTED_FOR_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_REFUSED_FOR_MEMORY_FIELD_NUMBER: _ClassVar[int]
     pushes_received: int
     pushes_applied: int
     pushes_aggregated: int
@@ -350,10 +352,22 @@ class Counters(_message.Message):
     requests_refused_busy: int
     rows_pulled: int
     rows_pushed: int
-    def __init__(self, pushes_received: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_aggregated: _Optional[int] = ..., pushes_dropped_late: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., updates_applied: _Optional[int] = ..., workers_marked_dead: _Optional[int] = ..., samples_pushed: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., staleness_max: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., pulls_served: _Optional[int] = ..., clock_gap_max: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., checkpoints_failed: _Optional[int] = ..., workers_rejoined: _Optional[int] = ..., sessions_replaced: _Optional[int] = ..., sessions_taken_over: _Optional[int] = ..., requests_refused_busy: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ...) -> None: ...
+    rows_evicted_for_memory: int
+    pushes_refused_for_memory: int
+    def __init__(self, pushes_received: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_aggregated: _Optional[int] = ..., pushes_dropped_late: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., updates_applied: _Optional[int] = ..., workers_marked_dead: _Optional[int] = ..., samples_pushed: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., staleness_max: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., pulls_served: _Optional[int] = ..., clock_gap_max: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., checkpoints_failed: _Optional[int] = ..., workers_rejoined: _Optional[int] = ..., sessions_replaced: _Optional[int] = ..., sessions_taken_over: _Optional[int] = ..., requests_refused_busy: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., rows_evicted_for_memory: _Optional[int] = ..., pushes_refused_for_memory: _Optional[int] = ...) -> None: ...
+
+class MemoryStatus(_message.Message):
+    __slots__ = ("budget", "used", "reserved")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    budget: int
+    used: int
+    reserved: int
+    def __init__(self, budget: _Optional[int] = ..., used: _Optional[int] = ..., reserved: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "mode", "version", "num_params", "total_params", "num_workers", "optimizer", "lr", "counters", "live_workers", "uptime_seconds", "layout_signature", "dead_workers", "tables", "restored_from", "seeded_by_rank", "instance", "settings")
+    __slots__ = ("shard", "num_shards", "mode", "version", "num_params", "total_params", "num_workers", "optimizer", "lr", "counters", "live_workers", "uptime_seconds", "layout_signature", "dead_workers", "tables", "restored_from", "seeded_by_rank", "instance", "settings", "memory")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +387,7 @@ class StatusReply(_message.Message):
     SEEDED_BY_RANK_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     mode: str
@@ -392,7 +407,8 @@ class StatusReply(_message.Message):
     seeded_by_rank: int
     instance: str
     settings: TrainingSettings
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., total_params: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., live_workers: _Optional[_Iterable[int]] = ..., uptime_seconds: _Optional[float] = ..., layout_signature: _Optional[str] = ..., dead_workers: _Optional[_Iterable[int]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., instance: _Optional[str] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ...) -> None: ...
+    memory: MemoryStatus
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., total_params: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., live_workers: _Optional[_Iterable[int]] = ..., uptime_seconds: _Optional[float] = ..., layout_signature: _Optional[str] = ..., dead_workers: _Optional[_Iterable[int]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., instance: _Optional[str] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("rank", "session")

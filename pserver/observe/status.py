@@ -16,7 +16,8 @@ COLUMNS = [("shard", "shard"), ("version", "version"), ("mode", "mode"), ("param
            ("pushes", "pushes_received"), ("averaged", "pushes_aggregated"),
            ("on_arrival", "pushes_applied"), ("late", "pushes_dropped_late"),
            ("rejected", "pushes_rejected"), ("dead", "workers_marked_dead"),
-           ("stale_mean", "staleness_mean"), ("stale_max", "staleness_max")]
+           ("stale_mean", "staleness_mean"), ("stale_max", "staleness_max"), ("memory_mib", "memory")]
+MiB = 1 << 20
 INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
 
@@ -31,7 +32,8 @@ def rows(statuses) -> list[dict]:
                     **{k: getattr(c, k) for k in ("updates_applied", "pushes_received", "pushes_applied",
                                                   "pushes_aggregated", "pushes_dropped_late",
                                                   "pushes_rejected", "workers_marked_dead", "staleness_max")},
-                    "staleness_mean": round(c.staleness_mean, 3)})
+                    "staleness_mean": round(c.staleness_mean, 3),
+                    "memory": f"{s.memory.used / MiB:,.0f}/{s.memory.budget / MiB:,.0f}"})
     return out
 
 
@@ -86,6 +88,13 @@ def show_status(statuses, as_json: bool = False) -> int:
     print(f"cluster: {total['steps']} steps, {total['samples_trained']:,} samples; optimizer "
           f"{optimizer}; staleness histogram "
           f"{hist[:last + 1] if last >= 0 else '(no async pushes)'}; clock gap max {total['clock_gap_max']}")
+    for st in statuses:
+        c = st.counters
+        if c.rows_evicted_for_memory or c.pushes_refused_for_memory:
+            print(f"memory: shard {st.shard} holds {st.memory.used / MiB:,.1f} of its "
+                  f"{st.memory.budget / MiB:,.1f} MiB (--max-memory-mb); it evicted "
+                  f"{c.rows_evicted_for_memory:,} rows and refused {c.pushes_refused_for_memory:,} "
+                  f"pushes to stay within it")
     print_tables(statuses)
     return 0
 

@@ -437,7 +437,10 @@ class DataPlaneServer:
                 return None, int(already), False, version, ""
             raise InvalidArgument(f"op: unknown data-plane operation {op}")
         except RpcError as e:
-            return e, 0, False, 0, ""
+            # Without its traceback: that holds the refused push's frames, and with them its
+            # arrays, for as long as the error lives (until a garbage collection, measured:
+            # about 3.5 MiB kept per refused 100,000-row push).
+            return e.with_traceback(None), 0, False, 0, ""
         except (ConnectionError, OSError):      # the client went or stalled mid-request
             raise
         except Exception as e:  # a bug: report it to the caller, keep serving

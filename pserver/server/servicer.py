@@ -169,7 +169,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         st = self.shard.status()
         return pb.StatusReply(counters=pb.Counters(**st.pop("counters")),
                               tables=[pb.TableStatus(**t) for t in st.pop("tables")],
-                              settings=pb.TrainingSettings(**st.pop("settings")), **st)
+                              settings=pb.TrainingSettings(**st.pop("settings")),
+                              memory=pb.MemoryStatus(**st.pop("memory")), **st)
 
     @_status
     def Checkpoint(self, request, context):

@@ -24,7 +24,8 @@ from pserver.modes import Outcome, make_policy
 from pserver.observe.telemetry import ShardMetrics
 from pserver.optim import make_optimizer
 from pserver.records import Registration
-from pserver.server import checkpoint, memory
+from pserver.server import checkpoint, memory, reshard
+from pserver.server.budget import Budget
 from pserver.server.limits import Limits, pool_threads
 from pserver.server.membership import Membership
 from pserver.server.store import RowGrads, ShardStore, first_nonfinite
@@ -115,8 +116,18 @@ class Shard:
         self.init_lock = threading.Lock()
         self.seeded_by = -1            # the rank whose Init supplied the values
         self.instance = secrets.token_hex(8)   # tells a restarted shard from the one before
-        self.limits = Limits(pool_threads(cfg.threads, cfg.num_workers), cfg.max_inflight_mb << 20,
+        # --max-memory-mb bounds the state and the pushes in flight together: an explicit budget
+        # keeps at most an eighth of itself for the bytes in flight (--max-inflight-mb) and a
+        # sixteenth for what is copied for a moment (an index rehashed, a push's checks), the
+        # rest for the state (pserver.server.budget).
+        limit = cfg.max_memory_mb << 20 or int(0.9 * available_memory()) or (1 << 62)
+        inflight = cfg.max_inflight_mb << 20
+        if cfg.max_memory_mb:
+            inflight = min(inflight, limit // 8)
+        self.limits = Limits(pool_threads(cfg.threads, cfg.num_workers), inflight,
                              cfg.step_timeout, self.store.counters)
+        state = limit - (inflight + limit // 16 if cfg.max_memory_mb else 0)
+        self.budget = Budget(state, self.store.counters, dense=lambda: self._dense_bytes(self.store.size))
         # Sessions expire and idle streams are cancelled even when no call is waiting.
         threading.Thread(target=Shard._reap, args=(weakref.ref(self), min(1.0, cfg.step_timeout / 4)),
                          name="pserver-reaper", daemon=True).start()
@@ -133,8 +144,9 @@ class Shard:
         self.checkpointer = checkpoint.Checkpointer(*where, self.store, self.cfg) if where else None
 
     def _restore(self, directory: str) -> None:
-        ckpt = checkpoint.load_latest(directory, self.cfg.shard, self.cfg.num_shards,
+        point = reshard.restore_point(directory, self.cfg.shard, self.cfg.num_shards, self.cfg.mode,
                                       self.cfg.restore_fresh_if_corrupt)
+        ckpt = point.ckpt
         if ckpt is None:
             log.info("shard %d: no checkpoint in %s; starting fresh", self.cfg.shard, directory)
             return
@@ -142,7 +154,14 @@ class Shard:
             raise ConfigError(f"--restore: {ckpt.path} was written with --optimizer {ckpt.optimizer}, "
                               f"this shard runs {self.cfg.optimizer}")
         self.store.restore(ckpt)
-        log.info("shard %d: restored version %d from %s", self.cfg.shard, ckpt.version, ckpt.path)
+        used = self.budget.used(self.store.tables)
+        if used > self.budget.limit:
+            raise ConfigError(f"--restore: {ckpt.path} holds {used / 2**20:,.1f} MiB of state on shard "
+                              f"{self.cfg.shard} and its budget is {self.budget.limit / 2**20:,.1f} MiB "
+                              f"(--max-memory-mb, less what pushes in flight may take); raise it")
+        log.info("shard %d: restored version %d from %s%s", self.cfg.shard, ckpt.version, ckpt.path,
+                 f" (written by {point.resharded_from} shards, now {self.cfg.num_shards})"
+                 if point.resharded_from else "")
 
     def checkpoint(self, rank: int | None = None, session: str | None = None) -> tuple[str, int]:
         """Write a checkpoint now, for the chief (rank) or for the shard itself (None, when it
@@ -214,12 +233,14 @@ class Shard:
                                 settings=self.cfg.training_settings(self.members.num_workers),
                                 instance=self.instance, took_over=took_over)
 
+    def _dense_bytes(self, size: int) -> int:
+        """The dense range's bytes: parameters, optimizer state, one gradient (float32)."""
+        return size * 4 * (2 + len(self._optimizer_for(0).state))
+
     def _check_memory(self, size: int) -> None:
         """RESOURCE_EXHAUSTED, before allocating, when the shard's range cannot fit."""
-        slots = len(self._optimizer_for(0).state)
-        need = size * 4 * (2 + slots)         # parameters, optimizer state, one gradient
-        limit = self.cfg.max_memory_mb << 20 or int(0.9 * available_memory())
-        if limit and need > limit:
+        need, limit = self._dense_bytes(size), self.budget.limit
+        if need > limit:
             raise ResourceExhausted(
                 f"layout: shard {self.cfg.shard}'s range of {size} elements needs {need >> 20} MiB "
                 f"(parameters, {self.cfg.optimizer} state and one gradient, float32) and the limit "
@@ -407,14 +428,19 @@ class Shard:
         try:
             self.store.fill(fill, grad)
             self.check_rows(rows)
+            held = self.budget.reserve(self.store.tables, rows)   # room for its new rows, or refused
         except BaseException:
             self.store.pool.release(grad)
             raise
         try:
-            return self.policy.push(rank, step, grad, clock, samples, rows)
+            outcome = self.policy.push(rank, step, grad, clock, samples, rows)
         except RpcError:
             self.store.pool.release(grad)   # rejected: the policy did not keep it
+            self.budget.release(held)
             raise
+        self.budget.hold(step, held)        # until its step is applied (now, in async modes)
+        self.budget.settle(self.store.version)
+        return outcome
 
     def leave(self, rank: int, session: str | None = None) -> None:
         with self.store.cond:
@@ -435,7 +461,8 @@ class Shard:
                         seeded_by_rank=self.seeded_by, instance=self.instance,
                         settings=self.cfg.training_settings(p.num_workers),
                         tables=[dict(name=n, dim=t.config.dim, optimizer=t.config.optimizer, **t.stats())
-                                for n, t in s.tables.items()])
+                                for n, t in s.tables.items()],
+                        memory=self.budget.report(s.tables))
 
     def close(self) -> None:
         if self.readiness is not None:

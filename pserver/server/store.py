@@ -101,7 +101,7 @@ class Counters:
               "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed",
               "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed",
               "workers_rejoined", "sessions_replaced", "sessions_taken_over", "requests_refused_busy",
-              "rows_pulled", "rows_pushed")
+              "rows_pulled", "rows_pushed", "rows_evicted_for_memory", "pushes_refused_for_memory")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -8,11 +8,14 @@ Storage (all NumPy arrays, so the memory per row is what the arrays hold):
     last    int64 (cap,)                the step of each row's last update
     steps   int64 (cap,)                optimizers that count steps (adam): each row's own count
 
-Rows 0..n-1 are live and dense: eviction moves the last row into each freed one. The arrays
-grow by 10% (at least MIN_CHUNK rows) into new arrays, copied, rather than in place with a
-realloc: NumPy asks for transparent huge pages for a new large array, and with them a random
-row access in a large table misses the TLB less often (bench/results/sparse/notes.md).
-np.empty leaves the unused tail untouched, so the slack costs address space, not RSS.
+Rows 0..n-1 are live and dense: eviction moves the last row into each freed one. Each array
+is a view of reserved address space with room for as many rows as the machine's memory could
+hold (`_Entries`): rows written commit pages, growth never copies, and transparent huge pages
+are asked for (a random row access in a large table misses the TLB less often,
+bench/results/sparse/notes.md). Where the system refuses the reservation the arrays grow by
+10% (at least MIN_CHUNK rows) into new arrays, copied. The shard's memory budget
+(pserver.server.budget) asks a table what a push would add (`absent`, `growth_bytes`) and
+makes room (`evict_for`).
 
 Admission counts pushes of ids that are not stored, exactly, in a second index of the same
 kind (`pending`, ids and counts); an id is admitted (its row created, initial value first) on
@@ -40,6 +43,9 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
+import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, fields
@@ -47,13 +53,16 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 from numba import njit
 
-from pserver.errors import ConfigError, InvalidArgument
+from pserver.errors import ConfigError, InvalidArgument, ResourceExhausted
 from pserver.sparse import index
 from pserver.sparse.dedupe import _unique_inverse_kernel
 from pserver.sparse.hashing import initial_row, table_key
 from pserver.sparse.optim import RowOptimizer
 
 MIN_CHUNK = 1024   # rows: the smallest growth, so that a small table does not realloc per push
+MAX_ENTRIES = (1 << 31) - 1   # rows of one table on one shard: the index stores int32 row numbers
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)   # Linux's value; Python names it from 3.13
+SHRINK_BYTES = 16 << 20   # evicted rows' pages given back once this many are free past the live rows
 COUNTERS = ("admissions", "creations", "evictions")
 PARALLEL_MIN = 8192   # ids per part, at least: below it a hand-off to a thread costs more than it saves
 MAX_THREADS = 64
@@ -157,26 +166,57 @@ class TableConfig:
 
 
 class _Entries:
-    """Keys stored once in entry order, their hash index, and per-entry arrays growing with them."""
+    """Keys stored once in entry order, their hash index, and per-entry arrays growing with them.
+
+    Each array is a view of one reserved stretch of address space (`reserved`) with room for
+    `limit` entries: growing commits the next pages as they are first written and never copies
+    or moves what is there, so a table's peak is the table itself, not two copies of it. Where
+    the system refuses such a reservation (overcommit disabled), the arrays grow the old way,
+    copied into new ones 10% larger. Evicted entries' pages past the live ones go back to the
+    system once they add up to SHRINK_BYTES."""
 
     def __init__(self, columns: dict):
         # columns: name -> (shape of one entry, dtype)
         self.n = 0
-        self.keys = np.empty(0, np.uint64)
-        self.arrays = {k: np.empty((0, *shape), dtype) for k, (shape, dtype) in columns.items()}
+        self.high = 0                       # entries written since the last shrink: pages in use
+        self.columns = {"keys": ((), np.uint64), **columns}
+        self.entry_bytes = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+                               for shape, dt in self.columns.values())
+        limit = min(MAX_ENTRIES, max(MIN_CHUNK, physical_memory() // self.entry_bytes))
+        made = {k: reserved((limit, *shape), dt) for k, (shape, dt) in self.columns.items()}
+        if all(a is not None for a in made.values()):
+            self.growable = True
+        else:                                 # no reservation: arrays that grow by copying
+            self.growable = False
+            made = {k: np.empty((0, *shape), dt) for k, (shape, dt) in self.columns.items()}
+        self.keys = made.pop("keys")
+        self.arrays = made
         self.bits = index.MIN_BITS
         self.slots = np.full(1 << self.bits, index.EMPTY, np.int32)
 
     def reserve(self, extra: int) -> None:
-        """Room for `extra` more entries: arrays grown by >= 10% (or MIN_CHUNK), index rehashed."""
+        """Room for `extra` more entries, and an index that holds them within its load bound."""
         need = self.n + extra
         if need > self.keys.shape[0]:
-            cap = need + max(need // 10, MIN_CHUNK)
+            if self.growable and need > MAX_ENTRIES:
+                raise ResourceExhausted(f"a table holds at most {MAX_ENTRIES:,} rows per shard")
+            cap = need + max(need // 10, MIN_CHUNK)   # reservation used up, or none: copy
             self.keys = _grown(self.keys, cap, self.n)
             self.arrays = {k: _grown(a, cap, self.n) for k, a in self.arrays.items()}
+            self.growable = False
+        self.high = max(self.high, need)
         bits = index.bits_for(need)
         if bits > self.bits:
             self.bits, self.slots = bits, index.rehash(self.keys, self.n, bits)
+
+    def shrunk(self, force: bool = False) -> None:
+        """After eviction: give back the pages past the live entries when they are many (or
+        any, forced: the shard's budget needs them)."""
+        if self.growable and self.high > self.n and (force or
+                                                     (self.high - self.n) * self.entry_bytes >= SHRINK_BYTES):
+            for a in (self.keys, *self.arrays.values()):
+                release_tail(a, self.n)
+            self.high = self.n
 
     def fill(self, keys: np.ndarray, arrays: dict) -> None:
         """Set the entries of an empty store to `keys` and their arrays (already checked)."""
@@ -189,7 +229,50 @@ class _Entries:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.slots.nbytes + sum(a.nbytes for a in self.arrays.values())
+        """Bytes in use: the entries written (a reservation's untouched rest costs nothing), or
+        the arrays' whole capacity where they grow by copying, and the index."""
+        entries = self.high if self.growable else self.keys.shape[0]
+        return entries * self.entry_bytes + self.slots.nbytes
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 36
+
+
+def reserved(shape: tuple, dtype) -> np.ndarray | None:
+    """An array of `shape` over anonymous memory reserved, not committed: pages are taken when
+    first written (zeros until then). None where the system will not reserve it."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if nbytes == 0 or not sys.platform.startswith("linux"):
+        return None
+    try:
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+    except (OSError, ValueError, OverflowError):
+        return None
+    if hasattr(mmap, "MADV_HUGEPAGE"):    # random row access: fewer TLB misses with huge pages
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return np.frombuffer(m, dtype=dtype).reshape(shape)
+
+
+def release_tail(a: np.ndarray, n: int) -> None:
+    """Give the pages of a reserved array past its first n entries back (they read as zeros)."""
+    m = _map_of(a)
+    start = -(-n * a[:1].nbytes // mmap.PAGESIZE) * mmap.PAGESIZE   # the first page past entry n-1
+    if m is not None and start < len(m):
+        m.madvise(mmap.MADV_DONTNEED, start, len(m) - start)
+
+
+def _map_of(a: np.ndarray) -> mmap.mmap | None:
+    base = a.base
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return base
 
 
 def _grown(a: np.ndarray, cap: int, n: int) -> np.ndarray:
@@ -238,6 +321,11 @@ class SparseTable:
             r, data, scale = self._rows, self._rows.arrays["data"], float(self.config.init_scale)
             in_parts(lambda a, b: _lookup(r.slots, r.keys, r.bits, data, ids[a:b], self._key, scale,
                                           out[a:b]), ids.shape[0], self.threads)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes stats() reports, without the lock (a racing push may move it a little)."""
+        return self._rows.nbytes + self._pending.nbytes
 
     def stats(self) -> dict:
         with self._lock:
@@ -289,14 +377,21 @@ class SparseTable:
 
     def _evict(self, step: int) -> None:
         """Evict rows idle for more than ttl_steps, then the least recently updated beyond
-        max_rows: the k smallest (last update, id), k found by one partition, not a scan per row."""
+        max_rows."""
         c, r = self.config, self._rows
-        last = r.arrays["last"][:r.n]
         k = max(r.n - c.max_rows, 0) if c.max_rows else 0
         if c.ttl_steps:
-            k = max(k, int(np.count_nonzero(last < step - c.ttl_steps)))
-        if k == 0:
+            k = max(k, int(np.count_nonzero(r.arrays["last"][:r.n] < step - c.ttl_steps)))
+        self._evict_oldest(k)
+
+    def _evict_oldest(self, k: int, release: bool = False) -> None:
+        """Evict the k least recently updated rows: the k smallest (last update, id), found by
+        one partition, not a scan per row; `release`: their pages go back at once. Holds the lock."""
+        r = self._rows
+        k = min(k, r.n)
+        if k <= 0:
             return
+        last = r.arrays["last"][:r.n]
         bound = np.partition(last, k - 1)[k - 1]
         below = np.flatnonzero(last < bound)
         tied = np.flatnonzero(last == bound)
@@ -306,7 +401,45 @@ class SparseTable:
         victims = np.sort(np.concatenate([below, tied]))[::-1].copy()
         r.n = _evict(r.slots, r.keys, r.bits, r.n, r.arrays["data"], r.arrays["last"],
                      self._steps(), victims)
+        r.shrunk(force=release)
         self._counters["evictions"] += k
+
+    # -- the shard's memory budget (pserver.server.budget) ------------------------------------
+
+    @property
+    def evictable(self) -> bool:
+        """Whether rows may be evicted to make room: the table has an eviction rule of its own
+        (max_rows or ttl_steps), so its user has accepted that rows go."""
+        return bool(self.config.max_rows or self.config.ttl_steps)
+
+    def growth_bytes(self, new: int) -> int:
+        """What `new` rows created (or ids counted for admission) add at most: their entries, and
+        the index when it must grow to hold them (it doubles: a push that crosses the bound pays
+        for the whole new index)."""
+        with self._lock:
+            worst = 0
+            for e in (self._rows, self._pending):
+                bits = index.bits_for(e.n + new)
+                grown = ((1 << bits) - (1 << e.bits)) * 4 if bits > e.bits else 0
+                worst = max(worst, new * e.entry_bytes + grown)
+            return worst
+
+    def absent(self, ids: np.ndarray) -> int:
+        """How many of ids (distinct, checked) the table does not hold: at most the rows or
+        pending entries a push of them creates."""
+        with self._lock:
+            r = self._rows
+            idx = np.empty(ids.shape[0], np.int64)
+            index.find_many(r.slots, r.keys, ids, r.bits, idx)
+            return int(np.count_nonzero(idx == index.EMPTY))
+
+    def evict_for(self, nbytes: int) -> int:
+        """Evict least recently updated rows, their pages given back, until nbytes are free or
+        no row is left; the rows evicted."""
+        with self._lock:
+            k = min(-(-nbytes // self._rows.entry_bytes), self._rows.n)
+            self._evict_oldest(k, release=True)
+            return k
 
     # -- checking -----------------------------------------------------------------------------
 

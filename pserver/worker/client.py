@@ -29,6 +29,7 @@ from pserver.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotRegistered,
+    OverBudget,
     PServerError,
     ResourceExhausted,
     SeenVersionAhead,
@@ -146,8 +147,9 @@ class ShardClient:
         """Run op; on UNAVAILABLE retry with exponential backoff and jitter for up to
         `retry_for` seconds, re-registering with a shard that came back; then fail with one
         line naming the shard. RESOURCE_EXHAUSTED (the shard is at a bound, server/limits.py)
-        is retried the same way, and DEADLINE_EXCEEDED for `waits` seconds more in a call
-        that waits (a pull whose wait ran out on the shard: what it waits for may still come)."""
+        is retried the same way (but not OverBudget: a full memory budget), and DEADLINE_EXCEEDED
+        for `waits` seconds more in a call that waits (a pull whose wait ran out on the shard:
+        what it waits for may still come)."""
         deadline, delay, rejoins = time.monotonic() + retry_for, 0.05, 0
         retried = (Unavailable, ResourceExhausted) + ((DeadlineExceeded,) if waits else ())
         while True:
@@ -155,6 +157,8 @@ class ShardClient:
                 result = op()
                 self._say_back()
                 return result
+            except OverBudget:
+                raise                          # a memory budget: waiting frees nothing
             except retried as e:
                 extra = waits if isinstance(e, DeadlineExceeded) else 0.0
                 if time.monotonic() + delay > deadline + extra:

@@ -1,0 +1,113 @@
+"""`--max-memory-mb`: one bound on what a shard's state holds, sparse rows included
+(docs/semantics.md, "Memory budget").
+
+What it counts: the dense range (parameters, optimizer state and one gradient buffer, fixed at
+the first Register), and every sparse table's bytes as SparseTable.stats() reports them: the
+rows written (each with its optimizer slots, last update and step count), pending admission
+entries and the hash indexes. Pushed gradients in flight are bounded apart, by
+--max-inflight-mb.
+
+A sparse push reserves room for the rows it may create when it arrives, before any mode sees
+it (`reserve`): the ids its tables do not hold yet, their entries and the index growth they cause. When the
+budget cannot take them, rows are evicted, least recently updated first, from the pushed tables
+and then from the others, but only from tables whose rows may be evicted (they have an eviction
+rule of their own: max_rows or ttl_steps). When that is not enough the push is refused whole,
+RESOURCE_EXHAUSTED of kind OverBudget (which workers do not retry), naming the table, its new
+rows and bytes and the budget, and nothing has changed. A reservation is held until the step
+it belongs to has been applied (`settle`), so that pushes waiting for one sync step cannot
+together overshoot the budget.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from pserver.errors import OverBudget
+
+MiB = 1 << 20
+
+
+class Budget:
+    def __init__(self, limit: int, counters, dense=lambda: 0, flag: str = "--max-memory-mb") -> None:
+        self.limit, self.counters, self.flag = int(limit), counters, flag
+        self.dense = dense                # () -> the dense range's bytes (0 before the first Register)
+        self.reserved = 0                 # bytes of rows that pushes not applied yet may create
+        self._holds: list[tuple[int, int]] = []   # (step, bytes) of pushes not applied yet
+        self._lock = threading.Lock()
+
+    def used(self, tables: dict) -> int:
+        return self.dense() + sum(t.nbytes for t in tables.values())
+
+    def report(self, tables: dict) -> dict:
+        """For Status: the budget, what is used, and what waiting pushes have reserved."""
+        with self._lock:
+            return {"budget": self.limit, "used": self.used(tables), "reserved": self.reserved}
+
+    def reserve(self, tables: dict, rows) -> int:
+        """Room for the rows a push's sparse parts may create (`rows`: RowGrads with checked,
+        distinct ids); evicts what it may, or raises ResourceExhausted. Returns the bytes held."""
+        parts = [(p.table, tables[p.table], p.ids) for p in rows if p.ids.shape[0]]
+        if not parts:
+            return 0
+        with self._lock:
+            used = self.used(tables) + self.reserved
+            # Every id counted as new first: a push that fits so needs no probe of the index.
+            need = sum(t.growth_bytes(ids.shape[0]) for _, t, ids in parts)
+            if used + need > self.limit:
+                new = {name: t.absent(ids) for name, t, ids in parts}
+                need = sum(t.growth_bytes(new[name]) for name, t, _ in parts)
+                short = used + need - self.limit
+                if short > 0:
+                    short = self._evict(tables, [name for name, _, _ in parts if new[name]], short)
+                if short > 0:
+                    self._refuse(tables, parts, new, need, used)
+            self.reserved += need
+            return need
+
+    def _evict(self, tables: dict, pushed: list[str], short: int) -> int:
+        """Evict from the pushed tables, then the others, while bytes are short; what is still short."""
+        for name in pushed + [n for n in tables if n not in pushed]:
+            t = tables[name]
+            if short <= 0:
+                break
+            if not t.evictable:
+                continue
+            before = t.nbytes
+            self.counters.add("rows_evicted_for_memory", t.evict_for(short))
+            short -= before - t.nbytes
+        return short
+
+    def _refuse(self, tables, parts, new, need, used) -> None:
+        name, t, _ = max(parts, key=lambda p: p[1].growth_bytes(new[p[0]]))
+        self.counters.add("pushes_refused_for_memory")
+        why = ("and no table may evict rows (give a table max_rows or ttl_steps to let its least "
+               "recently updated rows go)" if not any(x.evictable for x in tables.values()) else
+               "after evicting every row the tables allow")
+        raise OverBudget(
+            f"{self.flag}: table '{name}' would create {new[name]:,} new rows "
+            f"({t.growth_bytes(new[name]) / MiB:.1f} MiB; the whole push {need / MiB:.1f} MiB), "
+            f"and the shard holds {used / MiB:.1f} MiB of its {self.limit / MiB:.0f} MiB budget {why}; "
+            f"the push changed nothing")
+
+    def hold(self, step: int, nbytes: int) -> None:
+        """Keep a push's reservation until its step has been applied."""
+        if nbytes:
+            with self._lock:
+                self._holds.append((step, nbytes))
+
+    def release(self, nbytes: int) -> None:
+        """Give back a reservation whose push was refused."""
+        if nbytes:
+            with self._lock:
+                self.reserved -= nbytes
+
+    def settle(self, version: int) -> None:
+        """Give back the reservations of pushes for steps before `version`: applied, or dropped."""
+        with self._lock:
+            if not self._holds:
+                return
+            keep = [(s, b) for s, b in self._holds if s >= version]
+            self.reserved -= int(np.sum([b for s, b in self._holds if s < version], dtype=np.int64))
+            self._holds = keep

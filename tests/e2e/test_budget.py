@@ -1,0 +1,81 @@
+"""A flood of fresh sparse ids against `--max-memory-mb`: a real shard process refuses the pushes
+that do not fit, or evicts the least recently updated rows of a table that allows it, and its
+resident memory stays within its idle size + the budget + 10% (docs/semantics.md, "Memory
+budget")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pserver.errors import ResourceExhausted
+from pserver.models.layout import Layout
+from pserver.sparse import TableConfig, TableLookup
+from pserver.worker.client import PSClient
+
+pytestmark = pytest.mark.e2e
+
+BUDGET_MB, DIM, BATCH = 128, 16, 100_000
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def flood(procs, table: TableConfig, batches: int):
+    """A shard with the budget, one client pushing `batches` batches of fresh ids; returns
+    (the shard's idle and largest RSS, the refusals' messages, its last Status)."""
+    shard = procs("serve", "--port", "0", "--num-workers", "1", "--max-memory-mb", str(BUDGET_MB),
+                  "--optimizer", "sgd")
+    client = PSClient([shard.address()], rpc_deadline=60)
+    client.connect(60)
+    try:
+        client.register(Layout.of([("b", (1,))], [table]))
+        w = np.zeros(1, np.float32)
+        client.init(w)
+        client.pull(w)
+
+        def push(first: int) -> None:
+            ids = np.arange(first, first + BATCH, dtype=np.uint64)
+            grads = np.full((BATCH, DIM), 0.01, np.float32)
+            client.push(np.zeros(1, np.float32), BATCH,
+                        lookups=[TableLookup(ids, np.arange(BATCH), np.empty_like(grads), grads)],
+                        tables=[table.name])
+            client.pull(w)
+
+        push(1 << 40)                  # the kernels compile: code, not table memory
+        idle, peak, refused = rss(shard.popen.pid), 0, []
+        for b in range(batches):
+            try:
+                push(b * BATCH)
+            except ResourceExhausted as e:
+                refused.append(str(e))
+            peak = max(peak, rss(shard.popen.pid))
+        return idle, peak, refused, client.status()[0]
+    finally:
+        client.close()
+
+
+def test_a_table_that_may_not_evict_refuses_what_does_not_fit_and_memory_stays_bounded(procs):
+    # 4M ids, ~580 MB of rows: most pushes are refused, and a refused push keeps nothing (the
+    # data plane once held each one's arrays until a garbage collection: 215 MiB here)
+    idle, peak, refused, st = flood(procs, TableConfig("emb", DIM, "adagrad"), 40)
+    assert refused, "nothing was refused"
+    assert "--max-memory-mb: table 'emb' would create 100,000 new rows" in refused[0]
+    assert "no table may evict rows" in refused[0] and "the push changed nothing" in refused[0]
+    assert st.counters.pushes_refused_for_memory == len(refused)       # each refused once, not retried
+    rows = st.tables[0].rows
+    assert rows == (1 + 40 - len(refused)) * BATCH      # whole pushes only (the warm-up's and those taken)
+    assert st.memory.used <= st.memory.budget < BUDGET_MB << 20
+    assert peak - idle <= 1.1 * (BUDGET_MB << 20), (idle, peak)
+
+
+def test_a_table_that_may_evict_takes_every_push_and_memory_stays_bounded(procs):
+    table = TableConfig("emb", DIM, "adagrad", max_rows=10**8)
+    idle, peak, refused, st = flood(procs, table, 15)
+    assert refused == []
+    assert st.counters.rows_evicted_for_memory >= 15 * BATCH - st.tables[0].rows
+    assert st.tables[0].evictions == st.counters.rows_evicted_for_memory
+    assert st.memory.used <= st.memory.budget
+    assert peak - idle <= 1.1 * (BUDGET_MB << 20), (idle, peak)

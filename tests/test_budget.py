@@ -1,0 +1,86 @@
+"""--max-memory-mb over sparse rows (pserver.server.budget): a push reserves room for the rows
+it may create before anything is applied; it evicts the least recently updated rows of tables
+that allow it, or is refused whole and changes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pserver import sparse
+from pserver.errors import ResourceExhausted
+from pserver.server.budget import Budget
+from pserver.server.store import Counters, RowGrads
+
+
+def table(name, index=0, **kw):
+    return sparse.SparseTable(sparse.TableConfig(name, 8, "adagrad", **kw), index)
+
+
+def part(name, ids):
+    ids = np.asarray(ids, np.uint64)
+    return RowGrads(name, ids, np.ones((ids.size, 8), np.float32))
+
+
+def apply(tables, rows, step):
+    for p in rows:
+        tables[p.table].apply(p.ids, p.grads, step)
+
+
+def test_a_push_that_fits_is_reserved_until_its_step_is_applied():
+    tables = {"a": table("a")}
+    b = Budget(64 << 20, Counters())
+    rows = [part("a", range(1000))]
+    held = b.reserve(tables, rows)
+    assert held == tables["a"].growth_bytes(1000) and b.reserved == held
+    b.hold(3, held)
+    b.settle(3)                          # step 3 not applied yet: still held
+    assert b.reserved == held
+    apply(tables, rows, 3)
+    b.settle(4)
+    assert b.reserved == 0
+    assert b.report(tables)["used"] == tables["a"].stats()["bytes"]
+
+
+def test_rows_a_table_holds_already_need_no_room():
+    tables = {"a": table("a")}
+    apply(tables, [part("a", range(5000))], 0)
+    b = Budget(tables["a"].stats()["bytes"] + tables["a"].growth_bytes(100), Counters())
+    assert b.reserve(tables, [part("a", range(4000, 5050))]) == tables["a"].growth_bytes(50)
+    with pytest.raises(ResourceExhausted):
+        b.reserve(tables, [part("a", range(6000, 6051))])     # 51 more: 101 in all
+
+
+def test_a_push_that_cannot_fit_is_refused_whole_and_changes_nothing():
+    tables = {"a": table("a"), "b": table("b", 1)}
+    apply(tables, [part("a", range(2000)), part("b", range(2000))], 0)
+    counters = Counters()
+    held = sum(t.stats()["bytes"] for t in tables.values())
+    b = Budget(held + (1 << 16), counters)
+    before = {n: t.state() for n, t in tables.items()}
+    with pytest.raises(ResourceExhausted, match=r"--max-memory-mb: table 'b' would create 3,000 new rows .* "
+                                                r"no table may evict rows .*the push changed nothing"):
+        b.reserve(tables, [part("a", range(2000, 2010)), part("b", range(10_000, 13_000))])
+    assert b.reserved == 0 and b.used(tables) == held
+    for n, t in tables.items():
+        assert all(np.array_equal(t.state()[k], before[n][k]) for k in before[n])
+    assert counters.snapshot()["pushes_refused_for_memory"] == 1
+
+
+def test_room_is_made_from_the_least_recently_updated_rows_of_tables_that_allow_eviction():
+    tables = {"fixed": table("fixed"), "lru": table("lru", 1, max_rows=10**9)}
+    for step in range(4):                  # lru's rows 0-999 at step 0, ..., 3000-3999 at step 3
+        apply(tables, [part("lru", range(1000 * step, 1000 * (step + 1)))], step)
+    apply(tables, [part("fixed", range(500))], 4)
+    counters = Counters()
+    b = Budget(sum(t.stats()["bytes"] for t in tables.values()), counters)   # full now
+    held = b.reserve(tables, [part("fixed", range(500, 1100))])   # 600 new rows of a table that cannot evict
+    assert held == tables["fixed"].growth_bytes(600)
+    evicted = counters.snapshot()["rows_evicted_for_memory"]
+    assert 600 <= evicted <= 1000 and tables["lru"].stats()["rows"] == 4000 - evicted
+    kept = tables["lru"].state()["ids"]
+    assert set(kept.tolist()) == set(range(evicted, 4000))      # the oldest went, by last update
+    apply(tables, [part("fixed", range(500, 1100))], 5)
+    b.hold(5, held)
+    b.settle(6)
+    assert b.used(tables) <= b.limit

@@ -1,0 +1,165 @@
+"""Checkpoints restored onto another number of shards (pserver.server.reshard): every element
+and every row lands on the shard that owns it now, bit for bit, with its optimizer state."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pserver import sparse
+from pserver.config import ServerConfig
+from pserver.errors import ConfigError
+from pserver.server import checkpoint, reshard
+from pserver.server.shard import Shard
+from pserver.wire.sharding import shard_ranges
+
+DENSE_STATE = {"sgd": (), "momentum": ("v",), "adam": ("m", "v")}
+
+
+def old_set(directory, total, num_shards, optimizer, tables, seed, versions=None):
+    """S real checkpoint files of one run: the dense vector and its state cut by range, each
+    table's rows trained on the shard their id hashes to. Returns (files' Checkpoints, the
+    global dense arrays, {table: {id: per-row arrays}}, {table: summed counters})."""
+    rng = np.random.default_rng(seed)
+    params = rng.standard_normal(total).astype(np.float32)
+    state = {k: rng.standard_normal(total).astype(np.float32) for k in DENSE_STATE[optimizer]}
+    configs = [sparse.TableConfig(name, dim, opt, min_count=mc) for name, dim, opt, mc in tables]
+    ids = {c.name: rng.choice(1 << 40, size=int(rng.integers(0, 60)), replace=False).astype(np.uint64)
+           for c in configs}
+    ckpts = []
+    for j, (start, end) in enumerate(shard_ranges(total, num_shards)):
+        rows = {}
+        for i, c in enumerate(configs):
+            table = sparse.SparseTable(c, i)
+            mine = ids[c.name][sparse.shard_of(ids[c.name], num_shards) == j]
+            for step in range(3):       # a few pushes: rows, slots, last updates, admissions
+                pick = mine[rng.random(mine.shape[0]) < 0.7]
+                table.apply(pick, rng.standard_normal((pick.shape[0], c.dim)).astype(np.float32), step)
+            rows[c.name] = table.state()
+        version = 5 if versions is None else versions[j]
+        ckpts.append(checkpoint.Checkpoint(
+            "", version, j, num_shards, "sig", total, start, end, optimizer, params[start:end].copy(),
+            {k: v[start:end].copy() for k, v in state.items()}, {0: 9 + j, 1: 4 - (j % 2)},
+            [c.to_dict() for c in configs], rows, {0: (7, 30), 1: (7, 30)}))
+        checkpoint.save(directory, ckpts[-1])
+    return ckpts, params, state
+
+
+def by_id(states: list[dict]) -> dict:
+    """{id: (row, slots..., last_update, steps)} over shards' states of one table, and the
+    pending ids' counts."""
+    rows, pending = {}, {}
+    for s in states:
+        for n, i in enumerate(s["ids"].tolist()):
+            assert i not in rows, f"id {i} on two shards"
+            rows[i] = tuple(s[k][n].tobytes() for k in sorted(s) if k not in ("ids", "counters")
+                            and not k.startswith("pending_"))
+        for n, i in enumerate(s["pending_ids"].tolist()):
+            assert i not in pending
+            pending[i] = int(s["pending_counts"][n])
+    return rows, pending
+
+
+TABLE = st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(1, 4), st.sampled_from(sparse.ROW_OPTIMIZERS),
+                  st.sampled_from([0, 2]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(total=st.integers(1, 40), old=st.integers(1, 6), new=st.integers(1, 6),
+       optimizer=st.sampled_from(sorted(DENSE_STATE)), mode=st.sampled_from(["sync", "async"]),
+       tables=st.lists(TABLE, max_size=2, unique_by=lambda t: t[0]), seed=st.integers(0, 2**16))
+def test_any_set_restored_onto_any_number_of_shards_keeps_every_value_bit_for_bit(
+        tmp_path_factory, total, old, new, optimizer, mode, tables, seed):
+    directory = str(tmp_path_factory.mktemp("ckpt"))
+    versions = None if mode == "sync" else [3 + (j * 5) % 7 for j in range(old)]
+    ckpts, params, state = old_set(directory, total, old, optimizer, tables, seed, versions)
+    chosen = reshard.select(directory, old, mode)
+    parts = [reshard.combine(chosen, new, j) for j in range(new)]
+    assert [(p.start, p.end) for p in parts] == shard_ranges(total, new)
+    assert np.concatenate([p.params for p in parts]).tobytes() == params.tobytes()
+    for k, v in state.items():
+        assert np.concatenate([p.state[k] for p in parts]).tobytes() == v.tobytes()
+    for i, t in enumerate(ckpts[0].tables):
+        name = t["name"]
+        assert by_id([p.rows[name] for p in parts]) == by_id([c.rows[name] for c in ckpts])
+        for j, p in enumerate(parts):       # each row on the shard its id hashes to now
+            assert (sparse.shard_of(p.rows[name]["ids"], new) == j).all()
+            assert (sparse.shard_of(p.rows[name]["pending_ids"], new) == j).all()
+            table = sparse.SparseTable(sparse.TableConfig.from_dict(t), i)
+            table.load(p.rows[name])        # a state the table accepts as its own
+        summed = sum(c.rows[name]["counters"] for c in ckpts)
+        assert parts[0].rows[name]["counters"].tolist() == summed.tolist()
+        assert all(not p.rows[name]["counters"].any() for p in parts[1:])
+    assert {p.version for p in parts} == {max(c.version for c in ckpts)}
+    assert all(p.clocks == {0: 9, 1: 3 if old > 1 else 4} for p in parts)    # the smallest: no data skipped
+    assert all(p.positions == {0: (7, 30), 1: (7, 30)} for p in parts)
+
+
+def test_sync_takes_the_newest_version_every_old_shard_has_and_async_each_ones_newest(tmp_path):
+    d = str(tmp_path)
+    old_set(d, 10, 2, "sgd", [("a", 2, "adagrad", 0)], 1)                       # version 5 on both
+    old_set(d, 10, 2, "sgd", [("a", 2, "adagrad", 0)], 1, versions=[8, 8])
+    os.remove(os.path.join(d, checkpoint.file_name(1, 2, 8)))
+    # shard 1 has no version 8 any more: sync goes back to 5, async takes 8 and 5 -> 8
+    assert [c.version for c in reshard.select(d, 2, "sync")] == [5, 5]
+    assert [c.version for c in reshard.select(d, 2, "async")] == [8, 5]
+    assert reshard.combine(reshard.select(d, 2, "async"), 3, 1).version == 8
+    # a file of the newest cut that does not load: the cut before it
+    old_set(d, 10, 2, "sgd", [("a", 2, "adagrad", 0)], 1, versions=[9, 9])
+    with open(os.path.join(d, checkpoint.file_name(0, 2, 9)), "r+b") as f:
+        f.seek(200)
+        f.write(b"\0" * 64)
+    assert [c.version for c in reshard.select(d, 2, "backup")] == [5, 5]
+
+
+def test_sets_that_cannot_be_combined_are_refused_naming_why(tmp_path):
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    old_set(a, 10, 2, "sgd", [], 1)
+    os.remove(os.path.join(a, checkpoint.file_name(1, 2, 5)))
+    with pytest.raises(ConfigError, match=r"none of shard\(s\) 1"):
+        reshard.select(a, 2, "sync")
+    old_set(b, 10, 2, "sgd", [], 1, versions=[5, 6])
+    with pytest.raises(ConfigError, match="versions found: shard 0: 5; shard 1: 6"):
+        reshard.select(b, 2, "sync")
+    ckpts = old_set(c, 10, 2, "sgd", [], 1)[0]
+    other = ckpts[1]
+    other.signature, other.optimizer = "another", "adam"
+    checkpoint.save(c, other)
+    with pytest.raises(ConfigError, match="layout signature .*two runs"):
+        reshard.select(c, 2, "sync")
+
+
+def test_a_shard_restores_a_set_of_another_shape_and_refuses_one_with_its_own_file_missing(tmp_path):
+    d = str(tmp_path)
+    ckpts, params, _ = old_set(d, 11, 3, "adam", [("a", 2, "adam", 0)], 4)
+    for j, (start, end) in enumerate(shard_ranges(11, 2)):
+        s = Shard(ServerConfig(shard=j, num_shards=2, optimizer="adam", restore=d))
+        assert s.store.version == 5 and s.store.params.tobytes() == params[start:end].tobytes()
+        assert s.store.restored_from.endswith("(resharded)")
+    # its own shape's files win over another shape's; one of them missing is refused
+    checkpoint.save(d, reshard.combine(ckpts, 2, 0))
+    with pytest.raises(ConfigError, match="none of shard 1"):
+        Shard(ServerConfig(shard=1, num_shards=2, optimizer="adam", restore=d))
+
+
+def test_offline_reshard_and_inspect(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    old_set(src, 12, 2, "momentum", [("a", 3, "ftrl", 2)], 2)
+    paths = reshard.reshard_directory(src, dst, 4, "sync")
+    assert sorted(os.path.basename(p) for p in paths) == [checkpoint.file_name(j, 4, 5) for j in range(4)]
+    report = reshard.inspect(dst)
+    (only,) = report["sets"]
+    assert only["num_shards"] == 4 and only["consistent_cuts"] == [5] and only["missing_shards"] == []
+    assert all(f["loads"] for f in only["files"])
+    assert only["layout"]["optimizer"] == "momentum" and only["layout"]["tables"][0]["dim"] == 3
+    with open(paths[2], "r+b") as f:
+        f.seek(100)
+        f.write(b"\1" * 32)
+    (only,) = reshard.inspect(dst)["sets"]
+    assert only["consistent_cuts"] == [] and [f["loads"] for f in only["files"]].count(False) == 1
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        reshard.reshard_directory(str(tmp_path / "empty"), dst, 2, "sync")
