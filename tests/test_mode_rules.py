@@ -365,12 +365,16 @@ def test_a_late_ssp_push_or_pull_with_an_older_clock_does_not_move_the_clock_bac
     shard = one_shard(4, 2, mode="ssp", staleness=0, optimizer="sgd", lr=1.0, step_timeout=60)
     for clock in range(3):
         push(shard, 0, shard.store.version, ONES, clock=clock)
+    assert shard.store.clocks[0] == 3                  # 3 pushes taken in
     push(shard, 0, 0, ONES, clock=0)                   # a late push, computed long ago
+    assert shard.store.clocks[0] == 3, "a late push moved worker 0's clock back"
     for clock in range(3):                             # worker 1 catches up without waiting
-        shard.pull(1, 0, -1, clock, timeout=5)
+        assert shard.pull(1, 0, -1, clock, timeout=1)[0] == 4 + clock
         push(shard, 1, shard.store.version, ONES, clock=clock)
-    shard.pull(0, 0, -1, 1, timeout=5)                 # a late pull (a retry) of worker 0
-    shard.pull(1, 0, -1, 3, timeout=5)                 # worker 0's 3 pushes still count
+    shard.pull(0, 0, -1, 1, timeout=1)                 # a late pull (a retry) of worker 0
+    assert shard.store.clocks == {0: 3, 1: 3}, "a late pull moved worker 0's clock back"
+    assert shard.pull(1, 0, -1, 3, timeout=1)[0] == 7  # worker 0's 3 pushes still count
+    assert counters(shard)["clock_gap_max"] == 0
 
 
 def test_an_async_pull_before_init_keeps_its_deadline_and_notices_a_gone_caller():
