@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-import pytest
+from tests.e2e.conftest import missing
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ def _ca(directory: pathlib.Path, name: str) -> None:
 
 def make_certs(directory: pathlib.Path) -> Certs:
     if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed: cannot make test certificates")
+        missing("the TLS tests", "the openssl command is not installed: cannot make test certificates "
+                "(apt-get install openssl)")
     _ca(directory, "ca")
     _ca(directory, "other-ca")
     _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",

@@ -1,4 +1,6 @@
+import contextlib
 import functools
+import hashlib
 import http.server
 import os
 import pathlib
@@ -10,12 +12,15 @@ import grpc
 import pytest
 
 from pserver.config import ServerConfig
+from pserver.data import default_mnist_dir, load_dataset
+from pserver.data.mnist import MNIST_FILES
+from pserver.errors import DataError
 from pserver.server.app import create_server
+from tests.e2e.conftest import missing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# The real MNIST files (the four IDX files): $PSERVER_MNIST_DIR, else shared/datasets/mnist beside
-# the checkout, where CI keeps them.
-MNIST_DIR = pathlib.Path(os.environ.get("PSERVER_MNIST_DIR", ROOT.parent / "shared" / "datasets" / "mnist"))
+# The tests' --data-dir for the real MNIST files (the `mnist_dir` fixture); .ci/run sets it.
+MNIST_DIR_ENV = "PSERVER_MNIST_DIR"
 
 
 # Workers keep their session files under $XDG_STATE_HOME (pserver/worker/sessions.py); the tests'
@@ -39,6 +44,35 @@ def grpc_core_stays_up():
     last one goes; that teardown can deadlock on the GIL (grpc/grpc#42247), at whatever test drops
     the last reference. Held here, the core starts once and ends with the pytest process."""
     yield grpc.insecure_channel("127.0.0.1:9")   # never connects: no call is made on it
+
+
+def _original_mnist_gz(directory: str) -> list[str]:
+    """The names of the four MNIST files whose original .gz (size and sha256) is not in directory."""
+    wrong = []
+    for name, (size, sha256) in MNIST_FILES.items():
+        path = os.path.join(directory, name + ".gz")
+        if not (os.path.isfile(path) and os.path.getsize(path) == size
+                and hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest() == sha256):
+            wrong.append(name)
+    return wrong
+
+
+@pytest.fixture(scope="session")
+def mnist_dir() -> pathlib.Path:
+    """A directory with the four original MNIST .gz files, found as a user's run finds them:
+    $PSERVER_MNIST_DIR (the tests' --data-dir), else the user's cache (default_mnist_dir), where
+    pserver's loader downloads what is missing and keeps it only if its checksum matches. Without
+    them (no files, no network) the tests that need them go through missing(). Tests that take
+    this fixture are marked `mnist` (pytest -m 'not mnist' leaves them out)."""
+    where = os.environ.get(MNIST_DIR_ENV) or default_mnist_dir()
+    if _original_mnist_gz(where):
+        with contextlib.suppress(DataError):
+            load_dataset("mnist", data_dir=where)      # fetches the files that are not there
+        if wrong := _original_mnist_gz(where):
+            missing("the MNIST tests",
+                    f"MNIST is not in {where} (no original {wrong[0]}.gz) and could not be downloaded: "
+                    f"set {MNIST_DIR_ENV} to a directory holding the four MNIST .gz files")
+    return pathlib.Path(where)
 
 
 @pytest.fixture

@@ -26,9 +26,7 @@ from pserver.data import (
 )
 from pserver.data.mnist import MNIST_FILES, MNIST_MIRRORS, MNIST_MIRRORS_ENV
 from pserver.errors import ConfigError, DataError
-from tests.conftest import MNIST_DIR as _MNIST
 
-MNIST_DIR = str(_MNIST)
 # Label counts of the original MNIST, as published.
 TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
 TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
@@ -44,10 +42,11 @@ def one_line(err: pytest.ExceptionInfo) -> str:
 # ---------------------------------------------------------------- real MNIST
 
 @pytest.fixture(scope="module")
-def mnist() -> Dataset:
-    return load_dataset("mnist", data_dir=MNIST_DIR)
+def mnist(mnist_dir) -> Dataset:
+    return load_dataset("mnist", data_dir=str(mnist_dir))
 
 
+@pytest.mark.mnist
 def test_mnist_loads_with_the_published_shapes_and_label_counts(mnist):
     assert (mnist.name, mnist.task, mnist.num_classes, mnist.features) == ("mnist", "classification", 10, 784)
     # Channels-last images; a dense model's input takes them flat (data.shaped_for).
@@ -64,9 +63,10 @@ def test_mnist_loads_with_the_published_shapes_and_label_counts(mnist):
                                "samples of shape (28, 28, 1), 10 classes")
 
 
-def test_mnist_uncompressed_copy_parses_identically(mnist, tmp_path):
+@pytest.mark.mnist
+def test_mnist_uncompressed_copy_parses_identically(mnist, mnist_dir, tmp_path):
     for name in MNIST_FILES:
-        with gzip.open(os.path.join(MNIST_DIR, name + ".gz"), "rb") as src:
+        with gzip.open(mnist_dir / (name + ".gz"), "rb") as src:
             (tmp_path / name).write_bytes(src.read())
     raw = load_dataset("mnist", data_dir=str(tmp_path))
     for field in ("x_train", "y_train", "x_test", "y_test"):
@@ -155,13 +155,14 @@ def closed_port_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}/"
 
 
-def test_missing_files_are_downloaded_checked_and_used(tmp_path, mirror, monkeypatch):
+@pytest.mark.mnist
+def test_missing_files_are_downloaded_checked_and_used(tmp_path, mirror, monkeypatch, mnist_dir):
     served, url = mirror
-    shutil.copytree(MNIST_DIR, served / "mnist")
+    shutil.copytree(mnist_dir, served / "mnist")
     monkeypatch.setenv(MNIST_MIRRORS_ENV, f"{closed_port_url()},{url}")  # the first mirror is down
     data = tmp_path / "data"
     data.mkdir()
-    shutil.copy(os.path.join(MNIST_DIR, "t10k-labels-idx1-ubyte.gz"), data)  # one already there
+    shutil.copy(mnist_dir / "t10k-labels-idx1-ubyte.gz", data)  # one already there
     ds = load_dataset("mnist", data_dir=str(data))
     assert ds.num_train == 60000 and np.bincount(ds.y_test).tolist() == TEST_COUNTS
     assert sorted(os.listdir(data)) == sorted(name + ".gz" for name in MNIST_FILES)  # no .part left
@@ -196,9 +197,10 @@ def test_missing_files_fail_in_one_line_naming_the_dir_and_files(tmp_path, monke
     assert "t10k-labels-idx1-ubyte.gz by hand" in message and f"put them in {tmp_path}" in message
 
 
-def test_the_default_data_dir_is_the_users_cache_made_and_filled(tmp_path, mirror, monkeypatch):
+@pytest.mark.mnist
+def test_the_default_data_dir_is_the_users_cache_made_and_filled(tmp_path, mirror, monkeypatch, mnist_dir):
     served, url = mirror
-    shutil.copytree(MNIST_DIR, served / "mnist")
+    shutil.copytree(mnist_dir, served / "mnist")
     monkeypatch.setenv(MNIST_MIRRORS_ENV, f"{closed_port_url()},{url}")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))      # does not exist yet
     ds = load_dataset("mnist")                                          # no data_dir

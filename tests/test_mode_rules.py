@@ -33,6 +33,7 @@ from pserver.server import checkpoint
 from pserver.server.limits import Limits
 from pserver.server.shard import Shard
 from pserver.server.store import Counters
+from pserver.sparse import TableConfig
 from tests.test_modes import fill_with, make_cluster
 from tests.test_modes_async import compiled, heartbeats, one_shard, push  # noqa: F401 - compiled: autouse
 
@@ -133,6 +134,26 @@ def test_an_async_push_for_a_version_that_does_not_exist_is_rejected(mode):
     np.testing.assert_array_equal(shard.store.params, params)
     assert push(shard, 0, 0, ONES) is Outcome.APPLIED  # version 0 exists
     assert shard.store.version == 1
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_an_async_push_applies_its_rows_with_its_dense_part(mode):
+    """Fails for an async push that applies the dense gradient and drops the sparse rows that came
+    with it (the rows' path is otherwise tested over gRPC only, in tests/test_sparse_server.py)."""
+    table = TableConfig("emb", 2, optimizer="sgd", lr=0.5, init_scale=0.1, seed=7)
+    layout = Layout.of([("b", (3,))], [table])
+    shard = make_cluster(layout, np.zeros(3, np.float32), 1, 1, mode=mode, optimizer="sgd", lr=1.0)[0]
+    ids = np.array([5, 9], np.uint64)
+    before = shard.pull_rows(0, 0, "emb", ids)[1].copy()
+    rows = shard.row_buffers([("emb", 2)])
+    rows[0].ids[:] = ids
+    row_grads = np.array([[1, 2], [3, 4]], np.float32)
+    rows[0].grads[:] = row_grads
+    g = np.ones(3, np.float32)
+    assert shard.push(0, 0, 0, 3, "float32", 1, 0, fill_with(g), rows=rows)[0] is Outcome.APPLIED
+    np.testing.assert_allclose(shard.pull_rows(0, 0, "emb", ids)[1], before - 0.5 * row_grads, rtol=1e-6)
+    np.testing.assert_array_equal(shard.store.params, -g)
+    assert shard.store.tables["emb"].stats()["rows"] == 2
 
 
 # --- a dead worker rejoins on its next push or pull ---------------------------------------
@@ -365,12 +386,16 @@ def test_a_late_ssp_push_or_pull_with_an_older_clock_does_not_move_the_clock_bac
     shard = one_shard(4, 2, mode="ssp", staleness=0, optimizer="sgd", lr=1.0, step_timeout=60)
     for clock in range(3):
         push(shard, 0, shard.store.version, ONES, clock=clock)
+    assert shard.store.clocks[0] == 3                  # 3 pushes taken in
     push(shard, 0, 0, ONES, clock=0)                   # a late push, computed long ago
+    assert shard.store.clocks[0] == 3, "a late push moved worker 0's clock back"
     for clock in range(3):                             # worker 1 catches up without waiting
-        shard.pull(1, 0, -1, clock, timeout=5)
+        assert shard.pull(1, 0, -1, clock, timeout=1)[0] == 4 + clock
         push(shard, 1, shard.store.version, ONES, clock=clock)
-    shard.pull(0, 0, -1, 1, timeout=5)                 # a late pull (a retry) of worker 0
-    shard.pull(1, 0, -1, 3, timeout=5)                 # worker 0's 3 pushes still count
+    shard.pull(0, 0, -1, 1, timeout=1)                 # a late pull (a retry) of worker 0
+    assert shard.store.clocks == {0: 3, 1: 3}, "a late pull moved worker 0's clock back"
+    assert shard.pull(1, 0, -1, 3, timeout=1)[0] == 7  # worker 0's 3 pushes still count
+    assert counters(shard)["clock_gap_max"] == 0
 
 
 def test_an_async_pull_before_init_keeps_its_deadline_and_notices_a_gone_caller():

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pserver.errors import FailedPrecondition
+from pserver.errors import FailedPrecondition, InvalidArgument
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
 from pserver.optim import make_optimizer
@@ -163,27 +163,51 @@ def test_ssp_never_lets_a_clock_run_more_than_s_ahead_of_the_slowest(staleness):
 @pytest.mark.parametrize("mode, extra", [("sync", {}), ("backup", {"backup_workers": 1}),
                                          ("async", {}), ("ssp", {"staleness": 1})])
 def test_every_push_gets_exactly_one_outcome(mode, extra):
-    """applied + aggregated + dropped + rejected = pushes sent, with bad pushes mixed in."""
+    """applied + aggregated + dropped + rejected = pushes sent, with bad pushes mixed in: each bad
+    push is refused for its own fault (a NaN, a step ahead of the shard), every good one is taken
+    in, and the taken ones move the parameters. In sync and backup a good push can also be a
+    worker's second for a step (its first counted, a bad push of another held the step back):
+    refused for that, and only that."""
     workers, size = 3, 10
     shard = one_shard(size, workers, mode=mode, optimizer="sgd", lr=0.1, **extra)
     rng = np.random.default_rng(0)
-    sent = 0
+    sent = taken = nans = aheads = 0
+    refused = {"nan": 0, "ahead": 0, "again": 0}
     for t in range(6):
         for r in rng.permutation(workers):
             g = rng.standard_normal(size).astype(np.float32)
-            if rng.random() < 0.2:
+            nan = rng.random() < 0.2
+            if nan:
                 g[0] = np.nan
-            step = shard.store.version if rng.random() < 0.8 else shard.store.version + 5
-            sent += 1
+            ahead = rng.random() >= 0.8
+            step = shard.store.version + (5 if ahead else 0)
+            sent, nans, aheads = sent + 1, nans + nan, aheads + (ahead and not nan)
             try:
-                push(shard, int(r), step, g, clock=t)
-            except Exception:
-                pass
+                outcome = push(shard, int(r), step, g, clock=t)
+            except InvalidArgument as e:             # checked first: before the step is
+                assert nan and "non-finite" in str(e), (mode, nan, ahead, e)
+                refused["nan"] += 1
+            except FailedPrecondition as e:
+                assert not nan, (mode, e)
+                if ahead:
+                    assert "step" in str(e), (mode, e)
+                    refused["ahead"] += 1
+                else:
+                    assert mode in ("sync", "backup") and "already pushed" in str(e), (mode, e)
+                    refused["again"] += 1
+            else:
+                assert not nan and not ahead, (mode, nan, ahead, outcome)
+                taken += 1
+    assert refused["nan"] == nans > 0 and refused["ahead"] == aheads > 0, refused
     c = shard.store.counters.snapshot()
     assert c["pushes_received"] == sent
-    assert (c["pushes_applied"] + c["pushes_aggregated"] + c["pushes_dropped_late"]
-            + c["pushes_rejected"]) == sent
-    assert c["pushes_rejected"] > 0
+    assert c["pushes_rejected"] == sum(refused.values())
+    assert c["pushes_applied"] + c["pushes_aggregated"] + c["pushes_dropped_late"] == taken == sent - sum(
+        refused.values())
+    assert shard.store.version == c["updates_applied"] > 0
+    if mode in ("async", "ssp"):                      # each push is an update of its own
+        assert c["pushes_applied"] == taken == shard.store.version
+    assert not np.array_equal(shard.store.params, np.zeros(size, np.float32))
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from pserver.wire.security import TOKEN_ENV, ClientSecurity, client_security
 from pserver.worker import dataplane as worker_dataplane
 from pserver.worker.client import PSClient
 from tests.certs import make_certs
+from tests.e2e.conftest import missing
 
 TOKEN = "s3cret-Token_for.tests"
 WRONG = "not-the-token"
@@ -306,5 +307,5 @@ def test_shards_bind_loopback_unless_told(shard_server, monkeypatch):
     port = int(addr.rpartition(":")[2])
     hosts = listening_hosts(port)
     if not hosts:
-        pytest.skip("/proc/net/tcp is not readable here")
+        missing("the loopback-binding test", "/proc/net/tcp is not readable here")
     assert hosts == {"127.0.0.1"}

@@ -12,6 +12,11 @@ pytestmark = pytest.mark.e2e
 
 SYNTHETIC = ["--dataset", "criteo-synthetic", "--samples", "24000", "--test-samples", "4000",
              "--batch-size", "256", "--optimizer", "adam", "--lr", "0.001", "--row-lr", "0.05"]
+# What these runs must reach. criteo-synthetic has about 25% clicks: a constant predictor's
+# logloss is 0.562 and its AUC 0.5. Measured (3 runs each): deepfm sync AUC 0.773, logloss 0.476
+# (deterministic); lr async AUC 0.786-0.788, logloss 0.477. A row optimizer that steps only
+# every third row of a push reaches AUC 0.734 / logloss 0.499 (deepfm) and 0.753 / 0.507 (lr).
+MIN_AUC, MAX_LOGLOSS = 0.74, 0.50
 
 
 def test_deepfm_learns_click_through_rate_in_sync_mode(tmp_path):
@@ -22,8 +27,8 @@ def test_deepfm_learns_click_through_rate_in_sync_mode(tmp_path):
     s = read_json(summary)
     # The planted model's AUC bounds what any model can reach; a model that learnt nothing
     # (a sign error, rows never updated) stays at 0.5.
-    assert 0.62 <= s["test_auc"] <= s["best_auc"] + 0.01, s
-    assert s["test_logloss"] == s["test_loss"] < 0.6
+    assert MIN_AUC <= s["test_auc"] <= s["best_auc"] + 0.01, s
+    assert s["test_logloss"] == s["test_loss"] <= MAX_LOGLOSS, s
     tables = s["sparse_tables"]
     assert set(tables) == {"linear", "factors"}
     assert tables["factors"]["rows"] == tables["factors"]["creations"] > 1000
@@ -46,7 +51,7 @@ def test_async_with_admission_and_eviction(tmp_path):
     assert linear["admissions"] > 0 and linear["pending_ids"] > 0
     assert linear["evictions"] > 0 and linear["rows"] <= 2 * 3000
     assert linear["creations"] == linear["rows"] + linear["evictions"]
-    assert s["test_auc"] > 0.6
+    assert MIN_AUC <= s["test_auc"] <= s["best_auc"] + 0.01 and s["test_logloss"] <= MAX_LOGLOSS, s
 
 
 def criteo_line(rng, label=None) -> str:

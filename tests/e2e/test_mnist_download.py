@@ -9,7 +9,6 @@ import socket
 import pytest
 
 from pserver.data.mnist import MNIST_FILES
-from tests.conftest import MNIST_DIR
 from tests.e2e.conftest import read_json, run
 
 pytestmark = pytest.mark.e2e
@@ -21,9 +20,10 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}/"
 
 
-def test_launch_without_data_dir_downloads_mnist_into_the_cache_and_trains(tmp_path, mirror):
+@pytest.mark.mnist
+def test_launch_without_data_dir_downloads_mnist_into_the_cache_and_trains(tmp_path, mirror, mnist_dir):
     served, url = mirror
-    shutil.copytree(MNIST_DIR, served / "mnist")
+    shutil.copytree(mnist_dir, served / "mnist")
     cache = tmp_path / "cache"
     env = {"XDG_CACHE_HOME": str(cache), "PSERVER_MNIST_MIRRORS": f"{dead_url()},{url}"}
     r = run("launch", "--ps", "1", "--workers", "1", "--dataset", "mnist", "--model", "logreg",
