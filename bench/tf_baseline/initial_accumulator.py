@@ -10,7 +10,7 @@ medians, and a table of them printed.
 Run from pserver's environment; TensorFlow's is --tf-python (see bench/tf_baseline/README.md):
 
     .venv/bin/python bench/tf_baseline/initial_accumulator.py --samples 1000000 \\
-        --test-samples 100000 --out bench/results/tf_baseline_initial_accumulator.json
+        --test-samples 100000 --out initial_accumulator.json
 """
 
 from __future__ import annotations
