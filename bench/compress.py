@@ -21,6 +21,13 @@ in bf16 (`--pull-compress bf16`), so both directions shrink.
 
 Writes JSON: a row per run {codec, link, repeat, time_to_target_s, final_accuracy, ...} and a
 summary row per link and codec (medians, speedup), and PNG plots.
+
+`--encode-times` trains nothing: it times what a worker does per push for each push codec of
+--codecs, in this process on one thread (pserver.worker.compress.ErrorFeedback.pack: residual
+added, encoded, decoded, residual kept) on a gradient of --encode-params float32 (default
+269,322, the MLP's), median of --repeats x 10 calls after one warm-up, and writes JSON:
+
+    .venv/bin/python bench/compress.py --encode-times --out results/compress/encode-times.json
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -204,11 +212,29 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="JSON path (default results/compress.json)")
     p.add_argument("--replot", action="store_true", help="only print the table and draw the plot of "
                    "--out (the rows finished so far, if the run was stopped)")
+    p.add_argument("--encode-times", action="store_true", help="time each push codec's encoder with "
+                   "error feedback on one thread instead of training (writes --out)")
+    p.add_argument("--encode-params", type=int, default=269_322, help="gradient size for --encode-times "
+                   "(default 269,322: the MLP's)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="write the JSON and the "
                    "table only (no matplotlib needed)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats: must be >= 1, got {args.repeats}")
+    if args.encode_times:
+        pushes = dict.fromkeys(c.partition("+")[0] for c in args.codecs.split(","))   # in order, once
+        codecs = [c for c in pushes if c != "none"]
+        host = machine(("grpcio", "numpy", "numba"))
+        print("\n".join(machine_lines(host)))
+        rows = encode_times(codecs, args.encode_params, args.repeats)
+        host["loadavg_after"] = os.getloadavg()
+        out = result_path(args.out, "compress-encode.json")
+        out.write_text(json.dumps({"host": host, "args": vars(args), "rows": rows}, indent=1))
+        print(table(["codec", "ms per push (median)", "min", "max", "calls"],
+                    [[r["codec"], f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}", f"{r['max_ms']:.2f}",
+                      str(r["calls"])] for r in rows]))
+        print(f"ErrorFeedback.pack of {args.encode_params:,} float32, one thread; wrote {out}")
+        return 0
     if args.plots:
         try:
             import matplotlib  # noqa: F401 - checked before an hour of runs, not after
@@ -237,6 +263,29 @@ def main(argv=None) -> int:
                               indent=1))
     report(out, rows, args.plots)
     return 0
+
+
+def encode_times(codecs: list[str], params: int, repeats: int, seed: int = 0) -> list[dict]:
+    """Milliseconds per ErrorFeedback.pack of a `params`-element gradient, per push codec: the
+    codecs interleaved, median (min, max) of repeats x 10 calls, a fresh gradient per call."""
+    import numpy as np
+
+    from pserver.wire.compress import parse
+    from pserver.worker.compress import ErrorFeedback
+    rng = np.random.default_rng(seed)
+    grads = [rng.normal(0, 1e-3, params).astype(np.float32) for _ in range(10)]
+    feedback = {c: ErrorFeedback(parse(c), params) for c in codecs}
+    for c in codecs:                      # numba's first call (compile or cache load)
+        feedback[c].pack(grads[0], 0, params)
+    times: dict[str, list[float]] = {c: [] for c in codecs}
+    for _ in range(repeats):
+        for c in codecs:
+            for g in grads:
+                started = time.perf_counter()
+                feedback[c].pack(g, 0, params)
+                times[c].append((time.perf_counter() - started) * 1e3)
+    return [{"codec": c, "params": params, "calls": len(t), "median_ms": statistics.median(t),
+             "min_ms": min(t), "max_ms": max(t)} for c, t in times.items()]
 
 
 def report(out: Path, rows: list[dict], plots: bool) -> None:

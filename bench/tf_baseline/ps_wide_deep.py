@@ -106,7 +106,8 @@ def train(args, cluster: dict, data: tuple, sizes: list[int]) -> dict:
         model((tf.zeros((1, NUM_DENSE)), tf.zeros((1, NUM_CAT), tf.int32)))       # build the weights
         # The legacy optimizers apply an IndexedSlices in one fused op on the ps
         # (ResourceSparseApplyAdagradV2); they ran faster here than the newer Keras ones.
-        table_opt = tf.keras.optimizers.legacy.Adagrad(args.lr)
+        table_opt = tf.keras.optimizers.legacy.Adagrad(
+            args.lr, initial_accumulator_value=args.initial_accumulator)
         dense_opt = tf.keras.optimizers.legacy.Adam(args.dense_lr)
     tables = model.tables()
     table_ids = {id(v) for v in tables}
@@ -147,12 +148,16 @@ def train(args, cluster: dict, data: tuple, sizes: list[int]) -> dict:
     t_dense, t_cat, t_label = test
     scores = model.predict((t_dense, t_cat), batch_size=8192, verbose=0)
     timed = (steps - args.warmup) * args.batch_size
+    logits = np.asarray(scores, np.float64).reshape(-1)
+    # binary cross-entropy from the logit, as pserver's test_logloss
+    logloss = float(np.mean(np.logaddexp(0.0, logits) - t_label * logits))
     return {"framework": f"tensorflow {tf.__version__} ParameterServerStrategy", "model": "wide_deep",
             "num_ps": args.ps, "num_workers": args.workers, "batch_size": args.batch_size,
-            "dim": args.dim, "tables": NUM_CAT * 2, "table_rows": 2 * sum(sizes),
+            "dim": args.dim, "table_lr": args.lr, "table_initial_accumulator": args.initial_accumulator,
+            "dense_lr": args.dense_lr, "tables": NUM_CAT * 2, "table_rows": 2 * sum(sizes),
             "train_samples": steps * args.batch_size, "timed_samples": timed, "seconds": round(seconds, 3),
             "train_samples_per_second": timed / seconds, "test_samples": len(t_label),
-            "test_auc": auc(t_label, scores), "data": os.path.abspath(args.data),
+            "test_auc": auc(t_label, scores), "test_logloss": logloss, "data": os.path.abspath(args.data),
             "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
             "machine": platform.processor()}
 
@@ -173,6 +178,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=50, help="untimed steps first (default 50)")
     p.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate of the tables "
                                                           "(default 0.05)")
+    p.add_argument("--initial-accumulator", type=float, default=0.1,
+                   help="Adagrad's initial_accumulator_value for the tables (default 0.1, TensorFlow's; "
+                   "pserver's row adagrad starts at 0, --row-params initial_accumulator=)")
     p.add_argument("--dense-lr", type=float, default=1e-3, help="Adam learning rate of the dense layers "
                    "(default 0.001)")
     p.add_argument("--seed", type=int, default=0)
