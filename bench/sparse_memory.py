@@ -116,9 +116,11 @@ def measure(args, layout: Layout, procs, addrs) -> dict:
     time.sleep(1.0)
     idle = [rss(p.pid) for p in procs]
     warm = table_rows(client)
-    started = time.monotonic()
+    started, slowest = time.monotonic(), 0.0
     for a in range(0, n, args.batch):
+        t0 = time.monotonic()
         push(client, w, np.arange(a + 1, min(a + args.batch, n) + 1, dtype=np.uint64), dim)
+        slowest = max(slowest, time.monotonic() - t0)
     seconds = time.monotonic() - started
     time.sleep(1.0)
     after = [rss(p.pid) for p in procs]
@@ -131,7 +133,8 @@ def measure(args, layout: Layout, procs, addrs) -> dict:
     bound = 1.2 * (dim * 4 + slots * dim * 4) + 32
     per_row = [(b - i) / (r - r0) for i, b, r, r0 in zip(idle, after, rows, warm)]
     print(f"{n:,} distinct ids, dim {dim}, {args.optimizer}, {args.shards} shards, pushed in {seconds:.1f} s "
-          f"({n / seconds:,.0f} rows/s, --data-plane {args.data_plane})")
+          f"({n / seconds:,.0f} rows/s, --data-plane {args.data_plane}); slowest push "
+          f"{slowest * 1000:,.0f} ms, mean {seconds / -(-n // args.batch) * 1000:,.0f} ms")
     for j in range(args.shards):
         print(f"shard {j}: {rows[j]:,} rows; RSS idle {idle[j] / MiB:,.0f} MiB -> {after[j] / MiB:,.0f} MiB: "
               f"{per_row[j]:.1f} bytes/row (bound {bound:.1f}; the table's arrays hold "
@@ -143,7 +146,8 @@ def measure(args, layout: Layout, procs, addrs) -> dict:
     return {"ids": n, "dim": dim, "optimizer": args.optimizer, "shards": args.shards, "rows": rows,
             "rss_idle": idle, "rss_after": after, "rss_peak_growth": growth_peak,
             "rss_peak_checkpoint": peak, "table_bytes": held,
-            "bytes_per_row": per_row, "bound_bytes_per_row": bound, "push_seconds": seconds}
+            "bytes_per_row": per_row, "bound_bytes_per_row": bound, "push_seconds": seconds,
+            "slowest_push_seconds": slowest}
 
 
 if __name__ == "__main__":

@@ -548,3 +548,63 @@ def test_memory_per_row_is_within_the_bound():
           f"bytes in the arrays (bound {bound:.1f})")
     assert int(rows) == 1_000_000
     assert float(rss_per_row) <= bound and float(array_per_row) <= bound
+
+
+def test_a_growing_index_is_built_on_another_thread_and_taken_in_with_the_rows_added_since(monkeypatch):
+    """Past SOFT_LOAD the next index is built beside the pushes; at the load bound it is taken
+    with the entries added meanwhile, and no rehash runs under the table's lock. After an
+    eviction the successor is void and the index is rehashed in place. Either way every id
+    reads what a table that always rehashed in place reads."""
+    import threading
+
+    from pserver.sparse import index as index_module
+
+    where = []
+    real = index_module.rehash
+
+    def counted(keys, count, bits):
+        where.append((threading.current_thread().name.startswith("pserver-index"), bits))
+        return real(keys, count, bits)
+
+    monkeypatch.setattr(index_module, "rehash", counted)
+    monkeypatch.setattr(table_module, "BACKGROUND_MIN_BITS", 12)
+    c = TableConfig("emb", 4, optimizer="adagrad")
+    t, plain = SparseTable(c, 0), SparseTable(c, 0)
+    plain._rows.background = False
+    rng = np.random.default_rng(3)
+    for step in range(30):
+        ids = np.unique(rng.integers(0, 2**64, 500, dtype=np.uint64))
+        grads = rng.standard_normal((ids.size, 4)).astype(np.float32)
+        for table in (t, plain):
+            table.apply(ids, grads, step)
+        if t._rows.next is not None:
+            t._rows.next[0].result()          # let the builder finish, as a real push rate does
+    grown = [bits for background, bits in where if background]
+    inline = [bits for background, bits in where if not background and bits > 12]
+    final = plain._rows.bits
+    assert final == t._rows.bits == 15
+    assert inline == [13, 14, 15], where          # plain's rehashes in place; none of t's
+    assert grown == [13, 14, 15, 16], where       # t's successors (16: being built, past SOFT_LOAD)
+    probe = np.concatenate([t.state()["ids"], rng.integers(0, 2**64, 100, dtype=np.uint64)])
+    a, b = np.empty((probe.size, 4), np.float32), np.empty((probe.size, 4), np.float32)
+    t.lookup(probe, a)
+    plain.lookup(probe, b)
+    assert a.tobytes() == b.tobytes()
+
+    # an eviction while the successor is built: it is not used
+    t.config = TableConfig("emb", 4, optimizer="adagrad", max_rows=6000)
+    where.clear()
+    ids = np.unique(rng.integers(0, 2**64, 900, dtype=np.uint64))
+    t.apply(ids, np.ones((ids.size, 4), np.float32), 40)     # crosses SOFT_LOAD, then evicts
+    assert t._rows.next is not None and t._rows.moves > 0
+    t.config = c
+    more = np.unique(rng.integers(0, 2**64, 11_000, dtype=np.uint64))
+    t.apply(more, np.ones((more.size, 4), np.float32), 41)   # crosses the load bound
+    assert any(not background and bits == 16 for background, bits in where), where
+    got = np.empty((more.size, 4), np.float32)
+    t.lookup(more, got)
+    fresh = SparseTable(c, 0)
+    fresh.apply(more, np.ones((more.size, 4), np.float32), 41)
+    want = np.empty_like(got)
+    fresh.lookup(more, want)
+    assert got.tobytes() == want.tobytes()

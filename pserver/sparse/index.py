@@ -109,14 +109,15 @@ def rehash(keys: np.ndarray, count: int, bits: int) -> np.ndarray:
     allocator does not): a probe into a large index then rarely misses the TLB.
     """
     slots = np.full(1 << bits, EMPTY, np.int32)
-    _fill(slots, keys, count, bits)
+    insert_range(slots, keys, 0, count, bits)
     return slots
 
 
 @njit(cache=True, nogil=True)
-def _fill(slots, keys, count, bits):
+def insert_range(slots, keys, start, stop, bits):
+    """Index entries start..stop-1 of keys (distinct, and absent from slots)."""
     mask = slots.shape[0] - 1
-    for e in range(count):
+    for e in range(start, stop):
         pos = home(keys[e], bits)
         while slots[pos] != EMPTY:
             pos = (pos + 1) & mask

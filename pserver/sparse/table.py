@@ -63,6 +63,8 @@ MIN_CHUNK = 1024   # rows: the smallest growth, so that a small table does not r
 MAX_ENTRIES = (1 << 31) - 1   # rows of one table on one shard: the index stores int32 row numbers
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)   # Linux's value; Python names it from 3.13
 SHRINK_BYTES = 16 << 20   # evicted rows' pages given back once this many are free past the live rows
+SOFT_LOAD = 0.4           # a growing index past it builds its successor on another thread
+BACKGROUND_MIN_BITS = 20  # below 2**20 slots a rehash takes about 10 ms: done in place
 COUNTERS = ("admissions", "creations", "evictions")
 PARALLEL_MIN = 8192   # ids per part, at least: below it a hand-off to a thread costs more than it saves
 MAX_THREADS = 64
@@ -175,8 +177,11 @@ class _Entries:
     copied into new ones 10% larger. Evicted entries' pages past the live ones go back to the
     system once they add up to SHRINK_BYTES."""
 
-    def __init__(self, columns: dict):
+    def __init__(self, columns: dict, background: bool = False):
         # columns: name -> (shape of one entry, dtype)
+        # background: the index's successor is built on another thread while the table grows
+        # (entries move only in evictions, which call moved()); else it is rehashed in place
+        self.background, self.next, self.moves = background, None, 0
         self.n = 0
         self.high = 0                       # entries written since the last shrink: pages in use
         self.columns = {"keys": ((), np.uint64), **columns}
@@ -207,7 +212,30 @@ class _Entries:
         self.high = max(self.high, need)
         bits = index.bits_for(need)
         if bits > self.bits:
-            self.bits, self.slots = bits, index.rehash(self.keys, self.n, bits)
+            self._grow_index(bits)
+        elif (self.background and self.next is None and self.bits >= BACKGROUND_MIN_BITS
+              and need > (1 << self.bits) * SOFT_LOAD):
+            # Past SOFT_LOAD: build the successor (twice the slots) from the entries there are
+            # now, on another thread; the load bound takes it in with the entries added since.
+            self.next = (_builder().submit(index.rehash, self.keys, self.n, self.bits + 1),
+                         self.n, self.bits + 1, self.moves)
+
+    def _grow_index(self, bits: int) -> None:
+        """An index of 2**bits slots at least: the successor built meanwhile when no entry has
+        moved since it began (waiting for it if it is still being built), else a rehash."""
+        pending, self.next = self.next, None
+        if pending is not None:
+            future, n0, built, moves = pending
+            slots = future.result()
+            if moves == self.moves and built >= bits:
+                index.insert_range(slots, self.keys, n0, self.n, built)
+                self.bits, self.slots = built, slots
+                return
+        self.bits, self.slots = bits, index.rehash(self.keys, self.n, bits)
+
+    def moved(self) -> None:
+        """Entries moved (an eviction): a successor built from the old places is void."""
+        self.moves += 1
 
     def shrunk(self, force: bool = False) -> None:
         """After eviction: give back the pages past the live entries when they are many (or
@@ -220,6 +248,7 @@ class _Entries:
 
     def fill(self, keys: np.ndarray, arrays: dict) -> None:
         """Set the entries of an empty store to `keys` and their arrays (already checked)."""
+        self.moved()
         self.reserve(keys.shape[0])
         self.n = keys.shape[0]
         self.keys[:self.n] = keys
@@ -232,7 +261,21 @@ class _Entries:
         """Bytes in use: the entries written (a reservation's untouched rest costs nothing), or
         the arrays' whole capacity where they grow by copying, and the index."""
         entries = self.high if self.growable else self.keys.shape[0]
-        return entries * self.entry_bytes + self.slots.nbytes
+        building = (4 << self.next[2]) if self.next is not None else 0    # the successor's slots
+        return entries * self.entry_bytes + self.slots.nbytes + building
+
+
+_index_builder: ThreadPoolExecutor | None = None
+
+
+def _builder() -> ThreadPoolExecutor:
+    """One thread, for the process, that builds growing tables' next indexes (numba's kernel
+    releases the GIL, so it runs beside the pushes)."""
+    global _index_builder
+    with _pool_lock:
+        if _index_builder is None:
+            _index_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pserver-index")
+        return _index_builder
 
 
 def physical_memory() -> int:
@@ -305,7 +348,7 @@ class SparseTable:
         cols = {"data": ((self.opt.width(self.dim),), np.float32), "last": ((), np.int64)}
         if self.opt.counts_steps:
             cols["steps"] = ((), np.int64)
-        self._rows = _Entries(cols)
+        self._rows = _Entries(cols, background=True)
         self._pending = _Entries({"count": ((), np.int64)})
         self._counters = dict.fromkeys(COUNTERS, 0)
 
@@ -401,6 +444,7 @@ class SparseTable:
         victims = np.sort(np.concatenate([below, tied]))[::-1].copy()
         r.n = _evict(r.slots, r.keys, r.bits, r.n, r.arrays["data"], r.arrays["last"],
                      self._steps(), victims)
+        r.moved()
         r.shrunk(force=release)
         self._counters["evictions"] += k
 
