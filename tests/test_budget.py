@@ -31,6 +31,7 @@ def test_a_push_that_fits_is_reserved_until_its_step_is_applied():
     tables = {"a": table("a")}
     b = Budget(64 << 20, Counters())
     rows = [part("a", range(1000))]
+    assert b.reserve(tables, []) == 0 and b.reserve(tables, [part("a", [])]) == 0 and b.reserved == 0
     held = b.reserve(tables, rows)
     assert held == tables["a"].growth_bytes(1000) and b.reserved == held
     b.hold(3, held)

@@ -107,7 +107,10 @@ def test_sync_takes_the_newest_version_every_old_shard_has_and_async_each_ones_n
     # shard 1 has no version 8 any more: sync goes back to 5, async takes 8 and 5 -> 8
     assert [c.version for c in reshard.select(d, 2, "sync")] == [5, 5]
     assert [c.version for c in reshard.select(d, 2, "async")] == [8, 5]
-    assert reshard.combine(reshard.select(d, 2, "async"), 3, 1).version == 8
+    made = reshard.combine(reshard.select(d, 2, "async"), 3, 1)
+    assert (made.version, made.shard, made.num_shards, made.signature, made.total) == (8, 1, 3, "sig", 10)
+    assert made.positions == {0: (7, 30), 1: (7, 30)} and made.clocks == {0: 9, 1: 3}
+    assert made.optimizer == "sgd" and made.path.endswith("(resharded)")
     # a file of the newest cut that does not load: the cut before it
     old_set(d, 10, 2, "sgd", [("a", 2, "adagrad", 0)], 1, versions=[9, 9])
     with open(os.path.join(d, checkpoint.file_name(0, 2, 9)), "r+b") as f:

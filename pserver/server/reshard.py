@@ -132,15 +132,7 @@ def _gather(parts: list[tuple[int, np.ndarray]], start: int, end: int) -> np.nda
 
 def _rows_for(states: list[dict], num_shards: int, shard: int, counters: bool) -> dict:
     """One table's state() for `shard` of `num_shards` out of the old shards' states."""
-    out = {}
-    for key, routed_by in (("ids", "ids"), ("rows", "ids"), ("last_update", "ids"), ("steps", "ids"),
-                           ("pending_ids", "pending_ids"), ("pending_counts", "pending_ids")):
-        if key not in states[0]:
-            continue
-        out[key] = np.concatenate([s[key] for s in states])
-    for key in states[0]:
-        if key.startswith("slot_"):
-            out[key] = np.concatenate([s[key] for s in states])
+    out = {key: np.concatenate([s[key] for s in states]) for key in states[0] if key != "counters"}
     mine = sparse.shard_of(out["ids"], num_shards) == shard
     pending = sparse.shard_of(out["pending_ids"], num_shards) == shard
     for key in list(out):
