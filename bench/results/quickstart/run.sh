@@ -6,19 +6,13 @@ set -euo pipefail
 data_dir=${1:?MNIST directory}
 pserver=${PSERVER:-.venv/bin/pserver}
 out=$(dirname "$0")
+source "$out/../run_header.sh"
 for i in 1 2 3; do
-    {
-        echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
-        echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
-        echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
-        echo "commit: $(git rev-parse --short HEAD)"
-        echo "command: $pserver launch --ps 2 --workers 4 --mode sync --dataset mnist --model mlp" \
-             "--optimizer adam --lr 0.001 --batch-size 64 --epochs 2 --data-dir $data_dir" \
-             "--summary-json $out/summary-$i.json"
-        echo
-    } > "$out/run-$i.txt"
+    run_header "$pserver launch --ps 2 --workers 4 --mode sync --dataset mnist --model mlp" \
+               "--optimizer adam --lr 0.001 --batch-size 64 --epochs 2 --data-dir $data_dir" \
+               "--summary-json $out/summary-$i.json" > "$out/run-$i.txt"
     /usr/bin/time -v "$pserver" launch --ps 2 --workers 4 --mode sync --dataset mnist --model mlp \
         --optimizer adam --lr 0.001 --batch-size 64 --epochs 2 --data-dir "$data_dir" \
         --summary-json "$out/summary-$i.json" >> "$out/run-$i.txt" 2>&1
-    echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$out/run-$i.txt"
+    run_footer >> "$out/run-$i.txt"
 done

@@ -6,22 +6,16 @@
 set -euo pipefail
 pserver=${PSERVER:-.venv/bin/pserver}
 out=$(dirname "$0")
+source "$out/../run_header.sh"
 for r in $(seq 1 "${ROUNDS:-2}"); do
     for backend in local ray; do
         f="$out/round-$r-$backend"
         cmd=("$pserver" launch --backend "$backend" --ps 2 --workers 2 --mode sync --seed 3 --model logreg
              --dataset synthetic --samples 6000 --features 40 --batch-size 32 --epochs 2 --log-every 0.5
              --summary-json "$f.json")
-        {
-            echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
-            echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
-            echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
-            echo "commit: $(git rev-parse --short HEAD)"
-            echo "command: ${cmd[*]}"
-            echo
-        } > "$f.txt"
+        run_header "${cmd[@]}" > "$f.txt"
         /usr/bin/time -v "${cmd[@]}" >> "$f.txt" 2>&1
-        echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$f.txt"
+        run_footer >> "$f.txt"
         echo "round $r $backend: $(grep -h 'Elapsed (wall' "$f.txt")"
     done
 done

@@ -8,22 +8,16 @@ set -euo pipefail
 pserver=${PSERVER:-.venv/bin/pserver}
 python=${PYTHON:-.venv/bin/python}
 out=$(dirname "$0")
+source "$out/../../run_header.sh"
 for row_lr in 0.05 0.1 0.15; do
     for model in lr fm deepfm; do
         f="$out/$model-row-lr-$row_lr"
         cmd=("$pserver" launch --ps 2 --workers 4 --mode sync --model "$model" --dataset criteo-synthetic
              --samples 1000000 --test-samples 100000 --batch-size 512 --optimizer adam --lr 0.001
              --row-optimizer adagrad --row-lr "$row_lr" --summary-json "$f.json")
-        {
-            echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
-            echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
-            echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
-            echo "commit: $(git rev-parse --short HEAD)"
-            echo "command: ${cmd[*]}"
-            echo
-        } > "$f.txt"
+        run_header "${cmd[@]}" > "$f.txt"
         "${cmd[@]}" >> "$f.txt" 2>&1
-        echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$f.txt"
+        run_footer >> "$f.txt"
     done
 done
 "$python" - "$out" > "$out/table.md" <<'PY'
