@@ -130,9 +130,10 @@ class TakenOver(Unauthenticated):
 
 
 class OverBudget(ResourceExhausted):
-    """A push whose new sparse rows do not fit the shard's --max-memory-mb, with no row that
-    may be evicted to make room: not retried (waiting frees nothing), and a restart cannot fix
-    it either, so the worker stops with the shard's line."""
+    """A push that no wait can make fit: its new sparse rows exceed the shard's --max-memory-mb
+    with no row that may be evicted, or its rows alone exceed what one push may carry
+    (--max-inflight-mb). Not retried, and a restart cannot fix it either, so the worker stops
+    with the shard's line."""
     kind = "over_budget"
     exit_code = EXIT_FAILED
 

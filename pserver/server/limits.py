@@ -62,6 +62,7 @@ class Limits:
         self.max_pulls = max(1, int(spare * PULL_SHARE))
         self.max_streams = max(1, spare - self.max_pulls)
         self.max_inflight_bytes = max_inflight_bytes
+        self.inflight_flag = "--max-inflight-mb"    # what set the bound, for the refusals' text
         self.idle_timeout = idle_timeout
         self.counters = counters
         self._lock = threading.Lock()
@@ -112,7 +113,7 @@ class Limits:
                 self._refuse(f"streams: {len(self._streams)} push/init streams are being received "
                              f"and the bound is {slots} ({self.max_streams} from --threads, "
                              f"{self.max_inflight_bytes >> 20} MiB of in-flight gradients at "
-                             f"{stream_bytes} bytes each, --max-inflight-mb)")
+                             f"{stream_bytes} bytes each, {self.inflight_flag})")
             key, self._next_id = self._next_id, self._next_id + 1
             stream = self._streams[key] = _Stream(cancel)
         try:

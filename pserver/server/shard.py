@@ -18,7 +18,14 @@ import numpy as np
 
 from pserver import sparse
 from pserver.config import ServerConfig
-from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted, RpcError
+from pserver.errors import (
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    OverBudget,
+    ResourceExhausted,
+    RpcError,
+)
 from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
 from pserver.observe.telemetry import ShardMetrics
@@ -126,6 +133,9 @@ class Shard:
             inflight = min(inflight, limit // 8)
         self.limits = Limits(pool_threads(cfg.threads, cfg.num_workers), inflight,
                              cfg.step_timeout, self.store.counters)
+        if inflight < cfg.max_inflight_mb << 20:
+            self.limits.inflight_flag = (f"--max-inflight-mb {cfg.max_inflight_mb} lowered to an eighth of "
+                                         f"--max-memory-mb {cfg.max_memory_mb}")
         state = limit - (inflight + limit // 16 if cfg.max_memory_mb else 0)
         self.budget = Budget(state, self.store.counters, dense=lambda: self._dense_bytes(self.store.size))
         # Sessions expire and idle streams are cancelled even when no call is waiting.
@@ -346,9 +356,9 @@ class Shard:
                 raise InvalidArgument(f"num_ids: must be >= 0, got {n} for table '{name}'")
             nbytes += n * (8 + 4 * t.config.dim)
             if nbytes > self.limits.max_inflight_bytes:
-                raise ResourceExhausted(f"sparse: the push's rows need more than {nbytes >> 20} MiB and "
+                raise OverBudget(f"sparse: the push's rows need more than {nbytes >> 20} MiB and "
                                         f"one push may carry {self.limits.max_inflight_bytes >> 20} MiB "
-                                        f"(--max-inflight-mb)")
+                                        f"({self.limits.inflight_flag})")
             out.append(RowGrads(name, np.empty(n, np.uint64), np.empty((n, t.config.dim), np.float32)))
         return out
 

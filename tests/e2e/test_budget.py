@@ -5,10 +5,12 @@ budget")."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
-from pserver.errors import ResourceExhausted
+from pserver.errors import OverBudget, ResourceExhausted
 from pserver.models.layout import Layout
 from pserver.sparse import TableConfig, TableLookup
 from pserver.worker.client import PSClient
@@ -79,3 +81,31 @@ def test_a_table_that_may_evict_takes_every_push_and_memory_stays_bounded(procs)
     assert st.tables[0].evictions == st.counters.rows_evicted_for_memory
     assert st.memory.used <= st.memory.budget
     assert peak - idle <= 1.1 * (BUDGET_MB << 20), (idle, peak)
+
+
+def test_a_push_larger_than_the_budget_lets_one_push_carry_is_refused_at_once_naming_both_flags(procs):
+    """--max-memory-mb 128 keeps 16 MiB for the bytes in flight: 300,000 ids of dim 16 (21 MiB)
+    are refused before a byte is received, at once (not retried for --rpc-deadline), and the
+    line says which flags set the bound."""
+    shard = procs("serve", "--port", "0", "--num-workers", "1", "--max-memory-mb", str(BUDGET_MB),
+                  "--optimizer", "sgd")
+    client = PSClient([shard.address()], rpc_deadline=60, data_plane="grpc")
+    client.connect(60)
+    try:
+        table = TableConfig("emb", DIM, "adagrad")
+        client.register(Layout.of([("b", (1,))], [table]))
+        w = np.zeros(1, np.float32)
+        client.init(w)
+        client.pull(w)
+        n = 300_000
+        grads = np.full((n, DIM), 0.01, np.float32)
+        started = time.monotonic()
+        with pytest.raises(OverBudget, match=r"one push may carry 16 MiB \(--max-inflight-mb 1024 lowered "
+                                             r"to an eighth of --max-memory-mb 128\)"):
+            ids = np.arange(n, dtype=np.uint64)
+            client.push(np.zeros(1, np.float32), n, tables=[table.name],
+                        lookups=[TableLookup(ids, np.arange(n), np.empty_like(grads), grads)])
+        assert time.monotonic() - started < 30
+        assert client.status()[0].tables[0].rows == 0
+    finally:
+        client.close()
