@@ -9,8 +9,10 @@ import pytest
 
 from tests.conftest import ROOT
 
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
         ROOT / "bench" / "tf_baseline" / "README.md"]
+# The pages a user reads: the README and the documentation site's pages (mkdocs.yml).
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SOURCES = [*sorted((ROOT / "pserver").rglob("*.py")), *sorted((ROOT / "bench").glob("*.py")),
            ROOT / "protos" / "pserver.proto"]
 OUTSIDE = ("DESIGN", "../shared", "shared/datasets", "the issue", "this project's issues")
@@ -44,14 +46,63 @@ def test_every_relative_link_resolves(path):
             assert anchor in anchors(dest), f"{path.name}: link to {target}: no such heading"
 
 
-def test_readme_commands_use_the_venv():
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    lines = [ln.strip() for block in blocks for ln in block.splitlines()]
+def bash_lines(path) -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", path.read_text(), re.S)
+    return [ln.strip() for block in blocks for ln in block.splitlines()]
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_commands_use_the_venv(path):
+    lines = bash_lines(path)
     assert [ln for ln in lines if re.match(r"(python3? |pip3? )", ln) and "-m venv" not in ln] == []
-    assert ".venv/bin/python bench/throughput.py --repeats 3" in lines
-    # Bench results go to the user's own directory unless a path is given: no README
-    # command writes over the committed figures.
+    # Bench results go to the user's own directory unless a path is given: no command in the
+    # documentation writes over the committed figures.
     assert not any("bench/results/" in ln.partition("#")[0] for ln in lines)
+
+
+def test_the_quick_start_and_the_benchmarks_commands_are_there():
+    readme = bash_lines(ROOT / "README.md")
+    assert ("python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/pserver launch --ps 2 "
+            "--workers 4 --optimizer adam --lr 0.001 --epochs 1") in readme
+    assert ('python3 -m venv .venv && .venv/bin/pip install -e ".[test,ray]" && .venv/bin/python -m pytest -q'
+            in readme)
+    assert ".venv/bin/python bench/throughput.py --repeats 3" in bash_lines(
+        ROOT / "docs" / "performance" / "throughput.md")
+
+
+def test_the_readme_example_is_the_guide_s():
+    """tests/test_api.py runs the README's example; the guide shows the same code."""
+    first = [re.search(r"```python\n(.*?)```", path.read_text(), re.S).group(1)
+             for path in (ROOT / "README.md", ROOT / "docs" / "guide" / "your-model.md")]
+    assert first[0] == first[1]
+
+
+def test_every_page_is_in_the_navigation():
+    """mkdocs build --strict fails on a page left out of nav too; this says so without MkDocs."""
+    text = (ROOT / "mkdocs.yml").read_text()
+    nav = set(re.findall(r"^\s+- (?:[^\n]*: )?(\S+\.md)$", text.partition("\nnav:")[2], re.M))
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert pages - nav == set(), "pages missing from mkdocs.yml's nav"
+    assert nav - pages == set(), "nav names pages that do not exist"
+
+
+def result_paths(text: str) -> set[str]:
+    """Every bench/results/... path a page names, in links, code spans or commands; {a,b}
+    alternatives expanded."""
+    found = set()
+    for path in re.findall(r"bench/results/[\w./{},*-]*", text):
+        path = path.rstrip(".,")
+        alternatives = re.search(r"\{([^}]*)\}", path)
+        choices = alternatives.group(1).split(",") if alternatives else [""]
+        for choice in choices:
+            found.add(path.replace(alternatives.group(0), choice) if alternatives else path)
+    return found
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_result_file_named_exists(path):
+    for name in result_paths(path.read_text()):
+        assert list(ROOT.glob(name)), f"{path.relative_to(ROOT)} names {name}: no such file"
 
 
 def test_the_semantics_page_covers_what_the_readme_links_to():

@@ -1,0 +1,71 @@
+"""MkDocs hook: links from the documentation to the repository's other files (a benchmark's result
+file under bench/results/, a manifest under deploy/, a module under pserver/).
+
+The pages link to such files as they sit in the repository, relative to the page
+(`../../bench/results/ctr/lr_sync.json` from docs/performance/ctr.md), so the same link works
+on a code host, in an editor and in tests/test_docs.py. MkDocs only knows the files under docs/
+and, with --strict, fails on a link outside them. This hook copies each linked file into the site
+under `_repo/` (as it is: a README.md there is served as text, not rendered) and points the link
+at the copy. A link to a path that does not exist is reported as a warning, so that
+`mkdocs build --strict` fails on it exactly as it does on a broken link between pages: a wrong
+path still breaks the build, and only the files a page names are copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import re
+from pathlib import Path
+
+from mkdocs.structure.files import File, InclusionLevel
+
+log = logging.getLogger("mkdocs.hooks.repository_links")
+
+# [text](target) and ![alt](target), outside code; the target ends at a space or ')'.
+LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+
+
+class RepositoryFile(File):
+    """A file of the repository outside docs/, copied into the site as it is (never rendered)."""
+
+    def is_documentation_page(self) -> bool:
+        return False
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    docs = Path(config.docs_dir).resolve()
+    repo = docs.parent
+    source = Path(page.file.abs_src_path).resolve()
+    page_dir = posixpath.dirname(page.file.src_uri)
+
+    def rewrite(match: re.Match) -> str:
+        target = match.group(2)
+        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
+            return match.group(0)
+        path, hash_, anchor = target.partition("#")
+        if not path:
+            return match.group(0)
+        resolved = (source.parent / path).resolve()
+        if resolved.is_relative_to(docs):
+            return match.group(0)  # a page or asset of the site: MkDocs checks it
+        if not resolved.is_relative_to(repo) or not resolved.is_file():
+            log.warning("Doc file '%s' links to '%s': no such file in the repository",
+                        page.file.src_uri, target)
+            return match.group(0)
+        uri = "_repo/" + resolved.relative_to(repo).as_posix()
+        if files.get_file_from_path(uri) is None:
+            files.append(RepositoryFile.generated(config, uri, abs_src_path=str(resolved),
+                                                  inclusion=InclusionLevel.INCLUDED))
+        link = posixpath.relpath(uri, page_dir or ".")
+        return f"{match.group(1)}{link}{hash_}{anchor}{match.group(3)}"
+
+    # Code blocks are left as they are: a path in a command is not a link.
+    out, last = [], 0
+    for fence in FENCE.finditer(markdown):
+        out.append(LINK.sub(rewrite, markdown[last:fence.start()]))
+        out.append(fence.group(0))
+        last = fence.end()
+    out.append(LINK.sub(rewrite, markdown[last:]))
+    return "".join(out)
