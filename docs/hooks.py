@@ -1,5 +1,10 @@
-"""MkDocs hook: links from the documentation to the repository's other files (a benchmark's result
-file under bench/results/, a manifest under deploy/, a module under pserver/).
+"""MkDocs hooks: the tables of names drawn from pserver's registries, and links from the
+documentation to the repository's other files (a benchmark's result file under bench/results/, a
+manifest under deploy/, a module under pserver/).
+
+A line `<!-- registry: MODULE:NAME -->` becomes a table of that registry (pserver/registry.py):
+each name as a flag takes it, and its one-line summary, so the names a page lists are the
+names the code knows. A marker that names no registry stops the build.
 
 The pages link to such files as they sit in the repository, relative to the page
 (`../../bench/results/ctr/lr_sync.json` from docs/performance/ctr.md), so the same link works
@@ -13,11 +18,13 @@ path still breaks the build, and only the files a page names are copied.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import posixpath
 import re
 from pathlib import Path
 
+from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, InclusionLevel
 
 log = logging.getLogger("mkdocs.hooks.repository_links")
@@ -25,6 +32,21 @@ log = logging.getLogger("mkdocs.hooks.repository_links")
 # [text](target) and ![alt](target), outside code; the target ends at a space or ')'.
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+REGISTRY = re.compile(r"^<!-- registry: ([\w.]+):(\w+) -->$", re.M)
+
+
+def registry_table(match: re.Match) -> str:
+    """The Markdown table of the registry a marker names; PluginError when there is none."""
+    module, name = match.groups()
+    try:
+        registry = getattr(importlib.import_module(module), name)
+        rows = registry.table_rows()
+    except (ImportError, AttributeError) as e:
+        raise PluginError(f"registry marker {match.group(0)!r}: {e}") from None
+    lines = ["| name | what it is |", "|---|---|"]
+    bar = "\\|"                      # a | inside a cell
+    lines += [f"| `{form}` | {summary.replace('|', bar)} |" for form, summary in rows]
+    return "\n".join(lines)
 
 
 class RepositoryFile(File):
@@ -35,6 +57,7 @@ class RepositoryFile(File):
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    markdown = REGISTRY.sub(registry_table, markdown)
     docs = Path(config.docs_dir).resolve()
     repo = docs.parent
     source = Path(page.file.abs_src_path).resolve()

@@ -109,3 +109,22 @@ def test_the_semantics_page_covers_what_the_readme_links_to():
     assert {"sharding", "modes", "checkpoints", "security", "errors-and-exit-codes"} <= anchors(
         ROOT / "docs" / "semantics.md")
     assert "docs/semantics.md" in (ROOT / "README.md").read_text()
+
+
+def test_the_names_page_draws_a_table_from_every_registry_in_the_code():
+    """docs/reference/names.md's markers (rendered by docs/hooks.py at build time) name every
+    Registry the package defines, and each marker names one: a new registry, or a renamed one,
+    fails here before the docs build does."""
+    import importlib
+
+    from pserver.registry import Registry
+    page = (ROOT / "docs" / "reference" / "names.md").read_text()
+    marked = re.findall(r"^<!-- registry: ([\w.]+):(\w+) -->$", page, re.M)
+    for module, name in marked:
+        assert isinstance(getattr(importlib.import_module(module), name), Registry), (module, name)
+    defined = set()
+    for path in (ROOT / "pserver").rglob("*.py"):
+        for name in re.findall(r"^(\w+) = Registry\(", path.read_text(), re.M):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            defined.add((module, name))
+    assert defined and set(marked) == defined
