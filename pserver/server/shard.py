@@ -448,7 +448,7 @@ class Shard:
             self.store.pool.release(grad)   # rejected: the policy did not keep it
             self.budget.release(held)
             raise
-        self.budget.hold(step, held)        # until its step is applied (now, in async modes)
+        self.budget.hold(step, held, rows)  # until its step is applied (now, in async modes)
         self.budget.settle(self.store.version)
         return outcome
 
