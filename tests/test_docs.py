@@ -128,3 +128,22 @@ def test_the_names_page_draws_a_table_from_every_registry_in_the_code():
             module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
             defined.add((module, name))
     assert defined and set(marked) == defined
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_registry_marker_names_a_registry(path):
+    """The guide's pages list names through the same markers (docs/hooks.py renders them);
+    each must name a Registry, as the build requires."""
+    import importlib
+
+    from pserver.registry import Registry
+    for module, name in re.findall(r"^<!-- registry: ([\w.]+):(\w+) -->$", path.read_text(), re.M):
+        assert isinstance(getattr(importlib.import_module(module), name), Registry), (module, name)
+
+
+def test_the_errors_page_names_every_error_kind():
+    """docs/operations/errors.md has a row for every kind a refusal may carry (pserver.errors.KINDS)."""
+    from pserver.errors import KINDS
+    page = (ROOT / "docs" / "operations" / "errors.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \| [A-Z_]+ \| `(\w+)` \|", page, re.M))
+    assert rows == {(kind, cls.__name__) for kind, cls in KINDS.items()}
