@@ -141,9 +141,11 @@ def test_every_registry_marker_names_a_registry(path):
         assert isinstance(getattr(importlib.import_module(module), name), Registry), (module, name)
 
 
-def test_the_errors_page_names_every_error_kind():
-    """docs/operations/errors.md has a row for every kind a refusal may carry (pserver.errors.KINDS)."""
+@pytest.mark.parametrize("page", ["operations/errors.md", "semantics.md"])
+def test_the_error_pages_name_every_error_kind(page):
+    """The errors page and the semantics have a row for every kind a refusal may carry
+    (pserver.errors.KINDS), with its class."""
     from pserver.errors import KINDS
-    page = (ROOT / "docs" / "operations" / "errors.md").read_text()
-    rows = set(re.findall(r"^\| `(\w+)` \| [A-Z_]+ \| `(\w+)` \|", page, re.M))
+    text = (ROOT / "docs" / page).read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \| [A-Z_]+ \| `(\w+)`", text, re.M))
     assert rows == {(kind, cls.__name__) for kind, cls in KINDS.items()}
