@@ -149,3 +149,16 @@ def test_the_error_pages_name_every_error_kind(page):
     text = (ROOT / "docs" / page).read_text()
     rows = set(re.findall(r"^\| `(\w+)` \| [A-Z_]+ \| `(\w+)`", text, re.M))
     assert rows == {(kind, cls.__name__) for kind, cls in KINDS.items()}
+
+
+def test_where_is_what_covers_every_package_and_module():
+    """docs/index.md's "where is what" table has a row for every package under pserver/ and
+    names every top-level module in a row's first cell."""
+    rows = [line.split("|")[1] for line in (ROOT / "docs" / "index.md").read_text().splitlines()
+            if line.startswith("| `")]
+    named = {name for cell in rows for name in re.findall(r"`([^`]+)`", cell)}
+    for path in (ROOT / "pserver").iterdir():
+        if path.is_dir() and (path / "__init__.py").exists():
+            assert f"pserver/{path.name}/" in named, f"docs/index.md: no row for pserver/{path.name}/"
+        elif path.suffix == ".py":
+            assert {path.name, f"pserver/{path.name}"} & named, f"docs/index.md: pserver/{path.name} unnamed"
