@@ -162,3 +162,11 @@ def test_where_is_what_covers_every_package_and_module():
             assert f"pserver/{path.name}/" in named, f"docs/index.md: no row for pserver/{path.name}/"
         elif path.suffix == ".py":
             assert {path.name, f"pserver/{path.name}"} & named, f"docs/index.md: pserver/{path.name} unnamed"
+
+
+def test_the_readme_links_every_page():
+    """The README's "Documentation" section is the way in to the site: it links every page."""
+    readme = (ROOT / "README.md").read_text()
+    missing = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "docs").rglob("*.md"))
+               if f"]({p.relative_to(ROOT).as_posix()}" not in readme]
+    assert missing == []
