@@ -128,8 +128,10 @@ SERVER_FLAGS = [
     Flag("--checkpoint-dir", dict(metavar="DIR", help="write checkpoints here, atomically (checked writable "
                                   "at start; newest 3 kept; after every epoch, at the end and "
                                   "on SIGTERM too)")),
-    Flag("--restore", dict(metavar="DIR", help="resume from the newest complete checkpoint in DIR (fresh if "
-                           "it has none; refused if it has only corrupt ones)")),
+    Flag("--restore", dict(metavar="DIR", help="resume from DIR's checkpoints: in sync and backup the "
+                           "newest version every shard's file loads at, in async and ssp this shard's "
+                           "newest; files of another number of shards are combined (fresh if DIR has "
+                           "none; refused if it has only corrupt ones)")),
     Flag("--restore-fresh-if-corrupt", dict(action="store_true", default=None,
                                             help="with --restore: start fresh, losing the trained state, "
                                                  "when every checkpoint in DIR is corrupt "
