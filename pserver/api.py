@@ -25,7 +25,7 @@ import numpy as np
 from pserver import models
 from pserver.config import ServerConfig, WorkerConfig
 from pserver.data import Stream, from_arrays, load_dataset
-from pserver.errors import ConfigError, PServerError
+from pserver.errors import ConfigError, DataError, PServerError
 from pserver.models import saved
 from pserver.models.saved import SavedModel, load
 
@@ -170,12 +170,22 @@ def launch_cluster(*, ps: int = 1, workers: int = 2, backend: str = "local", add
 def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:
     """`pserver evaluate`: the test metrics of a model with the weights of a model file or of
     the checkpoints in `checkpoint`. The model and dataset are the file's unless `options`
-    (the flags given: model, hidden and the dataset fields) say otherwise."""
-    from pserver.server.checkpoint import load_weights
-    from pserver.worker.loop import fit_data
+    (the flags given: model, hidden and the dataset fields) say otherwise. A model file that is
+    not one (or not of the model given) is the user's mistake here: ConfigError, exit 2."""
     if model_file is None and checkpoint is None:
         raise ConfigError("--model-file: give the model file (--model-file PATH), checkpoints "
                           "(--checkpoint DIR, with --model and the dataset flags), or both")
+    try:
+        return _evaluate_files(model_file, checkpoint, options)
+    except DataError as e:      # the file named is not a model of this kind: the user's to fix
+        if model_file and str(e).startswith(model_file):
+            raise ConfigError(f"--model-file: {e}") from None
+        raise
+
+
+def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:
+    from pserver.server.checkpoint import load_weights
+    from pserver.worker.loop import fit_data
     meta, arrays = saved.read(model_file) if model_file else ({}, {})
     spec = options.get("model") or (meta.get("model") if meta else "mlp")
     if spec is None:
