@@ -271,7 +271,7 @@ def export_checkpoints(directory: str, out: str, options: dict, mode: str = "syn
                           f"{registered.signature()}, {registered.total:,}: {model.layout.describe()}); "
                           "check --model, --hidden and --embedding-dim")
     tables = {t["name"]: (ckpt.rows[t["name"]]["ids"], ckpt.rows[t["name"]]["rows"]) for t in configs}
-    summary = {"mode": mode, "num_shards": old, "steps": ckpt.version}
+    summary = {"mode": mode, "num_shards": old, "optimizer": ckpt.optimizer, "steps": ckpt.version}
     origin = {"checkpoints": os.path.abspath(directory), "num_shards": old, "version": ckpt.version}
     saved.save(out, model, ckpt.params, saved.definition(cfg, model, ds), summary,
                tables=tables or None, origin=origin)
