@@ -203,3 +203,18 @@ def test_bad_input_is_one_line_and_exit_2(job, tmp_path):
     assert "a model with sparse tables is a directory" in err
     err = one_line_error(run("evaluate", "--checkpoint", str(base / "ckpt2"), "--model", "wide_deep", *DATA))
     assert "pserver export" in err
+
+
+def test_a_dense_model_exports_to_one_file(tmp_path):
+    """The same command for a model without tables: the single .npz of `--save`, version 1."""
+    ckpt, summary, out = str(tmp_path / "ckpt"), str(tmp_path / "s.json"), str(tmp_path / "m.npz")
+    data = ["--model", "logreg", "--dataset", "synthetic", "--samples", "3000", "--features", "20"]
+    r = run("launch", "--ps", "2", "--workers", "1", *data, "--epochs", "1", "--checkpoint-dir", ckpt,
+            "--summary-json", summary, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    r = run("export", "--restore", ckpt, *data, "--out", out)
+    assert r.returncode == 0 and os.path.isfile(out), r.stdout + r.stderr
+    r = run("evaluate", "--model-file", out, "--json")
+    ev, s = json.loads(r.stdout), read_json(summary)
+    assert (ev["test_accuracy"], ev["test_loss"]) == (s["test_accuracy"], s["test_loss"])
+    assert pserver.load_model(out).meta["version"] == 1 and pserver.load_model(out).tables == []
