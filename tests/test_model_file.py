@@ -16,7 +16,7 @@ from pserver.data import load_dataset
 from pserver.errors import ConfigError, DataError
 from pserver.layers import Conv2D, Dense, Flatten, MaxPooling2D
 from pserver.models import make_model
-from pserver.models.saved import META, definition, load, save
+from pserver.models.saved import META, definition, load, read_tables, save
 from pserver.worker.loop import fit_data
 
 
@@ -164,6 +164,7 @@ def test_a_ctr_model_is_a_directory_of_sorted_tables_read_mapped(tmp_path):
     save(path, model, w, fm, {}, tables=tables)
     loaded = load(path)
     assert loaded.meta["version"] == 2 and [t["index"] for t in loaded.meta["tables"]] == [0, 1]
+    assert [t.ids_as for t in loaded.tables] == [None, "linear"]     # one search serves both
     for i, t in enumerate(loaded.tables):
         ids, rows = tables[t.name]
         assert isinstance(t.ids, np.memmap) and t.ids.dtype == np.uint64
@@ -181,6 +182,14 @@ def test_a_ctr_model_is_a_directory_of_sorted_tables_read_mapped(tmp_path):
     x = np.zeros(3, model.record)
     x["cat"] = [[1] * 26, [3] * 26, [4] * 26]
     assert loaded.predict(x).shape == (3, 1)
+
+    # a JSON that says two tables share ids that differ is refused
+    meta = json.loads(json.dumps(loaded.meta))
+    other = os.path.join(path, "tables", "other.npy")       # a new file: `loaded` maps the old one
+    np.save(other, np.asarray(loaded.tables[1].ids) + np.uint64(1))
+    os.replace(other, os.path.join(path, "tables", "factors.ids.npy"))
+    with pytest.raises(DataError, match="says its ids are table 'linear'"):
+        read_tables(path, meta)
 
     # written again over itself (no half state beside it), and a killed writer's leftovers go
     os.makedirs(f"{path}.tmp-999999999")
