@@ -191,14 +191,14 @@ def load_weights(directory: str, layout) -> tuple[np.ndarray, list[int]]:
     --checkpoint when a shard has none that loads or a file is of another model."""
     if not os.path.isdir(directory):
         raise ConfigError(f"--checkpoint: {directory} is not a directory")
-    newest: dict[int, int] = {}                # number of shards -> its newest version
+    latest: dict[int, int] = {}                # number of shards -> its newest version
     for m in filter(None, map(NAME.match, os.listdir(directory))):
-        newest[int(m.group(2))] = max(newest.get(int(m.group(2)), -1), int(m.group(3)))
-    if not newest:
+        latest[int(m.group(2))] = max(latest.get(int(m.group(2)), -1), int(m.group(3)))
+    if not latest:
         raise ConfigError(f"--checkpoint: {directory} holds no checkpoint "
                           "(shard{J}-of{S}-v{VERSION}.ckpt files)")
     # A job resharded in this directory leaves the old shape's files: the newest shape is the model.
-    counts = [max(newest, key=lambda s: (newest[s], s))]
+    counts = [max(latest, key=lambda s: (latest[s], s))]
     flat, versions = np.empty(layout.total, dtype=np.float32), []
     for j in range(counts[0]):
         ckpt, failures = newest(directory, j, counts[0])
