@@ -214,7 +214,8 @@ def test_evaluate_reads_the_newest_shape_of_a_directory_a_job_resharded_in(tmp_p
     d, w = str(tmp_path), np.arange(7, dtype=np.float32)
     for s, version, shift in ((2, 5, 0.0), (3, 9, 1.0), (1, 4, 2.0)):
         for j, (start, end) in enumerate(shard_ranges(7, s)):
-            checkpoint.save(d, checkpoint.Checkpoint("", version, j, s, layout.signature(), 7, start, end, "sgd",
-                                                     w[start:end] + shift, {}))
+            part = checkpoint.Checkpoint("", version, j, s, layout.signature(), 7, start, end, "sgd",
+                                         w[start:end] + shift, {})
+            checkpoint.save(d, part)
     flat, versions = checkpoint.load_weights(d, layout)
     assert flat.tolist() == (w + 1).tolist() and versions == [9, 9, 9]
