@@ -286,6 +286,54 @@ def test_a_worker_whose_shard_went_away_rejoins_quietly_until_the_retries_run_ou
     c.close()
 
 
+def test_a_call_to_a_shard_that_never_answers_ends_at_its_deadline():
+    """The timeout reaches gRPC: a listener that never speaks ends the call at its deadline
+    (gRPC says UNAVAILABLE, the connection attempt having timed out, or DEADLINE_EXCEEDED),
+    not after gRPC's own 20 s connection timeout, or never."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)                     # connections complete in the kernel, never answered
+        s = ShardClient(0, "127.0.0.1:%d" % silent.getsockname()[1], data_plane="grpc")
+        started = time.monotonic()
+        with pytest.raises((errors.Unavailable, errors.DeadlineExceeded), match=f"^{re.escape(s.label)}: "):
+            s.status(timeout=0.5)
+        assert time.monotonic() - started < 5
+        s.close()
+
+
+def test_a_pull_whose_wait_ran_out_on_the_shard_is_tried_again(shard_server, monkeypatch):
+    """pull_into gives DEADLINE_EXCEEDED up to twice the session timeout on top of its own:
+    what the pull waits for (a slow worker's push, or its removal) may still come."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    c = worker(addr, data_plane="grpc")
+    s = c.shards[0]
+    real, tries = s._pull_once, []
+
+    def ran_out_once(*args):
+        tries.append(args)
+        if len(tries) == 1:
+            raise errors.DeadlineExceeded("shard 0: the pull's wait ran out")
+        return real(*args)
+
+    monkeypatch.setattr(s, "_pull_once", ran_out_once)
+    w = np.zeros(LAYOUT.total, np.float32)
+    assert s.pull_into(w, 0, -1, 0, 0.01) == (0, False) and len(tries) == 2
+    np.testing.assert_array_equal(w, START)
+    c.close()
+
+
+def test_the_pull_again_after_a_refused_seen_version_is_the_same_workers(shard_server):
+    """Rank 1's pull after SeenVersionAhead goes as rank 1 (with rank 1's session)."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    a = worker(addr, rank=0, num_workers=2, data_plane="grpc")
+    b = worker(addr, rank=1, num_workers=2, init=False, data_plane="grpc")
+    w = np.zeros(LAYOUT.total, np.float32)
+    assert b.pull(w, seen=[99]) == [0]
+    np.testing.assert_array_equal(w, START)
+    a.close()
+    b.close()
+
+
 class CodeLess(grpc.RpcError):
     """An RpcError that never reached a shard: no status code, no trailing metadata."""
 
