@@ -25,7 +25,7 @@ import numpy as np
 from pserver import models
 from pserver.config import ServerConfig, WorkerConfig
 from pserver.data import Stream, from_arrays, load_dataset
-from pserver.errors import ConfigError, PServerError
+from pserver.errors import ConfigError, DataError, PServerError
 from pserver.models import saved
 from pserver.models.saved import SavedModel, load
 
@@ -170,12 +170,22 @@ def launch_cluster(*, ps: int = 1, workers: int = 2, backend: str = "local", add
 def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:
     """`pserver evaluate`: the test metrics of a model with the weights of a model file or of
     the checkpoints in `checkpoint`. The model and dataset are the file's unless `options`
-    (the flags given: model, hidden and the dataset fields) say otherwise."""
-    from pserver.server.checkpoint import load_weights
-    from pserver.worker.loop import fit_data
+    (the flags given: model, hidden and the dataset fields) say otherwise. A model file that is
+    not one (or not of the model given) is the user's mistake here: ConfigError, exit 2."""
     if model_file is None and checkpoint is None:
         raise ConfigError("--model-file: give the model file (--model-file PATH), checkpoints "
                           "(--checkpoint DIR, with --model and the dataset flags), or both")
+    try:
+        return _evaluate_files(model_file, checkpoint, options)
+    except DataError as e:      # the file named is not a model of this kind: the user's to fix
+        if model_file and str(e).startswith(model_file):
+            raise ConfigError(f"--model-file: {e}") from None
+        raise
+
+
+def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:
+    from pserver.server.checkpoint import load_weights
+    from pserver.worker.loop import fit_data
     meta, arrays = saved.read(model_file) if model_file else ({}, {})
     spec = options.get("model") or (meta.get("model") if meta else "mlp")
     if spec is None:
@@ -190,20 +200,88 @@ def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict
     else:          # as the worker built it: for the dataset's samples and classes
         model = models.make_model(spec, ds.sample_shape, ds.num_classes,
                                   hidden=options.get("hidden") or models.DEFAULT_HIDDEN)
+    if checkpoint and getattr(model, "sparse_tables", None):
+        raise ConfigError(f"--checkpoint: model {spec} keeps sparse tables, which --checkpoint does not "
+                          f"read; export the checkpoints first (pserver export --restore {checkpoint} "
+                          f"--model {spec} ... --out MODEL) and evaluate --model-file MODEL")
     if checkpoint:
         weights, versions = load_weights(checkpoint, model.layout)
         source = f"{checkpoint} (shard versions {', '.join(map(str, versions))})"
+        sparse_rows = {}
     else:
         weights, source = saved.weights_of(model_file, meta, arrays, model.layout), model_file
+        tables = saved.tables_of(model_file, meta, model)
+        sparse_rows = {"rows": SavedModel(model, weights, meta, model_file, tables).rows} if tables else {}
     ds = fit_data(model, ds)
-    metrics = model.evaluate(weights, ds.x_test, ds.y_test)
+    metrics = model.evaluate(weights, ds.x_test, ds.y_test, **sparse_rows)
     return {"model": getattr(model, "name", type(model).__name__), "num_params": model.layout.total,
             "weights": source, "dataset": ds.name, "test_samples": ds.num_test,
             **{f"test_{k}": v for k, v in metrics.items()}}
 
 
+def export_checkpoints(directory: str, out: str, options: dict, mode: str = "sync") -> dict:
+    """`pserver export`: the model a directory's checkpoints hold (the newest usable set of any
+    number of shards, as a restore reads it: pserver.server.reshard), written as a model file at
+    `out`, a directory for a model with sparse tables (pserver.models.saved). `options` are the
+    worker's model and dataset flags given (model is required); the seed and the embedding
+    width default to the checkpoints' tables'. Returns what was written."""
+    import dataclasses
+
+    from pserver.models.ctr import CTR_MODELS
+    from pserver.server import reshard
+    from pserver.worker.loop import table_options
+    if not options.get("model"):
+        raise ConfigError("--model: give the model the checkpoints are of (lr, fm, wide_deep, deepfm, "
+                          "mlp, ...): a checkpoint records its layout, not the model's definition")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--restore: {directory} is not a directory")
+    found = reshard.scan(directory)
+    if not found:
+        raise ConfigError(f"--restore: {directory} holds no checkpoint (shard{{J}}-of{{S}}-v{{VERSION}}.ckpt "
+                          "files)")
+    old = max(found, key=lambda s: (max(v for files in found[s].values() for v, _ in files), s))
+    ckpt = reshard.combine(reshard.select(directory, old, mode), 1, 0)
+    spec = options["model"]
+    configs = ckpt.tables
+    if configs and spec not in CTR_MODELS:
+        raise ConfigError(f"--model {spec}: the checkpoints in {directory} hold sparse tables "
+                          f"({', '.join(t['name'] for t in configs)}); give the CTR model they are of")
+    defaults = {"seed": configs[0]["seed"]} if configs else {}
+    factors = [t["dim"] for t in configs if t["name"] == "factors"]
+    if factors:
+        defaults["embedding_dim"] = factors[0]
+    fields = {k: v for k, v in {**defaults, **options}.items() if k in WorkerConfig.__dataclass_fields__}
+    cfg = dataclasses.replace(WorkerConfig(), **fields)
+    ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed,
+                      task="regression" if spec == "linreg" else "classification", samples=cfg.samples,
+                      test_samples=cfg.test_samples, features=cfg.features, classes=cfg.classes)
+    model = models.make_model(spec, ds.sample_shape, ds.num_classes, hidden=cfg.hidden,
+                              **table_options(cfg), backend="reference")
+    have = [(t.name, t.dim) for t in getattr(model, "sparse_tables", None) or []]
+    if have != [(t["name"], t["dim"]) for t in configs]:
+        raise ConfigError(f"--model: the checkpoints' tables are {[(t['name'], t['dim']) for t in configs]}; "
+                          f"{spec} has {have or 'none'}")
+    if configs:     # the shards' configs, which made the rows' initial values
+        from pserver.sparse import TableConfig
+        model.sparse_tables = [TableConfig.from_dict(t) for t in configs]
+    registered = models.Layout(model.layout.tensors, tuple(getattr(model, "sparse_tables", None) or ()))
+    if (ckpt.signature, ckpt.total) != (registered.signature(), registered.total):
+        raise ConfigError(f"--model: the checkpoints in {directory} are of another model (layout "
+                          f"{ckpt.signature}, {ckpt.total:,} parameters; {spec} with these flags is "
+                          f"{registered.signature()}, {registered.total:,}: {model.layout.describe()}); "
+                          "check --model, --hidden and --embedding-dim")
+    tables = {t["name"]: (ckpt.rows[t["name"]]["ids"], ckpt.rows[t["name"]]["rows"]) for t in configs}
+    summary = {"mode": mode, "num_shards": old, "optimizer": ckpt.optimizer, "steps": ckpt.version}
+    origin = {"checkpoints": os.path.abspath(directory), "num_shards": old, "version": ckpt.version}
+    saved.save(out, model, ckpt.params, saved.definition(cfg, model, ds), summary,
+               tables=tables or None, origin=origin)
+    return {"out": out, "model": spec, "num_params": model.layout.total, "num_shards": old,
+            "version": ckpt.version, "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()}}
+
+
 def load_model(path: str, model=None) -> SavedModel:
-    """A model file written by `--save` / `train(..., save=PATH)`: the model, built again from
+    """A model file written by `--save` / `train(..., save=PATH)` or `pserver export` (a
+    directory, for a model with sparse tables: they are memory-mapped): the model, built again from
     its definition, with its trained weights (`.model`, `.weights`, `.meta`; `.predict(x)`,
     `.evaluate(x, y)`). A model built in Python is not rebuilt by the file: pass it as
     `model` (a Sequential with the same layers); `model` may also be a --model spec string."""
@@ -225,4 +303,5 @@ def predict(model, x, *, weights=None, batch_size: int = 4096) -> np.ndarray:
     return model.predict(np.asarray(weights, dtype=np.float32), x, batch_size=batch_size)
 
 
-__all__ = ["Server", "SavedModel", "serve", "train", "launch_cluster", "load_model", "predict"]
+__all__ = ["Server", "SavedModel", "serve", "train", "launch_cluster", "load_model", "predict",
+           "export_checkpoints"]

@@ -1,4 +1,4 @@
-"""The `pserver` command: serve, worker, launch, slurm, status, evaluate, checkpoint.
+"""The `pserver` command: serve, worker, launch, slurm, status, evaluate, checkpoint, export.
 
 Each subcommand parses flags (falling back to TF_CONFIG for the cluster), builds a
 frozen config and calls one function. A user's mistake prints one line and exits 2; a
@@ -128,8 +128,10 @@ SERVER_FLAGS = [
     Flag("--checkpoint-dir", dict(metavar="DIR", help="write checkpoints here, atomically (checked writable "
                                   "at start; newest 3 kept; after every epoch, at the end and "
                                   "on SIGTERM too)")),
-    Flag("--restore", dict(metavar="DIR", help="resume from the newest complete checkpoint in DIR (fresh if "
-                           "it has none; refused if it has only corrupt ones)")),
+    Flag("--restore", dict(metavar="DIR", help="resume from DIR's checkpoints: in sync and backup the "
+                           "newest version every shard's file loads at, in async and ssp this shard's "
+                           "newest; files of another number of shards are combined (fresh if DIR has "
+                           "none; refused if it has only corrupt ones)")),
     Flag("--restore-fresh-if-corrupt", dict(action="store_true", default=None,
                                             help="with --restore: start fresh, losing the trained state, "
                                                  "when every checkpoint in DIR is corrupt "
@@ -221,6 +223,8 @@ WORKER_FLAGS = [
 EVALUATE_FLAGS = [f for f in WORKER_FLAGS if f.name in ("--model", "--hidden", "--dataset", "--data-dir",
                                                         "--samples", "--test-samples", "--features",
                                                         "--classes", "--seed")]
+# What `pserver export` takes of them: evaluate's, and the embedding width (default: the checkpoints').
+EXPORT_FLAGS = EVALUATE_FLAGS + [f for f in WORKER_FLAGS if f.name == "--embedding-dim"]
 
 COMMON_FLAGS = [
     Flag("--chunk-bytes", dict(type=int, help="payload bytes per streamed message (default 1048576)")),
@@ -421,6 +425,25 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--mode", default="sync", choices=MODES,
                     help="the job's mode: sync and backup read the newest version every shard has (a "
                          "consistent cut), async and ssp each shard's newest (default sync)")
+
+    ex = sub.add_parser("export", help="write the model that a checkpoint directory holds as a model file",
+                        formatter_class=fmt,
+                        description="Build a model file offline from the newest usable checkpoints in DIR "
+                                    "(any number of\nshards): the dense weights and, for a model with "
+                                    "sparse tables, every table's rows\n(a directory; docs/model-file.md). "
+                                    "The model and dataset flags are the training run's.\n"
+                                    "Example: pserver export --restore ckpt --model wide_deep "
+                                    "--dataset criteo-synthetic --out ctr-model\n"
+                                    "         pserver evaluate --model-file ctr-model")
+    ex.add_argument("--restore", required=True, metavar="DIR", help="the checkpoint directory to read")
+    ex.add_argument("--out", required=True, metavar="MODEL", help="where the model goes (written beside it "
+                    "as MODEL.tmp-PID, then renamed)")
+    ex.add_argument("--mode", default="sync", choices=MODES,
+                    help="the job's mode: sync and backup read the newest version every shard has (a "
+                         "consistent cut), async and ssp each shard's newest (default sync)")
+    ex.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    add_flags(ex, EXPORT_FLAGS, "model and dataset (as the run trained; seed and --embedding-dim default "
+                                "to the checkpoints')")
     return p
 
 
@@ -593,8 +616,23 @@ def cmd_checkpoint(ns) -> int:
     return 0
 
 
+def cmd_export(ns) -> int:
+    import json
+
+    from pserver.api import export_checkpoints
+    result = export_checkpoints(ns.restore, ns.out, given(ns, EXPORT_FLAGS), ns.mode)
+    if ns.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    tables = "".join(f", table {name} {n:,} rows" for name, n in result["tables"].items())
+    print(f"exported {result['model']} ({result['num_params']:,} parameters{tables}) from the checkpoints of "
+          f"{result['num_shards']} shard(s) at version {result['version']} to {result['out']}")
+    return 0
+
+
 COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "slurm": cmd_slurm,
-            "status": cmd_status, "evaluate": cmd_evaluate, "checkpoint": cmd_checkpoint}
+            "status": cmd_status, "evaluate": cmd_evaluate, "checkpoint": cmd_checkpoint,
+            "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

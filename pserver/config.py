@@ -63,7 +63,7 @@ class ServerConfig:
     checkpoint_dir: str | None = None  # where checkpoints go (default: --restore's directory)
     checkpoint_every: int = 0     # also checkpoint every this many steps (0 = off)
     checkpoint_secs: float = 0.0  # also checkpoint every this many seconds (0 = off)
-    restore: str | None = None    # resume from the newest complete checkpoint in this directory
+    restore: str | None = None    # resume from this directory's checkpoints (server/reshard.py)
     restore_fresh_if_corrupt: bool = False  # start fresh when every checkpoint in restore is corrupt
     auth_token: str | None = field(default=None, repr=False)  # every RPC must carry it; never shown
     tls_cert: str | None = None   # PEM certificate (chain): serve over TLS (with tls_key)

@@ -85,3 +85,31 @@ def test_room_is_made_from_the_least_recently_updated_rows_of_tables_that_allow_
     b.hold(5, held)
     b.settle(6)
     assert b.used(tables) <= b.limit
+
+
+def test_a_refused_push_evicts_nothing_and_eviction_spares_the_rows_a_push_will_update():
+    """Room is made only when it can be made, and never from the rows this push (or one waiting
+    for its step) will update: those would come back outside any reservation."""
+    tables = {"fixed": table("fixed"), "lru": table("lru", 1, max_rows=10**9)}
+    apply(tables, [part("lru", range(3000))], 0)      # all at step 0: ties go by id, smallest first
+    apply(tables, [part("fixed", range(1000))], 1)
+    counters = Counters()
+    b = Budget(sum(t.stats()["bytes"] for t in tables.values()), counters)    # full
+    before = tables["lru"].state()
+    with pytest.raises(ResourceExhausted, match="the push changed nothing"):
+        b.reserve(tables, [part("fixed", range(1000, 101_000))])   # needs far more than lru holds
+    assert counters.snapshot()["rows_evicted_for_memory"] == 0
+    assert all(np.array_equal(tables["lru"].state()[k], before[k]) for k in before)
+
+    waiting = [part("lru", range(0, 300))]                        # the oldest rows, in a waiting push
+    b.hold(7, 0, waiting)
+    mine = [part("lru", range(300, 600)), part("fixed", range(5000, 5400))]
+    held = b.reserve(tables, mine)
+    kept = set(tables["lru"].state()["ids"].tolist())
+    assert set(range(600)) <= kept                                # neither push's rows went,
+    assert not set(range(600, 1000)) <= kept                      # though they were the oldest
+    assert counters.snapshot()["rows_evicted_for_memory"] >= 400
+    apply(tables, waiting + mine, 7)
+    b.hold(7, held, mine)
+    b.settle(8)
+    assert b.used(tables) <= b.limit and b.reserved == 0

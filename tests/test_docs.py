@@ -128,3 +128,45 @@ def test_the_names_page_draws_a_table_from_every_registry_in_the_code():
             module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
             defined.add((module, name))
     assert defined and set(marked) == defined
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_registry_marker_names_a_registry(path):
+    """The guide's pages list names through the same markers (docs/hooks.py renders them);
+    each must name a Registry, as the build requires."""
+    import importlib
+
+    from pserver.registry import Registry
+    for module, name in re.findall(r"^<!-- registry: ([\w.]+):(\w+) -->$", path.read_text(), re.M):
+        assert isinstance(getattr(importlib.import_module(module), name), Registry), (module, name)
+
+
+@pytest.mark.parametrize("page", ["operations/errors.md", "semantics.md"])
+def test_the_error_pages_name_every_error_kind(page):
+    """The errors page and the semantics have a row for every kind a refusal may carry
+    (pserver.errors.KINDS), with its class."""
+    from pserver.errors import KINDS
+    text = (ROOT / "docs" / page).read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \| [A-Z_]+ \| `(\w+)`", text, re.M))
+    assert rows == {(kind, cls.__name__) for kind, cls in KINDS.items()}
+
+
+def test_where_is_what_covers_every_package_and_module():
+    """docs/index.md's "where is what" table has a row for every package under pserver/ and
+    names every top-level module in a row's first cell."""
+    rows = [line.split("|")[1] for line in (ROOT / "docs" / "index.md").read_text().splitlines()
+            if line.startswith("| `")]
+    named = {name for cell in rows for name in re.findall(r"`([^`]+)`", cell)}
+    for path in (ROOT / "pserver").iterdir():
+        if path.is_dir() and (path / "__init__.py").exists():
+            assert f"pserver/{path.name}/" in named, f"docs/index.md: no row for pserver/{path.name}/"
+        elif path.suffix == ".py":
+            assert {path.name, f"pserver/{path.name}"} & named, f"docs/index.md: pserver/{path.name} unnamed"
+
+
+def test_the_readme_links_every_page():
+    """The README's "Documentation" section is the way in to the site: it links every page."""
+    readme = (ROOT / "README.md").read_text()
+    missing = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "docs").rglob("*.md"))
+               if f"]({p.relative_to(ROOT).as_posix()}" not in readme]
+    assert missing == []

@@ -4,6 +4,7 @@ run against in-process shards, read back by pserver and by numpy alone."""
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 
 import numpy as np
@@ -15,7 +16,7 @@ from pserver.data import load_dataset
 from pserver.errors import ConfigError, DataError
 from pserver.layers import Conv2D, Dense, Flatten, MaxPooling2D
 from pserver.models import make_model
-from pserver.models.saved import META, definition, load, save
+from pserver.models.saved import META, definition, load, read_tables, save
 from pserver.worker.loop import fit_data
 
 
@@ -142,3 +143,61 @@ def test_a_tensor_of_the_wrong_shape_or_with_nan_is_refused(trained, tmp_path):
     np.savez(tmp_path / "nan.npz", **nan)
     with pytest.raises(DataError, match="NaN or Inf"):
         pserver.load_model(str(tmp_path / "nan.npz"), model=python_model())
+
+
+# -- a model with sparse tables: a directory ------------------------------------------------------
+
+def ctr_tables(model, n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(np.arange(1, 2 * n, 2, dtype=np.uint64))     # odd ids, unsorted
+    return {t.name: (ids, rng.standard_normal((n, t.dim)).astype(np.float32)) for t in model.sparse_tables}
+
+
+def test_a_ctr_model_is_a_directory_of_sorted_tables_read_mapped(tmp_path):
+    from pserver import sparse
+    from pserver.models.saved import remove_stale
+    model = make_model("fm", (), 2, embedding_dim=4, seed=7, init_scale=0.1)
+    w = model.init_params(0)
+    tables = ctr_tables(model)
+    path = str(tmp_path / "ctr")
+    fm = {"model": "fm", "arguments": {"input_shape": [], "num_classes": 2, "hidden": [], "embedding_dim": 4}}
+    save(path, model, w, fm, {}, tables=tables)
+    loaded = load(path)
+    assert loaded.meta["version"] == 2 and [t["index"] for t in loaded.meta["tables"]] == [0, 1]
+    assert [t.ids_as for t in loaded.tables] == [None, "linear"]     # one search serves both
+    for i, t in enumerate(loaded.tables):
+        ids, rows = tables[t.name]
+        assert isinstance(t.ids, np.memmap) and t.ids.dtype == np.uint64
+        assert (np.diff(t.ids.astype(np.int64)) > 0).all()
+        order = np.argsort(ids)
+        assert t.rows.tobytes() == rows[order].tobytes()
+        # held ids read their rows; the even ids, never stored, their initial rows
+        query = np.array([ids[5], 4, ids[0], 10**12], np.uint64)
+        out = np.empty((4, t.dim), np.float32)
+        t.lookup(query, out)
+        init = np.empty((2, t.dim), np.float32)
+        sparse.initial_rows(query[[1, 3]], t.dim, 7, i, loaded.meta["tables"][i]["init_scale"], init)
+        assert out[[0, 2]].tobytes() == rows[[5, 0]].tobytes() and out[[1, 3]].tobytes() == init.tobytes()
+    assert np.abs(load(path).tables[1].rows).sum() > 0
+    x = np.zeros(3, model.record)
+    x["cat"] = [[1] * 26, [3] * 26, [4] * 26]
+    assert loaded.predict(x).shape == (3, 1)
+
+    # a JSON that says two tables share ids that differ is refused
+    meta = json.loads(json.dumps(loaded.meta))
+    other = os.path.join(path, "tables", "other.npy")       # a new file: `loaded` maps the old one
+    np.save(other, np.asarray(loaded.tables[1].ids) + np.uint64(1))
+    os.replace(other, os.path.join(path, "tables", "factors.ids.npy"))
+    with pytest.raises(DataError, match="says its ids are table 'linear'"):
+        read_tables(path, meta)
+
+    # written again over itself (no half state beside it), and a killed writer's leftovers go
+    os.makedirs(f"{path}.tmp-999999999")
+    save(path, model, w, fm, {}, tables=ctr_tables(model, seed=1))
+    assert sorted(os.listdir(tmp_path)) == ["ctr"]
+    assert remove_stale(path) == []
+    with pytest.raises(ConfigError, match="rows of table 'factors'"):
+        save(path, model, w, None, {}, tables={"linear": tables["linear"]})
+    assert load(path).tables[1].rows.tobytes() != loaded.tables[1].rows.tobytes()    # the new rows
+    with pytest.raises(DataError, match=r"holds sparse tables \[\('linear', 1\), \('factors', 4\)\]"):
+        load(path, model="lr")          # lr has fm's dense weights, and the linear table only

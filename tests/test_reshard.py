@@ -157,7 +157,8 @@ def test_offline_reshard_and_inspect(tmp_path):
     report = reshard.inspect(dst)
     (only,) = report["sets"]
     assert only["num_shards"] == 4 and only["consistent_cuts"] == [5] and only["missing_shards"] == []
-    assert all(f["loads"] for f in only["files"])
+    assert all(f["loads"] and len(f["sha256"]) == 64 for f in only["files"])
+    assert len({f["sha256"] for f in only["files"]}) == 4
     assert only["layout"]["optimizer"] == "momentum" and only["layout"]["tables"][0]["dim"] == 3
     with open(paths[2], "r+b") as f:
         f.seek(100)
@@ -166,3 +167,42 @@ def test_offline_reshard_and_inspect(tmp_path):
     assert only["consistent_cuts"] == [] and [f["loads"] for f in only["files"]].count(False) == 1
     with pytest.raises(ConfigError, match="no checkpoint"):
         reshard.reshard_directory(str(tmp_path / "empty"), dst, 2, "sync")
+
+
+def restored(d, s, mode, optimizer="sgd"):
+    return [Shard(ServerConfig(shard=j, num_shards=s, mode=mode, optimizer=optimizer, restore=d)).store
+            for j in range(s)]
+
+
+def test_a_whole_sync_job_restarts_from_one_version_or_is_refused_naming_the_versions(tmp_path):
+    """Shards' files at different versions in one directory: sync and backup take the newest
+    version every shard's file loads at, async each shard's newest; no such version in sync is
+    refused, not papered over with each shard's own newest."""
+    d = str(tmp_path)
+    old_set(d, 10, 2, "sgd", [], 1, versions=[5, 5])
+    old_set(d, 10, 2, "sgd", [], 1, versions=[9, 9])
+    with open(os.path.join(d, checkpoint.file_name(1, 2, 9)), "r+b") as f:   # shard 1's newest is damaged
+        f.seek(200)
+        f.write(b"\0" * 64)
+    assert [s.version for s in restored(d, 2, "sync")] == [5, 5]     # shard 0's good v9 is not taken
+    assert [s.version for s in restored(d, 2, "async")] == [9, 5]
+    e = str(tmp_path / "e")
+    old_set(e, 10, 2, "sgd", [], 1, versions=[4, 7])                 # time-based writes, no common one
+    with pytest.raises(ConfigError, match="no version that every one of its 2 shards .*"
+                                          "shard 0: 4; shard 1: 7"):
+        Shard(ServerConfig(shard=0, num_shards=2, mode="backup", backup_workers=1, num_workers=2,
+                           optimizer="sgd", restore=e))
+    assert [s.version for s in restored(e, 2, "ssp")] == [4, 7]
+
+
+def test_the_newest_shape_wins_when_a_job_goes_back_to_its_old_number_of_shards(tmp_path):
+    d = str(tmp_path)
+    ckpts, params, _ = old_set(d, 12, 2, "sgd", [("a", 2, "adagrad", 0)], 1)   # 2 shards, version 5
+    for j in range(3):                                                        # then 3 shards, version 8
+        part = reshard.combine(ckpts, 3, j)
+        part.version = 8
+        part.params = part.params + 1
+        checkpoint.save(d, part)
+    back = restored(d, 2, "sync")
+    assert [s.version for s in back] == [8, 8]
+    assert np.concatenate([s.params for s in back]).tobytes() == (params + 1).tobytes()

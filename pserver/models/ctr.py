@@ -161,6 +161,23 @@ class CTRModel(Model):
         return {"loss": loss_sum / len(x), "accuracy": correct / len(x),
                 "auc": metrics.auc(np.concatenate(scores), y)}
 
+    def predict(self, w, x, batch_size: int = 4096, rows=None) -> np.ndarray:
+        """The logit of each record, (n, 1) float32 (its sigmoid is the click probability);
+        `rows` as for evaluate (a saved model's memory-mapped tables: SavedModel.rows)."""
+        if rows is None:
+            raise ValueError(f"{self.name}.predict needs rows=: a function from the batch's ids "
+                             "per table to TableLookups with the rows filled")
+        x = self._records(x)
+        if w.shape != (self.layout.total,) or w.dtype.kind != "f":
+            raise ValueError(f"w has shape {w.shape} and dtype {w.dtype}; "
+                             f"{self.name} needs float ({self.layout.total},)")
+        params, out = self._per_layer(w), np.empty((len(x), 1), w.dtype)
+        for a in range(0, len(x), batch_size):
+            xb = x[a:a + batch_size]
+            lookups = self._check_lookups(rows(self.batch_ids(xb)), len(xb))
+            out[a:a + len(xb)] = self._forward(params, lookups, xb, self._buffers(len(xb), w.dtype), Pass())
+        return out
+
     # -- the math ------------------------------------------------------------------------------
 
     def _forward(self, params, lookups, x, bufs, run) -> np.ndarray:

@@ -34,7 +34,7 @@ class Budget:
         self.limit, self.counters, self.flag = int(limit), counters, flag
         self.dense = dense                # () -> the dense range's bytes (0 before the first Register)
         self.reserved = 0                 # bytes of rows that pushes not applied yet may create
-        self._holds: list[tuple[int, int]] = []   # (step, bytes) of pushes not applied yet
+        self._holds: list[tuple[int, int, list]] = []   # (step, bytes, rows) of pushes not applied yet
         self._lock = threading.Lock()
 
     def used(self, tables: dict) -> int:
@@ -60,13 +60,26 @@ class Budget:
                 need = sum(t.growth_bytes(new[name]) for name, t, _ in parts)
                 short = used + need - self.limit
                 if short > 0:
-                    short = self._evict(tables, [name for name, _, _ in parts if new[name]], short)
+                    # Never the rows this push or a waiting one will update: they would come back
+                    # outside any reservation. Refused before anything is evicted when even every
+                    # other row of every table that allows it would not make room.
+                    keep = self._kept(rows)
+                    if short > sum(t.evictable_bytes(keep.get(n, ())) for n, t in tables.items()):
+                        self._refuse(tables, parts, new, need, used)
+                    short = self._evict(tables, [name for name, _, _ in parts if new[name]], short, keep)
                 if short > 0:
                     self._refuse(tables, parts, new, need, used)
             self.reserved += need
             return need
 
-    def _evict(self, tables: dict, pushed: list[str], short: int) -> int:
+    def _kept(self, rows) -> dict:
+        """{table: [id arrays]} of this push and of the pushes waiting for their step."""
+        keep: dict = {}
+        for part in [*rows, *(p for _, _, held in self._holds for p in held)]:
+            keep.setdefault(part.table, []).append(part.ids)
+        return keep
+
+    def _evict(self, tables: dict, pushed: list[str], short: int, keep: dict) -> int:
         """Evict from the pushed tables, then the others, while bytes are short; what is still short."""
         for name in pushed + [n for n in tables if n not in pushed]:
             t = tables[name]
@@ -75,7 +88,7 @@ class Budget:
             if not t.evictable:
                 continue
             before = t.nbytes
-            self.counters.add("rows_evicted_for_memory", t.evict_for(short))
+            self.counters.add("rows_evicted_for_memory", t.evict_for(short, keep.get(name, ())))
             short -= before - t.nbytes
         return short
 
@@ -91,11 +104,11 @@ class Budget:
             f"and the shard holds {used / MiB:.1f} MiB of its {self.limit / MiB:.0f} MiB budget {why}; "
             f"the push changed nothing")
 
-    def hold(self, step: int, nbytes: int) -> None:
-        """Keep a push's reservation until its step has been applied."""
-        if nbytes:
+    def hold(self, step: int, nbytes: int, rows=()) -> None:
+        """Keep a push's reservation, and its rows from eviction, until its step has been applied."""
+        if nbytes or rows:
             with self._lock:
-                self._holds.append((step, nbytes))
+                self._holds.append((step, nbytes, list(rows)))
 
     def release(self, nbytes: int) -> None:
         """Give back a reservation whose push was refused."""
@@ -108,6 +121,5 @@ class Budget:
         with self._lock:
             if not self._holds:
                 return
-            keep = [(s, b) for s, b in self._holds if s >= version]
-            self.reserved -= int(np.sum([b for s, b in self._holds if s < version], dtype=np.int64))
-            self._holds = keep
+            self.reserved -= int(np.sum([b for s, b, _ in self._holds if s < version], dtype=np.int64))
+            self._holds = [h for h in self._holds if h[0] >= version]

@@ -166,6 +166,12 @@ def load(path: str) -> Checkpoint:
                       {int(r): tuple(int(v) for v in p) for r, p in meta.get("positions", {}).items()})
 
 
+def meta_of(path: str) -> dict:
+    """A checkpoint file's JSON entry (version, layout, sha256 of its arrays...), read alone."""
+    with np.load(path, allow_pickle=False) as z:
+        return json.loads(z["meta"].tobytes())
+
+
 def newest(directory: str, shard: int, num_shards: int) -> tuple[Checkpoint | None, list[str]]:
     """This shard's newest checkpoint that loads and verifies (None if none does), and
     "file: why" for each newer one that did not."""
@@ -185,11 +191,14 @@ def load_weights(directory: str, layout) -> tuple[np.ndarray, list[int]]:
     --checkpoint when a shard has none that loads or a file is of another model."""
     if not os.path.isdir(directory):
         raise ConfigError(f"--checkpoint: {directory} is not a directory")
-    counts = sorted({int(m.group(2)) for n in os.listdir(directory) if (m := NAME.match(n))})
-    if len(counts) != 1:
-        raise ConfigError(f"--checkpoint: {directory} holds " + (
-            "no checkpoint (shard{J}-of{S}-v{VERSION}.ckpt files)" if not counts else
-            f"checkpoints of clusters of {' and '.join(map(str, counts))} shards; keep one"))
+    newest: dict[int, int] = {}                # number of shards -> its newest version
+    for m in filter(None, map(NAME.match, os.listdir(directory))):
+        newest[int(m.group(2))] = max(newest.get(int(m.group(2)), -1), int(m.group(3)))
+    if not newest:
+        raise ConfigError(f"--checkpoint: {directory} holds no checkpoint "
+                          "(shard{J}-of{S}-v{VERSION}.ckpt files)")
+    # A job resharded in this directory leaves the old shape's files: the newest shape is the model.
+    counts = [max(newest, key=lambda s: (newest[s], s))]
     flat, versions = np.empty(layout.total, dtype=np.float32), []
     for j in range(counts[0]):
         ckpt, failures = newest(directory, j, counts[0])

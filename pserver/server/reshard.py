@@ -99,9 +99,10 @@ def select(directory: str, num_shards: int, mode: str) -> list[checkpoint.Checkp
     return ckpts
 
 
-def check_compatible(ckpts: list[checkpoint.Checkpoint], directory: str) -> None:
+def check_compatible(ckpts: list[checkpoint.Checkpoint], directory: str, pair: bool = False) -> None:
     """One run's files: the same layout, parameter count, optimizer and tables, shards 0..S-1
-    with the ranges S shards have. ConfigError naming the first difference."""
+    with the ranges S shards have (`pair`: two files of the set, the ranges not checked).
+    ConfigError naming the first difference."""
     first = ckpts[0]
     for c in ckpts[1:]:
         for what, a, b in (("layout signature", first.signature, c.signature),
@@ -112,6 +113,8 @@ def check_compatible(ckpts: list[checkpoint.Checkpoint], directory: str) -> None
                 raise ConfigError(f"--restore: {os.path.basename(first.path)} and {os.path.basename(c.path)} "
                                   f"in {directory} differ in {what} ({a} against {b}): they are files of "
                                   f"two runs and cannot be combined")
+    if pair:
+        return
     ranges = shard_ranges(first.total, len(ckpts))
     for j, c in enumerate(ckpts):
         if (c.shard, c.num_shards, c.start, c.end) != (j, len(ckpts), *ranges[j]):
@@ -172,40 +175,66 @@ class RestorePoint:
     resharded_from: int = 0        # the old number of shards, when the files were of another shape
 
 
+def newest_shape(found: dict, prefer: int = 0) -> int:
+    """The number of shards whose newest file has the highest version (the shape the job ran
+    last); `prefer` wins a tie."""
+    def newest(s: int) -> int:
+        return max(v for files in found[s].values() for v, _ in files)
+    return max(found, key=lambda s: (newest(s), s == prefer, s))
+
+
 def restore_point(directory: str, shard: int, num_shards: int, mode: str,
                   fresh_if_corrupt: bool = False) -> RestorePoint:
     """What shard `shard` of `num_shards` restores from directory (None on a first start)."""
     found = scan(directory) if os.path.isdir(directory) else {}
-    if num_shards in found and shard not in found[num_shards]:
+    if not found:
+        return RestorePoint(checkpoint.load_latest(directory, shard, num_shards, fresh_if_corrupt))
+    last = newest_shape(found, prefer=num_shards)
+    if last != num_shards:
+        # Files of another shape are newer than any of this one (a job resharded in this
+        # directory and then brought back): the newest state wins, combined.
+        log.info("shard %d of %d: %s holds newer checkpoints of %d shards; combining them", shard,
+                 num_shards, directory, last)
+        return RestorePoint(combine(select(directory, last, mode), num_shards, shard), resharded_from=last)
+    own = found[num_shards]
+    if shard not in own:
         raise ConfigError(f"--restore: {directory} holds checkpoints of shards "
-                          f"{', '.join(map(str, sorted(found[num_shards])))} of {num_shards} but none of "
+                          f"{', '.join(map(str, sorted(own)))} of {num_shards} but none of "
                           f"shard {shard}: starting it fresh would mix a new shard into a trained model; "
                           f"restore from the directory that holds its files")
-    if num_shards in found or not found:
-        if mode in CUT_MODES and num_shards in found:
-            ckpt = _own_at_cut(directory, found[num_shards], shard, num_shards)
-            if ckpt is not None:
-                return RestorePoint(ckpt)
-        return RestorePoint(checkpoint.load_latest(directory, shard, num_shards, fresh_if_corrupt))
-    # Only other shapes: the one whose newest file is newest (the shape the job ran last).
-    old = max(found, key=lambda s: (max(v for files in found[s].values() for v, _ in files), s))
-    log.info("shard %d of %d: %s holds checkpoints of %d shards; combining them", shard, num_shards,
-             directory, old)
-    return RestorePoint(combine(select(directory, old, mode), num_shards, shard), resharded_from=old)
+    if mode in CUT_MODES and set(own) != {shard}:
+        return RestorePoint(_own_at_cut(directory, own, shard, num_shards, mode, fresh_if_corrupt))
+    # async and ssp, or a directory that holds this shard's files alone: its newest
+    return RestorePoint(checkpoint.load_latest(directory, shard, num_shards, fresh_if_corrupt))
 
 
-def _own_at_cut(directory: str, shards: dict, shard: int, num_shards: int) -> checkpoint.Checkpoint | None:
-    """In sync and backup: this shard's file at the newest version every shard has one of (by
-    name), so that a whole job restarted at once starts every shard from one step. A file of its
-    own that does not load moves it to the next such version; None when there is none (a
-    directory that holds this shard's files alone: the newest of its own, as in async)."""
+def _own_at_cut(directory: str, shards: dict, shard: int, num_shards: int, mode: str,
+                fresh_if_corrupt: bool) -> checkpoint.Checkpoint | None:
+    """In sync and backup, with the other shards' files in the same directory: this shard's file
+    at the newest version for which every shard's file loads (each is read and checked, one at
+    a time, and only this shard's kept), so that every shard of a job restarted at once starts
+    from the same step. ConfigError naming the versions found when there is none."""
+    failures = []
     for v in cut_versions(shards, num_shards):
-        path = dict(shards.get(shard, []))[v]
+        files = {j: dict(shards[j])[v] for j in range(num_shards)}
         try:
-            return checkpoint.load(path)
+            own = checkpoint.load(files[shard])
+            for j, path in files.items():
+                if j != shard:
+                    check_compatible([own, checkpoint.load(path)], directory, pair=True)
         except ValueError as e:
-            log.warning("skipping checkpoint %s: %s", path, e)
-    return None
+            failures.append(f"version {v}: {e}")
+            log.warning("checkpoint set of %d shards at version %d does not load: %s", num_shards, v, e)
+            continue
+        return own
+    if fresh_if_corrupt and failures:     # cuts there were, and not one loads
+        log.warning("shard %d: no version loads for every shard in %s; starting fresh as "
+                    "--restore-fresh-if-corrupt asks", shard, directory)
+        return None
+    raise ConfigError(f"--restore: {directory} has no version that every one of its {num_shards} shards "
+                      f"has a checkpoint of that loads, which mode {mode} needs (a consistent cut); "
+                      f"versions found: {_describe(shards, num_shards)}"
+                      + (f"; {'; '.join(failures)}" if failures else ""))
 
 
 def reshard_directory(source: str, target: str, num_shards: int, mode: str) -> list[str]:
@@ -217,7 +246,7 @@ def reshard_directory(source: str, target: str, num_shards: int, mode: str) -> l
                           "(shard{J}-of{S}-v{VERSION}.ckpt files)")
     if os.path.abspath(source) == os.path.abspath(target) and num_shards in found:
         raise ConfigError(f"--to: {target} already holds checkpoints of {num_shards} shards; write elsewhere")
-    old = max(found, key=lambda s: (max(v for files in found[s].values() for v, _ in files), s))
+    old = newest_shape(found)
     ckpts = select(source, old, mode)
     return [checkpoint.save(target, combine(ckpts, num_shards, j)) for j in range(num_shards)]
 
@@ -239,7 +268,8 @@ def inspect(directory: str) -> dict:
                 except ValueError as e:
                     entry.update(loads=False, why=str(e))
                 else:
-                    entry.update(loads=True, range=[c.start, c.end],
+                    entry.update(loads=True, sha256=checkpoint.meta_of(path)["sha256"],
+                                 range=[c.start, c.end],
                                  rows={name: int(st["ids"].shape[0]) for name, st in c.rows.items()})
                     layout = layout or {"signature": c.signature, "parameters": c.total,
                                         "optimizer": c.optimizer,
@@ -267,7 +297,8 @@ def describe(report: dict) -> list[str]:
                      f"tables: {tables or 'none'}")
         for f in cs["files"]:
             rows = ", ".join(f"{k} {v:,}" for k, v in f.get("rows", {}).items()) or "none"
-            what = f"loads, range {f['range']}, rows {rows}" if f["loads"] else f"DOES NOT LOAD: {f['why']}"
+            what = (f"loads (sha256 {f['sha256'][:12]}... holds), range {f['range']}, rows {rows}"
+                    if f["loads"] else f"DOES NOT LOAD: {f['why']}")
             lines.append(f"  {f['file']}  {f['bytes']:,} bytes  {what}")
         if cs["missing_shards"]:
             lines.append(f"  no file of shard(s) {', '.join(map(str, cs['missing_shards']))}")

@@ -447,7 +447,7 @@ class Shard:
             self.store.pool.release(grad)   # rejected: the policy did not keep it
             self.budget.release(held)
             raise
-        self.budget.hold(req.step, held)    # until its step is applied (now, in async modes)
+        self.budget.hold(req.step, held, req.rows)   # until its step is applied (now, in async modes)
         self.budget.settle(self.store.version)
         return outcome
 

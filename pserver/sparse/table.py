@@ -427,17 +427,19 @@ class SparseTable:
             k = max(k, int(np.count_nonzero(r.arrays["last"][:r.n] < step - c.ttl_steps)))
         self._evict_oldest(k)
 
-    def _evict_oldest(self, k: int, release: bool = False) -> None:
+    def _evict_oldest(self, k: int, release: bool = False, keep: np.ndarray | None = None) -> None:
         """Evict the k least recently updated rows: the k smallest (last update, id), found by
-        one partition, not a scan per row; `release`: their pages go back at once. Holds the lock."""
+        one partition, not a scan per row; `release`: their pages go back at once; `keep`: a
+        mask of rows that may not go. Holds the lock."""
         r = self._rows
-        k = min(k, r.n)
+        rows = np.arange(r.n) if keep is None else np.flatnonzero(~keep[:r.n])
+        k = min(k, rows.shape[0])
         if k <= 0:
             return
-        last = r.arrays["last"][:r.n]
+        last = r.arrays["last"][rows]
         bound = np.partition(last, k - 1)[k - 1]
-        below = np.flatnonzero(last < bound)
-        tied = np.flatnonzero(last == bound)
+        below = rows[last < bound]
+        tied = rows[last == bound]
         need = k - below.shape[0]
         # Ties (rows last updated at the same step) go by id, so eviction is deterministic.
         tied = tied[np.argpartition(r.keys[tied], need - 1)[:need]] if need < tied.shape[0] else tied
@@ -477,13 +479,34 @@ class SparseTable:
             index.find_many(r.slots, r.keys, ids, r.bits, idx)
             return int(np.count_nonzero(idx == index.EMPTY))
 
-    def evict_for(self, nbytes: int) -> int:
-        """Evict least recently updated rows, their pages given back, until nbytes are free or
-        no row is left; the rows evicted."""
+    def _kept(self, keep_ids) -> np.ndarray:
+        """A mask over the rows: those of the ids in keep_ids (arrays of distinct ids). Holds the lock."""
+        r = self._rows
+        mask = np.zeros(r.n, bool)
+        for ids in keep_ids:
+            idx = np.empty(ids.shape[0], np.int64)
+            index.find_many(r.slots, r.keys, ids, r.bits, idx)
+            mask[idx[idx != index.EMPTY]] = True
+        return mask
+
+    def evictable_bytes(self, keep_ids=()) -> int:
+        """What evicting every row but those of keep_ids would free (0 without an eviction rule)."""
+        if not self.evictable:
+            return 0
         with self._lock:
-            k = min(-(-nbytes // self._rows.entry_bytes), self._rows.n)
-            self._evict_oldest(k, release=True)
-            return k
+            r = self._rows
+            kept = int(np.count_nonzero(self._kept(keep_ids)))
+            return (r.n - kept) * r.entry_bytes + (max(r.high - r.n, 0) * r.entry_bytes if r.growable else 0)
+
+    def evict_for(self, nbytes: int, keep_ids=()) -> int:
+        """Evict least recently updated rows, their pages given back, until nbytes are free or
+        no row is left, never the rows of keep_ids (a push's own, and those of pushes waiting
+        for their step); the rows evicted."""
+        with self._lock:
+            k = -(-nbytes // self._rows.entry_bytes)
+            before = self._rows.n
+            self._evict_oldest(k, release=True, keep=self._kept(keep_ids) if keep_ids else None)
+            return before - self._rows.n
 
     # -- checking -----------------------------------------------------------------------------
 

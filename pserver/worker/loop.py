@@ -183,9 +183,10 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
     """The training loop with a model and data already built (the CLI and pserver.train).
     `definition` is how the model was built (for --save; None: a model built in Python)."""
     if cfg.save and sparse_tables(model):
-        raise ConfigError(f"--save: model {model_name(model)} keeps its sparse tables on the shards, and a "
-                          f"model file holds dense weights only; keep the rows with --checkpoint-dir "
-                          f"(every shard's checkpoint holds its rows)")
+        raise ConfigError(f"--save: model {model_name(model)} keeps its sparse tables on the shards, which "
+                          f"--save does not gather yet; train with --checkpoint-dir DIR and write the "
+                          f"model from the checkpoints: pserver export --restore DIR --model "
+                          f"{model_name(model)} ... --out MODEL (docs/model-file.md)")
     report = TrainingReport(cfg)            # a busy --metrics-port fails here, before any call
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca), compression=cfg.compress,

@@ -83,3 +83,4 @@ def test_save_refuses_a_model_with_sparse_tables(tmp_path):
             "--samples", "1000", "--test-samples", "100", "--save", str(tmp_path / "m.npz"))
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--save" in r.stderr and "--checkpoint-dir" in r.stderr and "Traceback" not in r.stderr
+    assert "pserver export --restore DIR --model deepfm" in r.stderr
