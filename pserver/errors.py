@@ -17,8 +17,10 @@
           +-- Unavailable        shard down or unreachable
           +-- DeadlineExceeded   a wait ran past its deadline
 
-`grpc.RpcError` is translated into this tree once, in `pserver.worker.client`; the server
-raises the RpcError subclasses and the servicer turns them into status codes.
+`grpc.RpcError` is translated into this tree where gRPC raises it: on a worker in
+`pserver.worker.client` (ShardClient.call: a shard's refusal or silence), on a shard in
+`pserver.wire.security` (a request stream cut off mid-read); the server raises the RpcError
+subclasses and the servicer turns them into status codes.
 
 The subclasses below the status codes' classes are error kinds: the callers that recover
 from one (a worker rejoins a shard that forgot it, pulls again after a stale step) catch its

@@ -4,15 +4,23 @@ from the protobuf message.
 `Registration` is what a shard answers a Register with: `Shard.register` returns it, the
 servicer sends it as a RegisterReply (registration_reply), and the worker's client reads the
 reply back into the same record (registration_of), kept per shard as `ShardClient.info`.
+
+`PushRequest` is one push as a shard receives it: the servicer (from the stream's header) and
+the data plane (from its request frame) each build it once, and it goes unchanged through
+`Shard.push` to the consistency mode's policy.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 from pserver._proto import pserver_pb2 as pb
 from pserver.observe.status import settings_of
 from pserver.wire.codec import PROTOCOL_VERSION, Position
+
+if TYPE_CHECKING:
+    from pserver.sparse import RowGrads
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,22 @@ class Registration:
     settings: dict | None = None      # ServerConfig.training_settings: compared across shards
     instance: str = ""                # the shard process's random id
     took_over: bool = False           # the Register took the rank's live session over
+
+
+@dataclass(frozen=True, slots=True)
+class PushRequest:
+    """One push to a shard: who sent it, for which step, and where its gradient comes from."""
+    rank: int
+    shard: int
+    step: int                         # the version the gradient was computed on
+    num_elements: int                 # the dense gradient's size, checked against the shard's
+    dtype: str
+    num_samples: int                  # the samples behind the gradient (the step's mean weighs by them)
+    clock: int                        # the worker's own step count (ssp bounds staleness by it)
+    fill: Any                         # fills the dense gradient: a callable, an array, or the
+                                      # data plane's Parts (ShardStore.fill)
+    session: str | None = None        # the rank's credential (None: not checked, in-process)
+    rows: Sequence[RowGrads] = ()     # the sparse parts, in Shard.row_buffers' arrays
 
 
 def registration_reply(reg: Registration) -> pb.RegisterReply:

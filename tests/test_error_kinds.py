@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pathlib
 import re
+import socket
 import struct
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -15,6 +18,7 @@ import pytest
 from pserver import errors
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.config import ServerConfig
 from pserver.errors import (
     KIND_METADATA,
     AlreadyPushed,
@@ -26,9 +30,10 @@ from pserver.errors import (
     Unauthenticated,
     rpc_error_for,
 )
+from pserver.server.app import create_server
 from pserver.wire import frames
 from pserver.wire.security import ClientSecurity
-from pserver.worker.client import PSClient
+from pserver.worker.client import PSClient, ShardClient
 from pserver.worker.loop import push_pull
 from tests.test_dataplane_hostile import LAYOUT, START, TOKEN, raw_hello, worker
 
@@ -225,6 +230,147 @@ def test_the_seen_version_a_shard_refuses_is_pulled_again_as_none_seen(shard_ser
     assert c.pull(w, seen=[99]) == [0]
     np.testing.assert_array_equal(w, START)
     c.close()
+
+
+# --- the client's retries: what a user sees when they run out -------------------------------
+def free_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def ran_out(s: ShardClient, what: str, seconds: str) -> str:
+    return (f"^{re.escape(s.label)}: {what} for {seconds} s despite retries \\(--rpc-deadline\\); "
+            f"last error: ")
+
+
+def test_an_unreachable_shard_is_retried_for_retry_for_then_named_with_the_time():
+    """Retried for retry_for (not the extra `waits`, which is for DEADLINE_EXCEEDED alone),
+    then one Unavailable naming the shard, what failed, for how long and the last error."""
+    s = ShardClient(0, free_address(), data_plane="grpc")
+    started = time.monotonic()
+    with pytest.raises(errors.Unavailable, match=ran_out(s, "unavailable", "0.3") + re.escape(s.label)):
+        s.resilient(lambda: s.status(timeout=0.2), 0.3, waits=5)
+    assert 0.1 < time.monotonic() - started < 10
+    s.close()
+
+
+def test_a_wait_that_ran_out_is_retried_only_in_a_call_that_waits():
+    """DEADLINE_EXCEEDED: retried for retry_for + waits in a call that waits (a pull), never
+    in one that does not (the default: a push goes to the caller at once, unchanged)."""
+    s = ShardClient(0, free_address(), data_plane="grpc")
+    calls = []
+
+    def wait_ran_out():
+        calls.append(time.monotonic())
+        raise errors.DeadlineExceeded("shard 0: the pull's wait ran out")
+
+    with pytest.raises(errors.DeadlineExceeded, match="^shard 0: the pull's wait ran out$"):
+        s.resilient(wait_ran_out, 5)
+    assert len(calls) == 1
+    with pytest.raises(errors.DeadlineExceeded, match=ran_out(s, "deadline exceeded", "0.7") + "shard 0"):
+        s.resilient(wait_ran_out, 0.1, waits=0.6)
+    assert len(calls) > 3 and calls[-1] - calls[1] > 0.3
+    s.close()
+
+
+def test_a_worker_whose_shard_went_away_rejoins_quietly_until_the_retries_run_out():
+    """A registered worker retries an unreachable shard by registering again, quietly: the
+    user sees the one Unavailable after retry_for, not the first failed Register's."""
+    server, port, shard = create_server(ServerConfig(port=0, auth_token=TOKEN, mode="async"))
+    c = worker(f"127.0.0.1:{port}", data_plane="grpc")
+    s = c.shards[0]
+    shard.close()
+    server.stop(0).wait()
+    with pytest.raises(errors.Unavailable, match=ran_out(s, "unavailable", "0.5")):
+        s.resilient(lambda: s.status(timeout=0.2), 0.5)
+    c.close()
+
+
+def test_a_call_to_a_shard_that_never_answers_ends_at_its_deadline():
+    """The timeout reaches gRPC: a Status the server holds for 3 s ends at its 0.3 s deadline."""
+    from concurrent import futures
+    held = threading.Event()
+
+    def hold(request, context):
+        held.wait(3)
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "pserver.v1.ParameterServer", {"Status": grpc.unary_unary_rpc_method_handler(hold)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    s = ShardClient(0, f"127.0.0.1:{port}", data_plane="grpc")
+    started = time.monotonic()
+    with pytest.raises(errors.DeadlineExceeded, match=f"^{re.escape(s.label)}: "):
+        s.status(timeout=0.3)
+    assert time.monotonic() - started < 2.5   # the server holds it 3 s
+    held.set()
+    s.close()
+    server.stop(0)
+
+
+def test_a_pull_whose_wait_ran_out_on_the_shard_is_tried_again(shard_server, monkeypatch):
+    """pull_into gives DEADLINE_EXCEEDED up to twice the session timeout on top of its own:
+    what the pull waits for (a slow worker's push, or its removal) may still come."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    c = worker(addr, data_plane="grpc")
+    s = c.shards[0]
+    real, tries = s._pull_once, []
+
+    def ran_out_once(*args):
+        tries.append(args)
+        if len(tries) == 1:
+            raise errors.DeadlineExceeded("shard 0: the pull's wait ran out")
+        return real(*args)
+
+    monkeypatch.setattr(s, "_pull_once", ran_out_once)
+    w = np.zeros(LAYOUT.total, np.float32)
+    assert s.pull_into(w, 0, -1, 0, 0.01) == (0, False) and len(tries) == 2
+    np.testing.assert_array_equal(w, START)
+    c.close()
+
+
+def test_the_pull_again_after_a_refused_seen_version_is_the_same_workers(shard_server):
+    """Rank 1's pull after SeenVersionAhead goes as rank 1 (with rank 1's session)."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="async")
+    a = worker(addr, rank=0, num_workers=2, data_plane="grpc")
+    b = worker(addr, rank=1, num_workers=2, init=False, data_plane="grpc")
+    w = np.zeros(LAYOUT.total, np.float32)
+    assert b.pull(w, seen=[99]) == [0]
+    np.testing.assert_array_equal(w, START)
+    a.close()
+    b.close()
+
+
+class CodeLess(grpc.RpcError):
+    """An RpcError that never reached a shard: no status code, no trailing metadata."""
+
+    def code(self):
+        return None
+
+    def details(self):
+        return "the channel closed"
+
+
+def test_an_rpc_error_without_a_status_code_is_a_plain_rpc_error_named_unknown():
+    s = ShardClient(3, free_address(), data_plane="grpc")
+
+    def fails():
+        raise CodeLess()
+
+    with pytest.raises(errors.RpcError) as e:
+        s.call(fails)
+    assert type(e.value) is errors.RpcError and e.value.code_name == "UNKNOWN"
+    assert str(e.value) == f"{s.label}: the channel closed"
+    s.close()
+
+
+def test_the_data_plane_sends_no_kind_for_one_it_does_not_know():
+    e = errors.FailedPrecondition("step: x")
+    e.kind = "a_kind_from_a_newer_release"
+    assert frames.error_codes(e) == (frames.CODES.index("FAILED_PRECONDITION"), 0)
 
 
 # --- the worker: survives a stale step, nothing else ---------------------------------------------

@@ -18,6 +18,7 @@ from pserver.models import make_model
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
 from pserver.optim import make_optimizer
+from pserver.records import PushRequest
 from pserver.server.shard import Shard
 
 SETTINGS = settings(max_examples=25, deadline=None,
@@ -50,8 +51,8 @@ def pull_all(shards, total: int, rank: int = 0, clock: int = 0) -> tuple[np.ndar
 
 
 def push_all(shards, rank, steps, g, num_samples=1, clock=0):
-    return [s.push(rank, j, steps[j], s.store.size, "float32", num_samples, clock,
-                   fill_with(g[s.store.start:s.store.end]))[0] for j, s in enumerate(shards)]
+    return [s.push(PushRequest(rank, j, steps[j], s.store.size, "float32", num_samples, clock,
+                               fill_with(g[s.store.start:s.store.end])))[0] for j, s in enumerate(shards)]
 
 
 # --- sync -----------------------------------------------------------------------------
@@ -242,8 +243,7 @@ def test_rejected_push_leaves_the_shard_byte_identical(kind, optimizer, size, se
     args = dict(rank=1, shard=0, step=2, num_elements=size, dtype="float32", num_samples=1) | overrides
     args.pop("poison", None)
     with pytest.raises(error, match=words):
-        shard.push(args["rank"], args["shard"], args["step"], args["num_elements"], args["dtype"],
-                   args["num_samples"], 0, fill_with(g))
+        shard.push(PushRequest(**args, clock=0, fill=fill_with(g)))
     assert state_bytes(shard) == before
     after = shard.store.counters.snapshot()
     assert after["pushes_rejected"] == counters["pushes_rejected"] + 1

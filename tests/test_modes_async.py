@@ -16,6 +16,7 @@ from pserver.errors import FailedPrecondition, InvalidArgument
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
 from pserver.optim import make_optimizer
+from pserver.records import PushRequest
 from tests.test_modes import SETTINGS, fill_with, make_cluster
 
 
@@ -32,7 +33,7 @@ def one_shard(size, num_workers, w0=None, **cfg):
 
 
 def push(shard, rank, step, g, clock=0):
-    return shard.push(rank, 0, step, g.size, "float32", 1, clock, fill_with(g))[0]
+    return shard.push(PushRequest(rank, 0, step, g.size, "float32", 1, clock, fill_with(g)))[0]
 
 
 @SETTINGS
@@ -274,7 +275,8 @@ def test_backup_never_averages_fewer_than_n_minus_b_as_workers_finish(data, num_
         order = data.draw(st.permutations(active))
         step = shard.store.version
         for r in order:
-            outcome = shard.push(r, 0, step, 3, "float32", 1, 0, fill_with(np.ones(3, np.float32)))[0]
+            ones = fill_with(np.ones(3, np.float32))
+            outcome = shard.push(PushRequest(r, 0, step, 3, "float32", 1, 0, ones))[0]
             assert outcome in (Outcome.AGGREGATED, Outcome.DROPPED_LATE)
         for r in [r for r in active if rounds[r] == t + 1]:   # these finish their epochs
             shard.leave(r)
@@ -282,8 +284,8 @@ def test_backup_never_averages_fewer_than_n_minus_b_as_workers_finish(data, num_
     assert sizes and min(sizes) >= quorum
     assert shard.policy.finished == (len(active) < quorum)
     if shard.policy.finished and active:
-        out = shard.push(active[0], 0, shard.store.version, 3, "float32", 1, 0,
-                         fill_with(np.ones(3, np.float32)))
+        out = shard.push(PushRequest(active[0], 0, shard.store.version, 3, "float32", 1, 0,
+                                     fill_with(np.ones(3, np.float32))))
         assert out[0] == Outcome.DROPPED_LATE and out[3] is True
         assert shard.pull(active[0], 0, shard.store.version, 0, timeout=1)[2] is True
     c = shard.store.counters.snapshot()
@@ -294,7 +296,7 @@ def test_backup_never_averages_fewer_than_n_minus_b_as_workers_finish(data, num_
 def test_dropped_pushes_do_not_count_as_trained_samples():
     shard = one_shard(4, 3, mode="backup", backup_workers=1, optimizer="sgd", lr=0.1)
     for r in range(3):
-        shard.push(r, 0, 0, 4, "float32", 10, 0, fill_with(np.ones(4, np.float32)))
+        shard.push(PushRequest(r, 0, 0, 4, "float32", 10, 0, fill_with(np.ones(4, np.float32))))
     c = shard.store.counters.snapshot()
     assert c["pushes_dropped_late"] == 1 and c["samples_pushed"] == 20
 

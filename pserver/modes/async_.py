@@ -15,8 +15,8 @@ from pserver.modes.base import Outcome, Policy
 class AsyncPolicy(Policy):
     name = "async"
 
-    def push(self, rank, step, grad, clock, samples=0, rows=()):
-        store = self.store
+    def push(self, req, grad):
+        store, rank, step = self.store, req.rank, req.step
         with store.cond:
             self.members.check_member(rank)
             version = store.version
@@ -25,12 +25,12 @@ class AsyncPolicy(Policy):
                                 f"{store.shard} is at version {version}")
             store.counters.record_staleness(version - step)
             store.counters.add("pushes_applied")
-            store.counters.add("samples_pushed", samples)
+            store.counters.add("samples_pushed", req.num_samples)
         try:
-            store.apply_hogwild(grad, rows)    # outside the lock, on purpose
+            store.apply_hogwild(grad, req.rows)    # outside the lock, on purpose
         finally:
             store.pool.release(grad)
-        self.pushed(rank, clock)
+        self.pushed(rank, req.clock)
         return Outcome.APPLIED, ""
 
     def pushed(self, rank: int, clock: int) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from pserver.config import ServerConfig
 from pserver.errors import SeenVersionAhead
+from pserver.records import PushRequest
 
 log = logging.getLogger("pserver.modes")
 
@@ -61,13 +62,13 @@ class Policy(ABC):
 
     # --- the two decisions ----------------------------------------------------------
     @abstractmethod
-    def push(self, rank: int, step: int, grad: np.ndarray, clock: int,
-             samples: int = 0, rows: list = ()) -> tuple[Outcome, str]:
-        """Decide what becomes of a validated gradient and the sparse rows that came with it
-        (store.RowGrads): both are applied together, or dropped together. Takes ownership of
-        `grad`: the policy returns it to store.pool when done, and counts `samples` as
-        trained once the gradient is applied (never when it is dropped). Raises
-        FailedPrecondition (StaleStep for a step it does not take now) to reject."""
+    def push(self, req: PushRequest, grad: np.ndarray) -> tuple[Outcome, str]:
+        """Decide what becomes of a validated push: `grad`, its dense gradient (filled from
+        req.fill into the shard's buffer), and the sparse rows that came with it (req.rows,
+        pserver.sparse.RowGrads): both are applied together, or dropped together. Takes
+        ownership of `grad`: the policy returns it to store.pool when done, and counts
+        req.num_samples as trained once the gradient is applied (never when it is dropped).
+        Raises FailedPrecondition (StaleStep for a step it does not take now) to reject."""
 
     def wait_pull(self, rank: int, seen_version: int, clock: int, timeout: float | None,
                   waiter=None) -> None:

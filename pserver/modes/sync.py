@@ -33,7 +33,8 @@ class SyncPolicy(Policy):
         stand in for a live worker's missing one."""
         return len(self.members.expected() | self.pending.keys())
 
-    def push(self, rank, step, grad, clock, samples=0, rows=()):
+    def push(self, req, grad):
+        rank, step, clock = req.rank, req.step, req.clock
         with self.store.cond:
             self.members.check_member(rank)
             version = self.store.version
@@ -45,8 +46,8 @@ class SyncPolicy(Policy):
                 raise AlreadyPushed(f"rank: worker {rank} already pushed for step {step}")
             self.members.revive(rank, "pushed in time")   # marked dead while its push was arriving
             self.pending[rank] = grad
-            self.pending_samples[rank] = samples
-            self.pending_rows[rank] = list(rows)
+            self.pending_samples[rank] = req.num_samples
+            self.pending_rows[rank] = list(req.rows)
             self.pending_clocks[rank] = clock
             self.store.counters.add("pushes_aggregated")
             self.watch.start()

@@ -19,6 +19,7 @@ import threading
 import numpy as np
 
 from pserver.errors import ConfigError, InvalidArgument, RpcError, Unauthenticated, rpc_error_for
+from pserver.records import PushRequest
 from pserver.wire import frames, security
 from pserver.wire.frames import (
     FREE,
@@ -420,9 +421,9 @@ class DataPlaneServer:
                                       f"it cannot act for worker {rank}")
             if op in (PUSH, PUSH_ROWS):
                 rows = self._received_rows(peer, parts) if op == PUSH_ROWS else ()
-                outcome, version, message, finished = self.shard.push(
+                outcome, version, message, finished = self.shard.push(PushRequest(
                     rank, shard, step, num_elements, "float32", num_samples, clock, fill,
-                    session=peer.session, rows=rows)
+                    session=peer.session, rows=rows))
                 return None, outcome.value, finished, version, message
             if op == PULL_ROWS:
                 return None, 0, False, self._pull_rows(peer, rank, shard, parts), ""

@@ -17,7 +17,7 @@ from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import KIND_METADATA, InvalidArgument, RpcError
 from pserver.models.layout import Layout
-from pserver.records import registration_reply
+from pserver.records import PushRequest, registration_reply
 from pserver.server import compress
 from pserver.server.shard import Shard
 from pserver.wire import codec
@@ -157,8 +157,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         yield from codec.encode(header, rows, self.shard.cfg.chunk_bytes)
 
     def _push(self, h, rows, fill):
-        return self.shard.push(h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples, h.clock,
-                               fill, session=h.session, rows=rows)
+        return self.shard.push(PushRequest(h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples,
+                                           h.clock, fill, session=h.session, rows=rows))
 
     @_status
     def Heartbeat(self, request, context):

@@ -30,12 +30,13 @@ from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
 from pserver.observe.telemetry import ShardMetrics
 from pserver.optim import make_optimizer
-from pserver.records import Registration
+from pserver.records import PushRequest, Registration
 from pserver.server import checkpoint, memory, reshard
 from pserver.server.budget import Budget
 from pserver.server.limits import Limits, pool_threads
 from pserver.server.membership import Membership
-from pserver.server.store import RowGrads, ShardStore, first_nonfinite
+from pserver.server.store import ShardStore, first_nonfinite
+from pserver.sparse import RowGrads
 from pserver.wire.codec import DTYPE_NAME, PROTOCOL_VERSION
 from pserver.wire.frames import host_id
 from pserver.wire.sharding import shard_range
@@ -407,24 +408,22 @@ class Shard:
             self.metrics.sent.inc(s.params.nbytes)
             return s.version, s.params, self.policy.finished
 
-    def push(self, rank: int, shard: int, step: int, num_elements: int, dtype: str,
-             num_samples: int, clock: int, fill: Fill,
-             session: str | None = None, rows: list[RowGrads] = ()) -> tuple[Outcome, int, str, bool]:
+    def push(self, req: PushRequest) -> tuple[Outcome, int, str, bool]:
         """Receive, validate, and hand a gradient to the policy; state is untouched by any
-        rejection because everything is checked before the policy sees the gradient. `rows`:
-        the push's sparse parts, in arrays from row_buffers that `fill` fills with the
+        rejection because everything is checked before the policy sees the gradient. `req.rows`:
+        the push's sparse parts, in arrays from row_buffers that `req.fill` fills with the
         dense gradient (or already filled, when fill is an array)."""
         s = self.store
         s.counters.add("pushes_received")
         try:
-            self.check_shard(shard)
-            check_samples(num_samples)       # before authorize, which may revive the rank
+            self.check_shard(req.shard)
+            check_samples(req.num_samples)   # before authorize, which may revive the rank
             with s.cond:
                 s.require_configured()
-                self.members.authorize(rank, session, revive=True)
-            self._check_payload(num_elements, dtype)
-            self.metrics.received.inc(num_elements * 4)          # float32, checked above
-            outcome, message = self._receive_and_decide(rank, step, clock, fill, num_samples, rows)
+                self.members.authorize(req.rank, req.session, revive=True)
+            self._check_payload(req.num_elements, req.dtype)
+            self.metrics.received.inc(req.num_elements * 4)      # float32, checked above
+            outcome, message = self._receive_and_decide(req)
         except RpcError as e:
             s.counters.add("pushes_rejected")
             self.metrics.rejected.labels(e.code_name.lower()).inc()
@@ -433,22 +432,22 @@ class Shard:
             self.checkpointer.maybe()
         return outcome, s.version, message, self.policy.finished
 
-    def _receive_and_decide(self, rank, step, clock, fill, samples=0, rows=()):
+    def _receive_and_decide(self, req: PushRequest) -> tuple[Outcome, str]:
         grad = self.store.pool.acquire()
         try:
-            self.store.fill(fill, grad)
-            self.check_rows(rows)
-            held = self.budget.reserve(self.store.tables, rows)   # room for its new rows, or refused
+            self.store.fill(req.fill, grad)
+            self.check_rows(req.rows)
+            held = self.budget.reserve(self.store.tables, req.rows)   # room for its new rows, or refused
         except BaseException:
             self.store.pool.release(grad)
             raise
         try:
-            outcome = self.policy.push(rank, step, grad, clock, samples, rows)
+            outcome = self.policy.push(req, grad)
         except RpcError:
             self.store.pool.release(grad)   # rejected: the policy did not keep it
             self.budget.release(held)
             raise
-        self.budget.hold(step, held, rows)  # until its step is applied (now, in async modes)
+        self.budget.hold(req.step, held, req.rows)   # until its step is applied (now, in async modes)
         self.budget.settle(self.store.version)
         return outcome
 

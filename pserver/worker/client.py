@@ -1,8 +1,10 @@
 """Talking to all shards: register, init, parallel pull and push, status, leave.
 
-`grpc.RpcError` is translated into pserver.errors here and nowhere else, with the
-shard's index and address in the message, so a worker's user never sees a raw gRPC
+On the worker's side, `grpc.RpcError` is translated into pserver.errors here (ShardClient.call),
+with the shard's index and address in the message, so a worker's user never sees a raw gRPC
 traceback; the error kind in its trailing metadata picks the class (pserver.errors.KINDS).
+(The shard's side has its own: pserver.wire.security turns a request stream that gRPC cut off
+into a pserver error, which the servicer answers with its status code.)
 """
 
 from __future__ import annotations
