@@ -175,18 +175,24 @@ def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict
     if model_file is None and checkpoint is None:
         raise ConfigError("--model-file: give the model file (--model-file PATH), checkpoints "
                           "(--checkpoint DIR, with --model and the dataset flags), or both")
+    return _evaluate_files(model_file, checkpoint, options)
+
+
+@contextlib.contextmanager
+def _the_model_file():
+    """Reading the file named by --model-file: one that is not a model (of this kind) is the
+    user's mistake, ConfigError; the dataset's errors stay DataError."""
     try:
-        return _evaluate_files(model_file, checkpoint, options)
-    except DataError as e:      # the file named is not a model of this kind: the user's to fix
-        if model_file and str(e).startswith(model_file):
-            raise ConfigError(f"--model-file: {e}") from None
-        raise
+        yield
+    except DataError as e:
+        raise ConfigError(f"--model-file: {e}") from None
 
 
 def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:
     from pserver.server.checkpoint import load_weights
     from pserver.worker.loop import fit_data
-    meta, arrays = saved.read(model_file) if model_file else ({}, {})
+    with _the_model_file():
+        meta, arrays = saved.read(model_file) if model_file else ({}, {})
     spec = options.get("model") or (meta.get("model") if meta else "mlp")
     if spec is None:
         raise ConfigError(f"--model: {model_file} was saved from a model built in Python; give its "
@@ -196,7 +202,8 @@ def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dic
     ds = load_dataset(data.pop("dataset", "synthetic"),
                       task="regression" if spec == "linreg" else "classification", **data)
     if meta:
-        model = saved.build(meta, spec, options.get("hidden"))
+        with _the_model_file():
+            model = saved.build(meta, spec, options.get("hidden"))
     else:          # as the worker built it: for the dataset's samples and classes
         model = models.make_model(spec, ds.sample_shape, ds.num_classes,
                                   hidden=options.get("hidden") or models.DEFAULT_HIDDEN)
@@ -209,8 +216,9 @@ def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dic
         source = f"{checkpoint} (shard versions {', '.join(map(str, versions))})"
         sparse_rows = {}
     else:
-        weights, source = saved.weights_of(model_file, meta, arrays, model.layout), model_file
-        tables = saved.tables_of(model_file, meta, model)
+        with _the_model_file():
+            weights, source = saved.weights_of(model_file, meta, arrays, model.layout), model_file
+            tables = saved.tables_of(model_file, meta, model)
         sparse_rows = {"rows": SavedModel(model, weights, meta, model_file, tables).rows} if tables else {}
     ds = fit_data(model, ds)
     metrics = model.evaluate(weights, ds.x_test, ds.y_test, **sparse_rows)
