@@ -113,3 +113,34 @@ def test_a_refused_push_evicts_nothing_and_eviction_spares_the_rows_a_push_will_
     b.hold(7, held, mine)
     b.settle(8)
     assert b.used(tables) <= b.limit and b.reserved == 0
+
+
+def test_an_index_being_built_is_counted_once(monkeypatch):
+    """While a table's next index is built beside the pushes, the budget counts its bytes
+    (nbytes) and a push that crosses the load bound does not pay for it again: a full budget with
+    evictable rows makes room instead of refusing (a loaded CI machine, where builds take
+    longer, refused such pushes)."""
+    import threading
+
+    from pserver.sparse import index as index_module
+    from pserver.sparse import table as table_module
+    monkeypatch.setattr(table_module, "BACKGROUND_MIN_BITS", 10)
+    release, real = threading.Event(), index_module.rehash
+
+    def slow(keys, count, bits):
+        if threading.current_thread().name.startswith("pserver-index"):
+            release.wait(10)
+        return real(keys, count, bits)
+
+    monkeypatch.setattr(index_module, "rehash", slow)
+    t = table("lru", 0, max_rows=10**9)
+    apply({"lru": t}, [part("lru", range(900))], 0)           # 2**11 slots
+    apply({"lru": t}, [part("lru", range(900, 901))], 1)      # past 0.4 of them: a build starts
+    assert t._rows.next is not None and not t._rows.next[0].done()
+    tables = {"lru": t}
+    b = Budget(t.nbytes, Counters())                           # full, the successor counted
+    try:
+        held = b.reserve(tables, [part("lru", range(10_000, 10_200))])   # crosses 1024: the bound
+        assert held == 200 * t._rows.entry_bytes
+    finally:
+        release.set()

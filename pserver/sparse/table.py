@@ -467,6 +467,8 @@ class SparseTable:
             for e in (self._rows, self._pending):
                 bits = index.bits_for(e.n + new)
                 grown = ((1 << bits) - (1 << e.bits)) * 4 if bits > e.bits else 0
+                if e.next is not None and e.next[2] >= bits:
+                    grown = 0          # the successor being built is big enough: nbytes counts it already
                 worst = max(worst, new * e.entry_bytes + grown)
             return worst
 
