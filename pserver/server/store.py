@@ -250,6 +250,8 @@ class ShardStore:
         self.signature, self.total, self.start, self.end = signature, total, start, end
         self.tables = {t.name: sparse.SparseTable(t, i, threads=self.table_threads)
                        for i, t in enumerate(tables)}
+        for table in self.tables.values():     # their kernels' memory is the shard's from now on
+            table.warm()
         # In a memfd where the platform has one: same-host workers map it read-only and
         # pull with one memcpy (pserver/server/dataplane.py). Otherwise plain memory.
         if self.params_fd is not None:

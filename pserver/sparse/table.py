@@ -510,6 +510,20 @@ class SparseTable:
             self._evict_oldest(k, release=True, keep=self._kept(keep_ids) if keep_ids else None)
             return before - self._rows.n
 
+    def warm(self) -> None:
+        """Load (or compile, on a cold cache) every kernel this table's pushes, lookups,
+        evictions and index builds run, on a throwaway table of the same kind: the memory and
+        the time that takes belong to the shard's start, not to the push that first evicts."""
+        spare = SparseTable(self.config, self.table_index)
+        ids = np.arange(1, 65, dtype=np.uint64)
+        for step in range(max(self.config.min_count, 1)):    # past admission, rows created
+            spare.apply(ids, np.zeros((ids.shape[0], self.dim), np.float32), step)
+        spare.lookup(ids, np.empty((ids.shape[0], self.dim), np.float32))
+        spare.absent(ids)
+        spare.evict_for(8 * spare._rows.entry_bytes, [ids[:4]])
+        r = spare._rows
+        index.insert_range(np.full(1 << index.MIN_BITS, index.EMPTY, np.int32), r.keys, 0, 4, index.MIN_BITS)
+
     # -- checking -----------------------------------------------------------------------------
 
     def _check_ids(self, ids) -> np.ndarray:
