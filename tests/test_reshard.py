@@ -187,12 +187,18 @@ def test_a_whole_sync_job_restarts_from_one_version_or_is_refused_naming_the_ver
     assert [s.version for s in restored(d, 2, "sync")] == [5, 5]     # shard 0's good v9 is not taken
     assert [s.version for s in restored(d, 2, "async")] == [9, 5]
     e = str(tmp_path / "e")
-    old_set(e, 10, 2, "sgd", [], 1, versions=[4, 7])                 # time-based writes, no common one
+    old_set(e, 10, 2, "sgd", [], 1, versions=[4, 7])     # no common version: one shard restarted while
+    assert [s.version for s in restored(e, 2, "sync")] == [4, 7]     # the other went on: its own newest
+    f = str(tmp_path / "f")
+    old_set(f, 10, 2, "sgd", [], 1, versions=[6, 6])
+    for j in range(2):                                   # versions every shard has, none of which loads
+        with open(os.path.join(f, checkpoint.file_name(j, 2, 6)), "r+b") as fh:
+            fh.seek(200)
+            fh.write(b"\0" * 64)
     with pytest.raises(ConfigError, match="no version that every one of its 2 shards .*"
-                                          "shard 0: 4; shard 1: 7"):
+                                          "shard 0: 6; shard 1: 6"):
         Shard(ServerConfig(shard=0, num_shards=2, mode="backup", backup_workers=1, num_workers=2,
-                           optimizer="sgd", restore=e))
-    assert [s.version for s in restored(e, 2, "ssp")] == [4, 7]
+                           optimizer="sgd", restore=f))
 
 
 def test_the_newest_shape_wins_when_a_job_goes_back_to_its_old_number_of_shards(tmp_path):

@@ -202,8 +202,13 @@ def restore_point(directory: str, shard: int, num_shards: int, mode: str,
                           f"{', '.join(map(str, sorted(own)))} of {num_shards} but none of "
                           f"shard {shard}: starting it fresh would mix a new shard into a trained model; "
                           f"restore from the directory that holds its files")
-    if mode in CUT_MODES and set(own) != {shard}:
+    if mode in CUT_MODES and set(own) != {shard} and cut_versions(own, num_shards):
         return RestorePoint(_own_at_cut(directory, own, shard, num_shards, mode, fresh_if_corrupt))
+    if mode in CUT_MODES and set(own) != {shard}:
+        # No version that every shard has: one shard restarted while the others went on (they
+        # are live, ahead of its files) restores its own newest, as it always did.
+        log.warning("shard %d: no version every shard of %d has a checkpoint of in %s (%s); restoring "
+                    "this shard's newest", shard, num_shards, directory, _describe(own, num_shards))
     # async and ssp, or a directory that holds this shard's files alone: its newest
     return RestorePoint(checkpoint.load_latest(directory, shard, num_shards, fresh_if_corrupt))
 
