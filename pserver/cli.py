@@ -140,6 +140,10 @@ SERVER_FLAGS = [
                                     "... (needs --checkpoint-dir)")),
     Flag("--checkpoint-secs", dict(type=float, metavar="SEC", help="checkpoint every SEC seconds "
                                                                    "(needs --checkpoint-dir)")),
+    Flag("--full-every", dict(type=int, metavar="N", help="write a full base every N checkpoints and, "
+                              "between them, deltas of the rows changed since the file before (a base "
+                              "also as soon as the deltas add up to half of it); 1: every checkpoint "
+                              "full (default 10)")),
 ]
 
 # Flags forwarded by `launch` to every worker: everything but rank and addresses.

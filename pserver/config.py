@@ -63,6 +63,7 @@ class ServerConfig:
     checkpoint_dir: str | None = None  # where checkpoints go (default: --restore's directory)
     checkpoint_every: int = 0     # also checkpoint every this many steps (0 = off)
     checkpoint_secs: float = 0.0  # also checkpoint every this many seconds (0 = off)
+    full_every: int = 10          # a full base every this many checkpoint files, deltas between (1: all full)
     restore: str | None = None    # resume from this directory's checkpoints (server/reshard.py)
     restore_fresh_if_corrupt: bool = False  # start fresh when every checkpoint in restore is corrupt
     auth_token: str | None = field(default=None, repr=False)  # every RPC must carry it; never shown
@@ -100,6 +101,9 @@ class ServerConfig:
         check_positive(chunk_bytes=self.chunk_bytes)
         if self.checkpoint_every < 0 or self.checkpoint_secs < 0:
             raise ConfigError("--checkpoint-every and --checkpoint-secs must be >= 0")
+        if isinstance(self.full_every, bool) or not isinstance(self.full_every, int) or self.full_every < 1:
+            raise ConfigError(f"--full-every: must be an integer >= 1 (1: every checkpoint full), "
+                              f"got {self.full_every!r}")
         if (self.checkpoint_every or self.checkpoint_secs) and not (self.checkpoint_dir or self.restore):
             raise ConfigError("--checkpoint-every/--checkpoint-secs need --checkpoint-dir (or --restore)")
         if self.restore_fresh_if_corrupt and not self.restore:

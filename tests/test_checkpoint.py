@@ -93,31 +93,31 @@ def test_periodic_checkpoints_land_on_multiples_of_every(tmp_path):
 
 
 def counting_writes(monkeypatch, shard, gate=None):
-    """Instrument the real snapshot and save: how many snapshots were taken, and the most
-    alive at once (taken, not yet written: each holds a copy of the shard's state)."""
+    """Instrument the real dump and write: how many dumps were begun, and the most alive at
+    once (begun, not yet written: each keeps rows aside while pushes go on)."""
     seen = {"taken": 0, "alive": 0, "peak": 0}
     lock = threading.Lock()
-    snapshot, save = shard.store.snapshot, checkpoint.save
+    begin, write = shard.store.begin_dump, checkpoint.write
 
-    def counted_snapshot(meta):
+    def counted_begin(delta):
         with lock:
             seen["taken"] += 1
             seen["alive"] += 1
             seen["peak"] = max(seen["peak"], seen["alive"])
-        return snapshot(meta)
+        return begin(delta)
 
-    def slow_save(directory, ckpt):
+    def slow_write(directory, name, parts, meta):
         try:
             time.sleep(0.2)                       # a slow disk: requests pile up meanwhile
             if gate is not None:
                 gate.wait(30)
-            return save(directory, ckpt)
+            return write(directory, name, parts, meta)
         finally:
             with lock:
                 seen["alive"] -= 1
 
-    monkeypatch.setattr(shard.store, "snapshot", counted_snapshot)
-    monkeypatch.setattr(checkpoint, "save", slow_save)
+    monkeypatch.setattr(shard.store, "begin_dump", counted_begin)
+    monkeypatch.setattr(checkpoint, "write", slow_write)
     return seen
 
 

@@ -1,16 +1,36 @@
-"""Checkpoints of one shard: its slice, optimizer state, version, the ssp workers' clocks and
-the layout, in one file.
+"""Checkpoints of one shard: its slice, optimizer state, version, the ssp workers' clocks, the
+layout and its sparse tables' rows, as a full base or as a delta of what changed since the
+file before it (docs/semantics.md, "Checkpoints").
 
-Written atomically (docs/semantics.md, "Checkpoints"): a temporary file in the same directory, fsync, rename
-over the final name, then fsync of the directory, so a crash at any moment leaves either
-the previous checkpoint or the new one, never a half-written file under a final name; a
-write that fails removes its temporary file, and those a killed shard left are removed
-when it starts again. Loading verifies a checksum over the arrays and skips (with a
-warning) any file that does not load, falling back to the next older one; when none of a
-shard's files loads, restoring refuses rather than start fresh unasked.
+Written atomically: a temporary file in the same directory, fsync, rename over the final name,
+then fsync of the directory, so a crash at any moment leaves either the previous checkpoint or
+the new one, never a half-written file under a final name; a write that fails removes its
+temporary file, and those a killed shard left are removed when it starts again. Loading
+verifies each file's checksum and skips (with a warning) any version that does not load,
+falling back to the next older one; when none of a shard's files loads, restoring refuses
+rather than start fresh unasked.
 
-    shard{J}-of{S}-v{VERSION:012d}.ckpt     an .npz: params, opt.<name> arrays, meta (JSON), and
-                                            rows.<T>.<name> arrays of sparse table T (meta["tables"][T])
+    shard{J}-of{S}-v{VERSION:012d}.ckpt               a base: the whole state at VERSION
+    shard{J}-of{S}-v{VERSION:012d}.d{BASE:012d}.ckpt  a delta: the rows changed since the file
+                                                      before it in the chain that starts at BASE
+
+Each file is an .npz (a zip of .npy arrays) written array by array, a stripe at a time, from
+the live state (ShardStore.begin_dump): never a second copy of the state in memory. Arrays:
+params and opt.<name> (the dense slice and its optimizer state, whole in a delta too: a dense
+optimizer step changes every element), and per sparse table T (meta["tables"][T]):
+rows.<T>.entries (one record per row: id, last update, [steps], data = the row and its
+optimizer slots side by side, meta["columns"][T] naming them), rows.<T>.pending_ids,
+rows.<T>.pending_counts, rows.<T>.counters, and in a delta rows.<T>.evicted (the ids evicted
+since the file before). meta (JSON) holds the rest and the sha256 of the arrays. Files written
+before deltas existed (rows.<T>.<name> arrays, no "format") load as bases.
+
+A chain is a base and the deltas after it, each naming its parent (the version of the file
+before it); loading a delta loads its base and every delta up to it, checking each, so that a
+delta loads as the whole state at its version (`load`), and nothing else (restore, reshard,
+inspect, export, evaluate) needs to know about deltas. A broken or missing file ends its
+chain there: the versions after it do not load, and restoring falls back to the newest that
+does, saying which version it reached. Pruning keeps the KEEP newest versions and every file
+they need.
 """
 
 from __future__ import annotations
@@ -23,8 +43,10 @@ import re
 import tempfile
 import threading
 import time
+import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -34,8 +56,11 @@ from pserver.observe.progress import Bar
 log = logging.getLogger("pserver.checkpoint")
 KEEP = 3                                   # newest checkpoints kept per shard
 HASH_CHUNK = 64 << 20                      # bytes hashed between two progress updates
-NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})\.ckpt$")
-TMP_NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})\.ckpt\.\d+\.tmp$")   # a write in progress
+FORMAT = 2                                 # rows as entries; bases and deltas
+STRIPE_BYTES = 4 << 20                     # bytes copied at a time from the live state
+FULL_EVERY = 10                            # --full-every's default: a base every this many files
+NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d(\d{12}))?\.ckpt$")   # group 4: a delta's base
+TMP_NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d\d{12})?\.ckpt\.\d+\.tmp$")   # being written
 
 
 @dataclass
@@ -57,8 +82,16 @@ class Checkpoint:
     positions: dict = field(default_factory=dict)  # rank -> (data_seed, steps_per_epoch) of its clock
 
 
-def file_name(shard: int, num_shards: int, version: int) -> str:
-    return f"shard{shard}-of{num_shards}-v{version:012d}.ckpt"
+def file_name(shard: int, num_shards: int, version: int, base: int | None = None) -> str:
+    """A base's name, or (base given) the name of a delta in the chain that starts at base."""
+    delta = "" if base is None else f".d{base:012d}"
+    return f"shard{shard}-of{num_shards}-v{version:012d}{delta}.ckpt"
+
+
+def base_of(path: str) -> int | None:
+    """The version of the base a delta file's chain starts at; None for a base."""
+    m = NAME.match(os.path.basename(path))
+    return int(m.group(4)) if m and m.group(4) else None
 
 
 def digest(arrays: dict, bar: Bar | None = None) -> str:
@@ -67,7 +100,7 @@ def digest(arrays: dict, bar: Bar | None = None) -> str:
         h.update(name.encode())
         # flat first (no copy): a memoryview will not cast a 2-D array with no rows, which an
         # empty table's rows are
-        data = memoryview(np.ascontiguousarray(arrays[name]).reshape(-1)).cast("B")
+        data = _bytes(arrays[name])
         for i in range(0, len(data), HASH_CHUNK):
             h.update(data[i:i + HASH_CHUNK])
             if bar is not None:
@@ -75,23 +108,59 @@ def digest(arrays: dict, bar: Bar | None = None) -> str:
     return h.hexdigest()
 
 
-def save(directory: str, ckpt: Checkpoint) -> str:
-    """Write atomically; returns the final path. Older checkpoints beyond KEEP are removed.
-    An OSError (disk full, read-only or missing directory) leaves no temporary file behind."""
-    os.makedirs(directory, exist_ok=True)
-    arrays = {"params": ckpt.params, **{f"opt.{k}": v for k, v in ckpt.state.items()}}
-    for i, t in enumerate(ckpt.tables):
-        arrays.update({f"rows.{i}.{k}": v for k, v in ckpt.rows[t["name"]].items()})
-    meta = {"tables": ckpt.tables,"version": ckpt.version, "shard": ckpt.shard, "num_shards": ckpt.num_shards,
-            "signature": ckpt.signature, "total": ckpt.total, "start": ckpt.start, "end": ckpt.end,
-            "optimizer": ckpt.optimizer, "clocks": {str(r): int(c) for r, c in ckpt.clocks.items()},
-            "positions": {str(r): [int(v) for v in p] for r, p in ckpt.positions.items()},
-            "sha256": digest(arrays)}
-    final = os.path.join(directory, file_name(ckpt.shard, ckpt.num_shards, ckpt.version))
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """An array's bytes, flat (no copy when it is contiguous), for hashing and writing."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+@dataclass
+class Part:
+    """One array of a checkpoint file, handed over in chunks (`chunks()` yields arrays of
+    `dtype` whose elements add up to `shape`), so the file is written without the array
+    ever being whole in memory."""
+    name: str
+    dtype: np.dtype
+    shape: tuple
+    chunks: Callable[[], Iterable[np.ndarray]]
+
+    @classmethod
+    def of(cls, name: str, a: np.ndarray) -> Part:
+        a = np.asarray(a)
+        return cls(name, a.dtype, a.shape, lambda: (a,))
+
+
+def header(meta: dict) -> dict:
+    """The JSON entry of a file from its checkpoint's fields (sha256 added when written)."""
+    return {"format": FORMAT, "kind": "base", **meta}
+
+
+def write(directory: str, name: str, parts: list[Part], meta: dict) -> str:
+    """Write `parts` and `meta` (with the sha256 of the arrays) atomically as directory/name;
+    returns the final path. An OSError (disk full, read-only or missing directory) leaves no
+    temporary file behind."""
+    final = os.path.join(directory, name)
     tmp = f"{final}.{os.getpid()}.tmp"
+    h = hashlib.sha256()
     try:
-        with open(tmp, "wb") as f:           # straight to the file: no second copy in memory
-            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "wb") as f:
+            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+                for part in sorted(parts, key=lambda p: p.name):    # digest's order
+                    h.update(part.name.encode())
+                    with z.open(f"{part.name}.npy", "w", force_zip64=True) as out:
+                        _write_header(out, part.dtype, part.shape)
+                        written, want = 0, int(np.prod(part.shape, dtype=np.int64)) * part.dtype.itemsize
+                        for chunk in part.chunks():
+                            data = _bytes(np.asarray(chunk, part.dtype))
+                            h.update(data)
+                            out.write(data)
+                            written += data.nbytes
+                        if written != want:
+                            raise RuntimeError(f"checkpoint {name}: {part.name} gave {written} bytes, "
+                                               f"its shape {part.shape} needs {want}")
+                meta = dict(meta, sha256=h.hexdigest())
+                with z.open("meta.npy", "w") as out:
+                    np.lib.format.write_array(out, np.frombuffer(json.dumps(meta).encode(), np.uint8))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -99,6 +168,60 @@ def save(directory: str, ckpt: Checkpoint) -> str:
         remove_quietly(tmp)
         raise
     fsync_dir(directory)
+    return final
+
+
+def _write_header(out, dtype: np.dtype, shape: tuple) -> None:
+    d = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
+    try:
+        np.lib.format.write_array_header_1_0(out, d)
+    except ValueError:                        # a header over 64 KiB
+        np.lib.format.write_array_header_2_0(out, d)
+
+
+def entries_of(state: dict, columns: list[str]) -> np.ndarray:
+    """A table's state() arrays as one entries array (the file's rows.<T>.entries)."""
+    n = state["ids"].shape[0]
+    data = np.concatenate([np.asarray(state[c]) for c in columns], axis=1)
+    dtype = np.dtype([("id", "<u8"), ("last", "<i8")] + ([("steps", "<i8")] if "steps" in state else [])
+                     + [("data", data.dtype.str, (data.shape[1],))])
+    out = np.empty(n, dtype)
+    out["id"], out["last"], out["data"] = state["ids"], state["last_update"], data
+    if "steps" in state:
+        out["steps"] = state["steps"]
+    return out
+
+
+def state_of(entries: np.ndarray, columns: list[str], small: dict) -> dict:
+    """entries_of's inverse: a table's state() arrays (contiguous copies), with `small` (pending
+    ids and counts, counters) added."""
+    data = entries["data"]
+    width = data.shape[1] // len(columns) if columns else 0
+    out = {"ids": np.ascontiguousarray(entries["id"]), "last_update": np.ascontiguousarray(entries["last"])}
+    if "steps" in entries.dtype.names:
+        out["steps"] = np.ascontiguousarray(entries["steps"])
+    for k, c in enumerate(columns):
+        out[c] = np.ascontiguousarray(data[:, k * width:(k + 1) * width])
+    out.update({k: v for k, v in small.items() if k != "evicted"})
+    return out
+
+
+def save(directory: str, ckpt: Checkpoint) -> str:
+    """Write a whole Checkpoint held in memory (a reshard's output) as a base; returns the final
+    path. Older checkpoints beyond KEEP are removed."""
+    parts = [Part.of("params", ckpt.params), *(Part.of(f"opt.{k}", v) for k, v in ckpt.state.items())]
+    columns = []
+    for i, t in enumerate(ckpt.tables):
+        rows = ckpt.rows[t["name"]]
+        columns.append(["rows"] + sorted(k for k in rows if k.startswith("slot_")))
+        parts.append(Part.of(f"rows.{i}.entries", entries_of(rows, columns[-1])))
+        parts += [Part.of(f"rows.{i}.{k}", rows[k]) for k in ("pending_ids", "pending_counts", "counters")]
+    meta = header({"tables": ckpt.tables, "columns": columns, "version": ckpt.version, "shard": ckpt.shard,
+                   "num_shards": ckpt.num_shards, "signature": ckpt.signature, "total": ckpt.total,
+                   "start": ckpt.start, "end": ckpt.end, "optimizer": ckpt.optimizer,
+                   "clocks": {str(r): int(c) for r, c in ckpt.clocks.items()},
+                   "positions": {str(r): [int(v) for v in p] for r, p in ckpt.positions.items()}})
+    final = write(directory, file_name(ckpt.shard, ckpt.num_shards, ckpt.version), parts, meta)
     prune(directory, ckpt.shard, ckpt.num_shards)
     return final
 
@@ -119,7 +242,8 @@ def fsync_dir(directory: str) -> None:
 
 
 def candidates(directory: str, shard: int, num_shards: int) -> list[tuple[int, str]]:
-    """(version, path) of this shard's checkpoints, newest first; temp files never match."""
+    """(version, path) of this shard's checkpoints, bases and deltas, newest first; temp files
+    never match."""
     if not os.path.isdir(directory):
         return []
     found = []
@@ -130,14 +254,26 @@ def candidates(directory: str, shard: int, num_shards: int) -> list[tuple[int, s
     return sorted(found, reverse=True)
 
 
-def prune(directory: str, shard: int, num_shards: int) -> None:
-    for _, path in candidates(directory, shard, num_shards)[KEEP:]:
-        remove_quietly(path)
+def prune(directory: str, shard: int, num_shards: int, keep: int = KEEP) -> None:
+    """Remove this shard's files but the `keep` newest versions and the files their chains
+    need (a kept delta's base and the deltas between them)."""
+    files = candidates(directory, shard, num_shards)
+    needed = set()
+    for version, path in files[:keep]:
+        needed.add(path)
+        base = base_of(path)
+        if base is not None:
+            needed.add(os.path.join(directory, file_name(shard, num_shards, base)))
+            needed.update(p for v, p in files if base_of(p) == base and v < version)
+    for _, path in files:
+        if path not in needed:
+            remove_quietly(path)
 
 
-def load(path: str) -> Checkpoint:
-    """Load and verify one file; ValueError (with why) if it is not a whole checkpoint. A large
-    one shows its progress (pserver.observe.progress): reading, then checking, every byte."""
+def read(path: str) -> tuple[dict, dict]:
+    """One file's meta and arrays, checked against its checksum; ValueError (with why) if it
+    is not a whole checkpoint file. A large one shows its progress (pserver.observe.progress):
+    reading, then checking, every byte."""
     try:
         with np.load(path, allow_pickle=False) as z, \
                 Bar(f"restoring {os.path.basename(path)}", 2 * sum(i.file_size for i in z.zip.infolist()),
@@ -155,15 +291,84 @@ def load(path: str) -> Checkpoint:
         raise
     except Exception as e:  # a truncated zip raises several types
         raise ValueError(f"unreadable ({type(e).__name__}: {e})") from None
-    state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
-    tables = meta.get("tables", [])
-    rows = {t["name"]: {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"rows.{i}.")}
-            for i, t in enumerate(tables)}
-    return Checkpoint(path, meta["version"], meta["shard"], meta["num_shards"], meta["signature"],
-                      meta["total"], meta["start"], meta["end"], meta["optimizer"],
-                      arrays["params"], state,
-                      {int(r): int(c) for r, c in meta.get("clocks", {}).items()}, tables, rows,
-                      {int(r): tuple(int(v) for v in p) for r, p in meta.get("positions", {}).items()})
+    return meta, arrays
+
+
+def load(path: str) -> Checkpoint:
+    """The whole state at one file's version: a base alone, a delta with its base and the
+    deltas before it (each checked); ValueError naming the file and why when any does not
+    load, or the chain is broken."""
+    base = base_of(path)
+    if base is None:
+        meta, arrays = read(path)
+        return _assemble(path, meta, arrays, [])
+    m = NAME.match(os.path.basename(path))
+    directory = os.path.dirname(path)
+    shard, num_shards, version = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    first = os.path.join(directory, file_name(shard, num_shards, base))
+    if not os.path.exists(first):
+        raise ValueError(f"its base {os.path.basename(first)} is missing")
+    try:
+        meta, arrays = read(first)
+    except ValueError as e:
+        raise ValueError(f"its base {os.path.basename(first)}: {e}") from None
+    chain = sorted((v, p) for v, p in candidates(directory, shard, num_shards)
+                   if base_of(p) == base and v <= version)
+    deltas, parent = [], base
+    for v, p in chain:
+        try:
+            dmeta, darrays = read(p)
+        except ValueError as e:
+            raise ValueError(f"the delta {os.path.basename(p)} before it: {e}"
+                             if v < version else str(e)) from None
+        if dmeta.get("parent") != parent:
+            raise ValueError(f"chain broken: {os.path.basename(p)} follows version {dmeta.get('parent')}, "
+                             f"the file before it holds version {parent}")
+        deltas.append((dmeta, darrays))
+        parent = v
+    return _assemble(path, meta, arrays, deltas)
+
+
+def _assemble(path: str, meta: dict, arrays: dict, deltas: list[tuple[dict, dict]]) -> Checkpoint:
+    """A Checkpoint from a base's meta and arrays and the deltas after it, in order: dense
+    arrays, clocks and small arrays from the newest; rows: the base's, each id's last event
+    (an upsert, or an eviction) winning."""
+    newest_meta, newest = (meta, arrays) if not deltas else deltas[-1]
+    state = {k[4:]: v for k, v in newest.items() if k.startswith("opt.")}
+    tables = newest_meta.get("tables", [])
+    rows = {}
+    for i, t in enumerate(tables):
+        if f"rows.{i}.entries" not in arrays:      # a file from before deltas: arrays by name
+            rows[t["name"]] = {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"rows.{i}.")}
+            continue
+        columns = newest_meta["columns"][i]
+        small = {k: newest[f"rows.{i}.{k}"] for k in ("pending_ids", "pending_counts", "counters")}
+        entries = _replay(arrays[f"rows.{i}.entries"],
+                          [(d[f"rows.{i}.evicted"], d[f"rows.{i}.entries"]) for _, d in deltas])
+        rows[t["name"]] = state_of(entries, columns, small)
+    m = newest_meta
+    return Checkpoint(path, m["version"], m["shard"], m["num_shards"], m["signature"], m["total"], m["start"],
+                      m["end"], m["optimizer"], newest["params"], state,
+                      {int(r): int(c) for r, c in newest_meta.get("clocks", {}).items()}, tables, rows,
+                      {int(r): tuple(int(v) for v in p) for r, p in newest_meta.get("positions", {}).items()})
+
+
+def _replay(base: np.ndarray, deltas: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """A base's entries after deltas of (evicted ids, upserted entries), in order; within one
+    delta evictions come first (an id evicted, then created again, is in both)."""
+    if not deltas:
+        return base
+    ids = np.concatenate([a for ev, up in deltas for a in (ev.astype(np.uint64), up["id"])])
+    upsert = np.concatenate([np.full(n, flag) for ev, up in deltas
+                             for n, flag in ((ev.shape[0], False), (up.shape[0], True))])
+    ups = np.concatenate([up for _, up in deltas]) if any(up.size for _, up in deltas) else base[:0]
+    at = np.cumsum(upsert) - 1                       # each upsert's place in ups
+    # The last event of each id: unique over the reversed events gives its last occurrence.
+    touched, first_rev = np.unique(ids[::-1], return_index=True)
+    last = ids.shape[0] - 1 - first_rev
+    kept = base[~np.isin(base["id"], touched)]
+    final = last[upsert[last]]
+    return np.concatenate([kept, ups[at[final]].astype(base.dtype, copy=False)]) if final.size else kept
 
 
 def meta_of(path: str) -> dict:
@@ -289,6 +494,14 @@ class Checkpointer:
     def __init__(self, directory: str, flag: str, store, cfg) -> None:
         prepare(directory, flag, cfg.shard, cfg.num_shards)
         self.directory, self.store, self.cfg = directory, store, cfg
+        store.track = cfg.full_every > 1          # tables record evicted ids for the deltas
+        for table in store.tables.values():
+            table.track = store.track
+        # The chain being extended: [base version, base bytes, deltas' bytes, files]; None:
+        # the next file is a base (at start, and after a failed write, whose delta is lost).
+        self.chain: list[int] | None = None
+        self.written: tuple[int, str] | None = None   # (version, path) of the last file written
+        self.aside_peak = 0                       # bytes kept aside by the last write (copy-on-write)
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self.cond = threading.Condition()
         self.busy = False                     # a snapshot is being taken or written
@@ -335,32 +548,68 @@ class Checkpointer:
         taken.wait()
         return future
 
+    def _kind(self) -> tuple[int, int] | None:
+        """(base, parent) for a delta, or None for a base: --full-every files per chain, and a
+        new base as soon as the chain's deltas add up to half of its base."""
+        c = self.chain
+        if c is None or self.written is None or c[3] >= self.cfg.full_every or 2 * c[2] >= c[1]:
+            return None
+        return c[0], self.written[0]
+
     def _snapshot_and_write(self, taken: threading.Event) -> tuple[int, str | OSError]:
         try:
-            snap = self.store.snapshot({"shard": self.cfg.shard, "num_shards": self.cfg.num_shards,
-                                        "optimizer": self.cfg.optimizer, "path": ""})
+            with self.store.cond:
+                self.store.require_configured()
+                version = self.store.version
+            if self.written is not None and self.written[0] == version:
+                taken.set()                   # nothing changed since: that file is this version
+                self._end(*self.written)
+                return self.written
+            kind = self._kind()
+            dump = self.store.begin_dump(kind is not None)
         except BaseException:
             self._end(-1, "")
             raise
         finally:
             taken.set()
-        version, result = snap["version"], ""
+        version, result = dump.meta["version"], ""
         try:
-            result = save(self.directory, Checkpoint(**snap))
+            result = self._write(dump, kind)
+            size = os.path.getsize(result)
+            self.chain = [version, size, 0, 1] if kind is None else \
+                [self.chain[0], self.chain[1], self.chain[2] + size, self.chain[3] + 1]
+            self.written = (version, result)
+            prune(self.directory, self.cfg.shard, self.cfg.num_shards)
             self.store.counters.add("checkpoints_written")
-            # Once per version: the chief's ask at the end and the shard's own last write on
-            # stopping rewrite the version the last epoch's checkpoint already has.
-            again = self.outcome[0] == version and not isinstance(self.outcome[1], OSError)
-            log.log(logging.DEBUG if again else logging.INFO, "shard %d: checkpoint at version %d "
-                    "written to %s%s", self.cfg.shard, version, result, " again" if again else "")
+            log.info("shard %d: checkpoint at version %d written to %s (%s)", self.cfg.shard, version, result,
+                     "a base" if kind is None else f"a delta after version {kind[1]}")
         except OSError as e:
-            result = e
+            result, self.chain = e, None
             self.store.counters.add("checkpoints_failed")
             log.error("shard %d: checkpoint at version %d not written to %s: %s; training goes on, "
                       "the next interval tries again", self.cfg.shard, version, self.directory, e)
         finally:
+            self.store.end_dump()
+            self.aside_peak = dump.aside_bytes + sum(t.dump_peak for t in self.store.tables.values())
             self._end(version, result)
         return version, result
+
+    def _write(self, dump, kind: tuple[int, int] | None) -> str:
+        """One file from a store's dump (ShardStore.begin_dump), a stripe at a time."""
+        parts = [Part(name, a.dtype, a.shape, lambda name=name: dump.stripes(name, STRIPE_BYTES))
+                 for name, a in dump.dense.items()]
+        for i, (config, columns, dtype, count, small) in enumerate(dump.tables):
+            parts.append(Part(f"rows.{i}.entries", dtype, (count,),
+                              lambda i=i: dump.rows(i, STRIPE_BYTES)))
+            parts += [Part.of(f"rows.{i}.{k}", v) for k, v in small.items()]
+        meta = header(dict(dump.meta, shard=self.cfg.shard, num_shards=self.cfg.num_shards,
+                           optimizer=self.cfg.optimizer, tables=[t[0] for t in dump.tables],
+                           columns=[t[1] for t in dump.tables]))
+        if kind is not None:
+            meta.update(kind="delta", base=kind[0], parent=kind[1])
+        name = file_name(self.cfg.shard, self.cfg.num_shards, dump.meta["version"],
+                         None if kind is None else kind[0])
+        return write(self.directory, name, parts, meta)
 
     def _end(self, version: int, result: str | OSError) -> None:
         with self.cond:

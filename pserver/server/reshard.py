@@ -273,7 +273,8 @@ def inspect(directory: str) -> dict:
                 except ValueError as e:
                     entry.update(loads=False, why=str(e))
                 else:
-                    entry.update(loads=True, sha256=checkpoint.meta_of(path)["sha256"],
+                    meta = checkpoint.meta_of(path)
+                    entry.update(loads=True, sha256=meta["sha256"], kind=meta.get("kind", "base"),
                                  range=[c.start, c.end],
                                  rows={name: int(st["ids"].shape[0]) for name, st in c.rows.items()})
                     layout = layout or {"signature": c.signature, "parameters": c.total,

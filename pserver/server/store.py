@@ -199,6 +199,54 @@ def mean_gradient(grads: list[np.ndarray], counts: list[int], out: np.ndarray | 
     return out
 
 
+class StateDump:
+    """A checkpoint's view of a store at one version (ShardStore.begin_dump): the meta, the
+    dense arrays read a stripe at a time (`dense`), and per table its config, entry layout,
+    entry count and small arrays, its entries read through the table (`rows`)."""
+
+    def __init__(self, store: ShardStore, meta: dict, dense: dict[str, np.ndarray], tables: list):
+        self.store, self.meta, self.tables = store, meta, tables
+        self.dense = dense                            # name -> the live array
+        self.read_to = dict.fromkeys(dense, 0)        # name -> elements read so far
+        self.aside: dict[str, tuple[int, np.ndarray]] = {}   # name -> (from, copy of the rest)
+        self.aside_bytes = 0
+
+    def before_step(self) -> None:
+        """A sync step is about to change every dense element: keep what is not read yet."""
+        for name, a in self.dense.items():
+            if name not in self.aside and self.read_to[name] < a.size:
+                start = self.read_to[name]
+                self.aside[name] = (start, a[start:].copy())
+                self.aside_bytes += a.nbytes - start * a.itemsize
+
+    def read(self, name: str, a: int, b: int) -> np.ndarray:
+        """Elements a..b-1 of a dense array as they were at the dump's version (read in order)."""
+        with self.store.cond:
+            if name in self.aside:
+                start, copy = self.aside[name]
+                out = copy[a - start:b - start].copy()
+            else:
+                out = self.dense[name][a:b].copy()
+            self.read_to[name] = b
+            if b >= self.dense[name].size:
+                self.aside.pop(name, None)
+            return out
+
+    def stripes(self, name: str, stripe_bytes: int):
+        """A dense array's stripes, in order."""
+        a = self.dense[name]
+        step = max(stripe_bytes // a.itemsize, 1)
+        for i in range(0, a.size, step):
+            yield self.read(name, i, min(i + step, a.size))
+
+    def rows(self, table: int, stripe_bytes: int):
+        """A table's entries, in stripes."""
+        t = self.store.tables[self.tables[table][0]["name"]]
+        count, step = self.tables[table][3], max(stripe_bytes // self.tables[table][2].itemsize, 1)
+        for i in range(0, count, step):
+            yield t.read_dump(i, min(i + step, count))
+
+
 class ShardStore:
     """Parameters [start, end) of the flat vector, the optimizer's state and the version, and
     this shard's rows of the model's sparse tables."""
@@ -226,6 +274,8 @@ class ShardStore:
         self.clocks: dict[int, int] = {}   # rank -> its steps taken in (ssp bounds staleness by them)
         self.positions: dict[int, tuple[int, int]] = {}   # rank -> (data_seed, steps_per_epoch)
         self.tables: dict[str, sparse.SparseTable] = {}   # the model's sparse tables: this shard's rows
+        self.track = False                 # tables record evicted ids (incremental checkpoints)
+        self._dump: StateDump | None = None   # the checkpoint being written, if any
 
     @property
     def size(self) -> int:
@@ -250,6 +300,8 @@ class ShardStore:
         self.signature, self.total, self.start, self.end = signature, total, start, end
         self.tables = {t.name: sparse.SparseTable(t, i, threads=self.table_threads)
                        for i, t in enumerate(tables)}
+        for table in self.tables.values():
+            table.track = self.track
         for table in self.tables.values():     # their kernels' memory is the shard's from now on
             table.warm()
         # In a memfd where the platform has one: same-host workers map it read-only and
@@ -260,17 +312,32 @@ class ShardStore:
         self.optimizer = self._make_optimizer(end - start)
         self.pool = BufferPool(end - start)
 
-    def snapshot(self, meta: dict) -> dict:
-        """Copies of everything a checkpoint holds, taken under cond (consistent in sync
-        modes; in Hogwild modes as consistent as any read of a racing array)."""
+    def begin_dump(self, delta: bool) -> StateDump:
+        """The state at this version, to be read a stripe at a time while training goes on (a
+        checkpoint without a second copy): taken under cond, so consistent in sync modes; the
+        dense arrays are copied aside only when a step is about to change them before they are
+        read (copy-on-write in sync and backup), and each table keeps aside the rows a push is
+        about to change (SparseTable.begin_dump). Async pushes change the dense arrays without
+        the lock: a stripe read then is as consistent as any pull of a Hogwild array.
+        `delta`: each table gives only the rows updated since the last dump began."""
         with self.cond:
             self.require_configured()
-            return dict(meta, version=self.version, signature=self.signature, total=self.total,
-                        start=self.start, end=self.end, params=self.params.copy(),
-                        state={k: v.copy() for k, v in self.optimizer.state.items()},
-                        clocks=dict(self.clocks), positions=dict(self.positions),
-                        tables=[t.config.to_dict() for t in self.tables.values()],
-                        rows={name: t.state() for name, t in self.tables.items()})
+            tables = [(t.config.to_dict(), t.columns, t.entry_dtype(), *t.begin_dump(delta))
+                      for t in self.tables.values()]
+            meta = dict(version=self.version, signature=self.signature, total=self.total, start=self.start,
+                        end=self.end, clocks={str(r): int(c) for r, c in self.clocks.items()},
+                        positions={str(r): [int(v) for v in p] for r, p in self.positions.items()})
+            dense = {"params": self.params, **{f"opt.{k}": v for k, v in self.optimizer.state.items()}}
+            self._dump = StateDump(self, meta, dense, tables)
+            return self._dump
+
+    def end_dump(self) -> StateDump | None:
+        """The dump is written (or failed): pushes stop keeping rows aside for it."""
+        with self.cond:
+            dump, self._dump = self._dump, None
+            for table in self.tables.values():
+                table.end_dump()
+            return dump
 
     def restore(self, ckpt) -> None:
         with self.cond:
@@ -322,6 +389,8 @@ class ShardStore:
         push's samples (mean_gradient, merge_rows: a push that did not touch a row adds zero to
         it). The gradients are left as they are; the caller holds cond."""
         out = self.pool.acquire() if len(grads) > 1 else None
+        if self._dump is not None:
+            self._dump.before_step()
         try:
             self.optimizer.step(self.params, mean_gradient(grads, counts, out), self.version)
         finally:

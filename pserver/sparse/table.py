@@ -26,6 +26,13 @@ counting again from zero.
 Counters: `creations` counts rows created (every admitted id, including an evicted id that
 came back), `admissions` the ids that passed a min_count >= 2 filter, `evictions` rows evicted.
 
+Checkpoints without a second copy (pserver.server.checkpoint): `begin_dump` fixes the rows a
+checkpoint holds (all of them, or for a delta those updated since the last dump began, with the
+ids evicted since), and `read_dump` hands them out a stripe at a time while pushes go on. Until
+a stripe is read, a push, an admission or an eviction that is about to change one of its rows
+first copies the row aside (copy-on-write at row granularity), so the file holds each row as it
+was when the dump began: the extra memory is the rows changed during the write, not the table.
+
 Every public method holds the table's lock, so a push never races a structural change; the
 kernels release the GIL, so different tables run in parallel.
 
@@ -342,6 +349,7 @@ class SparseTable:
         self._key = table_key(config.seed, self.table_index)
         self._slot_init = np.repeat(np.array(self.opt.initial, np.float32), self.dim)
         self._lock = threading.Lock()
+        self.track = False       # record evicted ids for incremental checkpoints (set by the shard)
         self._reset()
 
     def _reset(self) -> None:
@@ -351,6 +359,10 @@ class SparseTable:
         self._rows = _Entries(cols, background=True)
         self._pending = _Entries({"count": ((), np.int64)})
         self._counters = dict.fromkeys(COUNTERS, 0)
+        self._low: int | None = None          # the lowest step applied since the last dump began
+        self._evicted: list[np.ndarray] = []  # ids evicted since then (when tracked)
+        self._dump: _Dump | None = None
+        self.dump_peak = 0                    # bytes the last dump kept aside, at most
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -399,6 +411,9 @@ class SparseTable:
                                          c.min_count, idx)
             r.reserve(creates)
             p.reserve(new_pending)
+            if self._dump is not None:       # rows about to change or be created in place
+                self._dump.save(self, np.concatenate([idx[idx >= 0], np.arange(r.n, r.n + creates)]))
+            self._low = step if self._low is None else min(self._low, step)
             before = r.n
             r.n, p.n = _admit(r.slots, r.keys, r.bits, r.n, r.arrays["data"], self._steps(),
                               p.slots, p.keys, p.bits, p.n, p.arrays["count"], ids, idx,
@@ -444,6 +459,10 @@ class SparseTable:
         # Ties (rows last updated at the same step) go by id, so eviction is deterministic.
         tied = tied[np.argpartition(r.keys[tied], need - 1)[:need]] if need < tied.shape[0] else tied
         victims = np.sort(np.concatenate([below, tied]))[::-1].copy()
+        if self._dump is not None:           # the holes, and the last rows that fill them
+            self._dump.save(self, np.concatenate([victims, np.arange(r.n - k, r.n)]))
+        if self.track:
+            self._evicted.append(r.keys[victims].copy())
         r.n = _evict(r.slots, r.keys, r.bits, r.n, r.arrays["data"], r.arrays["last"],
                      self._steps(), victims)
         r.moved()
@@ -550,6 +569,70 @@ class SparseTable:
 
     # -- checkpoints --------------------------------------------------------------------------
 
+    @property
+    def columns(self) -> list[str]:
+        """The state() arrays that an entry's `data` holds side by side, in order."""
+        return ["rows"] + [f"slot_{name}" for name in self.opt.slots]
+
+    def entry_dtype(self) -> np.dtype:
+        """One row of a checkpoint file's entries array: id, last update, [steps], data."""
+        data = self._rows.arrays["data"]
+        return np.dtype([("id", "<u8"), ("last", "<i8")]
+                        + ([("steps", "<i8")] if self.opt.counts_steps else [])
+                        + [("data", data.dtype.str, (data.shape[1],))])
+
+    def _entries(self, where) -> np.ndarray:
+        """The entries at `where` (a slice or positions) as an entry_dtype array. Holds the lock."""
+        r = self._rows
+        keys = r.keys[where]
+        out = np.empty(keys.shape[0], self.entry_dtype())
+        out["id"], out["last"], out["data"] = keys, r.arrays["last"][where], r.arrays["data"][where]
+        if self.opt.counts_steps:
+            out["steps"] = self._steps()[where]
+        return out
+
+    def begin_dump(self, delta: bool) -> tuple[int, dict[str, np.ndarray]]:
+        """Fix what a checkpoint holds now: every row, or (delta) the rows updated since the last
+        dump began. Returns how many entries `read_dump` will hand out, and the small arrays,
+        copied: pending ids and counts, counters, and (delta) the ids evicted since."""
+        with self._lock:
+            r, p = self._rows, self._pending
+            if not delta:
+                chosen = None
+            elif self._low is None:
+                chosen = np.empty(0, np.int64)
+            else:
+                chosen = np.flatnonzero(r.arrays["last"][:r.n] >= self._low)
+            evicted = np.concatenate(self._evicted) if self._evicted else np.empty(0, np.uint64)
+            self._low, self._evicted = None, []
+            self._dump = _Dump(r.n, chosen)
+            small = {"pending_ids": p.keys[:p.n].copy(), "pending_counts": p.arrays["count"][:p.n].copy(),
+                     "counters": np.array([self._counters[k] for k in COUNTERS], np.int64)}
+            if delta:
+                small["evicted"] = evicted
+            return self._dump.count, small
+
+    def read_dump(self, a: int, b: int) -> np.ndarray:
+        """Entries a..b-1 of the dump (in row order) as they were when it began. Read them in
+        order: rows before b are no longer kept aside once read."""
+        with self._lock:
+            d = self._dump
+            if d is None:
+                raise RuntimeError(f"table {self.config.name!r}: no checkpoint dump in progress")
+            where = slice(a, b) if d.chosen is None else d.chosen[a:b]
+            out = self._entries(where)
+            if b > a:
+                first, last = (a, b - 1) if d.chosen is None else (int(where[0]), int(where[-1]))
+                d.restore(out, first, last, None if d.chosen is None else where)
+                d.advance(last + 1)
+            return out
+
+    def end_dump(self) -> None:
+        with self._lock:
+            if self._dump is not None:
+                self.dump_peak = self._dump.peak
+            self._dump = None
+
     def state(self) -> dict[str, np.ndarray]:
         """Copies of everything needed to continue exactly (load is its inverse)."""
         with self._lock:
@@ -574,13 +657,68 @@ class SparseTable:
         if self.opt.counts_steps:
             arrays["steps"] = state["steps"]
         with self._lock:
-            self._reset()
+            self._reset()                      # (ends a dump: the rows it promised are gone)
             self._rows.fill(state["ids"], arrays)
             self._pending.fill(state["pending_ids"], {"count": state["pending_counts"]})
             self._counters = dict(zip(COUNTERS, (int(v) for v in state["counters"])))
 
 
 _NO_STEPS = np.empty(0, np.int64)
+
+
+class _Dump:
+    """The rows one checkpoint of a table holds: positions 0..n0-1 (all, or `chosen` of them),
+    read in increasing position; rows at or past `cursor` that are about to change are copied
+    aside first (`save`), and a read takes those copies over the live rows. Used under the
+    table's lock."""
+
+    def __init__(self, n0: int, chosen: np.ndarray | None):
+        self.n0, self.chosen, self.cursor = n0, chosen, 0
+        self.count = n0 if chosen is None else int(chosen.shape[0])
+        self.seen: np.ndarray | None = None          # positions already copied aside (a mask of n0)
+        self.pos: list[np.ndarray] = []              # their positions, in parts, and the copies
+        self.copies: list[np.ndarray] = []
+        self.bytes = self.peak = 0                   # bytes kept aside now, and at most
+
+    def save(self, table: SparseTable, positions: np.ndarray) -> None:
+        positions = positions[(positions >= self.cursor) & (positions < self.n0)]
+        if self.chosen is not None and positions.size:
+            at = np.minimum(np.searchsorted(self.chosen, positions), max(self.chosen.shape[0] - 1, 0))
+            positions = positions[self.chosen[at] == positions] if self.chosen.size else positions[:0]
+        if not positions.size:
+            return
+        if self.seen is None:
+            self.seen = np.zeros(self.n0, np.bool_)
+        positions = np.unique(positions)
+        positions = positions[~self.seen[positions]]
+        if positions.size:
+            self.seen[positions] = True
+            self.pos.append(positions)
+            self.copies.append(table._entries(positions))
+            self.bytes += self.copies[-1].nbytes + positions.nbytes
+            self.peak = max(self.peak, self.bytes)
+
+    def restore(self, out: np.ndarray, first: int, last: int, where: np.ndarray | None) -> None:
+        """Put the copies of rows first..last (positions) over `out`, the live rows there."""
+        if not self.pos:
+            return
+        if len(self.pos) > 1:                   # one sorted part, so a stripe is a slice of it
+            pos, copies = np.concatenate(self.pos), np.concatenate(self.copies)
+            order = np.argsort(pos, kind="stable")
+            self.pos, self.copies = [pos[order]], [copies[order]]
+        pos, copies = self.pos[0], self.copies[0]
+        lo, hi = np.searchsorted(pos, first), np.searchsorted(pos, last, side="right")
+        if hi > lo:
+            at = pos[lo:hi] - first if where is None else np.searchsorted(where, pos[lo:hi])
+            out[at] = copies[lo:hi]
+
+    def advance(self, cursor: int) -> None:
+        """Rows before cursor are written: their copies are dropped and they change freely."""
+        self.cursor = cursor
+        if self.pos:
+            keep = np.searchsorted(self.pos[0], cursor)
+            self.pos, self.copies = [self.pos[0][keep:]], [self.copies[0][keep:]]
+            self.bytes = self.copies[0].nbytes + self.pos[0].nbytes
 
 
 def _check_state(table: SparseTable, state: dict) -> dict:
