@@ -249,6 +249,8 @@ def test_reshard_and_inspect_read_chains(tmp_path):
     files = report["sets"][0]["files"]
     assert [f["loads"] for f in files] == [True] * 3 and report["sets"][0]["consistent_cuts"] == [4, 3, 2]
     assert [f["kind"] for f in files] == ["delta", "delta", "base"]
+    lines = reshard.describe(report)
+    assert [line.split("  ")[-1].split(",")[0] for line in lines[1:4]] == ["delta", "delta", "base"]
 
 
 def test_pushes_during_a_write_change_the_live_rows_not_the_file(tmp_path, monkeypatch):

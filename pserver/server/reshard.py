@@ -303,8 +303,8 @@ def describe(report: dict) -> list[str]:
                      f"tables: {tables or 'none'}")
         for f in cs["files"]:
             rows = ", ".join(f"{k} {v:,}" for k, v in f.get("rows", {}).items()) or "none"
-            what = (f"loads (sha256 {f['sha256'][:12]}... holds), range {f['range']}, rows {rows}"
-                    if f["loads"] else f"DOES NOT LOAD: {f['why']}")
+            what = (f"{f['kind']}, loads (sha256 {f['sha256'][:12]}... holds), range {f['range']}, "
+                    f"rows {rows}" if f["loads"] else f"DOES NOT LOAD: {f['why']}")
             lines.append(f"  {f['file']}  {f['bytes']:,} bytes  {what}")
         if cs["missing_shards"]:
             lines.append(f"  no file of shard(s) {', '.join(map(str, cs['missing_shards']))}")
