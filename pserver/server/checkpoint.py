@@ -567,6 +567,7 @@ class Checkpointer:
                 return self.written
             kind = self._kind()
             dump = self.store.begin_dump(kind is not None)
+            kind = kind if dump.delta else None     # a table evicted too many ids for a delta
         except BaseException:
             self._end(-1, "")
             raise

@@ -210,6 +210,7 @@ class StateDump:
         self.read_to = dict.fromkeys(dense, 0)        # name -> elements read so far
         self.aside: dict[str, tuple[int, np.ndarray]] = {}   # name -> (from, copy of the rest)
         self.aside_bytes = 0
+        self.delta = False                            # rows updated since the last dump only
 
     def before_step(self) -> None:
         """A sync step is about to change every dense element: keep what is not read yet."""
@@ -319,9 +320,11 @@ class ShardStore:
         read (copy-on-write in sync and backup), and each table keeps aside the rows a push is
         about to change (SparseTable.begin_dump). Async pushes change the dense arrays without
         the lock: a stripe read then is as consistent as any pull of a Hogwild array.
-        `delta`: each table gives only the rows updated since the last dump began."""
+        `delta`: each table gives only the rows updated since the last dump began, unless one
+        evicted more ids since than a delta records (then the dump is whole: `dump.delta`)."""
         with self.cond:
             self.require_configured()
+            delta = delta and not any(t.needs_base for t in self.tables.values())
             tables = [(t.config.to_dict(), t.columns, t.entry_dtype(), *t.begin_dump(delta))
                       for t in self.tables.values()]
             meta = dict(version=self.version, signature=self.signature, total=self.total, start=self.start,
@@ -329,6 +332,7 @@ class ShardStore:
                         positions={str(r): [int(v) for v in p] for r, p in self.positions.items()})
             dense = {"params": self.params, **{f"opt.{k}": v for k, v in self.optimizer.state.items()}}
             self._dump = StateDump(self, meta, dense, tables)
+            self._dump.delta = delta
             return self._dump
 
     def end_dump(self) -> StateDump | None:

@@ -75,6 +75,7 @@ BACKGROUND_MIN_BITS = 20  # below 2**20 slots a rehash takes about 10 ms: done i
 COUNTERS = ("admissions", "creations", "evictions")
 PARALLEL_MIN = 8192   # ids per part, at least: below it a hand-off to a thread costs more than it saves
 MAX_THREADS = 64
+EVICTED_MAX = 2 << 20   # ids evicted between two dumps that a delta records (16 MiB); past it, a base
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -361,6 +362,7 @@ class SparseTable:
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._low: int | None = None          # the lowest step applied since the last dump began
         self._evicted: list[np.ndarray] = []  # ids evicted since then (when tracked)
+        self._evicted_count, self._evicted_overflow = 0, False
         self._dump: _Dump | None = None
         self.dump_peak = 0                    # bytes the last dump kept aside, at most
 
@@ -461,8 +463,11 @@ class SparseTable:
         victims = np.sort(np.concatenate([below, tied]))[::-1].copy()
         if self._dump is not None:           # the holes, and the last rows that fill them
             self._dump.save(self, np.concatenate([victims, np.arange(r.n - k, r.n)]))
-        if self.track:
+        if self.track and not self._evicted_overflow:
             self._evicted.append(r.keys[victims].copy())
+            self._evicted_count += victims.shape[0]
+            if self._evicted_count > EVICTED_MAX:    # a delta would be as big as a base: drop them,
+                self._evicted, self._evicted_overflow = [], True   # and the next dump is whole
         r.n = _evict(r.slots, r.keys, r.bits, r.n, r.arrays["data"], r.arrays["last"],
                      self._steps(), victims)
         r.moved()
@@ -591,11 +596,18 @@ class SparseTable:
             out["steps"] = self._steps()[where]
         return out
 
+    @property
+    def needs_base(self) -> bool:
+        """More ids were evicted since the last dump than a delta keeps (EVICTED_MAX)."""
+        return self._evicted_overflow
+
     def begin_dump(self, delta: bool) -> tuple[int, dict[str, np.ndarray]]:
         """Fix what a checkpoint holds now: every row, or (delta) the rows updated since the last
         dump began. Returns how many entries `read_dump` will hand out, and the small arrays,
         copied: pending ids and counts, counters, and (delta) the ids evicted since."""
         with self._lock:
+            if delta and self._evicted_overflow:
+                raise RuntimeError(f"table {self.config.name!r}: a delta after {EVICTED_MAX:,} evictions")
             r, p = self._rows, self._pending
             if not delta:
                 chosen = None
@@ -605,6 +617,7 @@ class SparseTable:
                 chosen = np.flatnonzero(r.arrays["last"][:r.n] >= self._low)
             evicted = np.concatenate(self._evicted) if self._evicted else np.empty(0, np.uint64)
             self._low, self._evicted = None, []
+            self._evicted_count, self._evicted_overflow = 0, False
             self._dump = _Dump(r.n, chosen)
             small = {"pending_ids": p.keys[:p.n].copy(), "pending_counts": p.arrays["count"][:p.n].copy(),
                      "counters": np.array([self._counters[k] for k in COUNTERS], np.int64)}
