@@ -478,18 +478,19 @@ def prepare(directory: str, flag: str, shard: int, num_shards: int) -> None:
 
 class Checkpointer:
     """When and where one shard writes checkpoints: at versions K, 2K, 3K... (every K steps),
-    every S seconds, and on request. At most one write is in flight (a bound on what a client
-    can make it hold): it holds the one snapshot, taken under the store's lock, so pushes wait
-    only for the copy.
+    every S seconds, and on request; a base or a delta (`_kind`). At most one write is in flight
+    (a bound on what a client can make it hold): it holds the one dump of the store
+    (ShardStore.begin_dump), begun under the store's lock and read a stripe at a time, so pushes
+    wait only for the stripe being copied, and copy aside only what they are about to change.
     A request that arrives meanwhile joins that write, or the write after it when the one
     in flight is older than the version the request saw. A failed write is logged in one
     line and counted, leaves no temporary file, and training goes on: the next interval
     tries again.
 
-    Snapshots are taken and written on one thread of their own, for the process's life:
-    pserver keeps freed heap memory where the thread that freed it will find it again
-    (pserver/launch/allocator.py), so one writer thread reuses one snapshot's memory write after write,
-    where snapshots taken by whichever RPC thread asked would each leave theirs behind."""
+    Dumps are begun and written on one thread of their own, for the process's life: pserver
+    keeps freed heap memory where the thread that freed it will find it again
+    (pserver/launch/allocator.py), so one writer thread reuses its stripes' memory write after
+    write, where writes by whichever RPC thread asked would each leave theirs behind."""
 
     def __init__(self, directory: str, flag: str, store, cfg) -> None:
         prepare(directory, flag, cfg.shard, cfg.num_shards)
