@@ -227,12 +227,18 @@ def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dic
             **{f"test_{k}": v for k, v in metrics.items()}}
 
 
-def export_checkpoints(directory: str, out: str, options: dict, mode: str = "sync") -> dict:
+def export_checkpoints(directory: str, out: str, options: dict, mode: str = "sync",
+                       since: str | None = None) -> dict:
     """`pserver export`: the model a directory's checkpoints hold (the newest usable set of any
     number of shards, as a restore reads it: pserver.server.reshard), written as a model file at
     `out`, a directory for a model with sparse tables (pserver.models.saved). `options` are the
     worker's model and dataset flags given (model is required); the seed and the embedding
-    width default to the checkpoints' tables'. Returns what was written."""
+    width default to the checkpoints' tables'. Returns what was written.
+
+    `since`: a model of this job (an export, a --save, or one with deltas applied and compacted);
+    `out` is then a delta (docs/model-file.md): the dense weights, the rows last updated at or
+    after the version the model reflects (a row stepped from version v to v+1 records v), and
+    the ids the model holds that the checkpoints no longer do."""
     import dataclasses
 
     from pserver.models.ctr import CTR_MODELS
@@ -248,7 +254,8 @@ def export_checkpoints(directory: str, out: str, options: dict, mode: str = "syn
         raise ConfigError(f"--restore: {directory} holds no checkpoint (shard{{J}}-of{{S}}-v{{VERSION}}.ckpt "
                           "files)")
     old = max(found, key=lambda s: (max(v for files in found[s].values() for v, _ in files), s))
-    ckpt = reshard.combine(reshard.select(directory, old, mode), 1, 0)
+    ckpts = reshard.select(directory, old, mode)
+    ckpt = reshard.combine(ckpts, 1, 0)
     spec = options["model"]
     configs = ckpt.tables
     if configs and spec not in CTR_MODELS:
@@ -278,13 +285,22 @@ def export_checkpoints(directory: str, out: str, options: dict, mode: str = "syn
                           f"{ckpt.signature}, {ckpt.total:,} parameters; {spec} with these flags is "
                           f"{registered.signature()}, {registered.total:,}: {model.layout.describe()}); "
                           "check --model, --hidden and --embedding-dim")
-    tables = {t["name"]: (ckpt.rows[t["name"]]["ids"], ckpt.rows[t["name"]]["rows"]) for t in configs}
     summary = {"mode": mode, "num_shards": old, "optimizer": ckpt.optimizer, "steps": ckpt.version}
-    origin = {"checkpoints": os.path.abspath(directory), "num_shards": old, "version": ckpt.version}
+    origin = {"checkpoints": os.path.abspath(directory), "num_shards": old, "version": ckpt.version,
+              "versions": [c.version for c in ckpts], "job": ckpt.signature}
+    result = {"out": out, "model": spec, "num_params": model.layout.total, "num_shards": old,
+              "version": ckpt.version}
+    if since is not None:
+        tables, removed, delta = saved.delta_tables(since, model, ckpt, configs)
+        saved.save(out, model, ckpt.params, saved.definition(cfg, model, ds), summary, tables=tables,
+                   origin=origin, delta=delta, removed=removed)
+        return {**result, "since": delta["base_version"],
+                "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()},
+                "removed": {name: int(ids.shape[0]) for name, ids in removed.items()}}
+    tables = {t["name"]: (ckpt.rows[t["name"]]["ids"], ckpt.rows[t["name"]]["rows"]) for t in configs}
     saved.save(out, model, ckpt.params, saved.definition(cfg, model, ds), summary,
                tables=tables or None, origin=origin)
-    return {"out": out, "model": spec, "num_params": model.layout.total, "num_shards": old,
-            "version": ckpt.version, "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()}}
+    return {**result, "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()}}
 
 
 def load_model(path: str, model=None) -> SavedModel:

@@ -445,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--mode", default="sync", choices=MODES,
                     help="the job's mode: sync and backup read the newest version every shard has (a "
                          "consistent cut), async and ssp each shard's newest (default sync)")
+    ex.add_argument("--since", default=None, metavar="MODEL",
+                    help="write a delta instead: the rows changed since MODEL (an export or --save of "
+                         "this job) and the ids gone since; apply it with load_model(MODEL).apply(OUT)")
     ex.add_argument("--json", action="store_true", help="print JSON instead of a line")
     add_flags(ex, EXPORT_FLAGS, "model and dataset (as the run trained; seed and --embedding-dim default "
                                 "to the checkpoints')")
@@ -624,11 +627,17 @@ def cmd_export(ns) -> int:
     import json
 
     from pserver.api import export_checkpoints
-    result = export_checkpoints(ns.restore, ns.out, given(ns, EXPORT_FLAGS), ns.mode)
+    result = export_checkpoints(ns.restore, ns.out, given(ns, EXPORT_FLAGS), ns.mode, since=ns.since)
     if ns.json:
         print(json.dumps(result, indent=2))
         return 0
     tables = "".join(f", table {name} {n:,} rows" for name, n in result["tables"].items())
+    if ns.since:
+        removed = sum(result["removed"].values())
+        print(f"exported a delta of {result['model']} since {ns.since} (version {result['since']}: "
+              f"{tables[2:] or 'no tables'} changed, {removed:,} ids removed) from the checkpoints of "
+              f"{result['num_shards']} shard(s) at version {result['version']} to {result['out']}")
+        return 0
     print(f"exported {result['model']} ({result['num_params']:,} parameters{tables}) from the checkpoints of "
           f"{result['num_shards']} shard(s) at version {result['version']} to {result['out']}")
     return 0

@@ -60,6 +60,34 @@ class PullRowsRequest(_message.Message):
     ids: bytes
     def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., session: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
+class ExportRowsRequest(_message.Message):
+    __slots__ = ("rank", "shard", "session", "table")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    shard: int
+    session: str
+    table: str
+    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., session: _Optional[str] = ..., table: _Optional[str] = ...) -> None: ...
+
+class ExportRowsPage(_message.Message):
+    __slots__ = ("version", "total_rows", "dim", "dtype", "ids", "rows")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    total_rows: int
+    dim: int
+    dtype: str
+    ids: bytes
+    rows: bytes
+    def __init__(self, version: _Optional[int] = ..., total_rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ...) -> None: ...
+
 class TableStatus(_message.Message):
     __slots__ = ("name", "dim", "optimizer", "rows", "bytes", "pending_ids", "admissions", "creations", "evictions")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,11 @@ class ParameterServerStub:
                 request_serializer=pserver__pb2.PullRowsRequest.SerializeToString,
                 response_deserializer=pserver__pb2.TensorChunk.FromString,
                 _registered_method=True)
+        self.ExportRows = channel.unary_stream(
+                '/pserver.v1.ParameterServer/ExportRows',
+                request_serializer=pserver__pb2.ExportRowsRequest.SerializeToString,
+                response_deserializer=pserver__pb2.ExportRowsPage.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -163,6 +168,16 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportRows(self, request, context):
+        """Every row one sparse table holds on this shard, for `--save` of a model with sparse tables:
+        pages of ascending ids and their rows (a page at most about chunk_bytes; the first page
+        says how many rows follow in all and the shard's version), so that the chief merges the
+        shards' streams into one sorted table without holding it. Authorized as PullRows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +225,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PullRows,
                     request_deserializer=pserver__pb2.PullRowsRequest.FromString,
                     response_serializer=pserver__pb2.TensorChunk.SerializeToString,
+            ),
+            'ExportRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportRows,
+                    request_deserializer=pserver__pb2.ExportRowsRequest.FromString,
+                    response_serializer=pserver__pb2.ExportRowsPage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -455,6 +475,33 @@ class ParameterServer:
             '/pserver.v1.ParameterServer/PullRows',
             pserver__pb2.PullRowsRequest.SerializeToString,
             pserver__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pserver.v1.ParameterServer/ExportRows',
+            pserver__pb2.ExportRowsRequest.SerializeToString,
+            pserver__pb2.ExportRowsPage.FromString,
             options,
             channel_credentials,
             insecure,

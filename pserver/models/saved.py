@@ -28,9 +28,12 @@ sees half a model, and the next writer removes what a killed one left.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import shutil
+import threading
+import uuid
 
 import numpy as np
 
@@ -77,13 +80,19 @@ def definition(cfg, model, ds) -> dict:
 
 
 def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict,
-         tables: dict | None = None, origin: dict | None = None) -> None:
+         tables: dict | None = None, origin: dict | None = None, delta: dict | None = None,
+         removed: dict | None = None, export_id: str | None = None) -> None:
     """Write the model file atomically (a temporary file renamed over `path`). Without a
     definition (a model built in Python), "model" is null: load it with load(path, model=...).
 
     A model with sparse tables needs `tables`, {name: (ids, rows)} for each of model.sparse_tables
     (any order of ids; written sorted); `path` is then a directory (module docstring), written
-    beside it as PATH.tmp-PID and renamed. `origin` (where the weights came from) goes to the JSON."""
+    beside it as PATH.tmp-PID and renamed. `origin` (where the weights came from) goes to the JSON.
+    A table's rows may also come as TableRows (pages, ascending), written as they come.
+
+    A delta (export --since) adds `delta` (its base: export_id, versions) to the JSON and writes
+    `removed`, {name: sorted uint64 ids}, as tables/<name>.removed.npy. `export_id`: the id to
+    record (compact() keeps the model's), else a new one."""
     layout = model.layout
     configs = list(getattr(model, "sparse_tables", None) or [])
     meta = {"format": FORMAT, "version": SPARSE_VERSION if configs else VERSION, "model": None,
@@ -104,32 +113,130 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
         arrays = {META: np.array(json.dumps(meta, indent=1)), **layout.views(w)}
         _write_atomically(path, lambda tmp: _write_npz(tmp, arrays), f"{path}.{os.getpid()}.tmp")
         return
-    sorted_tables = {}
-    for i, t in enumerate(configs):
+    sources = {}
+    for t in configs:
         if t.name not in (tables or {}):
             raise ConfigError(f"{path}: the rows of table {t.name!r} were not given; a model with sparse "
                               f"tables is saved with every table's rows")
-        ids, rows = _sorted_table(t, *tables[t.name])
-        same = next((name for name, (other, _) in sorted_tables.items() if np.array_equal(other, ids)), None)
-        sorted_tables[t.name] = (ids, rows)
-        meta.setdefault("tables", []).append({**t.to_dict(), "index": i, "rows": int(ids.shape[0]),
-                                              **({"ids_as": same} if same else {})})
-    arrays = {META: np.array(json.dumps(meta, indent=1)), **layout.views(w)}
+        given = tables[t.name]
+        sources[t.name] = given if isinstance(given, TableRows) else TableRows.of(t, *given)
+    meta["export_id"] = export_id or uuid.uuid4().hex    # what a delta names as its base (export --since)
+    if delta:
+        meta["delta"] = delta
 
     def write(tmp: str) -> None:
         os.makedirs(os.path.join(tmp, TABLES))
-        _write_npz(os.path.join(tmp, MODEL_NPZ), arrays)
-        for name, (ids, rows) in sorted_tables.items():
-            for what, a in (("ids", ids), ("rows", rows)):
-                with open(os.path.join(tmp, TABLES, f"{name}.{what}.npy"), "wb") as f:
-                    np.save(f, a, allow_pickle=False)
+        written = {}
+        for i, t in enumerate(configs):
+            n = _write_table(os.path.join(tmp, TABLES), t, sources[t.name])
+            ids = np.load(os.path.join(tmp, TABLES, f"{t.name}.ids.npy"), mmap_mode="r")
+            same = next((name for name, other in written.items() if _equal(other, ids)), None)
+            written[t.name] = ids
+            meta.setdefault("tables", []).append({**t.to_dict(), "index": i, "rows": n,
+                                                  **({"ids_as": same} if same else {})})
+            if delta:
+                gone = np.ascontiguousarray((removed or {}).get(t.name, np.empty(0, np.uint64)), np.uint64)
+                meta["tables"][-1]["removed"] = int(gone.shape[0])
+                with open(os.path.join(tmp, TABLES, f"{t.name}.removed.npy"), "wb") as f:
+                    np.save(f, gone, allow_pickle=False)
                     f.flush()
                     os.fsync(f.fileno())
         _fsync_dir(os.path.join(tmp, TABLES))
+        arrays = {META: np.array(json.dumps(meta, indent=1)), **layout.views(w)}
+        _write_npz(os.path.join(tmp, MODEL_NPZ), arrays)
         _fsync_dir(tmp)
 
     remove_stale(path)
     _write_atomically(path, write, f"{path}.tmp-{os.getpid()}")
+
+
+class TableRows:
+    """A table's rows as they come: `count` rows in all, `pages` an iterator of (ids, rows) with
+    the ids ascending across pages (a shard's ExportRows stream, the shards' streams merged, or
+    arrays sorted in memory). save() writes them page by page."""
+
+    def __init__(self, count: int, pages) -> None:
+        self.count, self.pages = int(count), pages
+
+    @classmethod
+    def of(cls, config, ids, rows) -> TableRows:
+        ids, rows = _sorted_table(config, ids, rows)
+        return cls(ids.shape[0], iter([(ids, rows)]))
+
+
+def merge_pages(streams: list):
+    """Page iterators of ascending, disjoint ids (one per shard) merged into one ascending
+    stream of pages: each round takes from every stream the ids up to the smallest of their
+    pages' last ids, so at most a page per stream is held."""
+    streams = [iter(s) for s in streams]
+    held: list = [None] * len(streams)
+    while True:
+        for k, s in enumerate(streams):
+            while s is not None and (held[k] is None or held[k][0].shape[0] == 0):
+                held[k] = next(s, None)
+                if held[k] is None:
+                    streams[k] = s = None
+        live = [k for k in range(len(streams)) if held[k] is not None]
+        if not live:
+            return
+        cutoff = min(held[k][0][-1] for k in live)
+        ids, rows = [], []
+        for k in live:
+            page_ids, page_rows = held[k]
+            m = int(np.searchsorted(page_ids, cutoff, side="right"))
+            ids.append(page_ids[:m])
+            rows.append(page_rows[:m])
+            held[k] = (page_ids[m:], page_rows[m:])
+        ids, rows = np.concatenate(ids), np.concatenate(rows)
+        order = np.argsort(ids, kind="stable")
+        yield ids[order], rows[order]
+
+
+def _npy_header(f, dtype, shape) -> None:
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                             "fortran_order": False, "shape": tuple(shape)})
+
+
+def _write_table(directory: str, config, source: TableRows) -> int:
+    """TABLE.ids.npy and TABLE.rows.npy from `source`, page by page (each file's header says
+    the count it was promised); DataError when the pages break the promise: fewer or more rows,
+    ids not ascending, another width. The rows keep the type they come in."""
+    n, dim, written, last = source.count, config.dim, 0, None
+    pages = iter(source.pages)
+    first = next(pages, None)
+    row_type = np.dtype(np.float32) if first is None else np.asarray(first[1]).dtype
+    paths = [os.path.join(directory, f"{config.name}.{what}.npy") for what in ("ids", "rows")]
+    with open(paths[0], "wb") as fi, open(paths[1], "wb") as fr:
+        _npy_header(fi, np.uint64, (n,))
+        _npy_header(fr, row_type.newbyteorder("<"), (n, dim))
+        for ids, rows in itertools.chain([first] if first is not None else [], pages):
+            ids = np.asarray(ids, dtype=np.uint64)
+            rows = np.asarray(rows)
+            if rows.shape != (ids.shape[0], dim) or rows.dtype != row_type:
+                raise DataError(f"table {config.name!r}: a page of {ids.shape[0]} ids came with rows "
+                                f"{rows.dtype}{list(rows.shape)}; expected {row_type}[{ids.shape[0]}, {dim}]")
+            if ids.shape[0] == 0:
+                continue
+            if (last is not None and ids[0] <= last) or (ids.shape[0] > 1 and not (ids[1:] > ids[:-1]).all()):
+                raise DataError(f"table {config.name!r}: ids not ascending (or an id twice) across pages")
+            written += ids.shape[0]
+            if written > n:
+                raise DataError(f"table {config.name!r}: more than the {n} rows promised")
+            fi.write(ids.astype("<u8", copy=False).tobytes())
+            fr.write(np.ascontiguousarray(rows, dtype=row_type.newbyteorder("<")).tobytes())
+            last = ids[-1]
+        if written != n:
+            raise DataError(f"table {config.name!r}: {written} rows came; {n} were promised")
+        for f in (fi, fr):
+            f.flush()
+            os.fsync(f.fileno())
+    return n
+
+
+def _equal(a: np.ndarray, b: np.ndarray, page: int = 1 << 20) -> bool:
+    """Two (mapped) id arrays equal, compared a page at a time."""
+    return a.shape == b.shape and all(np.array_equal(a[i:i + page], b[i:i + page])
+                                      for i in range(0, a.shape[0], page))
 
 
 def _sorted_table(config, ids, rows) -> tuple[np.ndarray, np.ndarray]:
@@ -214,14 +321,34 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_NO_IDS = np.empty(0, np.uint64)
+
+
+def _in_sorted(ids: np.ndarray, sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(pos, hit): sorted_ids[pos[i]] == ids[i] where hit[i]."""
+    if not sorted_ids.shape[0]:
+        return np.zeros(ids.shape[0], np.intp), np.zeros(ids.shape[0], bool)
+    pos = np.minimum(np.searchsorted(sorted_ids, ids), sorted_ids.shape[0] - 1)
+    return pos, sorted_ids[pos] == ids
+
+
 class MappedTable:
     """One table of a sparse model: its sorted ids and rows memory-mapped; lookup() reads a row
-    by binary search, and an id it does not hold as its initial value (as a shard does)."""
+    by binary search, and an id it does not hold as its initial value (as a shard does).
+
+    Deltas applied (SavedModel.apply) change it while it serves: rows of ids it holds are
+    overwritten in place (the rows are then mapped copy-on-write: the pages written become this
+    process's own, the files stay as they were), new ids go to an overlay and removed ids to
+    tombstones (they read their initial value). The overlay and tombstones are one tuple, built
+    aside and swapped; a row is overwritten under the lock that lookups hold while they copy
+    rows out: a lookup sees each row as it was before an apply or after it, never half."""
 
     def __init__(self, config, index: int, ids: np.ndarray, rows: np.ndarray, ids_as: str | None = None):
         self.config, self.index, self.ids, self.rows = config, index, ids, rows
         self.name, self.dim = config.name, config.dim
         self.ids_as = ids_as            # an earlier table whose ids are these (searched once for both)
+        self.lock = threading.Lock()    # held while rows are copied out of self.rows or written into it
+        self.extra = (_NO_IDS, np.empty((0, self.dim), np.float32), _NO_IDS)   # overlay ids, rows; tombstones
 
     def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(pos, hit) for uint64 ids: self.ids[pos[i]] == ids[i] where hit[i]."""
@@ -241,15 +368,68 @@ class MappedTable:
         known (from a table that holds the same ids)."""
         ids = np.asarray(ids, dtype=np.uint64)
         pos, hit = found if found is not None else self.find(ids)
+        over_ids, over_rows, tombs = self.extra          # one read: an apply swaps the tuple
+        if tombs.shape[0]:
+            hit = hit & ~_in_sorted(ids, tombs)[1]
         if hit.all():
-            np.take(self.rows, pos, axis=0, out=out)
+            with self.lock:
+                np.take(self.rows, pos, axis=0, out=out)
             return
-        out[hit] = self.rows[pos[hit]]
-        miss = ~hit
-        initial = np.empty((int(miss.sum()), self.dim), np.float32)
+        with self.lock:
+            out[hit] = self.rows[pos[hit]]
+        miss = np.flatnonzero(~hit)
+        if over_ids.shape[0]:
+            at, there = _in_sorted(ids[miss], over_ids)
+            out[miss[there]] = over_rows[at[there]]
+            miss = miss[~there]
+        initial = np.empty((miss.shape[0], self.dim), np.float32)
         c = self.config
         sparse.initial_rows(ids[miss], self.dim, c.seed, self.index, c.init_scale, initial)
         out[miss] = initial
+
+    def prepare(self, ids: np.ndarray, rows: np.ndarray, removed: np.ndarray):
+        """What apply() will do for a delta's changed rows (sorted ids) and removed ids, worked
+        out without changing anything: (positions and rows to overwrite, the new extra tuple)."""
+        over_ids, over_rows, tombs = self.extra
+        pos, held = _in_sorted(ids, self.ids)
+        # the overlay: its rows not removed and not changed, plus the changed ids the base lacks
+        keep = ~_in_sorted(over_ids, np.union1d(removed, ids))[1]
+        new_ids = np.concatenate([over_ids[keep], ids[~held]])
+        new_rows = np.concatenate([over_rows[keep], rows[~held]])
+        order = np.argsort(new_ids, kind="stable")
+        # tombstones: removed ids the base holds, less the ids a row comes back to
+        gone = removed[_in_sorted(removed, self.ids)[1]]
+        tombs = np.setdiff1d(np.union1d(tombs, gone), ids[held], assume_unique=True)
+        return (pos[held], rows[held]), (new_ids[order], new_rows[order], tombs)
+
+    def commit(self, plan, page: int = 1 << 14) -> None:
+        """apply()'s second half: rows overwritten in place (a page at a time under the lock),
+        then the new overlay and tombstones swapped in."""
+        (pos, rows), extra = plan
+        if pos.shape[0]:
+            if not self.rows.flags.writeable:     # the user's files stay as they are
+                private = np.load(self.rows.filename, mmap_mode="c", allow_pickle=False)
+                with self.lock:
+                    self.rows = private
+            for a in range(0, pos.shape[0], page):
+                with self.lock:
+                    self.rows[pos[a:a + page]] = rows[a:a + page]
+        self.extra = extra
+
+    def pages(self, page: int = 1 << 16):
+        """(ids, rows) pages of what the table reads now, ascending: the base less its tombstones,
+        merged with the overlay (what compact() writes)."""
+        over_ids, over_rows, tombs = self.extra
+
+        def base():
+            for a in range(0, self.ids.shape[0], page):
+                ids = np.asarray(self.ids[a:a + page])
+                keep = ~_in_sorted(ids, tombs)[1]
+                with self.lock:
+                    rows = np.asarray(self.rows[a:a + page])[keep]
+                yield ids[keep], rows
+        count = self.ids.shape[0] - tombs.shape[0] + over_ids.shape[0]
+        return count, merge_pages([base(), iter([(over_ids, over_rows)])])
 
     def __repr__(self) -> str:
         return f"MappedTable({self.name}: {self.ids.shape[0]:,} rows x {self.dim})"
@@ -270,7 +450,7 @@ def read_tables(path: str, meta: dict) -> list[MappedTable]:
     for i, entry in enumerate(meta.get("tables") or []):
         try:
             config = sparse.TableConfig.from_dict({k: v for k, v in entry.items()
-                                                   if k not in ("index", "rows", "ids_as")})
+                                                   if k not in ("index", "rows", "ids_as", "removed")})
         except (ConfigError, TypeError) as e:
             raise DataError(f"{path}: table {i} of the JSON is not a table config ({e})") from None
         if entry.get("index") != i:
@@ -306,12 +486,13 @@ class SavedModel:
                  tables: list | None = None) -> None:
         self.model, self.weights, self.meta, self.path = model, weights, meta, path
         self.tables = tables or []
+        self._applying = threading.Lock()       # one apply() or compact() at a time
 
     def rows(self, ids_per_table) -> list:
         """The batch's TableLookups with their rows read from the tables (what a worker pulls
         from the shards); tables fed the same ids share one dedupe."""
         lookups, seen, found = [], {}, {}
-        for ids, t in zip(ids_per_table, self.tables):
+        for ids, t in zip(ids_per_table, self.tables):      # (compact() swaps the list whole)
             first = seen.get(id(ids))
             lookup = sparse.TableLookup.like(first, t.dim) if first else sparse.TableLookup.of(ids, t.dim)
             seen.setdefault(id(ids), lookup)
@@ -337,6 +518,65 @@ class SavedModel:
         """{"loss", "accuracy"} (and "auc" for a binary loss), or {"loss", "r2"}."""
         return self.model.evaluate(self.weights, x, y, batch_size=batch_size, **self._sparse())
 
+    def apply(self, delta: str) -> dict:
+        """Bring this serving copy up to a delta written by `pserver export --since` of this
+        model (or of the model its last applied delta made): changed rows overwrite in place,
+        new ids go to an overlay, removed ids read their initial value again; the dense weights
+        are replaced. Safe while other threads predict (MappedTable). A delta of another model,
+        or out of order, is refused (DataError) and nothing changes. Returns its counts."""
+        with self._applying:
+            meta, arrays = read(delta)
+            info = meta.get("delta")
+            if not isinstance(info, dict):
+                raise DataError(f"{delta}: not a delta (a whole model): load it with load_model")
+            mine = self.meta.get("export_id")
+            if info.get("base_id") != mine:
+                raise DataError(f"{delta}: a delta of model {info.get('base_id')} (version "
+                                f"{info.get('base_version')}); this copy is model {mine} (version "
+                                f"{(self.meta.get('origin') or {}).get('version')}): apply the deltas "
+                                "of this model, in the order they were exported")
+            weights = weights_of(delta, meta, arrays, self.model.layout)
+            entries = meta.get("tables") or []
+            if [(e.get("name"), e.get("dim")) for e in entries] != [(t.name, t.dim) for t in self.tables]:
+                raise DataError(f"{delta}: holds tables {[(e.get('name'), e.get('dim')) for e in entries]}; "
+                                f"this model has {[(t.name, t.dim) for t in self.tables]}")
+            plans, counts = [], {}
+            for t, part in zip(self.tables, read_tables(delta, meta)):
+                try:
+                    removed = np.load(os.path.join(delta, TABLES, f"{t.name}.removed.npy"),
+                                      allow_pickle=False)
+                except (OSError, ValueError) as e:
+                    raise DataError(f"{delta}: table {t.name!r}: its removed ids do not load ({e})") from None
+                if (removed.dtype != np.uint64 or removed.ndim != 1
+                        or np.unique(removed).shape != removed.shape):
+                    raise DataError(f"{delta}: table {t.name!r}: removed ids are not uint64 (n,), unique")
+                removed = np.sort(removed)
+                plans.append(t.prepare(np.asarray(part.ids), np.asarray(part.rows), removed))
+                counts[t.name] = {"changed": int(part.ids.shape[0]), "removed": int(removed.shape[0])}
+            for t, plan in zip(self.tables, plans):     # nothing changed before this point
+                t.commit(plan)
+            self.weights = weights
+            self.meta = {**self.meta, "export_id": meta["export_id"], "origin": meta.get("origin"),
+                         "trained": meta.get("trained")}
+            return counts
+
+    def compact(self, out: str | None = None) -> None:
+        """Write the model as it reads now (deltas applied) to `out` (default: the directory it
+        was loaded from, replaced atomically) and serve from those files, mapped read-only. The
+        files are what `pserver export` of the same checkpoints writes, row for row."""
+        with self._applying:
+            out = out or self.path
+            tables = {}
+            for t in self.tables:
+                count, pages = t.pages()
+                tables[t.name] = TableRows(count, pages)
+            definition = {k: self.meta.get(k) for k in ("model", "arguments", "dataset")}
+            save(out, self.model, self.weights, definition, self.meta.get("trained") or {}, tables=tables,
+                 origin=self.meta.get("origin"), export_id=self.meta.get("export_id"))
+            meta, _ = read(out)
+            self.tables = tables_of(out, meta, self.model)
+            self.meta, self.path = meta, out
+
     def __repr__(self) -> str:
         tables = "".join(f" + table {t.name} ({t.ids.shape[0]:,} rows x {t.dim})" for t in self.tables)
         return f"SavedModel({self.path}: {self.meta['name']}, {self.meta['num_params']:,} parameters{tables})"
@@ -346,6 +586,9 @@ def load(path: str, model=None) -> SavedModel:
     """Read a model file. The model is built again from its definition, unless `model` is
     given: a Sequential (or model object) of the same layout, or a --model spec string."""
     meta, arrays = read(path)
+    if meta.get("delta"):
+        raise DataError(f"{path}: a delta (pserver export --since), not a model: apply it to the model it "
+                        f"was exported since: load_model(MODEL).apply({path!r})")
     if model is None and meta.get("model") is None:
         raise ConfigError(f"{path}: was saved from a model built in Python, which the file cannot "
                           f"rebuild; give it: load_model({path!r}, model=...)")
@@ -365,6 +608,38 @@ def tables_of(path: str, meta: dict, model) -> list[MappedTable]:
         raise DataError(f"{path}: holds sparse tables {got or 'none'}; the model "
                         f"({getattr(model, 'name', type(model).__name__)}) has {want or 'none'}")
     return tables
+
+
+def delta_tables(since: str, model, ckpt, configs: list[dict]) -> tuple[dict, dict, dict]:
+    """For `pserver export --since MODEL`: each table's rows last updated at or after the version
+    MODEL reflects on the row's shard (a row stepped from version v to v+1 records v) and the ids
+    MODEL holds that the checkpoint `ckpt` (combined) does not; and the delta's base (JSON)."""
+    meta, _ = read(since)
+    origin = meta.get("origin") or {}
+    if meta.get("delta"):
+        raise ConfigError(f"--since: {since} is a delta; give the model it applies to, compacted "
+                          "(SavedModel.compact) after its deltas")
+    if not origin.get("versions") or not meta.get("export_id"):
+        raise ConfigError(f"--since: {since} does not record the versions it reflects (written before "
+                          "deltas existed); export the checkpoints in full once")
+    if origin.get("job") != ckpt.signature:
+        raise ConfigError(f"--since: {since} is a model of another job (layout {origin.get('job')}); the "
+                          f"checkpoints are of {ckpt.signature}")
+    versions = np.asarray(origin["versions"], np.int64)
+    if ckpt.version < versions.max():
+        raise ConfigError(f"--since: {since} reflects version {int(versions.max())}, newer than the "
+                          f"checkpoints' {ckpt.version}")
+    base = {t.name: t for t in tables_of(since, meta, model)}
+    tables, removed = {}, {}
+    for t in configs:
+        rows = ckpt.rows[t["name"]]
+        ids = rows["ids"].astype(np.uint64, copy=False)
+        changed = rows["last_update"] >= versions[sparse.shard_of(ids, versions.shape[0])]
+        tables[t["name"]] = (ids[changed], rows["rows"][changed])
+        removed[t["name"]] = np.setdiff1d(np.asarray(base[t["name"]].ids), np.sort(ids), assume_unique=True)
+    delta = {"base_id": meta["export_id"], "base_version": int(versions.max()),
+             "base_versions": origin["versions"]}
+    return tables, removed, delta
 
 
 def build(meta: dict, spec: str, hidden=None):
@@ -426,5 +701,6 @@ def weights_of(path: str, meta: dict, arrays: dict, layout) -> np.ndarray:
     return flat
 
 
-__all__ = ["FORMAT", "VERSION", "SPARSE_VERSION", "META", "MappedTable", "SavedModel", "definition", "save",
+__all__ = ["FORMAT", "VERSION", "SPARSE_VERSION", "META", "MappedTable", "SavedModel", "TableRows",
+           "definition", "save", "merge_pages", "delta_tables",
            "load", "read", "read_tables", "tables_of", "remove_stale", "build", "weights_of"]

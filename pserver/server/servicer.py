@@ -89,6 +89,9 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
     handlers["PullRows"] = grpc.unary_stream_rpc_method_handler(
         servicer.PullRows, request_deserializer=pb.PullRowsRequest.FromString,
         response_serializer=codec.serialize_chunk)
+    handlers["ExportRows"] = grpc.unary_stream_rpc_method_handler(
+        servicer.ExportRows, request_deserializer=pb.ExportRowsRequest.FromString,
+        response_serializer=pb.ExportRowsPage.SerializeToString)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("pserver.v1.ParameterServer", handlers),))
 
@@ -155,6 +158,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                                              session=request.session)
         header = pb.TensorHeader(shard=request.shard, step=version)
         yield from codec.encode(header, rows, self.shard.cfg.chunk_bytes)
+
+    @_stream_status
+    def ExportRows(self, request, context):
+        version, total, pages = self.shard.export_rows(request.rank, request.shard, request.table,
+                                                       session=request.session)
+        empty = True
+        for ids, rows in pages:
+            empty = False
+            yield pb.ExportRowsPage(version=version, total_rows=total, dim=rows.shape[1],
+                                    dtype=rows.dtype.name,
+                                    ids=ids.astype("<u8", copy=False).tobytes(),
+                                    rows=rows.astype(rows.dtype.newbyteorder("<"), copy=False).tobytes())
+        if empty:
+            dim = self.shard.table(request.table).config.dim
+            yield pb.ExportRowsPage(version=version, total_rows=0, dim=dim, dtype="float32")
 
     def _push(self, h, rows, fill):
         return self.shard.push(PushRequest(h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples,

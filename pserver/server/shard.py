@@ -347,6 +347,31 @@ class Shard:
         s.counters.add("rows_pulled", ids.size)
         return version, rows
 
+    def export_rows(self, rank: int, shard: int, table: str, session: str | None = None,
+                    page_bytes: int | None = None):
+        """(version, total, pages): every row `table` holds, as pages of (ascending ids, rows)
+        of at most about `page_bytes` (--chunk-bytes), read page by page (8 bytes a row are
+        copied up front: the ids, sorted). Authorized as pull_rows. A row evicted while the
+        pages are read reads its initial value; one pushed to meanwhile, its value then."""
+        self.check_shard(shard)
+        s = self.store
+        with s.cond:
+            s.require_configured()
+            self.members.authorize(rank, session, revive=True)
+            t = self.table(table)
+            version = s.version
+        ids = t.sorted_ids()
+        per_page = max(1, (page_bytes or self.cfg.chunk_bytes) // (8 + 4 * t.config.dim))
+
+        def pages():
+            for a in range(0, ids.shape[0], per_page):
+                page = ids[a:a + per_page]
+                rows = np.empty((page.shape[0], t.config.dim), dtype=np.float32)
+                t.lookup(page, rows)
+                s.counters.add("rows_pulled", page.shape[0])
+                yield page, rows
+        return version, int(ids.shape[0]), pages()
+
     def row_buffers(self, parts: list[tuple[str, int]]) -> list[RowGrads]:
         """Shard-owned arrays for a push's sparse parts [(table, number of ids)], checked
         before a byte of them is received."""

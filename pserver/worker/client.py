@@ -97,6 +97,9 @@ class ShardClient:
         self.pull_rows_call = self.channel.unary_stream(service + "PullRows",
                                                         request_serializer=pb.PullRowsRequest.SerializeToString,
                                                         response_deserializer=codec.parse_chunk)
+        self.export_rows_call = self.channel.unary_stream(
+            service + "ExportRows", request_serializer=pb.ExportRowsRequest.SerializeToString,
+            response_deserializer=pb.ExportRowsPage.FromString)
         self.info: Registration | None = None
         self.fast: dataplane.DataPlaneChannel | None = None   # same-host shared memory
         self._joined: tuple | None = None       # Register's arguments, to join a restarted shard
@@ -357,6 +360,29 @@ class ShardClient:
             codec.receive_into(out, chunks)
 
         self.call(run)
+
+    def export_rows(self, rank: int, table: str, timeout: float):
+        """(version, total rows, pages): every row of `table` on this shard, as pages of
+        (ascending uint64 ids, rows) read from the stream as they are consumed (ExportRows)."""
+        req = pb.ExportRowsRequest(rank=rank, shard=self.index, session=self.session, table=table)
+        stream = self.call(self.export_rows_call, req, timeout=timeout)
+        first = self.call(next, stream, None)
+        if first is None:
+            raise InvalidArgument(f"{self.label}: ExportRows sent nothing for table '{table}'")
+
+        def page(p) -> tuple[np.ndarray, np.ndarray]:
+            ids = np.frombuffer(p.ids, dtype="<u8")
+            rows = np.frombuffer(p.rows, dtype=np.dtype(p.dtype).newbyteorder("<"))
+            if rows.size != ids.size * p.dim:
+                raise InvalidArgument(f"{self.label}: an ExportRows page of {ids.size} ids carries "
+                                      f"{rows.size} values; expected {ids.size} x {p.dim}")
+            return ids, rows.reshape(ids.size, p.dim)
+
+        def pages():
+            yield page(first)
+            for p in iter(lambda: self.call(next, stream, None), None):
+                yield page(p)
+        return first.version, first.total_rows, pages()
 
     def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
              timeout: float, rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
@@ -715,6 +741,14 @@ class PSClient:
     def checkpoint(self) -> list[tuple[str, int]]:
         """Ask every shard to write a checkpoint now; ("", version) where it keeps none."""
         return self.each(lambda s: s.checkpoint(self.rank, self.rpc_deadline))
+
+    def export_table(self, table: str, timeout: float = 600.0):
+        """Every row of `table` on every shard: ([each shard's version], total rows, pages of
+        ascending ids and their rows, the shards' streams merged as they are read)."""
+        from pserver.models.saved import merge_pages
+        streams = [s.export_rows(self.rank, table, timeout) for s in self.shards]
+        return ([v for v, _, _ in streams], sum(n for _, n, _ in streams),
+                merge_pages([p for _, _, p in streams]))
 
     def stop_shards(self) -> list[tuple[str, int]]:
         """The chief's last call: every shard checkpoints, then exits 0 (--stop-shards)."""

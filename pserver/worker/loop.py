@@ -182,11 +182,6 @@ def run_worker(cfg: WorkerConfig) -> dict | None:
 def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None = None) -> dict | None:
     """The training loop with a model and data already built (the CLI and pserver.train).
     `definition` is how the model was built (for --save; None: a model built in Python)."""
-    if cfg.save and sparse_tables(model):
-        raise ConfigError(f"--save: model {model_name(model)} keeps its sparse tables on the shards, which "
-                          f"--save does not gather yet; train with --checkpoint-dir DIR and write the "
-                          f"model from the checkpoints: pserver export --restore DIR --model "
-                          f"{model_name(model)} ... --out MODEL (docs/model-file.md)")
     report = TrainingReport(cfg)            # a busy --metrics-port fails here, before any call
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca), compression=cfg.compress,
@@ -220,7 +215,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
             return None
         summary = finish(cfg, ds, model, client, w, mode, history, started, start, rows)
         if cfg.save:
-            saved.save(cfg.save, model, w, definition, summary)
+            save_model(cfg, client, model, w, definition, summary)
             print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
                   f"{cfg.save}", flush=True)
         if cfg.stop_shards:
@@ -233,6 +228,23 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
     finally:
         report.close()
         client.close()
+
+
+def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, definition: dict | None,
+               summary: dict) -> None:
+    """--save: the model file; a model with sparse tables gets every table's rows, streamed
+    from the shards (ExportRows) and merged into sorted files as they come. After a sync or
+    backup run they are the rows of the final version, as the dense weights are; in async or
+    ssp, each shard's rows when its stream began (workers still pushing may move them)."""
+    tables, origin = None, None
+    if sparse_tables(model):
+        tables, versions = {}, None
+        for t in sparse_tables(model):
+            versions, count, pages = client.export_table(t.name, max(cfg.rpc_deadline, 3600.0))
+            tables[t.name] = saved.TableRows(count, pages)
+        origin = {"live": True, "num_shards": len(cfg.ps), "versions": versions,
+                  "version": max(versions), "job": registered_layout(model).signature()}
+    saved.save(cfg.save, model, w, definition, summary, tables=tables, origin=origin)
 
 
 def check_fresh(client: PSClient, infos, require_fresh: bool) -> None:
