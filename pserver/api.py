@@ -193,6 +193,7 @@ def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dic
     from pserver.worker.loop import fit_data
     with _the_model_file():
         meta, arrays = saved.read(model_file) if model_file else ({}, {})
+        saved.refuse_delta(model_file, meta)
     spec = options.get("model") or (meta.get("model") if meta else "mlp")
     if spec is None:
         raise ConfigError(f"--model: {model_file} was saved from a model built in Python; give its "

@@ -586,9 +586,7 @@ def load(path: str, model=None) -> SavedModel:
     """Read a model file. The model is built again from its definition, unless `model` is
     given: a Sequential (or model object) of the same layout, or a --model spec string."""
     meta, arrays = read(path)
-    if meta.get("delta"):
-        raise DataError(f"{path}: a delta (pserver export --since), not a model: apply it to the model it "
-                        f"was exported since: load_model(MODEL).apply({path!r})")
+    refuse_delta(path, meta)
     if model is None and meta.get("model") is None:
         raise ConfigError(f"{path}: was saved from a model built in Python, which the file cannot "
                           f"rebuild; give it: load_model({path!r}, model=...)")
@@ -596,6 +594,13 @@ def load(path: str, model=None) -> SavedModel:
         model = build(meta, model or meta["model"])
     weights = weights_of(path, meta, arrays, model.layout)
     return SavedModel(model, weights, meta, path, tables_of(path, meta, model))
+
+
+def refuse_delta(path: str, meta: dict) -> None:
+    """DataError when the file read is a delta, which is applied, not loaded."""
+    if meta.get("delta"):
+        raise DataError(f"{path}: a delta (pserver export --since), not a model: apply it to the model it "
+                        f"was exported since: load_model(MODEL).apply({path!r})")
 
 
 def tables_of(path: str, meta: dict, model) -> list[MappedTable]:

@@ -76,11 +76,3 @@ def test_workers_read_a_criteo_file_and_skip_malformed_lines(tmp_path):
     s = read_json(summary)
     assert s["dataset"].startswith("criteo") and s["test_auc"] is not None
     assert s["sparse_tables"]["linear"]["rows"] > 100
-
-
-def test_save_refuses_a_model_with_sparse_tables(tmp_path):
-    r = run("worker", "--ps", "127.0.0.1:1", "--model", "deepfm", "--dataset", "criteo-synthetic",
-            "--samples", "1000", "--test-samples", "100", "--save", str(tmp_path / "m.npz"))
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "--save" in r.stderr and "--checkpoint-dir" in r.stderr and "Traceback" not in r.stderr
-    assert "pserver export --restore DIR --model deepfm" in r.stderr

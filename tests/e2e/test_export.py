@@ -27,18 +27,24 @@ from tests.e2e.conftest import pserver_cmd, read_json, run
 pytestmark = pytest.mark.e2e
 
 DATA = ["--dataset", "criteo-synthetic", "--samples", "4000", "--test-samples", "2000"]
-# --min-count 2: ids seen once are never stored, so the test set reads many initial rows.
+# --min-count 2: ids seen once are never stored, so the test set reads many initial rows;
+# --max-rows: rows are evicted (ids a later delta removes).
 JOB = ["--workers", "1", "--model", "wide_deep", *DATA, "--batch-size", "256", "--optimizer", "adam",
-       "--lr", "0.001", "--mode", "sync", "--seed", "5", "--min-count", "2", "--epochs", "1"]
+       "--lr", "0.001", "--mode", "sync", "--seed", "5", "--min-count", "2", "--max-rows", "2300"]
 EXPORT = ["--model", "wide_deep", *DATA]
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    """One run on 2 shards with checkpoints; the same checkpoints resharded onto 1 and 3."""
+    """One run on 2 shards with checkpoints and --save (live); the same checkpoints resharded
+    onto 1 and 3; the run continued for an epoch more (ckpt-later, --save live-later)."""
     base = tmp_path_factory.mktemp("export")
     ckpt, summary = str(base / "ckpt2"), str(base / "summary.json")
-    r = run("launch", "--ps", "2", *JOB, "--checkpoint-dir", ckpt, "--summary-json", summary, timeout=600)
+    r = run("launch", "--ps", "2", *JOB, "--epochs", "1", "--checkpoint-dir", ckpt, "--summary-json", summary,
+            "--save", str(base / "live"), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    r = run("launch", "--ps", "2", *JOB, "--epochs", "2", "--restore", ckpt, "--checkpoint-dir",
+            str(base / "ckpt-later"), "--save", str(base / "live-later"), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     for s in (1, 3):
         r = run("checkpoint", "reshard", "--from", ckpt, "--to", str(base / f"ckpt{s}"),
@@ -125,6 +131,80 @@ def test_any_number_of_shards_exports_the_same_model(job):
                 assert dense[0][name].tobytes() == dense[1][name].tobytes(), name
     ids = np.load(os.path.join(outs[0], "tables", "factors.ids.npy"))
     assert ids.dtype == np.uint64 and (np.diff(ids.astype(np.float64)) > 0).all() and len(ids) > 1000
+
+
+def same_model(a: str, b: str) -> None:
+    """Two sparse model directories with byte-identical tables and dense weights."""
+    names = sorted(os.listdir(os.path.join(a, "tables")))
+    assert names == sorted(os.listdir(os.path.join(b, "tables")))
+    for name in names:
+        with open(os.path.join(a, "tables", name), "rb") as f, \
+                open(os.path.join(b, "tables", name), "rb") as g:
+            assert f.read() == g.read(), (a, b, name)
+    dense = [dict(np.load(os.path.join(o, "model.npz"))) for o in (a, b)]
+    assert dense[0].keys() == dense[1].keys()
+    assert all(dense[0][k].tobytes() == dense[1][k].tobytes() for k in dense[0] if k != "pserver_model")
+
+
+def test_save_gathers_the_tables_live_as_the_checkpoints_export_them(job):
+    # Catches rows the chief did not gather from one shard, a merge out of order, rows of
+    # another version than the dense weights', and a refusal of --save left in place.
+    base, summary = job
+    out = str(base / "from-ckpt")
+    assert export(str(base / "ckpt2"), out).returncode == 0
+    same_model(str(base / "live"), out)
+    live = pserver.load_model(str(base / "live"))
+    assert live.meta["origin"]["live"] and live.meta["origin"]["versions"] == [15, 15]
+    assert live.meta["trained"]["test_auc"] == summary["test_auc"]
+    assert live.meta["origin"]["job"] == pserver.load_model(out).meta["origin"]["job"]
+    assert sorted(os.listdir(base)).count("live") == 1 and not glob.glob(str(base / "live.*"))
+
+
+def test_a_delta_applied_reads_as_a_fresh_export(job):
+    # Catches rows changed at the model's own version left out (last_update >= version, not >),
+    # removed ids that still read their old rows, and a compact() that differs from an export.
+    base, _ = job
+    delta = str(base / "delta")
+    r = export(str(base / "ckpt-later"), delta, "--since", str(base / "live"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "delta of wide_deep since" in r.stdout and "at version 30" in r.stdout, r.stdout
+    fresh = pserver.load_model(str(base / "live-later"))
+    before = {name: open(os.path.join(base, "live", "tables", name), "rb").read()
+              for name in os.listdir(base / "live" / "tables")}
+    serving = pserver.load_model(str(base / "live"))
+    counts = serving.apply(delta)
+    assert all(c["changed"] > 0 and c["removed"] > 0 for c in counts.values()), counts
+    ids = np.unique(np.concatenate([np.asarray(t.ids) for t in serving.tables + fresh.tables]
+                                   + [np.arange(50, dtype=np.uint64)]))
+    for a, b in zip(serving.tables, fresh.tables):
+        got, want = (np.empty((ids.size, a.dim), np.float32) for _ in range(2))
+        a.lookup(ids, got)
+        b.lookup(ids, want)
+        assert got.tobytes() == want.tobytes(), a.name
+    assert serving.weights.tobytes() == fresh.weights.tobytes()
+    ds = load_dataset("criteo-synthetic", seed=5, samples=4000, test_samples=2000)
+    assert serving.predict(ds.x_test[:512]).tobytes() == fresh.predict(ds.x_test[:512]).tobytes()
+    assert before == {name: open(os.path.join(base, "live", "tables", name), "rb").read() for name in before}
+
+    # Applied twice, or a delta of another model: refused, nothing changed.
+    for bad, words in ((delta, "apply the deltas of this model, in the order"),
+                       (str(base / "live"), "not a delta")):
+        with pytest.raises(pserver.DataError, match=words):
+            serving.apply(bad)
+    err = one_line_error(run("evaluate", "--model-file", delta))
+    assert "a delta" in err and ".apply(" in err
+
+    serving.compact(str(base / "compacted"))
+    same_model(str(base / "compacted"), str(base / "live-later"))
+    assert serving.meta["export_id"] == pserver.load_model(str(base / "compacted")).meta["export_id"]
+    # a delta since the compacted model: empty, and it applies to the serving copy
+    r = export(str(base / "ckpt-later"), str(base / "delta2"), "--since", str(base / "compacted"))
+    assert r.returncode == 0 and "0 ids removed" in r.stdout, r.stdout + r.stderr
+    nothing = {"changed": 0, "removed": 0}
+    assert serving.apply(str(base / "delta2")) == {"linear": nothing, "factors": nothing}
+    err = one_line_error(export(str(base / "ckpt2"), str(base / "delta3"), "--since",
+                                str(base / "live-later")))
+    assert "newer than the checkpoints" in err
 
 
 def test_kill_9_during_an_export_leaves_no_half_model(job):
