@@ -43,12 +43,12 @@ def rss(pid: int, field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field} for pid {pid}")
 
 
-def start_shards(n: int, ckpt: str) -> tuple[list[subprocess.Popen], list[str]]:
+def start_shards(n: int, ckpt: str, extra: list[str] = ()) -> tuple[list[subprocess.Popen], list[str]]:
     procs, addrs = [], []
     for j in range(n):
         p = subprocess.Popen([sys.executable, "-m", "pserver", "serve", "--port", "0", "--shard", str(j),
                               "--num-shards", str(n), "--num-workers", "1", "--checkpoint-dir", ckpt,
-                              "--optimizer", "sgd"],
+                              "--optimizer", "sgd", *extra],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in p.stdout:
             if "listening on" in line:

@@ -72,7 +72,7 @@ def test_any_sequence_of_deltas_reads_as_a_table_built_afresh(base, steps):
         for k, (changed, removed) in enumerate(steps):
             changed = np.array(sorted(changed - removed), np.uint64)
             removed = np.array(sorted(removed), np.uint64)
-            new_rows = np.full((changed.shape[0], DIM), k + 1, np.float32) + changed[:, None]
+            new_rows = (k + 1 + changed[:, None] + np.zeros(DIM)).astype(np.float32)
             table.commit(table.prepare(changed, new_rows, removed))
             for i in removed.tolist():
                 want.pop(i, None)

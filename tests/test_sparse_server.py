@@ -402,3 +402,32 @@ def test_a_steps_row_pull_and_push_hash_its_ids_once(shard_server, monkeypatch):
     np.testing.assert_allclose(pulled(c, ids), initial(ids) - TABLE.lr, rtol=1e-6)    # sgd
     assert calls == [40, 40]                       # a new lookup: hashed again
     c.close()
+
+
+def test_export_rows_streams_every_row_sorted_in_pages_and_checks_the_session(shard_server):
+    # Catches a shard that sends its rows in storage order (the chief's merge needs them
+    # ascending), pages larger than --chunk-bytes, a count that is not what follows, and an
+    # ExportRows that skips PullRows' session check.
+    servers = cluster(shard_server, chunk_bytes=64 * (8 + 4 * DIM))     # 64 rows a page
+    c = client(servers)
+    ids = np.random.default_rng(3).permutation(np.arange(1, 2001, dtype=np.int64) * 7919)
+    c.pull(np.empty(LAYOUT.total, np.float32))
+    push(c, lookup_with_grads(ids, np.ones((ids.size, DIM))))
+    versions, total, pages = c.export_table("emb")
+    pages = list(pages)
+    got = np.concatenate([i for i, _ in pages])
+    assert total == 2000 and versions == [1, 1] and got.tolist() == sorted(ids.tolist())
+    assert np.concatenate([r for _, r in pages]).tobytes() == pulled(c, got.view(np.int64)).tobytes()
+    streams = [s.export_rows(0, "emb", 5) for s in c.shards]
+    for _, n, shard_pages in streams:
+        shard_pages = list(shard_pages)
+        assert max(len(i) for i, _ in shard_pages) == 64 and sum(len(i) for i, _ in shard_pages) == n
+        assert all((np.diff(i.astype(np.float64)) > 0).all() for i, _ in shard_pages)
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(servers[0][0]))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.ExportRows(pb.ExportRowsRequest(rank=0, shard=0, session="x" * 32, table="emb"), timeout=5))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.ExportRows(pb.ExportRowsRequest(rank=0, shard=0, session=c.shards[0].session, table="x"),
+                             timeout=5))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no sparse table" in e.value.details()

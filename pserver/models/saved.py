@@ -22,7 +22,14 @@ A model with sparse tables (version 2) is a directory MODEL/ holding
 read with np.load(mmap_mode="r"), so a table need not fit in memory. An id the table does not
 hold reads its initial value (pserver.sparse.initial_rows of the seed, the index and init_scale),
 as a shard's lookup does. The directory is written as MODEL.tmp-PID and renamed: a reader never
-sees half a model, and the next writer removes what a killed one left.
+sees half a model, and the next writer removes what a killed one left. Its tables are written
+page by page (TableRows): from arrays (export), or as the shards stream them (--save, merged
+by merge_pages), never the whole table in memory.
+
+A delta (`pserver export --since MODEL`, delta_tables) is such a directory whose JSON names its
+base ("delta": the base's export_id) and whose tables hold the rows changed since and
+tables/<name>.removed.npy; SavedModel.apply takes it in while serving, compact() writes the
+result (docs/model-file.md, "Freshness: deltas").
 """
 
 from __future__ import annotations
