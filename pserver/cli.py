@@ -220,7 +220,9 @@ WORKER_FLAGS = [
     Flag("--tensorboard", dict(metavar="DIR", help="chief: write TensorBoard scalars here (train loss, "
                                "samples/s, staleness; test accuracy or AUC and loss per epoch)")),
     Flag("--save", dict(metavar="PATH", help="chief: write the trained model here at the end: its definition "
-                                             "and weights in an .npz that numpy reads (docs/model-file.md; "
+                                             "and weights in an .npz that numpy reads; a model with sparse "
+                                             "tables, a directory with every table's rows gathered from "
+                                             "the shards (docs/model-file.md; "
                                              "`pserver evaluate --model-file PATH`)")),
 ]
 # What `pserver evaluate` takes of the worker flags: the model and the dataset.
