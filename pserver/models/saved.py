@@ -27,6 +27,7 @@ sees half a model, and the next writer removes what a killed one left.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -94,8 +95,14 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
             "layout": [{"name": t.name, "shape": list(t.shape)} for t in layout.tensors],
             "task": getattr(model, "task", None),
             "trained": {k: summary.get(k) for k in TRAINED_FIELDS}}
-    if hasattr(model, "summary"):
+    if hasattr(model, "summary_text"):
+        meta["summary"] = model.summary_text()
+    elif hasattr(model, "summary"):
         meta["summary"] = model.summary()
+    if meta["model"] is None and hasattr(model, "get_config"):
+        # A model built in Python: its definition is its layers' configs (Keras's get_config),
+        # from which load() builds it again.
+        meta["sequential"] = model.get_config()
     if origin:
         meta["origin"] = origin
     if not configs:
@@ -346,6 +353,10 @@ def load(path: str, model=None) -> SavedModel:
     """Read a model file. The model is built again from its definition, unless `model` is
     given: a Sequential (or model object) of the same layout, or a --model spec string."""
     meta, arrays = read(path)
+    if model is None and meta.get("model") is None and meta.get("sequential"):
+        from pserver.models.sequential import Sequential
+        with _config_errors(path):
+            model = Sequential.from_config(meta["sequential"])
     if model is None and meta.get("model") is None:
         raise ConfigError(f"{path}: was saved from a model built in Python, which the file cannot "
                           f"rebuild; give it: load_model({path!r}, model=...)")
@@ -353,6 +364,16 @@ def load(path: str, model=None) -> SavedModel:
         model = build(meta, model or meta["model"])
     weights = weights_of(path, meta, arrays, model.layout)
     return SavedModel(model, weights, meta, path, tables_of(path, meta, model))
+
+
+@contextlib.contextmanager
+def _config_errors(path: str):
+    """A model file whose layers' configs do not build (a user's layer class not registered
+    in this process) names the file."""
+    try:
+        yield
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def tables_of(path: str, meta: dict, model) -> list[MappedTable]:

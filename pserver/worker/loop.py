@@ -179,9 +179,13 @@ def run_worker(cfg: WorkerConfig) -> dict | None:
     return run(cfg, device, ds, model, saved.definition(cfg, model, ds))
 
 
-def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None = None) -> dict | None:
+def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None = None,
+        callbacks=None) -> dict | None:
     """The training loop with a model and data already built (the CLI and pserver.train).
-    `definition` is how the model was built (for --save; None: a model built in Python)."""
+    `definition` is how the model was built (for --save; None: a model built in Python).
+    `callbacks`: an object with Keras's callback methods (pserver.keras.callbacks.CallbackList)
+    that the loop calls at the epochs' and steps' ends; its `stop_training` ends the run
+    after the epoch."""
     if cfg.save and sparse_tables(model):
         raise ConfigError(f"--save: model {model_name(model)} keeps its sparse tables on the shards, which "
                           f"--save does not gather yet; train with --checkpoint-dir DIR and write the "
@@ -213,12 +217,15 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         if compiling.stop().compiled and cfg.rank == 0:     # a first run: why it took a while
             print(compiling.describe(), flush=True)
         started = time.monotonic()
-        history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps))
+        history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps),
+                        callbacks or NoCallbacks())
         client.leave()
         if cfg.rank != 0:
             say_if_chief_gone(client)
+            callbacks and callbacks.on_weights(w)
             return None
         summary = finish(cfg, ds, model, client, w, mode, history, started, start, rows)
+        callbacks and callbacks.on_weights(w)         # the final weights (a Keras model keeps them)
         if cfg.save:
             saved.save(cfg.save, model, w, definition, summary)
             print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
@@ -307,9 +314,23 @@ def warm_up(model, w: np.ndarray, ds, batch_size: int, rows: Rows) -> None:
         model.loss_and_grad(w, x, y, np.empty_like(w))
 
 
+class NoCallbacks:
+    """What the loop calls when no one listens (the CLI's workers)."""
+    stop_training = False
+
+    def on_train_begin(self, logs=None): pass
+    def on_epoch_begin(self, epoch, logs=None): pass
+    def on_train_batch_end(self, batch, logs=None): pass
+    def on_epoch_end(self, epoch, logs=None): pass
+    def on_train_end(self, logs=None): pass
+    def on_weights(self, w): pass
+
+
 def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: Rows,
-          report: TrainingReport, start: int = 0) -> dict:
-    """The epochs, from step `start` of the run on (a resumed worker's; 0 otherwise)."""
+          report: TrainingReport, start: int = 0, callbacks=None) -> dict:
+    """The epochs, from step `start` of the run on (a resumed worker's; 0 otherwise).
+    `callbacks` hear of each step and epoch (the chief's epoch logs hold the test metrics)."""
+    callbacks = callbacks or NoCallbacks()
     steps = ds.steps(cfg.num_workers, cfg.batch_size)
     g = np.empty_like(w)
     gradient = gradient_fn(model, cfg.seed, cfg.rank)
@@ -321,7 +342,9 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
     first_epoch, skip = divmod(start, steps) if steps else (0, 0)
     if cfg.max_steps and start >= cfg.max_steps:
         first_epoch = cfg.epochs               # resumed past --max-steps: nothing left
+    callbacks.on_train_begin({})
     for epoch in range(first_epoch, cfg.epochs):
+        callbacks.on_epoch_begin(epoch, {})
         offset, skip = skip, 0                 # a resumed epoch starts at its step
         epoch_started = time.monotonic()
         batches = itertools.islice(ds.epoch(cfg.rank, cfg.num_workers, cfg.batch_size, cfg.seed, epoch),
@@ -342,6 +365,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             done = time.perf_counter()
             report.step(done - step_started, done - exchange_started, len(x))
             last = step == steps - 1 or client.finished or (cfg.max_steps and clock >= cfg.max_steps)
+            callbacks.on_train_batch_end(step, {"loss": loss, "size": len(x)})
             line = progress.step(epoch, step, loss, len(x), force=bool(last))
             if line:
                 report.progress(clock, *line)
@@ -354,6 +378,9 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             report.evaluated(clock, epochs_log[-1],
                              lambda: combine_counters(client.status())["staleness_mean"])
             ask_checkpoint(client, progress.say)
+        callbacks.on_epoch_end(epoch, dict(epochs_log[-1]) if cfg.rank == 0 else {})
+        if callbacks.stop_training:
+            break
         if client.finished:
             progress.say(f"the shards ended the run at step {max(client.versions)} "
                          f"(too few unfinished workers left for a step); stopping")
@@ -361,6 +388,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
         if cfg.max_steps and clock >= cfg.max_steps:
             break
     progress.close()
+    callbacks.on_train_end({})
     stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock - start,
                           samples=(clock - start) * cfg.batch_size, outcomes=outcomes)
     if cfg.stats_json:
