@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from pserver.errors import ConfigError, Unavailable
+from pserver.errors import Unavailable
 from pserver.launch.run import ADDRESSES, RANK, REFUSED, RUN_DIR, SEED, SETTINGS, WORKERS
 from pserver.signals import follow_parent
 
@@ -35,9 +35,8 @@ class Cluster:
         path, refused = os.path.join(self.directory, ADDRESSES), os.path.join(self.directory, REFUSED)
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            if os.path.exists(refused):
-                with open(refused) as f:
-                    raise ConfigError(f.read().strip())
+            if os.path.exists(refused):       # `pserver run` says why, once, and exits 2
+                raise SystemExit(2)
             if os.path.exists(path):
                 with open(path) as f:
                     return tuple(json.load(f)["addresses"])

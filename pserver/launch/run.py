@@ -39,7 +39,10 @@ class _Worker:
 
     def __init__(self, argv: list[str], env: dict, rank: int):
         self.role = f"worker{rank}"
-        self.popen = subprocess.Popen(argv, env=with_parent_death(env), start_new_session=True)
+        # Only the chief's output is shown (what fit, evaluate and the script print), as a
+        # Keras user guards prints with the chief's rank; every worker's errors (stderr) are.
+        self.popen = subprocess.Popen(argv, env=with_parent_death(env), start_new_session=True,
+                                      stdout=None if rank == 0 else subprocess.DEVNULL)
         self.reader = threading.Thread(target=lambda: None)    # stop_all joins one: no output to copy
         self.reader.start()
 
@@ -89,13 +92,17 @@ def _supervise(cfg, server, workers, shards, tmpdir, env, relay) -> int:
         if all(p.popen.poll() == 0 for p in workers):
             return 0
         if not started:
+            refused = os.path.join(tmpdir, REFUSED)
             settings = _settings(tmpdir, len(workers))
+            if os.path.exists(refused):       # the workers stop at their fit; the run says why, once
+                with open(refused) as f:
+                    raise ConfigError(f.read().strip())
             if settings is not None:
                 started = True
                 try:
                     server = dataclasses.replace(server, **settings)
                 except TypeError as e:
-                    _refuse(tmpdir, f"pserver run: the workers' shard settings: {e}")
+                    _refuse(tmpdir, f"the workers' shard settings: {e}")
                     continue
                 shards += start_shards(cfg, server, env, [], tmpdir, relay)
                 _write(os.path.join(tmpdir, ADDRESSES),
@@ -117,7 +124,7 @@ def _settings(tmpdir: str, num_workers: int) -> dict | None:
         diff = sorted(k for k in set(found[0]) | set(other) if found[0].get(k) != other.get(k))
         if diff:
             k = diff[0]
-            _refuse(tmpdir, f"pserver run: worker {i} compiled {k}={other.get(k)!r}, the chief "
+            _refuse(tmpdir, f"worker {i} compiled {k}={other.get(k)!r}, the chief "
                             f"{k}={found[0].get(k)!r}: every worker must compile the same optimizer")
             return None
     return found[0]
