@@ -1,7 +1,7 @@
 """Keras's MNIST convnet example (bench/keras_mnist_convnet.py, only its imports changed) under
 `pserver run --ps 2 --workers 4`, sync, for several seeds: its test accuracy and speed.
 
-    python bench/keras_convnet.py --seeds 0,1,2 --epochs 15 --out bench/results/keras/
+    python bench/keras_convnet.py --seeds 0,1,2 --epochs 15 --out bench/results/keras/ [--keep]
 
 Each seed's run writes SEED's JSON (the accuracy the script prints, its per-epoch lines, wall
 time, the training samples/s of the chief's summary); the summary holds the median. Fewer
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--ps", type=int, default=2)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--out", default="results/keras/", help="directory for the JSON files")
+    ap.add_argument("--keep", action="store_true", help="keep a seed's result already in --out")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     m = machine()
@@ -74,11 +75,16 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
+            path = out / f"convnet-{args.epochs}ep-seed{seed}.json"
+            if args.keep and path.exists():          # a seed run before (its machine line says when)
+                results.append(json.loads(path.read_text()))
+                print(f"seed {seed}: kept {path}", flush=True)
+                continue
             r = run_one(seed, args.epochs, args.ps, args.workers, tmp)
             r["machine"] = m
             r["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
             results.append(r)
-            (out / f"convnet-{args.epochs}ep-seed{seed}.json").write_text(json.dumps(r, indent=2) + "\n")
+            path.write_text(json.dumps(r, indent=2) + "\n")
             print(f"seed {seed}: {args.epochs} epochs, test accuracy {r['test_accuracy']:.4f}, "
                   f"{r['train_samples_per_second']:,.0f} train samples/s, {r['wall_seconds']:.0f} s",
                   flush=True)
