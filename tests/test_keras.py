@@ -314,3 +314,21 @@ def test_pserver_run_exits_with_the_failing_worker_s_code(tmp_path):
     """Catches: a worker's failure lost behind the others' success."""
     r = run_script(tmp_path, {"FAIL_RANK": "1"})
     assert r.returncode == 3, r.stdout + r.stderr
+
+
+def test_fit_against_running_shards_checks_their_optimizer_at_register(monkeypatch):
+    """Catches: a model trained by shards running another optimizer than the one it compiled."""
+    import pserver
+    x, y = blobs(200)
+    with pserver.serve(optimizer="adam", lr=0.001, num_workers=1) as shard:
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"ps": [shard.address],
+                                                                "chief": ["localhost:1"]},
+                                                    "task": {"type": "chief", "index": 0}}))
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+        with pytest.raises(ConfigError, match=r"compiled with lr=0.01, the shards at .* run lr=0.001"):
+            model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+        model.compile(optimizer=keras.optimizers.Adam(0.001, epsilon=1e-8),
+                      loss="sparse_categorical_crossentropy")
+        h = model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+        assert len(h.history["loss"]) == 1

@@ -79,6 +79,7 @@ class CallbackList:
             c.set_model(model)
             c.set_params(params)
         self.weights = None
+        self.shard_settings: dict | None = None       # what the shards must run (fit sets it)
 
     @property
     def stop_training(self) -> bool:

@@ -44,10 +44,27 @@ class Cluster:
         raise Unavailable(f"pserver run: no shards after {WAIT_S:g} s (did every worker reach fit?)")
 
 
-def current() -> Cluster | None:
-    """This process's place in a `pserver run` cluster; None when the script runs plainly."""
+@dataclass(frozen=True)
+class Running:
+    """Shards already running, from TF_CONFIG (cluster.ps, and this task among the workers):
+    fit joins them, after checking at Register that they run the optimizer it compiled."""
+    addresses: tuple[str, ...]
+    rank: int
+    num_workers: int
+
+    def shards(self, settings: dict) -> tuple[str, ...]:
+        return self.addresses
+
+
+def current() -> Cluster | Running | None:
+    """This process's place: in a `pserver run` cluster, among shards already running
+    (TF_CONFIG with a ps list), or None when the script runs plainly."""
     if RUN_DIR not in os.environ:
-        return None
+        from pserver.config import parse_tf_config
+        tf = parse_tf_config(os.environ.get("TF_CONFIG"))
+        if tf is None or not tf.ps:
+            return None
+        return Running(tf.ps, tf.rank, max(1, len(tf.workers)))
     follow_parent()                 # `pserver run` gone (even SIGKILLed): this worker stops too
     return Cluster(os.environ[RUN_DIR], int(os.environ[RANK]), int(os.environ[WORKERS]))
 

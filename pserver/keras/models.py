@@ -213,6 +213,7 @@ class Sequential:
                           callbacks=hooks, **options, **shard_settings)
             else:
                 addresses = place.shards(shard_settings)
+                hooks.shard_settings = self.optimizer.settings()     # checked at Register (worker.loop)
                 api.train(self._core, x, y, ps=list(addresses), rank=rank, num_workers=workers,
                           validation_data=validation_data, callbacks=hooks, **options)
         if hooks.weights is not None:

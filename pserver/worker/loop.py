@@ -200,6 +200,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         client.connect(cfg.connect_timeout)
         steps = ds.steps(cfg.num_workers, cfg.batch_size)
         infos = client.register(registered_layout(model), cfg.batch_size, (cfg.seed, steps))
+        check_settings(client, getattr(callbacks, "shard_settings", None), infos[0].settings)
         mode = infos[0].mode
         print(f"worker rank {cfg.rank}/{cfg.num_workers} device {describe_device(device)}; "
               f"model {model_name(model)} {describe_params(model)}; {describe(ds)}; mode {mode}, "
@@ -240,6 +241,19 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
     finally:
         report.close()
         client.close()
+
+
+def check_settings(client: PSClient, expected: dict | None, settings: dict | None) -> None:
+    """The shards' training settings (Register's answer) against those a script compiled
+    (a Keras model's optimizer): ConfigError naming the first difference, the rank freed."""
+    for name, want in (expected or {}).items():
+        have = (settings or {}).get(name)
+        if have != want and not (isinstance(want, float) and isinstance(have, float)
+                                 and abs(have - want) <= 1e-12 * max(abs(want), 1.0)):
+            client.leave_on_stop()
+            raise ConfigError(f"the model was compiled with {name}={want!r}, the shards at "
+                              f"{client.shards[0].label} run {name}={have!r}; compile the same "
+                              f"optimizer or start the shards with --{name.replace('_', '-')} {want}")
 
 
 def check_fresh(client: PSClient, infos, require_fresh: bool) -> None:
