@@ -332,3 +332,12 @@ def test_fit_against_running_shards_checks_their_optimizer_at_register(monkeypat
                       loss="sparse_categorical_crossentropy")
         h = model.fit(x, y, batch_size=20, epochs=1, verbose=0)
         assert len(h.history["loss"]) == 1
+
+
+def test_a_layer_pickles_with_its_config():
+    """Catches: a layer that cannot be pickled or copied (Ray ships models) since it keeps its config."""
+    import copy
+    import pickle
+    layer = layers.Conv2D(4, (3, 2), activation="relu", name="c")
+    for again in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
+        assert again.get_config() == layer.get_config() and again.get_config()["kernel_size"] == [3, 2]

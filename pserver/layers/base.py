@@ -47,8 +47,11 @@ class Layer(abc.ABC):
         self = super().__new__(cls)
         try:
             bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
-        except TypeError as e:
-            raise ConfigError(f"{cls.__name__}: {e}") from None
+        except TypeError:
+            # __init__ says what is wrong, as before; and pickle/copy call __new__ bare, then
+            # restore the instance's dict (its config with it).
+            self._config = {}
+            return self
         bound.apply_defaults()
         config = dict(bound.arguments)
         config.pop(next(iter(config)))                   # self
