@@ -63,7 +63,7 @@ def serve(*, port: int = 0, host: str = "127.0.0.1", **options) -> Server:
 
 
 def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_workers: int = 1,
-          **options) -> dict | None:
+          callbacks=None, **options) -> dict | None:
     """Train `model` (a Sequential, or an object with the model protocol) as worker `rank`.
 
     x, y: arrays (a seeded tenth is held out for evaluation unless validation_data=(x, y)
@@ -71,29 +71,30 @@ def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_work
     epoch: this worker's data, streamed. ps: shard addresses, or a number of shards to start
     in this process for this one worker (they take the shard options: mode, optimizer, lr,
     ...). Other `options` are WorkerConfig's fields (batch_size, epochs, seed, max_steps,
-    device, ...). Returns the run summary on the chief (rank 0), None on the others.
+    device, ...). `callbacks`: Keras-style hooks the loop calls (pserver.worker.loop.run).
+    Returns the run summary on the chief (rank 0), None on the others.
     """
     if isinstance(ps, int) and not isinstance(ps, bool):
         if (rank, num_workers) != (0, 1):
             raise ConfigError(f"rank={rank}, num_workers={num_workers}: shards started by train "
                               "(ps=N) serve this one worker; for more, start them with serve()")
-        return _train_on_own_shards(model, x, y, ps, validation_data, options)
+        return _train_on_own_shards(model, x, y, ps, validation_data, options, callbacks)
     _check_options(options, WorkerConfig, "a worker option; shards at addresses have their own "
                                           "settings (pserver serve --mode, --optimizer, --lr)")
     cfg = WorkerConfig(ps=_addresses(ps), rank=rank, num_workers=num_workers, **options)
-    return _run(cfg, model, _data(x, y, validation_data, cfg.seed))
+    return _run(cfg, model, _data(x, y, validation_data, cfg.seed), callbacks)
 
 
-def _run(cfg: WorkerConfig, model, data) -> dict | None:
+def _run(cfg: WorkerConfig, model, data, callbacks=None) -> dict | None:
     from pserver.kernels.device import parse_device, select
     from pserver.models import on_device
     from pserver.worker.loop import fit_data, run
     device = select(parse_device(cfg.device))
     model = on_device(model, device.backend)
-    return run(cfg, device, fit_data(model, data), model)
+    return run(cfg, device, fit_data(model, data), model, callbacks=callbacks)
 
 
-def _train_on_own_shards(model, x, y, num_shards, validation_data, options) -> dict | None:
+def _train_on_own_shards(model, x, y, num_shards, validation_data, options, callbacks=None) -> dict | None:
     if num_shards < 1:
         raise ConfigError(f"ps: a number of shards must be >= 1, got {num_shards}")
     shard_fields = set(ServerConfig.__dataclass_fields__) - {"host", "port", "shard", "num_shards",
@@ -105,7 +106,7 @@ def _train_on_own_shards(model, x, y, num_shards, validation_data, options) -> d
         shards = [stack.enter_context(serve(shard=j, num_shards=num_shards, num_workers=1,
                                             **shard_opts)) for j in range(num_shards)]
         cfg = WorkerConfig(ps=tuple(s.address for s in shards), **options)
-        return _run(cfg, model, data)
+        return _run(cfg, model, data, callbacks)
 
 
 def _check_options(options: dict, config, why: str) -> None:

@@ -146,6 +146,10 @@ SERVER_FLAGS = [
                               "full (default 10)")),
 ]
 
+# What `pserver run`'s shards take from the script's compile(optimizer=...), not from flags.
+RUN_FROM_COMPILE = {"--optimizer", "--lr", "--lr-schedule", "--momentum", "--nesterov", "--beta1", "--beta2",
+                    "--eps", "--weight-decay"}
+
 # Flags forwarded by `launch` to every worker: everything but rank and addresses.
 WORKER_FLAGS = [
     Flag("--model", dict(metavar="NAME", help=f"one of {', '.join(MODELS.names())} (default mlp; "
@@ -361,6 +365,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(la, SERVE_SECURITY + [TLS_CA], "security (a token is generated unless given; it reaches "
                                              "the processes in their environment, never their argv)")
 
+    ru = sub.add_parser("run", help="run a script once per worker, with S shards: pserver run --ps 2 "
+                                    "--workers 4 -- python train.py", formatter_class=fmt,
+                        description="Start a command (a Keras-style script: pserver.keras) once per "
+                                    "worker, with the\n"
+                                    "cluster in its environment, as torchrun does; the shards start when "
+                                    "the workers'\n"
+                                    "fit says which optimizer they compiled, and run it. Only the chief "
+                                    "prints what\n"
+                                    "fit prints; the exit code is the first failing worker's. fit's "
+                                    "batch_size is the\n"
+                                    "global batch, split across the workers (launch's --batch-size is "
+                                    "per worker).\n"
+                                    "Example: pserver run --ps 2 --workers 4 -- python "
+                                    "keras_mnist_convnet.py")
+    ru.add_argument("--ps", type=shard_count, default=1, metavar="S", help="number of shards (default 1)")
+    ru.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
+    ru.add_argument("--seed", type=int, default=None, help="the run's seed: initial weights, shuffling, "
+                                                            "dropout (default 0)")
+    add_flags(ru, [f for f in SERVER_FLAGS if f.name not in RUN_FROM_COMPILE],
+              "shard flags (the optimizer is the script's compile's)")
+    ru.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",
+                    help="the command each worker runs")
+
     sl = sub.add_parser("slurm", help="one task of an srun step: a shard or a worker, by SLURM_PROCID",
                         formatter_class=fmt,
                         description="Run as every task of one srun step: tasks 0..S-1 serve, the others are "
@@ -552,6 +579,14 @@ def cmd_slurm(ns) -> int:
                                      **given(ns, WORKER_FLAGS + COMMON_FLAGS + [TLS_CA])))
 
 
+def cmd_run(ns) -> int:
+    from pserver.launch.run import run_command
+    cmd = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
+    server = ServerConfig(num_shards=ns.ps,
+                          **given(ns, [f for f in SERVER_FLAGS if f.name not in RUN_FROM_COMPILE]))
+    return run_command(ns.ps, ns.workers, cmd, server, ns.seed)
+
+
 def cmd_launch(ns) -> int:
     from pserver.launch import LaunchConfig, launch
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
@@ -647,7 +682,7 @@ def cmd_export(ns) -> int:
 
 COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "slurm": cmd_slurm,
             "status": cmd_status, "evaluate": cmd_evaluate, "checkpoint": cmd_checkpoint,
-            "export": cmd_export}
+            "export": cmd_export, "run": cmd_run}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,32 @@ def default_mnist_dir() -> str:
 
 
 def load(data_dir: str | None) -> Dataset:
+    paths = _checked_paths(data_dir)
+    x_train, y_train = _mnist_split(paths["train-images-idx3-ubyte"], paths["train-labels-idx1-ubyte"])
+    x_test, y_test = _mnist_split(paths["t10k-images-idx3-ubyte"], paths["t10k-labels-idx1-ubyte"])
+    if x_test.shape[1:] != x_train.shape[1:]:
+        raise DataError(f"mnist: {paths['t10k-images-idx3-ubyte']} has {math.prod(x_test.shape[1:])} pixels "
+                        f"per image, {paths['train-images-idx3-ubyte']} {math.prod(x_train.shape[1:])}")
+    return Dataset("mnist", x_train, y_train, x_test, y_test, 10)
+
+
+def load_raw(data_dir: str | None) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """((x_train, y_train), (x_test, y_test)) as the IDX files hold them: uint8 images (n, 28, 28)
+    and uint8 labels, as keras.datasets.mnist.load_data() returns them (the same cache,
+    checksums and downloads as load)."""
+    paths = _checked_paths(data_dir)
+    out = []
+    for images, labels in (("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+                           ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")):
+        x, y = _read_idx(paths[images], 3), _read_idx(paths[labels], 1)
+        if len(x) != len(y):
+            raise DataError(f"{paths[labels]}: {len(y)} labels but {paths[images]} has {len(x)} images")
+        out.append((x, y))
+    return out[0], out[1]
+
+
+def _checked_paths(data_dir: str | None) -> dict[str, str]:
+    """The four files' paths in `data_dir` (the cache by default), downloaded and checked."""
     data_dir = default_mnist_dir() if data_dir is None else data_dir
     root = os.path.expanduser(data_dir)
     _make_dir(root, data_dir)
@@ -52,12 +78,7 @@ def load(data_dir: str | None) -> Dataset:
         paths = _mnist_paths(root)
         if why is not None:
             raise DataError(_missing_message(data_dir, paths, why))
-    x_train, y_train = _mnist_split(paths["train-images-idx3-ubyte"], paths["train-labels-idx1-ubyte"])
-    x_test, y_test = _mnist_split(paths["t10k-images-idx3-ubyte"], paths["t10k-labels-idx1-ubyte"])
-    if x_test.shape[1:] != x_train.shape[1:]:
-        raise DataError(f"mnist: {paths['t10k-images-idx3-ubyte']} has {math.prod(x_test.shape[1:])} pixels "
-                        f"per image, {paths['train-images-idx3-ubyte']} {math.prod(x_train.shape[1:])}")
-    return Dataset("mnist", x_train, y_train, x_test, y_test, 10)
+    return paths
 
 
 def _make_dir(root: str, data_dir: str) -> None:

@@ -13,6 +13,7 @@ Activations: None (linear), 'relu', 'sigmoid', 'tanh'. Any layer takes `input_sh
 the batch dimension) and `name=`.
 """
 
+from pserver.errors import ConfigError
 from pserver.layers.base import Layer, Pass, Weight
 from pserver.layers.conv import Conv2D
 from pserver.layers.dense import Dense
@@ -37,6 +38,23 @@ LAYERS.add("Embedding", "a row per id: a dense table, or with sparse=True a tabl
            "shards", Embedding)
 LAYERS.add("FM", "a factorization machine's pairwise term over (fields, k) embeddings", FM)
 
-__all__ = ["LAYERS", "Layer", "Weight", "Pass", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D",
+# A user's layer classes, by class name (pserver.keras.saving.register_keras_serializable), so that
+# a saved model that names one is built again in a process that defined it.
+USER_LAYERS = Registry("user layer", "register_keras_serializable")
+
+
+def layer_class(name: str) -> type:
+    """A built-in layer class by its Keras name, else a registered user's; ConfigError naming it."""
+    if name in LAYERS:
+        return LAYERS.get(name)
+    if name in USER_LAYERS:
+        return USER_LAYERS.get(name)
+    raise ConfigError(f"layer class {name!r} is neither built in ({', '.join(LAYERS.names())}) nor "
+                      "registered: decorate it with @pserver.keras.saving.register_keras_serializable() and "
+                      "import it before loading")
+
+
+__all__ = ["LAYERS", "USER_LAYERS", "layer_class",
+           "Layer", "Weight", "Pass", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D",
            "Flatten", "Dropout", "Embedding", "FM", "Initializer", "VarianceScaling", "RandomUniform",
            "Zeros"]

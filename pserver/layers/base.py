@@ -10,6 +10,7 @@ Shapes exclude the batch dimension, as Keras's `input_shape` does.
 from __future__ import annotations
 
 import abc
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,25 @@ class Layer(abc.ABC):
     # True for a layer whose output is its input reshaped (Flatten): no buffer, no kernel.
     reshapes_only = False
 
+    def __new__(cls, *args, **kwargs):
+        # The arguments as given, defaults filled in: get_config's, as Keras's layers keep theirs.
+        self = super().__new__(cls)
+        try:
+            bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+        except TypeError:
+            # __init__ says what is wrong, as before; and pickle/copy call __new__ bare, then
+            # restore the instance's dict (its config with it).
+            self._config = {}
+            return self
+        bound.apply_defaults()
+        config = dict(bound.arguments)
+        config.pop(next(iter(config)))                   # self
+        for name, p in inspect.signature(cls.__init__).parameters.items():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                config.update(config.pop(name, {}))
+        self._config = config
+        return self
+
     def __init__(self, *, input_shape=None, name: str | None = None):
         self.name = name
         self.input_shape = None if input_shape is None else as_shape("input_shape", input_shape)
@@ -48,6 +68,22 @@ class Layer(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name or ''})"
+
+    def get_config(self) -> dict:
+        """The constructor's arguments (Keras's get_config): `type(layer).from_config(config)`
+        makes the same layer, unbuilt. The name is the one the model gave it."""
+        config = {k: _plain(v) for k, v in self._config.items()}
+        config["name"] = self.name
+        if config.get("input_shape") is not None:
+            config["input_shape"] = list(self.input_shape)
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Layer":
+        config = {k: _unplain(v) for k, v in config.items()}
+        if config.get("input_shape") is not None:
+            config["input_shape"] = tuple(config["input_shape"])
+        return cls(**config)
 
     @property
     def label(self) -> str:
@@ -124,6 +160,24 @@ class KernelLayer(Layer):
 
     def dbias(self, g: dict, s: dict) -> np.ndarray:
         return g["bias"] if self.use_bias else s["dbias"]
+
+
+def _plain(value):
+    """A config value as JSON: an initializer object as Keras writes one ({class_name, config})."""
+    if isinstance(value, initializers.Initializer):
+        return {"class_name": type(value).__name__, "config": dict(vars(value))}
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _unplain(value):
+    if isinstance(value, dict) and set(value) == {"class_name", "config"}:
+        cls = getattr(initializers, value["class_name"], None)
+        if not (isinstance(cls, type) and issubclass(cls, initializers.Initializer)):
+            raise ConfigError(f"unknown initializer class {value['class_name']!r} in a layer's config")
+        return cls(**value["config"])
+    return value
 
 
 def as_shape(what: str, shape) -> tuple[int, ...]:

@@ -2,6 +2,13 @@
 
 Each writes d loss / d output into a buffer of the output's shape and returns the mean loss
 over the batch. `task` says what labels it takes: integer classes, or float targets.
+
+A cross-entropy takes probabilities (from_logits=False) when the last layer ends in
+activation="softmax" (or "sigmoid" for binary_crossentropy), as in Keras: Sequential then runs
+that layer without its activation and the loss computes softmax + cross-entropy in one stable
+step from the logits (the same value, the same gradient, no log of a rounded-off zero).
+from_logits=None (the default here) follows the last layer; a value that contradicts it is
+refused, since it would compute a wrong loss silently.
 """
 
 from __future__ import annotations
@@ -20,8 +27,26 @@ class Loss(abc.ABC):
     def check_outputs(self, units: int, where: str) -> None:
         """A model whose last layer cannot feed this loss fails at build, not at step 1."""
 
+    # The activation a last layer may end in for this loss to take probabilities, fused.
+    fuses: str | None = None
+
     def label_dtype(self, dtype) -> np.dtype:
         return np.dtype(np.int32)
+
+    def labels(self, y) -> np.ndarray:
+        """y as the kernels take it (integer classes, or targets): one-hot rows become classes."""
+        return np.asarray(y)
+
+    def check_activation(self, activation: str, where: str) -> bool:
+        """Whether the last layer's `activation` is fused into this loss (a softmax before a
+        cross-entropy); ConfigError if this loss cannot follow it."""
+        if activation == "softmax":
+            raise ConfigError(f"{where}: activation='softmax' on the last layer needs a categorical "
+                              f"cross-entropy loss, not {self.name}")
+        return False
+
+    def get_config(self) -> dict:
+        return {"name": self.name}
 
     @abc.abstractmethod
     def __call__(self, k, out: np.ndarray, y: np.ndarray, dout: np.ndarray) -> float:
@@ -29,17 +54,36 @@ class Loss(abc.ABC):
 
 
 class _FromLogits(Loss):
-    def __init__(self, from_logits: bool = True):
-        # The models end in a linear layer; probabilities (from_logits=False) would need a
-        # softmax layer pserver does not have.
-        if from_logits is not True:
-            raise ConfigError(f"{type(self).__name__}: only from_logits=True is supported "
-                              "(end the model with a linear Dense layer)")
+    def __init__(self, from_logits: bool | None = None, **unsupported):
+        if unsupported:
+            raise ConfigError(f"{type(self).__name__}: {sorted(unsupported)[0]}= is not supported "
+                              "(docs/guide/keras.md lists what is)")
+        if from_logits not in (None, True, False):
+            raise ConfigError(f"{type(self).__name__}: from_logits must be True or False, "
+                              f"got {from_logits!r}")
+        self.from_logits = from_logits
+
+    def check_activation(self, activation, where):
+        if activation == self.fuses:
+            if self.from_logits is True:
+                raise ConfigError(f"{where}: {self.name} with from_logits=True after "
+                                  f"activation='{activation}' would apply it twice; drop one")
+            return True
+        if activation != "linear" and activation == "softmax":
+            return super().check_activation(activation, where)
+        if self.from_logits is False:
+            raise ConfigError(f"{where}: {self.name} with from_logits=False takes probabilities: end "
+                              f"the last layer with activation='{self.fuses}'")
+        return False
+
+    def get_config(self):
+        return {"name": self.name, "from_logits": self.from_logits}
 
 
 class SparseCategoricalCrossentropy(_FromLogits):
     """Softmax cross-entropy of integer labels in [0, units)."""
     name = "sparse_categorical_crossentropy"
+    fuses = "softmax"
 
     def check_outputs(self, units, where):
         if units < 2:
@@ -53,6 +97,11 @@ class SparseCategoricalCrossentropy(_FromLogits):
 class BinaryCrossentropy(_FromLogits):
     """Sigmoid cross-entropy of 0/1 labels, from one logit per sample."""
     name = "binary_crossentropy"
+    fuses = "sigmoid"
+
+    def labels(self, y):
+        y = np.asarray(y)
+        return y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
 
     def check_outputs(self, units, where):
         if units != 1:
@@ -64,6 +113,30 @@ class BinaryCrossentropy(_FromLogits):
 
     def __call__(self, k, out, y, dout):
         return k.sigmoid_bce(out, y, dout)
+
+
+class CategoricalCrossentropy(SparseCategoricalCrossentropy):
+    """Softmax cross-entropy of one-hot labels (n, units), as Keras's: each row is read as its
+    class (rows that are not one-hot, soft labels, are refused: the kernels take classes).
+    Integer classes (n,) pass as they are: the rows' classes once decoded."""
+    name = "categorical_crossentropy"
+
+    def labels(self, y):
+        y = np.asarray(y)
+        if y.ndim == 1 and y.dtype.kind in "iu":      # classes already (a fit decoded them)
+            return y
+        if y.ndim != 2:
+            raise ValueError(f"y has shape {y.shape}; {self.name} takes one-hot rows (n, classes) "
+                             "(keras.utils.to_categorical(y)); integer classes take "
+                             "sparse_categorical_crossentropy")
+        classes = y.argmax(axis=1) if y.shape[0] else np.zeros(0, np.int64)
+        ones = y[np.arange(len(y)), classes]
+        bad = (ones != 1) | (np.count_nonzero(y, axis=1) != 1)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"y[{i}] is not a one-hot row ({y[i].tolist()}); {self.name} takes one-hot "
+                             "labels (soft labels are not supported)")
+        return classes.astype(np.int32)
 
 
 class MeanSquaredError(Loss):
@@ -86,7 +159,13 @@ class MeanSquaredError(Loss):
         return 2.0 * loss
 
 
+    def labels(self, y):
+        y = np.asarray(y)
+        return y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
+
+
 _NAMES = {"sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+          "categorical_crossentropy": CategoricalCrossentropy,
           "binary_crossentropy": BinaryCrossentropy,
           "mean_squared_error": MeanSquaredError, "mse": MeanSquaredError}
 
@@ -97,7 +176,10 @@ def get(spec) -> Loss:
         return spec
     if isinstance(spec, str) and spec in _NAMES:
         return _NAMES[spec]()
+    if isinstance(spec, dict) and spec.get("name") in _NAMES:        # a get_config()
+        return _NAMES[spec["name"]](**{k: v for k, v in spec.items() if k != "name"})
     raise ConfigError(f"loss: unknown loss {spec!r}; choose one of {', '.join(_NAMES)}")
 
 
-__all__ = ["Loss", "SparseCategoricalCrossentropy", "BinaryCrossentropy", "MeanSquaredError", "get"]
+__all__ = ["Loss", "SparseCategoricalCrossentropy", "CategoricalCrossentropy", "BinaryCrossentropy",
+           "MeanSquaredError", "get"]

@@ -34,6 +34,7 @@ result (docs/model-file.md, "Freshness: deltas").
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import json
@@ -110,8 +111,14 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
             "layout": [{"name": t.name, "shape": list(t.shape)} for t in layout.tensors],
             "task": getattr(model, "task", None),
             "trained": {k: summary.get(k) for k in TRAINED_FIELDS}}
-    if hasattr(model, "summary"):
+    if hasattr(model, "summary_text"):
+        meta["summary"] = model.summary_text()
+    elif hasattr(model, "summary"):
         meta["summary"] = model.summary()
+    if meta["model"] is None and hasattr(model, "get_config"):
+        # A model built in Python: its definition is its layers' configs (Keras's get_config),
+        # from which load() builds it again.
+        meta["sequential"] = model.get_config()
     if origin:
         meta["origin"] = origin
     if not configs:
@@ -594,6 +601,10 @@ def load(path: str, model=None) -> SavedModel:
     given: a Sequential (or model object) of the same layout, or a --model spec string."""
     meta, arrays = read(path)
     refuse_delta(path, meta)
+    if model is None and meta.get("model") is None and meta.get("sequential"):
+        from pserver.models.sequential import Sequential
+        with _config_errors(path):
+            model = Sequential.from_config(meta["sequential"])
     if model is None and meta.get("model") is None:
         raise ConfigError(f"{path}: was saved from a model built in Python, which the file cannot "
                           f"rebuild; give it: load_model({path!r}, model=...)")
@@ -608,6 +619,16 @@ def refuse_delta(path: str, meta: dict) -> None:
     if meta.get("delta"):
         raise DataError(f"{path}: a delta (pserver export --since), not a model: apply it to the model it "
                         f"was exported since: load_model(MODEL).apply({path!r})")
+
+
+@contextlib.contextmanager
+def _config_errors(path: str):
+    """A model file whose layers' configs do not build (a user's layer class not registered
+    in this process) names the file."""
+    try:
+        yield
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def tables_of(path: str, meta: dict, model) -> list[MappedTable]:

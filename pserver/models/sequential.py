@@ -35,6 +35,8 @@ class Sequential(Model):
         self.layers: list[Layer] = []
         self._input_shape = input_shape
         self.loss = losses.get(loss)
+        self.output_activation = "linear"   # a softmax/sigmoid fused into the loss: see losses
+        self.metrics: list[str] = []
         self.use_backend(backend)
         self._seeds = itertools.count()
         self._buffers = BatchBuffers(lambda n, dtype: _Buffers(self.layers, n, dtype))
@@ -51,19 +53,19 @@ class Sequential(Model):
 
     def compile(self, optimizer=None, loss="sparse_categorical_crossentropy",
                 metrics=None) -> "Sequential":
-        """Keras's compile. The optimizer runs on the shards, so it is not taken here; the
-        metrics are the loss's (accuracy, plus AUC for a binary loss; r2 for regression)."""
+        """The loss and the metrics (accuracy, plus AUC for a binary loss; r2 for regression).
+        The optimizer runs on the shards: this model takes none (pserver.keras's Sequential
+        takes one and gives it to the shards it starts, or checks it against theirs)."""
         if optimizer is not None:
             raise ConfigError(f"compile: optimizer={optimizer!r}: the optimizer runs on the shards; "
                               "give it to them (pserver serve --optimizer adam --lr 0.001, or "
-                              "pserver.train(..., optimizer='adam', lr=0.001))")
-        unknown = set(metrics or ()) - {"accuracy", "auc", "r2"}
-        if unknown:
-            raise ConfigError(f"compile: unknown metrics {sorted(unknown)}; evaluation reports "
-                              "accuracy (and auc for binary_crossentropy) or r2 (mse)")
+                              "pserver.train(..., optimizer='adam', lr=0.001)), or use "
+                              "pserver.keras.Sequential, whose fit starts them")
+        self.metrics = check_metrics(metrics)
         self.loss = losses.get(loss)
         if self._built:
             self.loss.check_outputs(self.output_shape[-1], self.name)
+            self._link_loss()
         return self
 
     def use_backend(self, backend: str) -> "Sequential":
@@ -100,11 +102,64 @@ class Sequential(Model):
             raise ConfigError(f"{self.name}: the last layer ({self.layers[-1].label}) outputs "
                               f"{shape}; end with Flatten() and Dense(...)")
         self.loss.check_outputs(shape[0], self.name)
+        self._link_loss()
         self._shapes, self._layout, self._weights = shapes, layout, weights
         # Layer i computes d loss / d input only if a layer below it has weights.
         self._needs_dx = [any(weights[:i]) for i in range(len(weights))]
         self._built = True
         return self
+
+    def _link_loss(self) -> None:
+        """A softmax (sigmoid) last layer before a cross-entropy: the layer computes logits and
+        the loss takes them (fused, stable); predict applies the activation. A softmax anywhere
+        else is refused: no kernel computes it, or its gradient, on its own."""
+        for layer in self.layers[:-1]:
+            if getattr(layer, "activation", None) == "softmax":
+                raise ConfigError(f"{self.name}: {layer.label}: activation='softmax' is supported on the "
+                                  "last layer only (before a categorical cross-entropy)")
+        last = self.layers[-1]
+        if not hasattr(last, "activation"):
+            self.output_activation = "linear"
+            return
+        declared = getattr(last, "declared_activation", last.activation)
+        last.declared_activation = declared
+        fused = self.loss.check_activation(declared, f"{self.name}: the last layer ({last.label})")
+        last.activation = "linear" if fused else declared
+        self.output_activation = declared if fused else "linear"
+
+    # -- configs (Keras's get_config / from_config) --------------------------------------------
+
+    def get_config(self) -> dict:
+        """The model's definition as JSON: each layer's class and config, the input shape, the
+        loss. `Sequential.from_config` builds the same model (weights are not in it)."""
+        from pserver.layers import LAYERS, USER_LAYERS
+        for layer in self.layers:
+            name = type(layer).__name__
+            known = LAYERS if name in LAYERS else USER_LAYERS
+            if name not in known or known.get(name) is not type(layer):
+                raise ConfigError(f"{self.name}: {layer.label} is not a built-in layer; register its "
+                                  "class with @pserver.keras.saving.register_keras_serializable() so "
+                                  "that a saved model can be built again")
+        shape = self._input_shape or (self._shapes[0] if self._built else None)
+        return {"name": self.name,
+                "input_shape": None if shape is None else list(shape),
+                "layers": [{"class_name": type(layer).__name__, "config": layer.get_config()}
+                           for layer in self.layers],
+                "loss": self.loss.get_config(), "metrics": list(getattr(self, "metrics", ()))}
+
+    @classmethod
+    def from_config(cls, config: dict, **kwargs) -> "Sequential":
+        from pserver.layers import layer_class
+        try:
+            layers = [layer_class(entry["class_name"]).from_config(entry["config"])
+                      for entry in config["layers"]]
+            shape = config.get("input_shape")
+            model = cls(layers, input_shape=None if shape is None else tuple(shape),
+                        name=config.get("name", "sequential"), loss=losses.get(config["loss"]), **kwargs)
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"a Sequential's config: {type(e).__name__} {e}") from None
+        model.metrics = check_metrics(config.get("metrics"))
+        return model
 
     def _name(self, layer: Layer) -> None:
         """Keras's default names (dense, dense_1, ...), numbered within this model."""
@@ -149,15 +204,31 @@ class Sequential(Model):
     def in_features(self) -> int:
         return int(np.prod(self.input_shape))
 
-    def summary(self) -> str:
-        """One line per layer: name, output shape, parameters (as Keras's model.summary())."""
+    def summary(self, line_length: int | None = None, print_fn=None) -> None:
+        """Keras's table (its plain-text form): layer (type), output shape, parameter count,
+        and the totals; printed, or given line by line to print_fn, as Keras's. Returns None,
+        as Keras's does: `summary_text()` is the same table as a string."""
+        if line_length is not None:
+            raise ConfigError("summary: line_length is not supported (docs/guide/keras.md)")
+        for line in self.summary_text().splitlines():
+            (print_fn or print)(line)
+
+    def summary_text(self) -> str:
         sizes = {t.name: t.size for t in self.layout.tensors}
-        lines = [f"{'layer':<32}{'output shape':<22}params"]
-        for layer in self.layers:
+        rule, cols = "_" * 65, (29, 26, 10)
+
+        def row(*cells):
+            return " " + "".join(f"{c:<{w}}" for c, w in zip(cells, cols)).rstrip()
+
+        lines = [f'Model: "{self.name}"', rule, row("Layer (type)", "Output Shape", "Param #"), "=" * 65]
+        for i, layer in enumerate(self.layers):
             n = sum(v for k, v in sizes.items() if k.startswith(layer.name + "/"))
-            lines.append(f"{layer.name + ' (' + type(layer).__name__ + ')':<32}"
-                         f"{str((None, *layer.output_shape)):<22}{n:,}")
-        lines.append(f"total {self.layout.total:,} parameters")
+            lines.append(row(f"{layer.name} ({type(layer).__name__})", str((None, *layer.output_shape)),
+                             f"{n}"))
+            lines.append("" if i < len(self.layers) - 1 else "=" * 65)
+        total = self.layout.total
+        lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0",
+                  rule]
         return "\n".join(lines)
 
     # -- parameters ----------------------------------------------------------------------------
@@ -192,6 +263,8 @@ class Sequential(Model):
         bufs = self._buffers(x.shape[0], w.dtype)
         run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
         ins = self._forward(params, x, bufs, run)
+        if self.task != "regression":       # the batch's accuracy, for Keras's per-epoch metric
+            self.batch_correct = metrics.accuracy(ins[-1], y)
         loss = self.loss(self.kernels, ins[-1], y, bufs.douts[-1])
         self._backward(params, grads, ins, bufs)
         return float(loss)
@@ -255,7 +328,7 @@ class Sequential(Model):
     def _fit(self, x, y) -> tuple[np.ndarray, np.ndarray]:
         """x reshaped to the input; ValueError naming the layer and the shapes if it does not
         fit, or if a label is outside what the last layer and the loss take."""
-        shaped, y = self._fit_x(x), np.asarray(y)
+        shaped, y = self._fit_x(x), self.loss.labels(y)
         if y.shape != (shaped.shape[0],):
             raise ValueError(f"y has shape {y.shape}; x has {shaped.shape[0]} rows")
         if self.task != "regression" and y.size:
@@ -324,6 +397,24 @@ class Sequential(Model):
         if scores:
             result["auc"] = metrics.auc(np.concatenate(scores), y)
         return result
+
+
+METRICS = {"accuracy": "accuracy", "acc": "accuracy", "sparse_categorical_accuracy": "accuracy",
+           "categorical_accuracy": "accuracy", "binary_accuracy": "accuracy", "auc": "auc", "r2": "r2"}
+
+
+def check_metrics(metrics) -> list[str]:
+    """Keras's metric names that evaluation reports (accuracy under its aliases, auc, r2)."""
+    if metrics is None:
+        return []
+    if isinstance(metrics, str) or not all(isinstance(m, str) for m in metrics):
+        raise ConfigError(f"compile: metrics={metrics!r}: give a list of names "
+                          f"({', '.join(METRICS)})")
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise ConfigError(f"compile: metrics: {unknown[0]!r} is not supported; evaluation reports "
+                          "accuracy (and auc for binary_crossentropy) or r2 (mse)")
+    return [METRICS[m] for m in metrics]
 
 
 class _Buffers:

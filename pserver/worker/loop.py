@@ -179,9 +179,13 @@ def run_worker(cfg: WorkerConfig) -> dict | None:
     return run(cfg, device, ds, model, saved.definition(cfg, model, ds))
 
 
-def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None = None) -> dict | None:
+def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None = None,
+        callbacks=None) -> dict | None:
     """The training loop with a model and data already built (the CLI and pserver.train).
-    `definition` is how the model was built (for --save; None: a model built in Python)."""
+    `definition` is how the model was built (for --save; None: a model built in Python).
+    `callbacks`: an object with Keras's callback methods (pserver.keras.callbacks.CallbackList)
+    that the loop calls at the epochs' and steps' ends; its `stop_training` ends the run
+    after the epoch."""
     report = TrainingReport(cfg)            # a busy --metrics-port fails here, before any call
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca), compression=cfg.compress,
@@ -191,6 +195,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         client.connect(cfg.connect_timeout)
         steps = ds.steps(cfg.num_workers, cfg.batch_size)
         infos = client.register(registered_layout(model), cfg.batch_size, (cfg.seed, steps))
+        check_settings(client, getattr(callbacks, "shard_settings", None), infos[0].settings)
         mode = infos[0].mode
         print(f"worker rank {cfg.rank}/{cfg.num_workers} device {describe_device(device)}; "
               f"model {model_name(model)} {describe_params(model)}; {describe(ds)}; mode {mode}, "
@@ -208,12 +213,15 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         if compiling.stop().compiled and cfg.rank == 0:     # a first run: why it took a while
             print(compiling.describe(), flush=True)
         started = time.monotonic()
-        history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps))
+        history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps),
+                        callbacks or NoCallbacks())
         client.leave()
         if cfg.rank != 0:
             say_if_chief_gone(client)
+            callbacks and callbacks.on_weights(w)
             return None
         summary = finish(cfg, ds, model, client, w, mode, history, started, start, rows)
+        callbacks and callbacks.on_weights(w)         # the final weights (a Keras model keeps them)
         if cfg.save:
             save_model(cfg, client, model, w, definition, summary)
             print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
@@ -245,6 +253,19 @@ def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, defini
         origin = {"live": True, "num_shards": len(cfg.ps), "versions": versions,
                   "version": max(versions), "job": registered_layout(model).signature()}
     saved.save(cfg.save, model, w, definition, summary, tables=tables, origin=origin)
+
+
+def check_settings(client: PSClient, expected: dict | None, settings: dict | None) -> None:
+    """The shards' training settings (Register's answer) against those a script compiled
+    (a Keras model's optimizer): ConfigError naming the first difference, the rank freed."""
+    for name, want in (expected or {}).items():
+        have = (settings or {}).get(name)
+        if have != want and not (isinstance(want, float) and isinstance(have, float)
+                                 and abs(have - want) <= 1e-12 * max(abs(want), 1.0)):
+            client.leave_on_stop()
+            raise ConfigError(f"the model was compiled with {name}={want!r}, the shards at "
+                              f"{client.shards[0].label} run {name}={have!r}; compile the same "
+                              f"optimizer or start the shards with --{name.replace('_', '-')} {want}")
 
 
 def check_fresh(client: PSClient, infos, require_fresh: bool) -> None:
@@ -319,9 +340,23 @@ def warm_up(model, w: np.ndarray, ds, batch_size: int, rows: Rows) -> None:
         model.loss_and_grad(w, x, y, np.empty_like(w))
 
 
+class NoCallbacks:
+    """What the loop calls when no one listens (the CLI's workers)."""
+    stop_training = False
+
+    def on_train_begin(self, logs=None): pass
+    def on_epoch_begin(self, epoch, logs=None): pass
+    def on_train_batch_end(self, batch, logs=None): pass
+    def on_epoch_end(self, epoch, logs=None): pass
+    def on_train_end(self, logs=None): pass
+    def on_weights(self, w): pass
+
+
 def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: Rows,
-          report: TrainingReport, start: int = 0) -> dict:
-    """The epochs, from step `start` of the run on (a resumed worker's; 0 otherwise)."""
+          report: TrainingReport, start: int = 0, callbacks=None) -> dict:
+    """The epochs, from step `start` of the run on (a resumed worker's; 0 otherwise).
+    `callbacks` hear of each step and epoch (the chief's epoch logs hold the test metrics)."""
+    callbacks = callbacks or NoCallbacks()
     steps = ds.steps(cfg.num_workers, cfg.batch_size)
     g = np.empty_like(w)
     gradient = gradient_fn(model, cfg.seed, cfg.rank)
@@ -333,7 +368,9 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
     first_epoch, skip = divmod(start, steps) if steps else (0, 0)
     if cfg.max_steps and start >= cfg.max_steps:
         first_epoch = cfg.epochs               # resumed past --max-steps: nothing left
+    callbacks.on_train_begin({})
     for epoch in range(first_epoch, cfg.epochs):
+        callbacks.on_epoch_begin(epoch, {})
         offset, skip = skip, 0                 # a resumed epoch starts at its step
         epoch_started = time.monotonic()
         batches = itertools.islice(ds.epoch(cfg.rank, cfg.num_workers, cfg.batch_size, cfg.seed, epoch),
@@ -354,6 +391,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             done = time.perf_counter()
             report.step(done - step_started, done - exchange_started, len(x))
             last = step == steps - 1 or client.finished or (cfg.max_steps and clock >= cfg.max_steps)
+            callbacks.on_train_batch_end(step, {"loss": loss, "size": len(x)})
             line = progress.step(epoch, step, loss, len(x), force=bool(last))
             if line:
                 report.progress(clock, *line)
@@ -366,6 +404,9 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             report.evaluated(clock, epochs_log[-1],
                              lambda: combine_counters(client.status())["staleness_mean"])
             ask_checkpoint(client, progress.say)
+        callbacks.on_epoch_end(epoch, dict(epochs_log[-1]) if cfg.rank == 0 else {})
+        if callbacks.stop_training:
+            break
         if client.finished:
             progress.say(f"the shards ended the run at step {max(client.versions)} "
                          f"(too few unfinished workers left for a step); stopping")
@@ -373,6 +414,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
         if cfg.max_steps and clock >= cfg.max_steps:
             break
     progress.close()
+    callbacks.on_train_end({})
     stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock - start,
                           samples=(clock - start) * cfg.batch_size, outcomes=outcomes)
     if cfg.stats_json:

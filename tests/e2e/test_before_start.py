@@ -28,8 +28,8 @@ def typo(input_shape, num_classes):
 def mlp(input_shape, num_classes):
     return pserver.Sequential([Dense(8, activation="relu", input_shape=input_shape), Dense(num_classes)])
 
-def probabilities(input_shape, num_classes):
-    return pserver.Sequential([Dense(num_classes, activation="softmax", input_shape=input_shape)])
+def misspelt(input_shape, num_classes):
+    return pserver.Sequential([Dense(num_classes, activation="softmaks", input_shape=input_shape)])
 
 def linear(input_shape):
     return pserver.Sequential([Dense(3, input_shape=input_shape)])
@@ -58,8 +58,8 @@ def files(tmp_path):
     ("models.py", "--model {d}/models.py: give the function that builds the model, as "
                   "{d}/models.py:FUNCTION; in {d}/models.py, mlp, linear return one "
                   "(--model {d}/models.py:mlp)"),
-    ("models.py:probabilities", "--model {d}/models.py:probabilities: Dense: activation='softmax' is not "
-                                "supported: pserver trains from logits"),
+    ("models.py:misspelt", "--model {d}/models.py:misspelt: Dense: unknown activation 'softmaks'; choose "
+                           "one of linear, relu, sigmoid, tanh, softmax (or None)"),
 ])
 def test_a_model_file_mistake_stops_launch_before_any_process_starts(files, spec, line):
     started = time.monotonic()
@@ -75,15 +75,14 @@ def test_a_model_file_mistake_stops_launch_before_any_process_starts(files, spec
 
 def test_a_worker_checks_its_model_file_before_it_dials_a_shard(files):
     # No shard at that address: the model's mistake is what the worker says, at once.
-    r = run("worker", "--ps", "127.0.0.1:1", "--model", f"{files}/models.py:probabilities", *SMALL,
+    r = run("worker", "--ps", "127.0.0.1:1", "--model", f"{files}/models.py:misspelt", *SMALL,
             "--connect-timeout", "30", timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        f"pserver worker: error: --model {files}/models.py:probabilities: Dense: activation='softmax' is "
-        "not supported: pserver trains from logits (sparse_categorical_crossentropy with from_logits=True, "
-        "which applies the softmax itself); drop activation='softmax' from the last layer (evaluation "
-        f"applies it), at {files}/models.py line 13: return pserver.Sequential([Dense(num_classes, "
-        "activation=\"softmax\", input_shape=input_shape)])"]
+        f"pserver worker: error: --model {files}/models.py:misspelt: Dense: unknown activation 'softmaks'; "
+        "choose one of linear, relu, sigmoid, tanh, softmax (or None), at "
+        f"{files}/models.py line 13: return pserver.Sequential([Dense(num_classes, "
+        "activation=\"softmaks\", input_shape=input_shape)])"]
 
 
 def test_a_first_run_says_it_compiles_the_kernels_and_the_next_does_not(tmp_path):

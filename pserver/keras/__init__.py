@@ -1,0 +1,17 @@
+"""Keras's names around a model, over pserver: `import pserver.keras as keras` and
+`from pserver.keras import layers` in place of Keras's imports.
+
+    keras.Input, keras.Sequential, keras.layers.*, keras.optimizers.{Adam, SGD},
+    keras.losses.*, keras.callbacks.{Callback, History}, keras.utils.to_categorical,
+    keras.datasets.mnist.load_data(), keras.models.load_model, keras.saving.register_keras_serializable
+
+A script runs plainly (fit trains on shards it starts in its process) or under `pserver run
+--ps N --workers M -- python script.py` (each worker joins the cluster). docs/guide/keras.md
+has the table of what is supported.
+"""
+
+from pserver.keras import callbacks, datasets, layers, losses, models, optimizers, saving, utils
+from pserver.keras.models import Input, Sequential
+
+__all__ = ["Input", "Sequential", "layers", "models", "optimizers", "losses", "callbacks", "utils",
+           "datasets", "saving"]

@@ -1,0 +1,84 @@
+"""How a Keras script finds its cluster under `pserver run` (pserver.launch.run).
+
+`pserver run` puts PSERVER_RUN_DIR, PSERVER_RUN_RANK and PSERVER_RUN_WORKERS in each worker's
+environment. The shards are not started before the script runs: their optimizer is the one
+the script compiles. Each worker's fit writes its shard settings (the compiled optimizer) to
+the run's directory; `pserver run` checks that every worker's agree, starts the shards with
+them and writes their addresses, which fit waits for. Run plainly, a script has no cluster:
+fit starts its own shards in the process, as pserver.train(ps=N) does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from pserver.errors import Unavailable
+from pserver.launch.run import ADDRESSES, RANK, REFUSED, RUN_DIR, SEED, SETTINGS, WORKERS
+from pserver.signals import follow_parent
+
+WAIT_S = 600.0       # for the other workers to reach fit, and for the shards to start
+
+
+@dataclass(frozen=True)
+class Cluster:
+    directory: str
+    rank: int
+    num_workers: int
+
+    def shards(self, settings: dict) -> tuple[str, ...]:
+        """Say this worker's shard settings; the shards' addresses once every worker said the
+        same and `pserver run` started them (ConfigError naming a difference)."""
+        _write(os.path.join(self.directory, SETTINGS.format(self.rank)), settings)
+        path, refused = os.path.join(self.directory, ADDRESSES), os.path.join(self.directory, REFUSED)
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            if os.path.exists(refused):       # `pserver run` says why, once, and exits 2
+                raise SystemExit(2)
+            if os.path.exists(path):
+                with open(path) as f:
+                    return tuple(json.load(f)["addresses"])
+            time.sleep(0.05)
+        raise Unavailable(f"pserver run: no shards after {WAIT_S:g} s (did every worker reach fit?)")
+
+
+@dataclass(frozen=True)
+class Running:
+    """Shards already running, from TF_CONFIG (cluster.ps, and this task among the workers):
+    fit joins them, after checking at Register that they run the optimizer it compiled."""
+    addresses: tuple[str, ...]
+    rank: int
+    num_workers: int
+
+    def shards(self, settings: dict) -> tuple[str, ...]:
+        return self.addresses
+
+
+def current() -> Cluster | Running | None:
+    """This process's place: in a `pserver run` cluster, among shards already running
+    (TF_CONFIG with a ps list), or None when the script runs plainly."""
+    if RUN_DIR not in os.environ:
+        from pserver.config import parse_tf_config
+        tf = parse_tf_config(os.environ.get("TF_CONFIG"))
+        if tf is None or not tf.ps:
+            return None
+        return Running(tf.ps, tf.rank, max(1, len(tf.workers)))
+    follow_parent()                 # `pserver run` gone (even SIGKILLed): this worker stops too
+    return Cluster(os.environ[RUN_DIR], int(os.environ[RANK]), int(os.environ[WORKERS]))
+
+
+def seed() -> int:
+    """`pserver run --seed`, else keras.utils.set_random_seed's, else 0."""
+    return int(os.environ.get(SEED, "0"))
+
+
+def _write(path: str, value: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+__all__ = ["Cluster", "current", "seed"]

@@ -1,0 +1,318 @@
+"""keras.Sequential and keras.models.load_model: Keras's model API over pserver's Sequential.
+
+The model here is a Keras user's: it holds its weights (`get_weights`), and `fit` trains them
+on shards. Run plainly, fit starts the shards in this process (pserver.train(ps=N)); under
+`pserver run` it joins the cluster as its rank (pserver.keras.cluster), with `batch_size` the
+global batch split across the workers, as Keras's distribution strategies do; only the chief
+(rank 0) prints. The layers and the training loop are pserver's (pserver.models.Sequential,
+pserver.worker.loop); this module only speaks Keras's arguments, and refuses, by name, the
+ones pserver does not support (docs/guide/keras.md has the table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+
+import numpy as np
+
+from pserver import api
+from pserver.errors import ConfigError, DataError
+from pserver.keras import callbacks as callbacks_module
+from pserver.keras import cluster, optimizers
+from pserver.layers import activations
+from pserver.layers.base import Layer, as_shape
+from pserver.models import saved
+from pserver.models.sequential import Sequential as _Sequential
+
+# The shards a plain script's fit starts in its own process.
+OWN_SHARDS = 1
+
+
+class _Core(_Sequential):
+    """pserver's Sequential whose chief starts the shards from the Keras model's weights."""
+    initial: np.ndarray | None = None
+
+    def init_params(self, seed: int) -> np.ndarray:
+        return super().init_params(seed) if self.initial is None else self.initial.copy()
+
+
+class InputSpec:
+    """keras.Input(shape=...): the model's input shape (without the batch)."""
+
+    def __init__(self, shape=None, batch_size=None, dtype=None, sparse=None, batch_shape=None, name=None,
+                 tensor=None, **unsupported):
+        _refuse("Input", unsupported, batch_size=batch_size, dtype=dtype, sparse=sparse,
+                batch_shape=batch_shape, tensor=tensor)
+        self.shape = as_shape("Input: shape", shape)
+        self.name = name
+
+
+def Input(shape=None, **kwargs) -> InputSpec:   # noqa: N802 (Keras's name)
+    return InputSpec(shape, **kwargs)
+
+
+class Sequential:
+    """keras.Sequential([keras.Input(shape=(28, 28, 1)), layers.Conv2D(32, 3), ...])."""
+
+    def __init__(self, layers=None, trainable=True, name=None):
+        _refuse("Sequential", {}, trainable=None if trainable is True else trainable)
+        self._core = _Core(name=name or "sequential")
+        self._input_shape = None
+        self._w: np.ndarray | None = None
+        self.optimizer: optimizers.Optimizer | None = None
+        self.stop_training = False
+        self.history = None
+        self._compiled = False
+        for layer in layers or ():
+            self.add(layer)
+
+    # -- the model's definition -----------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    @property
+    def layers(self) -> list[Layer]:
+        return list(self._core.layers)
+
+    def add(self, layer) -> None:
+        if isinstance(layer, InputSpec):
+            if self._core.layers:
+                raise ConfigError("Sequential.add: keras.Input goes first")
+            self._core._input_shape = layer.shape
+            return
+        self._core.add(layer)
+
+    def build(self, input_shape=None) -> None:
+        if input_shape is not None:          # Keras's includes the batch dimension
+            input_shape = tuple(input_shape)[1:]
+        self._core.build(input_shape)
+
+    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None,
+                weighted_metrics=None, run_eagerly=False, steps_per_execution=1, jit_compile="auto",
+                auto_scale_loss=True) -> None:
+        """Keras's compile: the optimizer (a name or a pserver.keras.optimizers object) goes to
+        the shards; the loss by Keras's name or object; metrics: "accuracy" (also auc, r2)."""
+        _refuse("compile", {}, loss_weights=loss_weights, weighted_metrics=weighted_metrics,
+                run_eagerly=run_eagerly or None, steps_per_execution=None if steps_per_execution == 1
+                else steps_per_execution, jit_compile=None if jit_compile in ("auto", True, False)
+                else jit_compile, auto_scale_loss=None if auto_scale_loss is True else auto_scale_loss)
+        if loss is None:
+            raise ConfigError("compile: loss: give one (pserver does not train without a loss)")
+        self.optimizer = optimizers.get(optimizer)
+        self._core.compile(loss=loss, metrics=metrics)
+        self._compiled = True
+
+    def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
+                show_trainable=False, layer_range=None) -> None:
+        _refuse("summary", {}, positions=positions, expand_nested=expand_nested or None,
+                show_trainable=show_trainable or None, layer_range=layer_range)
+        self._core.summary(line_length, print_fn)
+
+    def summary_text(self) -> str:
+        """summary()'s table as a string (what pserver's Sequential.summary() returned before)."""
+        return self._core.summary_text()
+
+    def get_config(self) -> dict:
+        return self._core.get_config()
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Sequential":
+        model = cls(name=config.get("name"))
+        model._core = _Core.from_config(config)
+        return model
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def _weights(self) -> np.ndarray:
+        if self._w is None:
+            self._w = self._core.init_params(cluster.seed())
+        return self._w
+
+    def get_weights(self) -> list[np.ndarray]:
+        """Each layer's weights in order (kernel, bias, ...), as Keras's: copies."""
+        views = self._core.layout.views(self._weights())
+        return [views[t.name].copy() for t in self._core.layout.tensors]
+
+    def set_weights(self, weights) -> None:
+        tensors = self._core.layout.tensors
+        weights = list(weights)
+        if len(weights) != len(tensors):
+            raise ConfigError(f"set_weights: {self.name} has {len(tensors)} weight arrays, "
+                              f"got {len(weights)}")
+        w = self._weights().copy()
+        views = self._core.layout.views(w)
+        for t, value in zip(tensors, weights):
+            value = np.asarray(value)
+            if value.shape != tuple(t.shape):
+                raise ConfigError(f"set_weights: {t.name} has shape {tuple(t.shape)}, got {value.shape}")
+            views[t.name][...] = value
+        self._w = w
+
+    # -- training -------------------------------------------------------------------------------
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+            validation_batch_size=None, validation_freq=1):
+        """Keras's fit on arrays; returns a History (also `model.history`)."""
+        _refuse("fit", {}, class_weight=class_weight, sample_weight=sample_weight,
+                steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                validation_batch_size=validation_batch_size,
+                validation_freq=None if validation_freq == 1 else validation_freq,
+                shuffle=None if shuffle is True else shuffle)
+        if not self._compiled:
+            raise ConfigError("fit: compile the model first (model.compile(optimizer=..., loss=...))")
+        if x is None or y is None:
+            raise ConfigError("fit: give x and y (arrays; datasets and generators are not supported)")
+        if verbose not in ("auto", 0, 1, 2):
+            raise ConfigError(f"fit: verbose must be 'auto', 0, 1 or 2, got {verbose!r}")
+        if not 0 <= validation_split < 1:
+            raise ConfigError(f"fit: validation_split must be in [0, 1), got {validation_split!r}")
+        if validation_split and validation_data is not None:
+            raise ConfigError("fit: give validation_split or validation_data, not both")
+        x, y = self._arrays(x, y, "fit")
+        if validation_split:                  # the last fraction, before any shuffling (Keras's)
+            at = int(math.ceil(len(x) * (1.0 - validation_split)))
+            x, y, validation_data = x[:at], y[:at], (x[at:], y[at:])
+        elif validation_data is not None:
+            if len(validation_data) != 2:
+                raise ConfigError("fit: validation_data: give (x_val, y_val)")
+            validation_data = self._arrays(*validation_data, "fit: validation_data")
+        has_validation = validation_data is not None
+        if not has_validation:               # the loop evaluates something: a sample, not shown
+            validation_data = (x[:1], y[:1])
+        batch_size = 32 if batch_size is None else batch_size
+        place = cluster.current()
+        workers = place.num_workers if place else 1
+        if not isinstance(batch_size, int) or batch_size < workers or batch_size % workers:
+            raise ConfigError(f"fit: batch_size={batch_size!r} is the global batch, split across {workers} "
+                              f"worker(s): give a multiple of {workers}")
+        if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
+            raise ConfigError(f"fit: initial_epoch={initial_epoch!r} must be in [0, epochs={epochs})")
+        rank = place.rank if place else 0
+        history = callbacks_module.History()
+        user = list(callbacks or ())
+        shown = verbose != 0 and rank == 0
+        per_worker = batch_size // workers
+        params = {"epochs": epochs, "verbose": verbose,
+                  "steps": max(1, len(x) // workers // per_worker)}
+        listeners = [history] + ([callbacks_module.EpochLine()] if shown else []) + user
+        hooks = callbacks_module.CallbackList(listeners, self, params, self._core.metrics, initial_epoch,
+                                              has_validation)
+        self._core.initial = self._w
+        options = {"epochs": epochs - initial_epoch, "batch_size": per_worker, "seed": cluster.seed()}
+        shard_settings = {"mode": "sync", **self.optimizer.settings()}
+        with _quiet(not shown or verbose == 2):      # 2: Keras's epoch lines only
+            if place is None:
+                api.train(self._core, x, y, ps=OWN_SHARDS, validation_data=validation_data,
+                          callbacks=hooks, **options, **shard_settings)
+            else:
+                addresses = place.shards(shard_settings)
+                hooks.shard_settings = self.optimizer.settings()     # checked at Register (worker.loop)
+                api.train(self._core, x, y, ps=list(addresses), rank=rank, num_workers=workers,
+                          validation_data=validation_data, callbacks=hooks, **options)
+        if hooks.weights is not None:
+            self._w = hooks.weights
+        self.history = history
+        return history
+
+    def _arrays(self, x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
+        x = np.asarray(x)
+        if x.dtype.kind in "biu" and not self._core._takes_ids:
+            x = x.astype(np.float32)
+        try:
+            y = self._core.loss.labels(y)
+        except ValueError as e:
+            raise DataError(f"{what}: {e}") from None
+        if len(x) != len(y):
+            raise DataError(f"{what}: x has {len(x)} samples, y {len(y)}")
+        return x, y
+
+    # -- inference ------------------------------------------------------------------------------
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None) -> np.ndarray:
+        """The model's outputs: probabilities after a softmax (sigmoid) last layer, as Keras's."""
+        _refuse("predict", {}, steps=steps, callbacks=callbacks)
+        out = self._core.predict(self._weights(), np.asarray(x), batch_size=batch_size or 4096)
+        return activations.probabilities(self._core.output_activation, out)
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
+                 callbacks=None, return_dict=False):
+        """The loss and the compiled metrics, as Keras's: a scalar without metrics, else
+        [loss, metric, ...], or a dict with return_dict=True."""
+        _refuse("evaluate", {}, sample_weight=sample_weight, steps=steps, callbacks=callbacks)
+        x, y = self._arrays(x, y, "evaluate")
+        ev = self._core.evaluate(self._weights(), x, y, batch_size=batch_size or 4096)
+        result = {"loss": ev["loss"], **{m: ev[m] for m in self._core.metrics if m in ev}}
+        place = cluster.current()
+        if verbose != 0 and (place is None or place.rank == 0):
+            print(" - ".join(f"{k}: {v:.4f}" for k, v in result.items()), flush=True)
+        if return_dict:
+            return result
+        return result["loss"] if len(result) == 1 else list(result.values())
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def save(self, filepath, overwrite=True, **kwargs) -> None:
+        """The model file (its layers' configs and the weights): load_model builds it again."""
+        _refuse("save", kwargs)
+        filepath = os.fspath(filepath)
+        if not overwrite and os.path.exists(filepath):
+            raise ConfigError(f"save: {filepath} exists (overwrite=False)")
+        place = cluster.current()
+        if place is not None and place.rank != 0:
+            return                            # the chief's to write, as a Keras chief saves
+        compiled = self.optimizer.get_config() if self.optimizer else None
+        saved.save(filepath, self._core, self._weights(), {"keras_optimizer": compiled}, {})
+
+
+def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> Sequential:
+    """A model file written by model.save (or by pserver with a Sequential): the model built
+    again from its layers' configs, with its weights, compiled as it was."""
+    _refuse("load_model", {}, custom_objects=custom_objects)
+    filepath = os.fspath(filepath)
+    meta, arrays = saved.read(filepath)
+    if not meta.get("sequential"):
+        raise ConfigError(f"{filepath}: holds no Sequential's config (a --model file: use "
+                          "pserver.load_model)")
+    model = Sequential.from_config(meta["sequential"])
+    model._w = saved.weights_of(filepath, meta, arrays, model._core.layout)
+    opt = meta.get("keras_optimizer")
+    if compile and opt:
+        model.optimizer = optimizers.from_settings(opt)
+        model._compiled = True
+    return model
+
+
+@contextlib.contextmanager
+def _quiet(quiet: bool):
+    """A worker other than the chief (or verbose=0) prints nothing; its errors still raise."""
+    if not quiet:
+        yield
+        return
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        old = sys.stderr
+        sys.stderr = null
+        try:
+            yield
+        finally:
+            sys.stderr = old
+
+
+def _refuse(where: str, unknown: dict, **given) -> None:
+    """ConfigError naming the first argument pserver does not support (one not at its
+    default: None here), or one Keras does not have."""
+    if unknown:
+        raise ConfigError(f"{where}: unexpected argument {sorted(unknown)[0]!r}")
+    for name, value in given.items():
+        if value is not None:
+            raise ConfigError(f"{where}: {name}={value!r} is not supported by pserver "
+                              "(docs/guide/keras.md lists what is)")
+
+
+__all__ = ["Sequential", "Input", "InputSpec", "load_model"]

@@ -1,0 +1,145 @@
+"""`pserver run --ps N --workers M -- CMD ...`: a user's script once per worker, with the
+cluster in its environment (as torchrun and horovodrun run theirs).
+
+Each worker is CMD with PSERVER_RUN_DIR, PSERVER_RUN_RANK and PSERVER_RUN_WORKERS set
+(pserver.keras.cluster reads them). The shards start once every worker has said, at its
+fit, the optimizer it compiled (a file in the run's directory): the same for every worker,
+or the run is refused naming the difference; they then run it, with the serve flags given
+here, as launch's shards (pserver.launch.local). The exit code is the first failing
+worker's (a shard that fails: launch's), 0 when every worker exits 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from pserver.config import ServerConfig
+from pserver.errors import ConfigError, ProcessFailed
+from pserver.launch.base import LaunchConfig, child_env
+from pserver.launch.local import Proc, start_shards, stop_all
+from pserver.observe.progress import Relay
+from pserver.signals import Stopped, stop_on_signals, with_parent_death
+
+# The environment and the files of the run's directory: pserver.keras.cluster reads them.
+RUN_DIR, RANK, WORKERS = "PSERVER_RUN_DIR", "PSERVER_RUN_RANK", "PSERVER_RUN_WORKERS"
+SEED = "PSERVER_RUN_SEED"
+SETTINGS, ADDRESSES, REFUSED = "settings-rank{}.json", "shards.json", "refused.txt"
+
+
+class _Worker:
+    """CMD as rank i; its output is the terminal's, as the script's own would be."""
+
+    def __init__(self, argv: list[str], env: dict, rank: int):
+        self.role = f"worker{rank}"
+        # Only the chief's output is shown (what fit, evaluate and the script print), as a
+        # Keras user guards prints with the chief's rank; every worker's errors (stderr) are.
+        self.popen = subprocess.Popen(argv, env=with_parent_death(env), start_new_session=True,
+                                      stdout=None if rank == 0 else subprocess.DEVNULL)
+        self.reader = threading.Thread(target=lambda: None)    # stop_all joins one: no output to copy
+        self.reader.start()
+
+
+def run_command(num_shards: int, num_workers: int, argv: list[str], server: ServerConfig,
+                seed: int | None = None) -> int:
+    if not argv:
+        raise ConfigError("run: give the command to run after --, e.g. pserver run --ps 2 --workers 4 -- "
+                          "python train.py")
+    for flag, count in (("--ps", num_shards), ("--workers", num_workers)):
+        if count < 1:
+            raise ConfigError(f"{flag}: run needs 1 or more, got {count}")
+    tmpdir = tempfile.mkdtemp(prefix="pserver-run-")
+    env = child_env(num_workers) | {RUN_DIR: tmpdir, WORKERS: str(num_workers)}
+    if seed is not None:
+        env[SEED] = str(seed)
+    cfg = LaunchConfig(num_shards=num_shards, num_workers=num_workers)
+    workers: list[_Worker] = []
+    shards: list[Proc] = []
+    relay = Relay()
+    with stop_on_signals():
+        try:
+            for i in range(num_workers):
+                workers.append(_Worker(argv, env | {RANK: str(i)}, i))
+            return _supervise(cfg, server, workers, shards, tmpdir, env, relay)
+        except Stopped as e:
+            print(f"pserver run: stopped by {e}; stopping the workers", file=sys.stderr, flush=True)
+            return e.exit_code
+        finally:
+            stop_all(workers)
+            stop_all(shards)
+            relay.close()
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _supervise(cfg, server, workers, shards, tmpdir, env, relay) -> int:
+    """Start the shards when every worker's settings are in; the first failing worker's code."""
+    started = False
+    while True:
+        for p in workers:
+            code = p.popen.poll()
+            if code not in (None, 0):
+                return code
+        for p in shards:
+            if p.popen.poll() is not None:
+                raise ProcessFailed(p.role, p.popen.returncode)
+        if all(p.popen.poll() == 0 for p in workers):
+            return 0
+        if not started:
+            refused = os.path.join(tmpdir, REFUSED)
+            settings = _settings(tmpdir, len(workers))
+            if os.path.exists(refused):       # the workers stop at their fit; the run says why, once
+                with open(refused) as f:
+                    raise ConfigError(f.read().strip())
+            if settings is not None:
+                started = True
+                try:
+                    server = dataclasses.replace(server, **settings)
+                except TypeError as e:
+                    _refuse(tmpdir, f"the workers' shard settings: {e}")
+                    continue
+                shards += start_shards(cfg, server, env, [], tmpdir, relay)
+                _write(os.path.join(tmpdir, ADDRESSES),
+                       {"addresses": [f"127.0.0.1:{p.port}" for p in shards]})
+        time.sleep(0.05)
+
+
+def _settings(tmpdir: str, num_workers: int) -> dict | None:
+    """Every worker's shard settings once all are written: the chief's, if all agree; a
+    difference is written for the workers to raise (and None returned)."""
+    paths = [os.path.join(tmpdir, SETTINGS.format(i)) for i in range(num_workers)]
+    if not all(os.path.exists(p) for p in paths):
+        return None
+    found = []
+    for p in paths:
+        with open(p) as f:
+            found.append(json.load(f))
+    for i, other in enumerate(found[1:], start=1):
+        diff = sorted(k for k in set(found[0]) | set(other) if found[0].get(k) != other.get(k))
+        if diff:
+            k = diff[0]
+            _refuse(tmpdir, f"worker {i} compiled {k}={other.get(k)!r}, the chief "
+                            f"{k}={found[0].get(k)!r}: every worker must compile the same optimizer")
+            return None
+    return found[0]
+
+
+def _refuse(tmpdir: str, line: str) -> None:
+    with open(os.path.join(tmpdir, REFUSED), "w") as f:
+        f.write(line + "\n")
+
+
+def _write(path: str, value: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+__all__ = ["run_command"]

@@ -1,0 +1,343 @@
+"""pserver.keras: Keras's model API over pserver's layers, loop and shards (real in-process
+shards for fit; `pserver run` as a real process). Each test names the bug it catches."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pserver.keras as keras
+from pserver.errors import ConfigError, DataError
+from pserver.keras import layers
+from pserver.layers import LAYERS
+from pserver.models import losses
+from pserver.models.sequential import Sequential as CoreSequential
+
+
+def blobs(n=600, d=6, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(scale=3.0, size=(classes, d))
+    y = rng.integers(0, classes, n)
+    return (centers[y] + rng.normal(size=(n, d))).astype(np.float32), y
+
+
+def small_model(last="softmax", classes=3, d=6):
+    return keras.Sequential([keras.Input(shape=(d,)), layers.Dense(8, activation="relu"),
+                             layers.Dense(classes, activation=last)])
+
+
+# -- the fused softmax / sigmoid: the loss of probabilities, computed from logits -------------------
+
+def _numpy_softmax_xent(z, y):
+    z = z.astype(np.float64)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    return float(np.mean(-np.log(p[np.arange(len(y)), y])))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 5), st.floats(0.1, 50.0), st.integers(0, 2**16))
+def test_a_softmax_last_layer_with_categorical_crossentropy_is_the_numpy_loss_and_gradient(n, classes, scale,
+                                                                                             seed):
+    """Catches: probabilities taken as logits (softmax twice), a lost softmax, an unstable log."""
+    rng = np.random.default_rng(seed)
+    model = CoreSequential([layers.Dense(classes, activation="softmax", input_shape=(3,))],
+                           loss="categorical_crossentropy").use_backend("reference")
+    w = (model.init_params(seed) * scale).astype(np.float32)
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    y = rng.integers(0, classes, n)
+    onehot = keras.utils.to_categorical(y, classes)
+    g = np.empty_like(w)
+    loss = model.loss_and_grad(w, x, onehot, g)
+    kernel, bias = w[:3 * classes].reshape(3, classes), w[3 * classes:]
+    assert loss == pytest.approx(_numpy_softmax_xent(x @ kernel + bias, y), rel=1e-4, abs=1e-5)
+    assert np.isfinite(loss)
+    # Finite differences of the float64 twin, on a few coordinates.
+    for i in rng.choice(w.size, min(4, w.size), replace=False):
+        e = np.zeros(w.size)
+        e[i] = 1e-3
+        w64 = w.astype(np.float64)
+        f = []
+        for s in (1, -1):
+            v = w64 + s * e
+            f.append(_numpy_softmax_xent(x @ v[:3 * classes].reshape(3, classes) + v[3 * classes:], y))
+        assert g[i] == pytest.approx((f[0] - f[1]) / 2e-3, rel=2e-2, abs=2e-3)
+    # predict states probabilities, as Keras's does.
+    p = activations_probabilities(model, w, x)
+    assert np.allclose(p.sum(axis=1), 1, atol=1e-5) and (p >= 0).all()
+
+
+def activations_probabilities(model, w, x):
+    from pserver.layers import activations
+    return activations.probabilities(model.output_activation, model.predict(w, x))
+
+
+def test_extreme_logits_keep_the_fused_loss_finite():
+    """Catches: log(softmax) of a rounded-off zero (inf loss, NaN gradient)."""
+    model = CoreSequential([layers.Dense(2, activation="softmax", input_shape=(1,))])
+    w = np.array([1000.0, -1000.0, 0.0, 0.0], np.float32)
+    g = np.empty_like(w)
+    loss = model.loss_and_grad(w, np.ones((2, 1), np.float32), np.array([1, 0]), g)
+    assert np.isfinite(loss) and loss == pytest.approx(1000.0, rel=1e-3) and np.isfinite(g).all()
+
+
+def test_sigmoid_before_binary_crossentropy_is_fused_and_from_logits_contradictions_are_refused():
+    """Catches: sigmoid applied twice, and a from_logits that contradicts the last layer accepted."""
+    m = CoreSequential([layers.Dense(1, activation="sigmoid", input_shape=(2,))], loss="binary_crossentropy")
+    m.build()
+    assert m.output_activation == "sigmoid" and m.layers[-1].activation == "linear"
+    with pytest.raises(ConfigError, match="from_logits=True"):
+        CoreSequential([layers.Dense(3, activation="softmax", input_shape=(2,))],
+                       loss=losses.SparseCategoricalCrossentropy(from_logits=True)).build()
+    with pytest.raises(ConfigError, match="from_logits=False"):
+        CoreSequential([layers.Dense(3, input_shape=(2,))],
+                       loss=losses.SparseCategoricalCrossentropy(from_logits=False)).build()
+    with pytest.raises(ConfigError, match="last layer only"):
+        CoreSequential([layers.Dense(3, activation="softmax", input_shape=(2,)), layers.Dense(3)]).build()
+    with pytest.raises(ConfigError, match="mean_squared_error"):
+        CoreSequential([layers.Dense(3, activation="softmax", input_shape=(2,))], loss="mse").build()
+
+
+def test_categorical_crossentropy_refuses_rows_that_are_not_one_hot():
+    """Catches: soft labels silently read as their argmax."""
+    with pytest.raises(ValueError, match=r"y\[1\] is not a one-hot row"):
+        losses.CategoricalCrossentropy().labels(np.array([[0, 1, 0], [0.5, 0.5, 0]]))
+    assert losses.CategoricalCrossentropy().labels(np.eye(3)[[2, 0]]).tolist() == [2, 0]
+
+
+def test_to_categorical_is_keras_s():
+    assert keras.utils.to_categorical([0, 2, 1]).tolist() == [[1, 0, 0], [0, 0, 1], [0, 1, 0]]
+    assert keras.utils.to_categorical(np.array([[1], [0]]), 3).shape == (2, 3)
+    with pytest.raises(ConfigError, match="num_classes"):
+        keras.utils.to_categorical([3], 2)
+
+
+# -- configs, files ------------------------------------------------------------------------------------
+
+EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shape=(3,)),
+            "Conv2D": dict(filters=2, kernel_size=(3, 2), strides=2, padding="same", activation="relu"),
+            "MaxPooling2D": dict(pool_size=3, strides=1), "AveragePooling2D": dict(pool_size=(2, 2)),
+            "Flatten": {}, "Dropout": dict(rate=0.3, seed=7), "Embedding": dict(input_dim=10, output_dim=4),
+            "FM": {}}
+
+
+@pytest.mark.parametrize("name", LAYERS.names())
+def test_every_built_in_layer_is_rebuilt_from_its_json_config(name):
+    """Catches: a layer whose get_config drops an argument (a rebuilt model of another shape)."""
+    cls = LAYERS.get(name)
+    layer = cls(**EXAMPLES[name])
+    config = json.loads(json.dumps(layer.get_config()))
+    again = cls.from_config(config)
+    assert again.get_config() == layer.get_config()
+    for k, v in EXAMPLES[name].items():
+        assert config[k] == (list(v) if isinstance(v, tuple) else v), k
+
+
+def test_a_saved_model_is_rebuilt_with_its_weights_and_optimizer(tmp_path):
+    """Catches: load_model needing the model in Python, weights in another order, the compiled
+    optimizer lost, a softmax output lost on rebuild."""
+    model = keras.Sequential([keras.Input(shape=(4, 4, 1)), layers.Conv2D(3, 3, activation="relu"),
+                              layers.Flatten(), layers.Dropout(0.2), layers.Dense(5, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.Adam(0.003), loss="categorical_crossentropy",
+                  metrics=["accuracy"])
+    x = np.random.default_rng(1).normal(size=(7, 4, 4, 1)).astype(np.float32)
+    model.save(tmp_path / "m.npz")
+    again = keras.models.load_model(tmp_path / "m.npz")
+    assert np.array_equal(again.predict(x), model.predict(x))
+    assert np.allclose(again.predict(x).sum(axis=1), 1, atol=1e-5)
+    assert [w.shape for w in again.get_weights()] == [(3, 3, 1, 3), (3,), (12, 5), (5,)]
+    assert again.optimizer.settings() == {"optimizer": "adam", "lr": 0.003, "beta1": 0.9, "beta2": 0.999,
+                                          "eps": 1e-7}
+    import pserver
+    assert np.array_equal(pserver.load_model(str(tmp_path / "m.npz")).predict(x),
+                          model._core.predict(model._weights(), x))
+
+
+def test_a_user_layer_is_saved_once_registered_and_refused_by_name_otherwise(tmp_path):
+    """Catches: a user's layer written without a way back, or a load that guesses."""
+    from pserver.layers.reshape import Flatten
+
+    class Unregistered(Flatten):
+        kind = "unregistered"
+
+    model = keras.Sequential([keras.Input(shape=(2, 2)), Unregistered(), layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.raises(ConfigError, match="register_keras_serializable"):
+        model.save(tmp_path / "u.npz")
+
+    @keras.saving.register_keras_serializable()
+    class MyFlatten(Flatten):
+        kind = "my_flatten"
+
+    model = keras.Sequential([keras.Input(shape=(2, 2)), MyFlatten(), layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.save(tmp_path / "r.npz")
+    again = keras.models.load_model(tmp_path / "r.npz")
+    assert type(again.layers[0]) is MyFlatten
+    assert np.array_equal(again.get_weights()[0], model.get_weights()[0])
+
+
+def test_get_and_set_weights_round_trip_and_refuse_a_wrong_shape():
+    model = small_model()
+    ws = model.get_weights()
+    assert [w.shape for w in ws] == [(6, 8), (8,), (8, 3), (3,)]
+    ws[0][...] = 0.5
+    model.set_weights(ws)
+    assert (model.get_weights()[0] == 0.5).all()
+    with pytest.raises(ConfigError, match=r"dense/kernel has shape \(6, 8\)"):
+        model.set_weights([np.zeros((8, 6))] + ws[1:])
+
+
+def test_summary_prints_keras_s_table_and_returns_none(capsys):
+    model = small_model()
+    assert model.summary() is None
+    out = capsys.readouterr().out
+    assert 'Model: "sequential"' in out and "dense (Dense)" in out and "(None, 8)" in out
+    assert "Total params: 83" in out and out.strip() == model.summary_text().strip()
+
+
+# -- refusals ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call, named", [
+    (lambda m: m.compile(loss="mse"), "rmsprop"),                  # Keras's default optimizer
+    (lambda m: m.compile(optimizer="adam", loss="mse", loss_weights=[1.0]), "loss_weights"),
+    (lambda m: keras.optimizers.Adam(amsgrad=True), "amsgrad"),
+    (lambda m: keras.optimizers.SGD(clipnorm=1.0), "clipnorm"),
+    (lambda m: m.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["mae"]), "mae"),
+    (lambda m: m.summary(expand_nested=True), "expand_nested"),
+])
+def test_keras_arguments_pserver_does_not_support_are_refused_by_name(call, named):
+    """Catches: an argument accepted and ignored (a run unlike the one asked for)."""
+    model = small_model()
+    with pytest.raises(ConfigError, match=named):
+        call(model)
+
+
+def test_fit_refuses_what_it_does_not_support_before_starting_anything():
+    model = small_model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = blobs(64)
+    for kwargs, named in ((dict(sample_weight=np.ones(64)), "sample_weight"),
+                          (dict(shuffle=False), "shuffle"), (dict(validation_split=1.5), "validation_split"),
+                          (dict(batch_size=0), "batch_size")):
+        with pytest.raises(ConfigError, match=named):
+            model.fit(x, y, **kwargs)
+    with pytest.raises(DataError, match="x has 64 samples, y 3"):
+        model.fit(x, y[:3])
+
+
+# -- fit, in this process ------------------------------------------------------------------------------
+
+def test_fit_trains_on_its_own_shards_and_history_holds_keras_s_keys():
+    """Catches: validation_split taking the first rows (val_loss would not be the last rows'),
+    weights not kept after fit, history missing the metric or its val_."""
+    x, y = blobs()
+    model = small_model()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    before = model.evaluate(x, y, verbose=0)
+    h = model.fit(x, y, batch_size=32, epochs=3, validation_split=0.2, verbose=0)
+    assert sorted(h.history) == ["accuracy", "loss", "val_accuracy", "val_loss"] and h.epoch == [0, 1, 2]
+    assert all(len(v) == 3 for v in h.history.values())
+    val_loss, val_acc = model.evaluate(x[480:], y[480:], verbose=0)
+    assert h.history["val_loss"][-1] == pytest.approx(val_loss, rel=1e-4)
+    assert h.history["val_accuracy"][-1] == pytest.approx(val_acc)
+    assert model.evaluate(x, y, verbose=0)[0] < before[0] / 2
+    assert h.history["loss"][-1] < h.history["loss"][0]
+
+
+def test_a_callback_that_sets_stop_training_ends_the_run_after_that_epoch():
+    """Catches: a loop callbacks cannot steer."""
+    class StopAtOnce(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = True
+
+    x, y = blobs(200)
+    model = small_model()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    h = model.fit(x, y, batch_size=20, epochs=5, verbose=0, callbacks=[StopAtOnce()])
+    assert h.epoch == [0] and list(h.history) == ["loss"]       # no validation: no val_*
+
+
+# -- pserver run ---------------------------------------------------------------------------------------
+
+RUN_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import pserver.keras as keras
+    from pserver.keras import layers
+    rank = int(os.environ["PSERVER_RUN_RANK"])
+    if os.environ.get("FAIL_RANK") == str(rank):
+        sys.exit(3)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 4)).astype("float32"); y = (x[:, 0] > 0).astype(int)
+    model = keras.Sequential([keras.Input(shape=(4,)), layers.Dense(2, activation="softmax")])
+    lr = 0.01 if rank == 0 or not os.environ.get("DISAGREE") else 0.02
+    model.compile(optimizer=keras.optimizers.Adam(lr), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    h = model.fit(x, y, batch_size=32, epochs=2, verbose=2)
+    print("history", len(h.history["loss"]), flush=True)
+""")
+
+
+def run_script(tmp_path, env_extra):
+    import os
+    script = tmp_path / "s.py"
+    script.write_text(RUN_SCRIPT)
+    return subprocess.run([sys.executable, "-m", "pserver", "run", "--ps", "2", "--workers", "2", "--",
+                           sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, **env_extra})
+
+
+def test_pserver_run_runs_the_script_per_worker_and_only_the_chief_prints(tmp_path):
+    r = run_script(tmp_path, {})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("history 2") == 1 and r.stdout.count("Epoch 2/2") == 1, r.stdout
+    assert "optimizer=adam lr=0.01" in r.stdout     # the shards run the script's compiled optimizer
+
+
+def test_pserver_run_refuses_workers_that_compile_different_optimizers_in_one_line(tmp_path):
+    """Catches: shards started with the chief's settings while another worker asked for others."""
+    r = run_script(tmp_path, {"DISAGREE": "1"})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "worker 1 compiled lr=0.02, the chief lr=0.01" in r.stderr
+
+
+def test_pserver_run_exits_with_the_failing_worker_s_code(tmp_path):
+    """Catches: a worker's failure lost behind the others' success."""
+    r = run_script(tmp_path, {"FAIL_RANK": "1"})
+    assert r.returncode == 3, r.stdout + r.stderr
+
+
+def test_fit_against_running_shards_checks_their_optimizer_at_register(monkeypatch):
+    """Catches: a model trained by shards running another optimizer than the one it compiled."""
+    import pserver
+    x, y = blobs(200)
+    with pserver.serve(optimizer="adam", lr=0.001, num_workers=1) as shard:
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"ps": [shard.address],
+                                                                "chief": ["localhost:1"]},
+                                                    "task": {"type": "chief", "index": 0}}))
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+        with pytest.raises(ConfigError, match=r"compiled with lr=0.01, the shards at .* run lr=0.001"):
+            model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+        model.compile(optimizer=keras.optimizers.Adam(0.001, epsilon=1e-8),
+                      loss="sparse_categorical_crossentropy")
+        h = model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+        assert len(h.history["loss"]) == 1
+
+
+def test_a_layer_pickles_with_its_config():
+    """Catches: a layer that cannot be pickled or copied (Ray ships models) since it keeps its config."""
+    import copy
+    import pickle
+    layer = layers.Conv2D(4, (3, 2), activation="relu", name="c")
+    for again in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
+        assert again.get_config() == layer.get_config() and again.get_config()["kernel_size"] == [3, 2]
