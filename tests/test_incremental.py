@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import zipfile
 
 import numpy as np
 import pytest
@@ -219,7 +220,9 @@ def test_a_broken_delta_ends_its_chain_and_restore_says_where(tmp_path, caplog):
         states[version] = (path, plain(store))
     middle = states[2][0]
     data = bytearray(open(middle, "rb").read())
-    data[len(data) // 2] ^= 0xFF
+    with zipfile.ZipFile(middle) as z:           # a byte of its rows (the file's middle may be a header's)
+        entries = z.getinfo("rows.0.entries.npy")
+    data[entries.header_offset + 200 + entries.file_size // 2] ^= 0xFF
     open(middle, "wb").write(bytes(data))
     with pytest.raises(ValueError, match="the delta .*v000000000002.* before it: (checksum|unreadable)"):
         checkpoint.load(states[4][0])
@@ -306,3 +309,36 @@ def test_a_dense_step_during_a_write_keeps_only_the_unread_rest_aside(tmp_path, 
     assert np.concatenate([first, rest]).tobytes() == want[1]
     assert dump.aside_bytes == sum((DENSE - (2 if k == "params" else 0)) * 4 for k in dump.dense)
     store.end_dump()
+
+
+def test_a_run_writing_again_into_a_directory_never_chains_onto_the_old_runs_deltas(tmp_path):
+    """A shard started fresh (or restored from an older version) in a directory holding another
+    run's chain: its base, written under the old base's name, must not be extended by the old
+    run's later deltas (catches: deltas matched to a base by version alone, which loads the old
+    v3 delta on the new base as a state no run had), and a version it writes is its own file
+    only (catches: the old run's delta at that version left beside the new base, preferred)."""
+    d = str(tmp_path)
+    old, ck = make_store(max_rows=0, full_every=10, directory=d)
+    for t in range(3):                                   # the old run: base v1, deltas v2, v3
+        push(old, np.arange(100, 400, dtype=np.uint64) if t == 0 else UNIVERSE[5 * t:5 * t + 10], 100 + t)
+        ck.request()
+    assert [checkpoint.base_of(p) for _, p in checkpoint.candidates(d, 0, 1)] == [1, 1, None]
+    new, ck = make_store(max_rows=0, full_every=10, directory=d)
+    states = {}
+    for t in range(2):                                   # a new run: base v1, delta v2, other rows
+        push(new, np.arange(500, 800, dtype=np.uint64) if t == 0 else UNIVERSE[20:26], 200 + t)
+        ck.request()
+        states[new.version] = plain(new)
+    got = checkpoint.load_latest(d, 0, 1)
+    assert restored(got) == states[2]                    # not the old v3 on top of the new v1, v2
+    with pytest.raises(ValueError, match="chain broken: .*v000000000003.* extends another writing"):
+        checkpoint.load(checkpoint.candidates(d, 0, 1)[0][1])
+
+    # A restore of the new run's v1 writes a base at v2: the delta at v2 goes.
+    again, ck = make_store(max_rows=0, full_every=10, directory=d)
+    again.restore(checkpoint.load(os.path.join(d, checkpoint.file_name(0, 1, 1))))
+    push(again, UNIVERSE[30:35], 300)
+    path, version = ck.request()
+    assert version == 2 and checkpoint.base_of(path) is None
+    assert [p for v, p in checkpoint.candidates(d, 0, 1) if v == 2] == [path]
+    assert restored(checkpoint.load(path)) == plain(again)

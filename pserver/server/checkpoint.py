@@ -25,12 +25,14 @@ since the file before). meta (JSON) holds the rest and the sha256 of the arrays.
 before deltas existed (rows.<T>.<name> arrays, no "format") load as bases.
 
 A chain is a base and the deltas after it, each naming its parent (the version of the file
-before it); loading a delta loads its base and every delta up to it, checking each, so that a
-delta loads as the whole state at its version (`load`), and nothing else (restore, reshard,
-inspect, export, evaluate) needs to know about deltas. A broken or missing file ends its
-chain there: the versions after it do not load, and restoring falls back to the newest that
-does, saying which version it reached. Pruning keeps the KEEP newest versions and every file
-they need.
+before it) and its base's writing (meta["chain"], an id: a base written again under the same
+name, by a run started fresh or from an older version, is another chain); loading a delta
+loads its base and every delta up to it, checking each, so that a delta loads as the whole
+state at its version (`load`), and nothing else (restore, reshard, inspect, export, evaluate)
+needs to know about deltas. A broken or missing file ends its chain there: the versions after
+it do not load, and restoring falls back to the newest that does, saying which version it
+reached. Pruning keeps the KEEP newest versions and every file they need. A file written at a
+version replaces any other file of that version (another run's, under the other name).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import re
 import tempfile
 import threading
 import time
+import uuid
 import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -324,6 +327,11 @@ def load(path: str) -> Checkpoint:
         if dmeta.get("parent") != parent:
             raise ValueError(f"chain broken: {os.path.basename(p)} follows version {dmeta.get('parent')}, "
                              f"the file before it holds version {parent}")
+        if dmeta.get("chain") != meta.get("chain"):
+            # a file of another run's chain: the base was written again (a shard started
+            # fresh or restored an older version into the same directory), its deltas not
+            raise ValueError(f"chain broken: {os.path.basename(p)} extends another writing of "
+                             f"{os.path.basename(first)}")
         deltas.append((dmeta, darrays))
         parent = v
     return _assemble(path, meta, arrays, deltas)
@@ -532,6 +540,7 @@ class Checkpointer:
         # the next file is a base (at start, and after a failed write, whose delta is lost).
         self.chain: list[int] | None = None
         self.written: tuple[int, str] | None = None   # (version, path) of the last file written
+        self.chain_id = ""                        # the chain's id: its base's and deltas' meta["chain"]
         self.aside_peak = 0                       # bytes kept aside by the last write (copy-on-write)
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self.cond = threading.Condition()
@@ -604,8 +613,16 @@ class Checkpointer:
         finally:
             taken.set()
         version, result = dump.meta["version"], ""
+        chain_id = uuid.uuid4().hex if kind is None else self.chain_id
         try:
-            result = self._write(dump, kind)
+            result = self._write(dump, kind, chain_id)
+            self.chain_id = chain_id
+            # A file of the same version under the other name (a base where a delta was, or a
+            # delta of another chain): another run's, left by a restore of an older version.
+            # Gone, so that this version is this file, and the old chain's later deltas break.
+            for v, other in candidates(self.directory, self.cfg.shard, self.cfg.num_shards):
+                if v == version and other != result:
+                    remove_quietly(other)
             size = os.path.getsize(result)
             self.chain = [version, size, 0, 1] if kind is None else \
                 [self.chain[0], self.chain[1], self.chain[2] + size, self.chain[3] + 1]
@@ -625,8 +642,9 @@ class Checkpointer:
             self._end(version, result)
         return version, result
 
-    def _write(self, dump, kind: tuple[int, int] | None) -> str:
-        """One file from a store's dump (ShardStore.begin_dump), a stripe at a time."""
+    def _write(self, dump, kind: tuple[int, int] | None, chain_id: str) -> str:
+        """One file from a store's dump (ShardStore.begin_dump), a stripe at a time; chain_id
+        names the writing of the chain's base (its deltas carry it: load checks)."""
         parts = [Part(name, a.dtype, a.shape, lambda name=name: dump.stripes(name, STRIPE_BYTES))
                  for name, a in dump.dense.items()]
         for i, (config, columns, dtype, count, small) in enumerate(dump.tables):
@@ -635,7 +653,7 @@ class Checkpointer:
             parts += [Part.of(f"rows.{i}.{k}", v) for k, v in small.items()]
         meta = header(dict(dump.meta, shard=self.cfg.shard, num_shards=self.cfg.num_shards,
                            optimizer=self.cfg.optimizer, tables=[t[0] for t in dump.tables],
-                           columns=[t[1] for t in dump.tables]))
+                           columns=[t[1] for t in dump.tables], chain=chain_id))
         if kind is not None:
             meta.update(kind="delta", base=kind[0], parent=kind[1])
         name = file_name(self.cfg.shard, self.cfg.num_shards, dump.meta["version"],
