@@ -254,9 +254,16 @@ def test_reshard_and_inspect_read_chains(tmp_path):
     assert [f["kind"] for f in files] == ["delta", "delta", "base"]
 
 
-def test_pushes_during_a_write_change_the_live_rows_not_the_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bucket", [None, 4])
+def test_pushes_during_a_write_change_the_live_rows_not_the_file(tmp_path, monkeypatch, bucket):
     """Copy-on-write: a write of version V that pushes overtake (changing rows, creating rows,
-    evicting rows) still holds V exactly, and keeps aside only the rows they changed."""
+    evicting rows) still holds V exactly, and keeps aside only the rows they changed. bucket 4:
+    the copies spread over many buckets, each merged past one part (catches a stripe that
+    takes a copy from the wrong bucket or part, or a merge that misorders them)."""
+    if bucket:
+        from pserver.sparse import table as table_module
+        monkeypatch.setattr(table_module._Dump, "BUCKET", bucket)
+        monkeypatch.setattr(table_module._Dump, "MERGE", 1)
     store, ckpt = make_store(max_rows=200, directory=str(tmp_path))
     ids = np.arange(1, 201, dtype=np.uint64)
     push(store, ids, 1)
@@ -287,7 +294,8 @@ def test_pushes_during_a_write_change_the_live_rows_not_the_file(tmp_path, monke
     writer = threading.Thread(target=lambda: result.append(ckpt.request()))
     writer.start()
     assert started.wait(30)
-    push(store, ids[10:30], 3)                 # rows of the delta change
+    push(store, ids[11:41:2], 3)               # rows of the delta change
+    push(store, ids[10:40:2], 5)               # others between them (parts interleave)
     push(store, np.arange(500, 560, dtype=np.uint64), 4)   # 60 new rows: the 60 oldest evicted
     gate.set()
     writer.join()
