@@ -215,7 +215,7 @@ def test_a_broken_delta_ends_its_chain_and_restore_says_where(tmp_path, caplog):
     store, ckpt = make_store(max_rows=0, directory=str(tmp_path))
     states = {}
     for t in range(4):
-        push(store, np.arange(1, 301 if t == 0 else 16, dtype=np.uint64) + 7 * t, t)
+        push(store, np.arange(1, 901 if t == 0 else 16, dtype=np.uint64) + 7 * t, t)
         path, version = ckpt.request()
         states[version] = (path, plain(store))
     middle = states[2][0]

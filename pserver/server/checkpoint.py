@@ -62,6 +62,10 @@ HASH_CHUNK = 64 << 20                      # bytes hashed between two progress u
 FORMAT = 2                                 # rows as entries; bases and deltas
 STRIPE_BYTES = 4 << 20                     # bytes copied at a time from the live state
 FULL_EVERY = 10                            # --full-every's default: a base every this many files
+# A base as soon as a chain's deltas add up to this much of its base: a restore reads the base
+# and its deltas and replays them, at most 1.33x the bytes, measured 1.5-1.6x a base's load on
+# 1M rows x 16 (at a half, 1.9-2.0x, over the issue's 1.6: bench/checkpoint_incremental.py b).
+CHAIN_LIMIT = 1 / 3
 NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d(\d{12}))?\.ckpt$")   # group 4: a delta's base
 TMP_NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d\d{12})?\.ckpt\.\d+\.tmp$")   # being written
 
@@ -590,9 +594,10 @@ class Checkpointer:
 
     def _kind(self) -> tuple[int, int] | None:
         """(base, parent) for a delta, or None for a base: --full-every files per chain, and a
-        new base as soon as the chain's deltas add up to half of its base."""
+        new base as soon as the chain's deltas add up to CHAIN_LIMIT (a third) of its base."""
         c = self.chain
-        if c is None or self.written is None or c[3] >= self.cfg.full_every or 2 * c[2] >= c[1]:
+        if c is None or self.written is None or c[3] >= self.cfg.full_every \
+                or c[2] >= CHAIN_LIMIT * c[1]:
             return None
         return c[0], self.written[0]
 
