@@ -142,7 +142,7 @@ SERVER_FLAGS = [
                                                                    "(needs --checkpoint-dir)")),
     Flag("--full-every", dict(type=int, metavar="N", help="write a full base every N checkpoints and, "
                               "between them, deltas of the rows changed since the file before (a base "
-                              "also as soon as the deltas add up to half of it); 1: every checkpoint "
+                              "also as soon as the deltas add up to a third of it); 1: every checkpoint "
                               "full (default 10)")),
 ]
 

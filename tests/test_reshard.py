@@ -10,11 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pserver import sparse
+from pserver import cli, sparse
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError
+from pserver.optim import make_optimizer
 from pserver.server import checkpoint, reshard
 from pserver.server.shard import Shard
+from pserver.server.store import ShardStore
+from pserver.sparse.merge import RowGrads
 from pserver.wire.sharding import shard_ranges
 
 DENSE_STATE = {"sgd": (), "momentum": ("v",), "adam": ("m", "v")}
@@ -167,6 +170,36 @@ def test_offline_reshard_and_inspect(tmp_path):
     assert only["consistent_cuts"] == [] and [f["loads"] for f in only["files"]].count(False) == 1
     with pytest.raises(ConfigError, match="no checkpoint"):
         reshard.reshard_directory(str(tmp_path / "empty"), dst, 2, "sync")
+
+
+def test_inspect_prints_each_files_kind_base_or_delta_even_when_it_does_not_load(tmp_path, capsys):
+    """`pserver checkpoint inspect` names each file's kind and a delta's chain (catches: kind
+    left out of the text, or shown only for files that load)."""
+    store = ShardStore(0, 1, lambda n: make_optimizer("sgd", n, lr=0.1))
+    with store.cond:
+        store.configure("sig", 4, 0, 4, [sparse.TableConfig("emb", 2, "adagrad")])
+        store.version = 0
+    ckpt = checkpoint.Checkpointer(str(tmp_path), "--checkpoint-dir", store,
+                                   ServerConfig(optimizer="sgd", full_every=3, checkpoint_dir=str(tmp_path)))
+    for ids in (np.arange(1000), np.arange(5), np.arange(3, 8)):   # a base, then two small deltas
+        ids = ids.astype(np.uint64)
+        grads = np.ones((ids.shape[0], 2), np.float32)
+        with store.cond:
+            store.apply([np.ones(4, np.float32)], [1], [(RowGrads("emb", ids, grads), 1)])
+        ckpt.request()
+    newest = checkpoint.candidates(str(tmp_path), 0, 1)[0][1]
+    with open(newest, "r+b") as f:            # the newest delta no longer loads
+        f.seek(os.path.getsize(newest) // 2)
+        f.write(b"\xff" * 16)
+    assert cli.main(["checkpoint", "inspect", str(tmp_path)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ".ckpt" in ln]
+    assert len(lines) == 3
+    assert "v000000000003.d000000000001.ckpt  delta of the chain from version 1  " in lines[0]
+    assert "DOES NOT LOAD" in lines[0]
+    assert "v000000000002.d000000000001.ckpt  delta of the chain from version 1  " in lines[1]
+    assert "loads" in lines[1] and "v000000000001.ckpt  base  " in lines[2]
+    (only,) = reshard.inspect(str(tmp_path))["sets"]
+    assert [(f["kind"], f.get("base")) for f in only["files"]] == [("delta", 1), ("delta", 1), ("base", None)]
 
 
 def restored(d, s, mode, optimizer="sgd"):

@@ -266,15 +266,18 @@ def inspect(directory: str) -> dict:
         files, layout = [], None
         for j in sorted(shards):
             for v, path in shards[j]:
+                base = checkpoint.base_of(path)
                 entry = {"file": os.path.basename(path), "shard": j, "version": v,
-                         "bytes": os.path.getsize(path)}
+                         "bytes": os.path.getsize(path), "kind": "base" if base is None else "delta"}
+                if base is not None:
+                    entry["base"] = base              # the version its chain starts at
                 try:
                     c = checkpoint.load(path)
                 except ValueError as e:
                     entry.update(loads=False, why=str(e))
                 else:
                     meta = checkpoint.meta_of(path)
-                    entry.update(loads=True, sha256=meta["sha256"], kind=meta.get("kind", "base"),
+                    entry.update(loads=True, sha256=meta["sha256"],
                                  range=[c.start, c.end],
                                  rows={name: int(st["ids"].shape[0]) for name, st in c.rows.items()})
                     layout = layout or {"signature": c.signature, "parameters": c.total,
@@ -303,9 +306,10 @@ def describe(report: dict) -> list[str]:
                      f"tables: {tables or 'none'}")
         for f in cs["files"]:
             rows = ", ".join(f"{k} {v:,}" for k, v in f.get("rows", {}).items()) or "none"
-            what = (f"{f['kind']}, loads (sha256 {f['sha256'][:12]}... holds), range {f['range']}, "
-                    f"rows {rows}" if f["loads"] else f"DOES NOT LOAD: {f['why']}")
-            lines.append(f"  {f['file']}  {f['bytes']:,} bytes  {what}")
+            what = (f"loads (sha256 {f['sha256'][:12]}... holds), range {f['range']}, rows {rows}"
+                    if f["loads"] else f"DOES NOT LOAD: {f['why']}")
+            kind = "base" if f["kind"] == "base" else f"delta of the chain from version {f['base']}"
+            lines.append(f"  {f['file']}  {kind}  {f['bytes']:,} bytes  {what}")
         if cs["missing_shards"]:
             lines.append(f"  no file of shard(s) {', '.join(map(str, cs['missing_shards']))}")
         lines.append("  consistent cuts (versions every shard has a file of that loads): "

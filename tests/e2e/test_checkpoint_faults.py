@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from pserver.models.layout import Layout
 from pserver.server import checkpoint
 from pserver.worker.client import PSClient
 from tests.e2e.conftest import LOGREG, run, wait_until
+from tests.e2e.test_training import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -203,3 +206,59 @@ def test_concurrent_checkpoint_rpcs_hold_one_snapshot_of_memory(procs, tmp_path)
         client.close()
     assert len(answers) == 60 and all(checkpoint.load(path).version == v == 0 for path, v in answers)
     assert peak[0] - before < 2 * snapshot_mb, f"RSS {before} MB -> {peak[0]} MB: over two snapshots' worth"
+
+
+DELTA_TMP = re.compile(r"^shard0-of1-v\d{12}\.d\d{12}\.ckpt\.\d+\.tmp$")   # a delta being written
+
+
+def test_a_shard_killed_while_writing_a_delta_restores_the_newest_whole_chain(procs, tmp_path):
+    """SIGKILL while a delta's temporary file is open (caught by watching the directory, killed
+    at once, retried until a kill left one behind): every file under a final name still loads,
+    the restarted shard restores the newest of them (base + its deltas), removes the torn
+    temporary file, and training goes on to the end. Catches: a delta renamed before it is
+    whole, a torn delta that restore takes or stumbles on, a temporary file left after start, a
+    restarted shard that extends the old chain without its in-memory parent (its first file
+    must be a base)."""
+    ckpt, port = tmp_path / "ckpt", free_port()
+    serve = ["serve", "--port", str(port), "--num-workers", "1", "--optimizer", "adam", "--lr", "0.001",
+             "--checkpoint-every", "1", "--full-every", "5", "--restore", str(ckpt)]
+    shard = procs(*serve)
+    shard.address()
+    worker = procs("worker", "--ps", f"127.0.0.1:{port}", "--rank", "0", "--num-workers", "1",
+                   "--model", "wide_deep", "--dataset", "criteo-synthetic", "--samples", "9000",
+                   "--test-samples", "1000", "--batch-size", "64", "--row-lr", "0.05", "--seed", "5",
+                   "--epochs", "1", "--rpc-deadline", "60")
+    torn, tries = None, 0
+    deadline = time.monotonic() + 60
+    while torn is None and time.monotonic() < deadline and worker.popen.poll() is None:
+        names = os.listdir(ckpt) if ckpt.is_dir() else []
+        seen = [n for n in names if DELTA_TMP.match(n)]
+        if not seen or not any(checkpoint.NAME.match(n) and ".d" not in n for n in names):
+            time.sleep(0.0005)
+            continue
+        shard.popen.send_signal(signal.SIGKILL)
+        shard.popen.wait()
+        tries += 1
+        left = [n for n in os.listdir(ckpt) if DELTA_TMP.match(n)]
+        if left:
+            torn = left[0]
+        else:                                       # the write finished first: again
+            shard = procs(*serve)
+            shard.address()
+    assert torn is not None, f"no kill landed inside a delta write in {tries} tries"
+    files = checkpoint.candidates(str(ckpt), 0, 1)
+    newest = files[0][0]
+    for v, path in files:                           # every file under a final name is whole
+        assert checkpoint.load(path).version == v
+    shard = procs(*serve)
+    shard.address()
+    assert worker.wait(120) == 0, worker.output[-3000:]
+    log = shard.output
+    assert f"restored version {newest} from {ckpt / os.path.basename(files[0][1])}" in log, log[-3000:]
+    assert "removed 1 temporary file(s)" in log and torn not in os.listdir(ckpt)
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
+    after = checkpoint.candidates(str(ckpt), 0, 1)
+    assert after[0][0] > newest                     # training went on, and wrote on
+    # the restarted shard's chains start at its own bases, never at the old run's files
+    assert all((checkpoint.base_of(p) or v) > newest for v, p in after if v > newest), after
+    assert checkpoint.load(after[0][1]).version == after[0][0]
