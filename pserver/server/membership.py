@@ -106,11 +106,13 @@ class Membership:
         version = self.store.version
         if rank < self.num_workers:
             return 0                       # a member from the start
-        if step <= version:
-            if fixed:
-                raise JoinStepOpen(f"step: shard {self.store.shard} has already opened step {step} "
-                                   f"(it is at version {version}); propose a later one")
+        if self.join_at.get(rank, version + 1) <= version:
+            return self.join_at[rank]      # already a member of the open step: it stays one
+        if not fixed:
             step = version
+        elif step <= version:
+            raise JoinStepOpen(f"step: shard {self.store.shard} has already opened step {step} "
+                               f"(it is at version {version}); propose a later one")
         self.join_at[rank] = step
         log.info("shard %d: worker %d joins, a member from step %d (now at %d)",
                  self.store.shard, rank, step, version)

@@ -89,11 +89,13 @@ def checked_tables(tables) -> None:
 def check_samples(num_samples: int) -> None:
     """A push's gradient is the mean over the samples it carries, and a sync or backup step
     weighs each push by them (docs/semantics.md): a gradient of no samples has no weight, and
-    a negative count is no count. Every push carries a gradient (its range's values)."""
-    if num_samples < 1:
-        raise InvalidArgument(f"num_samples: {num_samples} for a push that carries a gradient; a "
-                              f"gradient is the mean over its batch and a sync step weighs it by the "
-                              f"batch's samples, so send the batch's size (at least 1)")
+    a negative count is no count. Every push carries a gradient (its range's values); one of 0
+    samples is an empty contribution (a worker with no chunk of the data left this epoch): it counts
+    toward its step and weighs nothing."""
+    if num_samples < 0:
+        raise InvalidArgument(f"num_samples: {num_samples} for a push; a gradient is the mean over its "
+                              f"batch and a sync step weighs it by the batch's samples, so send the "
+                              f"batch's size (0 for an empty contribution: a worker with no chunk left)")
 
 
 def available_memory() -> int:
