@@ -432,8 +432,10 @@ class ShardClient:
     def leave(self, rank: int, timeout: float) -> None:
         self.call(self.stub.Leave, pb.LeaveRequest(rank=rank, session=self.session), timeout=timeout)
 
-    def heartbeat(self, rank: int, timeout: float) -> None:
-        self.call(self.stub.Heartbeat, pb.HeartbeatRequest(rank=rank, session=self.session), timeout=timeout)
+    def heartbeat(self, rank: int, timeout: float) -> int:
+        """Keep the session live; returns the shard's version."""
+        return self.call(self.stub.Heartbeat, pb.HeartbeatRequest(rank=rank, session=self.session),
+                         timeout=timeout).version
 
     def close(self) -> None:
         if self.fast is not None:
@@ -529,13 +531,14 @@ class PSClient:
 
     def elastic_join(self, infos: list[Registration]) -> int:
         """A joining worker (rank at or above the job's initial N) in sync or backup: agree with
-        every shard on the step from which it counts, j = the largest version in the Register
-        replies + 2, j + 1 after a shard says it has opened j. Returns that step (0: a member from
-        the start, or a mode that takes any worker's pushes)."""
+        every shard on the step from which it counts, j = the largest version the shards report
+        + 2 (asked again now: the kernels' warm-up came between Register and this), j + 1 after
+        a shard says it has opened j. Returns that step (0: a member from the start, or a mode
+        that takes any worker's pushes)."""
         info = infos[0]
         if self.rank < info.elastic_initial_workers or info.mode not in ("sync", "backup"):
             return 0
-        step = max(max(i.version for i in infos), 0) + 2
+        step = max(self.each(lambda s: s.heartbeat(self.rank, self.rpc_deadline)) + [0]) + 2
         for _ in range(JOIN_TRIES):
             try:
                 got = self.each(lambda s: s.join_step(self.rank, step, self.rpc_deadline))
