@@ -509,7 +509,8 @@ class PSClient:
         self.rank, self.num_workers, self.rpc_deadline = rank, num_workers, rpc_deadline
         self.session_file = SessionFile(session_dir, addresses, rank)
         self._file_lock = threading.Lock()
-        self.tell_first_push = False             # a takeover: say when the first push is taken in
+        self.tell_first_push = ""                # "after the takeover", "after joining": say when the
+                                                 # first push is taken in
         self.compression = codecs.parse(compression)
         self.pull_compression = codecs.parse_pull(pull_compression)
         self.feedback: compress.ErrorFeedback | None = None   # made at register, sized by the layout
@@ -536,6 +537,9 @@ class PSClient:
         a shard says it has opened j. Returns that step (0: a member from the start, or a mode
         that takes any worker's pushes)."""
         info = infos[0]
+        joining = info.elastic_initial_workers <= self.rank < info.elastic_max_workers
+        if joining and info.elastic_max_workers > info.elastic_initial_workers:
+            self.tell_first_push = "after joining"
         if self.rank < info.elastic_initial_workers or info.mode not in ("sync", "backup"):
             return 0
         step = max(self.each(lambda s: s.heartbeat(self.rank, self.rpc_deadline)) + [0]) + 2
@@ -599,7 +603,7 @@ class PSClient:
             s.on_register = self._keep_sessions     # a rejoin gets a new credential: keep it too
         taken = sum(i.took_over for i in infos)
         if taken:
-            self.tell_first_push = True
+            self.tell_first_push = "after the takeover"
             print(f"worker {self.rank}: took its rank back at once on {taken} of {len(infos)} shard(s) with "
                   f"the session kept in {self.session_file.path} (the previous process's gradient for "
                   f"the open step is discarded; this one trains that batch again)", flush=True)
@@ -723,12 +727,12 @@ class PSClient:
         return [o for o, _, _ in replies]
 
     def _first_push_done(self) -> None:
-        """After a takeover, say once how long the restart took to its first push taken in."""
+        """After a takeover or a join, say once how long the process took to its first push taken in."""
         if self.tell_first_push:
             age = process_age()
             when = f" {age:.1f} s after this process started" if age is not None else ""
-            print(f"worker {self.rank}: first push after the takeover taken in{when}", flush=True)
-            self.tell_first_push = False
+            print(f"worker {self.rank}: first push {self.tell_first_push} taken in{when}", flush=True)
+            self.tell_first_push = ""
 
     def _rows(self, lookups: Sequence[sparse.TableLookup], tables: Sequence[str]) -> list[list]:
         """Per shard: (table, unique ids it holds, their gradients) for each lookup."""
