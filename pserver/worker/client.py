@@ -533,8 +533,8 @@ class PSClient:
     def elastic_join(self, infos: list[Registration]) -> int:
         """A joining worker (rank at or above the job's initial N) in sync or backup: agree with
         every shard on the step from which it counts, j = the largest version the shards report
-        + 2 (asked again now: the kernels' warm-up came between Register and this), j + 1 after
-        a shard says it has opened j. Returns that step (0: a member from the start, or a mode
+        + 2, proposed again from their versions then with twice the margin after a shard says it
+        has opened j (join_step_open). Returns that step (0: a member from the start, or a mode
         that takes any worker's pushes)."""
         info = infos[0]
         joining = info.elastic_initial_workers <= self.rank < info.elastic_max_workers
@@ -542,12 +542,15 @@ class PSClient:
             self.tell_first_push = "after joining"
         if self.rank < info.elastic_initial_workers or info.mode not in ("sync", "backup"):
             return 0
-        step = max(self.each(lambda s: s.heartbeat(self.rank, self.rpc_deadline)) + [0]) + 2
+        margin = 2
         for _ in range(JOIN_TRIES):
+            # the shards' versions now (the kernels' warm-up came between Register and this);
+            # a job whose steps outrun the proposal's round trip gets a margin twice as large
+            step = max(self.each(lambda s: s.heartbeat(self.rank, self.rpc_deadline)) + [0]) + margin
             try:
                 got = self.each(lambda s: s.join_step(self.rank, step, self.rpc_deadline))
             except JoinStepOpen:
-                step += 1
+                margin *= 2
                 continue
             return max(got)
         raise JoinStepOpen(f"step: worker {self.rank} proposed {JOIN_TRIES} steps to join from and a "

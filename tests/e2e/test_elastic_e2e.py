@@ -53,6 +53,8 @@ def test_two_workers_grow_to_four_and_lose_one_and_every_epoch_finishes(procs, t
         assert got, j.output
         ranks.append(int(got.group(1)))
     assert sorted(ranks) == [2, 3]
+    for j in joiners:                                   # its pushes are taken in, not refused
+        wait_for(j, "first push after joining taken in")
     if mode == "sync":
         assert all("joins: a member from step" in j.output for j in joiners)
         assert "worker 2 joins, a member from step" in shard.output
