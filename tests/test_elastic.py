@@ -137,6 +137,21 @@ def test_a_registered_joiner_never_blocks_a_step_and_counts_from_its_step():
     assert s.store.version == j + 1
 
 
+def test_a_joiner_is_not_left_waiting_when_every_member_leaves_before_its_step():
+    # catches: a joiner pulling forever for a step nobody will push (the job's first workers
+    # finished their epochs between its proposal and its step)
+    s = elastic_shard()
+    r = auto(s).assigned_rank
+    s.join_step(r, 3)
+    s.leave(0)
+    assert s.store.version == 0                         # worker 1 is still a member
+    s.leave(1)
+    assert s.store.version == 3 and s.members.expected() == {r}
+    push(s, r, 3, [2, 2, 2, 2])
+    assert s.store.version == 4
+    np.testing.assert_array_equal(s.pull(r, 0, -1, 0, timeout=5)[1], -2)   # empty steps applied nothing
+
+
 def test_joining_from_a_step_already_opened_is_refused_with_its_kind():
     # catches: a member added to an open step (shards would disagree on its members)
     s = elastic_shard()

@@ -89,6 +89,18 @@ class SyncPolicy(Policy):
     def maybe_complete(self) -> None:
         if self.pending and len(self.pending) >= max(self.quorum(), 1) and not self.below_min():
             self.complete()
+        self.skip_to_joiners()
+
+    def skip_to_joiners(self) -> None:
+        """Steps with no member at all (every member left or died) while a joiner waits for a
+        later step: each passes empty (the version advances, nothing is applied), the same on
+        every shard, so that the joiner is not left waiting for steps nobody will push."""
+        m = self.members
+        while not self.pending and not m.expected() and not self.below_min():
+            waiting = [j for j in m.join_at.values() if j > self.store.version]
+            if not waiting or self.store.version < 0:
+                return
+            self.store.advance_empty()
 
     def complete(self) -> None:
         """Apply the pending gradients' mean, each weighted by the samples its push carried,
