@@ -71,3 +71,18 @@ def test_two_workers_grow_to_four_and_lose_one_and_every_epoch_finishes(procs, t
     assert set(dead) <= {str(ranks[0])}, shard.output
     if mode == "sync":
         assert dead == [str(ranks[0])], shard.output    # the open step waited for it, then went on
+
+
+def test_the_python_cluster_object_adds_a_worker_that_trains():
+    # catches: add_workers starting workers that cannot join (no room, no token, a taken rank):
+    # wait() would raise with their exit codes, or the summary would show one worker's samples
+    import pserver
+    cluster = pserver.start_cluster(ps=1, workers=1, max_workers=2, model="logreg", samples=2880,
+                                    features=20, epochs=2, delay="fixed:0.03")
+    try:
+        assert len(cluster.add_workers(1)) == 1
+        s = cluster.wait(timeout=120)
+    finally:
+        cluster.stop()
+    assert [e["epoch"] for e in s["per_epoch"]] == [1, 2]
+    assert s["samples_trained"] > 2 * 2880, s            # the added worker trained too
