@@ -14,7 +14,17 @@ number of shards to start here); the `pserver` command line runs the same functi
 `predict` runs it.
 """
 
-from pserver.api import SavedModel, Server, launch_cluster, load_model, predict, serve, train
+from pserver.api import (
+    Cluster,
+    SavedModel,
+    Server,
+    launch_cluster,
+    load_model,
+    predict,
+    serve,
+    start_cluster,
+    train,
+)
 from pserver.data import Dataset, Stream, load_dataset
 from pserver.errors import ConfigError, DataError, PServerError, RpcError
 from pserver.layers import AveragePooling2D, Conv2D, Dense, Dropout, Embedding, Flatten, Layer, MaxPooling2D
@@ -29,7 +39,8 @@ __all__ = [
     "AveragePooling2D", "Flatten", "Dropout", "Embedding",
     "SparseCategoricalCrossentropy", "BinaryCrossentropy", "MeanSquaredError",
     # running
-    "serve", "train", "launch_cluster", "Server", "load_model", "predict", "SavedModel",
+    "serve", "train", "launch_cluster", "start_cluster", "Cluster", "Server", "load_model", "predict",
+    "SavedModel",
     # data
     "Dataset", "Stream", "load_dataset",
     # errors

@@ -168,6 +168,90 @@ def launch_cluster(*, ps: int = 1, workers: int = 2, backend: str = "local", add
             return json.load(f)
 
 
+class Cluster:
+    """A local cluster started by `start_cluster`, running in the background: `pserver launch`
+    as a child process, with room for `max_workers` workers. add_workers(k) starts k more
+    (`pserver worker --rank auto`, which shard 0 gives free ranks); wait() returns the summary."""
+
+    def __init__(self, argv: list[str], worker_flags: list[str], summary: str, tmp) -> None:
+        import subprocess
+        import sys
+        import threading
+        self._cmd = [sys.executable, "-m", "pserver"]
+        self._worker_flags, self._summary, self._tmp = worker_flags, summary, tmp
+        self.launch = subprocess.Popen([*self._cmd, "launch", *argv], stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.added: list = []
+        self._ready = threading.Event()
+        self.addresses, self.token_file = "", ""
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(300) or not self.addresses:
+            self.stop()
+            raise PServerError("start_cluster: pserver launch did not start its shards:\n"
+                               + "".join(self.lines))
+
+    def _read(self) -> None:
+        import re
+        for line in self.launch.stdout:
+            self.lines.append(line)
+            m = re.search(r"--ps (\S+) --token-file (\S+)", line)
+            if m:
+                self.addresses, self.token_file = m.group(1), m.group(2)
+                self._ready.set()
+        self._ready.set()
+
+    def add_workers(self, k: int) -> list[int]:
+        """Start k more workers; returns their process ids (each prints the rank it was given)."""
+        import subprocess
+        procs = [subprocess.Popen([*self._cmd, "worker", "--rank", "auto", "--ps", self.addresses,
+                                   "--token-file", self.token_file, *self._worker_flags],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(k)]
+        self.added += procs
+        return [p.pid for p in procs]
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Until the run is over (the added workers too); the run summary."""
+        code = self.launch.wait(timeout)
+        codes = [p.wait(timeout) for p in self.added]
+        if code != 0 or any(codes):
+            raise PServerError(f"launch stopped with exit code {code}; added workers' codes {codes}:\n"
+                               + "".join(self.lines[-20:]))
+        with open(self._summary) as f:
+            return json.load(f)
+
+    def stop(self) -> None:
+        for p in [*self.added, self.launch]:
+            if p.poll() is None:
+                p.terminate()
+        for p in [*self.added, self.launch]:
+            p.wait()
+        self._tmp.cleanup()
+
+
+def start_cluster(*, ps: int = 1, workers: int = 2, max_workers: int = 0, **options) -> Cluster:
+    """Start a local cluster (as `pserver launch` does, in the background) that workers may join
+    up to `max_workers` (default `workers`): `cluster.add_workers(k)`, then `cluster.wait()` for
+    the summary. `options` are launch's flags with underscores (model="logreg", epochs=2, ...)."""
+    def flags(items) -> list[str]:
+        out = []
+        for k, v in items:
+            flag = "--" + k.replace("_", "-")
+            if v is True:
+                out.append(flag)
+            elif v is not None and v is not False:
+                out += [flag, ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)]
+        return out
+
+    ServerConfig(num_workers=workers, max_workers=max_workers)       # the flags' one-line checks
+    worker = [(k, v) for k, v in options.items() if k in WorkerConfig.__dataclass_fields__]
+    tmp = tempfile.TemporaryDirectory()
+    summary = os.path.join(tmp.name, "summary.json")
+    argv = ["--ps", str(ps), "--workers", str(workers), "--max-workers", str(max_workers or workers),
+            "--summary-json", summary, *flags(options.items())]
+    return Cluster(argv, flags(worker), summary, tmp)
+
+
 def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:
     """`pserver evaluate`: the test metrics of a model with the weights of a model file or of
     the checkpoints in `checkpoint`. The model and dataset are the file's unless `options`

@@ -15,7 +15,15 @@ import sys
 from dataclasses import dataclass, field
 
 from pserver import __version__
-from pserver.config import DATA_PLANES, MODES, ServerConfig, WorkerConfig, parse_address, parse_tf_config
+from pserver.config import (
+    DATA_PLANES,
+    MODES,
+    ServerConfig,
+    WorkerConfig,
+    parse_address,
+    parse_rank,
+    parse_tf_config,
+)
 from pserver.data import DATASETS
 from pserver.data.npz import SCALE_UINT8
 from pserver.errors import ConfigError
@@ -96,6 +104,11 @@ SERVER_FLAGS = [
     Flag("--mode", dict(choices=MODES.names(), help="consistency mode (default sync)")),
     Flag("--backup-workers", dict(type=int, metavar="B", help="backup mode: a step completes once N-B "
                                                               "distinct workers pushed")),
+    Flag("--min-workers", dict(type=int, metavar="N", help="elastic workers: sync and backup steps wait "
+                               "while fewer members are live (default: not set, a dead worker never "
+                               "holds the others up)")),
+    Flag("--max-workers", dict(type=int, metavar="N", help="elastic workers: workers may join (pserver "
+                               "worker --rank auto) up to N in all (default --num-workers)")),
     Flag("--staleness", dict(type=int, metavar="S", help="ssp mode: a worker may run at most S clocks ahead "
                                                          "of the slowest")),
     Flag("--step-timeout", dict(type=float, metavar="SEC", help="seconds a step waits for a worker before "
@@ -321,7 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ps", default=None, metavar="ADDR[,ADDR...]",
                    help="shard addresses host:port, shard 0 first (default: TF_CONFIG's cluster.ps, "
                         "else 127.0.0.1:2222, which the worker then says it dials)")
-    g.add_argument("--rank", type=int, default=None, help="this worker's rank; 0 is the chief (default 0)")
+    g.add_argument("--rank", type=parse_rank, default=None, metavar="RANK|auto",
+                   help="this worker's rank; 0 is the chief (default 0). auto: join a running job with "
+                        "a free rank that shard 0 assigns (never 0; needs --max-workers on the shards)")
     g.add_argument("--num-workers", type=int, default=None, help="number of workers N (default 1)")
     g.add_argument("--summary-json", default=None, metavar="PATH", help="chief: write the run summary here")
     g.add_argument("--stats-json", default=None, metavar="PATH",
@@ -599,7 +614,8 @@ def cmd_launch(ns) -> int:
     # --metrics-port is given per process (launch/base.py); --metrics-host goes to every one
     server_flags = SERVER_FLAGS + COMMON_FLAGS + [TLS_CERT, TLS_KEY] + METRICS_FLAGS[1:]
     worker_flags = WORKER_FLAGS + COMMON_FLAGS + [TLS_CA] + METRICS_FLAGS[1:]
-    server_cfg = ServerConfig(num_shards=ns.ps, auth_token=token, **given(ns, server_flags))
+    server_cfg = ServerConfig(num_shards=ns.ps, num_workers=ns.workers, auth_token=token,
+                              **given(ns, server_flags))
     worker_cfg = WorkerConfig(num_workers=ns.workers, auth_token=token, **given(ns, worker_flags))
     return launch(cfg, server_cfg, worker_cfg)
 

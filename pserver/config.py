@@ -5,6 +5,7 @@ The CLI builds these; everything below the CLI takes a config object, never argv
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -34,6 +35,33 @@ DATA_PLANES.add("grpc", "gRPC streams only")
 PROGRESS = ("auto", "bar", "lines", "relay")   # WorkerConfig.progress (pserver.observe.progress)
 
 
+AUTO_RANK = -1                   # WorkerConfig.rank for `--rank auto`: shard 0 assigns one (never 0)
+
+
+def parse_rank(text: str) -> int:
+    """`--rank`: a number, or `auto` (AUTO_RANK)."""
+    if text == "auto":
+        return AUTO_RANK
+    try:
+        return int(text)
+    except ValueError:   # argparse says: argument --rank: expected a number or auto, got 'x'
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
+def check_elastic(num_workers: int, min_workers: int, max_workers: int) -> None:
+    """--min-workers and --max-workers (elastic workers), one clear line each."""
+    for flag, value in (("--min-workers", min_workers), ("--max-workers", max_workers)):
+        if value < 0:
+            raise ConfigError(f"{flag}: must be >= 1 (0: --num-workers), got {value}")
+        if value and not num_workers:
+            raise ConfigError(f"{flag}: needs --num-workers (the workers started with the job)")
+    if max_workers and max_workers < num_workers:
+        raise ConfigError(f"--max-workers: {max_workers} is below --num-workers={num_workers}")
+    if min_workers and min_workers > (max_workers or num_workers):
+        raise ConfigError(f"--min-workers: {min_workers} is above --max-workers="
+                          f"{max_workers or num_workers}")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"       # bind address: only this machine unless told otherwise
@@ -41,6 +69,9 @@ class ServerConfig:
     shard: int = 0                # this shard's index J in [0, num_shards)
     num_shards: int = 1           # S
     num_workers: int = 0          # N; 0 = learn it from the first worker that registers
+    min_workers: int = 0          # elastic: sync/backup steps wait while fewer live members (0: not set,
+                                  # today's behaviour: a dead worker never holds the others up)
+    max_workers: int = 0          # elastic: ranks are below this; workers may join up to it (0: N)
     mode: str = "sync"            # consistency mode, a name in MODES
     backup_workers: int = 0       # b for mode=backup: a step completes after N-b distinct workers
     staleness: int = 0            # s for mode=ssp: how many clocks a worker may run ahead
@@ -81,6 +112,7 @@ class ServerConfig:
             raise ConfigError(f"--port: {self.port} is not a TCP port")
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers: must be >= 0, got {self.num_workers}")
+        check_elastic(self.num_workers, self.min_workers, self.max_workers)
         if self.step_timeout <= 0:
             raise ConfigError(f"--step-timeout: must be > 0 seconds, got {self.step_timeout}")
         if self.threads < 4:
@@ -119,6 +151,11 @@ class ServerConfig:
         make_optimizer(self.optimizer, 1, lr=self.lr, schedule=self.lr_schedule,
                        momentum=self.momentum, nesterov=self.nesterov, beta1=self.beta1,
                        beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay)
+
+    @property
+    def rank_limit(self) -> int:
+        """Ranks are below this: --max-workers, else N (0 while N is still to be learnt)."""
+        return self.max_workers or self.num_workers
 
     def training_settings(self, num_workers: int) -> dict:
         """What this shard was started with that shapes training (pb.TrainingSettings), with N as
@@ -190,8 +227,9 @@ class WorkerConfig:
             raise ConfigError("--ps: give at least one shard address host:port")
         if self.num_workers < 1:
             raise ConfigError(f"--num-workers: must be >= 1, got {self.num_workers}")
-        if not 0 <= self.rank < self.num_workers:
-            raise ConfigError(f"--rank: {self.rank} is outside [0, --num-workers={self.num_workers})")
+        if self.rank != AUTO_RANK and not 0 <= self.rank < self.num_workers:
+            raise ConfigError(f"--rank: {self.rank} is outside [0, --num-workers={self.num_workers}) "
+                              f"(or give --rank auto: shard 0 assigns a free rank)")
         if self.stop_shards and self.rank != 0:
             raise ConfigError("--stop-shards: only the chief (rank 0) ends the run; "
                               f"this is rank {self.rank}")

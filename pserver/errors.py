@@ -113,6 +113,12 @@ class AlreadyPushed(StaleStep):
     kind = "already_pushed"
 
 
+class JoinStepOpen(FailedPrecondition):
+    """An elastic worker proposed to join from a step this shard has already opened (a step's
+    members are fixed when it opens): the worker proposes a later step."""
+    kind = "join_step_open"
+
+
 class NotRegistered(FailedPrecondition):
     """The rank has not registered with this shard, or no worker has (a restarted shard):
     the worker registers again."""
@@ -158,7 +164,7 @@ RPC_ERRORS = {cls.code_name: cls for cls in
 
 # kind -> class. Append only: the data plane sends a kind as its position in this table.
 KINDS = {cls.kind: cls for cls in (StaleStep, AlreadyPushed, NotRegistered, SeenVersionAhead, TakenOver,
-                                   OverBudget)}
+                                   OverBudget, JoinStepOpen)}
 KIND_METADATA = "pserver-error-kind"   # the gRPC trailing metadata key that carries a kind
 
 

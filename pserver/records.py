@@ -46,6 +46,9 @@ class Registration:
     settings: dict | None = None      # ServerConfig.training_settings: compared across shards
     instance: str = ""                # the shard process's random id
     took_over: bool = False           # the Register took the rank's live session over
+    assigned_rank: int = 0            # the rank registered (assigned by shard 0 for --rank auto)
+    elastic_initial_workers: int = 0  # ranks below: members from the start; above: join from a step
+    elastic_max_workers: int = 0      # --max-workers
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,15 +145,15 @@ def test_the_manifests_probe_the_shards_with_grpc_health_and_take_the_token_from
         assert c["readinessProbe"]["grpc"] == {"port": 2222, "service": "pserver.v1.ParameterServer"}
         assert c["livenessProbe"]["grpc"]["port"] == 2222
     every = shards + [tfjob["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0],
-                      docs[3]["spec"]["template"]["spec"]["containers"][0]]
+                      *(d["spec"]["template"]["spec"]["containers"][0] for d in docs[3:])]
     for c in every:
         (env,) = [e for e in c["env"] if e["name"] == "PSERVER_AUTH_TOKEN"]
         assert env["valueFrom"]["secretKeyRef"] == {"name": "pserver-token", "key": "token"}
-    service, stateful, workers = docs[1:]
+    service, stateful, *workers = docs[1:]
     names = ",".join(f"{stateful['metadata']['name']}-{j}.{service['metadata']['name']}.default.svc:2222"
                      for j in range(stateful["spec"]["replicas"]))
-    assert f"--ps {names}" in " ".join(
-        workers["spec"]["template"]["spec"]["containers"][0]["args"][0].split())
+    for w in workers:                  # the Job and the elastic workers' StatefulSet
+        assert f"--ps {names}" in " ".join(w["spec"]["template"]["spec"]["containers"][0]["args"][0].split())
 
 
 def is_retryable_exit_code(exit_code: int) -> bool:
@@ -180,3 +180,25 @@ def test_the_exit_code_policy_retries_what_a_restart_may_fix_and_nothing_else(tf
             if d["kind"] == "Job"]
     (rule,) = jobs[0]["spec"]["podFailurePolicy"]["rules"]      # the plain Job: the same split
     assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [1, 2]
+
+
+def test_the_elastic_workers_join_with_rank_auto_within_the_shards_max_workers():
+    """Fails for elastic worker pods with a fixed rank (two pods would claim one), or shards
+    without room for them (--max-workers): scaling the StatefulSet would add nobody."""
+    import shlex
+
+    from pserver.cli import build_parser, server_config, worker_config
+    from pserver.config import AUTO_RANK
+    docs = {d["metadata"]["name"]: d
+            for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "statefulset.yaml").read_text())}
+
+    def args(name, **env):
+        text = docs[name]["spec"]["template"]["spec"]["containers"][0]["args"][0]
+        for k, v in env.items():
+            text = text.replace(k, v)
+        return build_parser().parse_args(shlex.split(text.removeprefix("exec pserver ")))
+
+    shard = server_config(args("pserver-ps", **{"${HOSTNAME##*-}": "0"}))
+    worker = worker_config(args("pserver-workers-elastic"))
+    assert docs["pserver-workers-elastic"]["spec"]["replicas"] == 0
+    assert worker.rank == AUTO_RANK and shard.max_workers == worker.num_workers > shard.num_workers

@@ -119,7 +119,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rank", "num_workers", "shard", "num_shards", "layout", "batch_size", "protocol_version", "tables", "data_seed", "steps_per_epoch", "previous_session")
+    __slots__ = ("rank", "num_workers", "shard", "num_shards", "layout", "batch_size", "protocol_version", "tables", "data_seed", "steps_per_epoch", "previous_session", "elastic_auto_rank")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class RegisterRequest(_message.Message):
     DATA_SEED_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_SESSION_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_AUTO_RANK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     num_workers: int
     shard: int
@@ -142,7 +143,8 @@ class RegisterRequest(_message.Message):
     data_seed: int
     steps_per_epoch: int
     previous_session: str
-    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., batch_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[SparseTableSpec, _Mapping]]] = ..., data_seed: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., previous_session: _Optional[str] = ...) -> None: ...
+    elastic_auto_rank: bool
+    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., batch_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[SparseTableSpec, _Mapping]]] = ..., data_seed: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., previous_session: _Optional[str] = ..., elastic_auto_rank: _Optional[bool] = ...) -> None: ...
 
 class TrainingSettings(_message.Message):
     __slots__ = ("mode", "backup_workers", "staleness", "optimizer", "lr", "lr_schedule", "momentum", "nesterov", "beta1", "beta2", "eps", "weight_decay", "step_timeout", "num_workers")
@@ -187,7 +189,7 @@ class TrainingPosition(_message.Message):
     def __init__(self, clock: _Optional[int] = ..., data_seed: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("mode", "version", "initialized", "range_start", "range_end", "total_params", "layout_signature", "optimizer", "lr", "dataplane", "host_id", "session", "session_timeout_seconds", "protocol_version", "restored_from", "seeded_by_rank", "position", "settings", "instance", "took_over")
+    __slots__ = ("mode", "version", "initialized", "range_start", "range_end", "total_params", "layout_signature", "optimizer", "lr", "dataplane", "host_id", "session", "session_timeout_seconds", "protocol_version", "restored_from", "seeded_by_rank", "position", "settings", "instance", "took_over", "assigned_rank", "elastic_initial_workers", "elastic_max_workers")
     MODE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +210,9 @@ class RegisterReply(_message.Message):
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     TOOK_OVER_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_RANK_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_INITIAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ELASTIC_MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     version: int
     initialized: bool
@@ -228,7 +233,28 @@ class RegisterReply(_message.Message):
     settings: TrainingSettings
     instance: str
     took_over: bool
-    def __init__(self, mode: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., total_params: _Optional[int] = ..., layout_signature: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., dataplane: _Optional[str] = ..., host_id: _Optional[str] = ..., session: _Optional[str] = ..., session_timeout_seconds: _Optional[float] = ..., protocol_version: _Optional[int] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., position: _Optional[_Union[TrainingPosition, _Mapping]] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., instance: _Optional[str] = ..., took_over: _Optional[bool] = ...) -> None: ...
+    assigned_rank: int
+    elastic_initial_workers: int
+    elastic_max_workers: int
+    def __init__(self, mode: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., total_params: _Optional[int] = ..., layout_signature: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., dataplane: _Optional[str] = ..., host_id: _Optional[str] = ..., session: _Optional[str] = ..., session_timeout_seconds: _Optional[float] = ..., protocol_version: _Optional[int] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., position: _Optional[_Union[TrainingPosition, _Mapping]] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., instance: _Optional[str] = ..., took_over: _Optional[bool] = ..., assigned_rank: _Optional[int] = ..., elastic_initial_workers: _Optional[int] = ..., elastic_max_workers: _Optional[int] = ...) -> None: ...
+
+class ElasticJoinStepRequest(_message.Message):
+    __slots__ = ("rank", "session", "step")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    session: str
+    step: int
+    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ElasticJoinStepReply(_message.Message):
+    __slots__ = ("version", "member_from")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FROM_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    member_from: int
+    def __init__(self, version: _Optional[int] = ..., member_from: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "session")

@@ -44,6 +44,11 @@ class ParameterServerStub:
                 request_serializer=pserver__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=pserver__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.ElasticJoinStep = channel.unary_unary(
+                '/pserver.v1.ParameterServer/ElasticJoinStep',
+                request_serializer=pserver__pb2.ElasticJoinStepRequest.SerializeToString,
+                response_deserializer=pserver__pb2.ElasticJoinStepReply.FromString,
+                _registered_method=True)
         self.Init = channel.stream_unary(
                 '/pserver.v1.ParameterServer/Init',
                 request_serializer=pserver__pb2.TensorChunk.SerializeToString,
@@ -105,6 +110,16 @@ class ParameterServerServicer:
 
     def Heartbeat(self, request, context):
         """Keeps a worker's session live while it computes (e.g. a long evaluation on the chief).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ElasticJoinStep(self, request, context):
+        """Elastic workers: a worker that joins a running sync or backup job becomes a member from
+        step `step`, the same on every shard (it proposes the largest version in its Register
+        replies + 2). A shard that has already opened that step refuses (FAILED_PRECONDITION, kind
+        join_step_open) and the worker proposes a later one; until the step opens it only pulls.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -190,6 +205,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=pserver__pb2.HeartbeatRequest.FromString,
                     response_serializer=pserver__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'ElasticJoinStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.ElasticJoinStep,
+                    request_deserializer=pserver__pb2.ElasticJoinStepRequest.FromString,
+                    response_serializer=pserver__pb2.ElasticJoinStepReply.SerializeToString,
             ),
             'Init': grpc.stream_unary_rpc_method_handler(
                     servicer.Init,
@@ -286,6 +306,33 @@ class ParameterServer:
             '/pserver.v1.ParameterServer/Heartbeat',
             pserver__pb2.HeartbeatRequest.SerializeToString,
             pserver__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ElasticJoinStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pserver.v1.ParameterServer/ElasticJoinStep',
+            pserver__pb2.ElasticJoinStepRequest.SerializeToString,
+            pserver__pb2.ElasticJoinStepReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,10 @@ from pserver.modes.base import Outcome, Policy
 class AsyncPolicy(Policy):
     name = "async"
 
+    def registered(self, rank):
+        if rank >= self.members.num_workers:     # a joiner takes pushes at once
+            self.members.join_at[rank] = 0
+
     def push(self, req, grad):
         store, rank, step = self.store, req.rank, req.step
         with store.cond:

@@ -29,9 +29,13 @@ class BackupPolicy(SyncPolicy):
                                      f"the number of workers N={num_workers}")
 
     def quorum(self) -> int:
-        """min(N-b, live workers); finished workers still count as live (see above)."""
-        live = self.members.num_workers - len(self.members.dead - self.members.left)
-        return max(1, min(self.members.num_workers - self.cfg.backup_workers, live))
+        """max(1, min(members-b, live members)): the members are the N started with the job and
+        the joiners that count from this step; finished workers still count as live (see above)."""
+        m = self.members
+        version = self.store.version
+        members = set(range(m.num_workers)) | {r for r, j in m.join_at.items() if j <= version}
+        live = len(members) - len((m.dead - m.left) & members)
+        return max(1, min(len(members) - self.cfg.backup_workers, live))
 
     def membership_changed(self) -> None:
         # Only finishing ends a run: workers marked dead may still come back.

@@ -48,6 +48,16 @@ class Policy(ABC):
     def membership_changed(self) -> None:
         """A worker left or died: a step waiting for it may now be complete."""
 
+    def registered(self, rank: int) -> None:
+        """`rank` registered (cond held). Default: nothing (sync and backup take a joiner as a
+        member from the step it proposes, `join_step`)."""
+
+    def join_step(self, rank: int, step: int) -> int:
+        """An elastic worker counts from `step` (cond held); returns the step it counts from.
+        Default (async, ssp): from its Register on, so 0."""
+        self.members.check_member(rank)
+        return 0
+
     def forget(self, rank: int) -> None:
         """A restarted worker took `rank`'s session over (cond held): drop what the old session
         holds for the open step, uncounted, so the new one trains that batch again. Default:

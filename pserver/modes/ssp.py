@@ -20,6 +20,14 @@ class SSPPolicy(AsyncPolicy):
         super().__init__(store, cfg, members)
         self.watch = StepWatch(cfg.step_timeout)
 
+    def registered(self, rank):
+        """A joining worker's clock starts at the slowest live clock: it neither holds the
+        others back nor runs ahead of them (docs/operations.md, "Elastic workers")."""
+        if rank >= self.members.num_workers:
+            low, _ = self.slowest()
+            self.clocks[rank] = max(self.clocks.get(rank, 0), low if low < (1 << 62) else 0)
+        super().registered(rank)
+
     def pushed(self, rank, clock):
         with self.store.cond:
             self.store.took(rank, clock)       # before the wake-up: waiters read the clocks

@@ -10,10 +10,16 @@ waits until the version after the one the worker has seen exists.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 
 from pserver.errors import AlreadyPushed, StaleStep
 from pserver.modes.base import Outcome, Policy, StepWatch
+
+log = logging.getLogger("pserver.modes")
+BELOW_MIN_NOTICE_EVERY = 10.0          # seconds between "waiting for --min-workers" lines
 
 
 class SyncPolicy(Policy):
@@ -26,6 +32,17 @@ class SyncPolicy(Policy):
         self.pending_rows: dict[int, list] = {}    # rank -> its sparse rows for the step
         self.pending_clocks: dict[int, int] = {}   # rank -> its own step count for that push
         self.watch = StepWatch(cfg.step_timeout)
+        self.below_min_told = -BELOW_MIN_NOTICE_EVERY
+
+    def below_min(self) -> bool:
+        """Fewer live members than --min-workers: steps wait (never when it is not set)."""
+        return bool(self.cfg.min_workers) and self.members.live_members() < self.cfg.min_workers
+
+    def join_step(self, rank, step):
+        self.members.check_member(rank)
+        member_from = self.members.join_step(rank, step, fixed=not self.below_min())
+        self.maybe_complete()
+        return member_from
 
     def quorum(self) -> int:
         """How many distinct workers complete a step: all the live ones. A worker that
@@ -42,6 +59,11 @@ class SyncPolicy(Policy):
                 return self.drop(rank, clock, grad, "the run is over on this shard")
             if step != version:
                 return self.off_step(rank, step, clock, grad)
+            if self.members.join_at.get(rank, 0) > step or (
+                    rank >= self.members.num_workers and rank not in self.members.join_at):
+                raise StaleStep(f"step: worker {rank} is a member from step "
+                                f"{self.members.join_at.get(rank, 'it proposes (ElasticJoinStep)')}, "
+                                f"not {step}; it pulls until then")
             if rank in self.pending:
                 raise AlreadyPushed(f"rank: worker {rank} already pushed for step {step}")
             self.members.revive(rank, "pushed in time")   # marked dead while its push was arriving
@@ -65,8 +87,20 @@ class SyncPolicy(Policy):
                         f"version {self.store.version}; pull and compute again")
 
     def maybe_complete(self) -> None:
-        if self.pending and len(self.pending) >= max(self.quorum(), 1):
+        if self.pending and len(self.pending) >= max(self.quorum(), 1) and not self.below_min():
             self.complete()
+        self.skip_to_joiners()
+
+    def skip_to_joiners(self) -> None:
+        """Steps with no member at all (every member left or died) while a joiner waits for a
+        later step: each passes empty (the version advances, nothing is applied), the same on
+        every shard, so that the joiner is not left waiting for steps nobody will push."""
+        m = self.members
+        while not self.pending and not m.expected() and not self.below_min():
+            waiting = [j for j in m.join_at.values() if j > self.store.version]
+            if not waiting or self.store.version < 0:
+                return
+            self.store.advance_empty()
 
     def complete(self) -> None:
         """Apply the pending gradients' mean, each weighted by the samples its push carried,
@@ -74,7 +108,14 @@ class SyncPolicy(Policy):
         ranks = sorted(self.pending)
         counts = [self.pending_samples.pop(r) for r in ranks]
         rows = [(p, n) for r, n in zip(ranks, counts) for p in self.pending_rows.pop(r)]
-        self.store.apply([self.pending[r] for r in ranks], counts, rows)
+        # A member with no data left pushes an empty contribution (0 samples): it counted toward
+        # the step's quorum above and weighs nothing here; a step of empty ones only advances.
+        weighed = [i for i, n in enumerate(counts) if n > 0]
+        if weighed:
+            self.store.apply([self.pending[ranks[i]] for i in weighed], [counts[i] for i in weighed],
+                             [(p, n) for p, n in rows if n > 0])
+        else:
+            self.store.advance_empty()
         self.store.counters.add("samples_pushed", sum(counts))
         for r in ranks:
             self.store.pool.release(self.pending.pop(r))
@@ -97,6 +138,14 @@ class SyncPolicy(Policy):
 
     def check_timeout(self) -> None:
         """Runs while pulls wait: a step that waited too long goes on without the missing."""
+        if self.below_min():
+            now = time.monotonic()
+            if now - self.below_min_told >= BELOW_MIN_NOTICE_EVERY:
+                self.below_min_told = now
+                log.warning("shard %d: step %d waits: %d live member(s), below --min-workers=%d",
+                            self.store.shard, self.store.version, self.members.live_members(),
+                            self.cfg.min_workers)
+            return
         if self.watch.expired():
             missing = self.members.expected() - set(self.pending)
             self.members.mark_dead(missing, f"step {self.store.version} waited more than "

@@ -14,7 +14,15 @@ import time
 from typing import Callable
 
 from pserver.config import ServerConfig
-from pserver.errors import AlreadyExists, FailedPrecondition, NotRegistered, TakenOver, Unauthenticated
+from pserver.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    JoinStepOpen,
+    NotRegistered,
+    ResourceExhausted,
+    TakenOver,
+    Unauthenticated,
+)
 from pserver.server.store import ShardStore
 
 log = logging.getLogger("pserver.modes")
@@ -46,15 +54,70 @@ class Membership:
         self.sessions: dict[int, str] = {}   # rank -> its worker's credential
         self.displaced: dict[int, set[str]] = {}  # rank -> credentials taken over (told "taken over")
         self.last_seen: dict[int, float] = {}  # rank -> time.monotonic() of its last call
+        # Elastic workers (docs/operations.md, "Elastic workers"): ranks below num_workers are
+        # members from the start; a rank at or above it (below max_workers) is a member from the
+        # step in join_at, the same on every shard (sync, backup), or from its Register (async, ssp).
+        self.max_workers = cfg.max_workers
+        self.join_at: dict[int, int] = {}
+
+    @property
+    def rank_limit(self) -> int:
+        return max(self.max_workers, self.num_workers)
+
+    def elastic(self) -> bool:
+        return self.max_workers > self.num_workers
 
     def check_join(self, rank: int, num_workers: int) -> None:
         """What join checks, changing nothing: Shard.register calls it before it fixes the layout."""
-        if self.num_workers and num_workers != self.num_workers:
-            raise FailedPrecondition(f"num_workers: worker {rank} says {num_workers} workers but "
-                                     f"this shard serves {self.num_workers}")
-        if not 0 <= rank < num_workers:
+        if self.elastic():
+            # a joining worker's --num-workers is the size it brings the job to (its data slice)
+            if not 1 <= num_workers <= self.rank_limit:
+                raise FailedPrecondition(f"num_workers: worker {rank} says {num_workers} workers but "
+                                         f"this shard takes at most {self.rank_limit} (--max-workers)")
+            limit = self.rank_limit
+        else:
+            if self.num_workers and num_workers != self.num_workers:
+                raise FailedPrecondition(f"num_workers: worker {rank} says {num_workers} workers but "
+                                         f"this shard serves {self.num_workers}")
+            limit = num_workers
+        if not 0 <= rank < limit:
             raise FailedPrecondition(f"rank: {rank} is not a worker of this cluster "
-                                     f"(ranks 0..{num_workers - 1})")
+                                     f"(ranks 0..{limit - 1})")
+
+    def assign_rank(self, previous: str = "") -> int:
+        """--rank auto (shard 0 only): the rank whose session `previous` is (a restarted worker
+        with its session file takes its rank back), else the lowest free rank in 1..max-1: one
+        with no session, or whose session left or expired. Never 0, the chief."""
+        if previous:
+            for rank, cred in self.sessions.items():
+                if rank not in self.left and hmac.compare_digest(previous.encode(), cred.encode()):
+                    return rank
+        for rank in range(1, self.rank_limit):
+            if not self.session_live(rank):
+                return rank
+        raise ResourceExhausted(f"rank: --rank auto found no free rank on shard {self.store.shard}: all "
+                                f"ranks 1..{self.rank_limit - 1} are live (--max-workers)")
+
+    def join_step(self, rank: int, step: int, fixed: bool) -> int:
+        """An elastic worker counts from `step` (sync, backup; cond held). Refused when this
+        shard has already opened it, since an open step's members are fixed, unless `fixed` is
+        False: the open step waits below --min-workers, its members are not fixed yet, and the
+        worker counts from it. Returns the step it counts from."""
+        version = self.store.version
+        if rank < self.num_workers:
+            return 0                       # a member from the start
+        if self.join_at.get(rank, version + 1) <= version:
+            return self.join_at[rank]      # already a member of the open step: it stays one
+        if not fixed:
+            step = version
+        elif step <= version:
+            raise JoinStepOpen(f"step: shard {self.store.shard} has already opened step {step} "
+                               f"(it is at version {version}); propose a later one")
+        self.join_at[rank] = step
+        log.info("shard %d: worker %d joins, a member from step %d (now at %d)",
+                 self.store.shard, rank, step, version)
+        self.store.cond.notify_all()
+        return step
 
     def join(self, rank: int, num_workers: int, previous: str = "") -> tuple[str, bool]:
         """Register `rank`; returns (its new session credential, whether it took a live session
@@ -69,7 +132,11 @@ class Membership:
                 f"rank: worker {rank} is already registered with shard {self.store.shard} and its "
                 f"session is live (last seen {ago:.1f} s ago; it expires after "
                 f"{self.cfg.step_timeout:g} s without a call, --step-timeout)")
-        self.num_workers = num_workers
+        if not self.elastic():
+            self.num_workers = num_workers
+        elif not self.num_workers:
+            self.num_workers = num_workers
+        self.join_at.pop(rank, None)          # a joiner (re)joins from the step it proposes next
         if took_over:
             self.displaced.setdefault(rank, set()).add(self.sessions[rank])
             self.store.counters.add("sessions_taken_over")
@@ -148,9 +215,9 @@ class Membership:
         self.on_change()
 
     def check_rank(self, rank: int) -> None:
-        if not 0 <= rank < max(self.num_workers, 1):
+        if not 0 <= rank < max(self.rank_limit, 1):
             raise FailedPrecondition(f"rank: {rank} is not a worker of this cluster "
-                                     f"(ranks 0..{self.num_workers - 1})")
+                                     f"(ranks 0..{self.rank_limit - 1})")
 
     def check_member(self, rank: int) -> None:
         self.check_rank(rank)
@@ -159,5 +226,12 @@ class Membership:
                                 f"{self.store.shard}; call Register first")
 
     def expected(self) -> set[int]:
-        """Ranks a step still counts on: all N, less those that left or were marked dead."""
-        return set(range(self.num_workers)) - self.left - self.dead
+        """Ranks the open step still counts on: the N started with the job and the joiners that
+        are members from this step or before, less those that left or were marked dead."""
+        version = self.store.version
+        joined = {r for r, j in self.join_at.items() if j <= version}
+        return (set(range(self.num_workers)) | joined) - self.left - self.dead
+
+    def live_members(self) -> int:
+        """How many members the open step counts on (--min-workers compares it)."""
+        return len(self.expected())

@@ -73,7 +73,8 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
     unary = {"Register": (pb.RegisterRequest, pb.RegisterReply), "Status": (pb.StatusRequest, pb.StatusReply),
              "Leave": (pb.LeaveRequest, pb.LeaveReply),
              "Checkpoint": (pb.CheckpointRequest, pb.CheckpointReply),
-             "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatReply)}
+             "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatReply),
+             "ElasticJoinStep": (pb.ElasticJoinStepRequest, pb.ElasticJoinStepReply)}
     handlers = {name: grpc.unary_unary_rpc_method_handler(
         getattr(servicer, name), request_deserializer=req.FromString,
         response_serializer=rep.SerializeToString) for name, (req, rep) in unary.items()}
@@ -106,8 +107,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                            [codec.table_config(t) for t in request.tables])
         reg = self.shard.register(request.rank, request.num_workers, request.shard,
                                   request.num_shards, layout, request.protocol_version,
-                                  request.data_seed, request.steps_per_epoch, request.previous_session)
+                                  request.data_seed, request.steps_per_epoch, request.previous_session,
+                                  request.elastic_auto_rank)
         return registration_reply(reg)
+
+    @_status
+    def ElasticJoinStep(self, request, context):
+        version, member_from = self.shard.join_step(request.rank, request.step, request.session)
+        return pb.ElasticJoinStepReply(version=version, member_from=member_from)
 
     def _stream(self, request_iterator, context, call):
         """A push or init stream within the shard's bounds (server/limits.py): counted from

@@ -89,11 +89,13 @@ def checked_tables(tables) -> None:
 def check_samples(num_samples: int) -> None:
     """A push's gradient is the mean over the samples it carries, and a sync or backup step
     weighs each push by them (docs/semantics.md): a gradient of no samples has no weight, and
-    a negative count is no count. Every push carries a gradient (its range's values)."""
-    if num_samples < 1:
-        raise InvalidArgument(f"num_samples: {num_samples} for a push that carries a gradient; a "
-                              f"gradient is the mean over its batch and a sync step weighs it by the "
-                              f"batch's samples, so send the batch's size (at least 1)")
+    a negative count is no count. Every push carries a gradient (its range's values); one of 0
+    samples is an empty contribution (a worker with no chunk of the data left this epoch): it counts
+    toward its step and weighs nothing."""
+    if num_samples < 0:
+        raise InvalidArgument(f"num_samples: {num_samples} for a push; a gradient is the mean over its "
+                              f"batch and a sync step weighs it by the batch's samples, so send the "
+                              f"batch's size (0 for an empty contribution: a worker with no chunk left)")
 
 
 def available_memory() -> int:
@@ -212,9 +214,11 @@ class Shard:
 
     def register(self, rank: int, num_workers: int, shard: int, num_shards: int,
                  layout: Layout, protocol_version: int = PROTOCOL_VERSION, data_seed: int = 0,
-                 steps_per_epoch: int = 0, previous_session: str = "") -> Registration:
+                 steps_per_epoch: int = 0, previous_session: str = "",
+                 auto_rank: bool = False) -> Registration:
         """Join `rank` (Membership.join); `previous_session`: the credential the worker held
-        before it restarted, with which it takes its live session over at once."""
+        before it restarted, with which it takes its live session over at once. `auto_rank`
+        (shard 0 only): `rank` is ignored and a free one assigned (Membership.assign_rank)."""
         if protocol_version != PROTOCOL_VERSION:
             raise FailedPrecondition(
                 f"protocol_version: the worker speaks wire protocol {protocol_version} and this "
@@ -229,12 +233,23 @@ class Shard:
         with s.cond:
             # Everything that can refuse runs before anything changes: a refused Register
             # must not fix the layout or allocate.
+            if auto_rank:
+                if self.cfg.shard != 0:
+                    raise FailedPrecondition(f"rank: only shard 0 assigns --rank auto; this is shard "
+                                             f"{self.cfg.shard}")
+                if not self.members.elastic():
+                    raise FailedPrecondition(
+                        f"rank: --rank auto joins a job that has room for more workers, and this one "
+                        f"serves exactly {self.members.num_workers or num_workers}; start the shards "
+                        f"with --max-workers")
+                rank = self.members.assign_rank(previous_session)
             self.policy.check_join(rank, num_workers)
             self.members.check_join(rank, num_workers)
             if not s.signature:
                 self._check_memory(end - start)
             s.configure(layout.signature(), total, start, end, layout.tables)
             session, took_over = self.members.join(rank, num_workers, previous_session)
+            self.policy.registered(rank)
             return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,
                                 s.signature, self.cfg.optimizer, self.cfg.lr,
                                 self.dataplane.address if self.dataplane else "", host_id(),
@@ -242,7 +257,16 @@ class Shard:
                                 seeded_by_rank=self.seeded_by,
                                 position=s.position_of(rank, data_seed, steps_per_epoch),
                                 settings=self.cfg.training_settings(self.members.num_workers),
-                                instance=self.instance, took_over=took_over)
+                                instance=self.instance, took_over=took_over, assigned_rank=rank,
+                                elastic_initial_workers=self.members.num_workers,
+                                elastic_max_workers=self.members.rank_limit)
+
+    def join_step(self, rank: int, step: int, session: str | None = None) -> tuple[int, int]:
+        """An elastic worker counts from `step` (Policy.join_step); returns (the version now,
+        the step it counts from)."""
+        with self.store.cond:
+            self.members.authorize(rank, session)
+            return self.store.version, self.policy.join_step(rank, step)
 
     def _dense_bytes(self, size: int) -> int:
         """The dense range's bytes: parameters, optimizer state, one gradient (float32)."""

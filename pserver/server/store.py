@@ -406,6 +406,13 @@ class ShardStore:
         self.counters.add("updates_applied")
         self.cond.notify_all()
 
+    def advance_empty(self) -> None:
+        """A sync step whose pushes all carried 0 samples: the version advances, nothing is
+        applied (an optimizer step on a zero gradient would still move momentum or Adam)."""
+        self.version += 1
+        self.counters.add("updates_applied")     # the version advanced, as after any step
+        self.cond.notify_all()
+
     def apply_rows(self, rows: list[RowGrads], scale: float, step: int) -> None:
         """Each table's row optimizer on its rows (scaled), at version `step`: the tables lock
         themselves, so this is safe with or without cond."""

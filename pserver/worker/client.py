@@ -24,12 +24,14 @@ import numpy as np
 from pserver import sparse
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.config import AUTO_RANK
 from pserver.errors import (
     KIND_METADATA,
     AlreadyExists,
     ConfigError,
     DeadlineExceeded,
     InvalidArgument,
+    JoinStepOpen,
     NotRegistered,
     OverBudget,
     PServerError,
@@ -56,6 +58,7 @@ T = TypeVar("T")
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 2000),
                    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+JOIN_TRIES = 20            # steps an elastic worker proposes before it gives up (each refused: opened)
 WAIT_NOTICE_EVERY = 10.0   # seconds between "still waiting" lines
 MAX_IDS_PER_PULL = 1 << 18  # ids per PullRows request: 2 MiB, well under gRPC's 4 MiB message limit
 LEAVE_ON_STOP_S = 2.0      # per shard: a stopped worker's Leave must not hold up its exit
@@ -105,6 +108,7 @@ class ShardClient:
         self._joined: tuple | None = None       # Register's arguments, to join a restarted shard
         self.last_flat: np.ndarray | None = None  # where pulls land: weights to re-seed a shard
         self.reset_seen = False                   # after a rejoin, pull what the shard has
+        self.auto_rank = False                    # the next Register asks shard 0 for a rank
         self.session = ""                         # our credential from Register
         self.previous = ""                        # the credential the session file kept, for the
                                                   # first Register only (a takeover at once)
@@ -268,12 +272,16 @@ class ShardClient:
         Register only: a rejoin (a shard that restarted, a network blip) never presents one, or
         it would take over its own live session and lose the gradient that session holds."""
         req = pb.RegisterRequest(rank=rank, num_workers=num_workers, shard=self.index,
+                                 elastic_auto_rank=self.auto_rank,
                                  num_shards=num_shards, batch_size=batch_size, previous_session=previous,
                                  data_seed=data_order[0], steps_per_epoch=data_order[1],
                                  protocol_version=codec.PROTOCOL_VERSION,
                                  layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors],
                                  tables=[codec.table_spec(t) for t in layout.tables])
         self.info = r = registration_of(self.call(self.stub.Register, req, timeout=timeout))
+        if self.auto_rank:                    # a rejoin registers the rank shard 0 assigned
+            self.auto_rank, rank = False, r.assigned_rank
+            self._joined = (rank, *self._joined[1:])
         self.session, self.session_timeout = r.session, r.session_timeout_seconds
         self.previous = ""
         if self.on_register is not None:
@@ -283,6 +291,12 @@ class ShardClient:
                                           r.range_end - r.range_start, self.label, self.security.token,
                                           session=self.session, tables=[t.name for t in layout.tables])
         return self.info
+
+    def join_step(self, rank: int, step: int, timeout: float) -> int:
+        """ElasticJoinStep: the step from which this shard counts the worker."""
+        req = pb.ElasticJoinStepRequest(rank=rank, session=self.session, step=step)
+        return self.resilient(lambda: self.call(self.stub.ElasticJoinStep, req, timeout=timeout).member_from,
+                              timeout)
 
     def init(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
         return self.resilient(lambda: self._init_once(rank, flat, timeout), timeout)
@@ -444,8 +458,10 @@ class ShardClient:
     def leave(self, rank: int, timeout: float) -> None:
         self.call(self.stub.Leave, pb.LeaveRequest(rank=rank, session=self.session), timeout=timeout)
 
-    def heartbeat(self, rank: int, timeout: float) -> None:
-        self.call(self.stub.Heartbeat, pb.HeartbeatRequest(rank=rank, session=self.session), timeout=timeout)
+    def heartbeat(self, rank: int, timeout: float) -> int:
+        """Keep the session live; returns the shard's version."""
+        return self.call(self.stub.Heartbeat, pb.HeartbeatRequest(rank=rank, session=self.session),
+                         timeout=timeout).version
 
     def close(self) -> None:
         if self.fast is not None:
@@ -519,7 +535,8 @@ class PSClient:
         self.rank, self.num_workers, self.rpc_deadline = rank, num_workers, rpc_deadline
         self.session_file = SessionFile(session_dir, addresses, rank)
         self._file_lock = threading.Lock()
-        self.tell_first_push = False             # a takeover: say when the first push is taken in
+        self.tell_first_push = ""                # "after the takeover", "after joining": say when the
+                                                 # first push is taken in
         self.compression = codecs.parse(compression)
         self.pull_compression = codecs.parse_pull(pull_compression)
         self.feedback: compress.ErrorFeedback | None = None   # made at register, sized by the layout
@@ -534,6 +551,36 @@ class PSClient:
         self.finished = False          # a shard said the run is over (e.g. backup quorum gone)
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
+
+    def each_of(self, shards: list[ShardClient], fn: Callable[[ShardClient], T]) -> list[T]:
+        """fn on each of `shards`, in order (a subset of self.shards; no pool: Register only)."""
+        return [fn(s) for s in shards]
+
+    def elastic_join(self, infos: list[Registration]) -> int:
+        """A joining worker (rank at or above the job's initial N) in sync or backup: agree with
+        every shard on the step from which it counts, j = the largest version the shards report
+        + 2, proposed again from their versions then with twice the margin after a shard says it
+        has opened j (join_step_open). Returns that step (0: a member from the start, or a mode
+        that takes any worker's pushes)."""
+        info = infos[0]
+        joining = info.elastic_initial_workers <= self.rank < info.elastic_max_workers
+        if joining and info.elastic_max_workers > info.elastic_initial_workers:
+            self.tell_first_push = "after joining"
+        if self.rank < info.elastic_initial_workers or info.mode not in ("sync", "backup"):
+            return 0
+        margin = 2
+        for _ in range(JOIN_TRIES):
+            # the shards' versions now (the kernels' warm-up came between Register and this);
+            # a job whose steps outrun the proposal's round trip gets a margin twice as large
+            step = max(self.each(lambda s: s.heartbeat(self.rank, self.rpc_deadline)) + [0]) + margin
+            try:
+                got = self.each(lambda s: s.join_step(self.rank, step, self.rpc_deadline))
+            except JoinStepOpen:
+                margin *= 2
+                continue
+            return max(got)
+        raise JoinStepOpen(f"step: worker {self.rank} proposed {JOIN_TRIES} steps to join from and a "
+                           f"shard had opened each one already")
 
     def each(self, fn: Callable[[ShardClient], T]) -> list[T]:
         """fn on every shard, in parallel; the first error (by shard order) is raised. The
@@ -560,11 +607,22 @@ class PSClient:
         this rank's position, which each Registration returns (docs/semantics.md, "Resuming")."""
         # versions stay "none seen": the first pull takes whatever is current, which for
         # a restarted worker is the version the others have reached.
-        kept = self.session_file.load()        # a file others may read is refused here
+        kept = self.session_file.load() if self.rank != AUTO_RANK else {}  # others' files: refused
         for s in self.shards:
             s.previous = kept.get(s.address, "")
-        infos = self.each(lambda s: s.register(self.rank, self.num_workers, len(self.shards),
-                                               layout, batch_size, self.rpc_deadline, data_order))
+        first = []
+        if self.rank == AUTO_RANK:             # shard 0 assigns it; the others then hear it
+            s0 = self.shards[0]
+            s0.auto_rank = True
+            first = [s0.register(0, self.num_workers, len(self.shards), layout, batch_size,
+                                 self.rpc_deadline, data_order)]
+            self.rank = first[0].assigned_rank
+            self.session_file = SessionFile(self.session_file.directory, [s.address for s in self.shards],
+                                            self.rank)
+            print(f"worker: shard 0 assigned rank {self.rank} (--rank auto)", flush=True)
+        rest = self.shards[len(first):]
+        infos = first + self.each_of(rest, lambda s: s.register(
+            self.rank, self.num_workers, len(self.shards), layout, batch_size, self.rpc_deadline, data_order))
         why = disagreement([s.label for s in self.shards], [i.settings for i in infos])
         if why:
             self.leave_on_stop()               # free the rank at once: nothing was trained
@@ -574,7 +632,7 @@ class PSClient:
             s.on_register = self._keep_sessions     # a rejoin gets a new credential: keep it too
         taken = sum(i.took_over for i in infos)
         if taken:
-            self.tell_first_push = True
+            self.tell_first_push = "after the takeover"
             print(f"worker {self.rank}: took its rank back at once on {taken} of {len(infos)} shard(s) with "
                   f"the session kept in {self.session_file.path} (the previous process's gradient for "
                   f"the open step is discarded; this one trains that batch again)", flush=True)
@@ -698,12 +756,12 @@ class PSClient:
         return [o for o, _, _ in replies]
 
     def _first_push_done(self) -> None:
-        """After a takeover, say once how long the restart took to its first push taken in."""
+        """After a takeover or a join, say once how long the process took to its first push taken in."""
         if self.tell_first_push:
             age = process_age()
             when = f" {age:.1f} s after this process started" if age is not None else ""
-            print(f"worker {self.rank}: first push after the takeover taken in{when}", flush=True)
-            self.tell_first_push = False
+            print(f"worker {self.rank}: first push {self.tell_first_push} taken in{when}", flush=True)
+            self.tell_first_push = ""
 
     def _rows(self, lookups: Sequence[sparse.TableLookup], tables: Sequence[str]) -> list[list]:
         """Per shard: (table, unique ids it holds, their gradients) for each lookup."""

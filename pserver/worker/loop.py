@@ -7,6 +7,7 @@ the pushes combine and how long each pull waits. The loop does not branch on the
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import itertools
@@ -15,7 +16,7 @@ import time
 
 import numpy as np
 
-from pserver.config import WorkerConfig
+from pserver.config import AUTO_RANK, WorkerConfig
 from pserver.data import Dataset, Stream, describe, load_dataset
 from pserver.errors import (
     ConfigError,
@@ -195,6 +196,8 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         client.connect(cfg.connect_timeout)
         steps = ds.steps(cfg.num_workers, cfg.batch_size)
         infos = client.register(registered_layout(model), cfg.batch_size, (cfg.seed, steps))
+        if cfg.rank == AUTO_RANK:
+            cfg = joined_as(cfg, client.rank)
         check_settings(client, getattr(callbacks, "shard_settings", None), infos[0].settings)
         mode = infos[0].mode
         print(f"worker rank {cfg.rank}/{cfg.num_workers} device {describe_device(device)}; "
@@ -210,6 +213,10 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         client.pull(w)                         # waits until the chief's values are there
         rows = Rows(model, client)
         warm_up(model, w, ds, cfg.batch_size, rows)
+        member_from = client.elastic_join(infos)
+        if member_from:                        # until its step opens, a joining worker only pulls
+            print(f"worker {cfg.rank} joins: a member from step {member_from} on every shard", flush=True)
+            client.pull(w, seen=[member_from - 1] * len(cfg.ps))
         if compiling.stop().compiled and cfg.rank == 0:     # a first run: why it took a while
             print(compiling.describe(), flush=True)
         started = time.monotonic()
@@ -238,6 +245,12 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         client.close()
 
 
+def joined_as(cfg: WorkerConfig, rank: int) -> WorkerConfig:
+    """cfg with the rank shard 0 assigned (--rank auto). A joiner's rank may be at or above its
+    --num-workers, the slice count of its data: it trains slice rank % --num-workers."""
+    cfg = copy.copy(cfg)
+    object.__setattr__(cfg, "rank", rank)     # frozen; the rank was checked by shard 0
+    return cfg
 def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, definition: dict | None,
                summary: dict) -> None:
     """--save: the model file; a model with sparse tables gets every table's rows, streamed
@@ -373,8 +386,8 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
         callbacks.on_epoch_begin(epoch, {})
         offset, skip = skip, 0                 # a resumed epoch starts at its step
         epoch_started = time.monotonic()
-        batches = itertools.islice(ds.epoch(cfg.rank, cfg.num_workers, cfg.batch_size, cfg.seed, epoch),
-                                   offset, None)
+        batches = itertools.islice(ds.epoch(cfg.rank % cfg.num_workers, cfg.num_workers, cfg.batch_size,
+                                            cfg.seed, epoch), offset, None)
         for step, (x, y) in enumerate(batches, start=offset):
             step_started = time.perf_counter()
             with timer("pull"):
