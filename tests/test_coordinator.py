@@ -195,3 +195,135 @@ def test_a_new_session_of_the_rank_releases_the_old_lease():
     again = c.lease(0, "new")
     assert again == type(first)(0, first.chunk, first.first + 1, first.end)
     assert c.counters["chunks_released"] == 1 and c.counters["batches_retrained"] == 1
+
+
+# --- in a real shard: leases, pushes that carry progress, dead workers, checkpoints --------------
+
+def _cluster(tmp_path=None, workers=2, **cfg):
+    import numpy as np
+
+    from pserver.models.layout import Layout
+    from tests.test_modes import make_cluster
+    extra = dict(checkpoint_dir=str(tmp_path)) if tmp_path is not None else {}
+    return make_cluster(Layout.of([("w", (4,))]), np.ones(4, np.float32), 1, workers,
+                        optimizer="adam", lr=0.1, **extra, **cfg)[0]
+
+
+def _push(shard, rank, samples, lease=None, value=1.0):
+    import numpy as np
+
+    from pserver.records import PushRequest
+    from tests.test_modes import fill_with
+    return shard.push(PushRequest(rank, 0, shard.store.version, 4, "float32", samples, 0,
+                                  fill_with(np.full(4, value, np.float32)), lease=lease))[0]
+
+
+@pytest.mark.parametrize("mode", ["sync", "backup"])
+def test_an_empty_contribution_counts_toward_the_step_and_weighs_nothing(mode):
+    """Fails if a 0-sample push is refused, waited past, weighed (the mean halves), or if a step of
+    empty pushes only moves the optimizer (adam steps on a zero gradient)."""
+    import numpy as np
+    extra = dict(backup_workers=1, workers=3) if mode == "backup" else {}   # backup: a quorum of 2
+    shard, alone = _cluster(mode=mode, **extra), _cluster(mode="sync")
+    _push(shard, 0, 3, value=2.0)
+    _push(shard, 1, 0, value=0.0)
+    assert shard.store.version == 1
+    alone_members = alone.members
+    with alone.store.cond:
+        alone_members.leave(1)                      # the same step with rank 0's push alone
+    _push(alone, 0, 3, value=2.0)
+    assert shard.store.params.tobytes() == alone.store.params.tobytes()
+    before = shard.store.params.copy(), {k: v.copy() for k, v in shard.store.optimizer.state.items()}
+    _push(shard, 0, 0, value=0.0)
+    _push(shard, 1, 0, value=0.0)
+    assert shard.store.version == 2 and np.array_equal(shard.store.params, before[0])
+    assert all(np.array_equal(v, before[1][k]) for k, v in shard.store.optimizer.state.items())
+
+
+def test_a_dead_workers_lease_goes_to_the_next_worker_from_its_first_batch_not_done():
+    """Shard 0 wiring: a push's lease progress reaches the coordinator, marking the worker dead
+    releases its lease (on_change), the next ask gets the rest, status shows the counts. Fails
+    without the release hook (rank 0 would get a fresh chunk) or without progress on push."""
+    shard = _cluster(mode="async")
+    plan = Plan(8, 4, 5, "fp")
+    held = shard.lease(1, None, plan)
+    assert (held.first, held.end) == shard.store.coordinator.plan.bounds(held.chunk)
+    for b in range(held.first, held.first + 3):
+        _push(shard, 1, 2, lease=(held.epoch, held.chunk, b))
+    with shard.store.cond:
+        shard.members.mark_dead({1}, "a test")
+    counts = shard.status()["counters"]
+    assert (counts["chunks_released"], counts["batches_retrained"]) == (1, 1)
+    assert shard.store.coordinator.leases == {}
+    mine = shard.lease(0, None, plan)
+    assert (mine.chunk, mine.first, mine.end) == (held.chunk, held.first + 2, held.end)
+
+
+def test_a_worker_with_other_data_is_refused_and_shard_1_has_no_coordinator():
+    shard = _cluster()
+    shard.lease(0, None, Plan(8, 4, 5, "fp"))
+    with pytest.raises(FailedPrecondition, match="reads other data"):
+        shard.lease(1, None, Plan(8, 4, 5, "other"))
+    from pserver.config import ServerConfig
+    from pserver.server.shard import Shard
+    with pytest.raises(FailedPrecondition, match="coordinator is in shard 0"):
+        Shard(ServerConfig(shard=1, num_shards=2, num_workers=2)).lease(0, None, Plan(8, 4, 5, "fp"))
+
+
+def test_the_coordinator_is_checkpointed_with_shard_0_and_resharded_to_the_new_shard_0(tmp_path):
+    """meta["coordinator"] round trip through a real file and a restored shard (its leases released),
+    and reshard.combine: new shard 0 gets old shard 0's state, the others none."""
+    from pserver.config import ServerConfig
+    from pserver.server import checkpoint, reshard
+    from pserver.server.shard import Shard
+    shard = _cluster(tmp_path)
+    plan = Plan(8, 4, 5, "fp")
+    first = shard.lease(0, None, plan)
+    _push(shard, 0, 2, lease=(0, first.chunk, first.first + 1))
+    _push(shard, 1, 2)
+    path, _ = shard.checkpoint(0)
+    saved = checkpoint.load(path)
+    assert saved.coordinator == shard.store.coordinator.state()
+    restored = Shard(ServerConfig(num_workers=2, optimizer="adam", lr=0.1, restore=str(tmp_path)))
+    c = restored.store.coordinator
+    assert c.leases == {} and c.queue[0] == first.chunk and c.progress == {first.chunk: 1}
+    assert c.counters["chunks_released"] == 1 and c.counters["batches_retrained"] == 1
+    other = checkpoint.Checkpoint(**{**saved.__dict__, "shard": 1, "coordinator": None})
+    for new in (1, 2, 3):
+        got = [reshard.combine([saved, other], new, j).coordinator for j in range(new)]
+        assert got == [saved.coordinator] + [None] * (new - 1)
+
+
+# --- over gRPC: LeaseData and the push that carries a lease's progress ----------------------------
+
+def test_lease_data_over_grpc_carries_progress_and_refuses_other_data(shard_server):
+    """A real shard server and two clients (the same-host data plane on): the push that carries a
+    lease goes by gRPC with its progress (a data-plane push would lose it: the second worker would
+    get the chunk from its first batch), the other worker gets the rest once the first leaves,
+    status counts it, and a worker with another dataset gets one FAILED_PRECONDITION line."""
+    import numpy as np
+
+    from pserver.errors import FailedPrecondition as Refused
+    from tests.test_server import LAYOUT, ready_client
+    addr, _ = shard_server(optimizer="sgd", lr=0.1, num_workers=2, mode="async")
+    a = ready_client(addr, num_workers=2, rank=0, plane="auto")
+    b = ready_client(addr, num_workers=2, rank=1, plane="auto", init=False)
+    plan = (12, 4, 3, "fp")
+    got = a.lease_data(*plan)
+    assert got.has_lease and got.end_batch - got.first_batch == 4
+    w = np.empty(LAYOUT.total, np.float32)
+    a.pull(w)
+    for batch in range(got.first_batch, got.first_batch + 3):
+        a.push(np.ones(LAYOUT.total, np.float32), 1, lease=(got.epoch, got.chunk, batch))
+    a.leave()
+    rest = b.lease_data(*plan)
+    assert (rest.chunk, rest.first_batch, rest.end_batch) == (got.chunk, got.first_batch + 2, got.end_batch)
+    st = b.status()[0].counters
+    assert (st.chunks_released, st.batches_retrained, st.chunks_done) == (1, 1, 0)
+    done = b.lease_data(*plan, finished=(rest.epoch, rest.chunk))
+    assert done.has_lease and done.chunk != got.chunk and b.status()[0].counters.chunks_done == 1
+    with pytest.raises(Refused, match="reads other data") as e:
+        b.lease_data(12, 4, 3, "another")
+    assert "\n" not in str(e.value)
+    a.close()
+    b.close()

@@ -87,8 +87,8 @@ def test_a_push_refused_before_its_parts_are_copied_keeps_the_stream_framed(sgd_
     c.pull(w)
     with pytest.raises(FailedPrecondition, match="step"):
         c.push(np.ones(LAYOUT.total, np.float32), 1, steps=[7])    # a step the shard is not at
-    with pytest.raises(InvalidArgument, match="num_samples: 0 for a push that carries a gradient"):
-        c.push(np.ones(LAYOUT.total, np.float32), 0)               # the data plane checks it too
+    with pytest.raises(InvalidArgument, match="num_samples: -1 for a push; a gradient is the mean"):
+        c.push(np.ones(LAYOUT.total, np.float32), -1)               # the data plane checks it too
     c.push(np.full(LAYOUT.total, 2, np.float32), 1)       # the next push is read whole
     c.pull(w)
     np.testing.assert_array_equal(w, START - 2)

@@ -176,9 +176,9 @@ def test_backup_weighs_the_first_n_minus_b_pushes_by_their_samples():
 
 
 @pytest.mark.parametrize("mode", ["sync", "backup", "async", "ssp"])
-@pytest.mark.parametrize("samples", [0, -3])
+@pytest.mark.parametrize("samples", [-1, -3])
 def test_a_push_of_no_samples_is_refused_in_every_mode_and_changes_nothing(mode, samples):
-    """A gradient that says it came from no samples: INVALID_ARGUMENT naming num_samples and
+    """A gradient that says it came from fewer than no samples: INVALID_ARGUMENT naming num_samples and
     why, counted as rejected; params, version, optimizer state, the pending step and every
     other counter as before, and a rank marked dead is not revived by it."""
     extra = dict(backup_workers=1) if mode == "backup" else {}
@@ -189,8 +189,8 @@ def test_a_push_of_no_samples_is_refused_in_every_mode_and_changes_nothing(mode,
         shard.members.mark_dead({2}, "a test")
     before, counters = state_bytes(shard), shard.store.counters.snapshot()
     for rank in (1, 2):
-        with pytest.raises(InvalidArgument, match=f"num_samples: {samples} for a push that carries a "
-                                                  f"gradient; a gradient is the mean over its batch"):
+        with pytest.raises(InvalidArgument, match=f"num_samples: {samples} for a push; a gradient is the "
+                                                  f"mean over its batch"):
             push_all([shard], rank, [shard.store.version], np.ones(3, np.float32), samples)
     assert state_bytes(shard) == before
     after = shard.store.counters.snapshot()
@@ -218,7 +218,7 @@ BAD_PUSHES = {
     "negative rank": (dict(rank=-1), FailedPrecondition, "rank"),
     "duplicate push": (dict(rank=0), FailedPrecondition, "already pushed"),
     "wrong shard": (dict(shard=1), FailedPrecondition, "shard"),
-    "no samples": (dict(num_samples=0), InvalidArgument, "num_samples: 0"),
+    "negative samples": (dict(num_samples=-1), InvalidArgument, "num_samples: -1"),
 }
 
 

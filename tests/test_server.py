@@ -61,7 +61,7 @@ def test_push_and_pull_round_trip(shard_server, plane):
     (lambda h, g: setattr(h, "step", 7), "FAILED_PRECONDITION", "step"),
     (lambda h, g: setattr(h, "rank", 4), "FAILED_PRECONDITION", "rank"),
     (lambda h, g: setattr(h, "shard", 2), "FAILED_PRECONDITION", "shard"),
-    (lambda h, g: setattr(h, "num_samples", 0), "INVALID_ARGUMENT", "num_samples: 0 for a push that carries"),
+    (lambda h, g: setattr(h, "num_samples", -1), "INVALID_ARGUMENT", "num_samples: -1 for a push; a grad"),
 ])
 def test_bad_push_gets_its_status_code_and_names_the_field(shard_server, mutate, code, field):
     addr, shard = shard_server()

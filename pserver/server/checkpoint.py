@@ -55,6 +55,7 @@ class Checkpoint:
     tables: list = field(default_factory=list)   # sparse tables' configs (TableConfig.to_dict())
     rows: dict = field(default_factory=dict)     # table name -> its SparseTable.state() arrays
     positions: dict = field(default_factory=dict)  # rank -> (data_seed, steps_per_epoch) of its clock
+    coordinator: dict | None = None   # shard 0's data coordinator (pserver.server.coordinator.state())
 
 
 def file_name(shard: int, num_shards: int, version: int) -> str:
@@ -86,7 +87,7 @@ def save(directory: str, ckpt: Checkpoint) -> str:
             "signature": ckpt.signature, "total": ckpt.total, "start": ckpt.start, "end": ckpt.end,
             "optimizer": ckpt.optimizer, "clocks": {str(r): int(c) for r, c in ckpt.clocks.items()},
             "positions": {str(r): [int(v) for v in p] for r, p in ckpt.positions.items()},
-            "sha256": digest(arrays)}
+            "coordinator": ckpt.coordinator, "sha256": digest(arrays)}
     final = os.path.join(directory, file_name(ckpt.shard, ckpt.num_shards, ckpt.version))
     tmp = f"{final}.{os.getpid()}.tmp"
     try:
@@ -163,7 +164,8 @@ def load(path: str) -> Checkpoint:
                       meta["total"], meta["start"], meta["end"], meta["optimizer"],
                       arrays["params"], state,
                       {int(r): int(c) for r, c in meta.get("clocks", {}).items()}, tables, rows,
-                      {int(r): tuple(int(v) for v in p) for r, p in meta.get("positions", {}).items()})
+                      {int(r): tuple(int(v) for v in p) for r, p in meta.get("positions", {}).items()},
+                      meta.get("coordinator"))
 
 
 def meta_of(path: str) -> dict:

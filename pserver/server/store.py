@@ -25,6 +25,7 @@ from pserver.errors import (
     NotRegistered,
     Unavailable,
 )
+from pserver.server.coordinator import Coordinator
 from pserver.sparse.merge import RowGrads, merge_rows
 from pserver.wire import frames
 from pserver.wire.codec import Position
@@ -226,6 +227,7 @@ class ShardStore:
         self.clocks: dict[int, int] = {}   # rank -> its steps taken in (ssp bounds staleness by them)
         self.positions: dict[int, tuple[int, int]] = {}   # rank -> (data_seed, steps_per_epoch)
         self.tables: dict[str, sparse.SparseTable] = {}   # the model's sparse tables: this shard's rows
+        self.coordinator = Coordinator()   # shard 0's leases of the training data (others' stay empty)
 
     @property
     def size(self) -> int:
@@ -270,7 +272,8 @@ class ShardStore:
                         state={k: v.copy() for k, v in self.optimizer.state.items()},
                         clocks=dict(self.clocks), positions=dict(self.positions),
                         tables=[t.config.to_dict() for t in self.tables.values()],
-                        rows={name: t.state() for name, t in self.tables.items()})
+                        rows={name: t.state() for name, t in self.tables.items()},
+                        coordinator=self.coordinator.state())
 
     def restore(self, ckpt) -> None:
         with self.cond:
@@ -288,6 +291,7 @@ class ShardStore:
             self.clocks.update(ckpt.clocks)
             self.positions.clear()
             self.positions.update(ckpt.positions)
+            self.coordinator = Coordinator.load(ckpt.coordinator)
             self.restored_from = ckpt.path
             self.cond.notify_all()
 
@@ -321,14 +325,15 @@ class ShardStore:
         counts[i] the samples the push of grads[i] carried, and their sparse rows, each with its
         push's samples (mean_gradient, merge_rows: a push that did not touch a row adds zero to
         it). The gradients are left as they are; the caller holds cond."""
-        out = self.pool.acquire() if len(grads) > 1 else None
-        try:
-            self.optimizer.step(self.params, mean_gradient(grads, counts, out), self.version)
-        finally:
-            if out is not None:
-                self.pool.release(out)
-        for part, scale in merge_rows(list(rows), sum(counts)):
-            self.apply_rows([part], scale, self.version)
+        if sum(counts):    # a step of empty contributions only (no data left to any) trains nothing
+            out = self.pool.acquire() if len(grads) > 1 else None
+            try:
+                self.optimizer.step(self.params, mean_gradient(grads, counts, out), self.version)
+            finally:
+                if out is not None:
+                    self.pool.release(out)
+            for part, scale in merge_rows(list(rows), sum(counts)):
+                self.apply_rows([part], scale, self.version)
         self.version += 1
         self.counters.add("updates_applied")
         self.cond.notify_all()
