@@ -42,9 +42,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.epoch_seen = 0
 
     @precondition(lambda self: self.plan is None)
-    @rule(num_batches=st.integers(1, 12), chunk=st.integers(1, 5), seed=st.integers(0, 3))
-    def configure(self, num_batches, chunk, seed):
-        self.plan = Plan(num_batches, chunk, seed, "fp")
+    @rule(num_batches=st.integers(1, 12), chunk=st.integers(1, 5), seed=st.integers(0, 3),
+          epochs=st.sampled_from([0, 2, 3]))
+    def configure(self, num_batches, chunk, seed, epochs):
+        self.plan = Plan(num_batches, chunk, seed, "fp", epochs)
         self.coord.configure(self.plan)
 
     def _check_epoch_over(self, epoch: int) -> None:
@@ -119,7 +120,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @invariant()
     def chunks_partitioned(self):
         c = self.coord
-        if c.plan is None:
+        if c.plan is None or (c.plan.epochs and c.epoch >= c.plan.epochs):
             return
         leased = [chunk for _, chunk, _ in c.leases.values()]
         every = list(c.queue) + leased + sorted(c.done)
@@ -165,6 +166,18 @@ def test_all_workers_busy_the_epoch_ends_with_every_chunk_done():
     assert c.counters["chunks_done"] == 2 * 4 and c.counters["chunks_released"] == 1
     assert c.counters["batches_retrained"] == 1
     assert sum(n - 1 for n in trained.values()) == 1
+
+
+def test_no_lease_past_the_jobs_epochs():
+    """Fails if the coordinator opens epoch --epochs: its chunks would be leased and released as the
+    workers leave, counted as chunks_released for nothing."""
+    c = Coordinator()
+    c.configure(Plan(2, 1, 0, "fp", 1))
+    first = c.lease(0, "a")
+    second = c.lease(1, "b")
+    assert c.lease(0, "a", (0, first.chunk)) is None and c.lease(1, "b", (0, second.chunk)) is None
+    assert c.epoch == 1 and c.leases == {}
+    assert c.counters == dict(chunks_done=2, chunks_released=0, batches_retrained=0, batches_dropped=0)
 
 
 def test_chunk_order_follows_seed_and_epoch():

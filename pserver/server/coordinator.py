@@ -41,6 +41,7 @@ class Plan:
     chunk_batches: int    # batches per chunk (the last chunk may be shorter)
     seed: int
     fingerprint: str      # of the dataset: its length and a hash of a sample (worker side)
+    epochs: int = 0       # the job's epochs: none is opened past them (0: no end)
 
     @property
     def num_chunks(self) -> int:
@@ -94,7 +95,8 @@ class Coordinator:
         raise FailedPrecondition(
             f"data: this worker cuts the data into {plan.num_batches} batches per epoch, chunks of "
             f"{plan.chunk_batches}, seed {plan.seed}; the job's coordinator has {mine.num_batches}, "
-            f"{mine.chunk_batches}, seed {mine.seed} (--batch-size, --chunk-batches and --seed must match)")
+            f"{mine.chunk_batches}, seed {mine.seed}, {plan.epochs} vs {mine.epochs} epochs (--batch-size, "
+            f"--chunk-batches, --seed and --epochs must match)")
 
     def _open(self, epoch: int) -> None:
         self.epoch = epoch
@@ -118,6 +120,9 @@ class Coordinator:
             held = None
         if held is None:
             if not self.queue and len(self.done) == self.plan.num_chunks:
+                if self.plan.epochs and self.epoch + 1 >= self.plan.epochs:
+                    self.epoch = self.plan.epochs      # the job's data is done: no more leases
+                    return None
                 self._open(self.epoch + 1)
             if not self.queue:
                 return None
@@ -189,8 +194,9 @@ class Coordinator:
         if self.plan is None:
             return None
         p = self.plan
-        return {"plan": [p.num_batches, p.chunk_batches, p.seed, p.fingerprint], "epoch": self.epoch,
-                "queue": list(self.queue), "progress": {str(c): n for c, n in self.progress.items()},
+        return {"plan": [p.num_batches, p.chunk_batches, p.seed, p.fingerprint, p.epochs],
+                "epoch": self.epoch, "queue": list(self.queue),
+                "progress": {str(c): n for c, n in self.progress.items()},
                 "done": sorted(self.done),
                 "leases": {str(r): [chunk, inflight] for r, (_, chunk, inflight) in self.leases.items()},
                 "counters": dict(self.counters)}
@@ -201,8 +207,8 @@ class Coordinator:
         self = cls()
         if state is None:
             return self
-        nb, cb, seed, fp = state["plan"]
-        self.plan = Plan(int(nb), int(cb), int(seed), str(fp))
+        nb, cb, seed, fp, epochs = state["plan"]
+        self.plan = Plan(int(nb), int(cb), int(seed), str(fp), int(epochs))
         self.epoch = int(state["epoch"])
         self.queue = [int(c) for c in state["queue"]]
         self.progress = {int(c): int(n) for c, n in state["progress"].items()}

@@ -166,7 +166,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_status
     def LeaseData(self, request, context):
         r = request
-        plan = Plan(r.num_batches, r.chunk_batches, r.seed, r.fingerprint)
+        plan = Plan(r.num_batches, r.chunk_batches, r.seed, r.fingerprint, r.epochs)
         finished = (r.finished_epoch, r.finished_chunk) if r.finished else None
         lease = self.shard.lease(r.rank, r.session, plan, finished)
         if lease is None:
