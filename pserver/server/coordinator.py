@@ -136,10 +136,13 @@ class Coordinator:
         and this one is in flight. False when rank no longer holds that lease (it was released
         and the chunk went elsewhere): the worker must drop it and ask for another."""
         held = self.leases.get(rank)
-        if held is None or held[0] != session or epoch != self.epoch or held[1] != chunk:
-            return False
-        start, end = self.plan.bounds(chunk)
-        if not start <= batch < end:
+        start, end = self.plan.bounds(chunk) if self.plan is not None else (0, 0)
+        if held is None or held[0] != session or epoch != self.epoch or held[1] != chunk \
+                or not start <= batch < end:
+            # A worker that came back after its lease was released (or a shard 0 restored under
+            # it) trains a batch someone else has or will: counted, as the dead worker's in-flight one.
+            if self.plan is not None and 0 <= batch < self.plan.num_batches:
+                self.counters["batches_retrained"] += 1
             return False
         self.progress[chunk] = max(self.progress.get(chunk, 0), batch - start)
         self.leases[rank] = (session, chunk, batch)
