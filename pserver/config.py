@@ -195,6 +195,8 @@ class WorkerConfig:
     stats_json: str | None = None    # write this worker's time breakdown (compute/push/pull/idle)
     eval_every: float = 0.0       # chief: also evaluate every this many seconds (0 = per epoch only)
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
+    data_assignment: str = "slices"  # leases: chunks leased by shard 0's coordinator; slices: one per rank
+    chunk_batches: int = 16       # leases: batches per chunk of the training data
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.wire.compress)
     pull_compress: str = "none"   # pull codec over gRPC: none, bf16
@@ -256,6 +258,11 @@ class WorkerConfig:
             check_writable(flag, path)
         if self.delay:
             parse_delay(self.delay)
+        if self.data_assignment not in DATA_ASSIGNMENTS:
+            raise ConfigError(f"--data-assignment: '{self.data_assignment}' is not one of "
+                              f"{', '.join(DATA_ASSIGNMENTS)}")
+        if self.chunk_batches < 1:
+            raise ConfigError(f"--chunk-batches: must be >= 1, got {self.chunk_batches}")
         from pserver.sparse.optim import hyper, parse_params
         hyper(self.row_optimizer, self.row_lr, parse_params(self.row_params), what="--row-params")
         from pserver.kernels.device import parse_device  # checks the form; imports no CUDA
@@ -352,6 +359,8 @@ def parse_tf_config(text: str | None) -> Cluster | None:
     return Cluster(ps=lists["ps"], workers=lists["chief"] + lists["worker"], task_type=task_type,
                    task_index=index, has_chief=bool(lists["chief"]))
 
+
+DATA_ASSIGNMENTS = ("slices", "leases")   # --data-assignment (docs/data.md, "Leases")
 
 # --delay (pserver.worker.stragglers draws the delays): distribution -> how many numbers it takes
 DELAYS = {"fixed": 1, "uniform": 2, "exponential": 1, "lognormal": 2}

@@ -65,6 +65,8 @@ class PushRequest:
                                       # data plane's Parts (ShardStore.fill)
     session: str | None = None        # the rank's credential (None: not checked, in-process)
     rows: Sequence[RowGrads] = ()     # the sparse parts, in Shard.row_buffers' arrays
+    lease: tuple[int, int, int] | None = None   # (epoch, chunk, batch) of shard 0's lease this push
+                                      # carries (the batches before it are done); None: no lease
 
 
 def registration_reply(reg: Registration) -> pb.RegisterReply:

@@ -271,7 +271,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session", "sparse", "compression", "num_values", "scale")
+    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session", "sparse", "compression", "num_values", "scale", "has_lease", "lease_epoch", "lease_chunk", "lease_batch")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,10 @@ class TensorHeader(_message.Message):
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    HAS_LEASE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LEASE_BATCH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     shard: int
     step: int
@@ -300,7 +304,11 @@ class TensorHeader(_message.Message):
     compression: str
     num_values: int
     scale: float
-    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ..., sparse: _Optional[_Iterable[_Union[SparsePart, _Mapping]]] = ..., compression: _Optional[str] = ..., num_values: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
+    has_lease: bool
+    lease_epoch: int
+    lease_chunk: int
+    lease_batch: int
+    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ..., sparse: _Optional[_Iterable[_Union[SparsePart, _Mapping]]] = ..., compression: _Optional[str] = ..., num_values: _Optional[int] = ..., scale: _Optional[float] = ..., has_lease: _Optional[bool] = ..., lease_epoch: _Optional[int] = ..., lease_chunk: _Optional[int] = ..., lease_batch: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -361,7 +369,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late", "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed", "staleness_mean", "staleness_max", "staleness_histogram", "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed", "workers_rejoined", "sessions_replaced", "sessions_taken_over", "requests_refused_busy", "rows_pulled", "rows_pushed", "rows_evicted_for_memory", "pushes_refused_for_memory")
+    __slots__ = ("pushes_received", "pushes_applied", "pushes_aggregated", "pushes_dropped_late", "pushes_rejected", "updates_applied", "workers_marked_dead", "samples_pushed", "staleness_mean", "staleness_max", "staleness_histogram", "pulls_served", "clock_gap_max", "checkpoints_written", "checkpoints_failed", "workers_rejoined", "sessions_replaced", "sessions_taken_over", "requests_refused_busy", "rows_pulled", "rows_pushed", "rows_evicted_for_memory", "pushes_refused_for_memory", "chunks_done", "chunks_released", "batches_retrained", "batches_dropped")
     PUSHES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_AGGREGATED_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +393,10 @@ class Counters(_message.Message):
     ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     ROWS_EVICTED_FOR_MEMORY_FIELD_NUMBER: _ClassVar[int]
     PUSHES_REFUSED_FOR_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_RETRAINED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     pushes_received: int
     pushes_applied: int
     pushes_aggregated: int
@@ -408,7 +420,11 @@ class Counters(_message.Message):
     rows_pushed: int
     rows_evicted_for_memory: int
     pushes_refused_for_memory: int
-    def __init__(self, pushes_received: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_aggregated: _Optional[int] = ..., pushes_dropped_late: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., updates_applied: _Optional[int] = ..., workers_marked_dead: _Optional[int] = ..., samples_pushed: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., staleness_max: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., pulls_served: _Optional[int] = ..., clock_gap_max: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., checkpoints_failed: _Optional[int] = ..., workers_rejoined: _Optional[int] = ..., sessions_replaced: _Optional[int] = ..., sessions_taken_over: _Optional[int] = ..., requests_refused_busy: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., rows_evicted_for_memory: _Optional[int] = ..., pushes_refused_for_memory: _Optional[int] = ...) -> None: ...
+    chunks_done: int
+    chunks_released: int
+    batches_retrained: int
+    batches_dropped: int
+    def __init__(self, pushes_received: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_aggregated: _Optional[int] = ..., pushes_dropped_late: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., updates_applied: _Optional[int] = ..., workers_marked_dead: _Optional[int] = ..., samples_pushed: _Optional[int] = ..., staleness_mean: _Optional[float] = ..., staleness_max: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., pulls_served: _Optional[int] = ..., clock_gap_max: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., checkpoints_failed: _Optional[int] = ..., workers_rejoined: _Optional[int] = ..., sessions_replaced: _Optional[int] = ..., sessions_taken_over: _Optional[int] = ..., requests_refused_busy: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., rows_evicted_for_memory: _Optional[int] = ..., pushes_refused_for_memory: _Optional[int] = ..., chunks_done: _Optional[int] = ..., chunks_released: _Optional[int] = ..., batches_retrained: _Optional[int] = ..., batches_dropped: _Optional[int] = ...) -> None: ...
 
 class MemoryStatus(_message.Message):
     __slots__ = ("budget", "used", "reserved")
@@ -493,3 +509,41 @@ class CheckpointReply(_message.Message):
     path: str
     version: int
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class LeaseDataRequest(_message.Message):
+    __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    session: str
+    num_batches: int
+    chunk_batches: int
+    seed: int
+    fingerprint: str
+    finished: bool
+    finished_epoch: int
+    finished_chunk: int
+    epochs: int
+    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., num_batches: _Optional[int] = ..., chunk_batches: _Optional[int] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., finished: _Optional[bool] = ..., finished_epoch: _Optional[int] = ..., finished_chunk: _Optional[int] = ..., epochs: _Optional[int] = ...) -> None: ...
+
+class LeaseDataReply(_message.Message):
+    __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch")
+    HAS_LEASE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BATCH_FIELD_NUMBER: _ClassVar[int]
+    END_BATCH_FIELD_NUMBER: _ClassVar[int]
+    has_lease: bool
+    epoch: int
+    chunk: int
+    first_batch: int
+    end_batch: int
+    def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ...) -> None: ...

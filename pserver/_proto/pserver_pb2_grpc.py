@@ -89,6 +89,11 @@ class ParameterServerStub:
                 request_serializer=pserver__pb2.ExportRowsRequest.SerializeToString,
                 response_deserializer=pserver__pb2.ExportRowsPage.FromString,
                 _registered_method=True)
+        self.LeaseData = channel.unary_unary(
+                '/pserver.v1.ParameterServer/LeaseData',
+                request_serializer=pserver__pb2.LeaseDataRequest.SerializeToString,
+                response_deserializer=pserver__pb2.LeaseDataReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -193,6 +198,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaseData(self, request, context):
+        """Shard 0 only: the worker's lease of the training data (pserver/server/coordinator.py): the
+        one it holds or, once `finished` says its chunk is done, the next; none while every chunk of
+        the epoch is leased to others (push an empty contribution, 0 samples, and ask again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +264,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ExportRows,
                     request_deserializer=pserver__pb2.ExportRowsRequest.FromString,
                     response_serializer=pserver__pb2.ExportRowsPage.SerializeToString,
+            ),
+            'LeaseData': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseData,
+                    request_deserializer=pserver__pb2.LeaseDataRequest.FromString,
+                    response_serializer=pserver__pb2.LeaseDataReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -549,6 +568,33 @@ class ParameterServer:
             '/pserver.v1.ParameterServer/ExportRows',
             pserver__pb2.ExportRowsRequest.SerializeToString,
             pserver__pb2.ExportRowsPage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pserver.v1.ParameterServer/LeaseData',
+            pserver__pb2.LeaseDataRequest.SerializeToString,
+            pserver__pb2.LeaseDataReply.FromString,
             options,
             channel_credentials,
             insecure,

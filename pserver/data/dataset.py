@@ -9,6 +9,7 @@ package's.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import urllib.error
 import urllib.request
@@ -215,6 +216,39 @@ def _batches(ds: Dataset, order: np.ndarray, steps: int, batch_size: int):
     for step in range(steps):
         take = order[step * batch_size:(step + 1) * batch_size]
         yield ds.x_train[take], ds.y_train[take]  # fancy indexing: fresh C-contiguous copies
+
+
+class LeasedBatches:
+    """The epoch's batches as shard 0's coordinator numbers them (--data-assignment leases): epoch e's
+    permutation of the training set from `seed + e` (as the slices draw it), cut into
+    num_train // batch_size full batches; batch b of epoch e is the same samples on every worker."""
+
+    def __init__(self, ds: Dataset, batch_size: int, seed: int) -> None:
+        check_int("--batch-size", batch_size, 1)
+        check_int("--seed", seed, 0)
+        self.ds, self.batch_size, self.seed = ds, batch_size, seed
+        self.num_batches = ds.num_train // batch_size
+        if self.num_batches == 0:
+            raise ConfigError(f"--batch-size: {batch_size} is larger than the {ds.num_train} "
+                              f"training samples")
+        self._epoch, self._order = -1, None
+
+    def batch(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        if epoch != self._epoch:
+            order = np.random.default_rng(self.seed + epoch).permutation(self.ds.num_train)
+            self._epoch, self._order = epoch, order
+        take = self._order[b * self.batch_size:(b + 1) * self.batch_size]
+        return self.ds.x_train[take], self.ds.y_train[take]
+
+
+def fingerprint(ds: Dataset) -> str:
+    """What a worker's training set is, for shard 0 to refuse a worker reading other data: its
+    length and a hash of its first and last samples (cheap, and different for another file)."""
+    h = hashlib.sha256(str((ds.num_train, ds.sample_shape, ds.num_classes)).encode())
+    for i in (0, ds.num_train - 1):
+        h.update(np.ascontiguousarray(ds.x_train[i]).tobytes())
+        h.update(np.ascontiguousarray(ds.y_train[i]).tobytes())
+    return f"{ds.num_train}:{h.hexdigest()[:16]}"
 
 
 def one_line(e: BaseException) -> str:

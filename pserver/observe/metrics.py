@@ -49,6 +49,18 @@ class EvalCurve:
         self.next = elapsed + self.every
 
 
+DATA_COUNTERS = ("chunks_done", "chunks_released", "batches_retrained", "batches_dropped")
+
+
+def describe_data(s: dict) -> str:
+    """The data coordinator's line (summary, pserver status); "" when no chunk was leased."""
+    if not any(s.get(k) for k in DATA_COUNTERS):
+        return ""
+    return (f"data leases: {s['chunks_done']:,} chunk(s) done, {s['chunks_released']:,} released by their "
+            f"worker's end and leased again; {s['batches_retrained']:,} batch(es) trained twice, "
+            f"{s['batches_dropped']:,} dropped late")
+
+
 def combine_counters(statuses: Sequence, since: Sequence | None = None) -> dict:
     """Cluster-wide counters from every shard's StatusReply; with `since` (the statuses at
     a run's start), that run's part only (see run_part).
@@ -73,6 +85,8 @@ def combine_counters(statuses: Sequence, since: Sequence | None = None) -> dict:
     out["staleness_max"] = max(c.staleness_max for c in cs)
     out["staleness_histogram"] = hist
     out["samples_trained"] = statuses[0].counters.samples_pushed   # shard 0 sees every push
+    for k in DATA_COUNTERS:             # shard 0's data coordinator (--data-assignment leases)
+        out[k] = getattr(statuses[0].counters, k)
     out["steps"] = max(s.version for s in statuses)
     return out
 
@@ -167,6 +181,7 @@ def format_summary(s: dict) -> str:
         f"staleness mean {s['staleness_mean']:.2f} max {s['staleness_max']}; "
         f"clock gap max {s['clock_gap_max']}",
     ]
+    lines += [line for line in [describe_data(s)] if line]
     lines += [f"sparse table {name}: {t['rows']:,} rows x {t['dim']} ({t['bytes'] / 2**20:,.1f} MiB, "
               f"{t['optimizer']}), {t['creations']:,} created, {t['admissions']:,} admitted, "
               f"{t['evictions']:,} evicted" for name, t in s.get("sparse_tables", {}).items()]

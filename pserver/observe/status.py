@@ -7,7 +7,7 @@ import json
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
-from pserver.observe.metrics import combine_counters, describe_version
+from pserver.observe.metrics import combine_counters, describe_data, describe_version
 
 # The words of metrics.describe_updates: updates are optimizer steps; pushes are gradients,
 # averaged into a step, applied on arrival, dropped late or rejected.
@@ -88,6 +88,8 @@ def show_status(statuses, as_json: bool = False) -> int:
     print(f"cluster: {total['steps']} steps, {total['samples_trained']:,} samples; optimizer "
           f"{optimizer}; staleness histogram "
           f"{hist[:last + 1] if last >= 0 else '(no async pushes)'}; clock gap max {total['clock_gap_max']}")
+    if describe_data(total):
+        print(describe_data(total))
     for st in statuses:
         c = st.counters
         if c.rows_evicted_for_memory or c.pushes_refused_for_memory:

@@ -87,6 +87,7 @@ class Checkpoint:
     tables: list = field(default_factory=list)   # sparse tables' configs (TableConfig.to_dict())
     rows: dict = field(default_factory=dict)     # table name -> its SparseTable.state() arrays
     positions: dict = field(default_factory=dict)  # rank -> (data_seed, steps_per_epoch) of its clock
+    coordinator: dict | None = None   # shard 0's data coordinator (pserver.server.coordinator.state())
 
 
 def file_name(shard: int, num_shards: int, version: int, base: int | None = None) -> str:
@@ -227,7 +228,8 @@ def save(directory: str, ckpt: Checkpoint) -> str:
                    "num_shards": ckpt.num_shards, "signature": ckpt.signature, "total": ckpt.total,
                    "start": ckpt.start, "end": ckpt.end, "optimizer": ckpt.optimizer,
                    "clocks": {str(r): int(c) for r, c in ckpt.clocks.items()},
-                   "positions": {str(r): [int(v) for v in p] for r, p in ckpt.positions.items()}})
+                   "positions": {str(r): [int(v) for v in p] for r, p in ckpt.positions.items()},
+                   "coordinator": ckpt.coordinator})
     final = write(directory, file_name(ckpt.shard, ckpt.num_shards, ckpt.version), parts, meta)
     prune(directory, ckpt.shard, ckpt.num_shards)
     return final
@@ -362,7 +364,8 @@ def _assemble(path: str, meta: dict, arrays: dict, deltas: list[tuple[dict, dict
     return Checkpoint(path, m["version"], m["shard"], m["num_shards"], m["signature"], m["total"], m["start"],
                       m["end"], m["optimizer"], newest["params"], state,
                       {int(r): int(c) for r, c in newest_meta.get("clocks", {}).items()}, tables, rows,
-                      {int(r): tuple(int(v) for v in p) for r, p in newest_meta.get("positions", {}).items()})
+                      {int(r): tuple(int(v) for v in p) for r, p in newest_meta.get("positions", {}).items()},
+                      newest_meta.get("coordinator"))
 
 
 def _replay(base: np.ndarray, deltas: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:

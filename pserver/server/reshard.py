@@ -29,7 +29,7 @@ import numpy as np
 
 from pserver import sparse
 from pserver.errors import ConfigError
-from pserver.server import checkpoint
+from pserver.server import checkpoint, coordinator
 from pserver.wire.sharding import shard_range, shard_ranges
 
 log = logging.getLogger("pserver.checkpoint")
@@ -166,7 +166,8 @@ def combine(ckpts: list[checkpoint.Checkpoint], num_shards: int, shard: int) -> 
     olds = ", ".join(os.path.basename(c.path) for c in ckpts)
     return checkpoint.Checkpoint(f"{olds} (resharded)", max(c.version for c in ckpts), shard, num_shards,
                                  first.signature, first.total, start, end, first.optimizer, params, state,
-                                 clocks, list(first.tables), rows, positions)
+                                 clocks, list(first.tables), rows, positions,
+                                 coordinator.for_new_shard({c.shard: c.coordinator for c in ckpts}, shard))
 
 
 @dataclass

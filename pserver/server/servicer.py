@@ -19,6 +19,7 @@ from pserver.errors import KIND_METADATA, InvalidArgument, RpcError
 from pserver.models.layout import Layout
 from pserver.records import PushRequest, registration_reply
 from pserver.server import compress
+from pserver.server.coordinator import Plan
 from pserver.server.shard import Shard
 from pserver.wire import codec
 
@@ -74,7 +75,8 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
              "Leave": (pb.LeaveRequest, pb.LeaveReply),
              "Checkpoint": (pb.CheckpointRequest, pb.CheckpointReply),
              "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatReply),
-             "ElasticJoinStep": (pb.ElasticJoinStepRequest, pb.ElasticJoinStepReply)}
+             "ElasticJoinStep": (pb.ElasticJoinStepRequest, pb.ElasticJoinStepReply),
+             "LeaseData": (pb.LeaseDataRequest, pb.LeaseDataReply)}
     handlers = {name: grpc.unary_unary_rpc_method_handler(
         getattr(servicer, name), request_deserializer=req.FromString,
         response_serializer=rep.SerializeToString) for name, (req, rep) in unary.items()}
@@ -182,8 +184,20 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             yield pb.ExportRowsPage(version=version, total_rows=0, dim=dim, dtype="float32")
 
     def _push(self, h, rows, fill):
+        lease = (h.lease_epoch, h.lease_chunk, h.lease_batch) if h.has_lease else None
         return self.shard.push(PushRequest(h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples,
-                                           h.clock, fill, session=h.session, rows=rows))
+                                           h.clock, fill, session=h.session, rows=rows, lease=lease))
+
+    @_status
+    def LeaseData(self, request, context):
+        r = request
+        plan = Plan(r.num_batches, r.chunk_batches, r.seed, r.fingerprint, r.epochs)
+        finished = (r.finished_epoch, r.finished_chunk) if r.finished else None
+        lease = self.shard.lease(r.rank, r.session, plan, finished)
+        if lease is None:
+            return pb.LeaseDataReply(has_lease=False, epoch=self.shard.store.coordinator.epoch)
+        return pb.LeaseDataReply(has_lease=True, epoch=lease.epoch, chunk=lease.chunk,
+                                 first_batch=lease.first, end_batch=lease.end)
 
     @_status
     def Heartbeat(self, request, context):

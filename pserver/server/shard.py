@@ -33,6 +33,7 @@ from pserver.optim import make_optimizer
 from pserver.records import PushRequest, Registration
 from pserver.server import checkpoint, memory, reshard
 from pserver.server.budget import Budget
+from pserver.server.coordinator import Lease, Plan
 from pserver.server.limits import Limits, pool_threads
 from pserver.server.membership import Membership
 from pserver.server.store import ShardStore, first_nonfinite
@@ -114,8 +115,8 @@ class Shard:
     def __init__(self, cfg: ServerConfig, open_now: bool = True) -> None:
         self.cfg = cfg
         self.store = ShardStore(cfg.shard, cfg.num_shards, self._optimizer_for, cfg.table_threads)
-        self.members = Membership(self.store, cfg, on_change=lambda: self.policy.membership_changed(),
-                                  on_takeover=lambda rank: self.policy.forget(rank))
+        self.members = Membership(self.store, cfg, on_change=self._members_changed,
+                                  on_takeover=self._taken_over)
         self.policy = make_policy(self.store, cfg, self.members)
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one
@@ -147,6 +148,28 @@ class Shard:
         self.checkpointer = None
         if open_now:
             self.open()
+
+    def _members_changed(self) -> None:
+        """A worker left or was marked dead: its lease of the data ends (cond held)."""
+        m = self.members
+        self.store.coordinator.release_all_but(m.registered - m.left - m.dead)
+        self.policy.membership_changed()
+
+    def _taken_over(self, rank: int) -> None:
+        self.store.coordinator.release(rank)
+        self.policy.forget(rank)
+
+    def lease(self, rank: int, session: str | None, plan: Plan,
+              finished: tuple[int, int] | None = None) -> Lease | None:
+        """rank's lease of the training data from shard 0's coordinator (pserver.server.coordinator):
+        the one it holds, or, once `finished` (epoch, chunk) is done, the next; None when every
+        chunk of the epoch is leased to others. A worker whose data differs (plan) is refused."""
+        if self.cfg.shard != 0:
+            raise FailedPrecondition(f"lease: the data coordinator is in shard 0, not shard {self.cfg.shard}")
+        with self.store.cond:
+            self.members.authorize(rank, session)
+            self.store.coordinator.configure(plan)
+            return self.store.coordinator.lease(rank, self.members.sessions[rank], finished)
 
     def open(self) -> None:
         """Restore (--restore) and start checkpointing: what the shard does before it accepts
@@ -470,9 +493,14 @@ class Shard:
             with s.cond:
                 s.require_configured()
                 self.members.authorize(req.rank, req.session, revive=True)
+                if req.lease is not None and self.cfg.shard == 0:
+                    s.coordinator.progress_of(req.rank, self.members.sessions[req.rank], *req.lease)
             self._check_payload(req.num_elements, req.dtype)
             self.metrics.received.inc(req.num_elements * 4)      # float32, checked above
             outcome, message = self._receive_and_decide(req)
+            if outcome is Outcome.DROPPED_LATE and req.lease is not None and self.cfg.shard == 0:
+                with s.cond:
+                    s.coordinator.dropped()          # its batch counts as done: the worker moved on
         except RpcError as e:
             s.counters.add("pushes_rejected")
             self.metrics.rejected.labels(e.code_name.lower()).inc()
@@ -513,7 +541,8 @@ class Shard:
             return dict(shard=self.cfg.shard, num_shards=self.cfg.num_shards, mode=self.cfg.mode,
                         version=s.version, num_params=s.size, total_params=s.total,
                         num_workers=p.num_workers, optimizer=self.cfg.optimizer, lr=self.cfg.lr,
-                        counters=s.counters.snapshot(), live_workers=live, dead_workers=dead,
+                        counters={**s.counters.snapshot(), **s.coordinator.counters},
+                        live_workers=live, dead_workers=dead,
                         uptime_seconds=time.monotonic() - self.started,
                         layout_signature=s.signature, restored_from=s.restored_from,
                         seeded_by_rank=self.seeded_by, instance=self.instance,

@@ -25,6 +25,7 @@ from pserver.errors import (
     NotRegistered,
     Unavailable,
 )
+from pserver.server.coordinator import Coordinator
 from pserver.sparse.merge import RowGrads, merge_rows
 from pserver.wire import frames
 from pserver.wire.codec import Position
@@ -277,6 +278,7 @@ class ShardStore:
         self.tables: dict[str, sparse.SparseTable] = {}   # the model's sparse tables: this shard's rows
         self.track = False                 # tables record evicted ids (incremental checkpoints)
         self._dump: StateDump | None = None   # the checkpoint being written, if any
+        self.coordinator = Coordinator()   # shard 0's leases of the training data (others' stay empty)
 
     @property
     def size(self) -> int:
@@ -329,7 +331,8 @@ class ShardStore:
                       for t in self.tables.values()]
             meta = dict(version=self.version, signature=self.signature, total=self.total, start=self.start,
                         end=self.end, clocks={str(r): int(c) for r, c in self.clocks.items()},
-                        positions={str(r): [int(v) for v in p] for r, p in self.positions.items()})
+                        positions={str(r): [int(v) for v in p] for r, p in self.positions.items()},
+                        coordinator=self.coordinator.state())
             dense = {"params": self.params, **{f"opt.{k}": v for k, v in self.optimizer.state.items()}}
             self._dump = StateDump(self, meta, dense, tables)
             self._dump.delta = delta
@@ -359,6 +362,7 @@ class ShardStore:
             self.clocks.update(ckpt.clocks)
             self.positions.clear()
             self.positions.update(ckpt.positions)
+            self.coordinator = Coordinator.load(ckpt.coordinator)
             self.restored_from = ckpt.path
             self.cond.notify_all()
 
@@ -392,16 +396,17 @@ class ShardStore:
         counts[i] the samples the push of grads[i] carried, and their sparse rows, each with its
         push's samples (mean_gradient, merge_rows: a push that did not touch a row adds zero to
         it). The gradients are left as they are; the caller holds cond."""
-        out = self.pool.acquire() if len(grads) > 1 else None
-        if self._dump is not None:
-            self._dump.before_step()
-        try:
-            self.optimizer.step(self.params, mean_gradient(grads, counts, out), self.version)
-        finally:
-            if out is not None:
-                self.pool.release(out)
-        for part, scale in merge_rows(list(rows), sum(counts)):
-            self.apply_rows([part], scale, self.version)
+        if sum(counts):    # a step of empty contributions only (no data left to any) trains nothing
+            out = self.pool.acquire() if len(grads) > 1 else None
+            if self._dump is not None:
+                self._dump.before_step()
+            try:
+                self.optimizer.step(self.params, mean_gradient(grads, counts, out), self.version)
+            finally:
+                if out is not None:
+                    self.pool.release(out)
+            for part, scale in merge_rows(list(rows), sum(counts)):
+                self.apply_rows([part], scale, self.version)
         self.version += 1
         self.counters.add("updates_applied")
         self.cond.notify_all()

@@ -400,16 +400,19 @@ class ShardClient:
 
     def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
              timeout: float, rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
-             packed: codecs.Packed | None = None) -> tuple[str, int, bool]:
+             packed: codecs.Packed | None = None, lease: tuple[int, int, int] | None = None
+             ) -> tuple[str, int, bool]:
         """This shard's slice of `grad` (or `packed`, that slice compressed), and `rows`: (table,
-        unique ids on this shard, their gradients) for each sparse table, in one push."""
+        unique ids on this shard, their gradients) for each sparse table, in one push. `lease`:
+        (epoch, chunk, batch) of the data lease this push carries (shard 0; by gRPC)."""
         return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows,
-                                                      packed), timeout)[:3]
+                                                      packed, lease=lease), timeout)[:3]
 
     def push_pull(self, grad: np.ndarray, flat: np.ndarray, rank: int, step: int, num_samples: int,
                   clock: int, seen_version: int, pull_clock: int, timeout: float,
                   rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
-                  packed: codecs.Packed | None = None) -> tuple[str, int, bool]:
+                  packed: codecs.Packed | None = None, lease: tuple[int, int, int] | None = None
+                  ) -> tuple[str, int, bool]:
         """push, then pull_into(flat, seen_version, pull_clock): (push outcome, version pulled,
         finished). Over the data plane the pull rides with the push (one exchange); over gRPC,
         after a rejoin, or when that pull fails, the pull goes on its own, exactly as
@@ -417,7 +420,7 @@ class ShardClient:
         self.last_flat = flat
         then = None if self.reset_seen else (self.own(flat), seen_version, pull_clock)
         outcome, _, finished, pulled = self.resilient(
-            lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows, packed, then),
+            lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows, packed, then, lease),
             timeout)
         if pulled is None:
             version, pull_finished = self.pull_into(flat, rank, seen_version, pull_clock, timeout)
@@ -426,9 +429,10 @@ class ShardClient:
         return outcome, version, finished or pull_finished
 
     def _push_once(self, grad, rank, step, num_samples, clock, timeout, rows=(),
-                   packed=None, then_pull=None) -> tuple[str, int, bool, tuple[int, bool] | None]:
-        # The data plane carries float32 only: a compressed push goes over gRPC.
-        if packed is None and self.fast is not None and frames.fits([(ids.size, g.shape[1])
+                   packed=None, then_pull=None, lease=None) -> tuple[str, int, bool, tuple[int, bool] | None]:
+        # The data plane carries float32 only: a compressed push goes over gRPC, and so does a
+        # push that carries a data lease's progress (its frames have no room for it).
+        if packed is None and lease is None and self.fast is not None and frames.fits([(ids.size, g.shape[1])
                                                                         for _, ids, g in rows]):
             outcome, version, finished, pulled = self.fast.push(self.own(grad), step,
                                                                 num_samples, clock, timeout, rows, then_pull)
@@ -436,6 +440,9 @@ class ShardClient:
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
                                  clock=clock, session=self.session,
                                  sparse=[pb.SparsePart(table=t, num_ids=ids.size) for t, ids, _ in rows])
+        if lease is not None:
+            header.has_lease = True
+            header.lease_epoch, header.lease_chunk, header.lease_batch = lease
         dense = [self.own(grad)]
         if packed is not None:
             header.compression, header.num_values, header.scale = (packed.compression, packed.num_values,
@@ -454,6 +461,10 @@ class ShardClient:
 
     def status(self, timeout: float) -> pb.StatusReply:
         return self.call(self.stub.Status, pb.StatusRequest(), timeout=timeout)
+
+    def lease_data(self, request: pb.LeaseDataRequest, timeout: float) -> pb.LeaseDataReply:
+        request.session = self.session
+        return self.resilient(lambda: self.call(self.stub.LeaseData, request, timeout=timeout), timeout)
 
     def leave(self, rank: int, timeout: float) -> None:
         self.call(self.stub.Leave, pb.LeaveRequest(rank=rank, session=self.session), timeout=timeout)
@@ -727,20 +738,23 @@ class PSClient:
 
     def push(self, grad: np.ndarray, num_samples: int, clock: int = 0,
              steps: Sequence[int] | None = None, lookups: Sequence[sparse.TableLookup] = (),
-             tables: Sequence[str] = ()) -> list[tuple[str, int]]:
+             tables: Sequence[str] = (), lease: tuple[int, int, int] | None = None) -> list[tuple[str, int]]:
         """Push each shard its slice of `grad`, and the gradients of the sparse rows it holds
         (each lookup's grads, already summed per unique id), computed on `steps` (default:
-        last pulled); returns (outcome, version) per shard."""
+        last pulled); returns (outcome, version) per shard. `lease`: (epoch, chunk, batch) of
+        the data lease the push to shard 0 carries (its coordinator's progress)."""
         steps = self.versions if steps is None else steps
         rows = self._rows(lookups, tables)
         replies = self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
-                                             self.rpc_deadline, rows[s.index], self._packed(grad, s)))
+                                             self.rpc_deadline, rows[s.index], self._packed(grad, s),
+                                             lease if s.index == 0 else None))
         self.finished |= any(f for _, _, f in replies)
         self._first_push_done()
         return [(o, v) for o, v, _ in replies]
 
     def push_pull(self, grad: np.ndarray, flat: np.ndarray, num_samples: int, clock: int = 0,
-                  lookups: Sequence[sparse.TableLookup] = (), tables: Sequence[str] = ()) -> list[str]:
+                  lookups: Sequence[sparse.TableLookup] = (), tables: Sequence[str] = (),
+                  lease: tuple[int, int, int] | None = None) -> list[str]:
         """A worker's step on the shards: push (as push, computed on the versions last
         pulled), then pull into `flat` with clock + 1 (as pull); the outcome per shard. Over
         the data plane each shard answers both in one exchange. A refused push raises, and
@@ -749,7 +763,7 @@ class PSClient:
         seen = self.versions
         replies = self.each(lambda s: s.push_pull(grad, flat, self.rank, seen[s.index], num_samples, clock,
                                                   seen[s.index], clock + 1, self.rpc_deadline, rows[s.index],
-                                                  self._packed(grad, s)))
+                                                  self._packed(grad, s), lease if s.index == 0 else None))
         self.versions = [v for _, v, _ in replies]
         self.finished |= any(f for _, _, f in replies)
         self._first_push_done()
@@ -774,6 +788,16 @@ class PSClient:
         if self.feedback is None:
             return None
         return self.feedback.pack(grad, s.info.range_start, s.info.range_end)
+
+    def lease_data(self, num_batches: int, chunk_batches: int, seed: int, fingerprint: str, epochs: int = 0,
+                   finished: tuple[int, int] | None = None) -> pb.LeaseDataReply:
+        """This worker's lease of the training data from shard 0's coordinator (LeaseData)."""
+        request = pb.LeaseDataRequest(rank=self.rank, num_batches=num_batches, chunk_batches=chunk_batches,
+                                      seed=seed, fingerprint=fingerprint, epochs=epochs,
+                                      finished=finished is not None)
+        if finished is not None:
+            request.finished_epoch, request.finished_chunk = finished
+        return self.shards[0].lease_data(request, self.rpc_deadline)
 
     def status(self, timeout: float = 10.0) -> list[pb.StatusReply]:
         return self.each(lambda s: s.status(timeout))

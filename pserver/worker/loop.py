@@ -18,6 +18,7 @@ import numpy as np
 
 from pserver.config import AUTO_RANK, WorkerConfig
 from pserver.data import Dataset, Stream, describe, load_dataset
+from pserver.data.dataset import LeasedBatches, fingerprint
 from pserver.errors import (
     ConfigError,
     DataError,
@@ -220,8 +221,11 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         if compiling.stop().compiled and cfg.rank == 0:     # a first run: why it took a while
             print(compiling.describe(), flush=True)
         started = time.monotonic()
-        history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps),
-                        callbacks or NoCallbacks())
+        if leased(cfg, ds):
+            history = train_leased(cfg, ds, model, client, w, rows, report, mode)
+        else:
+            history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps),
+                            callbacks or NoCallbacks())
         client.leave()
         if cfg.rank != 0:
             say_if_chief_gone(client)
@@ -436,13 +440,104 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             "stats": stats, "seconds": progress.elapsed, "resumed_at_step": start}
 
 
+def leased(cfg: WorkerConfig, ds) -> bool:
+    """Whether this worker takes its data on lease (--data-assignment leases and data that can be
+    cut into chunks); a user's generator keeps its rank's own batches, and the worker says so."""
+    if cfg.data_assignment != "leases":
+        return False
+    if not isinstance(ds, Dataset):
+        print(f"worker {cfg.rank}: --data-assignment leases: {ds.name} cannot be cut into chunks (batches "
+              f"read in order); each rank reads its own batches (slices)", flush=True)
+        return False
+    return True
+
+
+def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.ndarray, rows: Rows,
+                 report: TrainingReport, mode: str) -> dict:
+    """The epochs on chunks leased from shard 0's coordinator (pserver/server/coordinator.py): the
+    worker asks for a chunk, trains its batches in order (each push to shard 0 says which batch it
+    carries: the ones before it are done), reports it finished with the next ask, and goes on
+    until the coordinator opens epoch --epochs. With no chunk left in the epoch it pushes an
+    empty contribution in sync and backup (0 samples: it counts toward the step, weighs nothing)
+    and waits a moment in the other modes. Epochs end when every chunk is done, on every worker."""
+    data = LeasedBatches(ds, cfg.batch_size, cfg.seed)
+    plan = (data.num_batches, cfg.chunk_batches, cfg.seed, fingerprint(ds), cfg.epochs)
+    steps = max(1, data.num_batches // cfg.num_workers)
+    g = np.empty_like(w)
+    gradient = gradient_fn(model, cfg.seed, cfg.rank)
+    delay = Delay(cfg.delay, cfg.seed, cfg.rank)
+    style = style_for(cfg.progress, cfg.rank, sys.stderr.isatty())
+    progress = Progress(cfg.epochs, steps, cfg.log_every, style)
+    timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
+    clock, epochs_log, outcomes = 0, [], {}
+    lease, at, finished = None, 0, None
+    epoch, step, epoch_started = 0, 0, time.monotonic()
+    empty_counts = mode in ("sync", "backup")
+    while not client.finished and not (cfg.max_steps and clock >= cfg.max_steps):
+        if lease is None:
+            reply = client.lease_data(*plan, finished=finished)
+            finished = None
+            if reply.epoch > epoch:                     # every chunk of the epoch is done
+                if cfg.rank == 0:
+                    epochs_log.append(log_epoch(cfg, ds, model, w, epoch, (epoch_started, progress.started),
+                                                rows, progress.say))
+                    report.evaluated(clock, epochs_log[-1],
+                                     lambda: combine_counters(client.status())["staleness_mean"])
+                    ask_checkpoint(client, progress.say)
+                epoch, step, epoch_started = reply.epoch, 0, time.monotonic()
+            if epoch >= cfg.epochs:
+                break
+            if reply.has_lease:
+                lease, at = reply, reply.first_batch
+        step_started = time.perf_counter()
+        if lease is None:
+            if not empty_counts:
+                time.sleep(0.05)                        # async: nothing to wait for; ask again
+                continue
+            g.fill(0.0)
+            with timer("push_pull"):
+                for outcome in push_pull(client, g, w, 0, clock):
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            clock += 1
+            continue
+        x, y = data.batch(epoch, at)
+        with timer("pull"):
+            lookups = rows.for_batch(x)
+        with timer("compute"):
+            loss = gradient(w, x, y, g, clock, lookups)
+        with timer("delay"):
+            delay.sleep()
+        exchange_started = time.perf_counter()
+        with timer("push_pull"):
+            for outcome in push_pull(client, g, w, len(x), clock, lookups, rows.names,
+                                     lease=(lease.epoch, lease.chunk, at)):
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        clock, at = clock + 1, at + 1
+        if at == lease.end_batch:                       # every shard took its last batch in
+            finished, lease = (lease.epoch, lease.chunk), None
+        done = time.perf_counter()
+        report.step(done - step_started, done - exchange_started, len(x))
+        line = progress.step(epoch, min(step, steps - 1), loss, len(x))
+        step += 1
+        if line:
+            report.progress(clock, *line)
+        curve.maybe(lambda: evaluate(model, w, ds, cfg, rows), progress.elapsed, client, clock)
+    progress.close()
+    stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock, samples=clock * cfg.batch_size,
+                          outcomes=outcomes)
+    if cfg.stats_json:
+        write_json(cfg.stats_json, stats)
+    return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock, "curve": curve.points,
+            "stats": stats, "seconds": progress.elapsed, "resumed_at_step": 0}
+
+
 def push_pull(client: PSClient, g: np.ndarray, w: np.ndarray, batch: int, clock: int, lookups=(),
-              tables=()) -> list[str]:
+              tables=(), lease=None) -> list[str]:
     """Push, then pull into w (one exchange per shard over the data plane); the outcomes.
     A rejection for a stale step (sync after a timeout; a push already held) is survivable:
     the pull brings the current version and training goes on."""
     try:
-        return client.push_pull(g, w, batch, clock, lookups=lookups, tables=tables)
+        return client.push_pull(g, w, batch, clock, lookups=lookups, tables=tables, lease=lease)
     except StaleStep:
         client.pull(w, clock + 1)
         return ["rejected"]

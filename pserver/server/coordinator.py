@@ -1,0 +1,227 @@
+"""The data coordinator: shard 0 leases chunks of each epoch's batches to workers.
+
+An epoch's batches (its permutation of the training set from `seed + epoch`, cut into
+`num_batches` batches, which every worker computes alike) are cut into chunks of
+`chunk_batches` consecutive batches; the chunks are handed out in an order drawn from
+`seed + epoch`. A worker holds at most one lease: (epoch, chunk, first batch not done, end).
+
+- A push to shard 0 for a batch of the lease says which batch it carries (`progress`): every
+  batch of the chunk before it is done (the worker only pushes batch k+1 once every shard has
+  taken batch k in), and batch k+1 is in flight.
+- The worker ends its lease when the chunk is done (`lease(..., finished=...)`, which also
+  hands it the next one) or its session ends (`release`: it left, or was marked dead): the
+  rest of the chunk, from the first batch not done, goes to the front of the queue, to be
+  leased to the next worker that asks. A batch that was in flight (at most one per released
+  lease) may be trained twice: it is counted in `batches_retrained`.
+- The epoch ends when every chunk is done; the next lease opens the next epoch. A worker that
+  asks while every chunk of the epoch is leased gets none and pushes empty contributions.
+
+Pure logic, no grpc: the shard calls it with store.cond held. `state()` / `load()` are plain
+JSON-able data, checkpointed by shard 0 (meta["coordinator"]); sessions are not kept, so
+every lease of a loaded state is released (its in-flight batch counted as retrained).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pserver.errors import FailedPrecondition
+
+DEFAULT_CHUNK_BATCHES = 16
+COUNTERS = ("chunks_done", "chunks_released", "batches_retrained", "batches_dropped")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every worker must agree on: refused at the first lease that disagrees."""
+    num_batches: int      # batches per epoch
+    chunk_batches: int    # batches per chunk (the last chunk may be shorter)
+    seed: int
+    fingerprint: str      # of the dataset: its length and a hash of a sample (worker side)
+    epochs: int = 0       # the job's epochs: none is opened past them (0: no end)
+
+    @property
+    def num_chunks(self) -> int:
+        return math.ceil(self.num_batches / self.chunk_batches)
+
+    def bounds(self, chunk: int) -> tuple[int, int]:
+        start = chunk * self.chunk_batches
+        return start, min(start + self.chunk_batches, self.num_batches)
+
+
+@dataclass(frozen=True)
+class Lease:
+    epoch: int
+    chunk: int
+    first: int    # the epoch's batch index of the first batch not done
+    end: int      # one past the chunk's last batch
+
+
+def chunk_order(num_chunks: int, seed: int, epoch: int) -> list[int]:
+    """The order the chunks of `epoch` are handed out in: the same on every run."""
+    return [int(c) for c in np.random.default_rng([seed, epoch, 0x1EA5E]).permutation(num_chunks)]
+
+
+class Coordinator:
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self.epoch = 0
+        self.queue: list[int] = []            # chunks of this epoch neither leased nor done, next first
+        self.progress: dict[int, int] = {}    # chunk -> batches of it done (only chunks begun)
+        self.done: set[int] = set()
+        self.leases: dict[int, tuple[str, int, int]] = {}   # rank -> (session, chunk, batch in flight or -1)
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    # -- the plan ---------------------------------------------------------------------------
+    def configure(self, plan: Plan) -> None:
+        """Fix the plan at the first worker's lease; a later one must match it."""
+        if self.plan is None:
+            if plan.num_batches < 1 or plan.chunk_batches < 1:
+                raise FailedPrecondition(f"data: {plan.num_batches} batches per epoch in chunks of "
+                                         f"{plan.chunk_batches}: both must be at least 1")
+            self.plan = plan
+            self._open(0)
+            return
+        if plan == self.plan:
+            return
+        mine = self.plan
+        if plan.fingerprint != mine.fingerprint:
+            raise FailedPrecondition(f"data: this worker reads other data (fingerprint {plan.fingerprint}) "
+                                     f"than the job's (fingerprint {mine.fingerprint}); every worker must "
+                                     f"read the same training set")
+        raise FailedPrecondition(
+            f"data: this worker cuts the data into {plan.num_batches} batches per epoch, chunks of "
+            f"{plan.chunk_batches}, seed {plan.seed}; the job's coordinator has {mine.num_batches}, "
+            f"{mine.chunk_batches}, seed {mine.seed}, {plan.epochs} vs {mine.epochs} epochs (--batch-size, "
+            f"--chunk-batches, --seed and --epochs must match)")
+
+    def _open(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.queue = chunk_order(self.plan.num_chunks, self.plan.seed, epoch)
+        self.progress.clear()
+        self.done.clear()
+
+    # -- leases -----------------------------------------------------------------------------
+    def lease(self, rank: int, session: str, finished: tuple[int, int] | None = None) -> Lease | None:
+        """rank's lease: the one it holds, or the next chunk; None when every chunk of the epoch
+        is leased to others (the worker pushes an empty contribution and asks again).
+        `finished` (epoch, chunk): the worker's chunk is done, every batch taken in by every shard."""
+        self._require_plan()
+        held = self.leases.get(rank)
+        if held is not None and held[0] != session:     # a new session of the rank: the old one ended
+            self.release(rank)
+            held = None
+        if finished is not None and held is not None and (self.epoch, held[1]) == tuple(finished):
+            self._complete(held[1])
+            del self.leases[rank]
+            held = None
+        if held is None:
+            if not self.queue and len(self.done) == self.plan.num_chunks:
+                if self.plan.epochs and self.epoch + 1 >= self.plan.epochs:
+                    self.epoch = self.plan.epochs      # the job's data is done: no more leases
+                    return None
+                self._open(self.epoch + 1)
+            if not self.queue:
+                return None
+            chunk = self.queue.pop(0)
+            held = (session, chunk, -1)
+            self.leases[rank] = held
+        return self._lease_of(held[1])
+
+    def progress_of(self, rank: int, session: str, epoch: int, chunk: int, batch: int) -> bool:
+        """A push to shard 0 carries batch `batch` of rank's lease: the batches before it are done
+        and this one is in flight. False when rank no longer holds that lease (it was released
+        and the chunk went elsewhere): the worker must drop it and ask for another."""
+        held = self.leases.get(rank)
+        start, end = self.plan.bounds(chunk) if self.plan is not None else (0, 0)
+        if held is None or held[0] != session or epoch != self.epoch or held[1] != chunk \
+                or not start <= batch < end:
+            # A worker that came back after its lease was released (or a shard 0 restored under
+            # it) trains a batch someone else has or will: counted, as the dead worker's in-flight one.
+            if self.plan is not None and 0 <= batch < self.plan.num_batches:
+                self.counters["batches_retrained"] += 1
+            return False
+        self.progress[chunk] = max(self.progress.get(chunk, 0), batch - start)
+        self.leases[rank] = (session, chunk, batch)
+        return True
+
+    def release(self, rank: int) -> bool:
+        """rank's session ended (left, marked dead, replaced): the rest of its chunk goes to the
+        front of the queue. Returns whether it held a lease."""
+        held = self.leases.pop(rank, None)
+        if held is None:
+            return False
+        _, chunk, inflight = held
+        start, _ = self.plan.bounds(chunk)
+        if inflight >= start + self.progress.get(chunk, 0):
+            self.counters["batches_retrained"] += 1    # it may have been applied; the next holder redoes it
+        self.counters["chunks_released"] += 1
+        self.queue.insert(0, chunk)
+        return True
+
+    def release_all_but(self, live: set[int]) -> None:
+        """Release the leases of every rank not in `live` (Membership's on_change)."""
+        for rank in sorted(set(self.leases) - live):
+            self.release(rank)
+
+    def dropped(self, n: int = 1) -> None:
+        """Backup: a push dropped late; its batch counts as done (the worker moved on)."""
+        self.counters["batches_dropped"] += n
+
+    def _complete(self, chunk: int) -> None:
+        self.done.add(chunk)
+        self.progress.pop(chunk, None)
+        self.counters["chunks_done"] += 1
+
+    def _lease_of(self, chunk: int) -> Lease:
+        start, end = self.plan.bounds(chunk)
+        return Lease(self.epoch, chunk, start + self.progress.get(chunk, 0), end)
+
+    def _require_plan(self) -> None:
+        if self.plan is None:
+            raise FailedPrecondition("data: no worker has said how its data is cut yet (Register first)")
+
+    # -- status, checkpoints, reshard ---------------------------------------------------------
+    def status(self) -> dict:
+        out = dict(self.counters)
+        if self.plan is not None:
+            out.update(epoch=self.epoch, chunks=self.plan.num_chunks, chunks_done_this_epoch=len(self.done),
+                       chunks_leased=len(self.leases), chunks_waiting=len(self.queue))
+        return out
+
+    def state(self) -> dict | None:
+        """Plain JSON-able data for shard 0's checkpoint; None before any plan."""
+        if self.plan is None:
+            return None
+        p = self.plan
+        return {"plan": [p.num_batches, p.chunk_batches, p.seed, p.fingerprint, p.epochs],
+                "epoch": self.epoch, "queue": list(self.queue),
+                "progress": {str(c): n for c, n in self.progress.items()},
+                "done": sorted(self.done),
+                "leases": {str(r): [chunk, inflight] for r, (_, chunk, inflight) in self.leases.items()},
+                "counters": dict(self.counters)}
+
+    @classmethod
+    def load(cls, state: dict | None) -> Coordinator:
+        """A coordinator from state(); the sessions it held are gone, so their leases are released."""
+        self = cls()
+        if state is None:
+            return self
+        nb, cb, seed, fp, epochs = state["plan"]
+        self.plan = Plan(int(nb), int(cb), int(seed), str(fp), int(epochs))
+        self.epoch = int(state["epoch"])
+        self.queue = [int(c) for c in state["queue"]]
+        self.progress = {int(c): int(n) for c, n in state["progress"].items()}
+        self.done = {int(c) for c in state["done"]}
+        self.leases = {int(r): ("", int(c), int(i)) for r, (c, i) in state["leases"].items()}
+        self.counters.update({k: int(v) for k, v in state.get("counters", {}).items() if k in COUNTERS})
+        self.release_all_but(set())
+        return self
+
+
+def for_new_shard(states: dict[int, dict | None], shard: int) -> dict | None:
+    """Reshard: the coordinator lives in shard 0; old shard 0's state goes to new shard 0."""
+    return states.get(0) if shard == 0 else None

@@ -1,0 +1,350 @@
+"""The data coordinator (pserver/server/coordinator.py) against a plain model of training.
+
+The state machine's workers lease chunks, push their batches one by one (each push says which
+batch it carries, so the ones before it are done), finish chunks, die, and shard 0 checkpoints,
+restores and reshards. The model counts how often each (epoch, batch) was trained; the checks:
+no chunk is lost (an epoch ends only with every batch trained), no chunk is held twice, and every
+batch trained more than once is counted (batches_retrained) or falls after a restored checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pserver.errors import FailedPrecondition
+from pserver.server.coordinator import Coordinator, Plan, chunk_order, for_new_shard
+
+RANKS = 3
+_sessions = itertools.count()
+
+
+def new_session() -> str:
+    return f"s{next(_sessions)}"
+
+
+class CoordinatorMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.coord = Coordinator()
+        self.plan: Plan | None = None
+        self.trained: Counter = Counter()        # (epoch, batch) -> times trained
+        self.sessions = {r: new_session() for r in range(RANKS)}
+        self.work: dict[int, list] = {}          # rank -> [lease, next batch to push]
+        self.saved = None                        # (state JSON, trained then)
+        self.allowance = 0                       # trainings undone by restores (not the coordinator's)
+        self.epoch_seen = 0
+
+    @precondition(lambda self: self.plan is None)
+    @rule(num_batches=st.integers(1, 12), chunk=st.integers(1, 5), seed=st.integers(0, 3),
+          epochs=st.sampled_from([0, 2, 3]))
+    def configure(self, num_batches, chunk, seed, epochs):
+        self.plan = Plan(num_batches, chunk, seed, "fp", epochs)
+        self.coord.configure(self.plan)
+
+    def _check_epoch_over(self, epoch: int) -> None:
+        for e in range(self.epoch_seen, epoch):
+            lost = [b for b in range(self.plan.num_batches) if self.trained[(e, b)] == 0]
+            assert not lost, f"epoch {e} ended with batches {lost} never trained"
+        self.epoch_seen = max(self.epoch_seen, epoch)
+
+    @precondition(lambda self: self.plan is not None)
+    @rule(rank=st.integers(0, RANKS - 1))
+    def ask(self, rank):
+        held = self.work.get(rank)
+        if held is not None and held[1] < held[0].end:
+            return                                   # still busy with its chunk
+        finished = (held[0].epoch, held[0].chunk) if held is not None else None
+        lease = self.coord.lease(rank, self.sessions[rank], finished)
+        self.work.pop(rank, None)
+        if lease is None:
+            return
+        self._check_epoch_over(lease.epoch)
+        start, end = self.plan.bounds(lease.chunk)
+        assert (lease.first, lease.end) != (start, start) and lease.end == end
+        assert start <= lease.first < end
+        for b in range(start, lease.first):          # what it skips was trained
+            assert self.trained[(lease.epoch, b)] >= 1
+        self.work[rank] = [lease, lease.first]
+
+    @precondition(lambda self: self.work)
+    @rule(data=st.data())
+    def push(self, data):
+        rank = data.draw(st.sampled_from(sorted(self.work)))
+        lease, batch = self.work[rank]
+        if batch >= lease.end:
+            return
+        self.trained[(lease.epoch, batch)] += 1
+        assert self.coord.progress_of(rank, self.sessions[rank], lease.epoch, lease.chunk, batch)
+        self.work[rank][1] = batch + 1
+
+    @precondition(lambda self: self.plan is not None)
+    @rule(rank=st.integers(0, RANKS - 1))
+    def kill(self, rank):
+        """The worker dies (or leaves): its session ends, a new process registers later."""
+        self.coord.release(rank)
+        self.work.pop(rank, None)
+        self.sessions[rank] = new_session()
+
+    @precondition(lambda self: self.plan is not None)
+    @rule(rank=st.integers(0, RANKS - 1))
+    def stale_progress_refused(self, rank):
+        """A push for a chunk the rank does not hold (a worker back after its lease was released)
+        moves no lease; its batch is counted as trained once more."""
+        before = self.coord.state()
+        assert not self.coord.progress_of(rank, "not-a-session", self.coord.epoch, 0, 0)
+        self.trained[(self.coord.epoch, 0)] += 1
+        after = self.coord.state()
+        assert after["counters"]["batches_retrained"] == before["counters"]["batches_retrained"] + 1
+        after["counters"] = before["counters"]
+        assert after == before
+
+    @precondition(lambda self: self.plan is not None)
+    @rule()
+    def checkpoint(self):
+        self.saved = (json.loads(json.dumps(self.coord.state())), Counter(self.trained))
+
+    @precondition(lambda self: self.saved is not None)
+    @rule(reshard=st.booleans())
+    def restore(self, reshard):
+        state, trained_then = self.saved
+        if reshard:                                  # old shard 0's state goes to new shard 0 only
+            assert for_new_shard({0: state, 1: None}, 1) is None
+            state = for_new_shard({0: state, 1: None}, 0)
+        self.coord = Coordinator.load(state)
+        self.allowance += sum((self.trained - trained_then).values())
+        self.work.clear()                            # every session is gone with the old shard
+        self.sessions = {r: new_session() for r in range(RANKS)}
+
+    @invariant()
+    def chunks_partitioned(self):
+        c = self.coord
+        if c.plan is None or (c.plan.epochs and c.epoch >= c.plan.epochs):
+            return
+        leased = [chunk for _, chunk, _ in c.leases.values()]
+        every = list(c.queue) + leased + sorted(c.done)
+        assert sorted(every) == list(range(c.plan.num_chunks)), (c.queue, leased, c.done)
+
+    @invariant()
+    def extra_training_counted(self):
+        extra = sum(n - 1 for n in self.trained.values() if n > 1)
+        assert extra <= self.coord.counters["batches_retrained"] + self.allowance
+
+
+TestCoordinatorMachine = CoordinatorMachine.TestCase
+TestCoordinatorMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_all_workers_busy_the_epoch_ends_with_every_chunk_done():
+    """A loop of two workers, one killed halfway: catches a chunk lost on release."""
+    c = Coordinator()
+    c.configure(Plan(10, 3, 7, "fp"))
+    sessions = {0: "a", 1: "b"}
+    held: dict[int, tuple] = {}
+    trained = Counter()
+    for step in range(200):
+        for rank in (0, 1):
+            lease, nxt = held.get(rank, (None, None))
+            if lease is None or nxt == lease.end:
+                lease = c.lease(rank, sessions[rank], (lease.epoch, lease.chunk) if lease else None)
+                if lease is None:
+                    held.pop(rank, None)
+                    continue
+                nxt = lease.first
+            if lease.epoch == 2:
+                break
+            trained[(lease.epoch, nxt)] += 1
+            c.progress_of(rank, sessions[rank], lease.epoch, lease.chunk, nxt)
+            held[rank] = (lease, nxt + 1)
+        if step == 3:
+            c.release(1)
+            sessions[1] = "b2"
+            held.pop(1)
+    assert c.epoch == 2
+    assert all(trained[(e, b)] >= 1 for e in (0, 1) for b in range(10))
+    assert c.counters["chunks_done"] == 2 * 4 and c.counters["chunks_released"] == 1
+    assert c.counters["batches_retrained"] == 1
+    assert sum(n - 1 for n in trained.values()) == 1
+
+
+def test_no_lease_past_the_jobs_epochs():
+    """Fails if the coordinator opens epoch --epochs: its chunks would be leased and released as the
+    workers leave, counted as chunks_released for nothing."""
+    c = Coordinator()
+    c.configure(Plan(2, 1, 0, "fp", 1))
+    first = c.lease(0, "a")
+    second = c.lease(1, "b")
+    assert c.lease(0, "a", (0, first.chunk)) is None and c.lease(1, "b", (0, second.chunk)) is None
+    assert c.epoch == 1 and c.leases == {}
+    assert c.counters == dict(chunks_done=2, chunks_released=0, batches_retrained=0, batches_dropped=0)
+
+
+def test_chunk_order_follows_seed_and_epoch():
+    """Catches an order that ignores the epoch or the seed, or is not a permutation."""
+    assert sorted(chunk_order(20, 1, 0)) == list(range(20))
+    assert chunk_order(20, 1, 0) == chunk_order(20, 1, 0)
+    assert chunk_order(20, 1, 0) != chunk_order(20, 1, 1)
+    assert chunk_order(20, 1, 0) != chunk_order(20, 2, 0)
+
+
+def test_a_worker_reading_other_data_is_refused_and_changes_nothing():
+    c = Coordinator()
+    c.configure(Plan(10, 3, 7, "abc"))
+    before = c.state()
+    with pytest.raises(FailedPrecondition, match="other data"):
+        c.configure(Plan(10, 3, 7, "xyz"))
+    with pytest.raises(FailedPrecondition, match="--chunk-batches"):
+        c.configure(Plan(10, 4, 7, "abc"))
+    assert c.state() == before and c.plan == Plan(10, 3, 7, "abc")
+
+
+def test_a_new_session_of_the_rank_releases_the_old_lease():
+    """A restarted worker (new session) asks again: its old lease's rest is released first."""
+    c = Coordinator()
+    c.configure(Plan(4, 2, 0, "fp"))
+    first = c.lease(0, "old")
+    c.progress_of(0, "old", first.epoch, first.chunk, first.first + 1)
+    again = c.lease(0, "new")
+    assert again == type(first)(0, first.chunk, first.first + 1, first.end)
+    assert c.counters["chunks_released"] == 1 and c.counters["batches_retrained"] == 1
+
+
+# --- in a real shard: leases, pushes that carry progress, dead workers, checkpoints --------------
+
+def _cluster(tmp_path=None, workers=2, **cfg):
+    import numpy as np
+
+    from pserver.models.layout import Layout
+    from tests.test_modes import make_cluster
+    extra = dict(checkpoint_dir=str(tmp_path)) if tmp_path is not None else {}
+    return make_cluster(Layout.of([("w", (4,))]), np.ones(4, np.float32), 1, workers,
+                        optimizer="adam", lr=0.1, **extra, **cfg)[0]
+
+
+def _push(shard, rank, samples, lease=None, value=1.0):
+    import numpy as np
+
+    from pserver.records import PushRequest
+    from tests.test_modes import fill_with
+    return shard.push(PushRequest(rank, 0, shard.store.version, 4, "float32", samples, 0,
+                                  fill_with(np.full(4, value, np.float32)), lease=lease))[0]
+
+
+@pytest.mark.parametrize("mode", ["sync", "backup"])
+def test_an_empty_contribution_counts_toward_the_step_and_weighs_nothing(mode):
+    """Fails if a 0-sample push is refused, waited past, weighed (the mean halves), or if a step of
+    empty pushes only moves the optimizer (adam steps on a zero gradient)."""
+    import numpy as np
+    extra = dict(backup_workers=1, workers=3) if mode == "backup" else {}   # backup: a quorum of 2
+    shard, alone = _cluster(mode=mode, **extra), _cluster(mode="sync")
+    _push(shard, 0, 3, value=2.0)
+    _push(shard, 1, 0, value=0.0)
+    assert shard.store.version == 1
+    alone_members = alone.members
+    with alone.store.cond:
+        alone_members.leave(1)                      # the same step with rank 0's push alone
+    _push(alone, 0, 3, value=2.0)
+    assert shard.store.params.tobytes() == alone.store.params.tobytes()
+    before = shard.store.params.copy(), {k: v.copy() for k, v in shard.store.optimizer.state.items()}
+    _push(shard, 0, 0, value=0.0)
+    _push(shard, 1, 0, value=0.0)
+    assert shard.store.version == 2 and np.array_equal(shard.store.params, before[0])
+    assert all(np.array_equal(v, before[1][k]) for k, v in shard.store.optimizer.state.items())
+
+
+def test_a_dead_workers_lease_goes_to_the_next_worker_from_its_first_batch_not_done():
+    """Shard 0 wiring: a push's lease progress reaches the coordinator, marking the worker dead
+    releases its lease (on_change), the next ask gets the rest, status shows the counts. Fails
+    without the release hook (rank 0 would get a fresh chunk) or without progress on push."""
+    shard = _cluster(mode="async")
+    plan = Plan(8, 4, 5, "fp")
+    held = shard.lease(1, None, plan)
+    assert (held.first, held.end) == shard.store.coordinator.plan.bounds(held.chunk)
+    for b in range(held.first, held.first + 3):
+        _push(shard, 1, 2, lease=(held.epoch, held.chunk, b))
+    with shard.store.cond:
+        shard.members.mark_dead({1}, "a test")
+    counts = shard.status()["counters"]
+    assert (counts["chunks_released"], counts["batches_retrained"]) == (1, 1)
+    assert shard.store.coordinator.leases == {}
+    mine = shard.lease(0, None, plan)
+    assert (mine.chunk, mine.first, mine.end) == (held.chunk, held.first + 2, held.end)
+    _push(shard, 1, 2, lease=(held.epoch, held.chunk, held.first + 3))   # back: its old lease is gone
+    assert shard.status()["counters"]["batches_retrained"] == 2
+    assert shard.store.coordinator.leases[0][1] == held.chunk              # rank 0 holds it still
+
+
+def test_a_worker_with_other_data_is_refused_and_shard_1_has_no_coordinator():
+    shard = _cluster()
+    shard.lease(0, None, Plan(8, 4, 5, "fp"))
+    with pytest.raises(FailedPrecondition, match="reads other data"):
+        shard.lease(1, None, Plan(8, 4, 5, "other"))
+    from pserver.config import ServerConfig
+    from pserver.server.shard import Shard
+    with pytest.raises(FailedPrecondition, match="coordinator is in shard 0"):
+        Shard(ServerConfig(shard=1, num_shards=2, num_workers=2)).lease(0, None, Plan(8, 4, 5, "fp"))
+
+
+def test_the_coordinator_is_checkpointed_with_shard_0_and_resharded_to_the_new_shard_0(tmp_path):
+    """meta["coordinator"] round trip through a real file and a restored shard (its leases released),
+    and reshard.combine: new shard 0 gets old shard 0's state, the others none."""
+    from pserver.config import ServerConfig
+    from pserver.server import checkpoint, reshard
+    from pserver.server.shard import Shard
+    shard = _cluster(tmp_path)
+    plan = Plan(8, 4, 5, "fp")
+    first = shard.lease(0, None, plan)
+    _push(shard, 0, 2, lease=(0, first.chunk, first.first + 1))
+    _push(shard, 1, 2)
+    path, _ = shard.checkpoint(0)
+    saved = checkpoint.load(path)
+    assert saved.coordinator == shard.store.coordinator.state()
+    restored = Shard(ServerConfig(num_workers=2, optimizer="adam", lr=0.1, restore=str(tmp_path)))
+    c = restored.store.coordinator
+    assert c.leases == {} and c.queue[0] == first.chunk and c.progress == {first.chunk: 1}
+    assert c.counters["chunks_released"] == 1 and c.counters["batches_retrained"] == 1
+    other = checkpoint.Checkpoint(**{**saved.__dict__, "shard": 1, "coordinator": None})
+    for new in (1, 2, 3):
+        got = [reshard.combine([saved, other], new, j).coordinator for j in range(new)]
+        assert got == [saved.coordinator] + [None] * (new - 1)
+
+
+# --- over gRPC: LeaseData and the push that carries a lease's progress ----------------------------
+
+def test_lease_data_over_grpc_carries_progress_and_refuses_other_data(shard_server):
+    """A real shard server and two clients (the same-host data plane on): the push that carries a
+    lease goes by gRPC with its progress (a data-plane push would lose it: the second worker would
+    get the chunk from its first batch), the other worker gets the rest once the first leaves,
+    status counts it, and a worker with another dataset gets one FAILED_PRECONDITION line."""
+    import numpy as np
+
+    from pserver.errors import FailedPrecondition as Refused
+    from tests.test_server import LAYOUT, ready_client
+    addr, _ = shard_server(optimizer="sgd", lr=0.1, num_workers=2, mode="async")
+    a = ready_client(addr, num_workers=2, rank=0, plane="auto")
+    b = ready_client(addr, num_workers=2, rank=1, plane="auto", init=False)
+    plan = (12, 4, 3, "fp")
+    got = a.lease_data(*plan)
+    assert got.has_lease and got.end_batch - got.first_batch == 4
+    w = np.empty(LAYOUT.total, np.float32)
+    a.pull(w)
+    for batch in range(got.first_batch, got.first_batch + 3):
+        a.push(np.ones(LAYOUT.total, np.float32), 1, lease=(got.epoch, got.chunk, batch))
+    a.leave()
+    rest = b.lease_data(*plan)
+    assert (rest.chunk, rest.first_batch, rest.end_batch) == (got.chunk, got.first_batch + 2, got.end_batch)
+    st = b.status()[0].counters
+    assert (st.chunks_released, st.batches_retrained, st.chunks_done) == (1, 1, 0)
+    done = b.lease_data(*plan, finished=(rest.epoch, rest.chunk))
+    assert done.has_lease and done.chunk != got.chunk and b.status()[0].counters.chunks_done == 1
+    with pytest.raises(Refused, match="reads other data") as e:
+        b.lease_data(12, 4, 3, "another")
+    assert "\n" not in str(e.value)
+    a.close()
+    b.close()
