@@ -179,8 +179,14 @@ class TableConfig:
         return cls(**d)
 
     def signature(self) -> str:
-        """Stable text of every field: equal for equal configs, on every process."""
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """Stable text of every field: equal for equal configs, on every process. The row and state
+        types are left out at their defaults (float32), so a layout's signature, and the checkpoints
+        that record it, stay what they were before compact rows."""
+        d = self.to_dict()
+        for k in ("row_dtype", "state_dtype"):
+            if d[k] == "float32":
+                del d[k]
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
 
 class _Entries:
