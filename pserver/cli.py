@@ -205,11 +205,11 @@ WORKER_FLAGS = [
                             "the least recently updated evicted first (default 0: no bound)")),
     Flag("--ttl-steps", dict(type=int, metavar="T", help="sparse tables: evict rows not updated for T steps "
                              "(default 0: never)")),
-    Flag("--row-dtype", dict(choices=ROW_DTYPES, help="sparse tables: how the shards store rows; float16 "
-                             "and bfloat16 halve a row, the optimizer computing in float32 and rounding "
-                             "stochastically (seeded: runs repeat) (default float32)")),
-    Flag("--state-dtype", dict(choices=STATE_DTYPES, help="sparse tables: how the shards store the row "
-                               "optimizer's slots: float32, or row (the row's type) (default float32)")),
+    Flag("--row-dtype", dict(choices=ROW_DTYPES.names(), help="sparse tables: how the shards store rows; "
+                             "float16 and bfloat16 halve a row, the optimizer computing in float32 and "
+                             "rounding stochastically (seeded: runs repeat) (default float32)")),
+    Flag("--state-dtype", dict(choices=STATE_DTYPES.names(), help="sparse tables: how the shards store the "
+                               "row optimizer's slots: float32, or row (the row's type) (default float32)")),
     Flag("--require-fresh", dict(action="store_true", default=None,
                                  help="chief: refuse (exit 2) when the shards already hold trained state "
                                       "(default: continue from it, saying so)")),

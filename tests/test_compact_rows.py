@@ -162,10 +162,10 @@ def test_round_to_nearest_loses_the_small_updates_that_stochastic_rounding_keeps
 # -- options, checks, bytes ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field, value, words", [
-    ("row_dtype", "float8", "row_dtype must be one of float32, float16, bfloat16, got 'float8'"),
-    ("state_dtype", "float16", "state_dtype must be float32 or row (the row's type), got 'float16'")])
+    ("row_dtype", "float8", "row_dtype: unknown row type 'float8'; choose one of float32, float16, bfloat16"),
+    ("state_dtype", "float16", "state_dtype: unknown state type 'float16'; choose one of float32, row")])
 def test_a_bad_row_or_state_type_is_one_clear_line(field, value, words):
-    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")) as e:
+    with pytest.raises(ConfigError, match=words) as e:
         TableConfig("t", 4, **{field: value})
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=field):

@@ -32,17 +32,22 @@ import math
 import numpy as np
 from numba import njit
 
-from pserver.errors import ConfigError
 from pserver.kernels import reference
 from pserver.kernels.cpu import splitmix64 as _draw
+from pserver.registry import Registry
 from pserver.sparse import index
 from pserver.sparse.hashing import initial_row
 
-ROW_DTYPES = ("float32", "float16", "bfloat16")
-STATE_DTYPES = ("float32", "row")
-
 # Formats: (mantissa bits, smallest normal exponent, exponent bias, 16-bit words per value)
 F32, BF16, F16 = 0, 1, 2
+ROW_DTYPES = Registry("row type", "--row-dtype")
+ROW_DTYPES.add("float32", "4 bytes a value (default)", F32)
+ROW_DTYPES.add("float16", "2 bytes: 11 significant bits, values within +-65504 (subnormals below 6e-5)", F16)
+ROW_DTYPES.add("bfloat16", "2 bytes: float32's range with 8 significant bits (the high half of a float32)",
+               BF16)
+STATE_DTYPES = Registry("state type", "--state-dtype")
+STATE_DTYPES.add("float32", "the optimizer slots stay float32 (default)")
+STATE_DTYPES.add("row", "the optimizer slots in the row's type, rounded stochastically as the rows are")
 FORMATS = np.array([[23, -126, 127, 2], [7, -126, 127, 1], [10, -14, 15, 1]], np.int64)
 MAX_FINITE = np.array([float(np.finfo(np.float32).max), 3.3895313892515355e38, 65504.0])
 CODE = {"float32": F32, "bfloat16": BF16, "float16": F16}
@@ -54,10 +59,8 @@ _TWO_M53 = 2.0 ** -53
 
 def check_dtypes(what: str, row_dtype, state_dtype) -> None:
     """ConfigError, in one line, for a row or state type a table cannot store."""
-    if row_dtype not in ROW_DTYPES:
-        raise ConfigError(f"{what}: row_dtype must be one of {', '.join(ROW_DTYPES)}, got {row_dtype!r}")
-    if state_dtype not in STATE_DTYPES:
-        raise ConfigError(f"{what}: state_dtype must be float32 or row (the row's type), got {state_dtype!r}")
+    ROW_DTYPES.get(row_dtype, f"{what}: row_dtype")
+    STATE_DTYPES.get(state_dtype, f"{what}: state_dtype")
 
 
 class Layout:
