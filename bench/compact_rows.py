@@ -6,12 +6,14 @@
 Bytes: a SparseTable of dim 16 (adagrad and adam) with --rows rows pushed once; per row, the
 values (row and slots, in their types) and the whole entry as the shard's budget counts it (id
 and last update, 8 bytes each, adam's step count, 8 more), with the table's measured bytes
-(`stats()`, including its index) divided by its rows; each against float32's.
+(`stats()`, including its index) divided by its rows; each against float32's. Then the time of
+a push of every row (one thread, three rounds interleaved across the types; medians, and their
+ratio to float32's).
 
 AUC: `pserver launch` of wide_deep on criteo-synthetic (sync, --ps 2 --workers 2, adam 0.001 on
 the dense weights, adagrad 0.05 on the rows: the settings of bench/results/ctr), once per type
-pair, float32 first; the test AUC after the epoch of each and its difference from float32's (target: within
-0.002). Prints both tables and writes results/ctr/compact-rows.json (--out
+pair, float32 first; the test AUC after the epoch of each and its difference from float32's
+(target: within 0.002). Prints both tables and writes results/ctr/compact-rows.json (--out
 bench/results/ctr/compact-rows.json for the committed figures).
 """
 
@@ -37,21 +39,34 @@ PAIRS = [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "row"), (
          ("float16", "row")]
 
 
-def bytes_rows(dim: int, rows: int) -> list[dict]:
-    out = []
+def bytes_rows(dim: int, rows: int, rounds: int = 3) -> list[dict]:
+    """Bytes per row of each (optimizer, row type, state type), and the time of a push of every
+    row (one thread), rounds interleaved across the types: the median, and its ratio to float32's."""
+    out, tables = [], []
+    ids = np.arange(1, rows + 1, dtype=np.uint64)
+    grads = np.random.default_rng(0).normal(0, 0.01, (rows, dim)).astype(np.float32)
     for optimizer in ("adagrad", "adam"):
         for row, state in PAIRS:
             config = TableConfig("t", dim, optimizer=optimizer, row_dtype=row, state_dtype=state)
             t = SparseTable(config, 0)
-            ids = np.arange(1, rows + 1, dtype=np.uint64)
-            t.apply(ids, np.full((rows, dim), 0.01, np.float32), 0)
+            t.apply(ids, grads, 0)
+            t.apply(ids[:64], grads[:64], 1)            # kernels compiled or loaded before timing
             stats = t.stats()
+            tables.append(t)
             out.append(dict(optimizer=optimizer, row_dtype=row, state_dtype=state,
                             value_bytes=config.layout().bytes_per_row(), entry_bytes=t._rows.entry_bytes,
-                            measured_bytes_per_row=round(stats["bytes"] / stats["rows"], 2)))
+                            measured_bytes_per_row=round(stats["bytes"] / stats["rows"], 2), push_seconds=[]))
+    for k in range(rounds):
+        for r, t in zip(out, tables):
+            start = time.perf_counter()
+            t.apply(ids, grads, 2 + k, checked=True)
+            r["push_seconds"].append(round(time.perf_counter() - start, 4))
     for r in out:
         base = next(b for b in out if b["optimizer"] == r["optimizer"] and b["row_dtype"] == "float32")
         r["vs_float32"] = round(r["entry_bytes"] / base["entry_bytes"], 3)
+        r["push_ns_per_row"] = round(float(np.median(r["push_seconds"])) / rows * 1e9, 1)
+        ratio = np.median(r["push_seconds"]) / np.median(base["push_seconds"])
+        r["push_time_vs_float32"] = round(float(ratio), 2)
     return out
 
 
@@ -89,10 +104,13 @@ def main() -> int:
     sizes = bytes_rows(args.dim, args.rows)
     print(f"\nbytes per row, dim {args.dim} ({args.rows:,} rows; entry = id 8 + last update 8 "
           f"[+ adam's steps 8] + values):")
-    print(table(["optimizer", "row", "state", "values", "entry", "measured", "vs float32"],
+    print(table(["optimizer", "row", "state", "values", "entry", "measured", "vs float32", "push ns/row",
+                 "push time vs float32"],
                 [[r["optimizer"], r["row_dtype"], r["state_dtype"], str(r["value_bytes"]),
                   str(r["entry_bytes"]),
-                  f"{r['measured_bytes_per_row']:.1f}", f"{r['vs_float32']:.3f}"] for r in sizes], left=3))
+                  f"{r['measured_bytes_per_row']:.1f}", f"{r['vs_float32']:.3f}",
+                  f"{r['push_ns_per_row']:.0f}",
+                  f"{r['push_time_vs_float32']:.2f}"] for r in sizes], left=3))
     pairs = PAIRS if args.pairs == "all" else [("float32", "float32")] + [
         tuple(p.split(":")) for p in args.pairs.split(",") if p != "float32:float32"]
     runs = []
