@@ -21,8 +21,8 @@ not stored returns the same value as its row once created.
 bfloat16 has no NumPy dtype: its values are uint16 words, the high half of a float32
 (`state()` arrays hold them so); float16 values are NumPy float16.
 
-The kernels decode and encode every format with frexp/ldexp on float64 (each exact), so one
-code path serves float32, bfloat16 and float16; the twins use NumPy's own conversions.
+The kernels move values between types as bits and round in float64 (every step exact); the
+twins use NumPy's own conversions and array arithmetic.
 """
 
 from __future__ import annotations
@@ -97,20 +97,28 @@ def pack(columns: list[np.ndarray]) -> np.ndarray:
 
 
 # -- scalar codecs (numba) -----------------------------------------------------------------------
+# Values cross between types as bits (work arrays are read and written through uint32 views):
+# every conversion here is exact; only _round chooses, in float64, where exact too (powers of two
+# from POW2 scale without rounding).
+
+POW2_OFFSET = 256
+POW2 = np.ldexp(1.0, np.arange(-POW2_OFFSET, POW2_OFFSET + 1))
+
 
 @njit(cache=True, nogil=True, inline="always")
-def _round(x, fmt, u, stochastic):
-    """x (float64) rounded to format fmt: stochastically with the uniform draw u in [0, 1), else to
-    nearest (ties to even); clipped to the largest finite value. Exact float64 arithmetic."""
-    a = abs(x)
+def _round(x, xbits, fmt, u, stochastic):
+    """x (float32, its bits xbits) rounded to format fmt, as a float64: stochastically with the
+    uniform draw u in [0, 1), else to nearest (ties to even); clipped to the largest finite value."""
+    a = abs(np.float64(x))
     if a == 0.0 or fmt == F32:
-        return x
+        return np.float64(x)
     m, emin = FORMATS[fmt, 0], FORMATS[fmt, 1]
-    e = math.frexp(a)[1] - 1
+    field = np.int64((xbits >> np.uint32(23)) & np.uint32(0xFF))
+    e = field - 127 if field else math.frexp(a)[1] - 1   # a float32 subnormal: frexp
     if e < emin:
         e = emin
     q = e - m                       # the exponent of one unit in the last place at a
-    y = math.ldexp(a, -q)
+    y = a * POW2[POW2_OFFSET - q]
     f = math.floor(y)
     frac = y - f
     if stochastic:
@@ -118,59 +126,65 @@ def _round(x, fmt, u, stochastic):
             f += 1.0
     elif frac > 0.5 or (frac == 0.5 and f % 2.0 == 1.0):
         f += 1.0
-    r = math.ldexp(f, q)
+    r = f * POW2[POW2_OFFSET + q]
     if r > MAX_FINITE[fmt]:
         r = MAX_FINITE[fmt]
     return -r if x < 0 else r
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _encode(r, fmt):
-    """The bits of r (float64, exactly representable in fmt): 16 or 32 of them, as uint64."""
-    m, emin, bias, words = FORMATS[fmt, 0], FORMATS[fmt, 1], FORMATS[fmt, 2], FORMATS[fmt, 3]
-    sign = np.uint64(1) << np.uint64(16 * words - 1)
-    a = abs(r)
-    b = np.uint64(0)
-    if a > 0.0:
-        e = math.frexp(a)[1] - 1
-        if e < emin:
-            b = np.uint64(math.ldexp(a, m - emin))
-        else:
-            b = (np.uint64(e + bias) << np.uint64(m)) | np.uint64(math.ldexp(a, m - e) - 2.0 ** m)
-    if math.copysign(1.0, r) < 0:
-        b |= sign
-    return b
+def _half_to_float_bits(b):
+    s = np.uint32(b & 0x8000) << np.uint32(16)
+    e5 = (np.int64(b) >> 10) & 0x1F
+    m = np.int64(b) & 0x3FF
+    if e5 == 0:
+        if m == 0:
+            return s
+        p = 9
+        while (m >> p) == 0:
+            p -= 1
+        return s | np.uint32((p - 24 + 127) << 23) | np.uint32((m << (23 - p)) & 0x7FFFFF)
+    if e5 == 31:
+        return s | np.uint32(0x7F800000) | np.uint32(m << 13)
+    return s | np.uint32((e5 + 112) << 23) | np.uint32(m << 13)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _decode(b, fmt):
-    """The value (float64) of bits b (uint64) in format fmt."""
-    m, emin, bias, words = FORMATS[fmt, 0], FORMATS[fmt, 1], FORMATS[fmt, 2], FORMATS[fmt, 3]
-    top = 16 * words - 1
-    field = np.int64((b >> np.uint64(m)) & np.uint64((1 << (top - m)) - 1))
-    mant = np.int64(b & np.uint64((1 << m) - 1))
-    if field == 0:
-        a = math.ldexp(float(mant), emin - m)
-    elif field == (1 << (top - m)) - 1:
-        a = math.inf if mant == 0 else math.nan
-    else:
-        a = math.ldexp(float(mant + (1 << m)), field - bias - m)
-    return -a if (b >> np.uint64(top)) & np.uint64(1) else a
+def _float_to_half_bits(u):
+    """The float16 bits of a float32 (bits u) that float16 represents exactly."""
+    s = np.int64((u >> np.uint32(16)) & np.uint32(0x8000))
+    a = np.int64(u & np.uint32(0x7FFFFFFF))
+    if a == 0:
+        return s
+    e = (a >> 23) - 127
+    mant = a & 0x7FFFFF
+    if e >= -14:
+        return s | ((e + 15) << 10) | (mant >> 13)
+    return s | ((mant | 0x800000) >> (-e - 1))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _get(data, r, at, fmt):
-    if FORMATS[fmt, 3] == 1:
-        return np.float32(_decode(np.uint64(data[r, at]), fmt))
-    return np.float32(_decode(np.uint64(data[r, at]) | (np.uint64(data[r, at + 1]) << np.uint64(16)), fmt))
+    """The float32 bits of the value at data[r, at] (one word, or two: float32, low half first)."""
+    if fmt == BF16:
+        return np.uint32(data[r, at]) << np.uint32(16)
+    if fmt == F16:
+        return _half_to_float_bits(data[r, at])
+    return np.uint32(data[r, at]) | (np.uint32(data[r, at + 1]) << np.uint32(16))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _put(data, r, at, fmt, x, u, stochastic):
-    b = _encode(_round(np.float64(x), fmt, u, stochastic), fmt)
-    data[r, at] = np.uint16(b & np.uint64(0xFFFF))
-    if FORMATS[fmt, 3] == 2:
-        data[r, at + 1] = np.uint16(b >> np.uint64(16))
+def _put(data, r, at, fmt, x, xbits, u, stochastic, scratch, scratch_bits):
+    """data[r, at] = x (float32, bits xbits) rounded to fmt."""
+    if fmt == F32:
+        data[r, at] = np.uint16(xbits & np.uint32(0xFFFF))
+        data[r, at + 1] = np.uint16(xbits >> np.uint32(16))
+        return
+    scratch[0] = np.float32(_round(x, xbits, fmt, u, stochastic))
+    if fmt == BF16:
+        data[r, at] = np.uint16(scratch_bits[0] >> np.uint32(16))
+    else:
+        data[r, at] = np.uint16(_float_to_half_bits(scratch_bits[0]))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -189,6 +203,7 @@ def _uniform(row_key, c):
 def widen(data, idx, dim, row_fmt, state_fmt, slots, work):
     """work[i] = the row and slots of entry idx[i] as float32, for idx[i] >= 0."""
     rw, sw = dim * FORMATS[row_fmt, 3], dim * FORMATS[state_fmt, 3]
+    bits = work.view(np.uint32)
     for i in range(idx.shape[0]):
         index.prefetch_ahead(data, idx, i)
         r = idx[i]
@@ -199,7 +214,7 @@ def widen(data, idx, dim, row_fmt, state_fmt, slots, work):
             w = FORMATS[fmt, 3]
             base = 0 if c == 0 else rw + (c - 1) * sw
             for j in range(dim):
-                work[i, c * dim + j] = _get(data, r, base + j * w, fmt)
+                bits[i, c * dim + j] = _get(data, r, base + j * w, fmt)
 
 
 @njit(cache=True, nogil=True)
@@ -207,6 +222,9 @@ def narrow(data, idx, ids, key, step, dim, row_fmt, state_fmt, slots, work, stoc
     """Entry idx[i] = work[i] rounded to its columns' formats (widen's inverse), for idx[i] >= 0:
     value c of the row of ids[i] draws splitmix64(key, id, step, c)."""
     rw, sw = dim * FORMATS[row_fmt, 3], dim * FORMATS[state_fmt, 3]
+    bits = work.view(np.uint32)
+    scratch = np.empty(1, np.float32)
+    scratch_bits = scratch.view(np.uint32)
     for i in range(idx.shape[0]):
         r = idx[i]
         if r < 0:
@@ -217,8 +235,9 @@ def narrow(data, idx, ids, key, step, dim, row_fmt, state_fmt, slots, work, stoc
             w = FORMATS[fmt, 3]
             base = 0 if c == 0 else rw + (c - 1) * sw
             for j in range(dim):
-                _put(data, r, base + j * w, fmt, work[i, c * dim + j], _uniform(rk, c * dim + j),
-                     stochastic)
+                k = c * dim + j
+                u = _uniform(rk, k) if fmt != F32 else 0.0
+                _put(data, r, base + j * w, fmt, work[i, k], bits[i, k], u, stochastic, scratch, scratch_bits)
 
 
 @njit(cache=True, nogil=True)
@@ -226,6 +245,7 @@ def lookup(slots, keys, bits, data, ids, key, scale, row_fmt, out):
     """out[i] = the stored row of ids[i] as float32, else its initial value rounded to nearest."""
     d = out.shape[1]
     w = FORMATS[row_fmt, 3]
+    out_bits = out.view(np.uint32)
     idx = np.empty(ids.shape[0], np.int64)
     index.find_many(slots, keys, ids, bits, idx)
     for i in range(ids.shape[0]):
@@ -234,19 +254,20 @@ def lookup(slots, keys, bits, data, ids, key, scale, row_fmt, out):
         if e == index.EMPTY:
             initial_row(key, ids[i], scale, out[i])
             for j in range(d):
-                out[i, j] = np.float32(_round(np.float64(out[i, j]), row_fmt, 0.0, False))
+                out[i, j] = np.float32(_round(out[i, j], out_bits[i, j], row_fmt, 0.0, False))
         else:
             for j in range(d):
-                out[i, j] = _get(data, e, j * w, row_fmt)
+                out_bits[i, j] = _get(data, e, j * w, row_fmt)
 
 
 @njit(cache=True, nogil=True)
 def round_many(x, fmt, key, step, ids, stochastic, out):
     """out[i, j] = x[i, j] rounded to fmt with the draws narrow uses for id ids[i] (tests, bench)."""
+    x_bits = x.view(np.uint32)
     for i in range(x.shape[0]):
         rk = _row_key(key, ids[i], step)
         for j in range(x.shape[1]):
-            out[i, j] = np.float32(_round(np.float64(x[i, j]), fmt, _uniform(rk, j), stochastic))
+            out[i, j] = np.float32(_round(x[i, j], x_bits[i, j], fmt, _uniform(rk, j), stochastic))
 
 
 def _uniform_numpy(key, ids, step, n):
