@@ -231,6 +231,19 @@ def test_a_checkpoint_keeps_each_column_in_its_type(row, state):
         fresh.load(wide)
 
 
+def test_an_export_writes_a_compact_tables_rows_as_their_float32_values():
+    """Catches bfloat16 words converted as integers (0x3F80 -> 16256.0) on the way to a model file."""
+    from pserver.models.saved import _sorted_table
+    for row in ("bfloat16", "float16"):
+        config = TableConfig("t", 3, row_dtype=row)
+        t = trained(config, "numba")
+        st_ = t.state()
+        ids, rows = _sorted_table(config, st_["ids"], st_["rows"])
+        want = np.empty_like(rows)
+        t.lookup(ids, want)
+        np.testing.assert_array_equal(rows, want)
+
+
 DIM = 4
 
 

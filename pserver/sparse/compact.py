@@ -304,6 +304,14 @@ def round_many_numpy(x, fmt, key, step, ids, stochastic, out):
     out[:] = round_numpy(x, fmt, _uniform_numpy(key, ids, step, x.shape[1]), stochastic)
 
 
+def to_float32(rows: np.ndarray, row_dtype: str) -> np.ndarray:
+    """A table's stored rows (state()["rows"], in their storage type) as their float32 values."""
+    rows = np.asarray(rows)
+    if row_dtype == "bfloat16" and rows.dtype == np.uint16:
+        return _from_storage(rows, BF16)
+    return rows.astype(np.float32, copy=False)
+
+
 def _to_storage(values: np.ndarray, fmt: int) -> np.ndarray:
     """float32 values exactly representable in fmt, as their storage type (NumPy's conversions)."""
     if fmt == F16:
