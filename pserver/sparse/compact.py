@@ -150,20 +150,6 @@ def _half_to_float_bits(b):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _float_to_half_bits(u):
-    """The float16 bits of a float32 (bits u) that float16 represents exactly."""
-    s = np.int64((u >> np.uint32(16)) & np.uint32(0x8000))
-    a = np.int64(u & np.uint32(0x7FFFFFFF))
-    if a == 0:
-        return s
-    e = (a >> 23) - 127
-    mant = a & 0x7FFFFF
-    if e >= -14:
-        return s | ((e + 15) << 10) | (mant >> 13)
-    return s | ((mant | 0x800000) >> (-e - 1))
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _get(data, r, at, fmt):
     """The float32 bits of the value at data[r, at] (one word, or two: float32, low half first)."""
     if fmt == BF16:
@@ -174,17 +160,43 @@ def _get(data, r, at, fmt):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _put(data, r, at, fmt, x, xbits, u, stochastic, scratch, scratch_bits):
-    """data[r, at] = x (float32, bits xbits) rounded to fmt."""
-    if fmt == F32:
-        data[r, at] = np.uint16(xbits & np.uint32(0xFFFF))
-        data[r, at + 1] = np.uint16(xbits >> np.uint32(16))
-        return
-    scratch[0] = np.float32(_round(x, xbits, fmt, u, stochastic))
+def _narrow_bits(x, xbits, fmt, draw, stochastic):
+    """The bits (uint64) of x (float32, bits xbits) rounded to fmt (bfloat16 or float16) with
+    the draw `draw`: what _round does with u = the draw's top 53 bits / 2**53, in integers where
+    the result keeps float32's low bits (bfloat16 always, float16 in its normal range): there
+    u < frac is the draw's top k bits < the k bits dropped. Scalars only: no array to count."""
+    x64 = np.uint64(xbits)
     if fmt == BF16:
-        data[r, at] = np.uint16(scratch_bits[0] >> np.uint32(16))
-    else:
-        data[r, at] = np.uint16(_float_to_half_bits(scratch_bits[0]))
+        low = x64 & np.uint64(0xFFFF)
+        if stochastic:
+            up = (draw >> np.uint64(48)) < low
+        else:
+            odd = ((x64 >> np.uint64(16)) & np.uint64(1)) == np.uint64(1)
+            up = low > np.uint64(0x8000) or (low == np.uint64(0x8000) and odd)
+        b = (x64 >> np.uint64(16)) + np.uint64(up)
+        if (b & np.uint64(0x7F80)) == np.uint64(0x7F80):     # past the largest finite value
+            b = (b & np.uint64(0x8000)) | np.uint64(0x7F7F)
+        return b
+    sign = (x64 >> np.uint64(16)) & np.uint64(0x8000)
+    field = (x64 >> np.uint64(23)) & np.uint64(0xFF)
+    if field >= np.uint64(143):                               # 65536 and above: the largest
+        return sign | np.uint64(0x7BFF)
+    if field >= np.uint64(113):                               # float16's normal range
+        a = x64 & np.uint64(0x7FFFFFFF)
+        low = a & np.uint64(0x1FFF)
+        if stochastic:
+            up = (draw >> np.uint64(51)) < low
+        else:
+            odd = ((a >> np.uint64(13)) & np.uint64(1)) == np.uint64(1)
+            up = low > np.uint64(0x1000) or (low == np.uint64(0x1000) and odd)
+        b = (a >> np.uint64(13)) - np.uint64(112 << 10) + np.uint64(up)
+        if b >= np.uint64(0x7C00):
+            b = np.uint64(0x7BFF)
+        return sign | b
+    # Below: float16's subnormals, multiples of 2**-24 (1024 of them is its smallest normal, whose
+    # bits are 0x400 too).
+    r = _round(x, xbits, fmt, np.float64(draw >> np.uint64(11)) * _TWO_M53, stochastic)
+    return sign | np.uint64(abs(r) * 16777216.0)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -223,8 +235,6 @@ def narrow(data, idx, ids, key, step, dim, row_fmt, state_fmt, slots, work, stoc
     value c of the row of ids[i] draws splitmix64(key, id, step, c)."""
     rw, sw = dim * FORMATS[row_fmt, 3], dim * FORMATS[state_fmt, 3]
     bits = work.view(np.uint32)
-    scratch = np.empty(1, np.float32)
-    scratch_bits = scratch.view(np.uint32)
     for i in range(idx.shape[0]):
         r = idx[i]
         if r < 0:
@@ -235,9 +245,14 @@ def narrow(data, idx, ids, key, step, dim, row_fmt, state_fmt, slots, work, stoc
             w = FORMATS[fmt, 3]
             base = 0 if c == 0 else rw + (c - 1) * sw
             for j in range(dim):
-                k = c * dim + j
-                u = _uniform(rk, k) if fmt != F32 else 0.0
-                _put(data, r, base + j * w, fmt, work[i, k], bits[i, k], u, stochastic, scratch, scratch_bits)
+                k, at = c * dim + j, base + j * w
+                xbits = bits[i, k]
+                if fmt == F32:
+                    data[r, at] = np.uint16(xbits & np.uint32(0xFFFF))
+                    data[r, at + 1] = np.uint16(xbits >> np.uint32(16))
+                else:
+                    draw = _draw(rk, np.uint64(k)) if stochastic else _ZERO
+                    data[r, at] = np.uint16(_narrow_bits(work[i, k], xbits, fmt, draw, stochastic))
 
 
 @njit(cache=True, nogil=True)
