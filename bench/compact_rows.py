@@ -96,6 +96,9 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=16, help="the bytes tables' dim (default 16)")
     ap.add_argument("--pairs", default="all", help="row:state pairs for the AUC runs, comma separated "
                     "(default all five; float32:float32 always runs first)")
+    ap.add_argument("--bytes-only", action="store_true", help="measure bytes and push times only, and "
+                    "replace them in the JSON at --out, keeping its AUC runs (after a kernel change that "
+                    "keeps every bit: the AUCs stand)")
     ap.add_argument("--out", default=None, help="the JSON (default bench/results/ctr/compact-rows.json)")
     args = ap.parse_args()
     m = machine()
@@ -111,6 +114,13 @@ def main() -> int:
                   f"{r['measured_bytes_per_row']:.1f}", f"{r['vs_float32']:.3f}",
                   f"{r['push_ns_per_row']:.0f}",
                   f"{r['push_time_vs_float32']:.2f}"] for r in sizes], left=3))
+    if args.bytes_only:
+        out = result_path(args.out, "ctr/compact-rows.json")
+        kept = json.loads(out.read_text()) if out.exists() else {}
+        kept.update(bytes=sizes, bytes_machine=m, bytes_load_average_before=load)
+        out.write_text(json.dumps(kept, indent=2, sort_keys=True) + "\n")
+        print(f"\nwrote {out} (bytes and push times; its AUC runs kept)")
+        return 0
     pairs = PAIRS if args.pairs == "all" else [("float32", "float32")] + [
         tuple(p.split(":")) for p in args.pairs.split(",") if p != "float32:float32"]
     runs = []
