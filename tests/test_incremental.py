@@ -215,15 +215,14 @@ def test_a_broken_delta_ends_its_chain_and_restore_says_where(tmp_path, caplog):
     store, ckpt = make_store(max_rows=0, directory=str(tmp_path))
     states = {}
     for t in range(4):
-        push(store, np.arange(1, 301 if t == 0 else 16, dtype=np.uint64) + 7 * t, t)
+        push(store, np.arange(1, 901 if t == 0 else 16, dtype=np.uint64) + 7 * t, t)
         path, version = ckpt.request()
         states[version] = (path, plain(store))
     middle = states[2][0]
     data = bytearray(open(middle, "rb").read())
-    # A byte inside the rows (the file's middle moves with its meta's length, and may land on a
-    # zip header field that nothing reads):
-    info = zipfile.ZipFile(middle).getinfo("rows.0.entries.npy")
-    data[info.header_offset + 100 + info.compress_size // 2] ^= 0xFF
+    with zipfile.ZipFile(middle) as z:           # a byte of its rows (the file's middle may be a header's)
+        entries = z.getinfo("rows.0.entries.npy")
+    data[entries.header_offset + 200 + entries.file_size // 2] ^= 0xFF
     open(middle, "wb").write(bytes(data))
     with pytest.raises(ValueError, match="the delta .*v000000000002.* before it: (checksum|unreadable)"):
         checkpoint.load(states[4][0])
