@@ -32,6 +32,7 @@ from pserver.launch.roles import exit_code, one_blas_thread, run_shard, run_trai
 from pserver.models import MODELS
 from pserver.optim import OPTIMIZERS, SCHEDULES
 from pserver.signals import follow_parent
+from pserver.sparse.compact import ROW_DTYPES, STATE_DTYPES
 from pserver.sparse.optim import ROWS
 from pserver.wire.compress import CODECS, PULL_CODECS
 
@@ -227,6 +228,11 @@ WORKER_FLAGS = [
                             "the least recently updated evicted first (default 0: no bound)")),
     Flag("--ttl-steps", dict(type=int, metavar="T", help="sparse tables: evict rows not updated for T steps "
                              "(default 0: never)")),
+    Flag("--row-dtype", dict(choices=ROW_DTYPES.names(), help="sparse tables: how the shards store rows; "
+                             "float16 and bfloat16 halve a row, the optimizer computing in float32 and "
+                             "rounding stochastically (seeded: runs repeat) (default float32)")),
+    Flag("--state-dtype", dict(choices=STATE_DTYPES.names(), help="sparse tables: how the shards store the "
+                               "row optimizer's slots: float32, or row (the row's type) (default float32)")),
     Flag("--require-fresh", dict(action="store_true", default=None,
                                  help="chief: refuse (exit 2) when the shards already hold trained state "
                                       "(default: continue from it, saying so)")),

@@ -217,6 +217,8 @@ class WorkerConfig:
     min_count: int = 0            # admission: store an id once it was pushed this many times
     max_rows: int = 0             # eviction: rows per table per shard, least recently updated out first
     ttl_steps: int = 0            # eviction: rows not updated for this many steps
+    row_dtype: str = "float32"    # how the tables store rows: float32, float16, bfloat16 (stochastic)
+    state_dtype: str = "float32"  # how they store the row optimizer's slots: float32, or row (the row's type)
     metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port, printed)
     metrics_host: str | None = None  # where they listen (default 127.0.0.1)
     tensorboard: str | None = None   # chief: write TensorBoard scalars to this directory

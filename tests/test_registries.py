@@ -21,12 +21,14 @@ from pserver.models.ctr import CTR_MODELS
 from pserver.modes import POLICIES
 from pserver.optim import OPTIMIZERS, SCHEDULES, make_optimizer, parse_schedule
 from pserver.registry import Registry
+from pserver.sparse.compact import ROW_DTYPES, STATE_DTYPES
 from pserver.sparse.optim import ROWS, RowOptimizer
 from pserver.wire.compress import CODECS, PULL_CODECS, parse, parse_pull
 
 # Every flag of the CLI that has `choices=`, and where they must come from.
 CHOICES = {"mode": MODES.names(), "optimizer": OPTIMIZERS.names(), "row_optimizer": ROWS.names(),
-           "data_plane": DATA_PLANES.names(), "backend": BACKENDS.names(), "scale_uint8": SCALE_UINT8}
+           "data_plane": DATA_PLANES.names(), "backend": BACKENDS.names(), "scale_uint8": SCALE_UINT8,
+           "row_dtype": ROW_DTYPES.names(), "state_dtype": STATE_DTYPES.names()}
 
 
 def parsers(parser: argparse.ArgumentParser):

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SparseTableSpec(_message.Message):
-    __slots__ = ("name", "dim", "optimizer", "lr", "init_scale", "seed", "min_count", "max_rows", "ttl_steps", "params")
+    __slots__ = ("name", "dim", "optimizer", "lr", "init_scale", "seed", "min_count", "max_rows", "ttl_steps", "params", "row_dtype", "state_dtype")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class SparseTableSpec(_message.Message):
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     TTL_STEPS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     optimizer: str
@@ -36,7 +38,9 @@ class SparseTableSpec(_message.Message):
     max_rows: int
     ttl_steps: int
     params: _containers.ScalarMap[str, float]
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., min_count: _Optional[int] = ..., max_rows: _Optional[int] = ..., ttl_steps: _Optional[int] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    row_dtype: str
+    state_dtype: str
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., min_count: _Optional[int] = ..., max_rows: _Optional[int] = ..., ttl_steps: _Optional[int] = ..., params: _Optional[_Mapping[str, float]] = ..., row_dtype: _Optional[str] = ..., state_dtype: _Optional[str] = ...) -> None: ...
 
 class SparsePart(_message.Message):
     __slots__ = ("table", "num_ids")

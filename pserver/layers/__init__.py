@@ -6,7 +6,8 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
     MaxPooling2D(pool_size=2, strides=None, padding='valid'), AveragePooling2D(...)
     Flatten(), Dropout(rate), Embedding(input_dim, output_dim)
     Embedding(None, output_dim, sparse=True, optimizer='adagrad', lr=0.05, min_count=0,
-              max_rows=0, ttl_steps=0): a table of unbounded ids on the shards
+              max_rows=0, ttl_steps=0, row_dtype='float32', state_dtype='float32'): a table of
+              unbounded ids on the shards (row_dtype float16 or bfloat16: compact rows)
     FM(): a factorization machine's pairwise term over (fields, k) embeddings
 
 Activations: None (linear), 'relu', 'sigmoid', 'tanh'. Any layer takes `input_shape=` (without

@@ -30,7 +30,8 @@ class Embedding(Layer):
                  input_length: int | None = None, *, sparse: bool = False,
                  optimizer: str = "adagrad", lr: float = 0.05, min_count: int = 0,
                  max_rows: int = 0, ttl_steps: int = 0, seed: int = 0,
-                 optimizer_params: dict | None = None, **kwargs):
+                 optimizer_params: dict | None = None, row_dtype: str = "float32",
+                 state_dtype: str = "float32", **kwargs):
         if input_length is not None and "input_shape" not in kwargs:
             kwargs["input_shape"] = (input_length,)
         super().__init__(**kwargs)
@@ -46,7 +47,8 @@ class Embedding(Layer):
             self._table = dict(dim=self.output_dim, optimizer=optimizer, lr=lr,
                                init_scale=_init_scale(self.embeddings_initializer), seed=seed,
                                min_count=min_count, max_rows=max_rows, ttl_steps=ttl_steps,
-                               params=tuple(sorted((optimizer_params or {}).items())))
+                               params=tuple(sorted((optimizer_params or {}).items())),
+                               row_dtype=row_dtype, state_dtype=state_dtype)
             self.table_config("embedding")    # a bad option fails here, not at the first step
 
     def table_config(self, name: str | None = None) -> TableConfig:

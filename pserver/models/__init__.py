@@ -54,7 +54,8 @@ def make_model(name: str, input_shape, num_classes: int, *,
     flat input); bad names and sizes raise ConfigError naming the flag.
 
     `options` are the CTR models' (embedding_dim, init_scale and the sparse tables' optimizer,
-    lr, min_count, max_rows, ttl_steps, seed, optimizer_params: see pserver.models.ctr); a
+    lr, min_count, max_rows, ttl_steps, seed, optimizer_params, row_dtype, state_dtype: see
+    pserver.models.ctr); a
     CTR model takes records, so its `input_shape` is () (one record per sample).
     """
     if name in CTR_MODELS:

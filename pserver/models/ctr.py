@@ -48,7 +48,8 @@ def record_dtype(dense_features: int = 13, fields: int = 26) -> np.dtype:
 class CTRModel(Model):
     """wide [+ FM] [+ deep] over records of `dense_features` floats and `fields` ids.
 
-    The table options (optimizer, lr, min_count, max_rows, ttl_steps, seed, optimizer_params)
+    The table options (optimizer, lr, min_count, max_rows, ttl_steps, seed, optimizer_params,
+    row_dtype, state_dtype)
     go to both sparse tables; `init_scale` is the range of the factors' initial values (the
     per-id weights start at zero, as logistic regression's do).
     """
@@ -350,7 +351,8 @@ def ctr_model(name: str, input_shape=(), num_classes: int = 2, hidden=None, **op
 
 # What ctr_model passes on to CTRModel and its Embedding tables.
 CTR_OPTIONS = {"embedding_dim", "init_scale", "dense_features", "fields", "optimizer",
-               "lr", "min_count", "max_rows", "ttl_steps", "seed", "optimizer_params"}
+               "lr", "min_count", "max_rows", "ttl_steps", "seed", "optimizer_params", "row_dtype",
+               "state_dtype"}
 
 
 __all__ = ["CTRModel", "CTR_MODELS", "CTR_OPTIONS", "ctr_model", "record_dtype"]

@@ -48,6 +48,7 @@ import numpy as np
 from pserver import sparse
 from pserver.errors import ConfigError, DataError
 from pserver.models import DEFAULT_HIDDEN
+from pserver.sparse.compact import to_float32
 
 FORMAT = "pserver-model"
 VERSION = 1                       # a dense model: one .npz
@@ -257,7 +258,7 @@ def _sorted_table(config, ids, rows) -> tuple[np.ndarray, np.ndarray]:
     """A table's ids as sorted uint64 and its float32 rows in their order; DataError when the
     arrays do not fit the table (other lengths, another width, an id twice)."""
     ids = np.asarray(ids)
-    rows = np.asarray(rows)
+    rows = to_float32(rows, config.row_dtype)     # compact rows: their values (bfloat16: uint16 words)
     if ids.ndim != 1 or ids.dtype.kind not in "iu" or rows.shape != (ids.shape[0], config.dim):
         raise DataError(f"table {config.name!r}: ids {ids.dtype}{list(ids.shape)} and rows "
                         f"{rows.dtype}{list(rows.shape)} do not fit a table of dim {config.dim}")

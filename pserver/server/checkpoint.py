@@ -190,7 +190,12 @@ def _write_header(out, dtype: np.dtype, shape: tuple) -> None:
 def entries_of(state: dict, columns: list[str]) -> np.ndarray:
     """A table's state() arrays as one entries array (the file's rows.<T>.entries)."""
     n = state["ids"].shape[0]
-    data = np.concatenate([np.asarray(state[c]) for c in columns], axis=1)
+    parts = [np.asarray(state[c]) for c in columns]
+    if any(p.dtype != np.float32 for p in parts):      # compact rows: the table's uint16 words
+        from pserver.sparse.compact import pack
+        data = pack(parts)
+    else:
+        data = np.concatenate(parts, axis=1)
     dtype = np.dtype([("id", "<u8"), ("last", "<i8")] + ([("steps", "<i8")] if "steps" in state else [])
                      + [("data", data.dtype.str, (data.shape[1],))])
     out = np.empty(n, dtype)
@@ -200,16 +205,21 @@ def entries_of(state: dict, columns: list[str]) -> np.ndarray:
     return out
 
 
-def state_of(entries: np.ndarray, columns: list[str], small: dict) -> dict:
+def state_of(entries: np.ndarray, columns: list[str], small: dict, table: dict | None = None) -> dict:
     """entries_of's inverse: a table's state() arrays (contiguous copies), with `small` (pending
-    ids and counts, counters) added."""
+    ids and counts, counters) added. `table`: its config (TableConfig.to_dict()), which says how a
+    table with compact rows lays its columns out in the words of `data`."""
     data = entries["data"]
+    compact = None
+    if data.dtype == np.uint16 and table is not None:   # compact rows: columns of their own types
+        from pserver.sparse import TableConfig
+        compact = TableConfig.from_dict(table).layout().unpack(data)
     width = data.shape[1] // len(columns) if columns else 0
     out = {"ids": np.ascontiguousarray(entries["id"]), "last_update": np.ascontiguousarray(entries["last"])}
     if "steps" in entries.dtype.names:
         out["steps"] = np.ascontiguousarray(entries["steps"])
     for k, c in enumerate(columns):
-        out[c] = np.ascontiguousarray(data[:, k * width:(k + 1) * width])
+        out[c] = compact[k] if compact else np.ascontiguousarray(data[:, k * width:(k + 1) * width])
     out.update({k: v for k, v in small.items() if k != "evicted"})
     return out
 
@@ -359,7 +369,7 @@ def _assemble(path: str, meta: dict, arrays: dict, deltas: list[tuple[dict, dict
         small = {k: newest[f"rows.{i}.{k}"] for k in ("pending_ids", "pending_counts", "counters")}
         entries = _replay(arrays[f"rows.{i}.entries"],
                           [(d[f"rows.{i}.evicted"], d[f"rows.{i}.entries"]) for _, d in deltas])
-        rows[t["name"]] = state_of(entries, columns, small)
+        rows[t["name"]] = state_of(entries, columns, small, t)
     m = newest_meta
     return Checkpoint(path, m["version"], m["shard"], m["num_shards"], m["signature"], m["total"], m["start"],
                       m["end"], m["optimizer"], newest["params"], state,

@@ -293,6 +293,16 @@ class ShardStore:
         if self.signature:
             if signature != self.signature or total != self.total:
                 origin = f" (restored from {self.restored_from})" if self.restored_from else ""
+                for t in tables:
+                    have = self.tables.get(t.name)
+                    if have is not None and ((have.config.row_dtype, have.config.state_dtype)
+                                             != (t.row_dtype, t.state_dtype)):
+                        c = have.config
+                        raise FailedPrecondition(
+                            f"table {t.name!r}: this shard stores its rows as {c.row_dtype} (state "
+                            f"{c.state_dtype}){origin}, the worker declares {t.row_dtype} (state "
+                            f"{t.state_dtype}); run the worker with --row-dtype {c.row_dtype} "
+                            f"--state-dtype {c.state_dtype}")
                 raise FailedPrecondition(
                     f"layout: signature {signature} ({total} params) does not match this shard's "
                     f"{self.signature} ({self.total} params){origin}; every worker must run the same model")

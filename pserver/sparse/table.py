@@ -61,7 +61,7 @@ import numpy as np
 from numba import njit
 
 from pserver.errors import ConfigError, InvalidArgument, ResourceExhausted
-from pserver.sparse import index
+from pserver.sparse import compact, index
 from pserver.sparse.dedupe import _unique_inverse_kernel
 from pserver.sparse.hashing import initial_row, table_key
 from pserver.sparse.optim import RowOptimizer
@@ -126,6 +126,8 @@ class TableConfig:
     max_rows: int = 0          # eviction per shard, least recently updated first; 0 = no bound
     ttl_steps: int = 0         # eviction of rows not updated for this many steps; 0 = never
     params: tuple = ()         # optimizer extras as sorted (key, value) pairs (its RowRule.params)
+    row_dtype: str = "float32" # how rows are stored: float32, float16 or bfloat16 (pserver.sparse.compact)
+    state_dtype: str = "float32"   # the optimizer slots': float32, or "row" (the row's type)
 
     def __post_init__(self) -> None:
         if isinstance(self.params, dict):   # accepted for convenience, kept as sorted pairs
@@ -153,6 +155,12 @@ class TableConfig:
             raise ConfigError(f"{what}: params must be (key, value) pairs sorted by distinct key, "
                               f"got {pairs!r}")
         RowOptimizer(self.optimizer, self.lr, dict(pairs), what=what)
+        compact.check_dtypes(what, self.row_dtype, self.state_dtype)
+
+    def layout(self) -> compact.Layout:
+        """Where an entry's row and slots lie, in their types."""
+        return compact.Layout(self.dim, self.row_dtype, self.state_dtype,
+                              len(RowOptimizer(self.optimizer, self.lr, dict(self.params)).slots))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -171,8 +179,14 @@ class TableConfig:
         return cls(**d)
 
     def signature(self) -> str:
-        """Stable text of every field: equal for equal configs, on every process."""
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """Stable text of every field: equal for equal configs, on every process. The row and state
+        types are left out at their defaults (float32), so a layout's signature, and the checkpoints
+        that record it, stay what they were before compact rows."""
+        d = self.to_dict()
+        for k in ("row_dtype", "state_dtype"):
+            if d[k] == "float32":
+                del d[k]
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
 
 class _Entries:
@@ -349,12 +363,16 @@ class SparseTable:
                                 what=f"table {config.name!r}")
         self._key = table_key(config.seed, self.table_index)
         self._slot_init = np.repeat(np.array(self.opt.initial, np.float32), self.dim)
+        self.layout = compact.Layout(self.dim, config.row_dtype, config.state_dtype, len(self.opt.slots))
+        self._fast = backend == "numba"
         self._lock = threading.Lock()
         self.track = False       # record evicted ids for incremental checkpoints (set by the shard)
         self._reset()
 
     def _reset(self) -> None:
-        cols = {"data": ((self.opt.width(self.dim),), np.float32), "last": ((), np.int64)}
+        lay = self.layout
+        data = ((lay.words,), np.uint16) if lay.compact else ((self.opt.width(self.dim),), np.float32)
+        cols = {"data": data, "last": ((), np.int64)}
         if self.opt.counts_steps:
             cols["steps"] = ((), np.int64)
         self._rows = _Entries(cols, background=True)
@@ -376,6 +394,11 @@ class SparseTable:
                                   f"float32[{ids.shape[0]}, {self.dim}], got {out.dtype}{list(out.shape)}")
         with self._lock:
             r, data, scale = self._rows, self._rows.arrays["data"], float(self.config.init_scale)
+            if self.layout.compact:
+                fmt = self.layout.row_fmt
+                in_parts(lambda a, b: compact.lookup(r.slots, r.keys, r.bits, data, ids[a:b], self._key,
+                                                     scale, fmt, out[a:b]), ids.shape[0], self.threads)
+                return
             in_parts(lambda a, b: _lookup(r.slots, r.keys, r.bits, data, ids[a:b], self._key, scale,
                                           out[a:b]), ids.shape[0], self.threads)
 
@@ -421,17 +444,26 @@ class SparseTable:
             if self._dump is not None:       # rows about to change or be created in place
                 self._dump.save(self, np.concatenate([idx[idx >= 0], np.arange(r.n, r.n + creates)]))
             self._low = step if self._low is None else min(self._low, step)
-            before = r.n
-            r.n, p.n = _admit(r.slots, r.keys, r.bits, r.n, r.arrays["data"], self._steps(),
-                              p.slots, p.keys, p.bits, p.n, p.arrays["count"], ids, idx,
+            before, lay = r.n, self.layout
+            # Initial rows go straight into data, or (compact) into float32 first, then rounded.
+            init = (np.empty((creates, self.opt.width(self.dim)), np.float32) if lay.compact
+                    else r.arrays["data"])
+            r.n, p.n = _admit(r.slots, r.keys, r.bits, r.n, init, before if lay.compact else 0,
+                              self._steps(), p.slots, p.keys, p.bits, p.n, p.arrays["count"], ids, idx,
                               c.min_count, self._key, float(c.init_scale), self._slot_init)
+            if lay.compact and r.n > before:
+                compact.store_initial(r.arrays["data"], before, init[:r.n - before], lay, self._fast)
             self._counters["creations"] += r.n - before
             if c.min_count > 1:
                 self._counters["admissions"] += r.n - before
             data, steps, last = r.arrays["data"], self._steps(), r.arrays["last"]
 
             def update(a, b):
-                self.opt.step(data, steps, idx[a:b], grads[a:b], scale)
+                if lay.compact:
+                    compact.step_rows(self.opt, data, steps, idx[a:b], ids[a:b], grads[a:b], scale,
+                                      self._key, step, lay, self._fast)
+                else:
+                    self.opt.step(data, steps, idx[a:b], grads[a:b], scale)
                 _touch(last, idx[a:b], step)
 
             in_parts(update, ids.shape[0], threads)
@@ -656,13 +688,15 @@ class SparseTable:
         with self._lock:
             r, p, d = self._rows, self._pending, self.dim
             data = r.arrays["data"][:r.n]
-            out = {"ids": r.keys[:r.n].copy(), "rows": data[:, :d].copy(),
+            cols = (self.layout.unpack(data) if self.layout.compact      # each column in its own type
+                    else [data[:, s * d:(s + 1) * d].copy() for s in range(1 + len(self.opt.slots))])
+            out = {"ids": r.keys[:r.n].copy(), "rows": cols[0],
                    "last_update": r.arrays["last"][:r.n].copy(),
                    "pending_ids": p.keys[:p.n].copy(),
                    "pending_counts": p.arrays["count"][:p.n].copy(),
                    "counters": np.array([self._counters[k] for k in COUNTERS], np.int64)}
             for s, name in enumerate(self.opt.slots, 1):
-                out[f"slot_{name}"] = data[:, s * d:(s + 1) * d].copy()
+                out[f"slot_{name}"] = cols[s]
             if self.opt.counts_steps:
                 out["steps"] = self._steps()[:r.n].copy()
             return out
@@ -670,7 +704,8 @@ class SparseTable:
     def load(self, state: dict[str, np.ndarray]) -> None:
         """Replace the table by a state() (checked first: on an error nothing changes)."""
         state = _check_state(self, state)
-        data = np.concatenate([state["rows"]] + [state[f"slot_{s}"] for s in self.opt.slots], axis=1)
+        columns = [state["rows"]] + [state[f"slot_{s}"] for s in self.opt.slots]
+        data = compact.pack(columns) if self.layout.compact else np.concatenate(columns, axis=1)
         arrays = {"data": data, "last": state["last_update"]}
         if self.opt.counts_steps:
             arrays["steps"] = state["steps"]
@@ -756,17 +791,22 @@ class _Dump:
 def _check_state(table: SparseTable, state: dict) -> dict:
     """The arrays of a state() for this table, or ConfigError naming the first inconsistency."""
     what, d, opt = f"table {table.config.name!r} state", table.dim, table.opt
-    want = {"ids": (np.uint64, 1), "rows": (np.float32, 2), "last_update": (np.int64, 1),
+    lay = table.layout
+    row_type, state_type = compact.STORAGE[lay.row_dtype], compact.STORAGE[lay.state_dtype]
+    want = {"ids": (np.uint64, 1), "rows": (row_type, 2), "last_update": (np.int64, 1),
             "pending_ids": (np.uint64, 1), "pending_counts": (np.int64, 1), "counters": (np.int64, 1),
-            **{f"slot_{s}": (np.float32, 2) for s in opt.slots},
+            **{f"slot_{s}": (state_type, 2) for s in opt.slots},
             **({"steps": (np.int64, 1)} if opt.counts_steps else {})}
     if sorted(state) != sorted(want):
         raise ConfigError(f"{what}: has arrays {sorted(state)}, a {opt.name} table keeps {sorted(want)}")
     arrays = {k: np.asarray(v) for k, v in state.items()}
     for k, (dtype, ndim) in want.items():
         if arrays[k].dtype != dtype or arrays[k].ndim != ndim:
+            typed = {"rows": lay.row_dtype, **{f"slot_{s}": lay.state_dtype for s in opt.slots}}
+            kind = f" (the table stores {typed[k]}: row_dtype {lay.row_dtype}, state_dtype " \
+                   f"{table.config.state_dtype})" if k in typed else ""
             raise ConfigError(f"{what}: {k} is {arrays[k].dtype}{list(arrays[k].shape)}, needs "
-                              f"{np.dtype(dtype).name} with {ndim} dimension(s)")
+                              f"{np.dtype(dtype).name} with {ndim} dimension(s){kind}")
     n, p = arrays["ids"].shape[0], arrays["pending_ids"].shape[0]
     shapes = {"rows": (n, d), "last_update": (n,), "pending_counts": (p,), "counters": (len(COUNTERS),),
               **{f"slot_{s}": (n, d) for s in opt.slots}, **({"steps": (n,)} if opt.counts_steps else {})}
@@ -784,7 +824,10 @@ def _check_values(what: str, a: dict, min_count: int) -> None:
     if unique_inverse(every)[0].shape[0] != every.shape[0]:
         raise ConfigError(f"{what}: an id appears twice among ids and pending_ids")
     for k in a:
-        if a[k].dtype == np.float32 and not np.isfinite(a[k]).all():
+        v = a[k]
+        if v.dtype == np.uint16 and k != "pending_counts":   # bfloat16 words: the high half of a float32
+            v = (v.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        if v.dtype in (np.float32, np.float16) and not np.isfinite(v).all():
             raise ConfigError(f"{what}: {k} holds a value that is not finite")
     for k in ("last_update", "counters", "steps"):
         if k in a and a[k].size and a[k].min() < 0:
@@ -855,10 +898,12 @@ def _count(pslots, pkeys, pbits, pn, pcounts, id_, min_count):
 
 
 @njit(cache=True, nogil=True)
-def _admit(slots, keys, bits, n, data, steps, pslots, pkeys, pbits, pn, pcounts, ids, idx,
+def _admit(slots, keys, bits, n, init, base, steps, pslots, pkeys, pbits, pn, pcounts, ids, idx,
            min_count, key, scale, slot_init):
-    """Count the ids that _plan found absent; create the rows of those admitted (idx[i] = row)."""
-    d = data.shape[1] - slot_init.shape[0]
+    """Count the ids that _plan found absent; create the rows of those admitted (idx[i] = row),
+    their initial values written to init[row - base] (the table's data, base 0, or a float32
+    scratch that a compact table rounds into its data)."""
+    d = init.shape[1] - slot_init.shape[0]
     for i in range(ids.shape[0]):
         if idx[i] != index.EMPTY:
             continue
@@ -871,8 +916,8 @@ def _admit(slots, keys, bits, n, data, steps, pslots, pkeys, pbits, pn, pcounts,
             if not admitted:
                 continue
         keys[n], slots[pos], idx[i] = ids[i], n, n
-        initial_row(key, ids[i], scale, data[n, :d])
-        data[n, d:] = slot_init
+        initial_row(key, ids[i], scale, init[n - base, :d])
+        init[n - base, d:] = slot_init
         if steps.shape[0]:
             steps[n] = 0
         n += 1

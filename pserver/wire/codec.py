@@ -222,7 +222,9 @@ def table_config(spec: pb.SparseTableSpec):
         return TableConfig.from_dict(dict(name=spec.name, dim=spec.dim, optimizer=spec.optimizer,
                                           lr=spec.lr, init_scale=spec.init_scale, seed=spec.seed,
                                           min_count=spec.min_count, max_rows=spec.max_rows,
-                                          ttl_steps=spec.ttl_steps, params=dict(spec.params)))
+                                          ttl_steps=spec.ttl_steps, params=dict(spec.params),
+                                          row_dtype=spec.row_dtype or "float32",
+                                          state_dtype=spec.state_dtype or "float32"))
     except ConfigError as e:
         raise InvalidArgument(f"tables: {e}") from None
 

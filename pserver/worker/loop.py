@@ -70,7 +70,8 @@ def table_options(cfg: WorkerConfig) -> dict:
     from pserver.sparse.optim import parse_params
     return dict(embedding_dim=cfg.embedding_dim, optimizer=cfg.row_optimizer, lr=cfg.row_lr,
                 optimizer_params=parse_params(cfg.row_params),
-                min_count=cfg.min_count, max_rows=cfg.max_rows, ttl_steps=cfg.ttl_steps, seed=cfg.seed)
+                min_count=cfg.min_count, max_rows=cfg.max_rows, ttl_steps=cfg.ttl_steps, seed=cfg.seed,
+                row_dtype=cfg.row_dtype, state_dtype=cfg.state_dtype)
 
 
 def load_data(cfg: WorkerConfig) -> Dataset:
