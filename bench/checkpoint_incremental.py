@@ -1,10 +1,10 @@
-"""Incremental checkpoints (issue 32): what a delta holds, what a chain costs to restore, and
+"""Incremental checkpoints: what a delta holds, what a chain costs to restore, and
 the memory a write takes beside the state.
 
     .venv/bin/python bench/checkpoint_incremental.py --secs 5 --run-samples 120000 --rows 3_000_000
 
 (a) f and r on a real run: `pserver launch --model wide_deep --dataset criteo-synthetic` with
-    --checkpoint-dir D --checkpoint-secs SECS (the issue's interval is 30 s; a shorter one keeps
+    --checkpoint-dir D --checkpoint-secs SECS (30 s is the target interval; a shorter one keeps
     the run short here: say which). Every file is hard-linked aside as it appears (pruning
     keeps only the newest), then read: per delta, f = rows in its rows.<T>.entries / rows in
     the tables at its version (also by bytes), r = its bytes / its base's bytes, checked
@@ -19,7 +19,7 @@ the memory a write takes beside the state.
     glibc malloc tuned as `pserver serve` tunes it (pserver/launch/allocator.py).
     Extra = peak during the write - RSS just before it; compared with the state's bytes (what
     the full copy before it took: 100%), with Checkpointer.aside_peak, with the bytes of the
-    rows the pushes changed before they were read + 16 MiB (the issue's bound), and with the
+    rows the pushes changed before they were read + 16 MiB (the bound), and with the
     same write with pushes stopped (the floor).
 JSON: bench/results/checkpoint/incremental.json (or --out).
 """

@@ -64,7 +64,7 @@ STRIPE_BYTES = 4 << 20                     # bytes copied at a time from the liv
 FULL_EVERY = 10                            # --full-every's default: a base every this many files
 # A base as soon as a chain's deltas add up to this much of its base: a restore reads the base
 # and its deltas and replays them, at most 1.33x the bytes, measured 1.5-1.6x a base's load on
-# 1M rows x 16 (at a half, 1.9-2.0x, over the 1.6: bench/checkpoint_incremental.py b).
+# 1M rows x 16 (at a half, 1.9-2.0x, over the 1.6 bound: bench/checkpoint_incremental.py b).
 CHAIN_LIMIT = 1 / 3
 NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d(\d{12}))?\.ckpt$")   # group 4: a delta's base
 TMP_NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d\d{12})?\.ckpt\.\d+\.tmp$")   # being written
