@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pserver import __version__
 from pserver.config import (
+    DATA_ASSIGNMENTS,
     DATA_PLANES,
     MODES,
     ServerConfig,
@@ -207,10 +208,8 @@ WORKER_FLAGS = [
                                  "shared memory stay float32")),
     Flag("--delay", dict(metavar="DIST", help="straggler delay per step: fixed:S, uniform:A,B, "
                                               "exponential:MEAN, lognormal:MEAN,SIGMA")),
-    Flag("--data-assignment", dict(choices=["slices", "leases"], help="slices (default): each rank trains "
-                                   "its fixed slice of each epoch; leases: shard 0 leases chunks of the data "
-                                   "to the workers, so a dead or slow worker's rest goes to another "
-                                   "(in-memory data and MNIST; docs/data.md)")),
+    Flag("--data-assignment", dict(choices=DATA_ASSIGNMENTS.names(), help=described(DATA_ASSIGNMENTS)
+                                   + " (leases: in-memory data and MNIST)")),
     Flag("--chunk-batches", dict(type=int, metavar="B", help="leases: batches per chunk of the data "
                                  "(default 16)")),
     Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "

@@ -362,7 +362,10 @@ def parse_tf_config(text: str | None) -> Cluster | None:
                    task_index=index, has_chief=bool(lists["chief"]))
 
 
-DATA_ASSIGNMENTS = ("slices", "leases")   # --data-assignment (docs/data.md, "Leases")
+DATA_ASSIGNMENTS = Registry("data assignment", "--data-assignment")
+DATA_ASSIGNMENTS.add("slices", "each rank trains its own slice of every epoch (default)")
+DATA_ASSIGNMENTS.add("leases", "shard 0 leases chunks of every epoch to the workers, so a dead or slow "
+                               "worker's rest goes to another (docs/guide/data-leases.md)")
 
 # --delay (pserver.worker.stragglers draws the delays): distribution -> how many numbers it takes
 DELAYS = {"fixed": 1, "uniform": 2, "exponential": 1, "lognormal": 2}

@@ -107,12 +107,12 @@ def serve(cfg: ServerConfig) -> int:
             except ConfigError:
                 server.stop(0)
                 raise
-        print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "
-              f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}"
-              f"{' (TLS)' if cfg.tls_cert else ''}{' (token required)' if cfg.auth_token else ''}",
-              flush=True)
         stopped = None
-        try:
+        try:                                # a signal right after the line below is a stop too
+            print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "
+                  f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}"
+                  f"{' (TLS)' if cfg.tls_cert else ''}{' (token required)' if cfg.auth_token else ''}",
+                  flush=True)
             while not shard.ended.wait(0.5):
                 pass
         except Stopped as e:
