@@ -381,18 +381,21 @@ class Shard:
         """(version, rows) of one sparse table for `ids` (uint64): stored rows, or their
         initial values, written into `out` when given (the data plane's buffer: no copy).
         No wait: a worker calls it after the pull that waited."""
-        self.check_shard(shard)
-        s = self.store
-        with s.cond:
-            s.require_configured()
-            self.members.authorize(rank, session, revive=True)
-            t = self.table(table)
-            version = s.version
+        t, version = self._table_for(rank, shard, table, session)
         self.check_ids(ids, "ids")
         rows = np.empty((ids.size, t.config.dim), dtype=np.float32) if out is None else out
         t.lookup(ids, rows)
-        s.counters.add("rows_pulled", ids.size)
+        self.store.counters.add("rows_pulled", ids.size)
         return version, rows
+
+    def _table_for(self, rank: int, shard: int, table: str, session: str | None):
+        """(table, version) for a worker's read of a table's rows: this shard, configured, the
+        session authorized (a worker marked dead rejoins)."""
+        self.check_shard(shard)
+        with self.store.cond:
+            self.store.require_configured()
+            self.members.authorize(rank, session, revive=True)
+            return self.table(table), self.store.version
 
     def export_rows(self, rank: int, shard: int, table: str, session: str | None = None,
                     page_bytes: int | None = None):
@@ -400,13 +403,7 @@ class Shard:
         of at most about `page_bytes` (--chunk-bytes), read page by page (8 bytes a row are
         copied up front: the ids, sorted). Authorized as pull_rows. A row evicted while the
         pages are read reads its initial value; one pushed to meanwhile, its value then."""
-        self.check_shard(shard)
-        s = self.store
-        with s.cond:
-            s.require_configured()
-            self.members.authorize(rank, session, revive=True)
-            t = self.table(table)
-            version = s.version
+        t, version = self._table_for(rank, shard, table, session)
         ids = t.sorted_ids()
         per_page = max(1, (page_bytes or self.cfg.chunk_bytes) // (8 + 4 * t.config.dim))
 
@@ -415,7 +412,7 @@ class Shard:
                 page = ids[a:a + per_page]
                 rows = np.empty((page.shape[0], t.config.dim), dtype=np.float32)
                 t.lookup(page, rows)
-                s.counters.add("rows_pulled", page.shape[0])
+                self.store.counters.add("rows_pulled", page.shape[0])
                 yield page, rows
         return version, int(ids.shape[0]), pages()
 

@@ -395,16 +395,8 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
                                             cfg.seed, epoch), offset, None)
         for step, (x, y) in enumerate(batches, start=offset):
             step_started = time.perf_counter()
-            with timer("pull"):
-                lookups = rows.for_batch(x)
-            with timer("compute"):
-                loss = gradient(w, x, y, g, clock, lookups)
-            with timer("delay"):
-                delay.sleep()
-            exchange_started = time.perf_counter()
-            with timer("push_pull"):
-                for outcome in push_pull(client, g, w, len(x), clock, lookups, rows.names):
-                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            loss, exchange_started = one_step(client, gradient, delay, timer, rows, w, g, x, y, clock,
+                                              outcomes)
             clock += 1
             done = time.perf_counter()
             report.step(done - step_started, done - exchange_started, len(x))
@@ -417,11 +409,8 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             if client.finished or (cfg.max_steps and clock >= cfg.max_steps):
                 break
         if cfg.rank == 0:
-            epochs_log.append(log_epoch(cfg, ds, model, w, epoch, (epoch_started, progress.started), rows,
-                                        progress.say))
-            report.evaluated(clock, epochs_log[-1],
-                             lambda: combine_counters(client.status())["staleness_mean"])
-            ask_checkpoint(client, progress.say)
+            epochs_log.append(chief_epoch_end(cfg, ds, model, w, epoch, epoch_started, rows, progress,
+                                              report, client, clock))
         callbacks.on_epoch_end(epoch, dict(epochs_log[-1]) if cfg.rank == 0 else {})
         if callbacks.stop_training:
             break
@@ -480,11 +469,8 @@ def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.
             finished = None
             if reply.epoch > epoch:                     # every chunk of the epoch is done
                 if cfg.rank == 0:
-                    epochs_log.append(log_epoch(cfg, ds, model, w, epoch, (epoch_started, progress.started),
-                                                rows, progress.say))
-                    report.evaluated(clock, epochs_log[-1],
-                                     lambda: combine_counters(client.status())["staleness_mean"])
-                    ask_checkpoint(client, progress.say)
+                    epochs_log.append(chief_epoch_end(cfg, ds, model, w, epoch, epoch_started, rows,
+                                                      progress, report, client, clock))
                 epoch, step, epoch_started = reply.epoch, 0, time.monotonic()
             if epoch >= cfg.epochs:
                 break
@@ -502,17 +488,8 @@ def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.
             clock += 1
             continue
         x, y = data.batch(epoch, at)
-        with timer("pull"):
-            lookups = rows.for_batch(x)
-        with timer("compute"):
-            loss = gradient(w, x, y, g, clock, lookups)
-        with timer("delay"):
-            delay.sleep()
-        exchange_started = time.perf_counter()
-        with timer("push_pull"):
-            for outcome in push_pull(client, g, w, len(x), clock, lookups, rows.names,
-                                     lease=(lease.epoch, lease.chunk, at)):
-                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        loss, exchange_started = one_step(client, gradient, delay, timer, rows, w, g, x, y, clock, outcomes,
+                                          lease=(lease.epoch, lease.chunk, at))
         clock, at = clock + 1, at + 1
         if at == lease.end_batch:                       # every shard took its last batch in
             finished, lease = (lease.epoch, lease.chunk), None
@@ -530,6 +507,32 @@ def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.
         write_json(cfg.stats_json, stats)
     return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock, "curve": curve.points,
             "stats": stats, "seconds": progress.elapsed, "resumed_at_step": 0}
+
+
+def one_step(client: PSClient, gradient, delay, timer, rows, w: np.ndarray, g: np.ndarray, x, y, clock: int,
+             outcomes: dict, lease=None) -> tuple[float, float]:
+    """One batch: pull its rows, compute the gradient into g, straggle (--delay), push and pull,
+    counting each push's outcome; its loss and when its exchange began (perf_counter)."""
+    with timer("pull"):
+        lookups = rows.for_batch(x)
+    with timer("compute"):
+        loss = gradient(w, x, y, g, clock, lookups)
+    with timer("delay"):
+        delay.sleep()
+    exchange_started = time.perf_counter()
+    with timer("push_pull"):
+        for outcome in push_pull(client, g, w, len(x), clock, lookups, rows.names, lease=lease):
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    return loss, exchange_started
+
+
+def chief_epoch_end(cfg: WorkerConfig, ds, model, w: np.ndarray, epoch: int, epoch_started: float, rows,
+                    progress, report, client: PSClient, clock: int) -> dict:
+    """The chief at an epoch's end: its log (test metrics), the report's, and a checkpoint asked for."""
+    logged = log_epoch(cfg, ds, model, w, epoch, (epoch_started, progress.started), rows, progress.say)
+    report.evaluated(clock, logged, lambda: combine_counters(client.status())["staleness_mean"])
+    ask_checkpoint(client, progress.say)
+    return logged
 
 
 def push_pull(client: PSClient, g: np.ndarray, w: np.ndarray, batch: int, clock: int, lookups=(),
