@@ -21,6 +21,19 @@ not stored returns the same value as its row once created.
 bfloat16 has no NumPy dtype: its values are uint16 words, the high half of a float32
 (`state()` arrays hold them so); float16 values are NumPy float16.
 
+Second moments in float16 are stored as their square roots. A slot that sums or averages squared
+gradients (RowRule.second_moments: adagrad's accumulator, adam's v, ftrl's n) is about g^2, 1e-6
+for a gradient of 1e-3: below float16's smallest normal value (6.1e-5), where its subnormals keep
+a few bits at most (1M criteo-synthetic samples: test AUC 0.0057 below float32's). Its square
+root, 1e-3, is well inside float16's normal range and keeps 11 bits. So with state type float16
+such a slot holds s = sqrt(G): widen squares it (exactly: 11 bits squared fit float32's 24),
+the row rule steps G in float32 as ever, and narrow rounds sqrt(G) stochastically (its rounding
+is unbiased in s; s^2 is then biased by the variance, under 2**-20 of G). bfloat16 has float32's
+range, and its 8 bits would give G only 7 as a square: its slots stay G. `state()` names such a
+slot slot_<name>.sqrt (a checkpoint's columns record it so), and SparseTable.load converts a
+slot from either form and any state type into the table's (`convert_slot`): an older checkpoint
+(G in float16) loads, and a float32-state table restores G from s^2.
+
 The kernels move values between types as bits and round in float64 (every step exact); the
 twins use NumPy's own conversions and array arithmetic.
 """
@@ -66,7 +79,9 @@ def check_dtypes(what: str, row_dtype, state_dtype) -> None:
 class Layout:
     """Where each column (the row, then each slot) of a compact table's entry lies in its words."""
 
-    def __init__(self, dim: int, row_dtype: str, state_dtype: str, slots: int):
+    def __init__(self, dim: int, row_dtype: str, state_dtype: str, slots: int, second_moments=()):
+        """`second_moments`: the positions (0-based) of the slots that hold sums or averages of
+        squared gradients: stored as square roots in float16 (the module docstring)."""
         self.dim, self.slots = dim, slots
         self.row_dtype = row_dtype
         self.state_dtype = row_dtype if state_dtype == "row" else "float32"
@@ -75,6 +90,8 @@ class Layout:
         self.row_words = dim * int(FORMATS[self.row_fmt, 3])
         self.state_words = dim * int(FORMATS[self.state_fmt, 3])
         self.words = self.row_words + slots * self.state_words
+        self.roots = np.array([self.state_fmt == F16 and s in second_moments for s in range(slots)],
+                              np.bool_)   # slot s holds sqrt(G)
 
     def bytes_per_row(self) -> int:
         """Bytes of one entry's values (the row and its slots)."""
@@ -212,8 +229,9 @@ def _uniform(row_key, c):
 # -- kernels and their twins -------------------------------------------------------------------
 
 @njit(cache=True, nogil=True)
-def widen(data, idx, dim, row_fmt, state_fmt, slots, work):
-    """work[i] = the row and slots of entry idx[i] as float32, for idx[i] >= 0."""
+def widen(data, idx, dim, row_fmt, state_fmt, slots, roots, work):
+    """work[i] = the row and slots of entry idx[i] as float32, for idx[i] >= 0 (a slot s with
+    roots[s] holds sqrt(G): G = its square)."""
     rw, sw = dim * FORMATS[row_fmt, 3], dim * FORMATS[state_fmt, 3]
     bits = work.view(np.uint32)
     for i in range(idx.shape[0]):
@@ -227,12 +245,16 @@ def widen(data, idx, dim, row_fmt, state_fmt, slots, work):
             base = 0 if c == 0 else rw + (c - 1) * sw
             for j in range(dim):
                 bits[i, c * dim + j] = _get(data, r, base + j * w, fmt)
+            if c > 0 and roots[c - 1]:
+                for j in range(dim):
+                    work[i, c * dim + j] = work[i, c * dim + j] * work[i, c * dim + j]
 
 
 @njit(cache=True, nogil=True)
-def narrow(data, idx, ids, key, step, dim, row_fmt, state_fmt, slots, work, stochastic):
+def narrow(data, idx, ids, key, step, dim, row_fmt, state_fmt, slots, roots, work, stochastic):
     """Entry idx[i] = work[i] rounded to its columns' formats (widen's inverse), for idx[i] >= 0:
-    value c of the row of ids[i] draws splitmix64(key, id, step, c)."""
+    value c of the row of ids[i] draws splitmix64(key, id, step, c). A slot s with roots[s] stores
+    sqrt(G) (float32's, left in work in G's place)."""
     rw, sw = dim * FORMATS[row_fmt, 3], dim * FORMATS[state_fmt, 3]
     bits = work.view(np.uint32)
     for i in range(idx.shape[0]):
@@ -244,8 +266,11 @@ def narrow(data, idx, ids, key, step, dim, row_fmt, state_fmt, slots, work, stoc
             fmt = row_fmt if c == 0 else state_fmt
             w = FORMATS[fmt, 3]
             base = 0 if c == 0 else rw + (c - 1) * sw
+            root = c > 0 and roots[c - 1]
             for j in range(dim):
                 k, at = c * dim + j, base + j * w
+                if root:
+                    work[i, k] = np.sqrt(work[i, k])
                 xbits = bits[i, k]
                 if fmt == F32:
                     data[r, at] = np.uint16(xbits & np.uint32(0xFFFF))
@@ -319,6 +344,30 @@ def round_many_numpy(x, fmt, key, step, ids, stochastic, out):
     out[:] = round_numpy(x, fmt, _uniform_numpy(key, ids, step, x.shape[1]), stochastic)
 
 
+_FORMAT_OF = {np.dtype(np.float32): F32, np.dtype(np.float16): F16, np.dtype(np.uint16): BF16}
+
+
+def slot_key(name: str, root: bool) -> str:
+    """A slot's name in state() and in a checkpoint's columns: slot_<name>, or slot_<name>.sqrt
+    when it holds sqrt(G)."""
+    return f"slot_{name}.sqrt" if root else f"slot_{name}"
+
+
+def convert_slot(values: np.ndarray, root: bool, lay: Layout, s: int) -> np.ndarray:
+    """A slot's state() array, in any state type (float32, float16, bfloat16 words) and either
+    form (root: it holds sqrt(G)), in the form and type of slot s of `lay`: itself when they are
+    the same, else converted in float32 and rounded to nearest."""
+    fmt = _FORMAT_OF[values.dtype]
+    if fmt == lay.state_fmt and root == bool(lay.roots[s]):
+        return values
+    x = _from_storage(values, fmt).astype(np.float32)
+    if root:
+        x = x * x
+    if lay.roots[s]:
+        x = np.sqrt(x)
+    return np.ascontiguousarray(_to_storage(round_numpy(x, lay.state_fmt, None, False), lay.state_fmt))
+
+
 def to_float32(rows: np.ndarray, row_dtype: str) -> np.ndarray:
     """A table's stored rows (state()["rows"], in their storage type) as their float32 values."""
     rows = np.asarray(rows)
@@ -344,16 +393,17 @@ def _from_storage(stored: np.ndarray, fmt: int) -> np.ndarray:
     return stored
 
 
-def widen_numpy(data, idx, dim, row_fmt, state_fmt, slots, work):
+def widen_numpy(data, idx, dim, row_fmt, state_fmt, slots, roots, work):
     """NumPy twin of widen."""
     keep = idx >= 0
     lay = _layout_of(dim, row_fmt, state_fmt, slots)
-    cols = lay.unpack(data[idx[keep]])
-    work[keep] = np.concatenate([_from_storage(c, row_fmt if k == 0 else state_fmt)
-                                 for k, c in enumerate(cols)], axis=1)
+    cols = [_from_storage(c, row_fmt if k == 0 else state_fmt)
+            for k, c in enumerate(lay.unpack(data[idx[keep]]))]
+    work[keep] = np.concatenate([c * c if k > 0 and roots[k - 1] else c for k, c in enumerate(cols)],
+                                axis=1)
 
 
-def narrow_numpy(data, idx, ids, key, step, dim, row_fmt, state_fmt, slots, work, stochastic):
+def narrow_numpy(data, idx, ids, key, step, dim, row_fmt, state_fmt, slots, roots, work, stochastic):
     """NumPy twin of narrow."""
     keep = idx >= 0
     u = _uniform_numpy(key, ids[keep], step, dim * (slots + 1))
@@ -362,7 +412,8 @@ def narrow_numpy(data, idx, ids, key, step, dim, row_fmt, state_fmt, slots, work
     for c in range(slots + 1):
         fmt = row_fmt if c == 0 else state_fmt
         part = slice(c * dim, (c + 1) * dim)
-        cols.append(_to_storage(round_numpy(vals[:, part], fmt, u[:, part], stochastic), fmt))
+        x = np.sqrt(vals[:, part]) if c > 0 and roots[c - 1] else vals[:, part]
+        cols.append(_to_storage(round_numpy(x, fmt, u[:, part], stochastic), fmt))
     data[idx[keep]] = pack(cols)
 
 
@@ -380,7 +431,8 @@ def step_rows(opt, data, steps, idx, ids, grads, scale, key, version, lay: Layou
     n = idx.shape[0]
     keep = idx >= 0
     work = np.empty((n, lay.dim * (1 + lay.slots)), np.float32)
-    (widen if fast else widen_numpy)(data, idx, lay.dim, lay.row_fmt, lay.state_fmt, lay.slots, work)
+    (widen if fast else widen_numpy)(data, idx, lay.dim, lay.row_fmt, lay.state_fmt, lay.slots, lay.roots,
+                                     work)
     local = np.where(keep, np.arange(n), -1)
     own = steps
     if opt.counts_steps:
@@ -390,7 +442,7 @@ def step_rows(opt, data, steps, idx, ids, grads, scale, key, version, lay: Layou
     if opt.counts_steps:
         steps[idx[keep]] = own[keep]
     (narrow if fast else narrow_numpy)(data, idx, ids, key, version, lay.dim, lay.row_fmt, lay.state_fmt,
-                                       lay.slots, work, True)
+                                       lay.slots, lay.roots, work, True)
 
 
 def store_initial(data, first, fresh, lay: Layout, fast: bool) -> None:
@@ -399,4 +451,4 @@ def store_initial(data, first, fresh, lay: Layout, fast: bool) -> None:
     idx = np.arange(first, first + n, dtype=np.int64)
     ids = np.zeros(n, np.uint64)
     (narrow if fast else narrow_numpy)(data, idx, ids, np.uint64(0), 0, lay.dim, lay.row_fmt,
-                                       lay.state_fmt, lay.slots, fresh, False)
+                                       lay.state_fmt, lay.slots, lay.roots, fresh, False)

@@ -71,6 +71,7 @@ class RowRule:
     name = ""
     summary = ""
     slots: tuple[str, ...] = ()     # one block of dim columns each, after the row, in this order
+    second_moments: tuple[str, ...] = ()   # slots summing or averaging g^2 (>= 0): float16 keeps their root
     params: dict[str, Param] = {}   # hyper-parameters besides lr, with their defaults
     kernel_params: tuple[str, ...] = ("lr",)   # what the kernels take after scale, in order
     kernels: tuple = ()             # (the numba kernel, its NumPy twin), module-level functions
@@ -210,6 +211,7 @@ def adagrad_numpy(data, steps, idx, grads, scale, lr, eps):
 class Adagrad(RowRule):
     name, summary = "adagrad", "a per-value sum of squared gradients scales each step"
     slots = ("accumulator",)
+    second_moments = ("accumulator",)
     # MXNet's defaults: an accumulator that starts at 0, so the first step is lr g / (|g| + eps).
     # A row's gradient is of its batch's mean loss, of order 1 / batch: Keras's initial
     # accumulator of 0.1 is larger than a row's g^2 for thousands of steps and shrank every row
@@ -279,6 +281,7 @@ def adam_numpy(data, steps, idx, grads, scale, lr, beta1, beta2, eps):
 class Adam(RowRule):
     name, summary = "adam", "Adam, lazy: each row counts and bias-corrects its own steps"
     slots = ("m", "v")
+    second_moments = ("v",)
     params = {"beta1": unit(0.9), "beta2": unit(0.999), "eps": nonnegative(1e-8)}   # Keras's
     kernel_params = ("lr", "beta1", "beta2", "eps")
     kernels = (adam, adam_numpy)
@@ -332,6 +335,7 @@ def ftrl_numpy(data, steps, idx, grads, scale, lr, beta, l1, l2, lr_power):
 class FTRL(RowRule):
     name, summary = "ftrl", "FTRL-Proximal (McMahan et al. 2013), whose l1 makes rows exactly 0"
     slots = ("z", "n")
+    second_moments = ("n",)
     params = {"beta": nonnegative(1.0), "l1": nonnegative(0.0), "l2": nonnegative(0.0),   # the paper's
               "lr_power": Param(-0.5, "<= 0", lambda v: v <= 0)}
     kernel_params = ("lr", "beta", "l1", "l2", "lr_power")
@@ -350,6 +354,7 @@ class RowOptimizer:
         self.rule = ROWS.get(name, what)
         self.name, self.h = name, hyper(name, lr, params, what)
         self.slots, self.counts_steps = self.rule.slots, self.rule.counts_steps
+        self.second_moments = tuple(k for k, s in enumerate(self.slots) if s in self.rule.second_moments)
         self.initial = self.rule.initial_slots(self.h)
         kernel, twin = self.rule.kernels
         self._step = kernel if backend == "numba" else twin

@@ -159,8 +159,8 @@ class TableConfig:
 
     def layout(self) -> compact.Layout:
         """Where an entry's row and slots lie, in their types."""
-        return compact.Layout(self.dim, self.row_dtype, self.state_dtype,
-                              len(RowOptimizer(self.optimizer, self.lr, dict(self.params)).slots))
+        opt = RowOptimizer(self.optimizer, self.lr, dict(self.params))
+        return compact.Layout(self.dim, self.row_dtype, self.state_dtype, len(opt.slots), opt.second_moments)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -363,7 +363,8 @@ class SparseTable:
                                 what=f"table {config.name!r}")
         self._key = table_key(config.seed, self.table_index)
         self._slot_init = np.repeat(np.array(self.opt.initial, np.float32), self.dim)
-        self.layout = compact.Layout(self.dim, config.row_dtype, config.state_dtype, len(self.opt.slots))
+        self.layout = compact.Layout(self.dim, config.row_dtype, config.state_dtype, len(self.opt.slots),
+                                     self.opt.second_moments)
         self._fast = backend == "numba"
         self._lock = threading.Lock()
         self.track = False       # record evicted ids for incremental checkpoints (set by the shard)
@@ -613,8 +614,10 @@ class SparseTable:
 
     @property
     def columns(self) -> list[str]:
-        """The state() arrays that an entry's `data` holds side by side, in order."""
-        return ["rows"] + [f"slot_{name}" for name in self.opt.slots]
+        """The state() arrays that an entry's `data` holds side by side, in order (a slot held as
+        its square root is slot_<name>.sqrt: compact.slot_key)."""
+        return ["rows"] + [compact.slot_key(name, root)
+                           for name, root in zip(self.opt.slots, self.layout.roots)]
 
     def entry_dtype(self) -> np.dtype:
         """One row of a checkpoint file's entries array: id, last update, [steps], data."""
@@ -695,16 +698,19 @@ class SparseTable:
                    "pending_ids": p.keys[:p.n].copy(),
                    "pending_counts": p.arrays["count"][:p.n].copy(),
                    "counters": np.array([self._counters[k] for k in COUNTERS], np.int64)}
-            for s, name in enumerate(self.opt.slots, 1):
-                out[f"slot_{name}"] = cols[s]
+            for s, key in enumerate(self.columns[1:], 1):
+                out[key] = cols[s]
             if self.opt.counts_steps:
                 out["steps"] = self._steps()[:r.n].copy()
             return out
 
     def load(self, state: dict[str, np.ndarray]) -> None:
-        """Replace the table by a state() (checked first: on an error nothing changes)."""
+        """Replace the table by a state() (checked first: on an error nothing changes). Its slots
+        may be in another state type or form (slot_<name> or slot_<name>.sqrt, as a checkpoint
+        written before the float16 slots kept their roots): converted to the table's, rounded
+        to nearest (compact.convert_slot)."""
         state = _check_state(self, state)
-        columns = [state["rows"]] + [state[f"slot_{s}"] for s in self.opt.slots]
+        columns = [state["rows"]] + [state[k] for k in self.columns[1:]]
         data = compact.pack(columns) if self.layout.compact else np.concatenate(columns, axis=1)
         arrays = {"data": data, "last": state["last_update"]}
         if self.opt.counts_steps:
@@ -792,29 +798,37 @@ def _check_state(table: SparseTable, state: dict) -> dict:
     """The arrays of a state() for this table, or ConfigError naming the first inconsistency."""
     what, d, opt = f"table {table.config.name!r} state", table.dim, table.opt
     lay = table.layout
-    row_type, state_type = compact.STORAGE[lay.row_dtype], compact.STORAGE[lay.state_dtype]
+    row_type = compact.STORAGE[lay.row_dtype]
+    # A slot in either form (compact.slot_key) and any state type: converted below.
+    given = {}
+    for name, key in zip(opt.slots, table.columns[1:]):
+        forms = [k for k in (f"slot_{name}", f"slot_{name}.sqrt") if k in state]
+        given[key] = forms[0] if len(forms) == 1 else key
     want = {"ids": (np.uint64, 1), "rows": (row_type, 2), "last_update": (np.int64, 1),
             "pending_ids": (np.uint64, 1), "pending_counts": (np.int64, 1), "counters": (np.int64, 1),
-            **{f"slot_{s}": (state_type, 2) for s in opt.slots},
+            **{k: ((np.float32, np.float16, np.uint16), 2) for k in given.values()},
             **({"steps": (np.int64, 1)} if opt.counts_steps else {})}
     if sorted(state) != sorted(want):
-        raise ConfigError(f"{what}: has arrays {sorted(state)}, a {opt.name} table keeps {sorted(want)}")
+        raise ConfigError(f"{what}: has arrays {sorted(state)}, a {opt.name} table keeps "
+                          f"{sorted(want.keys() - given.values() | given.keys())}")
     arrays = {k: np.asarray(v) for k, v in state.items()}
     for k, (dtype, ndim) in want.items():
-        if arrays[k].dtype != dtype or arrays[k].ndim != ndim:
-            typed = {"rows": lay.row_dtype, **{f"slot_{s}": lay.state_dtype for s in opt.slots}}
-            kind = f" (the table stores {typed[k]}: row_dtype {lay.row_dtype}, state_dtype " \
-                   f"{table.config.state_dtype})" if k in typed else ""
+        if arrays[k].dtype not in np.atleast_1d(dtype) or arrays[k].ndim != ndim:
+            kind = (f" (the table stores {lay.row_dtype}: row_dtype {lay.row_dtype}, state_dtype "
+                    f"{table.config.state_dtype})") if k == "rows" else ""
+            names = " or ".join(np.dtype(t).name for t in np.atleast_1d(dtype))
             raise ConfigError(f"{what}: {k} is {arrays[k].dtype}{list(arrays[k].shape)}, needs "
-                              f"{np.dtype(dtype).name} with {ndim} dimension(s){kind}")
+                              f"{names} with {ndim} dimension(s){kind}")
     n, p = arrays["ids"].shape[0], arrays["pending_ids"].shape[0]
     shapes = {"rows": (n, d), "last_update": (n,), "pending_counts": (p,), "counters": (len(COUNTERS),),
-              **{f"slot_{s}": (n, d) for s in opt.slots}, **({"steps": (n,)} if opt.counts_steps else {})}
+              **{k: (n, d) for k in given.values()}, **({"steps": (n,)} if opt.counts_steps else {})}
     for k, shape in shapes.items():
         if arrays[k].shape != shape:
             raise ConfigError(f"{what}: {k} has shape {list(arrays[k].shape)}, needs {list(shape)} "
                               f"({n} rows, {p} pending ids, dim {d})")
     _check_values(what, arrays, table.config.min_count)
+    for s_, (key, have) in enumerate(given.items()):
+        arrays[key] = compact.convert_slot(arrays.pop(have), have.endswith(".sqrt"), lay, s_)
     return arrays
 
 
