@@ -60,7 +60,8 @@ ROW_DTYPES.add("bfloat16", "2 bytes: float32's range with 8 significant bits (th
                BF16)
 STATE_DTYPES = Registry("state type", "--state-dtype")
 STATE_DTYPES.add("float32", "the optimizer slots stay float32 (default)")
-STATE_DTYPES.add("row", "the optimizer slots in the row's type, rounded stochastically as the rows are")
+STATE_DTYPES.add("row", "the optimizer slots in the row's type, rounded stochastically as the rows are "
+                 "(float16 keeps those of squared gradients as their square roots)")
 FORMATS = np.array([[23, -126, 127, 2], [7, -126, 127, 1], [10, -14, 15, 1]], np.int64)
 MAX_FINITE = np.array([float(np.finfo(np.float32).max), 3.3895313892515355e38, 65504.0])
 CODE = {"float32": F32, "bfloat16": BF16, "float16": F16}
