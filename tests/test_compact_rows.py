@@ -60,8 +60,10 @@ def test_the_numba_and_numpy_tables_agree_bit_for_bit(row, state, optimizer):
 
 @pytest.mark.parametrize("fmt, name", [(compact.BF16, "bfloat16"), (compact.F16, "float16")])
 def test_every_16_bit_value_widens_as_numpy_reads_it(fmt, name):
-    """widen's frexp/ldexp decoder against NumPy's own conversions, over all 2**16 patterns but
-    infinities and NaNs: catches a wrong bias, a wrong subnormal scale, a lost sign."""
+    """widen's decoders (float16: its bits placed as a float32's, times 2**112) against NumPy's
+    own conversions, over all 2**16 patterns but infinities and NaNs, and float16's as a root
+    slot (its square): catches a wrong bias, a wrong subnormal scale, a lost sign, a root left
+    unsquared."""
     words = np.arange(1 << 16, dtype=np.uint16)
     finite = np.isfinite(compact._from_storage(words.view(compact.STORAGE[name]), fmt))
     words = words[finite].reshape(-1, 1)
@@ -94,6 +96,26 @@ def test_rounding_kernel_and_twin_agree(x, fmt, step, stochastic):
     compact.round_many(x, fmt, KEY, step, ids, stochastic, a)
     compact.round_many_numpy(x, fmt, KEY, step, ids, stochastic, b)
     assert a.view(np.uint32).tobytes() == b.view(np.uint32).tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=st.lists(values, min_size=6, max_size=6),
+       g=st.lists(st.floats(0, 1e6, width=32), min_size=3, max_size=3),
+       fmt=st.sampled_from([compact.BF16, compact.F16]), step=st.integers(0, 2**40), stochastic=st.booleans())
+def test_narrow_and_its_twin_agree_over_every_range(x, g, fmt, step, stochastic):
+    """narrow's per-format loops (the integer paths, float16's values below its normal range
+    redone by _narrow_bits, the clip to the largest finite value, a root slot) against the twin,
+    on values from every range: zeros, subnormals, normals, past float16's largest. Catches the
+    float16 values below its normal range left to the integer path (they wrap)."""
+    lo = np.array([1e-7, 3e-5, 6.1e-5, 7e4, 0.0, -2e-8], np.float32)
+    rows = np.stack([np.asarray(x, np.float32), lo])                        # 2 entries of dim 6
+    slot = np.concatenate([np.asarray(g, np.float32), [0.0, 1e-12, 5e9]]).astype(np.float32)
+    work = np.concatenate([rows, np.stack([slot, slot[::-1].copy()])], axis=1)
+    idx, ids = np.arange(2, dtype=np.int64), np.array([3, 9], np.uint64)
+    a, b = (np.zeros((2, 12), np.uint16) for _ in range(2))
+    compact.narrow(a, idx, ids, KEY, step, 6, fmt, fmt, 1, ROOT, work.copy(), stochastic)
+    compact.narrow_numpy(b, idx, ids, KEY, step, 6, fmt, fmt, 1, ROOT, work.copy(), stochastic)
+    assert a.tobytes() == b.tobytes()
 
 
 def neighbours(x: float, fmt: int) -> tuple[float, float]:
