@@ -20,7 +20,9 @@ round, rounds interleaved across the tables (medians; ratios within this run):
 
     .venv/bin/python bench/compact_push.py --baseline c8a251c   # the per-format loops' gain
 
-Writes results/sparse/compact-push.json (--out to choose).
+Writes results/sparse/compact-push.json (--out bench/results/sparse/compact-push.json for the
+committed figures; compact-push-before-after.json there: this script run on the code before and
+after the float16 narrow loop, alternating).
 """
 
 from __future__ import annotations
