@@ -373,12 +373,15 @@ def test_an_export_writes_a_compact_tables_rows_as_their_float32_values():
 DIM = 4
 
 
-def test_a_compact_table_trains_over_grpc_checkpoints_and_refuses_another_row_type(shard_server, tmp_path):
-    """Real shards: a bfloat16 table's rows reach the worker as float32 (the stored values widened),
-    survive a checkpoint and restore bit for bit, and a worker declaring float32 rows against the
-    restored shards is refused in one line naming both types."""
+@pytest.mark.parametrize("row", ["bfloat16", "float16"])
+def test_a_compact_table_trains_over_grpc_checkpoints_and_refuses_another_row_type(shard_server, tmp_path,
+                                                                                    row):
+    """Real shards: a compact table's rows reach the worker as float32 (the stored values widened),
+    survive a checkpoint and restore bit for bit (float16: its accumulator as a root, named so in
+    the file and the restored state), and a worker declaring float32 rows against the restored
+    shards is refused in one line naming both types."""
     table = TableConfig("emb", DIM, optimizer="adagrad", lr=0.1, init_scale=0.1, seed=7,
-                        row_dtype="bfloat16", state_dtype="row")
+                        row_dtype=row, state_dtype="row")
     layout = Layout.of([("b", (3,))], [table])
 
     def client(servers, lay, init):
@@ -403,14 +406,20 @@ def test_a_compact_table_trains_over_grpc_checkpoints_and_refuses_another_row_ty
     lk.grads[:] = 0.5
     c.push(np.zeros(layout.total, np.float32), num_samples=1, lookups=[lk], tables=["emb"])
     want = pulled(c, ids)
-    assert np.all((want.view(np.uint32) & np.uint32(0xFFFF)) == 0)    # bfloat16 values, widened
+    if row == "bfloat16":
+        assert np.all((want.view(np.uint32) & np.uint32(0xFFFF)) == 0)    # bfloat16 values, widened
+    else:
+        np.testing.assert_array_equal(want.astype(np.float16).astype(np.float32), want)
     assert all(s.store.tables["emb"].config == table for _, s in servers)
     c.checkpoint()
     restored = [shard_server(shard=j, num_shards=2, optimizer="sgd", lr=1.0, restore=str(tmp_path))
                 for j in range(2)]
     np.testing.assert_array_equal(pulled(client(restored, layout, False), ids), want)
+    for (_, before), (_, after) in zip(servers, restored):
+        assert bits(after.store.tables["emb"].state()) == bits(before.store.tables["emb"].state())
+        assert ("slot_accumulator.sqrt" in after.store.tables["emb"].state()) == (row == "float16")
     other = Layout.of([("b", (3,))], [TableConfig("emb", DIM, optimizer="adagrad", lr=0.1, init_scale=0.1,
                                                   seed=7)])
-    with pytest.raises(Exception, match="stores its rows as bfloat16 .state row.*declares float32") as e:
+    with pytest.raises(Exception, match=f"stores its rows as {row} .state row.*declares float32") as e:
         client(restored, other, False)
-    assert "--row-dtype bfloat16 --state-dtype row" in str(e.value)
+    assert f"--row-dtype {row} --state-dtype row" in str(e.value)
