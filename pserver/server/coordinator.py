@@ -134,15 +134,14 @@ class Coordinator:
     def progress_of(self, rank: int, session: str, epoch: int, chunk: int, batch: int) -> bool:
         """A push to shard 0 carries batch `batch` of rank's lease: the batches before it are done
         and this one is in flight. False when rank no longer holds that lease (it was released
-        and the chunk went elsewhere): the worker must drop it and ask for another."""
+        and the chunk went elsewhere): shard 0 refuses the push, the worker drops the chunk and
+        asks for another."""
         held = self.leases.get(rank)
         start, end = self.plan.bounds(chunk) if self.plan is not None else (0, 0)
         if held is None or held[0] != session or epoch != self.epoch or held[1] != chunk \
                 or not start <= batch < end:
             # A worker that came back after its lease was released (or a shard 0 restored under
-            # it) trains a batch someone else has or will: counted, as the dead worker's in-flight one.
-            if self.plan is not None and 0 <= batch < self.plan.num_batches:
-                self.counters["batches_retrained"] += 1
+            # it): shard 0 refuses the push (LeaseGone) and the worker drops the chunk.
             return False
         self.progress[chunk] = max(self.progress.get(chunk, 0), batch - start)
         self.leases[rank] = (session, chunk, batch)

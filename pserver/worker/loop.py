@@ -24,6 +24,7 @@ from pserver.errors import (
     DataError,
     DeadlineExceeded,
     FailedPrecondition,
+    LeaseGone,
     PServerError,
     StaleStep,
 )
@@ -488,8 +489,15 @@ def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.
             clock += 1
             continue
         x, y = data.batch(epoch, at)
-        loss, exchange_started = one_step(client, gradient, delay, timer, rows, w, g, x, y, clock, outcomes,
-                                          lease=(lease.epoch, lease.chunk, at))
+        try:
+            loss, exchange_started = one_step(client, gradient, delay, timer, rows, w, g, x, y, clock,
+                                              outcomes, lease=(lease.epoch, lease.chunk, at))
+        except LeaseGone as e:                          # marked dead meanwhile: the chunk went elsewhere
+            progress.say(f"worker {cfg.rank}: {e}")
+            outcomes["lease_gone"] = outcomes.get("lease_gone", 0) + 1
+            client.pull(w, clock + 1)                   # a refused push pulled nothing
+            lease, finished = None, None
+            continue
         clock, at = clock + 1, at + 1
         if at == lease.end_batch:                       # every shard took its last batch in
             finished, lease = (lease.epoch, lease.chunk), None
