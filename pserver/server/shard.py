@@ -161,15 +161,18 @@ class Shard:
         self.policy.forget(rank)
 
     def lease(self, rank: int, session: str | None, plan: Plan,
-              finished: tuple[int, int] | None = None) -> Lease | None:
+              finished: tuple[int, int] | None = None, done_before_restore=()) -> Lease | None:
         """rank's lease of the training data from shard 0's coordinator (pserver.server.coordinator):
         the one it holds, or, once `finished` (epoch, chunk) is done, the next; None when every
-        chunk of the epoch is leased to others. A worker whose data differs (plan) is refused."""
+        chunk of the epoch is leased to others. A worker whose data differs (plan) is refused.
+        `done_before_restore`: (epoch, chunk, end) the worker trained under the coordinator before
+        this one was restored (it saw `coordinator.ident` change): counted in batches_retrained."""
         if self.cfg.shard != 0:
             raise FailedPrecondition(f"lease: the data coordinator is in shard 0, not shard {self.cfg.shard}")
         with self.store.cond:
             self.members.authorize(rank, session)
             self.store.coordinator.configure(plan)
+            self.store.coordinator.done_before_restore(done_before_restore)
             return self.store.coordinator.lease(rank, self.members.sessions[rank], finished)
 
     def _check_lease(self, rank: int, lease: tuple[int, int, int]) -> None:

@@ -790,11 +790,14 @@ class PSClient:
         return self.feedback.pack(grad, s.info.range_start, s.info.range_end)
 
     def lease_data(self, num_batches: int, chunk_batches: int, seed: int, fingerprint: str, epochs: int = 0,
-                   finished: tuple[int, int] | None = None) -> pb.LeaseDataReply:
-        """This worker's lease of the training data from shard 0's coordinator (LeaseData)."""
+                   finished: tuple[int, int] | None = None, done_before_restore=()) -> pb.LeaseDataReply:
+        """This worker's lease of the training data from shard 0's coordinator (LeaseData).
+        `done_before_restore`: (epoch, chunk, end) it trained under a coordinator shard 0 has
+        since restored over (the reply's coordinator_id changed)."""
+        done = [pb.LeaseDoneBeforeRestore(epoch=e, chunk=c, end=n) for e, c, n in done_before_restore]
         request = pb.LeaseDataRequest(rank=self.rank, num_batches=num_batches, chunk_batches=chunk_batches,
                                       seed=seed, fingerprint=fingerprint, epochs=epochs,
-                                      finished=finished is not None)
+                                      finished=finished is not None, done_before_restore=done)
         if finished is not None:
             request.finished_epoch, request.finished_chunk = finished
         return self.shards[0].lease_data(request, self.rpc_deadline)

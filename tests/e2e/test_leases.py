@@ -69,3 +69,36 @@ def test_a_worker_stopped_past_step_timeout_learns_its_lease_is_gone(procs, tmp_
     assert s["chunks_done"] == EPOCHS * CHUNKS, s
     assert s["chunks_released"] == 1 and s["batches_retrained"] <= 1, s
     assert "no longer holds chunk" in workers[1].output, workers[1].output
+
+
+def test_shard_0_restored_mid_epoch_counts_the_chunks_done_since_its_checkpoint(procs, tmp_path):
+    """Shard 0 SIGKILLed a while after a checkpoint and restarted with --restore: the workers see a
+    new coordinator, report what they trained under the old one, and the batches done after the
+    checkpoint count in batches_retrained (more than the two batches in flight at the checkpoint,
+    which is all the old code counted); the epochs still end with every chunk done once."""
+    from tests.e2e.test_training import free_port
+    port, ckpt = free_port(), tmp_path / "ckpt"
+    ckpt.mkdir()
+    serve = ["serve", "--port", str(port), "--num-workers", "2", "--mode", "async", "--step-timeout", "5",
+             "--optimizer", "sgd", "--lr", "0.1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "100",
+             "--restore", str(ckpt)]
+    shard = procs(*serve)
+    addr = shard.address()
+    summary = tmp_path / "summary.json"
+    train = [a if a != "fixed:0.01" else "fixed:0.02" for a in TRAIN]
+    workers = [procs("worker", "--ps", addr, "--rank", str(r), "--num-workers", "2", *train, "--rpc-deadline",
+                     "60", *(["--summary-json", str(summary)] if r == 0 else [])) for r in range(2)]
+    assert wait_until(lambda: any(ckpt.glob("shard0-*.ckpt")), 60), shard.output
+    time.sleep(0.6)                                   # about 30 batches past version 100's checkpoint
+    shard.popen.send_signal(signal.SIGKILL)
+    shard.popen.wait()
+    restarted = procs(*serve)
+    restarted.address()
+    assert workers[0].wait() == 0 and workers[1].wait() == 0, workers[0].output + workers[1].output
+    assert "restored version" in restarted.output, restarted.output
+    s = read_json(summary)
+    told = [w.output for w in workers if "data coordinator restored from a checkpoint" in w.output]
+    assert told, workers[0].output
+    assert s["chunks_done"] == EPOCHS * CHUNKS, s
+    assert s["batches_retrained"] > 2, s
+    print(f"retrained {s['batches_retrained']}, released {s['chunks_released']}")
