@@ -1,6 +1,6 @@
 """Issue 34's combined elastic run on real MNIST against a job that ran 4 workers from the start.
 
-    PSERVER_MNIST_DIR=/work/shared/datasets/mnist python bench/elastic_mnist.py --repeats 2 \\
+    PSERVER_MNIST_DIR=DIR .venv/bin/python bench/elastic_mnist.py --repeats 2 \\
         --out bench/results/elastic/elastic_mnist.json
 
 Grown (what tests/e2e/test_elastic_mnist.py runs): an MLP on MNIST, --data-assignment leases,
