@@ -1,4 +1,4 @@
-"""Issue 34's combined elastic run on real MNIST against a job that ran 4 workers from the start.
+"""The whole elastic scenario on real MNIST against a job that ran 4 workers from the start.
 
     PSERVER_MNIST_DIR=DIR .venv/bin/python bench/elastic_mnist.py --repeats 2 \\
         --out bench/results/elastic/elastic_mnist.json
