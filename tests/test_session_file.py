@@ -139,3 +139,10 @@ def test_an_auto_rank_slot_is_one_live_process_s_and_a_dead_one_s_rank_comes_bac
     assert again.load() == {PS[0]: "a" * 32, PS[1]: "b" * 32}
     assert SessionFile.auto_slot(d, PS[::-1]).rank == -1          # another cluster: its own slots
     assert SessionFile.auto_slot("none", PS).path is None
+
+
+def test_an_auto_rank_slot_on_an_unwritable_directory_costs_the_file_not_the_run(tmp_path, capsys):
+    (tmp_path / "plain").write_text("")
+    slot = SessionFile.auto_slot(str(tmp_path / "plain" / "sessions"), PS)   # under a file: cannot exist
+    assert slot.path is None and slot.rank == -1
+    assert "a restart of it gets a new rank" in capsys.readouterr().out

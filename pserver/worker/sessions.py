@@ -67,20 +67,24 @@ class SessionFile:
         self = cls(directory, ps, -1)
         if self.path is None:
             return self
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        check_private(self.directory, 0o700, "directory", "--session-dir")
-        for slot in range(AUTO_SLOTS):
-            path = auto_path_for(self.directory, ps, slot)
-            fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                continue                    # a live worker's slot
-            self.path, self.lock_fd = path, fd
-            self.rank = self._kept_rank()
-            return self
-        self.path = None                    # every slot live: keep no file
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            check_private(self.directory, 0o700, "directory", "--session-dir")   # refused: raises
+            for slot in range(AUTO_SLOTS):
+                path = auto_path_for(self.directory, ps, slot)
+                fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    continue                # a live worker's slot
+                self.path, self.lock_fd = path, fd
+                self.rank = self._kept_rank()
+                return self
+        except OSError as e:                # a full or read-only disk costs the file, not the run
+            print(f"--session-dir: cannot keep this --rank auto worker's session in {self.directory} "
+                  f"({e.strerror or e}); a restart of it gets a new rank", flush=True)
+        self.path = None                    # every slot live, or no directory: keep no file
         return self
 
     def _kept_rank(self) -> int:
