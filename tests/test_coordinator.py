@@ -303,6 +303,32 @@ def test_a_dead_workers_lease_goes_to_the_next_worker_from_its_first_batch_not_d
     assert shard.store.coordinator.leases[0][1] == held.chunk              # rank 0 holds it still
 
 
+def test_with_several_shards_a_refused_stale_lease_push_counts_as_retrained():
+    """Shard 0 of 2 refuses a push for a lease its worker no longer holds, but shard 1 took that push in
+    (a worker pushes to every shard at once): the batch counts in batches_retrained. Fails if the
+    refusal is missing or the count is (the counters would claim fewer batches trained twice)."""
+    import numpy as np
+
+    from pserver.models.layout import Layout
+    from pserver.records import PushRequest
+    from tests.test_modes import fill_with, make_cluster
+    shard = make_cluster(Layout.of([("w", (4,))]), np.ones(4, np.float32), 2, 2, mode="async")[0]
+    n = shard.store.end - shard.store.start
+
+    def push(lease):
+        return shard.push(PushRequest(1, 0, shard.store.version, n, "float32", 2, 0,
+                                      fill_with(np.ones(n, np.float32)), lease=lease))
+
+    plan = Plan(8, 4, 5, "fp")
+    held = shard.lease(1, None, plan)
+    push((held.epoch, held.chunk, held.first))
+    with shard.store.cond:
+        shard.members.mark_dead({1}, "a test")
+    assert shard.store.coordinator.counters["batches_retrained"] == 1       # its in-flight batch
+    with pytest.raises(LeaseGone):
+        push((held.epoch, held.chunk, held.first + 1))
+    assert shard.store.coordinator.counters["batches_retrained"] == 2
+
 def test_a_worker_with_other_data_is_refused_and_shard_1_has_no_coordinator():
     shard = _cluster()
     shard.lease(0, None, Plan(8, 4, 5, "fp"))
