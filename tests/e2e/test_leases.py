@@ -47,14 +47,15 @@ def test_a_worker_killed_in_epoch_2_its_chunk_goes_to_another_and_every_chunk_is
           f"counters {[s[k] for k in ('chunks_done', 'chunks_released', 'batches_retrained')]}")
 
 
-def test_a_worker_stopped_past_step_timeout_learns_its_lease_is_gone(procs, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_worker_stopped_past_step_timeout_learns_its_lease_is_gone(procs, tmp_path, mode):
     """SIGSTOP a worker longer than --step-timeout (it is marked dead, its lease released and leased
     again), then SIGCONT: its next push carries the old lease, shard 0 refuses it (lease_gone), and the
     worker drops that chunk and asks for another. Fails if the stale worker goes on training its old
     chunk (every further push of it would count in batches_retrained: above 1), if the refusal kills the
     worker (exit code), or if a chunk is lost or done twice (chunks_done != 34)."""
     shard = procs("serve", "--port", "0", "--num-workers", "2", "--step-timeout", "1.5",
-                  "--optimizer", "sgd", "--lr", "0.1", "--mode", "async")
+                  "--optimizer", "sgd", "--lr", "0.1", "--mode", mode)
     addr = shard.address()
     summary = tmp_path / "summary.json"
     # one epoch, about 5 s: worker 1 is stopped in it and comes back before it ends
