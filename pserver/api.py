@@ -250,9 +250,11 @@ class Cluster:
 
 
 def start_cluster(*, ps: int = 1, workers: int = 2, max_workers: int = 0, **options) -> Cluster:
-    """Start a local cluster (as `pserver launch` does, in the background) that workers may join
-    up to `max_workers` (default `workers`): `cluster.add_workers(k)`, then `cluster.wait()` for
-    the summary. `options` are launch's flags with underscores (model="logreg", epochs=2, ...)."""
+    """Start a cluster (as `pserver launch` does, in the background) that workers may join up to
+    `max_workers` (default `workers`): `cluster.add_workers(k)`, then `cluster.wait()` for the
+    summary. `options` are launch's flags with underscores (model="logreg", epochs=2, ...);
+    backend="ray" runs it on Ray (started here, or the one at address=), where added workers
+    are actors too."""
     def flags(items) -> list[str]:
         out = []
         for k, v in items:
@@ -268,7 +270,8 @@ def start_cluster(*, ps: int = 1, workers: int = 2, max_workers: int = 0, **opti
     tmp = tempfile.TemporaryDirectory()
     summary = os.path.join(tmp.name, "summary.json")
     argv = ["--ps", str(ps), "--workers", str(workers), "--max-workers", str(max_workers or workers),
-            "--summary-json", summary, *flags((k, v) for k, v in options.items() if k != "address")]
+            "--summary-json", summary,
+            *flags((k, v) for k, v in options.items() if k != "address" or options.get("backend") != "ray")]
     joiner = None
     if options.get("backend") == "ray":         # launch runs on the Ray that the added workers join
         from pserver.config import AUTO_RANK
