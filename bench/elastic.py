@@ -1,7 +1,9 @@
 """Elastic workers: how long a joining worker takes to its first push taken in, and the job's
-throughput after growing from 2 to 4 workers against a job started with 4.
+throughput after growing from 2 to 4 workers against a job started with 4; with --release, how
+soon a SIGKILLed worker's data lease is released (and so leased again).
 
     .venv/bin/python bench/elastic.py --pairs 3 --out results/elastic/elastic.json
+    .venv/bin/python bench/elastic.py --pairs 0 --release --out results/elastic/release.json
 
 Each pair runs, one after the other on this machine: (grown) a sync shard with --num-workers 2
 --max-workers 4, two workers, then two `pserver worker --rank auto` once the first two train;
@@ -10,6 +12,12 @@ shard's steps per second over --window seconds once all 4 push (the shard's vers
 Status), times 4 batches a step. The joiner's figure is what it prints: "first push after
 joining taken in X s after this process started" (kernels cached: the first workers compiled
 them). Prints the machine and its load first; writes the JSON.
+
+--release: a real shard and 3 workers with --data-assignment leases in async, --step-timeout 3;
+one is SIGKILLed mid-epoch; the figure is the time from the kill until shard 0 counts its lease
+released (chunks_released, polled every 20 ms), which the next ask then gets: at most the step
+timeout plus the shard's reaper tick (min(1, T/4)). The straggler comparison of leases and slices
+is bench/modes.py's (--assignments slices,leases).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -106,10 +115,47 @@ def run(grown: bool, window: float) -> dict:
             p.stop()
 
 
+def release_run(step_timeout: float = 3.0, workers: int = 3) -> dict:
+    """Kill one leased worker mid-epoch; seconds until shard 0 counts its lease released."""
+    from pserver.worker.client import PSClient
+    shard = Proc("serve", "--port", "0", "--num-workers", str(workers), "--mode", "async",
+                 "--step-timeout", str(step_timeout), "--optimizer", "sgd", "--lr", "0.1")
+    procs = [shard]
+    try:
+        addr = "127.0.0.1:" + shard.wait_for(r"listening on [\w.]+:(\d+)").group(1)
+        flags = ["--model", "logreg", "--samples", "9600", "--features", "20", "--batch-size", "32",
+                 "--epochs", "3", "--chunk-batches", "8", "--data-assignment", "leases",
+                 "--delay", "fixed:0.005"]
+        procs += [Proc("worker", "--ps", addr, "--rank", str(r), "--num-workers", str(workers), *flags)
+                  for r in range(workers)]
+        status = PSClient([addr], rpc_deadline=5)
+        status.connect(30)
+        try:
+            deadline = time.monotonic() + 120
+            while status.status()[0].counters.chunks_done < 3:
+                if time.monotonic() > deadline or any(p.popen.poll() is not None for p in procs):
+                    raise RuntimeError("the leased workers did not get going:\n" + "\n".join(procs[-1].lines))
+                time.sleep(0.05)
+            procs[-1].popen.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            while status.status()[0].counters.chunks_released < 1:
+                if time.monotonic() - killed > 60:
+                    raise RuntimeError("the lease was not released within 60 s")
+                time.sleep(0.02)
+            return {"step_timeout": step_timeout, "release_seconds": round(time.monotonic() - killed, 3)}
+        finally:
+            status.close()
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--window", type=float, default=6.0, help="seconds throughput is measured over")
+    p.add_argument("--release", action="store_true",
+                   help="measure the re-lease of a killed worker's chunk too")
     p.add_argument("--out", default=None, help="JSON path (default results/elastic/elastic.json)")
     args = p.parse_args(argv)
     m = machine()
@@ -123,14 +169,22 @@ def main(argv=None) -> None:
               f"{b['steps_per_s']:.1f} steps/s, ratio {pairs[-1]['ratio']:.3f}; joiners' first push "
               f"{', '.join(f'{x:.1f}' for x in g['joiner_first_push_s'])} s after their start; "
               f"load {pairs[-1]['load_avg_1m']}", flush=True)
-    firsts = [x for pr in pairs for x in pr["grown"]["joiner_first_push_s"]]
-    what = "sync, 1 shard, mlp hidden 64 on synthetic 64 features, batch 32 per worker"
-    result = {"machine": m, "what": what,
-              "pairs": pairs, "median_ratio": statistics.median(pr["ratio"] for pr in pairs),
-              "joiner_first_push_s_median": statistics.median(firsts), "joiner_first_push_s_max": max(firsts)}
-    print(f"median throughput ratio grown/started-with-4: {result['median_ratio']:.3f} (target >= 0.95); "
-          f"joiner start to first push taken in: median {result['joiner_first_push_s_median']:.1f} s, "
-          f"max {result['joiner_first_push_s_max']:.1f} s (target < 5 s)", flush=True)
+    result: dict = {"machine": m}
+    if pairs:
+        firsts = [x for pr in pairs for x in pr["grown"]["joiner_first_push_s"]]
+        result.update(what="sync, 1 shard, mlp hidden 64 on synthetic 64 features, batch 32 per worker",
+                      pairs=pairs, median_ratio=statistics.median(pr["ratio"] for pr in pairs),
+                      joiner_first_push_s_median=statistics.median(firsts),
+                      joiner_first_push_s_max=max(firsts))
+        print(f"median throughput ratio grown/started-with-4: {result['median_ratio']:.3f} (target >= 0.95); "
+              f"joiner start to first push taken in: median {result['joiner_first_push_s_median']:.1f} s, "
+              f"max {result['joiner_first_push_s_max']:.1f} s (target < 5 s)", flush=True)
+    if args.release:
+        result["release"] = release_run()
+        result["release"]["load_avg_1m"] = round(os.getloadavg()[0], 2)
+        r = result["release"]
+        print(f"re-lease: a killed worker's lease released {r['release_seconds']:.2f} s after SIGKILL "
+              f"(--step-timeout {r['step_timeout']:g}; 3 leased workers, async)", flush=True)
     path = result_path(args.out, "elastic/elastic.json")
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}", flush=True)

@@ -4,12 +4,16 @@
     .venv/bin/python bench/modes.py --dataset mnist                              # the full grid
     .venv/bin/python bench/modes.py --quick --dataset mnist   # < 10 min on 2 cores
     .venv/bin/python bench/modes.py --quick --workers 1,2 --modes sync,async --profiles none   # a subset
+    .venv/bin/python bench/modes.py --dataset mnist --workers 3 --modes async,backup --profiles slow4x \
+        --assignments slices,leases --repeats 2 --epochs 2       # data leases against slices (~6 min)
 
 Every run is a real cluster: one `python -m pserver launch` process (S shards and N workers,
 each its own process) with a hard timeout, whose summary JSON (`--summary-json`) is the only
 source of the figures. Grid: modes sync, backup (b = 1 and N/4), async, ssp (s = 1, 4);
 N = 1, 2, 4, 8 workers; straggler profiles none, heavy (a heavy-tailed delay on every worker)
-and slow4x (one worker whose step takes 4x the others'). Each configuration runs --repeats
+and slow4x (one worker whose step takes 4x the others'); data assignments (--assignments) slices
+(each rank its own slice, the default) and leases (shard 0 leases chunks to whoever asks, so a
+straggler's rest goes to the others; docs/guide/data-leases.md). Each configuration runs --repeats
 times (seeds --seed, --seed+1, ...: the same seed for every configuration of a repeat) and is
 reported as the median with min and max. The grid is run repeat by repeat, so a burst of load
 from another process on the machine spreads over configurations rather than hitting one.
@@ -57,7 +61,7 @@ METRICS = ("time_to_target_s", "samples_per_s", "applied_samples_per_s", "update
            "acc_at_budget", "acc_at_samples", "final_accuracy", "wall_seconds", "updates_applied",
            "staleness_mean", "staleness_max", "pushes_dropped_late", "pushes_rejected",
            "workers_marked_dead", "clock_gap_max", "idle_fraction_mean", "idle_fraction_max",
-           "delay_share", "chief_eval_share", "slow_step_ratio", "launch_seconds")
+           "delay_share", "chief_eval_share", "slow_step_ratio", "launch_seconds", "samples_trained")
 
 DEFINITIONS = """\
 - **wall** (`wall_seconds`): the chief's clock from its first pull to the last worker's finish; process
@@ -101,10 +105,12 @@ class Scenario:
     profile: str       # none | heavy | slow4x
     backup: int = 0    # b, backup mode
     staleness: int = 0  # s, ssp mode
+    assignment: str = "slices"   # --data-assignment: slices | leases
 
     @property
     def label(self) -> str:
-        return {"backup": f"backup-b{self.backup}", "ssp": f"ssp-s{self.staleness}"}.get(self.mode, self.mode)
+        mode = {"backup": f"backup-b{self.backup}", "ssp": f"ssp-s{self.staleness}"}.get(self.mode, self.mode)
+        return mode if self.assignment == "slices" else f"{mode}+{self.assignment}"
 
     @property
     def name(self) -> str:
@@ -140,6 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--backup", help="backup b values: integers or N/4 (full: 1,N/4); only 0 < b < N run")
     g.add_argument("--staleness", help="ssp s values (full: 1,4)")
     g.add_argument("--profiles", help="straggler profiles among none,heavy,slow4x")
+    g.add_argument("--assignments", default="slices",
+                   help="--data-assignment values: slices (default), leases, or both: slices,leases")
     g.add_argument("--repeats", type=int, help="runs per configuration (full: 3)")
     g.add_argument("--epochs", type=int, help="epochs per run (full: 3, quick: 2)")
     g.add_argument("--timeout", type=float, help="hard limit per launch in seconds (full: 300, quick: 150)")
@@ -229,7 +237,10 @@ def build_grid(args) -> tuple[list[Scenario], list[str]]:
                 continue
             vs, vnotes = variants(n, args)
             notes += vnotes
-            grid += [Scenario(m, n, profile, b, s) for m, b, s in vs]
+            for a in args.assignments.split(","):
+                if a not in ("slices", "leases"):
+                    raise SystemExit(f"--assignments: unknown data assignment '{a}' (slices, leases)")
+                grid += [Scenario(m, n, profile, b, s, a) for m, b, s in vs]
     return grid, list(dict.fromkeys(notes))
 
 
@@ -239,6 +250,8 @@ def launch_argv(sc: Scenario | None, n: int, args, seed: int, summary: str, dela
                 extra: list[str] = ()) -> list[str]:
     data = ["--dataset", args.dataset] + (["--data-dir", args.data_dir] if args.data_dir else [])
     mode = ["--mode", sc.mode, *sc.mode_flags()] if sc else ["--mode", "async"]
+    if sc and sc.assignment != "slices":
+        mode += ["--data-assignment", sc.assignment]
     return [sys.executable, "-m", "pserver", "launch", "--ps", str(args.ps), "--workers", str(n), *mode,
             *data, "--model", "mlp", "--hidden", args.hidden, "--optimizer", args.optimizer,
             "--lr", str(args.lr), "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
@@ -417,8 +430,10 @@ def worker_figures(s: dict, sc: Scenario) -> dict:
 def run_figures(s: dict, sc: Scenario, args) -> dict:
     wall, curve = s["wall_seconds"], curve_points(s, sc)
     keep = ("steps", "updates_applied", "staleness_mean", "staleness_max", "pushes_dropped_late",
-            "pushes_rejected", "workers_marked_dead", "clock_gap_max", "staleness_histogram")
+            "pushes_rejected", "workers_marked_dead", "clock_gap_max", "staleness_histogram",
+            "samples_trained", "chunks_done", "batches_retrained", "batches_dropped")
     return {"wall_seconds": wall,
+            "epoch_seconds": [e["epoch_seconds"] for e in s.get("per_epoch", [])],
             "updates_per_s": s["updates_applied"] / wall,
             "samples_per_s": s["train_samples_per_second"],
             "applied_samples_per_s": s["updates_applied"] * s["batch_size"] * sc.averaged / wall,
@@ -426,7 +441,7 @@ def run_figures(s: dict, sc: Scenario, args) -> dict:
             "acc_at_budget": acc_at_time(curve, args.budget),
             "acc_at_samples": acc_at_samples(curve, args.samples),
             "final_accuracy": s["test_accuracy"],
-            **{k: s[k] for k in keep}, **worker_figures(s, sc),
+            **{k: s.get(k) for k in keep}, **worker_figures(s, sc),
             "curve": curve,
             "workers": [{k: w[k] for k in ("rank", "steps", "wall_seconds", "compute_seconds",
                                            "delay_seconds", "push_seconds", "pull_seconds",
@@ -572,7 +587,7 @@ def fmt(s: dict | None, spec: str = ".3f", none: str = "-") -> str:
 
 
 def write_csv(path: Path, entries: list[dict]) -> None:
-    head = ["label", "mode", "workers", "profile", "backup", "staleness", "repeats", "ok"]
+    head = ["label", "mode", "workers", "profile", "backup", "staleness", "assignment", "repeats", "ok"]
     cols = [c for m in METRICS for c in (m, f"{m}_min", f"{m}_max")]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -583,7 +598,8 @@ def write_csv(path: Path, entries: list[dict]) -> None:
                 s = e["metrics"][m] or {}
                 vals += [s.get("median"), s.get("min"), s.get("max")]
             cells = ["" if v is None else format(v, ".6g") for v in vals]
-            w.writerow([e[h] for h in head] + cells + ["; ".join(e["failures"])])
+            w.writerow([e.get(h, "slices" if h == "assignment" else None) for h in head] + cells
+                       + ["; ".join(e["failures"])])
 
 
 def config_rows(entries: list[dict], target: float) -> tuple[list[str], list[list[str]]]:
@@ -601,6 +617,39 @@ def config_rows(entries: list[dict], target: float) -> tuple[list[str], list[lis
                      fmt(m["pushes_dropped_late"], ".0f"), fmt(m["idle_fraction_mean"], ".2f"),
                      fmt(m["delay_share"], ".2f")])
     return headers, rows
+
+
+def assignment_rows(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Leases against slices, per configuration run with both: wall time, its ratio, what was trained."""
+    headers = ["N", "profile", "mode", "wall slices (s)", "wall leases (s)", "leases / slices",
+               "samples trained slices / leases", "final acc slices / leases"]
+    by = {(e["workers"], e["profile"], e["mode"], e["backup"], e["staleness"],
+           e.get("assignment", "slices")): e for e in entries}
+    rows = []
+    for key, lease in by.items():
+        if key[-1] != "leases" or (*key[:-1], "slices") not in by:
+            continue
+        sl, ws, wl = by[(*key[:-1], "slices")], med(by[(*key[:-1], "slices")], "wall_seconds"), \
+            med(lease, "wall_seconds")
+        rows.append([str(key[0]), key[1], sl["label"], fmt(sl["metrics"]["wall_seconds"], ".2f"),
+                     fmt(lease["metrics"]["wall_seconds"], ".2f"),
+                     "-" if not ws or wl is None else f"{wl / ws:.2f}",
+                     f"{fmt(sl['metrics']['samples_trained'], ',.0f')} / "
+                     f"{fmt(lease['metrics']['samples_trained'], ',.0f')}",
+                     f"{fmt(sl['metrics']['final_accuracy'], '.4f')} / "
+                     f"{fmt(lease['metrics']['final_accuracy'], '.4f')}"])
+    return headers, rows
+
+
+def assignment_section(entries: list[dict]) -> list[str]:
+    headers, rows = assignment_rows(entries)
+    if not rows:
+        return []
+    return ["## Data leases against slices", "",
+            "median (min-max) wall time over the repeats; the ratio is of the medians. With slices a run "
+            "ends when its last rank finished its own slice; in backup the fast ranks' end can end it "
+            "before a straggler trained its slice (fewer samples trained).", "",
+            md_table(headers, rows), ""]
 
 
 def md_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -738,6 +787,7 @@ def write_summary(path: Path, ctx: dict, entries: list[dict], scale: list[dict],
              "## Parallel scaling (Amdahl's law)", "", md_table(*scaling_rows(scale, ns)), "",
              "## Every configuration", "", "median (min-max) over the repeats that ran.", "",
              md_table(*config_rows(entries, args.target)), "",
+             *assignment_section(entries),
              "## Straggler profiles", "", *[f"- {x}" for x in ctx["profiles"]], "",
              "## Notes", "", *[f"- {x}" for x in ctx["notes"]], "",
              "## Definitions", "", DEFINITIONS.replace("--budget", f"--budget ({args.budget:g})")

@@ -169,20 +169,31 @@ def launch_cluster(*, ps: int = 1, workers: int = 2, backend: str = "local", add
 
 
 class Cluster:
-    """A local cluster started by `start_cluster`, running in the background: `pserver launch`
-    as a child process, with room for `max_workers` workers. add_workers(k) starts k more
-    (`pserver worker --rank auto`, which shard 0 gives free ranks); wait() returns the summary."""
+    """A cluster started by `start_cluster`, running in the background: `pserver launch` as a
+    child process, with room for `max_workers` workers. add_workers(k) starts k more (`pserver
+    worker --rank auto`, which shard 0 gives free ranks): processes here with the local backend,
+    actors in the cluster's Ray with the Ray backend (pserver.launch.ray.RayJoiners, whose Ray
+    launch is given). wait() returns the summary."""
 
-    def __init__(self, argv: list[str], worker_flags: list[str], summary: str, tmp) -> None:
+    def __init__(self, argv: list[str], worker_flags: list[str], summary: str, tmp,
+                 ray_joiner=None) -> None:
+        """`ray_joiner`: (cpus, Ray address or None, WorkerConfig of an added worker) with the
+        Ray backend; None with the local one."""
         import subprocess
         import sys
         import threading
         self._cmd = [sys.executable, "-m", "pserver"]
         self._worker_flags, self._summary, self._tmp = worker_flags, summary, tmp
-        self.launch = subprocess.Popen([*self._cmd, "launch", *argv], stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.added: list = []
+        self.ray = self._joiner_config = None
+        if ray_joiner is not None:
+            from pserver.launch.ray import RayJoiners
+            cpus, address, self._joiner_config = ray_joiner
+            self.ray = RayJoiners(address, cpus, self.lines.append)
+            argv = [*argv, "--address", self.ray.address]
+        self.launch = subprocess.Popen([*self._cmd, "launch", *argv], stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
         self._ready = threading.Event()
         self.addresses, self.token_file = "", ""
         threading.Thread(target=self._read, daemon=True).start()
@@ -204,6 +215,13 @@ class Cluster:
     def add_workers(self, k: int) -> list[int]:
         """Start k more workers; returns their process ids (each prints the rank it was given)."""
         import subprocess
+        if self.ray is not None:
+            import dataclasses
+
+            from pserver.wire.security import read_token_file
+            config = dataclasses.replace(self._joiner_config, ps=tuple(self.addresses.split(",")))
+            token = read_token_file(self.token_file) if self.token_file else None
+            return [self.ray.add(config, token) for _ in range(k)]
         procs = [subprocess.Popen([*self._cmd, "worker", "--rank", "auto", "--ps", self.addresses,
                                    "--token-file", self.token_file, *self._worker_flags],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(k)]
@@ -213,7 +231,7 @@ class Cluster:
     def wait(self, timeout: float | None = None) -> dict:
         """Until the run is over (the added workers too); the run summary."""
         code = self.launch.wait(timeout)
-        codes = [p.wait(timeout) for p in self.added]
+        codes = [p.wait(timeout) for p in self.added] + (self.ray.wait(timeout) if self.ray else [])
         if code != 0 or any(codes):
             raise PServerError(f"launch stopped with exit code {code}; added workers' codes {codes}:\n"
                                + "".join(self.lines[-20:]))
@@ -226,13 +244,17 @@ class Cluster:
                 p.terminate()
         for p in [*self.added, self.launch]:
             p.wait()
+        if self.ray is not None:
+            self.ray.stop()
         self._tmp.cleanup()
 
 
 def start_cluster(*, ps: int = 1, workers: int = 2, max_workers: int = 0, **options) -> Cluster:
-    """Start a local cluster (as `pserver launch` does, in the background) that workers may join
-    up to `max_workers` (default `workers`): `cluster.add_workers(k)`, then `cluster.wait()` for
-    the summary. `options` are launch's flags with underscores (model="logreg", epochs=2, ...)."""
+    """Start a cluster (as `pserver launch` does, in the background) that workers may join up to
+    `max_workers` (default `workers`): `cluster.add_workers(k)`, then `cluster.wait()` for the
+    summary. `options` are launch's flags with underscores (model="logreg", epochs=2, ...);
+    backend="ray" runs it on Ray (started here, or the one at address=), where added workers
+    are actors too."""
     def flags(items) -> list[str]:
         out = []
         for k, v in items:
@@ -248,8 +270,14 @@ def start_cluster(*, ps: int = 1, workers: int = 2, max_workers: int = 0, **opti
     tmp = tempfile.TemporaryDirectory()
     summary = os.path.join(tmp.name, "summary.json")
     argv = ["--ps", str(ps), "--workers", str(workers), "--max-workers", str(max_workers or workers),
-            "--summary-json", summary, *flags(options.items())]
-    return Cluster(argv, flags(worker), summary, tmp)
+            "--summary-json", summary,
+            *flags((k, v) for k, v in options.items() if k != "address" or options.get("backend") != "ray")]
+    joiner = None
+    if options.get("backend") == "ray":         # launch runs on the Ray that the added workers join
+        from pserver.config import AUTO_RANK
+        joiner = (ps + (max_workers or workers), options.get("address"),
+                  WorkerConfig(**dict(worker), rank=AUTO_RANK, num_workers=workers, device="cpu"))
+    return Cluster(argv, flags(worker), summary, tmp, joiner)
 
 
 def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:

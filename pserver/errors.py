@@ -119,6 +119,13 @@ class JoinStepOpen(FailedPrecondition):
     kind = "join_step_open"
 
 
+class LeaseGone(FailedPrecondition):
+    """A push carried a batch of a data lease this worker no longer holds (its session was
+    marked dead, e.g. stopped past --step-timeout, and the chunk went to another worker):
+    shard 0 refuses it; the worker drops the chunk and asks for another."""
+    kind = "lease_gone"
+
+
 class NotRegistered(FailedPrecondition):
     """The rank has not registered with this shard, or no worker has (a restarted shard):
     the worker registers again."""
@@ -164,7 +171,7 @@ RPC_ERRORS = {cls.code_name: cls for cls in
 
 # kind -> class. Append only: the data plane sends a kind as its position in this table.
 KINDS = {cls.kind: cls for cls in (StaleStep, AlreadyPushed, NotRegistered, SeenVersionAhead, TakenOver,
-                                   OverBudget, JoinStepOpen)}
+                                   OverBudget, JoinStepOpen, LeaseGone)}
 KIND_METADATA = "pserver-error-kind"   # the gRPC trailing metadata key that carries a kind
 
 

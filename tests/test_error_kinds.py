@@ -44,7 +44,7 @@ ONES = np.ones(LAYOUT.total, np.float32)
 # --- the table --------------------------------------------------------------------------
 def test_every_kind_has_a_unique_wire_name_and_a_status_codes_class_above_it():
     assert list(errors.KINDS) == ["stale_step", "already_pushed", "not_registered", "seen_version_ahead",
-                                  "taken_over", "over_budget", "join_step_open"]
+                                  "taken_over", "over_budget", "join_step_open", "lease_gone"]
     # append only: the data plane sends positions
     for kind, cls in errors.KINDS.items():
         assert cls.kind == kind and cls.code_name in errors.RPC_ERRORS

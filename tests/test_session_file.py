@@ -119,3 +119,30 @@ def test_a_token_file_is_read_without_its_newline_and_only_if_private(tmp_path, 
     with pytest.raises(ConfigError, match="printable ASCII characters without spaces") as e:
         read_token_file(path)
     assert "two" not in str(e.value)                 # an error never quotes the token
+
+
+def test_an_auto_rank_slot_is_one_live_process_s_and_a_dead_one_s_rank_comes_back(tmp_path):
+    """--rank auto: a slot's lock keeps a second auto worker out of a live one's slot (it would take
+    that worker's rank over), and a slot whose holder died gives its rank and credentials back.
+    Fails if two live workers share a slot, if the dead one's slot is not found again, or if the
+    kept rank or credentials are lost."""
+    d = str(tmp_path / "s")
+    first = SessionFile.auto_slot(d, PS)
+    assert first.rank == -1 and first.load() == {}              # nothing kept: shard 0 assigns one
+    first.rank = 3
+    first.save([(PS[0], "i0", "a" * 32), (PS[1], "i1", "b" * 32)])
+    second = SessionFile.auto_slot(d, PS)                        # first is live: another slot
+    assert second.path != first.path and second.rank == -1
+    os.close(first.lock_fd)                                      # first dies: the system drops its lock
+    again = SessionFile.auto_slot(d, PS)
+    assert again.path == first.path and again.rank == 3
+    assert again.load() == {PS[0]: "a" * 32, PS[1]: "b" * 32}
+    assert SessionFile.auto_slot(d, PS[::-1]).rank == -1          # another cluster: its own slots
+    assert SessionFile.auto_slot("none", PS).path is None
+
+
+def test_an_auto_rank_slot_on_an_unwritable_directory_costs_the_file_not_the_run(tmp_path, capsys):
+    (tmp_path / "plain").write_text("")
+    slot = SessionFile.auto_slot(str(tmp_path / "plain" / "sessions"), PS)   # under a file: cannot exist
+    assert slot.path is None and slot.rank == -1
+    assert "a restart of it gets a new rank" in capsys.readouterr().out

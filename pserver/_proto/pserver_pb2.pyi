@@ -515,7 +515,7 @@ class CheckpointReply(_message.Message):
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class LeaseDataRequest(_message.Message):
-    __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs")
+    __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs", "done_before_restore")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -526,6 +526,7 @@ class LeaseDataRequest(_message.Message):
     FINISHED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINISHED_CHUNK_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    DONE_BEFORE_RESTORE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     session: str
     num_batches: int
@@ -536,18 +537,31 @@ class LeaseDataRequest(_message.Message):
     finished_epoch: int
     finished_chunk: int
     epochs: int
-    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., num_batches: _Optional[int] = ..., chunk_batches: _Optional[int] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., finished: _Optional[bool] = ..., finished_epoch: _Optional[int] = ..., finished_chunk: _Optional[int] = ..., epochs: _Optional[int] = ...) -> None: ...
+    done_before_restore: _containers.RepeatedCompositeFieldContainer[LeaseDoneBeforeRestore]
+    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., num_batches: _Optional[int] = ..., chunk_batches: _Optional[int] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., finished: _Optional[bool] = ..., finished_epoch: _Optional[int] = ..., finished_chunk: _Optional[int] = ..., epochs: _Optional[int] = ..., done_before_restore: _Optional[_Iterable[_Union[LeaseDoneBeforeRestore, _Mapping]]] = ...) -> None: ...
+
+class LeaseDoneBeforeRestore(_message.Message):
+    __slots__ = ("epoch", "chunk", "end")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    chunk: int
+    end: int
+    def __init__(self, epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class LeaseDataReply(_message.Message):
-    __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch")
+    __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch", "coordinator_id")
     HAS_LEASE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     FIRST_BATCH_FIELD_NUMBER: _ClassVar[int]
     END_BATCH_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     has_lease: bool
     epoch: int
     chunk: int
     first_batch: int
     end_batch: int
-    def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ...) -> None: ...
+    coordinator_id: str
+    def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., coordinator_id: _Optional[str] = ...) -> None: ...

@@ -62,6 +62,9 @@ class RoleHost:
         self.role = role
         self.lines = lines              # a ray.util.queue.Queue of (role, line)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def node_ip(self) -> str:
         import ray
         return ray.util.get_node_ip_address()
@@ -351,3 +354,78 @@ def run(cluster: RayCluster, multi_node: bool, server: ServerConfig, worker: Wor
     for path, text in files.items():
         with open(path, "w") as f:
             f.write(text)
+
+
+class RayJoiners:
+    """`add_workers(k)` for a cluster on Ray (pserver.start_cluster(backend="ray")): the Ray that
+    the cluster's `pserver launch --backend ray` runs on, joined or started here (with a CPU for
+    each of --max-workers) so that launch is given its address, and in it one actor per added
+    worker, `pserver worker --rank auto` on the cluster's shards. Their lines go to `say` with
+    the prefix [joinerK]."""
+
+    def __init__(self, address: str | None, cpus: int, say) -> None:
+        ray = self.ray = import_ray()
+        common = dict(log_to_driver=False, logging_level="WARNING")
+        self.own_connection = not ray.is_initialized()
+        if self.own_connection:
+            if address:
+                check_reachable(address)
+                ray.init(address=address, **common)
+            else:
+                ray.init(num_cpus=cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+                         **common)
+        self.address = ray.get_runtime_context().gcs_address
+        from ray.util.queue import Empty, Queue
+        self.lines = Queue(actor_options={"num_cpus": 0})
+        self.actors: list = []
+        self.runs: list = []
+        self.stopping = threading.Event()
+
+        def pump() -> None:
+            while not self.stopping.is_set():
+                try:
+                    role, line = self.lines.get(timeout=0.2)
+                except Empty:
+                    continue
+                except Exception:              # the queue's actor is gone: stopping
+                    return
+                say(f"[{role}] {line}")
+
+        self.printer = threading.Thread(target=pump, daemon=True)
+        self.printer.start()
+
+    def add(self, config: WorkerConfig, token: str | None) -> int:
+        """One more worker actor (1 CPU) on `config` (rank auto, the cluster's shards); its pid."""
+        role = f"joiner{len(self.actors)}"
+        env = {k: v for k, v in child_env(1).items() if k in FORWARDED_ENV}
+        if token:
+            env[TOKEN_ENV] = token                  # never in the actor's arguments
+        actor = self.ray.remote(RoleHost).options(num_cpus=1, max_restarts=0,
+                                                  runtime_env={"env_vars": env}).remote(role, self.lines)
+        self.actors.append(actor)
+        pid = self.ray.get(actor.pid.remote())
+        self.runs.append(actor.run.remote("worker", config, []))
+        return pid
+
+    def wait(self, timeout: float | None = None) -> list[int | None]:
+        """The added workers' exit codes (None: an actor that died without one)."""
+        done, _ = self.ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout)
+        codes = []
+        for ref in self.runs:
+            try:
+                codes.append(self.ray.get(ref)[0] if ref in done else None)
+            except self.ray.exceptions.RayError:
+                codes.append(None)
+        return codes
+
+    def stop(self) -> None:
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor, no_restart=True)
+        time.sleep(0.3)                             # the last lines on their way
+        self.stopping.set()
+        self.printer.join(2.0)
+        with contextlib.suppress(Exception):
+            self.lines.shutdown()
+        if self.own_connection:
+            self.ray.shutdown()

@@ -19,11 +19,17 @@ An epoch's batches (its permutation of the training set from `seed + epoch`, cut
 Pure logic, no grpc: the shard calls it with store.cond held. `state()` / `load()` are plain
 JSON-able data, checkpointed by shard 0 (meta["coordinator"]); sessions are not kept, so
 every lease of a loaded state is released (its in-flight batch counted as retrained).
+
+After a restore the chunks done since the checkpoint are trained again. The loaded coordinator
+keeps what was done at its checkpoint (`restored`); the workers, who see a new `ident` in its
+replies, report what they did under the one before (`done_before_restore`), and what of it falls
+after the checkpoint counts in `batches_retrained`, once per batch however many workers report it.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +80,9 @@ class Coordinator:
         self.done: set[int] = set()
         self.leases: dict[int, tuple[str, int, int]] = {}   # rank -> (session, chunk, batch in flight or -1)
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.ident = secrets.token_hex(6)   # new with every coordinator: a worker seeing it change knows
+        self.restored: dict | None = None   # load(): what was done at the checkpoint (epoch, done, progress)
+        self.counted: dict[tuple[int, int], int] = {}   # (epoch, chunk) -> end counted as retrained
 
     # -- the plan ---------------------------------------------------------------------------
     def configure(self, plan: Plan) -> None:
@@ -134,19 +143,42 @@ class Coordinator:
     def progress_of(self, rank: int, session: str, epoch: int, chunk: int, batch: int) -> bool:
         """A push to shard 0 carries batch `batch` of rank's lease: the batches before it are done
         and this one is in flight. False when rank no longer holds that lease (it was released
-        and the chunk went elsewhere): the worker must drop it and ask for another."""
+        and the chunk went elsewhere): shard 0 refuses the push, the worker drops the chunk and
+        asks for another."""
         held = self.leases.get(rank)
         start, end = self.plan.bounds(chunk) if self.plan is not None else (0, 0)
         if held is None or held[0] != session or epoch != self.epoch or held[1] != chunk \
                 or not start <= batch < end:
             # A worker that came back after its lease was released (or a shard 0 restored under
-            # it) trains a batch someone else has or will: counted, as the dead worker's in-flight one.
-            if self.plan is not None and 0 <= batch < self.plan.num_batches:
-                self.counters["batches_retrained"] += 1
+            # it): shard 0 refuses the push (LeaseGone) and the worker drops the chunk.
             return False
         self.progress[chunk] = max(self.progress.get(chunk, 0), batch - start)
         self.leases[rank] = (session, chunk, batch)
         return True
+
+    def done_before_restore(self, reports) -> int:
+        """Workers' reports (epoch, chunk, end: batches from the chunk's first to `end` were done)
+        of what they trained under the coordinator before this one was loaded from a checkpoint:
+        each batch past what the checkpoint had done counts in batches_retrained, once. Returns
+        how many were counted. Without a restore (or a plan) there is nothing to count."""
+        if self.restored is None or self.plan is None:
+            return 0
+        r, added = self.restored, 0
+        for epoch, chunk, end in reports:
+            if not 0 <= chunk < self.plan.num_chunks or epoch < r["epoch"]:
+                continue                                # bad, or done before the checkpoint
+            start, stop = self.plan.bounds(chunk)
+            if epoch == r["epoch"]:
+                if chunk in r["done"]:
+                    continue
+                start += r["progress"].get(chunk, 0) + (chunk in r["inflight"])   # in-flight: counted at load
+            start = max(start, self.counted.get((epoch, chunk), start))
+            end = min(end, stop)
+            if end > start:
+                added += end - start
+                self.counted[(epoch, chunk)] = end
+        self.counters["batches_retrained"] += added
+        return added
 
     def release(self, rank: int) -> bool:
         """rank's session ended (left, marked dead, replaced): the rest of its chunk goes to the
@@ -218,6 +250,9 @@ class Coordinator:
         self.done = {int(c) for c in state["done"]}
         self.leases = {int(r): ("", int(c), int(i)) for r, (c, i) in state["leases"].items()}
         self.counters.update({k: int(v) for k, v in state.get("counters", {}).items() if k in COUNTERS})
+        self.restored = {"epoch": self.epoch, "done": set(self.done), "progress": dict(self.progress),
+                         "inflight": {c for _, c, i in self.leases.values()
+                                      if i >= self.plan.bounds(c)[0] + self.progress.get(c, 0)}}
         self.release_all_but(set())
         return self
 

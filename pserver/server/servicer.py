@@ -193,11 +193,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         r = request
         plan = Plan(r.num_batches, r.chunk_batches, r.seed, r.fingerprint, r.epochs)
         finished = (r.finished_epoch, r.finished_chunk) if r.finished else None
-        lease = self.shard.lease(r.rank, r.session, plan, finished)
+        lease = self.shard.lease(r.rank, r.session, plan, finished,
+                                 [(d.epoch, d.chunk, d.end) for d in r.done_before_restore])
+        c = self.shard.store.coordinator
         if lease is None:
-            return pb.LeaseDataReply(has_lease=False, epoch=self.shard.store.coordinator.epoch)
+            return pb.LeaseDataReply(has_lease=False, epoch=c.epoch, coordinator_id=c.ident)
         return pb.LeaseDataReply(has_lease=True, epoch=lease.epoch, chunk=lease.chunk,
-                                 first_batch=lease.first, end_batch=lease.end)
+                                 first_batch=lease.first, end_batch=lease.end, coordinator_id=c.ident)
 
     @_status
     def Heartbeat(self, request, context):

@@ -22,6 +22,7 @@ from pserver.errors import (
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
+    LeaseGone,
     OverBudget,
     ResourceExhausted,
     RpcError,
@@ -160,16 +161,33 @@ class Shard:
         self.policy.forget(rank)
 
     def lease(self, rank: int, session: str | None, plan: Plan,
-              finished: tuple[int, int] | None = None) -> Lease | None:
+              finished: tuple[int, int] | None = None, done_before_restore=()) -> Lease | None:
         """rank's lease of the training data from shard 0's coordinator (pserver.server.coordinator):
         the one it holds, or, once `finished` (epoch, chunk) is done, the next; None when every
-        chunk of the epoch is leased to others. A worker whose data differs (plan) is refused."""
+        chunk of the epoch is leased to others. A worker whose data differs (plan) is refused.
+        `done_before_restore`: (epoch, chunk, end) the worker trained under the coordinator before
+        this one was restored (it saw `coordinator.ident` change): counted in batches_retrained."""
         if self.cfg.shard != 0:
             raise FailedPrecondition(f"lease: the data coordinator is in shard 0, not shard {self.cfg.shard}")
         with self.store.cond:
             self.members.authorize(rank, session)
             self.store.coordinator.configure(plan)
+            self.store.coordinator.done_before_restore(done_before_restore)
             return self.store.coordinator.lease(rank, self.members.sessions[rank], finished)
+
+    def _check_lease(self, rank: int, lease: tuple[int, int, int]) -> None:
+        """A push's data lease (epoch, chunk, batch) goes to the coordinator (cond held); one the
+        rank no longer holds (released when it was marked dead, then the chunk went elsewhere) is
+        refused with LeaseGone before the policy sees it. Other shards took the push in already
+        when there are several: that batch counts in batches_retrained."""
+        if self.store.coordinator.progress_of(rank, self.members.sessions[rank], *lease):
+            return
+        if self.cfg.num_shards > 1:
+            self.store.coordinator.counters["batches_retrained"] += 1
+        epoch, chunk, batch = lease
+        raise LeaseGone(f"lease: worker {rank} no longer holds chunk {chunk} of epoch {epoch + 1} (its lease "
+                        f"ended: the worker was marked dead, or shard 0 restored); batch {batch} was not "
+                        f"taken in: drop the chunk and ask for another")
 
     def open(self) -> None:
         """Restore (--restore) and start checkpointing: what the shard does before it accepts
@@ -491,7 +509,7 @@ class Shard:
                 s.require_configured()
                 self.members.authorize(req.rank, req.session, revive=True)
                 if req.lease is not None and self.cfg.shard == 0:
-                    s.coordinator.progress_of(req.rank, self.members.sessions[req.rank], *req.lease)
+                    self._check_lease(req.rank, req.lease)
             self._check_payload(req.num_elements, req.dtype)
             self.metrics.received.inc(req.num_elements * 4)      # float32, checked above
             outcome, message = self._receive_and_decide(req)

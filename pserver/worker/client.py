@@ -618,7 +618,10 @@ class PSClient:
         this rank's position, which each Registration returns (docs/semantics.md, "Resuming")."""
         # versions stay "none seen": the first pull takes whatever is current, which for
         # a restarted worker is the version the others have reached.
-        kept = self.session_file.load() if self.rank != AUTO_RANK else {}  # others' files: refused
+        if self.rank == AUTO_RANK:             # a slot no live auto worker holds, and the rank it kept
+            self.session_file = SessionFile.auto_slot(self.session_file.directory,
+                                                      [s.address for s in self.shards])
+        kept = self.session_file.load()
         for s in self.shards:
             s.previous = kept.get(s.address, "")
         first = []
@@ -627,10 +630,10 @@ class PSClient:
             s0.auto_rank = True
             first = [s0.register(0, self.num_workers, len(self.shards), layout, batch_size,
                                  self.rpc_deadline, data_order)]
-            self.rank = first[0].assigned_rank
-            self.session_file = SessionFile(self.session_file.directory, [s.address for s in self.shards],
-                                            self.rank)
-            print(f"worker: shard 0 assigned rank {self.rank} (--rank auto)", flush=True)
+            back = 0 < self.session_file.rank == first[0].assigned_rank
+            self.rank = self.session_file.rank = first[0].assigned_rank
+            print(f"worker: shard 0 assigned rank {self.rank} (--rank auto"
+                  + (f"; the rank kept in {self.session_file.path})" if back else ")"), flush=True)
         rest = self.shards[len(first):]
         infos = first + self.each_of(rest, lambda s: s.register(
             self.rank, self.num_workers, len(self.shards), layout, batch_size, self.rpc_deadline, data_order))
@@ -790,11 +793,14 @@ class PSClient:
         return self.feedback.pack(grad, s.info.range_start, s.info.range_end)
 
     def lease_data(self, num_batches: int, chunk_batches: int, seed: int, fingerprint: str, epochs: int = 0,
-                   finished: tuple[int, int] | None = None) -> pb.LeaseDataReply:
-        """This worker's lease of the training data from shard 0's coordinator (LeaseData)."""
+                   finished: tuple[int, int] | None = None, done_before_restore=()) -> pb.LeaseDataReply:
+        """This worker's lease of the training data from shard 0's coordinator (LeaseData).
+        `done_before_restore`: (epoch, chunk, end) it trained under a coordinator shard 0 has
+        since restored over (the reply's coordinator_id changed)."""
+        done = [pb.LeaseDoneBeforeRestore(epoch=e, chunk=c, end=n) for e, c, n in done_before_restore]
         request = pb.LeaseDataRequest(rank=self.rank, num_batches=num_batches, chunk_batches=chunk_batches,
                                       seed=seed, fingerprint=fingerprint, epochs=epochs,
-                                      finished=finished is not None)
+                                      finished=finished is not None, done_before_restore=done)
         if finished is not None:
             request.finished_epoch, request.finished_chunk = finished
         return self.shards[0].lease_data(request, self.rpc_deadline)

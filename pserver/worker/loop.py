@@ -24,6 +24,7 @@ from pserver.errors import (
     DataError,
     DeadlineExceeded,
     FailedPrecondition,
+    LeaseGone,
     PServerError,
     StaleStep,
 )
@@ -461,17 +462,29 @@ def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.
     timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
     clock, epochs_log, outcomes = 0, [], {}
     lease, at, finished = None, 0, None
+    # What this worker did under shard 0's coordinator (epoch, chunk, end): reported when a reply
+    # shows a new one (shard 0 restored), which counts what falls after its checkpoint.
+    done_log, coordinator = [], ""
     epoch, step, epoch_started = 0, 0, time.monotonic()
     empty_counts = mode in ("sync", "backup")
     while not client.finished and not (cfg.max_steps and clock >= cfg.max_steps):
         if lease is None:
             reply = client.lease_data(*plan, finished=finished)
             finished = None
+            if reply.coordinator_id != coordinator:
+                if coordinator and done_log:            # shard 0 restored: report, then go on as told
+                    reply = client.lease_data(*plan, done_before_restore=done_log)
+                    progress.say(f"worker {cfg.rank}: shard 0's data coordinator restored from a checkpoint; "
+                                 f"told it the {len(done_log)} chunk(s) this worker trained before (what "
+                                 f"falls after the checkpoint counts as trained twice)")
+                done_log, coordinator = [], reply.coordinator_id
             if reply.epoch > epoch:                     # every chunk of the epoch is done
                 if cfg.rank == 0:
                     epochs_log.append(chief_epoch_end(cfg, ds, model, w, epoch, epoch_started, rows,
                                                       progress, report, client, clock))
                 epoch, step, epoch_started = reply.epoch, 0, time.monotonic()
+            elif reply.epoch < epoch:                   # shard 0 restored from an earlier epoch's checkpoint
+                epoch, step = reply.epoch, 0
             if epoch >= cfg.epochs:
                 break
             if reply.has_lease:
@@ -487,11 +500,20 @@ def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.
                     outcomes[outcome] = outcomes.get(outcome, 0) + 1
             clock += 1
             continue
-        x, y = data.batch(epoch, at)
-        loss, exchange_started = one_step(client, gradient, delay, timer, rows, w, g, x, y, clock, outcomes,
-                                          lease=(lease.epoch, lease.chunk, at))
+        x, y = data.batch(lease.epoch, at)
+        try:
+            loss, exchange_started = one_step(client, gradient, delay, timer, rows, w, g, x, y, clock,
+                                              outcomes, lease=(lease.epoch, lease.chunk, at))
+        except LeaseGone as e:                          # marked dead meanwhile: the chunk went elsewhere
+            progress.say(f"worker {cfg.rank}: {e}")
+            outcomes["lease_gone"] = outcomes.get("lease_gone", 0) + 1
+            client.pull(w, clock + 1)                   # a refused push pulled nothing
+            done_log.append((lease.epoch, lease.chunk, at))
+            lease, finished = None, None
+            continue
         clock, at = clock + 1, at + 1
         if at == lease.end_batch:                       # every shard took its last batch in
+            done_log.append((lease.epoch, lease.chunk, at))
             finished, lease = (lease.epoch, lease.chunk), None
         done = time.perf_counter()
         report.step(done - step_started, done - exchange_started, len(x))

@@ -10,10 +10,18 @@ also true of whoever holds the token (and, without TLS, of whoever watches the n
 
 The worker writes the file after every Register and removes it when it leaves (finished, or
 stopped by a signal); only a worker that died (kill -9, a crash, a lost machine) leaves it behind.
+
+A `--rank auto` worker does not know its rank before shard 0 assigns it, so its file is a slot,
+`auto{n}-KEY.json`: the worker takes the first slot of the cluster that no live process holds
+(each holds its slot's lock, flock, for as long as it runs; the system drops a dead process's
+lock) and presents the credential the slot kept, with which shard 0 gives it back the rank of the
+worker that died holding the slot. Two auto workers on one machine take two slots, so a restart
+never takes over a live worker's rank.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -24,6 +32,7 @@ from pserver.wire.security import check_private, state_dir
 
 NONE = "none"                    # --session-dir none: keep no file (a restart waits for expiry)
 MAX_BYTES = 1 << 16              # a session file is a few hundred bytes
+AUTO_SLOTS = 64                  # --rank auto workers of one cluster on one machine
 
 
 def default_dir() -> str:
@@ -36,6 +45,11 @@ def path_for(directory: str, ps: Sequence[str], rank: int) -> str:
     return os.path.join(directory, f"rank{rank}-{key}.json")
 
 
+def auto_path_for(directory: str, ps: Sequence[str], slot: int) -> str:
+    key = hashlib.sha256("\n".join([*ps, "rank=auto"]).encode()).hexdigest()[:16]
+    return os.path.join(directory, f"auto{slot}-{key}.json")
+
+
 class SessionFile:
     """The credentials of one worker (rank) of one cluster (ps), on disk."""
 
@@ -44,6 +58,45 @@ class SessionFile:
         self.ps, self.rank = list(ps), rank
         self.path = None if self.directory == NONE else path_for(self.directory, ps, rank)
         self.warned = False
+        self.lock_fd: int | None = None     # an auto slot's lock, held while this process runs
+
+    @classmethod
+    def auto_slot(cls, directory: str | None, ps: Sequence[str]) -> SessionFile:
+        """--rank auto: the first slot file no live process holds, locked for this process's
+        life; its rank is the one the slot kept (-1: none), set to the assigned one later."""
+        self = cls(directory, ps, -1)
+        if self.path is None:
+            return self
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            check_private(self.directory, 0o700, "directory", "--session-dir")   # refused: raises
+            for slot in range(AUTO_SLOTS):
+                path = auto_path_for(self.directory, ps, slot)
+                fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    continue                # a live worker's slot
+                self.path, self.lock_fd = path, fd
+                self.rank = self._kept_rank()
+                return self
+        except OSError as e:                # a full or read-only disk costs the file, not the run
+            print(f"--session-dir: cannot keep this --rank auto worker's session in {self.directory} "
+                  f"({e.strerror or e}); a restart of it gets a new rank", flush=True)
+        self.path = None                    # every slot live, or no directory: keep no file
+        return self
+
+    def _kept_rank(self) -> int:
+        if not os.path.lexists(self.path):
+            return -1
+        check_private(self.path, 0o600, "file", "--session-dir")
+        try:
+            with open(self.path, "rb") as f:
+                rank = json.loads(f.read(MAX_BYTES)).get("rank")
+            return rank if isinstance(rank, int) and rank > 0 else -1
+        except (OSError, ValueError, AttributeError):
+            return -1
 
     def load(self) -> dict[str, str]:
         """address -> the credential kept for it ({} when there is no file). A file that is

@@ -86,3 +86,33 @@ def test_the_python_cluster_object_adds_a_worker_that_trains():
         cluster.stop()
     assert [e["epoch"] for e in s["per_epoch"]] == [1, 2]
     assert s["samples_trained"] > 2 * 2880, s            # the added worker trained too
+
+
+def test_a_rank_auto_worker_restarted_with_the_same_command_gets_its_old_rank_back(procs, tmp_path):
+    """Two --rank auto joiners (ranks 1, 2); the second is SIGKILLed and started again with the same
+    command: it takes the slot its dead process held (the first's slot is locked by the live first)
+    and shard 0 gives it rank 2 back at once (--step-timeout 60: its old session is still live).
+    Fails if an auto worker keeps no session (the restart gets rank 3, a fresh one), or if the
+    restart takes the live first joiner's slot (it would take rank 1 over: that worker exits 1)."""
+    sessions = str(tmp_path / "sessions")
+    shard = procs("serve", "--port", "0", "--num-workers", "1", "--max-workers", "4", "--mode", "async",
+                  "--step-timeout", "60", "--optimizer", "sgd", "--lr", "0.1")
+    addr = shard.address()
+    summary = tmp_path / "summary.json"
+    train = [*TRAIN, "--epochs", "1", "--data-assignment", "leases", "--session-dir", sessions]
+    chief = procs("worker", "--ps", addr, "--rank", "0", "--num-workers", "1", *train,
+                  "--summary-json", str(summary))
+    auto = ["worker", "--ps", addr, "--rank", "auto", "--num-workers", "4", *train]
+    first = procs(*auto)
+    wait_for(first, "shard 0 assigned rank 1")
+    second = procs(*auto)
+    wait_for(second, "shard 0 assigned rank 2")
+    wait_for(second, "first push after joining taken in")
+    second.popen.send_signal(signal.SIGKILL)
+    second.wait()
+    again = procs(*auto)                                # the same command
+    wait_for(again, "shard 0 assigned rank")
+    assert "shard 0 assigned rank 2 (--rank auto; the rank kept in" in again.output, again.output
+    assert "took its rank back at once on 1 of 1 shard(s)" in again.output, again.output
+    assert again.wait() == 0 and first.wait() == 0 and chief.wait() == 0, first.output + again.output
+    assert read_json(summary)["workers_marked_dead"] == 0

@@ -130,3 +130,25 @@ def test_launch_cluster_runs_launch_from_python():
     assert summary["test_accuracy"] > 0.9 and len(summary["workers"]) == 2
     with pytest.raises(pserver.ConfigError, match="^bogus: not a launch option"):
         pserver.launch_cluster(bogus=1)
+
+
+def test_the_python_cluster_object_on_ray_adds_a_worker_actor_that_trains(ray_installed):
+    """start_cluster(backend="ray").add_workers(1) on a real local Ray: the Ray is started by the
+    cluster object, launch runs on it (--address), and the added worker is an actor there that
+    shard 0 gives rank 1 and whose pushes are taken in. Fails if add_workers starts nothing on Ray
+    (no [joiner0] lines), if the actor cannot reach the shards or lacks the token (its exit code),
+    or if launch's Ray and the joiners' are two (no CPU left for the actor: it never starts)."""
+    import pserver
+    cluster = pserver.start_cluster(ps=1, workers=1, max_workers=2, backend="ray", model="logreg",
+                                    samples=2880, features=20, epochs=2, delay="fixed:0.03",
+                                    data_assignment="leases")
+    try:
+        pids = cluster.add_workers(1)
+        s = cluster.wait(timeout=240)
+    finally:
+        cluster.stop()
+    out = "".join(cluster.lines)
+    assert len(pids) == 1 and "Ray" in out, out[-3000:]
+    assert "[joiner0] worker: shard 0 assigned rank 1 (--rank auto)" in out, out[-3000:]
+    assert "[joiner0] worker 1: first push after joining taken in" in out, out[-3000:]
+    assert [e["epoch"] for e in s["per_epoch"]] == [1, 2]
