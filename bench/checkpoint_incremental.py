@@ -21,7 +21,7 @@ the memory a write takes beside the state.
     interleaved: pushes without a write (the baseline: what the pushes alone add), a base
     written under pushes, a base written with pushes paused (the floor). Extra = peak during
     the window - RSS at its start; compared with the state's bytes (what the full copy before
-    it took: 100%), with Checkpointer.aside_peak and with it + 16 MiB (the issue's bound).
+    it took: 100%), with Checkpointer.aside_peak and with it + 16 MiB (the bound).
     The first write under pushes is reported apart from the median of the later ones.
 JSON: bench/results/checkpoint/incremental.json (or --out).
 """
