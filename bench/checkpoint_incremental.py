@@ -13,14 +13,16 @@ the memory a write takes beside the state.
     rules allow (--full-every 10: 9 deltas of 5% of the rows each, 45% of the base in all; and
     2 deltas of 24%), the same table size, REPS interleaved repetitions; the ratio's target is
     at most 1.6.
-(c) extra RSS during a write: one ShardStore, one table of ROWS x 16 (adagrad), a thread
+(c) extra RSS during a write: one ShardStore, one table of ROWS x 16 (adagrad), one thread
     pushing PUSH ids (uniform over the table: every row it changes before the writer reads it
-    is copied aside) every PERIOD seconds while a base is written; VmRSS sampled every 2 ms;
-    glibc malloc tuned as `pserver serve` tunes it (pserver/launch/allocator.py).
-    Extra = peak during the write - RSS just before it; compared with the state's bytes (what
-    the full copy before it took: 100%), with Checkpointer.aside_peak, with the bytes of the
-    rows the pushes changed before they were read + 16 MiB (the bound), and with the
-    same write with pushes stopped (the floor).
+    is copied aside) every PERIOD seconds for the whole part (WARMUP s before the first window),
+    as a server's RPC threads push before, during and after a write; VmRSS sampled every 2 ms;
+    glibc malloc tuned as `pserver serve` tunes it (pserver/launch/allocator.py). REPS times,
+    interleaved: pushes without a write (the baseline: what the pushes alone add), a base
+    written under pushes, a base written with pushes paused (the floor). Extra = peak during
+    the window - RSS at its start; compared with the state's bytes (what the full copy before
+    it took: 100%), with Checkpointer.aside_peak and with it + 16 MiB (the bound).
+    The first write under pushes is reported apart from the median of the later ones.
 JSON: bench/results/checkpoint/incremental.json (or --out).
 """
 
@@ -214,6 +216,10 @@ def restore_times(args, work: Path) -> dict:
 # -- (c) extra RSS during a write ---------------------------------------------------------------
 
 def rss_during_write(args, work: Path) -> dict:
+    """One pusher thread for the whole part, as a server's RPC threads are there before and after a
+    write: a thread started with the write would count its own heap (its malloc arena, its
+    temporaries) as the write's. Windows, REPS times, interleaved: pushes without a write (as long
+    as the last write took: the baseline), a write under pushes, a write with pushes stopped."""
     directory = str(work / "rss")
     store, ck, ids = big_store(args.rows, directory, full_every=1)
     table = store.tables["emb"]
@@ -224,49 +230,85 @@ def rss_during_write(args, work: Path) -> dict:
     rng = np.random.default_rng(1)
     grads = np.full((args.push, 16), 0.01, np.float32)
     out = {"rows": args.rows, "dim": 16, "entry_bytes": entry, "state_bytes": state_bytes,
-           "push_ids": args.push, "push_period_s": args.period}
-    for label, pushing in (("pushes stopped (floor)", False), ("pushing", True),
-                           ("pushes stopped (floor) again", False), ("pushing again", True)):
-        stop, pushed = threading.Event(), [0]
+           "push_ids": args.push, "push_period_s": args.period, "windows": []}
+    stop, paused, pushed = threading.Event(), threading.Event(), [0]
 
-        def pusher():
-            while not stop.is_set():
-                batch = np.unique(rng.choice(ids, args.push))
-                push(store, batch, grads[:batch.shape[0]])
-                pushed[0] += batch.shape[0]
-                stop.wait(args.period)
+    def pusher():
+        while not stop.is_set():
+            if paused.is_set():
+                stop.wait(0.005)
+                continue
+            batch = np.unique(rng.choice(ids, args.push))
+            push(store, batch, grads[:batch.shape[0]])
+            pushed[0] += batch.shape[0]
+            stop.wait(args.period)
 
-        push(store, ids[:1], grads[:1])         # a new version: the write is not skipped as done
-        before = vmrss()
-        peak, done = [before], threading.Event()
+    thread = threading.Thread(target=pusher)
+    thread.start()
+    time.sleep(args.warmup)                      # the pusher's heap as it is in a running server
+    length = 2.0
+    try:
+        for rep in range(args.reps):
+            for label in ("pushes, no write", "write under pushes", "write, pushes stopped"):
+                if label.endswith("stopped"):
+                    paused.set()
+                    time.sleep(0.1)
+                push(store, ids[:1], grads[:1])  # a new version: the write is not skipped as done
+                before, n0 = vmrss(), pushed[0]
+                peak, done = [before], threading.Event()
 
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], vmrss())
-                done.wait(0.002)
+                def sample():
+                    while not done.is_set():
+                        peak[0] = max(peak[0], vmrss())
+                        done.wait(0.002)
 
-        threads = [threading.Thread(target=sample)] + ([threading.Thread(target=pusher)] if pushing else [])
-        for t in threads:
-            t.start()
-        t0 = time.perf_counter()
-        ck.request()
-        secs = time.perf_counter() - t0
+                sampler = threading.Thread(target=sample)
+                sampler.start()
+                t0 = time.perf_counter()
+                if label.startswith("write"):
+                    ck.request()
+                else:
+                    time.sleep(length)
+                secs = time.perf_counter() - t0
+                done.set()
+                sampler.join()
+                paused.clear()
+                if label == "write under pushes":
+                    length = secs
+                extra = peak[0] - before
+                aside = ck.aside_peak if label.startswith("write") else 0
+                bound = aside + 16 * MiB
+                row = {"rep": rep, "window": label, "secs": secs, "rss_before": before, "extra_rss": extra,
+                       "aside_peak": aside, "pushed_ids": pushed[0] - n0,
+                       "extra_over_state": extra / state_bytes, "bound_aside_plus_16MiB": bound,
+                       "ok_issue_bound": extra <= bound, "ok_15pct": extra <= 0.15 * state_bytes}
+                out["windows"].append(row)
+                print(f"(c) {rep} {label:21s} {secs:5.2f} s, {pushed[0] - n0:9,d} ids pushed; extra RSS "
+                      f"{extra / MiB:6.1f} MiB = {100 * extra / state_bytes:4.1f}% of the state "
+                      f"({state_bytes / MiB:.0f} MiB); kept aside {aside / MiB:5.1f} MiB"
+                      + (f"; bound (aside + 16 MiB) {bound / MiB:.1f} MiB: "
+                         f"{'ok' if row['ok_issue_bound'] else 'MISSED'}"
+                         if label.startswith("write") else ""),
+                      flush=True)
+    finally:
         stop.set()
-        done.set()
-        for t in threads:
-            t.join()
-        extra = peak[0] - before
-        aside = ck.aside_peak
-        bound = aside + 16 * MiB
-        row = {"pushing": pushing, "write_s": secs, "rss_before": before, "extra_rss": extra,
-               "aside_peak": aside, "pushed_ids": pushed[0], "extra_over_state": extra / state_bytes,
-               "bound_aside_plus_16MiB": bound, "ok_issue_bound": extra <= bound,
-               "ok_15pct": extra <= 0.15 * state_bytes}
-        out[label] = row
-        print(f"(c) {label}: write {secs:.2f} s, {pushed[0]:,} ids pushed meanwhile; extra RSS "
-              f"{extra / MiB:.1f} MiB = {100 * extra / state_bytes:.1f}% of the state "
-              f"({state_bytes / MiB:.0f} MiB); kept aside {aside / MiB:.1f} MiB; bound (aside + 16 MiB) "
-              f"{bound / MiB:.1f} MiB: {'ok' if row['ok_issue_bound'] else 'MISSED'}", flush=True)
+        thread.join()
+    summary = {}
+    for label in ("pushes, no write", "write under pushes", "write, pushes stopped"):
+        rows = [w for w in out["windows"] if w["window"] == label]
+        later = rows[1:]
+        x = summary[label] = {
+            "first_extra_rss": rows[0]["extra_rss"], "first_aside": rows[0]["aside_peak"],
+            "median_extra_rss_later": float(np.median([w["extra_rss"] for w in later])) if later else None,
+            "median_aside_later": float(np.median([w["aside_peak"] for w in later])) if later else None,
+            "max_extra_over_state": max(w["extra_over_state"] for w in rows),
+            "all_within_bound": all(w["ok_issue_bound"] for w in rows)}
+        print(f"(c) {label}: first {x['first_extra_rss'] / MiB:.1f} MiB "
+              f"(aside {x['first_aside'] / MiB:.1f}); "
+              + (f"median of the {len(later)} after {x['median_extra_rss_later'] / MiB:.1f} MiB "
+                 f"(aside {x['median_aside_later'] / MiB:.1f}); " if later else "")
+              + f"at most {100 * x['max_extra_over_state']:.1f}% of the state", flush=True)
+    out["summary"] = summary
     ck.writer.shutdown()
     shutil.rmtree(directory)
     return out
@@ -282,6 +324,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=3_000_000, help="rows of (c)'s table")
     ap.add_argument("--push", type=int, default=4096, help="ids per push in (c)")
     ap.add_argument("--period", type=float, default=0.01, help="seconds between pushes in (c)")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds of pushes before (c)'s first window")
     ap.add_argument("--parts", default="abc")
     ap.add_argument("--analyze", default=None, help="(a) on a directory of a run's files kept aside, "
                     "not a run")

@@ -258,12 +258,13 @@ def test_reshard_and_inspect_read_chains(tmp_path):
 def test_pushes_during_a_write_change_the_live_rows_not_the_file(tmp_path, monkeypatch, bucket):
     """Copy-on-write: a write of version V that pushes overtake (changing rows, creating rows,
     evicting rows) still holds V exactly, and keeps aside only the rows they changed. bucket 4:
-    the copies spread over many buckets, each merged past one part (catches a stripe that
-    takes a copy from the wrong bucket or part, or a merge that misorders them)."""
+    the copies spread over many buckets, each over chunks of 1 and 2 rows (catches a stripe
+    that takes a copy from the wrong bucket or chunk, or a row of a chunk's unfilled room)."""
     if bucket:
         from pserver.sparse import table as table_module
         monkeypatch.setattr(table_module._Dump, "BUCKET", bucket)
-        monkeypatch.setattr(table_module._Dump, "MERGE", 1)
+        monkeypatch.setattr(table_module._Dump, "FIRST", 1)
+        monkeypatch.setattr(table_module._Dump, "CHUNK", 2)
     store, ckpt = make_store(max_rows=200, directory=str(tmp_path))
     ids = np.arange(1, 201, dtype=np.uint64)
     push(store, ids, 1)
@@ -304,6 +305,41 @@ def test_pushes_during_a_write_change_the_live_rows_not_the_file(tmp_path, monke
     assert restored(checkpoint.load(path)) == want
     entry = store.tables["emb"].entry_dtype().itemsize
     assert 0 < ckpt.aside_peak <= 60 * (entry + 8) + store.params.nbytes * 3
+
+
+def test_rows_kept_aside_are_filled_in_place_never_merged_by_a_copy(tmp_path):
+    """The memory a write under pushes takes is the copies kept aside, not twice them: 300
+    pushes of 100 rows into one bucket (as a push spreads over every bucket of a big table)
+    keep each row once, in chunks filled in place. Catches aside storage that grows or merges
+    a bucket by concatenation (the old and the merged arrays alive at once: a save's traced
+    peak passes the bucket's bytes), and rows copied aside twice."""
+    import tracemalloc
+    store, _ = make_store(max_rows=0, directory=str(tmp_path))
+    push(store, np.arange(1, 30_001, dtype=np.uint64), 1)
+    table = store.tables["emb"]
+    rng = np.random.default_rng(0)
+    table.begin_dump(False)
+    dump, entry = table._dump, table.entry_dtype().itemsize
+    kept = np.zeros(30_000, bool)
+    peaks = []
+    tracemalloc.start()
+    try:
+        for _ in range(300):
+            positions = rng.choice(30_000, 100, replace=False)
+            start = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            with table._lock:
+                dump.save(table, positions)
+            peaks.append(tracemalloc.get_traced_memory()[1] - start)
+            kept[positions] = True
+    finally:
+        tracemalloc.stop()
+        table.end_dump()
+    # a save's own arrays (100 rows) and the chunks it adds (2 of 256 rows at most), nothing else
+    assert sorted(peaks)[-5] <= 100 * (entry + 64) + 512 * (entry + 8), sorted(peaks)[-10:]
+    rows = sum(filled for chunks in dump.buckets.values() for _, _, filled in chunks)
+    assert rows == kept.sum()                          # each row once
+    assert dump.peak <= 2 * rows * (entry + 8) + 256 * (entry + 8) + 30_000 // 8 + 1
 
 
 def test_a_dense_step_during_a_write_keeps_only_the_unread_rest_aside(tmp_path, monkeypatch):

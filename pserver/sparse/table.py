@@ -487,6 +487,8 @@ class SparseTable:
         one partition, not a scan per row; `release`: their pages go back at once; `keep`: a
         mask of rows that may not go. Holds the lock."""
         r = self._rows
+        if k <= 0:           # (before the row list: n positions, 76 MiB at 10M rows, on every push)
+            return
         rows = np.arange(r.n) if keep is None else np.flatnonzero(~keep[:r.n])
         k = min(k, rows.shape[0])
         if k <= 0:
@@ -731,21 +733,28 @@ class _Dump:
     aside first (`save`), and a read takes those copies over the live rows. Used under the
     table's lock.
 
-    The copies are kept in buckets of BUCKET positions, each a list of (positions, entries)
-    parts of its own, so that a read looks only at the buckets its stripe spans and a bucket
-    the cursor has passed is freed whole: the memory kept aside is at most the rows changed
-    before they were read (each copied once), never a merged second copy of them (merging all
-    the parts at every read copied them all again each stripe: 3-5x the bytes kept aside in
-    RSS, and a write that took 2-3x as long under pushes, bench/checkpoint_incremental.py)."""
+    The copies are kept in buckets of BUCKET positions, so that a read looks only at the
+    buckets its stripe spans and a bucket the cursor has passed is freed whole. A bucket's
+    copies go into chunks that are filled in place and never grown or merged: a chunk holds
+    16, 32, 64... up to CHUNK rows (each twice the one before, so a bucket's unfilled room is
+    at most its rows, and one chunk), and the next row goes into a new one. Merging a bucket's
+    copies by concatenation kept the old and the merged arrays alive at once and left freed
+    blocks of every growing size behind, which the heap could not reuse: the first write under
+    pushes took 1.7x the bytes kept aside in RSS, and 1.06x with chunks (3M rows, 22 MiB kept
+    aside, bench/checkpoint_incremental.py --parts c). Chunks come in a few sizes, so a freed
+    one is reused whole. `bytes` counts the chunks'
+    room and the bit mask of rows already copied (n0 / 8 bytes)."""
 
     BUCKET = 1 << 15                                 # positions per bucket
-    MERGE = 16                                       # a bucket's parts merged beyond this many
+    CHUNK = 256                                      # rows in a bucket's largest chunk
+    FIRST = 16                                       # rows in a bucket's first chunk
 
     def __init__(self, n0: int, chosen: np.ndarray | None):
         self.n0, self.chosen, self.cursor = n0, chosen, 0
         self.count = n0 if chosen is None else int(chosen.shape[0])
-        self.seen: np.ndarray | None = None          # positions already copied aside (a mask of n0)
-        self.buckets: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.seen: np.ndarray | None = None          # positions already copied aside (bits of n0)
+        # bucket -> its chunks, each [positions, entries, rows filled]
+        self.buckets: dict[int, list[list]] = {}
         self.bytes = self.peak = 0                   # bytes kept aside now, and at most
 
     def save(self, table: SparseTable, positions: np.ndarray) -> None:
@@ -756,42 +765,48 @@ class _Dump:
         if not positions.size:
             return
         if self.seen is None:
-            self.seen = np.zeros(self.n0, np.bool_)
+            self.seen = np.zeros((self.n0 + 7) >> 3, np.uint8)
+            self.bytes += self.seen.nbytes
         positions = np.unique(positions)
-        positions = positions[~self.seen[positions]]
+        bits = (np.uint8(1) << (positions & 7).astype(np.uint8))
+        fresh = (self.seen[positions >> 3] & bits) == 0
+        positions, bits = positions[fresh], bits[fresh]
         if not positions.size:
             return
-        self.seen[positions] = True
+        np.bitwise_or.at(self.seen, positions >> 3, bits)
         copies = table._entries(positions)
         keys = positions // self.BUCKET
-        cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
-        whole = len(cuts) == 0
-        for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [positions.shape[0]]])):
-            pos, part = (positions, copies) if whole else (positions[lo:hi].copy(), copies[lo:hi].copy())
-            parts = self.buckets.setdefault(int(keys[lo]), [])
-            parts.append((pos, part))
-            self.bytes += pos.nbytes + part.nbytes
-            if len(parts) > self.MERGE:              # one bucket's parts: a few MiB at most
-                pos = np.concatenate([p for p, _ in parts])
-                order = np.argsort(pos, kind="stable")
-                parts[:] = [(pos[order], np.concatenate([c for _, c in parts])[order])]
+        cuts = np.concatenate([[0], np.flatnonzero(keys[1:] != keys[:-1]) + 1, [positions.shape[0]]])
+        for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            chunks = self.buckets.setdefault(int(keys[lo]), [])
+            while lo < hi:
+                if not chunks or chunks[-1][2] == chunks[-1][0].shape[0]:
+                    room = min(self.CHUNK, 2 * chunks[-1][0].shape[0] if chunks else self.FIRST)
+                    chunks.append([np.empty(room, np.int64), np.empty(room, copies.dtype), 0])
+                    self.bytes += chunks[-1][0].nbytes + chunks[-1][1].nbytes
+                pos, entries, filled = chunks[-1]
+                n = min(hi - lo, pos.shape[0] - filled)
+                pos[filled:filled + n], entries[filled:filled + n] = positions[lo:lo + n], copies[lo:lo + n]
+                chunks[-1][2] = filled + n
+                lo += n
         self.peak = max(self.peak, self.bytes)
 
     def restore(self, out: np.ndarray, first: int, last: int, where: np.ndarray | None) -> None:
         """Put the copies of rows first..last (positions) over `out`, the live rows there."""
         for key in range(first // self.BUCKET, last // self.BUCKET + 1):
-            for pos, copies in self.buckets.get(key, ()):
-                lo, hi = np.searchsorted(pos, first), np.searchsorted(pos, last, side="right")
-                if hi > lo:
-                    at = pos[lo:hi] - first if where is None else np.searchsorted(where, pos[lo:hi])
-                    out[at] = copies[lo:hi]
+            for pos, entries, filled in self.buckets.get(key, ()):
+                pos = pos[:filled]
+                hit = (pos >= first) & (pos <= last)
+                if hit.any():
+                    at = pos[hit] - first if where is None else np.searchsorted(where, pos[hit])
+                    out[at] = entries[:filled][hit]
 
     def advance(self, cursor: int) -> None:
         """Rows before cursor are written: the buckets wholly before it are dropped, and those
         rows change freely."""
         self.cursor = cursor
         for key in [k for k in self.buckets if (k + 1) * self.BUCKET <= cursor]:
-            self.bytes -= sum(p.nbytes + c.nbytes for p, c in self.buckets.pop(key))
+            self.bytes -= sum(p.nbytes + e.nbytes for p, e, _ in self.buckets.pop(key))
 
 
 def _check_state(table: SparseTable, state: dict) -> dict:
