@@ -165,6 +165,25 @@ def test_conv_at_model_sizes():
             np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-3)
 
 
+@FAST
+@given(st.integers(2, 7), st.integers(2, 7), st.integers(1, 2), st.sampled_from(["valid", "same"]), seeds)
+def test_maxpool2d_2x2_ties_and_nans(h, w, stride, padding, seed):
+    # The 2x2 pool's own pass (cpu._max_of_four): values from {0, 1, 2, NaN}, so most windows
+    # hold ties and NaNs in every position; index and value must be the twin's (a wrong order
+    # of the four, or a NaN that wins from behind, changes them). Windows cut by 'same'
+    # padding or the edge take the general loop beside it.
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 4, (2, h, w, 3)).astype(np.float32)
+    x[x == 3] = np.nan
+    (oh, pt), (ow, pl) = conv_output(h, 2, stride, padding), conv_output(w, 2, stride, padding)
+    got, want = (nans((2, oh, ow, 3)), nans((2, oh, ow, 3), np.int32)), \
+        (nans((2, oh, ow, 3)), nans((2, oh, ow, 3), np.int32))
+    cpu.maxpool2d_forward(x, *got, 2, 2, stride, stride, pt, pl)
+    reference.maxpool2d_forward(x, *want, 2, 2, stride, stride, pt, pl)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
 def test_pooling_ties_and_nan(k):
     # Ties go to the first element in row-major order (as TF); a NaN that comes first stays.
