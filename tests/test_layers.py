@@ -68,6 +68,27 @@ def test_reference_cnn_is_the_tutorial_model():
     assert model.layers[4].activation == "linear" and model.loss.name == "sparse_categorical_crossentropy"
 
 
+def test_evaluation_runs_in_cache_sized_chunks_with_the_same_results():
+    # keras.io's mnist_convnet: ~315 KB of outputs and im2col rows per image, so 4 MiB
+    # chunks of 13 (4096 at once thrashed the cache: 2.2x the CPU time). A chunk that ignores
+    # the budget, or results that depend on it (a remainder chunk lost or counted twice), fail.
+    from pserver.models.sequential import EVAL_CHUNK_BYTES
+    model = Sequential([Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), MaxPooling2D(),
+                        Conv2D(64, 3, activation="relu"), MaxPooling2D(), Flatten(), Dropout(0.5),
+                        Dense(10)])
+    per_image = 4 * (26 * 26 * (32 + 9) + 13 * 13 * 32 + 11 * 11 * (64 + 288) + 5 * 5 * 64 * 2 + 10)
+    assert model._chunk(4096, np.float32) == EVAL_CHUNK_BYTES // per_image == 13
+    assert model._chunk(5, np.float32) == 5
+    assert Sequential([Dense(3, input_shape=(4,))])._chunk(4096, np.float32) == 4096
+    rng = np.random.default_rng(0)
+    w = model.init_params(0)
+    x, y = rng.random((30, 28, 28, 1), np.float32), rng.integers(0, 10, 30)
+    one_by_one = np.concatenate([model.predict(w, x[i:i + 1]) for i in range(30)])
+    np.testing.assert_allclose(model.predict(w, x), one_by_one, rtol=1e-5, atol=1e-6)
+    ev = model.evaluate(w, x, y)
+    assert ev["accuracy"] == np.mean(one_by_one.argmax(1) == y)
+
+
 def test_glorot_uniform_kernels_zero_biases():
     w = make_model("cnn", (28, 28, 1), 10).init_params(0)
     views = make_model("cnn", (28, 28, 1), 10).layout.views(w)

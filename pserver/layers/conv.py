@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from pserver.errors import ConfigError
 from pserver.layers import activations, base
 from pserver.layers.base import KernelLayer, Layer, pair, positive_int
@@ -28,6 +30,10 @@ class Conv2D(KernelLayer):
 
     def kernel_shape(self):
         return (*self.kernel_size, self.input_shape[2], self.filters)
+
+    def forward_elements(self):
+        oh, ow, _ = self.output_shape
+        return super().forward_elements() + oh * ow * int(np.prod(self.kernel_shape()[:3]))
 
     def forward(self, k, p, x, out, s, run):
         k.conv2d_forward(x, p["kernel"], self.bias(p, s), out, *self.strides, self.pad_top,
