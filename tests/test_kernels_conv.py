@@ -102,6 +102,26 @@ def test_conv2d(g, seed, relu):
     first_layer = [nans(w.shape), nans(b.shape)]   # no dx: the first layer's call
     cpu.conv2d_backward(x, w, dy, None, *first_layer, *placement(g))
     close(first_layer[0], grads["ref"][1], 1e-4)
+    # A training step's pair: the forward pass keeps x's im2col matrix, the backward pass
+    # starts from it (a wrong window order or padding in cols, or a stale one, fails here).
+    taps = g["kh"] * g["kw"] * g["c"]
+    for k in (cpu, reference):
+        cols, kept = nans((g["n"] * g["oh"] * g["ow"], taps)), nans(out_shape)
+        k.conv2d_forward_cols(x, w, b, kept, cols, *placement(g), relu)
+        close(kept, want)
+        if k is cpu:
+            cpu_cols = cols.copy()
+        else:
+            close(cpu_cols, cols, 0)
+        for with_dx in (True, False):
+            got_b = [nans(x.shape) if with_dx else None, nans(w.shape), nans(b.shape)]
+            k.conv2d_backward_cols(cols.copy(), w, dy, *got_b, *placement(g))
+            for a, e in zip(got_b, grads["ref"]):
+                if a is not None:
+                    close(a, e, 1e-4)
+    with pytest.raises(ValueError, match="cols must be"):
+        cpu.conv2d_backward_cols(np.zeros((1, taps + 1), np.float32), w, dy, None, *first_layer,
+                                 *placement(g))
 
 
 @FAST

@@ -208,12 +208,27 @@ def _im2col(img, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n
 @njit(cache=True, nogil=True)
 def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu):
     """out[:] = conv(x, w) + b, then ReLU if `relu`. x (N,H,W,C), w (KH,KW,C,F), out (N,OH,OW,F)."""
+    kh, kw, c_n, _ = w.shape
+    n_, oh_n, ow_n, _ = out.shape
+    cols = np.empty((n_ * oh_n * ow_n, kh * kw * c_n), x.dtype)
+    conv2d_forward_cols(x, w, b, out, cols, stride_h, stride_w, pad_top, pad_left, relu)
+
+
+@njit(cache=True, nogil=True)
+def _check_cols(cols, w, dy):
+    if cols.shape != (dy.shape[0] * dy.shape[1] * dy.shape[2], w.shape[0] * w.shape[1] * w.shape[2]):
+        raise ValueError("conv2d: cols must be (N*OH*OW, KH*KW*C)")
+
+
+@njit(cache=True, nogil=True)
+def conv2d_forward_cols(x, w, b, out, cols, stride_h, stride_w, pad_top, pad_left, relu):
+    """conv2d_forward that leaves its im2col matrix in `cols` (N*OH*OW, KH*KW*C), for
+    conv2d_backward_cols to use rather than build it again (a training step's forward pass)."""
     kh, kw, c_n, f_n = w.shape
     n_, oh_n, ow_n, _ = out.shape
-    taps = kh * kw * c_n
-    w2 = w.reshape((taps, f_n))
+    _check_cols(cols, w, out)
+    w2 = w.reshape((kh * kw * c_n, f_n))
     out2 = out.reshape((n_ * oh_n * ow_n, f_n))
-    cols = np.empty((out2.shape[0], taps), x.dtype)
     _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False)
     np.dot(cols, w2, out2)
     _add_bias(out2, b, relu)
@@ -222,14 +237,25 @@ def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu):
 @njit(cache=True, nogil=True)
 def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left):
     """dw, db (and dx unless it is None) from dy = d loss / d pre-activation (N,OH,OW,F)."""
+    kh, kw, c_n, _ = w.shape
+    n_, oh_n, ow_n, _ = dy.shape
+    cols = np.empty((n_ * oh_n * ow_n, kh * kw * c_n), x.dtype)
+    _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False)
+    conv2d_backward_cols(cols, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left)
+
+
+@njit(cache=True, nogil=True)
+def conv2d_backward_cols(cols, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left):
+    """conv2d_backward from the im2col matrix conv2d_forward_cols left of x (not x itself):
+    keras.io mnist_convnet's two im2col builds a step saved (0.57 and 0.93 ms of ~15 at batch
+    64). With dx, `cols` is overwritten (it holds dy's windows then): use it once."""
     kh, kw, c_n, f_n = w.shape
     n_, oh_n, ow_n, _ = dy.shape
+    _check_cols(cols, w, dy)
     taps = kh * kw * c_n
     w2, dw2 = w.reshape((taps, f_n)), dw.reshape((taps, f_n))
     dy2 = dy.reshape((n_ * oh_n * ow_n, f_n))
     _column_sum(dy2, db)
-    cols = np.empty((dy2.shape[0], taps), x.dtype)
-    _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False)
     np.dot(cols.T, dy2, dw2)
     if dx is not None:
         # Pixel r's window gets dy2[r] @ w2.T (into cols, now free), added back where it was read.
