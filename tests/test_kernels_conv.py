@@ -115,13 +115,25 @@ def test_conv2d(g, seed, relu):
             close(cpu_cols, cols, 0)
         for with_dx in (True, False):
             got_b = [nans(x.shape) if with_dx else None, nans(w.shape), nans(b.shape)]
-            k.conv2d_backward_cols(cols.copy(), w, dy, *got_b, *placement(g))
+            k.conv2d_backward_cols(cols.copy(), w, dy, dy.copy(), *got_b, *placement(g), False)
             for a, e in zip(got_b, grads["ref"]):
                 if a is not None:
                     close(a, e, 1e-4)
+        # relu: dy is the gradient of the ReLU's output, masked by it in the kernel's own pass
+        # (a mask by the wrong array, or db summed before the mask, fails).
+        out = f32(rng, *out_shape)
+        out[0, 0, 0, 0] = np.nan                        # NaN output: no gradient, as relu_backward
+        masked = dy * (out > 0)
+        want_r = [nans(x.shape), nans(w.shape), nans(b.shape)]
+        reference.conv2d_backward(x, w, masked, *want_r, *placement(g))
+        got_r, d = [nans(x.shape), nans(w.shape), nans(b.shape)], dy.copy()
+        k.conv2d_backward_cols(cols.copy(), w, out, d, *got_r, *placement(g), True)
+        close(d, masked, 0)
+        for a, e in zip(got_r, want_r):
+            close(a, e, 1e-4)
     with pytest.raises(ValueError, match="cols must be"):
-        cpu.conv2d_backward_cols(np.zeros((1, taps + 1), np.float32), w, dy, None, *first_layer,
-                                 *placement(g))
+        cpu.conv2d_backward_cols(np.zeros((1, taps + 1), np.float32), w, dy, dy, None, *first_layer,
+                                 *placement(g), False)
 
 
 @FAST

@@ -189,8 +189,11 @@ def conv2d_forward_cols(x, w, b, out, cols, stride_h, stride_w, pad_top, pad_lef
     conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu)
 
 
-def conv2d_backward_cols(cols, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left):
-    """conv2d_backward from x's im2col matrix (conv2d_forward_cols's) instead of x."""
+def conv2d_backward_cols(cols, w, out, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left, relu):
+    """conv2d_backward from x's im2col matrix (conv2d_forward_cols's) instead of x; `relu`:
+    dy, the gradient of the ReLU's output `out`, made that of its input first, in place."""
+    if relu:
+        relu_backward(dy, out)
     kh, kw, c, f = w.shape
     hw, stride, pad = dy.shape[1:3], (stride_h, stride_w), (pad_top, pad_left)
     if cols.shape != (dy.shape[0] * hw[0] * hw[1], kh * kw * c):

@@ -55,12 +55,15 @@ class Conv2D(KernelLayer):
         activations.forward(k, self.activation, out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
-        activations.backward(k, self.activation, out, dout)
         if s.get("cols_of") is x:          # this step's forward kept them; used once
             s["cols_of"] = None
-            k.conv2d_backward_cols(s["cols"], p["kernel"], dout, dx, g["kernel"], self.dbias(g, s),
-                                   *self.strides, self.pad_top, self.pad_left)
+            relu = self.activation == "relu"              # fused into the kernel's pass over dout
+            if not relu:
+                activations.backward(k, self.activation, out, dout)
+            k.conv2d_backward_cols(s["cols"], p["kernel"], out, dout, dx, g["kernel"], self.dbias(g, s),
+                                   *self.strides, self.pad_top, self.pad_left, relu)
             return
+        activations.backward(k, self.activation, out, dout)
         k.conv2d_backward(x, p["kernel"], dout, dx, g["kernel"], self.dbias(g, s), *self.strides,
                           self.pad_top, self.pad_left)
 
