@@ -1,8 +1,10 @@
 """Model math as numba CPU kernels; `pserver.kernels.reference` is the NumPy twin.
 
 All kernels write into caller-owned buffers (the model preallocates them per batch size), so a
-training step allocates nothing here but the convolutions' im2col matrix, one per call (small
-next to its product). Inputs are C-contiguous; float32 is what the models use.
+training step allocates nothing here (a convolution's im2col matrix is the layer's too, kept
+from the forward pass for the backward: conv2d_forward_cols); conv2d_forward and
+conv2d_backward, as evaluation and the twins' API call them, make their own, one per call
+(small next to its product). Inputs are C-contiguous; float32 is what the models use.
 
 Matrix products go through `np.dot(a, b, out)`, which numba lowers to BLAS gemm (scipy's
 cython_blas). A transposed view of a C-contiguous array (`x.T`, `W.T`) is typed as an F-contiguous
