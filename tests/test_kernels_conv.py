@@ -102,6 +102,38 @@ def test_conv2d(g, seed, relu):
     first_layer = [nans(w.shape), nans(b.shape)]   # no dx: the first layer's call
     cpu.conv2d_backward(x, w, dy, None, *first_layer, *placement(g))
     close(first_layer[0], grads["ref"][1], 1e-4)
+    # A training step's pair: the forward pass keeps x's im2col matrix, the backward pass
+    # starts from it (a wrong window order or padding in cols, or a stale one, fails here).
+    taps = g["kh"] * g["kw"] * g["c"]
+    for k in (cpu, reference):
+        cols, kept = nans((g["n"] * g["oh"] * g["ow"], taps)), nans(out_shape)
+        k.conv2d_forward_cols(x, w, b, kept, cols, *placement(g), relu)
+        close(kept, want)
+        if k is cpu:
+            cpu_cols = cols.copy()
+        else:
+            close(cpu_cols, cols, 0)
+        for with_dx in (True, False):
+            got_b = [nans(x.shape) if with_dx else None, nans(w.shape), nans(b.shape)]
+            k.conv2d_backward_cols(cols.copy(), w, dy, dy.copy(), *got_b, *placement(g), False)
+            for a, e in zip(got_b, grads["ref"]):
+                if a is not None:
+                    close(a, e, 1e-4)
+        # relu: dy is the gradient of the ReLU's output, masked by it in the kernel's own pass
+        # (a mask by the wrong array, or db summed before the mask, fails).
+        out = f32(rng, *out_shape)
+        out[0, 0, 0, 0] = np.nan                        # NaN output: no gradient, as relu_backward
+        masked = dy * (out > 0)
+        want_r = [nans(x.shape), nans(w.shape), nans(b.shape)]
+        reference.conv2d_backward(x, w, masked, *want_r, *placement(g))
+        got_r, d = [nans(x.shape), nans(w.shape), nans(b.shape)], dy.copy()
+        k.conv2d_backward_cols(cols.copy(), w, out, d, *got_r, *placement(g), True)
+        close(d, masked, 0)
+        for a, e in zip(got_r, want_r):
+            close(a, e, 1e-4)
+    with pytest.raises(ValueError, match="cols must be"):
+        cpu.conv2d_backward_cols(np.zeros((1, taps + 1), np.float32), w, dy, dy, None, *first_layer,
+                                 *placement(g), False)
 
 
 @FAST
@@ -163,6 +195,25 @@ def test_conv_at_model_sizes():
         reference.conv2d_backward(x, w, dy, *grads[1], 1, 1, 1, 1)
         for a, e in zip(*grads):
             np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-3)
+
+
+@FAST
+@given(st.integers(2, 7), st.integers(2, 7), st.integers(1, 2), st.sampled_from(["valid", "same"]), seeds)
+def test_maxpool2d_2x2_ties_and_nans(h, w, stride, padding, seed):
+    # The 2x2 pool's own pass (cpu._max_of_four): values from {0, 1, 2, NaN}, so most windows
+    # hold ties and NaNs in every position; index and value must be the twin's (a wrong order
+    # of the four, or a NaN that wins from behind, changes them). Windows cut by 'same'
+    # padding or the edge take the general loop beside it.
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 4, (2, h, w, 3)).astype(np.float32)
+    x[x == 3] = np.nan
+    (oh, pt), (ow, pl) = conv_output(h, 2, stride, padding), conv_output(w, 2, stride, padding)
+    got, want = (nans((2, oh, ow, 3)), nans((2, oh, ow, 3), np.int32)), \
+        (nans((2, oh, ow, 3)), nans((2, oh, ow, 3), np.int32))
+    cpu.maxpool2d_forward(x, *got, 2, 2, stride, stride, pt, pl)
+    reference.maxpool2d_forward(x, *want, 2, 2, stride, stride, pt, pl)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])

@@ -68,6 +68,58 @@ def test_reference_cnn_is_the_tutorial_model():
     assert model.layers[4].activation == "linear" and model.loss.name == "sparse_categorical_crossentropy"
 
 
+def test_evaluation_runs_in_cache_sized_chunks_with_the_same_results():
+    # keras.io's mnist_convnet: ~315 KB of outputs and im2col rows per image, so 4 MiB
+    # chunks of 13 (4096 at once thrashed the cache: 2.2x the CPU time). A chunk that ignores
+    # the budget, or results that depend on it (a remainder chunk lost or counted twice), fail.
+    from pserver.models.sequential import EVAL_CHUNK_BYTES
+    model = Sequential([Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), MaxPooling2D(),
+                        Conv2D(64, 3, activation="relu"), MaxPooling2D(), Flatten(), Dropout(0.5),
+                        Dense(10)])
+    per_image = 4 * (26 * 26 * (32 + 9) + 13 * 13 * 32 + 11 * 11 * (64 + 288) + 5 * 5 * 64 * 2 + 10)
+    assert model._chunk(4096, np.float32) == EVAL_CHUNK_BYTES // per_image == 13
+    assert model._chunk(5, np.float32) == 5
+    assert Sequential([Dense(3, input_shape=(4,))])._chunk(4096, np.float32) == 4096
+    rng = np.random.default_rng(0)
+    w = model.init_params(0)
+    x, y = rng.random((30, 28, 28, 1), np.float32), rng.integers(0, 10, 30)
+    one_by_one = np.concatenate([model.predict(w, x[i:i + 1]) for i in range(30)])
+    np.testing.assert_allclose(model.predict(w, x), one_by_one, rtol=1e-5, atol=1e-6)
+    ev = model.evaluate(w, x, y)
+    assert ev["accuracy"] == np.mean(one_by_one.argmax(1) == y)
+
+
+def test_conv_backward_uses_kept_windows_only_from_this_step_s_training_forward():
+    # Conv2D keeps the training forward's im2col matrix for its backward pass. After an
+    # inference forward of other images in the same input buffer (same batch size, same
+    # scratch), the backward pass must not use the training images' matrix: its gradient is
+    # that of the images given (caught with the inference pass not dropping the kept one).
+    from pserver.kernels import cpu, reference
+    from pserver.layers.base import Pass
+    conv = Conv2D(4, 3, activation="relu")
+    conv.build((6, 6, 2))
+    rng = np.random.default_rng(3)
+    x1, x2 = rng.standard_normal((2, 3, 6, 6, 2)).astype(np.float32)
+    p = {"kernel": rng.standard_normal((3, 3, 2, 4)).astype(np.float32), "bias": np.zeros(4, np.float32)}
+    out, s = np.empty((3, 4, 4, 4), np.float32), conv.scratch(3, np.float32)
+    x = x1.copy()     # one input buffer, as a layer's inside a model: its contents change
+    conv.forward(cpu, p, x, out, s, Pass(training=True))
+    x[:] = x2
+    conv.forward(cpu, p, x, out, s, Pass(training=False))
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    got = {"kernel": np.empty_like(p["kernel"]), "bias": np.empty(4, np.float32)}
+    dx = np.empty_like(x2)
+    conv.backward(cpu, p, got, x, out, dout.copy(), dx, s)
+    want_out = np.empty_like(out)
+    reference.conv2d_forward(x2, p["kernel"], p["bias"], want_out, 1, 1, 0, 0, True)
+    d = dout * (want_out > 0)
+    want = {"kernel": np.empty_like(p["kernel"]), "bias": np.empty(4, np.float32)}
+    want_dx = np.empty_like(x2)
+    reference.conv2d_backward(x2, p["kernel"], d, want_dx, want["kernel"], want["bias"], 1, 1, 0, 0)
+    np.testing.assert_allclose(got["kernel"], want["kernel"], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-4)
+
+
 def test_glorot_uniform_kernels_zero_biases():
     w = make_model("cnn", (28, 28, 1), 10).init_params(0)
     views = make_model("cnn", (28, 28, 1), 10).layout.views(w)

@@ -35,8 +35,9 @@ KERNELS = ("dense_forward", "dense_param_grads", "dense_backward", "relu_backwar
            "dropout_forward", "dropout_backward", "embedding_forward", "embedding_backward",
            "copy")
 # The functions of the CPU backends alone (cpu and its twin): the click-through-rate models'
-# math, which runs where their sparse rows are, on the host.
-CPU_KERNELS = ("fm_forward", "fm_backward")
+# math, which runs where their sparse rows are, on the host; and a convolution whose training
+# step builds its im2col matrix once, in the forward pass (Conv2D uses them where they exist).
+CPU_KERNELS = ("fm_forward", "fm_backward", "conv2d_forward_cols", "conv2d_backward_cols")
 
 
 def conv_output(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:

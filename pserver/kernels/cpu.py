@@ -1,8 +1,10 @@
 """Model math as numba CPU kernels; `pserver.kernels.reference` is the NumPy twin.
 
 All kernels write into caller-owned buffers (the model preallocates them per batch size), so a
-training step allocates nothing here but the convolutions' im2col matrix, one per call (small
-next to its product). Inputs are C-contiguous; float32 is what the models use.
+training step allocates nothing here (a convolution's im2col matrix is the layer's too, kept
+from the forward pass for the backward: conv2d_forward_cols); conv2d_forward and
+conv2d_backward, as evaluation and the twins' API call them, make their own, one per call
+(small next to its product). Inputs are C-contiguous; float32 is what the models use.
 
 Matrix products go through `np.dot(a, b, out)`, which numba lowers to BLAS gemm (scipy's
 cython_blas). A transposed view of a C-contiguous array (`x.T`, `W.T`) is typed as an F-contiguous
@@ -208,12 +210,27 @@ def _im2col(img, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n
 @njit(cache=True, nogil=True)
 def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu):
     """out[:] = conv(x, w) + b, then ReLU if `relu`. x (N,H,W,C), w (KH,KW,C,F), out (N,OH,OW,F)."""
+    kh, kw, c_n, _ = w.shape
+    n_, oh_n, ow_n, _ = out.shape
+    cols = np.empty((n_ * oh_n * ow_n, kh * kw * c_n), x.dtype)
+    conv2d_forward_cols(x, w, b, out, cols, stride_h, stride_w, pad_top, pad_left, relu)
+
+
+@njit(cache=True, nogil=True)
+def _check_cols(cols, w, dy):
+    if cols.shape != (dy.shape[0] * dy.shape[1] * dy.shape[2], w.shape[0] * w.shape[1] * w.shape[2]):
+        raise ValueError("conv2d: cols must be (N*OH*OW, KH*KW*C)")
+
+
+@njit(cache=True, nogil=True)
+def conv2d_forward_cols(x, w, b, out, cols, stride_h, stride_w, pad_top, pad_left, relu):
+    """conv2d_forward that leaves its im2col matrix in `cols` (N*OH*OW, KH*KW*C), for
+    conv2d_backward_cols to use rather than build it again (a training step's forward pass)."""
     kh, kw, c_n, f_n = w.shape
     n_, oh_n, ow_n, _ = out.shape
-    taps = kh * kw * c_n
-    w2 = w.reshape((taps, f_n))
+    _check_cols(cols, w, out)
+    w2 = w.reshape((kh * kw * c_n, f_n))
     out2 = out.reshape((n_ * oh_n * ow_n, f_n))
-    cols = np.empty((out2.shape[0], taps), x.dtype)
     _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False)
     np.dot(cols, w2, out2)
     _add_bias(out2, b, relu)
@@ -222,14 +239,38 @@ def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu):
 @njit(cache=True, nogil=True)
 def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left):
     """dw, db (and dx unless it is None) from dy = d loss / d pre-activation (N,OH,OW,F)."""
+    kh, kw, c_n, _ = w.shape
+    n_, oh_n, ow_n, _ = dy.shape
+    cols = np.empty((n_ * oh_n * ow_n, kh * kw * c_n), x.dtype)
+    _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False)
+    conv2d_backward_cols(cols, w, dy, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left, False)
+
+
+@njit(cache=True, nogil=True)
+def conv2d_backward_cols(cols, w, out, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left, relu):
+    """conv2d_backward from the im2col matrix conv2d_forward_cols left of x (not x itself):
+    keras.io mnist_convnet's two im2col builds a step saved (0.57 and 0.93 ms of ~15 at batch
+    64). With dx, `cols` is overwritten (it holds dy's windows then): use it once. `relu`:
+    dy is the gradient of the ReLU's output `out` (the forward pass's), made the gradient
+    of its input in place, in the pass that sums it for db (a pass over dy saved)."""
     kh, kw, c_n, f_n = w.shape
     n_, oh_n, ow_n, _ = dy.shape
+    _check_cols(cols, w, dy)
+    if relu and out.shape != dy.shape:
+        raise ValueError("conv2d: out must have dy's shape")
     taps = kh * kw * c_n
     w2, dw2 = w.reshape((taps, f_n)), dw.reshape((taps, f_n))
     dy2 = dy.reshape((n_ * oh_n * ow_n, f_n))
-    _column_sum(dy2, db)
-    cols = np.empty((dy2.shape[0], taps), x.dtype)
-    _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False)
+    if relu:
+        out2 = out.reshape(dy2.shape)
+        db[:] = 0
+        for i in range(dy2.shape[0]):
+            for j in range(f_n):
+                g = dy2[i, j] if out2[i, j] > 0 else 0    # as relu_backward: NaN out -> 0
+                dy2[i, j] = g
+                db[j] += g
+    else:
+        _column_sum(dy2, db)
     np.dot(cols.T, dy2, dw2)
     if dx is not None:
         # Pixel r's window gets dy2[r] @ w2.T (into cols, now free), added back where it was read.
@@ -257,6 +298,10 @@ def maxpool2d_forward(x, out, argmax, pool_h, pool_w, stride_h, stride_w, pad_to
                     best[:] = 0
                     arg[:] = -1
                     continue
+                if h1 - h0 == 2 and w1 - w0 == 2:
+                    _max_of_four(x[n, h0, w0], x[n, h0, w0 + 1], x[n, h0 + 1, w0], x[n, h0 + 1, w0 + 1],
+                                 h0 * w_n + w0, w_n, best, arg)
+                    continue
                 # The window's first element inside the image, then the rest in row-major
                 # order; selects rather than branches, so the loop over channels vectorizes.
                 best[:] = x[n, h0, w0]
@@ -269,6 +314,26 @@ def maxpool2d_forward(x, out, argmax, pool_h, pool_w, stride_h, stride_w, pad_to
                             take = v > b
                             best[c] = v if take else b
                             arg[c] = idx if take else arg[c]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _max_of_four(a, b, c, d, first, w_n, best, arg):
+    """A 2x2 window (the default pool) in one pass over the channels: rows a b / c d, the
+    first at flat index `first`. The same order and selects as the general loop (ties and a
+    leading NaN keep the earlier element), with nothing read back from best and arg: 2x
+    faster on keras.io mnist_convnet's first pool (64x26x26x32: 0.45 ms against 0.86 ms)."""
+    below = first + w_n
+    for ch in range(best.shape[0]):
+        va, vb, vc, vd = a[ch], b[ch], c[ch], d[ch]
+        t1 = vb > va
+        m1 = vb if t1 else va
+        i1 = first + 1 if t1 else first
+        t2 = vc > m1
+        m2 = vc if t2 else m1
+        i2 = below if t2 else i1
+        t3 = vd > m2
+        best[ch] = vd if t3 else m2
+        arg[ch] = below + 1 if t3 else i2
 
 
 @njit(cache=True, nogil=True)

@@ -173,6 +173,43 @@ def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left)
         dx[:] = dxp[:, pad[0]:pad[0] + x.shape[1], pad[1]:pad[1] + x.shape[2]]
 
 
+def _cols_of(xp, hw, kernel, stride):
+    """The im2col matrix (N*OH*OW, KH*KW*C): each output pixel's window, flattened (i, j, c)."""
+    return np.concatenate([_window(xp, i, j, hw, stride).reshape(-1, xp.shape[3])
+                           for i in range(kernel[0]) for j in range(kernel[1])], axis=1)
+
+
+def conv2d_forward_cols(x, w, b, out, cols, stride_h, stride_w, pad_top, pad_left, relu):
+    """conv2d_forward, and its im2col matrix (N*OH*OW, KH*KW*C) of x into `cols`."""
+    kernel, hw, stride = w.shape[:2], out.shape[1:3], (stride_h, stride_w)
+    want = (out.shape[0] * hw[0] * hw[1], kernel[0] * kernel[1] * w.shape[2])
+    if cols.shape != want:
+        raise ValueError("conv2d: cols must be (N*OH*OW, KH*KW*C)")
+    cols[:] = _cols_of(_pad(x, hw, kernel, stride, (pad_top, pad_left)), hw, kernel, stride)
+    conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu)
+
+
+def conv2d_backward_cols(cols, w, out, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left, relu):
+    """conv2d_backward from x's im2col matrix (conv2d_forward_cols's) instead of x; `relu`:
+    dy, the gradient of the ReLU's output `out`, made that of its input first, in place."""
+    if relu:
+        relu_backward(dy, out)
+    kh, kw, c, f = w.shape
+    hw, stride, pad = dy.shape[1:3], (stride_h, stride_w), (pad_top, pad_left)
+    if cols.shape != (dy.shape[0] * hw[0] * hw[1], kh * kw * c):
+        raise ValueError("conv2d: cols must be (N*OH*OW, KH*KW*C)")
+    dyf = dy.reshape(-1, f)
+    dw.reshape(-1, f)[:] = cols.T @ dyf
+    dyf.sum(axis=0, out=db)
+    if dx is not None:
+        dxp = np.zeros(_padded_shape(dx.shape, hw, (kh, kw), stride, pad), dx.dtype)
+        back = (dyf @ w.reshape(-1, f).T).reshape(*dy.shape[:3], kh, kw, c)
+        for i in range(kh):
+            for j in range(kw):
+                _window(dxp, i, j, hw, stride)[...] += back[:, :, :, i, j]
+        dx[:] = dxp[:, pad[0]:pad[0] + dx.shape[1], pad[1]:pad[1] + dx.shape[2]]
+
+
 def maxpool2d_forward(x, out, argmax, pool_h, pool_w, stride_h, stride_w, pad_top, pad_left):
     """out[:] = each window's max; argmax[:] = its flat index h*W + w in the image.
 

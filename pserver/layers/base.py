@@ -101,6 +101,11 @@ class Layer(abc.ABC):
     def output_shape_for(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
         """This layer's output shape (without the batch) for `input_shape`."""
 
+    def forward_elements(self) -> int:
+        """Elements per sample a forward pass writes (its output; a Conv2D adds its im2col
+        rows): how models size evaluation chunks to fit in cache. 0 for a reshaping layer."""
+        return 0 if self.reshapes_only else int(np.prod(self.output_shape))
+
     def weights(self) -> list[Weight]:
         """The tensors this layer owns, once built (none by default)."""
         return []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from pserver.errors import ConfigError
 from pserver.layers import activations, base
 from pserver.layers.base import KernelLayer, Layer, pair, positive_int
@@ -29,12 +31,38 @@ class Conv2D(KernelLayer):
     def kernel_shape(self):
         return (*self.kernel_size, self.input_shape[2], self.filters)
 
+    def forward_elements(self):
+        oh, ow, _ = self.output_shape
+        return super().forward_elements() + oh * ow * int(np.prod(self.kernel_shape()[:3]))
+
     def forward(self, k, p, x, out, s, run):
-        k.conv2d_forward(x, p["kernel"], self.bias(p, s), out, *self.strides, self.pad_top,
-                         self.pad_left, self.activation == "relu")
+        relu = self.activation == "relu"
+        # In training, a backend with conv2d_forward_cols (the CPU ones: CPU_KERNELS) keeps the
+        # im2col matrix of x for the backward pass, in a scratch buffer made at the first
+        # training step of this batch size (evaluation and the GPU never make one).
+        keep = getattr(k, "conv2d_forward_cols", None) if run.training else None
+        if keep is None:
+            s["cols_of"] = None
+            k.conv2d_forward(x, p["kernel"], self.bias(p, s), out, *self.strides, self.pad_top,
+                             self.pad_left, relu)
+        else:
+            if "cols" not in s:
+                s["cols"] = np.empty((out.size // self.filters, int(np.prod(self.kernel_shape()[:3]))),
+                                     out.dtype)
+            keep(x, p["kernel"], self.bias(p, s), out, s["cols"], *self.strides, self.pad_top,
+                 self.pad_left, relu)
+            s["cols_of"] = x
         activations.forward(k, self.activation, out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
+        if s.get("cols_of") is x:          # this step's forward kept them; used once
+            s["cols_of"] = None
+            relu = self.activation == "relu"              # fused into the kernel's pass over dout
+            if not relu:
+                activations.backward(k, self.activation, out, dout)
+            k.conv2d_backward_cols(s["cols"], p["kernel"], out, dout, dx, g["kernel"], self.dbias(g, s),
+                                   *self.strides, self.pad_top, self.pad_left, relu)
+            return
         activations.backward(k, self.activation, out, dout)
         k.conv2d_backward(x, p["kernel"], dout, dx, g["kernel"], self.dbias(g, s), *self.strides,
                           self.pad_top, self.pad_left)

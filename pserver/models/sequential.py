@@ -367,17 +367,27 @@ class Sequential(Model):
         x = np.ascontiguousarray(self._fit_x(x), dtype=None if self._takes_ids else w.dtype)
         params = self._per_layer(self.layout.views(w))
         out = np.empty((x.shape[0], *self.output_shape), w.dtype)
+        batch_size = self._chunk(batch_size, w.dtype)
         for a in range(0, x.shape[0], batch_size):
             xb = x[a:a + batch_size]
             out[a:a + len(xb)] = self._forward(params, xb, self._buffers(len(xb), w.dtype),
                                                Pass(training=False))[-1]
         return out
 
+    def _chunk(self, batch_size: int, dtype) -> int:
+        """How many samples evaluation and prediction run at once: at most `batch_size`, and
+        few enough that their arrays (EVAL_CHUNK_BYTES) stay in a core's cache. The results
+        are the same per sample whatever the chunk; only the time differs."""
+        elements = sum(layer.forward_elements() for layer in self.build().layers)
+        per_sample = elements * np.dtype(dtype).itemsize
+        return max(1, min(int(batch_size), EVAL_CHUNK_BYTES // max(per_sample, 1)))
+
     def evaluate(self, w, x, y, batch_size=4096):
         """Loss plus accuracy (and AUC for a binary loss), or r2 for regression, over all of x."""
         x, y = self._check_batch(w, x, y)
         params = self._per_layer(self.layout.views(w))
         n, loss_sum, correct, sse, scores = x.shape[0], 0.0, 0, 0.0, []
+        batch_size = self._chunk(batch_size, w.dtype)
         for a in range(0, n, batch_size):
             xb, yb = x[a:a + batch_size], y[a:a + batch_size]
             bufs = self._buffers(xb.shape[0], w.dtype)
@@ -398,6 +408,12 @@ class Sequential(Model):
             result["auc"] = metrics.auc(np.concatenate(scores), y)
         return result
 
+
+# Evaluation and prediction run the data in chunks whose arrays (each layer's output, a
+# convolution's im2col matrix) take about this many bytes, so they stay in cache: keras.io's
+# mnist_convnet (bench/keras_mnist_convnet.py) evaluated its 6,000 validation images on one core
+# in 1.09 s of CPU in chunks of 4096 and 0.49 s in chunks of 8 or 16 (13 at this budget).
+EVAL_CHUNK_BYTES = 4 << 20
 
 METRICS = {"accuracy": "accuracy", "acc": "accuracy", "sparse_categorical_accuracy": "accuracy",
            "categorical_accuracy": "accuracy", "binary_accuracy": "accuracy", "auc": "auc", "r2": "r2"}
