@@ -515,7 +515,7 @@ class CheckpointReply(_message.Message):
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class LeaseDataRequest(_message.Message):
-    __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs")
+    __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs", "restart")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -526,6 +526,7 @@ class LeaseDataRequest(_message.Message):
     FINISHED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINISHED_CHUNK_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     rank: int
     session: str
     num_batches: int
@@ -536,7 +537,8 @@ class LeaseDataRequest(_message.Message):
     finished_epoch: int
     finished_chunk: int
     epochs: int
-    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., num_batches: _Optional[int] = ..., chunk_batches: _Optional[int] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., finished: _Optional[bool] = ..., finished_epoch: _Optional[int] = ..., finished_chunk: _Optional[int] = ..., epochs: _Optional[int] = ...) -> None: ...
+    restart: bool
+    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., num_batches: _Optional[int] = ..., chunk_batches: _Optional[int] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., finished: _Optional[bool] = ..., finished_epoch: _Optional[int] = ..., finished_chunk: _Optional[int] = ..., epochs: _Optional[int] = ..., restart: _Optional[bool] = ...) -> None: ...
 
 class LeaseDataReply(_message.Message):
     __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch")

@@ -203,6 +203,19 @@ class Progress:
         self.window = Window(now)
         return figures
 
+    def epoch_ended(self, epoch: int, step: int) -> tuple[float, float] | None:
+        """Epoch `epoch` ended elsewhere (leased data: another worker did its last chunk) after
+        this worker's step `step`: the line of the steps since the last one, shown now, as the
+        last step of an epoch is; None when there were none."""
+        if not self.window.n:
+            return None
+        now = time.monotonic()
+        figures = self.window.figures(now)
+        if self.style == "lines":
+            self.say(self.line(epoch, step, *figures))
+        self.window = Window(now)
+        return figures
+
     def record(self, epoch: int, step: int, loss: float, rate: float) -> dict:
         return {"epoch": epoch + 1, "epochs": self.epochs, "step": step + 1, "steps": self.steps,
                 "clock": self.clock, "start": self.start, "total": self.total, "loss": loss, "rate": rate}

@@ -193,7 +193,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         r = request
         plan = Plan(r.num_batches, r.chunk_batches, r.seed, r.fingerprint, r.epochs)
         finished = (r.finished_epoch, r.finished_chunk) if r.finished else None
-        lease = self.shard.lease(r.rank, r.session, plan, finished)
+        lease = self.shard.lease(r.rank, r.session, plan, finished, r.restart)
         if lease is None:
             return pb.LeaseDataReply(has_lease=False, epoch=self.shard.store.coordinator.epoch)
         return pb.LeaseDataReply(has_lease=True, epoch=lease.epoch, chunk=lease.chunk,

@@ -160,7 +160,7 @@ class Shard:
         self.policy.forget(rank)
 
     def lease(self, rank: int, session: str | None, plan: Plan,
-              finished: tuple[int, int] | None = None) -> Lease | None:
+              finished: tuple[int, int] | None = None, restart: bool = False) -> Lease | None:
         """rank's lease of the training data from shard 0's coordinator (pserver.server.coordinator):
         the one it holds, or, once `finished` (epoch, chunk) is done, the next; None when every
         chunk of the epoch is leased to others. A worker whose data differs (plan) is refused."""
@@ -168,7 +168,7 @@ class Shard:
             raise FailedPrecondition(f"lease: the data coordinator is in shard 0, not shard {self.cfg.shard}")
         with self.store.cond:
             self.members.authorize(rank, session)
-            self.store.coordinator.configure(plan)
+            self.store.coordinator.configure(plan, restart)
             return self.store.coordinator.lease(rank, self.members.sessions[rank], finished)
 
     def open(self) -> None:

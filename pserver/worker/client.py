@@ -790,11 +790,12 @@ class PSClient:
         return self.feedback.pack(grad, s.info.range_start, s.info.range_end)
 
     def lease_data(self, num_batches: int, chunk_batches: int, seed: int, fingerprint: str, epochs: int = 0,
-                   finished: tuple[int, int] | None = None) -> pb.LeaseDataReply:
-        """This worker's lease of the training data from shard 0's coordinator (LeaseData)."""
+                   finished: tuple[int, int] | None = None, restart: bool = False) -> pb.LeaseDataReply:
+        """This worker's lease of the training data from shard 0's coordinator (LeaseData); `restart`:
+        start a finished coordinator over (--no-resume)."""
         request = pb.LeaseDataRequest(rank=self.rank, num_batches=num_batches, chunk_batches=chunk_batches,
                                       seed=seed, fingerprint=fingerprint, epochs=epochs,
-                                      finished=finished is not None)
+                                      finished=finished is not None, restart=restart)
         if finished is not None:
             request.finished_epoch, request.finished_chunk = finished
         return self.shards[0].lease_data(request, self.rpc_deadline)
