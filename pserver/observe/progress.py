@@ -203,13 +203,17 @@ class Progress:
         self.window = Window(now)
         return figures
 
-    def epoch_ended(self, epoch: int, step: int) -> tuple[float, float] | None:
-        """Epoch `epoch` ended elsewhere (leased data: another worker did its last chunk) after
-        this worker's step `step`: the line of the steps since the last one, shown now, as the
-        last step of an epoch is; None when there were none."""
+    def epoch_ended(self, epoch: int) -> tuple[float, float] | None:
+        """Epoch `epoch` is done (leased data: whoever trained its last batch): shown as its last
+        step, as the last step of an epoch is, with the figures of this worker's steps since the
+        last line; the line's figures, or None when this worker trained none since."""
+        now, step = time.monotonic(), max(self.steps - 1, 0)
+        self.clock = max(self.clock, (epoch + 1) * self.steps)   # the ETA counts the epochs done
+        if self.style in ("bar", "relay") and self.bar_window.n:
+            self._draw(self.record(epoch, step, *self.bar_window.figures(now)))
+            self.bar_window = Window(now)
         if not self.window.n:
             return None
-        now = time.monotonic()
         figures = self.window.figures(now)
         if self.style == "lines":
             self.say(self.line(epoch, step, *figures))

@@ -78,8 +78,15 @@ class Coordinator:
     # -- the plan ---------------------------------------------------------------------------
     def configure(self, plan: Plan, restart: bool = False) -> None:
         """Fix the plan at the first worker's lease; a later one must match it. A coordinator that
-        finished its epochs with no lease out starts over for a new run: one that asks to
-        (`restart`: --no-resume) or one with another plan (other data, batch size or epochs)."""
+        finished its epochs with no lease out takes a new run: the same data with other --epochs
+        goes on from the epoch it reached (a job given more epochs); a new run that asks to
+        (`restart`: --no-resume), or one with other data, batches or chunks, starts over."""
+        if self.plan is not None and plan != self.plan and self.finished and not self.leases \
+                and not restart and plan == Plan(**{**vars(self.plan), "epochs": plan.epochs}):
+            self.plan = plan
+            if not self.finished:
+                self._open(self.epoch)
+            return
         if self.plan is not None and (restart or plan != self.plan) and self.finished and not self.leases:
             self.plan = None
         if self.plan is None:

@@ -466,11 +466,11 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
         if lease is None:
             reply = client.lease_data(*plan, finished=finished, restart=first_ask and cfg.no_resume)
             finished = None
-            if first_ask:
-                first_ask = False
+            if first_ask:                               # a job that goes on: its epoch, not an epoch's end
+                first_ask, epoch = False, reply.epoch
                 say_where_leases_begin(cfg, reply.epoch, progress.say)
             if reply.epoch > epoch:                     # every chunk of the epoch is done
-                line = progress.epoch_ended(epoch, min(step, steps) - 1)
+                line = progress.epoch_ended(epoch)
                 if line:
                     report.progress(clock, *line)
                 if cfg.rank == 0:
