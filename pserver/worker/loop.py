@@ -222,7 +222,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
             print(compiling.describe(), flush=True)
         started = time.monotonic()
         if leased(cfg, ds):
-            history = train_leased(cfg, ds, model, client, w, rows, report, mode)
+            history = train_leased(cfg, ds, model, client, w, rows, report, mode, callbacks)
         else:
             history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps),
                             callbacks or NoCallbacks())
@@ -442,13 +442,15 @@ def leased(cfg: WorkerConfig, ds) -> bool:
 
 
 def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: Rows,
-                 report: TrainingReport, mode: str) -> dict:
+                 report: TrainingReport, mode: str, callbacks=None) -> dict:
     """The epochs on chunks leased from shard 0's coordinator (pserver/server/coordinator.py): the
     worker asks for a chunk, trains its batches in order (each push to shard 0 says which batch it
     carries: the ones before it are done), reports it finished with the next ask, and goes on
     until the coordinator opens epoch --epochs. With no chunk left in the epoch it pushes an
     empty contribution in sync and backup (0 samples: it counts toward the step, weighs nothing)
-    and waits a moment in the other modes. Epochs end when every chunk is done, on every worker."""
+    and waits a moment in the other modes. Epochs end when every chunk is done, on every worker.
+    `callbacks` hear of each batch and epoch as in train (an epoch ends when the worker learns it)."""
+    callbacks = callbacks or NoCallbacks()
     data = ds.leased_batches(cfg.batch_size, cfg.seed, cfg.chunk_batches)
     plan = (data.num_batches, cfg.chunk_batches, cfg.seed, data.fingerprint, cfg.epochs)
     steps = max(1, data.num_batches // cfg.num_workers)
@@ -462,6 +464,7 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
     lease, at, finished, first_ask = None, 0, None, True
     epoch, step, epoch_started = 0, 0, time.monotonic()
     empty_counts = mode in ("sync", "backup")
+    callbacks.on_train_begin({})
     while not client.finished and not (cfg.max_steps and clock >= cfg.max_steps):
         if lease is None:
             reply = client.lease_data(*plan, finished=finished, restart=first_ask and cfg.no_resume)
@@ -469,6 +472,8 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
             if first_ask:                               # a job that goes on: its epoch, not an epoch's end
                 first_ask, epoch = False, reply.epoch
                 say_where_leases_begin(cfg, reply.epoch, progress.say)
+                if epoch < cfg.epochs:
+                    callbacks.on_epoch_begin(epoch, {})
             if reply.epoch > epoch:                     # every chunk of the epoch is done
                 line = progress.epoch_ended(epoch)
                 if line:
@@ -476,7 +481,12 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
                 if cfg.rank == 0:
                     epochs_log.append(chief_epoch_end(cfg, ds, model, w, epoch, epoch_started, rows,
                                                       progress, report, client, clock))
+                callbacks.on_epoch_end(epoch, dict(epochs_log[-1]) if cfg.rank == 0 else {})
+                if callbacks.stop_training:
+                    break
                 epoch, step, epoch_started = reply.epoch, 0, time.monotonic()
+                if epoch < cfg.epochs:
+                    callbacks.on_epoch_begin(epoch, {})
             if epoch >= cfg.epochs:
                 break
             if reply.has_lease:
@@ -510,11 +520,13 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
         done = time.perf_counter()
         report.step(done - step_started, done - exchange_started, len(x))
         line = progress.step(epoch, min(step, steps - 1), loss, len(x))
+        callbacks.on_train_batch_end(step, {"loss": loss, "size": len(x)})
         step += 1
         if line:
             report.progress(clock, *line)
         curve.maybe(lambda: evaluate(model, w, ds, cfg, rows), progress.elapsed, client, clock)
     progress.close()
+    callbacks.on_train_end({})
     stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock, samples=clock * cfg.batch_size,
                           outcomes=outcomes)
     if cfg.stats_json:
