@@ -330,7 +330,8 @@ class CriteoFile(CriteoData):
         return FileBatches(self, batch_size, chunk_batches, cache_dir)
 
     def describe(self) -> str:
-        return (f"dataset {self.name}: streamed, each worker its share of the training lines; "
+        return (f"dataset {self.name}: streamed (leased in byte ranges; with slices each worker its "
+                f"share of the lines); "
                 f"{self.num_test} test samples (every {TEST_EVERY}th of the first {self.test_lines} "
                 f"lines), {_FEATURES}")
 
