@@ -404,7 +404,7 @@ class ShardClient:
              ) -> tuple[str, int, bool]:
         """This shard's slice of `grad` (or `packed`, that slice compressed), and `rows`: (table,
         unique ids on this shard, their gradients) for each sparse table, in one push. `lease`:
-        (epoch, chunk, batch) of the data lease this push carries (shard 0; by gRPC)."""
+        (epoch, chunk, batch) of the data lease this push carries (shard 0)."""
         return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows,
                                                       packed, lease=lease), timeout)[:3]
 
@@ -430,12 +430,12 @@ class ShardClient:
 
     def _push_once(self, grad, rank, step, num_samples, clock, timeout, rows=(),
                    packed=None, then_pull=None, lease=None) -> tuple[str, int, bool, tuple[int, bool] | None]:
-        # The data plane carries float32 only: a compressed push goes over gRPC, and so does a
-        # push that carries a data lease's progress (its frames have no room for it).
-        if packed is None and lease is None and self.fast is not None and frames.fits([(ids.size, g.shape[1])
-                                                                        for _, ids, g in rows]):
-            outcome, version, finished, pulled = self.fast.push(self.own(grad), step,
-                                                                num_samples, clock, timeout, rows, then_pull)
+        # The data plane carries float32 only: a compressed push goes over gRPC. A data lease's
+        # progress rides in its frame (WITH_LEASE).
+        if packed is None and self.fast is not None and frames.fits([(ids.size, g.shape[1])
+                                                                    for _, ids, g in rows]):
+            outcome, version, finished, pulled = self.fast.push(self.own(grad), step, num_samples, clock,
+                                                                timeout, rows, then_pull, lease)
             return OUTCOMES.get(outcome, "unknown"), version, finished, pulled
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
                                  clock=clock, session=self.session,
