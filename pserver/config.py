@@ -195,7 +195,7 @@ class WorkerConfig:
     stats_json: str | None = None    # write this worker's time breakdown (compute/push/pull/idle)
     eval_every: float = 0.0       # chief: also evaluate every this many seconds (0 = per epoch only)
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
-    data_assignment: str = "slices"  # leases: chunks leased by shard 0's coordinator; slices: one per rank
+    data_assignment: str = "leases"  # leases: chunks leased by shard 0's coordinator; slices: one per rank
     chunk_batches: int = 16       # leases: batches per chunk of the training data
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.wire.compress)
@@ -363,9 +363,10 @@ def parse_tf_config(text: str | None) -> Cluster | None:
 
 
 DATA_ASSIGNMENTS = Registry("data assignment", "--data-assignment")
-DATA_ASSIGNMENTS.add("slices", "each rank trains its own slice of every epoch (default)")
 DATA_ASSIGNMENTS.add("leases", "shard 0 leases chunks of every epoch to the workers, so a dead or slow "
-                               "worker's rest goes to another (docs/guide/data-leases.md)")
+                               "worker's rest goes to another (default; docs/guide/data-leases.md)")
+DATA_ASSIGNMENTS.add("slices", "each rank trains its own slice of every epoch (the behaviour before leases, "
+                               "to reproduce earlier figures)")
 
 # --delay (pserver.worker.stragglers draws the delays): distribution -> how many numbers it takes
 DELAYS = {"fixed": 1, "uniform": 2, "exponential": 1, "lognormal": 2}

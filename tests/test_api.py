@@ -45,7 +45,9 @@ def test_train_starts_its_own_shards():
     assert s["steps"] == 2 * (720 // 32) and s["test_accuracy"] >= 0.97
 
 
-def test_train_streams_batches_against_a_served_shard():
+def test_train_streams_batches_against_a_served_shard(capsys):
+    """A generator cannot be cut into chunks: with leases the default, the worker keeps its own
+    batches (slices) and says so; catches a generator sent to the leased loop."""
     x, y = blobs()
     calls = []
 
@@ -60,6 +62,8 @@ def test_train_streams_batches_against_a_served_shard():
         assert shard.status()["version"] == 60
     assert len(calls) == 3 and s["steps"] == 60 and s["test_accuracy"] >= 0.97
     assert [e["epoch"] for e in s["per_epoch"]] == [1, 2, 3]
+    assert ("worker 0: --data-assignment leases: batches cannot be cut into chunks (batches read in "
+            "order); each rank reads its own batches (slices)") in capsys.readouterr().out
 
 
 def test_options_that_do_not_apply_are_named():

@@ -202,6 +202,39 @@ def test_no_lease_past_the_jobs_epochs():
     assert c.counters == dict(chunks_done=2, chunks_released=0, batches_retrained=0, batches_dropped=0)
 
 
+def test_a_finished_coordinator_starts_over_only_for_a_new_run():
+    """A second run on shards whose coordinator finished: with the same plan nothing is left
+    (resume), with more epochs it goes on at the next, --no-resume (restart) or other data starts
+    at epoch 0; while a run goes on, a
+    restart is ignored (a late worker of a --no-resume run must not throw its progress away) and
+    other data is refused. Catches a restart that resets a running job, and a finished one that
+    no new run can use."""
+    plan = Plan(2, 1, 0, "fp", 1)
+    c = Coordinator()
+    c.configure(plan)
+    a = c.lease(0, "a")
+    c.configure(plan, restart=True)                          # running: ignored
+    assert c.leases and c.epoch == 0 and c.lease(0, "a") == a
+    c.lease(1, "b", None)
+    c.lease(0, "a", (0, a.chunk))
+    c.lease(1, "b", (0, c.leases[1][1]))
+    assert c.finished and not c.leases
+    c.configure(plan)                                        # the same run's data: nothing left
+    assert c.lease(0, "c") is None and c.finished
+    c.configure(plan, restart=True)                          # --no-resume: epoch 0 again
+    assert not c.finished and c.lease(0, "c").epoch == 0
+    with pytest.raises(FailedPrecondition, match="other data"):
+        c.configure(Plan(2, 1, 0, "other", 1), restart=True)  # a lease is out: not finished
+    d = Coordinator.load(c.state())
+    d.done, d.queue, d.epoch = {0, 1}, [], 1                 # finished (as after its last chunk)
+    d.configure(Plan(2, 1, 0, "fp", 3))                      # more epochs: goes on at epoch 2 of 3
+    assert d.epoch == 1 and sorted(d.queue) == [0, 1] and not d.done and d.lease(0, "e").epoch == 1
+    e = Coordinator.load(c.state())
+    e.done, e.queue, e.epoch = {0, 1}, [], 1
+    e.configure(Plan(4, 2, 0, "new", 2))                     # another plan: a new run
+    assert e.plan == Plan(4, 2, 0, "new", 2) and e.epoch == 0 and len(e.queue) == 2
+
+
 def test_chunk_order_follows_seed_and_epoch():
     """Catches an order that ignores the epoch or the seed, or is not a permutation."""
     assert sorted(chunk_order(20, 1, 0)) == list(range(20))

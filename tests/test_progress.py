@@ -105,6 +105,23 @@ def test_training_lines_in_a_log_come_every_few_seconds_with_an_eta_and_the_epoc
     assert re.fullmatch(r"epoch 1/2 step 4/4 loss 1\.0000 [\d,]+ samples/s, ETA \d\d:\d\d\n", out.getvalue())
 
 
+def test_a_leased_epoch_that_ended_elsewhere_shows_as_its_last_step_and_the_eta_counts_it():
+    """Leased data: this worker trained 2 of its 4 expected steps when the epoch ended on another
+    worker. Its line says the epoch's last step (the epoch is done), with an ETA after epoch 1 and
+    none after the last; nothing when it trained no step since its last line. Catches a line
+    left at step 2/4, an ETA still counting the steps it never trained."""
+    out = io.StringIO()
+    p = progress.Progress(epochs=2, steps_per_epoch=4, every=3600, style="lines", out=out)
+    p.step(0, 0, 1.0, 16)
+    p.step(0, 1, 1.0, 16)
+    assert p.epoch_ended(0) is not None and p.epoch_ended(0) is None
+    p.step(1, 0, 0.5, 16)
+    assert p.epoch_ended(1)[0] == 0.5
+    lines = out.getvalue().splitlines()
+    assert re.fullmatch(r"epoch 1/2 step 4/4 loss 1\.0000 [\d,]+ samples/s, ETA \d\d:\d\d", lines[0]), lines
+    assert re.fullmatch(r"epoch 2/2 step 4/4 loss 0\.5000 [\d,]+ samples/s", lines[1]), lines
+
+
 def test_a_version_before_init_reads_not_initialized():
     from pserver._proto import pserver_pb2 as pb
     from pserver.observe.status import rows

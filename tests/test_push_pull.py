@@ -142,6 +142,25 @@ def test_a_failed_pull_part_leaves_the_push_taken_and_pulls_on_its_own(shard_ser
     np.testing.assert_array_equal(w, START - 2)
 
 
+def test_a_data_lease_on_anything_but_a_push_is_refused_and_cut(shard_server):
+    """WITH_LEASE (a push's data lease progress in its frame) on a pull: refused in one line and
+    the connection cut (what follows cannot be framed); catches a server that reads the lease
+    fields of any operation or ignores the flag."""
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
+    c = worker(addr)
+    sock, fds = raw_hello(shard, c)
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.PULL | frames.WITH_LEASE, 0, 0, -1, 0,
+                                        LAYOUT.total, 0, 1000) + frames.LEASE_AT.pack(0, 0, 0))
+    code, _, _, _, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
+    assert frames.CODES[code] == "INVALID_ARGUMENT"
+    said = frames.recv_exact(sock, n).decode()
+    assert f"only a push can carry a data lease, not operation {frames.PULL}" in said
+    assert sock.recv(1) == b""
+    sock.close()
+    assert counters(shard)["pulls_served"] == 0
+    c.close()
+
+
 def test_then_pull_on_anything_but_a_push_is_refused_and_cut(shard_server):
     addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0)
     c = worker(addr)

@@ -515,7 +515,7 @@ class CheckpointReply(_message.Message):
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class LeaseDataRequest(_message.Message):
-    __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs", "done_before_restore")
+    __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs", "done_before_restore", "restart")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -527,6 +527,7 @@ class LeaseDataRequest(_message.Message):
     FINISHED_CHUNK_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     DONE_BEFORE_RESTORE_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     rank: int
     session: str
     num_batches: int
@@ -538,7 +539,8 @@ class LeaseDataRequest(_message.Message):
     finished_chunk: int
     epochs: int
     done_before_restore: _containers.RepeatedCompositeFieldContainer[LeaseDoneBeforeRestore]
-    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., num_batches: _Optional[int] = ..., chunk_batches: _Optional[int] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., finished: _Optional[bool] = ..., finished_epoch: _Optional[int] = ..., finished_chunk: _Optional[int] = ..., epochs: _Optional[int] = ..., done_before_restore: _Optional[_Iterable[_Union[LeaseDoneBeforeRestore, _Mapping]]] = ...) -> None: ...
+    restart: bool
+    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., num_batches: _Optional[int] = ..., chunk_batches: _Optional[int] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., finished: _Optional[bool] = ..., finished_epoch: _Optional[int] = ..., finished_chunk: _Optional[int] = ..., epochs: _Optional[int] = ..., done_before_restore: _Optional[_Iterable[_Union[LeaseDoneBeforeRestore, _Mapping]]] = ..., restart: _Optional[bool] = ...) -> None: ...
 
 class LeaseDoneBeforeRestore(_message.Message):
     __slots__ = ("epoch", "chunk", "end")

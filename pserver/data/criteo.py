@@ -16,6 +16,7 @@ is injective and splitmix64 is a bijection of 64-bit integers, so no two (field,
 from __future__ import annotations
 
 import gzip
+import hashlib
 import math
 import sys
 import zlib
@@ -25,7 +26,8 @@ from typing import Iterator
 import numpy as np
 from numba import njit
 
-from pserver.data.dataset import check_int, check_rank, steps_per_epoch
+from pserver.data.dataset import ChunkedBatches, check_int, check_rank, steps_per_epoch
+from pserver.data.ranges import identity, open_lines
 from pserver.errors import ConfigError, DataError
 from pserver.kernels.cpu import splitmix64 as _draw
 from pserver.sparse import splitmix64  # the standard SplitMix64 output function, a bijection
@@ -181,14 +183,23 @@ class Block:
     x: np.ndarray                    # RECORD (n,); junk where not ok
     labels: np.ndarray               # float32 (n,)
     ok: np.ndarray                   # bool (n,)
+    starts: np.ndarray               # int64 (n,): where each line starts in the block's bytes
+    at: int = 0                      # where the block starts in the file's text
+    size: int = 0                    # its bytes
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Where each line starts in the file's text."""
+        return self.starts + self.at
 
     @property
     def index(self) -> np.ndarray:
         return np.arange(self.first, self.first + len(self.ok))
 
 
-def parse_block(buf: np.ndarray, first: int) -> Block:
-    """Every line of buf (uint8; lines end with a newline, the last one may not)."""
+def parse_block(buf: np.ndarray, first: int, at: int = 0) -> Block:
+    """Every line of buf (uint8; lines end with a newline, the last one may not); `at`: where buf
+    starts in the file's text."""
     newlines = np.flatnonzero(buf == 10)
     ends = newlines if len(newlines) and newlines[-1] == len(buf) - 1 else np.append(newlines, len(buf))
     starts = np.concatenate(([0], ends[:-1] + 1))
@@ -197,12 +208,12 @@ def parse_block(buf: np.ndarray, first: int) -> Block:
     parse_lines(buf, starts, ends, labels, x["dense"], x["cat"], ok, _FIELD_BASES, _DECIMAL, _HEX, _LOG1P)
     bad = np.flatnonzero(~ok)[:REPORTED_LINES]
     lines = None if not len(bad) else {int(k): buf[starts[k]:ends[k]].tobytes() for k in bad}
-    return Block(first, lines, x, labels, ok)
+    return Block(first, lines, x, labels, ok, starts.astype(np.int64), at, len(buf))
 
 
 def read_blocks(path: str, block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
     """The file's lines, parsed a block at a time (plain or gzip, told by its first bytes)."""
-    first, rest = 0, b""
+    first, rest, at = 0, b"", 0
     try:
         with open(path, "rb") as raw:
             gz = raw.read(2) == b"\x1f\x8b"
@@ -212,8 +223,8 @@ def read_blocks(path: str, block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
                 data = rest + chunk
                 cut = data.rfind(b"\n") + 1
                 if cut:
-                    block = parse_block(np.frombuffer(data, np.uint8, cut), first)
-                    first += len(block.ok)
+                    block = parse_block(np.frombuffer(data, np.uint8, cut), first, at)
+                    first, at = first + len(block.ok), at + cut
                     yield block
                 rest = data[cut:]
                 if len(rest) > MAX_LINE_BYTES:
@@ -222,7 +233,7 @@ def read_blocks(path: str, block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
     except (OSError, EOFError, zlib.error) as e:   # a cut or corrupt gzip stream, a vanished file
         raise DataError(f"{path}: cannot read ({' '.join(str(e).split()) or type(e).__name__})") from None
     if rest:
-        yield parse_block(np.frombuffer(rest, np.uint8), first)
+        yield parse_block(np.frombuffer(rest, np.uint8), first, at)
 
 
 def _why(block: Block, k: int) -> str:
@@ -307,12 +318,20 @@ class CriteoFile(CriteoData):
     """
     path: str = ""
     test_lines: int = 0       # lines 0 .. test_lines - 1 hold the test set
+    held_out: np.ndarray | None = None   # int64: where each held-out line starts (ok or not)
+    mean_line: float = 0.0    # bytes per line in the file's first block
 
     def steps(self, num_workers: int, batch_size: int) -> int:
         return 0   # unknown until the file has been read
 
+    def leased_batches(self, batch_size: int, seed: int, chunk_batches: int,
+                       cache_dir: str | None = None) -> FileBatches:
+        """The file cut into byte ranges for --data-assignment leases (FileBatches)."""
+        return FileBatches(self, batch_size, chunk_batches, cache_dir)
+
     def describe(self) -> str:
-        return (f"dataset {self.name}: streamed, each worker its share of the training lines; "
+        return (f"dataset {self.name}: streamed (leased in byte ranges; with slices each worker its "
+                f"share of the lines); "
                 f"{self.num_test} test samples (every {TEST_EVERY}th of the first {self.test_lines} "
                 f"lines), {_FEATURES}")
 
@@ -354,21 +373,70 @@ class _Pending:
         self.x, self.y = self.x[taken:], self.y[taken:]
 
 
+class FileBatches(ChunkedBatches):
+    """A Criteo file under --data-assignment leases: batch b is the lines that start in bytes
+    [b * span, (b + 1) * span) of its text (pserver.data.ranges: as Hadoop splits files), span
+    being --batch-size lines of the mean length of the first block, less the held-out and the
+    malformed lines. The ranges tile the text, so every training line is in exactly one batch of
+    every epoch, whatever the lines' lengths; a batch has about --batch-size lines (none where no
+    line starts: the worker skips it). A chunk is --chunk-batches consecutive ranges, read at once;
+    a .gz file is read through its seek index. The fingerprint is the text's length and a hash of
+    the file's ends and the span, so workers that cut another file (or the same one otherwise)
+    are refused."""
+
+    def __init__(self, data: CriteoFile, batch_size: int, chunk_batches: int, cache_dir: str | None = None):
+        super().__init__(chunk_batches)
+        check_int("--batch-size", batch_size, 1)
+        self.path, self.held_out = data.path, data.held_out
+        self.lines = open_lines(data.path, cache_dir)
+        self.span = max(1, round(batch_size * data.mean_line))
+        self.num_batches = max(1, math.ceil(self.lines.length / self.span))
+        ends = identity(data.path)["sha256_ends"]
+        digest = hashlib.sha256(f"{ends}:{self.span}".encode()).hexdigest()[:16]
+        self.fingerprint = f"{self.lines.length}:{digest}"
+        self.reported = 0
+
+    def read(self, epoch: int, first: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        start, text = self.lines.lines_in(first * self.span, end * self.span)
+        if not text:
+            return [(np.empty(0, RECORD), np.empty(0, np.float32))] * (end - first)
+        block = parse_block(np.frombuffer(text, np.uint8), 0, start)
+        offsets = block.offsets
+        for k in np.flatnonzero(~block.ok):
+            if epoch == 0 and self.reported < REPORTED_LINES and block.lines and int(k) in block.lines:
+                print(f"warning: {self.path}: the line at byte {offsets[k]}: {_why(block, int(k))}; skipped",
+                      file=sys.stderr, flush=True)
+                self.reported += 1
+        keep = block.ok & ~np.isin(offsets, self.held_out)
+        which = offsets // self.span
+        out = []
+        for b in range(first, end):
+            take = keep & (which == b)
+            out.append((block.x[take], block.labels[take]))
+        return out
+
+
 def _held_out(index: np.ndarray, test_lines: int) -> np.ndarray:
     return (index % TEST_EVERY == TEST_EVERY - 1) & (index < test_lines)
 
 
 def load_file(path: str, test_samples: int) -> CriteoFile:
-    """Open a Criteo TSV file: read its held-out lines (the first ones) as the test set."""
+    """Open a Criteo TSV file: read its held-out lines (the first ones) as the test set, and note
+    where every held-out line starts (leases leave those out) and the mean line length of its
+    first block (leases cut the file into byte ranges of about --batch-size lines)."""
     check_int("--test-samples", test_samples, 1)
     test_lines = TEST_EVERY * test_samples
-    xs, ys, lines, valid = [], [], 0, 0
+    xs, ys, held, lines, valid, first_bytes, first_lines = [], [], [], 0, 0, 0, 0
     for block in read_blocks(path):
+        if not first_lines:
+            first_lines, first_bytes = len(block.ok), block.size
         lines += len(block.ok)
         valid += int(np.count_nonzero(block.ok))
-        test = block.ok & _held_out(block.index, test_lines)
+        held_out = _held_out(block.index, test_lines)
+        test = block.ok & held_out
         xs.append(block.x[test])
         ys.append(block.labels[test])
+        held.append(block.offsets[held_out])
         if lines >= test_lines and valid:
             break
     if lines == 0:
@@ -380,7 +448,8 @@ def load_file(path: str, test_samples: int) -> CriteoFile:
     if len(x_test) == 0:
         raise DataError(f"{path}: no well-formed held-out line (the test set is every {TEST_EVERY}th "
                         f"of the first {test_lines} lines; the file has {lines})")
-    return CriteoFile(f"criteo:{path}", x_test, y_test, path=path, test_lines=test_lines)
+    return CriteoFile(f"criteo:{path}", x_test, y_test, path=path, test_lines=test_lines,
+                      held_out=np.concatenate(held), mean_line=first_bytes / first_lines)
 
 
 # ---------------------------------------------------------------- criteo-synthetic
@@ -654,6 +723,10 @@ class CriteoSynthetic(CriteoData):
     def steps(self, num_workers: int, batch_size: int) -> int:
         return steps_per_epoch(self.samples, num_workers, batch_size)
 
+    def leased_batches(self, batch_size: int, seed: int, chunk_batches: int) -> SyntheticBatches:
+        """Batch b is samples b * batch_size ... (b + 1) * batch_size - 1, for --data-assignment leases."""
+        return SyntheticBatches(self, batch_size, chunk_batches)
+
     def planted_logits(self, x: np.ndarray, pairwise: bool = True) -> np.ndarray:
         """The planted model's logits for RECORDs x (float64 (n,)); pairwise=False leaves the
         factorisation-machine terms out."""
@@ -674,6 +747,30 @@ class CriteoSynthetic(CriteoData):
             x, y = generate(self.seed, self.bias, index)
             for b in range(0, len(index), batch_size):
                 yield x[b:b + batch_size], y[b:b + batch_size]
+
+
+class SyntheticBatches(ChunkedBatches):
+    """criteo-synthetic under --data-assignment leases: batch b is samples b * batch_size ...
+    (b + 1) * batch_size - 1 (samples // batch_size batches; the samples are i.i.d., so each
+    epoch takes them alike and the coordinator's chunk order is the shuffle), generated a
+    chunk at a time."""
+
+    def __init__(self, data: CriteoSynthetic, batch_size: int, chunk_batches: int):
+        super().__init__(chunk_batches)
+        check_int("--batch-size", batch_size, 1)
+        self.data, self.batch_size = data, batch_size
+        self.num_batches = data.samples // batch_size
+        if self.num_batches == 0:
+            raise ConfigError(f"--batch-size: {batch_size} is larger than the {data.samples} "
+                              "training samples")
+        x, y = generate(data.seed, data.bias, np.zeros(1, np.uint64))
+        h = hashlib.sha256(f"{data.seed}:{data.bias!r}".encode() + x.tobytes() + y.tobytes())
+        self.fingerprint = f"{data.samples}:{h.hexdigest()[:16]}"
+
+    def read(self, epoch: int, first: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        bs = self.batch_size
+        x, y = generate(self.data.seed, self.data.bias, np.arange(first * bs, end * bs, dtype=np.uint64))
+        return [(x[k:k + bs], y[k:k + bs]) for k in range(0, len(x), bs)]
 
 
 def load_synthetic(seed: int, samples: int, test_samples: int) -> CriteoSynthetic:

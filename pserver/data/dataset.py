@@ -91,6 +91,10 @@ class Dataset:
         x_test = check(ds.x_test, ds.y_test, f"{ds.name} test set")
         return Dataset(ds.name, x_train, ds.y_train, x_test, ds.y_test, ds.num_classes)
 
+    def leased_batches(self, batch_size: int, seed: int, chunk_batches: int) -> LeasedBatches:
+        """The batches as shard 0's coordinator numbers them (--data-assignment leases)."""
+        return LeasedBatches(self, batch_size, seed)
+
     def warm_up_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray] | None:
         """A batch to run once before the first timed step: the training set's first."""
         return self.x_train[:batch_size], self.y_train[:batch_size]
@@ -218,6 +222,32 @@ def _batches(ds: Dataset, order: np.ndarray, steps: int, batch_size: int):
         yield ds.x_train[take], ds.y_train[take]  # fancy indexing: fresh C-contiguous copies
 
 
+class ChunkedBatches:
+    """The epoch's batches as shard 0's coordinator numbers them (--data-assignment leases), read a
+    chunk at a time: `read(epoch, first, end)` gives batches first .. end - 1 (one chunk, or the
+    rest of one), each (x, y); a batch may be empty (0 samples), and the worker then skips it.
+    Subclasses set num_batches and fingerprint (what shard 0 compares between workers)."""
+
+    num_batches: int
+    fingerprint: str
+
+    def __init__(self, chunk_batches: int) -> None:
+        check_int("--chunk-batches", chunk_batches, 1)
+        self.chunk_batches = chunk_batches
+        self._key, self._first, self._batches = None, 0, []
+
+    def batch(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        chunk = b // self.chunk_batches
+        if (epoch, chunk) != self._key:
+            first = chunk * self.chunk_batches
+            self._batches = self.read(epoch, first, min(first + self.chunk_batches, self.num_batches))
+            self._key, self._first = (epoch, chunk), first
+        return self._batches[b - self._first]
+
+    def read(self, epoch: int, first: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        raise NotImplementedError
+
+
 class LeasedBatches:
     """The epoch's batches as shard 0's coordinator numbers them (--data-assignment leases): epoch e's
     permutation of the training set from `seed + e` (as the slices draw it), cut into
@@ -231,6 +261,7 @@ class LeasedBatches:
         if self.num_batches == 0:
             raise ConfigError(f"--batch-size: {batch_size} is larger than the {ds.num_train} "
                               f"training samples")
+        self.fingerprint = fingerprint(ds)
         self._epoch, self._order = -1, None
 
     def batch(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:

@@ -203,6 +203,23 @@ class Progress:
         self.window = Window(now)
         return figures
 
+    def epoch_ended(self, epoch: int) -> tuple[float, float] | None:
+        """Epoch `epoch` is done (leased data: whoever trained its last batch): shown as its last
+        step, as the last step of an epoch is, with the figures of this worker's steps since the
+        last line; the line's figures, or None when this worker trained none since."""
+        now, step = time.monotonic(), max(self.steps - 1, 0)
+        self.clock = max(self.clock, (epoch + 1) * self.steps)   # the ETA counts the epochs done
+        if self.style in ("bar", "relay") and self.bar_window.n:
+            self._draw(self.record(epoch, step, *self.bar_window.figures(now)))
+            self.bar_window = Window(now)
+        if not self.window.n:
+            return None
+        figures = self.window.figures(now)
+        if self.style == "lines":
+            self.say(self.line(epoch, step, *figures))
+        self.window = Window(now)
+        return figures
+
     def record(self, epoch: int, step: int, loss: float, rate: float) -> dict:
         return {"epoch": epoch + 1, "epochs": self.epochs, "step": step + 1, "steps": self.steps,
                 "clock": self.clock, "start": self.start, "total": self.total, "loss": loss, "rate": rate}

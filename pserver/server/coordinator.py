@@ -85,8 +85,19 @@ class Coordinator:
         self.counted: dict[tuple[int, int], int] = {}   # (epoch, chunk) -> end counted as retrained
 
     # -- the plan ---------------------------------------------------------------------------
-    def configure(self, plan: Plan) -> None:
-        """Fix the plan at the first worker's lease; a later one must match it."""
+    def configure(self, plan: Plan, restart: bool = False) -> None:
+        """Fix the plan at the first worker's lease; a later one must match it. A coordinator that
+        finished its epochs with no lease out takes a new run: the same data with other --epochs
+        goes on from the epoch it reached (a job given more epochs); a new run that asks to
+        (`restart`: --no-resume), or one with other data, batches or chunks, starts over."""
+        if self.plan is not None and plan != self.plan and self.finished and not self.leases \
+                and not restart and plan == Plan(**{**vars(self.plan), "epochs": plan.epochs}):
+            self.plan = plan
+            if not self.finished:
+                self._open(self.epoch)
+            return
+        if self.plan is not None and (restart or plan != self.plan) and self.finished and not self.leases:
+            self.plan = None
         if self.plan is None:
             if plan.num_batches < 1 or plan.chunk_batches < 1:
                 raise FailedPrecondition(f"data: {plan.num_batches} batches per epoch in chunks of "
@@ -106,6 +117,11 @@ class Coordinator:
             f"{plan.chunk_batches}, seed {plan.seed}; the job's coordinator has {mine.num_batches}, "
             f"{mine.chunk_batches}, seed {mine.seed}, {plan.epochs} vs {mine.epochs} epochs (--batch-size, "
             f"--chunk-batches, --seed and --epochs must match)")
+
+    @property
+    def finished(self) -> bool:
+        """Every epoch of the plan is done (no lease will be handed out)."""
+        return self.plan is not None and bool(self.plan.epochs) and self.epoch >= self.plan.epochs
 
     def _open(self, epoch: int) -> None:
         self.epoch = epoch

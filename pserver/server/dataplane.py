@@ -26,6 +26,7 @@ from pserver.wire.frames import (
     HELLO,
     HELLO_TIMEOUT,
     INIT,
+    LEASE_AT,
     MAGIC,
     MAX_MESSAGE,
     MAX_SESSION,
@@ -46,6 +47,7 @@ from pserver.wire.frames import (
     SOCKET_NAME,
     THEN_PULL,
     TOKEN_LEN,
+    WITH_LEASE,
     RowsBuffer,
     connection_limit,
     push_slots,
@@ -383,17 +385,21 @@ class DataPlaneServer:
     def _request(self, conn, req, peer: Connection) -> None:
         """A push (with the pull that follows it, under THEN_PULL), a pull or a row request,
         answered in one message."""
-        then_pull = None
+        then_pull = lease = None
         if req[1] & THEN_PULL:
             then_pull = PULL_AFTER.unpack(recv_exact(conn, PULL_AFTER.size))
-            req = (req[0], req[1] & ~THEN_PULL, *req[2:])
+        if req[1] & WITH_LEASE:
+            lease = LEASE_AT.unpack(recv_exact(conn, LEASE_AT.size))
+        if req[1] & (THEN_PULL | WITH_LEASE):
+            req = (req[0], req[1] & ~(THEN_PULL | WITH_LEASE), *req[2:])
             if req[1] not in (PUSH, PUSH_ROWS):
-                self._reply(conn, InvalidArgument("op: only a push can carry a pull, "
+                what = "a pull" if then_pull is not None else "a data lease"
+                self._reply(conn, InvalidArgument(f"op: only a push can carry {what}, "
                                                   f"not operation {req[1]}"))
                 # what follows cannot be framed
-                raise ConnectionError("a pull on something other than a push")
+                raise ConnectionError("a pull or a lease on something other than a push")
         parts = self._read_parts(conn) if req[1] in (PULL_ROWS, PUSH_ROWS) else ()
-        answer = self._handle(conn, req, peer, parts=parts)
+        answer = self._handle(conn, req, peer, parts=parts, lease=lease)
         reply = self._encode_reply(*answer)
         if then_pull is not None and answer[0] is None:
             # the pull as if it had come alone: this worker's own request, after its push
@@ -401,19 +407,19 @@ class DataPlaneServer:
             reply += self._encode_reply(*self._answer(conn, pull, peer, None, "", ()))
         conn.sendall(reply)
 
-    def _handle(self, conn, req, peer: Connection, signature: str = "", parts=()):
+    def _handle(self, conn, req, peer: Connection, signature: str = "", parts=(), lease=None):
         """The reply to a request. A dense payload in parts is taken whole whatever the
         answer; a connection that breaks or stalls during one is cut."""
         op, timeout_ms = req[1], req[8]
         fill = peer.push_buf
         if op in (PUSH, PUSH_ROWS, INIT) and push_slots(peer.size)[1] > 1:
             fill = Parts(conn, peer, self.shard.store, timeout_ms / 1000)
-        reply = self._answer(conn, req, peer, fill, signature, parts)
+        reply = self._answer(conn, req, peer, fill, signature, parts, lease)
         if isinstance(fill, Parts):
             fill.drain()
         return reply
 
-    def _answer(self, conn, req, peer: Connection, fill, signature: str, parts):
+    def _answer(self, conn, req, peer: Connection, fill, signature: str, parts, lease=None):
         _, op, rank, shard, step, clock, num_elements, num_samples, timeout_ms = req
         try:
             if rank != peer.rank:
@@ -423,7 +429,7 @@ class DataPlaneServer:
                 rows = self._received_rows(peer, parts) if op == PUSH_ROWS else ()
                 outcome, version, message, finished = self.shard.push(PushRequest(
                     rank, shard, step, num_elements, "float32", num_samples, clock, fill,
-                    session=peer.session, rows=rows))
+                    session=peer.session, rows=rows, lease=lease))
                 return None, outcome.value, finished, version, message
             if op == PULL_ROWS:
                 return None, 0, False, self._pull_rows(peer, rank, shard, parts), ""

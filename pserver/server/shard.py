@@ -161,7 +161,8 @@ class Shard:
         self.policy.forget(rank)
 
     def lease(self, rank: int, session: str | None, plan: Plan,
-              finished: tuple[int, int] | None = None, done_before_restore=()) -> Lease | None:
+              finished: tuple[int, int] | None = None, restart: bool = False,
+              done_before_restore=()) -> Lease | None:
         """rank's lease of the training data from shard 0's coordinator (pserver.server.coordinator):
         the one it holds, or, once `finished` (epoch, chunk) is done, the next; None when every
         chunk of the epoch is leased to others. A worker whose data differs (plan) is refused.
@@ -171,7 +172,7 @@ class Shard:
             raise FailedPrecondition(f"lease: the data coordinator is in shard 0, not shard {self.cfg.shard}")
         with self.store.cond:
             self.members.authorize(rank, session)
-            self.store.coordinator.configure(plan)
+            self.store.coordinator.configure(plan, restart)
             self.store.coordinator.done_before_restore(done_before_restore)
             return self.store.coordinator.lease(rank, self.members.sessions[rank], finished)
 

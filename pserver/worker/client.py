@@ -404,7 +404,7 @@ class ShardClient:
              ) -> tuple[str, int, bool]:
         """This shard's slice of `grad` (or `packed`, that slice compressed), and `rows`: (table,
         unique ids on this shard, their gradients) for each sparse table, in one push. `lease`:
-        (epoch, chunk, batch) of the data lease this push carries (shard 0; by gRPC)."""
+        (epoch, chunk, batch) of the data lease this push carries (shard 0)."""
         return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows,
                                                       packed, lease=lease), timeout)[:3]
 
@@ -430,12 +430,12 @@ class ShardClient:
 
     def _push_once(self, grad, rank, step, num_samples, clock, timeout, rows=(),
                    packed=None, then_pull=None, lease=None) -> tuple[str, int, bool, tuple[int, bool] | None]:
-        # The data plane carries float32 only: a compressed push goes over gRPC, and so does a
-        # push that carries a data lease's progress (its frames have no room for it).
-        if packed is None and lease is None and self.fast is not None and frames.fits([(ids.size, g.shape[1])
-                                                                        for _, ids, g in rows]):
-            outcome, version, finished, pulled = self.fast.push(self.own(grad), step,
-                                                                num_samples, clock, timeout, rows, then_pull)
+        # The data plane carries float32 only: a compressed push goes over gRPC. A data lease's
+        # progress rides in its frame (WITH_LEASE).
+        if packed is None and self.fast is not None and frames.fits([(ids.size, g.shape[1])
+                                                                    for _, ids, g in rows]):
+            outcome, version, finished, pulled = self.fast.push(self.own(grad), step, num_samples, clock,
+                                                                timeout, rows, then_pull, lease)
             return OUTCOMES.get(outcome, "unknown"), version, finished, pulled
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
                                  clock=clock, session=self.session,
@@ -793,14 +793,16 @@ class PSClient:
         return self.feedback.pack(grad, s.info.range_start, s.info.range_end)
 
     def lease_data(self, num_batches: int, chunk_batches: int, seed: int, fingerprint: str, epochs: int = 0,
-                   finished: tuple[int, int] | None = None, done_before_restore=()) -> pb.LeaseDataReply:
-        """This worker's lease of the training data from shard 0's coordinator (LeaseData).
-        `done_before_restore`: (epoch, chunk, end) it trained under a coordinator shard 0 has
-        since restored over (the reply's coordinator_id changed)."""
+                   finished: tuple[int, int] | None = None, restart: bool = False,
+                   done_before_restore=()) -> pb.LeaseDataReply:
+        """This worker's lease of the training data from shard 0's coordinator (LeaseData); `restart`:
+        start a finished coordinator over (--no-resume); `done_before_restore`: (epoch, chunk, end) it
+        trained under a coordinator shard 0 has since restored over (the reply's coordinator_id changed)."""
         done = [pb.LeaseDoneBeforeRestore(epoch=e, chunk=c, end=n) for e, c, n in done_before_restore]
         request = pb.LeaseDataRequest(rank=self.rank, num_batches=num_batches, chunk_batches=chunk_batches,
                                       seed=seed, fingerprint=fingerprint, epochs=epochs,
-                                      finished=finished is not None, done_before_restore=done)
+                                      finished=finished is not None, restart=restart,
+                                      done_before_restore=done)
         if finished is not None:
             request.finished_epoch, request.finished_chunk = finished
         return self.shards[0].lease_data(request, self.rpc_deadline)

@@ -17,6 +17,7 @@ from pserver.wire.frames import (
     FREE,
     HELLO,
     INIT,
+    LEASE_AT,
     MAGIC,
     PART,
     PARTS,
@@ -32,6 +33,7 @@ from pserver.wire.frames import (
     SIGNATURE,
     THEN_PULL,
     TOKEN_LEN,
+    WITH_LEASE,
     RowsBuffer,
     host_id,
     mapped,
@@ -172,17 +174,20 @@ class DataPlaneChannel:
 
     def push(self, grad: np.ndarray, step: int, num_samples: int, clock: int, timeout: float,
              rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
-             then_pull: tuple[np.ndarray, int, int] | None = None):
+             then_pull: tuple[np.ndarray, int, int] | None = None, lease: tuple[int, int, int] | None = None):
         """Push the dense slice, and sparse rows [(table, unique ids, their gradients)];
         returns (outcome, version, finished, pulled). With then_pull = (dest, seen_version,
         clock), the pull that follows rides with the push: pulled is (version, finished)
         with dest filled, or None when that pull failed (the push was taken all the same;
-        pull again on its own, which reports the error or rides it out)."""
+        pull again on its own, which reports the error or rides it out). `lease`: the data
+        lease's (epoch, chunk, batch) this push carries (shard 0)."""
         op, tail = PUSH, b""
         if rows:
             op, (tail, slots) = PUSH_ROWS, self._place(rows, timeout)
             for (_, _, g), (_, grads_at) in zip(rows, slots):
                 np.copyto(self.rows.region(grads_at, np.float32, g.size).reshape(g.shape), g)
+        if lease is not None:
+            op, tail = op | WITH_LEASE, LEASE_AT.pack(*lease) + tail
         if then_pull is not None:
             op, tail = op | THEN_PULL, PULL_AFTER.pack(then_pull[1], then_pull[2]) + tail
         outcome, finished, version, _ = self._call(op, step, clock, grad.size, num_samples, timeout, tail,

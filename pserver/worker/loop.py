@@ -18,7 +18,6 @@ import numpy as np
 
 from pserver.config import AUTO_RANK, WorkerConfig
 from pserver.data import Dataset, Stream, describe, load_dataset
-from pserver.data.dataset import LeasedBatches, fingerprint
 from pserver.errors import (
     ConfigError,
     DataError,
@@ -224,7 +223,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
             print(compiling.describe(), flush=True)
         started = time.monotonic()
         if leased(cfg, ds):
-            history = train_leased(cfg, ds, model, client, w, rows, report, mode)
+            history = train_leased(cfg, ds, model, client, w, rows, report, mode, callbacks)
         else:
             history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps),
                             callbacks or NoCallbacks())
@@ -436,23 +435,25 @@ def leased(cfg: WorkerConfig, ds) -> bool:
     cut into chunks); a user's generator keeps its rank's own batches, and the worker says so."""
     if cfg.data_assignment != "leases":
         return False
-    if not isinstance(ds, Dataset):
+    if getattr(ds, "leased_batches", None) is None:
         print(f"worker {cfg.rank}: --data-assignment leases: {ds.name} cannot be cut into chunks (batches "
               f"read in order); each rank reads its own batches (slices)", flush=True)
         return False
     return True
 
 
-def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.ndarray, rows: Rows,
-                 report: TrainingReport, mode: str) -> dict:
+def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: Rows,
+                 report: TrainingReport, mode: str, callbacks=None) -> dict:
     """The epochs on chunks leased from shard 0's coordinator (pserver/server/coordinator.py): the
     worker asks for a chunk, trains its batches in order (each push to shard 0 says which batch it
     carries: the ones before it are done), reports it finished with the next ask, and goes on
     until the coordinator opens epoch --epochs. With no chunk left in the epoch it pushes an
     empty contribution in sync and backup (0 samples: it counts toward the step, weighs nothing)
-    and waits a moment in the other modes. Epochs end when every chunk is done, on every worker."""
-    data = LeasedBatches(ds, cfg.batch_size, cfg.seed)
-    plan = (data.num_batches, cfg.chunk_batches, cfg.seed, fingerprint(ds), cfg.epochs)
+    and waits a moment in the other modes. Epochs end when every chunk is done, on every worker.
+    `callbacks` hear of each batch and epoch as in train (an epoch ends when the worker learns it)."""
+    callbacks = callbacks or NoCallbacks()
+    data = ds.leased_batches(cfg.batch_size, cfg.seed, cfg.chunk_batches)
+    plan = (data.num_batches, cfg.chunk_batches, cfg.seed, data.fingerprint, cfg.epochs)
     steps = max(1, data.num_batches // cfg.num_workers)
     g = np.empty_like(w)
     gradient = gradient_fn(model, cfg.seed, cfg.rank)
@@ -461,15 +462,16 @@ def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.
     progress = Progress(cfg.epochs, steps, cfg.log_every, style)
     timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
     clock, epochs_log, outcomes = 0, [], {}
-    lease, at, finished = None, 0, None
+    lease, at, finished, first_ask = None, 0, None, True
     # What this worker did under shard 0's coordinator (epoch, chunk, end): reported when a reply
     # shows a new one (shard 0 restored), which counts what falls after its checkpoint.
     done_log, coordinator = [], ""
     epoch, step, epoch_started = 0, 0, time.monotonic()
     empty_counts = mode in ("sync", "backup")
+    callbacks.on_train_begin({})
     while not client.finished and not (cfg.max_steps and clock >= cfg.max_steps):
         if lease is None:
-            reply = client.lease_data(*plan, finished=finished)
+            reply = client.lease_data(*plan, finished=finished, restart=first_ask and cfg.no_resume)
             finished = None
             if reply.coordinator_id != coordinator:
                 if coordinator and done_log:            # shard 0 restored: report, then go on as told
@@ -478,11 +480,24 @@ def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.
                                  f"told it the {len(done_log)} chunk(s) this worker trained before (what "
                                  f"falls after the checkpoint counts as trained twice)")
                 done_log, coordinator = [], reply.coordinator_id
+            if first_ask:                               # a job that goes on: its epoch, not an epoch's end
+                first_ask, epoch = False, reply.epoch
+                say_where_leases_begin(cfg, reply.epoch, progress.say)
+                if epoch < cfg.epochs:
+                    callbacks.on_epoch_begin(epoch, {})
             if reply.epoch > epoch:                     # every chunk of the epoch is done
+                line = progress.epoch_ended(epoch)
+                if line:
+                    report.progress(clock, *line)
                 if cfg.rank == 0:
                     epochs_log.append(chief_epoch_end(cfg, ds, model, w, epoch, epoch_started, rows,
                                                       progress, report, client, clock))
+                callbacks.on_epoch_end(epoch, dict(epochs_log[-1]) if cfg.rank == 0 else {})
+                if callbacks.stop_training:
+                    break
                 epoch, step, epoch_started = reply.epoch, 0, time.monotonic()
+                if epoch < cfg.epochs:
+                    callbacks.on_epoch_begin(epoch, {})
             elif reply.epoch < epoch:                   # shard 0 restored from an earlier epoch's checkpoint
                 epoch, step = reply.epoch, 0
             if epoch >= cfg.epochs:
@@ -501,6 +516,13 @@ def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.
             clock += 1
             continue
         x, y = data.batch(lease.epoch, at)
+        if len(x) == 0:                                 # a file's byte range where no training line starts
+            at += 1
+            if at == lease.end_batch:
+                done_log.append((lease.epoch, lease.chunk, at))
+                finished, lease = (lease.epoch, lease.chunk), None
+            continue
+        rejected = outcomes.get("rejected", 0)
         try:
             loss, exchange_started = one_step(client, gradient, delay, timer, rows, w, g, x, y, clock,
                                               outcomes, lease=(lease.epoch, lease.chunk, at))
@@ -511,24 +533,42 @@ def train_leased(cfg: WorkerConfig, ds: Dataset, model, client: PSClient, w: np.
             done_log.append((lease.epoch, lease.chunk, at))
             lease, finished = None, None
             continue
-        clock, at = clock + 1, at + 1
+        clock += 1
+        if outcomes.get("rejected", 0) > rejected:      # a stale step: the batch again, on the weights pulled
+            continue
+        at += 1
         if at == lease.end_batch:                       # every shard took its last batch in
             done_log.append((lease.epoch, lease.chunk, at))
             finished, lease = (lease.epoch, lease.chunk), None
         done = time.perf_counter()
         report.step(done - step_started, done - exchange_started, len(x))
         line = progress.step(epoch, min(step, steps - 1), loss, len(x))
+        callbacks.on_train_batch_end(step, {"loss": loss, "size": len(x)})
         step += 1
         if line:
             report.progress(clock, *line)
         curve.maybe(lambda: evaluate(model, w, ds, cfg, rows), progress.elapsed, client, clock)
     progress.close()
+    callbacks.on_train_end({})
     stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock, samples=clock * cfg.batch_size,
                           outcomes=outcomes)
     if cfg.stats_json:
         write_json(cfg.stats_json, stats)
     return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock, "curve": curve.points,
             "stats": stats, "seconds": progress.elapsed, "resumed_at_step": 0}
+
+
+def say_where_leases_begin(cfg: WorkerConfig, epoch: int, say) -> None:
+    """One line when shard 0's coordinator is past epoch 1 at this worker's first lease: a run that
+    goes on from an earlier one's data (--no-resume starts a finished one over)."""
+    if epoch == 0:
+        return
+    if epoch >= cfg.epochs:
+        say(f"shard 0's data coordinator has done all {cfg.epochs} epoch(s) of this data: nothing is left "
+            f"to train (--no-resume starts over)")
+    else:
+        say(f"shard 0's data coordinator is at epoch {epoch + 1}/{cfg.epochs} of this data: going on from "
+            f"there (--no-resume starts a finished run over)")
 
 
 def one_step(client: PSClient, gradient, delay, timer, rows, w: np.ndarray, g: np.ndarray, x, y, clock: int,

@@ -3,9 +3,12 @@ reading Criteo-format data (a TSV file, and criteo-synthetic), the CTR models.""
 
 from __future__ import annotations
 
+import gzip
+
 import numpy as np
 import pytest
 
+from pserver.data import load_dataset
 from tests.e2e.conftest import read_json, run
 
 pytestmark = pytest.mark.e2e
@@ -61,18 +64,34 @@ def criteo_line(rng, label=None) -> str:
     return "\t".join([str(y), *ints, *cats])
 
 
-def test_workers_read_a_criteo_file_and_skip_malformed_lines(tmp_path):
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
+def test_workers_lease_a_criteo_files_byte_ranges_and_skip_malformed_lines(tmp_path, gz):
+    """Leases (the default) on a Criteo file, plain and .gz (read through its seek index): every
+    training line is trained once per epoch (shard 0 counts exactly 2 x 2,798 samples: 3,000 lines
+    less 200 held out and 2 malformed) and every chunk is done (its counters), so a byte range lost
+    or read twice, a held-out line trained on, or a .gz chunk read from the wrong place fails here;
+    the malformed lines are reported by where they start."""
     rng = np.random.default_rng(0)
-    lines = [criteo_line(rng) for _ in range(6000)]
+    lines = [criteo_line(rng) for _ in range(3000)]
     lines[7] = "1\t2\t3"                                     # too few columns
     lines[11] = lines[11].replace("\t", "\tzz", 1)          # a non-integer integer feature
-    path = tmp_path / "day_0.txt"
-    path.write_text("\n".join(lines) + "\n")
+    text = ("\n".join(lines) + "\n").encode()
+    path = tmp_path / ("day_0.gz" if gz else "day_0.txt")
+    path.write_bytes(gzip.compress(text) if gz else text)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    ds = load_dataset(f"criteo:{path}", test_samples=200)
+    data = ds.leased_batches(128, 0, 16, str(tmp_path / "cache"))
+    chunks = -(-data.num_batches // 16)
     summary = tmp_path / "s.json"
     r = run("launch", "--ps", "1", "--workers", "2", "--model", "lr", "--dataset", f"criteo:{path}",
-            "--batch-size", "128", "--test-samples", "500", "--summary-json", str(summary), timeout=600)
+            "--batch-size", "128", "--test-samples", "200", "--epochs", "2", "--summary-json", str(summary),
+            timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
-    assert "line 8" in r.stdout and "line 12" in r.stdout, r.stdout[-3000:]
+    at = [sum(len(ln) + 1 for ln in lines[:k]) for k in (7, 11)]
+    for byte in at:
+        assert f"the line at byte {byte}:" in r.stdout, r.stdout[-3000:]
     s = read_json(summary)
     assert s["dataset"].startswith("criteo") and s["test_auc"] is not None
+    assert s["samples_trained"] == 2 * (3000 - 200 - 2), s
+    assert s["chunks_done"] == 2 * chunks and s["chunks_released"] == 0, s
     assert s["sparse_tables"]["linear"]["rows"] > 100

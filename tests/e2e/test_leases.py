@@ -40,6 +40,10 @@ def test_a_worker_killed_in_epoch_2_its_chunk_goes_to_another_and_every_chunk_is
     s = read_json(summary)
     assert s["chunks_done"] == EPOCHS * CHUNKS, s
     assert s["chunks_released"] == 1 and s["batches_retrained"] <= 1, s   # the killed worker's lease only
+    # Its chunk went on from the first batch not done, which its pushes told shard 0 (over the
+    # data plane, in the frame's lease fields): a progress lost on the way would have the chunk
+    # trained again from its start, several batches more than the one in flight.
+    assert s["samples_trained"] <= (EPOCHS * (SAMPLES // BATCH) + s["batches_retrained"]) * BATCH, s
     assert [e["epoch"] for e in s["per_epoch"]] == [1, 2]
     assert s["test_accuracy"] >= 0.85, s
     assert "data leases: 68 chunk(s) done" in workers[0].output

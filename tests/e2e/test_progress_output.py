@@ -84,8 +84,13 @@ def test_a_checkpoint_is_logged_once_and_an_epoch_says_its_own_time(tmp_path):
             timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     written = re.findall(r"shard (\d): checkpoint at version (\d+) written", r.stdout)
-    # After epoch 1 and epoch 2; the chief's ask at the end and the shard's stop rewrite version 200.
-    assert sorted(written) == [("0", "100"), ("0", "200"), ("1", "100"), ("1", "200")], r.stdout
+    # After epoch 1 and epoch 2 (leased data: 100 steps an epoch and the few an epoch's end takes
+    # with empty contributions); the shard's stop rewrites the last, or writes the one more step
+    # that a worker's empty contribution still made while the chief finished.
+    versions = sorted({int(v) for _, v in written})
+    assert len(versions) in (2, 3) and 100 <= versions[0] < versions[1] <= versions[-1] <= versions[1] + 1 \
+        and versions[1] >= 200, r.stdout
+    assert sorted(written) == sorted((k, str(v)) for k in "01" for v in versions), r.stdout
     assert "checkpoint: shard" not in r.stdout                  # the worker no longer echoes them
     epochs = re.findall(r"epoch (\d)/2 done in (\d+\.\d) s \((\d+\.\d) s in all\)", r.stdout)
     assert [e[0] for e in epochs] == ["1", "2"], r.stdout

@@ -14,9 +14,11 @@ from tests.e2e.conftest import LOGREG, read_json, wait_until
 
 pytestmark = pytest.mark.e2e
 
-# 3 epochs of ~90 steps per worker, slowed down so that the stop lands inside epoch 2.
+# 3 epochs of ~90 steps per worker, slowed down so that the stop lands inside epoch 2. The
+# positions resumed here are each rank's own (slices); leased data resumes from shard 0's
+# coordinator, checkpointed with it (tests/test_coordinator.py).
 TRAIN = [*LOGREG, "--epochs", "3", "--delay", "fixed:0.01", "--mode", "sync", "--optimizer", "sgd",
-         "--lr", "0.1", "--seed", "3"]
+         "--lr", "0.1", "--seed", "3", "--data-assignment", "slices"]
 
 
 def test_a_stopped_job_started_again_resumes_from_its_checkpointed_position(procs, tmp_path):
