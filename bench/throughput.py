@@ -59,7 +59,8 @@ def run_once(mode: str, args) -> dict:
                "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(BATCH),
                "--samples", str(SAMPLES), "--test-samples", str(TEST_SAMPLES),
                "--epochs", str(args.epochs), "--optimizer", "sgd", "--lr", str(LR), "--log-every", "100000",
-               # each worker its own slice, as the committed figures were measured (leases: bench/leases.py)
+               # each worker its own slice, as the committed figures were measured
+               # (leases against slices: bench/modes.py --assignments)
                "--data-assignment", "slices", "--summary-json", path, *args.extra]
         started = time.monotonic()
         r = subprocess.run(cmd, capture_output=True, text=True)
