@@ -9,7 +9,9 @@ Dense(10, softmax)), categorical cross-entropy on one-hot labels, Adam with Kera
 processes (--ps, --workers) and its custom loop (ClusterCoordinator, one scheduled step = one
 worker's batch of 64, applied on the ps as it comes: asynchronous), on the 54,000 samples the
 example trains on (validation_split=0.1 leaves the last 6,000 out); samples/s over the timed
-steps after --warmup. pserver: `PYTHON -m pserver run --ps 1 --workers 2 --seed S -- PYTHON
+steps after --warmup, with, at each epoch's end, the evaluation of those 6,000 that the example's
+fit does (on the coordinator, in batches of 128; --no-tf-validation leaves it out, as the first
+rounds measured). pserver: `PYTHON -m pserver run --ps 1 --workers 2 --seed S -- PYTHON
 keras_mnist_convnet.py` with `epochs = --epochs` (the only change; keras_convnet.py's copy),
 and the samples/s of its chief's summary (every synchronous step after its warm-up, the
 chief's evaluation of the validation data at each epoch's end included). The TensorFlow side
@@ -74,6 +76,7 @@ def train_tf(args, per_worker: int) -> dict:
             model = convnet(tf)
             optimizer = tf.keras.optimizers.Adam()          # Keras's defaults, the example's "adam"
         x, y = mnist(args.data_dir, "train")
+        x_val, y_val = x[TRAIN:], np.eye(10, dtype=np.float32)[y[TRAIN:]]
         x, y = x[:TRAIN], np.eye(10, dtype=np.float32)[y[:TRAIN]]
         loss_fn = tf.keras.losses.CategoricalCrossentropy(reduction=tf.keras.losses.Reduction.NONE)
 
@@ -93,14 +96,36 @@ def train_tf(args, per_worker: int) -> dict:
             xb, yb = next(it)
             return strategy.run(replica_fn, args=(xb, yb))
 
+        @tf.function
+        def validate_batch(xb, yb):        # what fit's validation_split evaluates: loss and accuracy
+            p = model(xb, training=False)
+            hits = tf.cast(tf.equal(tf.argmax(p, 1), tf.argmax(yb, 1)), tf.float32)
+            return tf.reduce_sum(loss_fn(yb, p)), tf.reduce_sum(hits)
+
+        def validate() -> float:
+            """The example's validation at an epoch's end, on the coordinator (as pserver's chief
+            evaluates its validation data), in batches of the fit's batch size, as Keras does."""
+            hits = 0.0
+            for i in range(0, len(x_val), args.batch_size):
+                hits += float(validate_batch(x_val[i:i + args.batch_size], y_val[i:i + args.batch_size])[1])
+            return hits / len(x_val)
+
         iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
         for _ in range(args.warmup):       # tracing, connections, the first allocations
             coordinator.schedule(step_fn, args=(iterator,))
         coordinator.join()
+        if args.tf_validation:
+            validate()                     # its tracing, untimed as the warm-up steps are
         steps = args.tf_steps or samples_for(args.epochs, args.workers, per_worker) // per_worker
-        started = time.perf_counter()
-        for _ in range(steps):
+        per_epoch = samples_for(1, args.workers, per_worker) // per_worker
+        started, validation_seconds, val_accuracy = time.perf_counter(), 0.0, None
+        for done in range(steps):
             coordinator.schedule(step_fn, args=(iterator,))
+            if args.tf_validation and (done + 1) % per_epoch == 0:      # an epoch's end, as in fit
+                coordinator.join()
+                t = time.perf_counter()
+                val_accuracy = validate()
+                validation_seconds += time.perf_counter() - t
         coordinator.join()
         seconds = time.perf_counter() - started
         x_test, y_test = mnist(args.data_dir, "test")
@@ -108,7 +133,8 @@ def train_tf(args, per_worker: int) -> dict:
     return {"framework": f"tensorflow {tf.__version__} ParameterServerStrategy",
             "samples": steps * per_worker, "seconds": round(seconds, 3),
             "train_samples_per_second": steps * per_worker / seconds,
-            "test_accuracy_after": accuracy}
+            "validation_each_epoch": args.tf_validation, "validation_seconds": round(validation_seconds, 3),
+            "val_accuracy_last": val_accuracy, "test_accuracy_after": accuracy}
 
 
 def train_tf_apart(args) -> dict:
@@ -117,9 +143,11 @@ def train_tf_apart(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tf.json")
         passed = {k: v for k, v in vars(args).items()
-                  if v is not None and k not in ("pserver", "json", "tf_json", "rounds")}
+                  if v is not None and k not in ("pserver", "json", "tf_json", "rounds", "tf_validation",
+                                                 "pserver_mode")}
         cmd = [sys.executable, __file__, "--tf-json", path] + [
-            a for k, v in passed.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+            a for k, v in passed.items() for a in (f"--{k.replace('_', '-')}", str(v))] + [
+            "--tf-validation" if args.tf_validation else "--no-tf-validation"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0 or not os.path.exists(path):
             raise SystemExit(f"TensorFlow's run failed ({r.returncode}):\n"
@@ -131,7 +159,7 @@ def train_pserver(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         script = script_for(args.epochs, tmp)
         cmd = [args.pserver, "-m", "pserver", "run", "--ps", str(args.ps), "--workers", str(args.workers),
-               "--seed", str(args.seed), "--", args.pserver, str(script)]
+               "--seed", str(args.seed), "--mode", args.pserver_mode, "--", args.pserver, str(script)]
         env = os.environ | {"PSERVER_MNIST_DIR": args.data_dir}
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -139,7 +167,7 @@ def train_pserver(args) -> dict:
     steps, seconds, rate = SUMMARY.findall(r.stdout)[-1]
     accuracy = float(re.findall(r"^Test accuracy: (\S+)$", r.stdout, re.M)[-1])
     rate = float(rate.replace(",", ""))
-    return {"framework": "pserver run (sync)", "steps": int(steps), "seconds": float(seconds),
+    return {"framework": f"pserver run ({args.pserver_mode})", "steps": int(steps), "seconds": float(seconds),
             "samples": round(rate * float(seconds)), "train_samples_per_second": rate,
             "test_accuracy_after": accuracy,
             "command": " ".join(["pserver"] + cmd[3:-1]
@@ -159,9 +187,16 @@ def main() -> None:
     p.add_argument("--tf-steps", type=int, help="TensorFlow's timed steps (of one worker's batch), "
                    "for a quick check (default: as many samples as pserver's --epochs)")
     p.add_argument("--rounds", type=int, default=1, help="TensorFlow then pserver, this many times")
+    p.add_argument("--tf-validation", action=argparse.BooleanOptionalAction, default=True,
+                   help="TensorFlow validates the held-out 6,000 at each epoch's end inside its timed "
+                   "run, as the example's fit(validation_split=0.1) does and as pserver's rate includes "
+                   "(default; --no-tf-validation: training steps only, as the first rounds measured)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pserver", metavar="PYTHON", help="also run the example on pserver with this "
                    "interpreter (one that has pserver installed)")
+    p.add_argument("--pserver-mode", default="sync", choices=("sync", "async"),
+                   help="pserver's mode (default sync, the script's; async: each worker's push applied "
+                   "as it comes, as TensorFlow's coordinator applies each scheduled step)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--tf-json", help=argparse.SUPPRESS)     # one TensorFlow run, its result here
     args = p.parse_args()
@@ -188,8 +223,9 @@ def main() -> None:
                   f"{r['test_accuracy_after']:.4f}; load before {load[0]:.2f})", flush=True)
     medians = {side: statistics.median(r["train_samples_per_second"] for r in runs if r["side"] == side)
                for side in ("tensorflow", "pserver") if any(r["side"] == side for r in runs)}
-    out = {"what": "keras.io mnist_convnet: TensorFlow ParameterServerStrategy (tf-keras, custom loop, "
-                   "async) vs the example's script under pserver run (sync)",
+    out = {"what": f"keras.io mnist_convnet: TensorFlow ParameterServerStrategy (tf-keras, custom loop, "
+                   "async; validating each epoch: see runs) vs the example's script under pserver run "
+                   f"({args.pserver_mode})",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "num_ps": args.ps, "num_workers": args.workers, "global_batch": args.batch_size,
            "batch_per_worker": per_worker, "optimizer": "adam 0.001 (Keras defaults)",
