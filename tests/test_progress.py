@@ -127,3 +127,27 @@ def test_a_version_before_init_reads_not_initialized():
     from pserver.observe.status import rows
     assert [r["version"] for r in rows([pb.StatusReply(version=-1), pb.StatusReply(version=7)])] == \
         ["not initialized", "7"]
+
+
+def test_a_worker_that_trained_more_than_its_share_ends_its_bar_at_100_percent_and_draws_it_once():
+    """Leased data: the chief trained 6 steps of an epoch of 4 (another worker was slow). Its
+    records stop at the bar's total (tqdm past the total drops it and draws 0%: CI saw
+    'step 100/100:   0%'), and a record after the bar closed draws no second bar. Catches the
+    record's clock left past the total, and the relay opening a new bar after the end."""
+    p = progress.Progress(epochs=1, steps_per_epoch=4, every=3600, style="relay", out=io.StringIO())
+    assert p.record(0, 3, 1.0, 10.0)["clock"] == 0
+    for s in range(6):
+        p.step(0, min(s, 3), 1.0, 16)
+    assert p.clock == 6 and p.record(0, 3, 1.0, 10.0)["clock"] == 4
+    bar = Terminal()
+    relay = progress.Relay(io.StringIO(), bar)
+    fig = {"epoch": 1, "epochs": 1, "step": 4, "steps": 4, "clock": 2, "start": 0, "total": 4,
+           "loss": 0.25, "rate": 1234.0}
+    relay.line("worker0", progress.RECORD + json.dumps(fig) + "\n")
+    time.sleep(0.01)
+    relay.line("worker0", progress.RECORD + json.dumps(p.record(0, 3, 0.25, 1234.0)) + "\n")
+    relay.line("worker0", progress.RECORD + json.dumps(p.record(0, 3, 0.25, 1234.0)) + "\n")
+    relay.close()
+    frames = [f for f in re.split(r"[\r\n]", bar.getvalue()) if "%|" in f]
+    assert frames and "step 4/4: 100%" in frames[-1], frames
+    assert bar.getvalue().count("\n") == 1, bar.getvalue()          # one bar, closed once

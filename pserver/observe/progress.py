@@ -221,8 +221,11 @@ class Progress:
         return figures
 
     def record(self, epoch: int, step: int, loss: float, rate: float) -> dict:
+        # Leased data: a worker may train more than its share of an epoch's steps; the bar stops
+        # at its total (tqdm past it drops the total and shows 0%).
+        clock = min(self.clock, self.total) if self.total else self.clock
         return {"epoch": epoch + 1, "epochs": self.epochs, "step": step + 1, "steps": self.steps,
-                "clock": self.clock, "start": self.start, "total": self.total, "loss": loss, "rate": rate}
+                "clock": clock, "start": self.start, "total": self.total, "loss": loss, "rate": rate}
 
     def _draw(self, fig: dict) -> None:
         if self.bar is not None:
@@ -263,6 +266,7 @@ class Relay:
     def __init__(self, out: TextIO | None = None, stream: TextIO | None = None) -> None:
         self.out, self.stream = out or sys.stdout, stream or sys.stderr
         self.bar: StepBar | None = None
+        self.completed = False             # the bar reached its total and was closed
         self.lock = threading.Lock()       # a reader thread per process
 
     def line(self, role: str, line: str) -> None:
@@ -278,11 +282,14 @@ class Relay:
             write_under(self.bar, f"[{role}] {line}", self.out)
 
     def _show(self, fig: dict) -> None:
+        if self.completed:                 # a record after the bar's end (leased data: the chief
+            return                         # hears the last epoch end after its own last step)
         if self.bar is None:
             self.bar = StepBar(fig["total"], fig.get("start", 0), self.stream)
         self.bar.show(fig)
         if fig["total"] and fig["clock"] >= fig["total"]:
             self.close_bar()
+            self.completed = True
 
     def close_bar(self) -> None:
         if self.bar is not None:
