@@ -168,8 +168,7 @@ class RayCluster:
                 except ConnectionError as e:
                     raise Unavailable(f"--address: {e}") from None
             else:                                  # one actor per logical CPU, however few cores
-                ray.init(num_cpus=cfg.num_shards + cfg.num_workers, include_dashboard=False,
-                         object_store_memory=OBJECT_STORE_BYTES, **common)
+                start_local_ray(ray, cfg.num_shards + cfg.num_workers, common)
             self.own_connection = True
         nodes = [n for n in ray.nodes() if n["Alive"]]
         print(f"pserver launch: Ray {ray.__version__} with {len(nodes)} node(s), "
@@ -356,6 +355,21 @@ def run(cluster: RayCluster, multi_node: bool, server: ServerConfig, worker: Wor
             f.write(text)
 
 
+def start_local_ray(ray, cpus: int, common: dict) -> None:
+    """A local Ray with `cpus` logical CPUs, tried twice: Ray gives its raylet a fixed 30 s to
+    register with the GCS, which a loaded machine can miss (CI at load 40: "The current node
+    timed out during startup"); a second start after shutdown is what a user would do."""
+    for attempt in (1, 2):
+        try:
+            ray.init(num_cpus=cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES, **common)
+            return
+        except Exception as e:             # Ray raises a bare Exception for this timeout
+            if attempt == 2:
+                raise
+            print(f"pserver: Ray's start timed out ({e}); starting it once more", file=sys.stderr, flush=True)
+            ray.shutdown()
+
+
 class RayJoiners:
     """`add_workers(k)` for a cluster on Ray (pserver.start_cluster(backend="ray")): the Ray that
     the cluster's `pserver launch --backend ray` runs on, joined or started here (with a CPU for
@@ -372,8 +386,7 @@ class RayJoiners:
                 check_reachable(address)
                 ray.init(address=address, **common)
             else:
-                ray.init(num_cpus=cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
-                         **common)
+                start_local_ray(ray, cpus, common)
         self.address = ray.get_runtime_context().gcs_address
         from ray.util.queue import Empty, Queue
         self.lines = Queue(actor_options={"num_cpus": 0})
