@@ -9,6 +9,7 @@ package's.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import math
 import urllib.error
@@ -222,7 +223,7 @@ def _batches(ds: Dataset, order: np.ndarray, steps: int, batch_size: int):
         yield ds.x_train[take], ds.y_train[take]  # fancy indexing: fresh C-contiguous copies
 
 
-class ChunkedBatches:
+class ChunkedBatches(abc.ABC):
     """The epoch's batches as shard 0's coordinator numbers them (--data-assignment leases), read a
     chunk at a time: `read(epoch, first, end)` gives batches first .. end - 1 (one chunk, or the
     rest of one), each (x, y); a batch may be empty (0 samples), and the worker then skips it.
@@ -244,8 +245,10 @@ class ChunkedBatches:
             self._key, self._first = (epoch, chunk), first
         return self._batches[b - self._first]
 
+    @abc.abstractmethod
     def read(self, epoch: int, first: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        raise NotImplementedError
+        """Batches first .. end - 1 of `epoch` (each source reads its own way: byte ranges of a
+        Criteo file, sample ranges of criteo-synthetic)."""
 
 
 class LeasedBatches:

@@ -192,16 +192,8 @@ class Progress:
         self.clock += 1
         self.window.add(samples, loss)
         self.bar_window.add(samples, loss)
-        if self.style in ("bar", "relay") and (force or now - self.bar_window.since >= BAR_EVERY):
-            self._draw(self.record(epoch, step, *self.bar_window.figures(now)))
-            self.bar_window = Window(now)
-        if not force and now - self.window.since < self.every:
-            return None
-        figures = self.window.figures(now)
-        if self.style == "lines":
-            self.say(self.line(epoch, step, *figures))
-        self.window = Window(now)
-        return figures
+        return self._emit(epoch, step, now, force or now - self.bar_window.since >= BAR_EVERY,
+                          force or now - self.window.since >= self.every)
 
     def epoch_ended(self, epoch: int) -> tuple[float, float] | None:
         """Epoch `epoch` is done (leased data: whoever trained its last batch): shown as its last
@@ -209,10 +201,15 @@ class Progress:
         last line; the line's figures, or None when this worker trained none since."""
         now, step = time.monotonic(), max(self.steps - 1, 0)
         self.clock = max(self.clock, (epoch + 1) * self.steps)   # the ETA counts the epochs done
-        if self.style in ("bar", "relay") and self.bar_window.n:
+        return self._emit(epoch, step, now, self.bar_window.n > 0, self.window.n > 0)
+
+    def _emit(self, epoch: int, step: int, now: float, draw: bool, line: bool) -> tuple[float, float] | None:
+        """The bar's record when `draw`, and, when `line`, the figures since the last line (a line
+        in the 'lines' style); each window starts again once shown."""
+        if draw and self.style in ("bar", "relay"):
             self._draw(self.record(epoch, step, *self.bar_window.figures(now)))
             self.bar_window = Window(now)
-        if not self.window.n:
+        if not line:
             return None
         figures = self.window.figures(now)
         if self.style == "lines":
