@@ -2,8 +2,8 @@
 throughput after growing from 2 to 4 workers against a job started with 4; with --release, how
 soon a SIGKILLed worker's data lease is released (and so leased again).
 
-    .venv/bin/python bench/elastic.py --pairs 3 --out results/elastic/elastic.json
-    .venv/bin/python bench/elastic.py --pairs 0 --release --out results/elastic/release.json
+    .venv/bin/python bench/elastic.py --pairs 3 --out bench/results/elastic/elastic.json
+    .venv/bin/python bench/elastic.py --pairs 0 --release --out bench/results/elastic/release.json
 
 Each pair runs, one after the other on this machine: (grown) a sync shard with --num-workers 2
 --max-workers 4, two workers, then two `pserver worker --rank auto` once the first two train;
@@ -15,9 +15,9 @@ them). Prints the machine and its load first; writes the JSON.
 
 --release: a real shard and 3 workers with --data-assignment leases in async, --step-timeout 3;
 one is SIGKILLed mid-epoch; the figure is the time from the kill until shard 0 counts its lease
-released (chunks_released, polled every 20 ms), which the next ask then gets: at most the step
-timeout plus the shard's reaper tick (min(1, T/4)). The straggler comparison of leases and slices
-is bench/modes.py's (--assignments slices,leases).
+released (chunks_released, polled every 20 ms), which the next ask then gets: the step timeout
+after the worker's last call, since the shard's reaper wakes when a session falls due. The
+straggler comparison of leases and slices is bench/modes.py's (--assignments slices,leases).
 """
 
 from __future__ import annotations

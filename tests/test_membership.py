@@ -430,3 +430,25 @@ def test_register_reports_the_shards_training_settings():
                             "lr": 0.003, "lr_schedule": "constant", "momentum": 0.9, "nesterov": False,
                             "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0,
                             "step_timeout": 7, "num_workers": 3}
+
+
+def test_a_silent_session_is_marked_dead_at_step_timeout_after_its_last_call_not_a_tick_later():
+    """Catches a reaper that only looks every tick (min(1, T/4)): a killed worker's leases would go
+    up to a tick after --step-timeout. Three workers fall silent 0.15 s apart; each must be marked
+    dead within 0.1 s after T of silence (a tick of 0.5 s passes that for all three ~1% of the time)."""
+    timeout = 2.0
+    shard = one_shard(4, 3, mode="async", optimizer="sgd", lr=1.0, step_timeout=timeout)
+    last = {}
+    for r in range(3):
+        push(shard, r, 0, ONES)
+        last[r] = time.monotonic()
+        time.sleep(0.15)
+    marked: dict[int, float] = {}
+    deadline = time.monotonic() + timeout + 3
+    while len(marked) < 3 and time.monotonic() < deadline:
+        for r in shard.members.dead - set(marked):
+            marked[r] = time.monotonic()
+        time.sleep(0.002)
+    assert sorted(marked) == [0, 1, 2]
+    late = {r: round(marked[r] - last[r] - timeout, 3) for r in marked}
+    assert all(0 <= s < 0.1 for s in late.values()), late

@@ -51,6 +51,7 @@ Fill = Callable[[np.ndarray], None] | np.ndarray
 MAX_PARAMS = 1 << 33                  # 8G elements (32 GB) per model: a sanity bound on declared sizes
 MAX_TABLES = 1024                     # sparse tables per model
 MAX_ROW_DIM = 1 << 16                 # values per sparse row
+EXPIRY_SLACK = 0.005                  # seconds the reaper wakes after a session falls due (and at least)
 
 
 def checked_total(layout: Layout) -> int:
@@ -330,18 +331,25 @@ class Shard:
 
     @staticmethod
     def _reap(ref: weakref.ref, tick: float) -> None:
-        """Every tick: expire silent sessions, cancel stalled streams. Holds the shard only
-        weakly, so a Shard that is dropped (tests make many) takes its thread with it."""
+        """Expire silent sessions when they fall due (a little after --step-timeout of silence,
+        not a tick later); every tick also cancel stalled streams and trim the heap. Holds the
+        shard only weakly, so a Shard that is dropped (tests make many) takes its thread with it."""
+        wait, next_tick = tick, time.monotonic() + tick
         while True:
-            time.sleep(tick)
+            time.sleep(wait)
             shard = ref()
             if shard is None or shard.store.closed:
                 return
             with shard.store.cond:
-                shard.members.expire()
-            shard.limits.cancel_idle()
+                due = shard.members.expire()
+            now = time.monotonic()
+            if now >= next_tick:
+                shard.limits.cancel_idle()
+                memory.trim()
+                next_tick = now + tick
             del shard
-            memory.trim()
+            wait = next_tick - now if due is None else min(next_tick - now, due + EXPIRY_SLACK)
+            wait = max(wait, EXPIRY_SLACK)
 
     def init(self, rank: int, signature: str, num_elements: int, dtype: str, fill: Fill,
              session: str | None = None) -> tuple[bool, int]:
