@@ -15,6 +15,13 @@ An epoch's batches (its permutation of the training set from `seed + epoch`, cut
   lease) may be trained twice: it is counted in `batches_retrained`.
 - The epoch ends when every chunk is done; the next lease opens the next epoch. A worker that
   asks while every chunk of the epoch is leased gets none and pushes empty contributions.
+- The epoch's end is shared out (guided self-scheduling): once the batches not yet leased are
+  fewer than the live workers times `chunk_batches`, a worker that asks gets at most
+  ceil(remaining / workers) of them; the rest of its chunk becomes a piece of its own (id
+  num_chunks + its first batch) at the front of the queue. So the last steps of a sync epoch do
+  not wait on two workers' whole chunks while the others push empty contributions (each of those
+  steps still moved the weights by a whole optimizer step on fewer samples). `chunks_done`
+  counts a chunk once all its pieces are done.
 
 Pure logic, no grpc: the shard calls it with store.cond held. `state()` / `load()` are plain
 JSON-able data, checkpointed by shard 0 (meta["coordinator"]); sessions are not kept, so
@@ -82,7 +89,8 @@ class Coordinator:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.ident = secrets.token_hex(6)   # new with every coordinator: a worker seeing it change knows
         self.restored: dict | None = None   # load(): what was done at the checkpoint (epoch, done, progress)
-        self.counted: dict[tuple[int, int], int] = {}   # (epoch, chunk) -> end counted as retrained
+        self.counted: dict[int, np.ndarray] = {}   # epoch -> batches counted as retrained (restores)
+        self.pieces: dict[int, tuple[int, int]] = {}    # this epoch's split chunks and pieces -> (start, end)
 
     # -- the plan ---------------------------------------------------------------------------
     def configure(self, plan: Plan, restart: bool = False) -> None:
@@ -128,12 +136,50 @@ class Coordinator:
         self.queue = chunk_order(self.plan.num_chunks, self.plan.seed, epoch)
         self.progress.clear()
         self.done.clear()
+        self.pieces.clear()
+
+    def bounds(self, chunk: int) -> tuple[int, int]:
+        """(first batch, one past the last) of a chunk or piece of this epoch."""
+        got = self.pieces.get(chunk)
+        return got if got is not None else self.plan.bounds(chunk)
+
+    def num_pieces(self) -> int:
+        """The chunks and pieces this epoch is cut into (num_chunks, plus one per split)."""
+        return self.plan.num_chunks + sum(c >= self.plan.num_chunks for c in self.pieces)
+
+    def parent(self, chunk: int) -> int:
+        """The chunk a piece was split from (a chunk is its own)."""
+        n = self.plan.num_chunks
+        return chunk if chunk < n else (chunk - n) // self.plan.chunk_batches
+
+    def _left(self, chunk: int) -> int:
+        start, end = self.bounds(chunk)
+        return end - start - self.progress.get(chunk, 0)
+
+    def _share_out(self, chunk: int, workers: int) -> None:
+        """Guided self-scheduling at the epoch's end: cut `chunk` (just taken off the queue) to
+        ceil(remaining / workers) batches when the remaining are fewer than workers x chunk_batches;
+        the rest goes to the queue's front as a piece of its own."""
+        if workers < 2:
+            return
+        remaining = self._left(chunk) + sum(self._left(c) for c in self.queue)
+        share = max(1, math.ceil(remaining / workers))
+        if self._left(chunk) <= share:
+            return
+        start, end = self.bounds(chunk)
+        cut = start + self.progress.get(chunk, 0) + share
+        self.pieces[chunk] = (start, cut)
+        piece = self.plan.num_chunks + cut
+        self.pieces[piece] = (cut, end)
+        self.queue.insert(0, piece)
 
     # -- leases -----------------------------------------------------------------------------
-    def lease(self, rank: int, session: str, finished: tuple[int, int] | None = None) -> Lease | None:
+    def lease(self, rank: int, session: str, finished: tuple[int, int] | None = None,
+              workers: int = 0) -> Lease | None:
         """rank's lease: the one it holds, or the next chunk; None when every chunk of the epoch
         is leased to others (the worker pushes an empty contribution and asks again).
-        `finished` (epoch, chunk): the worker's chunk is done, every batch taken in by every shard."""
+        `finished` (epoch, chunk): the worker's chunk is done, every batch taken in by every shard.
+        `workers`: how many are live, to share the epoch's end out among (0: no sharing)."""
         self._require_plan()
         held = self.leases.get(rank)
         if held is not None and held[0] != session:     # a new session of the rank: the old one ended
@@ -144,7 +190,7 @@ class Coordinator:
             del self.leases[rank]
             held = None
         if held is None:
-            if not self.queue and len(self.done) == self.plan.num_chunks:
+            if not self.queue and len(self.done) == self.num_pieces():
                 if self.plan.epochs and self.epoch + 1 >= self.plan.epochs:
                     self.epoch = self.plan.epochs      # the job's data is done: no more leases
                     return None
@@ -152,6 +198,7 @@ class Coordinator:
             if not self.queue:
                 return None
             chunk = self.queue.pop(0)
+            self._share_out(chunk, workers)
             held = (session, chunk, -1)
             self.leases[rank] = held
         return self._lease_of(held[1])
@@ -162,7 +209,7 @@ class Coordinator:
         and the chunk went elsewhere): shard 0 refuses the push, the worker drops the chunk and
         asks for another."""
         held = self.leases.get(rank)
-        start, end = self.plan.bounds(chunk) if self.plan is not None else (0, 0)
+        start, end = self.bounds(chunk) if held is not None and held[1] == chunk else (0, 0)
         if held is None or held[0] != session or epoch != self.epoch or held[1] != chunk \
                 or not start <= batch < end:
             # A worker that came back after its lease was released (or a shard 0 restored under
@@ -181,20 +228,31 @@ class Coordinator:
             return 0
         r, added = self.restored, 0
         for epoch, chunk, end in reports:
-            if not 0 <= chunk < self.plan.num_chunks or epoch < r["epoch"]:
+            span = self._span(chunk)
+            if span is None or epoch < r["epoch"]:
                 continue                                # bad, or done before the checkpoint
-            start, stop = self.plan.bounds(chunk)
-            if epoch == r["epoch"]:
-                if chunk in r["done"]:
-                    continue
-                start += r["progress"].get(chunk, 0) + (chunk in r["inflight"])   # in-flight: counted at load
-            start = max(start, self.counted.get((epoch, chunk), start))
-            end = min(end, stop)
-            if end > start:
-                added += end - start
-                self.counted[(epoch, chunk)] = end
+            start, end = span[0], min(end, span[1])
+            if end <= start:
+                continue
+            counted = self.counted.setdefault(epoch, np.zeros(self.plan.num_batches, bool))
+            new = ~counted[start:end]
+            if epoch == r["epoch"]:     # less what the checkpoint had done (in flight: counted at load)
+                new &= ~r["mask"][start:end]
+            added += int(new.sum())
+            counted[start:end] = True
         self.counters["batches_retrained"] += added
         return added
+
+    def _span(self, chunk: int) -> tuple[int, int] | None:
+        """The batches a reported chunk or piece may cover, from its id alone (the restored
+        coordinator may not have split where the old one did): a chunk's own; a piece's, from
+        its first batch to its chunk's end. None for an id that is neither."""
+        n = self.plan.num_chunks
+        if 0 <= chunk < n:
+            return self.plan.bounds(chunk)
+        if n <= chunk < n + self.plan.num_batches:
+            return chunk - n, self.plan.bounds((chunk - n) // self.plan.chunk_batches)[1]
+        return None
 
     def release(self, rank: int) -> bool:
         """rank's session ended (left, marked dead, replaced): the rest of its chunk goes to the
@@ -203,7 +261,7 @@ class Coordinator:
         if held is None:
             return False
         _, chunk, inflight = held
-        start, _ = self.plan.bounds(chunk)
+        start, _ = self.bounds(chunk)
         if inflight >= start + self.progress.get(chunk, 0):
             self.counters["batches_retrained"] += 1    # it may have been applied; the next holder redoes it
         self.counters["chunks_released"] += 1
@@ -220,12 +278,15 @@ class Coordinator:
         self.counters["batches_dropped"] += n
 
     def _complete(self, chunk: int) -> None:
+        """A chunk or piece is done; chunks_done counts its chunk once every piece of it is."""
         self.done.add(chunk)
         self.progress.pop(chunk, None)
-        self.counters["chunks_done"] += 1
+        parent = self.parent(chunk)
+        if all(c in self.done for c in self.pieces if self.parent(c) == parent):   # a split one: itself too
+            self.counters["chunks_done"] += 1
 
     def _lease_of(self, chunk: int) -> Lease:
-        start, end = self.plan.bounds(chunk)
+        start, end = self.bounds(chunk)
         return Lease(self.epoch, chunk, start + self.progress.get(chunk, 0), end)
 
     def _require_plan(self) -> None:
@@ -236,7 +297,7 @@ class Coordinator:
     def status(self) -> dict:
         out = dict(self.counters)
         if self.plan is not None:
-            out.update(epoch=self.epoch, chunks=self.plan.num_chunks, chunks_done_this_epoch=len(self.done),
+            out.update(epoch=self.epoch, chunks=self.num_pieces(), chunks_done_this_epoch=len(self.done),
                        chunks_leased=len(self.leases), chunks_waiting=len(self.queue))
         return out
 
@@ -250,6 +311,7 @@ class Coordinator:
                 "progress": {str(c): n for c, n in self.progress.items()},
                 "done": sorted(self.done),
                 "leases": {str(r): [chunk, inflight] for r, (_, chunk, inflight) in self.leases.items()},
+                "pieces": {str(c): list(b) for c, b in self.pieces.items()},
                 "counters": dict(self.counters)}
 
     @classmethod
@@ -265,10 +327,18 @@ class Coordinator:
         self.progress = {int(c): int(n) for c, n in state["progress"].items()}
         self.done = {int(c) for c in state["done"]}
         self.leases = {int(r): ("", int(c), int(i)) for r, (c, i) in state["leases"].items()}
+        self.pieces = {int(c): (int(a), int(b)) for c, (a, b) in state.get("pieces", {}).items()}
         self.counters.update({k: int(v) for k, v in state.get("counters", {}).items() if k in COUNTERS})
-        self.restored = {"epoch": self.epoch, "done": set(self.done), "progress": dict(self.progress),
-                         "inflight": {c for _, c, i in self.leases.values()
-                                      if i >= self.plan.bounds(c)[0] + self.progress.get(c, 0)}}
+        mask = np.zeros(self.plan.num_batches, bool)      # the epoch's batches done at the checkpoint
+        for c in self.done:
+            mask[slice(*self.bounds(c))] = True
+        for c, n in self.progress.items():
+            start = self.bounds(c)[0]
+            mask[start:start + n] = True
+        for _, c, i in self.leases.values():               # in flight: counted when released below
+            if i >= self.bounds(c)[0] + self.progress.get(c, 0):
+                mask[i] = True
+        self.restored = {"epoch": self.epoch, "mask": mask}
         self.release_all_but(set())
         return self
 

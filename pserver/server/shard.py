@@ -175,7 +175,9 @@ class Shard:
             self.members.authorize(rank, session)
             self.store.coordinator.configure(plan, restart)
             self.store.coordinator.done_before_restore(done_before_restore)
-            return self.store.coordinator.lease(rank, self.members.sessions[rank], finished)
+            m = self.members
+            return self.store.coordinator.lease(rank, m.sessions[rank], finished,
+                                                workers=len(m.registered - m.left - m.dead))
 
     def _check_lease(self, rank: int, lease: tuple[int, int, int]) -> None:
         """A push's data lease (epoch, chunk, batch) goes to the coordinator (cond held); one the
