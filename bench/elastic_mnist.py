@@ -79,7 +79,7 @@ def grown(start, mode: str, summary: Path) -> dict:
         s = json.load(f)
     return {**s, "joiner_ranks": ranks, "joined_in_epoch_1": joined_in_epoch_1,
             "joiner_first_push_s": first_push, "shard_output": shard.output,
-            "chief_output": first[0].output}
+            "chief_output": first[0].output, "joiner_outputs": [j.output for j in joiners]}
 
 
 def from_start(start, mode: str, summary: Path) -> dict:

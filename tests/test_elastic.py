@@ -1,7 +1,7 @@
 """Elastic workers (docs/operations.md, "Elastic workers"): ranks, join steps, members, quorums.
 
-Driven in-process on real Shards (the e2e test, tests/e2e/test_elastic_e2e.py, runs real
-processes); each test names the bug it catches.
+Driven in-process on real Shards (the e2e tests, tests/e2e/test_elastic_mnist.py and
+test_elastic_e2e.py, run real processes); each test names the bug it catches.
 """
 
 from __future__ import annotations
