@@ -81,6 +81,9 @@ def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_work
         return _train_on_own_shards(model, x, y, ps, validation_data, options, callbacks)
     _check_options(options, WorkerConfig, "a worker option; shards at addresses have their own "
                                           "settings (pserver serve --mode, --optimizer, --lr)")
+    if options.get("auth_token") is None:         # as `pserver worker`: PSERVER_AUTH_TOKEN when set
+        from pserver.wire.security import resolve_token
+        options["auth_token"] = resolve_token(None)
     cfg = WorkerConfig(ps=_addresses(ps), rank=rank, num_workers=num_workers, **options)
     return _run(cfg, model, _data(x, y, validation_data, cfg.seed), callbacks)
 

@@ -66,6 +66,20 @@ def test_train_streams_batches_against_a_served_shard(capsys):
             "order); each rank reads its own batches (slices)") in capsys.readouterr().out
 
 
+def test_train_against_shards_takes_the_token_from_the_environment_as_pserver_worker_does(monkeypatch):
+    """Catches a Python or Keras worker (pserver run's fit) that ignores PSERVER_AUTH_TOKEN: shards
+    started with the token in their environment refused every call ('the call carried none')."""
+    token = "0123456789abcdef0123456789abcdef"
+    x, y = blobs()
+    with pserver.serve(optimizer="adam", lr=1e-2, num_workers=1, auth_token=token) as shard:
+        monkeypatch.setenv("PSERVER_AUTH_TOKEN", token)
+        s = pserver.train(small_model(), x, y, ps=[shard.address], epochs=1, log_every=60)
+        assert s["steps"] > 0 and shard.status()["version"] == s["steps"]
+        monkeypatch.setenv("PSERVER_AUTH_TOKEN", "f" * 32)
+        with pytest.raises(pserver.errors.Unauthenticated, match="token does not match"):
+            pserver.train(small_model(), x, y, ps=[shard.address], epochs=1, log_every=60)
+
+
 def test_options_that_do_not_apply_are_named():
     x, y = blobs()
     with pytest.raises(ConfigError, match=r"optimizer: not an option here \(a worker option; shards at "
