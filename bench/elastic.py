@@ -2,8 +2,8 @@
 throughput after growing from 2 to 4 workers against a job started with 4; with --release, how
 soon a SIGKILLed worker's data lease is released (and so leased again).
 
-    .venv/bin/python bench/elastic.py --pairs 3 --out bench/results/elastic/elastic.json
-    .venv/bin/python bench/elastic.py --pairs 0 --release --out bench/results/elastic/release.json
+    .venv/bin/python bench/elastic.py --pairs 3 --out results/elastic/elastic.json
+    .venv/bin/python bench/elastic.py --pairs 0 --release --out results/elastic/release.json
 
 Each pair runs, one after the other on this machine: (grown) a sync shard with --num-workers 2
 --max-workers 4, two workers, then two `pserver worker --rank auto` once the first two train;
