@@ -284,6 +284,9 @@ RUN_SCRIPT = textwrap.dedent("""
                   metrics=["accuracy"])
     h = model.fit(x, y, batch_size=32, epochs=2, verbose=2)
     print("history", len(h.history["loss"]), flush=True)
+    before = model.evaluate(x, y, verbose=0)[0]
+    again = model.fit(x, y, batch_size=32, epochs=3, verbose=0)     # Keras: 3 more epochs from here
+    print("second fit", len(again.history["loss"]), before > model.evaluate(x, y, verbose=0)[0], flush=True)
 """)
 
 
@@ -301,6 +304,9 @@ def test_pserver_run_runs_the_script_per_worker_and_only_the_chief_prints(tmp_pa
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("history 2") == 1 and r.stdout.count("Epoch 2/2") == 1, r.stdout
     assert "optimizer=adam lr=0.01" in r.stdout     # the shards run the script's compiled optimizer
+    # A second fit trains its epochs on from the first's weights: the shards' data coordinator,
+    # finished by the first, starts over once every worker reached it (it trained none before).
+    assert "second fit 3 True" in r.stdout, r.stdout
 
 
 def test_pserver_run_refuses_workers_that_compile_different_optimizers_in_one_line(tmp_path):
@@ -332,6 +338,9 @@ def test_fit_against_running_shards_checks_their_optimizer_at_register(monkeypat
                       loss="sparse_categorical_crossentropy")
         h = model.fit(x, y, batch_size=20, epochs=1, verbose=0)
         assert len(h.history["loss"]) == 1
+        # The shards finished that fit's data; another fit here would silently train nothing.
+        with pytest.raises(ConfigError, match="a second fit against shards already running"):
+            model.fit(x, y, batch_size=20, epochs=1, verbose=0)
 
 
 def test_a_layer_pickles_with_its_config():

@@ -15,11 +15,13 @@ import os
 import time
 from dataclasses import dataclass
 
-from pserver.errors import Unavailable
+from pserver.errors import ConfigError, Unavailable
 from pserver.launch.run import ADDRESSES, RANK, REFUSED, RUN_DIR, SEED, SETTINGS, WORKERS
 from pserver.signals import follow_parent
 
 WAIT_S = 600.0       # for the other workers to reach fit, and for the shards to start
+FIT_MARK = "fit{}-rank{}"       # in the run's directory: this worker reached its fit number k
+_fits: dict = {}                # fits this process completed, per cluster (its directory, or shard addresses)
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,26 @@ class Cluster:
     directory: str
     rank: int
     num_workers: int
+
+    def begin_fit(self) -> int:
+        """This fit's number in the script (1, 2, ...: fits completed before, plus one). From the
+        second on, wait until every worker reached it too: then no worker is still in the fit
+        before (its last ask of the data coordinator done), and this one can start the finished
+        data over (no_resume)."""
+        k = _fits.get(self.directory, 0) + 1
+        if k > 1:
+            _write(os.path.join(self.directory, FIT_MARK.format(k, self.rank)), {})
+            marks = [os.path.join(self.directory, FIT_MARK.format(k, r)) for r in range(self.num_workers)]
+            deadline = time.monotonic() + WAIT_S
+            while not all(os.path.exists(m) for m in marks):
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"pserver run: fit number {k}: not every worker reached it within "
+                                      f"{WAIT_S:g} s (every worker must call fit as often)")
+                time.sleep(0.02)
+        return k
+
+    def fit_done(self) -> None:
+        _fits[self.directory] = _fits.get(self.directory, 0) + 1
 
     def shards(self, settings: dict) -> tuple[str, ...]:
         """Say this worker's shard settings; the shards' addresses once every worker said the
@@ -51,6 +73,19 @@ class Running:
     addresses: tuple[str, ...]
     rank: int
     num_workers: int
+
+    def begin_fit(self) -> int:
+        """1 for the first fit; a second one is refused: the shards' data coordinator finished the
+        first fit's epochs, and without pserver run's directory there is no way to know that every
+        worker left that fit before starting the data over."""
+        if _fits.get(self.addresses, 0):
+            raise ConfigError("fit: a second fit against shards already running (TF_CONFIG) is not "
+                              "supported (the shards finished the first fit's data); under pserver run, "
+                              "or run plainly, fit can be called again")
+        return 1
+
+    def fit_done(self) -> None:
+        _fits[self.addresses] = _fits.get(self.addresses, 0) + 1
 
     def shards(self, settings: dict) -> tuple[str, ...]:
         return self.addresses

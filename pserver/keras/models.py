@@ -212,10 +212,12 @@ class Sequential:
                 api.train(self._core, x, y, ps=OWN_SHARDS, validation_data=validation_data,
                           callbacks=hooks, **options, **shard_settings)
             else:
+                again = place.begin_fit() > 1     # the shards hold the earlier fit's finished data
                 addresses = place.shards(shard_settings)
                 hooks.shard_settings = self.optimizer.settings()     # checked at Register (worker.loop)
                 api.train(self._core, x, y, ps=list(addresses), rank=rank, num_workers=workers,
-                          validation_data=validation_data, callbacks=hooks, **options)
+                          validation_data=validation_data, callbacks=hooks, no_resume=again, **options)
+                place.fit_done()
         if hooks.weights is not None:
             self._w = hooks.weights
         self.history = history
