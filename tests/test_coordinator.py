@@ -511,7 +511,8 @@ def lockstep_epoch(num_batches: int, chunk: int, workers: int, share: bool) -> t
     return steps, trained, c.counters["chunks_done"]
 
 
-@pytest.mark.parametrize("num_batches, chunk, workers", [(70, 16, 4), (937, 16, 4), (100, 16, 3), (33, 8, 8)])
+@pytest.mark.parametrize("num_batches, chunk, workers",
+                         [(70, 16, 4), (937, 16, 4), (100, 16, 3), (33, 8, 8), (40, 16, 2)])
 def test_the_epochs_end_is_shared_out_so_sync_steps_keep_every_worker_busy(num_batches, chunk, workers):
     """Catches an epoch's end left to whole chunks (the quick start's 937 batches in chunks of 16 on
     4 workers ran 241 steps, 16 of them with only 2 or 3 workers training) and a split that loses or
@@ -523,3 +524,36 @@ def test_the_epochs_end_is_shared_out_so_sync_steps_keep_every_worker_busy(num_b
     assert steps <= -(-num_batches // workers) + 2, steps
     whole, _, _ = lockstep_epoch(num_batches, chunk, workers, share=False)
     assert whole > steps
+
+
+def test_a_restore_counts_what_was_trained_on_pieces_since_the_checkpoint_exactly():
+    """The epoch's end is split into pieces; shard 0 checkpoints while a piece is half done, then
+    the piece and another are trained, and shard 0 restores. The workers' reports (a bad id and an
+    earlier epoch's chunk among them, which count nothing and must not stop the count) name pieces
+    the restored coordinator may not have; what they cover past the checkpoint counts once. Fails
+    if a piece's span is taken wrongly from its id, or a bad report ends the counting."""
+    c = Coordinator()
+    plan = Plan(24, 8, 1, "fp", 2)
+    c.configure(plan)
+    held = {r: c.lease(r, f"s{r}", workers=2) for r in (0, 1)}       # two whole chunks of three
+    for r in (0, 1):
+        for b in range(held[r].first, held[r].end):
+            assert c.progress_of(r, f"s{r}", 0, held[r].chunk, b)
+        # 8 batches left for 2 workers: 4 and a piece of 4, which the second takes whole
+        held[r] = c.lease(r, f"s{r}", (0, held[r].chunk), workers=2 if r == 0 else 0)
+    assert [h.end - h.first for h in held.values()] == [4, 4]
+    pieces = {r: h.chunk for r, h in held.items()}
+    p0 = next(p for p in pieces.values() if p >= plan.num_chunks)      # a piece, id num_chunks + first
+    holder = next(r for r, p in pieces.items() if p == p0)
+    first, end = c.bounds(p0)
+    assert c.progress_of(holder, f"s{holder}", 0, p0, first)            # its first batch, then a checkpoint
+    assert c.progress_of(holder, f"s{holder}", 0, p0, first + 1)
+    state = json.loads(json.dumps(c.state()))                           # first done, first + 1 in flight
+    for b in range(first + 1, end):
+        assert c.progress_of(holder, f"s{holder}", 0, p0, b)
+    restored = Coordinator.load(state)
+    assert restored.counters["batches_retrained"] == 1      # first + 1, in flight at the checkpoint
+    report = [(0, 10 ** 9, 5), (-1, 0, 4), (0, p0, end)]
+    # after the checkpoint: first + 1 (counted at load) and first + 2 .. end - 1
+    assert restored.done_before_restore(report) == end - first - 2
+    assert restored.done_before_restore(report) == 0
