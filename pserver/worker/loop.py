@@ -422,7 +422,8 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             line = progress.step(epoch, step, loss, len(x), force=bool(last))
             if line:
                 report.progress(clock, *line)
-            curve.maybe(lambda: evaluate(model, w, ds, cfg, rows), progress.elapsed, client, clock)
+            curve.maybe(lambda: evaluate(model, w, ds, cfg, rows, eval_threads(client, others_wait=False)),
+                        progress.elapsed, client, clock)
             if client.finished or (cfg.max_steps and clock >= cfg.max_steps):
                 break
         if cfg.rank == 0:
@@ -564,7 +565,8 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
         step += 1
         if line:
             report.progress(clock, *line)
-        curve.maybe(lambda: evaluate(model, w, ds, cfg, rows), progress.elapsed, client, clock)
+        curve.maybe(lambda: evaluate(model, w, ds, cfg, rows, eval_threads(client, others_wait=False)),
+                    progress.elapsed, client, clock)
     progress.close()
     callbacks.on_train_end({})
     stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock, samples=clock * cfg.batch_size,
