@@ -36,10 +36,10 @@ SUMMARY = re.compile(r"^(\d+) steps in (\S+) s: ([\d,.]+) train samples/s$", re.
 ACCURACY = re.compile(r"^Test accuracy: (\S+)$", re.M)
 
 
-def run(tree: str, script: Path) -> dict:
+def run(tree: str, script: Path, flags: tuple[str, ...] = ()) -> dict:
     env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
     load = os.getloadavg()[0]
-    cmd = [sys.executable, "-m", "pserver", "run", "--ps", "1", "--workers", "2", "--seed", "0", "--",
+    cmd = [sys.executable, "-m", "pserver", "run", "--ps", "1", "--workers", "2", "--seed", "0", *flags, "--",
            sys.executable, str(script)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", action="store_true", help="one untimed 1-epoch run per tree first")
+    ap.add_argument("--new-run-flags", default="", help="pserver run flags for the new side only, e.g. "
+                    "--bind-cores (with --base and --new the same tree: the flag's effect)")
     ap.add_argument("--json", help="where to write the runs and medians")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,7 +75,8 @@ def main() -> None:
         runs = {"base": [], "new": []}
         for r in range(args.rounds):
             for side in ("base", "new"):
-                runs[side].append(run(getattr(args, side), script))
+                runs[side].append(run(getattr(args, side), script,
+                                      tuple(args.new_run_flags.split()) if side == "new" else ()))
                 got = runs[side][-1]
                 print(f"round {r + 1} {side}: {got['samples_per_second']:,.0f} samples/s, "
                       f"{got['cpu_seconds']} CPU s, test accuracy {got['test_accuracy']:.4f}, "
@@ -90,7 +93,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "what": "keras.io mnist_convnet, pserver run --ps 1 --workers 2 (sync, batch 128), "
                     f"{args.epochs} epochs, base vs new source tree, interleaved",
-            "base": str(args.base), "new": str(args.new), "runs": runs, "median": med,
+            "base": str(args.base), "new": str(args.new), "new_run_flags": args.new_run_flags,
+            "runs": runs, "median": med,
             "median_cpu_seconds": cpu,
             "ratio_new_over_base": round(med["new"] / med["base"], 4),
             "ratio_per_round": [round(r, 4) for r in ratios], "machine": machine()}, indent=1) + "\n")

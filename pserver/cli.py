@@ -409,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     ru.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
     ru.add_argument("--seed", type=int, default=None, help="the run's seed: initial weights, shuffling, "
                                                             "dropout (default 0)")
+    ru.add_argument("--bind-cores", action="store_true",
+                    help="bind worker i to core i (of the cores this process may use, in turn when there "
+                         "are more workers), as mpirun --bind-to core; the shards are not bound (Linux)")
     add_flags(ru, [f for f in SERVER_FLAGS if f.name not in RUN_FROM_COMPILE],
               "shard flags (the optimizer is the script's compile's)")
     ru.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",
@@ -610,7 +613,7 @@ def cmd_run(ns) -> int:
     cmd = ns.cmd[1:] if ns.cmd[:1] == ["--"] else ns.cmd
     server = ServerConfig(num_shards=ns.ps,
                           **given(ns, [f for f in SERVER_FLAGS if f.name not in RUN_FROM_COMPILE]))
-    return run_command(ns.ps, ns.workers, cmd, server, ns.seed)
+    return run_command(ns.ps, ns.workers, cmd, server, ns.seed, bind_cores=ns.bind_cores)
 
 
 def cmd_launch(ns) -> int:

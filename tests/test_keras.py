@@ -322,6 +322,27 @@ def test_pserver_run_exits_with_the_failing_worker_s_code(tmp_path):
     assert r.returncode == 3, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("bind", [True, False])
+def test_pserver_run_bind_cores_puts_worker_i_on_core_i(tmp_path, bind):
+    """--bind-cores: each worker process runs on its own core from its start (what it sees of its
+    affinity), in turn over the cores this process may use; without it, on all of them. Catches:
+    every worker bound to one core, the launcher left bound, or a worker bound when not asked."""
+    import os
+    script = tmp_path / "cores.py"
+    script.write_text("import os, sys\n"
+                      "rank = os.environ['PSERVER_RUN_RANK']\n"
+                      "open(os.path.join(sys.argv[1], 'rank' + rank), 'w').write("
+                      "repr(sorted(os.sched_getaffinity(0))))\n")
+    flags = ["--bind-cores"] if bind else []
+    r = subprocess.run([sys.executable, "-m", "pserver", "run", "--workers", "3", *flags, "--",
+                        sys.executable, str(script), str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cores = sorted(os.sched_getaffinity(0))
+    want = [[cores[i % len(cores)]] if bind else cores for i in range(3)]
+    assert [eval((tmp_path / f"rank{i}").read_text()) for i in range(3)] == want
+
+
 def test_fit_against_running_shards_checks_their_optimizer_at_register(monkeypatch):
     """Catches: a model trained by shards running another optimizer than the one it compiled."""
     import pserver

@@ -89,6 +89,32 @@ def test_evaluation_runs_in_cache_sized_chunks_with_the_same_results():
     assert ev["accuracy"] == np.mean(one_by_one.argmax(1) == y)
 
 
+@pytest.mark.parametrize("loss, units, labels", [("sparse_categorical_crossentropy", 10, 10),
+                                                  ("binary_crossentropy", 1, 2), ("mse", 1, 0)])
+def test_evaluation_on_threads_gives_one_thread_s_result_exactly(loss, units, labels):
+    # The chief evaluates on every core when the other workers wait (worker.loop.eval_threads):
+    # each thread its own buffers, the chunks' sums added in chunk order. Threads sharing one
+    # buffer set, a chunk skipped or counted twice, or sums in thread order differ from one
+    # thread's result (compared bit for bit); a chunk's error raises in the caller.
+    model = Sequential([Conv2D(4, 3, activation="relu", input_shape=(8, 8, 2)), MaxPooling2D(), Flatten(),
+                        Dense(units)], loss=loss)
+    rng = np.random.default_rng(1)
+    w = model.init_params(0)
+    x = rng.random((53, 8, 8, 2), np.float32)
+    y = rng.integers(0, labels, 53) if labels else rng.standard_normal(53).astype(np.float32)
+    one = model.evaluate(w, x, y, batch_size=4)
+    for threads in (2, 3, 64):
+        assert model.evaluate(w, x, y, batch_size=4, threads=threads) == one
+    metric = {10: "accuracy", 2: "auc", 0: "r2"}[labels]
+    assert set(one) == {"loss", metric} | ({"accuracy"} if labels else set())
+
+    def fails(*args):
+        raise DataError("chunk 3 failed")
+    model.layers[0].forward = fails
+    with pytest.raises(DataError, match="chunk 3"):
+        model.evaluate(w, x, y, batch_size=4, threads=2)
+
+
 def test_conv_backward_uses_kept_windows_only_from_this_step_s_training_forward():
     # Conv2D keeps the training forward's im2col matrix for its backward pass. After an
     # inference forward of other images in the same input buffer (same batch size, same

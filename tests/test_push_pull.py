@@ -233,3 +233,21 @@ def test_over_the_data_plane_a_step_is_one_request(shard_server):
     assert sent == [frames.PUSH, frames.PULL]
     np.testing.assert_array_equal(w, START - 2)
     c.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp", "backup"])
+def test_the_chief_evaluates_on_every_core_only_when_no_other_worker_trains_meanwhile(shard_server, mode):
+    """pserver.worker.loop.eval_threads, from the mode a real shard answered at Register: at an
+    epoch's end only sync makes the other workers wait for the chief (its push completes their
+    step); in async, ssp and backup they keep training, so it evaluates on one thread. At the
+    run's end every worker is done: every core. (A mode check inverted, or one that reads the
+    worker's own settings instead of the shard's, fails here.)"""
+    import os
+
+    from pserver.worker.loop import eval_threads
+    options = {"staleness": 2} if mode == "ssp" else {"backup_workers": 1} if mode == "backup" else {}
+    addr, _ = shard_server(auth_token=TOKEN, mode=mode, num_workers=2, **options)
+    c = worker(addr, num_workers=2)
+    cores = min(len(os.sched_getaffinity(0)), 16)
+    assert eval_threads(c, others_wait=False) == (cores if mode == "sync" else 1)
+    assert eval_threads(c, others_wait=True) == cores

@@ -144,7 +144,7 @@ def train_tf_apart(args) -> dict:
         path = os.path.join(tmp, "tf.json")
         passed = {k: v for k, v in vars(args).items()
                   if v is not None and k not in ("pserver", "json", "tf_json", "rounds", "tf_validation",
-                                                 "pserver_mode")}
+                                                 "pserver_mode", "pserver_bind_cores")}
         cmd = [sys.executable, __file__, "--tf-json", path] + [
             a for k, v in passed.items() for a in (f"--{k.replace('_', '-')}", str(v))] + [
             "--tf-validation" if args.tf_validation else "--no-tf-validation"]
@@ -159,7 +159,8 @@ def train_pserver(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         script = script_for(args.epochs, tmp)
         cmd = [args.pserver, "-m", "pserver", "run", "--ps", str(args.ps), "--workers", str(args.workers),
-               "--seed", str(args.seed), "--mode", args.pserver_mode, "--", args.pserver, str(script)]
+               "--seed", str(args.seed), "--mode", args.pserver_mode,
+               *(["--bind-cores"] if args.pserver_bind_cores else []), "--", args.pserver, str(script)]
         env = os.environ | {"PSERVER_MNIST_DIR": args.data_dir}
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -197,6 +198,8 @@ def main() -> None:
     p.add_argument("--pserver-mode", default="sync", choices=("sync", "async"),
                    help="pserver's mode (default sync, the script's; async: each worker's push applied "
                    "as it comes, as TensorFlow's coordinator applies each scheduled step)")
+    p.add_argument("--pserver-bind-cores", action="store_true",
+                   help="pserver run --bind-cores: worker i on core i (TensorFlow's processes are not bound)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--tf-json", help=argparse.SUPPRESS)     # one TensorFlow run, its result here
     args = p.parse_args()
