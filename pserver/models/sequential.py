@@ -421,8 +421,7 @@ class Sequential(Model):
 
 
 def each_index(fn, count: int, threads: int) -> None:
-    """fn(i) for i in range(count): in this thread, or, threads > 1, on that many threads, thread
-    j taking i = j, j + threads, ... (a chunk's cost is about the same: no queue needed). The
+    """fn(i) for i in range(count): in this thread, or, threads > 1, on that many threads. The
     first exception raises here once every thread is done."""
     threads = max(1, min(int(threads), count))
     if threads == 1:
@@ -430,13 +429,8 @@ def each_index(fn, count: int, threads: int) -> None:
             fn(i)
         return
     from concurrent.futures import ThreadPoolExecutor
-
-    def share(j: int) -> None:
-        for i in range(j, count, threads):
-            fn(i)
     with ThreadPoolExecutor(threads, thread_name_prefix="pserver-eval") as pool:
-        for done in [pool.submit(share, j) for j in range(threads)]:
-            done.result()
+        list(pool.map(fn, range(count)))
 
 
 # Evaluation and prediction run the data in chunks whose arrays (each layer's output, a

@@ -162,9 +162,14 @@ class Coordinator:
         the rest goes to the queue's front as a piece of its own."""
         if workers < 2:
             return
-        remaining = self._left(chunk) + sum(self._left(c) for c in self.queue)
+        left = self._left(chunk)
+        remaining, enough = left, workers * self.plan.chunk_batches
+        for c in self.queue:              # stop at `enough`: the share is then a whole chunk or more
+            if remaining >= enough:
+                return
+            remaining += self._left(c)
         share = max(1, math.ceil(remaining / workers))
-        if self._left(chunk) <= share:
+        if left <= share:
             return
         start, end = self.bounds(chunk)
         cut = start + self.progress.get(chunk, 0) + share

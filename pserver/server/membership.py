@@ -192,12 +192,16 @@ class Membership:
                      self.store.shard, rank, why, self.store.version)
             self.store.cond.notify_all()
 
+    def live(self) -> set[int]:
+        """The ranks registered and neither left nor marked dead."""
+        return self.registered - self.left - self.dead
+
     def expire(self) -> float | None:
         """Mark dead every worker whose session saw no call within --step-timeout. Returns the
         seconds until the next live session would expire (None when none is live), so the
         reaper can wake then: a dead worker's leases go at --step-timeout after its last call."""
         now, limit = time.monotonic(), self.cfg.step_timeout
-        watched = self.registered - self.left - self.dead
+        watched = self.live()
         stale = [r for r in watched if now - self.last_seen.get(r, now) > limit]
         self.mark_dead(stale, f"no call or heartbeat for more than {limit:g} s (--step-timeout)")
         live = [self.last_seen[r] + limit - now for r in watched - set(stale) if r in self.last_seen]

@@ -153,8 +153,7 @@ class Shard:
 
     def _members_changed(self) -> None:
         """A worker left or was marked dead: its lease of the data ends (cond held)."""
-        m = self.members
-        self.store.coordinator.release_all_but(m.registered - m.left - m.dead)
+        self.store.coordinator.release_all_but(self.members.live())
         self.policy.membership_changed()
 
     def _taken_over(self, rank: int) -> None:
@@ -175,9 +174,8 @@ class Shard:
             self.members.authorize(rank, session)
             self.store.coordinator.configure(plan, restart)
             self.store.coordinator.done_before_restore(done_before_restore)
-            m = self.members
-            return self.store.coordinator.lease(rank, m.sessions[rank], finished,
-                                                workers=len(m.registered - m.left - m.dead))
+            return self.store.coordinator.lease(rank, self.members.sessions[rank], finished,
+                                                workers=len(self.members.live()))
 
     def _check_lease(self, rank: int, lease: tuple[int, int, int]) -> None:
         """A push's data lease (epoch, chunk, batch) goes to the coordinator (cond held); one the
@@ -236,7 +234,7 @@ class Shard:
         once every worker has left, checkpoint, then set `ended`, on which serve() exits 0."""
         with self.store.cond:
             self.members.authorize(rank, session)
-            live = sorted(self.members.registered - self.members.left - self.members.dead)
+            live = sorted(self.members.live())
         if rank != 0:
             raise FailedPrecondition(f"then_stop: only the chief (rank 0) ends the run, not rank {rank}")
         if live:
@@ -562,7 +560,7 @@ class Shard:
     def status(self) -> dict:
         s, p = self.store, self.members
         with s.cond:
-            live = sorted(p.registered - p.left - p.dead)
+            live = sorted(p.live())
             dead = sorted(p.dead)
             return dict(shard=self.cfg.shard, num_shards=self.cfg.num_shards, mode=self.cfg.mode,
                         version=s.version, num_params=s.size, total_params=s.total,
