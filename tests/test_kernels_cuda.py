@@ -98,8 +98,13 @@ def test_parse_device_rejects(spec):
         parse_device(spec)
 
 
-def test_cpu_and_pinned_devices_need_no_gpu():
+def test_cpu_and_pinned_devices_need_no_gpu(monkeypatch):
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
     assert select(Device("cpu")) == Device("cpu") and describe(Device("cpu")) == "cpu"
+    # A core type named in the environment overrides OpenBLAS's choice for this CPU: the
+    # worker's first line says so (a machine that sets Haswell's runs AVX2 on an AVX-512 core).
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    assert describe(Device("cpu")) == "cpu (OpenBLAS kernels Haswell, as OPENBLAS_CORETYPE says)"
     assert round_robin(3, "cpu") == ["cpu"] * 3
     assert round_robin(2, "cuda:1") == ["cuda:1"] * 2   # pinned: the worker checks it
     assert "numba.cuda" not in sys.modules

@@ -20,6 +20,11 @@ times as many samples as pserver's --epochs train (53,888 an epoch: 421 steps of
 Each of --rounds rounds runs TensorFlow, then pserver (with --pserver), with the load average
 before each; the JSON has every run, the medians and pserver's ratio to TensorFlow.
 
+--isa gives both sides the same vector instructions for their matrix products: `own` (default)
+lets each library choose for the CPU (OPENBLAS_CORETYPE and ONEDNN_MAX_CPU_ISA removed from both
+sides' environments: a machine that sets OPENBLAS_CORETYPE=Haswell would give pserver AVX2
+kernels while oneDNN, which does not read it, uses AVX-512); `avx2` caps both at AVX2.
+
     bench/tf_baseline/.venv/bin/python bench/tf_baseline/ps_keras_convnet.py \\
         --data-dir $PSERVER_MNIST_DIR --pserver .venv/bin/python --epochs 2 --rounds 3 \\
         --json bench/results/keras/tf-vs-pserver-convnet.json
@@ -48,6 +53,19 @@ from ps_cnn import coordinator_for, local_cluster, mnist  # noqa: E402  (it sets
 
 TRAIN = 54000            # the example's fit: validation_split=0.1 of 60,000
 SUMMARY = re.compile(r"^(\d+) steps in (\S+) s: ([\d,.]+) train samples/s$", re.M)
+OPENBLAS_CORE = re.compile(r"Core: (\S+)$", re.M)      # OpenBLAS's line at load, OPENBLAS_VERBOSE=2
+# The vector instructions each side's matrix products may use (--isa). TensorFlow's convolutions
+# and products are oneDNN's, which picks for the CPU unless ONEDNN_MAX_CPU_ISA caps it; pserver's
+# are OpenBLAS's (through numba), which picks for the CPU unless OPENBLAS_CORETYPE names a core.
+ISA_ENV = {"own": ({}, {}),
+           "avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"OPENBLAS_CORETYPE": "Haswell"})}
+
+
+def isa_env(isa: str, side: str) -> dict:
+    """This process's environment for one side under --isa: without both caps, then with the
+    side's own (so a cap this machine's environment sets, as OPENBLAS_CORETYPE, is not kept)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE")}
+    return env | ISA_ENV[isa][0 if side == "tensorflow" else 1]
 
 
 def convnet(tf):
@@ -144,11 +162,11 @@ def train_tf_apart(args) -> dict:
         path = os.path.join(tmp, "tf.json")
         passed = {k: v for k, v in vars(args).items()
                   if v is not None and k not in ("pserver", "json", "tf_json", "rounds", "tf_validation",
-                                                 "pserver_mode", "pserver_bind_cores")}
+                                                 "pserver_mode", "pserver_bind_cores", "isa")}
         cmd = [sys.executable, __file__, "--tf-json", path] + [
             a for k, v in passed.items() for a in (f"--{k.replace('_', '-')}", str(v))] + [
             "--tf-validation" if args.tf_validation else "--no-tf-validation"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=isa_env(args.isa, "tensorflow"))
         if r.returncode != 0 or not os.path.exists(path):
             raise SystemExit(f"TensorFlow's run failed ({r.returncode}):\n"
                              f"{r.stdout[-2000:]}{r.stderr[-3000:]}")
@@ -161,7 +179,7 @@ def train_pserver(args) -> dict:
         cmd = [args.pserver, "-m", "pserver", "run", "--ps", str(args.ps), "--workers", str(args.workers),
                "--seed", str(args.seed), "--mode", args.pserver_mode,
                *(["--bind-cores"] if args.pserver_bind_cores else []), "--", args.pserver, str(script)]
-        env = os.environ | {"PSERVER_MNIST_DIR": args.data_dir}
+        env = isa_env(args.isa, "pserver") | {"PSERVER_MNIST_DIR": args.data_dir, "OPENBLAS_VERBOSE": "2"}
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"pserver run failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
@@ -171,6 +189,8 @@ def train_pserver(args) -> dict:
     return {"framework": f"pserver run ({args.pserver_mode})", "steps": int(steps), "seconds": float(seconds),
             "samples": round(rate * float(seconds)), "train_samples_per_second": rate,
             "test_accuracy_after": accuracy,
+            # the kernels OpenBLAS loaded in the run's processes (numpy's and scipy's, each once)
+            "openblas_cores": sorted(set(OPENBLAS_CORE.findall(r.stdout + r.stderr))),
             "command": " ".join(["pserver"] + cmd[3:-1]
                                 + [f"bench/keras_mnist_convnet.py, epochs = {args.epochs}"])}
 
@@ -200,6 +220,11 @@ def main() -> None:
                    "as it comes, as TensorFlow's coordinator applies each scheduled step)")
     p.add_argument("--pserver-bind-cores", action="store_true",
                    help="pserver run --bind-cores: worker i on core i (TensorFlow's processes are not bound)")
+    p.add_argument("--isa", choices=tuple(ISA_ENV), default="own",
+                   help="the vector instructions of each side's matrix products: own (default), each "
+                   "library's choice for this CPU (OPENBLAS_CORETYPE and ONEDNN_MAX_CPU_ISA removed from "
+                   "their environments); avx2, both capped at AVX2 (OPENBLAS_CORETYPE=Haswell, "
+                   "ONEDNN_MAX_CPU_ISA=AVX2)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--tf-json", help=argparse.SUPPRESS)     # one TensorFlow run, its result here
     args = p.parse_args()
@@ -233,6 +258,9 @@ def main() -> None:
            "num_ps": args.ps, "num_workers": args.workers, "global_batch": args.batch_size,
            "batch_per_worker": per_worker, "optimizer": "adam 0.001 (Keras defaults)",
            "loss": "categorical_crossentropy", "epochs_worth": args.epochs, "tf_warmup_steps": args.warmup,
+           "isa": args.isa, "isa_env": {"tensorflow": ISA_ENV[args.isa][0], "pserver": ISA_ENV[args.isa][1]},
+           "caps_in_this_environment": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "ONEDNN_MAX_CPU_ISA")
+                                        if k in os.environ},
            "machine": m, "load_avg_end": [round(v, 2) for v in os.getloadavg()], "runs": runs,
            "median_train_samples_per_second": medians}
     if len(medians) == 2:

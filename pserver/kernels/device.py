@@ -105,9 +105,12 @@ def check_compiler(device: Device) -> None:
 
 def describe(device: Device) -> str:
     """What the device is, for a log line: 'cpu', 'cuda:0 (CUDA simulator)',
-    'cuda:1 (NVIDIA H100 80GB HBM3, compute capability 9.0)'. After `select`."""
+    'cuda:1 (NVIDIA H100 80GB HBM3, compute capability 9.0)'. After `select`. On the CPU, an
+    OPENBLAS_CORETYPE in the environment is named: the matrix products then run the kernels it
+    names, not OpenBLAS's choice for this CPU (Haswell's AVX2 on an AVX-512 core halves them)."""
     if device.kind == "cpu":
-        return "cpu"
+        core = os.environ.get("OPENBLAS_CORETYPE")
+        return f"cpu (OpenBLAS kernels {core}, as OPENBLAS_CORETYPE says)" if core else "cpu"
     if is_simulator():
         return f"{device} (CUDA simulator)"
     from numba import cuda
