@@ -483,6 +483,66 @@ def test_lease_data_over_grpc_carries_progress_and_refuses_other_data(shard_serv
     b.close()
 
 
+def test_lease_replies_sum_what_every_workers_steps_measured_over_the_finished_epoch(shard_server):
+    """Keras's per-epoch training loss and accuracy over every worker's batches: each push with a
+    lease carries its batch's loss x samples and samples classed right, one worker over the data
+    plane and one over gRPC; shard 0 sums the pushes it takes, and the replies once the epoch is
+    done say exactly those sums. A refused push (a lease not held) counts for nothing; a sum lost
+    by either transport, or one counted per worker only, fails."""
+    import numpy as np
+
+    from tests.test_server import LAYOUT, ready_client
+    addr, _ = shard_server(optimizer="sgd", lr=0.1, num_workers=2, mode="async")
+    a = ready_client(addr, num_workers=2, rank=0, plane="auto")
+    b = ready_client(addr, num_workers=2, rank=1, plane="grpc", init=False)
+    plan = (8, 2, 5, "fp", 2)                  # four chunks of two batches an epoch, two epochs
+    w, g = np.empty(LAYOUT.total, np.float32), np.ones(LAYOUT.total, np.float32)
+    replies = {a: a.lease_data(*plan), b: b.lease_data(*plan)}
+    a.pull(w)
+    b.pull(w)
+    with pytest.raises(LeaseGone):             # b's chunk is not a's: refused, counted nowhere
+        a.push(g, 100, lease=(0, replies[b].chunk, replies[b].first_batch), trained=(1e6, 1e6))
+    a.pull(w)
+    expected, k = [0.0, 0.0, 0], 0
+    while all(r.epoch == 0 for r in replies.values()):
+        for client in (a, b):
+            lease = replies[client]
+            assert lease.trained_samples == 0          # nothing finished yet: nothing to report
+            if lease.epoch == 0 and lease.has_lease:
+                for batch in range(lease.first_batch, lease.end_batch):
+                    k += 1
+                    loss_sum, correct, n = 0.25 * k, float(k % 3), k
+                    client.push(g, n, lease=(0, lease.chunk, batch), trained=(loss_sum, correct))
+                    expected = [expected[0] + loss_sum, expected[1] + correct, expected[2] + n]
+                replies[client] = client.lease_data(*plan, finished=(0, lease.chunk))
+            elif lease.epoch == 0:
+                replies[client] = client.lease_data(*plan)
+    ended = [r for r in replies.values() if r.epoch == 1]
+    ended.append(b.lease_data(*plan) if replies[a].epoch == 1 else a.lease_data(*plan))
+    for r in ended:                            # the epoch's end, as both workers hear of it
+        assert (r.trained_loss_sum, r.trained_correct, r.trained_samples) == tuple(expected)
+    assert k == 8 and expected[2] == 36
+    a.close()
+    b.close()
+
+
+def test_the_epochs_sums_survive_a_checkpoint_and_a_new_run_starts_without_them():
+    """The sums are part of shard 0's checkpoint (a restored coordinator reports the epoch it had
+    summed); only the epoch being trained and the one before are kept; a new run's plan drops them."""
+    c = Coordinator()
+    c.configure(Plan(4, 2, 1, "fp", 3))
+    c.tally(0, 2.0, 1.0, 3)
+    c.tally(0, 1.5, 2.0, 3)
+    c.tally(1, 4.0, 4.0, 8)
+    restored = Coordinator.load(json.loads(json.dumps(c.state())))
+    assert restored.trained == {0: (3.5, 3.0, 6), 1: (4.0, 4.0, 8)}
+    c.tally(2, 1.0, 1.0, 1)
+    assert set(c.trained) == {1, 2}
+    c.epoch = 3                                # finished, nothing leased: a new run may start over
+    c.configure(Plan(4, 2, 1, "other data", 3))
+    assert c.trained == {}
+
+
 def lockstep_epoch(num_batches: int, chunk: int, workers: int, share: bool) -> tuple[int, Counter, int]:
     """Sync-style steps: each step every worker with a lease trains its next batch; one whose chunk
     is done asks again (the ones with none push empty contributions). Returns (steps until every

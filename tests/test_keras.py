@@ -269,7 +269,7 @@ def test_a_callback_that_sets_stop_training_ends_the_run_after_that_epoch():
 # -- pserver run ---------------------------------------------------------------------------------------
 
 RUN_SCRIPT = textwrap.dedent("""
-    import os, sys
+    import json, os, sys
     import numpy as np
     import pserver.keras as keras
     from pserver.keras import layers
@@ -284,6 +284,9 @@ RUN_SCRIPT = textwrap.dedent("""
                   metrics=["accuracy"])
     h = model.fit(x, y, batch_size=32, epochs=2, verbose=2)
     print("history", len(h.history["loss"]), flush=True)
+    if os.environ.get("HISTORY_DIR"):
+        with open(os.path.join(os.environ["HISTORY_DIR"], f"history{rank}.json"), "w") as f:
+            json.dump(h.history, f)
     before = model.evaluate(x, y, verbose=0)[0]
     again = model.fit(x, y, batch_size=32, epochs=3, verbose=0)     # Keras: 3 more epochs from here
     print("second fit", len(again.history["loss"]), before > model.evaluate(x, y, verbose=0)[0], flush=True)
@@ -300,9 +303,15 @@ def run_script(tmp_path, env_extra):
 
 
 def test_pserver_run_runs_the_script_per_worker_and_only_the_chief_prints(tmp_path):
-    r = run_script(tmp_path, {})
+    r = run_script(tmp_path, {"HISTORY_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("history 2") == 1 and r.stdout.count("Epoch 2/2") == 1, r.stdout
+    # History's training loss and accuracy are Keras's under tf.distribute: over every worker's
+    # batches of the epoch (shard 0 sums them from the pushes), so both workers report the same;
+    # each worker's own batches (the bug) give two different curves.
+    chief, other = (json.loads((tmp_path / f"history{r}.json").read_text()) for r in (0, 1))
+    assert len(chief["loss"]) == 2 and chief["loss"] == other["loss"] and chief["accuracy"] == other["accuracy"]
+    assert 0 < chief["accuracy"][1] <= 1 and chief["loss"][1] < chief["loss"][0]
     assert "optimizer=adam lr=0.01" in r.stdout     # the shards run the script's compiled optimizer
     # A second fit trains its epochs on from the first's weights: the shards' data coordinator,
     # finished by the first, starts over once every worker reached it (it trained none before).

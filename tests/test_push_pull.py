@@ -150,7 +150,7 @@ def test_a_data_lease_on_anything_but_a_push_is_refused_and_cut(shard_server):
     c = worker(addr)
     sock, fds = raw_hello(shard, c)
     sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.PULL | frames.WITH_LEASE, 0, 0, -1, 0,
-                                        LAYOUT.total, 0, 1000) + frames.LEASE_AT.pack(0, 0, 0))
+                                        LAYOUT.total, 0, 1000) + frames.LEASE_AT.pack(0, 0, 0, 0.0, 0.0))
     code, _, _, _, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
     assert frames.CODES[code] == "INVALID_ARGUMENT"
     said = frames.recv_exact(sock, n).decode()

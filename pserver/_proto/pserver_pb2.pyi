@@ -275,7 +275,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session", "sparse", "compression", "num_values", "scale", "has_lease", "lease_epoch", "lease_chunk", "lease_batch")
+    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session", "sparse", "compression", "num_values", "scale", "has_lease", "lease_epoch", "lease_chunk", "lease_batch", "lease_loss_sum", "lease_correct")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,8 @@ class TensorHeader(_message.Message):
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_CHUNK_FIELD_NUMBER: _ClassVar[int]
     LEASE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    LEASE_CORRECT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     shard: int
     step: int
@@ -312,7 +314,9 @@ class TensorHeader(_message.Message):
     lease_epoch: int
     lease_chunk: int
     lease_batch: int
-    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ..., sparse: _Optional[_Iterable[_Union[SparsePart, _Mapping]]] = ..., compression: _Optional[str] = ..., num_values: _Optional[int] = ..., scale: _Optional[float] = ..., has_lease: _Optional[bool] = ..., lease_epoch: _Optional[int] = ..., lease_chunk: _Optional[int] = ..., lease_batch: _Optional[int] = ...) -> None: ...
+    lease_loss_sum: float
+    lease_correct: float
+    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ..., sparse: _Optional[_Iterable[_Union[SparsePart, _Mapping]]] = ..., compression: _Optional[str] = ..., num_values: _Optional[int] = ..., scale: _Optional[float] = ..., has_lease: _Optional[bool] = ..., lease_epoch: _Optional[int] = ..., lease_chunk: _Optional[int] = ..., lease_batch: _Optional[int] = ..., lease_loss_sum: _Optional[float] = ..., lease_correct: _Optional[float] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -553,17 +557,23 @@ class LeaseDoneBeforeRestore(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class LeaseDataReply(_message.Message):
-    __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch", "coordinator_id")
+    __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch", "coordinator_id", "trained_loss_sum", "trained_correct", "trained_samples")
     HAS_LEASE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     FIRST_BATCH_FIELD_NUMBER: _ClassVar[int]
     END_BATCH_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_CORRECT_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     has_lease: bool
     epoch: int
     chunk: int
     first_batch: int
     end_batch: int
     coordinator_id: str
-    def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
+    trained_loss_sum: float
+    trained_correct: float
+    trained_samples: int
+    def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., trained_loss_sum: _Optional[float] = ..., trained_correct: _Optional[float] = ..., trained_samples: _Optional[int] = ...) -> None: ...

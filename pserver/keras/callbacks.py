@@ -68,8 +68,9 @@ class EpochLine(Callback):
 
 class CallbackList:
     """The callbacks of one fit, as the loop sees them: it turns the loop's step and epoch
-    reports into Keras's logs (the epoch's mean loss and accuracy; val_* from the chief's
-    evaluation) and hands them on. `weights` holds the final weights (`on_weights`)."""
+    reports into Keras's logs (the epoch's mean loss and accuracy over every worker's batches, as
+    tf.distribute's fit gives; val_* from the chief's evaluation) and hands them on. `weights`
+    holds the final weights (`on_weights`)."""
 
     def __init__(self, callbacks, model, params: dict, metrics: list[str], offset: int = 0,
                  validation: bool = True):
@@ -107,9 +108,16 @@ class CallbackList:
             c.on_train_batch_end(batch, out)
 
     def on_epoch_end(self, epoch, logs=None):
-        out = {"loss": self._loss / max(self._seen, 1)}
+        # Keras's: over every worker's batches of the epoch, which shard 0 summed from their pushes
+        # (logs["trained"], with data leases); else this worker's own.
+        trained = (logs or {}).get("trained")
+        if trained and trained["samples"]:
+            loss, correct, seen = trained["loss_sum"], trained["correct"], trained["samples"]
+        else:
+            loss, correct, seen = self._loss, self._correct, self._seen
+        out = {"loss": loss / max(seen, 1)}
         if "accuracy" in self.metrics:
-            out["accuracy"] = self._correct / max(self._seen, 1)
+            out["accuracy"] = correct / max(seen, 1)
         if self.validation and logs:
             out["val_loss"] = logs["loss"]
             out.update({f"val_{m}": logs[m] for m in self.metrics if m in logs})

@@ -91,6 +91,9 @@ class Coordinator:
         self.restored: dict | None = None   # load(): what was done at the checkpoint (epoch, done, progress)
         self.counted: dict[int, np.ndarray] = {}   # epoch -> batches counted as retrained (restores)
         self.pieces: dict[int, tuple[int, int]] = {}    # this epoch's split chunks and pieces -> (start, end)
+        # epoch -> (loss x samples, samples classed right, samples) over the pushes shard 0 took
+        # with a lease of it: Keras's per-epoch training loss and accuracy over every worker's batches
+        self.trained: dict[int, tuple[float, float, int]] = {}
 
     # -- the plan ---------------------------------------------------------------------------
     def configure(self, plan: Plan, restart: bool = False) -> None:
@@ -111,6 +114,7 @@ class Coordinator:
                 raise FailedPrecondition(f"data: {plan.num_batches} batches per epoch in chunks of "
                                          f"{plan.chunk_batches}: both must be at least 1")
             self.plan = plan
+            self.trained.clear()                       # a new run's epochs: no earlier run's sums
             self._open(0)
             return
         if plan == self.plan:
@@ -278,6 +282,15 @@ class Coordinator:
         for rank in sorted(set(self.leases) - live):
             self.release(rank)
 
+    def tally(self, epoch: int, loss_sum: float, correct: float, samples: int) -> None:
+        """A push with a lease of `epoch` was taken: what its batch's step measured counts in the
+        epoch's sums (LeaseDataReply.trained_* once the epoch is done). Only this epoch and the
+        one before are kept: the one a reply reports, and the one being trained."""
+        loss, right, n = self.trained.get(epoch, (0.0, 0.0, 0))
+        self.trained[epoch] = (loss + float(loss_sum), right + float(correct), n + int(samples))
+        for old in [e for e in self.trained if e < epoch - 1]:
+            del self.trained[old]
+
     def dropped(self, n: int = 1) -> None:
         """Backup: a push dropped late; its batch counts as done (the worker moved on)."""
         self.counters["batches_dropped"] += n
@@ -317,6 +330,7 @@ class Coordinator:
                 "done": sorted(self.done),
                 "leases": {str(r): [chunk, inflight] for r, (_, chunk, inflight) in self.leases.items()},
                 "pieces": {str(c): list(b) for c, b in self.pieces.items()},
+                "trained": {str(e): list(t) for e, t in self.trained.items()},
                 "counters": dict(self.counters)}
 
     @classmethod
@@ -333,6 +347,8 @@ class Coordinator:
         self.done = {int(c) for c in state["done"]}
         self.leases = {int(r): ("", int(c), int(i)) for r, (c, i) in state["leases"].items()}
         self.pieces = {int(c): (int(a), int(b)) for c, (a, b) in state.get("pieces", {}).items()}
+        self.trained = {int(e): (float(loss), float(right), int(n))
+                        for e, (loss, right, n) in state.get("trained", {}).items()}
         self.counters.update({k: int(v) for k, v in state.get("counters", {}).items() if k in COUNTERS})
         mask = np.zeros(self.plan.num_batches, bool)      # the epoch's batches done at the checkpoint
         for c in self.done:

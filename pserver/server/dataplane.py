@@ -429,7 +429,8 @@ class DataPlaneServer:
                 rows = self._received_rows(peer, parts) if op == PUSH_ROWS else ()
                 outcome, version, message, finished = self.shard.push(PushRequest(
                     rank, shard, step, num_elements, "float32", num_samples, clock, fill,
-                    session=peer.session, rows=rows, lease=lease))
+                    session=peer.session, rows=rows, lease=lease and lease[:3],
+                    trained=lease[3:] if lease else (0.0, 0.0)))
                 return None, outcome.value, finished, version, message
             if op == PULL_ROWS:
                 return None, 0, False, self._pull_rows(peer, rank, shard, parts), ""

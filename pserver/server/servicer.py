@@ -186,7 +186,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _push(self, h, rows, fill):
         lease = (h.lease_epoch, h.lease_chunk, h.lease_batch) if h.has_lease else None
         return self.shard.push(PushRequest(h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples,
-                                           h.clock, fill, session=h.session, rows=rows, lease=lease))
+                                           h.clock, fill, session=h.session, rows=rows, lease=lease,
+                                           trained=(h.lease_loss_sum, h.lease_correct)))
 
     @_status
     def LeaseData(self, request, context):
@@ -196,10 +197,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         lease = self.shard.lease(r.rank, r.session, plan, finished, r.restart,
                                  [(d.epoch, d.chunk, d.end) for d in r.done_before_restore])
         c = self.shard.store.coordinator
-        if lease is None:
-            return pb.LeaseDataReply(has_lease=False, epoch=c.epoch, coordinator_id=c.ident)
-        return pb.LeaseDataReply(has_lease=True, epoch=lease.epoch, chunk=lease.chunk,
-                                 first_batch=lease.first, end_batch=lease.end, coordinator_id=c.ident)
+        loss_sum, correct, samples = c.trained.get(c.epoch - 1, (0.0, 0.0, 0))
+        reply = pb.LeaseDataReply(epoch=c.epoch, coordinator_id=c.ident, trained_loss_sum=loss_sum,
+                                  trained_correct=correct, trained_samples=samples)
+        if lease is not None:
+            reply.has_lease, reply.epoch, reply.chunk = True, lease.epoch, lease.chunk
+            reply.first_batch, reply.end_batch = lease.first, lease.end
+        return reply
 
     @_status
     def Heartbeat(self, request, context):

@@ -522,9 +522,12 @@ class Shard:
             self._check_payload(req.num_elements, req.dtype)
             self.metrics.received.inc(req.num_elements * 4)      # float32, checked above
             outcome, message = self._receive_and_decide(req)
-            if outcome is Outcome.DROPPED_LATE and req.lease is not None and self.cfg.shard == 0:
+            if req.lease is not None and self.cfg.shard == 0:
                 with s.cond:
-                    s.coordinator.dropped()          # its batch counts as done: the worker moved on
+                    if outcome is Outcome.DROPPED_LATE:
+                        s.coordinator.dropped()      # its batch counts as done: the worker moved on
+                    else:                            # taken: what its step measured counts in the epoch's
+                        s.coordinator.tally(req.lease[0], *req.trained, req.num_samples)
         except RpcError as e:
             s.counters.add("pushes_rejected")
             self.metrics.rejected.labels(e.code_name.lower()).inc()

@@ -29,8 +29,9 @@ from pserver.errors import ConfigError, InvalidArgument
 DTYPE = np.dtype("<f4")
 DTYPE_NAME = "float32"
 # The wire protocol's version: Register refuses a peer that speaks another (2: sessions;
-# 3: the header message carries the first payload chunk).
-PROTOCOL_VERSION = 3
+# 3: the header message carries the first payload chunk; 4: a push's data lease carries what
+# its batch's step measured, in the data plane's frame too).
+PROTOCOL_VERSION = 4
 CHUNK_BYTES = 1 << 20          # 1 MiB: well under gRPC's 4 MiB default message limit
 MAX_CHUNK_BYTES = 4 << 20      # largest chunk a sender may use (gRPC's default limit)
 

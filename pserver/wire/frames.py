@@ -80,9 +80,11 @@ HELLO, PUSH, PULL, INIT, PULL_ROWS, PUSH_ROWS, ROWS_BUFFER = 1, 2, 3, 4, 5, 6, 7
 THEN_PULL = 0x40
 PULL_AFTER = struct.Struct("<qq")
 # Set on PUSH or PUSH_ROWS: the push carries a data lease's progress (shard 0's coordinator:
-# epoch, chunk, and the epoch's index of the batch it carries), right after PULL_AFTER if any.
+# epoch, chunk, and the epoch's index of the batch it carries; then what the batch's step
+# measured: its loss times its samples and the samples classed right), right after PULL_AFTER
+# if any.
 WITH_LEASE = 0x20
-LEASE_AT = struct.Struct("<qqq")
+LEASE_AT = struct.Struct("<qqqdd")
 SIGNATURE = struct.Struct("16s")       # INIT: the layout signature follows the header
 # PULL_ROWS and PUSH_ROWS: the number of sparse parts, then per part the table's index in
 # the layout and the number of ids. ROWS_BUFFER: num_elements is the room wanted, in bytes.

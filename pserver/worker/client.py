@@ -400,18 +400,19 @@ class ShardClient:
 
     def push(self, grad: np.ndarray, rank: int, step: int, num_samples: int, clock: int,
              timeout: float, rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
-             packed: codecs.Packed | None = None, lease: tuple[int, int, int] | None = None
+             packed: codecs.Packed | None = None, lease: tuple | None = None
              ) -> tuple[str, int, bool]:
         """This shard's slice of `grad` (or `packed`, that slice compressed), and `rows`: (table,
         unique ids on this shard, their gradients) for each sparse table, in one push. `lease`:
-        (epoch, chunk, batch) of the data lease this push carries (shard 0)."""
+        (epoch, chunk, batch, loss x samples, samples classed right) of the data lease this push
+        carries (shard 0)."""
         return self.resilient(lambda: self._push_once(grad, rank, step, num_samples, clock, timeout, rows,
                                                       packed, lease=lease), timeout)[:3]
 
     def push_pull(self, grad: np.ndarray, flat: np.ndarray, rank: int, step: int, num_samples: int,
                   clock: int, seen_version: int, pull_clock: int, timeout: float,
                   rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
-                  packed: codecs.Packed | None = None, lease: tuple[int, int, int] | None = None
+                  packed: codecs.Packed | None = None, lease: tuple | None = None
                   ) -> tuple[str, int, bool]:
         """push, then pull_into(flat, seen_version, pull_clock): (push outcome, version pulled,
         finished). Over the data plane the pull rides with the push (one exchange); over gRPC,
@@ -442,7 +443,8 @@ class ShardClient:
                                  sparse=[pb.SparsePart(table=t, num_ids=ids.size) for t, ids, _ in rows])
         if lease is not None:
             header.has_lease = True
-            header.lease_epoch, header.lease_chunk, header.lease_batch = lease
+            (header.lease_epoch, header.lease_chunk, header.lease_batch, header.lease_loss_sum,
+             header.lease_correct) = lease
         dense = [self.own(grad)]
         if packed is not None:
             header.compression, header.num_values, header.scale = (packed.compression, packed.num_values,
@@ -741,32 +743,37 @@ class PSClient:
 
     def push(self, grad: np.ndarray, num_samples: int, clock: int = 0,
              steps: Sequence[int] | None = None, lookups: Sequence[sparse.TableLookup] = (),
-             tables: Sequence[str] = (), lease: tuple[int, int, int] | None = None) -> list[tuple[str, int]]:
+             tables: Sequence[str] = (), lease: tuple[int, int, int] | None = None,
+             trained: tuple[float, float] = (0.0, 0.0)) -> list[tuple[str, int]]:
         """Push each shard its slice of `grad`, and the gradients of the sparse rows it holds
         (each lookup's grads, already summed per unique id), computed on `steps` (default:
         last pulled); returns (outcome, version) per shard. `lease`: (epoch, chunk, batch) of
-        the data lease the push to shard 0 carries (its coordinator's progress)."""
+        the data lease the push to shard 0 carries (its coordinator's progress), with `trained`
+        (the batch's loss x samples, and its samples classed right: shard 0 sums them per epoch)."""
         steps = self.versions if steps is None else steps
         rows = self._rows(lookups, tables)
+        at = None if lease is None else (*lease, *trained)
         replies = self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
                                              self.rpc_deadline, rows[s.index], self._packed(grad, s),
-                                             lease if s.index == 0 else None))
+                                             at if s.index == 0 else None))
         self.finished |= any(f for _, _, f in replies)
         self._first_push_done()
         return [(o, v) for o, v, _ in replies]
 
     def push_pull(self, grad: np.ndarray, flat: np.ndarray, num_samples: int, clock: int = 0,
                   lookups: Sequence[sparse.TableLookup] = (), tables: Sequence[str] = (),
-                  lease: tuple[int, int, int] | None = None) -> list[str]:
+                  lease: tuple[int, int, int] | None = None,
+                  trained: tuple[float, float] = (0.0, 0.0)) -> list[str]:
         """A worker's step on the shards: push (as push, computed on the versions last
-        pulled), then pull into `flat` with clock + 1 (as pull); the outcome per shard. Over
-        the data plane each shard answers both in one exchange. A refused push raises, and
-        then nothing is known to be pulled: pull again."""
+        pulled, `lease` and `trained` too), then pull into `flat` with clock + 1 (as pull); the
+        outcome per shard. Over the data plane each shard answers both in one exchange. A
+        refused push raises, and then nothing is known to be pulled: pull again."""
         rows = self._rows(lookups, tables)
         seen = self.versions
+        at = None if lease is None else (*lease, *trained)
         replies = self.each(lambda s: s.push_pull(grad, flat, self.rank, seen[s.index], num_samples, clock,
                                                   seen[s.index], clock + 1, self.rpc_deadline, rows[s.index],
-                                                  self._packed(grad, s), lease if s.index == 0 else None))
+                                                  self._packed(grad, s), at if s.index == 0 else None))
         self.versions = [v for _, v, _ in replies]
         self.finished |= any(f for _, _, f in replies)
         self._first_push_done()

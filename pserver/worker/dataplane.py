@@ -174,13 +174,14 @@ class DataPlaneChannel:
 
     def push(self, grad: np.ndarray, step: int, num_samples: int, clock: int, timeout: float,
              rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
-             then_pull: tuple[np.ndarray, int, int] | None = None, lease: tuple[int, int, int] | None = None):
+             then_pull: tuple[np.ndarray, int, int] | None = None, lease: tuple | None = None):
         """Push the dense slice, and sparse rows [(table, unique ids, their gradients)];
         returns (outcome, version, finished, pulled). With then_pull = (dest, seen_version,
         clock), the pull that follows rides with the push: pulled is (version, finished)
         with dest filled, or None when that pull failed (the push was taken all the same;
         pull again on its own, which reports the error or rides it out). `lease`: the data
-        lease's (epoch, chunk, batch) this push carries (shard 0)."""
+        lease's (epoch, chunk, batch, loss x samples, samples classed right) this push carries
+        (shard 0)."""
         op, tail = PUSH, b""
         if rows:
             op, (tail, slots) = PUSH_ROWS, self._place(rows, timeout)

@@ -512,7 +512,11 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
                 if cfg.rank == 0:
                     epochs_log.append(chief_epoch_end(cfg, ds, model, w, epoch, epoch_started, rows,
                                                       progress, report, client, clock))
-                callbacks.on_epoch_end(epoch, dict(epochs_log[-1]) if cfg.rank == 0 else {})
+                logs = dict(epochs_log[-1]) if cfg.rank == 0 else {}
+                if reply.epoch == epoch + 1 and reply.trained_samples > 0:    # every worker's batches
+                    logs["trained"] = {"loss_sum": reply.trained_loss_sum, "correct": reply.trained_correct,
+                                       "samples": reply.trained_samples}
+                callbacks.on_epoch_end(epoch, logs)
                 if callbacks.stop_training:
                     break
                 epoch, step, epoch_started = reply.epoch, 0, time.monotonic()
@@ -545,7 +549,7 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
         rejected = outcomes.get("rejected", 0)
         try:
             loss, exchange_started = one_step(client, gradient, delay, timer, rows, w, g, x, y, clock,
-                                              outcomes, lease=(lease.epoch, lease.chunk, at))
+                                              outcomes, lease=(lease.epoch, lease.chunk, at), model=model)
         except LeaseGone as e:                          # marked dead meanwhile: the chunk went elsewhere
             progress.say(f"worker {cfg.rank}: {e}")
             outcomes["lease_gone"] = outcomes.get("lease_gone", 0) + 1
@@ -593,18 +597,22 @@ def say_where_leases_begin(cfg: WorkerConfig, epoch: int, say) -> None:
 
 
 def one_step(client: PSClient, gradient, delay, timer, rows, w: np.ndarray, g: np.ndarray, x, y, clock: int,
-             outcomes: dict, lease=None) -> tuple[float, float]:
+             outcomes: dict, lease=None, model=None) -> tuple[float, float]:
     """One batch: pull its rows, compute the gradient into g, straggle (--delay), push and pull,
-    counting each push's outcome; its loss and when its exchange began (perf_counter)."""
+    counting each push's outcome; its loss and when its exchange began (perf_counter). With a
+    lease, the push tells shard 0 what the step measured (the batch's loss x samples, and the
+    samples `model` classed right): the epoch's training loss and accuracy over every worker."""
     with timer("pull"):
         lookups = rows.for_batch(x)
     with timer("compute"):
         loss = gradient(w, x, y, g, clock, lookups)
+    trained = (loss * len(x), float(getattr(model, "batch_correct", 0.0)))
     with timer("delay"):
         delay.sleep()
     exchange_started = time.perf_counter()
     with timer("push_pull"):
-        for outcome in push_pull(client, g, w, len(x), clock, lookups, rows.names, lease=lease):
+        for outcome in push_pull(client, g, w, len(x), clock, lookups, rows.names, lease=lease,
+                                 trained=trained):
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
     return loss, exchange_started
 
@@ -620,12 +628,13 @@ def chief_epoch_end(cfg: WorkerConfig, ds, model, w: np.ndarray, epoch: int, epo
 
 
 def push_pull(client: PSClient, g: np.ndarray, w: np.ndarray, batch: int, clock: int, lookups=(),
-              tables=(), lease=None) -> list[str]:
+              tables=(), lease=None, trained=(0.0, 0.0)) -> list[str]:
     """Push, then pull into w (one exchange per shard over the data plane); the outcomes.
     A rejection for a stale step (sync after a timeout; a push already held) is survivable:
     the pull brings the current version and training goes on."""
     try:
-        return client.push_pull(g, w, batch, clock, lookups=lookups, tables=tables, lease=lease)
+        return client.push_pull(g, w, batch, clock, lookups=lookups, tables=tables, lease=lease,
+                                trained=trained)
     except StaleStep:
         client.pull(w, clock + 1)
         return ["rejected"]
