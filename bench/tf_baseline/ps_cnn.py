@@ -161,6 +161,20 @@ def train(args, cluster: dict) -> dict:
             "test_accuracy_after": accuracy, "cpus": os.cpu_count(), "machine": platform.processor()}
 
 
+# The vector instructions each side's matrix products may use (--isa). TensorFlow's convolutions
+# and products are oneDNN's, which picks for the CPU unless ONEDNN_MAX_CPU_ISA caps it; pserver's
+# are OpenBLAS's (through numba), which picks for the CPU unless OPENBLAS_CORETYPE names a core.
+ISA_ENV = {"own": ({}, {}),
+           "avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"OPENBLAS_CORETYPE": "Haswell"})}
+
+
+def isa_env(isa: str, side: str) -> dict:
+    """This process's environment for one side under --isa: without both caps, then with the
+    side's own (so a cap this machine's environment sets, as OPENBLAS_CORETYPE, is not kept)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE")}
+    return env | ISA_ENV[isa][0 if side == "tensorflow" else 1]
+
+
 def run_pserver(args) -> dict:
     """pserver on the same model, data, batch and optimizer: its summary's samples/s."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -169,7 +183,7 @@ def run_pserver(args) -> dict:
                "--model", "cnn", "--dataset", "mnist", "--data-dir", args.data_dir, "--optimizer", "adam",
                "--lr", str(args.lr), "--batch-size", str(args.batch_size), "--epochs", "1",
                "--seed", str(args.seed), "--log-every", "1000", "--summary-json", path]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=isa_env(args.isa, "pserver"))
         if r.returncode != 0:
             raise SystemExit(f"pserver launch failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
         with open(path) as f:
@@ -178,7 +192,7 @@ def run_pserver(args) -> dict:
             "batch_size": args.batch_size, "seconds": s["wall_seconds"],
             "samples": round(s["train_samples_per_second"] * s["wall_seconds"]),
             "train_samples_per_second": s["train_samples_per_second"],
-            "test_accuracy_after": s["test_accuracy"]}
+            "test_accuracy_after": s["test_accuracy"], "isa": args.isa}
 
 
 def report(results, lines: list[str], path: str | None) -> None:
@@ -202,10 +216,18 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pserver", metavar="PYTHON", help="also run pserver with this interpreter "
                    "(one that has pserver installed) and compare")
+    p.add_argument("--isa", choices=tuple(ISA_ENV), default="own",
+                   help="the vector instructions of each side's matrix products: own (default), each "
+                   "library's choice for this CPU (OPENBLAS_CORETYPE and ONEDNN_MAX_CPU_ISA removed from "
+                   "their environments); avx2, both capped (OPENBLAS_CORETYPE=Haswell, "
+                   "ONEDNN_MAX_CPU_ISA=AVX2)")
     p.add_argument("--json", metavar="PATH", help="write the results here too")
     args = p.parse_args()
+    tf_env = isa_env(args.isa, "tensorflow")      # before TensorFlow loads, here and in its servers
+    os.environ.clear()
+    os.environ.update(tf_env)
     with local_cluster(args.ps, args.workers) as cluster:
-        results = [train(args, cluster)]
+        results = [train(args, cluster) | {"isa": args.isa}]
     if args.pserver:
         results.append(run_pserver(args))
     report(results, [f"{r['framework']:>50}: {r['train_samples_per_second']:>8,.0f} samples/s "

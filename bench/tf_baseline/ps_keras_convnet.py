@@ -49,25 +49,11 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import numpy as np  # noqa: E402
 from _util import machine  # noqa: E402
 from keras_convnet import script_for  # noqa: E402
-from ps_cnn import coordinator_for, local_cluster, mnist  # noqa: E402  (it sets TF's environment)
+from ps_cnn import ISA_ENV, coordinator_for, isa_env, local_cluster, mnist  # noqa: E402  (sets TF's env)
 
 TRAIN = 54000            # the example's fit: validation_split=0.1 of 60,000
 SUMMARY = re.compile(r"^(\d+) steps in (\S+) s: ([\d,.]+) train samples/s$", re.M)
 OPENBLAS_CORE = re.compile(r"Core: (\S+)$", re.M)      # OpenBLAS's line at load, OPENBLAS_VERBOSE=2
-# The vector instructions each side's matrix products may use (--isa). TensorFlow's convolutions
-# and products are oneDNN's, which picks for the CPU unless ONEDNN_MAX_CPU_ISA caps it; pserver's
-# are OpenBLAS's (through numba), which picks for the CPU unless OPENBLAS_CORETYPE names a core.
-ISA_ENV = {"own": ({}, {}),
-           "avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"OPENBLAS_CORETYPE": "Haswell"})}
-
-
-def isa_env(isa: str, side: str) -> dict:
-    """This process's environment for one side under --isa: without both caps, then with the
-    side's own (so a cap this machine's environment sets, as OPENBLAS_CORETYPE, is not kept)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE")}
-    return env | ISA_ENV[isa][0 if side == "tensorflow" else 1]
-
-
 def convnet(tf):
     layers = tf.keras.layers
     return tf.keras.Sequential([
