@@ -292,13 +292,33 @@ def _cluster(tmp_path=None, workers=2, **cfg):
                         optimizer="adam", lr=0.1, **extra, **cfg)[0]
 
 
-def _push(shard, rank, samples, lease=None, value=1.0):
+def _push(shard, rank, samples, lease=None, value=1.0, trained=(0.0, 0.0)):
     import numpy as np
 
     from pserver.records import PushRequest
     from tests.test_modes import fill_with
     return shard.push(PushRequest(rank, 0, shard.store.version, 4, "float32", samples, 0,
-                                  fill_with(np.full(4, value, np.float32)), lease=lease))[0]
+                                  fill_with(np.full(4, value, np.float32)), lease=lease, trained=trained))[0]
+
+
+@pytest.mark.parametrize("correct", [-1.0, 9.0, float("nan")])
+def test_a_push_claiming_an_impossible_count_of_right_samples_is_refused_and_changes_nothing(correct):
+    """Each leased push's count of samples classed right goes into every worker's History: one
+    outside [0, the batch's samples] is refused in one line, before the gradient, the lease's
+    progress or the epoch's sums change; a NaN or infinite loss is taken (a diverged run shows it)."""
+    from pserver.errors import InvalidArgument
+    shard = _cluster(mode="async")
+    plan = Plan(8, 4, 1, "fp", 1)
+    lease = shard.lease(0, None, plan)
+    params, version = shard.store.params.copy(), shard.store.version
+    with pytest.raises(InvalidArgument, match=r"^lease_correct: .* in a batch of 8; send how many") as e:
+        _push(shard, 0, 8, lease=(0, lease.chunk, lease.first), trained=(1.0, correct))
+    assert "\n" not in str(e.value)
+    c = shard.store.coordinator
+    assert shard.store.version == version and (shard.store.params == params).all()
+    assert c.trained == {} and c.progress == {}
+    _push(shard, 0, 8, lease=(0, lease.chunk, lease.first), trained=(float("inf"), 8.0))
+    assert c.trained[0][1:] == (8.0, 8) and c.trained[0][0] == float("inf")
 
 
 @pytest.mark.parametrize("mode", ["sync", "backup"])

@@ -89,6 +89,18 @@ def checked_tables(tables) -> None:
             raise InvalidArgument(f"tables: table '{t.name}': {e}") from None
 
 
+def check_trained(trained: tuple[float, float], num_samples: int) -> None:
+    """What a leased push says its batch's step measured (loss x samples, samples classed right)
+    is summed into every worker's History: a count of right samples outside [0, num_samples] (NaN
+    too) is no count, and the push is refused before anything changes. The loss is taken as it
+    comes, NaN or infinite included: a run whose loss diverged shows it, as Keras does."""
+    correct = trained[1]
+    if not 0 <= correct <= num_samples:
+        raise InvalidArgument(f"lease_correct: {correct} samples classed right in a batch of {num_samples}; "
+                              f"send how many of the batch's samples the model classed right (0 to "
+                              f"num_samples)")
+
+
 def check_samples(num_samples: int) -> None:
     """A push's gradient is the mean over the samples it carries, and a sync or backup step
     weighs each push by them (docs/semantics.md): a gradient of no samples has no weight, and
@@ -514,6 +526,8 @@ class Shard:
         try:
             self.check_shard(req.shard)
             check_samples(req.num_samples)   # before authorize, which may revive the rank
+            if req.lease is not None:
+                check_trained(req.trained, req.num_samples)
             with s.cond:
                 s.require_configured()
                 self.members.authorize(req.rank, req.session, revive=True)
