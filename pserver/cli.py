@@ -212,6 +212,10 @@ WORKER_FLAGS = [
                                    + " (leases: in-memory data and MNIST)")),
     Flag("--chunk-batches", dict(type=int, metavar="B", help="leases: batches per chunk of the data "
                                  "(default 16)")),
+    Flag("--no-shuffle", dict(action="store_true", default=None,
+                              help="leases: train every epoch on the data in its order (chunks leased in "
+                                   "order, batches in order within them), as Keras's fit(shuffle=False); "
+                                   "default: each epoch a permutation drawn from --seed")),
     Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "
                                  "sparse factor table (default 8)")),
     Flag("--row-optimizer", dict(choices=ROWS.names(), help="lr, fm, wide_deep, deepfm: the sparse "

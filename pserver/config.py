@@ -197,6 +197,7 @@ class WorkerConfig:
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)
     data_assignment: str = "leases"  # leases: chunks leased by shard 0's coordinator; slices: one per rank
     chunk_batches: int = 16       # leases: batches per chunk of the training data
+    no_shuffle: bool = False      # leases: every epoch the data in its order, chunks leased in order
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.wire.compress)
     pull_compress: str = "none"   # pull codec over gRPC: none, bf16
@@ -265,6 +266,10 @@ class WorkerConfig:
                               f"{', '.join(DATA_ASSIGNMENTS)}")
         if self.chunk_batches < 1:
             raise ConfigError(f"--chunk-batches: must be >= 1, got {self.chunk_batches}")
+        if self.no_shuffle and self.data_assignment != "leases":
+            raise ConfigError(f"--no-shuffle: the data in its order is leased in chunks (--data-assignment "
+                              f"leases); --data-assignment {self.data_assignment} draws each epoch's "
+                              f"permutation")
         from pserver.sparse.optim import hyper, parse_params
         hyper(self.row_optimizer, self.row_lr, parse_params(self.row_params), what="--row-params")
         from pserver.kernels.device import parse_device  # checks the form; imports no CUDA

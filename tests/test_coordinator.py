@@ -521,7 +521,7 @@ def test_lease_replies_sum_what_every_workers_steps_measured_over_the_finished_e
     a.pull(w)
     b.pull(w)
     with pytest.raises(LeaseGone):             # b's chunk is not a's: refused, counted nowhere
-        a.push(g, 100, lease=(0, replies[b].chunk, replies[b].first_batch), trained=(1e6, 1e6))
+        a.push(g, 100, lease=(0, replies[b].chunk, replies[b].first_batch), trained=(1e6, 100.0))
     a.pull(w)
     expected, k = [0.0, 0.0, 0], 0
     while all(r.epoch == 0 for r in replies.values()):

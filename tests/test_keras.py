@@ -224,9 +224,9 @@ def test_fit_refuses_what_it_does_not_support_before_starting_anything():
     model = small_model()
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     x, y = blobs(64)
-    for kwargs, named in ((dict(sample_weight=np.ones(64)), "sample_weight"),
-                          (dict(shuffle=False), "shuffle"), (dict(validation_split=1.5), "validation_split"),
-                          (dict(batch_size=0), "batch_size")):
+    refused = ((dict(sample_weight=np.ones(64)), "sample_weight"), (dict(shuffle="batch"), "shuffle"),
+               (dict(validation_split=1.5), "validation_split"), (dict(batch_size=0), "batch_size"))
+    for kwargs, named in refused:
         with pytest.raises(ConfigError, match=named):
             model.fit(x, y, **kwargs)
     with pytest.raises(DataError, match="x has 64 samples, y 3"):
@@ -264,6 +264,41 @@ def test_a_callback_that_sets_stop_training_ends_the_run_after_that_epoch():
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     h = model.fit(x, y, batch_size=20, epochs=5, verbose=0, callbacks=[StopAtOnce()])
     assert h.epoch == [0] and list(h.history) == ["loss"]       # no validation: no val_*
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_fit_shuffle_false_trains_each_epoch_on_the_data_in_its_order(shuffle):
+    """Catches: shuffle=False ignored (an epoch's first batch a random one: its loss is not that of
+    the data's first 20 samples), chunks leased out of order, or its first batch skipped; and a
+    shuffled epoch that starts with the first samples anyway (shuffle=True must differ)."""
+    class FirstBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                self.loss = logs["loss"]            # the epoch's mean so far: batch 0's own loss
+
+    x, y = blobs(200)
+    model = small_model()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    first = model.evaluate(x[:20], y[:20], verbose=0)           # on the weights fit starts from
+    seen = FirstBatch()
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0, shuffle=shuffle, callbacks=[seen])
+    assert (seen.loss == pytest.approx(first, rel=1e-5)) == (not shuffle)
+
+
+def test_no_shuffle_needs_leases_and_every_worker_must_agree():
+    """--no-shuffle with slices is refused naming both flags; a worker asking for the data in order
+    from a coordinator that shuffles (or the reverse) is refused in one line naming --no-shuffle."""
+    from pserver.config import WorkerConfig
+    from pserver.errors import FailedPrecondition
+    from pserver.server.coordinator import Coordinator, Plan, chunk_order
+    with pytest.raises(ConfigError, match=r"^--no-shuffle: .*--data-assignment slices"):
+        WorkerConfig(ps=("127.0.0.1:1",), no_shuffle=True, data_assignment="slices")
+    c = Coordinator()
+    c.configure(Plan(40, 4, 3, "fp", 2, in_order=True))
+    assert c.queue == list(range(10)) and chunk_order(10, 3, 1) != list(range(10))
+    with pytest.raises(FailedPrecondition, match=r"trains on the data shuffled each epoch, the job's "
+                                                 r"coordinator in order \(--no-shuffle\)"):
+        c.configure(Plan(40, 4, 3, "fp", 2))
 
 
 # -- pserver run ---------------------------------------------------------------------------------------

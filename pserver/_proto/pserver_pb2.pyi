@@ -519,7 +519,7 @@ class CheckpointReply(_message.Message):
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class LeaseDataRequest(_message.Message):
-    __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs", "done_before_restore", "restart")
+    __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs", "in_order", "done_before_restore", "restart")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -530,6 +530,7 @@ class LeaseDataRequest(_message.Message):
     FINISHED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FINISHED_CHUNK_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    IN_ORDER_FIELD_NUMBER: _ClassVar[int]
     DONE_BEFORE_RESTORE_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
     rank: int
@@ -542,9 +543,10 @@ class LeaseDataRequest(_message.Message):
     finished_epoch: int
     finished_chunk: int
     epochs: int
+    in_order: bool
     done_before_restore: _containers.RepeatedCompositeFieldContainer[LeaseDoneBeforeRestore]
     restart: bool
-    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., num_batches: _Optional[int] = ..., chunk_batches: _Optional[int] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., finished: _Optional[bool] = ..., finished_epoch: _Optional[int] = ..., finished_chunk: _Optional[int] = ..., epochs: _Optional[int] = ..., done_before_restore: _Optional[_Iterable[_Union[LeaseDoneBeforeRestore, _Mapping]]] = ..., restart: _Optional[bool] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., num_batches: _Optional[int] = ..., chunk_batches: _Optional[int] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., finished: _Optional[bool] = ..., finished_epoch: _Optional[int] = ..., finished_chunk: _Optional[int] = ..., epochs: _Optional[int] = ..., in_order: _Optional[bool] = ..., done_before_restore: _Optional[_Iterable[_Union[LeaseDoneBeforeRestore, _Mapping]]] = ..., restart: _Optional[bool] = ...) -> None: ...
 
 class LeaseDoneBeforeRestore(_message.Message):
     __slots__ = ("epoch", "chunk", "end")

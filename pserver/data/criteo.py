@@ -325,8 +325,10 @@ class CriteoFile(CriteoData):
         return 0   # unknown until the file has been read
 
     def leased_batches(self, batch_size: int, seed: int, chunk_batches: int,
-                       cache_dir: str | None = None) -> FileBatches:
-        """The file cut into byte ranges for --data-assignment leases (FileBatches)."""
+                       cache_dir: str | None = None, shuffle: bool = True) -> FileBatches:
+        """The file cut into byte ranges for --data-assignment leases (FileBatches). A chunk's
+        batches are its byte ranges in file order either way; `shuffle` orders only the chunks
+        (shard 0's coordinator hands them out in order with --no-shuffle)."""
         return FileBatches(self, batch_size, chunk_batches, cache_dir)
 
     def describe(self) -> str:
@@ -723,8 +725,10 @@ class CriteoSynthetic(CriteoData):
     def steps(self, num_workers: int, batch_size: int) -> int:
         return steps_per_epoch(self.samples, num_workers, batch_size)
 
-    def leased_batches(self, batch_size: int, seed: int, chunk_batches: int) -> SyntheticBatches:
-        """Batch b is samples b * batch_size ... (b + 1) * batch_size - 1, for --data-assignment leases."""
+    def leased_batches(self, batch_size: int, seed: int, chunk_batches: int,
+                       shuffle: bool = True) -> SyntheticBatches:
+        """Batch b is samples b * batch_size ... (b + 1) * batch_size - 1, for --data-assignment leases
+        (in order either way; `shuffle` orders only the chunks, as for a file)."""
         return SyntheticBatches(self, batch_size, chunk_batches)
 
     def planted_logits(self, x: np.ndarray, pairwise: bool = True) -> np.ndarray:

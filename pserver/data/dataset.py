@@ -92,9 +92,11 @@ class Dataset:
         x_test = check(ds.x_test, ds.y_test, f"{ds.name} test set")
         return Dataset(ds.name, x_train, ds.y_train, x_test, ds.y_test, ds.num_classes)
 
-    def leased_batches(self, batch_size: int, seed: int, chunk_batches: int) -> LeasedBatches:
-        """The batches as shard 0's coordinator numbers them (--data-assignment leases)."""
-        return LeasedBatches(self, batch_size, seed)
+    def leased_batches(self, batch_size: int, seed: int, chunk_batches: int,
+                       shuffle: bool = True) -> LeasedBatches:
+        """The batches as shard 0's coordinator numbers them (--data-assignment leases); not
+        `shuffle` (--no-shuffle): in the data's order every epoch."""
+        return LeasedBatches(self, batch_size, seed, shuffle)
 
     def warm_up_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray] | None:
         """A batch to run once before the first timed step: the training set's first."""
@@ -253,13 +255,14 @@ class ChunkedBatches(abc.ABC):
 
 class LeasedBatches:
     """The epoch's batches as shard 0's coordinator numbers them (--data-assignment leases): epoch e's
-    permutation of the training set from `seed + e` (as the slices draw it), cut into
-    num_train // batch_size full batches; batch b of epoch e is the same samples on every worker."""
+    permutation of the training set from `seed + e` (as the slices draw it; not `shuffle`: the
+    training set in its order), cut into num_train // batch_size full batches; batch b of epoch e
+    is the same samples on every worker."""
 
-    def __init__(self, ds: Dataset, batch_size: int, seed: int) -> None:
+    def __init__(self, ds: Dataset, batch_size: int, seed: int, shuffle: bool = True) -> None:
         check_int("--batch-size", batch_size, 1)
         check_int("--seed", seed, 0)
-        self.ds, self.batch_size, self.seed = ds, batch_size, seed
+        self.ds, self.batch_size, self.seed, self.shuffle = ds, batch_size, seed, shuffle
         self.num_batches = ds.num_train // batch_size
         if self.num_batches == 0:
             raise ConfigError(f"--batch-size: {batch_size} is larger than the {ds.num_train} "
@@ -268,6 +271,9 @@ class LeasedBatches:
         self._epoch, self._order = -1, None
 
     def batch(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        if not self.shuffle:
+            at = slice(b * self.batch_size, (b + 1) * self.batch_size)
+            return self.ds.x_train[at], self.ds.y_train[at]
         if epoch != self._epoch:
             order = np.random.default_rng(self.seed + epoch).permutation(self.ds.num_train)
             self._epoch, self._order = epoch, order

@@ -163,12 +163,13 @@ class Sequential:
         _refuse("fit", {}, class_weight=class_weight, sample_weight=sample_weight,
                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                 validation_batch_size=validation_batch_size,
-                validation_freq=None if validation_freq == 1 else validation_freq,
-                shuffle=None if shuffle is True else shuffle)
+                validation_freq=None if validation_freq == 1 else validation_freq)
         if not self._compiled:
             raise ConfigError("fit: compile the model first (model.compile(optimizer=..., loss=...))")
         if x is None or y is None:
             raise ConfigError("fit: give x and y (arrays; datasets and generators are not supported)")
+        if shuffle not in (True, False):      # Keras's "batch" is for HDF5 files
+            raise ConfigError(f"fit: shuffle must be True or False, got {shuffle!r}")
         if verbose not in ("auto", 0, 1, 2):
             raise ConfigError(f"fit: verbose must be 'auto', 0, 1 or 2, got {verbose!r}")
         if not 0 <= validation_split < 1:
@@ -205,7 +206,8 @@ class Sequential:
         hooks = callbacks_module.CallbackList(listeners, self, params, self._core.metrics, initial_epoch,
                                               has_validation)
         self._core.initial = self._w
-        options = {"epochs": epochs - initial_epoch, "batch_size": per_worker, "seed": cluster.seed()}
+        options = {"epochs": epochs - initial_epoch, "batch_size": per_worker, "seed": cluster.seed(),
+                   "no_shuffle": not shuffle}
         shard_settings = {"mode": "sync", **self.optimizer.settings()}
         with _quiet(not shown or verbose == 2):      # 2: Keras's epoch lines only
             if place is None:

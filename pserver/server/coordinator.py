@@ -55,6 +55,7 @@ class Plan:
     seed: int
     fingerprint: str      # of the dataset: its length and a hash of a sample (worker side)
     epochs: int = 0       # the job's epochs: none is opened past them (0: no end)
+    in_order: bool = False  # --no-shuffle: chunks handed out in order every epoch
 
     @property
     def num_chunks(self) -> int:
@@ -73,8 +74,10 @@ class Lease:
     end: int      # one past the chunk's last batch
 
 
-def chunk_order(num_chunks: int, seed: int, epoch: int) -> list[int]:
-    """The order the chunks of `epoch` are handed out in: the same on every run."""
+def chunk_order(num_chunks: int, seed: int, epoch: int, in_order: bool = False) -> list[int]:
+    """The order the chunks of `epoch` are handed out in: the same on every run (`in_order`: 0, 1, ...)."""
+    if in_order:
+        return list(range(num_chunks))
     return [int(c) for c in np.random.default_rng([seed, epoch, 0x1EA5E]).permutation(num_chunks)]
 
 
@@ -124,6 +127,12 @@ class Coordinator:
             raise FailedPrecondition(f"data: this worker reads other data (fingerprint {plan.fingerprint}) "
                                      f"than the job's (fingerprint {mine.fingerprint}); every worker must "
                                      f"read the same training set")
+        if plan.in_order != mine.in_order:
+            def order(p):
+                return "in order (--no-shuffle)" if p.in_order else "shuffled each epoch"
+            raise FailedPrecondition(f"data: this worker trains on the data {order(plan)}, the job's "
+                                     f"coordinator {order(mine)}; every worker must give --no-shuffle "
+                                     f"(Keras: fit(shuffle=False)) or none")
         raise FailedPrecondition(
             f"data: this worker cuts the data into {plan.num_batches} batches per epoch, chunks of "
             f"{plan.chunk_batches}, seed {plan.seed}; the job's coordinator has {mine.num_batches}, "
@@ -137,7 +146,7 @@ class Coordinator:
 
     def _open(self, epoch: int) -> None:
         self.epoch = epoch
-        self.queue = chunk_order(self.plan.num_chunks, self.plan.seed, epoch)
+        self.queue = chunk_order(self.plan.num_chunks, self.plan.seed, epoch, self.plan.in_order)
         self.progress.clear()
         self.done.clear()
         self.pieces.clear()
@@ -324,7 +333,7 @@ class Coordinator:
         if self.plan is None:
             return None
         p = self.plan
-        return {"plan": [p.num_batches, p.chunk_batches, p.seed, p.fingerprint, p.epochs],
+        return {"plan": [p.num_batches, p.chunk_batches, p.seed, p.fingerprint, p.epochs, p.in_order],
                 "epoch": self.epoch, "queue": list(self.queue),
                 "progress": {str(c): n for c, n in self.progress.items()},
                 "done": sorted(self.done),
@@ -339,8 +348,8 @@ class Coordinator:
         self = cls()
         if state is None:
             return self
-        nb, cb, seed, fp, epochs = state["plan"]
-        self.plan = Plan(int(nb), int(cb), int(seed), str(fp), int(epochs))
+        nb, cb, seed, fp, epochs, *in_order = state["plan"]        # checkpoints before --no-shuffle: 5
+        self.plan = Plan(int(nb), int(cb), int(seed), str(fp), int(epochs), bool(in_order and in_order[0]))
         self.epoch = int(state["epoch"])
         self.queue = [int(c) for c in state["queue"]]
         self.progress = {int(c): int(n) for c, n in state["progress"].items()}

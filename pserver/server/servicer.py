@@ -192,7 +192,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_status
     def LeaseData(self, request, context):
         r = request
-        plan = Plan(r.num_batches, r.chunk_batches, r.seed, r.fingerprint, r.epochs)
+        plan = Plan(r.num_batches, r.chunk_batches, r.seed, r.fingerprint, r.epochs, r.in_order)
         finished = (r.finished_epoch, r.finished_chunk) if r.finished else None
         lease = self.shard.lease(r.rank, r.session, plan, finished, r.restart,
                                  [(d.epoch, d.chunk, d.end) for d in r.done_before_restore])

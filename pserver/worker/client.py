@@ -800,14 +800,15 @@ class PSClient:
         return self.feedback.pack(grad, s.info.range_start, s.info.range_end)
 
     def lease_data(self, num_batches: int, chunk_batches: int, seed: int, fingerprint: str, epochs: int = 0,
-                   finished: tuple[int, int] | None = None, restart: bool = False,
+                   in_order: bool = False, finished: tuple[int, int] | None = None, restart: bool = False,
                    done_before_restore=()) -> pb.LeaseDataReply:
-        """This worker's lease of the training data from shard 0's coordinator (LeaseData); `restart`:
-        start a finished coordinator over (--no-resume); `done_before_restore`: (epoch, chunk, end) it
-        trained under a coordinator shard 0 has since restored over (the reply's coordinator_id changed)."""
+        """This worker's lease of the training data from shard 0's coordinator (LeaseData); `in_order`:
+        --no-shuffle; `restart`: start a finished coordinator over (--no-resume); `done_before_restore`:
+        (epoch, chunk, end) it trained under a coordinator shard 0 has since restored over (the reply's
+        coordinator_id changed)."""
         done = [pb.LeaseDoneBeforeRestore(epoch=e, chunk=c, end=n) for e, c, n in done_before_restore]
         request = pb.LeaseDataRequest(rank=self.rank, num_batches=num_batches, chunk_batches=chunk_batches,
-                                      seed=seed, fingerprint=fingerprint, epochs=epochs,
+                                      seed=seed, fingerprint=fingerprint, epochs=epochs, in_order=in_order,
                                       finished=finished is not None, restart=restart,
                                       done_before_restore=done)
         if finished is not None:

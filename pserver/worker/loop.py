@@ -472,8 +472,8 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
     and waits a moment in the other modes. Epochs end when every chunk is done, on every worker.
     `callbacks` hear of each batch and epoch as in train (an epoch ends when the worker learns it)."""
     callbacks = callbacks or NoCallbacks()
-    data = ds.leased_batches(cfg.batch_size, cfg.seed, cfg.chunk_batches)
-    plan = (data.num_batches, cfg.chunk_batches, cfg.seed, data.fingerprint, cfg.epochs)
+    data = ds.leased_batches(cfg.batch_size, cfg.seed, cfg.chunk_batches, shuffle=not cfg.no_shuffle)
+    plan = (data.num_batches, cfg.chunk_batches, cfg.seed, data.fingerprint, cfg.epochs, cfg.no_shuffle)
     steps = max(1, data.num_batches // cfg.num_workers)
     g = np.empty_like(w)
     gradient = gradient_fn(model, cfg.seed, cfg.rank)
