@@ -118,7 +118,7 @@ class CallbackList:
         out = {"loss": loss / max(seen, 1)}
         if "accuracy" in self.metrics:
             out["accuracy"] = correct / max(seen, 1)
-        if self.validation and logs:
+        if self.validation and logs and "loss" in logs:     # the chief's evaluation (others: none)
             out["val_loss"] = logs["loss"]
             out.update({f"val_{m}": logs[m] for m in self.metrics if m in logs})
         for c in self.callbacks:
