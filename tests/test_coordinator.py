@@ -556,6 +556,11 @@ def test_the_epochs_sums_survive_a_checkpoint_and_a_new_run_starts_without_them(
     c.tally(1, 4.0, 4.0, 8)
     restored = Coordinator.load(json.loads(json.dumps(c.state())))
     assert restored.trained == {0: (3.5, 3.0, 6), 1: (4.0, 4.0, 8)}
+    older = c.state()                          # a checkpoint written before the sums and --no-shuffle
+    del older["trained"]
+    older["plan"] = older["plan"][:5]
+    back = Coordinator.load(json.loads(json.dumps(older)))
+    assert back.trained == {} and back.plan == restored.plan and not back.plan.in_order
     c.tally(2, 1.0, 1.0, 1)
     assert set(c.trained) == {1, 2}
     c.epoch = 3                                # finished, nothing leased: a new run may start over
