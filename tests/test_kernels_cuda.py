@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from pserver.errors import ConfigError
-from pserver.kernels.device import Device, describe, parse_device, round_robin, select
+from pserver.kernels.device import Device, blas_note, describe, parse_device, round_robin, select
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIM_MODULES = ("check_kernels_cuda", "check_gemm_cuda", "check_model_cuda")
@@ -101,10 +101,14 @@ def test_parse_device_rejects(spec):
 def test_cpu_and_pinned_devices_need_no_gpu(monkeypatch):
     monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
     assert select(Device("cpu")) == Device("cpu") and describe(Device("cpu")) == "cpu"
-    # A core type named in the environment overrides OpenBLAS's choice for this CPU: the
-    # worker's first line says so (a machine that sets Haswell's runs AVX2 on an AVX-512 core).
+    assert blas_note(Device("cpu")) is None
+    # A core type named in the environment overrides OpenBLAS's choice for this CPU: the chief
+    # says so (a machine that sets Haswell's runs AVX2 on an AVX-512 core), on the CPU only.
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
-    assert describe(Device("cpu")) == "cpu (OpenBLAS kernels Haswell, as OPENBLAS_CORETYPE says)"
+    assert describe(Device("cpu")) == "cpu"
+    assert blas_note(Device("cpu")).startswith("CPU matrix products: OpenBLAS's Haswell kernels, as "
+                                               "OPENBLAS_CORETYPE says")
+    assert blas_note(Device("cuda", 0)) is None
     assert round_robin(3, "cpu") == ["cpu"] * 3
     assert round_robin(2, "cuda:1") == ["cuda:1"] * 2   # pinned: the worker checks it
     assert "numba.cuda" not in sys.modules

@@ -105,12 +105,9 @@ def check_compiler(device: Device) -> None:
 
 def describe(device: Device) -> str:
     """What the device is, for a log line: 'cpu', 'cuda:0 (CUDA simulator)',
-    'cuda:1 (NVIDIA H100 80GB HBM3, compute capability 9.0)'. After `select`. On the CPU, an
-    OPENBLAS_CORETYPE in the environment is named: the matrix products then run the kernels it
-    names, not OpenBLAS's choice for this CPU (Haswell's AVX2 on an AVX-512 core halves them)."""
+    'cuda:1 (NVIDIA H100 80GB HBM3, compute capability 9.0)'. After `select`."""
     if device.kind == "cpu":
-        core = os.environ.get("OPENBLAS_CORETYPE")
-        return f"cpu (OpenBLAS kernels {core}, as OPENBLAS_CORETYPE says)" if core else "cpu"
+        return "cpu"
     if is_simulator():
         return f"{device} (CUDA simulator)"
     from numba import cuda
@@ -118,6 +115,17 @@ def describe(device: Device) -> str:
     name = gpu.name.decode() if isinstance(gpu.name, bytes) else str(gpu.name)
     major, minor = gpu.compute_capability
     return f"{device} ({name}, compute capability {major}.{minor})"
+
+
+def blas_note(device: Device) -> str | None:
+    """A line for the chief when OPENBLAS_CORETYPE is set and it computes on the CPU: the matrix
+    products then run the kernels it names, not OpenBLAS's choice for this CPU (Haswell's AVX2 on
+    an AVX-512 core takes twice as long); None otherwise."""
+    core = os.environ.get("OPENBLAS_CORETYPE")
+    if device.kind != "cpu" or not core:
+        return None
+    return (f"CPU matrix products: OpenBLAS's {core} kernels, as OPENBLAS_CORETYPE says (unset it to let "
+            f"OpenBLAS choose for this CPU)")
 
 
 def round_robin(num_workers: int, spec: str) -> list[str]:

@@ -29,8 +29,8 @@ from pserver.errors import (
     StaleStep,
 )
 from pserver.kernels.cache import CompileWatch
+from pserver.kernels.device import blas_note, parse_device, select
 from pserver.kernels.device import describe as describe_device
-from pserver.kernels.device import parse_device, select
 from pserver.models import make_model, saved
 from pserver.models.ctr import CTR_MODELS
 from pserver.models.layout import Layout
@@ -225,6 +225,9 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
               f"model {model_name(model)} {describe_params(model)}; {describe(ds)}; mode {mode}, "
               f"{len(cfg.ps)} shard(s) ({client.plane_description()}), optimizer {infos[0].optimizer} "
               f"lr {infos[0].lr:g}", flush=True)
+        note = blas_note(device)
+        if note and cfg.rank == 0:
+            print(note, flush=True)
         w = np.empty(model.layout.total, dtype=np.float32)
         start = None
         if cfg.rank == 0:
