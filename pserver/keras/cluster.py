@@ -39,12 +39,9 @@ class Cluster:
         if k > 1:
             _write(os.path.join(self.directory, FIT_MARK.format(k, self.rank)), {})
             marks = [os.path.join(self.directory, FIT_MARK.format(k, r)) for r in range(self.num_workers)]
-            deadline = time.monotonic() + WAIT_S
-            while not all(os.path.exists(m) for m in marks):
-                if time.monotonic() > deadline:
-                    raise Unavailable(f"pserver run: fit number {k}: not every worker reached it within "
-                                      f"{WAIT_S:g} s (every worker must call fit as often)")
-                time.sleep(0.02)
+            _until(lambda: all(os.path.exists(m) for m in marks) or None, 0.02,
+                   f"pserver run: fit number {k}: not every worker reached it within {WAIT_S:g} s (every "
+                   f"worker must call fit as often)")
         return k
 
     def fit_done(self) -> None:
@@ -55,15 +52,16 @@ class Cluster:
         same and `pserver run` started them (ConfigError naming a difference)."""
         _write(os.path.join(self.directory, SETTINGS.format(self.rank)), settings)
         path, refused = os.path.join(self.directory, ADDRESSES), os.path.join(self.directory, REFUSED)
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
+
+        def addresses() -> tuple[str, ...] | None:
             if os.path.exists(refused):       # `pserver run` says why, once, and exits 2
                 raise SystemExit(2)
-            if os.path.exists(path):
-                with open(path) as f:
-                    return tuple(json.load(f)["addresses"])
-            time.sleep(0.05)
-        raise Unavailable(f"pserver run: no shards after {WAIT_S:g} s (did every worker reach fit?)")
+            if not os.path.exists(path):
+                return None
+            with open(path) as f:
+                return tuple(json.load(f)["addresses"])
+        return _until(addresses, 0.05,
+                      f"pserver run: no shards after {WAIT_S:g} s (did every worker reach fit?)")
 
 
 @dataclass(frozen=True)
@@ -107,6 +105,18 @@ def current() -> Cluster | Running | None:
 def seed() -> int:
     """`pserver run --seed`, else keras.utils.set_random_seed's, else 0."""
     return int(os.environ.get(SEED, "0"))
+
+
+def _until(check, poll: float, failure: str):
+    """check()'s first value that is not None, asked every `poll` seconds for up to WAIT_S;
+    Unavailable(failure) after that."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        got = check()
+        if got is not None:
+            return got
+        time.sleep(poll)
+    raise Unavailable(failure)
 
 
 def _write(path: str, value: dict) -> None:
