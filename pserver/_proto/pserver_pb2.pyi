@@ -519,7 +519,7 @@ class CheckpointReply(_message.Message):
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class LeaseDataRequest(_message.Message):
-    __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs", "in_order", "done_before_restore", "restart")
+    __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs", "in_order", "done_before_restore", "restart", "epoch_logs", "logs_epoch", "share_logs", "log_names", "log_values", "stop_training")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -533,6 +533,12 @@ class LeaseDataRequest(_message.Message):
     IN_ORDER_FIELD_NUMBER: _ClassVar[int]
     DONE_BEFORE_RESTORE_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_LOGS_FIELD_NUMBER: _ClassVar[int]
+    LOGS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHARE_LOGS_FIELD_NUMBER: _ClassVar[int]
+    LOG_NAMES_FIELD_NUMBER: _ClassVar[int]
+    LOG_VALUES_FIELD_NUMBER: _ClassVar[int]
+    STOP_TRAINING_FIELD_NUMBER: _ClassVar[int]
     rank: int
     session: str
     num_batches: int
@@ -546,7 +552,13 @@ class LeaseDataRequest(_message.Message):
     in_order: bool
     done_before_restore: _containers.RepeatedCompositeFieldContainer[LeaseDoneBeforeRestore]
     restart: bool
-    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., num_batches: _Optional[int] = ..., chunk_batches: _Optional[int] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., finished: _Optional[bool] = ..., finished_epoch: _Optional[int] = ..., finished_chunk: _Optional[int] = ..., epochs: _Optional[int] = ..., in_order: _Optional[bool] = ..., done_before_restore: _Optional[_Iterable[_Union[LeaseDoneBeforeRestore, _Mapping]]] = ..., restart: _Optional[bool] = ...) -> None: ...
+    epoch_logs: bool
+    logs_epoch: int
+    share_logs: bool
+    log_names: _containers.RepeatedScalarFieldContainer[str]
+    log_values: _containers.RepeatedScalarFieldContainer[float]
+    stop_training: bool
+    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., num_batches: _Optional[int] = ..., chunk_batches: _Optional[int] = ..., seed: _Optional[int] = ..., fingerprint: _Optional[str] = ..., finished: _Optional[bool] = ..., finished_epoch: _Optional[int] = ..., finished_chunk: _Optional[int] = ..., epochs: _Optional[int] = ..., in_order: _Optional[bool] = ..., done_before_restore: _Optional[_Iterable[_Union[LeaseDoneBeforeRestore, _Mapping]]] = ..., restart: _Optional[bool] = ..., epoch_logs: _Optional[bool] = ..., logs_epoch: _Optional[int] = ..., share_logs: _Optional[bool] = ..., log_names: _Optional[_Iterable[str]] = ..., log_values: _Optional[_Iterable[float]] = ..., stop_training: _Optional[bool] = ...) -> None: ...
 
 class LeaseDoneBeforeRestore(_message.Message):
     __slots__ = ("epoch", "chunk", "end")
@@ -559,7 +571,7 @@ class LeaseDoneBeforeRestore(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class LeaseDataReply(_message.Message):
-    __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch", "coordinator_id", "trained_loss_sum", "trained_correct", "trained_samples")
+    __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch", "coordinator_id", "trained_loss_sum", "trained_correct", "trained_samples", "has_logs", "log_names", "log_values", "stop_training", "chief_told", "chief_live")
     HAS_LEASE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -569,6 +581,12 @@ class LeaseDataReply(_message.Message):
     TRAINED_LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
     TRAINED_CORRECT_FIELD_NUMBER: _ClassVar[int]
     TRAINED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGS_FIELD_NUMBER: _ClassVar[int]
+    LOG_NAMES_FIELD_NUMBER: _ClassVar[int]
+    LOG_VALUES_FIELD_NUMBER: _ClassVar[int]
+    STOP_TRAINING_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_TOLD_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_LIVE_FIELD_NUMBER: _ClassVar[int]
     has_lease: bool
     epoch: int
     chunk: int
@@ -578,4 +596,10 @@ class LeaseDataReply(_message.Message):
     trained_loss_sum: float
     trained_correct: float
     trained_samples: int
-    def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., trained_loss_sum: _Optional[float] = ..., trained_correct: _Optional[float] = ..., trained_samples: _Optional[int] = ...) -> None: ...
+    has_logs: bool
+    log_names: _containers.RepeatedScalarFieldContainer[str]
+    log_values: _containers.RepeatedScalarFieldContainer[float]
+    stop_training: bool
+    chief_told: bool
+    chief_live: bool
+    def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., trained_loss_sum: _Optional[float] = ..., trained_correct: _Optional[float] = ..., trained_samples: _Optional[int] = ..., has_logs: _Optional[bool] = ..., log_names: _Optional[_Iterable[str]] = ..., log_values: _Optional[_Iterable[float]] = ..., stop_training: _Optional[bool] = ..., chief_told: _Optional[bool] = ..., chief_live: _Optional[bool] = ...) -> None: ...

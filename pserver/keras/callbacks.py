@@ -2,8 +2,10 @@
 
 The loop calls a CallbackList at each step's and epoch's end; `stop_training` set by any
 callback ends the run after that epoch. History (always there, as in Keras) keeps the
-per-epoch logs: `loss` (and the compiled metrics) averaged over this worker's batches of the
-epoch, and `val_*`, the chief's evaluation of the validation data at the epoch's end.
+per-epoch logs: `loss` (and the compiled metrics) averaged over every worker's batches of the
+epoch, and `val_*`, the chief's evaluation of the validation data at the epoch's end. On a
+cluster every worker's callbacks get the chief's logs, and a stop decided on the chief stops
+every worker after that epoch (DESIGN.md section 7, "Keras on a cluster").
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class CallbackList:
             c.set_params(params)
         self.weights = None
         self.shard_settings: dict | None = None       # what the shards must run (fit sets it)
+        # On a cluster every worker's callbacks take the chief's epoch logs and stop decision (the
+        # loop shares them through shard 0: pserver.worker.loop.chief_logs); epoch_logs: the last.
+        self.shares_logs = True
+        self.epoch_logs: dict = {}
 
     @property
     def stop_training(self) -> bool:
@@ -108,6 +114,18 @@ class CallbackList:
             c.on_train_batch_end(batch, out)
 
     def on_epoch_end(self, epoch, logs=None):
+        shared = (logs or {}).get("shared")
+        if shared is not None:     # another worker than the chief: the chief's logs (the loop's chief_logs)
+            out = dict(shared)
+        else:
+            out = self._own_logs(logs)
+        self.epoch_logs = dict(out)        # what the chief gives every worker (before callbacks add to it)
+        for c in self.callbacks:
+            c.on_epoch_end(epoch + self.offset, out)
+        if shared is not None:     # a stop is the chief's decision: every worker stops after the epoch
+            self.model.stop_training = bool(logs.get("stop_training"))
+
+    def _own_logs(self, logs) -> dict:
         # Keras's: over every worker's batches of the epoch, which shard 0 summed from their pushes
         # (logs["trained"], with data leases); else this worker's own.
         trained = (logs or {}).get("trained")
@@ -118,11 +136,10 @@ class CallbackList:
         out = {"loss": loss / max(seen, 1)}
         if "accuracy" in self.metrics:
             out["accuracy"] = correct / max(seen, 1)
-        if self.validation and logs and "loss" in logs:     # the chief's evaluation (others: none)
+        if self.validation and logs and "loss" in logs:     # the chief's evaluation
             out["val_loss"] = logs["loss"]
             out.update({f"val_{m}": logs[m] for m in self.metrics if m in logs})
-        for c in self.callbacks:
-            c.on_epoch_end(epoch + self.offset, out)
+        return out
 
     def on_train_end(self, logs=None):
         for c in self.callbacks:

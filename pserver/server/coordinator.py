@@ -97,6 +97,11 @@ class Coordinator:
         # epoch -> (loss x samples, samples classed right, samples) over the pushes shard 0 took
         # with a lease of it: Keras's per-epoch training loss and accuracy over every worker's batches
         self.trained: dict[int, tuple[float, float, int]] = {}
+        # Keras on a cluster: epoch -> the chief's logs (names, values) and stop decision, which every
+        # worker's callbacks take (this epoch and the one before kept); rank -> the newest epoch a
+        # lease reply told it (a worker waiting for the chief's logs knows whether the chief is told)
+        self.shared: dict[int, tuple[list[str], list[float], bool]] = {}
+        self.told: dict[int, int] = {}
 
     # -- the plan ---------------------------------------------------------------------------
     def configure(self, plan: Plan, restart: bool = False) -> None:
@@ -118,6 +123,8 @@ class Coordinator:
                                          f"{plan.chunk_batches}: both must be at least 1")
             self.plan = plan
             self.trained.clear()                       # a new run's epochs: no earlier run's sums
+            self.shared.clear()
+            self.told.clear()
             self._open(0)
             return
         if plan == self.plan:
@@ -299,6 +306,13 @@ class Coordinator:
         self.trained[epoch] = (loss + float(loss_sum), right + float(correct), n + int(samples))
         for old in [e for e in self.trained if e < epoch - 1]:
             del self.trained[old]
+
+    def share_logs(self, epoch: int, names: list[str], values: list[float], stop: bool) -> None:
+        """The chief's logs of `epoch` and whether it stopped there, for every worker's callbacks
+        (Keras on a cluster). Only this epoch and the one before are kept."""
+        self.shared[epoch] = (list(names), list(values), bool(stop))
+        for old in [e for e in self.shared if e < epoch - 1]:
+            del self.shared[old]
 
     def dropped(self, n: int = 1) -> None:
         """Backup: a push dropped late; its batch counts as done (the worker moved on)."""

@@ -192,6 +192,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_status
     def LeaseData(self, request, context):
         r = request
+        if r.epoch_logs:                   # Keras on a cluster: the chief's epoch logs, no lease
+            share = (list(r.log_names), list(r.log_values), r.stop_training) if r.share_logs else None
+            logs, told, live = self.shard.epoch_logs(r.rank, r.session, r.logs_epoch, share)
+            reply = pb.LeaseDataReply(chief_told=told, chief_live=live)
+            if logs is not None:
+                reply.has_logs = True
+                reply.log_names.extend(logs[0])
+                reply.log_values.extend(logs[1])
+                reply.stop_training = logs[2]
+            return reply
         plan = Plan(r.num_batches, r.chunk_batches, r.seed, r.fingerprint, r.epochs, r.in_order)
         finished = (r.finished_epoch, r.finished_chunk) if r.finished else None
         lease = self.shard.lease(r.rank, r.session, plan, finished, r.restart,

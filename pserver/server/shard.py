@@ -51,6 +51,7 @@ Fill = Callable[[np.ndarray], None] | np.ndarray
 MAX_PARAMS = 1 << 33                  # 8G elements (32 GB) per model: a sanity bound on declared sizes
 MAX_TABLES = 1024                     # sparse tables per model
 MAX_ROW_DIM = 1 << 16                 # values per sparse row
+MAX_EPOCH_LOGS = 64                   # names in the chief's epoch logs (Keras: loss, metrics, val_*)
 EXPIRY_SLACK = 0.005                  # seconds the reaper wakes after a session falls due (and at least)
 
 
@@ -186,8 +187,35 @@ class Shard:
             self.members.authorize(rank, session)
             self.store.coordinator.configure(plan, restart)
             self.store.coordinator.done_before_restore(done_before_restore)
-            return self.store.coordinator.lease(rank, self.members.sessions[rank], finished,
-                                                workers=len(self.members.live()))
+            lease = self.store.coordinator.lease(rank, self.members.sessions[rank], finished,
+                                                 workers=len(self.members.live()))
+            self.store.coordinator.told[rank] = self.store.coordinator.epoch
+            return lease
+
+    def epoch_logs(self, rank: int, session: str | None, epoch: int, share=None):
+        """Keras on a cluster: the chief's logs of `epoch` for every worker's callbacks, through
+        shard 0's coordinator. `share` (names, values, stop): the chief (rank 0) gives them.
+        Returns (names, values, stop) or None before the chief gave them, whether the chief was
+        told that epoch ended, and whether it is live."""
+        if self.cfg.shard != 0:
+            raise FailedPrecondition(f"epoch logs: the data coordinator is in shard 0, "
+                                     f"not shard {self.cfg.shard}")
+        with self.store.cond:
+            self.members.authorize(rank, session)
+            c = self.store.coordinator
+            if share is not None:
+                names, values, stop = share
+                if rank != 0:
+                    raise FailedPrecondition(f"epoch logs: only the chief (rank 0) gives them, "
+                                             f"not rank {rank}")
+                last = c.plan.epochs if c.plan else 0
+                if len(names) != len(values) or len(names) > MAX_EPOCH_LOGS \
+                        or any(len(n) > 100 for n in names) or not 0 <= epoch <= last:
+                    raise InvalidArgument(f"epoch logs: {len(names)} names, {len(values)} values for epoch "
+                                          f"{epoch}: give one value per name, at most {MAX_EPOCH_LOGS} names "
+                                          f"of at most 100 characters, for an epoch of the run's plan")
+                c.share_logs(epoch, names, values, stop)
+            return c.shared.get(epoch), c.told.get(0, -1) > epoch, 0 in self.members.live()
 
     def _check_lease(self, rank: int, lease: tuple[int, int, int]) -> None:
         """A push's data lease (epoch, chunk, batch) goes to the coordinator (cond held); one the

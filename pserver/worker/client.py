@@ -815,6 +815,18 @@ class PSClient:
             request.finished_epoch, request.finished_chunk = finished
         return self.shards[0].lease_data(request, self.rpc_deadline)
 
+    def epoch_logs(self, epoch: int, share: tuple[dict, bool] | None = None) -> pb.LeaseDataReply:
+        """Keras on a cluster: the chief gives its logs of `epoch` and its stop decision (`share`:
+        (logs, stop)); another worker asks for them (reply.has_logs once given)."""
+        request = pb.LeaseDataRequest(rank=self.rank, epoch_logs=True, logs_epoch=epoch,
+                                      share_logs=share is not None)
+        if share is not None:
+            logs, stop = share
+            request.log_names.extend(logs)
+            request.log_values.extend(float(v) for v in logs.values())
+            request.stop_training = bool(stop)
+        return self.shards[0].lease_data(request, self.rpc_deadline)
+
     def status(self, timeout: float = 10.0) -> list[pb.StatusReply]:
         return self.each(lambda s: s.status(timeout))
 

@@ -27,6 +27,7 @@ from pserver.errors import (
     LeaseGone,
     PServerError,
     StaleStep,
+    Unavailable,
 )
 from pserver.kernels.cache import CompileWatch
 from pserver.kernels.device import blas_note, parse_device, select
@@ -491,6 +492,17 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
     done_log, coordinator = [], ""
     epoch, step, epoch_started = 0, 0, time.monotonic()
     empty_counts = mode in ("sync", "backup")
+    # Keras on a cluster: every worker's callbacks take the chief's epoch logs and stop decision
+    shares = getattr(callbacks, "shares_logs", False) and cfg.num_workers > 1
+
+    def push_empty() -> None:          # no batch to train: 0 samples, counts toward the step
+        nonlocal clock
+        g.fill(0.0)
+        with timer("push_pull"):
+            for outcome in push_pull(client, g, w, 0, clock):
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        clock += 1
+
     callbacks.on_train_begin({})
     while not client.finished and not (cfg.max_steps and clock >= cfg.max_steps):
         if lease is None:
@@ -519,7 +531,11 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
                 if reply.epoch == epoch + 1 and reply.trained_samples > 0:    # every worker's batches
                     logs["trained"] = {"loss_sum": reply.trained_loss_sum, "correct": reply.trained_correct,
                                        "samples": reply.trained_samples}
+                if shares and cfg.rank != 0:
+                    logs = chief_logs(client, cfg.rank, epoch, push_empty if empty_counts else None)
                 callbacks.on_epoch_end(epoch, logs)
+                if shares and cfg.rank == 0:
+                    client.epoch_logs(epoch, share=(callbacks.epoch_logs, callbacks.stop_training))
                 if callbacks.stop_training:
                     break
                 epoch, step, epoch_started = reply.epoch, 0, time.monotonic()
@@ -536,11 +552,7 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
             if not empty_counts:
                 time.sleep(0.05)                        # async: nothing to wait for; ask again
                 continue
-            g.fill(0.0)
-            with timer("push_pull"):
-                for outcome in push_pull(client, g, w, 0, clock):
-                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
-            clock += 1
+            push_empty()
             continue
         x, y = data.batch(lease.epoch, at)
         if len(x) == 0:                                 # a file's byte range where no training line starts
@@ -584,6 +596,28 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
         write_json(cfg.stats_json, stats)
     return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock, "curve": curve.points,
             "stats": stats, "seconds": progress.elapsed, "resumed_at_step": 0}
+
+
+def chief_logs(client: PSClient, rank: int, epoch: int, push_empty=None, poll: float = 0.02) -> dict:
+    """A worker other than the chief at `epoch`'s end: the chief's logs of it and its stop decision,
+    once it gave them (its evaluation done, its callbacks run), as {"shared": logs, "stop_training":
+    bool}. Meanwhile, in sync and backup (`push_empty`), a chief not yet told the epoch ended may be
+    waiting in a step for this worker's contribution: push an empty one, so that it learns."""
+    untold = 0
+    while True:
+        reply = client.epoch_logs(epoch)
+        if reply.has_logs:
+            return {"shared": dict(zip(reply.log_names, reply.log_values)),
+                    "stop_training": reply.stop_training}
+        if not reply.chief_live:
+            raise Unavailable(f"worker {rank}: the chief (rank 0) left or was marked dead before it gave "
+                              f"epoch {epoch + 1}'s logs, which every worker's callbacks take")
+        untold = 0 if reply.chief_told else untold + 1
+        if push_empty is not None and untold >= 3:       # not told after a few polls: it waits on us
+            push_empty()
+            untold = 0
+        else:
+            time.sleep(poll)
 
 
 def say_where_leases_begin(cfg: WorkerConfig, epoch: int, say) -> None:

@@ -15,11 +15,12 @@ import pytest
 
 from tests.e2e.conftest import env_with
 
-pytestmark = [pytest.mark.e2e, pytest.mark.mnist]
+pytestmark = [pytest.mark.e2e]
 
 SCRIPT = Path(__file__).parents[2] / "bench" / "keras_mnist_convnet.py"
 
 
+@pytest.mark.mnist
 def test_the_keras_mnist_convnet_example_trains_to_975_in_2_epochs_under_pserver_run(tmp_path, mnist_dir):
     import subprocess
     text = SCRIPT.read_text()
@@ -40,3 +41,64 @@ def test_the_keras_mnist_convnet_example_trains_to_975_in_2_epochs_under_pserver
     assert int(lines[0][0]) == 54000 // 128               # the global batch of 128, split across 4 workers
     accuracy = float(re.search(r"^Test accuracy: (\S+)$", out, re.M).group(1))
     assert accuracy >= 0.975, out[-2000:]
+
+
+# -- every worker agrees (DESIGN.md section 7, "Keras on a cluster") ------------------------------------
+
+SAME_LOGS = """
+import json, os
+import numpy as np
+import pserver.keras as keras
+from pserver.keras import layers
+rank = int(os.environ["PSERVER_RUN_RANK"])
+out = os.environ["OUT_DIR"]
+
+class Record(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append([epoch, dict(logs)])
+        if os.environ.get("STOP") and rank == 0:      # the chief's decision only
+            self.model.stop_training = True
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(320, 4)).astype("float32"); y = (x[:, 0] > 0).astype(int)
+model = keras.Sequential([keras.Input(shape=(4,)), layers.Dense(2, activation="softmax")])
+model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+record = Record()
+h = model.fit(x, y, batch_size=32, epochs=int(os.environ["EPOCHS"]), verbose=0, validation_split=0.2,
+              callbacks=[record])
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump({"epoch": h.epoch, "history": h.history, "callback": record.seen,
+               "val_accuracy": None if os.environ.get("STOP") else h.history["val_accuracy"]}, f)
+"""
+
+
+def _run_same_logs(tmp_path, **env):
+    import json
+    import subprocess
+    script = tmp_path / "same.py"
+    script.write_text(SAME_LOGS)
+    r = subprocess.run([sys.executable, "-m", "pserver", "run", "--ps", "1", "--workers", "2", "--",
+                        sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env=env_with({"OUT_DIR": str(tmp_path), **env}))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
+
+
+def test_every_worker_s_history_and_callbacks_get_the_chief_s_logs_with_validation(tmp_path):
+    """Catches: a worker other than the chief with no val_* in its History and callback logs
+    (history.history["val_accuracy"] raised KeyError on rank 1), or logs of its own."""
+    chief, other = _run_same_logs(tmp_path, EPOCHS="2")
+    assert chief["epoch"] == [0, 1]
+    assert list(chief["history"]) == ["loss", "accuracy", "val_loss", "val_accuracy"]
+    assert other == chief                     # History and every callback's logs, value for value
+
+
+def test_a_stop_decided_on_the_chief_stops_every_worker_after_that_epoch(tmp_path):
+    """Catches: stop_training set on the chief stopping only the chief (rank 1 trained the other
+    3 epochs alone on the shared weights)."""
+    chief, other = _run_same_logs(tmp_path, EPOCHS="4", STOP="1")
+    assert chief["epoch"] == [0] and other["epoch"] == [0]
+    assert other == chief
