@@ -420,13 +420,16 @@ def export_checkpoints(directory: str, out: str, options: dict, mode: str = "syn
     return {**result, "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()}}
 
 
-def load_model(path: str, model=None) -> SavedModel:
+def load_model(path: str, model=None, safe_mode: bool = True) -> SavedModel:
     """A model file written by `--save` / `train(..., save=PATH)` or `pserver export` (a
     directory, for a model with sparse tables: they are memory-mapped): the model, built again from
     its definition, with its trained weights (`.model`, `.weights`, `.meta`; `.predict(x)`,
     `.evaluate(x, y)`). A model built in Python is not rebuilt by the file: pass it as
-    `model` (a Sequential with the same layers); `model` may also be a --model spec string."""
-    return load(path, model)
+    `model` (a Sequential with the same layers); `model` may also be a --model spec string.
+    As Keras's load_model, `safe_mode` (default True) runs no code the file names: a model built
+    by a --model FILE.py:FUNCTION or package.module:FUNCTION is refused (UnsafeModelFile) unless
+    safe_mode=False or `model` is given. A malformed file raises ModelFileError naming why."""
+    return load(path, model, safe_mode)
 
 
 def predict(model, x, *, weights=None, batch_size: int = 4096) -> np.ndarray:

@@ -3,6 +3,8 @@
     PServerError                 base: a message a user can act on, never a traceback
      +-- ConfigError             bad flag, bad TF_CONFIG, bad combination of options
      +-- DataError               dataset missing, unreadable or malformed
+     |    +-- ModelFileError     a model file naming an unknown optimizer or layer, or malformed
+     |         +-- UnsafeModelFile  a model file that would run code, loaded with safe_mode=True
      +-- RpcError                something a shard answered (or failed to answer)
           +-- InvalidArgument    shape, dtype, size, non-finite values, unknown tensor
           +-- FailedPrecondition wrong step, unknown worker, layout mismatch
@@ -59,6 +61,18 @@ class ConfigError(PServerError):
 
 class DataError(PServerError):
     """A dataset that is missing, unreadable or malformed."""
+
+
+class ModelFileError(DataError):
+    """A model file (model.save, --save, pserver export) whose contents cannot be the model it
+    claims: an unknown optimizer or layer name, a config that does not build, a malformed field.
+    The message names the file and what is wrong."""
+
+
+class UnsafeModelFile(ModelFileError):
+    """A model file that would run code to be loaded (it names a Python module or file whose
+    function builds the model), loaded with safe_mode=True (the default): a file from elsewhere
+    runs no code unless the caller passes safe_mode=False."""
 
 
 class RpcError(PServerError):

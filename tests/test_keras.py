@@ -184,6 +184,98 @@ def test_a_user_layer_is_saved_once_registered_and_refused_by_name_otherwise(tmp
     assert np.array_equal(again.get_weights()[0], model.get_weights()[0])
 
 
+# -- crafted model files: refused by pserver's errors, and no code run in safe mode ---------------------
+
+def _crafted(tmp_path, name, change):
+    """A real model.save file whose JSON definition `change` edited."""
+    from pserver.models import saved
+    model = keras.Sequential([keras.Input(shape=(4,)), layers.Dense(2, activation="softmax")])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.save(tmp_path / "m.npz")
+    with np.load(tmp_path / "m.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(str(arrays[saved.META]))
+    change(meta)
+    arrays[saved.META] = np.array(json.dumps(meta))
+    np.savez(tmp_path / name, **arrays)
+    return str(tmp_path / name)
+
+
+def _huge(meta):
+    """A layer of 10^12 units, the signature made to match it (the file's arrays stay small)."""
+    meta["sequential"]["layers"][0]["config"]["units"] = 10 ** 12
+    big = keras.Sequential([keras.Input(shape=(4,)), layers.Dense(10 ** 12, activation="softmax")])
+    meta["signature"] = big._core.layout.signature()
+
+
+CRAFTED = {
+    "unknown_optimizer": (lambda m: m["keras_optimizer"].update(class_name="RMSprop", optimizer="rmsprop"),
+                          "'rmsprop' is not one pserver.keras writes"),
+    "optimizer_not_a_dict": (lambda m: m.update(keras_optimizer=[1]), "not an optimizer's config"),
+    "optimizer_without_lr": (lambda m: m["keras_optimizer"].pop("lr"), "lr=None: expected a number"),
+    "sequential_a_list": (lambda m: m.update(sequential=[1]), "malformed"),
+    "layer_config_a_list": (lambda m: m["sequential"]["layers"][0].update(config=[1]), "malformed"),
+    "unknown_layer": (lambda m: m["sequential"]["layers"][0].update(class_name="Lambda"),
+                      "'Lambda' is neither built in"),
+    "huge_layer": (_huge, "expected float32 \\(4, 1000000000000\\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_a_crafted_keras_model_file_raises_a_model_file_error_naming_what_is_wrong(tmp_path, case):
+    """Catches: an unknown compiled optimizer loaded as SGD; KeyError, AttributeError and
+    MemoryError (a layout allocated before the file's arrays were checked) instead of pserver's."""
+    from pserver.errors import ModelFileError
+    change, named = CRAFTED[case]
+    path = _crafted(tmp_path, f"{case}.npz", change)
+    with pytest.raises(ModelFileError, match=named) as e:
+        keras.models.load_model(path)
+    assert str(e.value).startswith(f"{path}: ") and str(e.value).count(path) == 1
+
+
+MARKER_MODULE = """
+import pathlib
+pathlib.Path({marker!r}).write_text("imported")
+
+def build(input_shape, num_classes):
+    from pserver.layers import Dense
+    from pserver.models.sequential import Sequential
+    return Sequential([Dense(num_classes, activation="softmax", name="dense")], input_shape=input_shape,
+                      loss="sparse_categorical_crossentropy")
+"""
+
+
+@pytest.mark.parametrize("named", ["module", "file", "os:system"])
+def test_a_model_file_naming_code_runs_none_of_it_unless_safe_mode_is_false(tmp_path, monkeypatch, named):
+    """Catches: pserver.load_model importing and calling a package.module:FUNCTION (or
+    FILE.py:FUNCTION) a model file names, and safe_mode accepted and ignored."""
+    import pserver
+    from pserver.errors import UnsafeModelFile
+    marker = tmp_path / f"imported-{named}"
+    module = f"pserver_test_marker_{named}"
+    (tmp_path / f"{module}.py").write_text(MARKER_MODULE.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = {"module": f"{module}:build", "file": f"{tmp_path / module}.py:build",
+            "os:system": "os:system"}[named]
+
+    def names_code(meta):
+        meta.pop("sequential")
+        meta.update(model=spec, arguments={"input_shape": [4], "num_classes": 2})
+    path = _crafted(tmp_path, "code.npz", names_code)
+    for load in (lambda: pserver.load_model(path), lambda: pserver.load_model(path, safe_mode=True),
+                 lambda: keras.models.load_model(path), lambda: pserver.predict(path, np.zeros((1, 4)))):
+        with pytest.raises(UnsafeModelFile, match="safe_mode=False"):
+            load()
+    assert not marker.exists() and module not in sys.modules
+    with pytest.raises(ConfigError, match="safe_mode must be True or False"):
+        pserver.load_model(path, safe_mode="no")
+    with pytest.raises(ConfigError, match="safe_mode must be True or False"):
+        keras.models.load_model(path, safe_mode=0)
+    if named != "os:system":                  # the caller trusts the file: its code builds the model
+        assert pserver.load_model(path, safe_mode=False).predict(np.zeros((3, 4))).shape == (3, 2)
+        assert marker.read_text() == "imported"
+
+
 def test_get_and_set_weights_round_trip_and_refuse_a_wrong_shape():
     model = small_model()
     ws = model.get_weights()

@@ -277,19 +277,33 @@ class Sequential:
 
 def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> Sequential:
     """A model file written by model.save (or by pserver with a Sequential): the model built
-    again from its layers' configs, with its weights, compiled as it was."""
+    again from its layers' configs, with its weights, compiled as it was. Its layers are
+    pserver's built-in ones and the classes registered in this process
+    (keras.saving.register_keras_serializable): as Keras's with safe_mode=True, the file runs
+    no code of its own, and a file that names code to build its model (a --model
+    package.module:FUNCTION file) is refused (UnsafeModelFile); with safe_mode=False, it is
+    refused too, as no Sequential: pserver.load_model(..., safe_mode=False) loads it. A file
+    naming an unknown optimizer or layer, or malformed, raises ModelFileError naming it."""
     _refuse("load_model", {}, custom_objects=custom_objects)
+    if not isinstance(safe_mode, bool):
+        raise ConfigError(f"load_model: safe_mode must be True or False, got {safe_mode!r}")
+    if not isinstance(compile, bool):
+        raise ConfigError(f"load_model: compile must be True or False, got {compile!r}")
     filepath = os.fspath(filepath)
     meta, arrays = saved.read(filepath)
+    saved.refuse_delta(filepath, meta)
     if not meta.get("sequential"):
+        if safe_mode:
+            saved.refuse_code(filepath, meta)
         raise ConfigError(f"{filepath}: holds no Sequential's config (a --model file: use "
                           "pserver.load_model)")
-    model = Sequential.from_config(meta["sequential"])
-    model._w = saved.weights_of(filepath, meta, arrays, model._core.layout)
-    opt = meta.get("keras_optimizer")
-    if compile and opt:
-        model.optimizer = optimizers.from_settings(opt)
-        model._compiled = True
+    with saved.model_file_errors(filepath):
+        model = Sequential.from_config(meta["sequential"])
+        model._w = saved.weights_of(filepath, meta, arrays, model._core.layout)
+        opt = meta.get("keras_optimizer")
+        if compile and opt is not None:
+            model.optimizer = optimizers.from_settings(opt)
+            model._compiled = True
     return model
 
 

@@ -8,7 +8,7 @@ shards already running. An argument pserver cannot honour is refused, naming it.
 
 from __future__ import annotations
 
-from pserver.errors import ConfigError
+from pserver.errors import ConfigError, ModelFileError
 
 # Keras's arguments every optimizer takes, and the values that mean "not used".
 _COMMON = {"weight_decay": None, "clipnorm": None, "clipvalue": None, "global_clipnorm": None,
@@ -100,11 +100,33 @@ def get(spec) -> Optimizer:
 
 
 def from_settings(config: dict) -> Optimizer:
-    """The object get_config() described (a model file's compiled optimizer)."""
-    settings = {k: v for k, v in config.items() if k != "class_name"}
-    if settings.get("optimizer") == "adam":
-        return Adam(settings["lr"], settings["beta1"], settings["beta2"], settings["eps"])
-    return SGD(settings["lr"], settings.get("momentum", 0.0), settings.get("nesterov", False))
+    """The object get_config() described (a model file's compiled optimizer). ModelFileError
+    naming what is wrong: an optimizer these classes do not write, a missing or mistyped field."""
+    if not isinstance(config, dict):
+        raise ModelFileError(f"compiled optimizer: {config!r} is not an optimizer's config")
+    name = config.get("optimizer")
+    needs = _FIELDS.get(name) if isinstance(name, str) else None
+    if needs is None:
+        raise ModelFileError(f"compiled optimizer: {name!r} is not one pserver.keras writes "
+                             f"({', '.join(_FIELDS)})")
+    for field, kind in needs.items():
+        value = config.get(field)
+        if not isinstance(value, kind) or isinstance(value, bool) is not (kind is bool):
+            raise ModelFileError(f"compiled optimizer {name}: {field}={value!r}: expected a "
+                                 f"{'bool' if kind is bool else 'number'}")
+    try:
+        if name == "adam":
+            return Adam(config["lr"], config["beta1"], config["beta2"], config["eps"])
+        return SGD(config["lr"], config.get("momentum", 0.0), config.get("nesterov", False))
+    except ConfigError as e:
+        raise ModelFileError(f"compiled optimizer {name}: {e}") from None
+
+
+# What get_config() writes for each pserver optimizer (besides class_name), and its types.
+_NUMBER = (int, float)
+_FIELDS = {"sgd": {"lr": _NUMBER},
+           "momentum": {"lr": _NUMBER, "momentum": _NUMBER, "nesterov": bool},
+           "adam": {"lr": _NUMBER, "beta1": _NUMBER, "beta2": _NUMBER, "eps": _NUMBER}}
 
 
 __all__ = ["Optimizer", "SGD", "Adam", "get", "from_settings"]

@@ -46,7 +46,7 @@ import uuid
 import numpy as np
 
 from pserver import sparse
-from pserver.errors import ConfigError, DataError
+from pserver.errors import ConfigError, DataError, ModelFileError, UnsafeModelFile
 from pserver.models import DEFAULT_HIDDEN
 from pserver.sparse.compact import to_float32
 
@@ -597,22 +597,45 @@ class SavedModel:
         return f"SavedModel({self.path}: {self.meta['name']}, {self.meta['num_params']:,} parameters{tables})"
 
 
-def load(path: str, model=None) -> SavedModel:
+def load(path: str, model=None, safe_mode: bool = True) -> SavedModel:
     """Read a model file. The model is built again from its definition, unless `model` is
-    given: a Sequential (or model object) of the same layout, or a --model spec string."""
+    given: a Sequential (or model object) of the same layout, or a --model spec string. A file
+    whose definition names Python code (a --model FILE.py:FUNCTION or package.module:FUNCTION)
+    is refused with UnsafeModelFile unless `safe_mode` is False (as Keras's load_model: a file
+    from elsewhere runs no code unless the caller allows it); a malformed one raises
+    ModelFileError naming what is wrong."""
+    if not isinstance(safe_mode, bool):
+        raise ConfigError(f"load_model: safe_mode must be True or False, got {safe_mode!r}")
     meta, arrays = read(path)
     refuse_delta(path, meta)
-    if model is None and meta.get("model") is None and meta.get("sequential"):
-        from pserver.models.sequential import Sequential
-        with _config_errors(path):
-            model = Sequential.from_config(meta["sequential"])
-    if model is None and meta.get("model") is None:
+    if model is None and meta.get("model") is None and not meta.get("sequential"):
         raise ConfigError(f"{path}: was saved from a model built in Python, which the file cannot "
                           f"rebuild; give it: load_model({path!r}, model=...)")
-    if model is None or isinstance(model, str):
-        model = build(meta, model or meta["model"])
+    if isinstance(model, str):                   # the caller's --model spec, with the file's arguments
+        model = build(meta, model)
+    with model_file_errors(path):                # the file's own definition
+        if model is None and meta.get("model") is None:
+            from pserver.models.sequential import Sequential
+            model = Sequential.from_config(meta["sequential"])
+        if model is None:
+            if not isinstance(meta["model"], str):
+                raise ModelFileError(f"'model' is {meta['model']!r}, not a model's name")
+            if safe_mode:
+                refuse_code(path, meta)
+            model = build(meta, meta["model"])
     weights = weights_of(path, meta, arrays, model.layout)
     return SavedModel(model, weights, meta, path, tables_of(path, meta, model))
+
+
+def refuse_code(path: str, meta: dict) -> None:
+    """UnsafeModelFile when the file's definition names Python code to import and call (a
+    --model FILE.py:FUNCTION or package.module:FUNCTION): loading it runs that code."""
+    from pserver.models.user import is_user_spec
+    spec = meta.get("model")
+    if isinstance(spec, str) and is_user_spec(spec):
+        raise UnsafeModelFile(f"{path}: its model is built by Python code ({spec}), which loading would "
+                              f"import and run; a model file runs no code unless you trust it: "
+                              f"load_model({path!r}, safe_mode=False), or give the model: model=...")
 
 
 def refuse_delta(path: str, meta: dict) -> None:
@@ -623,13 +646,20 @@ def refuse_delta(path: str, meta: dict) -> None:
 
 
 @contextlib.contextmanager
-def _config_errors(path: str):
-    """A model file whose layers' configs do not build (a user's layer class not registered
-    in this process) names the file."""
+def model_file_errors(path: str):
+    """A model file whose definition does not build (a layer class neither built in nor
+    registered in this process, an unknown optimizer, a malformed config or field) raises
+    ModelFileError naming the file and what is wrong."""
+    def named(e: Exception) -> str:
+        return str(e) if str(e).startswith(f"{path}:") else f"{path}: {e}"
     try:
         yield
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    except ModelFileError as e:
+        raise type(e)(named(e)) from None
+    except (ConfigError, DataError) as e:
+        raise ModelFileError(named(e)) from None
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, OverflowError, MemoryError) as e:
+        raise ModelFileError(f"{path}: a malformed model definition ({type(e).__name__}: {e})") from None
 
 
 def tables_of(path: str, meta: dict, model) -> list[MappedTable]:
@@ -723,13 +753,14 @@ def weights_of(path: str, meta: dict, arrays: dict, layout) -> np.ndarray:
         raise DataError(f"{path}: its weights are for layout {meta.get('signature')} "
                         f"({', '.join(t['name'] + str(t['shape']) for t in meta.get('layout', []))}); "
                         f"the model given is {layout.signature()} ({layout.describe()})")
+    for t in layout.tensors:           # before the flat vector is allocated: the file's own sizes
+        a = arrays.get(t.name)
+        if a is None or a.shape != tuple(t.shape) or a.dtype != np.float32:
+            got = "missing" if a is None else f"{a.dtype} {a.shape}"
+            raise DataError(f"{path}: tensor {t.name} is {got}; expected float32 {tuple(t.shape)}")
     flat = np.empty(layout.total, dtype=np.float32)
     for name, view in layout.views(flat).items():
-        a = arrays.get(name)
-        if a is None or a.shape != view.shape or a.dtype != np.float32:
-            got = "missing" if a is None else f"{a.dtype} {a.shape}"
-            raise DataError(f"{path}: tensor {name} is {got}; expected float32 {view.shape}")
-        view[...] = a
+        view[...] = arrays[name]
     if not np.isfinite(flat).all():
         raise DataError(f"{path}: the weights hold NaN or Inf")
     return flat
