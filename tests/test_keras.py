@@ -345,6 +345,18 @@ def test_fit_trains_on_its_own_shards_and_history_holds_keras_s_keys():
     assert h.history["loss"][-1] < h.history["loss"][0]
 
 
+def test_pserver_s_own_lines_call_the_validation_split_validation_not_test(capsys):
+    """Catches: the summary and epoch lines calling the validation_split's accuracy "test
+    accuracy", beside the script's own test accuracy."""
+    x, y = blobs(200)
+    model = small_model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, batch_size=20, epochs=1, verbose=1, validation_split=0.2)
+    out = capsys.readouterr().out
+    assert "validation accuracy" in out and "validation loss" in out, out
+    assert "test accuracy" not in out and "test loss" not in out, out
+
+
 def test_a_callback_that_sets_stop_training_ends_the_run_after_that_epoch():
     """Catches: a loop callbacks cannot steer."""
     class StopAtOnce(keras.callbacks.Callback):
@@ -402,6 +414,7 @@ RUN_SCRIPT = textwrap.dedent("""
     from pserver.keras import layers
     rank = int(os.environ["PSERVER_RUN_RANK"])
     if os.environ.get("FAIL_RANK") == str(rank):
+        print("failing on purpose", file=sys.stderr)
         sys.exit(3)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 4)).astype("float32"); y = (x[:, 0] > 0).astype(int)
@@ -433,6 +446,7 @@ def test_pserver_run_runs_the_script_per_worker_and_only_the_chief_prints(tmp_pa
     r = run_script(tmp_path, {"HISTORY_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("history 2") == 1 and r.stdout.count("Epoch 2/2") == 1, r.stdout
+    assert "[worker0] history 2\n" in r.stdout      # each line with its rank's prefix
     # History's training loss and accuracy are Keras's under tf.distribute: over every worker's
     # batches of the epoch (shard 0 sums them from the pushes), so both workers report the same;
     # each worker's own batches (the bug) give two different curves.
@@ -454,9 +468,13 @@ def test_pserver_run_refuses_workers_that_compile_different_optimizers_in_one_li
 
 
 def test_pserver_run_exits_with_the_failing_worker_s_code(tmp_path):
-    """Catches: a worker's failure lost behind the others' success."""
+    """Catches: a worker's failure lost behind the others' success, and one that does not say
+    which rank failed (its lines without its rank's prefix, a last line that names none)."""
     r = run_script(tmp_path, {"FAIL_RANK": "1"})
     assert r.returncode == 3, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert "[worker1] failing on purpose" in lines, r.stderr
+    assert lines[-1].startswith("pserver run: worker 1 (rank 1) exited with code 3"), r.stderr
 
 
 @pytest.mark.parametrize("bind", [True, False])

@@ -86,6 +86,7 @@ class CallbackList:
         # On a cluster every worker's callbacks take the chief's epoch logs and stop decision (the
         # loop shares them through shard 0: pserver.worker.loop.chief_logs); epoch_logs: the last.
         self.shares_logs = True
+        self.held_out = "validation"       # what pserver's own lines call the chief's evaluation set
         self.epoch_logs: dict = {}
 
     @property

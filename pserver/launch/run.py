@@ -5,8 +5,10 @@ Each worker is CMD with PSERVER_RUN_DIR, PSERVER_RUN_RANK and PSERVER_RUN_WORKER
 (pserver.keras.cluster reads them). The shards start once every worker has said, at its
 fit, the optimizer it compiled (a file in the run's directory): the same for every worker,
 or the run is refused naming the difference; they then run it, with the serve flags given
-here, as launch's shards (pserver.launch.local). The exit code is the first failing
-worker's (a shard that fails: launch's), 0 when every worker exits 0.
+here, as launch's shards (pserver.launch.local). Every line a worker prints comes with its
+rank's prefix ("[worker1] ...": only the chief's stdout is shown, every worker's stderr). The
+exit code is the first failing worker's, named in the last line (a shard that fails: launch's),
+0 when every worker exits 0.
 """
 
 from __future__ import annotations
@@ -36,18 +38,31 @@ SETTINGS, ADDRESSES, REFUSED = "settings-rank{}.json", "shards.json", "refused.t
 
 
 class _Worker:
-    """CMD as rank i; its output is the terminal's, as the script's own would be. `core`: the
-    one core it runs on (--bind-cores), None: any."""
+    """CMD as rank i; each line it prints is ours with its rank's prefix ("[worker1] ..."), as
+    launch's (stdout on our stdout, stderr on our stderr). `core`: the one core it runs on
+    (--bind-cores), None: any."""
 
-    def __init__(self, argv: list[str], env: dict, rank: int, core: int | None = None):
-        self.role = f"worker{rank}"
+    def __init__(self, argv: list[str], env: dict, rank: int, core: int | None = None,
+                 relays: tuple[Relay, Relay] | None = None):
+        self.role, self.rank = f"worker{rank}", rank
+        out, err = relays or (Relay(), Relay(out=sys.stderr))
         # Only the chief's output is shown (what fit, evaluate and the script print), as a
         # Keras user guards prints with the chief's rank; every worker's errors (stderr) are.
         with _bound_to(core):
             self.popen = subprocess.Popen(argv, env=with_parent_death(env), start_new_session=True,
-                                          stdout=None if rank == 0 else subprocess.DEVNULL)
-        self.reader = threading.Thread(target=lambda: None)    # stop_all joins one: no output to copy
+                                          stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                                          errors="replace", stderr=subprocess.PIPE,
+                                          stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL)
+        errors = threading.Thread(target=self._copy, args=(self.popen.stderr, err), daemon=True)
+        errors.start()
+        self.reader = threading.Thread(target=self._copy, args=(self.popen.stdout, out, errors), daemon=True)
         self.reader.start()
+
+    def _copy(self, stream, relay: Relay, then: threading.Thread | None = None) -> None:
+        for line in stream or ():
+            relay.line(self.role, line)
+        if then is not None:            # stop_all joins one reader: this one waits for the other
+            then.join()
 
 
 @contextlib.contextmanager
@@ -96,11 +111,11 @@ def run_command(num_shards: int, num_workers: int, argv: list[str], server: Serv
     cfg = LaunchConfig(num_shards=num_shards, num_workers=num_workers)
     workers: list[_Worker] = []
     shards: list[Proc] = []
-    relay = Relay()
+    relay, errors = Relay(), Relay(out=sys.stderr)
     with stop_on_signals():
         try:
             for i, core in enumerate(worker_cores(num_workers, bind_cores)):
-                workers.append(_Worker(argv, env | {RANK: str(i)}, i, core))
+                workers.append(_Worker(argv, env | {RANK: str(i)}, i, core, (relay, errors)))
             return _supervise(cfg, server, workers, shards, tmpdir, env, relay)
         except Stopped as e:
             print(f"pserver run: stopped by {e}; stopping the workers", file=sys.stderr, flush=True)
@@ -109,6 +124,7 @@ def run_command(num_shards: int, num_workers: int, argv: list[str], server: Serv
             stop_all(workers)
             stop_all(shards)
             relay.close()
+            errors.close()
             shutil.rmtree(tmpdir, ignore_errors=True)
 
 
@@ -119,6 +135,10 @@ def _supervise(cfg, server, workers, shards, tmpdir, env, relay) -> int:
         for p in workers:
             code = p.popen.poll()
             if code not in (None, 0):
+                p.reader.join(2.0)            # its last lines first, then ours naming it
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                print(f"pserver run: worker {p.rank} (rank {p.rank}) {how}; stopping the other workers "
+                      f"and the shards", file=sys.stderr, flush=True)
                 return code
         for p in shards:
             if p.popen.poll() is not None:

@@ -160,14 +160,14 @@ def describe_version(version: int) -> str:
 
 
 def format_summary(s: dict) -> str:
-    acc = s.get("test_accuracy")
-    metric = f"test accuracy {acc:.4f}" if acc is not None else f"test r2 {s.get('test_r2', 0):.4f}"
+    acc, on = s.get("test_accuracy"), s.get("evaluated_on") or "test"     # a Keras fit's: validation
+    metric = f"{on} accuracy {acc:.4f}" if acc is not None else f"{on} r2 {s.get('test_r2', 0):.4f}"
     if s.get("test_loss") is None:
-        metric = "no test set"      # a Stream from Python without one
+        metric = f"no {on} set"      # a Stream from Python without one
     else:
-        metric += f", test loss {s['test_loss']:.4f}"
+        metric += f", {on} loss {s['test_loss']:.4f}"
     if s.get("test_auc") is not None:
-        metric += f", test AUC {s['test_auc']:.4f}"
+        metric += f", {on} AUC {s['test_auc']:.4f}"
         if s.get("best_auc") is not None:
             metric += f" (the planted model's: {s['best_auc']:.4f})"
     lines = [

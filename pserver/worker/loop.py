@@ -255,7 +255,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
             say_if_chief_gone(client)
             callbacks and callbacks.on_weights(w)
             return None
-        summary = finish(cfg, ds, model, client, w, mode, history, started, start, rows)
+        summary = finish(cfg, ds, model, client, w, mode, history, started, start, rows, held_out(callbacks))
         callbacks and callbacks.on_weights(w)         # the final weights (a Keras model keeps them)
         if cfg.save:
             save_model(cfg, client, model, w, definition, summary)
@@ -434,7 +434,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
                 break
         if cfg.rank == 0:
             epochs_log.append(chief_epoch_end(cfg, ds, model, w, epoch, epoch_started, rows, progress,
-                                              report, client, clock))
+                                              report, client, clock, held_out(callbacks)))
         callbacks.on_epoch_end(epoch, dict(epochs_log[-1]) if cfg.rank == 0 else {})
         if callbacks.stop_training:
             break
@@ -526,7 +526,7 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
                     report.progress(clock, *line)
                 if cfg.rank == 0:
                     epochs_log.append(chief_epoch_end(cfg, ds, model, w, epoch, epoch_started, rows,
-                                                      progress, report, client, clock))
+                                                      progress, report, client, clock, held_out(callbacks)))
                 logs = dict(epochs_log[-1]) if cfg.rank == 0 else {}
                 if reply.epoch == epoch + 1 and reply.trained_samples > 0:    # every worker's batches
                     logs["trained"] = {"loss_sum": reply.trained_loss_sum, "correct": reply.trained_correct,
@@ -655,10 +655,10 @@ def one_step(client: PSClient, gradient, delay, timer, rows, w: np.ndarray, g: n
 
 
 def chief_epoch_end(cfg: WorkerConfig, ds, model, w: np.ndarray, epoch: int, epoch_started: float, rows,
-                    progress, report, client: PSClient, clock: int) -> dict:
+                    progress, report, client: PSClient, clock: int, label: str = "test") -> dict:
     """The chief at an epoch's end: its log (test metrics), the report's, and a checkpoint asked for."""
     logged = log_epoch(cfg, ds, model, w, epoch, (epoch_started, progress.started), rows, progress.say,
-                       eval_threads(client, others_wait=False))
+                       eval_threads(client, others_wait=False), label)
     report.evaluated(clock, logged, lambda: combine_counters(client.status())["staleness_mean"])
     ask_checkpoint(client, progress.say)
     return logged
@@ -694,21 +694,30 @@ def ask_checkpoint(client: PSClient, say=print) -> None:
 
 
 def log_epoch(cfg, ds, model, w, epoch, started: tuple[float, float], rows, say=print,
-              threads: int = 1) -> dict:
+              threads: int = 1, label: str = "test") -> dict:
     """The chief's line at an epoch's end: the epoch's own time (and the run's so far, from
-    `started`: the epoch's start and the run's), its test metrics (on `threads`)."""
+    `started`: the epoch's start and the run's), its metrics on the held-out set (on `threads`),
+    named `label` (held_out)."""
     ev = evaluate(model, w, ds, cfg, rows, threads)
     now = time.monotonic()
     own, total = now - started[0], now - started[1]
-    say(f"epoch {epoch + 1}/{cfg.epochs} done in {own:.1f} s ({total:.1f} s in all): {format_metrics(ev)}")
+    say(f"epoch {epoch + 1}/{cfg.epochs} done in {own:.1f} s ({total:.1f} s in all): "
+        f"{format_metrics(ev, label)}")
     return {"epoch": epoch + 1, "seconds": round(total, 3), "epoch_seconds": round(own, 3), **ev}
 
 
-def format_metrics(ev: dict) -> str:
+def held_out(callbacks) -> str:
+    """What the chief's evaluation set is called in its lines and summary: "test", or what the
+    callbacks say it is (a Keras fit's: "validation", the validation_split or validation_data,
+    beside which the script may print its own test accuracy)."""
+    return getattr(callbacks, "held_out", None) or "test"
+
+
+def format_metrics(ev: dict, label: str = "test") -> str:
     if not ev:
-        return "no test set"
-    shown = [f"test {k} {ev[k]:.4f}" for k in ("accuracy", "auc", "r2") if k in ev]
-    return ", ".join(shown + [f"test loss {ev['loss']:.4f}"])
+        return f"no {label} set"
+    shown = [f"{label} {k} {ev[k]:.4f}" for k in ("accuracy", "auc", "r2") if k in ev]
+    return ", ".join(shown + [f"{label} loss {ev['loss']:.4f}"])
 
 
 def wait_for_others(client: PSClient, timeout: float) -> None:
@@ -733,7 +742,7 @@ def binary_metrics(ev: dict, ds) -> dict:
     return out
 
 
-def finish(cfg, ds, model, client, w, mode, history, started, start, rows) -> dict:
+def finish(cfg, ds, model, client, w, mode, history, started, start, rows, label: str = "test") -> dict:
     wait_for_others(client, cfg.rpc_deadline)
     wall = time.monotonic() - started            # until the last worker finished
     ask_checkpoint(client)
@@ -747,7 +756,7 @@ def finish(cfg, ds, model, client, w, mode, history, started, start, rows) -> di
         "optimizer": statuses[0].optimizer, "lr": statuses[0].lr, "batch_size": cfg.batch_size,
         "epochs": cfg.epochs, "seed": cfg.seed, "resumed_at_step": history["resumed_at_step"],
         "test_accuracy": ev.get("accuracy"), "test_loss": ev.get("loss"), "test_r2": ev.get("r2"),
-        "test_auc": ev.get("auc"),
+        "test_auc": ev.get("auc"), "evaluated_on": label,
         **binary_metrics(ev, ds),
         "wall_seconds": round(wall, 3),
         "train_samples_per_second": counters["samples_trained"] / wall if wall > 0 else 0.0,

@@ -32,7 +32,9 @@ def test_the_keras_mnist_convnet_example_trains_to_975_in_2_epochs_under_pserver
                        env=env_with({"PSERVER_MNIST_DIR": str(mnist_dir)}))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
-    # Only the chief prints: one table, one test accuracy, two Keras epoch lines.
+    # Only the chief prints (each line with its prefix): one table, one test accuracy, two Keras
+    # epoch lines.
+    out = re.sub(r"^\[worker0\] ", "", out, flags=re.M)
     assert out.count("Test accuracy:") == 1 and out.count('Model: "sequential"') == 1, out
     assert "Total params: 34,826" in out                   # keras.io's summary for the model
     lines = re.findall(r"^(\d+)/\1 - \d+s - loss: \S+ - accuracy: \S+ - val_loss: \S+ - val_accuracy: (\S+)$",
