@@ -2,6 +2,7 @@
 
     PServerError                 base: a message a user can act on, never a traceback
      +-- ConfigError             bad flag, bad TF_CONFIG, bad combination of options
+     |    +-- NotInKeras         a Keras name pserver.keras lacks (also an AttributeError)
      +-- DataError               dataset missing, unreadable or malformed
      |    +-- ModelFileError     a model file naming an unknown optimizer or layer, or malformed
      |         +-- UnsafeModelFile  a model file that would run code, loaded with safe_mode=True
@@ -57,6 +58,12 @@ class ConfigError(PServerError):
     """A flag, TF_CONFIG or option combination that cannot work."""
 
     exit_code = EXIT_USAGE
+
+
+class NotInKeras(ConfigError, AttributeError):
+    """A Keras name pserver.keras does not have (keras.layers.BatchNormalization, ...): one line
+    naming it and pointing at the table of what is supported. An AttributeError too, so that
+    hasattr() and getattr(..., default) work as on any module."""
 
 
 class DataError(PServerError):

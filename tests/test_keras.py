@@ -297,6 +297,32 @@ def test_summary_prints_keras_s_table_and_returns_none(capsys):
 
 # -- refusals ------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("module, name", [("", "applications"), ("layers", "BatchNormalization"),
+                                          ("callbacks", "EarlyStopping"), ("optimizers", "RMSprop"),
+                                          ("losses", "Huber"), ("models", "Model"), ("utils", "plot_model"),
+                                          ("saving", "load_model"), ("datasets", "cifar10")])
+def test_a_keras_name_pserver_keras_lacks_is_one_line_naming_it_and_the_table(module, name):
+    """Catches: a bare AttributeError ("module 'pserver.keras.layers' has no attribute ...")
+    where docs/guide/keras.md promises a line naming it and pointing at the table."""
+    from pserver.errors import PServerError
+    where = getattr(keras, module) if module else keras
+    assert not hasattr(where, name) and getattr(where, name, None) is None
+    with pytest.raises(AttributeError) as e:
+        getattr(where, name)
+    full = f"keras.{module}.{name}" if module else f"keras.{name}"
+    assert isinstance(e.value, PServerError) and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"{full} is not supported by pserver.keras")
+    assert "docs/guide/keras.md" in str(e.value)
+    assert not isinstance(_probe(where), PServerError)     # Python's own probes stay plain
+
+
+def _probe(module):
+    try:
+        module.__wrapped__
+    except AttributeError as e:
+        return e
+
+
 @pytest.mark.parametrize("call, named", [
     (lambda m: m.compile(loss="mse"), "rmsprop"),                  # Keras's default optimizer
     (lambda m: m.compile(optimizer="adam", loss="mse", loss_weights=[1.0]), "loss_weights"),

@@ -5,13 +5,15 @@ callback ends the run after that epoch. History (always there, as in Keras) keep
 per-epoch logs: `loss` (and the compiled metrics) averaged over every worker's batches of the
 epoch, and `val_*`, the chief's evaluation of the validation data at the epoch's end. On a
 cluster every worker's callbacks get the chief's logs, and a stop decided on the chief stops
-every worker after that epoch (DESIGN.md section 7, "Keras on a cluster").
+every worker after that epoch (docs/guide/keras.md).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+
+from pserver.keras._names import missing as _missing
 
 
 class Callback:
@@ -149,5 +151,7 @@ class CallbackList:
     def on_weights(self, w):
         self.weights = w.copy()
 
+
+__getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["Callback", "History", "CallbackList"]

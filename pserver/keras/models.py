@@ -22,6 +22,7 @@ from pserver import api
 from pserver.errors import ConfigError, DataError
 from pserver.keras import callbacks as callbacks_module
 from pserver.keras import cluster, optimizers
+from pserver.keras._names import missing as _missing
 from pserver.layers import activations
 from pserver.layers.base import Layer, as_shape
 from pserver.models import saved
@@ -332,5 +333,7 @@ def _refuse(where: str, unknown: dict, **given) -> None:
             raise ConfigError(f"{where}: {name}={value!r} is not supported by pserver "
                               "(docs/guide/keras.md lists what is)")
 
+
+__getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["Sequential", "Input", "InputSpec", "load_model"]

@@ -9,6 +9,7 @@ shards already running. An argument pserver cannot honour is refused, naming it.
 from __future__ import annotations
 
 from pserver.errors import ConfigError, ModelFileError
+from pserver.keras._names import missing as _missing
 
 # Keras's arguments every optimizer takes, and the values that mean "not used".
 _COMMON = {"weight_decay": None, "clipnorm": None, "clipvalue": None, "global_clipnorm": None,
@@ -128,5 +129,7 @@ _FIELDS = {"sgd": {"lr": _NUMBER},
            "momentum": {"lr": _NUMBER, "momentum": _NUMBER, "nesterov": bool},
            "adam": {"lr": _NUMBER, "beta1": _NUMBER, "beta2": _NUMBER, "eps": _NUMBER}}
 
+
+__getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["Optimizer", "SGD", "Adam", "get", "from_settings"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pserver.errors import ConfigError
+from pserver.keras._names import missing as _missing
 from pserver.layers import LAYERS, USER_LAYERS, Layer
 
 
@@ -30,5 +31,7 @@ def register_keras_serializable(package: str = "Custom", name: str | None = None
         return cls
     return register
 
+
+__getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["register_keras_serializable"]

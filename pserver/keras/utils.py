@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pserver.errors import ConfigError
+from pserver.keras._names import missing as _missing
 
 
 def to_categorical(x, num_classes: int | None = None) -> np.ndarray:
@@ -23,5 +24,7 @@ def to_categorical(x, num_classes: int | None = None) -> np.ndarray:
     out[np.arange(y.size), y.ravel()] = 1
     return out.reshape((*y.shape, n))
 
+
+__getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["to_categorical"]

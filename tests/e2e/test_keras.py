@@ -45,7 +45,7 @@ def test_the_keras_mnist_convnet_example_trains_to_975_in_2_epochs_under_pserver
     assert accuracy >= 0.975, out[-2000:]
 
 
-# -- every worker agrees (DESIGN.md section 7, "Keras on a cluster") ------------------------------------
+# -- every worker agrees: the chief's logs and stop decision (docs/guide/keras.md) ----------------------
 
 SAME_LOGS = """
 import json, os
