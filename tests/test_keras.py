@@ -249,8 +249,6 @@ def build(input_shape, num_classes):
 def test_a_model_file_naming_code_runs_none_of_it_unless_safe_mode_is_false(tmp_path, monkeypatch, named):
     """Catches: pserver.load_model importing and calling a package.module:FUNCTION (or
     FILE.py:FUNCTION) a model file names, and safe_mode accepted and ignored."""
-    import pserver
-    from pserver.errors import UnsafeModelFile
     marker = tmp_path / f"imported-{named}"
     module = f"pserver_test_marker_{named}"
     (tmp_path / f"{module}.py").write_text(MARKER_MODULE.format(marker=str(marker)))
@@ -262,6 +260,18 @@ def test_a_model_file_naming_code_runs_none_of_it_unless_safe_mode_is_false(tmp_
         meta.pop("sequential")
         meta.update(model=spec, arguments={"input_shape": [4], "num_classes": 2})
     path = _crafted(tmp_path, "code.npz", names_code)
+    before = set(sys.modules)
+    try:
+        _loads_code_only_when_allowed(path, marker, module, named)
+    finally:                                  # the user modules it imported: gone, as for the next test
+        for name in set(sys.modules) - before:
+            if name.startswith(("pserver_user_model_", "pserver_test_marker_")):
+                del sys.modules[name]
+
+
+def _loads_code_only_when_allowed(path, marker, module, named):
+    import pserver
+    from pserver.errors import UnsafeModelFile
     for load in (lambda: pserver.load_model(path), lambda: pserver.load_model(path, safe_mode=True),
                  lambda: keras.models.load_model(path), lambda: pserver.predict(path, np.zeros((1, 4)))):
         with pytest.raises(UnsafeModelFile, match="safe_mode=False"):

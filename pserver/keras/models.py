@@ -300,7 +300,8 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> S
                           "pserver.load_model)")
     with saved.model_file_errors(filepath):
         model = Sequential.from_config(meta["sequential"])
-        model._w = saved.weights_of(filepath, meta, arrays, model._core.layout)
+    model._w = saved.weights_of(filepath, meta, arrays, model._core.layout)
+    with saved.model_file_errors(filepath):
         opt = meta.get("keras_optimizer")
         if compile and opt is not None:
             model.optimizer = optimizers.from_settings(opt)

@@ -613,15 +613,16 @@ def load(path: str, model=None, safe_mode: bool = True) -> SavedModel:
                           f"rebuild; give it: load_model({path!r}, model=...)")
     if isinstance(model, str):                   # the caller's --model spec, with the file's arguments
         model = build(meta, model)
+    if model is None and meta.get("model") is not None:
+        if not isinstance(meta["model"], str):
+            raise ModelFileError(f"{path}: 'model' is {meta['model']!r}, not a model's name")
+        if safe_mode:
+            refuse_code(path, meta)
     with model_file_errors(path):                # the file's own definition
         if model is None and meta.get("model") is None:
             from pserver.models.sequential import Sequential
             model = Sequential.from_config(meta["sequential"])
-        if model is None:
-            if not isinstance(meta["model"], str):
-                raise ModelFileError(f"'model' is {meta['model']!r}, not a model's name")
-            if safe_mode:
-                refuse_code(path, meta)
+        elif model is None:
             model = build(meta, meta["model"])
     weights = weights_of(path, meta, arrays, model.layout)
     return SavedModel(model, weights, meta, path, tables_of(path, meta, model))
@@ -650,14 +651,12 @@ def model_file_errors(path: str):
     """A model file whose definition does not build (a layer class neither built in nor
     registered in this process, an unknown optimizer, a malformed config or field) raises
     ModelFileError naming the file and what is wrong."""
-    def named(e: Exception) -> str:
-        return str(e) if str(e).startswith(f"{path}:") else f"{path}: {e}"
     try:
         yield
     except ModelFileError as e:
-        raise type(e)(named(e)) from None
+        raise type(e)(f"{path}: {e}") from None
     except (ConfigError, DataError) as e:
-        raise ModelFileError(named(e)) from None
+        raise ModelFileError(f"{path}: {e}") from None
     except (KeyError, TypeError, AttributeError, ValueError, IndexError, OverflowError, MemoryError) as e:
         raise ModelFileError(f"{path}: a malformed model definition ({type(e).__name__}: {e})") from None
 
@@ -748,16 +747,16 @@ def read(path: str) -> tuple[dict, dict]:
 
 
 def weights_of(path: str, meta: dict, arrays: dict, layout) -> np.ndarray:
-    """The flat vector of `layout` from the file's tensors; DataError when they differ."""
+    """The flat vector of `layout` from the file's tensors; ModelFileError when they differ."""
     if meta.get("signature") != layout.signature():
-        raise DataError(f"{path}: its weights are for layout {meta.get('signature')} "
+        raise ModelFileError(f"{path}: its weights are for layout {meta.get('signature')} "
                         f"({', '.join(t['name'] + str(t['shape']) for t in meta.get('layout', []))}); "
                         f"the model given is {layout.signature()} ({layout.describe()})")
     for t in layout.tensors:           # before the flat vector is allocated: the file's own sizes
         a = arrays.get(t.name)
         if a is None or a.shape != tuple(t.shape) or a.dtype != np.float32:
             got = "missing" if a is None else f"{a.dtype} {a.shape}"
-            raise DataError(f"{path}: tensor {t.name} is {got}; expected float32 {tuple(t.shape)}")
+            raise ModelFileError(f"{path}: tensor {t.name} is {got}; expected float32 {tuple(t.shape)}")
     flat = np.empty(layout.total, dtype=np.float32)
     for name, view in layout.views(flat).items():
         view[...] = arrays[name]
