@@ -642,3 +642,49 @@ def test_a_restore_counts_what_was_trained_on_pieces_since_the_checkpoint_exactl
     # after the checkpoint: first + 1 (counted at load) and first + 2 .. end - 1
     assert restored.done_before_restore(report) == end - first - 2
     assert restored.done_before_restore(report) == 0
+
+
+def test_the_chief_s_epoch_logs_reach_every_worker_and_nothing_else_can_write_them(shard_server):
+    """Keras on a cluster: the chief gives its epoch logs and stop decision through shard 0
+    (LeaseData with epoch_logs); another worker reads them exactly, in the chief's order. Catches
+    a worker other than the chief, a wrong session, or a request past the bounds (names, epoch)
+    changing what every worker's callbacks get, and a waiting worker not told the chief left."""
+    import grpc
+
+    from pserver._proto import pserver_pb2 as pb
+    from pserver._proto import pserver_pb2_grpc
+    from pserver.errors import FailedPrecondition, InvalidArgument
+    from tests.test_server import ready_client
+    addr, _ = shard_server(optimizer="sgd", lr=0.1, num_workers=2, mode="sync")
+    a = ready_client(addr, num_workers=2, rank=0)
+    b = ready_client(addr, num_workers=2, rank=1, init=False)
+    plan = (12, 4, 3, "fp", 2)
+    b.lease_data(*plan)
+    first = b.epoch_logs(0)
+    assert not first.has_logs and first.chief_live and not first.chief_told
+    with pytest.raises(FailedPrecondition, match="only the chief"):
+        b.epoch_logs(0, share=({"loss": 0.0}, True))
+    with pytest.raises(InvalidArgument, match="at most 64 names"):
+        a.epoch_logs(0, share=({f"m{i}": 0.0 for i in range(65)}, False))
+    with pytest.raises(InvalidArgument, match="for an epoch of the run's plan"):
+        a.epoch_logs(3, share=({"loss": 0.0}, False))
+    raw = pserver_pb2_grpc.ParameterServerStub(grpc.insecure_channel(addr))
+    with pytest.raises(grpc.RpcError) as e:
+        raw.LeaseData(pb.LeaseDataRequest(rank=0, session="not-the-chief-s", epoch_logs=True, logs_epoch=0,
+                                          share_logs=True, log_names=["loss"], log_values=[9.0]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as e:
+        raw.LeaseData(pb.LeaseDataRequest(rank=0, session=a.shards[0].session, epoch_logs=True, logs_epoch=0,
+                                          share_logs=True, log_names=["loss", "x"], log_values=[9.0]),
+                      timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not b.epoch_logs(0).has_logs                       # nothing refused was kept
+    a.lease_data(*plan)
+    logs = {"loss": 0.123456789012345, "accuracy": 0.5, "val_loss": 1e-300, "val_accuracy": 0.25}
+    a.epoch_logs(0, share=(logs, True))
+    got = b.epoch_logs(0)
+    assert got.has_logs and got.stop_training
+    assert list(got.log_names) == list(logs) and list(got.log_values) == list(logs.values())
+    assert not b.epoch_logs(1).has_logs
+    a.leave()
+    assert not b.epoch_logs(1).chief_live
