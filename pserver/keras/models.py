@@ -280,11 +280,11 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> S
     """A model file written by model.save (or by pserver with a Sequential): the model built
     again from its layers' configs, with its weights, compiled as it was. Its layers are
     pserver's built-in ones and the classes registered in this process
-    (keras.saving.register_keras_serializable): as Keras's with safe_mode=True, the file runs
-    no code of its own, and a file that names code to build its model (a --model
-    package.module:FUNCTION file) is refused (UnsafeModelFile); with safe_mode=False, it is
-    refused too, as no Sequential: pserver.load_model(..., safe_mode=False) loads it. A file
-    naming an unknown optimizer or layer, or malformed, raises ModelFileError naming it."""
+    (keras.saving.register_keras_serializable): the file runs no code of its own. A file whose
+    model is built by code (a --model package.module:FUNCTION file) is no Sequential: with
+    safe_mode=True (Keras's default) it is refused as unsafe (UnsafeModelFile), with
+    safe_mode=False as not a Keras model (pserver.load_model(..., safe_mode=False) loads it). A
+    file naming an unknown optimizer or layer, or malformed, raises ModelFileError naming it."""
     _refuse("load_model", {}, custom_objects=custom_objects)
     if not isinstance(safe_mode, bool):
         raise ConfigError(f"load_model: safe_mode must be True or False, got {safe_mode!r}")

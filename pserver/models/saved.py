@@ -767,4 +767,5 @@ def weights_of(path: str, meta: dict, arrays: dict, layout) -> np.ndarray:
 
 __all__ = ["FORMAT", "VERSION", "SPARSE_VERSION", "META", "MappedTable", "SavedModel", "TableRows",
            "definition", "save", "merge_pages", "delta_tables",
-           "load", "read", "read_tables", "tables_of", "remove_stale", "build", "weights_of"]
+           "load", "read", "read_tables", "tables_of", "remove_stale", "build", "weights_of", "refuse_code",
+           "model_file_errors"]
