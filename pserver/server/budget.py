@@ -2,7 +2,8 @@
 (docs/semantics.md, "Memory budget").
 
 What it counts: the dense range (parameters, optimizer state and one gradient buffer, fixed at
-the first Register), and every sparse table's bytes as SparseTable.stats() reports them: the
+the first Register), shard 0's data coordinator (what its plan may hold, checked before the plan
+is built: `admit`), and every sparse table's bytes as SparseTable.stats() reports them: the
 rows written (each with its optimizer slots, last update and step count), pending admission
 entries and the hash indexes. Pushed gradients in flight are bounded apart, by
 --max-inflight-mb.
@@ -30,15 +31,29 @@ MiB = 1 << 20
 
 
 class Budget:
-    def __init__(self, limit: int, counters, dense=lambda: 0, flag: str = "--max-memory-mb") -> None:
+    def __init__(self, limit: int, counters, dense=lambda: 0, flag: str = "--max-memory-mb",
+                 fixed=lambda: 0) -> None:
         self.limit, self.counters, self.flag = int(limit), counters, flag
         self.dense = dense                # () -> the dense range's bytes (0 before the first Register)
+        self.fixed = fixed                # () -> shard 0's data coordinator's bytes (its plan's, admit())
         self.reserved = 0                 # bytes of rows that pushes not applied yet may create
         self._holds: list[tuple[int, int, list]] = []   # (step, bytes, rows) of pushes not applied yet
         self._lock = threading.Lock()
 
     def used(self, tables: dict) -> int:
-        return self.dense() + sum(t.nbytes for t in tables.values())
+        return self.dense() + self.fixed() + sum(t.nbytes for t in tables.values())
+
+    def admit(self, tables: dict, nbytes: int, replaced: int, what: str) -> None:
+        """Room for a part of the state that takes `nbytes` in place of one of `replaced` (shard 0's
+        data plan: Plan.nbytes), checked before any of it is built; OverBudget naming `what` when
+        it does not fit beside what is used and reserved. Nothing is held: once built, the part
+        counts in used() (`fixed`)."""
+        with self._lock:
+            used = self.used(tables) - replaced + self.reserved
+            if used + nbytes > self.limit:
+                raise OverBudget(f"{self.flag}: {what} would take {nbytes / MiB:,.1f} MiB, and the shard "
+                                 f"holds {used / MiB:,.1f} MiB of its {self.limit / MiB:,.0f} MiB budget; "
+                                 f"nothing changed")
 
     def report(self, tables: dict) -> dict:
         """For Status: the budget, what is used, and what waiting pushes have reserved."""

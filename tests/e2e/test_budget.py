@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from pserver.errors import OverBudget, ResourceExhausted
+from pserver.errors import InvalidArgument, OverBudget, ResourceExhausted
 from pserver.models.layout import Layout
 from pserver.sparse import TableConfig, TableLookup
 from pserver.worker.client import PSClient
@@ -109,3 +109,38 @@ def test_a_push_larger_than_the_budget_lets_one_push_carry_is_refused_at_once_na
         assert client.status()[0].tables[0].rows == 0
     finally:
         client.close()
+
+
+def test_a_lease_request_whose_plan_does_not_fit_is_refused_at_once_and_changes_nothing(procs):
+    """46.6: one LeaseData's plan sizes shard 0's coordinator state. 2**40 batches once left a
+    half-made plan fixed (MemoryError), and 30,000,000 chunks of one batch took shard 0 from 176 to
+    1,607 MB under --max-memory-mb 128, holding the lock Status waits for 22 s. Each is refused
+    before anything is built, naming the field and value; Status answers, the shard's memory
+    stays within its budget, and the job's real worker leases its data afterwards."""
+    shard = procs("serve", "--port", "0", "--num-workers", "2", "--max-memory-mb", str(BUDGET_MB),
+                  "--optimizer", "sgd")
+    rogue = PSClient([shard.address()], rank=1, num_workers=2, rpc_deadline=60)
+    worker = PSClient([shard.address()], rank=0, num_workers=2, rpc_deadline=60)
+    layout = Layout.of([("b", (1,))])
+    try:
+        for c in (rogue, worker):
+            c.connect(60)
+            c.register(layout)
+        idle = rss(shard.popen.pid)
+        for batches in (1 << 40, 30_000_000):
+            started = time.monotonic()
+            with pytest.raises(OverBudget, match=rf"--max-memory-mb: data: num_batches {batches:,} in chunks "
+                                                 rf"of chunk_batches 1 .* MiB budget; nothing changed"):
+                rogue.lease_data(batches, 1, 0, "fp", 1)
+            assert time.monotonic() - started < 5, batches
+            started = time.monotonic()
+            st = worker.status()[0]
+            assert time.monotonic() - started < 5 and st.memory.used <= st.memory.budget
+        with pytest.raises(InvalidArgument, match="data: seed -1 must be at least 0"):
+            rogue.lease_data(10, 1, -1, "fp", 1)          # once a ValueError from numpy, plan left fixed
+        assert rss(shard.popen.pid) - idle <= 1.1 * (BUDGET_MB << 20)
+        got = worker.lease_data(469, 16, 0, "fp", 1)       # the job's plan: nothing of the refused is left
+        assert got.has_lease and got.epoch == 0 and got.end_batch - got.first_batch == 16, got
+    finally:
+        rogue.close()
+        worker.close()
