@@ -24,9 +24,9 @@ An epoch's batches (its permutation of the training set from `seed + epoch`, cut
   counts a chunk once all its pieces are done.
 
 Pure logic, no grpc: the shard calls it with store.cond held, but for prepared(), which builds a
-new plan's first order outside it once the plan's size is admitted (Shard.lease). `state()` / `load()` are plain
-JSON-able data, checkpointed by shard 0 (meta["coordinator"]); sessions are not kept, so
-every lease of a loaded state is released (its in-flight batch counted as retrained).
+new plan's first order outside it once the plan's size is admitted (Shard.lease). `state()` /
+`load()` are plain JSON-able data, checkpointed by shard 0 (meta["coordinator"]); sessions are
+not kept, so every lease of a loaded state is released (its in-flight batch counted as retrained).
 
 After a restore the chunks done since the checkpoint are trained again. The loaded coordinator
 keeps what was done at its checkpoint (`restored`); the workers, who see a new `ident` in its
