@@ -574,7 +574,8 @@ class Shard:
         try:
             self.store.fill(req.fill, grad)
             self.check_rows(req.rows)
-            held = self.budget.reserve(self.store.tables, req.rows)   # room for its new rows, or refused
+            # room for its new rows and the rows it holds until its step applies, or refused
+            held = self.budget.reserve(self.store.tables, req.rows, self.policy.held_row_bytes(req.rows))
         except BaseException:
             self.store.pool.release(grad)
             raise
