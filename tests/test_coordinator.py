@@ -644,11 +644,21 @@ def test_a_restore_counts_what_was_trained_on_pieces_since_the_checkpoint_exactl
     assert restored.done_before_restore(report) == 0
 
 
-def test_a_plan_refused_or_failing_to_build_changes_nothing():
-    """46.6: a plan's fields are checked before anything is built, and a build that fails (here
-    an order handed in for another epoch is rebuilt; a MemoryError once left the plan fixed with
-    no queue) leaves the coordinator as it was. Catches a plan set before its queue is built."""
+def test_a_plan_refused_or_failing_to_build_changes_nothing(monkeypatch):
+    """46.6: a plan's fields are checked before anything is built, and a build that fails (a
+    MemoryError once left the plan fixed with no queue, and every real worker refused) leaves
+    the coordinator as it was. Catches a plan set before its queue is built."""
+    import pserver.server.coordinator as coordinator_module
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate")
+
     c = Coordinator()
+    with monkeypatch.context() as m:
+        m.setattr(coordinator_module, "chunk_order", no_memory)
+        with pytest.raises(MemoryError):
+            c.configure(Plan(10, 1, 0, "fp", 1))
+    assert c.plan is None and c.queue == []
     for bad, field in ((Plan(10, 1, -1, "fp", 1), "seed -1"), (Plan(0, 1, 0, "fp", 1), "num_batches 0"),
                        (Plan(10, 0, 0, "fp", 1), "chunk_batches 0"), (Plan(10, 1, 0, "fp", -2), "epochs -2"),
                        (Plan(10, 1, 0, "f" * 300, 1), "fingerprint of 300")):

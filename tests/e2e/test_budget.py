@@ -150,10 +150,10 @@ def test_a_lease_request_whose_plan_does_not_fit_is_refused_at_once_and_changes_
             with pytest.raises(OverBudget, match=rf"--max-memory-mb: data: num_batches {batches:,} in chunks "
                                                  rf"of chunk_batches 1 .* MiB budget; nothing changed"):
                 rogue.lease_data(batches, 1, 0, "fp", 1)
-            assert time.monotonic() - started < 5, batches
+            assert time.monotonic() - started < 10, batches
             started = time.monotonic()
             st = worker.status()[0]
-            assert time.monotonic() - started < 5 and st.memory.used <= st.memory.budget
+            assert time.monotonic() - started < 10 and st.memory.used <= st.memory.budget
         with pytest.raises(InvalidArgument, match="data: seed -1 must be at least 0"):
             rogue.lease_data(10, 1, -1, "fp", 1)          # once a ValueError from numpy, plan left fixed
         assert rss(shard.popen.pid) - idle <= 1.1 * (BUDGET_MB << 20)
