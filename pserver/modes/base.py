@@ -63,6 +63,12 @@ class Policy(ABC):
         holds for the open step, uncounted, so the new one trains that batch again. Default:
         nothing is held (async modes apply on arrival)."""
 
+    def held_row_bytes(self, rows) -> int:
+        """Bytes a push's sparse rows (RowGrads) keep until its step applies, counted in the
+        memory budget at arrival (Budget.reserve). Default: none (async modes apply on arrival;
+        the rows are in flight, bounded by --max-inflight-mb)."""
+        return 0
+
     def finish(self, why: str) -> None:
         """End the run on this shard (cond held): pushes are dropped, pulls stop waiting."""
         if not self.finished:

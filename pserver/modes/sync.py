@@ -17,6 +17,7 @@ import numpy as np
 
 from pserver.errors import AlreadyPushed, StaleStep
 from pserver.modes.base import Outcome, Policy, StepWatch
+from pserver.sparse.merge import merge_bytes
 
 log = logging.getLogger("pserver.modes")
 BELOW_MIN_NOTICE_EVERY = 10.0          # seconds between "waiting for --min-workers" lines
@@ -49,6 +50,11 @@ class SyncPolicy(Policy):
         pushed for this step and then left still counts, or its pending gradient would
         stand in for a live worker's missing one."""
         return len(self.members.expected() | self.pending.keys())
+
+    def held_row_bytes(self, rows) -> int:
+        """A push's rows wait in pending_rows for the step, then go through its merge: both count
+        in the memory budget from arrival until the step applies (Budget.reserve, settle)."""
+        return sum(p.ids.nbytes + p.grads.nbytes + merge_bytes(p) for p in rows)
 
     def push(self, req, grad):
         rank, step, clock = req.rank, req.step, req.clock

@@ -557,6 +557,7 @@ class Checkpointer:
         # the next file is a base (at start, and after a failed write, whose delta is lost).
         self.chain: list[int] | None = None
         self.written: tuple[int, str] | None = None   # (version, path) of the last file written
+        self.leases_written: dict | None = None   # and the data coordinator's state in it
         self.chain_id = ""                        # the chain's id: its base's and deltas' meta["chain"]
         self.aside_peak = 0                       # bytes kept aside by the last write (copy-on-write)
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
@@ -619,11 +620,15 @@ class Checkpointer:
             with self.store.cond:
                 self.store.require_configured()
                 version = self.store.version
-            if self.written is not None and self.written[0] == version:
+                leases = self.store.coordinator.state()
+            again = self.written is not None and self.written[0] == version
+            if again and leases == self.leases_written:
                 taken.set()                   # nothing changed since: that file is this version
                 self._end(*self.written)
                 return self.written
-            kind = self._kind()
+            # The same version with the data coordinator moved on (its last chunks done, its run
+            # finished, after the step's write): a base again, so that restarts see where it is.
+            kind = None if again else self._kind()
             dump = self.store.begin_dump(kind is not None)
             kind = kind if dump.delta else None     # a table evicted too many ids for a delta
         except BaseException:
@@ -645,7 +650,7 @@ class Checkpointer:
             size = os.path.getsize(result)
             self.chain = [version, size, 0, 1] if kind is None else \
                 [self.chain[0], self.chain[1], self.chain[2] + size, self.chain[3] + 1]
-            self.written = (version, result)
+            self.written, self.leases_written = (version, result), dump.meta["coordinator"]
             prune(self.directory, self.cfg.shard, self.cfg.num_shards)
             self.store.counters.add("checkpoints_written")
             log.info("shard %d: checkpoint at version %d written to %s (%s)", self.cfg.shard, version, result,
