@@ -666,7 +666,8 @@ class SavedModel:
         model (or of the model its last applied delta made): changed rows overwrite in place,
         new ids go to an overlay, removed ids read their initial value again; the dense weights
         are replaced. Safe while other threads predict (MappedTable). A delta of another model,
-        or out of order, is refused (DataError) and nothing changes. Returns its counts."""
+        out of order, or with a file that fails its checksum or checks (read_tables,
+        removed_ids), is refused (DataError) and nothing changes. Returns its counts."""
         with self._applying:
             meta, arrays = read(delta)
             info = meta.get("delta")
