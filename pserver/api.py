@@ -314,14 +314,18 @@ def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dic
     if spec is None:
         raise ConfigError(f"--model: {model_file} was saved from a model built in Python; give its "
                           "definition with --model FILE.py:FUNCTION")
+    model = tables = None
+    if meta:
+        with _the_model_file():
+            model = saved.build(meta, spec, options.get("hidden"))
+            if not checkpoint:      # the file's weights and tables, verified before the dataset loads
+                weights, source = saved.weights_of(model_file, meta, arrays, model.layout), model_file
+                tables = saved.tables_of(model_file, meta, model)
     data = {k: v for k, v in (meta.get("dataset") or {}).items() if k in saved.DATASET_FIELDS}
     data |= {k: options[k] for k in saved.DATASET_FIELDS if options.get(k) is not None}
     ds = load_dataset(data.pop("dataset", "synthetic"),
                       task="regression" if spec == "linreg" else "classification", **data)
-    if meta:
-        with _the_model_file():
-            model = saved.build(meta, spec, options.get("hidden"))
-    else:          # as the worker built it: for the dataset's samples and classes
+    if model is None:          # as the worker built it: for the dataset's samples and classes
         model = models.make_model(spec, ds.sample_shape, ds.num_classes,
                                   hidden=options.get("hidden") or models.DEFAULT_HIDDEN)
     if checkpoint and getattr(model, "sparse_tables", None):
@@ -333,9 +337,6 @@ def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dic
         source = f"{checkpoint} (shard versions {', '.join(map(str, versions))})"
         sparse_rows = {}
     else:
-        with _the_model_file():
-            weights, source = saved.weights_of(model_file, meta, arrays, model.layout), model_file
-            tables = saved.tables_of(model_file, meta, model)
         sparse_rows = {"rows": SavedModel(model, weights, meta, model_file, tables).rows} if tables else {}
     ds = fit_data(model, ds)
     metrics = model.evaluate(weights, ds.x_test, ds.y_test, **sparse_rows)
