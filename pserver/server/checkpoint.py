@@ -527,6 +527,25 @@ def check_compatible(ckpts: list[Checkpoint], directory: str, pair: bool = False
                               f"[{ranges[j][0]}, {ranges[j][1]})")
 
 
+def describe_versions(shards: dict[int, list[tuple[int, str]]], num_shards: int) -> str:
+    return "; ".join(f"shard {j}: " + (", ".join(str(v) for v, _ in shards[j]) if shards.get(j) else "none")
+                     for j in range(num_shards))
+
+
+def why_none(directory: str, found: dict, mode: str, failures: list[str], flag: str = "--restore") -> str:
+    """Why no shape of `found` (scan's, one shape or more) has a usable state, naming each
+    shape's versions and each file that did not load."""
+    (only,) = found if len(found) == 1 else (None,)
+    shards = f"its {only} shards" if only else "one number of shards"
+    what = (f"no version that every one of {shards} has a checkpoint of that loads, which mode {mode} "
+            "needs (a consistent cut)" if mode in CUT_MODES
+            else f"no checkpoint that loads of every one of {shards}")
+    versions = describe_versions(found[only], only) if only else \
+        "; ".join(f"{s} shards: {describe_versions(found[s], s)}" for s in sorted(found))
+    return (f"{flag}: {directory} has {what}; versions found: {versions}"
+            + (f"; {'; '.join(failures)}" if failures else ""))
+
+
 @dataclass
 class Usable:
     """A state a directory can be restored to: one loaded file per shard of one shape."""
@@ -537,10 +556,9 @@ class Usable:
 
 @dataclass
 class Choice:
-    """What `newest_usable` found: the state to restore (None: no shape has one), each shape
-    it tried (None: that shape has no usable state) and "file: why" for the files it skipped."""
+    """What `newest_usable` found: the state to restore (None: no shape has one) and
+    "file: why" for each file it skipped."""
     best: Usable | None
-    tried: dict[int, Usable | None]
     failures: list[str]
 
 
@@ -562,7 +580,7 @@ def newest_usable(directory: str, mode: str, prefer: int = 0, shapes: Iterable[i
     the file's header is kept (memory). `shapes`: consider these alone. `loader`: how a file is
     loaded (inspect's, which has loaded them all already). ConfigError when a set's files are
     of two runs."""
-    loader = loader or load
+    warn, loader = loader is None, loader or load      # another loader has said why already
     found = scan(directory) if found is None else found
     cut = mode in CUT_MODES
     failures: list[str] = []
@@ -578,7 +596,7 @@ def newest_usable(directory: str, mode: str, prefer: int = 0, shapes: Iterable[i
         try:
             return loader(path)
         except ValueError as e:
-            if not isinstance(e, Gone):
+            if warn and not isinstance(e, Gone):
                 log.warning("skipping checkpoint %s: %s", path, e)
             failures.append(f"{os.path.basename(path)}: {e}")
             return None
@@ -620,15 +638,15 @@ def newest_usable(directory: str, mode: str, prefer: int = 0, shapes: Iterable[i
 
     order = sorted((s for s in found if shapes is None or s in shapes), key=lambda s: rank(s, bound(s)),
                    reverse=True)
-    best, tried = None, {}
+    best = None
     for s in order:
         if bound(s) < 0 or (best is not None and rank(best.num_shards, best.version) >= rank(s, bound(s))):
             break
-        tried[s] = usable(s)
-        if tried[s] is not None and (best is None or rank(s, tried[s].version) > rank(best.num_shards,
-                                                                                        best.version)):
-            best = tried[s]
-    return Choice(best, tried, failures)
+        state = usable(s)
+        if state is not None and (best is None or
+                                  rank(s, state.version) > rank(best.num_shards, best.version)):
+            best = state
+    return Choice(best, failures)
 
 
 def load_weights(directory: str, layout, mode: str = "sync") -> tuple[np.ndarray, list[int]]:
@@ -644,9 +662,7 @@ def load_weights(directory: str, layout, mode: str = "sync") -> tuple[np.ndarray
                           "(shard{J}-of{S}-v{VERSION}.ckpt files)")
     choice = newest_usable(directory, mode, found=found)
     if choice.best is None:
-        raise ConfigError(f"--checkpoint: {directory} holds no state every shard has a file of that loads"
-                          f"{' (a consistent cut, as mode ' + mode + ' needs)' if mode in CUT_MODES else ''}"
-                          + (f" ({'; '.join(choice.failures)})" if choice.failures else ""))
+        raise ConfigError(why_none(directory, found, mode, choice.failures, "--checkpoint"))
     flat, versions = np.empty(layout.total, dtype=np.float32), []
     for ckpt in choice.best.ckpts:
         if (ckpt.signature, ckpt.total) != (layout.signature(), layout.total):

@@ -36,11 +36,6 @@ log = logging.getLogger("pserver.checkpoint")
 CUT_MODES = checkpoint.CUT_MODES
 
 
-def _describe(shards: dict[int, list[tuple[int, str]]], num_shards: int) -> str:
-    return "; ".join(f"shard {j}: " + (", ".join(str(v) for v, _ in shards[j]) if shards.get(j) else "none")
-                     for j in range(num_shards))
-
-
 def select(directory: str, num_shards: int, mode: str) -> list[checkpoint.Checkpoint]:
     """One loaded checkpoint per shard of an S-shard set, by the mode's version rule
     (checkpoint.newest_usable, of this shape alone); ConfigError naming what was found when no
@@ -53,20 +48,7 @@ def select(directory: str, num_shards: int, mode: str) -> list[checkpoint.Checkp
     choice = checkpoint.newest_usable(directory, mode, shapes=[num_shards])
     if choice.best is not None:
         return choice.best.ckpts
-    raise ConfigError(_nothing_usable(directory, {num_shards: shards}, mode, choice.failures))
-
-
-def _nothing_usable(directory: str, found: dict, mode: str, failures: list[str]) -> str:
-    """Why no shape of `found` (one or more) has a usable state, naming the versions of each."""
-    (only,) = found if len(found) == 1 else (None,)
-    shards = f"its {only} shards" if only else "one number of shards"
-    what = (f"no version that every one of {shards} has a checkpoint of that loads, which mode {mode} "
-            "needs (a consistent cut)" if mode in CUT_MODES
-            else f"no checkpoint that loads of every one of {shards}")
-    versions = _describe(found[only], only) if only else \
-        "; ".join(f"{s} shards: {_describe(found[s], s)}" for s in sorted(found))
-    return (f"--restore: {directory} has {what}; versions found: {versions}"
-            + (f"; {'; '.join(failures)}" if failures else ""))
+    raise ConfigError(checkpoint.why_none(directory, {num_shards: shards}, mode, choice.failures))
 
 
 def newest_set(directory: str, mode: str, flag: str = "--restore") -> list[checkpoint.Checkpoint]:
@@ -78,7 +60,7 @@ def newest_set(directory: str, mode: str, flag: str = "--restore") -> list[check
                           "(shard{J}-of{S}-v{VERSION}.ckpt files)")
     choice = checkpoint.newest_usable(directory, mode, found=found)
     if choice.best is None:
-        raise ConfigError(_nothing_usable(directory, found, mode, choice.failures))
+        raise ConfigError(checkpoint.why_none(directory, found, mode, choice.failures))
     return choice.best.ckpts
 
 
@@ -151,18 +133,18 @@ def restore_point(directory: str, shard: int, num_shards: int, mode: str,
     best, own = choice.best, found.get(num_shards, {})
     if best is not None and best.num_shards == num_shards:
         return RestorePoint(best.ckpts[shard])
-    if num_shards in choice.tried:
-        own_usable = choice.tried[num_shards] is not None
-    else:         # not tried: no state of this shape, or none as new as `best`
-        own_usable = bool(own) and all(own.get(j) for j in range(num_shards)) and \
-            (mode not in CUT_MODES or bool(checkpoint.cut_versions(own, num_shards)))
+    # This shape has a state to try (every shard's files; in sync and backup a version they all
+    # have): `best` is newer, or it did not load. Else, this shard's own files as before, unless
+    # `best` is newer than all of them.
+    candidate = bool(own) and all(own.get(j) for j in range(num_shards)) and \
+        (mode not in CUT_MODES or bool(checkpoint.cut_versions(own, num_shards)))
     own_newest = max((v for files in own.values() for v, _ in files), default=-1)
-    if best is not None and (own_usable or best.version > own_newest):
+    if best is not None and (candidate or best.version > own_newest):
         log.info("shard %d of %d: the newest usable state in %s is version %d of %d shards; combining it",
                  shard, num_shards, directory, best.version, best.num_shards)
         return RestorePoint(combine(best.ckpts, num_shards, shard), resharded_from=best.num_shards)
     if not own:
-        raise ConfigError(_nothing_usable(directory, found, mode, choice.failures))
+        raise ConfigError(checkpoint.why_none(directory, found, mode, choice.failures))
     if shard not in own:
         raise ConfigError(f"--restore: {directory} holds checkpoints of shards "
                           f"{', '.join(map(str, sorted(own)))} of {num_shards} but none of "
@@ -173,12 +155,13 @@ def restore_point(directory: str, shard: int, num_shards: int, mode: str,
             log.warning("shard %d: no version loads for every shard in %s; starting fresh as "
                         "--restore-fresh-if-corrupt asks", shard, directory)
             return RestorePoint(None)
-        raise ConfigError(_nothing_usable(directory, {num_shards: own}, mode, choice.failures))
+        raise ConfigError(checkpoint.why_none(directory, {num_shards: own}, mode, choice.failures))
     if mode in CUT_MODES and set(own) != {shard}:
         # No version that every shard has: one shard restarted while the others went on (they
         # are live, ahead of its files) restores its own newest, as it always did.
         log.warning("shard %d: no version every shard of %d has a checkpoint of in %s (%s); restoring "
-                    "this shard's newest", shard, num_shards, directory, _describe(own, num_shards))
+                    "this shard's newest", shard, num_shards, directory,
+                    checkpoint.describe_versions(own, num_shards))
     # async and ssp, or a directory that holds this shard's files alone: its newest
     return RestorePoint(checkpoint.load_latest(directory, shard, num_shards, fresh_if_corrupt))
 
@@ -192,15 +175,15 @@ def reshard_directory(source: str, target: str, num_shards: int, mode: str) -> l
     return [checkpoint.save(target, combine(ckpts, num_shards, j)) for j in range(num_shards)]
 
 
-def inspect(directory: str, mode: str = "sync") -> dict:
+def inspect(directory: str, mode: str = "sync", found: dict | None = None) -> dict:
     """`pserver checkpoint inspect`: every file (shard, version, bytes, whether it loads and its
     checksum holds), each shape's layout and tables, the consistent cuts, and the state a restore
-    in `mode` reads (checkpoint.newest_usable; None: none). A file a running job removes while
-    this reads is left out, as gone."""
+    in `mode` reads (checkpoint.newest_usable; None: none). A file a running job removes after
+    the listing (`found`: checkpoint.scan's, taken now when not given) is left out, as gone."""
     if not os.path.isdir(directory):
         raise ConfigError(f"{directory}: not a directory")
     report = {"directory": directory, "mode": mode, "sets": [], "restores": None}
-    found = checkpoint.scan(directory)
+    found = checkpoint.scan(directory) if found is None else found
     loaded: dict[str, checkpoint.Checkpoint | ValueError] = {}
     for s, shards in sorted(found.items()):
         files, layout = [], None
