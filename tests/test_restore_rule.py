@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -90,6 +92,7 @@ def test_a_consistent_cut_wins_over_a_newer_file_of_no_cut_and_async_takes_each_
     write(d, layout, 2, 8)
     write(d, layout, 2, 12, shards={0})
     write(d, layout, 3, 10)
+    assert [x.store.version for x in restore(d, 3)] == [10, 10, 10]
     for mode in ("sync", "backup"):
         choice = checkpoint.newest_usable(d, mode)
         assert (choice.best.num_shards, choice.best.version) == (3, 10)
@@ -132,8 +135,29 @@ def test_a_file_whose_name_and_meta_disagree_does_not_load(tmp_path, layout):
 
 
 def test_a_file_pruned_between_the_listing_and_its_reading_is_skipped_as_gone(tmp_path, layout):
-    """A running job prunes while inspect reads (main: FileNotFoundError from inspect): the
-    listing is taken, a file removed, then read from that listing."""
+    """A running job prunes while inspect reads (main: FileNotFoundError from inspect, most
+    tries): a thread writes as a shard does, keeping the three newest, while inspect runs; then,
+    exactly, the listing taken, a file removed, the directory read from that listing."""
+    live = str(tmp_path / "live")
+    write(live, layout, 1, 1)
+    stop = threading.Event()
+
+    def shard_writing():
+        v = 2
+        while not stop.is_set():
+            write(live, layout, 1, v)
+            v += 1
+
+    writer = threading.Thread(target=shard_writing)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            report = reshard.inspect(live)
+            assert all(f["loads"] for f in report["sets"][0]["files"])     # gone ones left out
+    finally:
+        stop.set()
+        writer.join()
     d = str(tmp_path)
     for v in (3, 6):
         write(d, layout, 2, v)
@@ -165,8 +189,6 @@ def test_inspect_and_export_answer_in_one_line_with_their_exit_codes(tmp_path, l
     traceback), nothing read or written."""
     d = str(tmp_path / "ck")
     write(d, layout, 2, 4)
-    assert main(["checkpoint", "inspect", d]) == 0
-    assert "a restore (mode sync) reads: version 4 of 2 shard(s)" in capsys.readouterr().out
     with open(os.path.join(d, checkpoint.file_name(1, 2, 4)), "r+b") as f:
         f.seek(300)
         f.write(b"\0" * 64)
@@ -174,6 +196,9 @@ def test_inspect_and_export_answer_in_one_line_with_their_exit_codes(tmp_path, l
     assert r.returncode == 1, r
     assert "DOES NOT LOAD" in r.stdout and "reads: nothing" in r.stdout
     assert len(r.stderr.strip().splitlines()) == 1 and "no state a restore" in r.stderr, r.stderr
+    write(d, layout, 2, 5)
+    assert main(["checkpoint", "inspect", d]) == 0
+    assert "a restore (mode sync) reads: version 5 of 2 shard(s)" in capsys.readouterr().out
     r = cli("checkpoint", "inspect", str(tmp_path / "missing"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not a directory" in r.stderr
     good = str(tmp_path / "good")
