@@ -302,10 +302,12 @@ def _check_name(path: str, meta: dict) -> None:
     m = NAME.match(os.path.basename(path))
     if m is None:
         return
-    named = {"shard": int(m.group(1)), "num_shards": int(m.group(2)), "version": int(m.group(3))}
+    named = {"shard": int(m.group(1)), "num_shards": int(m.group(2)), "version": int(m.group(3)),
+             "kind": "delta" if m.group(4) else "base"}
     if m.group(4):
         named["base"] = int(m.group(4))
-    wrong = [f"{k} {v} (its meta: {meta.get(k)})" for k, v in named.items() if meta.get(k) != v]
+    wrong = [f"{k} {v} (its meta: {meta.get(k, 'base' if k == 'kind' else None)})" for k, v in named.items()
+             if meta.get(k, "base" if k == "kind" else None) != v]     # files before deltas: no kind
     if wrong:
         raise ValueError(f"its name and its meta disagree: the name says {', '.join(wrong)}; "
                          "a renamed file is not loaded")

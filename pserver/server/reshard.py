@@ -2,11 +2,11 @@
 from (docs/semantics.md, "Restore onto another number of shards").
 
 A directory may hold the files of several cluster shapes (`shard{J}-of{S}-v{V}.ckpt`). A shard
-J' of S' restoring from it picks a set of files (`restore_point`):
+J' of S' restoring from it reads the state checkpoint.newest_usable picks, the one rule that
+restore, reshard, inspect, export and evaluate share (`restore_point`):
 
-- its own shape's files when there are any: the newest version that every shard of the set has
-  (a consistent cut) in sync and backup, its own newest otherwise;
-- else another shape's files, combined (`combine`): the dense range [start', end') of shard J'
+- of its own shape: its own file of that state;
+- of another shape, combined (`combine`): the dense range [start', end') of shard J'
   gathered from the old ranges, with the optimizer state of those elements; every table's rows
   (and pending admissions) whose id hashes to J' with their optimizer slots, last updates and
   lazy-Adam step counts; the tables' counters summed onto shard 0, so the cluster's totals stay
@@ -15,6 +15,8 @@ J' of S' restoring from it picks a set of files (`restore_point`):
 Versions: in sync and backup every old shard's file must be of one version (the newest that
 every old shard has and that loads); in async and ssp each old shard's newest, and the new
 shard's version is the largest of them (it also sets Adam's step count and the schedule's step).
+With no usable state of its own shape and its own files at least as new as any other's, a shard
+does as before reshards existed (`restore_point`'s docstring).
 
 `pserver checkpoint reshard` and `pserver checkpoint inspect` (pserver.cli) run the same code
 offline."""
@@ -60,7 +62,7 @@ def newest_set(directory: str, mode: str, flag: str = "--restore") -> list[check
                           "(shard{J}-of{S}-v{VERSION}.ckpt files)")
     choice = checkpoint.newest_usable(directory, mode, found=found)
     if choice.best is None:
-        raise ConfigError(checkpoint.why_none(directory, found, mode, choice.failures))
+        raise ConfigError(checkpoint.why_none(directory, found, mode, choice.failures, flag))
     return choice.best.ckpts
 
 
