@@ -209,3 +209,31 @@ def test_inspect_and_export_answer_in_one_line_with_their_exit_codes(tmp_path, l
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "is not a directory" in r.stderr
     assert regular.read_text() == "keep"
+
+
+def test_a_delta_renamed_as_a_base_does_not_load(tmp_path):
+    """A shard's delta (v2 of the chain from 1) under a base's name: refused, not read as a
+    base with its unchanged rows missing."""
+    from pserver import sparse
+    from pserver.optim import make_optimizer
+    from pserver.server.store import ShardStore
+    from pserver.sparse.merge import RowGrads
+    store = ShardStore(0, 1, lambda n: make_optimizer("sgd", n, lr=0.1))
+    with store.cond:
+        store.configure("sig", 4, 0, 4, [sparse.TableConfig("emb", 2, "adagrad")])
+        store.version = 0
+    cfg = ServerConfig(optimizer="sgd", full_every=3, checkpoint_dir=str(tmp_path))
+    writer = checkpoint.Checkpointer(str(tmp_path), "--checkpoint-dir", store, cfg)
+    for ids in (np.arange(1000), np.arange(5)):              # a base, then a small delta
+        ids = ids.astype(np.uint64)
+        with store.cond:
+            store.apply([np.ones(4, np.float32)], [1], [(RowGrads("emb", ids, np.ones((ids.shape[0], 2),
+                                                                                       np.float32)), 1)])
+        writer.request()
+    delta = os.path.join(str(tmp_path), checkpoint.file_name(0, 1, 2, base=1))
+    assert checkpoint.load(delta).version == 2
+    renamed = os.path.join(str(tmp_path), checkpoint.file_name(0, 1, 2))
+    os.rename(delta, renamed)
+    with pytest.raises(ValueError, match=r"kind base \(its meta: delta\)"):
+        checkpoint.load(renamed)
+    assert checkpoint.newest_usable(str(tmp_path), "sync").best.version == 1
