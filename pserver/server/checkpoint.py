@@ -6,9 +6,11 @@ Written atomically: a temporary file in the same directory, fsync, rename over t
 then fsync of the directory, so a crash at any moment leaves either the previous checkpoint or
 the new one, never a half-written file under a final name; a write that fails removes its
 temporary file, and those a killed shard left are removed when it starts again. Loading
-verifies each file's checksum and skips (with a warning) any version that does not load,
-falling back to the next older one; when none of a shard's files loads, restoring refuses
-rather than start fresh unasked.
+verifies each file's checksum and that its name says what its meta does (shard, shard count,
+version, base or delta: a renamed file never stands for another version), and skips (with a
+warning) any version that does not load, falling back to the next older one; when none of a
+shard's files loads, restoring refuses rather than start fresh unasked. Which state of a
+directory is read (restore, reshard, inspect, export, evaluate): `newest_usable`, one rule.
 
     shard{J}-of{S}-v{VERSION:012d}.ckpt               a base: the whole state at VERSION
     shard{J}-of{S}-v{VERSION:012d}.d{BASE:012d}.ckpt  a delta: the rows changed since the file
@@ -505,10 +507,9 @@ def cut_versions(shards: dict[int, list[tuple[int, str]]], num_shards: int) -> l
     return sorted(common or (), reverse=True)
 
 
-def check_compatible(ckpts: list[Checkpoint], directory: str, pair: bool = False) -> None:
+def check_compatible(ckpts: list[Checkpoint], directory: str) -> None:
     """One run's files: the same layout, parameter count, optimizer and tables, shards 0..S-1
-    with the ranges S shards have (`pair`: two files of the set, the ranges not checked).
-    ConfigError naming the first difference."""
+    with the ranges S shards have. ConfigError naming the first difference."""
     first = ckpts[0]
     for c in ckpts[1:]:
         for what, a, b in (("layout signature", first.signature, c.signature),
@@ -519,8 +520,6 @@ def check_compatible(ckpts: list[Checkpoint], directory: str, pair: bool = False
                 raise ConfigError(f"--restore: {os.path.basename(first.path)} and {os.path.basename(c.path)} "
                                   f"in {directory} differ in {what} ({a} against {b}): they are files of "
                                   f"two runs and cannot be combined")
-    if pair:
-        return
     ranges = shard_ranges(first.total, len(ckpts))
     for j, c in enumerate(ckpts):
         if (c.shard, c.num_shards, c.start, c.end) != (j, len(ckpts), *ranges[j]):
