@@ -199,8 +199,9 @@ def test_inspect_and_export_answer_in_one_line_with_their_exit_codes(tmp_path, l
     write(d, layout, 2, 5)
     assert main(["checkpoint", "inspect", d]) == 0
     assert "a restore (mode sync) reads: version 5 of 2 shard(s)" in capsys.readouterr().out
-    r = cli("checkpoint", "inspect", str(tmp_path / "missing"))
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "not a directory" in r.stderr
+    assert main(["checkpoint", "inspect", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not a directory" in err
     good = str(tmp_path / "good")
     write(good, layout, 2, 4)
     regular = tmp_path / "regular"
