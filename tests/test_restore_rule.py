@@ -185,8 +185,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_inspect_and_export_answer_in_one_line_with_their_exit_codes(tmp_path, layout, capsys):
     """inspect: 0 with a usable state; 1 with every file's reason when none is usable (main: 0);
-    2 for a missing directory. export --out under a regular file: one line, exit 2 (main: a
-    traceback), nothing read or written."""
+    2 for a missing directory (the real CLI in a process of its own, then cli.main). export --out
+    under a regular file: one line, exit 2 (main: a traceback), nothing read or written."""
     d = str(tmp_path / "ck")
     write(d, layout, 2, 4)
     with open(os.path.join(d, checkpoint.file_name(1, 2, 4)), "r+b") as f:
@@ -206,9 +206,9 @@ def test_inspect_and_export_answer_in_one_line_with_their_exit_codes(tmp_path, l
     write(good, layout, 2, 4)
     regular = tmp_path / "regular"
     regular.write_text("keep")
-    r = cli("export", "--restore", good, *FLAGS, "--out", str(regular / "model"))
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "is not a directory" in r.stderr
+    assert main(["export", "--restore", good, *FLAGS, "--out", str(regular / "model")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "is not a directory" in err, err
     assert regular.read_text() == "keep"
 
 
