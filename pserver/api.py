@@ -283,15 +283,16 @@ def start_cluster(*, ps: int = 1, workers: int = 2, max_workers: int = 0, **opti
     return Cluster(argv, flags(worker), summary, tmp, joiner)
 
 
-def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:
+def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict, mode: str = "sync") -> dict:
     """`pserver evaluate`: the test metrics of a model with the weights of a model file or of
-    the checkpoints in `checkpoint`. The model and dataset are the file's unless `options`
-    (the flags given: model, hidden and the dataset fields) say otherwise. A model file that is
-    not one (or not of the model given) is the user's mistake here: ConfigError, exit 2."""
+    the checkpoints in `checkpoint` (the state a restore in `mode` reads). The model and dataset
+    are the file's unless `options` (the flags given: model, hidden and the dataset fields) say
+    otherwise. A model file that is not one (or not of the model given) is the user's mistake
+    here: ConfigError, exit 2."""
     if model_file is None and checkpoint is None:
         raise ConfigError("--model-file: give the model file (--model-file PATH), checkpoints "
                           "(--checkpoint DIR, with --model and the dataset flags), or both")
-    return _evaluate_files(model_file, checkpoint, options)
+    return _evaluate_files(model_file, checkpoint, options, mode)
 
 
 @contextlib.contextmanager
@@ -304,7 +305,7 @@ def _the_model_file():
         raise ConfigError(f"--model-file: {e}") from None
 
 
-def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:
+def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dict, mode: str) -> dict:
     from pserver.server.checkpoint import load_weights
     from pserver.worker.loop import fit_data
     with _the_model_file():
@@ -333,7 +334,7 @@ def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dic
                           f"read; export the checkpoints first (pserver export --restore {checkpoint} "
                           f"--model {spec} ... --out MODEL) and evaluate --model-file MODEL")
     if checkpoint:
-        weights, versions = load_weights(checkpoint, model.layout)
+        weights, versions = load_weights(checkpoint, model.layout, mode)
         source = f"{checkpoint} (shard versions {', '.join(map(str, versions))})"
         sparse_rows = {}
     else:
@@ -367,12 +368,12 @@ def export_checkpoints(directory: str, out: str, options: dict, mode: str = "syn
                           "mlp, ...): a checkpoint records its layout, not the model's definition")
     if not os.path.isdir(directory):
         raise ConfigError(f"--restore: {directory} is not a directory")
-    found = reshard.scan(directory)
-    if not found:
-        raise ConfigError(f"--restore: {directory} holds no checkpoint (shard{{J}}-of{{S}}-v{{VERSION}}.ckpt "
-                          "files)")
-    old = max(found, key=lambda s: (max(v for files in found[s].values() for v, _ in files), s))
-    ckpts = reshard.select(directory, old, mode)
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):      # checked before the checkpoints are read: nothing is written
+        raise ConfigError(f"--out: {out} cannot be written: {parent} "
+                          f"{'is not a directory' if os.path.lexists(parent) else 'does not exist'}")
+    ckpts = reshard.newest_set(directory, mode)
+    old = len(ckpts)
     ckpt = reshard.combine(ckpts, 1, 0)
     spec = options["model"]
     configs = ckpt.tables
