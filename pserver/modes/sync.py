@@ -53,7 +53,7 @@ class SyncPolicy(Policy):
     def push(self, req, grad):
         rank, step, clock = req.rank, req.step, req.clock
         with self.store.cond:
-            self.members.check_member(rank)
+            self.members.check_session(rank, req.session)   # not taken over while it streamed in
             version = self.store.version
             if self.finished:
                 return self.drop(rank, clock, grad, "the run is over on this shard")
