@@ -330,8 +330,8 @@ def raw_register(stub, rank: int, previous: str = "") -> str:
 
 
 def raw_push_of(stub, rank: int, session: str, g: np.ndarray):
-    return stub.Push(iter(messages(pb.TensorHeader(rank=rank, shard=0, step=0, num_samples=1, session=session),
-                                   g)), metadata=AUTH, timeout=60)
+    header = pb.TensorHeader(rank=rank, shard=0, step=0, num_samples=1, session=session)
+    return stub.Push(iter(messages(header, g)), metadata=AUTH, timeout=60)
 
 
 def grpc_push_paused(addr: str, shard, session: str, g: np.ndarray, takeover) -> tuple[str, str]:
