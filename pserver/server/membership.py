@@ -247,6 +247,12 @@ class Membership:
         joined = {r for r, j in self.join_at.items() if j <= version}
         return (set(range(self.num_workers)) | joined) - self.left - self.dead
 
-    def live_members(self) -> int:
-        """How many members the open step counts on (--min-workers compares it)."""
-        return len(self.expected())
+    def toward_minimum(self) -> int:
+        """How many of the open step's members count toward --min-workers (docs/operations/elastic.md):
+        the live ones and those that left. A worker that leaves is done (it finished, or was stopped
+        and said so): the job winds down without it, and no step waits below the minimum for it.
+        What a step waits for is a member marked dead (until a joiner takes its place, or it comes
+        back) or, in a job started below the minimum, the joiners that bring it there."""
+        version = self.store.version
+        members = set(range(self.num_workers)) | {r for r, j in self.join_at.items() if j <= version}
+        return len(members - (self.dead - self.left))
