@@ -107,8 +107,8 @@ SERVER_FLAGS = [
     Flag("--backup-workers", dict(type=int, metavar="B", help="backup mode: a step completes once N-B "
                                                               "distinct workers pushed")),
     Flag("--min-workers", dict(type=int, metavar="N", help="elastic workers: sync and backup steps wait "
-                               "while fewer members are live (default: not set, a dead worker never "
-                               "holds the others up)")),
+                               "while fewer members are live or finished (default: not set, a dead "
+                               "worker never holds the others up)")),
     Flag("--max-workers", dict(type=int, metavar="N", help="elastic workers: workers may join (pserver "
                                "worker --rank auto) up to N in all (default --num-workers)")),
     Flag("--staleness", dict(type=int, metavar="S", help="ssp mode: a worker may run at most S clocks ahead "

@@ -84,7 +84,9 @@ class Policy(ABC):
         pserver.sparse.RowGrads): both are applied together, or dropped together. Takes
         ownership of `grad`: the policy returns it to store.pool when done, and counts
         req.num_samples as trained once the gradient is applied (never when it is dropped).
-        Raises FailedPrecondition (StaleStep for a step it does not take now) to reject."""
+        Raises FailedPrecondition (StaleStep for a step it does not take now) to reject, and
+        TakenOver (Membership.check_session, cond held) for a push whose session was taken
+        over while its payload arrived."""
 
     def wait_pull(self, rank: int, seen_version: int, clock: int, timeout: float | None,
                   waiter=None) -> None:
