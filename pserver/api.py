@@ -283,15 +283,16 @@ def start_cluster(*, ps: int = 1, workers: int = 2, max_workers: int = 0, **opti
     return Cluster(argv, flags(worker), summary, tmp, joiner)
 
 
-def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:
+def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict, mode: str = "sync") -> dict:
     """`pserver evaluate`: the test metrics of a model with the weights of a model file or of
-    the checkpoints in `checkpoint`. The model and dataset are the file's unless `options`
-    (the flags given: model, hidden and the dataset fields) say otherwise. A model file that is
-    not one (or not of the model given) is the user's mistake here: ConfigError, exit 2."""
+    the checkpoints in `checkpoint` (the state a restore in `mode` reads). The model and dataset
+    are the file's unless `options` (the flags given: model, hidden and the dataset fields) say
+    otherwise. A model file that is not one (or not of the model given) is the user's mistake
+    here: ConfigError, exit 2."""
     if model_file is None and checkpoint is None:
         raise ConfigError("--model-file: give the model file (--model-file PATH), checkpoints "
                           "(--checkpoint DIR, with --model and the dataset flags), or both")
-    return _evaluate_files(model_file, checkpoint, options)
+    return _evaluate_files(model_file, checkpoint, options, mode)
 
 
 @contextlib.contextmanager
@@ -304,7 +305,7 @@ def _the_model_file():
         raise ConfigError(f"--model-file: {e}") from None
 
 
-def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dict) -> dict:
+def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dict, mode: str) -> dict:
     from pserver.server.checkpoint import load_weights
     from pserver.worker.loop import fit_data
     with _the_model_file():
@@ -314,14 +315,18 @@ def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dic
     if spec is None:
         raise ConfigError(f"--model: {model_file} was saved from a model built in Python; give its "
                           "definition with --model FILE.py:FUNCTION")
+    model = tables = None
+    if meta:
+        with _the_model_file():
+            model = saved.build(meta, spec, options.get("hidden"))
+            if not checkpoint:      # the file's weights and tables, verified before the dataset loads
+                weights, source = saved.weights_of(model_file, meta, arrays, model.layout), model_file
+                tables = saved.tables_of(model_file, meta, model)
     data = {k: v for k, v in (meta.get("dataset") or {}).items() if k in saved.DATASET_FIELDS}
     data |= {k: options[k] for k in saved.DATASET_FIELDS if options.get(k) is not None}
     ds = load_dataset(data.pop("dataset", "synthetic"),
                       task="regression" if spec == "linreg" else "classification", **data)
-    if meta:
-        with _the_model_file():
-            model = saved.build(meta, spec, options.get("hidden"))
-    else:          # as the worker built it: for the dataset's samples and classes
+    if model is None:          # as the worker built it: for the dataset's samples and classes
         model = models.make_model(spec, ds.sample_shape, ds.num_classes,
                                   hidden=options.get("hidden") or models.DEFAULT_HIDDEN)
     if checkpoint and getattr(model, "sparse_tables", None):
@@ -329,13 +334,10 @@ def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dic
                           f"read; export the checkpoints first (pserver export --restore {checkpoint} "
                           f"--model {spec} ... --out MODEL) and evaluate --model-file MODEL")
     if checkpoint:
-        weights, versions = load_weights(checkpoint, model.layout)
+        weights, versions = load_weights(checkpoint, model.layout, mode)
         source = f"{checkpoint} (shard versions {', '.join(map(str, versions))})"
         sparse_rows = {}
     else:
-        with _the_model_file():
-            weights, source = saved.weights_of(model_file, meta, arrays, model.layout), model_file
-            tables = saved.tables_of(model_file, meta, model)
         sparse_rows = {"rows": SavedModel(model, weights, meta, model_file, tables).rows} if tables else {}
     ds = fit_data(model, ds)
     metrics = model.evaluate(weights, ds.x_test, ds.y_test, **sparse_rows)
@@ -366,12 +368,12 @@ def export_checkpoints(directory: str, out: str, options: dict, mode: str = "syn
                           "mlp, ...): a checkpoint records its layout, not the model's definition")
     if not os.path.isdir(directory):
         raise ConfigError(f"--restore: {directory} is not a directory")
-    found = reshard.scan(directory)
-    if not found:
-        raise ConfigError(f"--restore: {directory} holds no checkpoint (shard{{J}}-of{{S}}-v{{VERSION}}.ckpt "
-                          "files)")
-    old = max(found, key=lambda s: (max(v for files in found[s].values() for v, _ in files), s))
-    ckpts = reshard.select(directory, old, mode)
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):      # checked before the checkpoints are read: nothing is written
+        raise ConfigError(f"--out: {out} cannot be written: {parent} "
+                          f"{'is not a directory' if os.path.lexists(parent) else 'does not exist'}")
+    ckpts = reshard.newest_set(directory, mode)
+    old = len(ckpts)
     ckpt = reshard.combine(ckpts, 1, 0)
     spec = options["model"]
     configs = ckpt.tables

@@ -107,8 +107,8 @@ SERVER_FLAGS = [
     Flag("--backup-workers", dict(type=int, metavar="B", help="backup mode: a step completes once N-B "
                                                               "distinct workers pushed")),
     Flag("--min-workers", dict(type=int, metavar="N", help="elastic workers: sync and backup steps wait "
-                               "while fewer members are live (default: not set, a dead worker never "
-                               "holds the others up)")),
+                               "while fewer members are live or finished (default: not set, a dead "
+                               "worker never holds the others up)")),
     Flag("--max-workers", dict(type=int, metavar="N", help="elastic workers: workers may join (pserver "
                                "worker --rank auto) up to N in all (default --num-workers)")),
     Flag("--staleness", dict(type=int, metavar="S", help="ssp mode: a worker may run at most S clocks ahead "
@@ -469,7 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "         pserver evaluate --checkpoint ckpt --model mlp --dataset mnist")
     ev.add_argument("--model-file", default=None, metavar="PATH", help="a model file written by --save")
     ev.add_argument("--checkpoint", default=None, metavar="DIR",
-                    help="take the weights from the newest checkpoint of every shard in DIR")
+                    help="take the weights from DIR's checkpoints: the state a restore reads (--mode)")
+    ev.add_argument("--mode", default="sync", choices=MODES,
+                    help="with --checkpoint, the job's mode: sync and backup read the newest version every "
+                         "shard has (a consistent cut), async and ssp each shard's newest (default sync)")
     ev.add_argument("--json", action="store_true", help="print JSON instead of a line")
     add_flags(ev, EVALUATE_FLAGS, "model and dataset (default: the model file's)")
 
@@ -481,6 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "consistent cuts of a directory")
     ins.add_argument("directory", metavar="DIR")
     ins.add_argument("--json", action="store_true", help="print JSON instead of text")
+    ins.add_argument("--mode", default="sync", choices=MODES,
+                     help="the job's mode, for the state a restore reads: sync and backup the newest "
+                          "version every shard has (a consistent cut), async and ssp each shard's newest "
+                          "(default sync); exit 1 when there is none")
     rs = cks.add_parser("reshard", help="write the newest usable set of DIR as checkpoints of S' shards",
                         description="Combine the checkpoints S shards wrote into files for S' shards: each "
                                     "new shard\ntakes its dense range and the rows whose id hashes to it, "
@@ -663,7 +670,7 @@ def cmd_evaluate(ns) -> int:
     import json
 
     from pserver.api import evaluate_files
-    result = evaluate_files(ns.model_file, ns.checkpoint, given(ns, EVALUATE_FLAGS))
+    result = evaluate_files(ns.model_file, ns.checkpoint, given(ns, EVALUATE_FLAGS), ns.mode)
     if ns.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -686,11 +693,12 @@ def cmd_checkpoint(ns) -> int:
         print(f"wrote {len(paths)} checkpoint(s) to {ns.target}: "
               + ", ".join(os.path.basename(p) for p in paths))
         return 0
-    report = reshard.inspect(ns.directory)
-    if ns.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print("\n".join(reshard.describe(report)))
+    report = reshard.inspect(ns.directory, ns.mode)
+    print(json.dumps(report, indent=2) if ns.json else "\n".join(reshard.describe(report)))
+    if report["sets"] and report["restores"] is None:     # files, and no state a restore could read
+        print(f"pserver checkpoint: error: {ns.directory} holds no state a restore in mode {ns.mode} "
+              "could read (each file's reason above)", file=sys.stderr)
+        return 1
     return 0
 
 

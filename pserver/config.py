@@ -69,7 +69,7 @@ class ServerConfig:
     shard: int = 0                # this shard's index J in [0, num_shards)
     num_shards: int = 1           # S
     num_workers: int = 0          # N; 0 = learn it from the first worker that registers
-    min_workers: int = 0          # elastic: sync/backup steps wait while fewer live members (0: not set,
+    min_workers: int = 0          # elastic: sync/backup steps wait with fewer members live or left (0: unset,
                                   # today's behaviour: a dead worker never holds the others up)
     max_workers: int = 0          # elastic: ranks are below this; workers may join up to it (0: N)
     mode: str = "sync"            # consistency mode, a name in MODES

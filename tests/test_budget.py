@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 
 from pserver import sparse
-from pserver.errors import ResourceExhausted
+from pserver.errors import OverBudget, ResourceExhausted
+from pserver.models.layout import Layout
 from pserver.server.budget import Budget
 from pserver.server.store import Counters, RowGrads
+from pserver.sparse import TableConfig, TableLookup
+from pserver.worker.client import PSClient
 
 
 def table(name, index=0, **kw):
@@ -144,3 +147,44 @@ def test_an_index_being_built_is_counted_once(monkeypatch):
         assert held == 200 * t._rows.entry_bytes
     finally:
         release.set()
+
+
+def test_a_sync_steps_held_rows_and_their_merge_count_in_the_budget(shard_server):
+    """46.7: a sync push's rows wait for the step (pending_rows) and are then merged with the
+    other ranks': --max-memory-mb 16 keeps 13 MiB for the state, two ranks' 25,000 fresh rows of
+    dim 16 take 3.9 MB of table each, but with their held gradients (1.8 MB) and their merge
+    (6 MB) 11.6 MB each. The second push is refused at arrival, before it is aggregated, naming
+    what is held; nothing is applied. On main both were aggregated (7.7 MB of rows counted) and
+    the shard's RSS passed its budget (tests/e2e/test_budget.py measures it)."""
+    addr, shard = shard_server(max_memory_mb=16, num_workers=2, mode="sync", optimizer="sgd")
+    table, n = TableConfig("emb", 16, "adagrad"), 25_000
+    clients = [PSClient([addr], rank=r, num_workers=2, rpc_deadline=10, data_plane="grpc") for r in (0, 1)]
+    try:
+        for c in clients:
+            c.connect(10)
+            c.register(Layout.of([("b", (1,))], [table]))
+        w = np.zeros(1, np.float32)
+        clients[0].init(w)
+        for c in clients:
+            c.pull(w)
+
+        def push(c, first):
+            ids = np.arange(first, first + n, dtype=np.uint64)
+            grads = np.full((n, 16), 0.01, np.float32)
+            c.push(np.zeros(1, np.float32), n, tables=[table.name],
+                   lookups=[TableLookup(ids, np.arange(n), np.empty_like(grads), grads)])
+
+        push(clients[0], 0)
+        st = clients[0].status()[0]
+        assert st.counters.pushes_aggregated == 1 and st.memory.reserved > 2.5 * n * (8 + 4 * 16), st.memory
+        with pytest.raises(OverBudget, match=r"table 'emb' would create 25,000 new rows .* MiB of it its "
+                                             r"rows held for its step and their merge.* the push changed "
+                                             r"nothing"):
+            push(clients[1], n)
+        st = clients[0].status()[0]
+        assert st.counters.pushes_aggregated == 1 and st.counters.pushes_refused_for_memory == 1
+        assert st.version == 0 and st.tables[0].rows == 0          # the step waits: nothing applied
+        assert st.memory.used + st.memory.reserved <= st.memory.budget
+    finally:
+        for c in clients:
+            c.close()

@@ -19,7 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pserver.errors import FailedPrecondition, LeaseGone
+from pserver.errors import FailedPrecondition, InvalidArgument, LeaseGone
 from pserver.server.coordinator import Coordinator, Plan, chunk_order, for_new_shard
 
 RANKS = 3
@@ -642,6 +642,58 @@ def test_a_restore_counts_what_was_trained_on_pieces_since_the_checkpoint_exactl
     # after the checkpoint: first + 1 (counted at load) and first + 2 .. end - 1
     assert restored.done_before_restore(report) == end - first - 2
     assert restored.done_before_restore(report) == 0
+
+
+def test_a_plan_refused_or_failing_to_build_changes_nothing(monkeypatch):
+    """46.6: a plan's fields are checked before anything is built, and a build that fails (a
+    MemoryError once left the plan fixed with no queue, and every real worker refused) leaves
+    the coordinator as it was. Catches a plan set before its queue is built."""
+    import pserver.server.coordinator as coordinator_module
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate")
+
+    c = Coordinator()
+    with monkeypatch.context() as m:
+        m.setattr(coordinator_module, "chunk_order", no_memory)
+        with pytest.raises(MemoryError):
+            c.configure(Plan(10, 1, 0, "fp", 1))
+    assert c.plan is None and c.queue == []
+    for bad, field in ((Plan(10, 1, -1, "fp", 1), "seed -1"), (Plan(0, 1, 0, "fp", 1), "num_batches 0"),
+                       (Plan(10, 0, 0, "fp", 1), "chunk_batches 0"), (Plan(10, 1, 0, "fp", -2), "epochs -2"),
+                       (Plan(10, 1, 0, "f" * 300, 1), "fingerprint of 300")):
+        with pytest.raises(InvalidArgument, match=field):
+            c.configure(bad)
+        assert c.plan is None and c.queue == [] and c.nbytes == 0
+    plan = Plan(10, 3, 0, "fp", 1)
+    assert plan.nbytes == 4 * 112 + 10 * 2
+    c.configure(plan, order=c.prepared(plan))
+    assert c.plan == plan and sorted(c.queue) == [0, 1, 2, 3] and c.queue == chunk_order(4, 0, 0)
+    before = c.state()
+    with pytest.raises(FailedPrecondition):
+        c.configure(Plan(10, 3, 0, "fp", 2))               # a run going on: its --epochs stay
+    assert c.state() == before
+
+
+def test_a_restored_coordinator_takes_more_epochs_until_it_hands_out_a_lease():
+    """45.6: a job stopped, started again from its checkpoint with more --epochs, trains the
+    epochs left: the restored coordinator, which has handed out no lease since, takes the plan
+    with other epochs and keeps its position; once a lease is out, --epochs must match again.
+    Catches a restart refused with '... 2 vs 1 epochs'."""
+    c = Coordinator()
+    c.configure(Plan(4, 1, 0, "fp", 1))
+    c.lease(0, "a", None)
+    c.lease(0, "a", (0, c.leases[0][1]))                  # one chunk done, one leased
+    d = Coordinator.load(json.loads(json.dumps(c.state())))
+    assert not d.finished and d.epoch == 0 and len(d.queue) == 3
+    d.configure(Plan(4, 1, 0, "fp", 2))
+    assert d.plan.epochs == 2 and d.epoch == 0 and len(d.queue) == 3 and len(d.done) == 1
+    d.lease(0, "b", None)
+    with pytest.raises(FailedPrecondition, match="2 vs 3 epochs|3 vs 2 epochs"):
+        d.configure(Plan(4, 1, 0, "fp", 3))
+    e = Coordinator.load(c.state())
+    with pytest.raises(FailedPrecondition, match="other data"):
+        e.configure(Plan(4, 1, 0, "other", 2))               # other data is still refused
 
 
 def test_the_chief_s_epoch_logs_reach_every_worker_and_nothing_else_can_write_them(shard_server):

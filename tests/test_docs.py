@@ -41,7 +41,9 @@ def test_every_relative_link_resolves(path):
             continue
         file, _, anchor = target.partition("#")
         dest = (path.parent / file).resolve() if file else path
-        assert dest.exists(), f"{path.name}: link to {target}: no such file"
+        # A file, not a folder: the site copies the files a page names (docs/hooks.py), and a
+        # link to a folder is a broken link there (mkdocs build --strict fails on it).
+        assert dest.is_file(), f"{path.name}: link to {target}: no such file"
         if anchor:
             assert anchor in anchors(dest), f"{path.name}: link to {target}: no such heading"
 
@@ -170,3 +172,30 @@ def test_the_readme_links_every_page():
     missing = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "docs").rglob("*.md"))
                if f"]({p.relative_to(ROOT).as_posix()}" not in readme]
     assert missing == []
+
+
+def test_the_ci_docs_build_fails_on_a_broken_link(tmp_path):
+    """.ci/run's `mkdocs build` flags, on a two-page site whose one link is broken, fail the build;
+    with the link mended the same command passes. Catches `--quiet` (MkDocs 1.6 then hides the
+    warnings that `--strict` counts, and a broken link passed CI)."""
+    pytest.importorskip("mkdocs")          # the docs extra, which .ci/run installs
+    import subprocess
+    import sys
+    line = next(ln for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+                if re.search(r'mkdocs" build ', ln))
+    flags = re.search(r'mkdocs" build (.*?)--site-dir', line).group(1).split()
+    assert "--strict" in flags
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "mkdocs.yml").write_text(
+        "site_name: t\nnav:\n  - index.md\n  - other.md\n"
+        "validation:\n  not_found: warn\n  anchors: warn\n  unrecognized_links: warn\n")
+    (tmp_path / "docs" / "other.md").write_text("# Other\n")
+
+    def build(link: str) -> int:
+        (tmp_path / "docs" / "index.md").write_text(f"# Home\n\nSee [the other page]({link}).\n")
+        return subprocess.run([sys.executable, "-m", "mkdocs", "build", *flags, "--site-dir",
+                               str(tmp_path / "site")], cwd=tmp_path, capture_output=True,
+                              env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"}).returncode
+
+    assert build("other.md") == 0
+    assert build("no-such-page.md") != 0

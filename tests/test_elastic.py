@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -231,6 +233,59 @@ def test_below_min_workers_sync_waits_and_a_joiner_counts_from_the_waiting_step(
     assert s.join_step(r, 2) == (0, 0)                  # not fixed while below the minimum
     push(s, r, 0, [1, 1, 1, 1])
     assert s.store.version == 1
+
+
+@pytest.mark.parametrize("mode, n, cfg, leaves_first", [("sync", 2, {}, True), ("sync", 2, {}, False),
+                                                         ("backup", 3, dict(backup_workers=1), True)])
+def test_a_worker_that_finished_and_left_never_holds_a_step_below_min_workers(mode, n, cfg, leaves_first):
+    # catches (issue 46.3): the job's end hanging: the last rank has less work, finishes and leaves;
+    # the others' last step waited forever below --min-workers=n (a rank that left counted as
+    # missing), whether they pushed before the leave or after it (backup: its quorum, n - 1, is
+    # the others: they never wait for the last rank's push)
+    s = elastic_shard(num_workers=n, max_workers=n + 1, min_workers=n, mode=mode, **cfg)
+    others = list(range(n - 1))
+    step_all(s, others if mode == "backup" else range(n))
+    assert s.store.version == 1
+    if leaves_first:
+        s.leave(n - 1)
+        assert not s.policy.below_min()
+        step_all(s, others)
+    else:
+        step_all(s, others)
+        assert s.store.version == 1                     # waits for the last rank's push
+        s.leave(n - 1)
+    assert s.store.version == 2 and not s.policy.pending
+    step_all(s, others)                                 # and every step after it
+    assert s.store.version == 3
+    # A member marked dead still holds the steps below the minimum: that is what it is for.
+    s.register(n - 1, n, 0, 1, LAYOUT)
+    s.members.mark_dead([n - 1], "test")
+    step_all(s, others)
+    assert s.store.version == 3 and s.policy.below_min()
+
+
+def test_a_step_that_waited_below_min_workers_times_out_from_when_a_joiner_lifts_it():
+    # catches (issue 46.4): the step's --step-timeout counted while it waited below --min-workers,
+    # so the joiner that lifts it to the minimum, which has not pushed yet, was marked dead at the
+    # first tick after it joined, and the step went on without it (its push then refused as stale)
+    s = elastic_shard(num_workers=2, max_workers=3, min_workers=2, step_timeout=1.0)
+    s.members.mark_dead([1], "test")
+    push(s, 0, 0, [2, 2, 2, 2])
+    pulled = {}
+    waiting = threading.Thread(target=lambda: pulled.update(v=s.pull(0, 0, 0, 1, timeout=20)[0]), daemon=True)
+    waiting.start()            # rank 0 waits for version 1; its pull ticks the policy's timer
+    time.sleep(1.6)            # the step waits below the minimum, longer than --step-timeout
+    assert s.store.version == 0 and s.policy.below_min()
+    r = s.register(2, 3, 0, 1, LAYOUT).assigned_rank    # a joiner (rank 1's session expired: not 1)
+    assert s.join_step(r, 2) == (0, 0)
+    with s.store.cond:
+        s.policy.check_timeout()                        # as the next tick of a waiting pull
+    assert s.members.dead == {1} and r in s.members.expected()
+    assert push(s, r, 0, [4, 4, 4, 4]) is Outcome.AGGREGATED
+    waiting.join(30)
+    assert pulled == {"v": 1} and s.members.dead == {1}
+    assert s.store.counters.snapshot()["workers_marked_dead"] == 1
+    np.testing.assert_array_equal(s.store.params, -np.full(4, 3, np.float32))   # (2 + 4) / 2, lr 1
 
 
 def test_without_min_workers_a_dead_worker_never_holds_the_others():

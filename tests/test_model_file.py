@@ -3,8 +3,13 @@ run against in-process shards, read back by pserver and by numpy alone."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import shutil
+import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -183,11 +188,13 @@ def test_a_ctr_model_is_a_directory_of_sorted_tables_read_mapped(tmp_path):
     x["cat"] = [[1] * 26, [3] * 26, [4] * 26]
     assert loaded.predict(x).shape == (3, 1)
 
-    # a JSON that says two tables share ids that differ is refused
+    # a JSON that says two tables share ids that differ is refused (its checksums those of the files)
     meta = json.loads(json.dumps(loaded.meta))
     other = os.path.join(path, "tables", "other.npy")       # a new file: `loaded` maps the old one
     np.save(other, np.asarray(loaded.tables[1].ids) + np.uint64(1))
     os.replace(other, os.path.join(path, "tables", "factors.ids.npy"))
+    meta.setdefault("files", {})["tables/factors.ids.npy"] = listed(os.path.join(path, "tables",
+                                                                                 "factors.ids.npy"))
     with pytest.raises(DataError, match="says its ids are table 'linear'"):
         read_tables(path, meta)
 
@@ -201,3 +208,199 @@ def test_a_ctr_model_is_a_directory_of_sorted_tables_read_mapped(tmp_path):
     assert load(path).tables[1].rows.tobytes() != loaded.tables[1].rows.tobytes()    # the new rows
     with pytest.raises(DataError, match=r"holds sparse tables \[\('linear', 1\), \('factors', 4\)\]"):
         load(path, model="lr")          # lr has fm's dense weights, and the linear table only
+
+
+# -- every file of an export checked before use ----------------------------------------------------
+
+def listed(file: str) -> dict:
+    """A file's entry in a model's JSON "files", as the writer records it."""
+    data = open(file, "rb").read()
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def rewrite_json(path: str, change) -> None:
+    """MODEL/model.npz again with its JSON changed by change(meta) (the weights as they were)."""
+    file = os.path.join(path, "model.npz")
+    with np.load(file, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(str(arrays[META]))
+    change(meta)
+    arrays[META] = np.array(json.dumps(meta))
+    np.savez(file, **arrays)
+
+
+def flip(file: str, at: int) -> None:
+    """One byte of the file changed in place (`at` < 0: from the end): its size stays."""
+    at %= os.path.getsize(file)
+    with open(file, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+@pytest.fixture(scope="module")
+def fm_saved(tmp_path_factory):
+    """An fm model with tables of 400 rows, saved as `pserver export` saves one: a definition
+    that `pserver evaluate` rebuilds, on a small criteo-synthetic set."""
+    from pserver.worker.loop import table_options
+    path = str(tmp_path_factory.mktemp("fm") / "ctr")
+    cfg = WorkerConfig(model="fm", dataset="criteo-synthetic", samples=300, test_samples=200, seed=5)
+    ds = load_dataset("criteo-synthetic", samples=300, test_samples=200, seed=5)
+    model = make_model("fm", ds.sample_shape, ds.num_classes, hidden=cfg.hidden, **table_options(cfg))
+    w = model.init_params(0)
+    save(path, model, w, definition(cfg, model, ds), {}, tables=ctr_tables(model, 400))
+    return path, model, w, ds
+
+
+@pytest.fixture
+def criteo_model(fm_saved):
+    """criteo_model(path): a copy of fm_saved's model at path; (model, weights, dataset)."""
+    def copy(path: str) -> tuple:
+        shutil.copytree(fm_saved[0], path)
+        return fm_saved[1:]
+    return copy
+
+
+def test_a_same_size_change_to_any_file_of_a_model_is_refused_before_a_prediction(tmp_path, criteo_model):
+    # Catches tables mapped without their checksum checked (on main a flipped byte of a table's
+    # rows loads and predicts other numbers), and a manifest that leaves a file out.
+    path = str(tmp_path / "ctr")
+    model, w, _ = criteo_model(path)
+    good = load(path)
+    files = [f"tables/{f}" for f in sorted(os.listdir(os.path.join(path, "tables")))]
+    with open(os.path.join(path, "model.npz"), "rb") as f:      # a dense weight's bytes, inside the zip
+        weight_at = f.read().find(model.layout.views(w)[model.layout.tensors[0].name].tobytes())
+    assert weight_at > 0
+    rows_first = sorted(files, key=lambda f: "ids" in f)
+    for name, at in [*((f, -5) for f in rows_first), ("model.npz", weight_at + 2)]:
+        bad = str(tmp_path / "bad")
+        shutil.copytree(path, bad)
+        size = os.path.getsize(os.path.join(bad, name))
+        flip(os.path.join(bad, name), at)
+        assert os.path.getsize(os.path.join(bad, name)) == size
+        with pytest.raises(DataError) as err:
+            load(bad)
+        assert os.path.join(bad, name) in str(err.value) and "\n" not in str(err.value), (name, err.value)
+        shutil.rmtree(bad)
+    assert [t.rows.tobytes() for t in load(path).tables] == [t.rows.tobytes() for t in good.tables]
+    assert len(files) == 4 and sorted(load(path).meta["files"]) == files     # every file listed
+
+    # `pserver evaluate` refuses it in one line, exit 2, before evaluating
+    flip(os.path.join(path, "tables", "factors.rows.npy"), -3)
+    r = subprocess.run([sys.executable, "-m", "pserver", "evaluate", "--model-file", path, "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "factors.rows.npy" in r.stderr and "sha256" in r.stderr, r.stderr
+
+
+def test_ids_out_of_order_are_refused_even_with_their_checksums(tmp_path, criteo_model):
+    # Ids and rows written in reverse order (a foreign writer, or an export from before checksums):
+    # on main they load, and every lookup misses (binary search of unsorted ids).
+    path = str(tmp_path / "ctr")
+    criteo_model(path)
+    for name, order in (("linear", slice(None, None, -1)), ("factors", np.r_[0, 2, 1, 3:400])):
+        for stripped in (False, True):
+            bad = str(tmp_path / f"{name}-{stripped}")
+            shutil.copytree(path, bad)
+            for what in ("ids", "rows"):
+                file = os.path.join(bad, "tables", f"{name}.{what}.npy")
+                np.save(file, np.load(file)[order])
+
+            def resum(meta, bad=bad, stripped=stripped):
+                if stripped:
+                    meta.pop("files", None)
+                else:
+                    meta["files"] = {f: listed(os.path.join(bad, f)) for f in meta.get("files", {})}
+                meta["tables"][1].pop("ids_as", None)       # each table's ids read on their own
+            rewrite_json(bad, resum)
+            with pytest.raises(DataError, match="ids not strictly ascending") as err:
+                load(bad)
+            assert f"{name}.ids.npy" in str(err.value), err.value
+    # ids twice: not strictly ascending either
+    file = os.path.join(path, "tables", "linear.ids.npy")
+    ids = np.load(file)
+    ids[7] = ids[6]
+    np.save(file, ids)
+    rewrite_json(path, lambda meta: meta.setdefault("files", {}).update({"tables/linear.ids.npy":
+                                                                           listed(file)}))
+    with pytest.raises(DataError, match=r"linear.ids.npy: ids not strictly ascending: id \d+ at row 7"):
+        load(path)
+
+
+def test_a_model_written_before_checksums_loads_unverified_and_says_so(tmp_path, caplog, criteo_model):
+    # Catches a loader that refuses the exports already out there, or takes them in silently.
+    path = str(tmp_path / "ctr")
+    criteo_model(path)
+    good = load(path)
+    rewrite_json(path, lambda meta: meta.pop("files", None))
+    with caplog.at_level(logging.WARNING, logger="pserver.model"):
+        old = load(path)
+    assert [r.getMessage() for r in caplog.records if "not verified" in r.getMessage()] == [
+        f"{path}: written before exports carried checksums: its files are not verified (their shapes and "
+        "id order are checked); export it again to have them verified"]
+    assert [(t.ids.tobytes(), t.rows.tobytes()) for t in old.tables] == [
+        (t.ids.tobytes(), t.rows.tobytes()) for t in good.tables]
+    assert old.weights.tobytes() == good.weights.tobytes()
+    # listed, a file that the list leaves out is refused
+    rewrite_json(path, lambda meta: meta.update(files={}))
+    with pytest.raises(DataError, match=r"linear.ids.npy: not in the model's list of files"):
+        load(path)
+
+
+def test_a_corrupt_or_disordered_delta_is_refused_and_the_model_stays(tmp_path, criteo_model):
+    # Catches a delta's files used unchecked: on main a flipped byte of its rows is served, and
+    # its removed ids or changed ids out of order are taken in.
+    path = str(tmp_path / "ctr")
+    model, w, _ = criteo_model(path)
+    base = load(path)
+    ids = np.asarray(base.tables[0].ids)
+    changed = {t.name: (ids[::3], np.full((ids[::3].shape[0], t.dim), 0.5, np.float32))
+               for t in model.sparse_tables}
+    gone = {t.name: ids[1::7] for t in model.sparse_tables}
+    delta = str(tmp_path / "delta")
+    save(delta, model, w + 1, None, {}, tables=changed, removed=gone,
+         delta={"base_id": base.meta["export_id"], "base_version": 0, "base_versions": [0]})
+    probe = np.concatenate([ids, np.arange(2, 40, 2, dtype=np.uint64)])
+
+    def reads(m) -> list:
+        out = []
+        for t in m.tables:
+            rows = np.empty((probe.shape[0], t.dim), np.float32)
+            t.lookup(probe, rows)
+            out.append(rows.tobytes())
+        return [*out, m.weights.tobytes(), m.meta["export_id"]]
+    before = reads(base)
+
+    def damaged(label, change):
+        bad = str(tmp_path / label)
+        shutil.copytree(delta, bad)
+        change(bad)
+        return bad
+    for bad, words in (
+            (damaged("flipped", lambda d: flip(os.path.join(d, "tables", "factors.rows.npy"), -2)),
+             r"factors.rows.npy: sha256"),
+            (damaged("removed", lambda d: flip(os.path.join(d, "tables", "linear.removed.npy"), -1)),
+             r"linear.removed.npy: sha256"),
+            (damaged("reversed", lambda d: reverse_delta(d, "factors")),
+             r"factors.ids.npy: ids not strictly ascending")):
+        with pytest.raises(DataError, match=words):
+            base.apply(bad)
+        assert reads(base) == before, bad
+    assert base.apply(delta) == {t.name: {"changed": ids[::3].shape[0], "removed": ids[1::7].shape[0]}
+                                 for t in model.sparse_tables}
+    assert reads(base) != before
+
+
+def reverse_delta(d: str, name: str) -> None:
+    """A delta's table written in reverse order, its JSON's checksums made to match."""
+    for what in ("ids", "rows"):
+        file = os.path.join(d, "tables", f"{name}.{what}.npy")
+        np.save(file, np.load(file)[::-1])
+
+    def resum(meta):
+        meta["files"] = {f: listed(os.path.join(d, f)) for f in meta.get("files", {})}
+        for t in meta["tables"]:
+            t.pop("ids_as", None)
+    rewrite_json(d, resum)

@@ -8,8 +8,12 @@ pushes_received.
 
 from __future__ import annotations
 
+import mmap
+import os
 import re
 import socket
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -309,3 +313,117 @@ def test_shards_bind_loopback_unless_told(shard_server, monkeypatch):
     if not hosts:
         missing("the loopback-binding test", "/proc/net/tcp is not readable here")
     assert hosts == {"127.0.0.1"}
+
+
+# --- a push that streams while its rank is taken over (issue 46.2) ------------------------------
+AUTH = [("authorization", f"Bearer {TOKEN}")]   # timeouts below: the first Init loads the kernels
+TAKEOVER_PART = 8            # elements per data-plane part: 33 elements go in five parts
+
+
+def raw_register(stub, rank: int, previous: str = "") -> str:
+    """Register `rank` of 2 as a plain protobuf client; its session credential."""
+    spec = [pb.TensorSpec(name=t.name, shape=t.shape) for t in LAYOUT.tensors]
+    return stub.Register(pb.RegisterRequest(rank=rank, num_workers=2, shard=0, num_shards=1, layout=spec,
+                                            protocol_version=codec.PROTOCOL_VERSION,
+                                            previous_session=previous),
+                         metadata=AUTH, timeout=60).session
+
+
+def raw_push_of(stub, rank: int, session: str, g: np.ndarray):
+    header = pb.TensorHeader(rank=rank, shard=0, step=0, num_samples=1, session=session)
+    return stub.Push(iter(messages(header, g)), metadata=AUTH, timeout=60)
+
+
+def grpc_push_paused(addr: str, shard, session: str, g: np.ndarray, takeover) -> tuple[str, str]:
+    """Rank 1's push over gRPC on a channel of its own, paused after its header (the shard has
+    authorized it and waits for the payload) while `takeover()` runs; (status code, details)."""
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(addr))
+    first, *rest = messages(pb.TensorHeader(rank=1, shard=0, step=0, num_samples=1, session=session), g)
+    head = pb.TensorChunk(header=first.header)            # the header alone, the payload after
+    data = [pb.TensorChunk(data=first.data), *rest]
+    go = threading.Event()
+
+    def stream():
+        yield head
+        go.wait(10)
+        yield from data
+
+    seen = shard.members.last_seen[1]
+    answer = stub.Push.future(stream(), metadata=AUTH, timeout=20)
+    deadline = time.monotonic() + 10
+    while shard.members.last_seen[1] == seen and time.monotonic() < deadline:
+        time.sleep(0.01)                                  # until the shard authorized the push
+    assert shard.members.last_seen[1] != seen, "the shard never authorized the paused push"
+    takeover()
+    go.set()
+    try:
+        reply = answer.result()
+        return "OK", f"{reply.outcome} {reply.message}"
+    except grpc.RpcError as e:
+        return e.code().name, e.details()
+
+
+def dataplane_push_paused(shard, session: str, g: np.ndarray, takeover) -> tuple[str, str]:
+    """Rank 1's push over the data plane, by hand: part 0 goes with the request; once the shard
+    has copied it (FREE), so authorized the push, `takeover()` runs, then the other parts."""
+    sock = raw_dataplane(shard)
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.HELLO, 1, 0, 0, 0, 0, 0, 0)
+                 + b"".join(frames.TOKEN_LEN.pack(len(f)) + f for f in (TOKEN.encode(), session.encode())))
+    msg, fds, _, _ = socket.recv_fds(sock, frames.REPLY.size, 2)
+    assert frames.REPLY.unpack(msg)[0] == 0 and len(fds) == 2
+    slots = np.frombuffer(mmap.mmap(fds[0], 2 * TAKEOVER_PART * 4), np.float32).reshape(2, TAKEOVER_PART)
+    parts = [g[a:a + TAKEOVER_PART] for a in range(0, g.size, TAKEOVER_PART)]
+    slots[0][:parts[0].size] = parts[0]
+    sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.PUSH, 1, 0, 0, 0, g.size, 1, 10_000))
+    assert frames.recv_exact(sock, 1) == frames.FREE     # part 0 copied: the push was authorized
+    takeover()
+    for k, part in enumerate(parts[1:], 1):
+        if k >= 3:                                        # slot k % 2 is free once part k - 2 is copied
+            assert frames.recv_exact(sock, 1) == frames.FREE
+        slots[k % 2][:part.size] = part
+        sock.sendall(frames.READY)
+    code, message = read_reply(sock)
+    sock.close()
+    for fd in fds:
+        os.close(fd)
+    return frames.CODES[code], message
+
+
+@pytest.mark.parametrize("plane", ["grpc", "dataplane"])
+def test_a_push_streaming_when_its_rank_is_taken_over_is_refused_and_changes_nothing(
+        shard_server, monkeypatch, plane):
+    """Issue 46.2: rank 1 (credential S1) starts a push of 100s for step 0; a restarted process takes
+    rank 1 over (Register presenting S1: S2); then the first push's payload arrives. It is refused
+    as taken over, its gradient in no step; the restarted process's push of 1s is taken in, and the
+    step is (3 + 1) / 2 with rank 0's 3s. Fails if the policy holds a push without checking, under
+    the take-over's lock, that its session is still the rank's: the step would be (3 + 100) / 2 and
+    the restarted process's push refused as already pushed."""
+    monkeypatch.setattr(frames, "PART_ELEMENTS", TAKEOVER_PART)
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync", num_workers=2,
+                               step_timeout=60)
+    start = np.arange(33, dtype=np.float32)
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(addr))
+    s0 = raw_register(stub, 0)
+    s1 = raw_register(stub, 1)
+    stub.Init(iter(messages(pb.TensorHeader(rank=0, shard=0, layout_signature=LAYOUT.signature(), session=s0),
+                            start)), metadata=AUTH, timeout=60)
+    assert raw_push_of(stub, 0, s0, np.full(33, 3, np.float32)).outcome == pb.PushReply.AGGREGATED
+    taken = {}
+
+    def takeover():
+        taken["s2"] = raw_register(stub, 1, previous=s1)
+
+    old = np.full(33, 100, np.float32)
+    if plane == "grpc":
+        code, message = grpc_push_paused(addr, shard, s1, old, takeover)
+    else:
+        code, message = dataplane_push_paused(shard, s1, old, takeover)
+    assert (code, "was taken over by a restarted process" in message) == ("UNAUTHENTICATED", True), \
+        (code, message)
+    assert shard.store.version == 0 and shard.policy.pending.keys() == {0}
+    np.testing.assert_array_equal(shard.store.params, start)
+    reply = raw_push_of(stub, 1, taken["s2"], np.ones(33, np.float32))   # the restarted process's
+    assert (reply.outcome, reply.version) == (pb.PushReply.AGGREGATED, 1)
+    np.testing.assert_array_equal(shard.store.params, start - 2)         # (3 + 1) / 2, lr 1
+    counters = shard.store.counters.snapshot()
+    assert (counters["pushes_aggregated"], counters["sessions_taken_over"]) == (2, 1)

@@ -19,7 +19,11 @@ A model with sparse tables (version 2) is a directory MODEL/ holding
                              seed, init_scale, ...), its "index" among the model's tables and "rows"
   tables/<name>.ids.npy      uint64 (n,), sorted: the ids the table holds
   tables/<name>.rows.npy     float32 (n, dim): their rows, in the order of the ids
-read with np.load(mmap_mode="r"), so a table need not fit in memory. An id the table does not
+read with np.load(mmap_mode="r"), so a table need not fit in memory. The JSON's "files" holds the
+bytes and sha256 of every file under tables/ (model.npz's own entries carry the zip's CRC-32s):
+read_tables verifies each file whole before mapping it, and checks what the lookups rely on (ids
+strictly ascending, as many rows as ids, the dtypes and shapes the JSON says); an export written
+before "files" existed loads unverified, with a warning. An id the table does not
 hold reads its initial value (pserver.sparse.initial_rows of the seed, the index and init_scale),
 as a shard's lookup does. The directory is written as MODEL.tmp-PID and renamed: a reader never
 sees half a model, and the next writer removes what a killed one left. Its tables are written
@@ -36,8 +40,10 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import itertools
 import json
+import logging
 import os
 import shutil
 import threading
@@ -50,6 +56,8 @@ from pserver.errors import ConfigError, DataError, ModelFileError, UnsafeModelFi
 from pserver.models import DEFAULT_HIDDEN
 from pserver.sparse.compact import to_float32
 
+log = logging.getLogger("pserver.model")
+
 FORMAT = "pserver-model"
 VERSION = 1                       # a dense model: one .npz
 SPARSE_VERSION = 2                # a model with sparse tables: a directory (module docstring)
@@ -58,6 +66,8 @@ TABLES = "tables"                 # its tables' .npy files
 CTR_ARGUMENTS = ("embedding_dim", "dense_features", "fields")   # what rebuilds a CTR model's layout
 META = "pserver_model"            # the .npz entry that holds the JSON
 DATASET_FIELDS = ("dataset", "data_dir", "seed", "samples", "test_samples", "features", "classes")
+FILES = "files"                   # the JSON's {path under MODEL/: {"bytes", "sha256"}}
+HASH_CHUNK = 4 << 20              # bytes hashed per read when a file is verified
 TRAINED_FIELDS = ("mode", "num_shards", "num_workers", "optimizer", "lr", "batch_size", "epochs",
                   "steps", "test_accuracy", "test_loss", "test_r2", "test_auc")
 
@@ -141,9 +151,9 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
 
     def write(tmp: str) -> None:
         os.makedirs(os.path.join(tmp, TABLES))
-        written = {}
+        written, sums = {}, {}
         for i, t in enumerate(configs):
-            n = _write_table(os.path.join(tmp, TABLES), t, sources[t.name])
+            n = _write_table(os.path.join(tmp, TABLES), t, sources[t.name], sums)
             ids = np.load(os.path.join(tmp, TABLES, f"{t.name}.ids.npy"), mmap_mode="r")
             same = next((name for name, other in written.items() if _equal(other, ids)), None)
             written[t.name] = ids
@@ -152,11 +162,10 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
             if delta:
                 gone = np.ascontiguousarray((removed or {}).get(t.name, np.empty(0, np.uint64)), np.uint64)
                 meta["tables"][-1]["removed"] = int(gone.shape[0])
-                with open(os.path.join(tmp, TABLES, f"{t.name}.removed.npy"), "wb") as f:
+                with _SummedFile(os.path.join(tmp, TABLES, f"{t.name}.removed.npy"), sums) as f:
                     np.save(f, gone, allow_pickle=False)
-                    f.flush()
-                    os.fsync(f.fileno())
         _fsync_dir(os.path.join(tmp, TABLES))
+        meta[FILES] = sums
         arrays = {META: np.array(json.dumps(meta, indent=1)), **layout.views(w)}
         _write_npz(os.path.join(tmp, MODEL_NPZ), arrays)
         _fsync_dir(tmp)
@@ -212,16 +221,49 @@ def _npy_header(f, dtype, shape) -> None:
                                              "fortran_order": False, "shape": tuple(shape)})
 
 
-def _write_table(directory: str, config, source: TableRows) -> int:
+class _SummedFile:
+    """A file written (and fsynced on close) whose bytes are counted and hashed as they go:
+    its entry in the JSON's "files", {"bytes", "sha256"}, is added to `sums` under its path
+    below the model's directory (TABLES/NAME). np.save writes through write(), not tofile(),
+    to an object that is not a real file."""
+
+    def __init__(self, path: str, sums: dict | None) -> None:
+        self.path, self.sums = path, sums
+        self.f = open(path, "wb")
+        self.hash, self.size = hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.hash.update(view)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+    def __enter__(self) -> _SummedFile:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        try:
+            if kind is None:
+                self.f.flush()
+                os.fsync(self.f.fileno())
+                if self.sums is not None:
+                    self.sums[f"{TABLES}/{os.path.basename(self.path)}"] = {
+                        "bytes": self.size, "sha256": self.hash.hexdigest()}
+        finally:
+            self.f.close()
+
+
+def _write_table(directory: str, config, source: TableRows, sums: dict | None = None) -> int:
     """TABLE.ids.npy and TABLE.rows.npy from `source`, page by page (each file's header says
-    the count it was promised); DataError when the pages break the promise: fewer or more rows,
-    ids not ascending, another width. The rows keep the type they come in."""
+    the count it was promised), their bytes and sha256 added to `sums` (the JSON's "files");
+    DataError when the pages break the promise: fewer or more rows, ids not ascending, another
+    width. The rows keep the type they come in."""
     n, dim, written, last = source.count, config.dim, 0, None
     pages = iter(source.pages)
     first = next(pages, None)
     row_type = np.dtype(np.float32) if first is None else np.asarray(first[1]).dtype
     paths = [os.path.join(directory, f"{config.name}.{what}.npy") for what in ("ids", "rows")]
-    with open(paths[0], "wb") as fi, open(paths[1], "wb") as fr:
+    with _SummedFile(paths[0], sums) as fi, _SummedFile(paths[1], sums) as fr:
         _npy_header(fi, np.uint64, (n,))
         _npy_header(fr, row_type.newbyteorder("<"), (n, dim))
         for ids, rows in itertools.chain([first] if first is not None else [], pages):
@@ -242,9 +284,6 @@ def _write_table(directory: str, config, source: TableRows) -> int:
             last = ids[-1]
         if written != n:
             raise DataError(f"table {config.name!r}: {written} rows came; {n} were promised")
-        for f in (fi, fr):
-            f.flush()
-            os.fsync(f.fileno())
     return n
 
 
@@ -459,10 +498,83 @@ def _agree(a: np.ndarray, b: np.ndarray, samples: int = 64) -> bool:
     return bool((a[at] == b[at]).all())
 
 
+def sums_of(path: str, meta: dict) -> dict | None:
+    """The JSON's "files" (what verify() checks), or None for a model written before exports
+    carried checksums: that one loads unverified, and says so (a warning naming it)."""
+    sums = meta.get(FILES)
+    if sums is None:
+        log.warning("%s: written before exports carried checksums: its files are not verified (their "
+                    "shapes and id order are checked); export it again to have them verified", path)
+        return None
+    if not isinstance(sums, dict) or not all(isinstance(v, dict) for v in sums.values()):
+        raise DataError(f"{path}: the JSON's {FILES!r} is not an object of {{\"bytes\", \"sha256\"}} entries")
+    return sums
+
+
+def verify(path: str, sums: dict | None, name: str) -> str:
+    """The file MODEL/NAME, checked against its entry in the JSON's "files" (its size, then the
+    sha256 of every byte, read a few MiB at a time) before anything maps it; its path.
+    DataError naming the file when it is not listed or differs. `sums` None: an export written
+    before checksums (sums_of), not checked."""
+    file = os.path.join(path, name)
+    if sums is None:
+        return file
+    want = sums.get(name)
+    if want is None:
+        raise DataError(f"{file}: not in the model's list of files (the JSON's {FILES!r}): not written with "
+                        "this model")
+    try:
+        with open(file, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != want.get("bytes"):
+                raise DataError(f"{file}: {size} bytes; the model's JSON says {want.get('bytes')}: the file "
+                                "changed since it was written")
+            h, buf = hashlib.sha256(), bytearray(min(HASH_CHUNK, max(size, 1)))
+            view = memoryview(buf)
+            while k := f.readinto(buf):
+                h.update(view[:k])
+    except OSError as e:
+        raise DataError(f"{file}: does not read ({e.strerror or e})") from None
+    if h.hexdigest() != want.get("sha256"):
+        raise DataError(f"{file}: sha256 {h.hexdigest()[:16]}... where the model's JSON says "
+                        f"{str(want.get('sha256'))[:16]}...: the file changed since it was written")
+    return file
+
+
+def ascending(file: str, ids: np.ndarray, page: int = 1 << 20) -> None:
+    """DataError naming the file unless `ids` (mapped) are strictly ascending, which the
+    lookups' binary search relies on (and which makes them unique); read a page at a time."""
+    last = None
+    for a in range(0, ids.shape[0], page):
+        part = np.asarray(ids[a:a + page])
+        if last is not None and part.shape[0] and part[0] <= last:
+            bad = a
+        elif part.shape[0] > 1 and not (part[1:] > part[:-1]).all():
+            bad = a + 1 + int(np.argmin(part[1:] > part[:-1]))
+        else:
+            last = part[-1] if part.shape[0] else last
+            continue
+        raise DataError(f"{file}: ids not strictly ascending: id {int(ids[bad])} at row {bad} follows "
+                        f"{int(ids[bad - 1])} (the ids are searched sorted, each once)")
+
+
+def _mapped(path: str, sums: dict | None, name: str, what: str) -> np.ndarray:
+    """MODEL/NAME verified (verify), then memory-mapped read-only."""
+    file = verify(path, sums, name)
+    try:
+        return np.load(file, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: {what}: {file} does not load ({e})") from None
+
+
 def read_tables(path: str, meta: dict) -> list[MappedTable]:
-    """A sparse model directory's tables, memory-mapped; DataError naming a missing or bad file."""
+    """A sparse model directory's tables, each file verified against the JSON's sha256 before it
+    is memory-mapped (sums_of, verify), and checked for what the lookups rely on: ids uint64
+    strictly ascending, rows float32, as many of each as the JSON says. DataError naming the file."""
     out = []
-    for i, entry in enumerate(meta.get("tables") or []):
+    entries = meta.get("tables") or []
+    sums = sums_of(path, meta) if entries else None
+    for i, entry in enumerate(entries):
         try:
             config = sparse.TableConfig.from_dict({k: v for k, v in entry.items()
                                                    if k not in ("index", "rows", "ids_as", "removed")})
@@ -470,14 +582,8 @@ def read_tables(path: str, meta: dict) -> list[MappedTable]:
             raise DataError(f"{path}: table {i} of the JSON is not a table config ({e})") from None
         if entry.get("index") != i:
             raise DataError(f"{path}: table {config.name!r} has index {entry.get('index')!r}; expected {i}")
-        arrays = {}
-        for what in ("ids", "rows"):
-            file = os.path.join(path, TABLES, f"{config.name}.{what}.npy")
-            try:
-                arrays[what] = np.load(file, mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as e:
-                raise DataError(f"{path}: table {config.name!r}: {file} does not load ({e})") from None
-        ids, rows = arrays["ids"], arrays["rows"]
+        names = {what: f"{TABLES}/{config.name}.{what}.npy" for what in ("ids", "rows")}
+        ids, rows = (_mapped(path, sums, names[what], f"table {config.name!r}") for what in ("ids", "rows"))
         n = entry.get("rows")
         if (ids.dtype != np.uint64 or ids.shape != (n,) or rows.dtype != np.float32
                 or rows.shape != (n, config.dim)):
@@ -486,11 +592,33 @@ def read_tables(path: str, meta: dict) -> list[MappedTable]:
         same = entry.get("ids_as")
         if same is not None:
             earlier = next((t for t in out if t.name == same), None)
-            if earlier is None or earlier.ids.shape != ids.shape or not _agree(earlier.ids, ids):
+            # verified files of one sha256 hold the same ids, checked ascending as the earlier's
+            if earlier is None or earlier.ids.shape != ids.shape or not (
+                    sums[names["ids"]].get("sha256") == sums.get(f"{TABLES}/{same}.ids.npy", {}).get("sha256")
+                    if sums is not None else _agree(earlier.ids, ids)):
                 raise DataError(f"{path}: table {config.name!r} says its ids are table {same!r}'s; they "
                                 "are not")
+        if same is None or sums is None:
+            ascending(os.path.join(path, names["ids"]), ids)
         out.append(MappedTable(config, i, ids, rows, same))
     return out
+
+
+def removed_ids(path: str, entry: dict, sums: dict | None) -> np.ndarray:
+    """A delta's TABLE.removed.npy, verified (verify): uint64, strictly ascending, as many as
+    the JSON's "removed" says (when it says). DataError naming the file."""
+    name = f"{TABLES}/{entry.get('name')}.removed.npy"
+    file = verify(path, sums, name)
+    try:
+        removed = np.load(file, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{file}: the removed ids do not load ({e})") from None
+    if removed.dtype != np.uint64 or removed.ndim != 1:
+        raise DataError(f"{file}: removed ids are {removed.dtype}{list(removed.shape)}; expected uint64 (n,)")
+    if entry.get("removed", removed.shape[0]) != removed.shape[0]:
+        raise DataError(f"{file}: holds {removed.shape[0]} removed ids; the JSON says {entry.get('removed')}")
+    ascending(file, removed)
+    return removed
 
 
 class SavedModel:
@@ -538,7 +666,8 @@ class SavedModel:
         model (or of the model its last applied delta made): changed rows overwrite in place,
         new ids go to an overlay, removed ids read their initial value again; the dense weights
         are replaced. Safe while other threads predict (MappedTable). A delta of another model,
-        or out of order, is refused (DataError) and nothing changes. Returns its counts."""
+        out of order, or with a file that fails its checksum or checks (read_tables,
+        removed_ids), is refused (DataError) and nothing changes. Returns its counts."""
         with self._applying:
             meta, arrays = read(delta)
             info = meta.get("delta")
@@ -556,16 +685,10 @@ class SavedModel:
                 raise DataError(f"{delta}: holds tables {[(e.get('name'), e.get('dim')) for e in entries]}; "
                                 f"this model has {[(t.name, t.dim) for t in self.tables]}")
             plans, counts = [], {}
-            for t, part in zip(self.tables, read_tables(delta, meta)):
-                try:
-                    removed = np.load(os.path.join(delta, TABLES, f"{t.name}.removed.npy"),
-                                      allow_pickle=False)
-                except (OSError, ValueError) as e:
-                    raise DataError(f"{delta}: table {t.name!r}: its removed ids do not load ({e})") from None
-                if (removed.dtype != np.uint64 or removed.ndim != 1
-                        or np.unique(removed).shape != removed.shape):
-                    raise DataError(f"{delta}: table {t.name!r}: removed ids are not uint64 (n,), unique")
-                removed = np.sort(removed)
+            parts = read_tables(delta, meta)        # every file verified before any is used
+            sums = meta.get(FILES)
+            for t, part, entry in zip(self.tables, parts, entries):
+                removed = removed_ids(delta, entry, sums)
                 plans.append(t.prepare(np.asarray(part.ids), np.asarray(part.rows), removed))
                 counts[t.name] = {"changed": int(part.ids.shape[0]), "removed": int(removed.shape[0])}
             for t, plan in zip(self.tables, plans):     # nothing changed before this point
@@ -767,5 +890,5 @@ def weights_of(path: str, meta: dict, arrays: dict, layout) -> np.ndarray:
 
 __all__ = ["FORMAT", "VERSION", "SPARSE_VERSION", "META", "MappedTable", "SavedModel", "TableRows",
            "definition", "save", "merge_pages", "delta_tables",
-           "load", "read", "read_tables", "tables_of", "remove_stale", "build", "weights_of", "refuse_code",
-           "model_file_errors"]
+           "load", "read", "read_tables", "verify", "tables_of", "remove_stale", "build", "weights_of",
+           "refuse_code", "model_file_errors"]

@@ -22,7 +22,7 @@ class AsyncPolicy(Policy):
     def push(self, req, grad):
         store, rank, step = self.store, req.rank, req.step
         with store.cond:
-            self.members.check_member(rank)
+            self.members.check_session(rank, req.session)   # not taken over while it streamed in
             version = store.version
             if step > version or step < 0:
                 raise StaleStep(f"step: push computed on version {step} but shard "

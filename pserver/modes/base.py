@@ -63,6 +63,12 @@ class Policy(ABC):
         holds for the open step, uncounted, so the new one trains that batch again. Default:
         nothing is held (async modes apply on arrival)."""
 
+    def held_row_bytes(self, rows) -> int:
+        """Bytes a push's sparse rows (RowGrads) keep until its step applies, counted in the
+        memory budget at arrival (Budget.reserve). Default: none (async modes apply on arrival;
+        the rows are in flight, bounded by --max-inflight-mb)."""
+        return 0
+
     def finish(self, why: str) -> None:
         """End the run on this shard (cond held): pushes are dropped, pulls stop waiting."""
         if not self.finished:
@@ -78,7 +84,9 @@ class Policy(ABC):
         pserver.sparse.RowGrads): both are applied together, or dropped together. Takes
         ownership of `grad`: the policy returns it to store.pool when done, and counts
         req.num_samples as trained once the gradient is applied (never when it is dropped).
-        Raises FailedPrecondition (StaleStep for a step it does not take now) to reject."""
+        Raises FailedPrecondition (StaleStep for a step it does not take now) to reject, and
+        TakenOver (Membership.check_session, cond held) for a push whose session was taken
+        over while its payload arrived."""
 
     def wait_pull(self, rank: int, seen_version: int, clock: int, timeout: float | None,
                   waiter=None) -> None:

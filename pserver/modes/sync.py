@@ -17,6 +17,7 @@ import numpy as np
 
 from pserver.errors import AlreadyPushed, StaleStep
 from pserver.modes.base import Outcome, Policy, StepWatch
+from pserver.sparse.merge import merge_bytes
 
 log = logging.getLogger("pserver.modes")
 BELOW_MIN_NOTICE_EVERY = 10.0          # seconds between "waiting for --min-workers" lines
@@ -35,8 +36,9 @@ class SyncPolicy(Policy):
         self.below_min_told = -BELOW_MIN_NOTICE_EVERY
 
     def below_min(self) -> bool:
-        """Fewer live members than --min-workers: steps wait (never when it is not set)."""
-        return bool(self.cfg.min_workers) and self.members.live_members() < self.cfg.min_workers
+        """Fewer members than --min-workers, live or left (Membership.toward_minimum): steps wait
+        (never when it is not set)."""
+        return bool(self.cfg.min_workers) and self.members.toward_minimum() < self.cfg.min_workers
 
     def join_step(self, rank, step):
         self.members.check_member(rank)
@@ -50,10 +52,15 @@ class SyncPolicy(Policy):
         stand in for a live worker's missing one."""
         return len(self.members.expected() | self.pending.keys())
 
+    def held_row_bytes(self, rows) -> int:
+        """A push's rows wait in pending_rows for the step, then go through its merge: both count
+        in the memory budget from arrival until the step applies (Budget.reserve, settle)."""
+        return sum(p.ids.nbytes + p.grads.nbytes + merge_bytes(p) for p in rows)
+
     def push(self, req, grad):
         rank, step, clock = req.rank, req.step, req.clock
         with self.store.cond:
-            self.members.check_member(rank)
+            self.members.check_session(rank, req.session)   # not taken over while it streamed in
             version = self.store.version
             if self.finished:
                 return self.drop(rank, clock, grad, "the run is over on this shard")
@@ -72,7 +79,6 @@ class SyncPolicy(Policy):
             self.pending_rows[rank] = list(req.rows)
             self.pending_clocks[rank] = clock
             self.store.counters.add("pushes_aggregated")
-            self.watch.start()
             self.maybe_complete()
             return Outcome.AGGREGATED, ""
 
@@ -90,6 +96,16 @@ class SyncPolicy(Policy):
         if self.pending and len(self.pending) >= max(self.quorum(), 1) and not self.below_min():
             self.complete()
         self.skip_to_joiners()
+        self.time_step()
+
+    def time_step(self) -> None:
+        """A step's --step-timeout counts from when it can go on: from its first push, once it is
+        not below --min-workers (a step that waited below it starts counting when a joiner, or a
+        worker back from the dead, lifts it there; before, no member is late)."""
+        if self.pending and not self.below_min():
+            self.watch.start()
+        else:
+            self.watch.reset()
 
     def skip_to_joiners(self) -> None:
         """Steps with no member at all (every member left or died) while a joiner waits for a
@@ -133,17 +149,18 @@ class SyncPolicy(Policy):
         self.pending_rows.pop(rank)
         self.pending_clocks.pop(rank)          # not took(): its batch counts as not trained
         self.store.counters.add("pushes_aggregated", -1)
-        if not self.pending:
-            self.watch.reset()
+        self.time_step()
 
     def check_timeout(self) -> None:
         """Runs while pulls wait: a step that waited too long goes on without the missing."""
+        self.time_step()
         if self.below_min():
             now = time.monotonic()
             if now - self.below_min_told >= BELOW_MIN_NOTICE_EVERY:
                 self.below_min_told = now
-                log.warning("shard %d: step %d waits: %d live member(s), below --min-workers=%d",
-                            self.store.shard, self.store.version, self.members.live_members(),
+                log.warning("shard %d: step %d waits: %d member(s) live or finished, below "
+                            "--min-workers=%d", self.store.shard, self.store.version,
+                            self.members.toward_minimum(),
                             self.cfg.min_workers)
             return
         if self.watch.expired():

@@ -2,10 +2,12 @@
 (docs/semantics.md, "Memory budget").
 
 What it counts: the dense range (parameters, optimizer state and one gradient buffer, fixed at
-the first Register), and every sparse table's bytes as SparseTable.stats() reports them: the
+the first Register), shard 0's data coordinator (what its plan may hold, checked before the plan
+is built: `admit`), and every sparse table's bytes as SparseTable.stats() reports them: the
 rows written (each with its optimizer slots, last update and step count), pending admission
 entries and the hash indexes. Pushed gradients in flight are bounded apart, by
---max-inflight-mb.
+--max-inflight-mb; a sync push's sparse rows, held after their stream ends until the step
+applies and then merged with the others', are reserved here with its new rows (`kept`).
 
 A sparse push reserves room for the rows it may create when it arrives, before any mode sees
 it (`reserve`): the ids its tables do not hold yet, their entries and the index growth they cause. When the
@@ -30,34 +32,50 @@ MiB = 1 << 20
 
 
 class Budget:
-    def __init__(self, limit: int, counters, dense=lambda: 0, flag: str = "--max-memory-mb") -> None:
+    def __init__(self, limit: int, counters, dense=lambda: 0, flag: str = "--max-memory-mb",
+                 fixed=lambda: 0) -> None:
         self.limit, self.counters, self.flag = int(limit), counters, flag
         self.dense = dense                # () -> the dense range's bytes (0 before the first Register)
+        self.fixed = fixed                # () -> shard 0's data coordinator's bytes (its plan's, admit())
         self.reserved = 0                 # bytes of rows that pushes not applied yet may create
         self._holds: list[tuple[int, int, list]] = []   # (step, bytes, rows) of pushes not applied yet
         self._lock = threading.Lock()
 
     def used(self, tables: dict) -> int:
-        return self.dense() + sum(t.nbytes for t in tables.values())
+        return self.dense() + self.fixed() + sum(t.nbytes for t in tables.values())
+
+    def admit(self, tables: dict, nbytes: int, replaced: int, what: str) -> None:
+        """Room for a part of the state that takes `nbytes` in place of one of `replaced` (shard 0's
+        data plan: Plan.nbytes), checked before any of it is built; OverBudget naming `what` when
+        it does not fit beside what is used and reserved. Nothing is held: once built, the part
+        counts in used() (`fixed`)."""
+        with self._lock:
+            used = self.used(tables) - replaced + self.reserved
+            if used + nbytes > self.limit:
+                raise OverBudget(f"{self.flag}: {what} would take {nbytes / MiB:,.1f} MiB, and the shard "
+                                 f"holds {used / MiB:,.1f} MiB of its {self.limit / MiB:,.0f} MiB budget; "
+                                 f"nothing changed")
 
     def report(self, tables: dict) -> dict:
         """For Status: the budget, what is used, and what waiting pushes have reserved."""
         with self._lock:
             return {"budget": self.limit, "used": self.used(tables), "reserved": self.reserved}
 
-    def reserve(self, tables: dict, rows) -> int:
+    def reserve(self, tables: dict, rows, kept: int = 0) -> int:
         """Room for the rows a push's sparse parts may create (`rows`: RowGrads with checked,
-        distinct ids); evicts what it may, or raises ResourceExhausted. Returns the bytes held."""
+        distinct ids), and for `kept` bytes of them held until its step applies (a sync step's
+        pending rows and their merge: Policy.held_row_bytes); evicts what it may, or raises
+        ResourceExhausted. Returns the bytes held."""
         parts = [(p.table, tables[p.table], p.ids) for p in rows if p.ids.shape[0]]
         if not parts:
             return 0
         with self._lock:
             used = self.used(tables) + self.reserved
             # Every id counted as new first: a push that fits so needs no probe of the index.
-            need = sum(t.growth_bytes(ids.shape[0]) for _, t, ids in parts)
+            need = kept + sum(t.growth_bytes(ids.shape[0]) for _, t, ids in parts)
             if used + need > self.limit:
                 new = {name: t.absent(ids) for name, t, ids in parts}
-                need = sum(t.growth_bytes(new[name]) for name, t, _ in parts)
+                need = kept + sum(t.growth_bytes(new[name]) for name, t, _ in parts)
                 short = used + need - self.limit
                 if short > 0:
                     # Never the rows this push or a waiting one will update: they would come back
@@ -65,10 +83,10 @@ class Budget:
                     # other row of every table that allows it would not make room.
                     keep = self._kept(rows)
                     if short > sum(t.evictable_bytes(keep.get(n, ())) for n, t in tables.items()):
-                        self._refuse(tables, parts, new, need, used)
+                        self._refuse(tables, parts, new, need, used, kept)
                     short = self._evict(tables, [name for name, _, _ in parts if new[name]], short, keep)
                 if short > 0:
-                    self._refuse(tables, parts, new, need, used)
+                    self._refuse(tables, parts, new, need, used, kept)
             self.reserved += need
             return need
 
@@ -92,7 +110,7 @@ class Budget:
             short -= before - t.nbytes
         return short
 
-    def _refuse(self, tables, parts, new, need, used) -> None:
+    def _refuse(self, tables, parts, new, need, used, kept=0) -> None:
         name, t, _ = max(parts, key=lambda p: p[1].growth_bytes(new[p[0]]))
         self.counters.add("pushes_refused_for_memory")
         why = ("and no table may evict rows (give a table max_rows or ttl_steps to let its least "
@@ -100,7 +118,8 @@ class Budget:
                "after evicting every row the tables allow")
         raise OverBudget(
             f"{self.flag}: table '{name}' would create {new[name]:,} new rows "
-            f"({t.growth_bytes(new[name]) / MiB:.1f} MiB; the whole push {need / MiB:.1f} MiB), "
+            f"({t.growth_bytes(new[name]) / MiB:.1f} MiB; the whole push {need / MiB:.1f} MiB"
+            f"{f', {kept / MiB:.1f} MiB of it its rows held for its step and their merge' if kept else ''}), "
             f"and the shard holds {used / MiB:.1f} MiB of its {self.limit / MiB:.0f} MiB budget {why}; "
             f"the push changed nothing")
 

@@ -6,9 +6,11 @@ Written atomically: a temporary file in the same directory, fsync, rename over t
 then fsync of the directory, so a crash at any moment leaves either the previous checkpoint or
 the new one, never a half-written file under a final name; a write that fails removes its
 temporary file, and those a killed shard left are removed when it starts again. Loading
-verifies each file's checksum and skips (with a warning) any version that does not load,
-falling back to the next older one; when none of a shard's files loads, restoring refuses
-rather than start fresh unasked.
+verifies each file's checksum and that its name says what its meta does (shard, shard count,
+version, base or delta: a renamed file never stands for another version), and skips (with a
+warning) any version that does not load, falling back to the next older one; when none of a
+shard's files loads, restoring refuses rather than start fresh unasked. Which state of a
+directory is read (restore, reshard, inspect, export, evaluate): `newest_usable`, one rule.
 
     shard{J}-of{S}-v{VERSION:012d}.ckpt               a base: the whole state at VERSION
     shard{J}-of{S}-v{VERSION:012d}.d{BASE:012d}.ckpt  a delta: the rows changed since the file
@@ -55,6 +57,7 @@ import numpy as np
 
 from pserver.errors import ConfigError, FailedPrecondition
 from pserver.observe.progress import Bar
+from pserver.wire.sharding import shard_ranges
 
 log = logging.getLogger("pserver.checkpoint")
 KEEP = 3                                   # newest checkpoints kept per shard
@@ -289,9 +292,33 @@ def prune(directory: str, shard: int, num_shards: int, keep: int = KEEP) -> None
             remove_quietly(path)
 
 
+class Gone(ValueError):
+    """A file listed a moment ago is not there any more (a running job pruned it): not a
+    damaged file, one to skip."""
+
+
+def _check_name(path: str, meta: dict) -> None:
+    """A file's name and its meta name the same shard, shard count, version and (a delta) base;
+    ValueError saying how they differ otherwise: a renamed file is never taken for the version
+    its name says."""
+    m = NAME.match(os.path.basename(path))
+    if m is None:
+        return
+    named = {"shard": int(m.group(1)), "num_shards": int(m.group(2)), "version": int(m.group(3)),
+             "kind": "delta" if m.group(4) else "base"}
+    if m.group(4):
+        named["base"] = int(m.group(4))
+    wrong = [f"{k} {v} (its meta: {meta.get(k, 'base' if k == 'kind' else None)})" for k, v in named.items()
+             if meta.get(k, "base" if k == "kind" else None) != v]     # files before deltas: no kind
+    if wrong:
+        raise ValueError(f"its name and its meta disagree: the name says {', '.join(wrong)}; "
+                         "a renamed file is not loaded")
+
+
 def read(path: str) -> tuple[dict, dict]:
-    """One file's meta and arrays, checked against its checksum; ValueError (with why) if it
-    is not a whole checkpoint file. A large one shows its progress (pserver.observe.progress):
+    """One file's meta and arrays, checked against its checksum and its name; ValueError (with
+    why) if it is not a whole checkpoint file of the shard and version its name says, Gone when
+    it is not there any more. A large one shows its progress (pserver.observe.progress):
     reading, then checking, every byte."""
     try:
         with np.load(path, allow_pickle=False) as z, \
@@ -306,8 +333,11 @@ def read(path: str) -> tuple[dict, dict]:
                 raise ValueError("missing meta or params")
             if digest(arrays, bar) != meta.get("sha256"):
                 raise ValueError("checksum mismatch")
+            _check_name(path, meta)
     except ValueError:
         raise
+    except FileNotFoundError:
+        raise Gone("gone (removed after it was listed)") from None
     except Exception as e:  # a truncated zip raises several types
         raise ValueError(f"unreadable ({type(e).__name__}: {e})") from None
     return meta, arrays
@@ -333,13 +363,16 @@ def load(path: str) -> Checkpoint:
         raise ValueError(f"its base {os.path.basename(first)}: {e}") from None
     chain = sorted((v, p) for v, p in candidates(directory, shard, num_shards)
                    if base_of(p) == base and v <= version)
+    if not chain or chain[-1][1] != path:
+        raise Gone("gone (removed after it was listed)")
     deltas, parent = [], base
     for v, p in chain:
         try:
             dmeta, darrays = read(p)
         except ValueError as e:
-            raise ValueError(f"the delta {os.path.basename(p)} before it: {e}"
-                             if v < version else str(e)) from None
+            if v == version:
+                raise
+            raise ValueError(f"the delta {os.path.basename(p)} before it: {e}") from None
         if dmeta.get("parent") != parent:
             raise ValueError(f"chain broken: {os.path.basename(p)} follows version {dmeta.get('parent')}, "
                              f"the file before it holds version {parent}")
@@ -445,26 +478,194 @@ def newest(directory: str, shard: int, num_shards: int) -> tuple[Checkpoint | No
     return None, failures
 
 
-def load_weights(directory: str, layout) -> tuple[np.ndarray, list[int]]:
-    """The whole flat vector of `layout` from the newest checkpoint of every shard in directory
-    (`pserver evaluate --checkpoint`), and each shard's version; ConfigError naming
-    --checkpoint when a shard has none that loads or a file is of another model."""
+CUT_MODES = ("sync", "backup")      # modes whose shards take every step together: a set is a cut
+
+
+def scan(directory: str) -> dict[int, dict[int, list[tuple[int, str]]]]:
+    """{S: {J: [(version, path), newest first]}} of the checkpoint files in directory."""
+    found: dict[int, dict[int, list[tuple[int, str]]]] = {}
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    for name in names:
+        if m := NAME.match(name):
+            j, s, v = int(m.group(1)), int(m.group(2)), int(m.group(3))
+            found.setdefault(s, {}).setdefault(j, []).append((v, os.path.join(directory, name)))
+    for shards in found.values():
+        for files in shards.values():
+            files.sort(reverse=True)
+    return found
+
+
+def cut_versions(shards: dict[int, list[tuple[int, str]]], num_shards: int) -> list[int]:
+    """The versions every shard 0..num_shards-1 has a file of, newest first."""
+    common = None
+    for j in range(num_shards):
+        versions = {v for v, _ in shards.get(j, [])}
+        common = versions if common is None else common & versions
+    return sorted(common or (), reverse=True)
+
+
+def check_compatible(ckpts: list[Checkpoint], directory: str) -> None:
+    """One run's files: the same layout, parameter count, optimizer and tables, shards 0..S-1
+    with the ranges S shards have. ConfigError naming the first difference."""
+    first = ckpts[0]
+    for c in ckpts[1:]:
+        for what, a, b in (("layout signature", first.signature, c.signature),
+                           ("parameter count", first.total, c.total),
+                           ("optimizer", first.optimizer, c.optimizer),
+                           ("sparse tables", first.tables, c.tables)):
+            if a != b:
+                raise ConfigError(f"--restore: {os.path.basename(first.path)} and {os.path.basename(c.path)} "
+                                  f"in {directory} differ in {what} ({a} against {b}): they are files of "
+                                  f"two runs and cannot be combined")
+    ranges = shard_ranges(first.total, len(ckpts))
+    for j, c in enumerate(ckpts):
+        if (c.shard, c.num_shards, c.start, c.end) != (j, len(ckpts), *ranges[j]):
+            raise ConfigError(f"--restore: {c.path} says it is shard {c.shard} of {c.num_shards} with range "
+                              f"[{c.start}, {c.end}); its name and the layout say shard {j} of {len(ckpts)}, "
+                              f"[{ranges[j][0]}, {ranges[j][1]})")
+
+
+def describe_versions(shards: dict[int, list[tuple[int, str]]], num_shards: int) -> str:
+    return "; ".join(f"shard {j}: " + (", ".join(str(v) for v, _ in shards[j]) if shards.get(j) else "none")
+                     for j in range(num_shards))
+
+
+def why_none(directory: str, found: dict, mode: str, failures: list[str], flag: str = "--restore") -> str:
+    """Why no shape of `found` (scan's, one shape or more) has a usable state, naming each
+    shape's versions and each file that did not load."""
+    (only,) = found if len(found) == 1 else (None,)
+    shards = f"its {only} shards" if only else "one number of shards"
+    what = (f"no version that every one of {shards} has a checkpoint of that loads, which mode {mode} "
+            "needs (a consistent cut)" if mode in CUT_MODES
+            else f"no checkpoint that loads of every one of {shards}")
+    versions = describe_versions(found[only], only) if only else \
+        "; ".join(f"{s} shards: {describe_versions(found[s], s)}" for s in sorted(found))
+    return (f"{flag}: {directory} has {what}; versions found: {versions}"
+            + (f"; {'; '.join(failures)}" if failures else ""))
+
+
+@dataclass
+class Usable:
+    """A state a directory can be restored to: one loaded file per shard of one shape."""
+    num_shards: int
+    version: int                  # the state's: the cut's in sync and backup, the shards' newest otherwise
+    ckpts: list[Checkpoint]       # shard j's file; those not kept (`keep`) without their arrays
+
+
+@dataclass
+class Choice:
+    """What `newest_usable` found: the state to restore (None: no shape has one) and
+    "file: why" for each file it skipped."""
+    best: Usable | None
+    failures: list[str]
+
+
+def newest_usable(directory: str, mode: str, prefer: int = 0, shapes: Iterable[int] | None = None,
+                  keep: Callable[[int, int], bool] | None = None, loader: Callable[[str], Checkpoint] = None,
+                  found: dict | None = None) -> Choice:
+    """The one rule that says which state of a checkpoint directory restore (at a shard's start),
+    reshard, inspect, export and evaluate read: of every shape (number of shards) the directory
+    holds files of (a directory a job was restored onto another number of shards in holds two),
+    the newest usable state, and of those the newest; `prefer` (a restoring job's own number of
+    shards), then the larger number, wins a tie.
+
+    A shape's usable state is, in sync and backup, the newest version for which every shard has a
+    file that loads (a consistent cut: the shards took every step together), in async and ssp
+    each shard's newest file that loads (the state's version is the largest of theirs). A newer
+    file that belongs to no such state (a shard died before its other shards' files of that
+    version, or a file does not load) is skipped. Files are loaded newest first, a shape at a
+    time, until no other shape could hold a newer state; `keep(num_shards, shard)` false: only
+    the file's header is kept (memory). `shapes`: consider these alone. `loader`: how a file is
+    loaded (inspect's, which has loaded them all already). ConfigError when a set's files are
+    of two runs."""
+    warn, loader = loader is None, loader or load      # another loader has said why already
+    found = scan(directory) if found is None else found
+    cut = mode in CUT_MODES
+    failures: list[str] = []
+
+    def held(s: int, j: int, ckpt: Checkpoint) -> Checkpoint:
+        if keep is None or keep(s, j):
+            return ckpt
+        return Checkpoint(ckpt.path, ckpt.version, ckpt.shard, ckpt.num_shards, ckpt.signature, ckpt.total,
+                          ckpt.start, ckpt.end, ckpt.optimizer, np.empty(0, np.float32), {}, ckpt.clocks,
+                          ckpt.tables, {}, ckpt.positions, ckpt.coordinator)
+
+    def attempt(path: str) -> Checkpoint | None:
+        try:
+            return loader(path)
+        except ValueError as e:
+            if warn and not isinstance(e, Gone):
+                log.warning("skipping checkpoint %s: %s", path, e)
+            failures.append(f"{os.path.basename(path)}: {e}")
+            return None
+
+    def bound(s: int) -> int:
+        """No usable state of shape s is newer than this (-1: it has none)."""
+        shards = found[s]
+        if any(not shards.get(j) for j in range(s)):
+            return -1
+        if cut:
+            return max(cut_versions(shards, s), default=-1)
+        return max(v for j in range(s) for v, _ in shards[j])
+
+    def usable(s: int) -> Usable | None:
+        shards = found[s]
+        if cut:
+            for v in cut_versions(shards, s):
+                ckpts = []
+                for j in range(s):
+                    c = attempt(dict(shards[j])[v])
+                    if c is None:
+                        break
+                    ckpts.append(held(s, j, c))
+                else:
+                    check_compatible(ckpts, directory)
+                    return Usable(s, v, ckpts)
+            return None
+        ckpts = []
+        for j in range(s):
+            c = next(filter(None, map(attempt, (p for _, p in shards[j]))), None)
+            if c is None:
+                return None
+            ckpts.append(held(s, j, c))
+        check_compatible(ckpts, directory)
+        return Usable(s, max(c.version for c in ckpts), ckpts)
+
+    def rank(s: int, version: int) -> tuple:
+        return version, s == prefer, s
+
+    order = sorted((s for s in found if shapes is None or s in shapes), key=lambda s: rank(s, bound(s)),
+                   reverse=True)
+    best = None
+    for s in order:
+        if bound(s) < 0 or (best is not None and rank(best.num_shards, best.version) >= rank(s, bound(s))):
+            break
+        state = usable(s)
+        if state is not None and (best is None or
+                                  rank(s, state.version) > rank(best.num_shards, best.version)):
+            best = state
+    return Choice(best, failures)
+
+
+def load_weights(directory: str, layout, mode: str = "sync") -> tuple[np.ndarray, list[int]]:
+    """The whole flat vector of `layout` from the state of directory that a restore reads
+    (`newest_usable`: in sync, the newest consistent cut), by `pserver evaluate --checkpoint`,
+    and each shard's version; ConfigError naming --checkpoint when there is none or a file is
+    of another model."""
     if not os.path.isdir(directory):
         raise ConfigError(f"--checkpoint: {directory} is not a directory")
-    latest: dict[int, int] = {}                # number of shards -> its newest version
-    for m in filter(None, map(NAME.match, os.listdir(directory))):
-        latest[int(m.group(2))] = max(latest.get(int(m.group(2)), -1), int(m.group(3)))
-    if not latest:
+    found = scan(directory)
+    if not found:
         raise ConfigError(f"--checkpoint: {directory} holds no checkpoint "
                           "(shard{J}-of{S}-v{VERSION}.ckpt files)")
-    # A job resharded in this directory leaves the old shape's files: the newest shape is the model.
-    counts = [max(latest, key=lambda s: (latest[s], s))]
+    choice = newest_usable(directory, mode, found=found)
+    if choice.best is None:
+        raise ConfigError(why_none(directory, found, mode, choice.failures, "--checkpoint"))
     flat, versions = np.empty(layout.total, dtype=np.float32), []
-    for j in range(counts[0]):
-        ckpt, failures = newest(directory, j, counts[0])
-        if ckpt is None:
-            raise ConfigError(f"--checkpoint: {directory} has no checkpoint of shard {j} of {counts[0]} "
-                              f"that loads" + (f" ({'; '.join(failures)})" if failures else ""))
+    for ckpt in choice.best.ckpts:
         if (ckpt.signature, ckpt.total) != (layout.signature(), layout.total):
             raise ConfigError(f"--checkpoint: {ckpt.path} is of another model (layout {ckpt.signature}, "
                               f"{ckpt.total:,} parameters; this model's is {layout.signature()}, "
@@ -557,6 +758,7 @@ class Checkpointer:
         # the next file is a base (at start, and after a failed write, whose delta is lost).
         self.chain: list[int] | None = None
         self.written: tuple[int, str] | None = None   # (version, path) of the last file written
+        self.leases_written: dict | None = None   # and the data coordinator's state in it
         self.chain_id = ""                        # the chain's id: its base's and deltas' meta["chain"]
         self.aside_peak = 0                       # bytes kept aside by the last write (copy-on-write)
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
@@ -619,11 +821,15 @@ class Checkpointer:
             with self.store.cond:
                 self.store.require_configured()
                 version = self.store.version
-            if self.written is not None and self.written[0] == version:
+                leases = self.store.coordinator.state()
+            again = self.written is not None and self.written[0] == version
+            if again and leases == self.leases_written:
                 taken.set()                   # nothing changed since: that file is this version
                 self._end(*self.written)
                 return self.written
-            kind = self._kind()
+            # The same version with the data coordinator moved on (its last chunks done, its run
+            # finished, after the step's write): a base again, so that restarts see where it is.
+            kind = None if again else self._kind()
             dump = self.store.begin_dump(kind is not None)
             kind = kind if dump.delta else None     # a table evicted too many ids for a delta
         except BaseException:
@@ -645,7 +851,7 @@ class Checkpointer:
             size = os.path.getsize(result)
             self.chain = [version, size, 0, 1] if kind is None else \
                 [self.chain[0], self.chain[1], self.chain[2] + size, self.chain[3] + 1]
-            self.written = (version, result)
+            self.written, self.leases_written = (version, result), dump.meta["coordinator"]
             prune(self.directory, self.cfg.shard, self.cfg.num_shards)
             self.store.counters.add("checkpoints_written")
             log.info("shard %d: checkpoint at version %d written to %s (%s)", self.cfg.shard, version, result,

@@ -23,9 +23,10 @@ An epoch's batches (its permutation of the training set from `seed + epoch`, cut
   steps still moved the weights by a whole optimizer step on fewer samples). `chunks_done`
   counts a chunk once all its pieces are done.
 
-Pure logic, no grpc: the shard calls it with store.cond held. `state()` / `load()` are plain
-JSON-able data, checkpointed by shard 0 (meta["coordinator"]); sessions are not kept, so
-every lease of a loaded state is released (its in-flight batch counted as retrained).
+Pure logic, no grpc: the shard calls it with store.cond held, but for prepared(), which builds a
+new plan's first order outside it once the plan's size is admitted (Shard.lease). `state()` /
+`load()` are plain JSON-able data, checkpointed by shard 0 (meta["coordinator"]); sessions are
+not kept, so every lease of a loaded state is released (its in-flight batch counted as retrained).
 
 After a restore the chunks done since the checkpoint are trained again. The loaded coordinator
 keeps what was done at its checkpoint (`restored`); the workers, who see a new `ident` in its
@@ -41,10 +42,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pserver.errors import FailedPrecondition
+from pserver.errors import FailedPrecondition, InvalidArgument
 
 DEFAULT_CHUNK_BATCHES = 16
 COUNTERS = ("chunks_done", "chunks_released", "batches_retrained", "batches_dropped")
+# What a plan costs shard 0 (Plan.nbytes, counted in --max-memory-mb): per chunk, its place in
+# the queue (a list slot and an int, 36 bytes measured), the permutation it is drawn from
+# (8), its entry in `done` once done (a set's slot and hash, up to 32) and its copy in a
+# checkpoint's state (up to 24 as JSON text); per batch, the masks of a restore (one byte each,
+# the checkpoint's and one per epoch reported).
+CHUNK_BYTES, BATCH_BYTES = 112, 2
+FINGERPRINT_CHARS = 256     # a worker's is under 60 (pserver.data): far more is not one
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,25 @@ class Plan:
     @property
     def num_chunks(self) -> int:
         return math.ceil(self.num_batches / self.chunk_batches)
+
+    @property
+    def nbytes(self) -> int:
+        """What the coordinator holds for this plan, at most (CHUNK_BYTES): counted in shard 0's
+        --max-memory-mb before anything of it is built (Shard.lease)."""
+        return self.num_chunks * CHUNK_BYTES + self.num_batches * BATCH_BYTES
+
+    def check(self) -> None:
+        """InvalidArgument naming the field and value of a plan no worker sends: checked before
+        its size is (Plan.nbytes), and before anything is built from it."""
+        for field, value, low in (("num_batches", self.num_batches, 1), ("seed", self.seed, 0),
+                                  ("chunk_batches", self.chunk_batches, 1), ("epochs", self.epochs, 0)):
+            if value < low:
+                raise InvalidArgument(f"data: {field} {value} must be at least {low} ({self.num_batches} "
+                                      f"batches per epoch in chunks of {self.chunk_batches}, seed "
+                                      f"{self.seed}, {self.epochs} epochs)")
+        if len(self.fingerprint) > FINGERPRINT_CHARS:
+            raise InvalidArgument(f"data: fingerprint of {len(self.fingerprint):,} characters; a dataset's "
+                                  f"is at most {FINGERPRINT_CHARS}")
 
     def bounds(self, chunk: int) -> tuple[int, int]:
         start = chunk * self.chunk_batches
@@ -92,6 +119,7 @@ class Coordinator:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.ident = secrets.token_hex(6)   # new with every coordinator: a worker seeing it change knows
         self.restored: dict | None = None   # load(): what was done at the checkpoint (epoch, done, progress)
+        self.fresh = False                  # loaded, and no lease handed out since: takes other --epochs
         self.counted: dict[int, np.ndarray] = {}   # epoch -> batches counted as retrained (restores)
         self.pieces: dict[int, tuple[int, int]] = {}    # this epoch's split chunks and pieces -> (start, end)
         # epoch -> (loss x samples, samples classed right, samples) over the pushes shard 0 took
@@ -104,41 +132,45 @@ class Coordinator:
         self.told: dict[int, int] = {}
 
     # -- the plan ---------------------------------------------------------------------------
-    def configure(self, plan: Plan, restart: bool = False) -> None:
+    def configure(self, plan: Plan, restart: bool = False,
+                  order: tuple[int, list[int]] | None = None) -> None:
         """Fix the plan at the first worker's lease; a later one must match it. A coordinator that
         finished its epochs with no lease out takes a new run: the same data with other --epochs
-        goes on from the epoch it reached (a job given more epochs); a new run that asks to
-        (`restart`: --no-resume), or one with other data, batches or chunks, starts over."""
-        if self.plan is not None and plan != self.plan and self.finished and not self.leases \
-                and not restart and plan == Plan(**{**vars(self.plan), "epochs": plan.epochs}):
-            self.plan = plan
-            if not self.finished:
-                self._open(self.epoch)
+        goes on from the epoch it reached (a job given more epochs); so does one loaded from a
+        checkpoint that has handed out no lease since (a stopped job started again with more
+        --epochs). A new run that asks to (`restart`: --no-resume), or one with other data,
+        batches or chunks, starts over once the finished run holds no lease.
+        `order`: (epoch, its chunk_order) built by the caller outside the shard's lock (prepared()),
+        used if this call opens that epoch. A plan refused, or one whose build fails, changes nothing."""
+        mine = self.plan
+        over = self.finished and not self.leases       # a finished run: a new one may start over
+        if plan == mine and not (restart and over):
             return
-        if self.plan is not None and (restart or plan != self.plan) and self.finished and not self.leases:
-            self.plan = None
-        if self.plan is None:
-            if plan.num_batches < 1 or plan.chunk_batches < 1:
-                raise FailedPrecondition(f"data: {plan.num_batches} batches per epoch in chunks of "
-                                         f"{plan.chunk_batches}: both must be at least 1")
+        plan.check()
+        idle = mine is not None and not self.leases and (self.finished or self.fresh)
+        if idle and not restart and plan == Plan(**{**vars(mine), "epochs": plan.epochs}) and (
+                self.finished or not plan.epochs or self.epoch < plan.epochs):
+            if self.finished and not (plan.epochs and self.epoch >= plan.epochs):
+                self._open(self.epoch, self._order(plan, self.epoch, order))   # the first epoch not trained
+            self.plan = plan
+            return
+        if mine is None or (over and (restart or plan != mine)):
+            queue = self._order(plan, 0, order)        # before anything changes: it may fail
             self.plan = plan
             self.trained.clear()                       # a new run's epochs: no earlier run's sums
             self.shared.clear()
             self.told.clear()
-            self._open(0)
+            self._open(0, queue)
             return
-        if plan == self.plan:
-            return
-        mine = self.plan
         if plan.fingerprint != mine.fingerprint:
             raise FailedPrecondition(f"data: this worker reads other data (fingerprint {plan.fingerprint}) "
                                      f"than the job's (fingerprint {mine.fingerprint}); every worker must "
                                      f"read the same training set")
         if plan.in_order != mine.in_order:
-            def order(p):
+            def order_of(p):
                 return "in order (--no-shuffle)" if p.in_order else "shuffled each epoch"
-            raise FailedPrecondition(f"data: this worker trains on the data {order(plan)}, the job's "
-                                     f"coordinator {order(mine)}; every worker must give --no-shuffle "
+            raise FailedPrecondition(f"data: this worker trains on the data {order_of(plan)}, the job's "
+                                     f"coordinator {order_of(mine)}; every worker must give --no-shuffle "
                                      f"(Keras: fit(shuffle=False)) or none")
         raise FailedPrecondition(
             f"data: this worker cuts the data into {plan.num_batches} batches per epoch, chunks of "
@@ -146,14 +178,40 @@ class Coordinator:
             f"{mine.chunk_batches}, seed {mine.seed}, {plan.epochs} vs {mine.epochs} epochs (--batch-size, "
             f"--chunk-batches, --seed and --epochs must match)")
 
+    def prepared(self, plan: Plan, restart: bool = False) -> tuple[int, list[int]] | None:
+        """The (epoch, chunk order) configure(plan, restart) would build, built by the caller without
+        the shard's lock (Shard.lease), the plan's size checked first. Read without the lock, this
+        coordinator may have moved on: configure then builds what it needs itself. None when it
+        would build nothing (the same plan, or a run going on)."""
+        mine = self.plan
+        if plan == mine and not (restart and self.finished):
+            return None
+        if mine is not None and not restart and plan == Plan(**{**vars(mine), "epochs": plan.epochs}):
+            return (self.epoch, self._order(plan, self.epoch)) if self.finished else None
+        if mine is not None and not self.finished:
+            return None
+        return 0, self._order(plan, 0)
+
+    @staticmethod
+    def _order(plan: Plan, epoch: int, order: tuple[int, list[int]] | None = None) -> list[int]:
+        if order is not None and order[0] == epoch and len(order[1]) == plan.num_chunks:
+            return order[1]
+        return chunk_order(plan.num_chunks, plan.seed, epoch, plan.in_order)
+
+    @property
+    def nbytes(self) -> int:
+        """What this coordinator's plan may hold (Plan.nbytes), counted in shard 0's budget."""
+        return 0 if self.plan is None else self.plan.nbytes
+
     @property
     def finished(self) -> bool:
         """Every epoch of the plan is done (no lease will be handed out)."""
         return self.plan is not None and bool(self.plan.epochs) and self.epoch >= self.plan.epochs
 
-    def _open(self, epoch: int) -> None:
+    def _open(self, epoch: int, queue: list[int] | None = None) -> None:
+        queue = self._order(self.plan, epoch) if queue is None else queue
         self.epoch = epoch
-        self.queue = chunk_order(self.plan.num_chunks, self.plan.seed, epoch, self.plan.in_order)
+        self.queue = queue
         self.progress.clear()
         self.done.clear()
         self.pieces.clear()
@@ -224,6 +282,7 @@ class Coordinator:
                 return None
             chunk = self.queue.pop(0)
             self._share_out(chunk, workers)
+            self.fresh = False
             held = (session, chunk, -1)
             self.leases[rank] = held
         return self._lease_of(held[1])
@@ -254,8 +313,8 @@ class Coordinator:
         r, added = self.restored, 0
         for epoch, chunk, end in reports:
             span = self._span(chunk)
-            if span is None or epoch < r["epoch"]:
-                continue                                # bad, or done before the checkpoint
+            if span is None or not r["epoch"] <= epoch <= self.epoch:
+                continue                                # bad, done before the checkpoint, or not yet
             start, end = span[0], min(end, span[1])
             if end <= start:
                 continue
@@ -384,6 +443,7 @@ class Coordinator:
                 mask[i] = True
         self.restored = {"epoch": self.epoch, "mask": mask}
         self.release_all_but(set())
+        self.fresh = True
         return self
 
 

@@ -167,6 +167,16 @@ class Membership:
         credential is checked on every call that comes over the wire (gRPC, data plane),
         where a missing one arrives as "". `revive`: a push or pull brings a worker marked
         dead back (docs/semantics.md, "Dead workers")."""
+        self.check_session(rank, session)
+        self.touch(rank)
+        if revive:
+            self.revive(rank, "pushed or pulled again")
+
+    def check_session(self, rank: int, session: str | None) -> None:
+        """What authorize checks, changing nothing: `session` is rank's credential now. A policy
+        checks it again when it holds a push (cond held, as a take-over is), so a push that was
+        authorized before its rank was taken over, while its payload streamed in, is refused
+        then ("taken over") and changes nothing."""
         self.check_member(rank)
         if session is not None and not hmac.compare_digest(session.encode(), self.sessions[rank].encode()):
             given = session.encode()
@@ -177,9 +187,6 @@ class Membership:
             raise Unauthenticated(
                 f"session: the call for worker {rank} does not carry that worker's session "
                 f"credential (from its Register; another process may have registered as rank {rank})")
-        self.touch(rank)
-        if revive:
-            self.revive(rank, "pushed or pulled again")
 
     def touch(self, rank: int) -> None:
         self.last_seen[rank] = time.monotonic()
@@ -240,6 +247,12 @@ class Membership:
         joined = {r for r, j in self.join_at.items() if j <= version}
         return (set(range(self.num_workers)) | joined) - self.left - self.dead
 
-    def live_members(self) -> int:
-        """How many members the open step counts on (--min-workers compares it)."""
-        return len(self.expected())
+    def toward_minimum(self) -> int:
+        """How many of the open step's members count toward --min-workers (docs/operations/elastic.md):
+        the live ones and those that left. A worker that leaves is done (it finished, or was stopped
+        and said so): the job winds down without it, and no step waits below the minimum for it.
+        What a step waits for is a member marked dead (until a joiner takes its place, or it comes
+        back) or, in a job started below the minimum, the joiners that bring it there."""
+        version = self.store.version
+        members = set(range(self.num_workers)) | {r for r, j in self.join_at.items() if j <= version}
+        return len(members - (self.dead - self.left))

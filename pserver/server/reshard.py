@@ -2,11 +2,11 @@
 from (docs/semantics.md, "Restore onto another number of shards").
 
 A directory may hold the files of several cluster shapes (`shard{J}-of{S}-v{V}.ckpt`). A shard
-J' of S' restoring from it picks a set of files (`restore_point`):
+J' of S' restoring from it reads the state checkpoint.newest_usable picks, the one rule that
+restore, reshard, inspect, export and evaluate share (`restore_point`):
 
-- its own shape's files when there are any: the newest version that every shard of the set has
-  (a consistent cut) in sync and backup, its own newest otherwise;
-- else another shape's files, combined (`combine`): the dense range [start', end') of shard J'
+- of its own shape: its own file of that state;
+- of another shape, combined (`combine`): the dense range [start', end') of shard J'
   gathered from the old ranges, with the optimizer state of those elements; every table's rows
   (and pending admissions) whose id hashes to J' with their optimizer slots, last updates and
   lazy-Adam step counts; the tables' counters summed onto shard 0, so the cluster's totals stay
@@ -15,6 +15,8 @@ J' of S' restoring from it picks a set of files (`restore_point`):
 Versions: in sync and backup every old shard's file must be of one version (the newest that
 every old shard has and that loads); in async and ssp each old shard's newest, and the new
 shard's version is the largest of them (it also sets Adam's step count and the schedule's step).
+With no usable state of its own shape and its own files at least as new as any other's, a shard
+does as before reshards existed (`restore_point`'s docstring).
 
 `pserver checkpoint reshard` and `pserver checkpoint inspect` (pserver.cli) run the same code
 offline."""
@@ -30,97 +32,38 @@ import numpy as np
 from pserver import sparse
 from pserver.errors import ConfigError
 from pserver.server import checkpoint, coordinator
-from pserver.wire.sharding import shard_range, shard_ranges
+from pserver.wire.sharding import shard_range
 
 log = logging.getLogger("pserver.checkpoint")
-CUT_MODES = ("sync", "backup")      # modes whose shards take every step together
-
-
-def scan(directory: str) -> dict[int, dict[int, list[tuple[int, str]]]]:
-    """{S: {J: [(version, path), newest first]}} of the checkpoint files in directory."""
-    found: dict[int, dict[int, list[tuple[int, str]]]] = {}
-    if not os.path.isdir(directory):
-        return found
-    for name in os.listdir(directory):
-        if m := checkpoint.NAME.match(name):
-            j, s, v = int(m.group(1)), int(m.group(2)), int(m.group(3))
-            found.setdefault(s, {}).setdefault(j, []).append((v, os.path.join(directory, name)))
-    for shards in found.values():
-        for files in shards.values():
-            files.sort(reverse=True)
-    return found
-
-
-def cut_versions(shards: dict[int, list[tuple[int, str]]], num_shards: int) -> list[int]:
-    """The versions every shard 0..num_shards-1 has a file of, newest first."""
-    common = None
-    for j in range(num_shards):
-        versions = {v for v, _ in shards.get(j, [])}
-        common = versions if common is None else common & versions
-    return sorted(common or (), reverse=True)
-
-
-def _describe(shards: dict[int, list[tuple[int, str]]], num_shards: int) -> str:
-    return "; ".join(f"shard {j}: " + (", ".join(str(v) for v, _ in shards[j]) if shards.get(j) else "none")
-                     for j in range(num_shards))
+CUT_MODES = checkpoint.CUT_MODES
 
 
 def select(directory: str, num_shards: int, mode: str) -> list[checkpoint.Checkpoint]:
-    """One loaded checkpoint per shard of an S-shard set, by the mode's version rule;
-    ConfigError naming what was found when no set can be combined."""
-    shards = scan(directory).get(num_shards, {})
+    """One loaded checkpoint per shard of an S-shard set, by the mode's version rule
+    (checkpoint.newest_usable, of this shape alone); ConfigError naming what was found when no
+    set can be combined."""
+    shards = checkpoint.scan(directory).get(num_shards, {})
     missing = [j for j in range(num_shards) if not shards.get(j)]
     if missing:
         raise ConfigError(f"--restore: {directory} holds checkpoints of {num_shards} shards but none of "
                           f"shard(s) {', '.join(map(str, missing))}; a set needs every shard's file")
-    if mode in CUT_MODES:
-        failures = []
-        for v in cut_versions(shards, num_shards):
-            try:
-                ckpts = [checkpoint.load(dict(shards[j])[v]) for j in range(num_shards)]
-            except ValueError as e:
-                failures.append(f"version {v}: {e}")
-                log.warning("checkpoint set of %d shards at version %d does not load: %s", num_shards, v, e)
-                continue
-            check_compatible(ckpts, directory)
-            return ckpts
-        raise ConfigError(f"--restore: {directory} has no version that every one of its {num_shards} shards "
-                          f"has a checkpoint of that loads, which mode {mode} needs (a consistent cut); "
-                          f"versions found: {_describe(shards, num_shards)}"
-                          + (f"; {'; '.join(failures)}" if failures else ""))
-    ckpts = []
-    for j in range(num_shards):
-        ckpt, failures = checkpoint.newest(directory, j, num_shards)
-        if ckpt is None:
-            raise ConfigError(f"--restore: no checkpoint of shard {j} of {num_shards} in {directory} loads "
-                              f"({'; '.join(failures)})")
-        ckpts.append(ckpt)
-    check_compatible(ckpts, directory)
-    return ckpts
+    choice = checkpoint.newest_usable(directory, mode, shapes=[num_shards])
+    if choice.best is not None:
+        return choice.best.ckpts
+    raise ConfigError(checkpoint.why_none(directory, {num_shards: shards}, mode, choice.failures))
 
 
-def check_compatible(ckpts: list[checkpoint.Checkpoint], directory: str, pair: bool = False) -> None:
-    """One run's files: the same layout, parameter count, optimizer and tables, shards 0..S-1
-    with the ranges S shards have (`pair`: two files of the set, the ranges not checked).
-    ConfigError naming the first difference."""
-    first = ckpts[0]
-    for c in ckpts[1:]:
-        for what, a, b in (("layout signature", first.signature, c.signature),
-                           ("parameter count", first.total, c.total),
-                           ("optimizer", first.optimizer, c.optimizer),
-                           ("sparse tables", first.tables, c.tables)):
-            if a != b:
-                raise ConfigError(f"--restore: {os.path.basename(first.path)} and {os.path.basename(c.path)} "
-                                  f"in {directory} differ in {what} ({a} against {b}): they are files of "
-                                  f"two runs and cannot be combined")
-    if pair:
-        return
-    ranges = shard_ranges(first.total, len(ckpts))
-    for j, c in enumerate(ckpts):
-        if (c.shard, c.num_shards, c.start, c.end) != (j, len(ckpts), *ranges[j]):
-            raise ConfigError(f"--restore: {c.path} says it is shard {c.shard} of {c.num_shards} with range "
-                              f"[{c.start}, {c.end}); its name and the layout say shard {j} of {len(ckpts)}, "
-                              f"[{ranges[j][0]}, {ranges[j][1]})")
+def newest_set(directory: str, mode: str, flag: str = "--restore") -> list[checkpoint.Checkpoint]:
+    """The files of the state a restore of directory reads (checkpoint.newest_usable), whole;
+    ConfigError naming `flag` when it holds no checkpoint, or no usable state."""
+    found = checkpoint.scan(directory)
+    if not found:
+        raise ConfigError(f"{flag}: {directory} holds no checkpoint "
+                          "(shard{J}-of{S}-v{VERSION}.ckpt files)")
+    choice = checkpoint.newest_usable(directory, mode, found=found)
+    if choice.best is None:
+        raise ConfigError(checkpoint.why_none(directory, found, mode, choice.failures, flag))
+    return choice.best.ckpts
 
 
 def _gather(parts: list[tuple[int, np.ndarray]], start: int, end: int) -> np.ndarray:
@@ -176,120 +119,124 @@ class RestorePoint:
     resharded_from: int = 0        # the old number of shards, when the files were of another shape
 
 
-def newest_shape(found: dict, prefer: int = 0) -> int:
-    """The number of shards whose newest file has the highest version (the shape the job ran
-    last); `prefer` wins a tie."""
-    def newest(s: int) -> int:
-        return max(v for files in found[s].values() for v, _ in files)
-    return max(found, key=lambda s: (newest(s), s == prefer, s))
-
-
 def restore_point(directory: str, shard: int, num_shards: int, mode: str,
                   fresh_if_corrupt: bool = False) -> RestorePoint:
-    """What shard `shard` of `num_shards` restores from directory (None on a first start)."""
-    found = scan(directory) if os.path.isdir(directory) else {}
+    """What shard `shard` of `num_shards` restores from directory (None on a first start): the
+    state checkpoint.newest_usable picks, its own file when the state is of this number of
+    shards, else combined. When no state of this shape is usable but this shard's own files are
+    at least as new as any other shape's state, as before a reshard: in sync and backup with no
+    version every shard has (one shard restarted while the others went on), its own newest;
+    with such versions none of which loads, refused (or fresh, --restore-fresh-if-corrupt)."""
+    found = checkpoint.scan(directory)
     if not found:
         return RestorePoint(checkpoint.load_latest(directory, shard, num_shards, fresh_if_corrupt))
-    last = newest_shape(found, prefer=num_shards)
-    if last != num_shards:
-        # Files of another shape are newer than any of this one (a job resharded in this
-        # directory and then brought back): the newest state wins, combined.
-        log.info("shard %d of %d: %s holds newer checkpoints of %d shards; combining them", shard,
-                 num_shards, directory, last)
-        return RestorePoint(combine(select(directory, last, mode), num_shards, shard), resharded_from=last)
-    own = found[num_shards]
+    choice = checkpoint.newest_usable(directory, mode, prefer=num_shards, found=found,
+                                      keep=lambda s, j: s != num_shards or j == shard)
+    best, own = choice.best, found.get(num_shards, {})
+    if best is not None and best.num_shards == num_shards:
+        return RestorePoint(best.ckpts[shard])
+    # This shape has a state to try (every shard's files; in sync and backup a version they all
+    # have): `best` is newer, or it did not load. Else, this shard's own files as before, unless
+    # `best` is newer than all of them.
+    candidate = bool(own) and all(own.get(j) for j in range(num_shards)) and \
+        (mode not in CUT_MODES or bool(checkpoint.cut_versions(own, num_shards)))
+    own_newest = max((v for files in own.values() for v, _ in files), default=-1)
+    if best is not None and (candidate or best.version > own_newest):
+        log.info("shard %d of %d: the newest usable state in %s is version %d of %d shards; combining it",
+                 shard, num_shards, directory, best.version, best.num_shards)
+        return RestorePoint(combine(best.ckpts, num_shards, shard), resharded_from=best.num_shards)
+    if not own:
+        raise ConfigError(checkpoint.why_none(directory, found, mode, choice.failures))
     if shard not in own:
         raise ConfigError(f"--restore: {directory} holds checkpoints of shards "
                           f"{', '.join(map(str, sorted(own)))} of {num_shards} but none of "
                           f"shard {shard}: starting it fresh would mix a new shard into a trained model; "
                           f"restore from the directory that holds its files")
-    if mode in CUT_MODES and set(own) != {shard} and cut_versions(own, num_shards):
-        return RestorePoint(_own_at_cut(directory, own, shard, num_shards, mode, fresh_if_corrupt))
+    if mode in CUT_MODES and set(own) != {shard} and checkpoint.cut_versions(own, num_shards):
+        if fresh_if_corrupt:          # cuts there are, and not one loads
+            log.warning("shard %d: no version loads for every shard in %s; starting fresh as "
+                        "--restore-fresh-if-corrupt asks", shard, directory)
+            return RestorePoint(None)
+        raise ConfigError(checkpoint.why_none(directory, {num_shards: own}, mode, choice.failures))
     if mode in CUT_MODES and set(own) != {shard}:
         # No version that every shard has: one shard restarted while the others went on (they
         # are live, ahead of its files) restores its own newest, as it always did.
         log.warning("shard %d: no version every shard of %d has a checkpoint of in %s (%s); restoring "
-                    "this shard's newest", shard, num_shards, directory, _describe(own, num_shards))
+                    "this shard's newest", shard, num_shards, directory,
+                    checkpoint.describe_versions(own, num_shards))
     # async and ssp, or a directory that holds this shard's files alone: its newest
     return RestorePoint(checkpoint.load_latest(directory, shard, num_shards, fresh_if_corrupt))
-
-
-def _own_at_cut(directory: str, shards: dict, shard: int, num_shards: int, mode: str,
-                fresh_if_corrupt: bool) -> checkpoint.Checkpoint | None:
-    """In sync and backup, with the other shards' files in the same directory: this shard's file
-    at the newest version for which every shard's file loads (each is read and checked, one at
-    a time, and only this shard's kept), so that every shard of a job restarted at once starts
-    from the same step. ConfigError naming the versions found when there is none."""
-    failures = []
-    for v in cut_versions(shards, num_shards):
-        files = {j: dict(shards[j])[v] for j in range(num_shards)}
-        try:
-            own = checkpoint.load(files[shard])
-            for j, path in files.items():
-                if j != shard:
-                    check_compatible([own, checkpoint.load(path)], directory, pair=True)
-        except ValueError as e:
-            failures.append(f"version {v}: {e}")
-            log.warning("checkpoint set of %d shards at version %d does not load: %s", num_shards, v, e)
-            continue
-        return own
-    if fresh_if_corrupt and failures:     # cuts there were, and not one loads
-        log.warning("shard %d: no version loads for every shard in %s; starting fresh as "
-                    "--restore-fresh-if-corrupt asks", shard, directory)
-        return None
-    raise ConfigError(f"--restore: {directory} has no version that every one of its {num_shards} shards "
-                      f"has a checkpoint of that loads, which mode {mode} needs (a consistent cut); "
-                      f"versions found: {_describe(shards, num_shards)}"
-                      + (f"; {'; '.join(failures)}" if failures else ""))
 
 
 def reshard_directory(source: str, target: str, num_shards: int, mode: str) -> list[str]:
     """`pserver checkpoint reshard`: write the set `restore_point` would combine from source as
     num_shards files into target (atomically each, as a shard writes them); their paths."""
-    found = scan(source)
-    if not found:
-        raise ConfigError(f"--from: {source} holds no checkpoint "
-                          "(shard{J}-of{S}-v{VERSION}.ckpt files)")
-    if os.path.abspath(source) == os.path.abspath(target) and num_shards in found:
+    if os.path.abspath(source) == os.path.abspath(target) and num_shards in checkpoint.scan(source):
         raise ConfigError(f"--to: {target} already holds checkpoints of {num_shards} shards; write elsewhere")
-    old = newest_shape(found)
-    ckpts = select(source, old, mode)
+    ckpts = newest_set(source, mode, "--from")
     return [checkpoint.save(target, combine(ckpts, num_shards, j)) for j in range(num_shards)]
 
 
-def inspect(directory: str) -> dict:
+def inspect(directory: str, mode: str = "sync", found: dict | None = None) -> dict:
     """`pserver checkpoint inspect`: every file (shard, version, bytes, whether it loads and its
-    checksum holds), each shape's layout and tables, and the consistent cuts."""
+    checksum holds), each shape's layout and tables, the consistent cuts, and the state a restore
+    in `mode` reads (checkpoint.newest_usable; None: none). A file a running job removes after
+    the listing (`found`: checkpoint.scan's, taken now when not given) is left out, as gone."""
     if not os.path.isdir(directory):
         raise ConfigError(f"{directory}: not a directory")
-    report = {"directory": directory, "sets": []}
-    for s, shards in sorted(scan(directory).items()):
+    report = {"directory": directory, "mode": mode, "sets": [], "restores": None}
+    found = checkpoint.scan(directory) if found is None else found
+    loaded: dict[str, checkpoint.Checkpoint | ValueError] = {}
+    for s, shards in sorted(found.items()):
         files, layout = [], None
         for j in sorted(shards):
-            for v, path in shards[j]:
+            for v, path in list(shards[j]):
                 base = checkpoint.base_of(path)
-                entry = {"file": os.path.basename(path), "shard": j, "version": v,
-                         "bytes": os.path.getsize(path), "kind": "base" if base is None else "delta"}
-                if base is not None:
-                    entry["base"] = base              # the version its chain starts at
                 try:
-                    c = checkpoint.load(path)
-                except ValueError as e:
-                    entry.update(loads=False, why=str(e))
-                else:
-                    meta = checkpoint.meta_of(path)
-                    entry.update(loads=True, sha256=meta["sha256"],
-                                 range=[c.start, c.end],
-                                 rows={name: int(st["ids"].shape[0]) for name, st in c.rows.items()})
-                    layout = layout or {"signature": c.signature, "parameters": c.total,
-                                        "optimizer": c.optimizer,
-                                        "tables": [{"name": t["name"], "dim": t["dim"],
-                                                    "row_optimizer": t.get("optimizer")} for t in c.tables]}
+                    entry = {"file": os.path.basename(path), "shard": j, "version": v,
+                             "bytes": os.path.getsize(path), "kind": "base" if base is None else "delta"}
+                    if base is not None:
+                        entry["base"] = base              # the version its chain starts at
+                    try:
+                        c = loaded[path] = checkpoint.load(path)
+                    except checkpoint.Gone:
+                        raise FileNotFoundError(path) from None
+                    except ValueError as e:
+                        loaded[path] = e
+                        entry.update(loads=False, why=str(e))
+                    else:
+                        meta = checkpoint.meta_of(path)
+                        entry.update(loads=True, sha256=meta["sha256"],
+                                     range=[c.start, c.end],
+                                     rows={name: int(st["ids"].shape[0]) for name, st in c.rows.items()})
+                        tables = [{"name": t["name"], "dim": t["dim"], "row_optimizer": t.get("optimizer")}
+                                  for t in c.tables]
+                        layout = layout or {"signature": c.signature, "parameters": c.total,
+                                            "optimizer": c.optimizer, "tables": tables}
+                except FileNotFoundError:             # pruned since it was listed: gone, not broken
+                    shards[j].remove((v, path))
+                    loaded.pop(path, None)
+                    continue
                 files.append(entry)
         loads = {(f["shard"], f["version"]) for f in files if f["loads"]}
-        cuts = [v for v in cut_versions(shards, s) if all((j, v) in loads for j in range(s))]
+        cuts = [v for v in checkpoint.cut_versions(shards, s) if all((j, v) in loads for j in range(s))]
         report["sets"].append({"num_shards": s, "layout": layout, "files": files, "consistent_cuts": cuts,
-                               "missing_shards": [j for j in range(s) if j not in shards]})
+                               "missing_shards": [j for j in range(s) if not shards.get(j)]})
+
+    def known(path: str) -> checkpoint.Checkpoint:
+        result = loaded[path]
+        if isinstance(result, ValueError):
+            raise result
+        return result
+
+    try:
+        best = checkpoint.newest_usable(directory, mode, loader=known, found=found).best
+    except ConfigError as e:                          # a set of files of two runs
+        report["refused"] = str(e)
+        best = None
+    if best is not None:
+        report["restores"] = {"num_shards": best.num_shards, "version": best.version,
+                              "versions": [c.version for c in best.ckpts]}
     return report
 
 
@@ -315,4 +262,9 @@ def describe(report: dict) -> list[str]:
             lines.append(f"  no file of shard(s) {', '.join(map(str, cs['missing_shards']))}")
         lines.append("  consistent cuts (versions every shard has a file of that loads): "
                      + (", ".join(map(str, cs["consistent_cuts"])) or "none"))
+    r, refused = report["restores"], report.get("refused")
+    lines.append(f"a restore (mode {report['mode']}) reads: " +
+                 (f"version {r['version']} of {r['num_shards']} shard(s) (files at versions "
+                  f"{', '.join(map(str, r['versions']))})" if r else
+                  f"nothing: no usable state{' (' + refused + ')' if refused else ''}"))
     return lines

@@ -156,7 +156,8 @@ class Shard:
             self.limits.inflight_flag = (f"--max-inflight-mb {cfg.max_inflight_mb} lowered to an eighth of "
                                          f"--max-memory-mb {cfg.max_memory_mb}")
         state = limit - (inflight + limit // 16 if cfg.max_memory_mb else 0)
-        self.budget = Budget(state, self.store.counters, dense=lambda: self._dense_bytes(self.store.size))
+        self.budget = Budget(state, self.store.counters, dense=lambda: self._dense_bytes(self.store.size),
+                             fixed=lambda: self.store.coordinator.nbytes)
         # Sessions expire and idle streams are cancelled even when no call is waiting.
         threading.Thread(target=Shard._reap, args=(weakref.ref(self), min(1.0, cfg.step_timeout / 4)),
                          name="pserver-reaper", daemon=True).start()
@@ -183,9 +184,19 @@ class Shard:
         this one was restored (it saw `coordinator.ident` change): counted in batches_retrained."""
         if self.cfg.shard != 0:
             raise FailedPrecondition(f"lease: the data coordinator is in shard 0, not shard {self.cfg.shard}")
+        order = None
         with self.store.cond:
             self.members.authorize(rank, session)
-            self.store.coordinator.configure(plan, restart)
+            if plan != self.store.coordinator.plan:       # a new plan: its size first, in the budget
+                plan.check()
+                self._admit(plan)
+        if plan != self.store.coordinator.plan:
+            order = self.store.coordinator.prepared(plan, restart)   # built outside the lock
+        with self.store.cond:
+            self.members.authorize(rank, session)
+            if plan != self.store.coordinator.plan:
+                self._admit(plan)                         # again: the state may have grown meanwhile
+            self.store.coordinator.configure(plan, restart, order)
             self.store.coordinator.done_before_restore(done_before_restore)
             lease = self.store.coordinator.lease(rank, self.members.sessions[rank], finished,
                                                  workers=len(self.members.live()))
@@ -216,6 +227,14 @@ class Shard:
                                           f"of at most 100 characters, for an epoch of the run's plan")
                 c.share_logs(epoch, names, values, stop)
             return c.shared.get(epoch), c.told.get(0, -1) > epoch, 0 in self.members.live()
+
+    def _admit(self, plan: Plan) -> None:
+        """A plan's coordinator state (Plan.nbytes) must fit in --max-memory-mb beside what the
+        shard holds, in place of the plan it replaces: OverBudget naming its sizes before any of
+        it is built (cond held)."""
+        self.budget.admit(self.store.tables, plan.nbytes, self.store.coordinator.nbytes,
+                          f"data: num_batches {plan.num_batches:,} in chunks of chunk_batches "
+                          f"{plan.chunk_batches:,} ({plan.num_chunks:,} chunks)")
 
     def _check_lease(self, rank: int, lease: tuple[int, int, int]) -> None:
         """A push's data lease (epoch, chunk, batch) goes to the coordinator (cond held); one the
@@ -583,7 +602,8 @@ class Shard:
         try:
             self.store.fill(req.fill, grad)
             self.check_rows(req.rows)
-            held = self.budget.reserve(self.store.tables, req.rows)   # room for its new rows, or refused
+            # room for its new rows and the rows it holds until its step applies, or refused
+            held = self.budget.reserve(self.store.tables, req.rows, self.policy.held_row_bytes(req.rows))
         except BaseException:
             self.store.pool.release(grad)
             raise

@@ -24,6 +24,17 @@ class RowGrads:
     grads: np.ndarray
 
 
+# What merge_rows allocates per row of a table merged from several parts, at most: the ids
+# concatenated, their unique copy, inverse and hash slots (48 bytes), and three float32 rows
+# (the gradients concatenated, weighted, summed).
+MERGE_ID_BYTES, MERGE_ROWS = 48, 3
+
+
+def merge_bytes(part: RowGrads) -> int:
+    """The most merge_rows allocates for `part` in a step's merge (its share of the peak)."""
+    return part.ids.shape[0] * MERGE_ID_BYTES + MERGE_ROWS * part.grads.nbytes
+
+
 def merge_rows(parts: list[tuple[RowGrads, int]], total: int) -> list[tuple[RowGrads, float]]:
     """One (rows, scale) per table: the step's rows of a table summed per id, each part weighted
     by the samples n of the push that carried it (parts: (rows, n) pairs), to be applied times
@@ -60,4 +71,4 @@ def merge_rows(parts: list[tuple[RowGrads, int]], total: int) -> list[tuple[RowG
     return merged
 
 
-__all__ = ["RowGrads", "merge_rows"]
+__all__ = ["RowGrads", "merge_bytes", "merge_rows"]

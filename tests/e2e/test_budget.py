@@ -1,16 +1,17 @@
 """A flood of fresh sparse ids against `--max-memory-mb`: a real shard process refuses the pushes
 that do not fit, or evicts the least recently updated rows of a table that allows it, and its
 resident memory stays within its idle size + the budget + 10% (docs/semantics.md, "Memory
-budget")."""
+budget"), one rank's pushes or two sync ranks' pushing into the same steps."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from pserver.errors import OverBudget, ResourceExhausted
+from pserver.errors import InvalidArgument, OverBudget, ResourceExhausted
 from pserver.models.layout import Layout
 from pserver.sparse import TableConfig, TableLookup
 from pserver.worker.client import PSClient
@@ -20,43 +21,60 @@ pytestmark = pytest.mark.e2e
 BUDGET_MB, DIM, BATCH = 128, 16, 100_000
 
 
-def rss(pid: int) -> int:
+def rss(pid: int, field: str = "VmRSS") -> int:
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(f"{field}:"))
 
 
-def flood(procs, table: TableConfig, batches: int):
-    """A shard with the budget, one client pushing `batches` batches of fresh ids; returns
-    (the shard's idle and largest RSS, the refusals' messages, its last Status)."""
-    shard = procs("serve", "--port", "0", "--num-workers", "1", "--max-memory-mb", str(BUDGET_MB),
+def flood(procs, table: TableConfig, batches: int, ranks: int = 1, batch: int = BATCH, warm: int = BATCH):
+    """A shard with the budget, `ranks` sync clients each pushing `batches` batches of fresh ids
+    into the same steps; returns (the shard's idle RSS and its peak since, the refusals' messages,
+    its last Status). The peak is the kernel's high-water mark (VmHWM, reset once idle): a sync
+    step's held rows and their merge live between two samples of VmRSS."""
+    shard = procs("serve", "--port", "0", "--num-workers", str(ranks), "--max-memory-mb", str(BUDGET_MB),
                   "--optimizer", "sgd")
-    client = PSClient([shard.address()], rpc_deadline=60)
-    client.connect(60)
+    clients = [PSClient([shard.address()], rank=r, num_workers=ranks, rpc_deadline=60) for r in range(ranks)]
+    refused = []
     try:
-        client.register(Layout.of([("b", (1,))], [table]))
-        w = np.zeros(1, np.float32)
-        client.init(w)
-        client.pull(w)
+        for c in clients:
+            c.connect(60)
+            c.register(Layout.of([("b", (1,))], [table]))
+        clients[0].init(np.zeros(1, np.float32))
+        for c in clients:
+            c.pull(np.zeros(1, np.float32))
 
-        def push(first: int) -> None:
-            ids = np.arange(first, first + BATCH, dtype=np.uint64)
-            grads = np.full((BATCH, DIM), 0.01, np.float32)
-            client.push(np.zeros(1, np.float32), BATCH,
-                        lookups=[TableLookup(ids, np.arange(BATCH), np.empty_like(grads), grads)],
-                        tables=[table.name])
-            client.pull(w)
-
-        push(1 << 40)                  # the kernels compile: code, not table memory
-        idle, peak, refused = rss(shard.popen.pid), 0, []
-        for b in range(batches):
+        def push(rank: int, first: int, batch: int = batch) -> None:
+            client, w = clients[rank], np.zeros(1, np.float32)
+            ids = np.arange(first, first + batch, dtype=np.uint64)
+            grads = np.full((batch, DIM), 0.01, np.float32)
             try:
-                push(b * BATCH)
+                client.push(np.zeros(1, np.float32), batch,
+                            lookups=[TableLookup(ids, np.arange(batch), np.empty_like(grads), grads)],
+                            tables=[table.name])
             except ResourceExhausted as e:
                 refused.append(str(e))
-            peak = max(peak, rss(shard.popen.pid))
-        return idle, peak, refused, client.status()[0]
+                if ranks == 1:
+                    return
+                client.push(np.zeros(1, np.float32), 0)    # an empty contribution: the step goes on
+            client.pull(w)
+
+        def step(b: int, n: int = batch) -> None:
+            threads = [threading.Thread(target=push, args=(r, (b * ranks + r) * n, n)) for r in range(ranks)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        step(1 << 30, warm)            # the kernels compile: code, not table memory
+        with open(f"/proc/{shard.popen.pid}/clear_refs", "w") as f:
+            f.write("5")               # the high-water mark starts again from here
+        idle = rss(shard.popen.pid)
+        for b in range(batches):
+            step(b)
+        return idle, rss(shard.popen.pid, "VmHWM"), refused, clients[0].status()[0]
     finally:
-        client.close()
+        for c in clients:
+            c.close()
 
 
 def test_a_table_that_may_not_evict_refuses_what_does_not_fit_and_memory_stays_bounded(procs):
@@ -109,3 +127,53 @@ def test_a_push_larger_than_the_budget_lets_one_push_carry_is_refused_at_once_na
         assert client.status()[0].tables[0].rows == 0
     finally:
         client.close()
+
+
+def test_a_lease_request_whose_plan_does_not_fit_is_refused_at_once_and_changes_nothing(procs):
+    """46.6: one LeaseData's plan sizes shard 0's coordinator state. 2**40 batches once left a
+    half-made plan fixed (MemoryError), and 30,000,000 chunks of one batch took shard 0 from 176 to
+    1,607 MB under --max-memory-mb 128, holding the lock Status waits for 22 s. Each is refused
+    before anything is built, naming the field and value; Status answers, the shard's memory
+    stays within its budget, and the job's real worker leases its data afterwards."""
+    shard = procs("serve", "--port", "0", "--num-workers", "2", "--max-memory-mb", str(BUDGET_MB),
+                  "--optimizer", "sgd")
+    rogue = PSClient([shard.address()], rank=1, num_workers=2, rpc_deadline=60)
+    worker = PSClient([shard.address()], rank=0, num_workers=2, rpc_deadline=60)
+    layout = Layout.of([("b", (1,))])
+    try:
+        for c in (rogue, worker):
+            c.connect(60)
+            c.register(layout)
+        idle = rss(shard.popen.pid)
+        for batches in (1 << 40, 30_000_000):
+            started = time.monotonic()
+            with pytest.raises(OverBudget, match=rf"--max-memory-mb: data: num_batches {batches:,} in chunks "
+                                                 rf"of chunk_batches 1 .* MiB budget; nothing changed"):
+                rogue.lease_data(batches, 1, 0, "fp", 1)
+            assert time.monotonic() - started < 10, batches
+            started = time.monotonic()
+            st = worker.status()[0]
+            assert time.monotonic() - started < 10 and st.memory.used <= st.memory.budget
+        with pytest.raises(InvalidArgument, match="data: seed -1 must be at least 0"):
+            rogue.lease_data(10, 1, -1, "fp", 1)          # once a ValueError from numpy, plan left fixed
+        assert rss(shard.popen.pid) - idle <= 1.1 * (BUDGET_MB << 20)
+        got = worker.lease_data(469, 16, 0, "fp", 1)       # the job's plan: nothing of the refused is left
+        assert got.has_lease and got.epoch == 0 and got.end_batch - got.first_batch == 16, got
+    finally:
+        rogue.close()
+        worker.close()
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_two_sync_ranks_pushing_fresh_ids_into_one_step_stay_within_the_budget(procs, evict):
+    """46.7: the rows a sync step holds until every rank pushed, and their merge, count in the
+    budget from arrival: two ranks flooding 200,000 fresh ids each into the same steps took a shard
+    at --max-memory-mb 128 to idle + 181 MB refusing, + 221 MB evicting (1.1 x the budget is 141
+    MB). A push that does not fit beside the step's held rows is refused, or rows are evicted for
+    it, before it is aggregated."""
+    table = TableConfig("emb", DIM, "adagrad", **({"max_rows": 10**8} if evict else {}))
+    idle, peak, refused, st = flood(procs, table, 5, ranks=2, batch=200_000, warm=1000)
+    assert refused and "of it its rows held for its step and their merge" in refused[0], refused[:1]
+    assert st.counters.rows_evicted_for_memory > 0 if evict else st.counters.rows_evicted_for_memory == 0
+    assert st.memory.used <= st.memory.budget
+    assert peak - idle <= 1.1 * (BUDGET_MB << 20), (idle, peak, (peak - idle) >> 20)

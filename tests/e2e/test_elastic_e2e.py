@@ -33,10 +33,15 @@ def wait_for(proc, text, timeout=60):
 
 def test_the_python_cluster_object_adds_a_worker_that_trains():
     # catches: add_workers starting workers that cannot join (no room, no token, a taken rank):
-    # wait() would raise with their exit codes, or the summary would show one worker's samples
+    # wait() would raise with their exit codes, or the summary would show one worker's samples.
+    # With --min-workers 2 the first worker's steps wait for the joiner, which starts for longer
+    # than --step-timeout; catches (issue 46.4) that step's timer counting while it waited, which
+    # marked the joiner dead as it joined (the job stalled), and (issue 46.3) the job's end
+    # hanging: the worker that finishes first leaves, and the other's last step waited below
+    # the minimum for ever. Either makes wait() time out.
     import pserver
-    cluster = pserver.start_cluster(ps=1, workers=1, max_workers=2, model="logreg", samples=2880,
-                                    features=20, epochs=2, delay="fixed:0.03")
+    cluster = pserver.start_cluster(ps=1, workers=1, max_workers=2, min_workers=2, step_timeout=STEP_TIMEOUT,
+                                    model="logreg", samples=2880, features=20, epochs=2, delay="fixed:0.03")
     try:
         assert len(cluster.add_workers(1)) == 1
         s = cluster.wait(timeout=120)

@@ -62,3 +62,26 @@ def test_a_stopped_job_started_again_resumes_from_its_checkpointed_position(proc
     assert "--no-resume: starting at epoch 1" in fourth.output
     s = read_json(summary)
     assert s["resumed_at_step"] == 0 and s["chief"]["steps"] == 5
+
+
+def test_a_finished_run_started_again_with_more_epochs_trains_exactly_the_epochs_left(procs, tmp_path):
+    """45.6: one worker writing a checkpoint every step: the last step's file is written before the
+    worker reports its last chunk done, and the write the run asks for at its end (same version)
+    was skipped, so the coordinator's finished state never reached the directory: --epochs 2
+    was refused ('2 vs 1 epochs', exit 1; 2 of 2 runs on main). Now it trains epoch 2 alone:
+    as many steps and samples as the first run, none of epoch 1 again."""
+    ckpt, summary = str(tmp_path / "ckpt"), tmp_path / "summary.json"
+
+    def launch(epochs: str):
+        run = procs("launch", "--ps", "1", "--workers", "1", "--checkpoint-dir", ckpt, "--restore", ckpt,
+                    "--model", "logreg", "--dataset", "synthetic", "--samples", "2000", "--features", "40",
+                    "--batch-size", "32", "--epochs", epochs, "--checkpoint-every", "1", "--mode", "sync",
+                    "--summary-json", str(summary))
+        assert run.wait(120) == 0, run.output[-3000:]
+        return read_json(summary)
+
+    first = launch("1")
+    steps, samples = first["chief"]["steps"], first["chief"]["samples"]
+    second = launch("2")
+    assert [e["epoch"] for e in second["per_epoch"]] == [2], second["per_epoch"]
+    assert (second["chief"]["steps"], second["chief"]["samples"]) == (steps, samples), second["chief"]

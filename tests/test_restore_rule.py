@@ -1,0 +1,240 @@
+"""One rule picks the state of a checkpoint directory that restore, reshard, inspect, export and
+evaluate read (pserver.server.checkpoint.newest_usable): the newest usable state across the
+shapes a directory holds, never a newer file that belongs to no consistent cut; a file whose
+name and meta disagree does not load; a file pruned while it is read is skipped as gone; the
+tools answer in one line. Real checkpoint files, written as a shard writes them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pserver import models
+from pserver.api import export_checkpoints, load_model
+from pserver.cli import main
+from pserver.config import ServerConfig
+from pserver.data import load_dataset
+from pserver.errors import ConfigError
+from pserver.server import checkpoint, reshard
+from pserver.server.shard import Shard
+from pserver.wire.sharding import shard_ranges
+
+# The model `pserver export --model logreg --dataset synthetic --features 20` builds.
+MODEL = {"model": "logreg", "dataset": "synthetic", "samples": 600, "features": 20}
+FLAGS = ["--model", "logreg", "--dataset", "synthetic", "--samples", "600", "--features", "20"]
+
+
+@pytest.fixture(scope="module")
+def layout():
+    ds = load_dataset("synthetic", seed=0, samples=600, features=20, task="classification")
+    return models.make_model("logreg", ds.sample_shape, ds.num_classes, backend="reference").layout
+
+
+def weights(layout, version: int) -> np.ndarray:
+    """The model's whole vector at a version: each version's values differ."""
+    return (np.arange(layout.total, dtype=np.float32) + 1000 * version).astype(np.float32)
+
+
+def write(d: str, layout, num_shards: int, version: int, shards=None) -> None:
+    """The files `num_shards` shards of one sync job write at `version` (`shards`: only these)."""
+    w = weights(layout, version)
+    for j, (start, end) in enumerate(shard_ranges(layout.total, num_shards)):
+        if shards is None or j in shards:
+            checkpoint.save(d, checkpoint.Checkpoint(
+                "", version, j, num_shards, layout.signature(), layout.total, start, end, "momentum",
+                w[start:end].copy(), {"v": w[start:end] * 2}, {0: version}, positions={0: (1, 10)}))
+
+
+def restore(d: str, num_shards: int, mode: str = "sync") -> list[Shard]:
+    return [Shard(ServerConfig(shard=j, num_shards=num_shards, mode=mode, optimizer="momentum", restore=d))
+            for j in range(num_shards)]
+
+
+def test_a_job_restored_onto_three_shards_restarts_from_its_own_newer_cut_not_the_orphan(tmp_path, layout):
+    """Issue 45.2: 2 sync shards checkpoint 12, 15 and 18, shard 1 dies before its v18; 3 shards
+    restore the cut 15, train, write v17. Every reader takes the 3-shard v17 (main restored 15
+    again, resharded from 2: newest_shape took the orphan's 18 for the 2-shard state's)."""
+    d = str(tmp_path / "ck")
+    for v in (12, 15):
+        write(d, layout, 2, v)
+    write(d, layout, 2, 18, shards={0})                 # shard 1 died before its v18
+    write(d, layout, 3, 17)                             # the 3-shard job's own checkpoint
+    want = weights(layout, 17)
+    for s in (3, 2, 1):                                 # its own shape, back to the old one, another
+        shards = restore(d, s)
+        assert [x.store.version for x in shards] == [17] * s
+        assert np.concatenate([x.store.params for x in shards]).tobytes() == want.tobytes()
+    assert [c.version for c in reshard.newest_set(d, "sync")] == [17, 17, 17]
+    report = reshard.inspect(d)
+    assert report["restores"] == {"num_shards": 3, "version": 17, "versions": [17, 17, 17]}
+    flat, versions = checkpoint.load_weights(d, layout)
+    assert flat.tobytes() == want.tobytes() and versions == [17, 17, 17]
+    out = str(tmp_path / "model.npz")
+    result = export_checkpoints(d, out, MODEL)
+    assert (result["num_shards"], result["version"]) == (3, 17)
+    assert load_model(out).weights.tobytes() == want.tobytes()
+    paths = reshard.reshard_directory(d, str(tmp_path / "to4"), 4, "sync")
+    assert {checkpoint.load(p).version for p in paths} == {17}
+
+
+def test_a_consistent_cut_wins_over_a_newer_file_of_no_cut_and_async_takes_each_shards_newest(tmp_path,
+                                                                                          layout):
+    """3 shards' cut at 10 against 2 shards whose cut is 8 and whose shard 0 alone reached 12:
+    sync and backup read 10 (main: the 2-shard cut 8); async reads the 2 shards' 12 and 8 -> 12."""
+    d = str(tmp_path)
+    write(d, layout, 2, 8)
+    write(d, layout, 2, 12, shards={0})
+    write(d, layout, 3, 10)
+    assert [x.store.version for x in restore(d, 3)] == [10, 10, 10]
+    for mode in ("sync", "backup"):
+        choice = checkpoint.newest_usable(d, mode)
+        assert (choice.best.num_shards, choice.best.version) == (3, 10)
+        assert [c.version for c in reshard.newest_set(d, mode)] == [10, 10, 10]
+    choice = checkpoint.newest_usable(d, "async")
+    assert (choice.best.num_shards, [c.version for c in choice.best.ckpts]) == (2, [12, 8])
+    # the 3-shard v10 of shard 2 does not load: no 3-shard state, the 2-shard cut 8 is the newest
+    with open(os.path.join(d, checkpoint.file_name(2, 3, 10)), "r+b") as f:
+        f.seek(300)
+        f.write(b"\0" * 64)
+    assert [x.store.version for x in restore(d, 3)] == [8, 8, 8]
+
+
+def test_a_file_whose_name_and_meta_disagree_does_not_load(tmp_path, layout):
+    """Issue 45.4: shard 0's v15 and v18 bases swapped by name (main combined shard 0's 15 with
+    shard 1's 18 and called it 18), and shard 1's file copied under shard 0's name: refused,
+    the reason saying which field disagrees; a restore goes back to the cut that is whole."""
+    d = str(tmp_path / "ck")
+    for v in (12, 15, 18):
+        write(d, layout, 2, v)
+    a, b = (os.path.join(d, checkpoint.file_name(0, 2, v)) for v in (15, 18))
+    os.rename(a, a + ".x")
+    os.rename(b, a)
+    os.rename(a + ".x", b)
+    with pytest.raises(ValueError, match="name and its meta disagree: the name says version 18 "
+                                         r"\(its meta: 15\)"):
+        checkpoint.load(b)
+    assert [c.version for c in reshard.select(d, 2, "sync")] == [12, 12]
+    assert [x.store.version for x in restore(d, 2)] == [12, 12]
+    files = {f["file"]: f for s in reshard.inspect(d)["sets"] for f in s["files"]}
+    assert not files[os.path.basename(a)]["loads"] and "disagree" in files[os.path.basename(a)]["why"]
+    e = str(tmp_path / "shards")
+    write(e, layout, 2, 5)
+    one = os.path.join(e, checkpoint.file_name(1, 2, 5))
+    shutil.copy(one, os.path.join(e, checkpoint.file_name(0, 2, 5)))
+    with pytest.raises(ValueError, match=r"the name says shard 0 \(its meta: 1\)"):
+        checkpoint.load(os.path.join(e, checkpoint.file_name(0, 2, 5)))
+    with pytest.raises(ConfigError, match="disagree"):
+        checkpoint.load_weights(e, layout)
+
+
+def test_a_file_pruned_between_the_listing_and_its_reading_is_skipped_as_gone(tmp_path, layout):
+    """A running job prunes while inspect reads (main: FileNotFoundError from inspect, most
+    tries): a thread writes as a shard does, keeping the three newest, while inspect runs; then,
+    exactly, the listing taken, a file removed, the directory read from that listing."""
+    live = str(tmp_path / "live")
+    write(live, layout, 1, 1)
+    stop = threading.Event()
+
+    def shard_writing():
+        v = 2
+        while not stop.is_set():
+            write(live, layout, 1, v)
+            v += 1
+
+    writer = threading.Thread(target=shard_writing)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            report = reshard.inspect(live)
+            assert all(f["loads"] for f in report["sets"][0]["files"])     # gone ones left out
+    finally:
+        stop.set()
+        writer.join()
+    d = str(tmp_path)
+    for v in (3, 6):
+        write(d, layout, 2, v)
+    listing = checkpoint.scan(d)
+    gone = os.path.join(d, checkpoint.file_name(1, 2, 6))
+    os.remove(gone)
+    with pytest.raises(checkpoint.Gone):
+        checkpoint.load(gone)
+    report = reshard.inspect(d, found=listing)
+    (only,) = report["sets"]
+    assert [f["file"] for f in only["files"]] == [checkpoint.file_name(j, 2, v) for j, v in ((0, 6), (0, 3),
+                                                                                            (1, 3))]
+    assert all(f["loads"] for f in only["files"]) and only["consistent_cuts"] == [3]
+    assert report["restores"]["version"] == 3
+    listing = checkpoint.scan(d)
+    os.remove(os.path.join(d, checkpoint.file_name(0, 2, 6)))
+    choice = checkpoint.newest_usable(d, "async", found=listing)
+    assert [c.version for c in choice.best.ckpts] == [3, 3]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pserver", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_inspect_and_export_answer_in_one_line_with_their_exit_codes(tmp_path, layout, capsys):
+    """inspect: 0 with a usable state; 1 with every file's reason when none is usable (main: 0);
+    2 for a missing directory (the real CLI in a process of its own, then cli.main). export --out
+    under a regular file: one line, exit 2 (main: a traceback), nothing read or written."""
+    d = str(tmp_path / "ck")
+    write(d, layout, 2, 4)
+    with open(os.path.join(d, checkpoint.file_name(1, 2, 4)), "r+b") as f:
+        f.seek(300)
+        f.write(b"\0" * 64)
+    r = cli("checkpoint", "inspect", d)
+    assert r.returncode == 1, r
+    assert "DOES NOT LOAD" in r.stdout and "reads: nothing" in r.stdout
+    assert len(r.stderr.strip().splitlines()) == 1 and "no state a restore" in r.stderr, r.stderr
+    write(d, layout, 2, 5)
+    assert main(["checkpoint", "inspect", d]) == 0
+    assert "a restore (mode sync) reads: version 5 of 2 shard(s)" in capsys.readouterr().out
+    assert main(["checkpoint", "inspect", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not a directory" in err
+    good = str(tmp_path / "good")
+    write(good, layout, 2, 4)
+    regular = tmp_path / "regular"
+    regular.write_text("keep")
+    assert main(["export", "--restore", good, *FLAGS, "--out", str(regular / "model")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "is not a directory" in err, err
+    assert regular.read_text() == "keep"
+
+
+def test_a_delta_renamed_as_a_base_does_not_load(tmp_path):
+    """A shard's delta (v2 of the chain from 1) under a base's name: refused, not read as a
+    base with its unchanged rows missing."""
+    from pserver import sparse
+    from pserver.optim import make_optimizer
+    from pserver.server.store import ShardStore
+    from pserver.sparse.merge import RowGrads
+    store = ShardStore(0, 1, lambda n: make_optimizer("sgd", n, lr=0.1))
+    with store.cond:
+        store.configure("sig", 4, 0, 4, [sparse.TableConfig("emb", 2, "adagrad")])
+        store.version = 0
+    cfg = ServerConfig(optimizer="sgd", full_every=3, checkpoint_dir=str(tmp_path))
+    writer = checkpoint.Checkpointer(str(tmp_path), "--checkpoint-dir", store, cfg)
+    for ids in (np.arange(1000), np.arange(5)):              # a base, then a small delta
+        ids = ids.astype(np.uint64)
+        with store.cond:
+            store.apply([np.ones(4, np.float32)], [1], [(RowGrads("emb", ids, np.ones((ids.shape[0], 2),
+                                                                                       np.float32)), 1)])
+        writer.request()
+    delta = os.path.join(str(tmp_path), checkpoint.file_name(0, 1, 2, base=1))
+    assert checkpoint.load(delta).version == 2
+    renamed = os.path.join(str(tmp_path), checkpoint.file_name(0, 1, 2))
+    os.rename(delta, renamed)
+    with pytest.raises(ValueError, match=r"kind base \(its meta: delta\)"):
+        checkpoint.load(renamed)
+    assert checkpoint.newest_usable(str(tmp_path), "sync").best.version == 1
