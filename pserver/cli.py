@@ -176,8 +176,8 @@ WORKER_FLAGS = [
                                                                   "(default 256,128)")),
     Flag("--dataset", dict(metavar="NAME", help=f"default synthetic. {described(DATASETS)}")),
     Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files, downloaded there when "
-                                                "missing (default $XDG_CACHE_HOME/pserver/mnist, "
-                                                "~/.cache/pserver/mnist)")),
+                                                "missing (default $PSERVER_MNIST_DIR, else "
+                                                "$XDG_CACHE_HOME/pserver/mnist, ~/.cache/pserver/mnist)")),
     Flag("--scale-uint8", dict(choices=SCALE_UINT8, help="a .npz whose x is uint8 (0-255 pixels): "
                                "auto (default) divides it by 255 and says so; none keeps the raw values")),
     Flag("--samples", dict(type=int, help="synthetic, criteo-synthetic: training samples (default 60000)")),

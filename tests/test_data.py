@@ -24,7 +24,8 @@ from pserver.data import (
     load_dataset,
     steps_per_epoch,
 )
-from pserver.data.mnist import MNIST_FILES, MNIST_MIRRORS, MNIST_MIRRORS_ENV
+from pserver.data.mnist import MNIST_DIR_ENV, MNIST_FILES, MNIST_MIRRORS, MNIST_MIRRORS_ENV
+from pserver.data.mnist import mnist_dir as find_mnist_dir
 from pserver.errors import ConfigError, DataError
 
 # Label counts of the original MNIST, as published.
@@ -203,6 +204,7 @@ def test_the_default_data_dir_is_the_users_cache_made_and_filled(tmp_path, mirro
     shutil.copytree(mnist_dir, served / "mnist")
     monkeypatch.setenv(MNIST_MIRRORS_ENV, f"{closed_port_url()},{url}")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))      # does not exist yet
+    monkeypatch.delenv(MNIST_DIR_ENV, raising=False)                    # it would come first
     ds = load_dataset("mnist")                                          # no data_dir
     assert ds.num_test == 10000 and np.bincount(ds.y_test).tolist() == TEST_COUNTS
     where = tmp_path / "cache" / "pserver" / "mnist"
@@ -211,6 +213,38 @@ def test_the_default_data_dir_is_the_users_cache_made_and_filled(tmp_path, mirro
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_mnist_dir() == str(tmp_path / "home" / ".cache" / "pserver" / "mnist")
+
+
+def test_the_mnist_directory_is_data_dir_then_the_variable_then_the_cache(tmp_path, monkeypatch):
+    """mnist_dir's order, on three real directories each holding a set of a different size: the
+    --data-dir argument, else $PSERVER_MNIST_DIR (empty counts as unset), else the cache; a
+    directory named first is the one used even when it lacks files (nothing falls through to the
+    next), and an error names what chose it."""
+    sizes = {"flag": 11, "env": 12, "cache": 13}
+    for name, n in sizes.items():
+        (tmp_path / name).mkdir()
+        write_small_mnist(tmp_path / name, small_mnist_files(n_train=n))
+    (tmp_path / "xdg" / "pserver").mkdir(parents=True)
+    (tmp_path / "cache").rename(tmp_path / "xdg" / "pserver" / "mnist")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv(MNIST_MIRRORS_ENV, "")                            # never download
+    monkeypatch.setenv(MNIST_DIR_ENV, str(tmp_path / "env"))
+    assert load_dataset("mnist", data_dir=str(tmp_path / "flag")).num_train == 11
+    assert load_dataset("mnist").num_train == 12
+    assert find_mnist_dir() == (str(tmp_path / "env"), f"${MNIST_DIR_ENV}")
+    monkeypatch.setenv(MNIST_DIR_ENV, "")
+    assert load_dataset("mnist").num_train == 13
+    monkeypatch.delenv(MNIST_DIR_ENV)
+    assert load_dataset("mnist").num_train == 13
+    assert find_mnist_dir() == (str(tmp_path / "xdg" / "pserver" / "mnist"), "the cache directory")
+    monkeypatch.setenv(MNIST_DIR_ENV, str(tmp_path / "empty"))           # named, made, but holds nothing
+    with pytest.raises(DataError) as err:
+        load_dataset("mnist")
+    assert f"{tmp_path / 'empty'} (${MNIST_DIR_ENV}) has no" in one_line(err)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(MNIST_DIR_ENV, str(tmp_path / "file"))
+    with pytest.raises(DataError, match=rf"\${MNIST_DIR_ENV} .*file is not a directory"):
+        load_dataset("mnist")
 
 
 def test_missing_files_with_the_real_mirrors_fail_fast_or_download(tmp_path, monkeypatch):
