@@ -90,7 +90,7 @@ def test_a_stopped_worker_leaves_so_the_chief_goes_on_without_waiting_for_it(pro
 
 def test_a_second_run_on_trained_shards_counts_only_itself_says_it_continues_and_can_refuse(procs, tmp_path):
     shard = serve(procs, 0, "--num-workers", "1")
-    steps = 2 * (6000 // 32)                          # LOGREG: 2 epochs of 6000 samples, one worker
+    steps = 2 * -(-6000 // 32)                        # LOGREG: 2 epochs of 6000 (last batch 16), 1 worker
     summaries, chiefs = [], []
     # The second run trains its epochs again on purpose (--no-resume): without it, it would
     # resume at the end of the first run's data and find nothing left (tests/e2e/test_resume.py).
