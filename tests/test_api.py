@@ -241,7 +241,7 @@ def test_the_last_partial_batch_of_every_epoch_is_trained_as_keras_does(workers,
             summaries[rank] = pserver.train(model[rank], x, y, ps=[address], rank=rank, num_workers=workers,
                                             validation_data=(x[:50], y[:50]), epochs=2, batch_size=128,
                                             data_assignment=assignment, log_every=60)
-        except BaseException as e:    # noqa: BLE001: reported below, in the test's thread
+        except BaseException as e:    # reported below, in the test's thread
             errors.append(e)
 
     with pserver.serve(optimizer="sgd", lr=0.1, num_workers=workers, mode="sync") as shard:
