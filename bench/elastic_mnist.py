@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._util import machine, result_path  # noqa: E402
 from pserver.data.mnist import mnist_dir  # noqa: E402
 
-EPOCHS, BATCH, CHUNK = 2, 128, 8
-BATCHES = 60000 // BATCH                                   # 468 a epoch
+EPOCHS, BATCH, CHUNK, SAMPLES = 2, 128, 8, 60000
+BATCHES = math.ceil(SAMPLES / BATCH)                       # 469 a epoch, the last of 96 samples
 CHUNKS = math.ceil(BATCHES / CHUNK)                        # 59 a epoch
 STEP_TIMEOUT = 5
 SERVE = ["--step-timeout", str(STEP_TIMEOUT), "--optimizer", "adam", "--lr", "0.002"]
