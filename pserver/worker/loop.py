@@ -716,6 +716,8 @@ def finish(cfg, ds, model, client, w, mode, history, started, start, rows) -> di
         "test_accuracy": ev.get("accuracy"), "test_loss": ev.get("loss"), "test_r2": ev.get("r2"),
         "test_auc": ev.get("auc"),
         **binary_metrics(ev, ds),
+        # every rank that registered with the shards: an elastic job's joiners (and those that left) too
+        "workers_registered": sorted(set().union(*(st.registered_workers for st in statuses))),
         "wall_seconds": round(wall, 3),
         "train_samples_per_second": counters["samples_trained"] / wall if wall > 0 else 0.0,
         "per_epoch": history["epochs"], "eval_curve": history["curve"], "chief": history["stats"],

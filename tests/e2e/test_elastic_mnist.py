@@ -35,6 +35,7 @@ def test_mnist_two_workers_grow_to_four_one_killed_every_chunk_done(
     monkeypatch.setenv("PSERVER_MNIST_DIR", str(mnist_dir))
     s = grown(procs, mode, tmp_path / "summary.json")
     assert sorted(s["joiner_ranks"]) == [2, 3], s["joiner_ranks"]
+    assert s["workers_registered"] == [0, 1, 2, 3] and "4 worker(s) (2 at the start) ==" in s["chief_output"]
     assert s["joined_in_epoch_1"], s["chief_output"]
     assert [e["epoch"] for e in s["per_epoch"]] == list(range(1, EPOCHS + 1)), s["per_epoch"]
     assert s["chunks_done"] == EPOCHS * CHUNKS, s["chief_output"]
