@@ -103,7 +103,7 @@ def test_a_second_run_on_trained_shards_counts_only_itself_says_it_continues_and
     first, second = map(read_json, summaries)
     for s in (first, second):
         assert s["steps"] == s["updates_applied"] == s["pushes_aggregated"] == steps, s
-        assert s["samples_trained"] == steps * 32 and s["pushes_rejected"] == 0
+        assert s["samples_trained"] == 2 * 6000 and s["pushes_rejected"] == 0
     assert "already holds" not in chiefs[0].output
     assert re.search(f"shard 0 at \\S+ already holds trained state \\(version {steps}\\): this run continues "
                      "from it, not from new initial weights", chiefs[1].output), chiefs[1].output
