@@ -28,9 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._util import machine, result_path  # noqa: E402
+from pserver.data.mnist import mnist_dir  # noqa: E402
 
-EPOCHS, BATCH, CHUNK = 2, 128, 8
-BATCHES = 60000 // BATCH                                   # 468 a epoch
+EPOCHS, BATCH, CHUNK, SAMPLES = 2, 128, 8, 60000
+BATCHES = math.ceil(SAMPLES / BATCH)                       # 469 a epoch, the last of 96 samples
 CHUNKS = math.ceil(BATCHES / CHUNK)                        # 59 a epoch
 STEP_TIMEOUT = 5
 SERVE = ["--step-timeout", str(STEP_TIMEOUT), "--optimizer", "adam", "--lr", "0.002"]
@@ -148,8 +149,9 @@ def main(argv=None) -> None:
     p.add_argument("--modes", default="sync,async")
     p.add_argument("--out", default=None, help="JSON path (default results/elastic/elastic_mnist.json)")
     args = p.parse_args(argv)
-    if not os.environ.get("PSERVER_MNIST_DIR"):
-        p.error("set PSERVER_MNIST_DIR to a directory with the MNIST IDX files")
+    where, named = mnist_dir()          # where every worker finds MNIST (no --data-dir)
+    if not os.path.isdir(where):
+        p.error(f"no MNIST in {where} ({named}): set PSERVER_MNIST_DIR to a directory with the IDX files")
     m = machine()
     print(json.dumps(m), flush=True)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"elastic_mnist.{os.getpid()}"

@@ -14,6 +14,10 @@ number of shards to start here); the `pserver` command line runs the same functi
 `predict` runs it.
 """
 
+from pserver.signals import quiet_interrupt_while_loading
+
+quiet_interrupt_while_loading()          # the `pserver` command: a Ctrl-C now is one line, exit 130
+
 from pserver.api import (
     Cluster,
     SavedModel,

@@ -32,7 +32,7 @@ from pserver.launch.base import BACKENDS, parse_delay_for
 from pserver.launch.roles import exit_code, one_blas_thread, run_shard, run_training
 from pserver.models import MODELS
 from pserver.optim import OPTIMIZERS, SCHEDULES
-from pserver.signals import follow_parent
+from pserver.signals import follow_parent, interrupt_as_usual
 from pserver.sparse.compact import ROW_DTYPES, STATE_DTYPES
 from pserver.sparse.optim import ROWS
 from pserver.wire.compress import CODECS, PULL_CODECS
@@ -176,8 +176,8 @@ WORKER_FLAGS = [
                                                                   "(default 256,128)")),
     Flag("--dataset", dict(metavar="NAME", help=f"default synthetic. {described(DATASETS)}")),
     Flag("--data-dir", dict(metavar="DIR", help="directory with the MNIST IDX files, downloaded there when "
-                                                "missing (default $XDG_CACHE_HOME/pserver/mnist, "
-                                                "~/.cache/pserver/mnist)")),
+                                                "missing (default $PSERVER_MNIST_DIR, else "
+                                                "$XDG_CACHE_HOME/pserver/mnist, ~/.cache/pserver/mnist)")),
     Flag("--scale-uint8", dict(choices=SCALE_UINT8, help="a .npz whose x is uint8 (0-255 pixels): "
                                "auto (default) divides it by 255 and says so; none keeps the raw values")),
     Flag("--samples", dict(type=int, help="synthetic, criteo-synthetic: training samples (default 60000)")),
@@ -728,6 +728,7 @@ COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "slu
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupt_as_usual()                       # Ctrl-C from here on: exit_code's one line, 130
     follow_parent()                            # started by launch: stop when it dies
     # gRPC's C core prints INFO lines (one per failed TLS handshake, say) that would bury
     # the one line we print; read before grpc loads, and GRPC_VERBOSITY=debug still wins.

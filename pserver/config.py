@@ -172,7 +172,7 @@ class WorkerConfig:
     hidden: tuple[int, ...] | None = None  # hidden widths: mlp (256,256), wide_deep/deepfm towers (256,128)
     dataset: str = "synthetic"    # synthetic, mnist, a path to a .npz file, criteo-synthetic or criteo:PATH
     scale_uint8: str = "auto"     # .npz: divide uint8 features by 255 (auto, saying so) or not (none)
-    data_dir: str | None = None   # where the mnist IDX files are (None: data.default_mnist_dir())
+    data_dir: str | None = None   # where the mnist IDX files are (None: data.mnist_dir()'s choice)
     samples: int = 60000          # synthetic, criteo-synthetic: training samples
     test_samples: int = 10000     # synthetic, criteo-synthetic: test samples; criteo:PATH: at most this many
     features: int = 784           # synthetic: input features

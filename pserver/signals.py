@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import sys
 import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -45,6 +46,30 @@ def follow_parent() -> None:
     prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     if str(os.getppid()) != parent:              # it died before prctl: no signal would come
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def quiet_interrupt_while_loading() -> None:
+    """In the `pserver` command only (`python -m pserver ...`, the `pserver` script, a launched
+    child): a Ctrl-C while the package loads, before main() can catch anything (seconds on a
+    busy machine), prints one line and exits 130, not the import's 30-line traceback. main()
+    hands SIGINT back to Python (interrupt_as_usual); a program that imports pserver keeps its
+    own handler, and so does a process where SIGINT is ignored (a background job)."""
+    # While `python -m X` looks X up, sys.argv[0] is "-m": X is pserver or one of its modules.
+    command = sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0] if sys.argv else "") == "pserver"
+    if command and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_while_loading)
+
+
+def _interrupted_while_loading(signum, frame) -> None:
+    name = "pserver " + next((a for a in sys.argv[1:] if not a.startswith("-")), "").split("/")[-1]
+    os.write(2, f"{name.strip()}: interrupted\n".encode())
+    os._exit(128 + signal.SIGINT)      # nothing started yet: no child, no file, nothing to clean
+
+
+def interrupt_as_usual() -> None:
+    """SIGINT raises KeyboardInterrupt again (which main() turns into one line and exit 130)."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def stopping() -> bool:

@@ -12,15 +12,15 @@ import grpc
 import pytest
 
 from pserver.config import ServerConfig
-from pserver.data import default_mnist_dir, load_dataset
-from pserver.data.mnist import MNIST_FILES
+from pserver.data import load_dataset
+from pserver.data.mnist import MNIST_DIR_ENV, MNIST_FILES
+from pserver.data.mnist import mnist_dir as find_mnist_dir
 from pserver.errors import DataError
 from pserver.server.app import create_server
 from tests.e2e.conftest import missing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# The tests' --data-dir for the real MNIST files (the `mnist_dir` fixture); .ci/run sets it.
-MNIST_DIR_ENV = "PSERVER_MNIST_DIR"
+# MNIST_DIR_ENV: the tests' (and every pserver command's) MNIST directory; .ci/run sets it.
 
 
 # Workers keep their session files under $XDG_STATE_HOME (pserver/worker/sessions.py); the tests'
@@ -87,11 +87,11 @@ def _original_mnist_gz(directory: str) -> list[str]:
 @pytest.fixture(scope="session")
 def mnist_dir() -> pathlib.Path:
     """A directory with the four original MNIST .gz files, found as a user's run finds them:
-    $PSERVER_MNIST_DIR (the tests' --data-dir), else the user's cache (default_mnist_dir), where
+    $PSERVER_MNIST_DIR (the tests' --data-dir), else the user's cache (data.mnist_dir), where
     pserver's loader downloads what is missing and keeps it only if its checksum matches. Without
     them (no files, no network) the tests that need them go through missing(). Tests that take
     this fixture are marked `mnist` (pytest -m 'not mnist' leaves them out)."""
-    where = os.environ.get(MNIST_DIR_ENV) or default_mnist_dir()
+    where, _ = find_mnist_dir()
     if _original_mnist_gz(where):
         with contextlib.suppress(DataError):
             load_dataset("mnist", data_dir=where)      # fetches the files that are not there

@@ -24,7 +24,8 @@ from pserver.data import (
     load_dataset,
     steps_per_epoch,
 )
-from pserver.data.mnist import MNIST_FILES, MNIST_MIRRORS, MNIST_MIRRORS_ENV
+from pserver.data.mnist import MNIST_DIR_ENV, MNIST_FILES, MNIST_MIRRORS, MNIST_MIRRORS_ENV
+from pserver.data.mnist import mnist_dir as find_mnist_dir
 from pserver.errors import ConfigError, DataError
 
 # Label counts of the original MNIST, as published.
@@ -203,6 +204,7 @@ def test_the_default_data_dir_is_the_users_cache_made_and_filled(tmp_path, mirro
     shutil.copytree(mnist_dir, served / "mnist")
     monkeypatch.setenv(MNIST_MIRRORS_ENV, f"{closed_port_url()},{url}")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))      # does not exist yet
+    monkeypatch.delenv(MNIST_DIR_ENV, raising=False)                    # it would come first
     ds = load_dataset("mnist")                                          # no data_dir
     assert ds.num_test == 10000 and np.bincount(ds.y_test).tolist() == TEST_COUNTS
     where = tmp_path / "cache" / "pserver" / "mnist"
@@ -211,6 +213,38 @@ def test_the_default_data_dir_is_the_users_cache_made_and_filled(tmp_path, mirro
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_mnist_dir() == str(tmp_path / "home" / ".cache" / "pserver" / "mnist")
+
+
+def test_the_mnist_directory_is_data_dir_then_the_variable_then_the_cache(tmp_path, monkeypatch):
+    """mnist_dir's order, on three real directories each holding a set of a different size: the
+    --data-dir argument, else $PSERVER_MNIST_DIR (empty counts as unset), else the cache; a
+    directory named first is the one used even when it lacks files (nothing falls through to the
+    next), and an error names what chose it."""
+    sizes = {"flag": 11, "env": 12, "cache": 13}
+    for name, n in sizes.items():
+        (tmp_path / name).mkdir()
+        write_small_mnist(tmp_path / name, small_mnist_files(n_train=n))
+    (tmp_path / "xdg" / "pserver").mkdir(parents=True)
+    (tmp_path / "cache").rename(tmp_path / "xdg" / "pserver" / "mnist")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv(MNIST_MIRRORS_ENV, "")                            # never download
+    monkeypatch.setenv(MNIST_DIR_ENV, str(tmp_path / "env"))
+    assert load_dataset("mnist", data_dir=str(tmp_path / "flag")).num_train == 11
+    assert load_dataset("mnist").num_train == 12
+    assert find_mnist_dir() == (str(tmp_path / "env"), f"${MNIST_DIR_ENV}")
+    monkeypatch.setenv(MNIST_DIR_ENV, "")
+    assert load_dataset("mnist").num_train == 13
+    monkeypatch.delenv(MNIST_DIR_ENV)
+    assert load_dataset("mnist").num_train == 13
+    assert find_mnist_dir() == (str(tmp_path / "xdg" / "pserver" / "mnist"), "the cache directory")
+    monkeypatch.setenv(MNIST_DIR_ENV, str(tmp_path / "empty"))           # named, made, but holds nothing
+    with pytest.raises(DataError) as err:
+        load_dataset("mnist")
+    assert f"{tmp_path / 'empty'} (${MNIST_DIR_ENV}) has no" in one_line(err)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(MNIST_DIR_ENV, str(tmp_path / "file"))
+    with pytest.raises(DataError, match=rf"\${MNIST_DIR_ENV} .*file is not a directory"):
+        load_dataset("mnist")
 
 
 def test_missing_files_with_the_real_mirrors_fail_fast_or_download(tmp_path, monkeypatch):
@@ -270,8 +304,10 @@ def test_epoch_indices_rejects_a_bad_rank_or_cluster():
 
 
 def test_steps_per_epoch():
-    assert steps_per_epoch(60000, 4, 32) == 15000 // 32
+    assert steps_per_epoch(60000, 4, 32) == 469            # 468 batches of 32 and one of 24 per worker
+    assert steps_per_epoch(60000, 4, 15000) == 1
     assert steps_per_epoch(10, 3, 3) == 1
+    assert steps_per_epoch(54000, 1, 128) == 422            # Keras's count: the last batch has 112
     with pytest.raises(ConfigError, match="--batch-size") as err:
         steps_per_epoch(100, 4, 26)
     assert "25" in one_line(err)
@@ -279,20 +315,35 @@ def test_steps_per_epoch():
         steps_per_epoch(100, 4, 0)
 
 
-def test_iterate_batches_yields_full_batches_of_the_ranks_block():
+def test_iterate_batches_yields_the_ranks_whole_block_the_last_batch_smaller():
+    """1003 samples, 3 ranks: blocks of 334 (one sample sits the epoch out), 8 batches of 40 and a
+    last of 14 each, as Keras cuts an epoch; catches the last partial batch dropped."""
     ds = load_dataset("synthetic", samples=1003, test_samples=10, features=7, classes=3)
     seen = []
     for rank in range(3):
         batches = list(iterate_batches(ds, rank, 3, 40, seed=5, epoch=2))
-        assert len(batches) == steps_per_epoch(1003, 3, 40) == 8
+        assert len(batches) == steps_per_epoch(1003, 3, 40) == 9
+        assert [len(x) for x, _ in batches] == [40] * 8 + [14]
         for x, y in batches:
-            assert x.shape == (40, 7) and x.dtype == np.float32 and x.flags.c_contiguous
-            assert y.shape == (40,) and y.dtype == np.int32
-        order = epoch_indices(1003, rank, 3, 5, 2)[:8 * 40]
+            assert x.shape[1:] == (7,) and x.dtype == np.float32 and x.flags.c_contiguous
+            assert y.shape == (len(x),) and y.dtype == np.int32
+        order = epoch_indices(1003, rank, 3, 5, 2)
         assert np.array_equal(np.concatenate([x for x, _ in batches]), ds.x_train[order])
         assert np.array_equal(np.concatenate([y for _, y in batches]), ds.y_train[order])
         seen.append(order)
-    assert len(np.unique(np.concatenate(seen))) == 3 * 8 * 40
+    assert len(np.unique(np.concatenate(seen))) == 3 * 334
+
+
+def test_leased_batches_cover_every_sample_once_the_last_smaller():
+    """--data-assignment leases: 1,000 samples at 128 are 8 batches, the last of 104, every sample
+    once (Keras's 8 steps); catches the last 104 samples dropped (7 batches, 896 samples)."""
+    ds = load_dataset("synthetic", samples=1000, test_samples=10, features=7, classes=3)
+    for shuffle in (True, False):
+        data = ds.leased_batches(128, 5, 3, shuffle=shuffle)
+        batches = [data.batch(1, b) for b in range(data.num_batches)]
+        assert data.num_batches == 8 and [len(x) for x, _ in batches] == [128] * 7 + [104]
+        x = np.concatenate([x for x, _ in batches])
+        assert len(np.unique(x, axis=0)) == 1000 and len(np.unique(ds.x_train, axis=0)) == 1000
     with pytest.raises(ConfigError, match="--batch-size"):
         iterate_batches(ds, 0, 3, 335, seed=5, epoch=0)  # raises at the call, not at the first next()
 

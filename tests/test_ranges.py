@@ -131,3 +131,19 @@ def test_criteo_synthetic_leased_batches_are_the_samples_in_order_each_once():
         assert np.array_equal(x, x_all[40 * b:40 * (b + 1)]) and np.array_equal(y, y_all[40 * b:40 * (b + 1)])
     other = load_dataset("criteo-synthetic", seed=1, samples=1000, test_samples=100).leased_batches(40, 0, 5)
     assert other.fingerprint != data.fingerprint                 # other data: refused at LeaseData
+
+
+def test_criteo_synthetic_trains_every_sample_once_the_last_batches_smaller():
+    """samples not a multiple of the batch: leased, 1000 at 300 are 4 batches (the last 100); sliced
+    for 2 workers at 200, each worker's 500 are 200, 200, 100, and the two take disjoint samples of
+    the 1000; catches the last partial batch dropped or read past the training samples."""
+    ds = load_dataset("criteo-synthetic", samples=1000, test_samples=100)
+    x_all, _ = generate(ds.seed, ds.bias, np.arange(1000, dtype=np.uint64))
+    data = ds.leased_batches(300, 0, 3)
+    got = [data.batch(0, b)[0] for b in range(data.num_batches)]
+    assert [len(x) for x in got] == [300, 300, 300, 100]
+    assert np.array_equal(np.concatenate(got), x_all)
+    sliced = [list(ds.epoch(r, 2, 200, 0, 0)) for r in range(2)]
+    assert [[len(x) for x, _ in s] for s in sliced] == [[200, 200, 100]] * 2
+    taken = np.concatenate([x for s in sliced for x, _ in s])
+    assert len(np.unique(taken)) == 1000 and np.isin(taken, x_all).all()

@@ -9,10 +9,11 @@ Every epoch is one permutation of the training set drawn from `seed + epoch`, th
 worker; rank r takes the r-th of `num_workers` equal blocks, so the ranks never overlap and all run
 the same number of steps (the `num_train % num_workers` left-over samples sit that epoch out).
 
-MNIST comes from the four IDX files in `--data-dir` (.gz or not), by default a directory in the
-user's cache (default_mnist_dir), created when missing. Missing files are fetched from the
-mirrors in MNIST_MIRRORS, one after the other, or from the comma-separated base URLs in
-$PSERVER_MNIST_MIRRORS (set it empty to never download), and kept only if their sha256 matches.
+MNIST comes from the four IDX files (.gz or not) in the directory mnist_dir chooses: `--data-dir`,
+else $PSERVER_MNIST_DIR, else the user's cache (default_mnist_dir), created when missing. Missing
+files are fetched from the mirrors in MNIST_MIRRORS, one after the other, or from the
+comma-separated base URLs in $PSERVER_MNIST_MIRRORS (set it empty to never download), and kept
+only if their sha256 matches.
 Every problem with the data raises DataError, every bad option ConfigError, with one line that names
 the file, key or flag and the value.
 """
@@ -34,7 +35,7 @@ from pserver.data.dataset import (
     iterate_batches,
     steps_per_epoch,
 )
-from pserver.data.mnist import default_mnist_dir
+from pserver.data.mnist import default_mnist_dir, mnist_dir
 from pserver.data.npz import from_arrays
 from pserver.errors import ConfigError
 from pserver.registry import Registry
@@ -43,7 +44,8 @@ from pserver.registry import Registry
 DATASETS = Registry("dataset", "--dataset")
 DATASETS.add("synthetic", "separable Gaussian classes, or a linear-regression task (--samples, --features, "
              "--classes)")
-DATASETS.add("mnist", "the MNIST digits from --data-dir, downloaded there when missing (sha256-checked)")
+DATASETS.add("mnist", "the MNIST digits from --data-dir (else $PSERVER_MNIST_DIR, else the cache), "
+             "downloaded there when missing (sha256-checked)")
 DATASETS.add("criteo-synthetic", "Criteo-shaped click records from a planted model (--samples)")
 DATASETS.add("criteo", "a Criteo TSV file, plain or .gz, streamed", form="criteo:PATH")
 DATASETS.add("npz", "a path to a .npz with x and y (and x_test, y_test)", form="PATH.npz")
@@ -94,4 +96,4 @@ def _load_criteo(spec: str, seed: int, task: str, samples: int, test_samples: in
 
 __all__ = ["DATASETS", "TASKS", "Dataset", "Stream", "as_task", "check_int", "check_rank", "describe",
            "default_mnist_dir", "epoch_indices", "from_arrays", "iterate_batches", "load_dataset",
-           "steps_per_epoch"]
+           "mnist_dir", "steps_per_epoch"]

@@ -709,8 +709,9 @@ class CriteoSynthetic(CriteoData):
     """Criteo-shaped data with labels from a known (planted) model; see the parameters above.
 
     Round k of an epoch is samples k * num_workers * batch_size ... (k + 1) * num_workers *
-    batch_size - 1, and worker r takes the r-th batch_size of them. Samples are independent
-    and identically distributed, so every epoch takes them in the same order.
+    batch_size - 1, and worker r takes the r-th batch_size of them; the last round, when batch_size
+    does not divide a worker's share, is num_workers smaller batches of what is left. Samples are
+    independent and identically distributed, so every epoch takes them in the same order.
     """
     seed: int = 0
     samples: int = 0
@@ -743,11 +744,16 @@ class CriteoSynthetic(CriteoData):
 
     def _batches(self, rank, num_workers, batch_size, epoch):
         steps = self.steps(num_workers, batch_size)
+        last = self.samples // num_workers - (steps - 1) * batch_size    # the last round's batch
         per_chunk = max(1, _GENERATE_CHUNK // batch_size)   # rounds generated at once
         for first in range(0, steps, per_chunk):
             rounds = np.arange(first, min(steps, first + per_chunk), dtype=np.uint64)
             index = ((rounds[:, None] * np.uint64(num_workers) + np.uint64(rank)) * np.uint64(batch_size)
                      + np.arange(batch_size, dtype=np.uint64)).ravel()
+            if rounds[-1] == steps - 1 and last < batch_size:   # a smaller last batch per worker
+                tail = (np.uint64((steps - 1) * num_workers * batch_size + rank * last)
+                        + np.arange(last, dtype=np.uint64))
+                index = np.concatenate([index[:-batch_size], tail])
             x, y = generate(self.seed, self.bias, index)
             for b in range(0, len(index), batch_size):
                 yield x[b:b + batch_size], y[b:b + batch_size]
@@ -755,16 +761,16 @@ class CriteoSynthetic(CriteoData):
 
 class SyntheticBatches(ChunkedBatches):
     """criteo-synthetic under --data-assignment leases: batch b is samples b * batch_size ...
-    (b + 1) * batch_size - 1 (samples // batch_size batches; the samples are i.i.d., so each
-    epoch takes them alike and the coordinator's chunk order is the shuffle), generated a
-    chunk at a time."""
+    (b + 1) * batch_size - 1 (ceil(samples / batch_size) batches, the last with the rest; the
+    samples are i.i.d., so each epoch takes them alike and the coordinator's chunk order is the
+    shuffle), generated a chunk at a time."""
 
     def __init__(self, data: CriteoSynthetic, batch_size: int, chunk_batches: int):
         super().__init__(chunk_batches)
         check_int("--batch-size", batch_size, 1)
         self.data, self.batch_size = data, batch_size
-        self.num_batches = data.samples // batch_size
-        if self.num_batches == 0:
+        self.num_batches = -(-data.samples // batch_size)
+        if data.samples < batch_size:
             raise ConfigError(f"--batch-size: {batch_size} is larger than the {data.samples} "
                               "training samples")
         x, y = generate(data.seed, data.bias, np.zeros(1, np.uint64))
@@ -773,7 +779,8 @@ class SyntheticBatches(ChunkedBatches):
 
     def read(self, epoch: int, first: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
         bs = self.batch_size
-        x, y = generate(self.data.seed, self.data.bias, np.arange(first * bs, end * bs, dtype=np.uint64))
+        x, y = generate(self.data.seed, self.data.bias,
+                        np.arange(first * bs, min(end * bs, self.data.samples), dtype=np.uint64))
         return [(x[k:k + bs], y[k:k + bs]) for k in range(0, len(x), bs)]
 
 

@@ -2,7 +2,10 @@
 
 Every epoch is one permutation of the training set drawn from `seed + epoch`, the same on every
 worker; rank r takes the r-th of `num_workers` equal blocks, so the ranks never overlap and all run
-the same number of steps (the `num_train % num_workers` left-over samples sit that epoch out).
+the same number of steps (the `num_train % num_workers` left-over samples sit that epoch out). A
+block, like the leased epoch (LeasedBatches), is cut into batches of batch_size and one smaller
+last batch with the rest, trained as Keras trains it: 1,000 samples at 128 are 8 steps, the last
+of 104 samples (a sync step weighs each push by its samples, DESIGN.md section 5).
 The kinds of data are their own modules (synthetic, mnist, npz, criteo); `load_dataset` is the
 package's.
 """
@@ -187,12 +190,13 @@ def as_task(ds: Dataset, task: str) -> Dataset:
 # ---------------------------------------------------------------- per-rank slices of an epoch
 
 def steps_per_epoch(num_train: int, num_workers: int, batch_size: int) -> int:
-    """Steps every worker runs per epoch: full batches from its equal share of the data."""
+    """Steps every worker runs per epoch: the batches of its equal share of the data, the last one
+    smaller when batch_size does not divide the share (as Keras: 54,000 at 128 are 422 steps)."""
     check_int("--num-workers", num_workers, 1)
     check_int("--batch-size", batch_size, 1)
     per_worker = num_train // num_workers
-    steps = per_worker // batch_size
-    if steps == 0:
+    steps = -(-per_worker // batch_size)
+    if per_worker < batch_size:
         raise ConfigError(f"--batch-size: {batch_size} is larger than each worker's slice of {per_worker} "
                           f"samples ({num_train} training samples / {num_workers} workers)")
     return steps
@@ -212,7 +216,8 @@ def epoch_indices(num_train: int, rank: int, num_workers: int, seed: int, epoch:
 
 def iterate_batches(ds: Dataset, rank: int, num_workers: int, batch_size: int, seed: int,
                     epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Exactly steps_per_epoch(...) batches (x, y) of batch_size rows from this rank's block."""
+    """Exactly steps_per_epoch(...) batches (x, y) of batch_size rows from this rank's block, the last
+    one with what is left of the block (batch_size rows or fewer)."""
     # Validate now, not at the first next(): a bad flag should fail where it is passed.
     steps = steps_per_epoch(ds.num_train, num_workers, batch_size)
     order = epoch_indices(ds.num_train, rank, num_workers, seed, epoch)
@@ -256,15 +261,16 @@ class ChunkedBatches(abc.ABC):
 class LeasedBatches:
     """The epoch's batches as shard 0's coordinator numbers them (--data-assignment leases): epoch e's
     permutation of the training set from `seed + e` (as the slices draw it; not `shuffle`: the
-    training set in its order), cut into num_train // batch_size full batches; batch b of epoch e
+    training set in its order), cut into ceil(num_train / batch_size) batches, the last one with
+    the rest (as Keras: 54,000 samples at 128 are 422 batches, the last of 112); batch b of epoch e
     is the same samples on every worker."""
 
     def __init__(self, ds: Dataset, batch_size: int, seed: int, shuffle: bool = True) -> None:
         check_int("--batch-size", batch_size, 1)
         check_int("--seed", seed, 0)
         self.ds, self.batch_size, self.seed, self.shuffle = ds, batch_size, seed, shuffle
-        self.num_batches = ds.num_train // batch_size
-        if self.num_batches == 0:
+        self.num_batches = -(-ds.num_train // batch_size)
+        if ds.num_train < batch_size:
             raise ConfigError(f"--batch-size: {batch_size} is larger than the {ds.num_train} "
                               f"training samples")
         self.fingerprint = fingerprint(ds)

@@ -1,7 +1,10 @@
-"""MNIST from the four IDX files in --data-dir (.gz or not), by default a directory in the
-user's cache (default_mnist_dir), created when missing. Missing files are fetched from the
-mirrors in MNIST_MIRRORS, one after the other, or from the comma-separated base URLs in
-$PSERVER_MNIST_MIRRORS (set it empty to never download), and kept only if their sha256 matches."""
+"""MNIST from the four IDX files (.gz or not) in one directory, which mnist_dir chooses, in this
+order: --data-dir (the `data_dir` argument), else $PSERVER_MNIST_DIR, else the user's cache
+(default_mnist_dir: $XDG_CACHE_HOME/pserver/mnist); the chosen directory is created when missing.
+Files missing from it are downloaded into it from the mirrors in MNIST_MIRRORS, one after the
+other, or from the comma-separated base URLs in $PSERVER_MNIST_MIRRORS (set it empty to never
+download), and kept only if their sha256 matches. Every loader of MNIST (the CLI, the Python API,
+pserver.keras's keras.datasets.mnist, the tests and benches) goes through mnist_dir."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/",
                  "https://storage.googleapis.com/cvdf-datasets/mnist/",
                  "http://yann.lecun.com/exdb/mnist/")
 MNIST_MIRRORS_ENV = "PSERVER_MNIST_MIRRORS"
+MNIST_DIR_ENV = "PSERVER_MNIST_DIR"   # the directory when no --data-dir is given
 DOWNLOAD_TIMEOUT_S = 10.0  # per socket operation, so a dead mirror costs seconds, not minutes
 # name -> (bytes, sha256) of the original .gz files, as every mirror above serves them.
 MNIST_FILES = {
@@ -39,6 +43,19 @@ def default_mnist_dir() -> str:
     """Where MNIST goes without --data-dir: $XDG_CACHE_HOME/pserver/mnist, ~/.cache by default."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "pserver", "mnist")
+
+
+def mnist_dir(data_dir: str | None = None) -> tuple[str, str]:
+    """(directory, what named it) for MNIST: `data_dir` (--data-dir) when given, else
+    $PSERVER_MNIST_DIR when set and not empty, else the user's cache (default_mnist_dir). The
+    first one named is the directory: files missing there are downloaded into it, never looked
+    for further down the list (a directory a user names is the one meant)."""
+    if data_dir is not None:
+        return data_dir, "--data-dir"
+    env = os.environ.get(MNIST_DIR_ENV)
+    if env:
+        return env, f"${MNIST_DIR_ENV}"
+    return default_mnist_dir(), "the cache directory"
 
 
 def load(data_dir: str | None) -> Dataset:
@@ -67,40 +84,40 @@ def load_raw(data_dir: str | None) -> tuple[tuple[np.ndarray, np.ndarray], tuple
 
 
 def _checked_paths(data_dir: str | None) -> dict[str, str]:
-    """The four files' paths in `data_dir` (the cache by default), downloaded and checked."""
-    data_dir = default_mnist_dir() if data_dir is None else data_dir
+    """The four files' paths in the directory mnist_dir(data_dir) chooses, downloaded and checked."""
+    data_dir, named = mnist_dir(data_dir)
     root = os.path.expanduser(data_dir)
-    _make_dir(root, data_dir)
+    _make_dir(root, data_dir, named)
     paths = _mnist_paths(root)
     missing = [name for name, path in paths.items() if path is None]
     if missing:
         why = _download_missing(root, missing)
         paths = _mnist_paths(root)
         if why is not None:
-            raise DataError(_missing_message(data_dir, paths, why))
+            raise DataError(_missing_message(data_dir, paths, why, named))
     return paths
 
 
-def _make_dir(root: str, data_dir: str) -> None:
+def _make_dir(root: str, data_dir: str, named: str) -> None:
     """The directory exists afterwards (made here if need be), ready for the files."""
     if os.path.isdir(root):
         return
     if os.path.exists(root):
-        raise DataError(f"mnist: --data-dir {data_dir} is not a directory")
+        raise DataError(f"mnist: {named} {data_dir} is not a directory")
     try:
         os.makedirs(root)
     except OSError as e:
-        raise DataError(f"mnist: cannot create --data-dir {data_dir} ({e.strerror or e})") from None
+        raise DataError(f"mnist: cannot create {named} {data_dir} ({e.strerror or e})") from None
 
 
-def _missing_message(data_dir: str, paths: dict, why: str) -> str:
+def _missing_message(data_dir: str, paths: dict, why: str, named: str) -> str:
     """One line: what is missing, why the download failed, how to put the files there by hand."""
     missing = [name for name, path in paths.items() if path is None]  # some may have come
     have_not = ", ".join(f"{name}(.gz)" for name in missing)
     get = ", ".join(f"{name}.gz" for name in missing)
-    return (f"mnist: {data_dir} has no {have_not}; download failed ({why}); download {get} by hand "
-            f"from any of {', '.join(MNIST_MIRRORS)} and put them in {data_dir} (or give --data-dir "
-            f"a directory that holds them)")
+    return (f"mnist: {data_dir} ({named}) has no {have_not}; download failed ({why}); download {get} by "
+            f"hand from any of {', '.join(MNIST_MIRRORS)} and put them in {data_dir} (or give --data-dir "
+            f"or ${MNIST_DIR_ENV} a directory that holds them)")
 
 
 def _mnist_paths(root: str) -> dict[str, str | None]:

@@ -202,7 +202,7 @@ class Sequential:
         shown = verbose != 0 and rank == 0
         per_worker = batch_size // workers
         params = {"epochs": epochs, "verbose": verbose,
-                  "steps": max(1, len(x) // workers // per_worker)}
+                  "steps": max(1, -(-len(x) // batch_size))}     # the last global batch may be smaller
         listeners = [history] + ([callbacks_module.EpochLine()] if shown else []) + user
         hooks = callbacks_module.CallbackList(listeners, self, params, self._core.metrics, initial_epoch,
                                               has_validation)

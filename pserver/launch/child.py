@@ -13,10 +13,11 @@ import pickle
 import sys
 
 from pserver.launch.roles import ROLES, run_role
-from pserver.signals import follow_parent
+from pserver.signals import follow_parent, interrupt_as_usual
 
 
 def main(argv: list[str]) -> int:
+    interrupt_as_usual()
     follow_parent()                            # stop when the launcher dies
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if len(argv) != 2 or argv[0] not in ROLES:

@@ -170,8 +170,11 @@ def format_summary(s: dict) -> str:
         metric += f", {on} AUC {s['test_auc']:.4f}"
         if s.get("best_auc") is not None:
             metric += f" (the planted model's: {s['best_auc']:.4f})"
+    # The workers that trained (an elastic job's joiners too), not the chief's --num-workers
+    trained = len(s.get("workers_registered") or ()) or s["num_workers"]
+    started = f" ({s['num_workers']} at the start)" if trained != s["num_workers"] else ""
     lines = [
-        f"== pserver run summary: {s['mode']}, {s['num_shards']} shard(s), {s['num_workers']} worker(s) ==",
+        f"== pserver run summary: {s['mode']}, {s['num_shards']} shard(s), {trained} worker(s){started} ==",
         f"model {s['model']} ({s['num_params']:,} params), dataset {s['dataset']}, "
         f"optimizer {s['optimizer']} lr {s['lr']:g}, batch {s['batch_size']}/worker, {s['epochs']} epoch(s)",
         metric,

@@ -85,7 +85,10 @@ def show_status(statuses, as_json: bool = False) -> int:
               + " (workers refuse shards that disagree)")
     optimizer = ("differs by shard" if {"optimizer", "lr"} & differ.keys()
                  else f"{statuses[0].optimizer} lr {statuses[0].lr:g}")
-    print(f"cluster: {total['steps']} steps, {total['samples_trained']:,} samples; optimizer "
+    # Before the chief's Init (or a restore) every shard holds version -1: no step, not "-1 steps".
+    done = (f"{total['steps']} steps, {total['samples_trained']:,} samples" if total["steps"] >= 0 else
+            "not started (the shards wait for the chief's initial weights)")
+    print(f"cluster: {done}; optimizer "
           f"{optimizer}; staleness histogram "
           f"{hist[:last + 1] if last >= 0 else '(no async pushes)'}; clock gap max {total['clock_gap_max']}")
     if describe_data(total):

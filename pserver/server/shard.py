@@ -631,7 +631,7 @@ class Shard:
                         version=s.version, num_params=s.size, total_params=s.total,
                         num_workers=p.num_workers, optimizer=self.cfg.optimizer, lr=self.cfg.lr,
                         counters={**s.counters.snapshot(), **s.coordinator.counters},
-                        live_workers=live, dead_workers=dead,
+                        live_workers=live, dead_workers=dead, registered_workers=sorted(p.registered),
                         uptime_seconds=time.monotonic() - self.started,
                         layout_signature=s.signature, restored_from=s.restored_from,
                         seeded_by_rank=self.seeded_by, instance=self.instance,

@@ -405,7 +405,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
     style = style_for(cfg.progress, cfg.rank, sys.stderr.isatty())
     progress = Progress(cfg.epochs, steps, cfg.log_every, style, start)
     timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
-    clock, epochs_log, outcomes = start, [], {}
+    clock, epochs_log, outcomes, samples = start, [], {}, 0
     first_epoch, skip = divmod(start, steps) if steps else (0, 0)
     if cfg.max_steps and start >= cfg.max_steps:
         first_epoch = cfg.epochs               # resumed past --max-steps: nothing left
@@ -421,6 +421,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
             loss, exchange_started = one_step(client, gradient, delay, timer, rows, w, g, x, y, clock,
                                               outcomes)
             clock += 1
+            samples += len(x)                  # the epoch's last batch may be smaller
             done = time.perf_counter()
             report.step(done - step_started, done - exchange_started, len(x))
             last = step == steps - 1 or client.finished or (cfg.max_steps and clock >= cfg.max_steps)
@@ -447,7 +448,7 @@ def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: R
     progress.close()
     callbacks.on_train_end({})
     stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock - start,
-                          samples=(clock - start) * cfg.batch_size, outcomes=outcomes)
+                          samples=samples, outcomes=outcomes)
     if cfg.stats_json:
         write_json(cfg.stats_json, stats)
     return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock, "curve": curve.points,
@@ -478,14 +479,14 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
     callbacks = callbacks or NoCallbacks()
     data = ds.leased_batches(cfg.batch_size, cfg.seed, cfg.chunk_batches, shuffle=not cfg.no_shuffle)
     plan = (data.num_batches, cfg.chunk_batches, cfg.seed, data.fingerprint, cfg.epochs, cfg.no_shuffle)
-    steps = max(1, data.num_batches // cfg.num_workers)
+    steps = max(1, -(-data.num_batches // cfg.num_workers))   # a progress bar's epoch: about this
     g = np.empty_like(w)
     gradient = gradient_fn(model, cfg.seed, cfg.rank)
     delay = Delay(cfg.delay, cfg.seed, cfg.rank)
     style = style_for(cfg.progress, cfg.rank, sys.stderr.isatty())
     progress = Progress(cfg.epochs, steps, cfg.log_every, style)
     timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
-    clock, epochs_log, outcomes = 0, [], {}
+    clock, epochs_log, outcomes, samples = 0, [], {}, 0
     lease, at, finished, first_ask = None, 0, None, True
     # What this worker did under shard 0's coordinator (epoch, chunk, end): reported when a reply
     # shows a new one (shard 0 restored), which counts what falls after its checkpoint.
@@ -576,6 +577,7 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
         if outcomes.get("rejected", 0) > rejected:      # a stale step: the batch again, on the weights pulled
             continue
         at += 1
+        samples += len(x)                               # a last batch may be smaller
         if at == lease.end_batch:                       # every shard took its last batch in
             done_log.append((lease.epoch, lease.chunk, at))
             finished, lease = (lease.epoch, lease.chunk), None
@@ -590,8 +592,7 @@ def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, 
                     progress.elapsed, client, clock)
     progress.close()
     callbacks.on_train_end({})
-    stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock, samples=clock * cfg.batch_size,
-                          outcomes=outcomes)
+    stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock, samples=samples, outcomes=outcomes)
     if cfg.stats_json:
         write_json(cfg.stats_json, stats)
     return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock, "curve": curve.points,
@@ -758,6 +759,8 @@ def finish(cfg, ds, model, client, w, mode, history, started, start, rows, label
         "test_accuracy": ev.get("accuracy"), "test_loss": ev.get("loss"), "test_r2": ev.get("r2"),
         "test_auc": ev.get("auc"), "evaluated_on": label,
         **binary_metrics(ev, ds),
+        # every rank that registered with the shards: an elastic job's joiners (and those that left) too
+        "workers_registered": sorted(set().union(*(st.registered_workers for st in statuses))),
         "wall_seconds": round(wall, 3),
         "train_samples_per_second": counters["samples_trained"] / wall if wall > 0 else 0.0,
         "per_epoch": history["epochs"], "eval_curve": history["curve"], "chief": history["stats"],

@@ -205,3 +205,14 @@ def status_of(ps: str):
         return client.status(5.0)
     finally:
         client.close()
+
+
+def test_status_before_init_says_the_job_has_not_started(shard_server, capsys):
+    """A shard no chief has initialized holds version -1: `pserver status` printed "cluster: -1
+    steps" (3de5e7b); it says the job has not started, and the table "not initialized"."""
+    from pserver import cli
+    addr, _ = shard_server(num_workers=1)
+    assert cli.main(["status", "--ps", addr, "--timeout", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "cluster: not started (the shards wait for the chief's initial weights)" in out, out
+    assert "-1" not in out and "not initialized" in out, out

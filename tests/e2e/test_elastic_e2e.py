@@ -52,6 +52,11 @@ def test_the_python_cluster_object_adds_a_worker_that_trains():
     # (the joiner's first) trained again; the added worker trained too when some sync steps
     # averaged two pushes (one worker alone pushes once a step).
     assert s["samples_trained"] == 2 * (2880 // 64) * 64 and s["pushes_aggregated"] > s["steps"], s
+    # The summary's header counts the workers that trained: 2, where the chief's --num-workers says
+    # 1 (on 3de5e7b it said "1 worker(s)").
+    from pserver.observe.metrics import format_summary
+    assert s["workers_registered"] == [0, 1], s
+    assert "1 shard(s), 2 worker(s) (1 at the start) ==" in format_summary(s).splitlines()[0]
 
 
 def test_a_rank_auto_worker_restarted_with_the_same_command_gets_its_old_rank_back(procs, tmp_path):

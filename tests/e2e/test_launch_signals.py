@@ -12,7 +12,7 @@ import pytest
 
 from pserver.errors import EXIT_TRANSIENT
 from pserver.server import checkpoint
-from tests.e2e.conftest import LOGREG, wait_until
+from tests.e2e.conftest import LOGREG, env_with, pserver_cmd, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -151,3 +151,28 @@ def test_launch_starts_children_safely_from_a_process_that_uses_grpc():
     finally:
         channel.close()
         server.stop(None)
+
+
+@pytest.mark.parametrize("command", [["launch", "--ps", "1", "--workers", "1", *LOGREG],
+                                     ["worker", "--ps", "127.0.0.1:1", *LOGREG],
+                                     ["serve", "--port", "0"]], ids=["launch", "worker", "serve"])
+def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(command):
+    """Ctrl-C 0.5 s after the start (once numpy loads), while the package still loads: on 3de5e7b a
+    30-line traceback from an import and death by SIGINT; now one line, exit 130, and no process
+    left behind."""
+    import subprocess
+    import time
+    p = subprocess.Popen(pserver_cmd(*command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env_with({}))
+    try:
+        time.sleep(0.5)
+        # Past Python's own start (a Ctrl-C in its `site` import is Python's to report): numpy
+        # mapped, which only pserver's imports load, after its first line put the handler in.
+        assert wait_until(lambda: "numpy" in open(f"/proc/{p.pid}/maps").read(), 60)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, (p.returncode, out, err)
+    assert "Traceback" not in out + err and err == f"pserver {command[0]}: interrupted\n", (out, err)
+    assert children(p.pid) == []

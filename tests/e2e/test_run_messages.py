@@ -90,7 +90,7 @@ def test_a_stopped_worker_leaves_so_the_chief_goes_on_without_waiting_for_it(pro
 
 def test_a_second_run_on_trained_shards_counts_only_itself_says_it_continues_and_can_refuse(procs, tmp_path):
     shard = serve(procs, 0, "--num-workers", "1")
-    steps = 2 * (6000 // 32)                          # LOGREG: 2 epochs of 6000 samples, one worker
+    steps = 2 * -(-6000 // 32)                        # LOGREG: 2 epochs of 6000 (last batch 16), 1 worker
     summaries, chiefs = [], []
     # The second run trains its epochs again on purpose (--no-resume): without it, it would
     # resume at the end of the first run's data and find nothing left (tests/e2e/test_resume.py).
@@ -103,7 +103,7 @@ def test_a_second_run_on_trained_shards_counts_only_itself_says_it_continues_and
     first, second = map(read_json, summaries)
     for s in (first, second):
         assert s["steps"] == s["updates_applied"] == s["pushes_aggregated"] == steps, s
-        assert s["samples_trained"] == steps * 32 and s["pushes_rejected"] == 0
+        assert s["samples_trained"] == 2 * 6000 and s["pushes_rejected"] == 0
     assert "already holds" not in chiefs[0].output
     assert re.search(f"shard 0 at \\S+ already holds trained state \\(version {steps}\\): this run continues "
                      "from it, not from new initial weights", chiefs[1].output), chiefs[1].output
