@@ -262,14 +262,14 @@ def test_a_directory_belongs_to_the_run_that_wrote_it_and_a_start_without_restor
     d = str(tmp_path / "ck")
     old = trained_shard(tmp_path / "ck")
     old.checkpoint(0)
-    run = checkpoint.run_of(d)
-    assert run and checkpoint.meta_of(checkpoint.candidates(d, 0, 1)[0][1])["run"] == run
     before = hashes(d)
     for cfg, words in ((dict(checkpoint_dir=d), "holds another run's checkpoints"),
                        (dict(checkpoint_dir=d, restore=str(tmp_path / "typo")), "typo does not exist")):
         with pytest.raises(ConfigError, match=words):
             Shard(ServerConfig(num_workers=2, optimizer="adam", **cfg))
         assert hashes(d) == before
+    run = checkpoint.run_of(d)
+    assert run and checkpoint.meta_of(checkpoint.candidates(d, 0, 1)[0][1])["run"] == run
     os.mkdir(tmp_path / "a")
     with pytest.raises(ConfigError) as e:          # restoring another directory into this one
         Shard(ServerConfig(num_workers=2, optimizer="adam", checkpoint_dir=d, restore=str(tmp_path / "a")))
@@ -292,14 +292,20 @@ def test_a_shard_never_prunes_nor_writes_over_another_runs_files(tmp_path):
     """Another run's files in the directory (one that started at the same moment) are left as
     they are: not counted among the newest kept, not pruned, a same-named one not written over
     (that write fails, counted, and training goes on). Catches pruning by name alone."""
-    d = str(tmp_path)
-    shard = trained_shard(tmp_path, steps=1, full_every=1)
+    d, elsewhere = str(tmp_path / "ck"), tmp_path / "another"
+    shard = trained_shard(tmp_path / "ck", steps=1, full_every=1)
     shard.checkpoint(0)
+    other = trained_shard(elsewhere, steps=0, full_every=1)   # another run: its files at versions 0 and 3
+    other.checkpoint(0)
+    for t in range(3):
+        for r in range(2):
+            push_all([other], r, [t], np.full(50, 0.25, np.float32))
+    other.checkpoint(0)
     foreign = {}
     for v in (0, 3):                               # older than the run's files, and one it reaches
-        c = checkpoint.Checkpoint("", v, 0, 1, LAYOUT.signature(), 50, 0, 50, "adam",
-                                  np.zeros(50, np.float32), {})
-        foreign[v] = open(checkpoint.save(d, c, run="another"), "rb").read()
+        name = checkpoint.file_name(0, 1, v)
+        foreign[v] = (elsewhere / name).read_bytes()
+        shutil.copy(elsewhere / name, os.path.join(d, name))
     for t in range(1, 6):
         for r in range(2):
             push_all([shard], r, [t], np.ones(50, np.float32))
@@ -308,8 +314,7 @@ def test_a_shard_never_prunes_nor_writes_over_another_runs_files(tmp_path):
         except FailedPrecondition as e:
             assert t == 2 and "another run's file" in str(e)
     assert shard.status()["counters"]["checkpoints_failed"] == 1
-    mine = [v for v, p in checkpoint.candidates(d, 0, 1) if checkpoint.meta_of(p).get("run") != "another"]
-    assert mine == [6, 5, 4]
+    assert [v for v, _ in checkpoint.candidates(d, 0, 1)] == [6, 5, 4, 3, 0]
     for v, data in foreign.items():
         assert open(os.path.join(d, checkpoint.file_name(0, 1, v)), "rb").read() == data
 
@@ -320,9 +325,9 @@ def test_a_directory_written_before_run_ids_is_restored_and_adopted(tmp_path):
         c = checkpoint.Checkpoint("", v, 0, 1, LAYOUT.signature(), 50, 0, 50, "sgd",
                                   np.full(50, v, np.float32), {})
         checkpoint.save(d, c)                     # no run in the meta, no RUN file
-    assert checkpoint.run_of(d) is None
     with pytest.raises(ConfigError, match="written before run ids"):
         Shard(ServerConfig(num_workers=1, optimizer="sgd", checkpoint_dir=d))
+    assert checkpoint.run_of(d) is None
     shard = Shard(ServerConfig(num_workers=1, optimizer="sgd", lr=0.1, checkpoint_dir=d, restore=d,
                                checkpoint_every=1))
     assert shard.store.version == 2 and shard.store.params.tolist() == [2.0] * 50
