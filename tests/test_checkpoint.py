@@ -336,3 +336,19 @@ def test_a_directory_written_before_run_ids_is_restored_and_adopted(tmp_path):
         push_all([shard], 0, [t], np.ones(50, np.float32))
         wait_for_writes(shard)
     assert checkpoint.run_of(d) and [v for v, _ in checkpoint.candidates(d, 0, 1)] == [4, 3, 2]   # adopted
+
+
+def test_the_shards_of_one_run_take_one_id_whichever_writes_first(tmp_path):
+    """Two shards (of one process: the same pid) writing their first files at once: one RUN, whose
+    id both files carry, and no temporary file left (catches a temporary name shared by them)."""
+    d = str(tmp_path)
+    shards = make_cluster(LAYOUT, np.zeros(50, np.float32), 2, 1, optimizer="sgd", lr=0.1, checkpoint_dir=d)
+    threads = [threading.Thread(target=s.checkpoint, args=(0,)) for s in shards]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    run = checkpoint.run_of(d)
+    files = [p for j in range(2) for _, p in checkpoint.candidates(d, j, 2)]
+    assert run and {checkpoint.meta_of(p)["run"] for p in files} == {run}
+    assert sorted(os.listdir(d)) == ["RUN", checkpoint.file_name(0, 2, 0), checkpoint.file_name(1, 2, 0)]

@@ -574,7 +574,7 @@ def claim(directory: str, seen: str | None, new: str | None = None) -> str:
     if current is None:
         new = new or uuid.uuid4().hex
         final = os.path.join(directory, RUN_FILE)
-        tmp = f"{final}.{os.getpid()}.tmp"
+        tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"    # shards of one process: one each
         try:
             with open(tmp, "w") as f:
                 json.dump({"run": new, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
