@@ -39,10 +39,11 @@ def launch(cfg: LaunchConfig, server: ServerConfig, worker: WorkerConfig) -> int
     where = write_directory(server)
     if where:
         check_directory(*where)        # now, rather than as a shard's exit once it started
-    from pserver.worker.loop import check_model_and_data
+    from pserver.worker.loop import check_model_and_data, registered_layout
     model = check_model_and_data(worker)   # a model file's mistake too, before any process starts
     if server.restore and getattr(model, "layout", None) is not None:
-        check_layout(server.restore, model.layout)     # another model's checkpoints: refused now
+        # another model's checkpoints: refused now, on the layout the workers register (tables too)
+        check_layout(server.restore, registered_layout(model))
     if first:
         print(f"pserver launch: {first}", flush=True)
     # Our own cluster gets a fresh random token unless one is given (config, file or environment);
