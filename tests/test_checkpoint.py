@@ -247,3 +247,108 @@ def test_restore_refuses_when_every_checkpoint_is_corrupt_unless_asked(tmp_path)
     fresh = Shard(ServerConfig(num_workers=2, optimizer="adam", restore=str(tmp_path),
                                restore_fresh_if_corrupt=True))
     assert fresh.store.version == -1
+
+
+def hashes(directory):
+    """Every file's bytes in a directory, by name (what a refused start must leave as it was)."""
+    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))}
+
+
+def test_a_directory_belongs_to_the_run_that_wrote_it_and_a_start_without_restoring_it_is_refused(tmp_path):
+    """A second run writing into a finished run's directory (no --restore of it) is refused at
+    start, naming what it found and the ways on, the files left byte for byte; a restart with
+    --restore of it takes the run over (its id, the same RUN) and goes on (catches: a check
+    on the id alone, on --restore alone, or a second RUN written by the restart)."""
+    d = str(tmp_path / "ck")
+    old = trained_shard(tmp_path / "ck")
+    old.checkpoint(0)
+    before = hashes(d)
+    for cfg, words in ((dict(checkpoint_dir=d), "holds another run's checkpoints"),
+                       (dict(checkpoint_dir=d, restore=str(tmp_path / "typo")), "typo does not exist")):
+        with pytest.raises(ConfigError, match=words):
+            Shard(ServerConfig(num_workers=2, optimizer="adam", **cfg))
+        assert hashes(d) == before
+    run = checkpoint.run_of(d)
+    assert run and checkpoint.meta_of(checkpoint.candidates(d, 0, 1)[0][1])["run"] == run
+    os.mkdir(tmp_path / "a")
+    with pytest.raises(ConfigError) as e:          # restoring another directory into this one
+        Shard(ServerConfig(num_workers=2, optimizer="adam", checkpoint_dir=d, restore=str(tmp_path / "a")))
+    assert f"--checkpoint-dir: {d} holds another run's checkpoints (1 file(s) of 1 shard(s) at versions " \
+           f"4-4, run {run})" in str(e.value)
+    assert f"--restore {d}" in str(e.value) and "another --checkpoint-dir" in str(e.value)
+    assert hashes(d) == before
+    again = Shard(ServerConfig(num_workers=2, optimizer="adam", lr=0.01, checkpoint_dir=d, restore=d))
+    assert state(again) == state(old)
+    for r in range(2):
+        again.register(r, 2, 0, 1, LAYOUT)
+        push_all([again], r, [4], np.ones(50, np.float32))
+    path, version = again.checkpoint(0)
+    assert version == 5 and checkpoint.meta_of(path)["run"] == run and checkpoint.run_of(d) == run
+    first = tmp_path / "new"                        # the restart idiom on a first start
+    assert Shard(ServerConfig(checkpoint_dir=str(first), restore=str(first))).store.version == -1
+
+
+def test_a_shard_never_prunes_nor_writes_over_another_runs_files(tmp_path):
+    """Another run's files in the directory (one that started at the same moment) are left as
+    they are: not counted among the newest kept, not pruned, a same-named one not written over
+    (that write fails, counted, and training goes on). Catches pruning by name alone."""
+    d, elsewhere = str(tmp_path / "ck"), tmp_path / "another"
+    shard = trained_shard(tmp_path / "ck", steps=1, full_every=1)
+    shard.checkpoint(0)
+    other = trained_shard(elsewhere, steps=0, full_every=1)   # another run: its files at versions 0 and 3
+    other.checkpoint(0)
+    for t in range(3):
+        for r in range(2):
+            push_all([other], r, [t], np.full(50, 0.25, np.float32))
+    other.checkpoint(0)
+    foreign = {}
+    for v in (0, 3):                               # older than the run's files, and one it reaches
+        name = checkpoint.file_name(0, 1, v)
+        foreign[v] = (elsewhere / name).read_bytes()
+        shutil.copy(elsewhere / name, os.path.join(d, name))
+    for t in range(1, 6):
+        for r in range(2):
+            push_all([shard], r, [t], np.ones(50, np.float32))
+        try:
+            shard.checkpoint(0)
+        except FailedPrecondition as e:
+            assert t == 2 and "another run's file" in str(e)
+    assert shard.status()["counters"]["checkpoints_failed"] == 1
+    assert [v for v, _ in checkpoint.candidates(d, 0, 1)] == [6, 5, 4, 3, 0]
+    for v, data in foreign.items():
+        assert open(os.path.join(d, checkpoint.file_name(0, 1, v)), "rb").read() == data
+
+
+def test_a_directory_written_before_run_ids_is_restored_and_adopted(tmp_path):
+    d = str(tmp_path)
+    for v in (1, 2):
+        c = checkpoint.Checkpoint("", v, 0, 1, LAYOUT.signature(), 50, 0, 50, "sgd",
+                                  np.full(50, v, np.float32), {})
+        checkpoint.save(d, c)                     # no run in the meta, no RUN file
+    with pytest.raises(ConfigError, match="written before run ids"):
+        Shard(ServerConfig(num_workers=1, optimizer="sgd", checkpoint_dir=d))
+    assert checkpoint.run_of(d) is None
+    shard = Shard(ServerConfig(num_workers=1, optimizer="sgd", lr=0.1, checkpoint_dir=d, restore=d,
+                               checkpoint_every=1))
+    assert shard.store.version == 2 and shard.store.params.tolist() == [2.0] * 50
+    shard.register(0, 1, 0, 1, LAYOUT)
+    for t in range(2, 4):
+        push_all([shard], 0, [t], np.ones(50, np.float32))
+        wait_for_writes(shard)
+    assert checkpoint.run_of(d) and [v for v, _ in checkpoint.candidates(d, 0, 1)] == [4, 3, 2]   # adopted
+
+
+def test_the_shards_of_one_run_take_one_id_whichever_writes_first(tmp_path):
+    """Two shards (of one process: the same pid) writing their first files at once: one RUN, whose
+    id both files carry, and no temporary file left (catches a temporary name shared by them)."""
+    d = str(tmp_path)
+    shards = make_cluster(LAYOUT, np.zeros(50, np.float32), 2, 1, optimizer="sgd", lr=0.1, checkpoint_dir=d)
+    threads = [threading.Thread(target=s.checkpoint, args=(0,)) for s in shards]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    run = checkpoint.run_of(d)
+    files = [p for j in range(2) for _, p in checkpoint.candidates(d, j, 2)]
+    assert run and {checkpoint.meta_of(p)["run"] for p in files} == {run}
+    assert sorted(os.listdir(d)) == ["RUN", checkpoint.file_name(0, 2, 0), checkpoint.file_name(1, 2, 0)]

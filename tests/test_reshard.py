@@ -258,3 +258,53 @@ def test_evaluate_reads_the_newest_shape_of_a_directory_a_job_resharded_in(tmp_p
             checkpoint.save(d, part)
     flat, versions = checkpoint.load_weights(d, layout)
     assert flat.tolist() == (w + 1).tolist() and versions == [9, 9, 9]
+
+
+def files(directory):
+    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))}
+
+
+def one_line(capsys, *words):
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    for w in words:
+        assert w in err[0], err[0]
+
+
+def test_an_offline_reshard_writes_only_into_a_target_of_its_own_and_never_prunes(tmp_path, capsys):
+    """`pserver checkpoint reshard` into a target that holds newer files of S' shards (another
+    run's) is refused before anything is written (it used to write, prune its own files as
+    the oldest and say it wrote them); a path that cannot be a directory and a shard count
+    above the parameter count are one line, exit 2; a reshard killed mid-write is run again
+    over its own files, and the temporary file it left is removed."""
+    src, dst, ok = str(tmp_path / "src"), str(tmp_path / "dst"), str(tmp_path / "ok")
+    old_set(src, 12, 2, "sgd", [], 1)                      # version 5, 2 shards
+    for v in (6, 7, 8):                                    # another run's 3-shard files, newer
+        old_set(dst, 12, 3, "sgd", [], 2, versions=[v] * 3)
+    before = files(dst)
+
+    def reshard_cli(to, n=3):
+        return cli.main(["checkpoint", "reshard", "--from", src, "--to", to, "--num-shards", str(n)])
+
+    assert reshard_cli(dst) == 2
+    one_line(capsys, f"--to: {dst} holds another run's checkpoints (shard0-of3-v000000000006.ckpt",
+             "choose an empty --to directory")
+    assert files(dst) == before
+    (tmp_path / "afile").write_text("x")
+    assert reshard_cli(str(tmp_path / "afile")) == 2
+    one_line(capsys, "is a file, not a directory")
+    assert reshard_cli(str(tmp_path / "afile" / "sub")) == 2
+    one_line(capsys, "--to: cannot write checkpoints")
+    assert reshard_cli(ok, 1_000_000) == 2
+    one_line(capsys, "--num-shards: 1,000,000 is more than the model's 12 parameters")
+    assert not os.path.exists(ok)
+    assert reshard_cli(ok) == 0
+    written = files(ok)
+    assert sorted(written) == ["RUN"] + [checkpoint.file_name(j, 3, 5) for j in range(3)]
+    os.remove(os.path.join(ok, checkpoint.file_name(2, 3, 5)))   # killed while writing shard 2's
+    stale = os.path.join(ok, checkpoint.file_name(2, 3, 5) + ".99999.tmp")
+    with open(stale, "wb") as f:
+        f.write(b"half a file")
+    assert reshard_cli(ok) == 0
+    assert not os.path.exists(stale) and sorted(files(ok)) == sorted(written)
+    assert [s.version for s in restored(ok, 3, "sync")] == [5, 5, 5]

@@ -34,12 +34,18 @@ def launch(cfg: LaunchConfig, server: ServerConfig, worker: WorkerConfig) -> int
         raise ConfigError("--tls-ca: launch needs --tls-cert/--tls-key and --tls-ca together "
                           "(its shards serve TLS and its workers must trust them)")
     check_writable("--summary-json", cfg.summary_json)
-    from pserver.server.checkpoint import check_directory, write_directory
+    from pserver.server.checkpoint import check_directory, check_layout, check_start, write_directory
+    first = check_start(server.checkpoint_dir, server.restore)   # another run's directory: refused
     where = write_directory(server)
     if where:
         check_directory(*where)        # now, rather than as a shard's exit once it started
-    from pserver.worker.loop import check_model_and_data
-    check_model_and_data(worker)   # a model file's mistake too, before any process starts
+    from pserver.worker.loop import check_model_and_data, registered_layout
+    model = check_model_and_data(worker)   # a model file's mistake too, before any process starts
+    if server.restore and getattr(model, "layout", None) is not None:
+        # another model's checkpoints: refused now, on the layout the workers register (tables too)
+        check_layout(server.restore, registered_layout(model))
+    if first:
+        print(f"pserver launch: {first}", flush=True)
     # Our own cluster gets a fresh random token unless one is given (config, file or environment);
     # a generated one goes to a file only this user can read, for `pserver status --token-file`.
     token = server.auth_token or worker.auth_token or resolve_token(None)

@@ -104,6 +104,10 @@ def run_command(num_shards: int, num_workers: int, argv: list[str], server: Serv
     for flag, count in (("--ps", num_shards), ("--workers", num_workers)):
         if count < 1:
             raise ConfigError(f"{flag}: run needs 1 or more, got {count}")
+    from pserver.server.checkpoint import check_start
+    first = check_start(server.checkpoint_dir, server.restore)   # another run's directory: refused
+    if first:
+        print(f"pserver run: {first}", flush=True)
     tmpdir = tempfile.mkdtemp(prefix="pserver-run-")
     env = child_env(num_workers) | {RUN_DIR: tmpdir, WORKERS: str(num_workers)}
     if seed is not None:

@@ -34,11 +34,19 @@ state at its version (`load`), and nothing else (restore, reshard, inspect, expo
 needs to know about deltas. A broken or missing file ends its chain there: the versions after
 it do not load, and restoring falls back to the newest that does, saying which version it
 reached. Pruning keeps the KEEP newest versions and every file they need. A file written at a
-version replaces any other file of that version (another run's, under the other name).
+version replaces any other file of that version of the same run (under the other name).
+
+A directory belongs to one run (`RUN`, a JSON file: the run's id, written atomically with the
+run's first checkpoint, `claim`); every file records the id in its meta ("run"). A start that
+finds checkpoints in the directory it would write to without restoring that directory is
+refused before anything starts (`check_start`): they are another run's. A restore of the
+directory adopts it (its id, or, for files written before run ids, the id it then writes).
+No process prunes or overwrites a file of another run, and an offline tool never prunes.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -227,9 +235,9 @@ def state_of(entries: np.ndarray, columns: list[str], small: dict, table: dict |
     return out
 
 
-def save(directory: str, ckpt: Checkpoint) -> str:
-    """Write a whole Checkpoint held in memory (a reshard's output) as a base; returns the final
-    path. Older checkpoints beyond KEEP are removed."""
+def save(directory: str, ckpt: Checkpoint, run: str | None = None) -> str:
+    """Write a whole Checkpoint held in memory (a reshard's output) as a base, of run `run`;
+    returns the final path. Nothing else is removed: an offline tool never prunes."""
     parts = [Part.of("params", ckpt.params), *(Part.of(f"opt.{k}", v) for k, v in ckpt.state.items())]
     columns = []
     for i, t in enumerate(ckpt.tables):
@@ -242,10 +250,8 @@ def save(directory: str, ckpt: Checkpoint) -> str:
                    "start": ckpt.start, "end": ckpt.end, "optimizer": ckpt.optimizer,
                    "clocks": {str(r): int(c) for r, c in ckpt.clocks.items()},
                    "positions": {str(r): [int(v) for v in p] for r, p in ckpt.positions.items()},
-                   "coordinator": ckpt.coordinator})
-    final = write(directory, file_name(ckpt.shard, ckpt.num_shards, ckpt.version), parts, meta)
-    prune(directory, ckpt.shard, ckpt.num_shards)
-    return final
+                   "coordinator": ckpt.coordinator, **({"run": run} if run else {})})
+    return write(directory, file_name(ckpt.shard, ckpt.num_shards, ckpt.version), parts, meta)
 
 
 def remove_quietly(path: str) -> None:
@@ -276,10 +282,11 @@ def candidates(directory: str, shard: int, num_shards: int) -> list[tuple[int, s
     return sorted(found, reverse=True)
 
 
-def prune(directory: str, shard: int, num_shards: int, keep: int = KEEP) -> None:
+def prune(directory: str, shard: int, num_shards: int, keep: int = KEEP, run: str | None = None) -> None:
     """Remove this shard's files but the `keep` newest versions and the files their chains
-    need (a kept delta's base and the deltas between them)."""
-    files = candidates(directory, shard, num_shards)
+    need (a kept delta's base and the deltas between them). `run`: only that run's files
+    (`owned`) are counted and removed; another run's are left as they are."""
+    files = [(v, p) for v, p in candidates(directory, shard, num_shards) if run is None or owned(p, run)]
     needed = set()
     for version, path in files[:keep]:
         needed.add(path)
@@ -732,6 +739,126 @@ def prepare(directory: str, flag: str, shard: int, num_shards: int) -> None:
                  shard, len(orphans), directory)
 
 
+RUN_FILE = "RUN"                           # the run a checkpoint directory belongs to
+
+
+def run_of(directory: str) -> str | None:
+    """The id of the run that directory belongs to (its RUN file); None when it has none."""
+    try:
+        with open(os.path.join(directory, RUN_FILE)) as f:
+            return str(json.load(f)["run"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"<unreadable RUN file: {e}>"       # no run's id: never equal to one
+
+
+def owned(path: str, run: str) -> bool:
+    """Whether a checkpoint file is run `run`'s: its meta names that run, or none (a file
+    written before run ids, adopted by the run that restored its directory). A file whose
+    meta does not read holds nothing that loads: the directory's run's to replace or prune,
+    as before run ids."""
+    try:
+        return meta_of(path).get("run", run) == run
+    except Exception:  # a truncated zip raises several types
+        return True
+
+
+def claim(directory: str, seen: str | None, new: str | None = None) -> str:
+    """The run id under which files are written into directory, taken with the first of them:
+    the directory's RUN when it has one (the one seen at start, or one that another shard of
+    this run wrote since), else `new` (a fresh id by default) written as RUN atomically: a
+    temporary file, fsynced, linked to RUN (which fails when another shard of the run got
+    there first: its id is taken), then the directory fsynced. OSError when RUN is not the
+    one seen at start: another run took the directory."""
+    current = run_of(directory)
+    if current is None:
+        new = new or uuid.uuid4().hex
+        final = os.path.join(directory, RUN_FILE)
+        tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"    # shards of one process: one each
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"run": new, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "pid": os.getpid()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, final)           # never replaces a RUN written meanwhile
+            except FileExistsError:
+                current = run_of(directory)
+            else:
+                fsync_dir(directory)
+                return new
+        finally:
+            remove_quietly(tmp)
+    if seen is not None and current != seen:
+        raise OSError(errno.EEXIST, f"{directory} was taken by another run meanwhile (its RUN file says "
+                                    f"{current}; this run's is {seen}): nothing of it is written over")
+    return current
+
+
+def holdings(directory: str) -> str:
+    """What checkpoints directory holds, in words ('' for none): the run, files, shapes, versions."""
+    if not os.path.isdir(directory):
+        return ""
+    found = [m for m in map(NAME.match, os.listdir(directory)) if m]
+    if not found:
+        return ""
+    shapes = sorted({int(m.group(2)) for m in found})
+    versions = sorted(int(m.group(3)) for m in found)
+    run = run_of(directory)
+    return (f"{len(found)} file(s) of {' and '.join(map(str, shapes))} shard(s) at versions "
+            f"{versions[0]}-{versions[-1]}, " + (f"run {run}" if run else "written before run ids"))
+
+
+def check_start(checkpoint_dir: str | None, restore: str | None) -> str | None:
+    """What is checked before anything starts (launch and run before their first process, a
+    shard before it restores), refused in one line (ConfigError):
+    - --restore of a directory that does not exist, unless checkpoints go there (the restart
+      idiom, `--checkpoint-dir D --restore D`, or --restore alone): then a first start,
+      which the note returned says;
+    - a directory to write checkpoints to that holds checkpoints and is not the one restored:
+      another run's, which this run would prune and write over.
+    Returns that note, else None."""
+    where = checkpoint_dir or restore
+    same = bool(restore and where) and os.path.abspath(restore) == os.path.abspath(where)
+    note = None
+    if restore:
+        if not os.path.exists(restore):
+            if not same:
+                raise ConfigError(f"--restore: {restore} does not exist, so there is nothing to restore: "
+                                  f"check the path (a restart that may be the first gives "
+                                  f"--checkpoint-dir and --restore the same directory)")
+            note = f"--restore {restore}: nothing there yet, a first start (its checkpoints go there)"
+        elif not os.path.isdir(restore):
+            raise ConfigError(f"--restore: {restore} is not a directory")
+    if where and not same:
+        held = holdings(where)
+        if held:
+            raise ConfigError(f"--checkpoint-dir: {where} holds another run's checkpoints ({held}) and this "
+                              f"run does not restore it: restore it (--checkpoint-dir {where} --restore "
+                              f"{where}), or choose another --checkpoint-dir")
+    return note
+
+
+def check_layout(directory: str, layout) -> None:
+    """--restore of another model's checkpoints is refused before anything starts: every file
+    of directory that reads is of `layout` (its signature and parameter count); one that
+    does not read is restore's to report."""
+    if not os.path.isdir(directory):
+        return
+    for name in sorted(filter(NAME.match, os.listdir(directory))):
+        try:
+            meta = meta_of(os.path.join(directory, name))
+        except Exception:  # a truncated zip raises several types
+            continue
+        if (meta.get("signature"), meta.get("total")) != (layout.signature(), layout.total):
+            raise ConfigError(f"--restore: {os.path.join(directory, name)} is of another model (layout "
+                              f"{meta.get('signature')}, {meta.get('total') or 0:,} parameters; this model's "
+                              f"is {layout.signature()}, {layout.total:,}): check --model, or restore "
+                              f"another directory")
+
+
 class Checkpointer:
     """When and where one shard writes checkpoints: at versions K, 2K, 3K... (every K steps),
     every S seconds, and on request; a base or a delta (`_kind`). At most one write is in flight
@@ -751,6 +878,8 @@ class Checkpointer:
     def __init__(self, directory: str, flag: str, store, cfg) -> None:
         prepare(directory, flag, cfg.shard, cfg.num_shards)
         self.directory, self.store, self.cfg = directory, store, cfg
+        self.seen = run_of(directory)             # the run this directory was adopted from, if any
+        self.run_id: str | None = None            # taken with the first file written (claim)
         store.track = cfg.full_every > 1          # tables record evicted ids for the deltas
         for table in store.tables.values():
             table.track = store.track
@@ -840,19 +969,21 @@ class Checkpointer:
         version, result = dump.meta["version"], ""
         chain_id = uuid.uuid4().hex if kind is None else self.chain_id
         try:
+            if self.run_id is None:
+                self.run_id = claim(self.directory, self.seen)
             result = self._write(dump, kind, chain_id)
             self.chain_id = chain_id
             # A file of the same version under the other name (a base where a delta was, or a
-            # delta of another chain): another run's, left by a restore of an older version.
-            # Gone, so that this version is this file, and the old chain's later deltas break.
+            # delta of another chain), left by a restore of an older version. Gone, so that
+            # this version is this file, and the old chain's later deltas break.
             for v, other in candidates(self.directory, self.cfg.shard, self.cfg.num_shards):
-                if v == version and other != result:
+                if v == version and other != result and owned(other, self.run_id):
                     remove_quietly(other)
             size = os.path.getsize(result)
             self.chain = [version, size, 0, 1] if kind is None else \
                 [self.chain[0], self.chain[1], self.chain[2] + size, self.chain[3] + 1]
             self.written, self.leases_written = (version, result), dump.meta["coordinator"]
-            prune(self.directory, self.cfg.shard, self.cfg.num_shards)
+            prune(self.directory, self.cfg.shard, self.cfg.num_shards, run=self.run_id)
             self.store.counters.add("checkpoints_written")
             log.info("shard %d: checkpoint at version %d written to %s (%s)", self.cfg.shard, version, result,
                      "a base" if kind is None else f"a delta after version {kind[1]}")
@@ -878,11 +1009,14 @@ class Checkpointer:
             parts += [Part.of(f"rows.{i}.{k}", v) for k, v in small.items()]
         meta = header(dict(dump.meta, shard=self.cfg.shard, num_shards=self.cfg.num_shards,
                            optimizer=self.cfg.optimizer, tables=[t[0] for t in dump.tables],
-                           columns=[t[1] for t in dump.tables], chain=chain_id))
+                           columns=[t[1] for t in dump.tables], chain=chain_id, run=self.run_id))
         if kind is not None:
             meta.update(kind="delta", base=kind[0], parent=kind[1])
         name = file_name(self.cfg.shard, self.cfg.num_shards, dump.meta["version"],
                          None if kind is None else kind[0])
+        if os.path.exists(os.path.join(self.directory, name)) and \
+                not owned(os.path.join(self.directory, name), self.run_id):
+            raise OSError(errno.EEXIST, f"{name} is another run's file: not written over")
         return write(self.directory, name, parts, meta)
 
     def _end(self, version: int, result: str | OSError) -> None:

@@ -23,6 +23,7 @@ offline."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -169,12 +170,82 @@ def restore_point(directory: str, shard: int, num_shards: int, mode: str,
 
 
 def reshard_directory(source: str, target: str, num_shards: int, mode: str) -> list[str]:
-    """`pserver checkpoint reshard`: write the set `restore_point` would combine from source as
-    num_shards files into target (atomically each, as a shard writes them); their paths."""
-    if os.path.abspath(source) == os.path.abspath(target) and num_shards in checkpoint.scan(source):
+    """`pserver checkpoint reshard`: write the set `restore_point` would combine from source
+    (newest_set: checkpoint.newest_usable's state) as num_shards files into target (atomically
+    each, as a shard writes them); their paths.
+    Refused (ConfigError, before anything is written) when target is not a directory that can
+    be one, or holds another run's files or other checkpoints of num_shards shards (a restore
+    would take those, or mix them in), or num_shards is above the parameter count. Nothing is
+    pruned; the temporary files a killed reshard left in target are removed."""
+    found = checkpoint.scan(source)
+    if not found:
+        raise ConfigError(f"--from: {source} holds no checkpoint "
+                          "(shard{J}-of{S}-v{VERSION}.ckpt files)")
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ConfigError(f"--to: {target} is a file, not a directory")
+    same = os.path.abspath(source) == os.path.abspath(target)
+    if same and num_shards in found:
         raise ConfigError(f"--to: {target} already holds checkpoints of {num_shards} shards; write elsewhere")
+    total = next((t for shape in found.values() if (t := _total(shape)) is not None), None)
+    if total is not None and num_shards > total:
+        raise ConfigError(f"--num-shards: {num_shards:,} is more than the model's {total:,} parameters "
+                          f"(each shard holds at least one); at most {total:,}")
     ckpts = newest_set(source, mode, "--from")
-    return [checkpoint.save(target, combine(ckpts, num_shards, j)) for j in range(num_shards)]
+    version = max(c.version for c in ckpts)
+    run = checkpoint.run_of(source) or _derived_run(source, len(ckpts), version)
+    names = {checkpoint.file_name(j, num_shards, version) for j in range(num_shards)}
+    _check_target(target, same, run, num_shards, names)
+    checkpoint.check_directory(target, "--to")
+    stale = [n for n in os.listdir(target)
+             if (m := checkpoint.TMP_NAME.match(n)) and int(m.group(2)) == num_shards]
+    for name in stale:
+        checkpoint.remove_quietly(os.path.join(target, name))
+    if stale:
+        log.info("removed %d temporary file(s) an interrupted write left in %s", len(stale), target)
+    try:
+        checkpoint.claim(target, None if same else checkpoint.run_of(target), new=run)
+        return [checkpoint.save(target, combine(ckpts, num_shards, j), run) for j in range(num_shards)]
+    except OSError as e:
+        raise ConfigError(f"--to: cannot write checkpoints to {target} ({e.strerror or e})") from None
+
+
+def _total(shards: dict[int, list[tuple[int, str]]]) -> int | None:
+    """The parameter count a shape's files record (the first whose meta reads), read alone."""
+    for files in shards.values():
+        for _, path in files:
+            try:
+                return int(checkpoint.meta_of(path)["total"])
+            except Exception:  # a truncated zip raises several types; select reports it
+                continue
+    return None
+
+
+def _derived_run(source: str, num_shards: int, version: int) -> str:
+    """The run id of a reshard of files written before run ids: the same for the same source
+    set, so that a reshard run again (after it was killed) writes over its own files."""
+    text = f"{os.path.abspath(source)}:{num_shards}:{version}"
+    return "resharded-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _check_target(target: str, same: bool, run: str, num_shards: int, names: set[str]) -> None:
+    """A reshard's target holds nothing but what it writes: no file of another run (another
+    RUN, or a file not the reshard's own from an earlier try) and no other checkpoint of the
+    new shape; ConfigError naming what it found and the ways on. In the source directory
+    itself the other shapes' files are the source's: the run's own."""
+    if not os.path.isdir(target):
+        return
+    held = checkpoint.run_of(target)
+    other = [] if same or held in (None, run) else [f"a RUN file of run {held}"]
+    for name in sorted(os.listdir(target)):
+        m = checkpoint.NAME.match(name)
+        if not m or (same and int(m.group(2)) != num_shards):
+            continue
+        if name not in names or not checkpoint.owned(os.path.join(target, name), run):
+            other.append(name)
+    if other:
+        raise ConfigError(f"--to: {target} holds another run's checkpoints ({', '.join(other[:3])}"
+                          f"{f' and {len(other) - 3} more' if len(other) > 3 else ''}), which a restore "
+                          f"would take or mix in; nothing was written: choose an empty --to directory")
 
 
 def inspect(directory: str, mode: str = "sync", found: dict | None = None) -> dict:

@@ -251,9 +251,13 @@ class Shard:
                         f"taken in: drop the chunk and ask for another")
 
     def open(self) -> None:
-        """Restore (--restore) and start checkpointing: what the shard does before it accepts
-        workers. app.py calls it once the port is open, so that health probes see the restore."""
-        if self.cfg.restore:
+        """Refuse another run's checkpoint directory (checkpoint.check_start), restore (--restore)
+        and start checkpointing: what the shard does before it accepts workers. app.py calls it
+        once the port is open, so that health probes see the restore."""
+        first = checkpoint.check_start(self.cfg.checkpoint_dir, self.cfg.restore)   # another run's: refused
+        if first:
+            log.info("shard %d: %s", self.cfg.shard, first)
+        elif self.cfg.restore:
             self._restore(self.cfg.restore)
         where = checkpoint.write_directory(self.cfg)
         self.checkpointer = checkpoint.Checkpointer(*where, self.store, self.cfg) if where else None

@@ -83,12 +83,13 @@ def load_data(cfg: WorkerConfig) -> Dataset:
                         classes=cfg.classes, scale_uint8=cfg.scale_uint8)
 
 
-def check_model_and_data(cfg: WorkerConfig) -> None:
+def check_model_and_data(cfg: WorkerConfig):
     """What every worker would find wrong with the data (a dataset name, a directory, a
     file, a batch larger than a worker's slice) or the model (a mistake in a model file, a
     model that does not fit the data), found once, before anything starts: as a ConfigError,
     which `pserver launch` exits 2 with. The model is built as the workers build it, with
-    the NumPy kernels (nothing is compiled for it)."""
+    the NumPy kernels (nothing is compiled for it). Returns the model (launch checks the
+    checkpoints it restores against its layout)."""
     try:   # quietly: the workers say what they do with the data
         ds = load_data(dataclasses.replace(cfg, scale_uint8="none"))
         ds.steps(cfg.num_workers, cfg.batch_size)
@@ -97,6 +98,7 @@ def check_model_and_data(cfg: WorkerConfig) -> None:
         fit_data(model, ds)
     except DataError as e:
         raise ConfigError(str(e)) from None
+    return model
 
 
 def fit_data(model, ds: Dataset | Stream) -> Dataset | Stream:
