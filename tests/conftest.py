@@ -37,33 +37,6 @@ def pytest_runtest_logstart(nodeid, location):
             f.write(f"{time.strftime('%H:%M:%S')} {nodeid}\n")
 
 
-SIMULATOR_TEST = "tests/test_kernels_cuda.py::test_in_cuda_simulator"
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """The CUDA-simulator checks (minutes of CPU in subprocesses) go last, so that the processes
-    pytest_collection_finish starts overlap the rest of the suite."""
-    sim = [item for item in items if item.nodeid.startswith(SIMULATOR_TEST)]
-    if sim:
-        items[:] = [item for item in items if not item.nodeid.startswith(SIMULATOR_TEST)] + sim
-
-
-def pytest_collection_finish(session):
-    if session.config.option.collectonly:
-        return
-    if any(item.nodeid.startswith(SIMULATOR_TEST) for item in session.items):
-        from tests.test_kernels_cuda import start_simulator_runs
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix="pserver-cuda-sim-"))
-        session.config.pserver_simulator_runs = start_simulator_runs(tmp)
-
-
-def pytest_sessionfinish(session):
-    runs = getattr(session.config, "pserver_simulator_runs", None)
-    if runs:
-        from tests.test_kernels_cuda import stop_simulator_runs
-        stop_simulator_runs(runs)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def grpc_core_stays_up():
     """One idle channel for the whole session, never closed. Each gRPC channel and server holds a

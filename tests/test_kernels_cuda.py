@@ -7,8 +7,8 @@ would change nothing, and reloading numba's config inside a live process would l
 simulator, half driver. So the simulator tests live in tests/cuda_sim/check_*.py (names the
 default run does not collect), and each test below runs one of those modules in a fresh
 `python -m pytest` with NUMBA_ENABLE_CUDASIM=1, then reads its JUnit report: it must have run
-tests, and every one must have passed (none skipped). The modules start together when
-collection ends (tests/conftest.py), niced, and their tests run last: they overlap the suite.
+tests, and every one must have passed (none skipped). The two modules start together, so on
+two cores they run side by side.
 
 The same modules run against a real GPU when started by hand without the variable:
 `python -m pytest tests/cuda_sim/check_kernels_cuda.py tests/cuda_sim/check_model_cuda.py`;
@@ -30,9 +30,7 @@ from pserver.kernels.device import Device, blas_note, describe, parse_device, ro
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIM_MODULES = ("check_kernels_cuda", "check_gemm_cuda", "check_model_cuda")
-# seconds a test waits for its module after the rest of the suite ran; the three modules took
-# 244 s side by side on 2 cores (2026-11-26), and now start when collection ends
-INNER_TIMEOUT = 540
+INNER_TIMEOUT = 540   # seconds; the three modules took 244 s side by side on 2 cores (2026-11-26)
 
 
 def _env(**changes) -> dict:
@@ -45,37 +43,23 @@ def _env(**changes) -> dict:
     return env
 
 
-def start_simulator_runs(tmp: pathlib.Path) -> dict:
-    """Start every simulator module at once, at a lower priority (nice 10): tests/conftest.py calls this
-    when collection ends and moves the tests below to the end of the run, so the simulator runs
-    on whatever CPU the rest of the suite leaves idle instead of after it, while pytest waits."""
+@pytest.fixture(scope="module")
+def simulator_runs(tmp_path_factory):
+    """Start every simulator module at once; each test waits for its own."""
+    tmp = tmp_path_factory.mktemp("cuda_sim")
     runs = {}
     for name in SIM_MODULES:
         report = tmp / f"{name}.xml"
-        argv = ["nice", "-n", "10", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                "-rfEs", f"--junitxml={report}", f"tests/cuda_sim/{name}.py"]
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
+                f"--junitxml={report}", f"tests/cuda_sim/{name}.py"]
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=_env(NUMBA_ENABLE_CUDASIM="1"))
         runs[name] = (proc, report)
-    return runs
-
-
-def stop_simulator_runs(runs: dict) -> None:
-    for proc, _ in runs.values():   # a test that failed early, or a run stopped, may leave one
+    yield runs
+    for proc, _ in runs.values():   # a test that failed early may leave one running
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-@pytest.fixture(scope="module")
-def simulator_runs(request, tmp_path_factory):
-    """The runs tests/conftest.py started at the end of collection (or, when this module is run
-    some other way, started here); each test waits for its own."""
-    runs = getattr(request.config, "pserver_simulator_runs", None)
-    if runs is None:
-        runs = start_simulator_runs(tmp_path_factory.mktemp("cuda_sim"))
-        request.config.pserver_simulator_runs = runs
-    yield runs
 
 
 @pytest.mark.parametrize("name", SIM_MODULES)
