@@ -5,7 +5,7 @@ worker; rank r takes the r-th of `num_workers` equal blocks, so the ranks never 
 the same number of steps (the `num_train % num_workers` left-over samples sit that epoch out). A
 block, like the leased epoch (LeasedBatches), is cut into batches of batch_size and one smaller
 last batch with the rest, trained as Keras trains it: 1,000 samples at 128 are 8 steps, the last
-of 104 samples (a sync step weighs each push by its samples, DESIGN.md section 5).
+of 104 samples (a sync step weighs each push by its samples, docs/semantics.md, "Consistency modes").
 The kinds of data are their own modules (synthetic, mnist, npz, criteo); `load_dataset` is the
 package's.
 """
