@@ -39,19 +39,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine, machine_lines, result_path  # noqa: E402
+from export import TableModel  # noqa: E402  (bench/export.py: a dense layout and one table)
 
 from pserver.models import saved  # noqa: E402
-from pserver.models.layout import Layout  # noqa: E402
 from pserver.sparse import TableConfig  # noqa: E402
-
-
-class TableModel:
-    """The least a model file needs: a dense layout and one sparse table."""
-    name = "bench-table"
-
-    def __init__(self, table: TableConfig) -> None:
-        self.layout = Layout.of([("b", (1,))])
-        self.sparse_tables = [table]
 
 
 def evict(files: list[str]) -> None:
