@@ -54,8 +54,12 @@ def quiet_interrupt_while_loading() -> None:
     busy machine), prints one line and exits 130, not the import's 30-line traceback. main()
     hands SIGINT back to Python (interrupt_as_usual); a program that imports pserver keeps its
     own handler, and so does a process where SIGINT is ignored (a background job)."""
-    # While `python -m X` looks X up, sys.argv[0] is "-m": X is pserver or one of its modules.
-    command = sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0] if sys.argv else "") == "pserver"
+    # `python -m pserver...` (sys.orig_argv: the interpreter's own command line; a user's
+    # `python -m theirs` importing pserver is not the command), or the `pserver` script.
+    orig = getattr(sys, "orig_argv", [])
+    module = next((orig[i + 1] for i, a in enumerate(orig[:-1]) if a == "-m"), "")
+    command = module.split(".")[0] == "pserver" or \
+        os.path.basename(sys.argv[0] if sys.argv else "") == "pserver"
     if command and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupted_while_loading)
 

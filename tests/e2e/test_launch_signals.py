@@ -176,3 +176,19 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(command):
     assert p.returncode == 130, (p.returncode, out, err)
     assert "Traceback" not in out + err and err == f"pserver {command[0]}: interrupted\n", (out, err)
     assert children(p.pid) == []
+
+
+def test_a_users_own_module_that_imports_pserver_keeps_python_s_ctrl_c(tmp_path):
+    """The loading-time SIGINT handler is the `pserver` command's only: a user's `python -m
+    theirs` whose package imports pserver keeps KeyboardInterrupt (and so its own clean-up).
+    Catches a test on sys.argv[0] == '-m', which is true while any package run with -m loads."""
+    import subprocess
+    import sys
+    pkg = tmp_path / "theirs"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import signal\nimport pserver  # noqa: F401\n"
+                                     "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
+    (pkg / "__main__.py").write_text("")
+    r = subprocess.run([sys.executable, "-m", "theirs"], cwd=tmp_path, capture_output=True, text=True,
+                       env=env_with({"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}), timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stdout + r.stderr
