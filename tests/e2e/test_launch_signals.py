@@ -162,8 +162,15 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(command):
     left behind."""
     import subprocess
     import time
-    p = subprocess.Popen(pserver_cmd(*command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env_with({}))
+    # As from a terminal: SIGINT not ignored. A test run started in the background by a shell
+    # without job control (`cmd &`) ignores it, and an ignored signal stays ignored across exec;
+    # a handled one (Python's) is reset to the default there.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen(pserver_cmd(*command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env_with({}))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         time.sleep(0.5)
         # Past Python's own start (a Ctrl-C in its `site` import is Python's to report): numpy
