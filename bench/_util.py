@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Sequence
@@ -45,6 +46,24 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def cpu_id() -> dict:
+    """What a CPU is when its model name says little ("AMD EPYC" in a VM): family, model and
+    stepping, and the widest vector instructions it offers (the kernels' speed follows them)."""
+    info: dict = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = (part.strip() for part in line.partition(":"))
+                if key in ("cpu family", "model", "stepping", "flags") and key not in info:
+                    info[key] = value
+    except OSError:
+        return {}
+    flags = set(info.pop("flags", "").split())
+    isa = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("sse4_2", "SSE4.2"))
+                if flag in flags), "unknown")
+    return {**info, "isa": isa}
+
+
 def version(package: str) -> str:
     try:
         return metadata.version(package)
@@ -55,7 +74,8 @@ def version(package: str) -> str:
 def machine(packages: Sequence[str] = ("grpcio", "numpy")) -> dict:
     """Date, CPU, cores, load and versions: printed first and kept with every result."""
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "cpu": cpu_model(), "cores": os.cpu_count(),
+            "command": " ".join(["python", *sys.argv]),
+            "cpu": cpu_model(), "cpu_id": cpu_id(), "cores": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "python": platform.python_version(),
             **{p: version(p) for p in packages}}
@@ -63,11 +83,12 @@ def machine(packages: Sequence[str] = ("grpcio", "numpy")) -> dict:
 
 def machine_lines(m: dict) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in m.items()
-                         if k not in ("date", "cpu", "cores", "load_avg_1m"))
+                         if k not in ("date", "command", "cpu", "cpu_id", "cores", "load_avg_1m"))
     # The load average says whether something else was running: on a small machine
     # another process halves a figure without any change in the code measured.
-    return [f"date: {m['date']}",
-            f"cpu: {m['cpu']}, {m['cores']} cores, load average (1 min) {m['load_avg_1m']} at start",
+    return [f"date: {m['date']}", f"command: {m.get('command', '')}",
+            f"cpu: {m['cpu']} {m.get('cpu_id', '')}, {m['cores']} cores, "
+            f"load average (1 min) {m['load_avg_1m']} at start",
             f"versions: {versions}"]
 
 
