@@ -240,12 +240,15 @@ class Membership:
             raise NotRegistered(f"rank: worker {rank} has not registered with shard "
                                 f"{self.store.shard}; call Register first")
 
-    def expected(self) -> set[int]:
-        """Ranks the open step still counts on: the N started with the job and the joiners that
-        are members from this step or before, less those that left or were marked dead."""
+    def members(self) -> set[int]:
+        """The open step's members: the N started with the job and the joiners that are members
+        from this step or before."""
         version = self.store.version
-        joined = {r for r, j in self.join_at.items() if j <= version}
-        return (set(range(self.num_workers)) | joined) - self.left - self.dead
+        return set(range(self.num_workers)) | {r for r, j in self.join_at.items() if j <= version}
+
+    def expected(self) -> set[int]:
+        """Ranks the open step still counts on: its members less those that left or were marked dead."""
+        return self.members() - self.left - self.dead
 
     def toward_minimum(self) -> int:
         """How many of the open step's members count toward --min-workers (docs/operations/elastic.md):
@@ -253,6 +256,4 @@ class Membership:
         and said so): the job winds down without it, and no step waits below the minimum for it.
         What a step waits for is a member marked dead (until a joiner takes its place, or it comes
         back) or, in a job started below the minimum, the joiners that bring it there."""
-        version = self.store.version
-        members = set(range(self.num_workers)) | {r for r, j in self.join_at.items() if j <= version}
-        return len(members - (self.dead - self.left))
+        return len(self.members() - (self.dead - self.left))
