@@ -57,6 +57,38 @@ def test_tile_sizes_are_what_the_tests_assume():
     assert K.ELEMENT_THREADS == 256 and K.REDUCE_THREADS == 128
 
 
+# -- syncthreads, as the simulator fix (simfix._Barrier) runs it -------------------------------
+
+@cuda.jit
+def _rotate_twice(out, stop_at):
+    """Each thread writes its slot, waits, reads its neighbour's; twice. Threads at or past
+    stop_at return before the first barrier (a ragged block's idle threads do so)."""
+    shared = cuda.shared.array(64, np.float32)
+    i = cuda.threadIdx.x
+    if i >= stop_at:
+        return
+    shared[i] = i
+    cuda.syncthreads()                  # every live slot written before any is read
+    v = shared[(i + 1) % stop_at]
+    cuda.syncthreads()                  # every read done before a slot is overwritten
+    shared[i] = v * 2
+    cuda.syncthreads()
+    out[cuda.blockIdx.x, i] = shared[(i + 1) % stop_at]
+
+
+@pytest.mark.parametrize("stop_at", [64, 37])
+def test_syncthreads_orders_a_block_and_lets_returned_threads_go(stop_at):
+    # Catches a barrier that releases early (a thread reads a slot not yet written: garbage or
+    # the NaN left in `out`), or one that waits for returned threads (the launch hangs).
+    out = nans(2, 64)
+    _rotate_twice[2, 64](out, stop_at)
+    got = out.copy_to_host()
+    i = np.arange(stop_at)
+    want = 2 * ((i + 2) % stop_at)
+    np.testing.assert_array_equal(got[:, :stop_at], np.stack([want, want]).astype(np.float32))
+    assert np.isnan(got[:, stop_at:]).all()
+
+
 # -- the tiled products ---------------------------------------------------------------------
 
 FORMS = [(False, False), (True, False), (False, True), (True, True)]
