@@ -35,6 +35,22 @@ DATA_PLANES.add("grpc", "gRPC streams only")
 PROGRESS = ("auto", "bar", "lines", "relay")   # WorkerConfig.progress (pserver.observe.progress)
 
 
+NOTICE_EVERY_ENV = "PSERVER_NOTICE_EVERY"
+
+
+def notice_every() -> float:
+    """Seconds between repeated "still waiting" lines (a shard unreachable, a session to expire,
+    a step below --min-workers): 10, or $PSERVER_NOTICE_EVERY (the tests shorten it)."""
+    raw = os.environ.get(NOTICE_EVERY_ENV, "10")
+    try:
+        every = float(raw)
+    except ValueError:
+        every = math.nan
+    if not every > 0 or math.isinf(every):
+        raise ConfigError(f"${NOTICE_EVERY_ENV}={raw!r}: must be a positive number of seconds")
+    return every
+
+
 AUTO_RANK = -1                   # WorkerConfig.rank for `--rank auto`: shard 0 assigns one (never 0)
 
 

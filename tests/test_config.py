@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from pserver.config import ServerConfig, WorkerConfig, parse_address, parse_tf_config
+from pserver.config import ServerConfig, WorkerConfig, notice_every, parse_address, parse_tf_config
 from pserver.errors import ConfigError
 
 
@@ -85,3 +85,17 @@ def test_each_rank_gets_its_delay():
                                                         "fixed:0.08"]
     only = LaunchConfig(num_workers=3, delay="fixed:0.1", delay_ranks=(1,))
     assert [worker_delay(only, r) for r in range(3)] == [None, "fixed:0.1", None]
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "nan", "inf", "ten", ""])
+def test_a_bad_notice_interval_is_one_clear_error(monkeypatch, raw):
+    monkeypatch.setenv("PSERVER_NOTICE_EVERY", raw)
+    with pytest.raises(ConfigError, match=r"^\$PSERVER_NOTICE_EVERY=.*must be a positive number of seconds$"):
+        notice_every()
+
+
+def test_the_notice_interval_is_ten_seconds_or_the_environments(monkeypatch):
+    monkeypatch.delenv("PSERVER_NOTICE_EVERY", raising=False)
+    assert notice_every() == 10.0
+    monkeypatch.setenv("PSERVER_NOTICE_EVERY", "2.5")
+    assert notice_every() == 2.5

@@ -11,16 +11,17 @@ waits until the version after the one the worker has seen exists.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
 
+from pserver.config import notice_every
 from pserver.errors import AlreadyPushed, StaleStep
 from pserver.modes.base import Outcome, Policy, StepWatch
 from pserver.sparse.merge import merge_bytes
 
 log = logging.getLogger("pserver.modes")
-BELOW_MIN_NOTICE_EVERY = 10.0          # seconds between "waiting for --min-workers" lines
 
 
 class SyncPolicy(Policy):
@@ -33,7 +34,7 @@ class SyncPolicy(Policy):
         self.pending_rows: dict[int, list] = {}    # rank -> its sparse rows for the step
         self.pending_clocks: dict[int, int] = {}   # rank -> its own step count for that push
         self.watch = StepWatch(cfg.step_timeout)
-        self.below_min_told = -BELOW_MIN_NOTICE_EVERY
+        self.below_min_told, self.notice_every = -math.inf, notice_every()
 
     def below_min(self) -> bool:
         """Fewer members than --min-workers, live or left (Membership.toward_minimum): steps wait
@@ -156,7 +157,7 @@ class SyncPolicy(Policy):
         self.time_step()
         if self.below_min():
             now = time.monotonic()
-            if now - self.below_min_told >= BELOW_MIN_NOTICE_EVERY:
+            if now - self.below_min_told >= self.notice_every:
                 self.below_min_told = now
                 log.warning("shard %d: step %d waits: %d member(s) live or finished, below "
                             "--min-workers=%d", self.store.shard, self.store.version,

@@ -10,6 +10,7 @@ into a pserver error, which the servicer answers with its status code.)
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import random
 import threading
@@ -24,7 +25,7 @@ import numpy as np
 from pserver import sparse
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
-from pserver.config import AUTO_RANK
+from pserver.config import AUTO_RANK, notice_every
 from pserver.errors import (
     KIND_METADATA,
     AlreadyExists,
@@ -59,7 +60,6 @@ CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconn
                    ("grpc.max_reconnect_backoff_ms", 2000),
                    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 JOIN_TRIES = 20            # steps an elastic worker proposes before it gives up (each refused: opened)
-WAIT_NOTICE_EVERY = 10.0   # seconds between "still waiting" lines
 MAX_IDS_PER_PULL = 1 << 18  # ids per PullRows request: 2 MiB, well under gRPC's 4 MiB message limit
 LEAVE_ON_STOP_S = 2.0      # per shard: a stopped worker's Leave must not hold up its exit
 OUTCOMES = {pb.PushReply.APPLIED: "applied", pb.PushReply.AGGREGATED: "aggregated",
@@ -192,7 +192,7 @@ class ShardClient:
     def _say_down(self, retry_for: float) -> None:
         """A line when the shard has not answered twice (the first failure may be a Ctrl-C that
         stopped it and is about to stop us too: nothing to say then), then one every
-        WAIT_NOTICE_EVERY s."""
+        notice_every() s (10 by default)."""
         now = time.monotonic()
         if stopping():
             return
@@ -202,7 +202,7 @@ class ShardClient:
             self.down_told = now
             print(f"{self.label} unreachable, retrying for up to {retry_for:g} s (--rpc-deadline)",
                   flush=True)
-        elif now - self.down_told >= WAIT_NOTICE_EVERY:
+        elif now - self.down_told >= notice_every():
             self.down_told = now
             print(f"{self.label} still unreachable after {now - self.down_since:.0f} s", flush=True)
 
@@ -252,7 +252,7 @@ class ShardClient:
         """Register; while an earlier session of this rank is still live on the shard (this
         worker restarted before the shard noticed), say so and wait for it to expire."""
         self._joined = (rank, num_workers, num_shards, layout, batch_size, timeout, data_order)
-        deadline, told = time.monotonic() + timeout, -WAIT_NOTICE_EVERY
+        deadline, told, every = time.monotonic() + timeout, -math.inf, notice_every()
         while True:
             try:
                 return self.resilient(lambda: self._register_once(*self._joined, previous=self.previous),
@@ -261,7 +261,7 @@ class ShardClient:
                 now = time.monotonic()
                 if now > deadline:
                     raise
-                if now - told >= WAIT_NOTICE_EVERY:
+                if now - told >= every:
                     told = now
                     print(f"{e}; waiting for that session to expire", flush=True)
                 time.sleep(0.5)

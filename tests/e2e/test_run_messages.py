@@ -25,9 +25,12 @@ def serve(procs, port: int, *extra: str):
     return shard
 
 
+NOTICE_EVERY = 3    # seconds between "still unreachable" lines ($PSERVER_NOTICE_EVERY; 10 by default)
+
+
 def two_workers(procs, addr: str, *extra: str):
-    return [procs("worker", "--ps", addr, "--rank", str(r), "--num-workers", "2", *SLOW, *extra)
-            for r in range(2)]
+    return [procs("worker", "--ps", addr, "--rank", str(r), "--num-workers", "2", *SLOW, *extra,
+                  env={"PSERVER_NOTICE_EVERY": str(NOTICE_EVERY)}) for r in range(2)]
 
 
 def kill_and_restart(procs, shard, port: int, away: float, *extra: str):
@@ -42,14 +45,16 @@ def test_workers_say_at_once_that_a_shard_is_gone_keep_saying_it_and_say_what_ca
     shard = serve(procs, port)
     workers = two_workers(procs, f"127.0.0.1:{port}")
     assert wait_until(lambda: "epoch 1/3 step" in workers[0].output, 120), workers[0].output
-    kill_and_restart(procs, shard, port, 16)       # > 10 s + the longest retry gap (3 s) + a rejoin try
+    # away > NOTICE_EVERY + the first failure's gap + the longest retry gap (3 s) + a rejoin try
+    kill_and_restart(procs, shard, port, NOTICE_EVERY + 6)
     for w in workers:
         assert w.wait(240) == 0, w.output[-3000:]
     label = f"shard 0 at 127.0.0.1:{port}"
     for w in workers:
         out = w.output
         assert f"{label} unreachable, retrying for up to 120 s" in out, out
-        assert re.search(f"{label} still unreachable after 1\\d s", out), out
+        after = int(re.search(f"{label} still unreachable after (\\d+) s", out).group(1))
+        assert NOTICE_EVERY <= after <= NOTICE_EVERY + 9, out   # 10-19 s at the default 10
         assert re.search(f"{label} is back after \\d+\\.\\d s; restarted at version 0; "
                          "re-seeded from", out), out
         assert out.index("unreachable, retrying") < out.index("still unreachable") < out.index("is back")
