@@ -199,3 +199,33 @@ def test_the_ci_docs_build_fails_on_a_broken_link(tmp_path):
 
     assert build("other.md") == 0
     assert build("no-such-page.md") != 0
+
+
+def test_a_linked_markdown_file_outside_docs_is_rendered_as_a_page(tmp_path):
+    """docs/hooks.py makes a page of a repository Markdown file that a page links to (a
+    benchmark's README), so the site shows it rendered, not as raw text, and the link points at
+    that page; another file (a JSON) is copied as it is. Catches the hook copying a .md file as
+    a static file again, or adding it too late for MkDocs to render it."""
+    pytest.importorskip("mkdocs")
+    import subprocess
+    import sys
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("# Notes\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    (tmp_path / "notes" / "run.json").write_text("{}\n")
+    (tmp_path / "docs" / "index.md").write_text(
+        "# Home\n\n[the notes](../notes/README.md), [a run](../notes/run.json)\n")
+    (tmp_path / "mkdocs.yml").write_text(
+        f"site_name: t\nnav:\n  - index.md\nhooks:\n  - {ROOT / 'docs' / 'hooks.py'}\n"
+        "markdown_extensions:\n  - tables\n"
+        "validation:\n  omitted_files: warn\n  not_found: warn\n  unrecognized_links: warn\n")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                           str(tmp_path / "site")], cwd=tmp_path, capture_output=True, text=True,
+                          env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert "WARNING" not in done.stderr
+    page = (tmp_path / "site" / "_repo" / "notes" / "index.html").read_text()
+    assert '<h1 id="notes">Notes</h1>' in page and "<table>" in page
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert 'href="_repo/notes/"' in home and 'href="_repo/notes/run.json"' in home
+    assert (tmp_path / "site" / "_repo" / "notes" / "run.json").is_file()
