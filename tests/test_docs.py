@@ -229,3 +229,18 @@ def test_a_linked_markdown_file_outside_docs_is_rendered_as_a_page(tmp_path):
     home = (tmp_path / "site" / "index.html").read_text()
     assert 'href="_repo/notes/"' in home and 'href="_repo/notes/run.json"' in home
     assert (tmp_path / "site" / "_repo" / "notes" / "run.json").is_file()
+
+
+def test_every_figure_is_drawn_from_result_files_by_the_command_beside_it():
+    """Each PNG under docs/assets/figures is bench/docs_figures.py's (a name in its FIGURES), is
+    shown by a page, and that page has the command that draws it. Catches a figure left behind
+    when its drawing went, or shown without how it was made."""
+    script = (ROOT / "bench" / "docs_figures.py").read_text()
+    names = set(re.findall(r'"(\w+)": \w+', re.search(r"^FIGURES = \{(.*)\}$", script, re.M).group(1)))
+    shown = {}
+    for path in PAGES:
+        for name in re.findall(r"\]\((?:\.\./)*assets/figures/([\w-]+)\.png\)", path.read_text()):
+            shown[name] = path
+            assert f".venv/bin/python bench/docs_figures.py --only {name}" in bash_lines(path), (path, name)
+    files = {p.stem for p in (ROOT / "docs" / "assets" / "figures").glob("*.png")}
+    assert names and names == set(shown) == files
