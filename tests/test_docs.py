@@ -244,3 +244,18 @@ def test_every_figure_is_drawn_from_result_files_by_the_command_beside_it():
             assert f".venv/bin/python bench/docs_figures.py --only {name}" in bash_lines(path), (path, name)
     files = {p.stem for p in (ROOT / "docs" / "assets" / "figures").glob("*.png")}
     assert names and names == set(shown) == files
+
+
+def test_a_mermaid_block_has_the_fence_that_draws_it():
+    """A ```mermaid block (the home page's architecture) is drawn only through superfences'
+    custom fence in mkdocs.yml; without it the site shows the diagram's source as code and the
+    build does not warn. Catches the fence dropped from mkdocs.yml while a page still has one."""
+    import yaml
+    used = [p for p in PAGES if "```mermaid\n" in p.read_text()]
+    assert ROOT / "docs" / "index.md" in used
+    text = (ROOT / "mkdocs.yml").read_text()
+    config = yaml.load(text, Loader=yaml.BaseLoader)      # strings only: its !!python tags unbuilt
+    fences = next(e["pymdownx.superfences"] for e in config["markdown_extensions"]
+                  if isinstance(e, dict) and "pymdownx.superfences" in e)["custom_fences"]
+    assert any(f["name"] == "mermaid" and f["class"] == "mermaid" for f in fences)
+    assert "format: !!python/name:pymdownx.superfences.fence_code_format" in text
