@@ -190,3 +190,116 @@ def sparse_figure(path: Path, results: list[dict], baseline: float, args, target
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# -- The documentation's figures (bench/docs_figures.py), each drawn from committed result files --
+
+def save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bars(ax, groups: list[str], series: dict[str, list[tuple]], unit: float = 1.0) -> None:
+    """Grouped bars: for each series name, one (value, low, high) per group; low/high as error bars
+    (nan: none)."""
+    cmap, width = plt.get_cmap("tab10"), 0.8 / max(len(series), 1)
+    x = np.arange(len(groups))
+    for i, (name, points) in enumerate(series.items()):
+        v, lo, hi = (np.array(c, dtype=float) / unit for c in zip(*points))
+        err = None if np.isnan(lo).all() else np.nan_to_num(np.array([v - lo, hi - v]), nan=0.0)
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, v, width, yerr=err, capsize=3, color=cmap(i),
+               label=name)
+    ax.set_xticks(x, groups)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def throughput_figure(path: Path, runs: dict[str, list[dict]]) -> None:
+    """bench/throughput.py's rows, a run each: samples/s per mode, median with min-max bars."""
+    modes = list(dict.fromkeys(r["mode"] for rows in runs.values() for r in rows))
+    series = {name: [next(((r["train_samples_per_second"], r["min"], r["max"]) for r in rows
+                           if r["mode"] == m), (np.nan,) * 3) for m in modes]
+              for name, rows in runs.items()}
+    fig, ax = plt.subplots(figsize=(7.6, 4.2))
+    bars(ax, [m.replace("_", " ") for m in modes], series, unit=1e3)
+    ax.set_ylabel("train samples/s, thousands (median, min-max)")
+    ax.legend(fontsize=8)
+    ax.set_title("bench/throughput.py: 1 shard + 2 workers on 2 cores, MLP 784-256-256-10, batch 256",
+                 fontsize=10)
+    save(fig, path)
+
+
+def ctr_figure(path: Path, runs: dict[str, dict], rounds: list[dict]) -> None:
+    """Test AUC and samples/s of the CTR runs (left, middle), and wide_deep against TensorFlow's
+    ParameterServerStrategy per round (right)."""
+    fig, axes = plt.subplots(1, 3, figsize=(13.0, 4.2))
+    names = list(runs)
+    # Points, not bars: the AUCs differ in the third decimal, which bars from 0 would hide.
+    axes[0].plot(names, [r["per_epoch"][-1]["auc"] for r in runs.values()], "o", ms=7, label="test AUC")
+    best = next(iter(runs.values()))["best_auc"]
+    axes[0].axhline(best, color="grey", ls="--", lw=0.9, label=f"the planted model ({best:.4f})")
+    axes[0].set_ylim(0.85, 0.90)
+    axes[0].grid(alpha=0.3, axis="y")
+    axes[0].set_title("test AUC, 1M samples, 2 shards, 4 workers", fontsize=10)
+    axes[0].legend(fontsize=8, loc="lower right")
+    bars(axes[1], names, {"samples/s": [(r["train_samples_per_second"], np.nan, np.nan)
+                                        for r in runs.values()]}, unit=1e3)
+    axes[1].set_title("train samples/s, thousands", fontsize=10)
+    bars(axes[2], [f"round {r['round']}" for r in rounds],
+         {"TensorFlow PSS": [(r["tensorflow"]["train_samples_per_second"], np.nan, np.nan) for r in rounds],
+          "pserver sync": [(r["pserver"]["train_samples_per_second"], np.nan, np.nan) for r in rounds]},
+         unit=1e3)
+    axes[2].set_title("wide_deep, 1 ps + 2 workers: samples/s, thousands", fontsize=10)
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8)
+    save(fig, path)
+
+
+def curves_figure(path: Path, runs: dict[str, dict], title: str) -> None:
+    """Test accuracy after each epoch (a summary's per_epoch), a line per run, a colour per mode."""
+    fig, ax = plt.subplots(figsize=(7.6, 4.2))
+    cmap, modes = plt.get_cmap("tab10"), list(dict.fromkeys(r["mode"] for r in runs.values()))
+    seen: dict[str, int] = {}
+    for name, r in runs.items():
+        pts, k = r["per_epoch"], seen.setdefault(r["mode"], 0)
+        seen[r["mode"]] += 1
+        ax.plot([p["epoch"] for p in pts], [p["accuracy"] for p in pts], marker="o", ms=3, lw=1.2,
+                color=cmap(modes.index(r["mode"])), ls=("-", "--", ":", "-.")[k % 4], label=name)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy")
+    ax.set_xticks(sorted({p["epoch"] for r in runs.values() for p in r["per_epoch"]}))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title(title, fontsize=10)
+    save(fig, path)
+
+
+def elastic_figure(path: Path, growth: dict, mnist: dict) -> None:
+    """bench/elastic.py's pairs (left: samples/s grown from 2 to 4 workers against 4 from the
+    start) and bench/elastic_mnist.py's runs (right: test accuracy of each run, grown and from
+    the start, per mode)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.2))
+    pairs = growth["pairs"]
+    bars(axes[0], [f"pair {i + 1}" for i in range(len(pairs))],
+         {"grown 2 -> 4": [(p["grown"]["samples_per_s"], np.nan, np.nan) for p in pairs],
+          "4 from the start": [(p["started_with_4"]["samples_per_s"], np.nan, np.nan) for p in pairs]},
+         unit=1e3)
+    axes[0].set_ylabel("train samples/s, thousands")
+    axes[0].set_title(f"bench/elastic.py (median ratio {growth['median_ratio']:.2f})", fontsize=10)
+    axes[0].legend(fontsize=8, loc="lower right")
+    cmap = plt.get_cmap("tab10")
+    for i, (mode, entry) in enumerate(mnist["modes"].items()):
+        for j, kind in enumerate(("grown", "from_start")):
+            acc = [r["test_accuracy"] for r in entry[kind]]
+            x = 2 * i + j
+            axes[1].scatter([x] * len(acc), acc, color=cmap(j), zorder=3,
+                            label=kind.replace("_", " ") if i == 0 else None)
+            axes[1].hlines(entry["median_accuracy"][kind], x - 0.25, x + 0.25, color=cmap(j))
+    axes[1].set_xticks(range(2 * len(mnist["modes"])),
+                       [f"{m}\n{k}" for m in mnist["modes"] for k in ("grown", "from start")])
+    axes[1].set_ylabel("test accuracy (runs; line: median)")
+    axes[1].set_title("bench/elastic_mnist.py: 2 workers, 2 join, 1 killed", fontsize=10)
+    axes[1].grid(alpha=0.3, axis="y")
+    axes[1].legend(fontsize=8)
+    save(fig, path)

@@ -9,11 +9,12 @@ names the code knows. A marker that names no registry stops the build.
 The pages link to such files as they sit in the repository, relative to the page
 (`../../bench/results/ctr/lr_sync.json` from docs/performance/ctr.md), so the same link works
 on a code host, in an editor and in tests/test_docs.py. MkDocs only knows the files under docs/
-and, with --strict, fails on a link outside them. This hook copies each linked file into the site
-under `_repo/` (as it is: a README.md there is served as text, not rendered) and points the link
-at the copy. A link to a path that does not exist is reported as a warning, so that
-`mkdocs build --strict` fails on it exactly as it does on a broken link between pages: a wrong
-path still breaks the build, and only the files a page names are copied.
+and, with --strict, fails on a link outside them. This hook puts each linked file into the site
+under `_repo/` and points the link at it: a Markdown file (bench/tf_baseline/README.md, a
+benchmark's summary.md) becomes a page of the site, rendered like the others but left out of the
+navigation, and any other file is copied as it is. A link to a path that does not exist is
+reported as a warning, so that `mkdocs build --strict` fails on it exactly as it does on a broken
+link between pages: a wrong path still breaks the build, and only the files a page names go in.
 """
 
 from __future__ import annotations
@@ -56,6 +57,44 @@ class RepositoryFile(File):
         return False
 
 
+def outside_links(markdown: str):
+    """Each link's match in markdown, outside code blocks: a path in a command is not a link."""
+    last = 0
+    for fence in [*FENCE.finditer(markdown), None]:
+        end = fence.start() if fence else len(markdown)
+        yield from LINK.finditer(markdown, last, end)
+        last = fence.end() if fence else end
+
+
+def repository_target(target: str, source: Path) -> Path | None:
+    """The file a relative link from source names, or None for a URL, an anchor or an absolute path."""
+    if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
+        return None
+    path = target.partition("#")[0]
+    return (source.parent / path).resolve() if path else None
+
+
+def on_files(files, config):
+    """The repository's Markdown files that pages link to (and those they link to) become pages:
+    MkDocs makes a page of a file only before the pages are read, so they are found here."""
+    docs = Path(config.docs_dir).resolve()
+    repo = docs.parent
+    todo = [Path(f.abs_src_path) for f in files.documentation_pages()]
+    while todo:
+        source = todo.pop()
+        for match in outside_links(source.read_text()):
+            resolved = repository_target(match.group(2), source)
+            if (resolved is None or resolved.suffix != ".md" or resolved.is_relative_to(docs)
+                    or not resolved.is_relative_to(repo) or not resolved.is_file()):
+                continue
+            uri = "_repo/" + resolved.relative_to(repo).as_posix()
+            if files.get_file_from_path(uri) is None:
+                files.append(File.generated(config, uri, abs_src_path=str(resolved),
+                                            inclusion=InclusionLevel.NOT_IN_NAV))
+                todo.append(resolved)
+    return files
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     markdown = REGISTRY.sub(registry_table, markdown)
     docs = Path(config.docs_dir).resolve()
@@ -65,30 +104,27 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
     def rewrite(match: re.Match) -> str:
         target = match.group(2)
-        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
+        resolved = repository_target(target, source)
+        if resolved is None:
             return match.group(0)
-        path, hash_, anchor = target.partition("#")
-        if not path:
-            return match.group(0)
-        resolved = (source.parent / path).resolve()
-        if resolved.is_relative_to(docs):
-            return match.group(0)  # a page or asset of the site: MkDocs checks it
-        if not resolved.is_relative_to(repo) or not resolved.is_file():
+        _, hash_, anchor = target.partition("#")
+        if resolved.is_relative_to(docs):      # a page or asset of the site: MkDocs checks it
+            uri = resolved.relative_to(docs).as_posix()
+        elif resolved.is_relative_to(repo) and resolved.is_file():
+            uri = "_repo/" + resolved.relative_to(repo).as_posix()
+            if files.get_file_from_path(uri) is None:   # a Markdown file is a page already (on_files)
+                files.append(RepositoryFile.generated(config, uri, abs_src_path=str(resolved),
+                                                      inclusion=InclusionLevel.INCLUDED))
+        else:
             log.warning("Doc file '%s' links to '%s': no such file in the repository",
                         page.file.src_uri, target)
             return match.group(0)
-        uri = "_repo/" + resolved.relative_to(repo).as_posix()
-        if files.get_file_from_path(uri) is None:
-            files.append(RepositoryFile.generated(config, uri, abs_src_path=str(resolved),
-                                                  inclusion=InclusionLevel.INCLUDED))
         link = posixpath.relpath(uri, page_dir or ".")
         return f"{match.group(1)}{link}{hash_}{anchor}{match.group(3)}"
 
-    # Code blocks are left as they are: a path in a command is not a link.
     out, last = [], 0
-    for fence in FENCE.finditer(markdown):
-        out.append(LINK.sub(rewrite, markdown[last:fence.start()]))
-        out.append(fence.group(0))
-        last = fence.end()
-    out.append(LINK.sub(rewrite, markdown[last:]))
+    for match in outside_links(markdown):
+        out += [markdown[last:match.start()], rewrite(match)]
+        last = match.end()
+    out.append(markdown[last:])
     return "".join(out)

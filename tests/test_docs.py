@@ -199,3 +199,63 @@ def test_the_ci_docs_build_fails_on_a_broken_link(tmp_path):
 
     assert build("other.md") == 0
     assert build("no-such-page.md") != 0
+
+
+def test_a_linked_markdown_file_outside_docs_is_rendered_as_a_page(tmp_path):
+    """docs/hooks.py makes a page of a repository Markdown file that a page links to (a
+    benchmark's README), so the site shows it rendered, not as raw text, and the link points at
+    that page; another file (a JSON) is copied as it is. Catches the hook copying a .md file as
+    a static file again, or adding it too late for MkDocs to render it."""
+    pytest.importorskip("mkdocs")
+    import subprocess
+    import sys
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("# Notes\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    (tmp_path / "notes" / "run.json").write_text("{}\n")
+    (tmp_path / "docs" / "index.md").write_text(
+        "# Home\n\n[the notes](../notes/README.md), [a run](../notes/run.json)\n")
+    (tmp_path / "mkdocs.yml").write_text(
+        f"site_name: t\nnav:\n  - index.md\nhooks:\n  - {ROOT / 'docs' / 'hooks.py'}\n"
+        "markdown_extensions:\n  - tables\n"
+        "validation:\n  omitted_files: warn\n  not_found: warn\n  unrecognized_links: warn\n")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                           str(tmp_path / "site")], cwd=tmp_path, capture_output=True, text=True,
+                          env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert "WARNING" not in done.stderr
+    page = (tmp_path / "site" / "_repo" / "notes" / "index.html").read_text()
+    assert '<h1 id="notes">Notes</h1>' in page and "<table>" in page
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert 'href="_repo/notes/"' in home and 'href="_repo/notes/run.json"' in home
+    assert (tmp_path / "site" / "_repo" / "notes" / "run.json").is_file()
+
+
+def test_every_figure_is_drawn_from_result_files_by_the_command_beside_it():
+    """Each PNG under docs/assets/figures is bench/docs_figures.py's (a name in its FIGURES), is
+    shown by a page, and that page has the command that draws it. Catches a figure left behind
+    when its drawing went, or shown without how it was made."""
+    script = (ROOT / "bench" / "docs_figures.py").read_text()
+    names = set(re.findall(r'"(\w+)": \w+', re.search(r"^FIGURES = \{(.*)\}$", script, re.M).group(1)))
+    shown = {}
+    for path in PAGES:
+        for name in re.findall(r"\]\((?:\.\./)*assets/figures/([\w-]+)\.png\)", path.read_text()):
+            shown[name] = path
+            assert f".venv/bin/python bench/docs_figures.py --only {name}" in bash_lines(path), (path, name)
+    files = {p.stem for p in (ROOT / "docs" / "assets" / "figures").glob("*.png")}
+    assert names and names == set(shown) == files
+
+
+def test_a_mermaid_block_has_the_fence_that_draws_it():
+    """A ```mermaid block (the home page's architecture) is drawn only through superfences'
+    custom fence in mkdocs.yml; without it the site shows the diagram's source as code and the
+    build does not warn. Catches the fence dropped from mkdocs.yml while a page still has one."""
+    import yaml
+    used = [p for p in PAGES if "```mermaid\n" in p.read_text()]
+    assert ROOT / "docs" / "index.md" in used
+    text = (ROOT / "mkdocs.yml").read_text()
+    config = yaml.load(text, Loader=yaml.BaseLoader)      # strings only: its !!python tags unbuilt
+    fences = next(e["pymdownx.superfences"] for e in config["markdown_extensions"]
+                  if isinstance(e, dict) and "pymdownx.superfences" in e)["custom_fences"]
+    assert any(f["name"] == "mermaid" and f["class"] == "mermaid" for f in fences)
+    assert "format: !!python/name:pymdownx.superfences.fence_code_format" in text

@@ -52,6 +52,7 @@ class InputSpec:
 
 
 def Input(shape=None, **kwargs) -> InputSpec:   # noqa: N802 (Keras's name)
+    """keras.Input(shape=(28, 28, 1)): a Sequential's first entry, the input shape without the batch."""
     return InputSpec(shape, **kwargs)
 
 
