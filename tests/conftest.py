@@ -17,6 +17,7 @@ from pserver.data.mnist import MNIST_DIR_ENV, MNIST_FILES
 from pserver.data.mnist import mnist_dir as find_mnist_dir
 from pserver.errors import DataError
 from pserver.server.app import create_server
+from tests.cuda_sim import runner as simulator
 from tests.e2e.conftest import missing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -35,6 +36,33 @@ def pytest_runtest_logstart(nodeid, location):
     if trace:
         with open(trace, "a") as f:
             f.write(f"{time.strftime('%H:%M:%S')} {nodeid}\n")
+
+
+SIMULATOR_RUNS = pytest.StashKey[dict]()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The `cuda_sim` tests last: they collect the simulator runs started when collection ended."""
+    items.sort(key=lambda item: item.get_closest_marker("cuda_sim") is not None)
+
+
+def pytest_collection_finish(session):
+    """Start the simulator modules now if any `cuda_sim` test is selected (tests/cuda_sim/runner.py),
+    so that they run beside the suite."""
+    if session.config.option.collectonly:
+        return
+    if any(item.get_closest_marker("cuda_sim") for item in session.items):
+        session.config.stash[SIMULATOR_RUNS] = simulator.start()
+
+
+def pytest_sessionfinish(session):
+    for run in session.config.stash.get(SIMULATOR_RUNS, {}).values():   # a run cut short (-x)
+        run.stop()
+
+
+@pytest.fixture(scope="session")
+def simulator_runs(request):
+    return request.config.stash[SIMULATOR_RUNS]
 
 
 @pytest.fixture(scope="session", autouse=True)
