@@ -89,6 +89,22 @@ def test_syncthreads_orders_a_block_and_lets_returned_threads_go(stop_at):
     assert np.isnan(got[:, stop_at:]).all()
 
 
+if simfix.SIMULATOR:     # on a device an out-of-bounds write is not an exception
+    @cuda.jit
+    def _one_thread_fails(out):
+        i = cuda.threadIdx.x
+        if i == 5:
+            out[out.shape[0] + 10] = 1.0
+        cuda.syncthreads()              # the others wait here for a thread that raised
+        out[i] = i
+
+    def test_a_thread_that_raises_fails_the_launch_with_its_own_error():
+        # Catches a barrier that waits forever for a thread that raised, or a launch that
+        # reports another thread's abort instead of the error that caused it.
+        with pytest.raises(IndexError, match=r"^tid=\[5, 0, 0\] ctaid=\[0, 0, 0\]: index 74 is out"):
+            _one_thread_fails[1, 64](cuda.to_device(np.zeros(64, np.float32)))
+
+
 # -- the tiled products ---------------------------------------------------------------------
 
 FORMS = [(False, False), (True, False), (False, True), (True, True)]
