@@ -24,7 +24,7 @@ An epoch's batches (its permutation of the training set from `seed + epoch`, cut
   counts a chunk once all its pieces are done.
 
 Pure logic, no grpc: the shard calls it with store.cond held, but for prepared(), which builds a
-new plan's first order outside it once the plan's size is admitted (Shard.lease). `state()` /
+new plan's first order outside it once the plan's size is admitted (Leases.lease). `state()` /
 `load()` are plain JSON-able data, checkpointed by shard 0 (meta["coordinator"]); sessions are
 not kept, so every lease of a loaded state is released (its in-flight batch counted as retrained).
 
@@ -73,7 +73,7 @@ class Plan:
     @property
     def nbytes(self) -> int:
         """What the coordinator holds for this plan, at most (CHUNK_BYTES): counted in shard 0's
-        --max-memory-mb before anything of it is built (Shard.lease)."""
+        --max-memory-mb before anything of it is built (Leases.lease)."""
         return self.num_chunks * CHUNK_BYTES + self.num_batches * BATCH_BYTES
 
     def check(self) -> None:
@@ -192,7 +192,7 @@ class Coordinator:
 
     def prepared(self, plan: Plan, restart: bool = False) -> tuple[int, list[int]] | None:
         """The (epoch, chunk order) configure(plan, restart) would build, built by the caller without
-        the shard's lock (Shard.lease), the plan's size checked first. Read without the lock, this
+        the shard's lock (Leases.lease), the plan's size checked first. Read without the lock, this
         coordinator may have moved on: configure then builds what it needs itself. None when it
         would build nothing (the same plan, or a run going on)."""
         mine = self.plan

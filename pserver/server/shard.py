@@ -18,7 +18,6 @@ from typing import Callable
 
 import numpy as np
 
-from pserver import sparse
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition, RpcError
 from pserver.models.layout import Layout
@@ -230,8 +229,9 @@ class Shard:
         """A dense payload's bytes (an Init's values, a push's gradient: the range, float32)."""
         return self.store.size * 4
 
-    def table(self, name: str) -> sparse.SparseTable:
-        return checks.table(self.store.tables, name)
+    def table_dims(self) -> list[tuple[str, int]]:
+        """(name, dim) of the model's sparse tables, in the order the data plane numbers them."""
+        return [(name, t.config.dim) for name, t in self.store.tables.items()]
 
     def pull_rows(self, rank: int, shard: int, table: str, ids: np.ndarray,
                   session: str | None = None, out: np.ndarray | None = None) -> tuple[int, np.ndarray]:
@@ -252,7 +252,7 @@ class Shard:
         with self.store.cond:
             self.store.require_configured()
             self.members.authorize(rank, session, revive=True)
-            return self.table(table), self.store.version
+            return checks.table(self.store.tables, table), self.store.version
 
     def export_rows(self, rank: int, shard: int, table: str, session: str | None = None,
                     page_bytes: int | None = None):

@@ -434,7 +434,7 @@ class ShardStore:
         """Each table's row optimizer on its rows (scaled), at version `step`: the tables lock
         themselves, so this is safe with or without cond."""
         for part in rows:
-            # Checked: Shard.check_rows refused repeats and non-finite values as each push
+            # Checked: checks.check_rows refused repeats and non-finite values as each push
             # arrived, and merge_rows sums per id into finite means.
             self.tables[part.table].apply(part.ids, part.grads, step, scale, checked=True)
             self.counters.add("rows_pushed", part.ids.size)
