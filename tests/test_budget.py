@@ -10,7 +10,7 @@ import pytest
 from pserver import sparse
 from pserver.errors import OverBudget, ResourceExhausted
 from pserver.models.layout import Layout
-from pserver.server.budget import Budget
+from pserver.server.budget import Budget, available_memory, split
 from pserver.server.store import Counters, RowGrads
 from pserver.sparse import TableConfig, TableLookup
 from pserver.worker.client import PSClient
@@ -188,3 +188,35 @@ def test_a_sync_steps_held_rows_and_their_merge_count_in_the_budget(shard_server
     finally:
         for c in clients:
             c.close()
+
+
+def test_max_memory_mb_is_split_between_the_state_and_the_pushes_in_flight():
+    """--max-memory-mb 64 keeps an eighth (8 MiB) for pushes in flight, lowering --max-inflight-mb
+    32 and saying so in the flag the refusals name, and a sixteenth (4 MiB) for copies: 52 MiB of
+    state. An in-flight bound already within the eighth stays, named plainly; without
+    --max-memory-mb the state takes 90% of what the machine has available and in flight is not
+    taken from it. Catches a split that lowers nothing, takes the sixteenth twice or not at
+    all, or names the wrong flag."""
+    MiB = 1 << 20
+    lowered = split(64, 32)
+    assert (lowered.state, lowered.inflight) == (52 * MiB, 8 * MiB)
+    assert lowered.inflight_flag == "--max-inflight-mb 32 lowered to an eighth of --max-memory-mb 64"
+    kept = split(64, 2)
+    assert (kept.state, kept.inflight, kept.inflight_flag) == (64 * MiB - 2 * MiB - 4 * MiB, 2 * MiB,
+                                                               "--max-inflight-mb")
+    unbounded = split(0, 32)
+    assert unbounded.inflight == 32 * MiB and unbounded.inflight_flag == "--max-inflight-mb"
+    assert unbounded.state == (int(0.9 * available_memory()) or 1 << 62)
+
+
+def test_a_dense_range_that_cannot_fit_is_refused_before_it_is_allocated():
+    """The dense range counts its parameter, gradient and optimizer slots (adam: 2) per element,
+    float32: 16 bytes x 1 MiB elements = 16 MiB, refused in a 15 MiB budget and not in a 16 MiB
+    one, naming the shard, the optimizer and both sizes."""
+    MiB = 1 << 20
+    Budget(16 * MiB, Counters(), slots=2).check_range(MiB, 0, "adam")
+    with pytest.raises(ResourceExhausted, match=r"layout: shard 3's range of 1048576 elements needs 16 MiB "
+                                                r"\(parameters, adam state and one gradient, float32\) and "
+                                                r"the limit is 15 MiB"):
+        Budget(15 * MiB, Counters(), slots=2).check_range(MiB, 3, "adam")
+    assert Budget(16 * MiB, Counters(), size=lambda: MiB, slots=2).used({}) == 16 * MiB

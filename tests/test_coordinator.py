@@ -740,3 +740,31 @@ def test_the_chief_s_epoch_logs_reach_every_worker_and_nothing_else_can_write_th
     assert not b.epoch_logs(1).has_logs
     a.leave()
     assert not b.epoch_logs(1).chief_live
+
+
+def test_a_lease_reply_carries_the_sums_of_the_epoch_before_it(shard_server):
+    """What the leased pushes of an epoch measured reaches every worker with the first lease of
+    the next (LeaseDataReply.trained_*, through Shard.epoch_sums), from the coordinator that
+    summed them (coordinator_id). Catches a reply that reports the epoch being trained, another
+    epoch's sums, or sums read from another coordinator; before any epoch ended they are zero."""
+    import numpy as np
+
+    from tests.test_server import LAYOUT, ready_client
+    addr, shard = shard_server(optimizer="sgd", lr=0.1, mode="async")
+    c = ready_client(addr)
+    w = np.empty(LAYOUT.total, np.float32)
+    plan = (4, 2, 7, "fp", 2)                                 # 4 batches in 2 chunks, 2 epochs
+    reply = c.lease_data(*plan)
+    assert (reply.epoch, reply.trained_samples, reply.trained_loss_sum) == (0, 0, 0.0)
+    assert reply.coordinator_id == shard.store.coordinator.ident
+    for n, step in enumerate((3.0, 5.0)):                      # each chunk's two batches
+        for batch in range(reply.first_batch, reply.end_batch):
+            c.pull(w)
+            c.push(np.zeros(LAYOUT.total, np.float32), 4, lease=(reply.epoch, reply.chunk, batch),
+                   trained=(step * 4, 2.0 + n))
+        reply = c.lease_data(*plan, finished=(reply.epoch, reply.chunk))
+        assert reply.trained_samples == (0 if n == 0 else 16)   # the epoch ended with the second
+    assert reply.has_lease and reply.epoch == 1
+    assert (reply.trained_loss_sum, reply.trained_correct) == (2 * 12.0 + 2 * 20.0, 2 * 2.0 + 2 * 3.0)
+    assert reply.coordinator_id == shard.store.coordinator.ident
+    c.close()

@@ -1,13 +1,19 @@
 """`--max-memory-mb`: one bound on what a shard's state holds, sparse rows included
 (docs/semantics.md, "Memory budget").
 
-What it counts: the dense range (parameters, optimizer state and one gradient buffer, fixed at
-the first Register), shard 0's data coordinator (what its plan may hold, checked before the plan
-is built: `admit`), and every sparse table's bytes as SparseTable.stats() reports them: the
-rows written (each with its optimizer slots, last update and step count), pending admission
-entries and the hash indexes. Pushed gradients in flight are bounded apart, by
---max-inflight-mb; a sync push's sparse rows, held after their stream ends until the step
-applies and then merged with the others', are reserved here with its new rows (`kept`).
+How the bound is split (`split`): an explicit --max-memory-mb keeps at most an eighth of itself for
+the pushes in flight (--max-inflight-mb, lowered to fit) and a sixteenth for what is copied for a
+moment (an index rehashed, a push's checks), the rest for the state; without it, the state may
+take 90% of the memory the machine has available.
+
+What it counts: the dense range (parameters, optimizer state and one gradient buffer, fixed at the
+first Register, which `check_range` refuses before allocating when it cannot fit), shard 0's data
+coordinator (what its plan may hold, checked before the plan is built: `admit`), and every sparse
+table's bytes as SparseTable.stats() reports them: the rows written (each with its optimizer
+slots, last update and step count), pending admission entries and the hash indexes. Pushed
+gradients in flight are bounded apart, by --max-inflight-mb; a sync push's sparse rows, held after
+their stream ends until the step applies and then merged with the others', are reserved here with
+its new rows (`kept`).
 
 A sparse push reserves room for the rows it may create when it arrives, before any mode sees
 it (`reserve`): the ids its tables do not hold yet, their entries and the index growth they cause. When the
@@ -23,32 +29,81 @@ together overshoot the budget.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
-from pserver.errors import OverBudget
+from pserver.errors import OverBudget, ResourceExhausted
 
 MiB = 1 << 20
 
 
+def available_memory() -> int:
+    """Bytes this machine can still give (MemAvailable), or 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+@dataclass(frozen=True)
+class Split:
+    state: int             # bytes for the shard's state: Budget's limit
+    inflight: int          # bytes of pushes in flight: Limits' max_inflight_bytes
+    inflight_flag: str     # what set `inflight`, for the refusals' text
+
+
+def split(max_memory_mb: int, max_inflight_mb: int) -> Split:
+    """--max-memory-mb between the state and the pushes in flight (the module's docstring)."""
+    limit = max_memory_mb << 20 or int(0.9 * available_memory()) or (1 << 62)
+    inflight, flag = max_inflight_mb << 20, "--max-inflight-mb"
+    if max_memory_mb and inflight > limit // 8:
+        inflight = limit // 8
+        flag = (f"--max-inflight-mb {max_inflight_mb} lowered to an eighth of "
+                f"--max-memory-mb {max_memory_mb}")
+    return Split(limit - (inflight + limit // 16 if max_memory_mb else 0), inflight, flag)
+
+
 class Budget:
-    def __init__(self, limit: int, counters, dense=lambda: 0, flag: str = "--max-memory-mb",
-                 fixed=lambda: 0) -> None:
+    def __init__(self, limit: int, counters, size=lambda: 0, slots: int = 0,
+                 flag: str = "--max-memory-mb", fixed=lambda: 0) -> None:
         self.limit, self.counters, self.flag = int(limit), counters, flag
-        self.dense = dense                # () -> the dense range's bytes (0 before the first Register)
+        self.size = size                  # () -> the dense range's elements (0 before the first Register)
+        # a dense element's bytes: its parameter, its gradient and `slots` optimizer values, float32
+        self.element_bytes = 4 * (2 + slots)
         self.fixed = fixed                # () -> shard 0's data coordinator's bytes (its plan's, admit())
         self.reserved = 0                 # bytes of rows that pushes not applied yet may create
         self._holds: list[tuple[int, int, list]] = []   # (step, bytes, rows) of pushes not applied yet
         self._lock = threading.Lock()
 
     def used(self, tables: dict) -> int:
-        return self.dense() + self.fixed() + sum(t.nbytes for t in tables.values())
+        return self.dense_bytes(self.size()) + self.fixed() + sum(t.nbytes for t in tables.values())
 
-    def admit(self, tables: dict, nbytes: int, replaced: int, what: str) -> None:
-        """Room for a part of the state that takes `nbytes` in place of one of `replaced` (shard 0's
-        data plan: Plan.nbytes), checked before any of it is built; OverBudget naming `what` when
-        it does not fit beside what is used and reserved. Nothing is held: once built, the part
-        counts in used() (`fixed`)."""
+    def dense_bytes(self, size: int) -> int:
+        """A dense range's bytes: parameters, optimizer state, one gradient (float32)."""
+        return size * self.element_bytes
+
+    def check_range(self, size: int, shard: int, optimizer: str) -> None:
+        """RESOURCE_EXHAUSTED, before allocating, when shard's dense range cannot fit."""
+        need, limit = self.dense_bytes(size), self.limit
+        if need > limit:
+            raise ResourceExhausted(
+                f"layout: shard {shard}'s range of {size} elements needs {need >> 20} MiB "
+                f"(parameters, {optimizer} state and one gradient, float32) and the limit "
+                f"is {limit >> 20} MiB (--max-memory-mb; default 90% of available memory)")
+
+    def admit(self, tables: dict, plan, replaced: int) -> None:
+        """Room for shard 0's data plan (Plan.nbytes) in place of the one it replaces (`replaced`
+        bytes), checked before any of it is built; OverBudget naming its sizes when it does not
+        fit beside what is used and reserved. Nothing is held: once built, the plan counts in
+        used() (`fixed`)."""
+        nbytes = plan.nbytes
+        what = (f"data: num_batches {plan.num_batches:,} in chunks of chunk_batches "
+                f"{plan.chunk_batches:,} ({plan.num_chunks:,} chunks)")
         with self._lock:
             used = self.used(tables) - replaced + self.reserved
             if used + nbytes > self.limit:

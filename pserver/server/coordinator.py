@@ -24,7 +24,7 @@ An epoch's batches (its permutation of the training set from `seed + epoch`, cut
   counts a chunk once all its pieces are done.
 
 Pure logic, no grpc: the shard calls it with store.cond held, but for prepared(), which builds a
-new plan's first order outside it once the plan's size is admitted (Shard.lease). `state()` /
+new plan's first order outside it once the plan's size is admitted (Leases.lease). `state()` /
 `load()` are plain JSON-able data, checkpointed by shard 0 (meta["coordinator"]); sessions are
 not kept, so every lease of a loaded state is released (its in-flight batch counted as retrained).
 
@@ -53,6 +53,7 @@ COUNTERS = ("chunks_done", "chunks_released", "batches_retrained", "batches_drop
 # the checkpoint's and one per epoch reported).
 CHUNK_BYTES, BATCH_BYTES = 112, 2
 FINGERPRINT_CHARS = 256     # a worker's is under 60 (pserver.data): far more is not one
+MAX_EPOCH_LOGS = 64         # names in the chief's epoch logs (Keras: loss, metrics, val_*)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class Plan:
     @property
     def nbytes(self) -> int:
         """What the coordinator holds for this plan, at most (CHUNK_BYTES): counted in shard 0's
-        --max-memory-mb before anything of it is built (Shard.lease)."""
+        --max-memory-mb before anything of it is built (Leases.lease)."""
         return self.num_chunks * CHUNK_BYTES + self.num_batches * BATCH_BYTES
 
     def check(self) -> None:
@@ -99,6 +100,17 @@ class Lease:
     chunk: int
     first: int    # the epoch's batch index of the first batch not done
     end: int      # one past the chunk's last batch
+
+
+@dataclass(frozen=True)
+class EpochSums:
+    """What a lease reply tells besides the lease (LeaseDataReply): the epoch open, the
+    coordinator's ident, and what the pushes of the epoch before measured (`tally`)."""
+    epoch: int
+    ident: str
+    loss_sum: float = 0.0     # loss x samples
+    correct: float = 0.0      # samples classed right
+    samples: int = 0
 
 
 def chunk_order(num_chunks: int, seed: int, epoch: int, in_order: bool = False) -> list[int]:
@@ -180,7 +192,7 @@ class Coordinator:
 
     def prepared(self, plan: Plan, restart: bool = False) -> tuple[int, list[int]] | None:
         """The (epoch, chunk order) configure(plan, restart) would build, built by the caller without
-        the shard's lock (Shard.lease), the plan's size checked first. Read without the lock, this
+        the shard's lock (Leases.lease), the plan's size checked first. Read without the lock, this
         coordinator may have moved on: configure then builds what it needs itself. None when it
         would build nothing (the same plan, or a run going on)."""
         mine = self.plan
@@ -366,12 +378,33 @@ class Coordinator:
         for old in [e for e in self.trained if e < epoch - 1]:
             del self.trained[old]
 
-    def share_logs(self, epoch: int, names: list[str], values: list[float], stop: bool) -> None:
+    def epoch_sums(self) -> EpochSums:
+        return EpochSums(self.epoch, self.ident, *self.trained.get(self.epoch - 1, (0.0, 0.0, 0)))
+
+    def tell(self, rank: int) -> None:
+        """A lease reply to rank tells it the epoch now (`told`, read by `logs`)."""
+        self.told[rank] = self.epoch
+
+    def share_logs(self, rank: int, epoch: int, names: list[str], values: list[float], stop: bool) -> None:
         """The chief's logs of `epoch` and whether it stopped there, for every worker's callbacks
-        (Keras on a cluster). Only this epoch and the one before are kept."""
+        (Keras on a cluster), refused unless they come from the chief (rank 0), as one value per
+        name, for an epoch of the plan. Only this epoch and the one before are kept."""
+        if rank != 0:
+            raise FailedPrecondition(f"epoch logs: only the chief (rank 0) gives them, not rank {rank}")
+        last = self.plan.epochs if self.plan else 0
+        if len(names) != len(values) or len(names) > MAX_EPOCH_LOGS \
+                or any(len(n) > 100 for n in names) or not 0 <= epoch <= last:
+            raise InvalidArgument(f"epoch logs: {len(names)} names, {len(values)} values for epoch "
+                                  f"{epoch}: give one value per name, at most {MAX_EPOCH_LOGS} names "
+                                  f"of at most 100 characters, for an epoch of the run's plan")
         self.shared[epoch] = (list(names), list(values), bool(stop))
         for old in [e for e in self.shared if e < epoch - 1]:
             del self.shared[old]
+
+    def logs(self, epoch: int) -> tuple[tuple[list[str], list[float], bool] | None, bool]:
+        """(the chief's logs of `epoch` or None before it gave them, whether a lease reply told
+        the chief that epoch ended)."""
+        return self.shared.get(epoch), self.told.get(0, -1) > epoch
 
     def dropped(self, n: int = 1) -> None:
         """Backup: a push dropped late; its batch counts as done (the worker moved on)."""

@@ -319,7 +319,7 @@ class DataPlaneServer:
         request has at most one part per table: more is refused before it is read, and the
         connection closed (what follows could not be framed)."""
         (k,) = PARTS.unpack(recv_exact(conn, PARTS.size))
-        tables = len(self.shard.store.tables)
+        tables = len(self.shard.table_dims())
         if k > tables:
             self._reply(conn, InvalidArgument(f"sparse: {k} parts in one request; the model has "
                                               f"{tables} sparse tables"))
@@ -346,11 +346,12 @@ class DataPlaneServer:
 
     def _tables(self, parts: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
         """[(table name, number of ids, dim)] of a request's parts, or InvalidArgument."""
-        names, out = list(self.shard.store.tables), []
+        dims, out = self.shard.table_dims(), []
         for index, n in parts:
-            if index >= len(names):
-                raise InvalidArgument(f"table: index {index}; the model has {len(names)} sparse tables")
-            out.append((names[index], n, self.shard.table(names[index]).config.dim))
+            if index >= len(dims):
+                raise InvalidArgument(f"table: index {index}; the model has {len(dims)} sparse tables")
+            name, dim = dims[index]
+            out.append((name, n, dim))
         return out
 
     def _placed(self, peer: Connection, tables: list[tuple[str, int, int]]) -> list[tuple[int, int]]:

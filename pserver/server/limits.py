@@ -57,12 +57,12 @@ class Waiter:
 
 class Limits:
     def __init__(self, threads: int, max_inflight_bytes: int, idle_timeout: float,
-                 counters) -> None:
+                 counters, inflight_flag: str = "--max-inflight-mb") -> None:
         spare = max(threads - RESERVED, 2)
         self.max_pulls = max(1, int(spare * PULL_SHARE))
         self.max_streams = max(1, spare - self.max_pulls)
         self.max_inflight_bytes = max_inflight_bytes
-        self.inflight_flag = "--max-inflight-mb"    # what set the bound, for the refusals' text
+        self.inflight_flag = inflight_flag    # what set the bound, for the refusals' text
         self.idle_timeout = idle_timeout
         self.counters = counters
         self._lock = threading.Lock()

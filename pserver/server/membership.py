@@ -84,10 +84,19 @@ class Membership:
             raise FailedPrecondition(f"rank: {rank} is not a worker of this cluster "
                                      f"(ranks 0..{limit - 1})")
 
-    def assign_rank(self, previous: str = "") -> int:
-        """--rank auto (shard 0 only): the rank whose session `previous` is (a restarted worker
-        with its session file takes its rank back), else the lowest free rank in 1..max-1: one
-        with no session, or whose session left or expired. Never 0, the chief."""
+    def assign_rank(self, num_workers: int, previous: str = "") -> int:
+        """--rank auto (shard 0 only, in a job with room for more workers): the rank whose session
+        `previous` is (a restarted worker with its session file takes its rank back), else the
+        lowest free rank in 1..max-1: one with no session, or whose session left or expired.
+        Never 0, the chief. `num_workers`: what the worker says, named when refused."""
+        if self.store.shard != 0:
+            raise FailedPrecondition(f"rank: only shard 0 assigns --rank auto; this is shard "
+                                     f"{self.store.shard}")
+        if not self.elastic():
+            raise FailedPrecondition(
+                f"rank: --rank auto joins a job that has room for more workers, and this one "
+                f"serves exactly {self.num_workers or num_workers}; start the shards "
+                f"with --max-workers")
         if previous:
             for rank, cred in self.sessions.items():
                 if rank not in self.left and hmac.compare_digest(previous.encode(), cred.encode()):

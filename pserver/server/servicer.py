@@ -18,7 +18,7 @@ from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import KIND_METADATA, InvalidArgument, RpcError
 from pserver.models.layout import Layout
 from pserver.records import PushRequest, registration_reply
-from pserver.server import compress
+from pserver.server import checks, compress
 from pserver.server.coordinator import Plan
 from pserver.server.shard import Shard
 from pserver.wire import codec
@@ -118,18 +118,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         version, member_from = self.shard.join_step(request.rank, request.step, request.session)
         return pb.ElasticJoinStepReply(version=version, member_from=member_from)
 
-    def _stream(self, request_iterator, context, call):
+    def _stream(self, request_iterator, context, call, push: bool = False):
         """A push or init stream within the shard's bounds (server/limits.py): counted from
         its first message, cancelled when it stalls, at most 2 in flight per rank. A push's
         sparse rows follow its dense slice in the same stream, into arrays sized (and
         bounded) from its header before any of them is received."""
         limits = self.shard.limits
-        with limits.stream(context.cancel, self.shard.store.size * 4) as stream:
+        with limits.stream(context.cancel, self.shard.payload_bytes) as stream:
             h, chunks = codec.read_header(limits.progress(stream, request_iterator))
             with limits.stream_rank(h.rank):
-                if (h.sparse or h.compression) and call != self._push:
-                    raise InvalidArgument("sparse, compression: only a Push carries sparse rows "
-                                          "or a compressed payload")
+                checks.only_push_carries(h.sparse, h.compression, push)
                 rows = self.shard.row_buffers([(p.table, p.num_ids) for p in h.sparse])
                 more = [a for r in rows for a in (r.ids, r.grads)]
                 return call(h, rows, compress.fill_for(h, chunks, more))
@@ -154,7 +152,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_status
     def Push(self, request_iterator, context):
-        outcome, version, message, finished = self._stream(request_iterator, context, self._push)
+        outcome, version, message, finished = self._stream(request_iterator, context, self._push, push=True)
         return pb.PushReply(outcome=outcome.value, version=version, message=message,
                             finished=finished)
 
@@ -172,16 +170,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def ExportRows(self, request, context):
         version, total, pages = self.shard.export_rows(request.rank, request.shard, request.table,
                                                        session=request.session)
-        empty = True
         for ids, rows in pages:
-            empty = False
             yield pb.ExportRowsPage(version=version, total_rows=total, dim=rows.shape[1],
                                     dtype=rows.dtype.name,
                                     ids=ids.astype("<u8", copy=False).tobytes(),
                                     rows=rows.astype(rows.dtype.newbyteorder("<"), copy=False).tobytes())
-        if empty:
-            dim = self.shard.table(request.table).config.dim
-            yield pb.ExportRowsPage(version=version, total_rows=0, dim=dim, dtype="float32")
 
     def _push(self, h, rows, fill):
         lease = (h.lease_epoch, h.lease_chunk, h.lease_batch) if h.has_lease else None
@@ -206,10 +199,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         finished = (r.finished_epoch, r.finished_chunk) if r.finished else None
         lease = self.shard.lease(r.rank, r.session, plan, finished, r.restart,
                                  [(d.epoch, d.chunk, d.end) for d in r.done_before_restore])
-        c = self.shard.store.coordinator
-        loss_sum, correct, samples = c.trained.get(c.epoch - 1, (0.0, 0.0, 0))
-        reply = pb.LeaseDataReply(epoch=c.epoch, coordinator_id=c.ident, trained_loss_sum=loss_sum,
-                                  trained_correct=correct, trained_samples=samples)
+        sums = self.shard.epoch_sums()
+        reply = pb.LeaseDataReply(epoch=sums.epoch, coordinator_id=sums.ident, trained_loss_sum=sums.loss_sum,
+                                  trained_correct=sums.correct, trained_samples=sums.samples)
         if lease is not None:
             reply.has_lease, reply.epoch, reply.chunk = True, lease.epoch, lease.chunk
             reply.first_batch, reply.end_batch = lease.first, lease.end

@@ -271,6 +271,8 @@ class ShardStore:
         self.pool: BufferPool | None = None
         self.closed = False
         self.restored_from = ""            # the checkpoint this shard resumed from, if any
+        self.seeded_by = -1                # the rank whose Init supplied the values
+        self.init_lock = threading.Lock()  # Inits take turns (seed)
         self.params_fd: int | None = None  # memfd behind params, for the data plane
         # Where each worker stands (docs/semantics.md, "Resuming"), checkpointed with the rest:
         self.clocks: dict[int, int] = {}   # rank -> its steps taken in (ssp bounds staleness by them)
@@ -432,7 +434,7 @@ class ShardStore:
         """Each table's row optimizer on its rows (scaled), at version `step`: the tables lock
         themselves, so this is safe with or without cond."""
         for part in rows:
-            # Checked: Shard.check_rows refused repeats and non-finite values as each push
+            # Checked: checks.check_rows refused repeats and non-finite values as each push
             # arrived, and merge_rows sums per id into finite means.
             self.tables[part.table].apply(part.ids, part.grads, step, scale, checked=True)
             self.counters.add("rows_pushed", part.ids.size)
@@ -498,6 +500,27 @@ class ShardStore:
     def check_gradient(self, grad: np.ndarray) -> None:
         """Refuse a gradient (or Init values) in shard-owned memory that holds NaN or Inf."""
         self.refuse_nonfinite(grad, first_nonfinite(grad))
+
+    def seed(self, fill, rank: int) -> tuple[bool, int]:
+        """The chief's initial values (Shard.init), unless the store already holds values:
+        (whether it did, the version). They land straight in the (not yet initialized)
+        parameters, so a 40 MB model costs no second 40 MB; a payload that fails validation
+        leaves them zeroed and the store still uninitialized. Inits take turns on their own
+        lock, so a client that stalls mid-stream holds up other Inits, not pulls, pushes or
+        Status."""
+        with self.init_lock:
+            if self.initialized:                 # checked again: another Init may have won
+                return True, self.version
+            try:
+                self.fill(fill, self.params)
+            except BaseException:
+                self.params[:] = 0
+                raise
+            with self.cond:
+                self.version = 0
+                self.seeded_by = rank
+                self.cond.notify_all()
+            return False, self.version
 
     def fill(self, fill, dst: np.ndarray) -> None:
         """dst from a push's or an Init's payload, every value checked: a client's shared

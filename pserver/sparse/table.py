@@ -426,8 +426,8 @@ class SparseTable:
         last update = step, then eviction (see the module docstring). An id repeated in one push
         (TableLookup.of never does it) is counted and stepped once per occurrence.
 
-        `checked`: the caller (the shard, Shard.check_rows) has already checked that no id
-        repeats and that every gradient is finite. Then the gradients are not scanned again,
+        `checked`: the caller (the shard: pserver.server.checks.check_rows) has already checked
+        that no id repeats and that every gradient is finite. Then the gradients are not scanned again,
         and the probe and the update may run in parts (module docstring); a wrong promise would
         let two threads step one row at once."""
         ids, grads, step, scale = self._check_push(ids, grads, step, scale, finite=checked)
