@@ -3,6 +3,7 @@ import without a warning, and the command line loads gRPC late."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import pkgutil
 import subprocess
@@ -101,3 +102,42 @@ def test_the_command_line_loads_grpc_only_after_it_quieted_it():
             "pserver.launch.child; print('grpc' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (r.returncode, r.stdout.strip()) == (0, "False"), r.stderr
+
+
+def imported_test_modules(module: str, names: list[str]) -> list[str]:
+    """The test modules and conftests an import statement brings in: `from tests.test_x import y`,
+    `import tests.e2e.conftest`, `from tests import test_x`, `from .conftest import y`."""
+    def is_test(dotted: str) -> bool:
+        last = dotted.rsplit(".", 1)[-1]
+        return last.startswith("test_") or last == "conftest"
+    return [m for m in [module, *(f"{module}.{n}" for n in names)] if is_test(m)]
+
+
+def test_no_test_module_imports_another_test_module_or_a_conftest():
+    """What tests share lives in tests/support (helpers) and the conftests (fixtures, found by
+    pytest): a test module imported by another runs its module-level code twice under two names,
+    and a helper reached through a test module breaks when that test moves. Every import
+    statement counts, inside functions too."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                hits = [m for a in node.names for m in imported_test_modules(a.name, [])]
+            elif isinstance(node, ast.ImportFrom):
+                module = "." * node.level + (node.module or "")
+                hits = imported_test_modules(module, [a.name for a in node.names])
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {m}" for m in hits]
+    assert found == []
+
+
+def test_the_import_check_finds_each_form():
+    """The finder itself: each way of importing a test module or a conftest is caught, and a
+    helper module whose name merely contains 'test' is not."""
+    assert imported_test_modules("tests.test_modes", ["make_cluster"]) == ["tests.test_modes"]
+    assert imported_test_modules("tests.e2e.conftest", []) == ["tests.e2e.conftest"]
+    assert imported_test_modules("tests", ["test_modes", "support"]) == ["tests.test_modes"]
+    assert imported_test_modules(".conftest", ["run"]) == [".conftest"]
+    assert imported_test_modules("tests.support.shards", ["make_cluster"]) == []
+    assert imported_test_modules("tests.support", ["latest_test_run"]) == []
