@@ -1,6 +1,6 @@
 """Fail CI when pytest skipped any test: python .ci/skipped.py REPORT.xml... (pytest's --junitxml).
 
-In CI (CI=true) a test whose environment is missing fails through tests/e2e/conftest.missing()
+In CI (CI=true) a test whose environment is missing fails through tests/support/processes.missing()
 rather than skipping; any skip still reported here is a test that never ran, so it fails the run.
 Each one is printed with its reason. Expected failures (xfail) are not skips and are not counted."""
 

@@ -14,14 +14,15 @@ number of shards to start here); the `pserver` command line runs the same functi
 `predict` runs it.
 """
 
-from pserver.signals import quiet_interrupt_while_loading
+from pserver import signals
 
-quiet_interrupt_while_loading()          # the `pserver` command: a Ctrl-C now is one line, exit 130
+signals.quiet_interrupt_while_loading()  # the `pserver` command: a Ctrl-C now is one line, exit 130
 
 from pserver.api import (
     Cluster,
     SavedModel,
     Server,
+    evaluate_files,
     launch_cluster,
     load_model,
     predict,
@@ -44,7 +45,7 @@ __all__ = [
     "SparseCategoricalCrossentropy", "BinaryCrossentropy", "MeanSquaredError",
     # running
     "serve", "train", "launch_cluster", "start_cluster", "Cluster", "Server", "load_model", "predict",
-    "SavedModel",
+    "SavedModel", "evaluate_files",
     # data
     "Dataset", "Stream", "load_dataset",
     # errors

@@ -6,17 +6,21 @@
      +-- DataError               dataset missing, unreadable or malformed
      |    +-- ModelFileError     a model file naming an unknown optimizer or layer, or malformed
      |         +-- UnsafeModelFile  a model file that would run code, loaded with safe_mode=True
+     +-- ProcessFailed           a process of the cluster (launch's child, a Ray actor) exited
      +-- RpcError                something a shard answered (or failed to answer)
           +-- InvalidArgument    shape, dtype, size, non-finite values, unknown tensor
           +-- FailedPrecondition wrong step, unknown worker, layout mismatch
           |    +-- StaleStep          a push for a step the shard does not take now: pull again
           |    |    +-- AlreadyPushed this rank's push for the step is already held
-          |    +-- NotRegistered      the rank (or no worker) has registered with the shard
+          |    +-- JoinStepOpen       a joining worker proposed a step the shard already opened
+          |    +-- LeaseGone          a push for a data lease this worker no longer holds
+          |    +-- NotRegistered      the rank (or every worker) has not registered with the shard
           |    +-- SeenVersionAhead   a pull that saw a version the shard does not have
           +-- Unauthenticated    missing or wrong token, or another worker's session
           |    +-- TakenOver          the rank's session was taken over by a restarted process
           +-- AlreadyExists      Register for a rank whose session is still live
           +-- ResourceExhausted  a bound on parked pulls, streams, bytes or memory
+          |    +-- OverBudget         a push no wait can make fit (--max-memory-mb, --max-inflight-mb)
           +-- Unavailable        shard down or unreachable
           +-- DeadlineExceeded   a wait ran past its deadline
 

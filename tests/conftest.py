@@ -17,10 +17,11 @@ from pserver.data.mnist import MNIST_DIR_ENV, MNIST_FILES
 from pserver.data.mnist import mnist_dir as find_mnist_dir
 from pserver.errors import DataError
 from pserver.server.app import create_server
-from tests.cuda_sim import runner as simulator
-from tests.e2e.conftest import missing
+from tests.support import simulator
+from tests.support.clients import TOKEN, worker
+from tests.support.processes import missing
+from tests.support.shards import load_kernels
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 # MNIST_DIR_ENV: the tests' (and every pserver command's) MNIST directory; .ci/run sets it.
 
 
@@ -47,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Start the simulator modules now if any `cuda_sim` test is selected (tests/cuda_sim/runner.py),
+    """Start the simulator modules now if any `cuda_sim` test is selected (tests/support/simulator.py),
     so that they run beside the suite."""
     if session.config.option.collectonly:
         return
@@ -118,6 +119,28 @@ def shard_server():
     for server, shard in started:
         shard.close()
         server.stop(0)
+
+
+@pytest.fixture
+def two_sync_workers(shard_server):
+    """Start (shard, worker 0, worker 1): a sync shard (SGD, lr 1) that worker 0 initialized."""
+    clients = []
+
+    def start(**cfg) -> tuple:
+        addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync", **cfg)
+        clients.extend([worker(addr, rank=0, num_workers=2), worker(addr, rank=1, num_workers=2, init=False)])
+        return shard, *clients
+
+    yield start
+    for c in clients:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def kernels_loaded():
+    """The numba kernels loaded once, before any test whose short --step-timeout starts
+    counting while the first push loads them (pytestmark = usefixtures("kernels_loaded"))."""
+    load_kernels()
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pserver
 from pserver.errors import ConfigError, DataError
 from pserver.layers import Conv2D, Dense, Dropout, Flatten, MaxPooling2D
 from pserver.models import load_model, make_model
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 
 def test_all_is_explicit_and_importable():

@@ -16,7 +16,8 @@ from pserver.errors import ConfigError, FailedPrecondition
 from pserver.models.layout import Layout
 from pserver.server import checkpoint
 from pserver.server.shard import Shard
-from tests.test_modes import make_cluster, push_all
+from tests.support.pushes import push_all
+from tests.support.shards import make_cluster
 
 LAYOUT = Layout.of([("w", (50,))])
 

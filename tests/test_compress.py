@@ -17,7 +17,7 @@ from pserver.server import compress as server_compress
 from pserver.wire import codec, compress
 from pserver.worker import compress as worker_compress
 from pserver.worker.client import PSClient
-from tests.test_server import LAYOUT, raw_push, ready_client
+from tests.support.clients import LAYOUT, raw_push, ready_client
 
 SPECS = [compress.parse(s) for s in ("bf16", "fp16", "topk:0.1", "topk:1", "sign")]
 finite = st.floats(-1e4, 1e4, width=32, allow_subnormal=False)

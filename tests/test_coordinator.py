@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pserver.errors import FailedPrecondition, InvalidArgument, LeaseGone
 from pserver.server.coordinator import Coordinator, Plan, chunk_order, for_new_shard
+from tests.support.pushes import push_request
 
 RANKS = 3
 _sessions = itertools.count()
@@ -286,7 +287,7 @@ def _cluster(tmp_path=None, workers=2, **cfg):
     import numpy as np
 
     from pserver.models.layout import Layout
-    from tests.test_modes import make_cluster
+    from tests.support.shards import make_cluster
     extra = dict(checkpoint_dir=str(tmp_path)) if tmp_path is not None else {}
     return make_cluster(Layout.of([("w", (4,))]), np.ones(4, np.float32), 1, workers,
                         optimizer="adam", lr=0.1, **extra, **cfg)[0]
@@ -295,10 +296,8 @@ def _cluster(tmp_path=None, workers=2, **cfg):
 def _push(shard, rank, samples, lease=None, value=1.0, trained=(0.0, 0.0)):
     import numpy as np
 
-    from pserver.records import PushRequest
-    from tests.test_modes import fill_with
-    return shard.push(PushRequest(rank, 0, shard.store.version, 4, "float32", samples, 0,
-                                  fill_with(np.full(4, value, np.float32)), lease=lease, trained=trained))[0]
+    return shard.push(push_request(np.full(4, value, np.float32), rank=rank, step=shard.store.version,
+                                    samples=samples, lease=lease, trained=trained))[0]
 
 
 @pytest.mark.parametrize("correct", [-1.0, 9.0, float("nan")])
@@ -378,14 +377,13 @@ def test_with_several_shards_a_refused_stale_lease_push_counts_as_retrained():
     import numpy as np
 
     from pserver.models.layout import Layout
-    from pserver.records import PushRequest
-    from tests.test_modes import fill_with, make_cluster
+    from tests.support.shards import make_cluster
     shard = make_cluster(Layout.of([("w", (4,))]), np.ones(4, np.float32), 2, 2, mode="async")[0]
     n = shard.store.end - shard.store.start
 
     def push(lease):
-        return shard.push(PushRequest(1, 0, shard.store.version, n, "float32", 2, 0,
-                                      fill_with(np.ones(n, np.float32)), lease=lease))
+        return shard.push(push_request(np.ones(n, np.float32), rank=1, step=shard.store.version, samples=2,
+                                        lease=lease))
 
     plan = Plan(8, 4, 5, "fp")
     held = shard.lease(1, None, plan)
@@ -478,7 +476,7 @@ def test_lease_data_over_grpc_carries_progress_and_refuses_other_data(shard_serv
     import numpy as np
 
     from pserver.errors import FailedPrecondition as Refused
-    from tests.test_server import LAYOUT, ready_client
+    from tests.support.clients import LAYOUT, ready_client
     addr, _ = shard_server(optimizer="sgd", lr=0.1, num_workers=2, mode="async")
     a = ready_client(addr, num_workers=2, rank=0, plane="auto")
     b = ready_client(addr, num_workers=2, rank=1, plane="auto", init=False)
@@ -511,7 +509,7 @@ def test_lease_replies_sum_what_every_workers_steps_measured_over_the_finished_e
     by either transport, or one counted per worker only, fails."""
     import numpy as np
 
-    from tests.test_server import LAYOUT, ready_client
+    from tests.support.clients import LAYOUT, ready_client
     addr, _ = shard_server(optimizer="sgd", lr=0.1, num_workers=2, mode="async")
     a = ready_client(addr, num_workers=2, rank=0, plane="auto")
     b = ready_client(addr, num_workers=2, rank=1, plane="grpc", init=False)
@@ -706,7 +704,7 @@ def test_the_chief_s_epoch_logs_reach_every_worker_and_nothing_else_can_write_th
     from pserver._proto import pserver_pb2 as pb
     from pserver._proto import pserver_pb2_grpc
     from pserver.errors import FailedPrecondition, InvalidArgument
-    from tests.test_server import ready_client
+    from tests.support.clients import ready_client
     addr, _ = shard_server(optimizer="sgd", lr=0.1, num_workers=2, mode="sync")
     a = ready_client(addr, num_workers=2, rank=0)
     b = ready_client(addr, num_workers=2, rank=1, init=False)
@@ -749,7 +747,7 @@ def test_a_lease_reply_carries_the_sums_of_the_epoch_before_it(shard_server):
     epoch's sums, or sums read from another coordinator; before any epoch ended they are zero."""
     import numpy as np
 
-    from tests.test_server import LAYOUT, ready_client
+    from tests.support.clients import LAYOUT, ready_client
     addr, shard = shard_server(optimizer="sgd", lr=0.1, mode="async")
     c = ready_client(addr)
     w = np.empty(LAYOUT.total, np.float32)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import math
 import os
 import tempfile
@@ -27,35 +26,10 @@ from pserver.data.criteo import (
 )
 from pserver.errors import ConfigError, DataError
 from pserver.models.metrics import auc
+from tests.support.criteo import line, write
+from tests.support.twins import splitmix64_python
 
 MASK64 = (1 << 64) - 1
-
-
-def splitmix64_reference(x: int) -> int:
-    """SplitMix64 in Python integers, written from the published algorithm."""
-    z = (x + 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
-def line(i: int, label: int = 0, ints=None, cats=None) -> str:
-    """A well-formed line whose first categorical value is i, so a record tells its line."""
-    ints = [str(i % 7), "", "-3", "12345678"] + [str(j * i) for j in range(9)] if ints is None else ints
-    cats = [format(i, "x")] + ["", "DEADbeef", "0"] + [format(j * 1000003, "08x") for j in range(22)] \
-        if cats is None else cats
-    return "\t".join([str(label)] + ints + cats)
-
-
-def write(path, lines, gz=False, end="\n"):
-    data = "".join(text + end for text in lines).encode()
-    if gz:
-        with gzip.open(path, "wb") as f:
-            f.write(data)
-    else:
-        with open(path, "wb") as f:
-            f.write(data)
-    return str(path)
 
 
 def line_of(x: np.ndarray, lines: int) -> np.ndarray:
@@ -77,7 +51,7 @@ def test_hash_categorical_is_splitmix64_of_field_and_value_and_never_collides():
     assert len(np.unique(ids)) == ids.size            # across fields, missing (-1) included
     for f in (0, 7, 25):
         for v in values.tolist():
-            expected = splitmix64_reference((f << 33) + v + 1)
+            expected = splitmix64_python((f << 33) + v + 1, 1)[0]
             assert int(hash_categorical(f, [v])[0]) & MASK64 == expected
     assert np.array_equal(hash_categorical(3, values), hash_categorical(3, values))
 

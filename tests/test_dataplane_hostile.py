@@ -23,73 +23,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pserver.errors import InvalidArgument, RpcError, Unauthenticated, Unavailable
-from pserver.models.layout import Layout
 from pserver.server import store
 from pserver.wire import frames
-from pserver.wire.security import ClientSecurity
 from pserver.worker import dataplane as worker_dataplane
 from pserver.worker.client import PSClient
+from tests.support.clients import LAYOUT, START, TOKEN, hello_bytes, raw_hello, session_of, worker
+from tests.support.shards import counters
 
-TOKEN = "s3cret-Token_for.tests"
-LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
 NBYTES = LAYOUT.total * 4
-START = np.arange(LAYOUT.total, dtype=np.float32)
-
-
-def worker(addr: str, rank: int = 0, num_workers: int = 1, init: bool = True,
-           data_plane: str = "auto") -> PSClient:
-    """A real client on the data plane, or on gRPC alone with data_plane="grpc" (sync pulls
-    may wait up to 120 s)."""
-    c = PSClient([addr], rank=rank, num_workers=num_workers, rpc_deadline=120, data_plane=data_plane,
-                 security=ClientSecurity(TOKEN))
-    c.connect(5)
-    c.register(LAYOUT)
-    if init:
-        c.init(START)
-    assert (c.shards[0].fast is not None) == (data_plane == "auto"), f"the worker must use {data_plane}"
-    return c
-
-
-def session_of(c: PSClient) -> str:
-    """The worker's credential from Register ("" from a shard without sessions)."""
-    return getattr(c.shards[0], "session", "")
-
-
-def raw_hello(shard, c: PSClient) -> tuple[socket.socket, list[int]]:
-    """HELLO by hand as worker c (token, then its session, each length-prefixed): (socket,
-    its two fds)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(5)
-    sock.connect(shard.dataplane.path)
-    sock.sendall(hello_bytes(c.rank, session_of(c)))
-    msg, fds, _, _ = socket.recv_fds(sock, frames.REPLY.size, 2)
-    assert frames.REPLY.unpack(msg)[0] == 0 and len(fds) == 2
-    return sock, fds
-
-
-def hello_bytes(rank: int, session: str) -> bytes:
-    fields = [TOKEN.encode(), session.encode()]
-    return (frames.REQUEST.pack(frames.MAGIC, frames.HELLO, rank, 0, 0, 0, 0, 0, 0)
-            + b"".join(frames.TOKEN_LEN.pack(len(f)) + f for f in fields))
-
-
-@pytest.fixture
-def two_sync_workers(shard_server):
-    """Start (shard, worker 0, worker 1): a sync shard (SGD, lr 1) that worker 0 initialized."""
-    clients = []
-
-    def start(**cfg) -> tuple:
-        addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync", **cfg)
-        clients.extend([worker(addr, rank=0, num_workers=2), worker(addr, rank=1, num_workers=2, init=False)])
-        return shard, *clients
-
-    yield start
-    for c in clients:
-        c.close()
-
-
-def counters(shard) -> dict:
-    return shard.status()["counters"]
 
 
 def train_one_step(c: PSClient, expected: np.ndarray) -> None:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from pserver.errors import FailedPrecondition, InvalidArgument
 from pserver.wire import frames
-from tests.test_dataplane_hostile import LAYOUT, START, TOKEN, counters, raw_hello, worker
+from tests.support.clients import LAYOUT, START, TOKEN, raw_hello, worker
+from tests.support.shards import counters
 
 PART = 8
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
         ROOT / "bench" / "tf_baseline" / "README.md"]

@@ -20,10 +20,11 @@ from pserver.config import AUTO_RANK, ServerConfig, WorkerConfig, parse_rank
 from pserver.errors import ConfigError, FailedPrecondition, JoinStepOpen, ResourceExhausted, StaleStep
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
-from pserver.records import PushRequest
 from pserver.server.shard import Shard
-from tests.test_modes import SETTINGS, fill_with
-from tests.test_modes_async import compiled  # noqa: F401 - autouse: the kernels load once
+from tests.support.pushes import fill_with, push_request
+from tests.support.shards import SETTINGS
+
+pytestmark = pytest.mark.usefixtures("kernels_loaded")   # the kernels load once, before the timeouts
 
 LAYOUT = Layout.of([("w", (4,))])
 
@@ -46,7 +47,7 @@ def auto(shard, num_workers=4, previous=""):
 
 def push(shard, rank, step, g, samples=1):
     g = np.asarray(g, np.float32)
-    return shard.push(PushRequest(rank, 0, step, g.size, "float32", samples, 0, fill_with(g)))[0]
+    return shard.push(push_request(g, rank=rank, step=step, samples=samples))[0]
 
 
 def step_all(shard, ranks, g=(1, 1, 1, 1)):

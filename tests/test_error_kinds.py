@@ -35,7 +35,7 @@ from pserver.wire import frames
 from pserver.wire.security import ClientSecurity
 from pserver.worker.client import PSClient, ShardClient
 from pserver.worker.loop import push_pull
-from tests.test_dataplane_hostile import LAYOUT, START, TOKEN, raw_hello, worker
+from tests.support.clients import LAYOUT, START, TOKEN, raw_hello, worker
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ONES = np.ones(LAYOUT.total, np.float32)

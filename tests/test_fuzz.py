@@ -22,12 +22,11 @@ from hypothesis import strategies as st
 
 from pserver._proto import pserver_pb2 as pb
 from pserver.errors import FailedPrecondition
-from pserver.models.layout import Layout
 from pserver.wire import codec, frames
 from pserver.worker import dataplane as worker_dataplane
 from pserver.worker.client import PSClient
+from tests.support.clients import LAYOUT
 
-LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
 SIG = LAYOUT.signature()
 SERVICE = "/pserver.v1.ParameterServer/"
 BUGS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}

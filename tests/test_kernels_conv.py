@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pserver.kernels import conv_output, cpu, reference
+from tests.support.twins import splitmix64_python
 
 FAST = settings(max_examples=30, deadline=None)
 GRAD = settings(max_examples=10, deadline=None)
@@ -341,17 +342,6 @@ def test_embedding_rejects_ids_out_of_range(k, bad):
 
 
 # -- dropout ----------------------------------------------------------------------------------
-
-def splitmix64_python(seed, count):
-    """splitmix64 as published (Steele, Lea and Flood 2014; Vigna's splitmix64.c), in Python ints."""
-    out, state, m = [], seed, (1 << 64) - 1
-    for _ in range(count):
-        state = (state + 0x9E3779B97F4A7C15) & m
-        z = state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
-        out.append(z ^ (z >> 31))
-    return out
 
 
 def test_splitmix64_is_the_published_generator():

@@ -9,7 +9,7 @@ default run does not collect), and each test below runs one of those modules in 
 `python -m pytest` with NUMBA_ENABLE_CUDASIM=1, and its test below (marked `cuda_sim`) reads its
 JUnit report: it must have run tests, and every one must have passed (none skipped). The modules
 start, niced, when the session's collection ends and run beside the suite; their tests run last
-(tests/conftest.py, tests/cuda_sim/runner.py). `-m "not e2e and not cuda_sim"` leaves them out.
+(tests/conftest.py, tests/support/simulator.py). `-m "not e2e and not cuda_sim"` leaves them out.
 
 The same modules run against a real GPU when started by hand without the variable:
 `python -m pytest tests/cuda_sim/check_kernels_cuda.py tests/cuda_sim/check_model_cuda.py`;
@@ -19,7 +19,6 @@ tests/cuda_sim/check_ptx.py compiles every kernel to PTX (it needs numba-cuda's 
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -28,11 +27,10 @@ import pytest
 
 from pserver.errors import ConfigError
 from pserver.kernels.device import Device, blas_note, describe, parse_device, round_robin, select
-from tests.cuda_sim import runner as simulator
+from tests.support import ROOT, simulator
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Seconds a simulator module may still take once the suite reaches its test: the modules started
-# with the session (tests/cuda_sim/runner.py). Below pytest's faulthandler_timeout, which ends the
+# with the session (tests/support/simulator.py). Below pytest's faulthandler_timeout, which ends the
 # whole run (at 900 s it did, in .ci/run at 9178ad6).
 INNER_TIMEOUT = 540
 

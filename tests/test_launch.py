@@ -15,7 +15,7 @@ from pserver.config import ServerConfig, WorkerConfig
 from pserver.errors import ConfigError
 from pserver.launch import LaunchConfig, launch
 from pserver.launch.base import shard_config, stats_path, worker_config
-from tests.certs import make_certs
+from tests.support.certs import make_certs
 
 
 def test_each_shard_gets_its_index_a_free_port_and_no_token():

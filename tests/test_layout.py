@@ -1,17 +1,24 @@
-"""The package layout (issue 27): no import cycles, and the module paths from before the
-packages still import, warn and give the very same objects."""
+"""The package layout (issue 27): no import cycles, every module in a layer, the packages
+import without a warning, and the command line loads gRPC late."""
 
 from __future__ import annotations
 
-import importlib
+import ast
+import pathlib
+import pkgutil
 import subprocess
 import sys
-import warnings
 
 import grimp
-import pytest
 
-from pserver._moved import MOVED
+import pserver
+
+try:
+    import tomllib
+except ModuleNotFoundError:     # Python 3.10: pytest's own dependency reads TOML there
+    import tomli as tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def strongly_connected(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -64,52 +71,15 @@ def test_the_cycle_finder_finds_a_cycle_made_inside_a_function():
         if m in ("pserver.wire.codec", "pserver.worker.client")]
 
 
-OLD_NAMES = {   # an old path, and a name that lived there
-    "pserver.allocator": "tune", "pserver.client": "PSClient", "pserver.codec": "parse_chunk",
-    "pserver.compress": "ErrorFeedback", "pserver.criteo": "load_file",
-    "pserver.dataplane": "DataPlaneServer", "pserver.device": "parse_device",
-    "pserver.metrics": "format_summary", "pserver.model_file": "evaluate_files",
-    "pserver.progress": "track", "pserver.ray_backend": "RoleHost", "pserver.security": "TOKEN_ENV",
-    "pserver.sharding": "shard_range", "pserver.slurm": "slurm_task", "pserver.status": "show_status",
-    "pserver.stragglers": "parse_delay", "pserver.telemetry": "ShardMetrics", "pserver.worker": "run_worker",
-    "pserver.launch": "Proc",
-}
-
-
-def test_every_moved_path_is_tested():
-    assert set(OLD_NAMES) == set(MOVED)
-
-
-@pytest.mark.parametrize("old", sorted(OLD_NAMES))
-def test_an_old_path_imports_warns_and_gives_the_new_object(old):
-    """In a fresh interpreter, so that the old module is imported (and warns) for the first time."""
-    name = OLD_NAMES[old]
-    code = f"""
-import importlib, warnings
-warnings.simplefilter("error", DeprecationWarning)
-try:
-    getattr(importlib.import_module({old!r}), {name!r})
-except DeprecationWarning as e:
-    print("warned:", e)
-else:
-    raise SystemExit("no DeprecationWarning")
-warnings.simplefilter("ignore", DeprecationWarning)
-got = getattr(importlib.import_module({old!r}), {name!r})
-homes = [importlib.import_module(m) for m in {MOVED[old]!r}]
-assert any(getattr(h, {name!r}, None) is got for h in homes), "not the new home's object"
-print("same object")
-"""
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr + r.stdout
-    assert f"warned: {old} moved to" in r.stdout and "same object" in r.stdout
-
-
-def test_a_name_no_module_had_is_an_attribute_error():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        codec = importlib.import_module("pserver.codec")
-    with pytest.raises(AttributeError, match="pserver.codec.*no_such_name"):
-        codec.no_such_name
+def test_every_module_of_pserver_is_in_a_layer():
+    """A module directly under pserver/ that no layer of pyproject.toml names escapes
+    lint-imports: it may import anything (the forwarding shims of issue 27 were such modules).
+    Catches a new top-level module or package left out of [tool.importlinter]."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = next(c for c in config["contracts"] if c["type"] == "layers")["layers"]
+    named = {name.strip() for layer in layers for name in layer.split("|")}
+    top = {m.name for m in pkgutil.iter_modules(pserver.__path__)} - {"__main__"}
+    assert top - named == set(), "modules outside pyproject.toml's layers"
 
 
 def test_the_new_packages_import_without_a_warning():
@@ -132,3 +102,42 @@ def test_the_command_line_loads_grpc_only_after_it_quieted_it():
             "pserver.launch.child; print('grpc' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (r.returncode, r.stdout.strip()) == (0, "False"), r.stderr
+
+
+def imported_test_modules(module: str, names: list[str]) -> list[str]:
+    """The test modules and conftests an import statement brings in: `from tests.test_x import y`,
+    `import tests.e2e.conftest`, `from tests import test_x`, `from .conftest import y`."""
+    def is_test(dotted: str) -> bool:
+        last = dotted.rsplit(".", 1)[-1]
+        return last.startswith("test_") or last == "conftest"
+    return [m for m in [module, *(f"{module}.{n}" for n in names)] if is_test(m)]
+
+
+def test_no_test_module_imports_another_test_module_or_a_conftest():
+    """What tests share lives in tests/support (helpers) and the conftests (fixtures, found by
+    pytest): a test module imported by another runs its module-level code twice under two names,
+    and a helper reached through a test module breaks when that test moves. Every import
+    statement counts, inside functions too."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                hits = [m for a in node.names for m in imported_test_modules(a.name, [])]
+            elif isinstance(node, ast.ImportFrom):
+                module = "." * node.level + (node.module or "")
+                hits = imported_test_modules(module, [a.name for a in node.names])
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {m}" for m in hits]
+    assert found == []
+
+
+def test_the_import_check_finds_each_form():
+    """The finder itself: each way of importing a test module or a conftest is caught, and a
+    helper module whose name merely contains 'test' is not."""
+    assert imported_test_modules("tests.test_modes", ["make_cluster"]) == ["tests.test_modes"]
+    assert imported_test_modules("tests.e2e.conftest", []) == ["tests.e2e.conftest"]
+    assert imported_test_modules("tests", ["test_modes", "support"]) == ["tests.test_modes"]
+    assert imported_test_modules(".conftest", ["run"]) == [".conftest"]
+    assert imported_test_modules("tests.support.shards", ["make_cluster"]) == []
+    assert imported_test_modules("tests.support", ["latest_test_run"]) == []

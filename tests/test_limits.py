@@ -18,6 +18,7 @@ from pserver._proto import pserver_pb2 as pb
 from pserver.models.layout import Layout
 from pserver.wire import codec
 from pserver.worker.client import PSClient
+from tests.support.clients import session_of
 
 LAYOUT = Layout.of([("w", (64,))])
 SERVICE = "/pserver.v1.ParameterServer/"
@@ -43,11 +44,6 @@ def waiting_in_shard(kind: str = "wait_for") -> int:
                 break
             frame = frame.f_back
     return count
-
-
-def session_of(c: PSClient) -> str:
-    """A worker's session credential ("" from a client that has none)."""
-    return getattr(c.shards[0], "session", "")
 
 
 def client(address, rank, num_workers, deadline=60.0):

@@ -16,11 +16,11 @@ import pytest
 
 from pserver.config import ServerConfig
 from pserver.models.layout import Layout
-from pserver.records import PushRequest
 from pserver.server.shard import Shard
 from pserver.wire.security import TOKEN_ENV, ClientSecurity
 from pserver.worker.client import PSClient
-from tests.e2e.conftest import Proc
+from tests.support.processes import Proc
+from tests.support.pushes import push_request
 
 CLIENTS = 32
 LAYOUT = Layout.of([("w", (100, 100)), ("b", (100,))])   # 10,100 elements, 2 shards
@@ -101,8 +101,8 @@ def test_sync_step_waits_for_live_workers_when_one_that_pushed_leaves():
     s.init(0, layout.signature(), 4, "float32", lambda d: d.__setitem__(slice(None), 0))
 
     def push(rank, value):
-        return s.push(PushRequest(rank, 0, 0, 4, "float32", 1, 0,
-                                  lambda d: d.__setitem__(slice(None), value)))[:2]
+        return s.push(push_request(rank=rank, fill=lambda d: d.__setitem__(slice(None), value),
+                                    size=4))[:2]
 
     push(0, 3.0)
     s.leave(0)

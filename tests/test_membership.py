@@ -17,20 +17,13 @@ from pserver.config import ServerConfig
 from pserver.errors import FailedPrecondition
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
-from pserver.records import PushRequest
 from pserver.server.shard import Shard
-from tests.test_modes import SETTINGS, fill_with
-from tests.test_modes_async import heartbeats, one_shard, push
+from tests.support.pushes import fill_with, push, push_request
+from tests.support.shards import SETTINGS, heartbeats, one_shard
+
+pytestmark = pytest.mark.usefixtures("kernels_loaded")   # the kernels load once, before the timeouts
 
 ONES = np.ones(4, np.float32)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def compiled():
-    """Load the numba kernels once, so no test's short --step-timeout runs out while a
-    kernel loads."""
-    shard = one_shard(4, 1, mode="sync", optimizer="sgd", lr=1.0)
-    push(shard, 0, 0, ONES)
 
 
 def pull_in_thread(shard, rank, seen, clock=0, timeout=10.0):
@@ -175,7 +168,7 @@ def test_a_refused_backup_register_fixes_no_layout():
 def test_dropped_gradients_are_not_counted_as_trained_samples():
     """Catches samples_pushed counting the gradients a backup run drops at its end."""
     shard = one_shard(4, 3, mode="backup", backup_workers=1, optimizer="sgd", lr=1.0)
-    shard.push(PushRequest(0, 0, 0, 4, "float32", 10, 0, fill_with(ONES)))       # held for step 0
+    shard.push(push_request(ONES, samples=10))                       # held for step 0
     shard.leave(1)
     shard.leave(2)                                                   # no step can complete now
     c = shard.status()["counters"]
@@ -185,9 +178,9 @@ def test_dropped_gradients_are_not_counted_as_trained_samples():
 
 def test_a_completed_sync_step_counts_every_pusher_samples():
     shard = one_shard(4, 2, mode="sync", optimizer="sgd", lr=1.0)
-    shard.push(PushRequest(0, 0, 0, 4, "float32", 10, 0, fill_with(ONES)))
+    shard.push(push_request(ONES, samples=10))
     assert shard.status()["counters"]["samples_pushed"] == 0          # not trained yet
-    shard.push(PushRequest(1, 0, 0, 4, "float32", 7, 0, fill_with(ONES)))
+    shard.push(push_request(ONES, rank=1, samples=7))
     assert shard.status()["counters"]["samples_pushed"] == 17
 
 
@@ -397,16 +390,16 @@ def test_a_takeover_discards_the_old_sessions_gradient_for_the_open_step():
     shard = one_shard(3, 2, mode="sync", optimizer="sgd", lr=1.0, step_timeout=60)
     sessions = {r: shard.members.sessions[r] for r in (0, 1)}
     old = np.array([100.0, 100.0, 100.0], np.float32)
-    shard.push(PushRequest(1, 0, 0, 3, "float32", 8, 0, fill_with(old), session=sessions[1]))
+    shard.push(push_request(old, rank=1, samples=8, session=sessions[1]))
     assert shard.policy.pending.keys() == {1}
     layout = Layout.of([("w", (3,))])
     taken = shard.register(1, 2, 0, 1, layout, previous_session=sessions[1])   # the same data order
     assert taken.took_over and not shard.policy.pending and shard.store.clocks.get(1, 0) == 0
     assert shard.store.counters.snapshot()["pushes_aggregated"] == 0
     g0, g1 = np.array([1.0, 2.0, 3.0], np.float32), np.array([3.0, 2.0, 1.0], np.float32)
-    shard.push(PushRequest(0, 0, 0, 3, "float32", 8, 0, fill_with(g0), session=sessions[0]))
+    shard.push(push_request(g0, samples=8, session=sessions[0]))
     assert shard.store.version == 0                     # still waiting for rank 1's new push
-    shard.push(PushRequest(1, 0, 0, 3, "float32", 8, 0, fill_with(g1), session=taken.session))
+    shard.push(push_request(g1, rank=1, samples=8, session=taken.session))
     assert shard.store.version == 1
     np.testing.assert_array_equal(shard.store.params, -(g0 + g1) / np.float32(2))
 

@@ -29,20 +29,17 @@ from pserver.errors import (
 )
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
-from pserver.records import PushRequest
 from pserver.server import checkpoint
 from pserver.server.limits import Limits
 from pserver.server.shard import Shard
 from pserver.server.store import Counters
 from pserver.sparse import TableConfig
-from tests.test_modes import fill_with, make_cluster
-from tests.test_modes_async import compiled, heartbeats, one_shard, push  # noqa: F401 - compiled: autouse
+from tests.support.pushes import fill_with, push, push_request
+from tests.support.shards import counters, heartbeats, make_cluster, one_shard
+
+pytestmark = pytest.mark.usefixtures("kernels_loaded")   # the kernels load once, before the timeouts
 
 ONES = np.ones(4, np.float32)
-
-
-def counters(shard) -> dict:
-    return shard.status()["counters"]
 
 
 def mark_dead(shard, ranks):
@@ -151,7 +148,7 @@ def test_an_async_push_applies_its_rows_with_its_dense_part(mode):
     row_grads = np.array([[1, 2], [3, 4]], np.float32)
     rows[0].grads[:] = row_grads
     g = np.ones(3, np.float32)
-    assert shard.push(PushRequest(0, 0, 0, 3, "float32", 1, 0, fill_with(g), rows=rows))[0] is Outcome.APPLIED
+    assert shard.push(push_request(g, rows=rows))[0] is Outcome.APPLIED
     np.testing.assert_allclose(shard.pull_rows(0, 0, "emb", ids)[1], before - 0.5 * row_grads, rtol=1e-6)
     np.testing.assert_array_equal(shard.store.params, -g)
     assert shard.store.tables["emb"].stats()["rows"] == 2
@@ -264,11 +261,11 @@ def test_a_gradient_with_a_non_finite_last_element_is_rejected(value, size, via)
     for where in sorted({0, size // 2, size - 1}):
         g = poisoned(size, where, value)
         with pytest.raises(InvalidArgument, match=f"non-finite.* element {size + where} "):
-            shard.push(PushRequest(0, 1, 0, size, "float32", 1, 0, fills(g)[via]))
+            shard.push(push_request(shard=1, fill=fills(g)[via], size=size))
     assert shard.store.version == 0 and not shard.store.params.any()
     assert every_buffer_back(shard), "a refused gradient kept its buffer"
     good = np.arange(1, size + 1, dtype=np.float32)
-    shard.push(PushRequest(0, 1, 0, size, "float32", 1, 0, fills(good)[via]))
+    shard.push(push_request(shard=1, fill=fills(good)[via], size=size))
     assert shard.store.params.tobytes() == (-good).tobytes()       # every element applied
 
 
@@ -331,8 +328,7 @@ def test_a_dropped_push_says_why_and_its_buffer_is_reused():
     shard = one_shard(4, 3, mode="backup", backup_workers=1, optimizer="sgd", lr=1.0)
     for step in range(20):
         for r in range(3):
-            outcome, version, message, _ = shard.push(PushRequest(r, 0, step, 4, "float32", 1, 0,
-                                                                  fill_with(ONES)))
+            outcome, version, message, _ = shard.push(push_request(ONES, rank=r, step=step))
         assert outcome is Outcome.DROPPED_LATE and f"step {step} already completed" in message
         assert every_buffer_back(shard), "a late push kept its buffer from the pool"
 
@@ -342,7 +338,7 @@ def test_an_applied_async_push_reuses_its_buffer_and_counts_its_samples():
     push instead of num_samples, or answers with a message (applied needs none)."""
     shard = one_shard(4, 1, mode="async", optimizer="sgd", lr=1.0)
     for step in range(10):
-        outcome, _, message, _ = shard.push(PushRequest(0, 0, step, 4, "float32", 7, step, fill_with(ONES)))
+        outcome, _, message, _ = shard.push(push_request(ONES, step=step, samples=7, clock=step))
         assert (outcome, message) == (Outcome.APPLIED, "")
         assert every_buffer_back(shard)
     assert counters(shard)["samples_pushed"] == 70
@@ -358,7 +354,7 @@ def test_a_backup_run_that_cannot_finish_uncounts_the_held_gradients():
     c = counters(shard)
     assert (c["pushes_aggregated"], c["pushes_dropped_late"]) == (0, 1) and shard.policy.finished
     assert every_buffer_back(shard)
-    outcome, _, message, finished = shard.push(PushRequest(0, 0, 0, 4, "float32", 1, 0, fill_with(ONES)))
+    outcome, _, message, finished = shard.push(push_request(ONES))
     assert (outcome, message, finished) == (Outcome.DROPPED_LATE, "the run is over on this shard", True)
     assert every_buffer_back(shard)
 
@@ -451,8 +447,7 @@ def test_control_calls_check_the_session_and_report_the_shard():
     assert shard.init(0, shard.store.signature, 4, "float32", fill_with(ONES), session=session) == (False, 0)
     assert shard.init(0, shard.store.signature, 4, "float32", fill_with(ONES), session=session) == (True, 0)
     for call in (lambda: shard.pull(0, 1, -1, 0, timeout=5, session=wrong),
-                 lambda: shard.push(PushRequest(0, 1, 0, 4, "float32", 1, 0, fill_with(ONES),
-                                                session=wrong))):
+                 lambda: shard.push(push_request(ONES, shard=1, session=wrong))):
         with pytest.raises(Unauthenticated, match="session"):
             call()
     assert shard.checkpoint(0, session) == ("", 0)
@@ -492,11 +487,11 @@ def test_sync_replies_pull_deadlines_and_request_checks():
     a seen_version ahead of version 0 accepted, num_samples = 1 refused, -1 or -2 accepted, or a
     layout with an empty tensor refused."""
     shard = one_shard(4, 2, mode="sync", optimizer="sgd", lr=1.0)
-    outcome, _, message, _ = shard.push(PushRequest(0, 0, 0, 4, "float32", 1, 0, fill_with(ONES)))
+    outcome, _, message, _ = shard.push(push_request(ONES))
     assert (outcome, message) == (Outcome.AGGREGATED, "")
     for samples in (-1, -2):     # 0 is an empty contribution (tests/test_coordinator.py)
         with pytest.raises(InvalidArgument, match=f"num_samples: {samples} for a push; a gradient is"):
-            shard.push(PushRequest(1, 0, 0, 4, "float32", samples, 0, fill_with(ONES)))
+            shard.push(push_request(ONES, rank=1, samples=samples))
     with pytest.raises(DeadlineExceeded):
         shard.pull(0, 0, 0, 1, timeout=0.3)            # worker 1 has not pushed
     with pytest.raises(FailedPrecondition, match="seen_version: 1 is ahead"):

@@ -9,10 +9,9 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from pserver.config import ServerConfig
 from pserver.errors import FailedPrecondition, InvalidArgument
 from pserver.models import make_model
 from pserver.models.layout import Layout
@@ -20,25 +19,8 @@ from pserver.modes import Outcome
 from pserver.optim import make_optimizer
 from pserver.records import PushRequest
 from pserver.server.shard import Shard
-
-SETTINGS = settings(max_examples=25, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def fill_with(values):
-    return lambda dest: dest.__setitem__(slice(None), values)
-
-
-def make_cluster(layout: Layout, w0: np.ndarray, num_shards: int, num_workers: int, **cfg):
-    """S in-process shards with N registered workers and the chief's initial values."""
-    shards = [Shard(ServerConfig(shard=j, num_shards=num_shards, num_workers=num_workers, **cfg))
-              for j in range(num_shards)]
-    for j, s in enumerate(shards):
-        for r in range(num_workers):
-            s.register(r, num_workers, j, num_shards, layout)
-        a, b = s.store.start, s.store.end
-        s.init(0, layout.signature(), b - a, "float32", fill_with(w0[a:b]))
-    return shards
+from tests.support.pushes import fill_with, push_all
+from tests.support.shards import SETTINGS, make_cluster
 
 
 def pull_all(shards, total: int, rank: int = 0, clock: int = 0) -> tuple[np.ndarray, list[int]]:
@@ -48,11 +30,6 @@ def pull_all(shards, total: int, rank: int = 0, clock: int = 0) -> tuple[np.ndar
         w[s.store.start:s.store.end] = params
         versions.append(v)
     return w, versions
-
-
-def push_all(shards, rank, steps, g, num_samples=1, clock=0):
-    return [s.push(PushRequest(rank, j, steps[j], s.store.size, "float32", num_samples, clock,
-                               fill_with(g[s.store.start:s.store.end])))[0] for j, s in enumerate(shards)]
 
 
 # --- sync -----------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 import threading
 import time
@@ -16,24 +15,10 @@ from pserver.errors import FailedPrecondition, InvalidArgument
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
 from pserver.optim import make_optimizer
-from pserver.records import PushRequest
-from tests.test_modes import SETTINGS, fill_with, make_cluster
+from tests.support.pushes import fill_with, push, push_request
+from tests.support.shards import SETTINGS, heartbeats, one_shard
 
-
-@pytest.fixture(autouse=True, scope="module")
-def compiled():
-    """Load the numba kernels once, before any test whose short --step-timeout starts
-    counting while the first push loads them."""
-    push(one_shard(4, 1, mode="sync", optimizer="sgd", lr=1.0), 0, 0, np.ones(4, np.float32))
-
-
-def one_shard(size, num_workers, w0=None, **cfg):
-    w0 = np.zeros(size, np.float32) if w0 is None else w0
-    return make_cluster(Layout.of([("w", (size,))]), w0, 1, num_workers, **cfg)[0]
-
-
-def push(shard, rank, step, g, clock=0):
-    return shard.push(PushRequest(rank, 0, step, g.size, "float32", 1, clock, fill_with(g)))[0]
+pytestmark = pytest.mark.usefixtures("kernels_loaded")   # the kernels load once, before the timeouts
 
 
 @SETTINGS
@@ -211,19 +196,6 @@ def test_every_push_gets_exactly_one_outcome(mode, extra):
     assert not np.array_equal(shard.store.params, np.zeros(size, np.float32))
 
 
-@contextlib.contextmanager
-def heartbeats(shard, rank, every=0.05):
-    """A live worker's client heartbeats while it computes; this is that, for `rank`."""
-    stop = threading.Event()
-    t = threading.Thread(target=lambda: [shard.heartbeat(rank) for _ in iter(lambda: stop.wait(every), True)])
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join()
-
-
 def test_sync_step_timeout_marks_the_missing_worker_dead_and_goes_on():
     shard = one_shard(4, 3, mode="sync", optimizer="sgd", lr=1.0, step_timeout=0.5)
     push(shard, 0, 0, np.ones(4, np.float32))
@@ -276,7 +248,7 @@ def test_backup_never_averages_fewer_than_n_minus_b_as_workers_finish(data, num_
         step = shard.store.version
         for r in order:
             ones = fill_with(np.ones(3, np.float32))
-            outcome = shard.push(PushRequest(r, 0, step, 3, "float32", 1, 0, ones))[0]
+            outcome = shard.push(push_request(rank=r, step=step, fill=ones, size=3))[0]
             assert outcome in (Outcome.AGGREGATED, Outcome.DROPPED_LATE)
         for r in [r for r in active if rounds[r] == t + 1]:   # these finish their epochs
             shard.leave(r)
@@ -284,8 +256,7 @@ def test_backup_never_averages_fewer_than_n_minus_b_as_workers_finish(data, num_
     assert sizes and min(sizes) >= quorum
     assert shard.policy.finished == (len(active) < quorum)
     if shard.policy.finished and active:
-        out = shard.push(PushRequest(active[0], 0, shard.store.version, 3, "float32", 1, 0,
-                                     fill_with(np.ones(3, np.float32))))
+        out = shard.push(push_request(np.ones(3, np.float32), rank=active[0], step=shard.store.version))
         assert out[0] == Outcome.DROPPED_LATE and out[3] is True
         assert shard.pull(active[0], 0, shard.store.version, 0, timeout=1)[2] is True
     c = shard.store.counters.snapshot()
@@ -296,7 +267,7 @@ def test_backup_never_averages_fewer_than_n_minus_b_as_workers_finish(data, num_
 def test_dropped_pushes_do_not_count_as_trained_samples():
     shard = one_shard(4, 3, mode="backup", backup_workers=1, optimizer="sgd", lr=0.1)
     for r in range(3):
-        shard.push(PushRequest(r, 0, 0, 4, "float32", 10, 0, fill_with(np.ones(4, np.float32))))
+        shard.push(push_request(np.ones(4, np.float32), rank=r, samples=10))
     c = shard.store.counters.snapshot()
     assert c["pushes_dropped_late"] == 1 and c["samples_pushed"] == 20
 

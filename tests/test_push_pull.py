@@ -16,7 +16,8 @@ import pytest
 
 from pserver.errors import FailedPrecondition, InvalidArgument
 from pserver.wire import frames
-from tests.test_dataplane_hostile import LAYOUT, START, TOKEN, counters, raw_hello, two_sync_workers, worker  # noqa: F401 (two_sync_workers: a fixture)
+from tests.support.clients import LAYOUT, START, TOKEN, raw_hello, worker
+from tests.support.shards import counters
 
 ONES = np.ones(LAYOUT.total, np.float32)
 

@@ -18,7 +18,7 @@ from pserver.data import load_dataset
 from pserver.data.criteo import generate, hash_categorical
 from pserver.data.ranges import LineFile, gzip_index, open_lines
 from pserver.errors import DataError
-from tests.test_criteo import line, write
+from tests.support.criteo import line, write
 
 
 def pieces(data: bytes, span: int, max_line: int = 1 << 20) -> list[tuple[int, bytes]]:

@@ -24,17 +24,15 @@ from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, Unauthenticated, Unavailable
-from pserver.models.layout import Layout
 from pserver.wire import codec, frames
 from pserver.wire.security import TOKEN_ENV, ClientSecurity, client_security
 from pserver.worker import dataplane as worker_dataplane
 from pserver.worker.client import PSClient
-from tests.certs import make_certs
-from tests.e2e.conftest import missing
+from tests.support.certs import make_certs
+from tests.support.clients import LAYOUT, TOKEN
+from tests.support.processes import missing
 
-TOKEN = "s3cret-Token_for.tests"
 WRONG = "not-the-token"
-LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
 
 
 def state(shard) -> tuple:

@@ -12,32 +12,13 @@ from pserver.errors import FailedPrecondition, InvalidArgument, Unavailable
 from pserver.models.layout import Layout
 from pserver.wire import codec
 from pserver.worker.client import PSClient
-
-LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
+from tests.support.clients import LAYOUT, raw_push, ready_client
 
 
 @pytest.fixture(params=["grpc", "auto"])
 def plane(request):
     """Every client-level test runs over gRPC streams and over the shared-memory plane."""
     return request.param
-
-
-def ready_client(address, num_workers=1, rank=0, layout=LAYOUT, init=True, plane="grpc"):
-    c = PSClient([address], rank=rank, num_workers=num_workers, rpc_deadline=10, data_plane=plane)
-    c.connect(5)
-    c.register(layout)
-    assert (c.shards[0].fast is not None) == (plane == "auto"), "auto must use shared memory here"
-    if init:
-        c.init(np.arange(layout.total, dtype=np.float32))
-    return c
-
-
-def raw_push(address, chunks):
-    """A push through the generated stub: a plain protobuf client, as any language has."""
-    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
-    msgs = [m if isinstance(m, pb.TensorChunk) else pb.TensorChunk.FromString(codec.serialize_chunk(m))
-            for m in chunks]
-    return stub.Push(iter(msgs), timeout=5)
 
 
 def test_push_and_pull_round_trip(shard_server, plane):

@@ -12,7 +12,7 @@ import pytest
 from pserver.errors import ConfigError
 from pserver.wire.security import read_token_file, resolve_token, write_token_file
 from pserver.worker.sessions import SessionFile, default_dir
-from tests.e2e.conftest import missing
+from tests.support.processes import missing
 
 PS = ["127.0.0.1:5000", "127.0.0.1:5001"]
 

@@ -29,7 +29,7 @@ from pserver.sparse import (
     splitmix64,
     unique_inverse,
 )
-from tests.test_kernels_conv import splitmix64_python
+from tests.support.twins import splitmix64_python
 
 FAST = settings(max_examples=30, deadline=None)
 

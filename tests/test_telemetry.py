@@ -11,9 +11,8 @@ from hypothesis import strategies as st
 from pserver.config import ServerConfig, WorkerConfig
 from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument
 from pserver.observe.telemetry import staleness_histogram
-from pserver.records import PushRequest
-from tests.test_modes import fill_with
-from tests.test_modes_async import one_shard, push
+from tests.support.pushes import push, push_request
+from tests.support.shards import one_shard
 
 
 def rejected(shard, reason: str) -> float:
@@ -24,7 +23,7 @@ def test_rejected_pushes_are_counted_by_the_status_code_sent_back():
     shard = one_shard(4, 2, mode="async", optimizer="sgd", lr=1.0)
     push(shard, 0, 0, np.ones(4, np.float32))
     with pytest.raises(InvalidArgument):
-        shard.push(PushRequest(0, 0, 0, 4, "float64", 1, 0, fill_with(np.ones(4))))
+        shard.push(push_request(np.ones(4), dtype="float64"))
     with pytest.raises(FailedPrecondition):
         push(shard, 1, 99, np.ones(4, np.float32))              # a step from the future
     assert rejected(shard, "invalid_argument") == 1 and rejected(shard, "failed_precondition") == 1

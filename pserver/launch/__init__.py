@@ -19,7 +19,6 @@ import os
 import secrets
 import shlex
 
-from pserver._moved import forward
 from pserver.config import ServerConfig, WorkerConfig, check_writable
 from pserver.errors import ConfigError
 from pserver.launch.base import BACKENDS, LaunchConfig
@@ -74,7 +73,3 @@ def status_flags(token_file: str | None, tls_ca: str | None) -> str:
 
 
 __all__ = ["BACKENDS", "LaunchConfig", "launch"]
-
-# The other names of the module pserver.launch was before the packages (Proc, worker_delay, ...), with a
-# DeprecationWarning: they are in pserver.launch.base and pserver.launch.local.
-__getattr__ = forward(__name__, warn_now=False)

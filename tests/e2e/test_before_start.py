@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import run
+from tests.support.processes import run
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import missing
+from tests.support.processes import missing
 
 pytestmark = pytest.mark.e2e
 

@@ -21,8 +21,7 @@ import pytest
 from pserver.models.layout import Layout
 from pserver.server import checkpoint
 from pserver.worker.client import PSClient
-from tests.e2e.conftest import LOGREG, run, wait_until
-from tests.e2e.test_training import free_port
+from tests.support.processes import LOGREG, free_port, run, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ import pytest
 from pserver.config import ServerConfig
 from pserver.server import checkpoint
 from pserver.server.shard import Shard
-from tests.e2e.conftest import LOGREG, run
+from tests.support.processes import LOGREG, run
 
 pytestmark = pytest.mark.e2e
 

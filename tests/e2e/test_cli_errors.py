@@ -7,18 +7,9 @@ import subprocess
 import pytest
 
 from pserver.errors import EXIT_TRANSIENT
-from tests.e2e.conftest import LOGREG, run
+from tests.support.processes import LOGREG, one_clear_line, run
 
 pytestmark = pytest.mark.e2e
-
-
-def one_clear_line(r, *words):
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr + r.stdout
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 def test_unreachable_ps():

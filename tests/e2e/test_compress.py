@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import LOGREG, read_json, run
+from tests.support.processes import LOGREG, read_json, run
 
 pytestmark = pytest.mark.e2e
 

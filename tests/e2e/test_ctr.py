@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pserver.data import load_dataset
-from tests.e2e.conftest import read_json, run
+from tests.support.processes import read_json, run
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pserver.server import checkpoint
-from tests.e2e.conftest import run
+from tests.support.processes import run
 
 pytestmark = pytest.mark.e2e
 

@@ -15,14 +15,12 @@ import tempfile
 import numpy as np
 import pytest
 
-from pserver.models.layout import Layout
 from pserver.wire import frames
 from pserver.worker.client import PSClient
-from tests.e2e.conftest import Proc, missing
+from tests.support.clients import LAYOUT, START
+from tests.support.processes import Proc, missing
 
-LAYOUT = Layout.of([("w", (10, 3)), ("b", (3,))])   # 33 elements
 NBYTES = LAYOUT.total * 4
-START = np.arange(LAYOUT.total, dtype=np.float32)
 SERVE = ["serve", "--port", "0", "--mode", "sync", "--optimizer", "sgd", "--lr", "1"]
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import read_json
+from tests.support.processes import read_json, wait_for_steps
 
 pytestmark = pytest.mark.e2e
 
@@ -25,15 +25,6 @@ def cluster(procs, tmp_path, name):
     workers = [procs("worker", "--ps", addr, "--rank", str(r), "--num-workers", "3", *TRAIN,
                      *(["--summary-json", str(summary)] if r == 0 else [])) for r in range(3)]
     return shard, addr, workers, summary
-
-
-def wait_for_steps(proc, n, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sum("step" in ln and "loss" in ln for ln in proc.lines) >= n:
-            return
-        time.sleep(0.05)
-    raise AssertionError(proc.output)
 
 
 def test_sigkill_in_sync_mode_does_not_stop_the_others_and_the_worker_can_rejoin(procs, tmp_path):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import read_json
+from tests.support.processes import read_json
 
 pytestmark = pytest.mark.e2e
 

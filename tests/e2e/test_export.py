@@ -22,7 +22,7 @@ from pserver import sparse
 from pserver.data import load_dataset
 from pserver.models import metrics
 from pserver.server import checkpoint, reshard
-from tests.e2e.conftest import pserver_cmd, read_json, run
+from tests.support.processes import pserver_cmd, read_json, run
 
 pytestmark = pytest.mark.e2e
 

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import read_json
-from tests.e2e.test_training import free_port
+from tests.support.processes import free_port, read_json
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import env_with
+from tests.support.processes import env_with
 
 pytestmark = [pytest.mark.e2e]
 

@@ -3,7 +3,6 @@ worker processes. Nothing outlives the launcher; every process exits 128+signal.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import signal
@@ -12,28 +11,11 @@ import pytest
 
 from pserver.errors import EXIT_TRANSIENT
 from pserver.server import checkpoint
-from tests.e2e.conftest import LOGREG, env_with, pserver_cmd, wait_until
+from tests.support.processes import LOGREG, alive, children, env_with, pserver_cmd, wait_until
 
 pytestmark = pytest.mark.e2e
 
 ENDLESS = [*LOGREG, "--epochs", "1000", "--delay", "fixed:0.01"]   # still training when signalled
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for path in glob.glob(f"/proc/{pid}/task/*/children"):
-        with open(path) as f:
-            found += [int(c) for c in f.read().split()]
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Running or stopped, not gone and not a zombie (an orphan nobody reaped is dead too)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def training_cluster(procs):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import read_json, wait_until
+from tests.support.processes import read_json, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +52,7 @@ def test_shard_0_restored_mid_epoch_counts_the_chunks_done_since_its_checkpoint(
     new coordinator, report what they trained under the old one, and the batches done after the
     checkpoint count in batches_retrained (more than the two batches in flight at the checkpoint,
     which is all the old code counted); the epochs still end with every chunk done once."""
-    from tests.e2e.test_training import free_port
+    from tests.support.processes import free_port
     port, ckpt = free_port(), tmp_path / "ckpt"
     ckpt.mkdir()
     serve = ["serve", "--port", str(port), "--num-workers", "2", "--mode", "async", "--step-timeout", "5",

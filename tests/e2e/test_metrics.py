@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.e2e.conftest import LOGREG, read_json, wait_until
+from tests.support.processes import LOGREG, read_json, wait_until
 
 pytestmark = pytest.mark.e2e
 METRICS_AT = re.compile(r"Prometheus metrics at (http://\S+/metrics)")
@@ -81,7 +81,7 @@ def test_a_live_shard_and_worker_expose_what_the_run_did_and_the_chief_writes_cu
 
 
 def test_under_launch_process_i_serves_metrics_on_p_plus_i_shards_first(tmp_path):
-    from tests.e2e.conftest import run
+    from tests.support.processes import run
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         base = probe.getsockname()[1]

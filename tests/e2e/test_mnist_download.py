@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from pserver.data.mnist import MNIST_DIR_ENV, MNIST_FILES
-from tests.e2e.conftest import read_json, run
+from tests.support.processes import read_json, run
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import LOGREG, env_with, read_json, run
+from tests.support.processes import LOGREG, env_with, read_json, run
 
 pytestmark = pytest.mark.e2e
 

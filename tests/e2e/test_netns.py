@@ -24,7 +24,7 @@ import threading
 import pytest
 
 from pserver.wire.security import TOKEN_ENV
-from tests.e2e.conftest import LOGREG, env_with, missing, read_json
+from tests.support.processes import LOGREG, env_with, missing, read_json
 
 pytestmark = pytest.mark.e2e
 PS_IP, WORKER_IP = "10.77.0.1", "10.77.0.2"

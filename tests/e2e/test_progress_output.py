@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import env_with, pserver_cmd, run
+from tests.support.processes import env_with, pserver_cmd, run
 
 pytestmark = pytest.mark.e2e
 

@@ -14,8 +14,7 @@ import sys
 import pytest
 
 from pserver.errors import EXIT_TRANSIENT
-from tests.e2e.conftest import LOGREG, env_with, missing, read_json, run, wait_until
-from tests.e2e.test_launch_signals import alive, children
+from tests.support.processes import LOGREG, alive, children, env_with, missing, read_json, run, wait_until
 
 pytestmark = pytest.mark.e2e
 CLUSTER = ["--ps", "2", "--workers", "2", "--mode", "sync", "--seed", "3"]

@@ -13,7 +13,7 @@ from pserver import sparse
 from pserver.config import ServerConfig
 from pserver.server import reshard
 from pserver.server.shard import Shard
-from tests.e2e.conftest import read_json, run
+from tests.support.processes import read_json, run
 
 pytestmark = pytest.mark.e2e
 

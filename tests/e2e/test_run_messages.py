@@ -9,8 +9,7 @@ import signal
 
 import pytest
 
-from tests.e2e.conftest import LOGREG, read_json, run, wait_until
-from tests.e2e.test_training import free_port
+from tests.support.processes import LOGREG, free_port, read_json, run, wait_until
 
 pytestmark = pytest.mark.e2e
 

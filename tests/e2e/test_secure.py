@@ -13,9 +13,8 @@ import pytest
 from pserver import cli
 from pserver.launch import local as launch_module
 from pserver.wire.security import TOKEN_ENV
-from tests.certs import make_certs
-from tests.e2e.conftest import LOGREG, read_json, run, wait_until
-from tests.e2e.test_cli_errors import one_clear_line
+from tests.support.certs import make_certs
+from tests.support.processes import LOGREG, one_clear_line, read_json, run, wait_until
 
 pytestmark = pytest.mark.e2e
 TOKEN = "e2e-Token_0123456789"

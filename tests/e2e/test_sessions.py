@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import read_json, wait_until
-from tests.e2e.test_dead_worker import wait_for_steps
+from tests.support.processes import read_json, wait_for_steps, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -15,18 +15,12 @@ import sys
 import pytest
 
 from pserver.wire.security import TOKEN_ENV
-from tests.e2e.conftest import LOGREG, missing, read_json, wait_until
+from tests.support.processes import LOGREG, free_port, missing, read_json, wait_until
 
 pytestmark = pytest.mark.e2e
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "squeue", "sinfo")
 TOKEN = "slurm-Token_0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def unavailable(why: str) -> None:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
-from tests.e2e.conftest import LOGREG, read_json, run
+from tests.support.processes import LOGREG, free_port, read_json, run
 
 pytestmark = pytest.mark.e2e
 
@@ -76,12 +75,6 @@ def test_launch_two_shards_three_workers(tmp_path):
     for role in ("[ps0]", "[ps1]", "[worker0]", "[worker1]", "[worker2]"):
         assert role in r.stdout
     assert "payloads over gRPC streams" in r.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tf_config_alone_configures_shard_and_workers(procs, tmp_path):

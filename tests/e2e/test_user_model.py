@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import read_json, run
+from tests.support.processes import read_json, run
 
 pytestmark = pytest.mark.e2e
 

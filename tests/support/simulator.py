@@ -17,7 +17,8 @@ import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.support import ROOT
+
 MODULES = ("check_kernels_cuda", "check_gemm_cuda", "check_model_cuda")
 NICE = 10      # the suite's timing-sensitive tests come first
 

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from tests.e2e.conftest import missing
+from tests.support.processes import missing
 
 
 @dataclass(frozen=True)

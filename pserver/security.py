@@ -1,5 +1,0 @@
-"""Moved to pserver.wire.security: this path warns and goes away in the next release."""
-
-from pserver._moved import forward
-
-__getattr__ = forward(__name__)

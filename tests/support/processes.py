@@ -1,0 +1,146 @@
+"""Real `pserver` processes for tests: started, waited on, their output read and checked."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+# Small but real: logistic regression on a synthetic task, a few hundred steps.
+LOGREG = ["--model", "logreg", "--dataset", "synthetic", "--samples", "6000", "--features", "40",
+          "--batch-size", "32", "--epochs", "2", "--log-every", "0.5"]
+
+
+def pserver_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pserver", *args]
+
+
+class Proc:
+    """A pserver process whose output is collected in the background."""
+
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        self.popen = subprocess.Popen(pserver_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env_with(env), start_new_session=True)
+        self.lines: list[str] = []
+        self.port_seen = threading.Event()
+        self.port: int | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.lines.append(line)
+            m = re.search(r"listening on \S+:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+                self.port_seen.set()
+        self.port_seen.set()
+
+    def address(self, timeout: float = 60) -> str:
+        assert self.port_seen.wait(timeout) and self.port, "".join(self.lines)
+        return f"127.0.0.1:{self.port}"
+
+    def wait(self, timeout: float = 180) -> int:
+        code = self.popen.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def env_with(extra: dict | None) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1")
+    env.pop("TF_CONFIG", None)
+    env.update(extra or {})
+    return env
+
+
+def run(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(pserver_cmd(*args), capture_output=True, text=True, env=env_with(env),
+                          timeout=timeout)
+
+
+def missing(what: str, why: str) -> None:
+    """A real component the test needs is not here: skip, except in CI (CI=true), which installs
+    it (.ci/run) and where a skip would hide a test that never ran."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} cannot run in CI: {why}")
+    pytest.skip(why)
+
+
+def wait_until(condition, timeout: float = 60) -> bool:
+    """Poll condition() until it holds or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.1)
+    return condition()
+
+
+def read_json(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def free_port() -> int:
+    """A port free now on 127.0.0.1, for a process that must be told its port in advance."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """The pids of pid's child processes (Linux: /proc/PID/task/*/children)."""
+    found = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        with open(path) as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped, not gone and not a zombie (an orphan nobody reaped is dead too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_for_steps(proc, n, timeout=60):
+    """Wait until a worker's output shows n step lines (with their loss); else fail with it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum("step" in ln and "loss" in ln for ln in proc.lines) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(proc.output)
+
+
+def one_clear_line(r, *words):
+    """A command that failed with one line on stderr, naming each of words, and no traceback."""
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
