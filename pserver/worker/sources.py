@@ -95,13 +95,16 @@ def resume_clock(cfg: WorkerConfig, rank: int, infos, steps: int) -> int:
         print(f"the shards recorded rank {rank}'s position, but {why}: starting at epoch 1", flush=True)
         return 0
     clock = min(p.clock if p else 0 for p in found)
-    at = found[0]._replace(clock=clock)
-    left = ("nothing is left to train" if at.epoch >= cfg.epochs or (cfg.max_steps and clock >= cfg.max_steps)
-            else f"{steps * cfg.epochs - clock} step(s) to go")
-    print(f"resuming rank {rank} at epoch {at.epoch + 1}/{cfg.epochs}, step {at.step + 1}/{steps} "
-          f"(step {clock} of the run, as the shards recorded it; --no-resume starts over): {left}",
-          flush=True)
+    print(resuming(cfg, rank, found[0]._replace(clock=clock), steps), flush=True)
     return clock
+
+
+def resuming(cfg: WorkerConfig, rank: int, at, steps: int) -> str:
+    """The line of a rank resumed at position `at` (pserver.wire.codec.Position)."""
+    done = at.epoch >= cfg.epochs or (cfg.max_steps and at.clock >= cfg.max_steps)
+    left = "nothing is left to train" if done else f"{steps * cfg.epochs - at.clock} step(s) to go"
+    return (f"resuming rank {rank} at epoch {at.epoch + 1}/{cfg.epochs}, step {at.step + 1}/{steps} "
+            f"(step {at.clock} of the run, as the shards recorded it; --no-resume starts over): {left}")
 
 
 def other_order(cfg: WorkerConfig, found: list, steps: int) -> str:
