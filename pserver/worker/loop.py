@@ -215,7 +215,7 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
                       pull_compression=cfg.pull_compress, session_dir=cfg.session_dir)
     try:
         training, source, counted_from = set_up(cfg, device, ds, model, client, report,
-                                                callbacks or NoCallbacks())
+                                                NoCallbacks() if callbacks is None else callbacks)
         started = time.monotonic()
         stats = train(training, source)
         client.leave()
