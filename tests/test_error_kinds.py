@@ -34,7 +34,7 @@ from pserver.server.app import create_server
 from pserver.wire import frames
 from pserver.wire.security import ClientSecurity
 from pserver.worker.client import PSClient, ShardClient
-from pserver.worker.loop import push_pull
+from pserver.worker.run import push_pull
 from tests.support.clients import LAYOUT, START, TOKEN, raw_hello, worker
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

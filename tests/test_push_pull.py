@@ -84,9 +84,9 @@ def test_a_refused_push_pulls_nothing_and_changes_nothing(shard_server):
 
 
 def test_the_worker_step_pushes_its_batch_size_and_pulls_at_the_next_clock(shard_server):
-    """pserver.worker.loop.push_pull, as the training loop calls it: the samples it trained on are
+    """pserver.worker.run.push_pull, as the training loop calls it: the samples it trained on are
     counted, and in ssp its clock moves to the one its next step pulls for."""
-    from pserver.worker.loop import push_pull
+    from pserver.worker.run import push_pull
     addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="ssp", staleness=5)
     c = worker(addr)
     w = np.empty(LAYOUT.total, np.float32)
@@ -99,10 +99,10 @@ def test_the_worker_step_pushes_its_batch_size_and_pulls_at_the_next_clock(shard
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
 def test_a_stale_push_in_a_worker_still_pulls(shard_server, mode):
-    """pserver.worker.loop.push_pull: a push refused for its step is survivable; the pull that
+    """pserver.worker.run.push_pull: a push refused for its step is survivable; the pull that
     it could not carry is made on its own, for the clock after the push's, so the worker
     goes on from the current version."""
-    from pserver.worker.loop import push_pull
+    from pserver.worker.run import push_pull
     addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode=mode, staleness=5)
     c = worker(addr)
     w = np.empty(LAYOUT.total, np.float32)

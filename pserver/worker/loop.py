@@ -7,17 +7,15 @@ the pushes combine and how long each pull waits. The loop does not branch on the
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
-import itertools
 import os
 import sys
 import time
 
 import numpy as np
 
-from pserver.config import AUTO_RANK, WorkerConfig
+from pserver.config import WorkerConfig
 from pserver.data import Dataset, Stream, describe, load_dataset
 from pserver.errors import (
     ConfigError,
@@ -26,7 +24,6 @@ from pserver.errors import (
     FailedPrecondition,
     LeaseGone,
     PServerError,
-    StaleStep,
     Unavailable,
 )
 from pserver.kernels.cache import CompileWatch
@@ -36,8 +33,6 @@ from pserver.models import make_model, saved
 from pserver.models.ctr import CTR_MODELS
 from pserver.models.layout import Layout
 from pserver.observe.metrics import (
-    EvalCurve,
-    StepTimer,
     combine_counters,
     format_summary,
     sparse_summary,
@@ -49,6 +44,8 @@ from pserver.signals import Stopped
 from pserver.sparse import TableLookup
 from pserver.wire.security import client_security
 from pserver.worker.client import PSClient
+from pserver.worker.run import Run, push_pull
+from pserver.worker.sources import Batch, EpochEnd, Leases, Slices, source_for
 from pserver.worker.stragglers import Delay
 
 
@@ -170,17 +167,18 @@ def model_name(model) -> str:
     return getattr(model, "name", type(model).__name__)
 
 
-def evaluate(model, w, ds, cfg: WorkerConfig, rows: Rows | None = None, threads: int = 1) -> dict:
+def evaluate(run: Run, threads: int = 1) -> dict:
     """The model's metrics on the test set ({} when there is none: a Stream without one).
-    A model with sparse tables reads its rows from the shards through `rows`. `threads`: for a
+    A model with sparse tables reads its rows from the shards through `run.rows`. `threads`: for a
     model whose evaluate takes them (pserver's Sequential), see eval_threads."""
+    model, ds, batch = run.model, run.ds, run.cfg.eval_batch
     if ds.x_test is None:
         return {}
-    if rows:
-        return model.evaluate(w, ds.x_test, ds.y_test, batch_size=cfg.eval_batch, rows=rows.lookup)
+    if run.rows:
+        return model.evaluate(run.w, ds.x_test, ds.y_test, batch_size=batch, rows=run.rows.lookup)
     if threads > 1 and "threads" in inspect.signature(model.evaluate).parameters:
-        return model.evaluate(w, ds.x_test, ds.y_test, batch_size=cfg.eval_batch, threads=threads)
-    return model.evaluate(w, ds.x_test, ds.y_test, batch_size=cfg.eval_batch)
+        return model.evaluate(run.w, ds.x_test, ds.y_test, batch_size=batch, threads=threads)
+    return model.evaluate(run.w, ds.x_test, ds.y_test, batch_size=batch)
 
 
 def eval_threads(client: PSClient, others_wait: bool) -> int:
@@ -215,58 +213,13 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca), compression=cfg.compress,
                       pull_compression=cfg.pull_compress, session_dir=cfg.session_dir)
-    compiling = CompileWatch().start()        # the first pulls and the warm-up call every kernel
     try:
-        client.connect(cfg.connect_timeout)
-        steps = ds.steps(cfg.num_workers, cfg.batch_size)
-        infos = client.register(registered_layout(model), cfg.batch_size, (cfg.seed, steps))
-        if cfg.rank == AUTO_RANK:
-            cfg = joined_as(cfg, client.rank)
-        check_settings(client, getattr(callbacks, "shard_settings", None), infos[0].settings)
-        mode = infos[0].mode
-        print(f"worker rank {cfg.rank}/{cfg.num_workers} device {describe_device(device)}; "
-              f"model {model_name(model)} {describe_params(model)}; {describe(ds)}; mode {mode}, "
-              f"{len(cfg.ps)} shard(s) ({client.plane_description()}), optimizer {infos[0].optimizer} "
-              f"lr {infos[0].lr:g}", flush=True)
-        note = blas_note(device)
-        if note and cfg.rank == 0:
-            print(note, flush=True)
-        w = np.empty(model.layout.total, dtype=np.float32)
-        start = None
-        if cfg.rank == 0:
-            start = client.status()            # before Init: no push can come before it
-            check_fresh(client, infos, cfg.require_fresh)
-            client.init(model.init_params(cfg.seed))
-        client.pull(w)                         # waits until the chief's values are there
-        rows = Rows(model, client)
-        warm_up(model, w, ds, cfg.batch_size, rows)
-        member_from = client.elastic_join(infos)
-        if member_from:                        # until its step opens, a joining worker only pulls
-            print(f"worker {cfg.rank} joins: a member from step {member_from} on every shard", flush=True)
-            client.pull(w, seen=[member_from - 1] * len(cfg.ps))
-        if compiling.stop().compiled and cfg.rank == 0:     # a first run: why it took a while
-            print(compiling.describe(), flush=True)
+        training, source, counted_from = set_up(cfg, device, ds, model, client, report,
+                                                NoCallbacks() if callbacks is None else callbacks)
         started = time.monotonic()
-        if leased(cfg, ds):
-            history = train_leased(cfg, ds, model, client, w, rows, report, mode, callbacks)
-        else:
-            history = train(cfg, ds, model, client, w, rows, report, resume_clock(cfg, infos, steps),
-                            callbacks or NoCallbacks())
+        stats = train(training, source)
         client.leave()
-        if cfg.rank != 0:
-            say_if_chief_gone(client)
-            callbacks and callbacks.on_weights(w)
-            return None
-        summary = finish(cfg, ds, model, client, w, mode, history, started, start, rows, held_out(callbacks))
-        callbacks and callbacks.on_weights(w)         # the final weights (a Keras model keeps them)
-        if cfg.save:
-            save_model(cfg, client, model, w, definition, summary)
-            print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
-                  f"{cfg.save}", flush=True)
-        if cfg.stop_shards:
-            client.stop_shards()
-            print(f"stopped the {len(cfg.ps)} shard(s): the run is over", flush=True)
-        return summary
+        return end(training, stats, started, counted_from, definition)
     except (Stopped, KeyboardInterrupt):
         client.leave_on_stop()                 # the others' steps stop waiting for us now
         raise
@@ -275,12 +228,76 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
         client.close()
 
 
-def joined_as(cfg: WorkerConfig, rank: int) -> WorkerConfig:
-    """cfg with the rank shard 0 assigned (--rank auto). A joiner's rank may be at or above its
-    --num-workers, the slice count of its data: it trains slice rank % --num-workers."""
-    cfg = copy.copy(cfg)
-    object.__setattr__(cfg, "rank", rank)     # frozen; the rank was checked by shard 0
-    return cfg
+def set_up(cfg: WorkerConfig, device, ds, model, client: PSClient, report: TrainingReport,
+           callbacks) -> tuple[Run, Slices | Leases, list | None]:
+    """Connect and register (where the rank is set, once: --rank auto learns the one shard 0
+    assigns), let the chief initialize, pull, warm up and join: the Run, its batch source, and
+    the chief's statuses of the shards before it (its summary counts this run's part of them)."""
+    compiling = CompileWatch().start()        # the first pulls and the warm-up call every kernel
+    client.connect(cfg.connect_timeout)
+    data_order = (cfg.seed, ds.steps(cfg.num_workers, cfg.batch_size))
+    infos = client.register(registered_layout(model), cfg.batch_size, data_order)
+    check_settings(client, getattr(callbacks, "shard_settings", None), infos[0].settings)
+    rank = client.rank
+    say_started(cfg, rank, device, ds, model, client, infos[0])
+    w = np.empty(model.layout.total, dtype=np.float32)
+    counted_from = None
+    if rank == 0:
+        counted_from = client.status()     # before Init: no push can come before it
+        check_fresh(client, infos, cfg.require_fresh)
+        client.init(model.init_params(cfg.seed))
+    client.pull(w)                         # waits until the chief's values are there
+    rows = Rows(model, client)
+    warm_up(model, w, ds, cfg.batch_size, rows)
+    join(client, rank, w, infos)
+    if compiling.stop().compiled and rank == 0:     # a first run: why it took a while
+        print(compiling.describe(), flush=True)
+    source = source_for(cfg, ds, rank, infos)
+    progress = Progress(cfg.epochs, source.steps, cfg.log_every,
+                        style_for(cfg.progress, rank, sys.stderr.isatty()), source.start)
+    training = Run(cfg, rank, ds, model, client, w, rows, report, callbacks, infos[0].mode, progress,
+                   gradient_fn(model, cfg.seed, rank), Delay(cfg.delay, cfg.seed, rank), start=source.start)
+    return training, source, counted_from
+
+
+def say_started(cfg: WorkerConfig, rank: int, device, ds, model, client: PSClient, info) -> None:
+    print(f"worker rank {rank}/{cfg.num_workers} device {describe_device(device)}; "
+          f"model {model_name(model)} {describe_params(model)}; {describe(ds)}; mode {info.mode}, "
+          f"{len(cfg.ps)} shard(s) ({client.plane_description()}), optimizer {info.optimizer} "
+          f"lr {info.lr:g}", flush=True)
+    note = blas_note(device)
+    if note and rank == 0:
+        print(note, flush=True)
+
+
+def join(client: PSClient, rank: int, w: np.ndarray, infos) -> None:
+    """An elastic joiner waits for its step: until it opens, a joining worker only pulls."""
+    member_from = client.elastic_join(infos)
+    if member_from:
+        print(f"worker {rank} joins: a member from step {member_from} on every shard", flush=True)
+        client.pull(w, seen=[member_from - 1] * len(client.shards))
+
+
+def end(run: Run, stats: dict, started: float, counted_from, definition: dict | None) -> dict | None:
+    """After the last step: a worker other than the chief hands its callbacks the weights; the
+    chief evaluates and returns the summary, saves the model and stops the shards, as asked."""
+    if not run.chief:
+        say_if_chief_gone(run.client)
+        run.callbacks.on_weights(run.w)
+        return None
+    cfg, client, model = run.cfg, run.client, run.model
+    summary = finish(run, stats, started, counted_from)
+    run.callbacks.on_weights(run.w)         # the final weights (a Keras model keeps them)
+    if cfg.save:
+        save_model(cfg, client, model, run.w, definition, summary)
+        print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
+              f"{cfg.save}", flush=True)
+    if cfg.stop_shards:
+        client.stop_shards()
+        print(f"stopped the {len(cfg.ps)} shard(s): the run is over", flush=True)
+    return summary
+
+
 def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, definition: dict | None,
                summary: dict) -> None:
     """--save: the model file; a model with sparse tables gets every table's rows, streamed
@@ -329,33 +346,6 @@ def check_fresh(client: PSClient, infos, require_fresh: bool) -> None:
           "(--require-fresh refuses instead)", flush=True)
 
 
-def resume_clock(cfg: WorkerConfig, infos, steps: int) -> int:
-    """The step this rank goes on from: where every shard recorded it (the smallest, since each
-    checkpointed at its own time), when it followed this data order; else 0. Says which, in one line."""
-    found = [i.position for i in infos]
-    if all(p is None or p.clock == 0 for p in found):
-        return 0
-    if cfg.no_resume:
-        print(f"--no-resume: starting at epoch 1 (the shards recorded rank {cfg.rank} at step "
-              f"{max(p.clock for p in found if p)})", flush=True)
-        return 0
-    other = next((p for p in found if p and (p.data_seed, p.steps_per_epoch) != (cfg.seed, steps)), None)
-    if other is not None or not steps:
-        why = ("its data has no known epoch length" if not steps else
-               f"they were counted in another data order (seed {other.data_seed}, "
-               f"{other.steps_per_epoch} steps per epoch; now seed {cfg.seed}, {steps})")
-        print(f"the shards recorded rank {cfg.rank}'s position, but {why}: starting at epoch 1", flush=True)
-        return 0
-    clock = min(p.clock if p else 0 for p in found)
-    at = found[0]._replace(clock=clock)
-    left = ("nothing is left to train" if at.epoch >= cfg.epochs or (cfg.max_steps and clock >= cfg.max_steps)
-            else f"{steps * cfg.epochs - clock} step(s) to go")
-    print(f"resuming rank {cfg.rank} at epoch {at.epoch + 1}/{cfg.epochs}, step {at.step + 1}/{steps} "
-          f"(step {clock} of the run, as the shards recorded it; --no-resume starts over): {left}",
-          flush=True)
-    return clock
-
-
 def say_if_chief_gone(client: PSClient) -> None:
     """A worker's last line says so when the chief is gone: no final evaluation or summary
     will come from it (a restarted chief rejoins and writes them)."""
@@ -395,210 +385,72 @@ class NoCallbacks:
     def on_weights(self, w): pass
 
 
-def train(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: Rows,
-          report: TrainingReport, start: int = 0, callbacks=None) -> dict:
-    """The epochs, from step `start` of the run on (a resumed worker's; 0 otherwise).
-    `callbacks` hear of each step and epoch (the chief's epoch logs hold the test metrics)."""
-    callbacks = callbacks or NoCallbacks()
-    steps = ds.steps(cfg.num_workers, cfg.batch_size)
-    g = np.empty_like(w)
-    gradient = gradient_fn(model, cfg.seed, cfg.rank)
-    delay = Delay(cfg.delay, cfg.seed, cfg.rank)
-    style = style_for(cfg.progress, cfg.rank, sys.stderr.isatty())
-    progress = Progress(cfg.epochs, steps, cfg.log_every, style, start)
-    timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
-    clock, epochs_log, outcomes, samples = start, [], {}, 0
-    first_epoch, skip = divmod(start, steps) if steps else (0, 0)
-    if cfg.max_steps and start >= cfg.max_steps:
-        first_epoch = cfg.epochs               # resumed past --max-steps: nothing left
-    callbacks.on_train_begin({})
-    for epoch in range(first_epoch, cfg.epochs):
-        callbacks.on_epoch_begin(epoch, {})
-        offset, skip = skip, 0                 # a resumed epoch starts at its step
-        epoch_started = time.monotonic()
-        batches = itertools.islice(ds.epoch(cfg.rank % cfg.num_workers, cfg.num_workers, cfg.batch_size,
-                                            cfg.seed, epoch), offset, None)
-        for step, (x, y) in enumerate(batches, start=offset):
-            step_started = time.perf_counter()
-            loss, exchange_started = one_step(client, gradient, delay, timer, rows, w, g, x, y, clock,
-                                              outcomes)
-            clock += 1
-            samples += len(x)                  # the epoch's last batch may be smaller
-            done = time.perf_counter()
-            report.step(done - step_started, done - exchange_started, len(x))
-            last = step == steps - 1 or client.finished or (cfg.max_steps and clock >= cfg.max_steps)
-            callbacks.on_train_batch_end(step, {"loss": loss, "size": len(x)})
-            line = progress.step(epoch, step, loss, len(x), force=bool(last))
-            if line:
-                report.progress(clock, *line)
-            curve.maybe(lambda: evaluate(model, w, ds, cfg, rows, eval_threads(client, others_wait=False)),
-                        progress.elapsed, client, clock)
-            if client.finished or (cfg.max_steps and clock >= cfg.max_steps):
+def train(run: Run, source: Slices | Leases) -> dict:
+    """The epochs of `source`'s batches (each rank's slices, or chunks leased from shard 0), from
+    step run.start on; the chief's epoch logs hold the test metrics. `run.callbacks` hear of each
+    batch and epoch (with leases, an epoch ends when the worker learns it). This worker's stats."""
+    run.callbacks.on_train_begin({})
+    for item in source.batches(run):
+        if isinstance(item, EpochEnd):
+            if end_epoch(run, item):
                 break
-        if cfg.rank == 0:
-            epochs_log.append(chief_epoch_end(cfg, ds, model, w, epoch, epoch_started, rows, progress,
-                                              report, client, clock, held_out(callbacks)))
-        callbacks.on_epoch_end(epoch, dict(epochs_log[-1]) if cfg.rank == 0 else {})
-        if callbacks.stop_training:
-            break
-        if client.finished:
-            progress.say(f"the shards ended the run at step {max(client.versions)} "
-                         f"(too few unfinished workers left for a step); stopping")
-            break
-        if cfg.max_steps and clock >= cfg.max_steps:
-            break
-    progress.close()
-    callbacks.on_train_end({})
-    stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock - start,
-                          samples=samples, outcomes=outcomes)
-    if cfg.stats_json:
-        write_json(cfg.stats_json, stats)
-    return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock, "curve": curve.points,
-            "stats": stats, "seconds": progress.elapsed, "resumed_at_step": start}
+        elif exchange(run, item) == "trained" or (item.outcome == "rejected" and not source.retries):
+            report_batch(run, item, force=item.last or (source.line_at_end and run.over()))
+    run.progress.close()
+    run.callbacks.on_train_end({})
+    stats = run.timer.summary(run.progress.elapsed, rank=run.rank, steps=run.clock - run.start,
+                              samples=run.samples, outcomes=run.outcomes)
+    if run.cfg.stats_json:
+        write_json(run.cfg.stats_json, stats)
+    return stats
 
 
-def leased(cfg: WorkerConfig, ds) -> bool:
-    """Whether this worker takes its data on lease (--data-assignment leases and data that can be
-    cut into chunks); a user's generator keeps its rank's own batches, and the worker says so."""
-    if cfg.data_assignment != "leases":
-        return False
-    if getattr(ds, "leased_batches", None) is None:
-        print(f"worker {cfg.rank}: --data-assignment leases: {ds.name} cannot be cut into chunks (batches "
-              f"read in order); each rank reads its own batches (slices)", flush=True)
-        return False
-    return True
+def exchange(run: Run, batch: Batch) -> str:
+    """Train `batch` (one_step); its outcome, which its source reads too (Batch)."""
+    rejected = run.outcomes.get("rejected", 0)
+    try:
+        batch.loss, batch.exchange_started = one_step(run, batch.x, batch.y, batch.lease)
+    except LeaseGone as e:                      # marked dead meanwhile: the chunk went elsewhere
+        run.progress.say(f"worker {run.rank}: {e}")
+        run.count("lease_gone")
+        run.client.pull(run.w, run.clock + 1)   # a refused push pulled nothing
+        batch.outcome = "gone"
+        return batch.outcome
+    run.clock += 1
+    batch.outcome = "rejected" if run.outcomes.get("rejected", 0) > rejected else "trained"
+    return batch.outcome
 
 
-def train_leased(cfg: WorkerConfig, ds, model, client: PSClient, w: np.ndarray, rows: Rows,
-                 report: TrainingReport, mode: str, callbacks=None) -> dict:
-    """The epochs on chunks leased from shard 0's coordinator (pserver/server/coordinator.py): the
-    worker asks for a chunk, trains its batches in order (each push to shard 0 says which batch it
-    carries: the ones before it are done), reports it finished with the next ask, and goes on
-    until the coordinator opens epoch --epochs. With no chunk left in the epoch it pushes an
-    empty contribution in sync and backup (0 samples: it counts toward the step, weighs nothing)
-    and waits a moment in the other modes. Epochs end when every chunk is done, on every worker.
-    `callbacks` hear of each batch and epoch as in train (an epoch ends when the worker learns it)."""
-    callbacks = callbacks or NoCallbacks()
-    data = ds.leased_batches(cfg.batch_size, cfg.seed, cfg.chunk_batches, shuffle=not cfg.no_shuffle)
-    plan = (data.num_batches, cfg.chunk_batches, cfg.seed, data.fingerprint, cfg.epochs, cfg.no_shuffle)
-    steps = max(1, -(-data.num_batches // cfg.num_workers))   # a progress bar's epoch: about this
-    g = np.empty_like(w)
-    gradient = gradient_fn(model, cfg.seed, cfg.rank)
-    delay = Delay(cfg.delay, cfg.seed, cfg.rank)
-    style = style_for(cfg.progress, cfg.rank, sys.stderr.isatty())
-    progress = Progress(cfg.epochs, steps, cfg.log_every, style)
-    timer, curve = StepTimer(), EvalCurve(cfg.eval_every if cfg.rank == 0 else 0.0)
-    clock, epochs_log, outcomes, samples = 0, [], {}, 0
-    lease, at, finished, first_ask = None, 0, None, True
-    # What this worker did under shard 0's coordinator (epoch, chunk, end): reported when a reply
-    # shows a new one (shard 0 restored), which counts what falls after its checkpoint.
-    done_log, coordinator = [], ""
-    epoch, step, epoch_started = 0, 0, time.monotonic()
-    empty_counts = mode in ("sync", "backup")
-    # Keras on a cluster: every worker's callbacks take the chief's epoch logs and stop decision
-    shares = getattr(callbacks, "shares_logs", False) and cfg.num_workers > 1
+def report_batch(run: Run, batch: Batch, force: bool) -> None:
+    """A batch done with: counted, reported (the metrics, the callbacks, a progress line, shown
+    whatever the time when `force`), and the chief's evaluation curve when it is time."""
+    size = len(batch.x)                         # an epoch's last batch may be smaller
+    run.samples += size
+    done = time.perf_counter()
+    run.report.step(done - batch.started, done - batch.exchange_started, size)
+    run.callbacks.on_train_batch_end(batch.step, {"loss": batch.loss, "size": size})
+    line = run.progress.step(batch.epoch, batch.shown, batch.loss, size, force=force)
+    if line:
+        run.report.progress(run.clock, *line)
+    run.curve.maybe(lambda: evaluate(run, eval_threads(run.client, others_wait=False)),
+                    run.progress.elapsed, run.client, run.clock)
 
-    def push_empty() -> None:          # no batch to train: 0 samples, counts toward the step
-        nonlocal clock
-        g.fill(0.0)
-        with timer("push_pull"):
-            for outcome in push_pull(client, g, w, 0, clock):
-                outcomes[outcome] = outcomes.get(outcome, 0) + 1
-        clock += 1
 
-    callbacks.on_train_begin({})
-    while not client.finished and not (cfg.max_steps and clock >= cfg.max_steps):
-        if lease is None:
-            reply = client.lease_data(*plan, finished=finished, restart=first_ask and cfg.no_resume)
-            finished = None
-            if reply.coordinator_id != coordinator:
-                if coordinator and done_log:            # shard 0 restored: report, then go on as told
-                    reply = client.lease_data(*plan, done_before_restore=done_log)
-                    progress.say(f"worker {cfg.rank}: shard 0's data coordinator restored from a checkpoint; "
-                                 f"told it the {len(done_log)} chunk(s) this worker trained before (what "
-                                 f"falls after the checkpoint counts as trained twice)")
-                done_log, coordinator = [], reply.coordinator_id
-            if first_ask:                               # a job that goes on: its epoch, not an epoch's end
-                first_ask, epoch = False, reply.epoch
-                say_where_leases_begin(cfg, reply.epoch, progress.say)
-                if epoch < cfg.epochs:
-                    callbacks.on_epoch_begin(epoch, {})
-            if reply.epoch > epoch:                     # every chunk of the epoch is done
-                line = progress.epoch_ended(epoch)
-                if line:
-                    report.progress(clock, *line)
-                if cfg.rank == 0:
-                    epochs_log.append(chief_epoch_end(cfg, ds, model, w, epoch, epoch_started, rows,
-                                                      progress, report, client, clock, held_out(callbacks)))
-                logs = dict(epochs_log[-1]) if cfg.rank == 0 else {}
-                if reply.epoch == epoch + 1 and reply.trained_samples > 0:    # every worker's batches
-                    logs["trained"] = {"loss_sum": reply.trained_loss_sum, "correct": reply.trained_correct,
-                                       "samples": reply.trained_samples}
-                if shares and cfg.rank != 0:
-                    logs = chief_logs(client, cfg.rank, epoch, push_empty if empty_counts else None)
-                callbacks.on_epoch_end(epoch, logs)
-                if shares and cfg.rank == 0:
-                    client.epoch_logs(epoch, share=(callbacks.epoch_logs, callbacks.stop_training))
-                if callbacks.stop_training:
-                    break
-                epoch, step, epoch_started = reply.epoch, 0, time.monotonic()
-                if epoch < cfg.epochs:
-                    callbacks.on_epoch_begin(epoch, {})
-            elif reply.epoch < epoch:                   # shard 0 restored from an earlier epoch's checkpoint
-                epoch, step = reply.epoch, 0
-            if epoch >= cfg.epochs:
-                break
-            if reply.has_lease:
-                lease, at = reply, reply.first_batch
-        step_started = time.perf_counter()
-        if lease is None:
-            if not empty_counts:
-                time.sleep(0.05)                        # async: nothing to wait for; ask again
-                continue
-            push_empty()
-            continue
-        x, y = data.batch(lease.epoch, at)
-        if len(x) == 0:                                 # a file's byte range where no training line starts
-            at += 1
-            if at == lease.end_batch:
-                done_log.append((lease.epoch, lease.chunk, at))
-                finished, lease = (lease.epoch, lease.chunk), None
-            continue
-        rejected = outcomes.get("rejected", 0)
-        try:
-            loss, exchange_started = one_step(client, gradient, delay, timer, rows, w, g, x, y, clock,
-                                              outcomes, lease=(lease.epoch, lease.chunk, at), model=model)
-        except LeaseGone as e:                          # marked dead meanwhile: the chunk went elsewhere
-            progress.say(f"worker {cfg.rank}: {e}")
-            outcomes["lease_gone"] = outcomes.get("lease_gone", 0) + 1
-            client.pull(w, clock + 1)                   # a refused push pulled nothing
-            done_log.append((lease.epoch, lease.chunk, at))
-            lease, finished = None, None
-            continue
-        clock += 1
-        if outcomes.get("rejected", 0) > rejected:      # a stale step: the batch again, on the weights pulled
-            continue
-        at += 1
-        samples += len(x)                               # a last batch may be smaller
-        if at == lease.end_batch:                       # every shard took its last batch in
-            done_log.append((lease.epoch, lease.chunk, at))
-            finished, lease = (lease.epoch, lease.chunk), None
-        done = time.perf_counter()
-        report.step(done - step_started, done - exchange_started, len(x))
-        line = progress.step(epoch, min(step, steps - 1), loss, len(x))
-        callbacks.on_train_batch_end(step, {"loss": loss, "size": len(x)})
-        step += 1
-        if line:
-            report.progress(clock, *line)
-        curve.maybe(lambda: evaluate(model, w, ds, cfg, rows, eval_threads(client, others_wait=False)),
-                    progress.elapsed, client, clock)
-    progress.close()
-    callbacks.on_train_end({})
-    stats = timer.summary(progress.elapsed, rank=cfg.rank, steps=clock, samples=samples, outcomes=outcomes)
-    if cfg.stats_json:
-        write_json(cfg.stats_json, stats)
-    return {"epochs": epochs_log, "outcomes": outcomes, "clock": clock, "curve": curve.points,
-            "stats": stats, "seconds": progress.elapsed, "resumed_at_step": 0}
+def end_epoch(run: Run, ended: EpochEnd) -> bool:
+    """An epoch's end: the chief's evaluation (chief_epoch_end), then the callbacks hear it with
+    the epoch's logs. Whether they stop the run."""
+    logs = {}
+    if run.chief:
+        run.epochs_log.append(chief_epoch_end(run, ended.epoch))
+        logs = dict(run.epochs_log[-1])
+    if ended.trained:                             # every worker's batches
+        logs["trained"] = ended.trained
+    if ended.shared and not run.chief:
+        logs = chief_logs(run.client, run.rank, ended.epoch, run.push_empty if run.empty_counts else None)
+    run.callbacks.on_epoch_end(ended.epoch, logs)
+    if ended.shared and run.chief:
+        run.client.epoch_logs(ended.epoch, share=(run.callbacks.epoch_logs, run.callbacks.stop_training))
+    return run.callbacks.stop_training
 
 
 def chief_logs(client: PSClient, rank: int, epoch: int, push_empty=None, poll: float = 0.02) -> dict:
@@ -623,61 +475,33 @@ def chief_logs(client: PSClient, rank: int, epoch: int, push_empty=None, poll: f
             time.sleep(poll)
 
 
-def say_where_leases_begin(cfg: WorkerConfig, epoch: int, say) -> None:
-    """One line when shard 0's coordinator is past epoch 1 at this worker's first lease: a run that
-    goes on from an earlier one's data (--no-resume starts a finished one over)."""
-    if epoch == 0:
-        return
-    if epoch >= cfg.epochs:
-        say(f"shard 0's data coordinator has done all {cfg.epochs} epoch(s) of this data: nothing is left "
-            f"to train (--no-resume starts over)")
-    else:
-        say(f"shard 0's data coordinator is at epoch {epoch + 1}/{cfg.epochs} of this data: going on from "
-            f"there (--no-resume starts a finished run over)")
-
-
-def one_step(client: PSClient, gradient, delay, timer, rows, w: np.ndarray, g: np.ndarray, x, y, clock: int,
-             outcomes: dict, lease=None, model=None) -> tuple[float, float]:
-    """One batch: pull its rows, compute the gradient into g, straggle (--delay), push and pull,
-    counting each push's outcome; its loss and when its exchange began (perf_counter). With a
-    lease, the push tells shard 0 what the step measured (the batch's loss x samples, and the
-    samples `model` classed right): the epoch's training loss and accuracy over every worker."""
+def one_step(run: Run, x, y, lease=None) -> tuple[float, float]:
+    """One batch: pull its rows, compute the gradient into run.g, straggle (--delay), push and
+    pull, counting each push's outcome; its loss and when its exchange began (perf_counter). With
+    a lease, the push tells shard 0 what the step measured (the batch's loss x samples, and the
+    samples the model classed right): the epoch's training loss and accuracy over every worker."""
+    timer = run.timer
     with timer("pull"):
-        lookups = rows.for_batch(x)
+        lookups = run.rows.for_batch(x)
     with timer("compute"):
-        loss = gradient(w, x, y, g, clock, lookups)
-    trained = (loss * len(x), float(getattr(model, "batch_correct", 0.0)))
+        loss = run.gradient(run.w, x, y, run.g, run.clock, lookups)
+    trained = (loss * len(x), float(getattr(run.model, "batch_correct", 0.0)))
     with timer("delay"):
-        delay.sleep()
+        run.delay.sleep()
     exchange_started = time.perf_counter()
     with timer("push_pull"):
-        for outcome in push_pull(client, g, w, len(x), clock, lookups, rows.names, lease=lease,
-                                 trained=trained):
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        for outcome in push_pull(run.client, run.g, run.w, len(x), run.clock, lookups, run.rows.names,
+                                 lease=lease, trained=trained):
+            run.count(outcome)
     return loss, exchange_started
 
 
-def chief_epoch_end(cfg: WorkerConfig, ds, model, w: np.ndarray, epoch: int, epoch_started: float, rows,
-                    progress, report, client: PSClient, clock: int, label: str = "test") -> dict:
+def chief_epoch_end(run: Run, epoch: int) -> dict:
     """The chief at an epoch's end: its log (test metrics), the report's, and a checkpoint asked for."""
-    logged = log_epoch(cfg, ds, model, w, epoch, (epoch_started, progress.started), rows, progress.say,
-                       eval_threads(client, others_wait=False), label)
-    report.evaluated(clock, logged, lambda: combine_counters(client.status())["staleness_mean"])
-    ask_checkpoint(client, progress.say)
+    logged = log_epoch(run, epoch, eval_threads(run.client, others_wait=False))
+    run.report.evaluated(run.clock, logged, lambda: combine_counters(run.client.status())["staleness_mean"])
+    ask_checkpoint(run.client, run.progress.say)
     return logged
-
-
-def push_pull(client: PSClient, g: np.ndarray, w: np.ndarray, batch: int, clock: int, lookups=(),
-              tables=(), lease=None, trained=(0.0, 0.0)) -> list[str]:
-    """Push, then pull into w (one exchange per shard over the data plane); the outcomes.
-    A rejection for a stale step (sync after a timeout; a push already held) is survivable:
-    the pull brings the current version and training goes on."""
-    try:
-        return client.push_pull(g, w, batch, clock, lookups=lookups, tables=tables, lease=lease,
-                                trained=trained)
-    except StaleStep:
-        client.pull(w, clock + 1)
-        return ["rejected"]
 
 
 def ask_checkpoint(client: PSClient, say=print) -> None:
@@ -696,16 +520,14 @@ def ask_checkpoint(client: PSClient, say=print) -> None:
             say(f"{answer}; training goes on")
 
 
-def log_epoch(cfg, ds, model, w, epoch, started: tuple[float, float], rows, say=print,
-              threads: int = 1, label: str = "test") -> dict:
-    """The chief's line at an epoch's end: the epoch's own time (and the run's so far, from
-    `started`: the epoch's start and the run's), its metrics on the held-out set (on `threads`),
-    named `label` (held_out)."""
-    ev = evaluate(model, w, ds, cfg, rows, threads)
+def log_epoch(run: Run, epoch: int, threads: int = 1) -> dict:
+    """The chief's line at an epoch's end: the epoch's own time (and the run's so far), its
+    metrics on the held-out set (on `threads`), named as held_out says."""
+    ev = evaluate(run, threads)
     now = time.monotonic()
-    own, total = now - started[0], now - started[1]
-    say(f"epoch {epoch + 1}/{cfg.epochs} done in {own:.1f} s ({total:.1f} s in all): "
-        f"{format_metrics(ev, label)}")
+    own, total = now - run.epoch_started, now - run.progress.started
+    run.progress.say(f"epoch {epoch + 1}/{run.cfg.epochs} done in {own:.1f} s ({total:.1f} s in all): "
+                     f"{format_metrics(ev, held_out(run.callbacks))}")
     return {"epoch": epoch + 1, "seconds": round(total, 3), "epoch_seconds": round(own, 3), **ev}
 
 
@@ -745,27 +567,30 @@ def binary_metrics(ev: dict, ds) -> dict:
     return out
 
 
-def finish(cfg, ds, model, client, w, mode, history, started, start, rows, label: str = "test") -> dict:
+def finish(run: Run, stats: dict, started: float, counted_from) -> dict:
+    """The chief's summary of the run, once every worker finished: the final weights' metrics,
+    this run's counters (since `counted_from`), printed and written as asked."""
+    cfg, client, ds, model = run.cfg, run.client, run.ds, run.model
     wait_for_others(client, cfg.rpc_deadline)
     wall = time.monotonic() - started            # until the last worker finished
     ask_checkpoint(client)
-    client.pull(w, seen=[-1] * len(client.shards))      # the final weights
-    ev = evaluate(model, w, ds, cfg, rows, eval_threads(client, others_wait=True))
+    client.pull(run.w, seen=[-1] * len(client.shards))      # the final weights
+    ev = evaluate(run, eval_threads(client, others_wait=True))
     statuses = client.status()
-    counters = combine_counters(statuses, since=start)     # this run's, not the shards' lifetime
+    counters = combine_counters(statuses, since=counted_from)     # this run's, not the shards' lifetime
     summary = {
-        "mode": mode, "num_shards": len(cfg.ps), "num_workers": cfg.num_workers,
+        "mode": run.mode, "num_shards": len(cfg.ps), "num_workers": cfg.num_workers,
         "dataset": ds.name, "model": model_name(model), "num_params": model.layout.total,
         "optimizer": statuses[0].optimizer, "lr": statuses[0].lr, "batch_size": cfg.batch_size,
-        "epochs": cfg.epochs, "seed": cfg.seed, "resumed_at_step": history["resumed_at_step"],
+        "epochs": cfg.epochs, "seed": cfg.seed, "resumed_at_step": run.start,
         "test_accuracy": ev.get("accuracy"), "test_loss": ev.get("loss"), "test_r2": ev.get("r2"),
-        "test_auc": ev.get("auc"), "evaluated_on": label,
+        "test_auc": ev.get("auc"), "evaluated_on": held_out(run.callbacks),
         **binary_metrics(ev, ds),
         # every rank that registered with the shards: an elastic job's joiners (and those that left) too
         "workers_registered": sorted(set().union(*(st.registered_workers for st in statuses))),
         "wall_seconds": round(wall, 3),
         "train_samples_per_second": counters["samples_trained"] / wall if wall > 0 else 0.0,
-        "per_epoch": history["epochs"], "eval_curve": history["curve"], "chief": history["stats"],
+        "per_epoch": run.epochs_log, "eval_curve": run.curve.points, "chief": stats,
         **counters, **sparse_summary(statuses),
     }
     print(format_summary(summary), flush=True)
