@@ -17,7 +17,7 @@ MOVED = {
     "pserver.dataplane": ("pserver.wire.frames", "pserver.server.dataplane", "pserver.worker.dataplane"),
     "pserver.device": ("pserver.kernels.device",),
     "pserver.metrics": ("pserver.observe.metrics",),
-    "pserver.model_file": ("pserver.models.saved", "pserver.api"),
+    "pserver.model_file": ("pserver.persist.model_file", "pserver.api"),
     "pserver.progress": ("pserver.observe.progress",),
     "pserver.ray_backend": ("pserver.launch.ray",),
     "pserver.security": ("pserver.wire.security",),

@@ -1,4 +1,4 @@
-"""Moved to pserver.models.saved (evaluate_files: pserver.api): this path warns and goes away
+"""Moved to pserver.persist.model_file (evaluate_files: pserver.api): this path warns and goes away
 in the next release."""
 
 from pserver._moved import forward

@@ -14,7 +14,8 @@ import pytest
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition
 from pserver.models.layout import Layout
-from pserver.server import checkpoint
+from pserver.persist import checkpoint, checkpoint_dir
+from pserver.server import checkpoint as shard_checkpoint
 from pserver.server.shard import Shard
 from tests.test_modes import make_cluster, push_all
 
@@ -97,7 +98,7 @@ def counting_writes(monkeypatch, shard, gate=None):
     once (begun, not yet written: each keeps rows aside while pushes go on)."""
     seen = {"taken": 0, "alive": 0, "peak": 0}
     lock = threading.Lock()
-    begin, write = shard.store.begin_dump, checkpoint.write
+    begin, write = shard.store.begin_dump, shard_checkpoint.write
 
     def counted_begin(delta):
         with lock:
@@ -117,7 +118,7 @@ def counting_writes(monkeypatch, shard, gate=None):
                 seen["alive"] -= 1
 
     monkeypatch.setattr(shard.store, "begin_dump", counted_begin)
-    monkeypatch.setattr(checkpoint, "write", slow_write)
+    monkeypatch.setattr(shard_checkpoint, "write", slow_write)
     return seen
 
 
@@ -268,7 +269,7 @@ def test_a_directory_belongs_to_the_run_that_wrote_it_and_a_start_without_restor
         with pytest.raises(ConfigError, match=words):
             Shard(ServerConfig(num_workers=2, optimizer="adam", **cfg))
         assert hashes(d) == before
-    run = checkpoint.run_of(d)
+    run = checkpoint_dir.run_of(d)
     assert run and checkpoint.meta_of(checkpoint.candidates(d, 0, 1)[0][1])["run"] == run
     os.mkdir(tmp_path / "a")
     with pytest.raises(ConfigError) as e:          # restoring another directory into this one
@@ -283,7 +284,7 @@ def test_a_directory_belongs_to_the_run_that_wrote_it_and_a_start_without_restor
         again.register(r, 2, 0, 1, LAYOUT)
         push_all([again], r, [4], np.ones(50, np.float32))
     path, version = again.checkpoint(0)
-    assert version == 5 and checkpoint.meta_of(path)["run"] == run and checkpoint.run_of(d) == run
+    assert version == 5 and checkpoint.meta_of(path)["run"] == run and checkpoint_dir.run_of(d) == run
     first = tmp_path / "new"                        # the restart idiom on a first start
     assert Shard(ServerConfig(checkpoint_dir=str(first), restore=str(first))).store.version == -1
 
@@ -327,7 +328,7 @@ def test_a_directory_written_before_run_ids_is_restored_and_adopted(tmp_path):
         checkpoint.save(d, c)                     # no run in the meta, no RUN file
     with pytest.raises(ConfigError, match="written before run ids"):
         Shard(ServerConfig(num_workers=1, optimizer="sgd", checkpoint_dir=d))
-    assert checkpoint.run_of(d) is None
+    assert checkpoint_dir.run_of(d) is None
     shard = Shard(ServerConfig(num_workers=1, optimizer="sgd", lr=0.1, checkpoint_dir=d, restore=d,
                                checkpoint_every=1))
     assert shard.store.version == 2 and shard.store.params.tolist() == [2.0] * 50
@@ -335,7 +336,8 @@ def test_a_directory_written_before_run_ids_is_restored_and_adopted(tmp_path):
     for t in range(2, 4):
         push_all([shard], 0, [t], np.ones(50, np.float32))
         wait_for_writes(shard)
-    assert checkpoint.run_of(d) and [v for v, _ in checkpoint.candidates(d, 0, 1)] == [4, 3, 2]   # adopted
+    # adopted
+    assert checkpoint_dir.run_of(d) and [v for v, _ in checkpoint.candidates(d, 0, 1)] == [4, 3, 2]
 
 
 def test_the_shards_of_one_run_take_one_id_whichever_writes_first(tmp_path):
@@ -348,7 +350,7 @@ def test_the_shards_of_one_run_take_one_id_whichever_writes_first(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    run = checkpoint.run_of(d)
+    run = checkpoint_dir.run_of(d)
     files = [p for j in range(2) for _, p in checkpoint.candidates(d, j, 2)]
     assert run and {checkpoint.meta_of(p)["run"] for p in files} == {run}
     assert sorted(os.listdir(d)) == ["RUN", checkpoint.file_name(0, 2, 0), checkpoint.file_name(1, 2, 0)]

@@ -29,8 +29,8 @@ from pserver.errors import (
 )
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
+from pserver.persist import checkpoint
 from pserver.records import PushRequest
-from pserver.server import checkpoint
 from pserver.server.limits import Limits
 from pserver.server.shard import Shard
 from pserver.server.store import Counters
@@ -293,7 +293,7 @@ def test_init_values_with_a_non_finite_last_element_are_refused(value, via):
 WRITER = """
 import resource, signal, sys
 import numpy as np
-from pserver.server import checkpoint
+from pserver.persist import checkpoint, checkpoint_dir
 signal.signal(signal.SIGXFSZ, signal.SIG_DFL)         # Python ignores it; the default ends the process
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 params = np.ones(1 << 20, np.float32)                 # 4 MiB: the kernel kills the writer at 1 MiB

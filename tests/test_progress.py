@@ -12,7 +12,7 @@ import numpy as np
 
 from pserver.observe import progress
 from pserver.observe.progress import Bar, track
-from pserver.server import checkpoint
+from pserver.persist import checkpoint
 
 
 class Terminal(io.StringIO):

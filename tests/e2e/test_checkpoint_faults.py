@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pserver.models.layout import Layout
-from pserver.server import checkpoint
+from pserver.persist import checkpoint
 from pserver.worker.client import PSClient
 from tests.e2e.conftest import LOGREG, run, wait_until
 from tests.e2e.test_training import free_port
