@@ -218,8 +218,9 @@ def test_restore_from_an_empty_or_missing_directory_starts_fresh(tmp_path):
 
 
 def test_ssp_clocks_round_trip_and_files_without_them_still_load(tmp_path):
-    ckpt = checkpoint.Checkpoint("", 7, 0, 1, "sig", 4, 0, 4, "sgd", np.arange(4, dtype=np.float32), {},
-                                 clocks={0: 7, 3: 5})
+    ckpt = checkpoint.Checkpoint(path="", version=7, shard=0, num_shards=1, signature="sig", total=4,
+                                 start=0, end=4, optimizer="sgd", params=np.arange(4, dtype=np.float32),
+                                 state={}, clocks={0: 7, 3: 5})
     assert checkpoint.load(checkpoint.save(str(tmp_path / "new"), ckpt)).clocks == {0: 7, 3: 5}
     path = checkpoint.save(str(tmp_path / "old"), ckpt)
     with np.load(path) as z:                       # rewritten as files were before clocks existed
@@ -323,8 +324,9 @@ def test_a_shard_never_prunes_nor_writes_over_another_runs_files(tmp_path):
 def test_a_directory_written_before_run_ids_is_restored_and_adopted(tmp_path):
     d = str(tmp_path)
     for v in (1, 2):
-        c = checkpoint.Checkpoint("", v, 0, 1, LAYOUT.signature(), 50, 0, 50, "sgd",
-                                  np.full(50, v, np.float32), {})
+        c = checkpoint.Checkpoint(path="", version=v, shard=0, num_shards=1, signature=LAYOUT.signature(),
+                                  total=50, start=0, end=50, optimizer="sgd",
+                                  params=np.full(50, v, np.float32), state={})
         checkpoint.save(d, c)                     # no run in the meta, no RUN file
     with pytest.raises(ConfigError, match="written before run ids"):
         Shard(ServerConfig(num_workers=1, optimizer="sgd", checkpoint_dir=d))

@@ -342,7 +342,8 @@ def test_a_checkpoint_from_before_the_roots_still_loads(tmp_path):
     old = {k: v for k, v in now.items() if not k.startswith("slot_")} | {"slot_accumulator": G}
     params = np.zeros(3, np.float32)
     for name, rows in (("old", old), ("now", now)):
-        ckpt = checkpoint.Checkpoint("", 1, 0, 1, "sig", 3, 0, 3, "sgd", params, {},
+        ckpt = checkpoint.Checkpoint(path="", version=1, shard=0, num_shards=1, signature="sig", total=3,
+                                     start=0, end=3, optimizer="sgd", params=params, state={},
                                      tables=[config.to_dict()], rows={"t": rows})
         path = checkpoint.save(str(tmp_path / name), ckpt)
         loaded = checkpoint.load(path).rows["t"]

@@ -27,9 +27,9 @@ LOADED = """
 import json, sys
 from pserver.cli import main
 code = main(sys.argv[1:])
-print(json.dumps([code, sorted(m for m in sys.modules
-                               if m.split(".")[0] == "grpc" or m.startswith(("pserver.server", "pserver.worker",
-                                                                              "pserver._proto")))]))
+unwanted = ("pserver.server", "pserver.worker", "pserver._proto")
+print(json.dumps([code, sorted(m for m in sys.modules if m.split(".")[0] == "grpc"
+                               or m.startswith(unwanted))]))
 """
 
 
@@ -41,9 +41,11 @@ def checkpoints(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("persist") / "ck")
     w = np.arange(layout.total, dtype=np.float32)
     for j, (start, end) in enumerate(shard_ranges(layout.total, 2)):
-        checkpoint.save(d, checkpoint.Checkpoint(
-            "", 7, j, 2, layout.signature(), layout.total, start, end, "sgd", w[start:end].copy(), {},
-            {0: 7}, positions={0: (1, 10)}))
+        checkpoint.save(d, checkpoint.Checkpoint(path="", version=7, shard=j, num_shards=2,
+                                                 signature=layout.signature(), total=layout.total,
+                                                 start=start, end=end, optimizer="sgd",
+                                                 params=w[start:end].copy(), state={}, clocks={0: 7},
+                                                 positions={0: (1, 10)}))
     return d
 
 

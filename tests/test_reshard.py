@@ -45,10 +45,13 @@ def old_set(directory, total, num_shards, optimizer, tables, seed, versions=None
                 table.apply(pick, rng.standard_normal((pick.shape[0], c.dim)).astype(np.float32), step)
             rows[c.name] = table.state()
         version = 5 if versions is None else versions[j]
-        ckpts.append(checkpoint.Checkpoint(
-            "", version, j, num_shards, "sig", total, start, end, optimizer, params[start:end].copy(),
-            {k: v[start:end].copy() for k, v in state.items()}, {0: 9 + j, 1: 4 - (j % 2)},
-            [c.to_dict() for c in configs], rows, {0: (7, 30), 1: (7, 30)}))
+        ckpts.append(checkpoint.Checkpoint(path="", version=version, shard=j, num_shards=num_shards,
+                                           signature="sig", total=total, start=start, end=end,
+                                           optimizer=optimizer, params=params[start:end].copy(),
+                                           state={k: v[start:end].copy() for k, v in state.items()},
+                                           clocks={0: 9 + j, 1: 4 - (j % 2)},
+                                           tables=[c.to_dict() for c in configs], rows=rows,
+                                           positions={0: (7, 30), 1: (7, 30)}))
         checkpoint.save(directory, ckpts[-1])
     return ckpts, params, state
 
@@ -254,8 +257,9 @@ def test_evaluate_reads_the_newest_shape_of_a_directory_a_job_resharded_in(tmp_p
     d, w = str(tmp_path), np.arange(7, dtype=np.float32)
     for s, version, shift in ((2, 5, 0.0), (3, 9, 1.0), (1, 4, 2.0)):
         for j, (start, end) in enumerate(shard_ranges(7, s)):
-            part = checkpoint.Checkpoint("", version, j, s, layout.signature(), 7, start, end, "sgd",
-                                         w[start:end] + shift, {})
+            part = checkpoint.Checkpoint(path="", version=version, shard=j, num_shards=s,
+                                         signature=layout.signature(), total=7, start=start, end=end,
+                                         optimizer="sgd", params=w[start:end] + shift, state={})
             checkpoint.save(d, part)
     flat, versions = checkpoint_dir.load_weights(d, layout)
     assert flat.tolist() == (w + 1).tolist() and versions == [9, 9, 9]

@@ -48,9 +48,12 @@ def write(d: str, layout, num_shards: int, version: int, shards=None) -> None:
     w = weights(layout, version)
     for j, (start, end) in enumerate(shard_ranges(layout.total, num_shards)):
         if shards is None or j in shards:
-            checkpoint.save(d, checkpoint.Checkpoint(
-                "", version, j, num_shards, layout.signature(), layout.total, start, end, "momentum",
-                w[start:end].copy(), {"v": w[start:end] * 2}, {0: version}, positions={0: (1, 10)}))
+            checkpoint.save(d, checkpoint.Checkpoint(path="", version=version, shard=j,
+                                                     num_shards=num_shards, signature=layout.signature(),
+                                                     total=layout.total, start=start, end=end,
+                                                     optimizer="momentum", params=w[start:end].copy(),
+                                                     state={"v": w[start:end] * 2}, clocks={0: version},
+                                                     positions={0: (1, 10)}))
 
 
 def restore(d: str, num_shards: int, mode: str = "sync") -> list[Shard]:

@@ -65,8 +65,9 @@ NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d(\d{12}))?\.ckpt$")   # g
 TMP_NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d\d{12})?\.ckpt\.\d+\.tmp$")   # being written
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Checkpoint:
+    """One shard's whole state at one version, as a file (or a chain) holds it; built by keyword."""
     path: str
     version: int
     shard: int
@@ -366,11 +367,13 @@ def _assemble(path: str, meta: dict, arrays: dict, deltas: list[tuple[dict, dict
                           [(d[f"rows.{i}.evicted"], d[f"rows.{i}.entries"]) for _, d in deltas])
         rows[t["name"]] = state_of(entries, columns, small, t)
     m = newest_meta
-    return Checkpoint(path, m["version"], m["shard"], m["num_shards"], m["signature"], m["total"], m["start"],
-                      m["end"], m["optimizer"], newest["params"], state,
-                      {int(r): int(c) for r, c in newest_meta.get("clocks", {}).items()}, tables, rows,
-                      {int(r): tuple(int(v) for v in p) for r, p in newest_meta.get("positions", {}).items()},
-                      newest_meta.get("coordinator"))
+    return Checkpoint(path=path, version=m["version"], shard=m["shard"], num_shards=m["num_shards"],
+                      signature=m["signature"], total=m["total"], start=m["start"], end=m["end"],
+                      optimizer=m["optimizer"], params=newest["params"], state=state,
+                      clocks={int(r): int(c) for r, c in m.get("clocks", {}).items()},
+                      tables=tables, rows=rows,
+                      positions={int(r): tuple(int(v) for v in p) for r, p in m.get("positions", {}).items()},
+                      coordinator=m.get("coordinator"))
 
 
 def _replay(base: np.ndarray, deltas: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
@@ -491,17 +494,18 @@ def check_directory(directory: str, flag: str) -> None:
         raise ConfigError(f"{flag}: cannot write checkpoints to {directory} ({e.strerror or e})") from None
 
 
-def prepare(directory: str, flag: str, shard: int, num_shards: int) -> None:
-    """At start: the directory is writable, and the temporary files that a killed writer of
-    this shard left behind are removed."""
+def prepare(directory: str, flag: str, shard: int | None, num_shards: int) -> None:
+    """Before a writer of directory starts (a shard, or a reshard writing every shard: shard
+    None): the directory is writable, and the temporary files that a killed writer of these
+    files left behind are removed."""
     check_directory(directory, flag)
-    orphans = [n for n in os.listdir(directory)
-               if (m := TMP_NAME.match(n)) and (int(m.group(1)), int(m.group(2))) == (shard, num_shards)]
+    orphans = [n for n in os.listdir(directory) if (m := TMP_NAME.match(n)) and int(m.group(2)) == num_shards
+               and shard in (None, int(m.group(1)))]
     for name in orphans:
         remove_quietly(os.path.join(directory, name))
     if orphans:
-        log.info("shard %d: removed %d temporary file(s) an interrupted checkpoint write left in %s",
-                 shard, len(orphans), directory)
+        log.info("%sremoved %d temporary file(s) an interrupted checkpoint write left in %s",
+                 "" if shard is None else f"shard {shard}: ", len(orphans), directory)
 
 
 def owned(path: str, run: str) -> bool:

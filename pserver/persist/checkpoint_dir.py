@@ -13,6 +13,7 @@ directory adopts it (its id, or, for files written before run ids, the id it the
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -136,9 +137,7 @@ def newest_usable(directory: str, mode: str, prefer: int = 0, shapes: Iterable[i
     def held(s: int, j: int, ckpt: Checkpoint) -> Checkpoint:
         if keep is None or keep(s, j):
             return ckpt
-        return Checkpoint(ckpt.path, ckpt.version, ckpt.shard, ckpt.num_shards, ckpt.signature, ckpt.total,
-                          ckpt.start, ckpt.end, ckpt.optimizer, np.empty(0, np.float32), {}, ckpt.clocks,
-                          ckpt.tables, {}, ckpt.positions, ckpt.coordinator)
+        return dataclasses.replace(ckpt, params=np.empty(0, np.float32), state={}, rows={})
 
     def attempt(path: str) -> Checkpoint | None:
         try:

@@ -33,7 +33,6 @@ import numpy as np
 from pserver import sparse
 from pserver.errors import ConfigError
 from pserver.persist import checkpoint, checkpoint_dir
-from pserver.persist.atomic import remove_quietly
 from pserver.wire.sharding import shard_range
 
 log = logging.getLogger("pserver.checkpoint")
@@ -81,10 +80,12 @@ def combine(ckpts: list[checkpoint.Checkpoint], num_shards: int, shard: int) -> 
         for r, p in c.positions.items():
             positions.setdefault(r, p)
     olds = ", ".join(os.path.basename(c.path) for c in ckpts)
-    return checkpoint.Checkpoint(f"{olds} (resharded)", max(c.version for c in ckpts), shard, num_shards,
-                                 first.signature, first.total, start, end, first.optimizer, params, state,
-                                 clocks, list(first.tables), rows, positions,
-                                 for_new_shard({c.shard: c.coordinator for c in ckpts}, shard))
+    return checkpoint.Checkpoint(path=f"{olds} (resharded)", version=max(c.version for c in ckpts),
+                                 shard=shard, num_shards=num_shards, signature=first.signature,
+                                 total=first.total,
+                                 start=start, end=end, optimizer=first.optimizer, params=params, state=state,
+                                 clocks=clocks, tables=list(first.tables), rows=rows, positions=positions,
+                                 coordinator=for_new_shard({c.shard: c.coordinator for c in ckpts}, shard))
 
 
 def for_new_shard(states: dict[int, dict | None], shard: int) -> dict | None:
@@ -174,13 +175,7 @@ def reshard_directory(source: str, target: str, num_shards: int, mode: str) -> l
     run = checkpoint_dir.run_of(source) or _derived_run(source, len(ckpts), version)
     names = {checkpoint.file_name(j, num_shards, version) for j in range(num_shards)}
     _check_target(target, same, run, num_shards, names)
-    checkpoint.check_directory(target, "--to")
-    stale = [n for n in os.listdir(target)
-             if (m := checkpoint.TMP_NAME.match(n)) and int(m.group(2)) == num_shards]
-    for name in stale:
-        remove_quietly(os.path.join(target, name))
-    if stale:
-        log.info("removed %d temporary file(s) an interrupted write left in %s", len(stale), target)
+    checkpoint.prepare(target, "--to", None, num_shards)
     try:
         checkpoint_dir.claim(target, None if same else checkpoint_dir.run_of(target), new=run)
         return [checkpoint.save(target, combine(ckpts, num_shards, j), run) for j in range(num_shards)]
@@ -215,12 +210,11 @@ def _check_target(target: str, same: bool, run: str, num_shards: int, names: set
         return
     held = checkpoint_dir.run_of(target)
     other = [] if same or held in (None, run) else [f"a RUN file of run {held}"]
-    for name in sorted(os.listdir(target)):
-        m = checkpoint.NAME.match(name)
-        if not m or (same and int(m.group(2)) != num_shards):
-            continue
-        if name not in names or not checkpoint.owned(os.path.join(target, name), run):
-            other.append(name)
+    found = checkpoint.scan(target)
+    for path in sorted(p for s, shards in found.items() if not same or s == num_shards
+                       for files in shards.values() for _, p in files):
+        if os.path.basename(path) not in names or not checkpoint.owned(path, run):
+            other.append(os.path.basename(path))
     if other:
         raise ConfigError(f"--to: {target} holds another run's checkpoints ({', '.join(other[:3])}"
                           f"{f' and {len(other) - 3} more' if len(other) > 3 else ''}), which a restore "
