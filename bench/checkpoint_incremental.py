@@ -47,7 +47,8 @@ from _util import machine, machine_lines, result_path  # noqa: E402
 
 from pserver.config import ServerConfig  # noqa: E402
 from pserver.optim import make_optimizer  # noqa: E402
-from pserver.server import checkpoint  # noqa: E402
+from pserver.persist import checkpoint  # noqa: E402
+from pserver.server.checkpoint import Checkpointer
 from pserver.server.store import ShardStore  # noqa: E402
 from pserver.sparse import TableConfig  # noqa: E402
 from pserver.sparse.merge import RowGrads  # noqa: E402
@@ -157,7 +158,7 @@ def big_store(rows: int, directory: str, full_every: int, dim: int = 16):
         part = ids[i:i + (1 << 18)]
         push(store, part, grads[:part.shape[0]])
     cfg = ServerConfig(optimizer="adam", full_every=full_every, checkpoint_dir=directory)
-    return store, checkpoint.Checkpointer(directory, "--checkpoint-dir", store, cfg), ids
+    return store, Checkpointer(directory, "--checkpoint-dir", store, cfg), ids
 
 
 def push(store, ids, grads):
@@ -190,7 +191,7 @@ def restore_times(args, work: Path) -> dict:
             f"{label}: the rules cut the chain: {[os.path.basename(p) for _, p in files]}"
         if full is None:        # one base, of the first store's state: the same rows and size as both
             base_dir = str(work / "base")
-            full, _ = checkpoint.Checkpointer(base_dir, "--checkpoint-dir", store,
+            full, _ = Checkpointer(base_dir, "--checkpoint-dir", store,
                                               ServerConfig(optimizer="adam", full_every=1,
                                                            checkpoint_dir=base_dir)).request()
         out[label] = {"rows": args.restore_rows, "base_bytes": os.path.getsize(full),

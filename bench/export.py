@@ -7,7 +7,7 @@ pushes --ids distinct ids (one sync worker: every row is created; bench/sparse_m
 pushes), then times, interleaved --repeats times, from the chief's side:
   checkpoint  the Checkpoint call on every shard (each writes its full file and fsyncs it)
   export      what `--save` does for the table: ExportRows streamed from every shard, merged
-              into sorted ids and rows, written as .npy files and fsynced (pserver.models.saved)
+              into sorted ids and rows, written as .npy files and fsynced (pserver.persist.model_file)
 The ratio export/checkpoint of the medians is the figure (the target: at most 1.5).
 """
 
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine, machine_lines, result_path  # noqa: E402
 from sparse_memory import push, start_shards  # noqa: E402
 
-from pserver.models import saved  # noqa: E402
 from pserver.models.layout import Layout  # noqa: E402
+from pserver.persist import model_file as saved  # noqa: E402
 from pserver.sparse import ROWS, TableConfig  # noqa: E402
 from pserver.worker.client import PSClient  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     python bench/export_verify.py --rows 4_000_000 --dim 16 --repeats 5
 
-Writes one table of --rows ids x --dim float32 rows as `pserver export` does (pserver.models.saved:
+Writes one table of --rows ids x --dim float32 rows as `pserver export` does (pserver.persist.model_file:
 its files hashed as they are written) and opens its tables, interleaved --repeats times:
   map         np.load(mmap_mode="r") of ids and rows, dtypes and shapes checked: what opening
               did before exports carried checksums
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine, machine_lines, result_path  # noqa: E402
 from export import TableModel  # noqa: E402  (bench/export.py: a dense layout and one table)
 
-from pserver.models import saved  # noqa: E402
+from pserver.persist import model_file as saved  # noqa: E402
 from pserver.sparse import TableConfig  # noqa: E402
 
 

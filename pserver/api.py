@@ -22,12 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pserver import models
 from pserver.config import ServerConfig, WorkerConfig
-from pserver.data import Stream, from_arrays, load_dataset
-from pserver.errors import ConfigError, DataError, PServerError
-from pserver.models import saved
-from pserver.models.saved import SavedModel, load
+from pserver.data import Stream, from_arrays
+from pserver.errors import ConfigError, PServerError
+from pserver.persist.model_file import SavedModel, load
 
 
 @dataclass
@@ -89,9 +87,10 @@ def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_work
 
 
 def _run(cfg: WorkerConfig, model, data, callbacks=None) -> dict | None:
+    from pserver.build import fit_data
     from pserver.kernels.device import parse_device, select
     from pserver.models import on_device
-    from pserver.worker.loop import fit_data, run
+    from pserver.worker.loop import run
     device = select(parse_device(cfg.device))
     model = on_device(model, device.backend)
     return run(cfg, device, fit_data(model, data), model, callbacks=callbacks)
@@ -285,141 +284,18 @@ def start_cluster(*, ps: int = 1, workers: int = 2, max_workers: int = 0, **opti
 
 def evaluate_files(model_file: str | None, checkpoint: str | None, options: dict, mode: str = "sync") -> dict:
     """`pserver evaluate`: the test metrics of a model with the weights of a model file or of
-    the checkpoints in `checkpoint` (the state a restore in `mode` reads). The model and dataset
-    are the file's unless `options` (the flags given: model, hidden and the dataset fields) say
-    otherwise. A model file that is not one (or not of the model given) is the user's mistake
-    here: ConfigError, exit 2."""
-    if model_file is None and checkpoint is None:
-        raise ConfigError("--model-file: give the model file (--model-file PATH), checkpoints "
-                          "(--checkpoint DIR, with --model and the dataset flags), or both")
-    return _evaluate_files(model_file, checkpoint, options, mode)
-
-
-@contextlib.contextmanager
-def _the_model_file():
-    """Reading the file named by --model-file: one that is not a model (of this kind) is the
-    user's mistake, ConfigError; the dataset's errors stay DataError."""
-    try:
-        yield
-    except DataError as e:
-        raise ConfigError(f"--model-file: {e}") from None
-
-
-def _evaluate_files(model_file: str | None, checkpoint: str | None, options: dict, mode: str) -> dict:
-    from pserver.server.checkpoint import load_weights
-    from pserver.worker.loop import fit_data
-    with _the_model_file():
-        meta, arrays = saved.read(model_file) if model_file else ({}, {})
-        saved.refuse_delta(model_file, meta)
-    spec = options.get("model") or (meta.get("model") if meta else "mlp")
-    if spec is None:
-        raise ConfigError(f"--model: {model_file} was saved from a model built in Python; give its "
-                          "definition with --model FILE.py:FUNCTION")
-    model = tables = None
-    if meta:
-        with _the_model_file():
-            model = saved.build(meta, spec, options.get("hidden"))
-            if not checkpoint:      # the file's weights and tables, verified before the dataset loads
-                weights, source = saved.weights_of(model_file, meta, arrays, model.layout), model_file
-                tables = saved.tables_of(model_file, meta, model)
-    data = {k: v for k, v in (meta.get("dataset") or {}).items() if k in saved.DATASET_FIELDS}
-    data |= {k: options[k] for k in saved.DATASET_FIELDS if options.get(k) is not None}
-    ds = load_dataset(data.pop("dataset", "synthetic"),
-                      task="regression" if spec == "linreg" else "classification", **data)
-    if model is None:          # as the worker built it: for the dataset's samples and classes
-        model = models.make_model(spec, ds.sample_shape, ds.num_classes,
-                                  hidden=options.get("hidden") or models.DEFAULT_HIDDEN)
-    if checkpoint and getattr(model, "sparse_tables", None):
-        raise ConfigError(f"--checkpoint: model {spec} keeps sparse tables, which --checkpoint does not "
-                          f"read; export the checkpoints first (pserver export --restore {checkpoint} "
-                          f"--model {spec} ... --out MODEL) and evaluate --model-file MODEL")
-    if checkpoint:
-        weights, versions = load_weights(checkpoint, model.layout, mode)
-        source = f"{checkpoint} (shard versions {', '.join(map(str, versions))})"
-        sparse_rows = {}
-    else:
-        sparse_rows = {"rows": SavedModel(model, weights, meta, model_file, tables).rows} if tables else {}
-    ds = fit_data(model, ds)
-    metrics = model.evaluate(weights, ds.x_test, ds.y_test, **sparse_rows)
-    return {"model": getattr(model, "name", type(model).__name__), "num_params": model.layout.total,
-            "weights": source, "dataset": ds.name, "test_samples": ds.num_test,
-            **{f"test_{k}": v for k, v in metrics.items()}}
+    the checkpoints in `checkpoint` (pserver.persist.export.evaluate_files)."""
+    from pserver.persist import export
+    return export.evaluate_files(model_file, checkpoint, options, mode)
 
 
 def export_checkpoints(directory: str, out: str, options: dict, mode: str = "sync",
                        since: str | None = None) -> dict:
-    """`pserver export`: the model a directory's checkpoints hold (the newest usable set of any
-    number of shards, as a restore reads it: pserver.server.reshard), written as a model file at
-    `out`, a directory for a model with sparse tables (pserver.models.saved). `options` are the
-    worker's model and dataset flags given (model is required); the seed and the embedding
-    width default to the checkpoints' tables'. Returns what was written.
-
-    `since`: a model of this job (an export, a --save, or one with deltas applied and compacted);
-    `out` is then a delta (docs/model-file.md): the dense weights, the rows last updated at or
-    after the version the model reflects (a row stepped from version v to v+1 records v), and
-    the ids the model holds that the checkpoints no longer do."""
-    import dataclasses
-
-    from pserver.models.ctr import CTR_MODELS
-    from pserver.server import reshard
-    from pserver.worker.loop import table_options
-    if not options.get("model"):
-        raise ConfigError("--model: give the model the checkpoints are of (lr, fm, wide_deep, deepfm, "
-                          "mlp, ...): a checkpoint records its layout, not the model's definition")
-    if not os.path.isdir(directory):
-        raise ConfigError(f"--restore: {directory} is not a directory")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):      # checked before the checkpoints are read: nothing is written
-        raise ConfigError(f"--out: {out} cannot be written: {parent} "
-                          f"{'is not a directory' if os.path.lexists(parent) else 'does not exist'}")
-    ckpts = reshard.newest_set(directory, mode)
-    old = len(ckpts)
-    ckpt = reshard.combine(ckpts, 1, 0)
-    spec = options["model"]
-    configs = ckpt.tables
-    if configs and spec not in CTR_MODELS:
-        raise ConfigError(f"--model {spec}: the checkpoints in {directory} hold sparse tables "
-                          f"({', '.join(t['name'] for t in configs)}); give the CTR model they are of")
-    defaults = {"seed": configs[0]["seed"]} if configs else {}
-    factors = [t["dim"] for t in configs if t["name"] == "factors"]
-    if factors:
-        defaults["embedding_dim"] = factors[0]
-    fields = {k: v for k, v in {**defaults, **options}.items() if k in WorkerConfig.__dataclass_fields__}
-    cfg = dataclasses.replace(WorkerConfig(), **fields)
-    ds = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed,
-                      task="regression" if spec == "linreg" else "classification", samples=cfg.samples,
-                      test_samples=cfg.test_samples, features=cfg.features, classes=cfg.classes)
-    model = models.make_model(spec, ds.sample_shape, ds.num_classes, hidden=cfg.hidden,
-                              **table_options(cfg), backend="reference")
-    have = [(t.name, t.dim) for t in getattr(model, "sparse_tables", None) or []]
-    if have != [(t["name"], t["dim"]) for t in configs]:
-        raise ConfigError(f"--model: the checkpoints' tables are {[(t['name'], t['dim']) for t in configs]}; "
-                          f"{spec} has {have or 'none'}")
-    if configs:     # the shards' configs, which made the rows' initial values
-        from pserver.sparse import TableConfig
-        model.sparse_tables = [TableConfig.from_dict(t) for t in configs]
-    registered = models.Layout(model.layout.tensors, tuple(getattr(model, "sparse_tables", None) or ()))
-    if (ckpt.signature, ckpt.total) != (registered.signature(), registered.total):
-        raise ConfigError(f"--model: the checkpoints in {directory} are of another model (layout "
-                          f"{ckpt.signature}, {ckpt.total:,} parameters; {spec} with these flags is "
-                          f"{registered.signature()}, {registered.total:,}: {model.layout.describe()}); "
-                          "check --model, --hidden and --embedding-dim")
-    summary = {"mode": mode, "num_shards": old, "optimizer": ckpt.optimizer, "steps": ckpt.version}
-    origin = {"checkpoints": os.path.abspath(directory), "num_shards": old, "version": ckpt.version,
-              "versions": [c.version for c in ckpts], "job": ckpt.signature}
-    result = {"out": out, "model": spec, "num_params": model.layout.total, "num_shards": old,
-              "version": ckpt.version}
-    if since is not None:
-        tables, removed, delta = saved.delta_tables(since, model, ckpt, configs)
-        saved.save(out, model, ckpt.params, saved.definition(cfg, model, ds), summary, tables=tables,
-                   origin=origin, delta=delta, removed=removed)
-        return {**result, "since": delta["base_version"],
-                "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()},
-                "removed": {name: int(ids.shape[0]) for name, ids in removed.items()}}
-    tables = {t["name"]: (ckpt.rows[t["name"]]["ids"], ckpt.rows[t["name"]]["rows"]) for t in configs}
-    saved.save(out, model, ckpt.params, saved.definition(cfg, model, ds), summary,
-               tables=tables or None, origin=origin)
-    return {**result, "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()}}
+    """`pserver export`: the model a directory's checkpoints hold, written as a model file at
+    `out` (a delta since the model `since`, when given); what was written
+    (pserver.persist.export.export_checkpoints)."""
+    from pserver.persist import export
+    return export.export_checkpoints(directory, out, options, mode, since)
 
 
 def load_model(path: str, model=None, safe_mode: bool = True) -> SavedModel:

@@ -669,7 +669,7 @@ def cmd_status(ns) -> int:
 def cmd_evaluate(ns) -> int:
     import json
 
-    from pserver.api import evaluate_files
+    from pserver.persist.export import evaluate_files
     result = evaluate_files(ns.model_file, ns.checkpoint, given(ns, EVALUATE_FLAGS), ns.mode)
     if ns.json:
         print(json.dumps(result, indent=2))
@@ -685,7 +685,7 @@ def cmd_evaluate(ns) -> int:
 def cmd_checkpoint(ns) -> int:
     import json
 
-    from pserver.server import reshard
+    from pserver.persist import checkpoint_dir, reshard
     if ns.action == "reshard":
         if ns.num_shards < 1:
             raise ConfigError(f"--num-shards: must be at least 1, got {ns.num_shards}")
@@ -693,8 +693,8 @@ def cmd_checkpoint(ns) -> int:
         print(f"wrote {len(paths)} checkpoint(s) to {ns.target}: "
               + ", ".join(os.path.basename(p) for p in paths))
         return 0
-    report = reshard.inspect(ns.directory, ns.mode)
-    print(json.dumps(report, indent=2) if ns.json else "\n".join(reshard.describe(report)))
+    report = checkpoint_dir.inspect(ns.directory, ns.mode)
+    print(json.dumps(report, indent=2) if ns.json else "\n".join(checkpoint_dir.describe(report)))
     if report["sets"] and report["restores"] is None:     # files, and no state a restore could read
         print(f"pserver checkpoint: error: {ns.directory} holds no state a restore in mode {ns.mode} "
               "could read (each file's reason above)", file=sys.stderr)
@@ -705,7 +705,7 @@ def cmd_checkpoint(ns) -> int:
 def cmd_export(ns) -> int:
     import json
 
-    from pserver.api import export_checkpoints
+    from pserver.persist.export import export_checkpoints
     result = export_checkpoints(ns.restore, ns.out, given(ns, EXPORT_FLAGS), ns.mode, since=ns.since)
     if ns.json:
         print(json.dumps(result, indent=2))

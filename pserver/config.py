@@ -111,7 +111,7 @@ class ServerConfig:
     checkpoint_every: int = 0     # also checkpoint every this many steps (0 = off)
     checkpoint_secs: float = 0.0  # also checkpoint every this many seconds (0 = off)
     full_every: int = 10          # a full base every this many checkpoint files, deltas between (1: all full)
-    restore: str | None = None    # resume from this directory's checkpoints (server/reshard.py)
+    restore: str | None = None    # resume from this directory's checkpoints (persist/reshard.py)
     restore_fresh_if_corrupt: bool = False  # start fresh when every checkpoint in restore is corrupt
     auth_token: str | None = field(default=None, repr=False)  # every RPC must carry it; never shown
     tls_cert: str | None = None   # PEM certificate (chain): serve over TLS (with tls_key)
@@ -207,7 +207,7 @@ class WorkerConfig:
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
     eval_batch: int = 4096        # test-set evaluation batch
     summary_json: str | None = None  # chief: write the run summary here
-    save: str | None = None       # chief: write the trained model here (pserver.models.saved)
+    save: str | None = None       # chief: write the trained model here (pserver.persist.model_file)
     stats_json: str | None = None    # write this worker's time breakdown (compute/push/pull/idle)
     eval_every: float = 0.0       # chief: also evaluate every this many seconds (0 = per epoch only)
     delay: str | None = None      # straggler injection, e.g. lognormal:0.02,1.0 (per step, seeded)

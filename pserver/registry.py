@@ -7,7 +7,7 @@ the docs' tables read it, so a new entry is added in one place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from pserver.errors import ConfigError
@@ -19,6 +19,7 @@ class Entry:
     summary: str   # one line, for --help and the docs' tables
     value: Any     # what the name stands for: a class, a function, or None for a plain choice
     form: str      # how a user writes it: the name, or with its arguments ("topk:RATIO")
+    info: dict = field(default_factory=dict)   # what else the kind records of it (a model's task)
 
 
 class Registry:
@@ -31,14 +32,15 @@ class Registry:
         self.kind, self.flag = kind, flag
         self._entries: dict[str, Entry] = {}
 
-    def add(self, name: str, summary: str, value: Any = None, form: str | None = None) -> Any:
-        """Register `name` (written as `form` where it takes arguments, e.g. "topk:RATIO");
-        returns `value`, so a module can add and keep what it defined."""
+    def add(self, name: str, summary: str, value: Any = None, form: str | None = None, **info) -> Any:
+        """Register `name` (written as `form` where it takes arguments, e.g. "topk:RATIO"), with
+        what else its kind records of it (`info`: `info(name)`); returns `value`, so a module can
+        add and keep what it defined."""
         if name in self._entries:
             raise ValueError(f"{self.kind} {name!r} is registered twice")
         if not summary or "\n" in summary:
             raise ValueError(f"{self.kind} {name!r}: the summary must be one line")
-        self._entries[name] = Entry(name, summary, value, form or name)
+        self._entries[name] = Entry(name, summary, value, form or name, info)
         return value
 
     def register(self, cls):
@@ -62,6 +64,11 @@ class Registry:
             raise ConfigError(f"{what or self.flag}: unknown {self.kind} {name!r}; "
                               f"choose one of {', '.join(self._entries)}")
         return self._entries[name].value
+
+    def info(self, name: str) -> dict:
+        """What `add` recorded of `name` beside its value ({} for a name not registered)."""
+        entry = self._entries.get(name)
+        return dict(entry.info) if entry else {}
 
     def summary(self, name: str) -> str:
         return self._entries[name].summary

@@ -14,7 +14,8 @@ import pytest
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition
 from pserver.models.layout import Layout
-from pserver.server import checkpoint
+from pserver.persist import checkpoint, checkpoint_dir
+from pserver.server import checkpoint as shard_checkpoint
 from pserver.server.shard import Shard
 from tests.support.pushes import push_all
 from tests.support.shards import make_cluster
@@ -98,7 +99,7 @@ def counting_writes(monkeypatch, shard, gate=None):
     once (begun, not yet written: each keeps rows aside while pushes go on)."""
     seen = {"taken": 0, "alive": 0, "peak": 0}
     lock = threading.Lock()
-    begin, write = shard.store.begin_dump, checkpoint.write
+    begin, write = shard.store.begin_dump, shard_checkpoint.write
 
     def counted_begin(delta):
         with lock:
@@ -118,7 +119,7 @@ def counting_writes(monkeypatch, shard, gate=None):
                 seen["alive"] -= 1
 
     monkeypatch.setattr(shard.store, "begin_dump", counted_begin)
-    monkeypatch.setattr(checkpoint, "write", slow_write)
+    monkeypatch.setattr(shard_checkpoint, "write", slow_write)
     return seen
 
 
@@ -218,8 +219,9 @@ def test_restore_from_an_empty_or_missing_directory_starts_fresh(tmp_path):
 
 
 def test_ssp_clocks_round_trip_and_files_without_them_still_load(tmp_path):
-    ckpt = checkpoint.Checkpoint("", 7, 0, 1, "sig", 4, 0, 4, "sgd", np.arange(4, dtype=np.float32), {},
-                                 clocks={0: 7, 3: 5})
+    ckpt = checkpoint.Checkpoint(path="", version=7, shard=0, num_shards=1, signature="sig", total=4,
+                                 start=0, end=4, optimizer="sgd", params=np.arange(4, dtype=np.float32),
+                                 state={}, clocks={0: 7, 3: 5})
     assert checkpoint.load(checkpoint.save(str(tmp_path / "new"), ckpt)).clocks == {0: 7, 3: 5}
     path = checkpoint.save(str(tmp_path / "old"), ckpt)
     with np.load(path) as z:                       # rewritten as files were before clocks existed
@@ -269,7 +271,7 @@ def test_a_directory_belongs_to_the_run_that_wrote_it_and_a_start_without_restor
         with pytest.raises(ConfigError, match=words):
             Shard(ServerConfig(num_workers=2, optimizer="adam", **cfg))
         assert hashes(d) == before
-    run = checkpoint.run_of(d)
+    run = checkpoint_dir.run_of(d)
     assert run and checkpoint.meta_of(checkpoint.candidates(d, 0, 1)[0][1])["run"] == run
     os.mkdir(tmp_path / "a")
     with pytest.raises(ConfigError) as e:          # restoring another directory into this one
@@ -284,7 +286,7 @@ def test_a_directory_belongs_to_the_run_that_wrote_it_and_a_start_without_restor
         again.register(r, 2, 0, 1, LAYOUT)
         push_all([again], r, [4], np.ones(50, np.float32))
     path, version = again.checkpoint(0)
-    assert version == 5 and checkpoint.meta_of(path)["run"] == run and checkpoint.run_of(d) == run
+    assert version == 5 and checkpoint.meta_of(path)["run"] == run and checkpoint_dir.run_of(d) == run
     first = tmp_path / "new"                        # the restart idiom on a first start
     assert Shard(ServerConfig(checkpoint_dir=str(first), restore=str(first))).store.version == -1
 
@@ -323,12 +325,13 @@ def test_a_shard_never_prunes_nor_writes_over_another_runs_files(tmp_path):
 def test_a_directory_written_before_run_ids_is_restored_and_adopted(tmp_path):
     d = str(tmp_path)
     for v in (1, 2):
-        c = checkpoint.Checkpoint("", v, 0, 1, LAYOUT.signature(), 50, 0, 50, "sgd",
-                                  np.full(50, v, np.float32), {})
+        c = checkpoint.Checkpoint(path="", version=v, shard=0, num_shards=1, signature=LAYOUT.signature(),
+                                  total=50, start=0, end=50, optimizer="sgd",
+                                  params=np.full(50, v, np.float32), state={})
         checkpoint.save(d, c)                     # no run in the meta, no RUN file
     with pytest.raises(ConfigError, match="written before run ids"):
         Shard(ServerConfig(num_workers=1, optimizer="sgd", checkpoint_dir=d))
-    assert checkpoint.run_of(d) is None
+    assert checkpoint_dir.run_of(d) is None
     shard = Shard(ServerConfig(num_workers=1, optimizer="sgd", lr=0.1, checkpoint_dir=d, restore=d,
                                checkpoint_every=1))
     assert shard.store.version == 2 and shard.store.params.tolist() == [2.0] * 50
@@ -336,7 +339,8 @@ def test_a_directory_written_before_run_ids_is_restored_and_adopted(tmp_path):
     for t in range(2, 4):
         push_all([shard], 0, [t], np.ones(50, np.float32))
         wait_for_writes(shard)
-    assert checkpoint.run_of(d) and [v for v, _ in checkpoint.candidates(d, 0, 1)] == [4, 3, 2]   # adopted
+    # adopted
+    assert checkpoint_dir.run_of(d) and [v for v, _ in checkpoint.candidates(d, 0, 1)] == [4, 3, 2]
 
 
 def test_the_shards_of_one_run_take_one_id_whichever_writes_first(tmp_path):
@@ -349,7 +353,7 @@ def test_the_shards_of_one_run_take_one_id_whichever_writes_first(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    run = checkpoint.run_of(d)
+    run = checkpoint_dir.run_of(d)
     files = [p for j in range(2) for _, p in checkpoint.candidates(d, j, 2)]
     assert run and {checkpoint.meta_of(p)["run"] for p in files} == {run}
     assert sorted(os.listdir(d)) == ["RUN", checkpoint.file_name(0, 2, 0), checkpoint.file_name(1, 2, 0)]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pserver.errors import ConfigError
 from pserver.layers import Embedding
 from pserver.models.layout import Layout
-from pserver.server import checkpoint
+from pserver.persist import checkpoint
 from pserver.sparse import TableConfig, TableLookup, compact
 from pserver.sparse.table import SparseTable
 from pserver.wire import codec
@@ -342,7 +342,8 @@ def test_a_checkpoint_from_before_the_roots_still_loads(tmp_path):
     old = {k: v for k, v in now.items() if not k.startswith("slot_")} | {"slot_accumulator": G}
     params = np.zeros(3, np.float32)
     for name, rows in (("old", old), ("now", now)):
-        ckpt = checkpoint.Checkpoint("", 1, 0, 1, "sig", 3, 0, 3, "sgd", params, {},
+        ckpt = checkpoint.Checkpoint(path="", version=1, shard=0, num_shards=1, signature="sig", total=3,
+                                     start=0, end=3, optimizer="sgd", params=params, state={},
                                      tables=[config.to_dict()], rows={"t": rows})
         path = checkpoint.save(str(tmp_path / name), ckpt)
         loaded = checkpoint.load(path).rows["t"]
@@ -359,7 +360,7 @@ def test_a_checkpoint_from_before_the_roots_still_loads(tmp_path):
 
 def test_an_export_writes_a_compact_tables_rows_as_their_float32_values():
     """Catches bfloat16 words converted as integers (0x3F80 -> 16256.0) on the way to a model file."""
-    from pserver.models.saved import _sorted_table
+    from pserver.persist.model_file import _sorted_table
     for row in ("bfloat16", "float16"):
         config = TableConfig("t", 3, row_dtype=row)
         t = trained(config, "numba")

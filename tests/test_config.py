@@ -72,7 +72,7 @@ def test_worker_config_validation(kw, flag):
 
 
 def test_row_params_reach_the_models_tables():
-    from pserver.worker.loop import table_options
+    from pserver.build import table_options
     cfg = WorkerConfig(model="lr", row_optimizer="ftrl", row_lr=0.1, row_params=" l2=4,, beta=0.5 ,")
     assert table_options(cfg)["optimizer_params"] == {"l2": 4.0, "beta": 0.5}
     assert table_options(WorkerConfig(model="lr"))["optimizer_params"] == {}

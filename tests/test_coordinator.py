@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pserver.errors import FailedPrecondition, InvalidArgument, LeaseGone
-from pserver.server.coordinator import Coordinator, Plan, chunk_order, for_new_shard
+from pserver.persist.reshard import for_new_shard
+from pserver.server.coordinator import Coordinator, Plan, chunk_order
 from tests.support.pushes import push_request
 
 RANKS = 3
@@ -410,7 +411,7 @@ def test_the_coordinator_is_checkpointed_with_shard_0_and_resharded_to_the_new_s
     """meta["coordinator"] round trip through a real file and a restored shard (its leases released),
     and reshard.combine: new shard 0 gets old shard 0's state, the others none."""
     from pserver.config import ServerConfig
-    from pserver.server import checkpoint, reshard
+    from pserver.persist import checkpoint, reshard
     from pserver.server.shard import Shard
     shard = _cluster(tmp_path)
     plan = Plan(8, 4, 5, "fp")

@@ -19,7 +19,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError
 from pserver.optim import make_optimizer
-from pserver.server import checkpoint, reshard
+from pserver.persist import checkpoint, checkpoint_dir, reshard
+from pserver.server import checkpoint as shard_checkpoint
+from pserver.server.checkpoint import Checkpointer
 from pserver.server.store import ShardStore
 from pserver.sparse import TableConfig
 from pserver.sparse.merge import RowGrads
@@ -35,7 +37,7 @@ def make_store(optimizer="adagrad", max_rows=12, full_every=4, directory=None):
         store.configure("sig", DENSE, 0, DENSE, [table])
         store.version = 0
     cfg = ServerConfig(optimizer="adam", full_every=full_every, checkpoint_dir=directory)
-    return store, checkpoint.Checkpointer(directory, "--checkpoint-dir", store, cfg)
+    return store, Checkpointer(directory, "--checkpoint-dir", store, cfg)
 
 
 def push(store, ids, seed):
@@ -248,7 +250,7 @@ def test_reshard_and_inspect_read_chains(tmp_path):
     for p in parts:
         rows.update(rows_of(p.rows["emb"]))
     assert rows == want[3] and np.concatenate([p.params for p in parts]).tobytes() == want[1]
-    report = reshard.inspect(str(tmp_path / "src"))
+    report = checkpoint_dir.inspect(str(tmp_path / "src"))
     files = report["sets"][0]["files"]
     assert [f["loads"] for f in files] == [True] * 3 and report["sets"][0]["consistent_cuts"] == [4, 3, 2]
     assert [f["kind"] for f in files] == ["delta", "delta", "base"]
@@ -272,7 +274,7 @@ def test_pushes_during_a_write_change_the_live_rows_not_the_file(tmp_path, monke
     push(store, ids[:50], 2)
     want = plain(store)
     gate, started = threading.Event(), threading.Event()
-    write = checkpoint.write
+    write = shard_checkpoint.write
 
     def slow_write(directory, name, parts, meta):
         parts = list(parts)
@@ -289,8 +291,8 @@ def test_pushes_during_a_write_change_the_live_rows_not_the_file(tmp_path, monke
         rows.chunks = gated
         return write(directory, name, parts, meta)
 
-    monkeypatch.setattr(checkpoint, "write", slow_write)
-    monkeypatch.setattr(checkpoint, "STRIPE_BYTES", 256)
+    monkeypatch.setattr(shard_checkpoint, "write", slow_write)
+    monkeypatch.setattr(shard_checkpoint, "STRIPE_BYTES", 256)
     result = []
     writer = threading.Thread(target=lambda: result.append(ckpt.request()))
     writer.start()

@@ -188,15 +188,15 @@ def test_a_user_layer_is_saved_once_registered_and_refused_by_name_otherwise(tmp
 
 def _crafted(tmp_path, name, change):
     """A real model.save file whose JSON definition `change` edited."""
-    from pserver.models import saved
+    from pserver.persist.model_file import META
     model = keras.Sequential([keras.Input(shape=(4,)), layers.Dense(2, activation="softmax")])
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     model.save(tmp_path / "m.npz")
     with np.load(tmp_path / "m.npz") as z:
         arrays = {k: z[k] for k in z.files}
-    meta = json.loads(str(arrays[saved.META]))
+    meta = json.loads(str(arrays[META]))
     change(meta)
-    arrays[saved.META] = np.array(json.dumps(meta))
+    arrays[META] = np.array(json.dumps(meta))
     np.savez(tmp_path / name, **arrays)
     return str(tmp_path / name)
 

@@ -29,7 +29,7 @@ from pserver.errors import (
 )
 from pserver.models.layout import Layout
 from pserver.modes import Outcome
-from pserver.server import checkpoint
+from pserver.persist import checkpoint
 from pserver.server.limits import Limits
 from pserver.server.shard import Shard
 from pserver.server.store import Counters
@@ -290,12 +290,13 @@ def test_init_values_with_a_non_finite_last_element_are_refused(value, via):
 WRITER = """
 import resource, signal, sys
 import numpy as np
-from pserver.server import checkpoint
+from pserver.persist import checkpoint, checkpoint_dir
 signal.signal(signal.SIGXFSZ, signal.SIG_DFL)         # Python ignores it; the default ends the process
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 params = np.ones(1 << 20, np.float32)                 # 4 MiB: the kernel kills the writer at 1 MiB
-checkpoint.save(sys.argv[1], checkpoint.Checkpoint("", 2, 0, 1, "sig", params.size, 0, params.size,
-                                                   "sgd", params, {}))
+checkpoint.save(sys.argv[1], checkpoint.Checkpoint(path="", version=2, shard=0, num_shards=1, signature="sig",
+                                                   total=params.size, start=0, end=params.size,
+                                                   optimizer="sgd", params=params, state={}))
 """
 
 
@@ -304,8 +305,9 @@ def test_a_checkpoint_writer_killed_mid_write_leaves_the_previous_checkpoint_who
     the final name: the killed writer left a torn file named as version 2. The kill is
     real: the writer runs with a 1 MiB file-size limit, so the kernel ends it (SIGXFSZ)."""
     params = np.zeros(8, np.float32)
-    first = checkpoint.save(str(tmp_path), checkpoint.Checkpoint("", 1, 0, 1, "sig", 8, 0, 8, "sgd",
-                                                                 params, {}))
+    first = checkpoint.save(str(tmp_path), checkpoint.Checkpoint(path="", version=1, shard=0, num_shards=1,
+                                                                 signature="sig", total=8, start=0, end=8,
+                                                                 optimizer="sgd", params=params, state={}))
     run = subprocess.run([sys.executable, "-c", WRITER, str(tmp_path)], capture_output=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert run.returncode == -signal.SIGXFSZ, run.stderr.decode()[-2000:]

@@ -1,4 +1,4 @@
-"""A served sparse model's tables under deltas (pserver.models.saved: MappedTable.prepare/commit,
+"""A served sparse model's tables under deltas (pserver.persist.model_file: MappedTable.prepare/commit,
 pages, merge_pages): what a lookup reads after any sequence of deltas is what a table rebuilt
 from scratch reads, and a lookup racing an apply sees each row whole, before or after."""
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pserver import sparse
-from pserver.models.saved import MappedTable, TableRows, _write_table, merge_pages
+from pserver.persist.model_file import MappedTable, TableRows, _write_table, merge_pages
 
 DIM = 3
 CONFIG = sparse.TableConfig(name="t", dim=DIM, optimizer="sgd", lr=0.1, init_scale=0.5, seed=3)

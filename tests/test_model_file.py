@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 import pserver
+from pserver.build import fit_data
 from pserver.config import WorkerConfig
 from pserver.data import load_dataset
 from pserver.errors import ConfigError, DataError
 from pserver.layers import Conv2D, Dense, Flatten, MaxPooling2D
 from pserver.models import make_model
-from pserver.models.saved import META, definition, load, read_tables, save
-from pserver.worker.loop import fit_data
+from pserver.persist.model_file import META, definition, load, read_tables, save
 
 
 def blobs(n=600, seed=0):
@@ -160,7 +160,7 @@ def ctr_tables(model, n=300, seed=0):
 
 def test_a_ctr_model_is_a_directory_of_sorted_tables_read_mapped(tmp_path):
     from pserver import sparse
-    from pserver.models.saved import remove_stale
+    from pserver.persist.atomic import remove_stale
     model = make_model("fm", (), 2, embedding_dim=4, seed=7, init_scale=0.1)
     w = model.init_params(0)
     tables = ctr_tables(model)
@@ -243,7 +243,7 @@ def flip(file: str, at: int) -> None:
 def fm_saved(tmp_path_factory):
     """An fm model with tables of 400 rows, saved as `pserver export` saves one: a definition
     that `pserver evaluate` rebuilds, on a small criteo-synthetic set."""
-    from pserver.worker.loop import table_options
+    from pserver.build import table_options
     path = str(tmp_path_factory.mktemp("fm") / "ctr")
     cfg = WorkerConfig(model="fm", dataset="criteo-synthetic", samples=300, test_samples=200, seed=5)
     ds = load_dataset("criteo-synthetic", samples=300, test_samples=200, seed=5)

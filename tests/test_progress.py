@@ -12,7 +12,7 @@ import numpy as np
 
 from pserver.observe import progress
 from pserver.observe.progress import Bar, track
-from pserver.server import checkpoint
+from pserver.persist import checkpoint
 
 
 class Terminal(io.StringIO):
@@ -59,8 +59,9 @@ def test_on_a_terminal_a_bar_appears_once_the_work_has_taken_a_second():
 
 
 def test_restoring_a_checkpoint_counts_reading_and_checking_every_byte(tmp_path, monkeypatch, capsys):
-    ckpt = checkpoint.Checkpoint("", 7, 0, 1, "sig", 3 << 20, 0, 3 << 20, "sgd",
-                                 np.ones(3 << 20, np.float32), {})
+    ckpt = checkpoint.Checkpoint(path="", version=7, shard=0, num_shards=1, signature="sig", total=3 << 20,
+                                 start=0, end=3 << 20, optimizer="sgd", params=np.ones(3 << 20, np.float32),
+                                 state={})
     path = checkpoint.save(str(tmp_path), ckpt)
     monkeypatch.setattr(progress, "EVERY", 0.0)
     assert checkpoint.load(path).version == 7

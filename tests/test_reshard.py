@@ -1,4 +1,4 @@
-"""Checkpoints restored onto another number of shards (pserver.server.reshard): every element
+"""Checkpoints restored onto another number of shards (pserver.persist.reshard): every element
 and every row lands on the shard that owns it now, bit for bit, with its optimizer state."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pserver import cli, sparse
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError
 from pserver.optim import make_optimizer
-from pserver.server import checkpoint, reshard
+from pserver.persist import checkpoint, checkpoint_dir, reshard
+from pserver.server.checkpoint import Checkpointer
 from pserver.server.shard import Shard
 from pserver.server.store import ShardStore
 from pserver.sparse.merge import RowGrads
@@ -44,10 +45,13 @@ def old_set(directory, total, num_shards, optimizer, tables, seed, versions=None
                 table.apply(pick, rng.standard_normal((pick.shape[0], c.dim)).astype(np.float32), step)
             rows[c.name] = table.state()
         version = 5 if versions is None else versions[j]
-        ckpts.append(checkpoint.Checkpoint(
-            "", version, j, num_shards, "sig", total, start, end, optimizer, params[start:end].copy(),
-            {k: v[start:end].copy() for k, v in state.items()}, {0: 9 + j, 1: 4 - (j % 2)},
-            [c.to_dict() for c in configs], rows, {0: (7, 30), 1: (7, 30)}))
+        ckpts.append(checkpoint.Checkpoint(path="", version=version, shard=j, num_shards=num_shards,
+                                           signature="sig", total=total, start=start, end=end,
+                                           optimizer=optimizer, params=params[start:end].copy(),
+                                           state={k: v[start:end].copy() for k, v in state.items()},
+                                           clocks={0: 9 + j, 1: 4 - (j % 2)},
+                                           tables=[c.to_dict() for c in configs], rows=rows,
+                                           positions={0: (7, 30), 1: (7, 30)}))
         checkpoint.save(directory, ckpts[-1])
     return ckpts, params, state
 
@@ -80,7 +84,7 @@ def test_any_set_restored_onto_any_number_of_shards_keeps_every_value_bit_for_bi
     directory = str(tmp_path_factory.mktemp("ckpt"))
     versions = None if mode == "sync" else [3 + (j * 5) % 7 for j in range(old)]
     ckpts, params, state = old_set(directory, total, old, optimizer, tables, seed, versions)
-    chosen = reshard.select(directory, old, mode)
+    chosen = checkpoint_dir.newest_shape(directory, mode, shape=old).ckpts
     parts = [reshard.combine(chosen, new, j) for j in range(new)]
     assert [(p.start, p.end) for p in parts] == shard_ranges(total, new)
     assert np.concatenate([p.params for p in parts]).tobytes() == params.tobytes()
@@ -108,9 +112,9 @@ def test_sync_takes_the_newest_version_every_old_shard_has_and_async_each_ones_n
     old_set(d, 10, 2, "sgd", [("a", 2, "adagrad", 0)], 1, versions=[8, 8])
     os.remove(os.path.join(d, checkpoint.file_name(1, 2, 8)))
     # shard 1 has no version 8 any more: sync goes back to 5, async takes 8 and 5 -> 8
-    assert [c.version for c in reshard.select(d, 2, "sync")] == [5, 5]
-    assert [c.version for c in reshard.select(d, 2, "async")] == [8, 5]
-    made = reshard.combine(reshard.select(d, 2, "async"), 3, 1)
+    assert [c.version for c in checkpoint_dir.newest_shape(d, "sync", shape=2).ckpts] == [5, 5]
+    assert [c.version for c in checkpoint_dir.newest_shape(d, "async", shape=2).ckpts] == [8, 5]
+    made = reshard.combine(checkpoint_dir.newest_shape(d, "async", shape=2).ckpts, 3, 1)
     assert (made.version, made.shard, made.num_shards, made.signature, made.total) == (8, 1, 3, "sig", 10)
     assert made.positions == {0: (7, 30), 1: (7, 30)} and made.clocks == {0: 9, 1: 3}
     assert made.optimizer == "sgd" and made.path.endswith("(resharded)")
@@ -119,7 +123,7 @@ def test_sync_takes_the_newest_version_every_old_shard_has_and_async_each_ones_n
     with open(os.path.join(d, checkpoint.file_name(0, 2, 9)), "r+b") as f:
         f.seek(200)
         f.write(b"\0" * 64)
-    assert [c.version for c in reshard.select(d, 2, "backup")] == [5, 5]
+    assert [c.version for c in checkpoint_dir.newest_shape(d, "backup", shape=2).ckpts] == [5, 5]
 
 
 def test_sets_that_cannot_be_combined_are_refused_naming_why(tmp_path):
@@ -127,16 +131,16 @@ def test_sets_that_cannot_be_combined_are_refused_naming_why(tmp_path):
     old_set(a, 10, 2, "sgd", [], 1)
     os.remove(os.path.join(a, checkpoint.file_name(1, 2, 5)))
     with pytest.raises(ConfigError, match=r"none of shard\(s\) 1"):
-        reshard.select(a, 2, "sync")
+        checkpoint_dir.newest_shape(a, "sync", shape=2).ckpts
     old_set(b, 10, 2, "sgd", [], 1, versions=[5, 6])
     with pytest.raises(ConfigError, match="versions found: shard 0: 5; shard 1: 6"):
-        reshard.select(b, 2, "sync")
+        checkpoint_dir.newest_shape(b, "sync", shape=2).ckpts
     ckpts = old_set(c, 10, 2, "sgd", [], 1)[0]
     other = ckpts[1]
     other.signature, other.optimizer = "another", "adam"
     checkpoint.save(c, other)
     with pytest.raises(ConfigError, match="layout signature .*two runs"):
-        reshard.select(c, 2, "sync")
+        checkpoint_dir.newest_shape(c, "sync", shape=2).ckpts
 
 
 def test_a_shard_restores_a_set_of_another_shape_and_refuses_one_with_its_own_file_missing(tmp_path):
@@ -157,7 +161,7 @@ def test_offline_reshard_and_inspect(tmp_path):
     old_set(src, 12, 2, "momentum", [("a", 3, "ftrl", 2)], 2)
     paths = reshard.reshard_directory(src, dst, 4, "sync")
     assert sorted(os.path.basename(p) for p in paths) == [checkpoint.file_name(j, 4, 5) for j in range(4)]
-    report = reshard.inspect(dst)
+    report = checkpoint_dir.inspect(dst)
     (only,) = report["sets"]
     assert only["num_shards"] == 4 and only["consistent_cuts"] == [5] and only["missing_shards"] == []
     assert all(f["loads"] and len(f["sha256"]) == 64 for f in only["files"])
@@ -166,7 +170,7 @@ def test_offline_reshard_and_inspect(tmp_path):
     with open(paths[2], "r+b") as f:
         f.seek(100)
         f.write(b"\1" * 32)
-    (only,) = reshard.inspect(dst)["sets"]
+    (only,) = checkpoint_dir.inspect(dst)["sets"]
     assert only["consistent_cuts"] == [] and [f["loads"] for f in only["files"]].count(False) == 1
     with pytest.raises(ConfigError, match="no checkpoint"):
         reshard.reshard_directory(str(tmp_path / "empty"), dst, 2, "sync")
@@ -179,7 +183,7 @@ def test_inspect_prints_each_files_kind_base_or_delta_even_when_it_does_not_load
     with store.cond:
         store.configure("sig", 4, 0, 4, [sparse.TableConfig("emb", 2, "adagrad")])
         store.version = 0
-    ckpt = checkpoint.Checkpointer(str(tmp_path), "--checkpoint-dir", store,
+    ckpt = Checkpointer(str(tmp_path), "--checkpoint-dir", store,
                                    ServerConfig(optimizer="sgd", full_every=3, checkpoint_dir=str(tmp_path)))
     for ids in (np.arange(1000), np.arange(5), np.arange(3, 8)):   # a base, then two small deltas
         ids = ids.astype(np.uint64)
@@ -198,7 +202,7 @@ def test_inspect_prints_each_files_kind_base_or_delta_even_when_it_does_not_load
     assert "DOES NOT LOAD" in lines[0]
     assert "v000000000002.d000000000001.ckpt  delta of the chain from version 1  " in lines[1]
     assert "loads" in lines[1] and "v000000000001.ckpt  base  " in lines[2]
-    (only,) = reshard.inspect(str(tmp_path))["sets"]
+    (only,) = checkpoint_dir.inspect(str(tmp_path))["sets"]
     assert [(f["kind"], f.get("base")) for f in only["files"]] == [("delta", 1), ("delta", 1), ("base", None)]
 
 
@@ -253,10 +257,11 @@ def test_evaluate_reads_the_newest_shape_of_a_directory_a_job_resharded_in(tmp_p
     d, w = str(tmp_path), np.arange(7, dtype=np.float32)
     for s, version, shift in ((2, 5, 0.0), (3, 9, 1.0), (1, 4, 2.0)):
         for j, (start, end) in enumerate(shard_ranges(7, s)):
-            part = checkpoint.Checkpoint("", version, j, s, layout.signature(), 7, start, end, "sgd",
-                                         w[start:end] + shift, {})
+            part = checkpoint.Checkpoint(path="", version=version, shard=j, num_shards=s,
+                                         signature=layout.signature(), total=7, start=start, end=end,
+                                         optimizer="sgd", params=w[start:end] + shift, state={})
             checkpoint.save(d, part)
-    flat, versions = checkpoint.load_weights(d, layout)
+    flat, versions = checkpoint_dir.load_weights(d, layout)
     assert flat.tolist() == (w + 1).tolist() and versions == [9, 9, 9]
 
 

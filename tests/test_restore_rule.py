@@ -1,5 +1,5 @@
 """One rule picks the state of a checkpoint directory that restore, reshard, inspect, export and
-evaluate read (pserver.server.checkpoint.newest_usable): the newest usable state across the
+evaluate read (pserver.persist.checkpoint_dir.newest_usable): the newest usable state across the
 shapes a directory holds, never a newer file that belongs to no consistent cut; a file whose
 name and meta disagree does not load; a file pruned while it is read is skipped as gone; the
 tools answer in one line. Real checkpoint files, written as a shard writes them."""
@@ -22,7 +22,8 @@ from pserver.cli import main
 from pserver.config import ServerConfig
 from pserver.data import load_dataset
 from pserver.errors import ConfigError
-from pserver.server import checkpoint, reshard
+from pserver.persist import checkpoint, checkpoint_dir, reshard
+from pserver.server.checkpoint import Checkpointer
 from pserver.server.shard import Shard
 from pserver.wire.sharding import shard_ranges
 
@@ -47,9 +48,12 @@ def write(d: str, layout, num_shards: int, version: int, shards=None) -> None:
     w = weights(layout, version)
     for j, (start, end) in enumerate(shard_ranges(layout.total, num_shards)):
         if shards is None or j in shards:
-            checkpoint.save(d, checkpoint.Checkpoint(
-                "", version, j, num_shards, layout.signature(), layout.total, start, end, "momentum",
-                w[start:end].copy(), {"v": w[start:end] * 2}, {0: version}, positions={0: (1, 10)}))
+            checkpoint.save(d, checkpoint.Checkpoint(path="", version=version, shard=j,
+                                                     num_shards=num_shards, signature=layout.signature(),
+                                                     total=layout.total, start=start, end=end,
+                                                     optimizer="momentum", params=w[start:end].copy(),
+                                                     state={"v": w[start:end] * 2}, clocks={0: version},
+                                                     positions={0: (1, 10)}))
 
 
 def restore(d: str, num_shards: int, mode: str = "sync") -> list[Shard]:
@@ -71,10 +75,10 @@ def test_a_job_restored_onto_three_shards_restarts_from_its_own_newer_cut_not_th
         shards = restore(d, s)
         assert [x.store.version for x in shards] == [17] * s
         assert np.concatenate([x.store.params for x in shards]).tobytes() == want.tobytes()
-    assert [c.version for c in reshard.newest_set(d, "sync")] == [17, 17, 17]
-    report = reshard.inspect(d)
+    assert [c.version for c in checkpoint_dir.newest_shape(d, "sync").ckpts] == [17, 17, 17]
+    report = checkpoint_dir.inspect(d)
     assert report["restores"] == {"num_shards": 3, "version": 17, "versions": [17, 17, 17]}
-    flat, versions = checkpoint.load_weights(d, layout)
+    flat, versions = checkpoint_dir.load_weights(d, layout)
     assert flat.tobytes() == want.tobytes() and versions == [17, 17, 17]
     out = str(tmp_path / "model.npz")
     result = export_checkpoints(d, out, MODEL)
@@ -94,10 +98,10 @@ def test_a_consistent_cut_wins_over_a_newer_file_of_no_cut_and_async_takes_each_
     write(d, layout, 3, 10)
     assert [x.store.version for x in restore(d, 3)] == [10, 10, 10]
     for mode in ("sync", "backup"):
-        choice = checkpoint.newest_usable(d, mode)
+        choice = checkpoint_dir.newest_usable(d, mode)
         assert (choice.best.num_shards, choice.best.version) == (3, 10)
-        assert [c.version for c in reshard.newest_set(d, mode)] == [10, 10, 10]
-    choice = checkpoint.newest_usable(d, "async")
+        assert [c.version for c in checkpoint_dir.newest_shape(d, mode).ckpts] == [10, 10, 10]
+    choice = checkpoint_dir.newest_usable(d, "async")
     assert (choice.best.num_shards, [c.version for c in choice.best.ckpts]) == (2, [12, 8])
     # the 3-shard v10 of shard 2 does not load: no 3-shard state, the 2-shard cut 8 is the newest
     with open(os.path.join(d, checkpoint.file_name(2, 3, 10)), "r+b") as f:
@@ -120,9 +124,9 @@ def test_a_file_whose_name_and_meta_disagree_does_not_load(tmp_path, layout):
     with pytest.raises(ValueError, match="name and its meta disagree: the name says version 18 "
                                          r"\(its meta: 15\)"):
         checkpoint.load(b)
-    assert [c.version for c in reshard.select(d, 2, "sync")] == [12, 12]
+    assert [c.version for c in checkpoint_dir.newest_shape(d, "sync", shape=2).ckpts] == [12, 12]
     assert [x.store.version for x in restore(d, 2)] == [12, 12]
-    files = {f["file"]: f for s in reshard.inspect(d)["sets"] for f in s["files"]}
+    files = {f["file"]: f for s in checkpoint_dir.inspect(d)["sets"] for f in s["files"]}
     assert not files[os.path.basename(a)]["loads"] and "disagree" in files[os.path.basename(a)]["why"]
     e = str(tmp_path / "shards")
     write(e, layout, 2, 5)
@@ -131,7 +135,7 @@ def test_a_file_whose_name_and_meta_disagree_does_not_load(tmp_path, layout):
     with pytest.raises(ValueError, match=r"the name says shard 0 \(its meta: 1\)"):
         checkpoint.load(os.path.join(e, checkpoint.file_name(0, 2, 5)))
     with pytest.raises(ConfigError, match="disagree"):
-        checkpoint.load_weights(e, layout)
+        checkpoint_dir.load_weights(e, layout)
 
 
 def test_a_file_pruned_between_the_listing_and_its_reading_is_skipped_as_gone(tmp_path, layout):
@@ -153,7 +157,7 @@ def test_a_file_pruned_between_the_listing_and_its_reading_is_skipped_as_gone(tm
     try:
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
-            report = reshard.inspect(live)
+            report = checkpoint_dir.inspect(live)
             assert all(f["loads"] for f in report["sets"][0]["files"])     # gone ones left out
     finally:
         stop.set()
@@ -166,7 +170,7 @@ def test_a_file_pruned_between_the_listing_and_its_reading_is_skipped_as_gone(tm
     os.remove(gone)
     with pytest.raises(checkpoint.Gone):
         checkpoint.load(gone)
-    report = reshard.inspect(d, found=listing)
+    report = checkpoint_dir.inspect(d, found=listing)
     (only,) = report["sets"]
     assert [f["file"] for f in only["files"]] == [checkpoint.file_name(j, 2, v) for j, v in ((0, 6), (0, 3),
                                                                                             (1, 3))]
@@ -174,7 +178,7 @@ def test_a_file_pruned_between_the_listing_and_its_reading_is_skipped_as_gone(tm
     assert report["restores"]["version"] == 3
     listing = checkpoint.scan(d)
     os.remove(os.path.join(d, checkpoint.file_name(0, 2, 6)))
-    choice = checkpoint.newest_usable(d, "async", found=listing)
+    choice = checkpoint_dir.newest_usable(d, "async", found=listing)
     assert [c.version for c in choice.best.ckpts] == [3, 3]
 
 
@@ -224,7 +228,7 @@ def test_a_delta_renamed_as_a_base_does_not_load(tmp_path):
         store.configure("sig", 4, 0, 4, [sparse.TableConfig("emb", 2, "adagrad")])
         store.version = 0
     cfg = ServerConfig(optimizer="sgd", full_every=3, checkpoint_dir=str(tmp_path))
-    writer = checkpoint.Checkpointer(str(tmp_path), "--checkpoint-dir", store, cfg)
+    writer = Checkpointer(str(tmp_path), "--checkpoint-dir", store, cfg)
     for ids in (np.arange(1000), np.arange(5)):              # a base, then a small delta
         ids = ids.astype(np.uint64)
         with store.cond:
@@ -237,4 +241,4 @@ def test_a_delta_renamed_as_a_base_does_not_load(tmp_path):
     os.rename(delta, renamed)
     with pytest.raises(ValueError, match=r"kind base \(its meta: delta\)"):
         checkpoint.load(renamed)
-    assert checkpoint.newest_usable(str(tmp_path), "sync").best.version == 1
+    assert checkpoint_dir.newest_usable(str(tmp_path), "sync").best.version == 1

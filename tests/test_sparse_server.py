@@ -14,7 +14,7 @@ from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import InvalidArgument
 from pserver.models.layout import Layout
-from pserver.server import checkpoint
+from pserver.persist import checkpoint
 from pserver.sparse import TableConfig, TableLookup
 from pserver.wire import codec
 from pserver.worker.client import PSClient

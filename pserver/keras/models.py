@@ -25,8 +25,8 @@ from pserver.keras import cluster, optimizers
 from pserver.keras._names import missing as _missing
 from pserver.layers import activations
 from pserver.layers.base import Layer, as_shape
-from pserver.models import saved
 from pserver.models.sequential import Sequential as _Sequential
+from pserver.persist import model_file
 
 # The shards a plain script's fit starts in its own process.
 OWN_SHARDS = 1
@@ -274,7 +274,7 @@ class Sequential:
         if place is not None and place.rank != 0:
             return                            # the chief's to write, as a Keras chief saves
         compiled = self.optimizer.get_config() if self.optimizer else None
-        saved.save(filepath, self._core, self._weights(), {"keras_optimizer": compiled}, {})
+        model_file.save(filepath, self._core, self._weights(), {"keras_optimizer": compiled}, {})
 
 
 def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> Sequential:
@@ -292,17 +292,17 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> S
     if not isinstance(compile, bool):
         raise ConfigError(f"load_model: compile must be True or False, got {compile!r}")
     filepath = os.fspath(filepath)
-    meta, arrays = saved.read(filepath)
-    saved.refuse_delta(filepath, meta)
+    meta, arrays = model_file.read(filepath)
+    model_file.refuse_delta(filepath, meta)
     if not meta.get("sequential"):
         if safe_mode:
-            saved.refuse_code(filepath, meta)
+            model_file.refuse_code(filepath, meta)
         raise ConfigError(f"{filepath}: holds no Sequential's config (a --model file: use "
                           "pserver.load_model)")
-    with saved.model_file_errors(filepath):
+    with model_file.model_file_errors(filepath):
         model = Sequential.from_config(meta["sequential"])
-    model._w = saved.weights_of(filepath, meta, arrays, model._core.layout)
-    with saved.model_file_errors(filepath):
+    model._w = model_file.weights_of(filepath, meta, arrays, model._core.layout)
+    with model_file.model_file_errors(filepath):
         opt = meta.get("keras_optimizer")
         if compile and opt is not None:
             model.optimizer = optimizers.from_settings(opt)

@@ -33,12 +33,14 @@ def launch(cfg: LaunchConfig, server: ServerConfig, worker: WorkerConfig) -> int
         raise ConfigError("--tls-ca: launch needs --tls-cert/--tls-key and --tls-ca together "
                           "(its shards serve TLS and its workers must trust them)")
     check_writable("--summary-json", cfg.summary_json)
-    from pserver.server.checkpoint import check_directory, check_layout, check_start, write_directory
+    from pserver.persist.checkpoint import check_directory
+    from pserver.persist.checkpoint_dir import check_layout, check_start, write_directory
     first = check_start(server.checkpoint_dir, server.restore)   # another run's directory: refused
     where = write_directory(server)
     if where:
         check_directory(*where)        # now, rather than as a shard's exit once it started
-    from pserver.worker.loop import check_model_and_data, registered_layout
+    from pserver.build import check_model_and_data
+    from pserver.worker.loop import registered_layout
     model = check_model_and_data(worker)   # a model file's mistake too, before any process starts
     if server.restore and getattr(model, "layout", None) is not None:
         # another model's checkpoints: refused now, on the layout the workers register (tables too)

@@ -104,7 +104,7 @@ def run_command(num_shards: int, num_workers: int, argv: list[str], server: Serv
     for flag, count in (("--ps", num_shards), ("--workers", num_workers)):
         if count < 1:
             raise ConfigError(f"{flag}: run needs 1 or more, got {count}")
-    from pserver.server.checkpoint import check_start
+    from pserver.persist.checkpoint_dir import check_start
     first = check_start(server.checkpoint_dir, server.restore)   # another run's directory: refused
     if first:
         print(f"pserver run: {first}", flush=True)

@@ -39,13 +39,20 @@ from pserver.registry import Registry
 MODELS = Registry("model", "--model")
 MODELS.add("mlp", "Dense + ReLU layers (--hidden, default 256,256), softmax cross-entropy", mlp)
 MODELS.add("logreg", "one Dense layer to k logits, softmax cross-entropy (classification)", logreg)
-MODELS.add("linreg", "one Dense layer to 1 output, mean squared error (regression)", linreg)
+MODELS.add("linreg", "one Dense layer to 1 output, mean squared error (regression)", linreg,
+           task="regression")
 MODELS.add("cnn", "the reference CNN: Conv2D(32, 3), MaxPooling2D, Dense(64), Dense(10), on 28x28x1", cnn)
 MODELS.add("lr", "Criteo: logistic regression over dense features and one sparse weight per id", ctr_model)
 MODELS.add("fm", "Criteo: lr plus a factorization machine's pairwise term (--embedding-dim)", ctr_model)
 MODELS.add("wide_deep", "Criteo: lr plus a deep tower over the ids' embeddings (--hidden)", ctr_model)
 MODELS.add("deepfm", "Criteo: fm plus a deep tower over the same embeddings (--hidden)", ctr_model)
 DEFAULT_HIDDEN = (256, 256)   # the mlp's; the CTR models' deep towers have their own
+
+
+def task_of(spec: str) -> str:
+    """The task a --model spec trains for, as its registry entry says: "regression" or
+    "classification" (the default, and a user's model's: its data says which it is)."""
+    return MODELS.info(spec).get("task", "classification")
 
 
 def make_model(name: str, input_shape, num_classes: int, *,
@@ -157,5 +164,5 @@ def _check_positive(what: str, v) -> None:
 
 __all__ = ["MODELS", "make_model", "on_device", "check_model_spec", "Model", "Sequential", "Layout",
            "TensorSpec", "CTRModel", "ctr_model",
-           "losses", "mlp", "logreg", "linreg", "cnn", "load_model", "protocol_gaps", "fits",
+           "losses", "task_of", "mlp", "logreg", "linreg", "cnn", "load_model", "protocol_gaps", "fits",
            "shaped_for"]

@@ -478,8 +478,3 @@ class Coordinator:
         self.release_all_but(set())
         self.fresh = True
         return self
-
-
-def for_new_shard(states: dict[int, dict | None], shard: int) -> dict | None:
-    """Reshard: the coordinator lives in shard 0; old shard 0's state goes to new shard 0."""
-    return states.get(0) if shard == 0 else None

@@ -24,8 +24,9 @@ from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
 from pserver.observe.telemetry import ShardMetrics
 from pserver.optim import make_optimizer
+from pserver.persist import checkpoint_dir, reshard
 from pserver.records import PushRequest, Registration
-from pserver.server import budget, checkpoint, checks, reaper, reshard
+from pserver.server import budget, checkpoint, checks, reaper
 from pserver.server.budget import Budget
 from pserver.server.coordinator import EpochSums, Lease, Plan
 from pserver.server.leases import Leases
@@ -103,15 +104,15 @@ class Shard:
         return self.leases.epoch_logs(rank, session, epoch, share)
 
     def open(self) -> None:
-        """Refuse another run's checkpoint directory (checkpoint.check_start), restore (--restore)
+        """Refuse another run's checkpoint directory (checkpoint_dir.check_start), restore (--restore)
         and start checkpointing: what the shard does before it accepts workers. app.py calls it
         once the port is open, so that health probes see the restore."""
-        first = checkpoint.check_start(self.cfg.checkpoint_dir, self.cfg.restore)   # another run's: refused
+        first = checkpoint_dir.check_start(self.cfg.checkpoint_dir, self.cfg.restore)   # another run: refused
         if first:
             log.info("shard %d: %s", self.cfg.shard, first)
         elif self.cfg.restore:
             self._restore(self.cfg.restore)
-        where = checkpoint.write_directory(self.cfg)
+        where = checkpoint_dir.write_directory(self.cfg)
         self.checkpointer = checkpoint.Checkpointer(*where, self.store, self.cfg) if where else None
 
     def _restore(self, directory: str) -> None:

@@ -26,7 +26,7 @@ counting again from zero.
 Counters: `creations` counts rows created (every admitted id, including an evicted id that
 came back), `admissions` the ids that passed a min_count >= 2 filter, `evictions` rows evicted.
 
-Checkpoints without a second copy (pserver.server.checkpoint): `begin_dump` fixes the rows a
+Checkpoints without a second copy (pserver.persist.checkpoint): `begin_dump` fixes the rows a
 checkpoint holds (all of them, or for a delta those updated since the last dump began, with the
 ids evicted since), and `read_dump` hands them out a stripe at a time while pushes go on. Until
 a stripe is read, a push, an admission or an eviction that is about to change one of its rows

@@ -855,7 +855,7 @@ class PSClient:
     def export_table(self, table: str, timeout: float = 600.0):
         """Every row of `table` on every shard: ([each shard's version], total rows, pages of
         ascending ids and their rows, the shards' streams merged as they are read)."""
-        from pserver.models.saved import merge_pages
+        from pserver.persist.model_file import merge_pages
         streams = [s.export_rows(self.rank, table, timeout) for s in self.shards]
         return ([v for v, _, _ in streams], sum(n for _, n, _ in streams),
                 merge_pages([p for _, _, p in streams]))

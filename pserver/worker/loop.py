@@ -7,7 +7,6 @@ the pushes combine and how long each pull waits. The loop does not branch on the
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import sys
@@ -15,11 +14,11 @@ import time
 
 import numpy as np
 
+from pserver.build import build
 from pserver.config import WorkerConfig
-from pserver.data import Dataset, Stream, describe, load_dataset
+from pserver.data import Dataset, describe
 from pserver.errors import (
     ConfigError,
-    DataError,
     DeadlineExceeded,
     FailedPrecondition,
     LeaseGone,
@@ -27,10 +26,8 @@ from pserver.errors import (
     Unavailable,
 )
 from pserver.kernels.cache import CompileWatch
-from pserver.kernels.device import blas_note, parse_device, select
+from pserver.kernels.device import blas_note
 from pserver.kernels.device import describe as describe_device
-from pserver.models import make_model, saved
-from pserver.models.ctr import CTR_MODELS
 from pserver.models.layout import Layout
 from pserver.observe.metrics import (
     combine_counters,
@@ -40,6 +37,7 @@ from pserver.observe.metrics import (
 )
 from pserver.observe.progress import Progress, style_for
 from pserver.observe.telemetry import TrainingReport
+from pserver.persist import model_file
 from pserver.signals import Stopped
 from pserver.sparse import TableLookup
 from pserver.wire.security import client_security
@@ -47,63 +45,6 @@ from pserver.worker.client import PSClient
 from pserver.worker.run import Run, push_pull
 from pserver.worker.sources import Batch, EpochEnd, Leases, Slices, source_for
 from pserver.worker.stragglers import Delay
-
-
-def build(cfg: WorkerConfig):
-    """Device, dataset and model for this worker (the chief and the others build the same).
-
-    A user's model (--model FILE.py:FUNCTION) is built for the dataset's sample shape and
-    number of classes; then the data is checked against the model, before any training.
-    """
-    device = select(parse_device(cfg.device))   # before the model: it binds to this device
-    ds = load_data(cfg)
-    model = make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden, **table_options(cfg),
-                       backend=device.backend)
-    return device, fit_data(model, ds), model
-
-
-def table_options(cfg: WorkerConfig) -> dict:
-    """The sparse-table flags, for the models that have sparse tables."""
-    if cfg.model not in CTR_MODELS:
-        return {}
-    from pserver.sparse.optim import parse_params
-    return dict(embedding_dim=cfg.embedding_dim, optimizer=cfg.row_optimizer, lr=cfg.row_lr,
-                optimizer_params=parse_params(cfg.row_params),
-                min_count=cfg.min_count, max_rows=cfg.max_rows, ttl_steps=cfg.ttl_steps, seed=cfg.seed,
-                row_dtype=cfg.row_dtype, state_dtype=cfg.state_dtype)
-
-
-def load_data(cfg: WorkerConfig) -> Dataset:
-    task = "regression" if cfg.model == "linreg" else "classification"
-    return load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, task=task,
-                        samples=cfg.samples, test_samples=cfg.test_samples, features=cfg.features,
-                        classes=cfg.classes, scale_uint8=cfg.scale_uint8)
-
-
-def check_model_and_data(cfg: WorkerConfig):
-    """What every worker would find wrong with the data (a dataset name, a directory, a
-    file, a batch larger than a worker's slice) or the model (a mistake in a model file, a
-    model that does not fit the data), found once, before anything starts: as a ConfigError,
-    which `pserver launch` exits 2 with. The model is built as the workers build it, with
-    the NumPy kernels (nothing is compiled for it). Returns the model (launch checks the
-    checkpoints it restores against its layout)."""
-    try:   # quietly: the workers say what they do with the data
-        ds = load_data(dataclasses.replace(cfg, scale_uint8="none"))
-        ds.steps(cfg.num_workers, cfg.batch_size)
-        model = make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden,
-                           **table_options(cfg), backend="reference")
-        fit_data(model, ds)
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    return model
-
-
-def fit_data(model, ds: Dataset | Stream) -> Dataset | Stream:
-    """The dataset as the model takes it: float targets for a regression loss, samples
-    reshaped to the model's input, everything checked (DataError naming layer and shapes).
-    A model without `check_data` (a user's protocol object) gets the data as it is; a
-    Stream's batches are checked by the model as they come, its test set here."""
-    return ds.fit(model)
 
 
 def gradient_fn(model, seed: int, rank: int):
@@ -199,7 +140,7 @@ MAX_EVAL_THREADS = 16
 def run_worker(cfg: WorkerConfig) -> dict | None:
     """Train until the epochs (or --max-steps) are done; the chief returns the summary."""
     device, ds, model = build(cfg)
-    return run(cfg, device, ds, model, saved.definition(cfg, model, ds))
+    return run(cfg, device, ds, model, model_file.definition(cfg, model, ds))
 
 
 def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None = None,
@@ -309,10 +250,10 @@ def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, defini
         tables, versions = {}, None
         for t in sparse_tables(model):
             versions, count, pages = client.export_table(t.name, max(cfg.rpc_deadline, 3600.0))
-            tables[t.name] = saved.TableRows(count, pages)
+            tables[t.name] = model_file.TableRows(count, pages)
         origin = {"live": True, "num_shards": len(cfg.ps), "versions": versions,
                   "version": max(versions), "job": registered_layout(model).signature()}
-    saved.save(cfg.save, model, w, definition, summary, tables=tables, origin=origin)
+    model_file.save(cfg.save, model, w, definition, summary, tables=tables, origin=origin)
 
 
 def check_settings(client: PSClient, expected: dict | None, settings: dict | None) -> None:

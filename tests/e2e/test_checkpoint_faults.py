@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pserver.models.layout import Layout
-from pserver.server import checkpoint
+from pserver.persist import checkpoint
 from pserver.worker.client import PSClient
 from tests.support.processes import LOGREG, free_port, run, wait_until
 

@@ -1,4 +1,4 @@
-"""A checkpoint directory belongs to one run (pserver.server.checkpoint, `check_start`): a
+"""A checkpoint directory belongs to one run (pserver.persist.checkpoint_dir, `check_start`): a
 new run pointed at a finished run's directory without restoring it, a mistyped --restore and
 a restore of another model's checkpoints are refused before any process starts, in one line,
 and the old run's files are left byte for byte and still restore."""
@@ -11,7 +11,7 @@ import os
 import pytest
 
 from pserver.config import ServerConfig
-from pserver.server import checkpoint
+from pserver.persist import checkpoint, checkpoint_dir
 from pserver.server.shard import Shard
 from tests.support.processes import LOGREG, run
 
@@ -47,7 +47,7 @@ def test_a_second_run_in_a_finished_runs_directory_is_refused_and_the_old_run_st
     again = run("launch", *JOB, "--checkpoint-dir", d, timeout=120)
     refused_before_anything_starts(again, f"--checkpoint-dir: {d} holds another run's checkpoints",
                                    f"--restore {d}", "another --checkpoint-dir")
-    owner = checkpoint.run_of(d)
+    owner = checkpoint_dir.run_of(d)
     assert owner and f"run {owner}" in again.stderr and "RUN" in before
     typo = run("launch", *JOB, "--checkpoint-dir", d, "--restore", d + "_typo", timeout=120)
     refused_before_anything_starts(typo, f"--restore: {d}_typo does not exist")
@@ -64,4 +64,4 @@ def test_a_second_run_in_a_finished_runs_directory_is_refused_and_the_old_run_st
                                    checkpoint_dir=d, restore=d))
         assert {shard.store.version} == last and shard.store.initialized
         shard.close()
-    assert digests(d) == before and checkpoint.run_of(d) == owner
+    assert digests(d) == before and checkpoint_dir.run_of(d) == owner

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pserver.server import checkpoint
+from pserver.persist import checkpoint
 from tests.support.processes import run
 
 pytestmark = pytest.mark.e2e

@@ -21,7 +21,7 @@ import pserver
 from pserver import sparse
 from pserver.data import load_dataset
 from pserver.models import metrics
-from pserver.server import checkpoint, reshard
+from pserver.persist import checkpoint, checkpoint_dir, reshard
 from tests.support.processes import pserver_cmd, read_json, run
 
 pytestmark = pytest.mark.e2e
@@ -95,7 +95,7 @@ def test_tables_read_as_a_shards_table_does(job):
     out = str(base / "model-lookup")
     assert export(str(base / "ckpt2"), out).returncode == 0
     model = pserver.load_model(out)
-    whole = reshard.combine(reshard.select(str(base / "ckpt2"), 2, "sync"), 1, 0)
+    whole = reshard.combine(checkpoint_dir.newest_shape(str(base / "ckpt2"), "sync", shape=2).ckpts, 1, 0)
     rng = np.random.default_rng(0)
     for i, mapped in enumerate(model.tables):
         table = sparse.SparseTable(sparse.TableConfig.from_dict(whole.tables[i]), i)

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from pserver.errors import EXIT_TRANSIENT
-from pserver.server import checkpoint
+from pserver.persist import checkpoint
 from tests.support.processes import LOGREG, alive, children, env_with, pserver_cmd, wait_until
 
 pytestmark = pytest.mark.e2e

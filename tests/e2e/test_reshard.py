@@ -11,7 +11,7 @@ import pytest
 
 from pserver import sparse
 from pserver.config import ServerConfig
-from pserver.server import reshard
+from pserver.persist import checkpoint_dir
 from pserver.server.shard import Shard
 from tests.support.processes import read_json, run
 
@@ -40,7 +40,7 @@ def test_a_ctr_job_stopped_on_2_shards_goes_on_on_3(tmp_path):
     r = run("launch", "--ps", "2", *JOB, "--epochs", "1", "--checkpoint-dir", ckpt, "--summary-json", first,
             timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
-    (made,) = reshard.inspect(ckpt)["sets"]
+    (made,) = checkpoint_dir.inspect(ckpt)["sets"]
     version = made["consistent_cuts"][0]
 
     # What the 2 shards held when they stopped, against what 3 shards restored from their files hold.

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from pserver.server import checkpoint
+from pserver.persist import checkpoint
 from tests.support.processes import LOGREG, read_json, wait_until
 
 pytestmark = pytest.mark.e2e

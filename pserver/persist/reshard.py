@@ -2,7 +2,7 @@
 from (docs/semantics.md, "Restore onto another number of shards").
 
 A directory may hold the files of several cluster shapes (`shard{J}-of{S}-v{V}.ckpt`). A shard
-J' of S' restoring from it reads the state checkpoint.newest_usable picks, the one rule that
+J' of S' restoring from it reads the state checkpoint_dir.newest_usable picks, the one rule that
 restore, reshard, inspect, export and evaluate share (`restore_point`):
 
 - of its own shape: its own file of that state;
@@ -32,39 +32,11 @@ import numpy as np
 
 from pserver import sparse
 from pserver.errors import ConfigError
-from pserver.server import checkpoint, coordinator
+from pserver.persist import checkpoint, checkpoint_dir
 from pserver.wire.sharding import shard_range
 
 log = logging.getLogger("pserver.checkpoint")
-CUT_MODES = checkpoint.CUT_MODES
-
-
-def select(directory: str, num_shards: int, mode: str) -> list[checkpoint.Checkpoint]:
-    """One loaded checkpoint per shard of an S-shard set, by the mode's version rule
-    (checkpoint.newest_usable, of this shape alone); ConfigError naming what was found when no
-    set can be combined."""
-    shards = checkpoint.scan(directory).get(num_shards, {})
-    missing = [j for j in range(num_shards) if not shards.get(j)]
-    if missing:
-        raise ConfigError(f"--restore: {directory} holds checkpoints of {num_shards} shards but none of "
-                          f"shard(s) {', '.join(map(str, missing))}; a set needs every shard's file")
-    choice = checkpoint.newest_usable(directory, mode, shapes=[num_shards])
-    if choice.best is not None:
-        return choice.best.ckpts
-    raise ConfigError(checkpoint.why_none(directory, {num_shards: shards}, mode, choice.failures))
-
-
-def newest_set(directory: str, mode: str, flag: str = "--restore") -> list[checkpoint.Checkpoint]:
-    """The files of the state a restore of directory reads (checkpoint.newest_usable), whole;
-    ConfigError naming `flag` when it holds no checkpoint, or no usable state."""
-    found = checkpoint.scan(directory)
-    if not found:
-        raise ConfigError(f"{flag}: {directory} holds no checkpoint "
-                          "(shard{J}-of{S}-v{VERSION}.ckpt files)")
-    choice = checkpoint.newest_usable(directory, mode, found=found)
-    if choice.best is None:
-        raise ConfigError(checkpoint.why_none(directory, found, mode, choice.failures, flag))
-    return choice.best.ckpts
+CUT_MODES = checkpoint_dir.CUT_MODES
 
 
 def _gather(parts: list[tuple[int, np.ndarray]], start: int, end: int) -> np.ndarray:
@@ -108,10 +80,18 @@ def combine(ckpts: list[checkpoint.Checkpoint], num_shards: int, shard: int) -> 
         for r, p in c.positions.items():
             positions.setdefault(r, p)
     olds = ", ".join(os.path.basename(c.path) for c in ckpts)
-    return checkpoint.Checkpoint(f"{olds} (resharded)", max(c.version for c in ckpts), shard, num_shards,
-                                 first.signature, first.total, start, end, first.optimizer, params, state,
-                                 clocks, list(first.tables), rows, positions,
-                                 coordinator.for_new_shard({c.shard: c.coordinator for c in ckpts}, shard))
+    return checkpoint.Checkpoint(path=f"{olds} (resharded)", version=max(c.version for c in ckpts),
+                                 shard=shard, num_shards=num_shards, signature=first.signature,
+                                 total=first.total,
+                                 start=start, end=end, optimizer=first.optimizer, params=params, state=state,
+                                 clocks=clocks, tables=list(first.tables), rows=rows, positions=positions,
+                                 coordinator=for_new_shard({c.shard: c.coordinator for c in ckpts}, shard))
+
+
+def for_new_shard(states: dict[int, dict | None], shard: int) -> dict | None:
+    """The data coordinator's state (pserver.server.coordinator) for a new shard: it lives in
+    shard 0; old shard 0's state goes to new shard 0."""
+    return states.get(0) if shard == 0 else None
 
 
 @dataclass
@@ -123,7 +103,7 @@ class RestorePoint:
 def restore_point(directory: str, shard: int, num_shards: int, mode: str,
                   fresh_if_corrupt: bool = False) -> RestorePoint:
     """What shard `shard` of `num_shards` restores from directory (None on a first start): the
-    state checkpoint.newest_usable picks, its own file when the state is of this number of
+    state checkpoint_dir.newest_usable picks, its own file when the state is of this number of
     shards, else combined. When no state of this shape is usable but this shard's own files are
     at least as new as any other shape's state, as before a reshard: in sync and backup with no
     version every shard has (one shard restarted while the others went on), its own newest;
@@ -131,7 +111,7 @@ def restore_point(directory: str, shard: int, num_shards: int, mode: str,
     found = checkpoint.scan(directory)
     if not found:
         return RestorePoint(checkpoint.load_latest(directory, shard, num_shards, fresh_if_corrupt))
-    choice = checkpoint.newest_usable(directory, mode, prefer=num_shards, found=found,
+    choice = checkpoint_dir.newest_usable(directory, mode, prefer=num_shards, found=found,
                                       keep=lambda s, j: s != num_shards or j == shard)
     best, own = choice.best, found.get(num_shards, {})
     if best is not None and best.num_shards == num_shards:
@@ -140,38 +120,38 @@ def restore_point(directory: str, shard: int, num_shards: int, mode: str,
     # have): `best` is newer, or it did not load. Else, this shard's own files as before, unless
     # `best` is newer than all of them.
     candidate = bool(own) and all(own.get(j) for j in range(num_shards)) and \
-        (mode not in CUT_MODES or bool(checkpoint.cut_versions(own, num_shards)))
+        (mode not in CUT_MODES or bool(checkpoint_dir.cut_versions(own, num_shards)))
     own_newest = max((v for files in own.values() for v, _ in files), default=-1)
     if best is not None and (candidate or best.version > own_newest):
         log.info("shard %d of %d: the newest usable state in %s is version %d of %d shards; combining it",
                  shard, num_shards, directory, best.version, best.num_shards)
         return RestorePoint(combine(best.ckpts, num_shards, shard), resharded_from=best.num_shards)
     if not own:
-        raise ConfigError(checkpoint.why_none(directory, found, mode, choice.failures))
+        raise ConfigError(checkpoint_dir.why_none(directory, found, mode, choice.failures))
     if shard not in own:
         raise ConfigError(f"--restore: {directory} holds checkpoints of shards "
                           f"{', '.join(map(str, sorted(own)))} of {num_shards} but none of "
                           f"shard {shard}: starting it fresh would mix a new shard into a trained model; "
                           f"restore from the directory that holds its files")
-    if mode in CUT_MODES and set(own) != {shard} and checkpoint.cut_versions(own, num_shards):
+    if mode in CUT_MODES and set(own) != {shard} and checkpoint_dir.cut_versions(own, num_shards):
         if fresh_if_corrupt:          # cuts there are, and not one loads
             log.warning("shard %d: no version loads for every shard in %s; starting fresh as "
                         "--restore-fresh-if-corrupt asks", shard, directory)
             return RestorePoint(None)
-        raise ConfigError(checkpoint.why_none(directory, {num_shards: own}, mode, choice.failures))
+        raise ConfigError(checkpoint_dir.why_none(directory, {num_shards: own}, mode, choice.failures))
     if mode in CUT_MODES and set(own) != {shard}:
         # No version that every shard has: one shard restarted while the others went on (they
         # are live, ahead of its files) restores its own newest, as it always did.
         log.warning("shard %d: no version every shard of %d has a checkpoint of in %s (%s); restoring "
                     "this shard's newest", shard, num_shards, directory,
-                    checkpoint.describe_versions(own, num_shards))
+                    checkpoint_dir.describe_versions(own, num_shards))
     # async and ssp, or a directory that holds this shard's files alone: its newest
     return RestorePoint(checkpoint.load_latest(directory, shard, num_shards, fresh_if_corrupt))
 
 
 def reshard_directory(source: str, target: str, num_shards: int, mode: str) -> list[str]:
     """`pserver checkpoint reshard`: write the set `restore_point` would combine from source
-    (newest_set: checkpoint.newest_usable's state) as num_shards files into target (atomically
+    (checkpoint_dir.newest_shape's state) as num_shards files into target (atomically
     each, as a shard writes them); their paths.
     Refused (ConfigError, before anything is written) when target is not a directory that can
     be one, or holds another run's files or other checkpoints of num_shards shards (a restore
@@ -190,20 +170,14 @@ def reshard_directory(source: str, target: str, num_shards: int, mode: str) -> l
     if total is not None and num_shards > total:
         raise ConfigError(f"--num-shards: {num_shards:,} is more than the model's {total:,} parameters "
                           f"(each shard holds at least one); at most {total:,}")
-    ckpts = newest_set(source, mode, "--from")
+    ckpts = checkpoint_dir.newest_shape(source, mode, "--from").ckpts
     version = max(c.version for c in ckpts)
-    run = checkpoint.run_of(source) or _derived_run(source, len(ckpts), version)
+    run = checkpoint_dir.run_of(source) or _derived_run(source, len(ckpts), version)
     names = {checkpoint.file_name(j, num_shards, version) for j in range(num_shards)}
     _check_target(target, same, run, num_shards, names)
-    checkpoint.check_directory(target, "--to")
-    stale = [n for n in os.listdir(target)
-             if (m := checkpoint.TMP_NAME.match(n)) and int(m.group(2)) == num_shards]
-    for name in stale:
-        checkpoint.remove_quietly(os.path.join(target, name))
-    if stale:
-        log.info("removed %d temporary file(s) an interrupted write left in %s", len(stale), target)
+    checkpoint.prepare(target, "--to", None, num_shards)
     try:
-        checkpoint.claim(target, None if same else checkpoint.run_of(target), new=run)
+        checkpoint_dir.claim(target, None if same else checkpoint_dir.run_of(target), new=run)
         return [checkpoint.save(target, combine(ckpts, num_shards, j), run) for j in range(num_shards)]
     except OSError as e:
         raise ConfigError(f"--to: cannot write checkpoints to {target} ({e.strerror or e})") from None
@@ -234,108 +208,14 @@ def _check_target(target: str, same: bool, run: str, num_shards: int, names: set
     itself the other shapes' files are the source's: the run's own."""
     if not os.path.isdir(target):
         return
-    held = checkpoint.run_of(target)
+    held = checkpoint_dir.run_of(target)
     other = [] if same or held in (None, run) else [f"a RUN file of run {held}"]
-    for name in sorted(os.listdir(target)):
-        m = checkpoint.NAME.match(name)
-        if not m or (same and int(m.group(2)) != num_shards):
-            continue
-        if name not in names or not checkpoint.owned(os.path.join(target, name), run):
-            other.append(name)
+    found = checkpoint.scan(target)
+    for path in sorted(p for s, shards in found.items() if not same or s == num_shards
+                       for files in shards.values() for _, p in files):
+        if os.path.basename(path) not in names or not checkpoint.owned(path, run):
+            other.append(os.path.basename(path))
     if other:
         raise ConfigError(f"--to: {target} holds another run's checkpoints ({', '.join(other[:3])}"
                           f"{f' and {len(other) - 3} more' if len(other) > 3 else ''}), which a restore "
                           f"would take or mix in; nothing was written: choose an empty --to directory")
-
-
-def inspect(directory: str, mode: str = "sync", found: dict | None = None) -> dict:
-    """`pserver checkpoint inspect`: every file (shard, version, bytes, whether it loads and its
-    checksum holds), each shape's layout and tables, the consistent cuts, and the state a restore
-    in `mode` reads (checkpoint.newest_usable; None: none). A file a running job removes after
-    the listing (`found`: checkpoint.scan's, taken now when not given) is left out, as gone."""
-    if not os.path.isdir(directory):
-        raise ConfigError(f"{directory}: not a directory")
-    report = {"directory": directory, "mode": mode, "sets": [], "restores": None}
-    found = checkpoint.scan(directory) if found is None else found
-    loaded: dict[str, checkpoint.Checkpoint | ValueError] = {}
-    for s, shards in sorted(found.items()):
-        files, layout = [], None
-        for j in sorted(shards):
-            for v, path in list(shards[j]):
-                base = checkpoint.base_of(path)
-                try:
-                    entry = {"file": os.path.basename(path), "shard": j, "version": v,
-                             "bytes": os.path.getsize(path), "kind": "base" if base is None else "delta"}
-                    if base is not None:
-                        entry["base"] = base              # the version its chain starts at
-                    try:
-                        c = loaded[path] = checkpoint.load(path)
-                    except checkpoint.Gone:
-                        raise FileNotFoundError(path) from None
-                    except ValueError as e:
-                        loaded[path] = e
-                        entry.update(loads=False, why=str(e))
-                    else:
-                        meta = checkpoint.meta_of(path)
-                        entry.update(loads=True, sha256=meta["sha256"],
-                                     range=[c.start, c.end],
-                                     rows={name: int(st["ids"].shape[0]) for name, st in c.rows.items()})
-                        tables = [{"name": t["name"], "dim": t["dim"], "row_optimizer": t.get("optimizer")}
-                                  for t in c.tables]
-                        layout = layout or {"signature": c.signature, "parameters": c.total,
-                                            "optimizer": c.optimizer, "tables": tables}
-                except FileNotFoundError:             # pruned since it was listed: gone, not broken
-                    shards[j].remove((v, path))
-                    loaded.pop(path, None)
-                    continue
-                files.append(entry)
-        loads = {(f["shard"], f["version"]) for f in files if f["loads"]}
-        cuts = [v for v in checkpoint.cut_versions(shards, s) if all((j, v) in loads for j in range(s))]
-        report["sets"].append({"num_shards": s, "layout": layout, "files": files, "consistent_cuts": cuts,
-                               "missing_shards": [j for j in range(s) if not shards.get(j)]})
-
-    def known(path: str) -> checkpoint.Checkpoint:
-        result = loaded[path]
-        if isinstance(result, ValueError):
-            raise result
-        return result
-
-    try:
-        best = checkpoint.newest_usable(directory, mode, loader=known, found=found).best
-    except ConfigError as e:                          # a set of files of two runs
-        report["refused"] = str(e)
-        best = None
-    if best is not None:
-        report["restores"] = {"num_shards": best.num_shards, "version": best.version,
-                              "versions": [c.version for c in best.ckpts]}
-    return report
-
-
-def describe(report: dict) -> list[str]:
-    """`inspect`'s report as the lines `pserver checkpoint inspect` prints."""
-    if not report["sets"]:
-        return [f"{report['directory']}: no checkpoint files"]
-    lines = []
-    for cs in report["sets"]:
-        lay = cs["layout"] or {}
-        tables = ", ".join(f"{t['name']} (dim {t['dim']}, {t['row_optimizer']})"
-                           for t in lay.get("tables", []))
-        lines.append(f"{cs['num_shards']} shard(s): layout {lay.get('signature', '?')}, "
-                     f"{lay.get('parameters', 0):,} parameters, optimizer {lay.get('optimizer', '?')}; "
-                     f"tables: {tables or 'none'}")
-        for f in cs["files"]:
-            rows = ", ".join(f"{k} {v:,}" for k, v in f.get("rows", {}).items()) or "none"
-            what = (f"loads (sha256 {f['sha256'][:12]}... holds), range {f['range']}, rows {rows}"
-                    if f["loads"] else f"DOES NOT LOAD: {f['why']}")
-            kind = "base" if f["kind"] == "base" else f"delta of the chain from version {f['base']}"
-            lines.append(f"  {f['file']}  {kind}  {f['bytes']:,} bytes  {what}")
-        if cs["missing_shards"]:
-            lines.append(f"  no file of shard(s) {', '.join(map(str, cs['missing_shards']))}")
-        lines.append("  consistent cuts (versions every shard has a file of that loads): "
-                     + (", ".join(map(str, cs["consistent_cuts"])) or "none"))
-    r, refused = report["restores"], report.get("refused")
-    lines.append(f"a restore (mode {report['mode']}) reads: " +
-                 (f"version {r['version']} of {r['num_shards']} shard(s) (files at versions "
-                  f"{', '.join(map(str, r['versions']))})" if r else
-                  f"nothing: no usable state{' (' + refused + ')' if refused else ''}"))
-    return lines

@@ -3,8 +3,8 @@ a model with sparse tables (the CTR models) is a directory that adds each table'
 
     pserver worker|launch ... --save model.npz      the chief writes it after the final evaluation
     pserver export --restore ckpt --model wide_deep --dataset criteo-synthetic --out ctr-model
-                                                     a sparse model from checkpoints (pserver.api)
-    pserver evaluate --model-file model.npz          its test metrics (pserver.api.evaluate_files)
+                                                     a sparse model from checkpoints (pserver.persist.export)
+    pserver evaluate --model-file model.npz          its test metrics (pserver.persist.export.evaluate_files)
     pserver.load_model("model.npz").predict(x)       the same in Python
 
 The format (docs/model-file.md): numpy's .npz (a zip of .npy files, no pickles) holding
@@ -39,13 +39,11 @@ result (docs/model-file.md, "Freshness: deltas").
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import itertools
 import json
 import logging
 import os
-import shutil
 import threading
 import uuid
 
@@ -54,6 +52,7 @@ import numpy as np
 from pserver import sparse
 from pserver.errors import ConfigError, DataError, ModelFileError, UnsafeModelFile
 from pserver.models import DEFAULT_HIDDEN
+from pserver.persist.atomic import fsync_dir, remove_stale, replace, synced
 from pserver.sparse.compact import to_float32
 
 log = logging.getLogger("pserver.model")
@@ -164,11 +163,11 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
                 meta["tables"][-1]["removed"] = int(gone.shape[0])
                 with _SummedFile(os.path.join(tmp, TABLES, f"{t.name}.removed.npy"), sums) as f:
                     np.save(f, gone, allow_pickle=False)
-        _fsync_dir(os.path.join(tmp, TABLES))
+        fsync_dir(os.path.join(tmp, TABLES))
         meta[FILES] = sums
         arrays = {META: np.array(json.dumps(meta, indent=1)), **layout.views(w)}
         _write_npz(os.path.join(tmp, MODEL_NPZ), arrays)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
 
     remove_stale(path)
     _write_atomically(path, write, f"{path}.tmp-{os.getpid()}")
@@ -310,69 +309,15 @@ def _sorted_table(config, ids, rows) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _write_npz(path: str, arrays: dict) -> None:
-    with open(path, "wb") as f:
+    with synced(path) as f:
         np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_atomically(path: str, write, tmp: str) -> None:
-    """write(tmp), then tmp renamed to path. A directory at path (an older sparse model) is moved
-    aside first and removed after; a directory that is not a model is refused, not replaced."""
+    """atomic.replace, but a directory at path that is not a model is refused, not replaced."""
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MODEL_NPZ)):
         raise ConfigError(f"{path}: a directory that is not a pserver model; give another path")
-    aside = f"{path}.old-{os.getpid()}"
-    try:
-        write(tmp)
-        if os.path.isdir(path):
-            os.rename(path, aside)
-        elif os.path.isdir(tmp) and os.path.lexists(path):
-            os.remove(path)             # a dense model file replaced by a sparse model's directory
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    except BaseException:
-        _remove(tmp)
-        raise
-    _remove(aside)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def remove_stale(path: str) -> list[str]:
-    """What writers of `path` that were killed left beside it (PATH.tmp-PID, PATH.old-PID of a
-    process that is gone), removed; their paths."""
-    removed = []
-    for leftover in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
-        pid = leftover.rsplit("-", 1)[1]
-        if pid.isdigit() and not _alive(int(pid)):
-            _remove(leftover)
-            removed.append(leftover)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False                # ours, from an earlier call that failed: not in use
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    replace(path, write, tmp)
 
 
 _NO_IDS = np.empty(0, np.uint64)
@@ -623,7 +568,7 @@ def removed_ids(path: str, entry: dict, sums: dict | None) -> np.ndarray:
 
 class SavedModel:
     """A model and its trained weights, from a model file: predict, evaluate. A model with
-    sparse tables has them memory-mapped (`.tables`, pserver.models.saved.MappedTable)."""
+    sparse tables has them memory-mapped (`.tables`, pserver.persist.model_file.MappedTable)."""
 
     def __init__(self, model, weights: np.ndarray, meta: dict, path: str,
                  tables: list | None = None) -> None:
@@ -890,5 +835,5 @@ def weights_of(path: str, meta: dict, arrays: dict, layout) -> np.ndarray:
 
 __all__ = ["FORMAT", "VERSION", "SPARSE_VERSION", "META", "MappedTable", "SavedModel", "TableRows",
            "definition", "save", "merge_pages", "delta_tables",
-           "load", "read", "read_tables", "verify", "tables_of", "remove_stale", "build", "weights_of",
+           "load", "read", "read_tables", "verify", "tables_of", "build", "weights_of",
            "refuse_code", "model_file_errors"]

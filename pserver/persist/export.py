@@ -1,0 +1,153 @@
+"""Checkpoints read offline: `pserver export` (the model a directory's checkpoints hold, written as
+a model file, or a delta since one) and `pserver evaluate` (a model file's or a directory's
+weights on the test set). The state read is the one a restore reads (checkpoint_dir);
+the model and its data are built as a worker builds them (pserver.build). No server runs."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+from pserver import models
+from pserver.build import fit_data, load_data, model_for
+from pserver.config import WorkerConfig
+from pserver.data import load_dataset
+from pserver.errors import ConfigError, DataError
+from pserver.models.ctr import CTR_MODELS
+from pserver.persist import checkpoint_dir, model_file
+from pserver.persist.reshard import combine
+
+
+def evaluate_files(model_path: str | None, checkpoint: str | None, options: dict, mode: str = "sync") -> dict:
+    """`pserver evaluate`: the test metrics of a model with the weights of a model file or of
+    the checkpoints in `checkpoint` (the state a restore in `mode` reads). The model and dataset
+    are the file's unless `options` (the flags given: model, hidden and the dataset fields) say
+    otherwise. A model file that is not one (or not of the model given) is the user's mistake
+    here: ConfigError, exit 2."""
+    if model_path is None and checkpoint is None:
+        raise ConfigError("--model-file: give the model file (--model-file PATH), checkpoints "
+                          "(--checkpoint DIR, with --model and the dataset flags), or both")
+    with _the_model_file():
+        meta, arrays = model_file.read(model_path) if model_path else ({}, {})
+        model_file.refuse_delta(model_path, meta)
+    spec = options.get("model") or (meta.get("model") if meta else "mlp")
+    if spec is None:
+        raise ConfigError(f"--model: {model_path} was saved from a model built in Python; give its "
+                          "definition with --model FILE.py:FUNCTION")
+    model = tables = None
+    if meta:
+        with _the_model_file():
+            model = model_file.build(meta, spec, options.get("hidden"))
+            if not checkpoint:      # the file's weights and tables, verified before the dataset loads
+                weights, source = model_file.weights_of(model_path, meta, arrays, model.layout), model_path
+                tables = model_file.tables_of(model_path, meta, model)
+    data = {k: v for k, v in (meta.get("dataset") or {}).items() if k in model_file.DATASET_FIELDS}
+    data |= {k: options[k] for k in model_file.DATASET_FIELDS if options.get(k) is not None}
+    ds = load_dataset(data.pop("dataset", "synthetic"), task=models.task_of(spec), **data)
+    if model is None:          # as the worker built it: for the dataset's samples and classes
+        model = models.make_model(spec, ds.sample_shape, ds.num_classes,
+                                  hidden=options.get("hidden") or models.DEFAULT_HIDDEN)
+    if checkpoint and getattr(model, "sparse_tables", None):
+        raise ConfigError(f"--checkpoint: model {spec} keeps sparse tables, which --checkpoint does not "
+                          f"read; export the checkpoints first (pserver export --restore {checkpoint} "
+                          f"--model {spec} ... --out MODEL) and evaluate --model-file MODEL")
+    sparse_rows = {}
+    if checkpoint:
+        weights, versions = checkpoint_dir.load_weights(checkpoint, model.layout, mode)
+        source = f"{checkpoint} (shard versions {', '.join(map(str, versions))})"
+    elif tables:
+        sparse_rows = {"rows": model_file.SavedModel(model, weights, meta, model_path, tables).rows}
+    ds = fit_data(model, ds)
+    metrics = model.evaluate(weights, ds.x_test, ds.y_test, **sparse_rows)
+    return {"model": getattr(model, "name", type(model).__name__), "num_params": model.layout.total,
+            "weights": source, "dataset": ds.name, "test_samples": ds.num_test,
+            **{f"test_{k}": v for k, v in metrics.items()}}
+
+
+@contextlib.contextmanager
+def _the_model_file():
+    """Reading the file named by --model-file: one that is not a model (of this kind) is the
+    user's mistake, ConfigError; the dataset's errors stay DataError."""
+    try:
+        yield
+    except DataError as e:
+        raise ConfigError(f"--model-file: {e}") from None
+
+
+def export_checkpoints(directory: str, out: str, options: dict, mode: str = "sync",
+                       since: str | None = None) -> dict:
+    """`pserver export`: the model a directory's checkpoints hold (the newest usable set of any
+    number of shards, as a restore reads it), written as a model file at `out`, a directory for
+    a model with sparse tables (pserver.persist.model_file). `options` are the worker's model and
+    dataset flags given (model is required); the seed and the embedding width default to the
+    checkpoints' tables'. Returns what was written.
+
+    `since`: a model of this job (an export, a --save, or one with deltas applied and compacted);
+    `out` is then a delta (docs/model-file.md): the dense weights, the rows last updated at or
+    after the version the model reflects (a row stepped from version v to v+1 records v), and
+    the ids the model holds that the checkpoints no longer do."""
+    _check_export_paths(directory, out, options)
+    ckpts = checkpoint_dir.newest_shape(directory, mode).ckpts
+    ckpt = combine(ckpts, 1, 0)
+    cfg, model, ds = _model_of(ckpt, directory, options)
+    old, configs = len(ckpts), ckpt.tables
+    summary = {"mode": mode, "num_shards": old, "optimizer": ckpt.optimizer, "steps": ckpt.version}
+    origin = {"checkpoints": os.path.abspath(directory), "num_shards": old, "version": ckpt.version,
+              "versions": [c.version for c in ckpts], "job": ckpt.signature}
+    result = {"out": out, "model": cfg.model, "num_params": model.layout.total, "num_shards": old,
+              "version": ckpt.version}
+    definition = model_file.definition(cfg, model, ds)
+    if since is not None:
+        tables, removed, delta = model_file.delta_tables(since, model, ckpt, configs)
+        model_file.save(out, model, ckpt.params, definition, summary, tables=tables, origin=origin,
+                        delta=delta, removed=removed)
+        return {**result, "since": delta["base_version"],
+                "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()},
+                "removed": {name: int(ids.shape[0]) for name, ids in removed.items()}}
+    tables = {t["name"]: (ckpt.rows[t["name"]]["ids"], ckpt.rows[t["name"]]["rows"]) for t in configs}
+    model_file.save(out, model, ckpt.params, definition, summary, tables=tables or None, origin=origin)
+    return {**result, "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()}}
+
+
+def _check_export_paths(directory: str, out: str, options: dict) -> None:
+    """What export refuses before it reads a checkpoint: nothing is written."""
+    if not options.get("model"):
+        raise ConfigError("--model: give the model the checkpoints are of (lr, fm, wide_deep, deepfm, "
+                          "mlp, ...): a checkpoint records its layout, not the model's definition")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--restore: {directory} is not a directory")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--out: {out} cannot be written: {parent} "
+                          f"{'is not a directory' if os.path.lexists(parent) else 'does not exist'}")
+
+
+def _model_of(ckpt, directory: str, options: dict):
+    """(config, model, dataset) of the model `options` name, built as a worker builds it, with the
+    checkpoint's tables; ConfigError when the checkpoint is not of that model."""
+    spec, configs = options["model"], ckpt.tables
+    if configs and spec not in CTR_MODELS:
+        raise ConfigError(f"--model {spec}: the checkpoints in {directory} hold sparse tables "
+                          f"({', '.join(t['name'] for t in configs)}); give the CTR model they are of")
+    defaults = {"seed": configs[0]["seed"]} if configs else {}
+    factors = [t["dim"] for t in configs if t["name"] == "factors"]
+    if factors:
+        defaults["embedding_dim"] = factors[0]
+    fields = {k: v for k, v in {**defaults, **options}.items() if k in WorkerConfig.__dataclass_fields__}
+    cfg = dataclasses.replace(WorkerConfig(), **fields)
+    ds = load_data(cfg)
+    model = model_for(cfg, ds)
+    have = [(t.name, t.dim) for t in getattr(model, "sparse_tables", None) or []]
+    if have != [(t["name"], t["dim"]) for t in configs]:
+        raise ConfigError(f"--model: the checkpoints' tables are {[(t['name'], t['dim']) for t in configs]}; "
+                          f"{spec} has {have or 'none'}")
+    if configs:     # the shards' configs, which made the rows' initial values
+        from pserver.sparse import TableConfig
+        model.sparse_tables = [TableConfig.from_dict(t) for t in configs]
+    registered = models.Layout(model.layout.tensors, tuple(getattr(model, "sparse_tables", None) or ()))
+    checkpoint_dir.check_model(ckpt.signature, ckpt.total, registered, "--model",
+                            f"the checkpoints in {directory} are",
+                            f"check --model, --hidden and --embedding-dim ({model.layout.describe()})",
+                            this=f"{spec} with these flags is")
+    return cfg, model, ds
