@@ -25,9 +25,10 @@ for a core; and each round trip with the CPU time of both processes (getrusage, 
 Page faults: the client's from getrusage, the shard's from /proc/PID/stat (minor faults).
 The sizes' repeats are interleaved (A, B, A, B ...).
 
-Beside them, the floors on this CPU in one thread: np.copyto between warm arrays (a memcpy),
-copy_finite between warm arrays, the same copy into freshly allocated memory (first touch:
-page faults), and a 1-byte ping-pong between two processes over a Unix socket pair.
+Beside them, this CPU's floors in one thread (CPU time, which a loaded machine does not inflate):
+np.copyto between warm arrays (a memcpy), copy_finite between warm arrays, the same copy into
+freshly allocated memory (first touch: page faults); and a 1-byte ping-pong between two processes
+over a Unix socket pair, with the answering side idle and with it spending 1 ms of CPU first.
 """
 
 from __future__ import annotations
@@ -142,7 +143,9 @@ class Side:
         per["client rest"] = per["client round trip"] - per["client send"] - per["client wait"]
         per["client rest cpu"] = (per["client round trip cpu"] - per["client send cpu"]
                                   - per["client wait cpu"])
-        per["wake-up"] = per["client wait"] - per["server request"]
+        # One part only: the shard's request then starts after the client's send (with parts,
+        # it overlaps the client's writing of the later ones, and this difference means nothing)
+        per["wake-up"] = per["client wait"] - per["server request"] if per["server take"] == 0 else None
         self.repeats.append(per)
 
     def close(self) -> None:
@@ -150,10 +153,13 @@ class Side:
         self.client.close()
         self.proc.stop()
         self.proc.wait()
+        for leftover in (self.stats, self.stats + ".tmp"):
+            Path(leftover).unlink(missing_ok=True)
 
 
 def floors(params: int, tries: int = 7) -> dict:
-    """This CPU's single-thread floors for P float32: median seconds of each."""
+    """This CPU's single-thread floors for P float32: the median CPU seconds (thread_time) of
+    each, which waiting for a core on a loaded machine does not inflate."""
     from pserver.server.store import copy_finite
     src = np.random.default_rng(0).standard_normal(params, dtype=np.float32)
     dst = np.zeros(params, np.float32)
@@ -161,9 +167,9 @@ def floors(params: int, tries: int = 7) -> dict:
     def best(fn) -> float:
         times = []
         for _ in range(tries):
-            t = time.perf_counter()
+            t = time.thread_time()
             fn()
-            times.append(time.perf_counter() - t)
+            times.append(time.thread_time() - t)
         return statistics.median(times)
     copy_finite(src, dst)                                      # compiled before it is timed
     fresh = best(lambda: np.copyto(np.empty(params, np.float32), src))
@@ -172,13 +178,18 @@ def floors(params: int, tries: int = 7) -> dict:
             "memcpy into fresh memory": fresh, "page faults of fresh memory": params * 4 / 4096}
 
 
-def ping_pong(n: int = 2000) -> float:
-    """Median seconds of a 1-byte round trip between two processes over a Unix socket pair."""
+def ping_pong(work: float, n: int) -> float:
+    """Median seconds of a 1-byte round trip between two processes over a Unix socket pair, the
+    answering side first spending `work` seconds of CPU (as a shard handles a request): whether
+    a process that computes between its sleeps is woken later than an idle one."""
     a, b = socket.socketpair()
     pid = os.fork()
     if pid == 0:
         a.close()
         while b.recv(1):
+            t = time.thread_time()
+            while time.thread_time() - t < work:
+                pass
             b.sendall(b"x")
         os._exit(0)
     b.close()
@@ -203,29 +214,36 @@ def client_timers() -> dict:
     return totals
 
 
-def report(sides: list[Side], floor: dict, pp: float) -> list[str]:
+def report(sides: list[Side], floor: dict, pp: dict) -> list[str]:
     keys = ["wall", *(f"client {k}" for k in ("send", "wait", "rest")),
-            *(f"server {k}" for k in SERVER_STAGES), "wake-up"]
+            *(f"server {k}" for k in SERVER_STAGES)]
     lines = ["per round trip, median of the repeats, ms of wall time (/ ms of the thread's CPU time); "
              "page faults per round trip"]
     for s in sides:
-        med = {k: statistics.median(r[k] for r in s.repeats) for k in s.repeats[0]}
+        med = {k: statistics.median(r[k] for r in s.repeats) for k in s.repeats[0] if k != "wake-up"}
+        if s.repeats[0]["wake-up"] is not None:
+            keys_here = [*keys, "wake-up"]
+            med["wake-up"] = statistics.median(r["wake-up"] for r in s.repeats)
+        else:
+            keys_here = keys
         mb = s.params * 4 / 1e6
         lines.append(f"{s.params:,} float32 ({mb:.1f} MB), {len(s.repeats)} repeats of {s.n}: "
                      + ", ".join(f"{k} {med[k] * 1e3:.3f}"
                                  + (f" / {med[k + ' cpu'] * 1e3:.3f}" if k + " cpu" in med else "")
-                                 for k in keys)
+                                 for k in keys_here)
                      + f"; CPU of the processes: client {med['client process cpu'] * 1e3:.3f}, "
                      + f"shard {med['server process cpu'] * 1e3:.3f}"
                      + f"; faults client {med['client faults']:.1f}, shard {med['server faults']:.1f}"
                      + f"; {mb / (med['wall'] / 2):,.0f} MB/s per direction, "
                      + f"{1 / med['wall']:,.0f} round trips/s")
         f = floor[s.params]
-        lines.append(f"  floors, one thread: memcpy {f['memcpy warm'] * 1e3:.3f} ms, copy_finite "
+        lines.append(f"  floors, one thread's CPU: memcpy {f['memcpy warm'] * 1e3:.3f} ms, copy_finite "
                      f"{f['copy_finite warm'] * 1e3:.3f} ms, memcpy into fresh memory "
                      f"{f['memcpy into fresh memory'] * 1e3:.3f} ms "
                      f"({f['page faults of fresh memory']:.0f} pages)")
-    lines.append(f"1-byte ping-pong between two processes over a Unix socket pair: {pp * 1e6:.1f} us")
+    lines.append("1-byte ping-pong between two processes over a Unix socket pair, median: "
+                 + ", ".join(f"{pp[w] * 1e6:,.0f} us with {w * 1e3:g} ms of CPU on the answering side"
+                             for w in pp))
     return lines
 
 
@@ -254,13 +272,14 @@ def main() -> int:
         for s in sides:
             s.close()
     floor = {p: floors(p) for p in args.sizes}
-    pp = ping_pong()
+    pp = {0.0: ping_pong(0.0, 1000), 0.001: ping_pong(0.001, 300)}
     lines = report(sides, floor, pp)
     print("\n".join(lines))
     out = {"what": __doc__.split("\n\n")[0], "machine": m,
            "load_avg_end": [round(v, 2) for v in os.getloadavg()],
            "sizes": {str(s.params): {"round_trips_per_repeat": s.n, "repeats": s.repeats} for s in sides},
-           "floors": {str(p): v for p, v in floor.items()}, "unix_ping_pong_seconds": pp, "report": lines}
+           "floors": {str(p): v for p, v in floor.items()},
+           "unix_ping_pong_seconds_by_work": {str(w): v for w, v in pp.items()}, "report": lines}
     path = result_path(args.json, "transport-stages.json")
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
