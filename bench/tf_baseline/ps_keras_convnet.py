@@ -22,16 +22,17 @@ before each; the JSON has every run, the medians and pserver's ratio to TensorFl
 
 TensorFlow runs in one or more ways (--tf-sides, each in every round, so the load of a shared
 machine falls on all of them alike): `loop`, the custom loop above with TensorFlow's default
-thread pools (every core, per task); `loop-1thread`, the same with TF_NUM_INTRAOP_THREADS=1 and
-TF_NUM_INTEROP_THREADS=1 in every task's environment (the coordinator's too), as pserver's workers
-use one BLAS thread; `fit`, the example's own `model.fit` under the strategy (tf-keras's fit with
+thread pools (every core, per task); `loop-intra1`, the same with TF_NUM_INTRAOP_THREADS=1 in every
+task's environment (the coordinator's too), as pserver's workers use one BLAS thread;
+`loop-1thread`, with TF_NUM_INTEROP_THREADS=1 as well (it stalled here: see TF_SIDES);
+`fit`, the example's own `model.fit` under the strategy (tf-keras's fit with
 a ClusterCoordinator: compile(steps_per_execution=--steps-per-execution), one worker's batch of
 64 per step, `validation_data` the held-out 6,000 evaluated at each epoch's end on the workers),
-timed over a second `fit` after a short one that traces and connects; `fit-1thread`, fit with
-one thread per task. Before the rounds, one short probe per side's environment runs a training
+timed over a second `fit` after a short one that traces and connects; `fit-intra1` and `fit-1thread`,
+fit with those environments. Before the rounds, one short probe per side's environment runs a training
 step of the model with ONEDNN_VERBOSE=1 and records what oneDNN said: its ISA, its thread count
-and the primitives TensorFlow called (on a CPU without AVX512_VNNI, TensorFlow 2.18 leaves its
-oneDNN graph ops off and reaches oneDNN only through its matrix products: `gemm_api`). The JSON
+and the primitives TensorFlow called (on the AVX2 EPYC here TensorFlow 2.18's oneDNN graph ops
+were off, and it reached oneDNN only through its matrix products: `gemm_api`). The JSON
 has the machine's CPU (model, family/model/stepping, widest vector ISA), each run's load average
 before and after, and the CPU seconds of each whole run (all its processes, startup included).
 
@@ -65,16 +66,18 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import numpy as np  # noqa: E402
 from _util import machine, machine_lines  # noqa: E402
-from keras_convnet import script_for  # noqa: E402
+from keras_convnet import ACCURACY, SUMMARY, script_for  # noqa: E402
 from ps_cnn import ISA_ENV, coordinator_for, isa_env, local_cluster, mnist  # noqa: E402  (sets TF's env)
 
 TRAIN = 54000            # the example's fit: validation_split=0.1 of 60,000
-SUMMARY = re.compile(r"^(\d+) steps in (\S+) s: ([\d,.]+) train samples/s$", re.M)
 OPENBLAS_CORE = re.compile(r"Core: (\S+)$", re.M)      # OpenBLAS's line at load, OPENBLAS_VERBOSE=2
+# Both pools at 1 stalled every run here (TensorFlow 2.18, 2 cores): the tasks stop using CPU after
+# their start (20 s each) and the run never ends. One intra-op thread alone runs.
 ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+INTRA_ONE = {"TF_NUM_INTRAOP_THREADS": "1"}
 # TensorFlow's ways of training (--tf-sides): (the training function's name, extra environment)
-TF_SIDES = {"loop": ("loop", {}), "loop-1thread": ("loop", ONE_THREAD),
-            "fit": ("fit", {}), "fit-1thread": ("fit", ONE_THREAD)}
+TF_SIDES = {"loop": ("loop", {}), "loop-intra1": ("loop", INTRA_ONE), "loop-1thread": ("loop", ONE_THREAD),
+            "fit": ("fit", {}), "fit-intra1": ("fit", INTRA_ONE), "fit-1thread": ("fit", ONE_THREAD)}
 ONEDNN_INFO = re.compile(r"^onednn_verbose,(?:v\d+,)?info,cpu,(isa|runtime):(.*)$", re.M)
 ONEDNN_EXEC = re.compile(r"^onednn_verbose,(?:v\d+,)?primitive,exec,cpu,([^,]+),([^,]*),", re.M)
 
@@ -303,7 +306,7 @@ def train_pserver(args) -> dict:
     if r.returncode != 0:
         raise SystemExit(f"pserver run failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     steps, seconds, rate = SUMMARY.findall(r.stdout)[-1]
-    accuracy = float(re.findall(r"^Test accuracy: (\S+)$", r.stdout, re.M)[-1])
+    accuracy = float(ACCURACY.findall(r.stdout)[-1])
     rate = float(rate.replace(",", ""))
     return {"framework": f"pserver run ({args.pserver_mode})", "steps": int(steps), "seconds": float(seconds),
             "samples": round(rate * float(seconds)), "train_samples_per_second": rate,
@@ -378,9 +381,9 @@ def one_tf_run(args) -> None:
     os._exit(0)          # not TensorFlow's teardown, which calls the tasks local_cluster stopped
 
 
-def interleaved(args, after_round) -> list[dict]:
+def interleaved(args, after_run) -> list[dict]:
     """--rounds rounds of every side in turn; each run with the load average before and after;
-    after_round(runs) at each round's end (the JSON so far, kept if a later round is cut)."""
+    after_run(runs) after each (the JSON so far, kept if the rounds are cut short)."""
     sides = [(f"tensorflow {s}", lambda s=s: train_tf_apart(args, s)) for s in args.tf_sides]
     sides += [("pserver", lambda: train_pserver(args))] if args.pserver else []
     runs, failed = [], set()
@@ -396,6 +399,7 @@ def interleaved(args, after_round) -> list[dict]:
                 runs.append({"round": round_, "side": name, "load_avg_before": load,
                              "failed": str(e)[-1500:]})
                 failed.add(name)
+                after_run(runs)
                 continue
             r = {"round": round_, "side": name, "load_avg_before": load, **got,
                  "load_avg_after": [round(v, 2) for v in os.getloadavg()]}
@@ -404,7 +408,7 @@ def interleaved(args, after_round) -> list[dict]:
                   f"({r['samples']:,} samples in {r['seconds']:.1f} s; {r['cpu_seconds']} CPU s in all; "
                   f"test accuracy after {r['test_accuracy_after']:.4f}; load before {load[0]:.2f}, "
                   f"after {r['load_avg_after'][0]:.2f})", flush=True)
-        after_round(runs)
+            after_run(runs)
     return runs
 
 
