@@ -27,6 +27,11 @@ from _util import machine, machine_lines  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "keras_mnist_convnet.py"
 EPOCHS_LINE = re.compile(r"^epochs = 15$", re.M)
+# The chief's lines as `pserver run` shows them: "[worker0] " before each (older runs: none)
+CHIEF = r"^(?:\[worker0\] )?"
+SUMMARY = re.compile(CHIEF + r"(\d+) steps in (\S+) s: ([\d,.]+) train samples/s$", re.M)
+ACCURACY = re.compile(CHIEF + r"Test accuracy: (\S+)$", re.M)
+LOSS = re.compile(CHIEF + r"Test loss: (\S+)$", re.M)
 
 
 def script_for(epochs: int, tmp: str) -> Path:
@@ -47,10 +52,10 @@ def run_one(seed: int, epochs: int, ps: int, workers: int, tmp: str) -> dict:
     wall = time.monotonic() - started
     if out.returncode != 0:
         raise SystemExit(f"seed {seed}: exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    acc = float(re.findall(r"^Test accuracy: (\S+)$", out.stdout, re.M)[-1])
-    loss = float(re.findall(r"^Test loss: (\S+)$", out.stdout, re.M)[-1])
-    speed = re.findall(r"steps in (\S+) s: ([\d,.]+) train samples/s", out.stdout)
-    epochs_lines = re.findall(r"^\d+/\d+ - \d+s - loss: .*$", out.stdout, re.M)
+    acc = float(ACCURACY.findall(out.stdout)[-1])
+    loss = float(LOSS.findall(out.stdout)[-1])
+    speed = [found[1:] for found in SUMMARY.findall(out.stdout)]
+    epochs_lines = re.findall(CHIEF + r"(\d+/\d+ - \d+s - loss: .*)$", out.stdout, re.M)
     return {"seed": seed, "epochs": epochs, "ps": ps, "workers": workers, "mode": "sync",
             "test_accuracy": acc, "test_loss": loss, "wall_seconds": round(wall, 1),
             "train_seconds": float(speed[-1][0]) if speed else None,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import statistics
 import subprocess
@@ -30,10 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _util import machine  # noqa: E402
-from keras_convnet import script_for  # noqa: E402
-
-SUMMARY = re.compile(r"^(\d+) steps in (\S+) s: ([\d,.]+) train samples/s$", re.M)
-ACCURACY = re.compile(r"^Test accuracy: (\S+)$", re.M)
+from keras_convnet import ACCURACY, SUMMARY, script_for  # noqa: E402
 
 
 def run(tree: str, script: Path, flags: tuple[str, ...] = ()) -> dict:

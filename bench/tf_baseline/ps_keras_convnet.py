@@ -20,6 +20,22 @@ times as many samples as pserver's --epochs train (53,888 an epoch: 421 steps of
 Each of --rounds rounds runs TensorFlow, then pserver (with --pserver), with the load average
 before each; the JSON has every run, the medians and pserver's ratio to TensorFlow.
 
+TensorFlow runs in one or more ways (--tf-sides, each in every round, so the load of a shared
+machine falls on all of them alike): `loop`, the custom loop above with TensorFlow's default
+thread pools (every core, per task); `loop-intra1`, the same with TF_NUM_INTRAOP_THREADS=1 in every
+task's environment (the coordinator's too), as pserver's workers use one BLAS thread;
+`loop-1thread`, with TF_NUM_INTEROP_THREADS=1 as well (it stalled here: see TF_SIDES);
+`fit`, the example's own `model.fit` under the strategy (tf-keras's fit with
+a ClusterCoordinator: compile(steps_per_execution=--steps-per-execution), one worker's batch of
+64 per step, `validation_data` the held-out 6,000 evaluated at each epoch's end on the workers),
+timed over a second `fit` after a short one that traces and connects; `fit-intra1` and `fit-1thread`,
+fit with those environments. Before the rounds, one short probe per side's environment runs a training
+step of the model with ONEDNN_VERBOSE=1 and records what oneDNN said: its ISA, its thread count
+and the primitives TensorFlow called (on the AVX2 EPYC here TensorFlow 2.18's oneDNN graph ops
+were off, and it reached oneDNN only through its matrix products: `gemm_api`). The JSON
+has the machine's CPU (model, family/model/stepping, widest vector ISA), each run's load average
+before and after, and the CPU seconds of each whole run (all its processes, startup included).
+
 --isa gives both sides the same vector instructions for their matrix products: `own` (default)
 lets each library choose for the CPU (OPENBLAS_CORETYPE and ONEDNN_MAX_CPU_ISA removed from both
 sides' environments: a machine that sets OPENBLAS_CORETYPE=Haswell would give pserver AVX2
@@ -37,6 +53,8 @@ import datetime
 import json
 import os
 import re
+import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,13 +65,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import numpy as np  # noqa: E402
-from _util import machine  # noqa: E402
-from keras_convnet import script_for  # noqa: E402
+from _util import machine, machine_lines  # noqa: E402
+from keras_convnet import ACCURACY, SUMMARY, script_for  # noqa: E402
 from ps_cnn import ISA_ENV, coordinator_for, isa_env, local_cluster, mnist  # noqa: E402  (sets TF's env)
 
 TRAIN = 54000            # the example's fit: validation_split=0.1 of 60,000
-SUMMARY = re.compile(r"^(\d+) steps in (\S+) s: ([\d,.]+) train samples/s$", re.M)
 OPENBLAS_CORE = re.compile(r"Core: (\S+)$", re.M)      # OpenBLAS's line at load, OPENBLAS_VERBOSE=2
+# Both pools at 1 stalled every run here (TensorFlow 2.18, 2 cores): the tasks stop using CPU after
+# their start (20 s each) and the run never ends. One intra-op thread alone runs.
+ONE_THREAD = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+INTRA_ONE = {"TF_NUM_INTRAOP_THREADS": "1"}
+# TensorFlow's ways of training (--tf-sides): (the training function's name, extra environment)
+TF_SIDES = {"loop": ("loop", {}), "loop-intra1": ("loop", INTRA_ONE), "loop-1thread": ("loop", ONE_THREAD),
+            "fit": ("fit", {}), "fit-intra1": ("fit", INTRA_ONE), "fit-1thread": ("fit", ONE_THREAD)}
+ONEDNN_INFO = re.compile(r"^onednn_verbose,(?:v\d+,)?info,cpu,(isa|runtime):(.*)$", re.M)
+ONEDNN_EXEC = re.compile(r"^onednn_verbose,(?:v\d+,)?primitive,exec,cpu,([^,]+),([^,]*),", re.M)
+
+
 def convnet(tf):
     layers = tf.keras.layers
     return tf.keras.Sequential([
@@ -72,6 +100,21 @@ def samples_for(epochs: int, workers: int, per_worker: int) -> int:
     return epochs * (TRAIN // workers // per_worker) * workers * per_worker
 
 
+def split_mnist(data_dir: str):
+    """The example's data: the first 54,000 to train, the last 6,000 held out; labels one-hot."""
+    x, y = mnist(data_dir, "train")
+    y = np.eye(10, dtype=np.float32)[y]
+    return (x[:TRAIN], y[:TRAIN]), (x[TRAIN:], y[TRAIN:])
+
+
+def test_accuracy(tf, model, data_dir: str) -> float:
+    """The test set's accuracy after training, on the coordinator, whichever way it trained."""
+    x_test, y_test = mnist(data_dir, "test")
+    predict = tf.function(lambda xb: model(xb, training=False))
+    p = np.concatenate([predict(x_test[i:i + 1000]).numpy() for i in range(0, len(x_test), 1000)])
+    return float(np.mean(np.argmax(p, 1) == y_test))
+
+
 def train_tf(args, per_worker: int) -> dict:
     import tensorflow as tf
     with local_cluster(args.ps, args.workers) as cluster:
@@ -79,9 +122,7 @@ def train_tf(args, per_worker: int) -> dict:
         with strategy.scope():
             model = convnet(tf)
             optimizer = tf.keras.optimizers.Adam()          # Keras's defaults, the example's "adam"
-        x, y = mnist(args.data_dir, "train")
-        x_val, y_val = x[TRAIN:], np.eye(10, dtype=np.float32)[y[TRAIN:]]
-        x, y = x[:TRAIN], np.eye(10, dtype=np.float32)[y[:TRAIN]]
+        (x, y), (x_val, y_val) = split_mnist(args.data_dir)
         loss_fn = tf.keras.losses.CategoricalCrossentropy(reduction=tf.keras.losses.Reduction.NONE)
 
         def dataset_fn():
@@ -132,31 +173,124 @@ def train_tf(args, per_worker: int) -> dict:
                 validation_seconds += time.perf_counter() - t
         coordinator.join()
         seconds = time.perf_counter() - started
-        x_test, y_test = mnist(args.data_dir, "test")
-        accuracy = float(np.mean(np.argmax(model.predict(x_test, batch_size=1000, verbose=0), 1) == y_test))
-    return {"framework": f"tensorflow {tf.__version__} ParameterServerStrategy",
+        accuracy = test_accuracy(tf, model, args.data_dir)
+    return {"framework": f"tensorflow {tf.__version__} ParameterServerStrategy, custom loop",
             "samples": steps * per_worker, "seconds": round(seconds, 3),
             "train_samples_per_second": steps * per_worker / seconds,
             "validation_each_epoch": args.tf_validation, "validation_seconds": round(validation_seconds, 3),
             "val_accuracy_last": val_accuracy, "test_accuracy_after": accuracy}
 
 
-def train_tf_apart(args) -> dict:
-    """train_tf in a process of its own (a fresh cluster and eager context each round); its
-    output (TensorFlow's logging) is shown only when it fails."""
+def fit_steps(args, per_worker: int) -> tuple[int, int]:
+    """(epochs, steps per epoch) of the timed fit: pserver's epochs, each as many steps of one
+    worker's batch as pserver's epoch has, rounded down to whole executions (--tf-steps: one
+    epoch of that many)."""
+    spe = args.steps_per_execution
+    if args.tf_steps:
+        return 1, max(spe, args.tf_steps // spe * spe)
+    return args.epochs, samples_for(1, args.workers, per_worker) // per_worker // spe * spe
+
+
+def train_tf_fit(args, per_worker: int) -> dict:
+    """The example's `model.fit` under the strategy: tf-keras schedules its steps through a
+    ClusterCoordinator, --steps-per-execution steps of one worker's batch per scheduled function,
+    and evaluates validation_data on the workers at each epoch's end."""
+    import tensorflow as tf
+    (x, y), (x_val, y_val) = split_mnist(args.data_dir)
+    spe = args.steps_per_execution
+    with local_cluster(args.ps, args.workers) as cluster:
+        strategy, _ = coordinator_for(cluster)           # fit reuses the strategy's coordinator
+        with strategy.scope():
+            model = convnet(tf)
+            model.compile(optimizer=tf.keras.optimizers.Adam(), loss="categorical_crossentropy",
+                          metrics=["accuracy"], steps_per_execution=spe)
+
+        def train_fn(_context):
+            ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(TRAIN, seed=args.seed).repeat()
+            return ds.batch(per_worker, drop_remainder=True).prefetch(4)
+
+        def validation_fn(_context):
+            return tf.data.Dataset.from_tensor_slices((x_val, y_val)).repeat().batch(args.batch_size)
+        data = tf.keras.utils.experimental.DatasetCreator(train_fn)
+        fit = dict(validation_data=tf.keras.utils.experimental.DatasetCreator(validation_fn),
+                   validation_steps=-(-len(x_val) // args.batch_size), verbose=0)
+        # a short fit first: tracing, connections, the first allocations (the loop's warm-up)
+        model.fit(data, epochs=1, steps_per_epoch=max(spe, args.warmup // spe * spe), **fit)
+        epochs, per_epoch = fit_steps(args, per_worker)
+        started = time.perf_counter()
+        history = model.fit(data, epochs=epochs, steps_per_epoch=per_epoch, **fit)
+        seconds = time.perf_counter() - started
+        accuracy = test_accuracy(tf, model, args.data_dir)
+    samples = epochs * per_epoch * per_worker
+    return {"framework": f"tensorflow {tf.__version__} ParameterServerStrategy, model.fit",
+            "steps_per_execution": spe, "samples": samples, "seconds": round(seconds, 3),
+            "train_samples_per_second": samples / seconds, "validation_each_epoch": True,
+            "val_accuracy_last": history.history["val_accuracy"][-1], "test_accuracy_after": accuracy}
+
+
+def onednn_probe() -> None:
+    """One training step of the model in this process, for ONEDNN_VERBOSE=1 to describe."""
+    import tensorflow as tf
+    model, optimizer = convnet(tf), tf.keras.optimizers.Adam()
+    xb, yb = np.zeros((64, 28, 28, 1), np.float32), np.eye(10, dtype=np.float32)[np.zeros(64, int)]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.keras.losses.categorical_crossentropy(yb, model(xb, training=True)))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+
+def tf_env(args, side: str) -> dict:
+    return isa_env(args.isa, "tensorflow") | TF_SIDES[side][1]
+
+
+def probe_onednn(args, side: str) -> dict:
+    """What oneDNN says of itself in a TensorFlow process with `side`'s environment: its ISA,
+    its threads, the primitives TensorFlow's step called, and whether TensorFlow's oneDNN graph
+    ops were on (its startup line)."""
+    env = tf_env(args, side) | {"ONEDNN_VERBOSE": "1", "TF_CPP_MIN_LOG_LEVEL": "0"}
+    r = subprocess.run([sys.executable, __file__, "--onednn-probe"], capture_output=True, text=True, env=env,
+                       timeout=args.tf_timeout)
+    out = r.stdout + r.stderr
+    info = dict(ONEDNN_INFO.findall(out))
+    return {"isa": info.get("isa", "none reported"), "runtime": info.get("runtime", ""),
+            "primitives": sorted({f"{kind} {impl}".strip() for kind, impl in ONEDNN_EXEC.findall(out)}),
+            "onednn_graph_ops_on": "oneDNN custom operations are on" in out,
+            "env": {k: v for k, v in env.items() if k.startswith(("TF_NUM", "ONEDNN_MAX", "TF_ENABLE"))},
+            "exit": r.returncode}
+
+
+class SideFailed(Exception):
+    """One run of one side failed: recorded, and the side left out of the rounds after."""
+
+
+def children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def train_tf_apart(args, side: str) -> dict:
+    """One TensorFlow side in a process of its own (a fresh cluster and eager context each
+    round); its output (TensorFlow's logging) is shown only when it fails."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tf.json")
         passed = {k: v for k, v in vars(args).items()
                   if v is not None and k not in ("pserver", "json", "tf_json", "rounds", "tf_validation",
-                                                 "pserver_mode", "pserver_bind_cores", "isa")}
-        cmd = [sys.executable, __file__, "--tf-json", path] + [
+                                                 "tf_sides", "pserver_mode", "pserver_bind_cores", "isa",
+                                                 "onednn_probe", "tf_timeout")}
+        cmd = [sys.executable, __file__, "--tf-json", path, "--tf-side", side] + [
             a for k, v in passed.items() for a in (f"--{k.replace('_', '-')}", str(v))] + [
             "--tf-validation" if args.tf_validation else "--no-tf-validation"]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=isa_env(args.isa, "tensorflow"))
-        if r.returncode != 0 or not os.path.exists(path):
-            raise SystemExit(f"TensorFlow's run failed ({r.returncode}):\n"
-                             f"{r.stdout[-2000:]}{r.stderr[-3000:]}")
-        return json.loads(Path(path).read_text())
+        cpu = children_cpu()
+        # a session of its own: a run past --tf-timeout goes with its cluster's tasks
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=tf_env(args, side), start_new_session=True)
+        try:
+            output = proc.communicate(timeout=args.tf_timeout)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output = proc.communicate()[0] + f"\n(stopped after --tf-timeout {args.tf_timeout} s)"
+        if proc.returncode != 0 or not os.path.exists(path):
+            raise SideFailed(f"TensorFlow's run ({side}) failed ({proc.returncode}):\n{output[-3000:]}")
+        return json.loads(Path(path).read_text()) | {"cpu_seconds": round(children_cpu() - cpu, 1)}
 
 
 def train_pserver(args) -> dict:
@@ -166,22 +300,24 @@ def train_pserver(args) -> dict:
                "--seed", str(args.seed), "--mode", args.pserver_mode,
                *(["--bind-cores"] if args.pserver_bind_cores else []), "--", args.pserver, str(script)]
         env = isa_env(args.isa, "pserver") | {"PSERVER_MNIST_DIR": args.data_dir, "OPENBLAS_VERBOSE": "2"}
+        cpu = children_cpu()
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        cpu = children_cpu() - cpu
     if r.returncode != 0:
         raise SystemExit(f"pserver run failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     steps, seconds, rate = SUMMARY.findall(r.stdout)[-1]
-    accuracy = float(re.findall(r"^Test accuracy: (\S+)$", r.stdout, re.M)[-1])
+    accuracy = float(ACCURACY.findall(r.stdout)[-1])
     rate = float(rate.replace(",", ""))
     return {"framework": f"pserver run ({args.pserver_mode})", "steps": int(steps), "seconds": float(seconds),
             "samples": round(rate * float(seconds)), "train_samples_per_second": rate,
-            "test_accuracy_after": accuracy,
+            "test_accuracy_after": accuracy, "cpu_seconds": round(cpu, 1),
             # the kernels OpenBLAS loaded in the run's processes (numpy's and scipy's, each once)
             "openblas_cores": sorted(set(OPENBLAS_CORE.findall(r.stdout + r.stderr))),
             "command": " ".join(["pserver"] + cmd[3:-1]
                                 + [f"bench/keras_mnist_convnet.py, epochs = {args.epochs}"])}
 
 
-def main() -> None:
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=os.environ.get("PSERVER_MNIST_DIR"),
                    help="directory with the four MNIST IDX files (default $PSERVER_MNIST_DIR)")
@@ -193,9 +329,17 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=50, help="TensorFlow's untimed steps first (default 50)")
     p.add_argument("--tf-steps", type=int, help="TensorFlow's timed steps (of one worker's batch), "
                    "for a quick check (default: as many samples as pserver's --epochs)")
-    p.add_argument("--rounds", type=int, default=1, help="TensorFlow then pserver, this many times")
+    p.add_argument("--tf-sides", default="loop", help="comma-separated ways TensorFlow trains, each "
+                   f"every round: {', '.join(TF_SIDES)} (default loop; see above)")
+    p.add_argument("--steps-per-execution", type=int, default=20,
+                   help="fit's compile(steps_per_execution=...) (default 20)")
+    p.add_argument("--tf-timeout", type=float, default=1200,
+                   help="seconds a TensorFlow run may take before it and its cluster are stopped "
+                   "(recorded as failed; that side is left out of the later rounds; default 1200)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="every TensorFlow side, then pserver, this many times")
     p.add_argument("--tf-validation", action=argparse.BooleanOptionalAction, default=True,
-                   help="TensorFlow validates the held-out 6,000 at each epoch's end inside its timed "
+                   help="the loop validates the held-out 6,000 at each epoch's end inside its timed "
                    "run, as the example's fit(validation_split=0.1) does and as pserver's rate includes "
                    "(default; --no-tf-validation: training steps only, as the first rounds measured)")
     p.add_argument("--seed", type=int, default=0)
@@ -213,57 +357,115 @@ def main() -> None:
                    "ONEDNN_MAX_CPU_ISA=AVX2)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--tf-json", help=argparse.SUPPRESS)     # one TensorFlow run, its result here
+    p.add_argument("--tf-side", default="loop", choices=tuple(TF_SIDES), help=argparse.SUPPRESS)
+    p.add_argument("--onednn-probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if not args.data_dir:
-        raise SystemExit("--data-dir: give the MNIST directory (or set PSERVER_MNIST_DIR)")
+    args.tf_sides = args.tf_sides.split(",")
+    if set(args.tf_sides) - set(TF_SIDES):
+        p.error(f"--tf-sides: choose among {', '.join(TF_SIDES)}")
+    if not args.data_dir and not args.onednn_probe:
+        p.error("--data-dir: give the MNIST directory (or set PSERVER_MNIST_DIR)")
     if args.batch_size % args.workers:
-        raise SystemExit(f"--batch-size {args.batch_size}: give a multiple of --workers {args.workers}")
-    per_worker = args.batch_size // args.workers
-    if args.tf_json:
-        Path(args.tf_json).write_text(json.dumps(train_tf(args, per_worker)))
-        sys.stdout.flush()
-        os._exit(0)          # not TensorFlow's teardown, which calls the tasks local_cluster stopped
-    m = machine(("tensorflow", "tf_keras", "numpy"))
-    print(f"{m['date']}: {m['cpu']}, {m['cores']} cores, load average {os.getloadavg()[0]:.2f}", flush=True)
-    runs = []
+        p.error(f"--batch-size {args.batch_size}: give a multiple of --workers {args.workers}")
+    return args
+
+
+def one_tf_run(args) -> None:
+    """This process is one TensorFlow run (--tf-json) or the oneDNN probe: do it and leave."""
+    if args.onednn_probe:
+        onednn_probe()
+    else:
+        train = train_tf_fit if TF_SIDES[args.tf_side][0] == "fit" else train_tf
+        Path(args.tf_json).write_text(json.dumps(train(args, args.batch_size // args.workers)))
+    sys.stdout.flush()
+    os._exit(0)          # not TensorFlow's teardown, which calls the tasks local_cluster stopped
+
+
+def interleaved(args, after_run) -> list[dict]:
+    """--rounds rounds of every side in turn; each run with the load average before and after;
+    after_run(runs) after each (the JSON so far, kept if the rounds are cut short)."""
+    sides = [(f"tensorflow {s}", lambda s=s: train_tf_apart(args, s)) for s in args.tf_sides]
+    sides += [("pserver", lambda: train_pserver(args))] if args.pserver else []
+    runs, failed = [], set()
     for round_ in range(1, args.rounds + 1):
-        for name, fn in [("tensorflow", lambda: train_tf_apart(args))] + \
-                        ([("pserver", lambda: train_pserver(args))] if args.pserver else []):
+        for name, fn in sides:
+            if name in failed:
+                continue
             load = [round(v, 2) for v in os.getloadavg()]
-            r = {"round": round_, "side": name, "load_avg_before": load, **fn()}
+            try:
+                got = fn()
+            except SideFailed as e:
+                print(f"round {round_} {name}: {e}", flush=True)
+                runs.append({"round": round_, "side": name, "load_avg_before": load,
+                             "failed": str(e)[-1500:]})
+                failed.add(name)
+                after_run(runs)
+                continue
+            r = {"round": round_, "side": name, "load_avg_before": load, **got,
+                 "load_avg_after": [round(v, 2) for v in os.getloadavg()]}
             runs.append(r)
-            print(f"round {round_} {name:>10}: {r['train_samples_per_second']:8,.0f} samples/s "
-                  f"({r['samples']:,} samples in {r['seconds']:.1f} s; test accuracy after "
-                  f"{r['test_accuracy_after']:.4f}; load before {load[0]:.2f})", flush=True)
-    medians = {side: statistics.median(r["train_samples_per_second"] for r in runs if r["side"] == side)
-               for side in ("tensorflow", "pserver") if any(r["side"] == side for r in runs)}
-    out = {"what": f"keras.io mnist_convnet: TensorFlow ParameterServerStrategy (tf-keras, custom loop, "
-                   "async; validating each epoch: see runs) vs the example's script under pserver run "
-                   f"({args.pserver_mode})",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "num_ps": args.ps, "num_workers": args.workers, "global_batch": args.batch_size,
-           "batch_per_worker": per_worker, "optimizer": "adam 0.001 (Keras defaults)",
-           "loss": "categorical_crossentropy", "epochs_worth": args.epochs, "tf_warmup_steps": args.warmup,
-           "isa": args.isa, "isa_env": {"tensorflow": ISA_ENV[args.isa][0], "pserver": ISA_ENV[args.isa][1]},
-           "caps_in_this_environment": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "ONEDNN_MAX_CPU_ISA")
-                                        if k in os.environ},
-           "machine": m, "load_avg_end": [round(v, 2) for v in os.getloadavg()], "runs": runs,
-           "median_train_samples_per_second": medians}
-    if len(medians) == 2:
-        out["ratio_pserver_to_tensorflow"] = round(medians["pserver"] / medians["tensorflow"], 3)
-        out["ratio_per_round"] = [round(p["train_samples_per_second"] / t["train_samples_per_second"], 3)
-                                  for t, p in zip(runs[0::2], runs[1::2])]
-    print(f"{'round':>5} | {'TensorFlow':>10} | {'pserver':>10} | ratio")
-    for i in range(1, args.rounds + 1):
-        rates = {r["side"]: r["train_samples_per_second"] for r in runs if r["round"] == i}
-        ps = rates.get("pserver")
-        print(f"{i:>5} | {rates['tensorflow']:>10,.0f} | {ps or 0:>10,.0f} | "
-              f"{ps / rates['tensorflow'] if ps else 0:.3f}")
-    print(f"{'med.':>5} | {medians['tensorflow']:>10,.0f} | {medians.get('pserver', 0):>10,.0f} | "
-          f"{out.get('ratio_pserver_to_tensorflow', 0):.3f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+            print(f"round {round_} {name:>24}: {r['train_samples_per_second']:8,.0f} samples/s "
+                  f"({r['samples']:,} samples in {r['seconds']:.1f} s; {r['cpu_seconds']} CPU s in all; "
+                  f"test accuracy after {r['test_accuracy_after']:.4f}; load before {load[0]:.2f}, "
+                  f"after {r['load_avg_after'][0]:.2f})", flush=True)
+            after_run(runs)
+    return runs
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Each side's median samples/s, TensorFlow's best side, and pserver's ratio to each."""
+    runs = [r for r in runs if "failed" not in r]
+    sides = list(dict.fromkeys(r["side"] for r in runs))
+    medians = {s: statistics.median(r["train_samples_per_second"] for r in runs if r["side"] == s)
+               for s in sides}
+    out = {"median_train_samples_per_second": medians}
+    tf_sides = [s for s in sides if s != "pserver"]
+    if "pserver" in medians and tf_sides:
+        best = max(tf_sides, key=medians.get)
+        out |= {"tensorflow_best_side": best,
+                "ratio_pserver_to_tensorflow_best": round(medians["pserver"] / medians[best], 3),
+                "ratio_pserver_to_each": {s: round(medians["pserver"] / medians[s], 3) for s in tf_sides}}
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    if args.tf_json or args.onednn_probe:
+        one_tf_run(args)
+    m = machine(("tensorflow-cpu", "tf_keras", "numpy"))
+    print("\n".join(machine_lines(m)), flush=True)
+    probes = {}
+    for side in args.tf_sides:          # once per environment: fit and loop share theirs
+        key = json.dumps(TF_SIDES[side][1], sort_keys=True)
+        probes[side] = probes.get(key) or probe_onednn(args, side)
+        probes[key] = probes[side]
+        print(f"tensorflow {side}: oneDNN isa {probes[side]['isa']!r}, {probes[side]['runtime']}, "
+              f"primitives {probes[side]['primitives']}, graph ops on: {probes[side]['onednn_graph_ops_on']}",
+              flush=True)
+    head = {"what": "keras.io mnist_convnet: TensorFlow ParameterServerStrategy (tf-keras; sides: "
+                    f"{', '.join(args.tf_sides)}) vs the example's script under pserver run "
+                    f"({args.pserver_mode})",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "num_ps": args.ps, "num_workers": args.workers, "global_batch": args.batch_size,
+            "batch_per_worker": args.batch_size // args.workers, "optimizer": "adam 0.001 (Keras defaults)",
+            "loss": "categorical_crossentropy", "epochs_worth": args.epochs, "tf_warmup_steps": args.warmup,
+            "tf_sides": {s: {"trains_with": TF_SIDES[s][0], "env": TF_SIDES[s][1],
+                             "onednn": probes[s]} for s in args.tf_sides},
+            "steps_per_execution": args.steps_per_execution,
+            "isa": args.isa, "isa_env": {"tensorflow": ISA_ENV[args.isa][0], "pserver": ISA_ENV[args.isa][1]},
+            "caps_in_this_environment": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "ONEDNN_MAX_CPU_ISA")
+                                         if k in os.environ},
+            "machine": m}
+
+    def write(runs: list[dict]) -> dict:
+        out = head | {"load_avg_end": [round(v, 2) for v in os.getloadavg()], "runs": runs, **summarize(runs)}
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        return out
+    out = write(interleaved(args, write))
+    print(json.dumps({k: v for k, v in out.items() if k.startswith(("median", "tensorflow_best", "ratio"))},
+                     indent=1))
 
 
 if __name__ == "__main__":
