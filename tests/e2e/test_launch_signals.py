@@ -11,7 +11,15 @@ import pytest
 
 from pserver.errors import EXIT_TRANSIENT
 from pserver.persist import checkpoint
-from tests.support.processes import LOGREG, alive, children, env_with, pserver_cmd, wait_until
+from tests.support.processes import (
+    LOGREG,
+    alive,
+    children,
+    env_with,
+    pserver_cmd,
+    sigint_as_from_a_terminal,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -144,15 +152,9 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(command):
     left behind."""
     import subprocess
     import time
-    # As from a terminal: SIGINT not ignored. A test run started in the background by a shell
-    # without job control (`cmd &`) ignores it, and an ignored signal stays ignored across exec;
-    # a handled one (Python's) is reset to the default there.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    with sigint_as_from_a_terminal():
         p = subprocess.Popen(pserver_cmd(*command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env_with({}))
-    finally:
-        signal.signal(signal.SIGINT, previous)
     try:
         time.sleep(0.5)
         # Past Python's own start (a Ctrl-C in its `site` import is Python's to report): numpy
@@ -178,6 +180,8 @@ def test_a_users_own_module_that_imports_pserver_keeps_python_s_ctrl_c(tmp_path)
     (pkg / "__init__.py").write_text("import signal\nimport pserver  # noqa: F401\n"
                                      "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
     (pkg / "__main__.py").write_text("")
-    r = subprocess.run([sys.executable, "-m", "theirs"], cwd=tmp_path, capture_output=True, text=True,
-                       env=env_with({"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}), timeout=120)
+    with sigint_as_from_a_terminal():    # failed so in a .ci/run started with `&` (SIGINT ignored)
+        r = subprocess.run([sys.executable, "-m", "theirs"], cwd=tmp_path, capture_output=True, text=True,
+                           env=env_with({"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}),
+                           timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stdout + r.stderr

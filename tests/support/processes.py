@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -66,6 +67,19 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
+
+
+@contextmanager
+def sigint_as_from_a_terminal():
+    """Processes started inside see SIGINT as from a terminal: not ignored. A test run started in
+    the background by a shell without job control (`cmd &`, as a CI step may be) ignores SIGINT,
+    an ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt
+    handler; a handled one (Python's, here) is reset to the default at exec."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def env_with(extra: dict | None) -> dict:
