@@ -274,8 +274,10 @@ def train_tf_apart(args, side: str) -> dict:
         path = os.path.join(tmp, "tf.json")
         passed = {k: v for k, v in vars(args).items()
                   if v is not None and k not in ("pserver", "json", "tf_json", "rounds", "tf_validation",
-                                                 "tf_sides", "pserver_mode", "pserver_bind_cores", "isa",
-                                                 "onednn_probe", "tf_timeout")}
+                                                 "tf_sides", "tf_side", "pserver_mode", "pserver_bind_cores",
+                                                 "isa", "onednn_probe", "tf_timeout")}
+        # tf_side is this run's own (below): passed on from the parent too, its default ("loop")
+        # came last and every side trained with the custom loop (65f04b6's "fit-intra1" did)
         cmd = [sys.executable, __file__, "--tf-json", path, "--tf-side", side] + [
             a for k, v in passed.items() for a in (f"--{k.replace('_', '-')}", str(v))] + [
             "--tf-validation" if args.tf_validation else "--no-tf-validation"]
