@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.persist.atomic import fsync_dir, remove_quietly
+from pserver.persist.atomic import fsync_dir, remove_quietly, synced
 from pserver.persist.checkpoint import Checkpoint, Gone, base_of, load, meta_of, scan
 from pserver.wire.sharding import shard_ranges
 
@@ -267,11 +267,9 @@ def claim(directory: str, seen: str | None, new: str | None = None) -> str:
         final = os.path.join(directory, RUN_FILE)
         tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"    # shards of one process: one each
         try:
-            with open(tmp, "w") as f:
-                json.dump({"run": new, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           "pid": os.getpid()}, f)
-                f.flush()
-                os.fsync(f.fileno())
+            with synced(tmp) as f:
+                f.write(json.dumps({"run": new, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                    "pid": os.getpid()}).encode())
             try:
                 os.link(tmp, final)           # never replaces a RUN written meanwhile
             except FileExistsError:
