@@ -1,0 +1,190 @@
+"""What an op is, and how calling one either computes or records.
+
+An `Op` is a pure function of arrays with its vector-Jacobian product: `forward(*xs, **attrs)`
+returns one array; `vjp(g, out, *xs, **attrs)` returns, for each input, d loss / d input given
+g = d loss / d out (None for an input that takes no gradient: an integer index, a constant).
+Shapes include the batch dimension. Broadcasting follows NumPy's; a VJP sums its gradient back
+to its input's shape (`unbroadcast`).
+
+`apply(name, *args, **attrs)` is what every public op (pserver.ops.add, ...) calls: on arrays it
+runs `forward` now (eager, as keras.ops does on concrete tensors); when any argument is a
+`Symbolic` (a graph being traced: keras.Input, a layer's output) it records a `Node` and returns
+the symbolic outputs, whose shapes come from the op's `shape` function, or, without one, from
+running `forward` on small arrays of ones (the dimensions that follow the batch size are the
+batch: None). pserver.graph plans and runs the recorded nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from pserver.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Op:
+    """One differentiable op. `forward` and `vjp` see NumPy arrays (float32 in training, float64
+    in the gradient checks); attrs are keyword-only plain values (axis=1, keepdims=True)."""
+    name: str
+    forward: Callable[..., np.ndarray]
+    vjp: Callable[..., tuple]
+    shape: Callable[..., tuple] | None = None     # (*input shapes, **attrs) -> output shape (None dims)
+    differentiable: tuple[bool, ...] | None = None  # per input; None: every float input
+
+
+OPS: dict[str, Op] = {}
+
+
+def register(op: Op) -> Op:
+    if op.name in OPS:
+        raise ValueError(f"op {op.name!r} is registered twice")
+    OPS[op.name] = op
+    return op
+
+
+class Symbolic:
+    """A tensor of a graph being traced: a shape (None for the batch), a dtype, and the node
+    (with its output index) that makes it; an input's node is None."""
+
+    def __init__(self, shape, dtype="float32", node: "Node | None" = None, index: int = 0, name: str = ""):
+        self.shape = tuple(None if d is None else int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.node, self.index, self.name = node, index, name
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"<Symbolic {self.name or 'tensor'} shape={self.shape} dtype={self.dtype.name}>"
+
+    # Python operators on a symbolic tensor record the same ops as pserver.ops's functions.
+    def __add__(self, o): return apply("add", self, o)
+    def __radd__(self, o): return apply("add", o, self)
+    def __sub__(self, o): return apply("subtract", self, o)
+    def __rsub__(self, o): return apply("subtract", o, self)
+    def __mul__(self, o): return apply("multiply", self, o)
+    def __rmul__(self, o): return apply("multiply", o, self)
+    def __truediv__(self, o): return apply("divide", self, o)
+    def __rtruediv__(self, o): return apply("divide", o, self)
+    def __neg__(self): return apply("negative", self)
+    def __matmul__(self, o): return apply("matmul", self, o)
+    def __rmatmul__(self, o): return apply("matmul", o, self)
+    def __pow__(self, o): return apply("power", self, o)
+    def __getitem__(self, key): return apply("getitem", self, key=_plain_key(key))
+
+    def __bool__(self):
+        raise ConfigError("a symbolic tensor has no truth value while a graph is traced: Python "
+                          "control flow on a tensor's values (if x > 0, while ...) cannot be traced; "
+                          "use pserver.ops.where")
+
+
+@dataclass(eq=False)
+class Node:
+    """One call recorded while tracing: an op by name (or a layer: pserver.graph sets `layer`),
+    its inputs (Symbolic, or constants as arrays), its attrs, and its outputs."""
+    op: str
+    inputs: list
+    attrs: dict = field(default_factory=dict)
+    outputs: list = field(default_factory=list)
+    layer: object = None
+
+
+def _plain_key(key):
+    """A __getitem__ key as a hashable plain value (slices as tuples), for a node's attrs."""
+    if isinstance(key, tuple):
+        return tuple(_plain_key(k) for k in key)
+    if isinstance(key, slice):
+        return ("slice", key.start, key.stop, key.step)
+    if isinstance(key, Symbolic):
+        raise ConfigError("indexing with a symbolic tensor: use pserver.ops.take")
+    return key
+
+
+def key_of(key):
+    """_plain_key's inverse: the key NumPy indexes with."""
+    if isinstance(key, tuple) and key and key[0] == "slice":
+        return slice(*key[1:])
+    if isinstance(key, tuple):
+        return tuple(key_of(k) for k in key)
+    return key
+
+
+def unbroadcast(g: np.ndarray, shape: tuple) -> np.ndarray:
+    """g summed over the dimensions that broadcasting added to, or stretched from 1 in, `shape`."""
+    if g.shape == tuple(shape):
+        return g
+    lead = g.ndim - len(shape)
+    if lead:
+        g = g.sum(axis=tuple(range(lead)))
+    stretched = tuple(i for i, d in enumerate(shape) if d == 1 and g.shape[i] != 1)
+    if stretched:
+        g = g.sum(axis=stretched, keepdims=True)
+    return g
+
+
+def op(name: str) -> Op:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise ConfigError(f"no op {name!r} (known: {', '.join(sorted(OPS))})") from None
+
+
+def apply(name: str, *args, **attrs):
+    """Run op `name` on arrays now, or record it when any argument is symbolic."""
+    o = op(name)
+    if not any(isinstance(a, Symbolic) for a in args):
+        return o.forward(*(_array(a) for a in args), **attrs)
+    inputs = [a if isinstance(a, Symbolic) else _array(a) for a in args]
+    node = Node(name, inputs, dict(attrs))
+    shape, dtype = infer(o, inputs, attrs)
+    out = Symbolic(shape, dtype, node, 0)
+    node.outputs.append(out)
+    return out
+
+
+def _array(a):
+    if isinstance(a, np.ndarray):
+        return a
+    if isinstance(a, (bool, int, float, np.number)):
+        return np.asarray(a, dtype=np.float32 if isinstance(a, float) else None)
+    if isinstance(a, (list, tuple)):
+        return np.asarray(a)
+    raise ConfigError(f"an op's argument {a!r} ({type(a).__name__}) is not a tensor, an array or a number")
+
+
+def infer(o: Op, inputs: list, attrs: dict) -> tuple[tuple, np.dtype]:
+    """The output's shape (None for the batch) and dtype, from `o.shape` when it has one, else by
+    running forward on ones at two batch sizes; a mismatch raises ConfigError naming the op and
+    the input shapes."""
+    shapes = [i.shape for i in inputs]
+    try:
+        if o.shape is not None:
+            dtype = np.result_type(*(i.dtype for i in inputs))
+            return tuple(o.shape(*shapes, **attrs)), dtype
+        outs = [o.forward(*(_ones(i, batch) for i in inputs), **attrs) for batch in (2, 3)]
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"op {o.name}: inputs of shapes {', '.join(map(str, shapes))} do not fit "
+                          f"({type(e).__name__}: {e})") from None
+    a, b = outs
+    if a.ndim != b.ndim:
+        raise ConfigError(f"op {o.name}: its output's rank depends on the batch size")
+    shape = tuple(None if da != db else da for da, db in zip(a.shape, b.shape))
+    return shape, a.dtype
+
+
+def _ones(i, batch: int) -> np.ndarray:
+    if not isinstance(i, Symbolic):
+        return i
+    shape = tuple(batch if d is None else d for d in i.shape)
+    if np.issubdtype(i.dtype, np.integer):
+        return np.zeros(shape, i.dtype)
+    return np.ones(shape, i.dtype)
+
+
+__all__ = ["Op", "OPS", "register", "op", "apply", "Symbolic", "Node", "unbroadcast", "infer", "key_of"]
