@@ -21,6 +21,7 @@ from tests.support import simulator
 from tests.support.clients import TOKEN, worker
 from tests.support.processes import missing
 from tests.support.shards import load_kernels
+from tests.support.stuck import StuckWatch
 
 # MNIST_DIR_ENV: the tests' (and every pserver command's) MNIST directory; .ci/run sets it.
 
@@ -37,6 +38,10 @@ def pytest_runtest_logstart(nodeid, location):
     if trace:
         with open(trace, "a") as f:
             f.write(f"{time.strftime('%H:%M:%S')} {nodeid}\n")
+        _stuck.started(nodeid, trace)
+
+
+_stuck = StuckWatch()
 
 
 SIMULATOR_RUNS = pytest.StashKey[dict]()

@@ -115,3 +115,16 @@ def test_a_client_that_stops_between_parts_is_cut_and_others_go_on(sgd_shard):
     for fd in fds:
         socket.close(fd)
     c.close()
+
+
+def test_closing_a_shard_ends_its_data_plane_threads(sgd_shard):
+    """Closing the listening socket alone left the accept thread blocked in accept() for good:
+    one leaked thread per shard ever closed in a process (a long pytest run had over 100)."""
+    addr, shard = sgd_shard
+    c = worker(addr)
+    plane = shard.dataplane
+    assert plane.accepter.is_alive()
+    shard.close()
+    plane.accepter.join(5)
+    assert not plane.accepter.is_alive()
+    c.close()

@@ -7,6 +7,7 @@ Latencies are printed (pytest -s shows them) and asserted only against generous 
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -145,27 +146,41 @@ def test_stalled_push_streams_neither_block_status_nor_hold_threads(shard_server
         c.close()
 
 
+# A process that opens a sync pull for each (rank, session) given, says so, and waits to be killed.
+PULLER = """
+import sys, time, grpc
+from pserver._proto import pserver_pb2 as pb
+address, calls = sys.argv[1], []
+pull = grpc.insecure_channel(address).unary_stream("/pserver.v1.ParameterServer/Pull")
+for arg in sys.argv[2:]:
+    rank, session = arg.split(":", 1)
+    req = pb.PullRequest(rank=int(rank), seen_version=0, **({"session": session} if session else {}))
+    calls.append(pull(req.SerializeToString(), timeout=120))
+print("open", flush=True)
+time.sleep(300)
+"""
+
+
 def test_pulls_whose_client_went_away_stop_waiting(shard_server):
     """A sync pull parks until the next step; when its client disconnects it used to keep
-    its thread until its own deadline."""
+    its thread until its own deadline. The client is a process killed with SIGKILL (its
+    connection cut by the kernel, as a crashed worker's is): cancelling and closing an
+    in-process channel instead hung this test once in CI, inside gRPC's client."""
     addr, shard = shard_server(threads=32, optimizer="sgd", lr=0.1)
     clients = [client(addr, r, 2) for r in range(2)]
     clients[0].init(np.zeros(LAYOUT.total, np.float32))
-    channels = []
-    for c in clients:
-        ch = grpc.insecure_channel(addr)
-        call = ch.unary_stream(SERVICE + "Pull")
-        with_session = {"session": session_of(c)} if session_of(c) else {}
-        req = pb.PullRequest(rank=c.rank, seen_version=0, **with_session).SerializeToString()
-        fut = call(req, timeout=120)            # waits for version 1, which never comes
-        channels.append((ch, fut))
-    deadline = time.monotonic() + 5
-    while waiting_in_shard() < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert waiting_in_shard() == 2
-    for ch, fut in channels:
-        fut.cancel()
-        ch.close()
+    puller = subprocess.Popen([sys.executable, "-c", PULLER, addr,
+                               *(f"{c.rank}:{session_of(c)}" for c in clients)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert puller.stdout.readline().strip() == "open"
+        deadline = time.monotonic() + 10             # waits for version 1, which never comes
+        while waiting_in_shard() < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert waiting_in_shard() == 2
+    finally:
+        puller.kill()
+        puller.wait(10)
     deadline = time.monotonic() + 5
     while waiting_in_shard() and time.monotonic() < deadline:
         time.sleep(0.05)

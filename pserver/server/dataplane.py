@@ -211,7 +211,8 @@ class DataPlaneServer:
         self.closed = False
         self.conns: set[socket.socket] = set()
         self.lock = threading.Lock()
-        threading.Thread(target=self._accept, name="dataplane-accept", daemon=True).start()
+        self.accepter = threading.Thread(target=self._accept, name="dataplane-accept", daemon=True)
+        self.accepter.start()
 
     @property
     def address(self) -> str:
@@ -477,6 +478,10 @@ class DataPlaneServer:
                 except OSError:
                     pass
         try:
+            # shutdown() first: close() alone leaves the accept thread blocked in accept() for
+            # good (Linux does not wake it), one leaked thread per data plane ever closed.
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
             self.sock.close()
         finally:
             if os.path.exists(self.path):
