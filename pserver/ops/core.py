@@ -177,7 +177,7 @@ def _array(a, like: np.dtype | None = None):
         return a
     if isinstance(a, (float, int)) and not isinstance(a, bool) and like is not None:
         return np.asarray(a, dtype=like)
-    if isinstance(a, (bool, int, float, np.number)):
+    if isinstance(a, (bool, int, float, np.generic)):
         return np.asarray(a, dtype=np.float32 if isinstance(a, float) else None)
     if isinstance(a, (list, tuple)):
         return np.asarray(a)
