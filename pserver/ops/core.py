@@ -164,6 +164,11 @@ def backward(o: Op, g, out, xs: list, attrs: dict) -> list:
             for gx, x, k in zip(grads, xs, keep)]
 
 
+def ids(indices: np.ndarray) -> np.ndarray:
+    """An index tensor as integers: Keras casts float ids (an id Input is often float32)."""
+    return indices if np.issubdtype(indices.dtype, np.integer) else indices.astype(np.int64)
+
+
 def _float_dtype(args) -> np.dtype | None:
     """The float dtype a Python number among `args` takes: the tensors' (x * 2 stays float32,
     as in Keras and NumPy's own scalars), None when no argument is a float tensor."""
@@ -191,10 +196,14 @@ def _run(o: Op, arrays: list, attrs: dict, shapes: list):
         return o.forward(*arrays, **attrs)
     except ConfigError:
         raise
-    except (ValueError, IndexError, TypeError) as e:
-        given = "".join(f", {k}={v!r}" for k, v in attrs.items())
-        raise ConfigError(f"op {o.name}: inputs of shapes {', '.join(map(str, shapes))}{given} do not "
-                          f"fit ({type(e).__name__}: {e})") from None
+    except Exception as e:
+        raise _refusal(o, shapes, attrs, e) from None
+
+
+def _refusal(o: Op, shapes: list, attrs: dict, e: Exception) -> ConfigError:
+    given = "".join(f", {k}={v!r}" for k, v in attrs.items())
+    return ConfigError(f"op {o.name}: inputs of shapes {', '.join(map(str, shapes))}{given} do not "
+                       f"fit ({type(e).__name__}: {e})")
 
 
 def infer(o: Op, inputs: list, attrs: dict):
@@ -206,9 +215,10 @@ def infer(o: Op, inputs: list, attrs: dict):
         dtype = np.result_type(*(i.dtype for i in inputs))
         try:
             out = o.shape(*shapes, **attrs)
-        except (ValueError, IndexError, TypeError) as e:
-            raise ConfigError(f"op {o.name}: inputs of shapes {', '.join(map(str, shapes))} do not fit "
-                              f"({type(e).__name__}: {e})") from None
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise _refusal(o, shapes, attrs, e) from None
         return [(tuple(s), dtype) for s in out] if o.multi else (tuple(out), dtype)
     runs = [_run(o, [_ones(i, batch) for i in inputs], attrs, shapes) for batch in (2, 3)]
     if not o.multi:
@@ -234,4 +244,4 @@ def _ones(i, batch: int) -> np.ndarray:
 
 
 __all__ = ["Op", "OPS", "register", "op", "apply", "backward", "Symbolic", "Node", "unbroadcast", "infer",
-           "key_of"]
+           "key_of", "ids"]

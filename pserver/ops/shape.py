@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pserver.ops.core import Op, Symbolic, apply, key_of, register
+from pserver.ops.core import Op, Symbolic, apply, ids, key_of, register
 
 
 def _like_input(g, out, x, **attrs):
@@ -68,14 +68,9 @@ def _getitem_vjp(g, out, x, key):
 register(Op("getitem", lambda x, key: x[key_of(key)], _getitem_vjp))
 
 
-def _indices(indices):
-    """take's indices as integers (Keras casts them: an id Input is often float32)."""
-    return indices if np.issubdtype(indices.dtype, np.integer) else indices.astype(np.int64)
-
-
 def _take_vjp(g, out, x, indices, axis=None):
     """Each taken element's gradient added back at its index (an index taken twice gets both)."""
-    indices = _indices(indices)
+    indices = ids(indices)
     gx = np.zeros_like(x)
     if axis is None:
         np.add.at(gx.reshape(-1), indices, g)
@@ -87,7 +82,7 @@ def _take_vjp(g, out, x, indices, axis=None):
     return gx, None
 
 
-register(Op("take", lambda x, indices, axis=None: np.take(x, _indices(indices), axis=axis), _take_vjp,
+register(Op("take", lambda x, indices, axis=None: np.take(x, ids(indices), axis=axis), _take_vjp,
             differentiable=(True, False)))
 
 
