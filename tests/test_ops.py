@@ -265,6 +265,37 @@ def split_case(draw):
 
 
 @st.composite
+def repeat_case(draw):
+    r, s = rng(draw), draw(shapes(1))
+    axis = draw(st.one_of(st.none(), st.integers(-len(s), len(s) - 1)))
+    n = int(np.prod(s)) if axis is None else s[axis]
+    repeats = draw(st.one_of(st.integers(1, 3), st.lists(st.integers(0, 3), min_size=n, max_size=n)))
+
+    def ref(x):
+        rows = x.ravel() if axis is None else np.moveaxis(x, axis, 0)
+        counts = [repeats] * n if isinstance(repeats, int) else repeats
+        out = np.array([row for row, c in zip(rows, counts) for _ in range(c)]).reshape(
+            (-1,) + rows.shape[1:])
+        return out if axis is None else np.moveaxis(out, 0, axis)
+    return Case(lambda x: ops.repeat(x, repeats, axis=axis), [r.standard_normal(s)], ref)
+
+
+@st.composite
+def tile_case(draw):
+    r, s = rng(draw), draw(shapes())
+    reps = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=4)))
+
+    def ref(x):
+        rank = max(len(reps), x.ndim)
+        full = (1,) * (rank - len(reps)) + reps
+        x = x.reshape((1,) * (rank - x.ndim) + x.shape)
+        for axis, k in enumerate(full):
+            x = np.concatenate([x] * k, axis=axis)
+        return x
+    return Case(lambda x: ops.tile(x, reps), [r.standard_normal(s)], ref)
+
+
+@st.composite
 def getitem_case(draw):
     r, s = rng(draw), draw(shapes(2))
     i = draw(st.integers(-s[0], s[0] - 1))
@@ -325,6 +356,8 @@ CASES = {
     "concatenate": concatenate_case(),
     "stack": stack_case(),
     "split": split_case(),
+    "repeat": repeat_case(),
+    "tile": tile_case(),
     "getitem": getitem_case(),
     "take": take_case(),
 }
@@ -477,6 +510,8 @@ BATCH = [
     (lambda: ops.expand_dims(S(None, 4), -1), [(None, 4, 1)]),
     (lambda: ops.squeeze(S(None, 4, 1), -1), [(None, 4)]),
     (lambda: ops.stack([S(None, 3), S(None, 3)], axis=1), [(None, 2, 3)]),
+    (lambda: ops.repeat(ops.expand_dims(S(None, 3), 1), 4, axis=1), [(None, 4, 3)]),
+    (lambda: ops.tile(S(None, 3), (1, 2)), [(None, 6)]),
     (lambda: ops.softmax(S(None, 10)), [(None, 10)]),
     (lambda: ops.where(np.array([True, False]), S(None, 2), 0.0), [(None, 2)]),
     (lambda: ops.where(np.bool_(True), S(None, 2), 0.0), [(None, 2)]),

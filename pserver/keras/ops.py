@@ -27,6 +27,7 @@ from pserver.ops import (
     one_hot,
     power,
     relu,
+    repeat,
     reshape,
     shape,
     sigmoid,
@@ -40,6 +41,7 @@ from pserver.ops import (
     sum,
     take,
     tanh,
+    tile,
     transpose,
     where,
 )
@@ -49,5 +51,5 @@ __getattr__ = _missing(__name__)     # a keras.ops name pserver lacks: one line 
 __all__ = ["add", "subtract", "multiply", "divide", "negative", "power", "matmul", "exp", "log", "sqrt",
            "square", "abs", "absolute", "maximum", "minimum", "clip", "where", "cast", "relu", "sigmoid",
            "tanh", "softmax", "log_softmax", "one_hot", "sum", "mean", "max", "min", "reshape",
-           "transpose", "expand_dims", "squeeze", "concatenate", "stack", "split", "take",
-           "convert_to_tensor", "shape"]
+           "transpose", "expand_dims", "squeeze", "concatenate", "stack", "split", "repeat", "tile",
+           "take", "convert_to_tensor", "shape"]
