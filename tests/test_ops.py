@@ -329,6 +329,12 @@ CASES = {
                     make2=lambda r, s: r.standard_normal(s)),
     "maximum": extreme_case(ops.maximum),
     "minimum": extreme_case(ops.minimum),
+    "greater": binary(ops.greater, lambda a, b: a - b > 0),
+    "greater_equal": binary(ops.greater_equal, lambda a, b: ~(a - b < 0)),
+    "less": binary(ops.less, lambda a, b: a - b < 0),
+    "less_equal": binary(ops.less_equal, lambda a, b: ~(a - b > 0)),
+    "equal": binary(ops.equal, lambda a, b: a - b == 0, make=lambda r, s: r.integers(0, 2, s) * 1.0),
+    "not_equal": binary(ops.not_equal, lambda a, b: a - b != 0, make=lambda r, s: r.integers(0, 2, s) * 1.0),
     "negative": unary(ops.negative, lambda x: 0 - x),
     "exp": unary(ops.exp, lambda x: np.e ** x),
     "log": unary(ops.log, lambda x: np.log2(x) / np.log2(np.e), make=positive),
@@ -516,6 +522,7 @@ BATCH = [
     (lambda: ops.where(np.array([True, False]), S(None, 2), 0.0), [(None, 2)]),
     (lambda: ops.where(np.bool_(True), S(None, 2), 0.0), [(None, 2)]),
     (lambda: ops.clip(S(None, 2), 0, 1), [(None, 2)]),
+    (lambda: (lambda x: ops.where(x > 0, x, 0.1 * x))(S(None, 3)), [(None, 3)]),   # a leaky relu
 ]
 
 
@@ -535,17 +542,20 @@ def test_a_batch_dimension_stays_none(build, shapes):
     (lambda x: x / 2, "divide"), (lambda x: 2 / x, "divide"), (lambda x: -x, "negative"),
     (lambda x: x ** 2, "power"), (lambda x: 2 ** x, "power"), (lambda x: abs(x), "abs"),
     (lambda x: x @ np.ones((3, 2), np.float32), "matmul"), (lambda x: x[:, ::-1], "getitem"),
+    (lambda x: x > 2, "greater"), (lambda x: 2 > x, "less"), (lambda x: x <= 2, "less_equal"),
+    (lambda x: 2 <= x, "greater_equal"),
 ])
 def test_python_operators_record_the_op_they_compute(expr, op):
     """Catches a reflected operator that swaps its operands (2 - x recorded as x - 2), and a
     Python number that makes a float32 graph float64."""
     x = np.arange(1, 7, dtype=np.float32).reshape(2, 3)
     out = expr(S(None, 3))
-    assert (out.node.op, out.dtype) == (op, np.float32)
+    want = expr(x)                  # NumPy on the float32 array: float32 (bool for a comparison)
+    assert (out.node.op, out.dtype) == (op, want.dtype)
     inputs = [x if isinstance(i, Symbolic) else i for i in out.node.inputs]
     got = OPS[op].forward(*inputs, **out.node.attrs)
-    np.testing.assert_allclose(got, expr(x), rtol=1e-6)
-    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got.dtype == want.dtype
 
 
 # -- bad input --------------------------------------------------------------------------

@@ -80,6 +80,11 @@ class Symbolic:
     def __pow__(self, o): return apply("power", self, o)
     def __rpow__(self, o): return apply("power", o, self)
     def __abs__(self): return apply("abs", self)
+    # no __eq__/__ne__: a symbolic tensor stays hashable and compared by identity (a graph's dict keys)
+    def __lt__(self, o): return apply("less", self, o)
+    def __le__(self, o): return apply("less_equal", self, o)
+    def __gt__(self, o): return apply("greater", self, o)
+    def __ge__(self, o): return apply("greater_equal", self, o)
     def __getitem__(self, key): return apply("getitem", self, key=_plain_key(key))
 
     def __bool__(self):
