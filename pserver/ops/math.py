@@ -27,12 +27,13 @@ register(Op("subtract", np.subtract,
             lambda g, out, x1, x2: (unbroadcast(g, x1.shape), unbroadcast(-g, x2.shape))))
 _binary("multiply", np.multiply, lambda x1, x2, out: x2, lambda x1, x2, out: x1)
 _binary("divide", np.divide, lambda x1, x2, out: 1 / x2, lambda x1, x2, out: -out / x2)
-# d/dx2 x1**x2 = out * log(x1), defined for x1 > 0 only (0 elsewhere, as JAX's where x1 == 0)
+# d/dx2 x1**x2 = out * log(x1), defined for x1 > 0 only: 0 elsewhere rather than nan
 _binary("power", np.power, lambda x1, x2, out: x2 * np.power(x1, x2 - 1),
         lambda x1, x2, out: out * np.log(np.where(x1 > 0, x1, 1)))
 # a tie (x1 == x2) sends the gradient to x1 only: a subgradient, as TensorFlow's
 _binary("maximum", np.maximum, lambda x1, x2, out: x1 >= x2, lambda x1, x2, out: x1 < x2)
 _binary("minimum", np.minimum, lambda x1, x2, out: x1 <= x2, lambda x1, x2, out: x1 > x2)
+
 
 def _comparison(name: str, forward) -> None:
     """Booleans (for where and masks), through which no gradient flows."""

@@ -1,5 +1,5 @@
-"""Ops that move values without arithmetic: reshape, transpose, expand_dims, squeeze,
-concatenate, stack, split, repeat, tile, slicing (getitem) and take; each VJP routes g back to where the
+"""Ops that move values without arithmetic: reshape, transpose, expand_dims, squeeze, concatenate,
+stack, split, repeat, tile, slicing (getitem) and take; each VJP routes g back to where the
 values came from. Also Keras's convert_to_tensor and shape."""
 
 from __future__ import annotations
