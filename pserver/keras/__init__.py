@@ -10,11 +10,11 @@ A script runs plainly (fit trains on shards it starts in its process) or under `
 has the table of what is supported.
 """
 
-from pserver.keras import callbacks, datasets, layers, losses, models, optimizers, saving, utils
+from pserver.keras import callbacks, datasets, layers, losses, models, ops, optimizers, saving, utils
 from pserver.keras._names import missing as _missing
 from pserver.keras.models import Input, Sequential
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["Input", "Sequential", "layers", "models", "optimizers", "losses", "callbacks", "utils",
-           "datasets", "saving"]
+           "datasets", "saving", "ops"]

@@ -4,7 +4,10 @@ An `Op` is a pure function of arrays with its vector-Jacobian product: `forward(
 returns one array; `vjp(g, out, *xs, **attrs)` returns, for each input, d loss / d input given
 g = d loss / d out (None for an input that takes no gradient: an integer index, a constant).
 Shapes include the batch dimension. Broadcasting follows NumPy's; a VJP sums its gradient back
-to its input's shape (`unbroadcast`).
+to its input's shape (`unbroadcast`). A VJP's arrays may share memory with g or be read-only
+views (add passes g on, sum broadcasts it): whoever accumulates them copies first.
+An op with several outputs (split) has `multi=True`: its forward returns a list of arrays, its
+vjp gets the list of their cotangents (None for an output nothing used) and the list of outputs.
 
 `apply(name, *args, **attrs)` is what every public op (pserver.ops.add, ...) calls: on arrays it
 runs `forward` now (eager, as keras.ops does on concrete tensors); when any argument is a
@@ -33,6 +36,7 @@ class Op:
     vjp: Callable[..., tuple]
     shape: Callable[..., tuple] | None = None     # (*input shapes, **attrs) -> output shape (None dims)
     differentiable: tuple[bool, ...] | None = None  # per input; None: every float input
+    multi: bool = False                            # forward returns a list of arrays (split)
 
 
 OPS: dict[str, Op] = {}
@@ -74,6 +78,13 @@ class Symbolic:
     def __matmul__(self, o): return apply("matmul", self, o)
     def __rmatmul__(self, o): return apply("matmul", o, self)
     def __pow__(self, o): return apply("power", self, o)
+    def __rpow__(self, o): return apply("power", o, self)
+    def __abs__(self): return apply("abs", self)
+    # no __eq__/__ne__: a symbolic tensor stays hashable and compared by identity (a graph's dict keys)
+    def __lt__(self, o): return apply("less", self, o)
+    def __le__(self, o): return apply("less_equal", self, o)
+    def __gt__(self, o): return apply("greater", self, o)
+    def __ge__(self, o): return apply("greater_equal", self, o)
     def __getitem__(self, key): return apply("getitem", self, key=_plain_key(key))
 
     def __bool__(self):
@@ -134,48 +145,98 @@ def op(name: str) -> Op:
 
 
 def apply(name: str, *args, **attrs):
-    """Run op `name` on arrays now, or record it when any argument is symbolic."""
+    """Run op `name` on arrays now, or record it when any argument is symbolic (a list of
+    symbolic tensors for a multi-output op)."""
     o = op(name)
+    like = _float_dtype(args)
     if not any(isinstance(a, Symbolic) for a in args):
-        return o.forward(*(_array(a) for a in args), **attrs)
-    inputs = [a if isinstance(a, Symbolic) else _array(a) for a in args]
+        arrays = [_array(a, like) for a in args]
+        return _run(o, arrays, attrs, [a.shape for a in arrays])
+    inputs = [a if isinstance(a, Symbolic) else _array(a, like) for a in args]
     node = Node(name, inputs, dict(attrs))
-    shape, dtype = infer(o, inputs, attrs)
-    out = Symbolic(shape, dtype, node, 0)
-    node.outputs.append(out)
-    return out
+    specs = infer(o, inputs, attrs)
+    for index, (shape, dtype) in enumerate(specs if o.multi else [specs]):
+        node.outputs.append(Symbolic(shape, dtype, node, index))
+    return list(node.outputs) if o.multi else node.outputs[0]
 
 
-def _array(a):
+def backward(o: Op, g, out, xs: list, attrs: dict) -> list:
+    """o's VJP with None for each input that takes no gradient: not a float array (an index, a
+    mask, an integer constant), or marked so by `o.differentiable`."""
+    grads = o.vjp(g, out, *xs, **attrs)
+    keep = o.differentiable or (True,) * len(xs)
+    return [gx if k and np.issubdtype(np.asarray(x).dtype, np.floating) else None
+            for gx, x, k in zip(grads, xs, keep)]
+
+
+def ids(indices: np.ndarray) -> np.ndarray:
+    """An index tensor as integers: Keras casts float ids (an id Input is often float32)."""
+    return indices if np.issubdtype(indices.dtype, np.integer) else indices.astype(np.int64)
+
+
+def _float_dtype(args) -> np.dtype | None:
+    """The float dtype a Python number among `args` takes: the tensors' (x * 2 stays float32,
+    as in Keras and NumPy's own scalars), None when no argument is a float tensor."""
+    dtypes = [a.dtype for a in args if isinstance(a, (Symbolic, np.ndarray))
+              and np.issubdtype(a.dtype, np.floating)]
+    return np.result_type(*dtypes) if dtypes else None
+
+
+def _array(a, like: np.dtype | None = None):
     if isinstance(a, np.ndarray):
         return a
-    if isinstance(a, (bool, int, float, np.number)):
+    if isinstance(a, (float, int)) and not isinstance(a, bool) and like is not None:
+        return np.asarray(a, dtype=like)
+    if isinstance(a, (bool, int, float, np.generic)):
         return np.asarray(a, dtype=np.float32 if isinstance(a, float) else None)
     if isinstance(a, (list, tuple)):
         return np.asarray(a)
     raise ConfigError(f"an op's argument {a!r} ({type(a).__name__}) is not a tensor, an array or a number")
 
 
-def infer(o: Op, inputs: list, attrs: dict) -> tuple[tuple, np.dtype]:
-    """The output's shape (None for the batch) and dtype, from `o.shape` when it has one, else by
-    running forward on ones at two batch sizes; a mismatch raises ConfigError naming the op and
-    the input shapes."""
-    shapes = [i.shape for i in inputs]
+def _run(o: Op, arrays: list, attrs: dict, shapes: list):
+    """o's forward; an input it cannot take (shapes that do not broadcast, an axis out of range)
+    raises ConfigError naming the op, the input shapes (None: the batch) and the attrs."""
     try:
-        if o.shape is not None:
-            dtype = np.result_type(*(i.dtype for i in inputs))
-            return tuple(o.shape(*shapes, **attrs)), dtype
-        outs = [o.forward(*(_ones(i, batch) for i in inputs), **attrs) for batch in (2, 3)]
+        return o.forward(*arrays, **attrs)
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"op {o.name}: inputs of shapes {', '.join(map(str, shapes))} do not fit "
-                          f"({type(e).__name__}: {e})") from None
-    a, b = outs
+        raise _refusal(o, shapes, attrs, e) from None
+
+
+def _refusal(o: Op, shapes: list, attrs: dict, e: Exception) -> ConfigError:
+    given = "".join(f", {k}={v!r}" for k, v in attrs.items())
+    return ConfigError(f"op {o.name}: inputs of shapes {', '.join(map(str, shapes))}{given} do not "
+                       f"fit ({type(e).__name__}: {e})")
+
+
+def infer(o: Op, inputs: list, attrs: dict):
+    """The output's shape (None for the batch) and dtype, from `o.shape` when it has one, else by
+    running forward on ones at two batch sizes; a mismatch raises ConfigError naming the op and
+    the input shapes. A multi-output op gets a list of (shape, dtype), one per output."""
+    shapes = [i.shape for i in inputs]
+    if o.shape is not None:
+        dtype = np.result_type(*(i.dtype for i in inputs))
+        try:
+            out = o.shape(*shapes, **attrs)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise _refusal(o, shapes, attrs, e) from None
+        return [(tuple(s), dtype) for s in out] if o.multi else (tuple(out), dtype)
+    runs = [_run(o, [_ones(i, batch) for i in inputs], attrs, shapes) for batch in (2, 3)]
+    if not o.multi:
+        return _spec(o, *runs)
+    return [_spec(o, a, b) for a, b in zip(*runs)]
+
+
+def _spec(o: Op, a: np.ndarray, b: np.ndarray) -> tuple[tuple, np.dtype]:
+    """One output's shape and dtype from its values at batch sizes 2 and 3: a dimension that
+    changed with the batch is the batch (None)."""
     if a.ndim != b.ndim:
         raise ConfigError(f"op {o.name}: its output's rank depends on the batch size")
-    shape = tuple(None if da != db else da for da, db in zip(a.shape, b.shape))
-    return shape, a.dtype
+    return tuple(None if da != db else da for da, db in zip(a.shape, b.shape)), a.dtype
 
 
 def _ones(i, batch: int) -> np.ndarray:
@@ -187,4 +248,5 @@ def _ones(i, batch: int) -> np.ndarray:
     return np.ones(shape, i.dtype)
 
 
-__all__ = ["Op", "OPS", "register", "op", "apply", "Symbolic", "Node", "unbroadcast", "infer", "key_of"]
+__all__ = ["Op", "OPS", "register", "op", "apply", "backward", "Symbolic", "Node", "unbroadcast", "infer",
+           "key_of", "ids"]
