@@ -23,7 +23,7 @@ from pserver.persist import checkpoint, checkpoint_dir, reshard
 from pserver.server import checkpoint as shard_checkpoint
 from pserver.server.checkpoint import Checkpointer
 from pserver.server.store import ShardStore
-from pserver.sparse import TableConfig
+from pserver.sparse import RowState, TableConfig
 from pserver.sparse.merge import RowGrads
 
 DIM, DENSE = 4, 6
@@ -48,8 +48,9 @@ def push(store, ids, seed):
                     [(RowGrads("emb", np.ascontiguousarray(ids), grads), 1)])
 
 
-def rows_of(state: dict) -> dict:
+def rows_of(state: RowState) -> dict:
     """A table's state as {id: (row bytes, slot bytes, last update)}: order-free."""
+    state = state.arrays()
     slots = [k for k in state if k.startswith("slot_")]
     return {int(i): (state["rows"][k].tobytes(), tuple(state[s][k].tobytes() for s in slots),
                      int(state["last_update"][k]), int(state["steps"][k]) if "steps" in state else 0)
@@ -61,13 +62,13 @@ def plain(store) -> tuple:
     t = store.tables["emb"].state()
     return (store.version, store.params.tobytes(),
             {k: v.tobytes() for k, v in store.optimizer.state.items()}, rows_of(t),
-            t["pending_ids"].tobytes(), t["counters"].tobytes())
+            t.pending_ids.tobytes(), t.counters.tobytes())
 
 
 def restored(ckpt: checkpoint.Checkpoint) -> tuple:
     t = ckpt.rows["emb"]
     return (ckpt.version, ckpt.params.tobytes(), {k: v.tobytes() for k, v in ckpt.state.items()},
-            rows_of(t), t["pending_ids"].tobytes(), t["counters"].tobytes())
+            rows_of(t), t.pending_ids.tobytes(), t.counters.tobytes())
 
 
 def chain_of(files: list, path: str) -> set[int]:

@@ -371,8 +371,8 @@ def inspect(directory: str, mode: str = "sync", found: dict | None = None) -> di
                         meta = meta_of(path)
                         entry.update(loads=True, sha256=meta["sha256"],
                                      range=[c.start, c.end],
-                                     rows={name: int(st["ids"].shape[0]) for name, st in c.rows.items()})
-                        tables = [{"name": t["name"], "dim": t["dim"], "row_optimizer": t.get("optimizer")}
+                                     rows={name: st.size for name, st in c.rows.items()})
+                        tables = [{"name": t.name, "dim": t.dim, "row_optimizer": t.optimizer}
                                   for t in c.tables]
                         layout = layout or {"signature": c.signature, "parameters": c.total,
                                             "optimizer": c.optimizer, "tables": tables}

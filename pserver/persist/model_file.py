@@ -741,7 +741,7 @@ def tables_of(path: str, meta: dict, model) -> list[MappedTable]:
     return tables
 
 
-def delta_tables(since: str, model, ckpt, configs: list[dict]) -> tuple[dict, dict, dict]:
+def delta_tables(since: str, model, ckpt, configs: list[sparse.TableConfig]) -> tuple[dict, dict, dict]:
     """For `pserver export --since MODEL`: each table's rows last updated at or after the version
     MODEL reflects on the row's shard (a row stepped from version v to v+1 records v) and the ids
     MODEL holds that the checkpoint `ckpt` (combined) does not; and the delta's base (JSON)."""
@@ -763,11 +763,11 @@ def delta_tables(since: str, model, ckpt, configs: list[dict]) -> tuple[dict, di
     base = {t.name: t for t in tables_of(since, meta, model)}
     tables, removed = {}, {}
     for t in configs:
-        rows = ckpt.rows[t["name"]]
-        ids = rows["ids"].astype(np.uint64, copy=False)
-        changed = rows["last_update"] >= versions[sparse.shard_of(ids, versions.shape[0])]
-        tables[t["name"]] = (ids[changed], rows["rows"][changed])
-        removed[t["name"]] = np.setdiff1d(np.asarray(base[t["name"]].ids), np.sort(ids), assume_unique=True)
+        rows = ckpt.rows[t.name]
+        ids = rows.ids.astype(np.uint64, copy=False)
+        changed = rows.last_update >= versions[sparse.shard_of(ids, versions.shape[0])]
+        tables[t.name] = (ids[changed], rows.rows[changed])
+        removed[t.name] = np.setdiff1d(np.asarray(base[t.name].ids), np.sort(ids), assume_unique=True)
     delta = {"base_id": meta["export_id"], "base_version": int(versions.max()),
              "base_versions": origin["versions"]}
     return tables, removed, delta

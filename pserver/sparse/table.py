@@ -65,6 +65,7 @@ from pserver.sparse import compact, index
 from pserver.sparse.dedupe import _unique_inverse_kernel
 from pserver.sparse.hashing import initial_row, table_key
 from pserver.sparse.optim import RowOptimizer
+from pserver.sparse.state import RowState
 
 MIN_CHUNK = 1024   # rows: the smallest growth, so that a small table does not realloc per push
 MAX_ENTRIES = (1 << 31) - 1   # rows of one table on one shard: the index stores int32 row numbers
@@ -168,12 +169,15 @@ class TableConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> TableConfig:
+    def from_dict(cls, d: dict, stored: bool = False) -> TableConfig:
+        """A config from to_dict()'s form. An unknown field is refused, unless `stored`: d was read
+        from a file (a checkpoint's meta) that another version of pserver wrote, whose fields
+        since removed are left out; fields added since take their defaults either way."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
-        if unknown:
+        if unknown and not stored:
             raise ConfigError(f"table config: unknown field {unknown[0]!r}; fields are {sorted(names)}")
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k in names}
         params = d.get("params", ())   # Register's map __post_init__ sorts; JSON's pairs as tuples
         d["params"] = params if isinstance(params, dict) else tuple(tuple(p) for p in params)
         return cls(**d)
@@ -646,7 +650,8 @@ class SparseTable:
     def begin_dump(self, delta: bool) -> tuple[int, dict[str, np.ndarray]]:
         """Fix what a checkpoint holds now: every row, or (delta) the rows updated since the last
         dump began. Returns how many entries `read_dump` will hand out, and the small arrays,
-        copied: pending ids and counts, counters, and (delta) the ids evicted since."""
+        copied: pending ids and counts, counters, and (delta) "removed": the ids that left the
+        table since (every way a row leaves is an eviction here: max_rows, ttl_steps, memory)."""
         with self._lock:
             if delta and self._evicted_overflow:
                 raise RuntimeError(f"table {self.config.name!r}: a delta after {EVICTED_MAX:,} evictions")
@@ -664,7 +669,7 @@ class SparseTable:
             small = {"pending_ids": p.keys[:p.n].copy(), "pending_counts": p.arrays["count"][:p.n].copy(),
                      "counters": np.array([self._counters[k] for k in COUNTERS], np.int64)}
             if delta:
-                small["evicted"] = evicted
+                small["removed"] = evicted
             return self._dump.count, small
 
     def read_dump(self, a: int, b: int) -> np.ndarray:
@@ -688,25 +693,20 @@ class SparseTable:
                 self.dump_peak = self._dump.peak
             self._dump = None
 
-    def state(self) -> dict[str, np.ndarray]:
+    def state(self) -> RowState:
         """Copies of everything needed to continue exactly (load is its inverse)."""
         with self._lock:
             r, p, d = self._rows, self._pending, self.dim
             data = r.arrays["data"][:r.n]
             cols = (self.layout.unpack(data) if self.layout.compact      # each column in its own type
                     else [data[:, s * d:(s + 1) * d].copy() for s in range(1 + len(self.opt.slots))])
-            out = {"ids": r.keys[:r.n].copy(), "rows": cols[0],
-                   "last_update": r.arrays["last"][:r.n].copy(),
-                   "pending_ids": p.keys[:p.n].copy(),
-                   "pending_counts": p.arrays["count"][:p.n].copy(),
-                   "counters": np.array([self._counters[k] for k in COUNTERS], np.int64)}
-            for s, key in enumerate(self.columns[1:], 1):
-                out[key] = cols[s]
-            if self.opt.counts_steps:
-                out["steps"] = self._steps()[:r.n].copy()
-            return out
+            return RowState(ids=r.keys[:r.n].copy(), rows=cols[0], last_update=r.arrays["last"][:r.n].copy(),
+                            pending_ids=p.keys[:p.n].copy(), pending_counts=p.arrays["count"][:p.n].copy(),
+                            counters=np.array([self._counters[k] for k in COUNTERS], np.int64),
+                            slots=dict(zip(self.columns[1:], cols[1:])),
+                            steps=self._steps()[:r.n].copy() if self.opt.counts_steps else None)
 
-    def load(self, state: dict[str, np.ndarray]) -> None:
+    def load(self, state: RowState) -> None:
         """Replace the table by a state() (checked first: on an error nothing changes). Its slots
         may be in another state type or form (slot_<name> or slot_<name>.sqrt, as a checkpoint
         written before the float16 slots kept their roots): converted to the table's, rounded
@@ -809,9 +809,10 @@ class _Dump:
             self.bytes -= sum(p.nbytes + e.nbytes for p, e, _ in self.buckets.pop(key))
 
 
-def _check_state(table: SparseTable, state: dict) -> dict:
-    """The arrays of a state() for this table, or ConfigError naming the first inconsistency."""
-    what, d, opt = f"table {table.config.name!r} state", table.dim, table.opt
+def _check_state(table: SparseTable, state: RowState) -> dict:
+    """The arrays of a state() for this table, by name, or ConfigError naming the first
+    inconsistency."""
+    what, d, opt, state = f"table {table.config.name!r} state", table.dim, table.opt, state.arrays()
     lay = table.layout
     row_type = compact.STORAGE[lay.row_dtype]
     # A slot in either form (compact.slot_key) and any state type: converted below.

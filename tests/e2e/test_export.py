@@ -98,7 +98,7 @@ def test_tables_read_as_a_shards_table_does(job):
     whole = reshard.combine(checkpoint_dir.newest_shape(str(base / "ckpt2"), "sync", shape=2).ckpts, 1, 0)
     rng = np.random.default_rng(0)
     for i, mapped in enumerate(model.tables):
-        table = sparse.SparseTable(sparse.TableConfig.from_dict(whole.tables[i]), i)
+        table = sparse.SparseTable(whole.tables[i], i)
         table.load(whole.rows[mapped.name])
         ids = np.concatenate([rng.choice(np.asarray(mapped.ids), 500), rng.integers(0, 2**63, 500,
                                                                                      dtype=np.uint64)])
