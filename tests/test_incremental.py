@@ -360,14 +360,14 @@ def test_a_dense_step_during_a_write_keeps_only_the_unread_rest_aside(tmp_path, 
 
 def test_more_evictions_than_a_delta_records_make_the_next_file_a_base(tmp_path, monkeypatch):
     from pserver.sparse import table as table_module
-    monkeypatch.setattr(table_module, "EVICTED_MAX", 5)
+    monkeypatch.setattr(table_module, "REMOVED_MAX", 5)
     store, ckpt = make_store(max_rows=300, directory=str(tmp_path))
     push(store, np.arange(1, 301, dtype=np.uint64), 1)
     ckpt.request()
     push(store, np.arange(1001, 1004, dtype=np.uint64), 2)       # 3 evicted: a delta records them
     assert checkpoint.base_of(ckpt.request()[0]) is not None
     push(store, np.arange(2001, 2007, dtype=np.uint64), 3)       # 6 evicted: past the bound
-    assert store.tables["emb"]._evicted == []                    # not kept growing
+    assert store.tables["emb"]._removed == []                    # not kept growing
     path, _ = ckpt.request()
     assert checkpoint.base_of(path) is None and restored(checkpoint.load(path)) == plain(store)
 

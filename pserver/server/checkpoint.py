@@ -57,7 +57,7 @@ class Checkpointer:
         self.directory, self.store, self.cfg = directory, store, cfg
         self.seen = run_of(directory)             # the run this directory was adopted from, if any
         self.run_id: str | None = None            # taken with the first file written (claim)
-        store.track = cfg.full_every > 1          # tables record evicted ids for the deltas
+        store.track = cfg.full_every > 1          # tables record removed ids for the deltas
         for table in store.tables.values():
             table.track = store.track
         # The chain being extended: [base version, base bytes, deltas' bytes, files]; None:

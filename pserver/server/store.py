@@ -278,7 +278,7 @@ class ShardStore:
         self.clocks: dict[int, int] = {}   # rank -> its steps taken in (ssp bounds staleness by them)
         self.positions: dict[int, tuple[int, int]] = {}   # rank -> (data_seed, steps_per_epoch)
         self.tables: dict[str, sparse.SparseTable] = {}   # the model's sparse tables: this shard's rows
-        self.track = False                 # tables record evicted ids (incremental checkpoints)
+        self.track = False                 # tables record removed ids (incremental checkpoints)
         self._dump: StateDump | None = None   # the checkpoint being written, if any
         self.coordinator = Coordinator()   # shard 0's leases of the training data (others' stay empty)
 

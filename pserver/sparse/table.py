@@ -28,7 +28,7 @@ came back), `admissions` the ids that passed a min_count >= 2 filter, `evictions
 
 Checkpoints without a second copy (pserver.persist.checkpoint): `begin_dump` fixes the rows a
 checkpoint holds (all of them, or for a delta those updated since the last dump began, with the
-ids evicted since), and `read_dump` hands them out a stripe at a time while pushes go on. Until
+ids removed since: evicted), and `read_dump` hands them out a stripe at a time while pushes go on. Until
 a stripe is read, a push, an admission or an eviction that is about to change one of its rows
 first copies the row aside (copy-on-write at row granularity), so the file holds each row as it
 was when the dump began: the extra memory is the rows changed during the write, not the table.
@@ -76,7 +76,7 @@ BACKGROUND_MIN_BITS = 20  # below 2**20 slots a rehash takes about 10 ms: done i
 COUNTERS = ("admissions", "creations", "evictions")
 PARALLEL_MIN = 8192   # ids per part, at least: below it a hand-off to a thread costs more than it saves
 MAX_THREADS = 64
-EVICTED_MAX = 2 << 20   # ids evicted between two dumps that a delta records (16 MiB); past it, a base
+REMOVED_MAX = 2 << 20   # ids removed between two dumps that a delta records (16 MiB); past it, a base
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -371,7 +371,7 @@ class SparseTable:
                                      self.opt.second_moments)
         self._fast = backend == "numba"
         self._lock = threading.Lock()
-        self.track = False       # record evicted ids for incremental checkpoints (set by the shard)
+        self.track = False       # record removed ids for incremental checkpoints (set by the shard)
         self._reset()
 
     def _reset(self) -> None:
@@ -384,8 +384,8 @@ class SparseTable:
         self._pending = _Entries({"count": ((), np.int64)})
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._low: int | None = None          # the lowest step applied since the last dump began
-        self._evicted: list[np.ndarray] = []  # ids evicted since then (when tracked)
-        self._evicted_count, self._evicted_overflow = 0, False
+        self._removed: list[np.ndarray] = []  # ids removed (evicted) since then (when tracked)
+        self._removed_count, self._removed_overflow = 0, False
         self._dump: _Dump | None = None
         self.dump_peak = 0                    # bytes the last dump kept aside, at most
 
@@ -507,11 +507,11 @@ class SparseTable:
         victims = np.sort(np.concatenate([below, tied]))[::-1].copy()
         if self._dump is not None:           # the holes, and the last rows that fill them
             self._dump.save(self, np.concatenate([victims, np.arange(r.n - k, r.n)]))
-        if self.track and not self._evicted_overflow:
-            self._evicted.append(r.keys[victims].copy())
-            self._evicted_count += victims.shape[0]
-            if self._evicted_count > EVICTED_MAX:    # a delta would be as big as a base: drop them,
-                self._evicted, self._evicted_overflow = [], True   # and the next dump is whole
+        if self.track and not self._removed_overflow:
+            self._removed.append(r.keys[victims].copy())
+            self._removed_count += victims.shape[0]
+            if self._removed_count > REMOVED_MAX:    # a delta would be as big as a base: drop them,
+                self._removed, self._removed_overflow = [], True   # and the next dump is whole
         r.n = _evict(r.slots, r.keys, r.bits, r.n, r.arrays["data"], r.arrays["last"],
                      self._steps(), victims)
         r.moved()
@@ -644,8 +644,8 @@ class SparseTable:
 
     @property
     def needs_base(self) -> bool:
-        """More ids were evicted since the last dump than a delta keeps (EVICTED_MAX)."""
-        return self._evicted_overflow
+        """More ids were removed since the last dump than a delta keeps (REMOVED_MAX)."""
+        return self._removed_overflow
 
     def begin_dump(self, delta: bool) -> tuple[int, dict[str, np.ndarray]]:
         """Fix what a checkpoint holds now: every row, or (delta) the rows updated since the last
@@ -653,8 +653,8 @@ class SparseTable:
         copied: pending ids and counts, counters, and (delta) "removed": the ids that left the
         table since (every way a row leaves is an eviction here: max_rows, ttl_steps, memory)."""
         with self._lock:
-            if delta and self._evicted_overflow:
-                raise RuntimeError(f"table {self.config.name!r}: a delta after {EVICTED_MAX:,} evictions")
+            if delta and self._removed_overflow:
+                raise RuntimeError(f"table {self.config.name!r}: a delta after {REMOVED_MAX:,} evictions")
             r, p = self._rows, self._pending
             if not delta:
                 chosen = None
@@ -662,14 +662,14 @@ class SparseTable:
                 chosen = np.empty(0, np.int64)
             else:
                 chosen = np.flatnonzero(r.arrays["last"][:r.n] >= self._low)
-            evicted = np.concatenate(self._evicted) if self._evicted else np.empty(0, np.uint64)
-            self._low, self._evicted = None, []
-            self._evicted_count, self._evicted_overflow = 0, False
+            removed = np.concatenate(self._removed) if self._removed else np.empty(0, np.uint64)
+            self._low, self._removed = None, []
+            self._removed_count, self._removed_overflow = 0, False
             self._dump = _Dump(r.n, chosen)
             small = {"pending_ids": p.keys[:p.n].copy(), "pending_counts": p.arrays["count"][:p.n].copy(),
                      "counters": np.array([self._counters[k] for k in COUNTERS], np.int64)}
             if delta:
-                small["removed"] = evicted
+                small["removed"] = removed
             return self._dump.count, small
 
     def read_dump(self, a: int, b: int) -> np.ndarray:
