@@ -307,7 +307,7 @@ def test_an_offline_reshard_writes_only_into_a_target_of_its_own_and_never_prune
     written = files(ok)
     assert sorted(written) == ["RUN"] + [checkpoint.file_name(j, 3, 5) for j in range(3)]
     os.remove(os.path.join(ok, checkpoint.file_name(2, 3, 5)))   # killed while writing shard 2's
-    stale = os.path.join(ok, checkpoint.file_name(2, 3, 5) + ".99999.tmp")
+    stale = os.path.join(ok, checkpoint.file_name(2, 3, 5) + f".{1 << 22}.tmp")   # of a pid no process has
     with open(stale, "wb") as f:
         f.write(b"half a file")
     assert reshard_cli(ok) == 0

@@ -59,7 +59,7 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.observe.progress import Bar
-from pserver.persist.atomic import remove_quietly, replace, synced
+from pserver.persist.atomic import remove_quietly, replace, sweep, synced
 from pserver.sparse import RowState, TableConfig
 
 log = logging.getLogger("pserver.checkpoint")
@@ -67,7 +67,6 @@ KEEP = 3                                   # newest checkpoints kept per shard
 HASH_CHUNK = 64 << 20                      # bytes hashed between two progress updates
 FORMAT = 2                                 # rows as entries; bases and deltas
 NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d(\d{12}))?\.ckpt$")   # group 4: a delta's base
-TMP_NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d\d{12})?\.ckpt\.\d+\.tmp$")   # being written
 
 
 @dataclass(kw_only=True)
@@ -149,7 +148,7 @@ def write(directory: str, name: str, parts: list[Part], meta: dict) -> str:
     temporary file behind."""
     final = os.path.join(directory, name)
     os.makedirs(directory, exist_ok=True)
-    replace(final, lambda tmp: _write_zip(tmp, name, parts, meta), f"{final}.{os.getpid()}.tmp")
+    replace(final, lambda tmp: _write_zip(tmp, name, parts, meta))
     return final
 
 
@@ -532,10 +531,12 @@ def prepare(directory: str, flag: str, shard: int | None, num_shards: int) -> No
     None): the directory is writable, and the temporary files that a killed writer of these
     files left behind are removed."""
     check_directory(directory, flag)
-    orphans = [n for n in os.listdir(directory) if (m := TMP_NAME.match(n)) and int(m.group(2)) == num_shards
-               and shard in (None, int(m.group(1)))]
-    for name in orphans:
-        remove_quietly(os.path.join(directory, name))
+
+    def ours(final: str) -> bool:
+        m = NAME.match(final)
+        return bool(m) and int(m.group(2)) == num_shards and shard in (None, int(m.group(1)))
+
+    orphans = sweep(directory, ours)
     if orphans:
         log.info("%sremoved %d temporary file(s) an interrupted checkpoint write left in %s",
                  "" if shard is None else f"shard {shard}: ", len(orphans), directory)

@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.persist.atomic import fsync_dir, remove_quietly, synced
+from pserver.persist.atomic import fsync_dir, remove_quietly, synced, temp_path
 from pserver.persist.checkpoint import Checkpoint, Gone, base_of, load, meta_of, scan
 from pserver.wire.sharding import shard_ranges
 
@@ -265,7 +265,7 @@ def claim(directory: str, seen: str | None, new: str | None = None) -> str:
     if current is None:
         new = new or uuid.uuid4().hex
         final = os.path.join(directory, RUN_FILE)
-        tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"    # shards of one process: one each
+        tmp = temp_path(final, unique=True)    # shards of one process: one each
         try:
             with synced(tmp) as f:
                 f.write(json.dumps({"run": new, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
