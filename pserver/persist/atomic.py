@@ -109,7 +109,10 @@ def sweep(directory: str, final: Callable[[str], bool]) -> list[str]:
     for name in names:
         m = LEFTOVER.search(name)
         if m and final(name[:m.start()]) and not _alive(int(m.group("pid") or m.group("older"))):
-            remove(os.path.join(directory, name))
+            try:
+                remove(os.path.join(directory, name))
+            except FileNotFoundError:
+                continue                # another sweep of this directory took it first
             removed.append(os.path.join(directory, name))
     return removed
 
