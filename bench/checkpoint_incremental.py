@@ -112,11 +112,11 @@ def analyze(directory: str) -> dict:
         changed = sum(arrays[f"rows.{i}.entries"].shape[0] for i in tables)
         changed_bytes = sum(arrays[f"rows.{i}.entries"].nbytes for i in tables)
         whole = checkpoint.load(path)
-        held = sum(int(st["ids"].shape[0]) for st in whole.rows.values())
-        held_bytes = sum(checkpoint.entries_of(st, ["rows"] + sorted(k for k in st if k.startswith("slot_")))
-                         .nbytes for st in whole.rows.values())
+        held = sum(st.size for st in whole.rows.values())
+        held_bytes = sum(checkpoint.entries_of(st, ["rows"] + sorted(st.slots)).nbytes
+                         for st in whole.rows.values())
         small = sum(a.nbytes for k, a in arrays.items() if k.startswith("rows.") and ".entries" not in k
-                    and not k.endswith(".evicted"))
+                    and not k.endswith(f".{checkpoint.REMOVED}"))
         full = held_bytes + dense + small                # a base's arrays at this version
         row = {"version": version, "file": os.path.basename(path), "kind": meta.get("kind", "base"),
                "bytes": size, "dense_bytes": dense, "full_bytes_est": full, "rows": held,

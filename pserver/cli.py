@@ -510,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "         pserver evaluate --model-file ctr-model")
     ex.add_argument("--restore", required=True, metavar="DIR", help="the checkpoint directory to read")
     ex.add_argument("--out", required=True, metavar="MODEL", help="where the model goes (written beside it "
-                    "as MODEL.tmp-PID, then renamed)")
+                    "as MODEL.PID.tmp, then renamed)")
     ex.add_argument("--mode", default="sync", choices=MODES,
                     help="the job's mode: sync and backup read the newest version every shard has (a "
                          "consistent cut), async and ssp each shard's newest (default sync)")

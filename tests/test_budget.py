@@ -61,13 +61,13 @@ def test_a_push_that_cannot_fit_is_refused_whole_and_changes_nothing():
     counters = Counters()
     held = sum(t.stats()["bytes"] for t in tables.values())
     b = Budget(held + (1 << 16), counters)
-    before = {n: t.state() for n, t in tables.items()}
+    before = {n: t.state().arrays() for n, t in tables.items()}
     with pytest.raises(ResourceExhausted, match=r"--max-memory-mb: table 'b' would create 3,000 new rows .* "
                                                 r"no table may evict rows .*the push changed nothing"):
         b.reserve(tables, [part("a", range(2000, 2010)), part("b", range(10_000, 13_000))])
     assert b.reserved == 0 and b.used(tables) == held
     for n, t in tables.items():
-        assert all(np.array_equal(t.state()[k], before[n][k]) for k in before[n])
+        assert all(np.array_equal(t.state().arrays()[k], before[n][k]) for k in before[n])
     assert counters.snapshot()["pushes_refused_for_memory"] == 1
 
 
@@ -82,7 +82,7 @@ def test_room_is_made_from_the_least_recently_updated_rows_of_tables_that_allow_
     assert held == tables["fixed"].growth_bytes(600)
     evicted = counters.snapshot()["rows_evicted_for_memory"]
     assert 600 <= evicted <= 1000 and tables["lru"].stats()["rows"] == 4000 - evicted
-    kept = tables["lru"].state()["ids"]
+    kept = tables["lru"].state().ids
     assert set(kept.tolist()) == set(range(evicted, 4000))      # the oldest went, by last update
     apply(tables, [part("fixed", range(500, 1100))], 5)
     b.hold(5, held)
@@ -98,17 +98,17 @@ def test_a_refused_push_evicts_nothing_and_eviction_spares_the_rows_a_push_will_
     apply(tables, [part("fixed", range(1000))], 1)
     counters = Counters()
     b = Budget(sum(t.stats()["bytes"] for t in tables.values()), counters)    # full
-    before = tables["lru"].state()
+    before = tables["lru"].state().arrays()
     with pytest.raises(ResourceExhausted, match="the push changed nothing"):
         b.reserve(tables, [part("fixed", range(1000, 101_000))])   # needs far more than lru holds
     assert counters.snapshot()["rows_evicted_for_memory"] == 0
-    assert all(np.array_equal(tables["lru"].state()[k], before[k]) for k in before)
+    assert all(np.array_equal(tables["lru"].state().arrays()[k], before[k]) for k in before)
 
     waiting = [part("lru", range(0, 300))]                        # the oldest rows, in a waiting push
     b.hold(7, 0, waiting)
     mine = [part("lru", range(300, 600)), part("fixed", range(5000, 5400))]
     held = b.reserve(tables, mine)
-    kept = set(tables["lru"].state()["ids"].tolist())
+    kept = set(tables["lru"].state().ids.tolist())
     assert set(range(600)) <= kept                                # neither push's rows went,
     assert not set(range(600, 1000)) <= kept                      # though they were the oldest
     assert counters.snapshot()["rows_evicted_for_memory"] >= 400

@@ -14,9 +14,10 @@ import pytest
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition
 from pserver.models.layout import Layout
-from pserver.persist import checkpoint, checkpoint_dir
+from pserver.persist import checkpoint, checkpoint_dir, reshard
 from pserver.server import checkpoint as shard_checkpoint
 from pserver.server.shard import Shard
+from pserver.sparse import SparseTable, TableConfig
 from tests.support.pushes import push_all
 from tests.support.shards import make_cluster
 
@@ -232,6 +233,82 @@ def test_ssp_clocks_round_trip_and_files_without_them_still_load(tmp_path):
         np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
     old = checkpoint.load(path)
     assert old.clocks == {} and old.version == 7
+
+
+def as_written_by_another_version(path: str, layout: str) -> None:
+    """Rewrite a checkpoint file as another version of pserver would have written it: its table's
+    meta with a field this TableConfig does not know (one removed since) and without state_dtype
+    (added since, with a default); `layout` "by name": as before deltas, an array per name
+    (rows.0.<name>), no format, kind or columns."""
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(arrays.pop("meta").tobytes())
+    meta["tables"][0]["hash_buckets"] = 8
+    del meta["tables"][0]["state_dtype"]
+    if layout == "by name":
+        rows = checkpoint.load(path).rows[meta["tables"][0]["name"]]
+        arrays = {k: v for k, v in arrays.items() if not k.startswith("rows.")}
+        arrays.update({f"rows.0.{k}": v for k, v in rows.arrays().items()})
+        for k in ("format", "kind", "columns"):
+            del meta[k]
+    meta["sha256"] = checkpoint.digest(arrays)
+    with open(path, "wb") as f:
+        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+
+
+@pytest.mark.parametrize("layout", ["entries", "by name"])
+def test_a_file_whose_table_meta_another_version_wrote_still_loads_restores_and_reshards(tmp_path, layout):
+    """A checkpoint's table meta is read at the file's edge as this version's TableConfig: a field
+    it no longer knows is left out, one added since takes its default. Catches the meta read with
+    TableConfig.from_dict's strict rule (an older file with a field since removed would not load,
+    restore, reshard or export: 'unknown field'), a missing field not defaulted, and the rows of a
+    file from before deltas (an array per name) not read as a RowState."""
+    config = TableConfig("emb", 3, optimizer="adam", min_count=2, seed=4)
+    table = SparseTable(config, 0)
+    rng = np.random.default_rng(1)
+    for step in range(4):
+        ids = rng.choice(40, 25, replace=False).astype(np.uint64)
+        table.apply(ids, rng.standard_normal((25, 3)).astype(np.float32), step)
+    want = table.state()
+    ckpt = checkpoint.Checkpoint(path="", version=4, shard=0, num_shards=1, signature="sig", total=4,
+                                 start=0, end=4, optimizer="sgd", params=np.arange(4, dtype=np.float32),
+                                 state={}, tables=[config], rows={"emb": want})
+    path = checkpoint.save(str(tmp_path / "old"), ckpt)
+    as_written_by_another_version(path, layout)
+    old = checkpoint.load(path)
+    assert old.tables == [config] and old.tables[0].state_dtype == "float32"
+    assert {k: v.tobytes() for k, v in old.rows["emb"].arrays().items()} == \
+        {k: v.tobytes() for k, v in want.arrays().items()}
+    restored = SparseTable(old.tables[0], 0)
+    restored.load(old.rows["emb"])                   # as a shard restores it
+    probe = np.arange(50, dtype=np.uint64)
+    got, expected = (np.empty((50, 3), np.float32) for _ in range(2))
+    restored.lookup(probe, got)
+    table.lookup(probe, expected)
+    assert got.tobytes() == expected.tobytes()
+    parts = [reshard.combine([old], 2, j) for j in range(2)]
+    again = [checkpoint.load(checkpoint.save(str(tmp_path / "new"), p)) for p in parts]
+    assert all(p.tables == [config] for p in again)
+    assert sorted(np.concatenate([p.rows["emb"].ids for p in again]).tolist()) == sorted(want.ids.tolist())
+    assert checkpoint_dir.inspect(str(tmp_path / "old"))["sets"][0]["files"][0]["loads"]
+
+
+def test_a_table_meta_that_makes_no_config_does_not_load(tmp_path):
+    """Catches a file whose table meta lacks a field without a default (dim) taken as loading
+    (TypeError out of load, or a table of no width): it is skipped like a damaged file."""
+    config = TableConfig("emb", 2)
+    ckpt = checkpoint.Checkpoint(path="", version=1, shard=0, num_shards=1, signature="sig", total=1,
+                                 start=0, end=1, optimizer="sgd", params=np.zeros(1, np.float32), state={},
+                                 tables=[config], rows={"emb": SparseTable(config, 0).state()})
+    path = checkpoint.save(str(tmp_path), ckpt)
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(arrays.pop("meta").tobytes())
+    del meta["tables"][0]["dim"]
+    with open(path, "wb") as f:
+        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    with pytest.raises(ValueError, match="its sparse tables' meta makes no table config"):
+        checkpoint.load(path)
 
 
 def test_restore_refuses_when_every_checkpoint_is_corrupt_unless_asked(tmp_path):

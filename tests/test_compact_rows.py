@@ -3,6 +3,7 @@ twins, checkpoints, the Register path and the budget's bytes per row."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from pserver.errors import ConfigError
 from pserver.layers import Embedding
 from pserver.models.layout import Layout
 from pserver.persist import checkpoint
-from pserver.sparse import TableConfig, TableLookup, compact
+from pserver.sparse import RowState, TableConfig, TableLookup, compact
 from pserver.sparse.table import SparseTable
 from pserver.wire import codec
 from pserver.worker.client import PSClient
@@ -41,8 +42,8 @@ def rows_of(t: SparseTable, n: int = 80) -> np.ndarray:
     return out
 
 
-def bits(state: dict) -> dict:
-    return {k: (str(v.dtype), v.view(np.uint8).tobytes()) for k, v in state.items()}
+def bits(state: RowState) -> dict:
+    return {k: (str(v.dtype), v.view(np.uint8).tobytes()) for k, v in state.arrays().items()}
 
 
 # -- the kernels and their twins ------------------------------------------------------------------
@@ -184,7 +185,7 @@ def test_round_to_nearest_loses_the_small_updates_that_stochastic_rounding_keeps
     state = t.state()
     t.apply(ids, np.zeros((n, 2), np.float32), 0)      # creates the rows (at 0)
     state = t.state()
-    state["rows"][:] = 0x3F80                           # bfloat16 1.0
+    state.rows[:] = 0x3F80                              # bfloat16 1.0
     t.load(state)
     for step in range(1, steps + 1):
         t.apply(ids, np.full((n, 2), delta, np.float32), step)
@@ -246,19 +247,19 @@ def test_a_checkpoint_keeps_each_column_in_its_type(row, state):
     config = TableConfig("t", 3, optimizer="adam", row_dtype=row, state_dtype=state)
     t = trained(config, "numba")
     st_ = t.state()
-    assert st_["rows"].dtype == compact.STORAGE[row]
+    assert st_.rows.dtype == compact.STORAGE[row]
     columns = t.columns
-    small = {k: st_[k] for k in ("pending_ids", "pending_counts", "counters")}
+    small = {k: getattr(st_, k) for k in ("pending_ids", "pending_counts", "counters")}
     count, _ = t.begin_dump(False)
     dumped = t.read_dump(0, count)
     t.end_dump()
     assert dumped.tobytes() == checkpoint.entries_of(st_, columns).tobytes()
-    back = checkpoint.state_of(dumped, columns, small, config.to_dict())
+    back = checkpoint.state_of(dumped, columns, small, config)
     assert bits(back) == bits(st_)
     fresh = SparseTable(config, 1)
     fresh.load(back)
     np.testing.assert_array_equal(rows_of(fresh), rows_of(t))
-    wide = dict(back, rows=np.zeros(back["rows"].shape, np.float32))
+    wide = dataclasses.replace(back, rows=np.zeros(back.rows.shape, np.float32))
     with pytest.raises(ConfigError, match=f"rows is float32.*the table stores {row}"):
         fresh.load(wide)
 
@@ -267,7 +268,7 @@ def test_a_checkpoint_keeps_each_column_in_its_type(row, state):
 
 def accumulator(t: SparseTable) -> np.ndarray:
     """A table's adagrad accumulator G as float32, from either form."""
-    st_ = t.state()
+    st_ = t.state().slots
     if "slot_accumulator.sqrt" in st_:
         return st_["slot_accumulator.sqrt"].astype(np.float32) ** 2
     return compact.to_float32(st_["slot_accumulator"], t.layout.state_dtype)
@@ -285,7 +286,7 @@ def test_only_float16_slots_of_squared_gradients_are_kept_as_roots(optimizer, ro
     adam's m, ftrl's z) and a root left unnamed (an export or restore reading s as G)."""
     t = trained(TableConfig("t", 3, optimizer=optimizer, row_dtype=row, state_dtype=state), "numba")
     assert t.columns == ["rows", *want]
-    assert sorted(k for k in t.state() if k.startswith("slot_")) == sorted(want)
+    assert sorted(t.state().slots) == sorted(want)
 
 
 def test_float16_roots_keep_small_squared_gradients_that_g_in_float16_loses():
@@ -316,15 +317,15 @@ def test_sqrt_form_state_restores_into_float32_state_and_back():
     half = TableConfig("t", 4, row_dtype="float16", state_dtype="row", seed=2)
     wide = TableConfig("t", 4, row_dtype="float16", state_dtype="float32", seed=2)
     src = trained(half, "numba")
-    s = src.state()["slot_accumulator.sqrt"]
+    s = src.state().slots["slot_accumulator.sqrt"]
     dst = SparseTable(wide, 1)
     dst.load(src.state())
-    assert dst.state()["slot_accumulator"].tobytes() == (s.astype(np.float32) ** 2).tobytes()
+    assert dst.state().slots["slot_accumulator"].tobytes() == (s.astype(np.float32) ** 2).tobytes()
     np.testing.assert_array_equal(rows_of(dst), rows_of(src))
     back = SparseTable(half, 1)
-    G = trained(wide, "numba").state()["slot_accumulator"]
+    G = trained(wide, "numba").state().slots["slot_accumulator"]
     back.load(trained(wide, "numba").state())
-    got = back.state()["slot_accumulator.sqrt"]
+    got = back.state().slots["slot_accumulator.sqrt"]
     assert got.dtype == np.float16 and got.tobytes() == np.sqrt(G).astype(np.float16).tobytes()
     again = SparseTable(half, 1)
     again.load(src.state())                   # the same form: every bit kept
@@ -338,13 +339,13 @@ def test_a_checkpoint_from_before_the_roots_still_loads(tmp_path):
     config = TableConfig("t", 4, row_dtype="float16", state_dtype="row", seed=5)
     t = trained(config, "numba")
     now = t.state()
-    G = (now["slot_accumulator.sqrt"].astype(np.float32) ** 2).astype(np.float16)  # what old files held
-    old = {k: v for k, v in now.items() if not k.startswith("slot_")} | {"slot_accumulator": G}
+    G = (now.slots["slot_accumulator.sqrt"].astype(np.float32) ** 2).astype(np.float16)  # what old files held
+    old = dataclasses.replace(now, slots={"slot_accumulator": G})
     params = np.zeros(3, np.float32)
     for name, rows in (("old", old), ("now", now)):
         ckpt = checkpoint.Checkpoint(path="", version=1, shard=0, num_shards=1, signature="sig", total=3,
                                      start=0, end=3, optimizer="sgd", params=params, state={},
-                                     tables=[config.to_dict()], rows={"t": rows})
+                                     tables=[config], rows={"t": rows})
         path = checkpoint.save(str(tmp_path / name), ckpt)
         loaded = checkpoint.load(path).rows["t"]
         fresh = SparseTable(config, 1)
@@ -353,7 +354,7 @@ def test_a_checkpoint_from_before_the_roots_still_loads(tmp_path):
         if name == "now":
             assert bits(got) == bits(now)
         else:
-            assert "slot_accumulator" in loaded and got["slot_accumulator.sqrt"].tobytes() == \
+            assert "slot_accumulator" in loaded.slots and got.slots["slot_accumulator.sqrt"].tobytes() == \
                 np.sqrt(G.astype(np.float32)).astype(np.float16).tobytes()
             np.testing.assert_array_equal(rows_of(fresh), rows_of(t))
 
@@ -365,7 +366,7 @@ def test_an_export_writes_a_compact_tables_rows_as_their_float32_values():
         config = TableConfig("t", 3, row_dtype=row)
         t = trained(config, "numba")
         st_ = t.state()
-        ids, rows = _sorted_table(config, st_["ids"], st_["rows"])
+        ids, rows = _sorted_table(config, st_.ids, st_.rows)
         want = np.empty_like(rows)
         t.lookup(ids, want)
         np.testing.assert_array_equal(rows, want)
@@ -418,7 +419,7 @@ def test_a_compact_table_trains_over_grpc_checkpoints_and_refuses_another_row_ty
     np.testing.assert_array_equal(pulled(client(restored, layout, False), ids), want)
     for (_, before), (_, after) in zip(servers, restored):
         assert bits(after.store.tables["emb"].state()) == bits(before.store.tables["emb"].state())
-        assert ("slot_accumulator.sqrt" in after.store.tables["emb"].state()) == (row == "float16")
+        assert ("slot_accumulator.sqrt" in after.store.tables["emb"].state().slots) == (row == "float16")
     other = Layout.of([("b", (3,))], [TableConfig("emb", DIM, optimizer="adagrad", lr=0.1, init_scale=0.1,
                                                   seed=7)])
     with pytest.raises(Exception, match=f"stores its rows as {row} .state row.*declares float32") as e:

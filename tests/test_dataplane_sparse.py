@@ -71,7 +71,7 @@ def push(c: PSClient, lks: list[TableLookup]):
 
 
 def table_state(servers) -> list[dict]:
-    return [{n: t.state() for n, t in shard.store.tables.items()} for _, shard in servers]
+    return [{n: t.state().arrays() for n, t in shard.store.tables.items()} for _, shard in servers]
 
 
 def assert_same_state(a: list[dict], b: list[dict]) -> None:

@@ -23,7 +23,7 @@ from pserver.persist import checkpoint, checkpoint_dir, reshard
 from pserver.server import checkpoint as shard_checkpoint
 from pserver.server.checkpoint import Checkpointer
 from pserver.server.store import ShardStore
-from pserver.sparse import TableConfig
+from pserver.sparse import RowState, TableConfig
 from pserver.sparse.merge import RowGrads
 
 DIM, DENSE = 4, 6
@@ -48,8 +48,9 @@ def push(store, ids, seed):
                     [(RowGrads("emb", np.ascontiguousarray(ids), grads), 1)])
 
 
-def rows_of(state: dict) -> dict:
+def rows_of(state: RowState) -> dict:
     """A table's state as {id: (row bytes, slot bytes, last update)}: order-free."""
+    state = state.arrays()
     slots = [k for k in state if k.startswith("slot_")]
     return {int(i): (state["rows"][k].tobytes(), tuple(state[s][k].tobytes() for s in slots),
                      int(state["last_update"][k]), int(state["steps"][k]) if "steps" in state else 0)
@@ -61,13 +62,13 @@ def plain(store) -> tuple:
     t = store.tables["emb"].state()
     return (store.version, store.params.tobytes(),
             {k: v.tobytes() for k, v in store.optimizer.state.items()}, rows_of(t),
-            t["pending_ids"].tobytes(), t["counters"].tobytes())
+            t.pending_ids.tobytes(), t.counters.tobytes())
 
 
 def restored(ckpt: checkpoint.Checkpoint) -> tuple:
     t = ckpt.rows["emb"]
     return (ckpt.version, ckpt.params.tobytes(), {k: v.tobytes() for k, v in ckpt.state.items()},
-            rows_of(t), t["pending_ids"].tobytes(), t["counters"].tobytes())
+            rows_of(t), t.pending_ids.tobytes(), t.counters.tobytes())
 
 
 def chain_of(files: list, path: str) -> set[int]:
@@ -359,14 +360,14 @@ def test_a_dense_step_during_a_write_keeps_only_the_unread_rest_aside(tmp_path, 
 
 def test_more_evictions_than_a_delta_records_make_the_next_file_a_base(tmp_path, monkeypatch):
     from pserver.sparse import table as table_module
-    monkeypatch.setattr(table_module, "EVICTED_MAX", 5)
+    monkeypatch.setattr(table_module, "REMOVED_MAX", 5)
     store, ckpt = make_store(max_rows=300, directory=str(tmp_path))
     push(store, np.arange(1, 301, dtype=np.uint64), 1)
     ckpt.request()
     push(store, np.arange(1001, 1004, dtype=np.uint64), 2)       # 3 evicted: a delta records them
     assert checkpoint.base_of(ckpt.request()[0]) is not None
     push(store, np.arange(2001, 2007, dtype=np.uint64), 3)       # 6 evicted: past the bound
-    assert store.tables["emb"]._evicted == []                    # not kept growing
+    assert store.tables["emb"]._removed == []                    # not kept growing
     path, _ = ckpt.request()
     assert checkpoint.base_of(path) is None and restored(checkpoint.load(path)) == plain(store)
 

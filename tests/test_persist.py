@@ -77,7 +77,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path):
     under its name and removes its temporary file (catches a writer that writes in place, or
     renames before the write is whole, or forgets its temporary file)."""
     path = str(tmp_path / "f")
-    atomic.replace(path, lambda tmp: open(tmp, "w").write("old"), path + ".tmp-1")
+    atomic.replace(path, lambda tmp: open(tmp, "w").write("old"))
 
     def broken(tmp: str) -> None:
         with atomic.synced(tmp) as f:
@@ -85,8 +85,42 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path):
             raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        atomic.replace(path, broken, path + ".tmp-1")
+        atomic.replace(path, broken)
     assert open(path).read() == "old" and os.listdir(tmp_path) == ["f"]
+
+
+DEAD = 1 << 22          # a pid no process has: pid_max is at most 2**22, pids are below it
+
+
+def test_every_writer_uses_one_temporary_name_and_one_sweep_removes_every_name_ever_used(tmp_path):
+    """atomic.temp_path is where a write goes (a checkpoint's, a model file's, RUN's), and
+    atomic.sweep removes what a killed writer left under it (NAME.PID.tmp, NAME.PID.HEX8.tmp,
+    NAME.PID.old) and under the names older versions used (a model directory's NAME.tmp-PID,
+    NAME.old-PID), once its process is gone. Catches a writer with a name of its own that no sweep
+    knows, a sweep that misses an older name (a killed older process's file kept for ever), one
+    that removes a running writer's file, and one that takes another file's leftover for NAME's."""
+    seen = []
+    atomic.replace(str(tmp_path / "f"),
+                   lambda tmp: seen.append(os.path.basename(tmp)) or open(tmp, "w").close())
+
+    def chunks():                   # what the directory holds while a checkpoint is being written
+        seen.extend(os.listdir(tmp_path / "c"))
+        yield np.zeros(1, np.float32)
+
+    name = checkpoint.file_name(0, 1, 3)
+    part = checkpoint.Part("params", np.dtype(np.float32), (1,), chunks)
+    checkpoint.write(str(tmp_path / "c"), name, [part], {})
+    assert seen == [f"f.{os.getpid()}.tmp", f"{name}.{os.getpid()}.tmp"]
+    assert atomic.temp_path("x", unique=True).startswith(f"x.{os.getpid()}.")
+    live = os.getppid()
+    gone = [f"m.{DEAD}.tmp", f"m.{DEAD}.0123abcd.tmp", f"m.{DEAD}.old", f"m.tmp-{DEAD}", f"m.old-{DEAD}"]
+    kept = [f"m.{live}.tmp", f"m.tmp-{live}", f"m2.{DEAD}.tmp", f"m.x.{DEAD}.tmp", "m", f"m.{DEAD}"]
+    d = tmp_path / "d"
+    d.mkdir()
+    for name in gone + kept:
+        (d / name).mkdir() if name.endswith("old") else (d / name).write_bytes(b"half")
+    assert sorted(atomic.remove_stale(str(d / "m"))) == sorted(str(d / n) for n in gone)
+    assert sorted(os.listdir(d)) == sorted(kept)
 
 
 def test_a_models_task_is_its_registry_entrys():

@@ -50,17 +50,17 @@ def old_set(directory, total, num_shards, optimizer, tables, seed, versions=None
                                            optimizer=optimizer, params=params[start:end].copy(),
                                            state={k: v[start:end].copy() for k, v in state.items()},
                                            clocks={0: 9 + j, 1: 4 - (j % 2)},
-                                           tables=[c.to_dict() for c in configs], rows=rows,
+                                           tables=configs, rows=rows,
                                            positions={0: (7, 30), 1: (7, 30)}))
         checkpoint.save(directory, ckpts[-1])
     return ckpts, params, state
 
 
-def by_id(states: list[dict]) -> dict:
+def by_id(states: list[sparse.RowState]) -> dict:
     """{id: (row, slots..., last_update, steps)} over shards' states of one table, and the
     pending ids' counts."""
     rows, pending = {}, {}
-    for s in states:
+    for s in (s.arrays() for s in states):
         for n, i in enumerate(s["ids"].tolist()):
             assert i not in rows, f"id {i} on two shards"
             rows[i] = tuple(s[k][n].tobytes() for k in sorted(s) if k not in ("ids", "counters")
@@ -91,16 +91,16 @@ def test_any_set_restored_onto_any_number_of_shards_keeps_every_value_bit_for_bi
     for k, v in state.items():
         assert np.concatenate([p.state[k] for p in parts]).tobytes() == v.tobytes()
     for i, t in enumerate(ckpts[0].tables):
-        name = t["name"]
+        name = t.name
         assert by_id([p.rows[name] for p in parts]) == by_id([c.rows[name] for c in ckpts])
         for j, p in enumerate(parts):       # each row on the shard its id hashes to now
-            assert (sparse.shard_of(p.rows[name]["ids"], new) == j).all()
-            assert (sparse.shard_of(p.rows[name]["pending_ids"], new) == j).all()
-            table = sparse.SparseTable(sparse.TableConfig.from_dict(t), i)
+            assert (sparse.shard_of(p.rows[name].ids, new) == j).all()
+            assert (sparse.shard_of(p.rows[name].pending_ids, new) == j).all()
+            table = sparse.SparseTable(t, i)
             table.load(p.rows[name])        # a state the table accepts as its own
-        summed = sum(c.rows[name]["counters"] for c in ckpts)
-        assert parts[0].rows[name]["counters"].tolist() == summed.tolist()
-        assert all(not p.rows[name]["counters"].any() for p in parts[1:])
+        summed = sum(c.rows[name].counters for c in ckpts)
+        assert parts[0].rows[name].counters.tolist() == summed.tolist()
+        assert all(not p.rows[name].counters.any() for p in parts[1:])
     assert {p.version for p in parts} == {max(c.version for c in ckpts)}
     assert all(p.clocks == {0: 9, 1: 3 if old > 1 else 4} for p in parts)    # the smallest: no data skipped
     assert all(p.positions == {0: (7, 30), 1: (7, 30)} for p in parts)
@@ -307,7 +307,7 @@ def test_an_offline_reshard_writes_only_into_a_target_of_its_own_and_never_prune
     written = files(ok)
     assert sorted(written) == ["RUN"] + [checkpoint.file_name(j, 3, 5) for j in range(3)]
     os.remove(os.path.join(ok, checkpoint.file_name(2, 3, 5)))   # killed while writing shard 2's
-    stale = os.path.join(ok, checkpoint.file_name(2, 3, 5) + ".99999.tmp")
+    stale = os.path.join(ok, checkpoint.file_name(2, 3, 5) + f".{1 << 22}.tmp")   # of a pid no process has
     with open(stale, "wb") as f:
         f.write(b"half a file")
     assert reshard_cli(ok) == 0

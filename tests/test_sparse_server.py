@@ -269,7 +269,7 @@ def test_checkpoints_keep_the_rows_and_restore_them(shard_server, tmp_path):
     assert all(s.store.tables["emb"].threads == 3 for _, s in restored)
     assert rows_on_shards(restored) == ids.size
     ckpt = checkpoint.load(paths[0])
-    assert ckpt.tables[0]["name"] == "emb" and len(ckpt.rows["emb"]) > 0
+    assert ckpt.tables[0].name == "emb" and len(ckpt.rows["emb"].arrays()) > 0
 
 
 def test_status_reports_each_table(shard_server):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pserver.errors import ConfigError, InvalidArgument
-from pserver.sparse import ROW_OPTIMIZERS, SparseTable, TableConfig, hashing, initial_rows, optim
+from pserver.sparse import ROW_OPTIMIZERS, RowState, SparseTable, TableConfig, hashing, initial_rows, optim
 from pserver.sparse import table as table_module
 
 POOL = [0, 1, 2, 3, 5, 8, 13, 2**32, 2**63, 2**64 - 1, 12345678901234567890, 777]
@@ -77,8 +77,9 @@ class DictTable:
         self.counters["evictions"] += k
 
 
-def as_model(state: dict, dim: int, opt) -> dict:
+def as_model(state: RowState, dim: int, opt) -> dict:
     """A state() as dicts keyed by id (row order is the table's business)."""
+    state = state.arrays()
     ids = state["ids"].tolist()
     data = np.concatenate([state["rows"]] + [state[f"slot_{s}"] for s in opt.slots], axis=1)
     return {"rows": dict(zip(ids, data)), "last": dict(zip(ids, state["last_update"].tolist())),
@@ -194,9 +195,9 @@ def test_max_rows_evicts_the_least_recently_updated_ties_by_id():
     t.apply(ids_of(12), ones(1, 1), step=2)
     t.apply(ids_of(10), ones(1, 1), step=3)       # 11 is now the oldest
     t.apply(ids_of(13), ones(1, 1), step=4)
-    assert sorted(t.state()["ids"].tolist()) == [10, 12, 13]
+    assert sorted(t.state().ids.tolist()) == [10, 12, 13]
     t.apply(ids_of(21, 20, 23, 22), ones(4, 1), step=5)   # 10, 12, 13 go; then 20 (ties by id)
-    assert sorted(t.state()["ids"].tolist()) == [21, 22, 23]
+    assert sorted(t.state().ids.tolist()) == [21, 22, 23]
     assert t.stats()["evictions"] == 5
 
 
@@ -226,7 +227,7 @@ def test_ttl_evicts_rows_not_updated_for_ttl_steps():
     t.apply(ids_of(3), ones(1, 1), step=3)        # 0 >= 3 - 3: 1 stays
     assert t.stats()["rows"] == 3
     t.apply(ids_of(3), ones(1, 1), step=4)        # 0 < 4 - 3: 1 goes
-    assert sorted(t.state()["ids"].tolist()) == [2, 3] and t.stats()["evictions"] == 1
+    assert sorted(t.state().ids.tolist()) == [2, 3] and t.stats()["evictions"] == 1
 
 
 def push_sequence(seed: int, n: int):
@@ -249,7 +250,7 @@ def test_state_and_load_continue_exactly(opt):
     for ids, grads, step in pushes[15:]:
         for t in (a, b):
             t.apply(ids, grads, step, scale=0.5)
-    sa, sb = a.state(), b.state()
+    sa, sb = a.state().arrays(), b.state().arrays()
     assert sa.keys() == sb.keys()
     for k in sa:
         assert sa[k].dtype == sb[k].dtype and sa[k].tobytes() == sb[k].tobytes(), k
@@ -265,7 +266,7 @@ def test_a_repeated_id_is_counted_and_stepped_per_occurrence(min_count, rows, va
     t = SparseTable(TableConfig("emb", 1, optimizer="sgd", lr=1.0, init_scale=0.0,
                                 min_count=min_count), 0)
     t.apply(ids_of(4, 9, 4), np.array([[1.0], [1.0], [2.0]], np.float32), step=1)
-    assert sorted(t.state()["ids"].tolist()) == rows
+    assert sorted(t.state().ids.tolist()) == rows
     assert read(t, ids_of(4)).tolist() == [[value]]
     SparseTable(t.config, 0).load(t.state())    # still consistent: one row or count per id
     t.apply(ids_of(*range(100, 3000), 4, 4), ones(2902, 1), step=2)   # grows meanwhile
@@ -279,7 +280,8 @@ def filled_table() -> SparseTable:
     return t
 
 
-def same_state(a: dict, b: dict) -> bool:
+def same_state(a: RowState, b: RowState) -> bool:
+    a, b = a.arrays(), b.arrays()
     return a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
 
 
@@ -326,7 +328,7 @@ def test_load_refuses_an_inconsistent_state_and_changes_nothing(change, match):
     t = filled_table()
     before = t.state()
     with pytest.raises(ConfigError, match=f"table 'emb' state: {match}"):
-        t.load(change(t.state()))
+        t.load(RowState.of(change(t.state().arrays())))
     assert same_state(t.state(), before)
 
 
@@ -485,7 +487,7 @@ def test_a_push_and_a_lookup_in_parts_equal_one_thread(config, table_index, thre
             grads = rng.standard_normal((n, config.dim)).astype(np.float32)
             one.apply(ids, grads, step, scale=0.5)
             many.apply(ids, grads, step, scale=0.5, checked=True)
-            a, b = one.state(), many.state()
+            a, b = one.state().arrays(), many.state().arrays()
             assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
             probe = rng.choice(universe, 90, replace=False)
             assert np.array_equal(read(one, probe), read(many, probe))
@@ -604,7 +606,7 @@ def test_a_growing_index_is_built_on_another_thread_and_taken_in_with_the_rows_a
     assert final == t._rows.bits == 15
     assert inline == [13, 14, 15], where          # plain's rehashes in place; none of t's
     assert grown == [13, 14, 15, 16], where       # t's successors (16: being built, past SOFT_LOAD)
-    probe = np.concatenate([t.state()["ids"], rng.integers(0, 2**64, 100, dtype=np.uint64)])
+    probe = np.concatenate([t.state().ids, rng.integers(0, 2**64, 100, dtype=np.uint64)])
     a, b = np.empty((probe.size, 4), np.float32), np.empty((probe.size, 4), np.float32)
     t.lookup(probe, a)
     plain.lookup(probe, b)

@@ -23,9 +23,13 @@ params and opt.<name> (the dense slice and its optimizer state, whole in a delta
 optimizer step changes every element), and per sparse table T (meta["tables"][T]):
 rows.<T>.entries (one record per row: id, last update, [steps], data = the row and its
 optimizer slots side by side, meta["columns"][T] naming them), rows.<T>.pending_ids,
-rows.<T>.pending_counts, rows.<T>.counters, and in a delta rows.<T>.evicted (the ids evicted
-since the file before). meta (JSON) holds the rest and the sha256 of the arrays. Files written
-before deltas existed (rows.<T>.<name> arrays, no "format") load as bases.
+rows.<T>.pending_counts, rows.<T>.counters, and in a delta rows.<T>.evicted (the ids removed
+since the file before: "removed" in the code, as in a model file's delta). meta (JSON) holds the
+rest and the sha256 of the arrays. Files written before deltas existed (rows.<T>.<name> arrays,
+no "format") load as bases.
+
+In memory a Checkpoint's tables are TableConfigs and its rows a RowState per table
+(pserver.sparse): converted here, at the file's edge, from what any version wrote (`tables_of`).
 
 A chain is a base and the deltas after it, each naming its parent (the version of the file
 before it) and its base's writing (meta["chain"], an id: a base written again under the same
@@ -55,14 +59,14 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.observe.progress import Bar
-from pserver.persist.atomic import remove_quietly, replace, synced
+from pserver.persist.atomic import remove_quietly, replace, sweep, synced
+from pserver.sparse import RowState, TableConfig
 
 log = logging.getLogger("pserver.checkpoint")
 KEEP = 3                                   # newest checkpoints kept per shard
 HASH_CHUNK = 64 << 20                      # bytes hashed between two progress updates
 FORMAT = 2                                 # rows as entries; bases and deltas
 NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d(\d{12}))?\.ckpt$")   # group 4: a delta's base
-TMP_NAME = re.compile(r"^shard(\d+)-of(\d+)-v(\d{12})(?:\.d\d{12})?\.ckpt\.\d+\.tmp$")   # being written
 
 
 @dataclass(kw_only=True)
@@ -80,8 +84,8 @@ class Checkpoint:
     params: np.ndarray
     state: dict
     clocks: dict = field(default_factory=dict)   # rank -> steps taken in; older files have none
-    tables: list = field(default_factory=list)   # sparse tables' configs (TableConfig.to_dict())
-    rows: dict = field(default_factory=dict)     # table name -> its SparseTable.state() arrays
+    tables: list[TableConfig] = field(default_factory=list)   # the sparse tables, in the layout's order
+    rows: dict[str, RowState] = field(default_factory=dict)   # table name -> its rows on this shard
     positions: dict = field(default_factory=dict)  # rank -> (data_seed, steps_per_epoch) of its clock
     coordinator: dict | None = None   # shard 0's data coordinator (pserver.server.coordinator.state())
 
@@ -144,7 +148,7 @@ def write(directory: str, name: str, parts: list[Part], meta: dict) -> str:
     temporary file behind."""
     final = os.path.join(directory, name)
     os.makedirs(directory, exist_ok=True)
-    replace(final, lambda tmp: _write_zip(tmp, name, parts, meta), f"{final}.{os.getpid()}.tmp")
+    replace(final, lambda tmp: _write_zip(tmp, name, parts, meta))
     return final
 
 
@@ -177,41 +181,51 @@ def _write_header(out, dtype: np.dtype, shape: tuple) -> None:
         np.lib.format.write_array_header_2_0(out, d)
 
 
-def entries_of(state: dict, columns: list[str]) -> np.ndarray:
-    """A table's state() arrays as one entries array (the file's rows.<T>.entries)."""
-    n = state["ids"].shape[0]
-    parts = [np.asarray(state[c]) for c in columns]
+def entries_of(state: RowState, columns: list[str]) -> np.ndarray:
+    """A table's rows as one entries array (the file's rows.<T>.entries)."""
+    n, arrays = state.size, state.arrays()
+    parts = [np.asarray(arrays[c]) for c in columns]
     if any(p.dtype != np.float32 for p in parts):      # compact rows: the table's uint16 words
         from pserver.sparse.compact import pack
         data = pack(parts)
     else:
         data = np.concatenate(parts, axis=1)
-    dtype = np.dtype([("id", "<u8"), ("last", "<i8")] + ([("steps", "<i8")] if "steps" in state else [])
+    steps = state.steps is not None
+    dtype = np.dtype([("id", "<u8"), ("last", "<i8")] + ([("steps", "<i8")] if steps else [])
                      + [("data", data.dtype.str, (data.shape[1],))])
     out = np.empty(n, dtype)
-    out["id"], out["last"], out["data"] = state["ids"], state["last_update"], data
-    if "steps" in state:
-        out["steps"] = state["steps"]
+    out["id"], out["last"], out["data"] = state.ids, state.last_update, data
+    if steps:
+        out["steps"] = state.steps
     return out
 
 
-def state_of(entries: np.ndarray, columns: list[str], small: dict, table: dict | None = None) -> dict:
-    """entries_of's inverse: a table's state() arrays (contiguous copies), with `small` (pending
-    ids and counts, counters) added. `table`: its config (TableConfig.to_dict()), which says how a
-    table with compact rows lays its columns out in the words of `data`."""
+SMALL = ("pending_ids", "pending_counts", "counters")   # a table's arrays beside its entries
+REMOVED = "evicted"   # rows.<T>.evicted: the name on disk of a delta's removed ids (written so since deltas)
+
+
+def small_parts(i: int, small: dict[str, np.ndarray]) -> list[Part]:
+    """Table i's arrays beside its entries (SMALL, and a delta's "removed" ids), named as on disk."""
+    return [Part.of(f"rows.{i}.{REMOVED if k == 'removed' else k}", v) for k, v in small.items()]
+
+
+def state_of(entries: np.ndarray, columns: list[str], small: dict,
+             table: TableConfig | None = None) -> RowState:
+    """entries_of's inverse: a table's rows (contiguous copies), with `small` (pending ids and
+    counts, counters; SMALL) added. `table`: its config, which says how a table with compact
+    rows lays its columns out in the words of `data`."""
     data = entries["data"]
     compact = None
     if data.dtype == np.uint16 and table is not None:   # compact rows: columns of their own types
-        from pserver.sparse import TableConfig
-        compact = TableConfig.from_dict(table).layout().unpack(data)
+        compact = table.layout().unpack(data)
     width = data.shape[1] // len(columns) if columns else 0
     out = {"ids": np.ascontiguousarray(entries["id"]), "last_update": np.ascontiguousarray(entries["last"])}
     if "steps" in entries.dtype.names:
         out["steps"] = np.ascontiguousarray(entries["steps"])
     for k, c in enumerate(columns):
         out[c] = compact[k] if compact else np.ascontiguousarray(data[:, k * width:(k + 1) * width])
-    out.update({k: v for k, v in small.items() if k != "evicted"})
-    return out
+    out.update({k: small[k] for k in SMALL})
+    return RowState.of(out)
 
 
 def save(directory: str, ckpt: Checkpoint, run: str | None = None) -> str:
@@ -220,13 +234,13 @@ def save(directory: str, ckpt: Checkpoint, run: str | None = None) -> str:
     parts = [Part.of("params", ckpt.params), *(Part.of(f"opt.{k}", v) for k, v in ckpt.state.items())]
     columns = []
     for i, t in enumerate(ckpt.tables):
-        rows = ckpt.rows[t["name"]]
-        columns.append(["rows"] + sorted(k for k in rows if k.startswith("slot_")))
+        rows = ckpt.rows[t.name]
+        columns.append(["rows"] + sorted(rows.slots))
         parts.append(Part.of(f"rows.{i}.entries", entries_of(rows, columns[-1])))
-        parts += [Part.of(f"rows.{i}.{k}", rows[k]) for k in ("pending_ids", "pending_counts", "counters")]
-    meta = header({"tables": ckpt.tables, "columns": columns, "version": ckpt.version, "shard": ckpt.shard,
-                   "num_shards": ckpt.num_shards, "signature": ckpt.signature, "total": ckpt.total,
-                   "start": ckpt.start, "end": ckpt.end, "optimizer": ckpt.optimizer,
+        parts += small_parts(i, {k: getattr(rows, k) for k in SMALL})
+    meta = header({"tables": [t.to_dict() for t in ckpt.tables], "columns": columns, "version": ckpt.version,
+                   "shard": ckpt.shard, "num_shards": ckpt.num_shards, "signature": ckpt.signature,
+                   "total": ckpt.total, "start": ckpt.start, "end": ckpt.end, "optimizer": ckpt.optimizer,
                    "clocks": {str(r): int(c) for r, c in ckpt.clocks.items()},
                    "positions": {str(r): [int(v) for v in p] for r, p in ckpt.positions.items()},
                    "coordinator": ckpt.coordinator, **({"run": run} if run else {})})
@@ -352,20 +366,20 @@ def load(path: str) -> Checkpoint:
 def _assemble(path: str, meta: dict, arrays: dict, deltas: list[tuple[dict, dict]]) -> Checkpoint:
     """A Checkpoint from a base's meta and arrays and the deltas after it, in order: dense
     arrays, clocks and small arrays from the newest; rows: the base's, each id's last event
-    (an upsert, or an eviction) winning."""
+    (an upsert, or a removal) winning."""
     newest_meta, newest = (meta, arrays) if not deltas else deltas[-1]
     state = {k[4:]: v for k, v in newest.items() if k.startswith("opt.")}
-    tables = newest_meta.get("tables", [])
+    tables = tables_of(newest_meta)
     rows = {}
     for i, t in enumerate(tables):
         if f"rows.{i}.entries" not in arrays:      # a file from before deltas: arrays by name
-            rows[t["name"]] = {k.split(".", 2)[2]: v for k, v in arrays.items() if k.startswith(f"rows.{i}.")}
+            rows[t.name] = _by_name(arrays, f"rows.{i}.")
             continue
         columns = newest_meta["columns"][i]
-        small = {k: newest[f"rows.{i}.{k}"] for k in ("pending_ids", "pending_counts", "counters")}
+        small = {k: newest[f"rows.{i}.{k}"] for k in SMALL}
         entries = _replay(arrays[f"rows.{i}.entries"],
-                          [(d[f"rows.{i}.evicted"], d[f"rows.{i}.entries"]) for _, d in deltas])
-        rows[t["name"]] = state_of(entries, columns, small, t)
+                          [(d[f"rows.{i}.{REMOVED}"], d[f"rows.{i}.entries"]) for _, d in deltas])
+        rows[t.name] = state_of(entries, columns, small, t)
     m = newest_meta
     return Checkpoint(path=path, version=m["version"], shard=m["shard"], num_shards=m["num_shards"],
                       signature=m["signature"], total=m["total"], start=m["start"], end=m["end"],
@@ -376,20 +390,38 @@ def _assemble(path: str, meta: dict, arrays: dict, deltas: list[tuple[dict, dict
                       coordinator=m.get("coordinator"))
 
 
+def tables_of(meta: dict) -> list[TableConfig]:
+    """The sparse tables a file's meta records, as the TableConfig of this version: a field it
+    no longer knows is left out, one added since takes its default (TableConfig.from_dict,
+    stored). ValueError when a table's record makes no config (the file does not load)."""
+    try:
+        return [TableConfig.from_dict(t, stored=True) for t in meta.get("tables", [])]
+    except (ConfigError, TypeError, AttributeError) as e:
+        raise ValueError(f"its sparse tables' meta makes no table config ({e})") from None
+
+
+def _by_name(arrays: dict, prefix: str) -> RowState:
+    """A table's rows in a file written before deltas: an array per name (rows.<T>.<name>)."""
+    try:
+        return RowState.of({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+    except KeyError as e:
+        raise ValueError(f"its table {prefix[:-1]} has {e.args[0]}") from None
+
+
 def _replay(base: np.ndarray, deltas: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """A base's entries after deltas of (evicted ids, upserted entries), in order; within one
-    delta evictions come first (an id evicted, then created again, is in both). Sorts, no
+    """A base's entries after deltas of (removed ids, upserted entries), in order; within one
+    delta removals come first (an id removed, then created again, is in both). Sorts, no
     hashing: the events' ids once and the base's ids once (NumPy's default sorts, which are
     vectorised, unlike the stable ones np.unique and np.isin take: 9x faster on 2 deltas of
     240k rows onto 1M). The base's rows that an upsert ends in are overwritten in place (its
     array is the one just read); a copy is made only when rows go or come."""
     if not deltas:
         return base
-    ids = np.concatenate([a for ev, up in deltas for a in (ev.astype(np.uint64), up["id"])])
+    ids = np.concatenate([a for removed, up in deltas for a in (removed.astype(np.uint64), up["id"])])
     if not ids.size:
         return base
-    upsert = np.concatenate([np.full(n, flag) for ev, up in deltas
-                             for n, flag in ((ev.shape[0], False), (up.shape[0], True))])
+    upsert = np.concatenate([np.full(n, flag) for removed, up in deltas
+                             for n, flag in ((removed.shape[0], False), (up.shape[0], True))])
     # Entries moved as raw records (a void view): NumPy copies those 4-7x faster than the
     # structured records field by field.
     raw = np.dtype(f"V{base.dtype.itemsize}")
@@ -413,7 +445,7 @@ def _replay(base: np.ndarray, deltas: list[tuple[np.ndarray, np.ndarray]]) -> np
     out = (base if base.flags.c_contiguous and base.flags.writeable else np.array(base)).view(raw)
     hit = found & up_last                            # in the base, last an upsert: in place
     out[pos[hit]] = ups[at[last[hit]]]
-    gone = pos[found & ~up_last]                     # in the base, last an eviction
+    gone = pos[found & ~up_last]                     # in the base, last a removal
     if gone.size:
         keep = np.ones(out.shape[0], bool)
         keep[gone] = False
@@ -499,10 +531,12 @@ def prepare(directory: str, flag: str, shard: int | None, num_shards: int) -> No
     None): the directory is writable, and the temporary files that a killed writer of these
     files left behind are removed."""
     check_directory(directory, flag)
-    orphans = [n for n in os.listdir(directory) if (m := TMP_NAME.match(n)) and int(m.group(2)) == num_shards
-               and shard in (None, int(m.group(1)))]
-    for name in orphans:
-        remove_quietly(os.path.join(directory, name))
+
+    def ours(final: str) -> bool:
+        m = NAME.match(final)
+        return bool(m) and int(m.group(2)) == num_shards and shard in (None, int(m.group(1)))
+
+    orphans = sweep(directory, ours)
     if orphans:
         log.info("%sremoved %d temporary file(s) an interrupted checkpoint write left in %s",
                  "" if shard is None else f"shard {shard}: ", len(orphans), directory)

@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.persist.atomic import fsync_dir, remove_quietly, synced
+from pserver.persist.atomic import fsync_dir, remove_quietly, synced, temp_path
 from pserver.persist.checkpoint import Checkpoint, Gone, base_of, load, meta_of, scan
 from pserver.wire.sharding import shard_ranges
 
@@ -265,7 +265,7 @@ def claim(directory: str, seen: str | None, new: str | None = None) -> str:
     if current is None:
         new = new or uuid.uuid4().hex
         final = os.path.join(directory, RUN_FILE)
-        tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"    # shards of one process: one each
+        tmp = temp_path(final, unique=True)    # shards of one process: one each
         try:
             with synced(tmp) as f:
                 f.write(json.dumps({"run": new, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -371,8 +371,8 @@ def inspect(directory: str, mode: str = "sync", found: dict | None = None) -> di
                         meta = meta_of(path)
                         entry.update(loads=True, sha256=meta["sha256"],
                                      range=[c.start, c.end],
-                                     rows={name: int(st["ids"].shape[0]) for name, st in c.rows.items()})
-                        tables = [{"name": t["name"], "dim": t["dim"], "row_optimizer": t.get("optimizer")}
+                                     rows={name: st.size for name, st in c.rows.items()})
+                        tables = [{"name": t.name, "dim": t.dim, "row_optimizer": t.optimizer}
                                   for t in c.tables]
                         layout = layout or {"signature": c.signature, "parameters": c.total,
                                             "optimizer": c.optimizer, "tables": tables}

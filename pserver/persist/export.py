@@ -105,7 +105,7 @@ def export_checkpoints(directory: str, out: str, options: dict, mode: str = "syn
         return {**result, "since": delta["base_version"],
                 "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()},
                 "removed": {name: int(ids.shape[0]) for name, ids in removed.items()}}
-    tables = {t["name"]: (ckpt.rows[t["name"]]["ids"], ckpt.rows[t["name"]]["rows"]) for t in configs}
+    tables = {t.name: (ckpt.rows[t.name].ids, ckpt.rows[t.name].rows) for t in configs}
     model_file.save(out, model, ckpt.params, definition, summary, tables=tables or None, origin=origin)
     return {**result, "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()}}
 
@@ -129,9 +129,9 @@ def _model_of(ckpt, directory: str, options: dict):
     spec, configs = options["model"], ckpt.tables
     if configs and spec not in CTR_MODELS:
         raise ConfigError(f"--model {spec}: the checkpoints in {directory} hold sparse tables "
-                          f"({', '.join(t['name'] for t in configs)}); give the CTR model they are of")
-    defaults = {"seed": configs[0]["seed"]} if configs else {}
-    factors = [t["dim"] for t in configs if t["name"] == "factors"]
+                          f"({', '.join(t.name for t in configs)}); give the CTR model they are of")
+    defaults = {"seed": configs[0].seed} if configs else {}
+    factors = [t.dim for t in configs if t.name == "factors"]
     if factors:
         defaults["embedding_dim"] = factors[0]
     fields = {k: v for k, v in {**defaults, **options}.items() if k in WorkerConfig.__dataclass_fields__}
@@ -139,12 +139,11 @@ def _model_of(ckpt, directory: str, options: dict):
     ds = load_data(cfg)
     model = model_for(cfg, ds)
     have = [(t.name, t.dim) for t in getattr(model, "sparse_tables", None) or []]
-    if have != [(t["name"], t["dim"]) for t in configs]:
-        raise ConfigError(f"--model: the checkpoints' tables are {[(t['name'], t['dim']) for t in configs]}; "
+    if have != [(t.name, t.dim) for t in configs]:
+        raise ConfigError(f"--model: the checkpoints' tables are {[(t.name, t.dim) for t in configs]}; "
                           f"{spec} has {have or 'none'}")
     if configs:     # the shards' configs, which made the rows' initial values
-        from pserver.sparse import TableConfig
-        model.sparse_tables = [TableConfig.from_dict(t) for t in configs]
+        model.sparse_tables = list(configs)
     registered = models.Layout(model.layout.tensors, tuple(getattr(model, "sparse_tables", None) or ()))
     checkpoint_dir.check_model(ckpt.signature, ckpt.total, registered, "--model",
                             f"the checkpoints in {directory} are",

@@ -25,10 +25,10 @@ read_tables verifies each file whole before mapping it, and checks what the look
 strictly ascending, as many rows as ids, the dtypes and shapes the JSON says); an export written
 before "files" existed loads unverified, with a warning. An id the table does not
 hold reads its initial value (pserver.sparse.initial_rows of the seed, the index and init_scale),
-as a shard's lookup does. The directory is written as MODEL.tmp-PID and renamed: a reader never
-sees half a model, and the next writer removes what a killed one left. Its tables are written
-page by page (TableRows): from arrays (export), or as the shards stream them (--save, merged
-by merge_pages), never the whole table in memory.
+as a shard's lookup does. The directory is written as MODEL.PID.tmp and renamed
+(pserver.persist.atomic): a reader never sees half a model, and the next writer removes what a
+killed one left. Its tables are written page by page (TableRows): from arrays (export), or as
+the shards stream them (--save, merged by merge_pages), never the whole table in memory.
 
 A delta (`pserver export --since MODEL`, delta_tables) is such a directory whose JSON names its
 base ("delta": the base's export_id) and whose tables hold the rows changed since and
@@ -105,7 +105,7 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
 
     A model with sparse tables needs `tables`, {name: (ids, rows)} for each of model.sparse_tables
     (any order of ids; written sorted); `path` is then a directory (module docstring), written
-    beside it as PATH.tmp-PID and renamed. `origin` (where the weights came from) goes to the JSON.
+    beside it as PATH.PID.tmp and renamed. `origin` (where the weights came from) goes to the JSON.
     A table's rows may also come as TableRows (pages, ascending), written as they come.
 
     A delta (export --since) adds `delta` (its base: export_id, versions) to the JSON and writes
@@ -135,7 +135,7 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
         if tables:
             raise ConfigError(f"{path}: tables given for a model without sparse tables")
         arrays = {META: np.array(json.dumps(meta, indent=1)), **layout.views(w)}
-        _write_atomically(path, lambda tmp: _write_npz(tmp, arrays), f"{path}.{os.getpid()}.tmp")
+        _write_atomically(path, lambda tmp: _write_npz(tmp, arrays))
         return
     sources = {}
     for t in configs:
@@ -169,8 +169,7 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
         _write_npz(os.path.join(tmp, MODEL_NPZ), arrays)
         fsync_dir(tmp)
 
-    remove_stale(path)
-    _write_atomically(path, write, f"{path}.tmp-{os.getpid()}")
+    _write_atomically(path, write)
 
 
 class TableRows:
@@ -313,11 +312,13 @@ def _write_npz(path: str, arrays: dict) -> None:
         np.savez(f, **arrays)
 
 
-def _write_atomically(path: str, write, tmp: str) -> None:
-    """atomic.replace, but a directory at path that is not a model is refused, not replaced."""
+def _write_atomically(path: str, write) -> None:
+    """atomic.replace, after what killed writers of path left is removed; a directory at path
+    that is not a model is refused, not replaced."""
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MODEL_NPZ)):
         raise ConfigError(f"{path}: a directory that is not a pserver model; give another path")
-    replace(path, write, tmp)
+    remove_stale(path)
+    replace(path, write)
 
 
 _NO_IDS = np.empty(0, np.uint64)
@@ -741,7 +742,7 @@ def tables_of(path: str, meta: dict, model) -> list[MappedTable]:
     return tables
 
 
-def delta_tables(since: str, model, ckpt, configs: list[dict]) -> tuple[dict, dict, dict]:
+def delta_tables(since: str, model, ckpt, configs: list[sparse.TableConfig]) -> tuple[dict, dict, dict]:
     """For `pserver export --since MODEL`: each table's rows last updated at or after the version
     MODEL reflects on the row's shard (a row stepped from version v to v+1 records v) and the ids
     MODEL holds that the checkpoint `ckpt` (combined) does not; and the delta's base (JSON)."""
@@ -763,11 +764,11 @@ def delta_tables(since: str, model, ckpt, configs: list[dict]) -> tuple[dict, di
     base = {t.name: t for t in tables_of(since, meta, model)}
     tables, removed = {}, {}
     for t in configs:
-        rows = ckpt.rows[t["name"]]
-        ids = rows["ids"].astype(np.uint64, copy=False)
-        changed = rows["last_update"] >= versions[sparse.shard_of(ids, versions.shape[0])]
-        tables[t["name"]] = (ids[changed], rows["rows"][changed])
-        removed[t["name"]] = np.setdiff1d(np.asarray(base[t["name"]].ids), np.sort(ids), assume_unique=True)
+        rows = ckpt.rows[t.name]
+        ids = rows.ids.astype(np.uint64, copy=False)
+        changed = rows.last_update >= versions[sparse.shard_of(ids, versions.shape[0])]
+        tables[t.name] = (ids[changed], rows.rows[changed])
+        removed[t.name] = np.setdiff1d(np.asarray(base[t.name].ids), np.sort(ids), assume_unique=True)
     delta = {"base_id": meta["export_id"], "base_version": int(versions.max()),
              "base_versions": origin["versions"]}
     return tables, removed, delta

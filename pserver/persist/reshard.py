@@ -49,16 +49,13 @@ def _gather(parts: list[tuple[int, np.ndarray]], start: int, end: int) -> np.nda
     return out
 
 
-def _rows_for(states: list[dict], num_shards: int, shard: int, counters: bool) -> dict:
-    """One table's state() for `shard` of `num_shards` out of the old shards' states."""
-    out = {key: np.concatenate([s[key] for s in states]) for key in states[0] if key != "counters"}
-    mine = sparse.shard_of(out["ids"], num_shards) == shard
-    pending = sparse.shard_of(out["pending_ids"], num_shards) == shard
-    for key in list(out):
-        out[key] = out[key][pending if key.startswith("pending_") else mine]
-    total = np.sum([s["counters"] for s in states], axis=0).astype(np.int64)
-    out["counters"] = total if counters else np.zeros_like(total)
-    return out
+def _rows_for(states: list[sparse.RowState], num_shards: int, shard: int, counters: bool) -> sparse.RowState:
+    """One table's rows for `shard` of `num_shards` out of the old shards' (the counters summed
+    into new shard 0's)."""
+    every = sparse.RowState.concat(states)
+    return every.select(sparse.shard_of(every.ids, num_shards) == shard,
+                        sparse.shard_of(every.pending_ids, num_shards) == shard,
+                        every.counters if counters else np.zeros_like(every.counters))
 
 
 def combine(ckpts: list[checkpoint.Checkpoint], num_shards: int, shard: int) -> checkpoint.Checkpoint:
@@ -67,7 +64,7 @@ def combine(ckpts: list[checkpoint.Checkpoint], num_shards: int, shard: int) -> 
     start, end = shard_range(first.total, num_shards, shard)
     params = _gather([(c.start, c.params) for c in ckpts], start, end)
     state = {k: _gather([(c.start, c.state[k]) for c in ckpts], start, end) for k in first.state}
-    rows = {t["name"]: _rows_for([c.rows[t["name"]] for c in ckpts], num_shards, shard, counters=shard == 0)
+    rows = {t.name: _rows_for([c.rows[t.name] for c in ckpts], num_shards, shard, counters=shard == 0)
             for t in first.tables}
     clocks: dict[int, int] = {}
     positions: dict[int, tuple] = {}

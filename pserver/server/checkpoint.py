@@ -15,7 +15,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pserver.errors import FailedPrecondition
 from pserver.persist.atomic import remove_quietly
-from pserver.persist.checkpoint import Part, candidates, file_name, header, owned, prepare, prune, write
+from pserver.persist.checkpoint import (
+    Part,
+    candidates,
+    file_name,
+    header,
+    owned,
+    prepare,
+    prune,
+    small_parts,
+    write,
+)
 from pserver.persist.checkpoint_dir import claim, run_of
 
 log = logging.getLogger("pserver.checkpoint")
@@ -47,7 +57,7 @@ class Checkpointer:
         self.directory, self.store, self.cfg = directory, store, cfg
         self.seen = run_of(directory)             # the run this directory was adopted from, if any
         self.run_id: str | None = None            # taken with the first file written (claim)
-        store.track = cfg.full_every > 1          # tables record evicted ids for the deltas
+        store.track = cfg.full_every > 1          # tables record removed ids for the deltas
         for table in store.tables.values():
             table.track = store.track
         # The chain being extended: [base version, base bytes, deltas' bytes, files]; None:
@@ -173,9 +183,9 @@ class Checkpointer:
         for i, (config, columns, dtype, count, small) in enumerate(dump.tables):
             parts.append(Part(f"rows.{i}.entries", dtype, (count,),
                               lambda i=i: dump.rows(i, STRIPE_BYTES)))
-            parts += [Part.of(f"rows.{i}.{k}", v) for k, v in small.items()]
+            parts += small_parts(i, small)
         meta = header(dict(dump.meta, shard=self.cfg.shard, num_shards=self.cfg.num_shards,
-                           optimizer=self.cfg.optimizer, tables=[t[0] for t in dump.tables],
+                           optimizer=self.cfg.optimizer, tables=[t[0].to_dict() for t in dump.tables],
                            columns=[t[1] for t in dump.tables], chain=chain_id, run=self.run_id))
         if kind is not None:
             meta.update(kind="delta", base=kind[0], parent=kind[1])

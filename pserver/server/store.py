@@ -243,7 +243,7 @@ class StateDump:
 
     def rows(self, table: int, stripe_bytes: int):
         """A table's entries, in stripes."""
-        t = self.store.tables[self.tables[table][0]["name"]]
+        t = self.store.tables[self.tables[table][0].name]
         count, step = self.tables[table][3], max(stripe_bytes // self.tables[table][2].itemsize, 1)
         for i in range(0, count, step):
             yield t.read_dump(i, min(i + step, count))
@@ -278,7 +278,7 @@ class ShardStore:
         self.clocks: dict[int, int] = {}   # rank -> its steps taken in (ssp bounds staleness by them)
         self.positions: dict[int, tuple[int, int]] = {}   # rank -> (data_seed, steps_per_epoch)
         self.tables: dict[str, sparse.SparseTable] = {}   # the model's sparse tables: this shard's rows
-        self.track = False                 # tables record evicted ids (incremental checkpoints)
+        self.track = False                 # tables record removed ids (incremental checkpoints)
         self._dump: StateDump | None = None   # the checkpoint being written, if any
         self.coordinator = Coordinator()   # shard 0's leases of the training data (others' stay empty)
 
@@ -339,7 +339,7 @@ class ShardStore:
         with self.cond:
             self.require_configured()
             delta = delta and not any(t.needs_base for t in self.tables.values())
-            tables = [(t.config.to_dict(), t.columns, t.entry_dtype(), *t.begin_dump(delta))
+            tables = [(t.config, t.columns, t.entry_dtype(), *t.begin_dump(delta))
                       for t in self.tables.values()]
             meta = dict(version=self.version, signature=self.signature, total=self.total, start=self.start,
                         end=self.end, clocks={str(r): int(c) for r, c in self.clocks.items()},
@@ -360,15 +360,14 @@ class ShardStore:
 
     def restore(self, ckpt) -> None:
         with self.cond:
-            self._allocate(ckpt.signature, ckpt.total, ckpt.start, ckpt.end,
-                           [sparse.TableConfig.from_dict(t) for t in ckpt.tables])
+            self._allocate(ckpt.signature, ckpt.total, ckpt.start, ckpt.end, ckpt.tables)
             if ckpt.params.shape != self.params.shape:
                 raise ConfigError(f"--restore: {ckpt.path} holds {ckpt.params.size} params for "
                                   f"range [{ckpt.start}, {ckpt.end})")
             self.params[:] = ckpt.params
             self.optimizer.load_state(ckpt.state)
             for name, table in self.tables.items():
-                table.load(ckpt.rows.get(name, {}))
+                table.load(ckpt.rows[name])
             self.version = ckpt.version
             self.clocks.clear()
             self.clocks.update(ckpt.clocks)

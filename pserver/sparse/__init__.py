@@ -6,6 +6,7 @@
               first_repeat (the shard's check that a push's ids are distinct)
     optim     row optimizers (ROWS: sgd, adagrad, lazy adam, ftrl): numba kernels with NumPy twins
     table     TableConfig and SparseTable: one table on one shard (admission, eviction, state)
+    state     RowState: a table's rows on one shard, as state() gives them and a checkpoint holds them
     merge     RowGrads, merge_rows: a step's pushed rows summed per table and id (the shard's side)
 
 Every numba kernel has a NumPy twin (`*_numpy`, or a plain dict model for the table itself)
@@ -16,8 +17,9 @@ from pserver.sparse.dedupe import TableLookup, first_repeat, segment_sum, unique
 from pserver.sparse.hashing import HASH_SEED, as_ids, first_foreign, initial_rows, shard_of, splitmix64
 from pserver.sparse.merge import RowGrads, merge_rows
 from pserver.sparse.optim import ROW_OPTIMIZERS, ROWS
+from pserver.sparse.state import RowState
 from pserver.sparse.table import SparseTable, TableConfig
 
-__all__ = ["HASH_SEED", "ROWS", "ROW_OPTIMIZERS", "RowGrads", "SparseTable", "TableConfig", "TableLookup",
-           "as_ids", "first_foreign", "first_repeat", "initial_rows", "merge_rows", "segment_sum", "shard_of",
-           "splitmix64", "unique_inverse"]
+__all__ = ["HASH_SEED", "ROWS", "ROW_OPTIMIZERS", "RowGrads", "RowState", "SparseTable", "TableConfig",
+           "TableLookup", "as_ids", "first_foreign", "first_repeat", "initial_rows", "merge_rows",
+           "segment_sum", "shard_of", "splitmix64", "unique_inverse"]

@@ -416,7 +416,7 @@ def convert_slot(values: np.ndarray, root: bool, lay: Layout, s: int) -> np.ndar
 
 
 def to_float32(rows: np.ndarray, row_dtype: str) -> np.ndarray:
-    """A table's stored rows (state()["rows"], in their storage type) as their float32 values."""
+    """A table's stored rows (state().rows, in their storage type) as their float32 values."""
     rows = np.asarray(rows)
     if row_dtype == "bfloat16" and rows.dtype == np.uint16:
         return _from_storage(rows, BF16)

@@ -28,7 +28,7 @@ came back), `admissions` the ids that passed a min_count >= 2 filter, `evictions
 
 Checkpoints without a second copy (pserver.persist.checkpoint): `begin_dump` fixes the rows a
 checkpoint holds (all of them, or for a delta those updated since the last dump began, with the
-ids evicted since), and `read_dump` hands them out a stripe at a time while pushes go on. Until
+ids removed since: evicted), and `read_dump` hands them out a stripe at a time while pushes go on. Until
 a stripe is read, a push, an admission or an eviction that is about to change one of its rows
 first copies the row aside (copy-on-write at row granularity), so the file holds each row as it
 was when the dump began: the extra memory is the rows changed during the write, not the table.
@@ -65,6 +65,7 @@ from pserver.sparse import compact, index
 from pserver.sparse.dedupe import _unique_inverse_kernel
 from pserver.sparse.hashing import initial_row, table_key
 from pserver.sparse.optim import RowOptimizer
+from pserver.sparse.state import RowState
 
 MIN_CHUNK = 1024   # rows: the smallest growth, so that a small table does not realloc per push
 MAX_ENTRIES = (1 << 31) - 1   # rows of one table on one shard: the index stores int32 row numbers
@@ -75,7 +76,7 @@ BACKGROUND_MIN_BITS = 20  # below 2**20 slots a rehash takes about 10 ms: done i
 COUNTERS = ("admissions", "creations", "evictions")
 PARALLEL_MIN = 8192   # ids per part, at least: below it a hand-off to a thread costs more than it saves
 MAX_THREADS = 64
-EVICTED_MAX = 2 << 20   # ids evicted between two dumps that a delta records (16 MiB); past it, a base
+REMOVED_MAX = 2 << 20   # ids removed between two dumps that a delta records (16 MiB); past it, a base
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -168,12 +169,15 @@ class TableConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> TableConfig:
+    def from_dict(cls, d: dict, stored: bool = False) -> TableConfig:
+        """A config from to_dict()'s form. An unknown field is refused, unless `stored`: d was read
+        from a file (a checkpoint's meta) that another version of pserver wrote, whose fields
+        since removed are left out; fields added since take their defaults either way."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
-        if unknown:
+        if unknown and not stored:
             raise ConfigError(f"table config: unknown field {unknown[0]!r}; fields are {sorted(names)}")
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k in names}
         params = d.get("params", ())   # Register's map __post_init__ sorts; JSON's pairs as tuples
         d["params"] = params if isinstance(params, dict) else tuple(tuple(p) for p in params)
         return cls(**d)
@@ -367,7 +371,7 @@ class SparseTable:
                                      self.opt.second_moments)
         self._fast = backend == "numba"
         self._lock = threading.Lock()
-        self.track = False       # record evicted ids for incremental checkpoints (set by the shard)
+        self.track = False       # record removed ids for incremental checkpoints (set by the shard)
         self._reset()
 
     def _reset(self) -> None:
@@ -380,8 +384,8 @@ class SparseTable:
         self._pending = _Entries({"count": ((), np.int64)})
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._low: int | None = None          # the lowest step applied since the last dump began
-        self._evicted: list[np.ndarray] = []  # ids evicted since then (when tracked)
-        self._evicted_count, self._evicted_overflow = 0, False
+        self._removed: list[np.ndarray] = []  # ids removed (evicted) since then (when tracked)
+        self._removed_count, self._removed_overflow = 0, False
         self._dump: _Dump | None = None
         self.dump_peak = 0                    # bytes the last dump kept aside, at most
 
@@ -503,11 +507,11 @@ class SparseTable:
         victims = np.sort(np.concatenate([below, tied]))[::-1].copy()
         if self._dump is not None:           # the holes, and the last rows that fill them
             self._dump.save(self, np.concatenate([victims, np.arange(r.n - k, r.n)]))
-        if self.track and not self._evicted_overflow:
-            self._evicted.append(r.keys[victims].copy())
-            self._evicted_count += victims.shape[0]
-            if self._evicted_count > EVICTED_MAX:    # a delta would be as big as a base: drop them,
-                self._evicted, self._evicted_overflow = [], True   # and the next dump is whole
+        if self.track and not self._removed_overflow:
+            self._removed.append(r.keys[victims].copy())
+            self._removed_count += victims.shape[0]
+            if self._removed_count > REMOVED_MAX:    # a delta would be as big as a base: drop them,
+                self._removed, self._removed_overflow = [], True   # and the next dump is whole
         r.n = _evict(r.slots, r.keys, r.bits, r.n, r.arrays["data"], r.arrays["last"],
                      self._steps(), victims)
         r.moved()
@@ -640,16 +644,17 @@ class SparseTable:
 
     @property
     def needs_base(self) -> bool:
-        """More ids were evicted since the last dump than a delta keeps (EVICTED_MAX)."""
-        return self._evicted_overflow
+        """More ids were removed since the last dump than a delta keeps (REMOVED_MAX)."""
+        return self._removed_overflow
 
     def begin_dump(self, delta: bool) -> tuple[int, dict[str, np.ndarray]]:
         """Fix what a checkpoint holds now: every row, or (delta) the rows updated since the last
         dump began. Returns how many entries `read_dump` will hand out, and the small arrays,
-        copied: pending ids and counts, counters, and (delta) the ids evicted since."""
+        copied: pending ids and counts, counters, and (delta) "removed": the ids that left the
+        table since (every way a row leaves is an eviction here: max_rows, ttl_steps, memory)."""
         with self._lock:
-            if delta and self._evicted_overflow:
-                raise RuntimeError(f"table {self.config.name!r}: a delta after {EVICTED_MAX:,} evictions")
+            if delta and self._removed_overflow:
+                raise RuntimeError(f"table {self.config.name!r}: a delta after {REMOVED_MAX:,} evictions")
             r, p = self._rows, self._pending
             if not delta:
                 chosen = None
@@ -657,14 +662,14 @@ class SparseTable:
                 chosen = np.empty(0, np.int64)
             else:
                 chosen = np.flatnonzero(r.arrays["last"][:r.n] >= self._low)
-            evicted = np.concatenate(self._evicted) if self._evicted else np.empty(0, np.uint64)
-            self._low, self._evicted = None, []
-            self._evicted_count, self._evicted_overflow = 0, False
+            removed = np.concatenate(self._removed) if self._removed else np.empty(0, np.uint64)
+            self._low, self._removed = None, []
+            self._removed_count, self._removed_overflow = 0, False
             self._dump = _Dump(r.n, chosen)
             small = {"pending_ids": p.keys[:p.n].copy(), "pending_counts": p.arrays["count"][:p.n].copy(),
                      "counters": np.array([self._counters[k] for k in COUNTERS], np.int64)}
             if delta:
-                small["evicted"] = evicted
+                small["removed"] = removed
             return self._dump.count, small
 
     def read_dump(self, a: int, b: int) -> np.ndarray:
@@ -688,25 +693,20 @@ class SparseTable:
                 self.dump_peak = self._dump.peak
             self._dump = None
 
-    def state(self) -> dict[str, np.ndarray]:
+    def state(self) -> RowState:
         """Copies of everything needed to continue exactly (load is its inverse)."""
         with self._lock:
             r, p, d = self._rows, self._pending, self.dim
             data = r.arrays["data"][:r.n]
             cols = (self.layout.unpack(data) if self.layout.compact      # each column in its own type
                     else [data[:, s * d:(s + 1) * d].copy() for s in range(1 + len(self.opt.slots))])
-            out = {"ids": r.keys[:r.n].copy(), "rows": cols[0],
-                   "last_update": r.arrays["last"][:r.n].copy(),
-                   "pending_ids": p.keys[:p.n].copy(),
-                   "pending_counts": p.arrays["count"][:p.n].copy(),
-                   "counters": np.array([self._counters[k] for k in COUNTERS], np.int64)}
-            for s, key in enumerate(self.columns[1:], 1):
-                out[key] = cols[s]
-            if self.opt.counts_steps:
-                out["steps"] = self._steps()[:r.n].copy()
-            return out
+            return RowState(ids=r.keys[:r.n].copy(), rows=cols[0], last_update=r.arrays["last"][:r.n].copy(),
+                            pending_ids=p.keys[:p.n].copy(), pending_counts=p.arrays["count"][:p.n].copy(),
+                            counters=np.array([self._counters[k] for k in COUNTERS], np.int64),
+                            slots=dict(zip(self.columns[1:], cols[1:])),
+                            steps=self._steps()[:r.n].copy() if self.opt.counts_steps else None)
 
-    def load(self, state: dict[str, np.ndarray]) -> None:
+    def load(self, state: RowState) -> None:
         """Replace the table by a state() (checked first: on an error nothing changes). Its slots
         may be in another state type or form (slot_<name> or slot_<name>.sqrt, as a checkpoint
         written before the float16 slots kept their roots): converted to the table's, rounded
@@ -809,9 +809,10 @@ class _Dump:
             self.bytes -= sum(p.nbytes + e.nbytes for p, e, _ in self.buckets.pop(key))
 
 
-def _check_state(table: SparseTable, state: dict) -> dict:
-    """The arrays of a state() for this table, or ConfigError naming the first inconsistency."""
-    what, d, opt = f"table {table.config.name!r} state", table.dim, table.opt
+def _check_state(table: SparseTable, state: RowState) -> dict:
+    """The arrays of a state() for this table, by name, or ConfigError naming the first
+    inconsistency."""
+    what, d, opt, state = f"table {table.config.name!r} state", table.dim, table.opt, state.arrays()
     lay = table.layout
     row_type = compact.STORAGE[lay.row_dtype]
     # A slot in either form (compact.slot_key) and any state type: converted below.

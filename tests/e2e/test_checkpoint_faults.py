@@ -143,8 +143,9 @@ def test_an_unwritable_checkpoint_directory_is_refused_at_start(procs, disks):
 
 
 def test_temporary_files_of_a_killed_writer_are_removed_at_start(procs, tmp_path):
-    mine = tmp_path / "shard0-of1-v000000000030.ckpt.4242.tmp"
-    other = tmp_path / "shard0-of2-v000000000030.ckpt.4243.tmp"   # another cluster shape: not ours
+    # pids no process has (pid_max is at most 2**22): their writers were killed
+    mine = tmp_path / f"shard0-of1-v000000000030.ckpt.{(1 << 22) + 42}.tmp"
+    other = tmp_path / f"shard0-of2-v000000000030.ckpt.{(1 << 22) + 43}.tmp"   # another shape: not ours
     for f in (mine, other):
         f.write_bytes(b"the first half of a checkpoint")
     shard = procs("serve", "--port", "0", "--checkpoint-dir", str(tmp_path))

@@ -98,7 +98,7 @@ def test_tables_read_as_a_shards_table_does(job):
     whole = reshard.combine(checkpoint_dir.newest_shape(str(base / "ckpt2"), "sync", shape=2).ckpts, 1, 0)
     rng = np.random.default_rng(0)
     for i, mapped in enumerate(model.tables):
-        table = sparse.SparseTable(sparse.TableConfig.from_dict(whole.tables[i]), i)
+        table = sparse.SparseTable(whole.tables[i], i)
         table.load(whole.rows[mapped.name])
         ids = np.concatenate([rng.choice(np.asarray(mapped.ids), 500), rng.integers(0, 2**63, 500,
                                                                                      dtype=np.uint64)])
@@ -215,7 +215,7 @@ def test_kill_9_during_an_export_leaves_no_half_model(job):
     for _ in range(8):
         p = subprocess.Popen(pserver_cmd("export", "--restore", str(base / "ckpt2"), *EXPORT, "--out", out),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        tmp = f"{out}.tmp-{p.pid}"
+        tmp = f"{out}.{p.pid}.tmp"
         deadline = time.monotonic() + 60
         while not os.path.exists(tmp) and p.poll() is None and time.monotonic() < deadline:
             pass                                    # poll hard: the write takes milliseconds
@@ -230,10 +230,10 @@ def test_kill_9_during_an_export_leaves_no_half_model(job):
         if left >= 2:
             break
     assert left >= 1, "no kill landed during a write"
-    assert glob.glob(f"{out}.tmp-*")
+    assert glob.glob(f"{out}.*.tmp")
     r = export(str(base / "ckpt2"), out)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert glob.glob(f"{out}.tmp-*") == [] and glob.glob(f"{out}.old-*") == []
+    assert glob.glob(f"{out}.*.tmp") == [] and glob.glob(f"{out}.*.old") == []
     assert pserver.load_model(out).evaluate is not None and len(pserver.load_model(out).tables) == 2
     # Exported again over a model: replaced whole, nothing left beside it.
     r = export(str(base / "ckpt2"), out)

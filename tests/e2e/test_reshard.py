@@ -28,7 +28,7 @@ def held(shards: list[Shard]) -> tuple[bytes, dict]:
     tables: dict = {}
     for s in shards:
         for name, table in s.store.tables.items():
-            st = table.state()
+            st = table.state().arrays()
             keys = sorted(k for k in st if k not in ("ids", "counters") and not k.startswith("pending_"))
             for n, i in enumerate(st["ids"].tolist()):
                 tables.setdefault(name, {})[i] = tuple(st[k][n].tobytes() for k in keys)
@@ -54,7 +54,7 @@ def test_a_ctr_job_stopped_on_2_shards_goes_on_on_3(tmp_path):
     assert len(rows) == 2 and all(len(t) > 1000 for t in rows.values())     # the deep and the wide table
     for j, s in enumerate(after):
         for table in s.store.tables.values():
-            assert (sparse.shard_of(table.state()["ids"], 3) == j).all()
+            assert (sparse.shard_of(table.state().ids, 3) == j).all()
     for s in before + after:
         s.close()
 
