@@ -245,8 +245,8 @@ def test_bad_schedules(spec):
 # -- make_optimizer errors ------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, flag", [
-    (dict(name="rmsprop"),
-     "--optimizer: unknown optimizer 'rmsprop'; choose one of sgd, momentum, adam"),
+    (dict(name="lion"),
+     "--optimizer: unknown optimizer 'lion'; choose one of sgd, momentum, adam, adamw, rmsprop, adagrad"),
     (dict(lr=0.0), "--lr: must be a number > 0, got 0.0"),
     (dict(lr=-1), "--lr: must be a number > 0, got -1"),
     (dict(lr=float("nan")), "--lr"),
