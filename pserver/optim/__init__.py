@@ -170,14 +170,14 @@ class AdamW(Adam):
     name, rule = "adamw", adamw
     summary = ("Keras's AdamW: Adam with decoupled weight decay w -= lr * wd * w "
                "(--weight-decay, default 0.004)")
-    defaults = {"momentum": 0.9, "eps": 1e-7, "weight_decay": 0.004}   # Keras's
+    defaults = Adam.defaults | {"eps": 1e-7, "weight_decay": 0.004}   # Keras's
 
 
 @OPTIMIZERS.register
 class RMSprop(Optimizer):
     name, rule = "rmsprop", rmsprop
     summary = "Keras's RMSprop (--rho, --momentum, --eps, --centered)"
-    defaults = {"momentum": 0.0, "eps": 1e-7, "weight_decay": 0.0}   # Keras's
+    defaults = Optimizer.defaults | {"momentum": 0.0, "eps": 1e-7}   # Keras's
 
     def __init__(self, size, *, rho: float = 0.9, momentum: float = 0.0, eps: float = 1e-7,
                  centered: bool = False, **kw):
@@ -208,7 +208,7 @@ class RMSprop(Optimizer):
 class Adagrad(Optimizer):
     name, rule = "adagrad", adagrad
     summary = "Keras's Adagrad (--initial-accumulator, --eps)"
-    defaults = {"momentum": 0.9, "eps": 1e-7, "weight_decay": 0.0}   # Keras's eps
+    defaults = Optimizer.defaults | {"eps": 1e-7}   # Keras's
 
     def __init__(self, size, *, initial_accumulator: float = 0.1, eps: float = 1e-7, **kw):
         super().__init__(size, **kw)
