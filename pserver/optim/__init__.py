@@ -52,6 +52,7 @@ class Optimizer:
     name = ""
     summary = ""  # one line for OPTIMIZERS' table
     rule = sgd  # the module with update / update_numpy / STATE
+    state_hint = "another --optimizer"  # what makes a checkpoint's state arrays differ from this one's
     # The values of the flags several rules share, when not given (None): see with_defaults.
     defaults = {"momentum": 0.9, "eps": 1e-8, "weight_decay": 0.0}
 
@@ -100,8 +101,7 @@ class Optimizer:
         """Copy checkpointed state arrays into this optimizer's, after checking them all."""
         if sorted(state) != sorted(self.state):
             raise ConfigError(f"optimizer state: {self.name} keeps {sorted(self.state)}, "
-                              f"the checkpoint has {sorted(state)} (was it saved with another "
-                              f"--optimizer?)")
+                              f"the checkpoint has {sorted(state)} (was it saved with {self.state_hint}?)")
         arrays = {k: np.asarray(v) for k, v in state.items()}
         for k, a in arrays.items():
             if a.shape != (self.size,) or a.dtype.kind != "f":
@@ -178,6 +178,7 @@ class RMSprop(Optimizer):
     name, rule = "rmsprop", rmsprop
     summary = "Keras's RMSprop (--rho, --momentum, --eps, --centered)"
     defaults = Optimizer.defaults | {"momentum": 0.0, "eps": 1e-7}   # Keras's
+    state_hint = "another --optimizer, or another --momentum (0 or not) or --centered"
 
     def __init__(self, size, *, rho: float = 0.9, momentum: float = 0.0, eps: float = 1e-7,
                  centered: bool = False, **kw):
