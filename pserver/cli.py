@@ -119,12 +119,23 @@ SERVER_FLAGS = [
                              f"(default sgd). {described(OPTIMIZERS)}")),
     Flag("--lr", dict(type=float, help="learning rate for the mean gradient of a step (default 0.05)")),
     Flag("--lr-schedule", dict(metavar="SPEC", help=" | ".join(SCHEDULES.forms()))),
-    Flag("--momentum", dict(type=float, help="momentum coefficient (default 0.9)")),
-    Flag("--nesterov", dict(action="store_true", default=None, help="Nesterov momentum")),
-    Flag("--beta1", dict(type=float, help="Adam beta1 (default 0.9)")),
-    Flag("--beta2", dict(type=float, help="Adam beta2 (default 0.999)")),
-    Flag("--eps", dict(type=float, help="Adam epsilon (default 1e-8)")),
-    Flag("--weight-decay", dict(type=float, help="L2 coefficient (default 0)")),
+    Flag("--momentum", dict(type=float, help="momentum: the momentum coefficient (default 0.9); rmsprop: "
+                            "the momentum of its increments (default 0: none)")),
+    Flag("--nesterov", dict(action="store_true", default=None, help="Nesterov momentum (momentum only)")),
+    Flag("--beta1", dict(type=float, help="adam, adamw: beta1 (default 0.9)")),
+    Flag("--beta2", dict(type=float, help="adam, adamw: beta2 (default 0.999)")),
+    Flag("--eps", dict(type=float, help="adam: epsilon added to the corrected sqrt(v) (default 1e-8); adamw: "
+                       "added to sqrt(v), Keras's epsilon hat (default 1e-7); rmsprop, adagrad: added under "
+                       "the square root (default 1e-7)")),
+    Flag("--weight-decay", dict(type=float, help="sgd, momentum, adam, rmsprop, adagrad: L2 coefficient "
+                                "added to the gradient (coupled; default 0); adamw: decoupled decay, "
+                                "w -= lr * wd * w before the step, as Keras (default 0.004)")),
+    Flag("--rho", dict(type=float, help="rmsprop: discount of the moving average of squared gradients "
+                       "(default 0.9)")),
+    Flag("--centered", dict(action="store_true", default=None, help="rmsprop: divide by the gradient's "
+                            "estimated variance rather than its second moment")),
+    Flag("--initial-accumulator", dict(type=float, metavar="A", help="adagrad: the accumulator's starting "
+                                       "value (default 0.1)")),
     Flag("--threads", dict(type=int, help="gRPC threads per shard (default 64, raised to 2 per "
                                           "worker + 12): parked pulls may take 60%% of the threads "
                                           "left after 8 kept for Status and other control calls")),
@@ -163,7 +174,7 @@ SERVER_FLAGS = [
 
 # What `pserver run`'s shards take from the script's compile(optimizer=...), not from flags.
 RUN_FROM_COMPILE = {"--optimizer", "--lr", "--lr-schedule", "--momentum", "--nesterov", "--beta1", "--beta2",
-                    "--eps", "--weight-decay"}
+                    "--eps", "--weight-decay", "--rho", "--centered", "--initial-accumulator"}
 
 # Flags forwarded by `launch` to every worker: everything but rank and addresses.
 WORKER_FLAGS = [

@@ -28,7 +28,11 @@ MODES.add("ssp", "async, but no worker runs more than --staleness clocks ahead o
 # of the flags): every shard of one job must hold the same values (worker/client.py compares
 # what each shard's Register reply carries). num_workers joins them as the shard serves it.
 TRAINING_SETTINGS = ("mode", "backup_workers", "staleness", "optimizer", "lr", "lr_schedule", "momentum",
-                     "nesterov", "beta1", "beta2", "eps", "weight_decay", "step_timeout")
+                     "nesterov", "beta1", "beta2", "eps", "weight_decay", "step_timeout", "rho", "centered",
+                     "initial_accumulator")
+# The ServerConfig fields that are make_optimizer's arguments.
+OPTIMIZER_ARGS = ("lr", "lr_schedule", "momentum", "nesterov", "beta1", "beta2", "eps", "weight_decay", "rho",
+                  "centered", "initial_accumulator")
 DATA_PLANES = Registry("data plane", "--data-plane")
 DATA_PLANES.add("auto", "same-host shards and workers exchange payloads through shared memory (default)")
 DATA_PLANES.add("grpc", "gRPC streams only")
@@ -92,15 +96,19 @@ class ServerConfig:
     backup_workers: int = 0       # b for mode=backup: a step completes after N-b distinct workers
     staleness: int = 0            # s for mode=ssp: how many clocks a worker may run ahead
     step_timeout: float = 60.0    # seconds a sync/backup step waits for a worker before marking it dead
-    optimizer: str = "sgd"        # sgd, momentum or adam, run on this shard's slice
+    optimizer: str = "sgd"        # a name in optim.OPTIMIZERS, run on this shard's slice
     lr: float = 0.05              # base learning rate (for the mean gradient of a step)
     lr_schedule: str = "constant" # multiplier of lr as a function of the step (optim.schedule)
-    momentum: float = 0.9         # momentum coefficient (momentum optimizer)
+    # momentum, eps and weight_decay: None takes the optimizer's default (optim.with_defaults)
+    momentum: float | None = None # momentum coefficient (momentum 0.9, rmsprop 0)
     nesterov: bool = False        # Nesterov momentum
-    beta1: float = 0.9            # Adam
-    beta2: float = 0.999          # Adam
-    eps: float = 1e-8             # Adam
-    weight_decay: float = 0.0     # L2 coefficient added to the gradient
+    beta1: float = 0.9            # adam, adamw
+    beta2: float = 0.999          # adam, adamw
+    eps: float | None = None      # adam 1e-8; adamw, rmsprop, adagrad 1e-7 (Keras's)
+    weight_decay: float | None = None  # 0; adamw 0.004. Coupled L2 added to the gradient, decoupled in adamw
+    rho: float = 0.9              # rmsprop: discount of the squared-gradient average
+    centered: bool = False        # rmsprop: divide by the gradient's estimated variance
+    initial_accumulator: float = 0.1  # adagrad: the accumulator's starting value
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
     threads: int = 64             # gRPC worker threads (at least 2 per worker + 12): see server/limits.py
     max_inflight_mb: int = 1024   # MiB of gradients being received at once (RESOURCE_EXHAUSTED past it)
@@ -164,9 +172,7 @@ class ServerConfig:
             raise ConfigError(f"--backup-workers: {self.backup_workers} must be below the "
                               f"number of workers ({self.num_workers})")
         from pserver.optim import make_optimizer  # builds no kernel: only checks the values
-        make_optimizer(self.optimizer, 1, lr=self.lr, schedule=self.lr_schedule,
-                       momentum=self.momentum, nesterov=self.nesterov, beta1=self.beta1,
-                       beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay)
+        make_optimizer(self.optimizer, 1, **self.optimizer_args())
 
     @property
     def rank_limit(self) -> int:
@@ -176,7 +182,14 @@ class ServerConfig:
     def training_settings(self, num_workers: int) -> dict:
         """What this shard was started with that shapes training (pb.TrainingSettings), with N as
         the shard serves it (`num_workers`: configured, or learnt from the first Register)."""
-        return {name: getattr(self, name) for name in TRAINING_SETTINGS} | {"num_workers": num_workers}
+        from pserver.optim import with_defaults
+        settings = with_defaults(self.optimizer, {name: getattr(self, name) for name in TRAINING_SETTINGS})
+        return settings | {"num_workers": num_workers}
+
+    def optimizer_args(self) -> dict:
+        """make_optimizer's keyword arguments (but size): the shard's optimizer as configured."""
+        args = {name: getattr(self, name) for name in OPTIMIZER_ARGS}
+        return args | {"schedule": args.pop("lr_schedule")}
 
 
 @dataclass(frozen=True)

@@ -209,8 +209,8 @@ def _huge(meta):
 
 
 CRAFTED = {
-    "unknown_optimizer": (lambda m: m["keras_optimizer"].update(class_name="RMSprop", optimizer="rmsprop"),
-                          "'rmsprop' is not one pserver.keras writes"),
+    "unknown_optimizer": (lambda m: m["keras_optimizer"].update(class_name="Nadam", optimizer="nadam"),
+                          "'nadam' is not one pserver.keras writes"),
     "optimizer_not_a_dict": (lambda m: m.update(keras_optimizer=[1]), "not an optimizer's config"),
     "optimizer_without_lr": (lambda m: m["keras_optimizer"].pop("lr"), "lr=None: expected a number"),
     "sequential_a_list": (lambda m: m.update(sequential=[1]), "malformed"),
@@ -308,7 +308,7 @@ def test_summary_prints_keras_s_table_and_returns_none(capsys):
 # -- refusals ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("module, name", [("", "applications"), ("layers", "BatchNormalization"),
-                                          ("callbacks", "EarlyStopping"), ("optimizers", "RMSprop"),
+                                          ("callbacks", "EarlyStopping"), ("optimizers", "Nadam"),
                                           ("losses", "Huber"), ("models", "Model"), ("utils", "plot_model"),
                                           ("saving", "load_model"), ("datasets", "cifar10")])
 def test_a_keras_name_pserver_keras_lacks_is_one_line_naming_it_and_the_table(module, name):
@@ -334,7 +334,8 @@ def _probe(module):
 
 
 @pytest.mark.parametrize("call, named", [
-    (lambda m: m.compile(loss="mse"), "rmsprop"),                  # Keras's default optimizer
+    (lambda m: m.compile(optimizer="nadam", loss="mse"), "nadam"),
+    (lambda m: keras.optimizers.RMSprop(weight_decay=0.01), "weight_decay"),   # Keras's: decoupled
     (lambda m: m.compile(optimizer="adam", loss="mse", loss_weights=[1.0]), "loss_weights"),
     (lambda m: keras.optimizers.Adam(amsgrad=True), "amsgrad"),
     (lambda m: keras.optimizers.SGD(clipnorm=1.0), "clipnorm"),

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from numba.core.registry import CPUDispatcher
 
 from pserver.errors import ConfigError
-from pserver.optim import OPTIMIZERS, adam, make_optimizer, momentum, sgd
+from pserver.optim import OPTIMIZERS, adagrad, adam, adamw, make_optimizer, momentum, rmsprop, sgd
 from pserver.optim.schedule import parse_schedule
 
 FAST = settings(max_examples=25, deadline=None)
@@ -70,7 +70,8 @@ def test_adam_twins(size, seed, steps, lr, wd, b1, b2, eps, schedule):
                                  beta2=b2, eps=eps, schedule=schedule))
 
 
-@pytest.mark.parametrize("rule", [sgd, momentum, adam], ids=["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("rule", [sgd, momentum, adam, adamw, rmsprop, adagrad],
+                         ids=["sgd", "momentum", "adam", "adamw", "rmsprop", "adagrad"])
 def test_kernels_are_nogil_serial_numba(rule):
     assert isinstance(rule.update, CPUDispatcher)
     opts = rule.update.targetoptions
@@ -159,6 +160,14 @@ def test_kernels_check_sizes_themselves():
         momentum.update(w, w.copy(), short, 0.1, 0.9, False, 0.0)
     with pytest.raises(ValueError, match="differ in size"):
         adam.update(w, w.copy(), w.copy(), short, 0.1, 0.9, 0.999, 1e-8, 1, 0.0)
+    with pytest.raises(ValueError, match="differ in size"):
+        adamw.update(w, w.copy(), w.copy(), short, 0.1, 0.9, 0.999, 1e-7, 1, 0.004)
+    with pytest.raises(ValueError, match="differ in size"):
+        adagrad.update(w, w.copy(), short, 0.1, 1e-7, 0.0)
+    empty = np.zeros(0, np.float32)      # rmsprop: an array its settings keep must be full size
+    for mo, a, mu, centered in ((short, empty, 0.9, False), (empty, short, 0.0, True)):
+        with pytest.raises(ValueError, match="differ in size"):
+            rmsprop.update(w, w.copy(), w.copy(), mo, a, 0.1, 0.9, mu, 1e-7, centered, 0.0)
 
 
 def test_schedule_scales_lr():
@@ -245,8 +254,8 @@ def test_bad_schedules(spec):
 # -- make_optimizer errors ------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, flag", [
-    (dict(name="rmsprop"),
-     "--optimizer: unknown optimizer 'rmsprop'; choose one of sgd, momentum, adam"),
+    (dict(name="lion"),
+     "--optimizer: unknown optimizer 'lion'; choose one of sgd, momentum, adam, adamw, rmsprop, adagrad"),
     (dict(lr=0.0), "--lr: must be a number > 0, got 0.0"),
     (dict(lr=-1), "--lr: must be a number > 0, got -1"),
     (dict(lr=float("nan")), "--lr"),
@@ -275,7 +284,7 @@ def test_make_optimizer_builds_each():
     assert sorted(make_optimizer("momentum", 3, lr=1e-3).state) == ["v"]
 
 
-@pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw", "rmsprop", "adagrad"])
 def test_parallel_pieces_equal_one_call_bit_for_bit(name, monkeypatch):
     """Large steps run in pieces on several threads; the result must not change."""
     import pserver.optim as optim
@@ -293,3 +302,198 @@ def test_parallel_pieces_equal_one_call_bit_for_bit(name, monkeypatch):
     assert results[0][0].tobytes() == results[1][0].tobytes()
     for k in results[0][1]:
         assert results[0][1][k].tobytes() == results[1][1][k].tobytes()
+
+
+# -- Keras's rules: rmsprop, adamw, adagrad --------------------------------------------------
+# Each against an independent float64 transcription of Keras 3's update_step (keras/src/
+# optimizers/rmsprop.py, adamw.py via adam.py and base_optimizer._apply_weight_decay, adagrad.py).
+
+def keras_rmsprop(w, grads, lr, rho=0.9, mu=0.0, eps=1e-7, centered=False):
+    w, v, mo, a = w.astype(np.float64), 0.0, 0.0, 0.0
+    for g in grads:
+        g = g.astype(np.float64)
+        v = rho * v + (1 - rho) * np.square(g)
+        if centered:
+            a = rho * a + (1 - rho) * g
+            denominator = v - np.square(a) + eps
+        else:
+            denominator = v + eps
+        increment = lr * g / np.sqrt(denominator)
+        if mu > 0:
+            mo = mu * mo + increment
+            w = w - mo
+        else:
+            w = w - increment
+    return w
+
+
+def keras_adamw(w, grads, lr, wd=0.004, b1=0.9, b2=0.999, eps=1e-7):
+    w, m, v = w.astype(np.float64), 0.0, 0.0
+    for t, g in enumerate(grads, start=1):
+        g = g.astype(np.float64)
+        w = w - w * wd * lr                            # _apply_weight_decay, before the step
+        alpha = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        m = m + (g - m) * (1 - b1)
+        v = v + (np.square(g) - v) * (1 - b2)
+        w = w - m * alpha / (np.sqrt(v) + eps)
+    return w
+
+
+def keras_adagrad(w, grads, lr, initial=0.1, eps=1e-7):
+    w, acc = w.astype(np.float64), initial
+    for g in grads:
+        g = g.astype(np.float64)
+        acc = acc + np.square(g)
+        w = w - lr * g / np.sqrt(acc + eps)
+    return w
+
+
+def steps_of(name, w0, grads, **kw):
+    opt, w = make_optimizer(name, w0.size, **kw), w0.copy()
+    for t, g in enumerate(grads):
+        opt.step(w, g, t)
+    return w, opt
+
+
+def draws(seed, size, steps):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(size).astype(np.float32),
+            [rng.standard_normal(size).astype(np.float32) for _ in range(steps)])
+
+
+rhos, mus = st.floats(0.5, 0.99), st.sampled_from([0.0, 0.5, 0.9])
+
+
+def assert_bit_for_bit(opts, ws):
+    """The kernel and its twin do the same float32 operations in the same order (no fastmath,
+    no reassociation), so they agree exactly, state included."""
+    assert ws[0].tobytes() == ws[1].tobytes()
+    for k in opts[0].state:
+        assert opts[0].state[k].tobytes() == opts[1].state[k].tobytes(), k
+
+
+@FAST
+@given(sizes, seeds, st.integers(1, 5), lrs, decays, rhos, mus, st.booleans(), schedules)
+def test_rmsprop_twins(size, seed, steps, lr, wd, rho, mu, centered, schedule):
+    assert_bit_for_bit(*run_both("rmsprop", size, seed, steps, lr=lr, weight_decay=wd, rho=rho,
+                                 momentum=mu, centered=centered, schedule=schedule))
+
+
+@FAST
+@given(sizes, seeds, st.integers(1, 5), lrs, st.sampled_from([0.0, 0.004, 0.1]),
+       st.floats(0.0, 0.99), st.floats(0.9, 0.9999), schedules)
+def test_adamw_twins(size, seed, steps, lr, wd, b1, b2, schedule):
+    assert_bit_for_bit(*run_both("adamw", size, seed, steps, lr=lr, weight_decay=wd, beta1=b1,
+                                 beta2=b2, schedule=schedule))
+
+
+@FAST
+@given(sizes, seeds, st.integers(1, 5), lrs, decays, st.sampled_from([0.0, 0.1, 1.0]), schedules)
+def test_adagrad_twins(size, seed, steps, lr, wd, initial, schedule):
+    assert_bit_for_bit(*run_both("adagrad", size, seed, steps, lr=lr, weight_decay=wd,
+                                 initial_accumulator=initial, schedule=schedule))
+
+
+# float32 against float64 over a few steps: a few ulps of float32 per step, relative to the
+# move; a wrong constant (eps outside the root, 1 - rho swapped, the decay after the step, no
+# bias correction) is off by far more.
+KERAS_TOL = dict(rtol=2e-5, atol=1e-6)
+
+
+@FAST
+@given(seeds, st.integers(1, 6), st.floats(1e-3, 0.1), rhos, mus, st.booleans(),
+       st.sampled_from([1e-7, 1e-3]))
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_rmsprop_is_keras_rule(backend, seed, steps, lr, rho, mu, centered, eps):
+    w0, grads = draws(seed, 64, steps)
+    w, _ = steps_of("rmsprop", w0, grads, lr=lr, rho=rho, momentum=mu, centered=centered, eps=eps,
+                    backend=backend)
+    np.testing.assert_allclose(w, keras_rmsprop(w0, grads, lr, rho, mu, eps, centered), **KERAS_TOL)
+
+
+@FAST
+@given(seeds, st.integers(1, 6), st.floats(1e-3, 0.1), st.sampled_from([0.0, 0.004, 0.5]),
+       st.floats(0.5, 0.95), st.floats(0.9, 0.9999))
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_adamw_is_keras_rule(backend, seed, steps, lr, wd, b1, b2):
+    w0, grads = draws(seed, 64, steps)
+    w, _ = steps_of("adamw", w0, grads, lr=lr, weight_decay=wd, beta1=b1, beta2=b2, backend=backend)
+    np.testing.assert_allclose(w, keras_adamw(w0, grads, lr, wd, b1, b2), **KERAS_TOL)
+
+
+@FAST
+@given(seeds, st.integers(1, 6), st.floats(1e-3, 0.5), st.sampled_from([0.0, 0.1, 1.0]))
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_adagrad_is_keras_rule(backend, seed, steps, lr, initial):
+    w0, grads = draws(seed, 64, steps)
+    w, _ = steps_of("adagrad", w0, grads, lr=lr, initial_accumulator=initial, backend=backend)
+    np.testing.assert_allclose(w, keras_adagrad(w0, grads, lr, initial), **KERAS_TOL)
+
+
+def test_rmsprop_matches_the_example_in_keras_docstring():
+    """keras.optimizers.RMSprop's own example: lr 0.1, var 10, loss var^2 / 2, one step gives
+    9.683772. Catches a missing (1 - rho) or lr, or v starting at g^2 rather than 0."""
+    w, _ = steps_of("rmsprop", np.float32([10.0]), [np.float32([10.0])], lr=0.1)
+    assert w[0] == pytest.approx(9.683772, abs=1e-6)
+
+
+def test_defaults_are_keras_s():
+    """Catches a shared flag's default leaking across optimizers (momentum's 0.9 into rmsprop,
+    adam's eps 1e-8, weight decay 0 for adamw)."""
+    r = make_optimizer("rmsprop", 3, lr=1e-3)
+    assert (r.rho, r.momentum, r.eps, r.centered, r.weight_decay) == (0.9, 0.0, 1e-7, False, 0.0)
+    w = make_optimizer("adamw", 3, lr=1e-3)
+    assert (w.beta1, w.beta2, w.eps, w.weight_decay) == (0.9, 0.999, 1e-7, 0.004)
+    a = make_optimizer("adagrad", 3, lr=1e-3)
+    assert (a.initial_accumulator, a.eps, a.weight_decay) == (0.1, 1e-7, 0.0)
+    assert a.state["accumulator"].tolist() == pytest.approx([0.1] * 3)      # starts there, not at 0
+    # and the older rules keep theirs
+    assert make_optimizer("momentum", 3, lr=1e-3).momentum == 0.9
+    adam_ = make_optimizer("adam", 3, lr=1e-3)
+    assert (adam_.eps, adam_.weight_decay) == (1e-8, 0.0)
+
+
+def test_rmsprop_keeps_only_the_state_its_settings_use():
+    assert list(make_optimizer("rmsprop", 3, lr=1e-3).state) == ["velocity"]
+    both = make_optimizer("rmsprop", 3, lr=1e-3, momentum=0.5, centered=True)
+    assert sorted(both.state) == ["average_gradient", "momentum", "velocity"]
+    with pytest.raises(ConfigError, match=r"rmsprop keeps \['velocity'\], the checkpoint has .*"
+                                          r"another --momentum \(0 or not\) or --centered"):
+        make_optimizer("rmsprop", 3, lr=1e-3).load_state({k: v.copy() for k, v in both.state.items()})
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_adamw_decay_is_decoupled(backend):
+    """A zero gradient still shrinks w by lr * wd * w per step (the decay never enters m and v);
+    adam's coupled weight decay instead moves w by about lr per step (g' / sqrt(v') ~ 1)."""
+    lr, wd, w0 = 0.01, 0.5, np.float32([2.0, -4.0, 0.0])
+    w, opt = steps_of("adamw", w0, [np.zeros(3, np.float32)] * 3, lr=lr, weight_decay=wd, backend=backend)
+    np.testing.assert_allclose(w, w0 * (1 - lr * wd) ** 3, rtol=1e-6)
+    assert not opt.state["m"].any() and not opt.state["v"].any()
+    coupled, _ = steps_of("adam", w0, [np.zeros(3, np.float32)] * 3, lr=lr, weight_decay=wd, backend=backend)
+    np.testing.assert_allclose(coupled[:2], w0[:2] - 3 * lr * np.sign(w0[:2]), rtol=1e-3)
+
+
+def test_adamw_decay_takes_the_scheduled_lr():
+    """Keras decays by the learning rate of the step (a schedule's value), as it steps."""
+    w, _ = steps_of("adamw", np.float32([1.0]), [np.float32([0.0])] * 3, lr=0.1, weight_decay=1.0,
+                    schedule="step:1,0.5")
+    assert w[0] == pytest.approx((1 - 0.1) * (1 - 0.05) * (1 - 0.025), rel=1e-6)
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(name="rmsprop", rho=1.0), r"--rho: must be in \[0, 1\), got 1.0"),
+    (dict(name="rmsprop", rho=-0.1), "--rho"),
+    (dict(name="rmsprop", eps=-1e-7), "--eps: must be a number > 0, got -1e-07"),
+    (dict(name="rmsprop", momentum=1.0), "--momentum"),
+    (dict(name="rmsprop", nesterov=True), "--nesterov: applies to --optimizer momentum only"),
+    (dict(name="adagrad", eps=-1e-7), "--eps"),
+    (dict(name="adagrad", initial_accumulator=-0.1), "--initial-accumulator: must be a number >= 0"),
+    (dict(name="adamw", eps=0.0), "--eps"),
+    (dict(name="adamw", beta2=1.0), "--beta2"),
+    (dict(name="adamw", weight_decay=-0.004), "--weight-decay"),
+])
+def test_keras_rules_refuse_bad_values_naming_the_flag(kw, flag):
+    args = dict(size=4, lr=0.1) | kw
+    with pytest.raises(ConfigError, match=flag):
+        make_optimizer(args.pop("name"), args.pop("size"), **args)

@@ -77,7 +77,7 @@ def test_dense_optimizers_and_schedules():
         opt = make_optimizer(name, 3, lr=0.1)
         assert type(opt) is OPTIMIZERS.get(name) and opt.name == name
     with pytest.raises(ConfigError) as e:
-        make_optimizer("rmsprop", 3, lr=0.1)
+        make_optimizer("lion", 3, lr=0.1)
     unknown_names(str(e.value), OPTIMIZERS.names())
     examples = {"constant": "constant", "step": "step:10,0.5", "warmup": "warmup:5", "cosine": "cosine:100"}
     assert tuple(examples) == SCHEDULES.names()

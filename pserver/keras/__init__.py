@@ -1,7 +1,7 @@
 """Keras's names around a model, over pserver: `import pserver.keras as keras` and
 `from pserver.keras import layers` in place of Keras's imports.
 
-    keras.Input, keras.Sequential, keras.layers.*, keras.optimizers.{Adam, SGD},
+    keras.Input, keras.Sequential, keras.layers.*, keras.optimizers.{Adam, AdamW, SGD, RMSprop, Adagrad},
     keras.losses.*, keras.callbacks.{Callback, History}, keras.utils.to_categorical,
     keras.datasets.mnist.load_data(), keras.models.load_model, keras.saving.register_keras_serializable
 

@@ -81,10 +81,53 @@ class Adam(Optimizer):
                 "eps": self.epsilon}
 
 
+class AdamW(Adam):
+    """keras.optimizers.AdamW(learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999,
+    epsilon=1e-07, amsgrad=False): pserver's adamw, Keras's rule with its decoupled weight decay."""
+
+    def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-07,
+                 amsgrad=False, **common):
+        super().__init__(learning_rate, beta_1, beta_2, epsilon, amsgrad, **common)
+        if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or weight_decay < 0:
+            raise ConfigError(f"AdamW: weight_decay must be a number >= 0, got {weight_decay!r}")
+        self.weight_decay = float(weight_decay)
+
+    def settings(self):
+        return super().settings() | {"optimizer": "adamw", "weight_decay": self.weight_decay}
+
+
+class RMSprop(Optimizer):
+    """keras.optimizers.RMSprop(learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-07,
+    centered=False): pserver's rmsprop, Keras's rule."""
+
+    def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-07, centered=False,
+                 **common):
+        super().__init__(learning_rate, **common)
+        self.rho, self.momentum, self.epsilon = float(rho), float(momentum), float(epsilon)
+        self.centered = bool(centered)
+
+    def settings(self):
+        return {"optimizer": "rmsprop", "lr": self.learning_rate, "rho": self.rho, "momentum": self.momentum,
+                "eps": self.epsilon, "centered": self.centered}
+
+
+class Adagrad(Optimizer):
+    """keras.optimizers.Adagrad(learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-07):
+    pserver's adagrad, Keras's rule."""
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-07, **common):
+        super().__init__(learning_rate, **common)
+        self.initial_accumulator_value, self.epsilon = float(initial_accumulator_value), float(epsilon)
+
+    def settings(self):
+        return {"optimizer": "adagrad", "lr": self.learning_rate,
+                "initial_accumulator": self.initial_accumulator_value, "eps": self.epsilon}
+
+
 # Keras's string names (compile(optimizer="adam")) with Keras's defaults.
-_BY_NAME = {"sgd": SGD, "adam": Adam}
+_BY_NAME = {"sgd": SGD, "adam": Adam, "adamw": AdamW, "rmsprop": RMSprop, "adagrad": Adagrad}
 # Keras optimizers pserver's shards do not run (yet), refused by name.
-_NOT_HERE = ("rmsprop", "adamw", "adagrad", "adadelta", "adamax", "nadam", "ftrl", "lion", "adafactor")
+_NOT_HERE = ("adadelta", "adamax", "nadam", "ftrl", "lion", "adafactor")
 
 
 def get(spec) -> Optimizer:
@@ -95,7 +138,7 @@ def get(spec) -> Optimizer:
         return _BY_NAME[spec.lower()]()
     if isinstance(spec, str) and spec.lower() in _NOT_HERE:
         raise ConfigError(f"compile: optimizer={spec!r} is not supported (pserver's dense optimizers: "
-                          f"{', '.join(_BY_NAME)}); Keras's compile defaults to 'rmsprop': name one")
+                          f"{', '.join(_BY_NAME)})")
     raise ConfigError(f"compile: optimizer={spec!r}: give a name ({', '.join(_BY_NAME)}) or a "
                       "pserver.keras.optimizers object")
 
@@ -116,9 +159,7 @@ def from_settings(config: dict) -> Optimizer:
             raise ModelFileError(f"compiled optimizer {name}: {field}={value!r}: expected a "
                                  f"{'bool' if kind is bool else 'number'}")
     try:
-        if name == "adam":
-            return Adam(config["lr"], config["beta1"], config["beta2"], config["eps"])
-        return SGD(config["lr"], config.get("momentum", 0.0), config.get("nesterov", False))
+        return _BUILD[name](config)
     except ConfigError as e:
         raise ModelFileError(f"compiled optimizer {name}: {e}") from None
 
@@ -127,9 +168,20 @@ def from_settings(config: dict) -> Optimizer:
 _NUMBER = (int, float)
 _FIELDS = {"sgd": {"lr": _NUMBER},
            "momentum": {"lr": _NUMBER, "momentum": _NUMBER, "nesterov": bool},
-           "adam": {"lr": _NUMBER, "beta1": _NUMBER, "beta2": _NUMBER, "eps": _NUMBER}}
+           "adam": {"lr": _NUMBER, "beta1": _NUMBER, "beta2": _NUMBER, "eps": _NUMBER},
+           "adamw": {"lr": _NUMBER, "beta1": _NUMBER, "beta2": _NUMBER, "eps": _NUMBER,
+                     "weight_decay": _NUMBER},
+           "rmsprop": {"lr": _NUMBER, "rho": _NUMBER, "momentum": _NUMBER, "eps": _NUMBER, "centered": bool},
+           "adagrad": {"lr": _NUMBER, "initial_accumulator": _NUMBER, "eps": _NUMBER}}
+# The object from those fields, once checked.
+_BUILD = {"sgd": lambda c: SGD(c["lr"]),
+          "momentum": lambda c: SGD(c["lr"], c["momentum"], c["nesterov"]),
+          "adam": lambda c: Adam(c["lr"], c["beta1"], c["beta2"], c["eps"]),
+          "adamw": lambda c: AdamW(c["lr"], c["weight_decay"], c["beta1"], c["beta2"], c["eps"]),
+          "rmsprop": lambda c: RMSprop(c["lr"], c["rho"], c["momentum"], c["eps"], c["centered"]),
+          "adagrad": lambda c: Adagrad(c["lr"], c["initial_accumulator"], c["eps"])}
 
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
-__all__ = ["Optimizer", "SGD", "Adam", "get", "from_settings"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "get", "from_settings"]

@@ -3,10 +3,16 @@
     sgd        w -= lr * g
     momentum   heavy-ball or Nesterov momentum            state: v
     adam       Adam with bias correction                  state: m, v
+    adamw      Keras's AdamW: decoupled weight decay      state: m, v
+    rmsprop    Keras's RMSprop (momentum, centered)       state: velocity, momentum, average_gradient
+    adagrad    Keras's Adagrad                            state: accumulator
 
 Each rule lives in its own module as a numba kernel (`update`) and a NumPy twin
 (`update_numpy`); the classes here hold the hyper-parameters and the state arrays, pick the
 kernel by `backend` ("numba" or "numpy"), and scale lr by the schedule at each step.
+--weight-decay is L2 added to the gradient (coupled) for every rule but adamw's, where it is
+decoupled, as Keras's AdamW. --momentum, --eps and --weight-decay left unset take the
+optimizer's own default (`Optimizer.defaults`: Keras's for rmsprop, adamw and adagrad).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.optim import adam, momentum, sgd
+from pserver.optim import adagrad, adam, adamw, momentum, rmsprop, sgd
 from pserver.optim.schedule import SCHEDULES, parse_schedule
 from pserver.registry import Registry
 
@@ -46,6 +52,9 @@ class Optimizer:
     name = ""
     summary = ""  # one line for OPTIMIZERS' table
     rule = sgd  # the module with update / update_numpy / STATE
+    state_hint = "another --optimizer"  # what makes a checkpoint's state arrays differ from this one's
+    # The values of the flags several rules share, when not given (None): see with_defaults.
+    defaults = {"momentum": 0.9, "eps": 1e-8, "weight_decay": 0.0}
 
     def __init__(self, size: int, *, lr: float, schedule: Callable[[int], float],
                  weight_decay: float = 0.0, backend: str = "numba"):
@@ -53,11 +62,14 @@ class Optimizer:
         self.weight_decay, self.backend = float(weight_decay), backend
         self._update = self.rule.update if backend == "numba" else self.rule.update_numpy
         # Live state arrays (not copies): the server checkpoints them, load_state refills them.
-        self.state = {k: np.zeros(self.size, dtype=np.float32) for k in self.rule.STATE}
+        self.state = {k: np.zeros(self.size, dtype=np.float32) for k in self.state_names()}
+
+    def state_names(self) -> tuple[str, ...]:
+        """The state arrays this optimizer keeps (and checkpoints, by these names)."""
+        return self.rule.STATE
 
     @classmethod
-    def checked(cls, size: int, common: dict, *, momentum: float, nesterov: bool, beta1: float,
-                beta2: float, eps: float) -> Optimizer:
+    def checked(cls, size: int, common: dict, *, nesterov: bool, **_) -> Optimizer:
         """This optimizer from make_optimizer's arguments, after checking the ones it takes (and
         that it is not given --nesterov, which only momentum takes)."""
         _no_nesterov(cls.name, nesterov)
@@ -89,8 +101,7 @@ class Optimizer:
         """Copy checkpointed state arrays into this optimizer's, after checking them all."""
         if sorted(state) != sorted(self.state):
             raise ConfigError(f"optimizer state: {self.name} keeps {sorted(self.state)}, "
-                              f"the checkpoint has {sorted(state)} (was it saved with another "
-                              f"--optimizer?)")
+                              f"the checkpoint has {sorted(state)} (was it saved with {self.state_hint}?)")
         arrays = {k: np.asarray(v) for k, v in state.items()}
         for k, a in arrays.items():
             if a.shape != (self.size,) or a.dtype.kind != "f":
@@ -154,23 +165,101 @@ class Adam(Optimizer):
                      self.eps, t + 1, self.weight_decay)
 
 
+@OPTIMIZERS.register
+class AdamW(Adam):
+    name, rule = "adamw", adamw
+    summary = ("Keras's AdamW: Adam with decoupled weight decay w -= lr * wd * w "
+               "(--weight-decay, default 0.004)")
+    defaults = Adam.defaults | {"eps": 1e-7, "weight_decay": 0.004}   # Keras's
+
+
+@OPTIMIZERS.register
+class RMSprop(Optimizer):
+    name, rule = "rmsprop", rmsprop
+    summary = "Keras's RMSprop (--rho, --momentum, --eps, --centered)"
+    defaults = Optimizer.defaults | {"momentum": 0.0, "eps": 1e-7}   # Keras's
+    state_hint = "another --optimizer, or another --momentum (0 or not) or --centered"
+
+    def __init__(self, size, *, rho: float = 0.9, momentum: float = 0.0, eps: float = 1e-7,
+                 centered: bool = False, **kw):
+        # Set before the base allocates the state: which arrays exist depends on them.
+        self.rho, self.momentum, self.eps = float(rho), float(momentum), float(eps)
+        self.centered = bool(centered)
+        super().__init__(size, **kw)
+
+    def state_names(self):
+        return rmsprop.state_names(self.momentum, self.centered)
+
+    @classmethod
+    def checked(cls, size, common, *, nesterov, rho, momentum, eps, centered, **_):
+        _no_nesterov(cls.name, nesterov)
+        _check("--rho", rho, "in [0, 1)", lambda x: 0 <= x < 1)
+        _check("--momentum", momentum, "in [0, 1)", lambda x: 0 <= x < 1)
+        _check("--eps", eps, "a number > 0", lambda x: x > 0)
+        return cls(size, rho=rho, momentum=momentum, eps=eps, centered=centered, **common)
+
+    def _apply(self, w, g, state, t, lr):
+        # An array the configuration does not keep goes in empty (the kernel never reads it).
+        self._update(w, g, state["velocity"], state.get("momentum", _NONE),
+                     state.get("average_gradient", _NONE), lr, self.rho, self.momentum, self.eps,
+                     self.centered, self.weight_decay)
+
+
+@OPTIMIZERS.register
+class Adagrad(Optimizer):
+    name, rule = "adagrad", adagrad
+    summary = "Keras's Adagrad (--initial-accumulator, --eps)"
+    defaults = Optimizer.defaults | {"eps": 1e-7}   # Keras's
+
+    def __init__(self, size, *, initial_accumulator: float = 0.1, eps: float = 1e-7, **kw):
+        super().__init__(size, **kw)
+        self.initial_accumulator, self.eps = float(initial_accumulator), float(eps)
+        self.state["accumulator"].fill(self.initial_accumulator)   # Keras starts it there, not at 0
+
+    @classmethod
+    def checked(cls, size, common, *, nesterov, initial_accumulator, eps, **_):
+        _no_nesterov(cls.name, nesterov)
+        _check("--initial-accumulator", initial_accumulator, "a number >= 0", lambda x: x >= 0)
+        _check("--eps", eps, "a number > 0", lambda x: x > 0)
+        return cls(size, initial_accumulator=initial_accumulator, eps=eps, **common)
+
+    def _apply(self, w, g, state, t, lr):
+        self._update(w, g, state["accumulator"], lr, self.eps, self.weight_decay)
+
+
+_NONE = np.zeros(0, dtype=np.float32)   # a state array an optimizer's settings do not keep
+SHARED = ("momentum", "eps", "weight_decay")   # flags several rules take, defaults per rule
+
+
+def with_defaults(name: str, values: dict) -> dict:
+    """`values` (flags by config field name) with each shared flag that is None (not given)
+    at optimizer `name`'s default: --momentum is 0.9 for momentum but 0 for rmsprop, --eps
+    1e-8 for adam but Keras's 1e-7 for the others, --weight-decay 0.004 for adamw."""
+    defaults = OPTIMIZERS.get(name).defaults
+    return values | {k: defaults[k] for k in SHARED if k in values and values[k] is None}
+
+
 def make_optimizer(name: str, size: int, *, lr: float, schedule: str = "constant",
-                   momentum: float = 0.9, nesterov: bool = False, beta1: float = 0.9,
-                   beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                   momentum: float | None = None, nesterov: bool = False, beta1: float = 0.9,
+                   beta2: float = 0.999, eps: float | None = None, weight_decay: float | None = None,
+                   rho: float = 0.9, centered: bool = False, initial_accumulator: float = 0.1,
                    backend: str = "numba") -> Optimizer:
-    """Build an optimizer by name; bad names and values raise ConfigError naming the flag."""
+    """Build an optimizer by name; bad names and values raise ConfigError naming the flag.
+    momentum, eps and weight_decay left None take the optimizer's defaults (with_defaults)."""
     cls = OPTIMIZERS.get(name)
     if backend not in OPTIM_BACKENDS:
         raise ConfigError(f"optimizer backend: unknown {backend!r}; "
                           f"choose one of {', '.join(OPTIM_BACKENDS)}")
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
         raise ValueError(f"optimizer size must be an integer >= 0, got {size!r}")
+    shared = with_defaults(name, dict(momentum=momentum, eps=eps, weight_decay=weight_decay))
     _check("--lr", lr, "a number > 0", lambda x: x > 0)
-    _check("--weight-decay", weight_decay, "a number >= 0", lambda x: x >= 0)
-    common = dict(lr=lr, schedule=parse_schedule(schedule), weight_decay=weight_decay,
+    _check("--weight-decay", shared["weight_decay"], "a number >= 0", lambda x: x >= 0)
+    common = dict(lr=lr, schedule=parse_schedule(schedule), weight_decay=shared["weight_decay"],
                   backend=backend)
-    return cls.checked(size, common, momentum=momentum, nesterov=nesterov, beta1=beta1, beta2=beta2,
-                       eps=eps)
+    return cls.checked(size, common, momentum=shared["momentum"], nesterov=nesterov, beta1=beta1,
+                       beta2=beta2, eps=shared["eps"], rho=rho, centered=centered,
+                       initial_accumulator=initial_accumulator)
 
 
 def _check(flag: str, value, wanted: str, ok: Callable[[float], bool]) -> None:
@@ -187,5 +276,5 @@ def _no_nesterov(name: str, nesterov: bool) -> None:
         raise ConfigError(f"--nesterov: applies to --optimizer momentum only, not {name!r}")
 
 
-__all__ = ["OPTIMIZERS", "OPTIM_BACKENDS", "SCHEDULES", "Optimizer", "SGD", "Momentum", "Adam",
-           "make_optimizer", "parse_schedule"]
+__all__ = ["OPTIMIZERS", "OPTIM_BACKENDS", "SCHEDULES", "Optimizer", "SGD", "Momentum", "Adam", "AdamW",
+           "RMSprop", "Adagrad", "make_optimizer", "with_defaults", "parse_schedule"]

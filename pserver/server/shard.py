@@ -160,10 +160,7 @@ class Shard:
         return result
 
     def _optimizer_for(self, size: int):
-        c = self.cfg
-        return make_optimizer(c.optimizer, size, lr=c.lr, schedule=c.lr_schedule,
-                              momentum=c.momentum, nesterov=c.nesterov, beta1=c.beta1,
-                              beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay)
+        return make_optimizer(self.cfg.optimizer, size, **self.cfg.optimizer_args())
 
     def register(self, rank: int, num_workers: int, shard: int, num_shards: int,
                  layout: Layout, protocol_version: int = PROTOCOL_VERSION, data_seed: int = 0,
