@@ -42,6 +42,10 @@ class TracedLayer(Layer):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        own = [c for c in cls.__mro__[:cls.__mro__.index(TracedLayer)] if "forward" in c.__dict__]
+        if own:
+            raise ConfigError(f"{cls.__name__}: a keras.layers.Layer subclass defines call (traced); a layer "
+                              "with its own forward and backward subclasses pserver.layers.Layer")
         if "kind" not in cls.__dict__:       # Keras's default name: the class in snake case
             cls.kind = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
 
