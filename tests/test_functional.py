@@ -178,3 +178,15 @@ def test_a_functional_model_is_not_saved_yet_and_says_so(tmp_path):
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     with pytest.raises(ConfigError, match="saving a Functional model is not supported yet"):
         model.save(tmp_path / "m.npz")
+
+
+def test_a_lambda_of_ops_computes_on_arrays_and_traces_on_tensors():
+    """Catches: a Lambda that records nothing (its ops missing from the graph) or computes
+    eagerly something else than its function."""
+    x = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    scale = layers.Lambda(lambda t: ops.exp(t) * 2.0)
+    assert np.allclose(scale(x), np.exp(x) * 2)
+    inp = keras.Input(shape=(4,))
+    model = keras.Model(inp, layers.Dense(2)(layers.Lambda(lambda t: ops.exp(t) * 2.0)(inp)))
+    core = model._core.use_backend("reference")
+    assert [s.op.name for s in core._plan(False).steps if s.op is not None] == ["exp", "multiply"]

@@ -231,3 +231,12 @@ def test_a_conv_graph_with_a_residual_branch_trains_by_its_gradient():
     model = Functional(x, Dense(3)(Flatten()(h)))
     rng = np.random.default_rng(3)
     assert_fd(model, rng.normal(size=(2, 6, 6, 2)), np.array([0, 2]))
+
+
+def test_an_op_with_several_outputs_takes_the_cotangent_of_each():
+    """Catches: a multi-output op (split) planned as one output, or one part's gradient lost."""
+    x = Symbolic((None, 3))
+    a, b, c = ops.split(Dense(6, activation="tanh")(x), 3, axis=1)
+    out = Dense(2)(concatenate([a * b, ops.exp(c)]))
+    rng = np.random.default_rng(4)
+    assert_fd(Functional(x, out), rng.normal(size=(4, 3)), np.array([0, 1, 1, 0]))

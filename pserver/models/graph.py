@@ -200,19 +200,25 @@ def backward(plan: Plan, k, params: list[dict], grads: list[dict], vals: list, d
             continue
         if step.op is None:
             _layer_backward(plan, k, i, params, grads, vals, acc[step.out], acc, bufs, written)
-            continue
-        g, out = ([acc[s] for s in step.outs], [vals[s] for s in step.outs]) if step.op.multi else \
-            (acc[step.out], vals[step.out])
-        gs = core.backward(step.op, g, out, [vals[s] for s in step.ins], step.node.attrs)
-        for s, gi in zip(step.ins, gs):
-            if gi is not None and plan.needs_grad[s]:
-                _add(acc, s, gi)
+        else:
+            _op_backward(plan, step, vals, acc)
     for s, (li, name) in plan.weight_slots.items():
         grads[li][name][...] = 0 if acc[s] is None else acc[s]
     for li, layer in enumerate(plan.layers):      # a layer whose output took no gradient
         if li not in written and not layer.traced:
             for view in grads[li].values():
                 view[...] = 0
+
+
+def _op_backward(plan: Plan, step: Step, vals: list, acc: list) -> None:
+    if step.op.multi:
+        g, out = [acc[s] for s in step.outs], [vals[s] for s in step.outs]
+    else:
+        g, out = acc[step.out], vals[step.out]
+    gs = core.backward(step.op, g, out, [vals[s] for s in step.ins], step.node.attrs)
+    for s, gi in zip(step.ins, gs):
+        if gi is not None and plan.needs_grad[s]:
+            _add(acc, s, gi)
 
 
 def _layer_backward(plan, k, i, params, grads, vals, g, acc, bufs, written) -> None:
