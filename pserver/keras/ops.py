@@ -12,8 +12,13 @@ from pserver.ops import (
     concatenate,
     convert_to_tensor,
     divide,
+    equal,
     exp,
     expand_dims,
+    greater,
+    greater_equal,
+    less,
+    less_equal,
     log,
     log_softmax,
     matmul,
@@ -24,9 +29,11 @@ from pserver.ops import (
     minimum,
     multiply,
     negative,
+    not_equal,
     one_hot,
     power,
     relu,
+    repeat,
     reshape,
     shape,
     sigmoid,
@@ -40,6 +47,7 @@ from pserver.ops import (
     sum,
     take,
     tanh,
+    tile,
     transpose,
     where,
 )
@@ -47,7 +55,8 @@ from pserver.ops import (
 __getattr__ = _missing(__name__)     # a keras.ops name pserver lacks: one line naming it
 
 __all__ = ["add", "subtract", "multiply", "divide", "negative", "power", "matmul", "exp", "log", "sqrt",
-           "square", "abs", "absolute", "maximum", "minimum", "clip", "where", "cast", "relu", "sigmoid",
+           "square", "abs", "absolute", "maximum", "minimum", "greater", "greater_equal", "less",
+           "less_equal", "equal", "not_equal", "clip", "where", "cast", "relu", "sigmoid",
            "tanh", "softmax", "log_softmax", "one_hot", "sum", "mean", "max", "min", "reshape",
-           "transpose", "expand_dims", "squeeze", "concatenate", "stack", "split", "take",
-           "convert_to_tensor", "shape"]
+           "transpose", "expand_dims", "squeeze", "concatenate", "stack", "split", "repeat", "tile",
+           "take", "convert_to_tensor", "shape"]

@@ -80,6 +80,11 @@ class Symbolic:
     def __pow__(self, o): return apply("power", self, o)
     def __rpow__(self, o): return apply("power", o, self)
     def __abs__(self): return apply("abs", self)
+    # no __eq__/__ne__: a symbolic tensor stays hashable and compared by identity (a graph's dict keys)
+    def __lt__(self, o): return apply("less", self, o)
+    def __le__(self, o): return apply("less_equal", self, o)
+    def __gt__(self, o): return apply("greater", self, o)
+    def __ge__(self, o): return apply("greater_equal", self, o)
     def __getitem__(self, key): return apply("getitem", self, key=_plain_key(key))
 
     def __bool__(self):
@@ -164,6 +169,11 @@ def backward(o: Op, g, out, xs: list, attrs: dict) -> list:
             for gx, x, k in zip(grads, xs, keep)]
 
 
+def ids(indices: np.ndarray) -> np.ndarray:
+    """An index tensor as integers: Keras casts float ids (an id Input is often float32)."""
+    return indices if np.issubdtype(indices.dtype, np.integer) else indices.astype(np.int64)
+
+
 def _float_dtype(args) -> np.dtype | None:
     """The float dtype a Python number among `args` takes: the tensors' (x * 2 stays float32,
     as in Keras and NumPy's own scalars), None when no argument is a float tensor."""
@@ -177,7 +187,7 @@ def _array(a, like: np.dtype | None = None):
         return a
     if isinstance(a, (float, int)) and not isinstance(a, bool) and like is not None:
         return np.asarray(a, dtype=like)
-    if isinstance(a, (bool, int, float, np.number)):
+    if isinstance(a, (bool, int, float, np.generic)):
         return np.asarray(a, dtype=np.float32 if isinstance(a, float) else None)
     if isinstance(a, (list, tuple)):
         return np.asarray(a)
@@ -191,10 +201,14 @@ def _run(o: Op, arrays: list, attrs: dict, shapes: list):
         return o.forward(*arrays, **attrs)
     except ConfigError:
         raise
-    except (ValueError, IndexError, TypeError) as e:
-        given = "".join(f", {k}={v!r}" for k, v in attrs.items())
-        raise ConfigError(f"op {o.name}: inputs of shapes {', '.join(map(str, shapes))}{given} do not "
-                          f"fit ({type(e).__name__}: {e})") from None
+    except Exception as e:
+        raise _refusal(o, shapes, attrs, e) from None
+
+
+def _refusal(o: Op, shapes: list, attrs: dict, e: Exception) -> ConfigError:
+    given = "".join(f", {k}={v!r}" for k, v in attrs.items())
+    return ConfigError(f"op {o.name}: inputs of shapes {', '.join(map(str, shapes))}{given} do not "
+                       f"fit ({type(e).__name__}: {e})")
 
 
 def infer(o: Op, inputs: list, attrs: dict):
@@ -206,9 +220,10 @@ def infer(o: Op, inputs: list, attrs: dict):
         dtype = np.result_type(*(i.dtype for i in inputs))
         try:
             out = o.shape(*shapes, **attrs)
-        except (ValueError, IndexError, TypeError) as e:
-            raise ConfigError(f"op {o.name}: inputs of shapes {', '.join(map(str, shapes))} do not fit "
-                              f"({type(e).__name__}: {e})") from None
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise _refusal(o, shapes, attrs, e) from None
         return [(tuple(s), dtype) for s in out] if o.multi else (tuple(out), dtype)
     runs = [_run(o, [_ones(i, batch) for i in inputs], attrs, shapes) for batch in (2, 3)]
     if not o.multi:
@@ -234,4 +249,4 @@ def _ones(i, batch: int) -> np.ndarray:
 
 
 __all__ = ["Op", "OPS", "register", "op", "apply", "backward", "Symbolic", "Node", "unbroadcast", "infer",
-           "key_of"]
+           "key_of", "ids"]

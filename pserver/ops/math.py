@@ -1,6 +1,6 @@
-"""Element-wise arithmetic with NumPy's broadcasting, matmul and cast: each op's forward (NumPy,
-which is also its twin: these are memory-bound, and matmul goes to NumPy's BLAS) beside its VJP.
-A binary op's VJP sums each gradient back to its input's shape (unbroadcast)."""
+"""Element-wise arithmetic and comparisons with NumPy's broadcasting, matmul and cast: each op's
+forward (NumPy, which is also its twin: these are memory-bound, and matmul goes to NumPy's BLAS)
+beside its VJP. A binary op's VJP sums each gradient back to its input's shape (unbroadcast)."""
 
 from __future__ import annotations
 
@@ -27,12 +27,25 @@ register(Op("subtract", np.subtract,
             lambda g, out, x1, x2: (unbroadcast(g, x1.shape), unbroadcast(-g, x2.shape))))
 _binary("multiply", np.multiply, lambda x1, x2, out: x2, lambda x1, x2, out: x1)
 _binary("divide", np.divide, lambda x1, x2, out: 1 / x2, lambda x1, x2, out: -out / x2)
-# d/dx2 x1**x2 = out * log(x1), defined for x1 > 0 only (0 elsewhere, as JAX's where x1 == 0)
+# d/dx2 x1**x2 = out * log(x1), defined for x1 > 0 only: 0 elsewhere rather than nan
 _binary("power", np.power, lambda x1, x2, out: x2 * np.power(x1, x2 - 1),
         lambda x1, x2, out: out * np.log(np.where(x1 > 0, x1, 1)))
 # a tie (x1 == x2) sends the gradient to x1 only: a subgradient, as TensorFlow's
 _binary("maximum", np.maximum, lambda x1, x2, out: x1 >= x2, lambda x1, x2, out: x1 < x2)
 _binary("minimum", np.minimum, lambda x1, x2, out: x1 <= x2, lambda x1, x2, out: x1 > x2)
+
+
+def _comparison(name: str, forward) -> None:
+    """Booleans (for where and masks), through which no gradient flows."""
+    register(Op(name, forward, lambda g, out, x1, x2: (None, None), differentiable=(False, False)))
+
+
+_comparison("greater", np.greater)
+_comparison("greater_equal", np.greater_equal)
+_comparison("less", np.less)
+_comparison("less_equal", np.less_equal)
+_comparison("equal", np.equal)
+_comparison("not_equal", np.not_equal)
 
 register(Op("negative", np.negative, lambda g, out, x: (-g,)))
 _unary("exp", np.exp, lambda x, out: out)
@@ -113,6 +126,30 @@ def minimum(x1, x2):
     return apply("minimum", x1, x2)
 
 
+def greater(x1, x2):
+    return apply("greater", x1, x2)
+
+
+def greater_equal(x1, x2):
+    return apply("greater_equal", x1, x2)
+
+
+def less(x1, x2):
+    return apply("less", x1, x2)
+
+
+def less_equal(x1, x2):
+    return apply("less_equal", x1, x2)
+
+
+def equal(x1, x2):
+    return apply("equal", x1, x2)
+
+
+def not_equal(x1, x2):
+    return apply("not_equal", x1, x2)
+
+
 def negative(x):
     return apply("negative", x)
 
@@ -162,5 +199,6 @@ def cast(x, dtype):
     return apply("cast", x, dtype=np.dtype(dtype).name)
 
 
-__all__ = ["add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "negative", "exp",
+__all__ = ["add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "greater", "greater_equal",
+           "less", "less_equal", "equal", "not_equal", "negative", "exp",
            "log", "sqrt", "square", "abs", "absolute", "clip", "where", "matmul", "cast"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.ops.core import Op, apply, register
+from pserver.ops.core import Op, apply, ids, register
 
 
 def _sigmoid(x):
@@ -35,11 +35,9 @@ register(Op("log_softmax", _log_softmax,
 
 
 def _one_hot(x, num_classes, axis=-1, dtype="float32"):
-    """x's integers as one-hot vectors along a new `axis`; an id outside [0, num_classes) gives
-    a row of zeros (as TensorFlow's one_hot)."""
-    if not np.issubdtype(x.dtype, np.integer):
-        raise ConfigError(f"op one_hot: its input must be integers, not {x.dtype.name}")
-    hot = (x[..., None] == np.arange(num_classes)).astype(dtype)
+    """x's ids as one-hot vectors along a new `axis`; an id outside [0, num_classes) gives a
+    row of zeros (as TensorFlow's one_hot)."""
+    hot = (ids(x)[..., None] == np.arange(num_classes)).astype(dtype)
     return np.moveaxis(hot, -1, axis)
 
 

@@ -33,7 +33,7 @@ def _mean_vjp(g, out, x, axis=None, keepdims=False):
 def _extreme_vjp(g, out, x, axis=None, keepdims=False):
     """g to the elements equal to the max (min), shared equally among ties (as JAX's)."""
     hit = x == _kept(out, x, axis, keepdims)
-    share = _kept(g, x, axis, keepdims) / hit.sum(axis=_axes(axis, x.ndim), keepdims=True)
+    share = _kept(g, x, axis, keepdims) / hit.sum(axis=_axes(axis, x.ndim), keepdims=True, dtype=g.dtype)
     return (hit * share,)
 
 

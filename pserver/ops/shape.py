@@ -1,12 +1,12 @@
-"""Ops that move values without arithmetic: reshape, transpose, expand_dims, squeeze,
-concatenate, stack, split, slicing (getitem) and take; each VJP routes g back to where the
+"""Ops that move values without arithmetic: reshape, transpose, expand_dims, squeeze, concatenate,
+stack, split, repeat, tile, slicing (getitem) and take; each VJP routes g back to where the
 values came from. Also Keras's convert_to_tensor and shape."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from pserver.ops.core import Op, Symbolic, apply, key_of, register
+from pserver.ops.core import Op, Symbolic, apply, ids, key_of, register
 
 
 def _like_input(g, out, x, **attrs):
@@ -48,6 +48,35 @@ register(Op("split", lambda x, indices_or_sections, axis=0: np.split(x, indices_
             _split_vjp, multi=True))
 
 
+def _repeat_vjp(g, out, x, repeats, axis=None):
+    """Each element's copies summed back onto it."""
+    src = x.reshape(-1) if axis is None else x
+    ax = 0 if axis is None else axis % x.ndim
+    n = src.shape[ax]
+    if isinstance(repeats, int):          # n runs of `repeats` copies: sum each run
+        runs = g.reshape(src.shape[:ax] + (n, repeats) + src.shape[ax + 1:])
+        return (runs.sum(axis=ax + 1).reshape(x.shape),)
+    owner = np.repeat(np.arange(n), repeats)      # the element each copy came from
+    gx = np.zeros_like(src)
+    np.add.at(np.moveaxis(gx, ax, 0), owner, np.moveaxis(g, ax, 0))
+    return (gx.reshape(x.shape),)
+
+
+register(Op("repeat", lambda x, repeats, axis=None: np.repeat(x, repeats, axis=axis), _repeat_vjp))
+
+
+def _tile_vjp(g, out, x, repeats):
+    """The tiles summed: g seen as (r0, d0, r1, d1, ...) with the rank padded as np.tile pads it."""
+    rank = max(len(repeats), x.ndim)
+    reps = (1,) * (rank - len(repeats)) + tuple(repeats)
+    dims = (1,) * (rank - x.ndim) + x.shape
+    tiles = g.reshape([n for pair in zip(reps, dims) for n in pair])
+    return (tiles.sum(axis=tuple(range(0, 2 * rank, 2))).reshape(x.shape),)
+
+
+register(Op("tile", lambda x, repeats: np.tile(x, repeats), _tile_vjp))
+
+
 def _basic(key) -> bool:
     """Whether indexing with `key` is NumPy's basic indexing (ints, slices, None, ...), which
     reaches each element at most once."""
@@ -68,14 +97,9 @@ def _getitem_vjp(g, out, x, key):
 register(Op("getitem", lambda x, key: x[key_of(key)], _getitem_vjp))
 
 
-def _indices(indices):
-    """take's indices as integers (Keras casts them: an id Input is often float32)."""
-    return indices if np.issubdtype(indices.dtype, np.integer) else indices.astype(np.int64)
-
-
 def _take_vjp(g, out, x, indices, axis=None):
     """Each taken element's gradient added back at its index (an index taken twice gets both)."""
-    indices = _indices(indices)
+    indices = ids(indices)
     gx = np.zeros_like(x)
     if axis is None:
         np.add.at(gx.reshape(-1), indices, g)
@@ -87,7 +111,7 @@ def _take_vjp(g, out, x, indices, axis=None):
     return gx, None
 
 
-register(Op("take", lambda x, indices, axis=None: np.take(x, _indices(indices), axis=axis), _take_vjp,
+register(Op("take", lambda x, indices, axis=None: np.take(x, ids(indices), axis=axis), _take_vjp,
             differentiable=(True, False)))
 
 
@@ -123,6 +147,18 @@ def split(x, indices_or_sections, axis=0):
                  axis=axis)
 
 
+def repeat(x, repeats, axis=None):
+    """Each element `repeats` times along `axis` (None: x flattened); `repeats` an int or one
+    count per element, known when the graph is built."""
+    counts = repeats if isinstance(repeats, int) else tuple(int(r) for r in np.ravel(repeats))
+    return apply("repeat", x, repeats=counts, axis=axis)
+
+
+def tile(x, repeats):
+    reps = (int(repeats),) if np.ndim(repeats) == 0 else tuple(int(r) for r in repeats)
+    return apply("tile", x, repeats=reps)
+
+
 def take(x, indices, axis=None):
     return apply("take", x, indices, axis=axis)
 
@@ -146,5 +182,5 @@ def shape(x) -> tuple:
     return tuple(x.shape)
 
 
-__all__ = ["reshape", "transpose", "expand_dims", "squeeze", "concatenate", "stack", "split", "take",
-           "convert_to_tensor", "shape"]
+__all__ = ["reshape", "transpose", "expand_dims", "squeeze", "concatenate", "stack", "split", "repeat",
+           "tile", "take", "convert_to_tensor", "shape"]
