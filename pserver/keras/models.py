@@ -299,6 +299,9 @@ class _Model:
         place = cluster.current()
         if place is not None and place.rank != 0:
             return                            # the chief's to write, as a Keras chief saves
+        if isinstance(self._core, _Functional):
+            raise ConfigError(f"save: {self.name}: saving a keras.Model (Functional or subclassed) is not "
+                              "supported yet (issue 48); get_weights() gives its weights")
         compiled = self.optimizer.get_config() if self.optimizer else None
         model_file.save(filepath, self._core, self._weights(), {"keras_optimizer": compiled}, {})
 

@@ -77,8 +77,11 @@ class Functional(Sequential):
             return self._inputs[0].shape[1:]
         return (sum(math.prod(x.shape[1:]) for x in self._inputs),)
 
-    def get_config(self) -> dict:
-        raise ConfigError(f"{self.name}: saving a Functional model is not supported yet (issue 48)")
+    @property
+    def get_config(self):
+        """None yet (saving a graph's definition is issue 48's file-format part): a model file
+        of a Functional holds its weights, loaded with pserver.load_model(path, model=...)."""
+        raise AttributeError(f"{self.name}: a Functional model has no get_config yet")
 
     @property
     def _takes_ids(self) -> bool:
