@@ -37,7 +37,7 @@ class MLPBlock(keras.layers.Layer):
         self.linear_2 = Linear(units)
 
     def call(self, inputs):
-        return self.linear_2(ops.relu(self.linear_1(inputs)))
+        return self.linear_2(keras.activations.relu(self.linear_1(inputs)))
 
 
 def blobs(n=600, d=8, classes=3, seed=0):

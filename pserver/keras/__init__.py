@@ -2,6 +2,7 @@
 `from pserver.keras import layers` in place of Keras's imports.
 
     keras.Input, keras.Sequential, keras.Model(inputs, outputs), keras.layers.*, keras.ops,
+    keras.activations,
     keras.optimizers.{Adam, SGD},
     keras.losses.*, keras.callbacks.{Callback, History}, keras.utils.to_categorical,
     keras.datasets.mnist.load_data(), keras.models.load_model, keras.saving.register_keras_serializable
@@ -11,11 +12,22 @@ A script runs plainly (fit trains on shards it starts in its process) or under `
 has the table of what is supported.
 """
 
-from pserver.keras import callbacks, datasets, layers, losses, models, ops, optimizers, saving, utils
+from pserver.keras import (
+    activations,
+    callbacks,
+    datasets,
+    layers,
+    losses,
+    models,
+    ops,
+    optimizers,
+    saving,
+    utils,
+)
 from pserver.keras._names import missing as _missing
 from pserver.keras.models import Input, Model, Sequential
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["Input", "Sequential", "Model", "layers", "models", "optimizers", "losses", "callbacks", "utils",
-           "datasets", "saving", "ops"]
+           "datasets", "saving", "ops", "activations"]

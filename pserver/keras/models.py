@@ -28,7 +28,7 @@ from pserver.keras import cluster, optimizers
 from pserver.keras._names import missing as _missing
 from pserver.layers import activations
 from pserver.layers.base import Layer, as_shape
-from pserver.layers.traced import TracedLayer
+from pserver.layers.traced import TracedLayer, snake_case
 from pserver.models.functional import Functional as _Functional
 from pserver.models.sequential import Sequential as _Sequential
 from pserver.ops.core import Symbolic
@@ -346,8 +346,7 @@ class Model(_Model):
     def __init__(self, inputs=None, outputs=None, name=None, trainable=True, **unsupported):
         _refuse("Model", unsupported, trainable=None if trainable is True else trainable)
         if inputs is None and outputs is None and type(self).call is not Model.call:
-            snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in type(self).__name__).lstrip("_")
-            super().__init__(None, name or snake)
+            super().__init__(None, name or snake_case(type(self).__name__))
             return
         if inputs is None or outputs is None:
             raise ConfigError("Model: give inputs= and outputs= (keras.Input tensors and the tensor "
@@ -370,13 +369,14 @@ class Model(_Model):
         xs = [np.asarray(a) for a in (x if several else [x])]
         inputs = [Input(shape=a.shape[1:], dtype="int32" if a.dtype.kind in "iu" else "float32") for a in xs]
         args = inputs if several else inputs[0]
-        return _FunctionalCore(args, _CallOf(self, name=self.name)(args), name=self.name)
+        return _FunctionalCore(args, ModelCall(self, name=self.name)(args), name=self.name)
 
 
-class _CallOf(TracedLayer):
-    """A subclassed Model's call as a traced layer: the graph traces it per training value."""
+class ModelCall(TracedLayer):
+    """A subclassed Model's call as a traced layer (the graph traces it per training value);
+    the first row of the model's summary."""
 
-    kind = "model"
+    kind = "model_call"
 
     def __init__(self, model: Model, **kwargs):
         super().__init__(**kwargs)

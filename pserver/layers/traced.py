@@ -47,7 +47,7 @@ class TracedLayer(Layer):
             raise ConfigError(f"{cls.__name__}: a keras.layers.Layer subclass defines call (traced); a layer "
                               "with its own forward and backward subclasses pserver.layers.Layer")
         if "kind" not in cls.__dict__:       # Keras's default name: the class in snake case
-            cls.kind = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+            cls.kind = snake_case(cls.__name__)
 
     def __init__(self, *, input_shape=None, name: str | None = None, trainable: bool = True, dtype=None):
         super().__init__(input_shape=input_shape, name=name)
@@ -150,6 +150,11 @@ class Lambda(TracedLayer):
         return self.function(inputs, **self.arguments)
 
 
+def snake_case(name: str) -> str:
+    """Keras's to_snake_case: MLPBlock -> mlp_block, Linear -> linear."""
+    return re.sub(r"([a-z])([A-Z])", r"\1_\2", re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)).lower()
+
+
 class _user_errors:   # noqa: N801 (used as a with-statement)
     """A ConfigError, or any error, raised while a user's build or call runs: one ConfigError
     naming the layer and the user's own file and line (the last frame outside pserver)."""
@@ -169,4 +174,4 @@ class _user_errors:   # noqa: N801 (used as a with-statement)
         raise ConfigError(f"{self.layer.label}: {self.what}{at}: {text}") from None
 
 
-__all__ = ["TracedLayer", "WeightTensor", "Lambda"]
+__all__ = ["TracedLayer", "WeightTensor", "Lambda", "snake_case"]
