@@ -20,6 +20,7 @@ from pserver.layers import (
     Conv2D,
     Dense,
     Dot,
+    Embedding,
     Flatten,
     GlobalAveragePooling1D,
     GlobalAveragePooling2D,
@@ -37,7 +38,7 @@ from pserver.layers import (
     multiply,
     subtract,
 )
-from pserver.models import cnn, mlp
+from pserver.models import cnn, mlp, on_device
 from pserver.models.functional import Functional
 from pserver.ops.core import Symbolic
 
@@ -240,3 +241,20 @@ def test_an_op_with_several_outputs_takes_the_cotangent_of_each():
     out = Dense(2)(concatenate([a * b, ops.exp(c)]))
     rng = np.random.default_rng(4)
     assert_fd(Functional(x, out), rng.normal(size=(4, 3)), np.array([0, 1, 1, 0]))
+
+
+def test_integer_inputs_reach_a_dense_layer_as_floats_and_an_embedding_as_ids():
+    """Catches: uint8 pixels handed to a float kernel, or ids rounded through float32."""
+    pixels, ids = Symbolic((None, 3), "uint8"), Symbolic((None, 2), "int64")
+    h = concatenate([Dense(2)(pixels), Flatten()(Embedding(2**20, 2)(ids))])
+    model = Functional([pixels, ids], Dense(2)(h))
+    w = model.init_params(0)
+    x = [np.array([[1, 2, 3]], np.uint8), np.array([[2**20 - 1, 5]])]
+    out = model.predict(w, x)
+    views = model.layout.views(w)
+    emb = views["embedding/embeddings"][[2**20 - 1, 5]].reshape(-1)
+    dense = x[0].astype(np.float32) @ views["dense/kernel"] + views["dense/bias"]
+    expected = np.concatenate([dense[0], emb]) @ views["dense_1/kernel"] + views["dense_1/bias"]
+    assert np.allclose(out[0], expected, rtol=1e-5)
+    with pytest.raises(ConfigError, match="runs on the cpu and reference backends only"):
+        on_device(model, "cuda")

@@ -176,7 +176,7 @@ def forward(plan: Plan, k, params: list[dict], xs: list[np.ndarray], bufs: PlanB
             continue
         layer = plan.layers[step.layer]
         for s in step.ins:      # the kernels take C-contiguous arrays of the model's dtype
-            vals[s] = _fit(vals[s], bufs.dtype)
+            vals[s] = _fit(vals[s], bufs.dtype, getattr(layer, "takes_ids", False))
         x = [vals[s] for s in step.ins] if layer.takes_list else vals[step.ins[0]]
         if layer.reshapes_only:
             vals[step.out] = x.reshape((x.shape[0], *layer.output_shape))
@@ -252,8 +252,9 @@ def _add(acc: list, s: int, g: np.ndarray) -> None:
     acc[s] = g if acc[s] is None else acc[s] + g
 
 
-def _fit(a: np.ndarray, dtype) -> np.ndarray:
-    if a.dtype.kind == "f" and a.dtype != dtype:
+def _fit(a: np.ndarray, dtype, ids: bool) -> np.ndarray:
+    """a as a layer takes it: C-contiguous, and in the model's float dtype unless it is ids."""
+    if a.dtype != dtype and not (ids and a.dtype.kind in "iu"):
         return np.ascontiguousarray(a, dtype)
     return np.ascontiguousarray(a)
 
