@@ -86,8 +86,7 @@ class _Model:
     @property
     def _core(self):
         if self._built_core is None:
-            raise ConfigError(f"{self.name}: not built yet: a subclassed Model is traced at its first data "
-                              "(fit, evaluate, predict) or by model.build(input_shape)")
+            self._ready(None)
         return self._built_core
 
     @_core.setter
@@ -121,14 +120,20 @@ class _Model:
         self._compiled = True
 
     def _ready(self, x) -> None:
-        """A subclassed Model's core, traced from the first data's shapes."""
-        if self._built_core is None:
-            self._core = self._trace(x)
-            if self._pending is not None:
-                self._core.compile(**self._pending)
+        """A core traced from the data `x` (its shapes) when the model has none yet: a subclassed
+        Model, or a Sequential with a layer of your own; x None: from the shapes it knows."""
+        if self._built_core is not None:
+            return
+        core = self._trace(x)
+        if core is None:
+            raise ConfigError(f"{self.name}: not built yet: it is traced at its first data (fit, evaluate, "
+                              "predict) or by model.build(input_shape)")
+        self._built_core = core
+        if self._pending is not None:
+            core.compile(**self._pending)
 
     def _trace(self, x):
-        raise NotImplementedError       # only a subclassed Model is ever without a core
+        raise NotImplementedError       # only a model whose core waits for its shapes gets here
 
     def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
                 show_trainable=False, layer_range=None) -> None:
@@ -300,8 +305,9 @@ class _Model:
         if place is not None and place.rank != 0:
             return                            # the chief's to write, as a Keras chief saves
         if isinstance(self._core, _Functional):
-            raise ConfigError(f"save: {self.name}: saving a keras.Model (Functional or subclassed) is not "
-                              "supported yet (issue 48); get_weights() gives its weights")
+            raise ConfigError(f"save: {self.name}: saving a graph (a keras.Model, or a Sequential with a "
+                              "layer of your own) is not supported yet (issue 48); get_weights() gives its "
+                              "weights")
         compiled = self.optimizer.get_config() if self.optimizer else None
         model_file.save(filepath, self._core, self._weights(), {"keras_optimizer": compiled}, {})
 
@@ -312,21 +318,52 @@ class Sequential(_Model):
     def __init__(self, layers=None, trainable=True, name=None):
         _refuse("Sequential", {}, trainable=None if trainable is True else trainable)
         super().__init__(_Core(name=name or "sequential"))
+        # The layers, once one of them runs only in a graph (a layer of your own, Lambda): the
+        # model is then these layers called in a chain (pserver's Functional), traced when its
+        # input shape is known.
+        self._chain: list | None = None
+        self._input_shape = None
         for layer in layers or ():
             self.add(layer)
 
+    @property
+    def layers(self) -> list[Layer]:
+        return list(self._chain if self._chain is not None else self._core.layers)
+
     def add(self, layer) -> None:
         if isinstance(layer, Symbolic) and layer.node is None:     # keras.Input: the input shape
-            if self._core.layers:
+            if self.layers:
                 raise ConfigError("Sequential.add: keras.Input goes first")
-            self._core._input_shape = layer.shape[1:]
+            self._input_shape = self._core._input_shape = layer.shape[1:]
             return
-        self._core.add(layer)
+        if self._chain is None and getattr(layer, "traced", False):
+            self._chain, self._name = list(self._core.layers), self._core.name
+            self._built_core = None
+        if self._chain is None:
+            self._core.add(layer)
+        elif self._built_core is not None:
+            raise ConfigError(f"Sequential.add: {self.name} is built (its graph is traced); add layers first")
+        else:
+            self._chain.append(layer)
 
     def build(self, input_shape=None) -> None:
         if input_shape is not None:          # Keras's includes the batch dimension
             input_shape = tuple(input_shape)[1:]
-        self._core.build(input_shape)
+        if self._chain is None:
+            self._core.build(input_shape)
+        else:
+            self._input_shape = input_shape or self._input_shape
+            self._ready(None)
+
+    def _trace(self, x):
+        shape = self._input_shape or (self._chain[0].input_shape if self._chain else None)
+        if shape is None and x is None:
+            return None
+        dtype = "int32" if shape is None and np.asarray(x).dtype.kind in "iu" else "float32"
+        h = inp = Input(shape=shape or np.shape(x)[1:], dtype=dtype)
+        for layer in self._chain:
+            h = layer(h)
+        return _FunctionalCore(inp, h, name=self._name)
 
     @classmethod
     def from_config(cls, config: dict) -> "Sequential":
@@ -365,6 +402,8 @@ class Model(_Model):
                     np.zeros((1, *tuple(input_shape)[1:]), np.float32))
 
     def _trace(self, x):
+        if x is None:
+            return None
         several = isinstance(x, (list, tuple))
         xs = [np.asarray(a) for a in (x if several else [x])]
         inputs = [Input(shape=a.shape[1:], dtype="int32" if a.dtype.kind in "iu" else "float32") for a in xs]
