@@ -218,3 +218,23 @@ def test_a_lambda_of_ops_computes_on_arrays_and_traces_on_tensors():
     model = keras.Model(inp, layers.Dense(2)(layers.Lambda(lambda t: ops.exp(t) * 2.0)(inp)))
     core = model._core.use_backend("reference")
     assert [s.op.name for s in core._plan(False).steps if s.op is not None] == ["exp", "multiply"]
+
+
+class Scaled(keras.layers.Layer):
+    def call(self, inputs, scale=1.0, shift=None):
+        out = inputs * scale
+        return out if shift is None else out + shift
+
+
+def test_a_call_s_keyword_arguments_are_traced_with_it_and_a_built_in_layer_refuses_them():
+    """Catches: keyword arguments dropped between the first call and the model's plan (the
+    graph would compute call's defaults), or a tensor argument not wired into the graph."""
+    a, b = keras.Input(shape=(2,)), keras.Input(shape=(2,))
+    model = keras.Model([a, b], layers.Dense(2)(Scaled()(a, scale=3.0, shift=b)))
+    xa, xb = np.random.default_rng(0).random((2, 4, 2), np.float32)
+    w = model._weights()
+    views = model._core.layout.views(w)
+    expected = (3 * xa + xb) @ views["dense/kernel"] + views["dense/bias"]
+    assert np.allclose(model.predict([xa, xb]), expected, rtol=1e-6)
+    with pytest.raises(ConfigError, match=r"layer dense \(Dense\): takes no argument 'scale'"):
+        layers.Dense(2, name="dense")(a, scale=2)
