@@ -149,6 +149,7 @@ def test_a_functional_seed_model_equals_its_sequential_loss_and_gradient(make, s
     assert np.linalg.norm(g_fun - g_seq) <= 1e-6 * np.linalg.norm(g_seq)
     assert np.array_equal(fun.predict(w, x), seq.predict(w, x))
     assert fun.evaluate(w, x, y) == seq.evaluate(w, x, y)
+    assert fun.evaluate(w, x, y, batch_size=5, threads=2) == seq.evaluate(w, x, y, batch_size=5)
 
 
 # -- calls, shapes, refusals ------------------------------------------------------------------------
