@@ -118,16 +118,19 @@ class Functional(Sequential):
         if len(x) != len(self._inputs):
             raise ValueError(f"x has {len(x)} arrays; {self.name} takes {len(self._inputs)} inputs "
                              f"({', '.join(self._keys)})")
-        parts = []
-        for key, inp, xi in zip(self._keys, self._inputs, x):
-            xi = np.asarray(xi)
-            shaped = shaped_for(xi, inp.shape[1:]) if xi.ndim >= 1 else None
-            if shaped is None or len(xi) != len(x[0]):
-                raise ValueError(f"input {key!r}: x has shape {xi.shape}; it takes (n, "
-                                 f"{', '.join(map(str, inp.shape[1:]))}) with n = {len(x[0])}")
-            parts.append(shaped.reshape(len(xi), -1))
+        parts = [self._flat(key, inp, np.asarray(xi), len(x[0]))
+                 for key, inp, xi in zip(self._keys, self._inputs, x)]
         ids = self._takes_ids and not all(x.dtype.kind in "iu" for x in self._inputs)
         return np.concatenate(parts, axis=1, dtype=np.float64 if ids else None)
+
+    @staticmethod
+    def _flat(key: str, inp: Symbolic, xi: np.ndarray, n: int) -> np.ndarray:
+        """One input's samples as (n, features); ValueError naming it if they do not fit."""
+        shaped = shaped_for(xi, inp.shape[1:]) if xi.ndim >= 1 else None
+        if shaped is None or len(xi) != n:
+            raise ValueError(f"input {key!r}: x has shape {xi.shape}; it takes (n, "
+                             f"{', '.join(map(str, inp.shape[1:]))}) with n = {n}")
+        return shaped.reshape(n, -1)
 
     def _fit_x(self, x) -> np.ndarray:
         return super()._fit_x(self.pack(x))
