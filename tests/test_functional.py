@@ -10,6 +10,7 @@ import pytest
 import pserver.keras as keras
 from pserver.errors import ConfigError
 from pserver.keras import layers, ops
+from tests.support.gradients import assert_fd
 
 
 class Linear(keras.layers.Layer):
@@ -70,7 +71,6 @@ def test_a_nested_custom_layer_s_gradient_equals_finite_differences():
     core = model._core.use_backend("reference")
     assert core.layout.describe() == ("linear/variable[4, 8], linear/variable_1[8], "
                                       "linear_1/variable[8, 3], linear_1/variable_1[3]")
-    from tests.test_graph import assert_fd
     rng = np.random.default_rng(0)
     assert_fd(core, rng.normal(size=(5, 4)), rng.integers(0, 3, 5))
 

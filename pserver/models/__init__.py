@@ -166,7 +166,15 @@ def _check_positive(what: str, v) -> None:
         raise ConfigError(f"{what} must be a positive integer, got {v!r}")
 
 
+def from_config(config: dict, **kwargs) -> Sequential:
+    """The model a saved definition describes: a Functional's (its class_name says so) or a
+    Sequential's, so that every model file's definition is built by this one call."""
+    kind = Functional if config.get("class_name") == "Functional" else Sequential
+    return kind.from_config(config, **kwargs)
+
+
 __all__ = ["MODELS", "make_model", "on_device", "check_model_spec", "Model", "Sequential", "Functional",
+           "from_config",
            "Layout",
            "TensorSpec", "CTRModel", "ctr_model",
            "losses", "task_of", "mlp", "logreg", "linreg", "cnn", "load_model", "protocol_gaps", "fits",

@@ -80,7 +80,7 @@ class Functional(Sequential):
 
     def get_config(self) -> dict:
         """The graph as JSON (pserver.models.graph_config), the loss and the metrics:
-        `Sequential.from_config` (so a model file's loader) builds the same model."""
+        `pserver.models.from_config` (so a model file's loader) builds the same model."""
         config = graph_config.to_config(self._keys, self._inputs, self._output, self._layer_configs)
         return {"class_name": "Functional", "name": self.name, "dict_inputs": self._dict_inputs, **config,
                 "loss": self.loss.get_config(), "metrics": list(self.metrics)}

@@ -169,12 +169,8 @@ class Sequential(Model):
 
     @classmethod
     def from_config(cls, config: dict, **kwargs) -> "Sequential":
-        """The model `config` describes: a Sequential's, or a Functional's (class_name), so that
-        every model file's definition is built by this one call."""
+        """The Sequential `config` describes (pserver.models.from_config builds either kind)."""
         from pserver.layers import layer_class
-        if config.get("class_name") == "Functional":
-            from pserver.models.functional import Functional
-            return Functional.from_config(config, **kwargs)
         try:
             layers = [layer_class(entry["class_name"]).from_config(entry["config"])
                       for entry in config["layers"]]

@@ -689,8 +689,8 @@ def load(path: str, model=None, safe_mode: bool = True) -> SavedModel:
             refuse_code(path, meta)
     with model_file_errors(path):                # the file's own definition
         if model is None and meta.get("model") is None:
-            from pserver.models.sequential import Sequential
-            model = Sequential.from_config(meta["sequential"])
+            from pserver.models import from_config
+            model = from_config(meta["sequential"])
         elif model is None:
             model = build(meta, meta["model"])
     weights = weights_of(path, meta, arrays, model.layout)
