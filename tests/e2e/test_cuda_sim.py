@@ -12,7 +12,11 @@ pytestmark = pytest.mark.e2e
 
 TINY = ["--model", "mlp", "--hidden", "6", "--samples", "192", "--test-samples", "64", "--features", "5",
         "--classes", "3", "--batch-size", "16", "--max-steps", "4", "--optimizer", "sgd", "--lr", "0.1",
-        "--seed", "5"]
+        "--seed", "5",
+        # Every step waits for both workers however slow the simulator runs on a loaded machine: at
+        # the default 60 s a step once closed without one (CI-like run at load 12), and the weights
+        # were then one worker's gradient, not the mean of two.
+        "--step-timeout", "600"]
 
 
 def final_weights(tmp_path, device: str) -> np.ndarray:
