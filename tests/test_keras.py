@@ -125,7 +125,11 @@ EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shap
             "Conv2D": dict(filters=2, kernel_size=(3, 2), strides=2, padding="same", activation="relu"),
             "MaxPooling2D": dict(pool_size=3, strides=1), "AveragePooling2D": dict(pool_size=(2, 2)),
             "Flatten": {}, "Dropout": dict(rate=0.3, seed=7), "Embedding": dict(input_dim=10, output_dim=4),
-            "FM": {}}
+            "FM": {}, "Add": {}, "Subtract": {}, "Multiply": {}, "Average": {}, "Maximum": {}, "Minimum": {},
+            "Concatenate": dict(axis=1), "Dot": dict(axes=(2, 1)), "GlobalAveragePooling1D": {},
+            "GlobalAveragePooling2D": dict(keepdims=True), "GlobalMaxPooling1D": {}, "GlobalMaxPooling2D": {},
+            "Activation": dict(activation="tanh"), "Reshape": dict(target_shape=(2, -1)),
+            "Permute": dict(dims=(2, 1)), "RepeatVector": dict(n=3)}
 
 
 @pytest.mark.parametrize("name", LAYERS.names())
@@ -309,7 +313,8 @@ def test_summary_prints_keras_s_table_and_returns_none(capsys):
 
 @pytest.mark.parametrize("module, name", [("", "applications"), ("layers", "BatchNormalization"),
                                           ("callbacks", "EarlyStopping"), ("optimizers", "Nadam"),
-                                          ("losses", "Huber"), ("models", "Model"), ("utils", "plot_model"),
+                                          ("losses", "Huber"), ("models", "clone_model"),
+                                          ("utils", "plot_model"),
                                           ("saving", "load_model"), ("datasets", "cifar10")])
 def test_a_keras_name_pserver_keras_lacks_is_one_line_naming_it_and_the_table(module, name):
     """Catches: a bare AttributeError ("module 'pserver.keras.layers' has no attribute ...")

@@ -1,7 +1,9 @@
 """Keras's names around a model, over pserver: `import pserver.keras as keras` and
 `from pserver.keras import layers` in place of Keras's imports.
 
-    keras.Input, keras.Sequential, keras.layers.*, keras.optimizers.{Adam, AdamW, SGD, RMSprop, Adagrad},
+    keras.Input, keras.Sequential, keras.Model(inputs, outputs), keras.layers.*, keras.ops,
+    keras.activations,
+    keras.optimizers.{Adam, AdamW, SGD, RMSprop, Adagrad},
     keras.losses.*, keras.callbacks.{Callback, History}, keras.utils.to_categorical,
     keras.datasets.mnist.load_data(), keras.models.load_model, keras.saving.register_keras_serializable
 
@@ -10,11 +12,22 @@ A script runs plainly (fit trains on shards it starts in its process) or under `
 has the table of what is supported.
 """
 
-from pserver.keras import callbacks, datasets, layers, losses, models, ops, optimizers, saving, utils
+from pserver.keras import (
+    activations,
+    callbacks,
+    datasets,
+    layers,
+    losses,
+    models,
+    ops,
+    optimizers,
+    saving,
+    utils,
+)
 from pserver.keras._names import missing as _missing
-from pserver.keras.models import Input, Sequential
+from pserver.keras.models import Input, Model, Sequential
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
-__all__ = ["Input", "Sequential", "layers", "models", "optimizers", "losses", "callbacks", "utils",
-           "datasets", "saving", "ops"]
+__all__ = ["Input", "Sequential", "Model", "layers", "models", "optimizers", "losses", "callbacks", "utils",
+           "datasets", "saving", "ops", "activations"]

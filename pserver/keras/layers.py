@@ -1,20 +1,49 @@
-"""keras.layers: pserver's layers by Keras's names (pserver.layers), and Input."""
+"""keras.layers: pserver's layers by Keras's names (pserver.layers), Input, and Layer, the class
+a user's layer subclasses (build with add_weight, call with pserver.keras.ops: traced)."""
 
 from pserver.keras._names import missing as _missing
 from pserver.keras.models import Input
 from pserver.layers import (
     FM,
+    Activation,
+    Add,
+    Average,
     AveragePooling2D,
+    Concatenate,
     Conv2D,
     Dense,
+    Dot,
     Dropout,
     Embedding,
     Flatten,
-    Layer,
+    GlobalAveragePooling1D,
+    GlobalAveragePooling2D,
+    GlobalMaxPooling1D,
+    GlobalMaxPooling2D,
+    Maximum,
     MaxPooling2D,
+    Minimum,
+    Multiply,
+    Permute,
+    RepeatVector,
+    Reshape,
+    Subtract,
+    add,
+    average,
+    concatenate,
+    dot,
+    maximum,
+    minimum,
+    multiply,
+    subtract,
 )
+from pserver.layers.traced import Lambda
+from pserver.layers.traced import TracedLayer as Layer
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["Input", "Layer", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D", "Flatten", "Dropout",
-           "Embedding", "FM"]
+           "Embedding", "FM", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate",
+           "Dot", "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D",
+           "GlobalMaxPooling2D", "Activation", "Reshape", "Permute", "RepeatVector", "Lambda",
+           "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]

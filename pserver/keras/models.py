@@ -1,4 +1,5 @@
-"""keras.Sequential and keras.models.load_model: Keras's model API over pserver's Sequential.
+"""keras.Sequential, keras.Model and keras.models.load_model: Keras's model API over pserver's
+models (pserver.models.Sequential, and Functional for keras.Model(inputs, outputs)).
 
 The model here is a Keras user's: it holds its weights (`get_weights`), and `fit` trains them
 on shards. Run plainly, fit starts the shards in this process (pserver.train(ps=N)); under
@@ -12,6 +13,8 @@ ones pserver does not support (docs/guide/keras.md has the table).
 from __future__ import annotations
 
 import contextlib
+import inspect
+import itertools
 import math
 import os
 import sys
@@ -25,74 +28,78 @@ from pserver.keras import cluster, optimizers
 from pserver.keras._names import missing as _missing
 from pserver.layers import activations
 from pserver.layers.base import Layer, as_shape
+from pserver.layers.traced import TracedLayer, snake_case
+from pserver.models.functional import Functional as _Functional
 from pserver.models.sequential import Sequential as _Sequential
+from pserver.ops.core import Symbolic
 from pserver.persist import model_file
 
 # The shards a plain script's fit starts in its own process.
 OWN_SHARDS = 1
 
 
-class _Core(_Sequential):
-    """pserver's Sequential whose chief starts the shards from the Keras model's weights."""
+class _Initial:
+    """A core model whose chief starts the shards from the Keras model's weights."""
     initial: np.ndarray | None = None
 
     def init_params(self, seed: int) -> np.ndarray:
         return super().init_params(seed) if self.initial is None else self.initial.copy()
 
 
-class InputSpec:
-    """keras.Input(shape=...): the model's input shape (without the batch)."""
-
-    def __init__(self, shape=None, batch_size=None, dtype=None, sparse=None, batch_shape=None, name=None,
-                 tensor=None, **unsupported):
-        _refuse("Input", unsupported, batch_size=batch_size, dtype=dtype, sparse=sparse,
-                batch_shape=batch_shape, tensor=tensor)
-        self.shape = as_shape("Input: shape", shape)
-        self.name = name
+class _Core(_Initial, _Sequential):
+    """pserver's Sequential, started from the Keras model's weights."""
 
 
-def Input(shape=None, **kwargs) -> InputSpec:   # noqa: N802 (Keras's name)
-    """keras.Input(shape=(28, 28, 1)): a Sequential's first entry, the input shape without the batch."""
-    return InputSpec(shape, **kwargs)
+class _FunctionalCore(_Initial, _Functional):
+    """pserver's Functional, started from the Keras model's weights."""
 
 
-class Sequential:
-    """keras.Sequential([keras.Input(shape=(28, 28, 1)), layers.Conv2D(32, 3), ...])."""
+_input_names = iter(f"input_layer{'' if i == 0 else f'_{i}'}" for i in itertools.count())
 
-    def __init__(self, layers=None, trainable=True, name=None):
-        _refuse("Sequential", {}, trainable=None if trainable is True else trainable)
-        self._core = _Core(name=name or "sequential")
-        self._input_shape = None
+
+def Input(shape=None, batch_size=None, dtype=None, sparse=None, batch_shape=None, name=None,  # noqa: N802
+          tensor=None, **unsupported) -> Symbolic:
+    """keras.Input(shape=(28, 28, 1)): a symbolic tensor with a batch of None, to call layers on
+    (keras.Model(inputs, outputs)), or a Sequential's first entry (its input shape)."""
+    _refuse("Input", unsupported, batch_size=batch_size, sparse=sparse, batch_shape=batch_shape,
+            tensor=tensor)
+    shape = as_shape("Input: shape", shape)
+    dtype = np.dtype(dtype or "float32")
+    if dtype.kind not in "fiu":
+        raise ConfigError(f"Input: dtype={dtype.name!r}: give a float or an integer type")
+    return Symbolic((None, *shape), dtype, name=name or next(_input_names))
+
+
+class _Model:
+    """What keras.Sequential and keras.Model share: weights, compile, fit, evaluate, predict,
+    save and summary over a core model (`self._core`, a pserver Sequential or Functional)."""
+
+    def __init__(self, core, name: str | None = None):
+        self._built_core, self._name = core, name
         self._w: np.ndarray | None = None
         self.optimizer: optimizers.Optimizer | None = None
         self.stop_training = False
         self.history = None
         self._compiled = False
-        for layer in layers or ():
-            self.add(layer)
+        self._pending: dict | None = None      # compile's loss and metrics, until the core exists
 
-    # -- the model's definition -----------------------------------------------------------------
+    @property
+    def _core(self):
+        if self._built_core is None:
+            self._ready(None)
+        return self._built_core
+
+    @_core.setter
+    def _core(self, core) -> None:
+        self._built_core = core
 
     @property
     def name(self) -> str:
-        return self._core.name
+        return self._name if self._built_core is None else self._core.name
 
     @property
     def layers(self) -> list[Layer]:
         return list(self._core.layers)
-
-    def add(self, layer) -> None:
-        if isinstance(layer, InputSpec):
-            if self._core.layers:
-                raise ConfigError("Sequential.add: keras.Input goes first")
-            self._core._input_shape = layer.shape
-            return
-        self._core.add(layer)
-
-    def build(self, input_shape=None) -> None:
-        if input_shape is not None:          # Keras's includes the batch dimension
-            input_shape = tuple(input_shape)[1:]
-        self._core.build(input_shape)
 
     def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None,
                 weighted_metrics=None, run_eagerly=False, steps_per_execution=1, jit_compile="auto",
@@ -106,8 +113,27 @@ class Sequential:
         if loss is None:
             raise ConfigError("compile: loss: give one (pserver does not train without a loss)")
         self.optimizer = optimizers.get(optimizer)
-        self._core.compile(loss=loss, metrics=metrics)
+        if self._built_core is None:
+            self._pending = {"loss": loss, "metrics": metrics}
+        else:
+            self._core.compile(loss=loss, metrics=metrics)
         self._compiled = True
+
+    def _ready(self, x) -> None:
+        """A core traced from the data `x` (its shapes) when the model has none yet: a subclassed
+        Model, or a Sequential with a layer of your own; x None: from the shapes it knows."""
+        if self._built_core is not None:
+            return
+        core = self._trace(x)
+        if core is None:
+            raise ConfigError(f"{self.name}: not built yet: it is traced at its first data (fit, evaluate, "
+                              "predict) or by model.build(input_shape)")
+        self._built_core = core
+        if self._pending is not None:
+            core.compile(**self._pending)
+
+    def _trace(self, x):
+        raise NotImplementedError       # only a model whose core waits for its shapes gets here
 
     def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
                 show_trainable=False, layer_range=None) -> None:
@@ -121,12 +147,6 @@ class Sequential:
 
     def get_config(self) -> dict:
         return self._core.get_config()
-
-    @classmethod
-    def from_config(cls, config: dict) -> "Sequential":
-        model = cls(name=config.get("name"))
-        model._core = _Core.from_config(config)
-        return model
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -227,8 +247,18 @@ class Sequential:
         self.history = history
         return history
 
+    def _x(self, x, what: str) -> np.ndarray:
+        """x as one array: a Functional's several inputs (a list, a dict by name) side by side."""
+        self._ready(x)
+        if not isinstance(self._core, _Functional):
+            return np.asarray(x)
+        try:
+            return self._core.pack(x)
+        except ValueError as e:
+            raise DataError(f"{what}: {e}") from None
+
     def _arrays(self, x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
-        x = np.asarray(x)
+        x = self._x(x, what)
         if x.dtype.kind in "biu" and not self._core._takes_ids:
             x = x.astype(np.float32)
         try:
@@ -244,7 +274,8 @@ class Sequential:
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None) -> np.ndarray:
         """The model's outputs: probabilities after a softmax (sigmoid) last layer, as Keras's."""
         _refuse("predict", {}, steps=steps, callbacks=callbacks)
-        out = self._core.predict(self._weights(), np.asarray(x), batch_size=batch_size or 4096)
+        x = self._x(x, "predict")
+        out = self._core.predict(self._weights(), x, batch_size=batch_size or 4096)
         return activations.probabilities(self._core.output_activation, out)
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
@@ -273,8 +304,127 @@ class Sequential:
         place = cluster.current()
         if place is not None and place.rank != 0:
             return                            # the chief's to write, as a Keras chief saves
+        if isinstance(self._core, _Functional):
+            raise ConfigError(f"save: {self.name}: saving a graph (a keras.Model, or a Sequential with a "
+                              "layer of your own) is not supported yet (issue 48); get_weights() gives its "
+                              "weights")
         compiled = self.optimizer.get_config() if self.optimizer else None
         model_file.save(filepath, self._core, self._weights(), {"keras_optimizer": compiled}, {})
+
+
+class Sequential(_Model):
+    """keras.Sequential([keras.Input(shape=(28, 28, 1)), layers.Conv2D(32, 3), ...])."""
+
+    def __init__(self, layers=None, trainable=True, name=None):
+        _refuse("Sequential", {}, trainable=None if trainable is True else trainable)
+        super().__init__(_Core(name=name or "sequential"))
+        # The layers, once one of them runs only in a graph (a layer of your own, Lambda): the
+        # model is then these layers called in a chain (pserver's Functional), traced when its
+        # input shape is known.
+        self._chain: list | None = None
+        self._input_shape = None
+        for layer in layers or ():
+            self.add(layer)
+
+    @property
+    def layers(self) -> list[Layer]:
+        return list(self._chain if self._chain is not None else self._core.layers)
+
+    def add(self, layer) -> None:
+        if isinstance(layer, Symbolic) and layer.node is None:     # keras.Input: the input shape
+            if self.layers:
+                raise ConfigError("Sequential.add: keras.Input goes first")
+            self._input_shape = self._core._input_shape = layer.shape[1:]
+            return
+        if self._chain is None and getattr(layer, "traced", False):
+            self._chain, self._name = list(self._core.layers), self._core.name
+            self._built_core = None
+        if self._chain is None:
+            self._core.add(layer)
+        elif self._built_core is not None:
+            raise ConfigError(f"Sequential.add: {self.name} is built (its graph is traced); add layers first")
+        else:
+            self._chain.append(layer)
+
+    def build(self, input_shape=None) -> None:
+        if input_shape is not None:          # Keras's includes the batch dimension
+            input_shape = tuple(input_shape)[1:]
+        if self._chain is None:
+            self._core.build(input_shape)
+        else:
+            self._input_shape = input_shape or self._input_shape
+            self._ready(None)
+
+    def _trace(self, x):
+        shape = self._input_shape or (self._chain[0].input_shape if self._chain else None)
+        if shape is None and x is None:
+            return None
+        dtype = "int32" if shape is None and np.asarray(x).dtype.kind in "iu" else "float32"
+        h = inp = Input(shape=shape or np.shape(x)[1:], dtype=dtype)
+        for layer in self._chain:
+            h = layer(h)
+        return _FunctionalCore(inp, h, name=self._name)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Sequential":
+        model = cls(name=config.get("name"))
+        model._core = _Core.from_config(config)
+        return model
+
+
+class Model(_Model):
+    """keras.Model(inputs, outputs): the layers and ops called from keras.Input tensors to the
+    output, as one graph (pserver.models.Functional); inputs a tensor, a list or a dict by name.
+
+    Or subclassed, as Keras's: layers made in __init__ (after super().__init__()) and used in
+    `call(inputs, training=None)`, which is traced at the first data (or `build`) on
+    keras.Input tensors of its shapes, once per training value, into the same graph."""
+
+    def __init__(self, inputs=None, outputs=None, name=None, trainable=True, **unsupported):
+        _refuse("Model", unsupported, trainable=None if trainable is True else trainable)
+        if inputs is None and outputs is None and type(self).call is not Model.call:
+            super().__init__(None, name or snake_case(type(self).__name__))
+            return
+        if inputs is None or outputs is None:
+            raise ConfigError("Model: give inputs= and outputs= (keras.Input tensors and the tensor "
+                              "computed from them), or subclass Model and define call")
+        super().__init__(_FunctionalCore(inputs, outputs, name=name or "functional"))
+
+    def call(self, inputs, training=None):
+        raise ConfigError(f"{self.name}: a subclassed keras.Model defines call(self, inputs)")
+
+    def build(self, input_shape) -> None:
+        """Trace a subclassed Model's call for inputs of `input_shape` (with the batch, as Keras's;
+        a list of them for several inputs)."""
+        several = isinstance(input_shape, list)
+        shapes = input_shape if several else [input_shape]
+        self._ready([np.zeros((1, *tuple(s)[1:]), np.float32) for s in shapes] if several else
+                    np.zeros((1, *tuple(input_shape)[1:]), np.float32))
+
+    def _trace(self, x):
+        if x is None:
+            return None
+        several = isinstance(x, (list, tuple))
+        xs = [np.asarray(a) for a in (x if several else [x])]
+        inputs = [Input(shape=a.shape[1:], dtype="int32" if a.dtype.kind in "iu" else "float32") for a in xs]
+        args = inputs if several else inputs[0]
+        return _FunctionalCore(args, ModelCall(self, name=self.name)(args), name=self.name)
+
+
+class ModelCall(TracedLayer):
+    """A subclassed Model's call as a traced layer (the graph traces it per training value);
+    the first row of the model's summary."""
+
+    kind = "model_call"
+
+    def __init__(self, model: Model, **kwargs):
+        super().__init__(**kwargs)
+        self.model = model
+
+    def call(self, inputs, training=None):
+        if "training" in inspect.signature(self.model.call).parameters:
+            return self.model.call(inputs, training=training)
+        return self.model.call(inputs)
 
 
 def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> Sequential:
@@ -338,4 +488,4 @@ def _refuse(where: str, unknown: dict, **given) -> None:
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
-__all__ = ["Sequential", "Input", "InputSpec", "load_model"]
+__all__ = ["Sequential", "Model", "Input", "load_model"]

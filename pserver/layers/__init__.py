@@ -9,12 +9,21 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
               max_rows=0, ttl_steps=0, row_dtype='float32', state_dtype='float32'): a table of
               unbounded ids on the shards (row_dtype float16 or bfloat16: compact rows)
     FM(): a factorization machine's pairwise term over (fields, k) embeddings
+    Add(), Subtract(), Multiply(), Average(), Maximum(), Minimum(), Concatenate(axis=-1),
+    Dot(axes), and add([a, b]), concatenate([a, b]), ...: merge layers, called on a list
+    GlobalAveragePooling1D/2D(), GlobalMaxPooling1D/2D(), Activation(name), Reshape(shape),
+    Permute(dims), RepeatVector(n)
+
+Called on keras.Input(...) tensors, layers build a graph (pserver.models.Functional). A user's
+layer subclasses pserver.layers.traced.TracedLayer (pserver.keras.layers.Layer); Lambda(function)
+(pserver.layers.traced) is a function of ops as a layer: code, so in no registry a model file names.
 
 Activations: None (linear), 'relu', 'sigmoid', 'tanh'. Any layer takes `input_shape=` (without
 the batch dimension) and `name=`.
 """
 
 from pserver.errors import ConfigError
+from pserver.layers.activation import Activation
 from pserver.layers.base import Layer, Pass, Weight
 from pserver.layers.conv import Conv2D
 from pserver.layers.dense import Dense
@@ -22,8 +31,33 @@ from pserver.layers.dropout import Dropout
 from pserver.layers.embedding import Embedding
 from pserver.layers.fm import FM
 from pserver.layers.initializers import Initializer, RandomUniform, VarianceScaling, Zeros
-from pserver.layers.pooling import AveragePooling2D, MaxPooling2D
-from pserver.layers.reshape import Flatten
+from pserver.layers.merge import (
+    Add,
+    Average,
+    Concatenate,
+    Dot,
+    Maximum,
+    Minimum,
+    Multiply,
+    Subtract,
+    add,
+    average,
+    concatenate,
+    dot,
+    maximum,
+    minimum,
+    multiply,
+    subtract,
+)
+from pserver.layers.pooling import (
+    AveragePooling2D,
+    GlobalAveragePooling1D,
+    GlobalAveragePooling2D,
+    GlobalMaxPooling1D,
+    GlobalMaxPooling2D,
+    MaxPooling2D,
+)
+from pserver.layers.reshape import Flatten, Permute, RepeatVector, Reshape
 from pserver.registry import Registry
 
 # The layers by their Keras class names, for the docs' table (a model names the classes).
@@ -38,6 +72,25 @@ LAYERS.add("Dropout", "in training, zeroes each value with probability rate, sca
 LAYERS.add("Embedding", "a row per id: a dense table, or with sparse=True a table of unbounded ids on the "
            "shards", Embedding)
 LAYERS.add("FM", "a factorization machine's pairwise term over (fields, k) embeddings", FM)
+LAYERS.add("Add", "the sum of its inputs (one shape)", Add)
+LAYERS.add("Subtract", "its first input minus its second", Subtract)
+LAYERS.add("Multiply", "the element-wise product of its inputs", Multiply)
+LAYERS.add("Average", "the element-wise mean of its inputs", Average)
+LAYERS.add("Maximum", "the element-wise maximum of its inputs", Maximum)
+LAYERS.add("Minimum", "the element-wise minimum of its inputs", Minimum)
+LAYERS.add("Concatenate", "its inputs side by side along axis (default -1)", Concatenate)
+LAYERS.add("Dot", "the batched dot product of two inputs along axes", Dot)
+LAYERS.add("GlobalAveragePooling1D", "the mean over a sequence's steps, per channel", GlobalAveragePooling1D)
+LAYERS.add("GlobalAveragePooling2D", "the mean over an image's positions, per channel",
+           GlobalAveragePooling2D)
+LAYERS.add("GlobalMaxPooling1D", "the largest value over a sequence's steps, per channel",
+           GlobalMaxPooling1D)
+LAYERS.add("GlobalMaxPooling2D", "the largest value over an image's positions, per channel",
+           GlobalMaxPooling2D)
+LAYERS.add("Activation", "an activation by name (relu, sigmoid, tanh; softmax on the output)", Activation)
+LAYERS.add("Reshape", "each sample to target_shape (a view)", Reshape)
+LAYERS.add("Permute", "a sample's axes reordered (dims from 1)", Permute)
+LAYERS.add("RepeatVector", "a vector repeated n times: (features,) to (n, features)", RepeatVector)
 
 # A user's layer classes, by class name (pserver.keras.saving.register_keras_serializable), so that
 # a saved model that names one is built again in a process that defined it.
@@ -58,4 +111,7 @@ def layer_class(name: str) -> type:
 __all__ = ["LAYERS", "USER_LAYERS", "layer_class",
            "Layer", "Weight", "Pass", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D",
            "Flatten", "Dropout", "Embedding", "FM", "Initializer", "VarianceScaling", "RandomUniform",
-           "Zeros"]
+           "Zeros", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Dot",
+           "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D", "GlobalMaxPooling2D",
+           "Activation", "Reshape", "Permute", "RepeatVector",
+           "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]

@@ -17,6 +17,7 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.layers import activations, initializers
+from pserver.ops.core import Node, Symbolic
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class Layer(abc.ABC):
     kind = "layer"
     # True for a layer whose output is its input reshaped (Flatten): no buffer, no kernel.
     reshapes_only = False
+    # True for a layer called on a list of tensors (Add, Concatenate): its x and dx are lists.
+    takes_list = False
+    # True for a layer whose math is its `call` traced into ops (a user's Layer, Lambda):
+    # pserver.models.graph runs the ops in its place; it has no forward/backward of its own.
+    traced = False
 
     def __new__(cls, *args, **kwargs):
         # The arguments as given, defaults filled in: get_config's, as Keras's layers keep theirs.
@@ -68,6 +74,64 @@ class Layer(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name or ''})"
+
+    # -- calling a layer (Keras's functional API) -------------------------------------------------
+
+    def __call__(self, inputs, training=None):
+        """On symbolic tensors (keras.Input, another layer's output): build for their shape and
+        record a Node (pserver.models.graph runs it); the same layer called again shares its
+        weights. On NumPy arrays: compute now, for a layer without weights."""
+        xs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        if self.takes_list != isinstance(inputs, (list, tuple)):
+            wanted = "a list of tensors" if self.takes_list else "one tensor"
+            raise ConfigError(f"{self.label}: takes {wanted}, got {type(inputs).__name__}")
+        if not any(isinstance(x, Symbolic) for x in xs):
+            return self._eager(xs)
+        strays = [x for x in xs if not isinstance(x, Symbolic)]
+        if strays:
+            raise ConfigError(f"{self.label}: called on {type(strays[0]).__name__} among symbolic tensors; "
+                              "give it tensors only (keras.Input, a layer's output)")
+        shapes = [x.shape[1:] for x in xs]
+        self.build_once(shapes if self.takes_list else shapes[0])
+        node = Node(self.kind, xs, {} if training is None else {"training": training}, layer=self)
+        node.outputs.append(Symbolic((None, *self.output_shape), "float32", node, 0))
+        return node.outputs[0]
+
+    def build_once(self, input_shape) -> None:
+        """Build for `input_shape` at the first call; a later call must bring the same shape
+        (the weights fit one)."""
+        built = getattr(self, "_built_for", None)
+        if built is None:
+            given = self.input_shape
+            if given is not None and not self.takes_list and tuple(input_shape) != given:
+                raise ConfigError(f"{self.label}: declared input_shape={given}, called on "
+                                  f"{tuple(input_shape)}")
+            self.build(input_shape)
+            self._built_for = input_shape
+        elif built != input_shape:
+            raise ConfigError(f"{self.label}: built for input shape {_shapes_text(built)}, called again "
+                              f"on {_shapes_text(input_shape)}: a layer's weights fit one input shape")
+
+    def _eager(self, xs: list):
+        """The layer applied to arrays now, with the cpu kernels: for a layer without weights
+        (a model's flat vector holds weights, so a layer alone has none to compute with)."""
+        if not all(isinstance(x, np.ndarray) for x in xs):
+            bad = next(x for x in xs if not isinstance(x, np.ndarray))
+            raise ConfigError(f"{self.label}: called on {type(bad).__name__}; call a layer on "
+                              "keras.Input(...) (or another layer's output) to build a model, or on "
+                              "NumPy arrays")
+        xs = [np.ascontiguousarray(x, np.float32 if x.dtype.kind in "biu" else x.dtype) for x in xs]
+        shapes = [x.shape[1:] for x in xs]
+        self.build_once(shapes if self.takes_list else shapes[0])
+        if self.weights():
+            raise ConfigError(f"{self.label}: has weights, which a model holds: call it on keras.Input(...) "
+                              "inside a keras.Model and train or predict with the model")
+        from pserver.kernels import get_backend
+        n, dtype = xs[0].shape[0], xs[0].dtype
+        out = np.empty((n, *self.output_shape), dtype)
+        self.forward(get_backend("cpu"), {}, xs if self.takes_list else xs[0], out, self.scratch(n, dtype),
+                     Pass(training=False))
+        return out
 
     def get_config(self) -> dict:
         """The constructor's arguments (Keras's get_config): `type(layer).from_config(config)`
@@ -165,6 +229,10 @@ class KernelLayer(Layer):
 
     def dbias(self, g: dict, s: dict) -> np.ndarray:
         return g["bias"] if self.use_bias else s["dbias"]
+
+
+def _shapes_text(shape) -> str:
+    return ", ".join(map(str, shape)) if shape and isinstance(shape[0], tuple) else str(tuple(shape))
 
 
 def _plain(value):

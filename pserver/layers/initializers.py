@@ -49,6 +49,14 @@ class RandomUniform(Initializer):
         out[...] = rng.uniform(self.minval, self.maxval, out.shape)
 
 
+class RandomNormal(Initializer):
+    def __init__(self, mean: float = 0.0, stddev: float = 0.05):
+        self.mean, self.stddev = float(mean), float(stddev)
+
+    def __call__(self, rng, out):
+        out[...] = rng.normal(self.mean, self.stddev, out.shape)
+
+
 class VarianceScaling(Initializer):
     """Keras's VarianceScaling: variance scale / fan, drawn from `distribution`."""
 
@@ -91,6 +99,8 @@ _NAMED = {
     "zeros": Zeros,
     "uniform": RandomUniform,
     "random_uniform": RandomUniform,
+    "normal": RandomNormal,
+    "random_normal": RandomNormal,
     "glorot_uniform": lambda: VarianceScaling(1.0, "fan_avg", "uniform"),
     "glorot_normal": lambda: VarianceScaling(1.0, "fan_avg", "truncated_normal"),
     "he_uniform": lambda: VarianceScaling(2.0, "fan_in", "uniform"),
@@ -110,4 +120,4 @@ def get(spec, owner: str) -> Initializer:
                       "or pass an Initializer")
 
 
-__all__ = ["Initializer", "Zeros", "RandomUniform", "VarianceScaling", "fans", "get"]
+__all__ = ["Initializer", "Zeros", "RandomUniform", "RandomNormal", "VarianceScaling", "fans", "get"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pserver.errors import ConfigError
 from pserver.layers import base
 from pserver.layers.base import Layer, pair
 from pserver.layers.conv import window_output
@@ -53,3 +54,70 @@ class AveragePooling2D(_Pooling2D):
     def backward(self, k, p, g, x, out, dout, dx, s):
         if dx is not None:
             k.avgpool2d_backward(dout, dx, *self.window)
+
+
+class _GlobalPooling(Layer):
+    """Over every position of a sequence (n, steps, c) or an image (n, h, w, c): (n, c), or
+    with keepdims=True (n, 1, c) / (n, 1, 1, c), as Keras's."""
+    rank = 2
+
+    def __init__(self, data_format=None, keepdims: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        if data_format not in (None, "channels_last"):
+            raise ConfigError(f"{type(self).__name__}: data_format={data_format!r}: pserver's images are "
+                              "channels_last")
+        self.keepdims = bool(keepdims)
+
+    def output_shape_for(self, input_shape):
+        what = "a sequence (steps, channels)" if self.rank == 2 else "an image (height, width, channels)"
+        self.expect_rank(input_shape, self.rank, what)
+        return (*(1,) * (self.rank - 1), input_shape[-1]) if self.keepdims else (input_shape[-1],)
+
+    @property
+    def _axes(self) -> tuple[int, ...]:
+        return tuple(range(1, self.rank))
+
+    def _columns(self, x):
+        """x as (n, positions, c)."""
+        return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+class _GlobalAverage(_GlobalPooling):
+    def forward(self, k, p, x, out, s, run):
+        np.mean(self._columns(x), axis=1, out=out.reshape(out.shape[0], -1))
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        if dx is not None:
+            cols = self._columns(dx)
+            cols[...] = dout.reshape(dout.shape[0], 1, -1) / cols.shape[1]
+
+
+class _GlobalMax(_GlobalPooling):
+    def forward(self, k, p, x, out, s, run):
+        cols = self._columns(x)
+        s["argmax"] = cols.argmax(axis=1)          # the first position holding the maximum
+        out.reshape(out.shape[0], -1)[...] = np.take_along_axis(cols, s["argmax"][:, None], 1)[:, 0]
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        if dx is not None:
+            cols = self._columns(dx)
+            cols[...] = 0
+            np.put_along_axis(cols, s["argmax"][:, None], dout.reshape(dout.shape[0], 1, -1), 1)
+
+
+class GlobalAveragePooling1D(_GlobalAverage):
+    kind = "global_average_pooling1d"
+
+
+class GlobalAveragePooling2D(_GlobalAverage):
+    kind = "global_average_pooling2d"
+    rank = 3
+
+
+class GlobalMaxPooling1D(_GlobalMax):
+    kind = "global_max_pooling1d"
+
+
+class GlobalMaxPooling2D(_GlobalMax):
+    kind = "global_max_pooling2d"
+    rank = 3

@@ -27,6 +27,7 @@ from pserver.models import losses
 from pserver.models.base import Model, fits, protocol_gaps, shaped_for
 from pserver.models.cnn import cnn
 from pserver.models.ctr import CTR_MODELS, CTRModel, ctr_model
+from pserver.models.functional import Functional
 from pserver.models.layout import Layout, TensorSpec
 from pserver.models.linreg import linreg
 from pserver.models.logreg import logreg
@@ -99,6 +100,9 @@ def on_device(model, backend: str):
         get_backend(backend)   # an unknown backend is still an error
         return model
     if backend == "cuda":
+        if isinstance(model, Functional):
+            raise ConfigError(f"{model.name}: a Functional model (a graph) runs on the cpu and reference "
+                              "backends only, for now (issue 48)")
         model.build()
         get_backend("cuda")  # numba.cuda missing: a ConfigError naming --device, not a traceback
         from pserver.models.cuda import CudaSequential
@@ -162,7 +166,8 @@ def _check_positive(what: str, v) -> None:
         raise ConfigError(f"{what} must be a positive integer, got {v!r}")
 
 
-__all__ = ["MODELS", "make_model", "on_device", "check_model_spec", "Model", "Sequential", "Layout",
+__all__ = ["MODELS", "make_model", "on_device", "check_model_spec", "Model", "Sequential", "Functional",
+           "Layout",
            "TensorSpec", "CTRModel", "ctr_model",
            "losses", "task_of", "mlp", "logreg", "linreg", "cnn", "load_model", "protocol_gaps", "fits",
            "shaped_for"]

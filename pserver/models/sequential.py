@@ -46,6 +46,9 @@ class Sequential(Model):
     def add(self, layer: Layer) -> None:
         if not isinstance(layer, Layer):
             raise ConfigError(f"Sequential: {layer!r} is not a layer (pserver.layers.*)")
+        if layer.traced or layer.takes_list:
+            raise ConfigError(f"Sequential: {layer.label} runs in a graph (its call traced, or several "
+                              "inputs): build the model with keras.Model(inputs, outputs)")
         if self._built:
             raise ConfigError("Sequential: the model is built (its layout is fixed); add layers first")
         self._name(layer)
@@ -91,6 +94,15 @@ class Sequential(Model):
         shapes = [as_shape("input_shape", shape)]
         for layer in self.layers:
             shapes.append(layer.build(shapes[-1]))
+        self._fix_layout(shapes)
+        # Layer i computes d loss / d input only if a layer below it has weights.
+        self._needs_dx = [any(self._weights[:i]) for i in range(len(self._weights))]
+        self._built = True
+        return self
+
+    def _fix_layout(self, shapes: list[tuple[int, ...]]) -> None:
+        """The layout (every layer's weights, in order) and the loss on the output; `shapes`:
+        the input's first, the output's last."""
         weights = [layer.weights() for layer in self.layers]
         layout = Layout.of((f"{layer.name}/{w.name}", w.shape)
                            for layer, ws in zip(self.layers, weights) for w in ws)
@@ -99,31 +111,35 @@ class Sequential(Model):
             raise ConfigError(f"{self.name}: has no parameters to train (layers: "
                               f"{', '.join(layer.name for layer in self.layers)})")
         if len(shape) != 1:
-            raise ConfigError(f"{self.name}: the last layer ({self.layers[-1].label}) outputs "
-                              f"{shape}; end with Flatten() and Dense(...)")
+            raise ConfigError(f"{self.name}: {self._output_label()} outputs {shape}; end with "
+                              "Flatten() and Dense(...)")
         self.loss.check_outputs(shape[0], self.name)
         self._link_loss()
         self._shapes, self._layout, self._weights = shapes, layout, weights
-        # Layer i computes d loss / d input only if a layer below it has weights.
-        self._needs_dx = [any(weights[:i]) for i in range(len(weights))]
-        self._built = True
-        return self
+
+    def _output_layer(self) -> Layer | None:
+        """The layer that computes the model's output (its activation may fuse into the loss)."""
+        return self.layers[-1]
+
+    def _output_label(self) -> str:
+        last = self._output_layer()
+        return "the output" if last is None else f"the last layer ({last.label})"
 
     def _link_loss(self) -> None:
         """A softmax (sigmoid) last layer before a cross-entropy: the layer computes logits and
         the loss takes them (fused, stable); predict applies the activation. A softmax anywhere
         else is refused: no kernel computes it, or its gradient, on its own."""
-        for layer in self.layers[:-1]:
-            if getattr(layer, "activation", None) == "softmax":
+        last = self._output_layer()
+        for layer in self.layers:
+            if layer is not last and getattr(layer, "activation", None) == "softmax":
                 raise ConfigError(f"{self.name}: {layer.label}: activation='softmax' is supported on the "
                                   "last layer only (before a categorical cross-entropy)")
-        last = self.layers[-1]
         if not hasattr(last, "activation"):
             self.output_activation = "linear"
             return
         declared = getattr(last, "declared_activation", last.activation)
         last.declared_activation = declared
-        fused = self.loss.check_activation(declared, f"{self.name}: the last layer ({last.label})")
+        fused = self.loss.check_activation(declared, f"{self.name}: {self._output_label()}")
         last.activation = "linear" if fused else declared
         self.output_activation = declared if fused else "linear"
 
@@ -301,6 +317,9 @@ class Sequential(Model):
     def _takes_ids(self) -> bool:
         return getattr(self.layers[0], "takes_ids", False)
 
+    def _check_ids(self, x) -> None:
+        self.layers[0].check_ids(x)
+
     def _check_batch(self, w, x, y):
         """x as C-contiguous (n, *input_shape), y as the loss's labels; else ValueError."""
         self._check_w(w)
@@ -336,8 +355,8 @@ class Sequential(Model):
             bad = (y < 0) | (y > hi) | (y != np.floor(y))
             if bad.any():
                 i = int(np.argmax(bad))
-                raise ValueError(f"label out of range: y[{i}] = {y[i].item()!r}; the last layer "
-                                 f"({self.layers[-1].label}) with {self.loss.name} takes 0..{hi}")
+                raise ValueError(f"label out of range: y[{i}] = {y[i].item()!r}; "
+                                 f"{self._output_label()} with {self.loss.name} takes 0..{hi}")
         return shaped, y
 
     def check_data(self, x: np.ndarray, y: np.ndarray, what: str = "data") -> np.ndarray:
@@ -349,7 +368,7 @@ class Sequential(Model):
         try:
             x, y = self._fit(x, y)
             if self._takes_ids:
-                self.layers[0].check_ids(x)
+                self._check_ids(x)
         except ValueError as e:
             raise DataError(f"{what}: {e}") from None
         if not self._takes_ids and x.dtype.kind == "f" and not np.isfinite(x).all():

@@ -1,0 +1,232 @@
+"""Merge layers, Keras's: several tensors in, one out (Add, Concatenate, Dot, ...), and their
+functions (layers.add([a, b]), ...).
+
+A merge layer is called on a list (`takes_list`): its forward gets the list of inputs, its
+backward a list of dx buffers (None where nothing before needs the gradient). The math is
+NumPy's: memory-bound element-wise work that a kernel would not speed up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pserver.errors import ConfigError
+from pserver.layers.base import Layer
+
+
+class _Merge(Layer):
+    takes_list = True
+    arity: int | None = None       # exactly this many inputs (Subtract: 2), else at least 2
+
+    def build(self, input_shape):
+        shapes = [tuple(s) for s in input_shape]
+        few = len(shapes) < 2 if self.arity is None else len(shapes) != self.arity
+        if few:
+            need = "at least 2" if self.arity is None else f"exactly {self.arity}"
+            raise ConfigError(f"{self.label}: takes {need} inputs, got {len(shapes)}")
+        self.input_shape = shapes
+        self.output_shape = self.output_shape_for(shapes)
+        return self.output_shape
+
+    def mismatch(self, shapes, why: str) -> ConfigError:
+        return ConfigError(f"{self.label}: inputs of shapes {', '.join(map(str, shapes))} do not merge: "
+                           f"{why}")
+
+
+class _Elementwise(_Merge):
+    """Inputs of one shape, combined element by element."""
+
+    def output_shape_for(self, input_shape):
+        if len(set(input_shape)) != 1:
+            raise self.mismatch(input_shape, "they must have the same shape")
+        return input_shape[0]
+
+
+class Add(_Elementwise):
+    kind = "add"
+
+    def forward(self, k, p, x, out, s, run):
+        np.copyto(out, x[0])
+        for xi in x[1:]:
+            out += xi
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        for d in dx:
+            if d is not None:
+                np.copyto(d, dout)
+
+
+class Subtract(_Elementwise):
+    kind = "subtract"
+    arity = 2
+
+    def forward(self, k, p, x, out, s, run):
+        np.subtract(x[0], x[1], out=out)
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        if dx[0] is not None:
+            np.copyto(dx[0], dout)
+        if dx[1] is not None:
+            np.negative(dout, out=dx[1])
+
+
+class Average(_Elementwise):
+    kind = "average"
+
+    def forward(self, k, p, x, out, s, run):
+        Add.forward(self, k, p, x, out, s, run)
+        out *= out.dtype.type(1.0 / len(x))
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        for d in dx:
+            if d is not None:
+                np.multiply(dout, dout.dtype.type(1.0 / len(x)), out=d)
+
+
+class Multiply(_Elementwise):
+    kind = "multiply"
+
+    def forward(self, k, p, x, out, s, run):
+        np.copyto(out, x[0])
+        for xi in x[1:]:
+            out *= xi
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        for i, d in enumerate(dx):
+            if d is None:
+                continue
+            np.copyto(d, dout)          # the product of the others: no division by x[i] (zeros)
+            for j, xj in enumerate(x):
+                if j != i:
+                    d *= xj
+
+
+class _Extreme(_Elementwise):
+    """Maximum / Minimum: the gradient goes to the first input holding the extreme."""
+    pick = staticmethod(np.argmax)
+
+    def forward(self, k, p, x, out, s, run):
+        stack = np.stack(x)
+        s["which"] = type(self).pick(stack, axis=0)
+        np.copyto(out, np.take_along_axis(stack, s["which"][None], axis=0)[0])
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        for i, d in enumerate(dx):
+            if d is not None:
+                np.multiply(dout, s["which"] == i, out=d)
+
+
+class Maximum(_Extreme):
+    kind = "maximum"
+    pick = staticmethod(np.argmax)
+
+
+class Minimum(_Extreme):
+    kind = "minimum"
+    pick = staticmethod(np.argmin)
+
+
+class Concatenate(_Merge):
+    """Concatenate(axis=-1): along `axis` (of the batched tensor, as Keras's; not the batch)."""
+    kind = "concatenate"
+
+    def __init__(self, axis: int = -1, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(axis, int) or isinstance(axis, bool) or axis == 0:
+            raise ConfigError(f"Concatenate: axis must be a non-zero integer (0 is the batch), got {axis!r}")
+        self.axis = axis
+
+    def output_shape_for(self, input_shape):
+        ranks = {len(s) for s in input_shape}
+        a = self.axis - 1 if self.axis > 0 else self.axis + len(input_shape[0])
+        if len(ranks) != 1 or not 0 <= a < len(input_shape[0]):
+            raise self.mismatch(input_shape, f"axis {self.axis} needs inputs of one rank that has it")
+        rest = {s[:a] + s[a + 1:] for s in input_shape}
+        if len(rest) != 1:
+            raise self.mismatch(input_shape, f"they must agree on every axis but {self.axis}")
+        self.sizes = [s[a] for s in input_shape]
+        return (*input_shape[0][:a], sum(self.sizes), *input_shape[0][a + 1:])
+
+    @property
+    def _batched_axis(self) -> int:
+        return self.axis if self.axis > 0 else self.axis + len(self.output_shape) + 1
+
+    def forward(self, k, p, x, out, s, run):
+        np.concatenate(x, axis=self._batched_axis, out=out)
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        parts = np.split(dout, np.cumsum(self.sizes)[:-1], axis=self._batched_axis)
+        for d, part in zip(dx, parts):
+            if d is not None:
+                np.copyto(d, part)
+
+
+class Dot(_Merge):
+    """Dot(axes): the batched dot product of two tensors along `axes` (an int, or one axis per
+    input; the batch is axis 0, as Keras's), for inputs of rank 2 or 3 with the batch:
+    (n, d)·(n, d) -> (n, 1); (n, m, d)·(n, k, d) with axes=2 -> (n, m, k) (DLRM's interaction)."""
+    kind = "dot"
+    arity = 2
+
+    def __init__(self, axes, normalize: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        pair = (axes, axes) if isinstance(axes, int) else tuple(axes)
+        if len(pair) != 2 or not all(isinstance(a, int) and not isinstance(a, bool) and a != 0 for a in pair):
+            raise ConfigError(f"Dot: axes must be a non-zero integer or a pair of them (0 is the batch), "
+                              f"got {axes!r}")
+        if normalize:
+            raise ConfigError("Dot: normalize=True is not supported (docs/guide/keras.md)")
+        self.axes, self.normalize = axes, normalize
+
+    def output_shape_for(self, input_shape):
+        a, b = input_shape
+        if len(a) not in (1, 2) or len(b) != len(a):
+            raise self.mismatch(input_shape, "Dot takes two inputs of rank 2 or 3 (with the batch)")
+        pair = (self.axes, self.axes) if isinstance(self.axes, int) else tuple(self.axes)
+        self.ax = [p - 1 if p > 0 else p + len(s) for p, s in zip(pair, input_shape)]
+        if not all(0 <= ax < len(s) for ax, s in zip(self.ax, input_shape)) or \
+                a[self.ax[0]] != b[self.ax[1]]:
+            raise self.mismatch(input_shape, f"axes {self.axes} must have one size in both")
+        if len(a) == 1:
+            return (1,)
+        return (a[1 - self.ax[0]], b[1 - self.ax[1]])
+
+    def _operands(self, x):
+        """x as (n, m, d) and y as (n, d, k): the contracted axes last and first."""
+        a, b = x
+        if a.ndim == 2:
+            return a[:, None, :], b[:, :, None]
+        return (a if self.ax[0] == 1 else a.transpose(0, 2, 1),
+                b if self.ax[1] == 0 else b.transpose(0, 2, 1))
+
+    def forward(self, k, p, x, out, s, run):
+        a, b = self._operands(x)
+        out.reshape(a.shape[0], a.shape[1], b.shape[2])[...] = a @ b
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        a, b = self._operands(x)
+        d = dout.reshape(a.shape[0], a.shape[1], b.shape[2])
+        for i, (grad, target) in enumerate(((d @ b.transpose(0, 2, 1), dx[0]),
+                                             (a.transpose(0, 2, 1) @ d, dx[1]))):
+            if target is None:
+                continue
+            if x[i].ndim == 2:
+                target[...] = grad.reshape(target.shape)
+            else:      # back from the operand's layout (contracted axis last, or first)
+                flip = (self.ax[0] != 1) if i == 0 else (self.ax[1] != 0)
+                target[...] = grad.transpose(0, 2, 1) if flip else grad
+
+
+def _merge_function(cls):
+    def merge(inputs, *args, **kwargs):
+        return cls(*args, **kwargs)(list(inputs))
+    merge.__name__ = cls.kind
+    merge.__doc__ = f"layers.{cls.kind}([a, b, ...]): {cls.__name__}()([a, b, ...]), as Keras's."
+    return merge
+
+
+add, subtract, multiply, average, maximum, minimum, concatenate, dot = (
+    _merge_function(c) for c in (Add, Subtract, Multiply, Average, Maximum, Minimum, Concatenate, Dot))
+
+__all__ = ["Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Dot",
+           "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]

@@ -1,0 +1,177 @@
+"""Layers whose math is a `call` written with ops, traced (Keras's way of writing a layer).
+
+A user's layer subclasses `TracedLayer` (pserver.keras.layers.Layer): `build(input_shape)`
+declares weights with `add_weight`, which returns a symbolic tensor standing for the weight;
+`call(inputs, training=None)` computes with pserver.ops (or Python operators on the tensors).
+Called on symbolic tensors, the layer records one node; pserver.models.graph traces `call`
+again at that node, once per `training` value, into op nodes whose weight inputs are these
+tensors (so a layer called twice shares its weights, and the layout holds them once).
+
+Python control flow on a tensor's value cannot be traced (`if x > 0:`): the error names the
+user's file and line. `Lambda(function)` is the same with the function as `call`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import traceback
+
+from pserver.errors import ConfigError
+from pserver.layers import initializers
+from pserver.layers.base import Layer, Weight, as_shape
+from pserver.ops.core import Symbolic
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class WeightTensor(Symbolic):
+    """A layer's weight while its call is traced: no batch dimension, made by no node."""
+
+    def __init__(self, shape, layer: "TracedLayer", weight: str):
+        super().__init__(shape, "float32", None, 0, f"{layer.name or layer.kind}/{weight}")
+        self.layer, self.weight = layer, weight
+
+
+class TracedLayer(Layer):
+    """Keras's Layer to subclass: __init__ (call super().__init__(**kwargs)), build, call."""
+
+    kind = "layer"
+    traced = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = [c for c in cls.__mro__[:cls.__mro__.index(TracedLayer)] if "forward" in c.__dict__]
+        if own:
+            raise ConfigError(f"{cls.__name__}: a keras.layers.Layer subclass defines call (traced); a layer "
+                              "with its own forward and backward subclasses pserver.layers.Layer")
+        if "kind" not in cls.__dict__:       # Keras's default name: the class in snake case
+            cls.kind = snake_case(cls.__name__)
+
+    def __init__(self, *, input_shape=None, name: str | None = None, trainable: bool = True, dtype=None):
+        super().__init__(input_shape=input_shape, name=name)
+        if trainable is not True or dtype not in (None, "float32"):
+            raise ConfigError(f"{type(self).__name__}: trainable={trainable!r}, dtype={dtype!r}: pserver "
+                              "trains float32 layers")
+        self._own_weights: list[Weight] = []
+
+    # -- what a user's layer calls and overrides --------------------------------------------------
+
+    def add_weight(self, shape=(), initializer="glorot_uniform", dtype=None, trainable=True, name=None,
+                   regularizer=None, constraint=None, **unsupported) -> WeightTensor:
+        """A weight of this layer (Keras's add_weight): held in the model's flat vector."""
+        where = f"{self.label}: add_weight"
+        bad = {**unsupported, "regularizer": regularizer, "constraint": constraint,
+               "trainable": None if trainable is True else trainable,
+               "dtype": None if dtype in (None, "float32") else dtype}
+        bad = {k: v for k, v in bad.items() if v is not None}
+        if bad:
+            k = sorted(bad)[0]
+            raise ConfigError(f"{where}: {k}={bad[k]!r} is not supported (docs/guide/keras.md)")
+        own = getattr(self, "_own_weights", None)
+        if own is None:
+            raise ConfigError(f"{where}: call super().__init__() in {type(self).__name__}.__init__ first")
+        n = len(own)
+        name = name or ("variable" if n == 0 else f"variable_{n}")
+        if any(w.name == name for w in own):
+            raise ConfigError(f"{where}: two weights are named {name!r}")
+        own.append(Weight(name, as_shape(f"{where}: shape", shape) if shape != () else (),
+                          initializers.get(initializer, f"{where}: initializer")))
+        return WeightTensor(own[-1].shape, self, name)
+
+    def build(self, input_shape) -> None:
+        """Keras's build: weights for this input shape (with the batch, None). None by default."""
+
+    def call(self, inputs, training=None):
+        raise ConfigError(f"{self.label}: a Layer subclass defines call(self, inputs)")
+
+    # -- how pserver builds and traces it ---------------------------------------------------------
+
+    def __call__(self, inputs, training=None):
+        if getattr(self, "_built_for", None) is None:
+            self.takes_list = isinstance(inputs, (list, tuple))
+        return super().__call__(inputs, training=training)
+
+    def build_once(self, input_shape) -> None:
+        if getattr(self, "_built_for", None) is None:
+            batched = [(None, *s) for s in input_shape] if self.takes_list else (None, *input_shape)
+            with _user_errors(self, "build"):
+                self.build(batched)
+            self.input_shape, self._built_for = input_shape, input_shape
+            inputs = [Symbolic(s) for s in batched] if self.takes_list else Symbolic(batched)
+            self.output_shape = self.trace(inputs, training=False).shape[1:]
+        super().build_once(input_shape)
+
+    def trace(self, inputs, training: bool) -> Symbolic:
+        """call() on symbolic `inputs`: the output it records (a Symbolic), else ConfigError
+        naming the layer and the user's file and line."""
+        takes = "training" in inspect.signature(self.call).parameters
+        with _user_errors(self, "call"):
+            out = self.call(inputs, training=training) if takes else self.call(inputs)
+        if not isinstance(out, Symbolic):
+            raise ConfigError(f"{self.label}: call returned {type(out).__name__}, not a tensor computed "
+                              "with ops from its inputs (pserver.keras.ops)")
+        if out.shape[:1] != (None,):
+            raise ConfigError(f"{self.label}: call's output {out.shape} has no batch dimension")
+        return out
+
+    def _eager(self, xs):
+        self.build_once([x.shape[1:] for x in xs] if self.takes_list else xs[0].shape[1:])
+        if self.weights():
+            return super()._eager(xs)       # refused there: a model holds the weights
+        return self.call(xs if self.takes_list else xs[0])
+
+    def weights(self):
+        return list(self._own_weights)
+
+    def output_shape_for(self, input_shape):
+        return self.output_shape
+
+    def forward(self, k, p, x, out, s, run):
+        raise ConfigError(f"{self.label}: a traced layer runs inside a graph (keras.Model, "
+                          "pserver.models.Functional), not a Sequential's layer loop")
+
+    backward = forward
+
+
+class Lambda(TracedLayer):
+    """Lambda(function): function(inputs) written with ops, as a layer (traced, no weights)."""
+
+    kind = "lambda"
+
+    def __init__(self, function, output_shape=None, arguments=None, **kwargs):
+        super().__init__(**kwargs)
+        if not callable(function):
+            raise ConfigError(f"Lambda: function must be callable, got {function!r}")
+        self.function, self.arguments = function, dict(arguments or {})
+
+    def call(self, inputs):
+        return self.function(inputs, **self.arguments)
+
+
+def snake_case(name: str) -> str:
+    """Keras's to_snake_case: MLPBlock -> mlp_block, Linear -> linear."""
+    return re.sub(r"([a-z])([A-Z])", r"\1_\2", re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)).lower()
+
+
+class _user_errors:   # noqa: N801 (used as a with-statement)
+    """A ConfigError, or any error, raised while a user's build or call runs: one ConfigError
+    naming the layer and the user's own file and line (the last frame outside pserver)."""
+
+    def __init__(self, layer: Layer, what: str):
+        self.layer, self.what = layer, what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if error is None or not isinstance(error, Exception):
+            return False
+        frames = [f for f in traceback.extract_tb(tb) if not os.path.abspath(f.filename).startswith(_PACKAGE)]
+        at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        text = str(error) if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
+        raise ConfigError(f"{self.layer.label}: {self.what}{at}: {text}") from None
+
+
+__all__ = ["TracedLayer", "WeightTensor", "Lambda", "snake_case"]

@@ -1,0 +1,262 @@
+"""A traced graph, planned once and run: forward through its steps, backward in reverse.
+
+Tracing (keras.Input, a layer or an op called on symbolic tensors: pserver.ops.core) leaves
+Nodes behind the outputs. `Plan` walks them back from the output once per `training` value:
+a topological order of steps, each a fused layer (Dense, Conv2D, ...: its own forward and
+backward through the kernels, its buffers preallocated per batch size) or an op
+(pserver.ops.core.OPS: forward and vector-Jacobian product). A traced layer (a user's Layer,
+Lambda) is traced again at each of its calls into op steps whose weight inputs are its weights.
+
+Every tensor is a slot: the model's inputs first, then weights and constants, then each
+step's output in order, so the output is the last slot. Backward sums the gradients of a slot
+that feeds several steps, and writes every weight's gradient into its view of grad_out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pserver.errors import ConfigError
+from pserver.layers.base import Layer, Pass
+from pserver.layers.traced import WeightTensor
+from pserver.ops import core
+
+
+class Step:
+    """One node of the plan: `layer` (an index into Plan.layers) or `op`; its input slots and
+    output slots (several for a multi-output op: split)."""
+
+    def __init__(self, node: core.Node, ins: list[int], outs: list[int], layer: int | None):
+        self.node, self.ins, self.outs, self.layer = node, ins, outs, layer
+        self.op = None if layer is not None else core.op(node.op)
+
+    @property
+    def out(self) -> int:
+        return self.outs[0]
+
+
+class Plan:
+    """The steps from `inputs` to `output` for one `training` value; layers in order of first use."""
+
+    def __init__(self, inputs: list[core.Symbolic], output: core.Symbolic, training: bool, where: str):
+        self.training, self.where = training, where
+        self.slots: list[core.Symbolic | None] = list(inputs)
+        self.index = {id(s): i for i, s in enumerate(inputs)}
+        self.consts: dict[int, np.ndarray] = {}
+        self.weight_slots: dict[int, tuple[int, str]] = {}     # slot -> (layer index, weight name)
+        self.layers: list[Layer] = []
+        self.steps: list[Step] = []
+        self._alias: dict[int, core.Symbolic] = {}              # a traced call's output -> its trace's
+        self.output = self._slot(output)
+        if self.output != len(self.slots) - 1 or not self.steps:
+            raise ConfigError(f"{where}: the output is not computed from the inputs by any layer or op")
+        self._count()
+
+    # -- planning ---------------------------------------------------------------------------------
+
+    def _slot(self, t) -> int:
+        if not isinstance(t, core.Symbolic):          # a constant an op was given
+            self.slots.append(None)
+            self.consts[len(self.slots) - 1] = t
+            return len(self.slots) - 1
+        while id(t) in self._alias:
+            t = self._alias[id(t)]
+        if id(t) in self.index:
+            return self.index[id(t)]
+        if isinstance(t, WeightTensor):
+            return self._new(t, weight=(self._use(t.layer), t.weight))
+        if t.node is None:
+            raise ConfigError(f"{self.where}: {t} is not one of the model's inputs (give every keras.Input "
+                              "the output depends on)")
+        node = t.node
+        ins = [self._slot(i) for i in node.inputs]           # inputs first: a topological order
+        layer = node.layer
+        if getattr(layer, "traced", False):
+            self._use(layer)
+            training = node.attrs.get("training", self.training)
+            traced = layer.trace(node.inputs if layer.takes_list else node.inputs[0], bool(training))
+            self._alias[id(t)] = traced
+            return self._slot(traced)
+        li = None if layer is None else self._use(layer)
+        # t's slot is made last, so that the model's output is the last slot
+        outs = {id(o): self._new(o) for o in node.outputs if o is not t}
+        outs[id(t)] = self._new(t)
+        self.steps.append(Step(node, ins, [outs[id(o)] for o in node.outputs], li))
+        return outs[id(t)]
+
+    def _new(self, t: core.Symbolic, weight=None) -> int:
+        self.index[id(t)] = len(self.slots)
+        self.slots.append(t)
+        if weight is not None:
+            self.weight_slots[len(self.slots) - 1] = weight
+        return len(self.slots) - 1
+
+    def _use(self, layer: Layer) -> int:
+        for i, known in enumerate(self.layers):
+            if known is layer:
+                return i
+        self.layers.append(layer)
+        return len(self.layers) - 1
+
+    def _count(self) -> None:
+        """Which slots need a gradient (those computed from a weight), how many steps read each,
+        and which step makes each."""
+        n = len(self.slots)
+        self.needs_grad = [i in self.weight_slots for i in range(n)]
+        self.consumers, self.producer = [0] * n, [None] * n
+        for i, step in enumerate(self.steps):
+            weights = step.layer is not None and bool(self.layers[step.layer].weights())
+            for out in step.outs:
+                self.needs_grad[out] = weights or any(self.needs_grad[s] for s in step.ins)
+                self.producer[out] = i
+            for s in step.ins:
+                self.consumers[s] += 1
+
+    def uses(self, layer_index: int) -> int:
+        return sum(1 for s in self.steps if s.layer == layer_index)
+
+    def output_step(self) -> Step:
+        return self.steps[self.producer[self.output]]
+
+    def fused(self, i: int) -> bool:
+        """Step i is a layer with buffers of its own (not an op, not a reshape)."""
+        step = self.steps[i]
+        return step.layer is not None and not self.layers[step.layer].reshapes_only
+
+
+class PlanBuffers:
+    """One plan's arrays for one batch size: each fused layer step's output, its scratch, and
+    (at the first training step) its d loss / d output and the dx buffers it writes."""
+
+    def __init__(self, plan: Plan, n: int, dtype):
+        self.plan, self.n, self.dtype = plan, n, dtype
+        self.outs, self.scratch, self.douts, self.dxs, self.tmp = {}, {}, {}, {}, {}
+        for i, step in enumerate(plan.steps):
+            if plan.fused(i):
+                layer = plan.layers[step.layer]
+                self.outs[i] = np.empty((n, *layer.output_shape), dtype)
+                self.scratch[i] = layer.scratch(n, dtype)
+
+    def dout(self, i: int) -> np.ndarray:
+        if i not in self.douts:
+            self.douts[i] = np.empty_like(self.outs[i])
+        return self.douts[i]
+
+    def dx(self, i: int, j: int) -> np.ndarray:
+        """Where step i writes d loss / d its input j: straight into the dout of the layer that
+        made that input when it feeds nothing else (no copy, as Sequential), else a buffer."""
+        plan, s = self.plan, self.plan.steps[i].ins[j]
+        p = plan.producer[s]
+        if p is not None and plan.fused(p) and plan.consumers[s] == 1:
+            return self.dout(p)
+        if (i, j) not in self.dxs:
+            self.dxs[(i, j)] = np.empty((self.n, *plan.slots[s].shape[1:]), self.dtype)
+        return self.dxs[(i, j)]
+
+    def tmp_grads(self, layer: int, like: dict) -> dict:
+        """A shared layer's weight gradients of a second use, summed into the first's after."""
+        if layer not in self.tmp:
+            self.tmp[layer] = {k: np.empty_like(v) for k, v in like.items()}
+        return self.tmp[layer]
+
+
+def forward(plan: Plan, k, params: list[dict], xs: list[np.ndarray], bufs: PlanBuffers, run: Pass) -> list:
+    """Every slot's value; the output's is the last."""
+    vals: list = [None] * len(plan.slots)
+    vals[:len(xs)] = xs
+    for s, (li, name) in plan.weight_slots.items():
+        vals[s] = params[li][name]
+    for s, c in plan.consts.items():
+        vals[s] = c
+    for i, step in enumerate(plan.steps):
+        if step.op is not None:
+            got = step.op.forward(*(vals[s] for s in step.ins), **step.node.attrs)
+            for s, v in zip(step.outs, got if step.op.multi else [got]):
+                vals[s] = v
+            continue
+        layer = plan.layers[step.layer]
+        for s in step.ins:      # the kernels take C-contiguous arrays of the model's dtype
+            vals[s] = _fit(vals[s], bufs.dtype, getattr(layer, "takes_ids", False))
+        x = [vals[s] for s in step.ins] if layer.takes_list else vals[step.ins[0]]
+        if layer.reshapes_only:
+            vals[step.out] = x.reshape((x.shape[0], *layer.output_shape))
+            continue
+        training = step.node.attrs.get("training", run.training)
+        layer.forward(k, params[step.layer], x, bufs.outs[i], bufs.scratch[i],
+                      Pass(training=bool(training), seed=run.seed))
+        vals[step.out] = bufs.outs[i]
+    return vals
+
+
+def backward(plan: Plan, k, params: list[dict], grads: list[dict], vals: list, dloss: np.ndarray,
+             bufs: PlanBuffers) -> None:
+    """Weight gradients into `grads` (views of grad_out), from d loss / d output `dloss`."""
+    acc: list = [None] * len(plan.slots)
+    acc[plan.output] = dloss
+    written: set[int] = set()
+    for i in range(len(plan.steps) - 1, -1, -1):
+        step = plan.steps[i]
+        if all(acc[s] is None for s in step.outs) or not plan.needs_grad[step.out]:
+            continue
+        if step.op is None:
+            _layer_backward(plan, k, i, params, grads, vals, acc[step.out], acc, bufs, written)
+        else:
+            _op_backward(plan, step, vals, acc)
+    for s, (li, name) in plan.weight_slots.items():
+        grads[li][name][...] = 0 if acc[s] is None else acc[s]
+    for li, layer in enumerate(plan.layers):      # a layer whose output took no gradient
+        if li not in written and not layer.traced:
+            for view in grads[li].values():
+                view[...] = 0
+
+
+def _op_backward(plan: Plan, step: Step, vals: list, acc: list) -> None:
+    if step.op.multi:
+        g, out = [acc[s] for s in step.outs], [vals[s] for s in step.outs]
+    else:
+        g, out = acc[step.out], vals[step.out]
+    gs = core.backward(step.op, g, out, [vals[s] for s in step.ins], step.node.attrs)
+    for s, gi in zip(step.ins, gs):
+        if gi is not None and plan.needs_grad[s]:
+            _add(acc, s, gi)
+
+
+def _layer_backward(plan, k, i, params, grads, vals, g, acc, bufs, written) -> None:
+    step = plan.steps[i]
+    layer, li = plan.layers[step.layer], step.layer
+    if layer.reshapes_only:
+        x = vals[step.ins[0]]
+        if plan.needs_grad[step.ins[0]]:
+            _add(acc, step.ins[0], g.reshape(x.shape))
+        return
+    dout = bufs.dout(i)
+    if g is not dout:
+        np.copyto(dout, g)
+    dxs = [bufs.dx(i, j) if plan.needs_grad[s] else None for j, s in enumerate(step.ins)]
+    x = [vals[s] for s in step.ins] if layer.takes_list else vals[step.ins[0]]
+    again = li in written          # kernels overwrite: a shared layer's second use sums after
+    target = bufs.tmp_grads(li, grads[li]) if again else grads[li]
+    layer.backward(k, params[li], target, x, bufs.outs[i], dout, dxs if layer.takes_list else dxs[0],
+                   bufs.scratch[i])
+    if again:
+        for name, view in grads[li].items():
+            view += target[name]
+    written.add(li)
+    for s, d in zip(step.ins, dxs):
+        if d is not None:
+            _add(acc, s, d)
+
+
+def _add(acc: list, s: int, g: np.ndarray) -> None:
+    # Out of place: an op's VJP may hand the same array to several inputs.
+    acc[s] = g if acc[s] is None else acc[s] + g
+
+
+def _fit(a: np.ndarray, dtype, ids: bool) -> np.ndarray:
+    """a as a layer takes it: C-contiguous, and in the model's float dtype unless it is ids."""
+    if a.dtype != dtype and not (ids and a.dtype.kind in "iu"):
+        return np.ascontiguousarray(a, dtype)
+    return np.ascontiguousarray(a)
+
+
+__all__ = ["Plan", "PlanBuffers", "Step", "forward", "backward"]

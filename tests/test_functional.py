@@ -1,0 +1,220 @@
+"""The Functional API and custom layers through pserver.keras: keras.Input, keras.Model(inputs,
+outputs), a keras.layers.Layer subclass (add_weight, call with keras.ops), a subclassed
+keras.Model; trained with fit run plainly (shards in this process)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pserver.keras as keras
+from pserver.errors import ConfigError
+from pserver.keras import layers, ops
+
+
+class Linear(keras.layers.Layer):
+    """keras.io, "Making new layers and models via subclassing": its Linear, imports changed."""
+
+    def __init__(self, units=32):
+        super().__init__()
+        self.units = units
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], self.units), initializer="random_normal",
+                                 trainable=True)
+        self.b = self.add_weight(shape=(self.units,), initializer="zeros", trainable=True)
+
+    def call(self, inputs):
+        return ops.matmul(inputs, self.w) + self.b
+
+
+class MLPBlock(keras.layers.Layer):
+    """The same guide's MLPBlock: layers of a layer, tracked by the graph."""
+
+    def __init__(self, units=3):
+        super().__init__()
+        self.linear_1 = Linear(8)
+        self.linear_2 = Linear(units)
+
+    def call(self, inputs):
+        return self.linear_2(keras.activations.relu(self.linear_1(inputs)))
+
+
+def blobs(n=600, d=8, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, classes, n)
+    return (rng.normal(0, 2, (classes, d))[y] + rng.normal(0, 1, (n, d))).astype(np.float32), y
+
+
+def test_a_custom_linear_layer_in_a_functional_model_trains_with_fit():
+    """Catches: a traced layer whose weights take no gradient (or the wrong one): the loss
+    would not fall."""
+    x, y = blobs()
+    inp = keras.Input(shape=(8,))
+    model = keras.Model(inp, layers.Dense(3, activation="softmax")(ops.relu(Linear(16)(inp))))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    assert [w.shape for w in model.get_weights()] == [(8, 16), (16,), (16, 3), (3,)]
+    before = model.evaluate(x, y, verbose=0)[0]
+    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    loss, accuracy = model.evaluate(x, y, verbose=0)
+    assert history.history["loss"][1] < history.history["loss"][0] and loss < 0.7 * before
+    assert accuracy > 0.9
+    assert np.allclose(model.predict(x[:4]).sum(axis=1), 1, atol=1e-5)
+
+
+def test_a_nested_custom_layer_s_gradient_equals_finite_differences():
+    """Catches: the weights of a layer used inside another layer's call left out of the layout,
+    or their gradient not reaching grad_out."""
+    inp = keras.Input(shape=(4,))
+    model = keras.Model(inp, MLPBlock()(inp))
+    core = model._core.use_backend("reference")
+    assert core.layout.describe() == ("linear/variable[4, 8], linear/variable_1[8], "
+                                      "linear_1/variable[8, 3], linear_1/variable_1[3]")
+    from tests.test_graph import assert_fd
+    rng = np.random.default_rng(0)
+    assert_fd(core, rng.normal(size=(5, 4)), rng.integers(0, 3, 5))
+
+
+class Halve(keras.layers.Layer):
+    def call(self, inputs, training=None):
+        return inputs * 0.5 if training else inputs       # control flow on the flag: traceable
+
+
+def test_a_call_is_traced_once_per_training_value():
+    """Catches: a graph traced once, so that training and inference compute the same thing."""
+    inp = keras.Input(shape=(3,))
+    model = keras.Model(inp, layers.Dense(2)(Halve()(inp)))
+    core, w = model._core, model._weights()
+    x, y = np.random.default_rng(0).random((4, 3), np.float32), np.array([0, 1, 1, 0])
+    training = core.loss_and_grad(w, x, y, np.zeros_like(w))
+    assert training == pytest.approx(core.evaluate(w, x * 0.5, y)["loss"], rel=1e-6)
+    assert training != pytest.approx(core.evaluate(w, x, y)["loss"], rel=1e-6)
+
+
+class Branchy(keras.layers.Layer):
+    def call(self, inputs):
+        if ops.sum(inputs):
+            return inputs
+        return -inputs
+
+
+def test_python_control_flow_on_a_tensor_is_refused_with_the_file_and_line():
+    """Catches: a call traced down one branch, silently wrong for the other samples."""
+    import inspect
+    line = inspect.getsourcelines(Branchy.call)[1] + 1
+    message = rf"^layer branchy \(Branchy\): call \(.*test_functional.py:{line}\): a symbolic tensor has no"
+    with pytest.raises(ConfigError, match=message):
+        Branchy()(keras.Input(shape=(2,)))
+
+
+def test_an_op_on_a_non_tensor_inside_call_is_refused_naming_the_layer():
+    class Stringy(keras.layers.Layer):
+        def call(self, inputs):
+            return ops.matmul(inputs, "w")
+
+    with pytest.raises(ConfigError, match=r"^layer stringy \(Stringy\): call \(.*test_functional.py:\d+\): "
+                                          r"an op's argument 'w' \(str\) is not a tensor"):
+        Stringy()(keras.Input(shape=(2,)))
+
+
+def test_a_merge_of_mismatched_shapes_is_refused_naming_the_layer_and_the_shapes():
+    a, b = keras.Input(shape=(4,)), keras.Input(shape=(5,))
+    with pytest.raises(ConfigError, match=r"layer concatenate \(Concatenate\): inputs of shapes "
+                                          r"\(4, 2\), \(5, 2\) do not merge"):
+        layers.concatenate([layers.Reshape((4, 2))(layers.Dense(8)(a)), layers.Reshape((5, 2))(
+            layers.Dense(10)(b))], axis=-1, name="concatenate")
+
+
+def test_a_sequential_with_a_layer_of_your_own_is_the_chain_s_graph():
+    """Catches: a keras.Sequential that cannot hold a custom layer, or one whose graph differs
+    from the same layers called in a chain."""
+    x, y = blobs(n=200)
+    seq = keras.Sequential([keras.Input(shape=(8,)), layers.Dense(16, activation="relu"), Linear(8),
+                            layers.Lambda(ops.tanh), layers.Dense(3)])
+    assert [type(layer).__name__ for layer in seq.layers] == ["Dense", "Linear", "Lambda", "Dense"]
+    inp = keras.Input(shape=(8,))
+    fun = keras.Model(inp, layers.Dense(3)(ops.tanh(Linear(8)(layers.Dense(16, activation="relu")(inp)))))
+    assert [w.shape for w in seq.get_weights()] == [w.shape for w in fun.get_weights()]
+    fun.set_weights(seq.get_weights())
+    assert np.allclose(seq.predict(x), fun.predict(x))
+    seq.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    seq.fit(x, y, batch_size=20, epochs=3, verbose=0)
+    assert seq.evaluate(x, y, verbose=0)[1] > 0.9
+    with pytest.raises(ConfigError, match="is built"):
+        seq.add(layers.Dense(2))
+    late = keras.Sequential([Linear(4), layers.Dense(2)])      # no input shape: traced at fit
+    late.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    late.fit(x, y % 2, batch_size=20, epochs=1, verbose=0)
+    assert [w.shape for w in late.get_weights()] == [(8, 4), (4,), (4, 2), (2,)]
+
+
+def test_a_model_of_two_inputs_by_name_trains_and_predicts_from_a_dict():
+    """Catches: dict inputs matched by position, ids cast to floats on their way in."""
+    rng = np.random.default_rng(1)
+    ids, dense = rng.integers(0, 5, (400, 1)), rng.normal(size=(400, 3)).astype(np.float32)
+    y = ((ids[:, 0] % 2) ^ (dense[:, 0] > 0)).astype(np.int64)
+    i_ids = keras.Input(shape=(1,), dtype="int32", name="ids")
+    i_dense = keras.Input(shape=(3,), name="dense")
+    h = layers.concatenate([layers.Flatten()(layers.Embedding(5, 4)(i_ids)), i_dense])
+    model = keras.Model({"ids": i_ids, "dense": i_dense},
+                        layers.Dense(2)(layers.Dense(16, activation="relu")(h)))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    model.fit({"dense": dense, "ids": ids}, y, batch_size=40, epochs=6, verbose=0)
+    assert model.evaluate({"ids": ids, "dense": dense}, y, verbose=0)[1] > 0.9
+    assert np.array_equal(model.predict({"ids": ids, "dense": dense}), model.predict([ids, dense]))
+
+
+class TwoLayerModel(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.block = MLPBlock(units=5)
+        self.dense = layers.Dense(3)
+
+    def call(self, inputs, training=None):
+        return self.dense(ops.tanh(self.block(inputs)))
+
+
+def test_a_subclassed_model_equals_the_same_model_written_functionally():
+    """Catches: a subclassed model traced into another graph (other layout, other math) than
+    the Functional one of the same layers."""
+    x, y = blobs(n=64, d=6)
+    sub = TwoLayerModel()
+    sub.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    first = sub.predict(x)            # traced here, from x's shape
+    inp = keras.Input(shape=(6,))
+    fun = keras.Model(inp, layers.Dense(3)(ops.tanh(MLPBlock(units=5)(inp))))
+    fun.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    assert sub._core.layout.describe() == fun._core.layout.describe()
+    fun.set_weights(sub.get_weights())
+    assert np.allclose(fun.predict(x), first, rtol=1e-6)
+    assert sub.evaluate(x, y, verbose=0) == pytest.approx(fun.evaluate(x, y, verbose=0), rel=1e-6)
+    sub.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert not np.allclose(sub.predict(x), first)
+
+
+def test_a_keras_model_is_not_saved_yet_but_pserver_train_saves_its_weights(tmp_path):
+    """Catches: a save that fails only at the end of a training run (pserver.train(save=...)
+    asks the model for a definition it does not have yet)."""
+    import pserver
+    inp = keras.Input(shape=(8,))
+    model = keras.Model(inp, layers.Dense(3)(Linear(4)(inp)))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.raises(ConfigError, match=r"save: functional: saving a graph .* not supported"):
+        model.save(tmp_path / "m.npz")
+    x, y = blobs(n=64)
+    pserver.train(model._core, x, y, ps=1, epochs=1, batch_size=16, save=str(tmp_path / "w.npz"))
+    again = pserver.load_model(str(tmp_path / "w.npz"), model=model._core)
+    assert again.predict(x[:3]).shape == (3, 3)
+
+
+def test_a_lambda_of_ops_computes_on_arrays_and_traces_on_tensors():
+    """Catches: a Lambda that records nothing (its ops missing from the graph) or computes
+    eagerly something else than its function."""
+    x = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    scale = layers.Lambda(lambda t: ops.exp(t) * 2.0)
+    assert np.allclose(scale(x), np.exp(x) * 2)
+    inp = keras.Input(shape=(4,))
+    model = keras.Model(inp, layers.Dense(2)(layers.Lambda(lambda t: ops.exp(t) * 2.0)(inp)))
+    core = model._core.use_backend("reference")
+    assert [s.op.name for s in core._plan(False).steps if s.op is not None] == ["exp", "multiply"]
