@@ -23,9 +23,9 @@ import pserver.keras as keras
 from pserver.keras import layers
 
 # --- ours: the seed, a sample limit for quick checks, MNIST from its IDX files -----------------
-import gzip  # noqa: E402
-import os  # noqa: E402
-import time  # noqa: E402
+import gzip
+import os
+import time
 
 SEED = int(os.environ.get("KERAS_IO_SEED", "1"))
 SAMPLES = int(os.environ.get("KERAS_IO_SAMPLES", "0"))  # 0: all of MNIST
