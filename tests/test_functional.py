@@ -193,19 +193,55 @@ def test_a_subclassed_model_equals_the_same_model_written_functionally():
     assert not np.allclose(sub.predict(x), first)
 
 
-def test_a_keras_model_is_not_saved_yet_but_pserver_train_saves_its_weights(tmp_path):
-    """Catches: a save that fails only at the end of a training run (pserver.train(save=...)
-    asks the model for a definition it does not have yet)."""
+@keras.saving.register_keras_serializable()
+class Shifted(keras.layers.Layer):
+    """A registered layer of your own, with weights and a constructor argument."""
+
+    def __init__(self, units=3, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], self.units), initializer="random_normal")
+
+    def call(self, inputs):
+        return ops.matmul(inputs, self.w) - 1.0
+
+
+def test_a_functional_model_is_saved_and_loaded_with_its_graph_and_weights(tmp_path):
+    """Catches: a graph rebuilt otherwise (an op's attrs, a constant, a shared layer, a slice,
+    dict inputs, a layer of your own) than it was saved, or weights in another order."""
     import pserver
+    a, b = keras.Input(shape=(4,), name="a"), keras.Input(shape=(3,), name="b")
+    d = layers.Dense(5, activation="relu")
+    h = layers.Dense(5)(layers.concatenate([ops.tanh(Shifted(5)(a)) * 2.0, b[:, :2]]))
+    model = keras.Model({"a": a, "b": b}, layers.Dense(3, activation="softmax")(layers.add([d(h), d(d(h))])))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    rng = np.random.default_rng(0)
+    x = {"a": rng.random((6, 4), np.float32), "b": rng.random((6, 3), np.float32)}
+    model.save(tmp_path / "m.npz")
+    again = keras.models.load_model(tmp_path / "m.npz")
+    assert isinstance(again, keras.Model) and again.optimizer.settings()["lr"] == 0.01
+    assert again._core.layout.describe() == model._core.layout.describe()
+    assert np.array_equal(again.predict(x), model.predict(x))
+    saved = pserver.load_model(str(tmp_path / "m.npz"))
+    assert np.array_equal(saved.predict(model._core.pack(x)), model._core.predict(model._weights(),
+                                                                                   model._core.pack(x)))
+
+
+def test_what_a_file_cannot_build_again_is_refused_at_save(tmp_path):
+    """Catches: a save that writes a file no load can build (an unregistered layer of your own,
+    a Lambda's code, a subclassed Model's call)."""
     inp = keras.Input(shape=(8,))
-    model = keras.Model(inp, layers.Dense(3)(Linear(4)(inp)))
-    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    with pytest.raises(ConfigError, match=r"save: functional: saving a graph .* not supported"):
-        model.save(tmp_path / "m.npz")
-    x, y = blobs(n=64)
-    pserver.train(model._core, x, y, ps=1, epochs=1, batch_size=16, save=str(tmp_path / "w.npz"))
-    again = pserver.load_model(str(tmp_path / "w.npz"), model=model._core)
-    assert again.predict(x[:3]).shape == (3, 3)
+    for out in (layers.Dense(3)(Linear(4)(inp)), layers.Dense(3)(layers.Lambda(ops.tanh)(inp))):
+        model = keras.Model(inp, out)
+        with pytest.raises(ConfigError, match="register_keras_serializable"):
+            model.save(tmp_path / "m.npz")
+    sub = TwoLayerModel()
+    sub.build((None, 6))
+    with pytest.raises(ConfigError, match=r"save: two_layer_model: saving a subclassed keras.Model is not"):
+        sub.save(tmp_path / "s.npz")
 
 
 def test_a_lambda_of_ops_computes_on_arrays_and_traces_on_tensors():
@@ -218,3 +254,23 @@ def test_a_lambda_of_ops_computes_on_arrays_and_traces_on_tensors():
     model = keras.Model(inp, layers.Dense(2)(layers.Lambda(lambda t: ops.exp(t) * 2.0)(inp)))
     core = model._core.use_backend("reference")
     assert [s.op.name for s in core._plan(False).steps if s.op is not None] == ["exp", "multiply"]
+
+
+class Scaled(keras.layers.Layer):
+    def call(self, inputs, scale=1.0, shift=None):
+        out = inputs * scale
+        return out if shift is None else out + shift
+
+
+def test_a_call_s_keyword_arguments_are_traced_with_it_and_a_built_in_layer_refuses_them():
+    """Catches: keyword arguments dropped between the first call and the model's plan (the
+    graph would compute call's defaults), or a tensor argument not wired into the graph."""
+    a, b = keras.Input(shape=(2,)), keras.Input(shape=(2,))
+    model = keras.Model([a, b], layers.Dense(2)(Scaled()(a, scale=3.0, shift=b)))
+    xa, xb = np.random.default_rng(0).random((2, 4, 2), np.float32)
+    w = model._weights()
+    views = model._core.layout.views(w)
+    expected = (3 * xa + xb) @ views["dense/kernel"] + views["dense/bias"]
+    assert np.allclose(model.predict([xa, xb]), expected, rtol=1e-6)
+    with pytest.raises(ConfigError, match=r"layer dense \(Dense\): takes no argument 'scale'"):
+        layers.Dense(2, name="dense")(a, scale=2)

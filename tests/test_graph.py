@@ -149,6 +149,7 @@ def test_a_functional_seed_model_equals_its_sequential_loss_and_gradient(make, s
     assert np.linalg.norm(g_fun - g_seq) <= 1e-6 * np.linalg.norm(g_seq)
     assert np.array_equal(fun.predict(w, x), seq.predict(w, x))
     assert fun.evaluate(w, x, y) == seq.evaluate(w, x, y)
+    assert fun.evaluate(w, x, y, batch_size=5, threads=2) == seq.evaluate(w, x, y, batch_size=5)
 
 
 # -- calls, shapes, refusals ------------------------------------------------------------------------
@@ -258,3 +259,32 @@ def test_integer_inputs_reach_a_dense_layer_as_floats_and_an_embedding_as_ids():
     assert np.allclose(out[0], expected, rtol=1e-5)
     with pytest.raises(ConfigError, match="runs on the cpu and reference backends only"):
         on_device(model, "cuda")
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.integers(0, 2**16))
+def test_the_graph_layers_compute_what_numpy_and_keras_say(n, a, b, d, seed):
+    """Catches: a forward pass that its own backward agrees with but Keras's semantics do not
+    (finite differences cannot see it): Dot's axes, Permute's order, which input Subtract
+    takes from which, a pooling over the wrong axis."""
+    rng = np.random.default_rng(seed)
+    x, y, z = (rng.normal(size=(n, a, d)).astype(np.float32) for _ in range(3))
+    u = rng.normal(size=(n, b, d)).astype(np.float32)
+    assert np.allclose(add([x, y, z]), x + y + z, atol=1e-6)
+    assert np.allclose(subtract([x, y]), x - y)
+    assert np.allclose(multiply([x, y, z]), x * y * z, atol=1e-6)
+    assert np.allclose(average([x, y]), (x + y) / 2)
+    assert np.array_equal(maximum([x, y, z]), np.maximum(np.maximum(x, y), z))
+    assert np.array_equal(minimum([x, y]), np.minimum(x, y))
+    assert np.array_equal(concatenate([x, u], axis=1), np.concatenate([x, u], axis=1))
+    assert np.allclose(Dot(axes=2)([x, u]), np.einsum("nad,nbd->nab", x, u), atol=1e-5)
+    assert np.allclose(Dot(axes=(1, 1))([x, y]), np.einsum("nad,nae->nde", x, y), atol=1e-5)
+    assert np.allclose(Dot(axes=1)([x[:, 0], y[:, 0]]), (x[:, 0] * y[:, 0]).sum(1, keepdims=True), atol=1e-5)
+    assert np.array_equal(Permute((2, 1))(x), x.transpose(0, 2, 1))
+    assert np.array_equal(RepeatVector(b)(x[:, 0]), np.repeat(x[:, :1], b, axis=1))
+    assert np.allclose(GlobalAveragePooling1D()(x), x.mean(axis=1), atol=1e-6)
+    assert np.array_equal(GlobalMaxPooling1D()(x), x.max(axis=1))
+    image = rng.normal(size=(n, a, b, d)).astype(np.float32)
+    assert np.array_equal(GlobalMaxPooling2D()(image), image.max(axis=(1, 2)))
+    assert np.allclose(GlobalAveragePooling2D(keepdims=True)(image), image.mean(axis=(1, 2), keepdims=True),
+                       atol=1e-6)

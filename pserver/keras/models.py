@@ -304,10 +304,9 @@ class _Model:
         place = cluster.current()
         if place is not None and place.rank != 0:
             return                            # the chief's to write, as a Keras chief saves
-        if isinstance(self._core, _Functional):
-            raise ConfigError(f"save: {self.name}: saving a graph (a keras.Model, or a Sequential with a "
-                              "layer of your own) is not supported yet (issue 48); get_weights() gives its "
-                              "weights")
+        if any(isinstance(layer, ModelCall) for layer in self._core.layers):
+            raise ConfigError(f"save: {self.name}: saving a subclassed keras.Model is not supported yet (its "
+                              "call is code); write it with keras.Model(inputs, outputs) to save it")
         compiled = self.optimizer.get_config() if self.optimizer else None
         model_file.save(filepath, self._core, self._weights(), {"keras_optimizer": compiled}, {})
 
@@ -393,6 +392,12 @@ class Model(_Model):
     def call(self, inputs, training=None):
         raise ConfigError(f"{self.name}: a subclassed keras.Model defines call(self, inputs)")
 
+    @classmethod
+    def from_config(cls, config: dict) -> "Model":
+        model = cls.__new__(cls)
+        _Model.__init__(model, _FunctionalCore.from_config(config))
+        return model
+
     def build(self, input_shape) -> None:
         """Trace a subclassed Model's call for inputs of `input_shape` (with the batch, as Keras's;
         a list of them for several inputs)."""
@@ -427,9 +432,10 @@ class ModelCall(TracedLayer):
         return self.model.call(inputs)
 
 
-def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> Sequential:
-    """A model file written by model.save (or by pserver with a Sequential): the model built
-    again from its layers' configs, with its weights, compiled as it was. Its layers are
+def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> _Model:
+    """A model file written by model.save (or by pserver with a Sequential or a Functional): the
+    model built again from its layers' configs (a graph's: a keras.Model), with its weights,
+    compiled as it was. Its layers are
     pserver's built-in ones and the classes registered in this process
     (keras.saving.register_keras_serializable): the file runs no code of its own. A file whose
     model is built by code (a --model package.module:FUNCTION file) is no Sequential: with
@@ -449,8 +455,9 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> S
             model_file.refuse_code(filepath, meta)
         raise ConfigError(f"{filepath}: holds no Sequential's config (a --model file: use "
                           "pserver.load_model)")
+    config = meta["sequential"]
     with model_file.model_file_errors(filepath):
-        model = Sequential.from_config(meta["sequential"])
+        model = (Model if config.get("class_name") == "Functional" else Sequential).from_config(config)
     model._w = model_file.weights_of(filepath, meta, arrays, model._core.layout)
     with model_file.model_file_errors(filepath):
         opt = meta.get("keras_optimizer")

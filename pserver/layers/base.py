@@ -77,23 +77,29 @@ class Layer(abc.ABC):
 
     # -- calling a layer (Keras's functional API) -------------------------------------------------
 
-    def __call__(self, inputs, training=None):
+    def __call__(self, inputs, training=None, **kwargs):
         """On symbolic tensors (keras.Input, another layer's output): build for their shape and
         record a Node (pserver.models.graph runs it); the same layer called again shares its
-        weights. On NumPy arrays: compute now, for a layer without weights."""
+        weights. On NumPy arrays: compute now, for a layer without weights. Other keyword
+        arguments go to a traced layer's call (a built-in layer takes none)."""
+        if kwargs and not self.traced:
+            raise ConfigError(f"{self.label}: takes no argument {sorted(kwargs)[0]!r} when called")
         xs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
         if self.takes_list != isinstance(inputs, (list, tuple)):
             wanted = "a list of tensors" if self.takes_list else "one tensor"
             raise ConfigError(f"{self.label}: takes {wanted}, got {type(inputs).__name__}")
         if not any(isinstance(x, Symbolic) for x in xs):
-            return self._eager(xs)
+            return self._eager(xs, kwargs)
         strays = [x for x in xs if not isinstance(x, Symbolic)]
         if strays:
             raise ConfigError(f"{self.label}: called on {type(strays[0]).__name__} among symbolic tensors; "
                               "give it tensors only (keras.Input, a layer's output)")
         shapes = [x.shape[1:] for x in xs]
         self.build_once(shapes if self.takes_list else shapes[0])
-        node = Node(self.kind, xs, {} if training is None else {"training": training}, layer=self)
+        attrs = {} if training is None else {"training": training}
+        if kwargs:
+            attrs["kwargs"] = kwargs
+        node = Node(self.kind, xs, attrs, layer=self)
         node.outputs.append(Symbolic((None, *self.output_shape), "float32", node, 0))
         return node.outputs[0]
 
@@ -112,7 +118,7 @@ class Layer(abc.ABC):
             raise ConfigError(f"{self.label}: built for input shape {_shapes_text(built)}, called again "
                               f"on {_shapes_text(input_shape)}: a layer's weights fit one input shape")
 
-    def _eager(self, xs: list):
+    def _eager(self, xs: list, kwargs: dict):
         """The layer applied to arrays now, with the cpu kernels: for a layer without weights
         (a model's flat vector holds weights, so a layer alone has none to compute with)."""
         if not all(isinstance(x, np.ndarray) for x in xs):

@@ -88,10 +88,11 @@ class TracedLayer(Layer):
 
     # -- how pserver builds and traces it ---------------------------------------------------------
 
-    def __call__(self, inputs, training=None):
+    def __call__(self, inputs, training=None, **kwargs):
         if getattr(self, "_built_for", None) is None:
             self.takes_list = isinstance(inputs, (list, tuple))
-        return super().__call__(inputs, training=training)
+            self._first_kwargs = kwargs      # the build's trace sees the first call's arguments
+        return super().__call__(inputs, training=training, **kwargs)
 
     def build_once(self, input_shape) -> None:
         if getattr(self, "_built_for", None) is None:
@@ -100,15 +101,16 @@ class TracedLayer(Layer):
                 self.build(batched)
             self.input_shape, self._built_for = input_shape, input_shape
             inputs = [Symbolic(s) for s in batched] if self.takes_list else Symbolic(batched)
-            self.output_shape = self.trace(inputs, training=False).shape[1:]
+            self.output_shape = self.trace(inputs, False, **getattr(self, "_first_kwargs", {})).shape[1:]
         super().build_once(input_shape)
 
-    def trace(self, inputs, training: bool) -> Symbolic:
-        """call() on symbolic `inputs`: the output it records (a Symbolic), else ConfigError
-        naming the layer and the user's file and line."""
-        takes = "training" in inspect.signature(self.call).parameters
+    def trace(self, inputs, training: bool, **kwargs) -> Symbolic:
+        """call() on symbolic `inputs` (and the call's other keyword arguments): the output it
+        records (a Symbolic), else ConfigError naming the layer and the user's file and line."""
+        if "training" in inspect.signature(self.call).parameters:
+            kwargs["training"] = training
         with _user_errors(self, "call"):
-            out = self.call(inputs, training=training) if takes else self.call(inputs)
+            out = self.call(inputs, **kwargs)
         if not isinstance(out, Symbolic):
             raise ConfigError(f"{self.label}: call returned {type(out).__name__}, not a tensor computed "
                               "with ops from its inputs (pserver.keras.ops)")
@@ -116,11 +118,11 @@ class TracedLayer(Layer):
             raise ConfigError(f"{self.label}: call's output {out.shape} has no batch dimension")
         return out
 
-    def _eager(self, xs):
+    def _eager(self, xs, kwargs: dict):
         self.build_once([x.shape[1:] for x in xs] if self.takes_list else xs[0].shape[1:])
         if self.weights():
-            return super()._eager(xs)       # refused there: a model holds the weights
-        return self.call(xs if self.takes_list else xs[0])
+            return super()._eager(xs, kwargs)       # refused there: a model holds the weights
+        return self.call(xs if self.takes_list else xs[0], **kwargs)
 
     def weights(self):
         return list(self._own_weights)

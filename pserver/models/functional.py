@@ -17,9 +17,9 @@ import math
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.models import graph
+from pserver.models import graph, graph_config, losses
 from pserver.models.base import BatchBuffers, shaped_for
-from pserver.models.sequential import Sequential
+from pserver.models.sequential import Sequential, check_metrics
 from pserver.ops.core import Symbolic
 
 
@@ -27,6 +27,7 @@ class Functional(Sequential):
     def __init__(self, inputs, outputs, name: str = "functional", loss="sparse_categorical_crossentropy",
                  backend: str = "cpu"):
         self._keys, self._inputs = _inputs(inputs, name)
+        self._dict_inputs = isinstance(inputs, dict)
         outs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
         if len(outs) != 1 or not isinstance(outs[0], Symbolic):
             raise ConfigError(f"{name}: outputs: give one symbolic tensor (a layer's output); "
@@ -77,11 +78,23 @@ class Functional(Sequential):
             return self._inputs[0].shape[1:]
         return (sum(math.prod(x.shape[1:]) for x in self._inputs),)
 
-    @property
-    def get_config(self):
-        """None yet (saving a graph's definition is issue 48's file-format part): a model file
-        of a Functional holds its weights, loaded with pserver.load_model(path, model=...)."""
-        raise AttributeError(f"{self.name}: a Functional model has no get_config yet")
+    def get_config(self) -> dict:
+        """The graph as JSON (pserver.models.graph_config), the loss and the metrics:
+        `Sequential.from_config` (so a model file's loader) builds the same model."""
+        config = graph_config.to_config(self._keys, self._inputs, self._output, self._layer_configs)
+        return {"class_name": "Functional", "name": self.name, "dict_inputs": self._dict_inputs, **config,
+                "loss": self.loss.get_config(), "metrics": list(self.metrics)}
+
+    @classmethod
+    def from_config(cls, config: dict, **kwargs) -> "Functional":
+        try:
+            keys, inputs, output = graph_config.from_config(config)
+            model = cls(dict(zip(keys, inputs)) if config.get("dict_inputs") else inputs, output,
+                        name=config.get("name", "functional"), loss=losses.get(config["loss"]), **kwargs)
+        except (KeyError, TypeError, IndexError) as e:
+            raise ConfigError(f"a Functional model's config: {type(e).__name__} {e}") from None
+        model.metrics = check_metrics(config.get("metrics"))
+        return model
 
     @property
     def _takes_ids(self) -> bool:
@@ -105,16 +118,19 @@ class Functional(Sequential):
         if len(x) != len(self._inputs):
             raise ValueError(f"x has {len(x)} arrays; {self.name} takes {len(self._inputs)} inputs "
                              f"({', '.join(self._keys)})")
-        parts = []
-        for key, inp, xi in zip(self._keys, self._inputs, x):
-            xi = np.asarray(xi)
-            shaped = shaped_for(xi, inp.shape[1:]) if xi.ndim >= 1 else None
-            if shaped is None or len(xi) != len(x[0]):
-                raise ValueError(f"input {key!r}: x has shape {xi.shape}; it takes (n, "
-                                 f"{', '.join(map(str, inp.shape[1:]))}) with n = {len(x[0])}")
-            parts.append(shaped.reshape(len(xi), -1))
+        parts = [self._flat(key, inp, np.asarray(xi), len(x[0]))
+                 for key, inp, xi in zip(self._keys, self._inputs, x)]
         ids = self._takes_ids and not all(x.dtype.kind in "iu" for x in self._inputs)
         return np.concatenate(parts, axis=1, dtype=np.float64 if ids else None)
+
+    @staticmethod
+    def _flat(key: str, inp: Symbolic, xi: np.ndarray, n: int) -> np.ndarray:
+        """One input's samples as (n, features); ValueError naming it if they do not fit."""
+        shaped = shaped_for(xi, inp.shape[1:]) if xi.ndim >= 1 else None
+        if shaped is None or len(xi) != n:
+            raise ValueError(f"input {key!r}: x has shape {xi.shape}; it takes (n, "
+                             f"{', '.join(map(str, inp.shape[1:]))}) with n = {n}")
+        return shaped.reshape(n, -1)
 
     def _fit_x(self, x) -> np.ndarray:
         return super()._fit_x(self.pack(x))

@@ -74,7 +74,8 @@ class Plan:
         if getattr(layer, "traced", False):
             self._use(layer)
             training = node.attrs.get("training", self.training)
-            traced = layer.trace(node.inputs if layer.takes_list else node.inputs[0], bool(training))
+            traced = layer.trace(node.inputs if layer.takes_list else node.inputs[0], bool(training),
+                                 **node.attrs.get("kwargs", {}))
             self._alias[id(t)] = traced
             return self._slot(traced)
         li = None if layer is None else self._use(layer)

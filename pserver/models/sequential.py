@@ -148,24 +148,33 @@ class Sequential(Model):
     def get_config(self) -> dict:
         """The model's definition as JSON: each layer's class and config, the input shape, the
         loss. `Sequential.from_config` builds the same model (weights are not in it)."""
+        shape = self._input_shape or (self._shapes[0] if self._built else None)
+        return {"name": self.name,
+                "input_shape": None if shape is None else list(shape),
+                "layers": self._layer_configs(self.layers),
+                "loss": self.loss.get_config(), "metrics": list(getattr(self, "metrics", ()))}
+
+    def _layer_configs(self, layers: list[Layer]) -> list[dict]:
+        """Each layer's class name and config; ConfigError for a class no registry names (a
+        saved model could not be built again)."""
         from pserver.layers import LAYERS, USER_LAYERS
-        for layer in self.layers:
+        for layer in layers:
             name = type(layer).__name__
             known = LAYERS if name in LAYERS else USER_LAYERS
             if name not in known or known.get(name) is not type(layer):
                 raise ConfigError(f"{self.name}: {layer.label} is not a built-in layer; register its "
                                   "class with @pserver.keras.saving.register_keras_serializable() so "
                                   "that a saved model can be built again")
-        shape = self._input_shape or (self._shapes[0] if self._built else None)
-        return {"name": self.name,
-                "input_shape": None if shape is None else list(shape),
-                "layers": [{"class_name": type(layer).__name__, "config": layer.get_config()}
-                           for layer in self.layers],
-                "loss": self.loss.get_config(), "metrics": list(getattr(self, "metrics", ()))}
+        return [{"class_name": type(layer).__name__, "config": layer.get_config()} for layer in layers]
 
     @classmethod
     def from_config(cls, config: dict, **kwargs) -> "Sequential":
+        """The model `config` describes: a Sequential's, or a Functional's (class_name), so that
+        every model file's definition is built by this one call."""
         from pserver.layers import layer_class
+        if config.get("class_name") == "Functional":
+            from pserver.models.functional import Functional
+            return Functional.from_config(config, **kwargs)
         try:
             layers = [layer_class(entry["class_name"]).from_config(entry["config"])
                       for entry in config["layers"]]

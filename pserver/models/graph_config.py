@@ -1,0 +1,131 @@
+"""A traced graph as JSON (a Functional model's get_config) and back (its from_config).
+
+The config names the inputs (key, shape, dtype), the layers called at the top of the graph
+(class and config, as a Sequential's), and the calls in a topological order: a layer's (its
+index, training and keyword arguments) or an op's (its name and attrs), each reading tensors by
+reference: ["input", i], ["node", j, output], or ["const", values, dtype]. A layer of your own is
+rebuilt from its config and traced again, so the ops of its call are not in the file, and the
+layers it makes in __init__ come back with it. Replaying the calls makes the same graph, whose
+layout (names, shapes, order) is the saved one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pserver.errors import ConfigError
+from pserver.ops import core
+
+
+def to_config(keys: list[str], inputs: list[core.Symbolic], output: core.Symbolic, describe) -> dict:
+    """The graph from `inputs` to `output`; `describe(layers)` gives the layers' configs
+    (ConfigError for one that cannot be rebuilt by name)."""
+    nodes = _topological(output)
+    refs = {id(x): ["input", i] for i, x in enumerate(inputs)}
+    layers: list = []
+    calls = []
+    for j, node in enumerate(nodes):
+        entry = {"inputs": [_ref(t, refs) for t in node.inputs]}
+        if node.layer is None:
+            entry.update(op=node.op, attrs=_plain(node.attrs))
+        else:
+            if not any(node.layer is known for known in layers):
+                layers.append(node.layer)
+            index = next(i for i, known in enumerate(layers) if known is node.layer)
+            entry.update(layer=index, list=node.layer.takes_list, training=node.attrs.get("training"),
+                         kwargs={k: _value(v, refs) for k, v in node.attrs.get("kwargs", {}).items()})
+        calls.append(entry)
+        for k, out in enumerate(node.outputs):
+            refs[id(out)] = ["node", j, k]
+    return {"inputs": [{"key": key, "shape": list(x.shape[1:]), "dtype": x.dtype.name}
+                       for key, x in zip(keys, inputs)],
+            "layers": describe(layers), "nodes": calls, "output": _ref(output, refs)}
+
+
+def from_config(config: dict) -> tuple[list[str], list[core.Symbolic], core.Symbolic]:
+    """(keys, inputs, output) of the graph `config` describes, its calls made again."""
+    from pserver.layers import layer_class
+    keys = [e["key"] for e in config["inputs"]]
+    inputs = [core.Symbolic((None, *e["shape"]), e["dtype"], name=e["key"]) for e in config["inputs"]]
+    layers = [layer_class(e["class_name"]).from_config(e["config"]) for e in config["layers"]]
+    made: list[list] = []
+    for entry in config["nodes"]:
+        args = [_tensor(r, inputs, made) for r in entry["inputs"]]
+        if "op" in entry:
+            out = core.apply(entry["op"], *args, **_tuples(entry["attrs"]))
+        else:
+            kwargs = {k: _unvalue(v, inputs, made) for k, v in entry["kwargs"].items()}
+            out = layers[entry["layer"]](args if entry["list"] else args[0], training=entry["training"],
+                                         **kwargs)
+        made.append(out if isinstance(out, list) else [out])
+    return keys, inputs, _tensor(config["output"], inputs, made)
+
+
+def _topological(output: core.Symbolic) -> list[core.Node]:
+    """The nodes `output` depends on, each after the nodes it reads (iterative: deep graphs)."""
+    order, seen, stack = [], set(), [(output.node, False)]
+    while stack:
+        node, done = stack.pop()
+        if node is None or (id(node) in seen and not done):
+            continue
+        if done:
+            order.append(node)
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        reads = list(node.inputs) + list(node.attrs.get("kwargs", {}).values())
+        stack.extend((t.node, False) for t in reversed(reads) if isinstance(t, core.Symbolic))
+    return order
+
+
+def _ref(t, refs: dict) -> list:
+    if isinstance(t, core.Symbolic):
+        if id(t) not in refs:
+            raise ConfigError(f"{t} is not one of the model's inputs, nor computed from them")
+        return refs[id(t)]
+    a = np.asarray(t)
+    return ["const", a.tolist(), a.dtype.name]
+
+
+def _tensor(ref: list, inputs: list, made: list):
+    kind = ref[0]
+    if kind == "input":
+        return inputs[ref[1]]
+    if kind == "node":
+        return made[ref[1]][ref[2]]
+    if kind == "const":
+        return np.asarray(ref[1], dtype=ref[2])
+    raise ConfigError(f"a graph's config: unknown tensor reference {ref!r}")
+
+
+def _value(v, refs: dict):
+    """A layer call's keyword argument: a tensor by reference, else a JSON value."""
+    return {"tensor": _ref(v, refs)} if isinstance(v, (core.Symbolic, np.ndarray)) else _plain(v)
+
+
+def _unvalue(v, inputs: list, made: list):
+    return _tensor(v["tensor"], inputs, made) if isinstance(v, dict) and set(v) == {"tensor"} else _tuples(v)
+
+
+def _plain(v):
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    if isinstance(v, np.generic):
+        return v.item()
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise ConfigError(f"a graph's config: {v!r} ({type(v).__name__}) is not a JSON value")
+
+
+def _tuples(v):
+    """JSON's lists as the tuples ops take (axes, slicing keys, shapes)."""
+    if isinstance(v, dict):
+        return {k: _tuples(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return tuple(_tuples(x) for x in v)
+    return v
+
+
+__all__ = ["to_config", "from_config"]
