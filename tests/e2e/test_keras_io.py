@@ -1,0 +1,51 @@
+"""The keras.io guides' scripts in bench/keras_io/ (only their imports changed, see their headers)
+under `pserver run --ps 1 --workers 2`, sync, on 256 samples (KERAS_IO_SAMPLES): each one builds,
+trains and prints a test accuracy. Catches a guide's code that stops building or training under
+pserver.keras (a layer subclass, ops in `call`, a subclassed Model, layers.add, the global
+pooling); bench/keras_io/compare.py measures the accuracies against Keras's."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import env_with
+
+pytestmark = [pytest.mark.e2e, pytest.mark.mnist]
+
+BENCH = Path(__file__).parents[2] / "bench" / "keras_io"
+
+
+def run_guide(name: str, mnist_dir) -> str:
+    env = env_with({"PSERVER_MNIST_DIR": str(mnist_dir), "KERAS_IO_SAMPLES": "256"})
+    r = subprocess.run([sys.executable, "-m", "pserver", "run", "--ps", "1", "--workers", "2", "--seed", "1",
+                        "--", sys.executable, str(BENCH / f"{name}.py")], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = re.sub(r"^\[worker0\] ", "", r.stdout, flags=re.M)
+    assert 0 <= float(re.search(r"^Test accuracy: (\S+)$", out, re.M).group(1)) <= 1, out[-2000:]
+    return out
+
+
+def epoch_losses(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^\d+/\d+ - \d+s - loss: (\S+)", out, re.M)]
+
+
+def test_the_subclassing_guide_s_layers_in_a_subclassed_model_train_under_pserver_run(mnist_dir):
+    """Catches: Linear's weights (add_weight in build) or MLPBlock's inner layers getting no
+    gradient (the loss would not fall over the 2 epochs)."""
+    out = run_guide("subclassing", mnist_dir)
+    losses = epoch_losses(out)
+    assert len(losses) == 2 and losses[1] < losses[0], out[-2000:]
+
+
+def test_the_functional_api_guide_s_toy_resnet_trains_under_pserver_run(mnist_dir):
+    """Catches: a residual branch or layer left out of the traced graph (Keras's parameter count
+    for this model on 28x28x1 is 222,666), validation_split dropped."""
+    out = run_guide("toy_resnet", mnist_dir)
+    assert "Total params: 222,666" in out, out[-3000:]
+    assert len(epoch_losses(out)) == 1 and "val_accuracy" in out, out[-2000:]
