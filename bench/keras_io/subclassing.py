@@ -1,8 +1,10 @@
 # keras.io's guide "Making new layers and models via subclassing",
 # https://keras.io/guides/making_new_layers_and_models_via_subclassing/ (keras-team/keras-io,
 # guides/making_new_layers_and_models_via_subclassing.py, by fchollet; Apache License 2.0): its
-# `Linear` layer (the version that creates its weights in `build`) and its `MLPBlock`, verbatim,
-# with only the import lines changed to pserver's: `import keras` -> `import pserver.keras as
+# `Linear` layer (the version that creates its weights in `build`) and its `MLPBlock`, as the
+# Keras 3 revision of the guide writes them (written from that revision, not copied: the copies
+# of the guide at hand were its TF2 revision, tf.matmul and tf.nn.relu; a diff against upstream
+# is still to do), with only the import lines changed to pserver's: `import keras` -> `import pserver.keras as
 # keras`, `from keras import ops` -> `from pserver.keras import ops`. The guide trains neither on
 # MNIST: the blocks marked "ours" (a subclassed keras.Model of those layers, in the shape of the
 # guide's `ResNet(keras.Model)` sketch, and the smallest MNIST compile/fit/evaluate, with the
