@@ -19,24 +19,9 @@ from pserver.server import checkpoint as shard_checkpoint
 from pserver.server.shard import Shard
 from pserver.sparse import SparseTable, TableConfig
 from tests.support.pushes import push_all
-from tests.support.shards import make_cluster
+from tests.support.shards import make_cluster, shard_state, trained_shard
 
 LAYOUT = Layout.of([("w", (50,))])
-
-
-def trained_shard(tmp_path, steps=4, optimizer="adam", **cfg):
-    shard = make_cluster(LAYOUT, np.linspace(-1, 1, 50, dtype=np.float32), 1, 2,
-                         optimizer=optimizer, lr=0.01, checkpoint_dir=str(tmp_path), **cfg)[0]
-    rng = np.random.default_rng(0)
-    for t in range(steps):
-        for r in range(2):
-            push_all([shard], r, [t], rng.standard_normal(50).astype(np.float32))
-    return shard
-
-
-def state(shard):
-    s = shard.store
-    return s.version, s.params.tobytes(), {k: v.tobytes() for k, v in s.optimizer.state.items()}
 
 
 def test_checkpoint_round_trip_and_training_goes_on_identically(tmp_path):
@@ -44,13 +29,13 @@ def test_checkpoint_round_trip_and_training_goes_on_identically(tmp_path):
     path, version = shard.checkpoint(0)
     assert version == 4 and os.path.basename(path) == "shard0-of1-v000000000004.ckpt"
     restored = Shard(ServerConfig(num_workers=2, optimizer="adam", lr=0.01, restore=str(tmp_path)))
-    assert state(restored) == state(shard)
+    assert shard_state(restored) == shard_state(shard)
     for r in range(2):                               # the workers join the restored shard
         restored.register(r, 2, 0, 1, LAYOUT)
     for s in (shard, restored):                      # one more step on each: same result
         for r in range(2):
             push_all([s], r, [4], np.full(50, 0.5, np.float32))
-    assert state(restored) == state(shard)
+    assert shard_state(restored) == shard_state(shard)
 
 
 def test_half_written_and_corrupt_files_are_never_loaded(tmp_path):
@@ -358,7 +343,7 @@ def test_a_directory_belongs_to_the_run_that_wrote_it_and_a_start_without_restor
     assert f"--restore {d}" in str(e.value) and "another --checkpoint-dir" in str(e.value)
     assert hashes(d) == before
     again = Shard(ServerConfig(num_workers=2, optimizer="adam", lr=0.01, checkpoint_dir=d, restore=d))
-    assert state(again) == state(old)
+    assert shard_state(again) == shard_state(old)
     for r in range(2):
         again.register(r, 2, 0, 1, LAYOUT)
         push_all([again], r, [4], np.ones(50, np.float32))

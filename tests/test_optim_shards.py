@@ -20,7 +20,7 @@ from pserver.models.layout import Layout
 from pserver.observe.status import settings_of
 from pserver.server.shard import Shard
 from tests.support.pushes import push_all
-from tests.support.shards import make_cluster
+from tests.support.shards import shard_state, trained_shard
 
 KERAS_RULES = ("rmsprop", "adamw", "adagrad")
 
@@ -72,21 +72,6 @@ def test_run_takes_the_new_settings_from_compile_not_flags():
 LAYOUT = Layout.of([("w", (50,))])
 
 
-def trained(tmp_path, optimizer, steps=3, **cfg):
-    shard = make_cluster(LAYOUT, np.linspace(-1, 1, 50, dtype=np.float32), 1, 2, optimizer=optimizer,
-                         lr=0.01, checkpoint_dir=str(tmp_path), **cfg)[0]
-    rng = np.random.default_rng(0)
-    for t in range(steps):
-        for r in range(2):
-            push_all([shard], r, [t], rng.standard_normal(50).astype(np.float32))
-    return shard
-
-
-def state(shard):
-    s = shard.store
-    return s.version, s.params.tobytes(), {k: v.tobytes() for k, v in s.optimizer.state.items()}
-
-
 @pytest.mark.parametrize("optimizer, cfg, names", [
     ("rmsprop", dict(momentum=0.5, centered=True), ["average_gradient", "momentum", "velocity"]),
     ("adamw", {}, ["m", "v"]),
@@ -95,22 +80,22 @@ def state(shard):
 def test_checkpoint_round_trip_keeps_the_state(tmp_path, optimizer, cfg, names):
     """Catches: a state array not checkpointed (adagrad's accumulator back at 0.1, rmsprop's
     momentum at 0): the step after the restore would differ."""
-    shard = trained(tmp_path, optimizer, **cfg)
+    shard = trained_shard(tmp_path, steps=3, optimizer=optimizer, **cfg)
     assert sorted(shard.store.optimizer.state) == names
     shard.checkpoint(0)
     restored = Shard(ServerConfig(num_workers=2, optimizer=optimizer, lr=0.01, restore=str(tmp_path), **cfg))
-    assert state(restored) == state(shard)
+    assert shard_state(restored) == shard_state(shard)
     for r in range(2):
         restored.register(r, 2, 0, 1, LAYOUT)
     for s in (shard, restored):
         for r in range(2):
             push_all([s], r, [3], np.full(50, 0.5, np.float32))
-    assert state(restored) == state(shard)
+    assert shard_state(restored) == shard_state(shard)
 
 
 def test_a_checkpoint_of_one_optimizer_is_refused_by_another(tmp_path):
     """adamw and adam keep the same arrays (m, v): only the name tells them apart."""
-    trained(tmp_path, "adamw").checkpoint(0)
+    trained_shard(tmp_path, steps=3, optimizer="adamw").checkpoint(0)
     with pytest.raises(ConfigError, match="--optimizer adamw"):
         Shard(ServerConfig(optimizer="adam", restore=str(tmp_path)))
     with pytest.raises(ConfigError, match="--optimizer adamw"):

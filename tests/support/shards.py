@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from pserver.config import ServerConfig
 from pserver.models.layout import Layout
 from pserver.server.shard import Shard
-from tests.support.pushes import fill_with, push
+from tests.support.pushes import fill_with, push, push_all
 
 # Property tests over shards: each example builds shards and runs steps, slower than hypothesis likes.
 SETTINGS = settings(max_examples=25, deadline=None,
@@ -55,3 +55,25 @@ def heartbeats(shard, rank, every=0.05):
 
 def counters(shard) -> dict:
     return shard.status()["counters"]
+
+
+CKPT_LAYOUT = Layout.of([("w", (50,))])
+
+
+def trained_shard(tmp_path, steps=4, optimizer="adam", **cfg) -> Shard:
+    """A shard of one (CKPT_LAYOUT) that two workers pushed `steps` seeded steps into, writing
+    its checkpoints in tmp_path."""
+    shard = make_cluster(CKPT_LAYOUT, np.linspace(-1, 1, 50, dtype=np.float32), 1, 2,
+                         optimizer=optimizer, lr=0.01, checkpoint_dir=str(tmp_path), **cfg)[0]
+    rng = np.random.default_rng(0)
+    for t in range(steps):
+        for r in range(2):
+            push_all([shard], r, [t], rng.standard_normal(50).astype(np.float32))
+    return shard
+
+
+def shard_state(shard) -> tuple:
+    """A shard's version, weights and optimizer state, as bytes: equal only if bit for bit."""
+    s = shard.store
+    return s.version, s.params.tobytes(), {k: v.tobytes() for k, v in s.optimizer.state.items()}
+
