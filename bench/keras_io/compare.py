@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def copies(name: str, samples: int | None, epochs: int | None, tmp: Path) -> dic
     paths = {"pserver": tmp / f"{name}.py", "keras": tmp / f"{name}_keras.py"}
     paths["pserver"].write_text(text)
     paths["keras"].write_text(keras)
+    shutil.copy(HERE / "_ours.py", tmp / "_ours.py")       # what both copies import
     return paths
 
 

@@ -22,30 +22,12 @@ import numpy as np
 import pserver.keras as keras
 from pserver.keras import layers
 
-# --- ours: the seed, a sample limit for quick checks, MNIST from its IDX files -----------------
-import gzip
-import os
+# --- ours: the seed, a sample limit for quick checks, MNIST from its IDX files (_ours.py) -----
 import time
 
-SEED = int(os.environ.get("KERAS_IO_SEED", "1"))
-SAMPLES = int(os.environ.get("KERAS_IO_SAMPLES", "0"))  # 0: all of MNIST
-if hasattr(keras.utils, "set_random_seed"):  # Keras; pserver.keras has none: `pserver run --seed`
-    keras.utils.set_random_seed(SEED)
+from _ours import load_mnist, seed
 
-
-def load_mnist():
-    """keras.datasets.mnist.load_data()'s arrays, read from the IDX files in $PSERVER_MNIST_DIR
-    (Keras's own loader downloads): the same bytes on both sides."""
-    def read(name, offset):
-        with gzip.open(os.path.join(os.environ["PSERVER_MNIST_DIR"], name)) as f:
-            return np.frombuffer(f.read(), np.uint8, offset=offset)
-
-    x_train = read("train-images-idx3-ubyte.gz", 16).reshape(-1, 28, 28)
-    x_test = read("t10k-images-idx3-ubyte.gz", 16).reshape(-1, 28, 28)
-    y_train, y_test = read("train-labels-idx1-ubyte.gz", 8), read("t10k-labels-idx1-ubyte.gz", 8)
-    if SAMPLES:
-        return (x_train[:SAMPLES], y_train[:SAMPLES]), (x_test[:SAMPLES], y_test[:SAMPLES])
-    return (x_train, y_train), (x_test, y_test)
+seed(keras)
 # --- end of ours --------------------------------------------------------------------------------
 
 """
