@@ -1,0 +1,184 @@
+"""Where a training step of keras.io's mnist_convnet spends its time, layer by layer: pserver's
+CPU kernels against TensorFlow's (oneDNN) on the same shapes, one thread each, in one run.
+
+The model (bench/keras_mnist_convnet.py): Conv2D(32, 3, relu) on 28x28x1, MaxPooling2D(2),
+Conv2D(64, 3, relu), MaxPooling2D(2), Flatten, Dropout(0.5), Dense(10) with softmax
+cross-entropy. Each layer's forward and its backward (the weights' gradients and, but for the
+first layer, its input's) are timed alone on the batch size given, warm, as the median of
+--runs; GFLOP/s counts a convolution's or a dense layer's multiply-adds as 2 flops (backward:
+twice the forward's, one product for the weights and one for the input).
+
+    python bench/convnet_layers.py --tf-python /path/to/tf-venv/bin/python --json out.json
+
+The TensorFlow side runs in that interpreter, in a process of its own, the layers as
+tf.keras layers under a tf.function each (forward alone; forward and tape.gradient for the
+backward, whose forward part is subtracted), with TF_NUM_INTRAOP_THREADS=1 and one inter-op
+thread; pserver's side with NUMBA_NUM_THREADS=1 and one BLAS thread. Each side's instruction set:
+pserver's numba targets this CPU (cpu_id.isa), oneDNN's is what ONEDNN_VERBOSE reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ONE_THREAD = {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+              "MKL_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in ONE_THREAD.items()):
+    os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | ONE_THREAD)
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import machine, machine_lines, table  # noqa: E402
+
+# (name, forward multiply-adds per sample): the layers in order.
+LAYERS = [("conv2d 1->32", 26 * 26 * 32 * 9 * 1), ("max_pooling2d", 0),
+          ("conv2d 32->64", 11 * 11 * 64 * 9 * 32), ("max_pooling2d_1", 0), ("flatten", 0),
+          ("dropout", 0), ("dense 1600->10", 1600 * 10)]
+
+TF_SIDE = r"""
+import json, os, sys, time
+import numpy as np
+import tensorflow as tf
+batch, runs = int(sys.argv[1]), int(sys.argv[2])
+L = tf.keras.layers
+layers = [L.Conv2D(32, 3, activation="relu"), L.MaxPooling2D(2), L.Conv2D(64, 3, activation="relu"),
+          L.MaxPooling2D(2), L.Flatten(), L.Dropout(0.5), L.Dense(10)]
+x = tf.random.uniform((batch, 28, 28, 1))
+ins = []
+for layer in layers:
+    ins.append(x)
+    x = layer(x, training=True)
+def median_time(fn):
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
+    return float(np.median(times))
+out = []
+for i, (layer, inp) in enumerate(zip(layers, ins)):
+    fwd = tf.function(lambda inp=inp, layer=layer: layer(inp, training=True))
+    @tf.function
+    def both(inp=inp, layer=layer, first=(i == 0)):
+        with tf.GradientTape() as tape:
+            tape.watch(inp)
+            y = layer(inp, training=True)
+            s = tf.reduce_sum(y * y)
+        return tape.gradient(s, layer.trainable_weights + ([] if first else [inp]))
+    f = median_time(lambda: fwd().numpy())
+    fb = median_time(lambda: [g.numpy() for g in both()])
+    out.append({"forward_s": f, "backward_s": max(fb - f, 0.0)})
+print(json.dumps({"tensorflow": tf.__version__, "layers": out}))
+"""
+
+
+def pserver_side(batch: int, runs: int) -> list[dict]:
+    """Each layer's forward and backward seconds (medians) with pserver's cpu kernels."""
+    from pserver.layers import Conv2D, Dense, Dropout, Flatten, MaxPooling2D
+    from pserver.layers.base import Pass
+    from pserver.models.sequential import Sequential
+
+    model = Sequential([Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), MaxPooling2D(2),
+                        Conv2D(64, 3, activation="relu"), MaxPooling2D(2), Flatten(), Dropout(0.5),
+                        Dense(10)]).build()
+    rng = np.random.default_rng(0)
+    w = model.init_params(0)
+    grad = np.zeros_like(w)
+    x = rng.random((batch, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, batch)
+    model.loss_and_grad(w, x, y, grad)                  # compiles and fills every buffer
+    params = model._per_layer(model.layout.views(w))
+    grads = model._per_layer(model.layout.views(grad))
+    bufs = model._buffers(batch, w.dtype)
+    acts = model._forward(params, x, bufs, Pass(training=True, seed=1))
+    k, out = model.kernels, []
+    for i, layer in enumerate(model.layers):
+        if layer.reshapes_only:
+            out.append({"forward_s": 0.0, "backward_s": 0.0})
+            continue
+        dout = rng.random(bufs.douts[i].shape, dtype=np.float32)
+        dx = bufs.douts[i - 1] if model._needs_dx[i] else None
+        fwd = lambda: layer.forward(k, params[i], acts[i], acts[i + 1], bufs.scratch[i], Pass(True, 1))  # noqa: E731
+        bwd = lambda: layer.backward(k, params[i], grads[i], acts[i], acts[i + 1], dout.copy(), dx,  # noqa: E731
+                                     bufs.scratch[i])
+        out.append({"forward_s": median_time(fwd, runs), "backward_s": median_time(bwd, runs)})
+    return out
+
+
+def median_time(fn, runs: int) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def onednn_isa(tf_python: str) -> str:
+    probe = ("import tensorflow as tf; "
+             "tf.nn.conv2d(tf.ones((1, 8, 8, 4)), tf.ones((3, 3, 4, 8)), 1, 'VALID')")
+    r = subprocess.run([tf_python, "-c", probe], capture_output=True, text=True, timeout=300,
+                       env=os.environ | {"ONEDNN_VERBOSE": "1", "TF_CPP_MIN_LOG_LEVEL": "0"})
+    for line in (r.stdout + r.stderr).splitlines():
+        if ",info,cpu,isa:" in line:
+            return line.split("isa:", 1)[1].strip()
+    return "none reported"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=64, help="samples per step on one worker (default 64: "
+                   "keras.io's 128 split over 2 workers)")
+    p.add_argument("--runs", type=int, default=50, help="timed runs per layer and side (median)")
+    p.add_argument("--tf-python", default="",
+                   help="a Python with tensorflow; without it, pserver's side only")
+    p.add_argument("--json", default="", help="write the results here too")
+    args = p.parse_args()
+    m = machine(("numpy", "numba"))
+    print("\n".join(machine_lines(m)))
+    ours = pserver_side(args.batch, args.runs)
+    theirs, tf_version, isa = None, "", ""
+    if args.tf_python:
+        r = subprocess.run([args.tf_python, "-c", TF_SIDE, str(args.batch), str(args.runs)],
+                           capture_output=True, text=True, timeout=1800,
+                           env=os.environ | {"TF_CPP_MIN_LOG_LEVEL": "2"})
+        if r.returncode:
+            sys.exit(f"the TensorFlow side failed:\n{r.stderr[-2000:]}")
+        result = json.loads(r.stdout.strip().splitlines()[-1])
+        theirs, tf_version, isa = result["layers"], result["tensorflow"], onednn_isa(args.tf_python)
+    rows, records = [], []
+    for j, ((name, macs), o) in enumerate(zip(LAYERS, ours)):
+        t = theirs[j] if theirs else None
+        gf = lambda s, mult: f"{2 * mult * macs * args.batch / s / 1e9:.1f}" if macs and s else ""  # noqa: E731
+        rows.append([name, f"{o['forward_s'] * 1e3:.3f}", f"{o['backward_s'] * 1e3:.3f}",
+                     gf(o["forward_s"], 1), gf(o["backward_s"], 2),
+                     *([f"{t['forward_s'] * 1e3:.3f}", f"{t['backward_s'] * 1e3:.3f}",
+                        gf(t["forward_s"], 1), gf(t["backward_s"], 2)] if t else [])])
+        records.append({"layer": name, "forward_macs_per_sample": macs, "pserver": o, "tensorflow": t})
+    headers = ["layer", "ps fwd ms", "ps bwd ms", "ps fwd GF/s", "ps bwd GF/s"]
+    if theirs:
+        headers += ["tf fwd ms", "tf bwd ms", "tf fwd GF/s", "tf bwd GF/s"]
+    print(table(headers, rows))
+    total = lambda side: sum(r[side]["forward_s"] + r[side]["backward_s"] for r in records)  # noqa: E731
+    line = f"batch {args.batch}: pserver {total('pserver') * 1e3:.2f} ms per step of layers"
+    if theirs:
+        line += (f", TensorFlow {tf_version} {total('tensorflow') * 1e3:.2f} ms (oneDNN ISA: {isa}); "
+                 f"TensorFlow / pserver = {total('tensorflow') / total('pserver'):.2f}")
+    print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": m, "batch": args.batch, "runs": args.runs, "threads": ONE_THREAD,
+                       "pserver_isa": m["cpu_id"].get("isa"), "onednn_isa": isa, "tensorflow": tf_version,
+                       "layers": records, "summary": line}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
