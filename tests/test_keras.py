@@ -568,3 +568,26 @@ def test_a_layer_pickles_with_its_config():
     layer = layers.Conv2D(4, (3, 2), activation="relu", name="c")
     for again in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
         assert again.get_config() == layer.get_config() and again.get_config()["kernel_size"] == [3, 2]
+
+
+def test_set_random_seed_fixes_the_initial_weights_and_the_training(monkeypatch):
+    """Catches: keras.utils.set_random_seed missing (keras.io scripts call it first), or setting a
+    seed that neither the initial weights nor fit's data order and dropout read."""
+    from pserver.launch.run import SEED
+    monkeypatch.delenv(SEED, raising=False)          # restored after the test
+    x, y = blobs(200)
+
+    def run(seed):
+        keras.utils.set_random_seed(seed)
+        model = small_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        first = [w.copy() for w in model.get_weights()]
+        history = model.fit(x, y, batch_size=20, epochs=2, verbose=0).history["loss"]
+        return first, history
+
+    (w3, h3), (w3b, h3b), (w4, _) = run(3), run(3), run(4)
+    assert all(np.array_equal(a, b) for a, b in zip(w3, w3b)) and h3 == h3b
+    assert not all(np.array_equal(a, b) for a, b in zip(w3, w4))
+    for bad in ("3", -1, 2 ** 32, True, 1.5):
+        with pytest.raises(ConfigError, match="set_random_seed"):
+            keras.utils.set_random_seed(bad)

@@ -103,7 +103,7 @@ def current() -> Cluster | Running | None:
 
 
 def seed() -> int:
-    """`pserver run --seed`, else keras.utils.set_random_seed's, else 0."""
+    """keras.utils.set_random_seed's seed, else `pserver run --seed`, else 0 (the same variable)."""
     return int(os.environ.get(SEED, "0"))
 
 

@@ -1,11 +1,15 @@
-"""keras.utils: to_categorical."""
+"""keras.utils: to_categorical, set_random_seed."""
 
 from __future__ import annotations
+
+import os
+import random
 
 import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.keras._names import missing as _missing
+from pserver.launch.run import SEED
 
 
 def to_categorical(x, num_classes: int | None = None) -> np.ndarray:
@@ -25,6 +29,19 @@ def to_categorical(x, num_classes: int | None = None) -> np.ndarray:
     return out.reshape((*y.shape, n))
 
 
+def set_random_seed(seed: int) -> None:
+    """keras.utils.set_random_seed: one seed for what is random in the script's run, the model's
+    initial weights, dropout and the order of the data (read when the model first needs its
+    weights, so call it first, as Keras scripts do), and Python's `random` and NumPy's global
+    generator, as Keras seeds them. Under `pserver run` every rank makes the same call, so the
+    workers agree; it takes the place of `pserver run --seed`."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
+        raise ConfigError(f"set_random_seed: the seed must be an integer in [0, 2**32), got {seed!r}")
+    os.environ[SEED] = str(int(seed))          # what pserver.keras.cluster.seed() reads
+    random.seed(int(seed))
+    np.random.seed(int(seed))
+
+
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
-__all__ = ["to_categorical"]
+__all__ = ["to_categorical", "set_random_seed"]
