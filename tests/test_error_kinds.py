@@ -256,6 +256,20 @@ def test_an_unreachable_shard_is_retried_for_retry_for_then_named_with_the_time(
     s.close()
 
 
+def test_a_stopping_worker_does_not_wait_for_a_shard_to_come_back(monkeypatch):
+    """Catches a retry loop that ignores a stop signal: under a killed launcher every child gets
+    SIGTERM at once, the shards go, and a worker's pool thread retried them for --rpc-deadline
+    while its exit waited for that thread (a child outlived its launcher by 30 s in CI)."""
+    from pserver import signals
+    s = ShardClient(0, free_address(), data_plane="grpc")
+    monkeypatch.setattr(signals._stopping, "is_set", lambda: True)
+    started = time.monotonic()
+    with pytest.raises(errors.Unavailable):
+        s.resilient(lambda: s.status(timeout=0.2), 30)
+    assert time.monotonic() - started < 5
+    s.close()
+
+
 def test_a_wait_that_ran_out_is_retried_only_in_a_call_that_waits():
     """DEADLINE_EXCEEDED: retried for retry_for + waits in a call that waits (a pull), never
     in one that does not (the default: a push goes to the caller at once, unchanged)."""

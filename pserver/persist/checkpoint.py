@@ -405,7 +405,7 @@ def _by_name(arrays: dict, prefix: str) -> RowState:
     try:
         return RowState.of({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
     except KeyError as e:
-        raise ValueError(f"its table {prefix[:-1]} has {e.args[0]}") from None
+        raise ValueError(f"its table {prefix[:-1]} has {e}") from None
 
 
 def _replay(base: np.ndarray, deltas: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:

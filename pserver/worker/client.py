@@ -169,6 +169,11 @@ class ShardClient:
             except OverBudget:
                 raise                          # a memory budget: waiting frees nothing
             except retried as e:
+                if stopping():
+                    # A stop signal came: the shards are stopping too (a launcher's SIGTERM, a
+                    # Ctrl-C). Retrying would hold this thread, and the exit that joins it, for
+                    # up to retry_for seconds after the main thread has finished.
+                    raise
                 extra = waits if isinstance(e, DeadlineExceeded) else 0.0
                 if time.monotonic() + delay > deadline + extra:
                     raise type(e)(f"{self.label}: {e.code_name.lower().replace('_', ' ')} for "
