@@ -73,8 +73,11 @@ def test_in_a_log_the_workers_write_a_line_every_log_every_seconds_with_an_eta()
     assert "\r" not in r.stdout and "%|" not in r.stdout + r.stderr
     chief = re.findall(r"\[worker0\] epoch (\d)/2 step (\d+)/100 loss \d\.\d{4} [\d,]+ samples/s"
                        r"(, ETA \d\d:\d\d)?", r.stdout)
-    # 1-2 s of training at 0.3 s: a few lines, each epoch's last one forced; an ETA until the end.
-    assert 3 <= len(chief) <= 14, r.stdout
+    # A line every 0.3 s of training, each epoch's last one forced; an ETA until the end. Bounded
+    # by the time the run took (1-2 s on a quiet machine; a loaded one takes longer and writes
+    # more: a fixed bound of 14 failed in CI), and far below one line per step (200).
+    took = float(re.findall(r"\[worker0\] epoch 2/2 done in \d+\.\d s \((\d+\.\d) s in all\)", r.stdout)[0])
+    assert 3 <= len(chief) <= min(took / 0.3 + 4, 60), (took, r.stdout)
     assert chief[0][2] and chief[-1][:2] == ("2", "100") and not chief[-1][2], chief
     assert re.search(r"\[worker1\] epoch 2/2 step 100/100", r.stdout), r.stdout
 
