@@ -133,7 +133,10 @@ class _Model:
             core.compile(**self._pending)
 
     def _trace(self, x):
-        raise NotImplementedError       # only a model whose core waits for its shapes gets here
+        """The core traced from `x`'s shapes, or None: a model made with its core (a Functional
+        graph, a Sequential of built-in layers) has nothing to trace; Sequential and a subclassed
+        Model override this."""
+        return None
 
     def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
                 show_trainable=False, layer_range=None) -> None:
