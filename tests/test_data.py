@@ -6,7 +6,6 @@ import gzip
 import hashlib
 import os
 import shutil
-import socket
 import struct
 import time
 
@@ -27,6 +26,7 @@ from pserver.data import (
 from pserver.data.mnist import MNIST_DIR_ENV, MNIST_FILES, MNIST_MIRRORS, MNIST_MIRRORS_ENV
 from pserver.data.mnist import mnist_dir as find_mnist_dir
 from pserver.errors import ConfigError, DataError
+from tests.support.processes import free_port
 
 # Label counts of the original MNIST, as published.
 TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
@@ -151,9 +151,7 @@ def test_broken_gzip_names_the_file(tmp_path, damage):
 # ---------------------------------------------------------------- missing MNIST and downloads
 
 def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}/"
+    return f"http://127.0.0.1:{free_port()}/"
 
 
 @pytest.mark.mnist

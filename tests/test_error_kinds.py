@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pathlib
 import re
-import socket
 import struct
 import threading
 import time
@@ -36,6 +35,7 @@ from pserver.wire.security import ClientSecurity
 from pserver.worker.client import PSClient, ShardClient
 from pserver.worker.run import push_pull
 from tests.support.clients import LAYOUT, START, TOKEN, raw_hello, worker
+from tests.support.processes import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ONES = np.ones(LAYOUT.total, np.float32)
@@ -235,9 +235,7 @@ def test_the_seen_version_a_shard_refuses_is_pulled_again_as_none_seen(shard_ser
 
 # --- the client's retries: what a user sees when they run out -------------------------------
 def free_address() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 def ran_out(s: ShardClient, what: str, seconds: str) -> str:

@@ -17,6 +17,7 @@ from pserver.errors import ConfigError
 from pserver.server.app import create_server
 from pserver.server.health import SERVICE
 from pserver.wire.security import TOKEN_ENV
+from tests.support.processes import free_port
 
 pytestmark = pytest.mark.e2e
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -61,9 +62,7 @@ def test_a_shard_that_is_not_ready_answers_unavailable_which_workers_retry(shard
 
 def test_a_restore_that_fails_closes_the_port_it_opened(tmp_path):
     (tmp_path / "ckpt").write_text("a file, not a directory")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     with pytest.raises(ConfigError, match="--restore"):
         create_server(ServerConfig(port=port, restore=str(tmp_path / "ckpt")))
     with socket.socket() as again:                    # free again: the server was stopped

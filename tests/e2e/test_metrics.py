@@ -5,14 +5,13 @@ tensorboard's event reader."""
 from __future__ import annotations
 
 import re
-import socket
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.support.processes import LOGREG, read_json, wait_until
+from tests.support.processes import LOGREG, free_port, read_json, wait_until
 
 pytestmark = pytest.mark.e2e
 METRICS_AT = re.compile(r"Prometheus metrics at (http://\S+/metrics)")
@@ -82,9 +81,7 @@ def test_a_live_shard_and_worker_expose_what_the_run_did_and_the_chief_writes_cu
 
 def test_under_launch_process_i_serves_metrics_on_p_plus_i_shards_first(tmp_path):
     from tests.support.processes import run
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
+    base = free_port(count=3)
     r = run("launch", "--ps", "2", "--workers", "1", *LOGREG, "--epochs", "1", "--metrics-port", str(base))
     assert r.returncode == 0, r.stdout + r.stderr
     said = dict(re.findall(r"\[(\w+)\] .*Prometheus metrics at http://127\.0\.0\.1:(\d+)/metrics", r.stdout))

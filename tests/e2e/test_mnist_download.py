@@ -4,20 +4,17 @@ first mirror that answers (a real HTTP server here, after one that is down), che
 from __future__ import annotations
 
 import shutil
-import socket
 
 import pytest
 
 from pserver.data.mnist import MNIST_DIR_ENV, MNIST_FILES
-from tests.support.processes import read_json, run
+from tests.support.processes import free_port, read_json, run
 
 pytestmark = pytest.mark.e2e
 
 
 def dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}/"
+    return f"http://127.0.0.1:{free_port()}/"
 
 
 @pytest.mark.mnist

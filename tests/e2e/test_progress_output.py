@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.support.processes import env_with, pserver_cmd, run
+from tests.support.processes import env_with, free_port, pserver_cmd, run
 
 pytestmark = pytest.mark.e2e
 
@@ -119,7 +119,7 @@ def test_ctrl_c_stops_shards_and_workers_without_an_unreachable_line(tmp_path):
     """A Ctrl-C reaches every process of a terminal's group at once (here: a shell running two
     shards and two workers): a worker whose shard stopped first says nothing of retrying."""
     py = f"{sys.executable} -m pserver"
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     ps = ",".join(f"127.0.0.1:{p}" for p in ports)
     # No delay: the workers spend their time in pushes and pulls, where a shard's stop hits them.
     job = " ".join(JOB).replace("--epochs 2", "--epochs 1000").replace(" --delay fixed:0.01", "")
@@ -155,8 +155,3 @@ def until(condition, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -115,11 +116,38 @@ def read_json(path) -> dict:
         return json.load(f)
 
 
-def free_port() -> int:
-    """A port free now on 127.0.0.1, for a process that must be told its port in advance."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999                     # Linux's default
+
+
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive ports free now on 127.0.0.1, for a process that must be
+    told its port in advance, picked below the kernel's ephemeral range: a port the kernel hands
+    out (bind to 0) can be taken, the moment it is let go, as the source port of any outgoing
+    connection on this host, and a loaded CI run saw that ('port ... is already in use')."""
+    low, high = _ephemeral_range()
+    bottom, top = (10000, low - count) if low > 12000 + count else (high + 1, 65536 - count)
+    rnd = random.Random()
+    for _ in range(200):
+        first = rnd.randrange(bottom, top)
+        held = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports outside the ephemeral range")
 
 
 def children(pid: int) -> list[int]:
