@@ -80,6 +80,29 @@ def grpc_core_stays_up():
     yield grpc.insecure_channel("127.0.0.1:9")   # never connects: no call is made on it
 
 
+def _pserver_reads(name: str) -> bool:
+    """The variables that change what pserver does (libraries' own, Ray's say, are theirs)."""
+    return name.startswith("PSERVER_") or name == "TF_CONFIG"
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found():
+    """A test that leaves a variable pserver reads changed in os.environ fails, and the change is
+    undone: left behind, it reaches every later test (keras.utils.set_random_seed's seed once made
+    a test of another module depend on the order the modules ran in)."""
+    before = {k: v for k, v in os.environ.items() if _pserver_reads(k)}
+    yield
+    after = {k: v for k, v in os.environ.items() if _pserver_reads(k)}
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed:
+        for k in changed:
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                del os.environ[k]
+        pytest.fail(f"the test left os.environ changed: {', '.join(changed)} (use monkeypatch)")
+
+
 def _original_mnist_gz(directory: str) -> list[str]:
     """The names of the four MNIST files whose original .gz (size and sha256) is not in directory."""
     wrong = []
