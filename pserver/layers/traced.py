@@ -19,7 +19,7 @@ import re
 import traceback
 
 from pserver.errors import ConfigError
-from pserver.layers import initializers
+from pserver.layers import initializers, saving
 from pserver.layers.base import Layer, Weight, as_shape
 from pserver.ops.core import Symbolic
 
@@ -150,6 +150,16 @@ class Lambda(TracedLayer):
 
     def call(self, inputs):
         return self.function(inputs, **self.arguments)
+
+    def get_config(self) -> dict:
+        """The function as Keras saves it: a lambda's bytecode, or a named function's module and
+        name (pserver.layers.saving)."""
+        return {**super().get_config(), "function": saving.dump_function(self.function, self.label)}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Lambda":
+        where = f"layer {config.get('name') or cls.kind} (Lambda)"
+        return super().from_config({**config, "function": saving.load_function(config["function"], where)})
 
 
 def snake_case(name: str) -> str:

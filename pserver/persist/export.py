@@ -32,19 +32,25 @@ def evaluate_files(model_path: str | None, checkpoint: str | None, options: dict
         meta, arrays = model_file.read(model_path) if model_path else ({}, {})
         model_file.refuse_delta(model_path, meta)
     spec = options.get("model") or (meta.get("model") if meta else "mlp")
-    if spec is None:
+    if spec is None and not meta.get("sequential"):
         raise ConfigError(f"--model: {model_path} was saved from a model built in Python; give its "
                           "definition with --model FILE.py:FUNCTION")
     model = tables = None
     if meta:
         with _the_model_file():
-            model = model_file.build(meta, spec, options.get("hidden"))
-            if not checkpoint:      # the file's weights and tables, verified before the dataset loads
-                weights, source = model_file.weights_of(model_path, meta, arrays, model.layout), model_path
-                tables = model_file.tables_of(model_path, meta, model)
+            if spec is None:        # model.save's file: built from its layers' configs, in safe mode
+                saved = model_file.load(model_path)
+                model, weights, source = saved.model, saved.weights, model_path
+            else:
+                model = model_file.build(meta, spec, options.get("hidden"))
+                if not checkpoint:      # the file's weights and tables, verified before the dataset loads
+                    weights = model_file.weights_of(model_path, meta, arrays, model.layout)
+                    source = model_path
+                    tables = model_file.tables_of(model_path, meta, model)
     data = {k: v for k, v in (meta.get("dataset") or {}).items() if k in model_file.DATASET_FIELDS}
     data |= {k: options[k] for k in model_file.DATASET_FIELDS if options.get(k) is not None}
-    ds = load_dataset(data.pop("dataset", "synthetic"), task=models.task_of(spec), **data)
+    task = models.task_of(spec) if spec is not None else model.task
+    ds = load_dataset(data.pop("dataset", "synthetic"), task=task, **data)
     if model is None:          # as the worker built it: for the dataset's samples and classes
         model = models.make_model(spec, ds.sample_shape, ds.num_classes,
                                   hidden=options.get("hidden") or models.DEFAULT_HIDDEN)
