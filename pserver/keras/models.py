@@ -483,10 +483,11 @@ class ModelCall(TracedLayer):
 
 def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> _Model:
     """A model file written by model.save (or by pserver with a Sequential or a Functional): the
-    model built again from its layers' configs (a graph's: a keras.Model), with its weights,
-    compiled as it was. Its layers are
-    pserver's built-in ones and the classes registered in this process
-    (keras.saving.register_keras_serializable): the file runs no code of its own. A file whose
+    model built again from its layers' configs (a graph's: a keras.Model; a subclassed Model's:
+    an instance of its class, from its get_config), with its weights, compiled as it was. Its
+    layers are pserver's built-in ones and the classes registered in this process
+    (keras.saving.register_keras_serializable): the file runs no code of its own, and a Lambda
+    whose function is a Python lambda loads only with safe_mode=False, as Keras's. A file whose
     model is built by code (a --model package.module:FUNCTION file) is no Sequential: with
     safe_mode=True (Keras's default) it is refused as unsafe (UnsafeModelFile), with
     safe_mode=False as not a Keras model (pserver.load_model(..., safe_mode=False) loads it). A
