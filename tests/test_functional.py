@@ -261,8 +261,9 @@ def test_what_a_file_cannot_build_again_is_refused_at_save(tmp_path):
 
     wrapper = Wrapper(layers.Dense(3))
     wrapper.build((None, 6))
-    with pytest.raises(ConfigError, match=r"Wrapper: its __init__ took inner=Dense\(dense\), which is not a "
-                                          "JSON value, and it defines no get_config"):
+    with pytest.raises(ConfigError, match=r"wrapper: layer wrapper \(ModelCall\): its config holds "
+                                          r"inner=Dense\(dense\), which is not a JSON value: give Wrapper a "
+                                          "get_config"):
         wrapper.save(tmp_path / "w.npz")
 
 
@@ -339,6 +340,42 @@ def test_a_subclassed_model_is_saved_and_loaded_as_its_class_with_its_weights(tm
     assert not np.allclose(again.predict(x), before)
 
 
+@keras.saving.register_keras_serializable()
+class Stack(keras.Model):
+    """Its __init__ takes layers (not JSON): get_config and from_config of its own, over the
+    base config, as Keras's guide writes them."""
+
+    def __init__(self, blocks, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = list(blocks)
+
+    def call(self, inputs):
+        for block in self.blocks:
+            inputs = block(inputs)
+        return inputs
+
+    def get_config(self):
+        return {**super().get_config(), "widths": [block.units for block in self.blocks]}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        return cls([layers.Dense(w) for w in config.pop("widths")], **config)
+
+
+def test_a_subclassed_model_with_its_own_get_config_round_trips(tmp_path):
+    """Catches: the base get_config adding (and refusing) __init__'s layers when the subclass
+    overrides get_config, or a subclass's from_config passed over at load."""
+    x = np.random.default_rng(4).normal(size=(5, 6)).astype(np.float32)
+    model = Stack([layers.Dense(5), layers.Dense(3)], name="stack")
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    first = model.predict(x)
+    model.save(tmp_path / "s.npz")
+    again = keras.models.load_model(tmp_path / "s.npz")
+    assert type(again) is Stack and again.get_config() == {"name": "stack", "widths": [5, 3]}
+    assert np.array_equal(again.predict(x), first)
+
+
 def test_a_subclassed_model_whose_config_does_not_rebuild_it_is_refused_at_load(tmp_path):
     """Catches: a get_config that drops an argument of __init__ loading as a TypeError traceback
     (or with a default in its place) instead of pserver's error naming the class."""
@@ -406,3 +443,25 @@ def test_a_model_file_written_before_issue_48_still_loads():
     assert again.name == "older" and again.optimizer.settings()["lr"] == 0.01
     assert np.allclose(again.predict(x), expected, rtol=1e-5, atol=1e-6)
     assert np.allclose(pserver.load_model(path).predict(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_load_model_takes_custom_objects_before_the_registry(tmp_path):
+    """Catches: Keras's custom_objects (keras.io scripts pass them) refused or passed over for
+    the registered class, or a malformed one reported as the file's fault."""
+    from pserver.errors import ModelFileError
+
+    class Local(Shifted):
+        """Not registered: known to this load only through custom_objects."""
+
+    inp = keras.Input(shape=(4,))
+    model = keras.Model(inp, layers.Dense(2)(Shifted(3)(inp)))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.save(tmp_path / "m.npz")
+    x = np.random.default_rng(5).normal(size=(3, 4)).astype(np.float32)
+    again = keras.models.load_model(tmp_path / "m.npz", custom_objects={"Shifted": Local})
+    assert [type(layer).__name__ for layer in again.layers] == ["Local", "Dense"]
+    assert np.array_equal(again.predict(x), model.predict(x))
+    with pytest.raises(ConfigError, match=r"load_model: custom_objects: give classes and functions by name, "
+                                          r"got 'Shifted': 3") as e:
+        keras.models.load_model(tmp_path / "m.npz", custom_objects={"Shifted": 3})
+    assert not isinstance(e.value, ModelFileError)

@@ -412,20 +412,16 @@ class Model(_Model):
         return self._model_call(inputs, training=training, **kwargs)
 
     def get_config(self) -> dict:
-        """A Functional's graph; a subclassed Model's name and constructor arguments (Keras's
-        automatic config), which from_config gives back to __init__. A subclass whose arguments
-        are not JSON values (a layer, an array) overrides get_config and from_config, as in Keras."""
+        """A Functional's graph; a subclassed Model's name and, unless the subclass overrides
+        get_config (calling this for the base), its constructor's arguments: Keras's automatic
+        config, which from_config gives back to __init__. A file holds JSON values only: a
+        subclass taking a layer or an array overrides get_config and from_config, as in Keras."""
         if not self._subclassed():
             return super().get_config()
         params = inspect.signature(type(self).__init__).parameters.values()
         takes_name = any(p.name == "name" or p.kind is p.VAR_KEYWORD for p in params)
-        config = {**({"name": self.name} if takes_name else {}), **self._arguments}
-        bad = next((k for k, v in config.items() if not saving.is_json(v)), None)
-        if bad is not None:
-            raise ConfigError(f"{type(self).__name__}: its __init__ took {bad}={config[bad]!r}, which is "
-                              "not a JSON value, and it defines no get_config: define get_config (and "
-                              "from_config) so that a saved model can be built again, as in Keras")
-        return config
+        config = {"name": self.name} if takes_name else {}
+        return config if type(self).get_config is not Model.get_config else {**config, **self._arguments}
 
     @classmethod
     def from_config(cls, config: dict) -> "Model":
@@ -487,12 +483,12 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> _
     an instance of its class, from its get_config), with its weights, compiled as it was. Its
     layers are pserver's built-in ones and the classes registered in this process
     (keras.saving.register_keras_serializable): the file runs no code of its own, and a Lambda
-    whose function is a Python lambda loads only with safe_mode=False, as Keras's. A file whose
+    whose function is a Python lambda loads only with safe_mode=False, as Keras's;
+    custom_objects ({name: class or function}) are found before the registries. A file whose
     model is built by code (a --model package.module:FUNCTION file) is no Sequential: with
     safe_mode=True (Keras's default) it is refused as unsafe (UnsafeModelFile), with
     safe_mode=False as not a Keras model (pserver.load_model(..., safe_mode=False) loads it). A
     file naming an unknown optimizer or layer, or malformed, raises ModelFileError naming it."""
-    _refuse("load_model", {}, custom_objects=custom_objects)
     if not isinstance(safe_mode, bool):
         raise ConfigError(f"load_model: safe_mode must be True or False, got {safe_mode!r}")
     if not isinstance(compile, bool):
@@ -506,7 +502,7 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> _
         raise ConfigError(f"{filepath}: holds no Sequential's config (a --model file: use "
                           "pserver.load_model)")
     config = meta["sequential"]
-    with model_file.model_file_errors(filepath), saving.safe_mode(safe_mode):
+    with saving.loading(safe_mode, custom_objects), model_file.model_file_errors(filepath):
         model = (Model if config.get("class_name") == "Functional" else Sequential).from_config(config)
     model = _subclassed(model, config)
     model._w = model_file.weights_of(filepath, meta, arrays, model._core.layout)

@@ -59,6 +59,7 @@ from pserver.layers.pooling import (
     MaxPooling2D,
 )
 from pserver.layers.reshape import Flatten, Permute, RepeatVector, Reshape
+from pserver.layers.saving import custom_object, is_json
 from pserver.layers.traced import Lambda
 from pserver.registry import Registry
 
@@ -104,7 +105,7 @@ USER_LAYERS = Registry("user layer", "register_keras_serializable")
 def serialize(layer, model: str) -> dict:
     """{"class_name", "config"} of `layer` (a user's class also records "registered_name" and
     "module", for the error of a process that lacks it); ConfigError, naming the layer, for a
-    class that no registry names: a file could not build it again."""
+    class that no registry names or a config that is not JSON: a file could not build it again."""
     cls = layer.saved_class()
     name = cls.__name__
     known = LAYERS if name in LAYERS else USER_LAYERS
@@ -112,16 +113,26 @@ def serialize(layer, model: str) -> dict:
         raise ConfigError(f"{model}: {layer.label} is of class {cls.__qualname__}, which is not built in: "
                           f"register it with @pserver.keras.saving.register_keras_serializable() so that a "
                           "saved model can be built again")
-    entry = {"class_name": name, "config": layer.get_config()}
+    config = layer.get_config()
+    bad = next((k for k, v in config.items() if not is_json(v)), None)
+    if bad is not None:
+        raise ConfigError(f"{model}: {layer.label}: its config holds {bad}={config[bad]!r}, which is not a "
+                          f"JSON value: give {name} a get_config (and from_config) that a file can hold, as "
+                          "in Keras")
+    entry = {"class_name": name, "config": config}
     if known is USER_LAYERS:
         entry.update(registered_name=USER_LAYERS.summary(name), module=cls.__module__)
     return entry
 
 
 def deserialize(entry: dict):
-    """The layer (or a registered keras.Model subclass) `entry` describes; ConfigError naming the
-    layer, its class and how to register it when this process does not know the class."""
+    """The layer (or a registered keras.Model subclass) `entry` describes, its class from
+    load_model's custom_objects, else built in, else registered; ConfigError naming the layer,
+    its class and how to register it when this process does not know the class."""
     name = entry["class_name"]
+    given = custom_object(name, entry.get("registered_name"))
+    if given is not None:
+        return given.from_config(entry["config"])
     if name not in LAYERS and name not in USER_LAYERS:
         config = entry.get("config")
         layer = config.get("name") if isinstance(config, dict) else None

@@ -152,14 +152,20 @@ class Lambda(TracedLayer):
         return self.function(inputs, **self.arguments)
 
     def get_config(self) -> dict:
-        """The function as Keras saves it: a lambda's bytecode, or a named function's module and
-        name (pserver.layers.saving)."""
-        return {**super().get_config(), "function": saving.dump_function(self.function, self.label)}
+        """The function (and a callable output_shape) as Keras saves it: a lambda's bytecode, or
+        a named function's module and name (pserver.layers.saving)."""
+        config = {**super().get_config(), "function": saving.dump_function(self.function, self.label)}
+        if callable(config.get("output_shape")):
+            config["output_shape"] = saving.dump_function(config["output_shape"], self.label)
+        return config
 
     @classmethod
     def from_config(cls, config: dict) -> "Lambda":
         where = f"layer {config.get('name') or cls.kind} (Lambda)"
-        return super().from_config({**config, "function": saving.load_function(config["function"], where)})
+        config = {**config, "function": saving.load_function(config["function"], where)}
+        if isinstance(config.get("output_shape"), dict):
+            config["output_shape"] = saving.load_function(config["output_shape"], where)
+        return super().from_config(config)
 
 
 def snake_case(name: str) -> str:

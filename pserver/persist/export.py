@@ -37,16 +37,7 @@ def evaluate_files(model_path: str | None, checkpoint: str | None, options: dict
                           "definition with --model FILE.py:FUNCTION")
     model = tables = None
     if meta:
-        with _the_model_file():
-            if spec is None:        # model.save's file: built from its layers' configs, in safe mode
-                saved = model_file.load(model_path)
-                model, weights, source = saved.model, saved.weights, model_path
-            else:
-                model = model_file.build(meta, spec, options.get("hidden"))
-                if not checkpoint:      # the file's weights and tables, verified before the dataset loads
-                    weights = model_file.weights_of(model_path, meta, arrays, model.layout)
-                    source = model_path
-                    tables = model_file.tables_of(model_path, meta, model)
+        model, weights, source, tables = _from_file(model_path, meta, arrays, spec, options, checkpoint)
     data = {k: v for k, v in (meta.get("dataset") or {}).items() if k in model_file.DATASET_FIELDS}
     data |= {k: options[k] for k in model_file.DATASET_FIELDS if options.get(k) is not None}
     task = models.task_of(spec) if spec is not None else model.task
@@ -69,6 +60,21 @@ def evaluate_files(model_path: str | None, checkpoint: str | None, options: dict
     return {"model": getattr(model, "name", type(model).__name__), "num_params": model.layout.total,
             "weights": source, "dataset": ds.name, "test_samples": ds.num_test,
             **{f"test_{k}": v for k, v in metrics.items()}}
+
+
+def _from_file(path: str, meta: dict, arrays: dict, spec: str | None, options: dict, checkpoint) -> tuple:
+    """(model, weights, source, tables) of the file --model-file names, read and verified before
+    the dataset loads (weights and tables None when --checkpoint gives them): a model.save
+    file's built from its layers' configs in safe mode, else `spec` with the file's arguments."""
+    with _the_model_file():
+        if spec is None:
+            saved = model_file.load(path)
+            return saved.model, saved.weights, path, None
+        model = model_file.build(meta, spec, options.get("hidden"))
+        if checkpoint:
+            return model, None, None, None
+        return (model, model_file.weights_of(path, meta, arrays, model.layout), path,
+                model_file.tables_of(path, meta, model))
 
 
 @contextlib.contextmanager

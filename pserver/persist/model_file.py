@@ -688,7 +688,7 @@ def load(path: str, model=None, safe_mode: bool = True) -> SavedModel:
             raise ModelFileError(f"{path}: 'model' is {meta['model']!r}, not a model's name")
         if safe_mode:
             refuse_code(path, meta)
-    with model_file_errors(path), saving.safe_mode(safe_mode):      # the file's own definition
+    with model_file_errors(path), saving.loading(safe_mode):      # the file's own definition
         if model is None and meta.get("model") is None:
             from pserver.models import from_config
             model = from_config(meta["sequential"])
