@@ -518,7 +518,8 @@ def _subclassed(model: _Model, config: dict) -> _Model:
     """A subclassed Model's file holds its traced graph: the model called once on the inputs.
     load_model returns that model (of its class, as Keras's), the graph its core."""
     first = model.layers[0] if model.layers else None
-    if len(config.get("nodes", ())) != 1 or not isinstance(first, ModelCall):
+    if (len(config.get("nodes", ())) != 1 or not isinstance(first, ModelCall)
+            or first.model.name != config.get("name")):     # a Functional calling a subclassed Model
         return model
     inner = first.model
     inner._core = model._core
