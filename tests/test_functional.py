@@ -231,17 +231,40 @@ def test_a_functional_model_is_saved_and_loaded_with_its_graph_and_weights(tmp_p
 
 
 def test_what_a_file_cannot_build_again_is_refused_at_save(tmp_path):
-    """Catches: a save that writes a file no load can build (an unregistered layer of your own,
-    a Lambda's code, a subclassed Model's call)."""
+    """Catches: a save that writes a file no load can build: an unregistered layer of your own
+    or subclassed Model, a lambda that holds an object from around it, a subclassed Model whose
+    __init__ took a layer and that defines no get_config (Keras refuses these too)."""
     inp = keras.Input(shape=(8,))
-    for out in (layers.Dense(3)(Linear(4)(inp)), layers.Dense(3)(layers.Lambda(ops.tanh)(inp))):
-        model = keras.Model(inp, out)
-        with pytest.raises(ConfigError, match="register_keras_serializable"):
-            model.save(tmp_path / "m.npz")
+    model = keras.Model(inp, layers.Dense(3)(Linear(4)(inp)))
+    with pytest.raises(ConfigError, match=r"layer linear \(Linear\) is of class Linear, which is not built "
+                                          r"in: register it with @pserver.keras.saving.register_keras_"):
+        model.save(tmp_path / "m.npz")
     sub = TwoLayerModel()
     sub.build((None, 6))
-    with pytest.raises(ConfigError, match=r"save: two_layer_model: saving a subclassed keras.Model is not"):
+    with pytest.raises(ConfigError, match=r"two_layer_model: layer two_layer_model \(ModelCall\) is of class "
+                                          r"TwoLayerModel, which is not built in: register it"):
         sub.save(tmp_path / "s.npz")
+    scale = np.array(2.0, np.float32)
+    model = keras.Model(inp, layers.Dense(3)(layers.Lambda(lambda t: t * float(scale))(inp)))
+    with pytest.raises(ConfigError, match=r"layer lambda \(Lambda\): the lambda holds a value of type "
+                                          "ndarray from around it"):
+        model.save(tmp_path / "l.npz")
+
+    @keras.saving.register_keras_serializable()
+    class Wrapper(keras.Model):
+        def __init__(self, inner, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = inner
+
+        def call(self, inputs):
+            return self.inner(inputs)
+
+    wrapper = Wrapper(layers.Dense(3))
+    wrapper.build((None, 6))
+    with pytest.raises(ConfigError, match=r"wrapper: layer wrapper \(ModelCall\): its config holds "
+                                          r"inner=Dense\(dense\), which is not a JSON value: give Wrapper a "
+                                          "get_config"):
+        wrapper.save(tmp_path / "w.npz")
 
 
 def test_a_lambda_of_ops_computes_on_arrays_and_traces_on_tensors():
@@ -274,3 +297,171 @@ def test_a_call_s_keyword_arguments_are_traced_with_it_and_a_built_in_layer_refu
     assert np.allclose(model.predict([xa, xb]), expected, rtol=1e-6)
     with pytest.raises(ConfigError, match=r"layer dense \(Dense\): takes no argument 'scale'"):
         layers.Dense(2, name="dense")(a, scale=2)
+
+
+@keras.saving.register_keras_serializable()
+class Classifier(keras.Model):
+    """A subclassed Model with constructor arguments and no get_config (Keras's automatic one),
+    a layer of your own in it, and a training-dependent call."""
+
+    def __init__(self, hidden=4, classes=3, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = Shifted(hidden)
+        self.dropout = layers.Dropout(0.5)
+        self.out = layers.Dense(classes, activation="softmax")
+
+    def call(self, inputs, training=None):
+        return self.out(self.dropout(ops.relu(self.hidden(inputs)), training=training))
+
+
+def test_a_subclassed_model_is_saved_and_loaded_as_its_class_with_its_weights(tmp_path):
+    """Catches: a subclassed model refused at save; loaded as a plain keras.Model, rebuilt with
+    its default arguments (another layout: refused) or with its weights in another order; a
+    loaded model that cannot train on (its core without the training trace)."""
+    import pserver
+    x, y = blobs(n=64, d=6)
+    model = Classifier(hidden=7, classes=3, name="clf")
+    model.compile(optimizer=keras.optimizers.Adam(0.02), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    rng = np.random.default_rng(2)
+    model.build((None, 6))
+    model.set_weights([rng.normal(size=w.shape) for w in model.get_weights()])
+    model.save(tmp_path / "c.npz")
+    again = keras.models.load_model(tmp_path / "c.npz")
+    assert type(again) is Classifier and again.get_config() == {"name": "clf", "hidden": 7, "classes": 3}
+    assert [w.shape for w in again.get_weights()] == [(6, 7), (7, 3), (3,)]
+    assert all(np.array_equal(a, b) for a, b in zip(again.get_weights(), model.get_weights()))
+    assert np.array_equal(again.predict(x), model.predict(x))
+    assert again.optimizer.settings()["lr"] == 0.02
+    core = pserver.load_model(str(tmp_path / "c.npz"))       # the core's loader builds it too
+    assert np.array_equal(core.predict(x), model._core.predict(model._weights(), x))
+    before = again.predict(x)
+    again.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert not np.allclose(again.predict(x), before)
+
+
+@keras.saving.register_keras_serializable()
+class Stack(keras.Model):
+    """Its __init__ takes layers (not JSON): get_config and from_config of its own, over the
+    base config, as Keras's guide writes them."""
+
+    def __init__(self, blocks, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = list(blocks)
+
+    def call(self, inputs):
+        for block in self.blocks:
+            inputs = block(inputs)
+        return inputs
+
+    def get_config(self):
+        return {**super().get_config(), "widths": [block.units for block in self.blocks]}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        return cls([layers.Dense(w) for w in config.pop("widths")], **config)
+
+
+def test_a_subclassed_model_with_its_own_get_config_round_trips(tmp_path):
+    """Catches: the base get_config adding (and refusing) __init__'s layers when the subclass
+    overrides get_config, or a subclass's from_config passed over at load."""
+    x = np.random.default_rng(4).normal(size=(5, 6)).astype(np.float32)
+    model = Stack([layers.Dense(5), layers.Dense(3)], name="stack")
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    first = model.predict(x)
+    model.save(tmp_path / "s.npz")
+    again = keras.models.load_model(tmp_path / "s.npz")
+    assert type(again) is Stack and again.get_config() == {"name": "stack", "widths": [5, 3]}
+    assert np.array_equal(again.predict(x), first)
+
+
+def test_a_subclassed_model_whose_config_does_not_rebuild_it_is_refused_at_load(tmp_path):
+    """Catches: a get_config that drops an argument of __init__ loading as a TypeError traceback
+    (or with a default in its place) instead of pserver's error naming the class."""
+    from pserver.errors import ModelFileError
+
+    @keras.saving.register_keras_serializable()
+    class Forgetful(keras.Model):
+        def __init__(self, units, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = layers.Dense(units)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+        def get_config(self):
+            return {"name": self.name}
+
+    model = Forgetful(3)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.build((None, 4))
+    model.save(tmp_path / "f.npz")
+    with pytest.raises(ModelFileError, match=r"f.npz: Forgetful: cannot be built again from its config "
+                                             r"\{'name': 'forgetful'\}.*its get_config must give"):
+        keras.models.load_model(tmp_path / "f.npz")
+
+
+def test_a_lambda_is_saved_by_its_function_s_name_or_as_code_that_loads_only_unsafely(tmp_path):
+    """Catches: a Lambda refused at save; a named function not found again; a lambda's code run
+    at load in safe mode (Keras refuses it unless safe_mode=False), or its closure lost."""
+    import pserver
+    from pserver.errors import ModelFileError
+    inp = keras.Input(shape=(4,))
+    k = 3.0
+    named = keras.Model(inp, layers.Dense(2)(layers.Lambda(ops.tanh)(inp)))
+    coded = keras.Model(inp, layers.Dense(2)(layers.Lambda(lambda t: ops.square(t) * k)(inp)))
+    x = np.random.default_rng(0).normal(size=(5, 4)).astype(np.float32)
+    for name, model in (("named", named), ("coded", coded)):
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        model.save(tmp_path / f"{name}.npz")
+    assert np.array_equal(keras.models.load_model(tmp_path / "named.npz").predict(x), named.predict(x))
+    for load in (keras.models.load_model, lambda p: pserver.load_model(str(p))):
+        with pytest.raises(ModelFileError, match=r"coded.npz: layer lambda \(Lambda\): its function is a "
+                                                 r"Python lambda, saved as bytecode.*safe_mode=False"):
+            load(tmp_path / "coded.npz")
+    again = keras.models.load_model(tmp_path / "coded.npz", safe_mode=False)
+    views = coded._core.layout.views(coded._weights())
+    expected = (x * x * 3.0) @ views["dense/kernel"] + views["dense/bias"]
+    assert np.allclose(again.predict(x), expected, rtol=1e-6)
+
+
+def test_a_model_file_written_before_issue_48_still_loads():
+    """tests/data/model-files/functional-before-issue-48.npz is model.save of commit 1025515:
+    keras.Model(a, Dense(2)(ops.tanh(Shifted(3)(a)))), a of shape (4,), Shifted registered as
+    here. Catches: a change to the file format (a key now required) that files already written
+    fail, or their graph rebuilt otherwise."""
+    import os
+
+    import pserver
+    path = os.path.join(os.path.dirname(__file__), "data", "model-files", "functional-before-issue-48.npz")
+    with np.load(path) as z:
+        w, kernel, bias = z["shifted/variable"], z["dense/kernel"], z["dense/bias"]
+    x = np.random.default_rng(3).normal(size=(6, 4)).astype(np.float32)
+    expected = np.tanh(x @ w - 1.0) @ kernel + bias
+    again = keras.models.load_model(path)
+    assert again.name == "older" and again.optimizer.settings()["lr"] == 0.01
+    assert np.allclose(again.predict(x), expected, rtol=1e-5, atol=1e-6)
+    assert np.allclose(pserver.load_model(path).predict(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_load_model_takes_custom_objects_before_the_registry(tmp_path):
+    """Catches: Keras's custom_objects (keras.io scripts pass them) refused or passed over for
+    the registered class, or a malformed one reported as the file's fault."""
+    from pserver.errors import ModelFileError
+
+    class Local(Shifted):
+        """Not registered: known to this load only through custom_objects."""
+
+    inp = keras.Input(shape=(4,))
+    model = keras.Model(inp, layers.Dense(2)(Shifted(3)(inp)))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.save(tmp_path / "m.npz")
+    x = np.random.default_rng(5).normal(size=(3, 4)).astype(np.float32)
+    again = keras.models.load_model(tmp_path / "m.npz", custom_objects={"Shifted": Local})
+    assert [type(layer).__name__ for layer in again.layers] == ["Local", "Dense"]
+    assert np.array_equal(again.predict(x), model.predict(x))
+    with pytest.raises(ConfigError, match=r"load_model: custom_objects: give classes and functions by name, "
+                                          r"got 'Shifted': 3") as e:
+        keras.models.load_model(tmp_path / "m.npz", custom_objects={"Shifted": 3})
+    assert not isinstance(e.value, ModelFileError)

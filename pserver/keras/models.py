@@ -26,8 +26,8 @@ from pserver.errors import ConfigError, DataError
 from pserver.keras import callbacks as callbacks_module
 from pserver.keras import cluster, optimizers
 from pserver.keras._names import missing as _missing
-from pserver.layers import activations
-from pserver.layers.base import Layer, as_shape
+from pserver.layers import activations, saving
+from pserver.layers.base import Layer, as_shape, init_arguments
 from pserver.layers.traced import TracedLayer, snake_case
 from pserver.models.functional import Functional as _Functional
 from pserver.models.sequential import Sequential as _Sequential
@@ -299,7 +299,8 @@ class _Model:
     # -- files ----------------------------------------------------------------------------------
 
     def save(self, filepath, overwrite=True, **kwargs) -> None:
-        """The model file (its layers' configs and the weights): load_model builds it again."""
+        """The model file (its layers' configs and the weights): load_model builds it again (a
+        subclassed Model from its registered class and get_config, traced again)."""
         _refuse("save", kwargs)
         filepath = os.fspath(filepath)
         if not overwrite and os.path.exists(filepath):
@@ -307,9 +308,6 @@ class _Model:
         place = cluster.current()
         if place is not None and place.rank != 0:
             return                            # the chief's to write, as a Keras chief saves
-        if any(isinstance(layer, ModelCall) for layer in self._core.layers):
-            raise ConfigError(f"save: {self.name}: saving a subclassed keras.Model is not supported yet (its "
-                              "call is code); write it with keras.Model(inputs, outputs) to save it")
         compiled = self.optimizer.get_config() if self.optimizer else None
         model_file.save(filepath, self._core, self._weights(), {"keras_optimizer": compiled}, {})
 
@@ -392,14 +390,52 @@ class Model(_Model):
                               "computed from them), or subclass Model and define call")
         super().__init__(_FunctionalCore(inputs, outputs, name=name or "functional"))
 
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        self._arguments = init_arguments(cls, args, kwargs)    # a subclass's automatic get_config
+        return self
+
     def call(self, inputs, training=None):
         raise ConfigError(f"{self.name}: a subclassed keras.Model defines call(self, inputs)")
 
+    def _subclassed(self) -> bool:
+        return type(self).call is not Model.call
+
+    def __call__(self, inputs, training=None, **kwargs):
+        """A subclassed Model called on symbolic tensors, as a layer (one, shared by every call):
+        how its graph is traced, and rebuilt from a model file."""
+        if not self._subclassed():
+            raise ConfigError(f"{self.name}: calling a keras.Model(inputs, outputs) as a layer is not "
+                              "supported yet; call its layers")
+        if getattr(self, "_model_call", None) is None:
+            self._model_call = ModelCall(self, name=self.name)
+        return self._model_call(inputs, training=training, **kwargs)
+
+    def get_config(self) -> dict:
+        """A Functional's graph; a subclassed Model's name and, unless the subclass overrides
+        get_config (calling this for the base), its constructor's arguments: Keras's automatic
+        config, which from_config gives back to __init__. A file holds JSON values only: a
+        subclass taking a layer or an array overrides get_config and from_config, as in Keras."""
+        if not self._subclassed():
+            return super().get_config()
+        params = inspect.signature(type(self).__init__).parameters.values()
+        takes_name = any(p.name == "name" or p.kind is p.VAR_KEYWORD for p in params)
+        config = {"name": self.name} if takes_name else {}
+        return config if type(self).get_config is not Model.get_config else {**config, **self._arguments}
+
     @classmethod
     def from_config(cls, config: dict) -> "Model":
-        model = cls.__new__(cls)
-        _Model.__init__(model, _FunctionalCore.from_config(config))
-        return model
+        """A Functional's config: the graph; else a subclass's: cls(**config), as Keras's."""
+        if config.get("class_name") == "Functional" and cls.call is Model.call:
+            model = cls.__new__(cls)
+            _Model.__init__(model, _FunctionalCore.from_config(config))
+            return model
+        try:
+            return cls(**config)
+        except TypeError as e:
+            raise ConfigError(f"{cls.__name__}: cannot be built again from its config {config!r} ({e}): "
+                              "its get_config must give its __init__'s arguments, or it defines "
+                              "from_config") from None
 
     def build(self, input_shape) -> None:
         """Trace a subclassed Model's call for inputs of `input_shape` (with the batch, as Keras's;
@@ -416,7 +452,7 @@ class Model(_Model):
         xs = [np.asarray(a) for a in (x if several else [x])]
         inputs = [Input(shape=a.shape[1:], dtype="int32" if a.dtype.kind in "iu" else "float32") for a in xs]
         args = inputs if several else inputs[0]
-        return _FunctionalCore(args, ModelCall(self, name=self.name)(args), name=self.name)
+        return _FunctionalCore(args, self(args), name=self.name)
 
 
 class ModelCall(TracedLayer):
@@ -434,18 +470,25 @@ class ModelCall(TracedLayer):
             return self.model.call(inputs, training=training)
         return self.model.call(inputs)
 
+    def saved_class(self) -> type:
+        return type(self.model)          # a file names the model's class: rebuilt by its from_config
+
+    def get_config(self) -> dict:
+        return self.model.get_config()
+
 
 def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> _Model:
     """A model file written by model.save (or by pserver with a Sequential or a Functional): the
-    model built again from its layers' configs (a graph's: a keras.Model), with its weights,
-    compiled as it was. Its layers are
-    pserver's built-in ones and the classes registered in this process
-    (keras.saving.register_keras_serializable): the file runs no code of its own. A file whose
+    model built again from its layers' configs (a graph's: a keras.Model; a subclassed Model's:
+    an instance of its class, from its get_config), with its weights, compiled as it was. Its
+    layers are pserver's built-in ones and the classes registered in this process
+    (keras.saving.register_keras_serializable): the file runs no code of its own, and a Lambda
+    whose function is a Python lambda loads only with safe_mode=False, as Keras's;
+    custom_objects ({name: class or function}) are found before the registries. A file whose
     model is built by code (a --model package.module:FUNCTION file) is no Sequential: with
     safe_mode=True (Keras's default) it is refused as unsafe (UnsafeModelFile), with
     safe_mode=False as not a Keras model (pserver.load_model(..., safe_mode=False) loads it). A
     file naming an unknown optimizer or layer, or malformed, raises ModelFileError naming it."""
-    _refuse("load_model", {}, custom_objects=custom_objects)
     if not isinstance(safe_mode, bool):
         raise ConfigError(f"load_model: safe_mode must be True or False, got {safe_mode!r}")
     if not isinstance(compile, bool):
@@ -459,8 +502,9 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> _
         raise ConfigError(f"{filepath}: holds no Sequential's config (a --model file: use "
                           "pserver.load_model)")
     config = meta["sequential"]
-    with model_file.model_file_errors(filepath):
+    with saving.loading(safe_mode, custom_objects), model_file.model_file_errors(filepath):
         model = (Model if config.get("class_name") == "Functional" else Sequential).from_config(config)
+    model = _subclassed(model, config)
     model._w = model_file.weights_of(filepath, meta, arrays, model._core.layout)
     with model_file.model_file_errors(filepath):
         opt = meta.get("keras_optimizer")
@@ -468,6 +512,18 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> _
             model.optimizer = optimizers.from_settings(opt)
             model._compiled = True
     return model
+
+
+def _subclassed(model: _Model, config: dict) -> _Model:
+    """A subclassed Model's file holds its traced graph: the model called once on the inputs.
+    load_model returns that model (of its class, as Keras's), the graph its core."""
+    first = model.layers[0] if model.layers else None
+    if (len(config.get("nodes", ())) != 1 or not isinstance(first, ModelCall)
+            or first.model.name != config.get("name")):     # a Functional calling a subclassed Model
+        return model
+    inner = first.model
+    inner._core = model._core
+    return inner
 
 
 @contextlib.contextmanager

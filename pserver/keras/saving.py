@@ -1,19 +1,21 @@
-"""keras.saving.register_keras_serializable: a user's layer class, known to load_model."""
+"""keras.saving.register_keras_serializable: a user's layer or subclassed Model class, known to
+load_model."""
 
 from __future__ import annotations
 
 from pserver.errors import ConfigError
 from pserver.keras._names import missing as _missing
+from pserver.keras.models import Model
 from pserver.layers import LAYERS, USER_LAYERS, Layer
 
 
 def register_keras_serializable(package: str = "Custom", name: str | None = None):
-    """@register_keras_serializable(): the decorated Layer subclass is built again by its class
-    name when a model file names it (in a process that defined it). Its config is Layer's
-    get_config (the constructor's arguments) unless it overrides get_config/from_config."""
+    """@register_keras_serializable(): the decorated Layer (or keras.Model) subclass is built
+    again by its class name when a model file names it (in a process that defined it). Its
+    config is the constructor's arguments unless it overrides get_config/from_config."""
     def register(cls):
-        if not (isinstance(cls, type) and issubclass(cls, Layer)):
-            raise ConfigError(f"register_keras_serializable: {cls!r} is not a Layer subclass")
+        if not (isinstance(cls, type) and issubclass(cls, (Layer, Model))):
+            raise ConfigError(f"register_keras_serializable: {cls!r} is not a Layer or a Model subclass")
         if name not in (None, cls.__name__):
             raise ConfigError(f"register_keras_serializable: name={name!r}: pserver registers a layer "
                               f"by its class name ({cls.__name__})")

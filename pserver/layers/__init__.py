@@ -16,7 +16,8 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
 
 Called on keras.Input(...) tensors, layers build a graph (pserver.models.Functional). A user's
 layer subclasses pserver.layers.traced.TracedLayer (pserver.keras.layers.Layer); Lambda(function)
-(pserver.layers.traced) is a function of ops as a layer: code, so in no registry a model file names.
+(pserver.layers.traced) is a function of ops as a layer (a model file names its function, or holds
+a lambda's code: pserver.layers.saving).
 
 Activations: None (linear), 'relu', 'sigmoid', 'tanh'. Any layer takes `input_shape=` (without
 the batch dimension) and `name=`.
@@ -58,6 +59,8 @@ from pserver.layers.pooling import (
     MaxPooling2D,
 )
 from pserver.layers.reshape import Flatten, Permute, RepeatVector, Reshape
+from pserver.layers.saving import custom_object, is_json
+from pserver.layers.traced import Lambda
 from pserver.registry import Registry
 
 # The layers by their Keras class names, for the docs' table (a model names the classes).
@@ -91,24 +94,58 @@ LAYERS.add("Activation", "an activation by name (relu, sigmoid, tanh; softmax on
 LAYERS.add("Reshape", "each sample to target_shape (a view)", Reshape)
 LAYERS.add("Permute", "a sample's axes reordered (dims from 1)", Permute)
 LAYERS.add("RepeatVector", "a vector repeated n times: (features,) to (n, features)", RepeatVector)
+LAYERS.add("Lambda", "function(inputs) written with keras.ops, as a layer; a lambda loads with "
+           "safe_mode=False only", Lambda)
 
 # A user's layer classes, by class name (pserver.keras.saving.register_keras_serializable), so that
 # a saved model that names one is built again in a process that defined it.
 USER_LAYERS = Registry("user layer", "register_keras_serializable")
 
 
-def layer_class(name: str) -> type:
-    """A built-in layer class by its Keras name, else a registered user's; ConfigError naming it."""
-    if name in LAYERS:
-        return LAYERS.get(name)
-    if name in USER_LAYERS:
-        return USER_LAYERS.get(name)
-    raise ConfigError(f"layer class {name!r} is neither built in ({', '.join(LAYERS.names())}) nor "
-                      "registered: decorate it with @pserver.keras.saving.register_keras_serializable() and "
-                      "import it before loading")
+def serialize(layer, model: str) -> dict:
+    """{"class_name", "config"} of `layer` (a user's class also records "registered_name" and
+    "module", for the error of a process that lacks it); ConfigError, naming the layer, for a
+    class that no registry names or a config that is not JSON: a file could not build it again."""
+    cls = layer.saved_class()
+    name = cls.__name__
+    known = LAYERS if name in LAYERS else USER_LAYERS
+    if name not in known or known.get(name) is not cls:
+        raise ConfigError(f"{model}: {layer.label} is of class {cls.__qualname__}, which is not built in: "
+                          f"register it with @pserver.keras.saving.register_keras_serializable() so that a "
+                          "saved model can be built again")
+    config = layer.get_config()
+    bad = next((k for k, v in config.items() if not is_json(v)), None)
+    if bad is not None:
+        raise ConfigError(f"{model}: {layer.label}: its config holds {bad}={config[bad]!r}, which is not a "
+                          f"JSON value: give {name} a get_config (and from_config) that a file can hold, as "
+                          "in Keras")
+    entry = {"class_name": name, "config": config}
+    if known is USER_LAYERS:
+        entry.update(registered_name=USER_LAYERS.summary(name), module=cls.__module__)
+    return entry
 
 
-__all__ = ["LAYERS", "USER_LAYERS", "layer_class",
+def deserialize(entry: dict):
+    """The layer (or a registered keras.Model subclass) `entry` describes, its class from
+    load_model's custom_objects, else built in, else registered; ConfigError naming the layer,
+    its class and how to register it when this process does not know the class."""
+    name = entry["class_name"]
+    given = custom_object(name, entry.get("registered_name"))
+    if given is not None:
+        return given.from_config(entry["config"])
+    if name not in LAYERS and name not in USER_LAYERS:
+        config = entry.get("config")
+        layer = config.get("name") if isinstance(config, dict) else None
+        saved = (f" (saved as {entry.get('registered_name') or name} of module {entry['module']})"
+                 if entry.get("module") else "")
+        raise ConfigError(f"layer {layer or '?'}: class {name!r} is neither built in nor registered in this "
+                          f"process{saved}: import the code that defines it, decorated with "
+                          "@keras.saving.register_keras_serializable(), before loading")
+    cls = LAYERS.get(name) if name in LAYERS else USER_LAYERS.get(name)
+    return cls.from_config(entry["config"])
+
+
+__all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
            "Layer", "Weight", "Pass", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D",
            "Flatten", "Dropout", "Embedding", "FM", "Initializer", "VarianceScaling", "RandomUniform",
            "Zeros", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Dot",

@@ -51,20 +51,7 @@ class Layer(abc.ABC):
     def __new__(cls, *args, **kwargs):
         # The arguments as given, defaults filled in: get_config's, as Keras's layers keep theirs.
         self = super().__new__(cls)
-        try:
-            bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
-        except TypeError:
-            # __init__ says what is wrong, as before; and pickle/copy call __new__ bare, then
-            # restore the instance's dict (its config with it).
-            self._config = {}
-            return self
-        bound.apply_defaults()
-        config = dict(bound.arguments)
-        config.pop(next(iter(config)))                   # self
-        for name, p in inspect.signature(cls.__init__).parameters.items():
-            if p.kind is inspect.Parameter.VAR_KEYWORD:
-                config.update(config.pop(name, {}))
-        self._config = config
+        self._config = init_arguments(cls, args, kwargs)
         return self
 
     def __init__(self, *, input_shape=None, name: str | None = None):
@@ -147,6 +134,10 @@ class Layer(abc.ABC):
         if config.get("input_shape") is not None:
             config["input_shape"] = list(self.input_shape)
         return config
+
+    def saved_class(self) -> type:
+        """The class a model file names for this layer (pserver.layers.saving.serialize)."""
+        return type(self)
 
     @classmethod
     def from_config(cls, config: dict) -> "Layer":
@@ -241,6 +232,23 @@ def _shapes_text(shape) -> str:
     return ", ".join(map(str, shape)) if shape and isinstance(shape[0], tuple) else str(tuple(shape))
 
 
+def init_arguments(cls, args: tuple, kwargs: dict) -> dict:
+    """cls.__init__'s arguments by name, defaults filled in and **kwargs spread out: what Keras's
+    automatic get_config records at construction. {} when they do not bind: __init__ then says
+    what is wrong, and pickle and copy call __new__ bare, then restore the instance's dict."""
+    try:
+        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+    except TypeError:
+        return {}
+    bound.apply_defaults()
+    config = dict(bound.arguments)
+    config.pop(next(iter(config)))                   # self
+    for name, p in inspect.signature(cls.__init__).parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            config.update(config.pop(name, {}))
+    return config
+
+
 def _plain(value):
     """A config value as JSON: an initializer object as Keras writes one ({class_name, config})."""
     if isinstance(value, initializers.Initializer):
@@ -295,4 +303,5 @@ def padding(owner: str, value) -> str:
     return value.lower()
 
 
-__all__ = ["Layer", "KernelLayer", "Weight", "Pass", "as_shape", "pair", "padding", "positive_int"]
+__all__ = ["Layer", "KernelLayer", "Weight", "Pass", "as_shape", "init_arguments", "pair", "padding",
+           "positive_int"]

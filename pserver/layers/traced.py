@@ -19,7 +19,7 @@ import re
 import traceback
 
 from pserver.errors import ConfigError
-from pserver.layers import initializers
+from pserver.layers import initializers, saving
 from pserver.layers.base import Layer, Weight, as_shape
 from pserver.ops.core import Symbolic
 
@@ -150,6 +150,22 @@ class Lambda(TracedLayer):
 
     def call(self, inputs):
         return self.function(inputs, **self.arguments)
+
+    def get_config(self) -> dict:
+        """The function (and a callable output_shape) as Keras saves it: a lambda's bytecode, or
+        a named function's module and name (pserver.layers.saving)."""
+        config = {**super().get_config(), "function": saving.dump_function(self.function, self.label)}
+        if callable(config.get("output_shape")):
+            config["output_shape"] = saving.dump_function(config["output_shape"], self.label)
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Lambda":
+        where = f"layer {config.get('name') or cls.kind} (Lambda)"
+        config = {**config, "function": saving.load_function(config["function"], where)}
+        if isinstance(config.get("output_shape"), dict):
+            config["output_shape"] = saving.load_function(config["output_shape"], where)
+        return super().from_config(config)
 
 
 def snake_case(name: str) -> str:

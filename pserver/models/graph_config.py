@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from pserver.errors import ConfigError
+from pserver.layers import deserialize
 from pserver.ops import core
 
 
@@ -44,10 +45,9 @@ def to_config(keys: list[str], inputs: list[core.Symbolic], output: core.Symboli
 
 def from_config(config: dict) -> tuple[list[str], list[core.Symbolic], core.Symbolic]:
     """(keys, inputs, output) of the graph `config` describes, its calls made again."""
-    from pserver.layers import layer_class
     keys = [e["key"] for e in config["inputs"]]
     inputs = [core.Symbolic((None, *e["shape"]), e["dtype"], name=e["key"]) for e in config["inputs"]]
-    layers = [layer_class(e["class_name"]).from_config(e["config"]) for e in config["layers"]]
+    layers = [deserialize(e) for e in config["layers"]]
     made: list[list] = []
     for entry in config["nodes"]:
         args = [_tensor(r, inputs, made) for r in entry["inputs"]]

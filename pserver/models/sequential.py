@@ -15,6 +15,7 @@ import numpy as np
 
 from pserver.errors import ConfigError, DataError
 from pserver.kernels import get_backend
+from pserver.layers import deserialize, serialize
 from pserver.layers.base import Layer, Pass, as_shape
 from pserver.models import losses, metrics
 from pserver.models.base import BatchBuffers, Model, shaped_for
@@ -155,25 +156,14 @@ class Sequential(Model):
                 "loss": self.loss.get_config(), "metrics": list(getattr(self, "metrics", ()))}
 
     def _layer_configs(self, layers: list[Layer]) -> list[dict]:
-        """Each layer's class name and config; ConfigError for a class no registry names (a
-        saved model could not be built again)."""
-        from pserver.layers import LAYERS, USER_LAYERS
-        for layer in layers:
-            name = type(layer).__name__
-            known = LAYERS if name in LAYERS else USER_LAYERS
-            if name not in known or known.get(name) is not type(layer):
-                raise ConfigError(f"{self.name}: {layer.label} is not a built-in layer; register its "
-                                  "class with @pserver.keras.saving.register_keras_serializable() so "
-                                  "that a saved model can be built again")
-        return [{"class_name": type(layer).__name__, "config": layer.get_config()} for layer in layers]
+        """Each layer's class name and config (pserver.layers.serialize)."""
+        return [serialize(layer, self.name) for layer in layers]
 
     @classmethod
     def from_config(cls, config: dict, **kwargs) -> "Sequential":
         """The Sequential `config` describes (pserver.models.from_config builds either kind)."""
-        from pserver.layers import layer_class
         try:
-            layers = [layer_class(entry["class_name"]).from_config(entry["config"])
-                      for entry in config["layers"]]
+            layers = [deserialize(entry) for entry in config["layers"]]
             shape = config.get("input_shape")
             model = cls(layers, input_shape=None if shape is None else tuple(shape),
                         name=config.get("name", "sequential"), loss=losses.get(config["loss"]), **kwargs)

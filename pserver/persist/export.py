@@ -32,19 +32,16 @@ def evaluate_files(model_path: str | None, checkpoint: str | None, options: dict
         meta, arrays = model_file.read(model_path) if model_path else ({}, {})
         model_file.refuse_delta(model_path, meta)
     spec = options.get("model") or (meta.get("model") if meta else "mlp")
-    if spec is None:
+    if spec is None and not meta.get("sequential"):
         raise ConfigError(f"--model: {model_path} was saved from a model built in Python; give its "
                           "definition with --model FILE.py:FUNCTION")
     model = tables = None
     if meta:
-        with _the_model_file():
-            model = model_file.build(meta, spec, options.get("hidden"))
-            if not checkpoint:      # the file's weights and tables, verified before the dataset loads
-                weights, source = model_file.weights_of(model_path, meta, arrays, model.layout), model_path
-                tables = model_file.tables_of(model_path, meta, model)
+        model, weights, source, tables = _from_file(model_path, meta, arrays, spec, options, checkpoint)
     data = {k: v for k, v in (meta.get("dataset") or {}).items() if k in model_file.DATASET_FIELDS}
     data |= {k: options[k] for k in model_file.DATASET_FIELDS if options.get(k) is not None}
-    ds = load_dataset(data.pop("dataset", "synthetic"), task=models.task_of(spec), **data)
+    task = models.task_of(spec) if spec is not None else model.task
+    ds = load_dataset(data.pop("dataset", "synthetic"), task=task, **data)
     if model is None:          # as the worker built it: for the dataset's samples and classes
         model = models.make_model(spec, ds.sample_shape, ds.num_classes,
                                   hidden=options.get("hidden") or models.DEFAULT_HIDDEN)
@@ -63,6 +60,21 @@ def evaluate_files(model_path: str | None, checkpoint: str | None, options: dict
     return {"model": getattr(model, "name", type(model).__name__), "num_params": model.layout.total,
             "weights": source, "dataset": ds.name, "test_samples": ds.num_test,
             **{f"test_{k}": v for k, v in metrics.items()}}
+
+
+def _from_file(path: str, meta: dict, arrays: dict, spec: str | None, options: dict, checkpoint) -> tuple:
+    """(model, weights, source, tables) of the file --model-file names, read and verified before
+    the dataset loads (weights and tables None when --checkpoint gives them): a model.save
+    file's built from its layers' configs in safe mode, else `spec` with the file's arguments."""
+    with _the_model_file():
+        if spec is None:
+            saved = model_file.load(path)
+            return saved.model, saved.weights, path, None
+        model = model_file.build(meta, spec, options.get("hidden"))
+        if checkpoint:
+            return model, None, None, None
+        return (model, model_file.weights_of(path, meta, arrays, model.layout), path,
+                model_file.tables_of(path, meta, model))
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ import numpy as np
 
 from pserver import sparse
 from pserver.errors import ConfigError, DataError, ModelFileError, UnsafeModelFile
+from pserver.layers import saving
 from pserver.models import DEFAULT_HIDDEN
 from pserver.persist.atomic import fsync_dir, remove_stale, replace, synced
 from pserver.sparse.compact import to_float32
@@ -687,7 +688,7 @@ def load(path: str, model=None, safe_mode: bool = True) -> SavedModel:
             raise ModelFileError(f"{path}: 'model' is {meta['model']!r}, not a model's name")
         if safe_mode:
             refuse_code(path, meta)
-    with model_file_errors(path):                # the file's own definition
+    with model_file_errors(path), saving.loading(safe_mode):      # the file's own definition
         if model is None and meta.get("model") is None:
             from pserver.models import from_config
             model = from_config(meta["sequential"])

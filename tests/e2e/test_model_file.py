@@ -114,3 +114,52 @@ def test_save_into_a_missing_directory_is_refused_before_anything_starts(tmp_pat
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "--save" in lines[0] and "does not exist" in lines[0]
     assert "Example: pserver evaluate" in evaluate("--help").stdout
+
+
+KERAS_SAVE = """
+import sys
+import pserver.keras as keras
+from pserver.keras import layers
+
+
+@keras.saving.register_keras_serializable(package="mine")
+class Shift(layers.Layer):
+    def call(self, inputs):
+        return inputs - 1.0
+
+
+inp = keras.Input(shape=(8,))
+h = layers.Dense(4)(inp)
+model = keras.Model(inp, layers.Dense(3, activation="softmax")(Shift()(h) if sys.argv[2] == "custom" else h))
+model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+model.save(sys.argv[1])
+"""
+
+
+def test_a_keras_saved_model_is_evaluated_and_one_whose_layer_is_unknown_is_one_line(tmp_path):
+    """Catches: pserver evaluate refusing every model.save file (built in Python), and a layer
+    class the process has not registered surfacing as a traceback, or later than the file's
+    reading, instead of one line naming the layer, its class and the file: exit 2 from the
+    CLI, one line (ModelFileError) from load_model in Python."""
+    (tmp_path / "save.py").write_text(KERAS_SAVE)
+    for kind in ("plain", "custom"):
+        r = subprocess.run([sys.executable, str(tmp_path / "save.py"), str(tmp_path / f"{kind}.npz"), kind],
+                           env=env_with(None), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    data = ["--dataset", "synthetic", "--features", "8", "--classes", "3", "--samples", "300",
+            "--test-samples", "200"]
+    r = evaluate("--model-file", str(tmp_path / "plain.npz"), *data, "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert (result["model"], result["num_params"], result["test_samples"]) == ("functional", 51, 200)
+    r = evaluate("--model-file", str(tmp_path / "custom.npz"), *data)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and not r.stdout, r.stderr
+    assert (f"--model-file: {tmp_path / 'custom.npz'}: layer shift: class 'Shift' is neither built in nor "
+            "registered in this process (saved as mine>Shift of module __main__)") in lines[0]
+    script = "import sys, pserver.keras as k; k.models.load_model(sys.argv[1])"
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "custom.npz")], env=env_with(None),
+                       capture_output=True, text=True, timeout=120)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith(f"pserver.errors.ModelFileError: {tmp_path / 'custom.npz'}: "
+                                                 "layer shift: class 'Shift' is neither"), r.stderr
