@@ -91,7 +91,7 @@ class Functional(Model):
     def use_backend(self, backend: str) -> "Functional":
         """Compute with this kernel module: "cpu" (numba) or "reference" (NumPy)."""
         if backend == "cuda":
-            raise ConfigError("Sequential.use_backend: for cuda use pserver.models.on_device")
+            raise ConfigError(f"{type(self).__name__}.use_backend: for cuda use pserver.models.on_device")
         self.backend, self.kernels = backend, get_backend(backend)
         return self
 

@@ -215,8 +215,7 @@ def forward(plan: Plan, k, params: list[dict], xs: list[np.ndarray], bufs: PlanB
             continue
         layer = plan.layers[step.layer]
         if step.fit:            # the kernels take C-contiguous arrays of the model's dtype
-            for s in step.ins:
-                vals[s] = _fit(vals[s], bufs.dtype, getattr(layer, "takes_ids", False))
+            _fit_inputs(step, layer, vals, bufs.dtype)
         x = [vals[s] for s in step.ins] if layer.takes_list else vals[step.ins[0]]
         if layer.reshapes_only:
             vals[step.out] = x.reshape((x.shape[0], *layer.output_shape))
@@ -265,11 +264,7 @@ def _layer_backward(plan, k, i, params, grads, vals, g, acc, bufs, written) -> N
     step = plan.steps[i]
     layer, li = plan.layers[step.layer], step.layer
     if layer.reshapes_only:
-        s = step.ins[0]
-        if plan.needs_grad[s]:
-            # Written into the view of the dout below (PlanBuffers.direct): that dout itself.
-            below = bufs.direct(s) if g is bufs.direct(step.out) else None
-            _add(acc, s, g.reshape(vals[s].shape) if below is None else below)
+        _reshape_backward(plan, step, vals, g, acc, bufs)
         return
     dout = bufs.dout(i)
     if g is not dout:
@@ -289,9 +284,23 @@ def _layer_backward(plan, k, i, params, grads, vals, g, acc, bufs, written) -> N
             _add(acc, s, d)
 
 
+def _reshape_backward(plan: Plan, step: Step, vals: list, g, acc: list, bufs: PlanBuffers) -> None:
+    s = step.ins[0]
+    if plan.needs_grad[s]:
+        # g written into a view of the dout below (PlanBuffers.direct): that dout itself, no copy.
+        below = bufs.direct(s) if g is bufs.direct(step.out) else None
+        _add(acc, s, g.reshape(vals[s].shape) if below is None else below)
+
+
 def _add(acc: list, s: int, g: np.ndarray) -> None:
     # Out of place: an op's VJP may hand the same array to several inputs.
     acc[s] = g if acc[s] is None else acc[s] + g
+
+
+def _fit_inputs(step: Step, layer: Layer, vals: list, dtype) -> None:
+    ids = getattr(layer, "takes_ids", False)
+    for s in step.ins:
+        vals[s] = _fit(vals[s], dtype, ids)
 
 
 def _fit(a: np.ndarray, dtype, ids: bool) -> np.ndarray:
