@@ -95,17 +95,19 @@ def pserver_side(batch: int, runs: int) -> list[dict]:
     model.loss_and_grad(w, x, y, grad)                  # compiles and fills every buffer
     params = model._per_layer(model.layout.views(w))
     grads = model._per_layer(model.layout.views(grad))
-    bufs = model._buffers(batch, w.dtype)
-    acts = model._forward(params, x, bufs, Pass(training=True, seed=1))
-    k, out = model.kernels, []
-    for i, layer in enumerate(model.layers):
+    plan, model_bufs = model._plan(True), model._buffers(batch, w.dtype)
+    vals = model._forward(params, x, model_bufs, Pass(training=True, seed=1))
+    bufs, k, out = model_bufs.of(plan), model.kernels, []
+    for i, step in enumerate(plan.steps):          # the layers in order (a chain)
+        layer, li = plan.layers[step.layer], step.layer
         if layer.reshapes_only:
             out.append({"forward_s": 0.0, "backward_s": 0.0})
             continue
-        dout = rng.random(bufs.douts[i].shape, dtype=np.float32)
-        dx = bufs.douts[i - 1] if model._needs_dx[i] else None
-        fwd = lambda: layer.forward(k, params[i], acts[i], acts[i + 1], bufs.scratch[i], Pass(True, 1))  # noqa: E731
-        bwd = lambda: layer.backward(k, params[i], grads[i], acts[i], acts[i + 1], dout.copy(), dx,  # noqa: E731
+        inp, act = vals[step.ins[0]], vals[step.out]
+        dout = rng.random(act.shape, dtype=np.float32)
+        dx = bufs.dx(i, 0) if plan.needs_grad[step.ins[0]] else None
+        fwd = lambda: layer.forward(k, params[li], inp, act, bufs.scratch[i], Pass(True, 1))  # noqa: E731
+        bwd = lambda: layer.backward(k, params[li], grads[li], inp, act, dout.copy(), dx,  # noqa: E731
                                      bufs.scratch[i])
         out.append({"forward_s": median_time(fwd, runs), "backward_s": median_time(bwd, runs)})
     return out

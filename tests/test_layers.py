@@ -72,7 +72,7 @@ def test_evaluation_runs_in_cache_sized_chunks_with_the_same_results():
     # keras.io's mnist_convnet: ~315 KB of outputs and im2col rows per image, so 4 MiB
     # chunks of 13 (4096 at once thrashed the cache: 2.2x the CPU time). A chunk that ignores
     # the budget, or results that depend on it (a remainder chunk lost or counted twice), fail.
-    from pserver.models.sequential import EVAL_CHUNK_BYTES
+    from pserver.models.functional import EVAL_CHUNK_BYTES
     model = Sequential([Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)), MaxPooling2D(),
                         Conv2D(64, 3, activation="relu"), MaxPooling2D(), Flatten(), Dropout(0.5),
                         Dense(10)])

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from pserver.errors import ConfigError
-from pserver.models import Layout, Model, make_model
+from pserver.models import Functional, Layout, Model, Sequential, make_model
 from pserver.optim import make_optimizer
+from tests.support.gradients import assert_fd
 
 # The dense built-ins take flat inputs of any width; cnn is tested with images in test_layers.
 DENSE = ("mlp", "logreg", "linreg")
@@ -273,3 +274,86 @@ def test_mlp_with_adam_fits_xor():
         model.loss_and_grad(w, x[idx], y[idx], g)
         opt.step(w, g, t)
     assert model.evaluate(w, x, y)["accuracy"] > 0.95
+
+
+# -- Sequential: the chain case of the graph model --------------------------------------------
+
+def _chain(name):
+    """The layers of the seeds' CNN, the MLP, or a chain of Embedding, Flatten and Dropout."""
+    from pserver.layers import Dense, Dropout, Embedding, Flatten
+    if name == "drop":
+        return Sequential([Embedding(50, 8, input_shape=(6,)), Flatten(), Dense(32, activation="relu"),
+                           Dropout(0.5, seed=3), Dense(10)], name="drop")
+    return make_model(name, (28, 28, 1) if name == "cnn" else (784,), 10)
+
+
+def _twin(model):
+    """The same chain written Functionally: fresh layers of the same configs called in order."""
+    from pserver.layers import deserialize, serialize
+    from pserver.ops.core import Symbolic
+    h = x = Symbolic((None, *model.input_shape), "int32" if model._takes_ids else "float32")
+    for layer in model.layers:
+        h = deserialize(serialize(layer, model.name))(h)
+    return Functional(x, h, name=model.name)
+
+
+def _chain_batch(model, n, rng):
+    if model._takes_ids:
+        return rng.integers(0, 50, (n, *model.input_shape)), rng.integers(0, 10, n)
+    return rng.random((n, *model.input_shape), dtype=np.float32), rng.integers(0, 10, n)
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp", "drop"])
+def test_a_sequential_equals_its_functional_twin(name):
+    """A Sequential is its layers called in a chain: the same layout (names, shapes, order of first
+    use), initial weights, loss and gradient, bit for bit, as the Functional model of the same
+    chain, with the same dropout draws for the same step seed; another step seed draws another
+    mask. Catches: a Sequential whose layout order or names differ from the graph's, or its
+    dropout seed drawn differently (or ignored: the last assert)."""
+    seq = _chain(name)
+    twin = _twin(seq)
+    assert [(t.name, t.shape) for t in seq.layout.tensors] == [(t.name, t.shape) for t in twin.layout.tensors]
+    w = seq.init_params(4)
+    assert np.array_equal(w, twin.init_params(4))
+    x, y = _chain_batch(seq, 64, np.random.default_rng(0))
+    g_seq, g_twin = np.full_like(w, np.nan), np.full_like(w, np.nan)
+    assert seq.loss_and_grad(w, x, y, g_seq, seed=11) == twin.loss_and_grad(w, x, y, g_twin, seed=11)
+    assert np.array_equal(g_seq, g_twin) and np.isfinite(g_seq).all()
+    other = np.empty_like(w)
+    seq.loss_and_grad(w, x, y, other, seed=12)
+    assert np.array_equal(other, g_seq) == (name != "drop")
+
+
+@pytest.mark.parametrize("layers", ["conv", "drop"])
+def test_sequential_gradient_matches_central_differences(layers):
+    """Float64 through the reference kernels, a fixed dropout seed: a small CNN (Conv2D, pooling,
+    Flatten, Dense) and an Embedding, Flatten, Dropout chain. Catches a Flatten whose gradient is
+    lost or misshapen on its way down, a dropout mask that differs between forward and backward,
+    and an Embedding's gradient written to the wrong rows."""
+    from pserver.layers import Conv2D, Dense, Dropout, Embedding, Flatten, MaxPooling2D
+    rng = np.random.default_rng(5)
+    if layers == "conv":
+        model = Sequential([Conv2D(2, 3, activation="relu", input_shape=(6, 6, 1)), MaxPooling2D(), Flatten(),
+                            Dense(4, activation="relu"), Dense(3)])
+        x = rng.normal(size=(3, 6, 6, 1))
+    else:
+        model = Sequential([Embedding(7, 3, input_shape=(4,)), Flatten(), Dense(5, activation="tanh"),
+                            Dropout(0.5), Dense(3)])
+        x = rng.integers(0, 7, (3, 4))
+    assert_fd(model, x, np.array([0, 2, 1]), step=9)
+
+
+def test_a_flatten_in_a_sequential_costs_nothing():
+    """Its output is a view of the layer's below, and the Dense above writes d loss / d input
+    straight into that layer's d loss / d output (no buffer of its own, no copy). Catches a
+    chain that copies at each reshape."""
+    model = make_model("cnn", (28, 28, 1), 10)
+    w = model.init_params(0)
+    x, y = _chain_batch(model, 8, np.random.default_rng(1))
+    model.loss_and_grad(w, x, y, np.empty_like(w))
+    plan = model._plan(True)
+    bufs = model._buffers(8, np.float32).of(plan)
+    assert bufs.dxs == {}                                  # every dx is a layer's dout (or a view)
+    flatten = next(i for i, s in enumerate(plan.steps) if plan.layers[s.layer].reshapes_only)
+    pool_dout = bufs.douts[flatten - 1]
+    assert np.shares_memory(bufs.direct(plan.steps[flatten].out), pool_dout)

@@ -253,7 +253,7 @@ class _Model:
     def _x(self, x, what: str) -> np.ndarray:
         """x as one array: a Functional's several inputs (a list, a dict by name) side by side."""
         self._ready(x)
-        if not isinstance(self._core, _Functional):
+        if isinstance(self._core, _Sequential):
             return np.asarray(x)
         try:
             return self._core.pack(x)

@@ -131,8 +131,8 @@ class TracedLayer(Layer):
         return self.output_shape
 
     def forward(self, k, p, x, out, s, run):
-        raise ConfigError(f"{self.label}: a traced layer runs inside a graph (keras.Model, "
-                          "pserver.models.Functional), not a Sequential's layer loop")
+        raise ConfigError(f"{self.label}: a traced layer has no kernel of its own: its call runs as "
+                          "the ops it traced, in a model's graph (keras.Model, pserver.models.Functional)")
 
     backward = forward
 

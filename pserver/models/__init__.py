@@ -96,11 +96,11 @@ def on_device(model, backend: str):
     """The model computing with `backend`'s kernels (a user's protocol object: unchanged)."""
     if isinstance(model, CTRModel):
         return model.use_backend(backend)
-    if not isinstance(model, Sequential):
+    if not isinstance(model, Functional):
         get_backend(backend)   # an unknown backend is still an error
         return model
     if backend == "cuda":
-        if isinstance(model, Functional):
+        if not isinstance(model, Sequential):
             raise ConfigError(f"{model.name}: a Functional model (a graph) runs on the cpu and reference "
                               "backends only, for now (issue 48)")
         model.build()

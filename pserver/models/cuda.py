@@ -2,8 +2,9 @@
 
 `CudaSequential` has the interface of every `Model` (layout, init_params, loss_and_grad,
 evaluate), so the worker loop runs it unchanged; `on_device(model, "cuda")` builds one from a
-Sequential. It runs the Sequential's own layer objects, their forward and backward passes
-unchanged, with `pserver.kernels.cuda` on device arrays in place of the CPU kernels: Dense,
+Sequential. It runs the Sequential's own graph (pserver.models.graph's plan, forward and
+backward, with its layer objects unchanged) with `pserver.kernels.cuda` on device arrays in
+place of the CPU kernels and its buffers in device memory: Dense,
 Conv2D, MaxPooling2D, AveragePooling2D, Flatten and Dropout, with any of their activations,
 and the sparse categorical cross-entropy or MSE loss (mlp, logreg, linreg, cnn and a user's
 model of those layers). Other layers (Embedding, the CTR models) are a ConfigError naming the
@@ -39,6 +40,7 @@ from pserver.layers import AveragePooling2D, Conv2D, Dense, Dropout, Flatten, Ma
 from pserver.layers.base import Pass
 from pserver.models import losses, metrics
 from pserver.models.base import _MAX_CACHED_BATCH_SIZES, Model
+from pserver.models.functional import ModelBuffers
 from pserver.models.sequential import Sequential
 
 # The layers whose every pass has a CUDA kernel.
@@ -85,7 +87,7 @@ class CudaSequential(Model):
             b.upload(x, y, s)
             _record(events, 1, s)
             acts = self._forward_on_device(st.layer_params, b, s, run)
-            self._loss_on_device(acts[-1], b, b.douts[-1], s)
+            self._loss_on_device(acts[-1], b, b.graph.dloss, s)
             self._backward_on_device(st.layer_params, st.layer_grads, acts, b, s)
             _record(events, 2, s)
             st.g.copy_to_host(st.g_host, stream=s)
@@ -109,8 +111,8 @@ class CudaSequential(Model):
         return 2.0 if self.task == "regression" else 1.0
 
     def _forward_on_device(self, params, b, stream, run) -> list:
-        """[input, output of layer 0, ...]: Sequential's own pass, with the CUDA kernels."""
-        return self.host._forward(params, b.x, b, run, _OnStream(self.kernels, stream))
+        """Every slot's value, the output's last: Sequential's own pass, with the CUDA kernels."""
+        return self.host._forward(params, b.x, b.graph, run, _OnStream(self.kernels, stream))
 
     def _loss_on_device(self, out, b, dout, stream):
         """dout = d loss / d output; b.loss[0] = the mean loss, left on the device."""
@@ -121,7 +123,7 @@ class CudaSequential(Model):
     def _backward_on_device(self, params, grads, acts, b, stream):
         """Sequential's own backward pass, with the CUDA kernels: gradients into the flat
         vector's views."""
-        self.host._backward(params, grads, acts, b, _OnStream(self.kernels, stream))
+        self.host._backward(params, grads, acts, b.graph, _OnStream(self.kernels, stream))
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -194,6 +196,20 @@ def _check_device_layers(host: Sequential) -> None:
                           f"Use --device cpu for this model")
 
 
+class _DeviceMemory:
+    """Where the graph's buffers go (pserver.models.graph.PlanBuffers): device memory, made on
+    the step's stream."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def empty(self, shape, dtype):
+        return cuda.device_array(shape, dtype, stream=self.stream)
+
+    def put(self, a: np.ndarray):
+        return cuda.to_device(a, stream=self.stream)
+
+
 class _DeviceState:
     """One thread's stream, flat weight and gradient vectors (device + pinned host twins)."""
 
@@ -225,41 +241,26 @@ class _DeviceState:
 
 
 class _Batch:
-    """Device buffers for batch size n: input, labels, each layer's output, d loss / d output
-    and scratch, the loss; pinned staging for the input, labels and the last output."""
+    """Device buffers for batch size n: input, labels, the graph's (each layer's output, its
+    d loss / d output and scratch, made as the host model's are, in device memory), the loss;
+    pinned staging for the input, labels and the last output."""
 
     def __init__(self, model: CudaSequential, n: int, stream):
         ydtype = np.int32 if model.task == "classification" else np.float32
-        shape, layers = (n, *model.host.input_shape), model.layers
-        last = (n, *layers[-1].output_shape)
+        shape = (n, *model.host.input_shape)
+        last = (n, *model.host.output_shape)
         self.x_host = cuda.pinned_array(shape, np.float32)
         self.y_host = cuda.pinned_array(n, ydtype)
         self.out_host = cuda.pinned_array(last, np.float32)
         self.x = cuda.device_array(shape, np.float32, stream=stream)
         self.y = cuda.device_array(n, ydtype, stream=stream)
-        self.outs = [None if layer.reshapes_only else
-                     cuda.device_array((n, *layer.output_shape), np.float32, stream=stream)
-                     for layer in layers]
-        self._layers, self._n, self._stream = layers, n, stream
+        # Scratch as the layer asks for it (zeros stay zeros: a bias-less layer's bias); the
+        # d loss / d output buffers are made at the first training step of this size
+        # (evaluation needs none: for the CNN at 4096 images they are hundreds of MB).
+        self.graph = ModelBuffers(model.host, n, np.float32, _DeviceMemory(stream))
         self.eval_dout = cuda.device_array(last, np.float32, stream=stream)
-        # Scratch as the layer asks for it (zeros stay zeros: a bias-less layer's bias).
-        self.scratch = [{name: cuda.to_device(a, stream=stream)
-                         for name, a in layer.scratch(n, np.float32).items()} for layer in layers]
         self.row_loss = cuda.device_array(n, np.float32, stream=stream)
         self.loss = cuda.device_array(1, np.float64, stream=stream)
-
-    @functools.cached_property
-    def douts(self) -> list:
-        """d loss / d output of each layer, made at the first training step of this size
-        (evaluation needs none: for the CNN at 4096 images they are hundreds of MB). Below a
-        reshaping layer (Flatten), the layer's buffer is a view of the reshaping layer's."""
-        layers, n = self._layers, self._n
-        douts = [cuda.device_array((n, *layer.output_shape), np.float32, stream=self._stream)
-                 for layer in layers]
-        for i in range(len(layers) - 1, 0, -1):
-            if layers[i].reshapes_only:
-                douts[i - 1] = douts[i].reshape(n, *layers[i - 1].output_shape)
-        return douts
 
     def upload(self, x: np.ndarray, y: np.ndarray, stream) -> None:
         np.copyto(self.x_host, x)

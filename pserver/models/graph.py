@@ -29,6 +29,7 @@ class Step:
     def __init__(self, node: core.Node, ins: list[int], outs: list[int], layer: int | None):
         self.node, self.ins, self.outs, self.layer = node, ins, outs, layer
         self.op = None if layer is not None else core.op(node.op)
+        self.fit = False        # Plan._count: an input that no layer made may need _fit
 
     @property
     def out(self) -> int:
@@ -112,6 +113,10 @@ class Plan:
                 self.producer[out] = i
             for s in step.ins:
                 self.consumers[s] += 1
+            # A layer's output is already what the next layer takes: only an input, a weight,
+            # a constant or an op's output may need _fit (and a chain then skips it per step).
+            step.fit = any(self.producer[s] is None or self.steps[self.producer[s]].op is not None
+                           for s in step.ins)
 
     def uses(self, layer_index: int) -> int:
         return sum(1 for s in self.steps if s.layer == layer_index)
@@ -125,33 +130,66 @@ class Plan:
         return step.layer is not None and not self.layers[step.layer].reshapes_only
 
 
+class HostMemory:
+    """Where PlanBuffers makes its arrays: NumPy's (pserver.models.cuda has the device's)."""
+
+    @staticmethod
+    def empty(shape, dtype):
+        return np.empty(shape, dtype)
+
+    @staticmethod
+    def put(a: np.ndarray):
+        """A layer's scratch (made by NumPy) where the kernels read it."""
+        return a
+
+
 class PlanBuffers:
     """One plan's arrays for one batch size: each fused layer step's output, its scratch, and
-    (at the first training step) its d loss / d output and the dx buffers it writes."""
+    (at the first training step) its d loss / d output and the dx buffers it writes; made by
+    `memory` (HostMemory, or a device's)."""
 
-    def __init__(self, plan: Plan, n: int, dtype):
-        self.plan, self.n, self.dtype = plan, n, dtype
+    def __init__(self, plan: Plan, n: int, dtype, memory=HostMemory):
+        self.plan, self.n, self.dtype, self.memory = plan, n, dtype, memory
         self.outs, self.scratch, self.douts, self.dxs, self.tmp = {}, {}, {}, {}, {}
+        self._direct: dict[int, object] = {}
         for i, step in enumerate(plan.steps):
             if plan.fused(i):
                 layer = plan.layers[step.layer]
-                self.outs[i] = np.empty((n, *layer.output_shape), dtype)
-                self.scratch[i] = layer.scratch(n, dtype)
+                self.outs[i] = memory.empty((n, *layer.output_shape), dtype)
+                self.scratch[i] = {k: memory.put(a) for k, a in layer.scratch(n, dtype).items()}
 
-    def dout(self, i: int) -> np.ndarray:
+    def dout(self, i: int):
         if i not in self.douts:
-            self.douts[i] = np.empty_like(self.outs[i])
+            self.douts[i] = self.memory.empty(self.outs[i].shape, self.dtype)
         return self.douts[i]
 
-    def dx(self, i: int, j: int) -> np.ndarray:
+    def direct(self, s: int):
+        """The dout of the layer that made slot s when s feeds nothing else, through any
+        reshaping layers between (a view of it, as Sequential's Flatten); None otherwise."""
+        if s not in self._direct:
+            plan, p = self.plan, self.plan.producer[s]
+            found = None
+            if p is not None and plan.consumers[s] == 1 and plan.fused(p):
+                found = self.dout(p)
+            elif p is not None and plan.consumers[s] == 1 and self._reshapes(p):
+                below = self.direct(plan.steps[p].ins[0])
+                found = None if below is None else below.reshape((self.n, *plan.slots[s].shape[1:]))
+            self._direct[s] = found
+        return self._direct[s]
+
+    def _reshapes(self, i: int) -> bool:
+        step = self.plan.steps[i]
+        return step.layer is not None and self.plan.layers[step.layer].reshapes_only
+
+    def dx(self, i: int, j: int):
         """Where step i writes d loss / d its input j: straight into the dout of the layer that
         made that input when it feeds nothing else (no copy, as Sequential), else a buffer."""
-        plan, s = self.plan, self.plan.steps[i].ins[j]
-        p = plan.producer[s]
-        if p is not None and plan.fused(p) and plan.consumers[s] == 1:
-            return self.dout(p)
+        s = self.plan.steps[i].ins[j]
+        found = self.direct(s)
+        if found is not None:
+            return found
         if (i, j) not in self.dxs:
-            self.dxs[(i, j)] = np.empty((self.n, *plan.slots[s].shape[1:]), self.dtype)
+            self.dxs[(i, j)] = self.memory.empty((self.n, *self.plan.slots[s].shape[1:]), self.dtype)
         return self.dxs[(i, j)]
 
     def tmp_grads(self, layer: int, like: dict) -> dict:
@@ -176,15 +214,15 @@ def forward(plan: Plan, k, params: list[dict], xs: list[np.ndarray], bufs: PlanB
                 vals[s] = v
             continue
         layer = plan.layers[step.layer]
-        for s in step.ins:      # the kernels take C-contiguous arrays of the model's dtype
-            vals[s] = _fit(vals[s], bufs.dtype, getattr(layer, "takes_ids", False))
+        if step.fit:            # the kernels take C-contiguous arrays of the model's dtype
+            _fit_inputs(step, layer, vals, bufs.dtype)
         x = [vals[s] for s in step.ins] if layer.takes_list else vals[step.ins[0]]
         if layer.reshapes_only:
             vals[step.out] = x.reshape((x.shape[0], *layer.output_shape))
             continue
-        training = step.node.attrs.get("training", run.training)
+        training = bool(step.node.attrs.get("training", run.training))
         layer.forward(k, params[step.layer], x, bufs.outs[i], bufs.scratch[i],
-                      Pass(training=bool(training), seed=run.seed))
+                      run if training == run.training else Pass(training=training, seed=run.seed))
         vals[step.out] = bufs.outs[i]
     return vals
 
@@ -226,9 +264,7 @@ def _layer_backward(plan, k, i, params, grads, vals, g, acc, bufs, written) -> N
     step = plan.steps[i]
     layer, li = plan.layers[step.layer], step.layer
     if layer.reshapes_only:
-        x = vals[step.ins[0]]
-        if plan.needs_grad[step.ins[0]]:
-            _add(acc, step.ins[0], g.reshape(x.shape))
+        _reshape_backward(plan, step, vals, g, acc, bufs)
         return
     dout = bufs.dout(i)
     if g is not dout:
@@ -248,16 +284,33 @@ def _layer_backward(plan, k, i, params, grads, vals, g, acc, bufs, written) -> N
             _add(acc, s, d)
 
 
+def _reshape_backward(plan: Plan, step: Step, vals: list, g, acc: list, bufs: PlanBuffers) -> None:
+    s = step.ins[0]
+    if plan.needs_grad[s]:
+        # g written into a view of the dout below (PlanBuffers.direct): that dout itself, no copy.
+        below = bufs.direct(s) if g is bufs.direct(step.out) else None
+        _add(acc, s, g.reshape(vals[s].shape) if below is None else below)
+
+
 def _add(acc: list, s: int, g: np.ndarray) -> None:
     # Out of place: an op's VJP may hand the same array to several inputs.
     acc[s] = g if acc[s] is None else acc[s] + g
 
 
+def _fit_inputs(step: Step, layer: Layer, vals: list, dtype) -> None:
+    ids = getattr(layer, "takes_ids", False)
+    for s in step.ins:
+        vals[s] = _fit(vals[s], dtype, ids)
+
+
 def _fit(a: np.ndarray, dtype, ids: bool) -> np.ndarray:
-    """a as a layer takes it: C-contiguous, and in the model's float dtype unless it is ids."""
+    """a as a layer takes it: C-contiguous, and in the model's float dtype unless it is ids.
+    A device array (pserver.models.cuda) is the model's input, made so already."""
+    if not isinstance(a, np.ndarray):
+        return a
     if a.dtype != dtype and not (ids and a.dtype.kind in "iu"):
         return np.ascontiguousarray(a, dtype)
     return np.ascontiguousarray(a)
 
 
-__all__ = ["Plan", "PlanBuffers", "Step", "forward", "backward"]
+__all__ = ["HostMemory", "Plan", "PlanBuffers", "Step", "forward", "backward"]

@@ -20,7 +20,7 @@ import sys
 
 from pserver.errors import ConfigError, PServerError
 from pserver.models.base import protocol_gaps
-from pserver.models.sequential import Sequential
+from pserver.models.functional import Functional
 
 
 def is_user_spec(spec: str) -> bool:
@@ -60,7 +60,7 @@ def load_model(spec: str, input_shape: tuple[int, ...], num_classes: int):
     kwargs = _accepted(fn, {"input_shape": tuple(input_shape), "num_classes": num_classes})
     try:
         model = fn(**kwargs)
-        if isinstance(model, Sequential):
+        if isinstance(model, Functional):
             model.build()    # a layer that cannot work says so here, as this --model's error
     except PServerError as e:
         raise ConfigError(f"--model {spec}: {e}{where(e, module)}") from None
@@ -151,7 +151,7 @@ def builders(path: str, input_shape: tuple[int, ...], num_classes: int) -> list[
             continue
         try:
             model = fn(**_accepted(fn, {"input_shape": tuple(input_shape), "num_classes": num_classes}))
-            if isinstance(model, Sequential):
+            if isinstance(model, Functional):
                 model.build()
         except Exception:   # noqa: BLE001 - not a builder for this data: not listed
             continue

@@ -5,22 +5,23 @@ from __future__ import annotations
 import numpy as np
 
 
-def grad_and_fd(model, x, y, seed=0, eps=1e-6):
-    """The model's gradient and central finite differences of its loss, in float64."""
+def grad_and_fd(model, x, y, seed=0, eps=1e-6, step=0):
+    """The model's gradient and central finite differences of its loss, in float64; every
+    call with the step seed `step` (the same dropout masks)."""
     model.use_backend("reference")
     w = model.init_params(seed).astype(np.float64)
     w += np.random.default_rng(seed).normal(0, 0.1, w.shape)     # no zero bias, no tie at a kink
     g = np.zeros_like(w)
-    model.loss_and_grad(w, x, y, g)
+    model.loss_and_grad(w, x, y, g, seed=step)
     fd = np.empty_like(w)
     for j in range(w.size):
         e = np.zeros_like(w)
         e[j] = eps
-        fd[j] = (model.loss_and_grad(w + e, x, y, np.zeros_like(w))
-                 - model.loss_and_grad(w - e, x, y, np.zeros_like(w))) / (2 * eps)
+        fd[j] = (model.loss_and_grad(w + e, x, y, np.zeros_like(w), seed=step)
+                 - model.loss_and_grad(w - e, x, y, np.zeros_like(w), seed=step)) / (2 * eps)
     return g, fd
 
 
-def assert_fd(model, x, y, seed=0):
-    g, fd = grad_and_fd(model, x, y, seed)
+def assert_fd(model, x, y, seed=0, step=0):
+    g, fd = grad_and_fd(model, x, y, seed, step=step)
     assert np.allclose(g, fd, rtol=1e-5, atol=1e-7), np.abs(g - fd).max()

@@ -1,0 +1,106 @@
+"""One model's `loss_and_grad` from two source trees, interleaved in one run: the seconds per
+step of each (min over every step) and the ratio, to measure a change to a model's core; and
+each tree's gradient at the same weights, batch and dropout seed, to check the change computes
+the same thing.
+
+    .venv/bin/python bench/model_step_ab.py --base /tmp/pserver-old --new . --model cnn --batch 64 \\
+        --rounds 6 --steps 10
+
+Each tree runs in a child process (PYTHONPATH set to it) that builds the model, warms it up
+(numba's compile) and then, at each of the parent's turns, times --steps steps; the parent
+alternates the children for --rounds rounds, so both see the same load. Besides wall time it
+reports the step thread's CPU time (time.thread_time), which a loaded machine disturbs less;
+with NUMBA_NUM_THREADS=1 that is the whole step's. Models: cnn (the seeds'
+CNN on MNIST's shape), mlp (784-256-256-10) and drop (Embedding, Flatten, Dropout, Dense).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, time
+import numpy as np
+from pserver.layers import Dense, Dropout, Embedding, Flatten
+from pserver.models import make_model
+from pserver.models.sequential import Sequential
+
+name, batch, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+if name == "drop":
+    model = Sequential([Embedding(50, 8, input_shape=(6,)), Flatten(), Dense(32, activation="relu"),
+                        Dropout(0.5), Dense(10)], name="drop")
+    x = np.random.default_rng(1).integers(0, 50, (batch, 6))
+else:
+    shape = (28, 28, 1) if name == "cnn" else (784,)
+    model = make_model(name, shape, 10)
+    x = np.random.default_rng(1).random((batch, *shape), dtype=np.float32)
+y = np.random.default_rng(2).integers(0, 10, batch)
+w = model.init_params(0)
+g = np.zeros_like(w)
+for _ in range(5):
+    model.loss_and_grad(w, x, y, g, seed=7)
+np.save(out, g)
+print("ready", flush=True)
+for line in sys.stdin:
+    times = []
+    for _ in range(int(line)):
+        t, c = time.perf_counter(), time.thread_time()
+        model.loss_and_grad(w, x, y, g, seed=7)
+        times.append((time.perf_counter() - t, time.thread_time() - c))
+    print(json.dumps(times), flush=True)
+"""
+
+
+def start(tree: str, model: str, batch: int, grad: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
+    p = subprocess.Popen([sys.executable, "-c", CHILD, model, str(batch), grad], env=env, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    if p.stdout.readline().strip() != "ready":
+        raise SystemExit(f"{tree}: the child did not start")
+    return p
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="the source tree to compare against")
+    ap.add_argument("--new", default=".", help="the source tree measured (default: this one)")
+    ap.add_argument("--model", choices=("cnn", "mlp", "drop"), default="cnn")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10, help="steps per child per round")
+    args = ap.parse_args()
+    import numpy as np
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"base": args.base, "new": args.new}
+        kids = {k: start(t, args.model, args.batch, f"{tmp}/{k}.npy") for k, t in trees.items()}
+        times: dict[str, list[float]] = {k: [] for k in kids}
+        for _ in range(args.rounds):
+            for k, p in kids.items():
+                p.stdin.write(f"{args.steps}\n")
+                p.stdin.flush()
+                times[k] += json.loads(p.stdout.readline())
+        for p in kids.values():
+            p.stdin.close()
+            p.wait()
+        gb, gn = np.load(f"{tmp}/base.npy"), np.load(f"{tmp}/new.npy")
+    rel = float(np.abs(gn - gb).max() / max(np.abs(gb).max(), 1e-30))
+    best = {k: min(t for t, _ in v) for k, v in times.items()}
+    cpu = {k: min(c for _, c in v) for k, v in times.items()}
+    print(json.dumps({"model": args.model, "batch": args.batch, "steps_each": len(times["new"]),
+                      "min_ms": {k: round(v * 1e3, 3) for k, v in best.items()},
+                      "speed_new_over_base": round(best["base"] / best["new"], 3),
+                      "min_thread_cpu_ms": {k: round(v * 1e3, 3) for k, v in cpu.items()},
+                      "cpu_speed_new_over_base": round(cpu["base"] / cpu["new"], 3),
+                      "grad_max_rel_diff": rel, "load": round(os.getloadavg()[0], 2),
+                      "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+
+
+if __name__ == "__main__":
+    main()
