@@ -48,6 +48,8 @@ LAYERS = [("conv2d 1->32", 26 * 26 * 32 * 9 * 1), ("max_pooling2d", 0),
           ("conv2d 32->64", 11 * 11 * 64 * 9 * 32), ("max_pooling2d_1", 0), ("flatten", 0),
           ("dropout", 0), ("dense 1600->10", 1600 * 10)]
 
+PARTS = ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s")
+
 TF_SIDE = r"""
 import json, os, sys, time
 import numpy as np
@@ -64,10 +66,12 @@ for layer in layers:
 def median_time(fn):
     for _ in range(5):
         fn()
-    times = []
+    times, cpu = [], []
     for _ in range(runs):
-        t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
-    return float(np.median(times))
+        t, c = time.perf_counter(), time.process_time()
+        fn()
+        times.append(time.perf_counter() - t); cpu.append(time.process_time() - c)
+    return float(np.median(times)), float(np.median(cpu))
 out = []
 for i, (layer, inp) in enumerate(zip(layers, ins)):
     fwd = tf.function(lambda inp=inp, layer=layer: layer(inp, training=True))
@@ -78,9 +82,9 @@ for i, (layer, inp) in enumerate(zip(layers, ins)):
             y = layer(inp, training=True)
             s = tf.reduce_sum(y * y)
         return tape.gradient(s, layer.trainable_weights + ([] if first else [inp]))
-    f = median_time(lambda: fwd().numpy())
-    fb = median_time(lambda: [g.numpy() for g in both()])
-    out.append({"forward_s": f, "backward_s": max(fb - f, 0.0)})
+    (f, fc), (fb, fbc) = median_time(lambda: fwd().numpy()), median_time(lambda: [g.numpy() for g in both()])
+    out.append({"forward_s": f, "backward_s": max(fb - f, 0.0),
+                "forward_cpu_s": fc, "backward_cpu_s": max(fbc - fc, 0.0)})
 print(json.dumps({"tensorflow": tf.__version__, "layers": out}))
 """
 
@@ -107,7 +111,7 @@ def pserver_side(batch: int, runs: int) -> list[dict]:
     k, out = model.kernels, []
     for i, layer in enumerate(model.layers):
         if layer.reshapes_only:
-            out.append({"forward_s": 0.0, "backward_s": 0.0})
+            out.append(dict.fromkeys(PARTS, 0.0))
             continue
         dout = rng.random(bufs.douts[i].shape, dtype=np.float32)
         dx = bufs.douts[i - 1] if model._needs_dx[i] else None
@@ -115,22 +119,26 @@ def pserver_side(batch: int, runs: int) -> list[dict]:
         grad_in = dout.copy()                 # the backward may overwrite it (a ReLU's mask)
         bwd = lambda: layer.backward(k, params[i], grads[i], acts[i], acts[i + 1], grad_in, dx,  # noqa: E731
                                      bufs.scratch[i])
-        out.append({"forward_s": median_time(fwd, runs),
-                    "backward_s": median_time(bwd, runs, before=lambda: (fwd(), np.copyto(grad_in, dout)))})
+        (f, fc) = median_time(fwd, runs)
+        (b, bc) = median_time(bwd, runs, before=lambda: (fwd(), np.copyto(grad_in, dout)))
+        out.append({"forward_s": f, "backward_s": b, "forward_cpu_s": fc, "backward_cpu_s": bc})
     return out
 
 
-def median_time(fn, runs: int, before=None) -> float:
-    """fn's median seconds over `runs` calls, warm; `before` runs ahead of each, not timed."""
-    times = []
+def median_time(fn, runs: int, before=None) -> tuple[float, float]:
+    """fn's median seconds over `runs` calls, warm, by the clock and in this process's CPU time
+    (on a shared machine the clock also counts the time others had the core); `before` runs
+    ahead of each call, not timed."""
+    times, cpu = [], []
     for run in range(5 + runs):
         if before is not None:
             before()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
         if run >= 5:
             times.append(time.perf_counter() - t)
-    return float(np.median(times))
+            cpu.append(time.process_time() - c)
+    return float(np.median(times)), float(np.median(cpu))
 
 
 def run_side(argv: list[str], env: dict, what: str) -> dict:
@@ -163,7 +171,7 @@ def rounds_of_sides(args) -> tuple[dict, str]:
             seen[name].append(result["layers"])
             tf_version = result.get("tensorflow", tf_version)
     merged = {name: [{part: float(np.median([r[j][part] for r in rounds]))
-                      for part in ("forward_s", "backward_s")} for j in range(len(LAYERS))]
+                      for part in PARTS} for j in range(len(LAYERS))]
               for name, rounds in seen.items()}
     return merged, tf_version
 
@@ -177,6 +185,31 @@ def onednn_isa(tf_python: str) -> str:
         if ",info,cpu,isa:" in line:
             return line.split("isa:", 1)[1].strip()
     return "none reported"
+
+
+def report(sides: dict, batch: int) -> list[dict]:
+    """Print each side's layers, by the clock (with GFLOP/s) and in CPU time; the JSON's records."""
+    shown = [(name, label) for name, label in (("pserver", "ps"), ("baseline", "base"), ("tensorflow", "tf"))
+             if name in sides]
+    rows, cpu_rows, records = [], [], []
+    for j, (name, macs) in enumerate(LAYERS):
+        gf = lambda s, mult: f"{2 * mult * macs * batch / s / 1e9:.1f}" if macs and s else ""  # noqa: E731
+        row, cpu_row = [name], [name]
+        for side, _ in shown:
+            t = sides[side][j]
+            row += [f"{t['forward_s'] * 1e3:.3f}", f"{t['backward_s'] * 1e3:.3f}",
+                    gf(t["forward_s"], 1), gf(t["backward_s"], 2)]
+            cpu_row += [f"{t['forward_cpu_s'] * 1e3:.3f}", f"{t['backward_cpu_s'] * 1e3:.3f}"]
+        rows.append(row)
+        cpu_rows.append(cpu_row)
+        records.append({"layer": name, "forward_macs_per_sample": macs, "tensorflow": None,
+                        **{side: sides[side][j] for side, _ in shown}})
+    print(table(["layer"] + [f"{label} {what}" for _, label in shown
+                             for what in ("fwd ms", "bwd ms", "fwd GF/s", "bwd GF/s")], rows))
+    print("CPU time (this process's, all its threads):")
+    print(table(["layer"] + [f"{label} {what}" for _, label in shown for what in ("fwd ms", "bwd ms")],
+                cpu_rows))
+    return records
 
 
 def main() -> None:
@@ -200,24 +233,7 @@ def main() -> None:
     print("\n".join(machine_lines(m)))
     sides, tf_version = rounds_of_sides(args)
     isa = onednn_isa(args.tf_python) if args.tf_python else ""
-    shown = [(name, label) for name, label in (("pserver", "ps"), ("baseline", "base"), ("tensorflow", "tf"))
-             if name in sides]
-    rows, records = [], []
-    for j, (name, macs) in enumerate(LAYERS):
-        gf = lambda s, mult: f"{2 * mult * macs * args.batch / s / 1e9:.1f}" if macs and s else ""  # noqa: E731
-        row = [name]
-        for side, _ in shown:
-            t = sides[side][j]
-            row += [f"{t['forward_s'] * 1e3:.3f}", f"{t['backward_s'] * 1e3:.3f}",
-                    gf(t["forward_s"], 1), gf(t["backward_s"], 2)]
-        rows.append(row)
-        records.append({"layer": name, "forward_macs_per_sample": macs,
-                        **{side: sides[side][j] for side in ("pserver", "baseline", "tensorflow")
-                           if side in sides},
-                        **({} if "tensorflow" in sides else {"tensorflow": None})})
-    headers = ["layer"] + [f"{label} {what}" for _, label in shown
-                           for what in ("fwd ms", "bwd ms", "fwd GF/s", "bwd GF/s")]
-    print(table(headers, rows))
+    records = report(sides, args.batch)
     total = lambda side: sum(r[side]["forward_s"] + r[side]["backward_s"] for r in records)  # noqa: E731
     line = f"batch {args.batch}: pserver {total('pserver') * 1e3:.2f} ms per step of layers"
     if "baseline" in sides:
