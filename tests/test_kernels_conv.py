@@ -201,7 +201,7 @@ def test_conv_at_model_sizes():
 @pytest.mark.parametrize("hw,stride,padding", [(13, 1, "same"), (20, 2, "same"), (13, 1, "valid")])
 def test_conv_training_pair_in_blocks_of_images(hw, stride, padding):
     # Five images of 32 channels make more than one of the kernels' blocks (_images_per_block:
-    # 2 or 4 images here), the last one short. A block's rows put at the wrong offset, the
+    # 2 to 4 images here), the last one short. A block's rows put at the wrong offset, the
     # short block skipped, dw kept from the last block only, or dx zeroed over an earlier
     # block's sums all give the twin's results elsewhere than here.
     rng = np.random.default_rng(hw + stride)
@@ -209,7 +209,8 @@ def test_conv_training_pair_in_blocks_of_images(hw, stride, padding):
     n, c, f = 5, 32, 16
     x, w, b = f32(rng, n, hw, hw, c), f32(rng, 3, 3, c, f) * 0.1, f32(rng, f)
     cols = nans((n * oh * ow, 9 * c))
-    assert 1 < -(-n // cpu._images_per_block(cols, oh * ow)) and n % cpu._images_per_block(cols, oh * ow)
+    step = cpu._images_per_block(cols, f, oh * ow)
+    assert 1 < -(-n // step) and n % step
     got, want = nans((n, oh, ow, f)), nans((n, oh, ow, f))
     cpu.conv2d_forward_cols(x, w, b, got, cols, stride, stride, top, left, True)
     reference.conv2d_forward(x, w, b, want, stride, stride, top, left, True)
