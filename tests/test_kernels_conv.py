@@ -198,6 +198,34 @@ def test_conv_at_model_sizes():
             np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("hw,stride,padding", [(13, 1, "same"), (20, 2, "same"), (13, 1, "valid")])
+def test_conv_training_pair_in_blocks_of_images(hw, stride, padding):
+    # Five images of 32 channels make more than one of the kernels' blocks (_images_per_block:
+    # 2 to 4 images here), the last one short. A block's rows put at the wrong offset, the
+    # short block skipped, dw kept from the last block only, or dx zeroed over an earlier
+    # block's sums all give the twin's results elsewhere than here.
+    rng = np.random.default_rng(hw + stride)
+    (oh, top), (ow, left) = conv_output(hw, 3, stride, padding), conv_output(hw, 3, stride, padding)
+    n, c, f = 5, 32, 16
+    x, w, b = f32(rng, n, hw, hw, c), f32(rng, 3, 3, c, f) * 0.1, f32(rng, f)
+    cols = nans((n * oh * ow, 9 * c))
+    step = cpu._images_per_block(cols, f, oh * ow)
+    assert 1 < -(-n // step) and n % step
+    got, want = nans((n, oh, ow, f)), nans((n, oh, ow, f))
+    cpu.conv2d_forward_cols(x, w, b, got, cols, stride, stride, top, left, True)
+    reference.conv2d_forward(x, w, b, want, stride, stride, top, left, True)
+    close(got, want, 1e-4)
+    dy = f32(rng, *got.shape)
+    want_g = [nans(a.shape) for a in (x, w, b)]
+    reference.conv2d_backward(x, w, dy * (want > 0), *want_g, stride, stride, top, left)
+    for dx in (nans(x.shape), None):                      # an inner layer's call, a first layer's
+        got_g, d = [dx, nans(w.shape), nans(b.shape)], dy.copy()
+        cpu.conv2d_backward_cols(cols.copy(), w, got, d, *got_g, stride, stride, top, left, True)
+        for a, e in zip(got_g, want_g):
+            if a is not None:
+                np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-3)
+
+
 @FAST
 @given(st.integers(2, 7), st.integers(2, 7), st.integers(1, 2), st.sampled_from(["valid", "same"]), seeds)
 def test_maxpool2d_2x2_ties_and_nans(h, w, stride, padding, seed):
