@@ -50,3 +50,41 @@ def test_bad_metrics_and_tensorboard_flags_are_one_clear_error(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(ConfigError, match="--tensorboard: .*afile is a file"):
         WorkerConfig(tensorboard=str(tmp_path / "afile"))
+
+
+def test_a_scrape_of_a_worker_sees_whole_steps():
+    """Catches: a worker's step count, pull count and samples updated one by one, so that a scrape
+    between two of the updates sees them disagree (tests/e2e/test_metrics.py asserts they agree
+    in a scrape made mid-training, and once failed so on a loaded CI machine)."""
+    import sys
+    import threading
+    import time
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pserver.observe.telemetry import WorkerMetrics
+    metrics, done = WorkerMetrics(), threading.Event()
+
+    def train():
+        while not done.is_set():
+            metrics.step(0.001, 0.0005, 32)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                   # threads switch often: the race shows quickly
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    try:
+        deadline, scrapes = time.monotonic() + 2, 0
+        while time.monotonic() < deadline:
+            text = generate_latest(metrics.registry).decode()
+            got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+            steps = got["pserver_worker_step_seconds_count"]
+            assert got["pserver_worker_pull_seconds_count"] == steps
+            assert got["pserver_worker_samples_total"] == 32 * steps
+            scrapes += 1
+    finally:
+        done.set()
+        trainer.join()
+        sys.setswitchinterval(interval)
+    assert scrapes > 10 and steps > 0

@@ -9,6 +9,7 @@ so the two can never disagree.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -112,20 +113,36 @@ def staleness_histogram(c: dict) -> HistogramMetricFamily:
 
 
 class WorkerMetrics:
-    """A worker's step time, pull wait and throughput."""
+    """A worker's step time, pull wait and throughput. A scrape sees whole steps: a step's three
+    updates (`step`) and a scrape's reading (`collect`) take one lock, so the step count, the
+    pull count and the samples always agree (prometheus_client locks each metric on its own)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.step = Histogram("pserver_worker_step_seconds",
-                              "Seconds per training step (compute, push, pull)",
-                              buckets=WAIT_BUCKETS, registry=self.registry)
-        self.pull = Histogram("pserver_worker_pull_seconds", "Seconds a step's push and pull took (one "
-                              "exchange over the data plane), waiting included",
-                              buckets=WAIT_BUCKETS, registry=self.registry)
-        self.samples = Counter("pserver_worker_samples", "Training samples this worker computed gradients on",
-                               registry=self.registry)
+        self._lock = threading.Lock()
+        self.step_seconds = Histogram("pserver_worker_step_seconds",
+                                      "Seconds per training step (compute, push, pull)",
+                                      buckets=WAIT_BUCKETS, registry=None)
+        self.pull_seconds = Histogram("pserver_worker_pull_seconds", "Seconds a step's push and pull took "
+                                      "(one exchange over the data plane), waiting included",
+                                      buckets=WAIT_BUCKETS, registry=None)
+        self.samples = Counter("pserver_worker_samples", "Training samples this worker computed gradients "
+                               "on", registry=None)
         self.rate = Gauge("pserver_worker_samples_per_second", "Training samples per second over the last "
-                          "progress interval", registry=self.registry)
+                          "progress interval", registry=None)
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def step(self, seconds: float, pull_seconds: float, samples: int) -> None:
+        with self._lock:
+            self.step_seconds.observe(seconds)
+            self.pull_seconds.observe(pull_seconds)
+            self.samples.inc(samples)
+
+    def collect(self):
+        with self._lock:
+            families = [f for m in (self.step_seconds, self.pull_seconds, self.samples, self.rate)
+                        for f in m.collect()]
+        yield from families
 
 
 class TrainingReport:
@@ -144,9 +161,7 @@ class TrainingReport:
 
     def step(self, seconds: float, pull_seconds: float, samples: int) -> None:
         if self.prom:
-            self.prom.step.observe(seconds)
-            self.prom.pull.observe(pull_seconds)
-            self.prom.samples.inc(samples)
+            self.prom.step(seconds, pull_seconds, samples)
 
     def progress(self, clock: int, loss: float, rate: float) -> None:
         """At every progress line: its mean loss and samples/s."""
