@@ -56,8 +56,12 @@ T = TypeVar("T")
 # be found within our retry loop's cadence instead.
 # A pull reads its stream in the calling thread: without this, every Pull call starts a
 # thread of its own to drive the channel (gRPC's default), a cost that 1 MiB round trips feel.
+# Each channel keeps its own connections (a local subchannel pool): by default channels of one
+# process to one address share them, and a new channel to a shard that has just started inherits
+# an old channel's backoff and its "Connection refused" (a client of a gone shard on a port the
+# kernel then handed to a new one failed so at once).
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 2000),
+                   ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.use_local_subchannel_pool", 1),
                    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 JOIN_TRIES = 20            # steps an elastic worker proposes before it gives up (each refused: opened)
 MAX_IDS_PER_PULL = 1 << 18  # ids per PullRows request: 2 MiB, well under gRPC's 4 MiB message limit
