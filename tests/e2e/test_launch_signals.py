@@ -18,6 +18,7 @@ from tests.support.processes import (
     env_with,
     pserver_cmd,
     sigint_as_from_a_terminal,
+    stacks,
     wait_until,
 )
 
@@ -65,7 +66,7 @@ def test_children_die_with_a_launcher_killed_by_sigkill(procs):
         launcher.popen.send_signal(signal.SIGKILL)
         launcher.wait(10)
         assert wait_until(lambda: not any(alive(pid) for pid in kids), 30), \
-            [pid for pid in kids if alive(pid)]
+            stacks([pid for pid in kids if alive(pid)])
     finally:
         kill_leftovers(kids)
 

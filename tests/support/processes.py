@@ -150,6 +150,23 @@ def free_port(count: int = 1) -> int:
     raise RuntimeError(f"no {count} consecutive free ports outside the ephemeral range")
 
 
+def stacks(pids: list[int]) -> str:
+    """Each process's command line and every thread's Python stack (py-spy dump, from outside),
+    for the message of a test that found processes alive that should be gone."""
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(bytes(1), b" ").decode(errors="replace")
+            out.append(f"== pid {pid}: {command}")
+            r = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+            out.append(r.stdout + r.stderr)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            out.append(f"== pid {pid}: {e}")
+    return "\n".join(out)
+
+
 def children(pid: int) -> list[int]:
     """The pids of pid's child processes (Linux: /proc/PID/task/*/children)."""
     found = []
