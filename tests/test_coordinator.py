@@ -309,7 +309,7 @@ def test_a_push_claiming_an_impossible_count_of_right_samples_is_refused_and_cha
     from pserver.errors import InvalidArgument
     shard = _cluster(mode="async")
     plan = Plan(8, 4, 1, "fp", 1)
-    lease = shard.lease(0, None, plan)
+    lease, _ = shard.lease(0, None, plan)
     params, version = shard.store.params.copy(), shard.store.version
     with pytest.raises(InvalidArgument, match=r"^lease_correct: .* in a batch of 8; send how many") as e:
         _push(shard, 0, 8, lease=(0, lease.chunk, lease.first), trained=(1.0, correct))
@@ -352,7 +352,7 @@ def test_a_dead_workers_lease_goes_to_the_next_worker_from_its_first_batch_not_d
     import numpy as np
     shard = _cluster(mode="async")
     plan = Plan(8, 4, 5, "fp")
-    held = shard.lease(1, None, plan)
+    held, _ = shard.lease(1, None, plan)
     assert (held.first, held.end) == shard.store.coordinator.plan.bounds(held.chunk)
     for b in range(held.first, held.first + 3):
         _push(shard, 1, 2, lease=(held.epoch, held.chunk, b))
@@ -361,7 +361,7 @@ def test_a_dead_workers_lease_goes_to_the_next_worker_from_its_first_batch_not_d
     counts = shard.status()["counters"]
     assert (counts["chunks_released"], counts["batches_retrained"]) == (1, 1)
     assert shard.store.coordinator.leases == {}
-    mine = shard.lease(0, None, plan)
+    mine, _ = shard.lease(0, None, plan)
     assert (mine.chunk, mine.first, mine.end) == (held.chunk, held.first + 2, held.end)
     params = shard.store.params.copy()
     with pytest.raises(LeaseGone, match="no longer holds chunk"):          # back: its old lease is gone
@@ -369,6 +369,27 @@ def test_a_dead_workers_lease_goes_to_the_next_worker_from_its_first_batch_not_d
     assert np.array_equal(shard.store.params, params)                      # refused: not trained again
     assert shard.status()["counters"]["batches_retrained"] == 1
     assert shard.store.coordinator.leases[0][1] == held.chunk              # rank 0 holds it still
+
+
+def test_a_chunk_reported_finished_after_its_lease_ended_is_said_gone_and_trained_again():
+    """A worker marked dead after its chunk's last push (SIGSTOPped while it waits for its step) asks
+    for its next lease with that chunk finished: the lease had ended and the chunk went back to the
+    queue, so the reply says `gone` and the chunk is not counted done (the next ask gets it again from
+    its first batch not done). Fails if a report of a chunk the rank no longer holds counts, or if the
+    worker is not told (it would say nothing of the chunk trained twice)."""
+    shard = _cluster(mode="async")
+    plan = Plan(8, 4, 5, "fp")
+    held, gone = shard.lease(1, None, plan)
+    assert not gone
+    for b in range(held.first, held.end):
+        _push(shard, 1, 2, lease=(held.epoch, held.chunk, b))
+    with shard.store.cond:
+        shard.members.mark_dead({1}, "a test")
+    nxt, gone = shard.lease(1, None, plan, finished=(held.epoch, held.chunk))
+    assert gone and shard.status()["counters"]["chunks_done"] == 0
+    assert nxt.chunk == held.chunk and nxt.first == held.end - 1      # its last push may not have applied
+    mine, gone = shard.lease(1, None, plan, finished=(nxt.epoch, nxt.chunk))
+    assert not gone and shard.status()["counters"]["chunks_done"] == 1 and mine.chunk != held.chunk
 
 
 def test_with_several_shards_a_refused_stale_lease_push_counts_as_retrained():
@@ -387,7 +408,7 @@ def test_with_several_shards_a_refused_stale_lease_push_counts_as_retrained():
                                         lease=lease))
 
     plan = Plan(8, 4, 5, "fp")
-    held = shard.lease(1, None, plan)
+    held, _ = shard.lease(1, None, plan)
     push((held.epoch, held.chunk, held.first))
     with shard.store.cond:
         shard.members.mark_dead({1}, "a test")
@@ -415,7 +436,7 @@ def test_the_coordinator_is_checkpointed_with_shard_0_and_resharded_to_the_new_s
     from pserver.server.shard import Shard
     shard = _cluster(tmp_path)
     plan = Plan(8, 4, 5, "fp")
-    first = shard.lease(0, None, plan)
+    first, _ = shard.lease(0, None, plan)
     _push(shard, 0, 2, lease=(0, first.chunk, first.first + 1))
     _push(shard, 1, 2)
     path, _ = shard.checkpoint(0)
@@ -444,14 +465,14 @@ def test_a_restored_shard_0_counts_the_batches_done_since_its_checkpoint_once(tm
     from pserver.server.shard import Shard
     shard = _cluster(tmp_path, mode="async")
     plan = Plan(8, 2, 5, "fp")
-    a = shard.lease(0, None, plan)
+    a, _ = shard.lease(0, None, plan)
     _push(shard, 0, 2, lease=(0, a.chunk, a.first))
     _push(shard, 0, 2, lease=(0, a.chunk, a.first + 1))
-    b = shard.lease(0, None, plan, finished=(0, a.chunk))
+    b, _ = shard.lease(0, None, plan, finished=(0, a.chunk))
     _push(shard, 0, 2, lease=(0, b.chunk, b.first))
     shard.checkpoint(0)
     _push(shard, 0, 2, lease=(0, b.chunk, b.first + 1))
-    c = shard.lease(0, None, plan, finished=(0, b.chunk))
+    c, _ = shard.lease(0, None, plan, finished=(0, b.chunk))
     _push(shard, 0, 2, lease=(0, c.chunk, c.first))
     assert shard.store.coordinator.counters["batches_retrained"] == 0
     restored = Shard(ServerConfig(num_workers=2, optimizer="adam", lr=0.1, mode="async",
@@ -461,7 +482,7 @@ def test_a_restored_shard_0_counts_the_batches_done_since_its_checkpoint_once(tm
     assert coordinator.ident != shard.store.coordinator.ident           # what tells the workers
     assert coordinator.counters["batches_retrained"] == 1               # b's first batch, in flight
     report = [(0, a.chunk, a.end), (0, b.chunk, b.end), (0, c.chunk, c.first + 1)]
-    again = restored.lease(0, None, plan, done_before_restore=report)
+    again, _ = restored.lease(0, None, plan, done_before_restore=report)
     assert coordinator.counters["batches_retrained"] == 3
     assert again.chunk == b.chunk and again.first == b.first            # b is trained again from its start
     restored.lease(0, None, plan, done_before_restore=report)

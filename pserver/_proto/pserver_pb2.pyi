@@ -579,12 +579,13 @@ class LeaseDoneBeforeRestore(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class LeaseDataReply(_message.Message):
-    __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch", "coordinator_id", "trained_loss_sum", "trained_correct", "trained_samples", "has_logs", "log_names", "log_values", "stop_training", "chief_told", "chief_live")
+    __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch", "finished_gone", "coordinator_id", "trained_loss_sum", "trained_correct", "trained_samples", "has_logs", "log_names", "log_values", "stop_training", "chief_told", "chief_live")
     HAS_LEASE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     FIRST_BATCH_FIELD_NUMBER: _ClassVar[int]
     END_BATCH_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_GONE_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINED_LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
     TRAINED_CORRECT_FIELD_NUMBER: _ClassVar[int]
@@ -600,6 +601,7 @@ class LeaseDataReply(_message.Message):
     chunk: int
     first_batch: int
     end_batch: int
+    finished_gone: bool
     coordinator_id: str
     trained_loss_sum: float
     trained_correct: float
@@ -610,4 +612,4 @@ class LeaseDataReply(_message.Message):
     stop_training: bool
     chief_told: bool
     chief_live: bool
-    def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., trained_loss_sum: _Optional[float] = ..., trained_correct: _Optional[float] = ..., trained_samples: _Optional[int] = ..., has_logs: _Optional[bool] = ..., log_names: _Optional[_Iterable[str]] = ..., log_values: _Optional[_Iterable[float]] = ..., stop_training: _Optional[bool] = ..., chief_told: _Optional[bool] = ..., chief_live: _Optional[bool] = ...) -> None: ...
+    def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., finished_gone: _Optional[bool] = ..., coordinator_id: _Optional[str] = ..., trained_loss_sum: _Optional[float] = ..., trained_correct: _Optional[float] = ..., trained_samples: _Optional[int] = ..., has_logs: _Optional[bool] = ..., log_names: _Optional[_Iterable[str]] = ..., log_values: _Optional[_Iterable[float]] = ..., stop_training: _Optional[bool] = ..., chief_told: _Optional[bool] = ..., chief_live: _Optional[bool] = ...) -> None: ...

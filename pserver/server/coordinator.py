@@ -299,6 +299,12 @@ class Coordinator:
             self.leases[rank] = held
         return self._lease_of(held[1])
 
+    def holds(self, rank: int, session: str, epoch: int, chunk: int) -> bool:
+        """Whether rank's session holds chunk `chunk` of epoch `epoch` (a report of it finished
+        counts only then: one released meanwhile went back to the queue, to be trained again)."""
+        held = self.leases.get(rank)
+        return held is not None and held[0] == session and held[1] == chunk and epoch == self.epoch
+
     def progress_of(self, rank: int, session: str, epoch: int, chunk: int, batch: int) -> bool:
         """A push to shard 0 carries batch `batch` of rank's lease: the batches before it are done
         and this one is in flight. False when rank no longer holds that lease (it was released

@@ -34,7 +34,7 @@ class Leases:
                                      f"not shard {self.cfg.shard}")
 
     def lease(self, rank: int, session: str | None, plan: Plan, finished: tuple[int, int] | None,
-              restart: bool, done_before_restore) -> Lease | None:
+              restart: bool, done_before_restore) -> tuple[Lease | None, bool]:
         """Shard.lease: authorized twice, since the new plan's first order is built without
         the lock, and the plan admitted again after it, as the state may have grown meanwhile."""
         self._require_shard0("lease")
@@ -53,9 +53,11 @@ class Leases:
                 self._admit(plan)                         # again: the state may have grown meanwhile
             c.configure(plan, restart, order)
             c.done_before_restore(done_before_restore)
+            session = self.members.sessions[rank]
+            gone = finished is not None and not c.holds(rank, session, *finished)
             lease = c.lease(rank, self.members.sessions[rank], finished, workers=len(self.members.live()))
             c.tell(rank)
-            return lease
+            return lease, gone
 
     def _admit(self, plan: Plan) -> None:
         """The plan's coordinator state (Plan.nbytes) in place of the plan it replaces (cond held)."""

@@ -197,11 +197,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             return reply
         plan = Plan(r.num_batches, r.chunk_batches, r.seed, r.fingerprint, r.epochs, r.in_order)
         finished = (r.finished_epoch, r.finished_chunk) if r.finished else None
-        lease = self.shard.lease(r.rank, r.session, plan, finished, r.restart,
+        lease, gone = self.shard.lease(r.rank, r.session, plan, finished, r.restart,
                                  [(d.epoch, d.chunk, d.end) for d in r.done_before_restore])
         sums = self.shard.epoch_sums()
         reply = pb.LeaseDataReply(epoch=sums.epoch, coordinator_id=sums.ident, trained_loss_sum=sums.loss_sum,
-                                  trained_correct=sums.correct, trained_samples=sums.samples)
+                                  trained_correct=sums.correct, trained_samples=sums.samples,
+                                  finished_gone=gone)
         if lease is not None:
             reply.has_lease, reply.epoch, reply.chunk = True, lease.epoch, lease.chunk
             reply.first_batch, reply.end_batch = lease.first, lease.end

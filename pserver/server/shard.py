@@ -83,10 +83,12 @@ class Shard:
 
     def lease(self, rank: int, session: str | None, plan: Plan,
               finished: tuple[int, int] | None = None, restart: bool = False,
-              done_before_restore=()) -> Lease | None:
-        """rank's lease of the training data from shard 0's coordinator (pserver.server.leases):
-        the one it holds, or, once `finished` (epoch, chunk) is done, the next; None when every
-        chunk of the epoch is leased to others. A worker whose data differs (plan) is refused.
+              done_before_restore=()) -> tuple[Lease | None, bool]:
+        """(lease, gone): rank's lease of the training data from shard 0's coordinator
+        (pserver.server.leases): the one it holds, or, once `finished` (epoch, chunk) is done, the
+        next; None when every chunk of the epoch is leased to others. `gone`: the chunk reported
+        finished was no longer rank's (its lease ended: marked dead meanwhile), so it is trained
+        again by whoever leases it. A worker whose data differs (plan) is refused.
         `done_before_restore`: (epoch, chunk, end) the worker trained under the coordinator before
         this one was restored (it saw `coordinator.ident` change): counted in batches_retrained."""
         return self.leases.lease(rank, session, plan, finished, restart, done_before_restore)

@@ -169,6 +169,12 @@ class Leases:
         client = run.client
         reply = client.lease_data(*self.plan, finished=self.finished,
                                   restart=self.epoch is None and run.cfg.no_resume)
+        if reply.finished_gone:                # marked dead after its last push: the chunk went back
+            epoch, chunk = self.finished
+            run.progress.say(f"worker {run.rank}: lease: worker {run.rank} no longer holds chunk {chunk} of "
+                             f"epoch {epoch + 1} (its lease ended: the worker was marked dead); its batches "
+                             f"are trained again by whoever leases it")
+            run.count("lease_gone")
         self.finished = None
         if reply.coordinator_id != self.coordinator:
             if self.coordinator and self.done_log:      # shard 0 restored: report, then go on as told
