@@ -480,7 +480,7 @@ def render_cnn(rows: list[dict]) -> str:
 #   conv2d   one Conv2D layer's forward + backward (output, weight, bias and input gradients) on
 #            device-resident data: pserver.kernels.cuda (channels-last) against
 #            torch.nn.functional.conv2d (cuDNN, channels-first), checked equal first.
-#   step     one training step of the reference CNN: ours is CudaSequential.loss_and_grad as the
+#   step     one training step of the reference CNN: ours is CudaModel.loss_and_grad as the
 #            worker calls it (weights and batch up, gradient down, through pinned buffers), with
 #            its compute part from CUDA events beside it; torch's is forward + backward on data
 #            already on the GPU (no copies): its numbers favour torch.

@@ -236,8 +236,22 @@ def test_integer_inputs_reach_a_dense_layer_as_floats_and_an_embedding_as_ids():
     dense = x[0].astype(np.float32) @ views["dense/kernel"] + views["dense/bias"]
     expected = np.concatenate([dense[0], emb]) @ views["dense_1/kernel"] + views["dense_1/bias"]
     assert np.allclose(out[0], expected, rtol=1e-5)
-    with pytest.raises(ConfigError, match="runs on the cpu and reference backends only"):
+    with pytest.raises(ConfigError, match=r"^--device cuda: .*functional: layer embedding \(Embedding\) "
+                                          r"has no CUDA kernels\. Use --device cpu for this model$"):
         on_device(model, "cuda")
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda x: Dot(axes=1)([Dense(2)(x), Dense(2)(x)]), r"layer dot \(Dot\) has no CUDA kernels"),
+    (lambda x: Dense(2)(x) ** 2.0, "op power has no CUDA kernel"),
+    (lambda x: Dense(2)(x) - ops.sum(Dense(2)(x), axis=0), "op sum over the batch axis has no CUDA kernel"),
+])
+def test_a_graph_that_cannot_run_on_cuda_is_refused_in_one_line_before_numba_cuda(make, why):
+    """Catches: a layer or op without CUDA kernels let through to fail mid-step on the device
+    (or to run NumPy on device arrays). The check imports no numba.cuda, so it runs here."""
+    x = Symbolic((None, 3))
+    with pytest.raises(ConfigError, match=rf"^--device cuda: .*; functional: {why}\. Use --device cpu"):
+        on_device(Functional(x, Dense(2)(make(x))), "cuda")
 
 
 @settings(max_examples=25, deadline=None)

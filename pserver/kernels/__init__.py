@@ -38,6 +38,11 @@ KERNELS = ("dense_forward", "dense_param_grads", "dense_backward", "relu_backwar
 # math, which runs where their sparse rows are, on the host; and a convolution whose training
 # step builds its im2col matrix once, in the forward pass (Conv2D uses them where they exist).
 CPU_KERNELS = ("fm_forward", "fm_backward", "conv2d_forward_cols", "conv2d_backward_cols")
+# The graph layers' kernels (merges, Concatenate, global pooling): memory-bound, so NumPy on the
+# host (cpu takes reference's) and numba.cuda on the device, with one signature (cuda's plus `stream`).
+GRAPH_KERNELS = ("elementwise", "scale_by", "extreme_forward", "select_grad", "columns_into",
+                 "columns_from", "global_avgpool_forward", "global_avgpool_backward",
+                 "global_maxpool_forward", "global_maxpool_backward")
 
 
 def conv_output(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:
@@ -71,4 +76,5 @@ def get_backend(name: str) -> ModuleType:
                           f"install the GPU extra: pip install 'pserver[cuda]'") from e
 
 
-__all__ = ["BACKENDS", "DEVICE_BACKENDS", "KERNELS", "CPU_KERNELS", "conv_output", "get_backend"]
+__all__ = ["BACKENDS", "DEVICE_BACKENDS", "KERNELS", "CPU_KERNELS", "GRAPH_KERNELS", "conv_output",
+           "get_backend"]

@@ -24,6 +24,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+# The graph layers' kernels (GRAPH_KERNELS) are memory-bound: NumPy's, the twin's own.
+from pserver.kernels.reference import (  # noqa: F401  (this backend's API)
+    columns_from,
+    columns_into,
+    elementwise,
+    extreme_forward,
+    global_avgpool_backward,
+    global_avgpool_forward,
+    global_maxpool_backward,
+    global_maxpool_forward,
+    scale_by,
+    select_grad,
+)
+
 
 @njit(cache=True, nogil=True)
 def dense_forward(x, W, b, out, relu):

@@ -1182,3 +1182,19 @@ def sigmoid_bce_into(logits, y, dlogits, row_loss, loss, *, stream=0):
 def sigmoid_bce(logits, y, dlogits, *, stream=0):
     """Mean binary cross-entropy from logits; dlogits[:] = (sigmoid(logits) - y) / n. Waits."""
     return _loss_now(sigmoid_bce_into, logits, y, dlogits, stream)
+
+
+# The graph layers' kernels (pserver.kernels.GRAPH_KERNELS) live in their own module, which
+# builds on the helpers above: imported last, so that this module is whole when it runs.
+from pserver.kernels.cuda_graph import (  # noqa: E402, F401  (after the helpers it imports; the API)
+    columns_from,
+    columns_into,
+    elementwise,
+    extreme_forward,
+    global_avgpool_backward,
+    global_avgpool_forward,
+    global_maxpool_backward,
+    global_maxpool_forward,
+    scale_by,
+    select_grad,
+)

@@ -364,6 +364,68 @@ def copy(x, out):
     np.copyto(out, x)
 
 
+# -- the graph's layers: merges and global pooling (memory-bound: NumPy on the host) -----------
+
+ELEMENTWISE = ("add", "subtract", "multiply", "divide", "maximum", "minimum")
+
+
+def elementwise(kind, a, b, out):
+    """out[:] = a (kind) b, NumPy's broadcasting (out may be a or b)."""
+    if kind not in ELEMENTWISE:
+        raise ValueError(f"elementwise: unknown kind {kind!r}; choose one of {', '.join(ELEMENTWISE)}")
+    getattr(np, kind)(a, b, out=out)
+
+
+def scale_by(x, c, out):
+    """out[:] = c * x (out may be x)."""
+    np.multiply(x, x.dtype.type(c), out=out)
+
+
+def extreme_forward(kind, xs, out, which):
+    """out[:] = the element-wise max (kind "max") or min of the arrays xs; which[:] = the index
+    of the first of them holding it (int32), where the gradient goes."""
+    stack = np.stack(xs)
+    which[...] = (np.argmax if kind == "max" else np.argmin)(stack, axis=0)
+    np.copyto(out, np.take_along_axis(stack, which[None].astype(np.intp), axis=0)[0])
+
+
+def select_grad(dy, which, i, dx):
+    """dx[:] = dy where which == i, else 0."""
+    np.multiply(dy, which == i, out=dx)
+
+
+def columns_into(src, dst, start):
+    """dst[:, start:start + w] = src, for src (rows, w) and dst (rows, W)."""
+    dst[:, start:start + src.shape[1]] = src
+
+
+def columns_from(src, start, dst):
+    """dst[:] = src[:, start:start + w], for src (rows, W) and dst (rows, w)."""
+    np.copyto(dst, src[:, start:start + dst.shape[1]])
+
+
+def global_avgpool_forward(x, out):
+    """out[:] = x's mean over its positions: x (n, positions, c), out (n, c)."""
+    np.mean(x, axis=1, out=out)
+
+
+def global_avgpool_backward(dy, dx):
+    """dx[:] = dy / positions at every position: dy (n, c), dx (n, positions, c)."""
+    dx[...] = dy[:, None, :] / dx.shape[1]
+
+
+def global_maxpool_forward(x, out, argmax):
+    """out[:] = x's max over its positions; argmax[:] = the first position holding it (int32)."""
+    argmax[...] = x.argmax(axis=1)
+    out[...] = np.take_along_axis(x, argmax[:, None].astype(np.intp), 1)[:, 0]
+
+
+def global_maxpool_backward(dy, argmax, dx):
+    """dx[:] = 0, and dy at each (sample, channel)'s argmax."""
+    dx[...] = 0
+    np.put_along_axis(dx, argmax[:, None].astype(np.intp), dy[:, None, :], 1)
+
+
 # -- embedding ---------------------------------------------------------------------------------
 
 def _check_ids(ids, vocab):

@@ -2,11 +2,14 @@
 functions (layers.add([a, b]), ...).
 
 A merge layer is called on a list (`takes_list`): its forward gets the list of inputs, its
-backward a list of dx buffers (None where nothing before needs the gradient). The math is
-NumPy's: memory-bound element-wise work that a kernel would not speed up.
+backward a list of dx buffers (None where nothing before needs the gradient). The math is the
+kernel module's GRAPH_KERNELS (pserver.kernels): NumPy on the host (memory-bound element-wise
+work that a compiled kernel would not speed up), numba.cuda on the GPU. Dot's is NumPy's only.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -46,14 +49,14 @@ class Add(_Elementwise):
     kind = "add"
 
     def forward(self, k, p, x, out, s, run):
-        np.copyto(out, x[0])
+        k.copy(x[0], out)
         for xi in x[1:]:
-            out += xi
+            k.elementwise("add", out, xi, out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         for d in dx:
             if d is not None:
-                np.copyto(d, dout)
+                k.copy(dout, d)
 
 
 class Subtract(_Elementwise):
@@ -61,13 +64,13 @@ class Subtract(_Elementwise):
     arity = 2
 
     def forward(self, k, p, x, out, s, run):
-        np.subtract(x[0], x[1], out=out)
+        k.elementwise("subtract", x[0], x[1], out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         if dx[0] is not None:
-            np.copyto(dx[0], dout)
+            k.copy(dout, dx[0])
         if dx[1] is not None:
-            np.negative(dout, out=dx[1])
+            k.scale_by(dout, -1.0, dx[1])
 
 
 class Average(_Elementwise):
@@ -75,55 +78,56 @@ class Average(_Elementwise):
 
     def forward(self, k, p, x, out, s, run):
         Add.forward(self, k, p, x, out, s, run)
-        out *= out.dtype.type(1.0 / len(x))
+        k.scale_by(out, 1.0 / len(x), out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         for d in dx:
             if d is not None:
-                np.multiply(dout, dout.dtype.type(1.0 / len(x)), out=d)
+                k.scale_by(dout, 1.0 / len(x), d)
 
 
 class Multiply(_Elementwise):
     kind = "multiply"
 
     def forward(self, k, p, x, out, s, run):
-        np.copyto(out, x[0])
+        k.copy(x[0], out)
         for xi in x[1:]:
-            out *= xi
+            k.elementwise("multiply", out, xi, out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         for i, d in enumerate(dx):
             if d is None:
                 continue
-            np.copyto(d, dout)          # the product of the others: no division by x[i] (zeros)
+            k.copy(dout, d)             # the product of the others: no division by x[i] (zeros)
             for j, xj in enumerate(x):
                 if j != i:
-                    d *= xj
+                    k.elementwise("multiply", d, xj, d)
 
 
 class _Extreme(_Elementwise):
     """Maximum / Minimum: the gradient goes to the first input holding the extreme."""
-    pick = staticmethod(np.argmax)
+    extreme = "max"
+
+    def scratch(self, n, dtype):
+        return {"which": np.empty((n, *self.output_shape), np.int32)}   # the input holding it
 
     def forward(self, k, p, x, out, s, run):
-        stack = np.stack(x)
-        s["which"] = type(self).pick(stack, axis=0)
-        np.copyto(out, np.take_along_axis(stack, s["which"][None], axis=0)[0])
+        k.extreme_forward(self.extreme, x, out, s["which"])
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         for i, d in enumerate(dx):
             if d is not None:
-                np.multiply(dout, s["which"] == i, out=d)
+                k.select_grad(dout, s["which"], i, d)
 
 
 class Maximum(_Extreme):
     kind = "maximum"
-    pick = staticmethod(np.argmax)
+    extreme = "max"
 
 
 class Minimum(_Extreme):
     kind = "minimum"
-    pick = staticmethod(np.argmin)
+    extreme = "min"
 
 
 class Concatenate(_Merge):
@@ -151,14 +155,26 @@ class Concatenate(_Merge):
     def _batched_axis(self) -> int:
         return self.axis if self.axis > 0 else self.axis + len(self.output_shape) + 1
 
+    def _as_columns(self, a):
+        """a as (everything before the axis, the axis and everything after): each input is then
+        a block of columns of the output's."""
+        rows = math.prod(a.shape[:self._batched_axis])
+        return a.reshape(rows, a.size // rows)
+
     def forward(self, k, p, x, out, s, run):
-        np.concatenate(x, axis=self._batched_axis, out=out)
+        whole, start = self._as_columns(out), 0
+        for xi in x:
+            part = self._as_columns(xi)
+            k.columns_into(part, whole, start)
+            start += part.shape[1]
 
     def backward(self, k, p, g, x, out, dout, dx, s):
-        parts = np.split(dout, np.cumsum(self.sizes)[:-1], axis=self._batched_axis)
-        for d, part in zip(dx, parts):
+        whole, start = self._as_columns(dout), 0
+        for xi, d in zip(x, dx):
+            width = xi.size // whole.shape[0]
             if d is not None:
-                np.copyto(d, part)
+                k.columns_from(whole, start, self._as_columns(d))
+            start += width
 
 
 class Dot(_Merge):

@@ -77,32 +77,37 @@ class _GlobalPooling(Layer):
     def _axes(self) -> tuple[int, ...]:
         return tuple(range(1, self.rank))
 
+    # The channels from the layer's own shape: a device array's shape takes no negative index.
     def _columns(self, x):
         """x as (n, positions, c)."""
-        return x.reshape(x.shape[0], -1, x.shape[-1])
+        c = self.output_shape[-1]
+        return x.reshape(x.shape[0], x.size // (x.shape[0] * c), c)
+
+    def _flat(self, out):
+        """out as (n, c), with keepdims too."""
+        return out.reshape(out.shape[0], self.output_shape[-1])
 
 
 class _GlobalAverage(_GlobalPooling):
     def forward(self, k, p, x, out, s, run):
-        np.mean(self._columns(x), axis=1, out=out.reshape(out.shape[0], -1))
+        k.global_avgpool_forward(self._columns(x), self._flat(out))
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         if dx is not None:
-            cols = self._columns(dx)
-            cols[...] = dout.reshape(dout.shape[0], 1, -1) / cols.shape[1]
+            k.global_avgpool_backward(self._flat(dout), self._columns(dx))
 
 
 class _GlobalMax(_GlobalPooling):
+    def scratch(self, n, dtype):
+        # The first position holding each (sample, channel)'s maximum, where its gradient goes.
+        return {"argmax": np.empty((n, self.output_shape[-1]), np.int32)}
+
     def forward(self, k, p, x, out, s, run):
-        cols = self._columns(x)
-        s["argmax"] = cols.argmax(axis=1)          # the first position holding the maximum
-        out.reshape(out.shape[0], -1)[...] = np.take_along_axis(cols, s["argmax"][:, None], 1)[:, 0]
+        k.global_maxpool_forward(self._columns(x), self._flat(out), s["argmax"])
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         if dx is not None:
-            cols = self._columns(dx)
-            cols[...] = 0
-            np.put_along_axis(cols, s["argmax"][:, None], dout.reshape(dout.shape[0], 1, -1), 1)
+            k.global_maxpool_backward(self._flat(dout), s["argmax"], self._columns(dx))
 
 
 class GlobalAveragePooling1D(_GlobalAverage):

@@ -11,7 +11,7 @@
 
 `make_model` is how the CLI and the tests build one; `on_device` puts a model on a kernel
 backend: "cpu" numba kernels, "reference" NumPy twins, or "cuda" (`pserver.models.cuda`,
-imported only then, as it imports numba.cuda).
+imported only then, as it imports numba.cuda; what runs there: `pserver.models.cuda_support`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.kernels import get_backend
-from pserver.models import losses
+from pserver.models import cuda_support, losses
 from pserver.models.base import Model, fits, protocol_gaps, shaped_for
 from pserver.models.cnn import cnn
 from pserver.models.ctr import CTR_MODELS, CTRModel, ctr_model
@@ -100,13 +100,11 @@ def on_device(model, backend: str):
         get_backend(backend)   # an unknown backend is still an error
         return model
     if backend == "cuda":
-        if not isinstance(model, Sequential):
-            raise ConfigError(f"{model.name}: a Functional model (a graph) runs on the cpu and reference "
-                              "backends only, for now (issue 48)")
         model.build()
+        cuda_support.check(model)   # before numba.cuda is imported: a model that cannot run says so
         get_backend("cuda")  # numba.cuda missing: a ConfigError naming --device, not a traceback
-        from pserver.models.cuda import CudaSequential
-        return CudaSequential(model)
+        from pserver.models.cuda import CudaModel
+        return CudaModel(model)
     return model.use_backend(backend)
 
 

@@ -1,14 +1,13 @@
-"""Sequential models on a CUDA GPU: weights, activations and gradients stay on the device.
+"""Models on a CUDA GPU: weights, activations and gradients stay on the device.
 
-`CudaSequential` has the interface of every `Model` (layout, init_params, loss_and_grad,
+`CudaModel` has the interface of every `Model` (layout, init_params, loss_and_grad,
 evaluate), so the worker loop runs it unchanged; `on_device(model, "cuda")` builds one from a
-Sequential. It runs the Sequential's own graph (pserver.models.graph's plan, forward and
-backward, with its layer objects unchanged) with `pserver.kernels.cuda` on device arrays in
-place of the CPU kernels and its buffers in device memory: Dense,
-Conv2D, MaxPooling2D, AveragePooling2D, Flatten and Dropout, with any of their activations,
-and the sparse categorical cross-entropy or MSE loss (mlp, logreg, linreg, cnn and a user's
-model of those layers). Other layers (Embedding, the CTR models) are a ConfigError naming the
-layer. Per training step, all on this thread's CUDA stream, in order:
+Functional or a Sequential. It runs the model's own graph (pserver.models.graph's plan, forward
+and backward, with its layer objects unchanged) with `pserver.kernels.cuda` on device arrays in
+place of the CPU kernels, the ops' device forms (pserver.models.cuda_ops) in place of NumPy's,
+and its buffers in device memory. What runs (the layers, the ops, the losses) and the one-line
+refusal of anything else (Embedding, the CTR models): pserver.models.cuda_support. Per
+training step, all on this thread's CUDA stream, in order:
 
     host -> device   the pulled flat weight vector w (P floats), the batch x (n x input shape)
                      and its labels or targets y (n): each staged through a pinned host buffer,
@@ -33,25 +32,21 @@ import threading
 import numpy as np
 from numba import cuda
 
-from pserver.errors import ConfigError
 from pserver.kernels import get_backend
 from pserver.kernels.device import current_index
-from pserver.layers import AveragePooling2D, Conv2D, Dense, Dropout, Flatten, MaxPooling2D
 from pserver.layers.base import Pass
-from pserver.models import losses, metrics
+from pserver.models import cuda_support, graph, metrics
 from pserver.models.base import _MAX_CACHED_BATCH_SIZES, Model
-from pserver.models.functional import ModelBuffers
-from pserver.models.sequential import Sequential
-
-# The layers whose every pass has a CUDA kernel.
-DEVICE_LAYERS = (Dense, Conv2D, MaxPooling2D, AveragePooling2D, Flatten, Dropout)
+from pserver.models.cuda_ops import DeviceOps
+from pserver.models.functional import Functional, ModelBuffers
 
 
-class CudaSequential(Model):
-    """A Sequential whose math runs in `pserver.kernels.cuda`, on device arrays."""
+class CudaModel(Model):
+    """A Functional (or Sequential) model whose math runs in `pserver.kernels.cuda`, on device
+    arrays."""
 
-    def __init__(self, host: Sequential):
-        _check_device_layers(host)
+    def __init__(self, host: Functional):
+        cuda_support.check(host)
         # The host model checks batches and initialises; its layout is ours, tensor for tensor.
         self.host, self.name, self.layout = host, host.name, host.layout
         self.task, self.num_classes, self.in_features = host.task, host.num_classes, host.in_features
@@ -86,9 +81,9 @@ class CudaSequential(Model):
             st.upload_weights(w)
             b.upload(x, y, s)
             _record(events, 1, s)
-            acts = self._forward_on_device(st.layer_params, b, s, run)
+            acts = self._forward_on_device(st, b, run)
             self._loss_on_device(acts[-1], b, b.graph.dloss, s)
-            self._backward_on_device(st.layer_params, st.layer_grads, acts, b, s)
+            self._backward_on_device(st, acts, b)
             _record(events, 2, s)
             st.g.copy_to_host(st.g_host, stream=s)
             b.loss.copy_to_host(st.loss_host, stream=s)
@@ -110,9 +105,11 @@ class CudaSequential(Model):
         """The mse kernel computes half the squared error; Keras's MSE is twice that."""
         return 2.0 if self.task == "regression" else 1.0
 
-    def _forward_on_device(self, params, b, stream, run) -> list:
-        """Every slot's value, the output's last: Sequential's own pass, with the CUDA kernels."""
-        return self.host._forward(params, b.x, b.graph, run, _OnStream(self.kernels, stream))
+    def _forward_on_device(self, st, b, run) -> list:
+        """Every slot's value, the output's last: the model's own pass, with the CUDA kernels."""
+        plan = self.host._plan(run.training)
+        k = _OnStream(self.kernels, st.stream)
+        return graph.forward(plan, k, st.layer_params, [b.x], b.graph.of(plan), run, st.ops)
 
     def _loss_on_device(self, out, b, dout, stream):
         """dout = d loss / d output; b.loss[0] = the mean loss, left on the device."""
@@ -120,10 +117,12 @@ class CudaSequential(Model):
                 else self.kernels.mse_into)
         into(out, b.y, dout, b.row_loss, b.loss, stream=stream)
 
-    def _backward_on_device(self, params, grads, acts, b, stream):
-        """Sequential's own backward pass, with the CUDA kernels: gradients into the flat
+    def _backward_on_device(self, st, acts, b):
+        """The model's own backward pass, with the CUDA kernels: gradients into the flat
         vector's views."""
-        self.host._backward(params, grads, acts, b.graph, _OnStream(self.kernels, stream))
+        plan = self.host._plan(True)
+        graph.backward(plan, _OnStream(self.kernels, st.stream), st.layer_params, st.layer_grads, acts,
+                       b.graph.dloss, b.graph.of(plan), st.ops)
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -137,7 +136,7 @@ class CudaSequential(Model):
                 xb, yb = x[a:a + batch_size], y[a:a + batch_size]
                 b, s = st.batch(self, xb.shape[0]), st.stream
                 b.upload(xb, yb, s)
-                out = self._forward_on_device(st.layer_params, b, s, Pass(training=False))[-1]
+                out = self._forward_on_device(st, b, Pass(training=False))[-1]
                 self._loss_on_device(out, b, b.eval_dout, s)   # its gradient is scratch here
                 out.copy_to_host(b.out_host, stream=s)
                 b.loss.copy_to_host(st.loss_host, stream=s)
@@ -182,20 +181,6 @@ class _OnStream:
         return functools.partial(getattr(self._kernels, name), stream=self._stream)
 
 
-def _check_device_layers(host: Sequential) -> None:
-    """Every layer has CUDA kernels, and so has the loss."""
-    why = next((f"{layer.label} has no CUDA kernels" for layer in host.layers
-                if not isinstance(layer, DEVICE_LAYERS)), None)
-    if why is None and not isinstance(host.loss, (losses.SparseCategoricalCrossentropy,
-                                                  losses.MeanSquaredError)):
-        why = f"its loss is {host.loss.name}"
-    if why:
-        names = ", ".join(t.__name__ for t in DEVICE_LAYERS)
-        raise ConfigError(f"--device cuda: runs Sequential models of {names} layers with a "
-                          f"sparse categorical cross-entropy or MSE loss on the GPU; {host.name}: {why}. "
-                          f"Use --device cpu for this model")
-
-
 class _DeviceMemory:
     """Where the graph's buffers go (pserver.models.graph.PlanBuffers): device memory, made on
     the step's stream."""
@@ -213,9 +198,10 @@ class _DeviceMemory:
 class _DeviceState:
     """One thread's stream, flat weight and gradient vectors (device + pinned host twins)."""
 
-    def __init__(self, model: CudaSequential):
+    def __init__(self, model: CudaModel):
         p = model.layout.total
         self.stream = cuda.stream()
+        self.ops = DeviceOps(self.stream)       # the graph's ops, on this stream
         self.w_host = cuda.pinned_array(p, np.float32)
         self.g_host = cuda.pinned_array(p, np.float32)
         self.loss_host = cuda.pinned_array(1, np.float64)
@@ -232,7 +218,7 @@ class _DeviceState:
         np.copyto(self.w_host, w)
         self.w.copy_to_device(self.w_host, stream=self.stream)
 
-    def batch(self, model: CudaSequential, n: int) -> "_Batch":
+    def batch(self, model: CudaModel, n: int) -> "_Batch":
         if n not in self._batches:
             if len(self._batches) >= _MAX_CACHED_BATCH_SIZES:
                 self._batches.clear()
@@ -245,7 +231,7 @@ class _Batch:
     d loss / d output and scratch, made as the host model's are, in device memory), the loss;
     pinned staging for the input, labels and the last output."""
 
-    def __init__(self, model: CudaSequential, n: int, stream):
+    def __init__(self, model: CudaModel, n: int, stream):
         ydtype = np.int32 if model.task == "classification" else np.float32
         shape = (n, *model.host.input_shape)
         last = (n, *model.host.output_shape)
@@ -269,4 +255,4 @@ class _Batch:
         self.y.copy_to_device(self.y_host, stream=stream)
 
 
-__all__ = ["CudaSequential", "DEVICE_LAYERS"]
+__all__ = ["CudaModel"]

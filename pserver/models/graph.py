@@ -199,8 +199,10 @@ class PlanBuffers:
         return self.tmp[layer]
 
 
-def forward(plan: Plan, k, params: list[dict], xs: list[np.ndarray], bufs: PlanBuffers, run: Pass) -> list:
-    """Every slot's value; the output's is the last."""
+def forward(plan: Plan, k, params: list[dict], xs: list[np.ndarray], bufs: PlanBuffers, run: Pass,
+            ops: dict = core.OPS) -> list:
+    """Every slot's value; the output's is the last. `ops`: the ops by name (a device's own:
+    pserver.models.cuda_ops), the layers' math is `k`'s."""
     vals: list = [None] * len(plan.slots)
     vals[:len(xs)] = xs
     for s, (li, name) in plan.weight_slots.items():
@@ -209,7 +211,7 @@ def forward(plan: Plan, k, params: list[dict], xs: list[np.ndarray], bufs: PlanB
         vals[s] = c
     for i, step in enumerate(plan.steps):
         if step.op is not None:
-            got = step.op.forward(*(vals[s] for s in step.ins), **step.node.attrs)
+            got = ops[step.op.name].forward(*(vals[s] for s in step.ins), **step.node.attrs)
             for s, v in zip(step.outs, got if step.op.multi else [got]):
                 vals[s] = v
             continue
@@ -228,7 +230,7 @@ def forward(plan: Plan, k, params: list[dict], xs: list[np.ndarray], bufs: PlanB
 
 
 def backward(plan: Plan, k, params: list[dict], grads: list[dict], vals: list, dloss: np.ndarray,
-             bufs: PlanBuffers) -> None:
+             bufs: PlanBuffers, ops: dict = core.OPS) -> None:
     """Weight gradients into `grads` (views of grad_out), from d loss / d output `dloss`."""
     acc: list = [None] * len(plan.slots)
     acc[plan.output] = dloss
@@ -238,9 +240,9 @@ def backward(plan: Plan, k, params: list[dict], grads: list[dict], vals: list, d
         if all(acc[s] is None for s in step.outs) or not plan.needs_grad[step.out]:
             continue
         if step.op is None:
-            _layer_backward(plan, k, i, params, grads, vals, acc[step.out], acc, bufs, written)
+            _layer_backward(plan, k, i, params, grads, vals, acc[step.out], acc, bufs, written, ops)
         else:
-            _op_backward(plan, step, vals, acc)
+            _op_backward(plan, step, vals, acc, ops)
     for s, (li, name) in plan.weight_slots.items():
         grads[li][name][...] = 0 if acc[s] is None else acc[s]
     for li, layer in enumerate(plan.layers):      # a layer whose output took no gradient
@@ -249,26 +251,26 @@ def backward(plan: Plan, k, params: list[dict], grads: list[dict], vals: list, d
                 view[...] = 0
 
 
-def _op_backward(plan: Plan, step: Step, vals: list, acc: list) -> None:
+def _op_backward(plan: Plan, step: Step, vals: list, acc: list, ops: dict) -> None:
     if step.op.multi:
         g, out = [acc[s] for s in step.outs], [vals[s] for s in step.outs]
     else:
         g, out = acc[step.out], vals[step.out]
-    gs = core.backward(step.op, g, out, [vals[s] for s in step.ins], step.node.attrs)
+    gs = core.backward(ops[step.op.name], g, out, [vals[s] for s in step.ins], step.node.attrs)
     for s, gi in zip(step.ins, gs):
         if gi is not None and plan.needs_grad[s]:
-            _add(acc, s, gi)
+            _add(acc, s, gi, ops)
 
 
-def _layer_backward(plan, k, i, params, grads, vals, g, acc, bufs, written) -> None:
+def _layer_backward(plan, k, i, params, grads, vals, g, acc, bufs, written, ops) -> None:
     step = plan.steps[i]
     layer, li = plan.layers[step.layer], step.layer
     if layer.reshapes_only:
-        _reshape_backward(plan, step, vals, g, acc, bufs)
+        _reshape_backward(plan, step, vals, g, acc, bufs, ops)
         return
     dout = bufs.dout(i)
     if g is not dout:
-        np.copyto(dout, g)
+        k.copy(g, dout)
     dxs = [bufs.dx(i, j) if plan.needs_grad[s] else None for j, s in enumerate(step.ins)]
     x = [vals[s] for s in step.ins] if layer.takes_list else vals[step.ins[0]]
     again = li in written          # kernels overwrite: a shared layer's second use sums after
@@ -281,20 +283,20 @@ def _layer_backward(plan, k, i, params, grads, vals, g, acc, bufs, written) -> N
     written.add(li)
     for s, d in zip(step.ins, dxs):
         if d is not None:
-            _add(acc, s, d)
+            _add(acc, s, d, ops)
 
 
-def _reshape_backward(plan: Plan, step: Step, vals: list, g, acc: list, bufs: PlanBuffers) -> None:
+def _reshape_backward(plan: Plan, step: Step, vals: list, g, acc: list, bufs: PlanBuffers, ops: dict) -> None:
     s = step.ins[0]
     if plan.needs_grad[s]:
         # g written into a view of the dout below (PlanBuffers.direct): that dout itself, no copy.
         below = bufs.direct(s) if g is bufs.direct(step.out) else None
-        _add(acc, s, g.reshape(vals[s].shape) if below is None else below)
+        _add(acc, s, g.reshape(vals[s].shape) if below is None else below, ops)
 
 
-def _add(acc: list, s: int, g: np.ndarray) -> None:
+def _add(acc: list, s: int, g: np.ndarray, ops: dict) -> None:
     # Out of place: an op's VJP may hand the same array to several inputs.
-    acc[s] = g if acc[s] is None else acc[s] + g
+    acc[s] = g if acc[s] is None else ops["add"].forward(acc[s], g)
 
 
 def _fit_inputs(step: Step, layer: Layer, vals: list, dtype) -> None:

@@ -165,8 +165,14 @@ def backward(o: Op, g, out, xs: list, attrs: dict) -> list:
     mask, an integer constant), or marked so by `o.differentiable`."""
     grads = o.vjp(g, out, *xs, **attrs)
     keep = o.differentiable or (True,) * len(xs)
-    return [gx if k and np.issubdtype(np.asarray(x).dtype, np.floating) else None
+    return [gx if k and np.issubdtype(_dtype(x), np.floating) else None
             for gx, x, k in zip(grads, xs, keep)]
+
+
+def _dtype(x) -> np.dtype:
+    """x's dtype without np.asarray where it has one: a device array (pserver.models.cuda_ops)
+    stays where it is."""
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def ids(indices: np.ndarray) -> np.ndarray:

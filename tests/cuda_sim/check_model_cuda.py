@@ -15,7 +15,7 @@ from pserver.errors import ConfigError
 from pserver.kernels.device import Device, describe, parse_device, round_robin, select, visible_gpus
 from pserver.models import MODELS, make_model
 from pserver.models.ctr import CTR_MODELS  # CPU only: their rows come from the shards
-from pserver.models.cuda import CudaSequential
+from pserver.models.cuda import CudaModel
 from tests.cuda_sim import simfix
 
 # Distinct small widths, so a transposed gradient has the wrong shape or values.
@@ -115,7 +115,7 @@ def test_evaluate_regression_equals_cpu():
 @pytest.mark.parametrize("name", [m for m in MODELS if m not in ("cnn", *CTR_MODELS)])
 def test_same_model_as_cpu(name):
     cpu_m, gpu_m = pair(name)
-    assert isinstance(gpu_m, CudaSequential) and gpu_m.kernels.__name__ == "pserver.kernels.cuda"
+    assert isinstance(gpu_m, CudaModel) and gpu_m.kernels.__name__ == "pserver.kernels.cuda"
     assert gpu_m.layout == cpu_m.layout and gpu_m.name == cpu_m.name
     assert (gpu_m.task, gpu_m.num_classes, gpu_m.in_features) == (cpu_m.task, cpu_m.num_classes,
                                                                   cpu_m.in_features)
@@ -181,7 +181,7 @@ def test_layers_beyond_dense_equal_cpu(layers_fn):
     import copy
     layers = layers_fn()
     cpu_m, gpu_m = cnn_pair(lambda: copy.deepcopy(layers), (8, 8, 1))
-    assert isinstance(gpu_m, CudaSequential) and gpu_m.layout == cpu_m.layout
+    assert isinstance(gpu_m, CudaModel) and gpu_m.layout == cpu_m.layout
     rng = np.random.default_rng(3)
     w = random_params(cpu_m, rng)
     x = rng.standard_normal((5, 8, 8, 1)).astype(np.float32)

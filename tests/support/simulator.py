@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tests.support import ROOT
 
-MODULES = ("check_kernels_cuda", "check_gemm_cuda", "check_model_cuda")
+MODULES = ("check_kernels_cuda", "check_gemm_cuda", "check_model_cuda", "check_graph_cuda")
 NICE = 10      # the suite's timing-sensitive tests come first
 
 

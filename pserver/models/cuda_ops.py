@@ -1,0 +1,198 @@
+"""The graph's ops on the GPU: for each op name a `pserver.ops.core.Op` whose forward and VJP
+run `pserver.kernels.cuda` on device arrays, on one stream, as the NumPy op of that name
+computes (pserver.ops is the twin). pserver.models.graph runs them in place of pserver.ops's
+when the CUDA model passes them (`ops=`).
+
+`DeviceOps(stream)` is one thread's table. An op's output is a new device array (a
+layer's are preallocated, PlanBuffers; an op's is not yet). A constant an op was given (x * 2.0)
+goes to the device once. Which ops have a device form: pserver.models.cuda_support.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from pserver.kernels import cuda as K
+from pserver.kernels import cuda_graph as G
+from pserver.models.cuda_support import ACTIVATIONS, BINARY, RESHAPES
+from pserver.models.cuda_support import axes as _axes
+from pserver.ops import core
+
+
+def _shape_of(name: str, x, **attrs) -> tuple:
+    """The shape NumPy's op gives for an input of x's shape (a few bytes of host memory)."""
+    return core.OPS[name].forward(np.empty(x.shape, np.uint8), **attrs).shape
+
+
+class DeviceOps(dict):
+    """Op name -> Op on device arrays, launching on `stream`."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream = stream
+        self._consts: dict[int, tuple] = {}
+        for name in BINARY:
+            self[name] = core.Op(name, self._binary(name), self._binary_vjp(name))
+        for name in ACTIVATIONS:
+            self[name] = core.Op(name, self._activation(name), self._activation_vjp(name))
+        for name in RESHAPES:
+            self[name] = core.Op(name, self._reshape(name), lambda g, out, x, **a: (g.reshape(x.shape),))
+        self["negative"] = core.Op("negative", self._negative, lambda g, out, x: (self._negative(g),))
+        self["concatenate"] = core.Op("concatenate", self._concatenate, self._concatenate_vjp)
+        self["split"] = core.Op("split", self._split, self._split_vjp, multi=True)
+        self["sum"] = core.Op("sum", self._reduce(False), self._reduce_vjp(False))
+        self["mean"] = core.Op("mean", self._reduce(True), self._reduce_vjp(True))
+        self["matmul"] = core.Op("matmul", self._matmul, self._matmul_vjp)
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def empty(self, shape):
+        return cuda.device_array(tuple(shape), np.float32, stream=self.stream)
+
+    def dev(self, a):
+        """a on the device: a constant (a NumPy array) is copied there once."""
+        if not isinstance(a, np.ndarray):
+            return a
+        if id(a) not in self._consts:      # the constant itself is kept, so its id stays its own
+            host = np.ascontiguousarray(a, np.float32).reshape(a.shape or (1,))
+            self._consts[id(a)] = (a, cuda.to_device(host, stream=self.stream))
+        return self._consts[id(a)][1]
+
+    # -- the ops -----------------------------------------------------------------------------
+
+    def _binary(self, kind):
+        def forward(a, b):
+            a, b = self.dev(a), self.dev(b)
+            out = self.empty(np.broadcast_shapes(a.shape, b.shape))
+            K.elementwise(kind, a, b, out, stream=self.stream)
+            return out
+        return forward
+
+    def _binary_vjp(self, kind):
+        def vjp(g, out, a, b):
+            da, db = self.dev(a), self.dev(b)
+            return tuple(None if isinstance(x, np.ndarray) else self._grad(kind, i, g, da, db, out)
+                         for i, x in enumerate((a, b)))     # a constant takes no gradient
+        return vjp
+
+    def _grad(self, kind, which, g, a, b, out):
+        dx = self.empty((a, b)[which].shape)
+        G.elementwise_grad(kind, which, g, a, b, out, dx, stream=self.stream)
+        return dx
+
+    def _negative(self, x):
+        out = self.empty(x.shape)
+        K.scale_by(self.dev(x), -1.0, out, stream=self.stream)
+        return out
+
+    def _activation(self, kind):
+        def forward(x):
+            out = self.empty(x.shape)
+            K.activation_forward(kind, self.dev(x), out, stream=self.stream)
+            return out
+        return forward
+
+    def _activation_vjp(self, kind):
+        def vjp(g, out, x):          # in terms of the output: relu's out > 0 is its x > 0
+            dx = self.empty(x.shape)
+            K.activation_backward(kind, out, g, dx, stream=self.stream)
+            return (dx,)
+        return vjp
+
+    def _reshape(self, name):
+        def forward(x, **attrs):
+            x = self.dev(x)
+            return x.reshape(_shape_of(name, x, **attrs))
+        return forward
+
+    @staticmethod
+    def _columns(a, axis: int):
+        """a as (everything before axis, the rest): a block of columns of a concatenation."""
+        rows = int(np.prod(a.shape[:axis]))
+        return a.reshape(rows, a.size // rows)
+
+    def _concatenate(self, *xs, axis=0):
+        xs = [self.dev(x) for x in xs]
+        ax = axis % len(xs[0].shape)
+        out = self.empty(np.concatenate([np.empty(x.shape, np.uint8) for x in xs], axis=ax).shape)
+        self._join(xs, out, ax)
+        return out
+
+    def _join(self, parts, out, ax: int) -> None:
+        whole, start = self._columns(out, ax), 0
+        for part in parts:
+            cols = self._columns(part, ax)
+            K.columns_into(cols, whole, start, stream=self.stream)
+            start += cols.shape[1]
+
+    def _pieces(self, whole, shapes, ax: int) -> list:
+        wide, start, pieces = self._columns(whole, ax), 0, []
+        for shape in shapes:
+            piece = self.empty(shape)
+            cols = self._columns(piece, ax)
+            K.columns_from(wide, start, cols, stream=self.stream)
+            pieces.append(piece)
+            start += cols.shape[1]
+        return pieces
+
+    def _concatenate_vjp(self, g, out, *xs, axis=0):
+        return tuple(self._pieces(g, [x.shape for x in xs], axis % len(g.shape)))
+
+    def _split(self, x, indices_or_sections, axis=0):
+        x = self.dev(x)
+        shapes = [p.shape for p in np.split(np.empty(x.shape, np.uint8), indices_or_sections, axis=axis)]
+        return self._pieces(x, shapes, axis % len(x.shape))
+
+    def _split_vjp(self, gs, outs, x, indices_or_sections, axis=0):
+        parts = []
+        for g, o in zip(gs, outs):      # a piece nothing used contributes zeros
+            if g is None:
+                g = self.empty(o.shape)
+                G.fill(g, 0.0, stream=self.stream)
+            parts.append(g)
+        dx = self.empty(x.shape)
+        self._join(parts, dx, axis % len(x.shape))
+        return (dx,)
+
+    def _reduce(self, mean: bool):
+        def forward(x, axis=None, keepdims=False):
+            x = self.dev(x)
+            axes = _axes(axis, len(x.shape))
+            kept = tuple(1 if d in axes else s for d, s in enumerate(x.shape))
+            out = self.empty(kept)
+            count = int(np.prod([x.shape[d] for d in axes]))
+            G.sum_to(x, out, 1.0 / count if mean else 1.0, stream=self.stream)
+            return out if keepdims else out.reshape(_shape_of("sum", x, axis=axis))
+        return forward
+
+    def _reduce_vjp(self, mean: bool):
+        def vjp(g, out, x, axis=None, keepdims=False):
+            axes = _axes(axis, len(x.shape))
+            kept = tuple(1 if d in axes else s for d, s in enumerate(x.shape))
+            count = int(np.prod([x.shape[d] for d in axes]))
+            dx = self.empty(x.shape)
+            G.broadcast_to(g.reshape(kept), dx, 1.0 / count if mean else 1.0, stream=self.stream)
+            return (dx,)
+        return vjp
+
+    @staticmethod
+    def _rows(a):
+        last = a.shape[len(a.shape) - 1]       # the simulator's shapes take no negative index
+        return a.reshape(a.size // last, last)
+
+    def _matmul(self, a, b):
+        a, b = self.dev(a), self.dev(b)
+        out = self.empty((*a.shape[:-1], b.shape[1]))
+        K.matmul(self._rows(a), b, self._rows(out), stream=self.stream)
+        return out
+
+    def _matmul_vjp(self, g, out, a, b):
+        da, db = self.empty(a.shape), self.empty(b.shape)
+        a, b, g2 = self._rows(self.dev(a)), self.dev(b), self._rows(g)
+        K.matmul(g2, b, self._rows(da), False, True, stream=self.stream)
+        K.matmul(a, g2, db, True, False, stream=self.stream)
+        return da, db
+
+
+__all__ = ["DeviceOps"]
