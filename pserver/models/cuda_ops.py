@@ -188,10 +188,13 @@ class DeviceOps(dict):
         return out
 
     def _matmul_vjp(self, g, out, a, b):
-        da, db = self.empty(a.shape), self.empty(b.shape)
-        a, b, g2 = self._rows(self.dev(a)), self.dev(b), self._rows(g)
-        K.matmul(g2, b, self._rows(da), False, True, stream=self.stream)
-        K.matmul(a, g2, db, True, False, stream=self.stream)
+        g2, da, db = self._rows(g), None, None     # a constant takes no gradient
+        if not isinstance(a, np.ndarray):
+            da = self.empty(a.shape)
+            K.matmul(g2, self.dev(b), self._rows(da), False, True, stream=self.stream)
+        if not isinstance(b, np.ndarray):
+            db = self.empty(b.shape)
+            K.matmul(self._rows(self.dev(a)), g2, db, True, False, stream=self.stream)
         return da, db
 
 
