@@ -20,6 +20,7 @@ from pserver.layers import (
     Conv2D,
     Dense,
     Dot,
+    Dropout,
     Embedding,
     Flatten,
     GlobalAveragePooling1D,
@@ -27,6 +28,7 @@ from pserver.layers import (
     GlobalMaxPooling1D,
     GlobalMaxPooling2D,
     Maximum,
+    MaxPooling2D,
     Permute,
     RepeatVector,
     Reshape,
@@ -239,6 +241,23 @@ def test_integer_inputs_reach_a_dense_layer_as_floats_and_an_embedding_as_ids():
     with pytest.raises(ConfigError, match=r"^--device cuda: .*functional: layer embedding \(Embedding\) "
                                           r"has no CUDA kernels\. Use --device cpu for this model$"):
         on_device(model, "cuda")
+
+
+def test_keras_ios_toy_resnet_passes_the_cuda_check():
+    """Catches: a layer of keras.io's toy ResNet (bench/keras_io/toy_resnet.py, as built there on
+    MNIST) missing from what runs on the GPU. The simulator runs a smaller one
+    (tests/cuda_sim/check_graph_cuda.py)."""
+    from pserver.models import cuda_support
+    inputs = Symbolic((None, 28, 28, 1))
+    x = Conv2D(64, 3, activation="relu")(Conv2D(32, 3, activation="relu")(inputs))
+    block_1 = MaxPooling2D(3)(x)
+    x = Conv2D(64, 3, activation="relu", padding="same")(block_1)
+    block_2 = add([Conv2D(64, 3, activation="relu", padding="same")(x), block_1])
+    x = Conv2D(64, 3, activation="relu", padding="same")(block_2)
+    block_3 = add([Conv2D(64, 3, activation="relu", padding="same")(x), block_2])
+    x = GlobalAveragePooling2D()(Conv2D(64, 3, activation="relu")(block_3))
+    x = Dropout(0.5)(Dense(256, activation="relu")(x))
+    cuda_support.check(Functional(inputs, Dense(10)(x)).build())
 
 
 @pytest.mark.parametrize("make,why", [

@@ -33,6 +33,7 @@ import numpy as np
 from numba import cuda
 
 from pserver.kernels import get_backend
+from pserver.kernels.cuda import columns_from
 from pserver.kernels.device import current_index
 from pserver.layers.base import Pass
 from pserver.models import cuda_support, graph, metrics
@@ -109,7 +110,7 @@ class CudaModel(Model):
         """Every slot's value, the output's last: the model's own pass, with the CUDA kernels."""
         plan = self.host._plan(run.training)
         k = _OnStream(self.kernels, st.stream)
-        return graph.forward(plan, k, st.layer_params, [b.x], b.graph.of(plan), run, st.ops)
+        return graph.forward(plan, k, st.layer_params, b.inputs, b.graph.of(plan), run, st.ops)
 
     def _loss_on_device(self, out, b, dout, stream):
         """dout = d loss / d output; b.loss[0] = the mean loss, left on the device."""
@@ -239,6 +240,10 @@ class _Batch:
         self.y_host = cuda.pinned_array(n, ydtype)
         self.out_host = cuda.pinned_array(last, np.float32)
         self.x = cuda.device_array(shape, np.float32, stream=stream)
+        # Several inputs travel packed side by side (Functional.pack); each gets its own buffer,
+        # filled from its columns of x on the device at upload.
+        self.inputs = [self.x] if len(model.host._inputs) == 1 else [
+            cuda.device_array((n, *t.shape[1:]), np.float32, stream=stream) for t in model.host._inputs]
         self.y = cuda.device_array(n, ydtype, stream=stream)
         # Scratch as the layer asks for it (zeros stay zeros: a bias-less layer's bias); the
         # d loss / d output buffers are made at the first training step of this size
@@ -252,6 +257,11 @@ class _Batch:
         np.copyto(self.x_host, x)
         np.copyto(self.y_host, y)
         self.x.copy_to_device(self.x_host, stream=stream)
+        start = 0
+        for part in self.inputs if len(self.inputs) > 1 else ():
+            cols = part.reshape(part.shape[0], part.size // part.shape[0])
+            columns_from(self.x, start, cols, stream=stream)
+            start += cols.shape[1]
         self.y.copy_to_device(self.y_host, stream=stream)
 
 

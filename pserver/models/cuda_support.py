@@ -4,8 +4,8 @@ them. This module imports no numba.cuda, so the check runs where there is no GPU
 
 A model (Sequential or Functional) runs on the GPU when every step of its graph, in training
 and in inference, is one of DEVICE_LAYERS or an op of DEVICE_OPS that `refusal` accepts (a
-user's layer and Lambda are traced into ops, so they run when their ops do), it has one input,
-and its loss is a sparse categorical cross-entropy or MSE.
+user's layer and Lambda are traced into ops, so they run when their ops do), and its loss is a
+sparse categorical cross-entropy or MSE.
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ def check(model) -> None:
     run on the GPU, and saying that --device cpu runs it."""
     why = next((w for training in (True, False) for step in model._plan(training).steps
                 if (w := _step_refusal(model._plan(training), step))), None)
-    if why is None and len(model._inputs) > 1:
-        why = f"it has {len(model._inputs)} inputs (one runs on the GPU)"
     if why is None and not isinstance(model.loss, LOSSES):
         why = f"its loss is {model.loss.name}"
     if why:

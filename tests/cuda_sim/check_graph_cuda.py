@@ -177,29 +177,30 @@ def toy_resnet():
 
 
 def two_branches():
-    """Two branches of one input (a Dense layer, a Lambda's product with a constant)
-    concatenated, with every other merge, max pooling over a sequence and a Lambda of ops
+    """Two branches (a Dense layer, a Lambda's product with a constant) concatenated, with
+    every other merge, and a second input: max pooling over a sequence and a Lambda of ops
     (broadcast arithmetic, a reduction)."""
     from pserver.keras import Input, layers, ops
-    inputs = Input(shape=(4, 3))
-    flat = layers.Reshape((12,))(inputs)
+    grid, seq = Input(shape=(3, 4)), Input(shape=(4, 3))
+    flat = layers.Reshape((12,))(grid)
     lift = np.linspace(-1, 1, 60, dtype=np.float32).reshape(12, 5)
     a = layers.Dense(5, activation="tanh")(flat)
     b = layers.Lambda(lambda t: ops.sigmoid(ops.matmul(t, lift)))(flat)
     merged = layers.Concatenate()([a, b, layers.Subtract()([a, b])])
     extremes = layers.concatenate([layers.Maximum()([a, b]), layers.Minimum()([a, b]),
                                    layers.Average()([a, b]), layers.Multiply()([a, b])])
-    pooled = layers.GlobalMaxPooling1D()(inputs)
+    pooled = layers.GlobalMaxPooling1D()(seq)
     side = layers.Lambda(lambda t: ops.relu(t - ops.mean(t, axis=-1, keepdims=True)))(pooled)
     x = layers.concatenate([merged, extremes, layers.Activation("tanh")(side) * 2.0])
-    return inputs, layers.Dense(3)(x)
+    return [grid, seq], layers.Dense(3)(x)
 
 
-@pytest.mark.parametrize("build,shape", [(toy_resnet, (6, 6, 1)), (two_branches, (4, 3))],
+@pytest.mark.parametrize("build,shapes", [(toy_resnet, [(6, 6, 1)]), (two_branches, [(3, 4), (4, 3)])],
                          ids=["toy_resnet", "two_branches"])
-def test_a_graph_on_cuda_equals_the_cpu_model(build, shape):
+def test_a_graph_on_cuda_equals_the_cpu_model(build, shapes):
     # Catches any kernel or VJP of the graph's layers and ops that differs from the CPU's, a
-    # fan-out whose gradients are not summed, or a constant never uploaded.
+    # fan-out whose gradients are not summed, a constant never uploaded, or inputs unpacked
+    # from the wrong columns.
     from pserver.models import on_device
     from pserver.models.cuda import CudaModel
     from pserver.models.functional import Functional
@@ -208,7 +209,8 @@ def test_a_graph_on_cuda_equals_the_cpu_model(build, shape):
     assert isinstance(gpu_m, CudaModel) and gpu_m.layout == cpu_m.layout
     rng = np.random.default_rng(6)
     w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
-    x, y = f32(rng, 3, *shape), rng.integers(0, 3, 3).astype(np.int32)
+    xs, y = [f32(rng, 3, *shape) for shape in shapes], rng.integers(0, 3, 3).astype(np.int32)
+    x = xs[0] if len(xs) == 1 else xs
     g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
     loss_c = cpu_m.loss_and_grad(w, x, y, g_c, seed=3)
     loss_g = gpu_m.loss_and_grad(w, x, y, g_g, seed=3)
