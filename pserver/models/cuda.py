@@ -109,6 +109,7 @@ class CudaModel(Model):
     def _forward_on_device(self, st, b, run) -> list:
         """Every slot's value, the output's last: the model's own pass, with the CUDA kernels."""
         plan = self.host._plan(run.training)
+        st.ops.begin(b.op_buffers[run.training])     # backward continues this pass's buffers
         k = _OnStream(self.kernels, st.stream)
         return graph.forward(plan, k, st.layer_params, b.inputs, b.graph.of(plan), run, st.ops)
 
@@ -250,6 +251,7 @@ class _Batch:
         # (evaluation needs none: for the CNN at 4096 images they are hundreds of MB).
         self.graph = ModelBuffers(model.host, n, np.float32, _DeviceMemory(stream))
         self.eval_dout = cuda.device_array(last, np.float32, stream=stream)
+        self.op_buffers: dict[bool, list] = {True: [], False: []}   # the ops' outputs, per pass kind
         self.row_loss = cuda.device_array(n, np.float32, stream=stream)
         self.loss = cuda.device_array(1, np.float64, stream=stream)
 

@@ -3,9 +3,9 @@ run `pserver.kernels.cuda` on device arrays, on one stream, as the NumPy op of t
 computes (pserver.ops is the twin). pserver.models.graph runs them in place of pserver.ops's
 when the CUDA model passes them (`ops=`).
 
-`DeviceOps(stream)` is one thread's table. An op's output is a new device array (a
-layer's are preallocated, PlanBuffers; an op's is not yet). A constant an op was given (x * 2.0)
-goes to the device once. Which ops have a device form: pserver.models.cuda_support.
+`DeviceOps(stream)` is one thread's table. An op's output is a device array made at its first
+pass and reused by the same op at every later pass of that batch size (`begin`). A constant an
+op was given (x * 2.0) goes to the device once. Which ops have a device form: pserver.models.cuda_support.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ class DeviceOps(dict):
         super().__init__()
         self.stream = stream
         self._consts: dict[int, tuple] = {}
+        self._pool: list | None = None      # begin() sets it
+        self._next = 0
         for name in BINARY:
             self[name] = core.Op(name, self._binary(name), self._binary_vjp(name))
         for name in ACTIVATIONS:
@@ -47,8 +49,23 @@ class DeviceOps(dict):
 
     # -- memory ------------------------------------------------------------------------------
 
+    def begin(self, pool: list) -> None:
+        """A pass starts: its ops' outputs reuse the buffers in `pool` (the last pass's of the
+        same kind and batch size, pserver.models.cuda's _Batch keeps it) in the order they are
+        asked for, which a plan repeats each pass, instead of new device memory per op and step."""
+        self._pool, self._next = pool, 0
+
     def empty(self, shape):
-        return cuda.device_array(tuple(shape), np.float32, stream=self.stream)
+        shape = tuple(int(d) for d in shape)
+        pool, i = self._pool, self._next
+        if pool is not None and i < len(pool) and pool[i].shape == shape:
+            self._next += 1
+            return pool[i]
+        buf = cuda.device_array(shape, np.float32, stream=self.stream)
+        if pool is not None:
+            pool[i:i + 1] = [buf]          # replaces a buffer of another shape, or appends
+            self._next += 1
+        return buf
 
     def dev(self, a):
         """a on the device: a constant (a NumPy array) is copied there once."""
