@@ -13,7 +13,7 @@ each kernel compiles once whatever the rank; a stride of 0 is a broadcast axis.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, float64, int32
+from numba import cuda, float32, int32
 
 from pserver.kernels import reference
 from pserver.kernels.cuda import ELEMENT_THREADS, _blocks, _flat
@@ -53,13 +53,13 @@ def _partial(code, which, a, b, out):
     """d out / d a (which == 0) or d out / d b, as pserver.ops.math's VJPs: a tie sends the
     gradient of maximum and minimum to a."""
     if code == 0:
-        return 1.0
+        return float32(1.0)
     if code == 1:
-        return 1.0 if which == 0 else -1.0
+        return float32(1.0) if which == 0 else float32(-1.0)
     if code == 2:
         return b if which == 0 else a
     if code == 3:
-        return 1.0 / b if which == 0 else -out / b
+        return float32(1.0) / b if which == 0 else -out / b
     if code == 4:
         return float32(a >= b) if which == 0 else float32(a < b)
     return float32(a <= b) if which == 0 else float32(a > b)
@@ -98,7 +98,7 @@ def binary_grad_kernel(code, which, g, a, b, out, dfull, shape, sa, sb):
 @cuda.jit
 def sum_to_kernel(full, out, fshape, tshape, scale):
     """out[j] = scale * the sum of the elements of full that broadcasting from out's shape
-    (tshape: 1 on each axis summed) maps to j. One thread per out element, in float64."""
+    (tshape: 1 on each axis summed) maps to j. One thread per out element."""
     j = cuda.grid(1)
     if j >= out.shape[0]:
         return
@@ -106,7 +106,7 @@ def sum_to_kernel(full, out, fshape, tshape, scale):
     for d in range(RANK):
         if tshape[d] != fshape[d]:
             count *= fshape[d]
-    acc = float64(0.0)
+    acc = float32(0.0)
     for r in range(count):
         rj, rr, at, stride = j, r, 0, 1
         for d in range(RANK - 1, -1, -1):
@@ -179,15 +179,15 @@ def columns_kernel(wide, narrow, start, into):
 
 @cuda.jit
 def global_avgpool_kernel(x, out):
-    """One thread per (sample, channel): the mean over positions, summed in float64."""
+    """One thread per (sample, channel): the mean over positions."""
     i = cuda.grid(1)
     c_n = x.shape[2]
     if i < x.shape[0] * c_n:
         n, c = i // c_n, i % c_n
-        acc = float64(0.0)
+        acc = float32(0.0)
         for p in range(x.shape[1]):
             acc += x[n, p, c]
-        out[n, c] = acc / x.shape[1]
+        out[n, c] = acc / float32(x.shape[1])
 
 
 @cuda.jit
@@ -216,7 +216,7 @@ def global_pool_backward_kernel(dy, argmax, dx, is_max):
         if is_max:
             dx[n, p, c] = dy[n, c] if argmax[n, c] == p else float32(0.0)
         else:
-            dx[n, p, c] = dy[n, c] / p_n
+            dx[n, p, c] = dy[n, c] / float32(p_n)
 
 
 # -- shapes, on the host ------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def sum_to(g, out, scale=1.0, *, stream=0):
     if np.broadcast_shapes(out.shape, g.shape) != tuple(g.shape):
         raise ValueError(f"sum_to: g {g.shape} does not broadcast from out {out.shape}")
     _launch(sum_to_kernel, out.size, stream, _flat(g), _flat(out), _padded(g.shape, 1),
-            _padded(out.shape, 1), float64(scale))
+            _padded(out.shape, 1), float32(scale))
 
 
 def broadcast_to(x, out, scale=1.0, *, stream=0):

@@ -17,6 +17,7 @@ from numba import cuda, types
 
 from pserver.kernels import cuda as K
 from pserver.kernels import cuda_gemm as G
+from pserver.kernels import cuda_graph as GR
 
 f32_2d = types.Array(types.float32, 2, "C")
 f32_1d = types.Array(types.float32, 1, "C")
@@ -27,6 +28,8 @@ f32_4d = types.Array(types.float32, 4, "C")
 i32_4d = types.Array(types.int32, 4, "C")
 i64_2d = types.Array(types.int64, 2, "C")
 i64 = types.int64
+i32_2d = types.Array(types.int32, 2, "C")
+RANKS = types.UniTuple(types.int64, GR.RANK)
 # stride_h, stride_w, pad_top, pad_left; pool_h, pool_w before them for pooling.
 PLACE = (i64,) * 4
 POOL = (i64,) * 6
@@ -56,6 +59,19 @@ SIGNATURES = {
     "embedding_backward_kernel": (K.embedding_backward_kernel, (i64_2d, f32_3d, f32_2d)),
     "sigmoid_bce_rows": (K.sigmoid_bce_rows, (f32_1d, f32_1d, f32_1d, f32_1d)),
     "split_sum_kernel": (G.split_sum_kernel, (f32_3d, f32_2d, f32_1d)),
+    # pserver.kernels.cuda_graph: shapes and strides as tuples of RANK ints
+    "binary_kernel": (GR.binary_kernel, (i64, f32_1d, f32_1d, f32_1d, *(RANKS,) * 3)),
+    "binary_grad_kernel": (GR.binary_grad_kernel, (i64, i64, *(f32_1d,) * 5, *(RANKS,) * 3)),
+    "sum_to_kernel": (GR.sum_to_kernel, (f32_1d, f32_1d, RANKS, RANKS, types.float32)),
+    "broadcast_kernel": (GR.broadcast_kernel, (f32_1d, f32_1d, RANKS, RANKS, types.float32)),
+    "scale_kernel": (GR.scale_kernel, (f32_1d, types.float32, f32_1d)),
+    "graph_fill_kernel": (GR.fill_kernel, (f32_1d, types.float32)),
+    "extreme_step_kernel": (GR.extreme_step_kernel, (types.boolean, f32_1d, types.int32, f32_1d, i32_1d)),
+    "select_grad_kernel": (GR.select_grad_kernel, (f32_1d, i32_1d, types.int32, f32_1d)),
+    "graph_columns_kernel": (GR.columns_kernel, (f32_2d, f32_2d, i64, types.boolean)),
+    "global_avgpool_kernel": (GR.global_avgpool_kernel, (f32_3d, f32_2d)),
+    "global_maxpool_kernel": (GR.global_maxpool_kernel, (f32_3d, f32_2d, i32_2d)),
+    "global_pool_backward_kernel": (GR.global_pool_backward_kernel, (f32_2d, i32_2d, f32_3d, types.boolean)),
     **{f"matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
        for (ta, tb), k in K.MATMUL.items()},
     **{f"blocked_{name}_matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
