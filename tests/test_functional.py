@@ -230,6 +230,20 @@ def test_a_functional_model_is_saved_and_loaded_with_its_graph_and_weights(tmp_p
                                                                                    model._core.pack(x)))
 
 
+def test_a_sequential_with_a_layer_of_your_own_loads_as_a_sequential(tmp_path):
+    """Catches: a keras.Sequential holding a layer of your own that saves as a graph and loads as
+    a keras.Model (Keras gives a Sequential back), or with its weights in another order."""
+    seq = keras.Sequential([keras.Input(shape=(4,)), layers.Dense(6, activation="relu"), Shifted(5),
+                            layers.Dense(3)])
+    seq.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(2).random((7, 4), np.float32)
+    seq.save(tmp_path / "s.npz")
+    again = keras.models.load_model(tmp_path / "s.npz")
+    assert isinstance(again, keras.Sequential)
+    assert [type(layer).__name__ for layer in again.layers] == ["Dense", "Shifted", "Dense"]
+    assert np.array_equal(again.predict(x), seq.predict(x))
+
+
 def test_what_a_file_cannot_build_again_is_refused_at_save(tmp_path):
     """Catches: a save that writes a file no load can build: an unregistered layer of your own
     or subclassed Model, a lambda that holds an object from around it, a subclassed Model whose

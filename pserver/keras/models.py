@@ -318,52 +318,29 @@ class Sequential(_Model):
     def __init__(self, layers=None, trainable=True, name=None):
         _refuse("Sequential", {}, trainable=None if trainable is True else trainable)
         super().__init__(_Core(name=name or "sequential"))
-        # The layers, once one of them runs only in a graph (a layer of your own, Lambda): the
-        # model is then these layers called in a chain (pserver's Functional), traced when its
-        # input shape is known.
-        self._chain: list | None = None
-        self._input_shape = None
         for layer in layers or ():
             self.add(layer)
-
-    @property
-    def layers(self) -> list[Layer]:
-        return list(self._chain if self._chain is not None else self._core.layers)
 
     def add(self, layer) -> None:
         if isinstance(layer, Symbolic) and layer.node is None:     # keras.Input: the input shape
             if self.layers:
                 raise ConfigError("Sequential.add: keras.Input goes first")
-            self._input_shape = self._core._input_shape = layer.shape[1:]
+            self._core._input_shape = layer.shape[1:]
             return
-        if self._chain is None and getattr(layer, "traced", False):
-            self._chain, self._name = list(self._core.layers), self._core.name
-            self._built_core = None
-        if self._chain is None:
-            self._core.add(layer)
-        elif self._built_core is not None:
-            raise ConfigError(f"Sequential.add: {self.name} is built (its graph is traced); add layers first")
-        else:
-            self._chain.append(layer)
+        self._core.add(layer)
 
     def build(self, input_shape=None) -> None:
         if input_shape is not None:          # Keras's includes the batch dimension
             input_shape = tuple(input_shape)[1:]
-        if self._chain is None:
-            self._core.build(input_shape)
-        else:
-            self._input_shape = input_shape or self._input_shape
-            self._ready(None)
+        self._core.build(input_shape)
 
-    def _trace(self, x):
-        shape = self._input_shape or (self._chain[0].input_shape if self._chain else None)
-        if shape is None and x is None:
-            return None
-        dtype = "int32" if shape is None and np.asarray(x).dtype.kind in "iu" else "float32"
-        h = inp = Input(shape=shape or np.shape(x)[1:], dtype=dtype)
-        for layer in self._chain:
-            h = layer(h)
-        return _FunctionalCore(inp, h, name=self._name)
+    def _ready(self, x) -> None:
+        """Without an input shape the layers are called at the first data, on its shape (Keras's
+        deferred build)."""
+        core = self._core
+        if not core._built and x is not None and core._input_shape is None \
+                and (not core.layers or core.layers[0].input_shape is None):
+            core.build(np.shape(x)[1:])
 
     @classmethod
     def from_config(cls, config: dict) -> "Sequential":
