@@ -178,6 +178,36 @@ class _Model:
             views[t.name][...] = value
         self._w = w
 
+    @property
+    def trainable(self) -> bool:
+        return all(layer.trainable for layer in self.layers)
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        """Freeze (False) or unfreeze every layer, as Keras's model.trainable; read when fit starts.
+        On a cluster (pserver run) the shards keep the first fit's frozen weights: a later fit
+        that freezes others is refused."""
+        for layer in self.layers:
+            layer.trainable = value
+
+    @property
+    def trainable_weights(self) -> list[np.ndarray]:
+        """Copies of the weights training changes, in order (Keras's are variables)."""
+        return self._split_weights()[0]
+
+    @property
+    def non_trainable_weights(self) -> list[np.ndarray]:
+        """Copies of the weights training leaves as they are (frozen layers, add_weight(trainable=False))."""
+        return self._split_weights()[1]
+
+    def _split_weights(self) -> tuple[list, list]:
+        frozen = set(self._core.frozen_weights())
+        weights = zip(self._core.layout.tensors, self.get_weights())
+        split: tuple[list, list] = ([], [])
+        for t, value in weights:
+            split[t.name in frozen].append(value)
+        return split
+
     # -- training -------------------------------------------------------------------------------
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -316,10 +346,11 @@ class Sequential(_Model):
     """keras.Sequential([keras.Input(shape=(28, 28, 1)), layers.Conv2D(32, 3), ...])."""
 
     def __init__(self, layers=None, trainable=True, name=None):
-        _refuse("Sequential", {}, trainable=None if trainable is True else trainable)
         super().__init__(_Core(name=name or "sequential"))
         for layer in layers or ():
             self.add(layer)
+        if trainable is not True:
+            self.trainable = trainable
 
     def add(self, layer) -> None:
         if isinstance(layer, Symbolic) and layer.node is None:     # keras.Input: the input shape
@@ -358,14 +389,17 @@ class Model(_Model):
     keras.Input tensors of its shapes, once per training value, into the same graph."""
 
     def __init__(self, inputs=None, outputs=None, name=None, trainable=True, **unsupported):
-        _refuse("Model", unsupported, trainable=None if trainable is True else trainable)
+        _refuse("Model", unsupported)
         if inputs is None and outputs is None and type(self).call is not Model.call:
+            _refuse("Model", {}, trainable=None if trainable is True else trainable)   # no layers yet
             super().__init__(None, name or snake_case(type(self).__name__))
             return
         if inputs is None or outputs is None:
             raise ConfigError("Model: give inputs= and outputs= (keras.Input tensors and the tensor "
                               "computed from them), or subclass Model and define call")
         super().__init__(_FunctionalCore(inputs, outputs, name=name or "functional"))
+        if trainable is not True:
+            self.trainable = trainable
 
     def __new__(cls, *args, **kwargs):
         self = super().__new__(cls)

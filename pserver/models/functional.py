@@ -243,6 +243,16 @@ class Functional(Model):
         for line in self.summary_text().splitlines():
             (print_fn or print)(line)
 
+    def frozen_weights(self) -> list[str]:
+        """The layout's tensors training leaves as they are (a frozen layer's, a non-trainable
+        weight's), as the layers say now: the shards are told when a worker registers. A sparse
+        table's rows cannot be frozen (its rows' optimizer runs on the shards: refused)."""
+        sparse = next((x for x in self.layers if not x.trainable and getattr(x, "sparse", False)), None)
+        if sparse is not None:
+            raise ConfigError(f"{self.name}: {sparse.label} is frozen (trainable=False), but its rows live "
+                              "on the shards, which train every row pushed: freeze dense layers only")
+        return [f"{layer.name}/{w}" for layer in self.layers for w in layer.frozen_weights()]
+
     def summary_text(self) -> str:
         sizes = {t.name: t.size for t in self.layout.tensors}
         rule, cols = "_" * 65, (29, 26, 10)
@@ -257,8 +267,9 @@ class Functional(Model):
                              f"{n}"))
             lines.append("" if i < len(self.layers) - 1 else "=" * 65)
         total = self.layout.total
-        lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0",
-                  rule]
+        frozen = sum(sizes[name] for name in self.frozen_weights())
+        lines += [f"Total params: {total:,}", f"Trainable params: {total - frozen:,}",
+                  f"Non-trainable params: {frozen:,}", rule]
         return "\n".join(lines)
 
     # -- parameters ----------------------------------------------------------------------------
