@@ -180,3 +180,19 @@ def test_a_one_output_model_s_config_and_layout_are_unchanged_by_the_outputs_lis
     x = Symbolic((None, 3), name="x")
     config = Functional(x, layers.Dense(2)(x)).get_config()
     assert "output" in config and "outputs" not in config and "output_names" not in config
+
+
+def test_pserver_train_takes_several_outputs_labels_as_a_list_and_learns_both():
+    """The plain path (pserver.train, no pserver.keras): catches labels not packed per sample
+    before the worker slices its rows (a row's labels from another sample: no learning), or a
+    y list read as one (2, n) array."""
+    import pserver
+    x, ya, yb = data(600)
+    inp = Symbolic((None, 4), name="x")
+    h = layers.Dense(16, activation="relu")(inp)
+    model = Functional(inp, [layers.Dense(3)(h), layers.Dense(1)(h)])
+    model.compile(loss=["sparse_categorical_crossentropy", "mse"], metrics=[["accuracy"], ["r2"]])
+    names = model.output_names
+    summary = pserver.train(model, x, [ya, yb], ps=1, validation_data=(x, {names[0]: ya, names[1]: yb}),
+                            epochs=3, batch_size=32, optimizer="adam", lr=0.02)
+    assert summary["test_loss"] < 0.2, summary
