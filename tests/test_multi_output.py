@@ -110,6 +110,7 @@ def test_fit_evaluate_predict_and_history_use_keras_3_s_names_and_a_saved_model_
                   metrics={"a": "accuracy"} if dict_outputs else [["accuracy"], None])
     x, ya, yb = data()
     y = {"a": ya, "b": yb} if dict_outputs else [ya, yb]
+    assert model.output_names == ["a", "b"]
     history = model.fit(x, y, batch_size=30, epochs=4, verbose=0, validation_split=0.2)
     assert list(history.history) == ["loss", "a_loss", "b_loss", "a_accuracy",
                                      "val_loss", "val_a_loss", "val_b_loss", "val_a_accuracy"]
@@ -196,3 +197,14 @@ def test_pserver_train_takes_several_outputs_labels_as_a_list_and_learns_both():
     summary = pserver.train(model, x, [ya, yb], ps=1, validation_data=(x, {names[0]: ya, names[1]: yb}),
                             epochs=3, batch_size=32, optimizer="adam", lr=0.02)
     assert summary["test_loss"] < 0.2, summary
+
+
+def test_an_output_whose_softmax_fuses_into_its_loss_and_feeds_another_layer_is_refused():
+    """Catches: the other layer silently reading logits where Keras gives it probabilities
+    (the fused output layer computes no softmax)."""
+    x = Symbolic((None, 5), name="x")
+    a = layers.Dense(3, activation="softmax", name="a")(x)
+    model = Functional(x, [a, layers.Dense(1, name="b")(a)])
+    model.compile(loss=["sparse_categorical_crossentropy", "mse"])
+    with pytest.raises(ConfigError, match="functional: layer a .Dense. computes an output and feeds"):
+        model.build()

@@ -405,6 +405,11 @@ class Model(_Model):
     def call(self, inputs, training=None):
         raise ConfigError(f"{self.name}: a subclassed keras.Model defines call(self, inputs)")
 
+    @property
+    def output_names(self) -> list[str]:
+        """Keras's: each output's name (a dict's keys, else the layer that makes it)."""
+        return list(self._core.output_names)
+
     def _subclassed(self) -> bool:
         return type(self).call is not Model.call
 

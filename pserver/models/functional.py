@@ -156,14 +156,26 @@ class Functional(Model):
             return self
         self._check_names()
         self._fix_layout([self._packed_shape(), *(o.shape[1:] for o in self._outputs)])
+        self._check_fused()
+        self._built = True
+        return self
+
+    def _check_fused(self) -> None:
+        """An output whose activation fuses into its loss computes logits: refused where anything
+        else would read them (the layer called elsewhere, or its output feeding another layer)."""
+        plan = self._plan(False)
         for j, activation in enumerate(self.output_activations):
             last = self._output_layer(j)
-            if activation != "linear" and self._plan(False).uses(self.layers.index(last)) > 1:
+            if activation == "linear":
+                continue
+            if plan.uses(self.layers.index(last)) > 1:
                 raise ConfigError(f"{self.name}: {last.label} computes the output and is called elsewhere "
                                   "too; its activation fuses into the loss there: give the output its own "
                                   "layer")
-        self._built = True
-        return self
+            if plan.consumers[plan.outputs[j]] > 1:
+                raise ConfigError(f"{self.name}: {last.label} computes an output and feeds another layer "
+                                  f"too; its activation='{activation}' fuses into the loss: make the output "
+                                  "a linear layer then Activation, and feed the other layer the linear one")
 
     def _fix_layout(self, shapes: list[tuple[int, ...]]) -> None:
         """The layout (every layer's weights, in order) and the loss on the outputs; `shapes`:
@@ -191,11 +203,11 @@ class Functional(Model):
     def _each_loss(self) -> list[losses.Loss]:
         return self.loss.losses if self.several else [self.loss]
 
-    def _output_layer(self, j: int = 0):
+    def _output_layer(self, j: int):
         step = self._plan(False).output_step(j)
         return None if step.layer is None else self._plan(False).layers[step.layer]
 
-    def _output_label(self, j: int = 0) -> str:
+    def _output_label(self, j: int) -> str:
         last = self._output_layer(j)
         if not self.several:
             return "the output" if last is None else f"the last layer ({last.label})"
