@@ -60,12 +60,6 @@ class Plan:
                 raise ConfigError(f"{where}: {what} is output {self.outputs.index(s)} again; give each "
                                   "tensor once")
 
-    @property
-    def output(self) -> int:
-        """A one-output plan's output slot (the last slot)."""
-        (s,) = self.outputs
-        return s
-
     # -- planning ---------------------------------------------------------------------------------
 
     def _slot(self, t) -> int:
