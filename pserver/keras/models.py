@@ -105,8 +105,10 @@ class _Model:
                 weighted_metrics=None, run_eagerly=False, steps_per_execution=1, jit_compile="auto",
                 auto_scale_loss=True) -> None:
         """Keras's compile: the optimizer (a name or a pserver.keras.optimizers object) goes to
-        the shards; the loss by Keras's name or object; metrics: "accuracy" (also auc, r2)."""
-        _refuse("compile", {}, loss_weights=loss_weights, weighted_metrics=weighted_metrics,
+        the shards; the loss by Keras's name or object; metrics: "accuracy" (also auc, r2). With
+        several outputs: loss, loss_weights and metrics one for all, a list or a dict by output
+        name, as Keras's (pserver.models.outputs)."""
+        _refuse("compile", {}, weighted_metrics=weighted_metrics,
                 run_eagerly=run_eagerly or None, steps_per_execution=None if steps_per_execution == 1
                 else steps_per_execution, jit_compile=None if jit_compile in ("auto", True, False)
                 else jit_compile, auto_scale_loss=None if auto_scale_loss is True else auto_scale_loss)
@@ -114,9 +116,9 @@ class _Model:
             raise ConfigError("compile: loss: give one (pserver does not train without a loss)")
         self.optimizer = optimizers.get(optimizer)
         if self._built_core is None:
-            self._pending = {"loss": loss, "metrics": metrics}
+            self._pending = {"loss": loss, "metrics": metrics, "loss_weights": loss_weights}
         else:
-            self._core.compile(loss=loss, metrics=metrics)
+            self._core.compile(loss=loss, metrics=metrics, loss_weights=loss_weights)
         self._compiled = True
 
     def _ready(self, x) -> None:
@@ -304,12 +306,17 @@ class _Model:
 
     # -- inference ------------------------------------------------------------------------------
 
-    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None) -> np.ndarray:
-        """The model's outputs: probabilities after a softmax (sigmoid) last layer, as Keras's."""
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """The model's outputs: probabilities after a softmax (sigmoid) last layer, as Keras's;
+        several: a list in output order, or a dict by name for a dict of outputs."""
         _refuse("predict", {}, steps=steps, callbacks=callbacks)
         x = self._x(x, "predict")
-        out = self._core.predict(self._weights(), x, batch_size=batch_size or 4096)
-        return activations.probabilities(self._core.output_activation, out)
+        core = self._core
+        out = core.predict(self._weights(), x, batch_size=batch_size or 4096)
+        if not core.several:
+            return activations.probabilities(core.output_activation, out)
+        outs = [activations.probabilities(a, o) for a, o in zip(core.output_activations, out)]
+        return dict(zip(core.output_names, outs)) if core._dict_outputs else outs
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
                  callbacks=None, return_dict=False):
@@ -408,6 +415,11 @@ class Model(_Model):
 
     def call(self, inputs, training=None):
         raise ConfigError(f"{self.name}: a subclassed keras.Model defines call(self, inputs)")
+
+    @property
+    def output_names(self) -> list[str]:
+        """Keras's: each output's name (a dict's keys, else the layer that makes it)."""
+        return list(self._core.output_names)
 
     def _subclassed(self) -> bool:
         return type(self).call is not Model.call

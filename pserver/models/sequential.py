@@ -12,7 +12,8 @@ from pserver.errors import ConfigError
 from pserver.layers import deserialize
 from pserver.layers.base import Layer, as_shape
 from pserver.models import losses
-from pserver.models.functional import Functional, check_metrics
+from pserver.models.functional import Functional
+from pserver.models.metrics import check_metrics
 from pserver.ops.core import Symbolic
 
 
