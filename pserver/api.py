@@ -24,7 +24,7 @@ import numpy as np
 
 from pserver.config import ServerConfig, WorkerConfig
 from pserver.data import Stream, from_arrays
-from pserver.errors import ConfigError, PServerError
+from pserver.errors import ConfigError, DataError, PServerError
 from pserver.persist.model_file import SavedModel, load
 
 
@@ -65,8 +65,9 @@ def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_work
     """Train `model` (a Sequential, or an object with the model protocol) as worker `rank`.
 
     x, y: arrays (a seeded tenth is held out for evaluation unless validation_data=(x, y)
-    is given), or x alone as an iterable of (x, y) batches, or a function returning one per
-    epoch: this worker's data, streamed. ps: shard addresses, or a number of shards to start
+    is given; y a list or a dict by name for a model with several outputs), or x alone as an
+    iterable of (x, y) batches, or a function returning one per epoch: this worker's data,
+    streamed. ps: shard addresses, or a number of shards to start
     in this process for this one worker (they take the shard options: mode, optimizer, lr,
     ...). Other `options` are WorkerConfig's fields (batch_size, epochs, seed, max_steps,
     device, ...). `callbacks`: Keras-style hooks the loop calls (pserver.worker.loop.run).
@@ -83,7 +84,7 @@ def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_work
         from pserver.wire.security import resolve_token
         options["auth_token"] = resolve_token(None)
     cfg = WorkerConfig(ps=_addresses(ps), rank=rank, num_workers=num_workers, **options)
-    return _run(cfg, model, _data(x, y, validation_data, cfg.seed), callbacks)
+    return _run(cfg, model, _data(model, x, y, validation_data, cfg.seed), callbacks)
 
 
 def _run(cfg: WorkerConfig, model, data, callbacks=None) -> dict | None:
@@ -103,7 +104,7 @@ def _train_on_own_shards(model, x, y, num_shards, validation_data, options, call
                                                              "num_workers"}
     shard_opts = {k: options.pop(k) for k in list(options) if k in shard_fields}
     _check_options(options, WorkerConfig, "neither a worker nor a shard option")
-    data = _data(x, y, validation_data, options.get("seed", 0))
+    data = _data(model, x, y, validation_data, options.get("seed", 0))
     with contextlib.ExitStack() as stack:
         shards = [stack.enter_context(serve(shard=j, num_shards=num_shards, num_workers=1,
                                             **shard_opts)) for j in range(num_shards)]
@@ -124,10 +125,11 @@ def _addresses(ps) -> tuple[str, ...]:
     return tuple(parse_address(a, "ps") for a in ps)
 
 
-def _data(x, y, validation_data, seed: int):
+def _data(model, x, y, validation_data, seed: int):
     test = (None, None) if validation_data is None else tuple(validation_data)
     if len(test) != 2:
         raise ConfigError("validation_data: give (x_test, y_test)")
+    y, test = _labels(model, y), (test[0], _labels(model, test[1]))
     if y is None:
         if isinstance(x, np.ndarray):
             raise ConfigError("y: required when x is an array (x alone is an iterable of (x, y) batches)")
@@ -135,6 +137,17 @@ def _data(x, y, validation_data, seed: int):
         classes = 0 if y_test is None or y_test.dtype.kind == "f" else int(y_test.max()) + 1
         return Stream("batches", x, x_test, y_test, classes)
     return from_arrays(x, y, *test, seed=seed)
+
+
+def _labels(model, y):
+    """A model with several outputs: their labels (a list, or a dict by name) as the one array
+    it takes, a column per output (pserver.models.outputs)."""
+    if not getattr(model, "several", False) or not isinstance(y, (list, tuple, dict)):
+        return y
+    try:
+        return model.loss.labels(y)
+    except ValueError as e:
+        raise DataError(str(e)) from None
 
 
 def launch_cluster(*, ps: int = 1, workers: int = 2, backend: str = "local", address: str | None = None,

@@ -230,6 +230,20 @@ def test_a_functional_model_is_saved_and_loaded_with_its_graph_and_weights(tmp_p
                                                                                    model._core.pack(x)))
 
 
+def test_a_sequential_with_a_layer_of_your_own_loads_as_a_sequential(tmp_path):
+    """Catches: a keras.Sequential holding a layer of your own that saves as a graph and loads as
+    a keras.Model (Keras gives a Sequential back), or with its weights in another order."""
+    seq = keras.Sequential([keras.Input(shape=(4,)), layers.Dense(6, activation="relu"), Shifted(5),
+                            layers.Dense(3)])
+    seq.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(2).random((7, 4), np.float32)
+    seq.save(tmp_path / "s.npz")
+    again = keras.models.load_model(tmp_path / "s.npz")
+    assert isinstance(again, keras.Sequential)
+    assert [type(layer).__name__ for layer in again.layers] == ["Dense", "Shifted", "Dense"]
+    assert np.array_equal(again.predict(x), seq.predict(x))
+
+
 def test_what_a_file_cannot_build_again_is_refused_at_save(tmp_path):
     """Catches: a save that writes a file no load can build: an unregistered layer of your own
     or subclassed Model, a lambda that holds an object from around it, a subclassed Model whose
@@ -279,6 +293,7 @@ def test_a_lambda_of_ops_computes_on_arrays_and_traces_on_tensors():
     assert [s.op.name for s in core._plan(False).steps if s.op is not None] == ["exp", "multiply"]
 
 
+@keras.saving.register_keras_serializable()
 class Scaled(keras.layers.Layer):
     def call(self, inputs, scale=1.0, shift=None):
         out = inputs * scale
@@ -465,3 +480,49 @@ def test_load_model_takes_custom_objects_before_the_registry(tmp_path):
                                           r"got 'Shifted': 3") as e:
         keras.models.load_model(tmp_path / "m.npz", custom_objects={"Shifted": 3})
     assert not isinstance(e.value, ModelFileError)
+
+
+@keras.saving.register_keras_serializable()
+class FixedScale(keras.layers.Layer):
+    """A layer with a weight training leaves as it is (add_weight(trainable=False)) beside one it trains."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], 3), initializer="random_normal")
+        self.scale = self.add_weight(shape=(3,), initializer="ones", trainable=False, name="scale")
+
+    def call(self, inputs):
+        return ops.matmul(inputs, self.w) * self.scale
+
+
+def test_frozen_layers_and_non_trainable_weights_stay_as_they_are_through_fit_and_files(tmp_path):
+    """A frozen Dense (layer.trainable = False) and a non-trainable weight of your own keep their
+    values bit for bit through fit with AdamW (whose decay moves every weight it steps), while the
+    rest trains; summary and trainable_weights count them; a saved frozen layer loads frozen.
+    Fails if the flag does not reach the shards, if a frozen layer's weights are stepped, or if a
+    file forgets it (a reloaded model would then train the layer)."""
+    x, y = blobs(n=200)
+    model = keras.Sequential([keras.Input(shape=(8,)), layers.Dense(16, activation="relu", name="base"),
+                              FixedScale(), layers.Dense(3)])
+    model.layers[0].trainable = False
+    model.compile(optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.1),
+                  loss="sparse_categorical_crossentropy")
+    before = model.get_weights()
+    assert [w.shape for w in model.non_trainable_weights] == [(8, 16), (16,), (3,)]
+    assert len(model.trainable_weights) == 3 and "Non-trainable params: 147" in model.summary_text()
+    model.fit(x, y, batch_size=20, epochs=2, verbose=0)
+    moved = [not np.array_equal(a, b) for a, b in zip(before, model.get_weights())]
+    assert moved == [False, False, True, False, True, True]
+    model.save(tmp_path / "m.npz")
+    again = keras.models.load_model(tmp_path / "m.npz")
+    assert [layer.trainable for layer in again.layers] == [False, True, True]
+    model.trainable = True
+    assert model.non_trainable_weights[0].shape == (3,) and len(model.trainable_weights) == 5
+
+
+def test_a_frozen_sparse_table_is_refused():
+    ids = keras.Input(shape=(2,), dtype="int64")
+    table = layers.Embedding(None, 4, sparse=True)
+    model = keras.Model(ids, layers.Dense(2)(layers.Flatten()(table(ids))))
+    table.trainable = False
+    with pytest.raises(ConfigError, match=r"layer embedding \(Embedding\) is frozen .* dense layers only"):
+        model._core.frozen_weights()

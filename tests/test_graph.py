@@ -264,13 +264,15 @@ def test_keras_ios_toy_resnet_passes_the_cuda_check():
     (lambda x: Dot(axes=1)([Dense(2)(x), Dense(2)(x)]), r"layer dot \(Dot\) has no CUDA kernels"),
     (lambda x: Dense(2)(x) ** 2.0, "op power has no CUDA kernel"),
     (lambda x: Dense(2)(x) - ops.sum(Dense(2)(x), axis=0), "op sum over the batch axis has no CUDA kernel"),
+    (lambda x: [Dense(2)(x), Dense(3)(x)], r"it has 2 outputs \(one runs on the GPU\)"),
 ])
 def test_a_graph_that_cannot_run_on_cuda_is_refused_in_one_line_before_numba_cuda(make, why):
     """Catches: a layer or op without CUDA kernels let through to fail mid-step on the device
     (or to run NumPy on device arrays). The check imports no numba.cuda, so it runs here."""
     x = Symbolic((None, 3))
     with pytest.raises(ConfigError, match=rf"^--device cuda: .*; functional: {why}\. Use --device cpu"):
-        on_device(Functional(x, Dense(2)(make(x))), "cuda")
+        made = make(x)
+        on_device(Functional(x, made if isinstance(made, list) else Dense(2)(made)), "cuda")
 
 
 @settings(max_examples=25, deadline=None)

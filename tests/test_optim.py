@@ -304,6 +304,44 @@ def test_parallel_pieces_equal_one_call_bit_for_bit(name, monkeypatch):
         assert results[0][1][k].tobytes() == results[1][1][k].tobytes()
 
 
+@FAST
+@given(st.sampled_from(["sgd", "momentum", "adam", "adamw", "rmsprop", "adagrad"]), sizes, seeds,
+       st.lists(st.tuples(st.integers(0, 300), st.integers(0, 40)), max_size=4), st.integers(1, 4),
+       st.sampled_from(["numba", "numpy"]))
+def test_frozen_ranges_and_their_state_never_change_and_the_rest_steps_as_alone(name, size, seed, spans,
+                                                                                 steps, backend):
+    """Non-trainable weights (Optimizer.freeze): every element in a frozen range keeps its value and
+    its state through every step, whatever the rule (adamw's decay, momentum's velocity), and every
+    other element ends bit for bit as a step over the whole vector leaves it. Fails if a frozen
+    element moves, if one range too many or too few is skipped at an edge, or if the pieces are
+    misaligned with their state."""
+    frozen = sorted((min(a, size), min(a + n, size)) for a, n in spans)
+    merged: list[tuple[int, int]] = []
+    for a, b in frozen:                    # sorted, disjoint, as a shard's layout gives them
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        elif b > a:
+            merged.append((a, b))
+    rng = np.random.default_rng(seed)
+    w0 = rng.standard_normal(size).astype(np.float32)
+    whole, part = (make_optimizer(name, size, lr=0.01, weight_decay=0.01, backend=backend) for _ in range(2))
+    part.freeze(merged)
+    ws = [w0.copy(), w0.copy()]
+    for t in range(steps):
+        g = rng.standard_normal(size).astype(np.float32)
+        whole.step(ws[0], g, t)
+        part.step(ws[1], g, t)
+    mask = np.zeros(size, bool)
+    for a, b in merged:
+        mask[a:b] = True
+    assert ws[1][mask].tobytes() == w0[mask].tobytes()
+    assert ws[1][~mask].tobytes() == ws[0][~mask].tobytes()
+    fresh = make_optimizer(name, size, lr=0.01, weight_decay=0.01, backend=backend).state
+    for k, v in part.state.items():
+        assert v[mask].tobytes() == fresh[k][mask].tobytes()
+        assert v[~mask].tobytes() == whole.state[k][~mask].tobytes()
+
+
 # -- Keras's rules: rmsprop, adamw, adagrad --------------------------------------------------
 # Each against an independent float64 transcription of Keras 3's update_step (keras/src/
 # optimizers/rmsprop.py, adamw.py via adam.py and base_optimizer._apply_weight_decay, adagrad.py).

@@ -199,3 +199,33 @@ def test_train_in_process_with_the_flags_names():
     s = pserver.train(model, x, y, ps=1, optimizer="adagrad", lr=0.2, initial_accumulator=0.01,
                       epochs=2, batch_size=32, log_every=60)
     assert s["optimizer"] == "adagrad" and s["test_accuracy"] >= 0.95
+
+
+# -- frozen weights (layer.trainable = False, add_weight(trainable=False)) --------------------
+
+def test_frozen_tensors_are_told_over_grpc_left_as_they_are_and_every_worker_must_agree(shard_server):
+    """A worker registers a layout with "b" frozen over real gRPC; adamw (whose decay moves any
+    weight) steps: "w" moves, "b" keeps its initial values bit for bit. A second worker that trains
+    "b" (another frozen set) is refused in one line naming both, and the shard's values do not
+    change. Fails if the flag is lost on the wire, if the optimizer steps a frozen range, or if
+    two workers may train different weights of one model."""
+    from pserver.errors import FailedPrecondition
+    from tests.support.clients import LAYOUT, START, ready_client
+    addr, shard = shard_server(optimizer="adamw", lr=0.1, num_workers=2, mode="async")
+    frozen = LAYOUT.freezing(["b"])
+    a = ready_client(addr, num_workers=2, rank=0, layout=frozen)
+    w = np.empty(LAYOUT.total, np.float32)
+    for _ in range(3):
+        a.pull(w)
+        a.push(np.ones(LAYOUT.total, np.float32), 1)
+    a.pull(w)
+    at, end = LAYOUT.offsets()["b"]
+    assert w[at:end].tobytes() == START[at:end].tobytes()
+    assert not np.array_equal(w[:at], START[:at])
+    before = shard.store.params.copy()
+    with pytest.raises(FailedPrecondition, match=r"the worker freezes 0 params in 0 tensor\(s\) \(not "
+                                                 r"trained\), this shard 3 params in 1 tensor\(s\)") as e:
+        ready_client(addr, num_workers=2, rank=1, init=False)
+    assert "\n" not in str(e.value)
+    assert np.array_equal(shard.store.params, before)
+    a.close()

@@ -115,12 +115,14 @@ class TableStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., pending_ids: _Optional[int] = ..., admissions: _Optional[int] = ..., creations: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "shape")
+    __slots__ = ("name", "shape", "frozen")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    frozen: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., frozen: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("rank", "num_workers", "shard", "num_shards", "layout", "batch_size", "protocol_version", "tables", "data_seed", "steps_per_epoch", "previous_session", "elastic_auto_rank")

@@ -33,7 +33,8 @@ TASKS = ("classification", "regression")
 class Dataset:
     name: str  # "synthetic", "mnist" or the .npz path
     x_train: np.ndarray  # (n, *sample_shape) float32, C-contiguous: (n, d), or images (n, h, w, c)
-    y_train: np.ndarray  # (n,) int32 labels (classification) or float32 targets (regression)
+    y_train: np.ndarray  # (n,) int32 labels (classification) or float32 targets (regression);
+    # float32 (n, outputs) for a model with several (each output's labels a column)
     x_test: np.ndarray  # (m, *sample_shape) float32, C-contiguous
     y_test: np.ndarray  # (m,)
     num_classes: int  # 0 for regression
@@ -45,7 +46,8 @@ class Dataset:
             if x.ndim < 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
                 raise DataError(f"{self.name}: x_{split} must be C-contiguous float32 of shape "
                                 f"(samples, ...), got {x.dtype} {x.shape}")
-            if y.shape != (len(x),) or y.dtype != y_dtype:
+            several = self.num_classes == 0 and y.ndim == 2 and len(y) == len(x)    # outputs' targets
+            if (y.shape != (len(x),) and not several) or y.dtype != y_dtype:
                 raise DataError(f"{self.name}: y_{split} must be {np.dtype(y_dtype)} of shape "
                                 f"({len(x)},), got {y.dtype} {y.shape}")
             if len(x) == 0:

@@ -26,7 +26,7 @@ def from_arrays(x, y, x_test=None, y_test=None, *, name: str = "arrays", seed: i
         raise DataError(f"{name}: give both x_test and y_test, or neither")
     if x_test is not None:
         arrays.update(x_test=np.asarray(x_test), y_test=np.asarray(y_test))
-    return _dataset(name, arrays, seed)
+    return _dataset(name, arrays, seed, columns=True)
 
 
 def load(path: str, seed: int, scale_uint8: bool) -> Dataset:
@@ -42,12 +42,13 @@ def load(path: str, seed: int, scale_uint8: bool) -> Dataset:
     return _dataset(path, arrays, seed)
 
 
-def _dataset(path: str, arrays: dict[str, np.ndarray], seed: int) -> Dataset:
+def _dataset(path: str, arrays: dict[str, np.ndarray], seed: int, columns: bool = False) -> Dataset:
+    """`columns`: arrays from Python, whose y may be a model's several outputs' labels."""
     x = _features(path, "x", arrays["x"])
-    y = _targets(path, "y", arrays["y"], "x", len(x))
+    y = _targets(path, "y", arrays["y"], "x", len(x), columns)
     if "x_test" in arrays:
         x_test = _features(path, "x_test", arrays["x_test"])
-        y_test = _targets(path, "y_test", arrays["y_test"], "x_test", len(x_test))
+        y_test = _targets(path, "y_test", arrays["y_test"], "x_test", len(x_test), columns)
         if x_test.shape[1:] != x.shape[1:]:
             raise DataError(f"{path}: x_test has samples of shape {x_test.shape[1:]}, x {x.shape[1:]}")
         if (y_test.dtype == np.float32) != (y.dtype == np.float32):
@@ -100,9 +101,10 @@ def _features(path: str, key: str, a: np.ndarray) -> np.ndarray:
     return x
 
 
-def _targets(path: str, key: str, a: np.ndarray, x_key: str, n: int) -> np.ndarray:
-    """Integer labels -> int32 (>= 0), float targets -> float32 (finite)."""
-    if a.ndim != 1 or len(a) != n:
+def _targets(path: str, key: str, a: np.ndarray, x_key: str, n: int, columns: bool = False) -> np.ndarray:
+    """Integer labels -> int32 (>= 0), float targets -> float32 (finite). `columns`: float
+    (n, outputs) too, a model with several outputs' labels (pserver.models.outputs)."""
+    if not (a.ndim == 1 or columns and a.ndim == 2 and a.dtype.kind == "f") or len(a) != n:
         raise DataError(f"{path}: {key} has shape {a.shape}; it must be ({n},), one value per row of {x_key}")
     if a.dtype.kind in "biu":
         if a.min() < 0 or a.max() > np.iinfo(np.int32).max:

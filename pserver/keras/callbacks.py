@@ -102,6 +102,7 @@ class CallbackList:
 
     def on_epoch_begin(self, epoch, logs=None):
         self._loss = self._correct = self._seen = 0.0
+        self._sums: dict[str, float] = {}      # several outputs: each one's loss and accuracy
         for c in self.callbacks:
             c.on_epoch_begin(epoch + self.offset, logs)
 
@@ -110,9 +111,12 @@ class CallbackList:
         self._loss += logs["loss"] * n
         self._seen += n
         self._correct += getattr(self.model._core, "batch_correct", 0)
+        for k, v in getattr(self.model._core, "batch_sums", {}).items():
+            self._sums[k] = self._sums.get(k, 0.0) + v
         out = {"loss": self._loss / self._seen}
         if "accuracy" in self.metrics:
             out["accuracy"] = self._correct / self._seen
+        out.update({k: v / self._seen for k, v in self._sums.items()})
         for c in self.callbacks:
             c.on_train_batch_end(batch, out)
 
@@ -139,6 +143,9 @@ class CallbackList:
         out = {"loss": loss / max(seen, 1)}
         if "accuracy" in self.metrics:
             out["accuracy"] = correct / max(seen, 1)
+        # Several outputs: each one's loss and accuracy over this worker's own batches (the
+        # shards sum only the total's).
+        out.update({k: v / max(self._seen, 1) for k, v in self._sums.items()})
         if self.validation and logs and "loss" in logs:     # the chief's evaluation
             out["val_loss"] = logs["loss"]
             out.update({f"val_{m}": logs[m] for m in self.metrics if m in logs})

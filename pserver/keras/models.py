@@ -105,8 +105,10 @@ class _Model:
                 weighted_metrics=None, run_eagerly=False, steps_per_execution=1, jit_compile="auto",
                 auto_scale_loss=True) -> None:
         """Keras's compile: the optimizer (a name or a pserver.keras.optimizers object) goes to
-        the shards; the loss by Keras's name or object; metrics: "accuracy" (also auc, r2)."""
-        _refuse("compile", {}, loss_weights=loss_weights, weighted_metrics=weighted_metrics,
+        the shards; the loss by Keras's name or object; metrics: "accuracy" (also auc, r2). With
+        several outputs: loss, loss_weights and metrics one for all, a list or a dict by output
+        name, as Keras's (pserver.models.outputs)."""
+        _refuse("compile", {}, weighted_metrics=weighted_metrics,
                 run_eagerly=run_eagerly or None, steps_per_execution=None if steps_per_execution == 1
                 else steps_per_execution, jit_compile=None if jit_compile in ("auto", True, False)
                 else jit_compile, auto_scale_loss=None if auto_scale_loss is True else auto_scale_loss)
@@ -114,9 +116,9 @@ class _Model:
             raise ConfigError("compile: loss: give one (pserver does not train without a loss)")
         self.optimizer = optimizers.get(optimizer)
         if self._built_core is None:
-            self._pending = {"loss": loss, "metrics": metrics}
+            self._pending = {"loss": loss, "metrics": metrics, "loss_weights": loss_weights}
         else:
-            self._core.compile(loss=loss, metrics=metrics)
+            self._core.compile(loss=loss, metrics=metrics, loss_weights=loss_weights)
         self._compiled = True
 
     def _ready(self, x) -> None:
@@ -177,6 +179,36 @@ class _Model:
                 raise ConfigError(f"set_weights: {t.name} has shape {tuple(t.shape)}, got {value.shape}")
             views[t.name][...] = value
         self._w = w
+
+    @property
+    def trainable(self) -> bool:
+        return all(layer.trainable for layer in self.layers)
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        """Freeze (False) or unfreeze every layer, as Keras's model.trainable; read when fit starts.
+        On a cluster (pserver run) the shards keep the first fit's frozen weights: a later fit
+        that freezes others is refused."""
+        for layer in self.layers:
+            layer.trainable = value
+
+    @property
+    def trainable_weights(self) -> list[np.ndarray]:
+        """Copies of the weights training changes, in order (Keras's are variables)."""
+        return self._split_weights()[0]
+
+    @property
+    def non_trainable_weights(self) -> list[np.ndarray]:
+        """Copies of the weights training leaves as they are (frozen layers, add_weight(trainable=False))."""
+        return self._split_weights()[1]
+
+    def _split_weights(self) -> tuple[list, list]:
+        frozen = set(self._core.frozen_weights())
+        weights = zip(self._core.layout.tensors, self.get_weights())
+        split: tuple[list, list] = ([], [])
+        for t, value in weights:
+            split[t.name in frozen].append(value)
+        return split
 
     # -- training -------------------------------------------------------------------------------
 
@@ -274,12 +306,17 @@ class _Model:
 
     # -- inference ------------------------------------------------------------------------------
 
-    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None) -> np.ndarray:
-        """The model's outputs: probabilities after a softmax (sigmoid) last layer, as Keras's."""
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """The model's outputs: probabilities after a softmax (sigmoid) last layer, as Keras's;
+        several: a list in output order, or a dict by name for a dict of outputs."""
         _refuse("predict", {}, steps=steps, callbacks=callbacks)
         x = self._x(x, "predict")
-        out = self._core.predict(self._weights(), x, batch_size=batch_size or 4096)
-        return activations.probabilities(self._core.output_activation, out)
+        core = self._core
+        out = core.predict(self._weights(), x, batch_size=batch_size or 4096)
+        if not core.several:
+            return activations.probabilities(core.output_activation, out)
+        outs = [activations.probabilities(a, o) for a, o in zip(core.output_activations, out)]
+        return dict(zip(core.output_names, outs)) if core._dict_outputs else outs
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
                  callbacks=None, return_dict=False):
@@ -316,54 +353,32 @@ class Sequential(_Model):
     """keras.Sequential([keras.Input(shape=(28, 28, 1)), layers.Conv2D(32, 3), ...])."""
 
     def __init__(self, layers=None, trainable=True, name=None):
-        _refuse("Sequential", {}, trainable=None if trainable is True else trainable)
         super().__init__(_Core(name=name or "sequential"))
-        # The layers, once one of them runs only in a graph (a layer of your own, Lambda): the
-        # model is then these layers called in a chain (pserver's Functional), traced when its
-        # input shape is known.
-        self._chain: list | None = None
-        self._input_shape = None
         for layer in layers or ():
             self.add(layer)
-
-    @property
-    def layers(self) -> list[Layer]:
-        return list(self._chain if self._chain is not None else self._core.layers)
+        if trainable is not True:
+            self.trainable = trainable
 
     def add(self, layer) -> None:
         if isinstance(layer, Symbolic) and layer.node is None:     # keras.Input: the input shape
             if self.layers:
                 raise ConfigError("Sequential.add: keras.Input goes first")
-            self._input_shape = self._core._input_shape = layer.shape[1:]
+            self._core._input_shape = layer.shape[1:]
             return
-        if self._chain is None and getattr(layer, "traced", False):
-            self._chain, self._name = list(self._core.layers), self._core.name
-            self._built_core = None
-        if self._chain is None:
-            self._core.add(layer)
-        elif self._built_core is not None:
-            raise ConfigError(f"Sequential.add: {self.name} is built (its graph is traced); add layers first")
-        else:
-            self._chain.append(layer)
+        self._core.add(layer)
 
     def build(self, input_shape=None) -> None:
         if input_shape is not None:          # Keras's includes the batch dimension
             input_shape = tuple(input_shape)[1:]
-        if self._chain is None:
-            self._core.build(input_shape)
-        else:
-            self._input_shape = input_shape or self._input_shape
-            self._ready(None)
+        self._core.build(input_shape)
 
-    def _trace(self, x):
-        shape = self._input_shape or (self._chain[0].input_shape if self._chain else None)
-        if shape is None and x is None:
-            return None
-        dtype = "int32" if shape is None and np.asarray(x).dtype.kind in "iu" else "float32"
-        h = inp = Input(shape=shape or np.shape(x)[1:], dtype=dtype)
-        for layer in self._chain:
-            h = layer(h)
-        return _FunctionalCore(inp, h, name=self._name)
+    def _ready(self, x) -> None:
+        """Without an input shape the layers are called at the first data, on its shape (Keras's
+        deferred build)."""
+        core = self._core
+        if not core._built and x is not None and core._input_shape is None \
+                and (not core.layers or core.layers[0].input_shape is None):
+            core.build(np.shape(x)[1:])
 
     @classmethod
     def from_config(cls, config: dict) -> "Sequential":
@@ -381,14 +396,17 @@ class Model(_Model):
     keras.Input tensors of its shapes, once per training value, into the same graph."""
 
     def __init__(self, inputs=None, outputs=None, name=None, trainable=True, **unsupported):
-        _refuse("Model", unsupported, trainable=None if trainable is True else trainable)
+        _refuse("Model", unsupported)
         if inputs is None and outputs is None and type(self).call is not Model.call:
+            _refuse("Model", {}, trainable=None if trainable is True else trainable)   # no layers yet
             super().__init__(None, name or snake_case(type(self).__name__))
             return
         if inputs is None or outputs is None:
             raise ConfigError("Model: give inputs= and outputs= (keras.Input tensors and the tensor "
                               "computed from them), or subclass Model and define call")
         super().__init__(_FunctionalCore(inputs, outputs, name=name or "functional"))
+        if trainable is not True:
+            self.trainable = trainable
 
     def __new__(cls, *args, **kwargs):
         self = super().__new__(cls)
@@ -397,6 +415,11 @@ class Model(_Model):
 
     def call(self, inputs, training=None):
         raise ConfigError(f"{self.name}: a subclassed keras.Model defines call(self, inputs)")
+
+    @property
+    def output_names(self) -> list[str]:
+        """Keras's: each output's name (a dict's keys, else the layer that makes it)."""
+        return list(self._core.output_names)
 
     def _subclassed(self) -> bool:
         return type(self).call is not Model.call

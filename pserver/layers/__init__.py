@@ -120,6 +120,8 @@ def serialize(layer, model: str) -> dict:
                           f"JSON value: give {name} a get_config (and from_config) that a file can hold, as "
                           "in Keras")
     entry = {"class_name": name, "config": config}
+    if not layer.trainable:
+        entry["trainable"] = False
     if known is USER_LAYERS:
         entry.update(registered_name=USER_LAYERS.summary(name), module=cls.__module__)
     return entry
@@ -132,7 +134,7 @@ def deserialize(entry: dict):
     name = entry["class_name"]
     given = custom_object(name, entry.get("registered_name"))
     if given is not None:
-        return given.from_config(entry["config"])
+        return _trainable(given.from_config(entry["config"]), entry)
     if name not in LAYERS and name not in USER_LAYERS:
         config = entry.get("config")
         layer = config.get("name") if isinstance(config, dict) else None
@@ -142,7 +144,14 @@ def deserialize(entry: dict):
                           f"process{saved}: import the code that defines it, decorated with "
                           "@keras.saving.register_keras_serializable(), before loading")
     cls = LAYERS.get(name) if name in LAYERS else USER_LAYERS.get(name)
-    return cls.from_config(entry["config"])
+    return _trainable(cls.from_config(entry["config"]), entry)
+
+
+def _trainable(layer, entry: dict):
+    """A layer saved frozen comes back frozen (its flag is in the entry, not the constructor's config)."""
+    if entry.get("trainable") is False:
+        layer.trainable = False
+    return layer
 
 
 __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",

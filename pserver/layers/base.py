@@ -26,6 +26,7 @@ class Weight:
     name: str
     shape: tuple[int, ...]
     initializer: initializers.Initializer
+    trainable: bool = True      # False: the shards' optimizer leaves it (add_weight(trainable=False))
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,29 @@ class Layer(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name or ''})"
+
+    # -- trainable: Keras's flag; a frozen layer's weights are left as they are by the shards -----
+
+    @property
+    def trainable(self) -> bool:
+        return self.__dict__.get("_trainable", True)
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        """As Keras's: for the layer and the layers it holds; read when training starts (fit)."""
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.label}: trainable must be True or False, got {value!r}")
+        self._trainable = value
+        for layer in self.sublayers():
+            layer.trainable = value
+
+    def sublayers(self) -> list["Layer"]:
+        """The layers this one holds (a user's layer made of layers); a built-in layer holds none."""
+        return []
+
+    def frozen_weights(self) -> list[str]:
+        """The short names of the weights training leaves as they are."""
+        return [w.name for w in self.weights() if not (self.trainable and w.trainable)]
 
     # -- calling a layer (Keras's functional API) -------------------------------------------------
 

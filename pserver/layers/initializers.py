@@ -41,6 +41,11 @@ class Zeros(Initializer):
         out[...] = 0      # draws nothing: a zero bias does not move the stream
 
 
+class Ones(Initializer):
+    def __call__(self, rng, out):
+        out[...] = 1      # draws nothing, as Zeros (BatchNormalization's gamma, a scale)
+
+
 class RandomUniform(Initializer):
     def __init__(self, minval: float = -0.05, maxval: float = 0.05):
         self.minval, self.maxval = float(minval), float(maxval)
@@ -97,6 +102,7 @@ def _truncated_normal(rng, shape) -> np.ndarray:
 
 _NAMED = {
     "zeros": Zeros,
+    "ones": Ones,
     "uniform": RandomUniform,
     "random_uniform": RandomUniform,
     "normal": RandomNormal,
@@ -120,4 +126,4 @@ def get(spec, owner: str) -> Initializer:
                       "or pass an Initializer")
 
 
-__all__ = ["Initializer", "Zeros", "RandomUniform", "RandomNormal", "VarianceScaling", "fans", "get"]
+__all__ = ["Initializer", "Zeros", "Ones", "RandomUniform", "RandomNormal", "VarianceScaling", "fans", "get"]

@@ -51,10 +51,10 @@ class TracedLayer(Layer):
 
     def __init__(self, *, input_shape=None, name: str | None = None, trainable: bool = True, dtype=None):
         super().__init__(input_shape=input_shape, name=name)
-        if trainable is not True or dtype not in (None, "float32"):
-            raise ConfigError(f"{type(self).__name__}: trainable={trainable!r}, dtype={dtype!r}: pserver "
-                              "trains float32 layers")
+        if dtype not in (None, "float32"):
+            raise ConfigError(f"{type(self).__name__}: dtype={dtype!r}: pserver trains float32 layers")
         self._own_weights: list[Weight] = []
+        self.trainable = trainable
 
     # -- what a user's layer calls and overrides --------------------------------------------------
 
@@ -63,7 +63,7 @@ class TracedLayer(Layer):
         """A weight of this layer (Keras's add_weight): held in the model's flat vector."""
         where = f"{self.label}: add_weight"
         bad = {**unsupported, "regularizer": regularizer, "constraint": constraint,
-               "trainable": None if trainable is True else trainable,
+               "trainable": None if isinstance(trainable, bool) else trainable,
                "dtype": None if dtype in (None, "float32") else dtype}
         bad = {k: v for k, v in bad.items() if v is not None}
         if bad:
@@ -77,7 +77,7 @@ class TracedLayer(Layer):
         if any(w.name == name for w in own):
             raise ConfigError(f"{where}: two weights are named {name!r}")
         own.append(Weight(name, as_shape(f"{where}: shape", shape) if shape != () else (),
-                          initializers.get(initializer, f"{where}: initializer")))
+                          initializers.get(initializer, f"{where}: initializer"), trainable))
         return WeightTensor(own[-1].shape, self, name)
 
     def build(self, input_shape) -> None:
@@ -126,6 +126,15 @@ class TracedLayer(Layer):
 
     def weights(self):
         return list(self._own_weights)
+
+    def sublayers(self) -> list:
+        """The layers held in attributes (directly, or in a list or tuple), as Keras tracks them."""
+        found = []
+        for value in vars(self).values():
+            for v in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(v, Layer) and v is not self:
+                    found.append(v)
+        return found
 
     def output_shape_for(self, input_shape):
         return self.output_shape

@@ -124,7 +124,7 @@ class CudaModel(Model):
         vector's views."""
         plan = self.host._plan(True)
         graph.backward(plan, _OnStream(self.kernels, st.stream), st.layer_params, st.layer_grads, acts,
-                       b.graph.dloss, b.graph.of(plan), st.ops)
+                       [b.graph.dloss], b.graph.of(plan), st.ops)
 
     # -- evaluation ------------------------------------------------------------------------
 

@@ -4,8 +4,8 @@ them. This module imports no numba.cuda, so the check runs where there is no GPU
 
 A model (Sequential or Functional) runs on the GPU when every step of its graph, in training
 and in inference, is one of DEVICE_LAYERS or an op of DEVICE_OPS that `refusal` accepts (a
-user's layer and Lambda are traced into ops, so they run when their ops do), and its loss is a
-sparse categorical cross-entropy or MSE.
+user's layer and Lambda are traced into ops, so they run when their ops do), it has one
+output, and its loss is a sparse categorical cross-entropy or MSE.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ LOSSES = (losses.SparseCategoricalCrossentropy, losses.MeanSquaredError)
 def check(model) -> None:
     """ConfigError naming the first layer or op of `model` (a built Functional) that cannot
     run on the GPU, and saying that --device cpu runs it."""
-    why = next((w for training in (True, False) for step in model._plan(training).steps
-                if (w := _step_refusal(model._plan(training), step))), None)
+    why = f"it has {len(model._outputs)} outputs (one runs on the GPU)" if model.several else None
+    why = why or next((w for training in (True, False) for step in model._plan(training).steps
+                       if (w := _step_refusal(model._plan(training), step))), None)
     if why is None and not isinstance(model.loss, LOSSES):
         why = f"its loss is {model.loss.name}"
     if why:

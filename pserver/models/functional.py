@@ -12,6 +12,8 @@ vector of named tensors whatever the layers are. The graph is planned once per `
 and activations, deltas and scratch are preallocated per thread and batch size. Several inputs
 (a list, or a dict by name) travel as one array: each sample's inputs flattened side by side (a
 worker slices rows of it like any x); `pack` makes it from the arrays, the model splits it.
+Several outputs (a list, or a dict by name) each have a loss, and their labels travel as one
+array the same way (pserver.models.outputs).
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ from pserver.layers.base import Layer, Pass
 from pserver.models import graph, graph_config, losses, metrics
 from pserver.models.base import BatchBuffers, Model, shaped_for
 from pserver.models.layout import Layout
+from pserver.models.metrics import check_metrics
+from pserver.models.outputs import Heads
 from pserver.ops.core import Symbolic
 
 
 class Functional(Model):
     """Functional(inputs, outputs): the layers and ops called from keras.Input tensors to the
-    output. The loss is sparse categorical cross-entropy from logits unless `compile(loss=...)`
-    says otherwise."""
+    output (or outputs: a list, or a dict by name). The loss is sparse categorical cross-entropy
+    from logits (for every output) unless `compile(loss=...)` says otherwise."""
 
     def __init__(self, inputs, outputs, name: str = "functional", loss="sparse_categorical_crossentropy",
                  backend: str = "cpu"):
@@ -47,7 +51,7 @@ class Functional(Model):
         self._built = False
         self.layers: list[Layer] = []
         self.loss = losses.get(loss)
-        self.output_activation = "linear"   # a softmax/sigmoid fused into the loss: see losses
+        self.output_activations = ["linear"]   # a softmax/sigmoid fused into the loss: see losses
         self.metrics: list[str] = []
         self.use_backend(backend)
         self._seeds = itertools.count()
@@ -58,23 +62,54 @@ class Functional(Model):
         """The graph from `inputs` to `outputs`; its layers (in order of first use) named."""
         self._keys, self._inputs = _inputs(inputs, self.name)
         self._dict_inputs = isinstance(inputs, dict)
-        outs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        if len(outs) != 1 or not isinstance(outs[0], Symbolic):
-            raise ConfigError(f"{self.name}: outputs: give one symbolic tensor (a layer's output); "
-                              f"got {outputs!r} (several outputs are not supported yet)")
-        self._output = outs[0]
+        self._dict_outputs = isinstance(outputs, dict)
+        outs = list(outputs.values()) if self._dict_outputs else (
+            list(outputs) if isinstance(outputs, (list, tuple)) else [outputs])
+        bad = next((o for o in outs if not isinstance(o, Symbolic)), None)
+        if not outs or bad is not None:
+            raise ConfigError(f"{self.name}: outputs: give symbolic tensors (layers' outputs: one, a list "
+                              f"or a dict by name); got {bad if outs else outputs!r}")
+        self._outputs = outs
         self.layers = []
         for layer in self._plan(False).layers:
             self._name(layer)                    # Keras's names, numbered within the model
             self.layers.append(layer)
+        self.output_names = list(outputs) if self._dict_outputs else self._layer_names()
+        if len(outs) > 1 and not isinstance(self.loss, Heads):      # one loss for every output
+            self.loss = Heads.compiled(self.output_names, self.loss, None, None, self.name,
+                                       self._dict_outputs)
+        self.output_activations = ["linear"] * len(outs)
+
+    def _layer_names(self) -> list[str]:
+        """The outputs' names as Keras's: the layer that makes each (an op's: output_<j>)."""
+        plan = self._plan(False)
+        names = [f"output_{j}" if plan.output_step(j).layer is None
+                 else plan.layers[plan.output_step(j).layer].name for j in range(len(plan.outputs))]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ConfigError(f"{self.name}: two outputs are made by {dup!r}; give the outputs as a "
+                              "dict by name")
+        return names
+
+    @property
+    def several(self) -> bool:
+        """Whether the model has several outputs: its loss is then their Heads."""
+        return isinstance(self.loss, Heads)
+
+    @property
+    def output_activation(self) -> str:
+        """A one-output model's last activation fused into its loss (predict applies it)."""
+        (activation,) = self.output_activations
+        return activation
 
     def add(self, layer) -> None:
         raise ConfigError(f"{self.name}: a Functional model's layers are those its outputs were "
                           "computed with; call the layer on a tensor instead")
 
     def compile(self, optimizer=None, loss="sparse_categorical_crossentropy",
-                metrics=None) -> "Functional":
+                metrics=None, loss_weights=None) -> "Functional":
         """The loss and the metrics (accuracy, plus AUC for a binary loss; r2 for regression).
+        Several outputs: loss, loss_weights and metrics as Keras's (pserver.models.outputs).
         The optimizer runs on the shards: this model takes none (pserver.keras's Sequential
         and Model take one and give it to the shards they start, or checks it against theirs)."""
         if optimizer is not None:
@@ -82,10 +117,17 @@ class Functional(Model):
                               "give it to them (pserver serve --optimizer adam --lr 0.001, or "
                               "pserver.train(..., optimizer='adam', lr=0.001)), or use "
                               "pserver.keras.Sequential, whose fit starts them")
-        self.metrics = check_metrics(metrics)
-        self.loss = losses.get(loss)
+        if self.several:
+            self.loss = Heads.compiled(self.output_names, loss, loss_weights, metrics, self.name,
+                                       self._dict_outputs)
+            self.metrics = self.loss.log_names()
+        elif loss_weights is not None:
+            raise ConfigError(f"{self.name}: compile: loss_weights is for a model with several outputs")
+        else:
+            self.metrics = check_metrics(metrics)
+            self.loss = losses.get(loss)
         if self._built:
-            self.loss.check_outputs(self.output_shape[-1], self.name)
+            self._check_loss(self._shapes[1:])
             self._link_loss()
         return self
 
@@ -98,7 +140,7 @@ class Functional(Model):
 
     def _plan(self, training: bool) -> graph.Plan:
         if training not in self._plans:
-            plan = graph.Plan(self._inputs, self._output, training, self.name)
+            plan = graph.Plan(self._inputs, self._outputs, training, self.name)
             if self._plans and [id(x) for x in plan.layers] != [id(x) for x in self.layers]:
                 raise ConfigError(f"{self.name}: its layers differ between training and inference")
             unused = [x for i, x in enumerate(self._inputs) if plan.consumers[i] == 0]
@@ -113,56 +155,85 @@ class Functional(Model):
         if self._built:
             return self
         self._check_names()
-        self._fix_layout([self._packed_shape(), self._output.shape[1:]])
-        last = self._output_layer()
-        if self.output_activation != "linear" and self._plan(False).uses(self.layers.index(last)) > 1:
-            raise ConfigError(f"{self.name}: {last.label} computes the output and is called elsewhere too; "
-                              "its activation fuses into the loss there: give the output its own layer")
+        self._fix_layout([self._packed_shape(), *(o.shape[1:] for o in self._outputs)])
+        self._check_fused()
         self._built = True
         return self
 
+    def _check_fused(self) -> None:
+        """An output whose activation fuses into its loss computes logits: refused where anything
+        else would read them (the layer called elsewhere, or its output feeding another layer)."""
+        plan = self._plan(False)
+        for j, activation in enumerate(self.output_activations):
+            last = self._output_layer(j)
+            if activation == "linear":
+                continue
+            if plan.uses(self.layers.index(last)) > 1:
+                raise ConfigError(f"{self.name}: {last.label} computes the output and is called elsewhere "
+                                  "too; its activation fuses into the loss there: give the output its own "
+                                  "layer")
+            if plan.consumers[plan.outputs[j]] > 1:
+                raise ConfigError(f"{self.name}: {last.label} computes an output and feeds another layer "
+                                  f"too; its activation='{activation}' fuses into the loss: make the output "
+                                  "a linear layer then Activation, and feed the other layer the linear one")
+
     def _fix_layout(self, shapes: list[tuple[int, ...]]) -> None:
-        """The layout (every layer's weights, in order) and the loss on the output; `shapes`:
-        the input's first, the output's last."""
+        """The layout (every layer's weights, in order) and the loss on the outputs; `shapes`:
+        the input's first, then each output's."""
         weights = [layer.weights() for layer in self.layers]
         layout = Layout.of((f"{layer.name}/{w.name}", w.shape)
                            for layer, ws in zip(self.layers, weights) for w in ws)
-        shape = shapes[-1]
         if layout.total == 0:
             raise ConfigError(f"{self.name}: has no parameters to train (layers: "
                               f"{', '.join(layer.name for layer in self.layers)})")
-        if len(shape) != 1:
-            raise ConfigError(f"{self.name}: {self._output_label()} outputs {shape}; end with "
-                              "Flatten() and Dense(...)")
-        self.loss.check_outputs(shape[0], self.name)
+        for j, shape in enumerate(shapes[1:]):
+            if len(shape) != 1:
+                raise ConfigError(f"{self.name}: {self._output_label(j)} outputs {shape}; end with "
+                                  "Flatten() and Dense(...)")
+        self._check_loss(shapes[1:])
         self._link_loss()
         self._shapes, self._layout, self._weights = shapes, layout, weights
 
-    def _output_layer(self):
-        step = self._plan(False).output_step()
+    def _check_loss(self, shapes) -> None:
+        """Each output's units against its loss."""
+        for j, (loss, shape) in enumerate(zip(self._each_loss(), shapes)):
+            where = f"{self.name}: {self._output_label(j)}" if self.several else self.name
+            loss.check_outputs(shape[0], where)
+
+    def _each_loss(self) -> list[losses.Loss]:
+        return self.loss.losses if self.several else [self.loss]
+
+    def _output_layer(self, j: int):
+        step = self._plan(False).output_step(j)
         return None if step.layer is None else self._plan(False).layers[step.layer]
 
-    def _output_label(self) -> str:
-        last = self._output_layer()
-        return "the output" if last is None else f"the last layer ({last.label})"
+    def _output_label(self, j: int) -> str:
+        last = self._output_layer(j)
+        if not self.several:
+            return "the output" if last is None else f"the last layer ({last.label})"
+        return f"the output {self.output_names[j]!r}" + ("" if last is None else f" ({last.label})")
 
     def _link_loss(self) -> None:
         """A softmax (sigmoid) last layer before a cross-entropy: the layer computes logits and
         the loss takes them (fused, stable); predict applies the activation. A softmax anywhere
-        else is refused: no kernel computes it, or its gradient, on its own."""
-        last = self._output_layer()
+        else is refused: no kernel computes it, or its gradient, on its own. Each output so."""
+        lasts = [self._output_layer(j) for j in range(len(self._outputs))]
         for layer in self.layers:
-            if layer is not last and getattr(layer, "activation", None) == "softmax":
+            if all(layer is not last for last in lasts) and getattr(layer, "activation", None) == "softmax":
                 raise ConfigError(f"{self.name}: {layer.label}: activation='softmax' is supported on the "
                                   "last layer only (before a categorical cross-entropy)")
+        self.output_activations = [self._link_output(j, last, loss)
+                                   for j, (last, loss) in enumerate(zip(lasts, self._each_loss()))]
+
+    def _link_output(self, j: int, last, loss: losses.Loss) -> str:
+        """Output j's activation fused into its loss ("linear": none)."""
         if not hasattr(last, "activation"):
-            self.output_activation = "linear"
-            return
+            return "linear"
         declared = getattr(last, "declared_activation", last.activation)
         last.declared_activation = declared
-        fused = self.loss.check_activation(declared, f"{self.name}: {self._output_label()}")
+        fused = loss.check_activation(declared, f"{self.name}: {self._output_label(j)}")
         last.activation = "linear" if fused else declared
-        self.output_activation = declared if fused else "linear"
+        return declared if fused else "linear"
 
     def _packed_shape(self) -> tuple[int, ...]:
         if len(self._inputs) == 1:
@@ -172,19 +243,28 @@ class Functional(Model):
     def get_config(self) -> dict:
         """The graph as JSON (pserver.models.graph_config), the loss and the metrics:
         `pserver.models.from_config` (so a model file's loader) builds the same model."""
-        config = graph_config.to_config(self._keys, self._inputs, self._output, self._layer_configs)
+        config = graph_config.to_config(self._keys, self._inputs, self._outputs, self._layer_configs)
+        several = ({"dict_outputs": self._dict_outputs, "output_names": self.output_names}
+                   if self.several else {})
         return {"class_name": "Functional", "name": self.name, "dict_inputs": self._dict_inputs, **config,
-                "loss": self.loss.get_config(), "metrics": list(self.metrics)}
+                **several, "loss": self.loss.get_config(), "metrics": list(self.metrics)}
 
     @classmethod
     def from_config(cls, config: dict, **kwargs) -> "Functional":
+        name = config.get("name", "functional")
         try:
-            keys, inputs, output = graph_config.from_config(config)
-            model = cls(dict(zip(keys, inputs)) if config.get("dict_inputs") else inputs, output,
-                        name=config.get("name", "functional"), loss=losses.get(config["loss"]), **kwargs)
+            keys, inputs, outputs = graph_config.from_config(config)
+            if "outputs" in config:       # several: a Heads
+                loss = Heads.from_config(config["loss"], name)
+                if config.get("dict_outputs"):
+                    outputs = dict(zip(config["output_names"], outputs))
+            else:
+                loss, outputs = losses.get(config["loss"]), outputs[0]
+            model = cls(dict(zip(keys, inputs)) if config.get("dict_inputs") else inputs, outputs,
+                        name=name, loss=loss, **kwargs)
         except (KeyError, TypeError, IndexError) as e:
             raise ConfigError(f"a Functional model's config: {type(e).__name__} {e}") from None
-        model.metrics = check_metrics(config.get("metrics"))
+        model.metrics = model.loss.log_names() if model.several else check_metrics(config.get("metrics"))
         return model
 
     def _layer_configs(self, layers: list[Layer]) -> list[dict]:
@@ -217,8 +297,10 @@ class Functional(Model):
         return self.build()._shapes[0]
 
     @property
-    def output_shape(self) -> tuple[int, ...]:
-        return self.build()._shapes[-1]
+    def output_shape(self):
+        """(units,); several outputs: a list of them, as Keras's."""
+        shapes = self.build()._shapes[1:]
+        return list(shapes) if self.several else shapes[0]
 
     @property
     def task(self) -> str:
@@ -226,7 +308,7 @@ class Functional(Model):
 
     @property
     def num_classes(self) -> int:
-        if self.task == "regression":
+        if self.task != "classification":
             return 0
         return max(2, self.output_shape[-1])
 
@@ -243,6 +325,16 @@ class Functional(Model):
         for line in self.summary_text().splitlines():
             (print_fn or print)(line)
 
+    def frozen_weights(self) -> list[str]:
+        """The layout's tensors training leaves as they are (a frozen layer's, a non-trainable
+        weight's), as the layers say now: the shards are told when a worker registers. A sparse
+        table's rows cannot be frozen (its rows' optimizer runs on the shards: refused)."""
+        sparse = next((x for x in self.layers if not x.trainable and getattr(x, "sparse", False)), None)
+        if sparse is not None:
+            raise ConfigError(f"{self.name}: {sparse.label} is frozen (trainable=False), but its rows live "
+                              "on the shards, which train every row pushed: freeze dense layers only")
+        return [f"{layer.name}/{w}" for layer in self.layers for w in layer.frozen_weights()]
+
     def summary_text(self) -> str:
         sizes = {t.name: t.size for t in self.layout.tensors}
         rule, cols = "_" * 65, (29, 26, 10)
@@ -257,8 +349,9 @@ class Functional(Model):
                              f"{n}"))
             lines.append("" if i < len(self.layers) - 1 else "=" * 65)
         total = self.layout.total
-        lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0",
-                  rule]
+        frozen = sum(sizes[name] for name in self.frozen_weights())
+        lines += [f"Total params: {total:,}", f"Trainable params: {total - frozen:,}",
+                  f"Non-trainable params: {frozen:,}", rule]
         return "\n".join(lines)
 
     # -- parameters ----------------------------------------------------------------------------
@@ -293,11 +386,27 @@ class Functional(Model):
         bufs = self._buffers(x.shape[0], w.dtype)
         run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
         ins = self._forward(params, x, bufs, run)
-        if self.task != "regression":       # the batch's accuracy, for Keras's per-epoch metric
-            self.batch_correct = metrics.accuracy(ins[-1], y)
-        loss = self.loss(self.kernels, ins[-1], y, bufs.dloss)
+        if self.several:
+            outs = [ins[s] for s in self._plan(True).outputs]
+            loss = self.loss(self.kernels, outs, y, bufs.dlosses)
+            self.batch_sums = self._batch_sums(outs, y)
+        else:
+            if self.task != "regression":       # the batch's accuracy, for Keras's per-epoch metric
+                self.batch_correct = metrics.accuracy(ins[-1], y)
+            loss = self.loss(self.kernels, ins[-1], y, bufs.dloss)
         self._backward(params, grads, ins, bufs)
         return float(loss)
+
+    def _batch_sums(self, outs: list, y: np.ndarray) -> dict:
+        """A batch's per-output logs, as sums over its samples (each loss x n, the samples an
+        accuracy counts right), for Keras's per-epoch training logs."""
+        n, sums = len(y), {}
+        for name, value in zip(self.output_names, self.loss.last):
+            sums[f"{name}_loss"] = value * n
+        for name, ms, out, yj in zip(self.output_names, self.loss.metrics, outs, self.loss.split(y, y.dtype)):
+            if "accuracy" in ms:
+                sums[f"{name}_accuracy"] = float(metrics.accuracy(out, yj))
+        return sums
 
     def _forward(self, params, x, bufs, run, k=None) -> list:
         plan = self._plan(run.training)
@@ -306,7 +415,7 @@ class Functional(Model):
 
     def _backward(self, params, grads, acts, bufs, k=None) -> None:
         plan = self._plan(True)
-        graph.backward(plan, self.kernels if k is None else k, params, grads, acts, bufs.dloss,
+        graph.backward(plan, self.kernels if k is None else k, params, grads, acts, bufs.dlosses,
                        bufs.of(plan))
 
     # -- data and checks ----------------------------------------------------------------------
@@ -392,16 +501,23 @@ class Functional(Model):
         """x reshaped to the input; ValueError naming the layer and the shapes if it does not
         fit, or if a label is outside what the last layer and the loss take."""
         shaped, y = self._fit_x(x), self.loss.labels(y)
-        if y.shape != (shaped.shape[0],):
+        if y.shape[:1] != (shaped.shape[0],) or y.ndim != (2 if self.several else 1):
             raise ValueError(f"y has shape {y.shape}; x has {shaped.shape[0]} rows")
-        if self.task != "regression" and y.size:
-            hi = 1 if isinstance(self.loss, losses.BinaryCrossentropy) else self.output_shape[-1] - 1
-            bad = (y < 0) | (y > hi) | (y != np.floor(y))
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise ValueError(f"label out of range: y[{i}] = {y[i].item()!r}; "
-                                 f"{self._output_label()} with {self.loss.name} takes 0..{hi}")
+        ys = self.loss.split(y, y.dtype) if self.several else [y]
+        for j, (loss, yj) in enumerate(zip(self._each_loss(), ys)):
+            self._check_labels(j, loss, yj)
         return shaped, y
+
+    def _check_labels(self, j: int, loss: losses.Loss, y: np.ndarray) -> None:
+        """Output j's labels against its units and loss; ValueError naming the first bad one."""
+        if loss.task == "regression" or not y.size:
+            return
+        hi = 1 if isinstance(loss, losses.BinaryCrossentropy) else self._shapes[1 + j][-1] - 1
+        bad = (y < 0) | (y > hi) | (y != np.floor(y))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"label out of range: y[{i}] = {y[i].item()!r}; "
+                             f"{self._output_label(j)} with {loss.name} takes 0..{hi}")
 
     def check_data(self, x: np.ndarray, y: np.ndarray, what: str = "data") -> np.ndarray:
         """Everything about a whole dataset that would fail later, now; x reshaped to fit.
@@ -423,19 +539,22 @@ class Functional(Model):
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def predict(self, w, x, batch_size=4096) -> np.ndarray:
+    def predict(self, w, x, batch_size=4096):
         """The last layer's outputs for every sample of x, (n, units) in w's dtype: logits for
-        a classifier (argmax is the class), the prediction for regression."""
+        a classifier (argmax is the class), the prediction for regression. Several outputs: a
+        list of them, in output order."""
         self._check_w(w)
         x = np.ascontiguousarray(self._fit_x(x), dtype=None if self._takes_ids else w.dtype)
         params = self._per_layer(self.layout.views(w))
-        out = np.empty((x.shape[0], *self.output_shape), w.dtype)
+        outs = [np.empty((x.shape[0], *shape), w.dtype) for shape in self._shapes[1:]]
         batch_size = self._chunk(batch_size, w.dtype)
+        slots = self._plan(False).outputs
         for a in range(0, x.shape[0], batch_size):
             xb = x[a:a + batch_size]
-            out[a:a + len(xb)] = self._forward(params, xb, self._buffers(len(xb), w.dtype),
-                                               Pass(training=False))[-1]
-        return out
+            vals = self._forward(params, xb, self._buffers(len(xb), w.dtype), Pass(training=False))
+            for out, s in zip(outs, slots):
+                out[a:a + len(xb)] = vals[s]
+        return outs if self.several else outs[0]
 
     def _chunk(self, batch_size: int, dtype) -> int:
         """How many samples evaluation and prediction run at once: at most `batch_size`, and
@@ -455,32 +574,46 @@ class Functional(Model):
         batch_size = self._chunk(batch_size, w.dtype)
         starts = range(0, n, batch_size)
         parts: list = [None] * len(starts)
+        heads = list(zip(self._each_loss(), self.loss.split(y, w.dtype) if self.several else [y]))
+        slots = self._plan(False).outputs
 
         def chunk(i: int) -> None:
             a = starts[i]
-            xb, yb = x[a:a + batch_size], y[a:a + batch_size]
-            bufs = self._buffers(xb.shape[0], w.dtype)
-            out = self._forward(params, xb, bufs, Pass(training=False))[-1]
-            # The loss also writes a gradient: a small scratch array, so evaluation never
-            # allocates the per-layer gradient buffers (at 4096 images, hundreds of MB).
-            loss = self.loss(self.kernels, out, yb, np.empty_like(out)) * xb.shape[0]
-            if self.task == "regression":
-                parts[i] = (loss, float(np.sum((out[:, 0].astype(np.float64) - yb) ** 2)), None)
-            else:
-                parts[i] = (loss, metrics.accuracy(out, yb), out[:, 0].copy() if out.shape[1] == 1 else None)
+            xb = x[a:a + batch_size]
+            vals = self._forward(params, xb, self._buffers(xb.shape[0], w.dtype), Pass(training=False))
+            parts[i] = [_chunk_scores(self.kernels, loss, vals[s], yj[a:a + batch_size])
+                        for (loss, yj), s in zip(heads, slots)]
 
         each_index(chunk, len(starts), threads)
-        loss_sum, total = 0.0, 0
-        for loss, count, _ in parts:          # in chunk order: the sums of one thread's loop
-            loss_sum += loss
-            total += count
-        if self.task == "regression":
-            return {"loss": loss_sum / n, "r2": metrics.r2(total, y)}
-        result = {"loss": loss_sum / n, "accuracy": total / n}
-        scores = [p[2] for p in parts if p[2] is not None]
-        if scores:
-            result["auc"] = metrics.auc(np.concatenate(scores), y)
-        return result
+        each = [_scores(loss, [p[j] for p in parts], yj) for j, (loss, yj) in enumerate(heads)]
+        return self.loss.logs(each) if self.several else each[0]
+
+
+def _chunk_scores(k, loss: losses.Loss, out: np.ndarray, y: np.ndarray) -> tuple:
+    """One output's sums over a chunk: (loss x samples, samples right or squared error, the
+    scores of a one-logit output for AUC or None)."""
+    # The loss also writes a gradient: a small scratch array, so evaluation never
+    # allocates the per-layer gradient buffers (at 4096 images, hundreds of MB).
+    total = loss(k, out, y, np.empty_like(out)) * out.shape[0]
+    if loss.task == "regression":
+        return total, float(np.sum((out[:, 0].astype(np.float64) - y) ** 2)), None
+    return total, metrics.accuracy(out, y), out[:, 0].copy() if out.shape[1] == 1 else None
+
+
+def _scores(loss: losses.Loss, parts: list, y: np.ndarray) -> dict:
+    """One output's evaluation from its chunks' sums: loss plus accuracy (and AUC for one
+    logit), or r2."""
+    loss_sum, total, n = 0.0, 0, len(y)
+    for part_loss, count, _ in parts:          # in chunk order: the sums of one thread's loop
+        loss_sum += part_loss
+        total += count
+    if loss.task == "regression":
+        return {"loss": loss_sum / n, "r2": metrics.r2(total, y)}
+    result = {"loss": loss_sum / n, "accuracy": total / n}
+    scores = [p[2] for p in parts if p[2] is not None]
+    if scores:
+        result["auc"] = metrics.auc(np.concatenate(scores), y)
+    return result
 
 
 def each_index(fn, count: int, threads: int) -> None:
@@ -502,28 +635,10 @@ def each_index(fn, count: int, threads: int) -> None:
 # in 1.09 s of CPU in chunks of 4096 and 0.49 s in chunks of 8 or 16 (13 at this budget).
 EVAL_CHUNK_BYTES = 4 << 20
 
-METRICS = {"accuracy": "accuracy", "acc": "accuracy", "sparse_categorical_accuracy": "accuracy",
-           "categorical_accuracy": "accuracy", "binary_accuracy": "accuracy", "auc": "auc", "r2": "r2"}
-
-
-def check_metrics(metrics) -> list[str]:
-    """Keras's metric names that evaluation reports (accuracy under its aliases, auc, r2)."""
-    if metrics is None:
-        return []
-    if isinstance(metrics, str) or not all(isinstance(m, str) for m in metrics):
-        raise ConfigError(f"compile: metrics={metrics!r}: give a list of names "
-                          f"({', '.join(METRICS)})")
-    unknown = [m for m in metrics if m not in METRICS]
-    if unknown:
-        raise ConfigError(f"compile: metrics: {unknown[0]!r} is not supported; evaluation reports "
-                          "accuracy (and auc for binary_crossentropy) or r2 (mse)")
-    return [METRICS[m] for m in metrics]
-
-
 class ModelBuffers:
     """A batch size's arrays: each plan's (pserver.models.graph.PlanBuffers, made by `memory`),
-    and `dloss`, where the loss writes d loss / d output: the output layer's own dout when a
-    layer makes it."""
+    and `dlosses`, where the loss writes d loss / d each output: the output layer's own dout
+    when a layer makes it (`dloss`: a one-output model's)."""
 
     def __init__(self, model: Functional, n: int, dtype, memory=graph.HostMemory):
         self.model, self.n, self.dtype, self.memory = model, n, dtype, memory
@@ -536,13 +651,21 @@ class ModelBuffers:
 
     @property
     def dloss(self):
-        plan = self.model._plan(True)
-        last = plan.producer[plan.output]
+        (dloss,) = self.dlosses
+        return dloss
+
+    @property
+    def dlosses(self) -> list:
+        if "_dlosses" not in self.__dict__:
+            plan = self.model._plan(True)
+            self._dlosses = [self._dloss(plan, j) for j in range(len(plan.outputs))]
+        return self._dlosses
+
+    def _dloss(self, plan: graph.Plan, j: int):
+        last = plan.producer[plan.outputs[j]]
         if plan.fused(last):
             return self.of(plan).dout(last)
-        if "loss" not in self.__dict__:
-            self.loss = self.memory.empty((self.n, *self.model.output_shape), self.dtype)
-        return self.loss
+        return self.memory.empty((self.n, *self.model._shapes[1 + j]), self.dtype)
 
 
 def _inputs(inputs, name: str) -> tuple[list[str], list[Symbolic]]:

@@ -8,8 +8,10 @@ backward through the kernels, its buffers preallocated per batch size) or an op
 Lambda) is traced again at each of its calls into op steps whose weight inputs are its weights.
 
 Every tensor is a slot: the model's inputs first, then weights and constants, then each
-step's output in order, so the output is the last slot. Backward sums the gradients of a slot
-that feeds several steps, and writes every weight's gradient into its view of grad_out.
+step's output in order, so a one-output model's output is the last slot. Several outputs (a
+keras.Model with a list or dict of them) each seed backward with their loss's gradient; backward
+sums the gradients of a slot that feeds several steps (or is an output and feeds a step too), and
+writes every weight's gradient into its view of grad_out.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ class Step:
 
 
 class Plan:
-    """The steps from `inputs` to `output` for one `training` value; layers in order of first use."""
+    """The steps from `inputs` to `outputs` for one `training` value; layers in order of first use."""
 
-    def __init__(self, inputs: list[core.Symbolic], output: core.Symbolic, training: bool, where: str):
+    def __init__(self, inputs: list[core.Symbolic], outputs: list[core.Symbolic], training: bool, where: str):
         self.training, self.where = training, where
         self.slots: list[core.Symbolic | None] = list(inputs)
         self.index = {id(s): i for i, s in enumerate(inputs)}
@@ -48,10 +50,15 @@ class Plan:
         self.layers: list[Layer] = []
         self.steps: list[Step] = []
         self._alias: dict[int, core.Symbolic] = {}              # a traced call's output -> its trace's
-        self.output = self._slot(output)
-        if self.output != len(self.slots) - 1 or not self.steps:
-            raise ConfigError(f"{where}: the output is not computed from the inputs by any layer or op")
+        self.outputs = [self._slot(o) for o in outputs]
         self._count()
+        for i, s in enumerate(self.outputs):
+            what = "the output" if len(outputs) == 1 else f"output {i}"
+            if self.producer[s] is None:
+                raise ConfigError(f"{where}: {what} is not computed from the inputs by any layer or op")
+            if self.outputs.index(s) != i:
+                raise ConfigError(f"{where}: {what} is output {self.outputs.index(s)} again; give each "
+                                  "tensor once")
 
     # -- planning ---------------------------------------------------------------------------------
 
@@ -101,8 +108,8 @@ class Plan:
         return len(self.layers) - 1
 
     def _count(self) -> None:
-        """Which slots need a gradient (those computed from a weight), how many steps read each,
-        and which step makes each."""
+        """Which slots need a gradient (those computed from a weight), how many steps (and
+        losses) read each, and which step makes each."""
         n = len(self.slots)
         self.needs_grad = [i in self.weight_slots for i in range(n)]
         self.consumers, self.producer = [0] * n, [None] * n
@@ -113,6 +120,9 @@ class Plan:
                 self.producer[out] = i
             for s in step.ins:
                 self.consumers[s] += 1
+        for s in self.outputs:          # the loss reads each output: its dout is the loss's
+            self.consumers[s] += 1
+        for step in self.steps:
             # A layer's output is already what the next layer takes: only an input, a weight,
             # a constant or an op's output may need _fit (and a chain then skips it per step).
             step.fit = any(self.producer[s] is None or self.steps[self.producer[s]].op is not None
@@ -121,8 +131,9 @@ class Plan:
     def uses(self, layer_index: int) -> int:
         return sum(1 for s in self.steps if s.layer == layer_index)
 
-    def output_step(self) -> Step:
-        return self.steps[self.producer[self.output]]
+    def output_step(self, j: int) -> Step:
+        """The step that makes output j."""
+        return self.steps[self.producer[self.outputs[j]]]
 
     def fused(self, i: int) -> bool:
         """Step i is a layer with buffers of its own (not an op, not a reshape)."""
@@ -229,11 +240,13 @@ def forward(plan: Plan, k, params: list[dict], xs: list[np.ndarray], bufs: PlanB
     return vals
 
 
-def backward(plan: Plan, k, params: list[dict], grads: list[dict], vals: list, dloss: np.ndarray,
+def backward(plan: Plan, k, params: list[dict], grads: list[dict], vals: list, dlosses: list,
              bufs: PlanBuffers, ops: dict = core.OPS) -> None:
-    """Weight gradients into `grads` (views of grad_out), from d loss / d output `dloss`."""
+    """Weight gradients into `grads` (views of grad_out), from d loss / d output, one array of
+    `dlosses` per output."""
     acc: list = [None] * len(plan.slots)
-    acc[plan.output] = dloss
+    for s, dloss in zip(plan.outputs, dlosses, strict=True):
+        acc[s] = dloss
     written: set[int] = set()
     for i in range(len(plan.steps) - 1, -1, -1):
         step = plan.steps[i]

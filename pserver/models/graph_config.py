@@ -3,7 +3,8 @@
 The config names the inputs (key, shape, dtype), the layers called at the top of the graph
 (class and config, as a Sequential's), and the calls in a topological order: a layer's (its
 index, training and keyword arguments) or an op's (its name and attrs), each reading tensors by
-reference: ["input", i], ["node", j, output], or ["const", values, dtype]. A layer of your own is
+reference: ["input", i], ["node", j, output], or ["const", values, dtype]; then the output by
+reference ("output"), or several ("outputs", a list: a model with several). A layer of your own is
 rebuilt from its config and traced again, so the ops of its call are not in the file, and the
 layers it makes in __init__ come back with it. Replaying the calls makes the same graph, whose
 layout (names, shapes, order) is the saved one.
@@ -18,10 +19,10 @@ from pserver.layers import deserialize
 from pserver.ops import core
 
 
-def to_config(keys: list[str], inputs: list[core.Symbolic], output: core.Symbolic, describe) -> dict:
-    """The graph from `inputs` to `output`; `describe(layers)` gives the layers' configs
+def to_config(keys: list[str], inputs: list[core.Symbolic], outputs: list[core.Symbolic], describe) -> dict:
+    """The graph from `inputs` to `outputs`; `describe(layers)` gives the layers' configs
     (ConfigError for one that cannot be rebuilt by name)."""
-    nodes = _topological(output)
+    nodes = _topological(outputs)
     refs = {id(x): ["input", i] for i, x in enumerate(inputs)}
     layers: list = []
     calls = []
@@ -38,13 +39,15 @@ def to_config(keys: list[str], inputs: list[core.Symbolic], output: core.Symboli
         calls.append(entry)
         for k, out in enumerate(node.outputs):
             refs[id(out)] = ["node", j, k]
+    out = [_ref(o, refs) for o in outputs]
     return {"inputs": [{"key": key, "shape": list(x.shape[1:]), "dtype": x.dtype.name}
                        for key, x in zip(keys, inputs)],
-            "layers": describe(layers), "nodes": calls, "output": _ref(output, refs)}
+            "layers": describe(layers), "nodes": calls,
+            **({"output": out[0]} if len(out) == 1 else {"outputs": out})}
 
 
-def from_config(config: dict) -> tuple[list[str], list[core.Symbolic], core.Symbolic]:
-    """(keys, inputs, output) of the graph `config` describes, its calls made again."""
+def from_config(config: dict) -> tuple[list[str], list[core.Symbolic], list[core.Symbolic]]:
+    """(keys, inputs, outputs) of the graph `config` describes, its calls made again."""
     keys = [e["key"] for e in config["inputs"]]
     inputs = [core.Symbolic((None, *e["shape"]), e["dtype"], name=e["key"]) for e in config["inputs"]]
     layers = [deserialize(e) for e in config["layers"]]
@@ -58,12 +61,13 @@ def from_config(config: dict) -> tuple[list[str], list[core.Symbolic], core.Symb
             out = layers[entry["layer"]](args if entry["list"] else args[0], training=entry["training"],
                                          **kwargs)
         made.append(out if isinstance(out, list) else [out])
-    return keys, inputs, _tensor(config["output"], inputs, made)
+    refs = config["outputs"] if "outputs" in config else [config["output"]]
+    return keys, inputs, [_tensor(r, inputs, made) for r in refs]
 
 
-def _topological(output: core.Symbolic) -> list[core.Node]:
-    """The nodes `output` depends on, each after the nodes it reads (iterative: deep graphs)."""
-    order, seen, stack = [], set(), [(output.node, False)]
+def _topological(outputs: list[core.Symbolic]) -> list[core.Node]:
+    """The nodes `outputs` depend on, each after the nodes it reads (iterative: deep graphs)."""
+    order, seen, stack = [], set(), [(o.node, False) for o in reversed(outputs)]
     while stack:
         node, done = stack.pop()
         if node is None or (id(node) in seen and not done):

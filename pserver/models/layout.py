@@ -19,6 +19,10 @@ import numpy as np
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
+    # Not trained (Keras's non-trainable weights, a frozen layer's): the shards' optimizer leaves
+    # it and its state as they are. Not part of the signature: freezing a layer does not make
+    # another model (its checkpoints and files still fit).
+    frozen: bool = False
 
     @property
     def size(self) -> int:
@@ -38,6 +42,15 @@ class Layout:
     @classmethod
     def of(cls, pairs: Iterable[tuple[str, tuple[int, ...]]], tables: Iterable = ()) -> "Layout":
         return cls(tuple(TensorSpec(n, tuple(int(d) for d in s)) for n, s in pairs), tuple(tables))
+
+    def freezing(self, names) -> "Layout":
+        """This layout with the tensors `names` frozen and the others trained."""
+        names = set(names)
+        return Layout(tuple(TensorSpec(t.name, t.shape, t.name in names) for t in self.tensors), self.tables)
+
+    def frozen_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The [start, end) of each frozen tensor in the flat vector, in order."""
+        return tuple(self.offsets()[t.name] for t in self.tensors if t.frozen and t.size)
 
     @property
     def total(self) -> int:

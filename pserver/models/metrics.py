@@ -1,8 +1,11 @@
-"""Evaluation metrics over a whole test set: accuracy, ROC AUC (binary), r2 (regression)."""
+"""Evaluation metrics over a whole test set: accuracy, ROC AUC (binary), r2 (regression); the
+Keras names compile takes for them."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from pserver.errors import ConfigError
 
 
 def accuracy(out: np.ndarray, y: np.ndarray) -> int:
@@ -29,4 +32,22 @@ def r2(sse: float, y: np.ndarray) -> float:
     return 1.0 - sse / sst if sst > 0 else float(sse == 0)
 
 
-__all__ = ["accuracy", "auc", "r2"]
+METRICS = {"accuracy": "accuracy", "acc": "accuracy", "sparse_categorical_accuracy": "accuracy",
+           "categorical_accuracy": "accuracy", "binary_accuracy": "accuracy", "auc": "auc", "r2": "r2"}
+
+
+def check_metrics(metrics) -> list[str]:
+    """Keras's metric names that evaluation reports (accuracy under its aliases, auc, r2)."""
+    if metrics is None:
+        return []
+    if isinstance(metrics, str) or not all(isinstance(m, str) for m in metrics):
+        raise ConfigError(f"compile: metrics={metrics!r}: give a list of names "
+                          f"({', '.join(METRICS)})")
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise ConfigError(f"compile: metrics: {unknown[0]!r} is not supported; evaluation reports "
+                          "accuracy (and auc for binary_crossentropy) or r2 (mse)")
+    return [METRICS[m] for m in metrics]
+
+
+__all__ = ["accuracy", "auc", "r2", "METRICS", "check_metrics"]

@@ -12,7 +12,8 @@ from pserver.errors import ConfigError
 from pserver.layers import deserialize
 from pserver.layers.base import Layer, as_shape
 from pserver.models import losses
-from pserver.models.functional import Functional, check_metrics
+from pserver.models.functional import Functional
+from pserver.models.metrics import check_metrics
 from pserver.ops.core import Symbolic
 
 
@@ -33,9 +34,9 @@ class Sequential(Functional):
     def add(self, layer: Layer) -> None:
         if not isinstance(layer, Layer):
             raise ConfigError(f"Sequential: {layer!r} is not a layer (pserver.layers.*)")
-        if layer.traced or layer.takes_list:
-            raise ConfigError(f"Sequential: {layer.label} runs in a graph (its call traced, or several "
-                              "inputs): build the model with keras.Model(inputs, outputs)")
+        if layer.takes_list:
+            raise ConfigError(f"Sequential: {layer.label} takes several inputs: build the model with "
+                              "keras.Model(inputs, outputs)")
         if self._built:
             raise ConfigError("Sequential: the model is built (its layout is fixed); add layers first")
         self._name(layer)

@@ -63,6 +63,20 @@ class Optimizer:
         self._update = self.rule.update if backend == "numba" else self.rule.update_numpy
         # Live state arrays (not copies): the server checkpoints them, load_state refills them.
         self.state = {k: np.zeros(self.size, dtype=np.float32) for k in self.state_names()}
+        # The [start, end) ranges a step updates: all of it but the frozen (non-trainable) weights.
+        self.ranges: tuple[tuple[int, int], ...] = ((0, self.size),)
+
+    def freeze(self, frozen) -> None:
+        """Leave the [start, end) ranges of `frozen` (sorted, disjoint, within the slice) as they
+        are, and their state: Keras's non-trainable weights, a frozen layer's."""
+        ranges, at = [], 0
+        for a, b in frozen:
+            if a > at:
+                ranges.append((at, a))
+            at = max(at, b)
+        if at < self.size:
+            ranges.append((at, self.size))
+        self.ranges = tuple(ranges)
 
     def state_names(self) -> tuple[str, ...]:
         """The state arrays this optimizer keeps (and checkpoints, by these names)."""
@@ -83,15 +97,25 @@ class Optimizer:
                 raise ValueError(f"{self.name}: {what} is {a.dtype}{list(a.shape)}, "
                                  f"needs float32[{self.size}]")
         t, lr = int(t), self.lr * self.schedule(int(t))
+        for a, b in self.ranges:
+            self._apply_range(w, g, t, lr, a, b)
+
+    def _apply_range(self, w, g, t, lr, start, end) -> None:
+        """The rule on [start, end): on several threads when it is large (bit-identical)."""
         pieces = os.cpu_count() or 1
-        if self.backend != "numba" or self.size < PARALLEL_MIN_ELEMENTS or pieces < 2:
-            self._apply(w, g, self.state, t, lr)
+        if self.backend != "numba" or end - start < PARALLEL_MIN_ELEMENTS or pieces < 2:
+            bounds = [start, end]
+        else:
+            bounds = np.linspace(start, end, pieces + 1).astype(int)
+        if (start, end) == (0, self.size) and len(bounds) == 2:
+            self._apply(w, g, self.state, t, lr)          # the whole arrays: no views to make
             return
-        bounds = np.linspace(0, self.size, pieces + 1).astype(int)
-        futures = [_pool().submit(self._apply, w[a:b], g[a:b],
-                                  {k: v[a:b] for k, v in self.state.items()}, t, lr)
-                   for a, b in zip(bounds, bounds[1:])]
-        for f in futures:
+        parts = [(w[a:b], g[a:b], {k: v[a:b] for k, v in self.state.items()})
+                 for a, b in zip(bounds, bounds[1:])]
+        if len(parts) == 1:
+            self._apply(*parts[0], t, lr)
+            return
+        for f in [_pool().submit(self._apply, *part, t, lr) for part in parts]:
             f.result()
 
     def _apply(self, w, g, state, t, lr):

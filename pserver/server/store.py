@@ -264,6 +264,7 @@ class ShardStore:
         self.counters = Counters()
         self.version = -1                 # -1 until the chief's Init (or a restore)
         self.signature = ""               # layout signature; "" until the first Register
+        self.frozen: tuple | None = None   # the layout's frozen [start, end) ranges, from the first Register
         self.total = 0
         self.start = self.end = 0
         self.params: np.ndarray | None = None
@@ -325,7 +326,29 @@ class ShardStore:
             os.close(self.params_fd)
         self.params_fd, self.params = shared_zeros(end - start)
         self.optimizer = self._make_optimizer(end - start)
+        if self.frozen is not None:
+            self.optimizer.freeze(self._own(self.frozen))
         self.pool = BufferPool(end - start)
+
+    def freeze(self, frozen: tuple) -> None:
+        """The layout's frozen tensors ([start, end) in the flat vector), which the optimizer leaves
+        as they are: fixed by the first Register (of this shard's life: a restore does not keep
+        them), to be the same for every later one (cond held; after configure, which changed
+        nothing then)."""
+        if self.frozen is None:
+            self.frozen = tuple(frozen)
+            self.optimizer.freeze(self._own(self.frozen))
+        elif tuple(frozen) != self.frozen:
+            def say(ranges):
+                return f"{sum(b - a for a, b in ranges):,} params in {len(ranges)} tensor(s)"
+            raise FailedPrecondition(f"layout: the worker freezes {say(frozen)} (not trained), this shard "
+                                     f"{say(self.frozen)}; every worker must train the same weights "
+                                     "(layer.trainable, add_weight(trainable=False))")
+
+    def _own(self, frozen: tuple) -> list[tuple[int, int]]:
+        """The frozen ranges within this shard's slice, from its start."""
+        return [(max(a, self.start) - self.start, min(b, self.end) - self.start)
+                for a, b in frozen if a < self.end and b > self.start]
 
     def begin_dump(self, delta: bool) -> StateDump:
         """The state at this version, to be read a stripe at a time while training goes on (a

@@ -285,7 +285,8 @@ class ShardClient:
                                  num_shards=num_shards, batch_size=batch_size, previous_session=previous,
                                  data_seed=data_order[0], steps_per_epoch=data_order[1],
                                  protocol_version=codec.PROTOCOL_VERSION,
-                                 layout=[pb.TensorSpec(name=t.name, shape=t.shape) for t in layout.tensors],
+                                 layout=[pb.TensorSpec(name=t.name, shape=t.shape, frozen=t.frozen)
+                                         for t in layout.tensors],
                                  tables=[codec.table_spec(t) for t in layout.tables])
         self.info = r = registration_of(self.call(self.stub.Register, req, timeout=timeout))
         if self.auto_rank:                    # a rejoin registers the rank shard 0 assigned

@@ -75,8 +75,9 @@ def sparse_tables(model) -> list:
 
 
 def registered_layout(model) -> Layout:
-    """What the shards are told: the dense tensors and the sparse tables."""
-    return Layout(model.layout.tensors, tuple(sparse_tables(model)))
+    """What the shards are told: the dense tensors (those frozen now marked) and the sparse tables."""
+    frozen = getattr(model, "frozen_weights", list)()
+    return Layout(model.layout.tensors, tuple(sparse_tables(model))).freezing(frozen)
 
 
 class Rows:
