@@ -28,13 +28,15 @@ from pserver.layers.base import Layer, Pass
 from pserver.models import graph, graph_config, losses, metrics
 from pserver.models.base import BatchBuffers, Model, shaped_for
 from pserver.models.layout import Layout
+from pserver.models.sparse_graph import SparseProtocol
 from pserver.ops.core import Symbolic
 
 
-class Functional(Model):
+class Functional(SparseProtocol, Model):
     """Functional(inputs, outputs): the layers and ops called from keras.Input tensors to the
     output. The loss is sparse categorical cross-entropy from logits unless `compile(loss=...)`
-    says otherwise."""
+    says otherwise. With dict inputs and sparse Embedding layers it takes records and speaks
+    the sparse model protocol (pserver.models.sparse_graph)."""
 
     def __init__(self, inputs, outputs, name: str = "functional", loss="sparse_categorical_crossentropy",
                  backend: str = "cpu"):
@@ -52,6 +54,7 @@ class Functional(Model):
         self.use_backend(backend)
         self._seeds = itertools.count()
         self._plans: dict[bool, graph.Plan] = {}
+        self._sparse = None
         self._buffers = BatchBuffers(lambda n, dtype: ModelBuffers(self, n, dtype))
 
     def _connect(self, inputs, outputs) -> None:
@@ -118,6 +121,7 @@ class Functional(Model):
         if self.output_activation != "linear" and self._plan(False).uses(self.layers.index(last)) > 1:
             raise ConfigError(f"{self.name}: {last.label} computes the output and is called elsewhere too; "
                               "its activation fuses into the loss there: give the output its own layer")
+        self._find_sparse()
         self._built = True
         return self
 
@@ -280,18 +284,22 @@ class Functional(Model):
 
     # -- training ------------------------------------------------------------------------------
 
-    def loss_and_grad(self, w, x, y, grad_out, seed: int | None = None):
+    def loss_and_grad(self, w, x, y, grad_out, seed: int | None = None, sparse=None):
         """Mean loss of the batch; its gradient into grad_out. `seed` draws dropout masks
-        (the worker derives one per rank and step); None takes the next of a counter."""
+        (the worker derives one per rank and step); None takes the next of a counter. A model
+        with sparse tables takes the batch's rows as `sparse`, a TableLookup per table, and
+        writes their gradients into them (pserver.models.sparse_graph)."""
         x, y = self._check_batch(w, x, y)
         # A strided grad_out would make layout.views copy, and the gradient would be lost.
         if grad_out.shape != w.shape or grad_out.dtype != w.dtype or not grad_out.flags.c_contiguous:
             raise ValueError(f"grad_out must be a C-contiguous {w.dtype} vector of shape {w.shape}, "
                              f"got {grad_out.dtype} {grad_out.shape} with strides {grad_out.strides}")
+        run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
+        if self.sparse_tables:
+            return self._sparse_step(w, x, y, grad_out, sparse, run)
         params = self._per_layer(self.layout.views(w))
         grads = self._per_layer(self.layout.views(grad_out))
         bufs = self._buffers(x.shape[0], w.dtype)
-        run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
         ins = self._forward(params, x, bufs, run)
         if self.task != "regression":       # the batch's accuracy, for Keras's per-epoch metric
             self.batch_correct = metrics.accuracy(ins[-1], y)
@@ -345,7 +353,9 @@ class Functional(Model):
                              f"{', '.join(map(str, inp.shape[1:]))}) with n = {n}")
         return shaped.reshape(n, -1)
 
-    def _unpack(self, x: np.ndarray, dtype) -> list[np.ndarray]:
+    def _unpack(self, x, dtype) -> list[np.ndarray]:
+        if isinstance(x, list):                  # one array per input already (sparse_graph)
+            return x
         if len(self._inputs) == 1:
             return [x]
         parts, at = [], 0
@@ -365,7 +375,10 @@ class Functional(Model):
                 layer.check_ids(xs[step.ins[0]])
 
     def _check_batch(self, w, x, y):
-        """x as C-contiguous (n, *input_shape), y as the loss's labels; else ValueError."""
+        """x as C-contiguous (n, *input_shape) (records for a sparse model), y as the loss's
+        labels; else ValueError."""
+        if self.sparse_tables:
+            return self._check_records(w, x, y)
         self._check_w(w)
         x, y = self._fit(x, y)
         y = np.ascontiguousarray(y, dtype=self.loss.label_dtype(w.dtype))
@@ -391,9 +404,13 @@ class Functional(Model):
     def _fit(self, x, y) -> tuple[np.ndarray, np.ndarray]:
         """x reshaped to the input; ValueError naming the layer and the shapes if it does not
         fit, or if a label is outside what the last layer and the loss take."""
-        shaped, y = self._fit_x(x), self.loss.labels(y)
-        if y.shape != (shaped.shape[0],):
-            raise ValueError(f"y has shape {y.shape}; x has {shaped.shape[0]} rows")
+        shaped = self._fit_x(x)
+        return shaped, self._labels(self.loss.labels(y), shaped.shape[0], "rows")
+
+    def _labels(self, y: np.ndarray, n: int, what: str) -> np.ndarray:
+        """y, checked: one label per sample, each one the last layer and the loss take."""
+        if y.shape != (n,):
+            raise ValueError(f"y has shape {y.shape}; x has {n} {what}")
         if self.task != "regression" and y.size:
             hi = 1 if isinstance(self.loss, losses.BinaryCrossentropy) else self.output_shape[-1] - 1
             bad = (y < 0) | (y > hi) | (y != np.floor(y))
@@ -401,7 +418,7 @@ class Functional(Model):
                 i = int(np.argmax(bad))
                 raise ValueError(f"label out of range: y[{i}] = {y[i].item()!r}; "
                                  f"{self._output_label()} with {self.loss.name} takes 0..{hi}")
-        return shaped, y
+        return y
 
     def check_data(self, x: np.ndarray, y: np.ndarray, what: str = "data") -> np.ndarray:
         """Everything about a whole dataset that would fail later, now; x reshaped to fit.
@@ -409,6 +426,8 @@ class Functional(Model):
         The shape against the input, labels against the outputs, NaN or Inf in x, ids
         against an Embedding's input_dim: DataError naming `what`, the layer and the shapes.
         """
+        if self.sparse_tables:
+            return self._check_record_data(x, y, what)
         try:
             x, y = self._fit(x, y)
             if self._takes_ids:
@@ -423,9 +442,12 @@ class Functional(Model):
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def predict(self, w, x, batch_size=4096) -> np.ndarray:
+    def predict(self, w, x, batch_size=4096, rows=None) -> np.ndarray:
         """The last layer's outputs for every sample of x, (n, units) in w's dtype: logits for
-        a classifier (argmax is the class), the prediction for regression."""
+        a classifier (argmax is the class), the prediction for regression. `rows` as for
+        evaluate."""
+        if self.sparse_tables:
+            return self._sparse_predict(w, x, batch_size, rows)
         self._check_w(w)
         x = np.ascontiguousarray(self._fit_x(x), dtype=None if self._takes_ids else w.dtype)
         params = self._per_layer(self.layout.views(w))
@@ -445,10 +467,14 @@ class Functional(Model):
         per_sample = elements * np.dtype(dtype).itemsize
         return max(1, min(int(batch_size), EVAL_CHUNK_BYTES // max(per_sample, 1)))
 
-    def evaluate(self, w, x, y, batch_size=4096, threads=1):
+    def evaluate(self, w, x, y, batch_size=4096, threads=1, rows=None):
         """Loss plus accuracy (and AUC for a binary loss), or r2 for regression, over all of x.
         `threads`: run the chunks on that many threads (the kernels release the GIL), each with
-        its own buffers; the result is the same whatever the number (chunks summed in order)."""
+        its own buffers; the result is the same whatever the number (chunks summed in order).
+        A model with sparse tables takes `rows(ids per table)`, the batch's TableLookups with the
+        rows filled (the worker pulls them from the shards), for each batch_size records."""
+        if self.sparse_tables:
+            return self._sparse_evaluate(w, x, y, batch_size, rows)
         x, y = self._check_batch(w, x, y)
         params = self._per_layer(self.layout.views(w))
         n = x.shape[0]
