@@ -142,19 +142,23 @@ class SparseProtocol:
     def _records(self, x) -> np.ndarray:
         """x as a 1-D array of records; ValueError naming the field and what it should be."""
         x, record = np.asarray(x), self._sparse.record
-        want = f"{self.name} takes records with fields {_describe(record)}"
         if not set(record.names) <= set(x.dtype.names or ()):
-            raise ValueError(f"x has dtype {x.dtype}; {want}")
+            raise ValueError(f"x has dtype {x.dtype}; {self._takes()}")
         if x.ndim != 1 or len(x) == 0:
-            raise ValueError(f"x has shape {x.shape}; {want}, as a 1-D array of n >= 1 records")
+            raise ValueError(f"x has shape {x.shape}; {self._takes()}, as a 1-D array of n >= 1 records")
         for field in record.names:
             got, expect = x.dtype[field], record[field]
             ids = expect.base.kind in "iu"
             if got.shape != expect.shape or got.base.kind not in ("iu" if ids else "f"):
                 what = "integer ids" if ids else "floats"
                 raise ValueError(f"x[{field!r}] has dtype {got.base} and shape {got.shape}; it must "
-                                 f"hold {what} of shape {expect.shape} ({want})")
+                                 f"hold {what} of shape {expect.shape} ({self._takes()})")
         return x
+
+    def _takes(self) -> str:
+        record = self._sparse.record
+        fields = ", ".join(f"{k} {record[k].base} {record[k].shape}" for k in record.names)
+        return f"{self.name} takes records with fields {fields}"
 
     def _check_records(self, w, x, y) -> tuple[np.ndarray, np.ndarray]:
         self._check_w(w)
@@ -191,10 +195,6 @@ class SparseProtocol:
                     raise DataError(f"{what}: x[{field!r}] has NaN or Inf values in {int((~finite).sum())} "
                                     f"records, the first at index {int(np.argmin(finite))}")
         return x
-
-
-def _describe(record: np.dtype) -> str:
-    return ", ".join(f"{name} {record[name].base} {record[name].shape}" for name in record.names)
 
 
 __all__ = ["SparseLayers", "SparseProtocol"]
