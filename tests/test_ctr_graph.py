@@ -11,7 +11,10 @@ import os
 import numpy as np
 import pytest
 
-from pserver.models import Functional, make_model
+from pserver.errors import ConfigError
+from pserver.keras import Input
+from pserver.layers import Dense, Embedding, Flatten, add
+from pserver.models import Functional, make_model, metrics
 from pserver.models.ctr import CTR_MODELS
 from pserver.persist.export import evaluate_files, export_checkpoints
 from tests.support.ctr import labels, lookups, planted, pull, records, train_locally
@@ -169,5 +172,27 @@ def test_a_users_wide_and_deep_over_records_trains_as_a_built_in(tmp_path):
     train, test = slice(0, 20000), slice(20000, None)
     w, rows = train_locally(model, x[train], y[train])
     got = model.evaluate(w, x[test], y[test], batch_size=1000, rows=lambda ids: pull(model, ids, rows))
-    from pserver.models import metrics
     assert got["auc"] > metrics.auc(logit[test], y[test]) - 0.02, got
+
+
+def _bad_graph(kind: str) -> Functional:
+    dense = Input(shape=(3,), name="dense")
+    cat = Input(shape=(2,), dtype="float32" if kind == "float ids" else "int64", name="cat")
+    ids = cat + 1 if kind == "computed ids" else cat
+    logit = Dense(1)(Flatten()(Embedding(None, 1, sparse=True, name="e")(ids)))
+    if kind == "shared input":         # the Dense would read row positions, not the ids
+        logit = add([logit, Dense(1)(cat)])
+    return Functional({"dense": dense, "cat": cat}, add([logit, Dense(1)(dense)]),
+                      loss="binary_crossentropy").build()
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("float ids", r"e \(Embedding\) reads input 'cat' of float32; give ids"),
+    ("computed ids", "a sparse Embedding is called once, on a model input of ids"),
+    ("shared input", "input 'cat' feeds a sparse Embedding and other layers too"),
+])
+def test_a_sparse_embedding_that_cannot_read_a_record_field_is_refused_at_build(kind, match):
+    """Refused when the model is built, not trained on wrong values: the sparse layer's input
+    becomes the lookup's row positions, which no other layer may read."""
+    with pytest.raises(ConfigError, match=match):
+        _bad_graph(kind)

@@ -35,6 +35,9 @@ class SparseLayers:
             if step.ins[0] >= len(keys) or plan.uses(step.layer) > 1:
                 raise ConfigError(f"{where}: {layer.label}: a sparse Embedding is called once, on a "
                                   "model input of ids (a record field)")
+            if plan.slots[step.ins[0]].dtype.kind not in "iu":
+                raise ConfigError(f"{where}: {layer.label} reads input {keys[step.ins[0]]!r} of "
+                                  f"{plan.slots[step.ins[0]].dtype}; give ids: Input(..., dtype='int64')")
             self.layers.append(step.layer)
             self.fields.append(step.ins[0])
         for i in set(self.fields):
