@@ -30,23 +30,27 @@ class SparseLayers:
         self.checked: np.dtype | None = None       # the dtype of records last found to fit
         self.layers, self.fields = [], []
         for step in plan.steps:
-            layer = None if step.layer is None else plan.layers[step.layer]
-            if not getattr(layer, "sparse", False):
-                continue
-            if step.ins[0] >= len(keys) or plan.uses(step.layer) > 1:
-                raise ConfigError(f"{where}: {layer.label}: a sparse Embedding is called once, on a "
-                                  "model input of ids (a record field)")
-            if plan.slots[step.ins[0]].dtype.kind not in "iu":
-                raise ConfigError(f"{where}: {layer.label} reads input {keys[step.ins[0]]!r} of "
-                                  f"{plan.slots[step.ins[0]].dtype}; give ids: Input(..., dtype='int64')")
-            self.layers.append(step.layer)
-            self.fields.append(step.ins[0])
+            if step.layer is not None and getattr(plan.layers[step.layer], "sparse", False):
+                self.layers.append(step.layer)
+                self.fields.append(_field(plan, step, keys, where))
         for i in set(self.fields):
             if plan.consumers[i] != self.fields.count(i):
                 raise ConfigError(f"{where}: input {keys[i]!r} feeds a sparse Embedding and other layers "
                                   "too; the sparse layers read it as row positions: give the others "
                                   "their own input")
         self.tables = [plan.layers[li].table_config() for li in self.layers]
+
+
+def _field(plan: graph.Plan, step: graph.Step, keys: list[str], where: str) -> int:
+    """The model input a sparse Embedding's step reads: ids straight from a record field."""
+    layer, i = plan.layers[step.layer], step.ins[0]
+    if i >= len(keys) or plan.uses(step.layer) > 1:
+        raise ConfigError(f"{where}: {layer.label}: a sparse Embedding is called once, on a "
+                          "model input of ids (a record field)")
+    if plan.slots[i].dtype.kind not in "iu":
+        raise ConfigError(f"{where}: {layer.label} reads input {keys[i]!r} of "
+                          f"{plan.slots[i].dtype}; give ids: Input(..., dtype='int64')")
+    return i
 
 
 class SparseProtocol:
@@ -152,14 +156,16 @@ class SparseProtocol:
         if x.ndim != 1 or len(x) == 0:
             raise ValueError(f"x has shape {x.shape}; {self._takes()}, as a 1-D array of n >= 1 records")
         for field in record.names:
-            got, expect = x.dtype[field], record[field]
-            ids = expect.base.kind in "iu"
-            if got.shape != expect.shape or got.base.kind not in ("iu" if ids else "f"):
-                what = "integer ids" if ids else "floats"
-                raise ValueError(f"x[{field!r}] has dtype {got.base} and shape {got.shape}; it must "
-                                 f"hold {what} of shape {expect.shape} ({self._takes()})")
+            self._check_field(field, x.dtype[field], record[field])
         self._sparse.checked = x.dtype
         return x
+
+    def _check_field(self, field: str, got: np.dtype, expect: np.dtype) -> None:
+        ids = expect.base.kind in "iu"
+        if got.shape != expect.shape or got.base.kind not in ("iu" if ids else "f"):
+            what = "integer ids" if ids else "floats"
+            raise ValueError(f"x[{field!r}] has dtype {got.base} and shape {got.shape}; it must "
+                             f"hold {what} of shape {expect.shape} ({self._takes()})")
 
     def _takes(self) -> str:
         record = self._sparse.record
