@@ -145,6 +145,9 @@ class Concatenate(_Merge):
         if len(rest) != 1:
             raise self.mismatch(input_shape, f"they must agree on every axis but {self.axis}")
         self.sizes = [s[a] for s in input_shape]
+        # Each input's part of the output, as an index (the backward pass copies it out).
+        ends = np.cumsum(self.sizes)
+        self._parts = [(slice(None),) * (a + 1) + (slice(e - n, e),) for n, e in zip(self.sizes, ends)]
         return (*input_shape[0][:a], sum(self.sizes), *input_shape[0][a + 1:])
 
     @property
@@ -155,10 +158,9 @@ class Concatenate(_Merge):
         np.concatenate(x, axis=self._batched_axis, out=out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
-        parts = np.split(dout, np.cumsum(self.sizes)[:-1], axis=self._batched_axis)
-        for d, part in zip(dx, parts):
+        for d, part in zip(dx, self._parts):
             if d is not None:
-                np.copyto(d, part)
+                np.copyto(d, dout[part])
 
 
 class Dot(_Merge):
