@@ -48,7 +48,7 @@ def train_step(model, w, grad, x, y, rng) -> None:
     lookups = [first] + [TableLookup.like(first, t.dim) for t in tables[1:]]
     for lk in lookups:
         lk.rows[:] = rng.uniform(-0.05, 0.05, lk.rows.shape)
-    model.loss_and_grad(w, x, y, grad, lookups)
+    model.loss_and_grad(w, x, y, grad, sparse=lookups)
 
 
 def main() -> None:
@@ -79,8 +79,9 @@ def main() -> None:
           f"(profiled, so a little slower than unprofiled)")
     stats = pstats.Stats(profile)
     gemm = sum(v[2] for k, v in stats.stats.items() if k[2] in ("dense_forward", "dense_backward"))
-    flops = 2 * 3 * samples * sum(int(np.prod(layer.kernel_shape())) for layer in model.deep)
-    if model.deep:
+    deep = [layer for layer in model.layers if layer.name.startswith("deep_")]
+    flops = 2 * 3 * samples * sum(int(np.prod(layer.kernel_shape())) for layer in deep)
+    if deep:
         print(f"dense GFLOP/s: {flops / gemm / 1e9:.1f} ({gemm / seconds:.0%} of the time)")
     stats.sort_stats("tottime").print_stats(args.top)
 

@@ -11,7 +11,10 @@ Each tree runs in a child process (PYTHONPATH set to it) that builds the model, 
 alternates the children for --rounds rounds, so both see the same load. Besides wall time it
 reports the step thread's CPU time (time.thread_time), which a loaded machine disturbs less;
 with NUMBA_NUM_THREADS=1 that is the whole step's. Models: cnn (the seeds'
-CNN on MNIST's shape), mlp (784-256-256-10) and drop (Embedding, Flatten, Dropout, Dense).
+CNN on MNIST's shape), mlp (784-256-256-10), drop (Embedding, Flatten, Dropout, Dense), and the
+CTR models lr, fm, wide_deep and deepfm on Criteo-shaped records, whose rows (the same in both
+trees, from a seeded generator) come as the worker hands them; their gradient compared is the
+dense one followed by every table's row gradients.
 """
 
 from __future__ import annotations
@@ -33,7 +36,20 @@ from pserver.models import make_model
 from pserver.models.sequential import Sequential
 
 name, batch, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-if name == "drop":
+extra, rows = {"seed": 7}, []
+if name in ("lr", "fm", "wide_deep", "deepfm"):
+    from pserver.sparse import TableLookup
+    model = make_model(name, (), 2, backend="cpu")
+    rng = np.random.default_rng(1)
+    x = np.zeros(batch, [("dense", np.float32, (13,)), ("cat", np.int64, (26,))])
+    x["dense"] = rng.random((batch, 13), dtype=np.float32)
+    x["cat"] = rng.integers(0, 50, (batch, 26)) * 26 + np.arange(26)   # ids repeat in the batch
+    first = TableLookup.of(x["cat"], 1)
+    rows = [TableLookup.like(first, t.dim) for t in model.sparse_tables]
+    for lk in rows:
+        lk.rows[:] = rng.standard_normal(lk.rows.shape, dtype=np.float32) * 0.1
+    extra = {"sparse": rows}
+elif name == "drop":
     model = Sequential([Embedding(50, 8, input_shape=(6,)), Flatten(), Dense(32, activation="relu"),
                         Dropout(0.5), Dense(10)], name="drop")
     x = np.random.default_rng(1).integers(0, 50, (batch, 6))
@@ -41,18 +57,18 @@ else:
     shape = (28, 28, 1) if name == "cnn" else (784,)
     model = make_model(name, shape, 10)
     x = np.random.default_rng(1).random((batch, *shape), dtype=np.float32)
-y = np.random.default_rng(2).integers(0, 10, batch)
+y = np.random.default_rng(2).integers(0, 2 if rows else 10, batch)
 w = model.init_params(0)
 g = np.zeros_like(w)
 for _ in range(5):
-    model.loss_and_grad(w, x, y, g, seed=7)
-np.save(out, g)
+    model.loss_and_grad(w, x, y, g, **extra)
+np.save(out, np.concatenate([g, *(lk.grads.ravel() for lk in rows)]))
 print("ready", flush=True)
 for line in sys.stdin:
     times = []
     for _ in range(int(line)):
         t, c = time.perf_counter(), time.thread_time()
-        model.loss_and_grad(w, x, y, g, seed=7)
+        model.loss_and_grad(w, x, y, g, **extra)
         times.append((time.perf_counter() - t, time.thread_time() - c))
     print(json.dumps(times), flush=True)
 """
@@ -71,7 +87,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="the source tree to compare against")
     ap.add_argument("--new", default=".", help="the source tree measured (default: this one)")
-    ap.add_argument("--model", choices=("cnn", "mlp", "drop"), default="cnn")
+    ap.add_argument("--model", default="cnn",
+                    choices=("cnn", "mlp", "drop", "lr", "fm", "wide_deep", "deepfm"))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=10, help="steps per child per round")
@@ -98,7 +115,8 @@ def main() -> None:
                       "speed_new_over_base": round(best["base"] / best["new"], 3),
                       "min_thread_cpu_ms": {k: round(v * 1e3, 3) for k, v in cpu.items()},
                       "cpu_speed_new_over_base": round(cpu["base"] / cpu["new"], 3),
-                      "grad_max_rel_diff": rel, "load": round(os.getloadavg()[0], 2),
+                      "grad_max_rel_diff": rel, "grad_bitwise_equal": bool(np.array_equal(gn, gb)),
+                      "load": round(os.getloadavg()[0], 2),
                       "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
 
 

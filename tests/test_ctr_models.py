@@ -17,9 +17,10 @@ from pserver.data.criteo import RECORD
 from pserver.errors import ConfigError, DataError
 from pserver.kernels import CPU_KERNELS, cpu, reference
 from pserver.layers import Dense, Embedding, Flatten, Pass
-from pserver.models import CTRModel, Sequential, make_model, metrics
+from pserver.models import Sequential, make_model, metrics
 from pserver.models.ctr import CTR_MODELS, record_dtype
 from pserver.sparse import TableLookup
+from tests.support.ctr import labels, lookups, planted, pull, records, train_locally
 
 FAST = settings(max_examples=25, deadline=None)
 NAMES = tuple(CTR_MODELS)
@@ -31,50 +32,8 @@ def small(name, backend="reference", **options):
     return make_model(name, (), 2, hidden=(6, 7), backend=backend, **SMALL | options)
 
 
-def records(model: CTRModel, n, rng, vocab=6) -> np.ndarray:
-    """n records; a small vocabulary per field, so ids repeat within the batch. The ids are
-    large and negative too (hashed values are any int64), distinct across fields."""
-    x = np.zeros(n, model.record)
-    fields = model.fields
-    table = rng.integers(-2**62, 2**62, (fields, vocab))
-    x["cat"] = table[np.arange(fields), rng.integers(0, vocab, (n, fields))]
-    x["dense"] = rng.random((n, x["dense"].shape[1])) * 3
-    return x
-
-
-def pull(model, ids_per_table, rows=None, rng=None, dtype=np.float32) -> list[TableLookup]:
-    """What the worker hands the model: per table, a TableLookup with rows from `rows` (a
-    per-table {id: row} dict, a new id at the table's initial scale), or random ones from
-    `rng`, in `dtype`; grads NaN until the model writes them."""
-    out = []
-    for i, (ids, table) in enumerate(zip(ids_per_table, model.sparse_tables)):
-        lk = TableLookup.of(ids, table.dim)
-        if rows is None:
-            vals = rng.standard_normal(lk.rows.shape) * 0.5
-        else:
-            vals = np.stack([_row(rows[i], table, int(u)) for u in lk.uniq])
-        out.append(TableLookup(lk.uniq, lk.inverse, vals.astype(dtype),
-                               np.full(vals.shape, np.nan, dtype)))
-    return out
-
-
-def lookups(model, x, rng=None, dtype=np.float32, rows=None) -> list[TableLookup]:
-    return pull(model, model.batch_ids(x), rows, rng, dtype)
-
-
-def _row(rows: dict, table, uid: int) -> np.ndarray:
-    if uid not in rows:
-        scale = table.init_scale
-        rows[uid] = np.random.default_rng(uid % 2**63).uniform(-scale, scale, table.dim)
-    return rows[uid]
-
-
 def params(model, rng, dtype=np.float32):
     return (rng.standard_normal(model.layout.total) * 0.5).astype(dtype)
-
-
-def labels(n, rng, dtype=np.float32):
-    return rng.integers(0, 2, n).astype(dtype)
 
 
 # -- kernels against their twins --------------------------------------------------------------
@@ -209,7 +168,7 @@ def test_init_params_deterministic_and_linear_part_starts_at_zero(name):
     model = small(name)
     w = model.init_params(3)
     np.testing.assert_array_equal(w, model.init_params(3))
-    if model.deep:    # lr's and fm's dense weights (the linear part) all start at zero
+    if CTR_MODELS[name][1]:    # lr's and fm's dense weights (the linear part) all start at zero
         assert not np.array_equal(w, model.init_params(4))
     views = model.layout.views(w)
     assert not views["dense_linear/kernel"].any() and not views["dense_linear/bias"].any()
@@ -227,12 +186,12 @@ def test_dense_and_row_gradients_match_central_differences(name):
     lks = lookups(model, x, rng, np.float64)
     assert any(len(lk.uniq) < lk.inverse.size for lk in lks)
     grad = np.full_like(w, np.nan)
-    loss = model.loss_and_grad(w, x, y, grad, lks)
+    loss = model.loss_and_grad(w, x, y, grad, sparse=lks)
 
     def f(w_, lks_):
         return model.loss_and_grad(w_, x, y, np.empty_like(w_),
-                                   [TableLookup(lk.uniq, lk.inverse, lk.rows, np.empty_like(lk.rows))
-                                    for lk in lks_])
+                                   sparse=[TableLookup(lk.uniq, lk.inverse, lk.rows, np.empty_like(lk.rows))
+                                           for lk in lks_])
 
     eps = 1e-6
     fd = np.array([(f(w + eps * e, lks) - f(w - eps * e, lks)) / (2 * eps) for e in np.eye(w.size)])
@@ -260,8 +219,8 @@ def test_duplicate_ids_have_their_gradients_summed(name):
     deduped = lookups(model, x, rng)
     per_use = [_one_row_per_use(lk) for lk in deduped]
     g1, g2 = np.empty_like(w), np.empty_like(w)
-    loss1 = model.loss_and_grad(w, x, y, g1, deduped)
-    loss2 = model.loss_and_grad(w, x, y, g2, per_use)
+    loss1 = model.loss_and_grad(w, x, y, g1, sparse=deduped)
+    loss2 = model.loss_and_grad(w, x, y, g2, sparse=per_use)
     assert loss1 == pytest.approx(loss2, rel=1e-6)
     np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-7)
     for lk, split in zip(deduped, per_use):
@@ -287,29 +246,14 @@ def test_cpu_equals_reference(name):
     for a, b in zip(got, want):
         b.rows[:] = a.rows
     g_fast, g_twin = np.empty_like(w), np.empty_like(w)
-    assert fast.loss_and_grad(w, x, y, g_fast, got) == pytest.approx(
-        twin.loss_and_grad(w, x, y, g_twin, want), rel=1e-5)
+    assert fast.loss_and_grad(w, x, y, g_fast, sparse=got) == pytest.approx(
+        twin.loss_and_grad(w, x, y, g_twin, sparse=want), rel=1e-5)
     np.testing.assert_allclose(g_fast, g_twin, rtol=1e-4, atol=1e-6)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a.grads, b.grads, rtol=1e-4, atol=1e-6)
 
 
 # -- the models: training on a planted logistic model ---------------------------------------------
-
-def planted(n, rng, fields=8, vocab=40, dense=4):
-    """Records whose clicks come from a logistic model on per-id weights N(0, 0.5^2) and dense
-    weights N(0, 0.5^2), with a bias that gives about 25% positives (Criteo's rate); and the
-    planted logits (the best any model can rank by)."""
-    x = np.zeros(n, record_dtype(dense, fields))
-    pick = rng.integers(0, vocab, (n, fields))
-    x["cat"] = np.arange(fields) * 1000 + pick - 3000      # distinct per field, negative ones too
-    x["dense"] = rng.random((n, dense)) * 2
-    logit = rng.normal(0, 0.5, (fields, vocab))[np.arange(fields), pick].sum(axis=1)
-    logit += x["dense"] @ rng.normal(0, 0.5, dense)
-    logit += -1.1 - np.median(logit)
-    y = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
-    return x, y, logit
-
 
 @pytest.mark.parametrize("name", NAMES)
 def test_training_in_process_reaches_the_planted_auc(name):
@@ -324,27 +268,10 @@ def test_training_in_process_reaches_the_planted_auc(name):
     assert 0.2 < y.mean() < 0.35 and best["auc"] > 0.8
     model = make_model(name, (), 2, hidden=(16, 8), backend="cpu", fields=8, dense_features=4,
                        embedding_dim=4)
-    w, rows = _train_locally(model, x[train], y[train])
+    w, rows = train_locally(model, x[train], y[train])
     got = model.evaluate(w, x[test], t, batch_size=1000, rows=lambda ids: pull(model, ids, rows))
     assert got["auc"] > best["auc"] - 0.015, (got, best)
     assert got["loss"] < best["loss"] + 0.03 and got["accuracy"] > best["accuracy"] - 0.02, (got, best)
-
-
-def _train_locally(model, x, y, epochs=2, batch=200, lr=0.3, row_lr=2.0):
-    """SGD; the rows get a larger step, as each row's gradient is a mean over the whole batch
-    of which it touches a few samples."""
-    w = model.init_params(0)
-    g = np.empty_like(w)
-    rows = [{} for _ in model.sparse_tables]
-    for _ in range(epochs):
-        for a in range(0, len(x), batch):
-            lks = lookups(model, x[a:a + batch], rows=rows)
-            model.loss_and_grad(w, x[a:a + batch], y[a:a + batch], g, lks)
-            w -= lr * g
-            for table, lk in zip(rows, lks):
-                for uid, grad in zip(lk.uniq, lk.grads):
-                    table[int(uid)] = table[int(uid)] - row_lr * grad
-    return w, rows
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -369,7 +296,7 @@ def test_bad_records_name_the_field(make_x, match):
     with pytest.raises(ValueError, match=match):
         model.batch_ids(x)
     with pytest.raises(ValueError, match=match):
-        model.loss_and_grad(w, x, np.zeros(3), np.empty_like(w), [])
+        model.loss_and_grad(w, x, np.zeros(3), np.empty_like(w), sparse=[])
     with pytest.raises(DataError, match="training set: " + match):
         model.check_data(x, np.zeros(3), "training set")
 
@@ -379,15 +306,15 @@ def test_bad_batches_labels_and_lookups():
     x, y, w = records(model, 4, rng), labels(4, rng), model.init_params(0)
     g, lks = np.empty_like(w), lookups(model, x, rng)
     with pytest.raises(ValueError, match=r"label out of range: y\[1\] = 2.0"):
-        model.loss_and_grad(w, x, np.array([0, 2, 1, 0.0]), g, lks)
+        model.loss_and_grad(w, x, np.array([0, 2, 1, 0.0]), g, sparse=lks)
     with pytest.raises(ValueError, match=r"y has shape \(3,\); x has 4 records"):
-        model.loss_and_grad(w, x, y[:3], g, lks)
+        model.loss_and_grad(w, x, y[:3], g, sparse=lks)
     with pytest.raises(ValueError, match=r"fm has 2 sparse tables \(linear, factors\); got 1 lookups"):
-        model.loss_and_grad(w, x, y, g, lks[:1])
+        model.loss_and_grad(w, x, y, g, sparse=lks[:1])
     with pytest.raises(ValueError, match="table factors: the lookup has inverse"):
-        model.loss_and_grad(w, x[:2], y[:2], g, lookups(model, x[:2], rng)[:1] + lks[1:])
+        model.loss_and_grad(w, x[:2], y[:2], g, sparse=lookups(model, x[:2], rng)[:1] + lks[1:])
     with pytest.raises(ValueError, match="grad_out must be a C-contiguous"):
-        model.loss_and_grad(w, x, y, np.empty(w.size * 2, w.dtype)[::2], lks)
+        model.loss_and_grad(w, x, y, np.empty(w.size * 2, w.dtype)[::2], sparse=lks)
     with pytest.raises(ValueError, match="evaluate needs rows="):
         model.evaluate(w, x, y)
     x["dense"][2, 1] = np.nan
@@ -404,9 +331,9 @@ def test_bad_batches_labels_and_lookups():
     (lambda: make_model("wide_deep", (), 2, hidden=(8, 0)), "--hidden: layer widths"),
     (lambda: make_model("lr", (), 2, hidden=(8,), min_count=-1), "--model lr: .*min_count"),
     (lambda: make_model("fm", (), 2, fields=0),
-     "--model fm: CTRModel: fields must be a positive integer, got 0"),
+     "--model fm: ctr_model: fields must be a positive integer, got 0"),
     (lambda: make_model("fm", (), 2, init_scale=-1),
-     "--model fm: CTRModel: init_scale must be a number >= 0"),
+     "--model fm: ctr_model: init_scale must be a number >= 0"),
     (lambda: make_model("wide_deep", (), 2, dropout=0.5),
      r"--model wide_deep: unknown options \['dropout'\]"),
     (lambda: make_model("mlp", 5, 3, optimizer="sgd"), "--model mlp: takes no sparse table options"),

@@ -89,7 +89,8 @@ class Embedding(Layer):
             return s["ids"]
         if "embeddings" not in p:
             raise ConfigError(f"{self.label}: a sparse Embedding trains in a model with sparse "
-                              "tables (pserver.models.ctr); Sequential holds dense tensors only")
+                              "tables (a Functional with dict inputs, on records); Sequential holds "
+                              "dense tensors only")
         return x
 
     def forward(self, k, p, x, out, s, run):

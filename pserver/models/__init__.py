@@ -26,7 +26,7 @@ from pserver.kernels import get_backend
 from pserver.models import cuda_support, losses
 from pserver.models.base import Model, fits, protocol_gaps, shaped_for
 from pserver.models.cnn import cnn
-from pserver.models.ctr import CTR_MODELS, CTRModel, ctr_model
+from pserver.models.ctr import CTR_MODELS, ctr_model
 from pserver.models.functional import Functional
 from pserver.models.layout import Layout, TensorSpec
 from pserver.models.linreg import linreg
@@ -63,8 +63,8 @@ def make_model(name: str, input_shape, num_classes: int, *,
 
     `options` are the CTR models' (embedding_dim, init_scale and the sparse tables' optimizer,
     lr, min_count, max_rows, ttl_steps, seed, optimizer_params, row_dtype, state_dtype: see
-    pserver.models.ctr); a
-    CTR model takes records, so its `input_shape` is () (one record per sample).
+    pserver.models.ctr); a CTR model, or a user's that takes records (a graph with sparse
+    Embedding layers), takes records, so its `input_shape` is () (one record per sample).
     """
     if name in CTR_MODELS:
         deep = hidden is not None and CTR_MODELS[name][1]   # lr and fm have no tower to size
@@ -78,7 +78,8 @@ def make_model(name: str, input_shape, num_classes: int, *,
     if options:
         raise ConfigError(f"--model {name}: takes no sparse table options ({', '.join(options)}); "
                           f"those are for {', '.join(CTR_MODELS)}")
-    shape = _input_shape(input_shape)
+    records = is_user_spec(name) and tuple(input_shape) == ()
+    shape = () if records else _input_shape(input_shape)
     if is_bare_file(name):
         raise bare_file_error(name, shape, num_classes)
     if is_user_spec(name):
@@ -94,11 +95,12 @@ def make_model(name: str, input_shape, num_classes: int, *,
 
 def on_device(model, backend: str):
     """The model computing with `backend`'s kernels (a user's protocol object: unchanged)."""
-    if isinstance(model, CTRModel):
-        return model.use_backend(backend)
     if not isinstance(model, Functional):
         get_backend(backend)   # an unknown backend is still an error
         return model
+    if backend == "cuda" and model.sparse_tables:
+        raise ConfigError(f"--device cuda: {model.name} runs on the CPU (its rows come from the "
+                          "shards batch by batch); use --device cpu")
     if backend == "cuda":
         model.build()
         cuda_support.check(model)   # before numba.cuda is imported: a model that cannot run says so
@@ -174,6 +176,6 @@ def from_config(config: dict, **kwargs) -> Sequential:
 __all__ = ["MODELS", "make_model", "on_device", "check_model_spec", "Model", "Sequential", "Functional",
            "from_config",
            "Layout",
-           "TensorSpec", "CTRModel", "ctr_model",
+           "TensorSpec", "ctr_model",
            "losses", "task_of", "mlp", "logreg", "linreg", "cnn", "load_model", "protocol_gaps", "fits",
            "shaped_for"]

@@ -32,13 +32,17 @@ from pserver.models.base import BatchBuffers, Model, shaped_for
 from pserver.models.layout import Layout
 from pserver.models.metrics import check_metrics
 from pserver.models.outputs import Heads
+from pserver.models.sparse_graph import SparseProtocol
 from pserver.ops.core import Symbolic
 
 
-class Functional(Model):
+class Functional(SparseProtocol, Model):
     """Functional(inputs, outputs): the layers and ops called from keras.Input tensors to the
     output (or outputs: a list, or a dict by name). The loss is sparse categorical cross-entropy
-    from logits (for every output) unless `compile(loss=...)` says otherwise."""
+    from logits (for every output) unless `compile(loss=...)` says otherwise. With dict inputs
+    and sparse Embedding layers it takes records and speaks the sparse model protocol
+    (pserver.models.sparse_graph).
+    """
 
     def __init__(self, inputs, outputs, name: str = "functional", loss="sparse_categorical_crossentropy",
                  backend: str = "cpu"):
@@ -56,6 +60,7 @@ class Functional(Model):
         self.use_backend(backend)
         self._seeds = itertools.count()
         self._plans: dict[bool, graph.Plan] = {}
+        self._sparse = None
         self._buffers = BatchBuffers(lambda n, dtype: ModelBuffers(self, n, dtype))
 
     def _connect(self, inputs, outputs) -> None:
@@ -157,6 +162,7 @@ class Functional(Model):
         self._check_names()
         self._fix_layout([self._packed_shape(), *(o.shape[1:] for o in self._outputs)])
         self._check_fused()
+        self._find_sparse()
         self._built = True
         return self
 
@@ -373,18 +379,22 @@ class Functional(Model):
 
     # -- training ------------------------------------------------------------------------------
 
-    def loss_and_grad(self, w, x, y, grad_out, seed: int | None = None):
+    def loss_and_grad(self, w, x, y, grad_out, seed: int | None = None, sparse=None):
         """Mean loss of the batch; its gradient into grad_out. `seed` draws dropout masks
-        (the worker derives one per rank and step); None takes the next of a counter."""
+        (the worker derives one per rank and step); None takes the next of a counter. A model
+        with sparse tables takes the batch's rows as `sparse`, a TableLookup per table, and
+        writes their gradients into them (pserver.models.sparse_graph)."""
         x, y = self._check_batch(w, x, y)
         # A strided grad_out would make layout.views copy, and the gradient would be lost.
         if grad_out.shape != w.shape or grad_out.dtype != w.dtype or not grad_out.flags.c_contiguous:
             raise ValueError(f"grad_out must be a C-contiguous {w.dtype} vector of shape {w.shape}, "
                              f"got {grad_out.dtype} {grad_out.shape} with strides {grad_out.strides}")
+        run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
+        if self.sparse_tables:
+            return self._sparse_step(w, x, y, grad_out, sparse, run)
         params = self._per_layer(self.layout.views(w))
         grads = self._per_layer(self.layout.views(grad_out))
         bufs = self._buffers(x.shape[0], w.dtype)
-        run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
         ins = self._forward(params, x, bufs, run)
         if self.several:
             outs = [ins[s] for s in self._plan(True).outputs]
@@ -454,7 +464,9 @@ class Functional(Model):
                              f"{', '.join(map(str, inp.shape[1:]))}) with n = {n}")
         return shaped.reshape(n, -1)
 
-    def _unpack(self, x: np.ndarray, dtype) -> list[np.ndarray]:
+    def _unpack(self, x, dtype) -> list[np.ndarray]:
+        if isinstance(x, list):                  # one array per input already (sparse_graph)
+            return x
         if len(self._inputs) == 1:
             return [x]
         parts, at = [], 0
@@ -474,7 +486,10 @@ class Functional(Model):
                 layer.check_ids(xs[step.ins[0]])
 
     def _check_batch(self, w, x, y):
-        """x as C-contiguous (n, *input_shape), y as the loss's labels; else ValueError."""
+        """x as C-contiguous (n, *input_shape) (records for a sparse model), y as the loss's
+        labels; else ValueError."""
+        if self.sparse_tables:
+            return self._check_records(w, x, y)
         self._check_w(w)
         x, y = self._fit(x, y)
         y = np.ascontiguousarray(y, dtype=self.loss.label_dtype(w.dtype))
@@ -500,13 +515,18 @@ class Functional(Model):
     def _fit(self, x, y) -> tuple[np.ndarray, np.ndarray]:
         """x reshaped to the input; ValueError naming the layer and the shapes if it does not
         fit, or if a label is outside what the last layer and the loss take."""
-        shaped, y = self._fit_x(x), self.loss.labels(y)
-        if y.shape[:1] != (shaped.shape[0],) or y.ndim != (2 if self.several else 1):
-            raise ValueError(f"y has shape {y.shape}; x has {shaped.shape[0]} rows")
+        shaped = self._fit_x(x)
+        return shaped, self._labels(self.loss.labels(y), shaped.shape[0], "rows")
+
+    def _labels(self, y: np.ndarray, n: int, what: str) -> np.ndarray:
+        """y, checked: a label per sample (a column per output when there are several), each one
+        its output and loss take."""
+        if y.shape[:1] != (n,) or y.ndim != (2 if self.several else 1):
+            raise ValueError(f"y has shape {y.shape}; x has {n} {what}")
         ys = self.loss.split(y, y.dtype) if self.several else [y]
         for j, (loss, yj) in enumerate(zip(self._each_loss(), ys)):
             self._check_labels(j, loss, yj)
-        return shaped, y
+        return y
 
     def _check_labels(self, j: int, loss: losses.Loss, y: np.ndarray) -> None:
         """Output j's labels against its units and loss; ValueError naming the first bad one."""
@@ -525,6 +545,8 @@ class Functional(Model):
         The shape against the input, labels against the outputs, NaN or Inf in x, ids
         against an Embedding's input_dim: DataError naming `what`, the layer and the shapes.
         """
+        if self.sparse_tables:
+            return self._check_record_data(x, y, what)
         try:
             x, y = self._fit(x, y)
             if self._takes_ids:
@@ -539,10 +561,12 @@ class Functional(Model):
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def predict(self, w, x, batch_size=4096):
+    def predict(self, w, x, batch_size=4096, rows=None):
         """The last layer's outputs for every sample of x, (n, units) in w's dtype: logits for
         a classifier (argmax is the class), the prediction for regression. Several outputs: a
-        list of them, in output order."""
+        list of them, in output order. `rows` as for evaluate (a model with sparse tables)."""
+        if self.sparse_tables:
+            return self._sparse_predict(w, x, batch_size, rows)
         self._check_w(w)
         x = np.ascontiguousarray(self._fit_x(x), dtype=None if self._takes_ids else w.dtype)
         params = self._per_layer(self.layout.views(w))
@@ -564,10 +588,14 @@ class Functional(Model):
         per_sample = elements * np.dtype(dtype).itemsize
         return max(1, min(int(batch_size), EVAL_CHUNK_BYTES // max(per_sample, 1)))
 
-    def evaluate(self, w, x, y, batch_size=4096, threads=1):
+    def evaluate(self, w, x, y, batch_size=4096, threads=1, rows=None):
         """Loss plus accuracy (and AUC for a binary loss), or r2 for regression, over all of x.
         `threads`: run the chunks on that many threads (the kernels release the GIL), each with
-        its own buffers; the result is the same whatever the number (chunks summed in order)."""
+        its own buffers; the result is the same whatever the number (chunks summed in order).
+        A model with sparse tables takes `rows(ids per table)`, the batch's TableLookups with the
+        rows filled (the worker pulls them from the shards), for each batch_size records."""
+        if self.sparse_tables:
+            return self._sparse_evaluate(w, x, y, batch_size, rows)
         x, y = self._check_batch(w, x, y)
         params = self._per_layer(self.layout.views(w))
         n = x.shape[0]

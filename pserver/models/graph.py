@@ -114,7 +114,9 @@ class Plan:
         self.needs_grad = [i in self.weight_slots for i in range(n)]
         self.consumers, self.producer = [0] * n, [None] * n
         for i, step in enumerate(self.steps):
-            weights = step.layer is not None and bool(self.layers[step.layer].weights())
+            # A sparse Embedding trains rows on the shards, not weights of the layout.
+            layer = None if step.layer is None else self.layers[step.layer]
+            weights = layer is not None and (bool(layer.weights()) or getattr(layer, "sparse", False))
             for out in step.outs:
                 self.needs_grad[out] = weights or any(self.needs_grad[s] for s in step.ins)
                 self.producer[out] = i

@@ -53,6 +53,7 @@ from pserver import sparse
 from pserver.errors import ConfigError, DataError, ModelFileError, UnsafeModelFile
 from pserver.layers import saving
 from pserver.models import DEFAULT_HIDDEN
+from pserver.models.ctr import CTR_MODELS, ctr_arguments
 from pserver.persist.atomic import fsync_dir, remove_stale, replace, synced
 from pserver.sparse.compact import to_float32
 
@@ -85,12 +86,10 @@ def definition(cfg, model, ds) -> dict:
                  "num_classes": ds.num_classes}
     if spec == "mlp":
         arguments["hidden"] = list(cfg.hidden or DEFAULT_HIDDEN)
-    if getattr(model, "sparse_tables", None):       # a CTR model: its tower and its tables' shapes
+    if spec in CTR_MODELS:       # its tower and its tables' and records' shapes
+        arguments |= ctr_arguments(model)
+    elif getattr(model, "sparse_tables", None):     # a user's model over records
         arguments["input_shape"] = []
-        arguments["hidden"] = [layer.units for layer in model.deep[:-1]]
-        arguments["embedding_dim"] = model.factors.output_dim if model.factors is not None else 8
-        arguments["dense_features"] = model.linear.input_shape[0]
-        arguments["fields"] = model.fields
     dataset = {k: getattr(cfg, k) for k in DATASET_FIELDS}
     for k in ("dataset", "data_dir"):       # paths, so that they hold from another directory
         if dataset[k] and (k == "data_dir" or dataset[k].lower().endswith(".npz")):

@@ -1,0 +1,215 @@
+"""The sparse model protocol of a graph: sparse Embedding layers whose rows live on the shards.
+
+A Functional whose inputs are a dict and whose graph has `Embedding(None, dim, sparse=True)`
+layers takes records: a structured array whose fields are its inputs by name (the CTR models'
+x["dense"] float32 (n, 13) and x["cat"] int64 (n, 26)). Each sparse layer declares a table
+(`sparse_tables`, named after the layer) and reads ids straight from one field. Per batch the
+worker pulls the rows of the batch's unique ids (`batch_ids(x)`, one array per table; tables fed
+by one field share it, so the worker dedupes it once) and hands them in as
+`pserver.sparse.TableLookup`s: a sparse layer's table is its lookup's rows, its input the
+lookup's `inverse` (each id's position among them), and its backward pass writes the rows'
+gradients, summed per unique id, into `lookup.grads`, which is what the worker pushes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pserver.errors import ConfigError, DataError
+from pserver.layers.base import Pass
+from pserver.models import graph, metrics
+from pserver.sparse import TableLookup
+
+
+class SparseLayers:
+    """A plan's sparse Embedding layers: their indices in Plan.layers, the model input (record
+    field) each reads, and their tables' configs."""
+
+    def __init__(self, plan: graph.Plan, keys: list[str], where: str):
+        self.record = np.dtype([(k, x.dtype, x.shape[1:]) for k, x in zip(keys, plan.slots)])
+        self.checked: np.dtype | None = None       # the dtype of records last found to fit
+        self.layers, self.fields = [], []
+        for step in plan.steps:
+            if step.layer is not None and getattr(plan.layers[step.layer], "sparse", False):
+                self.layers.append(step.layer)
+                self.fields.append(_field(plan, step, keys, where))
+        for i in set(self.fields):
+            if plan.consumers[i] != self.fields.count(i):
+                raise ConfigError(f"{where}: input {keys[i]!r} feeds a sparse Embedding and other layers "
+                                  "too; the sparse layers read it as row positions: give the others "
+                                  "their own input")
+        self.tables = [plan.layers[li].table_config() for li in self.layers]
+
+
+def _field(plan: graph.Plan, step: graph.Step, keys: list[str], where: str) -> int:
+    """The model input a sparse Embedding's step reads: ids straight from a record field."""
+    layer, i = plan.layers[step.layer], step.ins[0]
+    if i >= len(keys) or plan.uses(step.layer) > 1:
+        raise ConfigError(f"{where}: {layer.label}: a sparse Embedding is called once, on a "
+                          "model input of ids (a record field)")
+    if plan.slots[i].dtype.kind not in "iu":
+        raise ConfigError(f"{where}: {layer.label} reads input {keys[i]!r} of "
+                          f"{plan.slots[i].dtype}; give ids: Input(..., dtype='int64')")
+    return i
+
+
+class SparseProtocol:
+    """Functional's side of the sparse model protocol (used when `sparse_tables` is not empty:
+    a graph with dict inputs and sparse Embedding layers)."""
+
+    def _find_sparse(self) -> None:
+        """At build: the sparse layers (None for a graph without them, or without dict inputs:
+        a sparse Embedding there says it needs tables when it runs)."""
+        found = SparseLayers(self._plan(False), self._keys, self.name) if self._dict_inputs else None
+        self._sparse = found if found and found.layers else None
+        if self._sparse is not None and self.several:
+            raise ConfigError(f"{self.name}: a model with sparse tables has one output, for now "
+                              f"(it has {len(self.output_names)})")
+
+    @property
+    def sparse_tables(self) -> list:
+        sparse = self.build()._sparse
+        return [] if sparse is None else sparse.tables
+
+    @sparse_tables.setter
+    def sparse_tables(self, configs) -> None:
+        """The shards' configs of the same tables (an export: the seed that made the rows)."""
+        self.build()._sparse.tables = list(configs)
+
+    @property
+    def record(self) -> np.dtype:
+        """The records a model with sparse tables takes: one field per input, by name."""
+        return self.build()._sparse.record
+
+    def batch_ids(self, x) -> list[np.ndarray]:
+        """Per table, the ids of the batch: its field of the records (one array per field)."""
+        x = self._records(x)
+        fields: dict[int, np.ndarray] = {}
+        for i in self._sparse.fields:
+            if i not in fields:
+                fields[i] = np.ascontiguousarray(x[self._keys[i]])
+        return [fields[i] for i in self._sparse.fields]
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def _sparse_inputs(self, x, lookups, params, grads, dtype) -> list[np.ndarray]:
+        """The graph's inputs for records x: float fields in the weights' dtype, integer fields as
+        they are, and a sparse layers' field as its lookups' positions; each sparse layer's table
+        is its lookup's rows, its gradient the lookup's grads."""
+        lookups = self._check_lookups(lookups, len(x))
+        sparse, fed = self._sparse, {}
+        for li, i, lookup, table in zip(sparse.layers, sparse.fields, lookups, sparse.tables):
+            params[li], grads[li] = {"embeddings": lookup.rows}, {"embeddings": lookup.grads}
+            if i in fed and fed[i] is not lookup.inverse and not np.array_equal(fed[i], lookup.inverse):
+                raise ValueError(f"table {table.name}: its lookup's inverse differs from another table's "
+                                 f"of the same ids ({self._keys[i]})")
+            fed[i] = lookup.inverse
+        return [fed[i] if i in fed else np.ascontiguousarray(x[k], dtype if inp.dtype.kind == "f" else None)
+                for i, (k, inp) in enumerate(zip(self._keys, self._inputs))]
+
+    def _sparse_step(self, w, x, y, grad_out, lookups, run: Pass) -> float:
+        params = self._per_layer(self.layout.views(w))
+        grads = self._per_layer(self.layout.views(grad_out))
+        bufs = self._buffers(len(x), w.dtype)
+        ins = self._forward(params, self._sparse_inputs(x, lookups, params, grads, w.dtype), bufs, run)
+        loss = self.loss(self.kernels, ins[-1], y, bufs.dloss)
+        self._backward(params, grads, ins, bufs)
+        return float(loss)
+
+    def _sparse_outputs(self, w, x, batch_size: int, rows, what: str):
+        """The output of each batch_size records of x, in order, with its rows from
+        `rows(ids per table)` (the worker's pull, or a saved model's tables)."""
+        if rows is None:
+            raise ValueError(f"{self.name}.{what} needs rows=: a function from the batch's ids "
+                             "per table to TableLookups with the rows filled")
+        params = self._per_layer(self.layout.views(w))
+        for a in range(0, len(x), batch_size):
+            xb = x[a:a + batch_size]
+            xs = self._sparse_inputs(xb, rows(self.batch_ids(xb)), params, [{} for _ in params], w.dtype)
+            yield a, xb, self._forward(params, xs, self._buffers(len(xb), w.dtype), Pass())[-1]
+
+    def _sparse_evaluate(self, w, x, y, batch_size: int, rows) -> dict:
+        x, y = self._check_batch(w, x, y)
+        loss_sum, correct, scores = 0.0, 0, []
+        for a, xb, out in self._sparse_outputs(w, x, batch_size, rows, "evaluate"):
+            yb = y[a:a + len(xb)]
+            loss_sum += self.loss(self.kernels, out, yb, np.empty_like(out)) * len(xb)
+            correct += metrics.accuracy(out, yb)
+            scores.append(out[:, 0].copy())
+        return {"loss": loss_sum / len(x), "accuracy": correct / len(x),
+                "auc": metrics.auc(np.concatenate(scores), y)}
+
+    def _sparse_predict(self, w, x, batch_size: int, rows) -> np.ndarray:
+        self._check_w(w)
+        x = self._records(x)
+        out = np.empty((len(x), *self.output_shape), w.dtype)
+        for a, xb, got in self._sparse_outputs(w, x, batch_size, rows, "predict"):
+            out[a:a + len(xb)] = got
+        return out
+
+    # -- checks -----------------------------------------------------------------------------------
+
+    def _records(self, x) -> np.ndarray:
+        """x as a 1-D array of records; ValueError naming the field and what it should be."""
+        x, record = np.asarray(x), self._sparse.record
+        if x.dtype == self._sparse.checked and x.ndim == 1 and len(x):    # as the last batch's
+            return x
+        if not set(record.names) <= set(x.dtype.names or ()):
+            raise ValueError(f"x has dtype {x.dtype}; {self._takes()}")
+        if x.ndim != 1 or len(x) == 0:
+            raise ValueError(f"x has shape {x.shape}; {self._takes()}, as a 1-D array of n >= 1 records")
+        for field in record.names:
+            self._check_field(field, x.dtype[field], record[field])
+        self._sparse.checked = x.dtype
+        return x
+
+    def _check_field(self, field: str, got: np.dtype, expect: np.dtype) -> None:
+        ids = expect.base.kind in "iu"
+        if got.shape != expect.shape or got.base.kind not in ("iu" if ids else "f"):
+            what = "integer ids" if ids else "floats"
+            raise ValueError(f"x[{field!r}] has dtype {got.base} and shape {got.shape}; it must "
+                             f"hold {what} of shape {expect.shape} ({self._takes()})")
+
+    def _takes(self) -> str:
+        record = self._sparse.record
+        fields = ", ".join(f"{k} {record[k].base} {record[k].shape}" for k in record.names)
+        return f"{self.name} takes records with fields {fields}"
+
+    def _check_records(self, w, x, y) -> tuple[np.ndarray, np.ndarray]:
+        self._check_w(w)
+        x = self._records(x)
+        y = self._labels(self.loss.labels(y), len(x), "records")
+        return x, np.ascontiguousarray(y, dtype=self.loss.label_dtype(w.dtype))
+
+    def _check_lookups(self, sparse, n: int) -> list[TableLookup]:
+        """One lookup per table, in order, whose inverse has the shape of the batch's ids."""
+        tables = self._sparse.tables
+        if sparse is None or len(sparse) != len(tables):
+            raise ValueError(f"{self.name} has {len(tables)} sparse tables "
+                             f"({', '.join(t.name for t in tables)}); got "
+                             f"{0 if sparse is None else len(sparse)} lookups")
+        for table, lookup, i in zip(tables, sparse, self._sparse.fields):
+            u, ids = len(lookup.uniq), (n, *self._inputs[i].shape[1:])
+            if (lookup.inverse.shape != ids or lookup.rows.shape != (u, table.dim)
+                    or lookup.grads.shape != (u, table.dim)):
+                raise ValueError(f"table {table.name}: the lookup has inverse {lookup.inverse.shape}, "
+                                 f"rows {lookup.rows.shape} and grads {lookup.grads.shape}; the "
+                                 f"batch needs {ids}, ({u}, {table.dim}) twice")
+        return sparse
+
+    def _check_record_data(self, x, y, what: str) -> np.ndarray:
+        """A whole dataset checked before training: records, labels, finite float fields."""
+        try:
+            x, _ = self._check_records(np.zeros(self.layout.total, np.float32), x, y)
+        except ValueError as e:
+            raise DataError(f"{what}: {e}") from None
+        for field in self.record.names:
+            if x.dtype[field].base.kind == "f":
+                finite = np.isfinite(x[field].reshape(len(x), -1)).all(axis=1)
+                if not finite.all():
+                    raise DataError(f"{what}: x[{field!r}] has NaN or Inf values in {int((~finite).sum())} "
+                                    f"records, the first at index {int(np.argmin(finite))}")
+        return x
+
+
+__all__ = ["SparseLayers", "SparseProtocol"]
