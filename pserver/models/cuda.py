@@ -62,6 +62,10 @@ class CudaModel(Model):
     def init_params(self, seed):
         return self.host.init_params(seed)
 
+    def frozen_weights(self) -> list[str]:
+        """The host model's frozen tensors (the shards leave them as they are)."""
+        return self.host.frozen_weights()
+
     # -- training --------------------------------------------------------------------------
 
     def loss_and_grad(self, w, x, y, grad_out, seed: int | None = None, timings: bool = False):

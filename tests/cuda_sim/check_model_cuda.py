@@ -120,6 +120,10 @@ def test_same_model_as_cpu(name):
     assert (gpu_m.task, gpu_m.num_classes, gpu_m.in_features) == (cpu_m.task, cpu_m.num_classes,
                                                                   cpu_m.in_features)
     np.testing.assert_array_equal(gpu_m.init_params(4), cpu_m.init_params(4))
+    gpu_m.host.layers[0].trainable = False          # the shards hear of a frozen layer on cuda too
+    from pserver.worker.loop import registered_layout
+    frozen = [t.name for t in registered_layout(gpu_m).tensors if t.frozen]
+    assert frozen == gpu_m.host.frozen_weights() and frozen[0].startswith(gpu_m.layers[0].name + "/")
 
 
 def test_bad_inputs():
