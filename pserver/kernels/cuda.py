@@ -40,6 +40,21 @@ from numba import cuda, float32, float64, uint64
 
 from pserver.kernels import cuda_gemm, reference
 
+# The graph layers' kernels (pserver.kernels.GRAPH_KERNELS) live in their own module; part of this API.
+from pserver.kernels.cuda_graph import (  # noqa: F401
+    columns_from,
+    columns_into,
+    elementwise,
+    extreme_forward,
+    global_avgpool_backward,
+    global_avgpool_forward,
+    global_maxpool_backward,
+    global_maxpool_forward,
+    scale_by,
+    select_grad,
+)
+from pserver.kernels.cuda_grid import ELEMENT_THREADS, _blocks, _flat
+
 
 # numba warns when a launch has fewer than 128 blocks. Here that is by design (the loss
 # reduction is one block) or the model's size (a 64-row batch through 256 units is 64 blocks):
@@ -68,10 +83,6 @@ ROW_THREADS = 128
 # The loss reduction runs in one block: the batch is at most a few thousand rows, a rounding
 # error next to a launch, and one block keeps the sum's order (and so its value) fixed.
 REDUCE_THREADS = 128
-
-
-def _blocks(n: int, per_block: int) -> int:
-    return (n + per_block - 1) // per_block
 
 
 # -- the tiled product --------------------------------------------------------------------
@@ -481,9 +492,6 @@ def scaled_sum_kernel(values, scale, out):
 # atomics are needed (the sums' order, and so their value, is fixed).
 
 # Threads per block of the flat element kernels.
-ELEMENT_THREADS = 256
-
-
 @cuda.jit(device=True)
 def _unflatten4(i, shape):
     """(a, b, c, d) of flat index i in a C-ordered array of `shape` (4-D)."""
@@ -1011,10 +1019,6 @@ def _launch_elements(kernel, count, stream, *args):
         kernel[_blocks(count, ELEMENT_THREADS), ELEMENT_THREADS, stream](*args)
 
 
-def _flat(a):
-    return a.reshape(a.size)
-
-
 def _check_image_shapes(name, x, out, channels_out):
     if len(x.shape) != 4 or len(out.shape) != 4 or out.shape[0] != x.shape[0] \
             or out.shape[3] != channels_out:
@@ -1182,19 +1186,3 @@ def sigmoid_bce_into(logits, y, dlogits, row_loss, loss, *, stream=0):
 def sigmoid_bce(logits, y, dlogits, *, stream=0):
     """Mean binary cross-entropy from logits; dlogits[:] = (sigmoid(logits) - y) / n. Waits."""
     return _loss_now(sigmoid_bce_into, logits, y, dlogits, stream)
-
-
-# The graph layers' kernels (pserver.kernels.GRAPH_KERNELS) live in their own module, which
-# builds on the helpers above: imported last, so that this module is whole when it runs.
-from pserver.kernels.cuda_graph import (  # noqa: E402, F401  (after the helpers it imports; the API)
-    columns_from,
-    columns_into,
-    elementwise,
-    extreme_forward,
-    global_avgpool_backward,
-    global_avgpool_forward,
-    global_maxpool_backward,
-    global_maxpool_forward,
-    scale_by,
-    select_grad,
-)

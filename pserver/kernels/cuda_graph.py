@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from pserver.kernels import reference
-from pserver.kernels.cuda import ELEMENT_THREADS, _blocks, _flat
+from pserver.kernels.cuda_grid import ELEMENT_THREADS, _blocks, _flat
 
 # The highest rank a broadcast, a sum to a shape or a broadcast from one takes (the batch and
 # five more axes).
