@@ -335,6 +335,7 @@ class Functional(SparseProtocol, Model):
         """The layout's tensors training leaves as they are (a frozen layer's, a non-trainable
         weight's), as the layers say now: the shards are told when a worker registers. A sparse
         table's rows cannot be frozen (its rows' optimizer runs on the shards: refused)."""
+        self.build()
         sparse = next((x for x in self.layers if not x.trainable and getattr(x, "sparse", False)), None)
         if sparse is not None:
             raise ConfigError(f"{self.name}: {sparse.label} is frozen (trainable=False), but its rows live "
