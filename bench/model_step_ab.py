@@ -28,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import machine  # noqa: E402
+
 CHILD = r"""
 import json, sys, time
 import numpy as np
@@ -110,7 +113,8 @@ def main() -> None:
     rel = float(np.abs(gn - gb).max() / max(np.abs(gb).max(), 1e-30))
     best = {k: min(t for t, _ in v) for k, v in times.items()}
     cpu = {k: min(c for _, c in v) for k, v in times.items()}
-    print(json.dumps({"model": args.model, "batch": args.batch, "steps_each": len(times["new"]),
+    print(json.dumps({**machine(), "base": str(args.base),
+                      "model": args.model, "batch": args.batch, "steps_each": len(times["new"]),
                       "min_ms": {k: round(v * 1e3, 3) for k, v in best.items()},
                       "speed_new_over_base": round(best["base"] / best["new"], 3),
                       "min_thread_cpu_ms": {k: round(v * 1e3, 3) for k, v in cpu.items()},
