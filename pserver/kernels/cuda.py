@@ -53,7 +53,7 @@ from pserver.kernels.cuda_graph import (  # noqa: F401
     scale_by,
     select_grad,
 )
-from pserver.kernels.cuda_grid import ELEMENT_THREADS, _blocks, _flat
+from pserver.kernels.cuda_grid import ELEMENT_THREADS, _blocks, _flat, fill_kernel
 
 
 # numba warns when a launch has fewer than 128 blocks. Here that is by design (the loss
@@ -749,13 +749,6 @@ def embedding_forward_kernel(ids, table, out):
     n, pos = r // out.shape[1], r % out.shape[1]
     row = ids[n, pos]
     out[n, pos, d] = table[row, d] if 0 <= row < table.shape[0] else math.nan
-
-
-@cuda.jit
-def fill_kernel(a, value):
-    i = cuda.grid(1)
-    if i < a.shape[0]:
-        a[i] = value
 
 
 @cuda.jit

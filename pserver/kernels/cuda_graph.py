@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from pserver.kernels import reference
-from pserver.kernels.cuda_grid import ELEMENT_THREADS, _blocks, _flat
+from pserver.kernels.cuda_grid import ELEMENT_THREADS, _blocks, _flat, fill_kernel
 
 # The highest rank a broadcast, a sum to a shape or a broadcast from one takes (the batch and
 # five more axes).
@@ -135,13 +135,6 @@ def scale_kernel(x, c, out):
     i = cuda.grid(1)
     if i < out.shape[0]:
         out[i] = x[i] * c
-
-
-@cuda.jit
-def fill_kernel(a, value):
-    i = cuda.grid(1)
-    if i < a.shape[0]:
-        a[i] = value
 
 
 @cuda.jit

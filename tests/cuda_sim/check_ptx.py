@@ -65,7 +65,6 @@ SIGNATURES = {
     "sum_to_kernel": (GR.sum_to_kernel, (f32_1d, f32_1d, RANKS, RANKS, types.float32)),
     "broadcast_kernel": (GR.broadcast_kernel, (f32_1d, f32_1d, RANKS, RANKS, types.float32)),
     "scale_kernel": (GR.scale_kernel, (f32_1d, types.float32, f32_1d)),
-    "graph_fill_kernel": (GR.fill_kernel, (f32_1d, types.float32)),
     "extreme_step_kernel": (GR.extreme_step_kernel, (types.boolean, f32_1d, types.int32, f32_1d, i32_1d)),
     "select_grad_kernel": (GR.select_grad_kernel, (f32_1d, i32_1d, types.int32, f32_1d)),
     "graph_columns_kernel": (GR.columns_kernel, (f32_2d, f32_2d, i64, types.boolean)),
