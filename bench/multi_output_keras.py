@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 LOSS = {"cls": "sparse_categorical_crossentropy", "click": "binary_crossentropy", "value": "mse"}
 WEIGHTS = {"cls": 1.0, "click": 0.3, "value": 2.0}
@@ -62,7 +66,8 @@ def keras_side(path: str) -> None:
         total = sum(WEIGHTS[k] * tf.reduce_mean(keras.losses.get(LOSS[k])(
             y[k].reshape(len(x), -1) if k != "cls" else y[k], pred[k])) for k in LOSS)
     grads = tape.gradient(total, model.trainable_weights)
-    print(json.dumps({"evaluate": {k: float(v) for k, v in ev.items()}, "total": float(total),
+    print(json.dumps({"versions": {"keras": keras.__version__, "tensorflow": tf.__version__},
+                      "evaluate": {k: float(v) for k, v in ev.items()}, "total": float(total),
                       "grads": {v.path: g.numpy().ravel().tolist()
                                 for v, g in zip(model.trainable_weights, grads)}}))
 
@@ -85,7 +90,9 @@ def pserver_side(keras_python: str) -> dict:
     theirs = json.loads(out.stdout.strip().splitlines()[-1])
     views = core.layout.views(g)
     pairs = [(views[t.name].ravel(), np.asarray(theirs["grads"][t.name])) for t in core.layout.tensors]
-    return {"pserver": {"evaluate": ev, "total": total},
+    from _util import machine
+    return {**machine(("numpy",)), "keras_side": {"python": keras_python, **theirs["versions"]},
+            "pserver": {"evaluate": ev, "total": total},
             "keras": {k: theirs[k] for k in ("evaluate", "total")},
             "max_rel_diff": {"evaluate": max(_rel(ev[k], theirs["evaluate"][k]) for k in theirs["evaluate"]),
                              "total": _rel(total, theirs["total"]),
