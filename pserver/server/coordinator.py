@@ -16,8 +16,8 @@ An epoch's batches (its permutation of the training set from `seed + epoch`, cut
 - The epoch ends when every chunk is done; the next lease opens the next epoch. A worker that
   asks while every chunk of the epoch is leased gets none and pushes empty contributions.
 - The epoch's end is shared out (guided self-scheduling): once the batches not yet leased are
-  fewer than the live workers times `chunk_batches`, a worker that asks gets at most
-  ceil(remaining / workers) of them; the rest of its chunk becomes a piece of its own (id
+  fewer than the workers (live, or starting and not registered yet) times `chunk_batches`, a
+  worker that asks gets at most ceil(remaining / workers) of them; the rest of its chunk becomes a piece of its own (id
   num_chunks + its first batch) at the front of the queue. So the last steps of a sync epoch do
   not wait on two workers' whole chunks while the others push empty contributions (each of those
   steps still moved the weights by a whole optimizer step on fewer samples). `chunks_done`
@@ -46,6 +46,9 @@ from pserver.errors import FailedPrecondition, InvalidArgument
 
 DEFAULT_CHUNK_BATCHES = 16
 COUNTERS = ("chunks_done", "chunks_released", "batches_retrained", "batches_dropped")
+# The most epochs whose batches reported done before a restore shard 0 keeps track of (one mask
+# of num_batches each): a report of more (a restore of a checkpoint many epochs old) counts the first.
+REPORTED_EPOCHS = 64
 # What a plan costs shard 0 (Plan.nbytes, counted in --max-memory-mb): per chunk, its place in
 # the queue (a list slot and an int, 36 bytes measured), the permutation it is drawn from
 # (8), its entry in `done` once done (a set's slot and hash, up to 32) and its copy in a
@@ -324,15 +327,18 @@ class Coordinator:
     def done_before_restore(self, reports) -> int:
         """Workers' reports (epoch, chunk, end: batches from the chunk's first to `end` were done)
         of what they trained under the coordinator before this one was loaded from a checkpoint:
-        each batch past what the checkpoint had done counts in batches_retrained, once. Returns
-        how many were counted. Without a restore (or a plan) there is nothing to count."""
+        each batch past what the checkpoint had done counts in batches_retrained, once, whether its
+        epoch is this one or a later one (which the loaded coordinator opens again: a report of it
+        comes once, at the worker's first ask after the restore). Returns how many were counted. Without a restore (or a plan) there is nothing to count."""
         if self.restored is None or self.plan is None:
             return 0
         r, added = self.restored, 0
         for epoch, chunk, end in reports:
             span = self._span(chunk)
-            if span is None or not r["epoch"] <= epoch <= self.epoch:
-                continue                                # bad, done before the checkpoint, or not yet
+            if span is None or epoch < r["epoch"] or (self.plan.epochs and epoch >= self.plan.epochs):
+                continue                                # bad, or done before the checkpoint
+            if epoch not in self.counted and len(self.counted) >= REPORTED_EPOCHS:
+                continue                                # a bound on what a report may make it hold
             start, end = span[0], min(end, span[1])
             if end <= start:
                 continue

@@ -55,7 +55,7 @@ class Leases:
             c.done_before_restore(done_before_restore)
             session = self.members.sessions[rank]
             gone = finished is not None and not c.holds(rank, session, *finished)
-            lease = c.lease(rank, self.members.sessions[rank], finished, workers=len(self.members.live()))
+            lease = c.lease(rank, self.members.sessions[rank], finished, workers=self.members.sharing())
             c.tell(rank)
             return lease, gone
 

@@ -212,6 +212,15 @@ class Membership:
         """The ranks registered and neither left nor marked dead."""
         return self.registered - self.left - self.dead
 
+    def sharing(self) -> int:
+        """The live workers and the starting ranks (below num_workers) not registered yet: the
+        workers an epoch's end is shared among. A worker that asks for data before the others
+        have registered must not take a whole short epoch for itself (in sync the others would
+        then push empty contributions, and which batches a step trains would hang on who
+        registered first)."""
+        coming = set(range(self.num_workers)) - self.registered
+        return len(self.live() | coming)
+
     def expire(self) -> float | None:
         """Mark dead every worker whose session saw no call within --step-timeout. Returns the
         seconds until the next live session would expire (None when none is live), so the
