@@ -438,7 +438,10 @@ class Functional(SparseProtocol, Model):
     def pack(self, x) -> np.ndarray:
         """The model's inputs (an array; several as a list in input order, or a dict by name)
         as one array of (n, *input_shape) rows (several: flattened side by side); ValueError
-        naming the input and the shapes if one does not fit."""
+        naming the input and the shapes if one does not fit. A model with sparse tables takes
+        records instead (SparseProtocol._pack_records)."""
+        if self.build()._sparse is not None:
+            return self._pack_records(x)
         if len(self._inputs) == 1:
             return np.asarray(x[self._keys[0]] if isinstance(x, dict) else x)
         if isinstance(x, dict):

@@ -226,10 +226,12 @@ def end(run: Run, stats: dict, started: float, counted_from, definition: dict | 
     if not run.chief:
         say_if_chief_gone(run.client)
         run.callbacks.on_weights(run.w)
+        keep_tables(run)
         return None
     cfg, client, model = run.cfg, run.client, run.model
     summary = finish(run, stats, started, counted_from)
     run.callbacks.on_weights(run.w)         # the final weights (a Keras model keeps them)
+    keep_tables(run)
     if cfg.save:
         save_model(cfg, client, model, run.w, definition, summary)
         print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
@@ -241,11 +243,11 @@ def end(run: Run, stats: dict, started: float, counted_from, definition: dict | 
 
 
 def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, definition: dict | None,
-               summary: dict) -> None:
-    """--save: the model file; a model with sparse tables gets every table's rows, streamed
-    from the shards (ExportRows) and merged into sorted files as they come. After a sync or
-    backup run they are the rows of the final version, as the dense weights are; in async or
-    ssp, each shard's rows when its stream began (workers still pushing may move them)."""
+               summary: dict, path: str | None = None) -> None:
+    """--save (or `path`): the model file; a model with sparse tables gets every table's rows,
+    streamed from the shards (ExportRows) and merged into sorted files as they come. After a
+    sync or backup run they are the rows of the final version, as the dense weights are; in
+    async or ssp, each shard's rows when its stream began (workers still pushing may move them)."""
     tables, origin = None, None
     if sparse_tables(model):
         tables, versions = {}, None
@@ -254,7 +256,16 @@ def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, defini
             tables[t.name] = model_file.TableRows(count, pages)
         origin = {"live": True, "num_shards": len(cfg.ps), "versions": versions,
                   "version": max(versions), "job": registered_layout(model).signature()}
-    model_file.save(cfg.save, model, w, definition, summary, tables=tables, origin=origin)
+    model_file.save(path or cfg.save, model, w, definition, summary, tables=tables, origin=origin)
+
+
+def keep_tables(run: Run) -> None:
+    """A Keras model with sparse tables keeps their final rows, as it keeps the weights: every
+    rank (the same rows on each, read from the shards before the chief stops them) writes them
+    where its fit asked (CallbackList.tables_dir), for its predict, evaluate and save."""
+    where = getattr(run.callbacks, "tables_dir", None)
+    if where and sparse_tables(run.model):
+        save_model(run.cfg, run.client, run.model, run.w, None, {}, path=where)
 
 
 def check_settings(client: PSClient, expected: dict | None, settings: dict | None) -> None:
