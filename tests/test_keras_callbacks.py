@@ -61,6 +61,9 @@ def drive(callback, model, key, values) -> int | None:
     ("loss", [5, 4, 3, 3.5], dict(start_from_epoch=2), 3, 3),
     # mode="max" on a loss: 2 > 1 improves, 1.5 does not: stop after epoch 2 (Keras: 2, 2).
     ("loss", [1, 2, 1.5], dict(mode="max"), 2, 2),
+    # 0.5 improves on 1.0 by exactly min_delta: not an improvement (Keras: less(0.5 + 0.5, 1.0) is
+    # False), so patience 0 stops after epoch 1, best still 1.0.
+    ("val_loss", [1.0, 0.5], dict(min_delta=0.5), 1, 1.0),
     # Never worse: no stop (Keras: None).
     ("val_loss", [3, 2, 1], dict(), None, 1),
 ])
@@ -119,8 +122,7 @@ def test_model_checkpoint_s_file_loads_back_as_the_model_at_that_epoch(tmp_path)
     x, y = blobs(200)
     model = compiled()
     whole = keras.callbacks.ModelCheckpoint(str(tmp_path / "e{epoch}.keras"))
-    weights = keras.callbacks.ModelCheckpoint(str(tmp_path / "w.weights.h5"), save_weights_only=True,
-                                              monitor="val_accuracy", save_best_only=True, mode="min")
+    weights = keras.callbacks.ModelCheckpoint(tmp_path / "w.weights.h5", save_weights_only=True)
     before = model.get_weights()
     h = model.fit(x, y, batch_size=20, epochs=2, verbose=0, validation_split=0.2, callbacks=[whole, weights])
     final = model.get_weights()
@@ -130,8 +132,8 @@ def test_model_checkpoint_s_file_loads_back_as_the_model_at_that_epoch(tmp_path)
     val_loss = loaded.evaluate(x[160:], y[160:], verbose=0)[0]
     assert val_loss == pytest.approx(h.history["val_loss"][-1], rel=1e-4)
     other = compiled()
-    other.load_weights(tmp_path / "w.weights.h5")     # epoch 1's (min of val_accuracy), or epoch 2's
-    assert len(other.get_weights()) == len(final)
+    other.load_weights(tmp_path / "w.weights.h5")
+    assert all(np.array_equal(a, b) for a, b in zip(other.get_weights(), final))
 
 
 @pytest.mark.parametrize("make, named", [

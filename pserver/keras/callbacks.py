@@ -122,7 +122,7 @@ class _Monitor(Callback):
                               "pass mode='max' or mode='min'")
 
     def _is_improvement(self, value, reference) -> bool:
-        """Better than `reference` by more than min_delta (Keras's rule: by min_delta or more
+        """Better than `reference` by more than min_delta (Keras's rule: by exactly min_delta
         is not enough); anything is better than no reference."""
         if reference is None:
             return True
@@ -290,30 +290,34 @@ class CSVLogger(Callback):
     def __init__(self, filename, separator=",", append=False):
         super().__init__()
         self.sep, self.filename, self.append = separator, os.fspath(filename), append
-        self.keys = self.writer = self.csv_file = None
+        self.keys: list[str] = []
+        self.writer = self.csv_file = None
 
     def on_train_begin(self, logs=None):
         if not _chief():
             return
         header = not (self.append and os.path.exists(self.filename) and os.path.getsize(self.filename))
         self.csv_file = open(self.filename, "a" if self.append else "w", newline="")
-        self.append_header, self.keys, self.writer = header, None, None
+        self.append_header, self.writer = header, None
 
     def on_epoch_end(self, epoch, logs=None):
         if self.csv_file is None:
             return
         logs = logs or {}
-        if self.keys is None:         # Keras's: the first epoch's keys, with val_ ones when it has none
-            self.keys = sorted(logs)
-            if self.keys and not any(k.startswith("val_") for k in self.keys):
-                self.keys += [f"val_{k}" for k in self.keys]
         if self.writer is None:
-            dialect = type("Dialect", (csv.excel,), {"delimiter": self.sep})
-            self.writer = csv.DictWriter(self.csv_file, fieldnames=["epoch", *self.keys], dialect=dialect)
-            if self.append_header:
-                self.writer.writeheader()
+            self._start(logs)
         self.writer.writerow({"epoch": epoch, **{k: _cell(logs.get(k, "NA")) for k in self.keys}})
         self.csv_file.flush()
+
+    def _start(self, logs: dict) -> None:
+        """Keras's columns: the first epoch's keys sorted, with val_ ones when it has none."""
+        self.keys = sorted(logs)
+        if self.keys and not any(k.startswith("val_") for k in self.keys):
+            self.keys += [f"val_{k}" for k in self.keys]
+        dialect = type("Dialect", (csv.excel,), {"delimiter": self.sep})
+        self.writer = csv.DictWriter(self.csv_file, fieldnames=["epoch", *self.keys], dialect=dialect)
+        if self.append_header:
+            self.writer.writeheader()
 
     def on_train_end(self, logs=None):
         if self.csv_file is not None:
