@@ -315,7 +315,7 @@ def test_summary_prints_keras_s_table_and_returns_none(capsys):
 # -- refusals ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("module, name", [("", "applications"), ("layers", "BatchNormalization"),
-                                          ("callbacks", "EarlyStopping"), ("optimizers", "Nadam"),
+                                          ("callbacks", "RemoteMonitor"), ("optimizers", "Nadam"),
                                           ("losses", "Huber"), ("models", "clone_model"),
                                           ("utils", "plot_model"),
                                           ("saving", "load_model"), ("datasets", "cifar10")])

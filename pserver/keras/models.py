@@ -378,6 +378,22 @@ class _Model:
                         tables=tables)
 
 
+    def save_weights(self, filepath, overwrite=True) -> None:
+        """Keras's: the weights to a ".weights.h5" path (pserver's model file, which holds the
+        layers' configs too), for load_weights."""
+        if not os.fspath(filepath).endswith(".weights.h5"):
+            raise ConfigError(f"save_weights: filepath={os.fspath(filepath)!r} must end in .weights.h5 "
+                              "(as Keras)")
+        self.save(filepath, overwrite=overwrite)
+
+    def load_weights(self, filepath) -> None:
+        """The weights of a file model.save or save_weights wrote for a model of this layout
+        (ModelFileError naming the difference otherwise)."""
+        filepath = os.fspath(filepath)
+        meta, arrays = model_file.read(filepath)
+        self._w = model_file.weights_of(filepath, meta, arrays, self._core.layout)
+
+
 class Sequential(_Model):
     """keras.Sequential([keras.Input(shape=(28, 28, 1)), layers.Conv2D(32, 3), ...])."""
 

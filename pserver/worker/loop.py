@@ -391,7 +391,7 @@ def report_batch(run: Run, batch: Batch, force: bool) -> None:
 
 def end_epoch(run: Run, ended: EpochEnd) -> bool:
     """An epoch's end: the chief's evaluation (chief_epoch_end), then the callbacks hear it with
-    the epoch's logs. Whether they stop the run."""
+    the epoch's logs and the weights pulled after its last step. Whether they stop the run."""
     logs = {}
     if run.chief:
         run.epochs_log.append(chief_epoch_end(run, ended.epoch))
@@ -400,6 +400,7 @@ def end_epoch(run: Run, ended: EpochEnd) -> bool:
         logs["trained"] = ended.trained
     if ended.shared and not run.chief:
         logs = chief_logs(run.client, run.rank, ended.epoch, run.push_empty if run.empty_counts else None)
+    run.callbacks.on_weights(run.w)               # the weights a callback saves (ModelCheckpoint)
     run.callbacks.on_epoch_end(ended.epoch, logs)
     if ended.shared and run.chief:
         run.client.epoch_logs(ended.epoch, share=(run.callbacks.epoch_logs, run.callbacks.stop_training))
