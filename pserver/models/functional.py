@@ -340,6 +340,8 @@ class Functional(SparseProtocol, Model):
         if sparse is not None:
             raise ConfigError(f"{self.name}: {sparse.label} is frozen (trainable=False), but its rows live "
                               "on the shards, which train every row pushed: freeze dense layers only")
+        for plan in self._plans.values():      # what the backward pass skips, as the layers say now
+            plan.refresh_frozen(force=True)
         return [f"{layer.name}/{w}" for layer in self.layers for w in layer.frozen_weights()]
 
     def summary_text(self) -> str:
