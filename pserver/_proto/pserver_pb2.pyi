@@ -528,6 +528,24 @@ class CheckpointReply(_message.Message):
     version: int
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
+class SetLearningRateRequest(_message.Message):
+    __slots__ = ("rank", "session", "lr")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    session: str
+    lr: float
+    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class SetLearningRateReply(_message.Message):
+    __slots__ = ("version", "lr")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    lr: float
+    def __init__(self, version: _Optional[int] = ..., lr: _Optional[float] = ...) -> None: ...
+
 class LeaseDataRequest(_message.Message):
     __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs", "in_order", "done_before_restore", "restart", "epoch_logs", "logs_epoch", "share_logs", "log_names", "log_values", "stop_training")
     RANK_FIELD_NUMBER: _ClassVar[int]

@@ -76,7 +76,8 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
              "Checkpoint": (pb.CheckpointRequest, pb.CheckpointReply),
              "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatReply),
              "ElasticJoinStep": (pb.ElasticJoinStepRequest, pb.ElasticJoinStepReply),
-             "LeaseData": (pb.LeaseDataRequest, pb.LeaseDataReply)}
+             "LeaseData": (pb.LeaseDataRequest, pb.LeaseDataReply),
+             "SetLearningRate": (pb.SetLearningRateRequest, pb.SetLearningRateReply)}
     handlers = {name: grpc.unary_unary_rpc_method_handler(
         getattr(servicer, name), request_deserializer=req.FromString,
         response_serializer=rep.SerializeToString) for name, (req, rep) in unary.items()}
@@ -227,6 +228,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             ask = self.shard.stop_after_checkpoint if request.then_stop else self.shard.checkpoint
             path, version = ask(request.rank, request.session)
         return pb.CheckpointReply(path=path, version=version)
+
+    @_status
+    def SetLearningRate(self, request, context):
+        version, before = self.shard.set_lr(request.rank, request.session, request.lr)
+        return pb.SetLearningRateReply(version=version, lr=before)
 
     @_status
     def Leave(self, request, context):

@@ -269,6 +269,7 @@ class ShardStore:
         self.start = self.end = 0
         self.params: np.ndarray | None = None
         self.optimizer = None
+        self.lr_set: float | None = None   # the chief's learning rate (set_lr), kept in checkpoints
         self.pool: BufferPool | None = None
         self.closed = False
         self.restored_from = ""            # the checkpoint this shard resumed from, if any
@@ -367,7 +368,8 @@ class ShardStore:
             meta = dict(version=self.version, signature=self.signature, total=self.total, start=self.start,
                         end=self.end, clocks={str(r): int(c) for r, c in self.clocks.items()},
                         positions={str(r): [int(v) for v in p] for r, p in self.positions.items()},
-                        coordinator=self.coordinator.state())
+                        coordinator=self.coordinator.state(),
+                        **({} if self.lr_set is None else {"lr_set": self.lr_set}))
             dense = {"params": self.params, **{f"opt.{k}": v for k, v in self.optimizer.state.items()}}
             self._dump = StateDump(self, meta, dense, tables)
             self._dump.delta = delta
@@ -389,6 +391,8 @@ class ShardStore:
                                   f"range [{ckpt.start}, {ckpt.end})")
             self.params[:] = ckpt.params
             self.optimizer.load_state(ckpt.state)
+            if ckpt.lr_set is not None:            # the chief's change before the checkpoint holds
+                self.set_lr(ckpt.lr_set)
             for name, table in self.tables.items():
                 table.load(ckpt.rows[name])
             self.version = ckpt.version
@@ -399,6 +403,10 @@ class ShardStore:
             self.coordinator = Coordinator.load(ckpt.coordinator)
             self.restored_from = ckpt.path
             self.cond.notify_all()
+
+    def set_lr(self, lr: float) -> None:
+        """The base learning rate from the next update on (the chief's change, or a restored one)."""
+        self.optimizer.lr = self.lr_set = lr
 
     def took(self, rank: int, clock: int) -> None:
         """rank's step `clock` is taken in: applied, part of a completed step, or dropped late

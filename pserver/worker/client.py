@@ -474,6 +474,12 @@ class ShardClient:
     def status(self, timeout: float) -> pb.StatusReply:
         return self.call(self.stub.Status, pb.StatusRequest(), timeout=timeout)
 
+    def set_lr(self, rank: int, lr: float, timeout: float) -> int:
+        """The chief's new base learning rate on this shard; the version it follows."""
+        request = pb.SetLearningRateRequest(rank=rank, session=self.session, lr=lr)
+        return self.resilient(lambda: self.call(self.stub.SetLearningRate, request, timeout=timeout),
+                              timeout).version
+
     def lease_data(self, request: pb.LeaseDataRequest, timeout: float) -> pb.LeaseDataReply:
         request.session = self.session
         return self.resilient(lambda: self.call(self.stub.LeaseData, request, timeout=timeout), timeout)
@@ -861,6 +867,11 @@ class PSClient:
     def checkpoint(self) -> list[tuple[str, int]]:
         """Ask every shard to write a checkpoint now; ("", version) where it keeps none."""
         return self.each(lambda s: s.checkpoint(self.rank, self.rpc_deadline))
+
+    def set_lr(self, lr: float) -> list[int]:
+        """The chief's new base learning rate on every shard, between two of its steps (so every
+        shard takes it at the same step in sync); each shard's version it follows."""
+        return self.each(lambda s: s.set_lr(self.rank, lr, self.rpc_deadline))
 
     def export_table(self, table: str, timeout: float = 600.0):
         """Every row of `table` on every shard: ([each shard's version], total rows, pages of

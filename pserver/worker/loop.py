@@ -336,6 +336,7 @@ class NoCallbacks:
     def on_epoch_end(self, epoch, logs=None): pass
     def on_train_end(self, logs=None): pass
     def on_weights(self, w): pass
+    def lr_change(self): return None
 
 
 def train(run: Run, source: Slices | Leases) -> dict:
@@ -402,6 +403,7 @@ def end_epoch(run: Run, ended: EpochEnd) -> bool:
         logs = chief_logs(run.client, run.rank, ended.epoch, run.push_empty if run.empty_counts else None)
     run.callbacks.on_weights(run.w)               # the weights a callback saves (ModelCheckpoint)
     run.callbacks.on_epoch_end(ended.epoch, logs)
+    run.follow_lr()
     if ended.shared and run.chief:
         run.client.epoch_logs(ended.epoch, share=(run.callbacks.epoch_logs, run.callbacks.stop_training))
     return run.callbacks.stop_training
