@@ -62,6 +62,7 @@ class Functional(SparseProtocol, Model):
         self._plans: dict[bool, graph.Plan] = {}
         self._sparse = None
         self._buffers = BatchBuffers(lambda n, dtype: ModelBuffers(self, n, dtype))
+        self._views_kept: dict[int, tuple] = {}       # _layer_views: id(flat) -> (flat, views)
 
     def _connect(self, inputs, outputs) -> None:
         """The graph from `inputs` to `outputs`; its layers (in order of first use) named."""
@@ -199,6 +200,7 @@ class Functional(SparseProtocol, Model):
         self._check_loss(shapes[1:])
         self._link_loss()
         self._shapes, self._layout, self._weights = shapes, layout, weights
+        self._views_kept = {}
 
     def _check_loss(self, shapes) -> None:
         """Each output's units against its loss."""
@@ -375,6 +377,17 @@ class Functional(SparseProtocol, Model):
                 w.initializer(rng, views[f"{layer.name}/{w.name}"])
         return flat
 
+    def _layer_views(self, flat: np.ndarray) -> list[dict]:
+        """_per_layer(layout.views(flat)), kept for the last two arrays: a worker hands the same
+        weights and gradient arrays every step. A copy of the list (callers replace entries)."""
+        hit = self._views_kept.get(id(flat))
+        if hit is None or hit[0] is not flat:
+            hit = (flat, self._per_layer(self.layout.views(flat)))
+            if len(self._views_kept) >= 2:
+                self._views_kept.pop(next(iter(self._views_kept)))
+            self._views_kept[id(flat)] = hit          # its views keep flat (and so its id) alive
+        return list(hit[1])
+
     def _per_layer(self, flat_views: dict) -> list[dict]:
         """Each layer's views by short name ("kernel"), from the model's ("dense/kernel")."""
         return [{w.name: flat_views[f"{layer.name}/{w.name}"] for w in weights}
@@ -395,8 +408,7 @@ class Functional(SparseProtocol, Model):
         run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
         if self.sparse_tables:
             return self._sparse_step(w, x, y, grad_out, sparse, run)
-        params = self._per_layer(self.layout.views(w))
-        grads = self._per_layer(self.layout.views(grad_out))
+        params, grads = self._layer_views(w), self._layer_views(grad_out)
         bufs = self._buffers(x.shape[0], w.dtype)
         ins = self._forward(params, x, bufs, run)
         if self.several:
@@ -539,6 +551,8 @@ class Functional(SparseProtocol, Model):
         if loss.task == "regression" or not y.size:
             return
         hi = 1 if isinstance(loss, losses.BinaryCrossentropy) else self._shapes[1 + j][-1] - 1
+        if y.dtype.kind in "iu" and 0 <= y.min() and y.max() <= hi:
+            return                              # every step's case: two reductions, no masks
         bad = (y < 0) | (y > hi) | (y != np.floor(y))
         if bad.any():
             i = int(np.argmax(bad))

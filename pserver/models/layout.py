@@ -7,6 +7,7 @@ every worker runs the same model (the signature).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -24,10 +25,10 @@ class TensorSpec:
     # another model (its checkpoints and files still fit).
     frozen: bool = False
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
-        # math.prod, not np.prod: a model finds its tensors' views every step, and np.prod's
-        # call overhead (paid several times per tensor) made that about 1 ms for wide_deep.
+        # Once per tensor: a model finds its tensors' views every step (np.prod's call overhead,
+        # paid several times per tensor, once made that about 1 ms for wide_deep).
         return int(math.prod(self.shape))
 
 
@@ -52,13 +53,17 @@ class Layout:
         """The [start, end) of each frozen tensor in the flat vector, in order."""
         return tuple(self.offsets()[t.name] for t in self.tensors if t.frozen and t.size)
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
         """P: the number of float32 elements in the flat vector."""
         return sum(t.size for t in self.tensors)
 
     def offsets(self) -> dict[str, tuple[int, int]]:
         """name -> [start, end) in the flat vector."""
+        return dict(self._offsets)
+
+    @functools.cached_property
+    def _offsets(self) -> dict[str, tuple[int, int]]:
         out, pos = {}, 0
         for t in self.tensors:
             out[t.name] = (pos, pos + t.size)
@@ -70,7 +75,7 @@ class Layout:
         if flat.shape != (self.total,):
             raise ValueError(f"flat vector has shape {flat.shape}, layout needs ({self.total},)")
         return {t.name: flat[a:b].reshape(t.shape) for t, (a, b) in
-                zip(self.tensors, self.offsets().values())}
+                zip(self.tensors, self._offsets.values())}
 
     def signature(self) -> str:
         """A short hash of names and shapes: equal layouts, equal signatures."""
