@@ -115,14 +115,16 @@ class TableStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., pending_ids: _Optional[int] = ..., admissions: _Optional[int] = ..., creations: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "shape", "frozen")
+    __slots__ = ("name", "shape", "frozen", "momentum")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     FROZEN_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     frozen: bool
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., frozen: _Optional[bool] = ...) -> None: ...
+    momentum: float
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., frozen: _Optional[bool] = ..., momentum: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("rank", "num_workers", "shard", "num_shards", "layout", "batch_size", "protocol_version", "tables", "data_seed", "steps_per_epoch", "previous_session", "elastic_auto_rank")

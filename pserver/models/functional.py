@@ -188,7 +188,9 @@ class Functional(SparseProtocol, Model):
         the input's first, then each output's."""
         weights = [layer.weights() for layer in self.layers]
         layout = Layout.of((f"{layer.name}/{w.name}", w.shape)
-                           for layer, ws in zip(self.layers, weights) for w in ws)
+                           for layer, ws in zip(self.layers, weights) for w in ws).with_statistics(
+            {f"{layer.name}/{w.name}": w.momentum for layer, ws in zip(self.layers, weights) for w in ws
+             if w.momentum is not None})
         if layout.total == 0:
             raise ConfigError(f"{self.name}: has no parameters to train (layers: "
                               f"{', '.join(layer.name for layer in self.layers)})")

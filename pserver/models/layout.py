@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import numpy as np
@@ -23,6 +23,10 @@ class TensorSpec:
     # it and its state as they are. Not part of the signature: freezing a layer does not make
     # another model (its checkpoints and files still fit).
     frozen: bool = False
+    # A moving statistic (BatchNormalization's moving mean or variance, frozen too): the shards
+    # update it from the workers' batch statistics with this momentum (statistics_pairs). Not
+    # part of the signature either: checkpoints and files hold the values as any weight's.
+    momentum: float | None = None
 
     @property
     def size(self) -> int:
@@ -46,7 +50,28 @@ class Layout:
     def freezing(self, names) -> "Layout":
         """This layout with the tensors `names` frozen and the others trained."""
         names = set(names)
-        return Layout(tuple(TensorSpec(t.name, t.shape, t.name in names) for t in self.tensors), self.tables)
+        return Layout(tuple(replace(t, frozen=t.name in names) for t in self.tensors), self.tables)
+
+    def with_statistics(self, momenta: dict[str, float]) -> "Layout":
+        """This layout with the tensors named in `momenta` marked moving statistics (and frozen:
+        the optimizer leaves them), the others not."""
+        return Layout(tuple(replace(t, momentum=momenta.get(t.name), frozen=t.frozen or t.name in momenta)
+                            for t in self.tensors), self.tables)
+
+    def statistics_pairs(self) -> tuple[tuple[int, int, int, float], ...]:
+        """(mean start, variance start, size, momentum) in the flat vector for each pair of moving
+        statistics: the statistics tensors in order, a mean then its variance (BatchNormalization's
+        weights), each pair of one size and momentum; ValueError for any other sequence."""
+        stats = [t for t in self.tensors if t.momentum is not None]
+        offsets, pairs = self.offsets(), []
+        for mean, var in zip(stats[::2], stats[1::2]):
+            if mean.shape != var.shape or mean.momentum != var.momentum:
+                raise ValueError(f"statistics {mean.name} and {var.name}: a mean and its variance need one "
+                                 "shape and momentum")
+            pairs.append((offsets[mean.name][0], offsets[var.name][0], mean.size, mean.momentum))
+        if len(stats) % 2:
+            raise ValueError(f"statistics {stats[-1].name}: a mean without its variance (they come in pairs)")
+        return tuple(pairs)
 
     def frozen_ranges(self) -> tuple[tuple[int, int], ...]:
         """The [start, end) of each frozen tensor in the flat vector, in order."""

@@ -80,6 +80,13 @@ def checked_registration(num_workers: int, layout: Layout) -> int:
         raise InvalidArgument(f"num_workers: must be >= 1, got {num_workers}")
     total = checked_total(layout)
     checked_tables(layout.tables)
+    try:
+        pairs = layout.statistics_pairs()
+    except ValueError as e:
+        raise InvalidArgument(f"layout: {e}") from None
+    bad = next((m for *_, m in pairs if not 0 <= m <= 1), None)
+    if bad is not None:
+        raise InvalidArgument(f"layout: a moving statistic's momentum must be in [0, 1], got {bad}")
     return total
 
 

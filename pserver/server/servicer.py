@@ -107,7 +107,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def Register(self, request, context):
         layout = Layout.of(((t.name, tuple(t.shape)) for t in request.layout),
                            [codec.table_config(t) for t in request.tables])
-        layout = layout.freezing(t.name for t in request.layout if t.frozen)
+        layout = layout.freezing(t.name for t in request.layout if t.frozen).with_statistics(
+            {t.name: t.momentum for t in request.layout if t.HasField("momentum")})
         reg = self.shard.register(request.rank, request.num_workers, request.shard,
                                   request.num_shards, layout, request.protocol_version,
                                   request.data_seed, request.steps_per_epoch, request.previous_session,

@@ -186,7 +186,7 @@ class Shard:
             if not s.signature:
                 self.budget.check_range(end - start, self.cfg.shard, self.cfg.optimizer)
             s.configure(layout.signature(), total, start, end, layout.tables)
-            s.freeze(layout.frozen_ranges())
+            s.freeze(layout.frozen_ranges(), layout.statistics_pairs())
             session, took_over = self.members.join(rank, num_workers, previous_session)
             self.policy.registered(rank)
             return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,

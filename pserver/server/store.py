@@ -200,6 +200,11 @@ def mean_gradient(grads: list[np.ndarray], counts: list[int], out: np.ndarray | 
     return out
 
 
+def _local(at: int, size: int, start: int, end: int) -> tuple[int, int]:
+    """The [lo, hi) of elements at..at+size (a tensor in the flat vector) on the slice [start, end)."""
+    return min(max(start - at, 0), size), max(min(end - at, size), 0)
+
+
 class StateDump:
     """A checkpoint's view of a store at one version (ShardStore.begin_dump): the meta, the
     dense arrays read a stripe at a time (`dense`), and per table its config, entry layout,
@@ -265,6 +270,7 @@ class ShardStore:
         self.version = -1                 # -1 until the chief's Init (or a restore)
         self.signature = ""               # layout signature; "" until the first Register
         self.frozen: tuple | None = None   # the layout's frozen [start, end) ranges, from the first Register
+        self.statistics: tuple = ()        # its moving statistics (Layout.statistics_pairs), from then too
         self.total = 0
         self.start = self.end = 0
         self.params: np.ndarray | None = None
@@ -330,14 +336,18 @@ class ShardStore:
             self.optimizer.freeze(self._own(self.frozen))
         self.pool = BufferPool(end - start)
 
-    def freeze(self, frozen: tuple) -> None:
+    def freeze(self, frozen: tuple, statistics: tuple = ()) -> None:
         """The layout's frozen tensors ([start, end) in the flat vector), which the optimizer leaves
-        as they are: fixed by the first Register (of this shard's life: a restore does not keep
-        them), to be the same for every later one (cond held; after configure, which changed
-        nothing then)."""
+        as they are, and its moving statistics (update_statistics): fixed by the first Register (of
+        this shard's life: a restore does not keep them), to be the same for every later one (cond
+        held; after configure, which changed nothing then)."""
         if self.frozen is None:
-            self.frozen = tuple(frozen)
+            self.frozen, self.statistics = tuple(frozen), tuple(statistics)
             self.optimizer.freeze(self._own(self.frozen))
+        elif tuple(statistics) != self.statistics:
+            raise FailedPrecondition(f"layout: the worker's moving statistics are {list(statistics)}, this "
+                                     f"shard's {list(self.statistics)} ((mean, variance, size, momentum)); "
+                                     "every worker must run the same model")
         elif tuple(frozen) != self.frozen:
             def say(ranges):
                 return f"{sum(b - a for a, b in ranges):,} params in {len(ranges)} tensor(s)"
@@ -435,7 +445,9 @@ class ShardStore:
             if self._dump is not None:
                 self._dump.before_step()
             try:
-                self.optimizer.step(self.params, mean_gradient(grads, counts, out), self.version)
+                mean = mean_gradient(grads, counts, out)
+                self.optimizer.step(self.params, mean, self.version)
+                self.update_statistics(mean)
             finally:
                 if out is not None:
                     self.pool.release(out)
@@ -444,6 +456,33 @@ class ShardStore:
         self.version += 1
         self.counters.add("updates_applied")
         self.cond.notify_all()
+
+    def update_statistics(self, g: np.ndarray) -> None:
+        """The moving statistics this shard holds, from `g`: the step's sample-weighted mean of the
+        pushes (sync, backup) or one push (async, ssp), whose statistics slots carry each worker's
+        batch mean m_i and, for the variance, v_i + (m_i - c)^2 with c the moving mean it pulled
+        (pserver.layers.normalization). Their weighted mean is the union's mean M, and the union's
+        variance plus (M - c)^2 (sum n_i (v_i + (m_i - M)^2) / n is the union's variance), so
+        V = slot - (M - c)^2 is the variance of all the workers' samples as one batch: exact in
+        sync, where every worker pulled this shard's c. Then Keras's rule, moving = momentum *
+        moving + (1 - momentum) * batch, for the variance before the mean (it reads c).
+        A variance element whose mean lies on another shard (a range boundary cuts the pair) has
+        no M here: it takes the slot as V, high by (M - c)^2, the mean's move this step."""
+        w = self.params
+        for mean_at, var_at, size, momentum in self.statistics:
+            means = _local(mean_at, size, self.start, self.end)
+            var_lo, var_hi = _local(var_at, size, self.start, self.end)
+            if var_lo < var_hi:
+                v = slice(var_at + var_lo - self.start, var_at + var_hi - self.start)
+                batch = g[v].astype(np.float64)
+                lo, hi = max(var_lo, means[0]), min(var_hi, means[1])    # their means are here too
+                if lo < hi:
+                    m = slice(mean_at + lo - self.start, mean_at + hi - self.start)
+                    batch[lo - var_lo:hi - var_lo] -= np.square(g[m].astype(np.float64) - w[m])
+                w[v] = momentum * w[v] + (1 - momentum) * np.maximum(batch, 0)
+            if means[0] < means[1]:
+                m = slice(mean_at + means[0] - self.start, mean_at + means[1] - self.start)
+                w[m] = momentum * w[m].astype(np.float64) + (1 - momentum) * g[m].astype(np.float64)
 
     def advance_empty(self) -> None:
         """A sync step whose pushes all carried 0 samples: the version advances, nothing is
@@ -469,6 +508,7 @@ class ShardStore:
         the wake-up take the lock. Returns the version after this update.
         """
         self.optimizer.step(self.params, grad, max(self.version, 0))
+        self.update_statistics(grad)
         self.apply_rows(list(rows), 1.0, max(self.version, 0))
         with self.cond:
             self.version += 1

@@ -285,8 +285,7 @@ class ShardClient:
                                  num_shards=num_shards, batch_size=batch_size, previous_session=previous,
                                  data_seed=data_order[0], steps_per_epoch=data_order[1],
                                  protocol_version=codec.PROTOCOL_VERSION,
-                                 layout=[pb.TensorSpec(name=t.name, shape=t.shape, frozen=t.frozen)
-                                         for t in layout.tensors],
+                                 layout=[codec.tensor_spec(t) for t in layout.tensors],
                                  tables=[codec.table_spec(t) for t in layout.tables])
         self.info = r = registration_of(self.call(self.stub.Register, req, timeout=timeout))
         if self.auto_rank:                    # a rejoin registers the rank shard 0 assigned
@@ -630,6 +629,10 @@ class PSClient:
         this rank's position, which each Registration returns (docs/semantics.md, "Resuming")."""
         # versions stay "none seen": the first pull takes whatever is current, which for
         # a restarted worker is the version the others have reached.
+        if self.compression.name != "none" and any(t.momentum is not None for t in layout.tensors):
+            raise ConfigError(f"--compress {self.compression.name}: the model has moving statistics "
+                              "(BatchNormalization), which a lossy push would round and carry into the next "
+                              "step; train it without --compress")
         if self.rank == AUTO_RANK:             # a slot no live auto worker holds, and the rank it kept
             self.session_file = SessionFile.auto_slot(self.session_file.directory,
                                                       [s.address for s in self.shards])
