@@ -16,7 +16,7 @@ from pserver.errors import ConfigError, InvalidArgument
 from pserver.layers import BatchNormalization, Dense, LayerNormalization, Rescaling
 from pserver.layers.base import Pass
 from pserver.models import Functional
-from pserver.models.layout import Layout
+from pserver.models.layout import Layout, away_means
 from pserver.ops.core import Symbolic
 from pserver.server import checks
 from tests.support.pushes import push_request
@@ -118,10 +118,10 @@ def test_batch_normalization_against_numpy_and_finite_differences(shape, n, seed
     np.testing.assert_allclose(run(layer, p, x, training=False)[0], infer, rtol=1e-10, atol=1e-10)
     g = assert_fd(layer, p, x, seed=seed)
     assert_fd(layer, p, x, training=False, seed=seed)
-    # the statistics' slots: the batch's mean, and its variance plus (mean - moving mean)^2
-    np.testing.assert_allclose(g["moving_mean"], x.mean(axis=axes), rtol=1e-12)
-    np.testing.assert_allclose(g["moving_variance"],
-                               x.var(axis=axes) + (x.mean(axis=axes) - p["moving_mean"]) ** 2, rtol=1e-10)
+    # the statistics' slots: the batch's mean less the moving one, and its variance plus that squared
+    d = x.mean(axis=axes) - p["moving_mean"]
+    np.testing.assert_allclose(g["moving_mean"], d, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(g["moving_variance"], x.var(axis=axes) + d ** 2, rtol=1e-10)
 
 
 @FAST
@@ -179,6 +179,14 @@ def test_save_and_load_keep_the_layers_and_the_moving_statistics(tmp_path):
     assert [la.momentum for la in again._core.layers if isinstance(la, BatchNormalization)] == [0.5]
 
 
+def test_a_batch_normalization_called_twice_is_refused():
+    """Catches a shared BatchNormalization accepted: its backward would sum two batches' statistics."""
+    inputs = keras.Input((3,))
+    bn = keras.layers.BatchNormalization()
+    with pytest.raises(ConfigError, match="called 2 times"):
+        keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Add()([bn(inputs), bn(inputs)])))._core.build()
+
+
 def test_cuda_refuses_the_normalization_layers_in_one_line():
     """Catches a model with a layer that has no CUDA kernels sent to the GPU."""
     from pserver.models import cuda_support
@@ -205,10 +213,14 @@ def pull(shards, total):
 
 
 def push(shards, model, w, x, rank, step):
+    """As PSClient pushes: each shard's slice, and the means another shard holds for its variances."""
     g = np.empty_like(w)
     model.loss_and_grad(w, x, np.zeros(len(x), np.int64), g)
+    pairs = model.layout.statistics_pairs()
     for j, s in enumerate(shards):
-        s.push(push_request(g[s.store.start:s.store.end], rank=rank, shard=j, step=step, samples=len(x)))
+        away = g[away_means(pairs, s.store.start, s.store.end)]
+        s.push(push_request(g[s.store.start:s.store.end], rank=rank, shard=j, step=step, samples=len(x),
+                            statistics=away))
     return g
 
 
@@ -222,9 +234,10 @@ def moving(model, w):
        features=st.integers(1, 5), seed=st.integers(0, 2**16), shift=st.sampled_from([0.0, 4.0]))
 def test_sync_moving_statistics_are_one_large_batchs(sizes, num_shards, features, seed, shift):
     """In sync, the workers' pushes give the shards the statistics of their batches as one
-    batch (the sample-weighted union): catches an unweighted mean of the workers' moments, and
-    a variance that forgets the spread of the workers' means ((m_i - M)^2). A variance whose
-    mean lies on another shard (a range cut between them) is off by (M - c)^2, as documented."""
+    batch (the sample-weighted union), on any number of shards: catches an unweighted mean of
+    the workers' moments, a variance that forgets the spread of the workers' means ((m_i -
+    M)^2), and a variance whose mean another shard holds (2 shards cut this layout between
+    them) corrected with the wrong value or not at all."""
     model = bn_model(features)
     r = np.random.default_rng(seed)
     w0 = model.init_params(seed)
@@ -239,18 +252,15 @@ def test_sync_moving_statistics_are_one_large_batchs(sizes, num_shards, features
         mm, mv = (v.astype(np.float64) for v in moving(model, w))
         got_mean, got_var = moving(model, pull(shards, w0.size))
         np.testing.assert_allclose(got_mean, 0.9 * mm + 0.1 * both.mean(0), rtol=1e-5, atol=1e-5)
-        want_var = both.var(0)
-        mean_at, var_at, _, _ = model.layout.statistics_pairs()[0]
-        for c in range(features):          # the shard holding the variance lacks the mean: documented
-            if not any(s.store.start <= mean_at + c < s.store.end for s in shards
-                       if s.store.start <= var_at + c < s.store.end):
-                want_var[c] += (both.mean(0)[c] - mm[c]) ** 2
-        np.testing.assert_allclose(got_var, 0.9 * mv + 0.1 * want_var, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got_var, 0.9 * mv + 0.1 * both.var(0), rtol=1e-5, atol=1e-5)
+    if num_shards == 2 and features > 1:       # the range cut falls inside the moving variance
+        assert shards[1].store.moving.away == features - 1
 
 
 def test_a_rejected_push_leaves_the_statistics_as_they_are():
-    """A push with a non-finite value is refused before anything changes: catches statistics
-    updated from a push the optimizer refused, or a refused push counted in the step."""
+    """A push with a non-finite value, or without the statistics its shard needs from another
+    one, is refused before anything changes: catches statistics updated from a push the
+    optimizer refused, or a refused push counted in the step."""
     model = bn_model(3)
     w0 = model.init_params(0)
     shards = make_cluster(model.layout, w0, 1, 2, mode="sync", optimizer="sgd", lr=0.1)
@@ -262,6 +272,8 @@ def test_a_rejected_push_leaves_the_statistics_as_they_are():
     g[model.layout.offsets()["batch_normalization/moving_variance"][0]] = np.nan
     with pytest.raises(InvalidArgument):
         shards[0].push(push_request(g, rank=1, samples=4))
+    with pytest.raises(InvalidArgument, match="statistics: 1 values for the 0"):
+        shards[0].push(push_request(g, rank=1, samples=4, statistics=np.ones(1, np.float32)))
     np.testing.assert_array_equal(pull(shards, w0.size), w0)       # the step waits for worker 1
     push(shards, model, w0, xs[1], 1, 0)
     both = np.concatenate(xs).astype(np.float64)
@@ -274,8 +286,7 @@ def test_a_rejected_push_leaves_the_statistics_as_they_are():
 def test_one_worker_follows_keras_rule(mode):
     """moving = momentum * moving + (1 - momentum) * batch each step, the optimizer never touching
     the statistics (frozen): catches the optimizer's update applied to them too (sgd would move
-    them by lr * slot), and the variance updated after the mean (its correction then reads the
-    new mean)."""
+    them by lr * slot), and a batch variance taken without its correction by the mean's move."""
     model = bn_model(4, momentum=0.8)
     w0 = model.init_params(3)
     shards = make_cluster(model.layout, w0, 1, 1, mode=mode, optimizer="sgd", lr=0.5)
@@ -305,21 +316,51 @@ def test_a_layout_with_unpaired_statistics_is_refused():
         ((0, 3, 3, 0.5),)
 
 
-def test_register_carries_the_statistics_and_compression_is_refused(shard_server):
-    """Over gRPC: the shard learns which tensors are statistics, and their momentum, from the
-    Register (TensorSpec.momentum); catches the field lost on the wire (the shard would then
-    never update them), an ordinary tensor taken for one, and a compressing worker accepted
-    (its lossy pushes and their residual would skew the statistics)."""
+@pytest.mark.parametrize("plane", ["grpc", "auto"])
+def test_pushes_over_the_wire_give_two_shards_the_union(shard_server, plane):
+    """PSClient registers the statistics (TensorSpec.momentum) and sends each shard the means it
+    lacks (TensorHeader.statistics; over gRPC even when the data plane is there): two workers on
+    two shards that cut the moving variance get one batch's statistics. Catches the momentum or
+    the carried means lost on the wire, and a push with them sent over the data plane (refused)."""
     from pserver.worker.client import PSClient
     from pserver.worker.loop import registered_layout
-    model = bn_model(3, momentum=0.75)
+    model = bn_model(4, momentum=0.75)
     layout = registered_layout(model)
-    addr, shard = shard_server(optimizer="sgd", lr=0.1)
-    c = PSClient([addr], rpc_deadline=10, data_plane="grpc")
-    c.connect(5)
-    c.register(layout)
-    assert shard.store.statistics == layout.statistics_pairs() == ((6, 9, 3, 0.75),)
-    c.close()
+    servers = [shard_server(shard=j, num_shards=2, num_workers=2, optimizer="sgd", lr=0.1) for j in range(2)]
+    clients = [PSClient([a for a, _ in servers], rank=r, num_workers=2, rpc_deadline=10, data_plane=plane)
+               for r in range(2)]
+    for c in clients:
+        c.connect(5)
+        c.register(layout)
+    assert [s.store.statistics for _, s in servers] == [layout.statistics_pairs()] * 2
+    assert layout.statistics_pairs() == ((8, 12, 4, 0.75),)
+    assert servers[1][1].store.moving.away == 3     # 26 params: shard 1 holds 13.., variances 1 to 3 of 4
+    w0 = model.init_params(0)
+    clients[0].init(w0)
+    r = np.random.default_rng(5)
+    xs = [(r.standard_normal((n, 4)) * 2 + r.standard_normal()).astype(np.float32) for n in (3, 6)]
+    for c, x in zip(clients, xs):
+        w = np.empty_like(w0)
+        c.pull(w)
+        g = np.empty_like(w0)
+        model.loss_and_grad(w, x, np.zeros(len(x), np.int64), g)
+        c.push(g, num_samples=len(x))
+    w = np.empty_like(w0)
+    clients[0].pull(w, clock=1)
+    both = np.concatenate(xs).astype(np.float64)
+    mean, var = moving(model, w)
+    np.testing.assert_allclose(mean, 0.25 * both.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(var, 0.75 + 0.25 * both.var(0), rtol=1e-5)
+    for c in clients:
+        c.close()
+
+
+def test_compression_is_refused_with_moving_statistics(shard_server):
+    """Catches a compressing worker accepted (its lossy pushes and their residual would skew the
+    statistics)."""
+    from pserver.worker.client import PSClient
+    from pserver.worker.loop import registered_layout
+    addr, _ = shard_server(optimizer="sgd", lr=0.1)
     bf16 = PSClient([addr], rank=0, rpc_deadline=10, data_plane="grpc", compression="bf16")
     with pytest.raises(ConfigError, match="--compress bf16: the model has moving statistics"):
-        bf16.register(layout)
+        bf16.register(registered_layout(bn_model(3)))

@@ -8,9 +8,9 @@ channel (the last axis), and at inference its moving mean and variance.
 BatchNormalization's moving statistics are weights that training does not differentiate: they
 live on the shards (non-trainable, so the optimizer leaves them) and are marked as statistics
 (Weight.momentum), which the shards update from the workers' batch statistics
-(pserver.server.store.update_statistics, docs/semantics.md). What a worker pushes in their
-gradient slots is its batch's statistics: the mean, and for the variance v + (m - c)^2, c the
-moving mean it pulled, which the shard's union of the workers' pushes needs (see there).
+(pserver.server.statistics, docs/semantics.md). What a worker pushes in their gradient slots
+is its batch's statistics: m - c for the mean, c the moving mean it pulled, and v + (m - c)^2
+for the variance, from which the shard takes the union of the workers' batches (see there).
 """
 
 from __future__ import annotations
@@ -177,9 +177,9 @@ class BatchNormalization(_Normalization):
             dx[...] = standardize_vjp(dy, s["y"], s["scale"], axes) if s["training"] else dy * s["scale"]
         # The statistics' slots carry the batch's moments to the shards (the module's docstring);
         # a pass at inference sends the moving values back, which leaves them as they are.
-        mean, var = s["mean"].reshape(-1), s["var"].reshape(-1)
-        g["moving_mean"][...] = mean
-        g["moving_variance"][...] = var + np.square(mean - p["moving_mean"])
+        d = s["mean"].reshape(-1) - p["moving_mean"]
+        g["moving_mean"][...] = d
+        g["moving_variance"][...] = s["var"].reshape(-1) + np.square(d)
 
 
 __all__ = ["LayerNormalization", "BatchNormalization"]

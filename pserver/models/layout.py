@@ -107,3 +107,13 @@ class Layout:
     def describe(self) -> str:
         return ", ".join([f"{t.name}{list(t.shape)}" for t in self.tensors]
                          + [f"{t.name}[ids x {t.dim}, sparse]" for t in self.tables])
+
+
+def away_means(pairs, start: int, end: int) -> np.ndarray:
+    """The flat-vector indices of the mean elements (of Layout.statistics_pairs) whose variance
+    element lies in [start, end) while they do not: what a push to the shard of that range
+    carries beside its slice (PushRequest.statistics), in this order."""
+    found = [mean_at + k for mean_at, var_at, size, _ in pairs for k in range(size)
+             if start <= var_at + k < end and not start <= mean_at + k < end]
+    return np.asarray(found, dtype=np.int64)
+

@@ -90,6 +90,16 @@ def checked_registration(num_workers: int, layout: Layout) -> int:
     return total
 
 
+def check_statistics(expected: int, values) -> None:
+    """A push's statistics carried apart (PushRequest.statistics): one finite value for each mean
+    element another shard holds whose variance this one does, else refused before anything changes."""
+    if len(values) != expected:
+        raise InvalidArgument(f"statistics: {len(values)} values for the {expected} moving-mean element(s) "
+                              "this shard's moving variance needs from another shard (away_means)")
+    if expected and not np.all(np.isfinite(values)):
+        raise InvalidArgument("statistics: a value is not finite")
+
+
 def check_trained(trained: tuple[float, float], num_samples: int) -> None:
     """What a leased push says its batch's step measured (loss x samples, samples classed right)
     is summed into every worker's History: a count of right samples outside [0, num_samples] (NaN

@@ -182,7 +182,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         lease = (h.lease_epoch, h.lease_chunk, h.lease_batch) if h.has_lease else None
         return self.shard.push(PushRequest(h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples,
                                            h.clock, fill, session=h.session, rows=rows, lease=lease,
-                                           trained=(h.lease_loss_sum, h.lease_correct)))
+                                           trained=(h.lease_loss_sum, h.lease_correct),
+                                           statistics=np.asarray(h.statistics, np.float32)))
 
     @_status
     def LeaseData(self, request, context):

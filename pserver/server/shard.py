@@ -324,6 +324,7 @@ class Shard:
                 self.members.authorize(req.rank, req.session, revive=True)
                 self.leases.check_push(req)
             checks.check_payload(self.cfg, s.size, req.num_elements, req.dtype)
+            checks.check_statistics(s.moving.away, req.statistics)
             self.metrics.received.inc(req.num_elements * 4)      # float32, checked above
             outcome, message = self._receive_and_decide(req)
             self.leases.took(req, outcome)

@@ -26,6 +26,7 @@ from pserver.errors import (
     Unavailable,
 )
 from pserver.server.coordinator import Coordinator
+from pserver.server.statistics import MovingStatistics, weighted_mean
 from pserver.sparse.merge import RowGrads, merge_rows
 from pserver.wire import frames
 from pserver.wire.codec import Position
@@ -200,11 +201,6 @@ def mean_gradient(grads: list[np.ndarray], counts: list[int], out: np.ndarray | 
     return out
 
 
-def _local(at: int, size: int, start: int, end: int) -> tuple[int, int]:
-    """The [lo, hi) of elements at..at+size (a tensor in the flat vector) on the slice [start, end)."""
-    return min(max(start - at, 0), size), max(min(end - at, size), 0)
-
-
 class StateDump:
     """A checkpoint's view of a store at one version (ShardStore.begin_dump): the meta, the
     dense arrays read a stripe at a time (`dense`), and per table its config, entry layout,
@@ -271,6 +267,7 @@ class ShardStore:
         self.signature = ""               # layout signature; "" until the first Register
         self.frozen: tuple | None = None   # the layout's frozen [start, end) ranges, from the first Register
         self.statistics: tuple = ()        # its moving statistics (Layout.statistics_pairs), from then too
+        self.moving = MovingStatistics()   # those of them in this shard's range
         self.total = 0
         self.start = self.end = 0
         self.params: np.ndarray | None = None
@@ -344,6 +341,7 @@ class ShardStore:
         if self.frozen is None:
             self.frozen, self.statistics = tuple(frozen), tuple(statistics)
             self.optimizer.freeze(self._own(self.frozen))
+            self.moving = MovingStatistics(self.statistics, self.start, self.end)
         elif tuple(statistics) != self.statistics:
             raise FailedPrecondition(f"layout: the worker's moving statistics are {list(statistics)}, this "
                                      f"shard's {list(self.statistics)} ((mean, variance, size, momentum)); "
@@ -435,11 +433,13 @@ class ShardStore:
             raise NotRegistered("layout: no worker has registered with this shard yet")
 
     def apply(self, grads: list[np.ndarray], counts: list[int],
-              rows: list[tuple[RowGrads, int]] = ()) -> None:
+              rows: list[tuple[RowGrads, int]] = (), away: list | None = None) -> None:
         """One optimizer step on the mean of a step's pushes: their gradients in rank order,
         counts[i] the samples the push of grads[i] carried, and their sparse rows, each with its
         push's samples (mean_gradient, merge_rows: a push that did not touch a row adds zero to
-        it). The gradients are left as they are; the caller holds cond."""
+        it). `away`: each push's statistics carried apart (PushRequest.statistics), averaged with
+        the same weights (update_statistics).
+        The gradients are left as they are; the caller holds cond."""
         if sum(counts):    # a step of empty contributions only (no data left to any) trains nothing
             out = self.pool.acquire() if len(grads) > 1 else None
             if self._dump is not None:
@@ -447,7 +447,7 @@ class ShardStore:
             try:
                 mean = mean_gradient(grads, counts, out)
                 self.optimizer.step(self.params, mean, self.version)
-                self.update_statistics(mean)
+                self.update_statistics(mean, weighted_mean(away, counts) if self.moving.away else None)
             finally:
                 if out is not None:
                     self.pool.release(out)
@@ -457,32 +457,11 @@ class ShardStore:
         self.counters.add("updates_applied")
         self.cond.notify_all()
 
-    def update_statistics(self, g: np.ndarray) -> None:
-        """The moving statistics this shard holds, from `g`: the step's sample-weighted mean of the
-        pushes (sync, backup) or one push (async, ssp), whose statistics slots carry each worker's
-        batch mean m_i and, for the variance, v_i + (m_i - c)^2 with c the moving mean it pulled
-        (pserver.layers.normalization). Their weighted mean is the union's mean M, and the union's
-        variance plus (M - c)^2 (sum n_i (v_i + (m_i - M)^2) / n is the union's variance), so
-        V = slot - (M - c)^2 is the variance of all the workers' samples as one batch: exact in
-        sync, where every worker pulled this shard's c. Then Keras's rule, moving = momentum *
-        moving + (1 - momentum) * batch, for the variance before the mean (it reads c).
-        A variance element whose mean lies on another shard (a range boundary cuts the pair) has
-        no M here: it takes the slot as V, high by (M - c)^2, the mean's move this step."""
-        w = self.params
-        for mean_at, var_at, size, momentum in self.statistics:
-            means = _local(mean_at, size, self.start, self.end)
-            var_lo, var_hi = _local(var_at, size, self.start, self.end)
-            if var_lo < var_hi:
-                v = slice(var_at + var_lo - self.start, var_at + var_hi - self.start)
-                batch = g[v].astype(np.float64)
-                lo, hi = max(var_lo, means[0]), min(var_hi, means[1])    # their means are here too
-                if lo < hi:
-                    m = slice(mean_at + lo - self.start, mean_at + hi - self.start)
-                    batch[lo - var_lo:hi - var_lo] -= np.square(g[m].astype(np.float64) - w[m])
-                w[v] = momentum * w[v] + (1 - momentum) * np.maximum(batch, 0)
-            if means[0] < means[1]:
-                m = slice(mean_at + means[0] - self.start, mean_at + means[1] - self.start)
-                w[m] = momentum * w[m].astype(np.float64) + (1 - momentum) * g[m].astype(np.float64)
+    def update_statistics(self, g: np.ndarray, away=None) -> None:
+        """The moving statistics this shard holds, from the step's mean of the pushes' slots (or
+        one push's) and of their values for the means another shard holds (MovingStatistics)."""
+        if self.moving:
+            self.moving.update(self.params, g, away)
 
     def advance_empty(self) -> None:
         """A sync step whose pushes all carried 0 samples: the version advances, nothing is
@@ -500,7 +479,7 @@ class ShardStore:
             self.tables[part.table].apply(part.ids, part.grads, step, scale, checked=True)
             self.counters.add("rows_pushed", part.ids.size)
 
-    def apply_hogwild(self, grad: np.ndarray, rows: list[RowGrads] = ()) -> int:
+    def apply_hogwild(self, grad: np.ndarray, rows: list[RowGrads] = (), away=None) -> int:
         """Apply without the lock (async modes): concurrent callers race on purpose.
 
         The optimizer kernels release the GIL, so pushes from several gRPC threads update
@@ -508,7 +487,7 @@ class ShardStore:
         the wake-up take the lock. Returns the version after this update.
         """
         self.optimizer.step(self.params, grad, max(self.version, 0))
-        self.update_statistics(grad)
+        self.update_statistics(grad, away)
         self.apply_rows(list(rows), 1.0, max(self.version, 0))
         with self.cond:
             self.version += 1
