@@ -163,6 +163,7 @@ class Functional(SparseProtocol, Model):
         self._check_names()
         self._fix_layout([self._packed_shape(), *(o.shape[1:] for o in self._outputs)])
         self._check_fused()
+        self._check_statistics()
         self._find_sparse()
         self._built = True
         return self
@@ -184,12 +185,26 @@ class Functional(SparseProtocol, Model):
                                   f"too; its activation='{activation}' fuses into the loss: make the output "
                                   "a linear layer then Activation, and feed the other layer the linear one")
 
+    def _check_statistics(self) -> None:
+        """A layer with moving statistics (BatchNormalization) called twice would push the sum of
+        two batches' statistics as one: refused."""
+        plan = self._plan(True)
+        for i, layer in enumerate(plan.layers):
+            if plan.uses(i) > 1 and any(w.momentum is not None for w in layer.weights()):
+                raise ConfigError(f"{self.name}: {layer.label} is called {plan.uses(i)} times; its moving "
+                                  "statistics take one batch per step: give each call its own layer")
+
+    def _layout_of(self, weights: list[list]) -> Layout:
+        """Every layer's weights (`weights`, per layer) in order, the moving statistics marked."""
+        named = [(f"{layer.name}/{w.name}", w) for layer, ws in zip(self.layers, weights) for w in ws]
+        return Layout.of((name, w.shape) for name, w in named).with_statistics(
+            {name: w.momentum for name, w in named if w.momentum is not None})
+
     def _fix_layout(self, shapes: list[tuple[int, ...]]) -> None:
         """The layout (every layer's weights, in order) and the loss on the outputs; `shapes`:
         the input's first, then each output's."""
         weights = [layer.weights() for layer in self.layers]
-        layout = Layout.of((f"{layer.name}/{w.name}", w.shape)
-                           for layer, ws in zip(self.layers, weights) for w in ws)
+        layout = self._layout_of(weights)
         if layout.total == 0:
             raise ConfigError(f"{self.name}: has no parameters to train (layers: "
                               f"{', '.join(layer.name for layer in self.layers)})")

@@ -187,7 +187,7 @@ class Shard:
             if not s.signature:
                 self.budget.check_range(end - start, self.cfg.shard, self.cfg.optimizer)
             s.configure(layout.signature(), total, start, end, layout.tables)
-            s.freeze(layout.frozen_ranges())
+            s.freeze(layout.frozen_ranges(), layout.statistics_pairs())
             session, took_over = self.members.join(rank, num_workers, previous_session)
             self.policy.registered(rank)
             return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,
@@ -325,6 +325,7 @@ class Shard:
                 self.members.authorize(req.rank, req.session, revive=True)
                 self.leases.check_push(req)
             checks.check_payload(self.cfg, s.size, req.num_elements, req.dtype)
+            checks.check_statistics(s.moving.away, req.statistics)
             self.metrics.received.inc(req.num_elements * 4)      # float32, checked above
             outcome, message = self._receive_and_decide(req)
             self.leases.took(req, outcome)

@@ -75,9 +75,11 @@ def sparse_tables(model) -> list:
 
 
 def registered_layout(model) -> Layout:
-    """What the shards are told: the dense tensors (those frozen now marked) and the sparse tables."""
+    """What the shards are told: the dense tensors (those frozen now marked, and the moving
+    statistics, which stay frozen) and the sparse tables."""
     frozen = getattr(model, "frozen_weights", list)()
-    return Layout(model.layout.tensors, tuple(sparse_tables(model))).freezing(frozen)
+    stats = [t.name for t in model.layout.tensors if t.momentum is not None]
+    return Layout(model.layout.tensors, tuple(sparse_tables(model))).freezing([*frozen, *stats])
 
 
 class Rows:
