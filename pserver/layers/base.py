@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.layers import activations, initializers
+from pserver.layers import activations, initializers, regularizers
 from pserver.ops.core import Node, Symbolic
 
 
@@ -27,6 +27,7 @@ class Weight:
     shape: tuple[int, ...]
     initializer: initializers.Initializer
     trainable: bool = True      # False: the shards' optimizer leaves it (add_weight(trainable=False))
+    regularizer: regularizers.L1L2 | None = None   # its penalty joins the loss (the model adds it)
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,8 @@ class KernelLayer(Layer):
     (Dense, Conv2D): the weights, the bias-less case and the activation in one place."""
 
     def __init__(self, width: int, activation, use_bias: bool, kernel_initializer,
-                 bias_initializer, **kwargs):
+                 bias_initializer, kernel_regularizer=None, bias_regularizer=None,
+                 activity_regularizer=None, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.width = width
@@ -229,15 +231,19 @@ class KernelLayer(Layer):
         self.use_bias = bool(use_bias)
         self.kernel_initializer = initializers.get(kernel_initializer, f"{owner}: kernel_initializer")
         self.bias_initializer = initializers.get(bias_initializer, f"{owner}: bias_initializer")
+        self.kernel_regularizer = regularizers.get(kernel_regularizer, f"{owner}: kernel_regularizer")
+        self.bias_regularizer = regularizers.get(bias_regularizer, f"{owner}: bias_regularizer")
+        no_activity_regularizer(owner, activity_regularizer)
 
     @abc.abstractmethod
     def kernel_shape(self) -> tuple[int, ...]:
         """The kernel's shape, from the built input shape and the layer's arguments."""
 
     def weights(self):
-        w = [Weight("kernel", self.kernel_shape(), self.kernel_initializer)]
+        w = [Weight("kernel", self.kernel_shape(), self.kernel_initializer,
+                    regularizer=self.kernel_regularizer)]
         if self.use_bias:
-            w.append(Weight("bias", (self.width,), self.bias_initializer))
+            w.append(Weight("bias", (self.width,), self.bias_initializer, regularizer=self.bias_regularizer))
         return w
 
     def scratch(self, n, dtype):
@@ -250,6 +256,14 @@ class KernelLayer(Layer):
 
     def dbias(self, g: dict, s: dict) -> np.ndarray:
         return g["bias"] if self.use_bias else s["dbias"]
+
+
+def no_activity_regularizer(owner: str, given) -> None:
+    """activity_regularizer: refused (a penalty on a layer's output needs its gradient in the
+    backward pass, which pserver's layers do not take yet); kernel and bias ones are supported."""
+    if given is not None:
+        raise ConfigError(f"{owner}: activity_regularizer={given!r} is not supported (yet); weight "
+                          "regularizers are (docs/guide/keras.md)")
 
 
 def _shapes_text(shape) -> str:
@@ -274,9 +288,12 @@ def init_arguments(cls, args: tuple, kwargs: dict) -> dict:
 
 
 def _plain(value):
-    """A config value as JSON: an initializer object as Keras writes one ({class_name, config})."""
+    """A config value as JSON: an initializer or regularizer object as Keras writes one
+    ({class_name, config})."""
     if isinstance(value, initializers.Initializer):
         return {"class_name": type(value).__name__, "config": dict(vars(value))}
+    if isinstance(value, regularizers.Regularizer):
+        return {"class_name": type(value).__name__, "config": value.get_config()}
     if isinstance(value, tuple):
         return list(value)
     return value
@@ -284,6 +301,8 @@ def _plain(value):
 
 def _unplain(value):
     if isinstance(value, dict) and set(value) == {"class_name", "config"}:
+        if value["class_name"] in ("L1", "L2", "L1L2"):
+            return regularizers.get(value, "a layer's config")
         cls = getattr(initializers, value["class_name"], None)
         if not (isinstance(cls, type) and issubclass(cls, initializers.Initializer)):
             raise ConfigError(f"unknown initializer class {value['class_name']!r} in a layer's config")
