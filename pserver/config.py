@@ -39,6 +39,13 @@ DATA_PLANES.add("grpc", "gRPC streams only")
 PROGRESS = ("auto", "bar", "lines", "relay")   # WorkerConfig.progress (pserver.observe.progress)
 
 
+def check_clipnorms(clipnorm: float, global_clipnorm: float) -> None:
+    """A worker's clipnorm or global_clipnorm (pserver.optim.clip): at most one, each >= 0 (0: none)."""
+    if not (clipnorm >= 0 and global_clipnorm >= 0) or (clipnorm and global_clipnorm):
+        raise ConfigError(f"clipnorm={clipnorm}, global_clipnorm={global_clipnorm}: give one, a number > 0 "
+                          "(0: none)")
+
+
 NOTICE_EVERY_ENV = "PSERVER_NOTICE_EVERY"
 
 
@@ -286,9 +293,7 @@ class WorkerConfig:
         parse_pull(self.pull_compress)
         check_positive(connect_timeout=self.connect_timeout, rpc_deadline=self.rpc_deadline,
                        chunk_bytes=self.chunk_bytes, log_every=self.log_every)
-        if not (self.clipnorm >= 0 and self.global_clipnorm >= 0) or (self.clipnorm and self.global_clipnorm):
-            raise ConfigError(f"clipnorm={self.clipnorm}, global_clipnorm={self.global_clipnorm}: "
-                              "give one, a number > 0 (0: none)")
+        check_clipnorms(self.clipnorm, self.global_clipnorm)
         if self.max_steps < 0:
             raise ConfigError(f"--max-steps: must be >= 0, got {self.max_steps}")
         for flag, path in (("--summary-json", self.summary_json), ("--stats-json", self.stats_json),

@@ -19,6 +19,17 @@ _COMMON = {"weight_decay": None, "clipnorm": None, "clipvalue": None, "global_cl
 _CLIPS = ("clipnorm", "clipvalue", "global_clipnorm")
 
 
+def _rate(owner: str, learning_rate):
+    """learning_rate as a float, or the schedule (one the shards run: one of your own is refused)."""
+    if isinstance(learning_rate, schedules.LearningRateSchedule):
+        learning_rate.on_shards()
+        return learning_rate
+    if isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
+        return float(learning_rate)
+    raise ConfigError(f"{owner}: learning_rate must be a number or a schedule of keras.optimizers.schedules, "
+                      f"got {learning_rate!r}")
+
+
 def _clips(owner: str, given: dict) -> dict:
     """The clipping arguments given: at most one (Keras's rule), a number > 0."""
     given = {k: v for k, v in given.items() if v is not None}
@@ -48,23 +59,19 @@ class Optimizer:
             raise ConfigError(f"{type(self).__name__}: {used[0]}={common[used[0]]!r} is not supported "
                               "(pserver's shards run the plain update rule; docs/guide/keras.md)")
         self.clips = _clips(type(self).__name__, {k: common.get(k) for k in _CLIPS})
-        if isinstance(learning_rate, schedules.LearningRateSchedule):
-            self._lr, self._schedule = learning_rate.on_shards()
-        elif isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
-            self._lr, self._schedule = float(learning_rate), None
-        else:
-            raise ConfigError(f"{type(self).__name__}: learning_rate must be a number or a schedule of "
-                              f"keras.optimizers.schedules, got {learning_rate!r}")
-        self.learning_rate = learning_rate if self._schedule else self._lr
+        self.learning_rate = _rate(type(self).__name__, learning_rate)
         self.name = common.get("name") or type(self).__name__.lower()
 
     def settings(self) -> dict:
-        """The shards' settings (ServerConfig's fields) for this optimizer: its rule's, and the
-        schedule and clipvalue when given."""
-        extra = {"lr_schedule": self._schedule.spec} if self._schedule else {}
-        if "clipvalue" in self.clips:
-            extra["clipvalue"] = self.clips["clipvalue"]
-        return {"optimizer": self.pserver_name, "lr": self._lr} | self._rule() | extra
+        """The shards' settings (ServerConfig's fields) for this optimizer: its rule's, the rate
+        (a schedule's base lr and its --lr-schedule), and clipvalue when given."""
+        if isinstance(self.learning_rate, schedules.LearningRateSchedule):
+            lr, rule = self.learning_rate.on_shards()
+            rate = {"lr": lr, "lr_schedule": rule.spec}
+        else:
+            rate = {"lr": self.learning_rate}
+        clip = {"clipvalue": self.clips["clipvalue"]} if "clipvalue" in self.clips else {}
+        return {"optimizer": self.pserver_name, **rate} | self._rule() | clip
 
     def _rule(self) -> dict:
         """The update rule's name and hyper-parameters, as ServerConfig's fields."""
@@ -76,7 +83,7 @@ class Optimizer:
 
     def get_config(self) -> dict:
         config = {"class_name": type(self).__name__, **self.settings(), **self.gradient_clip()}
-        if self._schedule:
+        if isinstance(self.learning_rate, schedules.LearningRateSchedule):
             config["keras_schedule"] = schedules.serialize(self.learning_rate)
         return config
 
@@ -195,10 +202,16 @@ def from_settings(config: dict) -> Optimizer:
             raise ModelFileError(f"compiled optimizer {name}: {field}={value!r}: expected a "
                                  f"{'bool' if kind is bool else 'number'}")
     try:
-        lr = schedules.deserialize(config["keras_schedule"]) if "keras_schedule" in config else config["lr"]
-        return _BUILD[name](config | {"lr": lr}, {k: config[k] for k in _CLIPS if k in config})
+        return _rebuild(name, config)
     except ConfigError as e:
         raise ModelFileError(f"compiled optimizer {name}: {e}") from None
+
+
+def _rebuild(name: str, config: dict) -> Optimizer:
+    """The optimizer from its checked fields, its schedule (the Keras object get_config wrote
+    beside the shards' lr and spec) and its clipping."""
+    lr = schedules.deserialize(config["keras_schedule"]) if "keras_schedule" in config else config["lr"]
+    return _BUILD[name](config | {"lr": lr}, {k: config[k] for k in _CLIPS if k in config})
 
 
 # What get_config() writes for each pserver optimizer (besides class_name), and its types.
