@@ -78,7 +78,10 @@ def test_the_penalty_joins_the_loss_and_its_gradient_matches_finite_differences(
     want = plain._core.evaluate(w, x, y)["loss"] + penalty(model, w)
     assert loss == pytest.approx(want, rel=1e-5)
     assert core.evaluate(w, x, y)["loss"] == pytest.approx(want, rel=1e-5)
-    eps = 1e-2
+    finite_differences(core, w, x, y, g, rng)
+
+
+def finite_differences(core, w, x, y, g, rng, eps=1e-2):
     for i in rng.choice(w.size, size=min(12, w.size), replace=False):
         up, down = w.copy(), w.copy()
         up[i] += eps
@@ -86,6 +89,41 @@ def test_the_penalty_joins_the_loss_and_its_gradient_matches_finite_differences(
         fd = (core.loss_and_grad(up, x, y, np.empty_like(w), seed=1)
               - core.loss_and_grad(down, x, y, np.empty_like(w), seed=1)) / (2 * eps)
         assert g[i] == pytest.approx(fd, rel=2e-2, abs=2e-3), i
+
+
+@settings(max_examples=9, deadline=None)
+@given(st.sampled_from(["dense", "conv", "embed"]), st.integers(0, 2**31), st.floats(0.0, 0.5),
+       st.floats(0.0, 0.5))
+def test_an_activity_regularizer_is_keras_s_penalty_over_the_batch_with_its_gradient(kind, seed, l1, l2):
+    """Keras's: the penalty of the layer's output divided by the batch size. Catches: no
+    division by the batch (a loss n times too large), the penalty on the input or before the
+    activation, its gradient not reaching the weights below (finite differences)."""
+    # L1's kink: an output near 0 moved across it by the finite difference. An Embedding's outputs
+    # are its weights, kept away from 0 below; the others' outputs are not, so they take l2 only.
+    activity = R.L1L2(l1 if kind == "embed" else 0.0, l2)
+    first = {"dense": layers.Dense(4, activation="tanh", activity_regularizer=activity),
+             "conv": layers.Conv2D(2, 3, activation="tanh", activity_regularizer=activity),
+             "embed": layers.Embedding(5, 2, activity_regularizer=activity)}[kind]
+    shape, dtype = {"dense": ((3,), "float32"), "conv": ((4, 4, 1), "float32"),
+                    "embed": ((3,), "int32")}[kind]
+    rest = [] if kind == "dense" else [layers.Flatten()]
+    model = keras.Sequential([keras.Input(shape=shape, dtype=dtype), first, *rest, layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(seed)
+    x, y = data(kind, rng)
+    core = model._core
+    w = core.init_params(seed)
+    w += np.where(np.abs(w) < 1e-2, 0.05, 0).astype(np.float32)
+    g = np.empty_like(w)
+    loss = core.loss_and_grad(w, x, y, g, seed=1)
+    assert core.evaluate(w, x, y)["loss"] == pytest.approx(loss, rel=1e-5)
+    if kind == "dense":
+        kernel, bias = core.layout.views(w)["dense/kernel"], core.layout.views(w)["dense/bias"]
+        h = np.tanh(x.astype(np.float64) @ kernel + bias)
+        k2, b2 = core.layout.views(w)["dense_1/kernel"], core.layout.views(w)["dense_1/bias"]
+        mse = np.mean((h @ k2 + b2 - y) ** 2)
+        assert loss == pytest.approx(mse + keras_penalty(activity, h) / len(x), rel=1e-5)
+    finite_differences(core, w, x, y, g, rng, eps=1e-3)
 
 
 def test_a_fit_reports_the_loss_with_the_penalty_and_trains_on_its_gradient():
@@ -121,7 +159,7 @@ def test_regularizers_round_trip_through_save_and_load_model(tmp_path):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: layers.Dense(2, activity_regularizer="l2"), "activity_regularizer='l2' is not supported"),
+    (lambda: layers.Dense(2, activation="softmax", activity_regularizer="l2"), "the loss fuses it"),
     (lambda: layers.Dense(2, kernel_regularizer=lambda w: 0.0), "kernel_regularizer: .* is not supported"),
     (lambda: layers.Conv2D(2, 3, bias_regularizer="l3"), "bias_regularizer: 'l3' is not supported"),
     (lambda: R.L2(-1.0), "l2 must be a number >= 0"),
@@ -136,3 +174,14 @@ def test_keras_s_strings_give_keras_s_defaults():
     """Catches: "l1_l2" at 0.01 (Keras's get gives L1L2() at 0 and 0), L1 and L2 not at 0.01."""
     assert (R.get("l1", "").l1, R.get("l2", "").l2) == (0.01, 0.01)
     assert (R.get("l1_l2", "").l1, R.get("l1_l2", "").l2) == (0.0, 0.0)
+
+
+def test_device_cuda_refuses_an_activity_regularizer_in_one_line():
+    """Catches: the GPU model training without the output's penalty (its kernels have no
+    hook for it); weight regularizers run there (tests/cuda_sim/check_model_cuda.py)."""
+    from pserver.models import cuda_support
+    model = keras.Sequential([keras.Input(shape=(3,)), layers.Dense(4, activity_regularizer="l2"),
+                              layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ConfigError, match="has an activity_regularizer. Use --device cpu"):
+        cuda_support.check(model._core.build())

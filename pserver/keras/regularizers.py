@@ -1,7 +1,7 @@
 """keras.regularizers: L1, L2, L1L2 and the names "l1", "l2", "l1_l2" for a layer's
-kernel_regularizer, bias_regularizer (Dense, Conv2D) and embeddings_regularizer (Embedding):
-the penalty joins the loss, as Keras's (pserver.layers.regularizers). activity_regularizer is
-refused (not yet)."""
+kernel_regularizer, bias_regularizer (Dense, Conv2D), embeddings_regularizer (Embedding) and
+activity_regularizer (all three): the penalty joins the loss, as Keras's
+(pserver.layers.regularizers)."""
 
 from pserver.keras._names import missing as _missing
 from pserver.layers.regularizers import L1, L1L2, L2, Regularizer, get

@@ -233,7 +233,7 @@ class KernelLayer(Layer):
         self.bias_initializer = initializers.get(bias_initializer, f"{owner}: bias_initializer")
         self.kernel_regularizer = regularizers.get(kernel_regularizer, f"{owner}: kernel_regularizer")
         self.bias_regularizer = regularizers.get(bias_regularizer, f"{owner}: bias_regularizer")
-        no_activity_regularizer(owner, activity_regularizer)
+        self.activity_regularizer = activity(owner, activity_regularizer, self.activation)
 
     @abc.abstractmethod
     def kernel_shape(self) -> tuple[int, ...]:
@@ -258,12 +258,15 @@ class KernelLayer(Layer):
         return g["bias"] if self.use_bias else s["dbias"]
 
 
-def no_activity_regularizer(owner: str, given) -> None:
-    """activity_regularizer: refused (a penalty on a layer's output needs its gradient in the
-    backward pass, which pserver's layers do not take yet); kernel and bias ones are supported."""
-    if given is not None:
-        raise ConfigError(f"{owner}: activity_regularizer={given!r} is not supported (yet); weight "
-                          "regularizers are (docs/guide/keras.md)")
+def activity(owner: str, given, activation: str | None = None) -> regularizers.L1L2 | None:
+    """A layer's activity_regularizer: a penalty on its output, divided by the batch size, as
+    Keras's (pserver.models.graph adds its gradient to the output's). Refused after a softmax or
+    sigmoid, which the loss fuses (the layer's output there is the logits)."""
+    reg = regularizers.get(given, f"{owner}: activity_regularizer")
+    if reg is not None and activation in ("softmax", "sigmoid"):
+        raise ConfigError(f"{owner}: activity_regularizer with activation={activation!r} is not supported "
+                          "(the loss fuses it): put Activation() after the layer")
+    return reg
 
 
 def _shapes_text(shape) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.layers import initializers, regularizers
-from pserver.layers.base import Layer, Weight, no_activity_regularizer, positive_int
+from pserver.layers.base import Layer, Weight, activity, positive_int
 from pserver.sparse import TableConfig
 
 
@@ -45,7 +45,7 @@ class Embedding(Layer):
                                                        "Embedding: embeddings_initializer")
         self.embeddings_regularizer = regularizers.get(embeddings_regularizer,
                                                        "Embedding: embeddings_regularizer")
-        no_activity_regularizer("Embedding", activity_regularizer)
+        self.activity_regularizer = activity("Embedding", activity_regularizer)
         if self.sparse and self.embeddings_regularizer is not None:
             raise ConfigError("Embedding(sparse=True): embeddings_regularizer is not supported (the rows "
                               "live on the shards)")

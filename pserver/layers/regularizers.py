@@ -24,7 +24,8 @@ class Regularizer:
     def __call__(self, w: np.ndarray) -> float:
         raise NotImplementedError
 
-    def add_gradient(self, w: np.ndarray, g: np.ndarray) -> None:
+    def add_gradient(self, w: np.ndarray, g: np.ndarray, scale: float = 1.0) -> None:
+        """g += scale * d penalty / d w."""
         raise NotImplementedError
 
     def get_config(self) -> dict:
@@ -43,11 +44,11 @@ class L1L2(Regularizer):
         w = w.astype(np.float64, copy=False)
         return self.l1 * float(np.sum(np.abs(w))) + self.l2 * float(np.dot(w.ravel(), w.ravel()))
 
-    def add_gradient(self, w, g):
+    def add_gradient(self, w, g, scale: float = 1.0):
         if self.l1:
-            g += np.float32(self.l1) * np.sign(w)
+            g += np.float32(scale * self.l1) * np.sign(w)
         if self.l2:
-            g += np.float32(2 * self.l2) * w
+            g += np.float32(scale * 2 * self.l2) * w
 
     def get_config(self):
         return {"l1": self.l1, "l2": self.l2}

@@ -406,7 +406,15 @@ class Functional(SparseProtocol, Model):
                 self.batch_correct = metrics.accuracy(ins[-1], y)
             loss = self.loss(self.kernels, ins[-1], y, bufs.dloss)
         self._backward(params, grads, ins, bufs)
-        return float(loss) + self._regularize(w, grad_out)
+        return float(loss) + self._regularize(w, grad_out) + self._activity(ins) / x.shape[0]
+
+    def _activity(self, vals: list, training: bool = True) -> float:
+        """The layers' activity_regularizer penalties on their outputs in `vals`, summed (Keras
+        divides by the batch size: the caller does)."""
+        plan = self._plan(training)
+        regs = [(getattr(plan.layers[st.layer], "activity_regularizer", None), st.out)
+                for st in plan.steps if st.op is None]
+        return sum(reg(vals[out]) for reg, out in regs if reg is not None)
 
     def _regularize(self, w, grad_out=None) -> float:
         """The weights' regularization penalty, which Keras adds to the loss (keras.regularizers:
@@ -619,16 +627,20 @@ class Functional(SparseProtocol, Model):
         heads = list(zip(self._each_loss(), self.loss.split(y, w.dtype) if self.several else [y]))
         slots = self._plan(False).outputs
 
+        activity: list = [0.0] * len(starts)
+
         def chunk(i: int) -> None:
             a = starts[i]
             xb = x[a:a + batch_size]
             vals = self._forward(params, xb, self._buffers(xb.shape[0], w.dtype), Pass(training=False))
             parts[i] = [_chunk_scores(self.kernels, loss, vals[s], yj[a:a + batch_size])
                         for (loss, yj), s in zip(heads, slots)]
+            activity[i] = self._activity(vals, training=False)
 
         each_index(chunk, len(starts), threads)
         each = [_scores(loss, [p[j] for p in parts], yj) for j, (loss, yj) in enumerate(heads)]
-        return _penalized(self.loss.logs(each) if self.several else each[0], self._regularize(w))
+        penalty = self._regularize(w) + sum(activity) / n
+        return _penalized(self.loss.logs(each) if self.several else each[0], penalty)
 
 
 def _penalized(logs: dict, penalty: float) -> dict:
