@@ -139,7 +139,9 @@ def test_build_gets_the_keywords_its_signature_takes(tmp_path):
     assert m.layout.describe() == "dense/kernel[16, 5], dense/bias[5]"
     load_model(f"{path}:by_kwargs", (3,), 0)
     assert load_model(f"{path}:fixed", (9,), 2).input_shape == (2, 2)
-    module = sys.modules[next(n for n in sys.modules if n.startswith("pserver_user_model_"))]
+    # this file's module: an earlier test module may have loaded a user model of its own
+    module = next(m for n, m in sys.modules.items()
+                  if n.startswith("pserver_user_model_") and getattr(m, "__file__", None) == str(path))
     assert module.seen == [((4, 4, 1), 5), {"input_shape": (3,), "num_classes": 0}]
 
 

@@ -817,8 +817,9 @@ def test_a_worker_that_asks_before_the_others_register_gets_only_its_share_of_a_
     registered first: tests/e2e/test_cuda_sim.py's CPU and CUDA runs once trained different
     batches). Fails if the share counts only the registered workers."""
     import numpy as np
-    from pserver.models.layout import Layout
+
     from pserver.config import ServerConfig
+    from pserver.models.layout import Layout
     from pserver.server.shard import Shard
     from tests.support.shards import fill_with
     layout = Layout.of([("w", (4,))])

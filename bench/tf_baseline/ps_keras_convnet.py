@@ -17,6 +17,12 @@ and the samples/s of its chief's summary (every synchronous step after its warm-
 chief's evaluation of the validation data at each epoch's end included). The TensorFlow side
 times as many samples as pserver's --epochs train (53,888 an epoch: 421 steps of 2 x 64).
 
+--model toy_resnet measures "The Functional API" guide's toy ResNet the same way (a Functional
+model: residual `layers.add`, GlobalAveragePooling2D, Dense(10) logits): RMSprop 1e-3, the guide's
+batch 64 (32 per worker), its fit on the first --train-samples of MNIST with validation_split=0.2
+(the last 20% of them held out and evaluated at each epoch's end on both sides); pserver runs
+bench/keras_io/toy_resnet.py with that fit rewritten as bench/keras_io/compare.py does.
+
 Each of --rounds rounds runs TensorFlow, then pserver (with --pserver), with the load average
 before each; the JSON has every run, the medians and pserver's ratio to TensorFlow.
 
@@ -66,10 +72,12 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import numpy as np  # noqa: E402
 from _util import machine, machine_lines  # noqa: E402
+
+sys.path.append(str(HERE.parent / "keras_io"))
+from compare import copies  # noqa: E402
 from keras_convnet import ACCURACY, SUMMARY, script_for  # noqa: E402
 from ps_cnn import ISA_ENV, coordinator_for, isa_env, local_cluster, mnist  # noqa: E402  (sets TF's env)
 
-TRAIN = 54000            # the example's fit: validation_split=0.1 of 60,000
 OPENBLAS_CORE = re.compile(r"Core: (\S+)$", re.M)      # OpenBLAS's line at load, OPENBLAS_VERBOSE=2
 # Both pools at 1 stalled every run here (TensorFlow 2.18, 2 cores): the tasks stop using CPU after
 # their start (20 s each) and the run never ends. One intra-op thread alone runs.
@@ -95,16 +103,62 @@ def convnet(tf):
         layers.Dense(10, activation="softmax")])
 
 
-def samples_for(epochs: int, workers: int, per_worker: int) -> int:
-    """What pserver trains in `epochs`: each worker's whole batches of its share of TRAIN."""
-    return epochs * (TRAIN // workers // per_worker) * workers * per_worker
+def toy_resnet(tf):
+    """keras.io's "The Functional API" toy ResNet (bench/keras_io/toy_resnet.py), on MNIST's 28x28x1."""
+    layers = tf.keras.layers
+    inputs = tf.keras.Input(shape=(28, 28, 1), name="img")
+    x = layers.Conv2D(32, 3, activation="relu")(inputs)
+    x = layers.Conv2D(64, 3, activation="relu")(x)
+    block_1_output = layers.MaxPooling2D(3)(x)
+    x = layers.Conv2D(64, 3, activation="relu", padding="same")(block_1_output)
+    x = layers.Conv2D(64, 3, activation="relu", padding="same")(x)
+    block_2_output = layers.add([x, block_1_output])
+    x = layers.Conv2D(64, 3, activation="relu", padding="same")(block_2_output)
+    x = layers.Conv2D(64, 3, activation="relu", padding="same")(x)
+    block_3_output = layers.add([x, block_2_output])
+    x = layers.Conv2D(64, 3, activation="relu")(block_3_output)
+    x = layers.GlobalAveragePooling2D()(x)
+    x = layers.Dense(256, activation="relu")(x)
+    x = layers.Dropout(0.5)(x)
+    outputs = layers.Dense(10)(x)
+    return tf.keras.Model(inputs, outputs, name="toy_resnet")
 
 
-def split_mnist(data_dir: str):
-    """The example's data: the first 54,000 to train, the last 6,000 held out; labels one-hot."""
-    x, y = mnist(data_dir, "train")
+# --model: (its Keras model, optimizer, whether the last layer gives logits, the validation split
+# of the fit, the global batch the script trains with)
+MODELS = {
+    "convnet": (convnet, lambda tf: tf.keras.optimizers.Adam(), False, 0.1, 128),   # Keras's defaults
+    "toy_resnet": (toy_resnet, lambda tf: tf.keras.optimizers.RMSprop(1e-3), True, 0.2, 64),
+}
+
+
+OPTIMIZER_NAMES = {"convnet": "adam 0.001 (Keras defaults)", "toy_resnet": "rmsprop 0.001"}
+
+
+def model_for(args, tf):
+    build, optimizer, logits, _, _ = MODELS[args.model]
+    return build(tf), optimizer(tf), tf.keras.losses.CategoricalCrossentropy(
+        from_logits=logits, reduction=tf.keras.losses.Reduction.NONE)
+
+
+def train_count(args) -> int:
+    """The samples the script's fit trains on: its data less the validation split's last part."""
+    split = MODELS[args.model][3]
+    return args.train_samples - round(args.train_samples * split)
+
+
+def samples_for(args, epochs: int, per_worker: int) -> int:
+    """What pserver trains in `epochs`: each worker's whole batches of its share of the data."""
+    return epochs * (train_count(args) // args.workers // per_worker) * args.workers * per_worker
+
+
+def split_mnist(args):
+    """The script's data: its first samples to train, the last of them (validation_split) held out;
+    labels one-hot."""
+    x, y = mnist(args.data_dir, "train")
     y = np.eye(10, dtype=np.float32)[y]
-    return (x[:TRAIN], y[:TRAIN]), (x[TRAIN:], y[TRAIN:])
+    n, cut = args.train_samples, train_count(args)
+    return (x[:cut], y[:cut]), (x[cut:n], y[cut:n])
 
 
 def test_accuracy(tf, model, data_dir: str) -> float:
@@ -120,13 +174,11 @@ def train_tf(args, per_worker: int) -> dict:
     with local_cluster(args.ps, args.workers) as cluster:
         strategy, coordinator = coordinator_for(cluster)
         with strategy.scope():
-            model = convnet(tf)
-            optimizer = tf.keras.optimizers.Adam()          # Keras's defaults, the example's "adam"
-        (x, y), (x_val, y_val) = split_mnist(args.data_dir)
-        loss_fn = tf.keras.losses.CategoricalCrossentropy(reduction=tf.keras.losses.Reduction.NONE)
+            model, optimizer, loss_fn = model_for(args, tf)
+        (x, y), (x_val, y_val) = split_mnist(args)
 
         def dataset_fn():
-            ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(TRAIN, seed=args.seed).repeat()
+            ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed).repeat()
             return ds.batch(per_worker, drop_remainder=True).prefetch(4)
 
         @tf.function
@@ -161,8 +213,8 @@ def train_tf(args, per_worker: int) -> dict:
         coordinator.join()
         if args.tf_validation:
             validate()                     # its tracing, untimed as the warm-up steps are
-        steps = args.tf_steps or samples_for(args.epochs, args.workers, per_worker) // per_worker
-        per_epoch = samples_for(1, args.workers, per_worker) // per_worker
+        steps = args.tf_steps or samples_for(args, args.epochs, per_worker) // per_worker
+        per_epoch = samples_for(args, 1, per_worker) // per_worker
         started, validation_seconds, val_accuracy = time.perf_counter(), 0.0, None
         for done in range(steps):
             coordinator.schedule(step_fn, args=(iterator,))
@@ -188,7 +240,7 @@ def fit_steps(args, per_worker: int) -> tuple[int, int]:
     spe = args.steps_per_execution
     if args.tf_steps:
         return 1, max(spe, args.tf_steps // spe * spe)
-    return args.epochs, samples_for(1, args.workers, per_worker) // per_worker // spe * spe
+    return args.epochs, samples_for(args, 1, per_worker) // per_worker // spe * spe
 
 
 def train_tf_fit(args, per_worker: int) -> dict:
@@ -196,17 +248,18 @@ def train_tf_fit(args, per_worker: int) -> dict:
     ClusterCoordinator, --steps-per-execution steps of one worker's batch per scheduled function,
     and evaluates validation_data on the workers at each epoch's end."""
     import tensorflow as tf
-    (x, y), (x_val, y_val) = split_mnist(args.data_dir)
+    (x, y), (x_val, y_val) = split_mnist(args)
     spe = args.steps_per_execution
     with local_cluster(args.ps, args.workers) as cluster:
         strategy, _ = coordinator_for(cluster)           # fit reuses the strategy's coordinator
         with strategy.scope():
-            model = convnet(tf)
-            model.compile(optimizer=tf.keras.optimizers.Adam(), loss="categorical_crossentropy",
+            model, optimizer, _ = model_for(args, tf)
+            model.compile(optimizer=optimizer, loss=tf.keras.losses.CategoricalCrossentropy(
+                              from_logits=MODELS[args.model][2]),
                           metrics=["accuracy"], steps_per_execution=spe)
 
         def train_fn(_context):
-            ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(TRAIN, seed=args.seed).repeat()
+            ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed).repeat()
             return ds.batch(per_worker, drop_remainder=True).prefetch(4)
 
         def validation_fn(_context):
@@ -228,13 +281,13 @@ def train_tf_fit(args, per_worker: int) -> dict:
             "val_accuracy_last": history.history["val_accuracy"][-1], "test_accuracy_after": accuracy}
 
 
-def onednn_probe() -> None:
+def onednn_probe(args) -> None:
     """One training step of the model in this process, for ONEDNN_VERBOSE=1 to describe."""
     import tensorflow as tf
-    model, optimizer = convnet(tf), tf.keras.optimizers.Adam()
+    model, optimizer, loss_fn = model_for(args, tf)
     xb, yb = np.zeros((64, 28, 28, 1), np.float32), np.eye(10, dtype=np.float32)[np.zeros(64, int)]
     with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.keras.losses.categorical_crossentropy(yb, model(xb, training=True)))
+        loss = tf.reduce_mean(loss_fn(yb, model(xb, training=True)))
     optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
 
 
@@ -247,8 +300,8 @@ def probe_onednn(args, side: str) -> dict:
     its threads, the primitives TensorFlow's step called, and whether TensorFlow's oneDNN graph
     ops were on (its startup line)."""
     env = tf_env(args, side) | {"ONEDNN_VERBOSE": "1", "TF_CPP_MIN_LOG_LEVEL": "0"}
-    r = subprocess.run([sys.executable, __file__, "--onednn-probe"], capture_output=True, text=True, env=env,
-                       timeout=args.tf_timeout)
+    r = subprocess.run([sys.executable, __file__, "--onednn-probe", "--model", args.model],
+                       capture_output=True, text=True, env=env, timeout=args.tf_timeout)
     out = r.stdout + r.stderr
     info = dict(ONEDNN_INFO.findall(out))
     return {"isa": info.get("isa", "none reported"), "runtime": info.get("runtime", ""),
@@ -297,11 +350,17 @@ def train_tf_apart(args, side: str) -> dict:
 
 def train_pserver(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        script = script_for(args.epochs, tmp)
+        if args.model == "convnet":
+            script = script_for(args.epochs, tmp)
+            what = f"bench/keras_mnist_convnet.py, epochs = {args.epochs}"
+        else:          # the guide's script, its fit on --train-samples for --epochs (compare.py's copy)
+            script = copies("toy_resnet", args.train_samples, args.epochs, Path(tmp))["pserver"]
+            what = f"bench/keras_io/toy_resnet.py, x_train[:{args.train_samples}], epochs={args.epochs}"
         cmd = [args.pserver, "-m", "pserver", "run", "--ps", str(args.ps), "--workers", str(args.workers),
                "--seed", str(args.seed), "--mode", args.pserver_mode,
                *(["--bind-cores"] if args.pserver_bind_cores else []), "--", args.pserver, str(script)]
-        env = isa_env(args.isa, "pserver") | {"PSERVER_MNIST_DIR": args.data_dir, "OPENBLAS_VERBOSE": "2"}
+        env = isa_env(args.isa, "pserver") | {"PSERVER_MNIST_DIR": args.data_dir, "OPENBLAS_VERBOSE": "2",
+                                              "KERAS_IO_SEED": str(args.seed)}
         cpu = children_cpu()
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         cpu = children_cpu() - cpu
@@ -316,16 +375,24 @@ def train_pserver(args) -> dict:
             # the kernels OpenBLAS loaded in the run's processes (numpy's and scipy's, each once)
             "openblas_cores": sorted(set(OPENBLAS_CORE.findall(r.stdout + r.stderr))),
             "command": " ".join(["pserver"] + cmd[3:-1]
-                                + [f"bench/keras_mnist_convnet.py, epochs = {args.epochs}"])}
+                                + [what])}
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=os.environ.get("PSERVER_MNIST_DIR"),
                    help="directory with the four MNIST IDX files (default $PSERVER_MNIST_DIR)")
+    p.add_argument("--model", choices=tuple(MODELS), default="convnet",
+                   help="convnet: keras.io's mnist_convnet (the default); toy_resnet: the Functional API "
+                   "guide's toy ResNet (RMSprop 1e-3, batch 64, validation_split=0.2)")
+    p.add_argument("--train-samples", type=int, default=60000,
+                   help="toy_resnet: the fit's first N of MNIST's 60,000 training samples, the last "
+                   "20%% of them held out for validation (default all; the guide's 1,000 only checks "
+                   "that it builds)")
     p.add_argument("--ps", type=int, default=1, help="parameter-server tasks / shards (default 1)")
     p.add_argument("--workers", type=int, default=2, help="workers (default 2)")
-    p.add_argument("--batch-size", type=int, default=128, help="the global batch (the example's 128)")
+    p.add_argument("--batch-size", type=int,
+                   help="the global batch (default the script's: convnet 128, toy_resnet 64)")
     p.add_argument("--epochs", type=int, default=2,
                    help="pserver's epochs; TensorFlow times as many samples (default 2)")
     p.add_argument("--warmup", type=int, default=50, help="TensorFlow's untimed steps first (default 50)")
@@ -363,6 +430,9 @@ def parse_args():
     p.add_argument("--onednn-probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.tf_sides = args.tf_sides.split(",")
+    args.batch_size = args.batch_size or MODELS[args.model][4]
+    if args.model == "convnet" and args.train_samples != 60000:
+        p.error("--train-samples: toy_resnet only (the convnet example fits on all 60,000)")
     if set(args.tf_sides) - set(TF_SIDES):
         p.error(f"--tf-sides: choose among {', '.join(TF_SIDES)}")
     if not args.data_dir and not args.onednn_probe:
@@ -375,7 +445,7 @@ def parse_args():
 def one_tf_run(args) -> None:
     """This process is one TensorFlow run (--tf-json) or the oneDNN probe: do it and leave."""
     if args.onednn_probe:
-        onednn_probe()
+        onednn_probe(args)
     else:
         train = train_tf_fit if TF_SIDES[args.tf_side][0] == "fit" else train_tf
         Path(args.tf_json).write_text(json.dumps(train(args, args.batch_size // args.workers)))
@@ -444,13 +514,17 @@ def main() -> None:
         print(f"tensorflow {side}: oneDNN isa {probes[side]['isa']!r}, {probes[side]['runtime']}, "
               f"primitives {probes[side]['primitives']}, graph ops on: {probes[side]['onednn_graph_ops_on']}",
               flush=True)
-    head = {"what": "keras.io mnist_convnet: TensorFlow ParameterServerStrategy (tf-keras; sides: "
+    name = {"convnet": "keras.io mnist_convnet", "toy_resnet": "keras.io Functional API guide's toy ResNet"}
+    head = {"what": f"{name[args.model]}: TensorFlow ParameterServerStrategy (tf-keras; sides: "
                     f"{', '.join(args.tf_sides)}) vs the example's script under pserver run "
                     f"({args.pserver_mode})",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "num_ps": args.ps, "num_workers": args.workers, "global_batch": args.batch_size,
-            "batch_per_worker": args.batch_size // args.workers, "optimizer": "adam 0.001 (Keras defaults)",
-            "loss": "categorical_crossentropy", "epochs_worth": args.epochs, "tf_warmup_steps": args.warmup,
+            "batch_per_worker": args.batch_size // args.workers, "optimizer": OPTIMIZER_NAMES[args.model],
+            "loss": "categorical_crossentropy" + (" (from logits)" if MODELS[args.model][2] else ""),
+            "model": args.model, "train_samples": train_count(args),
+            "validation_samples": args.train_samples - train_count(args), "epochs_worth": args.epochs,
+            "tf_warmup_steps": args.warmup,
             "tf_sides": {s: {"trains_with": TF_SIDES[s][0], "env": TF_SIDES[s][1],
                              "onednn": probes[s]} for s in args.tf_sides},
             "steps_per_execution": args.steps_per_execution,

@@ -32,7 +32,8 @@ TASKS = ("classification", "regression")
 @dataclass(frozen=True, eq=False)  # eq=False: comparing ndarrays with == has no single truth value
 class Dataset:
     name: str  # "synthetic", "mnist" or the .npz path
-    x_train: np.ndarray  # (n, *sample_shape) float32, C-contiguous: (n, d), or images (n, h, w, c)
+    x_train: np.ndarray  # (n, *sample_shape) float32, C-contiguous: (n, d), or images (n, h, w, c);
+    # or (n,) records, a field per input, for a model with sparse tables (SparseProtocol)
     y_train: np.ndarray  # (n,) int32 labels (classification) or float32 targets (regression);
     # float32 (n, outputs) for a model with several (each output's labels a column)
     x_test: np.ndarray  # (m, *sample_shape) float32, C-contiguous
@@ -43,9 +44,10 @@ class Dataset:
         # The worker's kernels rely on these; checking once here beats a wrong answer later.
         y_dtype = np.float32 if self.num_classes == 0 else np.int32
         for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
-            if x.ndim < 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
+            records = x.dtype.names is not None and x.ndim == 1     # a model with sparse tables
+            if not records and (x.ndim < 2 or x.dtype != np.float32) or not x.flags.c_contiguous:
                 raise DataError(f"{self.name}: x_{split} must be C-contiguous float32 of shape "
-                                f"(samples, ...), got {x.dtype} {x.shape}")
+                                f"(samples, ...) or a 1-D array of records, got {x.dtype} {x.shape}")
             several = self.num_classes == 0 and y.ndim == 2 and len(y) == len(x)    # outputs' targets
             if (y.shape != (len(x),) and not several) or y.dtype != y_dtype:
                 raise DataError(f"{self.name}: y_{split} must be {np.dtype(y_dtype)} of shape "

@@ -51,6 +51,8 @@ def _dataset(path: str, arrays: dict[str, np.ndarray], seed: int, columns: bool 
         y_test = _targets(path, "y_test", arrays["y_test"], "x_test", len(x_test), columns)
         if x_test.shape[1:] != x.shape[1:]:
             raise DataError(f"{path}: x_test has samples of shape {x_test.shape[1:]}, x {x.shape[1:]}")
+        if x_test.dtype != x.dtype:
+            raise DataError(f"{path}: x_test has records {x_test.dtype}, x {x.dtype}")
         if (y_test.dtype == np.float32) != (y.dtype == np.float32):
             raise DataError(f"{path}: y is {arrays['y'].dtype} but y_test is {arrays['y_test'].dtype}; "
                             "both must be integer labels or both float targets")
@@ -90,7 +92,10 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
 
 
 def _features(path: str, key: str, a: np.ndarray) -> np.ndarray:
-    """(n, ...) numeric -> float32 of the same shape, C-contiguous and finite."""
+    """(n, ...) numeric -> float32 of the same shape, C-contiguous and finite; records (a model
+    with sparse tables: a field per input) -> the same records, float fields float32."""
+    if a.dtype.names:
+        return _records(path, key, a)
     if a.dtype.kind not in "biuf":
         raise DataError(f"{path}: {key} has dtype {a.dtype}; it must be numeric")
     if a.ndim < 2 or a.shape[0] == 0 or math.prod(a.shape[1:]) == 0:
@@ -117,6 +122,25 @@ def _targets(path: str, key: str, a: np.ndarray, x_key: str, n: int, columns: bo
         _check_finite(path, key, y)
         return y
     raise DataError(f"{path}: {key} has dtype {a.dtype}; it must be integer labels or float targets")
+
+
+def _records(path: str, key: str, a: np.ndarray) -> np.ndarray:
+    """A 1-D array of records whose fields are integer ids or floats (float32 out, finite)."""
+    if a.ndim != 1 or a.shape[0] == 0:
+        raise DataError(f"{path}: {key} has shape {a.shape}; records must be a 1-D array of n >= 1")
+    fields = []
+    for name in a.dtype.names:
+        base, shape = a.dtype[name].base, a.dtype[name].shape
+        if base.kind not in "biuf":
+            raise DataError(f"{path}: {key}[{name!r}] has dtype {base}; it must be numeric")
+        fields.append((name, np.float32 if base.kind == "f" else base, shape))
+    out = np.empty(len(a), fields)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for name in a.dtype.names:
+            out[name] = a[name]
+            if out.dtype[name].base.kind == "f":
+                _check_finite(path, f"{key}[{name!r}]", out[name])
+    return out
 
 
 def _check_finite(path: str, key: str, a: np.ndarray) -> None:

@@ -5,7 +5,8 @@
     keras.activations,
     keras.optimizers.{Adam, AdamW, SGD, RMSprop, Adagrad}, keras.optimizers.schedules.*,
     keras.regularizers.{L1, L2, L1L2},
-    keras.losses.*, keras.callbacks.{Callback, History}, keras.utils.to_categorical,
+    keras.losses.*, keras.callbacks.{Callback, History, EarlyStopping, ModelCheckpoint, CSVLogger,
+    TerminateOnNaN, LambdaCallback}, keras.utils.to_categorical,
     keras.datasets.mnist.load_data(), keras.models.load_model, keras.saving.register_keras_serializable
 
 A script runs plainly (fit trains on shards it starts in its process) or under `pserver run

@@ -6,13 +6,31 @@ per-epoch logs: `loss` (and the compiled metrics) averaged over every worker's b
 epoch, and `val_*`, the chief's evaluation of the validation data at the epoch's end. On a
 cluster every worker's callbacks get the chief's logs, and a stop decided on the chief stops
 every worker after that epoch (docs/guide/keras.md).
+
+Keras's built-ins by its names, arguments and defaults: EarlyStopping, ModelCheckpoint,
+TerminateOnNaN, CSVLogger, LambdaCallback, ReduceLROnPlateau, LearningRateScheduler. Each decides
+on the logs it gets, which on a cluster are the chief's, so the chief's decision is every
+worker's; a file is the chief's to write (the other workers write nothing), and a learning rate
+a callback sets is the chief's to set on the shards (CallbackList.lr_change). `self.model`'s
+weights at an epoch's end are the ones the worker pulled after the epoch's last step
+(docs/semantics.md says which version that is per mode). Those pserver cannot do on a cluster
+(BackupAndRestore, TensorBoard) refuse at construction, in one line.
 """
 
 from __future__ import annotations
 
+import collections.abc
+import csv
+import math
+import os
 import sys
 import time
+import warnings
 
+import numpy as np
+
+from pserver.errors import ConfigError
+from pserver.keras import cluster
 from pserver.keras._names import missing as _missing
 
 
@@ -70,6 +88,377 @@ class EpochLine(Callback):
               flush=True)
 
 
+def _chief() -> bool:
+    """Whether this process writes the files of a cluster's callbacks: the chief (rank 0), or a
+    script run plainly."""
+    place = cluster.current()
+    return place is None or place.rank == 0
+
+
+# Keras's metrics that grow as a model improves ("auto" mode maximizes them); a loss shrinks.
+_GROWING = ("accuracy", "auc", "r2")     # compile's names (pserver.models.metrics)
+
+
+class _Monitor(Callback):
+    """Keras's MonitorCallback: a quantity of the epoch logs, watched for improvement (`best`)."""
+
+    def __init__(self, monitor="val_loss", mode="auto", baseline=None, min_delta=0):
+        super().__init__()
+        if mode not in ("auto", "min", "max"):     # Keras warns and takes "auto"; pserver refuses
+            raise ConfigError(f"{type(self).__name__}: mode={mode!r} is unknown: give 'auto', 'min' or 'max'")
+        self.monitor, self.mode, self.best, self.min_delta = monitor, mode, baseline, abs(min_delta)
+        self.monitor_op = None
+        self._out = sys.stdout      # as EpochLine: fit's quiet modes redirect pserver's own lines only
+
+    def _set_monitor_op(self) -> None:
+        """min or max; "auto" from the name, as Keras: a loss is minimized, a compiled metric that
+        grows (accuracy, auc, r2) maximized, anything else refused (Keras's ValueError)."""
+        name = self.monitor.removeprefix("val_")
+        metrics = getattr(getattr(self.model, "_core", None), "metrics", None) or ()
+        grows = any(name == m or name.endswith(f"_{m}") for m in metrics if m in _GROWING)
+        if self.mode == "max" or (self.mode == "auto" and grows):
+            self.monitor_op = max
+        elif self.mode == "min" or name == "loss" or name.endswith("_loss"):
+            self.monitor_op = min
+        else:
+            raise ConfigError(f"{type(self).__name__} callback received monitor={self.monitor}, but pserver "
+                              "(as Keras) cannot tell whether that metric should be maximized or minimized: "
+                              "pass mode='max' or mode='min'")
+
+    def _is_improvement(self, value, reference) -> bool:
+        """Better than `reference` by more than min_delta (Keras's rule: by exactly min_delta
+        is not enough); anything is better than no reference."""
+        if reference is None:
+            return True
+        if self.monitor_op is min:
+            return value + self.min_delta < reference
+        return value - self.min_delta > reference
+
+
+class EarlyStopping(_Monitor):
+    """Stops the run when `monitor` stops improving, by Keras's rule: after `patience` epochs
+    without an improvement of more than `min_delta` (from `start_from_epoch` on; with a
+    `baseline`, an epoch must beat it too). On a cluster every worker stops after the same
+    epoch: the chief's decision, on its logs. restore_best_weights=True is refused at fit: the
+    shards cannot be set back to an earlier epoch's weights during a run (use
+    ModelCheckpoint(save_best_only=True) and keras.models.load_model)."""
+
+    def __init__(self, monitor="val_loss", min_delta=0, patience=0, verbose=0, mode="auto", baseline=None,
+                 restore_best_weights=False, start_from_epoch=0):
+        super().__init__(monitor, mode, min_delta=min_delta)
+        self.patience, self.verbose, self.baseline = patience, verbose, baseline
+        self.restore_best_weights, self.start_from_epoch = restore_best_weights, start_from_epoch
+        self.wait = self.stopped_epoch = self.best_epoch = 0
+
+    def _check_fit(self) -> None:
+        if self.restore_best_weights:
+            raise ConfigError("EarlyStopping: restore_best_weights=True is not supported by pserver (the "
+                              "shards cannot be set back to an earlier epoch's weights during a run): use "
+                              "ModelCheckpoint(save_best_only=True) and keras.models.load_model")
+
+    def on_train_begin(self, logs=None):
+        self.wait = self.stopped_epoch = self.best_epoch = 0
+        self.best = None
+        self._set_monitor_op()
+
+    def on_epoch_end(self, epoch, logs=None):
+        current = _monitored(self.monitor, logs, "Early stopping")
+        if current is None or epoch < self.start_from_epoch:
+            return
+        self.wait += 1
+        if self._is_improvement(current, self.best):
+            self.best, self.best_epoch = current, epoch
+            if self.baseline is None or self._is_improvement(current, self.baseline):
+                self.wait = 0
+            return
+        if self.wait >= self.patience and epoch > 0:
+            self.stopped_epoch = epoch
+            self.model.stop_training = True
+
+    def on_train_end(self, logs=None):
+        if self.stopped_epoch > 0 and self.verbose > 0:
+            print(f"Epoch {self.stopped_epoch + 1}: early stopping", file=self._out, flush=True)
+
+
+def _monitored(monitor: str, logs, what: str):
+    """The monitored value, or None with Keras's warning when the logs lack it."""
+    value = (logs or {}).get(monitor)
+    if value is None:
+        warnings.warn(f"{what} conditioned on metric `{monitor}` which is not available. Available metrics "
+                      f"are: {','.join(logs or {})}", stacklevel=3)
+    return value
+
+
+class ModelCheckpoint(_Monitor):
+    """Saves the model (model.save, or model.save_weights with save_weights_only=True) at each
+    epoch's end, or only when `monitor` improved (save_best_only), to `filepath` formatted with
+    the epoch (1-based) and the epoch's logs: "ckpt-{epoch:02d}-{val_loss:.2f}.keras". The
+    chief writes it, from the weights it pulled after the epoch's last step; the other workers
+    write nothing. save_freq: "epoch" only (a number of batches is refused)."""
+
+    def __init__(self, filepath, monitor="val_loss", verbose=0, save_best_only=False, save_weights_only=False,
+                 mode="auto", save_freq="epoch", initial_value_threshold=None):
+        super().__init__(monitor, mode, initial_value_threshold)
+        self.filepath, self.verbose = os.fspath(filepath), verbose
+        self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
+        self.save_freq = save_freq
+        if isinstance(save_freq, int) and not isinstance(save_freq, bool):
+            raise ConfigError(f"ModelCheckpoint: save_freq={save_freq!r} is not supported by pserver: the "
+                              "chief saves at epoch ends (save_freq='epoch')")
+        if save_freq != "epoch":
+            raise ConfigError(f"ModelCheckpoint: unrecognized save_freq: {save_freq!r}; expected 'epoch'")
+        ending = (".weights.h5",) if save_weights_only else (".keras", ".h5")
+        if not self.filepath.endswith(ending):
+            raise ConfigError(f"ModelCheckpoint: filepath={self.filepath!r} must end in "
+                              f"{' or '.join(ending)}{' with save_weights_only=True' * save_weights_only} "
+                              "(as Keras)")
+
+    def on_train_begin(self, logs=None):
+        self._set_monitor_op()
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        try:
+            path = self.filepath.format(epoch=epoch + 1, **logs)
+        except KeyError as e:
+            raise ConfigError(f"ModelCheckpoint: cannot format filepath {self.filepath!r}: the epoch logs "
+                              f"have no {e} (they have {', '.join(logs)})") from None
+        if not self._should_save(epoch, logs, path):
+            return
+        if _chief():
+            if os.path.dirname(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            save = self.model.save_weights if self.save_weights_only else self.model.save
+            save(path, overwrite=True)
+        if self.verbose > 0:
+            print(f"Epoch {epoch + 1}: finished saving model to {path}", file=self._out, flush=True)
+
+    def _should_save(self, epoch: int, logs: dict, path: str) -> bool:
+        if not self.save_best_only:
+            return True
+        current = logs.get(self.monitor)
+        if current is None:           # Keras saves then, with a warning
+            warnings.warn(f"Can save best model only with {self.monitor} available.", stacklevel=3)
+            return True
+        if not self._is_improvement(current, self.best):
+            if self.verbose > 0:
+                print(f"Epoch {epoch + 1}: {self.monitor} did not improve from {self.best:.5f}",
+                      file=self._out, flush=True)
+            return False
+        if self.verbose > 0:
+            best = "None" if self.best is None else f"{self.best:.5f}"
+            print(f"Epoch {epoch + 1}: {self.monitor} improved from {best} to {current:.5f}, saving model "
+                  f"to {path}", file=self._out, flush=True)
+        self.best = current
+        return True
+
+
+class TerminateOnNaN(Callback):
+    """Stops the run at a NaN or infinite loss. On a cluster the whole cluster stops, after the
+    epoch in which it came (Keras stops after the batch): each worker checks its own batches'
+    loss, and at the epoch's end the epoch's loss over every worker's batches, which the chief's
+    decision stops every worker on. raise_error=True raises RuntimeError in the worker that saw it
+    at once (under pserver run that worker fails, and so does the run). A non-finite gradient
+    never gets that far: the shards refuse its push (InvalidArgument naming it), which fails the
+    run first."""
+
+    def __init__(self, raise_error: bool = False):
+        super().__init__()
+        self.raise_error = raise_error
+        self._out = sys.stdout
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._check((logs or {}).get("loss"), f"batch {batch}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._check((logs or {}).get("loss"), f"epoch {epoch + 1}")
+
+    def _check(self, loss, where: str) -> None:
+        if loss is None or math.isfinite(loss):
+            return
+        if self.raise_error:
+            raise RuntimeError(f"NaN or Inf loss encountered at {where}. Loss value: {loss}. Terminating "
+                               "training immediately.")
+        if self.model.stop_training:          # said once
+            return
+        print(f"{where[0].upper()}{where[1:]}: Invalid loss, terminating training", file=self._out,
+              flush=True)
+        self.model.stop_training = True
+
+
+class CSVLogger(Callback):
+    """Each epoch's logs as a row of `filename` ("epoch" then the keys sorted, as Keras), the
+    file overwritten or, with append=True, added to. On a cluster the chief writes it (its logs
+    are every worker's); the other workers write nothing."""
+
+    def __init__(self, filename, separator=",", append=False):
+        super().__init__()
+        self.sep, self.filename, self.append = separator, os.fspath(filename), append
+        self.keys: list[str] = []
+        self.writer = self.csv_file = None
+
+    def on_train_begin(self, logs=None):
+        if not _chief():
+            return
+        header = not (self.append and os.path.exists(self.filename) and os.path.getsize(self.filename))
+        self.csv_file = open(self.filename, "a" if self.append else "w", newline="")
+        self.append_header, self.writer = header, None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.csv_file is None:
+            return
+        logs = logs or {}
+        if self.writer is None:
+            self._start(logs)
+        self.writer.writerow({"epoch": epoch, **{k: _cell(logs.get(k, "NA")) for k in self.keys}})
+        self.csv_file.flush()
+
+    def _start(self, logs: dict) -> None:
+        """Keras's columns: the first epoch's keys sorted, with val_ ones when it has none."""
+        self.keys = sorted(logs)
+        if self.keys and not any(k.startswith("val_") for k in self.keys):
+            self.keys += [f"val_{k}" for k in self.keys]
+        dialect = type("Dialect", (csv.excel,), {"delimiter": self.sep})
+        self.writer = csv.DictWriter(self.csv_file, fieldnames=["epoch", *self.keys], dialect=dialect)
+        if self.append_header:
+            self.writer.writeheader()
+
+    def on_train_end(self, logs=None):
+        if self.csv_file is not None:
+            self.csv_file.close()
+        self.csv_file = self.writer = None
+
+
+def _cell(value):
+    """Keras's: a string as it is, a sequence as "[a, b]", a number as it is."""
+    if isinstance(value, str) or not isinstance(value, collections.abc.Iterable):
+        return value
+    return f'"[{", ".join(map(str, value))}]"'
+
+
+class LambdaCallback(Callback):
+    """A callback of functions: LambdaCallback(on_epoch_end=lambda epoch, logs: ...), as Keras
+    (each hook's arguments as Callback's; other keyword arguments become attributes)."""
+
+    def __init__(self, on_epoch_begin=None, on_epoch_end=None, on_train_begin=None, on_train_end=None,
+                 on_train_batch_begin=None, on_train_batch_end=None, **kwargs):
+        super().__init__()
+        self.__dict__.update(kwargs)
+        hooks = dict(on_epoch_begin=on_epoch_begin, on_epoch_end=on_epoch_end, on_train_begin=on_train_begin,
+                     on_train_end=on_train_end, on_train_batch_begin=on_train_batch_begin,
+                     on_train_batch_end=on_train_batch_end)
+        self.__dict__.update({name: f for name, f in hooks.items() if f is not None})
+
+
+class _Refused:
+    """A Keras callback pserver cannot honour on a cluster: one line at construction, naming
+    what to use instead (`instead`)."""
+    instead = ""
+
+    def __init__(self, *args, **kwargs):
+        raise ConfigError(f"keras.callbacks.{type(self).__name__} is not supported by pserver: "
+                          f"{self.instead}")
+
+
+class ReduceLROnPlateau(_Monitor):
+    """Keras's rule: after `patience` epochs without an improvement of `monitor` by more than
+    `min_delta`, the learning rate times `factor` (not below `min_lr`), then `cooldown` epochs
+    without counting. On a cluster every worker decides alike on the chief's logs, and the chief
+    sets the rate on the shards before its next step (in sync every shard takes it at the same
+    step: docs/semantics.md)."""
+
+    def __init__(self, monitor="val_loss", factor=0.1, patience=10, verbose=0, mode="auto", min_delta=1e-4,
+                 cooldown=0, min_lr=0.0, **kwargs):
+        if kwargs:
+            raise ConfigError(f"ReduceLROnPlateau: unexpected argument {sorted(kwargs)[0]!r}")
+        super().__init__(monitor, mode, min_delta=min_delta)
+        if factor >= 1.0:
+            raise ConfigError(f"ReduceLROnPlateau does not support a factor >= 1.0. Received factor={factor}")
+        self.factor, self.min_lr, self.patience, self.verbose = factor, min_lr, patience, verbose
+        self.cooldown, self.cooldown_counter, self.wait = cooldown, 0, 0
+
+    def on_train_begin(self, logs=None):
+        self.best, self.cooldown_counter, self.wait = None, 0, 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.monitor_op is None:
+            self._set_monitor_op()
+        logs = logs if logs is not None else {}
+        logs["learning_rate"] = _learning_rate(self.model, "ReduceLROnPlateau")
+        current = logs.get(self.monitor)
+        if current is None:
+            print(f"ReduceLROnPlateau: learning rate reduction is conditioned on metric `{self.monitor}` "
+                  f"which is not available. Available metrics are: {','.join(logs)}.", file=self._out)
+            return
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if self._is_improvement(current, self.best):
+            self.best, self.wait = current, 0
+        elif self.cooldown_counter <= 0:
+            self.wait += 1
+            if self.wait >= self.patience and self._reduce(epoch):
+                self.cooldown_counter, self.wait = self.cooldown, 0
+
+    def _reduce(self, epoch) -> bool:
+        old = _learning_rate(self.model, "ReduceLROnPlateau")
+        if not old > np.float32(self.min_lr):
+            return False
+        self.model.optimizer.learning_rate = max(old * self.factor, self.min_lr)
+        if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to "
+                  f"{self.model.optimizer.learning_rate}.", file=self._out)
+        return True
+
+
+class LearningRateScheduler(Callback):
+    """Keras's: at each epoch's beginning the rate is `schedule(epoch, lr)` (or `schedule(epoch)`);
+    on a cluster the chief sets it on the shards before the epoch's first step."""
+
+    def __init__(self, schedule, verbose=0):
+        super().__init__()
+        if not callable(schedule):
+            raise ConfigError(f"LearningRateScheduler: schedule must be a function, got {schedule!r}")
+        self.schedule, self.verbose = schedule, verbose
+        self._out = sys.stdout
+
+    def on_epoch_begin(self, epoch, logs=None):
+        lr = _learning_rate(self.model, "LearningRateScheduler")
+        try:
+            lr = self.schedule(epoch, lr)
+        except TypeError:            # Keras's old form: schedule(epoch)
+            lr = self.schedule(epoch)
+        if not isinstance(lr, (float, np.floating)):
+            raise ConfigError(f"The output of the `schedule` function should be a float. Got: {lr}")
+        self.model.optimizer.learning_rate = float(lr)
+        if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {float(lr)}.",
+                  file=self._out)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["learning_rate"] = _learning_rate(self.model, "LearningRateScheduler")
+
+
+def _learning_rate(model, who: str) -> float:
+    """The compiled optimizer's learning rate as a number (a schedule's cannot be set: Keras refuses too)."""
+    lr = getattr(getattr(model, "optimizer", None), "learning_rate", None)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)):
+        raise ConfigError(f"{who}: the optimizer's learning_rate is {lr!r}, not a number it can change "
+                          "(a learning-rate schedule sets the rate itself)")
+    return float(lr)
+
+
+class BackupAndRestore(_Refused):
+    instead = ("use pserver's checkpoints: `pserver run --checkpoint-dir DIR` (the shards checkpoint "
+               "after every epoch, and a run started again resumes from them)")
+
+
+class TensorBoard(_Refused):
+    instead = ("a Keras fit writes no event files yet: write the epoch logs from a Callback's "
+               "on_epoch_end (or a CSVLogger), or train with `pserver launch --tensorboard DIR`")
+
+
 class CallbackList:
     """The callbacks of one fit, as the loop sees them: it turns the loop's step and epoch
     reports into Keras's logs (the epoch's mean loss and accuracy over every worker's batches, as
@@ -81,6 +470,7 @@ class CallbackList:
         self.callbacks = list(callbacks)
         self.model, self.metrics, self.offset, self.validation = model, metrics, offset, validation
         for c in self.callbacks:
+            getattr(c, "_check_fit", lambda: None)()     # what fit refuses (EarlyStopping's restore)
             c.set_model(model)
             c.set_params(params)
         self.weights = None
@@ -88,6 +478,7 @@ class CallbackList:
         # On a cluster every worker's callbacks take the chief's epoch logs and stop decision (the
         # loop shares them through shard 0: pserver.worker.loop.chief_logs); epoch_logs: the last.
         self.shares_logs = True
+        self._lr = getattr(getattr(model, "optimizer", None), "learning_rate", None)
         self.held_out = "validation"       # what pserver's own lines call the chief's evaluation set
         self.epoch_logs: dict = {}
 
@@ -155,10 +546,25 @@ class CallbackList:
         for c in self.callbacks:
             c.on_train_end(logs)
 
+    def lr_change(self) -> float | None:
+        """The optimizer's learning rate when a callback changed it since the last call (the chief
+        then sets it on the shards: pserver.worker.loop.follow_lr), else None."""
+        lr = getattr(getattr(self.model, "optimizer", None), "learning_rate", None)
+        if lr == self._lr or isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)):
+            return None
+        self._lr = lr
+        return float(lr)
+
     def on_weights(self, w):
+        """The weights this worker pulled after an epoch's last step (the loop hands them before
+        on_epoch_end, and at the end): the model's, as a Keras model's weights are live in fit,
+        so that a callback's model.get_weights() or model.save() takes them."""
         self.weights = w.copy()
+        self.model._w = self.weights
 
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
-__all__ = ["Callback", "History", "CallbackList"]
+__all__ = ["Callback", "History", "CallbackList", "EarlyStopping", "ModelCheckpoint", "TerminateOnNaN",
+           "CSVLogger", "LambdaCallback", "ReduceLROnPlateau", "LearningRateScheduler", "BackupAndRestore",
+           "TensorBoard"]

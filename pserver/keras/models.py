@@ -18,6 +18,7 @@ import itertools
 import math
 import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -82,6 +83,10 @@ class _Model:
         self.history = None
         self._compiled = False
         self._pending: dict | None = None      # compile's loss and metrics, until the core exists
+        # A model with sparse tables: their rows after fit or load_model (a SavedModel's
+        # memory-mapped tables), and the directory fit exported them to (gone with the model).
+        self._tables: model_file.SavedModel | None = None
+        self._tables_dir: tempfile.TemporaryDirectory | None = None
 
     @property
     def _core(self):
@@ -159,6 +164,20 @@ class _Model:
         if self._w is None:
             self._w = self._core.init_params(cluster.seed())
         return self._w
+
+    def _sparse(self) -> bool:
+        return bool(getattr(self._core, "sparse_tables", None))
+
+    def _rows(self, what: str) -> dict:
+        """predict's and evaluate's `rows` for a model with sparse tables: their rows as fit (or
+        load_model) left them; a model that has neither has none to read."""
+        if not self._sparse():
+            return {}
+        if self._tables is None:
+            names = ", ".join(t.name for t in self._core.sparse_tables)
+            raise ConfigError(f"{what}: the model's sparse tables ({names}) hold rows only once it "
+                              "is trained: fit it first (or load a saved one)")
+        return {"rows": self._tables.rows}
 
     def get_weights(self) -> list[np.ndarray]:
         """Each layer's weights in order (kernel, bias, ...), as Keras's: copies."""
@@ -259,10 +278,15 @@ class _Model:
         per_worker = batch_size // workers
         params = {"epochs": epochs, "verbose": verbose,
                   "steps": max(1, -(-len(x) // batch_size))}     # the last global batch may be smaller
-        listeners = [history] + ([callbacks_module.EpochLine()] if shown else []) + user
+        # Keras's order: the user's callbacks, then the epoch line and History, which so see
+        # what the callbacks add to the logs (learning_rate)
+        listeners = user + ([callbacks_module.EpochLine()] if shown else []) + [history]
         hooks = callbacks_module.CallbackList(listeners, self, params, self._core.metrics, initial_epoch,
                                               has_validation)
         self._core.initial = self._w
+        if self._sparse():            # every rank keeps the final rows (worker.loop.keep_tables)
+            self._tables_dir = tempfile.TemporaryDirectory(prefix="pserver-keras-tables-")
+            hooks.tables_dir = os.path.join(self._tables_dir.name, "model")
         options = {"epochs": epochs - initial_epoch, "batch_size": per_worker, "seed": cluster.seed(),
                    "no_shuffle": not shuffle, **self.optimizer.gradient_clip()}
         shard_settings = {"mode": "sync", **self.optimizer.settings()}
@@ -279,13 +303,15 @@ class _Model:
                 place.fit_done()
         if hooks.weights is not None:
             self._w = hooks.weights
+        if self._sparse():
+            self._tables = model_file.load(hooks.tables_dir, model=self._core)
         self.history = history
         return history
 
     def _x(self, x, what: str) -> np.ndarray:
         """x as one array: a Functional's several inputs (a list, a dict by name) side by side."""
         self._ready(x)
-        if isinstance(self._core, _Sequential):
+        if isinstance(self._core, _Sequential) and not self._sparse():
             return np.asarray(x)
         try:
             return self._core.pack(x)
@@ -312,7 +338,7 @@ class _Model:
         _refuse("predict", {}, steps=steps, callbacks=callbacks)
         x = self._x(x, "predict")
         core = self._core
-        out = core.predict(self._weights(), x, batch_size=batch_size or 4096)
+        out = core.predict(self._weights(), x, batch_size=batch_size or 4096, **self._rows("predict"))
         if not core.several:
             return activations.probabilities(core.output_activation, out)
         outs = [activations.probabilities(a, o) for a, o in zip(core.output_activations, out)]
@@ -324,7 +350,8 @@ class _Model:
         [loss, metric, ...], or a dict with return_dict=True."""
         _refuse("evaluate", {}, sample_weight=sample_weight, steps=steps, callbacks=callbacks)
         x, y = self._arrays(x, y, "evaluate")
-        ev = self._core.evaluate(self._weights(), x, y, batch_size=batch_size or 4096)
+        ev = self._core.evaluate(self._weights(), x, y, batch_size=batch_size or 4096,
+                                 **self._rows("evaluate"))
         result = {"loss": ev["loss"], **{m: ev[m] for m in self._core.metrics if m in ev}}
         place = cluster.current()
         if verbose != 0 and (place is None or place.rank == 0):
@@ -346,7 +373,27 @@ class _Model:
         if place is not None and place.rank != 0:
             return                            # the chief's to write, as a Keras chief saves
         compiled = self.optimizer.get_config() if self.optimizer else None
-        model_file.save(filepath, self._core, self._weights(), {"keras_optimizer": compiled}, {})
+        tables = None
+        if self._rows("save"):                # a model with sparse tables: their rows too
+            tables = {t.name: (t.ids, t.rows) for t in self._tables.tables}
+        model_file.save(filepath, self._core, self._weights(), {"keras_optimizer": compiled}, {},
+                        tables=tables)
+
+
+    def save_weights(self, filepath, overwrite=True) -> None:
+        """Keras's: the weights to a ".weights.h5" path (pserver's model file, which holds the
+        layers' configs too), for load_weights."""
+        if not os.fspath(filepath).endswith(".weights.h5"):
+            raise ConfigError(f"save_weights: filepath={os.fspath(filepath)!r} must end in .weights.h5 "
+                              "(as Keras)")
+        self.save(filepath, overwrite=overwrite)
+
+    def load_weights(self, filepath) -> None:
+        """The weights of a file model.save or save_weights wrote for a model of this layout
+        (ModelFileError naming the difference otherwise)."""
+        filepath = os.fspath(filepath)
+        meta, arrays = model_file.read(filepath)
+        self._w = model_file.weights_of(filepath, meta, arrays, self._core.layout)
 
 
 class Sequential(_Model):
@@ -529,6 +576,8 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True) -> _
         model = (Model if config.get("class_name") == "Functional" else Sequential).from_config(config)
     model = _subclassed(model, config)
     model._w = model_file.weights_of(filepath, meta, arrays, model._core.layout)
+    if model._sparse():
+        model._tables = model_file.load(filepath, model=model._core)
     with model_file.model_file_errors(filepath):
         opt = meta.get("keras_optimizer")
         if compile and opt is not None:

@@ -28,6 +28,9 @@ class Weight:
     initializer: initializers.Initializer
     trainable: bool = True      # False: the shards' optimizer leaves it (add_weight(trainable=False))
     regularizer: regularizers.L1L2 | None = None   # its penalty joins the loss (the model adds it)
+    # A moving statistic (BatchNormalization's, in pairs: mean then variance): the shards update it
+    # from the workers' batch statistics with this momentum (pserver.layers.normalization).
+    momentum: float | None = None
 
 
 @dataclass(frozen=True)

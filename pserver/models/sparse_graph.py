@@ -58,9 +58,9 @@ class SparseProtocol:
     a graph with dict inputs and sparse Embedding layers)."""
 
     def _find_sparse(self) -> None:
-        """At build: the sparse layers (None for a graph without them, or without dict inputs:
-        a sparse Embedding there says it needs tables when it runs)."""
-        found = SparseLayers(self._plan(False), self._keys, self.name) if self._dict_inputs else None
+        """At build: the sparse layers (None for a graph without them). The records' fields are
+        the inputs by name, whether the model took them as a dict, a list or one tensor."""
+        found = SparseLayers(self._plan(False), self._keys, self.name)
         self._sparse = found if found and found.layers else None
         if self._sparse is not None and self.several:
             raise ConfigError(f"{self.name}: a model with sparse tables has one output, for now "
@@ -80,6 +80,29 @@ class SparseProtocol:
     def record(self) -> np.dtype:
         """The records a model with sparse tables takes: one field per input, by name."""
         return self.build()._sparse.record
+
+    def _pack_records(self, x) -> np.ndarray:
+        """Keras's x for a model with sparse tables (a dict of arrays by input name, a list in
+        input order, or one array) as its records; records already are returned as they are."""
+        x = x if isinstance(x, (dict, list, tuple)) else np.asarray(x)
+        if isinstance(x, np.ndarray) and x.dtype.names:
+            return x
+        parts = dict(x) if isinstance(x, dict) else dict(zip(self._keys, x if isinstance(x, (list, tuple))
+                                                             else [x]))
+        missing = [k for k in self._keys if k not in parts]
+        if missing or len(parts) != len(self._keys):
+            raise ValueError(f"x has inputs {', '.join(map(str, parts)) or 'none'}; {self._takes()}")
+        arrays = {k: np.asarray(parts[k]) for k in self._keys}
+        n = len(next(iter(arrays.values())))
+        out = np.empty(n, self.record)
+        for k, a in arrays.items():
+            want = self.record[k]
+            if len(a) != n or a.shape[1:] != want.shape or a.dtype.kind not in ("iu" if want.base.kind in "iu"
+                                                                                   else "iuf"):
+                raise ValueError(f"input {k!r}: x has {a.dtype} of shape {a.shape}; it takes {want.base} "
+                                 f"of shape (n, {', '.join(map(str, want.shape))}) with n = {n}")
+            out[k] = a
+        return out
 
     def batch_ids(self, x) -> list[np.ndarray]:
         """Per table, the ids of the batch: its field of the records (one array per field)."""
@@ -108,10 +131,11 @@ class SparseProtocol:
                 for i, (k, inp) in enumerate(zip(self._keys, self._inputs))]
 
     def _sparse_step(self, w, x, y, grad_out, lookups, run: Pass) -> float:
-        params = self._per_layer(self.layout.views(w))
-        grads = self._per_layer(self.layout.views(grad_out))
+        params, grads = self._layer_views(w), self._layer_views(grad_out)
         bufs = self._buffers(len(x), w.dtype)
         ins = self._forward(params, self._sparse_inputs(x, lookups, params, grads, w.dtype), bufs, run)
+        if self.task != "regression":           # the batch's accuracy, for Keras's per-epoch metric
+            self.batch_correct = metrics.accuracy(ins[-1], y)
         loss = self.loss(self.kernels, ins[-1], y, bufs.dloss)
         self._backward(params, grads, ins, bufs)
         return float(loss)

@@ -17,11 +17,11 @@ An epoch's batches (its permutation of the training set from `seed + epoch`, cut
   asks while every chunk of the epoch is leased gets none and pushes empty contributions.
 - The epoch's end is shared out (guided self-scheduling): once the batches not yet leased are
   fewer than the workers (live, or starting and not registered yet) times `chunk_batches`, a
-  worker that asks gets at most ceil(remaining / workers) of them; the rest of its chunk becomes a piece of its own (id
-  num_chunks + its first batch) at the front of the queue. So the last steps of a sync epoch do
-  not wait on two workers' whole chunks while the others push empty contributions (each of those
-  steps still moved the weights by a whole optimizer step on fewer samples). `chunks_done`
-  counts a chunk once all its pieces are done.
+  worker that asks gets at most ceil(remaining / workers) of them; the rest of its chunk
+  becomes a piece of its own (id num_chunks + its first batch) at the front of the queue. So
+  the last steps of a sync epoch do not wait on two workers' whole chunks while the others push
+  empty contributions (each of those steps still moved the weights by a whole optimizer step on
+  fewer samples). `chunks_done` counts a chunk once all its pieces are done.
 
 Pure logic, no grpc: the shard calls it with store.cond held, but for prepared(), which builds a
 new plan's first order outside it once the plan's size is admitted (Leases.lease). `state()` /
@@ -329,7 +329,8 @@ class Coordinator:
         of what they trained under the coordinator before this one was loaded from a checkpoint:
         each batch past what the checkpoint had done counts in batches_retrained, once, whether its
         epoch is this one or a later one (which the loaded coordinator opens again: a report of it
-        comes once, at the worker's first ask after the restore). Returns how many were counted. Without a restore (or a plan) there is nothing to count."""
+        comes once, at the worker's first ask after the restore). Returns how many were counted.
+        Without a restore (or a plan) there is nothing to count."""
         if self.restored is None or self.plan is None:
             return 0
         r, added = self.restored, 0

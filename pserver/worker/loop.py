@@ -87,9 +87,11 @@ def sparse_tables(model) -> list:
 
 
 def registered_layout(model) -> Layout:
-    """What the shards are told: the dense tensors (those frozen now marked) and the sparse tables."""
+    """What the shards are told: the dense tensors (those frozen now marked, and the moving
+    statistics, which stay frozen) and the sparse tables."""
     frozen = getattr(model, "frozen_weights", list)()
-    return Layout(model.layout.tensors, tuple(sparse_tables(model))).freezing(frozen)
+    stats = [t.name for t in model.layout.tensors if t.momentum is not None]
+    return Layout(model.layout.tensors, tuple(sparse_tables(model))).freezing([*frozen, *stats])
 
 
 class Rows:
@@ -240,10 +242,12 @@ def end(run: Run, stats: dict, started: float, counted_from, definition: dict | 
     if not run.chief:
         say_if_chief_gone(run.client)
         run.callbacks.on_weights(run.w)
+        keep_tables(run)
         return None
     cfg, client, model = run.cfg, run.client, run.model
     summary = finish(run, stats, started, counted_from)
     run.callbacks.on_weights(run.w)         # the final weights (a Keras model keeps them)
+    keep_tables(run)
     if cfg.save:
         save_model(cfg, client, model, run.w, definition, summary)
         print(f"saved the model ({model_name(model)}, {model.layout.total:,} parameters) to "
@@ -255,11 +259,11 @@ def end(run: Run, stats: dict, started: float, counted_from, definition: dict | 
 
 
 def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, definition: dict | None,
-               summary: dict) -> None:
-    """--save: the model file; a model with sparse tables gets every table's rows, streamed
-    from the shards (ExportRows) and merged into sorted files as they come. After a sync or
-    backup run they are the rows of the final version, as the dense weights are; in async or
-    ssp, each shard's rows when its stream began (workers still pushing may move them)."""
+               summary: dict, path: str | None = None) -> None:
+    """--save (or `path`): the model file; a model with sparse tables gets every table's rows,
+    streamed from the shards (ExportRows) and merged into sorted files as they come. After a
+    sync or backup run they are the rows of the final version, as the dense weights are; in
+    async or ssp, each shard's rows when its stream began (workers still pushing may move them)."""
     tables, origin = None, None
     if sparse_tables(model):
         tables, versions = {}, None
@@ -268,7 +272,16 @@ def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, defini
             tables[t.name] = model_file.TableRows(count, pages)
         origin = {"live": True, "num_shards": len(cfg.ps), "versions": versions,
                   "version": max(versions), "job": registered_layout(model).signature()}
-    model_file.save(cfg.save, model, w, definition, summary, tables=tables, origin=origin)
+    model_file.save(path or cfg.save, model, w, definition, summary, tables=tables, origin=origin)
+
+
+def keep_tables(run: Run) -> None:
+    """A Keras model with sparse tables keeps their final rows, as it keeps the weights: every
+    rank (the same rows on each, read from the shards before the chief stops them) writes them
+    where its fit asked (CallbackList.tables_dir), for its predict, evaluate and save."""
+    where = getattr(run.callbacks, "tables_dir", None)
+    if where and sparse_tables(run.model):
+        save_model(run.cfg, run.client, run.model, run.w, None, {}, path=where)
 
 
 def check_settings(client: PSClient, expected: dict | None, settings: dict | None) -> None:
@@ -339,6 +352,7 @@ class NoCallbacks:
     def on_epoch_end(self, epoch, logs=None): pass
     def on_train_end(self, logs=None): pass
     def on_weights(self, w): pass
+    def lr_change(self): return None
 
 
 def train(run: Run, source: Slices | Leases) -> dict:
@@ -394,7 +408,7 @@ def report_batch(run: Run, batch: Batch, force: bool) -> None:
 
 def end_epoch(run: Run, ended: EpochEnd) -> bool:
     """An epoch's end: the chief's evaluation (chief_epoch_end), then the callbacks hear it with
-    the epoch's logs. Whether they stop the run."""
+    the epoch's logs and the weights pulled after its last step. Whether they stop the run."""
     logs = {}
     if run.chief:
         run.epochs_log.append(chief_epoch_end(run, ended.epoch))
@@ -403,7 +417,9 @@ def end_epoch(run: Run, ended: EpochEnd) -> bool:
         logs["trained"] = ended.trained
     if ended.shared and not run.chief:
         logs = chief_logs(run.client, run.rank, ended.epoch, run.push_empty if run.empty_counts else None)
+    run.callbacks.on_weights(run.w)               # the weights a callback saves (ModelCheckpoint)
     run.callbacks.on_epoch_end(ended.epoch, logs)
+    run.follow_lr()
     if ended.shared and run.chief:
         run.client.epoch_logs(ended.epoch, share=(run.callbacks.epoch_logs, run.callbacks.stop_training))
     return run.callbacks.stop_training
