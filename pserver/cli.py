@@ -130,6 +130,8 @@ SERVER_FLAGS = [
     Flag("--weight-decay", dict(type=float, help="sgd, momentum, adam, rmsprop, adagrad: L2 coefficient "
                                 "added to the gradient (coupled; default 0); adamw: decoupled decay, "
                                 "w -= lr * wd * w before the step, as Keras (default 0.004)")),
+    Flag("--clipvalue", dict(type=float, metavar="C", help="clip the step's gradient element-wise to "
+                             "[-C, C] before the update rule, Keras's clipvalue (default 0: none)")),
     Flag("--rho", dict(type=float, help="rmsprop: discount of the moving average of squared gradients "
                        "(default 0.9)")),
     Flag("--centered", dict(action="store_true", default=None, help="rmsprop: divide by the gradient's "
@@ -174,7 +176,7 @@ SERVER_FLAGS = [
 
 # What `pserver run`'s shards take from the script's compile(optimizer=...), not from flags.
 RUN_FROM_COMPILE = {"--optimizer", "--lr", "--lr-schedule", "--momentum", "--nesterov", "--beta1", "--beta2",
-                    "--eps", "--weight-decay", "--rho", "--centered", "--initial-accumulator"}
+                    "--eps", "--weight-decay", "--rho", "--centered", "--initial-accumulator", "--clipvalue"}
 
 # Flags forwarded by `launch` to every worker: everything but rank and addresses.
 WORKER_FLAGS = [

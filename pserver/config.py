@@ -29,14 +29,21 @@ MODES.add("ssp", "async, but no worker runs more than --staleness clocks ahead o
 # what each shard's Register reply carries). num_workers joins them as the shard serves it.
 TRAINING_SETTINGS = ("mode", "backup_workers", "staleness", "optimizer", "lr", "lr_schedule", "momentum",
                      "nesterov", "beta1", "beta2", "eps", "weight_decay", "step_timeout", "rho", "centered",
-                     "initial_accumulator")
+                     "initial_accumulator", "clipvalue")
 # The ServerConfig fields that are make_optimizer's arguments.
 OPTIMIZER_ARGS = ("lr", "lr_schedule", "momentum", "nesterov", "beta1", "beta2", "eps", "weight_decay", "rho",
-                  "centered", "initial_accumulator")
+                  "centered", "initial_accumulator", "clipvalue")
 DATA_PLANES = Registry("data plane", "--data-plane")
 DATA_PLANES.add("auto", "same-host shards and workers exchange payloads through shared memory (default)")
 DATA_PLANES.add("grpc", "gRPC streams only")
 PROGRESS = ("auto", "bar", "lines", "relay")   # WorkerConfig.progress (pserver.observe.progress)
+
+
+def check_clipnorms(clipnorm: float, global_clipnorm: float) -> None:
+    """A worker's clipnorm or global_clipnorm (pserver.optim.clip): at most one, each >= 0 (0: none)."""
+    if not (clipnorm >= 0 and global_clipnorm >= 0) or (clipnorm and global_clipnorm):
+        raise ConfigError(f"clipnorm={clipnorm}, global_clipnorm={global_clipnorm}: give one, a number > 0 "
+                          "(0: none)")
 
 
 NOTICE_EVERY_ENV = "PSERVER_NOTICE_EVERY"
@@ -109,6 +116,7 @@ class ServerConfig:
     rho: float = 0.9              # rmsprop: discount of the squared-gradient average
     centered: bool = False        # rmsprop: divide by the gradient's estimated variance
     initial_accumulator: float = 0.1  # adagrad: the accumulator's starting value
+    clipvalue: float = 0.0        # clip the step's gradient element-wise to [-c, c] (0: none)
     chunk_bytes: int = 1 << 20    # payload bytes per streamed message
     threads: int = 64             # gRPC worker threads (at least 2 per worker + 12): see server/limits.py
     max_inflight_mb: int = 1024   # MiB of gradients being received at once (RESOURCE_EXHAUSTED past it)
@@ -230,6 +238,8 @@ class WorkerConfig:
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.wire.compress)
     pull_compress: str = "none"   # pull codec over gRPC: none, bf16
+    clipnorm: float = 0.0         # clip each tensor of this worker's gradient to this L2 norm (0: none)
+    global_clipnorm: float = 0.0  # clip this worker's whole gradient to this L2 norm (0: none)
     require_fresh: bool = False   # chief: refuse shards that already hold trained state (default: continue)
     no_resume: bool = False       # start the data at epoch 1 even where the shards recorded this
                                   # rank's position
@@ -283,6 +293,7 @@ class WorkerConfig:
         parse_pull(self.pull_compress)
         check_positive(connect_timeout=self.connect_timeout, rpc_deadline=self.rpc_deadline,
                        chunk_bytes=self.chunk_bytes, log_every=self.log_every)
+        check_clipnorms(self.clipnorm, self.global_clipnorm)
         if self.max_steps < 0:
             raise ConfigError(f"--max-steps: must be >= 0, got {self.max_steps}")
         for flag, path in (("--summary-json", self.summary_json), ("--stats-json", self.stats_json),

@@ -350,7 +350,7 @@ def _probe(module):
     (lambda m: keras.optimizers.RMSprop(weight_decay=0.01), "weight_decay"),   # Keras's: decoupled
     (lambda m: m.compile(optimizer="adam", loss="mse", loss_weights=[1.0]), "loss_weights"),
     (lambda m: keras.optimizers.Adam(amsgrad=True), "amsgrad"),
-    (lambda m: keras.optimizers.SGD(clipnorm=1.0), "clipnorm"),
+    (lambda m: keras.optimizers.SGD(use_ema=True), "use_ema"),    # clipnorm: supported now
     (lambda m: m.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["mae"]), "mae"),
     (lambda m: m.summary(expand_nested=True), "expand_nested"),
 ])

@@ -423,7 +423,7 @@ def test_register_reports_the_shards_training_settings():
                             "lr": 0.003, "lr_schedule": "constant", "momentum": 0.9, "nesterov": False,
                             "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0,
                             "step_timeout": 7, "rho": 0.9, "centered": False, "initial_accumulator": 0.1,
-                            "num_workers": 3}
+                            "clipvalue": 0.0, "num_workers": 3}
 
 
 def test_a_silent_session_is_marked_dead_at_step_timeout_after_its_last_call_not_a_tick_later():

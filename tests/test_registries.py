@@ -4,6 +4,7 @@ with it, so a name added to (or dropped from) a registry cannot be missed elsewh
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -79,11 +80,13 @@ def test_dense_optimizers_and_schedules():
     with pytest.raises(ConfigError) as e:
         make_optimizer("lion", 3, lr=0.1)
     unknown_names(str(e.value), OPTIMIZERS.names())
-    examples = {"constant": "constant", "step": "step:10,0.5", "warmup": "warmup:5", "cosine": "cosine:100"}
+    examples = {"constant": "constant", "step": "step:10,0.5", "warmup": "warmup:5", "cosine": "cosine:100",
+                "exponential": "exponential:10,0.5", "inverse_time": "inverse_time:10,0.5,staircase",
+                "piecewise": "piecewise:1,10,0.5"}
     assert tuple(examples) == SCHEDULES.names()
     for name, spec in examples.items():
         assert type(parse_schedule(spec)) is SCHEDULES.get(name)
-    with pytest.raises(ConfigError, match="expected one of " + ", ".join(SCHEDULES.forms())):
+    with pytest.raises(ConfigError, match="expected one of " + re.escape(", ".join(SCHEDULES.forms()))):
         parse_schedule("linear:3")
 
 

@@ -155,7 +155,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., batch_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[SparseTableSpec, _Mapping]]] = ..., data_seed: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., previous_session: _Optional[str] = ..., elastic_auto_rank: _Optional[bool] = ...) -> None: ...
 
 class TrainingSettings(_message.Message):
-    __slots__ = ("mode", "backup_workers", "staleness", "optimizer", "lr", "lr_schedule", "momentum", "nesterov", "beta1", "beta2", "eps", "weight_decay", "step_timeout", "num_workers", "rho", "centered", "initial_accumulator")
+    __slots__ = ("mode", "backup_workers", "staleness", "optimizer", "lr", "lr_schedule", "momentum", "nesterov", "beta1", "beta2", "eps", "weight_decay", "step_timeout", "num_workers", "rho", "centered", "initial_accumulator", "clipvalue")
     MODE_FIELD_NUMBER: _ClassVar[int]
     BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class TrainingSettings(_message.Message):
     RHO_FIELD_NUMBER: _ClassVar[int]
     CENTERED_FIELD_NUMBER: _ClassVar[int]
     INITIAL_ACCUMULATOR_FIELD_NUMBER: _ClassVar[int]
+    CLIPVALUE_FIELD_NUMBER: _ClassVar[int]
     mode: str
     backup_workers: int
     staleness: int
@@ -190,7 +191,8 @@ class TrainingSettings(_message.Message):
     rho: float
     centered: bool
     initial_accumulator: float
-    def __init__(self, mode: _Optional[str] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., step_timeout: _Optional[float] = ..., num_workers: _Optional[int] = ..., rho: _Optional[float] = ..., centered: _Optional[bool] = ..., initial_accumulator: _Optional[float] = ...) -> None: ...
+    clipvalue: float
+    def __init__(self, mode: _Optional[str] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., step_timeout: _Optional[float] = ..., num_workers: _Optional[int] = ..., rho: _Optional[float] = ..., centered: _Optional[bool] = ..., initial_accumulator: _Optional[float] = ..., clipvalue: _Optional[float] = ...) -> None: ...
 
 class TrainingPosition(_message.Message):
     __slots__ = ("clock", "data_seed", "steps_per_epoch")

@@ -3,7 +3,8 @@
 
     keras.Input, keras.Sequential, keras.Model(inputs, outputs), keras.layers.*, keras.ops,
     keras.activations,
-    keras.optimizers.{Adam, AdamW, SGD, RMSprop, Adagrad},
+    keras.optimizers.{Adam, AdamW, SGD, RMSprop, Adagrad}, keras.optimizers.schedules.*,
+    keras.regularizers.{L1, L2, L1L2},
     keras.losses.*, keras.callbacks.{Callback, History, EarlyStopping, ModelCheckpoint, CSVLogger,
     TerminateOnNaN, LambdaCallback}, keras.utils.to_categorical,
     keras.datasets.mnist.load_data(), keras.models.load_model, keras.saving.register_keras_serializable
@@ -22,6 +23,7 @@ from pserver.keras import (
     models,
     ops,
     optimizers,
+    regularizers,
     saving,
     utils,
 )
@@ -31,4 +33,4 @@ from pserver.keras.models import Input, Model, Sequential
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["Input", "Sequential", "Model", "layers", "models", "optimizers", "losses", "callbacks", "utils",
-           "datasets", "saving", "ops", "activations"]
+           "datasets", "saving", "ops", "activations", "regularizers"]

@@ -288,7 +288,7 @@ class _Model:
             self._tables_dir = tempfile.TemporaryDirectory(prefix="pserver-keras-tables-")
             hooks.tables_dir = os.path.join(self._tables_dir.name, "model")
         options = {"epochs": epochs - initial_epoch, "batch_size": per_worker, "seed": cluster.seed(),
-                   "no_shuffle": not shuffle}
+                   "no_shuffle": not shuffle, **self.optimizer.gradient_clip()}
         shard_settings = {"mode": "sync", **self.optimizer.settings()}
         with _quiet(not shown or verbose == 2):      # 2: Keras's epoch lines only
             if place is None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.layers import activations, initializers
+from pserver.layers import activations, initializers, regularizers
 from pserver.ops.core import Node, Symbolic
 
 
@@ -27,6 +27,7 @@ class Weight:
     shape: tuple[int, ...]
     initializer: initializers.Initializer
     trainable: bool = True      # False: the shards' optimizer leaves it (add_weight(trainable=False))
+    regularizer: regularizers.L1L2 | None = None   # its penalty joins the loss (the model adds it)
     # A moving statistic (BatchNormalization's, in pairs: mean then variance): the shards update it
     # from the workers' batch statistics with this momentum (pserver.layers.normalization).
     momentum: float | None = None
@@ -224,7 +225,8 @@ class KernelLayer(Layer):
     (Dense, Conv2D): the weights, the bias-less case and the activation in one place."""
 
     def __init__(self, width: int, activation, use_bias: bool, kernel_initializer,
-                 bias_initializer, **kwargs):
+                 bias_initializer, kernel_regularizer=None, bias_regularizer=None,
+                 activity_regularizer=None, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.width = width
@@ -232,15 +234,19 @@ class KernelLayer(Layer):
         self.use_bias = bool(use_bias)
         self.kernel_initializer = initializers.get(kernel_initializer, f"{owner}: kernel_initializer")
         self.bias_initializer = initializers.get(bias_initializer, f"{owner}: bias_initializer")
+        self.kernel_regularizer = regularizers.get(kernel_regularizer, f"{owner}: kernel_regularizer")
+        self.bias_regularizer = regularizers.get(bias_regularizer, f"{owner}: bias_regularizer")
+        self.activity_regularizer = activity(owner, activity_regularizer, self.activation)
 
     @abc.abstractmethod
     def kernel_shape(self) -> tuple[int, ...]:
         """The kernel's shape, from the built input shape and the layer's arguments."""
 
     def weights(self):
-        w = [Weight("kernel", self.kernel_shape(), self.kernel_initializer)]
+        w = [Weight("kernel", self.kernel_shape(), self.kernel_initializer,
+                    regularizer=self.kernel_regularizer)]
         if self.use_bias:
-            w.append(Weight("bias", (self.width,), self.bias_initializer))
+            w.append(Weight("bias", (self.width,), self.bias_initializer, regularizer=self.bias_regularizer))
         return w
 
     def scratch(self, n, dtype):
@@ -253,6 +259,17 @@ class KernelLayer(Layer):
 
     def dbias(self, g: dict, s: dict) -> np.ndarray:
         return g["bias"] if self.use_bias else s["dbias"]
+
+
+def activity(owner: str, given, activation: str | None = None) -> regularizers.L1L2 | None:
+    """A layer's activity_regularizer: a penalty on its output, divided by the batch size, as
+    Keras's (pserver.models.graph adds its gradient to the output's). Refused after a softmax or
+    sigmoid, which the loss fuses (the layer's output there is the logits)."""
+    reg = regularizers.get(given, f"{owner}: activity_regularizer")
+    if reg is not None and activation in ("softmax", "sigmoid"):
+        raise ConfigError(f"{owner}: activity_regularizer with activation={activation!r} is not supported "
+                          "(the loss fuses it): put Activation() after the layer")
+    return reg
 
 
 def _shapes_text(shape) -> str:
@@ -277,9 +294,12 @@ def init_arguments(cls, args: tuple, kwargs: dict) -> dict:
 
 
 def _plain(value):
-    """A config value as JSON: an initializer object as Keras writes one ({class_name, config})."""
+    """A config value as JSON: an initializer or regularizer object as Keras writes one
+    ({class_name, config})."""
     if isinstance(value, initializers.Initializer):
         return {"class_name": type(value).__name__, "config": dict(vars(value))}
+    if isinstance(value, regularizers.Regularizer):
+        return {"class_name": type(value).__name__, "config": value.get_config()}
     if isinstance(value, tuple):
         return list(value)
     return value
@@ -287,6 +307,8 @@ def _plain(value):
 
 def _unplain(value):
     if isinstance(value, dict) and set(value) == {"class_name", "config"}:
+        if value["class_name"] in ("L1", "L2", "L1L2"):
+            return regularizers.get(value, "a layer's config")
         cls = getattr(initializers, value["class_name"], None)
         if not (isinstance(cls, type) and issubclass(cls, initializers.Initializer)):
             raise ConfigError(f"unknown initializer class {value['class_name']!r} in a layer's config")

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.layers import initializers
-from pserver.layers.base import Layer, Weight, positive_int
+from pserver.layers import initializers, regularizers
+from pserver.layers.base import Layer, Weight, activity, positive_int
 from pserver.sparse import TableConfig
 
 
@@ -31,7 +31,8 @@ class Embedding(Layer):
                  optimizer: str = "adagrad", lr: float = 0.05, min_count: int = 0,
                  max_rows: int = 0, ttl_steps: int = 0, seed: int = 0,
                  optimizer_params: dict | None = None, row_dtype: str = "float32",
-                 state_dtype: str = "float32", **kwargs):
+                 state_dtype: str = "float32", embeddings_regularizer=None, activity_regularizer=None,
+                 **kwargs):
         if input_length is not None and "input_shape" not in kwargs:
             kwargs["input_shape"] = (input_length,)
         super().__init__(**kwargs)
@@ -42,6 +43,12 @@ class Embedding(Layer):
         self.output_dim = positive_int("Embedding", "output_dim", output_dim)
         self.embeddings_initializer = initializers.get(embeddings_initializer,
                                                        "Embedding: embeddings_initializer")
+        self.embeddings_regularizer = regularizers.get(embeddings_regularizer,
+                                                       "Embedding: embeddings_regularizer")
+        self.activity_regularizer = activity("Embedding", activity_regularizer)
+        if self.sparse and self.embeddings_regularizer is not None:
+            raise ConfigError("Embedding(sparse=True): embeddings_regularizer is not supported (the rows "
+                              "live on the shards)")
         if self.sparse:
             # Every field but the name, which the model gives the layer later.
             self._table = dict(dim=self.output_dim, optimizer=optimizer, lr=lr,
@@ -67,7 +74,8 @@ class Embedding(Layer):
     def weights(self):
         if self.sparse:
             return []
-        return [Weight("embeddings", (self.input_dim, self.output_dim), self.embeddings_initializer)]
+        return [Weight("embeddings", (self.input_dim, self.output_dim), self.embeddings_initializer,
+                       regularizer=self.embeddings_regularizer)]
 
     def scratch(self, n, dtype):
         return {} if self.sparse else {"ids": np.empty((n, *self.input_shape), np.int64)}

@@ -99,7 +99,8 @@ class CudaModel(Model):
         np.copyto(grad_out, st.g_host)
         if self._loss_scale != 1:
             grad_out *= np.float32(self._loss_scale)   # linear in the output's gradient
-        loss = float(st.loss_host[0]) * self._loss_scale
+        # The weights' regularization penalty (keras.regularizers), on the host: w and grad_out are there.
+        loss = float(st.loss_host[0]) * self._loss_scale + self.host._regularize(w, grad_out)
         if not timings:
             return loss
         ms = [events[i].elapsed_time(events[i + 1]) for i in range(3)]
@@ -153,8 +154,8 @@ class CudaModel(Model):
                 else:
                     sse += float(np.sum((b.out_host[:, 0].astype(np.float64) - yb) ** 2))
         if self.task == "classification":
-            return {"loss": loss_sum / n, "accuracy": correct / n}
-        return {"loss": loss_sum / n, "r2": metrics.r2(sse, y)}
+            return {"loss": loss_sum / n + self.host._regularize(w), "accuracy": correct / n}
+        return {"loss": loss_sum / n + self.host._regularize(w), "r2": metrics.r2(sse, y)}
 
     # -- buffers and checks ----------------------------------------------------------------
 

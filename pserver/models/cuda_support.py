@@ -68,6 +68,8 @@ def check(model) -> None:
 def _step_refusal(plan, step) -> str | None:
     if step.layer is not None:
         layer = plan.layers[step.layer]
+        if getattr(layer, "activity_regularizer", None) is not None:
+            return f"{layer.label} has an activity_regularizer"
         return None if isinstance(layer, DEVICE_LAYERS) else f"{layer.label} has no CUDA kernels"
     why = refusal(step.node)
     return None if why is None else f"op {step.node.op} {why}"

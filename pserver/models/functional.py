@@ -422,7 +422,7 @@ class Functional(SparseProtocol, Model):
                              f"got {grad_out.dtype} {grad_out.shape} with strides {grad_out.strides}")
         run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
         if self.sparse_tables:
-            return self._sparse_step(w, x, y, grad_out, sparse, run)
+            return self._sparse_step(w, x, y, grad_out, sparse, run) + self._regularize(w, grad_out)
         params, grads = self._layer_views(w), self._layer_views(grad_out)
         bufs = self._buffers(x.shape[0], w.dtype)
         ins = self._forward(params, x, bufs, run)
@@ -435,7 +435,28 @@ class Functional(SparseProtocol, Model):
                 self.batch_correct = metrics.accuracy(ins[-1], y)
             loss = self.loss(self.kernels, ins[-1], y, bufs.dloss)
         self._backward(params, grads, ins, bufs)
-        return float(loss)
+        return float(loss) + self._regularize(w, grad_out) + self._activity(ins) / x.shape[0]
+
+    def _activity(self, vals: list, training: bool = True) -> float:
+        """The layers' activity_regularizer penalties on their outputs in `vals`, summed (Keras
+        divides by the batch size: the caller does)."""
+        plan = self._plan(training)
+        regs = [(getattr(plan.layers[st.layer], "activity_regularizer", None), st.out)
+                for st in plan.steps if st.op is None]
+        return sum(reg(vals[out]) for reg, out in regs if reg is not None)
+
+    def _regularize(self, w, grad_out=None) -> float:
+        """The weights' regularization penalty, which Keras adds to the loss (keras.regularizers:
+        kernel_regularizer, ...); its gradient is added to grad_out when given."""
+        total, offsets, built = 0.0, self.layout.offsets(), self.build()
+        for layer, weights in zip(built.layers, built._weights):
+            for weight in weights:
+                if weight.regularizer is not None:
+                    a, b = offsets[f"{layer.name}/{weight.name}"]
+                    total += weight.regularizer(w[a:b])
+                    if grad_out is not None:
+                        weight.regularizer.add_gradient(w[a:b], grad_out[a:b])
+        return total
 
     def _batch_sums(self, outs: list, y: np.ndarray) -> dict:
         """A batch's per-output logs, as sums over its samples (each loss x n, the samples an
@@ -630,7 +651,7 @@ class Functional(SparseProtocol, Model):
         A model with sparse tables takes `rows(ids per table)`, the batch's TableLookups with the
         rows filled (the worker pulls them from the shards), for each batch_size records."""
         if self.sparse_tables:
-            return self._sparse_evaluate(w, x, y, batch_size, rows)
+            return _penalized(self._sparse_evaluate(w, x, y, batch_size, rows), self._regularize(w))
         x, y = self._check_batch(w, x, y)
         params = self._per_layer(self.layout.views(w))
         n = x.shape[0]
@@ -640,16 +661,25 @@ class Functional(SparseProtocol, Model):
         heads = list(zip(self._each_loss(), self.loss.split(y, w.dtype) if self.several else [y]))
         slots = self._plan(False).outputs
 
+        activity: list = [0.0] * len(starts)
+
         def chunk(i: int) -> None:
             a = starts[i]
             xb = x[a:a + batch_size]
             vals = self._forward(params, xb, self._buffers(xb.shape[0], w.dtype), Pass(training=False))
             parts[i] = [_chunk_scores(self.kernels, loss, vals[s], yj[a:a + batch_size])
                         for (loss, yj), s in zip(heads, slots)]
+            activity[i] = self._activity(vals, training=False)
 
         each_index(chunk, len(starts), threads)
         each = [_scores(loss, [p[j] for p in parts], yj) for j, (loss, yj) in enumerate(heads)]
-        return self.loss.logs(each) if self.several else each[0]
+        penalty = self._regularize(w) + sum(activity) / n
+        return _penalized(self.loss.logs(each) if self.several else each[0], penalty)
+
+
+def _penalized(logs: dict, penalty: float) -> dict:
+    """Evaluation's logs with the regularization penalty in the (total) loss, as Keras's."""
+    return logs | {"loss": logs["loss"] + penalty} if penalty else logs
 
 
 def _chunk_scores(k, loss: losses.Loss, out: np.ndarray, y: np.ndarray) -> tuple:

@@ -311,6 +311,7 @@ def _layer_backward(plan, k, i, params, grads, vals, g, acc, bufs, written, ops)
     dout = bufs.dout(i)
     if g is not dout:
         k.copy(g, dout)
+    _activity_gradient(layer, vals[step.out], dout)
     dxs = [bufs.dx(i, j) if plan.needs_grad[s] else None for j, s in enumerate(step.ins)]
     x = [vals[s] for s in step.ins] if layer.takes_list else vals[step.ins[0]]
     again = li in written          # kernels overwrite: a shared layer's second use sums after
@@ -324,6 +325,14 @@ def _layer_backward(plan, k, i, params, grads, vals, g, acc, bufs, written, ops)
     for s, d in zip(step.ins, dxs):
         if d is not None:
             _add(acc, s, d, ops)
+
+
+def _activity_gradient(layer, out, dout) -> None:
+    """dout += the gradient of the layer's activity_regularizer: Keras's penalty of its output
+    over the batch size (pserver.models.functional._activity adds the penalty to the loss)."""
+    activity = getattr(layer, "activity_regularizer", None)
+    if activity is not None:
+        activity.add_gradient(out, dout, 1.0 / dout.shape[0])
 
 
 def _reshape_backward(plan: Plan, step: Step, vals: list, g, acc: list, bufs: PlanBuffers, ops: dict) -> None:

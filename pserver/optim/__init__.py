@@ -11,7 +11,8 @@ Each rule lives in its own module as a numba kernel (`update`) and a NumPy twin
 (`update_numpy`); the classes here hold the hyper-parameters and the state arrays, pick the
 kernel by `backend` ("numba" or "numpy"), and scale lr by the schedule at each step.
 --weight-decay is L2 added to the gradient (coupled) for every rule but adamw's, where it is
-decoupled, as Keras's AdamW. --momentum, --eps and --weight-decay left unset take the
+decoupled, as Keras's AdamW. --clipvalue clips the step's gradient element-wise before the rule
+(Keras's clipvalue, on the aggregated gradient). --momentum, --eps and --weight-decay left unset take the
 optimizer's own default (`Optimizer.defaults`: Keras's for rmsprop, adamw and adagrad).
 """
 
@@ -57,9 +58,10 @@ class Optimizer:
     defaults = {"momentum": 0.9, "eps": 1e-8, "weight_decay": 0.0}
 
     def __init__(self, size: int, *, lr: float, schedule: Callable[[int], float],
-                 weight_decay: float = 0.0, backend: str = "numba"):
+                 weight_decay: float = 0.0, clipvalue: float = 0.0, backend: str = "numba"):
         self.size, self.lr, self.schedule = int(size), float(lr), schedule
         self.weight_decay, self.backend = float(weight_decay), backend
+        self.clipvalue = float(clipvalue)     # 0: no clipping
         self._update = self.rule.update if backend == "numba" else self.rule.update_numpy
         # Live state arrays (not copies): the server checkpoints them, load_state refills them.
         self.state = {k: np.zeros(self.size, dtype=np.float32) for k in self.state_names()}
@@ -97,6 +99,8 @@ class Optimizer:
                 raise ValueError(f"{self.name}: {what} is {a.dtype}{list(a.shape)}, "
                                  f"needs float32[{self.size}]")
         t, lr = int(t), self.lr * self.schedule(int(t))
+        if self.clipvalue:      # a copy: g may be the caller's (a push's buffer, a test's array)
+            g = np.clip(g, np.float32(-self.clipvalue), np.float32(self.clipvalue))
         for a, b in self.ranges:
             self._apply_range(w, g, t, lr, a, b)
 
@@ -267,7 +271,7 @@ def make_optimizer(name: str, size: int, *, lr: float, schedule: str = "constant
                    momentum: float | None = None, nesterov: bool = False, beta1: float = 0.9,
                    beta2: float = 0.999, eps: float | None = None, weight_decay: float | None = None,
                    rho: float = 0.9, centered: bool = False, initial_accumulator: float = 0.1,
-                   backend: str = "numba") -> Optimizer:
+                   clipvalue: float = 0.0, backend: str = "numba") -> Optimizer:
     """Build an optimizer by name; bad names and values raise ConfigError naming the flag.
     momentum, eps and weight_decay left None take the optimizer's defaults (with_defaults)."""
     cls = OPTIMIZERS.get(name)
@@ -279,8 +283,9 @@ def make_optimizer(name: str, size: int, *, lr: float, schedule: str = "constant
     shared = with_defaults(name, dict(momentum=momentum, eps=eps, weight_decay=weight_decay))
     _check("--lr", lr, "a number > 0", lambda x: x > 0)
     _check("--weight-decay", shared["weight_decay"], "a number >= 0", lambda x: x >= 0)
+    _check("--clipvalue", clipvalue, "a number >= 0 (0: none)", lambda x: x >= 0)
     common = dict(lr=lr, schedule=parse_schedule(schedule), weight_decay=shared["weight_decay"],
-                  backend=backend)
+                  clipvalue=clipvalue, backend=backend)
     return cls.checked(size, common, momentum=shared["momentum"], nesterov=nesterov, beta1=beta1,
                        beta2=beta2, eps=shared["eps"], rho=rho, centered=centered,
                        initial_accumulator=initial_accumulator)

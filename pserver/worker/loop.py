@@ -37,6 +37,7 @@ from pserver.observe.metrics import (
 )
 from pserver.observe.progress import Progress, style_for
 from pserver.observe.telemetry import TrainingReport
+from pserver.optim.clip import gradient_clip
 from pserver.persist import model_file
 from pserver.signals import Stopped
 from pserver.sparse import TableLookup
@@ -47,11 +48,12 @@ from pserver.worker.sources import Batch, EpochEnd, Leases, Slices, source_for
 from pserver.worker.stragglers import Delay
 
 
-def gradient_fn(model, seed: int, rank: int):
+def gradient_fn(model, seed: int, rank: int, clip=None):
     """model.loss_and_grad as f(w, x, y, g, step, lookups). A model that draws random numbers
     (Dropout) takes a `seed`: one per (run seed, rank, step), so a run repeats exactly and no
     two workers or steps share a mask. A model with sparse tables takes the batch's rows
-    (`sparse`, a list of pserver.sparse.TableLookup) and writes their gradients into them."""
+    (`sparse`, a list of pserver.sparse.TableLookup) and writes their gradients into them.
+    `clip` (pserver.optim.clip.gradient_clip) then clips the dense gradient in place."""
     takes = inspect.signature(model.loss_and_grad).parameters
 
     def step(w, x, y, g, clock, lookups):
@@ -60,8 +62,18 @@ def gradient_fn(model, seed: int, rank: int):
             extra["seed"] = int(np.random.SeedSequence((seed, rank, clock)).generate_state(1, np.uint64)[0])
         if lookups:
             extra["sparse"] = lookups
-        return model.loss_and_grad(w, x, y, g, **extra)
+        loss = model.loss_and_grad(w, x, y, g, **extra)
+        if clip is not None:
+            clip(g)
+        return loss
     return step
+
+
+def worker_clip(cfg: WorkerConfig, layout: Layout):
+    """--clipnorm / --global-clipnorm over the trained tensors of `layout` (None: neither)."""
+    offsets = layout.offsets()
+    ranges = [offsets[t.name] for t in layout.tensors if not t.frozen and t.size]
+    return gradient_clip(ranges, cfg.clipnorm, cfg.global_clipnorm)
 
 
 def describe_params(model) -> str:
@@ -180,7 +192,8 @@ def set_up(cfg: WorkerConfig, device, ds, model, client: PSClient, report: Train
     compiling = CompileWatch().start()        # the first pulls and the warm-up call every kernel
     client.connect(cfg.connect_timeout)
     data_order = (cfg.seed, ds.steps(cfg.num_workers, cfg.batch_size))
-    infos = client.register(registered_layout(model), cfg.batch_size, data_order)
+    layout = registered_layout(model)
+    infos = client.register(layout, cfg.batch_size, data_order)
     check_settings(client, getattr(callbacks, "shard_settings", None), infos[0].settings)
     rank = client.rank
     say_started(cfg, rank, device, ds, model, client, infos[0])
@@ -200,7 +213,8 @@ def set_up(cfg: WorkerConfig, device, ds, model, client: PSClient, report: Train
     progress = Progress(cfg.epochs, source.steps, cfg.log_every,
                         style_for(cfg.progress, rank, sys.stderr.isatty()), source.start)
     training = Run(cfg, rank, ds, model, client, w, rows, report, callbacks, infos[0].mode, progress,
-                   gradient_fn(model, cfg.seed, rank), Delay(cfg.delay, cfg.seed, rank), start=source.start)
+                   gradient_fn(model, cfg.seed, rank, worker_clip(cfg, layout)),
+                   Delay(cfg.delay, cfg.seed, rank), start=source.start)
     return training, source, counted_from
 
 

@@ -54,6 +54,27 @@ def test_loss_and_grad_equals_cpu(name, n):
     np.testing.assert_allclose(g_g, g_c, rtol=1e-4, atol=1e-6)
 
 
+def test_the_weights_penalty_joins_the_loss_and_gradient_on_the_gpu_too():
+    """Catches: --device cuda training a Keras model with kernel_regularizer without its
+    penalty (the GPU kernels compute the data loss only)."""
+    import pserver.keras as keras
+    from pserver.keras import layers
+    l1l2 = keras.regularizers.L1L2(0.1, 0.2)
+    model = keras.Sequential([keras.Input(shape=(IN,)),
+                              layers.Dense(4, "relu", kernel_regularizer=l1l2, bias_regularizer="l2"),
+                              layers.Dense(CLASSES, activation="softmax")])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    cpu_m = model._core.build()
+    gpu_m = CudaModel(cpu_m)
+    rng = np.random.default_rng(3)
+    w, (x, y) = random_params(cpu_m, rng), batch(cpu_m, 9, rng)
+    g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
+    loss_c, loss_g = cpu_m.loss_and_grad(w, x, y, g_c), gpu_m.loss_and_grad(w, x, y, g_g)
+    assert cpu_m._regularize(w) > 0.1 and loss_g == pytest.approx(loss_c, rel=1e-5)
+    np.testing.assert_allclose(g_g, g_c, rtol=1e-4, atol=1e-6)
+    assert gpu_m.evaluate(w, x, y)["loss"] == pytest.approx(cpu_m.evaluate(w, x, y)["loss"], rel=1e-5)
+
+
 def test_buffers_are_reused_and_results_repeat():
     _, model = pair("logreg")
     rng = np.random.default_rng(0)

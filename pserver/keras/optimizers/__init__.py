@@ -10,40 +10,85 @@ from __future__ import annotations
 
 from pserver.errors import ConfigError, ModelFileError
 from pserver.keras._names import missing as _missing
+from pserver.keras.optimizers import schedules
 
 # Keras's arguments every optimizer takes, and the values that mean "not used".
 _COMMON = {"weight_decay": None, "clipnorm": None, "clipvalue": None, "global_clipnorm": None,
            "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
            "loss_scale_factor": None, "gradient_accumulation_steps": None, "name": None}
+_CLIPS = ("clipnorm", "clipvalue", "global_clipnorm")
+
+
+def _rate(owner: str, learning_rate):
+    """learning_rate as a float, or the schedule (one the shards run: one of your own is refused)."""
+    if isinstance(learning_rate, schedules.LearningRateSchedule):
+        learning_rate.on_shards()
+        return learning_rate
+    if isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
+        return float(learning_rate)
+    raise ConfigError(f"{owner}: learning_rate must be a number or a schedule of keras.optimizers.schedules, "
+                      f"got {learning_rate!r}")
+
+
+def _clips(owner: str, given: dict) -> dict:
+    """The clipping arguments given: at most one (Keras's rule), a number > 0."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if len(given) > 1:
+        raise ConfigError(f"{owner}: only one of clipnorm, clipvalue and global_clipnorm can be set, "
+                          f"got {', '.join(given)}")
+    for k, v in given.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise ConfigError(f"{owner}: {k} must be a number > 0, got {v!r}")
+    return {k: float(v) for k, v in given.items()}
 
 
 class Optimizer:
-    """The base: `learning_rate`, and Keras's common arguments (refused unless at their default)."""
+    """The base: `learning_rate` (a number or a schedule of keras.optimizers.schedules), the
+    clipping arguments, and Keras's other common arguments (refused unless at their default).
+
+    clipvalue is the shards' (on the step's aggregated gradient); clipnorm and global_clipnorm
+    are each worker's, on its gradient before the push (`gradient_clip`; docs/semantics.md)."""
     pserver_name = ""
 
-    def __init__(self, learning_rate: float, **common):
+    def __init__(self, learning_rate, **common):
         unknown = sorted(set(common) - set(_COMMON))
         if unknown:
             raise ConfigError(f"{type(self).__name__}: unexpected argument {unknown[0]!r}")
-        used = [k for k, v in common.items() if k != "name" and v != _COMMON[k]]
+        used = [k for k, v in common.items() if k not in ("name", *_CLIPS) and v != _COMMON[k]]
         if used:
             raise ConfigError(f"{type(self).__name__}: {used[0]}={common[used[0]]!r} is not supported "
                               "(pserver's shards run the plain update rule; docs/guide/keras.md)")
-        if not isinstance(learning_rate, (int, float)) or isinstance(learning_rate, bool):
-            raise ConfigError(f"{type(self).__name__}: learning_rate must be a number (schedules are "
-                              f"not supported), got {learning_rate!r}")
-        self.learning_rate = float(learning_rate)
+        self.clips = _clips(type(self).__name__, {k: common.get(k) for k in _CLIPS})
+        self.learning_rate = _rate(type(self).__name__, learning_rate)
         self.name = common.get("name") or type(self).__name__.lower()
 
     def settings(self) -> dict:
-        """The shards' settings (ServerConfig's fields) for this optimizer."""
-        return {"optimizer": self.pserver_name, "lr": self.learning_rate}
+        """The shards' settings (ServerConfig's fields) for this optimizer: its rule's, the rate
+        (a schedule's base lr and its --lr-schedule), and clipvalue when given."""
+        if isinstance(self.learning_rate, schedules.LearningRateSchedule):
+            lr, rule = self.learning_rate.on_shards()
+            rate = {"lr": lr, "lr_schedule": rule.spec}
+        else:
+            rate = {"lr": self.learning_rate}
+        clip = {"clipvalue": self.clips["clipvalue"]} if "clipvalue" in self.clips else {}
+        return {"optimizer": self.pserver_name, **rate} | self._rule() | clip
+
+    def _rule(self) -> dict:
+        """The update rule's name and hyper-parameters, as ServerConfig's fields."""
+        return {}
+
+    def gradient_clip(self) -> dict:
+        """What each worker clips before its push (WorkerConfig's clipnorm, global_clipnorm)."""
+        return {k: v for k, v in self.clips.items() if k != "clipvalue"}
 
     def get_config(self) -> dict:
-        return {"class_name": type(self).__name__, **self.settings()}
+        config = {"class_name": type(self).__name__, **self.settings(), **self.gradient_clip()}
+        if isinstance(self.learning_rate, schedules.LearningRateSchedule):
+            config["keras_schedule"] = schedules.serialize(self.learning_rate)
+        return config
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.settings()})"
+        return f"{type(self).__name__}({self.settings() | self.gradient_clip()})"
 
 
 class SGD(Optimizer):
@@ -58,11 +103,10 @@ class SGD(Optimizer):
             raise ConfigError("SGD: nesterov=True needs momentum > 0")
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
 
-    def settings(self):
+    def _rule(self):
         if not self.momentum:
-            return {"optimizer": "sgd", "lr": self.learning_rate}
-        return {"optimizer": "momentum", "lr": self.learning_rate, "momentum": self.momentum,
-                "nesterov": self.nesterov}
+            return {"optimizer": "sgd"}
+        return {"optimizer": "momentum", "momentum": self.momentum, "nesterov": self.nesterov}
 
 
 class Adam(Optimizer):
@@ -76,9 +120,8 @@ class Adam(Optimizer):
             raise ConfigError("Adam: amsgrad=True is not supported")
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
 
-    def settings(self):
-        return {"optimizer": "adam", "lr": self.learning_rate, "beta1": self.beta_1, "beta2": self.beta_2,
-                "eps": self.epsilon}
+    def _rule(self):
+        return {"optimizer": "adam", "beta1": self.beta_1, "beta2": self.beta_2, "eps": self.epsilon}
 
 
 class AdamW(Adam):
@@ -92,8 +135,8 @@ class AdamW(Adam):
             raise ConfigError(f"AdamW: weight_decay must be a number >= 0, got {weight_decay!r}")
         self.weight_decay = float(weight_decay)
 
-    def settings(self):
-        return super().settings() | {"optimizer": "adamw", "weight_decay": self.weight_decay}
+    def _rule(self):
+        return super()._rule() | {"optimizer": "adamw", "weight_decay": self.weight_decay}
 
 
 class RMSprop(Optimizer):
@@ -106,9 +149,9 @@ class RMSprop(Optimizer):
         self.rho, self.momentum, self.epsilon = float(rho), float(momentum), float(epsilon)
         self.centered = bool(centered)
 
-    def settings(self):
-        return {"optimizer": "rmsprop", "lr": self.learning_rate, "rho": self.rho, "momentum": self.momentum,
-                "eps": self.epsilon, "centered": self.centered}
+    def _rule(self):
+        return {"optimizer": "rmsprop", "rho": self.rho, "momentum": self.momentum, "eps": self.epsilon,
+                "centered": self.centered}
 
 
 class Adagrad(Optimizer):
@@ -119,9 +162,9 @@ class Adagrad(Optimizer):
         super().__init__(learning_rate, **common)
         self.initial_accumulator_value, self.epsilon = float(initial_accumulator_value), float(epsilon)
 
-    def settings(self):
-        return {"optimizer": "adagrad", "lr": self.learning_rate,
-                "initial_accumulator": self.initial_accumulator_value, "eps": self.epsilon}
+    def _rule(self):
+        return {"optimizer": "adagrad", "initial_accumulator": self.initial_accumulator_value,
+                "eps": self.epsilon}
 
 
 # Keras's string names (compile(optimizer="adam")) with Keras's defaults.
@@ -159,9 +202,16 @@ def from_settings(config: dict) -> Optimizer:
             raise ModelFileError(f"compiled optimizer {name}: {field}={value!r}: expected a "
                                  f"{'bool' if kind is bool else 'number'}")
     try:
-        return _BUILD[name](config)
+        return _rebuild(name, config)
     except ConfigError as e:
         raise ModelFileError(f"compiled optimizer {name}: {e}") from None
+
+
+def _rebuild(name: str, config: dict) -> Optimizer:
+    """The optimizer from its checked fields, its schedule (the Keras object get_config wrote
+    beside the shards' lr and spec) and its clipping."""
+    lr = schedules.deserialize(config["keras_schedule"]) if "keras_schedule" in config else config["lr"]
+    return _BUILD[name](config | {"lr": lr}, {k: config[k] for k in _CLIPS if k in config})
 
 
 # What get_config() writes for each pserver optimizer (besides class_name), and its types.
@@ -173,13 +223,13 @@ _FIELDS = {"sgd": {"lr": _NUMBER},
                      "weight_decay": _NUMBER},
            "rmsprop": {"lr": _NUMBER, "rho": _NUMBER, "momentum": _NUMBER, "eps": _NUMBER, "centered": bool},
            "adagrad": {"lr": _NUMBER, "initial_accumulator": _NUMBER, "eps": _NUMBER}}
-# The object from those fields, once checked.
-_BUILD = {"sgd": lambda c: SGD(c["lr"]),
-          "momentum": lambda c: SGD(c["lr"], c["momentum"], c["nesterov"]),
-          "adam": lambda c: Adam(c["lr"], c["beta1"], c["beta2"], c["eps"]),
-          "adamw": lambda c: AdamW(c["lr"], c["weight_decay"], c["beta1"], c["beta2"], c["eps"]),
-          "rmsprop": lambda c: RMSprop(c["lr"], c["rho"], c["momentum"], c["eps"], c["centered"]),
-          "adagrad": lambda c: Adagrad(c["lr"], c["initial_accumulator"], c["eps"])}
+# The object from those fields, once checked (lr: the number, or the schedule), and the clipping.
+_BUILD = {"sgd": lambda c, k: SGD(c["lr"], **k),
+          "momentum": lambda c, k: SGD(c["lr"], c["momentum"], c["nesterov"], **k),
+          "adam": lambda c, k: Adam(c["lr"], c["beta1"], c["beta2"], c["eps"], **k),
+          "adamw": lambda c, k: AdamW(c["lr"], c["weight_decay"], c["beta1"], c["beta2"], c["eps"], **k),
+          "rmsprop": lambda c, k: RMSprop(c["lr"], c["rho"], c["momentum"], c["eps"], c["centered"], **k),
+          "adagrad": lambda c, k: Adagrad(c["lr"], c["initial_accumulator"], c["eps"], **k)}
 
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
