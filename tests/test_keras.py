@@ -129,7 +129,11 @@ EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shap
             "Concatenate": dict(axis=1), "Dot": dict(axes=(2, 1)), "GlobalAveragePooling1D": {},
             "GlobalAveragePooling2D": dict(keepdims=True), "GlobalMaxPooling1D": {}, "GlobalMaxPooling2D": {},
             "Activation": dict(activation="tanh"), "Reshape": dict(target_shape=(2, -1)),
-            "Permute": dict(dims=(2, 1)), "RepeatVector": dict(n=3), "Lambda": dict(function=keras.ops.tanh)}
+            "Permute": dict(dims=(2, 1)), "RepeatVector": dict(n=3), "Lambda": dict(function=keras.ops.tanh),
+            "Conv1D": dict(filters=3, kernel_size=2, strides=2, padding="causal", activation="tanh"),
+            "ZeroPadding1D": dict(padding=(1, 2)), "ZeroPadding2D": dict(padding=(2, 1)),
+            "Cropping1D": dict(cropping=3), "Cropping2D": dict(cropping=(1, 2)), "UpSampling1D": dict(size=3),
+            "UpSampling2D": dict(size=(1, 2))}
 
 
 @pytest.mark.parametrize("name", LAYERS.names())

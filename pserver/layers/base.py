@@ -277,8 +277,8 @@ def _plain(value):
     """A config value as JSON: an initializer object as Keras writes one ({class_name, config})."""
     if isinstance(value, initializers.Initializer):
         return {"class_name": type(value).__name__, "config": dict(vars(value))}
-    if isinstance(value, tuple):
-        return list(value)
+    if isinstance(value, (tuple, list)):          # nested too: Cropping2D's ((top, bottom), (left, right))
+        return [_plain(v) for v in value]
     return value
 
 
@@ -318,6 +318,13 @@ def pair(owner: str, what: str, value) -> tuple[int, int]:
     return positive_int(owner, what, value[0]), positive_int(owner, what, value[1])
 
 
+def channels_last(owner: str, data_format) -> None:
+    """Keras's data_format: None or 'channels_last' (pserver's only layout), else ConfigError."""
+    if data_format not in (None, "channels_last"):
+        raise ConfigError(f"{owner}: data_format={data_format!r}: pserver's images and sequences are "
+                          "channels_last")
+
+
 PADDINGS = ("valid", "same")
 
 
@@ -327,5 +334,5 @@ def padding(owner: str, value) -> str:
     return value.lower()
 
 
-__all__ = ["Layer", "KernelLayer", "Weight", "Pass", "as_shape", "init_arguments", "pair", "padding",
-           "positive_int"]
+__all__ = ["Layer", "KernelLayer", "Weight", "Pass", "as_shape", "channels_last", "init_arguments", "pair",
+           "padding", "positive_int"]
