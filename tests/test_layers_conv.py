@@ -1,5 +1,5 @@
-"""Conv1D and the padding, cropping and up-sampling layers: outputs against Keras's formulas
-(written here with NumPy, independently of the layers), gradients against central finite
+"""Conv1D, Conv2DTranspose and the padding, cropping and up-sampling layers: outputs against
+Keras's formulas (written here with NumPy, independently of the layers), gradients against central finite
 differences (float64, hypothesis), the numba kernels against their twins, arguments and
 refusals, configs and files, the CUDA check, and a Conv1D model that learns with fit."""
 
@@ -17,6 +17,7 @@ from pserver.errors import ConfigError
 from pserver.keras import layers
 from pserver.layers import (
     Conv1D,
+    Conv2DTranspose,
     Cropping1D,
     Cropping2D,
     Dense,
@@ -47,6 +48,25 @@ def keras_conv1d(x, w, b, stride, padding):
     xp[:, before:before + steps] = x
     return np.stack([b + np.einsum("nkc,kcf->nf", xp[:, t * stride:t * stride + k], w)
                      for t in range(out_len)], axis=1)
+
+
+def keras_conv2d_transpose(x, w, b, strides, padding):
+    """Keras's Conv2DTranspose (checked against Keras 3.15.1 when written): each input pixel
+    (i, j) adds x[i, j] @ w[a, c].T at (i*s + a, j*s + c), for a kernel w (kh, kw, filters, in);
+    the output is in*s + max(k - s, 0) long ('valid', from 0) or in*s ('same', from
+    max(k - s, 0) // 2)."""
+    (n, h, width, _), (kh, kw, f, _) = x.shape, w.shape
+    size, begin = [], []
+    for d, k, s in zip((h, width), (kh, kw), strides):
+        size.append(d * s + (max(k - s, 0) if padding == "valid" else 0))
+        begin.append(0 if padding == "valid" else max(k - s, 0) // 2)
+    y = np.zeros((n, h * strides[0] + kh, width * strides[1] + kw, f))
+    for i in range(h):
+        for j in range(width):
+            for a in range(kh):
+                for c in range(kw):
+                    y[:, i * strides[0] + a, j * strides[1] + c] += x[:, i, j] @ w[a, c].T
+    return y[:, begin[0]:begin[0] + size[0], begin[1]:begin[1] + size[1]] + b
 
 
 def forward(layer, x, backend, training=False):
@@ -80,6 +100,23 @@ def test_conv1d_computes_keras_s_formula(n, steps, c, f, k, stride, padding):
 
 
 @settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 2), h=st.integers(1, 4), w=st.integers(1, 4), c=st.integers(1, 2),
+       f=st.integers(1, 3), kh=st.integers(1, 4), kw=st.integers(1, 3), sh=st.integers(1, 3),
+       sw=st.integers(1, 2), padding=st.sampled_from(["valid", "same"]))
+def test_conv2d_transpose_computes_keras_s_formula(n, h, w, c, f, kh, kw, sh, sw, padding):
+    """Catches: the output length wrong for a kernel shorter than its stride, 'same' cropping
+    the wrong side, the kernel's (filters, in) axes swapped, the twin and the numba kernels
+    disagreeing."""
+    x = np.random.default_rng(h * 11 + kw).normal(size=(n, h, w, c))
+    for backend, dtype in (("reference", np.float64), ("cpu", np.float32)):
+        layer = Conv2DTranspose(f, (kh, kw), strides=(sh, sw), padding=padding)
+        got, kernel, bias = forward(layer, x.astype(dtype), backend)
+        want = keras_conv2d_transpose(x, kernel, bias, (sh, sw), padding)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 3), h=st.integers(1, 5), w=st.integers(1, 5), c=st.integers(1, 3),
        a=st.integers(0, 2), b=st.integers(0, 2), p=st.integers(0, 2), q=st.integers(0, 2),
        sh=st.integers(1, 3), sw=st.integers(1, 3))
@@ -104,7 +141,7 @@ def test_padding_cropping_and_up_sampling_compute_keras_s_formulas(n, h, w, c, a
 @st.composite
 def layers_and_shapes(draw):
     """One of the new layers with drawn arguments, and an input shape it takes."""
-    kind = draw(st.sampled_from(["conv1d", "zero1", "zero2", "crop1", "crop2", "up1", "up2"]))
+    kind = draw(st.sampled_from(["conv1d", "transpose", "zero1", "zero2", "crop1", "crop2", "up1", "up2"]))
     steps, c, two = draw(st.integers(4, 6)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
     small, side = st.integers(0, 2), st.integers(1, 2)
     if kind == "conv1d":
@@ -113,6 +150,12 @@ def layers_and_shapes(draw):
                       activation=draw(st.sampled_from([None, "tanh", "relu"])),
                       use_bias=draw(st.booleans())), (steps, c)
     image = (steps, draw(st.integers(2, 4)), c)
+    if kind == "transpose":
+        kernel, strides = (draw(st.integers(1, 3)), draw(st.integers(1, 3))), (draw(side), draw(side))
+        return Conv2DTranspose(draw(st.integers(1, 2)), kernel, strides=strides,
+                               padding=draw(st.sampled_from(["valid", "same"])),
+                               activation=draw(st.sampled_from([None, "tanh"])),
+                               use_bias=draw(st.booleans())), (2, 2, c)
     return {"zero1": lambda: (ZeroPadding1D((draw(small), draw(small))), (steps, c)),
             "zero2": lambda: (ZeroPadding2D(((draw(small), draw(small)), (draw(small), two))), image),
             "crop1": lambda: (Cropping1D((draw(side), 1)), (steps, c)),
@@ -170,6 +213,10 @@ def test_conv1d_s_numba_kernels_equal_the_twins(padding):
     (lambda: UpSampling2D(interpolation="bilinear"),
      r"^UpSampling2D: interpolation='bilinear' is not supported \('nearest' only\)$"),
     (lambda: UpSampling1D(0), r"^UpSampling1D: size must be a positive integer, got 0$"),
+    (lambda: Conv2DTranspose(2, 3, output_padding=1),
+     r"^Conv2DTranspose: output_padding=1 is not supported \(None only\)$"),
+    (lambda: Conv2DTranspose(2, 3, dilation_rate=2),
+     r"^Conv2DTranspose: dilation_rate=2 is not supported \(1 only\)$"),
 ])
 def test_unsupported_arguments_are_refused_in_one_line(make, match):
     """Catches: an argument accepted and ignored (channels_first data read as channels_last,
@@ -203,6 +250,7 @@ def all_layers_model():
     image = layers.Reshape((seq.shape[1], 4, 1))(seq)
     image = layers.UpSampling2D((1, 2))(layers.Cropping2D(((1, 0), (0, 1)))(
         layers.ZeroPadding2D(((1, 1), (0, 2)))(image)))
+    image = layers.Conv2DTranspose(2, 3, strides=2, padding="same", activation="relu")(image)
     out = layers.Dense(3, activation="softmax")(layers.Flatten()(image))
     return keras.Model(inp, out)
 
@@ -225,11 +273,12 @@ def test_a_model_of_every_new_layer_is_saved_and_loaded_with_its_configs(tmp_pat
 def test_cuda_refuses_a_model_with_these_layers_in_one_line():
     """Catches: Conv1D (built on the conv2d kernels) let through to the GPU, where its views
     were never run; a padding layer's NumPy run on device arrays."""
-    for make in (lambda x: Conv1D(2, 2)(x), lambda x: UpSampling1D()(x)):
+    for make in (lambda x: Conv1D(2, 2)(x), lambda x: UpSampling1D()(x),
+                 lambda x: Conv2DTranspose(2, 2)(Reshape((6, 2, 1))(x))):
         x = Symbolic((None, 6, 2))
         with pytest.raises(ConfigError, match=r"^--device cuda: .*; functional: layer \w+ "
-                                              r"\((Conv1D|UpSampling1D)\) has no CUDA kernels\. "
-                                              r"Use --device cpu for this model$"):
+                                              r"\((Conv1D|UpSampling1D|Conv2DTranspose)\) has no CUDA "
+                                              r"kernels\. Use --device cpu for this model$"):
             on_device(Functional(x, Dense(2)(Flatten()(make(x)))), "cuda")
 
 

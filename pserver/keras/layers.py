@@ -12,6 +12,7 @@ from pserver.layers import (
     Concatenate,
     Conv1D,
     Conv2D,
+    Conv2DTranspose,
     Cropping1D,
     Cropping2D,
     Dense,
@@ -53,6 +54,6 @@ __all__ = ["Input", "Layer", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2
            "Embedding", "FM", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate",
            "Dot", "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D",
            "GlobalMaxPooling2D", "Activation", "Reshape", "Permute", "RepeatVector", "Lambda",
-           "Conv1D", "ZeroPadding1D", "ZeroPadding2D", "Cropping1D", "Cropping2D", "UpSampling1D",
-           "UpSampling2D",
+           "Conv1D", "Conv2DTranspose", "ZeroPadding1D", "ZeroPadding2D", "Cropping1D", "Cropping2D",
+           "UpSampling1D", "UpSampling2D",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]

@@ -1,5 +1,6 @@
 """Convolutions on channels-last data: Conv2D on images x (n, h, w, c) with a kernel (kh, kw, c,
-filters), Conv1D on sequences x (n, steps, c) with a kernel (k, c, filters); Keras's padding.
+filters), Conv1D on sequences x (n, steps, c) with a kernel (k, c, filters), and Conv2DTranspose;
+Keras's padding.
 Both run the backend's conv2d kernels: a sequence is a one-row image and a (k, c, filters)
 kernel a (1, k, c, filters) one, which is exact (the same products, summed in the same order)."""
 
@@ -129,6 +130,68 @@ class Conv1D(_Convolution):
 
     def kernel4d(self, w):
         return w[None]
+
+
+class Conv2DTranspose(KernelLayer):
+    """Keras's Conv2DTranspose: the transpose (the input gradient) of the Conv2D with this
+    kernel, strides and padding that maps the output's shape to the input's. The kernel is
+    (kh, kw, filters, in_channels), Keras's, which is that Conv2D's own layout; the output is
+    in * stride + max(kernel - stride, 0) long ('valid') or in * stride ('same'), as Keras's
+    without output_padding. Forward is conv2d_backward's input gradient (its weight gradient,
+    into a sink, doubles the cost: the price of no kernel of its own), backward a conv2d_forward
+    and a conv2d_backward's weight gradient."""
+    kind = "conv2d_transpose"
+
+    def __init__(self, filters: int, kernel_size, strides=1, padding="valid", output_padding=None,
+                 data_format=None, dilation_rate=1, activation=None, use_bias: bool = True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs):
+        self.filters = positive_int("Conv2DTranspose", "filters", filters)
+        super().__init__(self.filters, activation, use_bias, kernel_initializer, bias_initializer,
+                         **kwargs)
+        self.kernel_size = pair("Conv2DTranspose", "kernel_size", kernel_size)
+        self.strides = pair("Conv2DTranspose", "strides", strides)
+        self.padding = base.padding("Conv2DTranspose", padding)
+        base.channels_last("Conv2DTranspose", data_format)
+        if output_padding is not None:
+            raise ConfigError(f"Conv2DTranspose: output_padding={output_padding!r} is not supported (None "
+                              "only)")
+        if pair("Conv2DTranspose", "dilation_rate", dilation_rate) != (1, 1):
+            raise ConfigError(f"Conv2DTranspose: dilation_rate={dilation_rate!r} is not supported (1 only)")
+
+    def output_shape_for(self, input_shape):
+        self.expect_rank(input_shape, 3, "an image (height, width, channels)")
+        from pserver.kernels import conv_output
+        dims = [size * stride + (max(k - stride, 0) if self.padding == "valid" else 0)
+                for size, k, stride in zip(input_shape[:2], self.kernel_size, self.strides)]
+        # The Conv2D this layer transposes maps dims back to the input's (height, width).
+        self.pad_top, self.pad_left = (conv_output(d, k, stride, self.padding)[1]
+                                       for d, k, stride in zip(dims, self.kernel_size, self.strides))
+        return (*dims, self.filters)
+
+    def kernel_shape(self):
+        return (*self.kernel_size, self.filters, self.input_shape[2])
+
+    def scratch(self, n, dtype):
+        # Zeros in place of the transposed Conv2D's input, sinks for the gradients not wanted.
+        return {**super().scratch(n, dtype), "zeros": np.zeros((n, *self.output_shape), dtype),
+                "dw": np.empty(self.kernel_shape(), dtype), "db": np.empty(self.input_shape[2], dtype),
+                "no_bias": np.zeros(self.input_shape[2], dtype)}
+
+    @property
+    def _window(self):
+        return (*self.strides, self.pad_top, self.pad_left)
+
+    def forward(self, k, p, x, out, s, run):
+        k.conv2d_backward(s["zeros"], p["kernel"], x, out, s["dw"], s["db"], *self._window)
+        out += self.bias(p, s)
+        activations.forward(k, self.activation, out)
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        activations.backward(k, self.activation, out, dout)
+        np.sum(dout.reshape(-1, self.filters), axis=0, out=self.dbias(g, s))
+        k.conv2d_backward(dout, p["kernel"], x, None, g["kernel"], s["db"], *self._window)
+        if dx is not None:
+            k.conv2d_forward(dout, p["kernel"], s["no_bias"], dx, *self._window, False)
 
 
 def single(owner: str, what: str, value) -> int:
