@@ -132,6 +132,7 @@ EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shap
             "Permute": dict(dims=(2, 1)), "RepeatVector": dict(n=3), "Lambda": dict(function=keras.ops.tanh),
             "Conv1D": dict(filters=3, kernel_size=2, strides=2, padding="causal", activation="tanh"),
             "Conv2DTranspose": dict(filters=2, kernel_size=(3, 2), strides=(2, 1), padding="same"),
+            "DepthwiseConv2D": dict(kernel_size=(2, 3), strides=(1, 2), depth_multiplier=2, padding="same"),
             "ZeroPadding1D": dict(padding=(1, 2)), "ZeroPadding2D": dict(padding=(2, 1)),
             "Cropping1D": dict(cropping=3), "Cropping2D": dict(cropping=(1, 2)), "UpSampling1D": dict(size=3),
             "UpSampling2D": dict(size=(1, 2))}

@@ -1,4 +1,4 @@
-"""Conv1D, Conv2DTranspose and the padding, cropping and up-sampling layers: outputs against
+"""Conv1D, Conv2DTranspose, DepthwiseConv2D and the padding, cropping and up-sampling layers: outputs against
 Keras's formulas (written here with NumPy, independently of the layers), gradients against central finite
 differences (float64, hypothesis), the numba kernels against their twins, arguments and
 refusals, configs and files, the CUDA check, and a Conv1D model that learns with fit."""
@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import pserver.keras as keras
@@ -21,6 +21,7 @@ from pserver.layers import (
     Cropping1D,
     Cropping2D,
     Dense,
+    DepthwiseConv2D,
     Flatten,
     Reshape,
     UpSampling1D,
@@ -67,6 +68,25 @@ def keras_conv2d_transpose(x, w, b, strides, padding):
                 for c in range(kw):
                     y[:, i * strides[0] + a, j * strides[1] + c] += x[:, i, j] @ w[a, c].T
     return y[:, begin[0]:begin[0] + size[0], begin[1]:begin[1] + size[1]] + b
+
+
+def keras_depthwise(x, w, b, strides, padding):
+    """Keras's DepthwiseConv2D (checked against Keras 3.15.1 when written, equal strides, which
+    TensorFlow's kernel requires): out[p, q, c*m + j] = b + sum over the window of x[.., c] *
+    w[.., c, j], the image padded as Conv2D's ('same': TensorFlow's split, the smaller half first)."""
+    (n, h, width, c), (kh, kw, _, m) = x.shape, w.shape
+    sizes, before = [], []
+    for d, k, s in zip((h, width), (kh, kw), strides):
+        out = (d - k) // s + 1 if padding == "valid" else -(-d // s)
+        sizes.append(out)
+        before.append(0 if padding == "valid" else max((out - 1) * s + k - d, 0) // 2)
+    xp = np.pad(x, ((0, 0), (before[0], kh + h), (before[1], kw + width), (0, 0)))
+    y = np.empty((n, *sizes, c, m))
+    for p in range(sizes[0]):
+        for q in range(sizes[1]):
+            patch = xp[:, p * strides[0]:p * strides[0] + kh, q * strides[1]:q * strides[1] + kw]
+            y[:, p, q] = np.einsum("nijc,ijcm->ncm", patch, w)
+    return y.reshape(n, *sizes, c * m) + b
 
 
 def forward(layer, x, backend, training=False):
@@ -117,6 +137,20 @@ def test_conv2d_transpose_computes_keras_s_formula(n, h, w, c, f, kh, kw, sh, sw
 
 
 @settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 2), h=st.integers(3, 6), w=st.integers(3, 6), c=st.integers(1, 3),
+       m=st.integers(1, 3), kh=st.integers(1, 3), kw=st.integers(1, 3), sh=st.integers(1, 2),
+       sw=st.integers(1, 2), padding=st.sampled_from(["valid", "same"]))
+def test_depthwise_conv2d_computes_keras_s_formula(n, h, w, c, m, kh, kw, sh, sw, padding):
+    """Catches: output channels ordered (m, c) rather than TensorFlow's (c, m), a channel mixed
+    into another's output, 'same' padded on the wrong side."""
+    x = np.random.default_rng(h * 13 + c).normal(size=(n, h, w, c))
+    layer = DepthwiseConv2D((kh, kw), strides=(sh, sw), padding=padding, depth_multiplier=m)
+    got, kernel, bias = forward(layer, x, "reference")
+    want = keras_depthwise(x, kernel, bias, (sh, sw), padding)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 3), h=st.integers(1, 5), w=st.integers(1, 5), c=st.integers(1, 3),
        a=st.integers(0, 2), b=st.integers(0, 2), p=st.integers(0, 2), q=st.integers(0, 2),
        sh=st.integers(1, 3), sw=st.integers(1, 3))
@@ -141,7 +175,8 @@ def test_padding_cropping_and_up_sampling_compute_keras_s_formulas(n, h, w, c, a
 @st.composite
 def layers_and_shapes(draw):
     """One of the new layers with drawn arguments, and an input shape it takes."""
-    kind = draw(st.sampled_from(["conv1d", "transpose", "zero1", "zero2", "crop1", "crop2", "up1", "up2"]))
+    kind = draw(st.sampled_from(["conv1d", "transpose", "depthwise", "zero1", "zero2", "crop1", "crop2",
+                                 "up1", "up2"]))
     steps, c, two = draw(st.integers(4, 6)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
     small, side = st.integers(0, 2), st.integers(1, 2)
     if kind == "conv1d":
@@ -150,11 +185,16 @@ def layers_and_shapes(draw):
                       activation=draw(st.sampled_from([None, "tanh", "relu"])),
                       use_bias=draw(st.booleans())), (steps, c)
     image = (steps, draw(st.integers(2, 4)), c)
+    if kind == "depthwise":
+        return DepthwiseConv2D((draw(st.integers(1, 3)), 2), strides=(draw(side), draw(side)),
+                               padding=draw(st.sampled_from(["valid", "same"])), depth_multiplier=draw(side),
+                               activation=draw(st.sampled_from([None, "relu"])),
+                               use_bias=draw(st.booleans())), image
     if kind == "transpose":
         kernel, strides = (draw(st.integers(1, 3)), draw(st.integers(1, 3))), (draw(side), draw(side))
         return Conv2DTranspose(draw(st.integers(1, 2)), kernel, strides=strides,
                                padding=draw(st.sampled_from(["valid", "same"])),
-                               activation=draw(st.sampled_from([None, "tanh"])),
+                               activation=draw(st.sampled_from([None, "tanh", "relu"])),
                                use_bias=draw(st.booleans())), (2, 2, c)
     return {"zero1": lambda: (ZeroPadding1D((draw(small), draw(small))), (steps, c)),
             "zero2": lambda: (ZeroPadding2D(((draw(small), draw(small)), (draw(small), two))), image),
@@ -166,6 +206,9 @@ def layers_and_shapes(draw):
 
 @settings(max_examples=25, deadline=None)
 @given(layers_and_shapes(), st.integers(0, 2**16))
+# Always: the two layers whose kernels fuse no ReLU, with one (a forward without it was caught so).
+@example((Conv2DTranspose(2, 3, strides=2, padding="same", activation="relu"), (2, 2, 1)), 0)
+@example((DepthwiseConv2D(2, depth_multiplier=2, activation="relu"), (4, 3, 2)), 0)
 def test_each_layer_s_backward_equals_central_finite_differences(made, seed):
     """Catches: a wrong VJP (a cropping's gradient put back at the wrong offset, the padded
     border's gradient not dropped, up-sampling's gradient not summed over each pixel's copies,
@@ -215,6 +258,8 @@ def test_conv1d_s_numba_kernels_equal_the_twins(padding):
     (lambda: UpSampling1D(0), r"^UpSampling1D: size must be a positive integer, got 0$"),
     (lambda: Conv2DTranspose(2, 3, output_padding=1),
      r"^Conv2DTranspose: output_padding=1 is not supported \(None only\)$"),
+    (lambda: DepthwiseConv2D(3, dilation_rate=(2, 2)),
+     r"^DepthwiseConv2D: dilation_rate=\(2, 2\) is not supported \(1 only\)$"),
     (lambda: Conv2DTranspose(2, 3, dilation_rate=2),
      r"^Conv2DTranspose: dilation_rate=2 is not supported \(1 only\)$"),
 ])
@@ -251,6 +296,7 @@ def all_layers_model():
     image = layers.UpSampling2D((1, 2))(layers.Cropping2D(((1, 0), (0, 1)))(
         layers.ZeroPadding2D(((1, 1), (0, 2)))(image)))
     image = layers.Conv2DTranspose(2, 3, strides=2, padding="same", activation="relu")(image)
+    image = layers.DepthwiseConv2D(2, depth_multiplier=2, padding="same")(image)
     out = layers.Dense(3, activation="softmax")(layers.Flatten()(image))
     return keras.Model(inp, out)
 
@@ -274,10 +320,11 @@ def test_cuda_refuses_a_model_with_these_layers_in_one_line():
     """Catches: Conv1D (built on the conv2d kernels) let through to the GPU, where its views
     were never run; a padding layer's NumPy run on device arrays."""
     for make in (lambda x: Conv1D(2, 2)(x), lambda x: UpSampling1D()(x),
-                 lambda x: Conv2DTranspose(2, 2)(Reshape((6, 2, 1))(x))):
+                 lambda x: Conv2DTranspose(2, 2)(Reshape((6, 2, 1))(x)),
+                 lambda x: DepthwiseConv2D(2)(Reshape((6, 2, 1))(x))):
         x = Symbolic((None, 6, 2))
         with pytest.raises(ConfigError, match=r"^--device cuda: .*; functional: layer \w+ "
-                                              r"\((Conv1D|UpSampling1D|Conv2DTranspose)\) has no CUDA "
+                                              r"\(\w+\) has no CUDA "
                                               r"kernels\. Use --device cpu for this model$"):
             on_device(Functional(x, Dense(2)(Flatten()(make(x)))), "cuda")
 

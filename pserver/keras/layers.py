@@ -16,6 +16,7 @@ from pserver.layers import (
     Cropping1D,
     Cropping2D,
     Dense,
+    DepthwiseConv2D,
     Dot,
     Dropout,
     Embedding,
@@ -54,6 +55,6 @@ __all__ = ["Input", "Layer", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2
            "Embedding", "FM", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate",
            "Dot", "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D",
            "GlobalMaxPooling2D", "Activation", "Reshape", "Permute", "RepeatVector", "Lambda",
-           "Conv1D", "Conv2DTranspose", "ZeroPadding1D", "ZeroPadding2D", "Cropping1D", "Cropping2D",
-           "UpSampling1D", "UpSampling2D",
+           "Conv1D", "Conv2DTranspose", "DepthwiseConv2D", "ZeroPadding1D", "ZeroPadding2D", "Cropping1D",
+           "Cropping2D", "UpSampling1D", "UpSampling2D",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]

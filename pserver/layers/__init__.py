@@ -5,6 +5,7 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
     Conv2D(filters, kernel_size, strides=1, padding='valid', activation=None)
     Conv1D(filters, kernel_size, strides=1, padding='valid' (or 'same', 'causal'), activation=None)
     Conv2DTranspose(filters, kernel_size, strides=1, padding='valid', activation=None)
+    DepthwiseConv2D(kernel_size, strides=1, padding='valid', depth_multiplier=1, activation=None)
     ZeroPadding1D/2D(padding), Cropping1D/2D(cropping), UpSampling1D/2D(size)
     MaxPooling2D(pool_size=2, strides=None, padding='valid'), AveragePooling2D(...)
     Flatten(), Dropout(rate), Embedding(input_dim, output_dim)
@@ -29,7 +30,7 @@ the batch dimension) and `name=`.
 from pserver.errors import ConfigError
 from pserver.layers.activation import Activation
 from pserver.layers.base import Layer, Pass, Weight
-from pserver.layers.conv import Conv1D, Conv2D, Conv2DTranspose
+from pserver.layers.conv import Conv1D, Conv2D, Conv2DTranspose, DepthwiseConv2D
 from pserver.layers.dense import Dense
 from pserver.layers.dropout import Dropout
 from pserver.layers.embedding import Embedding
@@ -82,6 +83,7 @@ LAYERS.add("Conv1D", "1-D convolution over (steps, channels) sequences ('valid',
            "padding)", Conv1D)
 LAYERS.add("Conv2DTranspose", "the transpose of a Conv2D (its input gradient): up-sampling by strides, "
            "learned", Conv2DTranspose)
+LAYERS.add("DepthwiseConv2D", "each channel convolved with its own depth_multiplier kernels", DepthwiseConv2D)
 LAYERS.add("ZeroPadding1D", "zeros before and after a sequence's steps", ZeroPadding1D)
 LAYERS.add("ZeroPadding2D", "rows and columns of zeros around an image", ZeroPadding2D)
 LAYERS.add("Cropping1D", "steps cut from a sequence's start and end", Cropping1D)
@@ -176,9 +178,9 @@ def _trainable(layer, entry: dict):
 
 
 __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
-           "Layer", "Weight", "Pass", "Dense", "Conv2D", "Conv1D", "Conv2DTranspose", "MaxPooling2D",
-           "AveragePooling2D", "ZeroPadding1D", "ZeroPadding2D", "Cropping1D", "Cropping2D", "UpSampling1D",
-           "UpSampling2D",
+           "Layer", "Weight", "Pass", "Dense", "Conv2D", "Conv1D", "Conv2DTranspose", "DepthwiseConv2D",
+           "MaxPooling2D", "AveragePooling2D", "ZeroPadding1D", "ZeroPadding2D", "Cropping1D", "Cropping2D",
+           "UpSampling1D", "UpSampling2D",
            "Flatten", "Dropout", "Embedding", "FM", "Initializer", "VarianceScaling", "RandomUniform",
            "Zeros", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Dot",
            "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D", "GlobalMaxPooling2D",

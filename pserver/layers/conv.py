@@ -184,7 +184,7 @@ class Conv2DTranspose(KernelLayer):
     def forward(self, k, p, x, out, s, run):
         k.conv2d_backward(s["zeros"], p["kernel"], x, out, s["dw"], s["db"], *self._window)
         out += self.bias(p, s)
-        activations.forward(k, self.activation, out)
+        activations.forward_unfused(k, self.activation, out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         activations.backward(k, self.activation, out, dout)
@@ -192,6 +192,77 @@ class Conv2DTranspose(KernelLayer):
         k.conv2d_backward(dout, p["kernel"], x, None, g["kernel"], s["db"], *self._window)
         if dx is not None:
             k.conv2d_forward(dout, p["kernel"], s["no_bias"], dx, *self._window, False)
+
+
+class DepthwiseConv2D(KernelLayer):
+    """Keras's DepthwiseConv2D: each channel convolved with its own depth_multiplier kernels,
+    kernel (kh, kw, c, m), output channel c * m + j (TensorFlow's order). A few products per
+    output value, so memory-bound: NumPy in both passes (a loop over the kernel's offsets, as
+    pserver.kernels.reference's convolution), on any backend but the GPU (refused)."""
+    kind = "depthwise_conv2d"
+
+    def __init__(self, kernel_size, strides=1, padding="valid", depth_multiplier: int = 1,
+                 data_format=None, dilation_rate=1, activation=None, use_bias: bool = True,
+                 depthwise_initializer="glorot_uniform", bias_initializer="zeros", **kwargs):
+        self.depth_multiplier = positive_int("DepthwiseConv2D", "depth_multiplier", depth_multiplier)
+        super().__init__(0, activation, use_bias, depthwise_initializer, bias_initializer, **kwargs)
+        self.kernel_size = pair("DepthwiseConv2D", "kernel_size", kernel_size)
+        self.strides = pair("DepthwiseConv2D", "strides", strides)
+        self.padding = base.padding("DepthwiseConv2D", padding)
+        base.channels_last("DepthwiseConv2D", data_format)
+        if pair("DepthwiseConv2D", "dilation_rate", dilation_rate) != (1, 1):
+            raise ConfigError(f"DepthwiseConv2D: dilation_rate={dilation_rate!r} is not supported (1 only)")
+
+    def output_shape_for(self, input_shape):
+        self.expect_rank(input_shape, 3, "an image (height, width, channels)")
+        (oh, self.pad_top), (ow, self.pad_left) = window_output(
+            self, input_shape, self.kernel_size, self.strides, self.padding, "kernel")
+        self.width = input_shape[2] * self.depth_multiplier        # the bias's
+        return (oh, ow, self.width)
+
+    def kernel_shape(self):
+        return (*self.kernel_size, self.input_shape[2], self.depth_multiplier)
+
+    def _padded(self, n, dtype):
+        """Zeros holding the image at (pad_top, pad_left) and every window, and that region."""
+        (oh, ow, _), (kh, kw), (sh, sw), (h, w, c) = (self.output_shape, self.kernel_size, self.strides,
+                                                      self.input_shape)
+        hp, wp = max(self.pad_top + h, (oh - 1) * sh + kh), max(self.pad_left + w, (ow - 1) * sw + kw)
+        inner = (slice(None), slice(self.pad_top, self.pad_top + h), slice(self.pad_left, self.pad_left + w))
+        return np.zeros((n, hp, wp, c), dtype), inner
+
+    def _windows(self, xp):
+        """(i, j, the (n, oh, ow, c) view of xp at kernel offset (i, j)) for every offset."""
+        (oh, ow, _), (sh, sw) = self.output_shape, self.strides
+        for i in range(self.kernel_size[0]):
+            for j in range(self.kernel_size[1]):
+                yield i, j, xp[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw]
+
+    def _split(self, a):
+        return a.reshape(*a.shape[:3], self.input_shape[2], self.depth_multiplier)
+
+    def forward(self, k, p, x, out, s, run):
+        xp, inner = self._padded(x.shape[0], x.dtype)
+        xp[inner] = x
+        out4 = self._split(out)
+        out4[...] = self.bias(p, s).reshape(self.kernel_shape()[2:])
+        for i, j, window in self._windows(xp):
+            out4 += window[..., None] * p["kernel"][i, j]
+        activations.forward_unfused(k, self.activation, out)
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        activations.backward(k, self.activation, out, dout)
+        np.sum(dout.reshape(-1, self.width), axis=0, out=self.dbias(g, s))
+        xp, inner = self._padded(x.shape[0], x.dtype)
+        xp[inner] = x
+        d4 = self._split(dout)
+        for i, j, window in self._windows(xp):
+            g["kernel"][i, j] = np.einsum("nhwc,nhwcm->cm", window, d4)
+        if dx is not None:
+            xp[...] = 0                                   # now the padded image's gradient
+            for i, j, window in self._windows(xp):
+                window += np.einsum("nhwcm,cm->nhwc", d4, p["kernel"][i, j])
+            dx[...] = xp[inner]
 
 
 def single(owner: str, what: str, value) -> int:
