@@ -3,6 +3,10 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
 
     Dense(units, activation=None, use_bias=True)
     Conv2D(filters, kernel_size, strides=1, padding='valid', activation=None)
+    Conv1D(filters, kernel_size, strides=1, padding='valid' (or 'same', 'causal'), activation=None)
+    Conv2DTranspose(filters, kernel_size, strides=1, padding='valid', activation=None)
+    DepthwiseConv2D(kernel_size, strides=1, padding='valid', depth_multiplier=1, activation=None)
+    ZeroPadding1D/2D(padding), Cropping1D/2D(cropping), UpSampling1D/2D(size)
     MaxPooling2D(pool_size=2, strides=None, padding='valid'), AveragePooling2D(...)
     Flatten(), Dropout(rate), Embedding(input_dim, output_dim)
     LayerNormalization(axis=-1, epsilon=1e-3, center=True, scale=True)
@@ -30,7 +34,7 @@ the batch dimension) and `name=`.
 from pserver.errors import ConfigError
 from pserver.layers.activation import Activation
 from pserver.layers.base import Layer, Pass, Weight
-from pserver.layers.conv import Conv2D
+from pserver.layers.conv import Conv1D, Conv2D, Conv2DTranspose, DepthwiseConv2D
 from pserver.layers.dense import Dense
 from pserver.layers.dropout import Dropout
 from pserver.layers.embedding import Embedding
@@ -66,6 +70,14 @@ from pserver.layers.pooling import (
 from pserver.layers.preprocessing import Rescaling
 from pserver.layers.reshape import Flatten, Permute, RepeatVector, Reshape
 from pserver.layers.saving import custom_object, is_json
+from pserver.layers.spatial import (
+    Cropping1D,
+    Cropping2D,
+    UpSampling1D,
+    UpSampling2D,
+    ZeroPadding1D,
+    ZeroPadding2D,
+)
 from pserver.layers.traced import Lambda
 from pserver.registry import Registry
 
@@ -73,6 +85,17 @@ from pserver.registry import Registry
 LAYERS = Registry("layer", "layer")
 LAYERS.add("Dense", "units outputs from all inputs: x @ kernel + bias, then the activation", Dense)
 LAYERS.add("Conv2D", "2-D convolution over channels-last images (strides, 'valid' or 'same' padding)", Conv2D)
+LAYERS.add("Conv1D", "1-D convolution over (steps, channels) sequences ('valid', 'same' or 'causal' "
+           "padding)", Conv1D)
+LAYERS.add("Conv2DTranspose", "the transpose of a Conv2D (its input gradient): up-sampling by strides, "
+           "learned", Conv2DTranspose)
+LAYERS.add("DepthwiseConv2D", "each channel convolved with its own depth_multiplier kernels", DepthwiseConv2D)
+LAYERS.add("ZeroPadding1D", "zeros before and after a sequence's steps", ZeroPadding1D)
+LAYERS.add("ZeroPadding2D", "rows and columns of zeros around an image", ZeroPadding2D)
+LAYERS.add("Cropping1D", "steps cut from a sequence's start and end", Cropping1D)
+LAYERS.add("Cropping2D", "rows and columns cut from an image's edges", Cropping2D)
+LAYERS.add("UpSampling1D", "each step repeated size times", UpSampling1D)
+LAYERS.add("UpSampling2D", "each pixel repeated size times down and across ('nearest')", UpSampling2D)
 LAYERS.add("MaxPooling2D", "the largest value of each pool_size window", MaxPooling2D)
 LAYERS.add("AveragePooling2D", "the mean of each pool_size window", AveragePooling2D)
 LAYERS.add("Flatten", "a sample's values as one vector", Flatten)
@@ -166,7 +189,9 @@ def _trainable(layer, entry: dict):
 
 
 __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
-           "Layer", "Weight", "Pass", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D",
+           "Layer", "Weight", "Pass", "Dense", "Conv2D", "Conv1D", "Conv2DTranspose", "DepthwiseConv2D",
+           "MaxPooling2D", "AveragePooling2D", "ZeroPadding1D", "ZeroPadding2D", "Cropping1D", "Cropping2D",
+           "UpSampling1D", "UpSampling2D",
            "Flatten", "Dropout", "Embedding", "FM", "Initializer", "VarianceScaling", "RandomUniform",
            "Zeros", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Dot",
            "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D", "GlobalMaxPooling2D",

@@ -51,10 +51,17 @@ def forward(k, kind: str, out) -> None:
         k.activation_forward(kind, out, out)
 
 
+def forward_unfused(k, kind: str, out) -> None:
+    """out = activation(out), in place, ReLU included: for a layer whose kernel fuses none
+    (Conv2DTranspose, DepthwiseConv2D)."""
+    if kind != "linear":
+        k.activation_forward(kind, out, out)
+
+
 def backward(k, kind: str, out, dout) -> None:
     """dout = d loss / d pre-activation, in place; out is the activation's output."""
     if kind != "linear":
         k.activation_backward(kind, out, dout, dout)
 
 
-__all__ = ["ACTIVATIONS", "get", "forward", "backward", "probabilities"]
+__all__ = ["ACTIVATIONS", "get", "forward", "forward_unfused", "backward", "probabilities"]

@@ -300,8 +300,8 @@ def _plain(value):
         return {"class_name": type(value).__name__, "config": dict(vars(value))}
     if isinstance(value, regularizers.Regularizer):
         return {"class_name": type(value).__name__, "config": value.get_config()}
-    if isinstance(value, tuple):
-        return list(value)
+    if isinstance(value, (tuple, list)):          # nested too: Cropping2D's ((top, bottom), (left, right))
+        return [_plain(v) for v in value]
     return value
 
 
@@ -343,6 +343,13 @@ def pair(owner: str, what: str, value) -> tuple[int, int]:
     return positive_int(owner, what, value[0]), positive_int(owner, what, value[1])
 
 
+def channels_last(owner: str, data_format) -> None:
+    """Keras's data_format: None or 'channels_last' (pserver's only layout), else ConfigError."""
+    if data_format not in (None, "channels_last"):
+        raise ConfigError(f"{owner}: data_format={data_format!r}: pserver's images and sequences are "
+                          "channels_last")
+
+
 PADDINGS = ("valid", "same")
 
 
@@ -352,5 +359,5 @@ def padding(owner: str, value) -> str:
     return value.lower()
 
 
-__all__ = ["Layer", "KernelLayer", "Weight", "Pass", "as_shape", "init_arguments", "pair", "padding",
-           "positive_int"]
+__all__ = ["Layer", "KernelLayer", "Weight", "Pass", "as_shape", "channels_last", "init_arguments", "pair",
+           "padding", "positive_int"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from pserver.errors import ConfigError
 from pserver.layers import base
 from pserver.layers.base import Layer, pair
 from pserver.layers.conv import window_output
@@ -63,9 +62,7 @@ class _GlobalPooling(Layer):
 
     def __init__(self, data_format=None, keepdims: bool = False, **kwargs):
         super().__init__(**kwargs)
-        if data_format not in (None, "channels_last"):
-            raise ConfigError(f"{type(self).__name__}: data_format={data_format!r}: pserver's images are "
-                              "channels_last")
+        base.channels_last(type(self).__name__, data_format)
         self.keepdims = bool(keepdims)
 
     def output_shape_for(self, input_shape):
