@@ -235,9 +235,10 @@ class _Model:
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
             validation_batch_size=None, validation_freq=1):
-        """Keras's fit on arrays; returns a History (also `model.history`)."""
-        _refuse("fit", {}, class_weight=class_weight, sample_weight=sample_weight,
-                steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+        """Keras's fit on arrays; returns a History (also `model.history`). sample_weight
+        (one per sample) or class_weight ({class: weight}) weigh each sample's loss as Keras's:
+        sum(w_i * loss_i) / n per batch; the weights go with their samples to every worker."""
+        _refuse("fit", {}, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                 validation_batch_size=validation_batch_size,
                 validation_freq=None if validation_freq == 1 else validation_freq)
         if not self._compiled:
@@ -253,16 +254,26 @@ class _Model:
         if validation_split and validation_data is not None:
             raise ConfigError("fit: give validation_split or validation_data, not both")
         x, y = self._arrays(x, y, "fit")
+        sw = self._sample_weights(y, sample_weight, class_weight, "fit")
         if validation_split:                  # the last fraction, before any shuffling (Keras's)
             at = int(math.ceil(len(x) * (1.0 - validation_split)))
-            x, y, validation_data = x[:at], y[:at], (x[at:], y[at:])
+            val_sw = None if sw is None else sw[at:]
+            x, y, sw, validation_data = x[:at], y[:at], None if sw is None else sw[:at], (x[at:], y[at:])
         elif validation_data is not None:
-            if len(validation_data) != 2:
-                raise ConfigError("fit: validation_data: give (x_val, y_val)")
-            validation_data = self._arrays(*validation_data, "fit: validation_data")
+            if len(validation_data) not in (2, 3):
+                raise ConfigError("fit: validation_data: give (x_val, y_val) or (x_val, y_val, "
+                                  "sample_weight)")
+            val_x, val_y = self._arrays(*validation_data[:2], "fit: validation_data")
+            val_sw = None if len(validation_data) == 2 else \
+                self._sample_weights(val_y, validation_data[2], None, "fit: validation_data")
+            validation_data = (val_x, val_y)
         has_validation = validation_data is not None
         if not has_validation:               # the loop evaluates something: a sample, not shown
-            validation_data = (x[:1], y[:1])
+            validation_data, val_sw = (x[:1], y[:1]), None
+        weighted = sw is not None or val_sw is not None
+        if weighted:                          # the weights travel as y's last column (Functional.unweigh)
+            y = _with_weights(y, sw)
+            validation_data = (validation_data[0], _with_weights(validation_data[1], val_sw))
         batch_size = 32 if batch_size is None else batch_size
         place = cluster.current()
         workers = place.num_workers if place else 1
@@ -288,7 +299,7 @@ class _Model:
         options = {"epochs": epochs - initial_epoch, "batch_size": per_worker, "seed": cluster.seed(),
                    "no_shuffle": not shuffle}
         shard_settings = {"mode": "sync", **self.optimizer.settings()}
-        with _quiet(not shown or verbose == 2):      # 2: Keras's epoch lines only
+        with _quiet(not shown or verbose == 2), self._weighted(weighted):      # 2: epoch lines only
             if place is None:
                 api.train(self._core, x, y, ps=OWN_SHARDS, validation_data=validation_data,
                           callbacks=hooks, **options, **shard_settings)
@@ -328,6 +339,39 @@ class _Model:
             raise DataError(f"{what}: x has {len(x)} samples, y {len(y)}")
         return x, y
 
+    def _sample_weights(self, y: np.ndarray, sample_weight, class_weight, what: str) -> np.ndarray | None:
+        """Each sample's weight, float32 (n,), from sample_weight or class_weight ({class:
+        weight}, 1 for a class not named, as Keras's); None without either."""
+        if sample_weight is None and class_weight is None:
+            return None
+        if sample_weight is not None and class_weight is not None:
+            raise ConfigError(f"{what}: give sample_weight or class_weight, not both (as Keras)")
+        if self._sparse() or self._core.several:
+            raise ConfigError(f"{what}: sample_weight and class_weight are supported for a model with one "
+                              "output and no sparse tables")
+        if class_weight is not None:
+            if not isinstance(class_weight, dict) or self._core.task != "classification":
+                raise ConfigError(f"{what}: class_weight must be a dict {{class: weight}} for a classifier, "
+                                  f"got {type(class_weight).__name__}")
+            sample_weight = [class_weight.get(int(c), 1.0) for c in np.round(y)]
+        sw = np.asarray(sample_weight, dtype=np.float32)
+        sw = sw[:, 0] if sw.ndim == 2 and sw.shape[1] == 1 else sw
+        if sw.shape != (len(y),):
+            raise DataError(f"{what}: sample_weight has shape {sw.shape}; give one weight per sample "
+                            f"({len(y)},)")
+        if not np.isfinite(sw).all():
+            raise DataError(f"{what}: sample_weight has NaN or Inf values")
+        return sw
+
+    @contextlib.contextmanager
+    def _weighted(self, on: bool):
+        """The core reads y's last column as the sample weights while this runs."""
+        self._core.sample_weighted = on
+        try:
+            yield
+        finally:
+            self._core.sample_weighted = False
+
     # -- inference ------------------------------------------------------------------------------
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -346,10 +390,12 @@ class _Model:
                  callbacks=None, return_dict=False):
         """The loss and the compiled metrics, as Keras's: a scalar without metrics, else
         [loss, metric, ...], or a dict with return_dict=True."""
-        _refuse("evaluate", {}, sample_weight=sample_weight, steps=steps, callbacks=callbacks)
+        _refuse("evaluate", {}, steps=steps, callbacks=callbacks)
         x, y = self._arrays(x, y, "evaluate")
-        ev = self._core.evaluate(self._weights(), x, y, batch_size=batch_size or 4096,
-                                 **self._rows("evaluate"))
+        sw = self._sample_weights(y, sample_weight, None, "evaluate")
+        with self._weighted(sw is not None):
+            ev = self._core.evaluate(self._weights(), x, y if sw is None else _with_weights(y, sw),
+                                     batch_size=batch_size or 4096, **self._rows("evaluate"))
         result = {"loss": ev["loss"], **{m: ev[m] for m in self._core.metrics if m in ev}}
         place = cluster.current()
         if verbose != 0 and (place is None or place.rank == 0):
@@ -594,6 +640,13 @@ def _subclassed(model: _Model, config: dict) -> _Model:
     inner = first.model
     inner._core = model._core
     return inner
+
+
+def _with_weights(y: np.ndarray, sample_weight: np.ndarray | None) -> np.ndarray:
+    """y with each sample's weight (1 without weights) as a second column, float32: labels
+    are classes or targets, exact in float32 (classes up to 2**24)."""
+    w = np.ones(len(y), np.float32) if sample_weight is None else sample_weight
+    return np.column_stack([y, w]).astype(np.float32)
 
 
 @contextlib.contextmanager
