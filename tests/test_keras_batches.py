@@ -121,3 +121,16 @@ def test_what_batches_cannot_be_is_refused_in_one_line(kwargs, error, words):
         kwargs["x"] = _generator()
     with pytest.raises(error, match=words):
         _model().fit(verbose=0, **kwargs)
+
+
+def test_a_stopping_callback_with_batches_from_python_is_refused_on_a_cluster_only():
+    """Catches: EarlyStopping on a generator's cluster fit, where each worker decides on its own
+    logs (no lease coordinator shares the chief's): one worker would stop and the others wait."""
+    from pserver.keras.models import _refuse_stopping
+    with pytest.raises(ConfigError, match="EarlyStopping with a generator or a PyDataset on a cluster"):
+        _refuse_stopping([keras.callbacks.CSVLogger("x.csv"), keras.callbacks.EarlyStopping()], 2)
+    _refuse_stopping([keras.callbacks.EarlyStopping()], 1)      # one worker: Keras's own fit
+    ds = Batched()
+    history = _model().fit(ds, epochs=3, verbose=0, validation_data=(X, Y),
+                           callbacks=[keras.callbacks.EarlyStopping(min_delta=10.0, patience=0)])
+    assert len(history.history["loss"]) == 2

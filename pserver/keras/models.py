@@ -259,6 +259,7 @@ class _Model:
                                              class_weight, steps_per_epoch, validation_split,
                                              validation_data, rank, workers)
             y, per_worker = None, 1
+            _refuse_stopping(callbacks, workers)
         else:
             _refuse("fit", {}, steps_per_epoch=steps_per_epoch)
             if x is None or y is None:
@@ -671,6 +672,17 @@ def _subclassed(model: _Model, config: dict) -> _Model:
     inner = first.model
     inner._core = model._core
     return inner
+
+
+def _refuse_stopping(callbacks, workers: int) -> None:
+    """Batches from Python on a cluster have no coordinator to share the chief's logs and stop
+    decision (docs/semantics.md): a callback that stops on its logs would stop one worker alone."""
+    stopping = [c for c in callbacks or () if isinstance(c, (callbacks_module.EarlyStopping,
+                                                             callbacks_module.TerminateOnNaN))]
+    if stopping and workers > 1:
+        raise ConfigError(f"fit: {type(stopping[0]).__name__} with a generator or a PyDataset on a cluster "
+                          "is not supported (each worker's logs are its own: one worker would stop alone); "
+                          "give arrays, or fit without it")
 
 
 @dataclass(frozen=True)
