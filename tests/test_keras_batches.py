@@ -112,6 +112,7 @@ def test_a_pydataset_s_batches_are_shared_between_workers_without_overlap():
     ({"x": iter([(X[:4], Y[:4]), (X[:4], Y[:4], SW[:4])]), "steps_per_epoch": 2}, DataError,
      "every batch has a sample_weight"),
     ({"x": X, "y": Y, "steps_per_epoch": 2}, ConfigError, "steps_per_epoch"),
+    ({"x": iter([])}, DataError, "yields no batch"),
 ])
 def test_what_batches_cannot_be_is_refused_in_one_line(kwargs, error, words):
     """Catches: a generator's epochs > 1 without an end (the second would read nothing), a

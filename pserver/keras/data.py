@@ -83,7 +83,10 @@ class Batches:
                                   f"{workers} workers that share them")
             self.steps = total
         self.epochs_read = 0
-        self.first = _batch(source[0] if self.dataset else next(source), 0)
+        first = source[0] if self.dataset else next(source, None)
+        if first is None:
+            raise DataError("fit: the generator yields no batch")
+        self.first = _batch(first, 0)
         self.convert = None           # set by fit once it knows the model's labels and weights
         self._kept = None if self.dataset else self.first      # a generator's first batch, read already
 

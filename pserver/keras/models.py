@@ -261,23 +261,9 @@ class _Model:
             y, per_worker = None, 1
             _refuse_stopping(callbacks, workers)
         else:
-            _refuse("fit", {}, steps_per_epoch=steps_per_epoch)
-            if x is None or y is None:
-                raise ConfigError("fit: give x and y (arrays), or x alone: a generator or a PyDataset")
-            x, y = self._arrays(x, y, "fit")
-            sw = self._sample_weights(y, sample_weight, class_weight, "fit")
-            if validation_split:                  # the last fraction, before any shuffling (Keras's)
-                at = int(math.ceil(len(x) * (1.0 - validation_split)))
-                validation_data = (x[at:], y[at:], *(() if sw is None else (sw[at:],)))
-                x, y, sw = x[:at], y[:at], None if sw is None else sw[:at]
-            val = self._validation(validation_data, (x[:1], y[:1]), sw is not None)
-            if val.weighted:                      # the weights travel as y's last column (Functional.unweigh)
-                y = _with_weights(y, sw)
-            batch_size = 32 if batch_size is None else batch_size
-            if not isinstance(batch_size, int) or batch_size < workers or batch_size % workers:
-                raise ConfigError(f"fit: batch_size={batch_size!r} is the global batch, split across "
-                                  f"{workers} worker(s): give a multiple of {workers}")
-            steps, per_worker = max(1, -(-len(x) // batch_size)), batch_size // workers  # last may be smaller
+            x, y, steps, per_worker, val = self._fit_arrays(x, y, batch_size, sample_weight, class_weight,
+                                                            steps_per_epoch, validation_split,
+                                                            validation_data, workers)
         validation_data, has_validation, weighted = val.data, val.shown, val.weighted
         if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
             raise ConfigError(f"fit: initial_epoch={initial_epoch!r} must be in [0, epochs={epochs})")
@@ -347,6 +333,29 @@ class _Model:
             self._sample_weights(val_y, validation_data[2], None, "fit: validation_data")
         weighted = weighted or val_sw is not None
         return _Validation(_weigh((val_x, val_y), val_sw, weighted), True, weighted)
+
+    def _fit_arrays(self, x, y, batch_size, sample_weight, class_weight, steps_per_epoch, validation_split,
+                    validation_data, workers: int):
+        """fit's x and y arrays: (x, y with the weights' column when weighted, the global steps an
+        epoch, the batch per worker, the validation)."""
+        _refuse("fit", {}, steps_per_epoch=steps_per_epoch)
+        if x is None or y is None:
+            raise ConfigError("fit: give x and y (arrays), or x alone: a generator or a PyDataset")
+        x, y = self._arrays(x, y, "fit")
+        sw = self._sample_weights(y, sample_weight, class_weight, "fit")
+        if validation_split:                  # the last fraction, before any shuffling (Keras's)
+            at = int(math.ceil(len(x) * (1.0 - validation_split)))
+            validation_data = (x[at:], y[at:], *(() if sw is None else (sw[at:],)))
+            x, y, sw = x[:at], y[:at], None if sw is None else sw[:at]
+        val = self._validation(validation_data, (x[:1], y[:1]), sw is not None)
+        if val.weighted:                      # the weights travel as y's last column (Functional.unweigh)
+            y = _with_weights(y, sw)
+        batch_size = 32 if batch_size is None else batch_size
+        if not isinstance(batch_size, int) or batch_size < workers or batch_size % workers:
+            raise ConfigError(f"fit: batch_size={batch_size!r} is the global batch, split across "
+                              f"{workers} worker(s): give a multiple of {workers}")
+        steps = max(1, -(-len(x) // batch_size))       # the last global batch may be smaller
+        return x, y, steps, batch_size // workers, val
 
     def _fit_stream(self, x, y, batch_size, epochs, shuffle, sample_weight, class_weight, steps_per_epoch,
                     validation_split, validation_data, rank: int, workers: int):
