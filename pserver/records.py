@@ -69,6 +69,8 @@ class PushRequest:
                                       # carries (the batches before it are done); None: no lease
     trained: tuple[float, float] = (0.0, 0.0)   # with a lease: the batch's loss x samples, and its
                                       # samples classed right (shard 0 sums them per epoch)
+    statistics: Any = ()              # the slots of the mean elements another shard holds, whose
+                                      # variance this shard does (pserver.server.statistics.away_means)
 
 
 def registration_reply(reg: Registration) -> pb.RegisterReply:

@@ -526,3 +526,40 @@ def test_a_frozen_sparse_table_is_refused():
     table.trainable = False
     with pytest.raises(ConfigError, match=r"layer embedding \(Embedding\) is frozen .* dense layers only"):
         model._core.frozen_weights()
+
+
+def test_a_frozen_base_is_not_differentiated_and_the_rest_gets_the_same_gradient():
+    """Three Dense layers, the first two frozen: the backward pass stops at the head (the base's
+    output needs no gradient) and the head's gradient is the unfrozen model's, the base's zero.
+    A frozen layer between trainable ones still passes its gradient back: the first layer's is
+    the unfrozen model's. Unfrozen again, every gradient is back. Fails if frozen weights are
+    treated as needing no gradient in the wrong place (a frozen middle layer would cut the
+    first layer's gradient) or if a changed flag is not seen (a stale plan)."""
+    x, y = blobs(n=32)
+    model = keras.Sequential([keras.Input(shape=(8,)), layers.Dense(6, activation="relu"),
+                              layers.Dense(5, activation="relu"), layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    core = model._core
+    w = model._weights()
+    views = core.layout.views
+
+    def grads() -> dict:
+        g = np.zeros_like(w)
+        core.loss_and_grad(w, x, y.astype(np.int32), g, seed=1)
+        return {k: v.copy() for k, v in views(g).items()}
+
+    full = grads()
+    names = [t.name for t in core.layout.tensors]
+    model.layers[0].trainable = model.layers[1].trainable = False
+    base = grads()
+    plan = core._plan(True)
+    assert not plan.needs_grad[plan.steps[1].out]                  # the base's output: no backward
+    for n in names:
+        assert np.array_equal(base[n], full[n] if n.startswith(model.layers[2].name) else 0 * full[n]), n
+    model.layers[0].trainable, model.layers[1].trainable = True, False
+    middle = grads()                  # the frozen middle layer's own gradient: the shards drop it
+    for n in names:
+        if not n.startswith(model.layers[1].name + "/"):
+            assert np.array_equal(middle[n], full[n]), n
+    model.layers[1].trainable = True
+    assert all(np.array_equal(v, full[k]) for k, v in grads().items())

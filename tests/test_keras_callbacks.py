@@ -142,8 +142,9 @@ def test_model_checkpoint_s_file_loads_back_as_the_model_at_that_epoch(tmp_path)
     (lambda: keras.callbacks.ModelCheckpoint("m.keras", save_freq=100), "save_freq=100 is not supported"),
     (lambda: keras.callbacks.ModelCheckpoint("m.keras", save_freq="step"), "unrecognized save_freq"),
     (lambda: keras.callbacks.ModelCheckpoint("m.keras", mode="up"), "mode='up' is unknown"),
-    (lambda: keras.callbacks.ReduceLROnPlateau(), "ReduceLROnPlateau is not supported by pserver: the sh"),
-    (lambda: keras.callbacks.LearningRateScheduler(lambda e: 0.1), "LearningRateScheduler is not supported"),
+    (lambda: keras.callbacks.ReduceLROnPlateau(factor=1.0), "does not support a factor >= 1.0"),
+    (lambda: keras.callbacks.ReduceLROnPlateau(epsilon=0.1), "unexpected argument 'epsilon'"),
+    (lambda: keras.callbacks.LearningRateScheduler(0.1), "schedule must be a function"),
     (lambda: keras.callbacks.BackupAndRestore("b"), "--checkpoint-dir"),
     (lambda: keras.callbacks.TensorBoard(), "TensorBoard is not supported by pserver: a Keras fit writes"),
 ])
@@ -220,3 +221,59 @@ def test_lambda_callback_calls_its_functions_and_early_stopping_ends_a_fit():
     h = model.fit(x, y, batch_size=20, epochs=6, verbose=0, callbacks=[cb, es])
     assert h.epoch == [0, 1] and es.stopped_epoch == 1 and cb.note == "kept"
     assert seen == [(0, ["loss"]), (1, ["loss"]), "end"]
+
+
+def _compiled(lr=1.0):
+    model = keras.Sequential([keras.Input(shape=(1,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
+    return model
+
+
+def _rates(callback, losses) -> list[float]:
+    model = _compiled()
+    callback.set_model(model)
+    callback.on_train_begin()
+    out = []
+    for epoch, loss in enumerate(losses):
+        callback.on_epoch_end(epoch, {"val_loss": loss})
+        out.append(round(float(model.optimizer.learning_rate), 8))
+    return out
+
+
+def test_reduce_lr_on_plateau_follows_keras_s_rule():
+    """The rates after each epoch equal Keras 3.15.1's for the same val_loss (computed once with
+    its ReduceLROnPlateau). First: patience 2 -> halved after epoch 3 (0.95, 0.91 do not beat
+    0.9), cooldown 1 skips epoch 4's count, halved again after epoch 5, then min_lr 0.2 floors
+    0.125, and 0.2 is not above float32(0.2), so not reduced again. Second: min_delta 1e-4 and
+    patience 1 cut 1.0 four times, 0.99995 not counting as better than 1.0 by 1e-4. Catches a
+    cooldown, min_delta or min_lr rule off by one."""
+    rlr = keras.callbacks.ReduceLROnPlateau(factor=0.5, patience=2, cooldown=1, min_lr=0.2)
+    assert _rates(rlr, [1.0, 0.9, 0.95, 0.91, 0.92, 0.93, 0.5, 0.6, 0.7, 0.8]) == \
+        [1.0, 1.0, 1.0, 0.5, 0.5, 0.25, 0.25, 0.25, 0.2, 0.2]
+    rlr = keras.callbacks.ReduceLROnPlateau(factor=0.1, patience=1)
+    assert _rates(rlr, [1.0, 1.0, 1.0, 1.0, 0.99995, 0.9]) == [1.0, 0.1, 0.01, 0.001, 0.0001, 0.0001]
+
+
+def test_learning_rate_scheduler_takes_either_form_and_the_list_reports_each_change_once():
+    """schedule(epoch, lr) and schedule(epoch) set the rate at each epoch's beginning, logged as
+    learning_rate at its end; CallbackList.lr_change gives a changed rate once (the chief sends
+    it to the shards once). Catches a change sent every epoch or never."""
+    model = _compiled(0.5)
+    two = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5 if epoch else lr)
+    hooks = keras.callbacks.CallbackList([two], model, {}, [])
+    seen = []
+    for epoch in range(3):
+        two.on_epoch_begin(epoch)
+        seen.append(hooks.lr_change())
+        logs = {}
+        two.on_epoch_end(epoch, logs)
+        assert logs["learning_rate"] == model.optimizer.learning_rate
+    assert seen == [None, 0.25, 0.125]
+    one = keras.callbacks.LearningRateScheduler(lambda epoch: 0.1 * (epoch + 1))
+    one.set_model(model)
+    one.on_epoch_begin(2)
+    assert model.optimizer.learning_rate == pytest.approx(0.3)
+    bad = keras.callbacks.LearningRateScheduler(lambda epoch: 1)
+    bad.set_model(model)
+    with pytest.raises(ConfigError, match="should be a float. Got: 1"):
+        bad.on_epoch_begin(0)

@@ -187,6 +187,19 @@ def reduce_case(draw, fn):
 
 
 @st.composite
+def standardize_case(draw):
+    r, s = rng(draw), draw(shapes(1))
+    axes = tuple(sorted(draw(st.sets(st.integers(-len(s), -1), min_size=1))))
+    epsilon = draw(st.sampled_from([1e-3, 0.5]))
+
+    def ref(x):
+        var = np.var(x, axis=axes, keepdims=True)
+        return (x - np.average(x.reshape(x.shape), axis=axes, keepdims=True)) / (var + epsilon) ** 0.5
+    return Case(lambda x: ops.nn.standardize(x, axes=axes, epsilon=epsilon),
+                [2 * r.standard_normal(s) + 3], ref)
+
+
+@st.composite
 def reshape_case(draw):
     r, s = rng(draw), draw(shapes(1))
     new = draw(st.sampled_from([(-1,), s[::-1], (s[0], -1), (1,) + s + (1,)]))
@@ -351,6 +364,7 @@ CASES = {
     "softmax": softmax_case(ops.softmax),
     "log_softmax": softmax_case(ops.log_softmax),
     "one_hot": one_hot_case(),
+    "standardize": standardize_case(),
     "sum": reduce_case(ops.sum),
     "mean": reduce_case(ops.mean),
     "max": reduce_case(ops.max),

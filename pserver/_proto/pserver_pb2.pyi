@@ -115,14 +115,16 @@ class TableStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., pending_ids: _Optional[int] = ..., admissions: _Optional[int] = ..., creations: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "shape", "frozen")
+    __slots__ = ("name", "shape", "frozen", "momentum")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     FROZEN_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     frozen: bool
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., frozen: _Optional[bool] = ...) -> None: ...
+    momentum: float
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., frozen: _Optional[bool] = ..., momentum: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("rank", "num_workers", "shard", "num_shards", "layout", "batch_size", "protocol_version", "tables", "data_seed", "steps_per_epoch", "previous_session", "elastic_auto_rank")
@@ -283,7 +285,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session", "sparse", "compression", "num_values", "scale", "has_lease", "lease_epoch", "lease_chunk", "lease_batch", "lease_loss_sum", "lease_correct")
+    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session", "sparse", "compression", "num_values", "scale", "has_lease", "lease_epoch", "lease_chunk", "lease_batch", "lease_loss_sum", "lease_correct", "statistics")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +306,7 @@ class TensorHeader(_message.Message):
     LEASE_BATCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
     LEASE_CORRECT_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     shard: int
     step: int
@@ -324,7 +327,8 @@ class TensorHeader(_message.Message):
     lease_batch: int
     lease_loss_sum: float
     lease_correct: float
-    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ..., sparse: _Optional[_Iterable[_Union[SparsePart, _Mapping]]] = ..., compression: _Optional[str] = ..., num_values: _Optional[int] = ..., scale: _Optional[float] = ..., has_lease: _Optional[bool] = ..., lease_epoch: _Optional[int] = ..., lease_chunk: _Optional[int] = ..., lease_batch: _Optional[int] = ..., lease_loss_sum: _Optional[float] = ..., lease_correct: _Optional[float] = ...) -> None: ...
+    statistics: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ..., sparse: _Optional[_Iterable[_Union[SparsePart, _Mapping]]] = ..., compression: _Optional[str] = ..., num_values: _Optional[int] = ..., scale: _Optional[float] = ..., has_lease: _Optional[bool] = ..., lease_epoch: _Optional[int] = ..., lease_chunk: _Optional[int] = ..., lease_batch: _Optional[int] = ..., lease_loss_sum: _Optional[float] = ..., lease_correct: _Optional[float] = ..., statistics: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -527,6 +531,24 @@ class CheckpointReply(_message.Message):
     path: str
     version: int
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class SetLearningRateRequest(_message.Message):
+    __slots__ = ("rank", "session", "lr")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    session: str
+    lr: float
+    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class SetLearningRateReply(_message.Message):
+    __slots__ = ("version", "lr")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    lr: float
+    def __init__(self, version: _Optional[int] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class LeaseDataRequest(_message.Message):
     __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs", "in_order", "done_before_restore", "restart", "epoch_logs", "logs_epoch", "share_logs", "log_names", "log_values", "stop_training")

@@ -94,6 +94,11 @@ class ParameterServerStub:
                 request_serializer=pserver__pb2.LeaseDataRequest.SerializeToString,
                 response_deserializer=pserver__pb2.LeaseDataReply.FromString,
                 _registered_method=True)
+        self.SetLearningRate = channel.unary_unary(
+                '/pserver.v1.ParameterServer/SetLearningRate',
+                request_serializer=pserver__pb2.SetLearningRateRequest.SerializeToString,
+                response_deserializer=pserver__pb2.SetLearningRateReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -207,6 +212,16 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetLearningRate(self, request, context):
+        """The chief's learning-rate change (a Keras callback's: ReduceLROnPlateau,
+        LearningRateScheduler): the base rate from this shard's next update on (a schedule still
+        multiplies it), kept in checkpoints. The chief calls every shard between two of its steps,
+        so in sync and backup every shard takes it at the same step. Authorized as a push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -269,6 +284,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.LeaseData,
                     request_deserializer=pserver__pb2.LeaseDataRequest.FromString,
                     response_serializer=pserver__pb2.LeaseDataReply.SerializeToString,
+            ),
+            'SetLearningRate': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLearningRate,
+                    request_deserializer=pserver__pb2.SetLearningRateRequest.FromString,
+                    response_serializer=pserver__pb2.SetLearningRateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -595,6 +615,33 @@ class ParameterServer:
             '/pserver.v1.ParameterServer/LeaseData',
             pserver__pb2.LeaseDataRequest.SerializeToString,
             pserver__pb2.LeaseDataReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLearningRate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pserver.v1.ParameterServer/SetLearningRate',
+            pserver__pb2.SetLearningRateRequest.SerializeToString,
+            pserver__pb2.SetLearningRateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,11 +8,13 @@ cluster every worker's callbacks get the chief's logs, and a stop decided on the
 every worker after that epoch (docs/guide/keras.md).
 
 Keras's built-ins by its names, arguments and defaults: EarlyStopping, ModelCheckpoint,
-TerminateOnNaN, CSVLogger, LambdaCallback. Each decides on the logs it gets, which on a cluster
-are the chief's, so the chief's decision is every worker's; a file is the chief's to write (the
-other workers write nothing). `self.model`'s weights at an epoch's end are the ones the worker
-pulled after the epoch's last step (docs/semantics.md says which version that is per mode).
-Those pserver cannot do on a cluster (ReduceLROnPlateau, ...) refuse at construction, in one line.
+TerminateOnNaN, CSVLogger, LambdaCallback, ReduceLROnPlateau, LearningRateScheduler. Each decides
+on the logs it gets, which on a cluster are the chief's, so the chief's decision is every
+worker's; a file is the chief's to write (the other workers write nothing), and a learning rate
+a callback sets is the chief's to set on the shards (CallbackList.lr_change). `self.model`'s
+weights at an epoch's end are the ones the worker pulled after the epoch's last step
+(docs/semantics.md says which version that is per mode). Those pserver cannot do on a cluster
+(BackupAndRestore, TensorBoard) refuse at construction, in one line.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import os
 import sys
 import time
 import warnings
+
+import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.keras import cluster
@@ -356,14 +360,93 @@ class _Refused:
                           f"{self.instead}")
 
 
-class ReduceLROnPlateau(_Refused):
-    instead = ("the shards' learning rate is fixed for the run; compile the optimizer with the rate "
-               "(or a learning-rate schedule docs/guide/keras.md lists) you want")
+class ReduceLROnPlateau(_Monitor):
+    """Keras's rule: after `patience` epochs without an improvement of `monitor` by more than
+    `min_delta`, the learning rate times `factor` (not below `min_lr`), then `cooldown` epochs
+    without counting. On a cluster every worker decides alike on the chief's logs, and the chief
+    sets the rate on the shards before its next step (in sync every shard takes it at the same
+    step: docs/semantics.md)."""
+
+    def __init__(self, monitor="val_loss", factor=0.1, patience=10, verbose=0, mode="auto", min_delta=1e-4,
+                 cooldown=0, min_lr=0.0, **kwargs):
+        if kwargs:
+            raise ConfigError(f"ReduceLROnPlateau: unexpected argument {sorted(kwargs)[0]!r}")
+        super().__init__(monitor, mode, min_delta=min_delta)
+        if factor >= 1.0:
+            raise ConfigError(f"ReduceLROnPlateau does not support a factor >= 1.0. Received factor={factor}")
+        self.factor, self.min_lr, self.patience, self.verbose = factor, min_lr, patience, verbose
+        self.cooldown, self.cooldown_counter, self.wait = cooldown, 0, 0
+
+    def on_train_begin(self, logs=None):
+        self.best, self.cooldown_counter, self.wait = None, 0, 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.monitor_op is None:
+            self._set_monitor_op()
+        logs = logs if logs is not None else {}
+        logs["learning_rate"] = _learning_rate(self.model, "ReduceLROnPlateau")
+        current = logs.get(self.monitor)
+        if current is None:
+            print(f"ReduceLROnPlateau: learning rate reduction is conditioned on metric `{self.monitor}` "
+                  f"which is not available. Available metrics are: {','.join(logs)}.", file=self._out)
+            return
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if self._is_improvement(current, self.best):
+            self.best, self.wait = current, 0
+        elif self.cooldown_counter <= 0:
+            self.wait += 1
+            if self.wait >= self.patience and self._reduce(epoch):
+                self.cooldown_counter, self.wait = self.cooldown, 0
+
+    def _reduce(self, epoch) -> bool:
+        old = _learning_rate(self.model, "ReduceLROnPlateau")
+        if not old > np.float32(self.min_lr):
+            return False
+        self.model.optimizer.learning_rate = max(old * self.factor, self.min_lr)
+        if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to "
+                  f"{self.model.optimizer.learning_rate}.", file=self._out)
+        return True
 
 
-class LearningRateScheduler(_Refused):
-    instead = ("the shards' learning rate is fixed for the run; compile the optimizer with a "
-               "learning-rate schedule docs/guide/keras.md lists")
+class LearningRateScheduler(Callback):
+    """Keras's: at each epoch's beginning the rate is `schedule(epoch, lr)` (or `schedule(epoch)`);
+    on a cluster the chief sets it on the shards before the epoch's first step."""
+
+    def __init__(self, schedule, verbose=0):
+        super().__init__()
+        if not callable(schedule):
+            raise ConfigError(f"LearningRateScheduler: schedule must be a function, got {schedule!r}")
+        self.schedule, self.verbose = schedule, verbose
+        self._out = sys.stdout
+
+    def on_epoch_begin(self, epoch, logs=None):
+        lr = _learning_rate(self.model, "LearningRateScheduler")
+        try:
+            lr = self.schedule(epoch, lr)
+        except TypeError:            # Keras's old form: schedule(epoch)
+            lr = self.schedule(epoch)
+        if not isinstance(lr, (float, np.floating)):
+            raise ConfigError(f"The output of the `schedule` function should be a float. Got: {lr}")
+        self.model.optimizer.learning_rate = float(lr)
+        if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {float(lr)}.",
+                  file=self._out)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["learning_rate"] = _learning_rate(self.model, "LearningRateScheduler")
+
+
+def _learning_rate(model, who: str) -> float:
+    """The compiled optimizer's learning rate as a number (a schedule's cannot be set: Keras refuses too)."""
+    lr = getattr(getattr(model, "optimizer", None), "learning_rate", None)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)):
+        raise ConfigError(f"{who}: the optimizer's learning_rate is {lr!r}, not a number it can change "
+                          "(a learning-rate schedule sets the rate itself)")
+    return float(lr)
 
 
 class BackupAndRestore(_Refused):
@@ -395,6 +478,7 @@ class CallbackList:
         # On a cluster every worker's callbacks take the chief's epoch logs and stop decision (the
         # loop shares them through shard 0: pserver.worker.loop.chief_logs); epoch_logs: the last.
         self.shares_logs = True
+        self._lr = getattr(getattr(model, "optimizer", None), "learning_rate", None)
         self.held_out = "validation"       # what pserver's own lines call the chief's evaluation set
         self.epoch_logs: dict = {}
 
@@ -461,6 +545,15 @@ class CallbackList:
     def on_train_end(self, logs=None):
         for c in self.callbacks:
             c.on_train_end(logs)
+
+    def lr_change(self) -> float | None:
+        """The optimizer's learning rate when a callback changed it since the last call (the chief
+        then sets it on the shards: pserver.worker.loop.follow_lr), else None."""
+        lr = getattr(getattr(self.model, "optimizer", None), "learning_rate", None)
+        if lr == self._lr or isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)):
+            return None
+        self._lr = lr
+        return float(lr)
 
     def on_weights(self, w):
         """The weights this worker pulled after an epoch's last step (the loop hands them before

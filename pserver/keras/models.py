@@ -271,7 +271,9 @@ class _Model:
         user = list(callbacks or ())
         shown = verbose != 0 and rank == 0
         params = {"epochs": epochs, "verbose": verbose, "steps": steps}
-        listeners = [history] + ([callbacks_module.EpochLine()] if shown else []) + user
+        # Keras's order: the user's callbacks, then the epoch line and History, which so see
+        # what the callbacks add to the logs (learning_rate)
+        listeners = user + ([callbacks_module.EpochLine()] if shown else []) + [history]
         hooks = callbacks_module.CallbackList(listeners, self, params, self._core.metrics, initial_epoch,
                                               has_validation)
         self._core.initial = self._w

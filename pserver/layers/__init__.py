@@ -5,6 +5,10 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
     Conv2D(filters, kernel_size, strides=1, padding='valid', activation=None)
     MaxPooling2D(pool_size=2, strides=None, padding='valid'), AveragePooling2D(...)
     Flatten(), Dropout(rate), Embedding(input_dim, output_dim)
+    LayerNormalization(axis=-1, epsilon=1e-3, center=True, scale=True)
+    BatchNormalization(axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True): its moving
+              statistics live on the shards (docs/semantics.md)
+    Rescaling(scale, offset=0.0)
     Embedding(None, output_dim, sparse=True, optimizer='adagrad', lr=0.05, min_count=0,
               max_rows=0, ttl_steps=0, row_dtype='float32', state_dtype='float32'): a table of
               unbounded ids on the shards (row_dtype float16 or bfloat16: compact rows)
@@ -50,6 +54,7 @@ from pserver.layers.merge import (
     multiply,
     subtract,
 )
+from pserver.layers.normalization import BatchNormalization, LayerNormalization
 from pserver.layers.pooling import (
     AveragePooling2D,
     GlobalAveragePooling1D,
@@ -58,6 +63,7 @@ from pserver.layers.pooling import (
     GlobalMaxPooling2D,
     MaxPooling2D,
 )
+from pserver.layers.preprocessing import Rescaling
 from pserver.layers.reshape import Flatten, Permute, RepeatVector, Reshape
 from pserver.layers.saving import custom_object, is_json
 from pserver.layers.traced import Lambda
@@ -94,6 +100,11 @@ LAYERS.add("Activation", "an activation by name (relu, sigmoid, tanh; softmax on
 LAYERS.add("Reshape", "each sample to target_shape (a view)", Reshape)
 LAYERS.add("Permute", "a sample's axes reordered (dims from 1)", Permute)
 LAYERS.add("RepeatVector", "a vector repeated n times: (features,) to (n, features)", RepeatVector)
+LAYERS.add("LayerNormalization", "each sample standardized over axis, then gamma * x + beta",
+           LayerNormalization)
+LAYERS.add("BatchNormalization", "standardized per channel with the batch's moments in training, the moving "
+           "ones (a table on the shards) at inference; then gamma * x + beta", BatchNormalization)
+LAYERS.add("Rescaling", "x * scale + offset", Rescaling)
 LAYERS.add("Lambda", "function(inputs) written with keras.ops, as a layer; a lambda loads with "
            "safe_mode=False only", Lambda)
 
@@ -159,5 +170,6 @@ __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
            "Flatten", "Dropout", "Embedding", "FM", "Initializer", "VarianceScaling", "RandomUniform",
            "Zeros", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Dot",
            "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D", "GlobalMaxPooling2D",
-           "Activation", "Reshape", "Permute", "RepeatVector",
+           "Activation", "Reshape", "Permute", "RepeatVector", "LayerNormalization", "BatchNormalization",
+           "Rescaling",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]

@@ -27,6 +27,9 @@ class Weight:
     shape: tuple[int, ...]
     initializer: initializers.Initializer
     trainable: bool = True      # False: the shards' optimizer leaves it (add_weight(trainable=False))
+    # A moving statistic (BatchNormalization's, in pairs: mean then variance): the shards update it
+    # from the workers' batch statistics with this momentum (pserver.layers.normalization).
+    momentum: float | None = None
 
 
 @dataclass(frozen=True)

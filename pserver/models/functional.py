@@ -65,6 +65,7 @@ class Functional(SparseProtocol, Model):
         self._plans: dict[bool, graph.Plan] = {}
         self._sparse = None
         self._buffers = BatchBuffers(lambda n, dtype: ModelBuffers(self, n, dtype))
+        self._views_kept: dict[int, tuple] = {}       # _layer_views: id(flat) -> (flat, views)
 
     def _connect(self, inputs, outputs) -> None:
         """The graph from `inputs` to `outputs`; its layers (in order of first use) named."""
@@ -165,6 +166,7 @@ class Functional(SparseProtocol, Model):
         self._check_names()
         self._fix_layout([self._packed_shape(), *(o.shape[1:] for o in self._outputs)])
         self._check_fused()
+        self._check_statistics()
         self._find_sparse()
         self._built = True
         return self
@@ -186,12 +188,26 @@ class Functional(SparseProtocol, Model):
                                   f"too; its activation='{activation}' fuses into the loss: make the output "
                                   "a linear layer then Activation, and feed the other layer the linear one")
 
+    def _check_statistics(self) -> None:
+        """A layer with moving statistics (BatchNormalization) called twice would push the sum of
+        two batches' statistics as one: refused."""
+        plan = self._plan(True)
+        for i, layer in enumerate(plan.layers):
+            if plan.uses(i) > 1 and any(w.momentum is not None for w in layer.weights()):
+                raise ConfigError(f"{self.name}: {layer.label} is called {plan.uses(i)} times; its moving "
+                                  "statistics take one batch per step: give each call its own layer")
+
+    def _layout_of(self, weights: list[list]) -> Layout:
+        """Every layer's weights (`weights`, per layer) in order, the moving statistics marked."""
+        named = [(f"{layer.name}/{w.name}", w) for layer, ws in zip(self.layers, weights) for w in ws]
+        return Layout.of((name, w.shape) for name, w in named).with_statistics(
+            {name: w.momentum for name, w in named if w.momentum is not None})
+
     def _fix_layout(self, shapes: list[tuple[int, ...]]) -> None:
         """The layout (every layer's weights, in order) and the loss on the outputs; `shapes`:
         the input's first, then each output's."""
         weights = [layer.weights() for layer in self.layers]
-        layout = Layout.of((f"{layer.name}/{w.name}", w.shape)
-                           for layer, ws in zip(self.layers, weights) for w in ws)
+        layout = self._layout_of(weights)
         if layout.total == 0:
             raise ConfigError(f"{self.name}: has no parameters to train (layers: "
                               f"{', '.join(layer.name for layer in self.layers)})")
@@ -202,6 +218,7 @@ class Functional(SparseProtocol, Model):
         self._check_loss(shapes[1:])
         self._link_loss()
         self._shapes, self._layout, self._weights = shapes, layout, weights
+        self._views_kept = {}
 
     def _check_loss(self, shapes) -> None:
         """Each output's units against its loss."""
@@ -343,6 +360,8 @@ class Functional(SparseProtocol, Model):
         if sparse is not None:
             raise ConfigError(f"{self.name}: {sparse.label} is frozen (trainable=False), but its rows live "
                               "on the shards, which train every row pushed: freeze dense layers only")
+        for plan in self._plans.values():      # what the backward pass skips, as the layers say now
+            plan.refresh_frozen(force=True)
         return [f"{layer.name}/{w}" for layer in self.layers for w in layer.frozen_weights()]
 
     def summary_text(self) -> str:
@@ -376,6 +395,17 @@ class Functional(SparseProtocol, Model):
                 w.initializer(rng, views[f"{layer.name}/{w.name}"])
         return flat
 
+    def _layer_views(self, flat: np.ndarray) -> list[dict]:
+        """_per_layer(layout.views(flat)), kept for the last two arrays: a worker hands the same
+        weights and gradient arrays every step. A copy of the list (callers replace entries)."""
+        hit = self._views_kept.get(id(flat))
+        if hit is None or hit[0] is not flat:
+            hit = (flat, self._per_layer(self.layout.views(flat)))
+            if len(self._views_kept) >= 2:
+                self._views_kept.pop(next(iter(self._views_kept)))
+            self._views_kept[id(flat)] = hit          # its views keep flat (and so its id) alive
+        return list(hit[1])
+
     def _per_layer(self, flat_views: dict) -> list[dict]:
         """Each layer's views by short name ("kernel"), from the model's ("dense/kernel")."""
         return [{w.name: flat_views[f"{layer.name}/{w.name}"] for w in weights}
@@ -397,8 +427,7 @@ class Functional(SparseProtocol, Model):
         run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
         if self.sparse_tables:
             return self._sparse_step(w, x, y, grad_out, sparse, run)
-        params = self._per_layer(self.layout.views(w))
-        grads = self._per_layer(self.layout.views(grad_out))
+        params, grads = self._layer_views(w), self._layer_views(grad_out)
         bufs = self._buffers(x.shape[0], w.dtype)
         ins = self._forward(params, x, bufs, run)
         if self.several:
@@ -552,6 +581,8 @@ class Functional(SparseProtocol, Model):
         if loss.task == "regression" or not y.size:
             return
         hi = 1 if isinstance(loss, losses.BinaryCrossentropy) else self._shapes[1 + j][-1] - 1
+        if y.dtype.kind in "iu" and 0 <= y.min() and y.max() <= hi:
+            return                              # every step's case: two reductions, no masks
         bad = (y < 0) | (y > hi) | (y != np.floor(y))
         if bad.any():
             i = int(np.argmax(bad))

@@ -108,20 +108,35 @@ class Plan:
         return len(self.layers) - 1
 
     def _count(self) -> None:
-        """Which slots need a gradient (those computed from a weight), how many steps (and
-        losses) read each, and which step makes each."""
+        """Which slots need a gradient (needs_grad), how many steps (and losses) read each, and
+        which step makes each."""
         n = len(self.slots)
-        self.needs_grad = [i in self.weight_slots for i in range(n)]
         self.consumers, self.producer = [0] * n, [None] * n
         for i, step in enumerate(self.steps):
-            # A sparse Embedding trains rows on the shards, not weights of the layout.
-            layer = None if step.layer is None else self.layers[step.layer]
-            weights = layer is not None and (bool(layer.weights()) or getattr(layer, "sparse", False))
             for out in step.outs:
-                self.needs_grad[out] = weights or any(self.needs_grad[s] for s in step.ins)
                 self.producer[out] = i
             for s in step.ins:
                 self.consumers[s] += 1
+        self.frozen = None
+        self.refresh_frozen()
+
+    def refresh_frozen(self, force: bool = False) -> None:
+        """needs_grad: the slots computed from a weight that training moves. A frozen layer's
+        weights and a non-trainable weight need none, so the backward pass of a frozen base
+        (every step before the first trainable weight) is skipped. Recomputed when a layer's
+        `trainable` changed (cheap enough to ask every step), or when `force`d: the worker
+        forces it when it registers (Functional.frozen_weights), which sees a sublayer's flag."""
+        flags = tuple(layer.trainable for layer in self.layers)
+        if flags == self.frozen and not force:
+            return
+        self.frozen = flags
+        self.needs_grad = [i in self.weight_slots and _trains(self.layers[self.weight_slots[i][0]],
+                                                              self.weight_slots[i][1])
+                           for i in range(len(self.slots))]
+        for step in self.steps:
+            trains = step.layer is not None and _trains(self.layers[step.layer])
+            for out in step.outs:
+                self.needs_grad[out] = trains or any(self.needs_grad[s] for s in step.ins)
         for s in self.outputs:          # the loss reads each output: its dout is the loss's
             self.consumers[s] += 1
         for step in self.steps:
@@ -242,10 +257,20 @@ def forward(plan: Plan, k, params: list[dict], xs: list[np.ndarray], bufs: PlanB
     return vals
 
 
+def _trains(layer: Layer, name: str | None = None) -> bool:
+    """Whether training moves the layer's weights (one of them, `name`), as its flags say now.
+    A sparse Embedding trains rows on the shards, not weights of the layout."""
+    if getattr(layer, "sparse", False):
+        return True
+    frozen = layer.frozen_weights()
+    return name not in frozen if name is not None else any(w.name not in frozen for w in layer.weights())
+
+
 def backward(plan: Plan, k, params: list[dict], grads: list[dict], vals: list, dlosses: list,
              bufs: PlanBuffers, ops: dict = core.OPS) -> None:
     """Weight gradients into `grads` (views of grad_out), from d loss / d output, one array of
     `dlosses` per output."""
+    plan.refresh_frozen()
     acc: list = [None] * len(plan.slots)
     for s, dloss in zip(plan.outputs, dlosses, strict=True):
         acc[s] = dloss

@@ -131,8 +131,7 @@ class SparseProtocol:
                 for i, (k, inp) in enumerate(zip(self._keys, self._inputs))]
 
     def _sparse_step(self, w, x, y, grad_out, lookups, run: Pass) -> float:
-        params = self._per_layer(self.layout.views(w))
-        grads = self._per_layer(self.layout.views(grad_out))
+        params, grads = self._layer_views(w), self._layer_views(grad_out)
         bufs = self._buffers(len(x), w.dtype)
         ins = self._forward(params, self._sparse_inputs(x, lookups, params, grads, w.dtype), bufs, run)
         if self.task != "regression":           # the batch's accuracy, for Keras's per-epoch metric

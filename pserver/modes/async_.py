@@ -31,7 +31,7 @@ class AsyncPolicy(Policy):
             store.counters.add("pushes_applied")
             store.counters.add("samples_pushed", req.num_samples)
         try:
-            store.apply_hogwild(grad, req.rows)    # outside the lock, on purpose
+            store.apply_hogwild(grad, req.rows, req.statistics)    # outside the lock, on purpose
         finally:
             store.pool.release(grad)
         self.pushed(rank, req.clock)

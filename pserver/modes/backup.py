@@ -45,6 +45,7 @@ class BackupPolicy(SyncPolicy):
                 self.store.pool.release(self.pending.pop(r))
                 self.pending_samples.pop(r)        # dropped work trained nothing
                 self.pending_rows.pop(r)
+                self.pending_stats.pop(r)
                 self.store.took(r, self.pending_clocks.pop(r))   # its batch is consumed all the same
             self.store.counters.add("pushes_aggregated", -dropped)
             self.store.counters.add("pushes_dropped_late", dropped)

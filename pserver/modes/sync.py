@@ -33,6 +33,7 @@ class SyncPolicy(Policy):
         self.pending_samples: dict[int, int] = {}  # rank -> samples behind that gradient
         self.pending_rows: dict[int, list] = {}    # rank -> its sparse rows for the step
         self.pending_clocks: dict[int, int] = {}   # rank -> its own step count for that push
+        self.pending_stats: dict[int, object] = {}  # rank -> its statistics carried apart (PushRequest)
         self.watch = StepWatch(cfg.step_timeout)
         self.below_min_told, self.notice_every = -math.inf, notice_every()
 
@@ -79,6 +80,7 @@ class SyncPolicy(Policy):
             self.pending_samples[rank] = req.num_samples
             self.pending_rows[rank] = list(req.rows)
             self.pending_clocks[rank] = clock
+            self.pending_stats[rank] = req.statistics
             self.store.counters.add("pushes_aggregated")
             self.maybe_complete()
             return Outcome.AGGREGATED, ""
@@ -128,9 +130,11 @@ class SyncPolicy(Policy):
         # A member with no data left pushes an empty contribution (0 samples): it counted toward
         # the step's quorum above and weighs nothing here; a step of empty ones only advances.
         weighed = [i for i, n in enumerate(counts) if n > 0]
+        stats = [self.pending_stats.pop(r) for r in ranks]
         if weighed:
             self.store.apply([self.pending[ranks[i]] for i in weighed], [counts[i] for i in weighed],
-                             [(p, n) for p, n in rows if n > 0])
+                             [(p, n) for p, n in rows if n > 0],
+                             [stats[i] for i in weighed])
         else:
             self.store.advance_empty()
         self.store.counters.add("samples_pushed", sum(counts))
@@ -149,6 +153,7 @@ class SyncPolicy(Policy):
         self.pending_samples.pop(rank)
         self.pending_rows.pop(rank)
         self.pending_clocks.pop(rank)          # not took(): its batch counts as not trained
+        self.pending_stats.pop(rank)
         self.store.counters.add("pushes_aggregated", -1)
         self.time_step()
 

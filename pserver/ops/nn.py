@@ -1,5 +1,8 @@
-"""Activations, softmax and one_hot: each op's forward (NumPy, its own twin) beside its VJP. The
-VJPs are written in terms of the output where that is cheaper (sigmoid, tanh, softmax)."""
+"""Activations, softmax, one_hot and standardize: each op's forward (NumPy, its own twin) beside its
+VJP. The VJPs are written in terms of the output where that is cheaper (sigmoid, tanh, softmax,
+standardize). Standardizing is memory-bound (two passes over x), so NumPy is its kernel: the
+normalization layers (pserver.layers.normalization) call `moments`, `standardized` and
+`standardize_vjp` for their fused forward and backward."""
 
 from __future__ import annotations
 
@@ -42,6 +45,43 @@ def _one_hot(x, num_classes, axis=-1, dtype="float32"):
 
 
 register(Op("one_hot", _one_hot, lambda g, out, x, **attrs: (None,), differentiable=(False,)))
+
+
+def moments(x, axes: tuple[int, ...]):
+    """x's mean and (biased, as Keras's) variance over `axes`, kept as size-1 dimensions."""
+    mean = x.mean(axis=axes, keepdims=True)
+    centred = x - mean
+    return mean, np.mean(centred * centred, axis=axes, keepdims=True)
+
+
+def standardized(x, mean, var, epsilon: float):
+    """(x - mean) / sqrt(var + epsilon) in x's dtype, and the reciprocal it scaled by."""
+    scale = (1 / np.sqrt(var + epsilon)).astype(x.dtype, copy=False)
+    return ((x - mean) * scale).astype(x.dtype, copy=False), scale
+
+
+def standardize_vjp(g, out, scale, axes: tuple[int, ...]):
+    """d loss / d x of out = standardize(x) over `axes`, given g = d loss / d out: the mean and the
+    variance depend on every x they are taken over, hence the two mean terms."""
+    return scale * (g - g.mean(axis=axes, keepdims=True) - out * (g * out).mean(axis=axes, keepdims=True))
+
+
+def _standardize(x, axes=(-1,), epsilon=1e-3):
+    return standardized(x, *moments(x, axes), epsilon)[0]
+
+
+def _standardize_grad(g, out, x, axes=(-1,), epsilon=1e-3):
+    scale = standardized(x, *moments(x, axes), epsilon)[1]
+    return (standardize_vjp(g, out, scale, axes).astype(x.dtype, copy=False),)
+
+
+register(Op("standardize", _standardize, _standardize_grad))
+
+
+def standardize(x, axes=(-1,), epsilon=1e-3):
+    """(x - mean) / sqrt(variance + epsilon), the moments taken over `axes` (LayerNormalization's
+    and BatchNormalization's core; not a Keras op, so not in pserver.ops's public names)."""
+    return apply("standardize", x, axes=tuple(int(a) for a in axes), epsilon=float(epsilon))
 
 
 def relu(x):

@@ -88,6 +88,7 @@ class Checkpoint:
     rows: dict[str, RowState] = field(default_factory=dict)   # table name -> its rows on this shard
     positions: dict = field(default_factory=dict)  # rank -> (data_seed, steps_per_epoch) of its clock
     coordinator: dict | None = None   # shard 0's data coordinator (pserver.server.coordinator.state())
+    lr_set: float | None = None       # the chief's learning rate, when it changed --lr (Shard.set_lr)
 
 
 def file_name(shard: int, num_shards: int, version: int, base: int | None = None) -> str:
@@ -243,7 +244,8 @@ def save(directory: str, ckpt: Checkpoint, run: str | None = None) -> str:
                    "total": ckpt.total, "start": ckpt.start, "end": ckpt.end, "optimizer": ckpt.optimizer,
                    "clocks": {str(r): int(c) for r, c in ckpt.clocks.items()},
                    "positions": {str(r): [int(v) for v in p] for r, p in ckpt.positions.items()},
-                   "coordinator": ckpt.coordinator, **({"run": run} if run else {})})
+                   "coordinator": ckpt.coordinator, **({"run": run} if run else {}),
+                   **({} if ckpt.lr_set is None else {"lr_set": ckpt.lr_set})})
     return write(directory, file_name(ckpt.shard, ckpt.num_shards, ckpt.version), parts, meta)
 
 def candidates(directory: str, shard: int, num_shards: int) -> list[tuple[int, str]]:
@@ -387,7 +389,7 @@ def _assemble(path: str, meta: dict, arrays: dict, deltas: list[tuple[dict, dict
                       clocks={int(r): int(c) for r, c in m.get("clocks", {}).items()},
                       tables=tables, rows=rows,
                       positions={int(r): tuple(int(v) for v in p) for r, p in m.get("positions", {}).items()},
-                      coordinator=m.get("coordinator"))
+                      coordinator=m.get("coordinator"), lr_set=m.get("lr_set"))
 
 
 def tables_of(meta: dict) -> list[TableConfig]:

@@ -82,7 +82,8 @@ def combine(ckpts: list[checkpoint.Checkpoint], num_shards: int, shard: int) -> 
                                  total=first.total,
                                  start=start, end=end, optimizer=first.optimizer, params=params, state=state,
                                  clocks=clocks, tables=list(first.tables), rows=rows, positions=positions,
-                                 coordinator=for_new_shard({c.shard: c.coordinator for c in ckpts}, shard))
+                                 coordinator=for_new_shard({c.shard: c.coordinator for c in ckpts}, shard),
+                                 lr_set=first.lr_set)     # every shard took the chief's change at one step
 
 
 def for_new_shard(states: dict[int, dict | None], shard: int) -> dict | None:

@@ -110,7 +110,9 @@ def serve(cfg: ServerConfig) -> int:
         stopped = None
         try:                                # a signal right after the line below is a stop too
             print(f"pserver serve: shard {cfg.shard}/{cfg.num_shards} mode={cfg.mode} "
-                  f"optimizer={cfg.optimizer} lr={cfg.lr:g} listening on {cfg.host}:{port}"
+                  f"optimizer={cfg.optimizer} lr={shard.lr():g}"
+                  f"{' (the chief set it before the checkpoint restored)' if shard.lr() != cfg.lr else ''} "
+                  f"listening on {cfg.host}:{port}"
                   f"{' (TLS)' if cfg.tls_cert else ''}{' (token required)' if cfg.auth_token else ''}",
                   flush=True)
             while not shard.ended.wait(0.5):

@@ -127,14 +127,15 @@ class Checkpointer:
             with self.store.cond:
                 self.store.require_configured()
                 version = self.store.version
-                leases = self.store.coordinator.state()
+                leases = (self.store.coordinator.state(), self.store.lr_set)
             again = self.written is not None and self.written[0] == version
             if again and leases == self.leases_written:
                 taken.set()                   # nothing changed since: that file is this version
                 self._end(*self.written)
                 return self.written
             # The same version with the data coordinator moved on (its last chunks done, its run
-            # finished, after the step's write): a base again, so that restarts see where it is.
+            # finished, after the step's write) or the chief's learning rate changed since: a base
+            # again, so that restarts see where it is.
             kind = None if again else self._kind()
             dump = self.store.begin_dump(kind is not None)
             kind = kind if dump.delta else None     # a table evicted too many ids for a delta
@@ -159,7 +160,8 @@ class Checkpointer:
             size = os.path.getsize(result)
             self.chain = [version, size, 0, 1] if kind is None else \
                 [self.chain[0], self.chain[1], self.chain[2] + size, self.chain[3] + 1]
-            self.written, self.leases_written = (version, result), dump.meta["coordinator"]
+            self.written = (version, result)
+            self.leases_written = (dump.meta["coordinator"], dump.meta.get("lr_set"))
             prune(self.directory, self.cfg.shard, self.cfg.num_shards, run=self.run_id)
             self.store.counters.add("checkpoints_written")
             log.info("shard %d: checkpoint at version %d written to %s (%s)", self.cfg.shard, version, result,

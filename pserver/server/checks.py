@@ -80,7 +80,24 @@ def checked_registration(num_workers: int, layout: Layout) -> int:
         raise InvalidArgument(f"num_workers: must be >= 1, got {num_workers}")
     total = checked_total(layout)
     checked_tables(layout.tables)
+    try:
+        pairs = layout.statistics_pairs()
+    except ValueError as e:
+        raise InvalidArgument(f"layout: {e}") from None
+    bad = next((m for *_, m in pairs if not 0 <= m <= 1), None)
+    if bad is not None:
+        raise InvalidArgument(f"layout: a moving statistic's momentum must be in [0, 1], got {bad}")
     return total
+
+
+def check_statistics(expected: int, values) -> None:
+    """A push's statistics carried apart (PushRequest.statistics): one finite value for each mean
+    element another shard holds whose variance this one does, else refused before anything changes."""
+    if len(values) != expected:
+        raise InvalidArgument(f"statistics: {len(values)} values for the {expected} moving-mean element(s) "
+                              "this shard's moving variance needs from another shard (away_means)")
+    if expected and not np.all(np.isfinite(values)):
+        raise InvalidArgument("statistics: a value is not finite")
 
 
 def check_trained(trained: tuple[float, float], num_samples: int) -> None:

@@ -76,7 +76,8 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
              "Checkpoint": (pb.CheckpointRequest, pb.CheckpointReply),
              "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatReply),
              "ElasticJoinStep": (pb.ElasticJoinStepRequest, pb.ElasticJoinStepReply),
-             "LeaseData": (pb.LeaseDataRequest, pb.LeaseDataReply)}
+             "LeaseData": (pb.LeaseDataRequest, pb.LeaseDataReply),
+             "SetLearningRate": (pb.SetLearningRateRequest, pb.SetLearningRateReply)}
     handlers = {name: grpc.unary_unary_rpc_method_handler(
         getattr(servicer, name), request_deserializer=req.FromString,
         response_serializer=rep.SerializeToString) for name, (req, rep) in unary.items()}
@@ -107,7 +108,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def Register(self, request, context):
         layout = Layout.of(((t.name, tuple(t.shape)) for t in request.layout),
                            [codec.table_config(t) for t in request.tables])
-        layout = layout.freezing(t.name for t in request.layout if t.frozen)
+        layout = layout.freezing(t.name for t in request.layout if t.frozen).with_statistics(
+            {t.name: t.momentum for t in request.layout if t.HasField("momentum")})
         reg = self.shard.register(request.rank, request.num_workers, request.shard,
                                   request.num_shards, layout, request.protocol_version,
                                   request.data_seed, request.steps_per_epoch, request.previous_session,
@@ -181,7 +183,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         lease = (h.lease_epoch, h.lease_chunk, h.lease_batch) if h.has_lease else None
         return self.shard.push(PushRequest(h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples,
                                            h.clock, fill, session=h.session, rows=rows, lease=lease,
-                                           trained=(h.lease_loss_sum, h.lease_correct)))
+                                           trained=(h.lease_loss_sum, h.lease_correct),
+                                           statistics=np.asarray(h.statistics, np.float32)))
 
     @_status
     def LeaseData(self, request, context):
@@ -227,6 +230,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             ask = self.shard.stop_after_checkpoint if request.then_stop else self.shard.checkpoint
             path, version = ask(request.rank, request.session)
         return pb.CheckpointReply(path=path, version=version)
+
+    @_status
+    def SetLearningRate(self, request, context):
+        version, before = self.shard.set_lr(request.rank, request.session, request.lr)
+        return pb.SetLearningRateReply(version=version, lr=before)
 
     @_status
     def Leave(self, request, context):

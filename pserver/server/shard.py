@@ -11,6 +11,7 @@ the servicer only translates protobuf to these calls.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -19,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from pserver.config import ServerConfig
-from pserver.errors import ConfigError, FailedPrecondition, RpcError
+from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument, RpcError
 from pserver.models.layout import Layout
 from pserver.modes import Outcome, make_policy
 from pserver.observe.telemetry import ShardMetrics
@@ -186,7 +187,7 @@ class Shard:
             if not s.signature:
                 self.budget.check_range(end - start, self.cfg.shard, self.cfg.optimizer)
             s.configure(layout.signature(), total, start, end, layout.tables)
-            s.freeze(layout.frozen_ranges())
+            s.freeze(layout.frozen_ranges(), layout.statistics_pairs())
             session, took_over = self.members.join(rank, num_workers, previous_session)
             self.policy.registered(rank)
             return Registration(self.cfg.mode, s.version, s.initialized, s.start, s.end, s.total,
@@ -195,7 +196,7 @@ class Shard:
                                 session, self.cfg.step_timeout, restored_from=s.restored_from,
                                 seeded_by_rank=s.seeded_by,
                                 position=s.position_of(rank, data_seed, steps_per_epoch),
-                                settings=self.cfg.training_settings(self.members.num_workers),
+                                settings=self.settings(self.members.num_workers),
                                 instance=self.instance, took_over=took_over, assigned_rank=rank,
                                 elastic_initial_workers=self.members.num_workers,
                                 elastic_max_workers=self.members.rank_limit)
@@ -324,6 +325,7 @@ class Shard:
                 self.members.authorize(req.rank, req.session, revive=True)
                 self.leases.check_push(req)
             checks.check_payload(self.cfg, s.size, req.num_elements, req.dtype)
+            checks.check_statistics(s.moving.away, req.statistics)
             self.metrics.received.inc(req.num_elements * 4)      # float32, checked above
             outcome, message = self._receive_and_decide(req)
             self.leases.took(req, outcome)
@@ -355,6 +357,32 @@ class Shard:
         self.budget.settle(self.store.version)
         return outcome
 
+    def set_lr(self, rank: int, session: str | None, lr: float) -> tuple[int, float]:
+        """The chief's new base learning rate (a Keras callback's), from the next update on:
+        (the version it follows, the rate before). Kept in checkpoints (ShardStore.lr_set)."""
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            raise InvalidArgument(f"lr: the learning rate must be a finite number > 0, got {lr!r}")
+        with self.store.cond:
+            self.members.authorize(rank, session)
+            if rank != 0:
+                raise FailedPrecondition(f"lr: worker {rank} is not the chief; the chief (rank 0) "
+                                         "changes the learning rate")
+            self.store.require_configured()
+            before = self.store.optimizer.lr
+            self.store.set_lr(float(lr))
+            log.info("shard %d: learning rate %g -> %g from version %d on (the chief's)",
+                     self.cfg.shard, before, lr, self.store.version + 1)
+            return self.store.version, before
+
+    def lr(self) -> float:
+        """The base learning rate now: --lr, or the chief's last change."""
+        return self.cfg.lr if self.store.lr_set is None else self.store.lr_set
+
+    def settings(self, num_workers: int) -> dict:
+        """The training settings a worker sees at Register and in status: the configured ones,
+        with the learning rate as it is now."""
+        return self.cfg.training_settings(num_workers) | {"lr": self.lr()}
+
     def leave(self, rank: int, session: str | None = None) -> None:
         with self.store.cond:
             self.members.authorize(rank, session)
@@ -367,13 +395,13 @@ class Shard:
             dead = sorted(p.dead)
             return dict(shard=self.cfg.shard, num_shards=self.cfg.num_shards, mode=self.cfg.mode,
                         version=s.version, num_params=s.size, total_params=s.total,
-                        num_workers=p.num_workers, optimizer=self.cfg.optimizer, lr=self.cfg.lr,
+                        num_workers=p.num_workers, optimizer=self.cfg.optimizer, lr=self.lr(),
                         counters={**s.counters.snapshot(), **s.coordinator.counters},
                         live_workers=live, dead_workers=dead, registered_workers=sorted(p.registered),
                         uptime_seconds=time.monotonic() - self.started,
                         layout_signature=s.signature, restored_from=s.restored_from,
                         seeded_by_rank=s.seeded_by, instance=self.instance,
-                        settings=self.cfg.training_settings(p.num_workers),
+                        settings=self.settings(p.num_workers),
                         tables=[dict(name=n, dim=t.config.dim, optimizer=t.config.optimizer, **t.stats())
                                 for n, t in s.tables.items()],
                         memory=self.budget.report(s.tables))

@@ -26,6 +26,7 @@ from pserver.errors import (
     Unavailable,
 )
 from pserver.server.coordinator import Coordinator
+from pserver.server.statistics import MovingStatistics, weighted_mean
 from pserver.sparse.merge import RowGrads, merge_rows
 from pserver.wire import frames
 from pserver.wire.codec import Position
@@ -265,10 +266,13 @@ class ShardStore:
         self.version = -1                 # -1 until the chief's Init (or a restore)
         self.signature = ""               # layout signature; "" until the first Register
         self.frozen: tuple | None = None   # the layout's frozen [start, end) ranges, from the first Register
+        self.statistics: tuple = ()        # its moving statistics (Layout.statistics_pairs), from then too
+        self.moving = MovingStatistics()   # those of them in this shard's range
         self.total = 0
         self.start = self.end = 0
         self.params: np.ndarray | None = None
         self.optimizer = None
+        self.lr_set: float | None = None   # the chief's learning rate (set_lr), kept in checkpoints
         self.pool: BufferPool | None = None
         self.closed = False
         self.restored_from = ""            # the checkpoint this shard resumed from, if any
@@ -330,14 +334,19 @@ class ShardStore:
             self.optimizer.freeze(self._own(self.frozen))
         self.pool = BufferPool(end - start)
 
-    def freeze(self, frozen: tuple) -> None:
+    def freeze(self, frozen: tuple, statistics: tuple = ()) -> None:
         """The layout's frozen tensors ([start, end) in the flat vector), which the optimizer leaves
-        as they are: fixed by the first Register (of this shard's life: a restore does not keep
-        them), to be the same for every later one (cond held; after configure, which changed
-        nothing then)."""
+        as they are, and its moving statistics (update_statistics): fixed by the first Register (of
+        this shard's life: a restore does not keep them), to be the same for every later one (cond
+        held; after configure, which changed nothing then)."""
         if self.frozen is None:
-            self.frozen = tuple(frozen)
+            self.frozen, self.statistics = tuple(frozen), tuple(statistics)
             self.optimizer.freeze(self._own(self.frozen))
+            self.moving = MovingStatistics(self.statistics, self.start, self.end)
+        elif tuple(statistics) != self.statistics:
+            raise FailedPrecondition(f"layout: the worker's moving statistics are {list(statistics)}, this "
+                                     f"shard's {list(self.statistics)} ((mean, variance, size, momentum)); "
+                                     "every worker must run the same model")
         elif tuple(frozen) != self.frozen:
             def say(ranges):
                 return f"{sum(b - a for a, b in ranges):,} params in {len(ranges)} tensor(s)"
@@ -367,7 +376,8 @@ class ShardStore:
             meta = dict(version=self.version, signature=self.signature, total=self.total, start=self.start,
                         end=self.end, clocks={str(r): int(c) for r, c in self.clocks.items()},
                         positions={str(r): [int(v) for v in p] for r, p in self.positions.items()},
-                        coordinator=self.coordinator.state())
+                        coordinator=self.coordinator.state(),
+                        **({} if self.lr_set is None else {"lr_set": self.lr_set}))
             dense = {"params": self.params, **{f"opt.{k}": v for k, v in self.optimizer.state.items()}}
             self._dump = StateDump(self, meta, dense, tables)
             self._dump.delta = delta
@@ -389,6 +399,8 @@ class ShardStore:
                                   f"range [{ckpt.start}, {ckpt.end})")
             self.params[:] = ckpt.params
             self.optimizer.load_state(ckpt.state)
+            if ckpt.lr_set is not None:            # the chief's change before the checkpoint holds
+                self.set_lr(ckpt.lr_set)
             for name, table in self.tables.items():
                 table.load(ckpt.rows[name])
             self.version = ckpt.version
@@ -399,6 +411,10 @@ class ShardStore:
             self.coordinator = Coordinator.load(ckpt.coordinator)
             self.restored_from = ckpt.path
             self.cond.notify_all()
+
+    def set_lr(self, lr: float) -> None:
+        """The base learning rate from the next update on (the chief's change, or a restored one)."""
+        self.optimizer.lr = self.lr_set = lr
 
     def took(self, rank: int, clock: int) -> None:
         """rank's step `clock` is taken in: applied, part of a completed step, or dropped late
@@ -425,17 +441,21 @@ class ShardStore:
             raise NotRegistered("layout: no worker has registered with this shard yet")
 
     def apply(self, grads: list[np.ndarray], counts: list[int],
-              rows: list[tuple[RowGrads, int]] = ()) -> None:
+              rows: list[tuple[RowGrads, int]] = (), away: list | None = None) -> None:
         """One optimizer step on the mean of a step's pushes: their gradients in rank order,
         counts[i] the samples the push of grads[i] carried, and their sparse rows, each with its
         push's samples (mean_gradient, merge_rows: a push that did not touch a row adds zero to
-        it). The gradients are left as they are; the caller holds cond."""
+        it). `away`: each push's statistics carried apart (PushRequest.statistics), averaged with
+        the same weights (update_statistics).
+        The gradients are left as they are; the caller holds cond."""
         if sum(counts):    # a step of empty contributions only (no data left to any) trains nothing
             out = self.pool.acquire() if len(grads) > 1 else None
             if self._dump is not None:
                 self._dump.before_step()
             try:
-                self.optimizer.step(self.params, mean_gradient(grads, counts, out), self.version)
+                mean = mean_gradient(grads, counts, out)
+                self.optimizer.step(self.params, mean, self.version)
+                self.update_statistics(mean, weighted_mean(away, counts) if self.moving.away else None)
             finally:
                 if out is not None:
                     self.pool.release(out)
@@ -444,6 +464,12 @@ class ShardStore:
         self.version += 1
         self.counters.add("updates_applied")
         self.cond.notify_all()
+
+    def update_statistics(self, g: np.ndarray, away=None) -> None:
+        """The moving statistics this shard holds, from the step's mean of the pushes' slots (or
+        one push's) and of their values for the means another shard holds (MovingStatistics)."""
+        if self.moving:
+            self.moving.update(self.params, g, away)
 
     def advance_empty(self) -> None:
         """A sync step whose pushes all carried 0 samples: the version advances, nothing is
@@ -461,7 +487,7 @@ class ShardStore:
             self.tables[part.table].apply(part.ids, part.grads, step, scale, checked=True)
             self.counters.add("rows_pushed", part.ids.size)
 
-    def apply_hogwild(self, grad: np.ndarray, rows: list[RowGrads] = ()) -> int:
+    def apply_hogwild(self, grad: np.ndarray, rows: list[RowGrads] = (), away=None) -> int:
         """Apply without the lock (async modes): concurrent callers race on purpose.
 
         The optimizer kernels release the GIL, so pushes from several gRPC threads update
@@ -469,6 +495,7 @@ class ShardStore:
         the wake-up take the lock. Returns the version after this update.
         """
         self.optimizer.step(self.params, grad, max(self.version, 0))
+        self.update_statistics(grad, away)
         self.apply_rows(list(rows), 1.0, max(self.version, 0))
         with self.cond:
             self.version += 1

@@ -210,6 +210,13 @@ def receive_into(dest: np.ndarray, chunks: Iterable[pb.TensorChunk], *more: np.n
         raise InvalidArgument(f"data: the stream ended after {total} of {size} bytes (truncated)")
 
 
+def tensor_spec(t) -> pb.TensorSpec:
+    """A dense tensor (pserver.models.layout.TensorSpec) as Register carries it: momentum only for
+    a moving statistic (unset, it is an ordinary tensor, as from a worker that predates it)."""
+    stats = {} if t.momentum is None else {"momentum": t.momentum}
+    return pb.TensorSpec(name=t.name, shape=t.shape, frozen=t.frozen, **stats)
+
+
 def table_spec(t) -> pb.SparseTableSpec:
     """A pserver.sparse.TableConfig as Register carries it."""
     d = t.to_dict()

@@ -41,7 +41,7 @@ from pserver.errors import (
     Unavailable,
     rpc_error_for,
 )
-from pserver.models.layout import Layout
+from pserver.models.layout import Layout, away_means
 from pserver.observe.status import differing_settings
 from pserver.records import Registration, registration_of
 from pserver.signals import stopping
@@ -109,6 +109,8 @@ class ShardClient:
             response_deserializer=pb.ExportRowsPage.FromString)
         self.info: Registration | None = None
         self.fast: dataplane.DataPlaneChannel | None = None   # same-host shared memory
+        # The mean elements a push here carries apart (pserver.models.layout.away_means).
+        self.away = np.empty(0, np.int64)
         self._joined: tuple | None = None       # Register's arguments, to join a restarted shard
         self.last_flat: np.ndarray | None = None  # where pulls land: weights to re-seed a shard
         self.reset_seen = False                   # after a rejoin, pull what the shard has
@@ -285,10 +287,10 @@ class ShardClient:
                                  num_shards=num_shards, batch_size=batch_size, previous_session=previous,
                                  data_seed=data_order[0], steps_per_epoch=data_order[1],
                                  protocol_version=codec.PROTOCOL_VERSION,
-                                 layout=[pb.TensorSpec(name=t.name, shape=t.shape, frozen=t.frozen)
-                                         for t in layout.tensors],
+                                 layout=[codec.tensor_spec(t) for t in layout.tensors],
                                  tables=[codec.table_spec(t) for t in layout.tables])
         self.info = r = registration_of(self.call(self.stub.Register, req, timeout=timeout))
+        self.away = away_means(layout.statistics_pairs(), r.range_start, r.range_end)
         if self.auto_rank:                    # a rejoin registers the rank shard 0 assigned
             self.auto_rank, rank = False, r.assigned_rank
             self._joined = (rank, *self._joined[1:])
@@ -441,15 +443,15 @@ class ShardClient:
 
     def _push_once(self, grad, rank, step, num_samples, clock, timeout, rows=(),
                    packed=None, then_pull=None, lease=None) -> tuple[str, int, bool, tuple[int, bool] | None]:
-        # The data plane carries float32 only: a compressed push goes over gRPC. A data lease's
-        # progress rides in its frame (WITH_LEASE).
-        if packed is None and self.fast is not None and frames.fits([(ids.size, g.shape[1])
-                                                                    for _, ids, g in rows]):
+        # The data plane carries float32 only: a compressed push goes over gRPC, and so does one
+        # with statistics carried apart. A data lease's progress rides in its frame (WITH_LEASE).
+        if packed is None and self.fast is not None and not self.away.size and frames.fits(
+                [(ids.size, g.shape[1]) for _, ids, g in rows]):
             outcome, version, finished, pulled = self.fast.push(self.own(grad), step, num_samples, clock,
                                                                 timeout, rows, then_pull, lease)
             return OUTCOMES.get(outcome, "unknown"), version, finished, pulled
         header = pb.TensorHeader(rank=rank, shard=self.index, step=step, num_samples=num_samples,
-                                 clock=clock, session=self.session,
+                                 clock=clock, session=self.session, statistics=grad[self.away],
                                  sparse=[pb.SparsePart(table=t, num_ids=ids.size) for t, ids, _ in rows])
         if lease is not None:
             header.has_lease = True
@@ -473,6 +475,12 @@ class ShardClient:
 
     def status(self, timeout: float) -> pb.StatusReply:
         return self.call(self.stub.Status, pb.StatusRequest(), timeout=timeout)
+
+    def set_lr(self, rank: int, lr: float, timeout: float) -> int:
+        """The chief's new base learning rate on this shard; the version it follows."""
+        request = pb.SetLearningRateRequest(rank=rank, session=self.session, lr=lr)
+        return self.resilient(lambda: self.call(self.stub.SetLearningRate, request, timeout=timeout),
+                              timeout).version
 
     def lease_data(self, request: pb.LeaseDataRequest, timeout: float) -> pb.LeaseDataReply:
         request.session = self.session
@@ -630,6 +638,10 @@ class PSClient:
         this rank's position, which each Registration returns (docs/semantics.md, "Resuming")."""
         # versions stay "none seen": the first pull takes whatever is current, which for
         # a restarted worker is the version the others have reached.
+        if self.compression.name != "none" and any(t.momentum is not None for t in layout.tensors):
+            raise ConfigError(f"--compress {self.compression.name}: the model has moving statistics "
+                              "(BatchNormalization), which a lossy push would round and carry into the next "
+                              "step; train it without --compress")
         if self.rank == AUTO_RANK:             # a slot no live auto worker holds, and the rank it kept
             self.session_file = SessionFile.auto_slot(self.session_file.directory,
                                                       [s.address for s in self.shards])
@@ -861,6 +873,11 @@ class PSClient:
     def checkpoint(self) -> list[tuple[str, int]]:
         """Ask every shard to write a checkpoint now; ("", version) where it keeps none."""
         return self.each(lambda s: s.checkpoint(self.rank, self.rpc_deadline))
+
+    def set_lr(self, lr: float) -> list[int]:
+        """The chief's new base learning rate on every shard, between two of its steps (so every
+        shard takes it at the same step in sync); each shard's version it follows."""
+        return self.each(lambda s: s.set_lr(self.rank, lr, self.rpc_deadline))
 
     def export_table(self, table: str, timeout: float = 600.0):
         """Every row of `table` on every shard: ([each shard's version], total rows, pages of

@@ -75,9 +75,11 @@ def sparse_tables(model) -> list:
 
 
 def registered_layout(model) -> Layout:
-    """What the shards are told: the dense tensors (those frozen now marked) and the sparse tables."""
+    """What the shards are told: the dense tensors (those frozen now marked, and the moving
+    statistics, which stay frozen) and the sparse tables."""
     frozen = getattr(model, "frozen_weights", list)()
-    return Layout(model.layout.tensors, tuple(sparse_tables(model))).freezing(frozen)
+    stats = [t.name for t in model.layout.tensors if t.momentum is not None]
+    return Layout(model.layout.tensors, tuple(sparse_tables(model))).freezing([*frozen, *stats])
 
 
 class Rows:
@@ -336,6 +338,7 @@ class NoCallbacks:
     def on_epoch_end(self, epoch, logs=None): pass
     def on_train_end(self, logs=None): pass
     def on_weights(self, w): pass
+    def lr_change(self): return None
 
 
 def train(run: Run, source: Slices | Leases) -> dict:
@@ -402,6 +405,7 @@ def end_epoch(run: Run, ended: EpochEnd) -> bool:
         logs = chief_logs(run.client, run.rank, ended.epoch, run.push_empty if run.empty_counts else None)
     run.callbacks.on_weights(run.w)               # the weights a callback saves (ModelCheckpoint)
     run.callbacks.on_epoch_end(ended.epoch, logs)
+    run.follow_lr()
     if ended.shared and run.chief:
         run.client.epoch_logs(ended.epoch, share=(run.callbacks.epoch_logs, run.callbacks.stop_training))
     return run.callbacks.stop_training

@@ -69,6 +69,18 @@ class Run:
         self.epoch_started = time.monotonic()
         if epoch < self.cfg.epochs:
             self.callbacks.on_epoch_begin(epoch, {})
+            self.follow_lr()
+
+    def follow_lr(self) -> None:
+        """A learning rate the callbacks set (Keras's LearningRateScheduler, ReduceLROnPlateau):
+        the chief sets it on every shard before its next push, so that in sync every shard takes
+        it at the same step; the other workers' callbacks made the same decision on the chief's
+        logs and only keep it in their model."""
+        lr = self.callbacks.lr_change()
+        if lr is not None and self.chief:
+            self.client.set_lr(lr)
+            self.progress.say(f"learning rate {lr:g} on every shard from the next step (the chief's "
+                              "callbacks)")
 
     def count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1

@@ -60,3 +60,41 @@ def test_early_stopping_stops_every_worker_and_the_chief_s_checkpoint_holds_the_
         final = [final[f"arr_{i}"] for i in range(len(final.files))]
         assert all(np.array_equal(a, b) for a, b in zip(saved, final)), rank
     assert not all(np.array_equal(a, b) for a, b in zip(saved, first))
+
+
+KILLED_CHIEF = """
+import os, signal
+import numpy as np
+import pserver.keras as keras
+from pserver.keras import layers
+rank = int(os.environ["PSERVER_RUN_RANK"])
+rng = np.random.default_rng(0)
+x = rng.normal(size=(640, 4)).astype("float32"); y = (x[:, 0] > 0).astype(int)
+model = keras.Sequential([keras.Input(shape=(4,)), layers.Dense(2, activation="softmax")])
+model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+class Die(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if rank == 0 and epoch == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+h = model.fit(x, y, batch_size=32, epochs=8, verbose=0, validation_split=0.2,
+              callbacks=[keras.callbacks.EarlyStopping(patience=100), Die()])
+print(f"rank {rank} trained all {len(h.epoch)} epochs", flush=True)
+"""
+
+
+def test_a_chief_killed_mid_run_leaves_no_worker_training_alone(tmp_path):
+    """The chief (whose logs steer every worker's callbacks) is SIGKILLed after epoch 2 of 8: the
+    run stops the other worker and the shards, says why, and fails; the shard stopped within the
+    third epoch (16 steps an epoch), not after rank 1 trained the other 6 epochs alone. Catches a
+    runner that waits for the other ranks of a job whose chief died."""
+    import re
+    (tmp_path / "s.py").write_text(KILLED_CHIEF)
+    r = subprocess.run([sys.executable, "-m", "pserver", "run", "--ps", "1", "--workers", "2", "--",
+                        sys.executable, str(tmp_path / "s.py")], capture_output=True, text=True, timeout=120,
+                       env=env_with({}))
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert "worker 0 (rank 0) was killed by signal 9; stopping the other workers and the shards" in out
+    assert "trained all" not in out
+    version = int(re.search(r"shard 0 stopped by SIGTERM at version (\d+)", out).group(1))
+    assert 2 * 16 <= version < 3 * 16, out[-3000:]
