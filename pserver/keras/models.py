@@ -19,13 +19,14 @@ import math
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import numpy as np
 
 from pserver import api
 from pserver.errors import ConfigError, DataError
 from pserver.keras import callbacks as callbacks_module
-from pserver.keras import cluster, optimizers
+from pserver.keras import cluster, data, optimizers
 from pserver.keras._names import missing as _missing
 from pserver.layers import activations, saving
 from pserver.layers.base import Layer, as_shape, init_arguments
@@ -235,15 +236,14 @@ class _Model:
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
             validation_batch_size=None, validation_freq=1):
-        """Keras's fit on arrays; returns a History (also `model.history`)."""
-        _refuse("fit", {}, class_weight=class_weight, sample_weight=sample_weight,
-                steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                validation_batch_size=validation_batch_size,
+        """Keras's fit on arrays, a generator of batches or a keras.utils.PyDataset (pserver.keras.
+        data); returns a History (also `model.history`). sample_weight (one per sample) or
+        class_weight ({class: weight}) weigh each sample's loss as Keras's: sum(w_i * loss_i) / n
+        per batch; the weights go with their samples to every worker."""
+        _refuse("fit", {}, validation_steps=validation_steps, validation_batch_size=validation_batch_size,
                 validation_freq=None if validation_freq == 1 else validation_freq)
         if not self._compiled:
             raise ConfigError("fit: compile the model first (model.compile(optimizer=..., loss=...))")
-        if x is None or y is None:
-            raise ConfigError("fit: give x and y (arrays; datasets and generators are not supported)")
         if shuffle not in (True, False):      # Keras's "batch" is for HDF5 files
             raise ConfigError(f"fit: shuffle must be True or False, got {shuffle!r}")
         if verbose not in ("auto", 0, 1, 2):
@@ -252,32 +252,25 @@ class _Model:
             raise ConfigError(f"fit: validation_split must be in [0, 1), got {validation_split!r}")
         if validation_split and validation_data is not None:
             raise ConfigError("fit: give validation_split or validation_data, not both")
-        x, y = self._arrays(x, y, "fit")
-        if validation_split:                  # the last fraction, before any shuffling (Keras's)
-            at = int(math.ceil(len(x) * (1.0 - validation_split)))
-            x, y, validation_data = x[:at], y[:at], (x[at:], y[at:])
-        elif validation_data is not None:
-            if len(validation_data) != 2:
-                raise ConfigError("fit: validation_data: give (x_val, y_val)")
-            validation_data = self._arrays(*validation_data, "fit: validation_data")
-        has_validation = validation_data is not None
-        if not has_validation:               # the loop evaluates something: a sample, not shown
-            validation_data = (x[:1], y[:1])
-        batch_size = 32 if batch_size is None else batch_size
         place = cluster.current()
-        workers = place.num_workers if place else 1
-        if not isinstance(batch_size, int) or batch_size < workers or batch_size % workers:
-            raise ConfigError(f"fit: batch_size={batch_size!r} is the global batch, split across {workers} "
-                              f"worker(s): give a multiple of {workers}")
+        workers, rank = (place.num_workers, place.rank) if place else (1, 0)
+        if data.streamed(x):
+            x, steps, val = self._fit_stream(x, y, batch_size, epochs, shuffle, sample_weight,
+                                             class_weight, steps_per_epoch, validation_split,
+                                             validation_data, rank, workers)
+            y, per_worker = None, 1
+            _refuse_stopping(callbacks, workers)
+        else:
+            x, y, steps, per_worker, val = self._fit_arrays(x, y, batch_size, sample_weight, class_weight,
+                                                            steps_per_epoch, validation_split,
+                                                            validation_data, workers)
+        validation_data, has_validation, weighted = val.data, val.shown, val.weighted
         if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
             raise ConfigError(f"fit: initial_epoch={initial_epoch!r} must be in [0, epochs={epochs})")
-        rank = place.rank if place else 0
         history = callbacks_module.History()
         user = list(callbacks or ())
         shown = verbose != 0 and rank == 0
-        per_worker = batch_size // workers
-        params = {"epochs": epochs, "verbose": verbose,
-                  "steps": max(1, -(-len(x) // batch_size))}     # the last global batch may be smaller
+        params = {"epochs": epochs, "verbose": verbose, "steps": steps}
         # Keras's order: the user's callbacks, then the epoch line and History, which so see
         # what the callbacks add to the logs (learning_rate)
         listeners = user + ([callbacks_module.EpochLine()] if shown else []) + [history]
@@ -290,7 +283,7 @@ class _Model:
         options = {"epochs": epochs - initial_epoch, "batch_size": per_worker, "seed": cluster.seed(),
                    "no_shuffle": not shuffle, **self.optimizer.gradient_clip()}
         shard_settings = {"mode": "sync", **self.optimizer.settings()}
-        with _quiet(not shown or verbose == 2):      # 2: Keras's epoch lines only
+        with _quiet(not shown or verbose == 2), self._weighted(weighted):      # 2: epoch lines only
             if place is None:
                 api.train(self._core, x, y, ps=OWN_SHARDS, validation_data=validation_data,
                           callbacks=hooks, **options, **shard_settings)
@@ -330,6 +323,98 @@ class _Model:
             raise DataError(f"{what}: x has {len(x)} samples, y {len(y)}")
         return x, y
 
+    def _validation(self, validation_data, sample, weighted: bool) -> "_Validation":
+        """fit's validation data (x, y) with y as training's (the weights' column when training or
+        validation is weighted); without any, a sample the loop evaluates and fit does not show."""
+        if validation_data is None:
+            return _Validation(_weigh(sample, None, weighted), False, weighted)
+        if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
+            raise ConfigError("fit: validation_data: give (x_val, y_val) or (x_val, y_val, sample_weight)")
+        val_x, val_y = self._arrays(*validation_data[:2], "fit: validation_data")
+        val_sw = None if len(validation_data) == 2 else \
+            self._sample_weights(val_y, validation_data[2], None, "fit: validation_data")
+        weighted = weighted or val_sw is not None
+        return _Validation(_weigh((val_x, val_y), val_sw, weighted), True, weighted)
+
+    def _fit_arrays(self, x, y, batch_size, sample_weight, class_weight, steps_per_epoch, validation_split,
+                    validation_data, workers: int):
+        """fit's x and y arrays: (x, y with the weights' column when weighted, the global steps an
+        epoch, the batch per worker, the validation)."""
+        _refuse("fit", {}, steps_per_epoch=steps_per_epoch)
+        if x is None or y is None:
+            raise ConfigError("fit: give x and y (arrays), or x alone: a generator or a PyDataset")
+        x, y = self._arrays(x, y, "fit")
+        sw = self._sample_weights(y, sample_weight, class_weight, "fit")
+        if validation_split:                  # the last fraction, before any shuffling (Keras's)
+            at = int(math.ceil(len(x) * (1.0 - validation_split)))
+            validation_data = (x[at:], y[at:], *(() if sw is None else (sw[at:],)))
+            x, y, sw = x[:at], y[:at], None if sw is None else sw[:at]
+        val = self._validation(validation_data, (x[:1], y[:1]), sw is not None)
+        if val.weighted:                      # the weights travel as y's last column (Functional.unweigh)
+            y = _with_weights(y, sw)
+        batch_size = 32 if batch_size is None else batch_size
+        if not isinstance(batch_size, int) or batch_size < workers or batch_size % workers:
+            raise ConfigError(f"fit: batch_size={batch_size!r} is the global batch, split across "
+                              f"{workers} worker(s): give a multiple of {workers}")
+        steps = max(1, -(-len(x) // batch_size))       # the last global batch may be smaller
+        return x, y, steps, batch_size // workers, val
+
+    def _fit_stream(self, x, y, batch_size, epochs, shuffle, sample_weight, class_weight, steps_per_epoch,
+                    validation_split, validation_data, rank: int, workers: int):
+        """fit's x a generator or a PyDataset: (this worker's batches per epoch, the steps an
+        epoch or None, the validation), each batch made as arrays are (labels, weights)."""
+        _refuse("fit: x is batches", {}, y=y, batch_size=batch_size, sample_weight=sample_weight,
+                validation_split=validation_split or None)
+        batches = data.Batches(x, steps_per_epoch, shuffle, rank, workers, cluster.seed())
+        if not batches.dataset and batches.steps is None and epochs > 1:
+            raise ConfigError("fit: a generator with epochs > 1 needs steps_per_epoch (the batches each "
+                              "worker trains an epoch)")
+        first_x, first_y = self._arrays(*batches.first[:2], "fit: batch 0")
+        weighted = batches.first[2] is not None or class_weight is not None
+        val = self._validation(validation_data, (first_x[:1], first_y[:1]), weighted)
+
+        def convert(batch):
+            bx, by = self._arrays(*batch[:2], "fit: a batch")
+            if (batch[2] is None) != (batches.first[2] is None):
+                raise DataError("fit: every batch has a sample_weight, or none does (as the first)")
+            return bx, _weigh((bx, by), self._sample_weights(by, batch[2], class_weight, "fit: a batch"),
+                              val.weighted)[1]
+        batches.convert = convert
+        return batches.epoch, batches.steps, val
+
+    def _sample_weights(self, y: np.ndarray, sample_weight, class_weight, what: str) -> np.ndarray | None:
+        """Each sample's weight, float32 (n,), from sample_weight or class_weight ({class:
+        weight}, 1 for a class not named, as Keras's); None without either."""
+        if sample_weight is None and class_weight is None:
+            return None
+        if sample_weight is not None and class_weight is not None:
+            raise ConfigError(f"{what}: give sample_weight or class_weight, not both (as Keras)")
+        if self._sparse() or self._core.several:
+            raise ConfigError(f"{what}: sample_weight and class_weight are supported for a model with one "
+                              "output and no sparse tables")
+        if class_weight is not None:
+            if not isinstance(class_weight, dict) or self._core.task != "classification":
+                raise ConfigError(f"{what}: class_weight must be a dict {{class: weight}} for a classifier, "
+                                  f"got {type(class_weight).__name__}")
+            sample_weight = [class_weight.get(int(c), 1.0) for c in np.round(y)]
+        sw = np.asarray(sample_weight, dtype=np.float32)
+        sw = sw[:, 0] if sw.ndim == 2 and sw.shape[1] == 1 else sw
+        if sw.shape != (len(y),):
+            raise DataError(f"{what}: sample_weight has shape {sw.shape}; give one weight per sample "
+                            f"({len(y)},)")
+        if not np.isfinite(sw).all():
+            raise DataError(f"{what}: sample_weight has NaN or Inf values")
+        return sw
+
+    @contextlib.contextmanager
+    def _weighted(self, on: bool):
+        """The core reads y's last column as the sample weights while this runs."""
+        self._core.sample_weighted = on
+        try:
+            yield
+        finally:
+            self._core.sample_weighted = False
+
     # -- inference ------------------------------------------------------------------------------
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -348,10 +433,12 @@ class _Model:
                  callbacks=None, return_dict=False):
         """The loss and the compiled metrics, as Keras's: a scalar without metrics, else
         [loss, metric, ...], or a dict with return_dict=True."""
-        _refuse("evaluate", {}, sample_weight=sample_weight, steps=steps, callbacks=callbacks)
+        _refuse("evaluate", {}, steps=steps, callbacks=callbacks)
         x, y = self._arrays(x, y, "evaluate")
-        ev = self._core.evaluate(self._weights(), x, y, batch_size=batch_size or 4096,
-                                 **self._rows("evaluate"))
+        sw = self._sample_weights(y, sample_weight, None, "evaluate")
+        with self._weighted(sw is not None):
+            ev = self._core.evaluate(self._weights(), x, y if sw is None else _with_weights(y, sw),
+                                     batch_size=batch_size or 4096, **self._rows("evaluate"))
         result = {"loss": ev["loss"], **{m: ev[m] for m in self._core.metrics if m in ev}}
         place = cluster.current()
         if verbose != 0 and (place is None or place.rank == 0):
@@ -596,6 +683,35 @@ def _subclassed(model: _Model, config: dict) -> _Model:
     inner = first.model
     inner._core = model._core
     return inner
+
+
+def _refuse_stopping(callbacks, workers: int) -> None:
+    """Batches from Python on a cluster have no coordinator to share the chief's logs and stop
+    decision (docs/semantics.md): a callback that stops on its logs would stop one worker alone."""
+    stopping = [c for c in callbacks or () if isinstance(c, (callbacks_module.EarlyStopping,
+                                                             callbacks_module.TerminateOnNaN))]
+    if stopping and workers > 1:
+        raise ConfigError(f"fit: {type(stopping[0]).__name__} with a generator or a PyDataset on a cluster "
+                          "is not supported (each worker's logs are its own: one worker would stop alone); "
+                          "give arrays, or fit without it")
+
+
+@dataclass(frozen=True)
+class _Validation:
+    data: tuple          # (x, y): y with the weights' column when `weighted`
+    shown: bool          # given by the user (else a sample: the logs have no val_*)
+    weighted: bool       # training or validation has sample weights
+
+
+def _weigh(xy: tuple, sample_weight, weighted: bool) -> tuple:
+    return (xy[0], _with_weights(xy[1], sample_weight)) if weighted else xy
+
+
+def _with_weights(y: np.ndarray, sample_weight: np.ndarray | None) -> np.ndarray:
+    """y with each sample's weight (1 without weights) as a second column, float32: labels
+    are classes or targets, exact in float32 (classes up to 2**24)."""
+    w = np.ones(len(y), np.float32) if sample_weight is None else sample_weight
+    return np.column_stack([y, w]).astype(np.float32)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""keras.utils: to_categorical, set_random_seed."""
+"""keras.utils: to_categorical, set_random_seed, PyDataset (pserver.keras.data)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.keras._names import missing as _missing
+from pserver.keras.data import PyDataset
 from pserver.launch.run import SEED
 
 
@@ -44,4 +45,4 @@ def set_random_seed(seed: int) -> None:
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
-__all__ = ["to_categorical", "set_random_seed"]
+__all__ = ["to_categorical", "set_random_seed", "PyDataset"]

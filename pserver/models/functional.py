@@ -57,6 +57,9 @@ class Functional(SparseProtocol, Model):
         self.loss = losses.get(loss)
         self.output_activations = ["linear"]   # a softmax/sigmoid fused into the loss: see losses
         self.metrics: list[str] = []
+        # Keras's sample_weight (keras fit and evaluate set it while they run): y then carries
+        # each sample's weight as a last column, so the weights travel wherever rows of y go.
+        self.sample_weighted = False
         self.use_backend(backend)
         self._seeds = itertools.count()
         self._plans: dict[bool, graph.Plan] = {}
@@ -415,6 +418,7 @@ class Functional(SparseProtocol, Model):
         (the worker derives one per rank and step); None takes the next of a counter. A model
         with sparse tables takes the batch's rows as `sparse`, a TableLookup per table, and
         writes their gradients into them (pserver.models.sparse_graph)."""
+        y, sample_weight = self.unweigh(y)
         x, y = self._check_batch(w, x, y)
         # A strided grad_out would make layout.views copy, and the gradient would be lost.
         if grad_out.shape != w.shape or grad_out.dtype != w.dtype or not grad_out.flags.c_contiguous:
@@ -433,7 +437,7 @@ class Functional(SparseProtocol, Model):
         else:
             if self.task != "regression":       # the batch's accuracy, for Keras's per-epoch metric
                 self.batch_correct = metrics.accuracy(ins[-1], y)
-            loss = self.loss(self.kernels, ins[-1], y, bufs.dloss)
+            loss = losses.weighted(self.loss, self.kernels, ins[-1], y, bufs.dloss, sample_weight)
         self._backward(params, grads, ins, bufs)
         return float(loss) + self._regularize(w, grad_out) + self._activity(ins) / x.shape[0]
 
@@ -539,6 +543,17 @@ class Functional(SparseProtocol, Model):
             if hasattr(layer, "check_ids") and step.ins[0] < len(xs):
                 layer.check_ids(xs[step.ins[0]])
 
+    def unweigh(self, y) -> tuple[np.ndarray, np.ndarray | None]:
+        """(labels, sample weights): y's last column split off while the model is weighted
+        (`sample_weighted`), else (y, None)."""
+        if not self.sample_weighted:
+            return y, None
+        y = np.asarray(y)
+        if y.ndim != 2 or y.shape[1] != 2:
+            raise ValueError(f"y has shape {y.shape}; a model trained with sample weights takes "
+                             "(n, 2) rows: each sample's label and weight")
+        return y[:, 0], np.ascontiguousarray(y[:, 1])
+
     def _check_batch(self, w, x, y):
         """x as C-contiguous (n, *input_shape) (records for a sparse model), y as the loss's
         labels; else ValueError."""
@@ -604,7 +619,7 @@ class Functional(SparseProtocol, Model):
         if self.sparse_tables:
             return self._check_record_data(x, y, what)
         try:
-            x, y = self._fit(x, y)
+            x, y = self._fit(x, self.unweigh(y)[0])
             if self._takes_ids:
                 self._check_ids(x)
         except ValueError as e:
@@ -652,6 +667,7 @@ class Functional(SparseProtocol, Model):
         rows filled (the worker pulls them from the shards), for each batch_size records."""
         if self.sparse_tables:
             return _penalized(self._sparse_evaluate(w, x, y, batch_size, rows), self._regularize(w))
+        y, sample_weight = self.unweigh(y)
         x, y = self._check_batch(w, x, y)
         params = self._per_layer(self.layout.views(w))
         n = x.shape[0]
@@ -667,7 +683,8 @@ class Functional(SparseProtocol, Model):
             a = starts[i]
             xb = x[a:a + batch_size]
             vals = self._forward(params, xb, self._buffers(xb.shape[0], w.dtype), Pass(training=False))
-            parts[i] = [_chunk_scores(self.kernels, loss, vals[s], yj[a:a + batch_size])
+            sw = None if sample_weight is None else sample_weight[a:a + batch_size]
+            parts[i] = [_chunk_scores(self.kernels, loss, vals[s], yj[a:a + batch_size], sw)
                         for (loss, yj), s in zip(heads, slots)]
             activity[i] = self._activity(vals, training=False)
 
@@ -682,12 +699,13 @@ def _penalized(logs: dict, penalty: float) -> dict:
     return logs | {"loss": logs["loss"] + penalty} if penalty else logs
 
 
-def _chunk_scores(k, loss: losses.Loss, out: np.ndarray, y: np.ndarray) -> tuple:
+def _chunk_scores(k, loss: losses.Loss, out: np.ndarray, y: np.ndarray, sample_weight=None) -> tuple:
     """One output's sums over a chunk: (loss x samples, samples right or squared error, the
-    scores of a one-logit output for AUC or None)."""
+    scores of a one-logit output for AUC or None). Sample weights weigh the loss only: Keras's
+    compiled `metrics` are unweighted (its `weighted_metrics` are not supported)."""
     # The loss also writes a gradient: a small scratch array, so evaluation never
     # allocates the per-layer gradient buffers (at 4096 images, hundreds of MB).
-    total = loss(k, out, y, np.empty_like(out)) * out.shape[0]
+    total = losses.weighted(loss, k, out, y, np.empty_like(out), sample_weight) * out.shape[0]
     if loss.task == "regression":
         return total, float(np.sum((out[:, 0].astype(np.float64) - y) ** 2)), None
     return total, metrics.accuracy(out, y), out[:, 0].copy() if out.shape[1] == 1 else None

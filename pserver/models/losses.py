@@ -164,6 +164,29 @@ class MeanSquaredError(Loss):
         return y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
 
 
+def weighted(loss: Loss, k, out: np.ndarray, y: np.ndarray, dout: np.ndarray,
+             sample_weight: np.ndarray | None = None) -> float:
+    """`loss` with Keras's sample weights (sample_weight, class_weight) and its default
+    "sum_over_batch_size" reduction: sum(w_i * l_i) / n, each row's gradient times w_i; without
+    weights, `loss` as it is. The kernels give a batch's mean, so each distinct weight's rows are
+    run once more for their loss (a class_weight's few values; every row for weights that all
+    differ): one weight for the whole batch is just a scale, and weights of 1 change nothing."""
+    value = loss(k, out, y, dout)
+    if sample_weight is None:
+        return value
+    sw = np.asarray(sample_weight, dtype=dout.dtype)
+    dout *= sw.reshape(-1, *[1] * (dout.ndim - 1))
+    distinct, which = np.unique(sw, return_inverse=True)
+    if len(distinct) == 1:
+        return value if distinct[0] == 1 else float(distinct[0]) * value
+    total, scratch = 0.0, np.empty_like(out)
+    for j, v in enumerate(distinct):
+        rows = np.flatnonzero(which == j)
+        if v != 0:
+            total += float(v) * loss(k, out[rows], y[rows], scratch[:len(rows)]) * len(rows)
+    return total / len(sw)
+
+
 _NAMES = {"sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
           "categorical_crossentropy": CategoricalCrossentropy,
           "binary_crossentropy": BinaryCrossentropy,
@@ -182,4 +205,4 @@ def get(spec) -> Loss:
 
 
 __all__ = ["Loss", "SparseCategoricalCrossentropy", "CategoricalCrossentropy", "BinaryCrossentropy",
-           "MeanSquaredError", "get"]
+           "MeanSquaredError", "get", "weighted"]
