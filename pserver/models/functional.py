@@ -66,6 +66,7 @@ class Functional(SparseProtocol, Model):
         self._sparse = None
         self._buffers = BatchBuffers(lambda n, dtype: ModelBuffers(self, n, dtype))
         self._views_kept: dict[int, tuple] = {}       # _layer_views: id(flat) -> (flat, views)
+        self._regs: tuple | None = None
 
     def _connect(self, inputs, outputs) -> None:
         """The graph from `inputs` to `outputs`; its layers (in order of first use) named."""
@@ -219,6 +220,7 @@ class Functional(SparseProtocol, Model):
         self._link_loss()
         self._shapes, self._layout, self._weights = shapes, layout, weights
         self._views_kept = {}
+        self._regs = None             # _regularizers, found again for the new weights
 
     def _check_loss(self, shapes) -> None:
         """Each output's units against its loss."""
@@ -444,23 +446,32 @@ class Functional(SparseProtocol, Model):
     def _activity(self, vals: list, training: bool = True) -> float:
         """The layers' activity_regularizer penalties on their outputs in `vals`, summed (Keras
         divides by the batch size: the caller does)."""
-        plan = self._plan(training)
-        regs = [(getattr(plan.layers[st.layer], "activity_regularizer", None), st.out)
-                for st in plan.steps if st.op is None]
-        return sum(reg(vals[out]) for reg, out in regs if reg is not None)
+        return sum(reg(vals[out]) for reg, out in self._regularizers()[1 + bool(training)])
 
     def _regularize(self, w, grad_out=None) -> float:
         """The weights' regularization penalty, which Keras adds to the loss (keras.regularizers:
         kernel_regularizer, ...); its gradient is added to grad_out when given."""
-        total, offsets, built = 0.0, self.layout.offsets(), self.build()
-        for layer, weights in zip(built.layers, built._weights):
-            for weight in weights:
-                if weight.regularizer is not None:
-                    a, b = offsets[f"{layer.name}/{weight.name}"]
-                    total += weight.regularizer(w[a:b])
-                    if grad_out is not None:
-                        weight.regularizer.add_gradient(w[a:b], grad_out[a:b])
+        total = 0.0
+        for reg, a, b in self._regularizers()[0]:
+            total += reg(w[a:b])
+            if grad_out is not None:
+                reg.add_gradient(w[a:b], grad_out[a:b])
         return total
+
+    def _regularizers(self) -> tuple[list, list, list]:
+        """(each weight regularizer with its [start, end) in the flat vector; the activity
+        regularizers with the slot each reads, at inference, in training), found once per build:
+        every step asks, and a model without any must pay nothing for them."""
+        if self._regs is None:
+            built, offsets = self.build(), self.layout.offsets()
+            weights = [(weight.regularizer, *offsets[f"{layer.name}/{weight.name}"])
+                       for layer, ws in zip(built.layers, built._weights) for weight in ws
+                       if weight.regularizer is not None]
+            activity = [[(reg, st.out) for st in plan.steps if st.op is None
+                         for reg in [getattr(plan.layers[st.layer], "activity_regularizer", None)]
+                         if reg is not None] for plan in (self._plan(False), self._plan(True))]
+            self._regs = (weights, *activity)
+        return self._regs
 
     def _batch_sums(self, outs: list, y: np.ndarray) -> dict:
         """A batch's per-output logs, as sums over its samples (each loss x n, the samples an
