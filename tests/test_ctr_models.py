@@ -133,12 +133,19 @@ def test_sparse_embedding_bad_arguments(make, match):
         make()
 
 
-def test_sparse_embedding_is_not_for_sequential():
+def test_a_sequential_with_a_sparse_embedding_is_a_model_with_sparse_tables():
+    """Its one input is a record field of int64 ids (a sparse table's ids are 64-bit: an int32
+    field would wrap them), it declares the table, and a step without the batch's rows is refused
+    naming the tables. Fails if the input is int32 or the table is not found."""
     model = Sequential([Embedding(None, 2, sparse=True, input_shape=(3,)), Flatten(), Dense(1)],
                        loss="binary_crossentropy", backend="reference")
     w = model.init_params(0)
-    with pytest.raises(ConfigError, match="sparse Embedding trains in a model with sparse tables"):
-        model.loss_and_grad(w, np.zeros((2, 3), np.int64), np.zeros(2), np.empty_like(w))
+    assert [t.name for t in model.sparse_tables] == ["embedding"]
+    assert model.record["input_0"].base == np.int64
+    x = model.pack(np.full((2, 3), 2**40, np.int64))
+    assert (x["input_0"] == 2**40).all()
+    with pytest.raises(ValueError, match=r"has 1 sparse tables \(embedding\); got 0 lookups"):
+        model.loss_and_grad(w, x, np.zeros(2), np.empty_like(w))
 
 
 # -- the models: structure ----------------------------------------------------------------------

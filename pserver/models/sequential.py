@@ -55,7 +55,7 @@ class Sequential(Functional):
             raise ConfigError(f"{self.name}: no input shape; give input_shape= to the first layer "
                               "or to Sequential")
         self._check_names()
-        h = x = Symbolic((None, *as_shape("input_shape", shape)), "int32" if self._takes_ids else "float32")
+        h = x = Symbolic((None, *as_shape("input_shape", shape)), self._input_dtype)
         for layer in self.layers:
             h = layer(h)
         self._connect(x, h)
@@ -64,6 +64,14 @@ class Sequential(Functional):
     @property
     def _takes_ids(self) -> bool:
         return getattr(self.layers[0], "takes_ids", False)
+
+    @property
+    def _input_dtype(self) -> str:
+        """float32, or ids: int32 for a dense Embedding's rows, int64 for a sparse one's
+        (unbounded 64-bit ids, its records' field)."""
+        if not self._takes_ids:
+            return "float32"
+        return "int64" if getattr(self.layers[0], "sparse", False) else "int32"
 
     # -- configs (Keras's get_config / from_config) --------------------------------------------
 

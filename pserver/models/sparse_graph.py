@@ -97,10 +97,15 @@ class SparseProtocol:
         out = np.empty(n, self.record)
         for k, a in arrays.items():
             want = self.record[k]
-            if len(a) != n or a.shape[1:] != want.shape or a.dtype.kind not in ("iu" if want.base.kind in "iu"
-                                                                                   else "iuf"):
+            ids = want.base.kind in "iu"
+            if len(a) != n or a.shape[1:] != want.shape or a.dtype.kind not in ("iu" if ids else "iuf"):
                 raise ValueError(f"input {k!r}: x has {a.dtype} of shape {a.shape}; it takes {want.base} "
                                  f"of shape (n, {', '.join(map(str, want.shape))}) with n = {n}")
+            if ids and a.size and not np.can_cast(a.dtype, want.base):     # a narrowing cast must not wrap
+                bounds = np.iinfo(want.base)
+                if a.min() < bounds.min or a.max() > bounds.max:
+                    raise ValueError(f"input {k!r}: x holds ids beyond {want.base}; give Input(..., "
+                                     "dtype='int64') for 64-bit ids")
             out[k] = a
         return out
 
