@@ -22,11 +22,11 @@ class Regularizer:
     (its penalty would need a gradient the model cannot trace)."""
 
     def __call__(self, w: np.ndarray) -> float:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define its penalty, __call__(w)")
 
     def add_gradient(self, w: np.ndarray, g: np.ndarray, scale: float = 1.0) -> None:
         """g += scale * d penalty / d w."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define add_gradient(w, g, scale)")
 
     def get_config(self) -> dict:
         return {}

@@ -64,7 +64,9 @@ class Checkpointer:
         # the next file is a base (at start, and after a failed write, whose delta is lost).
         self.chain: list[int] | None = None
         self.written: tuple[int, str] | None = None   # (version, path) of the last file written
-        self.leases_written: dict | None = None   # and the data coordinator's state in it
+        # and what else it holds that may move at one version: (the data coordinator's state,
+        # the chief's learning rate); a change of either writes that version again
+        self.state_written: tuple | None = None
         self.chain_id = ""                        # the chain's id: its base's and deltas' meta["chain"]
         self.aside_peak = 0                       # bytes kept aside by the last write (copy-on-write)
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
@@ -127,9 +129,9 @@ class Checkpointer:
             with self.store.cond:
                 self.store.require_configured()
                 version = self.store.version
-                leases = (self.store.coordinator.state(), self.store.lr_set)
+                state = (self.store.coordinator.state(), self.store.lr_set)
             again = self.written is not None and self.written[0] == version
-            if again and leases == self.leases_written:
+            if again and state == self.state_written:
                 taken.set()                   # nothing changed since: that file is this version
                 self._end(*self.written)
                 return self.written
@@ -161,7 +163,7 @@ class Checkpointer:
             self.chain = [version, size, 0, 1] if kind is None else \
                 [self.chain[0], self.chain[1], self.chain[2] + size, self.chain[3] + 1]
             self.written = (version, result)
-            self.leases_written = (dump.meta["coordinator"], dump.meta.get("lr_set"))
+            self.state_written = (dump.meta["coordinator"], dump.meta.get("lr_set"))
             prune(self.directory, self.cfg.shard, self.cfg.num_shards, run=self.run_id)
             self.store.counters.add("checkpoints_written")
             log.info("shard %d: checkpoint at version %d written to %s (%s)", self.cfg.shard, version, result,
