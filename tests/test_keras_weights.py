@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import pserver.keras as keras
 from pserver.errors import ConfigError, DataError
 from pserver.keras import layers
-from pserver.kernels import reference
+from pserver.kernels import cpu, reference
 from pserver.models import losses
 from pserver.models.functional import Functional
 from pserver.ops.core import Symbolic
@@ -31,18 +31,18 @@ def _labels(loss, rng, n):
 
 @settings(max_examples=30, deadline=None)
 @given(st.sampled_from(LOSSES), st.integers(1, 9), st.integers(0, 2**16),
-       st.sampled_from(["few", "each", "zeros"]))
-def test_a_weighted_loss_is_the_weighted_sum_of_each_sample_s_loss_over_n(loss_units, n, seed, kind):
+       st.sampled_from(["few", "each", "zeros"]), st.sampled_from([reference, cpu]))
+def test_a_weighted_loss_is_the_weighted_sum_of_each_sample_s_loss_over_n(loss_units, n, seed, kind, k):
     """Catches: dividing by the sum of the weights (Keras's default divides by n), a weight
-    applied to the loss but not to its row's gradient (or twice), rows grouped by weight
-    mixed up (np.unique's inverse), a zero weight's rows counted."""
+    applied to the loss but not to its row's gradient (or twice), a kernel's row losses
+    (row_loss) wrong or not doubled for MSE, a zero weight's rows counted."""
     loss, units = loss_units
     rng = np.random.default_rng(seed)
     out, y = rng.normal(size=(n, units)), _labels(loss, rng, n)
     sw = {"few": rng.choice([0.5, 2.0], n), "each": rng.uniform(0, 3, n),
           "zeros": np.where(rng.random(n) < 0.5, 0.0, 1.5)}[kind]
     dout = np.empty_like(out)
-    value = losses.weighted(loss, reference, out, y, dout, sw)
+    value = losses.weighted(loss, k, out, y, dout, sw)
     each, grads = [], []
     for i in range(n):           # one sample at a time: its own loss and gradient
         d = np.empty_like(out[i:i + 1])

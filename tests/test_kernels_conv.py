@@ -330,9 +330,12 @@ def test_sigmoid_bce(n, seed, scale, column):
     if not column:
         z = z[:, 0].copy()
     got, want = nans(z.shape), nans(z.shape)
-    loss_c, loss_r = cpu.sigmoid_bce(z, y, got), reference.sigmoid_bce(z, y, want)
+    rows_c, rows_r = np.full(n, np.nan), np.full(n, np.nan)
+    loss_c, loss_r = cpu.sigmoid_bce(z, y, got, rows_c), reference.sigmoid_bce(z, y, want, rows_r)
     assert loss_c == pytest.approx(loss_r, rel=1e-5, abs=1e-6)
     close(got, want, 1e-6)
+    close(rows_c, rows_r, 1e-6)                 # each row's loss, whose mean is the loss
+    assert rows_c.mean() == pytest.approx(loss_c, rel=1e-12, abs=1e-12)
     z64 = z.reshape(-1).astype(np.float64)   # -log p(y) = log(1 + e^z) - y*z, in float64
     assert loss_r == pytest.approx(np.mean(np.logaddexp(0, z64) - y * z64), rel=1e-5, abs=1e-6)
     close(want.reshape(-1), (1 / (1 + np.exp(-z64)) - y) / n, 1e-6)

@@ -98,11 +98,12 @@ def dense_backward(x, W, dz, dW, db, dx, relu):
 
 
 @njit(cache=True, nogil=True)
-def softmax_xent(logits, y, dlogits):
+def softmax_xent(logits, y, dlogits, row_loss=None):
     """Mean cross-entropy over the batch; dlogits[:] = (softmax - onehot(y)) / n.
 
     logits (n, k), y (n,) int labels in [0, k), dlogits (n, k). Rows are shifted by their
-    max before exp, so large logits do not overflow.
+    max before exp, so large logits do not overflow. row_loss (n,) float64, when given, gets
+    each row's loss (for weighted losses: numba compiles the None case without the stores).
     """
     n, k = logits.shape
     inv_n = 1.0 / n
@@ -118,7 +119,10 @@ def softmax_xent(logits, y, dlogits):
             e = np.exp(logits[i, j] - m)
             dlogits[i, j] = e
             s += e
-        total += np.log(s) - (logits[i, label] - m)
+        li = np.log(s) - (logits[i, label] - m)
+        if row_loss is not None:
+            row_loss[i] = li
+        total += li
         scale = inv_n / s
         for j in range(k):
             dlogits[i, j] *= scale
@@ -127,8 +131,9 @@ def softmax_xent(logits, y, dlogits):
 
 
 @njit(cache=True, nogil=True)
-def mse(pred, y, dpred):
-    """0.5 * mean((pred[:, 0] - y)^2); dpred[:] = (pred - y) / n. pred, dpred (n, 1), y (n,)."""
+def mse(pred, y, dpred, row_loss=None):
+    """0.5 * mean((pred[:, 0] - y)^2); dpred[:] = (pred - y) / n. pred, dpred (n, 1), y (n,);
+    row_loss (n,) float64, when given, gets each row's 0.5 * (pred - y)^2."""
     if pred.shape[1] != 1:
         raise ValueError("mse: pred must have one column")
     n = pred.shape[0]
@@ -136,7 +141,10 @@ def mse(pred, y, dpred):
     for i in range(n):
         r = pred[i, 0] - y[i]
         dpred[i, 0] = r / n
-        total += np.float64(r) * r
+        li = np.float64(r) * r
+        if row_loss is not None:
+            row_loss[i] = 0.5 * li
+        total += li
     return 0.5 * total / n
 
 
@@ -148,11 +156,12 @@ def _sigmoid(z):
 
 
 @njit(cache=True, nogil=True)
-def sigmoid_bce(logits, y, dlogits):
+def sigmoid_bce(logits, y, dlogits, row_loss=None):
     """Mean binary cross-entropy from logits; dlogits[:] = (sigmoid(logits) - y) / n.
 
     logits and dlogits (n, 1) or (n,), y (n,) of 0/1 floats. Written as
     max(z, 0) - z*y + log(1 + exp(-|z|)), which neither overflows nor loses the small terms.
+    row_loss (n,) float64, when given, gets each row's term.
     """
     z, d = logits.reshape(logits.size), dlogits.reshape(dlogits.size)
     n = z.shape[0]
@@ -160,7 +169,10 @@ def sigmoid_bce(logits, y, dlogits):
     for i in range(n):
         v, t = z[i], y[i]
         d[i] = (_sigmoid(v) - t) / n
-        total += max(v, 0) - v * t + np.log1p(np.exp(-abs(v)))
+        li = max(v, 0) - v * t + np.log1p(np.exp(-abs(v)))
+        if row_loss is not None:
+            row_loss[i] = li
+        total += li
     return total / n
 
 

@@ -42,11 +42,12 @@ def relu_backward(dx, a):
     dx[~(a > 0)] = 0
 
 
-def softmax_xent(logits, y, dlogits):
+def softmax_xent(logits, y, dlogits, row_loss=None):
     """Mean cross-entropy over the batch; dlogits[:] = (softmax - onehot(y)) / n.
 
     logits (n, k), y (n,) int labels in [0, k), dlogits (n, k). Rows are shifted by their
-    max before exp, so large logits do not overflow.
+    max before exp, so large logits do not overflow. row_loss (n,), when given, gets each
+    row's loss.
     """
     n, k = logits.shape
     if n and (y.min() < 0 or y.max() >= k):
@@ -55,20 +56,27 @@ def softmax_xent(logits, y, dlogits):
     np.exp(z, out=dlogits)
     s = dlogits.sum(axis=1, dtype=np.float64)
     rows = np.arange(n)
-    loss = float(np.sum(np.log(s) - z[rows, y]) / n)
+    terms = np.log(s) - z[rows, y]
+    if row_loss is not None:
+        row_loss[:] = terms
+    loss = float(np.sum(terms) / n)
     dlogits *= (1.0 / (n * s))[:, None].astype(dlogits.dtype)
     dlogits[rows, y] -= dlogits.dtype.type(1.0 / n)
     return loss
 
 
-def mse(pred, y, dpred):
-    """0.5 * mean((pred[:, 0] - y)^2); dpred[:] = (pred - y) / n. pred, dpred (n, 1), y (n,)."""
+def mse(pred, y, dpred, row_loss=None):
+    """0.5 * mean((pred[:, 0] - y)^2); dpred[:] = (pred - y) / n. pred, dpred (n, 1), y (n,);
+    row_loss (n,), when given, gets each row's 0.5 * (pred - y)^2."""
     if pred.shape[1] != 1:
         raise ValueError("mse: pred must have one column")
     n = pred.shape[0]
     r = pred[:, 0] - y
     dpred[:, 0] = r / dpred.dtype.type(n)
-    return float(0.5 * np.sum(r.astype(np.float64) ** 2) / n)
+    terms = r.astype(np.float64) ** 2
+    if row_loss is not None:
+        row_loss[:] = 0.5 * terms
+    return float(0.5 * np.sum(terms) / n)
 
 
 # -- twins of the CUDA kernels that have no CPU counterpart above ---------------------------
@@ -94,11 +102,12 @@ def _sigmoid(z):
     return np.where(z >= 0, 1 / (1 + e), e / (1 + e)).astype(z.dtype)
 
 
-def sigmoid_bce(logits, y, dlogits):
+def sigmoid_bce(logits, y, dlogits, row_loss=None):
     """Mean binary cross-entropy from logits; dlogits[:] = (sigmoid(logits) - y) / n.
 
     logits and dlogits (n, 1) or (n,), y (n,) of 0/1 floats. Written as
     max(z, 0) - z*y + log(1 + exp(-|z|)), which neither overflows nor loses the small terms.
+    row_loss (n,), when given, gets each row's term.
     """
     z = logits.reshape(-1)
     n = z.shape[0]
@@ -106,6 +115,8 @@ def sigmoid_bce(logits, y, dlogits):
     p = _sigmoid(z)
     dlogits.reshape(-1)[:] = (p - t) / dlogits.dtype.type(n)
     terms = np.maximum(z, 0) - z * t + np.log1p(np.exp(-np.abs(z)))
+    if row_loss is not None:
+        row_loss[:] = terms
     return float(np.sum(terms, dtype=np.float64) / n)
 
 

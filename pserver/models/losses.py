@@ -1,7 +1,8 @@
 """Losses with Keras's names, computed from the model's raw outputs (logits).
 
 Each writes d loss / d output into a buffer of the output's shape and returns the mean loss
-over the batch. `task` says what labels it takes: integer classes, or float targets.
+over the batch (and, when asked, each row's loss: sample weights need them). `task` says
+what labels it takes: integer classes, or float targets.
 
 A cross-entropy takes probabilities (from_logits=False) when the last layer ends in
 activation="softmax" (or "sigmoid" for binary_crossentropy), as in Keras: Sequential then runs
@@ -49,8 +50,14 @@ class Loss(abc.ABC):
         return {"name": self.name}
 
     @abc.abstractmethod
-    def __call__(self, k, out: np.ndarray, y: np.ndarray, dout: np.ndarray) -> float:
-        """Mean loss of `out` against `y` over the batch; its gradient into `dout` (kernels `k`)."""
+    def __call__(self, k, out: np.ndarray, y: np.ndarray, dout: np.ndarray, row_loss=None) -> float:
+        """Mean loss of `out` against `y` over the batch; its gradient into `dout` (kernels `k`);
+        each row's loss into `row_loss` (n,) float64 when given (the CPU kernels and twins)."""
+
+
+def _run(kernel, out, y, dout, row_loss) -> float:
+    """A loss kernel, with its row_loss output only when asked (the CUDA kernels take none)."""
+    return kernel(out, y, dout) if row_loss is None else kernel(out, y, dout, row_loss)
 
 
 class _FromLogits(Loss):
@@ -90,8 +97,8 @@ class SparseCategoricalCrossentropy(_FromLogits):
             raise ConfigError(f"{where}: {self.name} needs at least 2 outputs (one per class), "
                               f"the last layer has {units}")
 
-    def __call__(self, k, out, y, dout):
-        return k.softmax_xent(out, y, dout)
+    def __call__(self, k, out, y, dout, row_loss=None):
+        return _run(k.softmax_xent, out, y, dout, row_loss)
 
 
 class BinaryCrossentropy(_FromLogits):
@@ -111,8 +118,8 @@ class BinaryCrossentropy(_FromLogits):
     def label_dtype(self, dtype):
         return np.dtype(dtype)
 
-    def __call__(self, k, out, y, dout):
-        return k.sigmoid_bce(out, y, dout)
+    def __call__(self, k, out, y, dout, row_loss=None):
+        return _run(k.sigmoid_bce, out, y, dout, row_loss)
 
 
 class CategoricalCrossentropy(SparseCategoricalCrossentropy):
@@ -151,11 +158,13 @@ class MeanSquaredError(Loss):
     def label_dtype(self, dtype):
         return np.dtype(dtype)
 
-    def __call__(self, k, out, y, dout):
+    def __call__(self, k, out, y, dout, row_loss=None):
         # The kernel computes half the squared error (gradient (pred - y) / n); Keras's MSE is
         # twice that, and so is its gradient.
-        loss = k.mse(out, y, dout)
+        loss = _run(k.mse, out, y, dout, row_loss)
         dout *= dout.dtype.type(2)
+        if row_loss is not None:
+            row_loss *= 2.0
         return 2.0 * loss
 
 
@@ -168,23 +177,18 @@ def weighted(loss: Loss, k, out: np.ndarray, y: np.ndarray, dout: np.ndarray,
              sample_weight: np.ndarray | None = None) -> float:
     """`loss` with Keras's sample weights (sample_weight, class_weight) and its default
     "sum_over_batch_size" reduction: sum(w_i * l_i) / n, each row's gradient times w_i; without
-    weights, `loss` as it is. The kernels give a batch's mean, so each distinct weight's rows are
-    run once more for their loss (a class_weight's few values; every row for weights that all
-    differ): one weight for the whole batch is just a scale, and weights of 1 change nothing."""
-    value = loss(k, out, y, dout)
+    weights, `loss` as it is. One kernel call: it writes each row's loss l_i beside the mean.
+    One weight for the whole batch is just a scale of the mean (weights of 1 change no bit)."""
     if sample_weight is None:
-        return value
+        return loss(k, out, y, dout)
     sw = np.asarray(sample_weight, dtype=dout.dtype)
+    same = len(sw) and bool(np.all(sw == sw[0]))
+    rows = None if same else np.empty(len(sw), np.float64)
+    value = loss(k, out, y, dout, rows)
     dout *= sw.reshape(-1, *[1] * (dout.ndim - 1))
-    distinct, which = np.unique(sw, return_inverse=True)
-    if len(distinct) == 1:
-        return value if distinct[0] == 1 else float(distinct[0]) * value
-    total, scratch = 0.0, np.empty_like(out)
-    for j, v in enumerate(distinct):
-        rows = np.flatnonzero(which == j)
-        if v != 0:
-            total += float(v) * loss(k, out[rows], y[rows], scratch[:len(rows)]) * len(rows)
-    return total / len(sw)
+    if same:
+        return value if sw[0] == 1 else float(sw[0]) * value
+    return float(np.dot(sw.astype(np.float64), rows) / len(sw)) if len(sw) else 0.0
 
 
 _NAMES = {"sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
