@@ -32,6 +32,7 @@ import numpy as np
 from pserver.errors import ConfigError
 from pserver.keras import cluster
 from pserver.keras._names import missing as _missing
+from pserver.models.metrics import values_of
 
 
 class Callback:
@@ -494,6 +495,7 @@ class CallbackList:
     def on_epoch_begin(self, epoch, logs=None):
         self._loss = self._correct = self._seen = 0.0
         self._sums: dict[str, float] = {}      # several outputs: each one's loss and accuracy
+        self._metric_sums = np.zeros(0)        # the compiled Metric objects' (pserver.models.metrics)
         for c in self.callbacks:
             c.on_epoch_begin(epoch + self.offset, logs)
 
@@ -504,10 +506,14 @@ class CallbackList:
         self._correct += getattr(self.model._core, "batch_correct", 0)
         for k, v in getattr(self.model._core, "batch_sums", {}).items():
             self._sums[k] = self._sums.get(k, 0.0) + v
+        batch = getattr(self.model._core, "batch_metric_sums", ())
+        self._metric_sums = self._metric_sums + batch if self._metric_sums.size else \
+            np.array(batch, np.float64)
         out = {"loss": self._loss / self._seen}
         if "accuracy" in self.metrics:
             out["accuracy"] = self._correct / self._seen
         out.update({k: v / self._seen for k, v in self._sums.items()})
+        out.update(self._metric_values(self._metric_sums))
         for c in self.callbacks:
             c.on_train_batch_end(batch, out)
 
@@ -529,11 +535,13 @@ class CallbackList:
         trained = (logs or {}).get("trained")
         if trained and trained["samples"]:
             loss, correct, seen = trained["loss_sum"], trained["correct"], trained["samples"]
+            sums = np.asarray(trained.get("metric_sums", ()), np.float64)
         else:
-            loss, correct, seen = self._loss, self._correct, self._seen
+            loss, correct, seen, sums = self._loss, self._correct, self._seen, self._metric_sums
         out = {"loss": loss / max(seen, 1)}
         if "accuracy" in self.metrics:
             out["accuracy"] = correct / max(seen, 1)
+        out.update(self._metric_values(sums))
         # Several outputs: each one's loss and accuracy over this worker's own batches (the
         # shards sum only the total's).
         out.update({k: v / max(self._seen, 1) for k, v in self._sums.items()})
@@ -545,6 +553,13 @@ class CallbackList:
     def on_train_end(self, logs=None):
         for c in self.callbacks:
             c.on_train_end(logs)
+
+    def _metric_values(self, sums: np.ndarray) -> dict:
+        """The compiled Metric objects' values from their summed state (none before any batch)."""
+        objects = getattr(self.model._core, "metric_objects", [])
+        if not objects or sums.size != sum(m.size() for m in objects):
+            return {}
+        return values_of(objects, sums)
 
     def lr_change(self) -> float | None:
         """The optimizer's learning rate when a callback changed it since the last call (the chief
