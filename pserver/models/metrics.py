@@ -51,6 +51,7 @@ class Metric:
     """Keras's Metric over a vector of sums: `sums` of a batch, `value` of the summed state;
     update_state/result/reset_state as Keras's for eager use."""
     default_name = "metric"
+    direction = "up"          # Keras's _direction: "auto" monitoring maximizes it ("down": minimizes)
 
     def __init__(self, name=None, dtype=None):
         self.name = name or self.default_name
@@ -108,6 +109,7 @@ def _ratio(a: float, b: float) -> float:
 
 class _Mean(Metric):
     """A mean over samples of each sample's error, averaged over its columns: (sum, samples)."""
+    direction = "down"
 
     def error(self, pred: np.ndarray, y: np.ndarray) -> np.ndarray:
         raise NotImplementedError
