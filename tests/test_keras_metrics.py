@@ -89,7 +89,8 @@ def test_a_perfect_prediction_scores_one_and_the_reverse_zero(data):
 
 @FAST
 @given(st.integers(2, 6).flatmap(lambda c: st.tuples(
-    hnp.arrays(np.float64, (12, c), elements=st.floats(0, 1)), hnp.arrays(np.int64, 12, elements=st.integers(0, c - 1)))),
+    hnp.arrays(np.float64, (12, c), elements=st.floats(0, 1)),
+    hnp.arrays(np.int64, 12, elements=st.integers(0, c - 1)))),
     st.integers(1, 6))
 def test_top_k_is_the_rank_of_the_true_class(data, k):
     """In the top k when fewer than k classes score strictly higher (TensorFlow's in_top_k); all

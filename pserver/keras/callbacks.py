@@ -472,12 +472,12 @@ def _learning_rate(model, who: str) -> float:
 class BackupAndRestore(Callback):
     """Keras's BackupAndRestore mapped onto pserver's checkpoints: under `pserver run
     --checkpoint-dir DIR` the shards checkpoint at every epoch's end (weights, optimizer state,
-    the data coordinator's epoch), and the same command started again after a crash resumes from
-    the last one: the same weights, the epochs left. `backup_dir` is not written (the shards'
-    DIR is the backup); save_freq: "epoch" only; the checkpoints are kept at the end
-    (delete_checkpoint=True does not delete them: a finished run started again trains nothing,
-    `--no-resume` starts it over). Anywhere else (a script run plainly, no --checkpoint-dir) fit
-    refuses it in one line."""
+    the data coordinator's epoch), and the command started again after a crash with `--restore
+    DIR` added resumes from the last one: the same weights, the epochs left, numbered on.
+    `backup_dir` is not written (the shards' DIR is the backup); save_freq: "epoch" only; the
+    checkpoints are kept at the end (delete_checkpoint=True does not delete them: a finished run
+    started again trains nothing, `--no-resume` starts it over). Anywhere else (a script run
+    plainly, no --checkpoint-dir) fit refuses it in one line."""
 
     def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False, delete_checkpoint=True):
         super().__init__()
@@ -491,8 +491,8 @@ class BackupAndRestore(Callback):
         if cluster.checkpoint_dir() is None:
             raise ConfigError("BackupAndRestore: pserver backs up on its shards' checkpoints: run the "
                               "script under `pserver run --ps N --workers M --checkpoint-dir DIR -- python "
-                              "script.py` "
-                              "(the same command started again resumes from the last epoch's end)")
+                              "script.py` (started again with --restore DIR added, it resumes from the "
+                              "last epoch's end)")
 
 
 class TensorBoard(Callback):
