@@ -580,9 +580,9 @@ class CallbackList:
         self._correct += getattr(self.model._core, "batch_correct", 0)
         for k, v in getattr(self.model._core, "batch_sums", {}).items():
             self._sums[k] = self._sums.get(k, 0.0) + v
-        batch = getattr(self.model._core, "batch_metric_sums", ())
-        self._metric_sums = self._metric_sums + batch if self._metric_sums.size else \
-            np.array(batch, np.float64)
+        measured = getattr(self.model._core, "batch_metric_sums", ())
+        self._metric_sums = self._metric_sums + measured if self._metric_sums.size else \
+            np.array(measured, np.float64)
         out = {"loss": self._loss / self._seen}
         if "accuracy" in self.metrics:
             out["accuracy"] = self._correct / self._seen
