@@ -157,3 +157,30 @@ def test_arguments_keras_s_logs_cannot_hold_are_refused():
         M.Precision(thresholds=[0.3, 0.5])
     with pytest.raises(ConfigError, match="multi_label"):
         M.AUC(multi_label=True)
+
+
+def test_a_model_with_sparse_tables_refuses_metric_objects_in_one_line():
+    """Its steps and evaluation compute accuracy and auc apart: a Metric would be silently missing
+    from the logs. Catches: the metric accepted and never logged."""
+    layers = keras.layers
+    model = keras.Sequential([keras.Input(shape=(3,), dtype="int64"), layers.Embedding(None, 4, sparse=True),
+                              layers.Flatten(), layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["precision"])
+    with pytest.raises(ConfigError, match="'precision' is not supported for a model with sparse tables") as e:
+        model.fit(np.zeros((8, 3), np.int64), np.zeros(8, np.float32), epochs=1, verbose=0)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("monitor, op", [("val_precision", max), ("auc20", max), ("val_mse", min),
+                                         ("root_mean_squared_error", min)])
+def test_auto_monitoring_follows_each_metric_s_direction(monitor, op):
+    """Keras's _direction: precision and AUC grow, errors shrink. Catches: an error maximized, or
+    "auto" refusing a compiled metric it can tell the direction of."""
+    model = _model()
+    model.compile(optimizer="adam", loss="binary_crossentropy",
+                  metrics=["precision", keras.metrics.AUC(name="auc20"), "mse",
+                           keras.metrics.RootMeanSquaredError()])
+    es = keras.callbacks.EarlyStopping(monitor=monitor)
+    es.set_model(model)
+    es.on_train_begin()
+    assert es.monitor_op is op
