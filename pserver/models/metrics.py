@@ -257,10 +257,11 @@ class AUC(Metric):
         if self.from_logits:
             p = 1.0 / (1.0 + np.exp(-p))
         on = _truth(pred, y).reshape(-1) > 0.5
-        hit = p[None, :] > self._thresholds[:, None]           # thresholds x elements
-        tp = np.count_nonzero(hit & on, axis=1)
-        fp = np.count_nonzero(hit & ~on, axis=1)
-        return np.concatenate([tp, fp, (~on).sum() - fp, on.sum() - tp]).astype(np.float64)   # tp fp tn fn
+        pos, neg = np.sort(p[on]), np.sort(p[~on])
+        # The elements > each threshold, by bisection: O((n + thresholds) log n), not their product.
+        tp = pos.size - np.searchsorted(pos, self._thresholds, side="right")
+        fp = neg.size - np.searchsorted(neg, self._thresholds, side="right")
+        return np.concatenate([tp, fp, neg.size - fp, pos.size - tp]).astype(np.float64)   # tp fp tn fn
 
     def value(self, sums):
         tp, fp, tn, fn = sums.reshape(4, self.num_thresholds)
