@@ -67,8 +67,9 @@ class PushRequest:
     rows: Sequence[RowGrads] = ()     # the sparse parts, in Shard.row_buffers' arrays
     lease: tuple[int, int, int] | None = None   # (epoch, chunk, batch) of shard 0's lease this push
                                       # carries (the batches before it are done); None: no lease
-    trained: tuple[float, float] = (0.0, 0.0)   # with a lease: the batch's loss x samples, and its
-                                      # samples classed right (shard 0 sums them per epoch)
+    trained: tuple = (0.0, 0.0, ())   # with a lease: the batch's loss x samples, and its
+                                      # samples classed right, the compiled metrics' sums (shard
+                                      # 0 sums them per epoch)
     statistics: Any = ()              # the slots of the mean elements another shard holds, whose
                                       # variance this shard does (pserver.server.statistics.away_means)
 

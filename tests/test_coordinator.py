@@ -835,3 +835,43 @@ def test_a_worker_that_asks_before_the_others_register_gets_only_its_share_of_a_
     with shard.store.cond:
         shard.members.mark_dead({1}, "a test")
     assert shard.members.sharing() == 1                  # a worker marked dead is not waited for
+
+
+def test_lease_replies_add_the_metric_sums_of_every_worker_s_pushes(shard_server):
+    """The compiled metrics' state (pserver.models.metrics) rides with the lease: one worker over
+    the data plane (WITH_SUMS), one over gRPC (lease_metric_sums); the finished epoch's reply holds
+    their element-wise sum, and shard 0's checkpoint keeps it. Catches: sums lost by either
+    transport, a vector replaced instead of added, sums missing after a restore."""
+    import numpy as np
+
+    from tests.support.clients import LAYOUT, ready_client
+    addr, _ = shard_server(optimizer="sgd", lr=0.1, num_workers=2, mode="async")
+    a = ready_client(addr, num_workers=2, rank=0, plane="auto")
+    b = ready_client(addr, num_workers=2, rank=1, plane="grpc", init=False)
+    plan = (4, 1, 5, "fp", 2)                  # four chunks of one batch an epoch
+    w, g = np.empty(LAYOUT.total, np.float32), np.ones(LAYOUT.total, np.float32)
+    replies = {a: a.lease_data(*plan), b: b.lease_data(*plan)}
+    expected, k = np.zeros(3), 0
+    while all(r.epoch == 0 for r in replies.values()):
+        for client in (a, b):
+            lease = replies[client]
+            if lease.epoch == 0 and lease.has_lease:
+                client.pull(w)
+                k += 1
+                sums = (float(k), 0.5 * k, 1000.0 + k)
+                client.push(g, 4, lease=(0, lease.chunk, lease.first_batch), trained=(1.0, 1.0, sums))
+                expected += sums
+                replies[client] = client.lease_data(*plan, finished=(0, lease.chunk))
+            elif lease.epoch == 0:
+                replies[client] = client.lease_data(*plan)
+    done = next(r for r in replies.values() if r.epoch == 1)
+    assert k == 4 and list(done.trained_metric_sums) == list(expected)
+    a.close()
+    b.close()
+    c = Coordinator()
+    c.configure(Plan(4, 2, 1, "fp", 3))
+    c.tally(0, 1.0, 1.0, 2, (1.0, 2.0))
+    c.tally(0, 1.0, 1.0, 2, (0.5, 0.5))
+    c.epoch = 1
+    restored = Coordinator.load(json.loads(json.dumps(c.state())))
+    assert restored.epoch_sums().metric_sums == (1.5, 2.5)

@@ -145,8 +145,9 @@ def test_model_checkpoint_s_file_loads_back_as_the_model_at_that_epoch(tmp_path)
     (lambda: keras.callbacks.ReduceLROnPlateau(factor=1.0), "does not support a factor >= 1.0"),
     (lambda: keras.callbacks.ReduceLROnPlateau(epsilon=0.1), "unexpected argument 'epsilon'"),
     (lambda: keras.callbacks.LearningRateScheduler(0.1), "schedule must be a function"),
-    (lambda: keras.callbacks.BackupAndRestore("b"), "--checkpoint-dir"),
-    (lambda: keras.callbacks.TensorBoard(), "TensorBoard is not supported by pserver: a Keras fit writes"),
+    (lambda: keras.callbacks.BackupAndRestore("b", save_freq=10), "save_freq=10 is not supported"),
+    (lambda: keras.callbacks.TensorBoard(histogram_freq=1), "histogram_freq=1 is not supported by pserver"),
+    (lambda: keras.callbacks.TensorBoard(profile_batch=(2, 4)), r"profile_batch=\(2, 4\) is not supported"),
 ])
 def test_what_pserver_cannot_honour_is_refused_in_one_line_at_construction(make, named):
     """Catches: an argument accepted and ignored, a callback that would run and change nothing."""
@@ -155,13 +156,50 @@ def test_what_pserver_cannot_honour_is_refused_in_one_line_at_construction(make,
     assert "\n" not in str(e.value)
 
 
-def test_restore_best_weights_is_refused_at_fit_naming_the_argument():
-    """The shards cannot take an earlier epoch's weights back during a run: fit refuses before
-    starting anything. Catches: the weights silently not restored."""
+def test_restore_best_weights_leaves_the_best_epoch_s_weights_even_without_a_stop(tmp_path):
+    """Keras's rule in a plain run: at the end the model holds the weights of the epoch whose
+    monitored value was best (here the largest val_loss, epoch 0, with mode="max"), though the
+    patience never ran out; model.save writes them. Catches: the final weights kept (the loop's last
+    on_weights winning over the restore), the weights of the wrong epoch, a restore only on a stop."""
+    x, y = blobs(192)
+    seen = []
+    record = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(
+        (logs["val_loss"], model.get_weights())))
+    model = compiled()
+    es = keras.callbacks.EarlyStopping(mode="max", patience=10, restore_best_weights=True)
+    model.fit(x, y, epochs=3, verbose=0, validation_data=(x, y), callbacks=[record, es])
+    best = max(range(3), key=lambda e: seen[e][0])
+    assert es.stopped_epoch == 0 and best == es.best_epoch == 0
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), seen[best][1]))
+    assert not all(np.array_equal(a, b) for a, b in zip(model.get_weights(), seen[-1][1]))
+    model.save(tmp_path / "m.keras")
+    saved = keras.models.load_model(tmp_path / "m.keras").get_weights()
+    assert all(np.array_equal(a, b) for a, b in zip(saved, seen[best][1]))
+
+
+def test_backup_and_restore_is_refused_at_fit_without_pserver_run_s_checkpoints():
+    """A plain script has no shards' checkpoints to resume from: fit says where they are."""
     x, y = blobs(64)
-    es = keras.callbacks.EarlyStopping(restore_best_weights=True)
-    with pytest.raises(ConfigError, match="restore_best_weights=True is not supported by pserver"):
-        compiled().fit(x, y, epochs=2, verbose=0, callbacks=[es])
+    with pytest.raises(ConfigError, match=r"BackupAndRestore: .*--checkpoint-dir DIR") as e:
+        compiled().fit(x, y, epochs=1, verbose=0, callbacks=[keras.callbacks.BackupAndRestore("b")])
+    assert "\n" not in str(e.value)
+
+
+def test_tensorboard_writes_the_epoch_logs_as_keras_lays_them_out(tmp_path):
+    """log_dir/train holds epoch_loss and epoch_accuracy per epoch, log_dir/validation the val_
+    ones without the prefix, at steps 0, 1. Catches: a val_ scalar in train, a missing epoch."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    x, y = blobs(128)
+    h = compiled().fit(x, y, epochs=2, verbose=0, validation_data=(x, y),
+                       callbacks=[keras.callbacks.TensorBoard(tmp_path / "tb")])
+    for part, prefix in (("train", ""), ("validation", "val_")):
+        acc = EventAccumulator(str(tmp_path / "tb" / part))
+        acc.Reload()
+        assert sorted(acc.Tags()["scalars"]) == ["epoch_accuracy", "epoch_loss"]
+        for name in ("loss", "accuracy"):
+            events = acc.Scalars(f"epoch_{name}")
+            assert [e.step for e in events] == [0, 1]
+            assert [e.value for e in events] == pytest.approx(h.history[prefix + name], rel=1e-6)
 
 
 def test_a_model_checkpoint_filepath_naming_a_missing_log_is_one_line():

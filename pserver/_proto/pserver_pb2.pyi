@@ -287,7 +287,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session", "sparse", "compression", "num_values", "scale", "has_lease", "lease_epoch", "lease_chunk", "lease_batch", "lease_loss_sum", "lease_correct", "statistics")
+    __slots__ = ("rank", "shard", "step", "num_elements", "dtype", "num_samples", "layout_signature", "clock", "finished", "session", "sparse", "compression", "num_values", "scale", "has_lease", "lease_epoch", "lease_chunk", "lease_batch", "lease_loss_sum", "lease_correct", "lease_metric_sums", "statistics")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,7 @@ class TensorHeader(_message.Message):
     LEASE_BATCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
     LEASE_CORRECT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_METRIC_SUMS_FIELD_NUMBER: _ClassVar[int]
     STATISTICS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     shard: int
@@ -329,8 +330,9 @@ class TensorHeader(_message.Message):
     lease_batch: int
     lease_loss_sum: float
     lease_correct: float
+    lease_metric_sums: _containers.RepeatedScalarFieldContainer[float]
     statistics: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ..., sparse: _Optional[_Iterable[_Union[SparsePart, _Mapping]]] = ..., compression: _Optional[str] = ..., num_values: _Optional[int] = ..., scale: _Optional[float] = ..., has_lease: _Optional[bool] = ..., lease_epoch: _Optional[int] = ..., lease_chunk: _Optional[int] = ..., lease_batch: _Optional[int] = ..., lease_loss_sum: _Optional[float] = ..., lease_correct: _Optional[float] = ..., statistics: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., shard: _Optional[int] = ..., step: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[str] = ..., num_samples: _Optional[int] = ..., layout_signature: _Optional[str] = ..., clock: _Optional[int] = ..., finished: _Optional[bool] = ..., session: _Optional[str] = ..., sparse: _Optional[_Iterable[_Union[SparsePart, _Mapping]]] = ..., compression: _Optional[str] = ..., num_values: _Optional[int] = ..., scale: _Optional[float] = ..., has_lease: _Optional[bool] = ..., lease_epoch: _Optional[int] = ..., lease_chunk: _Optional[int] = ..., lease_batch: _Optional[int] = ..., lease_loss_sum: _Optional[float] = ..., lease_correct: _Optional[float] = ..., lease_metric_sums: _Optional[_Iterable[float]] = ..., statistics: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -605,7 +607,7 @@ class LeaseDoneBeforeRestore(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class LeaseDataReply(_message.Message):
-    __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch", "finished_gone", "coordinator_id", "trained_loss_sum", "trained_correct", "trained_samples", "has_logs", "log_names", "log_values", "stop_training", "chief_told", "chief_live")
+    __slots__ = ("has_lease", "epoch", "chunk", "first_batch", "end_batch", "finished_gone", "coordinator_id", "trained_loss_sum", "trained_correct", "trained_samples", "trained_metric_sums", "has_logs", "log_names", "log_values", "stop_training", "chief_told", "chief_live")
     HAS_LEASE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -616,6 +618,7 @@ class LeaseDataReply(_message.Message):
     TRAINED_LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
     TRAINED_CORRECT_FIELD_NUMBER: _ClassVar[int]
     TRAINED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_METRIC_SUMS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGS_FIELD_NUMBER: _ClassVar[int]
     LOG_NAMES_FIELD_NUMBER: _ClassVar[int]
     LOG_VALUES_FIELD_NUMBER: _ClassVar[int]
@@ -632,10 +635,11 @@ class LeaseDataReply(_message.Message):
     trained_loss_sum: float
     trained_correct: float
     trained_samples: int
+    trained_metric_sums: _containers.RepeatedScalarFieldContainer[float]
     has_logs: bool
     log_names: _containers.RepeatedScalarFieldContainer[str]
     log_values: _containers.RepeatedScalarFieldContainer[float]
     stop_training: bool
     chief_told: bool
     chief_live: bool
-    def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., finished_gone: _Optional[bool] = ..., coordinator_id: _Optional[str] = ..., trained_loss_sum: _Optional[float] = ..., trained_correct: _Optional[float] = ..., trained_samples: _Optional[int] = ..., has_logs: _Optional[bool] = ..., log_names: _Optional[_Iterable[str]] = ..., log_values: _Optional[_Iterable[float]] = ..., stop_training: _Optional[bool] = ..., chief_told: _Optional[bool] = ..., chief_live: _Optional[bool] = ...) -> None: ...
+    def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., finished_gone: _Optional[bool] = ..., coordinator_id: _Optional[str] = ..., trained_loss_sum: _Optional[float] = ..., trained_correct: _Optional[float] = ..., trained_samples: _Optional[int] = ..., trained_metric_sums: _Optional[_Iterable[float]] = ..., has_logs: _Optional[bool] = ..., log_names: _Optional[_Iterable[str]] = ..., log_values: _Optional[_Iterable[float]] = ..., stop_training: _Optional[bool] = ..., chief_told: _Optional[bool] = ..., chief_live: _Optional[bool] = ...) -> None: ...

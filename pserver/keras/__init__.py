@@ -5,8 +5,10 @@
     keras.activations,
     keras.optimizers.{Adam, AdamW, SGD, RMSprop, Adagrad}, keras.optimizers.schedules.*,
     keras.regularizers.{L1, L2, L1L2},
-    keras.losses.*, keras.callbacks.{Callback, History, EarlyStopping, ModelCheckpoint, CSVLogger,
-    TerminateOnNaN, LambdaCallback}, keras.utils.to_categorical,
+    keras.losses.*, keras.metrics.*,
+    keras.callbacks.{Callback, History, EarlyStopping, ModelCheckpoint, CSVLogger, TerminateOnNaN,
+    LambdaCallback, ReduceLROnPlateau, LearningRateScheduler, BackupAndRestore, TensorBoard},
+    keras.utils.to_categorical,
     keras.datasets.mnist.load_data(), keras.models.load_model, keras.saving.register_keras_serializable
 
 A script runs plainly (fit trains on shards it starts in its process) or under `pserver run
@@ -20,6 +22,7 @@ from pserver.keras import (
     datasets,
     layers,
     losses,
+    metrics,
     models,
     ops,
     optimizers,
@@ -33,4 +36,5 @@ from pserver.keras.models import Input, Model, Sequential
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["Input", "Sequential", "Model", "layers", "models", "optimizers", "losses", "callbacks", "utils",
-           "datasets", "saving", "ops", "activations", "regularizers"]
+           "datasets", "saving", "ops", "activations", "regularizers",
+           "metrics"]

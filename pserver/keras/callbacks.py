@@ -13,8 +13,8 @@ on the logs it gets, which on a cluster are the chief's, so the chief's decision
 worker's; a file is the chief's to write (the other workers write nothing), and a learning rate
 a callback sets is the chief's to set on the shards (CallbackList.lr_change). `self.model`'s
 weights at an epoch's end are the ones the worker pulled after the epoch's last step
-(docs/semantics.md says which version that is per mode). Those pserver cannot do on a cluster
-(BackupAndRestore, TensorBoard) refuse at construction, in one line.
+(docs/semantics.md says which version that is per mode). BackupAndRestore maps onto the shards'
+checkpoints (`pserver run --checkpoint-dir`); TensorBoard writes the epoch logs as event files.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import numpy as np
 from pserver.errors import ConfigError
 from pserver.keras import cluster
 from pserver.keras._names import missing as _missing
+from pserver.models.metrics import values_of
+from pserver.observe.telemetry import EpochScalars
 
 
 class Callback:
@@ -112,13 +114,17 @@ class _Monitor(Callback):
 
     def _set_monitor_op(self) -> None:
         """min or max; "auto" from the name, as Keras: a loss is minimized, a compiled metric that
-        grows (accuracy, auc, r2) maximized, anything else refused (Keras's ValueError)."""
+        grows (accuracy, auc, r2; a Metric object by its direction: precision up, mse down)
+        maximized, one that shrinks minimized, anything else refused (Keras's ValueError)."""
         name = self.monitor.removeprefix("val_")
-        metrics = getattr(getattr(self.model, "_core", None), "metrics", None) or ()
-        grows = any(name == m or name.endswith(f"_{m}") for m in metrics if m in _GROWING)
+        core = getattr(self.model, "_core", None)
+        metrics = getattr(core, "metrics", None) or ()
+        direction = {m.name: m.direction for m in getattr(core, "metric_objects", None) or ()}.get(name)
+        grows = direction == "up" or any(name == m or name.endswith(f"_{m}")
+                                         for m in metrics if m in _GROWING)
         if self.mode == "max" or (self.mode == "auto" and grows):
             self.monitor_op = max
-        elif self.mode == "min" or name == "loss" or name.endswith("_loss"):
+        elif self.mode == "min" or name == "loss" or name.endswith("_loss") or direction == "down":
             self.monitor_op = min
         else:
             raise ConfigError(f"{type(self).__name__} callback received monitor={self.monitor}, but pserver "
@@ -139,9 +145,12 @@ class EarlyStopping(_Monitor):
     """Stops the run when `monitor` stops improving, by Keras's rule: after `patience` epochs
     without an improvement of more than `min_delta` (from `start_from_epoch` on; with a
     `baseline`, an epoch must beat it too). On a cluster every worker stops after the same
-    epoch: the chief's decision, on its logs. restore_best_weights=True is refused at fit: the
-    shards cannot be set back to an earlier epoch's weights during a run (use
-    ModelCheckpoint(save_best_only=True) and keras.models.load_model)."""
+    epoch: the chief's decision, on its logs. restore_best_weights=True (Keras's rule: the best
+    epoch's weights at the end, whether it stopped or not) in a script run plainly, whose fit
+    starts its own shards from the model's weights (so a later fit or save reads the restored
+    ones); under `pserver run` it is refused at fit: the shards outlive the fit and cannot be set
+    back to an earlier epoch's weights (use ModelCheckpoint(save_best_only=True) and
+    keras.models.load_model)."""
 
     def __init__(self, monitor="val_loss", min_delta=0, patience=0, verbose=0, mode="auto", baseline=None,
                  restore_best_weights=False, start_from_epoch=0):
@@ -149,25 +158,31 @@ class EarlyStopping(_Monitor):
         self.patience, self.verbose, self.baseline = patience, verbose, baseline
         self.restore_best_weights, self.start_from_epoch = restore_best_weights, start_from_epoch
         self.wait = self.stopped_epoch = self.best_epoch = 0
+        self.best_weights = None
 
     def _check_fit(self) -> None:
-        if self.restore_best_weights:
-            raise ConfigError("EarlyStopping: restore_best_weights=True is not supported by pserver (the "
-                              "shards cannot be set back to an earlier epoch's weights during a run): use "
-                              "ModelCheckpoint(save_best_only=True) and keras.models.load_model")
+        if self.restore_best_weights and cluster.current() is not None:
+            raise ConfigError("EarlyStopping: restore_best_weights=True is not supported under pserver run "
+                              "(the shards outlive the fit and cannot be set back to an earlier epoch's "
+                              "weights): use ModelCheckpoint(save_best_only=True) and "
+                              "keras.models.load_model")
 
     def on_train_begin(self, logs=None):
         self.wait = self.stopped_epoch = self.best_epoch = 0
-        self.best = None
+        self.best, self.best_weights = None, None
         self._set_monitor_op()
 
     def on_epoch_end(self, epoch, logs=None):
         current = _monitored(self.monitor, logs, "Early stopping")
         if current is None or epoch < self.start_from_epoch:
             return
+        if self.restore_best_weights and self.best_weights is None:     # Keras's: the first is the best
+            self.best_weights, self.best_epoch = self.model.get_weights(), epoch
         self.wait += 1
         if self._is_improvement(current, self.best):
             self.best, self.best_epoch = current, epoch
+            if self.restore_best_weights:
+                self.best_weights = self.model.get_weights()
             if self.baseline is None or self._is_improvement(current, self.baseline):
                 self.wait = 0
             return
@@ -178,6 +193,11 @@ class EarlyStopping(_Monitor):
     def on_train_end(self, logs=None):
         if self.stopped_epoch > 0 and self.verbose > 0:
             print(f"Epoch {self.stopped_epoch + 1}: early stopping", file=self._out, flush=True)
+        if self.restore_best_weights and self.best_weights is not None:
+            if self.verbose > 0:
+                print(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.",
+                      file=self._out, flush=True)
+            self.model.set_weights(self.best_weights)
 
 
 def _monitored(monitor: str, logs, what: str):
@@ -449,14 +469,68 @@ def _learning_rate(model, who: str) -> float:
     return float(lr)
 
 
-class BackupAndRestore(_Refused):
-    instead = ("use pserver's checkpoints: `pserver run --checkpoint-dir DIR` (the shards checkpoint "
-               "after every epoch, and a run started again resumes from them)")
+class BackupAndRestore(Callback):
+    """Keras's BackupAndRestore mapped onto pserver's checkpoints: under `pserver run
+    --checkpoint-dir DIR` the shards checkpoint at every epoch's end (weights, optimizer state,
+    the data coordinator's epoch), and the command started again after a crash with `--restore
+    DIR` added resumes from the last one: the same weights, the epochs left, numbered on.
+    `backup_dir` is not written (the shards' DIR is the backup); save_freq: "epoch" only; the
+    checkpoints are kept at the end (delete_checkpoint=True does not delete them: a finished run
+    started again trains nothing, `--no-resume` starts it over). Anywhere else (a script run
+    plainly, no --checkpoint-dir) fit refuses it in one line."""
+
+    def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False, delete_checkpoint=True):
+        super().__init__()
+        if save_freq != "epoch":
+            raise ConfigError(f"BackupAndRestore: save_freq={save_freq!r} is not supported by pserver: the "
+                              "shards checkpoint at epoch ends (save_freq='epoch')")
+        self.backup_dir, self.save_freq = os.fspath(backup_dir), save_freq
+        self.double_checkpoint, self.delete_checkpoint = double_checkpoint, delete_checkpoint
+
+    def _check_fit(self) -> None:
+        if cluster.checkpoint_dir() is None:
+            raise ConfigError("BackupAndRestore: pserver backs up on its shards' checkpoints: run the "
+                              "script under `pserver run --ps N --workers M --checkpoint-dir DIR -- python "
+                              "script.py` (started again with --restore DIR added, it resumes from the "
+                              "last epoch's end)")
 
 
-class TensorBoard(_Refused):
-    instead = ("a Keras fit writes no event files yet: write the epoch logs from a Callback's "
-               "on_epoch_end (or a CSVLogger), or train with `pserver launch --tensorboard DIR`")
+class TensorBoard(Callback):
+    """Keras's TensorBoard callback for the epoch logs: the chief writes each epoch's scalars as
+    event files (pserver.observe.telemetry.EpochScalars, Keras's layout: log_dir/train with
+    epoch_loss, epoch_accuracy, ..., log_dir/validation with the val_ ones), the other workers
+    write nothing. The graph is not written (write_graph is taken and ignored); histograms,
+    images, profiling, embeddings and per-batch scalars are refused in one line."""
+
+    def __init__(self, log_dir="logs", histogram_freq=0, write_graph=True, write_images=False,
+                 write_steps_per_second=False, update_freq="epoch", profile_batch=0, embeddings_freq=0,
+                 embeddings_metadata=None):
+        super().__init__()
+        unsupported = {"histogram_freq": histogram_freq, "write_images": write_images,
+                       "write_steps_per_second": write_steps_per_second, "profile_batch": profile_batch,
+                       "embeddings_freq": embeddings_freq, "embeddings_metadata": embeddings_metadata,
+                       "update_freq": None if update_freq == "epoch" else update_freq}
+        given = [k for k, v in unsupported.items() if v not in (0, False, None)]
+        if given:
+            raise ConfigError(f"TensorBoard: {given[0]}={unsupported[given[0]]!r} is not supported by "
+                              "pserver: it writes the epoch logs' scalars (pserver launch --tensorboard DIR "
+                              "writes "
+                              "training curves per step)")
+        self.log_dir, self.write_graph = os.fspath(log_dir), write_graph
+        self._writer = None
+
+    def on_train_begin(self, logs=None):
+        if _chief():
+            self._writer = EpochScalars(self.log_dir)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._writer is not None:
+            self._writer.write(epoch, logs or {})
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = None
 
 
 class CallbackList:
@@ -474,6 +548,7 @@ class CallbackList:
             c.set_model(model)
             c.set_params(params)
         self.weights = None
+        self.restored = None          # weights a callback set at the end: the model keeps them
         self.shard_settings: dict | None = None       # what the shards must run (fit sets it)
         # On a cluster every worker's callbacks take the chief's epoch logs and stop decision (the
         # loop shares them through shard 0: pserver.worker.loop.chief_logs); epoch_logs: the last.
@@ -494,6 +569,7 @@ class CallbackList:
     def on_epoch_begin(self, epoch, logs=None):
         self._loss = self._correct = self._seen = 0.0
         self._sums: dict[str, float] = {}      # several outputs: each one's loss and accuracy
+        self._metric_sums = np.zeros(0)        # the compiled Metric objects' (pserver.models.metrics)
         for c in self.callbacks:
             c.on_epoch_begin(epoch + self.offset, logs)
 
@@ -504,10 +580,14 @@ class CallbackList:
         self._correct += getattr(self.model._core, "batch_correct", 0)
         for k, v in getattr(self.model._core, "batch_sums", {}).items():
             self._sums[k] = self._sums.get(k, 0.0) + v
+        measured = getattr(self.model._core, "batch_metric_sums", ())
+        self._metric_sums = self._metric_sums + measured if self._metric_sums.size else \
+            np.array(measured, np.float64)
         out = {"loss": self._loss / self._seen}
         if "accuracy" in self.metrics:
             out["accuracy"] = self._correct / self._seen
         out.update({k: v / self._seen for k, v in self._sums.items()})
+        out.update(self._metric_values(self._metric_sums))
         for c in self.callbacks:
             c.on_train_batch_end(batch, out)
 
@@ -529,11 +609,13 @@ class CallbackList:
         trained = (logs or {}).get("trained")
         if trained and trained["samples"]:
             loss, correct, seen = trained["loss_sum"], trained["correct"], trained["samples"]
+            sums = np.asarray(trained.get("metric_sums", ()), np.float64)
         else:
-            loss, correct, seen = self._loss, self._correct, self._seen
+            loss, correct, seen, sums = self._loss, self._correct, self._seen, self._metric_sums
         out = {"loss": loss / max(seen, 1)}
         if "accuracy" in self.metrics:
             out["accuracy"] = correct / max(seen, 1)
+        out.update(self._metric_values(sums))
         # Several outputs: each one's loss and accuracy over this worker's own batches (the
         # shards sum only the total's).
         out.update({k: v / max(self._seen, 1) for k, v in self._sums.items()})
@@ -543,8 +625,18 @@ class CallbackList:
         return out
 
     def on_train_end(self, logs=None):
+        held = self.model._w
         for c in self.callbacks:
             c.on_train_end(logs)
+        if self.model._w is not held:      # a callback set them (EarlyStopping's restore): they stay
+            self.restored = self.model._w
+
+    def _metric_values(self, sums: np.ndarray) -> dict:
+        """The compiled Metric objects' values from their summed state (none before any batch)."""
+        objects = getattr(self.model._core, "metric_objects", [])
+        if not objects or sums.size != sum(m.size() for m in objects):
+            return {}
+        return values_of(objects, sums)
 
     def lr_change(self) -> float | None:
         """The optimizer's learning rate when a callback changed it since the last call (the chief
@@ -558,8 +650,9 @@ class CallbackList:
     def on_weights(self, w):
         """The weights this worker pulled after an epoch's last step (the loop hands them before
         on_epoch_end, and at the end): the model's, as a Keras model's weights are live in fit,
-        so that a callback's model.get_weights() or model.save() takes them."""
-        self.weights = w.copy()
+        so that a callback's model.get_weights() or model.save() takes them. After the run, weights
+        a callback set at its end (`restored`) win over the final ones."""
+        self.weights = w.copy() if self.restored is None else self.restored
         self.model._w = self.weights
 
 

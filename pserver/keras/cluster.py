@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from pserver.errors import ConfigError, Unavailable
-from pserver.launch.run import ADDRESSES, RANK, REFUSED, RUN_DIR, SEED, SETTINGS, WORKERS
+from pserver.launch.run import ADDRESSES, CHECKPOINTS, RANK, REFUSED, RUN_DIR, SEED, SETTINGS, WORKERS
 from pserver.signals import follow_parent
 
 WAIT_S = 600.0       # for the other workers to reach fit, and for the shards to start
@@ -126,4 +126,9 @@ def _write(path: str, value: dict) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["Cluster", "current", "seed"]
+
+def checkpoint_dir() -> str | None:
+    """The shards' checkpoint directory under `pserver run --checkpoint-dir` (None otherwise)."""
+    return os.environ.get(CHECKPOINTS) or None
+
+__all__ = ["Cluster", "current", "seed", "checkpoint_dir"]

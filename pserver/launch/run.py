@@ -34,6 +34,7 @@ from pserver.signals import Stopped, stop_on_signals, with_parent_death
 # The environment and the files of the run's directory: pserver.keras.cluster reads them.
 RUN_DIR, RANK, WORKERS = "PSERVER_RUN_DIR", "PSERVER_RUN_RANK", "PSERVER_RUN_WORKERS"
 SEED = "PSERVER_RUN_SEED"
+CHECKPOINTS = "PSERVER_RUN_CHECKPOINT_DIR"     # the shards' --checkpoint-dir (Keras's BackupAndRestore)
 SETTINGS, ADDRESSES, REFUSED = "settings-rank{}.json", "shards.json", "refused.txt"
 
 
@@ -112,6 +113,8 @@ def run_command(num_shards: int, num_workers: int, argv: list[str], server: Serv
     env = child_env(num_workers) | {RUN_DIR: tmpdir, WORKERS: str(num_workers)}
     if seed is not None:
         env[SEED] = str(seed)
+    if server.checkpoint_dir or server.restore:
+        env[CHECKPOINTS] = server.checkpoint_dir or server.restore
     cfg = LaunchConfig(num_shards=num_shards, num_workers=num_workers)
     workers: list[_Worker] = []
     shards: list[Proc] = []

@@ -58,6 +58,8 @@ def check(model) -> None:
                        if (w := _step_refusal(model._plan(training), step))), None)
     if why is None and not isinstance(model.loss, LOSSES):
         why = f"its loss is {model.loss.name}"
+    if why is None and getattr(model, "metric_objects", None):
+        why = f"it compiled the metric {model.metric_objects[0].name!r} (the GPU step reports accuracy only)"
     if why:
         names = ", ".join(t.__name__ for t in DEVICE_LAYERS)
         raise ConfigError(f"--device cuda: runs models of {names} layers and the ops {', '.join(DEVICE_OPS)} "

@@ -26,11 +26,12 @@ import numpy as np
 from pserver.errors import ConfigError, DataError
 from pserver.kernels import get_backend
 from pserver.layers import serialize
+from pserver.layers.activations import probabilities
 from pserver.layers.base import Layer, Pass
 from pserver.models import graph, graph_config, losses, metrics
 from pserver.models.base import BatchBuffers, Model, shaped_for
 from pserver.models.layout import Layout
-from pserver.models.metrics import check_metrics
+from pserver.models.metrics import compiled as compiled_metrics
 from pserver.models.outputs import Heads
 from pserver.models.sparse_graph import SparseProtocol
 from pserver.ops.core import Symbolic
@@ -57,6 +58,7 @@ class Functional(SparseProtocol, Model):
         self.loss = losses.get(loss)
         self.output_activations = ["linear"]   # a softmax/sigmoid fused into the loss: see losses
         self.metrics: list[str] = []
+        self.metric_objects: list[metrics.Metric] = []    # those with a state of sums (metrics.Metric)
         # Keras's sample_weight (keras fit and evaluate set it while they run): y then carries
         # each sample's weight as a last column, so the weights travel wherever rows of y go.
         self.sample_weighted = False
@@ -134,10 +136,11 @@ class Functional(SparseProtocol, Model):
         elif loss_weights is not None:
             raise ConfigError(f"{self.name}: compile: loss_weights is for a model with several outputs")
         else:
-            self.metrics = check_metrics(metrics)
+            self.metrics, self.metric_objects = compiled_metrics(metrics)
             self.loss = losses.get(loss)
         if self._built:
             self._check_loss(self._shapes[1:])
+            self._check_metric_objects()
             self._link_loss()
         return self
 
@@ -169,6 +172,7 @@ class Functional(SparseProtocol, Model):
         self._check_fused()
         self._check_statistics()
         self._find_sparse()
+        self._check_metric_objects()
         self._built = True
         return self
 
@@ -228,6 +232,12 @@ class Functional(SparseProtocol, Model):
             where = f"{self.name}: {self._output_label(j)}" if self.several else self.name
             loss.check_outputs(shape[0], where)
 
+    def _check_metric_objects(self) -> None:
+        """A model with sparse tables trains and evaluates apart (sparse_graph): accuracy and auc."""
+        if self.metric_objects and self._sparse is not None:
+            raise ConfigError(f"{self.name}: compile: metrics: {self.metric_objects[0].name!r} is not "
+                              "supported for a model with sparse tables (accuracy and auc are)")
+
     def _each_loss(self) -> list[losses.Loss]:
         return self.loss.losses if self.several else [self.loss]
 
@@ -275,7 +285,8 @@ class Functional(SparseProtocol, Model):
         several = ({"dict_outputs": self._dict_outputs, "output_names": self.output_names}
                    if self.several else {})
         return {"class_name": "Functional", "name": self.name, "dict_inputs": self._dict_inputs, **config,
-                **several, "loss": self.loss.get_config(), "metrics": list(self.metrics)}
+                **several, "loss": self.loss.get_config(), "metrics": list(self.metrics),
+                **metrics.objects_config(self.metric_objects)}
 
     @classmethod
     def from_config(cls, config: dict, **kwargs) -> "Functional":
@@ -292,7 +303,10 @@ class Functional(SparseProtocol, Model):
                         name=name, loss=loss, **kwargs)
         except (KeyError, TypeError, IndexError) as e:
             raise ConfigError(f"a Functional model's config: {type(e).__name__} {e}") from None
-        model.metrics = model.loss.log_names() if model.several else check_metrics(config.get("metrics"))
+        if model.several:
+            model.metrics = model.loss.log_names()
+        else:
+            model.metrics, model.metric_objects = metrics.restored(config)
         return model
 
     def _layer_configs(self, layers: list[Layer]) -> list[dict]:
@@ -439,6 +453,7 @@ class Functional(SparseProtocol, Model):
         else:
             if self.task != "regression":       # the batch's accuracy, for Keras's per-epoch metric
                 self.batch_correct = metrics.accuracy(ins[-1], y)
+            self.batch_metric_sums = self.metric_sums(ins[-1], y)
             loss = losses.weighted(self.loss, self.kernels, ins[-1], y, bufs.dloss, sample_weight)
         self._backward(params, grads, ins, bufs)
         return float(loss) + self._regularize(w, grad_out) + self._activity(ins) / x.shape[0]
@@ -472,6 +487,14 @@ class Functional(SparseProtocol, Model):
                          if reg is not None] for plan in (self._plan(False), self._plan(True))]
             self._regs = (weights, *activity)
         return self._regs
+
+    def metric_sums(self, out: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """The compiled Metric objects' sums over a batch (one vector; empty without any), on
+        the outputs as the model states them (probabilities after a fused softmax or sigmoid)."""
+        if not self.metric_objects:
+            return np.zeros(0)
+        stated = probabilities(self.output_activation, out.astype(np.float64))
+        return metrics.sums_of(self.metric_objects, stated, y)
 
     def _batch_sums(self, outs: list, y: np.ndarray) -> dict:
         """A batch's per-output logs, as sums over its samples (each loss x n, the samples an
@@ -689,6 +712,7 @@ class Functional(SparseProtocol, Model):
         slots = self._plan(False).outputs
 
         activity: list = [0.0] * len(starts)
+        sums: list = [np.zeros(0)] * len(starts)       # the Metric objects' (one output)
 
         def chunk(i: int) -> None:
             a = starts[i]
@@ -698,9 +722,12 @@ class Functional(SparseProtocol, Model):
             parts[i] = [_chunk_scores(self.kernels, loss, vals[s], yj[a:a + batch_size], sw)
                         for (loss, yj), s in zip(heads, slots)]
             activity[i] = self._activity(vals, training=False)
+            if not self.several:
+                sums[i] = self.metric_sums(vals[slots[0]], y[a:a + batch_size])
 
         each_index(chunk, len(starts), threads)
         each = [_scores(loss, [p[j] for p in parts], yj) for j, (loss, yj) in enumerate(heads)]
+        each[0].update(metrics.values_of(self.metric_objects, np.sum(sums, axis=0)))
         penalty = self._regularize(w) + sum(activity) / n
         return _penalized(self.loss.logs(each) if self.several else each[0], penalty)
 

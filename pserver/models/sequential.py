@@ -11,9 +11,8 @@ from __future__ import annotations
 from pserver.errors import ConfigError
 from pserver.layers import deserialize
 from pserver.layers.base import Layer, as_shape
-from pserver.models import losses
+from pserver.models import losses, metrics
 from pserver.models.functional import Functional
-from pserver.models.metrics import check_metrics
 from pserver.ops.core import Symbolic
 
 
@@ -82,7 +81,8 @@ class Sequential(Functional):
         return {"name": self.name,
                 "input_shape": None if shape is None else list(shape),
                 "layers": self._layer_configs(self.layers),
-                "loss": self.loss.get_config(), "metrics": list(getattr(self, "metrics", ()))}
+                "loss": self.loss.get_config(), "metrics": list(getattr(self, "metrics", ())),
+                **metrics.objects_config(getattr(self, "metric_objects", []))}
 
     @classmethod
     def from_config(cls, config: dict, **kwargs) -> "Sequential":
@@ -94,7 +94,7 @@ class Sequential(Functional):
                         name=config.get("name", "sequential"), loss=losses.get(config["loss"]), **kwargs)
         except (KeyError, TypeError) as e:
             raise ConfigError(f"a Sequential's config: {type(e).__name__} {e}") from None
-        model.metrics = check_metrics(config.get("metrics"))
+        model.metrics, model.metric_objects = metrics.restored(config)
         return model
 
 

@@ -9,6 +9,7 @@ so the two can never disagree.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -143,6 +144,28 @@ class WorkerMetrics:
             families = [f for m in (self.step_seconds, self.pull_seconds, self.samples, self.rate)
                         for f in m.collect()]
         yield from families
+
+
+class EpochScalars:
+    """Keras's TensorBoard callback's event files (tensorboardX, as --tensorboard's): each epoch's
+    logs as scalars at step `epoch`, "epoch_" + the name, in log_dir/train, and the val_ ones
+    (without the prefix) in log_dir/validation, as Keras lays them out."""
+
+    def __init__(self, log_dir: str) -> None:
+        from tensorboardX import SummaryWriter
+        self.writers = {part: SummaryWriter(os.path.join(log_dir, part)) for part in ("train", "validation")}
+
+    def write(self, epoch: int, logs: dict) -> None:
+        for name, value in logs.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                part = "validation" if name.startswith("val_") else "train"
+                self.writers[part].add_scalar(f"epoch_{name.removeprefix('val_')}", value, epoch)
+        for w in self.writers.values():
+            w.flush()
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
 
 
 class TrainingReport:

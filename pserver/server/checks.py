@@ -18,6 +18,7 @@ from pserver.models.layout import Layout
 from pserver.server.store import first_nonfinite
 from pserver.sparse import RowGrads
 from pserver.wire.codec import DTYPE_NAME, PROTOCOL_VERSION
+from pserver.wire.frames import MAX_METRIC_SUMS
 
 MAX_PARAMS = 1 << 33                  # 8G elements (32 GB) per model: a sanity bound on declared sizes
 MAX_TABLES = 1024                     # sparse tables per model
@@ -100,12 +101,15 @@ def check_statistics(expected: int, values) -> None:
         raise InvalidArgument("statistics: a value is not finite")
 
 
-def check_trained(trained: tuple[float, float], num_samples: int) -> None:
+def check_trained(trained: tuple, num_samples: int) -> None:
     """What a leased push says its batch's step measured (loss x samples, samples classed right)
     is summed into every worker's History: a count of right samples outside [0, num_samples] (NaN
     too) is no count, and the push is refused before anything changes. The loss is taken as it
     comes, NaN or infinite included: a run whose loss diverged shows it, as Keras does."""
-    correct = trained[1]
+    correct, sums = trained[1], trained[2] if len(trained) > 2 else ()
+    if len(sums) > MAX_METRIC_SUMS:
+        raise InvalidArgument(f"lease_metric_sums: {len(sums)} values; at most {MAX_METRIC_SUMS} (the "
+                              f"compiled metrics' state)")
     if not 0 <= correct <= num_samples:
         raise InvalidArgument(f"lease_correct: {correct} samples classed right in a batch of {num_samples}; "
                               f"send how many of the batch's samples the model classed right (0 to "

@@ -114,6 +114,18 @@ class EpochSums:
     loss_sum: float = 0.0     # loss x samples
     correct: float = 0.0      # samples classed right
     samples: int = 0
+    metric_sums: tuple = ()   # the compiled metrics' sums (TensorHeader.lease_metric_sums), added
+
+
+def _added(summed: tuple, sums) -> tuple:
+    """Two pushes' metric sums added element by element (a shorter one as if padded with 0s: a
+    worker that compiled no metrics sends none)."""
+    a, b = np.asarray(summed, np.float64), np.asarray(sums, np.float64)
+    if a.size < b.size:
+        a, b = b, a
+    out = a.copy()
+    out[:b.size] += b
+    return tuple(out.tolist())
 
 
 def chunk_order(num_chunks: int, seed: int, epoch: int, in_order: bool = False) -> list[int]:
@@ -140,6 +152,7 @@ class Coordinator:
         # epoch -> (loss x samples, samples classed right, samples) over the pushes shard 0 took
         # with a lease of it: Keras's per-epoch training loss and accuracy over every worker's batches
         self.trained: dict[int, tuple[float, float, int]] = {}
+        self.metric_sums: dict[int, tuple] = {}      # epoch -> the compiled metrics' sums (tally)
         # Keras on a cluster: epoch -> the chief's logs (names, values) and stop decision, which every
         # worker's callbacks take (this epoch and the one before kept); rank -> the newest epoch a
         # lease reply told it (a worker waiting for the chief's logs knows whether the chief is told)
@@ -173,6 +186,7 @@ class Coordinator:
             queue = self._order(plan, 0, order)        # before anything changes: it may fail
             self.plan = plan
             self.trained.clear()                       # a new run's epochs: no earlier run's sums
+            self.metric_sums.clear()
             self.shared.clear()
             self.told.clear()
             self._open(0, queue)
@@ -382,17 +396,22 @@ class Coordinator:
         for rank in sorted(set(self.leases) - live):
             self.release(rank)
 
-    def tally(self, epoch: int, loss_sum: float, correct: float, samples: int) -> None:
+    def tally(self, epoch: int, loss_sum: float, correct: float, samples: int, sums=()) -> None:
         """A push with a lease of `epoch` was taken: what its batch's step measured counts in the
-        epoch's sums (LeaseDataReply.trained_* once the epoch is done). Only this epoch and the
+        epoch's sums (LeaseDataReply.trained_* once the epoch is done; `sums`, the compiled metrics',
+        added element by element). Only this epoch and the
         one before are kept: the one a reply reports, and the one being trained."""
         loss, right, n = self.trained.get(epoch, (0.0, 0.0, 0))
         self.trained[epoch] = (loss + float(loss_sum), right + float(correct), n + int(samples))
-        for old in [e for e in self.trained if e < epoch - 1]:
-            del self.trained[old]
+        if len(sums) or epoch in self.metric_sums:
+            self.metric_sums[epoch] = _added(self.metric_sums.get(epoch, ()), sums)
+        for kept in (self.trained, self.metric_sums):
+            for old in [e for e in kept if e < epoch - 1]:
+                del kept[old]
 
     def epoch_sums(self) -> EpochSums:
-        return EpochSums(self.epoch, self.ident, *self.trained.get(self.epoch - 1, (0.0, 0.0, 0)))
+        return EpochSums(self.epoch, self.ident, *self.trained.get(self.epoch - 1, (0.0, 0.0, 0)),
+                         self.metric_sums.get(self.epoch - 1, ()))
 
     def tell(self, rank: int) -> None:
         """A lease reply to rank tells it the epoch now (`told`, read by `logs`)."""
@@ -459,6 +478,8 @@ class Coordinator:
                 "leases": {str(r): [chunk, inflight] for r, (_, chunk, inflight) in self.leases.items()},
                 "pieces": {str(c): list(b) for c, b in self.pieces.items()},
                 "trained": {str(e): list(t) for e, t in self.trained.items()},
+                **({"metric_sums": {str(e): list(t) for e, t in self.metric_sums.items()}}
+                   if self.metric_sums else {}),
                 "counters": dict(self.counters)}
 
     @classmethod
@@ -477,6 +498,7 @@ class Coordinator:
         self.pieces = {int(c): (int(a), int(b)) for c, (a, b) in state.get("pieces", {}).items()}
         self.trained = {int(e): (float(loss), float(right), int(n))
                         for e, (loss, right, n) in state.get("trained", {}).items()}
+        self.metric_sums = {int(e): tuple(map(float, t)) for e, t in state.get("metric_sums", {}).items()}
         self.counters.update({k: int(v) for k, v in state.get("counters", {}).items() if k in COUNTERS})
         mask = np.zeros(self.plan.num_batches, bool)      # the epoch's batches done at the checkpoint
         for c in self.done:

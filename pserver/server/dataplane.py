@@ -29,6 +29,7 @@ from pserver.wire.frames import (
     LEASE_AT,
     MAGIC,
     MAX_MESSAGE,
+    MAX_METRIC_SUMS,
     MAX_SESSION,
     PART,
     PARTS,
@@ -45,9 +46,11 @@ from pserver.wire.frames import (
     SIGNATURE,
     SIZE_SEALS,
     SOCKET_NAME,
+    SUMS_LEN,
     THEN_PULL,
     TOKEN_LEN,
     WITH_LEASE,
+    WITH_SUMS,
     RowsBuffer,
     connection_limit,
     push_slots,
@@ -384,6 +387,16 @@ class DataPlaneServer:
         out = peer.rows.region(rows_at, np.float32, n * dim).reshape(n, dim)
         return self.shard.pull_rows(rank, shard, name, ids, session=peer.session, out=out)[0]
 
+    @staticmethod
+    def _sums(conn, flags: int) -> tuple:
+        """A leased push's metric sums (WITH_SUMS), or none."""
+        if not flags & WITH_SUMS:
+            return ()
+        (n,) = SUMS_LEN.unpack(recv_exact(conn, SUMS_LEN.size))
+        if n > MAX_METRIC_SUMS:       # no client sends that many: the stream is not one to read on
+            raise ConnectionError(f"lease_metric_sums: {n} values; at most {MAX_METRIC_SUMS}")
+        return tuple(np.frombuffer(recv_exact(conn, 8 * n), "<f8").tolist())
+
     def _request(self, conn, req, peer: Connection) -> None:
         """A push (with the pull that follows it, under THEN_PULL), a pull or a row request,
         answered in one message."""
@@ -391,9 +404,9 @@ class DataPlaneServer:
         if req[1] & THEN_PULL:
             then_pull = PULL_AFTER.unpack(recv_exact(conn, PULL_AFTER.size))
         if req[1] & WITH_LEASE:
-            lease = LEASE_AT.unpack(recv_exact(conn, LEASE_AT.size))
+            lease = (*LEASE_AT.unpack(recv_exact(conn, LEASE_AT.size)), self._sums(conn, req[1]))
         if req[1] & (THEN_PULL | WITH_LEASE):
-            req = (req[0], req[1] & ~(THEN_PULL | WITH_LEASE), *req[2:])
+            req = (req[0], req[1] & ~(THEN_PULL | WITH_LEASE | WITH_SUMS), *req[2:])
             if req[1] not in (PUSH, PUSH_ROWS):
                 what = "a pull" if then_pull is not None else "a data lease"
                 self._reply(conn, InvalidArgument(f"op: only a push can carry {what}, "
@@ -432,7 +445,7 @@ class DataPlaneServer:
                 outcome, version, message, finished = self.shard.push(PushRequest(
                     rank, shard, step, num_elements, "float32", num_samples, clock, fill,
                     session=peer.session, rows=rows, lease=lease and lease[:3],
-                    trained=lease[3:] if lease else (0.0, 0.0)))
+                    trained=lease[3:] if lease else (0.0, 0.0, ())))
                 return None, outcome.value, finished, version, message
             if op == PULL_ROWS:
                 return None, 0, False, self._pull_rows(peer, rank, shard, parts), ""

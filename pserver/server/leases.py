@@ -102,4 +102,5 @@ class Leases:
             if outcome is Outcome.DROPPED_LATE:
                 self.coordinator.dropped()
             else:
-                self.coordinator.tally(req.lease[0], *req.trained, req.num_samples)
+                loss_sum, correct, *sums = req.trained
+                self.coordinator.tally(req.lease[0], loss_sum, correct, req.num_samples, *sums)

@@ -183,7 +183,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         lease = (h.lease_epoch, h.lease_chunk, h.lease_batch) if h.has_lease else None
         return self.shard.push(PushRequest(h.rank, h.shard, h.step, h.num_elements, h.dtype, h.num_samples,
                                            h.clock, fill, session=h.session, rows=rows, lease=lease,
-                                           trained=(h.lease_loss_sum, h.lease_correct),
+                                           trained=(h.lease_loss_sum, h.lease_correct,
+                                                    tuple(h.lease_metric_sums)),
                                            statistics=np.asarray(h.statistics, np.float32)))
 
     @_status
@@ -206,7 +207,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         sums = self.shard.epoch_sums()
         reply = pb.LeaseDataReply(epoch=sums.epoch, coordinator_id=sums.ident, trained_loss_sum=sums.loss_sum,
                                   trained_correct=sums.correct, trained_samples=sums.samples,
-                                  finished_gone=gone)
+                                  trained_metric_sums=sums.metric_sums, finished_gone=gone)
         if lease is not None:
             reply.has_lease, reply.epoch, reply.chunk = True, lease.epoch, lease.chunk
             reply.first_batch, reply.end_batch = lease.first, lease.end

@@ -85,6 +85,11 @@ PULL_AFTER = struct.Struct("<qq")
 # if any.
 WITH_LEASE = 0x20
 LEASE_AT = struct.Struct("<qqqdd")
+# Set with WITH_LEASE when the batch's step measured the compiled metrics' sums too
+# (TensorHeader.lease_metric_sums): their number, then as many float64, right after LEASE_AT.
+WITH_SUMS = 0x10
+SUMS_LEN = struct.Struct("<I")
+MAX_METRIC_SUMS = 4096        # AUC's state is 4 per threshold: 200 thresholds take 800
 SIGNATURE = struct.Struct("16s")       # INIT: the layout signature follows the header
 # PULL_ROWS and PUSH_ROWS: the number of sparse parts, then per part the table's index in
 # the layout and the number of ids. ROWS_BUFFER: num_elements is the room wanted, in bytes.

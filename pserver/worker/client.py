@@ -456,7 +456,8 @@ class ShardClient:
         if lease is not None:
             header.has_lease = True
             (header.lease_epoch, header.lease_chunk, header.lease_batch, header.lease_loss_sum,
-             header.lease_correct) = lease
+             header.lease_correct, sums) = lease
+            header.lease_metric_sums.extend(sums)
         dense = [self.own(grad)]
         if packed is not None:
             header.compression, header.num_values, header.scale = (packed.compression, packed.num_values,
@@ -498,6 +499,14 @@ class ShardClient:
         if self.fast is not None:
             self.fast.close()
         self.channel.close()
+
+
+def _lease_at(lease, trained: tuple) -> tuple | None:
+    """What a push to shard 0 carries with its lease: (epoch, chunk, batch, loss x samples,
+    samples classed right, the compiled metrics' sums: () when `trained` has none)."""
+    if lease is None:
+        return None
+    return (*lease, *trained[:2], tuple(trained[2]) if len(trained) > 2 else ())
 
 
 def error_kind(e: grpc.RpcError) -> str:
@@ -766,15 +775,16 @@ class PSClient:
     def push(self, grad: np.ndarray, num_samples: int, clock: int = 0,
              steps: Sequence[int] | None = None, lookups: Sequence[sparse.TableLookup] = (),
              tables: Sequence[str] = (), lease: tuple[int, int, int] | None = None,
-             trained: tuple[float, float] = (0.0, 0.0)) -> list[tuple[str, int]]:
+             trained: tuple = (0.0, 0.0, ())) -> list[tuple[str, int]]:
         """Push each shard its slice of `grad`, and the gradients of the sparse rows it holds
         (each lookup's grads, already summed per unique id), computed on `steps` (default:
         last pulled); returns (outcome, version) per shard. `lease`: (epoch, chunk, batch) of
         the data lease the push to shard 0 carries (its coordinator's progress), with `trained`
-        (the batch's loss x samples, and its samples classed right: shard 0 sums them per epoch)."""
+        (the batch's loss x samples, its samples classed right, and the compiled metrics' sums:
+        shard 0 sums them per epoch)."""
         steps = self.versions if steps is None else steps
         rows = self._rows(lookups, tables)
-        at = None if lease is None else (*lease, *trained)
+        at = _lease_at(lease, trained)
         replies = self.each(lambda s: s.push(grad, self.rank, steps[s.index], num_samples, clock,
                                              self.rpc_deadline, rows[s.index], self._packed(grad, s),
                                              at if s.index == 0 else None))
@@ -785,14 +795,14 @@ class PSClient:
     def push_pull(self, grad: np.ndarray, flat: np.ndarray, num_samples: int, clock: int = 0,
                   lookups: Sequence[sparse.TableLookup] = (), tables: Sequence[str] = (),
                   lease: tuple[int, int, int] | None = None,
-                  trained: tuple[float, float] = (0.0, 0.0)) -> list[str]:
+                  trained: tuple = (0.0, 0.0, ())) -> list[str]:
         """A worker's step on the shards: push (as push, computed on the versions last
         pulled, `lease` and `trained` too), then pull into `flat` with clock + 1 (as pull); the
         outcome per shard. Over the data plane each shard answers both in one exchange. A
         refused push raises, and then nothing is known to be pulled: pull again."""
         rows = self._rows(lookups, tables)
         seen = self.versions
-        at = None if lease is None else (*lease, *trained)
+        at = _lease_at(lease, trained)
         replies = self.each(lambda s: s.push_pull(grad, flat, self.rank, seen[s.index], num_samples, clock,
                                                   seen[s.index], clock + 1, self.rpc_deadline, rows[s.index],
                                                   self._packed(grad, s), at if s.index == 0 else None))

@@ -31,9 +31,11 @@ from pserver.wire.frames import (
     REQUEST,
     ROWS_BUFFER,
     SIGNATURE,
+    SUMS_LEN,
     THEN_PULL,
     TOKEN_LEN,
     WITH_LEASE,
+    WITH_SUMS,
     RowsBuffer,
     host_id,
     mapped,
@@ -180,15 +182,17 @@ class DataPlaneChannel:
         clock), the pull that follows rides with the push: pulled is (version, finished)
         with dest filled, or None when that pull failed (the push was taken all the same;
         pull again on its own, which reports the error or rides it out). `lease`: the data
-        lease's (epoch, chunk, batch, loss x samples, samples classed right) this push carries
-        (shard 0)."""
+        lease's (epoch, chunk, batch, loss x samples, samples classed right, metric sums) this
+        push carries (shard 0)."""
         op, tail = PUSH, b""
         if rows:
             op, (tail, slots) = PUSH_ROWS, self._place(rows, timeout)
             for (_, _, g), (_, grads_at) in zip(rows, slots):
                 np.copyto(self.rows.region(grads_at, np.float32, g.size).reshape(g.shape), g)
         if lease is not None:
-            op, tail = op | WITH_LEASE, LEASE_AT.pack(*lease) + tail
+            *at, sums = lease
+            op, tail = op | WITH_LEASE, LEASE_AT.pack(*at) + _sums(sums) + tail
+            op |= WITH_SUMS if len(sums) else 0
         if then_pull is not None:
             op, tail = op | THEN_PULL, PULL_AFTER.pack(then_pull[1], then_pull[2]) + tail
         outcome, finished, version, _ = self._call(op, step, clock, grad.size, num_samples, timeout, tail,
@@ -232,6 +236,11 @@ class DataPlaneChannel:
                 m.close()
             except BufferError:       # a view is still alive somewhere; the GC will unmap
                 pass
+
+
+def _sums(sums) -> bytes:
+    """A leased push's metric sums as WITH_SUMS sends them (nothing when there are none)."""
+    return SUMS_LEN.pack(len(sums)) + np.asarray(sums, "<f8").tobytes() if len(sums) else b""
 
 
 def connect(address: str, expected_host: str, rank: int, shard: int, size: int,

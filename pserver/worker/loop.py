@@ -451,13 +451,15 @@ def one_step(run: Run, x, y, lease=None) -> tuple[float, float]:
     """One batch: pull its rows, compute the gradient into run.g, straggle (--delay), push and
     pull, counting each push's outcome; its loss and when its exchange began (perf_counter). With
     a lease, the push tells shard 0 what the step measured (the batch's loss x samples, and the
-    samples the model classed right): the epoch's training loss and accuracy over every worker."""
+    samples the model classed right, the compiled metrics' sums): the epoch's training loss and
+    metrics over every worker."""
     timer = run.timer
     with timer("pull"):
         lookups = run.rows.for_batch(x)
     with timer("compute"):
         loss = run.gradient(run.w, x, y, run.g, run.clock, lookups)
-    trained = (loss * len(x), float(getattr(run.model, "batch_correct", 0.0)))
+    trained = (loss * len(x), float(getattr(run.model, "batch_correct", 0.0)),
+               tuple(getattr(run.model, "batch_metric_sums", ())))
     with timer("delay"):
         run.delay.sleep()
     exchange_started = time.perf_counter()

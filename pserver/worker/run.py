@@ -101,7 +101,7 @@ class Run:
 
 
 def push_pull(client: PSClient, g: np.ndarray, w: np.ndarray, batch: int, clock: int, lookups=(),
-              tables=(), lease=None, trained=(0.0, 0.0)) -> list[str]:
+              tables=(), lease=None, trained=(0.0, 0.0, ())) -> list[str]:
     """Push, then pull into w (one exchange per shard over the data plane); the outcomes.
     A rejection for a stale step (sync after a timeout; a push already held) is survivable:
     the pull brings the current version and training goes on."""

@@ -232,7 +232,7 @@ def epoch_sums(reply, epoch: int) -> dict | None:
     if reply.epoch != epoch + 1 or reply.trained_samples <= 0:
         return None
     return {"loss_sum": reply.trained_loss_sum, "correct": reply.trained_correct,
-            "samples": reply.trained_samples}
+            "samples": reply.trained_samples, "metric_sums": tuple(reply.trained_metric_sums)}
 
 
 def say_where_leases_begin(cfg: WorkerConfig, epoch: int, say) -> None:
