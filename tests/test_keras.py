@@ -324,7 +324,7 @@ def test_summary_prints_keras_s_table_and_returns_none(capsys):
 
 # -- refusals ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("module, name", [("", "applications"), ("layers", "LSTM"),
+@pytest.mark.parametrize("module, name", [("", "applications"), ("layers", "ConvLSTM2D"),
                                           ("callbacks", "RemoteMonitor"), ("optimizers", "Nadam"),
                                           ("losses", "Huber"), ("models", "clone_model"),
                                           ("utils", "plot_model"),
