@@ -318,6 +318,7 @@ class GRU(_Recurrent):
 
 
 MERGE_MODES = ("concat", "sum", "mul", "ave")
+CELLS = {cls.__name__: cls for cls in (SimpleRNN, LSTM, GRU)}
 
 
 class Bidirectional(Layer):
@@ -354,19 +355,23 @@ class Bidirectional(Layer):
         return [self.layer, self.backward_layer]
 
     def get_config(self):
-        from pserver.layers import serialize
+        """Keras's: the wrapped layers as {"class_name", "config"} (one of the three cells)."""
         config = super().get_config()
-        config["layer"] = serialize(self.layer, "Bidirectional")
-        config["backward_layer"] = serialize(self.backward_layer, "Bidirectional")
+        for what in ("layer", "backward_layer"):
+            inner = getattr(self, what)
+            config[what] = {"class_name": type(inner).__name__, "config": inner.get_config()}
         return config
 
     @classmethod
     def from_config(cls, config):
-        from pserver.layers import deserialize
         config = dict(config)
-        config["layer"] = deserialize(config["layer"])
-        if config.get("backward_layer") is not None:
-            config["backward_layer"] = deserialize(config["backward_layer"])
+        for what in ("layer", "backward_layer"):
+            entry = config.get(what)
+            if entry is not None:
+                if not isinstance(entry, dict) or entry.get("class_name") not in CELLS:
+                    raise ConfigError(f"Bidirectional: {what} must be one of {', '.join(CELLS)}, "
+                                      f"got {entry!r}")
+                config[what] = CELLS[entry["class_name"]].from_config(entry["config"])
         return super().from_config(config)
 
     def output_shape_for(self, input_shape):
