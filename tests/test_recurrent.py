@@ -203,11 +203,13 @@ def test_return_state_in_the_functional_api_gives_output_and_states():
 
 def test_save_and_load_keep_the_recurrent_layers(tmp_path):
     """Catches a config that does not rebuild the layer (Bidirectional's inner layers, GRU's
-    reset_after, go_backwards) and weights put back in another order."""
+    reset_after, go_backwards), weights put back in another order, and a return_state call
+    replayed as its sliced outputs (the saved slicing ops must read the packed tensor)."""
     inputs = keras.Input((5, 3))
     h = keras.layers.Bidirectional(keras.layers.LSTM(4, return_sequences=True), merge_mode="sum")(inputs)
     h = keras.layers.GRU(3, go_backwards=True, activation="relu")(h)
-    h = keras.layers.Dense(2)(keras.layers.Concatenate()([h, keras.layers.SimpleRNN(2)(inputs)]))
+    _, state = keras.layers.SimpleRNN(2, return_state=True, return_sequences=True)(inputs)
+    h = keras.layers.Dense(2)(keras.layers.Concatenate()([h, state]))
     model = keras.Model(inputs, h)
     weights = [np.random.default_rng(i).standard_normal(w.shape).astype(np.float32)
                for i, w in enumerate(model.get_weights())]

@@ -89,12 +89,17 @@ class _Recurrent(Layer):
         if self.activity_regularizer is not None and self.return_state:
             raise ConfigError(f"{owner}: activity_regularizer with return_state=True is not supported")
 
-    def __call__(self, inputs, training=None, initial_state=None, mask=None, **kwargs):
+    def __call__(self, inputs, training=None, initial_state=None, mask=None, packed=False, **kwargs):
         """Keras's call; with return_state the list [output, *states]. initial_state and mask
-        are refused (the states start at zero; every step counts)."""
+        are refused (the states start at zero; every step counts). The node of a return_state
+        call records packed=True, so that a saved graph's replay (pserver.models.graph_config)
+        gets the packed tensor its slicing ops read."""
         _refuse(self.label, initial_state=initial_state is not None, mask=mask is not None)
         out = super().__call__(inputs, training=training, **kwargs)
         if not (self.return_state and isinstance(out, Symbolic)):
+            return out
+        out.node.attrs["kwargs"] = {"packed": True}
+        if packed:
             return out
         rows = self._out_rows
         first = out[:, :rows] if self.return_sequences else out[:, 0]
