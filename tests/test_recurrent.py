@@ -2,7 +2,7 @@
 the twins' backward through time against central finite differences in float64 (hypothesis over
 batch, steps, features, units, return_sequences, return_state, go_backwards, use_bias), outputs
 equal to Keras 3's for the same weights, Keras's weights and parameter counts, return_state in the
-Functional API, save/load, refusals, and keras.io's addition_rnn encoder-decoder learning."""
+Functional API, initial_state, save/load, refusals, and keras.io's addition_rnn encoder-decoder learning."""
 
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ def built(layer, shape):
 
 
 def run(layer, k, p, x):
-    out = np.empty((x.shape[0], *layer.output_shape), x.dtype)
-    s = layer.scratch(x.shape[0], x.dtype)
+    first = x[0] if isinstance(x, list) else x
+    out = np.empty((first.shape[0], *layer.output_shape), first.dtype)
+    s = layer.scratch(first.shape[0], first.dtype)
     layer.forward(k, p, x, out, s, Pass(training=True))
     return out, s
 
@@ -201,6 +202,50 @@ def test_return_state_in_the_functional_api_gives_output_and_states():
     assert not np.allclose(model2.get_weights()[0], before)
 
 
+@pytest.mark.parametrize("cell", sorted(CELLS))
+def test_initial_state_starts_the_recurrence_and_takes_its_gradient(cell):
+    """The states start from initial_state and backward gives them d loss / d state (LSTM's h and
+    c): central differences in float64 on the twins. Catches a given state ignored (zeros used),
+    LSTM's h and c swapped, and a state's gradient left out."""
+    layer = CELLS[cell](3, return_sequences=True, go_backwards=True)
+    layer(Symbolic((None, 4, 2)), initial_state=[Symbolic((None, 3))] * layer.states)
+    r = np.random.default_rng(1)
+    p = {w.name: 0.7 * r.standard_normal(w.shape) for w in layer.weights()}
+    xs = [r.standard_normal((2, 4, 2)), *(r.standard_normal((2, 3)) for _ in range(layer.states))]
+    G = r.standard_normal((2, 4, 3))
+    out, s = run(layer, REF, p, xs)
+    dxs = [np.empty_like(a) for a in xs]
+    layer.backward(REF, p, {n: np.empty_like(v) for n, v in p.items()}, xs, out, G.copy(), dxs, s)
+    zero = run(layer, REF, p, [xs[0], *(np.zeros_like(a) for a in xs[1:])])[0]
+    assert not np.allclose(out, zero)
+    for j in range(1, len(xs)):
+        d = r.standard_normal(xs[j].shape)
+        moved = [[a + sign * EPS * d if i == j else a for i, a in enumerate(xs)] for sign in (1, -1)]
+        fd = (np.sum(run(layer, REF, p, moved[0])[0] * G)
+              - np.sum(run(layer, REF, p, moved[1])[0] * G)) / (2 * EPS)
+        assert abs(fd - np.sum(dxs[j] * d)) <= 1e-6 * (1 + abs(fd)), j
+
+
+def test_an_encoder_s_states_start_a_decoder_and_train_it_and_save(tmp_path):
+    """keras.io's seq2seq shape: an encoder LSTM's [h, c] as a decoder LSTM's initial_state.
+    Catches the states' gradient not reaching the encoder (its kernel must move in training) and
+    a saved graph that does not replay the initial_state call."""
+    enc_in, dec_in = keras.Input((5, 3)), keras.Input((4, 2))
+    _, h, c = keras.layers.LSTM(6, return_state=True)(enc_in)
+    dec = keras.layers.LSTM(6)(dec_in, initial_state=[h, c])
+    model = keras.Model([enc_in, dec_in], keras.layers.Dense(2, activation="softmax")(dec))
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
+    r = np.random.default_rng(0)
+    x = [r.standard_normal((32, 5, 3)).astype(np.float32), r.standard_normal((32, 4, 2)).astype(np.float32)]
+    y = (x[0][:, 0, 0] > 0).astype(int)
+    before = model.get_weights()[0].copy()
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    assert not np.allclose(model.get_weights()[0], before)
+    model.save(tmp_path / "s2s.keras")
+    again = keras.models.load_model(tmp_path / "s2s.keras")
+    np.testing.assert_array_equal(again.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
 def test_save_and_load_keep_the_recurrent_layers(tmp_path):
     """Catches a config that does not rebuild the layer (Bidirectional's inner layers, GRU's
     reset_after, go_backwards), weights put back in another order, and a return_state call
@@ -233,8 +278,9 @@ def test_save_and_load_keep_the_recurrent_layers(tmp_path):
     (lambda: Bidirectional(LSTM(4), merge_mode=None), "merge_mode=None is not supported"),
     (lambda: Bidirectional(LSTM(4, return_state=True)), "return_state=True is not supported"),
     (lambda: Bidirectional(Dense(4)), "must be a SimpleRNN, LSTM or GRU"),
-    (lambda: LSTM(4)(Symbolic((None, 3, 2)), initial_state=[Symbolic((None, 4))] * 2),
-     "initial_state=True is not supported"),
+    (lambda: LSTM(4)(Symbolic((None, 3, 2)), mask=Symbolic((None, 3))), "mask=True is not supported"),
+    (lambda: LSTM(4)(Symbolic((None, 3, 2)), initial_state=[Symbolic((None, 4))]),
+     r"initial_state must be 2 tensor\(s\) of shape \(4,\)"),
 ])
 def test_what_pserver_cannot_run_is_refused_in_one_line(make, message):
     """Catches an argument that would change Keras's meaning accepted silently."""

@@ -10,10 +10,11 @@ Forward is one matmul for every step's input projection (xw = x @ kernel + bias,
 dense kernel), then the backend's fused recurrence (pserver.kernels.reference describes the
 layout); backward through time the same way round, then the weight gradients as two products.
 
-return_state: Keras's layer returns [output, h] (LSTM [output, h, c]). A pserver layer has one
-output, so with return_state it computes them packed as rows of one (rows, units) tensor (the
-output's steps, or one row without return_sequences, then each state) and the call slices them
-out (getitem ops): `summary()` shows the packed shape.
+initial_state: the states start from the given tensors (else zeros), and backward gives them
+their gradients. return_state: Keras's layer returns [output, h] (LSTM [output, h, c]). A pserver
+layer has one output, so with return_state it computes them packed as rows of one (rows, units)
+tensor (the output's steps, or one row without return_sequences, then each state) and the call
+slices them out (getitem ops): `summary()` shows the packed shape.
 """
 
 from __future__ import annotations
@@ -90,12 +91,21 @@ class _Recurrent(Layer):
             raise ConfigError(f"{owner}: activity_regularizer with return_state=True is not supported")
 
     def __call__(self, inputs, training=None, initial_state=None, mask=None, packed=False, **kwargs):
-        """Keras's call; with return_state the list [output, *states]. initial_state and mask
-        are refused (the states start at zero; every step counts). The node of a return_state
-        call records packed=True, so that a saved graph's replay (pserver.models.graph_config)
-        gets the packed tensor its slicing ops read."""
-        _refuse(self.label, initial_state=initial_state is not None, mask=mask is not None)
-        out = super().__call__(inputs, training=training, **kwargs)
+        """Keras's call; with return_state the list [output, *states]. initial_state (h, or LSTM's
+        [h, c]) makes the node's inputs [x, *states] (a saved graph replays it as that list);
+        mask is refused (every step counts). The node of a return_state call records packed=True,
+        so that a saved graph's replay (pserver.models.graph_config) gets the packed tensor its
+        slicing ops read."""
+        _refuse(self.label, mask=mask is not None)
+        if initial_state is not None:
+            states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [initial_state]
+            inputs = [inputs, *states]
+        given = isinstance(inputs, (list, tuple))
+        if getattr(self, "_built_for", None) is not None and given != self.takes_list:
+            raise ConfigError(f"{self.label}: called with and without initial_state; a layer's calls "
+                              "must agree (use two layers)")
+        self.takes_list = given
+        out = super().__call__(list(inputs) if given else inputs, training=training, **kwargs)
         if not (self.return_state and isinstance(out, Symbolic)):
             return out
         out.node.attrs["kwargs"] = {"packed": True}
@@ -104,6 +114,15 @@ class _Recurrent(Layer):
         rows = self._out_rows
         first = out[:, :rows] if self.return_sequences else out[:, 0]
         return [first, *(out[:, rows + j] for j in range(self.states))]
+
+    def build(self, input_shape):
+        """With initial_state the shapes [x's, *the states'], each state (units,)."""
+        if self.takes_list:
+            input_shape, *states = input_shape
+            if len(states) != self.states or any(tuple(st) != (self.units,) for st in states):
+                raise ConfigError(f"{self.label}: initial_state must be {self.states} tensor(s) of shape "
+                                  f"({self.units},), got {[tuple(st) for st in states]}")
+        return super().build(input_shape)
 
     @property
     def _out_rows(self) -> int:
@@ -153,11 +172,13 @@ class _Recurrent(Layer):
         return (g["bias"] if self.use_bias else s["dbias"]), s["rdb"]
 
     def forward(self, k, p, x, out, s, run):
+        x, states = (x[0], x[1:]) if self.takes_list else (x, [0] * self.states)
         n, steps, features = x.shape
         xw = s["xw"]
         k.dense_forward(x.reshape(n * steps, features), p["kernel"], self._biases(p, s)[0],
                         xw.reshape(n * steps, -1), False)
-        s["hs"][0] = 0
+        for name, state in zip(("hs", "cs"), states):
+            s[name][0] = state
         self._cell_forward(k, p, s)
         out3, hs = out.reshape(n, -1, self.units), s["hs"]
         if self.return_sequences:
@@ -172,6 +193,9 @@ class _Recurrent(Layer):
         return [s["hs"][-1]]
 
     def backward(self, k, p, g, x, out, dout, dx, s):
+        dstates = []
+        if self.takes_list:                # the initial states' gradients: d hs[0], and LSTM's dc
+            x, (dx, *dstates) = x[0], dx
         n, steps, features = x.shape
         u, width = self.units, self.gates * self.units
         if "dhs" not in s:               # made at the first training step of this batch size
@@ -190,6 +214,9 @@ class _Recurrent(Layer):
             if self.states == 2:
                 s["dc"][...] = d3[:, self._out_rows + 1]
         self._cell_backward(k, p, s)
+        for d, got in zip(dstates, (dhs[0], s["dc"])):
+            if d is not None:
+                d[...] = got
         dbias, drbias = self._dbiases(g, s)
         k.dense_param_grads(s["hs"][:steps].reshape(steps * n, u), s["drec"].reshape(steps * n, width),
                             g["recurrent_kernel"], drbias)
@@ -263,7 +290,6 @@ class LSTM(_Recurrent):
         return [s["hs"][-1], s["cs"][-1]]
 
     def _cell_forward(self, k, p, s):
-        s["cs"][0] = 0
         k.lstm_forward(s["xw"], p["recurrent_kernel"], s["hs"], s["cs"], s["gates"], self.go_backwards,
                        self.activation, self.recurrent_activation)
 
@@ -348,6 +374,7 @@ class Bidirectional(Layer):
             {**layer.get_config(), "go_backwards": not layer.go_backwards})
         for inner in (layer, backward_layer):
             _refuse(f"Bidirectional({type(inner).__name__})", return_state=inner.return_state,
+                    initial_state=inner.takes_list,
                     activity_regularizer=inner.activity_regularizer is not None)
         if backward_layer.return_sequences != layer.return_sequences:
             raise ConfigError("Bidirectional: layer and backward_layer must agree on return_sequences")
