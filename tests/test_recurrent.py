@@ -103,14 +103,14 @@ def test_bidirectional_against_finite_differences(merge_mode, return_sequences):
     p = {w.name: 0.7 * r.standard_normal(w.shape) for w in layer.weights()}
     x = r.standard_normal((2, 3, 2))
     G = r.standard_normal((2, *layer.output_shape))
-    _, g, dx = grads(layer, CPU, p, x, G)
+    _, g, dx = grads(layer, REF, p, x, G)
     d = r.standard_normal(x.shape)
-    fd = (np.sum(run(layer, CPU, p, x + EPS * d)[0] * G) - np.sum(run(layer, CPU, p, x - EPS * d)[0] * G))
+    fd = (np.sum(run(layer, REF, p, x + EPS * d)[0] * G) - np.sum(run(layer, REF, p, x - EPS * d)[0] * G))
     assert abs(fd / (2 * EPS) - np.sum(dx * d)) <= 1e-6 * (1 + abs(fd / (2 * EPS)))
     name = "backward_gru/recurrent_kernel"
     d = r.standard_normal(p[name].shape)
-    fd = (np.sum(run(layer, CPU, {**p, name: p[name] + EPS * d}, x)[0] * G)
-          - np.sum(run(layer, CPU, {**p, name: p[name] - EPS * d}, x)[0] * G)) / (2 * EPS)
+    fd = (np.sum(run(layer, REF, {**p, name: p[name] + EPS * d}, x)[0] * G)
+          - np.sum(run(layer, REF, {**p, name: p[name] - EPS * d}, x)[0] * G)) / (2 * EPS)
     assert abs(fd - np.sum(g[name] * d)) <= 1e-6 * (1 + abs(fd))
 
 
