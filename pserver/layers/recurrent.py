@@ -66,7 +66,6 @@ class _Recurrent(Layer):
 
     gates = 1
     states = 1
-    cell = "simple_rnn"
 
     def _setup(self, units, activation, recurrent_activation, use_bias, kernel_initializer,
                recurrent_initializer, bias_initializer, kernel_regularizer, recurrent_regularizer,
@@ -109,8 +108,10 @@ class _Recurrent(Layer):
         if not (self.return_state and isinstance(out, Symbolic)):
             return out
         out.node.attrs["kwargs"] = {"packed": True}
-        if packed:
-            return out
+        return out if packed else self._unpacked(out)
+
+    def _unpacked(self, out: Symbolic) -> list:
+        """[output, *states] sliced from the packed rows."""
         rows = self._out_rows
         first = out[:, :rows] if self.return_sequences else out[:, 0]
         return [first, *(out[:, rows + j] for j in range(self.states))]
@@ -352,6 +353,14 @@ MERGE_MODES = ("concat", "sum", "mul", "ave")
 CELLS = {cls.__name__: cls for cls in (SimpleRNN, LSTM, GRU)}
 
 
+def _check_wrapped(what: str, layer) -> None:
+    """A layer Bidirectional can wrap: a cell layer whose one output it can merge."""
+    if not isinstance(layer, _Recurrent):
+        raise ConfigError(f"Bidirectional: {what} must be a SimpleRNN, LSTM or GRU, got {layer!r}")
+    _refuse(f"Bidirectional({type(layer).__name__})", return_state=layer.return_state,
+            initial_state=layer.takes_list, activity_regularizer=layer.activity_regularizer is not None)
+
+
 class Bidirectional(Layer):
     """Keras's Bidirectional: `layer` and a copy that reads the sequence backwards (go_backwards
     flipped; or `backward_layer`), their outputs merged (the backward one's steps put back in
@@ -361,21 +370,15 @@ class Bidirectional(Layer):
 
     def __init__(self, layer, merge_mode="concat", weights=None, backward_layer=None, **kwargs):
         super().__init__(**kwargs)
-        for what, given in (("layer", layer), ("backward_layer", backward_layer)):
-            if given is not None and not isinstance(given, _Recurrent):
-                raise ConfigError(f"Bidirectional: {what} must be a SimpleRNN, LSTM or GRU, got {given!r}")
-        if layer is None:
-            raise ConfigError("Bidirectional: layer must be a SimpleRNN, LSTM or GRU, got None")
         if merge_mode not in MERGE_MODES:
             raise ConfigError(f"Bidirectional: merge_mode={merge_mode!r} is not supported; choose one of "
                               f"{', '.join(MERGE_MODES)}")
         _refuse("Bidirectional", weights=weights is not None)
-        backward_layer = backward_layer or type(layer).from_config(
-            {**layer.get_config(), "go_backwards": not layer.go_backwards})
-        for inner in (layer, backward_layer):
-            _refuse(f"Bidirectional({type(inner).__name__})", return_state=inner.return_state,
-                    initial_state=inner.takes_list,
-                    activity_regularizer=inner.activity_regularizer is not None)
+        _check_wrapped("layer", layer)
+        if backward_layer is None:
+            flipped = {**layer.get_config(), "go_backwards": not layer.go_backwards}
+            backward_layer = type(layer).from_config(flipped)
+        _check_wrapped("backward_layer", backward_layer)
         if backward_layer.return_sequences != layer.return_sequences:
             raise ConfigError("Bidirectional: layer and backward_layer must agree on return_sequences")
         self.merge_mode, self.layer, self.backward_layer = merge_mode, layer, backward_layer
