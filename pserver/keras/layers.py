@@ -5,11 +5,14 @@ from pserver.keras._names import missing as _missing
 from pserver.keras.models import Input
 from pserver.layers import (
     FM,
+    GRU,
+    LSTM,
     Activation,
     Add,
     Average,
     AveragePooling2D,
     BatchNormalization,
+    Bidirectional,
     Concatenate,
     Conv1D,
     Conv2D,
@@ -35,6 +38,7 @@ from pserver.layers import (
     RepeatVector,
     Rescaling,
     Reshape,
+    SimpleRNN,
     Subtract,
     UpSampling1D,
     UpSampling2D,
@@ -61,4 +65,5 @@ __all__ = ["Input", "Layer", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2
            "Conv1D", "Conv2DTranspose", "DepthwiseConv2D", "ZeroPadding1D", "ZeroPadding2D", "Cropping1D",
            "Cropping2D", "UpSampling1D", "UpSampling2D",
            "LayerNormalization", "BatchNormalization", "Rescaling",
+           "SimpleRNN", "LSTM", "GRU", "Bidirectional",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]

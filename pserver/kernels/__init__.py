@@ -36,8 +36,11 @@ KERNELS = ("dense_forward", "dense_param_grads", "dense_backward", "relu_backwar
            "copy")
 # The functions of the CPU backends alone (cpu and its twin): the click-through-rate models'
 # math, which runs where their sparse rows are, on the host; and a convolution whose training
-# step builds its im2col matrix once, in the forward pass (Conv2D uses them where they exist).
-CPU_KERNELS = ("fm_forward", "fm_backward", "conv2d_forward_cols", "conv2d_backward_cols")
+# step builds its im2col matrix once, in the forward pass (Conv2D uses them where they exist); and
+# the recurrent layers' recurrences (pserver.layers.recurrent: no CUDA kernels).
+CPU_KERNELS = ("fm_forward", "fm_backward", "conv2d_forward_cols", "conv2d_backward_cols",
+               "simple_rnn_forward", "simple_rnn_backward", "lstm_forward", "lstm_backward", "gru_forward",
+               "gru_backward")
 # The graph layers' kernels (merges, Concatenate, global pooling): memory-bound, so NumPy on the
 # host (cpu takes reference's) and numba.cuda on the device, with one signature (cuda's plus `stream`).
 GRAPH_KERNELS = ("elementwise", "scale_by", "extreme_forward", "select_grad", "columns_into",

@@ -640,3 +640,149 @@ def fm_backward(v, dout, dv):
         for f in range(f_n):
             for d in range(k_n):
                 dv[n, f, d] = df[n] * (s[d] - v[n, f, d])
+
+
+# -- recurrent layers (pserver.layers.recurrent; the layout is reference's) -------------------------
+# The recurrence is sequential: per step one product h @ recurrent_kernel (BLAS, on the contiguous
+# time-major rows hs[s]), then one fused pass over (batch, units) for the gates and states.
+
+@njit(cache=True, nogil=True)
+def _act(code, v):
+    if code == RELU:
+        return 0 if v < 0 else v
+    if code == SIGMOID:
+        return _sigmoid(v)
+    if code == TANH:
+        return np.tanh(v)
+    return v
+
+
+@njit(cache=True, nogil=True)
+def _dact(code, y, g):
+    """g * f'(.) at the activation's output y."""
+    if code == RELU:
+        return g if y > 0 else 0 * g
+    if code == SIGMOID:
+        return g * y * (1 - y)
+    if code == TANH:
+        return g * (1 - y * y)
+    return g
+
+
+@njit(cache=True, nogil=True)
+def _add_rows_t(dz, rk, into, tmp):
+    """into += dz @ rk.T (tmp: a buffer of into's shape)."""
+    np.dot(dz, rk.T, tmp)
+    into += tmp
+
+
+@njit(cache=True, nogil=True)
+def simple_rnn_forward(xw, rk, hs, backwards, act):
+    n, T, u = xw.shape
+    a = _kind_code(act)
+    for s in range(T):
+        t = T - 1 - s if backwards else s
+        np.dot(hs[s], rk, hs[s + 1])
+        for b in range(n):
+            for j in range(u):
+                hs[s + 1, b, j] = _act(a, xw[b, t, j] + hs[s + 1, b, j])
+
+
+@njit(cache=True, nogil=True)
+def simple_rnn_backward(rk, hs, dhs, dxw, drec, backwards, act):
+    n, T, u = dxw.shape
+    a = _kind_code(act)
+    tmp = np.empty((n, u), dxw.dtype)
+    for s in range(T - 1, -1, -1):
+        t = T - 1 - s if backwards else s
+        for b in range(n):
+            for j in range(u):
+                dz = _dact(a, hs[s + 1, b, j], dhs[s + 1, b, j])
+                drec[s, b, j] = dz
+                dxw[b, t, j] = dz
+        _add_rows_t(drec[s], rk, dhs[s], tmp)
+
+
+@njit(cache=True, nogil=True)
+def lstm_forward(xw, rk, hs, cs, gates, backwards, act, ract):
+    n, T, k = xw.shape
+    u = rk.shape[0]
+    a, ra = _kind_code(act), _kind_code(ract)
+    z = np.empty((n, k), xw.dtype)
+    for s in range(T):
+        t = T - 1 - s if backwards else s
+        np.dot(hs[s], rk, z)
+        for b in range(n):
+            for j in range(u):
+                i = _act(ra, xw[b, t, j] + z[b, j])
+                f = _act(ra, xw[b, t, u + j] + z[b, u + j])
+                g = _act(a, xw[b, t, 2 * u + j] + z[b, 2 * u + j])
+                o = _act(ra, xw[b, t, 3 * u + j] + z[b, 3 * u + j])
+                c = f * cs[s, b, j] + i * g
+                cs[s + 1, b, j] = c
+                hs[s + 1, b, j] = o * _act(a, c)
+                gates[s, b, j], gates[s, b, u + j] = i, f
+                gates[s, b, 2 * u + j], gates[s, b, 3 * u + j] = g, o
+
+
+@njit(cache=True, nogil=True)
+def lstm_backward(rk, hs, cs, gates, dhs, dc, dxw, drec, backwards, act, ract):
+    n, T, k = dxw.shape
+    u = rk.shape[0]
+    a, ra = _kind_code(act), _kind_code(ract)
+    tmp = np.empty((n, u), dxw.dtype)
+    for s in range(T - 1, -1, -1):
+        t = T - 1 - s if backwards else s
+        for b in range(n):
+            for j in range(u):
+                i, f = gates[s, b, j], gates[s, b, u + j]
+                g, o = gates[s, b, 2 * u + j], gates[s, b, 3 * u + j]
+                dh, tc = dhs[s + 1, b, j], _act(a, cs[s + 1, b, j])
+                dcs = dc[b, j] + _dact(a, tc, dh * o)
+                dc[b, j] = dcs * f
+                di, df = _dact(ra, i, dcs * g), _dact(ra, f, dcs * cs[s, b, j])
+                dg, do = _dact(a, g, dcs * i), _dact(ra, o, dh * tc)
+                drec[s, b, j], drec[s, b, u + j], dxw[b, t, j], dxw[b, t, u + j] = di, df, di, df
+                drec[s, b, 2 * u + j], drec[s, b, 3 * u + j] = dg, do
+                dxw[b, t, 2 * u + j], dxw[b, t, 3 * u + j] = dg, do
+        _add_rows_t(drec[s], rk, dhs[s], tmp)
+
+
+@njit(cache=True, nogil=True)
+def gru_forward(xw, rk, rb, hs, gates, rh, backwards, act, ract):
+    n, T, k = xw.shape
+    u = rk.shape[0]
+    a, ra = _kind_code(act), _kind_code(ract)
+    z = np.empty((n, k), xw.dtype)
+    for s in range(T):
+        t = T - 1 - s if backwards else s
+        np.dot(hs[s], rk, z)
+        for b in range(n):
+            for j in range(u):
+                zg = _act(ra, xw[b, t, j] + z[b, j] + rb[j])
+                r = _act(ra, xw[b, t, u + j] + z[b, u + j] + rb[u + j])
+                rhv = z[b, 2 * u + j] + rb[2 * u + j]
+                hh = _act(a, xw[b, t, 2 * u + j] + r * rhv)
+                rh[s, b, j] = rhv
+                gates[s, b, j], gates[s, b, u + j], gates[s, b, 2 * u + j] = zg, r, hh
+                hs[s + 1, b, j] = zg * hs[s, b, j] + (1 - zg) * hh
+
+
+@njit(cache=True, nogil=True)
+def gru_backward(rk, hs, gates, rh, dhs, dxw, drec, backwards, act, ract):
+    n, T, k = dxw.shape
+    u = rk.shape[0]
+    a, ra = _kind_code(act), _kind_code(ract)
+    tmp = np.empty((n, u), dxw.dtype)
+    for s in range(T - 1, -1, -1):
+        t = T - 1 - s if backwards else s
+        for b in range(n):
+            for j in range(u):
+                zg, r, hh, dh = gates[s, b, j], gates[s, b, u + j], gates[s, b, 2 * u + j], dhs[s + 1, b, j]
+                dah = _dact(a, hh, dh * (1 - zg))
+                dz = _dact(ra, zg, dh * (hs[s, b, j] - hh))
+                dr = _dact(ra, r, dah * rh[s, b, j])
+                drec[s, b, j], drec[s, b, u + j], drec[s, b, 2 * u + j] = dz, dr, dah * r
+                dxw[b, t, j], dxw[b, t, u + j], dxw[b, t, 2 * u + j] = dz, dr, dah
+                dhs[s, b, j] += dh * zg
+        _add_rows_t(drec[s], rk, dhs[s], tmp)

@@ -470,3 +470,105 @@ def fm_forward(v, out):
 def fm_backward(v, dout, dv):
     """dv[n, f, d] = dout[n] * (sum_g v[n, g, d] - v[n, f, d]). v, dv (N, F, K), dout (N, 1)."""
     dv[:] = dout.reshape(-1, 1, 1) * (v.sum(axis=1, keepdims=True) - v)
+
+
+# -- recurrent layers (pserver.layers.recurrent) ---------------------------------------------------
+# One layout for the three cells. xw (n, T, k*u) is x @ kernel + bias for every step at once (one
+# matmul, the layer's); the recurrence runs time-major: hs (T+1, n, u) holds the initial state in
+# hs[0] and step s's output in hs[s + 1] (LSTM's cell state likewise in cs), gates (T, n, k*u)
+# each step's gates after their activations. Step s reads input step t = T-1-s under go_backwards
+# (`backwards`), else s. Backward takes dhs (T+1, n, u): d loss / d hs[s + 1] from outside the
+# layer; it adds the recurrence's gradient in place, leaving d loss / d initial state in dhs[0]
+# (and in dc, which comes in as d loss / d last cell state). It writes dxw (n, T, k*u), d loss /
+# d xw in input order, and drec (T, n, k*u), the gradient of the recurrent product h @
+# recurrent_kernel (+ GRU's recurrent bias), so that d recurrent_kernel = hs[:T]^T drec.
+# Activations by name as activation_forward's; their derivatives come from their outputs.
+
+def _act(kind, v):
+    out = np.empty_like(v)
+    activation_forward(kind, v, out)
+    return out
+
+
+def _dact(kind, y, g):
+    """g * f'(.) at the activation's output y."""
+    out = np.empty_like(g)
+    activation_backward(kind, y, g, out)
+    return out
+
+
+def _step(t_steps, s, backwards):
+    return t_steps - 1 - s if backwards else s
+
+
+def simple_rnn_forward(xw, rk, hs, backwards, act):
+    """hs[s + 1] = act(xw[:, t] + hs[s] @ rk)."""
+    T = xw.shape[1]
+    for s in range(T):
+        hs[s + 1] = _act(act, xw[:, _step(T, s, backwards)] + hs[s] @ rk)
+
+
+def simple_rnn_backward(rk, hs, dhs, dxw, drec, backwards, act):
+    T = dxw.shape[1]
+    for s in range(T - 1, -1, -1):
+        dz = _dact(act, hs[s + 1], dhs[s + 1])
+        drec[s] = dxw[:, _step(T, s, backwards)] = dz
+        dhs[s] += dz @ rk.T
+
+
+def lstm_forward(xw, rk, hs, cs, gates, backwards, act, ract):
+    """Keras's LSTM, gates i, f, c, o: c = f * c' + i * act(z_c), h = o * act(c)."""
+    T, u = xw.shape[1], rk.shape[0]
+    for s in range(T):
+        z = xw[:, _step(T, s, backwards)] + hs[s] @ rk
+        g = gates[s]
+        g[:, :2 * u] = _act(ract, z[:, :2 * u])
+        g[:, 2 * u:3 * u] = _act(act, z[:, 2 * u:3 * u])
+        g[:, 3 * u:] = _act(ract, z[:, 3 * u:])
+        cs[s + 1] = g[:, u:2 * u] * cs[s] + g[:, :u] * g[:, 2 * u:3 * u]
+        hs[s + 1] = g[:, 3 * u:] * _act(act, cs[s + 1])
+
+
+def lstm_backward(rk, hs, cs, gates, dhs, dc, dxw, drec, backwards, act, ract):
+    T, u = dxw.shape[1], rk.shape[0]
+    for s in range(T - 1, -1, -1):
+        g, dh = gates[s], dhs[s + 1]
+        i, f, c_in, o = g[:, :u], g[:, u:2 * u], g[:, 2 * u:3 * u], g[:, 3 * u:]
+        tc = _act(act, cs[s + 1])
+        dcs = dc + _dact(act, tc, dh * o)
+        dz = drec[s]
+        dz[:, :u] = _dact(ract, i, dcs * c_in)
+        dz[:, u:2 * u] = _dact(ract, f, dcs * cs[s])
+        dz[:, 2 * u:3 * u] = _dact(act, c_in, dcs * i)
+        dz[:, 3 * u:] = _dact(ract, o, dh * tc)
+        dc[...] = dcs * f
+        dxw[:, _step(T, s, backwards)] = dz
+        dhs[s] += dz @ rk.T
+
+
+def gru_forward(xw, rk, rb, hs, gates, rh, backwards, act, ract):
+    """Keras 3's GRU with reset_after=True (the cuDNN form), gates z, r, h: the recurrent
+    product hs[s] @ rk + rb is taken whole, its h part (kept in rh) scaled by r after;
+    h = z * h' + (1 - z) * hh."""
+    T, u = xw.shape[1], rk.shape[0]
+    for s in range(T):
+        x, r_all, g = xw[:, _step(T, s, backwards)], hs[s] @ rk + rb, gates[s]
+        g[:, :2 * u] = _act(ract, x[:, :2 * u] + r_all[:, :2 * u])
+        rh[s] = r_all[:, 2 * u:]
+        g[:, 2 * u:] = _act(act, x[:, 2 * u:] + g[:, u:2 * u] * rh[s])
+        z = g[:, :u]
+        hs[s + 1] = z * hs[s] + (1 - z) * g[:, 2 * u:]
+
+
+def gru_backward(rk, hs, gates, rh, dhs, dxw, drec, backwards, act, ract):
+    T, u = dxw.shape[1], rk.shape[0]
+    for s in range(T - 1, -1, -1):
+        g, dh, t = gates[s], dhs[s + 1], _step(T, s, backwards)
+        z, r, hh = g[:, :u], g[:, u:2 * u], g[:, 2 * u:]
+        dah = _dact(act, hh, dh * (1 - z))
+        dr = drec[s]
+        dr[:, :u] = dxw[:, t, :u] = _dact(ract, z, dh * (hs[s] - hh))
+        dr[:, u:2 * u] = dxw[:, t, u:2 * u] = _dact(ract, r, dah * rh[s])
+        dxw[:, t, 2 * u:] = dah
+        dr[:, 2 * u:] = dah * r
+        dhs[s] += dh * z + dr @ rk.T

@@ -13,6 +13,8 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
     BatchNormalization(axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True): its moving
               statistics live on the shards (docs/semantics.md)
     Rescaling(scale, offset=0.0)
+    SimpleRNN(units), LSTM(units), GRU(units) (return_sequences, return_state, go_backwards),
+              Bidirectional(layer, merge_mode='concat'): Keras's weights, fused kernels
     Embedding(None, output_dim, sparse=True, optimizer='adagrad', lr=0.05, min_count=0,
               max_rows=0, ttl_steps=0, row_dtype='float32', state_dtype='float32'): a table of
               unbounded ids on the shards (row_dtype float16 or bfloat16: compact rows)
@@ -68,6 +70,7 @@ from pserver.layers.pooling import (
     MaxPooling2D,
 )
 from pserver.layers.preprocessing import Rescaling
+from pserver.layers.recurrent import GRU, LSTM, Bidirectional, SimpleRNN
 from pserver.layers.reshape import Flatten, Permute, RepeatVector, Reshape
 from pserver.layers.saving import custom_object, is_json
 from pserver.layers.spatial import (
@@ -128,6 +131,11 @@ LAYERS.add("LayerNormalization", "each sample standardized over axis, then gamma
 LAYERS.add("BatchNormalization", "standardized per channel with the batch's moments in training, the moving "
            "ones (a table on the shards) at inference; then gamma * x + beta", BatchNormalization)
 LAYERS.add("Rescaling", "x * scale + offset", Rescaling)
+LAYERS.add("SimpleRNN", "a recurrent layer: h = activation(x_t @ kernel + h' @ recurrent_kernel + bias)",
+           SimpleRNN)
+LAYERS.add("LSTM", "a long short-term memory layer (gates i, f, c, o), Keras's weights", LSTM)
+LAYERS.add("GRU", "a gated recurrent unit layer (gates z, r, h; reset_after=True), Keras's weights", GRU)
+LAYERS.add("Bidirectional", "a recurrent layer and its go_backwards copy, outputs merged", Bidirectional)
 LAYERS.add("Lambda", "function(inputs) written with keras.ops, as a layer; a lambda loads with "
            "safe_mode=False only", Lambda)
 
@@ -196,5 +204,5 @@ __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
            "Zeros", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Dot",
            "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D", "GlobalMaxPooling2D",
            "Activation", "Reshape", "Permute", "RepeatVector", "LayerNormalization", "BatchNormalization",
-           "Rescaling",
+           "Rescaling", "SimpleRNN", "LSTM", "GRU", "Bidirectional",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]

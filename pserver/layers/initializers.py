@@ -90,6 +90,20 @@ class VarianceScaling(Initializer):
             out[...] = _truncated_normal(rng, out.shape) * (math.sqrt(var) / _TRUNCATED_STD)
 
 
+class Orthogonal(Initializer):
+    """Keras's Orthogonal (the recurrent layers' recurrent_kernel): the Q of a normal draw's QR
+    factorization, signs fixed by R's diagonal, over the shape flattened to (rows, last)."""
+
+    def __init__(self, gain: float = 1.0):
+        self.gain = float(gain)
+
+    def __call__(self, rng, out):
+        rows, cols = math.prod(out.shape[:-1]), out.shape[-1]
+        q, r = np.linalg.qr(rng.standard_normal((max(rows, cols), min(rows, cols))))
+        q *= np.sign(np.diag(r))
+        out[...] = self.gain * (q.T if rows < cols else q).reshape(out.shape)
+
+
 def _truncated_normal(rng, shape) -> np.ndarray:
     """Standard normal redrawn outside [-2, 2], as Keras does."""
     z = rng.standard_normal(shape)
@@ -107,6 +121,7 @@ _NAMED = {
     "random_uniform": RandomUniform,
     "normal": RandomNormal,
     "random_normal": RandomNormal,
+    "orthogonal": Orthogonal,
     "glorot_uniform": lambda: VarianceScaling(1.0, "fan_avg", "uniform"),
     "glorot_normal": lambda: VarianceScaling(1.0, "fan_avg", "truncated_normal"),
     "he_uniform": lambda: VarianceScaling(2.0, "fan_in", "uniform"),
@@ -126,4 +141,5 @@ def get(spec, owner: str) -> Initializer:
                       "or pass an Initializer")
 
 
-__all__ = ["Initializer", "Zeros", "Ones", "RandomUniform", "RandomNormal", "VarianceScaling", "fans", "get"]
+__all__ = ["Initializer", "Zeros", "Ones", "RandomUniform", "RandomNormal", "VarianceScaling", "Orthogonal",
+           "fans", "get"]
