@@ -49,6 +49,7 @@ from pserver.layers import (
     multiply,
     subtract,
 )
+from pserver.layers.text import IntegerLookup, StringLookup, TextVectorization
 from pserver.layers.traced import Lambda
 from pserver.layers.traced import TracedLayer as Layer
 
@@ -61,4 +62,5 @@ __all__ = ["Input", "Layer", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2
            "Conv1D", "Conv2DTranspose", "DepthwiseConv2D", "ZeroPadding1D", "ZeroPadding2D", "Cropping1D",
            "Cropping2D", "UpSampling1D", "UpSampling2D",
            "LayerNormalization", "BatchNormalization", "Rescaling",
-           "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]
+           "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
+           "StringLookup", "IntegerLookup", "TextVectorization"]

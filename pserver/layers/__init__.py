@@ -78,6 +78,7 @@ from pserver.layers.spatial import (
     ZeroPadding1D,
     ZeroPadding2D,
 )
+from pserver.layers.text import IntegerLookup, StringLookup, TextVectorization
 from pserver.layers.traced import Lambda
 from pserver.registry import Registry
 
@@ -130,6 +131,12 @@ LAYERS.add("BatchNormalization", "standardized per channel with the batch's mome
 LAYERS.add("Rescaling", "x * scale + offset", Rescaling)
 LAYERS.add("Lambda", "function(inputs) written with keras.ops, as a layer; a lambda loads with "
            "safe_mode=False only", Lambda)
+LAYERS.add("StringLookup", "strings to vocabulary indices (or one_hot, multi_hot, count, tf_idf); runs on "
+           "the data before the model", StringLookup)
+LAYERS.add("IntegerLookup", "integers to vocabulary indices (or their encodings); runs on the data before "
+           "the model", IntegerLookup)
+LAYERS.add("TextVectorization", "strings standardized, split into tokens and looked up; runs on the data "
+           "before the model", TextVectorization)
 
 # A user's layer classes, by class name (pserver.keras.saving.register_keras_serializable), so that
 # a saved model that names one is built again in a process that defined it.
@@ -197,4 +204,5 @@ __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
            "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D", "GlobalMaxPooling2D",
            "Activation", "Reshape", "Permute", "RepeatVector", "LayerNormalization", "BatchNormalization",
            "Rescaling",
-           "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]
+           "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
+           "StringLookup", "IntegerLookup", "TextVectorization"]
