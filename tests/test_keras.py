@@ -139,7 +139,10 @@ EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shap
             "LayerNormalization": dict(axis=[1, 2], epsilon=0.01, center=False),
             "BatchNormalization": dict(momentum=0.9, epsilon=0.01, scale=False,
                                        moving_variance_initializer="zeros"),
-            "Rescaling": dict(scale=[0.5, 2.0], offset=1.0)}
+            "Rescaling": dict(scale=[0.5, 2.0], offset=1.0),
+            "StringLookup": dict(vocabulary=["a", "b"], mask_token="", num_oov_indices=2),
+            "IntegerLookup": dict(vocabulary=[3, 9], output_mode="multi_hot"),
+            "TextVectorization": dict(vocabulary=["x", "y"], ngrams=2, output_sequence_length=4)}
 
 
 @pytest.mark.parametrize("name", LAYERS.names())
