@@ -88,21 +88,13 @@ class IndexLookup(Preprocessing):
                  pad_to_max_tokens=False, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
+        output_mode = _checked_mode(owner, output_mode, invert, sparse, idf_weights)
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 1):
             raise ConfigError(f"{owner}: max_tokens must be None or an integer > 1, got {max_tokens!r}")
         if pad_to_max_tokens and max_tokens is None:
             raise ConfigError(f"{owner}: pad_to_max_tokens=True needs max_tokens")
         if not isinstance(num_oov_indices, int) or num_oov_indices < 0:
             raise ConfigError(f"{owner}: num_oov_indices must be an integer >= 0, got {num_oov_indices!r}")
-        output_mode = {"binary": "multi_hot", "tf-idf": "tf_idf"}.get(output_mode, output_mode)
-        if output_mode not in MODES:
-            raise ConfigError(f"{owner}: output_mode must be one of {', '.join(MODES)}, got {output_mode!r}")
-        if invert and output_mode != "int":
-            raise ConfigError(f"{owner}: invert=True needs output_mode='int', got {output_mode!r}")
-        if sparse:
-            raise ConfigError(f"{owner}: sparse=True is not supported by pserver (dense outputs only)")
-        if idf_weights is not None and output_mode != "tf_idf":
-            raise ConfigError(f"{owner}: idf_weights is for output_mode='tf_idf'")
         self.max_tokens, self.num_oov_indices = max_tokens, num_oov_indices
         self.mask_token, self.oov_token = self._token(mask_token), self._token(oov_token)
         self.invert, self.output_mode = bool(invert), output_mode
@@ -144,6 +136,14 @@ class IndexLookup(Preprocessing):
         given = [self._token(v) for v in np.asarray(vocabulary, dtype=object).reshape(-1)]
         if not given:
             raise ConfigError(f"{self.label}: cannot set an empty vocabulary")
+        lead, tokens = self._without_specials(given)
+        if idf_weights is not None:
+            idf_weights = self._idf_given(idf_weights, len(given), lead)
+        self._set(tokens, idf_weights)
+
+    def _without_specials(self, given: list) -> tuple[bool, list]:
+        """(whether `given` starts with the special tokens, in order; the tokens after them),
+        ConfigError for a repeated token or a special one among the tokens (as Keras's)."""
         specials = [self.mask_token] * self._oov_start() + [self.oov_token] * self.num_oov_indices
         lead = given[:len(specials)] == specials
         tokens = given[len(specials):] if lead else given
@@ -155,9 +155,7 @@ class IndexLookup(Preprocessing):
             if special is not None and special in tokens:
                 raise ConfigError(f"{self.label}: the vocabulary holds the {what} {special!r} among its "
                                   f"tokens; give the special tokens first, in this order: {specials}")
-        if idf_weights is not None:
-            idf_weights = self._idf_given(idf_weights, len(given), lead)
-        self._set(tokens, idf_weights)
+        return lead, tokens
 
     def _idf_given(self, idf_weights, n: int, lead: bool) -> np.ndarray:
         """The idf weights padded as Keras's: their mean in front for the special tokens when the
@@ -439,14 +437,7 @@ class TextVectorization(Preprocessing):
 
     def tokens(self, text) -> list[str]:
         """One string's tokens, as Keras's standardize, split and ngrams make them."""
-        if isinstance(text, bytes):
-            text = text.decode(self.encoding)
-        elif not isinstance(text, str):
-            raise ConfigError(f"{self.label}: takes strings, got {type(text).__name__}")
-        if self.standardize in ("lower", "lower_and_strip_punctuation"):
-            text = text.translate(ASCII_LOWER)
-        if self.standardize in ("strip_punctuation", "lower_and_strip_punctuation"):
-            text = PUNCTUATION.sub("", text)
+        text = self._standardized(text)
         if self.split is None:
             words = [text]
         elif self.split == "whitespace":
@@ -456,6 +447,17 @@ class TextVectorization(Preprocessing):
         if self.ngrams is None:
             return words
         return [" ".join(words[i:i + n]) for n in self.ngrams for i in range(len(words) - n + 1)]
+
+    def _standardized(self, text) -> str:
+        if isinstance(text, bytes):
+            text = text.decode(self.encoding)
+        elif not isinstance(text, str):
+            raise ConfigError(f"{self.label}: takes strings, got {type(text).__name__}")
+        if self.standardize in ("lower", "lower_and_strip_punctuation"):
+            text = text.translate(ASCII_LOWER)
+        if self.standardize in ("strip_punctuation", "lower_and_strip_punctuation"):
+            text = PUNCTUATION.sub("", text)
+        return text
 
     def _texts(self, x) -> list:
         """The strings of `x`: (n,) or (n, 1) when split, else any shape (flattened)."""
@@ -514,25 +516,49 @@ class TextVectorization(Preprocessing):
         return shape
 
     def apply(self, x) -> np.ndarray:
+        """Each string's ids, padded with 0 or cut to output_sequence_length (to the longest
+        without it), or its encoding (its ids in a row padded with -1, which counts nothing)."""
         self.lookup_layer._known()
         docs = [self.tokens(t) for t in self._texts(x)]
-        lengths = np.array([len(d) for d in docs], dtype=np.int64)
-        flat = np.array([t for d in docs for t in d], dtype=object)
-        ids = self.lookup_layer.lookup(flat) if flat.size else np.zeros(0, np.int64)
-        longest = int(lengths.max()) if len(lengths) else 0
-        width = (self.output_sequence_length or longest) if self.output_mode == "int" else max(longest, 1)
-        rows = np.full((len(docs), width), 0 if self.output_mode == "int" else -1, np.int64)
-        ends = np.cumsum(lengths)
-        for r, (end, n) in enumerate(zip(ends, lengths)):
-            k = min(int(n), width)
-            rows[r, :k] = ids[end - n:end - n + k]
-        return rows if self.output_mode == "int" else self.lookup_layer.encode(rows)
+        lengths = [len(d) for d in docs]
+        ids = self.lookup_layer.lookup(np.array([t for d in docs for t in d], dtype=object))
+        as_ids = self.output_mode == "int"
+        width = self.output_sequence_length or max([*lengths, 0 if as_ids else 1])
+        rows = _padded(ids, lengths, width, 0 if as_ids else -1)
+        return rows if as_ids else self.lookup_layer.encode(rows)
 
     def get_config(self) -> dict:
         config = super().get_config()
         lookup = self.lookup_layer.get_config()
         config.update(vocabulary=lookup["vocabulary"], idf_weights=lookup["idf_weights"])
         return config
+
+
+def _padded(ids: np.ndarray, lengths: list[int], width: int, fill: int) -> np.ndarray:
+    """The rows of `ids` (one after another, `lengths` long) in a (rows, width) array, each cut
+    to `width` or padded with `fill`."""
+    rows = np.full((len(lengths), width), fill, np.int64)
+    at = 0
+    for r, n in enumerate(lengths):
+        k = min(n, width)
+        rows[r, :k] = ids[at:at + k]
+        at += n
+    return rows
+
+
+def _checked_mode(owner: str, output_mode, invert, sparse, idf_weights) -> str:
+    """output_mode by Keras's names (its old "binary" and "tf-idf" too), checked with the
+    arguments that depend on it."""
+    output_mode = {"binary": "multi_hot", "tf-idf": "tf_idf"}.get(output_mode, output_mode)
+    if output_mode not in MODES:
+        raise ConfigError(f"{owner}: output_mode must be one of {', '.join(MODES)}, got {output_mode!r}")
+    if invert and output_mode != "int":
+        raise ConfigError(f"{owner}: invert=True needs output_mode='int', got {output_mode!r}")
+    if sparse:
+        raise ConfigError(f"{owner}: sparse=True is not supported by pserver (dense outputs only)")
+    if idf_weights is not None and output_mode != "tf_idf":
+        raise ConfigError(f"{owner}: idf_weights is for output_mode='tf_idf'")
+    return output_mode
 
 
 def _batches(data, steps, label: str):
