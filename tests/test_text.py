@@ -218,3 +218,17 @@ def test_text_classification_from_scratch_trains_saves_and_loads(tmp_path):
     int_model = keras.Model(ids_in, layers.Dense(1)(layers.Flatten()(layers.Embedding(64, 2)(ids_in))))
     int_model.compile(loss="mse", optimizer="sgd")
     int_model.fit(ids, y.astype("float32"), epochs=1, verbose=0)
+
+
+def test_integer_lookup_in_a_model_looks_up_int64_values_before_any_float_cast():
+    """IntegerLookup on a keras.Input(dtype="int64") runs on the raw values: ids beyond float32's
+    exact range (2**24) are told apart (the data path casts x to float32 after the lookup only).
+    Catches the lookup run inside the graph on float32 ids (10**12 and 10**12 + 1 are one float)."""
+    big = 10**12
+    inp = keras.Input(shape=(2,), dtype="int64")
+    look = layers.IntegerLookup(vocabulary=[big, big + 1], output_mode="count")
+    model = keras.Model(inp, layers.Dense(2, use_bias=False)(look(inp)))
+    model.compile(loss="sparse_categorical_crossentropy", optimizer="sgd")
+    model.set_weights([np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]], np.float32)])
+    x = np.array([[big, big + 1], [big + 1, big + 1], [big, 7]], dtype=np.int64)
+    np.testing.assert_array_equal(model.predict(x, verbose=0), [[1, 1], [0, 2], [1, 0]])
