@@ -232,3 +232,19 @@ def test_integer_lookup_in_a_model_looks_up_int64_values_before_any_float_cast()
     model.set_weights([np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]], np.float32)])
     x = np.array([[big, big + 1], [big + 1, big + 1], [big, 7]], dtype=np.int64)
     np.testing.assert_array_equal(model.predict(x, verbose=0), [[1, 1], [0, 2], [1, 0]])
+
+
+def test_a_sequential_starting_with_a_text_layer_builds_on_a_list_of_strings(tmp_path):
+    """keras.Sequential([TextVectorization(...), Dense]) without an Input: built at the first data, a
+    list of strings (one a sample), as Keras's; its file keeps the layer first with its vocabulary.
+    Catches a deferred build on the strings' shape (), a Sequential config without its first layer."""
+    x, y = ["good day", "bad day", "good", "bad night"] * 4, np.array([1, 0, 1, 0] * 4)
+    vectorize = layers.TextVectorization(vocabulary=["good", "bad", "day"], output_mode="multi_hot")
+    model = keras.Sequential([vectorize, layers.Dense(2)])
+    model.compile(loss="sparse_categorical_crossentropy", optimizer="sgd")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert [type(layer).__name__ for layer in model.layers] == ["TextVectorization", "Dense"]
+    model.save(tmp_path / "s.keras")
+    loaded = keras.models.load_model(tmp_path / "s.keras")
+    assert loaded.layers[0].get_vocabulary() == ["[UNK]", "good", "bad", "day"]
+    np.testing.assert_array_equal(loaded.predict(x[:4], verbose=0), model.predict(x[:4], verbose=0))

@@ -514,7 +514,10 @@ class Sequential(_Model):
         core = self._core
         if not core._built and x is not None and core._input_shape is None \
                 and (not core.layers or core.layers[0].input_shape is None):
-            core.build(np.shape(x)[1:])
+            shape = np.shape(x)[1:]
+            if not shape and core.layers and getattr(core.layers[0], "preprocessing", False):
+                shape = (1,)                  # a string (a value) per sample: Keras's (n,) text arrays
+            core.build(shape)
 
     @classmethod
     def from_config(cls, config: dict) -> "Sequential":

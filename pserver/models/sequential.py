@@ -81,7 +81,8 @@ class Sequential(Functional):
     def get_config(self) -> dict:
         """The model's definition as JSON: each layer's class and config, the input shape, the
         loss. `Sequential.from_config` builds the same model (weights are not in it)."""
-        shape = self._input_shape or (self.input_shape if self._built else None)
+        # the data's shape: a first lookup or text layer's input, not the graph's (its output)
+        shape = self._input_shape or (self._given[0].shape[1:] if self._built else None)
         return {"name": self.name,
                 "input_shape": None if shape is None else list(shape),
                 "layers": self._layer_configs([*self.preprocessing_layers, *self.layers]),
