@@ -143,7 +143,10 @@ EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shap
             "SimpleRNN": dict(units=3, activation="relu", return_sequences=True, go_backwards=True),
             "LSTM": dict(units=2, unit_forget_bias=False, return_state=True, recurrent_activation="tanh"),
             "GRU": dict(units=4, use_bias=False, kernel_initializer="he_normal"),
-            "Bidirectional": dict(layer=layers.GRU(2, return_sequences=True), merge_mode="ave")}
+            "Bidirectional": dict(layer=layers.GRU(2, return_sequences=True), merge_mode="ave"),
+            "StringLookup": dict(vocabulary=["a", "b"], mask_token="", num_oov_indices=2),
+            "IntegerLookup": dict(vocabulary=[3, 9], output_mode="multi_hot"),
+            "TextVectorization": dict(vocabulary=["x", "y"], ngrams=2, output_sequence_length=4)}
 
 
 @pytest.mark.parametrize("name", LAYERS.names())

@@ -53,6 +53,7 @@ from pserver.layers import (
     multiply,
     subtract,
 )
+from pserver.layers.text import IntegerLookup, StringLookup, TextVectorization
 from pserver.layers.traced import Lambda
 from pserver.layers.traced import TracedLayer as Layer
 
@@ -66,4 +67,5 @@ __all__ = ["Input", "Layer", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2
            "Cropping2D", "UpSampling1D", "UpSampling2D",
            "LayerNormalization", "BatchNormalization", "Rescaling",
            "SimpleRNN", "LSTM", "GRU", "Bidirectional",
-           "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]
+           "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
+           "StringLookup", "IntegerLookup", "TextVectorization"]

@@ -66,9 +66,10 @@ def Input(shape=None, batch_size=None, dtype=None, sparse=None, batch_shape=None
     _refuse("Input", unsupported, batch_size=batch_size, sparse=sparse, batch_shape=batch_shape,
             tensor=tensor)
     shape = as_shape("Input: shape", shape)
-    dtype = np.dtype(dtype or "float32")
-    if dtype.kind not in "fiu":
-        raise ConfigError(f"Input: dtype={dtype.name!r}: give a float or an integer type")
+    # "string": text for a lookup or text layer (pserver.layers.text), which the model runs first
+    dtype = np.dtype(str) if dtype in ("string", "str", str) else np.dtype(dtype or "float32")
+    if dtype.kind not in "fiuU":
+        raise ConfigError(f"Input: dtype={dtype.name!r}: give a float or an integer type, or 'string'")
     return Symbolic((None, *shape), dtype, name=name or next(_input_names))
 
 
@@ -105,7 +106,7 @@ class _Model:
 
     @property
     def layers(self) -> list[Layer]:
-        return list(self._core.layers)
+        return [*self._core.preprocessing_layers, *self._core.layers]
 
     def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None,
                 weighted_metrics=None, run_eagerly=False, steps_per_execution=1, jit_compile="auto",
@@ -304,9 +305,10 @@ class _Model:
     def _x(self, x, what: str) -> np.ndarray:
         """x as one array: a Functional's several inputs (a list, a dict by name) side by side."""
         self._ready(x)
-        if isinstance(self._core, _Sequential) and not self._sparse():
-            return np.asarray(x)
         try:
+            x = self._core.preprocess(x)          # lookup and text layers: their output, once
+            if isinstance(self._core, _Sequential) and not self._sparse():
+                return np.asarray(x)
             return self._core.pack(x)
         except ValueError as e:
             raise DataError(f"{what}: {e}") from None
@@ -512,7 +514,10 @@ class Sequential(_Model):
         core = self._core
         if not core._built and x is not None and core._input_shape is None \
                 and (not core.layers or core.layers[0].input_shape is None):
-            core.build(np.shape(x)[1:])
+            shape = np.shape(x)[1:]
+            if not shape and core.layers and getattr(core.layers[0], "preprocessing", False):
+                shape = (1,)                  # a string (a value) per sample: Keras's (n,) text arrays
+            core.build(shape)
 
     @classmethod
     def from_config(cls, config: dict) -> "Sequential":

@@ -81,6 +81,7 @@ from pserver.layers.spatial import (
     ZeroPadding1D,
     ZeroPadding2D,
 )
+from pserver.layers.text import IntegerLookup, StringLookup, TextVectorization
 from pserver.layers.traced import Lambda
 from pserver.registry import Registry
 
@@ -138,6 +139,12 @@ LAYERS.add("GRU", "a gated recurrent unit layer (gates z, r, h; reset_after=True
 LAYERS.add("Bidirectional", "a recurrent layer and its go_backwards copy, outputs merged", Bidirectional)
 LAYERS.add("Lambda", "function(inputs) written with keras.ops, as a layer; a lambda loads with "
            "safe_mode=False only", Lambda)
+LAYERS.add("StringLookup", "strings to vocabulary indices (or one_hot, multi_hot, count, tf_idf); runs on "
+           "the data before the model", StringLookup)
+LAYERS.add("IntegerLookup", "integers to vocabulary indices (or their encodings); runs on the data before "
+           "the model", IntegerLookup)
+LAYERS.add("TextVectorization", "strings standardized, split into tokens and looked up; runs on the data "
+           "before the model", TextVectorization)
 
 # A user's layer classes, by class name (pserver.keras.saving.register_keras_serializable), so that
 # a saved model that names one is built again in a process that defined it.
@@ -205,4 +212,5 @@ __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
            "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D", "GlobalMaxPooling2D",
            "Activation", "Reshape", "Permute", "RepeatVector", "LayerNormalization", "BatchNormalization",
            "Rescaling", "SimpleRNN", "LSTM", "GRU", "Bidirectional",
-           "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot"]
+           "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
+           "StringLookup", "IntegerLookup", "TextVectorization"]

@@ -18,7 +18,11 @@ array the same way (pserver.models.outputs).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import hashlib
 import itertools
+import json
 import math
 
 import numpy as np
@@ -55,6 +59,9 @@ class Functional(SparseProtocol, Model):
         self.name = name
         self._built = False
         self.layers: list[Layer] = []
+        # Lookup and text layers called on an input (pserver.layers.text): they run on the data
+        # before the graph (preprocess), whose input is then their output.
+        self.preprocessing_layers: list[Layer] = []
         self.loss = losses.get(loss)
         self.output_activations = ["linear"]   # a softmax/sigmoid fused into the loss: see losses
         self.metrics: list[str] = []
@@ -73,6 +80,10 @@ class Functional(SparseProtocol, Model):
     def _connect(self, inputs, outputs) -> None:
         """The graph from `inputs` to `outputs`; its layers (in order of first use) named."""
         self._keys, self._inputs = _inputs(inputs, self.name)
+        self._given = list(self._inputs)            # the keras.Inputs, as the config names them
+        self._preprocessed = _preprocessed(self._given, outputs, self.name)
+        for i, out in self._preprocessed.items():
+            self._inputs[i] = out
         self._dict_inputs = isinstance(inputs, dict)
         self._dict_outputs = isinstance(outputs, dict)
         outs = list(outputs.values()) if self._dict_outputs else (
@@ -86,6 +97,9 @@ class Functional(SparseProtocol, Model):
         for layer in self._plan(False).layers:
             self._name(layer)                    # Keras's names, numbered within the model
             self.layers.append(layer)
+        self.preprocessing_layers = [out.node.layer for out in self._preprocessed.values()]
+        for layer in self.preprocessing_layers:
+            self._name(layer)
         self.output_names = list(outputs) if self._dict_outputs else self._layer_names()
         if len(outs) > 1 and not isinstance(self.loss, Heads):      # one loss for every output
             self.loss = Heads.compiled(self.output_names, self.loss, None, None, self.name,
@@ -168,6 +182,8 @@ class Functional(SparseProtocol, Model):
         if self._built:
             return self
         self._check_names()
+        for layer in self.preprocessing_layers:     # their vocabularies are in the layout now
+            layer.lock(self.name)
         self._fix_layout([self._packed_shape(), *(o.shape[1:] for o in self._outputs)])
         self._check_fused()
         self._check_statistics()
@@ -205,8 +221,12 @@ class Functional(SparseProtocol, Model):
     def _layout_of(self, weights: list[list]) -> Layout:
         """Every layer's weights (`weights`, per layer) in order, the moving statistics marked."""
         named = [(f"{layer.name}/{w.name}", w) for layer, ws in zip(self.layers, weights) for w in ws]
-        return Layout.of((name, w.shape) for name, w in named).with_statistics(
+        layout = Layout.of((name, w.shape) for name, w in named).with_statistics(
             {name: w.momentum for name, w in named if w.momentum is not None})
+        if not self.preprocessing_layers:
+            return layout
+        configs = json.dumps(self._layer_configs(self.preprocessing_layers), sort_keys=True)
+        return dataclasses.replace(layout, vocabularies=hashlib.sha256(configs.encode()).hexdigest()[:16])
 
     def _fix_layout(self, shapes: list[tuple[int, ...]]) -> None:
         """The layout (every layer's weights, in order) and the loss on the outputs; `shapes`:
@@ -281,7 +301,7 @@ class Functional(SparseProtocol, Model):
     def get_config(self) -> dict:
         """The graph as JSON (pserver.models.graph_config), the loss and the metrics:
         `pserver.models.from_config` (so a model file's loader) builds the same model."""
-        config = graph_config.to_config(self._keys, self._inputs, self._outputs, self._layer_configs)
+        config = graph_config.to_config(self._keys, self._given, self._outputs, self._layer_configs)
         several = ({"dict_outputs": self._dict_outputs, "output_names": self.output_names}
                    if self.several else {})
         return {"class_name": "Functional", "name": self.name, "dict_inputs": self._dict_inputs, **config,
@@ -317,14 +337,14 @@ class Functional(SparseProtocol, Model):
         """Keras's default names (dense, dense_1, ...), numbered within this model."""
         if layer.name:
             return
-        taken = {other.name for other in self.layers}
+        taken = {other.name for other in [*self.preprocessing_layers, *self.layers]}
         n = 0
         while (name := layer.kind if n == 0 else f"{layer.kind}_{n}") in taken:
             n += 1
         layer.name = name
 
     def _check_names(self) -> None:
-        names = [layer.name for layer in self.layers]
+        names = [layer.name for layer in [*self.preprocessing_layers, *self.layers]]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup:
             raise ConfigError(f"{self.name}: two layers are named {dup!r}")
@@ -388,6 +408,9 @@ class Functional(SparseProtocol, Model):
             return " " + "".join(f"{c:<{w}}" for c, w in zip(cells, cols)).rstrip()
 
         lines = [f'Model: "{self.name}"', rule, row("Layer (type)", "Output Shape", "Param #"), "=" * 65]
+        for layer in self.preprocessing_layers:
+            shape = str((None, *layer.output_shape))
+            lines += [row(f"{layer.name} ({type(layer).__name__})", shape, "0"), ""]
         for i, layer in enumerate(self.layers):
             n = sum(v for k, v in sizes.items() if k.startswith(layer.name + "/"))
             lines.append(row(f"{layer.name} ({type(layer).__name__})", str((None, *layer.output_shape)),
@@ -523,6 +546,37 @@ class Functional(SparseProtocol, Model):
     def _takes_ids(self) -> bool:
         return any(x.dtype.kind in "iu" for x in self._inputs)
 
+    def preprocess(self, x):
+        """The data as the graph takes it: each input that a lookup or text layer reads
+        (pserver.layers.text) through that layer, now; the others as given (one array, several
+        as a list or a dict by name, as `pack` takes them). pserver.keras's fit, evaluate and
+        predict call it once on the user's data; the workers, the wire and the shards see its
+        result only. ValueError naming the input if one does not fit."""
+        # (a Sequential's first layer, before it is built)
+        if not any(getattr(layer, "preprocessing", False) for layer in [*self.preprocessing_layers,
+                                                                         *self.layers[:1]]):
+            return x
+        self.build()
+        if isinstance(x, dict):
+            at = {k: i for i, k in enumerate(self._keys)}
+            return {k: self._through(at.get(k), v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)) and len(self._inputs) > 1:
+            return [self._through(i, v) for i, v in enumerate(x)]
+        return self._through(0, x)
+
+    def _through(self, i: int | None, x):
+        """Input i's data through the layer that reads it (as it is when none does)."""
+        out = self._preprocessed.get(i)
+        if out is None:
+            return x
+        given, layer = self._given[i], out.node.layer
+        a = np.asarray(x, dtype=object if given.dtype.kind in "USO" else None)
+        shaped = shaped_for(a, given.shape[1:]) if a.ndim >= 1 else None
+        if shaped is None:
+            raise ValueError(f"input {self._keys[i]!r}: x has shape {a.shape}; {layer.label} takes (n, "
+                             f"{', '.join(map(str, given.shape[1:]))})")
+        return layer.apply(shaped)
+
     def pack(self, x) -> np.ndarray:
         """The model's inputs (an array; several as a list in input order, or a dict by name)
         as one array of (n, *input_shape) rows (several: flattened side by side); ValueError
@@ -612,7 +666,9 @@ class Functional(SparseProtocol, Model):
             raise ValueError(f"x has shape {x.shape}; {first} takes (n >= 1, "
                              f"{', '.join(map(str, self.input_shape))})")
         if x.dtype.kind not in "biuf":
-            raise ValueError(f"x has dtype {x.dtype}; {first} takes numbers")
+            hint = (" (the lookup and text layers' output: model.preprocess(x) makes it; pserver.keras's "
+                    "fit, evaluate and predict call it)" if self.preprocessing_layers else "")
+            raise ValueError(f"x has dtype {x.dtype}; {first} takes numbers{hint}")
         return shaped
 
     def _fit(self, x, y) -> tuple[np.ndarray, np.ndarray]:
@@ -815,6 +871,27 @@ class ModelBuffers:
         if plan.fused(last):
             return self.of(plan).dout(last)
         return self.memory.empty((self.n, *self.model._shapes[1 + j]), self.dtype)
+
+
+def _preprocessed(inputs: list[Symbolic], outputs, name: str) -> dict[int, Symbolic]:
+    """{input index: the output of the lookup or text layer that reads it} (pserver.layers.text:
+    they run on the data before the graph); ConfigError for one called elsewhere than on an
+    input, or on an input that another layer reads too."""
+    outs = list(outputs.values()) if isinstance(outputs, dict) else (
+        list(outputs) if isinstance(outputs, (list, tuple)) else [outputs])
+    nodes = graph_config.topological([o for o in outs if isinstance(o, Symbolic)])
+    reads = collections.Counter(id(t) for node in nodes for t in node.inputs)
+    at = {id(x): i for i, x in enumerate(inputs)}
+    found = {}
+    for node in nodes:
+        if not getattr(node.layer, "preprocessing", False):
+            continue
+        source = node.inputs[0]
+        if id(source) not in at or reads[id(source)] > 1:
+            raise ConfigError(f"{name}: {node.layer.label} runs on the data before the model: call it on a "
+                              "keras.Input that no other layer reads")
+        found[at[id(source)]] = node.outputs[0]
+    return found
 
 
 def _inputs(inputs, name: str) -> tuple[list[str], list[Symbolic]]:

@@ -22,7 +22,7 @@ from pserver.ops import core
 def to_config(keys: list[str], inputs: list[core.Symbolic], outputs: list[core.Symbolic], describe) -> dict:
     """The graph from `inputs` to `outputs`; `describe(layers)` gives the layers' configs
     (ConfigError for one that cannot be rebuilt by name)."""
-    nodes = _topological(outputs)
+    nodes = topological(outputs)
     refs = {id(x): ["input", i] for i, x in enumerate(inputs)}
     layers: list = []
     calls = []
@@ -65,7 +65,7 @@ def from_config(config: dict) -> tuple[list[str], list[core.Symbolic], list[core
     return keys, inputs, [_tensor(r, inputs, made) for r in refs]
 
 
-def _topological(outputs: list[core.Symbolic]) -> list[core.Node]:
+def topological(outputs: list[core.Symbolic]) -> list[core.Node]:
     """The nodes `outputs` depend on, each after the nodes it reads (iterative: deep graphs)."""
     order, seen, stack = [], set(), [(o.node, False) for o in reversed(outputs)]
     while stack:
@@ -132,4 +132,4 @@ def _tuples(v):
     return v
 
 
-__all__ = ["to_config", "from_config"]
+__all__ = ["to_config", "from_config", "topological"]

@@ -43,6 +43,10 @@ class Layout:
     vector and spread over the shards by id."""
     tensors: tuple[TensorSpec, ...]
     tables: tuple = ()
+    # A digest of the model's lookup and text layers (their configs, vocabularies included:
+    # pserver.layers.text), "" without any: rows learned for one vocabulary mean nothing under
+    # another, so it is part of the signature, and a worker holding another one is refused.
+    vocabularies: str = ""
 
     @classmethod
     def of(cls, pairs: Iterable[tuple[str, tuple[int, ...]]], tables: Iterable = ()) -> "Layout":
@@ -51,13 +55,17 @@ class Layout:
     def freezing(self, names) -> "Layout":
         """This layout with the tensors `names` frozen and the others trained."""
         names = set(names)
-        return Layout(tuple(replace(t, frozen=t.name in names) for t in self.tensors), self.tables)
+        return replace(self, tensors=tuple(replace(t, frozen=t.name in names) for t in self.tensors))
 
     def with_statistics(self, momenta: dict[str, float]) -> "Layout":
         """This layout with the tensors named in `momenta` marked moving statistics (and frozen:
         the optimizer leaves them), the others not."""
-        return Layout(tuple(replace(t, momentum=momenta.get(t.name), frozen=t.frozen or t.name in momenta)
-                            for t in self.tensors), self.tables)
+        return replace(self, tensors=tuple(replace(t, momentum=momenta.get(t.name), frozen=t.frozen or
+                                                   t.name in momenta) for t in self.tensors))
+
+    def with_tables(self, tables: Iterable) -> "Layout":
+        """This layout with these sparse tables (the shards' configs of them)."""
+        return replace(self, tables=tuple(tables))
 
     def statistics_pairs(self) -> tuple[tuple[int, int, int, float], ...]:
         """(mean start, variance start, size, momentum) in the flat vector for each pair of moving
@@ -107,6 +115,8 @@ class Layout:
         text = ";".join(f"{t.name}:{'x'.join(map(str, t.shape))}" for t in self.tensors)
         if self.tables:         # dense-only layouts keep the signature they always had
             text += "|" + ";".join(t.signature() for t in self.tables)
+        if self.vocabularies:
+            text += "|vocabularies:" + self.vocabularies
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:

@@ -67,7 +67,10 @@ class Sequential(Functional):
     @property
     def _input_dtype(self) -> str:
         """float32, or ids: int32 for a dense Embedding's rows, int64 for a sparse one's
-        (unbounded 64-bit ids, its records' field)."""
+        (unbounded 64-bit ids, its records' field); a first lookup or text layer's (strings)."""
+        first = self.layers[0]
+        if getattr(first, "preprocessing", False):     # a lookup or text layer: its data's
+            return first.input_dtype
         if not self._takes_ids:
             return "float32"
         return "int64" if getattr(self.layers[0], "sparse", False) else "int32"
@@ -77,10 +80,11 @@ class Sequential(Functional):
     def get_config(self) -> dict:
         """The model's definition as JSON: each layer's class and config, the input shape, the
         loss. `Sequential.from_config` builds the same model (weights are not in it)."""
-        shape = self._input_shape or (self.input_shape if self._built else None)
+        # the data's shape: a first lookup or text layer's input, not the graph's (its output)
+        shape = self._input_shape or (self._given[0].shape[1:] if self._built else None)
         return {"name": self.name,
                 "input_shape": None if shape is None else list(shape),
-                "layers": self._layer_configs(self.layers),
+                "layers": self._layer_configs([*self.preprocessing_layers, *self.layers]),
                 "loss": self.loss.get_config(), "metrics": list(getattr(self, "metrics", ())),
                 **metrics.objects_config(getattr(self, "metric_objects", []))}
 

@@ -156,7 +156,7 @@ def _model_of(ckpt, directory: str, options: dict):
                           f"{spec} has {have or 'none'}")
     if configs:     # the shards' configs, which made the rows' initial values
         model.sparse_tables = list(configs)
-    registered = models.Layout(model.layout.tensors, tuple(getattr(model, "sparse_tables", None) or ()))
+    registered = model.layout.with_tables(getattr(model, "sparse_tables", None) or ())
     checkpoint_dir.check_model(ckpt.signature, ckpt.total, registered, "--model",
                             f"the checkpoints in {directory} are",
                             f"check --model, --hidden and --embedding-dim ({model.layout.describe()})",

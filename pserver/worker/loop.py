@@ -91,7 +91,7 @@ def registered_layout(model) -> Layout:
     statistics, which stay frozen) and the sparse tables."""
     frozen = getattr(model, "frozen_weights", list)()
     stats = [t.name for t in model.layout.tensors if t.momentum is not None]
-    return Layout(model.layout.tensors, tuple(sparse_tables(model))).freezing([*frozen, *stats])
+    return model.layout.with_tables(sparse_tables(model)).freezing([*frozen, *stats])
 
 
 class Rows:
