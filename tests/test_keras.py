@@ -139,7 +139,15 @@ EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shap
             "LayerNormalization": dict(axis=[1, 2], epsilon=0.01, center=False),
             "BatchNormalization": dict(momentum=0.9, epsilon=0.01, scale=False,
                                        moving_variance_initializer="zeros"),
-            "Rescaling": dict(scale=[0.5, 2.0], offset=1.0)}
+            "Rescaling": dict(scale=[0.5, 2.0], offset=1.0),
+            "Normalization": dict(axis=[1, 2], mean=[1.0, 2.0], variance=[4.0, 9.0], invert=True),
+            "Resizing": dict(height=3, width=5, interpolation="nearest", crop_to_aspect_ratio=True),
+            "CenterCrop": dict(height=2, width=3), "RandomFlip": dict(mode="vertical", seed=3),
+            "RandomRotation": dict(factor=(-0.2, 0.1), fill_mode="constant", interpolation="nearest", seed=1,
+                                   fill_value=0.5),
+            "RandomZoom": dict(height_factor=0.2, width_factor=(-0.3, 0.1), fill_mode="wrap", seed=2),
+            "RandomTranslation": dict(height_factor=0.1, width_factor=0.2, fill_mode="nearest"),
+            "RandomContrast": dict(factor=0.3, value_range=[0, 1], seed=4)}
 
 
 @pytest.mark.parametrize("name", LAYERS.names())
