@@ -162,7 +162,7 @@ class _Affine(_Augmentation):
 
     def draw(self, rng, x):
         h, w = x.shape[1:3]
-        return sampling(self.matrices(rng, len(x)), h, w, self.fill_mode, self.interpolation)
+        return sampling(self.matrices(rng, len(x)), h, w, self.fill_mode, self.interpolation, x.dtype)
 
     def apply(self, x, out, draw):
         index, weight, outside = draw
@@ -180,7 +180,7 @@ class _Affine(_Augmentation):
             flat[:, ch] = np.bincount(index.ravel(), g[..., ch].ravel(), minlength=n * h * w)
 
 
-def sampling(m: np.ndarray, h: int, w: int, fill_mode: str, interpolation: str):
+def sampling(m: np.ndarray, h: int, w: int, fill_mode: str, interpolation: str, dtype=np.float32):
     """What each output pixel reads under the maps `m` (n, 6): (index, weight, outside), the
     flat indices into the batch's (n * h * w) pixels (n, h * w, k) with their weights (k = 4
     bilinear, 1 nearest; 0 for a neighbour outside the image) and the weight of fill_value (n, h * w)."""
@@ -204,7 +204,7 @@ def sampling(m: np.ndarray, h: int, w: int, fill_mode: str, interpolation: str):
         weight.append(np.where(inside, wt, 0.0))
     index, weight = np.stack(index, -1), np.stack(weight, -1)
     outside = sum(wt for _, _, wt in points) - weight.sum(-1)
-    return index, weight.astype(np.float32), outside.astype(np.float32)
+    return index, weight.astype(dtype), outside.astype(dtype)
 
 
 def _round(v):
