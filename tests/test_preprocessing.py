@@ -134,6 +134,8 @@ def test_normalization_s_adapted_statistics_are_its_weights_in_a_model_and_a_sav
 
 def test_normalization_refuses_what_it_cannot_do_in_one_line():
     for make in (lambda: Normalization(mean=1.0), lambda: Normalization(mean=[1, 2], variance=[1]),
+                 lambda: Normalization(axis=None, mean=[1.0], variance=[1.0]),
+                 lambda: built(Normalization(mean=[1.0, 2.0], variance=[1.0, 2.0]), (3,)),
                  lambda: built(Normalization(axis=0), (3,)), lambda: Normalization(axis="x"),
                  lambda: Normalization(mean=1.0, variance=1.0).adapt(np.ones((2, 2)))):
         with pytest.raises(ConfigError) as e:

@@ -145,7 +145,7 @@ class Layer(abc.ABC):
         xs = [np.ascontiguousarray(x, np.float32 if x.dtype.kind in "biu" else x.dtype) for x in xs]
         shapes = [x.shape[1:] for x in xs]
         self.build_once(shapes if self.takes_list else shapes[0])
-        if any(w.trainable for w in self.weights()):
+        if self.traced or any(w.trainable for w in self.weights()):
             raise ConfigError(f"{self.label}: has weights, which a model holds: call it on keras.Input(...) "
                               "inside a keras.Model and train or predict with the model")
         from pserver.kernels import get_backend

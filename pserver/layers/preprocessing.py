@@ -89,6 +89,8 @@ class Normalization(Layer):
         if mean is not None and np.shape(mean) != np.shape(variance):
             raise ConfigError(f"Normalization: mean has shape {np.shape(mean)}, variance "
                               f"{np.shape(variance)}")
+        if mean is not None and np.ndim(mean) > len(self.axis):
+            raise ConfigError(f"Normalization: mean has {np.ndim(mean)} axes, more than axis={axis!r} keeps")
         self.given = None if mean is None else tuple(np.asarray(v, np.float64) for v in (mean, variance))
         self.adapted: tuple[np.ndarray, np.ndarray, float] | None = None
 
@@ -101,15 +103,26 @@ class Normalization(Layer):
         self.stats_shape = tuple((None, *input_shape)[a] for a in self.keep)
         self.broadcast = tuple(d if a in self.keep else 1 for a, d in enumerate((1, *input_shape)))
         if self.given is not None:
-            try:
-                self.constants = tuple(np.broadcast_to(_expand(v, self), self.broadcast) for v in self.given)
-            except ValueError:
-                raise ConfigError(f"{self.label}: mean of shape {self.given[0].shape} does not broadcast to "
-                                  f"the kept axes' shape {self.stats_shape}") from None
+            self.constants = self._constants()
         if self.adapted is not None and self.adapted[0].shape != self.stats_shape:
             raise ConfigError(f"{self.label}: adapted on data with statistics of shape "
                               f"{self.adapted[0].shape}, called on {input_shape}")
         return input_shape
+
+    def _constants(self) -> tuple[np.ndarray, np.ndarray]:
+        """The given mean and variance broadcast over the input (Keras's: their axes are the
+        last kept axes)."""
+        shaped = []
+        for v in self.given:
+            shape = [1] * len(self.broadcast)
+            for i in range(1, v.ndim + 1):
+                shape[self.keep[-i]] = v.shape[-i]
+            try:
+                shaped.append(np.broadcast_to(v.reshape(shape), self.broadcast))
+            except ValueError:
+                raise ConfigError(f"{self.label}: mean of shape {v.shape} does not broadcast to the kept "
+                                  f"axes' shape {self.stats_shape}") from None
+        return tuple(shaped)
 
     def weights(self):
         if self.given is not None:
@@ -176,17 +189,6 @@ class Normalization(Layer):
         for name, v in zip(("mean", "variance"), self.given or (None, None)):
             config[name] = None if v is None else v.tolist()
         return config
-
-
-def _expand(value: np.ndarray, layer: Normalization) -> np.ndarray:
-    """A given mean or variance shaped to broadcast over the input (Keras's: its axes are the
-    last kept axes)."""
-    if value.ndim == 0:
-        return value
-    shape = [1] * len(layer.broadcast)
-    for i in range(1, value.ndim + 1):
-        shape[layer.keep[-i]] = value.shape[-i]
-    return value.reshape(shape)
 
 
 def _batches(data):
