@@ -335,6 +335,21 @@ def test_draws_are_seeded_per_rank_and_step_and_a_rerun_repeats_them():
     assert not np.array_equal(a.draw(a.rng(Pass(True, 1)), images), b.draw(b.rng(Pass(True, 1)), images))
 
 
+def test_predict_and_evaluate_see_the_identity_in_a_model():
+    """Catches: a model's inference passes (predict, evaluate, validation) run with training on."""
+    x = np.random.default_rng(1).normal(size=(32, 5, 5, 1)).astype(np.float32)
+    augmented = keras.Sequential([keras.Input(shape=(5, 5, 1)), keras.layers.RandomRotation(0.4),
+                                  keras.layers.RandomContrast(0.5, value_range=(-9, 9)),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+    plain = keras.Sequential([keras.Input(shape=(5, 5, 1)), keras.layers.Flatten(), keras.layers.Dense(1)])
+    for model in (augmented, plain):
+        model.compile(optimizer="sgd", loss="mse")
+    plain.set_weights(augmented.get_weights())
+    np.testing.assert_array_equal(augmented.predict(x, verbose=0), plain.predict(x, verbose=0))
+    y = np.ones((32, 1), np.float32)
+    assert augmented.evaluate(x, y, verbose=0) == plain.evaluate(x, y, verbose=0)
+
+
 def test_an_eager_call_transforms_unless_training_is_false_as_keras_s():
     x = np.random.default_rng(0).normal(size=(16, 4, 4, 1)).astype(np.float32)
     layer = RandomFlip()
