@@ -146,7 +146,15 @@ EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shap
             "Bidirectional": dict(layer=layers.GRU(2, return_sequences=True), merge_mode="ave"),
             "StringLookup": dict(vocabulary=["a", "b"], mask_token="", num_oov_indices=2),
             "IntegerLookup": dict(vocabulary=[3, 9], output_mode="multi_hot"),
-            "TextVectorization": dict(vocabulary=["x", "y"], ngrams=2, output_sequence_length=4)}
+            "TextVectorization": dict(vocabulary=["x", "y"], ngrams=2, output_sequence_length=4),
+            "Normalization": dict(axis=[1, 2], mean=[1.0, 2.0], variance=[4.0, 9.0], invert=True),
+            "Resizing": dict(height=3, width=5, interpolation="nearest", crop_to_aspect_ratio=True),
+            "CenterCrop": dict(height=2, width=3), "RandomFlip": dict(mode="vertical", seed=3),
+            "RandomRotation": dict(factor=(-0.2, 0.1), fill_mode="constant", interpolation="nearest", seed=1,
+                                   fill_value=0.5),
+            "RandomZoom": dict(height_factor=0.2, width_factor=(-0.3, 0.1), fill_mode="wrap", seed=2),
+            "RandomTranslation": dict(height_factor=0.1, width_factor=0.2, fill_mode="nearest"),
+            "RandomContrast": dict(factor=0.3, value_range=[0, 1], seed=4)}
 
 
 @pytest.mark.parametrize("name", LAYERS.names())

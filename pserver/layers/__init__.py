@@ -15,6 +15,10 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
     Rescaling(scale, offset=0.0)
     SimpleRNN(units), LSTM(units), GRU(units) (return_sequences, return_state, go_backwards),
               Bidirectional(layer, merge_mode='concat'): Keras's weights, fused kernels
+    Normalization(axis=-1, mean=None, variance=None, invert=False), adapt(data)
+    Resizing(height, width, interpolation='bilinear'), CenterCrop(height, width)
+    RandomFlip, RandomRotation, RandomZoom, RandomTranslation, RandomContrast: augmentation in
+              training only, seeded per worker and step (docs/semantics.md)
     Embedding(None, output_dim, sparse=True, optimizer='adagrad', lr=0.05, min_count=0,
               max_rows=0, ttl_steps=0, row_dtype='float32', state_dtype='float32'): a table of
               unbounded ids on the shards (row_dtype float16 or bfloat16: compact rows)
@@ -35,12 +39,20 @@ the batch dimension) and `name=`.
 
 from pserver.errors import ConfigError
 from pserver.layers.activation import Activation
+from pserver.layers.augmentation import (
+    RandomContrast,
+    RandomFlip,
+    RandomRotation,
+    RandomTranslation,
+    RandomZoom,
+)
 from pserver.layers.base import Layer, Pass, Weight
 from pserver.layers.conv import Conv1D, Conv2D, Conv2DTranspose, DepthwiseConv2D
 from pserver.layers.dense import Dense
 from pserver.layers.dropout import Dropout
 from pserver.layers.embedding import Embedding
 from pserver.layers.fm import FM
+from pserver.layers.image import CenterCrop, Resizing
 from pserver.layers.initializers import Initializer, RandomUniform, VarianceScaling, Zeros
 from pserver.layers.merge import (
     Add,
@@ -69,7 +81,7 @@ from pserver.layers.pooling import (
     GlobalMaxPooling2D,
     MaxPooling2D,
 )
-from pserver.layers.preprocessing import Rescaling
+from pserver.layers.preprocessing import Normalization, Rescaling
 from pserver.layers.recurrent import GRU, LSTM, Bidirectional, SimpleRNN
 from pserver.layers.reshape import Flatten, Permute, RepeatVector, Reshape
 from pserver.layers.saving import custom_object, is_json
@@ -137,6 +149,16 @@ LAYERS.add("SimpleRNN", "a recurrent layer: h = activation(x_t @ kernel + h' @ r
 LAYERS.add("LSTM", "a long short-term memory layer (gates i, f, c, o), Keras's weights", LSTM)
 LAYERS.add("GRU", "a gated recurrent unit layer (gates z, r, h; reset_after=True), Keras's weights", GRU)
 LAYERS.add("Bidirectional", "a recurrent layer and its go_backwards copy, outputs merged", Bidirectional)
+LAYERS.add("Normalization", "(x - mean) / sqrt(variance) per index of axis, the statistics given or learned "
+           "by adapt(data)", Normalization)
+LAYERS.add("Resizing", "each image resized to (height, width), bilinear or nearest", Resizing)
+LAYERS.add("CenterCrop", "each image's centred (height, width) window", CenterCrop)
+LAYERS.add("RandomFlip", "in training, each image flipped with probability 1/2", RandomFlip)
+LAYERS.add("RandomRotation", "in training, each image rotated by a random angle", RandomRotation)
+LAYERS.add("RandomZoom", "in training, each image zoomed in or out by a random factor", RandomZoom)
+LAYERS.add("RandomTranslation", "in training, each image shifted by a random fraction of its size",
+           RandomTranslation)
+LAYERS.add("RandomContrast", "in training, each image's contrast scaled by a random factor", RandomContrast)
 LAYERS.add("Lambda", "function(inputs) written with keras.ops, as a layer; a lambda loads with "
            "safe_mode=False only", Lambda)
 LAYERS.add("StringLookup", "strings to vocabulary indices (or one_hot, multi_hot, count, tf_idf); runs on "
@@ -211,6 +233,7 @@ __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
            "Zeros", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Dot",
            "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D", "GlobalMaxPooling2D",
            "Activation", "Reshape", "Permute", "RepeatVector", "LayerNormalization", "BatchNormalization",
-           "Rescaling", "SimpleRNN", "LSTM", "GRU", "Bidirectional",
+           "Rescaling", "SimpleRNN", "LSTM", "GRU", "Bidirectional", "Normalization", "Resizing",
+           "CenterCrop", "RandomFlip", "RandomRotation", "RandomZoom", "RandomTranslation", "RandomContrast",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
            "StringLookup", "IntegerLookup", "TextVectorization"]

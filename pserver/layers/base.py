@@ -104,7 +104,7 @@ class Layer(abc.ABC):
             wanted = "a list of tensors" if self.takes_list else "one tensor"
             raise ConfigError(f"{self.label}: takes {wanted}, got {type(inputs).__name__}")
         if not any(isinstance(x, Symbolic) for x in xs):
-            return self._eager(xs, kwargs)
+            return self._eager(xs, kwargs, training)
         strays = [x for x in xs if not isinstance(x, Symbolic)]
         if strays:
             raise ConfigError(f"{self.label}: called on {type(strays[0]).__name__} among symbolic tensors; "
@@ -133,9 +133,10 @@ class Layer(abc.ABC):
             raise ConfigError(f"{self.label}: built for input shape {_shapes_text(built)}, called again "
                               f"on {_shapes_text(input_shape)}: a layer's weights fit one input shape")
 
-    def _eager(self, xs: list, kwargs: dict):
+    def _eager(self, xs: list, kwargs: dict, training=None):
         """The layer applied to arrays now, with the cpu kernels: for a layer without weights
-        (a model's flat vector holds weights, so a layer alone has none to compute with)."""
+        that training changes (a model's flat vector holds them, so a layer alone has none to
+        compute with)."""
         if not all(isinstance(x, np.ndarray) for x in xs):
             bad = next(x for x in xs if not isinstance(x, np.ndarray))
             raise ConfigError(f"{self.label}: called on {type(bad).__name__}; call a layer on "
@@ -144,15 +145,24 @@ class Layer(abc.ABC):
         xs = [np.ascontiguousarray(x, np.float32 if x.dtype.kind in "biu" else x.dtype) for x in xs]
         shapes = [x.shape[1:] for x in xs]
         self.build_once(shapes if self.takes_list else shapes[0])
-        if self.weights():
+        if self.traced or any(w.trainable for w in self.weights()):
             raise ConfigError(f"{self.label}: has weights, which a model holds: call it on keras.Input(...) "
                               "inside a keras.Model and train or predict with the model")
         from pserver.kernels import get_backend
         n, dtype = xs[0].shape[0], xs[0].dtype
         out = np.empty((n, *self.output_shape), dtype)
-        self.forward(get_backend("cpu"), {}, xs if self.takes_list else xs[0], out, self.scratch(n, dtype),
-                     Pass(training=False))
+        # Weights training leaves (Normalization's statistics) are their initial values here.
+        p = {w.name: np.zeros(w.shape, dtype) for w in self.weights()}
+        for w in self.weights():
+            w.initializer(np.random.default_rng(0), p[w.name])
+        self.forward(get_backend("cpu"), p, xs if self.takes_list else xs[0], out, self.scratch(n, dtype),
+                     self.eager_pass(training))
         return out
+
+    def eager_pass(self, training) -> Pass:
+        """The pass of a call on arrays given `training` (None unless the caller says): inference
+        (an augmentation layer, as Keras's, transforms unless told training=False)."""
+        return Pass(training=False)
 
     def get_config(self) -> dict:
         """The constructor's arguments (Keras's get_config): `type(layer).from_config(config)`

@@ -118,10 +118,10 @@ class TracedLayer(Layer):
             raise ConfigError(f"{self.label}: call's output {out.shape} has no batch dimension")
         return out
 
-    def _eager(self, xs, kwargs: dict):
+    def _eager(self, xs, kwargs: dict, training=None):
         self.build_once([x.shape[1:] for x in xs] if self.takes_list else xs[0].shape[1:])
         if self.weights():
-            return super()._eager(xs, kwargs)       # refused there: a model holds the weights
+            return super()._eager(xs, kwargs, training)     # refused there: a model holds the weights
         return self.call(xs if self.takes_list else xs[0], **kwargs)
 
     def weights(self):
