@@ -461,7 +461,7 @@ class MemoryStatus(_message.Message):
     def __init__(self, budget: _Optional[int] = ..., used: _Optional[int] = ..., reserved: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "mode", "version", "num_params", "total_params", "num_workers", "optimizer", "lr", "counters", "live_workers", "uptime_seconds", "layout_signature", "dead_workers", "tables", "restored_from", "seeded_by_rank", "instance", "settings", "memory", "registered_workers")
+    __slots__ = ("shard", "num_shards", "mode", "version", "num_params", "total_params", "num_workers", "optimizer", "lr", "counters", "live_workers", "uptime_seconds", "layout_signature", "dead_workers", "tables", "restored_from", "seeded_by_rank", "instance", "settings", "memory", "registered_workers", "assigned_version")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -483,6 +483,7 @@ class StatusReply(_message.Message):
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_VERSION_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     mode: str
@@ -504,7 +505,8 @@ class StatusReply(_message.Message):
     settings: TrainingSettings
     memory: MemoryStatus
     registered_workers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., total_params: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., live_workers: _Optional[_Iterable[int]] = ..., uptime_seconds: _Optional[float] = ..., layout_signature: _Optional[str] = ..., dead_workers: _Optional[_Iterable[int]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., instance: _Optional[str] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., registered_workers: _Optional[_Iterable[int]] = ...) -> None: ...
+    assigned_version: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., num_params: _Optional[int] = ..., total_params: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., live_workers: _Optional[_Iterable[int]] = ..., uptime_seconds: _Optional[float] = ..., layout_signature: _Optional[str] = ..., dead_workers: _Optional[_Iterable[int]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ..., restored_from: _Optional[str] = ..., seeded_by_rank: _Optional[int] = ..., instance: _Optional[str] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., registered_workers: _Optional[_Iterable[int]] = ..., assigned_version: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("rank", "session")
@@ -553,6 +555,12 @@ class SetLearningRateReply(_message.Message):
     version: int
     lr: float
     def __init__(self, version: _Optional[int] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class AssignWeightsReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class LeaseDataRequest(_message.Message):
     __slots__ = ("rank", "session", "num_batches", "chunk_batches", "seed", "fingerprint", "finished", "finished_epoch", "finished_chunk", "epochs", "in_order", "done_before_restore", "restart", "epoch_logs", "logs_epoch", "share_logs", "log_names", "log_values", "stop_training")

@@ -99,6 +99,11 @@ class ParameterServerStub:
                 request_serializer=pserver__pb2.SetLearningRateRequest.SerializeToString,
                 response_deserializer=pserver__pb2.SetLearningRateReply.FromString,
                 _registered_method=True)
+        self.AssignWeights = channel.stream_unary(
+                '/pserver.v1.ParameterServer/AssignWeights',
+                request_serializer=pserver__pb2.TensorChunk.SerializeToString,
+                response_deserializer=pserver__pb2.AssignWeightsReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -222,6 +227,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AssignWeights(self, request_iterator, context):
+        """The chief's replacement of this shard's dense values (Keras's EarlyStopping(restore_best_weights=
+        True) at the end of fit): header (rank, session, step: the version the chief expects the shard
+        at), then the range's values. Version-fenced: refused (FAILED_PRECONDITION, nothing changed) from
+        another worker than the chief, while another worker is still live, or when the shard's version
+        is not `step`. The values replace the parameters (the optimizer's state is kept, as Keras's) and
+        the version advances by one, which status reports as `assigned_version`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -289,6 +306,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.SetLearningRate,
                     request_deserializer=pserver__pb2.SetLearningRateRequest.FromString,
                     response_serializer=pserver__pb2.SetLearningRateReply.SerializeToString,
+            ),
+            'AssignWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.AssignWeights,
+                    request_deserializer=pserver__pb2.TensorChunk.FromString,
+                    response_serializer=pserver__pb2.AssignWeightsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -642,6 +664,33 @@ class ParameterServer:
             '/pserver.v1.ParameterServer/SetLearningRate',
             pserver__pb2.SetLearningRateRequest.SerializeToString,
             pserver__pb2.SetLearningRateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AssignWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pserver.v1.ParameterServer/AssignWeights',
+            pserver__pb2.TensorChunk.SerializeToString,
+            pserver__pb2.AssignWeightsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -146,11 +146,11 @@ class EarlyStopping(_Monitor):
     without an improvement of more than `min_delta` (from `start_from_epoch` on; with a
     `baseline`, an epoch must beat it too). On a cluster every worker stops after the same
     epoch: the chief's decision, on its logs. restore_best_weights=True (Keras's rule: the best
-    epoch's weights at the end, whether it stopped or not) in a script run plainly, whose fit
-    starts its own shards from the model's weights (so a later fit or save reads the restored
-    ones); under `pserver run` it is refused at fit: the shards outlive the fit and cannot be set
-    back to an earlier epoch's weights (use ModelCheckpoint(save_best_only=True) and
-    keras.models.load_model)."""
+    epoch's weights at the end, whether it stopped or not): each worker keeps the weights it
+    pulled at the best epoch's end, and at the end of fit the chief writes its copy to the shards
+    (pserver.worker.loop.assign_restored; the optimizer's state kept) and every other worker
+    pulls it, so a later fit, save or evaluate on any worker sees them. Refused at fit for a
+    model with sparse tables (their rows cannot be copied at every epoch's end)."""
 
     def __init__(self, monitor="val_loss", min_delta=0, patience=0, verbose=0, mode="auto", baseline=None,
                  restore_best_weights=False, start_from_epoch=0):
@@ -161,11 +161,11 @@ class EarlyStopping(_Monitor):
         self.best_weights = None
 
     def _check_fit(self) -> None:
-        if self.restore_best_weights and cluster.current() is not None:
-            raise ConfigError("EarlyStopping: restore_best_weights=True is not supported under pserver run "
-                              "(the shards outlive the fit and cannot be set back to an earlier epoch's "
-                              "weights): use ModelCheckpoint(save_best_only=True) and "
-                              "keras.models.load_model")
+        if self.restore_best_weights and getattr(self.model, "_sparse", bool)():
+            names = ", ".join(t.name for t in self.model._core.sparse_tables)
+            raise ConfigError(f"EarlyStopping: restore_best_weights=True is not supported for a model with "
+                              f"sparse tables ({names}: their rows are not copied at each epoch's end); "
+                              "use ModelCheckpoint(save_best_only=True) and keras.models.load_model")
 
     def on_train_begin(self, logs=None):
         self.wait = self.stopped_epoch = self.best_epoch = 0
@@ -544,11 +544,13 @@ class CallbackList:
         self.callbacks = list(callbacks)
         self.model, self.metrics, self.offset, self.validation = model, metrics, offset, validation
         for c in self.callbacks:
-            getattr(c, "_check_fit", lambda: None)()     # what fit refuses (EarlyStopping's restore)
             c.set_model(model)
             c.set_params(params)
+            getattr(c, "_check_fit", lambda: None)()     # what fit refuses (EarlyStopping's restore)
         self.weights = None
-        self.restored = None          # weights a callback set at the end: the model keeps them
+        # Weights a callback set at the end (EarlyStopping's restore): the chief writes them to
+        # the shards and every worker pulls them (pserver.worker.loop.assign_restored)
+        self.restored = None
         self.shard_settings: dict | None = None       # what the shards must run (fit sets it)
         # On a cluster every worker's callbacks take the chief's epoch logs and stop decision (the
         # loop shares them through shard 0: pserver.worker.loop.chief_logs); epoch_logs: the last.
@@ -650,9 +652,10 @@ class CallbackList:
     def on_weights(self, w):
         """The weights this worker pulled after an epoch's last step (the loop hands them before
         on_epoch_end, and at the end): the model's, as a Keras model's weights are live in fit,
-        so that a callback's model.get_weights() or model.save() takes them. After the run, weights
-        a callback set at its end (`restored`) win over the final ones."""
-        self.weights = w.copy() if self.restored is None else self.restored
+        so that a callback's model.get_weights() or model.save() takes them. At the end they are
+        the shards' final ones: those a callback set at its end (`restored`) once the chief wrote
+        them there."""
+        self.weights = w.copy()
         self.model._w = self.weights
 
 

@@ -70,7 +70,7 @@ def _timeout(context) -> float:
 
 def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> None:
     """Register every rpc of the service. As the generated add_..._to_server, except that
-    the tensor streams (Init, Push, Pull) use the codec's TensorChunk encoding."""
+    the tensor streams (Init, AssignWeights, Push, Pull) use the codec's TensorChunk encoding."""
     unary = {"Register": (pb.RegisterRequest, pb.RegisterReply), "Status": (pb.StatusRequest, pb.StatusReply),
              "Leave": (pb.LeaveRequest, pb.LeaveReply),
              "Checkpoint": (pb.CheckpointRequest, pb.CheckpointReply),
@@ -84,6 +84,9 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
     handlers["Init"] = grpc.stream_unary_rpc_method_handler(
         servicer.Init, request_deserializer=codec.parse_chunk,
         response_serializer=pb.InitReply.SerializeToString)
+    handlers["AssignWeights"] = grpc.stream_unary_rpc_method_handler(
+        servicer.AssignWeights, request_deserializer=codec.parse_chunk,
+        response_serializer=pb.AssignWeightsReply.SerializeToString)
     handlers["Push"] = grpc.stream_unary_rpc_method_handler(
         servicer.Push, request_deserializer=codec.parse_chunk,
         response_serializer=pb.PushReply.SerializeToString)
@@ -140,6 +143,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         already, version = self._stream(request_iterator, context, lambda h, rows, fill: self.shard.init(
             h.rank, h.layout_signature, h.num_elements, h.dtype, fill, session=h.session))
         return pb.InitReply(already_initialized=already, version=version)
+
+    @_status
+    def AssignWeights(self, request_iterator, context):
+        version = self._stream(request_iterator, context, lambda h, rows, fill: self.shard.assign(
+            h.rank, h.step, h.num_elements, h.dtype, fill, session=h.session))
+        return pb.AssignWeightsReply(version=version)
 
     @_stream_status
     def Pull(self, request, context):

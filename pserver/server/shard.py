@@ -374,6 +374,28 @@ class Shard:
                      self.cfg.shard, before, lr, self.store.version + 1)
             return self.store.version, before
 
+    def assign(self, rank: int, expected: int, num_elements: int, dtype: str, fill: Fill,
+               session: str | None = None) -> int:
+        """The chief's replacement of this shard's dense values at the end of a Keras fit
+        (EarlyStopping(restore_best_weights=True): the best epoch's weights), fenced: refused from
+        another worker, while another worker is live (its push could land on either side), or
+        once the version moved past `expected` (ShardStore.assign). The version after it."""
+        s = self.store
+        with s.cond:
+            s.require_configured()
+            self.members.authorize(rank, session)
+            if rank != 0:
+                raise FailedPrecondition(f"weights: worker {rank} is not the chief; the chief (rank 0) "
+                                         "assigns the weights")
+            others = sorted(self.members.live() - {rank})
+            if others:
+                raise FailedPrecondition(f"weights: worker(s) {others} still live on shard {self.cfg.shard}: "
+                                         "the chief assigns the weights once every other worker left")
+            checks.check_payload(self.cfg, s.size, num_elements, dtype)
+        version = s.assign(fill, expected)
+        log.info("shard %d: weights assigned by the chief at version %d", self.cfg.shard, version)
+        return version
+
     def lr(self) -> float:
         """The base learning rate now: --lr, or the chief's last change."""
         return self.cfg.lr if self.store.lr_set is None else self.store.lr_set
@@ -402,6 +424,7 @@ class Shard:
                         layout_signature=s.signature, restored_from=s.restored_from,
                         seeded_by_rank=s.seeded_by, instance=self.instance,
                         settings=self.settings(p.num_workers),
+                        assigned_version=s.assigned_version,
                         tables=[dict(name=n, dim=t.config.dim, optimizer=t.config.optimizer, **t.stats())
                                 for n, t in s.tables.items()],
                         memory=self.budget.report(s.tables))

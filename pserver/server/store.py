@@ -273,6 +273,7 @@ class ShardStore:
         self.params: np.ndarray | None = None
         self.optimizer = None
         self.lr_set: float | None = None   # the chief's learning rate (set_lr), kept in checkpoints
+        self.assigned_version = -1         # the version the chief's last assign made (-1: none)
         self.pool: BufferPool | None = None
         self.closed = False
         self.restored_from = ""            # the checkpoint this shard resumed from, if any
@@ -415,6 +416,29 @@ class ShardStore:
     def set_lr(self, lr: float) -> None:
         """The base learning rate from the next update on (the chief's change, or a restored one)."""
         self.optimizer.lr = self.lr_set = lr
+
+    def assign(self, fill, expected: int) -> int:
+        """The chief's values for this shard's range (Shard.assign), replacing the parameters if
+        the version is still `expected` (FailedPrecondition otherwise, nothing changed): the
+        optimizer's state stays, the version advances by one. The payload is checked into a pool
+        buffer first, so a bad one changes nothing; a checkpoint being written keeps what it has
+        not read yet (as before a sync step)."""
+        values = self.pool.acquire()
+        try:
+            self.fill(fill, values)
+            with self.cond:
+                if self.version != expected:
+                    raise FailedPrecondition(f"version: shard {self.shard} is at version {self.version}, "
+                                             f"not {expected}: it changed since the chief read it")
+                if self._dump is not None:
+                    self._dump.before_step()
+                self.params[:] = values
+                self.version += 1
+                self.assigned_version = self.version
+                self.cond.notify_all()
+                return self.version
+        finally:
+            self.pool.release(values)
 
     def took(self, rank: int, clock: int) -> None:
         """rank's step `clock` is taken in: applied, part of a completed step, or dropped late

@@ -94,6 +94,9 @@ class ShardClient:
         # The same methods for a stream of one message (header and payload fit in one chunk):
         # on the wire a client stream of one message is a unary call, and gRPC's unary call
         # needs no thread to feed it, where every streaming call starts one.
+        self.assign_call = self.channel.stream_unary(
+            service + "AssignWeights", request_serializer=codec.serialize_chunk,
+            response_deserializer=pb.AssignWeightsReply.FromString)
         self.init_one = self.channel.unary_unary(service + "Init", request_serializer=codec.serialize_chunk,
                                                  response_deserializer=pb.InitReply.FromString)
         self.push_one = self.channel.unary_unary(service + "Push", request_serializer=codec.serialize_chunk,
@@ -482,6 +485,13 @@ class ShardClient:
         request = pb.SetLearningRateRequest(rank=rank, session=self.session, lr=lr)
         return self.resilient(lambda: self.call(self.stub.SetLearningRate, request, timeout=timeout),
                               timeout).version
+
+    def assign(self, rank: int, flat: np.ndarray, expected: int, timeout: float) -> int:
+        """The chief's values for this shard's range of `flat`, if the shard is still at version
+        `expected` (over gRPC: a call made once at a fit's end); the version after it."""
+        header = pb.TensorHeader(rank=rank, shard=self.index, step=expected, session=self.session)
+        stream = codec.encode(header, self.own(flat), self.chunk_bytes)
+        return self.call(lambda: self.assign_call(stream, timeout=timeout)).version
 
     def lease_data(self, request: pb.LeaseDataRequest, timeout: float) -> pb.LeaseDataReply:
         request.session = self.session
@@ -888,6 +898,12 @@ class PSClient:
         """The chief's new base learning rate on every shard, between two of its steps (so every
         shard takes it at the same step in sync); each shard's version it follows."""
         return self.each(lambda s: s.set_lr(self.rank, lr, self.rpc_deadline))
+
+    def assign(self, flat: np.ndarray) -> list[int]:
+        """The chief's weights on every shard, each fenced on its version now (status): the
+        versions after. Every other worker must have left (Shard.assign)."""
+        expected = {st.shard: st.version for st in self.status()}
+        return self.each(lambda s: s.assign(self.rank, flat, expected[s.index], self.rpc_deadline))
 
     def export_table(self, table: str, timeout: float = 600.0):
         """Every row of `table` on every shard: ([each shard's version], total rows, pages of

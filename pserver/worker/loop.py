@@ -237,10 +237,12 @@ def join(client: PSClient, rank: int, w: np.ndarray, infos) -> None:
 
 
 def end(run: Run, stats: dict, started: float, counted_from, definition: dict | None) -> dict | None:
-    """After the last step: a worker other than the chief hands its callbacks the weights; the
-    chief evaluates and returns the summary, saves the model and stops the shards, as asked."""
+    """After the last step: a worker other than the chief hands its callbacks the weights (the
+    chief's restored ones, when the callbacks restored some: follow_restored); the chief
+    evaluates and returns the summary, saves the model and stops the shards, as asked."""
     if not run.chief:
         say_if_chief_gone(run.client)
+        follow_restored(run)
         run.callbacks.on_weights(run.w)
         keep_tables(run)
         return None
@@ -345,6 +347,7 @@ def warm_up(model, w: np.ndarray, ds, batch_size: int, rows: Rows) -> None:
 class NoCallbacks:
     """What the loop calls when no one listens (the CLI's workers)."""
     stop_training = False
+    restored = None
 
     def on_train_begin(self, logs=None): pass
     def on_epoch_begin(self, epoch, logs=None): pass
@@ -530,6 +533,42 @@ def wait_for_others(client: PSClient, timeout: float) -> None:
                            "after the chief finished")
 
 
+def assign_restored(run: Run) -> None:
+    """The chief, once every other worker left: weights its callbacks set at the end of the run
+    (`callbacks.restored`: EarlyStopping(restore_best_weights=True)'s copy of the best epoch's)
+    become the shards' (AssignWeights, the optimizer's state kept), so that the final pull,
+    evaluation and checkpoint, every worker's model (follow_restored) and a later fit start
+    from them."""
+    restored = run.callbacks.restored
+    if restored is None:
+        return
+    versions = run.client.assign(restored)
+    run.progress.say(f"the shards hold the weights the callbacks restored (version {max(versions)})")
+
+
+def follow_restored(run: Run, poll: float = 0.05) -> None:
+    """A worker other than the chief whose callbacks restored weights at the end (the chief's
+    made the same decision on the same logs): wait until the chief assigned its copy on every
+    shard (a version past this worker's last pull, status's assigned_version), then pull it,
+    so that every worker ends with the chief's weights, not its own copy."""
+    if run.callbacks.restored is None:
+        return
+    client, seen = run.client, list(run.client.versions)
+    deadline = time.monotonic() + run.cfg.rpc_deadline
+    while True:
+        statuses = client.status()
+        if all(st.assigned_version > v for st, v in zip(statuses, seen)):
+            break
+        if any(0 in st.dead_workers for st in statuses):
+            raise Unavailable(f"worker {run.rank}: the chief (rank 0) was marked dead before it restored "
+                              "the best weights on the shards")
+        if time.monotonic() > deadline:
+            raise DeadlineExceeded(f"worker {run.rank}: the chief did not restore the weights on the shards "
+                                   f"within {run.cfg.rpc_deadline:g} s of this worker's end")
+        time.sleep(poll)
+    client.pull(run.w, seen=[-1] * len(client.shards))
+
+
 def binary_metrics(ev: dict, ds) -> dict:
     """A click-through-rate run's figures: logloss by its name, and the best AUC any model
     can reach on the test set when the data says (criteo-synthetic's planted model)."""
@@ -547,6 +586,7 @@ def finish(run: Run, stats: dict, started: float, counted_from) -> dict:
     cfg, client, ds, model = run.cfg, run.client, run.ds, run.model
     wait_for_others(client, cfg.rpc_deadline)
     wall = time.monotonic() - started            # until the last worker finished
+    assign_restored(run)
     ask_checkpoint(client)
     client.pull(run.w, seen=[-1] * len(client.shards))      # the final weights
     ev = evaluate(run, eval_threads(client, others_wait=True))
