@@ -49,7 +49,8 @@ def test_every_worker_and_the_shard_end_with_the_best_epoch_s_weights(tmp_path):
     from pserver.persist import checkpoint
     (tmp_path / "s.py").write_text(SCRIPT)
     r = subprocess.run([sys.executable, "-m", "pserver", "run", "--ps", "1", "--workers", "2",
-                        "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(tmp_path / "s.py")],
+                        "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable,
+                        str(tmp_path / "s.py")],
                        capture_output=True, text=True, timeout=120, env=env_with({"OUT_DIR": str(tmp_path)}))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for rank in range(2):
