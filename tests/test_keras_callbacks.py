@@ -177,6 +177,19 @@ def test_restore_best_weights_leaves_the_best_epoch_s_weights_even_without_a_sto
     assert all(np.array_equal(a, b) for a, b in zip(saved, seen[best][1]))
 
 
+def test_restore_best_weights_with_sparse_tables_is_refused_at_fit_in_one_line():
+    """Their rows are not copied at each epoch's end: a restore would set back the dense weights
+    only. Catches: the restore accepted and the model left half restored."""
+    model = keras.Sequential([keras.Input(shape=(3,), dtype="int64"), layers.Embedding(None, 4, sparse=True),
+                              layers.Flatten(), layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    es = keras.callbacks.EarlyStopping(monitor="loss", restore_best_weights=True)
+    with pytest.raises(ConfigError, match=r"restore_best_weights=True is not supported for a model with "
+                                          r"sparse tables \(embedding") as e:
+        model.fit(np.zeros((8, 3), np.int64), np.zeros(8, np.float32), epochs=1, verbose=0, callbacks=[es])
+    assert "\n" not in str(e.value)
+
+
 def test_backup_and_restore_is_refused_at_fit_without_pserver_run_s_checkpoints():
     """A plain script has no shards' checkpoints to resume from: fit says where they are."""
     x, y = blobs(64)
