@@ -139,7 +139,11 @@ EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shap
             "LayerNormalization": dict(axis=[1, 2], epsilon=0.01, center=False),
             "BatchNormalization": dict(momentum=0.9, epsilon=0.01, scale=False,
                                        moving_variance_initializer="zeros"),
-            "Rescaling": dict(scale=[0.5, 2.0], offset=1.0)}
+            "Rescaling": dict(scale=[0.5, 2.0], offset=1.0),
+            "MultiHeadAttention": dict(num_heads=3, key_dim=4, value_dim=2, use_bias=False, output_shape=5),
+            "GroupNormalization": dict(groups=4, epsilon=0.01, center=False),
+            "SeparableConv2D": dict(filters=3, kernel_size=(2, 3), strides=(1, 2), depth_multiplier=2,
+                                    padding="same", activation="relu", use_bias=False)}
 
 
 @pytest.mark.parametrize("name", LAYERS.names())

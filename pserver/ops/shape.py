@@ -115,14 +115,6 @@ register(Op("take", lambda x, indices, axis=None: np.take(x, ids(indices), axis=
             differentiable=(True, False)))
 
 
-def _arange(start, stop, step, dtype):
-    return np.arange(start, stop, step).astype(dtype)
-
-
-# No input, so no gradient: the values are constants of the graph (a position's ids).
-register(Op("arange", _arange, lambda g, out, **attrs: ()))
-
-
 def reshape(x, newshape):
     return apply("reshape", x, newshape=tuple(-1 if d is None else int(d) for d in newshape))
 
@@ -188,12 +180,12 @@ def convert_to_tensor(x, dtype=None, sparse=None, ragged=None):
 def arange(start, stop=None, step=1, dtype=None):
     """Keras's arange: start, start + step, ... below stop (arange(n) counts from 0); int32 for
     integer arguments, float32 for a float one, unless `dtype` says. Its arguments are numbers
-    (ops.shape(x)[-1] is one), so it computes now: a constant of the graph being traced."""
+    (ops.shape(x)[-1] is one), so it is no op of a graph: an array, a constant where a graph
+    uses it (nothing to differentiate: it has no input)."""
     if stop is None:
         start, stop = 0, start
     floats = any(isinstance(v, float) for v in (start, stop, step))
-    return apply("arange", start=start, stop=stop, step=step,
-                 dtype=np.dtype(dtype or ("float32" if floats else "int32")).name)
+    return np.arange(start, stop, step).astype(dtype or ("float32" if floats else "int32"))
 
 
 def shape(x) -> tuple:
