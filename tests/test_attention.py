@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from pserver import keras
 from pserver.errors import ConfigError
 from pserver.keras import layers, ops
-from pserver.layers import Dense, GroupNormalization, MultiHeadAttention, SeparableConv2D
+from pserver.kernels import reference
+from pserver.layers import Dense, Flatten, GroupNormalization, MultiHeadAttention, SeparableConv2D
 from pserver.layers.base import Pass
 from pserver.models import Functional
 from pserver.ops.core import Symbolic
@@ -166,7 +167,7 @@ def test_multi_head_attention_weights_summary_config_and_refusals():
                        (lambda: MultiHeadAttention(2, 4, attention_axes=(1, 2)), "attention_axes"),
                        (lambda: layers.MultiHeadAttention(2, 4)(inputs, inputs, return_attention_scores=True),
                         "return_attention_scores"),
-                       (lambda: layers.MultiHeadAttention(2, 4)(keras.Input((2, 3, 4)), keras.Input((2, 3, 4))),
+                       (lambda: layers.MultiHeadAttention(2, 4)(*[keras.Input((2, 3, 4))] * 2),
                         "attention_axes")):
         with pytest.raises(ConfigError, match=match) as e:
             bad()
@@ -184,7 +185,6 @@ def test_cuda_refuses_the_new_layers_in_one_line():
         inputs = Symbolic((None, *shape))
         h = make(inputs)
         h = Dense(3)(h)
-        from pserver.layers import Flatten
         model = Functional(inputs, Dense(2)(Flatten()(h))).build()
         with pytest.raises(ConfigError, match=match) as e:
             cuda_support.check(model)
@@ -235,19 +235,19 @@ def separable_twin(p, x, strides, padding):
 @given(n=st.integers(1, 2), hw=st.tuples(st.integers(3, 5), st.integers(3, 5)), c=st.integers(1, 3),
        m=st.integers(1, 2), filters=st.integers(1, 3), strides=st.integers(1, 2),
        padding=st.sampled_from(["valid", "same"]), use_bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_separable_conv2d_against_numpy_and_finite_differences(n, hw, c, m, filters, strides, padding, use_bias,
-                                                               seed):
+def test_separable_conv2d_against_numpy_and_finite_differences(n, hw, c, m, filters, strides, padding,
+                                                               use_bias, seed):
     """Catches the depthwise output channels in the wrong order for the pointwise kernel, the bias
     added twice (in the depthwise step too) or lost, and either kernel's gradient not reaching it."""
     r = np.random.default_rng(seed)
     layer = SeparableConv2D(filters, (3, 2), strides=strides, padding=padding, depth_multiplier=m,
                             use_bias=use_bias)
     layer(Symbolic((None, *hw, c)))
-    assert [w.name for w in layer.weights()] == ["depthwise_kernel", "pointwise_kernel"] + (["bias"] * use_bias)
+    names = ["depthwise_kernel", "pointwise_kernel"] + (["bias"] * use_bias)
+    assert [w.name for w in layer.weights()] == names
     assert layer.weights()[1].shape == (1, 1, c * m, filters)
     p = params_of(layer, r)
     x = r.standard_normal((n, *hw, c))
-    from pserver.kernels import reference
     out = np.empty((n, *layer.output_shape))
     s = layer.scratch(n, np.float64)
     layer.forward(reference, p, x, out, s, Pass(training=True))
@@ -270,7 +270,6 @@ def test_separable_conv2d_against_numpy_and_finite_differences(n, hw, c, m, filt
 def test_dense_on_a_sequence_applies_to_the_last_axis():
     """Catches Dense on (steps, features) mixing steps (a kernel over the flattened sample) or
     losing the steps' gradients (Keras's Dense works on the last axis)."""
-    from pserver.kernels import reference
     r = np.random.default_rng(1)
     layer = Dense(3, activation="relu")
     layer(Symbolic((None, 4, 5)))
@@ -298,8 +297,8 @@ def test_keras_summary_counts_and_configs_of_group_normalization_and_separable_c
     for layer in model._core.layers[:2]:
         again = type(layer).from_config(layer.get_config())
         assert again.get_config() == layer.get_config()
-    for bad in (lambda: layers.GroupNormalization(groups=3)(keras.Input((4,))), lambda: GroupNormalization(axis=1),
-                lambda: SeparableConv2D(2, 3, dilation_rate=2)):
+    for bad in (lambda: layers.GroupNormalization(groups=3)(keras.Input((4,))),
+                lambda: GroupNormalization(axis=1), lambda: SeparableConv2D(2, 3, dilation_rate=2)):
         with pytest.raises(ConfigError):
             bad()
 

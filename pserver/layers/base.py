@@ -110,7 +110,7 @@ class Layer(abc.ABC):
             wanted = "a list of tensors" if self.takes_list else "one tensor"
             raise ConfigError(f"{self.label}: takes {wanted}, got {type(inputs).__name__}")
         if not any(isinstance(x, Symbolic) for x in xs):
-            if TRACING.get() and not self.traced:
+            if TRACING.get() and not self.traced and type(self).weights is not Layer.weights:
                 return self._constant(xs, training)
             return self._eager(xs, kwargs)
         strays = [x for x in xs if not isinstance(x, Symbolic)]
@@ -142,9 +142,10 @@ class Layer(abc.ABC):
                               f"on {_shapes_text(input_shape)}: a layer's weights fit one input shape")
 
     def _constant(self, xs: list, training):
-        """The layer on arrays inside a traced call: each array is one sample (Keras's tensor
-        without a batch: positions' ids), so the node takes them as a batch of one and its
-        output loses that batch again (a reshape), broadcasting over the model's batch."""
+        """A layer that has weights, on arrays inside a traced call: each array is one sample
+        (Keras's tensor without a batch: positions' ids), so the node takes them as a batch of
+        one and its output loses that batch again (a reshape), broadcasting over the model's
+        batch. (A layer without weights computes now, as outside a trace: _eager.)"""
         arrays = [np.asarray(x)[None] for x in xs]
         self.build_once([a.shape[1:] for a in arrays] if self.takes_list else arrays[0].shape[1:])
         node = Node(self.kind, arrays, {} if training is None else {"training": training}, layer=self)
