@@ -374,3 +374,13 @@ def test_keras_io_text_classification_with_transformer_trains():
     history = model.fit(x_train, y_train, batch_size=32, epochs=4, verbose=0)
     loss = history.history["loss"]
     assert loss[-1] < 0.5 * loss[0] and history.history["accuracy"][-1] > 0.9
+
+
+def test_pad_sequences_as_keras():
+    """Catches Keras's defaults reversed (it pads and cuts before the sequence), and maxlen=None
+    not the longest sequence."""
+    seqs = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
+    assert keras.utils.pad_sequences(seqs, maxlen=4).tolist() == [[0, 1, 2, 3], [0, 0, 0, 4], [6, 7, 8, 9]]
+    post = keras.utils.pad_sequences(seqs, maxlen=2, padding="post", truncating="post", value=-1)
+    assert post.tolist() == [[1, 2], [4, -1], [5, 6]] and post.dtype == np.int32
+    assert keras.utils.pad_sequences(seqs).shape == (3, 5)
