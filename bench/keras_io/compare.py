@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from _util import machine, machine_lines, positive_ints, table  # noqa: E402
 
 HERE = Path(__file__).parent
-SCRIPTS = ("subclassing", "toy_resnet")
+SCRIPTS = ("subclassing", "toy_resnet", "text_transformer")
 # The only lines the two sides differ in: pserver's imports -> Keras's
 IMPORTS = ((re.compile(r"^import pserver\.keras as keras$", re.M), "import keras"),
            (re.compile(r"^from pserver\.keras import ", re.M), "from keras import "))
