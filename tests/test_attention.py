@@ -134,6 +134,8 @@ def test_a_masked_key_changes_nothing_and_the_causal_mask_hides_the_future():
     v2[:, 4:] = 100 * r.standard_normal((2, 2, 5))
     np.testing.assert_allclose(run(layer, p, [q, v2, mask])[0], out, rtol=1e-12, atol=1e-12)
     assert not np.allclose(run(layer, p, [q, v2, np.ones_like(mask)])[0], out)
+    keys = mha_built(MultiHeadAttention(2, 3), [(4, 5), (6, 5)], mask=(1, 6))     # one row for every query
+    np.testing.assert_allclose(run(keys, p, [q, v, mask[:, :1]])[0], out, rtol=1e-12, atol=1e-12)
 
     causal = mha_built(MultiHeadAttention(2, 3), [(5, 4), (5, 4)], use_causal_mask=True)
     p = params_of(causal, r)

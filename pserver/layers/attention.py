@@ -88,7 +88,7 @@ class MultiHeadAttention(Layer):
             raise ConfigError(f"{self.label}: key {key} and value {value} must have as many steps")
         if masked:
             mask = shapes[-1]
-            if len(mask) > 2 or any(m not in (1, d) for m, d in zip(mask[::-1], (value[0], query[0]))):
+            if len(mask) != 2 or any(m not in (1, d) for m, d in zip(mask[::-1], (value[0], query[0]))):
                 raise ConfigError(f"{self.label}: attention_mask {mask} does not broadcast to (query steps, "
                                   f"key steps) {(query[0], value[0])}")
         self.dims = {"query": query[1], "key": key[1], "value": value[1]}
@@ -127,8 +127,9 @@ class MultiHeadAttention(Layer):
 
     def _keep(self, mask, t: int, s: int):
         """Where a query step may attend (n or 1, 1, t, s), or None: attention_mask > 0.5 (Keras's
-        rule for a non-boolean mask) and, if causal, key step <= query step."""
-        keep = None if mask is None else (mask > 0.5).reshape(mask.shape[0], 1, *mask.shape[1:])
+        rule for a non-boolean mask; the heads' axis inserted, as Keras's _masked_softmax) and,
+        if causal, key step <= query step."""
+        keep = None if mask is None else np.expand_dims(mask > 0.5, 1)
         if self.causal:
             lower = np.tril(np.ones((t, s), bool))
             keep = lower if keep is None else keep & lower
