@@ -154,7 +154,11 @@ EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shap
                                    fill_value=0.5),
             "RandomZoom": dict(height_factor=0.2, width_factor=(-0.3, 0.1), fill_mode="wrap", seed=2),
             "RandomTranslation": dict(height_factor=0.1, width_factor=0.2, fill_mode="nearest"),
-            "RandomContrast": dict(factor=0.3, value_range=[0, 1], seed=4)}
+            "RandomContrast": dict(factor=0.3, value_range=[0, 1], seed=4),
+            "MultiHeadAttention": dict(num_heads=3, key_dim=4, value_dim=2, use_bias=False, output_shape=5),
+            "GroupNormalization": dict(groups=4, epsilon=0.01, center=False),
+            "SeparableConv2D": dict(filters=3, kernel_size=(2, 3), strides=(1, 2), depth_multiplier=2,
+                                    padding="same", activation="relu", use_bias=False)}
 
 
 @pytest.mark.parametrize("name", LAYERS.names())

@@ -264,8 +264,9 @@ def test_binary_metrics_accuracy_and_auc():
     (lambda: Sequential([MaxPooling2D(4, input_shape=(3, 3, 2)), Flatten(), Dense(2)]),
      r"layer max_pooling2d \(MaxPooling2D\): pool_size 4x4 is larger than its input \(3, 3, 2\)"),
     (lambda: Sequential([Flatten(input_shape=(4, 4))]), "has no parameters to train"),
+    # Dense works on the last axis (Keras's): the bad model is the one that ends on a sequence
     (lambda: Sequential([Dense(3, input_shape=(4, 4)), Dense(2)]),
-     r"layer dense \(Dense\): needs a flat \(features,\) input .* got \(4, 4\)"),
+     r"the last layer \(layer dense_1 \(Dense\)\) outputs \(4, 2\); end with Flatten"),
     (lambda: Sequential([Conv2D(2, 3, input_shape=(10,))]),
      r"layer conv2d \(Conv2D\): needs an image"),
     (lambda: Sequential([Dense(3)]), "no input shape"),

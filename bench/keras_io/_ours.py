@@ -1,5 +1,6 @@
 """What the keras.io scripts here add to the guides (their blocks marked "ours"), in one place:
-the seed and a sample limit from the environment, and MNIST read from its IDX files.
+the seed and a sample limit from the environment, MNIST read from its IDX files, and IMDB's
+shape-identical synthetic stand-in (IMDB cannot be downloaded here).
 
 compare.py copies this file beside the scripts it runs; run directly, a script finds it in its
 own directory."""
@@ -34,3 +35,28 @@ def load_mnist():
     if SAMPLES:
         return (x_train[:SAMPLES], y_train[:SAMPLES]), (x_test[:SAMPLES], y_test[:SAMPLES])
     return (x_train, y_train), (x_test, y_test)
+
+
+def synthetic_imdb(num_words: int):
+    """keras.datasets.imdb.load_data(num_words=...)'s shapes without the download: 25,000 train and
+    25,000 test reviews (each cut to $KERAS_IO_SAMPLES if set) as lists of word ids (1 the start,
+    then Zipf-distributed ids from 4 up, below num_words), lengths lognormal about IMDB's (median
+    near 180), labels 0 or 1. The sentiment: 5% of a review's words are cue words, ids 10-39 for
+    negative and 40-69 for positive, 85% from its label's set. The same arrays on every
+    side and rank (a fixed generator, not the run's seed)."""
+    rng = np.random.default_rng(49)
+
+    def part(n):
+        y = rng.integers(0, 2, n)
+        lengths = np.clip(rng.lognormal(5.2, 0.6, n).astype(int), 10, 2500)
+        x = []
+        for label, length in zip(y, lengths):
+            words = np.minimum(rng.zipf(1.3, length) + 3, num_words - 1)
+            cue = rng.random(length) < 0.05
+            side = np.where(rng.random(cue.sum()) < 0.85, label, 1 - label)
+            words[cue] = 10 + 30 * side + rng.integers(0, 30, cue.sum())
+            x.append([1, *words.tolist()])
+        return x, y
+
+    n = SAMPLES or 25000
+    return part(n), part(n)

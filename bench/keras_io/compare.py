@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from _util import machine, machine_lines, positive_ints, table  # noqa: E402
 
 HERE = Path(__file__).parent
-SCRIPTS = ("subclassing", "toy_resnet")
+SCRIPTS = ("subclassing", "toy_resnet", "text_transformer")
 # The only lines the two sides differ in: pserver's imports -> Keras's
 IMPORTS = ((re.compile(r"^import pserver\.keras as keras$", re.M), "import keras"),
            (re.compile(r"^from pserver\.keras import ", re.M), "from keras import "))
@@ -113,6 +113,8 @@ def compare(name: str, args, tmp: Path) -> dict:
            for side in ("pserver", "keras")}
     setting = "the guide's" if not (args.train_samples or args.epochs) else (
         f"fit on the first {args.train_samples or 1000} samples for {args.epochs or 1} epoch(s)")
+    if os.environ.get("KERAS_IO_SAMPLES"):        # _ours.py's data limit, which both sides read
+        setting += f", data cut to {os.environ['KERAS_IO_SAMPLES']} samples ($KERAS_IO_SAMPLES)"
     fit = {side: statistics.median(r["fit_seconds"] for r in runs if r["side"] == side)
            for side in ("pserver", "keras")}
     return {"script": f"bench/keras_io/{name}.py", "setting": setting, "seeds": args.seeds, "runs": runs,
@@ -169,6 +171,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = "-".join(names) + (f"-{args.train_samples or 1000}samples-{args.epochs or 1}ep"
                               if args.train_samples or args.epochs else "")
+    stem += f"-data{os.environ['KERAS_IO_SAMPLES']}" if os.environ.get("KERAS_IO_SAMPLES") else ""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(result))
     print(f"wrote {out / stem}.json and .md")

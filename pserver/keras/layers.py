@@ -30,10 +30,12 @@ from pserver.layers import (
     GlobalAveragePooling2D,
     GlobalMaxPooling1D,
     GlobalMaxPooling2D,
+    GroupNormalization,
     LayerNormalization,
     Maximum,
     MaxPooling2D,
     Minimum,
+    MultiHeadAttention,
     Multiply,
     Normalization,
     Permute,
@@ -46,6 +48,7 @@ from pserver.layers import (
     Rescaling,
     Reshape,
     Resizing,
+    SeparableConv2D,
     SimpleRNN,
     Subtract,
     UpSampling1D,
@@ -78,4 +81,5 @@ __all__ = ["Input", "Layer", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2
            "Normalization", "Resizing", "CenterCrop", "RandomFlip", "RandomRotation", "RandomZoom",
            "RandomTranslation", "RandomContrast",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
-           "StringLookup", "IntegerLookup", "TextVectorization"]
+           "StringLookup", "IntegerLookup", "TextVectorization",
+           "MultiHeadAttention", "GroupNormalization", "SeparableConv2D"]

@@ -490,6 +490,7 @@ class Sequential(_Model):
 
     def __init__(self, layers=None, trainable=True, name=None):
         super().__init__(_Core(name=name or "sequential"))
+        self._auto_named: set[int] = set()      # the layers this model named (dense, dense_1, ...)
         for layer in layers or ():
             self.add(layer)
         if trainable is not True:
@@ -501,7 +502,21 @@ class Sequential(_Model):
                 raise ConfigError("Sequential.add: keras.Input goes first")
             self._core._input_shape = layer.shape[1:]
             return
+        if getattr(layer, "name", None) is None:
+            self._auto_named.add(id(layer))
         self._core.add(layer)
+
+    def __call__(self, inputs, training=None):
+        """Called on a model's tensors (a Sequential inside a layer's call, keras.io's feed-forward
+        block): its layers in turn, as Keras's; the graph holds their weights (not this model)."""
+        for layer in self.layers:       # named by the enclosing model (Keras's names are global)
+            if id(layer) in self._auto_named:
+                layer.name = None
+        self._auto_named = set()
+        x = inputs
+        for layer in self.layers:
+            x = layer(x, training=training)
+        return x
 
     def build(self, input_shape=None) -> None:
         if input_shape is not None:          # Keras's includes the batch dimension

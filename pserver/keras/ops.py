@@ -7,6 +7,7 @@ from pserver.ops import (
     abs,
     absolute,
     add,
+    arange,
     cast,
     clip,
     concatenate,
@@ -59,4 +60,4 @@ __all__ = ["add", "subtract", "multiply", "divide", "negative", "power", "matmul
            "less_equal", "equal", "not_equal", "clip", "where", "cast", "relu", "sigmoid",
            "tanh", "softmax", "log_softmax", "one_hot", "sum", "mean", "max", "min", "reshape",
            "transpose", "expand_dims", "squeeze", "concatenate", "stack", "split", "repeat", "tile",
-           "take", "convert_to_tensor", "shape"]
+           "take", "convert_to_tensor", "shape", "arange"]

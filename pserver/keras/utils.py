@@ -1,4 +1,4 @@
-"""keras.utils: to_categorical, set_random_seed, PyDataset (pserver.keras.data)."""
+"""keras.utils: to_categorical, set_random_seed, pad_sequences, PyDataset (pserver.keras.data)."""
 
 from __future__ import annotations
 
@@ -45,4 +45,24 @@ def set_random_seed(seed: int) -> None:
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
-__all__ = ["to_categorical", "set_random_seed", "PyDataset"]
+def pad_sequences(sequences, maxlen: int | None = None, dtype="int32", padding: str = "pre",
+                  truncating: str = "pre", value=0.0) -> np.ndarray:
+    """keras.utils.pad_sequences: lists of ids as one (n, maxlen) array (maxlen defaults to the
+    longest); a shorter sequence is padded with `value`, a longer one cut, before ("pre", Keras's
+    default) or after ("post")."""
+    for what, given in (("padding", padding), ("truncating", truncating)):
+        if given not in ("pre", "post"):
+            raise ConfigError(f"pad_sequences: {what} must be 'pre' or 'post', got {given!r}")
+    seqs = [np.asarray(s) for s in sequences]
+    width = max((len(s) for s in seqs), default=0) if maxlen is None else int(maxlen)
+    out = np.full((len(seqs), width), value, dtype=dtype)
+    for row, s in zip(out, seqs):
+        kept = (s[-width:] if truncating == "pre" else s[:width]) if width else s[:0]
+        if padding == "pre":
+            row[width - len(kept):] = kept
+        else:
+            row[:len(kept)] = kept
+    return out
+
+
+__all__ = ["to_categorical", "set_random_seed", "pad_sequences", "PyDataset"]

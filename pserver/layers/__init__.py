@@ -6,10 +6,14 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
     Conv1D(filters, kernel_size, strides=1, padding='valid' (or 'same', 'causal'), activation=None)
     Conv2DTranspose(filters, kernel_size, strides=1, padding='valid', activation=None)
     DepthwiseConv2D(kernel_size, strides=1, padding='valid', depth_multiplier=1, activation=None)
+    SeparableConv2D(filters, kernel_size, strides=1, padding='valid', depth_multiplier=1, activation=None)
+    MultiHeadAttention(num_heads, key_dim, value_dim=None, use_bias=True, output_shape=None):
+              mha(query, value, key=None, attention_mask=None, use_causal_mask=False)
     ZeroPadding1D/2D(padding), Cropping1D/2D(cropping), UpSampling1D/2D(size)
     MaxPooling2D(pool_size=2, strides=None, padding='valid'), AveragePooling2D(...)
     Flatten(), Dropout(rate), Embedding(input_dim, output_dim)
     LayerNormalization(axis=-1, epsilon=1e-3, center=True, scale=True)
+    GroupNormalization(groups=32, axis=-1, epsilon=1e-3, center=True, scale=True)
     BatchNormalization(axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True): its moving
               statistics live on the shards (docs/semantics.md)
     Rescaling(scale, offset=0.0)
@@ -39,6 +43,7 @@ the batch dimension) and `name=`.
 
 from pserver.errors import ConfigError
 from pserver.layers.activation import Activation
+from pserver.layers.attention import MultiHeadAttention
 from pserver.layers.augmentation import (
     RandomContrast,
     RandomFlip,
@@ -47,7 +52,7 @@ from pserver.layers.augmentation import (
     RandomZoom,
 )
 from pserver.layers.base import Layer, Pass, Weight
-from pserver.layers.conv import Conv1D, Conv2D, Conv2DTranspose, DepthwiseConv2D
+from pserver.layers.conv import Conv1D, Conv2D, Conv2DTranspose, DepthwiseConv2D, SeparableConv2D
 from pserver.layers.dense import Dense
 from pserver.layers.dropout import Dropout
 from pserver.layers.embedding import Embedding
@@ -72,7 +77,7 @@ from pserver.layers.merge import (
     multiply,
     subtract,
 )
-from pserver.layers.normalization import BatchNormalization, LayerNormalization
+from pserver.layers.normalization import BatchNormalization, GroupNormalization, LayerNormalization
 from pserver.layers.pooling import (
     AveragePooling2D,
     GlobalAveragePooling1D,
@@ -167,6 +172,12 @@ LAYERS.add("IntegerLookup", "integers to vocabulary indices (or their encodings)
            "the model", IntegerLookup)
 LAYERS.add("TextVectorization", "strings standardized, split into tokens and looked up; runs on the data "
            "before the model", TextVectorization)
+LAYERS.add("MultiHeadAttention", "softmax(q k^T / sqrt(key_dim)) v per head over (steps, dim) sequences, "
+           "called as mha(query, value, key=None, attention_mask=None, use_causal_mask=False)",
+           MultiHeadAttention)
+LAYERS.add("GroupNormalization", "each sample standardized per group of channels, then gamma * x + beta",
+           GroupNormalization)
+LAYERS.add("SeparableConv2D", "a DepthwiseConv2D, then a 1x1 Conv2D to filters", SeparableConv2D)
 
 # A user's layer classes, by class name (pserver.keras.saving.register_keras_serializable), so that
 # a saved model that names one is built again in a process that defined it.
@@ -236,4 +247,5 @@ __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
            "Rescaling", "SimpleRNN", "LSTM", "GRU", "Bidirectional", "Normalization", "Resizing",
            "CenterCrop", "RandomFlip", "RandomRotation", "RandomZoom", "RandomTranslation", "RandomContrast",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
-           "StringLookup", "IntegerLookup", "TextVectorization"]
+           "StringLookup", "IntegerLookup", "TextVectorization",
+           "MultiHeadAttention", "GroupNormalization", "SeparableConv2D"]

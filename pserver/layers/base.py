@@ -10,6 +10,7 @@ Shapes exclude the batch dimension, as Keras's `input_shape` does.
 from __future__ import annotations
 
 import abc
+import contextvars
 import inspect
 from dataclasses import dataclass
 
@@ -17,7 +18,12 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.layers import activations, initializers, regularizers
-from pserver.ops.core import Node, Symbolic
+from pserver.ops.core import Node, Symbolic, apply
+
+# Set while a traced layer's call is traced (pserver.layers.traced): a layer with weights called
+# there on an array is a node of that graph with a constant input, as Keras computes
+# `self.pos_emb(ops.arange(0, maxlen, 1))` inside a call with the layer's own weights.
+TRACING = contextvars.ContextVar("pserver_tracing", default=False)
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,8 @@ class Layer(abc.ABC):
             wanted = "a list of tensors" if self.takes_list else "one tensor"
             raise ConfigError(f"{self.label}: takes {wanted}, got {type(inputs).__name__}")
         if not any(isinstance(x, Symbolic) for x in xs):
+            if TRACING.get() and not self.traced and type(self).weights is not Layer.weights:
+                return self._constant(xs, training)
             return self._eager(xs, kwargs, training)
         strays = [x for x in xs if not isinstance(x, Symbolic)]
         if strays:
@@ -132,6 +140,17 @@ class Layer(abc.ABC):
         elif built != input_shape:
             raise ConfigError(f"{self.label}: built for input shape {_shapes_text(built)}, called again "
                               f"on {_shapes_text(input_shape)}: a layer's weights fit one input shape")
+
+    def _constant(self, xs: list, training):
+        """A layer that has weights, on arrays inside a traced call: each array is one sample
+        (Keras's tensor without a batch: positions' ids), so the node takes them as a batch of
+        one and its output loses that batch again (a reshape), broadcasting over the model's
+        batch. (A layer without weights computes now, as outside a trace: _eager.)"""
+        arrays = [np.asarray(x)[None] for x in xs]
+        self.build_once([a.shape[1:] for a in arrays] if self.takes_list else arrays[0].shape[1:])
+        node = Node(self.kind, arrays, {} if training is None else {"training": training}, layer=self)
+        node.outputs.append(Symbolic((1, *self.output_shape), "float32", node, 0))
+        return apply("reshape", node.outputs[0], newshape=self.output_shape)
 
     def _eager(self, xs: list, kwargs: dict, training=None):
         """The layer applied to arrays now, with the cpu kernels: for a layer without weights

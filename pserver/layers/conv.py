@@ -1,6 +1,6 @@
 """Convolutions on channels-last data: Conv2D on images x (n, h, w, c) with a kernel (kh, kw, c,
-filters), Conv1D on sequences x (n, steps, c) with a kernel (k, c, filters), and Conv2DTranspose;
-Keras's padding.
+filters), Conv1D on sequences x (n, steps, c) with a kernel (k, c, filters), Conv2DTranspose,
+DepthwiseConv2D and SeparableConv2D (a DepthwiseConv2D, then a 1x1 Conv2D); Keras's padding.
 Both run the backend's conv2d kernels: a sequence is a one-row image and a (k, c, filters)
 kernel a (1, k, c, filters) one, which is exact (the same products, summed in the same order)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.layers import activations, base
-from pserver.layers.base import KernelLayer, Layer, pair, positive_int
+from pserver.layers.base import KernelLayer, Layer, Weight, pair, positive_int
 
 
 class _Convolution(KernelLayer):
@@ -263,6 +263,68 @@ class DepthwiseConv2D(KernelLayer):
             for i, j, window in self._windows(xp):
                 window += np.einsum("nhwcm,cm->nhwc", d4, p["kernel"][i, j])
             dx[...] = xp[inner]
+
+
+class SeparableConv2D(Layer):
+    """Keras's SeparableConv2D: a DepthwiseConv2D (kernel_size, strides, padding, depth_multiplier;
+    no bias) then a 1x1 Conv2D to `filters` with the bias and the activation, each through its
+    own layer's kernels here. Weights depthwise_kernel (kh, kw, c, m), pointwise_kernel
+    (1, 1, c * m, filters), bias (filters,), as Keras's."""
+    kind = "separable_conv2d"
+
+    def __init__(self, filters: int, kernel_size, strides=1, padding="valid", data_format=None,
+                 dilation_rate=1, depth_multiplier: int = 1, activation=None, use_bias: bool = True,
+                 depthwise_initializer="glorot_uniform", pointwise_initializer="glorot_uniform",
+                 bias_initializer="zeros", depthwise_regularizer=None, pointwise_regularizer=None,
+                 bias_regularizer=None, activity_regularizer=None, depthwise_constraint=None,
+                 pointwise_constraint=None, bias_constraint=None, **kwargs):
+        super().__init__(**kwargs)
+        given = dict(depthwise_regularizer=depthwise_regularizer, pointwise_regularizer=pointwise_regularizer,
+                     bias_regularizer=bias_regularizer, activity_regularizer=activity_regularizer,
+                     depthwise_constraint=depthwise_constraint, pointwise_constraint=pointwise_constraint,
+                     bias_constraint=bias_constraint)
+        bad = {k: v for k, v in given.items() if v is not None}
+        if bad:
+            k = sorted(bad)[0]
+            raise ConfigError(f"SeparableConv2D: {k}={bad[k]!r} is not supported (docs/guide/keras.md)")
+        base.channels_last("SeparableConv2D", data_format)
+        self.depthwise = DepthwiseConv2D(kernel_size, strides, padding, depth_multiplier,
+                                         dilation_rate=dilation_rate, use_bias=False,
+                                         depthwise_initializer=depthwise_initializer)
+        self.pointwise = Conv2D(filters, 1, activation=activation, use_bias=use_bias,
+                                kernel_initializer=pointwise_initializer, bias_initializer=bias_initializer)
+        self.filters, self.use_bias = self.pointwise.filters, self.pointwise.use_bias
+
+    def output_shape_for(self, input_shape):
+        self.expect_rank(input_shape, 3, "an image (height, width, channels)")
+        self.depthwise.name = self.pointwise.name = self.name       # errors name this layer
+        return self.pointwise.build(self.depthwise.build(input_shape))
+
+    def weights(self):
+        depthwise, pointwise = self.depthwise.weights()[0], self.pointwise.weights()
+        return [Weight("depthwise_kernel", depthwise.shape, depthwise.initializer),
+                Weight("pointwise_kernel", pointwise[0].shape, pointwise[0].initializer), *pointwise[1:]]
+
+    def forward_elements(self):
+        return self.depthwise.forward_elements() + self.pointwise.forward_elements()
+
+    def scratch(self, n, dtype):
+        return {"mid": np.empty((n, *self.depthwise.output_shape), dtype),
+                "dmid": np.empty((n, *self.depthwise.output_shape), dtype),
+                "depthwise": self.depthwise.scratch(n, dtype), "pointwise": self.pointwise.scratch(n, dtype)}
+
+    def _pointwise(self, weights: dict) -> dict:
+        return {"kernel": weights["pointwise_kernel"], **({"bias": weights["bias"]} if self.use_bias else {})}
+
+    def forward(self, k, p, x, out, s, run):
+        self.depthwise.forward(k, {"kernel": p["depthwise_kernel"]}, x, s["mid"], s["depthwise"], run)
+        self.pointwise.forward(k, self._pointwise(p), s["mid"], out, s["pointwise"], run)
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        self.pointwise.backward(k, self._pointwise(p), self._pointwise(g), s["mid"], out, dout, s["dmid"],
+                                s["pointwise"])
+        self.depthwise.backward(k, {"kernel": p["depthwise_kernel"]}, {"kernel": g["depthwise_kernel"]}, x,
+                                s["mid"], s["dmid"], dx, s["depthwise"])
 
 
 def single(owner: str, what: str, value) -> int:

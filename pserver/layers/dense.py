@@ -1,4 +1,6 @@
-"""Dense: y = activation(x @ kernel + bias), kernel (in, units), on a flat input (n, in)."""
+"""Dense: y = activation(x @ kernel + bias), kernel (in, units), on the last axis of its input as
+Keras's: (n, in) -> (n, units), (n, steps, in) -> (n, steps, units) (every row of the flattened
+leading axes through the same kernels)."""
 
 from __future__ import annotations
 
@@ -16,17 +18,23 @@ class Dense(KernelLayer):
                          **kwargs)
 
     def output_shape_for(self, input_shape):
-        self.expect_rank(input_shape, 1, "a flat (features,)")   # put Flatten() before it
-        return (self.units,)
+        return (*input_shape[:-1], self.units)
 
     def kernel_shape(self):
-        return (self.input_shape[0], self.units)
+        return (self.input_shape[-1], self.units)
+
+    @staticmethod
+    def rows(a):
+        """a as (rows, last axis): a view (the buffers are contiguous); None stays None."""
+        return a if a is None or a.ndim == 2 else a.reshape(-1, a.shape[-1])
 
     def forward(self, k, p, x, out, s, run):
+        x, out = self.rows(x), self.rows(out)
         k.dense_forward(x, p["kernel"], self.bias(p, s), out, self.activation == "relu")
         activations.forward(k, self.activation, out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
+        x, out, dout, dx = self.rows(x), self.rows(out), self.rows(dout), self.rows(dx)
         activations.backward(k, self.activation, out, dout)
         if dx is None:
             k.dense_param_grads(x, dout, g["kernel"], self.dbias(g, s))

@@ -1,4 +1,5 @@
-"""LayerNormalization and BatchNormalization, with Keras's arguments, defaults and weights.
+"""LayerNormalization, BatchNormalization and GroupNormalization, with Keras's arguments, defaults
+and weights.
 
 Both standardize their input over some axes (pserver.ops.nn: moments, standardized and its VJP,
 NumPy: the work is memory-bound), then scale by gamma and shift by beta. LayerNormalization takes
@@ -182,4 +183,57 @@ class BatchNormalization(_Normalization):
         g["moving_variance"][...] = s["var"].reshape(-1) + np.square(d)
 
 
-__all__ = ["LayerNormalization", "BatchNormalization"]
+class GroupNormalization(_Normalization):
+    """Keras's GroupNormalization: the channels (the last axis) cut into `groups` runs of
+    channels // groups, each sample standardized over its positions and one group's channels,
+    then gamma * y + beta per channel."""
+
+    kind = "group_normalization"
+
+    def __init__(self, groups: int = 32, axis=-1, epsilon: float = 1e-3, center: bool = True,
+                 scale: bool = True, beta_initializer="zeros", gamma_initializer="ones",
+                 beta_regularizer=None, gamma_regularizer=None, beta_constraint=None, gamma_constraint=None,
+                 **kwargs):
+        _unsupported("GroupNormalization", beta_regularizer=beta_regularizer,
+                     gamma_regularizer=gamma_regularizer, beta_constraint=beta_constraint,
+                     gamma_constraint=gamma_constraint)
+        super().__init__(epsilon, center, scale, beta_initializer, gamma_initializer, **kwargs)
+        if axis != -1:
+            raise ConfigError(f"GroupNormalization: axis={axis!r}: pserver's tensors are channels-last; "
+                              "only axis=-1 is supported")
+        if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
+            raise ConfigError(f"GroupNormalization: groups must be a positive integer, got {groups!r}")
+        self.axis, self.groups = -1, int(groups)
+
+    def output_shape_for(self, input_shape):
+        channels = input_shape[-1]
+        if channels % self.groups:
+            raise ConfigError(f"{self.label}: {channels} channels (input {input_shape}) do not split into "
+                              f"groups={self.groups} groups of equal size")
+        return input_shape
+
+    def weights(self):
+        return self.affine_weights((self.input_shape[-1],))
+
+    def _grouped(self, a):
+        """a as (n, ..., groups, channels per group), and the axes each group's moments span."""
+        grouped = a.reshape(*a.shape[:-1], self.groups, -1)
+        return grouped, tuple(range(1, grouped.ndim - 2)) + (grouped.ndim - 1,)
+
+    def scratch(self, n, dtype):
+        return {"y": np.empty((n, *self.output_shape), dtype)}
+
+    def forward(self, k, p, x, out, s, run):
+        xg, axes = self._grouped(x)
+        y, s["scale"] = standardized(xg, *moments(xg, axes), self.epsilon)
+        s["y"][...] = y.reshape(x.shape)
+        self.affine(p, s["y"], out, (self.input_shape[-1],))
+
+    def backward(self, k, p, g, x, out, dout, dx, s):
+        dy = self.affine_grads(p, g, s["y"], dout, tuple(range(x.ndim - 1)), (self.input_shape[-1],))
+        if dx is not None:
+            yg, axes = self._grouped(s["y"])
+            dx[...] = standardize_vjp(self._grouped(dy)[0], yg, s["scale"], axes).reshape(x.shape)
+
+
+__all__ = ["LayerNormalization", "BatchNormalization", "GroupNormalization"]

@@ -20,7 +20,7 @@ import traceback
 
 from pserver.errors import ConfigError
 from pserver.layers import initializers, saving
-from pserver.layers.base import Layer, Weight, as_shape
+from pserver.layers.base import TRACING, Layer, Weight, as_shape
 from pserver.ops.core import Symbolic
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,8 +109,12 @@ class TracedLayer(Layer):
         records (a Symbolic), else ConfigError naming the layer and the user's file and line."""
         if "training" in inspect.signature(self.call).parameters:
             kwargs["training"] = training
-        with _user_errors(self, "call"):
-            out = self.call(inputs, **kwargs)
+        token = TRACING.set(True)
+        try:
+            with _user_errors(self, "call"):
+                out = self.call(inputs, **kwargs)
+        finally:
+            TRACING.reset(token)
         if not isinstance(out, Symbolic):
             raise ConfigError(f"{self.label}: call returned {type(out).__name__}, not a tensor computed "
                               "with ops from its inputs (pserver.keras.ops)")

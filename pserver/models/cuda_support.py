@@ -72,6 +72,8 @@ def _step_refusal(plan, step) -> str | None:
         layer = plan.layers[step.layer]
         if getattr(layer, "activity_regularizer", None) is not None:
             return f"{layer.label} has an activity_regularizer"
+        if isinstance(layer, Dense) and len(layer.input_shape) > 1:
+            return f"{layer.label} on a {layer.input_shape} input has no CUDA kernels (a flat one has)"
         return None if isinstance(layer, DEVICE_LAYERS) else f"{layer.label} has no CUDA kernels"
     why = refusal(step.node)
     return None if why is None else f"op {step.node.op} {why}"

@@ -183,8 +183,9 @@ class PlanBuffers:
         for i, step in enumerate(plan.steps):
             if plan.fused(i):
                 layer = plan.layers[step.layer]
-                self.outs[i] = memory.empty((n, *layer.output_shape), dtype)
-                self.scratch[i] = {k: memory.put(a) for k, a in layer.scratch(n, dtype).items()}
+                rows = step.node.outputs[0].shape[0] or n      # 1: a layer on constants (Layer._constant)
+                self.outs[i] = memory.empty((rows, *layer.output_shape), dtype)
+                self.scratch[i] = {k: memory.put(a) for k, a in layer.scratch(rows, dtype).items()}
 
     def dout(self, i: int):
         if i not in self.douts:
@@ -217,7 +218,8 @@ class PlanBuffers:
         if found is not None:
             return found
         if (i, j) not in self.dxs:
-            self.dxs[(i, j)] = self.memory.empty((self.n, *self.plan.slots[s].shape[1:]), self.dtype)
+            shape = tuple(self.n if d is None else d for d in self.plan.slots[s].shape)
+            self.dxs[(i, j)] = self.memory.empty(shape, self.dtype)
         return self.dxs[(i, j)]
 
     def tmp_grads(self, layer: int, like: dict) -> dict:

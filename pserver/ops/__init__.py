@@ -33,6 +33,7 @@ from pserver.ops.math import (
 from pserver.ops.nn import log_softmax, one_hot, relu, sigmoid, softmax, tanh
 from pserver.ops.reduce import max, mean, min, sum
 from pserver.ops.shape import (
+    arange,
     concatenate,
     convert_to_tensor,
     expand_dims,
@@ -54,4 +55,4 @@ __all__ = ["OPS", "Op", "Node", "Symbolic", "apply", "register",
            "less_equal", "equal", "not_equal", "clip", "where", "cast", "relu", "sigmoid",
            "tanh", "softmax", "log_softmax", "one_hot", "sum", "mean", "max", "min", "reshape",
            "transpose", "expand_dims", "squeeze", "concatenate", "stack", "split", "repeat", "tile",
-           "take", "convert_to_tensor", "shape"]
+           "take", "convert_to_tensor", "shape", "arange"]

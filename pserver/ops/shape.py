@@ -1,6 +1,6 @@
 """Ops that move values without arithmetic: reshape, transpose, expand_dims, squeeze, concatenate,
 stack, split, repeat, tile, slicing (getitem) and take; each VJP routes g back to where the
-values came from. Also Keras's convert_to_tensor and shape."""
+values came from. Also Keras's convert_to_tensor, shape and arange (values from no input)."""
 
 from __future__ import annotations
 
@@ -177,10 +177,21 @@ def convert_to_tensor(x, dtype=None, sparse=None, ragged=None):
     return a.astype(np.int32) if np.issubdtype(a.dtype, np.integer) else a
 
 
+def arange(start, stop=None, step=1, dtype=None):
+    """Keras's arange: start, start + step, ... below stop (arange(n) counts from 0); int32 for
+    integer arguments, float32 for a float one, unless `dtype` says. Its arguments are numbers
+    (ops.shape(x)[-1] is one), so it is no op of a graph: an array, a constant where a graph
+    uses it (nothing to differentiate: it has no input)."""
+    if stop is None:
+        start, stop = 0, start
+    floats = any(isinstance(v, float) for v in (start, stop, step))
+    return np.arange(start, stop, step).astype(dtype or ("float32" if floats else "int32"))
+
+
 def shape(x) -> tuple:
     """x's shape as a tuple (None for a symbolic tensor's batch)."""
     return tuple(x.shape)
 
 
 __all__ = ["reshape", "transpose", "expand_dims", "squeeze", "concatenate", "stack", "split", "repeat",
-           "tile", "take", "convert_to_tensor", "shape"]
+           "tile", "take", "convert_to_tensor", "shape", "arange"]

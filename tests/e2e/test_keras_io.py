@@ -49,3 +49,13 @@ def test_the_functional_api_guide_s_toy_resnet_trains_under_pserver_run(mnist_di
     out = run_guide("toy_resnet", mnist_dir)
     assert "Total params: 222,666" in out, out[-3000:]
     assert len(epoch_losses(out)) == 1 and "val_accuracy" in out, out[-2000:]
+
+
+def test_the_transformer_example_trains_under_pserver_run(mnist_dir):
+    """keras.io's text_classification_with_transformer on 256 synthetic reviews: catches its
+    layers of layers (MultiHeadAttention, a keras.Sequential, the position Embedding on
+    ops.arange's constant) not building or not training on two workers in sync (two epochs of
+    finite losses and a validation accuracy)."""
+    out = run_guide("text_transformer", mnist_dir)
+    losses = epoch_losses(out)
+    assert len(losses) == 2 and all(0 < x < 5 for x in losses) and "val_accuracy" in out, out[-2000:]
