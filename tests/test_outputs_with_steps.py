@@ -18,7 +18,7 @@ from pserver.layers import Dense
 from pserver.layers.base import Pass
 from pserver.models import Functional, cuda_support
 from tests.support.gradients import assert_fd
-from tests.test_recurrent import addition_data
+from tests.support.sequences import addition_data
 
 L = keras.layers
 
