@@ -139,8 +139,8 @@ def test_a_convolutional_autoencoder_trains_per_pixel():
 
 def test_what_outputs_with_steps_refuse():
     """Each refusal in one line: sample weights, several outputs with steps, a label per sample for
-    an output with steps, a label out of range at a step, the GPU. Catches a weight per sample read
-    as a weight per step, or labels of the wrong shape trained silently."""
+    an output with steps, a label out of range at a step, sparse tables, the GPU. Catches a weight
+    per sample read as a weight per step, or labels of the wrong shape trained silently."""
     inputs = keras.Input(shape=(5, 3))
     model = keras.Model(inputs, L.Dense(4, activation="softmax")(inputs))
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
@@ -157,6 +157,9 @@ def test_what_outputs_with_steps_refuse():
         model.evaluate(x, bad, verbose=0)
     with pytest.raises(ConfigError, match="outputs with steps are supported for a model with one output"):
         Functional(inputs, [Dense(2)(inputs), Dense(3)(inputs)]).build()
+    ids = keras.Input(shape=(3,), dtype="int64")
+    with pytest.raises(ConfigError, match=r"sparse tables has a flat output .* \(its output is \(3, 2\)"):
+        keras.Model(ids, L.Dense(2)(L.Embedding(None, 4, sparse=True)(ids)))._core.build()
     with pytest.raises(ConfigError, match=r"its output has steps \(\(5, 4\);"):
         cuda_support.check(dense_on((5, 3), 4).build())
     flat = Functional(inputs, Dense(2)(L.Flatten()(Dense(4)(inputs))))
