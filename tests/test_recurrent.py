@@ -18,6 +18,7 @@ from pserver.layers import GRU, LSTM, Bidirectional, Dense, SimpleRNN
 from pserver.layers.base import Pass
 from pserver.models import Functional
 from pserver.ops.core import Symbolic
+from tests.support.sequences import addition_data
 
 FAST = settings(max_examples=20, deadline=None)
 EPS = 1e-6
@@ -299,25 +300,13 @@ def test_cuda_refuses_the_recurrent_layers_in_one_line():
     assert "\n" not in str(e.value)
 
 
-def addition_data(n: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    """keras.io's addition_rnn data: "a+b" of numbers of 1 to 3 digits, padded to 7 characters and
-    reversed, one-hot over "0123456789+ "; the answer padded to 4 characters, one class each."""
-    chars = "0123456789+ "
-    x, y = np.zeros((n, 7, 12), np.float32), np.zeros((n, 4), np.int64)
-    for i in range(n):
-        a, b = (int("".join(rng.choice(list("0123456789"), rng.integers(1, 4)))) for _ in range(2))
-        x[i, np.arange(7), [chars.index(c) for c in f"{a}+{b}".ljust(7)[::-1]]] = 1
-        y[i] = [chars.index(c) for c in str(a + b).ljust(4)]
-    return x, y
-
-
 def test_keras_io_s_addition_rnn_encoder_decoder_learns():
     """keras.io's addition_rnn: LSTM(128) on (7, 12), RepeatVector(4), LSTM(128, return_sequences=
-    True), then Keras's Dense(12, softmax) on each step with a cross-entropy, Adam(1e-3). pserver's
-    fit takes flat outputs only, so the per-step head, its loss and Adam are NumPy here, around the
-    layers' forward and backward on the CPU kernels. Catches gradients that do not train the
-    recurrence (through RepeatVector into the encoder): the loss must fall below what the answers'
-    character frequencies alone give."""
+    True), then Keras's Dense(12, softmax) on each step with a cross-entropy, Adam(1e-3). The
+    per-step head, its loss and Adam are NumPy here, around the layers' forward and backward on the
+    CPU kernels (tests/test_outputs_with_steps.py trains the whole model with fit). Catches
+    gradients that do not train the recurrence (through RepeatVector into the encoder): the loss
+    must fall below what the answers' character frequencies alone give."""
     from pserver.layers import RepeatVector
     rng = np.random.default_rng(0)
     layers = [built(LSTM(128), (7, 12)), built(RepeatVector(4), (128,)),

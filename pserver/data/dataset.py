@@ -35,7 +35,8 @@ class Dataset:
     x_train: np.ndarray  # (n, *sample_shape) float32, C-contiguous: (n, d), or images (n, h, w, c);
     # or (n,) records, a field per input, for a model with sparse tables (SparseProtocol)
     y_train: np.ndarray  # (n,) int32 labels (classification) or float32 targets (regression);
-    # float32 (n, outputs) for a model with several (each output's labels a column)
+    # float32 (n, outputs) for a model with several (each output's labels a column); (n, steps)
+    # for an output with steps (each sample's labels flattened: Functional.labels)
     x_test: np.ndarray  # (m, *sample_shape) float32, C-contiguous
     y_test: np.ndarray  # (m,)
     num_classes: int  # 0 for regression
@@ -48,7 +49,7 @@ class Dataset:
             if not records and (x.ndim < 2 or x.dtype != np.float32) or not x.flags.c_contiguous:
                 raise DataError(f"{self.name}: x_{split} must be C-contiguous float32 of shape "
                                 f"(samples, ...) or a 1-D array of records, got {x.dtype} {x.shape}")
-            several = self.num_classes == 0 and y.ndim == 2 and len(y) == len(x)    # outputs' targets
+            several = y.ndim == 2 and len(y) == len(x)      # outputs' targets, or steps' labels
             if (y.shape != (len(x),) and not several) or y.dtype != y_dtype:
                 raise DataError(f"{self.name}: y_{split} must be {np.dtype(y_dtype)} of shape "
                                 f"({len(x)},), got {y.dtype} {y.shape}")

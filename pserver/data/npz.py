@@ -107,13 +107,14 @@ def _features(path: str, key: str, a: np.ndarray) -> np.ndarray:
 
 
 def _targets(path: str, key: str, a: np.ndarray, x_key: str, n: int, columns: bool = False) -> np.ndarray:
-    """Integer labels -> int32 (>= 0), float targets -> float32 (finite). `columns`: float
-    (n, outputs) too, a model with several outputs' labels (pserver.models.outputs)."""
-    if not (a.ndim == 1 or columns and a.ndim == 2 and a.dtype.kind == "f") or len(a) != n:
+    """Integer labels -> int32 (>= 0), float targets -> float32 (finite). `columns`: (n, k)
+    too: a model with several outputs' labels, float (pserver.models.outputs), or an output
+    with steps' labels, each sample's flattened (Functional.labels)."""
+    if not (a.ndim == 1 or columns and a.ndim == 2) or len(a) != n:
         raise DataError(f"{path}: {key} has shape {a.shape}; it must be ({n},), one value per row of {x_key}")
     if a.dtype.kind in "biu":
         if a.min() < 0 or a.max() > np.iinfo(np.int32).max:
-            bad = int(np.argmax((a < 0) | (a > np.iinfo(np.int32).max)))
+            bad = int(np.argmax((a < 0) | (a > np.iinfo(np.int32).max)) // (a.size // len(a)))
             raise DataError(f"{path}: {key}[{bad}] = {a[bad]}; class labels must be in [0, 2**31)")
         return a.astype(np.int32)
     if a.dtype.kind == "f":

@@ -318,7 +318,7 @@ class _Model:
         if x.dtype.kind in "biu" and not self._core._takes_ids:
             x = x.astype(np.float32)
         try:
-            y = self._core.loss.labels(y)
+            y = self._core.labels(y)
         except ValueError as e:
             raise DataError(f"{what}: {e}") from None
         if len(x) != len(y):
@@ -391,9 +391,9 @@ class _Model:
             return None
         if sample_weight is not None and class_weight is not None:
             raise ConfigError(f"{what}: give sample_weight or class_weight, not both (as Keras)")
-        if self._sparse() or self._core.several:
+        if self._sparse() or self._core.several or self._core.steps > 1:
             raise ConfigError(f"{what}: sample_weight and class_weight are supported for a model with one "
-                              "output and no sparse tables")
+                              "output without steps and no sparse tables")
         if class_weight is not None:
             if not isinstance(class_weight, dict) or self._core.task != "classification":
                 raise ConfigError(f"{what}: class_weight must be a dict {{class: weight}} for a classifier, "

@@ -33,9 +33,9 @@ def probabilities(kind: str, out):
     """The model's outputs as it states them: a fused softmax or sigmoid last layer computes
     logits (its loss takes them, stably); this turns them into probabilities, in place."""
     if kind == "softmax":
-        out -= out.max(axis=1, keepdims=True)
+        out -= out.max(axis=-1, keepdims=True)        # over the units (an output with steps too)
         np.exp(out, out=out)
-        out /= out.sum(axis=1, keepdims=True)
+        out /= out.sum(axis=-1, keepdims=True)
     elif kind == "sigmoid":
         np.negative(out, out=out)
         np.exp(out, out=out)

@@ -54,6 +54,8 @@ def check(model) -> None:
     """ConfigError naming the first layer or op of `model` (a built Functional) that cannot
     run on the GPU, and saying that --device cpu runs it."""
     why = f"it has {len(model._outputs)} outputs (one runs on the GPU)" if model.several else None
+    if why is None and model.steps > 1:
+        why = f"its output has steps ({model.output_shape}; the GPU's losses take (n, units))"
     why = why or next((w for training in (True, False) for step in model._plan(training).steps
                        if (w := _step_refusal(model._plan(training), step))), None)
     if why is None and not isinstance(model.loss, LOSSES):

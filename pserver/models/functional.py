@@ -237,9 +237,10 @@ class Functional(SparseProtocol, Model):
             raise ConfigError(f"{self.name}: has no parameters to train (layers: "
                               f"{', '.join(layer.name for layer in self.layers)})")
         for j, shape in enumerate(shapes[1:]):
-            if len(shape) != 1:
-                raise ConfigError(f"{self.name}: {self._output_label(j)} outputs {shape}; end with "
-                                  "Flatten() and Dense(...)")
+            if len(shape) != 1 and (len(shapes) > 2 or not shape):
+                raise ConfigError(f"{self.name}: {self._output_label(j)} outputs {shape}; outputs with "
+                                  "steps are supported for a model with one output: end with Flatten() "
+                                  "and Dense(...)")
         self._check_loss(shapes[1:])
         self._link_loss()
         self._shapes, self._layout, self._weights = shapes, layout, weights
@@ -250,7 +251,7 @@ class Functional(SparseProtocol, Model):
         """Each output's units against its loss."""
         for j, (loss, shape) in enumerate(zip(self._each_loss(), shapes)):
             where = f"{self.name}: {self._output_label(j)}" if self.several else self.name
-            loss.check_outputs(shape[0], where)
+            loss.check_outputs(shape[-1], where)
 
     def _check_metric_objects(self) -> None:
         """A model with sparse tables trains and evaluates apart (sparse_graph): accuracy and auc."""
@@ -516,8 +517,9 @@ class Functional(SparseProtocol, Model):
         the outputs as the model states them (probabilities after a fused softmax or sigmoid)."""
         if not self.metric_objects:
             return np.zeros(0)
-        stated = probabilities(self.output_activation, out.astype(np.float64))
-        return metrics.sums_of(self.metric_objects, stated, y)
+        rows = out.reshape(-1, out.shape[-1])             # an output with steps: per element
+        stated = probabilities(self.output_activation, rows.astype(np.float64))
+        return metrics.sums_of(self.metric_objects, stated, y.reshape(-1) if out.ndim > 2 else y)
 
     def _batch_sums(self, outs: list, y: np.ndarray) -> dict:
         """A batch's per-output logs, as sums over its samples (each loss x n, the samples an
@@ -675,13 +677,33 @@ class Functional(SparseProtocol, Model):
         """x reshaped to the input; ValueError naming the layer and the shapes if it does not
         fit, or if a label is outside what the last layer and the loss take."""
         shaped = self._fit_x(x)
-        return shaped, self._labels(self.loss.labels(y), shaped.shape[0], "rows")
+        return shaped, self._labels(self.labels(y), shaped.shape[0], "rows")
+
+    @property
+    def steps(self) -> int:
+        """The labels each sample has: 1, or an output with steps' (n, ..., units): its
+        elements but the units (Keras's losses and accuracy average over all of them)."""
+        shapes = self.build()._shapes[1:]
+        return 1 if len(shapes) > 1 else math.prod(shapes[0][:-1])
+
+    def labels(self, y) -> np.ndarray:
+        """y as the loss takes it (one-hot rows as classes, pserver.models.losses); an output
+        with steps: each sample's labels flattened, (n, steps), as they travel and train."""
+        if self.several:
+            return self.loss.labels(y)
+        rank = len(self.build()._shapes[1])
+        y = self.loss.labels(y, rank)
+        return y.reshape(len(y), -1) if rank > 1 and y.ndim > 1 else y
 
     def _labels(self, y: np.ndarray, n: int, what: str) -> np.ndarray:
-        """y, checked: a label per sample (a column per output when there are several), each one
-        its output and loss take."""
-        if y.shape[:1] != (n,) or y.ndim != (2 if self.several else 1):
-            raise ValueError(f"y has shape {y.shape}; x has {n} {what}")
+        """y, checked: a label per sample (a column per output when there are several; a row of
+        steps for an output with steps), each one its output and loss take."""
+        per_step = len(self._shapes[1]) > 1 and not self.several
+        if y.shape[:1] != (n,) or y.ndim != (2 if self.several or per_step else 1) or (
+                per_step and y.shape[1] != self.steps):
+            steps = f" and {self.steps} labels per sample ({self._output_label(0)} outputs " \
+                    f"{self._shapes[1]})" if per_step else ""
+            raise ValueError(f"y has shape {y.shape}; x has {n} {what}{steps}")
         ys = self.loss.split(y, y.dtype) if self.several else [y]
         for j, (loss, yj) in enumerate(zip(self._each_loss(), ys)):
             self._check_labels(j, loss, yj)
@@ -696,8 +718,8 @@ class Functional(SparseProtocol, Model):
             return                              # every step's case: two reductions, no masks
         bad = (y < 0) | (y > hi) | (y != np.floor(y))
         if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"label out of range: y[{i}] = {y[i].item()!r}; "
+            i = np.unravel_index(int(np.argmax(bad)), y.shape)
+            raise ValueError(f"label out of range: y[{', '.join(map(str, i))}] = {y[i].item()!r}; "
                              f"{self._output_label(j)} with {loss.name} takes 0..{hi}")
 
     def check_data(self, x: np.ndarray, y: np.ndarray, what: str = "data") -> np.ndarray:
@@ -800,9 +822,10 @@ def _chunk_scores(k, loss: losses.Loss, out: np.ndarray, y: np.ndarray, sample_w
     # The loss also writes a gradient: a small scratch array, so evaluation never
     # allocates the per-layer gradient buffers (at 4096 images, hundreds of MB).
     total = losses.weighted(loss, k, out, y, np.empty_like(out), sample_weight) * out.shape[0]
+    rows = out.reshape(-1, out.shape[-1])           # an output with steps: each element a row
     if loss.task == "regression":
-        return total, float(np.sum((out[:, 0].astype(np.float64) - y) ** 2)), None
-    return total, metrics.accuracy(out, y), out[:, 0].copy() if out.shape[1] == 1 else None
+        return total, float(np.sum((rows[:, 0].astype(np.float64) - y.reshape(-1)) ** 2)), None
+    return total, metrics.accuracy(out, y), rows[:, 0].copy() if rows.shape[1] == 1 else None
 
 
 def _scores(loss: losses.Loss, parts: list, y: np.ndarray) -> dict:
@@ -817,7 +840,7 @@ def _scores(loss: losses.Loss, parts: list, y: np.ndarray) -> dict:
     result = {"loss": loss_sum / n, "accuracy": total / n}
     scores = [p[2] for p in parts if p[2] is not None]
     if scores:
-        result["auc"] = metrics.auc(np.concatenate(scores), y)
+        result["auc"] = metrics.auc(np.concatenate(scores), y.reshape(-1))
     return result
 
 

@@ -34,9 +34,12 @@ class Loss(abc.ABC):
     def label_dtype(self, dtype) -> np.dtype:
         return np.dtype(np.int32)
 
-    def labels(self, y) -> np.ndarray:
-        """y as the kernels take it (integer classes, or targets): one-hot rows become classes."""
-        return np.asarray(y)
+    def labels(self, y, rank: int = 1) -> np.ndarray:
+        """y as the kernels take it (integer classes, or targets): one-hot rows become classes.
+        `rank`: the output's without the batch; an output with steps (rank > 1, as
+        (steps, units)) takes a label per step, with or without a last axis of 1."""
+        y = np.asarray(y)
+        return _squeezed(y, rank) if rank > 1 else y
 
     def check_activation(self, activation: str, where: str) -> bool:
         """Whether the last layer's `activation` is fused into this loss (a softmax before a
@@ -53,6 +56,11 @@ class Loss(abc.ABC):
     def __call__(self, k, out: np.ndarray, y: np.ndarray, dout: np.ndarray, row_loss=None) -> float:
         """Mean loss of `out` against `y` over the batch; its gradient into `dout` (kernels `k`);
         each row's loss into `row_loss` (n,) float64 when given (the CPU kernels and twins)."""
+
+
+def _squeezed(y: np.ndarray, rank: int) -> np.ndarray:
+    """Labels of the output's shape with its last axis of 1 (a logit, a target) without it."""
+    return y[..., 0] if y.ndim == rank + 1 and y.shape[-1] == 1 else y
 
 
 def _run(kernel, out, y, dout, row_loss) -> float:
@@ -106,9 +114,8 @@ class BinaryCrossentropy(_FromLogits):
     name = "binary_crossentropy"
     fuses = "sigmoid"
 
-    def labels(self, y):
-        y = np.asarray(y)
-        return y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
+    def labels(self, y, rank=1):
+        return _squeezed(np.asarray(y), rank)
 
     def check_outputs(self, units, where):
         if units != 1:
@@ -123,27 +130,28 @@ class BinaryCrossentropy(_FromLogits):
 
 
 class CategoricalCrossentropy(SparseCategoricalCrossentropy):
-    """Softmax cross-entropy of one-hot labels (n, units), as Keras's: each row is read as its
-    class (rows that are not one-hot, soft labels, are refused: the kernels take classes).
-    Integer classes (n,) pass as they are: the rows' classes once decoded."""
+    """Softmax cross-entropy of one-hot labels (n, ..., units), as Keras's: each row is read as
+    its class (rows that are not one-hot, soft labels, are refused: the kernels take classes).
+    Integer classes (n, ...) pass as they are: the rows' classes once decoded."""
     name = "categorical_crossentropy"
 
-    def labels(self, y):
+    def labels(self, y, rank=1):
         y = np.asarray(y)
-        if y.ndim == 1 and y.dtype.kind in "iu":      # classes already (a fit decoded them)
+        if y.ndim != rank + 1 and y.dtype.kind in "iu":     # classes already (a fit decoded them)
             return y
-        if y.ndim != 2:
-            raise ValueError(f"y has shape {y.shape}; {self.name} takes one-hot rows (n, classes) "
+        if y.ndim != rank + 1:
+            raise ValueError(f"y has shape {y.shape}; {self.name} takes one-hot rows (n, ..., classes) "
                              "(keras.utils.to_categorical(y)); integer classes take "
                              "sparse_categorical_crossentropy")
-        classes = y.argmax(axis=1) if y.shape[0] else np.zeros(0, np.int64)
-        ones = y[np.arange(len(y)), classes]
-        bad = (ones != 1) | (np.count_nonzero(y, axis=1) != 1)
+        rows = y.reshape(-1, y.shape[-1])
+        classes = rows.argmax(axis=1) if rows.shape[0] else np.zeros(0, np.int64)
+        ones = rows[np.arange(len(rows)), classes]
+        bad = (ones != 1) | (np.count_nonzero(rows, axis=1) != 1)
         if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"y[{i}] is not a one-hot row ({y[i].tolist()}); {self.name} takes one-hot "
-                             "labels (soft labels are not supported)")
-        return classes.astype(np.int32)
+            at = ", ".join(str(int(i)) for i in np.unravel_index(int(np.argmax(bad)), y.shape[:-1]))
+            raise ValueError(f"y[{at}] is not a one-hot row ({rows[np.argmax(bad)].tolist()}); {self.name} "
+                             "takes one-hot labels (soft labels are not supported)")
+        return classes.reshape(y.shape[:-1]).astype(np.int32)
 
 
 class MeanSquaredError(Loss):
@@ -167,18 +175,20 @@ class MeanSquaredError(Loss):
             row_loss *= 2.0
         return 2.0 * loss
 
-
-    def labels(self, y):
-        y = np.asarray(y)
-        return y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
+    def labels(self, y, rank=1):
+        return _squeezed(np.asarray(y), rank)
 
 
 def weighted(loss: Loss, k, out: np.ndarray, y: np.ndarray, dout: np.ndarray,
              sample_weight: np.ndarray | None = None) -> float:
     """`loss` with Keras's sample weights (sample_weight, class_weight) and its default
     "sum_over_batch_size" reduction: sum(w_i * l_i) / n, each row's gradient times w_i; without
-    weights, `loss` as it is. One kernel call: it writes each row's loss l_i beside the mean.
-    One weight for the whole batch is just a scale of the mean (weights of 1 change no bit)."""
+    weights, `loss` as it is. An output with steps (n, ..., units), y (n, steps): the mean over
+    its n * steps elements, as Keras's (pserver.keras refuses sample weights for it). One kernel
+    call: it writes each row's loss l_i beside the mean. One weight for the whole batch is just a
+    scale of the mean (weights of 1 change no bit)."""
+    if out.ndim > 2:        # an output with steps: each element a row, all averaged (Keras's)
+        out, dout, y = out.reshape(-1, out.shape[-1]), dout.reshape(-1, dout.shape[-1]), y.reshape(-1)
     if sample_weight is None:
         return loss(k, out, y, dout)
     sw = np.asarray(sample_weight, dtype=dout.dtype)

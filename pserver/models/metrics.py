@@ -8,10 +8,15 @@ import numpy as np
 from pserver.errors import ConfigError
 
 
-def accuracy(out: np.ndarray, y: np.ndarray) -> int:
-    """The number of correct predictions: argmax of the logits, or logit > 0 for one output."""
-    pred = out.argmax(axis=1) if out.shape[1] > 1 else (out[:, 0] > 0)
-    return int(np.count_nonzero(pred == y))
+def accuracy(out: np.ndarray, y: np.ndarray) -> float:
+    """The samples predicted right: argmax of the logits, or logit > 0 for one output. An
+    output with steps (n, ..., units), y (n, steps), counts each sample's fraction of steps
+    right, so that (summed over batches and workers) over the samples it is the accuracy over
+    every element, as Keras's: the epoch's sums (docs/semantics.md) keep counting samples."""
+    rows = out.reshape(-1, out.shape[-1])
+    pred = rows.argmax(axis=1) if rows.shape[1] > 1 else (rows[:, 0] > 0)
+    right = int(np.count_nonzero(pred == y.reshape(-1)))
+    return right if out.ndim == 2 else right * len(out) / max(len(rows), 1)
 
 
 def auc(scores: np.ndarray, y: np.ndarray) -> float:

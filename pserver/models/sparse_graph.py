@@ -65,6 +65,9 @@ class SparseProtocol:
         if self._sparse is not None and self.several:
             raise ConfigError(f"{self.name}: a model with sparse tables has one output, for now "
                               f"(it has {len(self.output_names)})")
+        if self._sparse is not None and len(self._shapes[1]) > 1:      # (built: _fix_layout set it)
+            raise ConfigError(f"{self.name}: a model with sparse tables has a flat output (n, units), for "
+                              f"now (its output is {self._shapes[1]})")
 
     @property
     def sparse_tables(self) -> list:
