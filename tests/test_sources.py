@@ -135,7 +135,8 @@ def test_leased_chunks_are_each_trained_once_an_epoch_and_a_refused_batch_again(
         expected = sorted(int(x[0, 0]) for x, _ in _leased(ds, cfg, epoch))
         assert sorted(first for _, first in trained[epoch]) == expected
     assert refused == "again"
-    assert ends == [(e, {"loss_sum": 0.5 * 37, "correct": 0.0, "samples": 37}) for e in (0, 1)]
+    assert ends == [(e, {"loss_sum": 0.5 * 37, "correct": 0.0, "samples": 37,
+                    "metric_sums": ()}) for e in (0, 1)]
     assert run.clock == 20 and run.callbacks.begun == [0, 1]
 
 

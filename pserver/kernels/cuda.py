@@ -982,25 +982,31 @@ def mse_into(pred, y, dpred, row_loss, loss, *, stream=0):
     scaled_sum(row_loss, 0.5 / n, loss, stream=stream)
 
 
-def softmax_xent(logits, y, dlogits, *, stream=0):
-    """Mean cross-entropy over the batch; dlogits[:] = (softmax - onehot(y)) / n. Waits."""
-    return _loss_now(softmax_xent_into, logits, y, dlogits, stream)
+def softmax_xent(logits, y, dlogits, row_loss=None, *, stream=0):
+    """Mean cross-entropy over the batch; dlogits[:] = (softmax - onehot(y)) / n; each row's
+    loss into the host array row_loss when given. Waits."""
+    return _loss_now(softmax_xent_into, logits, y, dlogits, stream, row_loss)
 
 
-def mse(pred, y, dpred, *, stream=0):
-    """0.5 * mean((pred[:, 0] - y)^2); dpred[:] = (pred - y) / n. Waits."""
-    return _loss_now(mse_into, pred, y, dpred, stream)
+def mse(pred, y, dpred, row_loss=None, *, stream=0):
+    """0.5 * mean((pred[:, 0] - y)^2); dpred[:] = (pred - y) / n; each row's 0.5 * (pred - y)^2
+    into the host array row_loss when given. Waits."""
+    return _loss_now(mse_into, pred, y, dpred, stream, row_loss, row_scale=0.5)
 
 
-def _loss_now(into, out, y, dout, stream) -> float:
-    # The CPU kernels' contract (return the loss) costs scratch and a wait: fine for tests and
-    # one-off calls; the model keeps its scratch and waits once per step instead.
-    row_loss = cuda.device_array(out.shape[0], np.float32, stream=stream)
+def _loss_now(into, out, y, dout, stream, row_loss=None, row_scale=1.0) -> float:
+    # The CPU kernels' contract (return the loss; the rows' losses into row_loss, a host array,
+    # when given) costs scratch and a wait: fine for tests and one-off calls; the model keeps
+    # its scratch and waits once per step instead. mse_rows holds (pred - y)^2: row_scale 0.5.
+    rows = cuda.device_array(out.shape[0], np.float32, stream=stream)
     loss = cuda.device_array(1, np.float64, stream=stream)
-    into(out, y, dout, row_loss, loss, stream=stream)
+    into(out, y, dout, rows, loss, stream=stream)
     host = loss.copy_to_host(stream=stream)
+    each = None if row_loss is None else rows.copy_to_host(stream=stream)
     if stream:  # an async copy on a stream: wait for it (the default stream's copy already did)
         stream.synchronize()
+    if row_loss is not None:
+        row_loss[:] = each * row_scale
     return float(host[0])
 
 
@@ -1176,6 +1182,7 @@ def sigmoid_bce_into(logits, y, dlogits, row_loss, loss, *, stream=0):
     scaled_sum(row_loss, 1.0 / n, loss, stream=stream)
 
 
-def sigmoid_bce(logits, y, dlogits, *, stream=0):
-    """Mean binary cross-entropy from logits; dlogits[:] = (sigmoid(logits) - y) / n. Waits."""
-    return _loss_now(sigmoid_bce_into, logits, y, dlogits, stream)
+def sigmoid_bce(logits, y, dlogits, row_loss=None, *, stream=0):
+    """Mean binary cross-entropy from logits; dlogits[:] = (sigmoid(logits) - y) / n; each
+    row's term into the host array row_loss when given. Waits."""
+    return _loss_now(sigmoid_bce_into, logits, y, dlogits, stream, row_loss)

@@ -55,17 +55,12 @@ class Loss(abc.ABC):
     @abc.abstractmethod
     def __call__(self, k, out: np.ndarray, y: np.ndarray, dout: np.ndarray, row_loss=None) -> float:
         """Mean loss of `out` against `y` over the batch; its gradient into `dout` (kernels `k`);
-        each row's loss into `row_loss` (n,) float64 when given (the CPU kernels and twins)."""
+        each row's loss into `row_loss` (n,) float64 when given."""
 
 
 def _squeezed(y: np.ndarray, rank: int) -> np.ndarray:
     """Labels of the output's shape with its last axis of 1 (a logit, a target) without it."""
     return y[..., 0] if y.ndim == rank + 1 and y.shape[-1] == 1 else y
-
-
-def _run(kernel, out, y, dout, row_loss) -> float:
-    """A loss kernel, with its row_loss output only when asked (the CUDA kernels take none)."""
-    return kernel(out, y, dout) if row_loss is None else kernel(out, y, dout, row_loss)
 
 
 class _FromLogits(Loss):
@@ -106,7 +101,7 @@ class SparseCategoricalCrossentropy(_FromLogits):
                               f"the last layer has {units}")
 
     def __call__(self, k, out, y, dout, row_loss=None):
-        return _run(k.softmax_xent, out, y, dout, row_loss)
+        return k.softmax_xent(out, y, dout, row_loss)
 
 
 class BinaryCrossentropy(_FromLogits):
@@ -126,7 +121,7 @@ class BinaryCrossentropy(_FromLogits):
         return np.dtype(dtype)
 
     def __call__(self, k, out, y, dout, row_loss=None):
-        return _run(k.sigmoid_bce, out, y, dout, row_loss)
+        return k.sigmoid_bce(out, y, dout, row_loss)
 
 
 class CategoricalCrossentropy(SparseCategoricalCrossentropy):
@@ -169,7 +164,7 @@ class MeanSquaredError(Loss):
     def __call__(self, k, out, y, dout, row_loss=None):
         # The kernel computes half the squared error (gradient (pred - y) / n); Keras's MSE is
         # twice that, and so is its gradient.
-        loss = _run(k.mse, out, y, dout, row_loss)
+        loss = k.mse(out, y, dout, row_loss)
         dout *= dout.dtype.type(2)
         if row_loss is not None:
             row_loss *= 2.0

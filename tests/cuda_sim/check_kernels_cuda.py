@@ -326,9 +326,11 @@ def test_softmax_xent(n, k, scale):
     logits = f32(rng, n, k) * np.float32(scale)
     y = rng.integers(0, k, n).astype(np.int32)
     got, want = nans(n, k), np.empty((n, k), np.float32)
-    loss = K.softmax_xent(cuda.to_device(logits), cuda.to_device(y), got)
-    assert loss == pytest.approx(reference.softmax_xent(logits, y, want), rel=RTOL, abs=ATOL)
+    rows, rows_want = np.full(n, np.nan), np.empty(n)
+    loss = K.softmax_xent(cuda.to_device(logits), cuda.to_device(y), got, rows)
+    assert loss == pytest.approx(reference.softmax_xent(logits, y, want, rows_want), rel=RTOL, abs=ATOL)
     close(got.copy_to_host(), want)
+    close(rows, rows_want)                        # each row's loss, on the host
 
 
 def test_softmax_rows_and_reduction_separately():
@@ -370,9 +372,11 @@ def test_mse(n):
     rng = np.random.default_rng(n)
     pred, y = f32(rng, n, 1), f32(rng, n)
     got, want = nans(n, 1), np.empty((n, 1), np.float32)
-    loss = K.mse(cuda.to_device(pred), cuda.to_device(y), got)
-    assert loss == pytest.approx(reference.mse(pred, y, want), rel=RTOL)
+    rows, rows_want = np.full(n, np.nan), np.empty(n)
+    loss = K.mse(cuda.to_device(pred), cuda.to_device(y), got, rows)
+    assert loss == pytest.approx(reference.mse(pred, y, want, rows_want), rel=RTOL)
     close(got.copy_to_host(), want)
+    close(rows, rows_want)                        # half the squared error, as the twin's
 
 
 def test_mse_needs_one_column():
@@ -557,9 +561,11 @@ def test_sigmoid_bce(n, column):
     z = z if column else z[:, 0].copy()
     y = (rng.random(n) < 0.5).astype(np.float32)
     got, want = nans(*z.shape), np.empty_like(z)
-    loss = K.sigmoid_bce(cuda.to_device(z), cuda.to_device(y), got)
-    assert loss == pytest.approx(reference.sigmoid_bce(z, y, want), rel=1e-5, abs=1e-6)
+    rows, rows_want = np.full(n, np.nan), np.empty(n)
+    loss = K.sigmoid_bce(cuda.to_device(z), cuda.to_device(y), got, rows)
+    assert loss == pytest.approx(reference.sigmoid_bce(z, y, want, rows_want), rel=1e-5, abs=1e-6)
     close(got.copy_to_host(), want)
+    np.testing.assert_allclose(rows, rows_want, rtol=1e-5, atol=1e-6)
 
 
 def test_low_occupancy_warnings_stay_out_of_the_logs():
