@@ -16,12 +16,14 @@ import ctypes
 import os
 import signal
 import sys
-import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 PARENT_ENV = "PSERVER_PARENT_PID"  # a child of `launch` (or a bench) stops when this process dies
 PR_SET_PDEATHSIG = 1               # linux/prctl.h
-_stopping = threading.Event()      # a stop signal came: what fails from now on is the stop's doing
+# The stop signal that came (its number), or 0: what fails from now on is the stop's doing. A
+# plain value, not a threading.Event: the handler runs in the main thread between any two
+# bytecodes, also inside an Event's own lock, and a lock taken there again never returns.
+_stopping = [0]
 
 
 def with_parent_death(env: dict) -> dict:
@@ -79,7 +81,7 @@ def interrupt_as_usual() -> None:
 def stopping() -> bool:
     """Whether this process got a stop signal. A Ctrl-C reaches every process of the terminal's
     group at once: a shard that it stops first is then no news worth a line in a worker."""
-    return _stopping.is_set()
+    return bool(_stopping[0])
 
 
 class Stopped(BaseException):
@@ -101,9 +103,17 @@ def stop_on_signals():
     ignored, so the clean-up that Stopped starts is not cut short. The previous handlers
     come back on leaving."""
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    came: list[int] = []
 
     def handler(signum, frame):
-        _stopping.set()
+        # Signals may come in a burst (a parent's death sends SIGTERM as a terminal's SIGHUP
+        # comes): a second one runs this again before the first has ignored them. It takes
+        # no lock (one taken by the code it interrupted would never be given back: a shard
+        # hung so in its Event.wait) and leaves the first one's Stopped to go on.
+        if came:
+            return
+        came.append(signum)
+        _stopping[0] = signum
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         raise Stopped(signum)

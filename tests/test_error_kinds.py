@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import signal
 import struct
 import threading
 import time
@@ -260,7 +261,7 @@ def test_a_stopping_worker_does_not_wait_for_a_shard_to_come_back(monkeypatch):
     while its exit waited for that thread (a child outlived its launcher by 30 s in CI)."""
     from pserver import signals
     s = ShardClient(0, free_address(), data_plane="grpc")
-    monkeypatch.setattr(signals._stopping, "is_set", lambda: True)
+    monkeypatch.setattr(signals, "_stopping", [int(signal.SIGTERM)])
     started = time.monotonic()
     with pytest.raises(errors.Unavailable):
         s.resilient(lambda: s.status(timeout=0.2), 30)

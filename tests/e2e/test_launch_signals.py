@@ -87,6 +87,44 @@ def test_sigterm_stops_a_worker_and_a_shard_that_keeps_its_last_state(procs, tmp
     assert newest is not None and newest.version == version, shard.output
 
 
+# A second stop signal delivered while the first one's handler runs: a trace function calls the
+# handler again at the first line the handler runs in threading.py (where a lock it took is held).
+BURST = """
+import signal, sys, threading
+from pserver.signals import Stopped, stop_on_signals, stopping
+
+def nested(frame, event, arg):
+    if event == "line" and frame.f_code.co_filename == threading.__file__ and not fired:
+        fired.append(frame.f_code.co_name)
+        handler(signal.SIGHUP, None)
+    return nested
+
+fired = []
+with stop_on_signals():
+    handler = signal.getsignal(signal.SIGTERM)
+    sys.settrace(lambda frame, event, arg: nested)
+    try:
+        handler(signal.SIGTERM, None)
+    except Stopped as e:
+        sys.settrace(None)
+        print("stopped by", e.signum, "stopping", stopping(), "nested in", fired, flush=True)
+"""
+
+
+def test_a_burst_of_stop_signals_stops_once_and_never_hangs():
+    """Catches a stop handler that takes a lock (it set a threading.Event): a second signal of a
+    burst (a dead launcher's SIGTERM, a terminal's SIGHUP) ran the handler again inside the
+    first's Event.set, whose lock was held, and the shard hung in its Event.wait until killed
+    (a launched shard outlived its SIGKILLed launcher in CI; py-spy's stack showed it). The
+    handler must raise Stopped once, for the first signal, and take no lock."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", BURST], capture_output=True, text=True, timeout=30,
+                          env=env_with(None))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == f"stopped by {int(signal.SIGTERM)} stopping True nested in []\n", done.stdout
+
+
 def test_a_worker_killed_by_sigkill_makes_the_launcher_exit_transient(procs):
     """Kubeflow's ExitCode policy restarts a replica that exits >= 128: a child killed from
     outside (the OOM killer, a preempted node) is such a failure, unlike a refused request (1)."""
