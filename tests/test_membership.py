@@ -446,3 +446,52 @@ def test_a_silent_session_is_marked_dead_at_step_timeout_after_its_last_call_not
     assert sorted(marked) == [0, 1, 2]
     late = {r: round(marked[r] - last[r] - timeout, 3) for r in marked}
     assert all(0 <= s < 0.1 for s in late.values()), late
+
+
+def test_a_job_after_every_worker_left_waits_for_every_starting_rank_again(caplog):
+    """Catches the first worker of a second job on the same shards (a second fit under pserver
+    run, a job run again) training its steps alone: its ranks had all left, so none was expected
+    until it registered again, and the step applied one gradient (CI saw the two ranks of a
+    second Keras fit end with different weights)."""
+    shard = Shard(ServerConfig(num_workers=2, mode="sync", optimizer="sgd", lr=1.0))
+    layout = Layout.of([("w", (4,))])
+    s = [shard.register(r, 2, 0, 1, layout).session for r in (0, 1)]
+    shard.init(0, layout.signature(), 4, "float32", fill_with(np.zeros(4, np.float32)), s[0])
+    for r in (0, 1):
+        shard.push(push_request(ONES * (r + 1), rank=r, step=0, session=s[r]))
+    assert shard.store.version == 1
+    for r in (0, 1):
+        shard.leave(r, s[r])
+    caplog.set_level("INFO", logger="pserver.modes")
+    s[1] = shard.register(1, 2, 0, 1, layout).session
+    assert "every worker of the last job left; worker 1 begins another" in caplog.text
+    shard.push(push_request(ONES * 4, rank=1, step=1, session=s[1]))
+    assert shard.store.version == 1, "a step applied before rank 0 registered for the new job"
+    assert shard.members.expected() == {0, 1}
+    s[0] = shard.register(0, 2, 0, 1, layout).session
+    assert "worker 0 registered again (its previous session left)" in caplog.text
+    shard.push(push_request(ONES * 2, rank=0, step=1, session=s[0]))
+    assert shard.store.version == 2
+    np.testing.assert_allclose(shard.store.params, -1.5 * ONES - 3 * ONES)
+
+
+def test_a_worker_back_after_the_others_left_without_it_trains_alone():
+    """The rule above only for a job every worker left: a rank marked dead that comes back after
+    the others finished and left goes on alone (docs/semantics.md: a worker that leaves is done),
+    and a left rank's old credential takes nothing over."""
+    shard = Shard(ServerConfig(num_workers=2, mode="sync", optimizer="sgd", lr=1.0))
+    layout = Layout.of([("w", (4,))])
+    s = [shard.register(r, 2, 0, 1, layout).session for r in (0, 1)]
+    shard.init(0, layout.signature(), 4, "float32", fill_with(np.zeros(4, np.float32)), s[0])
+    with shard.store.cond:
+        shard.members.mark_dead([1], "a test")
+    shard.push(push_request(ONES, rank=0, step=0, session=s[0]))
+    assert shard.store.version == 1
+    shard.leave(0, s[0])
+    shard.members.last_seen[1] -= 120               # its session expired: it may register again
+    s[1] = shard.register(1, 2, 0, 1, layout).session
+    assert shard.members.expected() == {1}
+    shard.push(push_request(ONES, rank=1, step=1, session=s[1]))
+    assert shard.store.version == 2
+    again = shard.register(0, 2, 0, 1, layout, previous_session=s[0])
+    assert not again.took_over

@@ -99,7 +99,8 @@ class Membership:
                 f"with --max-workers")
         if previous:
             for rank, cred in self.sessions.items():
-                if rank not in self.left and hmac.compare_digest(previous.encode(), cred.encode()):
+                if rank in self.registered and rank not in self.left and \
+                        hmac.compare_digest(previous.encode(), cred.encode()):
                     return rank
         for rank in range(1, self.rank_limit):
             if not self.session_live(rank):
@@ -133,7 +134,8 @@ class Membership:
         over). Refused while the rank's session is live, unless `previous` is that session's
         credential (checked after the layout, so a wrong model hears that first)."""
         self.check_join(rank, num_workers)
-        took_over = bool(previous) and rank in self.sessions and rank not in self.left and \
+        self.maybe_begin_again(rank)
+        took_over = bool(previous) and rank in self.registered and rank not in self.left and \
             hmac.compare_digest(previous.encode(), self.sessions[rank].encode())
         if self.session_live(rank) and not took_over:
             ago = time.monotonic() - self.last_seen[rank]
@@ -153,7 +155,7 @@ class Membership:
                      "takes the rank over at once", self.store.shard, rank)
             self.on_takeover(rank)
         elif rank in self.sessions:
-            why = "left" if rank in self.left else "expired"
+            why = "left" if rank in self.left or rank not in self.registered else "expired"
             self.store.counters.add("sessions_replaced")
             log.info("shard %d: worker %d registered again (its previous session %s)",
                      self.store.shard, rank, why)
@@ -165,8 +167,22 @@ class Membership:
         self.store.cond.notify_all()
         return self.sessions[rank], took_over
 
+    def maybe_begin_again(self, rank: int) -> None:
+        """A Register after every registered worker left (none live, none marked dead: the job on
+        these shards ended) begins another job: every starting rank counts again until it
+        registers, as at a first start. Without this the first worker of the next job (a second
+        fit under `pserver run`, a job run again on shards still up) trained its steps alone,
+        the others' gradients missing until they registered, and took a short epoch's data for
+        itself (`sharing`)."""
+        if not self.registered or not self.registered <= self.left:
+            return
+        log.info("shard %d: every worker of the last job left; worker %d begins another, whose steps "
+                 "wait for every starting rank again", self.store.shard, rank)
+        self.registered, self.left = set(), set()
+        self.join_at.clear()
+
     def session_live(self, rank: int) -> bool:
-        return (rank in self.sessions and rank not in self.left
+        return (rank in self.sessions and rank in self.registered and rank not in self.left
                 and time.monotonic() - self.last_seen.get(rank, 0.0) <= self.cfg.step_timeout)
 
     def authorize(self, rank: int, session: str | None, revive: bool = False) -> None:

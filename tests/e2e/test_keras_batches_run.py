@@ -5,6 +5,7 @@ generator yields that worker's part."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -56,12 +57,17 @@ with open(os.path.join(out, f"run{rank}.json"), "w") as f:
 def test_a_pydataset_is_shared_between_the_workers_and_a_generator_is_each_one_s(tmp_path):
     """Catches: both workers training every batch (a PyDataset not cut), their parts overlapping
     (different shuffles), one worker given a step more (sync would stall), on_epoch_end not
-    called per epoch, a generator's fit not finishing on both ranks (steps_per_epoch per worker)."""
+    called per epoch, a generator's fit not finishing on both ranks (steps_per_epoch per worker),
+    a step of the second fit made of one worker's gradient."""
     (tmp_path / "s.py").write_text(SCRIPT)
     r = subprocess.run([sys.executable, "-m", "pserver", "run", "--ps", "1", "--workers", "2", "--",
                         sys.executable, str(tmp_path / "s.py")], capture_output=True, text=True, timeout=120,
                        env=env_with({"OUT_DIR": str(tmp_path)}))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # every step averaged both workers' pushes: in the second fit the first worker to register
+    # again trained alone until the other came (the shard still counted it as left)
+    updates, pushes = map(int, re.search(r"(\d+) updates from (\d+) pushes", r.stdout + r.stderr).groups())
+    assert pushes == 2 * updates, f"{updates} updates from {pushes} pushes"
     runs = [json.loads((tmp_path / f"run{rank}.json").read_text()) for rank in range(2)]
     reads = [run["read"][1:] for run in runs]      # after batch 0, which fit reads first to trace
     assert [run["read"][0] for run in runs] == [0, 0]

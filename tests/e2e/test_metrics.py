@@ -5,6 +5,7 @@ tensorboard's event reader."""
 from __future__ import annotations
 
 import re
+import signal
 import urllib.request
 
 import pytest
@@ -34,16 +35,23 @@ def test_a_live_shard_and_worker_expose_what_the_run_did_and_the_chief_writes_cu
                   "--lr", "0.1", "--metrics-port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"))
     addr = shard.address()
     board, summary = tmp_path / "tb", tmp_path / "summary.json"
-    common = ("--ps", addr, "--num-workers", "2", *LOGREG)
+    # slices: each worker trains its own half, 188 steps; with leases the chief could take most of it
+    common = ("--ps", addr, "--num-workers", "2", "--data-assignment", "slices", *LOGREG)
     chief = procs("worker", *common, "--rank", "0", "--tensorboard", str(board),
                   "--summary-json", str(summary))
-    # 0.05 s a step: about 10 s of training to scrape it in (at 0.01 s a loaded CI machine's polls
-    # came after the worker had finished, and its metrics server was gone mid-scrape)
     slow = procs("worker", *common, "--rank", "1", "--delay", "fixed:0.05", "--metrics-port", "0")
 
-    worker_url = metrics_url(slow)           # scraped while it trains
-    assert wait_until(lambda: scrape(worker_url).get(("pserver_worker_samples_total", ()), 0) > 0, 120)
-    w = scrape(worker_url)
+    # Scraped while it trains: once it shows a step of its first epoch (94 steps of 0.05 s are
+    # left), the shard is frozen (SIGSTOP), so the worker waits in its exchange, its metrics server
+    # up, until the scrape is done. (Polled while it ran, a loaded CI machine's scrape came as the
+    # worker finished: its server was gone mid-scrape.)
+    worker_url = metrics_url(slow)
+    assert wait_until(lambda: re.search(r"epoch 1/2 step \d+/94 loss", slow.output), 120), slow.output
+    shard.popen.send_signal(signal.SIGSTOP)
+    try:
+        w = scrape(worker_url)
+    finally:
+        shard.popen.send_signal(signal.SIGCONT)
     steps = w[("pserver_worker_step_seconds_count", ())]
     assert steps >= 1 and w[("pserver_worker_pull_seconds_count", ())] == steps
     assert w[("pserver_worker_samples_total", ())] == 32 * steps
