@@ -21,6 +21,8 @@ Y = np.array([0, 1, 1, 0, 1, 0.0])
 P = np.array([0.1, 0.6, 0.4, 0.7, 0.9, 0.3]).reshape(-1, 1)
 P3 = np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4]])
 Y3 = np.array([1, 2, 0, 1])
+YH = np.array([[0, 1], [1, 0], [1, 1]])
+PH = np.array([[0.2, 0.7], [0.5, 0.6], [0.9, 0.1]])
 
 
 def _result(metric, y, p) -> float:
@@ -44,6 +46,16 @@ def _result(metric, y, p) -> float:
     (M.Precision(top_k=1), Y3, P3, 0.25),
     (M.Recall(class_id=2), Y3, P3, 1.0),
     (M.Precision(class_id=0), Y3, P3, 0.0),                      # no true positive: divide_no_nan
+    (M.TruePositives(), Y, P, 2.0),
+    (M.TruePositives(thresholds=0.35), Y, P, 3.0),
+    (M.FalsePositives(), Y, P, 1.0),
+    (M.TrueNegatives(), Y, P, 2.0),
+    (M.FalseNegatives(), Y, P, 1.0),
+    (M.FalseNegatives(thresholds=[0.35]), Y, P, 0.0),
+    (M.TruePositives(), YH, PH, 2.0),                            # every element of a one-hot row
+    (M.FalsePositives(), YH, PH, 1.0),
+    (M.TrueNegatives(), YH, PH, 1.0),
+    (M.FalseNegatives(), YH, PH, 2.0),
 ])
 def test_each_metric_equals_keras_s_value(metric, y, p, keras_value):
     """Catches a formula off Keras's: AUC's thresholds or its PR interpolation, > against >=, a
@@ -64,7 +76,8 @@ def test_the_sums_of_two_parts_give_the_metric_of_the_whole(data, cut):
     p, y = data
     cut = min(cut, len(p) - 1)
     for make in (M.AUC, lambda: M.AUC(curve="PR"), M.Precision, M.Recall, M.MeanSquaredError,
-                 M.RootMeanSquaredError):
+                 M.RootMeanSquaredError, M.TruePositives, M.FalsePositives, M.TrueNegatives,
+                 M.FalseNegatives):
         m = make()
         pc = p.reshape(-1, 1)
         added = m.sums(pc[:cut], y[:cut]) + m.sums(pc[cut:], y[cut:])
@@ -184,3 +197,36 @@ def test_auto_monitoring_follows_each_metric_s_direction(monitor, op):
     es.set_model(model)
     es.on_train_begin()
     assert es.monitor_op is op
+
+
+@FAST
+@given(binary, st.floats(0, 1))
+def test_the_four_counts_cover_every_element_once(data, threshold):
+    """Catches a count off by the threshold's side (>= for >) or an element counted in two cells:
+    tp + fp + tn + fn is every element, tp + fn the positives, and they agree with Precision's and
+    Recall's state."""
+    p, y = data
+    pc = p.reshape(-1, 1)
+    tp, fp, tn, fn = (float(make(thresholds=threshold).sums(pc, y)[0]) for make in
+                      (M.TruePositives, M.FalsePositives, M.TrueNegatives, M.FalseNegatives))
+    assert tp + fp + tn + fn == len(p) and tp + fn == y.sum()
+    assert tp + fp == np.count_nonzero(p > threshold)
+    assert [tp, fp] == list(M.Precision(thresholds=threshold).sums(pc, y))
+
+
+def test_counts_log_by_keras_s_names_and_auto_monitoring_refuses_them():
+    """Keras's names ("true_positives" as a string too) and its refusal of "auto" for a metric of
+    no direction. Catches a count monitored as growing (EarlyStopping on false_positives)."""
+    model = _model()
+    model.compile(optimizer="adam", loss="binary_crossentropy",
+                  metrics=["true_positives", keras.metrics.FalsePositives()])
+    assert [m.name for m in model._core.metric_objects] == ["true_positives", "false_positives"]
+    for monitor in ("val_false_positives", "true_positives"):
+        es = keras.callbacks.EarlyStopping(monitor=monitor)
+        es.set_model(model)
+        with pytest.raises(ConfigError, match="cannot tell whether that metric should be maximized"):
+            es.on_train_begin()
+    es = keras.callbacks.EarlyStopping(monitor="val_false_positives", mode="min")
+    es.set_model(model)
+    es.on_train_begin()
+    assert es.monitor_op is min

@@ -5,6 +5,8 @@ epoch logs are the metric over every worker's samples (pserver.models.metrics)."
 from pserver.keras._names import missing as _missing
 from pserver.models.metrics import (
     AUC,
+    FalseNegatives,
+    FalsePositives,
     MeanAbsoluteError,
     MeanSquaredError,
     Metric,
@@ -13,9 +15,12 @@ from pserver.models.metrics import (
     RootMeanSquaredError,
     SparseTopKCategoricalAccuracy,
     TopKCategoricalAccuracy,
+    TrueNegatives,
+    TruePositives,
 )
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["Metric", "AUC", "Precision", "Recall", "MeanSquaredError", "MeanAbsoluteError",
-           "RootMeanSquaredError", "TopKCategoricalAccuracy", "SparseTopKCategoricalAccuracy"]
+           "RootMeanSquaredError", "TopKCategoricalAccuracy", "SparseTopKCategoricalAccuracy", "TruePositives",
+           "FalsePositives", "TrueNegatives", "FalseNegatives"]

@@ -56,7 +56,7 @@ class Metric:
     """Keras's Metric over a vector of sums: `sums` of a batch, `value` of the summed state;
     update_state/result/reset_state as Keras's for eager use."""
     default_name = "metric"
-    direction = "up"          # Keras's _direction: "auto" monitoring maximizes it ("down": minimizes)
+    direction: str | None = "up"    # Keras's _direction: "auto" maximizes it ("down": minimizes; None: neither)
 
     def __init__(self, name=None, dtype=None):
         self.name = name or self.default_name
@@ -190,8 +190,8 @@ class _Confusion(Metric):
         self.thresholds = 0.5 if thresholds is None and top_k is None else thresholds
         self.top_k, self.class_id = top_k, class_id
 
-    def counts(self, pred, y) -> tuple[float, float, float]:
-        """(true positives, false positives, false negatives)."""
+    def counts(self, pred, y) -> tuple[float, float, float, float]:
+        """(true positives, false positives, true negatives, false negatives)."""
         truth = _truth(pred, y)
         if self.top_k is not None:
             kth = -np.sort(-pred, axis=1)[:, self.top_k - 1:self.top_k]
@@ -200,7 +200,8 @@ class _Confusion(Metric):
             pred, truth = pred[:, [self.class_id]], truth[:, [self.class_id]]
         hit = pred > (self.thresholds if self.thresholds is not None else -np.inf)
         on = truth > 0.5
-        return float(np.sum(hit & on)), float(np.sum(hit & ~on)), float(np.sum(~hit & on))
+        return (float(np.sum(hit & on)), float(np.sum(hit & ~on)), float(np.sum(~hit & ~on)),
+                float(np.sum(~hit & on)))
 
     def get_config(self):
         return {"name": self.name, "thresholds": self.thresholds, "top_k": self.top_k,
@@ -211,7 +212,7 @@ class Precision(_Confusion):
     default_name = "precision"
 
     def sums(self, pred, y):
-        tp, fp, _ = self.counts(pred, y)
+        tp, fp, _, _ = self.counts(pred, y)
         return np.array([tp, fp], np.float64)
 
     def value(self, sums):
@@ -222,11 +223,50 @@ class Recall(_Confusion):
     default_name = "recall"
 
     def sums(self, pred, y):
-        tp, _, fn = self.counts(pred, y)
+        tp, _, _, fn = self.counts(pred, y)
         return np.array([tp, fn], np.float64)
 
     def value(self, sums):
         return _ratio(sums[0], sums[0] + sums[1])
+
+
+class _Count(_Confusion):
+    """Keras's TruePositives, FalsePositives, TrueNegatives and FalseNegatives: one count over
+    every element at one threshold (default 0.5), its state that count. Keras monitors them
+    in neither direction ("auto" is refused: give mode)."""
+    cell = 0                  # in counts(): tp, fp, tn, fn
+    direction = None
+
+    def __init__(self, thresholds=None, name=None, dtype=None):
+        super().__init__(thresholds, name=name, dtype=dtype)
+
+    def size(self):
+        return 1
+
+    def sums(self, pred, y):
+        return np.array([self.counts(pred, y)[self.cell]], np.float64)
+
+    def value(self, sums):
+        return float(sums[0])
+
+    def get_config(self):
+        return {"name": self.name, "thresholds": self.thresholds}
+
+
+class TruePositives(_Count):
+    default_name, cell = "true_positives", 0
+
+
+class FalsePositives(_Count):
+    default_name, cell = "false_positives", 1
+
+
+class TrueNegatives(_Count):
+    default_name, cell = "true_negatives", 2
+
+
+class FalseNegatives(_Count):
+    default_name, cell = "false_negatives", 3
 
 
 class AUC(Metric):
@@ -301,9 +341,11 @@ def _pr_area(tp, fp, fn) -> float:
 BY_NAME = {"mse": MeanSquaredError, "mean_squared_error": MeanSquaredError, "mae": MeanAbsoluteError,
            "mean_absolute_error": MeanAbsoluteError, "root_mean_squared_error": RootMeanSquaredError,
            "precision": Precision, "recall": Recall, "top_k_categorical_accuracy": TopKCategoricalAccuracy,
-           "sparse_top_k_categorical_accuracy": SparseTopKCategoricalAccuracy}
+           "sparse_top_k_categorical_accuracy": SparseTopKCategoricalAccuracy,
+           **{c.default_name: c for c in (TruePositives, FalsePositives, TrueNegatives, FalseNegatives)}}
 CLASSES = {c.__name__: c for c in (MeanSquaredError, MeanAbsoluteError, RootMeanSquaredError, Precision,
-                                   Recall, TopKCategoricalAccuracy, SparseTopKCategoricalAccuracy, AUC)}
+                                   Recall, TopKCategoricalAccuracy, SparseTopKCategoricalAccuracy, AUC,
+                                   TruePositives, FalsePositives, TrueNegatives, FalseNegatives)}
 
 
 def metric_objects(metrics) -> list[Metric]:
@@ -379,6 +421,7 @@ def restored(config: dict) -> tuple[list[str], list]:
 
 __all__ = ["accuracy", "auc", "r2", "METRICS", "check_metrics", "compiled", "restored", "Metric", "AUC",
            "Precision", "Recall", "MeanSquaredError", "MeanAbsoluteError", "RootMeanSquaredError",
-           "TopKCategoricalAccuracy", "SparseTopKCategoricalAccuracy", "metric_objects", "sums_of",
+           "TopKCategoricalAccuracy", "SparseTopKCategoricalAccuracy", "TruePositives", "FalsePositives",
+           "TrueNegatives", "FalseNegatives", "metric_objects", "sums_of",
            "values_of", "to_config", "from_config",
            "objects_config"]
