@@ -230,3 +230,34 @@ def test_counts_log_by_keras_s_names_and_auto_monitoring_refuses_them():
     es.set_model(model)
     es.on_train_begin()
     assert es.monitor_op is min
+
+
+def test_a_metric_of_one_s_own_with_sums_and_value_logs_and_one_with_update_state_is_refused():
+    """The guide's metric of one's own (docs/guide/keras.md): its sums go through fit and evaluate
+    as a compiled metric's. Catches: one with only Keras's update_state/result failing deep in fit
+    with a bare NotImplementedError (it did), instead of one line at compile."""
+    class MeanPrediction(keras.metrics.Metric):
+        def sums(self, pred, y):
+            return np.array([pred.mean(axis=1).sum(), len(pred)])
+
+        def value(self, sums):
+            return sums[0] / max(sums[1], 1)
+
+    class KerasStyle(keras.metrics.Metric):
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            pass
+
+        def result(self):
+            return 0.0
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 2, 64).astype(np.float32)
+    model = _model()
+    model.compile(optimizer="adam", loss="binary_crossentropy", metrics=[MeanPrediction(name="mean_pred")])
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    logs = model.evaluate(x, y, verbose=0, return_dict=True)
+    assert logs["mean_pred"] == pytest.approx(float(model.predict(x, verbose=0).mean()), rel=1e-5)
+    with pytest.raises(ConfigError, match=r"^compile: metrics: KerasStyle does not define sums\(pred, y\) "
+                                          r"and value\(sums\)") as e:
+        _model().compile(optimizer="adam", loss="binary_crossentropy", metrics=[KerasStyle()])
+    assert "\n" not in str(e.value)

@@ -18,6 +18,7 @@ callables for standardize and split, and a vocabulary file are refused.
 
 from __future__ import annotations
 
+import abc
 import collections
 import re
 import zlib
@@ -109,13 +110,13 @@ class IndexLookup(Preprocessing):
 
     # -- tokens ------------------------------------------------------------------------------------
 
+    @abc.abstractmethod
     def _token(self, value):
         """A value as this layer's token (str, or int for IntegerLookup); None stays None."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _tokens_of(self, values) -> np.ndarray:
         """An array of values as tokens (an object array of str, or int64)."""
-        raise NotImplementedError
 
     def _oov_start(self) -> int:
         return 1 if self.mask_token is not None and self.output_mode == "int" else 0
@@ -276,8 +277,9 @@ class IndexLookup(Preprocessing):
             ids[oov] = self._oov_start() + buckets
         return ids.reshape(tokens.shape)
 
+    @abc.abstractmethod
     def _oov_bucket(self, tokens: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """Which of the num_oov_indices buckets each out-of-vocabulary token goes to."""
 
     def encode(self, ids: np.ndarray) -> np.ndarray:
         """ids (-1: a dropped mask) as one_hot, multi_hot, count or tf_idf rows, float32: the

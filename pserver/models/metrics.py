@@ -3,6 +3,8 @@ Keras names compile takes for them."""
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from pserver.errors import ConfigError
@@ -52,9 +54,12 @@ METRICS = {"accuracy": "accuracy", "acc": "accuracy", "sparse_categorical_accura
 # Keras model states them (probabilities after a softmax or sigmoid last layer).
 
 
-class Metric:
+class Metric(abc.ABC):
     """Keras's Metric over a vector of sums: `sums` of a batch, `value` of the summed state;
-    update_state/result/reset_state as Keras's for eager use."""
+    update_state/result/reset_state as Keras's for eager use. A metric of one's own subclasses
+    it and defines `sums` and `value` (and `size`, the length of its state, when not 2); one
+    that defines Keras's update_state and result instead is refused at compile (check_metrics),
+    since on a cluster its state must add over the workers' batches."""
     default_name = "metric"
     direction: str | None = "up"    # Keras's _direction: "auto" maximizes it ("down": minimizes; None: neither)
 
@@ -67,10 +72,12 @@ class Metric:
         return 2
 
     def sums(self, pred: np.ndarray, y: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """A batch's state: `size()` sums over its samples (float64)."""
+        raise NotImplementedError(f"{type(self).__name__} must define sums(pred, y)")
 
     def value(self, sums: np.ndarray) -> float:
-        raise NotImplementedError
+        """The metric of a summed state."""
+        raise NotImplementedError(f"{type(self).__name__} must define value(sums)")
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
         if sample_weight is not None:
@@ -116,8 +123,9 @@ class _Mean(Metric):
     """A mean over samples of each sample's error, averaged over its columns: (sum, samples)."""
     direction = "down"
 
+    @abc.abstractmethod
     def error(self, pred: np.ndarray, y: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """Each sample's error per column (pred's shape)."""
 
     def sums(self, pred, y):
         y = np.asarray(y, np.float64).reshape(pred.shape)
@@ -401,6 +409,13 @@ def check_metrics(metrics) -> list[str]:
         raise ConfigError(f"compile: metrics: {unknown[0]!r} is not supported; pserver reports accuracy "
                           f"(and auc for binary_crossentropy), r2 (mse), and {', '.join(BY_NAME)} "
                           f"(docs/guide/keras.md)")
+    for m in metrics:
+        own = type(m)
+        if isinstance(m, Metric) and (own.sums is Metric.sums or own.value is Metric.value):
+            raise ConfigError(f"compile: metrics: {own.__name__} does not define sums(pred, y) and "
+                              f"value(sums): pserver's metrics keep a state of sums that shard 0 adds over "
+                              f"the workers' batches, not Keras's update_state and result "
+                              f"(docs/guide/keras.md, \"A metric of your own\")")
     names = [m.name if isinstance(m, Metric) else METRICS.get(m, m) for m in metrics]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
