@@ -135,3 +135,22 @@ def test_a_stopping_callback_with_batches_from_python_is_refused_on_a_cluster_on
     history = _model().fit(ds, epochs=3, verbose=0, validation_data=(X, Y),
                            callbacks=[keras.callbacks.EarlyStopping(min_delta=10.0, patience=0)])
     assert len(history.history["loss"]) == 2
+
+
+def test_fewer_samples_than_a_batch_train_as_one_batch_of_them_all(monkeypatch):
+    """Keras's fit on 8 samples at the default batch_size=32 trains one batch of 8 per epoch.
+    Catches the refusal it met ("--batch-size: 32 is larger than each worker's slice"), and a
+    batch padded or repeated (the weights would differ from batch_size=8's)."""
+    monkeypatch.setenv("PSERVER_RUN_SEED", "0")       # set_random_seed sets it: removed after the test
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 2, 8).astype(np.float32)
+    finals = []
+    for batch_size in (None, 8):
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(optimizer="sgd", loss="binary_crossentropy")
+        history = model.fit(x, y, batch_size=batch_size, epochs=2, verbose=0)
+        assert len(history.history["loss"]) == 2
+        finals.append(model.get_weights())
+    for a, b in zip(*finals):
+        np.testing.assert_array_equal(a, b)

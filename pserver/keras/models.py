@@ -359,7 +359,12 @@ class _Model:
             raise ConfigError(f"fit: batch_size={batch_size!r} is the global batch, split across "
                               f"{workers} worker(s): give a multiple of {workers}")
         steps = max(1, -(-len(x) // batch_size))       # the last global batch may be smaller
-        return x, y, steps, batch_size // workers, val
+        # Fewer samples than a batch: one batch of all of them, as Keras (each worker its slice)
+        per_worker = min(batch_size, len(x)) // workers
+        if per_worker < 1:
+            raise ConfigError(f"fit: {len(x)} training sample(s) for {workers} workers: each worker "
+                              "needs one at least")
+        return x, y, steps, per_worker, val
 
     def _fit_stream(self, x, y, batch_size, epochs, shuffle, sample_weight, class_weight, steps_per_epoch,
                     validation_split, validation_data, rank: int, workers: int):
