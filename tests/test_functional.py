@@ -68,6 +68,7 @@ def test_a_nested_custom_layer_s_gradient_equals_finite_differences():
     or their gradient not reaching grad_out."""
     inp = keras.Input(shape=(4,))
     model = keras.Model(inp, MLPBlock()(inp))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     core = model._core.use_backend("reference")
     assert core.layout.describe() == ("linear/variable[4, 8], linear/variable_1[8], "
                                       "linear_1/variable[8, 3], linear_1/variable_1[3]")
@@ -84,6 +85,7 @@ def test_a_call_is_traced_once_per_training_value():
     """Catches: a graph traced once, so that training and inference compute the same thing."""
     inp = keras.Input(shape=(3,))
     model = keras.Model(inp, layers.Dense(2)(Halve()(inp)))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     core, w = model._core, model._weights()
     x, y = np.random.default_rng(0).random((4, 3), np.float32), np.array([0, 1, 1, 0])
     training = core.loss_and_grad(w, x, y, np.zeros_like(w))

@@ -628,3 +628,25 @@ def test_set_random_seed_fixes_the_initial_weights_and_the_training(monkeypatch)
     for bad in ("3", -1, 2 ** 32, True, 1.5):
         with pytest.raises(ConfigError, match="set_random_seed"):
             keras.utils.set_random_seed(bad)
+
+
+def test_a_model_summarizes_predicts_and_saves_before_compile_whatever_its_output(tmp_path):
+    """Keras builds, summarizes, predicts and saves before compile (keras.io's
+    imbalanced_classification calls summary() on a Dense(1, sigmoid) model first). Catches: the
+    core checking its default loss (a sparse cross-entropy needs 2 outputs) at build, predict
+    without the sigmoid, and evaluate running on a loss nobody gave."""
+    model = keras.Sequential([keras.Input((4,)), layers.Dense(8, activation="relu"),
+                              layers.Dense(1, activation="sigmoid")])
+    model.summary(print_fn=lambda line, **kw: None)
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    k1, b1, k2, b2 = model.get_weights()
+    expected = 1 / (1 + np.exp(-(np.maximum(x @ k1 + b1, 0) @ k2 + b2)))
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, rtol=1e-5)
+    with pytest.raises(ConfigError, match="compile it first") as e:
+        model.evaluate(x, np.zeros(16, np.float32), verbose=0)
+    assert "\n" not in str(e.value)
+    model.save(tmp_path / "m.keras")
+    again = keras.models.load_model(tmp_path / "m.keras")
+    np.testing.assert_allclose(again.predict(x, verbose=0), expected, rtol=1e-5)
+    again.compile(optimizer="adam", loss="binary_crossentropy")
+    again.fit(x, (x[:, 0] > 0).astype(np.float32), epochs=1, verbose=0)

@@ -202,7 +202,9 @@ def test_cuda_refuses_the_normalization_layers_in_one_line():
 def bn_model(features: int, momentum: float = 0.9):
     inputs = keras.Input((features,))
     h = keras.layers.BatchNormalization(momentum=momentum)(inputs)
-    return keras.Model(inputs, keras.layers.Dense(2, activation="softmax")(h))._core
+    model = keras.Model(inputs, keras.layers.Dense(2, activation="softmax")(h))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model._core
 
 
 def pull(shards, total):

@@ -22,5 +22,5 @@ from pserver.models.metrics import (
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
 __all__ = ["Metric", "AUC", "Precision", "Recall", "MeanSquaredError", "MeanAbsoluteError",
-           "RootMeanSquaredError", "TopKCategoricalAccuracy", "SparseTopKCategoricalAccuracy", "TruePositives",
-           "FalsePositives", "TrueNegatives", "FalseNegatives"]
+           "RootMeanSquaredError", "TopKCategoricalAccuracy", "SparseTopKCategoricalAccuracy",
+           "TruePositives", "FalsePositives", "TrueNegatives", "FalseNegatives"]

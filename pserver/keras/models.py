@@ -31,6 +31,7 @@ from pserver.keras._names import missing as _missing
 from pserver.layers import activations, saving
 from pserver.layers.base import Layer, as_shape, init_arguments
 from pserver.layers.traced import TracedLayer, snake_case
+from pserver.models import losses as _losses
 from pserver.models.functional import Functional as _Functional
 from pserver.models.sequential import Sequential as _Sequential
 from pserver.ops.core import Symbolic
@@ -494,7 +495,7 @@ class Sequential(_Model):
     """keras.Sequential([keras.Input(shape=(28, 28, 1)), layers.Conv2D(32, 3), ...])."""
 
     def __init__(self, layers=None, trainable=True, name=None):
-        super().__init__(_Core(name=name or "sequential"))
+        super().__init__(_Core(name=name or "sequential", loss=_losses.Pending()))
         self._auto_named: set[int] = set()      # the layers this model named (dense, dense_1, ...)
         for layer in layers or ():
             self.add(layer)
@@ -563,7 +564,7 @@ class Model(_Model):
         if inputs is None or outputs is None:
             raise ConfigError("Model: give inputs= and outputs= (keras.Input tensors and the tensor "
                               "computed from them), or subclass Model and define call")
-        super().__init__(_FunctionalCore(inputs, outputs, name=name or "functional"))
+        super().__init__(_FunctionalCore(inputs, outputs, name=name or "functional", loss=_losses.Pending()))
         if trainable is not True:
             self.trainable = trainable
 
@@ -634,7 +635,7 @@ class Model(_Model):
         xs = [np.asarray(a) for a in (x if several else [x])]
         inputs = [Input(shape=a.shape[1:], dtype="int32" if a.dtype.kind in "iu" else "float32") for a in xs]
         args = inputs if several else inputs[0]
-        return _FunctionalCore(args, self(args), name=self.name)
+        return _FunctionalCore(args, self(args), name=self.name, loss=_losses.Pending())
 
 
 class ModelCall(TracedLayer):

@@ -196,6 +196,21 @@ def weighted(loss: Loss, k, out: np.ndarray, y: np.ndarray, dout: np.ndarray,
     return float(np.dot(sw.astype(np.float64), rows) / len(sw)) if len(sw) else 0.0
 
 
+class Pending(Loss):
+    """A Keras model's loss until compile gives one (Keras builds, summarizes and predicts
+    before compile): any output fits it, and a softmax or sigmoid last layer computes logits
+    with its activation applied after, as before a cross-entropy (predict's outputs are the
+    same); training or evaluating with it is refused."""
+    name = "pending"
+
+    def check_activation(self, activation, where):
+        return activation in ("softmax", "sigmoid")
+
+    def __call__(self, k, out, y, dout, row_loss=None):
+        raise ConfigError("the model has no loss yet: compile it first (model.compile(optimizer=..., "
+                          "loss=...))")
+
+
 _NAMES = {"sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
           "categorical_crossentropy": CategoricalCrossentropy,
           "binary_crossentropy": BinaryCrossentropy,
@@ -208,10 +223,12 @@ def get(spec) -> Loss:
         return spec
     if isinstance(spec, str) and spec in _NAMES:
         return _NAMES[spec]()
+    if isinstance(spec, dict) and spec.get("name") == Pending.name:     # a model saved before compile
+        return Pending()
     if isinstance(spec, dict) and spec.get("name") in _NAMES:        # a get_config()
         return _NAMES[spec["name"]](**{k: v for k, v in spec.items() if k != "name"})
     raise ConfigError(f"loss: unknown loss {spec!r}; choose one of {', '.join(_NAMES)}")
 
 
-__all__ = ["Loss", "SparseCategoricalCrossentropy", "CategoricalCrossentropy", "BinaryCrossentropy",
-           "MeanSquaredError", "get", "weighted"]
+__all__ = ["Loss", "Pending", "SparseCategoricalCrossentropy", "CategoricalCrossentropy",
+           "BinaryCrossentropy", "MeanSquaredError", "get", "weighted"]

@@ -61,7 +61,8 @@ class Metric(abc.ABC):
     that defines Keras's update_state and result instead is refused at compile (check_metrics),
     since on a cluster its state must add over the workers' batches."""
     default_name = "metric"
-    direction: str | None = "up"    # Keras's _direction: "auto" maximizes it ("down": minimizes; None: neither)
+    # Keras's _direction: "auto" monitoring maximizes it ("down": minimizes; None: neither)
+    direction: str | None = "up"
 
     def __init__(self, name=None, dtype=None):
         self.name = name or self.default_name
