@@ -1,4 +1,4 @@
-"""Keras's MNIST convnet example (bench/keras_mnist_convnet.py, only its imports changed) under
+"""The MNIST convnet script (bench/keras_mnist_convnet.py: keras.io's example's model) under
 `pserver run --ps 2 --workers 4`, sync, for several seeds: its test accuracy and speed.
 
     python bench/keras_convnet.py --seeds 0,1,2 --epochs 15 --out bench/results/keras/ [--keep]
@@ -94,7 +94,7 @@ def main() -> None:
                   f"{r['train_samples_per_second']:,.0f} train samples/s, {r['wall_seconds']:.0f} s",
                   flush=True)
     accs = [r["test_accuracy"] for r in results]
-    summary = {"what": "keras.io mnist_convnet, imports changed, under pserver run --ps "
+    summary = {"what": "bench/keras_mnist_convnet.py under pserver run --ps "
                        f"{args.ps} --workers {args.workers} (sync)", "epochs": args.epochs,
                "example_epochs": 15, "seeds": seeds, "test_accuracy": accs,
                "median_test_accuracy": statistics.median(accs), "target": 0.990, "machine": m}

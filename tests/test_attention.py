@@ -2,8 +2,8 @@
 each layer's forward against an independent NumPy twin (Keras's formulas: the einsum equations of
 its MultiHeadAttention, GroupNormalization's grouped moments, a direct separable convolution) and
 its backward against central finite differences in float64 (hypothesis over shapes); masks and
-the causal mask; Keras's weights, summary counts, configs and refusals; keras.io's
-text_classification_with_transformer model, its import lines changed, training on synthetic ids."""
+the causal mask; Keras's weights, summary counts, configs and refusals; the model of keras.io's
+text_classification_with_transformer (written here), training on synthetic ids."""
 
 from __future__ import annotations
 
@@ -305,7 +305,7 @@ def test_keras_summary_counts_and_configs_of_group_normalization_and_separable_c
             bad()
 
 
-# -- ops.arange and keras.io's transformer ---------------------------------------------------------
+# -- ops.arange and a transformer classifier -----------------------------------------------------
 
 def test_arange_as_keras():
     """Catches a stop-only call counting from 1, and Keras's dtypes (int32, float32 for a float)."""
@@ -316,45 +316,38 @@ def test_arange_as_keras():
 
 
 class TransformerBlock(layers.Layer):
-    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
-        super().__init__()
-        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-        self.ffn = keras.Sequential(
-            [layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim),]
-        )
-        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
-        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
-        self.dropout1 = layers.Dropout(rate)
-        self.dropout2 = layers.Dropout(rate)
+    """Self-attention and a feed-forward network, each with dropout, a residual connection and a
+    layer normalization (the block of keras.io's text_classification_with_transformer)."""
 
-    def call(self, inputs):
-        attn_output = self.att(inputs, inputs)
-        attn_output = self.dropout1(attn_output)
-        out1 = self.layernorm1(inputs + attn_output)
-        ffn_output = self.ffn(out1)
-        ffn_output = self.dropout2(ffn_output)
-        return self.layernorm2(out1 + ffn_output)
+    def __init__(self, width, heads, hidden, rate=0.1):
+        super().__init__()
+        self.attention = layers.MultiHeadAttention(num_heads=heads, key_dim=width)
+        self.feed_forward = keras.Sequential([layers.Dense(hidden, activation="relu"), layers.Dense(width)])
+        self.norms = [layers.LayerNormalization(epsilon=1e-6) for _ in range(2)]
+        self.drops = [layers.Dropout(rate) for _ in range(2)]
+
+    def call(self, x):
+        x = self.norms[0](x + self.drops[0](self.attention(x, x)))
+        return self.norms[1](x + self.drops[1](self.feed_forward(x)))
 
 
 class TokenAndPositionEmbedding(layers.Layer):
-    def __init__(self, maxlen, vocab_size, embed_dim):
+    """An id's embedding plus its position's (positions from ops.arange)."""
+
+    def __init__(self, length, vocabulary, width):
         super().__init__()
-        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
-        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+        self.tokens = layers.Embedding(input_dim=vocabulary, output_dim=width)
+        self.positions = layers.Embedding(input_dim=length, output_dim=width)
 
-    def call(self, x):
-        maxlen = ops.shape(x)[-1]
-        positions = ops.arange(start=0, stop=maxlen, step=1)
-        positions = self.pos_emb(positions)
-        x = self.token_emb(x)
-        return x + positions
+    def call(self, ids):
+        return self.tokens(ids) + self.positions(ops.arange(start=0, stop=ops.shape(ids)[-1], step=1))
 
 
-def test_keras_io_text_classification_with_transformer_trains():
-    """keras.io's example (its classes verbatim, sizes small, ids synthetic: the label is whether
-    token 1 appears): catches the position Embedding on ops.arange's constant not trained or not
-    broadcast over the batch, a Sequential inside a layer not applied, and attention that does
-    not learn (the label needs a look at every step)."""
+def test_a_transformer_text_classifier_trains():
+    """keras.io's text_classification_with_transformer model (written here, sizes small, ids
+    synthetic: the label is whether token 1 appears): catches the position Embedding on
+    ops.arange's constant not trained or not broadcast over the batch, a Sequential inside a
+    layer not applied, and attention that does not learn (the label needs a look at every step)."""
     vocab_size, maxlen, embed_dim, num_heads, ff_dim = 20, 10, 16, 2, 16
     r = np.random.default_rng(0)
     x_train = r.integers(2, vocab_size, (512, maxlen))

@@ -14,7 +14,8 @@ from tests.support.gradients import assert_fd
 
 
 class Linear(keras.layers.Layer):
-    """keras.io, "Making new layers and models via subclassing": its Linear, imports changed."""
+    """A layer of one's own that makes its weights at build (the pattern of keras.io's guide
+    "Making new layers and models via subclassing")."""
 
     def __init__(self, units=32):
         super().__init__()
@@ -30,7 +31,7 @@ class Linear(keras.layers.Layer):
 
 
 class MLPBlock(keras.layers.Layer):
-    """The same guide's MLPBlock: layers of a layer, tracked by the graph."""
+    """Layers held by a layer, tracked by the graph."""
 
     def __init__(self, units=3):
         super().__init__()

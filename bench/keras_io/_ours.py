@@ -1,4 +1,4 @@
-"""What the keras.io scripts here add to the guides (their blocks marked "ours"), in one place:
+"""What the scripts here share (beside keras.io's models, which they write), in one place:
 the seed and a sample limit from the environment, MNIST read from its IDX files, and IMDB's
 shape-identical synthetic stand-in (IMDB cannot be downloaded here).
 

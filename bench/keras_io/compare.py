@@ -1,6 +1,6 @@
-"""The keras.io guides' scripts in bench/keras_io/ under `pserver run --ps 1 --workers 2` (sync)
-and plainly on Keras 3 (TensorFlow backend, the bench venv), the two differing only in their
-import lines, for seeds 1,2,3 interleaved (pserver seed 1, Keras seed 1, pserver seed 2, ...):
+"""The scripts in bench/keras_io/ (keras.io guides' models, written here) under `pserver run --ps 1
+--workers 2` (sync) and plainly on Keras 3 (TensorFlow backend, the bench venv), the two differing
+only in their import lines, for seeds 1,2,3 interleaved (pserver seed 1, Keras seed 1, pserver seed 2, ...):
 each run's test accuracy, wall time and speed; the median of the seeds per side and the
 difference in points.
 
@@ -159,7 +159,7 @@ def main() -> None:
         ap.error("--train-samples/--epochs resize the toy ResNet's fit: give --scripts toy_resnet")
     m = machine()
     print("\n".join(machine_lines(m)), flush=True)
-    result = {"what": "keras.io guides, imports changed, under pserver run vs Keras 3", "machine": m,
+    result = {"what": "bench/keras_io scripts under pserver run vs Keras 3", "machine": m,
               "keras": keras_version(args.keras_python)}
     with tempfile.TemporaryDirectory() as tmp:
         result["comparisons"] = [compare(name, args, Path(tmp)) for name in names]

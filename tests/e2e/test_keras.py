@@ -1,5 +1,5 @@
-"""Keras's MNIST convnet example (bench/keras_mnist_convnet.py: keras.io's, only its imports
-changed) under `pserver run --ps 2 --workers 4`, sync, for 2 of its 15 epochs (a copy of the
+"""The MNIST convnet script (bench/keras_mnist_convnet.py: the model of keras.io's example, in
+the Keras API) under `pserver run --ps 2 --workers 4`, sync, for 2 of its 15 epochs (a copy of the
 script with `epochs = 2`, nothing else changed): the test accuracy it prints is >= 0.975.
 Catches, besides a loop that does not learn: a softmax last layer not fused into the loss (the
 loss of probabilities would be taken as logits), one-hot labels misread, a global batch not

@@ -1,4 +1,4 @@
-"""The keras.io guides' scripts in bench/keras_io/ (only their imports changed, see their headers)
+"""The scripts in bench/keras_io/ (the models of keras.io guides, written here; see their headers)
 under `pserver run --ps 1 --workers 2`, sync, on 256 samples (KERAS_IO_SAMPLES): each one builds,
 trains and prints a test accuracy. Catches a guide's code that stops building or training under
 pserver.keras (a layer subclass, ops in `call`, a subclassed Model, layers.add, the global
