@@ -65,9 +65,10 @@ def assert_fd(layer, p, x, seed=0, floats=None):
 
 # -- MultiHeadAttention ---------------------------------------------------------------------------
 
-def attention_twin(p, query, value, key=None, mask=None, causal=False, key_dim=1):
+def attention_twin(p, query, value, key=None, mask=None, causal=False, key_dim=1, dropped=None):
     """Keras's MultiHeadAttention with its einsum equations (EinsumDense "abc,cde->abde", scores
-    "aecd,abcd->acbe", combine "acbe,aecd->abcd", output "abcd,cde->abe") and its masked softmax."""
+    "aecd,abcd->acbe", combine "acbe,aecd->abcd", output "abcd,cde->abe"), its masked softmax and
+    its dropout on the probabilities (`dropped`: 0 or 1 / (1 - rate) per weight)."""
     key = value if key is None else key
     b = {n: p.get(f"{n}/bias", 0) for n in ("query", "key", "value", "attention_output")}
     q = np.einsum("abc,cde->abde", query, p["query/kernel"]) + b["query"]
@@ -81,7 +82,7 @@ def attention_twin(p, query, value, key=None, mask=None, causal=False, key_dim=1
         keep &= np.tril(np.ones(scores.shape[-2:], bool))
     scores = np.where(keep, scores, -1e9)
     e = np.exp(scores - scores.max(-1, keepdims=True))
-    probs = e / e.sum(-1, keepdims=True)
+    probs = e / e.sum(-1, keepdims=True) * (1 if dropped is None else dropped)
     context = np.einsum("acbe,aecd->abcd", probs, v)
     return np.einsum("abcd,cde->abe", context, p["attention_output/kernel"]) + b["attention_output"]
 
@@ -118,6 +119,29 @@ def test_multi_head_attention_against_keras_formula_and_finite_differences(n, t,
     want = attention_twin(p, xs[0], xs[1], xs[2] if own_key else None, mask, key_dim=key_dim)
     np.testing.assert_allclose(run(layer, p, x)[0], want, rtol=1e-9, atol=1e-9)
     assert_fd(layer, p, x, seed=seed, floats=range(len(xs)))
+
+
+@FAST
+@given(rate=st.floats(0.05, 0.9), seed=st.integers(0, 2**16), causal=st.booleans())
+def test_attention_dropout_drops_weights_after_the_softmax_in_training_only(rate, seed, causal):
+    """Keras's dropout in MultiHeadAttention: the attention weights dropped after the softmax and
+    the kept ones scaled, in training only. Catches dropout on the scores before the softmax, the
+    mask left out of the backward (checked by finite differences on the same mask), the value's
+    gradient through the undropped weights, and dropout at inference."""
+    r = np.random.default_rng(seed)
+    layer = mha_built(MultiHeadAttention(2, 3, dropout=rate), [(4, 5), (6, 5)], use_causal_mask=causal)
+    p = params_of(layer, r)
+    x = [r.standard_normal((3, 4, 5)), r.standard_normal((3, 6, 5))]
+    out, s = run(layer, p, x)
+    dropped = s["mask"]
+    assert set(np.unique(dropped)) <= {0.0, 1 / (1 - rate)}
+    np.testing.assert_allclose(out, attention_twin(p, *x, causal=causal, key_dim=3, dropped=dropped),
+                               rtol=1e-9, atol=1e-9)
+    inference = np.empty_like(out)
+    layer.forward(None, p, x, inference, layer.scratch(3, np.float64), Pass(training=False))
+    np.testing.assert_allclose(inference, attention_twin(p, *x, causal=causal, key_dim=3),
+                               rtol=1e-9, atol=1e-9)
+    assert_fd(layer, p, x, seed=seed)
 
 
 def test_a_masked_key_changes_nothing_and_the_causal_mask_hides_the_future():
@@ -165,7 +189,7 @@ def test_multi_head_attention_weights_summary_config_and_refusals():
     layer = model._core.layers[0]
     again = MultiHeadAttention.from_config(layer.get_config())
     assert (again.num_heads, again.key_dim, again.value_dim, again.use_bias) == (2, 16, 16, True)
-    for bad, match in ((lambda: MultiHeadAttention(2, 4, dropout=0.1), "dropout=0.1 is not supported"),
+    for bad, match in ((lambda: MultiHeadAttention(2, 4, dropout=1.0), r"dropout must be in \[0, 1\)"),
                        (lambda: MultiHeadAttention(2, 4, attention_axes=(1, 2)), "attention_axes"),
                        (lambda: layers.MultiHeadAttention(2, 4)(inputs, inputs, return_attention_scores=True),
                         "return_attention_scores"),

@@ -5,7 +5,9 @@ give its outputs: softmax(q k^T / sqrt(key_dim)) v per head, then the heads proj
 The work is batched matrix products (compute-bound), so both passes are np.matmul over NumPy's
 BLAS on (n, heads, steps, dim) arrays, fused in one forward and one backward; the twin is
 pserver.kernels.reference.attention, Keras's einsum equations. Masked positions take the score
--1e9 before the softmax (Keras's Softmax with a mask), so a masked key gets no weight.
+-1e9 before the softmax (Keras's Softmax with a mask), so a masked key gets no weight. In
+training, `dropout` drops attention weights after the softmax, as Keras's (inverted dropout on
+the probabilities; the kept ones scaled by 1 / (1 - rate)), with Dropout's kernel and seeds.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class MultiHeadAttention(Layer):
                  kernel_constraint=None, bias_constraint=None, use_gate: bool = False, seed=None, **kwargs):
         super().__init__(**kwargs)
         owner = "MultiHeadAttention"
-        given = dict(dropout=dropout, attention_axes=_other_axes(attention_axes),
+        given = dict(attention_axes=_other_axes(attention_axes),
                      sliding_window=sliding_window, flash_attention=flash_attention,
                      kernel_regularizer=kernel_regularizer, bias_regularizer=bias_regularizer,
                      activity_regularizer=activity_regularizer,
@@ -54,6 +56,10 @@ class MultiHeadAttention(Layer):
         self.kernel_initializer = initializers.get(kernel_initializer, f"{owner}: kernel_initializer")
         self.bias_initializer = initializers.get(bias_initializer, f"{owner}: bias_initializer")
         self.scale = 1.0 / math.sqrt(float(self.key_dim))
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise ConfigError(f"{owner}: dropout must be in [0, 1), got {dropout!r}")
+        self.dropout = float(dropout)
+        self.seed = 0 if seed is None else int(seed)     # mixed into the step's seed, as Dropout's
 
     # -- calling it: Keras's arguments, as a list of inputs -----------------------------------------
 
@@ -146,12 +152,19 @@ class MultiHeadAttention(Layer):
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores, out=scores)
         probs /= probs.sum(axis=-1, keepdims=True)
-        context = _merge(probs @ heads["value"])                               # (n * t, heads * v)
+        dropped = None
+        if run.training and self.dropout > 0:
+            dropped, mask = np.empty_like(probs), np.empty_like(probs)
+            k_ = k if k is not None else _reference()
+            k_.dropout_forward(probs, dropped, mask, self.dropout, (run.seed + self.seed) % (1 << 63))
+            s.update(mask=mask)
+        context = _merge((probs if dropped is None else dropped) @ heads["value"])   # (n * t, heads * v)
         w = p["attention_output/kernel"]
         np.matmul(context, w.reshape(-1, w.shape[-1]), out=out.reshape(-1, w.shape[-1]))
         if self.use_bias:
             out += p["attention_output/bias"]
-        s.update(q=q, k=heads["key"], v=heads["value"], probs=probs, context=context, keep=keep)
+        s.update(q=q, k=heads["key"], v=heads["value"], probs=probs, dropped=dropped, context=context,
+                 keep=keep)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         r, w = self._roles(x), p["attention_output/kernel"]
@@ -162,19 +175,27 @@ class MultiHeadAttention(Layer):
             g["attention_output/bias"][...] = d2.sum(axis=0)
         dcontext = np.ascontiguousarray((d2 @ w.reshape(-1, e).T).reshape(n, t, self.num_heads, -1)
                                         .transpose(0, 2, 1, 3))
-        probs = s["probs"]
+        probs, dropped = s["probs"], s.get("dropped")
         dprobs = dcontext @ _t(s["v"])
+        if dropped is not None:                        # through the dropout: the kept ones, scaled
+            dprobs *= s["mask"]
         dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
         if s["keep"] is not None:      # a masked score is the constant: no gradient (a row all masked)
             dscores *= s["keep"]
         dheads = {"query": (dscores @ s["k"]) * np.asarray(self.scale, dscores.dtype),
-                  "key": _t(dscores) @ s["q"], "value": _t(probs) @ dcontext}
+                  "key": _t(dscores) @ s["q"], "value": _t(probs if dropped is None else dropped) @ dcontext}
         sinks = {"query": dx[0], "value": dx[1], "key": dx[2] if self._form[0] else dx[1]}
         for name in ("query", "value", "key"):       # value before key: key may be value (adds)
             add = name == "key" and not self._form[0]
             _project_back(r[name], p[f"{name}/kernel"], dheads[name], g, name, sinks[name], add)
         if self._form[1] and dx[-1] is not None:
             dx[-1][...] = 0                            # a mask takes no gradient
+
+
+def _reference():
+    """The NumPy kernels, for a pass driven without a kernel module (k None: the tests' twins)."""
+    from pserver.kernels import reference
+    return reference
 
 
 def _other_axes(attention_axes):
