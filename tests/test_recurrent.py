@@ -52,6 +52,7 @@ def case(data, cell):
     n, steps, features, units = (data.draw(st.integers(1, hi)) for hi in (3, 4, 3, 3))
     flags = {f: data.draw(st.booleans()) for f in ("return_sequences", "return_state", "go_backwards",
                                                     "use_bias")}
+    flags["dropout"] = data.draw(st.sampled_from([0.0, 0.4]))      # the same mask in every pass here
     layer = built(CELLS[cell](units, **flags), (steps, features))
     r = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     p = {w.name: 0.7 * r.standard_normal(w.shape) for w in layer.weights()}
@@ -92,6 +93,27 @@ def test_the_numba_kernels_against_the_twins_in_float32(cell, data):
     for name in p:
         np.testing.assert_allclose(got[1][name], want[1][name], rtol=1e-4, atol=1e-4, err_msg=name)
     np.testing.assert_allclose(got[2], want[2], rtol=1e-4, atol=1e-4)
+
+
+@FAST
+@given(cell=st.sampled_from(sorted(CELLS)), rate=st.floats(0.05, 0.9), seed=st.integers(0, 2**16))
+def test_input_dropout_is_one_mask_per_sample_and_feature_at_every_step_in_training_only(cell, rate, seed):
+    """Keras's `dropout` on a recurrent layer's inputs: the layer in training equals the layer
+    without dropout on x * mask, one mask row per sample shared by every step, 0 or 1/(1 - rate);
+    at inference it drops nothing. Catches a mask drawn per step, dropout on the states or the
+    outputs, and dropout at inference."""
+    r = np.random.default_rng(seed)
+    layer = built(CELLS[cell](3, dropout=rate, return_sequences=True), (5, 4))
+    plain = built(CELLS[cell](3, return_sequences=True), (5, 4))
+    p = {w.name: 0.7 * r.standard_normal(w.shape) for w in layer.weights()}
+    x = r.standard_normal((6, 5, 4))
+    out, s = run(layer, REF, p, x)
+    mask = s["input_mask"]
+    assert mask.shape == (6, 4) and set(np.unique(mask)) <= {0.0, 1 / (1 - rate)}
+    np.testing.assert_allclose(out, run(plain, REF, p, x * mask[:, None, :])[0], rtol=1e-12, atol=1e-12)
+    inference = np.empty_like(out)
+    layer.forward(REF, p, x, inference, layer.scratch(6, x.dtype), Pass(training=False))
+    np.testing.assert_allclose(inference, run(plain, REF, p, x)[0], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("merge_mode", ["concat", "sum", "mul", "ave"])
@@ -269,7 +291,7 @@ def test_save_and_load_keep_the_recurrent_layers(tmp_path):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: LSTM(4, dropout=0.2), "dropout=0.2 is not supported"),
+    (lambda: LSTM(4, dropout=1.0), r"dropout must be in \[0, 1\)"),
     (lambda: GRU(4, recurrent_dropout=0.1), "recurrent_dropout=0.1 is not supported"),
     (lambda: SimpleRNN(4, stateful=True), "stateful=True is not supported"),
     (lambda: LSTM(4, unroll=True), "unroll=True is not supported"),

@@ -72,8 +72,10 @@ class _Recurrent(Layer):
                bias_regularizer, activity_regularizer, constraints: dict, dropout, recurrent_dropout,
                return_sequences, return_state, go_backwards, stateful, unroll, kwargs) -> None:
         owner = type(self).__name__
-        _refuse(owner, dropout=dropout, recurrent_dropout=recurrent_dropout, stateful=stateful,
-                unroll=unroll, **constraints)
+        _refuse(owner, recurrent_dropout=recurrent_dropout, stateful=stateful, unroll=unroll, **constraints)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise ConfigError(f"{owner}: dropout must be in [0, 1), got {dropout!r}")
+        self.dropout = float(dropout)
         super().__init__(**kwargs)
         self.units = positive_int(owner, "units", units)
         self.activation = _activation(owner, "activation", activation)
@@ -172,8 +174,22 @@ class _Recurrent(Layer):
     def _dbiases(self, g: dict, s: dict):
         return (g["bias"] if self.use_bias else s["dbias"]), s["rdb"]
 
+    def _dropped(self, k, x, s, run):
+        """Keras's `dropout` on a recurrent layer's inputs, in training: one mask per sample and
+        feature, the same at every step (its cell's one dropout mask per call), with Dropout's
+        kernel and seeds; x itself at inference (and s forgets an earlier pass's mask)."""
+        if not (run.training and self.dropout > 0):
+            s.pop("input_mask", None)
+            return x
+        n, _, features = x.shape
+        ones, mask = np.ones((n, features), x.dtype), np.empty((n, features), x.dtype)
+        k.dropout_forward(ones, np.empty_like(ones), mask, self.dropout, (run.seed + self.seed) % (1 << 63))
+        s["input_mask"], s["dropped"] = mask, x * mask[:, None, :]
+        return s["dropped"]
+
     def forward(self, k, p, x, out, s, run):
         x, states = (x[0], x[1:]) if self.takes_list else (x, [0] * self.states)
+        x = self._dropped(k, x, s, run)
         n, steps, features = x.shape
         xw = s["xw"]
         k.dense_forward(x.reshape(n * steps, features), p["kernel"], self._biases(p, s)[0],
@@ -221,11 +237,16 @@ class _Recurrent(Layer):
         dbias, drbias = self._dbiases(g, s)
         k.dense_param_grads(s["hs"][:steps].reshape(steps * n, u), s["drec"].reshape(steps * n, width),
                             g["recurrent_kernel"], drbias)
+        mask = s.get("input_mask")
+        if mask is not None:                  # the kernel saw the dropped inputs
+            x = s["dropped"]
         x2, dxw = x.reshape(n * steps, features), s["dxw"].reshape(n * steps, width)
         if dx is None:
             k.dense_param_grads(x2, dxw, g["kernel"], dbias)
         else:
             k.dense_backward(x2, p["kernel"], dxw, g["kernel"], dbias, dx.reshape(n * steps, features), False)
+            if mask is not None:
+                dx *= mask[:, None, :]
 
     def _cell_forward(self, k, p, s) -> None:
         k.simple_rnn_forward(s["xw"], p["recurrent_kernel"], s["hs"], self.go_backwards, self.activation)
@@ -254,6 +275,7 @@ class SimpleRNN(_Recurrent):
                                                bias_constraint=bias_constraint),
                     dropout, recurrent_dropout, return_sequences, return_state, go_backwards, stateful,
                     unroll, kwargs)
+        self.seed = 0 if seed is None else int(seed)      # mixed into the step's seed, as Dropout's
 
 
 class LSTM(_Recurrent):
@@ -279,6 +301,7 @@ class LSTM(_Recurrent):
                                                                  bias_constraint=bias_constraint),
                     dropout, recurrent_dropout, return_sequences, return_state, go_backwards, stateful,
                     unroll, kwargs)
+        self.seed = 0 if seed is None else int(seed)      # mixed into the step's seed, as Dropout's
 
     def bias_initializer(self):
         inner = self.initializers["bias"]
@@ -325,6 +348,7 @@ class GRU(_Recurrent):
                                                                  bias_constraint=bias_constraint),
                     dropout, recurrent_dropout, return_sequences, return_state, go_backwards, stateful,
                     unroll, kwargs)
+        self.seed = 0 if seed is None else int(seed)      # mixed into the step's seed, as Dropout's
 
     def bias_shape(self):
         return (2, 3 * self.units)
