@@ -495,3 +495,17 @@ def test_a_worker_back_after_the_others_left_without_it_trains_alone():
     assert shard.store.version == 2
     again = shard.register(0, 2, 0, 1, layout, previous_session=s[0])
     assert not again.took_over
+
+
+def test_a_rank_marked_dead_that_then_left_is_waited_for_again_in_the_next_job():
+    """Catches the new job keeping the old one's dead set: a rank marked dead, then stopped and
+    left, would never be waited for in the next job (its steps one gradient short)."""
+    shard = Shard(ServerConfig(num_workers=2, mode="sync", optimizer="sgd", lr=1.0))
+    layout = Layout.of([("w", (4,))])
+    s = [shard.register(r, 2, 0, 1, layout).session for r in (0, 1)]
+    with shard.store.cond:
+        shard.members.mark_dead([1], "a test")
+    for r in (0, 1):
+        shard.leave(r, s[r])
+    shard.register(0, 2, 0, 1, layout)
+    assert shard.members.expected() == {0, 1} and not shard.members.dead

@@ -178,7 +178,7 @@ class Membership:
             return
         log.info("shard %d: every worker of the last job left; worker %d begins another, whose steps "
                  "wait for every starting rank again", self.store.shard, rank)
-        self.registered, self.left = set(), set()
+        self.registered, self.left, self.dead = set(), set(), set()    # a rank dead and then left too
         self.join_at.clear()
 
     def session_live(self, rank: int) -> bool:
