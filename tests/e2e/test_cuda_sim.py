@@ -16,7 +16,11 @@ TINY = ["--model", "mlp", "--hidden", "6", "--samples", "192", "--test-samples",
         # Every step waits for both workers however slow the simulator runs on a loaded machine: at
         # the default 60 s a step once closed without one (CI-like run at load 12), and the weights
         # were then one worker's gradient, not the mean of two.
-        "--step-timeout", "600"]
+        "--step-timeout", "600",
+        # Each rank its own slice, in order: with leased chunks which batches a sync step averages
+        # hangs on when each worker asks (this session's CI: the two runs' pieces the same, their
+        # steps paired otherwise, weights 1e-4 to 1e-2 apart); this test compares the kernels.
+        "--data-assignment", "slices"]
 
 
 def final_weights(tmp_path, device: str) -> np.ndarray:
