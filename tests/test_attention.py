@@ -33,7 +33,7 @@ def run(layer, p, x):
     n = (x[0] if isinstance(x, list) else x).shape[0]
     out = np.empty((n, *layer.output_shape))
     s = layer.scratch(n, np.float64)
-    layer.forward(None, p, x, out, s, Pass(training=True))
+    layer.forward(reference, p, x, out, s, Pass(training=True))
     return out, s
 
 
@@ -138,7 +138,7 @@ def test_attention_dropout_drops_weights_after_the_softmax_in_training_only(rate
     np.testing.assert_allclose(out, attention_twin(p, *x, causal=causal, key_dim=3, dropped=dropped),
                                rtol=1e-9, atol=1e-9)
     inference = np.empty_like(out)
-    layer.forward(None, p, x, inference, layer.scratch(3, np.float64), Pass(training=False))
+    layer.forward(reference, p, x, inference, layer.scratch(3, np.float64), Pass(training=False))
     np.testing.assert_allclose(inference, attention_twin(p, *x, causal=causal, key_dim=3),
                                rtol=1e-9, atol=1e-9)
     assert_fd(layer, p, x, seed=seed)

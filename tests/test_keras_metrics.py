@@ -235,7 +235,7 @@ def test_counts_log_by_keras_s_names_and_auto_monitoring_refuses_them():
 def test_a_metric_of_one_s_own_with_sums_and_value_logs_and_one_with_update_state_is_refused():
     """The guide's metric of one's own (docs/guide/keras.md): its sums go through fit and evaluate
     as a compiled metric's. Catches: one with only Keras's update_state/result failing deep in fit
-    with a bare NotImplementedError (it did), instead of one line at compile."""
+    with no word of what to define (it did), instead of one line at compile."""
     class MeanPrediction(keras.metrics.Metric):
         def sums(self, pred, y):
             return np.array([pred.mean(axis=1).sum(), len(pred)])

@@ -19,6 +19,7 @@ import numpy as np
 from pserver.errors import ConfigError
 from pserver.layers import initializers
 from pserver.layers.base import Layer, Weight, positive_int
+from pserver.layers.dropout import rate_of, seed_of, step_seed
 
 MASKED = -1e9        # Keras's _large_negative_number for float32 scores
 _PROJECTIONS = ("query", "key", "value")
@@ -56,10 +57,7 @@ class MultiHeadAttention(Layer):
         self.kernel_initializer = initializers.get(kernel_initializer, f"{owner}: kernel_initializer")
         self.bias_initializer = initializers.get(bias_initializer, f"{owner}: bias_initializer")
         self.scale = 1.0 / math.sqrt(float(self.key_dim))
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-            raise ConfigError(f"{owner}: dropout must be in [0, 1), got {dropout!r}")
-        self.dropout = float(dropout)
-        self.seed = 0 if seed is None else int(seed)     # mixed into the step's seed, as Dropout's
+        self.dropout, self.seed = rate_of(owner, "dropout", dropout), seed_of(seed)
 
     # -- calling it: Keras's arguments, as a list of inputs -----------------------------------------
 
@@ -155,8 +153,7 @@ class MultiHeadAttention(Layer):
         dropped = None
         if run.training and self.dropout > 0:
             dropped, mask = np.empty_like(probs), np.empty_like(probs)
-            k_ = k if k is not None else _reference()
-            k_.dropout_forward(probs, dropped, mask, self.dropout, (run.seed + self.seed) % (1 << 63))
+            k.dropout_forward(probs, dropped, mask, self.dropout, step_seed(run, self.seed))
             s.update(mask=mask)
         context = _merge((probs if dropped is None else dropped) @ heads["value"])   # (n * t, heads * v)
         w = p["attention_output/kernel"]
@@ -190,12 +187,6 @@ class MultiHeadAttention(Layer):
             _project_back(r[name], p[f"{name}/kernel"], dheads[name], g, name, sinks[name], add)
         if self._form[1] and dx[-1] is not None:
             dx[-1][...] = 0                            # a mask takes no gradient
-
-
-def _reference():
-    """The NumPy kernels, for a pass driven without a kernel module (k None: the tests' twins)."""
-    from pserver.kernels import reference
-    return reference
 
 
 def _other_axes(attention_axes):

@@ -26,6 +26,7 @@ import numpy as np
 from pserver.errors import ConfigError
 from pserver.layers import initializers, regularizers
 from pserver.layers.base import Layer, Weight, activity, positive_int
+from pserver.layers.dropout import rate_of, seed_of, step_seed
 from pserver.ops.core import Symbolic
 
 # The activations the fused kernels compute (their derivatives from their outputs).
@@ -70,12 +71,10 @@ class _Recurrent(Layer):
     def _setup(self, units, activation, recurrent_activation, use_bias, kernel_initializer,
                recurrent_initializer, bias_initializer, kernel_regularizer, recurrent_regularizer,
                bias_regularizer, activity_regularizer, constraints: dict, dropout, recurrent_dropout,
-               return_sequences, return_state, go_backwards, stateful, unroll, kwargs) -> None:
+               return_sequences, return_state, go_backwards, stateful, unroll, kwargs, seed=None) -> None:
         owner = type(self).__name__
         _refuse(owner, recurrent_dropout=recurrent_dropout, stateful=stateful, unroll=unroll, **constraints)
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-            raise ConfigError(f"{owner}: dropout must be in [0, 1), got {dropout!r}")
-        self.dropout = float(dropout)
+        self.dropout, self.seed = rate_of(owner, "dropout", dropout), seed_of(seed)
         super().__init__(**kwargs)
         self.units = positive_int(owner, "units", units)
         self.activation = _activation(owner, "activation", activation)
@@ -183,7 +182,7 @@ class _Recurrent(Layer):
             return x
         n, _, features = x.shape
         ones, mask = np.ones((n, features), x.dtype), np.empty((n, features), x.dtype)
-        k.dropout_forward(ones, np.empty_like(ones), mask, self.dropout, (run.seed + self.seed) % (1 << 63))
+        k.dropout_forward(ones, np.empty_like(ones), mask, self.dropout, step_seed(run, self.seed))
         s["input_mask"], s["dropped"] = mask, x * mask[:, None, :]
         return s["dropped"]
 
@@ -274,8 +273,7 @@ class SimpleRNN(_Recurrent):
                                                recurrent_constraint=recurrent_constraint,
                                                bias_constraint=bias_constraint),
                     dropout, recurrent_dropout, return_sequences, return_state, go_backwards, stateful,
-                    unroll, kwargs)
-        self.seed = 0 if seed is None else int(seed)      # mixed into the step's seed, as Dropout's
+                    unroll, kwargs, seed)
 
 
 class LSTM(_Recurrent):
@@ -300,8 +298,7 @@ class LSTM(_Recurrent):
                                                                  recurrent_constraint=recurrent_constraint,
                                                                  bias_constraint=bias_constraint),
                     dropout, recurrent_dropout, return_sequences, return_state, go_backwards, stateful,
-                    unroll, kwargs)
-        self.seed = 0 if seed is None else int(seed)      # mixed into the step's seed, as Dropout's
+                    unroll, kwargs, seed)
 
     def bias_initializer(self):
         inner = self.initializers["bias"]
@@ -347,8 +344,7 @@ class GRU(_Recurrent):
                                                                  recurrent_constraint=recurrent_constraint,
                                                                  bias_constraint=bias_constraint),
                     dropout, recurrent_dropout, return_sequences, return_state, go_backwards, stateful,
-                    unroll, kwargs)
-        self.seed = 0 if seed is None else int(seed)      # mixed into the step's seed, as Dropout's
+                    unroll, kwargs, seed)
 
     def bias_shape(self):
         return (2, 3 * self.units)

@@ -73,12 +73,13 @@ class Metric(abc.ABC):
         return 2
 
     def sums(self, pred: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """A batch's state: `size()` sums over its samples (float64)."""
-        raise NotImplementedError(f"{type(self).__name__} must define sums(pred, y)")
+        """A batch's state: `size()` sums over its samples (float64). A subclass that does not
+        define it (nor value) is refused, at compile or here when used eagerly."""
+        raise ConfigError(_undefined(type(self)))
 
     def value(self, sums: np.ndarray) -> float:
         """The metric of a summed state."""
-        raise NotImplementedError(f"{type(self).__name__} must define value(sums)")
+        raise ConfigError(_undefined(type(self)))
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
         if sample_weight is not None:
@@ -100,6 +101,12 @@ class Metric(abc.ABC):
     @classmethod
     def from_config(cls, config: dict) -> "Metric":
         return cls(**config)
+
+
+def _undefined(own: type) -> str:
+    return (f"metrics: {own.__name__} does not define sums(pred, y) and value(sums): pserver's metrics "
+            f"keep a state of sums that shard 0 adds over the workers' batches, not Keras's update_state "
+            f"and result (docs/guide/keras.md, \"A metric of your own\")")
 
 
 def _columns(a: np.ndarray) -> np.ndarray:
@@ -413,10 +420,7 @@ def check_metrics(metrics) -> list[str]:
     for m in metrics:
         own = type(m)
         if isinstance(m, Metric) and (own.sums is Metric.sums or own.value is Metric.value):
-            raise ConfigError(f"compile: metrics: {own.__name__} does not define sums(pred, y) and "
-                              f"value(sums): pserver's metrics keep a state of sums that shard 0 adds over "
-                              f"the workers' batches, not Keras's update_state and result "
-                              f"(docs/guide/keras.md, \"A metric of your own\")")
+            raise ConfigError(f"compile: {_undefined(own)}")
     names = [m.name if isinstance(m, Metric) else METRICS.get(m, m) for m in metrics]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
