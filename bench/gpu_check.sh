@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The checks of the CUDA path that need a real NVIDIA GPU, in one run that fits a short lease:
 #
-#   1. the CUDA tests on the device, not the simulator (tests/cuda_sim/check_*.py, PTX included)
+#   1. the CUDA tests on the device, not the simulator (tests/cuda_sim/check_*.py: kernels, products,
+#      models, graphs, PTX)
 #   2. bench/kernels.py: matmul (each kernel, and cuBLAS through CuPy), the MLP step (GPU against
 #      one CPU core, with the step's copy/compute split), conv2d and the CNN step against cuDNN
-#   3. MNIST with 2 workers and 1 CPU shard: the MLP and the reference CNN, --device cpu and cuda
+#   3. MNIST with 2 workers and 1 CPU shard: the MLP and the reference CNN (or any --model), --device
+#      cpu and cuda
 #
 #   bash bench/gpu_check.sh OUT_DIR [MNIST_DIR]
 #
 # OUT_DIR gets env.txt, tests.log, tests.xml, bench.log, kernels.json, mnist.log, mnist.json.
 # Environment: TESTS_LIMIT, BENCH_LIMIT (seconds), SECTIONS and BACKENDS (bench/kernels.py's),
 # SIZES and CNN_BATCHES (its --sizes and --cnn-batches), MNIST_GPU and MNIST_CPU (the models to
-# run on each, default "mlp cnn"; "" for none), MNIST_BATCH (per worker, default 128),
+# run on each, default "mlp cnn"; "" for none; a --model spec such as bench/gpu_models.py:toy_resnet
+# too, and MODEL@STEPS stops each worker after STEPS steps), MNIST_BATCH (per worker, default 128),
+# MNIST_EPOCHS (default 1), MNIST_ARGS (more flags for each run, e.g. --data-assignment slices),
 # MNIST_ONE_CORE=1 (the CPU runs with one thread per library in each process: one core per
 # worker), MNIST_GPU_LIMIT and MNIST_CPU_LIMIT (seconds per run), and STEPS: the steps in order
 # (default "tests mnist-gpu bench mnist-cpu"); a step written with a trailing "+" runs beside the
@@ -56,16 +60,19 @@ tests() {
   stamp "tests on the device" > "$OUT/tests.log"
   timeout ${TESTS_LIMIT:-160} $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 --junitxml="$OUT/tests.xml" \
     tests/cuda_sim/check_kernels_cuda.py tests/cuda_sim/check_gemm_cuda.py tests/cuda_sim/check_model_cuda.py \
-    tests/cuda_sim/check_ptx.py >> "$OUT/tests.log" 2>&1
+    tests/cuda_sim/check_graph_cuda.py tests/cuda_sim/check_ptx.py >> "$OUT/tests.log" 2>&1
   echo "exit $?" >> "$OUT/tests.log"
   tail -4 "$OUT/tests.log"
 }
 
-mnist() {   # mnist MODEL DEVICE SECONDS
+mnist() {   # mnist MODEL[@STEPS] DEVICE SECONDS (STEPS: --max-steps; the summary is named by MODEL's last part)
+  local model=${1%@*} steps=""
+  [ "$model" != "$1" ] && steps="--max-steps ${1##*@}"
+  local name=${model##*:}
   stamp "$1 $2" >> "$OUT/mnist.log"
-  timeout "$3" $PY -m pserver launch --ps 1 --workers 2 --model "$1" --device "$2" \
-    --dataset mnist --data-dir "$DATA" --epochs 1 --batch-size ${MNIST_BATCH:-128} --optimizer adam --lr 0.001 \
-    --summary-json "$RUNS/mnist-$1-$2.json" >> "$OUT/mnist.log" 2>&1
+  timeout "$3" $PY -m pserver launch --ps 1 --workers 2 --model "$model" --device "$2" $steps ${MNIST_ARGS:-} \
+    --dataset mnist --data-dir "$DATA" --epochs ${MNIST_EPOCHS:-1} --batch-size ${MNIST_BATCH:-128} --optimizer adam --lr 0.001 \
+    --summary-json "$RUNS/mnist-${name##*/}-$2.json" >> "$OUT/mnist.log" 2>&1
   echo "exit $?" >> "$OUT/mnist.log"
 }
 

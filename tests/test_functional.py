@@ -566,3 +566,27 @@ def test_a_frozen_base_is_not_differentiated_and_the_rest_gets_the_same_gradient
             assert np.array_equal(middle[n], full[n]), n
     model.layers[1].trainable = True
     assert all(np.array_equal(v, full[k]) for k, v in grads().items())
+
+
+def test_a_model_file_builder_may_return_a_keras_model(tmp_path):
+    # Catches `--model FILE.py:FUNCTION` refusing a keras.Model ("lacks layout, init_params,
+    # loss_and_grad"), or unwrapping it without the loss its compile gave.
+    from pserver.models.functional import Functional
+    from pserver.models.user import load_model
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import pserver.keras as keras\n"
+        "from pserver.keras import layers\n"
+        "def build(input_shape, num_classes):\n"
+        "    inp = keras.Input(shape=input_shape)\n"
+        "    h = layers.add([layers.Dense(4)(inp), layers.Dense(4)(inp)])\n"
+        "    model = keras.Model(inp, layers.Dense(num_classes)(h))\n"
+        "    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n"
+        "    return model\n")
+    model = load_model(f"{path}:build", (8,), 3)
+    assert isinstance(model, Functional)
+    assert model.loss.name == "sparse_categorical_crossentropy" and model.loss.from_logits
+    x, y = blobs(n=32)
+    w = model.init_params(0)
+    grad = np.zeros_like(w)
+    assert np.isfinite(model.loss_and_grad(w, x, y, grad)) and np.abs(grad).sum() > 0

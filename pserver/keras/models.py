@@ -101,6 +101,11 @@ class _Model:
     def _core(self, core) -> None:
         self._built_core = core
 
+    def core_model(self):
+        """The pserver Sequential or Functional this model trains (built now if it is not yet):
+        what `--model FILE.py:FUNCTION` takes from a builder that returns a Keras model."""
+        return self._core
+
     @property
     def name(self) -> str:
         return self._name if self._built_core is None else self._core.name

@@ -2,10 +2,11 @@
 
 `build` is called with `input_shape` (a tuple, without the batch dimension) and `num_classes`
 (0 for regression) for each of them its signature accepts, by name or through **kwargs, and
-with none otherwise. It returns a Sequential or any object with the model protocol
-(`pserver.models.base.PROTOCOL`). Every mistake is one ConfigError line naming --model; an
-exception in the user's code names the file, the line and the code on it. `--model FILE.py`
-without a function lists the functions of the file that return a model (`builders`).
+with none otherwise. It returns a Sequential, a Functional, a `pserver.keras` Model or Sequential
+(its graph trains), or any object with the model protocol (`pserver.models.base.PROTOCOL`).
+Every mistake is one ConfigError line naming --model; an exception in the user's code names the
+file, the line and the code on it. `--model FILE.py` without a function lists the functions of
+the file that return a model (`builders`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def load_model(spec: str, input_shape: tuple[int, ...], num_classes: int):
     kwargs = _accepted(fn, {"input_shape": tuple(input_shape), "num_classes": num_classes})
     try:
         model = fn(**kwargs)
+        # A keras.Model or keras.Sequential (pserver.keras) trains as the graph it holds.
+        core = getattr(model, "core_model", None)
+        model = core() if callable(core) else model
         if isinstance(model, Functional):
             model.build()    # a layer that cannot work says so here, as this --model's error
     except PServerError as e:
