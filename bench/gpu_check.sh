@@ -11,8 +11,9 @@
 #   bash bench/gpu_check.sh OUT_DIR [MNIST_DIR]
 #
 # OUT_DIR gets env.txt, tests.log, tests.xml, bench.log, kernels.json, mnist.log, mnist.json.
-# Environment: TESTS_LIMIT, BENCH_LIMIT (seconds), SECTIONS and BACKENDS (bench/kernels.py's),
-# SIZES and CNN_BATCHES (its --sizes and --cnn-batches), MNIST_GPU and MNIST_CPU (the models to
+# Environment: TESTS (the test files, default all of tests/cuda_sim/check_*.py), TESTS_LIMIT, BENCH_LIMIT (seconds), SECTIONS and BACKENDS (bench/kernels.py's),
+# SIZES, CNN_BATCHES, SWEEP_MATMUL and SWEEP_CONV (its --sizes, --cnn-batches, --sweep-matmul and
+# --sweep-conv), MNIST_GPU and MNIST_CPU (the models to
 # run on each, default "mlp cnn"; "" for none; a --model spec such as bench/gpu_models.py:toy_resnet
 # too, and MODEL@STEPS stops each worker after STEPS steps), MNIST_BATCH (per worker, default 128),
 # MNIST_EPOCHS (default 1), MNIST_ARGS (more flags for each run, e.g. --data-assignment slices),
@@ -59,8 +60,8 @@ EOF
 tests() {
   stamp "tests on the device" > "$OUT/tests.log"
   timeout ${TESTS_LIMIT:-160} $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 --junitxml="$OUT/tests.xml" \
-    tests/cuda_sim/check_kernels_cuda.py tests/cuda_sim/check_gemm_cuda.py tests/cuda_sim/check_model_cuda.py \
-    tests/cuda_sim/check_graph_cuda.py tests/cuda_sim/check_ptx.py >> "$OUT/tests.log" 2>&1
+    ${TESTS:-tests/cuda_sim/check_kernels_cuda.py tests/cuda_sim/check_gemm_cuda.py tests/cuda_sim/check_model_cuda.py \
+    tests/cuda_sim/check_graph_cuda.py tests/cuda_sim/check_ptx.py} >> "$OUT/tests.log" 2>&1
   echo "exit $?" >> "$OUT/tests.log"
   tail -4 "$OUT/tests.log"
 }
@@ -94,6 +95,7 @@ bench() {
   timeout ${BENCH_LIMIT:-190} $PY bench/kernels.py --sizes ${SIZES:-1024,2048,4096} --batches 64,2048,4096 \
     --cnn-batches ${CNN_BATCHES:-64,256} --sections ${SECTIONS:-matmul,mlp,gpu-cnn} \
     --backends ${BACKENDS:-cpu1,cuda,cuda-t16,cuda-b64k16p,cuda-b128k16pc,cupy,torch} \
+    ${SWEEP_MATMUL:+--sweep-matmul $SWEEP_MATMUL} ${SWEEP_CONV:+--sweep-conv $SWEEP_CONV} \
     --warmup-seconds 0.3 --min-seconds 0.5 --json "$OUT/kernels.json" >> "$OUT/bench.log" 2>&1
   echo "exit $?" >> "$OUT/bench.log"
 }

@@ -43,7 +43,7 @@ CPU_KERNELS = ("fm_forward", "fm_backward", "conv2d_forward_cols", "conv2d_backw
                "gru_backward")
 # The graph layers' kernels (merges, Concatenate, global pooling): memory-bound, so NumPy on the
 # host (cpu takes reference's) and numba.cuda on the device, with one signature (cuda's plus `stream`).
-GRAPH_KERNELS = ("elementwise", "scale_by", "extreme_forward", "select_grad", "columns_into",
+GRAPH_KERNELS = ("elementwise", "scale_by", "fill", "extreme_forward", "select_grad", "columns_into",
                  "columns_from", "global_avgpool_forward", "global_avgpool_backward",
                  "global_maxpool_forward", "global_maxpool_backward")
 

@@ -30,6 +30,7 @@ from pserver.kernels.reference import (  # noqa: F401  (this backend's API)
     columns_into,
     elementwise,
     extreme_forward,
+    fill,
     global_avgpool_backward,
     global_avgpool_forward,
     global_maxpool_backward,

@@ -46,6 +46,7 @@ from pserver.kernels.cuda_graph import (  # noqa: F401
     columns_into,
     elementwise,
     extreme_forward,
+    fill,
     global_avgpool_backward,
     global_avgpool_forward,
     global_maxpool_backward,

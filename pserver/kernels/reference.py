@@ -387,6 +387,11 @@ def elementwise(kind, a, b, out):
     getattr(np, kind)(a, b, out=out)
 
 
+def fill(a, value):
+    """a[:] = value."""
+    a[...] = value
+
+
 def scale_by(x, c, out):
     """out[:] = c * x (out may be x)."""
     np.multiply(x, x.dtype.type(c), out=out)

@@ -285,12 +285,16 @@ def backward(plan: Plan, k, params: list[dict], grads: list[dict], vals: list, d
             _layer_backward(plan, k, i, params, grads, vals, acc[step.out], acc, bufs, written, ops)
         else:
             _op_backward(plan, step, vals, acc, ops)
+    # Through the kernels: on the GPU these are device arrays, which take no `view[...] = x`.
     for s, (li, name) in plan.weight_slots.items():
-        grads[li][name][...] = 0 if acc[s] is None else acc[s]
+        if acc[s] is None:
+            k.fill(grads[li][name], 0.0)
+        else:
+            k.copy(acc[s], grads[li][name])
     for li, layer in enumerate(plan.layers):      # a layer whose output took no gradient
         if li not in written and not layer.traced:
             for view in grads[li].values():
-                view[...] = 0
+                k.fill(view, 0.0)
 
 
 def _op_backward(plan: Plan, step: Step, vals: list, acc: list, ops: dict) -> None:

@@ -229,7 +229,9 @@ def test_timings_split_the_step():
     g = np.empty_like(w)
     loss, ms = gpu_m.loss_and_grad(w, x, y, g, timings=True)
     assert loss == pytest.approx(gpu_m.loss_and_grad(w, x, y, np.empty_like(w)), rel=1e-6)
-    assert set(ms) == {"h2d", "compute", "d2h"} and all(v >= 0 for v in ms.values())
+    assert set(ms) == {"h2d", "compute", "d2h"}
+    # A simulator's events time nothing: numba's returns 0.0, numba-cuda's -1.0.
+    assert all(v >= 0 for v in ms.values()) or (simfix.SIMULATOR and set(ms.values()) == {-1.0})
 
 
 # -- pserver.kernels.device with a device present ------------------------------------------------
