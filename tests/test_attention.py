@@ -65,10 +65,12 @@ def assert_fd(layer, p, x, seed=0, floats=None):
 
 # -- MultiHeadAttention ---------------------------------------------------------------------------
 
-def attention_twin(p, query, value, key=None, mask=None, causal=False, key_dim=1, dropped=None):
+def attention_twin(p, query, value, key=None, mask=None, causal=False, key_dim=1, dropped=None,
+                   with_weights=False):
     """Keras's MultiHeadAttention with its einsum equations (EinsumDense "abc,cde->abde", scores
     "aecd,abcd->acbe", combine "acbe,aecd->abcd", output "abcd,cde->abe"), its masked softmax and
-    its dropout on the probabilities (`dropped`: 0 or 1 / (1 - rate) per weight)."""
+    its dropout on the probabilities (`dropped`: 0 or 1 / (1 - rate) per weight); with `with_weights`,
+    (output, the softmax's weights before dropout), as Keras's return_attention_scores."""
     key = value if key is None else key
     b = {n: p.get(f"{n}/bias", 0) for n in ("query", "key", "value", "attention_output")}
     q = np.einsum("abc,cde->abde", query, p["query/kernel"]) + b["query"]
@@ -82,9 +84,11 @@ def attention_twin(p, query, value, key=None, mask=None, causal=False, key_dim=1
         keep &= np.tril(np.ones(scores.shape[-2:], bool))
     scores = np.where(keep, scores, -1e9)
     e = np.exp(scores - scores.max(-1, keepdims=True))
-    probs = e / e.sum(-1, keepdims=True) * (1 if dropped is None else dropped)
+    weights = e / e.sum(-1, keepdims=True)
+    probs = weights * (1 if dropped is None else dropped)
     context = np.einsum("acbe,aecd->abcd", probs, v)
-    return np.einsum("abcd,cde->abe", context, p["attention_output/kernel"]) + b["attention_output"]
+    out = np.einsum("abcd,cde->abe", context, p["attention_output/kernel"]) + b["attention_output"]
+    return (out, weights) if with_weights else out
 
 
 def mha_built(layer, shapes, **call):
@@ -173,6 +177,84 @@ def test_a_masked_key_changes_nothing_and_the_causal_mask_hides_the_future():
     assert_fd(causal, p, [x, x])
 
 
+@pytest.mark.parametrize("form", ["self", "own key and mask", "causal"])
+def test_a_model_with_attention_is_saved_and_loaded_with_its_call(tmp_path, form):
+    """Catches a saved graph that cannot call the layer again (load_model said "is called on
+    query and value": the replay gives the inputs as one list) or that calls it in another form:
+    a lost key, mask or causal mask changes the loaded model's predictions."""
+    r = np.random.default_rng(3)
+    q_in, v_in = keras.Input((5, 8)), keras.Input((6, 8))
+    mha = layers.MultiHeadAttention(2, 4)
+    if form == "self":
+        inputs, h, data = [q_in], mha(q_in, q_in), [r.standard_normal((4, 5, 8))]
+    elif form == "causal":
+        inputs, h, data = [q_in], mha(q_in, q_in, use_causal_mask=True), [r.standard_normal((4, 5, 8))]
+    else:
+        k_in, m_in = keras.Input((6, 8)), keras.Input((5, 6))
+        inputs, h = [q_in, v_in, k_in, m_in], mha(q_in, v_in, key=k_in, attention_mask=m_in)
+        data = [r.standard_normal((4, 5, 8)), r.standard_normal((4, 6, 8)), r.standard_normal((4, 6, 8)),
+                (r.random((4, 5, 6)) > 0.3).astype(np.float32)]
+    model = keras.Model(inputs, layers.Dense(3)(layers.Flatten()(h)))
+    model.compile(loss="sparse_categorical_crossentropy")
+    data = [d.astype(np.float32) for d in data]
+    x = data[0] if len(data) == 1 else data
+    before = model.predict(x, verbose=0)
+    model.save(tmp_path / "m.npz")
+    again = keras.models.load_model(tmp_path / "m.npz")
+    np.testing.assert_array_equal(again.predict(x, verbose=0), before)
+
+
+@pytest.mark.parametrize("rate,masked,causal", [(0.0, False, False), (0.4, True, False), (0.3, False, True)])
+def test_return_attention_scores_gives_keras_s_weights_and_their_gradient(rate, masked, causal):
+    """Catches scores taken after dropout (Keras returns the softmax's weights before it), heads
+    or steps out of place in the packed output, and a gradient that ignores the scores' use (a
+    loss that reads them): the layer's backward against central differences of a random
+    functional of both outputs."""
+    r = np.random.default_rng(int(10 * rate) + masked)
+    layer = mha_built(MultiHeadAttention(3, 2, dropout=rate), [(4, 5), (6, 5)],
+                      mask=(4, 6) if masked else None, use_causal_mask=causal, return_attention_scores=True)
+    assert layer.output_shape == (4, 5 + 3 * 6)
+    p = params_of(layer, r)
+    x = [r.standard_normal((2, 4, 5)), r.standard_normal((2, 6, 5))]
+    mask = (r.random((2, 4, 6)) > 0.3).astype(np.float64)
+    if masked:
+        x.append(mask)
+    out, s = run(layer, p, x)
+    want, weights = attention_twin(p, x[0], x[1], mask=mask if masked else None, causal=causal, key_dim=2,
+                                   dropped=s.get("mask"), with_weights=True)
+    np.testing.assert_allclose(out[:, :, :5], want, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(out[:, :, 5:].reshape(2, 4, 3, 6).transpose(0, 2, 1, 3), weights,
+                               rtol=1e-9, atol=1e-12)
+    assert_fd(layer, p, x, floats=[0, 1])
+
+
+def test_return_attention_scores_in_a_model_trains_saves_and_refuses_another_form(tmp_path):
+    """The call gives [output (steps, dim), scores (heads, steps, key steps)] as Keras's; a model
+    whose loss reads both trains, and loads with its graph (the packed tensor and its slices)."""
+    inp = keras.Input((5, 8))
+    mha = layers.MultiHeadAttention(2, 4)
+    out, scores = mha(inp, inp, return_attention_scores=True)
+    assert (out.shape, scores.shape) == ((None, 5, 8), (None, 2, 5, 5))
+    h = layers.concatenate([layers.Flatten()(out), layers.Flatten()(scores)])
+    model = keras.Model(inp, layers.Dense(3, activation="softmax")(h))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    r = np.random.default_rng(0)
+    x, y = r.standard_normal((64, 5, 8)).astype(np.float32), r.integers(0, 3, 64)
+    before = model.get_weights()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    moved = {t.name: not np.array_equal(a, b) for t, a, b in zip(model._core.layout.tensors, before,
+                                                                   model.get_weights())}
+    assert moved["multi_head_attention/query/kernel"] and moved["multi_head_attention/key/kernel"]
+    model.save(tmp_path / "m.npz")
+    np.testing.assert_array_equal(keras.models.load_model(tmp_path / "m.npz").predict(x, verbose=0),
+                                  model.predict(x, verbose=0))
+    probe = keras.Model(inp, scores)                   # a model that outputs the scores alone
+    np.testing.assert_allclose(probe.predict(x[:3], verbose=0).sum(axis=-1), 1, rtol=1e-5)
+    with pytest.raises(ConfigError, match="return_attention_scores") as e:
+        mha(inp, inp)
+    assert "\n" not in str(e.value)
+
+
 def test_multi_head_attention_weights_summary_config_and_refusals():
     """Keras's weight names, shapes and count (MultiHeadAttention(2, 16) on 16 features: 2,160
     parameters, as Keras's summary), a config that rebuilds the layer, and arguments pserver
@@ -191,8 +273,6 @@ def test_multi_head_attention_weights_summary_config_and_refusals():
     assert (again.num_heads, again.key_dim, again.value_dim, again.use_bias) == (2, 16, 16, True)
     for bad, match in ((lambda: MultiHeadAttention(2, 4, dropout=1.0), r"dropout must be in \[0, 1\)"),
                        (lambda: MultiHeadAttention(2, 4, attention_axes=(1, 2)), "attention_axes"),
-                       (lambda: layers.MultiHeadAttention(2, 4)(inputs, inputs, return_attention_scores=True),
-                        "return_attention_scores"),
                        (lambda: layers.MultiHeadAttention(2, 4)(*[keras.Input((2, 3, 4))] * 2),
                         "attention_axes")):
         with pytest.raises(ConfigError, match=match) as e:

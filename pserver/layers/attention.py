@@ -20,6 +20,8 @@ from pserver.errors import ConfigError
 from pserver.layers import initializers
 from pserver.layers.base import Layer, Weight, positive_int
 from pserver.layers.dropout import rate_of, seed_of, step_seed
+from pserver.ops.core import Symbolic
+from pserver.ops.shape import reshape, transpose
 
 MASKED = -1e9        # Keras's _large_negative_number for float32 scores
 _PROJECTIONS = ("query", "key", "value")
@@ -62,26 +64,54 @@ class MultiHeadAttention(Layer):
     # -- calling it: Keras's arguments, as a list of inputs -----------------------------------------
 
     def __call__(self, query, value=None, key=None, query_mask=None, value_mask=None, key_mask=None,
-                 attention_mask=None, return_attention_scores=False, training=None, use_causal_mask=False):
-        if value is None:
-            raise ConfigError(f"{self.label}: is called on query and value: mha(query, value)")
-        bad = {"query_mask": query_mask, "value_mask": value_mask, "key_mask": key_mask,
-               "return_attention_scores": return_attention_scores or None}
-        bad = sorted(k for k, v in bad.items() if v is not None)
-        if bad:
-            raise ConfigError(f"{self.label}: {bad[0]} is not supported when called (give attention_mask)")
-        own_key = key is not None and key is not value
-        form = (own_key, attention_mask is not None, bool(use_causal_mask))
+                 attention_mask=None, return_attention_scores=False, training=None, use_causal_mask=False,
+                 form=None):
+        """Keras's call; with return_attention_scores, [output, scores] (scores (heads, query
+        steps, key steps): the softmax's weights, before dropout, as Keras's). The layer has one
+        output, so with scores it computes both packed in one (query steps, dim + heads * key
+        steps) tensor that the call slices apart (ops): `summary()` shows the packed shape.
+
+        The graph records the call's `form` (a key of its own, a mask, causal, scores) with its
+        list of inputs, which is how a saved graph calls the layer again
+        (pserver.models.graph_config): mha([query, value, key?, mask?], form=[...]) gives the
+        packed tensor that the saved slicing ops read."""
+        replay = form is not None
+        if replay:
+            form = tuple(bool(f) for f in form) + (False,) * (4 - len(form))
+            inputs = list(query)
+            if len(form) != 4 or len(inputs) != 2 + form[0] + form[1]:
+                raise ConfigError(f"{self.label}: a saved call's form {list(form)} does not match its "
+                                  f"{len(inputs)} inputs")
+        else:
+            if value is None:
+                raise ConfigError(f"{self.label}: is called on query and value: mha(query, value)")
+            bad = {"query_mask": query_mask, "value_mask": value_mask, "key_mask": key_mask}
+            bad = sorted(k for k, v in bad.items() if v is not None)
+            if bad:
+                raise ConfigError(f"{self.label}: {bad[0]} is not supported when called "
+                                  "(give attention_mask)")
+            own_key = key is not None and key is not value
+            form = (own_key, attention_mask is not None, bool(use_causal_mask), bool(return_attention_scores))
+            inputs = [query, value] + ([key] if own_key else []) + ([attention_mask] if form[1] else [])
         if getattr(self, "_form", form) != form:
-            raise ConfigError(f"{self.label}: called again with another key, attention_mask or "
-                              "use_causal_mask than at its first call (one layer, one form)")
+            raise ConfigError(f"{self.label}: called again with another key, attention_mask, "
+                              "use_causal_mask or return_attention_scores than at its first call "
+                              "(one layer, one form)")
         self._form = form
-        inputs = [query, value] + ([key] if own_key else []) + ([attention_mask] if form[1] else [])
-        return super().__call__(inputs, training=training)
+        out = super().__call__(inputs, training=training)
+        if not isinstance(out, Symbolic):
+            return out
+        out.node.attrs["kwargs"] = {"form": list(form)}
+        if not form[3] or replay:
+            return out
+        e, t, s = self.out_dim, self.output_shape[0], self.input_shape[1][0]
+        scores = reshape(out[:, :, e:], (-1, t, self.num_heads, s))
+        return [out[:, :, :e], transpose(scores, (0, 2, 1, 3))]
 
     def build(self, input_shape):
         shapes = [tuple(s) for s in input_shape]
-        own_key, masked, self.causal = getattr(self, "_form", (len(shapes) > 2, False, False))
+        form = getattr(self, "_form", (len(shapes) > 2, False, False, False))
+        own_key, masked, self.causal, self.scores = form
         query, value = shapes[0], shapes[1]
         key = shapes[2] if own_key else value
         for what, shape in (("query", query), ("value", value), ("key", key)):
@@ -97,7 +127,9 @@ class MultiHeadAttention(Layer):
                                   f"key steps) {(query[0], value[0])}")
         self.dims = {"query": query[1], "key": key[1], "value": value[1]}
         self.input_shape = shapes
-        self.output_shape = (query[0], self.output_dim or query[1])
+        self.out_dim = self.output_dim or query[1]
+        # with return_attention_scores: each query step's output, then its row of every head's scores
+        self.output_shape = (query[0], self.out_dim + (self.num_heads * value[0] if self.scores else 0))
         return self.output_shape
 
     def output_shape_for(self, input_shape):
@@ -111,21 +143,21 @@ class MultiHeadAttention(Layer):
                                 self.kernel_initializer))
             if self.use_bias:
                 found.append(Weight(f"{name}/bias", (self.num_heads, width[name]), self.bias_initializer))
-        found.append(Weight("attention_output/kernel", (self.num_heads, self.value_dim, self.output_shape[1]),
+        found.append(Weight("attention_output/kernel", (self.num_heads, self.value_dim, self.out_dim),
                             self.kernel_initializer))
         if self.use_bias:
-            found.append(Weight("attention_output/bias", (self.output_shape[1],), self.bias_initializer))
+            found.append(Weight("attention_output/bias", (self.out_dim,), self.bias_initializer))
         return found
 
     def forward_elements(self):
-        (t, e), s = self.output_shape, self.input_shape[1][0]
+        (t, _), e, s = self.output_shape, self.out_dim, self.input_shape[1][0]
         return t * e + self.num_heads * (t * (s + self.key_dim + self.value_dim) + s * (self.key_dim
                                                                                        + self.value_dim))
 
     # -- the passes ---------------------------------------------------------------------------------
 
     def _roles(self, x: list) -> dict:
-        own_key, masked, _ = self._form
+        own_key, masked = self._form[:2]
         return {"query": x[0], "value": x[1], "key": x[2] if own_key else x[1],
                 "mask": x[-1] if masked else None}
 
@@ -157,16 +189,23 @@ class MultiHeadAttention(Layer):
             s.update(mask=mask)
         context = _merge((probs if dropped is None else dropped) @ heads["value"])   # (n * t, heads * v)
         w = p["attention_output/kernel"]
-        np.matmul(context, w.reshape(-1, w.shape[-1]), out=out.reshape(-1, w.shape[-1]))
+        e = w.shape[-1]
+        if self.scores:                 # packed: the output, then the scores (before dropout)
+            n, t, _ = out.shape
+            out[:, :, :e] = (context @ w.reshape(-1, e)).reshape(n, t, e)
+            out[:, :, e:] = probs.transpose(0, 2, 1, 3).reshape(n, t, -1)
+        else:
+            np.matmul(context, w.reshape(-1, e), out=out.reshape(-1, e))
         if self.use_bias:
-            out += p["attention_output/bias"]
+            out[:, :, :e] += p["attention_output/bias"]
         s.update(q=q, k=heads["key"], v=heads["value"], probs=probs, dropped=dropped, context=context,
                  keep=keep)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         r, w = self._roles(x), p["attention_output/kernel"]
-        n, t, e = dout.shape
-        d2 = dout.reshape(n * t, e)
+        n, t, _ = dout.shape
+        e = w.shape[-1]
+        d2 = np.ascontiguousarray(dout[:, :, :e]).reshape(n * t, e)
         g["attention_output/kernel"][...] = (s["context"].T @ d2).reshape(w.shape)
         if self.use_bias:
             g["attention_output/bias"][...] = d2.sum(axis=0)
@@ -176,6 +215,8 @@ class MultiHeadAttention(Layer):
         dprobs = dcontext @ _t(s["v"])
         if dropped is not None:                        # through the dropout: the kept ones, scaled
             dprobs *= s["mask"]
+        if self.scores:                                # the scores' own gradient, before dropout
+            dprobs += dout[:, :, e:].reshape(n, t, self.num_heads, -1).transpose(0, 2, 1, 3)
         dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
         if s["keep"] is not None:      # a masked score is the constant: no gradient (a row all masked)
             dscores *= s["keep"]
