@@ -122,6 +122,10 @@ def _step_rows(tables, lks, grads, lr=2.0) -> None:
 # --embedding-dim 4, trained 1 epoch on 1,000 criteo-synthetic records (seed 3), on 300 test records.
 BEFORE = {"test_loss": 0.5333689709752798, "test_accuracy": 0.7633333333333333,
           "test_auc": 0.6623002819548872}
+# The forward pass is float32: the loss moves in its 9th digit between CPUs (BLAS and numba pick
+# other instructions: 0.5333689737 on a 2-core AMD EPYC of 2026-11-30), so 1e-6 relative; a
+# changed formula moves it far more.
+REL = 1e-6
 
 
 def test_a_ctr_model_file_and_checkpoint_from_before_the_graphs_load_and_evaluate_the_same(tmp_path):
@@ -131,13 +135,13 @@ def test_a_ctr_model_file_and_checkpoint_from_before_the_graphs_load_and_evaluat
     evaluates to other numbers."""
     model_dir = os.path.join(DATA, "model-files", "deepfm-before-issue-48")
     got = evaluate_files(model_dir, None, {})
-    assert {k: got[k] for k in BEFORE} == pytest.approx(BEFORE, rel=1e-9)
+    assert {k: got[k] for k in BEFORE} == pytest.approx(BEFORE, rel=REL)
     out = str(tmp_path / "exported")
     export_checkpoints(os.path.join(DATA, "checkpoints", "deepfm-before-issue-48"), out,
                        {"model": "deepfm", "hidden": (8,), "dataset": "criteo-synthetic", "samples": 1000,
                         "test_samples": 300, "seed": 3})
     got = evaluate_files(out, None, {})
-    assert {k: got[k] for k in BEFORE} == pytest.approx(BEFORE, rel=1e-9)
+    assert {k: got[k] for k in BEFORE} == pytest.approx(BEFORE, rel=REL)
 
 
 # -- a user's model over records -----------------------------------------------------------------------
