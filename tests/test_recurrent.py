@@ -137,6 +137,67 @@ def test_bidirectional_against_finite_differences(merge_mode, return_sequences):
     assert abs(fd - np.sum(g[name] * d)) <= 1e-6 * (1 + abs(fd))
 
 
+@pytest.mark.parametrize("cell,merge_mode,return_sequences", [
+    ("LSTM", "concat", True), ("LSTM", "mul", False), ("GRU", "ave", True), ("SimpleRNN", "sum", False)])
+def test_bidirectional_return_state_packs_each_direction_s_final_states(cell, merge_mode, return_sequences):
+    """[output, *forward states, *backward states] as Keras's: each state equals its direction's
+    layer run alone (the backward one reading the sequence backwards), and the output is the
+    merge as without states. The backward pass against central differences of a functional of
+    the output and every state. Catches the directions' states swapped, LSTM's h and c swapped,
+    a state's gradient dropped, and the merged output shifted by the packing."""
+    layer = built(Bidirectional(CELLS[cell](3, return_state=True, return_sequences=return_sequences),
+                                merge_mode=merge_mode), (4, 2))
+    plain = built(Bidirectional(CELLS[cell](3, return_sequences=return_sequences), merge_mode=merge_mode),
+                  (4, 2))
+    states, width = layer.layer.states, (6 if merge_mode == "concat" else 3)
+    merged = (4, width) if return_sequences else (width,)
+    assert layer.output_shape == (int(np.prod(merged)) + 2 * states * 3,)
+    r = np.random.default_rng(len(cell) + return_sequences)
+    p = {w.name: 0.7 * r.standard_normal(w.shape) for w in layer.weights()}
+    x = r.standard_normal((2, 4, 2))
+    out = run(layer, REF, p, x)[0]
+    size = int(np.prod(merged))
+    np.testing.assert_allclose(out[:, :size].reshape(2, *merged), run(plain, REF, p, x)[0], rtol=1e-12)
+    for i, prefix in enumerate(layer.prefixes):
+        alone = built(CELLS[cell](3, return_state=True, go_backwards=i == 1), (4, 2))
+        own = run(alone, REF, {n[len(prefix):]: v for n, v in p.items() if n.startswith(prefix)}, x)[0]
+        for j in range(states):
+            at = size + (i * states + j) * 3
+            np.testing.assert_allclose(out[:, at:at + 3], own[:, 1 + j], rtol=1e-12)
+    G = r.standard_normal(out.shape)
+    _, g, dx = grads(layer, REF, p, x, G)
+    d = r.standard_normal(x.shape)
+    fd = (np.sum(run(layer, REF, p, x + EPS * d)[0] * G) - np.sum(run(layer, REF, p, x - EPS * d)[0] * G))
+    assert abs(fd / (2 * EPS) - np.sum(dx * d)) <= 1e-6 * (1 + abs(fd / (2 * EPS)))
+    for name in p:
+        d = r.standard_normal(p[name].shape)
+        fd = (np.sum(run(layer, REF, {**p, name: p[name] + EPS * d}, x)[0] * G)
+              - np.sum(run(layer, REF, {**p, name: p[name] - EPS * d}, x)[0] * G)) / (2 * EPS)
+        assert abs(fd - np.sum(g[name] * d)) <= 1e-6 * (1 + abs(fd)), name
+
+
+def test_bidirectional_return_state_in_a_model_trains_and_saves(tmp_path):
+    """The call's list as Keras's: output, forward h and c, backward h and c; a model reading
+    the states alone trains the backward layer's kernel, and a saved model replays the packed
+    call with its slices."""
+    inputs = keras.Input((5, 3))
+    out, fh, fc, bh, bc = keras.layers.Bidirectional(keras.layers.LSTM(4, return_state=True))(inputs)
+    assert (out.shape, fh.shape, fc.shape, bh.shape, bc.shape) == ((None, 8), *[(None, 4)] * 4)
+    probe = keras.Model(inputs, [out, fh, bh])
+    x = np.random.default_rng(0).standard_normal((6, 5, 3)).astype(np.float32)
+    o, f, b = probe.predict(x, verbose=0)
+    np.testing.assert_array_equal(o, np.concatenate([f, b], axis=1))     # without sequences: h, h
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Concatenate()([fc, bh, bc])))
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1))
+    names = [t.name for t in model._core.layout.tensors]
+    before = model.get_weights()[names.index("bidirectional/backward_lstm/kernel")].copy()
+    model.fit(x, np.ones((6, 1), np.float32), epochs=1, batch_size=6, verbose=0)
+    assert not np.allclose(model.get_weights()[names.index("bidirectional/backward_lstm/kernel")], before)
+    model.save(tmp_path / "b.keras")
+    again = keras.models.load_model(tmp_path / "b.keras")
+    np.testing.assert_array_equal(again.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
 # Keras 3.15.1's outputs (TensorFlow 2.18, CPU) for x = cos(0.3 i) as (2, 3, 2) and the i-th weight
 # 0.5 sin(0.7 j + i) over its elements j, in Keras's weight order.
 KERAS = {
@@ -173,6 +234,23 @@ def test_outputs_equal_keras_s_for_the_same_weights(name):
          for i, w in enumerate(layer.weights())}
     p = {name: v.astype(np.float32) for name, v in p.items()}
     np.testing.assert_allclose(run(layer, CPU, p, x)[0], KERAS[name], atol=2e-6)
+
+
+def test_bidirectional_return_state_equals_keras_s_for_the_same_weights():
+    """Bidirectional(LSTM(2, return_state=True)) on the inputs and weights of the test above:
+    [output, forward h, forward c, backward h, backward c] as tf-keras 2.18.0 gives them
+    (TensorFlow 2.18.1, CPU; bench/tf_baseline's venv). Catches the states in another order."""
+    layer = built(Bidirectional(LSTM(2, return_state=True)), (3, 2))
+    x = np.cos(np.arange(12) * 0.3).reshape(2, 3, 2).astype(np.float32)
+    p = {w.name: (0.5 * np.sin(np.arange(int(np.prod(w.shape))) * 0.7 + i)).reshape(w.shape)
+         for i, w in enumerate(layer.weights())}
+    out = run(layer, CPU, {n: v.astype(np.float32) for n, v in p.items()}, x)[0]
+    output = KERAS["bidirectional_lstm"]
+    keras_states = [output[:, :2], [[-0.245951, -0.345297], [-0.6355, -0.084828]],
+                    output[:, 2:], [[-0.060072, 0.19552], [0.425195, 0.484783]]]
+    np.testing.assert_allclose(out[:, :4], output, atol=2e-6)
+    for j, want in enumerate(keras_states):
+        np.testing.assert_allclose(out[:, 4 + 2 * j:6 + 2 * j], want, atol=2e-6)
 
 
 def test_keras_s_weights_defaults_and_parameter_counts():
@@ -299,7 +377,11 @@ def test_save_and_load_keep_the_recurrent_layers(tmp_path):
     (lambda: LSTM(4, activation="softmax"), "activation='softmax' is not supported"),
     (lambda: LSTM(4, kernel_constraint="non_neg"), "kernel_constraint='non_neg' is not supported"),
     (lambda: Bidirectional(LSTM(4), merge_mode=None), "merge_mode=None is not supported"),
-    (lambda: Bidirectional(LSTM(4, return_state=True)), "return_state=True is not supported"),
+    (lambda: Bidirectional(LSTM(4, return_state=True), backward_layer=LSTM(4, go_backwards=True)),
+     "must agree on return_state"),
+    (lambda: Bidirectional(LSTM(4, return_state=True),
+                           backward_layer=GRU(4, return_state=True, go_backwards=True)),
+     "have as many states"),
     (lambda: Bidirectional(Dense(4)), "must be a SimpleRNN, LSTM or GRU"),
     (lambda: LSTM(4)(Symbolic((None, 3, 2)), mask=Symbolic((None, 3))), "mask=True is not supported"),
     (lambda: LSTM(4)(Symbolic((None, 3, 2)), initial_state=[Symbolic((None, 4))]),

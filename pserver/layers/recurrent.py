@@ -28,6 +28,7 @@ from pserver.layers import initializers, regularizers
 from pserver.layers.base import Layer, Weight, activity, positive_int
 from pserver.layers.dropout import rate_of, seed_of, step_seed
 from pserver.ops.core import Symbolic
+from pserver.ops.shape import reshape
 
 # The activations the fused kernels compute (their derivatives from their outputs).
 ACTIVATIONS = ("tanh", "sigmoid", "relu", "linear")
@@ -377,14 +378,19 @@ def _check_wrapped(what: str, layer) -> None:
     """A layer Bidirectional can wrap: a cell layer whose one output it can merge."""
     if not isinstance(layer, _Recurrent):
         raise ConfigError(f"Bidirectional: {what} must be a SimpleRNN, LSTM or GRU, got {layer!r}")
-    _refuse(f"Bidirectional({type(layer).__name__})", return_state=layer.return_state,
-            initial_state=layer.takes_list, activity_regularizer=layer.activity_regularizer is not None)
+    _refuse(f"Bidirectional({type(layer).__name__})", initial_state=layer.takes_list,
+            activity_regularizer=layer.activity_regularizer is not None)
 
 
 class Bidirectional(Layer):
     """Keras's Bidirectional: `layer` and a copy that reads the sequence backwards (go_backwards
     flipped; or `backward_layer`), their outputs merged (the backward one's steps put back in
-    order first, with return_sequences); weights forward_<name>/... then backward_<name>/...."""
+    order first, with return_sequences); weights forward_<name>/... then backward_<name>/....
+
+    With return_state (on the wrapped layers), Keras's call returns [output, *forward states,
+    *backward states]. The layer computes them packed in one flat vector per sample (the merged
+    output's elements, then each state's units in that order) that the call slices apart (ops),
+    as the cells' own return_state does: `summary()` shows the packed shape."""
 
     kind = "bidirectional"
 
@@ -401,8 +407,11 @@ class Bidirectional(Layer):
         _check_wrapped("backward_layer", backward_layer)
         if backward_layer.return_sequences != layer.return_sequences:
             raise ConfigError("Bidirectional: layer and backward_layer must agree on return_sequences")
+        if (backward_layer.return_state, backward_layer.states) != (layer.return_state, layer.states):
+            raise ConfigError("Bidirectional: layer and backward_layer must agree on return_state and "
+                              "have as many states")
         self.merge_mode, self.layer, self.backward_layer = merge_mode, layer, backward_layer
-        self.return_sequences = layer.return_sequences
+        self.return_sequences, self.return_state = layer.return_sequences, layer.return_state
         self.prefixes = (f"forward_{layer.name or layer.kind}/",
                          f"backward_{backward_layer.name or backward_layer.kind}/")
 
@@ -429,11 +438,33 @@ class Bidirectional(Layer):
                 config[what] = CELLS[entry["class_name"]].from_config(entry["config"])
         return super().from_config(config)
 
+    def __call__(self, inputs, training=None, packed=False, **kwargs):
+        """Keras's call; with return_state the list [output, *forward states, *backward states]
+        sliced from the packed vector. The node of such a call records packed=True, so that a
+        saved graph's replay gets the packed tensor its slicing ops read."""
+        out = super().__call__(inputs, training=training, **kwargs)
+        if not (self.return_state and isinstance(out, Symbolic)):
+            return out
+        out.node.attrs["kwargs"] = {"packed": True}
+        if packed:
+            return out
+        size, u = int(np.prod(self.merged_shape)), self.layer.units
+        first = out[:, :size]
+        if len(self.merged_shape) > 1:
+            first = reshape(first, (-1, *self.merged_shape))
+        return [first, *(out[:, size + j * u:size + (j + 1) * u] for j in range(2 * self.layer.states))]
+
     def output_shape_for(self, input_shape):
         shape = self.layer.build(input_shape)
         if self.backward_layer.build(input_shape) != shape:
             raise ConfigError(f"{self.label}: layer and backward_layer give different shapes")
-        return (*shape[:-1], 2 * shape[-1]) if self.merge_mode == "concat" else shape
+        if self.return_state:              # the cells' packed rows: the output's, then the states'
+            rows, units = shape[0] - self.layer.states, shape[1]
+            shape = (rows, units) if self.return_sequences else (units,)
+        self.merged_shape = (*shape[:-1], 2 * shape[-1]) if self.merge_mode == "concat" else shape
+        if not self.return_state:
+            return self.merged_shape
+        return (int(np.prod(self.merged_shape)) + 2 * self.layer.states * self.layer.units,)
 
     def forward_elements(self):
         return super().forward_elements() + 2 * self.layer.forward_elements()
@@ -453,10 +484,32 @@ class Bidirectional(Layer):
         """The backward layer's output (or its gradient) with its steps in input order."""
         return a[:, ::-1] if self.return_sequences else a
 
+    def _outputs(self, s) -> tuple:
+        """(the forward layer's output, the backward one's in input order): with return_state,
+        the output rows of their packed tensors."""
+        outs = s["outs"]
+        if self.return_state:
+            rows = self.layer._out_rows
+            outs = [o[:, :rows] if self.return_sequences else o[:, 0] for o in outs]
+        return outs[0], self._aligned(outs[1])
+
+    def _merged(self, a):
+        """The merged output's part of `a` (this layer's output or its gradient), as merged_shape."""
+        if not self.return_state:
+            return a
+        return a[:, :int(np.prod(self.merged_shape))].reshape(a.shape[0], *self.merged_shape)
+
     def forward(self, k, p, x, out, s, run):
         for i, inner in enumerate(self.sublayers()):
             inner.forward(k, self._part(p, i), x, s["outs"][i], s["inner"][i], run)
-        y, y_rev = s["outs"][0], self._aligned(s["outs"][1])
+        y, y_rev = self._outputs(s)
+        if self.return_state:
+            size, u, rows = int(np.prod(self.merged_shape)), self.layer.units, self.layer._out_rows
+            for i, o in enumerate(s["outs"]):
+                for j in range(self.layer.states):
+                    at = size + (i * self.layer.states + j) * u
+                    out[:, at:at + u] = o[:, rows + j]
+            out = self._merged(out)
         if self.merge_mode == "concat":
             u = y.shape[-1]
             out[..., :u], out[..., u:] = y, y_rev
@@ -469,7 +522,7 @@ class Bidirectional(Layer):
             out *= 0.5
 
     def _split_grad(self, dout, s) -> list:
-        y, y_rev = s["outs"][0], self._aligned(s["outs"][1])
+        y, y_rev = self._outputs(s)
         if self.merge_mode == "concat":
             u = y.shape[-1]
             parts = [dout[..., :u], dout[..., u:]]
@@ -480,7 +533,19 @@ class Bidirectional(Layer):
         return [np.ascontiguousarray(parts[0]), np.ascontiguousarray(self._aligned(parts[1]))]
 
     def backward(self, k, p, g, x, out, dout, dx, s):
-        douts = self._split_grad(dout, s)
+        douts = self._split_grad(self._merged(dout), s)
+        if self.return_state:              # each cell's packed gradient: its output's rows, its states'
+            size, u, rows, states = (int(np.prod(self.merged_shape)), self.layer.units, self.layer._out_rows,
+                                     self.layer.states)
+            packed = []
+            for i, d in enumerate(douts):
+                full = np.empty(s["outs"][i].shape, dout.dtype)
+                full[:, :rows] = d if self.return_sequences else d[:, None]
+                for j in range(states):
+                    at = size + (i * states + j) * u
+                    full[:, rows + j] = dout[:, at:at + u]
+                packed.append(full)
+            douts = packed
         tmp = None if dx is None else np.empty_like(dx)
         for i, inner in enumerate(self.sublayers()):
             inner.backward(k, self._part(p, i), self._part(g, i), x, s["outs"][i], douts[i],
