@@ -5,8 +5,9 @@ be downloaded here. As the guide: RMSprop(1e-3) on logits, the first 1000 traini
 epoch, a fifth held out; then the test accuracy, which the guide does not print.
 
 compare.py runs it under `pserver run` and on Keras 3 (its two import lines swapped); its
---train-samples and --epochs rewrite the `x_train[:1000],`, `y_train[:1000],` and `epochs=1,`
-lines below. tests/e2e/test_keras_io.py runs it on a few hundred samples.
+--train-samples and --epochs rewrite the fit's two slices of the first 1000 samples and its
+epochs line below (each must appear once in this file). tests/e2e/test_keras_io.py runs it on a
+few hundred samples.
 """
 
 import time

@@ -59,3 +59,15 @@ def test_the_transformer_example_trains_under_pserver_run(mnist_dir):
     out = run_guide("text_transformer", mnist_dir)
     losses = epoch_losses(out)
     assert len(losses) == 2 and all(0 < x < 5 for x in losses) and "val_accuracy" in out, out[-2000:]
+
+
+def test_the_benches_can_resize_the_toy_resnet_s_fit():
+    """compare.py's --train-samples/--epochs (and bench/tf_baseline's --model toy_resnet) rewrite
+    the fit's lines, each of which must appear once in the script: a docstring that quoted one of
+    them stopped both benches ("is not there once")."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("keras_io_compare", BENCH / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    text = compare.sized((BENCH / "toy_resnet.py").read_text(), 500, 2)
+    assert "x_train[:500]," in text and "y_train[:500]," in text and "    epochs=2,\n" in text
