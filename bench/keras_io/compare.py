@@ -10,6 +10,17 @@ difference in points.
 --train-samples/--epochs (toy_resnet only) rewrite the guide's `x_train[:1000]`, `y_train[:1000]`
 and `epochs=1` in both sides' copies alike, for a setting less noisy than the guide's 1000
 samples and 1 epoch; the result's name and "setting" say so. MNIST: $PSERVER_MNIST_DIR.
+
+--keras-io DIR runs keras.io's own example files from your checkout of keras-team/keras-io
+instead (--scripts names them under DIR/examples, e.g. vision/mnist_convnet): pserver's copy
+has only its import lines changed (`import keras`, `from tensorflow import keras` ->
+`import pserver.keras as keras`; `from keras import X`, `from tensorflow.keras import X` ->
+`from pserver.keras import X`), Keras's is the file itself; both run through _seeded.py,
+which seeds them and gives Keras's MNIST loader the local files. The example must print
+"Test accuracy: X" (mnist_convnet does). --sides pserver runs pserver's side alone (no Keras).
+
+    python bench/keras_io/compare.py --keras-io ~/keras-io --scripts vision/mnist_convnet \
+        --keras-python bench/tf_baseline/.venv/bin/python --out bench/results/keras_io/
 """
 
 from __future__ import annotations
@@ -34,6 +45,11 @@ SCRIPTS = ("subclassing", "toy_resnet", "text_transformer")
 # The only lines the two sides differ in: pserver's imports -> Keras's
 IMPORTS = ((re.compile(r"^import pserver\.keras as keras$", re.M), "import keras"),
            (re.compile(r"^from pserver\.keras import ", re.M), "from keras import "))
+# keras.io's own files (--keras-io): the import lines pserver's copy changes, and how
+KERAS_IO_IMPORTS = ((re.compile(r"^(?:import keras|from tensorflow import keras)$", re.M),
+                     "import pserver.keras as keras"),
+                    (re.compile(r"^from (?:tensorflow\.)?keras import (.+)$", re.M),
+                     r"from pserver.keras import \1"))
 CHIEF = r"^(?:\[worker0\] )?"       # `pserver run` prefixes the chief's lines
 ACCURACY = re.compile(CHIEF + r"Test accuracy: (\S+)$", re.M)
 FIT = re.compile(CHIEF + r"Fit: ([\d.]+) s", re.M)
@@ -69,13 +85,37 @@ def copies(name: str, samples: int | None, epochs: int | None, tmp: Path) -> dic
     return paths
 
 
+def example_copies(name: str, keras_io: Path, tmp: Path) -> dict[str, Path]:
+    """keras.io's example DIR/examples/NAME.py as it is (Keras's side) and with its import lines
+    changed (pserver's), each run through _seeded.py."""
+    source = keras_io / "examples" / f"{name}.py"
+    if not source.is_file():
+        raise SystemExit(f"--keras-io {keras_io}: no example {source}")
+    text = source.read_text()
+    ours, changed = text, 0
+    for pattern, repl in KERAS_IO_IMPORTS:
+        ours, n = pattern.subn(repl, ours)
+        changed += n
+    if not changed:
+        raise SystemExit(f"{source}: no `import keras` or `from keras import` line to change")
+    stem = name.replace("/", "_")
+    paths = {"pserver": tmp / f"{stem}.py", "keras": tmp / f"{stem}_keras.py"}
+    paths["pserver"].write_text(ours)
+    paths["keras"].write_text(text)
+    for helper in ("_ours.py", "_seeded.py"):
+        shutil.copy(HERE / helper, tmp / helper)
+    return paths
+
+
 def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int) -> dict:
-    env = {**os.environ, "KERAS_IO_SEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {**os.environ, "KERAS_IO_SEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_IO_SIDE": side}
+    # a keras.io example (--keras-io) runs through _seeded.py beside it; our scripts seed themselves
+    runner = [str(script.parent / "_seeded.py")] if (script.parent / "_seeded.py").exists() else []
     if side == "pserver":
         cmd = [sys.executable, "-m", "pserver", "run", "--ps", "1", "--workers", "2", "--mode", "sync",
-               "--seed", str(seed), "--", sys.executable, str(script)]
+               "--seed", str(seed), "--", sys.executable, *runner, str(script)]
     else:
-        cmd = [keras_python, str(script)]
+        cmd = [keras_python, *runner, str(script)]
     load = round(os.getloadavg()[0], 2)
     started = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -83,9 +123,9 @@ def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int)
     if out.returncode != 0 or not ACCURACY.search(out.stdout):
         raise SystemExit(f"{side} seed {seed}: exit {out.returncode}\n"
                          f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    speed = SUMMARY.findall(out.stdout)
+    speed, fit = SUMMARY.findall(out.stdout), FIT.findall(out.stdout)
     return {"side": side, "seed": seed, "test_accuracy": float(ACCURACY.findall(out.stdout)[-1]),
-            "wall_seconds": round(wall, 1), "fit_seconds": float(FIT.findall(out.stdout)[-1]),
+            "wall_seconds": round(wall, 1), "fit_seconds": float(fit[-1]) if fit else None,
             "train_samples_per_second": float(speed[-1].replace(",", "")) if speed else None,
             "load_avg_1m_start": load, "load_avg_1m_end": round(os.getloadavg()[0], 2),
             "command": " ".join(["nice -n 10", *(["python", *cmd[1:]] if side == "pserver" else cmd)])}
@@ -100,26 +140,31 @@ def keras_version(python: str) -> str:
 
 
 def compare(name: str, args, tmp: Path) -> dict:
-    paths = copies(name, args.train_samples, args.epochs, tmp)
+    paths = (example_copies(name, Path(args.keras_io), tmp) if args.keras_io
+             else copies(name, args.train_samples, args.epochs, tmp))
     runs = []
     for seed in args.seeds:                      # interleaved: pserver, Keras, next seed
-        for side in ("pserver", "keras"):
+        for side in args.sides:
             r = run_one(side, paths[side], seed, args.keras_python, args.timeout)
             runs.append(r)
             print(f"{name} {side} seed {seed}: test accuracy {r['test_accuracy']:.4f}, "
-                  f"fit {r['fit_seconds']:.1f} s, wall {r['wall_seconds']:.0f} s, "
+                  f"fit {_num(r['fit_seconds'], 1, '.1f')} s, wall {r['wall_seconds']:.0f} s, "
                   f"load {r['load_avg_1m_start']}", flush=True)
     med = {side: statistics.median(r["test_accuracy"] for r in runs if r["side"] == side)
-           for side in ("pserver", "keras")}
+           for side in args.sides}
     setting = "the guide's" if not (args.train_samples or args.epochs) else (
         f"fit on the first {args.train_samples or 1000} samples for {args.epochs or 1} epoch(s)")
     if os.environ.get("KERAS_IO_SAMPLES"):        # _ours.py's data limit, which both sides read
         setting += f", data cut to {os.environ['KERAS_IO_SAMPLES']} samples ($KERAS_IO_SAMPLES)"
     fit = {side: statistics.median(r["fit_seconds"] for r in runs if r["side"] == side)
-           for side in ("pserver", "keras")}
-    return {"script": f"bench/keras_io/{name}.py", "setting": setting, "seeds": args.seeds, "runs": runs,
+           if all(r["fit_seconds"] is not None for r in runs if r["side"] == side) else None
+           for side in args.sides}
+    if args.keras_io:
+        setting = "keras.io's example, its import lines changed (pserver's copy)"
+    script = f"keras-io examples/{name}.py" if args.keras_io else f"bench/keras_io/{name}.py"
+    return {"script": script, "setting": setting, "seeds": args.seeds, "runs": runs,
             "median_test_accuracy": med, "median_fit_seconds": fit,
-            "difference_points": round(100 * (med["pserver"] - med["keras"]), 2)}
+            "difference_points": round(100 * (med["pserver"] - med["keras"]), 2) if len(med) == 2 else None}
 
 
 def markdown(result: dict) -> str:
@@ -127,9 +172,10 @@ def markdown(result: dict) -> str:
     rows = []
     for c in result["comparisons"]:
         acc, fit = c["median_test_accuracy"], c["median_fit_seconds"]
-        rows.append([c["script"], c["setting"], f"{100 * acc['pserver']:.2f}",
-                     f"{100 * acc['keras']:.2f}", f"{c['difference_points']:+.2f}",
-                     f"{fit['pserver']:.1f}", f"{fit['keras']:.1f}"])
+        rows.append([c["script"], c["setting"],
+                     *(_num(acc.get(side), 100, ".2f") for side in ("pserver", "keras")),
+                     "-" if c["difference_points"] is None else f"{c['difference_points']:+.2f}",
+                     *(_num(fit.get(side), 1, ".1f") for side in ("pserver", "keras"))])
     lines = [f"# keras.io guides: pserver run --ps 1 --workers 2 (sync) vs {result['keras']}", "",
              *[f"- {line}" for line in machine_lines(m)], "",
              "Median of seeds " + ",".join(map(str, result["comparisons"][0]["seeds"])) +
@@ -138,10 +184,14 @@ def markdown(result: dict) -> str:
              table(["script", "setting", "pserver", "keras", "diff", "fit pserver", "fit keras"], rows, 2),
              "```", "", "Each run (the JSON beside this file holds the commands):", "", "```"]
     runs = [[c["script"].split("/")[-1], r["side"], str(r["seed"]), f"{100 * r['test_accuracy']:.2f}",
-             f"{r['fit_seconds']:.1f}", f"{r['wall_seconds']:.0f}", str(r["load_avg_1m_start"])]
+             _num(r["fit_seconds"], 1, ".1f"), f"{r['wall_seconds']:.0f}", str(r["load_avg_1m_start"])]
             for c in result["comparisons"] for r in c["runs"]]
     lines += [table(["script", "side", "seed", "acc %", "fit s", "wall s", "load"], runs, 2), "```", ""]
     return "\n".join(lines)
+
+
+def _num(value, scale, spec) -> str:
+    return "-" if value is None else format(scale * value, spec)
 
 
 def main() -> None:
@@ -150,27 +200,38 @@ def main() -> None:
     ap.add_argument("--seeds", type=positive_ints, default=[1, 2, 3])
     ap.add_argument("--train-samples", type=int, help="toy_resnet: fit on the first N samples (guide: 1000)")
     ap.add_argument("--epochs", type=int, help="toy_resnet: epochs (guide: 1)")
-    ap.add_argument("--keras-python", default="/work/tfvenv/bin/python")
+    ap.add_argument("--keras-python", default="bench/tf_baseline/.venv/bin/python",
+                    help="a Python with Keras 3 and TensorFlow (default: bench/tf_baseline's venv)")
+    ap.add_argument("--keras-io", metavar="DIR", help="run keras.io's own example files from this checkout "
+                    "of keras-team/keras-io (--scripts: their paths under DIR/examples, without .py)")
+    ap.add_argument("--sides", default="pserver,keras", help="pserver,keras (default) or one of them")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds one run may take")
     ap.add_argument("--out", default="results/keras_io/", help="directory for the JSON and .md")
     args = ap.parse_args()
     names = args.scripts.split(",")
+    args.sides = [s for s in args.sides.split(",") if s]
+    if not args.sides or set(args.sides) - {"pserver", "keras"}:
+        ap.error(f"--sides {','.join(args.sides)}: give pserver,keras or one of them")
+    if args.keras_io and (args.train_samples or args.epochs):
+        ap.error("--train-samples/--epochs resize our toy ResNet, not keras.io's files")
     if (args.train_samples or args.epochs) and names != ["toy_resnet"]:
         ap.error("--train-samples/--epochs resize the toy ResNet's fit: give --scripts toy_resnet")
     m = machine()
     print("\n".join(machine_lines(m)), flush=True)
     result = {"what": "bench/keras_io scripts under pserver run vs Keras 3", "machine": m,
-              "keras": keras_version(args.keras_python)}
+              "keras": keras_version(args.keras_python) if "keras" in args.sides else "(not run)"}
     with tempfile.TemporaryDirectory() as tmp:
         result["comparisons"] = [compare(name, args, Path(tmp)) for name in names]
     for c in result["comparisons"]:
         acc = c["median_test_accuracy"]
-        print(f"{c['script']} ({c['setting']}): median test accuracy pserver {acc['pserver']:.4f}, "
-              f"Keras {acc['keras']:.4f}: {c['difference_points']:+.2f} points")
+        print(f"{c['script']} ({c['setting']}): median test accuracy "
+              + ", ".join(f"{side} {v:.4f}" for side, v in acc.items())
+              + ("" if c["difference_points"] is None else f": {c['difference_points']:+.2f} points"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "-".join(names) + (f"-{args.train_samples or 1000}samples-{args.epochs or 1}ep"
-                              if args.train_samples or args.epochs else "")
+    stem = "-".join(n.replace("/", "_") for n in names)
+    stem += (f"-{args.train_samples or 1000}samples-{args.epochs or 1}ep"
+             if args.train_samples or args.epochs else "")
     stem += f"-data{os.environ['KERAS_IO_SAMPLES']}" if os.environ.get("KERAS_IO_SAMPLES") else ""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(result))

@@ -6,6 +6,8 @@ pooling); bench/keras_io/compare.py measures the accuracies against Keras's."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -65,9 +67,58 @@ def test_the_benches_can_resize_the_toy_resnet_s_fit():
     """compare.py's --train-samples/--epochs (and bench/tf_baseline's --model toy_resnet) rewrite
     the fit's lines, each of which must appear once in the script: a docstring that quoted one of
     them stopped both benches ("is not there once")."""
-    import importlib.util
     spec = importlib.util.spec_from_file_location("keras_io_compare", BENCH / "compare.py")
     compare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare)
     text = compare.sized((BENCH / "toy_resnet.py").read_text(), 500, 2)
     assert "x_train[:500]," in text and "y_train[:500]," in text and "    epochs=2,\n" in text
+
+
+TINY_EXAMPLE = '''"""A small MNIST classifier written as keras.io's examples are (their import lines,
+their data loading, their printed test accuracy), for compare.py --keras-io."""
+
+import numpy as np
+from tensorflow import keras
+from tensorflow.keras import layers
+
+(x_train, y_train), (x_test, y_test) = keras.datasets.mnist.load_data()
+x_train = np.expand_dims(x_train[:512].astype("float32") / 255, -1)
+x_test = np.expand_dims(x_test[:256].astype("float32") / 255, -1)
+y_train = keras.utils.to_categorical(y_train[:512], 10)
+y_test = keras.utils.to_categorical(y_test[:256], 10)
+model = keras.Sequential([keras.Input(shape=(28, 28, 1)), layers.Flatten(),
+                          layers.Dense(10, activation="softmax")])
+model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
+model.fit(x_train, y_train, batch_size=64, epochs=2, validation_split=0.1)
+score = model.evaluate(x_test, y_test, verbose=0)
+print("Test accuracy:", score[1])
+'''
+
+
+def test_compare_runs_a_keras_io_checkout_s_example_with_only_its_imports_changed(tmp_path, mnist_dir):
+    """compare.py --keras-io: catches an import line left for Keras (the run would need
+    TensorFlow), a change beyond the import lines, and a run whose accuracy is not read."""
+    example = tmp_path / "keras-io" / "examples" / "vision" / "tiny_mnist.py"
+    example.parent.mkdir(parents=True)
+    example.write_text(TINY_EXAMPLE)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(BENCH / "compare.py"), "--keras-io", str(tmp_path / "keras-io"),
+                        "--scripts", "vision/tiny_mnist", "--sides", "pserver", "--seeds", "1",
+                        "--out", str(out)],
+                       capture_output=True, text=True, timeout=300,
+                       env=env_with({"PSERVER_MNIST_DIR": str(mnist_dir)}))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((out / "vision_tiny_mnist.json").read_text())
+    (run,) = result["comparisons"][0]["runs"]
+    assert run["side"] == "pserver" and 0.2 < run["test_accuracy"] <= 1, run      # chance: 0.1
+    assert "pserver run" in run["command"] and "_seeded.py" in run["command"]
+    spec = importlib.util.spec_from_file_location("keras_io_compare2", BENCH / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    (tmp_path / "copies").mkdir()
+    paths = compare.example_copies("vision/tiny_mnist", tmp_path / "keras-io", tmp_path / "copies")
+    ours, theirs = paths["pserver"].read_text().splitlines(), TINY_EXAMPLE.splitlines()
+    changed = [(a, b) for a, b in zip(theirs, ours) if a != b]
+    assert changed == [("from tensorflow import keras", "import pserver.keras as keras"),
+                       ("from tensorflow.keras import layers", "from pserver.keras import layers")]
+    assert paths["keras"].read_text() == TINY_EXAMPLE
