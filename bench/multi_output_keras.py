@@ -4,7 +4,7 @@ batch in pserver.keras and in Keras 3 (TensorFlow backend, the bench venv): eval
 by Keras 3's names (loss, <output>_loss, <output>_accuracy) and the total loss's gradient per
 weight. Prints each side's numbers and the largest relative difference; writes them as JSON.
 
-    python bench/multi_output_keras.py [--keras-python /work/tfvenv/bin/python] [--out FILE.json]
+    python bench/multi_output_keras.py [--keras-python bench/tf_baseline/.venv/bin/python] [--out FILE.json]
 
 The Keras side is this file run by the Keras venv's Python with --keras-side (it imports no
 pserver); the two differ only in which `keras` they import.
@@ -108,7 +108,7 @@ def _rel(a, b) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--keras-python", default="/work/tfvenv/bin/python")
+    ap.add_argument("--keras-python", default="bench/tf_baseline/.venv/bin/python")
     ap.add_argument("--keras-side", help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args()

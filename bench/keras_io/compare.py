@@ -5,7 +5,7 @@ each run's test accuracy, wall time and speed; the median of the seeds per side 
 difference in points.
 
     nice -n 10 python bench/keras_io/compare.py --out bench/results/keras_io/ [--scripts toy_resnet]
-        [--seeds 1,2,3] [--train-samples 10000 --epochs 1] [--keras-python /work/tfvenv/bin/python]
+        [--seeds 1,2,3] [--train-samples 10000 --epochs 1] [--keras-python bench/tf_baseline/.venv/bin/python]
 
 --train-samples/--epochs (toy_resnet only) rewrite the guide's `x_train[:1000]`, `y_train[:1000]`
 and `epochs=1` in both sides' copies alike, for a setting less noisy than the guide's 1000
@@ -26,6 +26,7 @@ which seeds them and gives Keras's MNIST loader the local files. The example mus
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -162,7 +163,13 @@ def compare(name: str, args, tmp: Path) -> dict:
     if args.keras_io:
         setting = "keras.io's example, its import lines changed (pserver's copy)"
     script = f"keras-io examples/{name}.py" if args.keras_io else f"bench/keras_io/{name}.py"
-    return {"script": script, "setting": setting, "seeds": args.seeds, "runs": runs,
+    source = {}
+    if args.keras_io:                 # which file ran: its hash, and the checkout's commit if it is one
+        text = (Path(args.keras_io) / "examples" / f"{name}.py").read_bytes()
+        commit = subprocess.run(["git", "-C", args.keras_io, "rev-parse", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        source = {"example_sha256": hashlib.sha256(text).hexdigest(), "keras_io_commit": commit or None}
+    return {"script": script, **source, "setting": setting, "seeds": args.seeds, "runs": runs,
             "median_test_accuracy": med, "median_fit_seconds": fit,
             "difference_points": round(100 * (med["pserver"] - med["keras"]), 2) if len(med) == 2 else None}
 

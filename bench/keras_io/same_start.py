@@ -9,7 +9,7 @@ Keras's distance from itself, the two run the same training and what remains bet
 accuracies is the spread over seeds; if it is larger, pserver computes something else.
 
     nice -n 10 .venv/bin/python bench/keras_io/same_start.py --steps 1,5,25,100 \
-        --out bench/results/keras_io/same-start.json [--keras-python /work/tfvenv/bin/python]
+        --out bench/results/keras_io/same-start.json [--keras-python bench/tf_baseline/.venv/bin/python]
 
 MNIST from $PSERVER_MNIST_DIR; batch 64, RMSprop 1e-3, the guide's loss; the initial weights are
 Keras's (glorot/zeros from --seed), which pserver loads with set_weights.
@@ -103,7 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=positive_ints, default=[1, 5, 25, 100])
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--keras-python", default="/work/tfvenv/bin/python")
+    ap.add_argument("--keras-python", default="bench/tf_baseline/.venv/bin/python")
     ap.add_argument("--out", default="results/keras_io/same-start.json")
     args = ap.parse_args()
     rows, started = [], time.time()
