@@ -218,6 +218,24 @@ def test_tls_with_the_ca_trains_and_without_it_cannot_connect(shard_server, cert
     c.close()
 
 
+def test_a_connect_that_times_out_leaves_no_thread_polling_the_channel():
+    """Catches the channel-ready future left subscribed after its timeout: gRPC's thread that
+    polls the channel's connectivity then ran for the rest of the process, one per failed
+    connect (one was alive in a test process that hung in .ci/run)."""
+    with socket.socket() as s:                       # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    before = set(threading.enumerate())
+    client = PSClient([addr], rpc_deadline=1)
+    with pytest.raises(Unavailable, match="no answer within"):
+        client.connect(0.3)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and set(threading.enumerate()) - before:
+        time.sleep(0.05)
+    assert not [t.name for t in set(threading.enumerate()) - before]
+    client.close()
+
+
 def test_unreadable_tls_files_are_one_line_config_errors(tmp_path, certs):
     missing = str(tmp_path / "nope.pem")
     cases = [(dict(tls_cert=missing, tls_key=str(certs.key)), f"--tls-cert: cannot read {missing}"),

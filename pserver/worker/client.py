@@ -152,9 +152,13 @@ class ShardClient:
         return self.call(streaming, itertools.chain((first, second), stream), timeout=timeout)
 
     def wait_ready(self, timeout: float) -> None:
+        ready = grpc.channel_ready_future(self.channel)
         try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+            ready.result(timeout=timeout)
         except grpc.FutureTimeoutError:
+            # Cancelled, the future unsubscribes from the channel and gRPC's thread that polls its
+            # connectivity ends; left waiting, that thread polled for as long as the process ran.
+            ready.cancel()
             tls = ("is its certificate signed by --tls-ca" if self.security.tls
                    else "does it serve TLS, needing --tls-ca")
             raise Unavailable(f"shard {self.index} at {self.address}: no answer within {timeout:.3g} s "
