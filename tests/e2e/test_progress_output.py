@@ -98,7 +98,9 @@ def test_a_checkpoint_is_logged_once_and_an_epoch_says_its_own_time(tmp_path):
     epochs = re.findall(r"epoch (\d)/2 done in (\d+\.\d) s \((\d+\.\d) s in all\)", r.stdout)
     assert [e[0] for e in epochs] == ["1", "2"], r.stdout
     (_, own1, all1), (_, own2, all2) = epochs
-    assert own1 == all1 and float(own2) < float(all2), epochs     # epoch 2's own time, not since start
+    # epoch 1's own clock starts a little after the run's (their tenths can differ by one: 1.2 and
+    # 1.3 in a clean-clone CI); epoch 2's own time, not since start
+    assert abs(float(own1) - float(all1)) <= 0.2 and float(own2) < float(all2), epochs
     assert abs(float(own1) + float(own2) - float(all2)) < 0.3, epochs
 
 
