@@ -10,7 +10,8 @@
 #
 #   bash bench/gpu_check.sh OUT_DIR [MNIST_DIR]
 #
-# OUT_DIR gets env.txt, tests.log, tests.xml, bench.log, kernels.json, mnist.log, mnist.json.
+# OUT_DIR gets env.txt, tests.log, tests.xml, bench.log, kernels.json, mnist.log, mnist.json (each
+# run's summary with its command, the CPU, cores and GPU).
 # Environment: TESTS (the test files, default all of tests/cuda_sim/check_*.py), TESTS_LIMIT, BENCH_LIMIT (seconds), SECTIONS and BACKENDS (bench/kernels.py's),
 # SIZES, CNN_BATCHES, SWEEP_MATMUL and SWEEP_CONV (its --sizes, --cnn-batches, --sweep-matmul and
 # --sweep-conv), MNIST_GPU and MNIST_CPU (the models to
@@ -43,7 +44,7 @@ stamp() { echo "== $(date +%T) $*"; }
 {
   stamp env
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu --format=csv
-  nproc; $PY --version
+  nproc; grep -m1 "model name" /proc/cpuinfo; $PY --version
   $PY - <<'EOF'
 from importlib import metadata
 for p in ("numpy", "numba", "numba-cuda", "llvmlite", "cupy-cuda13x", "cupy-cuda12x", "torch",
@@ -70,10 +71,14 @@ mnist() {   # mnist MODEL[@STEPS] DEVICE SECONDS (STEPS: --max-steps; the summar
   local model=${1%@*} steps=""
   [ "$model" != "$1" ] && steps="--max-steps ${1##*@}"
   local name=${model##*:}
+  local summary="$RUNS/mnist-${name##*/}-$2"
+  local cmd=($PY -m pserver launch --ps 1 --workers 2 --model "$model" --device "$2" $steps ${MNIST_ARGS:-}
+             --dataset mnist --data-dir "$DATA" --epochs ${MNIST_EPOCHS:-1} --batch-size ${MNIST_BATCH:-128}
+             --optimizer adam --lr 0.001 --summary-json "$summary.json")
+  # the command as run, with the thread settings it ran under, for mnist.json
+  { env | grep -E '^(OPENBLAS|OMP|MKL|NUMBA)_NUM_THREADS=' | sort | tr '\n' ' '; printf '%q ' "${cmd[@]}"; } > "$summary.cmd"
   stamp "$1 $2" >> "$OUT/mnist.log"
-  timeout "$3" $PY -m pserver launch --ps 1 --workers 2 --model "$model" --device "$2" $steps ${MNIST_ARGS:-} \
-    --dataset mnist --data-dir "$DATA" --epochs ${MNIST_EPOCHS:-1} --batch-size ${MNIST_BATCH:-128} --optimizer adam --lr 0.001 \
-    --summary-json "$RUNS/mnist-${name##*/}-$2.json" >> "$OUT/mnist.log" 2>&1
+  timeout "$3" "${cmd[@]}" >> "$OUT/mnist.log" 2>&1
   echo "exit $?" >> "$OUT/mnist.log"
 }
 
@@ -114,13 +119,25 @@ done
 wait
 
 $PY - "$OUT/mnist.json" "$RUNS" <<'EOF'
-import json, sys, pathlib
+import json, os, subprocess, sys, pathlib
+def cpu():
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+def gpu():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        out = ""
+    return out or "none found (no nvidia-smi)"
 runs = {}
 for p in sorted(pathlib.Path(sys.argv[2]).glob("mnist-*.json")):
     d = json.loads(p.read_text())
-    runs[p.stem[len("mnist-"):]] = {k: d.get(k) for k in (
-        "model", "num_workers", "num_shards", "batch_size", "epochs", "steps", "samples_trained",
-        "test_accuracy", "test_loss", "train_samples_per_second", "wall_seconds", "launch_wall_seconds")}
+    runs[p.stem[len("mnist-"):]] = {
+        "command": p.with_suffix(".cmd").read_text().strip(), "cpu": cpu(), "cores": os.cpu_count(),
+        "gpu": gpu(), **{k: d.get(k) for k in (
+            "model", "num_workers", "num_shards", "batch_size", "epochs", "steps", "samples_trained",
+            "test_accuracy", "test_loss", "train_samples_per_second", "wall_seconds", "launch_wall_seconds")}}
 pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1) + "\n")
 for k, v in runs.items():
     print(k, v["test_accuracy"], round(v["train_samples_per_second"] or 0), v["wall_seconds"])
