@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
+import sys
 import time
 
 import numpy as np
 
-from pserver.data.mnist import load_raw
-from pserver.models import make_model
-from pserver.models.user import is_user_spec, load_model
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import machine, machine_lines  # noqa: E402
+
+from pserver.data.mnist import load_raw  # noqa: E402
+from pserver.models import make_model  # noqa: E402
 
 
 def losses(model, x, y, eps: float, steps: int, batch: int) -> list[float]:
@@ -37,14 +40,6 @@ def losses(model, x, y, eps: float, steps: int, batch: int) -> list[float]:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench/gpu_models.py:toy_resnet",
@@ -55,24 +50,22 @@ def main() -> None:
     p.add_argument("--eps", type=float, default=1e-7)
     p.add_argument("--json", metavar="PATH", help="write the command, the machine and both curves here")
     a = p.parse_args()
+    head = machine(("numpy", "numba"))
+    for line in machine_lines(head):
+        print(line)
     (images, digits), _ = load_raw(a.data_dir)
     n = a.steps * a.batch_size
     x, y = (images[:n].astype(np.float32) / 255)[..., None], digits[:n].astype(np.int32)
-    build = (lambda: load_model(a.model, (28, 28, 1), 10)) if is_user_spec(a.model) else \
-        (lambda: make_model(a.model, (28, 28, 1), 10))
     start = time.perf_counter()
-    base = losses(build(), x, y, 0.0, a.steps, a.batch_size)
-    moved = losses(build(), x, y, a.eps, a.steps, a.batch_size)
+    base = losses(make_model(a.model, (28, 28, 1), 10), x, y, 0.0, a.steps, a.batch_size)
+    moved = losses(make_model(a.model, (28, 28, 1), 10), x, y, a.eps, a.steps, a.batch_size)
     print(f"{a.model}: batch loss from its initial weights, and from them changed by {a.eps:g} relative")
     for t in range(9, a.steps, 10):
         print(f"step {t + 1:4d}  {base[t]:.4f}  {moved[t]:.4f}  difference {moved[t] - base[t]:+.4f}")
-    print(f"({time.perf_counter() - start:.0f} s on {cpu_model()})")
+    print(f"({time.perf_counter() - start:.0f} s)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": "python bench/perturbed_start.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None and k != "json"),
-                "cpu": cpu_model(), "machine": platform.platform(), "base": base, "perturbed": moved},
-                f, indent=1)
+            json.dump({**head, "model": a.model, "eps": a.eps, "base": base, "perturbed": moved}, f, indent=1)
 
 
 if __name__ == "__main__":

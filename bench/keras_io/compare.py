@@ -108,10 +108,10 @@ def example_copies(name: str, keras_io: Path, tmp: Path) -> dict[str, Path]:
     return paths
 
 
-def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int) -> dict:
+def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int, runner: list[str]) -> dict:
+    """One run; `runner`: what the script runs through ([_seeded.py] for a keras.io example, which
+    does not seed itself; [] for our scripts, which do)."""
     env = {**os.environ, "KERAS_IO_SEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_IO_SIDE": side}
-    # a keras.io example (--keras-io) runs through _seeded.py beside it; our scripts seed themselves
-    runner = [str(script.parent / "_seeded.py")] if (script.parent / "_seeded.py").exists() else []
     if side == "pserver":
         cmd = [sys.executable, "-m", "pserver", "run", "--ps", "1", "--workers", "2", "--mode", "sync",
                "--seed", str(seed), "--", sys.executable, *runner, str(script)]
@@ -143,10 +143,11 @@ def keras_version(python: str) -> str:
 def compare(name: str, args, tmp: Path) -> dict:
     paths = (example_copies(name, Path(args.keras_io), tmp) if args.keras_io
              else copies(name, args.train_samples, args.epochs, tmp))
+    runner = [str(tmp / "_seeded.py")] if args.keras_io else []
     runs = []
     for seed in args.seeds:                      # interleaved: pserver, Keras, next seed
         for side in args.sides:
-            r = run_one(side, paths[side], seed, args.keras_python, args.timeout)
+            r = run_one(side, paths[side], seed, args.keras_python, args.timeout, runner)
             runs.append(r)
             print(f"{name} {side} seed {seed}: test accuracy {r['test_accuracy']:.4f}, "
                   f"fit {_num(r['fit_seconds'], 1, '.1f')} s, wall {r['wall_seconds']:.0f} s, "

@@ -77,7 +77,7 @@ class MultiHeadAttention(Layer):
         packed tensor that the saved slicing ops read."""
         replay = form is not None
         if replay:
-            form = tuple(bool(f) for f in form) + (False,) * (4 - len(form))
+            form = tuple(bool(f) for f in form)
             inputs = list(query)
             if len(form) != 4 or len(inputs) != 2 + form[0] + form[1]:
                 raise ConfigError(f"{self.label}: a saved call's form {list(form)} does not match its "

@@ -448,11 +448,10 @@ class Bidirectional(Layer):
         out.node.attrs["kwargs"] = {"packed": True}
         if packed:
             return out
-        size, u = int(np.prod(self.merged_shape)), self.layer.units
-        first = out[:, :size]
+        first = out[:, :self.merged_size]
         if len(self.merged_shape) > 1:
             first = reshape(first, (-1, *self.merged_shape))
-        return [first, *(out[:, size + j * u:size + (j + 1) * u] for j in range(2 * self.layer.states))]
+        return [first, *(out[:, columns] for _, _, columns in self._state_columns())]
 
     def output_shape_for(self, input_shape):
         shape = self.layer.build(input_shape)
@@ -462,9 +461,17 @@ class Bidirectional(Layer):
             rows, units = shape[0] - self.layer.states, shape[1]
             shape = (rows, units) if self.return_sequences else (units,)
         self.merged_shape = (*shape[:-1], 2 * shape[-1]) if self.merge_mode == "concat" else shape
+        self.merged_size = int(np.prod(self.merged_shape))
         if not self.return_state:
             return self.merged_shape
-        return (int(np.prod(self.merged_shape)) + 2 * self.layer.states * self.layer.units,)
+        return (self.merged_size + 2 * self.layer.states * self.layer.units,)
+
+    def _state_columns(self) -> list:
+        """(direction, state, its columns in the packed vector) for every state, forward's first."""
+        u, states = self.layer.units, self.layer.states
+        at = [self.merged_size + k * u for k in range(2 * states + 1)]
+        return [(i, j, slice(at[i * states + j], at[i * states + j + 1]))
+                for i in range(2) for j in range(states)]
 
     def forward_elements(self):
         return super().forward_elements() + 2 * self.layer.forward_elements()
@@ -497,18 +504,16 @@ class Bidirectional(Layer):
         """The merged output's part of `a` (this layer's output or its gradient), as merged_shape."""
         if not self.return_state:
             return a
-        return a[:, :int(np.prod(self.merged_shape))].reshape(a.shape[0], *self.merged_shape)
+        return a[:, :self.merged_size].reshape(a.shape[0], *self.merged_shape)
 
     def forward(self, k, p, x, out, s, run):
         for i, inner in enumerate(self.sublayers()):
             inner.forward(k, self._part(p, i), x, s["outs"][i], s["inner"][i], run)
         y, y_rev = self._outputs(s)
         if self.return_state:
-            size, u, rows = int(np.prod(self.merged_shape)), self.layer.units, self.layer._out_rows
-            for i, o in enumerate(s["outs"]):
-                for j in range(self.layer.states):
-                    at = size + (i * self.layer.states + j) * u
-                    out[:, at:at + u] = o[:, rows + j]
+            rows = self.layer._out_rows
+            for i, j, columns in self._state_columns():
+                out[:, columns] = s["outs"][i][:, rows + j]
             out = self._merged(out)
         if self.merge_mode == "concat":
             u = y.shape[-1]
@@ -535,16 +540,12 @@ class Bidirectional(Layer):
     def backward(self, k, p, g, x, out, dout, dx, s):
         douts = self._split_grad(self._merged(dout), s)
         if self.return_state:              # each cell's packed gradient: its output's rows, its states'
-            size, u, rows, states = (int(np.prod(self.merged_shape)), self.layer.units, self.layer._out_rows,
-                                     self.layer.states)
-            packed = []
-            for i, d in enumerate(douts):
-                full = np.empty(s["outs"][i].shape, dout.dtype)
+            rows = self.layer._out_rows
+            packed = [np.empty(o.shape, dout.dtype) for o in s["outs"]]
+            for full, d in zip(packed, douts):
                 full[:, :rows] = d if self.return_sequences else d[:, None]
-                for j in range(states):
-                    at = size + (i * states + j) * u
-                    full[:, rows + j] = dout[:, at:at + u]
-                packed.append(full)
+            for i, j, columns in self._state_columns():
+                packed[i][:, rows + j] = dout[:, columns]
             douts = packed
         tmp = None if dx is None else np.empty_like(dx)
         for i, inner in enumerate(self.sublayers()):
