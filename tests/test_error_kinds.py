@@ -301,6 +301,36 @@ def test_a_worker_whose_shard_went_away_rejoins_quietly_until_the_retries_run_ou
     c.close()
 
 
+@pytest.mark.parametrize("call", ["lease_data", "set_lr", "checkpoint"])
+def test_a_call_retried_on_a_restarted_shard_carries_the_new_sessions_credential(call, tmp_path):
+    """The shard restarts on its port and forgets the worker: the call is refused (not registered),
+    the worker registers again, and the call tried again carries the new credential. Catches a
+    request built once, before the retries: the retry carried the old session's credential and
+    the worker died on 'does not carry that worker's session credential' (a clean-clone CI run
+    lost a worker so when shard 0 was SIGKILLed and restored while a lease ask was out)."""
+    cfg = dict(auth_token=TOKEN, mode="async", optimizer="sgd", lr=0.1, checkpoint_dir=str(tmp_path))
+    server, port, shard = create_server(ServerConfig(port=0, **cfg))
+    c = worker(f"127.0.0.1:{port}", data_plane="grpc")
+    c.pull(np.empty(LAYOUT.total, np.float32))              # what the restarted shard is seeded with
+    old = c.shards[0].session
+    shard.close()
+    server.stop(0).wait()
+    server, _, shard = create_server(ServerConfig(port=port, **cfg))
+    try:
+        if call == "lease_data":
+            assert c.lease_data(12, 4, 3, "fp").has_lease
+        elif call == "set_lr":
+            c.set_lr(0.5)
+            assert shard.status()["lr"] == 0.5
+        else:
+            assert pathlib.Path(c.checkpoint()[0][0]).exists()
+        assert c.shards[0].session not in ("", old)
+    finally:
+        c.close()
+        shard.close()
+        server.stop(0)
+
+
 @pytest.mark.parametrize("a_client_of_a_gone_shard_was_there", [False, True])
 def test_a_call_to_a_shard_that_never_answers_ends_at_its_deadline(a_client_of_a_gone_shard_was_there):
     """The timeout reaches gRPC: a Status the server holds for 3 s ends at its 0.3 s deadline.

@@ -313,9 +313,11 @@ class ShardClient:
 
     def join_step(self, rank: int, step: int, timeout: float) -> int:
         """ElasticJoinStep: the step from which this shard counts the worker."""
-        req = pb.ElasticJoinStepRequest(rank=rank, session=self.session, step=step)
-        return self.resilient(lambda: self.call(self.stub.ElasticJoinStep, req, timeout=timeout).member_from,
-                              timeout)
+        # Every retried call reads self.session at each attempt: a retry after a rejoin (the shard
+        # restarted) must carry the new session's credential, not the one the first attempt had.
+        return self.resilient(lambda: self.call(
+            self.stub.ElasticJoinStep, pb.ElasticJoinStepRequest(rank=rank, session=self.session, step=step),
+            timeout=timeout).member_from, timeout)
 
     def init(self, rank: int, flat: np.ndarray, timeout: float) -> bool:
         return self.resilient(lambda: self._init_once(rank, flat, timeout), timeout)
@@ -477,8 +479,9 @@ class ShardClient:
         return OUTCOMES.get(reply.outcome, "unknown"), reply.version, reply.finished, None
 
     def checkpoint(self, rank: int, timeout: float, then_stop: bool = False) -> tuple[str, int]:
-        request = pb.CheckpointRequest(rank=rank, session=self.session, then_stop=then_stop)
-        r = self.resilient(lambda: self.call(self.stub.Checkpoint, request, timeout=timeout), timeout)
+        r = self.resilient(lambda: self.call(
+            self.stub.Checkpoint, pb.CheckpointRequest(rank=rank, session=self.session, then_stop=then_stop),
+            timeout=timeout), timeout)
         return r.path, r.version
 
     def status(self, timeout: float) -> pb.StatusReply:
@@ -486,9 +489,9 @@ class ShardClient:
 
     def set_lr(self, rank: int, lr: float, timeout: float) -> int:
         """The chief's new base learning rate on this shard; the version it follows."""
-        request = pb.SetLearningRateRequest(rank=rank, session=self.session, lr=lr)
-        return self.resilient(lambda: self.call(self.stub.SetLearningRate, request, timeout=timeout),
-                              timeout).version
+        return self.resilient(lambda: self.call(
+            self.stub.SetLearningRate, pb.SetLearningRateRequest(rank=rank, session=self.session, lr=lr),
+            timeout=timeout), timeout).version
 
     def assign(self, rank: int, flat: np.ndarray, expected: int, timeout: float) -> int:
         """The chief's values for this shard's range of `flat`, if the shard is still at version
@@ -498,8 +501,11 @@ class ShardClient:
         return self.call(lambda: self.assign_call(stream, timeout=timeout)).version
 
     def lease_data(self, request: pb.LeaseDataRequest, timeout: float) -> pb.LeaseDataReply:
-        request.session = self.session
-        return self.resilient(lambda: self.call(self.stub.LeaseData, request, timeout=timeout), timeout)
+        def once() -> pb.LeaseDataReply:
+            request.session = self.session
+            return self.call(self.stub.LeaseData, request, timeout=timeout)
+
+        return self.resilient(once, timeout)
 
     def leave(self, rank: int, timeout: float) -> None:
         self.call(self.stub.Leave, pb.LeaveRequest(rank=rank, session=self.session), timeout=timeout)
