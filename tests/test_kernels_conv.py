@@ -372,6 +372,77 @@ def test_embedding_rejects_ids_out_of_range(k, bad):
         k.embedding_backward(ids, np.zeros((1, 2, 2), np.float32), table)
 
 
+# -- pooled embedding (list features) -----------------------------------------------------------
+
+def _pooled_by_hand(ids, weights, table, combiner):
+    """Each sample's list written out: its ids that are not padding, weighted, divided as named."""
+    out = np.zeros((ids.shape[0], table.shape[1]))
+    for n in range(ids.shape[0]):
+        keep = ids[n] >= 0
+        w, rows = weights[n][keep].astype(np.float64), table[ids[n][keep]].astype(np.float64)
+        d = {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}[combiner]
+        out[n] = (w[:, None] * rows).sum(0) / (d if d != 0 else 1.0)
+    return out
+
+
+@FAST
+@given(st.integers(1, 5), st.integers(1, 6), st.integers(1, 7), st.integers(1, 4),
+       st.sampled_from(["sum", "mean", "sqrtn"]), st.booleans(), seeds)
+def test_pooled_embedding(n, length, vocab, dim, combiner, weighted, seed):
+    """The compiled kernel equals its twin and both equal each list written out, for every
+    combiner, weighted or not, with padding (-1), repeated ids inside a list and empty lists
+    (a list all padding gives zeros and no gradient). Catches padding read as a row, counted in
+    a mean, a divisor taken over the whole width, or repeated ids not adding."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-1, vocab, (n, length))            # -1: padding, about one in vocab + 1
+    ids[0] = -1                                          # an empty list
+    weights = rng.uniform(0.1, 2.0, (n, length)).astype(np.float32) if weighted \
+        else np.ones((n, length), np.float32)
+    table, code = f32(rng, vocab, dim), reference.COMBINERS[combiner]
+    got, want = nans((n, dim)), nans((n, dim))
+    cpu.pooled_embedding_forward(ids, weights, table, code, got)
+    reference.pooled_embedding_forward(ids, weights, table, code, want)
+    close(got, want)
+    close(want, _pooled_by_hand(ids, weights, table, combiner))
+    assert not want[0].any()
+    dy = f32(rng, n, dim)
+    d_c, d_r = nans(table.shape), nans(table.shape)
+    cpu.pooled_embedding_backward(ids, weights, dy, code, d_c)
+    reference.pooled_embedding_backward(ids, weights, dy, code, d_r)
+    close(d_c, d_r)
+    unused = np.setdiff1d(np.arange(vocab), ids[ids >= 0])
+    assert not d_r[unused].any()
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_pooled_embedding_backward_is_the_gradient(combiner):
+    rng = np.random.default_rng(7)
+    ids = np.array([[0, 2, 2, -1], [1, -1, -1, -1], [-1, -1, -1, -1], [3, 0, 1, 2]])
+    weights, table = rng.uniform(0.2, 1.5, ids.shape), rng.standard_normal((5, 3))
+    out, code = np.empty((4, 3)), reference.COMBINERS[combiner]
+
+    def forward():
+        reference.pooled_embedding_forward(ids, weights, table, code, out)
+        return out
+
+    dy, dtable = rng.standard_normal(out.shape), np.empty_like(table)
+    reference.pooled_embedding_backward(ids, weights, dy, code, dtable)
+    np.testing.assert_allclose(dtable, numeric_grad(forward, [table], dy)[0], atol=1e-8)
+    assert not dtable[4].any()   # row 4 was never looked up
+
+
+@pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
+def test_pooled_embedding_refuses_ids_past_the_table_and_a_weights_shape(k):
+    ids, table, w = np.array([[0, 3]]), np.zeros((3, 2), np.float32), np.ones((1, 2), np.float32)
+    with pytest.raises(ValueError, match=r"embedding: id out of range \[0, "):
+        k.pooled_embedding_forward(ids, w, table, 0, np.empty((1, 2), np.float32))
+    with pytest.raises(ValueError, match=r"embedding: id out of range \[0, "):
+        k.pooled_embedding_backward(ids, w, np.zeros((1, 2), np.float32), 0, table)
+    with pytest.raises(ValueError, match="weights"):
+        k.pooled_embedding_forward(np.array([[0, 1]]), np.ones((1, 3), np.float32), table, 0,
+                                   np.empty((1, 2), np.float32))
+
+
 # -- dropout ----------------------------------------------------------------------------------
 
 

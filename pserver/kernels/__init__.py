@@ -33,7 +33,7 @@ KERNELS = ("dense_forward", "dense_param_grads", "dense_backward", "relu_backwar
            "conv2d_forward", "conv2d_backward", "maxpool2d_forward", "maxpool2d_backward",
            "avgpool2d_forward", "avgpool2d_backward", "activation_forward", "activation_backward",
            "dropout_forward", "dropout_backward", "embedding_forward", "embedding_backward",
-           "copy")
+           "pooled_embedding_forward", "pooled_embedding_backward", "copy")
 # The functions of the CPU backends alone (cpu and its twin): the click-through-rate models'
 # math, which runs where their sparse rows are, on the host; and a convolution whose training
 # step builds its im2col matrix once, in the forward pass (Conv2D uses them where they exist); and

@@ -24,8 +24,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-# The graph layers' kernels (GRAPH_KERNELS) are memory-bound: NumPy's, the twin's own.
+# The graph layers' kernels (GRAPH_KERNELS) are memory-bound: NumPy's, the twin's own. (And the
+# pooled embedding's combiner codes, which both backends share.)
 from pserver.kernels.reference import (  # noqa: F401  (this backend's API)
+    POOL_MEAN,
+    POOL_SQRTN,
+    POOL_SUM,
     columns_from,
     columns_into,
     elementwise,
@@ -602,6 +606,66 @@ def embedding_backward(ids, dy, dtable):
     for n in range(ids.shape[0]):
         for l in range(ids.shape[1]):
             dtable[ids[n, l]] += dy[n, l]
+
+
+# -- pooled embedding: reference.py says the semantics (ids < 0 are padding) ------------------
+
+@njit(cache=True, nogil=True)
+def _check_pooled(ids, weights, vocab):
+    if weights.shape != ids.shape:
+        raise ValueError("pooled embedding: weights must have the ids' shape")
+    for v in ids.reshape(ids.size):
+        if v >= vocab:
+            raise ValueError("embedding: id out of range [0, vocabulary size)")
+
+
+@njit(cache=True, nogil=True)
+def _pool_divisor(ids, weights, n, combiner):
+    if combiner == POOL_SUM:
+        return 1.0
+    d = 0.0
+    for l in range(ids.shape[1]):
+        if ids[n, l] >= 0:
+            w = float(weights[n, l])
+            d += w if combiner == POOL_MEAN else w * w
+    if combiner == POOL_SQRTN:
+        d = np.sqrt(d)
+    return 1.0 if d == 0 else d
+
+
+@njit(cache=True, nogil=True)
+def pooled_embedding_forward(ids, weights, table, combiner, out):
+    """out[n] = sum_l weights[n, l] table[ids[n, l]] / the combiner's divisor; ids < 0 are padding."""
+    _check_pooled(ids, weights, table.shape[0])
+    acc = np.empty(table.shape[1], np.float64)
+    for n in range(ids.shape[0]):
+        acc[:] = 0
+        for l in range(ids.shape[1]):
+            i = ids[n, l]
+            if i >= 0:
+                w = float(weights[n, l])
+                row = table[i]
+                for d in range(acc.shape[0]):
+                    acc[d] += w * row[d]
+        scale = _pool_divisor(ids, weights, n, combiner)
+        for d in range(acc.shape[0]):
+            out[n, d] = acc[d] / scale
+
+
+@njit(cache=True, nogil=True)
+def pooled_embedding_backward(ids, weights, dy, combiner, dtable):
+    """dtable[:] = 0, then weights[n, l] / divisor[n] * dy[n] added to row ids[n, l] (padding skipped)."""
+    _check_pooled(ids, weights, dtable.shape[0])
+    dtable[:] = 0
+    for n in range(ids.shape[0]):
+        scale = _pool_divisor(ids, weights, n, combiner)
+        for l in range(ids.shape[1]):
+            i = ids[n, l]
+            if i >= 0:
+                f = np.float32(weights[n, l] / scale)
+                row, g = dtable[i], dy[n]
+                for d in range(row.shape[0]):
+                    row[d] += f * g[d]
 
 
 # -- factorization machine ---------------------------------------------------------------------

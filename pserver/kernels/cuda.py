@@ -1011,6 +1011,52 @@ def _loss_now(into, out, y, dout, stream, row_loss=None, row_scale=1.0) -> float
     return float(host[0])
 
 
+@cuda.jit(device=True)
+def _pool_divisor(ids, weights, n, combiner):
+    """Sample n's divisor (reference.py): 1, the sum of its weights or their root sum of squares."""
+    if combiner == reference.POOL_SUM:
+        return 1.0
+    d = 0.0
+    for l in range(ids.shape[1]):
+        if ids[n, l] >= 0:
+            w = float64(weights[n, l])
+            d += w if combiner == reference.POOL_MEAN else w * w
+    if combiner == reference.POOL_SQRTN:
+        d = math.sqrt(d)
+    return 1.0 if d == 0 else d
+
+
+@cuda.jit
+def pooled_forward_kernel(ids, weights, table, combiner, out):
+    i = cuda.grid(1)
+    if i >= out.size:
+        return
+    n, d = i // out.shape[1], i % out.shape[1]
+    acc = float64(0.0)
+    for l in range(ids.shape[1]):
+        row = ids[n, l]
+        if row >= table.shape[0]:
+            acc = math.nan
+        elif row >= 0:
+            acc += float64(weights[n, l]) * table[row, d]
+    out[n, d] = acc / _pool_divisor(ids, weights, n, combiner)
+
+
+@cuda.jit
+def pooled_backward_kernel(ids, weights, dy, combiner, dtable):
+    """One thread per (n, l, d): atomic adds, as embedding_backward_kernel (repeated ids add)."""
+    i = cuda.grid(1)
+    per_sample = ids.shape[1] * dtable.shape[1]
+    if i >= ids.shape[0] * per_sample:
+        return
+    n, r = i // per_sample, i % per_sample
+    l, d = r // dtable.shape[1], r % dtable.shape[1]
+    row = ids[n, l]
+    if 0 <= row < dtable.shape[0]:
+        f = float64(weights[n, l]) / _pool_divisor(ids, weights, n, combiner)
+        cuda.atomic.add(dtable, (row, d), float32(f * dy[n, d]))
+
+
 # -- layer launchers: the CPU kernels' names and arguments, on device arrays ----------------
 
 def _launch_elements(kernel, count, stream, *args):
@@ -1168,6 +1214,29 @@ def embedding_backward(ids, dy, dtable, *, stream=0):
     # One thread per element: zero the table, then one per dy element to scatter it.
     _launch_elements(fill_kernel, dtable.size, stream, _flat(dtable), float32(0.0))
     _launch_elements(embedding_backward_kernel, dy.size, stream, ids, dy, dtable)
+
+
+def pooled_embedding_forward(ids, weights, table, combiner, out, *, stream=0):
+    """out[n] = sum_l weights[n, l] table[ids[n, l]] / the combiner's divisor (reference.py says
+    the semantics; ids < 0 are padding). An id >= V reads nothing and gives NaN, as
+    embedding_forward's does."""
+    if out.shape != (ids.shape[0], table.shape[1]) or weights.shape != ids.shape or len(ids.shape) != 2:
+        raise ValueError(f"pooled_embedding_forward: ids {ids.shape}, weights {weights.shape}, "
+                         f"table {table.shape}, out {out.shape}")
+    # One thread per output element, each summing its sample's list (the divisor computed by each
+    # of the sample's D threads: L reads, fewer than the row reads beside them).
+    _launch_elements(pooled_forward_kernel, out.size, stream, ids, weights, table, combiner, out)
+
+
+def pooled_embedding_backward(ids, weights, dy, combiner, dtable, *, stream=0):
+    """dtable[:] = 0, then weights[n, l] / divisor[n] * dy[n] added to row ids[n, l] (padding and
+    ids >= V skipped)."""
+    if dy.shape != (ids.shape[0], dtable.shape[1]) or weights.shape != ids.shape or len(ids.shape) != 2:
+        raise ValueError(f"pooled_embedding_backward: ids {ids.shape}, weights {weights.shape}, "
+                         f"dy {dy.shape}, dtable {dtable.shape}")
+    _launch_elements(fill_kernel, dtable.size, stream, _flat(dtable), float32(0.0))
+    count = ids.shape[0] * ids.shape[1] * dtable.shape[1]
+    _launch_elements(pooled_backward_kernel, count, stream, ids, weights, dy, combiner, dtable)
 
 
 def sigmoid_bce_into(logits, y, dlogits, row_loss, loss, *, stream=0):

@@ -553,6 +553,36 @@ def test_embedding_bad_id_touches_nothing_outside_the_table():
     np.testing.assert_array_equal(buf.copy_to_host(), [[1, 1], [0, 0], [0, 0], [7, 7]])
 
 
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_pooled_embedding(combiner):
+    """Every combiner, weighted, with padding (-1), an id repeated in a list and an empty list:
+    the device's pooled lists and their gradient (atomic adds) equal the twin's."""
+    rng = np.random.default_rng(6)
+    ids = np.array([[0, 3, 3, -1], [-1, -1, -1, -1], [1, 2, 0, 4]])
+    weights, table, dy = rng.uniform(0.2, 2, ids.shape).astype(np.float32), f32(rng, 5, 3), f32(rng, 3, 3)
+    code = reference.COMBINERS[combiner]
+    got, want = nans(3, 3), np.empty((3, 3), np.float32)
+    K.pooled_embedding_forward(cuda.to_device(ids), cuda.to_device(weights), cuda.to_device(table), code, got)
+    reference.pooled_embedding_forward(ids, weights, table, code, want)
+    close(got.copy_to_host(), want)
+    assert not want[1].any()
+    got_d, want_d = nans(5, 3), np.empty_like(table)
+    K.pooled_embedding_backward(cuda.to_device(ids), cuda.to_device(weights), cuda.to_device(dy), code, got_d)
+    reference.pooled_embedding_backward(ids, weights, dy, code, want_d)
+    close(got_d.copy_to_host(), want_d)
+
+
+def test_pooled_embedding_bad_id_touches_nothing_outside_the_table():
+    table, ids, w = np.ones((3, 2), np.float32), np.array([[0, 3]]), np.ones((1, 2), np.float32)
+    out = nans(1, 2)
+    K.pooled_embedding_forward(cuda.to_device(ids), cuda.to_device(w), cuda.to_device(table), 0, out)
+    assert np.isnan(out.copy_to_host()).all()
+    buf = cuda.to_device(np.full((4, 2), 7.0, np.float32))   # rows 0-2: dtable; row 3: a guard
+    K.pooled_embedding_backward(cuda.to_device(ids), cuda.to_device(w), cuda.to_device(np.ones((1, 2), np.float32)),
+                                0, buf[:3])
+    np.testing.assert_array_equal(buf.copy_to_host(), [[1, 1], [0, 0], [0, 0], [7, 7]])
+
+
 @pytest.mark.parametrize("n,column", [(1, True), (130, True), (9, False)])
 def test_sigmoid_bce(n, column):
     # n = 130 > ROW_THREADS: two blocks of rows; logits as (n, 1) and as (n,).
