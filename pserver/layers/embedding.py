@@ -10,6 +10,14 @@ here). Per batch, the model hands the layer the rows of the batch's unique ids (
 `TableLookup`) as its table and each id's position among them (`lookup.inverse`) as its
 input; the kernels are the dense ones, and the backward pass sums the gradients of repeated
 ids into `lookup.grads`, one row per unique id, which is what the worker pushes.
+
+A list feature (multi-hot: several ids per sample, a user's recent items): `combiner="sum"`,
+`"mean"` or `"sqrtn"` pools each sample's ids (n, length) into one vector (n, output_dim), in
+one kernel forward and backward (pserver.kernels' pooled_embedding_*), as Keras-RS's
+`TableConfig(combiner=...)` and TensorFlow's embedding_lookup_sparse do. Lists of different
+lengths are padded: `mask_zero=True` (Keras's name) makes id 0 padding, which reads no row and
+counts in no mean; the model pads lists given as Python lists with it. An id of 0 is then no
+row's (as in Keras).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from pserver.errors import ConfigError
+from pserver.kernels.reference import COMBINERS
 from pserver.layers import initializers, regularizers
 from pserver.layers.base import Layer, Weight, activity, positive_int
 from pserver.sparse import TableConfig
@@ -32,7 +41,7 @@ class Embedding(Layer):
                  max_rows: int = 0, ttl_steps: int = 0, seed: int = 0,
                  optimizer_params: dict | None = None, row_dtype: str = "float32",
                  state_dtype: str = "float32", embeddings_regularizer=None, activity_regularizer=None,
-                 **kwargs):
+                 mask_zero: bool = False, combiner: str | None = None, **kwargs):
         if input_length is not None and "input_shape" not in kwargs:
             kwargs["input_shape"] = (input_length,)
         super().__init__(**kwargs)
@@ -41,6 +50,16 @@ class Embedding(Layer):
             raise ConfigError("Embedding: input_dim=None (unbounded ids) needs sparse=True")
         self.input_dim = None if input_dim is None else positive_int("Embedding", "input_dim", input_dim)
         self.output_dim = positive_int("Embedding", "output_dim", output_dim)
+        if combiner is not None and combiner not in COMBINERS:
+            raise ConfigError(f"Embedding: combiner must be one of {', '.join(COMBINERS)} (or None: one "
+                              f"vector per id), got {combiner!r}")
+        if not isinstance(mask_zero, bool):
+            raise ConfigError(f"Embedding: mask_zero must be True or False, got {mask_zero!r}")
+        if mask_zero and combiner is None:
+            raise ConfigError("Embedding: mask_zero=True needs combiner= ('sum', 'mean' or 'sqrtn'): padding "
+                              "is left out of a pooled list; a mask carried on to later layers is not "
+                              "supported")
+        self.mask_zero, self.combiner = mask_zero, combiner
         self.embeddings_initializer = initializers.get(embeddings_initializer,
                                                        "Embedding: embeddings_initializer")
         self.embeddings_regularizer = regularizers.get(embeddings_regularizer,
@@ -69,7 +88,7 @@ class Embedding(Layer):
 
     def output_shape_for(self, input_shape):
         self.expect_rank(input_shape, 1, "ids (length,)")
-        return (input_shape[0], self.output_dim)
+        return (self.output_dim,) if self.combiner else (input_shape[0], self.output_dim)
 
     def weights(self):
         if self.sparse:
@@ -77,8 +96,16 @@ class Embedding(Layer):
         return [Weight("embeddings", (self.input_dim, self.output_dim), self.embeddings_initializer,
                        regularizer=self.embeddings_regularizer)]
 
+    @property
+    def padding(self) -> int | None:
+        """The id that pads a list (None: every id is a row's)."""
+        return 0 if self.mask_zero else None
+
     def scratch(self, n, dtype):
-        return {} if self.sparse else {"ids": np.empty((n, *self.input_shape), np.int64)}
+        s = {} if self.sparse else {"ids": np.empty((n, *self.input_shape), np.int64)}
+        if self.combiner:            # each id's weight in its list: 1 (weighted lists are to come)
+            s["weights"] = np.ones((n, *self.input_shape), np.float32)
+        return s
 
     def check_ids(self, x: np.ndarray) -> None:
         """Ids outside [0, input_dim) would read another row, or outside the table."""
@@ -94,6 +121,8 @@ class Embedding(Layer):
         if not self.sparse:
             self.check_ids(x)
             np.copyto(s["ids"], x, casting="unsafe")
+            if self.mask_zero:
+                s["ids"][s["ids"] == 0] = -1         # the kernels' padding
             return s["ids"]
         if "embeddings" not in p:
             raise ConfigError(f"{self.label}: a sparse Embedding trains in a model with sparse "
@@ -102,10 +131,18 @@ class Embedding(Layer):
         return x
 
     def forward(self, k, p, x, out, s, run):
-        k.embedding_forward(self._ids(p, x, s), p["embeddings"], out)
+        if self.combiner:
+            k.pooled_embedding_forward(self._ids(p, x, s), s["weights"], p["embeddings"],
+                                       COMBINERS[self.combiner], out)
+        else:
+            k.embedding_forward(self._ids(p, x, s), p["embeddings"], out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
-        k.embedding_backward(x if self.sparse else s["ids"], dout, g["embeddings"])
+        ids = x if self.sparse else s["ids"]
+        if self.combiner:
+            k.pooled_embedding_backward(ids, s["weights"], dout, COMBINERS[self.combiner], g["embeddings"])
+        else:
+            k.embedding_backward(ids, dout, g["embeddings"])
 
 
 def _init_scale(init: initializers.Initializer) -> float:

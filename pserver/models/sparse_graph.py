@@ -18,7 +18,7 @@ import numpy as np
 from pserver.errors import ConfigError, DataError
 from pserver.layers.base import Pass
 from pserver.models import graph, metrics
-from pserver.sparse import TableLookup
+from pserver.sparse import PaddedIds, TableLookup
 
 
 class SparseLayers:
@@ -39,6 +39,15 @@ class SparseLayers:
                                   "too; the sparse layers read it as row positions: give the others "
                                   "their own input")
         self.tables = [plan.layers[li].table_config() for li in self.layers]
+        # A list feature's padding id, by field: every sparse layer that reads a field agrees on it.
+        self.padding: dict[int, int] = {}
+        for li, i in zip(self.layers, self.fields):
+            pad = plan.layers[li].padding
+            if any(plan.layers[o].padding != pad for o, j in zip(self.layers, self.fields) if j == i):
+                raise ConfigError(f"{where}: input {keys[i]!r} feeds sparse Embeddings with and without "
+                                  "mask_zero; its id 0 is padding for all of them or for none")
+            if pad is not None:
+                self.padding[i] = pad
 
 
 def _field(plan: graph.Plan, step: graph.Step, keys: list[str], where: str) -> int:
@@ -95,7 +104,9 @@ class SparseProtocol:
         missing = [k for k in self._keys if k not in parts]
         if missing or len(parts) != len(self._keys):
             raise ValueError(f"x has inputs {', '.join(map(str, parts)) or 'none'}; {self._takes()}")
-        arrays = {k: np.asarray(parts[k]) for k in self._keys}
+        padded = {self._keys[i]: pad for i, pad in self._sparse.padding.items()}
+        arrays = {k: pad_lists(parts[k], self.record[k].shape, padded[k], k) if k in padded
+                  else np.asarray(parts[k]) for k in self._keys}
         n = len(next(iter(arrays.values())))
         out = np.empty(n, self.record)
         for k, a in arrays.items():
@@ -115,10 +126,11 @@ class SparseProtocol:
     def batch_ids(self, x) -> list[np.ndarray]:
         """Per table, the ids of the batch: its field of the records (one array per field)."""
         x = self._records(x)
-        fields: dict[int, np.ndarray] = {}
+        fields: dict[int, np.ndarray | PaddedIds] = {}
         for i in self._sparse.fields:
             if i not in fields:
-                fields[i] = np.ascontiguousarray(x[self._keys[i]])
+                ids = np.ascontiguousarray(x[self._keys[i]])
+                fields[i] = PaddedIds(ids, self._sparse.padding[i]) if i in self._sparse.padding else ids
         return [fields[i] for i in self._sparse.fields]
 
     # -- steps ------------------------------------------------------------------------------------
@@ -244,4 +256,30 @@ class SparseProtocol:
         return x
 
 
-__all__ = ["SparseLayers", "SparseProtocol"]
+def pad_lists(lists, shape: tuple, padding: int, name: str) -> np.ndarray:
+    """A list feature as the records hold it, (n, length) int64: an array of that shape as it is,
+    or a list of lists (or a 1-D object array of them) of at most `length` ids each, padded with
+    `padding` after its ids. ValueError naming the input and the first list too long."""
+    if isinstance(lists, np.ndarray) and lists.dtype != object:
+        return lists
+    if not isinstance(lists, (list, tuple, np.ndarray)) or not all(
+            isinstance(a, (list, tuple, np.ndarray)) for a in lists):
+        return np.asarray(lists)
+    width = shape[0] if len(shape) == 1 else None
+    lengths = [len(a) for a in lists]
+    if width is None:
+        raise ValueError(f"input {name!r}: lists of ids fill a 1-D input; it takes {shape}")
+    if lengths and max(lengths) > width:
+        first = next(j for j, m in enumerate(lengths) if m > width)
+        raise ValueError(f"input {name!r}: list {first} has {lengths[first]} ids; the input holds at most "
+                         f"{width} (Input(shape=({width},))): give a wider Input")
+    out = np.full((len(lists), width), padding, np.int64)
+    for j, a in enumerate(lists):
+        ids = np.asarray(a)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise ValueError(f"input {name!r}: list {j} holds {ids.dtype} values; ids are integers")
+        out[j, :ids.size] = ids
+    return out
+
+
+__all__ = ["SparseLayers", "SparseProtocol", "pad_lists"]

@@ -155,6 +155,14 @@ def segment_sum_numpy(grads: np.ndarray, inverse: np.ndarray, u: int) -> np.ndar
     return out
 
 
+class PaddedIds:
+    """A list feature's ids (n, length) whose `padding` id marks no id (a shorter list's end):
+    what a model's batch_ids gives for a field its pooled Embedding reads with mask_zero."""
+
+    def __init__(self, ids: np.ndarray, padding: int) -> None:
+        self.ids, self.padding = ids, padding
+
+
 @dataclass
 class TableLookup:
     """What the worker hands a model for one table and one batch."""
@@ -166,7 +174,15 @@ class TableLookup:
 
     @classmethod
     def of(cls, ids, dim: int, what: str = "ids") -> TableLookup:
-        """The lookup of a batch's ids (any shape, any integer type as_ids takes)."""
+        """The lookup of a batch's ids (any shape, any integer type as_ids takes). PaddedIds:
+        its padding is no id (pulled, pushed or counted nowhere) and its inverse is -1."""
+        if isinstance(ids, PaddedIds):
+            keep = ids.ids != ids.padding
+            flat = as_ids(ids.ids[keep], what)
+            uniq, kept = unique_inverse(flat)
+            inverse = np.full(ids.ids.shape, -1, np.int64)
+            inverse[keep] = kept
+            return cls.like(cls(uniq, inverse, None, None), dim)
         ids = as_ids(ids, what)
         uniq, inverse = unique_inverse(ids.reshape(-1))
         return cls.like(cls(uniq, inverse.reshape(ids.shape), None, None), dim)

@@ -578,8 +578,8 @@ def test_pooled_embedding_bad_id_touches_nothing_outside_the_table():
     K.pooled_embedding_forward(cuda.to_device(ids), cuda.to_device(w), cuda.to_device(table), 0, out)
     assert np.isnan(out.copy_to_host()).all()
     buf = cuda.to_device(np.full((4, 2), 7.0, np.float32))   # rows 0-2: dtable; row 3: a guard
-    K.pooled_embedding_backward(cuda.to_device(ids), cuda.to_device(w), cuda.to_device(np.ones((1, 2), np.float32)),
-                                0, buf[:3])
+    dy = cuda.to_device(np.ones((1, 2), np.float32))
+    K.pooled_embedding_backward(cuda.to_device(ids), cuda.to_device(w), dy, 0, buf[:3])
     np.testing.assert_array_equal(buf.copy_to_host(), [[1, 1], [0, 0], [0, 0], [7, 7]])
 
 

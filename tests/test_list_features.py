@@ -1,0 +1,159 @@
+"""List features (multi-hot: several ids per sample, pooled into one vector): a padded batch's
+lookup leaves padding out, a pooled sparse table trains exactly as the same pooled dense table,
+the dense one's gradient is the finite differences', lists given as Python lists are padded, and
+bad lists and arguments are refused with one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pserver import keras
+from pserver.errors import ConfigError, DataError
+from pserver.keras import layers
+from pserver.layers import Dense, Embedding
+from pserver.models import Functional
+from pserver.sparse import PaddedIds, TableLookup
+from tests.support.gradients import assert_fd
+
+COMBINERS = ["sum", "mean", "sqrtn"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 5), st.integers(1, 9), st.integers(0, 2**32 - 1))
+def test_a_padded_lookup_leaves_padding_out(n, length, vocab, seed):
+    """Padding (0) is in no lookup's ids (the worker would pull, and push, a row for it) and its
+    inverse is -1 (the kernels' padding); every other id is found where uniq says."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (n, length))
+    lk = TableLookup.of(PaddedIds(ids, 0), 3)
+    keep = ids != 0
+    assert 0 not in lk.uniq and len(set(lk.uniq.tolist())) == lk.uniq.size
+    assert (lk.inverse[~keep] == -1).all()
+    assert np.array_equal(lk.uniq[lk.inverse[keep]].astype(np.int64), ids[keep])
+    assert lk.rows.shape == lk.grads.shape == (lk.uniq.size, 3)
+
+
+def _pooled(sparse: bool, combiner: str, vocab: int, mask_zero=True) -> Functional:
+    items = keras.Input(shape=(4,), dtype="int64", name="items")
+    table = Embedding(None if sparse else vocab, 3, sparse=sparse, mask_zero=mask_zero, combiner=combiner,
+                      name="items_emb")
+    out = Dense(1, name="out")(table(items))
+    model = Functional({"items": items} if sparse else items, out, loss="binary_crossentropy")
+    model.use_backend("reference")
+    return model
+
+
+LISTS = np.array([[3, 5, 5, 0], [0, 0, 0, 0], [1, 2, 3, 4], [4, 0, 0, 0], [2, 2, 1, 0]])
+Y = np.array([1, 0, 1, 0, 1], np.float64)
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_a_pooled_sparse_table_trains_as_the_same_dense_table(combiner):
+    """The sparse model (rows from the shards, padding left out of the lookup) and a dense
+    Embedding of the same rows give the same loss, the same dense gradient, and row gradients
+    equal to the dense table's at each id; id 0's row gets no gradient. Catches padding read as
+    id 0's row, a divisor that counts padding, or the sparse path's gradients not summed per id."""
+    dense, sparse = _pooled(False, combiner, 6), _pooled(True, combiner, 6)
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((6, 3))
+    head = rng.standard_normal(4)              # Dense(1)'s kernel (3) and bias
+    wd = np.concatenate([table.ravel(), head])
+    assert dense.layout.total == wd.size and sparse.layout.total == head.size
+    gd = np.full_like(wd, np.nan)
+    loss_d = dense.loss_and_grad(wd, LISTS, Y, gd)
+    x = np.zeros(len(LISTS), sparse.record)
+    x["items"] = LISTS
+    lk = TableLookup.of(sparse.batch_ids(x)[0], 3)
+    lk = TableLookup(lk.uniq, lk.inverse, table[lk.uniq.astype(np.int64)], np.full((lk.uniq.size, 3), np.nan))
+    gs = np.full_like(head, np.nan)
+    loss_s = sparse.loss_and_grad(head.copy(), x, Y, gs, sparse=[lk])
+    assert loss_s == pytest.approx(loss_d, rel=1e-12)
+    np.testing.assert_allclose(gs, gd[table.size:], rtol=1e-12, atol=1e-15)
+    dtable = gd[:table.size].reshape(table.shape)
+    np.testing.assert_allclose(lk.grads, dtable[lk.uniq.astype(np.int64)], rtol=1e-12, atol=1e-15)
+    assert not dtable[0].any()
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("mask_zero", [True, False])
+def test_a_pooled_dense_table_has_the_finite_differences_gradient(combiner, mask_zero):
+    assert_fd(_pooled(False, combiner, 6, mask_zero), LISTS, Y)
+
+
+def _keras_lists(n=384, seed=0):
+    rng = np.random.default_rng(seed)
+    lists = [list(rng.integers(1, 300, rng.integers(0, 7))) for _ in range(n)]
+    y = np.array([float(any(i % 4 == 0 for i in a)) for a in lists], np.float32)
+    return lists, rng.normal(size=(n, 2)).astype("float32"), y
+
+
+def _keras_model(combiner="sum", width=6):
+    items = keras.Input(shape=(width,), dtype="int64", name="items")
+    other = keras.Input(shape=(2,), name="other")
+    e = layers.Embedding(None, 8, sparse=True, mask_zero=True, combiner=combiner, name="items_emb")(items)
+    h = layers.Concatenate()([layers.Dense(16, activation="relu")(e), other])
+    model = keras.Model({"items": items, "other": other}, layers.Dense(1, activation="sigmoid")(h))
+    model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+    return model
+
+
+@pytest.fixture
+def run_seed(monkeypatch):
+    from pserver.launch.run import SEED
+    monkeypatch.setenv(SEED, "0")
+
+
+def test_keras_fit_takes_python_lists_and_id_0_never_becomes_a_row(run_seed, tmp_path):
+    """fit, evaluate and predict on lists of different lengths (Python lists: padded with 0); the
+    model learns which ids make a click; saved and loaded, it predicts the same, the padded array
+    predicts as the lists do, and the saved table holds every id seen and not 0 (padding was
+    never pushed). Catches lists refused or padded with a real id, and padding pulled as a row."""
+    from pserver.persist.model_file import load
+    keras.utils.set_random_seed(2)
+    lists, other, y = _keras_lists()
+    model = _keras_model()
+    history = model.fit({"items": lists, "other": other}, y, epochs=10, batch_size=32, verbose=0)
+    assert history.history["accuracy"][-1] > 0.9 > history.history["accuracy"][0]
+    got = model.predict({"items": lists, "other": other})
+    padded = np.zeros((len(lists), 6), np.int64)
+    for j, a in enumerate(lists):
+        padded[j, :len(a)] = a
+    assert np.array_equal(model.predict({"items": padded, "other": other}), got)
+    model.save(tmp_path / "m.keras")
+    again = keras.models.load_model(tmp_path / "m.keras")
+    assert np.array_equal(again.predict({"items": lists, "other": other}), got)
+    table = load(str(tmp_path / "m.keras")).tables[0]
+    seen = np.unique(np.concatenate([np.asarray(a, np.int64) for a in lists if a])).astype(np.uint64)
+    assert np.array_equal(np.sort(table.ids), seen)
+
+
+def test_a_list_longer_than_the_input_or_not_of_ids_is_one_clear_error(run_seed):
+    model = _keras_model(width=3)
+    other, y = np.zeros((2, 2), np.float32), np.zeros(2, np.float32)
+    with pytest.raises((ValueError, DataError), match=r"input 'items': list 1 has 4 ids; the input holds at "
+                                                      r"most 3 \(Input\(shape=\(3,\)\)\)"):
+        model.fit({"items": [[1], [1, 2, 3, 4]], "other": other}, y, verbose=0)
+    with pytest.raises((ValueError, DataError), match=r"input 'items': list 0 holds float64 values"):
+        model.fit({"items": [[1.5], [2]], "other": other}, y, verbose=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(combiner="max"), r"combiner must be one of sum, mean, sqrtn .*got 'max'"),
+    (dict(mask_zero=True), r"mask_zero=True needs combiner="),
+    (dict(mask_zero=1, combiner="sum"), r"mask_zero must be True or False, got 1"),
+])
+def test_bad_pooling_arguments_are_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Embedding(None, 4, sparse=True, **kwargs)
+
+
+def test_two_sparse_tables_reading_one_field_must_agree_on_padding():
+    items = keras.Input(shape=(4,), dtype="int64", name="items")
+    a = Embedding(None, 2, sparse=True, mask_zero=True, combiner="sum", name="a")(items)
+    b = Embedding(None, 2, sparse=True, combiner="sum", name="b")(items)
+    out = Dense(1)(layers.Concatenate()([a, b]))
+    with pytest.raises(ConfigError, match=r"'items' feeds sparse Embeddings with and without mask_zero"):
+        Functional({"items": items}, out, loss="binary_crossentropy").build()
