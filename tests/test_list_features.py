@@ -36,38 +36,51 @@ def test_a_padded_lookup_leaves_padding_out(n, length, vocab, seed):
     assert lk.rows.shape == lk.grads.shape == (lk.uniq.size, 3)
 
 
-def _pooled(sparse: bool, combiner: str, vocab: int, mask_zero=True) -> Functional:
+def _pooled(sparse: bool, combiner: str, vocab: int, mask_zero=True, weighted=False) -> Functional:
     items = keras.Input(shape=(4,), dtype="int64", name="items")
     table = Embedding(None if sparse else vocab, 3, sparse=sparse, mask_zero=mask_zero, combiner=combiner,
                       name="items_emb")
-    out = Dense(1, name="out")(table(items))
-    model = Functional({"items": items} if sparse else items, out, loss="binary_crossentropy")
+    inputs = {"items": items}
+    if weighted:
+        inputs["weights"] = keras.Input(shape=(4,), name="weights")
+    out = Dense(1, name="out")(table([items, inputs["weights"]]) if weighted else table(items))
+    model = Functional(inputs if sparse or weighted else items, out, loss="binary_crossentropy")
     model.use_backend("reference")
     return model
 
 
 LISTS = np.array([[3, 5, 5, 0], [0, 0, 0, 0], [1, 2, 3, 4], [4, 0, 0, 0], [2, 2, 1, 0]])
+# float32 values (a record's float field holds float32), so both paths weigh the same numbers
+WEIGHTS = np.random.default_rng(3).uniform(0.2, 2.0, LISTS.shape).astype(np.float32).astype(np.float64)
 Y = np.array([1, 0, 1, 0, 1], np.float64)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("combiner", COMBINERS)
-def test_a_pooled_sparse_table_trains_as_the_same_dense_table(combiner):
+def test_a_pooled_sparse_table_trains_as_the_same_dense_table(combiner, weighted):
     """The sparse model (rows from the shards, padding left out of the lookup) and a dense
     Embedding of the same rows give the same loss, the same dense gradient, and row gradients
     equal to the dense table's at each id; id 0's row gets no gradient. Catches padding read as
-    id 0's row, a divisor that counts padding, or the sparse path's gradients not summed per id."""
-    dense, sparse = _pooled(False, combiner, 6), _pooled(True, combiner, 6)
+    id 0's row, a divisor that counts padding, the sparse path's gradients not summed per id, or
+    a list's weights lost on one path."""
+    dense, sparse = (_pooled(is_sparse, combiner, 6, weighted=weighted) for is_sparse in (False, True))
     rng = np.random.default_rng(1)
     table = rng.standard_normal((6, 3))
     head = rng.standard_normal(4)              # Dense(1)'s kernel (3) and bias
     wd = np.concatenate([table.ravel(), head])
     assert dense.layout.total == wd.size and sparse.layout.total == head.size
     gd = np.full_like(wd, np.nan)
-    loss_d = dense.loss_and_grad(wd, LISTS, Y, gd)
+    loss_d = dense.loss_and_grad(wd, {"items": LISTS, "weights": WEIGHTS} if weighted else LISTS, Y, gd)
     x = np.zeros(len(LISTS), sparse.record)
     x["items"] = LISTS
+    if weighted:
+        x["weights"] = WEIGHTS
+        unweighted = np.full_like(gd, np.nan)
+        ones = {"items": LISTS, "weights": np.ones_like(WEIGHTS)}
+        assert dense.loss_and_grad(wd, ones, Y, unweighted) != pytest.approx(loss_d)
     lk = TableLookup.of(sparse.batch_ids(x)[0], 3)
-    lk = TableLookup(lk.uniq, lk.inverse, table[lk.uniq.astype(np.int64)], np.full((lk.uniq.size, 3), np.nan))
+    rows = table[lk.uniq.astype(np.int64)]
+    lk = TableLookup(lk.uniq, lk.inverse, rows, np.full(rows.shape, np.nan))
     gs = np.full_like(head, np.nan)
     loss_s = sparse.loss_and_grad(head.copy(), x, Y, gs, sparse=[lk])
     assert loss_s == pytest.approx(loss_d, rel=1e-12)
@@ -78,9 +91,10 @@ def test_a_pooled_sparse_table_trains_as_the_same_dense_table(combiner):
 
 
 @pytest.mark.parametrize("combiner", COMBINERS)
-@pytest.mark.parametrize("mask_zero", [True, False])
-def test_a_pooled_dense_table_has_the_finite_differences_gradient(combiner, mask_zero):
-    assert_fd(_pooled(False, combiner, 6, mask_zero), LISTS, Y)
+@pytest.mark.parametrize("mask_zero, weighted", [(True, False), (False, False), (True, True)])
+def test_a_pooled_dense_table_has_the_finite_differences_gradient(combiner, mask_zero, weighted):
+    x = {"items": LISTS, "weights": WEIGHTS} if weighted else LISTS
+    assert_fd(_pooled(False, combiner, 6, mask_zero, weighted), x, Y)
 
 
 def _keras_lists(n=384, seed=0):
@@ -138,6 +152,35 @@ def test_a_list_longer_than_the_input_or_not_of_ids_is_one_clear_error(run_seed)
         model.fit({"items": [[1], [1, 2, 3, 4]], "other": other}, y, verbose=0)
     with pytest.raises((ValueError, DataError), match=r"input 'items': list 0 holds float64 values"):
         model.fit({"items": [[1.5], [2]], "other": other}, y, verbose=0)
+
+
+def test_keras_fit_takes_weighted_lists_as_python_lists(run_seed):
+    """Keras-RS's weighted list feature: the layer called on [ids, weights], both given as Python
+    lists of the same lengths (weights padded with 0). The label is whether a list's weight on
+    ids below 50 outweighs the rest, which the weights alone decide: fails if they are ignored."""
+    keras.utils.set_random_seed(6)
+    rng = np.random.default_rng(1)
+    lists = [list(rng.integers(1, 100, rng.integers(1, 6))) for _ in range(512)]
+    weights = [list(rng.uniform(0, 1, len(a))) for a in lists]
+    low = [sum(w for i, w in zip(a, ws) if i < 50) for a, ws in zip(lists, weights)]
+    y = np.array([float(2 * lo > sum(ws)) for lo, ws in zip(low, weights)], np.float32)
+    items, wts = keras.Input(shape=(5,), dtype="int64", name="items"), keras.Input(shape=(5,), name="wts")
+    table = layers.Embedding(None, 4, sparse=True, mask_zero=True, combiner="sum", name="items_emb")
+    e = table([items, wts])
+    model = keras.Model({"items": items, "wts": wts}, layers.Dense(1, activation="sigmoid")(e))
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="binary_crossentropy", metrics=["accuracy"])
+    history = model.fit({"items": lists, "wts": weights}, y, epochs=8, batch_size=32, verbose=0)
+    assert history.history["accuracy"][-1] > 0.9
+
+
+def test_a_lists_weights_must_be_a_float_input_of_its_shape():
+    items, w3 = keras.Input(shape=(4,), dtype="int64"), keras.Input(shape=(3,))
+    with pytest.raises(ConfigError, match=r"weights must have its ids' shape; ids \(4,\), weights \(3,\)"):
+        Embedding(9, 2, combiner="sum")([items, w3])
+    with pytest.raises(ConfigError, match=r"weights must be a float model input .*not a layer's output"):
+        Embedding(9, 2, combiner="sum")([items, Dense(4)(keras.Input(shape=(2,)))])
+    with pytest.raises(ConfigError, match=r"takes one tensor of ids, or \[ids, weights\] with a combiner"):
+        Embedding(9, 2)([items, keras.Input(shape=(4,))])
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -17,7 +17,9 @@ one kernel forward and backward (pserver.kernels' pooled_embedding_*), as Keras-
 `TableConfig(combiner=...)` and TensorFlow's embedding_lookup_sparse do. Lists of different
 lengths are padded: `mask_zero=True` (Keras's name) makes id 0 padding, which reads no row and
 counts in no mean; the model pads lists given as Python lists with it. An id of 0 is then no
-row's (as in Keras).
+row's (as in Keras). Weighted lists (Keras-RS's `weights`): call the layer on `[ids, weights]`,
+weights a float model input of the ids' shape; `mean` divides by the sum of a list's weights,
+`sqrtn` by the root of the sum of their squares.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pserver.errors import ConfigError
 from pserver.kernels.reference import COMBINERS
 from pserver.layers import initializers, regularizers
 from pserver.layers.base import Layer, Weight, activity, positive_int
+from pserver.ops.core import Symbolic
 from pserver.sparse import TableConfig
 
 
@@ -86,6 +89,29 @@ class Embedding(Layer):
             raise ConfigError(f"Embedding(sparse=True): {e}") from None
         return config
 
+    def __call__(self, inputs, training=None, **kwargs):
+        if isinstance(inputs, (list, tuple)):        # [ids, weights]: a weighted list feature
+            if not self.combiner or len(inputs) != 2:
+                raise ConfigError(f"{self.label}: takes one tensor of ids, or [ids, weights] with a "
+                                  f"combiner (a weighted list feature); got {len(inputs)} tensors"
+                                  + ("" if self.combiner else " and combiner=None"))
+            weights = inputs[1]
+            if isinstance(weights, Symbolic) and (weights.node is not None or weights.dtype.kind != "f"):
+                raise ConfigError(f"{self.label}: a list's weights must be a float model input "
+                                  "(keras.Input(shape=(length,)), not a layer's output: they take no "
+                                  "gradient)")
+            self.takes_list = True
+        return super().__call__(inputs, training, **kwargs)
+
+    def build(self, input_shape):
+        if not self.takes_list:
+            return super().build(input_shape)
+        ids, weights = (tuple(s) for s in input_shape)
+        if ids != weights:
+            raise ConfigError(f"{self.label}: a list's weights must have its ids' shape; ids {ids}, "
+                              f"weights {weights}")
+        return super().build(ids)
+
     def output_shape_for(self, input_shape):
         self.expect_rank(input_shape, 1, "ids (length,)")
         return (self.output_dim,) if self.combiner else (input_shape[0], self.output_dim)
@@ -103,7 +129,7 @@ class Embedding(Layer):
 
     def scratch(self, n, dtype):
         s = {} if self.sparse else {"ids": np.empty((n, *self.input_shape), np.int64)}
-        if self.combiner:            # each id's weight in its list: 1 (weighted lists are to come)
+        if self.combiner and not self.takes_list:        # each id's weight in its list: 1
             s["weights"] = np.ones((n, *self.input_shape), np.float32)
         return s
 
@@ -131,16 +157,18 @@ class Embedding(Layer):
         return x
 
     def forward(self, k, p, x, out, s, run):
+        x, weights = (x[0], x[1]) if self.takes_list else (x, s.get("weights"))
         if self.combiner:
-            k.pooled_embedding_forward(self._ids(p, x, s), s["weights"], p["embeddings"],
+            k.pooled_embedding_forward(self._ids(p, x, s), weights, p["embeddings"],
                                        COMBINERS[self.combiner], out)
         else:
             k.embedding_forward(self._ids(p, x, s), p["embeddings"], out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
+        x, weights = (x[0], x[1]) if self.takes_list else (x, s.get("weights"))
         ids = x if self.sparse else s["ids"]
         if self.combiner:
-            k.pooled_embedding_backward(ids, s["weights"], dout, COMBINERS[self.combiner], g["embeddings"])
+            k.pooled_embedding_backward(ids, weights, dout, COMBINERS[self.combiner], g["embeddings"])
         else:
             k.embedding_backward(ids, dout, g["embeddings"])
 

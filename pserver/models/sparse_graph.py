@@ -29,10 +29,12 @@ class SparseLayers:
         self.record = np.dtype([(k, x.dtype, x.shape[1:]) for k, x in zip(keys, plan.slots)])
         self.checked: np.dtype | None = None       # the dtype of records last found to fit
         self.layers, self.fields = [], []
+        self.weights: set[int] = set()           # the inputs that weigh a list feature's ids
         for step in plan.steps:
             if step.layer is not None and getattr(plan.layers[step.layer], "sparse", False):
                 self.layers.append(step.layer)
                 self.fields.append(_field(plan, step, keys, where))
+                self.weights.update(step.ins[1:])
         for i in set(self.fields):
             if plan.consumers[i] != self.fields.count(i):
                 raise ConfigError(f"{where}: input {keys[i]!r} feeds a sparse Embedding and other layers "
@@ -105,6 +107,7 @@ class SparseProtocol:
         if missing or len(parts) != len(self._keys):
             raise ValueError(f"x has inputs {', '.join(map(str, parts)) or 'none'}; {self._takes()}")
         padded = {self._keys[i]: pad for i, pad in self._sparse.padding.items()}
+        padded.update({self._keys[i]: 0.0 for i in self._sparse.weights})
         arrays = {k: pad_lists(parts[k], self.record[k].shape, padded[k], k) if k in padded
                   else np.asarray(parts[k]) for k in self._keys}
         n = len(next(iter(arrays.values())))
@@ -256,10 +259,11 @@ class SparseProtocol:
         return x
 
 
-def pad_lists(lists, shape: tuple, padding: int, name: str) -> np.ndarray:
-    """A list feature as the records hold it, (n, length) int64: an array of that shape as it is,
-    or a list of lists (or a 1-D object array of them) of at most `length` ids each, padded with
-    `padding` after its ids. ValueError naming the input and the first list too long."""
+def pad_lists(lists, shape: tuple, padding, name: str) -> np.ndarray:
+    """A list feature as the records hold it, (n, length): an array of that shape as it is, or
+    a list of lists (or a 1-D object array of them) of at most `length` values each, padded with
+    `padding` after its values: int64 ids after an int padding, float32 weights after a float.
+    ValueError naming the input and the first list too long."""
     if isinstance(lists, np.ndarray) and lists.dtype != object:
         return lists
     if not isinstance(lists, (list, tuple, np.ndarray)) or not all(
@@ -273,12 +277,14 @@ def pad_lists(lists, shape: tuple, padding: int, name: str) -> np.ndarray:
         first = next(j for j, m in enumerate(lengths) if m > width)
         raise ValueError(f"input {name!r}: list {first} has {lengths[first]} ids; the input holds at most "
                          f"{width} (Input(shape=({width},))): give a wider Input")
-    out = np.full((len(lists), width), padding, np.int64)
+    ids = isinstance(padding, int)
+    out = np.full((len(lists), width), padding, np.int64 if ids else np.float32)
     for j, a in enumerate(lists):
-        ids = np.asarray(a)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise ValueError(f"input {name!r}: list {j} holds {ids.dtype} values; ids are integers")
-        out[j, :ids.size] = ids
+        values = np.asarray(a)
+        if values.size and values.dtype.kind not in ("iu" if ids else "iuf"):
+            raise ValueError(f"input {name!r}: list {j} holds {values.dtype} values; "
+                             + ("ids are integers" if ids else "weights are numbers"))
+        out[j, :values.size] = values
     return out
 
 
