@@ -381,7 +381,7 @@ def _pooled_by_hand(ids, weights, table, combiner):
         keep = ids[n] >= 0
         w, rows = weights[n][keep].astype(np.float64), table[ids[n][keep]].astype(np.float64)
         d = {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}[combiner]
-        out[n] = (w[:, None] * rows).sum(0) / (d if d != 0 else 1.0)
+        out[n] = (w[:, None] * rows).sum(0) / d if d != 0 else 0.0
     return out
 
 
@@ -429,6 +429,21 @@ def test_pooled_embedding_backward_is_the_gradient(combiner):
     reference.pooled_embedding_backward(ids, weights, dy, code, dtable)
     np.testing.assert_allclose(dtable, numeric_grad(forward, [table], dy)[0], atol=1e-8)
     assert not dtable[4].any()   # row 4 was never looked up
+
+
+@pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_a_pooled_list_whose_weights_sum_to_0_gives_zeros(k, combiner):
+    """mean over weights 1 and -1 (sqrtn over zeros): no division by 0 (as Keras-RS's
+    divide_no_nan); the list's vector and its gradient are 0, the other list's are not."""
+    ids = np.array([[0, 1], [2, 2]])
+    w = np.array([[1, -1], [1, 1]] if combiner == "mean" else [[0, 0], [1, 1]], np.float32)
+    table, out = np.arange(6, dtype=np.float32).reshape(3, 2), np.full((2, 2), np.nan, np.float32)
+    k.pooled_embedding_forward(ids, w, table, reference.COMBINERS[combiner], out)
+    assert not out[0].any() and out[1].all()
+    dtable = np.full((3, 2), np.nan, np.float32)
+    k.pooled_embedding_backward(ids, w, np.ones((2, 2), np.float32), reference.COMBINERS[combiner], dtable)
+    assert not dtable[:2].any() and dtable[2].all()
 
 
 @pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])

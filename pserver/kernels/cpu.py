@@ -620,7 +620,8 @@ def _check_pooled(ids, weights, vocab):
 
 
 @njit(cache=True, nogil=True)
-def _pool_divisor(ids, weights, n, combiner):
+def _pool_scale(ids, weights, n, combiner):
+    """1 / sample n's divisor, 0 where that is 0."""
     if combiner == POOL_SUM:
         return 1.0
     d = 0.0
@@ -630,7 +631,7 @@ def _pool_divisor(ids, weights, n, combiner):
             d += w if combiner == POOL_MEAN else w * w
     if combiner == POOL_SQRTN:
         d = np.sqrt(d)
-    return 1.0 if d == 0 else d
+    return 0.0 if d == 0 else 1.0 / d
 
 
 @njit(cache=True, nogil=True)
@@ -647,9 +648,9 @@ def pooled_embedding_forward(ids, weights, table, combiner, out):
                 row = table[i]
                 for d in range(acc.shape[0]):
                     acc[d] += w * row[d]
-        scale = _pool_divisor(ids, weights, n, combiner)
+        scale = _pool_scale(ids, weights, n, combiner)
         for d in range(acc.shape[0]):
-            out[n, d] = acc[d] / scale
+            out[n, d] = acc[d] * scale
 
 
 @njit(cache=True, nogil=True)
@@ -658,11 +659,11 @@ def pooled_embedding_backward(ids, weights, dy, combiner, dtable):
     _check_pooled(ids, weights, dtable.shape[0])
     dtable[:] = 0
     for n in range(ids.shape[0]):
-        scale = _pool_divisor(ids, weights, n, combiner)
+        scale = _pool_scale(ids, weights, n, combiner)
         for l in range(ids.shape[1]):
             i = ids[n, l]
             if i >= 0:
-                f = np.float32(weights[n, l] / scale)
+                f = np.float32(weights[n, l] * scale)
                 row, g = dtable[i], dy[n]
                 for d in range(row.shape[0]):
                     row[d] += f * g[d]

@@ -1012,8 +1012,9 @@ def _loss_now(into, out, y, dout, stream, row_loss=None, row_scale=1.0) -> float
 
 
 @cuda.jit(device=True)
-def _pool_divisor(ids, weights, n, combiner):
-    """Sample n's divisor (reference.py): 1, the sum of its weights or their root sum of squares."""
+def _pool_scale(ids, weights, n, combiner):
+    """1 / sample n's divisor (reference.py: 1, the sum of its weights or their root sum of
+    squares), 0 where that is 0."""
     if combiner == reference.POOL_SUM:
         return 1.0
     d = 0.0
@@ -1023,7 +1024,7 @@ def _pool_divisor(ids, weights, n, combiner):
             d += w if combiner == reference.POOL_MEAN else w * w
     if combiner == reference.POOL_SQRTN:
         d = math.sqrt(d)
-    return 1.0 if d == 0 else d
+    return 0.0 if d == 0 else 1.0 / d
 
 
 @cuda.jit
@@ -1039,7 +1040,7 @@ def pooled_forward_kernel(ids, weights, table, combiner, out):
             acc = math.nan
         elif row >= 0:
             acc += float64(weights[n, l]) * table[row, d]
-    out[n, d] = acc / _pool_divisor(ids, weights, n, combiner)
+    out[n, d] = acc * _pool_scale(ids, weights, n, combiner)
 
 
 @cuda.jit
@@ -1053,7 +1054,7 @@ def pooled_backward_kernel(ids, weights, dy, combiner, dtable):
     l, d = r // dtable.shape[1], r % dtable.shape[1]
     row = ids[n, l]
     if 0 <= row < dtable.shape[0]:
-        f = float64(weights[n, l]) / _pool_divisor(ids, weights, n, combiner)
+        f = float64(weights[n, l]) * _pool_scale(ids, weights, n, combiner)
         cuda.atomic.add(dtable, (row, d), float32(f * dy[n, d]))
 
 

@@ -468,7 +468,8 @@ def embedding_backward(ids, dy, dtable):
 # nothing and its weight counts nowhere. combiner POOL_SUM, POOL_MEAN or POOL_SQRTN (as
 # TensorFlow's embedding_lookup_sparse and Keras-RS): sample n's vector is
 # sum_l w[n, l] table[ids[n, l]] divided by 1, by sum_l w[n, l], or by sqrt(sum_l w[n, l]^2),
-# over its ids that are not padding. A list with no ids (or whose divisor is 0) gives zeros.
+# over its ids that are not padding. A list with no ids, or whose divisor is 0, gives zeros (as
+# Keras-RS's divide_no_nan).
 
 POOL_SUM, POOL_MEAN, POOL_SQRTN = 0, 1, 2
 COMBINERS = {"sum": POOL_SUM, "mean": POOL_MEAN, "sqrtn": POOL_SQRTN}
@@ -482,13 +483,13 @@ def _check_pooled(ids, weights, vocab):
 
 
 def _pool_scale(ids, weights, combiner):
-    """What each sample's weighted sum is divided by (1 where it would be 0), and the weights
-    with padding's made 0: float64 (N,) and (N, L)."""
+    """What each sample's weighted sum is multiplied by (1 / its divisor, 0 where that is 0), and
+    the weights with padding's made 0: float64 (N,) and (N, L)."""
     w = np.where(ids >= 0, weights, 0).astype(np.float64)
     if combiner == POOL_SUM:
         return np.ones(ids.shape[0]), w
     d = w.sum(1) if combiner == POOL_MEAN else np.sqrt((w * w).sum(1))
-    return np.where(d == 0, 1.0, d), w
+    return np.divide(1.0, d, out=np.zeros_like(d), where=d != 0), w
 
 
 def pooled_embedding_forward(ids, weights, table, combiner, out):
@@ -496,14 +497,14 @@ def pooled_embedding_forward(ids, weights, table, combiner, out):
     _check_pooled(ids, weights, table.shape[0])
     scale, w = _pool_scale(ids, weights, combiner)
     rows = table[np.where(ids >= 0, ids, 0)].astype(np.float64)
-    out[...] = (w[..., None] * rows).sum(1) / scale[:, None]
+    out[...] = (w[..., None] * rows).sum(1) * scale[:, None]
 
 
 def pooled_embedding_backward(ids, weights, dy, combiner, dtable):
     """dtable[:] = 0, then weights[n, l] / divisor[n] * dy[n] added to row ids[n, l] (padding skipped)."""
     _check_pooled(ids, weights, dtable.shape[0])
     scale, w = _pool_scale(ids, weights, combiner)
-    per = (w / scale[:, None])[..., None] * dy[:, None, :].astype(np.float64)      # (N, L, D)
+    per = (w * scale[:, None])[..., None] * dy[:, None, :].astype(np.float64)      # (N, L, D)
     acc = np.zeros(dtable.shape, np.float64)
     keep = ids >= 0
     np.add.at(acc, ids[keep], per[keep])
