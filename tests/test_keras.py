@@ -158,7 +158,10 @@ EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shap
             "MultiHeadAttention": dict(num_heads=3, key_dim=4, value_dim=2, use_bias=False, output_shape=5),
             "GroupNormalization": dict(groups=4, epsilon=0.01, center=False),
             "SeparableConv2D": dict(filters=3, kernel_size=(2, 3), strides=(1, 2), depth_multiplier=2,
-                                    padding="same", activation="relu", use_bias=False)}
+                                    padding="same", activation="relu", use_bias=False),
+            "FeatureCross": dict(projection_dim=2, diag_scale=0.5, use_bias=False, pre_activation="tanh",
+                                 kernel_initializer="he_normal", kernel_regularizer="l2"),
+            "DotInteraction": dict(self_interaction=True, skip_gather=True)}
 
 
 @pytest.mark.parametrize("name", LAYERS.names())

@@ -27,6 +27,8 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
               max_rows=0, ttl_steps=0, row_dtype='float32', state_dtype='float32'): a table of
               unbounded ids on the shards (row_dtype float16 or bfloat16: compact rows)
     FM(): a factorization machine's pairwise term over (fields, k) embeddings
+    FeatureCross(projection_dim=None, diag_scale=0.0, ...), DotInteraction(self_interaction=False,
+              skip_gather=False): Keras-RS's DCN-v2 and DLRM interaction layers
     Add(), Subtract(), Multiply(), Average(), Maximum(), Minimum(), Concatenate(axis=-1),
     Dot(axes), and add([a, b]), concatenate([a, b]), ...: merge layers, called on a list
     GlobalAveragePooling1D/2D(), GlobalMaxPooling1D/2D(), Activation(name), Reshape(shape),
@@ -59,6 +61,7 @@ from pserver.layers.embedding import Embedding
 from pserver.layers.fm import FM
 from pserver.layers.image import CenterCrop, Resizing
 from pserver.layers.initializers import Initializer, RandomUniform, VarianceScaling, Zeros
+from pserver.layers.interaction import DotInteraction, FeatureCross
 from pserver.layers.merge import (
     Add,
     Average,
@@ -178,6 +181,9 @@ LAYERS.add("MultiHeadAttention", "softmax(q k^T / sqrt(key_dim)) v per head over
 LAYERS.add("GroupNormalization", "each sample standardized per group of channels, then gamma * x + beta",
            GroupNormalization)
 LAYERS.add("SeparableConv2D", "a DepthwiseConv2D, then a 1x1 Conv2D to filters", SeparableConv2D)
+LAYERS.add("FeatureCross", "Keras-RS's DCN-v2 cross: x0 * (x @ W + bias + diag_scale * x) + x", FeatureCross)
+LAYERS.add("DotInteraction", "Keras-RS's DLRM interaction: the features' pairwise dot products",
+           DotInteraction)
 
 # A user's layer classes, by class name (pserver.keras.saving.register_keras_serializable), so that
 # a saved model that names one is built again in a process that defined it.
@@ -248,4 +254,4 @@ __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
            "CenterCrop", "RandomFlip", "RandomRotation", "RandomZoom", "RandomTranslation", "RandomContrast",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
            "StringLookup", "IntegerLookup", "TextVectorization",
-           "MultiHeadAttention", "GroupNormalization", "SeparableConv2D"]
+           "MultiHeadAttention", "GroupNormalization", "SeparableConv2D", "FeatureCross", "DotInteraction"]
