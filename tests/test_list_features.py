@@ -90,6 +90,38 @@ def test_a_pooled_sparse_table_trains_as_the_same_dense_table(combiner, weighted
     assert not dtable[0].any()
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_padding_id_minus_1_pads_lists_of_ids_from_0(sparse):
+    """padding_id=-1 (Keras-RS's tables, whose ids start at 0): the lists shifted down by one, 0 a
+    real id and -1 the padding, with the table's rows shifted too, give mask_zero's loss. Catches
+    -1 read as a row, or id 0 taken for padding."""
+    def model(**pad):
+        items = keras.Input(shape=(4,), dtype="int64", name="items")
+        e = Embedding(None if sparse else 6, 3, sparse=sparse, combiner="mean", name="e", **pad)(items)
+        out = Dense(1, name="out")(e)
+        m = Functional({"items": items} if sparse else items, out, loss="binary_crossentropy")
+        m.use_backend("reference")
+        return m
+
+    rng = np.random.default_rng(4)
+    table, head = rng.standard_normal((6, 3)), rng.standard_normal(4)
+    shifted = np.where(LISTS == 0, -1, LISTS - 1)
+    losses = []
+    cases = [(dict(mask_zero=True), LISTS, table), (dict(padding_id=-1), shifted, np.roll(table, -1, 0))]
+    for pad, lists, rows in cases:
+        m = model(**pad)
+        if not sparse:
+            losses.append(m.loss_and_grad(np.concatenate([rows.ravel(), head]), lists, Y, np.empty(22)))
+            continue
+        x = np.zeros(len(lists), m.record)
+        x["items"] = lists
+        lk = TableLookup.of(m.batch_ids(x)[0], 3)
+        got = rows[lk.uniq.astype(np.int64)]
+        lk = TableLookup(lk.uniq, lk.inverse, got, np.empty_like(got))
+        losses.append(m.loss_and_grad(head.copy(), x, Y, np.empty(4), sparse=[lk]))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12)
+
+
 @pytest.mark.parametrize("combiner", COMBINERS)
 @pytest.mark.parametrize("mask_zero, weighted", [(True, False), (False, False), (True, True)])
 def test_a_pooled_dense_table_has_the_finite_differences_gradient(combiner, mask_zero, weighted):
@@ -185,7 +217,9 @@ def test_a_lists_weights_must_be_a_float_input_of_its_shape():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(combiner="max"), r"combiner must be one of sum, mean, sqrtn .*got 'max'"),
-    (dict(mask_zero=True), r"mask_zero=True needs combiner="),
+    (dict(mask_zero=True), r"mask_zero=True \(or padding_id\) needs combiner="),
+    (dict(padding_id=-1), r"mask_zero=True \(or padding_id\) needs combiner="),
+    (dict(mask_zero=True, padding_id=-1, combiner="sum"), r"padding_id must be an integer id \(0 with mask_"),
     (dict(mask_zero=1, combiner="sum"), r"mask_zero must be True or False, got 1"),
 ])
 def test_bad_pooling_arguments_are_refused(kwargs, match):

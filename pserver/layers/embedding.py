@@ -17,7 +17,8 @@ one kernel forward and backward (pserver.kernels' pooled_embedding_*), as Keras-
 `TableConfig(combiner=...)` and TensorFlow's embedding_lookup_sparse do. Lists of different
 lengths are padded: `mask_zero=True` (Keras's name) makes id 0 padding, which reads no row and
 counts in no mean; the model pads lists given as Python lists with it. An id of 0 is then no
-row's (as in Keras). Weighted lists (Keras-RS's `weights`): call the layer on `[ids, weights]`,
+row's (as in Keras). `padding_id=-1` pads with -1 instead, for ids that start at 0 (Keras-RS's
+tables: pserver.keras_rs). Weighted lists (Keras-RS's `weights`): call the layer on `[ids, weights]`,
 weights a float model input of the ids' shape; `mean` divides by the sum of a list's weights,
 `sqrtn` by the root of the sum of their squares.
 """
@@ -44,7 +45,8 @@ class Embedding(Layer):
                  max_rows: int = 0, ttl_steps: int = 0, seed: int = 0,
                  optimizer_params: dict | None = None, row_dtype: str = "float32",
                  state_dtype: str = "float32", embeddings_regularizer=None, activity_regularizer=None,
-                 mask_zero: bool = False, combiner: str | None = None, **kwargs):
+                 mask_zero: bool = False, combiner: str | None = None, padding_id: int | None = None,
+                 **kwargs):
         if input_length is not None and "input_shape" not in kwargs:
             kwargs["input_shape"] = (input_length,)
         super().__init__(**kwargs)
@@ -58,11 +60,16 @@ class Embedding(Layer):
                               f"vector per id), got {combiner!r}")
         if not isinstance(mask_zero, bool):
             raise ConfigError(f"Embedding: mask_zero must be True or False, got {mask_zero!r}")
-        if mask_zero and combiner is None:
-            raise ConfigError("Embedding: mask_zero=True needs combiner= ('sum', 'mean' or 'sqrtn'): padding "
-                              "is left out of a pooled list; a mask carried on to later layers is not "
-                              "supported")
+        if padding_id is not None and (isinstance(padding_id, bool) or not isinstance(padding_id, int)
+                                       or mask_zero and padding_id != 0):
+            raise ConfigError(f"Embedding: padding_id must be an integer id (0 with mask_zero=True), got "
+                              f"{padding_id!r}")
+        if (mask_zero or padding_id is not None) and combiner is None:
+            raise ConfigError("Embedding: mask_zero=True (or padding_id) needs combiner= ('sum', 'mean' or "
+                              "'sqrtn'): padding is left out of a pooled list; a mask carried on to later "
+                              "layers is not supported")
         self.mask_zero, self.combiner = mask_zero, combiner
+        self._padding = 0 if mask_zero else padding_id
         self.embeddings_initializer = initializers.get(embeddings_initializer,
                                                        "Embedding: embeddings_initializer")
         self.embeddings_regularizer = regularizers.get(embeddings_regularizer,
@@ -125,7 +132,7 @@ class Embedding(Layer):
     @property
     def padding(self) -> int | None:
         """The id that pads a list (None: every id is a row's)."""
-        return 0 if self.mask_zero else None
+        return self._padding
 
     def scratch(self, n, dtype):
         s = {} if self.sparse else {"ids": np.empty((n, *self.input_shape), np.int64)}
@@ -134,7 +141,10 @@ class Embedding(Layer):
         return s
 
     def check_ids(self, x: np.ndarray) -> None:
-        """Ids outside [0, input_dim) would read another row, or outside the table."""
+        """Ids outside [0, input_dim) would read another row, or outside the table (padding
+        reads none)."""
+        if self._padding is not None:
+            x = x[x != self._padding]
         if x.size and (x.min() < 0 or x.max() >= self.input_dim or not np.all(x == np.floor(x))):
             bad = (x < 0) | (x >= self.input_dim) | (x != np.floor(x))
             first = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -147,8 +157,8 @@ class Embedding(Layer):
         if not self.sparse:
             self.check_ids(x)
             np.copyto(s["ids"], x, casting="unsafe")
-            if self.mask_zero:
-                s["ids"][s["ids"] == 0] = -1         # the kernels' padding
+            if self._padding is not None:
+                s["ids"][x == self._padding] = -1         # the kernels' padding
             return s["ids"]
         if "embeddings" not in p:
             raise ConfigError(f"{self.label}: a sparse Embedding trains in a model with sparse "
