@@ -234,3 +234,41 @@ def test_two_sparse_tables_reading_one_field_must_agree_on_padding():
     out = Dense(1)(layers.Concatenate()([a, b]))
     with pytest.raises(ConfigError, match=r"'items' feeds sparse Embeddings with and without mask_zero"):
         Functional({"items": items}, out, loss="binary_crossentropy").build()
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_one_id_per_sample_gives_one_vector_as_a_list_of_one(sparse):
+    """keras.Input(shape=()) ids (Keras-RS's and keras.io's recommenders): Embedding gives (n, dim),
+    the loss and gradients of the same ids as (n, 1) flattened. Catches the rank-0 input refused,
+    or its rows read or added at the wrong place."""
+    from pserver.layers import Flatten
+    rng = np.random.default_rng(8)
+    ids, y = rng.integers(0, 5, 7), (rng.random(7) > 0.5).astype(np.float64)
+    table, head = rng.standard_normal((5, 3)), rng.standard_normal(4)
+    losses, grads = [], []
+    for shape in [(), (1,)]:
+        i = keras.Input(shape=shape, dtype="int64", name="ids")
+        e = Embedding(None if sparse else 5, 3, sparse=sparse, name="e")(i)
+        m = Functional({"ids": i} if sparse else i, Dense(1, name="out")(Flatten()(e) if shape else e),
+                       loss="binary_crossentropy")
+        m.use_backend("reference")
+        x = ids.reshape(-1, *shape)
+        if sparse:
+            rec = np.zeros(len(ids), m.record)
+            rec["ids"] = x
+            lk = TableLookup.of(m.batch_ids(rec)[0], 3)
+            rows = table[lk.uniq.astype(np.int64)]
+            lk = TableLookup(lk.uniq, lk.inverse, rows, np.empty_like(rows))
+            g = np.empty(4)
+            losses.append(m.loss_and_grad(head.copy(), rec, y, g, sparse=[lk]))
+            full = np.zeros_like(table)
+            full[lk.uniq.astype(np.int64)] = lk.grads
+            grads.append(np.concatenate([full.ravel(), g]))
+        else:
+            g = np.empty(19)
+            losses.append(m.loss_and_grad(np.concatenate([table.ravel(), head]), x, y, g))
+            grads.append(g)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-12)
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-12)
+    with pytest.raises(ConfigError, match=r"one id per sample \(input shape \(\)\) has no padding"):
+        Embedding(5, 3, mask_zero=True, combiner="sum")(keras.Input(shape=(), dtype="int64"))

@@ -120,8 +120,18 @@ class Embedding(Layer):
         return super().build(ids)
 
     def output_shape_for(self, input_shape):
+        if input_shape == ():        # one id per sample (Keras's Input(shape=())): one vector, no pooling
+            if self._padding is not None:
+                raise ConfigError(f"{self.label}: one id per sample (input shape ()) has no padding; "
+                                  "mask_zero and padding_id are for lists")
+            return (self.output_dim,)
         self.expect_rank(input_shape, 1, "ids (length,)")
         return (self.output_dim,) if self.combiner else (input_shape[0], self.output_dim)
+
+    @property
+    def pooled(self) -> bool:
+        """Whether each sample's ids are pooled into one vector (a combiner, over lists)."""
+        return bool(self.combiner) and self.input_shape != ()
 
     def weights(self):
         if self.sparse:
@@ -136,7 +146,7 @@ class Embedding(Layer):
 
     def scratch(self, n, dtype):
         s = {} if self.sparse else {"ids": np.empty((n, *self.input_shape), np.int64)}
-        if self.combiner and not self.takes_list:        # each id's weight in its list: 1
+        if self.pooled and not self.takes_list:        # each id's weight in its list: 1
             s["weights"] = np.ones((n, *self.input_shape), np.float32)
         return s
 
@@ -168,19 +178,29 @@ class Embedding(Layer):
 
     def forward(self, k, p, x, out, s, run):
         x, weights = (x[0], x[1]) if self.takes_list else (x, s.get("weights"))
-        if self.combiner:
-            k.pooled_embedding_forward(self._ids(p, x, s), weights, p["embeddings"],
-                                       COMBINERS[self.combiner], out)
+        ids = self._ids(p, x, s)
+        if self.pooled:
+            k.pooled_embedding_forward(ids, weights, p["embeddings"], COMBINERS[self.combiner], out)
         else:
-            k.embedding_forward(self._ids(p, x, s), p["embeddings"], out)
+            ids, out = _as_lists(ids, out)
+            k.embedding_forward(ids, p["embeddings"], out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         x, weights = (x[0], x[1]) if self.takes_list else (x, s.get("weights"))
         ids = x if self.sparse else s["ids"]
-        if self.combiner:
+        if self.pooled:
             k.pooled_embedding_backward(ids, weights, dout, COMBINERS[self.combiner], g["embeddings"])
         else:
+            ids, dout = _as_lists(ids, dout)
             k.embedding_backward(ids, dout, g["embeddings"])
+
+
+def _as_lists(ids, y):
+    """ids (n, length) and y (n, length, dim) as the kernels take them: one id per sample, (n,)
+    and (n, dim), is a list of one (views, on the host or the device)."""
+    if len(ids.shape) == 1:
+        return ids.reshape(ids.shape[0], 1), y.reshape(y.shape[0], 1, y.shape[1])
+    return ids, y
 
 
 def _init_scale(init: initializers.Initializer) -> float:
