@@ -154,7 +154,6 @@ class Functional(SparseProtocol, Model):
             self.loss = losses.get(loss)
         if self._built:
             self._check_loss(self._shapes[1:])
-            self._check_metric_objects()
             self._link_loss()
         return self
 
@@ -188,7 +187,6 @@ class Functional(SparseProtocol, Model):
         self._check_fused()
         self._check_statistics()
         self._find_sparse()
-        self._check_metric_objects()
         self._built = True
         return self
 
@@ -252,12 +250,6 @@ class Functional(SparseProtocol, Model):
         for j, (loss, shape) in enumerate(zip(self._each_loss(), shapes)):
             where = f"{self.name}: {self._output_label(j)}" if self.several else self.name
             loss.check_outputs(shape[-1], where)
-
-    def _check_metric_objects(self) -> None:
-        """A model with sparse tables trains and evaluates apart (sparse_graph): accuracy and auc."""
-        if self.metric_objects and self._sparse is not None:
-            raise ConfigError(f"{self.name}: compile: metrics: {self.metric_objects[0].name!r} is not "
-                              "supported for a model with sparse tables (accuracy and auc are)")
 
     def _each_loss(self) -> list[losses.Loss]:
         return self.loss.losses if self.several else [self.loss]

@@ -159,6 +159,7 @@ class SparseProtocol:
         ins = self._forward(params, self._sparse_inputs(x, lookups, params, grads, w.dtype), bufs, run)
         if self.task != "regression":           # the batch's accuracy, for Keras's per-epoch metric
             self.batch_correct = metrics.accuracy(ins[-1], y)
+        self.batch_metric_sums = self.metric_sums(ins[-1], y)
         loss = self.loss(self.kernels, ins[-1], y, bufs.dloss)
         self._backward(params, grads, ins, bufs)
         return float(loss)
@@ -177,14 +178,16 @@ class SparseProtocol:
 
     def _sparse_evaluate(self, w, x, y, batch_size: int, rows) -> dict:
         x, y = self._check_batch(w, x, y)
-        loss_sum, correct, scores = 0.0, 0, []
+        loss_sum, correct, scores, sums = 0.0, 0, [], []
         for a, xb, out in self._sparse_outputs(w, x, batch_size, rows, "evaluate"):
             yb = y[a:a + len(xb)]
             loss_sum += self.loss(self.kernels, out, yb, np.empty_like(out)) * len(xb)
             correct += metrics.accuracy(out, yb)
             scores.append(out[:, 0].copy())
+            sums.append(self.metric_sums(out, yb))
         return {"loss": loss_sum / len(x), "accuracy": correct / len(x),
-                "auc": metrics.auc(np.concatenate(scores), y)}
+                "auc": metrics.auc(np.concatenate(scores), y),
+                **metrics.values_of(self.metric_objects, np.sum(sums, axis=0))}
 
     def _sparse_predict(self, w, x, batch_size: int, rows) -> np.ndarray:
         self._check_w(w)
