@@ -179,3 +179,13 @@ def test_inputs_of_another_structure_or_shape_are_refused():
         emb({"g": keras.Input(shape=(3,), dtype="int64")})
     with pytest.raises(ConfigError, match=r"feature 'f' takes inputs of shape \(None, 3\)"):
         emb({"f": keras.Input(shape=(4,), dtype="int64")})
+
+
+def test_count_params_counts_the_dense_weights_as_keras_does():
+    """The keras.io DCN example prints count_params: each dense table's rows and every layer's
+    weights, here the sum of get_weights' sizes, and Keras's count for the same model."""
+    i = keras.Input(shape=(), dtype="int32", name="ids")
+    x = keras_rs.layers.FeatureCross(projection_dim=2)(keras.layers.Embedding(7, 4)(i))
+    model = keras.Model({"ids": i}, keras.layers.Dense(1)(x))
+    # Keras: 7*4 embedding + FeatureCross (4*2 down, 2*4 up, 4 bias) + Dense 4+1
+    assert model.count_params() == sum(w.size for w in model.get_weights()) == 28 + 20 + 5

