@@ -276,7 +276,7 @@ def main() -> None:
     result = {"what": "bench/keras_io scripts under pserver run vs Keras 3", "machine": m,
               "keras": keras_version(args.keras_python) if "keras" in args.sides else "(not run)"}
     with tempfile.TemporaryDirectory() as tmp:
-        if "dcn_movielens" in names:
+        if {"dcn_movielens", "dlrm_movielens"} & set(names):
             os.environ["KERAS_IO_MOVIELENS"] = movielens_npz(Path(tmp))
         result["comparisons"] = [compare(name, args, Path(tmp)) for name in names]
     for c in result["comparisons"]:

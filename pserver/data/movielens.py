@@ -7,7 +7,7 @@ pyarrow (pip install 'pserver[recommenders]').
 
 `load` gives the ratings with the fields TensorFlow Datasets' movielens/100k-ratings has, which
 the Keras-RS examples read, by the same names: movie_id, user_id, user_gender (True for male),
-bucketized_user_age (the age's bucket's lower bound, as tfds buckets it), user_occupation_text,
+bucketized_user_age (the age's bucket's lower bound, as tfds buckets it), raw_user_age, user_occupation_text,
 user_zip_code, timestamp, user_rating (1 to 5), and movie_genres, each movie's genres as a list
 of ids (tfds's genre numbering: 0 Action ... 19 Western).
 """
@@ -105,6 +105,7 @@ def load(data_dir: str | None = None) -> dict[str, np.ndarray]:
         "user_id": np.array(ratings["user_id"], np.int64),
         "user_gender": np.array(users["gender"], object)[u] == "M",
         "bucketized_user_age": buckets[u].astype(np.float32),
+        "raw_user_age": ages[u].astype(np.float32),
         "user_occupation_text": np.array(users["occupation"], object)[u],
         "user_zip_code": np.array(users["zip_code"], object)[u],
         "timestamp": np.array(ratings["timestamp"], np.int64),

@@ -89,16 +89,26 @@ class TracedLayer(Layer):
     # -- how pserver builds and traces it ---------------------------------------------------------
 
     def __call__(self, inputs, training=None, **kwargs):
+        if isinstance(inputs, dict):         # a dict by name: a list in its keys' order, given back to call
+            if getattr(self, "_dict_keys", None) not in (None, list(inputs)):
+                raise ConfigError(f"{self.label}: built for inputs {self._dict_keys}, called on "
+                                  f"{list(inputs)}")
+            self._dict_keys, inputs = list(inputs), list(inputs.values())
         if getattr(self, "_built_for", None) is None:
             self.takes_list = isinstance(inputs, (list, tuple))
             self._first_kwargs = kwargs      # the build's trace sees the first call's arguments
         return super().__call__(inputs, training=training, **kwargs)
 
+    def _as_called(self, inputs):
+        """The inputs as call takes them: a dict again when the layer was called on one."""
+        keys = getattr(self, "_dict_keys", None)
+        return dict(zip(keys, inputs)) if keys is not None else inputs
+
     def build_once(self, input_shape) -> None:
         if getattr(self, "_built_for", None) is None:
             batched = [(None, *s) for s in input_shape] if self.takes_list else (None, *input_shape)
             with _user_errors(self, "build"):
-                self.build(batched)
+                self.build(self._as_called(batched))
             self.input_shape, self._built_for = input_shape, input_shape
             inputs = [Symbolic(s) for s in batched] if self.takes_list else Symbolic(batched)
             self.output_shape = self.trace(inputs, False, **getattr(self, "_first_kwargs", {})).shape[1:]
@@ -112,7 +122,7 @@ class TracedLayer(Layer):
         token = TRACING.set(True)
         try:
             with _user_errors(self, "call"):
-                out = self.call(inputs, **kwargs)
+                out = self.call(self._as_called(inputs), **kwargs)
         finally:
             TRACING.reset(token)
         if not isinstance(out, Symbolic):
@@ -126,15 +136,17 @@ class TracedLayer(Layer):
         self.build_once([x.shape[1:] for x in xs] if self.takes_list else xs[0].shape[1:])
         if self.weights():
             return super()._eager(xs, kwargs, training)     # refused there: a model holds the weights
-        return self.call(xs if self.takes_list else xs[0], **kwargs)
+        return self.call(self._as_called(xs) if self.takes_list else xs[0], **kwargs)
 
     def weights(self):
         return list(self._own_weights)
 
     def sublayers(self) -> list:
-        """The layers held in attributes (directly, or in a list or tuple), as Keras tracks them."""
+        """The layers held in attributes (directly, or in a list, tuple or dict's values), as Keras
+        tracks them."""
         found = []
         for value in vars(self).values():
+            value = list(value.values()) if isinstance(value, dict) else value
             for v in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(v, Layer) and v is not self:
                     found.append(v)

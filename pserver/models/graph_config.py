@@ -36,6 +36,9 @@ def to_config(keys: list[str], inputs: list[core.Symbolic], outputs: list[core.S
             index = next(i for i, known in enumerate(layers) if known is node.layer)
             entry.update(layer=index, list=node.layer.takes_list, training=node.attrs.get("training"),
                          kwargs={k: _value(v, refs) for k, v in node.attrs.get("kwargs", {}).items()})
+            by_name = getattr(node.layer, "_dict_keys", None)
+            if by_name is not None:               # called on a dict (a traced layer): its keys, in order
+                entry["keys"] = list(by_name)
         calls.append(entry)
         for k, out in enumerate(node.outputs):
             refs[id(out)] = ["node", j, k]
@@ -58,8 +61,8 @@ def from_config(config: dict) -> tuple[list[str], list[core.Symbolic], list[core
             out = core.apply(entry["op"], *args, **_tuples(entry["attrs"]))
         else:
             kwargs = {k: _unvalue(v, inputs, made) for k, v in entry["kwargs"].items()}
-            out = layers[entry["layer"]](args if entry["list"] else args[0], training=entry["training"],
-                                         **kwargs)
+            given = dict(zip(entry["keys"], args)) if "keys" in entry else args if entry["list"] else args[0]
+            out = layers[entry["layer"]](given, training=entry["training"], **kwargs)
         made.append(out if isinstance(out, list) else [out])
     refs = config["outputs"] if "outputs" in config else [config["output"]]
     return keys, inputs, [_tensor(r, inputs, made) for r in refs]
