@@ -209,7 +209,7 @@ def test_evaluate_regression_r2():
 def test_make_model_errors():
     with pytest.raises(ConfigError,
                        match="--model: unknown model 'x'; choose one of mlp, logreg, linreg, cnn, lr, fm, "
-                             "wide_deep, deepfm, or FILE.py"):
+                             "wide_deep, deepfm, dcn, dlrm, or FILE.py"):
         make_model("x", 4, 2)
     for hidden in [(256, 0), (-3,), (), (2.5,)]:
         with pytest.raises(ConfigError, match="--hidden"):

@@ -47,6 +47,10 @@ MODELS.add("lr", "Criteo: logistic regression over dense features and one sparse
 MODELS.add("fm", "Criteo: lr plus a factorization machine's pairwise term (--embedding-dim)", ctr_model)
 MODELS.add("wide_deep", "Criteo: lr plus a deep tower over the ids' embeddings (--hidden)", ctr_model)
 MODELS.add("deepfm", "Criteo: fm plus a deep tower over the same embeddings (--hidden)", ctr_model)
+MODELS.add("dcn", "Criteo: DCN-v2, two FeatureCross layers over [embeddings, dense], then a tower (--hidden)",
+           ctr_model)
+MODELS.add("dlrm", "Criteo: DLRM, a bottom MLP's vector and the fields' rows by DotInteraction, then a tower "
+           "(--hidden)", ctr_model)
 DEFAULT_HIDDEN = (256, 256)   # the mlp's; the CTR models' deep towers have their own
 
 

@@ -8,11 +8,17 @@ model computes one logit per record and trains on binary cross-entropy from it:
     fm         logit = wide + FM(embeddings)
     wide_deep  logit = wide + deep
     deepfm     logit = wide + FM(embeddings) + deep            (FM and deep share the embeddings)
+    dcn        logit = tower(cross_1(x0, cross_0(x0))), x0 = [embeddings flattened, dense]
+               (DCN-v2, stacked: two keras_rs FeatureCross layers, full rank)
+    dlrm       logit = tower([bottom, DotInteraction([bottom, e_1, ..., e_fields])]),
+               bottom = Dense(64, relu), Dense(embedding_dim, relu) on the dense features, e_f
+               field f's row (DLRM: pairwise dot products of the 27 vectors)
 
     wide        = sum over fields of a per-id weight (sparse table "linear", dim 1)
                   + Dense(1) on the dense features (its bias is the model's bias)
     embeddings  = one row per field from the sparse table "factors" (dim embedding_dim)
     deep        = Dense(h, relu) for h in hidden, then Dense(1), on [embeddings flattened, dense]
+    tower       = the same layers on what the model gives them (dcn, dlrm: no wide part)
 
 Each is a Functional graph of these layers over the inputs {"dense", "cat"}, like a user's
 model; its sparse Embedding layers make it speak the sparse model protocol
@@ -28,13 +34,16 @@ from pserver import ops
 from pserver.errors import ConfigError
 from pserver.layers import FM, Add, Concatenate, Dense, Embedding, Flatten, RandomUniform
 from pserver.layers.base import positive_int
+from pserver.layers.interaction import DotInteraction, FeatureCross
 from pserver.models.functional import Functional
 from pserver.models.mlp import he, lecun
 from pserver.ops.core import Symbolic
 
-# Which parts each built-in has: the FM term, and the deep tower's default hidden widths.
-CTR_MODELS = {"lr": (False, ()), "fm": (True, ()), "wide_deep": (False, (256, 128)),
-              "deepfm": (True, (256, 128))}
+# What each built-in has beside the wide part ("fm": the FM term) or in its place ("cross", "dot":
+# DCN's and DLRM's interactions), and the deep tower's default hidden widths.
+CTR_MODELS = {"lr": ("", ()), "fm": ("fm", ()), "wide_deep": ("", (256, 128)), "deepfm": ("fm", (256, 128)),
+              "dcn": ("cross", (256, 128)), "dlrm": ("dot", (256, 128))}
+DLRM_BOTTOM = 64            # the bottom MLP's hidden width; its output is embedding_dim wide
 
 
 def record_dtype(dense_features: int = 13, fields: int = 26) -> np.dtype:
@@ -43,9 +52,10 @@ def record_dtype(dense_features: int = 13, fields: int = 26) -> np.dtype:
 
 
 def ctr_graph(name: str, *, fm: bool = False, hidden: tuple[int, ...] = (), embedding_dim: int = 8,
-              init_scale: float = 0.05, dense_features: int = 13, fields: int = 26,
+              init_scale: float = 0.05, dense_features: int = 13, fields: int = 26, interaction: str = "",
               **table) -> Functional:
-    """wide [+ FM] [+ deep] over records of `dense_features` floats and `fields` ids.
+    """wide [+ FM] [+ deep] over records of `dense_features` floats and `fields` ids; or, with
+    `interaction` "cross" (DCN) or "dot" (DLRM), that interaction and the tower, no wide part.
 
     The table options (optimizer, lr, min_count, max_rows, ttl_steps, seed, optimizer_params,
     row_dtype, state_dtype) go to both sparse tables; `init_scale` is the range of the factors'
@@ -57,6 +67,21 @@ def ctr_graph(name: str, *, fm: bool = False, hidden: tuple[int, ...] = (), embe
         raise ConfigError(f"ctr_model: init_scale must be a number >= 0, got {init_scale!r}")
     dense = Symbolic((None, dense_features), "float32", name="dense")
     cat = Symbolic((None, fields), "int64", name="cat")
+    if interaction:
+        factors = Embedding(None, embedding_dim, RandomUniform(-init_scale, init_scale), sparse=True,
+                            name="factors", **table)(cat)
+        if interaction == "cross":
+            x0 = Concatenate(name="cross_input")([Flatten(name="embeddings")(factors), dense])
+            h = FeatureCross(name="cross_1")(x0, FeatureCross(name="cross_0")(x0))
+        else:
+            bottom = Dense(DLRM_BOTTOM, activation="relu", kernel_initializer=he(), name="bottom_0")(dense)
+            bottom = Dense(embedding_dim, activation="relu", kernel_initializer=he(), name="bottom_1")(bottom)
+            rows = [ops.reshape(f, (-1, embedding_dim)) for f in ops.split(factors, fields, axis=1)]
+            h = Concatenate(name="tower_input")([bottom, DotInteraction(name="interaction")([bottom, *rows])])
+        for i, units in enumerate(hidden):
+            h = Dense(units, activation="relu", kernel_initializer=he(), name=f"deep_{i}")(h)
+        logit = Dense(1, kernel_initializer=lecun(), name=f"deep_{len(hidden)}")(h)
+        return Functional({"dense": dense, "cat": cat}, logit, name=name, loss="binary_crossentropy").build()
     wide = Embedding(None, 1, "zeros", sparse=True, name="linear", **table)(cat)
     parts = [ops.sum(wide, axis=1), Dense(1, kernel_initializer="zeros", name="dense_linear")(dense)]
     if fm or hidden:
@@ -87,7 +112,7 @@ def ctr_arguments(model: Functional) -> dict:
 def ctr_model(name: str, input_shape=(), num_classes: int = 2, hidden=None, **options) -> Functional:
     """A built-in CTR model by name (see CTR_MODELS); `hidden` replaces the deep tower's widths,
     `options` are ctr_graph's (embedding_dim, table options, ...). ConfigError naming the flag."""
-    fm, default_hidden = CTR_MODELS[name]
+    kind, default_hidden = CTR_MODELS[name]
     if tuple(input_shape or ()) != ():
         raise ConfigError(f"--model {name} takes Criteo records (--dataset criteo:PATH or "
                           f"criteo-synthetic), not samples of shape {tuple(input_shape)}")
@@ -98,7 +123,8 @@ def ctr_model(name: str, input_shape=(), num_classes: int = 2, hidden=None, **op
     if unknown:
         raise ConfigError(f"--model {name}: unknown options {sorted(unknown)}; it takes "
                           f"{', '.join(sorted(CTR_OPTIONS))}")
-    return ctr_graph(name, fm=fm, hidden=deep, **options)
+    return ctr_graph(name, fm=kind == "fm", hidden=deep, interaction=kind if kind in ("cross", "dot") else "",
+                     **options)
 
 
 # What ctr_model passes on to ctr_graph and its Embedding tables.

@@ -40,6 +40,20 @@ def test_deepfm_learns_click_through_rate_in_sync_mode(tmp_path):
     assert "test AUC" in r.stdout and "sparse table factors:" in r.stdout
 
 
+@pytest.mark.parametrize("model", ["dcn", "dlrm"])
+def test_dcn_and_dlrm_learn_click_through_rate(tmp_path, model):
+    """The built-ins made of Keras-RS's layers (FeatureCross, DotInteraction) over the shards' one
+    table: measured AUC 0.786 (dcn) and 0.784 (dlrm), logloss 0.461 and 0.463, against deepfm's
+    0.773; one that learnt nothing stays at 0.5."""
+    summary = tmp_path / "s.json"
+    r = run("launch", "--ps", "2", "--workers", "2", "--model", model, *SYNTHETIC,
+            "--summary-json", str(summary), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    s = read_json(summary)
+    assert MIN_AUC <= s["test_auc"] <= s["best_auc"] + 0.01 and s["test_logloss"] <= MAX_LOGLOSS, s
+    assert set(s["sparse_tables"]) == {"factors"}
+
+
 def test_async_with_admission_and_eviction(tmp_path):
     """min_count 2: ids pushed once are counted, not stored; max_rows bounds each shard's
     table, the least recently updated rows going first. --row-params travel with the tables'
