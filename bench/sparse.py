@@ -22,7 +22,7 @@ one-hot (one id per table and sample, Embedding's plain kernels) and multi-hot (
 lengths, 1 to 100 ids, 214 per sample, pooled by mean). Ids are drawn skewed (Zipf, a = 1.1)
 from each table's --rows stored rows. Cost per id = seconds per step / ids in the step.
 
-    python bench/sparse.py --pooled --rows 100000 --batch 4096 --json bench/results/sparse/pooled.json
+    python bench/sparse.py --pooled --rows 100000 --batch 4096       # results/sparse_pooled.json
 """
 
 from __future__ import annotations

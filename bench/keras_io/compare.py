@@ -48,6 +48,7 @@ from _util import machine, machine_lines, positive_ints, table  # noqa: E402
 
 HERE = Path(__file__).parent
 SCRIPTS = ("subclassing", "toy_resnet", "text_transformer")    # dcn_movielens: named by --scripts
+SCRIPT_BACKENDS = {"dlrm_movielens": "jax"}   # the Keras backend a script sets itself, as its example does
 # The only lines the two sides differ in: pserver's imports -> Keras's
 IMPORTS = ((re.compile(r"^import pserver\.keras as keras$", re.M), "import keras"),)
 OPTIONAL_IMPORTS = ((re.compile(r"^from pserver\.keras import ", re.M), "from keras import "),
@@ -117,10 +118,12 @@ def example_copies(name: str, keras_io: Path, tmp: Path) -> dict[str, Path]:
 
 
 def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int, runner: list[str],
-            ps: int = 1) -> dict:
+            ps: int = 1, keras_backend: str | None = None) -> dict:
     """One run; `runner`: what the script runs through ([_seeded.py] for a keras.io example, which
     does not seed itself; [] for our scripts, which do)."""
     env = {**os.environ, "KERAS_IO_SEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_IO_SIDE": side}
+    if side == "keras" and keras_backend:
+        env["KERAS_BACKEND"] = keras_backend
     if side == "pserver":
         cmd = [sys.executable, "-m", "pserver", "run", "--ps", str(ps), "--workers", "2", "--mode", "sync",
                "--seed", str(seed), "--", sys.executable, *runner, str(script)]
@@ -139,7 +142,9 @@ def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int,
             "wall_seconds": round(wall, 1), "fit_seconds": float(fit[-1]) if fit else None,
             "train_samples_per_second": float(speed[-1].replace(",", "")) if speed else None,
             "load_avg_1m_start": load, "load_avg_1m_end": round(os.getloadavg()[0], 2),
-            "command": " ".join(["nice -n 10", *(["python", *cmd[1:]] if side == "pserver" else cmd)])}
+            "command": " ".join(["nice -n 10", *(["python", *cmd[1:]] if side == "pserver" else
+                                                 [f"KERAS_BACKEND={keras_backend}", *cmd] if keras_backend
+                                                 else cmd)])}
 
 
 def movielens_npz(tmp: Path) -> str:
@@ -157,12 +162,18 @@ def movielens_npz(tmp: Path) -> str:
     return str(path)
 
 
-def keras_version(python: str) -> str:
-    code = "import keras, tensorflow as tf; print(keras.__version__, tf.__version__)"
-    out = subprocess.run([python, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-    keras, tf = out.stdout.split()[-2:]
-    return f"keras {keras}, tensorflow {tf} (backend tensorflow, CPU)"
+def keras_version(python: str, backend: str | None = None) -> str:
+    """The Keras side's versions and backend (--keras-backend, else Keras's default unless the
+    script sets one: dlrm_movielens sets jax, as its example does)."""
+    code = "import keras, tensorflow as tf; print(keras.__version__, tf.__version__, keras.backend.backend())"
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **({"KERAS_BACKEND": backend} if backend else {})}
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env)
+    keras, tf, used = out.stdout.split()[-3:]
+    if used == "jax":
+        jax = subprocess.run([python, "-c", "import jax; print(jax.__version__)"], capture_output=True,
+                             text=True).stdout.split()[-1]
+        return f"keras {keras}, jax {jax} (backend jax, CPU)"
+    return f"keras {keras}, tensorflow {tf} (backend {used}, CPU)"
 
 
 def compare(name: str, args, tmp: Path) -> dict:
@@ -172,7 +183,8 @@ def compare(name: str, args, tmp: Path) -> dict:
     runs = []
     for seed in args.seeds:                      # interleaved: pserver, Keras, next seed
         for side in args.sides:
-            r = run_one(side, paths[side], seed, args.keras_python, args.timeout, runner, args.ps)
+            r = run_one(side, paths[side], seed, args.keras_python, args.timeout, runner, args.ps,
+                        args.keras_backend)
             runs.append(r)
             key = _metric(r)
             print(f"{name} {side} seed {seed}: {key.replace('_', ' ')} {r[key]:.4f}, "
@@ -189,6 +201,8 @@ def compare(name: str, args, tmp: Path) -> dict:
            for side in args.sides}
     if args.keras_io:
         setting = "keras.io's example, its import lines changed (pserver's copy)"
+    elif name in ("dcn_movielens", "dlrm_movielens"):
+        setting = "the example's, data loading changed"
     script = f"keras-io examples/{name}.py" if args.keras_io else f"bench/keras_io/{name}.py"
     source = {}
     if args.keras_io:                 # which file ran: its hash, and the checkout's commit if it is one
@@ -261,6 +275,8 @@ def main() -> None:
     ap.add_argument("--sides", default="pserver,keras", help="pserver,keras (default) or one of them")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds one run may take")
     ap.add_argument("--ps", type=int, default=1, help="pserver run's shards (default 1)")
+    ap.add_argument("--keras-backend", help="KERAS_BACKEND for Keras's side (default: Keras's, tensorflow, "
+                    "unless the script sets one)")
     ap.add_argument("--out", default="results/keras_io/", help="directory for the JSON and .md")
     args = ap.parse_args()
     names = args.scripts.split(",")
@@ -274,7 +290,8 @@ def main() -> None:
     m = machine()
     print("\n".join(machine_lines(m)), flush=True)
     result = {"what": "bench/keras_io scripts under pserver run vs Keras 3", "machine": m,
-              "keras": keras_version(args.keras_python) if "keras" in args.sides else "(not run)"}
+              "keras": keras_version(args.keras_python, args.keras_backend or SCRIPT_BACKENDS.get(names[0]))
+              if "keras" in args.sides else "(not run)"}
     with tempfile.TemporaryDirectory() as tmp:
         if {"dcn_movielens", "dlrm_movielens"} & set(names):
             os.environ["KERAS_IO_MOVIELENS"] = movielens_npz(Path(tmp))
@@ -290,6 +307,7 @@ def main() -> None:
     stem += (f"-{args.train_samples or 1000}samples-{args.epochs or 1}ep"
              if args.train_samples or args.epochs else "")
     stem += f"-data{os.environ['KERAS_IO_SAMPLES']}" if os.environ.get("KERAS_IO_SAMPLES") else ""
+    stem += f"-keras-{args.keras_backend}" if args.keras_backend else ""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(result))
     print(f"wrote {out / stem}.json and .md")

@@ -8,11 +8,15 @@ example's timestamp encoding, IntegerLookup/StringLookup and Normalization (adap
 80,000 training ratings) done on the arrays, and fit on arrays rather than tf.data (the same
 80,000 shuffled ratings to train, 20,000 to test).
 
-compare.py runs it under `pserver run` and on Keras 3 with keras-rs (its import lines swapped).
+compare.py runs it under `pserver run` and on Keras 3 with keras-rs (its import lines swapped),
+on the JAX backend the example sets.
 $DLRM_EPOCHS sets fewer epochs than the example's 30, for a quick look.
 """
 
 import os
+
+os.environ["KERAS_BACKEND"] = "jax"  # `"tensorflow"`/`"torch"`  (the example's; pserver reads none)
+
 import time
 
 import numpy as np

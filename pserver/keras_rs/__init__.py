@@ -7,7 +7,7 @@
              (DCN-v2) and DotInteraction (DLRM)
 
 Where a parameter server changes what an argument means (placement, table stacking, the
-partitions' id counts are a TPU's), docs/recommenders.md says what pserver does with it.
+partitions' id counts are a TPU's), docs/guide/recommenders.md says what pserver does with it.
 """
 
 from pserver.keras_rs import layers
