@@ -272,3 +272,27 @@ def test_one_id_per_sample_gives_one_vector_as_a_list_of_one(sparse):
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-12)
     with pytest.raises(ConfigError, match=r"one id per sample \(input shape \(\)\) has no padding"):
         Embedding(5, 3, mask_zero=True, combiner="sum")(keras.Input(shape=(), dtype="int64"))
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_a_dense_model_takes_python_lists_as_its_padded_array(run_seed, as_dict):
+    """A pooled Embedding over a table in the model (no shards' table): fit, evaluate and predict
+    take the lists as Python lists, as one input or in a dict, and read them as the array padded
+    with 0. Catches the lists refused (NumPy cannot make an array of them) or padded otherwise."""
+    keras.utils.set_random_seed(4)
+    lists, other, y = _keras_lists(n=256)
+    padded = np.zeros((len(lists), 6), np.int64)
+    for j, a in enumerate(lists):
+        padded[j, :len(a)] = a
+    items = keras.Input(shape=(6,), dtype="int64", name="items")
+    e = layers.Embedding(300, 4, mask_zero=True, combiner="mean")(items)
+    if as_dict:
+        o = keras.Input(shape=(2,), name="other")
+        model = keras.Model({"items": items, "other": o}, layers.Dense(1)(layers.Concatenate()([e, o])))
+        given, same = {"items": lists, "other": other}, {"items": padded, "other": other}
+    else:
+        model, given, same = keras.Model(items, layers.Dense(1)(e)), lists, padded
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(given, y, epochs=1, batch_size=64, verbose=0)
+    assert np.array_equal(model.predict(given, verbose=0), model.predict(same, verbose=0))
+    assert model.evaluate(given, y, verbose=0) == model.evaluate(same, y, verbose=0)

@@ -37,7 +37,7 @@ from pserver.models.base import BatchBuffers, Model, shaped_for
 from pserver.models.layout import Layout
 from pserver.models.metrics import compiled as compiled_metrics
 from pserver.models.outputs import Heads
-from pserver.models.sparse_graph import SparseProtocol
+from pserver.models.sparse_graph import SparseProtocol, list_paddings, pad_lists
 from pserver.ops.core import Symbolic
 
 
@@ -578,6 +578,7 @@ class Functional(SparseProtocol, Model):
         records instead (SparseProtocol._pack_records)."""
         if self.build()._sparse is not None:
             return self._pack_records(x)
+        x = self._padded(x)
         if len(self._inputs) == 1:
             return np.asarray(x[self._keys[0]] if isinstance(x, dict) else x)
         if isinstance(x, dict):
@@ -594,6 +595,22 @@ class Functional(SparseProtocol, Model):
                  for key, inp, xi in zip(self._keys, self._inputs, x)]
         ids = self._takes_ids and not all(x.dtype.kind in "iu" for x in self._inputs)
         return np.concatenate(parts, axis=1, dtype=np.float64 if ids else None)
+
+    def _padded(self, x):
+        """x with each list feature given as Python lists padded (sparse_graph.pad_lists): the
+        inputs a pooling Embedding with padding reads, and their lists' weights."""
+        pads = list_paddings(self._plan(False), len(self._keys))
+        if not pads:
+            return x
+        if isinstance(x, dict):
+            return {k: pad_lists(v, self._inputs[self._keys.index(k)].shape[1:], pads[self._keys.index(k)], k)
+                    if k in self._keys and self._keys.index(k) in pads else v for k, v in x.items()}
+        if isinstance(x, (list, tuple)) and len(x) == len(self._keys) and len(self._keys) > 1:
+            return [pad_lists(v, inp.shape[1:], pads[i], key) if i in pads else v
+                    for i, (key, inp, v) in enumerate(zip(self._keys, self._inputs, x))]
+        if len(self._keys) == 1 and 0 in pads:
+            return pad_lists(x, self._inputs[0].shape[1:], pads[0], self._keys[0])
+        return x
 
     @staticmethod
     def _flat(key: str, inp: Symbolic, xi: np.ndarray, n: int) -> np.ndarray:

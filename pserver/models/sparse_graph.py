@@ -262,6 +262,22 @@ class SparseProtocol:
         return x
 
 
+def list_paddings(plan: graph.Plan, inputs: int) -> dict:
+    """What pads each model input a pooling Embedding reads straight from: its padding id (an
+    int), or 0.0 for the input that weighs its lists. {input index: padding}."""
+    pads: dict = {}
+    for step in plan.steps:
+        layer = None if step.layer is None else plan.layers[step.layer]
+        if getattr(layer, "padding", None) is None:
+            continue
+        if step.ins[0] < inputs:
+            pads[step.ins[0]] = layer.padding
+        for s in step.ins[1:]:
+            if s < inputs:
+                pads[s] = 0.0
+    return pads
+
+
 def pad_lists(lists, shape: tuple, padding, name: str) -> np.ndarray:
     """A list feature as the records hold it, (n, length): an array of that shape as it is, or
     a list of lists (or a 1-D object array of them) of at most `length` values each, padded with
