@@ -189,3 +189,16 @@ def test_count_params_counts_the_dense_weights_as_keras_does():
     model = keras.Model({"ids": i}, keras.layers.Dense(1)(x))
     # Keras: 7*4 embedding + FeatureCross (4*2 down, 2*4 up, 4 bias) + Dense 4+1
     assert model.count_params() == sum(w.size for w in model.get_weights()) == 28 + 20 + 5
+
+
+def test_ids_outside_a_tables_vocabulary_are_refused_before_fit_trains():
+    """Keras-RS's vocabulary_size bounds a table's ids: one past it (or negative: -1 is a list's
+    padding only) is a DataError naming the table and the id, before any step."""
+    from pserver.errors import DataError
+    x, y = _data(n=64)
+    model = _model()
+    x["movie"] = x["movie"].copy()
+    x["movie"][5] = 60                                   # movie_table has 60 rows: ids 0..59
+    with pytest.raises(DataError, match=r"layer movie_table .*: id 60 at \(5,\) is not an integer in "
+                                        r"\[0, input_dim=60\)"):
+        model.fit(x, y, epochs=1, batch_size=32, verbose=0)

@@ -224,7 +224,7 @@ def _layer(f: FeatureConfig) -> Embedding:
     row, lr = t.row_optimizer()
     lists = len(f.input_shape) == 2
     return Embedding(
-        None,
+        t.vocabulary_size,  # a sparse table still; the data's ids are checked against it before fit
         t.embedding_dim,
         initializers.RandomUniform(-t.init_scale(), t.init_scale()) if t.init_scale() else "zeros",
         sparse=True,

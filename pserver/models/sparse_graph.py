@@ -248,9 +248,15 @@ class SparseProtocol:
         return sparse
 
     def _check_record_data(self, x, y, what: str) -> np.ndarray:
-        """A whole dataset checked before training: records, labels, finite float fields."""
+        """A whole dataset checked before training: records, labels, finite float fields, and the
+        ids a sparse table with a vocabulary (input_dim: a Keras-RS table's vocabulary_size) reads
+        against it."""
         try:
             x, _ = self._check_records(np.zeros(self.layout.total, np.float32), x, y)
+            plan = self._plan(False)
+            for li, i in zip(self._sparse.layers, self._sparse.fields):
+                if plan.layers[li].input_dim is not None:
+                    plan.layers[li].check_ids(x[self._keys[i]])
         except ValueError as e:
             raise DataError(f"{what}: {e}") from None
         for field in self.record.names:
