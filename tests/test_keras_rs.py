@@ -153,14 +153,14 @@ def test_embed_reduce_pools_by_mean_by_default():
                 {
                     a: keras_rs.layers.FeatureConfig(
                         name=a,
-                        table=keras_rs.layers.TableConfig("shared", 9, 4),
+                        table=keras_rs.layers.TableConfig("shared", 9, 4, combiner=c),
                         input_shape=(None,),
                         output_shape=(None, 4),
                     )
-                    for a in "ab"
+                    for a, c in (("a", "mean"), ("b", "sum"))
                 }
             ),
-            r"features 'a' and 'b' share table 'shared'",
+            r"two TableConfigs are named 'shared'",
         ),
     ],
 )
@@ -202,3 +202,38 @@ def test_ids_outside_a_tables_vocabulary_are_refused_before_fit_trains():
     with pytest.raises(DataError, match=r"layer movie_table .*: id 60 at \(5,\) is not an integer in "
                                         r"\[0, input_dim=60\)"):
         model.fit(x, y, epochs=1, batch_size=32, verbose=0)
+
+
+def test_features_sharing_a_table_look_it_up_together_on_the_shards(tmp_path):
+    """Keras-RS's shared TableConfig: a user's history (a list) and the candidate movie (one id)
+    read one table "movies": the shards hold one table, its rows hold both features' ids, and
+    the model learns whether the candidate is in the history, which needs both to be one row's.
+    Catches a table per feature (two tables), or a shared table's gradients overwritten."""
+    from pserver.persist.model_file import load
+
+    keras.utils.set_random_seed(5)
+    rng = np.random.default_rng(2)
+    history = [list(rng.integers(0, 30, rng.integers(1, 5))) for _ in range(1024)]
+    candidate = np.where(rng.random(1024) < 0.5, [h[0] for h in history], rng.integers(0, 30, 1024))
+    y = np.array([float(c in h) for c, h in zip(candidate, history)], np.float32)
+    movies = keras_rs.layers.TableConfig("movies", 30, 8, optimizer=keras.optimizers.Adagrad(0.2))
+    features = {
+        "history": keras_rs.layers.FeatureConfig("history", movies, (None, 4), (None, 8)),
+        "candidate": keras_rs.layers.FeatureConfig("candidate", movies, (None,), (None, 8)),
+    }
+    inputs = {
+        "history": keras.Input(shape=(4,), dtype="int64", name="history"),
+        "candidate": keras.Input(shape=(), dtype="int64", name="candidate"),
+    }
+    e = keras_rs.layers.DistributedEmbedding(features)(inputs)
+    dot = keras.ops.sum(keras.ops.multiply(e["history"], e["candidate"]), axis=1)
+    score = keras.ops.reshape(dot, (-1, 1))
+    model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(score))
+    model.compile(optimizer=keras.optimizers.Adam(0.02), loss="binary_crossentropy", metrics=["accuracy"])
+    logs = model.fit({"history": history, "candidate": candidate}, y, epochs=8, batch_size=64, verbose=0)
+    assert logs.history["accuracy"][-1] > 0.85
+    assert [t.name for t in model._core.sparse_tables] == ["movies"]
+    model.save(tmp_path / "m.keras")
+    (table,) = load(str(tmp_path / "m.keras")).tables
+    seen = set(candidate.tolist()) | {i for h in history for i in h}
+    assert set(table.ids.astype(np.int64).tolist()) == seen

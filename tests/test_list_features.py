@@ -296,3 +296,53 @@ def test_a_dense_model_takes_python_lists_as_its_padded_array(run_seed, as_dict)
     model.fit(given, y, epochs=1, batch_size=64, verbose=0)
     assert np.array_equal(model.predict(given, verbose=0), model.predict(same, verbose=0))
     assert model.evaluate(given, y, verbose=0) == model.evaluate(same, y, verbose=0)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_two_inputs_sharing_a_sparse_table_train_as_one_dense_table_called_twice(combiner):
+    """Embedding(table="items") on two inputs: one table on the shards, looked up once for both
+    inputs' ids; the loss and the rows' gradients equal a dense Embedding layer called on both
+    (its gradient summed over the two uses). Catches a second use's gradient overwriting the
+    first's, or each input reading the other's columns of the shared lookup."""
+    a_dense = keras.Input(shape=(4,), dtype="int64", name="a")
+    b_dense = keras.Input(shape=(4,), dtype="int64", name="b")
+    shared = Embedding(6, 3, mask_zero=True, combiner=combiner, name="e")
+    head = Dense(1, name="out")
+    dense = Functional([a_dense, b_dense], head(layers.Concatenate()([shared(a_dense), shared(b_dense)])),
+                       loss="binary_crossentropy")
+    a, b = keras.Input(shape=(4,), dtype="int64", name="a"), keras.Input(shape=(4,), dtype="int64", name="b")
+    ea = Embedding(None, 3, sparse=True, mask_zero=True, combiner=combiner, table="items", name="ea")(a)
+    eb = Embedding(None, 3, sparse=True, mask_zero=True, combiner=combiner, table="items", name="eb")(b)
+    sparse = Functional({"a": a, "b": b}, Dense(1, name="out")(layers.Concatenate()([ea, eb])),
+                        loss="binary_crossentropy")
+    for m in (dense, sparse):
+        m.use_backend("reference")
+    assert [t.name for t in sparse.sparse_tables] == ["items"]
+    rng = np.random.default_rng(9)
+    table, w_head = rng.standard_normal((6, 3)), rng.standard_normal(7)
+    other = LISTS[::-1].copy()
+    gd = np.full(table.size + 7, np.nan)
+    loss_d = dense.loss_and_grad(np.concatenate([table.ravel(), w_head]), [LISTS, other], Y, gd)
+    x = np.zeros(len(LISTS), sparse.record)
+    x["a"], x["b"] = LISTS, other
+    (ids,) = sparse.batch_ids(x)
+    lk = TableLookup.of(ids, 3)
+    rows = table[lk.uniq.astype(np.int64)]
+    lk = TableLookup(lk.uniq, lk.inverse, rows, np.full(rows.shape, np.nan))
+    gs = np.full(7, np.nan)
+    assert sparse.loss_and_grad(w_head.copy(), x, Y, gs, sparse=[lk]) == pytest.approx(loss_d, rel=1e-12)
+    np.testing.assert_allclose(gs, gd[table.size:], rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(lk.grads, gd[:table.size].reshape(table.shape)[lk.uniq.astype(np.int64)],
+                               rtol=1e-12, atol=1e-15)
+
+
+def test_a_shared_table_must_be_one_table_read_from_inputs_of_its_own():
+    a, b = keras.Input(shape=(4,), dtype="int64", name="a"), keras.Input(shape=(4,), dtype="int64", name="b")
+    ea = Embedding(None, 3, sparse=True, combiner="sum", table="t", name="ea")(a)
+    eb = Embedding(None, 4, sparse=True, combiner="sum", table="t", name="eb")(b)
+    with pytest.raises(ConfigError, match=r"share table 't' with other settings"):
+        Functional({"a": a, "b": b}, Dense(1)(layers.Concatenate()([ea, eb])), loss="mse").build()
+    with pytest.raises(ConfigError, match=r"table=3 names a sparse table"):
+        Embedding(None, 3, sparse=True, table=3)
+    with pytest.raises(ConfigError, match=r"table='t' names a sparse table"):
+        Embedding(5, 3, table="t")

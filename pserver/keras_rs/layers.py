@@ -17,6 +17,7 @@ normal of variance 1 / embedding_dim): the shards compute a row's start from its
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any
@@ -146,8 +147,8 @@ class FeatureConfig:
 class DistributedEmbedding:
     """Keras-RS's DistributedEmbedding: called on the inputs (the structure of `feature_configs`),
     gives each feature's embedding in that structure. Each table becomes one sparse Embedding
-    layer on the shards, named after the table (Keras-RS lets features share a table: here each
-    table serves one feature, for now)."""
+    layer on the shards, named after the table; features sharing a table look it up together
+    (one table on the shards, one lookup per batch, their gradients summed)."""
 
     def __init__(
         self, feature_configs, *, table_stacking="auto", update_stats: bool = False, name=None, **kwargs
@@ -160,16 +161,14 @@ class DistributedEmbedding:
                 "DistributedEmbedding: feature_configs must be FeatureConfigs (one, or a dict or "
                 "list of them)"
             )
-        tables: dict[str, str] = {}
+        seen: dict[str, TableConfig] = {}
         for _, f in features:
-            if f.table.name in tables:
-                raise ConfigError(
-                    f"DistributedEmbedding: features {tables[f.table.name]!r} and {f.name!r} share "
-                    f"table {f.table.name!r}; a table serves one feature here, for now: give "
-                    "each feature its own TableConfig"
-                )
-            tables[f.table.name] = f.name
-        self._layers = {path: _layer(f) for path, f in features}
+            if f.table.name in seen and seen[f.table.name] != f.table:
+                raise ConfigError(f"DistributedEmbedding: two TableConfigs are named {f.table.name!r}; a "
+                                  "table shared by features is one TableConfig object or equal ones")
+            seen[f.table.name] = f.table
+        uses = collections.Counter(f.table.name for _, f in features)
+        self._layers = {path: _layer(f, uses[f.table.name] > 1) for path, f in features}
 
     def __call__(self, inputs, weights=None, training=None):
         paths = dict(_flatten(self.feature_configs, "feature_configs"))
@@ -217,9 +216,10 @@ def EmbedReduce(
     )
 
 
-def _layer(f: FeatureConfig) -> Embedding:
+def _layer(f: FeatureConfig, shared: bool) -> Embedding:
     """The sparse Embedding of feature f's table: a list pooled by the table's combiner, padding -1
-    (Keras-RS's ids start at 0)."""
+    (Keras-RS's ids start at 0). A table several features share is one table on the shards that
+    each feature's layer names (Embedding(table=...): their rows and gradients are one)."""
     t = f.table
     row, lr = t.row_optimizer()
     lists = len(f.input_shape) == 2
@@ -230,7 +230,8 @@ def _layer(f: FeatureConfig) -> Embedding:
         sparse=True,
         optimizer=row,
         lr=lr,
-        name=t.name,
+        name=f"{t.name}_{f.name}" if shared else t.name,
+        table=t.name if shared else None,
         combiner=t.combiner if lists else None,
         padding_id=-1 if lists else None,
     )

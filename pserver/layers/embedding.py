@@ -21,6 +21,9 @@ row's (as in Keras). `padding_id=-1` pads with -1 instead, for ids that start at
 tables: pserver.keras_rs). Weighted lists (Keras-RS's `weights`): call the layer on `[ids, weights]`,
 weights a float model input of the ids' shape; `mean` divides by the sum of a list's weights,
 `sqrtn` by the root of the sum of their squares.
+
+`table="name"` on sparse layers makes them look up one table on the shards (Keras-RS's features
+sharing a TableConfig), each reading its own input (pserver.models.sparse_graph.SparseLayers).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class Embedding(Layer):
                  optimizer_params: dict | None = None, row_dtype: str = "float32",
                  state_dtype: str = "float32", embeddings_regularizer=None, activity_regularizer=None,
                  mask_zero: bool = False, combiner: str | None = None, padding_id: int | None = None,
-                 **kwargs):
+                 table: str | None = None, **kwargs):
         if input_length is not None and "input_shape" not in kwargs:
             kwargs["input_shape"] = (input_length,)
         super().__init__(**kwargs)
@@ -68,7 +71,10 @@ class Embedding(Layer):
             raise ConfigError("Embedding: mask_zero=True (or padding_id) needs combiner= ('sum', 'mean' or "
                               "'sqrtn'): padding is left out of a pooled list; a mask carried on to later "
                               "layers is not supported")
-        self.mask_zero, self.combiner = mask_zero, combiner
+        if table is not None and (not self.sparse or not isinstance(table, str) or not table):
+            raise ConfigError(f"Embedding: table={table!r} names a sparse table (sparse=True) to share with "
+                              "other sparse Embeddings: a non-empty string")
+        self.mask_zero, self.combiner, self.table = mask_zero, combiner, table
         self._padding = 0 if mask_zero else padding_id
         self.embeddings_initializer = initializers.get(embeddings_initializer,
                                                        "Embedding: embeddings_initializer")
@@ -88,8 +94,9 @@ class Embedding(Layer):
             self.table_config("embedding")    # a bad option fails here, not at the first step
 
     def table_config(self, name: str | None = None) -> TableConfig:
-        """The sparse table this layer declares, named after the layer (sparse mode only)."""
-        config = TableConfig(name=name or self.name, **self._table)
+        """The sparse table this layer declares, named after the layer unless it names one
+        (`table=`: layers naming one table share its rows) (sparse mode only)."""
+        config = TableConfig(name=name or self.table or self.name, **self._table)
         try:
             config.check()
         except ValueError as e:

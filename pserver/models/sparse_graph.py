@@ -23,7 +23,10 @@ from pserver.sparse import PaddedIds, TableLookup
 
 class SparseLayers:
     """A plan's sparse Embedding layers: their indices in Plan.layers, the model input (record
-    field) each reads, and their tables' configs."""
+    field) each reads, and their tables' configs: one table per name. Layers that name one
+    table (`Embedding(table=...)`, Keras-RS's features sharing a TableConfig) share its rows: a
+    batch looks up their fields' ids together (side by side per record), each layer reads its
+    columns of the lookup, and their row gradients are summed into the lookup's."""
 
     def __init__(self, plan: graph.Plan, keys: list[str], where: str):
         self.record = np.dtype([(k, x.dtype, x.shape[1:]) for k, x in zip(keys, plan.slots)])
@@ -40,7 +43,6 @@ class SparseLayers:
                 raise ConfigError(f"{where}: input {keys[i]!r} feeds a sparse Embedding and other layers "
                                   "too; the sparse layers read it as row positions: give the others "
                                   "their own input")
-        self.tables = [plan.layers[li].table_config() for li in self.layers]
         # A list feature's padding id, by field: every sparse layer that reads a field agrees on it.
         self.padding: dict[int, int] = {}
         for li, i in zip(self.layers, self.fields):
@@ -50,6 +52,31 @@ class SparseLayers:
                                   "mask_zero; its id 0 is padding for all of them or for none")
             if pad is not None:
                 self.padding[i] = pad
+        # The tables, by name in first-use order; members[t]: the positions in self.layers of
+        # the layers that look table t up.
+        self.tables, self.members = [], []
+        for j, li in enumerate(self.layers):
+            config = plan.layers[li].table_config()
+            t = next((t for t, c in enumerate(self.tables) if c.name == config.name), None)
+            if t is None:
+                self.tables.append(config)
+                self.members.append([j])
+            elif config != self.tables[t]:
+                first = plan.layers[self.layers[self.members[t][0]]]
+                raise ConfigError(f"{where}: {first.label} and {plan.layers[li].label} share table "
+                                  f"{config.name!r} with other settings (dim, optimizer, initializer...): a "
+                                  "shared table is one table")
+            else:
+                self.members[t].append(j)
+        for t, members in enumerate(self.members):
+            if len(members) == 1:
+                continue
+            mine = [self.fields[j] for j in members]
+            pads = {self.padding[i] for i in mine if i in self.padding}
+            others = [i for j, i in enumerate(self.fields) if j not in members]
+            if len(set(mine)) < len(mine) or set(mine) & set(others) or len(pads) > 1:
+                raise ConfigError(f"{where}: the layers sharing table {self.tables[t].name!r} must each read "
+                                  "an input of its own, which no other table reads, with one padding")
 
 
 def _field(plan: graph.Plan, step: graph.Step, keys: list[str], where: str) -> int:
@@ -127,14 +154,24 @@ class SparseProtocol:
         return out
 
     def batch_ids(self, x) -> list[np.ndarray]:
-        """Per table, the ids of the batch: its field of the records (one array per field)."""
-        x = self._records(x)
+        """Per table, the ids of the batch: its field of the records (one array per field); a
+        shared table's fields side by side, (n, their ids per record)."""
+        x, sparse = self._records(x), self._sparse
         fields: dict[int, np.ndarray | PaddedIds] = {}
-        for i in self._sparse.fields:
+        out = []
+        for members in sparse.members:
+            mine = [sparse.fields[j] for j in members]
+            if len(mine) > 1:
+                ids = np.concatenate([x[self._keys[i]].reshape(len(x), -1) for i in mine], axis=1)
+                pad = next((sparse.padding[i] for i in mine if i in sparse.padding), None)
+                out.append(PaddedIds(ids, pad) if pad is not None else ids)
+                continue
+            i = mine[0]
             if i not in fields:
                 ids = np.ascontiguousarray(x[self._keys[i]])
-                fields[i] = PaddedIds(ids, self._sparse.padding[i]) if i in self._sparse.padding else ids
-        return [fields[i] for i in self._sparse.fields]
+                fields[i] = PaddedIds(ids, sparse.padding[i]) if i in sparse.padding else ids
+            out.append(fields[i])
+        return out
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -144,12 +181,25 @@ class SparseProtocol:
         is its lookup's rows, its gradient the lookup's grads."""
         lookups = self._check_lookups(lookups, len(x))
         sparse, fed = self._sparse, {}
-        for li, i, lookup, table in zip(sparse.layers, sparse.fields, lookups, sparse.tables):
-            params[li], grads[li] = {"embeddings": lookup.rows}, {"embeddings": lookup.grads}
-            if i in fed and fed[i] is not lookup.inverse and not np.array_equal(fed[i], lookup.inverse):
-                raise ValueError(f"table {table.name}: its lookup's inverse differs from another table's "
-                                 f"of the same ids ({self._keys[i]})")
-            fed[i] = lookup.inverse
+        self._shared_grads = []          # (a shared table's grads, a later member's): summed after
+        for members, lookup, table in zip(sparse.members, lookups, sparse.tables):
+            at = 0
+            for k, j in enumerate(members):
+                li, i = sparse.layers[j], sparse.fields[j]
+                inverse = lookup.inverse
+                if len(members) > 1:                 # this layer's columns of the table's lookup
+                    shape = self._inputs[i].shape[1:]
+                    width = int(np.prod(shape))
+                    inverse = np.ascontiguousarray(lookup.inverse[:, at:at + width]).reshape(len(x), *shape)
+                    at += width
+                own = lookup.grads if k == 0 else np.zeros_like(lookup.grads)
+                if k:
+                    self._shared_grads.append((lookup.grads, own))
+                params[li], grads[li] = {"embeddings": lookup.rows}, {"embeddings": own}
+                if i in fed and fed[i] is not inverse and not np.array_equal(fed[i], inverse):
+                    raise ValueError(f"table {table.name}: its lookup's inverse differs from another table's "
+                                     f"of the same ids ({self._keys[i]})")
+                fed[i] = inverse
         return [fed[i] if i in fed else np.ascontiguousarray(x[k], dtype if inp.dtype.kind == "f" else None)
                 for i, (k, inp) in enumerate(zip(self._keys, self._inputs))]
 
@@ -162,6 +212,8 @@ class SparseProtocol:
         self.batch_metric_sums = self.metric_sums(ins[-1], y)
         loss = self.loss(self.kernels, ins[-1], y, bufs.dloss)
         self._backward(params, grads, ins, bufs)
+        for total, part in self._shared_grads:       # a shared table's rows: every layer's gradient
+            total += part
         return float(loss)
 
     def _sparse_outputs(self, w, x, batch_size: int, rows, what: str):
@@ -238,8 +290,10 @@ class SparseProtocol:
             raise ValueError(f"{self.name} has {len(tables)} sparse tables "
                              f"({', '.join(t.name for t in tables)}); got "
                              f"{0 if sparse is None else len(sparse)} lookups")
-        for table, lookup, i in zip(tables, sparse, self._sparse.fields):
-            u, ids = len(lookup.uniq), (n, *self._inputs[i].shape[1:])
+        for table, lookup, members in zip(tables, sparse, self._sparse.members):
+            fields = [self._sparse.fields[j] for j in members]
+            u, ids = len(lookup.uniq), ((n, *self._inputs[fields[0]].shape[1:]) if len(fields) == 1 else
+                                        (n, sum(int(np.prod(self._inputs[i].shape[1:])) for i in fields)))
             if (lookup.inverse.shape != ids or lookup.rows.shape != (u, table.dim)
                     or lookup.grads.shape != (u, table.dim)):
                 raise ValueError(f"table {table.name}: the lookup has inverse {lookup.inverse.shape}, "
