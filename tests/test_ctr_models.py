@@ -24,6 +24,7 @@ from tests.support.ctr import labels, lookups, planted, pull, records, train_loc
 
 FAST = settings(max_examples=25, deadline=None)
 NAMES = tuple(CTR_MODELS)
+WIDE = ("lr", "fm", "wide_deep", "deepfm")   # those with the wide part (dcn, dlrm: tests/test_ctr_graph.py)
 # Small and all different, so a transposed or misplaced gradient has the wrong shape or value.
 SMALL = dict(dense_features=3, fields=4, embedding_dim=5)
 
@@ -152,7 +153,7 @@ def test_a_sequential_with_a_sparse_embedding_is_a_model_with_sparse_tables():
 
 def test_layouts_and_tables():
     lr, fm, wd, dfm = (make_model(n, (), 2, embedding_dim=4, optimizer="sgd", lr=0.3, min_count=2,
-                                  max_rows=100, ttl_steps=7, seed=5) for n in NAMES)
+                                  max_rows=100, ttl_steps=7, seed=5) for n in WIDE)
     assert lr.layout.describe() == fm.layout.describe() == "dense_linear/kernel[13, 1], dense_linear/bias[1]"
     # The deep tower's defaults, 256 then 128, on 26 embeddings of 4 and the 13 dense features.
     assert wd.layout.describe() == dfm.layout.describe() == (
@@ -170,7 +171,7 @@ def test_layouts_and_tables():
     assert make_model("mlp", 5, 3).layout.describe().endswith("dense_2/kernel[256, 3], dense_2/bias[3]")
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", WIDE)
 def test_init_params_deterministic_and_linear_part_starts_at_zero(name):
     model = small(name)
     w = model.init_params(3)
@@ -262,7 +263,7 @@ def test_cpu_equals_reference(name):
 
 # -- the models: training on a planted logistic model ---------------------------------------------
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", WIDE)
 def test_training_in_process_reaches_the_planted_auc(name):
     """SGD in a local loop, rows held in dicts as the shards would hold them: held-out AUC,
     logloss and accuracy come close to the planted model's own. A sign error anywhere, or
