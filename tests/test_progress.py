@@ -123,6 +123,21 @@ def test_a_leased_epoch_that_ended_elsewhere_shows_as_its_last_step_and_the_eta_
     assert re.fullmatch(r"epoch 2/2 step 4/4 loss 0\.5000 [\d,]+ samples/s", lines[1]), lines
 
 
+def test_a_leased_epoch_ends_on_its_last_step_in_a_log_even_right_after_a_timed_line():
+    """The worker's last step of the epoch was shown by a timed line (step 2/4) and the epoch then
+    ended elsewhere: the log still shows step 4/4, with that line's figures, once; no new figures
+    are returned (the metrics had them). Catches a log whose epoch stops at 2/4 (a CI run's
+    chief ended epoch 2 at 99/100 so)."""
+    out = io.StringIO()
+    p = progress.Progress(epochs=2, steps_per_epoch=4, every=3600, style="lines", out=out)
+    p.step(0, 0, 1.0, 16)
+    assert p.step(0, 1, 2.0, 16, force=True) is not None            # a timed line, say
+    assert p.epoch_ended(0) is None and p.epoch_ended(0) is None
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("epoch 1/2 step 2/4 loss 1.5000"), lines
+    assert lines[1].startswith("epoch 1/2 step 4/4 loss 1.5000"), lines
+
+
 def test_a_version_before_init_reads_not_initialized():
     from pserver._proto import pserver_pb2 as pb
     from pserver.observe.status import rows

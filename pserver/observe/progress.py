@@ -183,6 +183,7 @@ class Progress:
         self.started = now = time.monotonic()
         self.window, self.bar_window = Window(now), Window(now)
         self.bar = StepBar(self.total, start, stream) if style == "bar" else None
+        self.last_line: tuple | None = None        # (epoch, step, figures) of the last line shown
 
     def step(self, epoch: int, step: int, loss: float, samples: int,
              force: bool = False) -> tuple[float, float] | None:
@@ -201,7 +202,15 @@ class Progress:
         last line; the line's figures, or None when this worker trained none since."""
         now, step = time.monotonic(), max(self.steps - 1, 0)
         self.clock = max(self.clock, (epoch + 1) * self.steps)   # the ETA counts the epochs done
-        return self._emit(epoch, step, now, self.bar_window.n > 0, self.window.n > 0)
+        figures = self._emit(epoch, step, now, self.bar_window.n > 0, self.window.n > 0)
+        last = self.last_line
+        if figures is None and self.style == "lines" and last is not None and last[:2] != (epoch, step) \
+                and last[0] == epoch:
+            # A timed line came right after this worker's last step of the epoch: the epoch's end
+            # is shown all the same (a log ends each epoch at its last step), with that line's figures.
+            self.say(self.line(epoch, step, *last[2]))
+            self.last_line = (epoch, step, last[2])
+        return figures
 
     def _emit(self, epoch: int, step: int, now: float, draw: bool, line: bool) -> tuple[float, float] | None:
         """The bar's record when `draw`, and, when `line`, the figures since the last line (a line
@@ -214,6 +223,7 @@ class Progress:
         figures = self.window.figures(now)
         if self.style == "lines":
             self.say(self.line(epoch, step, *figures))
+            self.last_line = (epoch, step, figures)
         self.window = Window(now)
         return figures
 
