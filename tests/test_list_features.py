@@ -346,3 +346,14 @@ def test_a_shared_table_must_be_one_table_read_from_inputs_of_its_own():
         Embedding(None, 3, sparse=True, table=3)
     with pytest.raises(ConfigError, match=r"table='t' names a sparse table"):
         Embedding(5, 3, table="t")
+
+
+def test_an_image_models_nested_python_lists_are_not_taken_for_lists_of_ids():
+    """Only an Embedding's padding pads lists: Conv2D's padding ('same') is another thing, and a
+    conv model given its images as nested Python lists predicts as on the array. Catches every
+    layer's `padding` read as a list feature's (the images were refused as 'lists of ids')."""
+    i = keras.Input(shape=(4, 4, 1))
+    model = keras.Model(i, layers.Dense(1)(layers.Flatten()(layers.Conv2D(2, 3, padding="same")(i))))
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).random((3, 4, 4, 1)).astype(np.float32)
+    assert np.array_equal(model.predict(x.tolist(), verbose=0), model.predict(x, verbose=0))

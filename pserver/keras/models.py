@@ -642,15 +642,14 @@ class Model(_Model):
     def _trace(self, x):
         if x is None:
             return None
+        def like(a, name=None):
+            a = np.asarray(a)
+            return Input(shape=a.shape[1:], name=name, dtype="int32" if a.dtype.kind in "iu" else "float32")
+
         if isinstance(x, dict):              # a dict by name: Inputs of those names, a dict to call
-            inputs = {k: Input(shape=np.shape(a)[1:], name=k,
-                               dtype="int32" if np.asarray(a).dtype.kind in "iu" else "float32")
-                      for k, a in x.items()}
-            return _FunctionalCore(inputs, self(inputs), name=self.name, loss=_losses.Pending())
-        several = isinstance(x, (list, tuple))
-        xs = [np.asarray(a) for a in (x if several else [x])]
-        inputs = [Input(shape=a.shape[1:], dtype="int32" if a.dtype.kind in "iu" else "float32") for a in xs]
-        args = inputs if several else inputs[0]
+            args = {k: like(a, k) for k, a in x.items()}
+        else:
+            args = [like(a) for a in x] if isinstance(x, (list, tuple)) else like(x)
         return _FunctionalCore(args, self(args), name=self.name, loss=_losses.Pending())
 
 

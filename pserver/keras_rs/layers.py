@@ -155,7 +155,7 @@ class DistributedEmbedding:
     ):
         self.name = name or "distributed_embedding"
         self.feature_configs = feature_configs
-        features = _flatten(feature_configs, "feature_configs")
+        features = _flatten(feature_configs)
         if not features or not all(isinstance(f, FeatureConfig) for _, f in features):
             raise ConfigError(
                 "DistributedEmbedding: feature_configs must be FeatureConfigs (one, or a dict or "
@@ -171,14 +171,14 @@ class DistributedEmbedding:
         self._layers = {path: _layer(f, uses[f.table.name] > 1) for path, f in features}
 
     def __call__(self, inputs, weights=None, training=None):
-        paths = dict(_flatten(self.feature_configs, "feature_configs"))
-        given = dict(_flatten(inputs, "inputs"))
+        paths = dict(_flatten(self.feature_configs))
+        given = dict(_flatten(inputs))
         if set(given) != set(paths):
             raise ConfigError(
                 f"DistributedEmbedding: the inputs' structure {sorted(given)} is not the "
                 f"feature_configs' {sorted(paths)}"
             )
-        weighed = dict(_flatten(weights, "weights")) if weights is not None else {}
+        weighed = dict(_flatten(weights)) if weights is not None else {}
         outputs = {}
         for path, feature in paths.items():
             x, w = given[path], weighed.get(path)
@@ -222,11 +222,11 @@ def _layer(f: FeatureConfig, shared: bool) -> Embedding:
     each feature's layer names (Embedding(table=...): their rows and gradients are one)."""
     t = f.table
     row, lr = t.row_optimizer()
-    lists = len(f.input_shape) == 2
+    lists, scale = len(f.input_shape) == 2, t.init_scale()
     return Embedding(
         t.vocabulary_size,  # a sparse table still; the data's ids are checked against it before fit
         t.embedding_dim,
-        initializers.RandomUniform(-t.init_scale(), t.init_scale()) if t.init_scale() else "zeros",
+        initializers.RandomUniform(-scale, scale) if scale else "zeros",
         sparse=True,
         optimizer=row,
         lr=lr,
@@ -237,12 +237,12 @@ def _layer(f: FeatureConfig, shared: bool) -> Embedding:
     )
 
 
-def _flatten(structure, what: str) -> list[tuple]:
+def _flatten(structure) -> list[tuple]:
     """(path, leaf) pairs of a dict (nested), list or tuple, or a single leaf at path ()."""
     if isinstance(structure, dict):
-        return [((k, *p), leaf) for k in structure for p, leaf in _flatten(structure[k], what)]
+        return [((k, *p), leaf) for k in structure for p, leaf in _flatten(structure[k])]
     if isinstance(structure, (list, tuple)):
-        return [((i, *p), leaf) for i, s in enumerate(structure) for p, leaf in _flatten(s, what)]
+        return [((i, *p), leaf) for i, s in enumerate(structure) for p, leaf in _flatten(s)]
     return [((), structure)]
 
 

@@ -75,7 +75,7 @@ class Embedding(Layer):
             raise ConfigError(f"Embedding: table={table!r} names a sparse table (sparse=True) to share with "
                               "other sparse Embeddings: a non-empty string")
         self.mask_zero, self.combiner, self.table = mask_zero, combiner, table
-        self._padding = 0 if mask_zero else padding_id
+        self.padding = 0 if mask_zero else padding_id       # the id that pads a list (None: none does)
         self.embeddings_initializer = initializers.get(embeddings_initializer,
                                                        "Embedding: embeddings_initializer")
         self.embeddings_regularizer = regularizers.get(embeddings_regularizer,
@@ -128,7 +128,7 @@ class Embedding(Layer):
 
     def output_shape_for(self, input_shape):
         if input_shape == ():        # one id per sample (Keras's Input(shape=())): one vector, no pooling
-            if self._padding is not None:
+            if self.padding is not None:
                 raise ConfigError(f"{self.label}: one id per sample (input shape ()) has no padding; "
                                   "mask_zero and padding_id are for lists")
             return (self.output_dim,)
@@ -146,11 +146,6 @@ class Embedding(Layer):
         return [Weight("embeddings", (self.input_dim, self.output_dim), self.embeddings_initializer,
                        regularizer=self.embeddings_regularizer)]
 
-    @property
-    def padding(self) -> int | None:
-        """The id that pads a list (None: every id is a row's)."""
-        return self._padding
-
     def scratch(self, n, dtype):
         s = {} if self.sparse else {"ids": np.empty((n, *self.input_shape), np.int64)}
         if self.pooled and not self.takes_list:        # each id's weight in its list: 1
@@ -160,8 +155,8 @@ class Embedding(Layer):
     def check_ids(self, x: np.ndarray) -> None:
         """Ids outside [0, input_dim) would read another row, or outside the table (padding
         reads none)."""
-        if self._padding is not None:
-            x = x[x != self._padding]
+        if self.padding is not None:
+            x = x[x != self.padding]
         if x.size and (x.min() < 0 or x.max() >= self.input_dim or not np.all(x == np.floor(x))):
             bad = (x < 0) | (x >= self.input_dim) | (x != np.floor(x))
             first = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -174,8 +169,8 @@ class Embedding(Layer):
         if not self.sparse:
             self.check_ids(x)
             np.copyto(s["ids"], x, casting="unsafe")
-            if self._padding is not None:
-                s["ids"][x == self._padding] = -1         # the kernels' padding
+            if self.padding is not None:
+                s["ids"][x == self.padding] = -1         # the kernels' padding
             return s["ids"]
         if "embeddings" not in p:
             raise ConfigError(f"{self.label}: a sparse Embedding trains in a model with sparse "

@@ -67,36 +67,37 @@ def ctr_graph(name: str, *, fm: bool = False, hidden: tuple[int, ...] = (), embe
         raise ConfigError(f"ctr_model: init_scale must be a number >= 0, got {init_scale!r}")
     dense = Symbolic((None, dense_features), "float32", name="dense")
     cat = Symbolic((None, fields), "int64", name="cat")
-    if interaction:
-        factors = Embedding(None, embedding_dim, RandomUniform(-init_scale, init_scale), sparse=True,
-                            name="factors", **table)(cat)
-        if interaction == "cross":
-            x0 = Concatenate(name="cross_input")([Flatten(name="embeddings")(factors), dense])
-            h = FeatureCross(name="cross_1")(x0, FeatureCross(name="cross_0")(x0))
-        else:
-            bottom = Dense(DLRM_BOTTOM, activation="relu", kernel_initializer=he(), name="bottom_0")(dense)
-            bottom = Dense(embedding_dim, activation="relu", kernel_initializer=he(), name="bottom_1")(bottom)
-            rows = [ops.reshape(f, (-1, embedding_dim)) for f in ops.split(factors, fields, axis=1)]
-            h = Concatenate(name="tower_input")([bottom, DotInteraction(name="interaction")([bottom, *rows])])
+
+    def factors():
+        return Embedding(None, embedding_dim, RandomUniform(-init_scale, init_scale), sparse=True,
+                         name="factors", **table)(cat)
+
+    def tower(h):
         for i, units in enumerate(hidden):
             h = Dense(units, activation="relu", kernel_initializer=he(), name=f"deep_{i}")(h)
-        logit = Dense(1, kernel_initializer=lecun(), name=f"deep_{len(hidden)}")(h)
-        return Functional({"dense": dense, "cat": cat}, logit, name=name, loss="binary_crossentropy").build()
-    wide = Embedding(None, 1, "zeros", sparse=True, name="linear", **table)(cat)
-    parts = [ops.sum(wide, axis=1), Dense(1, kernel_initializer="zeros", name="dense_linear")(dense)]
-    if fm or hidden:
-        factors = Embedding(None, embedding_dim, RandomUniform(-init_scale, init_scale), sparse=True,
-                            name="factors", **table)(cat)
-    if fm:
-        parts.append(FM(name="fm")(factors))
-    if hidden:
-        h = Concatenate(name="tower_input")([Flatten(name="embeddings")(factors), dense])
-        for i, units in enumerate(hidden):
-            h = Dense(units, activation="relu", kernel_initializer=he(), name=f"deep_{i}")(h)
-        parts.append(Dense(1, kernel_initializer=lecun(), name=f"deep_{len(hidden)}")(h))
-    model = Functional({"dense": dense, "cat": cat}, Add(name="logit")(parts), name=name,
-                       loss="binary_crossentropy")
-    return model.build()
+        return Dense(1, kernel_initializer=lecun(), name=f"deep_{len(hidden)}")(h)
+
+    if interaction == "cross":
+        x0 = Concatenate(name="cross_input")([Flatten(name="embeddings")(factors()), dense])
+        logit = tower(FeatureCross(name="cross_1")(x0, FeatureCross(name="cross_0")(x0)))
+    elif interaction == "dot":
+        e = factors()
+        bottom = Dense(DLRM_BOTTOM, activation="relu", kernel_initializer=he(), name="bottom_0")(dense)
+        bottom = Dense(embedding_dim, activation="relu", kernel_initializer=he(), name="bottom_1")(bottom)
+        rows = [ops.reshape(f, (-1, embedding_dim)) for f in ops.split(e, fields, axis=1)]
+        pairs = DotInteraction(name="interaction")([bottom, *rows])
+        logit = tower(Concatenate(name="tower_input")([bottom, pairs]))
+    else:
+        # the wide part's layers made first: their order is the layout's and the tables', as files hold them
+        wide = Embedding(None, 1, "zeros", sparse=True, name="linear", **table)(cat)
+        parts = [ops.sum(wide, axis=1), Dense(1, kernel_initializer="zeros", name="dense_linear")(dense)]
+        e = factors() if fm or hidden else None
+        if fm:
+            parts.append(FM(name="fm")(e))
+        if hidden:
+            parts.append(tower(Concatenate(name="tower_input")([Flatten(name="embeddings")(e), dense])))
+        logit = Add(name="logit")(parts)
+    return Functional({"dense": dense, "cat": cat}, logit, name=name, loss="binary_crossentropy").build()
 
 
 def ctr_arguments(model: Functional) -> dict:

@@ -32,12 +32,10 @@ class SparseLayers:
         self.record = np.dtype([(k, x.dtype, x.shape[1:]) for k, x in zip(keys, plan.slots)])
         self.checked: np.dtype | None = None       # the dtype of records last found to fit
         self.layers, self.fields = [], []
-        self.weights: set[int] = set()           # the inputs that weigh a list feature's ids
         for step in plan.steps:
             if step.layer is not None and getattr(plan.layers[step.layer], "sparse", False):
                 self.layers.append(step.layer)
                 self.fields.append(_field(plan, step, keys, where))
-                self.weights.update(step.ins[1:])
         for i in set(self.fields):
             if plan.consumers[i] != self.fields.count(i):
                 raise ConfigError(f"{where}: input {keys[i]!r} feeds a sparse Embedding and other layers "
@@ -133,8 +131,7 @@ class SparseProtocol:
         missing = [k for k in self._keys if k not in parts]
         if missing or len(parts) != len(self._keys):
             raise ValueError(f"x has inputs {', '.join(map(str, parts)) or 'none'}; {self._takes()}")
-        padded = {self._keys[i]: pad for i, pad in self._sparse.padding.items()}
-        padded.update({self._keys[i]: 0.0 for i in self._sparse.weights})
+        padded = {self._keys[i]: pad for i, pad in list_paddings(self._plan(False), len(self._keys)).items()}
         arrays = {k: pad_lists(parts[k], self.record[k].shape, padded[k], k) if k in padded
                   else np.asarray(parts[k]) for k in self._keys}
         n = len(next(iter(arrays.values())))
@@ -328,7 +325,7 @@ def list_paddings(plan: graph.Plan, inputs: int) -> dict:
     pads: dict = {}
     for step in plan.steps:
         layer = None if step.layer is None else plan.layers[step.layer]
-        if getattr(layer, "padding", None) is None:
+        if not getattr(layer, "takes_ids", False) or layer.padding is None:   # (Conv2D's padding is another)
             continue
         if step.ins[0] < inputs:
             pads[step.ins[0]] = layer.padding
@@ -367,4 +364,4 @@ def pad_lists(lists, shape: tuple, padding, name: str) -> np.ndarray:
     return out
 
 
-__all__ = ["SparseLayers", "SparseProtocol", "pad_lists"]
+__all__ = ["SparseLayers", "SparseProtocol", "list_paddings", "pad_lists"]
