@@ -31,7 +31,10 @@ def build(cfg: WorkerConfig):
 def model_for(cfg: WorkerConfig, ds, backend: str = "reference"):
     """The model `cfg` names, for the dataset's samples and classes, with its sparse tables'
     options; `backend`: the kernels it computes with."""
-    return make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden, **table_options(cfg),
+    options = table_options(cfg)
+    if options and getattr(ds, "sizes", None):      # multi-hot Criteo records: each field a list
+        options["multi_hot"] = ds.sizes
+    return make_model(cfg.model, ds.sample_shape, ds.num_classes, hidden=cfg.hidden, **options,
                       backend=backend)
 
 

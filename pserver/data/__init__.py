@@ -47,7 +47,11 @@ DATASETS.add("synthetic", "separable Gaussian classes, or a linear-regression ta
 DATASETS.add("mnist", "the MNIST digits from --data-dir (else $PSERVER_MNIST_DIR, else the cache), "
              "downloaded there when missing (sha256-checked)")
 DATASETS.add("criteo-synthetic", "Criteo-shaped click records from a planted model (--samples)")
+DATASETS.add("criteo-synthetic-multi-hot", "criteo-synthetic with list features of MLPerf DLRMv2's "
+             "multi-hot sizes (1 to 100 ids per feature) and labels from a planted model over the lists")
 DATASETS.add("criteo", "a Criteo TSV file, plain or .gz, streamed", form="criteo:PATH")
+DATASETS.add("criteo-multi-hot", "a Criteo TSV file whose categorical columns hold lists of "
+             "comma-separated values, up to MLPerf DLRMv2's multi-hot sizes", form="criteo-multi-hot:PATH")
 DATASETS.add("npz", "a path to a .npz with x and y (and x_test, y_test)", form="PATH.npz")
 
 
@@ -71,7 +75,8 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
         return synthetic.generate(seed, task, samples, test_samples, features, classes)
     if spec == "mnist":
         return as_task(mnist.load(data_dir), task)
-    if spec == "criteo-synthetic" or spec.startswith("criteo:"):
+    if spec in ("criteo-synthetic", "criteo-synthetic-multi-hot") or spec.startswith(("criteo:",
+                                                                                     "criteo-multi-hot:")):
         return _load_criteo(spec, seed, task, samples, test_samples)
     if spec.lower().endswith(".npz"):
         if scale_uint8 not in npz.SCALE_UINT8:
@@ -85,13 +90,14 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
 def _load_criteo(spec: str, seed: int, task: str, samples: int, test_samples: int):
     if task != "classification":
         raise ConfigError(f"--dataset {spec}: click-through data is binary classification, not {task}")
-    if spec == "criteo-synthetic":
-        return criteo.load_synthetic(seed, samples, test_samples)
-    path = spec[len("criteo:"):]
+    sizes = criteo.MLPERF_MULTI_HOT if "multi-hot" in spec else None
+    if spec.startswith("criteo-synthetic"):
+        return criteo.load_synthetic(seed, samples, test_samples, sizes)
+    kind, path = spec.split(":", 1)
     if not path:
-        raise ConfigError("--dataset criteo:PATH: the path is empty "
-                          "(e.g. criteo:train.txt or criteo:day_0.gz)")
-    return criteo.load_file(os.path.expanduser(path), test_samples)
+        raise ConfigError(f"--dataset {kind}:PATH: the path is empty "
+                          f"(e.g. {kind}:train.txt or {kind}:day_0.gz)")
+    return criteo.load_file(os.path.expanduser(path), test_samples, sizes)
 
 
 __all__ = ["DATASETS", "TASKS", "Dataset", "Stream", "as_task", "check_int", "check_rank", "describe",

@@ -36,6 +36,10 @@ NUM_DENSE = 13
 NUM_CAT = 26
 COLUMNS = 1 + NUM_DENSE + NUM_CAT   # label, integer features, categorical features
 RECORD = np.dtype([("dense", np.float32, (NUM_DENSE,)), ("cat", np.int64, (NUM_CAT,))])
+# MLPerf DLRMv2's multi-hot Criteo: how many ids each categorical feature holds (1 to 100, 214 in all)
+MLPERF_MULTI_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
+PADDING = -1            # pads a list shorter than its feature's size (the Embedding's padding_id)
+Sizes = tuple[int, ...] | None     # a multi-hot profile's list sizes; None: one id per field
 MAX_HEX_DIGITS = 8    # Criteo's categorical values are 32-bit hashes in hex
 MAX_INT_DIGITS = 18   # beyond that an integer feature would overflow int64: malformed
 
@@ -48,6 +52,43 @@ MAX_LINE_BYTES = 1 << 20   # a longer line means the file is not Criteo TSV (and
 
 _ZERO = np.uint64(0)
 _FIELD_STRIDE = np.uint64(1 << 33)   # room for v + 1 in [0, 2**32]
+
+
+# ---------------------------------------------------------------- records
+
+def record(sizes: tuple[int, ...] | None = None) -> np.dtype:
+    """The records of one-hot data (sizes None: RECORD, "cat" holding one id per field) or of
+    multi-hot data: "dense", then "cat_0" ... "cat_25", field j a list of up to sizes[j] ids,
+    padded with PADDING."""
+    if sizes is None:
+        return RECORD
+    return np.dtype([("dense", np.float32, (NUM_DENSE,))]
+                    + [(f"cat_{j}", np.int64, (n,)) for j, n in enumerate(check_sizes(sizes))])
+
+
+def check_sizes(sizes) -> tuple[int, ...]:
+    """A multi-hot profile: NUM_CAT list sizes >= 1 (ConfigError naming what is wrong)."""
+    sizes = tuple(sizes)
+    if len(sizes) != NUM_CAT or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
+                                    for n in sizes):
+        raise ConfigError(f"multi-hot sizes: {NUM_CAT} integers >= 1 (one per categorical feature), "
+                          f"got {sizes!r}")
+    return tuple(int(n) for n in sizes)
+
+
+def _offsets(sizes: tuple[int, ...] | None) -> np.ndarray:
+    """Where each field's ids start among a record's categorical columns (NUM_CAT + 1 of them)."""
+    return np.concatenate(([0], np.cumsum(sizes or (1,) * NUM_CAT))).astype(np.int64)
+
+
+def cat_columns(x: np.ndarray) -> np.ndarray:
+    """A records array's categorical ids as one int64 (n, columns) view: "cat" of one-hot
+    records, or every "cat_j" list of multi-hot records side by side (they are adjacent)."""
+    if "cat" in x.dtype.names:
+        return x["cat"]
+    at = x.dtype.fields["cat_0"][1]
+    columns = (x.dtype.itemsize - at) // 8
+    return np.ndarray((len(x), columns), np.int64, x, at, (x.dtype.itemsize, 8))
 
 
 # ---------------------------------------------------------------- hashing
@@ -96,11 +137,12 @@ _LOG1P = np.log1p(np.arange(1 << 16, dtype=np.float64)).astype(np.float32)
 
 
 @njit(cache=True, nogil=True)
-def _scan_number(buf, p, end, digit, base, max_digits):
-    """The number in buf[p:] up to the next tab (or end): (value, digits, where it stopped);
-    digits is -1 for a byte that is not a digit (`digit`: byte -> value or -1) or too many digits."""
+def _scan_number(buf, p, end, digit, base, max_digits, lists=False):
+    """The number in buf[p:] up to the next tab (or end; with `lists`, or the next comma):
+    (value, digits, where it stopped); digits is -1 for a byte that is not a digit (`digit`:
+    byte -> value or -1) or too many digits."""
     v, digits = 0, 0
-    while p < end and buf[p] != 9:
+    while p < end and buf[p] != 9 and not (lists and buf[p] == 44):
         d = digit[buf[p]]
         if d < 0 or digits == max_digits:
             return 0, -1, p
@@ -109,9 +151,11 @@ def _scan_number(buf, p, end, digit, base, max_digits):
 
 
 @njit(cache=True, nogil=True)
-def _parse_line(buf, p, end, k, labels, dense, cat, bases, decimal, hexa, log1p):
+def _parse_line(buf, p, end, k, labels, dense, cat, offsets, bases, decimal, hexa, log1p):
     """Line k (buf[p:end], no newline) into row k; False if it is malformed (the row is then junk).
-    One pass: each field is decoded as its bytes are scanned for the next tab."""
+    One pass: each field is decoded as its bytes are scanned for the next tab. Categorical field
+    j fills cat[k, offsets[j]:offsets[j + 1]]: one id, or (a list feature) up to that many
+    comma-separated values, padded with PADDING."""
     if end > p and buf[end - 1] == 13:   # the '\r' of a CRLF file
         end -= 1
     if end - p < 2 or buf[p + 1] != 9 or not (buf[p] == 48 or buf[p] == 49):
@@ -131,10 +175,29 @@ def _parse_line(buf, p, end, k, labels, dense, cat, bases, decimal, hexa, log1p)
         else:
             dense[k, j] = log1p[v] if v < log1p.shape[0] else np.float32(math.log1p(v))
     for j in range(NUM_CAT):
-        v, digits, p = _scan_number(buf, p, end, hexa, 16, MAX_HEX_DIGITS)
-        if digits < 0:
-            return False
-        cat[k, j] = np.int64(_mix(bases[j] + np.uint64(v + 1 if digits else 0)))
+        q, last = offsets[j], offsets[j + 1]   # field j's columns of cat: one, or a list's
+        if last - q == 1:                 # one id (the scan without commas: one-hot files' speed)
+            v, digits, p = _scan_number(buf, p, end, hexa, 16, MAX_HEX_DIGITS)
+            if digits < 0:
+                return False
+            cat[k, q] = np.int64(_mix(bases[j] + np.uint64(v + 1 if digits else 0)))
+        else:
+            while True:
+                v, digits, p = _scan_number(buf, p, end, hexa, 16, MAX_HEX_DIGITS, True)
+                if digits < 0 or q == last:
+                    return False          # not hex, or more values than the list holds
+                cat[k, q] = np.int64(_mix(bases[j] + np.uint64(v + 1 if digits else 0)))
+                q += 1
+                if p == end or buf[p] != 44:   # no comma: the field's last value
+                    break
+                if digits == 0:
+                    return False          # an empty value in a list
+                p += 1
+                if p == end or buf[p] == 9 or buf[p] == 44:
+                    return False          # an empty value after a comma
+            while q < last:
+                cat[k, q] = PADDING       # a shorter list: padded
+                q += 1
         if j < NUM_CAT - 1:
             if p == end:
                 return False              # too few columns
@@ -143,16 +206,19 @@ def _parse_line(buf, p, end, k, labels, dense, cat, bases, decimal, hexa, log1p)
 
 
 @njit(cache=True, nogil=True)
-def parse_lines(buf, starts, ends, labels, dense, cat, ok, bases, decimal, hexa, log1p):
+def parse_lines(buf, starts, ends, labels, dense, cat, offsets, ok, bases, decimal, hexa, log1p):
     """Parse lines buf[starts[k]:ends[k]] into labels (float32), dense (log1p, float32) and
-    cat (int64 ids); ok[k] says whether line k was well formed."""
+    cat (int64 ids, field j's in columns offsets[j]:offsets[j + 1]); ok[k] says whether line k
+    was well formed."""
     for k in range(starts.shape[0]):
-        ok[k] = _parse_line(buf, starts[k], ends[k], k, labels, dense, cat, bases, decimal, hexa, log1p)
+        ok[k] = _parse_line(buf, starts[k], ends[k], k, labels, dense, cat, offsets, bases, decimal, hexa,
+                            log1p)
 
 
-def parse_line_python(line: str) -> tuple[float, np.ndarray, np.ndarray]:
+def parse_line_python(line: str, sizes: Sizes = None) -> tuple[float, np.ndarray, np.ndarray]:
     """One line parsed by plain Python, the twin of `parse_lines` (which the tests compare), and
-    the source of the reason a malformed line gives: (label, dense, cat) or a DataError."""
+    the source of the reason a malformed line gives: (label, dense, cat) or a DataError. With
+    multi-hot `sizes`, cat is every field's list side by side, each padded to its size."""
     cols = (line[:-1] if line.endswith("\r") else line).split("\t")
     if len(cols) != COLUMNS:
         raise DataError(f"{len(cols)} tab-separated columns, expected {COLUMNS}")
@@ -165,14 +231,22 @@ def parse_line_python(line: str) -> tuple[float, np.ndarray, np.ndarray]:
             raise DataError(f"integer feature {j + 1} is {text!r}, not an integer")
         if text and not text.startswith("-"):
             dense[j] = np.log1p(np.float64(int(digits)))
-    values = np.zeros(NUM_CAT, np.int64)
+    cat = []
     for j, text in enumerate(cols[1 + NUM_DENSE:]):
-        if len(text) > MAX_HEX_DIGITS or not all(c in "0123456789abcdefABCDEF" for c in text):
-            raise DataError(f"categorical feature {j + 1} is {text!r}, not a hex value of at most "
-                            f"{MAX_HEX_DIGITS} digits")
-        values[j] = int(text, 16) if text else -1
-    cat = np.array([hash_categorical(j, v) for j, v in enumerate(values)], np.int64)
-    return float(cols[0]), dense, cat
+        size = sizes[j] if sizes else 1
+        values = text.split(",") if size > 1 else [text]
+        if len(values) > size:
+            raise DataError(f"categorical feature {j + 1} has {len(values)} values, more than its {size}")
+        if len(values) > 1 and "" in values:
+            raise DataError(f"categorical feature {j + 1} is {text!r}: a list with an empty value")
+        for value in values:
+            if len(value) > MAX_HEX_DIGITS or not all(c in "0123456789abcdefABCDEF" for c in value):
+                raise DataError(f"categorical feature {j + 1} is {text!r}, not "
+                                + (f"a hex value of at most {MAX_HEX_DIGITS} digits" if size == 1 else
+                                   f"comma-separated hex values of at most {MAX_HEX_DIGITS} digits"))
+        ids = [hash_categorical(j, int(v, 16) if v else -1) for v in values]
+        cat += [int(i) for i in ids] + [PADDING] * (size - len(values))
+    return float(cols[0]), dense, np.array(cat, np.int64)
 
 
 @dataclass
@@ -180,7 +254,7 @@ class Block:
     """The parsed lines of one block of a file: line numbers first..first + n - 1 (0-based)."""
     first: int
     lines: dict[int, bytes] | None   # the first few malformed lines, to explain them
-    x: np.ndarray                    # RECORD (n,); junk where not ok
+    x: np.ndarray                    # record(sizes) (n,); junk where not ok
     labels: np.ndarray               # float32 (n,)
     ok: np.ndarray                   # bool (n,)
     starts: np.ndarray               # int64 (n,): where each line starts in the block's bytes
@@ -197,21 +271,22 @@ class Block:
         return np.arange(self.first, self.first + len(self.ok))
 
 
-def parse_block(buf: np.ndarray, first: int, at: int = 0) -> Block:
+def parse_block(buf: np.ndarray, first: int, at: int = 0, sizes: tuple[int, ...] | None = None) -> Block:
     """Every line of buf (uint8; lines end with a newline, the last one may not); `at`: where buf
-    starts in the file's text."""
+    starts in the file's text; `sizes`: a multi-hot file's list sizes (None: one-hot)."""
     newlines = np.flatnonzero(buf == 10)
     ends = newlines if len(newlines) and newlines[-1] == len(buf) - 1 else np.append(newlines, len(buf))
     starts = np.concatenate(([0], ends[:-1] + 1))
     n = len(starts)
-    x, labels, ok = np.empty(n, RECORD), np.empty(n, np.float32), np.empty(n, np.bool_)
-    parse_lines(buf, starts, ends, labels, x["dense"], x["cat"], ok, _FIELD_BASES, _DECIMAL, _HEX, _LOG1P)
+    x, labels, ok = np.empty(n, record(sizes)), np.empty(n, np.float32), np.empty(n, np.bool_)
+    parse_lines(buf, starts, ends, labels, x["dense"], cat_columns(x), _offsets(sizes), ok, _FIELD_BASES,
+                _DECIMAL, _HEX, _LOG1P)
     bad = np.flatnonzero(~ok)[:REPORTED_LINES]
     lines = None if not len(bad) else {int(k): buf[starts[k]:ends[k]].tobytes() for k in bad}
     return Block(first, lines, x, labels, ok, starts.astype(np.int64), at, len(buf))
 
 
-def read_blocks(path: str, block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
+def read_blocks(path: str, block_bytes: int = BLOCK_BYTES, sizes: Sizes = None) -> Iterator[Block]:
     """The file's lines, parsed a block at a time (plain or gzip, told by its first bytes)."""
     first, rest, at = 0, b"", 0
     try:
@@ -223,7 +298,7 @@ def read_blocks(path: str, block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
                 data = rest + chunk
                 cut = data.rfind(b"\n") + 1
                 if cut:
-                    block = parse_block(np.frombuffer(data, np.uint8, cut), first, at)
+                    block = parse_block(np.frombuffer(data, np.uint8, cut), first, at, sizes)
                     first, at = first + len(block.ok), at + cut
                     yield block
                 rest = data[cut:]
@@ -233,12 +308,12 @@ def read_blocks(path: str, block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
     except (OSError, EOFError, zlib.error) as e:   # a cut or corrupt gzip stream, a vanished file
         raise DataError(f"{path}: cannot read ({' '.join(str(e).split()) or type(e).__name__})") from None
     if rest:
-        yield parse_block(np.frombuffer(rest, np.uint8), first, at)
+        yield parse_block(np.frombuffer(rest, np.uint8), first, at, sizes)
 
 
-def _why(block: Block, k: int) -> str:
+def _why(block: Block, k: int, sizes: tuple[int, ...] | None = None) -> str:
     try:
-        parse_line_python(block.lines[k].decode("utf-8", "replace"))
+        parse_line_python(block.lines[k].decode("utf-8", "replace"), sizes)
     except DataError as e:
         return str(e)
     return "malformed"   # the kernel refused what the twin accepts: the tests rule this out
@@ -247,14 +322,15 @@ def _why(block: Block, k: int) -> str:
 class MalformedLines:
     """Counts the malformed lines of a pass and reports the first few by line number."""
 
-    def __init__(self, path: str, report: bool):
-        self.path, self.report, self.count, self.lines = path, report, 0, 0
+    def __init__(self, path: str, report: bool, sizes: tuple[int, ...] | None = None):
+        self.path, self.report, self.count, self.lines, self.sizes = path, report, 0, 0, sizes
 
     def see(self, block: Block) -> None:
         self.lines += len(block.ok)
         for k in np.flatnonzero(~block.ok):
             if self.report and self.count < REPORTED_LINES:
-                print(f"warning: {self.path} line {block.first + k + 1}: {_why(block, int(k))}; skipped",
+                why = _why(block, int(k), self.sizes)
+                print(f"warning: {self.path} line {block.first + k + 1}: {why}; skipped",
                       file=sys.stderr, flush=True)
             self.count += 1
 
@@ -266,17 +342,22 @@ class MalformedLines:
 
 # ---------------------------------------------------------------- a file, streamed
 
-_FEATURES = f"{NUM_DENSE} dense + {NUM_CAT} categorical features, 2 classes"
+def _features(sizes: tuple[int, ...] | None) -> str:
+    if sizes is None:
+        return f"{NUM_DENSE} dense + {NUM_CAT} categorical features, 2 classes"
+    return (f"{NUM_DENSE} dense + {NUM_CAT} list features (of up to {min(sizes)} to {max(sizes)} ids, "
+            f"{sum(sizes)} a sample at most), 2 classes")
 
 
 @dataclass(frozen=True, eq=False)
 class CriteoData:
     """What the worker loop uses of a dataset, for both kinds of Criteo data."""
     name: str
-    x_test: np.ndarray        # RECORD (m,)
+    x_test: np.ndarray        # record(sizes) (m,)
     y_test: np.ndarray        # float32 (m,)
+    sizes: tuple[int, ...] | None = None   # a multi-hot profile's list sizes (None: one id per field)
     num_classes = 2
-    sample_shape = ()         # a sample is one RECORD
+    sample_shape = ()         # a sample is one record
 
     @property
     def num_test(self) -> int:
@@ -335,13 +416,13 @@ class CriteoFile(CriteoData):
         return (f"dataset {self.name}: streamed (leased in byte ranges; with slices each worker its "
                 f"share of the lines); "
                 f"{self.num_test} test samples (every {TEST_EVERY}th of the first {self.test_lines} "
-                f"lines), {_FEATURES}")
+                f"lines), {_features(self.sizes)}")
 
     def _batches(self, rank, num_workers, batch_size, epoch):
-        bad = MalformedLines(self.path, report=rank == 0 and epoch == 0)
-        mine = _Pending(batch_size)
+        bad = MalformedLines(self.path, report=rank == 0 and epoch == 0, sizes=self.sizes)
+        mine = _Pending(batch_size, record(self.sizes))
         trained = 0   # training lines so far, every worker's
-        for block in read_blocks(self.path):
+        for block in read_blocks(self.path, sizes=self.sizes):
             bad.see(block)
             train = block.ok & ~_held_out(block.index, self.test_lines)
             j = trained + np.cumsum(train) - 1
@@ -358,9 +439,9 @@ class CriteoFile(CriteoData):
 class _Pending:
     """One worker's training rows not yet in a batch."""
 
-    def __init__(self, batch_size: int):
+    def __init__(self, batch_size: int, dtype: np.dtype):
         self.batch_size, self.emitted = batch_size, 0
-        self.x, self.y = np.empty(0, RECORD), np.empty(0, np.float32)
+        self.x, self.y = np.empty(0, dtype), np.empty(0, np.float32)
 
     def add(self, x: np.ndarray, y: np.ndarray) -> None:
         self.x, self.y = np.concatenate((self.x, x)), np.concatenate((self.y, y))
@@ -389,7 +470,7 @@ class FileBatches(ChunkedBatches):
     def __init__(self, data: CriteoFile, batch_size: int, chunk_batches: int, cache_dir: str | None = None):
         super().__init__(chunk_batches)
         check_int("--batch-size", batch_size, 1)
-        self.path, self.held_out = data.path, data.held_out
+        self.path, self.held_out, self.sizes = data.path, data.held_out, data.sizes
         self.lines = open_lines(data.path, cache_dir)
         self.span = max(1, round(batch_size * data.mean_line))
         self.num_batches = max(1, math.ceil(self.lines.length / self.span))
@@ -401,12 +482,13 @@ class FileBatches(ChunkedBatches):
     def read(self, epoch: int, first: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
         start, text = self.lines.lines_in(first * self.span, end * self.span)
         if not text:
-            return [(np.empty(0, RECORD), np.empty(0, np.float32))] * (end - first)
-        block = parse_block(np.frombuffer(text, np.uint8), 0, start)
+            return [(np.empty(0, record(self.sizes)), np.empty(0, np.float32))] * (end - first)
+        block = parse_block(np.frombuffer(text, np.uint8), 0, start, self.sizes)
         offsets = block.offsets
         for k in np.flatnonzero(~block.ok):
             if epoch == 0 and self.reported < REPORTED_LINES and block.lines and int(k) in block.lines:
-                print(f"warning: {self.path}: the line at byte {offsets[k]}: {_why(block, int(k))}; skipped",
+                why = _why(block, int(k), self.sizes)
+                print(f"warning: {self.path}: the line at byte {offsets[k]}: {why}; skipped",
                       file=sys.stderr, flush=True)
                 self.reported += 1
         keep = block.ok & ~np.isin(offsets, self.held_out)
@@ -422,14 +504,16 @@ def _held_out(index: np.ndarray, test_lines: int) -> np.ndarray:
     return (index % TEST_EVERY == TEST_EVERY - 1) & (index < test_lines)
 
 
-def load_file(path: str, test_samples: int) -> CriteoFile:
+def load_file(path: str, test_samples: int, sizes: tuple[int, ...] | None = None) -> CriteoFile:
     """Open a Criteo TSV file: read its held-out lines (the first ones) as the test set, and note
     where every held-out line starts (leases leave those out) and the mean line length of its
-    first block (leases cut the file into byte ranges of about --batch-size lines)."""
+    first block (leases cut the file into byte ranges of about --batch-size lines). With
+    multi-hot `sizes`, categorical field j holds up to sizes[j] comma-separated values."""
     check_int("--test-samples", test_samples, 1)
+    sizes = None if sizes is None else check_sizes(sizes)
     test_lines = TEST_EVERY * test_samples
     xs, ys, held, lines, valid, first_bytes, first_lines = [], [], [], 0, 0, 0, 0
-    for block in read_blocks(path):
+    for block in read_blocks(path, sizes=sizes):
         if not first_lines:
             first_lines, first_bytes = len(block.ok), block.size
         lines += len(block.ok)
@@ -450,7 +534,8 @@ def load_file(path: str, test_samples: int) -> CriteoFile:
     if len(x_test) == 0:
         raise DataError(f"{path}: no well-formed held-out line (the test set is every {TEST_EVERY}th "
                         f"of the first {test_lines} lines; the file has {lines})")
-    return CriteoFile(f"criteo:{path}", x_test, y_test, path=path, test_lines=test_lines,
+    kind = "criteo" if sizes is None else "criteo-multi-hot"
+    return CriteoFile(f"{kind}:{path}", x_test, y_test, sizes, path=path, test_lines=test_lines,
                       held_out=np.concatenate(held), mean_line=first_bytes / first_lines)
 
 
@@ -612,6 +697,69 @@ def generate(seed: int, bias: float, index: np.ndarray) -> tuple[np.ndarray, np.
     return x, y
 
 
+@njit(cache=True, nogil=True)
+def _expand_kernel(index, salt, vocabs, h_n, bases, offsets, first, out):
+    """Multi-hot lists: field f's list of sample index[i] is first[i, f] (its one-hot id), then
+    Zipf draws of the same field, the j-th from the sample's hash h + j, into out[i, offsets[f]:]."""
+    for i in range(index.shape[0]):
+        h = _mix(index[i] ^ salt)
+        for f in range(NUM_CAT):
+            out[i, offsets[f]] = first[i, f]
+            for j in range(1, offsets[f + 1] - offsets[f]):
+                k = _zipf_at(_mix(h + np.uint64(j)), f, vocabs[f], h_n[f])
+                out[i, offsets[f] + j] = np.int64(_mix(bases[f] + np.uint64(k)))
+
+
+def generate_multi_hot(seed: int, bias: float, index: np.ndarray,
+                       sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Samples `index` of criteo-synthetic-multi-hot: record(sizes) (n,) and float32 0/1 (n,).
+    A sample's dense features and its lists' first ids are criteo-synthetic's sample; the rest
+    of field f's list are Zipf draws of f (so ids repeat, within a list too), and the label is
+    drawn from the planted model over the lists (planted_lists)."""
+    index = np.ascontiguousarray(index, dtype=np.uint64)
+    one_hot, _ = generate(seed, 0.0, index)
+    x = np.empty(len(index), record(sizes))
+    x["dense"] = one_hot["dense"]
+    _expand_kernel(index, _salt(seed, 2), SYNTHETIC_VOCABS.astype(np.float64), _H_N, _FIELD_BASES,
+                   _offsets(sizes), one_hot["cat"], cat_columns(x))
+    p = 1.0 / (1.0 + np.exp(-(bias + planted_lists(seed, cat_columns(x), sizes))))
+    y = _uniform_numpy(splitmix64(index ^ _salt(seed, 0)), _SAMPLE_STREAMS + NUM_DENSE + 1) < p
+    return x, y.astype(np.float32)
+
+
+def expand_numpy(seed: int, index: np.ndarray, first: np.ndarray, sizes: tuple[int, ...]) -> np.ndarray:
+    """_expand_kernel's twin: the lists side by side, int64 (n, sum(sizes))."""
+    index = np.asarray(index, np.uint64)
+    h = splitmix64(index ^ _salt(seed, 2))
+    out = np.empty((len(index), sum(sizes)), np.int64)
+    offsets = _offsets(sizes)
+    out[:, offsets[:-1]] = first
+    for j in range(1, max(sizes)):
+        ids = _ids(_FIELD_BASES, _zipf_ranks(splitmix64(h + np.uint64(j))))   # key = rank
+        for f in np.flatnonzero(np.array(sizes) > j):
+            out[:, offsets[f] + j] = ids[:, f]
+    return out
+
+
+def planted_lists(seed: int, cat: np.ndarray, sizes: tuple[int, ...], pairwise: bool = True) -> np.ndarray:
+    """The planted model over lists, without the bias: each field's weight is the mean of its
+    list's ids' planted weights, the pairs' factors the means of their factors (padding left
+    out of the means); cat: the lists side by side (cat_columns). float64 (n,)."""
+    offsets, cat = _offsets(sizes), np.asarray(cat, np.int64)
+    kept = cat != PADDING
+    counts = np.maximum(np.add.reduceat(kept, offsets[:-1], axis=1), 1)
+    h0 = _planted_h0(seed, cat)
+    w = np.where(kept, WEIGHT_STD * _normals_numpy(h0, 0)[0], 0.0)
+    logit = (np.add.reduceat(w, offsets[:-1], axis=1) / counts).sum(axis=1)
+    if pairwise:
+        def pooled(f):
+            a, b = offsets[f], offsets[f + 1]
+            return (_factors_numpy(h0[:, a:b]) * kept[:, a:b, None]).sum(axis=1) / counts[:, f, None]
+        for a, b in FM_PAIRS:
+            logit += (pooled(a) * pooled(b)).sum(axis=1)
+    return logit
+
+
 def planted(seed: int, cat: np.ndarray, pairwise: bool = True) -> np.ndarray:
     """The planted model's logits without the bias, for int64 ids cat (n, 26): float64 (n,)."""
     out = np.empty(len(cat))
@@ -635,9 +783,13 @@ def _normals_numpy(h0: np.ndarray, streams) -> tuple[np.ndarray, np.ndarray]:
 
 def zipf_ranks_numpy(index: np.ndarray, salt: np.uint64) -> np.ndarray:
     """Every field's Zipf rank for each sample, int64 (n, 26): _zipf_at array-wise."""
+    return _zipf_ranks(splitmix64(index ^ salt))
+
+
+def _zipf_ranks(h0: np.ndarray) -> np.ndarray:
+    """Every field's Zipf rank for the samples hashed to h0."""
     h_integral, h_inverse = _h_integral.py_func, _h_integral_inverse.py_func
-    h0 = splitmix64(index ^ salt)
-    ranks = np.ones((len(index), NUM_CAT), np.int64)
+    ranks = np.ones((len(h0), NUM_CAT), np.int64)
     rows, cols = np.divmod(np.arange(ranks.size), NUM_CAT)
     for attempt in range(ZIPF_ATTEMPTS):
         h_n = _H_N[cols]
@@ -688,12 +840,19 @@ def generate_numpy(seed: int, bias: float, index: np.ndarray) -> tuple[np.ndarra
     return x, y
 
 
-def calibrate_bias(seed: int) -> float:
+def generate_any(seed: int, bias: float, index: np.ndarray,
+                 sizes: tuple[int, ...] | None) -> tuple[np.ndarray, np.ndarray]:
+    """criteo-synthetic's samples (sizes None) or the multi-hot profile's."""
+    return generate(seed, bias, index) if sizes is None else generate_multi_hot(seed, bias, index, sizes)
+
+
+def calibrate_bias(seed: int, sizes: tuple[int, ...] | None = None) -> float:
     """The bias that makes the planted model's mean click probability POSITIVE_RATE on the
     calibration samples: deterministic in the seed (bisection; the mean is monotone in it)."""
-    x, _ = generate(seed, 0.0, np.arange(CALIBRATION_START, CALIBRATION_START + CALIBRATION_SAMPLES,
-                                         dtype=np.uint64))
-    z = planted(seed, x["cat"])
+    calibration = CALIBRATION_SAMPLES if sizes is None else CALIBRATION_SAMPLES // 5   # lists cost more
+    x, _ = generate_any(seed, 0.0, np.arange(CALIBRATION_START, CALIBRATION_START + calibration,
+                                             dtype=np.uint64), sizes)
+    z = planted(seed, x["cat"]) if sizes is None else planted_lists(seed, cat_columns(x), sizes)
     low, high = -30.0, 30.0
     for _ in range(60):
         mid = (low + high) / 2
@@ -733,12 +892,19 @@ class CriteoSynthetic(CriteoData):
         return SyntheticBatches(self, batch_size, chunk_batches)
 
     def planted_logits(self, x: np.ndarray, pairwise: bool = True) -> np.ndarray:
-        """The planted model's logits for RECORDs x (float64 (n,)); pairwise=False leaves the
+        """The planted model's logits for records x (float64 (n,)); pairwise=False leaves the
         factorisation-machine terms out."""
+        if self.sizes is not None:
+            return self.bias + planted_lists(self.seed, cat_columns(x), self.sizes, pairwise)
         return self.bias + planted(self.seed, x["cat"], pairwise)
 
+    def generate(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Samples `index` (uint64): records and labels."""
+        return generate_any(self.seed, self.bias, index, self.sizes)
+
     def describe(self) -> str:
-        return (f"dataset {self.name}: {self.samples} train / {self.num_test} test samples, {_FEATURES}; "
+        return (f"dataset {self.name}: {self.samples} train / {self.num_test} test samples, "
+                f"{_features(self.sizes)}; "
                 f"the planted model's test AUC is "
                 f"{self.best_auc:.4f} ({self.linear_auc:.4f} without its pairwise terms)")
 
@@ -754,7 +920,7 @@ class CriteoSynthetic(CriteoData):
                 tail = (np.uint64((steps - 1) * num_workers * batch_size + rank * last)
                         + np.arange(last, dtype=np.uint64))
                 index = np.concatenate([index[:-batch_size], tail])
-            x, y = generate(self.seed, self.bias, index)
+            x, y = self.generate(index)
             for b in range(0, len(index), batch_size):
                 yield x[b:b + batch_size], y[b:b + batch_size]
 
@@ -773,25 +939,29 @@ class SyntheticBatches(ChunkedBatches):
         if data.samples < batch_size:
             raise ConfigError(f"--batch-size: {batch_size} is larger than the {data.samples} "
                               "training samples")
-        x, y = generate(data.seed, data.bias, np.zeros(1, np.uint64))
-        h = hashlib.sha256(f"{data.seed}:{data.bias!r}".encode() + x.tobytes() + y.tobytes())
+        x, y = data.generate(np.zeros(1, np.uint64))
+        h = hashlib.sha256(f"{data.seed}:{data.bias!r}:{data.sizes}".encode() + x.tobytes() + y.tobytes())
         self.fingerprint = f"{data.samples}:{h.hexdigest()[:16]}"
 
     def read(self, epoch: int, first: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
         bs = self.batch_size
-        x, y = generate(self.data.seed, self.data.bias,
-                        np.arange(first * bs, min(end * bs, self.data.samples), dtype=np.uint64))
+        x, y = self.data.generate(np.arange(first * bs, min(end * bs, self.data.samples), dtype=np.uint64))
         return [(x[k:k + bs], y[k:k + bs]) for k in range(0, len(x), bs)]
 
 
-def load_synthetic(seed: int, samples: int, test_samples: int) -> CriteoSynthetic:
-    """criteo-synthetic: its bias calibrated for the seed, its test set and best AUC computed."""
+def load_synthetic(seed: int, samples: int, test_samples: int,
+                   sizes: tuple[int, ...] | None = None) -> CriteoSynthetic:
+    """criteo-synthetic (or, with list `sizes`, criteo-synthetic-multi-hot): its bias calibrated
+    for the seed, its test set and best AUC computed."""
     from pserver.models.metrics import auc
     check_int("--samples", samples, 1)
     check_int("--test-samples", test_samples, 1)
-    bias = calibrate_bias(seed)
-    x_test, y_test = generate(seed, bias, np.arange(TEST_START, TEST_START + test_samples, dtype=np.uint64))
-    data = CriteoSynthetic("criteo-synthetic", x_test, y_test, seed=seed, samples=samples, bias=bias)
-    return CriteoSynthetic("criteo-synthetic", x_test, y_test, seed=seed, samples=samples, bias=bias,
+    sizes = None if sizes is None else check_sizes(sizes)
+    name = "criteo-synthetic" if sizes is None else "criteo-synthetic-multi-hot"
+    bias = calibrate_bias(seed, sizes)
+    test = np.arange(TEST_START, TEST_START + test_samples, dtype=np.uint64)
+    x_test, y_test = generate_any(seed, bias, test, sizes)
+    data = CriteoSynthetic(name, x_test, y_test, sizes, seed=seed, samples=samples, bias=bias)
+    return CriteoSynthetic(name, x_test, y_test, sizes, seed=seed, samples=samples, bias=bias,
                            best_auc=auc(data.planted_logits(x_test), y_test),
                            linear_auc=auc(data.planted_logits(x_test, pairwise=False), y_test))

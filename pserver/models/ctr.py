@@ -20,6 +20,10 @@ model computes one logit per record and trains on binary cross-entropy from it:
     deep        = Dense(h, relu) for h in hidden, then Dense(1), on [embeddings flattened, dense]
     tower       = the same layers on what the model gives them (dcn, dlrm: no wide part)
 
+Multi-hot records (pserver.data.criteo.record(sizes): x["cat_j"] field j's list of up to
+sizes[j] ids, padded with -1) make each field's row the mean of its list's rows (an Embedding
+with combiner="mean" per field, all sharing the tables "linear" and "factors"), the rest alike.
+
 Each is a Functional graph of these layers over the inputs {"dense", "cat"}, like a user's
 model; its sparse Embedding layers make it speak the sparse model protocol
 (pserver.models.sparse_graph). The layer names ("linear", "factors", "dense_linear",
@@ -44,18 +48,24 @@ from pserver.ops.core import Symbolic
 CTR_MODELS = {"lr": ("", ()), "fm": ("fm", ()), "wide_deep": ("", (256, 128)), "deepfm": ("fm", (256, 128)),
               "dcn": ("cross", (256, 128)), "dlrm": ("dot", (256, 128))}
 DLRM_BOTTOM = 64            # the bottom MLP's hidden width; its output is embedding_dim wide
+LIST_PADDING = -1           # pads multi-hot records' lists (pserver.data.criteo.PADDING; the tests check)
 
 
-def record_dtype(dense_features: int = 13, fields: int = 26) -> np.dtype:
-    """The records the models take; the defaults are Criteo's (pserver.data.criteo.RECORD)."""
+def record_dtype(dense_features: int = 13, fields: int = 26, multi_hot=None) -> np.dtype:
+    """The records the models take; the defaults are Criteo's (pserver.data.criteo.RECORD), and
+    with `multi_hot` (each field's list size) the multi-hot ones (criteo.record(sizes))."""
+    if multi_hot:
+        return np.dtype([("dense", np.float32, (dense_features,))]
+                        + [(f"cat_{j}", np.int64, (n,)) for j, n in enumerate(multi_hot)])
     return np.dtype([("dense", np.float32, (dense_features,)), ("cat", np.int64, (fields,))])
 
 
 def ctr_graph(name: str, *, fm: bool = False, hidden: tuple[int, ...] = (), embedding_dim: int = 8,
               init_scale: float = 0.05, dense_features: int = 13, fields: int = 26, interaction: str = "",
-              **table) -> Functional:
+              multi_hot=None, **table) -> Functional:
     """wide [+ FM] [+ deep] over records of `dense_features` floats and `fields` ids; or, with
     `interaction` "cross" (DCN) or "dot" (DLRM), that interaction and the tower, no wide part.
+    `multi_hot`: each field's list size (multi-hot records, a list's rows pooled by mean).
 
     The table options (optimizer, lr, min_count, max_rows, ttl_steps, seed, optimizer_params,
     row_dtype, state_dtype) go to both sparse tables; `init_scale` is the range of the factors'
@@ -66,11 +76,26 @@ def ctr_graph(name: str, *, fm: bool = False, hidden: tuple[int, ...] = (), embe
     if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not init_scale >= 0:
         raise ConfigError(f"ctr_model: init_scale must be a number >= 0, got {init_scale!r}")
     dense = Symbolic((None, dense_features), "float32", name="dense")
-    cat = Symbolic((None, fields), "int64", name="cat")
+    if multi_hot is not None:
+        multi_hot = [positive_int("ctr_model", "multi_hot", n) for n in multi_hot]
+        if len(multi_hot) != fields:
+            raise ConfigError(f"ctr_model: multi_hot has {len(multi_hot)} list sizes for {fields} fields")
+        lists = [Symbolic((None, n), "int64", name=f"cat_{j}") for j, n in enumerate(multi_hot)]
+        inputs = {"dense": dense} | {x.name: x for x in lists}
+    else:
+        cat = Symbolic((None, fields), "int64", name="cat")
+        inputs = {"dense": dense, "cat": cat}
+
+    def rows(name, dim, init):
+        """(n, fields, dim): each field's row of table `name`, or its list's rows' mean."""
+        if multi_hot is None:
+            return Embedding(None, dim, init, sparse=True, name=name, **table)(cat)
+        pooled = [Embedding(None, dim, init, sparse=True, name=f"{name}_{j}", table=name, combiner="mean",
+                            padding_id=LIST_PADDING, **table)(x) for j, x in enumerate(lists)]
+        return ops.stack(pooled, axis=1)
 
     def factors():
-        return Embedding(None, embedding_dim, RandomUniform(-init_scale, init_scale), sparse=True,
-                         name="factors", **table)(cat)
+        return rows("factors", embedding_dim, RandomUniform(-init_scale, init_scale))
 
     def tower(h):
         for i, units in enumerate(hidden):
@@ -89,7 +114,7 @@ def ctr_graph(name: str, *, fm: bool = False, hidden: tuple[int, ...] = (), embe
         logit = tower(Concatenate(name="tower_input")([bottom, pairs]))
     else:
         # the wide part's layers made first: their order is the layout's and the tables', as files hold them
-        wide = Embedding(None, 1, "zeros", sparse=True, name="linear", **table)(cat)
+        wide = rows("linear", 1, "zeros")
         parts = [ops.sum(wide, axis=1), Dense(1, kernel_initializer="zeros", name="dense_linear")(dense)]
         e = factors() if fm or hidden else None
         if fm:
@@ -97,17 +122,20 @@ def ctr_graph(name: str, *, fm: bool = False, hidden: tuple[int, ...] = (), embe
         if hidden:
             parts.append(tower(Concatenate(name="tower_input")([Flatten(name="embeddings")(e), dense])))
         logit = Add(name="logit")(parts)
-    return Functional({"dense": dense, "cat": cat}, logit, name=name, loss="binary_crossentropy").build()
+    return Functional(inputs, logit, name=name, loss="binary_crossentropy").build()
 
 
 def ctr_arguments(model: Functional) -> dict:
     """What rebuilds a built-in CTR model (a model file's arguments): its tower's widths, its
     embeddings' width and its records' shapes."""
     deep = [layer for layer in model.layers if isinstance(layer, Dense) and layer.name.startswith("deep_")]
-    factors = [layer.output_dim for layer in model.layers if layer.name == "factors"]
+    factors = [layer.output_dim for layer in model.layers
+               if "factors" in (layer.name, getattr(layer, "table", None))]
+    lists = [model.record[name].shape[0] for name in model.record.names if name.startswith("cat_")]
     return {"input_shape": [], "hidden": [layer.units for layer in deep[:-1]],
             "embedding_dim": factors[0] if factors else 8,
-            "dense_features": model.record["dense"].shape[0], "fields": model.record["cat"].shape[0]}
+            "dense_features": model.record["dense"].shape[0],
+            "fields": len(lists) if lists else model.record["cat"].shape[0], "multi_hot": lists or None}
 
 
 def ctr_model(name: str, input_shape=(), num_classes: int = 2, hidden=None, **options) -> Functional:
@@ -129,7 +157,7 @@ def ctr_model(name: str, input_shape=(), num_classes: int = 2, hidden=None, **op
 
 
 # What ctr_model passes on to ctr_graph and its Embedding tables.
-CTR_OPTIONS = {"embedding_dim", "init_scale", "dense_features", "fields", "optimizer",
+CTR_OPTIONS = {"embedding_dim", "init_scale", "dense_features", "fields", "multi_hot", "optimizer",
                "lr", "min_count", "max_rows", "ttl_steps", "seed", "optimizer_params", "row_dtype",
                "state_dtype"}
 

@@ -66,15 +66,20 @@ class SparseLayers:
                                   "shared table is one table")
             else:
                 self.members[t].append(j)
-        for t, members in enumerate(self.members):
-            if len(members) == 1:
+        # A shared table looks its inputs' ids up together, and each input is fed to the graph as
+        # positions in one lookup: another table may read those inputs only all of them, in the
+        # same order (its lookup's positions are then the same: a multi-hot CTR model's "linear"
+        # and "factors" over the same lists).
+        reads = [[self.fields[j] for j in members] for members in self.members]
+        for t, mine in enumerate(reads):
+            if len(mine) == 1:
                 continue
-            mine = [self.fields[j] for j in members]
             pads = {self.padding[i] for i in mine if i in self.padding}
-            others = [i for j, i in enumerate(self.fields) if j not in members]
-            if len(set(mine)) < len(mine) or set(mine) & set(others) or len(pads) > 1:
+            overlap = [other for u, other in enumerate(reads) if u != t and set(other) & set(mine)]
+            if len(set(mine)) < len(mine) or any(other != mine for other in overlap) or len(pads) > 1:
                 raise ConfigError(f"{where}: the layers sharing table {self.tables[t].name!r} must each read "
-                                  "an input of its own, which no other table reads, with one padding")
+                                  "an input of its own, with one padding, and another table may read those "
+                                  "inputs only as a table shared by the same inputs in the same order")
 
 
 def _field(plan: graph.Plan, step: graph.Step, keys: list[str], where: str) -> int:
