@@ -121,7 +121,8 @@ def test_to_categorical_is_keras_s():
 
 # -- configs, files ------------------------------------------------------------------------------------
 
-EXAMPLES = {"Dense": dict(units=4, activation="tanh", use_bias=False, input_shape=(3,)),
+EXAMPLES = {"DINAttention": dict(hidden_units=(6, 3), activation="relu", normalize="softmax", padding_id=-1),
+            "Dense": dict(units=4, activation="tanh", use_bias=False, input_shape=(3,)),
             "Conv2D": dict(filters=2, kernel_size=(3, 2), strides=2, padding="same", activation="relu"),
             "MaxPooling2D": dict(pool_size=3, strides=1), "AveragePooling2D": dict(pool_size=(2, 2)),
             "Flatten": {}, "Dropout": dict(rate=0.3, seed=7), "Embedding": dict(input_dim=10, output_dim=4),

@@ -22,6 +22,7 @@ from pserver.layers import (
     Cropping2D,
     Dense,
     DepthwiseConv2D,
+    DINAttention,
     Dot,
     Dropout,
     Embedding,
@@ -82,4 +83,4 @@ __all__ = ["Input", "Layer", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2
            "RandomTranslation", "RandomContrast",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
            "StringLookup", "IntegerLookup", "TextVectorization",
-           "MultiHeadAttention", "GroupNormalization", "SeparableConv2D"]
+           "MultiHeadAttention", "GroupNormalization", "SeparableConv2D", "DINAttention"]

@@ -29,6 +29,8 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
     FM(): a factorization machine's pairwise term over (fields, k) embeddings
     FeatureCross(projection_dim=None, diag_scale=0.0, ...), DotInteraction(self_interaction=False,
               skip_gather=False): Keras-RS's DCN-v2 and DLRM interaction layers
+    DINAttention(hidden_units=(80, 40), activation='sigmoid', normalize=None, mask_zero=False,
+              padding_id=None): DIN's target attention, din([query, keys, ids])
     Add(), Subtract(), Multiply(), Average(), Maximum(), Minimum(), Concatenate(axis=-1),
     Dot(axes), and add([a, b]), concatenate([a, b]), ...: merge layers, called on a list
     GlobalAveragePooling1D/2D(), GlobalMaxPooling1D/2D(), Activation(name), Reshape(shape),
@@ -93,6 +95,7 @@ from pserver.layers.preprocessing import Normalization, Rescaling
 from pserver.layers.recurrent import GRU, LSTM, Bidirectional, SimpleRNN
 from pserver.layers.reshape import Flatten, Permute, RepeatVector, Reshape
 from pserver.layers.saving import custom_object, is_json
+from pserver.layers.sequence import DINAttention
 from pserver.layers.spatial import (
     Cropping1D,
     Cropping2D,
@@ -184,6 +187,8 @@ LAYERS.add("SeparableConv2D", "a DepthwiseConv2D, then a 1x1 Conv2D to filters",
 LAYERS.add("FeatureCross", "Keras-RS's DCN-v2 cross: x0 * (x @ W + bias + diag_scale * x) + x", FeatureCross)
 LAYERS.add("DotInteraction", "Keras-RS's DLRM interaction: the features' pairwise dot products",
            DotInteraction)
+LAYERS.add("DINAttention", "DIN's target attention: a candidate's weighted sum of a sequence's embeddings, "
+           "called as din([query, keys, ids]) (padding ids weigh 0)", DINAttention)
 
 # A user's layer classes, by class name (pserver.keras.saving.register_keras_serializable), so that
 # a saved model that names one is built again in a process that defined it.
@@ -254,4 +259,5 @@ __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
            "CenterCrop", "RandomFlip", "RandomRotation", "RandomZoom", "RandomTranslation", "RandomContrast",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
            "StringLookup", "IntegerLookup", "TextVectorization",
-           "MultiHeadAttention", "GroupNormalization", "SeparableConv2D", "FeatureCross", "DotInteraction"]
+           "MultiHeadAttention", "GroupNormalization", "SeparableConv2D", "FeatureCross", "DotInteraction",
+           "DINAttention"]
