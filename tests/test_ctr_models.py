@@ -91,7 +91,9 @@ def test_fm_backward(shape, seed):
 # -- the sparse Embedding -----------------------------------------------------------------------
 
 def test_sparse_embedding_reads_rows_and_sums_gradients_per_unique_id():
-    """Forward: rows[inverse]; backward: the segment sum of dout per unique id, into the lookup."""
+    """Forward: rows[inverse]; backward: the segment sum of dout per unique id, into the lookup.
+    The positions come with the rows (p["positions"]), not as the layer's input x, which stays
+    the ids other layers may read."""
     layer = Embedding(None, 3, sparse=True, name="e")
     layer.build((4,))
     ids = np.array([[7, -1, 7, 2**40], [2**40, 7, 5, -1]], np.int64)
@@ -100,11 +102,12 @@ def test_sparse_embedding_reads_rows_and_sums_gradients_per_unique_id():
     lk.rows[:] = np.arange(12, dtype=np.float32).reshape(4, 3)
     out = np.empty((2, 4, 3), np.float32)
     for k in (cpu, reference):
-        layer.forward(k, {"embeddings": lk.rows}, lk.inverse, out, {}, Pass())
+        p = {"embeddings": lk.rows, "positions": lk.inverse}
+        layer.forward(k, p, ids, out, {}, Pass())
         np.testing.assert_array_equal(out, lk.rows[lk.inverse])
         dout = np.arange(24, dtype=np.float32).reshape(2, 4, 3)
         lk.grads[:] = np.nan
-        layer.backward(k, {}, {"embeddings": lk.grads}, lk.inverse, out, dout, None, {})
+        layer.backward(k, p, {"embeddings": lk.grads}, ids, out, dout, None, {})
         want = np.zeros((4, 3), np.float32)
         np.add.at(want, lk.inverse.ravel(), dout.reshape(-1, 3))
         np.testing.assert_array_equal(lk.grads, want)

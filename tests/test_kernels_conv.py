@@ -342,33 +342,34 @@ def test_sigmoid_bce(n, seed, scale, column):
 
 
 @FAST
-@given(st.integers(1, 4), st.integers(1, 5), st.integers(1, 6), st.integers(1, 3), seeds)
-def test_embedding(n, length, vocab, dim, seed):
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(1, 6), st.integers(1, 3), seeds, st.booleans())
+def test_embedding(n, length, vocab, dim, seed, padded):
+    """-1 is padding: zeros out, no gradient (an unpooled list feature's shorter lists)."""
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, (n, length))
+    ids = rng.integers(-1 if padded else 0, vocab, (n, length))
     table = f32(rng, vocab, dim)
     got, want = nans((n, length, dim)), nans((n, length, dim))
     cpu.embedding_forward(ids, table, got)
     reference.embedding_forward(ids, table, want)
     np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(want, table[ids])
+    np.testing.assert_array_equal(want, np.where((ids >= 0)[..., None], table[np.maximum(ids, 0)], 0))
     dy = f32(rng, n, length, dim)
     d_c, d_r = nans(table.shape), nans(table.shape)
     cpu.embedding_backward(ids, dy, d_c)
     reference.embedding_backward(ids, dy, d_r)
     close(d_c, d_r)
-    onehot = np.eye(vocab)[ids.reshape(-1)]   # (N*L, V): the gradient as a product
+    onehot = np.eye(vocab + 1)[ids.reshape(-1)][:, :vocab]   # (N*L, V): the gradient as a product; -1: none
     close(d_r, onehot.T @ dy.reshape(-1, dim))
 
 
 @pytest.mark.parametrize("k", [cpu, reference], ids=["cpu", "reference"])
-@pytest.mark.parametrize("bad", [-1, 3])
+@pytest.mark.parametrize("bad", [-2, 3])
 def test_embedding_rejects_ids_out_of_range(k, bad):
     # numba does not bounds-check: this guard is what stops a read or write outside the table.
     ids, table = np.array([[0, bad]]), np.zeros((3, 2), np.float32)
-    with pytest.raises(ValueError, match=r"embedding: id out of range \[0, "):
+    with pytest.raises(ValueError, match=r"embedding: id out of range \[0, .*\(or -1, padding\)"):
         k.embedding_forward(ids, table, np.empty((1, 2, 2), np.float32))
-    with pytest.raises(ValueError, match=r"embedding: id out of range \[0, "):
+    with pytest.raises(ValueError, match=r"embedding: id out of range \[0, .*\(or -1, padding\)"):
         k.embedding_backward(ids, np.zeros((1, 2, 2), np.float32), table)
 
 

@@ -217,8 +217,6 @@ def test_a_lists_weights_must_be_a_float_input_of_its_shape():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(combiner="max"), r"combiner must be one of sum, mean, sqrtn .*got 'max'"),
-    (dict(mask_zero=True), r"mask_zero=True \(or padding_id\) needs combiner="),
-    (dict(padding_id=-1), r"mask_zero=True \(or padding_id\) needs combiner="),
     (dict(mask_zero=True, padding_id=-1, combiner="sum"), r"padding_id must be an integer id \(0 with mask_"),
     (dict(mask_zero=1, combiner="sum"), r"mask_zero must be True or False, got 1"),
 ])
@@ -357,3 +355,60 @@ def test_an_image_models_nested_python_lists_are_not_taken_for_lists_of_ids():
     model.compile(optimizer="adam", loss="mse")
     x = np.random.default_rng(0).random((3, 4, 4, 1)).astype(np.float32)
     assert np.array_equal(model.predict(x.tolist(), verbose=0), model.predict(x, verbose=0))
+
+
+@pytest.mark.parametrize("kw", [dict(mask_zero=True), dict(padding_id=-1)])
+def test_a_padded_sequence_on_the_shards_trains_as_dense_tables_and_its_ids_feed_attention(kw):
+    """An unpooled padded Embedding (a sequence: DIN's keys) reads zeros at padding, and its ids
+    input may feed another layer too (DINAttention's mask). On the shards, one table shared
+    with the candidate: padding is never pulled; the loss, the dense gradients and each row's
+    gradient (the keys' and the candidate's summed) equal a model with two dense tables
+    holding the same rows. Catches padding reading a row, the attention reading positions for
+    ids, and the shared table's two uses not summed."""
+    pad = 0 if kw.get("mask_zero") else -1
+
+    def build(sparse):
+        items = keras.Input(shape=(5,), dtype="int64", name="items")
+        cand = keras.Input(shape=(1,), dtype="int64", name="cand")
+        if sparse:
+            keys = Embedding(None, 3, sparse=True, table="t", name="keys", **kw)(items)
+            q = Embedding(None, 3, sparse=True, table="t", name="q")(cand)
+        else:
+            keys, q = Embedding(6, 3, name="keys", **kw)(items), Embedding(6, 3, name="q")(cand)
+        q = layers.Reshape((3,))(q)
+        din = layers.DINAttention(hidden_units=(4,), name="din", **kw)([q, keys, items])
+        out = Dense(1, name="out")(layers.Concatenate()([din, q]))
+        model = Functional({"items": items, "cand": cand}, out, loss="binary_crossentropy")
+        model.use_backend("reference")
+        return model
+
+    dense, sparse = build(False), build(True)
+    rng = np.random.default_rng(4)
+    items = rng.integers(1, 6, (7, 5))
+    items[rng.random((7, 5)) < 0.4] = pad
+    items[0] = pad                                             # a history of padding only
+    cand = rng.integers(1, 6, (7, 1))
+    y = rng.integers(0, 2, 7).astype(np.float64)
+    table = rng.standard_normal((6, 3))
+    w = {t.name: rng.standard_normal(t.shape) for t in sparse.layout.tensors}
+    wd = np.concatenate([(table if t.name.endswith("/embeddings") else w[t.name]).ravel()
+                         for t in dense.layout.tensors])
+    gd = np.full_like(wd, np.nan)
+    loss_d = dense.loss_and_grad(wd, {"items": items, "cand": cand}, y, gd)
+    x = np.zeros(7, sparse.record)
+    x["items"], x["cand"] = items, cand
+    (ids,) = sparse.batch_ids(x)
+    lk = TableLookup.of(ids, 3)
+    assert pad not in lk.uniq.astype(np.int64).tolist()        # padding is never pulled
+    rows = table[lk.uniq.astype(np.int64)]
+    lk = TableLookup(lk.uniq, lk.inverse, rows, np.full(rows.shape, np.nan))
+    ws = np.concatenate([w[t.name].ravel() for t in sparse.layout.tensors])
+    gs = np.full_like(ws, np.nan)
+    assert sparse.loss_and_grad(ws, x, y, gs, sparse=[lk]) == pytest.approx(loss_d, rel=1e-12)
+    views = dense.layout.views(gd)
+    for t, g in sparse.layout.views(gs).items():
+        np.testing.assert_allclose(g, views[t], rtol=1e-10, atol=1e-14, err_msg=t)
+    summed = views["keys/embeddings"] + views["q/embeddings"]
+    np.testing.assert_allclose(lk.grads, summed[lk.uniq.astype(np.int64)], rtol=1e-10, atol=1e-14)
+    if pad == 0:
+        assert not views["keys/embeddings"][0].any()           # padding passes no gradient

@@ -585,27 +585,32 @@ def copy(x, out):
 def _check_ids(ids, vocab):
     # numba does not bounds-check: a bad id would read or write outside the table.
     for v in ids.reshape(ids.size):
-        if v < 0 or v >= vocab:
-            raise ValueError("embedding: id out of range [0, vocabulary size)")
+        if v < -1 or v >= vocab:
+            raise ValueError("embedding: id out of range [0, vocabulary size) (or -1, padding)")
 
 
 @njit(cache=True, nogil=True)
 def embedding_forward(ids, table, out):
-    """out[n, l] = table[ids[n, l]]. ids int (N, L) in [0, V), table (V, D), out (N, L, D)."""
+    """out[n, l] = table[ids[n, l]], zeros for -1 (padding). ids int (N, L) in [0, V) or -1,
+    table (V, D), out (N, L, D)."""
     _check_ids(ids, table.shape[0])
     for n in range(ids.shape[0]):
         for l in range(ids.shape[1]):
-            out[n, l] = table[ids[n, l]]
+            if ids[n, l] < 0:
+                out[n, l] = 0
+            else:
+                out[n, l] = table[ids[n, l]]
 
 
 @njit(cache=True, nogil=True)
 def embedding_backward(ids, dy, dtable):
-    """dtable[:] = 0, then dy[n, l] added to row ids[n, l] (repeated ids add)."""
+    """dtable[:] = 0, then dy[n, l] added to row ids[n, l] (repeated ids add; -1: none)."""
     _check_ids(ids, dtable.shape[0])
     dtable[:] = 0
     for n in range(ids.shape[0]):
         for l in range(ids.shape[1]):
-            dtable[ids[n, l]] += dy[n, l]
+            if ids[n, l] >= 0:
+                dtable[ids[n, l]] += dy[n, l]
 
 
 # -- pooled embedding: reference.py says the semantics (ids < 0 are padding) ------------------

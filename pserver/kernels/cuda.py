@@ -741,7 +741,8 @@ def multiply_kernel(a, b, out):
 
 @cuda.jit
 def embedding_forward_kernel(ids, table, out):
-    """out[n, l, :] = table[ids[n, l], :]; an id outside [0, V) gives a row of NaN."""
+    """out[n, l, :] = table[ids[n, l], :]; -1 (padding) gives zeros, another id outside [0, V)
+    a row of NaN."""
     i = cuda.grid(1)
     if i >= out.size:
         return
@@ -749,7 +750,7 @@ def embedding_forward_kernel(ids, table, out):
     r = i // out.shape[2]
     n, pos = r // out.shape[1], r % out.shape[1]
     row = ids[n, pos]
-    out[n, pos, d] = table[row, d] if 0 <= row < table.shape[0] else math.nan
+    out[n, pos, d] = table[row, d] if 0 <= row < table.shape[0] else (0.0 if row == -1 else math.nan)
 
 
 @cuda.jit
@@ -1199,8 +1200,8 @@ def copy(x, out, *, stream=0):
 def embedding_forward(ids, table, out, *, stream=0):
     """out[n, l] = table[ids[n, l]]. ids int (N, L), table (V, D), out (N, L, D).
 
-    Ids are not checked here (that would need them on the host): an id outside [0, V) reads
-    nothing and gives a row of NaN, which the loss then shows.
+    Ids are not checked here (that would need them on the host): -1 is padding (zeros), another
+    id outside [0, V) reads nothing and gives a row of NaN, which the loss then shows.
     """
     if out.shape != (*ids.shape, table.shape[1]):
         raise ValueError(f"embedding_forward: ids {ids.shape}, table {table.shape}, out {out.shape}")

@@ -444,22 +444,32 @@ def global_maxpool_backward(dy, argmax, dx):
 
 # -- embedding ---------------------------------------------------------------------------------
 
+PADDING = -1   # an id of -1 is padding: embedding_forward gives it zeros, embedding_backward no gradient
+
+
 def _check_ids(ids, vocab):
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-        raise ValueError(f"embedding: id out of range [0, {vocab})")
+    if ids.size and (ids.min() < PADDING or ids.max() >= vocab):
+        raise ValueError(f"embedding: id out of range [0, {vocab}) (or -1, padding)")
 
 
 def embedding_forward(ids, table, out):
-    """out[n, l] = table[ids[n, l]]. ids int (N, L) in [0, V), table (V, D), out (N, L, D)."""
+    """out[n, l] = table[ids[n, l]], zeros where ids[n, l] is -1 (padding). ids int (N, L) in
+    [0, V) or -1, table (V, D), out (N, L, D)."""
     _check_ids(ids, table.shape[0])
-    np.take(table, ids, axis=0, out=out)
+    pad = ids == PADDING
+    if pad.all():
+        out[...] = 0
+        return
+    np.take(table, np.where(pad, 0, ids), axis=0, out=out)
+    out[pad] = 0
 
 
 def embedding_backward(ids, dy, dtable):
-    """dtable[:] = 0, then dy[n, l] added to row ids[n, l] (repeated ids add)."""
+    """dtable[:] = 0, then dy[n, l] added to row ids[n, l] (repeated ids add; padding: none)."""
     _check_ids(ids, dtable.shape[0])
     dtable[:] = 0
-    np.add.at(dtable, ids.reshape(-1), dy.reshape(-1, dtable.shape[1]))
+    keep = ids.reshape(-1) != PADDING
+    np.add.at(dtable, ids.reshape(-1)[keep], dy.reshape(-1, dtable.shape[1])[keep])
 
 
 # -- pooled embedding (a list feature: several ids per sample, one vector out) -----------------

@@ -22,6 +22,10 @@ tables: pserver.keras_rs). Weighted lists (Keras-RS's `weights`): call the layer
 weights a float model input of the ids' shape; `mean` divides by the sum of a list's weights,
 `sqrtn` by the root of the sum of their squares.
 
+A sequence (an attention's keys: pserver.layers.sequence): `combiner=None` with `mask_zero` or
+`padding_id` gives one row per position, zeros at padding, which passes no gradient and, on
+the shards, is never pulled or pushed.
+
 `table="name"` on sparse layers makes them look up one table on the shards (Keras-RS's features
 sharing a TableConfig), each reading its own input (pserver.models.sparse_graph.SparseLayers).
 """
@@ -67,10 +71,6 @@ class Embedding(Layer):
                                        or mask_zero and padding_id != 0):
             raise ConfigError(f"Embedding: padding_id must be an integer id (0 with mask_zero=True), got "
                               f"{padding_id!r}")
-        if (mask_zero or padding_id is not None) and combiner is None:
-            raise ConfigError("Embedding: mask_zero=True (or padding_id) needs combiner= ('sum', 'mean' or "
-                              "'sqrtn'): padding is left out of a pooled list; a mask carried on to later "
-                              "layers is not supported")
         if table is not None and (not self.sparse or not isinstance(table, str) or not table):
             raise ConfigError(f"Embedding: table={table!r} names a sparse table (sparse=True) to share with "
                               "other sparse Embeddings: a non-empty string")
@@ -164,8 +164,9 @@ class Embedding(Layer):
                             f"[0, input_dim={self.input_dim})")
 
     def _ids(self, p, x, s) -> np.ndarray:
-        """The row of the table each input reads: a sparse layer's x is already the lookup's
-        inverse (int64 positions among the batch's rows); a dense one's are checked and copied."""
+        """The row of the table each input reads (-1: padding): a sparse layer's are its lookup's
+        inverse (int64 positions among the batch's rows, given as p["positions"]); a dense
+        one's, x, are checked and copied."""
         if not self.sparse:
             self.check_ids(x)
             np.copyto(s["ids"], x, casting="unsafe")
@@ -176,7 +177,7 @@ class Embedding(Layer):
             raise ConfigError(f"{self.label}: a sparse Embedding trains in a model with sparse "
                               "tables (a Functional with dict inputs, on records); Sequential holds "
                               "dense tensors only")
-        return x
+        return p["positions"]
 
     def forward(self, k, p, x, out, s, run):
         x, weights = (x[0], x[1]) if self.takes_list else (x, s.get("weights"))
@@ -189,7 +190,7 @@ class Embedding(Layer):
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         x, weights = (x[0], x[1]) if self.takes_list else (x, s.get("weights"))
-        ids = x if self.sparse else s["ids"]
+        ids = p["positions"] if self.sparse else s["ids"]
         if self.pooled:
             k.pooled_embedding_backward(ids, weights, dout, COMBINERS[self.combiner], g["embeddings"])
         else:

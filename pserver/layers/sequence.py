@@ -14,15 +14,13 @@ AttentionSequencePoolingLayer computes it.
         normalize="softmax" makes them a softmax over the list's positions that are not padding.
         A list of padding only gives zeros.
 
-How the padding reaches the layer: pserver has no Keras masks carried from layer to layer
-(Embedding pools a padded list itself, and refuses mask_zero without a combiner), so the layer
-reads the list's ids as a third input and compares them with the padding id, as Embedding does.
-A 0/1 mask input works too, with mask_zero=True. The sequence's embeddings come from an Embedding
-with combiner=None over the same ids: its padded positions read a row (row 0 of a dense table;
-the padding id's row of a sparse one), which the attention gives weight 0, so neither the output
-nor any gradient depends on it. A sparse Embedding reads its input as row positions, so in a
-model with sparse tables the ids reach DINAttention as an input of their own (the same ids given
-twice, under two names).
+How the padding reaches the layer: pserver has no Keras masks carried from layer to layer, so
+the layer reads the list's ids as a third input and compares them with the padding id (id 0
+with mask_zero=True, `padding_id` otherwise), as Embedding does. A 0/1 mask input works too,
+with mask_zero=True. The sequence's embeddings come from an Embedding with combiner=None and
+the same padding over the same ids input: its padded positions are zeros (on the shards, never
+pulled or pushed), which the attention also weighs 0. The ids input may feed the sparse
+Embedding and this layer both (the Embedding reads its lookup's positions, this layer the ids).
 
 The layer is traced (pserver.layers.traced): its call is written with ops, whose VJPs give the
 gradients. The first hidden layer's kernel is one (4d, units) matrix, as a Dense over the

@@ -36,11 +36,6 @@ class SparseLayers:
             if step.layer is not None and getattr(plan.layers[step.layer], "sparse", False):
                 self.layers.append(step.layer)
                 self.fields.append(_field(plan, step, keys, where))
-        for i in set(self.fields):
-            if plan.consumers[i] != self.fields.count(i):
-                raise ConfigError(f"{where}: input {keys[i]!r} feeds a sparse Embedding and other layers "
-                                  "too; the sparse layers read it as row positions: give the others "
-                                  "their own input")
         # A list feature's padding id, by field: every sparse layer that reads a field agrees on it.
         self.padding: dict[int, int] = {}
         for li, i in zip(self.layers, self.fields):
@@ -66,20 +61,12 @@ class SparseLayers:
                                   "shared table is one table")
             else:
                 self.members[t].append(j)
-        # A shared table looks its inputs' ids up together, and each input is fed to the graph as
-        # positions in one lookup: another table may read those inputs only all of them, in the
-        # same order (its lookup's positions are then the same: a multi-hot CTR model's "linear"
-        # and "factors" over the same lists).
-        reads = [[self.fields[j] for j in members] for members in self.members]
-        for t, mine in enumerate(reads):
-            if len(mine) == 1:
-                continue
-            pads = {self.padding[i] for i in mine if i in self.padding}
-            overlap = [other for u, other in enumerate(reads) if u != t and set(other) & set(mine)]
-            if len(set(mine)) < len(mine) or any(other != mine for other in overlap) or len(pads) > 1:
-                raise ConfigError(f"{where}: the layers sharing table {self.tables[t].name!r} must each read "
-                                  "an input of its own, with one padding, and another table may read those "
-                                  "inputs only as a table shared by the same inputs in the same order")
+        # A shared table looks its inputs' ids up together: one padding for all of them.
+        for t, members in enumerate(self.members):
+            mine = [self.fields[j] for j in members]
+            if len({self.padding[i] for i in mine if i in self.padding}) > 1:
+                raise ConfigError(f"{where}: the layers sharing table {self.tables[t].name!r} read inputs "
+                                  "of different paddings; a shared table has one padding")
 
 
 def _field(plan: graph.Plan, step: graph.Step, keys: list[str], where: str) -> int:
@@ -179,10 +166,11 @@ class SparseProtocol:
 
     def _sparse_inputs(self, x, lookups, params, grads, dtype) -> list[np.ndarray]:
         """The graph's inputs for records x: float fields in the weights' dtype, integer fields as
-        they are, and a sparse layers' field as its lookups' positions; each sparse layer's table
-        is its lookup's rows, its gradient the lookup's grads."""
+        they are (the ids, for any layer that reads them beside a sparse one); each sparse layer's
+        table is its lookup's rows, its ids' positions among them ("positions", -1 for padding)
+        the lookup's inverse, its gradient the lookup's grads."""
         lookups = self._check_lookups(lookups, len(x))
-        sparse, fed = self._sparse, {}
+        sparse = self._sparse
         self._shared_grads = []          # (a shared table's grads, a later member's): summed after
         for members, lookup, table in zip(sparse.members, lookups, sparse.tables):
             at = 0
@@ -197,13 +185,10 @@ class SparseProtocol:
                 own = lookup.grads if k == 0 else np.zeros_like(lookup.grads)
                 if k:
                     self._shared_grads.append((lookup.grads, own))
-                params[li], grads[li] = {"embeddings": lookup.rows}, {"embeddings": own}
-                if i in fed and fed[i] is not inverse and not np.array_equal(fed[i], inverse):
-                    raise ValueError(f"table {table.name}: its lookup's inverse differs from another table's "
-                                     f"of the same ids ({self._keys[i]})")
-                fed[i] = inverse
-        return [fed[i] if i in fed else np.ascontiguousarray(x[k], dtype if inp.dtype.kind == "f" else None)
-                for i, (k, inp) in enumerate(zip(self._keys, self._inputs))]
+                params[li] = {"embeddings": lookup.rows, "positions": inverse}
+                grads[li] = {"embeddings": own}
+        return [np.ascontiguousarray(x[k], dtype if inp.dtype.kind == "f" else None)
+                for k, inp in zip(self._keys, self._inputs)]
 
     def _sparse_step(self, w, x, y, grad_out, lookups, run: Pass) -> float:
         params, grads = self._layer_views(w), self._layer_views(grad_out)

@@ -530,11 +530,12 @@ def test_dropout_checks_rate_and_seed_on_the_host():
 
 def test_embedding():
     rng = np.random.default_rng(4)
-    ids, table, dy = np.array([[0, 3, 3], [1, 3, 0]]), f32(rng, 5, 4), f32(rng, 2, 3, 4)
+    ids, table, dy = np.array([[0, 3, 3], [1, -1, 0]]), f32(rng, 5, 4), f32(rng, 2, 3, 4)   # -1: padding
     got, want = nans(2, 3, 4), np.empty((2, 3, 4), np.float32)
     K.embedding_forward(cuda.to_device(ids), cuda.to_device(table), got)
     reference.embedding_forward(ids, table, want)
     np.testing.assert_array_equal(got.copy_to_host(), want)
+    assert not want[1, 1].any()                                              # padding: zeros
     got_d, want_d = nans(5, 4), np.empty_like(table)
     K.embedding_backward(cuda.to_device(ids), cuda.to_device(dy), got_d)   # repeated ids add
     reference.embedding_backward(ids, dy, want_d)
