@@ -438,6 +438,18 @@ def test_pserver_s_own_lines_call_the_validation_split_validation_not_test(capsy
     assert "test accuracy" not in out and "test loss" not in out, out
 
 
+def test_a_fit_without_validation_data_shows_no_validation_figures(capsys):
+    """Without validation data the loop evaluates a one-sample placeholder: catches its
+    accuracy and loss shown as "validation" figures in the epoch lines and the summary."""
+    x, y = blobs(200)
+    model = small_model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, batch_size=20, epochs=2, verbose=1)
+    out = capsys.readouterr().out
+    assert "validation" not in out.replace("no validation set", ""), out
+    assert "epoch 2/2 done in" in out and "no validation set" in out, out
+
+
 def test_a_callback_that_sets_stop_training_ends_the_run_after_that_epoch():
     """Catches: a loop callbacks cannot steer."""
     class StopAtOnce(keras.callbacks.Callback):

@@ -556,7 +556,9 @@ class CallbackList:
         # loop shares them through shard 0: pserver.worker.loop.chief_logs); epoch_logs: the last.
         self.shares_logs = True
         self._lr = getattr(getattr(model, "optimizer", None), "learning_rate", None)
-        self.held_out = "validation"       # what pserver's own lines call the chief's evaluation set
+        # What pserver's own lines call the chief's evaluation set; None: fit has none (the loop
+        # evaluates a placeholder sample, which no line shows)
+        self.held_out = "validation" if validation else None
         self.epoch_logs: dict = {}
 
     @property

@@ -160,12 +160,14 @@ def describe_version(version: int) -> str:
 
 
 def format_summary(s: dict) -> str:
-    acc, on = s.get("test_accuracy"), s.get("evaluated_on") or "test"     # a Keras fit's: validation
+    acc, on = s.get("test_accuracy"), s.get("evaluated_on", "test")     # a Keras fit's: validation
     r2 = s.get("test_r2")
     # A model with several outputs has neither: its loss alone (each output's are in its logs)
     metric = (f"{on} accuracy {acc:.4f}, " if acc is not None else
               f"{on} r2 {r2:.4f}, " if r2 is not None else "")
-    if s.get("test_loss") is None:
+    if on is None:
+        metric = "no validation set (fit's History holds the training loss and metrics)"
+    elif s.get("test_loss") is None:
         metric = f"no {on} set"      # a Stream from Python without one
     else:
         metric += f"{on} loss {s['test_loss']:.4f}"

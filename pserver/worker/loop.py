@@ -503,16 +503,25 @@ def log_epoch(run: Run, epoch: int, threads: int = 1) -> dict:
     ev = evaluate(run, threads)
     now = time.monotonic()
     own, total = now - run.epoch_started, now - run.progress.started
-    run.progress.say(f"epoch {epoch + 1}/{run.cfg.epochs} done in {own:.1f} s ({total:.1f} s in all): "
-                     f"{format_metrics(ev, held_out(run.callbacks))}")
+    label = held_out(run.callbacks)
+    run.progress.say(f"epoch {epoch + 1}/{run.cfg.epochs} done in {own:.1f} s ({total:.1f} s in all)"
+                     + (f": {format_metrics(ev, label)}" if label else ""))
     return {"epoch": epoch + 1, "seconds": round(total, 3), "epoch_seconds": round(own, 3), **ev}
 
 
-def held_out(callbacks) -> str:
+def held_out(callbacks) -> str | None:
     """What the chief's evaluation set is called in its lines and summary: "test", or what the
     callbacks say it is (a Keras fit's: "validation", the validation_split or validation_data,
-    beside which the script may print its own test accuracy)."""
-    return getattr(callbacks, "held_out", None) or "test"
+    beside which the script may print its own test accuracy; None for a fit without any, whose
+    placeholder sample no line shows)."""
+    return getattr(callbacks, "held_out", "test")
+
+
+def held_out_metrics(ev: dict, label: str | None) -> dict:
+    """The summary's figures on the held-out set (none without one: label None)."""
+    ev = ev if label else {}
+    return {"test_accuracy": ev.get("accuracy"), "test_loss": ev.get("loss"), "test_r2": ev.get("r2"),
+            "test_auc": ev.get("auc"), "evaluated_on": label}
 
 
 def format_metrics(ev: dict, label: str = "test") -> str:
@@ -597,9 +606,8 @@ def finish(run: Run, stats: dict, started: float, counted_from) -> dict:
         "dataset": ds.name, "model": model_name(model), "num_params": model.layout.total,
         "optimizer": statuses[0].optimizer, "lr": statuses[0].lr, "batch_size": cfg.batch_size,
         "epochs": cfg.epochs, "seed": cfg.seed, "resumed_at_step": run.start,
-        "test_accuracy": ev.get("accuracy"), "test_loss": ev.get("loss"), "test_r2": ev.get("r2"),
-        "test_auc": ev.get("auc"), "evaluated_on": held_out(run.callbacks),
-        **binary_metrics(ev, ds),
+        **held_out_metrics(ev, held_out(run.callbacks)),
+        **binary_metrics(ev if held_out(run.callbacks) else {}, ds),
         # every rank that registered with the shards: an elastic job's joiners (and those that left) too
         "workers_registered": sorted(set().union(*(st.registered_workers for st in statuses))),
         "wall_seconds": round(wall, 3),
