@@ -1,4 +1,5 @@
-"""keras_rs.layers: Keras-RS's embedding configs and layers, with the tables on the shards.
+"""keras_rs.layers: Keras-RS's embedding configs and layers, with the tables on the shards, and
+its BruteForceRetrieval (pserver.keras_rs.retrieval).
 
 A `TableConfig` is a sparse table on the shards (pserver.sparse): rows are made on first use and
 updated there by the table's own optimizer, whatever the model's optimizer is, as Keras-RS's
@@ -23,6 +24,7 @@ import math
 from typing import Any
 
 from pserver.errors import ConfigError
+from pserver.keras_rs.retrieval import BruteForceRetrieval, Retrieval
 from pserver.layers import Embedding, initializers
 from pserver.layers.interaction import DotInteraction, FeatureCross
 from pserver.ops.core import Symbolic
@@ -261,4 +263,6 @@ __all__ = [
     "EmbedReduce",
     "FeatureCross",
     "DotInteraction",
+    "Retrieval",
+    "BruteForceRetrieval",
 ]

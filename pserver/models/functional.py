@@ -36,7 +36,7 @@ from pserver.models import graph, graph_config, losses, metrics
 from pserver.models.base import BatchBuffers, Model, shaped_for
 from pserver.models.layout import Layout
 from pserver.models.metrics import compiled as compiled_metrics
-from pserver.models.outputs import Heads
+from pserver.models.outputs import Heads, chunk_scores, scores
 from pserver.models.sparse_graph import SparseProtocol, list_paddings, pad_lists
 from pserver.ops.core import Symbolic
 
@@ -467,7 +467,7 @@ class Functional(SparseProtocol, Model):
             loss = self.loss(self.kernels, outs, y, bufs.dlosses)
             self.batch_sums = self._batch_sums(outs, y)
         else:
-            if self.task != "regression":       # the batch's accuracy, for Keras's per-epoch metric
+            if self.task == "classification":   # the batch's accuracy, for Keras's per-epoch metric
                 self.batch_correct = metrics.accuracy(ins[-1], y)
             self.batch_metric_sums = self.metric_sums(ins[-1], y)
             loss = losses.weighted(self.loss, self.kernels, ins[-1], y, bufs.dloss, sample_weight)
@@ -720,7 +720,7 @@ class Functional(SparseProtocol, Model):
 
     def _check_labels(self, j: int, loss: losses.Loss, y: np.ndarray) -> None:
         """Output j's labels against its units and loss; ValueError naming the first bad one."""
-        if loss.task == "regression" or not y.size:
+        if loss.task != "classification" or not y.size:
             return
         hi = 1 if isinstance(loss, losses.BinaryCrossentropy) else self._shapes[1 + j][-1] - 1
         if y.dtype.kind in "iu" and 0 <= y.min() and y.max() <= hi:
@@ -806,14 +806,14 @@ class Functional(SparseProtocol, Model):
             xb = x[a:a + batch_size]
             vals = self._forward(params, xb, self._buffers(xb.shape[0], w.dtype), Pass(training=False))
             sw = None if sample_weight is None else sample_weight[a:a + batch_size]
-            parts[i] = [_chunk_scores(self.kernels, loss, vals[s], yj[a:a + batch_size], sw)
+            parts[i] = [chunk_scores(self.kernels, loss, vals[s], yj[a:a + batch_size], sw)
                         for (loss, yj), s in zip(heads, slots)]
             activity[i] = self._activity(vals, training=False)
             if not self.several:
                 sums[i] = self.metric_sums(vals[slots[0]], y[a:a + batch_size])
 
         each_index(chunk, len(starts), threads)
-        each = [_scores(loss, [p[j] for p in parts], yj) for j, (loss, yj) in enumerate(heads)]
+        each = [scores(loss, [p[j] for p in parts], yj) for j, (loss, yj) in enumerate(heads)]
         each[0].update(metrics.values_of(self.metric_objects, np.sum(sums, axis=0)))
         penalty = self._regularize(w) + sum(activity) / n
         return _penalized(self.loss.logs(each) if self.several else each[0], penalty)
@@ -822,35 +822,6 @@ class Functional(SparseProtocol, Model):
 def _penalized(logs: dict, penalty: float) -> dict:
     """Evaluation's logs with the regularization penalty in the (total) loss, as Keras's."""
     return logs | {"loss": logs["loss"] + penalty} if penalty else logs
-
-
-def _chunk_scores(k, loss: losses.Loss, out: np.ndarray, y: np.ndarray, sample_weight=None) -> tuple:
-    """One output's sums over a chunk: (loss x samples, samples right or squared error, the
-    scores of a one-logit output for AUC or None). Sample weights weigh the loss only: Keras's
-    compiled `metrics` are unweighted (its `weighted_metrics` are not supported)."""
-    # The loss also writes a gradient: a small scratch array, so evaluation never
-    # allocates the per-layer gradient buffers (at 4096 images, hundreds of MB).
-    total = losses.weighted(loss, k, out, y, np.empty_like(out), sample_weight) * out.shape[0]
-    rows = out.reshape(-1, out.shape[-1])           # an output with steps: each element a row
-    if loss.task == "regression":
-        return total, float(np.sum((rows[:, 0].astype(np.float64) - y.reshape(-1)) ** 2)), None
-    return total, metrics.accuracy(out, y), rows[:, 0].copy() if rows.shape[1] == 1 else None
-
-
-def _scores(loss: losses.Loss, parts: list, y: np.ndarray) -> dict:
-    """One output's evaluation from its chunks' sums: loss plus accuracy (and AUC for one
-    logit), or r2."""
-    loss_sum, total, n = 0.0, 0, len(y)
-    for part_loss, count, _ in parts:          # in chunk order: the sums of one thread's loop
-        loss_sum += part_loss
-        total += count
-    if loss.task == "regression":
-        return {"loss": loss_sum / n, "r2": metrics.r2(total, y)}
-    result = {"loss": loss_sum / n, "accuracy": total / n}
-    scores = [p[2] for p in parts if p[2] is not None]
-    if scores:
-        result["auc"] = metrics.auc(np.concatenate(scores), y.reshape(-1))
-    return result
 
 
 def each_index(fn, count: int, threads: int) -> None:

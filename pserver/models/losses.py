@@ -174,6 +174,113 @@ class MeanSquaredError(Loss):
         return _squeezed(np.asarray(y), rank)
 
 
+class InBatchSoftmax(Loss):
+    """A two-tower retrieval model's loss: softmax cross-entropy over the batch's own candidates
+    (TFRS's Retrieval task; Keras-RS's examples write it in compute_loss). The output is each
+    sample's query and candidate embeddings side by side, (n, 2 * dim); the logits are the (n, n)
+    dot products of the batch's queries with its candidates, and query i's positive is candidate
+    i, every other sample's candidate a negative. y: each sample's candidate id (the options read
+    it). As Keras-RS's retrieval layers, in TFRS's order:
+
+    candidate_sampling_probability  each candidate's probability, an array indexed by its id:
+                                    logit - log(p), p clipped to [1e-6, 1] (logQ correction)
+    remove_accidental_hits          a negative with the positive's id leaves the row's softmax
+    num_hard_negatives              each row keeps its positive and its h highest negatives
+    """
+    name = "in_batch_softmax"
+    # Its labels are ids, not classes of the output's units: checked against no range, and no
+    # sample is right or wrong on its own (evaluation reports the loss).
+    task = "retrieval"
+
+    def __init__(self, remove_accidental_hits: bool = False, candidate_sampling_probability=None,
+                 num_hard_negatives: int | None = None):
+        where = "InBatchSoftmax"
+        if remove_accidental_hits not in (True, False):
+            raise ConfigError(f"{where}: remove_accidental_hits must be True or False, got "
+                              f"{remove_accidental_hits!r}")
+        h = num_hard_negatives
+        if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
+            raise ConfigError(f"{where}: num_hard_negatives must be an integer >= 1 or None, got {h!r}")
+        p = candidate_sampling_probability
+        if p is not None:
+            p = np.asarray(p, dtype=np.float64)
+            if p.ndim != 1 or not len(p) or not np.isfinite(p).all() or (p < 0).any():
+                raise ConfigError(f"{where}: candidate_sampling_probability must be a 1-D array of "
+                                  f"probabilities >= 0 indexed by candidate id, got shape {p.shape}")
+        self.remove_accidental_hits, self.num_hard_negatives = remove_accidental_hits, h
+        self.candidate_sampling_probability = p
+
+    def check_outputs(self, units, where):
+        if units < 2 or units % 2:
+            raise ConfigError(f"{where}: {self.name} takes each sample's query and candidate embeddings "
+                              f"side by side (n, 2 * dim): concatenate the towers' outputs; the output "
+                              f"has {units} units")
+
+    def label_dtype(self, dtype):
+        return np.dtype(np.int64)
+
+    def labels(self, y, rank=1):
+        """y as it is; ids that the options read checked: integers in [0, 2**31) (the labels'
+        int32) and below the probabilities' length."""
+        y, p = _squeezed(np.asarray(y), rank), self.candidate_sampling_probability
+        if not (self.remove_accidental_hits or p is not None) or not y.size:
+            return y
+        if y.dtype.kind not in "iuf" or (y.dtype.kind == "f" and not np.array_equal(y, np.floor(y))):
+            raise ValueError(f"y has dtype {y.dtype}; {self.name} takes each sample's candidate id "
+                             "(integers)")
+        top = 1 << 31 if p is None else min(len(p), 1 << 31)
+        if y.min() < 0 or y.max() >= top:
+            bad = y.min() if y.min() < 0 else y.max()
+            whose = "candidate_sampling_probability's length" if p is not None and top == len(p) else "int32"
+            raise ValueError(f"y holds candidate id {bad}; {self.name} reads ids in [0, {top}) ({whose})")
+        return y
+
+    def get_config(self):
+        p = self.candidate_sampling_probability
+        return {"name": self.name, "remove_accidental_hits": self.remove_accidental_hits,
+                "num_hard_negatives": self.num_hard_negatives,
+                "candidate_sampling_probability": None if p is None else p.tolist()}
+
+    def logits(self, q: np.ndarray, c: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """The (n, n) logits q @ c.T, corrected, with every logit left out of a row at -inf (the
+        positive, on the diagonal, never is)."""
+        n, logits, y = len(q), q @ c.T, np.asarray(y).astype(np.int64, copy=False)
+        p = self.candidate_sampling_probability
+        if p is not None:
+            logits -= np.log(np.clip(p[y], 1e-6, 1.0)).astype(logits.dtype)
+        dropped = y[:, None] == y[None, :] if self.remove_accidental_hits else np.zeros((n, n), bool)
+        np.fill_diagonal(dropped, False)
+        h = self.num_hard_negatives
+        if h is not None and h < n - 1:     # each row's h highest negatives that are left
+            negatives = np.where(dropped, -np.inf, logits)
+            np.fill_diagonal(negatives, -np.inf)
+            keep = np.zeros((n, n), bool)
+            np.put_along_axis(keep, np.argpartition(-negatives, h - 1, axis=1)[:, :h], True, axis=1)
+            np.fill_diagonal(keep, True)
+            dropped |= ~keep
+        logits[dropped] = -np.inf
+        return logits
+
+    def __call__(self, k, out, y, dout, row_loss=None):
+        if row_loss is not None:
+            raise ConfigError(f"{self.name}: sample weights are not supported (a sample's candidate is "
+                              "every other sample's negative: no loss is one sample's own)")
+        n, d = out.shape[0], out.shape[1] // 2
+        q, c = out[:, :d], out[:, d:]
+        g = self.logits(q, c, y)
+        diag = np.arange(n)
+        top = g.max(axis=1, keepdims=True)             # finite: the positive is in every row
+        positive = (g[diag, diag] - top[:, 0]).astype(np.float64)
+        np.exp(np.subtract(g, top, out=g), out=g)      # -inf: 0, out of the softmax
+        total = g.sum(axis=1, keepdims=True)
+        loss = np.log(total[:, 0].astype(np.float64)) - positive
+        g /= total * n                                  # d mean loss / d logits: (softmax - I) / n
+        g[diag, diag] -= g.dtype.type(1.0 / n)
+        np.matmul(g, c, out=dout[:, :d])
+        np.matmul(g.T, q, out=dout[:, d:])
+        return float(loss.mean())
+
+
 def weighted(loss: Loss, k, out: np.ndarray, y: np.ndarray, dout: np.ndarray,
              sample_weight: np.ndarray | None = None) -> float:
     """`loss` with Keras's sample weights (sample_weight, class_weight) and its default
@@ -214,7 +321,8 @@ class Pending(Loss):
 _NAMES = {"sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
           "categorical_crossentropy": CategoricalCrossentropy,
           "binary_crossentropy": BinaryCrossentropy,
-          "mean_squared_error": MeanSquaredError, "mse": MeanSquaredError}
+          "mean_squared_error": MeanSquaredError, "mse": MeanSquaredError,
+          "in_batch_softmax": InBatchSoftmax}
 
 
 def get(spec) -> Loss:
@@ -231,4 +339,4 @@ def get(spec) -> Loss:
 
 
 __all__ = ["Loss", "Pending", "SparseCategoricalCrossentropy", "CategoricalCrossentropy",
-           "BinaryCrossentropy", "MeanSquaredError", "get", "weighted"]
+           "BinaryCrossentropy", "MeanSquaredError", "InBatchSoftmax", "get", "weighted"]

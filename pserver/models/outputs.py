@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.models import losses
+from pserver.models import losses, metrics
 from pserver.models.losses import Loss
 from pserver.models.metrics import check_metrics
 
@@ -158,10 +158,45 @@ def _per_output(names: list[str], spec, what: str, where: str, default) -> list:
     return [spec] * len(names)
 
 
+def chunk_scores(k, loss: losses.Loss, out: np.ndarray, y: np.ndarray, sample_weight=None) -> tuple:
+    """One output's sums over a chunk: (loss x samples, samples right or squared error, the
+    scores of a one-logit output for AUC or None). Sample weights weigh the loss only: Keras's
+    compiled `metrics` are unweighted (its `weighted_metrics` are not supported)."""
+    # The loss also writes a gradient: a small scratch array, so evaluation never
+    # allocates the per-layer gradient buffers (at 4096 images, hundreds of MB).
+    total = losses.weighted(loss, k, out, y, np.empty_like(out), sample_weight) * out.shape[0]
+    rows = out.reshape(-1, out.shape[-1])           # an output with steps: each element a row
+    if loss.task == "regression":
+        return total, float(np.sum((rows[:, 0].astype(np.float64) - y.reshape(-1)) ** 2)), None
+    if loss.task == "retrieval":                    # the loss alone: no sample is right on its own
+        return total, 0, None
+    return total, metrics.accuracy(out, y), rows[:, 0].copy() if rows.shape[1] == 1 else None
+
+
+def scores(loss: losses.Loss, parts: list, y: np.ndarray) -> dict:
+    """One output's evaluation from its chunks' sums: loss plus accuracy (and AUC for one
+    logit), or r2."""
+    loss_sum, total, n = 0.0, 0, len(y)
+    for part_loss, count, _ in parts:          # in chunk order: the sums of one thread's loop
+        loss_sum += part_loss
+        total += count
+    if loss.task == "regression":
+        return {"loss": loss_sum / n, "r2": metrics.r2(total, y)}
+    if loss.task == "retrieval":
+        return {"loss": loss_sum / n}
+    result = {"loss": loss_sum / n, "accuracy": total / n}
+    scores = [p[2] for p in parts if p[2] is not None]
+    if scores:
+        result["auc"] = metrics.auc(np.concatenate(scores), y.reshape(-1))
+    return result
+
+
 def _reports(loss: Loss) -> set[str]:
     """The metrics evaluation computes for an output with this loss."""
     if loss.task == "regression":
         return {"r2"}
+    if loss.task == "retrieval":
+        return set()
     return {"accuracy", "auc"} if isinstance(loss, losses.BinaryCrossentropy) else {"accuracy"}
 
 

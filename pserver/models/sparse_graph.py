@@ -18,6 +18,7 @@ import numpy as np
 from pserver.errors import ConfigError, DataError
 from pserver.layers.base import Pass
 from pserver.models import graph, metrics
+from pserver.models.outputs import chunk_scores, scores
 from pserver.sparse import PaddedIds, TableLookup
 
 
@@ -194,7 +195,7 @@ class SparseProtocol:
         params, grads = self._layer_views(w), self._layer_views(grad_out)
         bufs = self._buffers(len(x), w.dtype)
         ins = self._forward(params, self._sparse_inputs(x, lookups, params, grads, w.dtype), bufs, run)
-        if self.task != "regression":           # the batch's accuracy, for Keras's per-epoch metric
+        if self.task == "classification":       # the batch's accuracy, for Keras's per-epoch metric
             self.batch_correct = metrics.accuracy(ins[-1], y)
         self.batch_metric_sums = self.metric_sums(ins[-1], y)
         loss = self.loss(self.kernels, ins[-1], y, bufs.dloss)
@@ -217,16 +218,12 @@ class SparseProtocol:
 
     def _sparse_evaluate(self, w, x, y, batch_size: int, rows) -> dict:
         x, y = self._check_batch(w, x, y)
-        loss_sum, correct, scores, sums = 0.0, 0, [], []
+        parts, sums = [], []
         for a, xb, out in self._sparse_outputs(w, x, batch_size, rows, "evaluate"):
             yb = y[a:a + len(xb)]
-            loss_sum += self.loss(self.kernels, out, yb, np.empty_like(out)) * len(xb)
-            correct += metrics.accuracy(out, yb)
-            scores.append(out[:, 0].copy())
+            parts.append(chunk_scores(self.kernels, self.loss, out, yb))
             sums.append(self.metric_sums(out, yb))
-        return {"loss": loss_sum / len(x), "accuracy": correct / len(x),
-                "auc": metrics.auc(np.concatenate(scores), y),
-                **metrics.values_of(self.metric_objects, np.sum(sums, axis=0))}
+        return {**scores(self.loss, parts, y), **metrics.values_of(self.metric_objects, np.sum(sums, axis=0))}
 
     def _sparse_predict(self, w, x, batch_size: int, rows) -> np.ndarray:
         self._check_w(w)
