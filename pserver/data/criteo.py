@@ -345,8 +345,8 @@ class MalformedLines:
 def _features(sizes: tuple[int, ...] | None) -> str:
     if sizes is None:
         return f"{NUM_DENSE} dense + {NUM_CAT} categorical features, 2 classes"
-    return (f"{NUM_DENSE} dense + {NUM_CAT} list features (of up to {min(sizes)} to {max(sizes)} ids, "
-            f"{sum(sizes)} a sample at most), 2 classes")
+    return (f"{NUM_DENSE} dense + {NUM_CAT} list features (lists of at most {min(sizes)} to {max(sizes)} "
+            f"ids, {sum(sizes)} a sample), 2 classes")
 
 
 @dataclass(frozen=True, eq=False)
