@@ -408,7 +408,9 @@ def test_unknown_dataset():
     with pytest.raises(ConfigError) as err:
         load_dataset("cifar")
     assert str(err.value) == ("--dataset: unknown dataset 'cifar'; choose synthetic, mnist, "
-                              "criteo-synthetic, criteo:PATH (a Criteo TSV file) or a path to a .npz file")
+                              "criteo-synthetic, criteo-synthetic-multi-hot, criteo:PATH (a Criteo TSV "
+                              "file), criteo-multi-hot:PATH (lists in its columns) or a path to a .npz or "
+                              ".parquet file")
 
 
 # ---------------------------------------------------------------- .npz

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from pserver.data import criteo, mnist, npz, synthetic
+from pserver.data import criteo, mnist, npz, parquet, synthetic
 from pserver.data.dataset import (
     TASKS,
     Dataset,
@@ -53,6 +53,8 @@ DATASETS.add("criteo", "a Criteo TSV file, plain or .gz, streamed", form="criteo
 DATASETS.add("criteo-multi-hot", "a Criteo TSV file whose categorical columns hold lists of "
              "comma-separated values, up to MLPerf DLRMv2's multi-hot sizes", form="criteo-multi-hot:PATH")
 DATASETS.add("npz", "a path to a .npz with x and y (and x_test, y_test)", form="PATH.npz")
+DATASETS.add("parquet", "a path to a Parquet file: a record field per column (lists of ids padded with -1), "
+             "the column 'label' as y", form="PATH.parquet")
 
 
 def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task: str = "classification",
@@ -78,13 +80,16 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
     if spec in ("criteo-synthetic", "criteo-synthetic-multi-hot") or spec.startswith(("criteo:",
                                                                                      "criteo-multi-hot:")):
         return _load_criteo(spec, seed, task, samples, test_samples)
+    if spec.lower().endswith(".parquet"):
+        return as_task(parquet.load(spec, seed), task)
     if spec.lower().endswith(".npz"):
         if scale_uint8 not in npz.SCALE_UINT8:
             raise ConfigError(f"--scale-uint8: {scale_uint8!r} is not one of {', '.join(npz.SCALE_UINT8)}")
         return as_task(npz.load(spec, seed, scale_uint8 == "auto"), task)
     named = ", ".join(f for f in DATASETS.forms() if f in DATASETS)   # those without a path
     raise ConfigError(f"--dataset: unknown dataset {spec!r}; choose {named}, "
-                      "criteo:PATH (a Criteo TSV file) or a path to a .npz file")
+                      "criteo:PATH (a Criteo TSV file), criteo-multi-hot:PATH (lists in its columns) or a "
+                      "path to a .npz or .parquet file")
 
 
 def _load_criteo(spec: str, seed: int, task: str, samples: int, test_samples: int):

@@ -40,6 +40,7 @@ class Dataset:
     x_test: np.ndarray  # (m, *sample_shape) float32, C-contiguous
     y_test: np.ndarray  # (m,)
     num_classes: int  # 0 for regression
+    padded: tuple[str, ...] = ()  # record fields whose shorter lists of ids are padded with -1 (Parquet)
 
     def __post_init__(self):
         # The worker's kernels rely on these; checking once here beats a wrong answer later.
@@ -93,12 +94,23 @@ class Dataset:
         reshaped and checked by the model's `check_data` (a DataError naming layer and
         shapes); as it is for a model without one (a user's protocol object)."""
         ds = as_task(self, "regression") if getattr(model, "task", None) == "regression" else self
+        self._check_padding(model)
         check = getattr(model, "check_data", None)
         if check is None:
             return ds
         x_train = check(ds.x_train, ds.y_train, f"{ds.name} training set")
         x_test = check(ds.x_test, ds.y_test, f"{ds.name} test set")
-        return Dataset(ds.name, x_train, ds.y_train, x_test, ds.y_test, ds.num_classes)
+        return Dataset(ds.name, x_train, ds.y_train, x_test, ds.y_test, ds.num_classes, ds.padded)
+
+    def _check_padding(self, model) -> None:
+        """A field padded with -1 must be read as padding (padding_id=-1): read with another
+        padding, or none, its -1s would be ids (a row on the shards)."""
+        paddings = getattr(model, "input_paddings", dict)()
+        for name in self.padded:
+            if paddings.get(name) != -1:
+                how = "no padding" if paddings.get(name) is None else f"padding {paddings[name]!r}"
+                raise DataError(f"{self.name}: column {name!r} holds lists of ids padded with -1; the model "
+                                f"reads input {name!r} with {how}: give its Embedding padding_id=-1")
 
     def leased_batches(self, batch_size: int, seed: int, chunk_batches: int,
                        shuffle: bool = True) -> LeasedBatches:
@@ -189,7 +201,7 @@ def as_task(ds: Dataset, task: str) -> Dataset:
     if task == "classification" or ds.num_classes == 0:
         return ds
     return Dataset(ds.name, ds.x_train, ds.y_train.astype(np.float32), ds.x_test,
-                   ds.y_test.astype(np.float32), 0)
+                   ds.y_test.astype(np.float32), 0, ds.padded)
 
 
 # ---------------------------------------------------------------- per-rank slices of an epoch

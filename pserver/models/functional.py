@@ -596,6 +596,12 @@ class Functional(SparseProtocol, Model):
         ids = self._takes_ids and not all(x.dtype.kind in "iu" for x in self._inputs)
         return np.concatenate(parts, axis=1, dtype=np.float64 if ids else None)
 
+    def input_paddings(self) -> dict:
+        """Each model input's list padding, by name: the id an Embedding reading it takes as
+        padding (mask_zero: 0; padding_id), or 0.0 for a list's weights; inputs without none."""
+        pads = list_paddings(self._plan(False), len(self._keys))
+        return {self._keys[i]: pad for i, pad in pads.items()}
+
     def _padded(self, x):
         """x with each list feature given as Python lists padded (sparse_graph.pad_lists): the
         inputs a pooling Embedding with padding reads, and their lists' weights."""
