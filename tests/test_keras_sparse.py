@@ -69,3 +69,26 @@ def test_a_sequential_with_a_sparse_table_takes_one_array_of_ids():
     model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
     model.fit(ids, y, epochs=3, batch_size=32, verbose=0)
     assert model.evaluate(ids, y, verbose=0)[1] > 0.9
+
+
+def test_a_layer_of_the_scripts_own_need_not_be_registered_until_the_model_is_saved(tmp_path):
+    """fit keeps the trained rows in a file of its own: catches that file asking for the layers'
+    configs, so that fit trained, then raised at its end (the rows lost) for an unregistered
+    layer. Saving the model still asks for the registration, as Keras does."""
+    class Shift(keras.layers.Layer):
+        def build(self, input_shape):
+            self.b = self.add_weight(shape=(1,), initializer="zeros")
+
+        def call(self, x):
+            return x + self.b
+
+    user = keras.Input(shape=(), dtype="int64", name="user")
+    model = keras.Model({"user": user}, layers.Activation("sigmoid")(
+        Shift()(layers.Embedding(None, 1, sparse=True, lr=0.5)(user))))
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    u = np.random.default_rng(0).integers(0, 20, 400)
+    model.fit({"user": u}, (u < 10).astype("float32"), epochs=3, batch_size=40, verbose=0)
+    p = model.predict({"user": np.array([1, 15])}, verbose=0).ravel()
+    assert p[0] > 0.5 > p[1]                                      # the rows trained and were kept
+    with pytest.raises(ConfigError, match=r"register it with @pserver.keras.saving.register_keras_"):
+        model.save(tmp_path / "m.keras")

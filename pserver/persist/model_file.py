@@ -99,7 +99,7 @@ def definition(cfg, model, ds) -> dict:
 
 def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict,
          tables: dict | None = None, origin: dict | None = None, delta: dict | None = None,
-         removed: dict | None = None, export_id: str | None = None) -> None:
+         removed: dict | None = None, export_id: str | None = None, layer_configs: bool = True) -> None:
     """Write the model file atomically (a temporary file renamed over `path`). Without a
     definition (a model built in Python), "model" is null: load it with load(path, model=...).
 
@@ -110,7 +110,9 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
 
     A delta (export --since) adds `delta` (its base: export_id, versions) to the JSON and writes
     `removed`, {name: sorted uint64 ids}, as tables/<name>.removed.npy. `export_id`: the id to
-    record (compact() keeps the model's), else a new one."""
+    record (compact() keeps the model's), else a new one. `layer_configs` False: no layers'
+    configs for a model built in Python (a file read back only with load(path, model=...),
+    whose layers need not be registered: a Keras fit's kept tables)."""
     layout = model.layout
     configs = list(getattr(model, "sparse_tables", None) or [])
     meta = {"format": FORMAT, "version": SPARSE_VERSION if configs else VERSION, "model": None,
@@ -125,7 +127,7 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
         meta["summary"] = model.summary_text()
     elif hasattr(model, "summary"):
         meta["summary"] = model.summary()
-    if meta["model"] is None and hasattr(model, "get_config"):
+    if meta["model"] is None and layer_configs and hasattr(model, "get_config"):
         # A model built in Python: its definition is its layers' configs (Keras's get_config),
         # from which load() builds it again.
         meta["sequential"] = model.get_config()

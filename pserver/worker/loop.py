@@ -261,7 +261,7 @@ def end(run: Run, stats: dict, started: float, counted_from, definition: dict | 
 
 
 def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, definition: dict | None,
-               summary: dict, path: str | None = None) -> None:
+               summary: dict, path: str | None = None, layer_configs: bool = True) -> None:
     """--save (or `path`): the model file; a model with sparse tables gets every table's rows,
     streamed from the shards (ExportRows) and merged into sorted files as they come. After a
     sync or backup run they are the rows of the final version, as the dense weights are; in
@@ -274,16 +274,19 @@ def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, defini
             tables[t.name] = model_file.TableRows(count, pages)
         origin = {"live": True, "num_shards": len(cfg.ps), "versions": versions,
                   "version": max(versions), "job": registered_layout(model).signature()}
-    model_file.save(path or cfg.save, model, w, definition, summary, tables=tables, origin=origin)
+    model_file.save(path or cfg.save, model, w, definition, summary, tables=tables, origin=origin,
+                    layer_configs=layer_configs)
 
 
 def keep_tables(run: Run) -> None:
     """A Keras model with sparse tables keeps their final rows, as it keeps the weights: every
     rank (the same rows on each, read from the shards before the chief stops them) writes them
-    where its fit asked (CallbackList.tables_dir), for its predict, evaluate and save."""
+    where its fit asked (CallbackList.tables_dir), for its predict, evaluate and save. Without
+    the layers' configs: fit reads them back into its own model, and a layer of the script's
+    own need not be registered until the model is saved (as in Keras)."""
     where = getattr(run.callbacks, "tables_dir", None)
     if where and sparse_tables(run.model):
-        save_model(run.cfg, run.client, run.model, run.w, None, {}, path=where)
+        save_model(run.cfg, run.client, run.model, run.w, None, {}, path=where, layer_configs=False)
 
 
 def check_settings(client: PSClient, expected: dict | None, settings: dict | None) -> None:
