@@ -105,6 +105,8 @@ class Dataset:
     def _check_padding(self, model) -> None:
         """A field padded with -1 must be read as padding (padding_id=-1): read with another
         padding, or none, its -1s would be ids (a row on the shards)."""
+        if not self.padded:
+            return
         paddings = getattr(model, "input_paddings", dict)()
         for name in self.padded:
             if paddings.get(name) != -1:

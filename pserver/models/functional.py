@@ -599,6 +599,7 @@ class Functional(SparseProtocol, Model):
     def input_paddings(self) -> dict:
         """Each model input's list padding, by name: the id an Embedding reading it takes as
         padding (mask_zero: 0; padding_id), or 0.0 for a list's weights; inputs without none."""
+        self.build()
         pads = list_paddings(self._plan(False), len(self._keys))
         return {self._keys[i]: pad for i, pad in pads.items()}
 
