@@ -27,6 +27,7 @@ from pserver.api import (
     load_model,
     predict,
     serve,
+    serve_model,
     start_cluster,
     train,
 )
@@ -44,7 +45,8 @@ __all__ = [
     "AveragePooling2D", "Flatten", "Dropout", "Embedding",
     "SparseCategoricalCrossentropy", "BinaryCrossentropy", "MeanSquaredError",
     # running
-    "serve", "train", "launch_cluster", "start_cluster", "Cluster", "Server", "load_model", "predict",
+    "serve", "serve_model", "train", "launch_cluster", "start_cluster", "Cluster", "Server", "load_model",
+    "predict",
     "SavedModel", "evaluate_files",
     # data
     "Dataset", "Stream", "load_dataset",

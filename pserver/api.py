@@ -60,6 +60,20 @@ def serve(*, port: int = 0, host: str = "127.0.0.1", **options) -> Server:
     return Server(f"{host}:{bound}", cfg, server, shard)
 
 
+def serve_model(path: str, *, port: int = 8500, http_port: int = 8501, host: str = "127.0.0.1",
+                follow: str | None = None, poll: float = 0.5, threads: int = 8, auth_token: str | None = None,
+                tls_cert: str | None = None, tls_key: str | None = None, block: bool = True):
+    """`pserver serve-model`: answer the model file's predictions (gRPC and HTTP), following the
+    delta exports in `follow`. block=True runs until SIGTERM or SIGINT and returns the exit code;
+    block=False returns the started pserver.serving.ModelServer (its .port, .http_port, .served,
+    .stop())."""
+    from pserver.serving import ModelServer, ServeModelConfig
+    from pserver.serving import serve_model as run_server
+    cfg = ServeModelConfig(path, port=port, http_port=http_port, host=host, follow=follow, poll=poll,
+                           threads=threads, auth_token=auth_token, tls_cert=tls_cert, tls_key=tls_key)
+    return run_server(cfg) if block else ModelServer(cfg).start()
+
+
 def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_workers: int = 1,
           callbacks=None, **options) -> dict | None:
     """Train `model` (a Sequential, or an object with the model protocol) as worker `rank`.
@@ -338,5 +352,5 @@ def predict(model, x, *, weights=None, batch_size: int = 4096) -> np.ndarray:
     return model.predict(np.asarray(weights, dtype=np.float32), x, batch_size=batch_size)
 
 
-__all__ = ["Server", "SavedModel", "serve", "train", "launch_cluster", "load_model", "predict",
+__all__ = ["Server", "SavedModel", "serve", "serve_model", "train", "launch_cluster", "load_model", "predict",
            "export_checkpoints"]

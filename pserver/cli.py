@@ -533,6 +533,31 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--json", action="store_true", help="print JSON instead of a line")
     add_flags(ex, EXPORT_FLAGS, "model and dataset (as the run trained; seed and --embedding-dim default "
                                 "to the checkpoints')")
+    sm = sub.add_parser("serve-model", help="answer a model file's predictions over gRPC and HTTP, following "
+                                            "its delta exports", formatter_class=fmt,
+                        description="Serve a model file (a --save, an export, or one compacted after "
+                                    "deltas): predictions over gRPC\n(pserver.v1.Predictor) and HTTP/JSON "
+                                    "(POST /v1/models/NAME:predict, TensorFlow Serving's shape),\n"
+                                    "health (/healthz and grpc.health.v1), Prometheus metrics (/metrics). "
+                                    "Each request is\nanswered by one model version, which the reply "
+                                    "names. --follow DIR applies the deltas\n(pserver export --since) "
+                                    "that appear in DIR in their chain's order, between requests;\na "
+                                    "corrupt or out-of-order one is refused and the version served stays.\n"
+                                    "Example: pserver serve-model ctr-model --port 8500 --http-port 8501 "
+                                    "--follow deltas/")
+    sm.add_argument("model", metavar="MODEL",
+                    help="the model file (a directory for a model with sparse tables)")
+    sm.add_argument("--port", type=int, default=8500, help="gRPC port (default 8500; 0 picks a free one)")
+    sm.add_argument("--http-port", type=int, default=8501,
+                    help="HTTP port (default 8501; 0 picks a free one; -1: no HTTP)")
+    sm.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: "
+                                                        "every interface, with a token and TLS)")
+    sm.add_argument("--follow", default=None, metavar="DIR", help="a directory of delta exports to apply as "
+                                                                  "they appear")
+    sm.add_argument("--poll", type=float, default=0.5, metavar="S", help="seconds between looks at --follow "
+                                                                         "(default 0.5)")
+    sm.add_argument("--threads", type=int, default=8, help="gRPC worker threads (default 8)")
+    add_flags(sm, SERVE_SECURITY, "security (as pserver serve's; HTTP asks for Authorization: Bearer TOKEN)")
     return p
 
 
@@ -735,9 +760,17 @@ def cmd_export(ns) -> int:
     return 0
 
 
+def cmd_serve_model(ns) -> int:
+    from pserver.api import serve_model
+    if ns.poll <= 0 or ns.threads < 1:
+        raise ConfigError(f"--poll must be > 0 and --threads >= 1, got {ns.poll} and {ns.threads}")
+    return serve_model(ns.model, port=ns.port, http_port=ns.http_port, host=ns.host, follow=ns.follow,
+                       poll=ns.poll, threads=ns.threads, **security_given(ns, SERVE_SECURITY))
+
+
 COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "slurm": cmd_slurm,
             "status": cmd_status, "evaluate": cmd_evaluate, "checkpoint": cmd_checkpoint,
-            "export": cmd_export, "run": cmd_run}
+            "export": cmd_export, "run": cmd_run, "serve-model": cmd_serve_model}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -651,3 +651,53 @@ class LeaseDataReply(_message.Message):
     chief_told: bool
     chief_live: bool
     def __init__(self, has_lease: _Optional[bool] = ..., epoch: _Optional[int] = ..., chunk: _Optional[int] = ..., first_batch: _Optional[int] = ..., end_batch: _Optional[int] = ..., finished_gone: _Optional[bool] = ..., coordinator_id: _Optional[str] = ..., trained_loss_sum: _Optional[float] = ..., trained_correct: _Optional[float] = ..., trained_samples: _Optional[int] = ..., trained_metric_sums: _Optional[_Iterable[float]] = ..., has_logs: _Optional[bool] = ..., log_names: _Optional[_Iterable[str]] = ..., log_values: _Optional[_Iterable[float]] = ..., stop_training: _Optional[bool] = ..., chief_told: _Optional[bool] = ..., chief_live: _Optional[bool] = ...) -> None: ...
+
+class NamedArray(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PredictRequest(_message.Message):
+    __slots__ = ("inputs",)
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[NamedArray]
+    def __init__(self, inputs: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ...) -> None: ...
+
+class PredictReply(_message.Message):
+    __slots__ = ("outputs", "version", "export_id")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    outputs: NamedArray
+    version: int
+    export_id: str
+    def __init__(self, outputs: _Optional[_Union[NamedArray, _Mapping]] = ..., version: _Optional[int] = ..., export_id: _Optional[str] = ...) -> None: ...
+
+class ModelStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelStatusReply(_message.Message):
+    __slots__ = ("name", "version", "export_id", "deltas_applied", "deltas_refused", "last_refusal", "inputs")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LAST_REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    export_id: str
+    deltas_applied: int
+    deltas_refused: int
+    last_refusal: str
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., export_id: _Optional[str] = ..., deltas_applied: _Optional[int] = ..., deltas_refused: _Optional[int] = ..., last_refusal: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ...) -> None: ...

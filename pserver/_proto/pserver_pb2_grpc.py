@@ -700,3 +700,136 @@ class ParameterServer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PredictorStub:
+    """A prediction server (`pserver serve-model DIR`): a model file's predictions, answered from
+    one model version per request, which the reply names. It follows a training job by applying
+    the delta exports it is given (--follow): a delta is applied whole, between requests, or
+    refused (another model's, out of order, a file that fails its checksum) while the version
+    served stays. Errors: INVALID_ARGUMENT (an input missing, of the wrong dtype or shape, not
+    finite), UNAUTHENTICATED (the token).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Predict = channel.unary_unary(
+                '/pserver.v1.Predictor/Predict',
+                request_serializer=pserver__pb2.PredictRequest.SerializeToString,
+                response_deserializer=pserver__pb2.PredictReply.FromString,
+                _registered_method=True)
+        self.ModelStatus = channel.unary_unary(
+                '/pserver.v1.Predictor/ModelStatus',
+                request_serializer=pserver__pb2.ModelStatusRequest.SerializeToString,
+                response_deserializer=pserver__pb2.ModelStatusReply.FromString,
+                _registered_method=True)
+
+
+class PredictorServicer:
+    """A prediction server (`pserver serve-model DIR`): a model file's predictions, answered from
+    one model version per request, which the reply names. It follows a training job by applying
+    the delta exports it is given (--follow): a delta is applied whole, between requests, or
+    refused (another model's, out of order, a file that fails its checksum) while the version
+    served stays. Errors: INVALID_ARGUMENT (an input missing, of the wrong dtype or shape, not
+    finite), UNAUTHENTICATED (the token).
+    """
+
+    def Predict(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PredictorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Predict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Predict,
+                    request_deserializer=pserver__pb2.PredictRequest.FromString,
+                    response_serializer=pserver__pb2.PredictReply.SerializeToString,
+            ),
+            'ModelStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatus,
+                    request_deserializer=pserver__pb2.ModelStatusRequest.FromString,
+                    response_serializer=pserver__pb2.ModelStatusReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pserver.v1.Predictor', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pserver.v1.Predictor', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Predictor:
+    """A prediction server (`pserver serve-model DIR`): a model file's predictions, answered from
+    one model version per request, which the reply names. It follows a training job by applying
+    the delta exports it is given (--follow): a delta is applied whole, between requests, or
+    refused (another model's, out of order, a file that fails its checksum) while the version
+    served stays. Errors: INVALID_ARGUMENT (an input missing, of the wrong dtype or shape, not
+    finite), UNAUTHENTICATED (the token).
+    """
+
+    @staticmethod
+    def Predict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pserver.v1.Predictor/Predict',
+            pserver__pb2.PredictRequest.SerializeToString,
+            pserver__pb2.PredictReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pserver.v1.Predictor/ModelStatus',
+            pserver__pb2.ModelStatusRequest.SerializeToString,
+            pserver__pb2.ModelStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -113,6 +113,11 @@ class SparseProtocol:
         """The records a model with sparse tables takes: one field per input, by name."""
         return self.build()._sparse.record
 
+    def pack_records(self, x) -> np.ndarray:
+        """x (arrays by input name, a list in input order, or one array; lists of ids as Python
+        lists) as this model's records (a prediction server's request)."""
+        return self._pack_records(x)
+
     def _pack_records(self, x) -> np.ndarray:
         """Keras's x for a model with sparse tables (a dict of arrays by input name, a list in
         input order, or one array) as its records; records already are returned as they are."""

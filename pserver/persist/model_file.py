@@ -609,13 +609,15 @@ class SavedModel:
         """{"loss", "accuracy"} (and "auc" for a binary loss), or {"loss", "r2"}."""
         return self.model.evaluate(self.weights, x, y, batch_size=batch_size, **self._sparse())
 
-    def apply(self, delta: str) -> dict:
+    def apply(self, delta: str, exclusive=None) -> dict:
         """Bring this serving copy up to a delta written by `pserver export --since` of this
         model (or of the model its last applied delta made): changed rows overwrite in place,
         new ids go to an overlay, removed ids read their initial value again; the dense weights
         are replaced. Safe while other threads predict (MappedTable). A delta of another model,
         out of order, or with a file that fails its checksum or checks (read_tables,
-        removed_ids), is refused (DataError) and nothing changes. Returns its counts."""
+        removed_ids), is refused (DataError) and nothing changes. Returns its counts.
+        `exclusive`: a context manager held while the delta is committed (the files read, verified
+        and planned before it): a server's write lock, so that no request sees half a delta."""
         with self._applying:
             meta, arrays = read(delta)
             info = meta.get("delta")
@@ -639,11 +641,12 @@ class SavedModel:
                 removed = removed_ids(delta, entry, sums)
                 plans.append(t.prepare(np.asarray(part.ids), np.asarray(part.rows), removed))
                 counts[t.name] = {"changed": int(part.ids.shape[0]), "removed": int(removed.shape[0])}
-            for t, plan in zip(self.tables, plans):     # nothing changed before this point
-                t.commit(plan)
-            self.weights = weights
-            self.meta = {**self.meta, "export_id": meta["export_id"], "origin": meta.get("origin"),
-                         "trained": meta.get("trained")}
+            with exclusive if exclusive is not None else contextlib.nullcontext():
+                for t, plan in zip(self.tables, plans):     # nothing changed before this point
+                    t.commit(plan)
+                self.weights = weights
+                self.meta = {**self.meta, "export_id": meta["export_id"], "origin": meta.get("origin"),
+                             "trained": meta.get("trained")}
             return counts
 
     def compact(self, out: str | None = None) -> None:

@@ -1,0 +1,306 @@
+"""`pserver serve-model DIR`: a model file's predictions over gRPC (pserver.v1.Predictor) and
+HTTP/JSON (TensorFlow Serving's REST shape), with health, Prometheus metrics and the shards'
+token and TLS options, following a training job's delta exports.
+
+HTTP (on --http-port):
+    POST /v1/models/NAME:predict   {"instances": [...]} (one sample each: a value list, or an
+                                   object by input name) or {"inputs": {name: [...]}} (columns)
+                                   -> {"predictions": [[...], ...], "version": V, "export_id": ID}
+    GET  /v1/models/NAME           {"model_version_status": [{"version": "V", "state": "AVAILABLE", ...}]}
+    GET  /healthz                  200 "ok" once the model is loaded
+    GET  /metrics                  Prometheus: requests by protocol and outcome, latency histogram,
+                                   the version served, deltas applied and refused, rows in the tables
+A token (--auth-token, $PSERVER_AUTH_TOKEN) is asked of both: gRPC's metadata as the shards ask it,
+HTTP's `Authorization: Bearer TOKEN` (the health and metrics paths excepted, as probes call them).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pserver._proto import pserver_pb2 as pb
+from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.errors import DataError
+from pserver.serving.model import ServedModel
+from pserver.wire.security import add_port, check_tls_files, server_interceptors, token_matches
+
+MAX_BODY = 64 << 20            # an HTTP request's body: larger ones are refused (413)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class ServeModelConfig:
+    path: str                          # the model file (a directory for a model with sparse tables)
+    port: int = 8500                   # gRPC (TensorFlow Serving's default ports: 8500 gRPC, 8501 REST)
+    http_port: int = 8501              # -1: no HTTP
+    host: str = "127.0.0.1"
+    follow: str | None = None          # a directory of delta exports to apply as they appear
+    poll: float = 0.5                  # seconds between looks at --follow
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    threads: int = 8                   # gRPC worker threads
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self, served: ServedModel) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("pserver_serving_requests", "prediction requests", ["protocol", "outcome"],
+                                registry=r)
+        self.samples = Counter("pserver_serving_samples", "samples predicted", registry=r)
+        self.latency = Histogram("pserver_serving_latency_seconds",
+                                 "a prediction request's time in the server",
+                                 ["protocol"], buckets=LATENCY_BUCKETS, registry=r)
+        gauge = Gauge("pserver_serving_version", "the training version of the model served", registry=r)
+        gauge.set_function(lambda: served.version)
+        applied = Gauge("pserver_serving_deltas_applied", "deltas applied since the start", registry=r)
+        applied.set_function(lambda: served.applied)
+        refused = Gauge("pserver_serving_deltas_refused", "deltas refused since the start", registry=r)
+        refused.set_function(lambda: served.refused)
+        rows = Gauge("pserver_serving_rows",
+                     "rows a sparse table holds: the file's, plus the deltas' new ids, "
+                     "less those they removed", ["table"], registry=r)
+        for i, t in enumerate(served.saved.tables):
+            rows.labels(t.name).set_function(lambda i=i: _rows_held(served.saved.tables[i]))
+
+
+def _rows_held(t) -> int:
+    over_ids, _, tombs = t.extra
+    return int(t.ids.shape[0] + over_ids.shape[0] - tombs.shape[0])
+
+
+def to_array(a: pb.NamedArray) -> np.ndarray:
+    try:
+        dtype = np.dtype(a.dtype)
+    except TypeError:
+        raise ValueError(f"input {a.name!r}: dtype {a.dtype!r} is not a numpy dtype") from None
+    if dtype.kind not in "biuf":
+        raise ValueError(f"input {a.name!r}: dtype {a.dtype!r}; inputs are numbers")
+    shape = tuple(a.shape)
+    if any(d < 0 for d in shape) or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(a.data):
+        raise ValueError(f"input {a.name!r}: {len(a.data)} bytes do not hold {a.dtype} of shape {shape}")
+    return np.frombuffer(a.data, dtype.newbyteorder("<")).reshape(shape)
+
+
+def to_named(name: str, a: np.ndarray) -> pb.NamedArray:
+    a = np.ascontiguousarray(a)
+    return pb.NamedArray(name=name, dtype=a.dtype.name, shape=list(a.shape),
+                         data=a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+
+
+class Predictor(pb_grpc.PredictorServicer):
+    def __init__(self, served: ServedModel, metrics: Metrics) -> None:
+        self.served, self.metrics = served, metrics
+
+    def Predict(self, request, context):
+        started = time.perf_counter()
+        try:
+            inputs = {a.name: to_array(a) for a in request.inputs}
+            if len(inputs) != len(request.inputs):
+                raise ValueError("an input is given twice")
+            out, version, export_id = self.served.predict(inputs)
+        except ValueError as e:
+            self.metrics.requests.labels("grpc", "invalid").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, " ".join(str(e).split()))
+        self.metrics.requests.labels("grpc", "ok").inc()
+        self.metrics.samples.inc(len(out))
+        self.metrics.latency.labels("grpc").observe(time.perf_counter() - started)
+        return pb.PredictReply(outputs=to_named("outputs", out), version=version, export_id=export_id)
+
+    def ModelStatus(self, request, context):
+        return pb.ModelStatusReply(**self.served.status())
+
+
+def instances_to_inputs(body: dict, names: list[str]) -> dict:
+    """TensorFlow Serving's request body as arrays by input name: "instances" (row format: each a
+    value, or an object by input name) or "inputs" (column format: a value, or an object by name)."""
+    if not isinstance(body, dict) or ("instances" in body) == ("inputs" in body):
+        raise ValueError('the body is a JSON object with "instances" (a list of samples) or "inputs" '
+                         "(the inputs' columns)")
+    if "inputs" in body:
+        cols = body["inputs"]
+        cols = cols if isinstance(cols, dict) else {"": cols}
+        return {k: _array(v, k) for k, v in cols.items()}
+    rows = body["instances"]
+    if not isinstance(rows, list) or not rows:
+        raise ValueError('"instances" is a list of one or more samples')
+    if all(isinstance(r, dict) for r in rows):
+        keys = set(rows[0])
+        if any(set(r) != keys for r in rows):
+            raise ValueError('every instance names the same inputs')
+        return {k: _array([r[k] for r in rows], k) for k in rows[0]}
+    if any(isinstance(r, dict) for r in rows):
+        raise ValueError("instances are all objects (by input name) or all values")
+    return {"": _array(rows, "")}
+
+
+def _array(values, name: str) -> np.ndarray:
+    try:
+        a = np.asarray(values)
+    except ValueError:
+        raise ValueError(f"input {name or 'instances'!r}: a ragged list; give equal lengths") from None
+    if a.dtype == object or a.dtype.kind not in "biuf":
+        raise ValueError(f"input {name or 'instances'!r}: numbers expected")
+    return a.astype(np.float32) if a.dtype.kind == "f" else a.astype(np.int64)
+
+
+def http_handler(served: ServedModel, metrics: Metrics, token: str | None):
+    predict_path = f"/v1/models/{served.name}:predict"
+    status_path = f"/v1/models/{served.name}"
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):          # quiet: the metrics count the requests
+            pass
+
+        def _send(self, code: int, body: dict | str, kind: str = "application/json") -> None:
+            data = (body if isinstance(body, str) else json.dumps(body)).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _authorized(self) -> bool:
+            if token is None:
+                return True
+            given = self.headers.get("Authorization", "")
+            ok = given.startswith("Bearer ") and token_matches(given[7:].encode(), token.encode())
+            if not ok:
+                self._send(401, {"error": "UNAUTHENTICATED: give Authorization: Bearer TOKEN "
+                                          "(the server's --auth-token)"})
+            return ok
+
+        def do_GET(self):
+            if self.path == "/healthz":
+                return self._send(200, "ok\n", "text/plain")
+            if self.path == "/metrics":
+                return self._send(200, generate_latest(metrics.registry).decode(),
+                                  "text/plain; version=0.0.4")
+            if not self._authorized():
+                return None
+            if self.path == status_path:
+                s = served.status()
+                return self._send(200, {"model_version_status": [{
+                    "version": str(s["version"]), "state": "AVAILABLE", "export_id": s["export_id"],
+                    "deltas_applied": s["deltas_applied"], "deltas_refused": s["deltas_refused"],
+                    "last_refusal": s["last_refusal"], "status": {"error_code": "OK", "error_message": ""}}]})
+            return self._send(404, {"error": f"no such path {self.path!r}; POST {predict_path}"})
+
+        def do_POST(self):
+            started = time.perf_counter()
+            if not self._authorized():
+                metrics.requests.labels("http", "unauthenticated").inc()
+                return None
+            if self.path != predict_path:
+                metrics.requests.labels("http", "not_found").inc()
+                return self._send(404, {"error": f"no such path {self.path!r}; POST {predict_path}"})
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY:
+                metrics.requests.labels("http", "too_large").inc()
+                self.close_connection = True
+                return self._send(413, {"error": f"the body is {length} bytes; at most {MAX_BODY}"})
+            try:
+                body = json.loads(self.rfile.read(length) or b"null")
+                out, version, export_id = served.predict(instances_to_inputs(body, served.inputs))
+            except (ValueError, json.JSONDecodeError) as e:
+                metrics.requests.labels("http", "invalid").inc()
+                return self._send(400, {"error": " ".join(str(e).split())})
+            metrics.requests.labels("http", "ok").inc()
+            metrics.samples.inc(len(out))
+            self._send(200, {"predictions": out.tolist(), "version": version, "export_id": export_id})
+            metrics.latency.labels("http").observe(time.perf_counter() - started)
+            return None
+
+    return Handler
+
+
+class ModelServer:
+    """The running server: gRPC and HTTP front ends over one ServedModel, and the follower."""
+
+    def __init__(self, cfg: ServeModelConfig, say=print) -> None:
+        check_tls_files(cfg.tls_cert, cfg.tls_key)
+        self.cfg, self.say = cfg, say
+        self.served = ServedModel.load(cfg.path)
+        self.metrics = Metrics(self.served)
+        self.grpc = grpc.server(concurrent.futures.ThreadPoolExecutor(cfg.threads),
+                                interceptors=server_interceptors(cfg.auth_token))
+        pb_grpc.add_PredictorServicer_to_server(Predictor(self.served, self.metrics), self.grpc)
+        self.health = health.HealthServicer()        # grpc.health.v1, for probes: SERVING once loaded
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        for name in ("", "pserver.v1.Predictor"):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.port = add_port(self.grpc, f"{cfg.host}:{cfg.port}", cfg.tls_cert, cfg.tls_key)
+        self.http = None
+        if cfg.http_port >= 0:
+            self.http = ThreadingHTTPServer((cfg.host, cfg.http_port),
+                                            http_handler(self.served, self.metrics, cfg.auth_token))
+            self.http.daemon_threads = True
+        self.stop_event = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.server_address[1]
+
+    def start(self) -> ModelServer:
+        self.grpc.start()
+        if self.http is not None:
+            self._spawn(self.http.serve_forever, "http")
+        if self.cfg.follow:
+            self.served.follow_once(self.cfg.follow, self.say)        # what is there already
+            self._spawn(lambda: self.served.follow(self.cfg.follow, self.cfg.poll, self.stop_event, self.say),
+                        "follow")
+        http = f", HTTP on port {self.http_port}" if self.http is not None else ""
+        follow = f"; following {self.cfg.follow} every {self.cfg.poll:g} s" if self.cfg.follow else ""
+        self.say(f"pserver serve-model: {self.served.name} version {self.served.version} "
+                 f"({self.served.export_id}) from {self.cfg.path}: gRPC on port {self.port}{http}{follow}")
+        return self
+
+    def _spawn(self, target, name: str) -> None:
+        t = threading.Thread(target=target, name=f"serve-model-{name}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.stop_event.set()
+        self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+        self.grpc.stop(grace).wait()
+
+
+def serve_model(cfg: ServeModelConfig) -> int:
+    """Run until SIGTERM or SIGINT (pserver serve-model)."""
+    import signal
+    try:
+        server = ModelServer(cfg).start()
+    except DataError as e:
+        print(f"pserver serve-model: {e}", flush=True)
+        return 2
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop()
+    s = server.served.status()
+    print(f"pserver serve-model: stopped at version {s['version']}: {s['deltas_applied']} delta(s) applied, "
+          f"{s['deltas_refused']} refused", flush=True)
+    return 0
+
+
+__all__ = ["ModelServer", "ServeModelConfig", "instances_to_inputs", "serve_model", "to_array", "to_named"]

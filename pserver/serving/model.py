@@ -1,0 +1,255 @@
+"""The model a prediction server answers from: a model file, mapped (pserver.persist.model_file),
+brought up to date by delta exports while it serves, one version per request.
+
+    served = ServedModel.load("ctr-model")
+    out, version = served.predict({"dense": dense, "cat": cat})     # one version answers
+    served.apply("delta-1")                                         # between requests, whole
+
+Versions: a request reads under a shared lock, and a delta's commit (its rows written in place,
+the dense weights swapped, the version moved on) under the exclusive one, after its files were
+read, verified and planned outside it; so every request sees the model before a delta or after
+it, never a mix, and waits at most for one commit. A delta of another model, out of order, or
+whose files fail their checksums is refused (DataError) and the version served stays.
+
+`follow(directory)` applies the deltas that appear in a directory, in their chain's order (each
+delta names the export it was written since), polling; refusals are counted and the last one
+kept for ModelStatus and /metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+import numpy as np
+
+from pserver.errors import ConfigError, DataError
+from pserver.persist import model_file
+
+
+class VersionLock:
+    """Many readers or one writer; a waiting writer goes before new readers (so a delta's commit
+    is not starved by a steady stream of requests)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self._cond:
+            while self._writing or self._waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self._cond:
+            self._waiting += 1
+            while self._writing or self._readers:
+                self._cond.wait()
+            self._waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+class ServedModel:
+    """A SavedModel answering predictions by version, and taking deltas in while it does."""
+
+    def __init__(self, saved: model_file.SavedModel) -> None:
+        self.saved = saved
+        self.lock = VersionLock()
+        self.applied, self.refused, self.last_refusal = 0, 0, ""
+        self.rows_changed = 0
+        self.seen: dict[str, tuple] = {}          # delta path -> its files' signature when it was tried
+        self.looked: dict[str, tuple] = {}        # delta path -> its files' signature at the last look
+
+    @classmethod
+    def load(cls, path: str) -> ServedModel:
+        """The model file at `path` (safe mode: a file that names Python code is refused)."""
+        return cls(model_file.load(path))
+
+    @property
+    def name(self) -> str:
+        return self.saved.meta.get("name") or "model"
+
+    @property
+    def version(self) -> int:
+        origin = self.saved.meta.get("origin") or {}
+        return int(origin.get("version", 0) or 0)
+
+    @property
+    def export_id(self) -> str:
+        return str(self.saved.meta.get("export_id") or "")
+
+    @property
+    def inputs(self) -> list[str]:
+        """The model's input names, in order ("" for a model of one unnamed input)."""
+        keys = getattr(self.saved.model, "_keys", None)
+        return list(keys) if keys else [""]
+
+    def status(self) -> dict:
+        return {"name": self.name, "version": self.version, "export_id": self.export_id,
+                "deltas_applied": self.applied, "deltas_refused": self.refused,
+                "last_refusal": self.last_refusal, "inputs": self.inputs}
+
+    # -- predictions ---------------------------------------------------------------------------
+
+    def predict(self, inputs: dict) -> tuple[np.ndarray, int, str]:
+        """The model's outputs for `inputs` (arrays by input name; "" for a single unnamed
+        input), the version and the export id that answered: all three from one version.
+        ValueError naming the input for a bad one."""
+        x = self._x(inputs)
+        with self.lock.shared():
+            out = self.saved.predict(x)
+            return np.asarray(out), self.version, self.export_id
+
+    def _x(self, inputs: dict):
+        names = self.inputs
+        if len(names) == 1 and set(inputs) == {""}:     # one input: its name may be left out
+            inputs = {names[0]: inputs[""]}
+        missing = [n for n in names if n not in inputs]
+        extra = [n for n in inputs if n not in names]
+        if missing or extra:
+            raise ValueError(f"the model takes inputs {', '.join(map(repr, names))}; "
+                             + (f"missing {', '.join(map(repr, missing))}" if missing else "")
+                             + ("; " if missing and extra else "")
+                             + (f"unknown {', '.join(map(repr, extra))}" if extra else ""))
+        arrays = {n: np.asarray(inputs[n]) for n in names}
+        counts = {len(a) if a.ndim else -1 for a in arrays.values()}
+        if len(counts) != 1 or -1 in counts or 0 in counts:
+            raise ValueError("every input holds the same number (>= 1) of samples, the samples first; got "
+                             + ", ".join(f"{n or 'x'} {a.shape}" for n, a in arrays.items()))
+        for n, a in arrays.items():
+            if a.dtype.kind == "f" and not np.isfinite(a).all():
+                raise ValueError(f"input {n or 'x'!r} holds values that are not finite")
+            if a.dtype.kind not in "biuf":
+                raise ValueError(f"input {n or 'x'!r} holds {a.dtype}; inputs are numbers")
+        model = self.saved.model
+        if names == [""]:
+            return arrays[""]
+        if getattr(model, "sparse_tables", None):
+            return model.pack_records(arrays)
+        return arrays
+
+    # -- deltas --------------------------------------------------------------------------------
+
+    def apply(self, delta: str) -> dict:
+        """Take in one delta (SavedModel.apply), its commit under the exclusive lock. DataError
+        (and the version served unchanged) for a delta that does not follow this model."""
+        try:
+            counts = self.saved.apply(delta, exclusive=self.lock.exclusive())
+        except (DataError, ConfigError, OSError) as e:
+            self.refused += 1
+            self.last_refusal = f"{delta}: {' '.join(str(e).split())}"
+            raise DataError(self.last_refusal) from None
+        self.applied += 1
+        self.rows_changed += sum(c["changed"] for c in counts.values())
+        return counts
+
+    def pending(self, directory: str) -> list[str]:
+        """The deltas in `directory` to try now, oldest first: each settled (its files the same
+        as at the last look: a delta being copied in is left until it is whole) and not tried
+        yet as it is (a refused one is tried again once its files change). The chain's order is
+        follow_once's."""
+        try:
+            names = os.listdir(directory)
+        except OSError as e:
+            raise DataError(f"--follow {directory}: cannot list it ({e.strerror})") from None
+        found = []
+        for name in names:
+            path = os.path.join(directory, name)
+            if name.startswith(".") or ".tmp" in name or not os.path.isdir(path):
+                continue                 # a delta still being written is PATH.PID.tmp, renamed at the end
+            sig = _signature(path)
+            settled, self.looked[path] = self.looked.get(path) == sig, sig
+            if settled and sig is not None and self.seen.get(path) != sig:
+                found.append((sig[1], path))
+        return [p for _, p in sorted(found)]
+
+    def follow_once(self, directory: str, say=print) -> int:
+        """Apply what `directory` holds that follows this model, in the chain's order; returns
+        how many were applied. A delta that does not follow (yet) is retried next round while
+        a later one may make it apply; one that failed its checks is refused and said once."""
+        candidates, tried = self.pending(directory), set()     # settled at this look: once per round
+        applied, progress = 0, True
+        while progress:                  # until no candidate follows the model any more
+            progress = False
+            for path in candidates:
+                base = _base_of(path)
+                if path in tried or base is not None and base != self.export_id:
+                    continue             # not this model's next delta (or not yet): left for later
+                tried.add(path)
+                self.seen[path] = self.looked[path]
+                try:
+                    counts = self.apply(path)
+                except DataError as e:
+                    say(f"pserver serve-model: refused {e}; still serving version {self.version}")
+                    continue
+                applied += 1
+                progress = True
+                rows = ", ".join(f"{t} {c['changed']} rows" for t, c in counts.items()) or "dense weights"
+                say(f"pserver serve-model: applied {os.path.basename(path)}: version {self.version} ({rows})")
+        return applied
+
+    def follow(self, directory: str, poll: float, stop: threading.Event, say=print) -> None:
+        """follow_once every `poll` seconds until `stop` is set."""
+        while not stop.is_set():
+            try:
+                self.follow_once(directory, say)
+            except DataError as e:
+                say(f"pserver serve-model: {e}")
+            stop.wait(poll)
+
+
+def _signature(path: str) -> tuple | None:
+    """A delta directory's files as a change shows: (their count, newest mtime, total bytes)."""
+    count, newest, total = 0, 0, 0
+    try:
+        for root, _, files in os.walk(path):
+            for f in files:
+                st = os.stat(os.path.join(root, f))
+                count, newest, total = count + 1, max(newest, st.st_mtime_ns), total + st.st_size
+    except OSError:
+        return None                    # moved or removed while looked at: next time
+    return count, newest, total
+
+
+def _base_of(path: str) -> str | None:
+    """The export id a delta was written since, from its JSON (None: unreadable, which apply
+    then refuses with the reason)."""
+    try:
+        meta, _ = model_file.read(path)
+    except Exception:           # noqa: BLE001 - any unreadable file: apply says why
+        return None
+    info = meta.get("delta")
+    return info.get("base_id") if isinstance(info, dict) else None
+
+
+def wait_for(predicate, timeout: float, poll: float = 0.01) -> bool:
+    """Poll `predicate` until true or `timeout` seconds (tests and the bench)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return predicate()
+
+
+__all__ = ["ServedModel", "VersionLock", "wait_for"]

@@ -1,0 +1,256 @@
+"""The prediction server (pserver.serving, issue 51): real gRPC and HTTP clients against a real
+server over a model file and its deltas. It answers as the model file predicts, names the
+version that answered, follows a directory of deltas in their chain's order, refuses a corrupt
+or out-of-order delta and keeps serving, and no answer mixes two versions while deltas apply."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pserver import load_model
+from pserver._proto import pserver_pb2 as pb
+from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.serving import ModelServer, ServeModelConfig
+from pserver.serving.app import to_array, to_named
+from pserver.serving.model import wait_for
+from tests.support.processes import env_with
+from tests.support.serving import chain, records
+
+TOKEN = "s3cret-token-for-serving-tests"
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A base export and 3 chained deltas, and an empty directory to follow."""
+    base, deltas = chain(str(tmp_path), np.random.default_rng(0), 3)
+    follow = tmp_path / "follow"
+    follow.mkdir()
+    return base, deltas, str(follow)
+
+
+def start(base, **options) -> ModelServer:
+    return ModelServer(ServeModelConfig(base, port=0, http_port=0, **options), say=lambda *_: None).start()
+
+
+def grpc_predict(server: ModelServer, x, token=None):
+    stub = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    r = stub.Predict(pb.PredictRequest(inputs=[to_named("dense", x["dense"]), to_named("cat", x["cat"])]),
+                     metadata=metadata, timeout=30)
+    return to_array(r.outputs), r.version, r.export_id
+
+
+def http(server: ModelServer, path: str, body=None, token=None):
+    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}",
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 method="GET" if body is None else "POST")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_grpc_and_http_answer_as_the_model_file_predicts_and_name_the_version(files):
+    base, _, _ = files
+    x = records(7, np.random.default_rng(1))
+    want = load_model(base).predict(x)
+    server = start(base)
+    try:
+        out, version, export_id = grpc_predict(server, x)
+        assert out.tobytes() == want.tobytes() and version == 10 and export_id == server.served.export_id
+        rows = [{"dense": x["dense"][i].tolist(), "cat": x["cat"][i].tolist()} for i in range(7)]
+        code, text = http(server, "/v1/models/wide_deep:predict", {"instances": rows})
+        assert code == 200, text
+        body = json.loads(text)
+        np.testing.assert_array_equal(np.array(body["predictions"], np.float32), want)
+        assert body["version"] == 10
+        code, text = http(server, "/v1/models/wide_deep:predict",
+                          {"inputs": {"dense": x["dense"].tolist(), "cat": x["cat"].tolist()}})
+        np.testing.assert_array_equal(np.array(json.loads(text)["predictions"], np.float32), want)
+        code, text = http(server, "/v1/models/wide_deep")
+        assert code == 200 and json.loads(text)["model_version_status"][0]["version"] == "10"
+        assert http(server, "/healthz") == (200, "ok\n")
+        metrics = http(server, "/metrics")[1]
+        assert 'pserver_serving_requests_total{outcome="ok",protocol="grpc"} 1.0' in metrics
+        assert 'pserver_serving_requests_total{outcome="ok",protocol="http"} 2.0' in metrics
+        assert "pserver_serving_version 10.0" in metrics
+        assert 'pserver_serving_rows{table="linear"} 40.0' in metrics
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("inputs, match", [
+    ({"dense": np.zeros((2, 3), np.float32)}, "missing 'cat'"),
+    ({"dense": np.zeros((2, 3), np.float32), "cat": np.zeros((3, 4), np.int64)}, "the same number"),
+    ({"dense": np.full((2, 3), np.nan, np.float32), "cat": np.zeros((2, 4), np.int64)}, "not finite"),
+    ({"dense": np.zeros((2, 5), np.float32), "cat": np.zeros((2, 4), np.int64)}, "input 'dense'"),
+    ({"dense": np.zeros((2, 3), np.float32), "cat": np.zeros((2, 4), np.int64),
+      "extra": np.zeros(2, np.int64)}, "unknown 'extra'"),
+])
+def test_a_bad_request_is_invalid_argument_naming_the_input_and_changes_nothing(files, inputs, match):
+    base, _, _ = files
+    server = start(base)
+    try:
+        stub = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Predict(pb.PredictRequest(inputs=[to_named(k, v) for k, v in inputs.items()]), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in err.value.details()
+        code, text = http(server, "/v1/models/wide_deep:predict",
+                          {"inputs": {k: np.nan_to_num(v, nan=0).tolist() for k, v in inputs.items()}}
+                          if "not finite" not in match else {"instances": [[1, 2], [3]]})
+        assert code == 400 and "error" in json.loads(text)
+        x = records(3, np.random.default_rng(2))
+        assert grpc_predict(server, x)[0].tobytes() == load_model(base).predict(x).tobytes()
+    finally:
+        server.stop()
+
+
+def test_a_token_is_asked_of_both_protocols_but_not_of_the_probes(files):
+    base, _, _ = files
+    server = start(base, auth_token=TOKEN)
+    x = records(2, np.random.default_rng(3))
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_predict(server, x)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert grpc_predict(server, x, TOKEN)[1] == 10
+        body = {"inputs": {"dense": x["dense"].tolist(), "cat": x["cat"].tolist()}}
+        assert http(server, "/v1/models/wide_deep:predict", body)[0] == 401
+        assert http(server, "/v1/models/wide_deep:predict", body, token="wrong")[0] == 401
+        assert http(server, "/v1/models/wide_deep:predict", body, token=TOKEN)[0] == 200
+        assert http(server, "/healthz")[0] == 200 and http(server, "/metrics")[0] == 200
+        probe = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+        answer = probe.Check(health_pb2.HealthCheckRequest(service="pserver.v1.Predictor"), timeout=30)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop()
+
+
+def test_it_follows_deltas_in_their_chains_order_and_refuses_a_corrupt_one(files):
+    """Delta 2 arrives before delta 1: it waits, then both apply in order. A copy of delta 3
+    with a damaged file is refused, counted and named, the version served stays and it still
+    answers; the intact delta 3 then applies. Each version answers as the model file with the
+    same deltas applied (load_model + apply)."""
+    base, deltas, follow = files
+    x = records(9, np.random.default_rng(4))
+    expect = load_model(base)
+    wants = [expect.predict(x)]
+    for d in deltas:
+        expect.apply(d)
+        wants.append(expect.predict(x))
+    server = start(base, follow=follow, poll=0.05)
+    try:
+        shutil.copytree(deltas[1], os.path.join(follow, "delta-2"))
+        assert not wait_for(lambda: server.served.version != 10, 0.5)      # out of order: waits
+        shutil.copytree(deltas[0], os.path.join(follow, "delta-1"))
+        assert wait_for(lambda: server.served.version == 30, 10), server.served.status()
+        out, version, _ = grpc_predict(server, x)
+        assert version == 30 and out.tobytes() == wants[2].tobytes()
+        bad = os.path.join(follow, "delta-3-bad")
+        shutil.copytree(deltas[2], bad)
+        with open(os.path.join(bad, "tables", "linear.rows.npy"), "r+b") as f:
+            f.seek(-4, os.SEEK_END)
+            f.write(b"\x00\x00\x80\x7f")
+        assert wait_for(lambda: server.served.refused == 1, 10), server.served.status()
+        assert "delta-3-bad" in server.served.last_refusal and server.served.version == 30
+        assert grpc_predict(server, x)[0].tobytes() == wants[2].tobytes()
+        shutil.copytree(deltas[2], os.path.join(follow, "delta-3"))
+        assert wait_for(lambda: server.served.version == 40, 10), server.served.status()
+        assert grpc_predict(server, x)[0].tobytes() == wants[3].tobytes()
+        status = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{server.port}")).ModelStatus(
+            pb.ModelStatusRequest(), timeout=30)
+        assert (status.version, status.deltas_applied, status.deltas_refused) == (40, 3, 1)
+    finally:
+        server.stop()
+
+
+def test_no_answer_mixes_two_versions_while_deltas_apply(files):
+    """Clients predict without pause while the three deltas apply: every answer equals exactly
+    the prediction of the version it names (a request that read some rows of the old version
+    and some of the new, or the new rows with the old dense weights, matches neither)."""
+    base, deltas, _ = files
+    x = records(64, np.random.default_rng(5))
+    expect = load_model(base)
+    wants = {10: expect.predict(x).tobytes()}
+    for k, d in enumerate(deltas):
+        expect.apply(d)
+        wants[10 * (k + 2)] = expect.predict(x).tobytes()
+    server = start(base)
+    seen, bad, stop = [], [], threading.Event()
+
+    def client():
+        stub = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+        req = pb.PredictRequest(inputs=[to_named("dense", x["dense"]), to_named("cat", x["cat"])])
+        while not stop.is_set():
+            r = stub.Predict(req, timeout=30)
+            seen.append(r.version)
+            if to_array(r.outputs).tobytes() != wants[r.version]:
+                bad.append(r.version)
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for d in deltas:
+            wait_for(lambda: len(seen) > 20, 10)
+            seen_before = len(seen)
+            server.served.apply(d)
+            wait_for(lambda n=seen_before: len(seen) > n + 20, 10)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        server.stop()
+    assert not bad, bad
+    assert set(seen) == {10, 20, 30, 40}, sorted(set(seen))
+
+
+@pytest.mark.e2e
+def test_the_command_serves_follows_and_stops_on_sigterm(files, tmp_path):
+    base, deltas, follow = files
+    proc = subprocess.Popen([sys.executable, "-m", "pserver", "serve-model", base, "--port", "0",
+                             "--http-port", "0", "--follow", follow, "--poll", "0.05"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env_with({}))
+    try:
+        first = proc.stdout.readline()
+        assert "gRPC on port" in first, first
+        grpc_port = int(first.split("gRPC on port ")[1].split(",")[0])
+        http_port = int(first.split("HTTP on port ")[1].split(";")[0])
+        shutil.copytree(deltas[0], os.path.join(follow, "delta-1"))
+        line = proc.stdout.readline()
+        assert "applied delta-1: version 20" in line, line
+        stub = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+        x = records(4, np.random.default_rng(6))
+        r = stub.Predict(pb.PredictRequest(inputs=[to_named("dense", x["dense"]), to_named("cat", x["cat"])]),
+                         timeout=30)
+        assert r.version == 20
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=30) as h:
+            assert h.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "stopped at version 20: 1 delta(s) applied, 0 refused" in out, out
+
+
+def test_a_missing_model_file_is_one_line_and_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pserver", "serve-model", str(tmp_path / "none"),
+                        "--port", "0"],
+                       capture_output=True, text=True, timeout=120, env=env_with({}))
+    assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout, r.stdout + r.stderr
