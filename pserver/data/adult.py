@@ -84,11 +84,10 @@ def _column(field: str, values: list) -> np.ndarray:
     if field in NUMERIC:
         return np.array(values, np.int64)
     ids = dict(_LABELS) if field == LABEL else {v: i for i, v in enumerate(VOCABULARIES[field])}
-    try:
-        return np.array([ids[v] for v in values], np.int64)
-    except KeyError as e:
-        raise DataError(f"{NAME}: {field} holds {e.args[0]!r}, which is not in its vocabulary "
-                        f"{sorted(ids)}") from None
+    unknown = [v for v in values if v not in ids]
+    if unknown:
+        raise DataError(f"{NAME}: {field} holds {unknown[0]!r}, which is not in its vocabulary {sorted(ids)}")
+    return np.array([ids[v] for v in values], np.int64)
 
 
 __all__ = ["CATEGORICAL", "FIELDS", "LABEL", "NUMERIC", "TEST_ROWS", "TRAIN_ROWS", "VOCABULARIES", "load"]
