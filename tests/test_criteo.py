@@ -26,7 +26,7 @@ from pserver.data.criteo import (
 )
 from pserver.errors import ConfigError, DataError
 from pserver.models.metrics import auc
-from tests.support.criteo import line, write
+from tests.support.criteo import assert_parsed_as_the_twin, line, write
 from tests.support.twins import splitmix64_python
 
 MASK64 = (1 << 64) - 1
@@ -107,18 +107,7 @@ def test_the_numba_parser_agrees_with_the_python_twin(texts, final_newline):
     # newline before it, as a file of one line fewer would (found by hypothesis in a fresh run).
     assume(final_newline or texts[-1] != "")
     data = "\n".join(texts) + ("\n" if final_newline else "")
-    block = parse_block(np.frombuffer(data.encode(), np.uint8), 0)
-    assert len(block.ok) == len(texts)
-    for k, text in enumerate(texts):
-        try:
-            label, dense, cat = parse_line_python(text)
-        except DataError:
-            assert not block.ok[k], text
-            continue
-        assert block.ok[k], text
-        assert block.labels[k] == label
-        np.testing.assert_array_equal(block.x["dense"][k], dense)
-        np.testing.assert_array_equal(block.x["cat"][k], cat)
+    assert_parsed_as_the_twin(parse_block(np.frombuffer(data.encode(), np.uint8), 0), texts)
 
 
 @pytest.mark.parametrize("gz", [False, True])

@@ -65,17 +65,12 @@ class Embedding(Layer):
         if combiner is not None and combiner not in COMBINERS:
             raise ConfigError(f"Embedding: combiner must be one of {', '.join(COMBINERS)} (or None: one "
                               f"vector per id), got {combiner!r}")
-        if not isinstance(mask_zero, bool):
-            raise ConfigError(f"Embedding: mask_zero must be True or False, got {mask_zero!r}")
-        if padding_id is not None and (isinstance(padding_id, bool) or not isinstance(padding_id, int)
-                                       or mask_zero and padding_id != 0):
-            raise ConfigError(f"Embedding: padding_id must be an integer id (0 with mask_zero=True), got "
-                              f"{padding_id!r}")
+        padding = list_padding("Embedding", mask_zero, padding_id)
         if table is not None and (not self.sparse or not isinstance(table, str) or not table):
             raise ConfigError(f"Embedding: table={table!r} names a sparse table (sparse=True) to share with "
                               "other sparse Embeddings: a non-empty string")
         self.mask_zero, self.combiner, self.table = mask_zero, combiner, table
-        self.padding = 0 if mask_zero else padding_id       # the id that pads a list (None: none does)
+        self.padding = padding                              # the id that pads a list (None: none does)
         self.embeddings_initializer = initializers.get(embeddings_initializer,
                                                        "Embedding: embeddings_initializer")
         self.embeddings_regularizer = regularizers.get(embeddings_regularizer,
@@ -196,6 +191,18 @@ class Embedding(Layer):
         else:
             ids, dout = _as_lists(ids, dout)
             k.embedding_backward(ids, dout, g["embeddings"])
+
+
+def list_padding(owner: str, mask_zero, padding_id) -> int | None:
+    """The id that pads a list, from Keras's mask_zero (id 0) or padding_id (None: no padding);
+    ConfigError naming `owner` for a bad pair."""
+    if not isinstance(mask_zero, bool):
+        raise ConfigError(f"{owner}: mask_zero must be True or False, got {mask_zero!r}")
+    if padding_id is not None and (isinstance(padding_id, bool) or not isinstance(padding_id, int)
+                                   or mask_zero and padding_id != 0):
+        raise ConfigError(f"{owner}: padding_id must be an integer id (0 with mask_zero=True), got "
+                          f"{padding_id!r}")
+    return 0 if mask_zero else padding_id
 
 
 def _as_lists(ids, y):

@@ -36,6 +36,7 @@ import numpy as np
 from pserver.errors import ConfigError
 from pserver.layers import activations, initializers
 from pserver.layers.base import positive_int
+from pserver.layers.embedding import list_padding
 from pserver.layers.traced import TracedLayer
 from pserver.ops import add, expand_dims, matmul, multiply, not_equal, reshape, softmax, subtract, where
 from pserver.ops.core import Symbolic
@@ -67,14 +68,8 @@ class DINAttention(TracedLayer):
         if normalize not in NORMALIZATIONS:
             raise ConfigError(f"{owner}: normalize must be None (DIN's weights as they are) or 'softmax', "
                               f"got {normalize!r}")
-        if not isinstance(mask_zero, bool):
-            raise ConfigError(f"{owner}: mask_zero must be True or False, got {mask_zero!r}")
-        if padding_id is not None and (isinstance(padding_id, bool) or not isinstance(padding_id, int)
-                                       or mask_zero and padding_id != 0):
-            raise ConfigError(f"{owner}: padding_id must be an integer id (0 with mask_zero=True), got "
-                              f"{padding_id!r}")
+        self.padding = list_padding(owner, mask_zero, padding_id)   # the id that pads the list (None: none)
         self.normalize, self.mask_zero = normalize, mask_zero
-        self.padding = 0 if mask_zero else padding_id     # the id that pads the list (None: none does)
         self.kernel_initializer = initializers.get(kernel_initializer, f"{owner}: kernel_initializer")
         self.bias_initializer = initializers.get(bias_initializer, f"{owner}: bias_initializer")
 
