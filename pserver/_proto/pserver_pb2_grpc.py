@@ -739,13 +739,15 @@ class PredictorServicer:
     """
 
     def Predict(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The model's outputs for the inputs, from one model version, which the reply names.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ModelStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The version served, the deltas applied and refused (and why the last was), the inputs.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
