@@ -254,3 +254,33 @@ def test_a_missing_model_file_is_one_line_and_exit_2(tmp_path):
                         "--port", "0"],
                        capture_output=True, text=True, timeout=120, env=env_with({}))
     assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.e2e
+def test_a_server_killed_by_sigkill_comes_back_at_the_version_its_deltas_make(files):
+    """kill -9 mid-follow, then the same command again: it loads the model file and applies the
+    deltas in the directory from the start of their chain, so it answers at the newest version
+    (its state is the files, nothing of its own to lose)."""
+    base, deltas, follow = files
+    for k, d in enumerate(deltas):
+        shutil.copytree(d, os.path.join(follow, f"delta-{k + 1}"))
+    cmd = [sys.executable, "-m", "pserver", "serve-model", base, "--port", "0", "--http-port", "-1",
+           "--follow", follow, "--poll", "0.05"]
+    x = records(5, np.random.default_rng(7))
+    expect = load_model(base)
+    for d in deltas:
+        expect.apply(d)
+    for attempt in range(2):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env_with({}))
+        try:
+            port = int(proc.stdout.readline().split("gRPC on port ")[1].split(";")[0].split(",")[0])
+            applied = [proc.stdout.readline() for _ in deltas]
+            assert "version 40" in applied[-1], applied
+            stub = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+            request = pb.PredictRequest(inputs=[to_named("dense", x["dense"]), to_named("cat", x["cat"])])
+            r = stub.Predict(request, timeout=30)
+            assert r.version == 40 and to_array(r.outputs).tobytes() == expect.predict(x).tobytes()
+        finally:
+            proc.send_signal(signal.SIGKILL if attempt == 0 else signal.SIGTERM)
+            proc.communicate(timeout=60)
