@@ -284,3 +284,31 @@ def test_a_server_killed_by_sigkill_comes_back_at_the_version_its_deltas_make(fi
         finally:
             proc.send_signal(signal.SIGKILL if attempt == 0 else signal.SIGTERM)
             proc.communicate(timeout=60)
+
+
+def test_with_a_certificate_both_protocols_speak_tls(files, tmp_path):
+    """Catches a token sent in the clear: HTTP is HTTPS too when the server has a certificate."""
+    import ssl
+
+    from tests.support.certs import make_certs
+    base, _, _ = files
+    certs = make_certs(tmp_path)
+    server = start(base, auth_token=TOKEN, tls_cert=str(certs.cert), tls_key=str(certs.key))
+    x = records(2, np.random.default_rng(8))
+    try:
+        channel = grpc.secure_channel(f"localhost:{server.port}",
+                                      grpc.ssl_channel_credentials(certs.ca.read_bytes()))
+        stub = pb_grpc.PredictorStub(channel)
+        request = pb.PredictRequest(inputs=[to_named("dense", x["dense"]), to_named("cat", x["cat"])])
+        answer = stub.Predict(request, metadata=[("authorization", f"Bearer {TOKEN}")], timeout=30)
+        assert answer.version == 10
+        body = json.dumps({"inputs": {"dense": x["dense"].tolist(), "cat": x["cat"].tolist()}}).encode()
+        req = urllib.request.Request(f"https://localhost:{server.http_port}/v1/models/wide_deep:predict",
+                                     data=body, method="POST", headers={"Authorization": f"Bearer {TOKEN}"})
+        context = ssl.create_default_context(cafile=str(certs.ca))
+        with urllib.request.urlopen(req, timeout=30, context=context) as r:
+            assert json.loads(r.read())["version"] == 10
+        with pytest.raises((urllib.error.URLError, ConnectionError)):      # plain HTTP is not answered
+            urllib.request.urlopen(f"http://localhost:{server.http_port}/healthz", timeout=5)
+    finally:
+        server.stop()

@@ -12,12 +12,14 @@ HTTP (on --http-port):
                                    the version served, deltas applied and refused, rows in the tables
 A token (--auth-token, $PSERVER_AUTH_TOKEN) is asked of both: gRPC's metadata as the shards ask it,
 HTTP's `Authorization: Bearer TOKEN` (the health and metrics paths excepted, as probes call them).
+With --tls-cert and --tls-key both speak TLS (HTTPS) with that certificate.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -249,6 +251,13 @@ class ModelServer:
             self.http = ThreadingHTTPServer((cfg.host, cfg.http_port),
                                             http_handler(self.served, self.metrics, cfg.auth_token))
             self.http.daemon_threads = True
+            if cfg.tls_cert:                 # HTTPS with the same certificate as gRPC
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+                # the handshake in each request's thread, not in the accepting one: a client that
+                # stalls it holds its own thread only
+                self.http.socket = context.wrap_socket(self.http.socket, server_side=True,
+                                                       do_handshake_on_connect=False)
         self.stop_event = threading.Event()
         self._threads: list[threading.Thread] = []
 
