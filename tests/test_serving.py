@@ -121,6 +121,31 @@ def test_a_bad_request_is_invalid_argument_naming_the_input_and_changes_nothing(
         server.stop()
 
 
+def test_a_hostile_http_request_gets_an_answer_and_the_server_keeps_answering(files):
+    """A negative or unreadable Content-Length (read as "until the end": a handler stuck), a body
+    over the limit, a body that is not JSON, an unknown path: each a 4xx at once."""
+    import socket
+    base, _, _ = files
+    server = start(base)
+    try:
+        for length in ("-1", "abc", str(1 << 30)):
+            with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as s:
+                s.sendall(f"POST /v1/models/wide_deep:predict HTTP/1.1\r\nHost: x\r\n"
+                          f"Content-Length: {length}\r\n\r\n".encode())
+                status = s.recv(100).split(b"\r\n")[0]
+            assert status in (b"HTTP/1.1 400 Bad Request", b"HTTP/1.1 413 Request Entity Too Large"), status
+        req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/models/wide_deep:predict",
+                                     data=b"{not json", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 400
+        assert http(server, "/v1/models/other:predict", {"instances": [[1]]})[0] == 404
+        x = records(2, np.random.default_rng(9))
+        assert grpc_predict(server, x)[1] == 10
+    finally:
+        server.stop()
+
+
 def test_a_token_is_asked_of_both_protocols_but_not_of_the_probes(files):
     base, _, _ = files
     server = start(base, auth_token=TOKEN)

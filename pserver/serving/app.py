@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import ssl
 import threading
 import time
@@ -91,7 +92,7 @@ def to_array(a: pb.NamedArray) -> np.ndarray:
     if dtype.kind not in "biuf":
         raise ValueError(f"input {a.name!r}: dtype {a.dtype!r}; inputs are numbers")
     shape = tuple(a.shape)
-    if any(d < 0 for d in shape) or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(a.data):
+    if any(d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != len(a.data):
         raise ValueError(f"input {a.name!r}: {len(a.data)} bytes do not hold {a.dtype} of shape {shape}")
     return np.frombuffer(a.data, dtype.newbyteorder("<")).reshape(shape)
 
@@ -210,7 +211,14 @@ def http_handler(served: ServedModel, metrics: Metrics, token: str | None):
             if self.path != predict_path:
                 metrics.requests.labels("http", "not_found").inc()
                 return self._send(404, {"error": f"no such path {self.path!r}; POST {predict_path}"})
-            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if length < 0:
+                metrics.requests.labels("http", "invalid").inc()
+                self.close_connection = True
+                return self._send(400, {"error": "Content-Length must be the body's size in bytes"})
             if length > MAX_BODY:
                 metrics.requests.labels("http", "too_large").inc()
                 self.close_connection = True
