@@ -38,6 +38,7 @@ from pserver.serving.model import ServedModel
 from pserver.wire.security import add_port, check_tls_files, server_interceptors, token_matches
 
 MAX_BODY = 64 << 20            # an HTTP request's body: larger ones are refused (413)
+IDLE_SECONDS = 60              # an HTTP connection that sends nothing this long is closed
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -165,6 +166,7 @@ def http_handler(served: ServedModel, metrics: Metrics, token: str | None):
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = IDLE_SECONDS             # a connection silent this long is closed (its thread freed)
 
         def log_message(self, *args):          # quiet: the metrics count the requests
             pass
