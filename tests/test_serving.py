@@ -337,3 +337,22 @@ def test_with_a_certificate_both_protocols_speak_tls(files, tmp_path):
             urllib.request.urlopen(f"http://localhost:{server.http_port}/healthz", timeout=5)
     finally:
         server.stop()
+
+
+def test_a_keras_models_answers_are_what_its_predict_gives(tmp_path):
+    """A softmax last layer computes logits (its loss takes them): the server answers the
+    probabilities, as Keras's predict and TensorFlow Serving do (a CTR model's logit stays one)."""
+    from pserver import keras
+    x = np.random.default_rng(0).standard_normal((200, 5)).astype("float32")
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, (x[:, 0] > 0).astype("int64"), epochs=1, batch_size=50, verbose=0)
+    model.save(tmp_path / "m.keras")
+    server = start(str(tmp_path / "m.keras"))
+    try:
+        code, text = http(server, f"/v1/models/{server.served.name}:predict", {"instances": x[:4].tolist()})
+        got = np.array(json.loads(text)["predictions"], np.float32)
+        np.testing.assert_allclose(got, model.predict(x[:4], verbose=0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got.sum(axis=1), 1, rtol=1e-5)
+    finally:
+        server.stop()

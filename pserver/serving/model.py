@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from pserver.errors import ConfigError, DataError
+from pserver.layers.activations import probabilities
 from pserver.persist import model_file
 
 
@@ -117,8 +118,14 @@ class ServedModel:
         ValueError naming the input for a bad one."""
         x = self._x(inputs)
         with self.lock.shared():
-            out = self.saved.predict(x)
-            return np.asarray(out), self.version, self.export_id
+            out, version, export_id = np.asarray(self.saved.predict(x)), self.version, self.export_id
+        # As Keras's predict and TensorFlow Serving: what the model states, probabilities after a
+        # softmax or sigmoid last layer (which computes logits for its loss); a logit stays one
+        model = self.saved.model
+        kind = None if getattr(model, "several", False) else getattr(model, "output_activation", None)
+        if kind:
+            out = probabilities(kind, out.astype(np.float32, copy=True))
+        return out, version, export_id
 
     def _x(self, inputs: dict):
         names = self.inputs
