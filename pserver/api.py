@@ -61,8 +61,9 @@ def serve(*, port: int = 0, host: str = "127.0.0.1", **options) -> Server:
 
 
 def serve_model(path: str, *, port: int = 8500, http_port: int = 8501, host: str = "127.0.0.1",
-                follow: str | None = None, poll: float = 0.5, threads: int = 8, auth_token: str | None = None,
-                tls_cert: str | None = None, tls_key: str | None = None, block: bool = True):
+                follow: str | None = None, poll: float = 0.5, threads: int = 8, compact_every: int = 0,
+                auth_token: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                block: bool = True):
     """`pserver serve-model`: answer the model file's predictions (gRPC and HTTP), following the
     delta exports in `follow`. block=True runs until SIGTERM or SIGINT and returns the exit code;
     block=False returns the started pserver.serving.ModelServer (its .port, .http_port, .served,
@@ -70,7 +71,8 @@ def serve_model(path: str, *, port: int = 8500, http_port: int = 8501, host: str
     from pserver.serving import ModelServer, ServeModelConfig
     from pserver.serving import serve_model as run_server
     cfg = ServeModelConfig(path, port=port, http_port=http_port, host=host, follow=follow, poll=poll,
-                           threads=threads, auth_token=auth_token, tls_cert=tls_cert, tls_key=tls_key)
+                           threads=threads, compact_every=compact_every, auth_token=auth_token,
+                           tls_cert=tls_cert, tls_key=tls_key)
     return run_server(cfg) if block else ModelServer(cfg).start()
 
 

@@ -557,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--poll", type=float, default=0.5, metavar="S", help="seconds between looks at --follow "
                                                                          "(default 0.5)")
     sm.add_argument("--threads", type=int, default=8, help="gRPC worker threads (default 8)")
+    sm.add_argument("--compact-every", type=int, default=0, metavar="N",
+                    help="rewrite MODEL with the deltas applied after every N of them (atomically; memory "
+                         "then stops growing with them, and a restart starts from there); default 0: never")
     add_flags(sm, SERVE_SECURITY, "security (as pserver serve's; HTTP asks for Authorization: Bearer TOKEN)")
     return p
 
@@ -762,10 +765,12 @@ def cmd_export(ns) -> int:
 
 def cmd_serve_model(ns) -> int:
     from pserver.api import serve_model
-    if ns.poll <= 0 or ns.threads < 1:
-        raise ConfigError(f"--poll must be > 0 and --threads >= 1, got {ns.poll} and {ns.threads}")
+    if ns.poll <= 0 or ns.threads < 1 or ns.compact_every < 0:
+        raise ConfigError(f"--poll must be > 0, --threads >= 1 and --compact-every >= 0, got {ns.poll}, "
+                          f"{ns.threads} and {ns.compact_every}")
     return serve_model(ns.model, port=ns.port, http_port=ns.http_port, host=ns.host, follow=ns.follow,
-                       poll=ns.poll, threads=ns.threads, **security_given(ns, SERVE_SECURITY))
+                       poll=ns.poll, threads=ns.threads, compact_every=ns.compact_every,
+                       **security_given(ns, SERVE_SECURITY))
 
 
 COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "slurm": cmd_slurm,

@@ -356,3 +356,33 @@ def test_a_keras_models_answers_are_what_its_predict_gives(tmp_path):
         np.testing.assert_allclose(got.sum(axis=1), 1, rtol=1e-5)
     finally:
         server.stop()
+
+
+def test_compact_every_rewrites_the_model_file_and_a_restart_takes_only_the_later_deltas(files):
+    """--compact-every 2: after two deltas the model file on disk is the model at their version
+    (its export id the second delta's), the answers unchanged; a server started again from it
+    is at that version at once and takes only the third delta."""
+    from pserver.persist import model_file
+    base, deltas, follow = files
+    x = records(6, np.random.default_rng(10))
+    expect = load_model(base)
+    for d in deltas:
+        expect.apply(d)
+    server = start(base, follow=follow, poll=0.05, compact_every=2)
+    try:
+        for k in (0, 1):
+            shutil.copytree(deltas[k], os.path.join(follow, f"delta-{k + 1}"))
+        assert wait_for(lambda: server.served.compacted_at == 2, 10), server.served.status()
+        assert model_file.read(base)[0]["export_id"] == model_file.read(deltas[1])[0]["export_id"]
+        assert grpc_predict(server, x)[1] == 30
+    finally:
+        server.stop()
+    again = start(base, follow=follow, poll=0.05)
+    try:
+        assert again.served.version == 30
+        shutil.copytree(deltas[2], os.path.join(follow, "delta-3"))
+        assert wait_for(lambda: again.served.version == 40, 10), again.served.status()
+        out, version, _ = grpc_predict(again, x)
+        assert out.tobytes() == expect.predict(x).tobytes() and again.served.applied == 1
+    finally:
+        again.stop()

@@ -54,6 +54,7 @@ class ServeModelConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     threads: int = 8                   # gRPC worker threads
+    compact_every: int = 0             # rewrite the model file after every that many deltas (0: never)
 
 
 class Metrics:
@@ -281,8 +282,8 @@ class ModelServer:
             self._spawn(self.http.serve_forever, "http")
         if self.cfg.follow:
             self.served.follow_once(self.cfg.follow, self.say)        # what is there already
-            self._spawn(lambda: self.served.follow(self.cfg.follow, self.cfg.poll, self.stop_event, self.say),
-                        "follow")
+            self._spawn(lambda: self.served.follow(self.cfg.follow, self.cfg.poll, self.stop_event, self.say,
+                                                   self.cfg.compact_every), "follow")
         http = f", HTTP on port {self.http_port}" if self.http is not None else ""
         follow = f"; following {self.cfg.follow} every {self.cfg.poll:g} s" if self.cfg.follow else ""
         self.say(f"pserver serve-model: {self.served.name} version {self.served.version} "

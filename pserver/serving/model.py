@@ -78,6 +78,7 @@ class ServedModel:
         self.lock = VersionLock()
         self.applied, self.refused, self.last_refusal = 0, 0, ""
         self.rows_changed = 0
+        self.compacted_at = 0                     # self.applied when the model file was last rewritten
         self.seen: dict[str, tuple] = {}          # delta path -> its files' signature when it was tried
         self.looked: dict[str, tuple] = {}        # delta path -> its files' signature at the last look
 
@@ -215,14 +216,30 @@ class ServedModel:
                 say(f"pserver serve-model: applied {os.path.basename(path)}: version {self.version} ({rows})")
         return applied
 
-    def follow(self, directory: str, poll: float, stop: threading.Event, say=print) -> None:
-        """follow_once every `poll` seconds until `stop` is set."""
+    def follow(self, directory: str, poll: float, stop: threading.Event, say=print,
+               compact_every: int = 0) -> None:
+        """follow_once every `poll` seconds until `stop` is set; with `compact_every`, the model
+        file is rewritten with the deltas applied after every that many (compact)."""
         while not stop.is_set():
             try:
-                self.follow_once(directory, say)
+                if self.follow_once(directory, say) and compact_every and \
+                        self.applied - self.compacted_at >= compact_every:
+                    self.compact(say)
             except DataError as e:
                 say(f"pserver serve-model: {e}")
             stop.wait(poll)
+
+    def compact(self, say=print) -> None:
+        """Rewrite the model file as it reads now, deltas applied (SavedModel.compact: the same
+        directory, replaced atomically), and serve from it: the deltas' new rows and the pages
+        they wrote go back to files, so memory stops growing with them. The values (and so the
+        version) are the same before and after, so requests go on meanwhile. A restart then
+        starts from this version and takes only the deltas after it."""
+        started = time.monotonic()
+        self.saved.compact()
+        self.compacted_at = self.applied
+        say(f"pserver serve-model: compacted {self.saved.path} at version {self.version} "
+            f"in {time.monotonic() - started:.2f} s")
 
 
 def _signature(path: str) -> tuple | None:
