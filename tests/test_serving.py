@@ -386,3 +386,37 @@ def test_compact_every_rewrites_the_model_file_and_a_restart_takes_only_the_late
         assert out.tobytes() == expect.predict(x).tobytes() and again.served.applied == 1
     finally:
         again.stop()
+
+
+def test_a_list_feature_comes_as_lists_of_any_length_and_is_padded_as_the_model_pads(tmp_path):
+    """A user's history as JSON lists of different lengths (an empty one too), as Keras's fit and
+    predict take them: the server pads them with the model's padding and answers as predict
+    does; a list longer than the input is a 400 naming it."""
+    from pserver import keras
+    from pserver.keras import layers
+    items = keras.Input(shape=(4,), dtype="int64", name="items")
+    user = keras.Input(shape=(), dtype="int64", name="user")
+    e = layers.Embedding(None, 3, sparse=True, mask_zero=True, combiner="mean")(items)
+    u = layers.Embedding(None, 3, sparse=True)(user)
+    model = keras.Model({"items": items, "user": user},
+                        layers.Dense(1, activation="sigmoid")(layers.Concatenate()([e, u])))
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    rng = np.random.default_rng(1)
+    lists = [list(rng.integers(1, 30, rng.integers(0, 5))) for _ in range(300)]
+    model.fit({"items": lists, "user": rng.integers(0, 9, 300)}, rng.integers(0, 2, 300).astype("float32"),
+              epochs=1, batch_size=50, verbose=0)
+    model.save(tmp_path / "m.keras")
+    ask = {"items": [[3, 17], [5], [], [1, 2, 3, 4]], "user": [1, 2, 3, 4]}
+    want = model.predict({"items": ask["items"], "user": np.array(ask["user"])}, verbose=0)
+    server = start(str(tmp_path / "m.keras"))
+    try:
+        name = server.served.name
+        code, text = http(server, f"/v1/models/{name}:predict",
+                          {"instances": [{"items": i, "user": u} for i, u in zip(ask["items"], ask["user"])]})
+        assert code == 200, text
+        np.testing.assert_allclose(np.array(json.loads(text)["predictions"], np.float32), want, rtol=1e-6)
+        code, text = http(server, f"/v1/models/{name}:predict",
+                          {"inputs": {"items": [[1, 2, 3, 4, 5], [1]], "user": [1, 2]}})
+        assert code == 400 and "'items'" in json.loads(text)["error"], text
+    finally:
+        server.stop()

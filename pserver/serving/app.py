@@ -151,11 +151,16 @@ def instances_to_inputs(body: dict, names: list[str]) -> dict:
     return {"": _array(rows, "")}
 
 
-def _array(values, name: str) -> np.ndarray:
+def _array(values, name: str):
+    """A JSON column as an array; lists of different lengths (a list feature's ids) stay lists,
+    which the model pads (ServedModel)."""
+    if isinstance(values, list) and values and all(isinstance(v, list) for v in values) \
+            and len({len(v) for v in values}) > 1:
+        return values
     try:
         a = np.asarray(values)
     except ValueError:
-        raise ValueError(f"input {name or 'instances'!r}: a ragged list; give equal lengths") from None
+        raise ValueError(f"input {name or 'instances'!r}: nested lists of uneven lengths") from None
     if a.dtype == object or a.dtype.kind not in "biuf":
         raise ValueError(f"input {name or 'instances'!r}: numbers expected")
     return a.astype(np.float32) if a.dtype.kind == "f" else a.astype(np.int64)

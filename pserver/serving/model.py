@@ -139,22 +139,18 @@ class ServedModel:
                              + (f"missing {', '.join(map(repr, missing))}" if missing else "")
                              + ("; " if missing and extra else "")
                              + (f"unknown {', '.join(map(repr, extra))}" if extra else ""))
-        arrays = {n: np.asarray(inputs[n]) for n in names}
-        counts = {len(a) if a.ndim else -1 for a in arrays.values()}
+        arrays = {n: _as_input(n, inputs[n]) for n in names}
+        counts = {len(a) if isinstance(a, list) or a.ndim else -1 for a in arrays.values()}
         if len(counts) != 1 or -1 in counts or 0 in counts:
             raise ValueError("every input holds the same number (>= 1) of samples, the samples first; got "
-                             + ", ".join(f"{n or 'x'} {a.shape}" for n, a in arrays.items()))
-        for n, a in arrays.items():
-            if a.dtype.kind == "f" and not np.isfinite(a).all():
-                raise ValueError(f"input {n or 'x'!r} holds values that are not finite")
-            if a.dtype.kind not in "biuf":
-                raise ValueError(f"input {n or 'x'!r} holds {a.dtype}; inputs are numbers")
+                             + ", ".join(f"{n or 'x'} {_shape(a)}" for n, a in arrays.items()))
         model = self.saved.model
         if names == [""]:
             return arrays[""]
-        if getattr(model, "sparse_tables", None):
-            return model.pack_records(arrays)
-        return arrays
+        pack = getattr(model, "pack", None)
+        # the model's own packing: records for sparse tables, and lists of ids (a list feature's,
+        # ragged) padded with its padding
+        return pack(arrays) if pack is not None else arrays
 
     # -- deltas --------------------------------------------------------------------------------
 
@@ -240,6 +236,26 @@ class ServedModel:
         self.compacted_at = self.applied
         say(f"pserver serve-model: compacted {self.saved.path} at version {self.version} "
             f"in {time.monotonic() - started:.2f} s")
+
+
+def _as_input(name: str, values):
+    """An input as an array of numbers, all finite; or, ragged (a list feature's lists of ids of
+    different lengths), the Python lists as they came, which the model pads."""
+    if isinstance(values, list) and values and all(isinstance(v, list) for v in values) \
+            and len({len(v) for v in values}) > 1:
+        if not all(isinstance(i, (int, float)) and not isinstance(i, bool) for v in values for i in v):
+            raise ValueError(f"input {name or 'x'!r}: lists of numbers expected")
+        return values
+    a = np.asarray(values)
+    if a.dtype.kind not in "biuf":
+        raise ValueError(f"input {name or 'x'!r} holds {a.dtype}; inputs are numbers")
+    if a.dtype.kind == "f" and not np.isfinite(a).all():
+        raise ValueError(f"input {name or 'x'!r} holds values that are not finite")
+    return a
+
+
+def _shape(a) -> tuple:
+    return (len(a), "lists") if isinstance(a, list) else a.shape
 
 
 def _signature(path: str) -> tuple | None:
