@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.errors import DataError
-from pserver.serving.model import ServedModel
+from pserver.serving.model import ServedModel, as_input
 from pserver.wire.security import add_port, check_tls_files, server_interceptors, token_matches
 
 MAX_BODY = 64 << 20            # an HTTP request's body: larger ones are refused (413)
@@ -152,17 +152,11 @@ def instances_to_inputs(body: dict, names: list[str]) -> dict:
 
 
 def _array(values, name: str):
-    """A JSON column as an array; lists of different lengths (a list feature's ids) stay lists,
-    which the model pads (ServedModel)."""
-    if isinstance(values, list) and values and all(isinstance(v, list) for v in values) \
-            and len({len(v) for v in values}) > 1:
-        return values
-    try:
-        a = np.asarray(values)
-    except ValueError:
-        raise ValueError(f"input {name or 'instances'!r}: nested lists of uneven lengths") from None
-    if a.dtype == object or a.dtype.kind not in "biuf":
-        raise ValueError(f"input {name or 'instances'!r}: numbers expected")
+    """A JSON column as an array, float32 or int64 (as_input: lists of different lengths, a list
+    feature's ids, stay lists, which the model pads)."""
+    a = as_input(name, values)
+    if isinstance(a, list):
+        return a
     return a.astype(np.float32) if a.dtype.kind == "f" else a.astype(np.int64)
 
 

@@ -139,7 +139,7 @@ class ServedModel:
                              + (f"missing {', '.join(map(repr, missing))}" if missing else "")
                              + ("; " if missing and extra else "")
                              + (f"unknown {', '.join(map(repr, extra))}" if extra else ""))
-        arrays = {n: _as_input(n, inputs[n]) for n in names}
+        arrays = {n: as_input(n, inputs[n]) for n in names}
         counts = {len(a) if isinstance(a, list) or a.ndim else -1 for a in arrays.values()}
         if len(counts) != 1 or -1 in counts or 0 in counts:
             raise ValueError("every input holds the same number (>= 1) of samples, the samples first; got "
@@ -238,7 +238,7 @@ class ServedModel:
             f"in {time.monotonic() - started:.2f} s")
 
 
-def _as_input(name: str, values):
+def as_input(name: str, values):
     """An input as an array of numbers, all finite; or, ragged (a list feature's lists of ids of
     different lengths), the Python lists as they came, which the model pads."""
     if isinstance(values, list) and values and all(isinstance(v, list) for v in values) \
@@ -246,7 +246,10 @@ def _as_input(name: str, values):
         if not all(isinstance(i, (int, float)) and not isinstance(i, bool) for v in values for i in v):
             raise ValueError(f"input {name or 'x'!r}: lists of numbers expected")
         return values
-    a = np.asarray(values)
+    try:
+        a = np.asarray(values)
+    except ValueError:
+        raise ValueError(f"input {name or 'x'!r}: nested lists of uneven lengths") from None
     if a.dtype.kind not in "biuf":
         raise ValueError(f"input {name or 'x'!r} holds {a.dtype}; inputs are numbers")
     if a.dtype.kind == "f" and not np.isfinite(a).all():
@@ -292,4 +295,4 @@ def wait_for(predicate, timeout: float, poll: float = 0.01) -> bool:
     return predicate()
 
 
-__all__ = ["ServedModel", "VersionLock", "wait_for"]
+__all__ = ["ServedModel", "VersionLock", "as_input", "wait_for"]
