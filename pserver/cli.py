@@ -530,6 +530,12 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--since", default=None, metavar="MODEL",
                     help="write a delta instead: the rows changed since MODEL (an export or --save of "
                          "this job) and the ids gone since; apply it with load_model(MODEL).apply(OUT)")
+    ex.add_argument("--follow", action="store_true",
+                    help="with --since: keep going, writing into the directory --out a delta each time "
+                         "the checkpoints reach a newer version, each since the one before (what "
+                         "pserver serve-model MODEL --follow DIR applies); stops on SIGTERM or SIGINT")
+    ex.add_argument("--poll", type=float, default=5.0, metavar="S",
+                    help="--follow: seconds between looks at the checkpoints (default 5)")
     ex.add_argument("--json", action="store_true", help="print JSON instead of a line")
     add_flags(ex, EXPORT_FLAGS, "model and dataset (as the run trained; seed and --embedding-dim default "
                                 "to the checkpoints')")
@@ -746,7 +752,21 @@ def cmd_checkpoint(ns) -> int:
 def cmd_export(ns) -> int:
     import json
 
-    from pserver.persist.export import export_checkpoints
+    from pserver.persist.export import export_checkpoints, follow_checkpoints
+    if ns.follow:
+        import signal
+        import threading
+        if not ns.since or ns.poll <= 0:
+            raise ConfigError("--follow: give --since MODEL (the model a server serves) and --poll > 0; "
+                              "--out is then the directory the deltas go to")
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"pserver export: following {ns.restore}, deltas since {ns.since} into {ns.out}", flush=True)
+        n = follow_checkpoints(ns.restore, ns.since, ns.out, given(ns, EXPORT_FLAGS), ns.mode, ns.poll, stop,
+                               say=lambda line: print(line, flush=True))
+        print(f"pserver export: stopped after {n} delta(s)", flush=True)
+        return 0
     result = export_checkpoints(ns.restore, ns.out, given(ns, EXPORT_FLAGS), ns.mode, since=ns.since)
     if ns.json:
         print(json.dumps(result, indent=2))

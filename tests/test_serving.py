@@ -420,3 +420,47 @@ def test_a_list_feature_comes_as_lists_of_any_length_and_is_padded_as_the_model_
         assert code == 400 and "'items'" in json.loads(text)["error"], text
     finally:
         server.stop()
+
+
+@pytest.mark.e2e
+def test_a_job_its_delta_exporter_and_a_server_the_server_ends_at_the_jobs_last_checkpoint(tmp_path):
+    """Real processes: a wide_deep job saves its model; a server serves it and follows a
+    directory that `pserver export --follow` fills from the job's checkpoints while the job goes
+    on for another epoch; the server ends at the last checkpoint's version and answers exactly
+    as a fresh export of that checkpoint (the deltas' chain loses and mixes nothing)."""
+    from pserver.data import load_dataset
+    from tests.support.processes import run
+    job = ["--model", "wide_deep", "--dataset", "criteo-synthetic", "--samples", "2000",
+           "--test-samples", "500"]
+    train = ["launch", "--ps", "2", "--workers", "1", *job, "--batch-size", "256", "--checkpoint-dir",
+             str(tmp_path / "ckpt"), "--checkpoint-every", "4"]
+    r = run(*train, "--epochs", "1", "--save", str(tmp_path / "base"), timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    deltas = tmp_path / "deltas"
+    serve = subprocess.Popen([sys.executable, "-m", "pserver", "serve-model", str(tmp_path / "base"),
+                              "--port", "0", "--http-port", "-1", "--follow", str(deltas), "--poll", "0.1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env_with({}))
+    export = subprocess.Popen([sys.executable, "-m", "pserver", "export", "--restore",
+                               str(tmp_path / "ckpt"), "--since", str(tmp_path / "base"), "--out",
+                               str(deltas), "--follow", "--poll", "0.2", *job], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env_with({}))
+    try:
+        port = int(serve.stdout.readline().split("gRPC on port ")[1].split(";")[0].split(",")[0])
+        r = run(*train, "--epochs", "2", "--restore", str(tmp_path / "ckpt"), timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        fresh = tmp_path / "fresh"
+        r = run("export", "--restore", str(tmp_path / "ckpt"), *job, "--out", str(fresh))
+        assert r.returncode == 0 and "at version 16" in r.stdout, r.stdout + r.stderr
+        x = load_dataset("criteo-synthetic", samples=2000, test_samples=500).x_test[:64]
+        stub = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        request = pb.PredictRequest(inputs=[to_named("dense", x["dense"]), to_named("cat", x["cat"])])
+        assert wait_for(lambda: stub.Predict(request, timeout=30).version == 16, 60)
+        assert to_array(stub.Predict(request, timeout=30).outputs).tobytes() == \
+            load_model(str(fresh)).predict(x).tobytes()
+    finally:
+        for proc in (export, serve):
+            proc.send_signal(signal.SIGTERM)
+        out_export, _ = export.communicate(timeout=60)
+        out_serve, _ = serve.communicate(timeout=60)
+    assert export.returncode == 0 and "wrote" in out_export and "stopped after" in out_export, out_export
+    assert serve.returncode == 0 and "stopped at version 16" in out_serve, out_serve

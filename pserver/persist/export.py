@@ -122,6 +122,43 @@ def export_checkpoints(directory: str, out: str, options: dict, mode: str = "syn
     return {**result, "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()}}
 
 
+def follow_checkpoints(directory: str, since: str, out_dir: str, options: dict, mode: str = "sync",
+                       poll: float = 5.0, stop=None, say=print) -> int:
+    """`pserver export --since MODEL --out DIR --follow`: while a job writes checkpoints into
+    `directory`, write a delta into `out_dir` each time a newer usable state appears there
+    (delta-vVERSION, written aside and renamed), each since the one before: what `pserver
+    serve-model MODEL --follow DIR` applies, in order. The exporter keeps the model as its deltas
+    made it in OUT/.base (a dot directory, which the server leaves alone; each delta applied to
+    it and compacted) to write the next delta since. Stops when `stop` (an Event) is set; returns
+    the deltas written."""
+    import threading
+    stop = stop or threading.Event()
+    work = os.path.join(out_dir, ".base")
+    os.makedirs(out_dir, exist_ok=True)
+    if not os.path.exists(work):
+        model_file.load(since).compact(work)     # the model to write deltas since, a copy of MODEL
+    written = 0
+    while not stop.is_set():
+        have = int((model_file.read(work)[0].get("origin") or {}).get("version", -1))
+        try:
+            newest = checkpoint_dir.newest_shape(directory, mode).version
+        except ConfigError:
+            newest = -1                          # no usable state yet: the job has not written one
+        if newest > have:
+            out = os.path.join(out_dir, f"delta-v{newest:09d}")
+            result = export_checkpoints(directory, out, options, mode, since=work)
+            model = model_file.load(work)
+            model.apply(out)
+            model.compact(work)
+            written += 1
+            changed = sum(result["tables"].values())
+            say(f"pserver export: wrote {out} (version {result['since']} -> {result['version']}: "
+                f"{changed:,} rows changed)")
+            continue                             # a newer state may be there already
+        stop.wait(poll)
+    return written
+
+
 def _check_export_paths(directory: str, out: str, options: dict) -> None:
     """What export refuses before it reads a checkpoint: nothing is written."""
     if not options.get("model"):

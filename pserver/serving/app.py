@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import os
 import ssl
 import threading
 import time
@@ -247,6 +248,11 @@ class ModelServer:
         check_tls_files(cfg.tls_cert, cfg.tls_key)
         self.cfg, self.say = cfg, say
         self.served = ServedModel.load(cfg.path)
+        if cfg.follow:                     # the exporter may not have made it yet
+            try:
+                os.makedirs(cfg.follow, exist_ok=True)
+            except OSError as e:
+                raise DataError(f"--follow {cfg.follow}: cannot create it ({e.strerror})") from None
         self.metrics = Metrics(self.served)
         self.grpc = grpc.server(concurrent.futures.ThreadPoolExecutor(cfg.threads),
                                 interceptors=server_interceptors(cfg.auth_token))
