@@ -25,8 +25,7 @@ from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.serving import ModelServer, ServeModelConfig
 from pserver.serving.app import to_array, to_named
-from pserver.serving.model import wait_for
-from tests.support.processes import env_with
+from tests.support.processes import env_with, wait_until
 from tests.support.serving import chain, records
 
 TOKEN = "s3cret-token-for-serving-tests"
@@ -182,9 +181,9 @@ def test_it_follows_deltas_in_their_chains_order_and_refuses_a_corrupt_one(files
     server = start(base, follow=follow, poll=0.05)
     try:
         shutil.copytree(deltas[1], os.path.join(follow, "delta-2"))
-        assert not wait_for(lambda: server.served.version != 10, 0.5)      # out of order: waits
+        assert not wait_until(lambda: server.served.version != 10, 0.5)      # out of order: waits
         shutil.copytree(deltas[0], os.path.join(follow, "delta-1"))
-        assert wait_for(lambda: server.served.version == 30, 10), server.served.status()
+        assert wait_until(lambda: server.served.version == 30, 10), server.served.status()
         out, version, _ = grpc_predict(server, x)
         assert version == 30 and out.tobytes() == wants[2].tobytes()
         bad = os.path.join(follow, "delta-3-bad")
@@ -192,11 +191,11 @@ def test_it_follows_deltas_in_their_chains_order_and_refuses_a_corrupt_one(files
         with open(os.path.join(bad, "tables", "linear.rows.npy"), "r+b") as f:
             f.seek(-4, os.SEEK_END)
             f.write(b"\x00\x00\x80\x7f")
-        assert wait_for(lambda: server.served.refused == 1, 10), server.served.status()
+        assert wait_until(lambda: server.served.refused == 1, 10), server.served.status()
         assert "delta-3-bad" in server.served.last_refusal and server.served.version == 30
         assert grpc_predict(server, x)[0].tobytes() == wants[2].tobytes()
         shutil.copytree(deltas[2], os.path.join(follow, "delta-3"))
-        assert wait_for(lambda: server.served.version == 40, 10), server.served.status()
+        assert wait_until(lambda: server.served.version == 40, 10), server.served.status()
         assert grpc_predict(server, x)[0].tobytes() == wants[3].tobytes()
         status = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{server.port}")).ModelStatus(
             pb.ModelStatusRequest(), timeout=30)
@@ -233,10 +232,10 @@ def test_no_answer_mixes_two_versions_while_deltas_apply(files):
         for t in threads:
             t.start()
         for d in deltas:
-            wait_for(lambda: len(seen) > 20, 10)
+            wait_until(lambda: len(seen) > 20, 10)
             seen_before = len(seen)
             server.served.apply(d)
-            wait_for(lambda n=seen_before: len(seen) > n + 20, 10)
+            wait_until(lambda n=seen_before: len(seen) > n + 20, 10)
     finally:
         stop.set()
         for t in threads:
@@ -372,7 +371,7 @@ def test_compact_every_rewrites_the_model_file_and_a_restart_takes_only_the_late
     try:
         for k in (0, 1):
             shutil.copytree(deltas[k], os.path.join(follow, f"delta-{k + 1}"))
-        assert wait_for(lambda: server.served.compacted_at == 2, 10), server.served.status()
+        assert wait_until(lambda: server.served.compacted_at == 2, 10), server.served.status()
         assert model_file.read(base)[0]["export_id"] == model_file.read(deltas[1])[0]["export_id"]
         assert grpc_predict(server, x)[1] == 30
     finally:
@@ -381,7 +380,7 @@ def test_compact_every_rewrites_the_model_file_and_a_restart_takes_only_the_late
     try:
         assert again.served.version == 30
         shutil.copytree(deltas[2], os.path.join(follow, "delta-3"))
-        assert wait_for(lambda: again.served.version == 40, 10), again.served.status()
+        assert wait_until(lambda: again.served.version == 40, 10), again.served.status()
         out, version, _ = grpc_predict(again, x)
         assert out.tobytes() == expect.predict(x).tobytes() and again.served.applied == 1
     finally:
@@ -454,7 +453,7 @@ def test_a_job_its_delta_exporter_and_a_server_the_server_ends_at_the_jobs_last_
         x = load_dataset("criteo-synthetic", samples=2000, test_samples=500).x_test[:64]
         stub = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         request = pb.PredictRequest(inputs=[to_named("dense", x["dense"]), to_named("cat", x["cat"])])
-        assert wait_for(lambda: stub.Predict(request, timeout=30).version == 16, 60)
+        assert wait_until(lambda: stub.Predict(request, timeout=30).version == 16, 60)
         assert to_array(stub.Predict(request, timeout=30).outputs).tobytes() == \
             load_model(str(fresh)).predict(x).tobytes()
     finally:

@@ -16,6 +16,7 @@ from pserver.data import load_dataset
 from pserver.errors import ConfigError, DataError
 from pserver.models.ctr import CTR_MODELS
 from pserver.persist import checkpoint_dir, model_file
+from pserver.persist.checkpoint import scan
 from pserver.persist.reshard import combine
 
 
@@ -138,19 +139,22 @@ def follow_checkpoints(directory: str, since: str, out_dir: str, options: dict, 
     if not os.path.exists(work):
         model_file.load(since).compact(work)     # the model to write deltas since, a copy of MODEL
     written = 0
+    have = int((model_file.read(work, arrays=False)[0].get("origin") or {}).get("version", -1))
     while not stop.is_set():
-        have = int((model_file.read(work)[0].get("origin") or {}).get("version", -1))
-        try:
-            newest = checkpoint_dir.newest_shape(directory, mode).version
-        except ConfigError:
-            newest = -1                          # no usable state yet: the job has not written one
+        named = [v for shards in scan(directory).values() for files in shards.values() for v, _ in files]
+        newest = -1
+        if max(named, default=-1) > have:        # the files are read only when one is named newer
+            try:
+                newest = checkpoint_dir.newest_shape(directory, mode).version
+            except ConfigError:
+                pass                             # no usable state yet: the job has not written one
         if newest > have:
             out = os.path.join(out_dir, f"delta-v{newest:09d}")
             result = export_checkpoints(directory, out, options, mode, since=work)
             model = model_file.load(work)
             model.apply(out)
             model.compact(work)
-            written += 1
+            have, written = newest, written + 1
             changed = sum(result["tables"].values())
             say(f"pserver export: wrote {out} (version {result['since']} -> {result['version']}: "
                 f"{changed:,} rows changed)")

@@ -790,8 +790,10 @@ def build(meta: dict, spec: str, hidden=None):
     return make_model(spec, tuple(args["input_shape"]), args["num_classes"], hidden=hidden, **options)
 
 
-def read(path: str) -> tuple[dict, dict]:
-    """The JSON and the dense arrays of a model file, or of a sparse model's directory."""
+def read(path: str, arrays: bool = True) -> tuple[dict, dict]:
+    """The JSON and the dense arrays of a model file, or of a sparse model's directory (without
+    `arrays`: the JSON alone, the weights left unread)."""
+    wanted = arrays
     sparse_dir = os.path.isdir(path)
     file = os.path.join(path, MODEL_NPZ) if sparse_dir else path
     if sparse_dir and not os.path.isfile(file):
@@ -800,7 +802,7 @@ def read(path: str) -> tuple[dict, dict]:
         raise DataError(f"{path}: no such model file")
     try:
         with np.load(file, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
+            arrays = {k: z[k] for k in z.files if wanted or k == META}
         meta = json.loads(str(arrays.pop(META)))
     except KeyError:
         raise DataError(f"{file}: not a pserver model file (no {META!r} entry)") from None

@@ -278,21 +278,11 @@ def _base_of(path: str) -> str | None:
     """The export id a delta was written since, from its JSON (None: unreadable, which apply
     then refuses with the reason)."""
     try:
-        meta, _ = model_file.read(path)
+        meta, _ = model_file.read(path, arrays=False)
     except Exception:           # noqa: BLE001 - any unreadable file: apply says why
         return None
     info = meta.get("delta")
     return info.get("base_id") if isinstance(info, dict) else None
 
 
-def wait_for(predicate, timeout: float, poll: float = 0.01) -> bool:
-    """Poll `predicate` until true or `timeout` seconds (tests and the bench)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(poll)
-    return predicate()
-
-
-__all__ = ["ServedModel", "VersionLock", "as_input", "wait_for"]
+__all__ = ["ServedModel", "VersionLock", "as_input"]
