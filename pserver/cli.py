@@ -32,7 +32,7 @@ from pserver.launch.base import BACKENDS, parse_delay_for
 from pserver.launch.roles import exit_code, one_blas_thread, run_shard, run_training
 from pserver.models import MODELS
 from pserver.optim import OPTIMIZERS, SCHEDULES
-from pserver.signals import follow_parent, interrupt_as_usual
+from pserver.signals import as_command, exiting_after, follow_parent, interrupt_as_usual
 from pserver.sparse.compact import ROW_DTYPES, STATE_DTYPES
 from pserver.sparse.optim import ROWS
 from pserver.wire.compress import CODECS, PULL_CODECS
@@ -800,6 +800,7 @@ COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "slu
 
 def main(argv: list[str] | None = None) -> int:
     interrupt_as_usual()                       # Ctrl-C from here on: exit_code's one line, 130
+    as_command()
     follow_parent()                            # started by launch: stop when it dies
     # gRPC's C core prints INFO lines (one per failed TLS handshake, say) that would bury
     # the one line we print; read before grpc loads, and GRPC_VERBOSITY=debug still wins.
@@ -808,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
     ns, extra = parser.parse_known_args(argv)
     if extra:
         parser.commands[ns.command].unrecognized(extra)
-    return exit_code(ns.command, lambda: COMMANDS[ns.command](ns))
+    return exiting_after(exit_code(ns.command, lambda: COMMANDS[ns.command](ns)))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ import pickle
 import sys
 
 from pserver.launch.roles import ROLES, run_role
-from pserver.signals import follow_parent, interrupt_as_usual
+from pserver.signals import as_command, exiting_after, follow_parent, interrupt_as_usual
 
 
 def main(argv: list[str]) -> int:
     interrupt_as_usual()
+    as_command()
     follow_parent()                            # stop when the launcher dies
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if len(argv) != 2 or argv[0] not in ROLES:
@@ -25,7 +26,7 @@ def main(argv: list[str]) -> int:
         return 2
     with open(argv[1], "rb") as f:
         cfg = pickle.load(f)
-    return run_role(argv[0], cfg)
+    return exiting_after(run_role(argv[0], cfg))
 
 
 if __name__ == "__main__":
