@@ -162,7 +162,7 @@ EXAMPLES = {"DINAttention": dict(hidden_units=(6, 3), activation="relu", normali
                                     padding="same", activation="relu", use_bias=False),
             "FeatureCross": dict(projection_dim=2, diag_scale=0.5, use_bias=False, pre_activation="tanh",
                                  kernel_initializer="he_normal", kernel_regularizer="l2"),
-            "DotInteraction": dict(self_interaction=True, skip_gather=True)}
+            "DotInteraction": dict(self_interaction=True, skip_gather=True), "Masking": dict(mask_value=-1.5)}
 
 
 @pytest.mark.parametrize("name", LAYERS.names())

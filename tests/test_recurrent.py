@@ -53,6 +53,7 @@ def case(data, cell):
     flags = {f: data.draw(st.booleans()) for f in ("return_sequences", "return_state", "go_backwards",
                                                     "use_bias")}
     flags["dropout"] = data.draw(st.sampled_from([0.0, 0.4]))      # the same mask in every pass here
+    flags["recurrent_dropout"] = data.draw(st.sampled_from([0.0, 0.3]))
     layer = built(CELLS[cell](units, **flags), (steps, features))
     r = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     p = {w.name: 0.7 * r.standard_normal(w.shape) for w in layer.weights()}
@@ -114,6 +115,64 @@ def test_input_dropout_is_one_mask_per_sample_and_feature_at_every_step_in_train
     inference = np.empty_like(out)
     layer.forward(REF, p, x, inference, layer.scratch(6, x.dtype), Pass(training=False))
     np.testing.assert_allclose(inference, run(plain, REF, p, x)[0], rtol=1e-12, atol=1e-12)
+
+
+def _sigmoid(v):
+    return 1 / (1 + np.exp(-v))
+
+
+def keras_cell_with_masks(cell, p, x, gm, rm):
+    """Keras's cells as implementation 1 writes them (keras/src/layers/rnn/*.py), in NumPy: gate g
+    reads x * gm[g] and h * rm[g]; returns every step's h (n, steps, units)."""
+    n, steps, _ = x.shape
+    u = p["recurrent_kernel"].shape[0]
+    K, R = p["kernel"], p["recurrent_kernel"]
+    b = p["bias"] if cell != "GRU" else p["bias"][0]
+    rb = p["bias"][1] if cell == "GRU" else 0 * b
+    blk = [slice(g * u, (g + 1) * u) for g in range(K.shape[1] // u)]
+    h, c, hs = np.zeros((n, u)), np.zeros((n, u)), []
+    for t in range(steps):
+        xz = [(x[:, t] * gm[g]) @ K[:, blk[g]] + b[blk[g]] for g in range(len(blk))]
+        hz = [(h * rm[g]) @ R[:, blk[g]] + rb[blk[g]] for g in range(len(blk))]
+        if cell == "SimpleRNN":
+            h = np.tanh(xz[0] + hz[0])
+        elif cell == "LSTM":
+            i, f = _sigmoid(xz[0] + hz[0]), _sigmoid(xz[1] + hz[1])
+            c = f * c + i * np.tanh(xz[2] + hz[2])
+            h = _sigmoid(xz[3] + hz[3]) * np.tanh(c)
+        else:
+            z, r = _sigmoid(xz[0] + hz[0]), _sigmoid(xz[1] + hz[1])
+            h = z * h + (1 - z) * np.tanh(xz[2] + r * hz[2])
+        hs.append(h)
+    return np.stack(hs, 1)
+
+
+@pytest.mark.parametrize("cell", sorted(CELLS))
+@pytest.mark.parametrize("dropout", [0.0, 0.4])
+def test_recurrent_dropout_is_one_mask_per_gate_on_the_state_in_training_only(cell, dropout):
+    """Keras's recurrent_dropout (implementation 1): in training, gate g's recurrent product reads
+    h * rmask[g], one mask per sample, unit and gate, the same at every step, and with dropout
+    each gate reads x * its own input mask; at inference nothing is dropped. Catches a mask on the
+    output or the cell state, one mask shared by the gates, a mask drawn per step, and dropout at
+    inference."""
+    r = np.random.default_rng(3)
+    layer = built(CELLS[cell](3, dropout=dropout, recurrent_dropout=0.3, return_sequences=True), (6, 4))
+    p = {w.name: 0.7 * r.standard_normal(w.shape) for w in layer.weights()}
+    x = r.standard_normal((5, 6, 4))
+    out, s = run(layer, REF, p, x)
+    k = layer.gates
+    rm = s["rmask"]
+    assert rm.shape == (k, 5, 3) and set(np.unique(rm)) <= {0.0, 1 / 0.7}
+    if k > 1:
+        assert not all(np.array_equal(rm[0], rm[g]) for g in range(1, k))
+    gm = s["gate_masks"] if dropout else np.ones((k, 5, 4))
+    if dropout:
+        assert gm.shape == (k, 5, 4) and set(np.unique(gm)) <= {0.0, 1 / 0.6}
+    np.testing.assert_allclose(out, keras_cell_with_masks(cell, p, x, gm, rm), rtol=1e-10, atol=1e-12)
+    inference = np.empty_like(out)
+    layer.forward(REF, p, x, inference, layer.scratch(5, x.dtype), Pass(training=False))
+    plain = keras_cell_with_masks(cell, p, x, np.ones((k, 5, 4)), np.ones_like(rm))
+    np.testing.assert_allclose(inference, plain, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("merge_mode", ["concat", "sum", "mul", "ave"])
@@ -370,7 +429,7 @@ def test_save_and_load_keep_the_recurrent_layers(tmp_path):
 
 @pytest.mark.parametrize("make, message", [
     (lambda: LSTM(4, dropout=1.0), r"dropout must be in \[0, 1\)"),
-    (lambda: GRU(4, recurrent_dropout=0.1), "recurrent_dropout=0.1 is not supported"),
+    (lambda: GRU(4, recurrent_dropout=1.0), r"recurrent_dropout must be in \[0, 1\)"),
     (lambda: SimpleRNN(4, stateful=True), "stateful=True is not supported"),
     (lambda: LSTM(4, unroll=True), "unroll=True is not supported"),
     (lambda: GRU(4, reset_after=False), "reset_after=False is not supported"),
@@ -383,7 +442,7 @@ def test_save_and_load_keep_the_recurrent_layers(tmp_path):
                            backward_layer=GRU(4, return_state=True, go_backwards=True)),
      "have as many states"),
     (lambda: Bidirectional(Dense(4)), "must be a SimpleRNN, LSTM or GRU"),
-    (lambda: LSTM(4)(Symbolic((None, 3, 2)), mask=Symbolic((None, 3))), "mask=True is not supported"),
+    (lambda: LSTM(4)(Symbolic((None, 3, 2)), mask=Symbolic((None, 4))), r"mask must be \(batch, steps\)"),
     (lambda: LSTM(4)(Symbolic((None, 3, 2)), initial_state=[Symbolic((None, 4))]),
      r"initial_state must be 2 tensor\(s\) of shape \(4,\)"),
 ])

@@ -33,6 +33,7 @@ from pserver.layers import (
     GlobalMaxPooling2D,
     GroupNormalization,
     LayerNormalization,
+    Masking,
     Maximum,
     MaxPooling2D,
     Minimum,
@@ -71,7 +72,8 @@ from pserver.layers.traced import TracedLayer as Layer
 
 __getattr__ = _missing(__name__)     # a Keras name pserver.keras lacks: one line naming it
 
-__all__ = ["Input", "Layer", "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D", "Flatten", "Dropout",
+__all__ = ["Input", "Layer", "Masking",
+           "Dense", "Conv2D", "MaxPooling2D", "AveragePooling2D", "Flatten", "Dropout",
            "Embedding", "FM", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate",
            "Dot", "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D",
            "GlobalMaxPooling2D", "Activation", "Reshape", "Permute", "RepeatVector", "Lambda",

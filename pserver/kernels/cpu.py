@@ -741,49 +741,111 @@ def _dact(code, y, g):
 
 
 @njit(cache=True, nogil=True)
-def _add_rows_t(dz, rk, into, tmp):
-    """into += dz @ rk.T (tmp: a buffer of into's shape)."""
-    np.dot(dz, rk.T, tmp)
-    into += tmp
+def _add_rows_t(dz, rk, into, tmp, rmask, rkb):
+    """into += dz @ rk.T (tmp: a buffer of into's shape); with recurrent dropout, gate block g's
+    part times its mask: into += (dz[:, g] @ rk[:, g].T) * rmask[g]."""
+    if rmask.shape[0] == 0:
+        np.dot(dz, rk.T, tmp)
+        into += tmp
+        return
+    u = rk.shape[0]
+    block = np.empty((dz.shape[0], u), dz.dtype)
+    for g in range(rmask.shape[0]):
+        block[:] = dz[:, g * u:(g + 1) * u]
+        np.dot(block, rkb[g].T, tmp)
+        into += tmp * rmask[g]
 
 
 @njit(cache=True, nogil=True)
-def simple_rnn_forward(xw, rk, hs, backwards, act):
+def _blocks(rk, rmask):
+    """rk's gate blocks (k, u, u), contiguous, for recurrent dropout (none without)."""
+    u = rk.shape[0]
+    out = np.empty((rmask.shape[0], u, u), rk.dtype)
+    for g in range(rmask.shape[0]):
+        out[g] = rk[:, g * u:(g + 1) * u]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _recurrent_product(h, rk, z, rmask, rkb):
+    """z = h @ rk; with recurrent dropout (Keras's, one mask per gate: rmask (k, n, u)) each gate's
+    block z[:, g] = (h * rmask[g]) @ rk[:, g]."""
+    if rmask.shape[0] == 0:
+        np.dot(h, rk, z)
+        return
+    u = rk.shape[0]
+    hm, zb = np.empty_like(h), np.empty_like(h)
+    for g in range(rmask.shape[0]):
+        hm[:] = h * rmask[g]
+        np.dot(hm, rkb[g], zb)
+        z[:, g * u:(g + 1) * u] = zb
+
+
+@njit(cache=True, nogil=True)
+def _masked(mask, b, t):
+    """Whether sample b's input step t is masked (Keras's mask): its step keeps the states as
+    they were. mask (n, T) in input order, 0 where masked; an empty mask masks nothing."""
+    return mask.shape[0] > 0 and mask[b, t] == 0
+
+
+@njit(cache=True, nogil=True)
+def _carried(dhs, drec, dxw, s, b, t):
+    """A masked step's backward: the state's gradient passes to the step before as it came, and
+    the step's own products get none."""
+    dhs[s, b] += dhs[s + 1, b]
+    drec[s, b] = 0
+    dxw[b, t] = 0
+
+
+@njit(cache=True, nogil=True)
+def simple_rnn_forward(xw, rk, hs, backwards, act, mask, rmask):
     n, T, u = xw.shape
     a = _kind_code(act)
+    rkb = _blocks(rk, rmask)
     for s in range(T):
         t = T - 1 - s if backwards else s
-        np.dot(hs[s], rk, hs[s + 1])
+        _recurrent_product(hs[s], rk, hs[s + 1], rmask, rkb)
         for b in range(n):
+            if _masked(mask, b, t):
+                hs[s + 1, b] = hs[s, b]
+                continue
             for j in range(u):
                 hs[s + 1, b, j] = _act(a, xw[b, t, j] + hs[s + 1, b, j])
 
 
 @njit(cache=True, nogil=True)
-def simple_rnn_backward(rk, hs, dhs, dxw, drec, backwards, act):
+def simple_rnn_backward(rk, hs, dhs, dxw, drec, backwards, act, mask, rmask):
     n, T, u = dxw.shape
     a = _kind_code(act)
     tmp = np.empty((n, u), dxw.dtype)
+    rkb = _blocks(rk, rmask)
     for s in range(T - 1, -1, -1):
         t = T - 1 - s if backwards else s
         for b in range(n):
+            if _masked(mask, b, t):
+                _carried(dhs, drec, dxw, s, b, t)
+                continue
             for j in range(u):
                 dz = _dact(a, hs[s + 1, b, j], dhs[s + 1, b, j])
                 drec[s, b, j] = dz
                 dxw[b, t, j] = dz
-        _add_rows_t(drec[s], rk, dhs[s], tmp)
+        _add_rows_t(drec[s], rk, dhs[s], tmp, rmask, rkb)
 
 
 @njit(cache=True, nogil=True)
-def lstm_forward(xw, rk, hs, cs, gates, backwards, act, ract):
+def lstm_forward(xw, rk, hs, cs, gates, backwards, act, ract, mask, rmask):
     n, T, k = xw.shape
     u = rk.shape[0]
     a, ra = _kind_code(act), _kind_code(ract)
     z = np.empty((n, k), xw.dtype)
+    rkb = _blocks(rk, rmask)
     for s in range(T):
         t = T - 1 - s if backwards else s
-        np.dot(hs[s], rk, z)
+        _recurrent_product(hs[s], rk, z, rmask, rkb)
         for b in range(n):
+            if _masked(mask, b, t):
+                hs[s + 1, b], cs[s + 1, b] = hs[s, b], cs[s, b]
+                continue
             for j in range(u):
                 i = _act(ra, xw[b, t, j] + z[b, j])
                 f = _act(ra, xw[b, t, u + j] + z[b, u + j])
@@ -797,14 +859,18 @@ def lstm_forward(xw, rk, hs, cs, gates, backwards, act, ract):
 
 
 @njit(cache=True, nogil=True)
-def lstm_backward(rk, hs, cs, gates, dhs, dc, dxw, drec, backwards, act, ract):
+def lstm_backward(rk, hs, cs, gates, dhs, dc, dxw, drec, backwards, act, ract, mask, rmask):
     n, T, k = dxw.shape
     u = rk.shape[0]
     a, ra = _kind_code(act), _kind_code(ract)
     tmp = np.empty((n, u), dxw.dtype)
+    rkb = _blocks(rk, rmask)
     for s in range(T - 1, -1, -1):
         t = T - 1 - s if backwards else s
         for b in range(n):
+            if _masked(mask, b, t):          # the cell state's gradient passes as it came (dc)
+                _carried(dhs, drec, dxw, s, b, t)
+                continue
             for j in range(u):
                 i, f = gates[s, b, j], gates[s, b, u + j]
                 g, o = gates[s, b, 2 * u + j], gates[s, b, 3 * u + j]
@@ -816,19 +882,23 @@ def lstm_backward(rk, hs, cs, gates, dhs, dc, dxw, drec, backwards, act, ract):
                 drec[s, b, j], drec[s, b, u + j], dxw[b, t, j], dxw[b, t, u + j] = di, df, di, df
                 drec[s, b, 2 * u + j], drec[s, b, 3 * u + j] = dg, do
                 dxw[b, t, 2 * u + j], dxw[b, t, 3 * u + j] = dg, do
-        _add_rows_t(drec[s], rk, dhs[s], tmp)
+        _add_rows_t(drec[s], rk, dhs[s], tmp, rmask, rkb)
 
 
 @njit(cache=True, nogil=True)
-def gru_forward(xw, rk, rb, hs, gates, rh, backwards, act, ract):
+def gru_forward(xw, rk, rb, hs, gates, rh, backwards, act, ract, mask, rmask):
     n, T, k = xw.shape
     u = rk.shape[0]
     a, ra = _kind_code(act), _kind_code(ract)
     z = np.empty((n, k), xw.dtype)
+    rkb = _blocks(rk, rmask)
     for s in range(T):
         t = T - 1 - s if backwards else s
-        np.dot(hs[s], rk, z)
+        _recurrent_product(hs[s], rk, z, rmask, rkb)
         for b in range(n):
+            if _masked(mask, b, t):
+                hs[s + 1, b] = hs[s, b]
+                continue
             for j in range(u):
                 zg = _act(ra, xw[b, t, j] + z[b, j] + rb[j])
                 r = _act(ra, xw[b, t, u + j] + z[b, u + j] + rb[u + j])
@@ -840,14 +910,18 @@ def gru_forward(xw, rk, rb, hs, gates, rh, backwards, act, ract):
 
 
 @njit(cache=True, nogil=True)
-def gru_backward(rk, hs, gates, rh, dhs, dxw, drec, backwards, act, ract):
+def gru_backward(rk, hs, gates, rh, dhs, dxw, drec, backwards, act, ract, mask, rmask):
     n, T, k = dxw.shape
     u = rk.shape[0]
     a, ra = _kind_code(act), _kind_code(ract)
     tmp = np.empty((n, u), dxw.dtype)
+    rkb = _blocks(rk, rmask)
     for s in range(T - 1, -1, -1):
         t = T - 1 - s if backwards else s
         for b in range(n):
+            if _masked(mask, b, t):
+                _carried(dhs, drec, dxw, s, b, t)
+                continue
             for j in range(u):
                 zg, r, hh, dh = gates[s, b, j], gates[s, b, u + j], gates[s, b, 2 * u + j], dhs[s + 1, b, j]
                 dah = _dact(a, hh, dh * (1 - zg))
@@ -856,4 +930,4 @@ def gru_backward(rk, hs, gates, rh, dhs, dxw, drec, backwards, act, ract):
                 drec[s, b, j], drec[s, b, u + j], drec[s, b, 2 * u + j] = dz, dr, dah * r
                 dxw[b, t, j], dxw[b, t, u + j], dxw[b, t, 2 * u + j] = dz, dr, dah
                 dhs[s, b, j] += dh * zg
-        _add_rows_t(drec[s], rk, dhs[s], tmp)
+        _add_rows_t(drec[s], rk, dhs[s], tmp, rmask, rkb)

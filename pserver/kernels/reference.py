@@ -565,38 +565,74 @@ def _step(t_steps, s, backwards):
     return t_steps - 1 - s if backwards else s
 
 
-def simple_rnn_forward(xw, rk, hs, backwards, act):
-    """hs[s + 1] = act(xw[:, t] + hs[s] @ rk)."""
+def _keep(mask, t, like):
+    """(n, 1): 1 where input step t counts, 0 where Keras's mask (n, T) masks it (an empty mask:
+    every step counts). A masked step keeps the states as they were."""
+    if mask.shape[0] == 0:
+        return np.ones((like.shape[0], 1), like.dtype)
+    return (mask[:, t] != 0).astype(like.dtype)[:, None]
+
+
+def _product(h, rk, rmask):
+    """h @ rk; with recurrent dropout (one mask per gate, rmask (k, n, u)) each gate's block of
+    columns is (h * rmask[g]) @ rk[:, g] (Keras's implementation 1)."""
+    if rmask.shape[0] == 0:
+        return h @ rk
+    u = rk.shape[0]
+    return np.concatenate([(h * rmask[g]) @ rk[:, g * u:(g + 1) * u] for g in range(rmask.shape[0])], axis=1)
+
+
+def _product_back(dz, rk, rmask):
+    """The gradient of _product's h: dz @ rk.T, each gate's part times its mask."""
+    if rmask.shape[0] == 0:
+        return dz @ rk.T
+    u = rk.shape[0]
+    blocks = [slice(g * u, (g + 1) * u) for g in range(rmask.shape[0])]
+    return sum((dz[:, b] @ rk[:, b].T) * m for b, m in zip(blocks, rmask))
+
+
+def simple_rnn_forward(xw, rk, hs, backwards, act, mask, rmask):
+    """hs[s + 1] = act(xw[:, t] + hs[s] @ rk), or hs[s] where step t is masked."""
     T = xw.shape[1]
     for s in range(T):
-        hs[s + 1] = _act(act, xw[:, _step(T, s, backwards)] + hs[s] @ rk)
+        t = _step(T, s, backwards)
+        keep = _keep(mask, t, hs[s])
+        hs[s + 1] = keep * _act(act, xw[:, t] + _product(hs[s], rk, rmask)) + (1 - keep) * hs[s]
 
 
-def simple_rnn_backward(rk, hs, dhs, dxw, drec, backwards, act):
+def simple_rnn_backward(rk, hs, dhs, dxw, drec, backwards, act, mask, rmask):
     T = dxw.shape[1]
     for s in range(T - 1, -1, -1):
-        dz = _dact(act, hs[s + 1], dhs[s + 1])
-        drec[s] = dxw[:, _step(T, s, backwards)] = dz
-        dhs[s] += dz @ rk.T
+        t = _step(T, s, backwards)
+        keep, dh = _keep(mask, t, hs[s]), dhs[s + 1]
+        dz = keep * _dact(act, hs[s + 1], dh)
+        drec[s] = dxw[:, t] = dz
+        dhs[s] += _product_back(dz, rk, rmask) + (1 - keep) * dh
 
 
-def lstm_forward(xw, rk, hs, cs, gates, backwards, act, ract):
-    """Keras's LSTM, gates i, f, c, o: c = f * c' + i * act(z_c), h = o * act(c)."""
+def lstm_forward(xw, rk, hs, cs, gates, backwards, act, ract, mask, rmask):
+    """Keras's LSTM, gates i, f, c, o: c = f * c' + i * act(z_c), h = o * act(c); a masked step
+    keeps h and c."""
     T, u = xw.shape[1], rk.shape[0]
     for s in range(T):
-        z = xw[:, _step(T, s, backwards)] + hs[s] @ rk
+        t = _step(T, s, backwards)
+        keep = _keep(mask, t, hs[s])
+        z = xw[:, t] + _product(hs[s], rk, rmask)
         g = gates[s]
         g[:, :2 * u] = _act(ract, z[:, :2 * u])
         g[:, 2 * u:3 * u] = _act(act, z[:, 2 * u:3 * u])
         g[:, 3 * u:] = _act(ract, z[:, 3 * u:])
-        cs[s + 1] = g[:, u:2 * u] * cs[s] + g[:, :u] * g[:, 2 * u:3 * u]
-        hs[s + 1] = g[:, 3 * u:] * _act(act, cs[s + 1])
+        c = g[:, u:2 * u] * cs[s] + g[:, :u] * g[:, 2 * u:3 * u]
+        cs[s + 1] = keep * c + (1 - keep) * cs[s]
+        hs[s + 1] = keep * (g[:, 3 * u:] * _act(act, c)) + (1 - keep) * hs[s]
 
 
-def lstm_backward(rk, hs, cs, gates, dhs, dc, dxw, drec, backwards, act, ract):
+def lstm_backward(rk, hs, cs, gates, dhs, dc, dxw, drec, backwards, act, ract, mask, rmask):
     T, u = dxw.shape[1], rk.shape[0]
     for s in range(T - 1, -1, -1):
-        g, dh = gates[s], dhs[s + 1]
+        keep = _keep(mask, _step(T, s, backwards), hs[s])
+        g, dh, dc_in = gates[s], keep * dhs[s + 1], dc.copy()
+        dc *= keep
         i, f, c_in, o = g[:, :u], g[:, u:2 * u], g[:, 2 * u:3 * u], g[:, 3 * u:]
         tc = _act(act, cs[s + 1])
         dcs = dc + _dact(act, tc, dh * o)
@@ -605,29 +641,31 @@ def lstm_backward(rk, hs, cs, gates, dhs, dc, dxw, drec, backwards, act, ract):
         dz[:, u:2 * u] = _dact(ract, f, dcs * cs[s])
         dz[:, 2 * u:3 * u] = _dact(act, c_in, dcs * i)
         dz[:, 3 * u:] = _dact(ract, o, dh * tc)
-        dc[...] = dcs * f
+        dc[...] = dcs * f + (1 - keep) * dc_in
         dxw[:, _step(T, s, backwards)] = dz
-        dhs[s] += dz @ rk.T
+        dhs[s] += _product_back(dz, rk, rmask) + (1 - keep) * dhs[s + 1]
 
 
-def gru_forward(xw, rk, rb, hs, gates, rh, backwards, act, ract):
+def gru_forward(xw, rk, rb, hs, gates, rh, backwards, act, ract, mask, rmask):
     """Keras 3's GRU with reset_after=True (the cuDNN form), gates z, r, h: the recurrent
     product hs[s] @ rk + rb is taken whole, its h part (kept in rh) scaled by r after;
     h = z * h' + (1 - z) * hh."""
     T, u = xw.shape[1], rk.shape[0]
     for s in range(T):
-        x, r_all, g = xw[:, _step(T, s, backwards)], hs[s] @ rk + rb, gates[s]
+        x, r_all, g = xw[:, _step(T, s, backwards)], _product(hs[s], rk, rmask) + rb, gates[s]
         g[:, :2 * u] = _act(ract, x[:, :2 * u] + r_all[:, :2 * u])
         rh[s] = r_all[:, 2 * u:]
         g[:, 2 * u:] = _act(act, x[:, 2 * u:] + g[:, u:2 * u] * rh[s])
-        z = g[:, :u]
-        hs[s + 1] = z * hs[s] + (1 - z) * g[:, 2 * u:]
+        z, keep = g[:, :u], _keep(mask, _step(T, s, backwards), hs[s])
+        hs[s + 1] = keep * (z * hs[s] + (1 - z) * g[:, 2 * u:]) + (1 - keep) * hs[s]
 
 
-def gru_backward(rk, hs, gates, rh, dhs, dxw, drec, backwards, act, ract):
+def gru_backward(rk, hs, gates, rh, dhs, dxw, drec, backwards, act, ract, mask, rmask):
     T, u = dxw.shape[1], rk.shape[0]
     for s in range(T - 1, -1, -1):
-        g, dh, t = gates[s], dhs[s + 1], _step(T, s, backwards)
+        t = _step(T, s, backwards)
+        keep = _keep(mask, t, hs[s])
+        g, dh = gates[s], keep * dhs[s + 1]
         z, r, hh = g[:, :u], g[:, u:2 * u], g[:, 2 * u:]
         dah = _dact(act, hh, dh * (1 - z))
         dr = drec[s]
@@ -635,4 +673,4 @@ def gru_backward(rk, hs, gates, rh, dhs, dxw, drec, backwards, act, ract):
         dr[:, u:2 * u] = dxw[:, t, u:2 * u] = _dact(ract, r, dah * rh[s])
         dxw[:, t, 2 * u:] = dah
         dr[:, 2 * u:] = dah * r
-        dhs[s] += dh * z + dr @ rk.T
+        dhs[s] += dh * z + _product_back(dr, rk, rmask) + (1 - keep) * dhs[s + 1]

@@ -64,6 +64,7 @@ from pserver.layers.fm import FM
 from pserver.layers.image import CenterCrop, Resizing
 from pserver.layers.initializers import Initializer, RandomUniform, VarianceScaling, Zeros
 from pserver.layers.interaction import DotInteraction, FeatureCross
+from pserver.layers.masking import Masking
 from pserver.layers.merge import (
     Add,
     Average,
@@ -170,6 +171,8 @@ LAYERS.add("RandomZoom", "in training, each image zoomed in or out by a random f
 LAYERS.add("RandomTranslation", "in training, each image shifted by a random fraction of its size",
            RandomTranslation)
 LAYERS.add("RandomContrast", "in training, each image's contrast scaled by a random factor", RandomContrast)
+LAYERS.add("Masking", "a sequence's steps whose features all equal mask_value: zeros, and masked for "
+           "the recurrent layers, attention and GlobalAveragePooling1D after it", Masking)
 LAYERS.add("Lambda", "function(inputs) written with keras.ops, as a layer; a lambda loads with "
            "safe_mode=False only", Lambda)
 LAYERS.add("StringLookup", "strings to vocabulary indices (or one_hot, multi_hot, count, tf_idf); runs on "
@@ -260,4 +263,4 @@ __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
            "StringLookup", "IntegerLookup", "TextVectorization",
            "MultiHeadAttention", "GroupNormalization", "SeparableConv2D", "FeatureCross", "DotInteraction",
-           "DINAttention"]
+           "DINAttention", "Masking"]

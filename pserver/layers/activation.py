@@ -8,6 +8,7 @@ from pserver.layers.base import Layer
 
 class Activation(Layer):
     kind = "activation"
+    supports_masking = True
 
     def __init__(self, activation, **kwargs):
         super().__init__(**kwargs)

@@ -20,8 +20,9 @@ from pserver.errors import ConfigError
 from pserver.layers import initializers
 from pserver.layers.base import Layer, Weight, positive_int
 from pserver.layers.dropout import rate_of, seed_of, step_seed
+from pserver.ops import math as ops_math
 from pserver.ops.core import Symbolic
-from pserver.ops.shape import reshape, transpose
+from pserver.ops.shape import expand_dims, reshape, transpose
 
 MASKED = -1e9        # Keras's _large_negative_number for float32 scores
 _PROJECTIONS = ("query", "key", "value")
@@ -32,6 +33,7 @@ class MultiHeadAttention(Layer):
     sequences: called on a list of inputs [query, value, key?, attention_mask?] (`takes_list`)."""
 
     kind = "multi_head_attention"
+    supports_masking = True
     takes_list = True
 
     def __init__(self, num_heads: int, key_dim: int, value_dim: int | None = None, dropout: float = 0.0,
@@ -85,11 +87,10 @@ class MultiHeadAttention(Layer):
         else:
             if value is None:
                 raise ConfigError(f"{self.label}: is called on query and value: mha(query, value)")
-            bad = {"query_mask": query_mask, "value_mask": value_mask, "key_mask": key_mask}
-            bad = sorted(k for k, v in bad.items() if v is not None)
-            if bad:
-                raise ConfigError(f"{self.label}: {bad[0]} is not supported when called "
-                                  "(give attention_mask)")
+            query_mask = _mask_of(query, query_mask)
+            key_mask = None if key is None else _mask_of(key, key_mask)
+            attention_mask = self._with_masks(query, value, query_mask, _mask_of(value, value_mask), key_mask,
+                                              attention_mask)
             own_key = key is not None and key is not value
             form = (own_key, attention_mask is not None, bool(use_causal_mask), bool(return_attention_scores))
             inputs = [query, value] + ([key] if own_key else []) + ([attention_mask] if form[1] else [])
@@ -103,10 +104,44 @@ class MultiHeadAttention(Layer):
             return out
         out.node.attrs["kwargs"] = {"form": list(form)}
         if not form[3] or replay:
+            out.mask = None if replay else query_mask       # Keras's: the query's mask
             return out
         e, t, s = self.out_dim, self.output_shape[0], self.input_shape[1][0]
         scores = reshape(out[:, :, e:], (-1, t, self.num_heads, s))
-        return [out[:, :, :e], transpose(scores, (0, 2, 1, 3))]
+        first = out[:, :, :e]
+        first.mask = query_mask
+        return [first, transpose(scores, (0, 2, 1, 3))]
+
+    def output_mask(self, xs):
+        return None                        # set by __call__: the query's
+
+    def _with_masks(self, query, value, query_mask, value_mask, key_mask, attention_mask):
+        """Keras's attention mask from the sequences' masks: query step t attends to value step s
+        where query_mask[t] and value_mask[s] (and key_mask[s]) are kept, and attention_mask too,
+        (batch, T, S); attention_mask as given when no sequence has a mask."""
+        masks = [query_mask, value_mask, key_mask]
+        if all(m is None for m in masks):
+            return attention_mask
+        tensors = (query, value, *(m for m in masks if m is not None))
+        if not all(isinstance(t, Symbolic) for t in tensors):
+            raise ConfigError(f"{self.label}: masks are for a model's tensors (keras.Input, a layer's "
+                              "output)")
+        for what, m, seq in (("query_mask", query_mask, query), ("value_mask", value_mask, value),
+                             ("key_mask", key_mask, value)):
+            if m is not None and m.shape[1:] != seq.shape[1:2]:
+                raise ConfigError(f"{self.label}: {what} must be (batch, steps) = (None, {seq.shape[1]}), "
+                                  f"got {m.shape}")
+        kept = ops_math.add(ops_math.multiply(value[:, :, 0], 0.0), 1.0)      # (batch, S) of ones
+        for m in (value_mask, key_mask):
+            if m is not None:
+                kept = ops_math.multiply(kept, ops_math.cast(m, "float32"))
+        auto = expand_dims(kept, 1)                                          # (batch, 1, S)
+        if query_mask is not None:
+            rows = expand_dims(ops_math.cast(query_mask, "float32"), -1)
+            auto = ops_math.multiply(rows, auto)                             # (batch, T, S)
+        if attention_mask is None:
+            return auto
+        return ops_math.multiply(ops_math.cast(ops_math.greater(attention_mask, 0.5), "float32"), auto)
 
     def build(self, input_shape):
         shapes = [tuple(s) for s in input_shape]
@@ -276,3 +311,8 @@ def _project_back(x, w, dy, g: dict, name: str, dx, add: bool) -> None:
 
 
 __all__ = ["MultiHeadAttention"]
+
+
+def _mask_of(tensor, given):
+    """A sequence's mask: the one given to the call, else the one it carries (Symbolic.mask)."""
+    return given if given is not None else getattr(tensor, "mask", None)

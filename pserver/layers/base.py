@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import contextvars
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,10 @@ class Layer(abc.ABC):
     # True for a layer whose math is its `call` traced into ops (a user's Layer, Lambda):
     # pserver.models.graph runs the ops in its place; it has no forward/backward of its own.
     traced = False
+    # Keras's supports_masking: the layer passes its first input's mask on to its output (Dense,
+    # Dropout, activations, normalizations); a layer that does not drops it, with Keras's warning.
+    # A layer that reads the mask overrides output_mask.
+    supports_masking = False
 
     def __new__(cls, *args, **kwargs):
         # The arguments as given, defaults filled in: get_config's, as Keras's layers keep theirs.
@@ -124,7 +129,19 @@ class Layer(abc.ABC):
             attrs["kwargs"] = kwargs
         node = Node(self.kind, xs, attrs, layer=self)
         node.outputs.append(Symbolic((None, *self.output_shape), "float32", node, 0))
+        node.outputs[0].mask = self.output_mask(xs)
         return node.outputs[0]
+
+    def output_mask(self, xs: list):
+        """Keras's compute_mask: the mask of this call's output, from its inputs' (Symbolic.mask)."""
+        mask = xs[0].mask if xs else None
+        if mask is None or self.supports_masking:
+            return mask
+        warnings.warn(f"Layer '{self.name or self.kind}' (of type {type(self).__name__}) was passed an input "
+                      "with a mask attached to it. However, this layer does not support masking and will "
+                      "therefore destroy the mask information. Downstream layers will not see the mask.",
+                      stacklevel=3)
+        return None
 
     def build_once(self, input_shape) -> None:
         """Build for `input_shape` at the first call; a later call must bring the same shape

@@ -10,6 +10,7 @@ from pserver.layers.base import KernelLayer, positive_int
 
 class Dense(KernelLayer):
     kind = "dense"
+    supports_masking = True
 
     def __init__(self, units: int, activation=None, use_bias: bool = True,
                  kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs):

@@ -33,6 +33,7 @@ def step_seed(run, seed: int) -> int:
 
 class Dropout(Layer):
     kind = "dropout"
+    supports_masking = True
 
     def __init__(self, rate: float, seed: int | None = None, **kwargs):
         super().__init__(**kwargs)

@@ -39,6 +39,7 @@ from pserver.kernels.reference import COMBINERS
 from pserver.layers import initializers, regularizers
 from pserver.layers.base import Layer, Weight, activity, positive_int
 from pserver.ops.core import Symbolic
+from pserver.ops.math import cast, not_equal
 from pserver.sparse import TableConfig
 
 
@@ -129,6 +130,13 @@ class Embedding(Layer):
             return (self.output_dim,)
         self.expect_rank(input_shape, 1, "ids (length,)")
         return (self.output_dim,) if self.combiner else (input_shape[0], self.output_dim)
+
+    def output_mask(self, xs):
+        """Keras's compute_mask: an unpooled sequence with padding (mask_zero=True, padding_id) carries
+        the mask ids != padding, which recurrent layers, attention and GlobalAveragePooling1D read."""
+        if self.pooled or self.padding is None or self.input_shape == ():
+            return None
+        return cast(not_equal(xs[0], self.padding), "float32")
 
     @property
     def pooled(self) -> bool:

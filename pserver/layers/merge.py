@@ -15,6 +15,8 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.layers.base import Layer
+from pserver.ops import math as ops_math
+from pserver.ops import shape as ops_shape
 
 
 class _Merge(Layer):
@@ -30,6 +32,14 @@ class _Merge(Layer):
         self.input_shape = shapes
         self.output_shape = self.output_shape_for(shapes)
         return self.output_shape
+
+    def output_mask(self, xs):
+        """Keras's merge: the steps every masked input keeps (the product of their masks)."""
+        masks = [x.mask for x in xs if x.mask is not None]
+        out = masks[0] if masks else None
+        for m in masks[1:]:
+            out = ops_math.multiply(out, m)
+        return out
 
     def mismatch(self, shapes, why: str) -> ConfigError:
         return ConfigError(f"{self.label}: inputs of shapes {', '.join(map(str, shapes))} do not merge: "
@@ -134,6 +144,26 @@ class Concatenate(_Merge):
     """Concatenate(axis=-1): along `axis` (of the batched tensor, as Keras's; not the batch)."""
     kind = "concatenate"
 
+    def output_mask(self, xs):
+        """Keras's: along the features, a step counts where any input's does (an input without a
+        mask counts everywhere: no mask); along the steps of sequences, the masks concatenated."""
+        if all(x.mask is None for x in xs):
+            return None
+        rank = len(xs[0].shape)
+        axis = self.axis % rank
+        if axis == rank - 1:
+            if any(x.mask is None for x in xs):
+                return None
+            out = xs[0].mask
+            for x in xs[1:]:
+                out = ops_math.maximum(out, x.mask)
+            return out
+        if axis == 1 and rank == 3:
+            ones = [ops_math.add(ops_math.multiply(x[:, :, 0], 0.0), 1.0) if x.mask is None else x.mask
+                    for x in xs]
+            return ops_shape.concatenate(ones, axis=1)
+        return None
+
     def __init__(self, axis: int = -1, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(axis, int) or isinstance(axis, bool) or axis == 0:
@@ -181,6 +211,9 @@ class Dot(_Merge):
     """Dot(axes): the batched dot product of two tensors along `axes` (an int, or one axis per
     input; the batch is axis 0, as Keras's), for inputs of rank 2 or 3 with the batch:
     (n, d)·(n, d) -> (n, 1); (n, m, d)·(n, k, d) with axes=2 -> (n, m, k) (DLRM's interaction)."""
+
+    def output_mask(self, xs):
+        return None                      # Keras's Dot: no mask
     kind = "dot"
     arity = 2
 

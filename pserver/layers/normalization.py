@@ -39,6 +39,7 @@ def _epsilon(owner: str, epsilon) -> float:
 
 class _Normalization(Layer):
     """gamma and beta (as `center` and `scale` ask) over the normalized values y."""
+    supports_masking = True
 
     def __init__(self, epsilon, center, scale, beta_initializer, gamma_initializer, **kwargs):
         super().__init__(**kwargs)

@@ -30,6 +30,7 @@ class Rescaling(Layer):
     """x * scale + offset; a list gives each channel (the last axis) its own."""
 
     kind = "rescaling"
+    supports_masking = True
 
     def __init__(self, scale, offset=0.0, **kwargs):
         super().__init__(**kwargs)
@@ -77,6 +78,8 @@ class Normalization(Layer):
     maps back: mean + x * max(sqrt(variance), 1e-7). The statistics are given (mean=,
     variance=: constants, no weights, as Keras's) or learned by `adapt(data)` (the
     non-trainable weights mean, variance and count)."""
+
+    supports_masking = True
 
     kind = "normalization"
     EPSILON = 1e-7                 # keras.backend.epsilon(), Keras's floor on the deviation

@@ -28,6 +28,7 @@ from pserver.layers import initializers, regularizers
 from pserver.layers.base import Layer, Weight, activity, positive_int
 from pserver.layers.dropout import rate_of, seed_of, step_seed
 from pserver.ops.core import Symbolic
+from pserver.ops.math import cast
 from pserver.ops.shape import reshape
 
 # The activations the fused kernels compute (their derivatives from their outputs).
@@ -68,13 +69,19 @@ class _Recurrent(Layer):
 
     gates = 1
     states = 1
+    supports_masking = True
+    masked = False              # called with Keras's mask: the node's last input, (steps,) 0 where masked
 
     def _setup(self, units, activation, recurrent_activation, use_bias, kernel_initializer,
                recurrent_initializer, bias_initializer, kernel_regularizer, recurrent_regularizer,
                bias_regularizer, activity_regularizer, constraints: dict, dropout, recurrent_dropout,
                return_sequences, return_state, go_backwards, stateful, unroll, kwargs, seed=None) -> None:
         owner = type(self).__name__
-        _refuse(owner, recurrent_dropout=recurrent_dropout, stateful=stateful, unroll=unroll, **constraints)
+        _refuse(owner, stateful=stateful, unroll=unroll, **constraints)
+        self.recurrent_dropout = rate_of(owner, "recurrent_dropout", recurrent_dropout)
+        # Keras's RNN argument: a masked step's output is zeros, not the last state (Bidirectional
+        # sets it with return_sequences, as Keras's does)
+        self.zero_output_for_mask = bool(kwargs.pop("zero_output_for_mask", False))
         self.dropout, self.seed = rate_of(owner, "dropout", dropout), seed_of(seed)
         super().__init__(**kwargs)
         self.units = positive_int(owner, "units", units)
@@ -91,25 +98,55 @@ class _Recurrent(Layer):
         if self.activity_regularizer is not None and self.return_state:
             raise ConfigError(f"{owner}: activity_regularizer with return_state=True is not supported")
 
-    def __call__(self, inputs, training=None, initial_state=None, mask=None, packed=False, **kwargs):
+    def __call__(self, inputs, training=None, initial_state=None, mask=None, packed=False, masked=False,
+                 **kwargs):
         """Keras's call; with return_state the list [output, *states]. initial_state (h, or LSTM's
-        [h, c]) makes the node's inputs [x, *states] (a saved graph replays it as that list);
-        mask is refused (every step counts). The node of a return_state call records packed=True,
+        [h, c]) makes the node's inputs [x, *states] (a saved graph replays it as that list).
+        mask (batch, steps), or else the mask the sequence carries (Embedding(mask_zero=True),
+        Masking): a masked step keeps the states as they were and outputs the last one (zeros
+        with zero_output_for_mask), as Keras's; it is the node's last input, and the node records
+        masked=True (a replay passes it so). The node of a return_state call records packed=True,
         so that a saved graph's replay (pserver.models.graph_config) gets the packed tensor its
         slicing ops read."""
-        _refuse(self.label, mask=mask is not None)
+        if masked:                               # a saved graph's replay: the mask is the last input
+            *inputs, mask = inputs
+            inputs = inputs if len(inputs) > 1 else inputs[0]
+        if isinstance(inputs, (list, tuple)) and initial_state is None and not masked and len(inputs) > 1:
+            inputs, initial_state = inputs[0], list(inputs[1:])
+        sequence = inputs[0] if isinstance(inputs, (list, tuple)) else inputs
+        if mask is None and isinstance(sequence, Symbolic):
+            mask = sequence.mask
+        if mask is not None and not isinstance(sequence, Symbolic):
+            raise ConfigError(f"{self.label}: mask= is for a model's tensors (keras.Input, a layer's "
+                              "output), not arrays")
         if initial_state is not None:
             states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [initial_state]
-            inputs = [inputs, *states]
-        given = isinstance(inputs, (list, tuple))
-        if getattr(self, "_built_for", None) is not None and given != self.takes_list:
-            raise ConfigError(f"{self.label}: called with and without initial_state; a layer's calls "
-                              "must agree (use two layers)")
-        self.takes_list = given
+            inputs = [sequence, *states]
+        listed = isinstance(inputs, (list, tuple))
+        if mask is not None:
+            if not isinstance(mask, Symbolic):
+                raise ConfigError(f"{self.label}: mask must be a tensor of the model (batch, steps), got "
+                                  f"{type(mask).__name__}")
+            if mask.shape[1:] != sequence.shape[1:2]:
+                raise ConfigError(f"{self.label}: mask must be (batch, steps) = (None, {sequence.shape[1]}), "
+                                  f"got {mask.shape}")
+            inputs = [*(inputs if listed else [inputs]), mask if mask.dtype == np.float32 else
+                      cast(mask, "float32")]
+        given, was = isinstance(inputs, (list, tuple)), getattr(self, "_built_for", None)
+        if was is not None and (given, mask is not None) != (self.takes_list, self.masked):
+            raise ConfigError(f"{self.label}: called with and without initial_state or a mask; a layer's "
+                              "calls must agree (use two layers)")
+        self.takes_list, self.masked = given, mask is not None
         out = super().__call__(list(inputs) if given else inputs, training=training, **kwargs)
-        if not (self.return_state and isinstance(out, Symbolic)):
+        if not isinstance(out, Symbolic):
             return out
-        out.node.attrs["kwargs"] = {"packed": True}
+        recorded = {**({"packed": True} if self.return_state else {}),
+                    **({"masked": True} if self.masked else {})}
+        if recorded:
+            out.node.attrs["kwargs"] = recorded
+        out.mask = inputs[-1] if self.masked and self.return_sequences and not self.return_state else None
+        if not self.return_state:
+            return out
         return out if packed else self._unpacked(out)
 
     def _unpacked(self, out: Symbolic) -> list:
@@ -119,10 +156,16 @@ class _Recurrent(Layer):
         return [first, *(out[:, rows + j] for j in range(self.states))]
 
     def build(self, input_shape):
-        """With initial_state the shapes [x's, *the states'], each state (units,)."""
+        """With initial_state the shapes [x's, *the states'], each state (units,); a mask's last."""
         if self.takes_list:
             input_shape, *states = input_shape
-            if len(states) != self.states or any(tuple(st) != (self.units,) for st in states):
+            if self.masked:
+                if tuple(states[-1]) != input_shape[:1]:
+                    raise ConfigError(f"{self.label}: mask must be (batch, steps), steps {input_shape[0]}; "
+                                      f"got {tuple(states[-1])}")
+                states = states[:-1]
+            wrong = (states or not self.masked) and len(states) != self.states
+            if wrong or any(tuple(st) != (self.units,) for st in states):
                 raise ConfigError(f"{self.label}: initial_state must be {self.states} tensor(s) of shape "
                                   f"({self.units},), got {[tuple(st) for st in states]}")
         return super().build(input_shape)
@@ -174,6 +217,35 @@ class _Recurrent(Layer):
     def _dbiases(self, g: dict, s: dict):
         return (g["bias"] if self.use_bias else s["dbias"]), s["rdb"]
 
+    def _draw(self, k, shape, rate, seed, dtype):
+        """A dropout mask of `shape` (0 or 1/(1 - rate)), Dropout's kernel and seeds."""
+        ones, mask = np.ones(shape, dtype), np.empty(shape, dtype)
+        k.dropout_forward(ones, np.empty_like(ones), mask, rate, seed)
+        return mask
+
+    def _gate_dropout(self, k, x, s, run) -> bool:
+        """Keras's recurrent_dropout, in training: one mask per gate on the state before its
+        recurrent product (rmask (k, n, units)), and then (Keras's implementation 1) one input
+        mask per gate as well (gate_masks (k, n, features)), each the same at every step. Whether
+        the input projection is per gate (the caller's dense product otherwise)."""
+        n, _, features = x.shape
+        s["rmask"] = np.empty((0, 0, 0), x.dtype)
+        s.pop("gate_masks", None)
+        if not (run.training and self.recurrent_dropout > 0):
+            return False
+        seed = step_seed(run, self.seed)
+        s["rmask"] = self._draw(k, (self.gates, n, self.units), self.recurrent_dropout,
+                                (seed * 6364136223846793005 + 1442695040888963407) % (1 << 63), x.dtype)
+        if self.dropout == 0:
+            return False
+        s.pop("input_mask", None)
+        s["gate_masks"] = gm = self._draw(k, (self.gates, n, features), self.dropout, seed, x.dtype)
+        u, w, b = self.units, s["params"]["kernel"], self._biases(s["params"], s)[0]
+        for g in range(self.gates):
+            blk = slice(g * u, (g + 1) * u)
+            s["xw"][..., blk] = (x * gm[g][:, None, :]) @ w[:, blk] + b[blk]
+        return True
+
     def _dropped(self, k, x, s, run):
         """Keras's `dropout` on a recurrent layer's inputs, in training: one mask per sample and
         feature, the same at every step (its cell's one dropout mask per call), with Dropout's
@@ -187,24 +259,42 @@ class _Recurrent(Layer):
         s["input_mask"], s["dropped"] = mask, x * mask[:, None, :]
         return s["dropped"]
 
+    def _parts(self, x) -> tuple:
+        """(the sequence, its initial states or None, the mask (n, steps) or an empty one)."""
+        if not self.takes_list:
+            return x, None, np.empty((0, 0), x.dtype)
+        rest = list(x[1:])
+        mask = rest.pop() if self.masked else np.empty((0, 0), x[0].dtype)
+        return x[0], rest or None, np.ascontiguousarray(mask, x[0].dtype)
+
     def forward(self, k, p, x, out, s, run):
-        x, states = (x[0], x[1:]) if self.takes_list else (x, [0] * self.states)
-        x = self._dropped(k, x, s, run)
+        x, states, s["mask"] = self._parts(x)
+        states = states or [0] * self.states
+        s["params"] = p
+        if not self._gate_dropout(k, x, s, run):
+            x = self._dropped(k, x, s, run)
+            n, steps, features = x.shape
+            k.dense_forward(x.reshape(n * steps, features), p["kernel"], self._biases(p, s)[0],
+                            s["xw"].reshape(n * steps, -1), False)
         n, steps, features = x.shape
-        xw = s["xw"]
-        k.dense_forward(x.reshape(n * steps, features), p["kernel"], self._biases(p, s)[0],
-                        xw.reshape(n * steps, -1), False)
         for name, state in zip(("hs", "cs"), states):
             s[name][0] = state
         self._cell_forward(k, p, s)
         out3, hs = out.reshape(n, -1, self.units), s["hs"]
         if self.return_sequences:
             out3[:, :steps] = hs[1:].transpose(1, 0, 2)
+            if self.zero_output_for_mask and s["mask"].size:
+                out3[:, :steps] *= self._kept(s)
         else:
             out3[:, 0] = hs[steps]
         if self.return_state:
             for j, state in enumerate(self._final_states(s)):
                 out3[:, self._out_rows + j] = state
+
+    def _kept(self, s: dict):
+        """(n, steps, 1): 1 where the output's step s (in the order read) was not masked."""
+        keep = (s["mask"] != 0).astype(s["hs"].dtype)
+        return (keep[:, ::-1] if self.go_backwards else keep)[:, :, None]
 
     def _final_states(self, s: dict) -> list:
         return [s["hs"][-1]]
@@ -213,6 +303,10 @@ class _Recurrent(Layer):
         dstates = []
         if self.takes_list:                # the initial states' gradients: d hs[0], and LSTM's dc
             x, (dx, *dstates) = x[0], dx
+            if self.masked:                # a mask takes no gradient
+                if dstates[-1] is not None:
+                    dstates[-1][...] = 0
+                dstates = dstates[:-1]
         n, steps, features = x.shape
         u, width = self.units, self.gates * self.units
         if "dhs" not in s:               # made at the first training step of this batch size
@@ -221,7 +315,8 @@ class _Recurrent(Layer):
         d3, dhs = dout.reshape(n, -1, u), s["dhs"]
         dhs[0] = 0
         if self.return_sequences:
-            dhs[1:] = d3[:, :steps].transpose(1, 0, 2)
+            dhs[1:] = (d3[:, :steps] * self._kept(s) if self.zero_output_for_mask and s["mask"].size
+                       else d3[:, :steps]).transpose(1, 0, 2)
         else:
             dhs[1:steps] = 0
             dhs[steps] = d3[:, 0]
@@ -235,8 +330,19 @@ class _Recurrent(Layer):
             if d is not None:
                 d[...] = got
         dbias, drbias = self._dbiases(g, s)
-        k.dense_param_grads(s["hs"][:steps].reshape(steps * n, u), s["drec"].reshape(steps * n, width),
-                            g["recurrent_kernel"], drbias)
+        rmask = s["rmask"]
+        if rmask.size:                        # recurrent dropout: each gate's block saw h * its mask
+            for j in range(self.gates):
+                blk = slice(j * u, (j + 1) * u)
+                g["recurrent_kernel"][:, blk] = ((s["hs"][:steps] * rmask[j]).reshape(steps * n, u).T
+                                                 @ s["drec"][..., blk].reshape(steps * n, u))
+            drbias[...] = s["drec"].reshape(steps * n, width).sum(0)
+        else:
+            k.dense_param_grads(s["hs"][:steps].reshape(steps * n, u), s["drec"].reshape(steps * n, width),
+                                g["recurrent_kernel"], drbias)
+        if "gate_masks" in s:                 # and each gate's input projection its own input mask
+            self._gate_input_grads(p, g, x, dx, s, dbias)
+            return
         mask = s.get("input_mask")
         if mask is not None:                  # the kernel saw the dropped inputs
             x = s["dropped"]
@@ -248,12 +354,26 @@ class _Recurrent(Layer):
             if mask is not None:
                 dx *= mask[:, None, :]
 
+    def _gate_input_grads(self, p, g, x, dx, s, dbias) -> None:
+        n, steps, features = x.shape
+        u, gm, dxw = self.units, s["gate_masks"], s["dxw"]
+        if dx is not None:
+            dx[...] = 0
+        for j in range(self.gates):
+            blk = slice(j * u, (j + 1) * u)
+            xm = x * gm[j][:, None, :]
+            g["kernel"][:, blk] = xm.reshape(n * steps, features).T @ dxw[..., blk].reshape(n * steps, u)
+            if dx is not None:
+                dx += (dxw[..., blk] @ p["kernel"][:, blk].T) * gm[j][:, None, :]
+        dbias[...] = dxw.reshape(n * steps, -1).sum(0)
+
     def _cell_forward(self, k, p, s) -> None:
-        k.simple_rnn_forward(s["xw"], p["recurrent_kernel"], s["hs"], self.go_backwards, self.activation)
+        k.simple_rnn_forward(s["xw"], p["recurrent_kernel"], s["hs"], self.go_backwards, self.activation,
+                             s["mask"], s["rmask"])
 
     def _cell_backward(self, k, p, s) -> None:
         k.simple_rnn_backward(p["recurrent_kernel"], s["hs"], s["dhs"], s["dxw"], s["drec"],
-                              self.go_backwards, self.activation)
+                              self.go_backwards, self.activation, s["mask"], s["rmask"])
 
 
 class SimpleRNN(_Recurrent):
@@ -313,11 +433,12 @@ class LSTM(_Recurrent):
 
     def _cell_forward(self, k, p, s):
         k.lstm_forward(s["xw"], p["recurrent_kernel"], s["hs"], s["cs"], s["gates"], self.go_backwards,
-                       self.activation, self.recurrent_activation)
+                       self.activation, self.recurrent_activation, s["mask"], s["rmask"])
 
     def _cell_backward(self, k, p, s):
         k.lstm_backward(p["recurrent_kernel"], s["hs"], s["cs"], s["gates"], s["dhs"], s["dc"], s["dxw"],
-                        s["drec"], self.go_backwards, self.activation, self.recurrent_activation)
+                        s["drec"], self.go_backwards, self.activation, self.recurrent_activation, s["mask"],
+                        s["rmask"])
 
 
 class GRU(_Recurrent):
@@ -363,11 +484,11 @@ class GRU(_Recurrent):
 
     def _cell_forward(self, k, p, s):
         k.gru_forward(s["xw"], p["recurrent_kernel"], self._biases(p, s)[1], s["hs"], s["gates"], s["rh"],
-                      self.go_backwards, self.activation, self.recurrent_activation)
+                      self.go_backwards, self.activation, self.recurrent_activation, s["mask"], s["rmask"])
 
     def _cell_backward(self, k, p, s):
         k.gru_backward(p["recurrent_kernel"], s["hs"], s["gates"], s["rh"], s["dhs"], s["dxw"], s["drec"],
-                       self.go_backwards, self.activation, self.recurrent_activation)
+                       self.go_backwards, self.activation, self.recurrent_activation, s["mask"], s["rmask"])
 
 
 MERGE_MODES = ("concat", "sum", "mul", "ave")
@@ -393,6 +514,8 @@ class Bidirectional(Layer):
     as the cells' own return_state does: `summary()` shows the packed shape."""
 
     kind = "bidirectional"
+    supports_masking = True
+    masked = False
 
     def __init__(self, layer, merge_mode="concat", weights=None, backward_layer=None, **kwargs):
         super().__init__(**kwargs)
@@ -411,6 +534,8 @@ class Bidirectional(Layer):
             raise ConfigError("Bidirectional: layer and backward_layer must agree on return_state and "
                               "have as many states")
         self.merge_mode, self.layer, self.backward_layer = merge_mode, layer, backward_layer
+        for inner in (layer, backward_layer):      # Keras's: a masked step's output is zeros in a sequence
+            inner.zero_output_for_mask = inner.return_sequences
         self.return_sequences, self.return_state = layer.return_sequences, layer.return_state
         self.prefixes = (f"forward_{layer.name or layer.kind}/",
                          f"backward_{backward_layer.name or backward_layer.kind}/")
@@ -438,14 +563,39 @@ class Bidirectional(Layer):
                 config[what] = CELLS[entry["class_name"]].from_config(entry["config"])
         return super().from_config(config)
 
-    def __call__(self, inputs, training=None, packed=False, **kwargs):
+    def __call__(self, inputs, training=None, mask=None, packed=False, masked=False, **kwargs):
         """Keras's call; with return_state the list [output, *forward states, *backward states]
         sliced from the packed vector. The node of such a call records packed=True, so that a
-        saved graph's replay gets the packed tensor its slicing ops read."""
+        saved graph's replay gets the packed tensor its slicing ops read. A mask (mask=, or the
+        sequence's) reaches both layers as the cells' does (the node's inputs [x, mask], masked=True)."""
+        if masked:
+            inputs, mask = inputs
+        if mask is None and isinstance(inputs, Symbolic):
+            mask = inputs.mask
+        if mask is not None:
+            if not (isinstance(inputs, Symbolic) and isinstance(mask, Symbolic)):
+                raise ConfigError(f"{self.label}: mask= is for a model's tensors (keras.Input, a layer's "
+                                  "output)")
+            if mask.shape[1:] != inputs.shape[1:2]:
+                raise ConfigError(f"{self.label}: mask must be (batch, steps) = (None, {inputs.shape[1]}), "
+                                  f"got {mask.shape}")
+            inputs = [inputs, mask if mask.dtype == np.float32 else cast(mask, "float32")]
+        if getattr(self, "_built_for", None) is not None and self.masked != (mask is not None):
+            raise ConfigError(f"{self.label}: called with and without a mask; a layer's calls must agree "
+                              "(use two layers)")
+        self.masked = self.takes_list = mask is not None
+        for inner in self.sublayers():
+            inner.masked = inner.takes_list = self.masked
         out = super().__call__(inputs, training=training, **kwargs)
-        if not (self.return_state and isinstance(out, Symbolic)):
+        if not isinstance(out, Symbolic):
             return out
-        out.node.attrs["kwargs"] = {"packed": True}
+        recorded = {**({"packed": True} if self.return_state else {}),
+                    **({"masked": True} if self.masked else {})}
+        if recorded:
+            out.node.attrs["kwargs"] = recorded
+        out.mask = inputs[1] if self.masked and self.return_sequences and not self.return_state else None
+        if not self.return_state:
+            return out
         if packed:
             return out
         first = out[:, :self.merged_size]
@@ -453,7 +603,13 @@ class Bidirectional(Layer):
             first = reshape(first, (-1, *self.merged_shape))
         return [first, *(out[:, columns] for _, _, columns in self._state_columns())]
 
+    def build(self, input_shape):
+        """Masked: [the sequence's shape, the mask's], which the wrapped layers build for."""
+        self._inner_shape = [tuple(s) for s in input_shape] if self.masked else None
+        return super().build(input_shape[0] if self.masked else input_shape)
+
     def output_shape_for(self, input_shape):
+        input_shape = getattr(self, "_inner_shape", None) or input_shape
         shape = self.layer.build(input_shape)
         if self.backward_layer.build(input_shape) != shape:
             raise ConfigError(f"{self.label}: layer and backward_layer give different shapes")
@@ -537,7 +693,14 @@ class Bidirectional(Layer):
             parts = [dout * 0.5, dout * 0.5] if self.merge_mode == "ave" else [dout, dout]
         return [np.ascontiguousarray(parts[0]), np.ascontiguousarray(self._aligned(parts[1]))]
 
+    def output_mask(self, xs):
+        return None                        # set by __call__: the mask with return_sequences
+
     def backward(self, k, p, g, x, out, dout, dx, s):
+        if self.masked:                    # [dx, d mask]: a mask takes no gradient
+            if dx[1] is not None:
+                dx[1][...] = 0
+            dx = dx[0]
         douts = self._split_grad(self._merged(dout), s)
         if self.return_state:              # each cell's packed gradient: its output's rows, its states'
             rows = self.layer._out_rows
@@ -549,8 +712,9 @@ class Bidirectional(Layer):
             douts = packed
         tmp = None if dx is None else np.empty_like(dx)
         for i, inner in enumerate(self.sublayers()):
+            into = dx if i == 0 else tmp
             inner.backward(k, self._part(p, i), self._part(g, i), x, s["outs"][i], douts[i],
-                           dx if i == 0 else tmp, s["inner"][i])
+                           [into, None] if self.masked else into, s["inner"][i])
         if dx is not None:
             dx += tmp
 

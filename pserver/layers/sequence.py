@@ -52,6 +52,10 @@ class DINAttention(TracedLayer):
     """DIN's attention pooling: din([query, keys]) or din([query, keys, ids]) (see the module)."""
 
     kind = "din_attention"
+    supports_masking = True      # it reads the list's padding from its ids; its pooled output has no steps
+
+    def output_mask(self, xs):
+        return None
 
     def __init__(self, hidden_units=(80, 40), activation="sigmoid", normalize: str | None = None,
                  mask_zero: bool = False, padding_id: int | None = None,

@@ -57,6 +57,10 @@ class Symbolic:
         self.shape = tuple(None if d is None else int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self.node, self.index, self.name = node, index, name
+        # Keras's mask (its _keras_mask): a float32 tensor (batch, steps), 0 at a padded step, that
+        # Embedding(mask_zero=True) and Masking make, layers with supports_masking pass on, and
+        # the recurrent layers, attention and GlobalAveragePooling1D read; None: no mask.
+        self.mask: "Symbolic | None" = None
 
     @property
     def ndim(self) -> int:
