@@ -56,9 +56,10 @@ def follow_parent() -> None:
 def quiet_interrupt_while_loading() -> None:
     """In the `pserver` command only (`python -m pserver ...`, the `pserver` script, a launched
     child): a Ctrl-C while the package loads, before main() can catch anything (seconds on a
-    busy machine), prints one line and exits 130, not the import's 30-line traceback. main()
-    hands SIGINT back to Python (interrupt_as_usual); a program that imports pserver keeps its
-    own handler, and so does a process where SIGINT is ignored (a background job)."""
+    busy machine), or while its flags are parsed, prints one line and exits 130, not a traceback.
+    exit_code hands SIGINT back to Python (interrupt_as_usual) inside its try, where a
+    KeyboardInterrupt is its one line; a program that imports pserver keeps its own handler,
+    and so does a process where SIGINT is ignored (a background job)."""
     # `python -m pserver...` (sys.orig_argv: the interpreter's own command line; a user's
     # `python -m theirs` importing pserver is not the command), or the `pserver` script.
     orig = getattr(sys, "orig_argv", [])
@@ -76,7 +77,7 @@ def _interrupted_while_loading(signum, frame) -> None:
 
 
 def interrupt_as_usual() -> None:
-    """SIGINT raises KeyboardInterrupt again (which main() turns into one line and exit 130)."""
+    """SIGINT raises KeyboardInterrupt again (which exit_code turns into one line and exit 130)."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -13,12 +13,11 @@ import pickle
 import sys
 
 from pserver.launch.roles import ROLES, run_role
-from pserver.signals import as_command, exiting_after, follow_parent, interrupt_as_usual
+from pserver.signals import as_command, exiting_after, follow_parent
 
 
 def main(argv: list[str]) -> int:
-    interrupt_as_usual()
-    as_command()
+    as_command()                               # (exit_code hands SIGINT back to Python)
     follow_parent()                            # stop when the launcher dies
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if len(argv) != 2 or argv[0] not in ROLES:

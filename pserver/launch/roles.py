@@ -16,7 +16,7 @@ from typing import Callable
 from pserver.config import ServerConfig, WorkerConfig
 from pserver.errors import PServerError
 from pserver.launch import allocator
-from pserver.signals import Stopped, stop_on_signals
+from pserver.signals import Stopped, interrupt_as_usual, stop_on_signals
 
 
 def run_shard(cfg: ServerConfig, log_level: str = "INFO") -> int:
@@ -54,8 +54,11 @@ def one_blas_thread() -> None:
 
 
 def exit_code(command: str, call: Callable[[], int]) -> int:
-    """call()'s exit code; a user's mistake or a failure is one line on stderr, never a traceback."""
+    """call()'s exit code; a user's mistake or a failure is one line on stderr, never a traceback.
+    In the `pserver` command, SIGINT raises KeyboardInterrupt from here on (inside the try, so a
+    Ctrl-C at any moment is one line: before, the loading handler's; from here, this one's)."""
     try:
+        interrupt_as_usual()
         return call()
     except PServerError as e:                  # its exit_code: 2 usage, 1 failed, 138 transient
         print(f"pserver {command}: error: {e}", file=sys.stderr)

@@ -208,6 +208,36 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(command):
     assert children(p.pid) == []
 
 
+def test_ctrl_c_while_the_flags_are_parsed_is_one_line_and_exit_130(tmp_path):
+    """A Ctrl-C after the package loaded but before the command runs (argparse reading its
+    translations through gettext): on 8b2eadc a KeyboardInterrupt traceback and death by SIGINT,
+    as CI saw twice. A sitecustomize on PYTHONPATH holds the real command 1 s inside
+    parse_known_args (and says so in a file) so that the signal lands there every time."""
+    import subprocess
+    import time
+    ready = tmp_path / "parsing"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import argparse, time\n"
+        "_parse = argparse.ArgumentParser.parse_known_args\n"
+        "def parse_known_args(self, *a, **k):\n"
+        f"    open({str(ready)!r}, 'w').close()\n"
+        "    time.sleep(1.0)\n"
+        "    return _parse(self, *a, **k)\n"
+        "argparse.ArgumentParser.parse_known_args = parse_known_args\n")
+    env = env_with({"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    with sigint_as_from_a_terminal():
+        p = subprocess.Popen(pserver_cmd("worker", "--ps", "127.0.0.1:1", *LOGREG), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert wait_until(ready.exists, 60)
+        time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and err == "pserver worker: interrupted\n", (p.returncode, out, err)
+
+
 @pytest.mark.parametrize("command", [["worker", "--ps", "127.0.0.1:1", "--connect-timeout", "120", *LOGREG],
                                      ["serve", "--port", "0"]], ids=["worker", "serve"])
 def test_a_second_ctrl_c_while_the_process_exits_is_ignored_and_the_exit_is_130(command):
