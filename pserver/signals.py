@@ -101,6 +101,15 @@ def exiting_after(code: int) -> int:
     return code
 
 
+def interrupt_handled() -> None:
+    """Tell Python that the KeyboardInterrupt just caught is handled. CPython marks a process to die
+    by SIGINT at exit (status -2, whatever sys.exit said) when a KeyboardInterrupt leaves any
+    exec() or eval() of a string, even if it is caught later: dataclasses and namedtuple create
+    their methods so, and a Ctrl-C while a module defining one loads got 'interrupted' and -2
+    (CI saw it). An exec of a string clears the mark as it starts."""
+    exec("pass", {})
+
+
 def stopping() -> bool:
     """Whether this process got a stop signal. A Ctrl-C reaches every process of the terminal's
     group at once: a shard that it stops first is then no news worth a line in a worker."""

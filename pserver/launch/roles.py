@@ -16,7 +16,7 @@ from typing import Callable
 from pserver.config import ServerConfig, WorkerConfig
 from pserver.errors import PServerError
 from pserver.launch import allocator
-from pserver.signals import Stopped, interrupt_as_usual, stop_on_signals
+from pserver.signals import Stopped, interrupt_as_usual, interrupt_handled, stop_on_signals
 
 
 def run_shard(cfg: ServerConfig, log_level: str = "INFO") -> int:
@@ -64,6 +64,7 @@ def exit_code(command: str, call: Callable[[], int]) -> int:
         print(f"pserver {command}: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
+        interrupt_handled()
         print(f"pserver {command}: interrupted", file=sys.stderr)
         return 130
     except Stopped as e:

@@ -208,6 +208,23 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(command):
     assert children(p.pid) == []
 
 
+def test_an_interrupt_that_left_an_exec_of_a_string_still_exits_130(tmp_path):
+    """A KeyboardInterrupt that leaves an exec() of a string (as dataclasses' generated methods run)
+    and is then caught by exit_code: CPython marks the process to die by SIGINT at exit, and on
+    b1fde50 it did (status -2 after 'interrupted', as CI saw twice with a Ctrl-C while a module
+    loaded). Run with -m as the `pserver` command is."""
+    import subprocess
+    import sys
+    (tmp_path / "interrupted_in_exec.py").write_text(
+        "import sys\n"
+        "from pserver.launch.roles import exit_code\n"
+        "sys.exit(exit_code('worker', lambda: exec('raise KeyboardInterrupt')))\n")
+    path = f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    r = subprocess.run([sys.executable, "-m", "interrupted_in_exec"], capture_output=True, text=True,
+                       env=env_with({"PYTHONPATH": path}), cwd=tmp_path, timeout=120)
+    assert (r.returncode, r.stderr) == (130, "pserver worker: interrupted\n"), (r.returncode, r.stderr)
+
+
 def test_ctrl_c_while_the_flags_are_parsed_is_one_line_and_exit_130(tmp_path):
     """A Ctrl-C after the package loaded but before the command runs (argparse reading its
     translations through gettext): on 8b2eadc a KeyboardInterrupt traceback and death by SIGINT,
