@@ -20,9 +20,9 @@ from pserver.kernels import get_backend
 from pserver.layers import GRU, LSTM, Bidirectional, SimpleRNN
 from pserver.layers.base import Pass
 from pserver.ops.core import Symbolic
+from tests.support.gradients import assert_directional
 
 FAST = settings(max_examples=25, deadline=None)
-EPS = 1e-6
 CELLS = {"SimpleRNN": SimpleRNN, "LSTM": LSTM, "GRU": GRU}
 REF, CPU = get_backend("reference"), get_backend("cpu")
 L = keras.layers
@@ -76,14 +76,7 @@ def test_the_twin_s_masked_backward_against_finite_differences(cell, data):
     G = r.standard_normal((x.shape[0], *layer.output_shape))
     _, g, dx = grads(layer, REF, p, x, mask, G)
 
-    def loss(p_, x_):
-        return float(np.sum(run(layer, REF, p_, x_, mask)[0] * G))
-    for name, value in [("x", x), *p.items()]:
-        d = r.standard_normal(value.shape)
-        at = (lambda v: loss(p, v)) if name == "x" else (lambda v: loss({**p, name: v}, x))
-        fd = (at(value + EPS * d) - at(value - EPS * d)) / (2 * EPS)
-        got = np.sum((dx if name == "x" else g[name]) * d)
-        assert abs(fd - got) <= 1e-6 * (1 + abs(fd)), name
+    assert_directional(lambda p_, x_: float(np.sum(run(layer, REF, p_, x_, mask)[0] * G)), x, p, dx, g, r)
 
 
 @FAST

@@ -18,6 +18,7 @@ from pserver.layers import GRU, LSTM, Bidirectional, Dense, SimpleRNN
 from pserver.layers.base import Pass
 from pserver.models import Functional
 from pserver.ops.core import Symbolic
+from tests.support.gradients import assert_directional
 from tests.support.sequences import addition_data
 
 FAST = settings(max_examples=20, deadline=None)
@@ -70,14 +71,7 @@ def test_the_twin_s_backward_through_time_against_finite_differences(cell, data)
     G = r.standard_normal((x.shape[0], *layer.output_shape))
     _, g, dx = grads(layer, REF, p, x, G)
 
-    def loss(p_, x_):
-        return float(np.sum(run(layer, REF, p_, x_)[0] * G))
-    for name, value in [("x", x), *p.items()]:
-        d = r.standard_normal(value.shape)
-        at = (lambda v: loss(p, v)) if name == "x" else (lambda v: loss({**p, name: v}, x))
-        fd = (at(value + EPS * d) - at(value - EPS * d)) / (2 * EPS)
-        got = np.sum((dx if name == "x" else g[name]) * d)
-        assert abs(fd - got) <= 1e-6 * (1 + abs(fd)), name
+    assert_directional(lambda p_, x_: float(np.sum(run(layer, REF, p_, x_)[0] * G)), x, p, dx, g, r)
 
 
 @FAST

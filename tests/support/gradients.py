@@ -25,3 +25,14 @@ def grad_and_fd(model, x, y, seed=0, eps=1e-6, step=0):
 def assert_fd(model, x, y, seed=0, step=0):
     g, fd = grad_and_fd(model, x, y, seed, step=step)
     assert np.allclose(g, fd, rtol=1e-5, atol=1e-7), np.abs(g - fd).max()
+
+
+def assert_directional(loss, x, params: dict, dx, grads: dict, rng, eps: float = 1e-6) -> None:
+    """A layer's gradients against central differences of loss(params, x) along one random
+    direction of x and of each weight (float64): <grad, d> = (loss(v + eps d) - loss(v - eps d)) / 2 eps."""
+    for name, value in [("x", x), *params.items()]:
+        d = rng.standard_normal(value.shape)
+        at = (lambda v: loss(params, v)) if name == "x" else (lambda v: loss({**params, name: v}, x))
+        fd = (at(value + eps * d) - at(value - eps * d)) / (2 * eps)
+        got = np.sum((dx if name == "x" else grads[name]) * d)
+        assert abs(fd - got) <= 1e-6 * (1 + abs(fd)), name
