@@ -211,8 +211,8 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(command):
 def test_an_interrupt_that_left_an_exec_of_a_string_still_exits_130(tmp_path):
     """A KeyboardInterrupt that leaves an exec() of a string (as dataclasses' generated methods run)
     and is then caught by exit_code: CPython marks the process to die by SIGINT at exit, and on
-    b1fde50 it did (status -2 after 'interrupted', as CI saw twice with a Ctrl-C while a module
-    loaded). Run with -m as the `pserver` command is."""
+    2d7ccd2 it did (status -2 after "interrupted", as stop 57's CI and the CI at 2d7ccd2 saw, with
+    a Ctrl-C while a module loaded). Run with -m as the `pserver` command is."""
     import subprocess
     import sys
     (tmp_path / "interrupted_in_exec.py").write_text(
