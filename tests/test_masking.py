@@ -254,3 +254,53 @@ def test_mask_refusals_are_one_line():
     lstm(seq, mask=Symbolic((None, 3)))
     with pytest.raises(ConfigError, match="with and without"):
         lstm(seq)
+
+
+def test_a_layer_of_your_own_passes_or_makes_a_mask_as_keras_s():
+    """supports_masking = True passes the input's mask on; compute_mask (made with ops) makes the
+    output's, as Keras 3's (defining it is supporting masks). Catches a user's compute_mask
+    ignored (the LSTM after it would read every step) and a mask passed where Keras drops it."""
+    class Passes(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.supports_masking = True
+
+        def call(self, x):
+            return x * 2.0
+
+    class KeepsFirstTwo(keras.layers.Layer):
+        def call(self, x):
+            return x
+
+        def compute_mask(self, inputs, previous_mask):
+            return previous_mask * np.array([1, 1, 0, 0, 0], np.float32)     # the first two steps
+
+    class Plain(keras.layers.Layer):
+        def call(self, x):
+            return x
+
+    inp = keras.Input((5,), dtype="int64")
+    e = L.Embedding(9, 3, mask_zero=True)(inp)
+    assert Passes()(e).mask is e.mask
+    with pytest.warns(UserWarning, match="does not support masking"):
+        assert Plain()(e).mask is None
+    ids = np.array([[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]])
+    lstm = L.LSTM(2)
+    model = keras.Model(inp, lstm(KeepsFirstTwo()(e)))
+    two = keras.Input((2,), dtype="int64")
+    alone = keras.Model(two, L.LSTM(2)(L.Embedding(9, 3)(two)))
+    alone.set_weights(model.get_weights())
+    np.testing.assert_allclose(model.predict(ids, verbose=0), alone.predict(ids[:, :2], verbose=0), atol=1e-6)
+
+
+def test_a_layer_whose_call_takes_a_mask_is_refused_on_a_masked_input():
+    """Keras would pass the mask to call(x, mask=None); pserver does not: one line, not a silent
+    difference."""
+    class UsesMask(keras.layers.Layer):
+        def call(self, x, mask=None):
+            return x
+
+    e = L.Embedding(9, 3, mask_zero=True)(keras.Input((5,), dtype="int64"))
+    with pytest.raises(ConfigError, match="call takes mask="):
+        UsesMask()(e)
+    UsesMask()(L.Embedding(9, 3)(keras.Input((5,), dtype="int64")))     # no mask: fine

@@ -86,6 +86,12 @@ class TracedLayer(Layer):
     def call(self, inputs, training=None):
         raise ConfigError(f"{self.label}: a Layer subclass defines call(self, inputs)")
 
+    def compute_mask(self, inputs, previous_mask):
+        """Keras's: the mask the output carries, from the inputs and their masks (`previous_mask`:
+        the input's, or a list of them), made with ops; a layer that defines it supports masking,
+        as in Keras. By default the input's mask with supports_masking = True, else none."""
+        return previous_mask if self.supports_masking else None
+
     # -- how pserver builds and traces it ---------------------------------------------------------
 
     def __call__(self, inputs, training=None, **kwargs):
@@ -97,7 +103,25 @@ class TracedLayer(Layer):
         if getattr(self, "_built_for", None) is None:
             self.takes_list = isinstance(inputs, (list, tuple))
             self._first_kwargs = kwargs      # the build's trace sees the first call's arguments
+        masked = [x for x in (inputs if isinstance(inputs, (list, tuple)) else [inputs])
+                  if getattr(x, "mask", None) is not None]
+        if masked and "mask" in inspect.signature(self.call).parameters:
+            raise ConfigError(f"{self.label}: its call takes mask= and its input carries a mask "
+                              "(Embedding(mask_zero=True), Masking), which Keras would pass; pserver does "
+                              "not pass a mask to a layer's own call: compute with the padding ids instead, "
+                              "or drop the mask")
         return super().__call__(inputs, training=training, **kwargs)
+
+    def output_mask(self, xs):
+        if type(self).compute_mask is TracedLayer.compute_mask:
+            return super().output_mask(xs)
+        previous = [x.mask for x in xs] if self.takes_list else xs[0].mask
+        with _user_errors(self, "compute_mask"):
+            mask = self.compute_mask(self._as_called(xs) if self.takes_list else xs[0], previous)
+        if mask is not None and not isinstance(mask, Symbolic):
+            raise ConfigError(f"{self.label}: compute_mask returned {type(mask).__name__}, not a tensor "
+                              "computed with ops from the inputs, or None")
+        return mask
 
     def _as_called(self, inputs):
         """The inputs as call takes them: a dict again when the layer was called on one."""
