@@ -32,7 +32,7 @@ from pserver.launch.base import BACKENDS, parse_delay_for
 from pserver.launch.roles import exit_code, one_blas_thread, run_shard, run_training
 from pserver.models import MODELS
 from pserver.optim import OPTIMIZERS, SCHEDULES
-from pserver.signals import as_command, exiting_after, follow_parent
+from pserver.signals import exiting_after, follow_parent
 from pserver.sparse.compact import ROW_DTYPES, STATE_DTYPES
 from pserver.sparse.optim import ROWS
 from pserver.wire.compress import CODECS, PULL_CODECS
@@ -801,7 +801,6 @@ COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "slu
 def main(argv: list[str] | None = None) -> int:
     # A Ctrl-C before the command runs (while the flags are parsed: argparse loads gettext) is
     # still the loading handler's one line and exit 130; exit_code hands SIGINT back to Python.
-    as_command()
     follow_parent()                            # started by launch: stop when it dies
     # gRPC's C core prints INFO lines (one per failed TLS handshake, say) that would bury
     # the one line we print; read before grpc loads, and GRPC_VERBOSITY=debug still wins.

@@ -24,8 +24,10 @@ PR_SET_PDEATHSIG = 1               # linux/prctl.h
 # plain value, not a threading.Event: the handler runs in the main thread between any two
 # bytecodes, also inside an Event's own lock, and a lock taken there again never returns.
 _stopping = [0]
-# Whether this process is a pserver command's (main() says so): there a stop ends the process, and
-# a second stop signal must not cut its clean-up or its exit short (exiting_after).
+# Whether this process is the `pserver` command's (quiet_interrupt_while_loading finds it out, as the
+# package loads): there a stop ends the process, and a second stop signal must not cut its clean-up
+# or its exit short (exiting_after). A program that imports pserver, or calls pserver.cli.main (the
+# tests do), keeps its own handlers.
 _command = [False]
 
 
@@ -66,6 +68,7 @@ def quiet_interrupt_while_loading() -> None:
     module = next((orig[i + 1] for i, a in enumerate(orig[:-1]) if a == "-m"), "")
     command = module.split(".")[0] == "pserver" or \
         os.path.basename(sys.argv[0] if sys.argv else "") == "pserver"
+    _command[0] = command
     if command and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupted_while_loading)
 
@@ -82,20 +85,15 @@ def interrupt_as_usual() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def as_command() -> None:
-    """This process is a pserver command's: see exiting_after."""
-    _command[0] = True
-
-
 def exiting_after(code: int) -> int:
-    """`code`, for a command's process about to exit with it. When it is a stop's (128 + a stop
+    """`code`, for the command's process about to exit with it. When it is a stop's (128 + a stop
     signal, its line already printed): the stop signals are ignored from now on. Python gives
     them back to the system's default as it finalizes, and a second Ctrl-C or SIGTERM then
     killed the process by the signal (status -2, not 130, no line): 9 of 10 times with a
     second Ctrl-C 20 ms after the first. Ignored, not handled: Python resets a handler it runs
     to the default, but leaves an ignored signal ignored. (A stop inside stop_on_signals leaves
     them ignored already in a command; this covers a Ctrl-C outside, a KeyboardInterrupt.)"""
-    if code in {128 + int(s) for s in STOP_SIGNALS}:
+    if _command[0] and code in {128 + int(s) for s in STOP_SIGNALS}:
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
     return code

@@ -13,11 +13,10 @@ import pickle
 import sys
 
 from pserver.launch.roles import ROLES, run_role
-from pserver.signals import as_command, exiting_after, follow_parent
+from pserver.signals import exiting_after, follow_parent
 
 
 def main(argv: list[str]) -> int:
-    as_command()                               # (exit_code hands SIGINT back to Python)
     follow_parent()                            # stop when the launcher dies
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if len(argv) != 2 or argv[0] not in ROLES:

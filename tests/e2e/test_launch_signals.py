@@ -208,6 +208,17 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(command):
     assert children(p.pid) == []
 
 
+def test_a_program_that_calls_the_cli_in_process_keeps_its_own_signal_handlers(tmp_path):
+    """Only the `pserver` command's own process ignores a second stop signal as it exits: a program
+    (this test run) that calls pserver.cli.main keeps its handlers. Catches the command's mark set
+    by main() itself, which left an in-process caller ignoring Ctrl-C and SIGTERM after a stop."""
+    from pserver import cli, signals
+    before = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
+    assert cli.main(["checkpoint", "inspect", str(tmp_path / "missing")]) == 2
+    assert signals.exiting_after(130) == 130 and signals.exiting_after(143) == 143
+    assert {s: signal.getsignal(s) for s in signals.STOP_SIGNALS} == before
+
+
 def test_an_interrupt_that_left_an_exec_of_a_string_still_exits_130(tmp_path):
     """A KeyboardInterrupt that leaves an exec() of a string (as dataclasses' generated methods run)
     and is then caught by exit_code: CPython marks the process to die by SIGINT at exit, and on
