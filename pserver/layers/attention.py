@@ -18,7 +18,7 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.layers import initializers
-from pserver.layers.base import Layer, Weight, positive_int
+from pserver.layers.base import Layer, Weight, mask_of, ones_over_steps, positive_int, sequence_mask
 from pserver.layers.dropout import rate_of, seed_of, step_seed
 from pserver.ops import math as ops_math
 from pserver.ops.core import Symbolic
@@ -87,9 +87,9 @@ class MultiHeadAttention(Layer):
         else:
             if value is None:
                 raise ConfigError(f"{self.label}: is called on query and value: mha(query, value)")
-            query_mask = _mask_of(query, query_mask)
-            key_mask = None if key is None else _mask_of(key, key_mask)
-            attention_mask = self._with_masks(query, value, query_mask, _mask_of(value, value_mask), key_mask,
+            query_mask = mask_of(query, query_mask)
+            key_mask = None if key is None else mask_of(key, key_mask)
+            attention_mask = self._with_masks(query, value, query_mask, mask_of(value, value_mask), key_mask,
                                               attention_mask)
             own_key = key is not None and key is not value
             form = (own_key, attention_mask is not None, bool(use_causal_mask), bool(return_attention_scores))
@@ -119,26 +119,18 @@ class MultiHeadAttention(Layer):
         """Keras's attention mask from the sequences' masks: query step t attends to value step s
         where query_mask[t] and value_mask[s] (and key_mask[s]) are kept, and attention_mask too,
         (batch, T, S); attention_mask as given when no sequence has a mask."""
-        masks = [query_mask, value_mask, key_mask]
-        if all(m is None for m in masks):
+        if all(m is None for m in (query_mask, value_mask, key_mask)):
             return attention_mask
-        tensors = (query, value, *(m for m in masks if m is not None))
-        if not all(isinstance(t, Symbolic) for t in tensors):
-            raise ConfigError(f"{self.label}: masks are for a model's tensors (keras.Input, a layer's "
-                              "output)")
-        for what, m, seq in (("query_mask", query_mask, query), ("value_mask", value_mask, value),
-                             ("key_mask", key_mask, value)):
-            if m is not None and m.shape[1:] != seq.shape[1:2]:
-                raise ConfigError(f"{self.label}: {what} must be (batch, steps) = (None, {seq.shape[1]}), "
-                                  f"got {m.shape}")
-        kept = ops_math.add(ops_math.multiply(value[:, :, 0], 0.0), 1.0)      # (batch, S) of ones
+        query_mask = sequence_mask(self.label, query, query_mask, "query_mask")
+        value_mask = sequence_mask(self.label, value, value_mask, "value_mask")
+        key_mask = sequence_mask(self.label, value, key_mask, "key_mask")
+        kept = ones_over_steps(value)                                        # (batch, S)
         for m in (value_mask, key_mask):
             if m is not None:
-                kept = ops_math.multiply(kept, ops_math.cast(m, "float32"))
+                kept = ops_math.multiply(kept, m)
         auto = expand_dims(kept, 1)                                          # (batch, 1, S)
         if query_mask is not None:
-            rows = expand_dims(ops_math.cast(query_mask, "float32"), -1)
-            auto = ops_math.multiply(rows, auto)                             # (batch, T, S)
+            auto = ops_math.multiply(expand_dims(query_mask, -1), auto)      # (batch, T, S)
         if attention_mask is None:
             return auto
         return ops_math.multiply(ops_math.cast(ops_math.greater(attention_mask, 0.5), "float32"), auto)
@@ -311,8 +303,3 @@ def _project_back(x, w, dy, g: dict, name: str, dx, add: bool) -> None:
 
 
 __all__ = ["MultiHeadAttention"]
-
-
-def _mask_of(tensor, given):
-    """A sequence's mask: the one given to the call, else the one it carries (Symbolic.mask)."""
-    return given if given is not None else getattr(tensor, "mask", None)

@@ -318,6 +318,30 @@ def activity(owner: str, given, activation: str | None = None) -> regularizers.L
     return reg
 
 
+def mask_of(sequence, given):
+    """The mask given to a call, else the one the sequence carries (Symbolic.mask), else None."""
+    return given if given is not None else getattr(sequence, "mask", None)
+
+
+def sequence_mask(owner: str, sequence, mask, what: str = "mask"):
+    """`mask` (batch, steps) for `sequence`, checked and as float32 (a comparison's booleans
+    cast), or None when none is given; one line naming `owner` and `what` otherwise."""
+    if mask is None:
+        return None
+    if not (isinstance(sequence, Symbolic) and isinstance(mask, Symbolic)):
+        raise ConfigError(f"{owner}: {what} is for a model's tensors (keras.Input, a layer's output), "
+                          "not arrays")
+    if mask.shape[1:] != sequence.shape[1:2]:
+        raise ConfigError(f"{owner}: {what} must be (batch, steps) = (None, {sequence.shape[1]}), got "
+                          f"{mask.shape}")
+    return mask if mask.dtype == np.float32 else apply("cast", mask, dtype="float32")
+
+
+def ones_over_steps(sequence: Symbolic) -> Symbolic:
+    """(batch, steps) of ones for a sequence (batch, steps, features): a mask that keeps every step."""
+    return apply("add", apply("multiply", sequence[:, :, 0], 0.0), 1.0)
+
+
 def _shapes_text(shape) -> str:
     return ", ".join(map(str, shape)) if shape and isinstance(shape[0], tuple) else str(tuple(shape))
 

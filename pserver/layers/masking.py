@@ -21,7 +21,6 @@ class Masking(TracedLayer):
     """Masking(mask_value=0.0) on sequences (steps, features)."""
 
     kind = "masking"
-    supports_masking = True
 
     def __init__(self, mask_value=0.0, **kwargs):
         super().__init__(**kwargs)
@@ -43,8 +42,8 @@ class Masking(TracedLayer):
     def call(self, inputs, training=None):
         return inputs * expand_dims(self._kept(inputs), -1)
 
-    def output_mask(self, xs):
-        return self._kept(xs[0])
+    def compute_mask(self, inputs, previous_mask):
+        return self._kept(inputs)
 
 
 __all__ = ["Masking"]

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from pserver.errors import ConfigError
-from pserver.layers.base import Layer
+from pserver.layers.base import Layer, ones_over_steps
 from pserver.ops import math as ops_math
 from pserver.ops import shape as ops_shape
 
@@ -159,9 +159,8 @@ class Concatenate(_Merge):
                 out = ops_math.maximum(out, x.mask)
             return out
         if axis == 1 and rank == 3:
-            ones = [ops_math.add(ops_math.multiply(x[:, :, 0], 0.0), 1.0) if x.mask is None else x.mask
-                    for x in xs]
-            return ops_shape.concatenate(ones, axis=1)
+            return ops_shape.concatenate([ones_over_steps(x) if x.mask is None else x.mask for x in xs],
+                                         axis=1)
         return None
 
     def __init__(self, axis: int = -1, **kwargs):

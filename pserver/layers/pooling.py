@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pserver.errors import ConfigError
 from pserver.layers import base
 from pserver.layers.base import Layer, pair
 from pserver.layers.conv import window_output
 from pserver.ops import reduce
-from pserver.ops.core import Symbolic
-from pserver.ops.math import cast
 from pserver.ops.shape import expand_dims
 
 
@@ -119,17 +116,11 @@ class GlobalAveragePooling1D(_GlobalAverage):
         """With a mask (mask=, or the one the sequence carries: Embedding(mask_zero=True)), Keras's
         masked mean: sum(x * mask) / sum(mask) over the steps (NaN for a sample with no step, as
         Keras's), made of ops; without, the layer's kernel."""
-        if mask is None and isinstance(inputs, Symbolic):
-            mask = inputs.mask
+        mask = base.sequence_mask(self.label, inputs, base.mask_of(inputs, mask))
         if mask is None:
             return super().__call__(inputs, training=training, **kwargs)
-        if not isinstance(inputs, Symbolic) or not isinstance(mask, Symbolic):
-            raise ConfigError(f"{self.label}: mask= is for a model's tensors (keras.Input, a layer's output)")
         self.build_once(inputs.shape[1:])
-        if mask.shape[1:] != inputs.shape[1:2]:
-            raise ConfigError(f"{self.label}: mask must be (batch, steps) = (None, {inputs.shape[1]}), got "
-                              f"{mask.shape}")
-        m = expand_dims(cast(mask, "float32"), -1)
+        m = expand_dims(mask, -1)
         return reduce.sum(inputs * m, axis=1, keepdims=self.keepdims) / reduce.sum(m, axis=1,
                                                                                   keepdims=self.keepdims)
 

@@ -25,10 +25,9 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.layers import initializers, regularizers
-from pserver.layers.base import Layer, Weight, activity, positive_int
+from pserver.layers.base import Layer, Weight, activity, mask_of, positive_int, sequence_mask
 from pserver.layers.dropout import rate_of, seed_of, step_seed
 from pserver.ops.core import Symbolic
-from pserver.ops.math import cast
 from pserver.ops.shape import reshape
 
 # The activations the fused kernels compute (their derivatives from their outputs).
@@ -114,24 +113,12 @@ class _Recurrent(Layer):
         if isinstance(inputs, (list, tuple)) and initial_state is None and not masked and len(inputs) > 1:
             inputs, initial_state = inputs[0], list(inputs[1:])
         sequence = inputs[0] if isinstance(inputs, (list, tuple)) else inputs
-        if mask is None and isinstance(sequence, Symbolic):
-            mask = sequence.mask
-        if mask is not None and not isinstance(sequence, Symbolic):
-            raise ConfigError(f"{self.label}: mask= is for a model's tensors (keras.Input, a layer's "
-                              "output), not arrays")
+        mask = sequence_mask(self.label, sequence, mask_of(sequence, mask))
         if initial_state is not None:
             states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [initial_state]
             inputs = [sequence, *states]
-        listed = isinstance(inputs, (list, tuple))
         if mask is not None:
-            if not isinstance(mask, Symbolic):
-                raise ConfigError(f"{self.label}: mask must be a tensor of the model (batch, steps), got "
-                                  f"{type(mask).__name__}")
-            if mask.shape[1:] != sequence.shape[1:2]:
-                raise ConfigError(f"{self.label}: mask must be (batch, steps) = (None, {sequence.shape[1]}), "
-                                  f"got {mask.shape}")
-            inputs = [*(inputs if listed else [inputs]), mask if mask.dtype == np.float32 else
-                      cast(mask, "float32")]
+            inputs = [*(inputs if isinstance(inputs, (list, tuple)) else [inputs]), mask]
         given, was = isinstance(inputs, (list, tuple)), getattr(self, "_built_for", None)
         if was is not None and (given, mask is not None) != (self.takes_list, self.masked):
             raise ConfigError(f"{self.label}: called with and without initial_state or a mask; a layer's "
@@ -140,11 +127,7 @@ class _Recurrent(Layer):
         out = super().__call__(list(inputs) if given else inputs, training=training, **kwargs)
         if not isinstance(out, Symbolic):
             return out
-        recorded = {**({"packed": True} if self.return_state else {}),
-                    **({"masked": True} if self.masked else {})}
-        if recorded:
-            out.node.attrs["kwargs"] = recorded
-        out.mask = inputs[-1] if self.masked and self.return_sequences and not self.return_state else None
+        _record(self, out, mask)
         if not self.return_state:
             return out
         return out if packed else self._unpacked(out)
@@ -223,7 +206,7 @@ class _Recurrent(Layer):
         k.dropout_forward(ones, np.empty_like(ones), mask, rate, seed)
         return mask
 
-    def _gate_dropout(self, k, x, s, run) -> bool:
+    def _gate_dropout(self, k, p, x, s, run) -> bool:
         """Keras's recurrent_dropout, in training: one mask per gate on the state before its
         recurrent product (rmask (k, n, units)), and then (Keras's implementation 1) one input
         mask per gate as well (gate_masks (k, n, features)), each the same at every step. Whether
@@ -240,7 +223,7 @@ class _Recurrent(Layer):
             return False
         s.pop("input_mask", None)
         s["gate_masks"] = gm = self._draw(k, (self.gates, n, features), self.dropout, seed, x.dtype)
-        u, w, b = self.units, s["params"]["kernel"], self._biases(s["params"], s)[0]
+        u, w, b = self.units, p["kernel"], self._biases(p, s)[0]
         for g in range(self.gates):
             blk = slice(g * u, (g + 1) * u)
             s["xw"][..., blk] = (x * gm[g][:, None, :]) @ w[:, blk] + b[blk]
@@ -270,8 +253,7 @@ class _Recurrent(Layer):
     def forward(self, k, p, x, out, s, run):
         x, states, s["mask"] = self._parts(x)
         states = states or [0] * self.states
-        s["params"] = p
-        if not self._gate_dropout(k, x, s, run):
+        if not self._gate_dropout(k, p, x, s, run):
             x = self._dropped(k, x, s, run)
             n, steps, features = x.shape
             k.dense_forward(x.reshape(n * steps, features), p["kernel"], self._biases(p, s)[0],
@@ -491,6 +473,17 @@ class GRU(_Recurrent):
                        self.go_backwards, self.activation, self.recurrent_activation, s["mask"], s["rmask"])
 
 
+def _record(layer, out: Symbolic, mask) -> None:
+    """What a recurrent call's node records for a saved graph's replay (packed=True: return_state's
+    packed tensor; masked=True: the mask is the last input), and the mask its output carries on
+    (the input's, with return_sequences)."""
+    recorded = {**({"packed": True} if layer.return_state else {}),
+                **({"masked": True} if layer.masked else {})}
+    if recorded:
+        out.node.attrs["kwargs"] = recorded
+    out.mask = mask if layer.return_sequences and not layer.return_state else None
+
+
 MERGE_MODES = ("concat", "sum", "mul", "ave")
 CELLS = {cls.__name__: cls for cls in (SimpleRNN, LSTM, GRU)}
 
@@ -570,16 +563,9 @@ class Bidirectional(Layer):
         sequence's) reaches both layers as the cells' does (the node's inputs [x, mask], masked=True)."""
         if masked:
             inputs, mask = inputs
-        if mask is None and isinstance(inputs, Symbolic):
-            mask = inputs.mask
+        mask = sequence_mask(self.label, inputs, mask_of(inputs, mask))
         if mask is not None:
-            if not (isinstance(inputs, Symbolic) and isinstance(mask, Symbolic)):
-                raise ConfigError(f"{self.label}: mask= is for a model's tensors (keras.Input, a layer's "
-                                  "output)")
-            if mask.shape[1:] != inputs.shape[1:2]:
-                raise ConfigError(f"{self.label}: mask must be (batch, steps) = (None, {inputs.shape[1]}), "
-                                  f"got {mask.shape}")
-            inputs = [inputs, mask if mask.dtype == np.float32 else cast(mask, "float32")]
+            inputs = [inputs, mask]
         if getattr(self, "_built_for", None) is not None and self.masked != (mask is not None):
             raise ConfigError(f"{self.label}: called with and without a mask; a layer's calls must agree "
                               "(use two layers)")
@@ -589,11 +575,7 @@ class Bidirectional(Layer):
         out = super().__call__(inputs, training=training, **kwargs)
         if not isinstance(out, Symbolic):
             return out
-        recorded = {**({"packed": True} if self.return_state else {}),
-                    **({"masked": True} if self.masked else {})}
-        if recorded:
-            out.node.attrs["kwargs"] = recorded
-        out.mask = inputs[1] if self.masked and self.return_sequences and not self.return_state else None
+        _record(self, out, mask)
         if not self.return_state:
             return out
         if packed:

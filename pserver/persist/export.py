@@ -107,13 +107,13 @@ def export_checkpoints(directory: str, out: str, options: dict, mode: str = "syn
     ckpts = checkpoint_dir.newest_shape(directory, mode).ckpts
     ckpt = combine(ckpts, 1, 0)
     key = (repr(ckpt.tables), ckpt.signature, ckpt.total)
-    if built is None or key not in built:
+    made = None if built is None else built.get(key)
+    if made is None:
         made = _model_of(ckpt, directory, options)
-        if built is None:
-            built = {}
-        built.clear()
-        built[key] = made
-    cfg, model, ds = built[key]
+        if built is not None:                    # the job's model, for the next delta (one kept)
+            built.clear()
+            built[key] = made
+    cfg, model, ds = made
     old, configs = len(ckpts), ckpt.tables
     summary = {"mode": mode, "num_shards": old, "optimizer": ckpt.optimizer, "steps": ckpt.version}
     origin = {"checkpoints": os.path.abspath(directory), "num_shards": old, "version": ckpt.version,
