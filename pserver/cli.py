@@ -229,6 +229,10 @@ WORKER_FLAGS = [
                               help="leases: train every epoch on the data in its order (chunks leased in "
                                    "order, batches in order within them), as Keras's fit(shuffle=False); "
                                    "default: each epoch a permutation drawn from --seed")),
+    Flag("--window-batches", dict(type=int, metavar="B", help="stream:PATH: batches per window, the stream's "
+                                  "epoch: --epochs N trains N windows, the chief prints each window's "
+                                  "progressive metrics at its end, chunks are leased within it "
+                                  "(default 100)")),
     Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "
                                  "sparse factor table (default 8)")),
     Flag("--row-optimizer", dict(choices=ROWS.names(), help="lr, fm, wide_deep, deepfm: the sparse "

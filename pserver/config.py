@@ -235,6 +235,7 @@ class WorkerConfig:
     data_assignment: str = "leases"  # leases: chunks leased by shard 0's coordinator; slices: one per rank
     chunk_batches: int = 16       # leases: batches per chunk of the training data
     no_shuffle: bool = False      # leases: every epoch the data in its order, chunks leased in order
+    window_batches: int = 100     # stream:PATH: batches per window (the coordinator's epoch of a stream)
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.wire.compress)
     pull_compress: str = "none"   # pull codec over gRPC: none, bf16
@@ -306,6 +307,11 @@ class WorkerConfig:
                               f"{', '.join(DATA_ASSIGNMENTS)}")
         if self.chunk_batches < 1:
             raise ConfigError(f"--chunk-batches: must be >= 1, got {self.chunk_batches}")
+        if self.window_batches < 1:
+            raise ConfigError(f"--window-batches: must be >= 1, got {self.window_batches}")
+        if self.dataset.startswith("stream:") and self.data_assignment != "leases":
+            raise ConfigError(f"--dataset {self.dataset}: a stream is read in offsets leased by shard 0 "
+                              f"(--data-assignment leases, the default), not in per-rank slices")
         if self.no_shuffle and self.data_assignment != "leases":
             raise ConfigError(f"--no-shuffle: the data in its order is leased in chunks (--data-assignment "
                               f"leases); --data-assignment {self.data_assignment} draws each epoch's "

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from pserver.data import criteo, mnist, npz, parquet, synthetic
+from pserver.data import criteo, mnist, npz, parquet, stream, synthetic
 from pserver.data.dataset import (
     TASKS,
     Dataset,
@@ -52,6 +52,9 @@ DATASETS.add("criteo-synthetic-multi-hot", "criteo-synthetic with list features 
 DATASETS.add("criteo", "a Criteo TSV file, plain or .gz, streamed", form="criteo:PATH")
 DATASETS.add("criteo-multi-hot", "a Criteo TSV file whose categorical columns hold lists of "
              "comma-separated values, up to MLPerf DLRMv2's multi-hot sizes", form="criteo-multi-hot:PATH")
+DATASETS.add("stream", "a file of Criteo TSV lines that grows while the job trains, followed like tail -F "
+             "and leased by line offset in windows of --window-batches (metrics progressive, no test set)",
+             form="stream:PATH")
 DATASETS.add("npz", "a path to a .npz with x and y (and x_test, y_test)", form="PATH.npz")
 DATASETS.add("parquet", "a path to a Parquet file: a record field per column (lists of ids padded with -1), "
              "the column 'label' as y", form="PATH.parquet")
@@ -80,6 +83,10 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
     if spec in ("criteo-synthetic", "criteo-synthetic-multi-hot") or spec.startswith(("criteo:",
                                                                                      "criteo-multi-hot:")):
         return _load_criteo(spec, seed, task, samples, test_samples)
+    if spec.startswith("stream:"):
+        if task != "classification":
+            raise ConfigError(f"--dataset {spec}: click-through events are binary classification, not {task}")
+        return stream.open_stream(spec)
     if spec.lower().endswith(".parquet"):
         return as_task(parquet.load(spec, seed), task)
     if spec.lower().endswith(".npz"):
@@ -88,7 +95,8 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
         return as_task(npz.load(spec, seed, scale_uint8 == "auto"), task)
     named = ", ".join(f for f in DATASETS.forms() if f in DATASETS)   # those without a path
     raise ConfigError(f"--dataset: unknown dataset {spec!r}; choose {named}, "
-                      "criteo:PATH (a Criteo TSV file), criteo-multi-hot:PATH (lists in its columns) or a "
+                      "criteo:PATH (a Criteo TSV file), criteo-multi-hot:PATH (lists in its columns), stream:PATH "
+                      "(a growing one) or a "
                       "path to a .npz or .parquet file")
 
 

@@ -732,7 +732,7 @@ class Functional(SparseProtocol, Model):
         hi = 1 if isinstance(loss, losses.BinaryCrossentropy) else self._shapes[1 + j][-1] - 1
         if y.dtype.kind in "iu" and 0 <= y.min() and y.max() <= hi:
             return                              # every step's case: two reductions, no masks
-        bad = (y < 0) | (y > hi) | (y != np.floor(y))
+        bad = (y < 0) | (y > hi) | (~np.isfinite(y) if loss.soft_labels else y != np.floor(y))
         if bad.any():
             i = np.unravel_index(int(np.argmax(bad)), y.shape)
             raise ValueError(f"label out of range: y[{', '.join(map(str, i))}] = {y[i].item()!r}; "

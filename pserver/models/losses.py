@@ -24,6 +24,9 @@ from pserver.errors import ConfigError
 class Loss(abc.ABC):
     name = "loss"
     task = "classification"
+    # Whether a classification label may lie between the classes (a probability, as Keras's
+    # binary cross-entropy takes it: a denoising autoencoder's pixels); else a whole class.
+    soft_labels = False
 
     def check_outputs(self, units: int, where: str) -> None:
         """A model whose last layer cannot feed this loss fails at build, not at step 1."""
@@ -105,9 +108,11 @@ class SparseCategoricalCrossentropy(_FromLogits):
 
 
 class BinaryCrossentropy(_FromLogits):
-    """Sigmoid cross-entropy of 0/1 labels, from one logit per sample."""
+    """Sigmoid cross-entropy of labels in [0, 1] (0/1 classes, or probabilities, as Keras's),
+    from one logit per sample."""
     name = "binary_crossentropy"
     fuses = "sigmoid"
+    soft_labels = True
 
     def labels(self, y, rank=1):
         return _squeezed(np.asarray(y), rank)

@@ -28,6 +28,7 @@ from pserver.errors import (
 from pserver.kernels.cache import CompileWatch
 from pserver.kernels.device import blas_note
 from pserver.kernels.device import describe as describe_device
+from pserver.models import metrics
 from pserver.models.layout import Layout
 from pserver.observe.metrics import (
     combine_counters,
@@ -210,6 +211,8 @@ def set_up(cfg: WorkerConfig, device, ds, model, client: PSClient, report: Train
     if compiling.stop().compiled and rank == 0:     # a first run: why it took a while
         print(compiling.describe(), flush=True)
     source = source_for(cfg, ds, rank, infos)
+    if getattr(ds, "stream", False):
+        measure_progressively(model)
     progress = Progress(cfg.epochs, source.steps, cfg.log_every,
                         style_for(cfg.progress, rank, sys.stderr.isatty()), source.start)
     training = Run(cfg, rank, ds, model, client, w, rows, report, callbacks, infos[0].mode, progress,
@@ -418,6 +421,8 @@ def end_epoch(run: Run, ended: EpochEnd) -> bool:
     logs = {}
     if run.chief:
         run.epochs_log.append(chief_epoch_end(run, ended.epoch))
+        if getattr(run.ds, "stream", False):
+            run.epochs_log[-1]["progressive"] = window_metrics(run, ended)
         logs = dict(run.epochs_log[-1])
     if ended.trained:                             # every worker's batches
         logs["trained"] = ended.trained
@@ -429,6 +434,33 @@ def end_epoch(run: Run, ended: EpochEnd) -> bool:
     if ended.shared and run.chief:
         run.client.epoch_logs(ended.epoch, share=(run.callbacks.epoch_logs, run.callbacks.stop_training))
     return run.callbacks.stop_training
+
+
+def measure_progressively(model) -> None:
+    """A stream's metrics are progressive: each push carries what its batch measured before the
+    update, summed per window by shard 0. A click model without compiled metrics gets the AUC's
+    sums, the metric stream training reports (pserver.models.metrics.AUC)."""
+    if getattr(model, "metric_objects", None) == [] and getattr(model, "task", "") == "classification":
+        # the metrics see the outputs as the model states them: a click model's are logits
+        logits = getattr(model, "output_activation", "linear") not in ("sigmoid", "softmax")
+        model.metric_objects = [metrics.AUC(name="auc", from_logits=logits)]
+
+
+def window_metrics(run: Run, ended: EpochEnd) -> dict:
+    """The chief's line for a stream's window: every worker's batches of it, each measured before
+    it was trained (progressive validation); the figures, for the summary."""
+    t = ended.trained
+    if not t or not t["samples"]:
+        return {}
+    n = t["samples"]
+    out = {"events": n, "logloss": t["loss_sum"] / n, "accuracy": t["correct"] / n}
+    objects = getattr(run.model, "metric_objects", [])
+    if objects and len(t["metric_sums"]) == sum(m.size() for m in objects):
+        out.update(metrics.values_of(objects, np.asarray(t["metric_sums"], np.float64)))
+    shown = ", ".join(f"{k} {out[k]:.4f}" for k in ("logloss", "accuracy", "auc") if k in out)
+    run.progress.say(f"window {ended.epoch + 1}/{run.cfg.epochs}: {n:,} events, progressive {shown} "
+                     f"(each batch measured before it was trained)")
+    return out
 
 
 def chief_logs(client: PSClient, rank: int, epoch: int, push_empty=None, poll: float = 0.02) -> dict:

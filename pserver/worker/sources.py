@@ -130,9 +130,12 @@ class Leases:
     start = 0                    # shard 0's coordinator knows where the job is, not the rank
 
     def __init__(self, cfg: WorkerConfig, ds) -> None:
-        self.data = ds.leased_batches(cfg.batch_size, cfg.seed, cfg.chunk_batches, shuffle=not cfg.no_shuffle)
+        window = {"window_batches": cfg.window_batches} if getattr(ds, "stream", False) else {}
+        self.data = ds.leased_batches(cfg.batch_size, cfg.seed, cfg.chunk_batches, shuffle=not cfg.no_shuffle,
+                                      **window)
+        # a stream's chunks are leased in order, as its lines arrive (StreamBatches.in_order)
         self.plan = (self.data.num_batches, cfg.chunk_batches, cfg.seed, self.data.fingerprint, cfg.epochs,
-                     cfg.no_shuffle)
+                     cfg.no_shuffle or getattr(self.data, "in_order", False))
         # a progress bar's epoch: about this worker's share of the batches
         self.steps = max(1, -(-self.data.num_batches // cfg.num_workers))
         self.lease, self.at, self.finished = None, 0, None
