@@ -203,7 +203,7 @@ def event_lines(first: int, n: int, seed: int = 0) -> list[str]:
     from pserver.sparse.hashing import splitmix64
     check_int("first", first, 0)
     check_int("n", n, 0)
-    base = np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+    base = np.uint64(seed * 0x9E3779B97F4A7C15 % (1 << 64))
     i = np.arange(first, first + n, dtype=np.uint64)
     h = [splitmix64(i * np.uint64(4) + np.uint64(k) + base) for k in range(3)]
     ad, site = (h[0] % np.uint64(EVENT_ADS)).astype(np.int64), (h[1] % np.uint64(EVENT_SITES)).astype(np.int64)
