@@ -137,6 +137,36 @@ def test_a_convolutional_autoencoder_trains_per_pixel():
         model.evaluate(images, images, verbose=0))
 
 
+def test_binary_crossentropy_takes_soft_labels_as_keras_does():
+    """keras.io's denoising autoencoder fits grey pixels (labels in [0, 1], not 0/1), as Keras's
+    binary_crossentropy takes them: the loss evaluate reports is the mean over pixels of
+    -(y log p + (1 - y) log(1 - p)) from predict's p, one fit step moves it down, and labels
+    outside [0, 1] or NaN are still refused. Catches labels refused for not being whole
+    (it was: "label out of range: y[0, 0] = 0.3") or rounded to 0/1 on their way."""
+    rng = np.random.default_rng(0)
+    images = rng.random((64, 6, 6, 1)).astype(np.float32)
+    model = keras.Sequential([keras.Input(shape=(6, 6, 1)),
+                              L.Conv2D(4, 3, activation="relu", padding="same"),
+                              L.Conv2D(1, 3, activation="sigmoid", padding="same")])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy")
+    p = model.predict(images, verbose=0).astype(np.float64)
+    want = np.mean(-(images * np.log(p) + (1 - images) * np.log(1 - p)))
+    assert model.evaluate(images, images, verbose=0) == pytest.approx(want, rel=1e-5)
+    h = model.fit(images, images, batch_size=64, epochs=3, verbose=0)
+    assert h.history["loss"][-1] < h.history["loss"][0], h.history
+    flat = keras.Sequential([keras.Input(shape=(3,)), L.Dense(1, activation="sigmoid")])
+    flat.compile(optimizer="sgd", loss="binary_crossentropy")
+    x, soft = rng.random((8, 3)).astype(np.float32), np.linspace(0, 1, 8).astype(np.float32)
+    q = flat.predict(x, verbose=0)[:, 0].astype(np.float64)
+    assert flat.evaluate(x, soft, verbose=0) == pytest.approx(
+        np.mean(-(soft * np.log(q) + (1 - soft) * np.log(1 - q))), rel=1e-5)
+    for bad in (1.5, -0.1, np.nan):
+        y = soft.copy()
+        y[2] = bad
+        with pytest.raises(ValueError, match=r"label out of range: y\[2\]"):
+            flat.evaluate(x, y, verbose=0)
+
+
 def test_what_outputs_with_steps_refuse():
     """Each refusal in one line: sample weights, several outputs with steps, a label per sample for
     an output with steps, a label out of range at a step, sparse tables, the GPU. Catches a weight
