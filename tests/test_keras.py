@@ -129,7 +129,7 @@ EXAMPLES = {"DINAttention": dict(hidden_units=(6, 3), activation="relu", normali
             "FM": {}, "Add": {}, "Subtract": {}, "Multiply": {}, "Average": {}, "Maximum": {}, "Minimum": {},
             "Concatenate": dict(axis=1), "Dot": dict(axes=(2, 1)), "GlobalAveragePooling1D": {},
             "GlobalAveragePooling2D": dict(keepdims=True), "GlobalMaxPooling1D": {}, "GlobalMaxPooling2D": {},
-            "Activation": dict(activation="tanh"), "Reshape": dict(target_shape=(2, -1)),
+            "Activation": dict(activation="tanh"), "ReLU": {}, "Reshape": dict(target_shape=(2, -1)),
             "Permute": dict(dims=(2, 1)), "RepeatVector": dict(n=3), "Lambda": dict(function=keras.ops.tanh),
             "Conv1D": dict(filters=3, kernel_size=2, strides=2, padding="causal", activation="tanh"),
             "Conv2DTranspose": dict(filters=2, kernel_size=(3, 2), strides=(2, 1), padding="same"),
@@ -666,3 +666,34 @@ def test_a_model_summarizes_predicts_and_saves_before_compile_whatever_its_outpu
     np.testing.assert_allclose(again.predict(x, verbose=0), expected, rtol=1e-5)
     again.compile(optimizer="adam", loss="binary_crossentropy")
     again.fit(x, (x[:, 0] > 0).astype(np.float32), epochs=1, verbose=0)
+
+
+def test_the_relu_layer_is_activation_relu_and_saves(tmp_path):
+    """keras.layers.ReLU() (keras.io's timeseries classifier writes Conv1D, BatchNormalization,
+    ReLU()): a model with it predicts and trains as the same model with Activation("relu") from
+    the same weights, takes Keras's name (re_lu), comes back from model.save/load_model, and
+    refuses max_value/negative_slope/threshold it does not compute. Catches the layer missing
+    (it was: pserver.keras has no layers.ReLU) or computing something else."""
+    def model(act):
+        inputs = keras.Input(shape=(6, 2))
+        h = act(layers.Conv1D(3, 3, padding="same")(inputs))
+        model = keras.Model(inputs, layers.Dense(1)(layers.GlobalAveragePooling1D()(h)))
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    relu, act = model(layers.ReLU()), model(layers.Activation("relu"))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 6, 2)).astype(np.float32), rng.normal(size=16).astype(np.float32)
+    act.set_weights(relu.get_weights())
+    np.testing.assert_array_equal(relu.predict(x, verbose=0), act.predict(x, verbose=0))
+    assert [layer.name for layer in relu.layers if isinstance(layer, layers.ReLU)] == ["re_lu"]
+    relu.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    act.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    for a, b in zip(relu.get_weights(), act.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    relu.save(tmp_path / "relu.keras")
+    loaded = keras.models.load_model(tmp_path / "relu.keras")
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), relu.predict(x, verbose=0))
+    for arg in ({"max_value": 6.0}, {"negative_slope": 0.1}, {"threshold": 1.0}):
+        with pytest.raises(ConfigError, match=f"ReLU: {next(iter(arg))}="):
+            layers.ReLU(**arg)

@@ -33,7 +33,7 @@ kernels, zero biases). Each kind is one module; `Sequential` (pserver.models) st
               padding_id=None): DIN's target attention, din([query, keys, ids])
     Add(), Subtract(), Multiply(), Average(), Maximum(), Minimum(), Concatenate(axis=-1),
     Dot(axes), and add([a, b]), concatenate([a, b]), ...: merge layers, called on a list
-    GlobalAveragePooling1D/2D(), GlobalMaxPooling1D/2D(), Activation(name), Reshape(shape),
+    GlobalAveragePooling1D/2D(), GlobalMaxPooling1D/2D(), Activation(name), ReLU(), Reshape(shape),
     Permute(dims), RepeatVector(n)
 
 Called on keras.Input(...) tensors, layers build a graph (pserver.models.Functional). A user's
@@ -46,7 +46,7 @@ the batch dimension) and `name=`.
 """
 
 from pserver.errors import ConfigError
-from pserver.layers.activation import Activation
+from pserver.layers.activation import Activation, ReLU
 from pserver.layers.attention import MultiHeadAttention
 from pserver.layers.augmentation import (
     RandomContrast,
@@ -148,6 +148,7 @@ LAYERS.add("GlobalMaxPooling1D", "the largest value over a sequence's steps, per
 LAYERS.add("GlobalMaxPooling2D", "the largest value over an image's positions, per channel",
            GlobalMaxPooling2D)
 LAYERS.add("Activation", "an activation by name (relu, sigmoid, tanh; softmax on the output)", Activation)
+LAYERS.add("ReLU", "max(x, 0), Keras's ReLU layer at its defaults", ReLU)
 LAYERS.add("Reshape", "each sample to target_shape (a view)", Reshape)
 LAYERS.add("Permute", "a sample's axes reordered (dims from 1)", Permute)
 LAYERS.add("RepeatVector", "a vector repeated n times: (features,) to (n, features)", RepeatVector)
@@ -257,7 +258,8 @@ __all__ = ["LAYERS", "USER_LAYERS", "serialize", "deserialize", "Lambda",
            "Flatten", "Dropout", "Embedding", "FM", "Initializer", "VarianceScaling", "RandomUniform",
            "Zeros", "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Dot",
            "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalMaxPooling1D", "GlobalMaxPooling2D",
-           "Activation", "Reshape", "Permute", "RepeatVector", "LayerNormalization", "BatchNormalization",
+           "Activation", "ReLU", "Reshape", "Permute", "RepeatVector", "LayerNormalization",
+           "BatchNormalization",
            "Rescaling", "SimpleRNN", "LSTM", "GRU", "Bidirectional", "Normalization", "Resizing",
            "CenterCrop", "RandomFlip", "RandomRotation", "RandomZoom", "RandomTranslation", "RandomContrast",
            "add", "subtract", "multiply", "average", "maximum", "minimum", "concatenate", "dot",
