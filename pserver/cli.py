@@ -233,6 +233,12 @@ WORKER_FLAGS = [
                                   "epoch: --epochs N trains N windows, the chief prints each window's "
                                   "progressive metrics at its end, chunks are leased within it "
                                   "(default 100)")),
+    Flag("--export-every", dict(type=float, metavar="SEC", help="chief: every SEC seconds ask the shards to "
+                                "checkpoint (they need one --checkpoint-dir) and export what they hold into "
+                                "--export-dir: DIR/model the first time, then a delta since the one before "
+                                "into DIR/deltas, which pserver serve-model DIR/model --follow DIR/deltas "
+                                "applies")),
+    Flag("--export-dir", dict(metavar="DIR", help="chief: where --export-every writes")),
     Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "
                                  "sparse factor table (default 8)")),
     Flag("--row-optimizer", dict(choices=ROWS.names(), help="lr, fm, wide_deep, deepfm: the sparse "

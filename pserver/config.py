@@ -236,6 +236,8 @@ class WorkerConfig:
     chunk_batches: int = 16       # leases: batches per chunk of the training data
     no_shuffle: bool = False      # leases: every epoch the data in its order, chunks leased in order
     window_batches: int = 100     # stream:PATH: batches per window (the coordinator's epoch of a stream)
+    export_every: float = 0.0     # chief: checkpoint and export (a model, then deltas) every SEC seconds
+    export_dir: str | None = None  # chief: where --export-every writes: DIR/model and DIR/deltas
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.wire.compress)
     pull_compress: str = "none"   # pull codec over gRPC: none, bf16
@@ -307,6 +309,11 @@ class WorkerConfig:
                               f"{', '.join(DATA_ASSIGNMENTS)}")
         if self.chunk_batches < 1:
             raise ConfigError(f"--chunk-batches: must be >= 1, got {self.chunk_batches}")
+        if not self.export_every >= 0 or (self.export_every > 0) != bool(self.export_dir):
+            raise ConfigError(f"--export-every {self.export_every} --export-dir {self.export_dir}: give both "
+                              f"(seconds > 0 and a directory) or neither")
+        if self.export_dir and os.path.exists(self.export_dir) and not os.path.isdir(self.export_dir):
+            raise ConfigError(f"--export-dir: {self.export_dir} is a file, not a directory")
         if self.window_batches < 1:
             raise ConfigError(f"--window-batches: must be >= 1, got {self.window_batches}")
         if self.dataset.startswith("stream:") and self.data_assignment != "leases":

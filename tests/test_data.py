@@ -409,9 +409,8 @@ def test_unknown_dataset():
         load_dataset("cifar")
     assert str(err.value) == ("--dataset: unknown dataset 'cifar'; choose synthetic, mnist, "
                               "criteo-synthetic, criteo-synthetic-multi-hot, criteo:PATH (a Criteo TSV "
-                              "file), criteo-multi-hot:PATH (lists in its columns), stream:PATH (a growing one) "
-                              "or a path to a .npz or "
-                              ".parquet file")
+                              "file), criteo-multi-hot:PATH (lists in its columns), stream:PATH (a "
+                              "growing one) or a path to a .npz or .parquet file")
 
 
 # ---------------------------------------------------------------- .npz

@@ -15,14 +15,15 @@ from hypothesis import strategies as st
 from pserver.config import WorkerConfig
 from pserver.data import load_dataset
 from pserver.data.criteo import parse_line_python
-from pserver.data.stream import Follower, StreamBatches, event_lines
+from pserver.data.stream import Follower, event_lines
 from pserver.errors import ConfigError, DataError
 
 
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(0, 30), min_size=0, max_size=60), per_batch=st.integers(1, 7),
        cuts=st.lists(st.integers(0, 2000), max_size=8), data=st.data())
-def test_batch_g_is_lines_g_times_b_on_however_the_file_grew(tmp_path_factory, lengths, per_batch, cuts, data):
+def test_batch_g_is_lines_g_times_b_on_however_the_file_grew(tmp_path_factory, lengths, per_batch, cuts,
+                                                             data):
     """Lines of any length written in pieces cut anywhere (mid-line too): after each piece, the
     complete batches found are exactly lines g*B .. (g+1)*B - 1, byte for byte, and a batch whose
     last line has no newline yet is not complete. Fails for an off-by-one in the carried count of
@@ -141,3 +142,13 @@ def test_a_stream_in_slices_and_a_bad_window_are_refused():
         load_dataset("stream:")
     with pytest.raises(ConfigError, match="binary classification"):
         load_dataset("stream:x.tsv", task="regression")
+
+
+def test_export_every_needs_a_directory_and_a_positive_interval(tmp_path):
+    for kwargs in ({"export_every": 0.5}, {"export_dir": str(tmp_path)}, {"export_every": -1.0,
+                                                                           "export_dir": str(tmp_path)}):
+        with pytest.raises(ConfigError, match="--export-every .* give both"):
+            WorkerConfig(ps=["h:1"], **kwargs)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        WorkerConfig(ps=["h:1"], export_every=1.0, export_dir=str(tmp_path / "f"))

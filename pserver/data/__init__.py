@@ -95,7 +95,8 @@ def load_dataset(spec: str, *, data_dir: str | None = None, seed: int = 0, task:
         return as_task(npz.load(spec, seed, scale_uint8 == "auto"), task)
     named = ", ".join(f for f in DATASETS.forms() if f in DATASETS)   # those without a path
     raise ConfigError(f"--dataset: unknown dataset {spec!r}; choose {named}, "
-                      "criteo:PATH (a Criteo TSV file), criteo-multi-hot:PATH (lists in its columns), stream:PATH "
+                      "criteo:PATH (a Criteo TSV file), criteo-multi-hot:PATH (lists in its columns), "
+                      "stream:PATH "
                       "(a growing one) or a "
                       "path to a .npz or .parquet file")
 

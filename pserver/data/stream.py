@@ -65,7 +65,8 @@ class Follower:
                                 f"(line offset {self.lines():,}); the job's offsets name its lines")
             return 0
         if size < self.scanned:
-            raise DataError(f"stream {self.path}: the file shrank to {size:,} bytes from the {self.scanned:,} "
+            raise DataError(f"stream {self.path}: the file shrank to {size:,} bytes from the "
+                            f"{self.scanned:,} "
                             f"already read (line offset {self.lines():,}): a stream file may only grow; "
                             f"its line numbers are the job's offsets")
         if size > self.scanned:
@@ -206,7 +207,8 @@ def event_lines(first: int, n: int, seed: int = 0) -> list[str]:
     base = np.uint64(seed * 0x9E3779B97F4A7C15 % (1 << 64))
     i = np.arange(first, first + n, dtype=np.uint64)
     h = [splitmix64(i * np.uint64(4) + np.uint64(k) + base) for k in range(3)]
-    ad, site = (h[0] % np.uint64(EVENT_ADS)).astype(np.int64), (h[1] % np.uint64(EVENT_SITES)).astype(np.int64)
+    ad = (h[0] % np.uint64(EVENT_ADS)).astype(np.int64)
+    site = (h[1] % np.uint64(EVENT_SITES)).astype(np.int64)
     weights = np.random.default_rng([seed, 0x5EED]).normal(0.0, 1.0, EVENT_ADS + EVENT_SITES)
     p = 1.0 / (1.0 + np.exp(1.0 - weights[ad] - weights[EVENT_ADS + site]))
     click = (h[2] >> np.uint64(11)).astype(np.float64) / float(1 << 53) < p

@@ -133,44 +133,68 @@ def export_checkpoints(directory: str, out: str, options: dict, mode: str = "syn
     return {**result, "tables": {name: int(ids.shape[0]) for name, (ids, _) in tables.items()}}
 
 
+class DeltaChain:
+    """Deltas of a job's checkpoints in `directory`, written into `out_dir` each since the one
+    before, the first since `since` (an export of the job): what `pserver serve-model MODEL --follow
+    DIR` applies, in order. The model as the deltas made it is kept in OUT/.base (a dot directory,
+    which the server leaves alone; each delta applied to it and compacted) to write the next delta
+    since; one already there (a chain that was stopped) is gone on from. `step()` writes one delta
+    when the checkpoints hold a newer usable state (`pserver export --follow`, and the chief's
+    --export-every)."""
+
+    def __init__(self, directory: str, since: str, out_dir: str, options: dict, mode: str = "sync") -> None:
+        self.directory, self.out_dir, self.options, self.mode = directory, out_dir, options, mode
+        self.work = os.path.join(out_dir, ".base")
+        os.makedirs(out_dir, exist_ok=True)
+        if not os.path.exists(self.work):
+            model_file.load(since).compact(self.work)     # the model to write deltas since, a copy of MODEL
+        self.written, self.built = 0, {}
+        self.have = int((model_file.read(self.work, arrays=False)[0].get("origin") or {}).get("version", -1))
+
+    def step(self) -> dict | None:
+        """The delta to the newest usable state, when it is newer than the last one written
+        (its export_checkpoints result, "path" added); None when there is none."""
+        named = [v for shards in scan(self.directory).values() for files in shards.values() for v, _ in files]
+        if max(named, default=-1) <= self.have:           # the files are read only when one is named newer
+            return None
+        try:
+            newest = checkpoint_dir.newest_shape(self.directory, self.mode).version
+        except ConfigError:
+            return None                                   # no usable state yet: the job has not written one
+        if newest <= self.have:
+            return None
+        out = os.path.join(self.out_dir, f"delta-v{newest:09d}")
+        result = export_checkpoints(self.directory, out, self.options, self.mode, since=self.work,
+                                    built=self.built)
+        model = model_file.load(self.work)
+        model.apply(out)
+        model.compact(self.work)
+        self.have, self.written = newest, self.written + 1
+        return {**result, "path": out}
+
+
 def follow_checkpoints(directory: str, since: str, out_dir: str, options: dict, mode: str = "sync",
                        poll: float = 5.0, stop=None, say=print) -> int:
     """`pserver export --since MODEL --out DIR --follow`: while a job writes checkpoints into
     `directory`, write a delta into `out_dir` each time a newer usable state appears there
-    (delta-vVERSION, written aside and renamed), each since the one before: what `pserver
-    serve-model MODEL --follow DIR` applies, in order. The exporter keeps the model as its deltas
-    made it in OUT/.base (a dot directory, which the server leaves alone; each delta applied to
-    it and compacted) to write the next delta since. Stops when `stop` (an Event) is set; returns
-    the deltas written."""
+    (delta-vVERSION, written aside and renamed; DeltaChain). Stops when `stop` (an Event) is set;
+    returns the deltas written."""
     import threading
     stop = stop or threading.Event()
-    work = os.path.join(out_dir, ".base")
-    os.makedirs(out_dir, exist_ok=True)
-    if not os.path.exists(work):
-        model_file.load(since).compact(work)     # the model to write deltas since, a copy of MODEL
-    written, built = 0, {}
-    have = int((model_file.read(work, arrays=False)[0].get("origin") or {}).get("version", -1))
+    chain = DeltaChain(directory, since, out_dir, options, mode)
     while not stop.is_set():
-        named = [v for shards in scan(directory).values() for files in shards.values() for v, _ in files]
-        newest = -1
-        if max(named, default=-1) > have:        # the files are read only when one is named newer
-            try:
-                newest = checkpoint_dir.newest_shape(directory, mode).version
-            except ConfigError:
-                pass                             # no usable state yet: the job has not written one
-        if newest > have:
-            out = os.path.join(out_dir, f"delta-v{newest:09d}")
-            result = export_checkpoints(directory, out, options, mode, since=work, built=built)
-            model = model_file.load(work)
-            model.apply(out)
-            model.compact(work)
-            have, written = newest, written + 1
-            changed = sum(result["tables"].values())
-            say(f"pserver export: wrote {out} (version {result['since']} -> {result['version']}: "
-                f"{changed:,} rows changed)")
+        result = chain.step()
+        if result is not None:
+            say(delta_line(result))
             continue                             # a newer state may be there already
         stop.wait(poll)
-    return written
+    return chain.written
+
+
+def delta_line(result: dict) -> str:
+    changed = sum(result["tables"].values())
+    return (f"pserver export: wrote {result['path']} (version {result['since']} -> {result['version']}: "
+            f"{changed:,} rows changed)")
 
 
 def _check_export_paths(directory: str, out: str, options: dict) -> None:

@@ -44,6 +44,7 @@ from pserver.signals import Stopped
 from pserver.sparse import TableLookup
 from pserver.wire.security import client_security
 from pserver.worker.client import PSClient
+from pserver.worker.exports import ChiefExports
 from pserver.worker.run import Run, push_pull
 from pserver.worker.sources import Batch, EpochEnd, Leases, Slices, source_for
 from pserver.worker.stragglers import Delay
@@ -170,17 +171,24 @@ def run(cfg: WorkerConfig, device, ds: Dataset, model, definition: dict | None =
     client = PSClient(cfg.ps, cfg.rank, cfg.num_workers, cfg.chunk_bytes, cfg.rpc_deadline, cfg.data_plane,
                       security=client_security(cfg.auth_token, cfg.tls_ca), compression=cfg.compress,
                       pull_compression=cfg.pull_compress, session_dir=cfg.session_dir)
+    exports = None
     try:
         training, source, counted_from = set_up(cfg, device, ds, model, client, report,
                                                 NoCallbacks() if callbacks is None else callbacks)
+        if training.chief and cfg.export_every:
+            exports = ChiefExports(cfg, client, training.mode, training.progress.say).start()
         started = time.monotonic()
         stats = train(training, source)
+        if exports is not None:
+            exports.close()                    # the last export: the run's final state
         client.leave()
         return end(training, stats, started, counted_from, definition)
     except (Stopped, KeyboardInterrupt):
         client.leave_on_stop()                 # the others' steps stop waiting for us now
         raise
     finally:
+        if exports is not None:
+            exports.stop()
         report.close()
         client.close()
 

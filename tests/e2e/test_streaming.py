@@ -27,13 +27,13 @@ class Writer(threading.Thread):
     """Appends the events, `per_tick` lines every `tick` seconds (a line may be cut between two
     writes: the readers must wait for its newline)."""
 
-    def __init__(self, path, per_tick=50, tick=0.1):
+    def __init__(self, path, per_tick=50, tick=0.1, total=EVENTS):
         super().__init__(daemon=True)
-        self.path, self.per_tick, self.tick = path, per_tick, tick
-        self.text = "".join(s + "\n" for s in event_lines(0, EVENTS)).encode()
+        self.path, self.per_tick, self.tick, self.total = path, per_tick, tick, total
+        self.text = "".join(s + "\n" for s in event_lines(0, total)).encode()
 
     def run(self):
-        cut, step = 0, len(self.text) // (EVENTS // self.per_tick)
+        cut, step = 0, len(self.text) // (self.total // self.per_tick)
         while cut < len(self.text):
             with open(self.path, "ab") as f:
                 f.write(self.text[cut:cut + step])
@@ -49,7 +49,8 @@ def shards(procs, mode, extra=()):
 
 def workers(procs, addrs, path, summary):
     return [procs("worker", "--ps", ",".join(addrs), "--rank", str(r), "--num-workers", "2",
-                  "--dataset", f"stream:{path}", *TRAIN, *(["--summary-json", str(summary)] if r == 0 else []))
+                  "--dataset", f"stream:{path}", *TRAIN,
+                  *(["--summary-json", str(summary)] if r == 0 else []))
             for r in range(2)]
 
 
@@ -110,4 +111,108 @@ def test_shard_0_killed_mid_stream_restores_its_offsets_from_the_checkpoint(proc
     s = read_json(summary)
     assert s["chunks_done"] == CHUNKS, s
     assert events_trained(s) >= EVENTS, s["per_epoch"]
-    print(f"retrained {s['batches_retrained']} batches, {events_trained(s) - EVENTS} events over the stream's")
+    print(f"retrained {s['batches_retrained']} batches, {events_trained(s) - EVENTS} events over the "
+          f"stream's")
+
+
+def test_a_stream_served_as_it_trains_through_a_worker_s_a_shard_s_and_the_server_s_kill(procs, tmp_path):
+    """The whole chain: events appended to a file, 2 shards (checkpointing), 2 workers, the chief
+    exporting every 0.5 s (--export-every), and `pserver serve-model --follow` answering a client
+    thread. Worker 1, then shard 1 (restarted with --restore), then the server (restarted on its
+    port from the model and the deltas there) are SIGKILLed in turn. Every chunk of every window is
+    done once and every event trained; the server fails no request except while it is dead, each
+    answer names one version, a server's versions never go back, and the restarted server serves
+    the chain's last delta (fails if it restarts from the first export only, or if the chief's
+    exports stop at a shard's kill)."""
+    import grpc
+    import numpy as np
+
+    from pserver._proto import pserver_pb2 as pb
+    from pserver._proto import pserver_pb2_grpc as pb_grpc
+    from pserver.data.criteo import parse_block
+    from pserver.serving.app import to_named
+
+    path, summary = tmp_path / "events.tsv", tmp_path / "summary.json"
+    ckpt, ex = tmp_path / "ckpt", tmp_path / "ex"
+    ports = [free_port(), free_port()]
+
+    def shard(j):
+        return procs("serve", "--port", str(ports[j]), "--shard", str(j), "--num-shards", "2",
+                     "--num-workers", "2", "--mode", "async", "--step-timeout", "1.5", "--optimizer", "sgd",
+                     "--lr", "0.05", "--checkpoint-dir", str(ckpt), "--restore", str(ckpt))
+    shards = [shard(0), shard(1)]
+    addrs = [s.address() for s in shards]
+    ws = [procs("worker", "--ps", ",".join(addrs), "--rank", str(r), "--num-workers", "2",
+                "--dataset", f"stream:{path}", *TRAIN, "--epochs", "6",
+                *(["--summary-json", str(summary), "--export-every", "0.5", "--export-dir", str(ex)] if r == 0
+                  else [])) for r in range(2)]
+    Writer(path, per_tick=25, total=6000).start()
+    assert wait_until(lambda: (ex / "model").exists(), 120), ws[0].output
+    serve_port = free_port()
+    serve = ["serve-model", str(ex / "model"), "--port", str(serve_port), "--http-port", "-1", "--follow",
+             str(ex / "deltas"), "--poll", "0.1"]
+    servers = [procs(*serve)]
+    assert wait_until(lambda: "gRPC on port" in servers[0].output, 60), servers[0].output
+    text = np.frombuffer("".join(s + "\n" for s in event_lines(0, 16)).encode(), np.uint8)
+    x = parse_block(text, 0).x
+    request = pb.PredictRequest(inputs=[to_named("dense", x["dense"]), to_named("cat", x["cat"])])
+    stub = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{serve_port}"))
+    lives: list[list[int]] = [[]]          # the versions each server life answered with
+    failures: list[str] = []
+    down = threading.Event()
+    stop = threading.Event()
+
+    def ask():
+        while not stop.is_set():
+            try:
+                lives[-1].append(stub.Predict(request, timeout=10).version)
+            except grpc.RpcError as e:
+                if not down.is_set():
+                    failures.append(f"{e.code()}: {e.details()}")
+            time.sleep(0.01)
+    client = threading.Thread(target=ask, daemon=True)
+    client.start()
+    try:
+        assert wait_until(lambda: "epoch 2/6 step" in ws[1].output, 120), ws[1].output
+        ws[1].popen.send_signal(signal.SIGKILL)
+        assert wait_until(lambda: "window 3/6" in ws[0].output, 120), ws[0].output
+        shards[1].popen.send_signal(signal.SIGKILL)
+        shards[1].popen.wait()
+        shards[1] = shard(1)
+        shards[1].address()
+        assert wait_until(lambda: "window 4/6" in ws[0].output, 120), ws[0].output
+        down.set()
+        servers[0].popen.send_signal(signal.SIGKILL)
+        servers[0].popen.wait()
+        lives.append([])
+        servers.append(procs(*serve))
+        assert wait_until(lambda: "gRPC on port" in servers[1].output, 60), servers[1].output
+        assert wait_until(lambda: len(lives[-1]) > 0, 30)
+        down.clear()
+        assert ws[0].wait(180) == 0, ws[0].output
+        last = max(int(p.name.split("-v")[1]) for p in (ex / "deltas").glob("delta-v*"))
+        assert wait_until(lambda: lives[-1] and lives[-1][-1] == last, 60), (lives[-1][-5:], last)
+    finally:
+        stop.set()
+        client.join(30)
+    s = read_json(summary)
+    assert s["chunks_done"] == 6 * WINDOW // CHUNK, s
+    assert events_trained(s) >= 6 * WINDOW * BATCH, s["per_epoch"]
+    assert failures == [], failures[:5]
+    assert all(life == sorted(life) for life in lives), [sorted(set(life)) for life in lives]
+    assert len(set(lives[0])) >= 2, sorted(set(lives[0]))
+    assert "restored version" in shards[1].output, shards[1].output[-2000:]
+    print(f"{len(list((ex / 'deltas').glob('delta-v*')))} deltas; versions served by each server's life: "
+          f"{[len(set(life)) for life in lives]}; {s['batches_retrained']} batches trained twice")
+
+
+def test_export_every_against_shards_without_checkpoints_says_so_once_and_trains_on(procs, tmp_path):
+    """--export-every exports what the shards' checkpoints hold: shards started without
+    --checkpoint-dir get one line saying what to do, the run still ends well, and nothing is
+    written (fails if the failure stops the run or is said at every interval)."""
+    shard = procs("serve", "--port", "0", "--num-workers", "1")
+    worker = procs("worker", "--ps", shard.address(), "--model", "logreg", "--samples", "4000", "--epochs", "2",
+                   "--delay", "fixed:0.005", "--export-every", "0.1", "--export-dir", str(tmp_path / "ex"))
+    assert worker.wait(120) == 0, worker.output
+    assert worker.output.count("start every shard with the same --checkpoint-dir") == 1, worker.output
+    assert not (tmp_path / "ex").exists()
