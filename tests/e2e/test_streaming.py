@@ -212,7 +212,8 @@ def test_export_every_against_shards_without_checkpoints_says_so_once_and_trains
     written (fails if the failure stops the run or is said at every interval)."""
     shard = procs("serve", "--port", "0", "--num-workers", "1")
     worker = procs("worker", "--ps", shard.address(), "--model", "logreg", "--samples", "4000",
-                   "--epochs", "2", "--delay", "fixed:0.005", "--export-every", "0.1", "--export-dir", str(tmp_path / "ex"))
+                   "--epochs", "2", "--delay", "fixed:0.005", "--export-every", "0.1",
+                   "--export-dir", str(tmp_path / "ex"))
     assert worker.wait(120) == 0, worker.output
     assert worker.output.count("start every shard with the same --checkpoint-dir") == 1, worker.output
     assert not (tmp_path / "ex").exists()
