@@ -23,6 +23,7 @@ from pserver.api import (
     SavedModel,
     Server,
     evaluate_files,
+    ingest,
     launch_cluster,
     load_model,
     predict,
@@ -45,7 +46,8 @@ __all__ = [
     "AveragePooling2D", "Flatten", "Dropout", "Embedding",
     "SparseCategoricalCrossentropy", "BinaryCrossentropy", "MeanSquaredError",
     # running
-    "serve", "serve_model", "train", "launch_cluster", "start_cluster", "Cluster", "Server", "load_model",
+    "serve", "serve_model", "ingest", "train", "launch_cluster", "start_cluster", "Cluster", "Server",
+    "load_model",
     "predict",
     "SavedModel", "evaluate_files",
     # data

@@ -76,6 +76,14 @@ def serve_model(path: str, *, port: int = 8500, http_port: int = 8501, host: str
     return run_server(cfg) if block else ModelServer(cfg).start()
 
 
+def ingest(out: str, *, port: int = 9000, host: str = "127.0.0.1", block: bool = True):
+    """`pserver ingest`: append the lines sent over TCP to `out`, the file a job follows with
+    --dataset stream:FILE. block=True runs until SIGTERM or SIGINT and returns the exit code;
+    block=False returns the started pserver.data.ingest.IngestServer (its .port, .lines)."""
+    from pserver.data.ingest import ingest as run_ingest
+    return run_ingest(out, port, host, block)
+
+
 def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_workers: int = 1,
           callbacks=None, **options) -> dict | None:
     """Train `model` (a Sequential, or an object with the model protocol) as worker `rank`.
@@ -354,5 +362,5 @@ def predict(model, x, *, weights=None, batch_size: int = 4096) -> np.ndarray:
     return model.predict(np.asarray(weights, dtype=np.float32), x, batch_size=batch_size)
 
 
-__all__ = ["Server", "SavedModel", "serve", "serve_model", "train", "launch_cluster", "load_model", "predict",
-           "export_checkpoints"]
+__all__ = ["Server", "SavedModel", "serve", "serve_model", "ingest", "train", "launch_cluster", "load_model",
+           "predict", "export_checkpoints"]

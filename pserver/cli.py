@@ -549,6 +549,19 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--json", action="store_true", help="print JSON instead of a line")
     add_flags(ex, EXPORT_FLAGS, "model and dataset (as the run trained; seed and --embedding-dim default "
                                 "to the checkpoints')")
+    ig = sub.add_parser("ingest", help="append the lines sent over TCP to the file a stream job follows",
+                        formatter_class=fmt,
+                        description="Listen for events sent as lines over TCP and append each complete line "
+                                    "to FILE,\nwhich a job trains on with --dataset stream:FILE (a "
+                                    "worker that dies loses none:\nthe lines are in the file before any "
+                                    "worker reads them). A connection's bytes\nafter its last newline are "
+                                    "dropped and counted. SIGTERM or SIGINT stops it.\n"
+                                    "Example: pserver ingest --port 9000 --out events.tsv")
+    ig.add_argument("--out", required=True, metavar="FILE", help="the file to append to (created if missing)")
+    ig.add_argument("--port", type=int, default=9000, help="TCP port (default 9000; 0 picks a free one)")
+    ig.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; the "
+                                                        "lines are not authenticated: keep it local or "
+                                                        "behind your network's rules)")
     sm = sub.add_parser("serve-model", help="answer a model file's predictions over gRPC and HTTP, following "
                                             "its delta exports", formatter_class=fmt,
                         description="Serve a model file (a --save, an export, or one compacted after "
@@ -803,9 +816,14 @@ def cmd_serve_model(ns) -> int:
                        **security_given(ns, SERVE_SECURITY))
 
 
+def cmd_ingest(ns) -> int:
+    from pserver.api import ingest
+    return ingest(ns.out, port=ns.port, host=ns.host)
+
+
 COMMANDS = {"serve": cmd_serve, "worker": cmd_worker, "launch": cmd_launch, "slurm": cmd_slurm,
             "status": cmd_status, "evaluate": cmd_evaluate, "checkpoint": cmd_checkpoint,
-            "export": cmd_export, "run": cmd_run, "serve-model": cmd_serve_model}
+            "export": cmd_export, "run": cmd_run, "serve-model": cmd_serve_model, "ingest": cmd_ingest}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,3 +152,17 @@ def test_export_every_needs_a_directory_and_a_positive_interval(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match="is a file, not a directory"):
         WorkerConfig(ps=["h:1"], export_every=1.0, export_dir=str(tmp_path / "f"))
+
+
+def test_ingest_refuses_a_directory_a_missing_parent_and_a_busy_port(tmp_path):
+    from pserver.data.ingest import IngestServer
+    with pytest.raises(ConfigError, match="is a directory"):
+        IngestServer(str(tmp_path), port=0)
+    with pytest.raises(ConfigError, match="is not a directory"):
+        IngestServer(str(tmp_path / "no" / "events.tsv"), port=0)
+    first = IngestServer(str(tmp_path / "events.tsv"), port=0)
+    try:
+        with pytest.raises(ConfigError, match=f"--port {first.port}: cannot listen"):
+            IngestServer(str(tmp_path / "other.tsv"), port=first.port)
+    finally:
+        first.server_close()

@@ -217,3 +217,40 @@ def test_export_every_against_shards_without_checkpoints_says_so_once_and_trains
     assert worker.wait(120) == 0, worker.output
     assert worker.output.count("start every shard with the same --checkpoint-dir") == 1, worker.output
     assert not (tmp_path / "ex").exists()
+
+
+def test_events_sent_over_tcp_are_appended_whole_and_a_job_trains_on_them(procs, tmp_path):
+    """`pserver ingest`: two senders write interleaved, each line cut across sends; the file gets
+    every complete line once and whole (fails for lines split by another sender's bytes, or a
+    partial line written), a connection's bytes after its last newline are dropped and counted,
+    and a worker trains every event of the stream (2 windows) as they arrive over TCP."""
+    import socket
+    events = tmp_path / "events.tsv"
+    ingest = procs("ingest", "--port", "0", "--out", str(events))
+    port = int(ingest.address().rsplit(":", 1)[1])
+    lines = [s + "\n" for s in event_lines(0, 2 * WINDOW * BATCH)]
+    shard = procs("serve", "--port", "0", "--num-workers", "1", "--mode", "async")
+    summary = tmp_path / "summary.json"
+    worker = procs("worker", "--ps", shard.address(), "--dataset", f"stream:{events}", *TRAIN,
+                   "--epochs", "2", "--summary-json", str(summary))
+    senders = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    for k in range(0, len(lines), 50):        # sender k % 2 sends lines k .. k + 49, cut mid-line
+        data = "".join(lines[k:k + 50]).encode()
+        sock = senders[(k // 50) % 2]
+        sock.sendall(data[:len(data) // 2 + 7])
+        time.sleep(0.002)
+        sock.sendall(data[len(data) // 2 + 7:])
+    unfinished = b"0\t1\tan unfinished line"
+    senders[0].sendall(unfinished)
+    for sock in senders:
+        sock.close()
+    assert worker.wait(120) == 0, worker.output
+    ingest.popen.send_signal(signal.SIGTERM)
+    assert ingest.wait(30) == 0, ingest.output
+    written = events.read_text().splitlines(keepends=True)
+    assert sorted(written) == sorted(lines), (len(written), len(lines))
+    assert "2,000 line(s) from 2 connection(s)" in ingest.output, ingest.output
+    assert f"{len(unfinished)} byte(s) after a connection's last newline dropped" in ingest.output, \
+        ingest.output
+    s = read_json(summary)
+    assert events_trained(s) == 2 * WINDOW * BATCH and s["chunks_done"] == 2 * WINDOW // CHUNK, s
