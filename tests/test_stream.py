@@ -79,7 +79,7 @@ def stream(tmp_path, batch=4, window=3, chunk=2):
 def test_a_worker_waits_for_its_batch_and_reads_those_lines(tmp_path):
     """Window 1's batch 1 is stream batch 1 * 3 + 1 = 4: lines 16 .. 19, returned only once a writer
     appends them (later, from another thread), parsed as the twin parses those lines."""
-    ds, data = stream(tmp_path)
+    ds, data = stream(tmp_path, chunk=1)
     path = tmp_path / "events.tsv"
     lines = event_lines(0, 24)
     path.write_text("".join(s + "\n" for s in lines[:18]))
@@ -93,6 +93,7 @@ def test_a_worker_waits_for_its_batch_and_reads_those_lines(tmp_path):
     began = time.monotonic()
     x, y = data.batch(1, 1)
     assert time.monotonic() - began >= 0.15
+    assert len(x) == len(y) == 4
     for k, line in enumerate(lines[16:20]):
         label, dense, ids = parse_line_python(line)
         assert y[k] == label
@@ -101,18 +102,39 @@ def test_a_worker_waits_for_its_batch_and_reads_those_lines(tmp_path):
     assert data.num_batches == 3 and data.in_order
 
 
-def test_malformed_lines_are_skipped_counted_and_named_by_line_number(tmp_path):
+def test_malformed_lines_are_skipped_counted_and_the_first_few_named_by_line_number(tmp_path):
+    """Seven malformed lines of twelve: each batch keeps its well-formed ones, all seven are
+    counted, and the first five (criteo.REPORTED_LINES) are named by their line numbers."""
     ds, data = stream(tmp_path)
-    lines = event_lines(0, 8)
-    lines[5] = "not\ta\tcriteo\tline"
+    lines = event_lines(0, 12)
+    bad = [1, 5, 6, 7, 9, 10, 11]
+    for k in bad:
+        lines[k] = "not\ta\tcriteo\tline"
     (tmp_path / "events.tsv").write_text("".join(s + "\n" for s in lines))
     said = []
     data.say = said.append
-    x0, _ = data.batch(0, 0)
-    x1, y1 = data.batch(0, 1)
-    assert (len(x0), len(x1), len(y1)) == (4, 3, 3)
-    assert data.malformed == 1
-    assert len(said) == 1 and "events.tsv line 6:" in said[0] and "skipped" in said[0], said
+    sizes = [len(data.batch(0, b)[1]) for b in range(3)]
+    assert sizes == [3, 1, 1]
+    assert data.malformed == 7
+    assert [s.split(" line ")[1].split(":")[0] for s in said] == ["2", "6", "7", "8", "10"], said
+    assert all(s.endswith("skipped (counted)") for s in said), said
+
+
+def test_a_long_wait_is_said_once_with_the_lines_awaited(tmp_path, monkeypatch):
+    """A worker waiting longer than WAITING_SAY_AFTER says once which lines it waits for."""
+    from pserver.data import stream as stream_module
+    monkeypatch.setattr(stream_module, "WAITING_SAY_AFTER", 0.1)
+    path = tmp_path / "events.tsv"
+    path.write_text("a\nb\nc\n")
+    f = Follower(str(path), 4, poll=0.01)
+    said = []
+
+    def more():
+        with open(path, "a") as out:        # appended, as a stream grows (rewriting it would shrink it)
+            out.write("d\ne\nf\ng\nh\n")
+    threading.Timer(0.5, more).start()
+    assert f.wait(1, said.append) == (8, 16)
+    assert said == [f"stream {path}: waiting for lines 5 to 8 (3 written so far)"], said
 
 
 def test_every_worker_of_a_job_agrees_on_the_plan_and_another_batch_size_is_refused(tmp_path):
@@ -124,6 +146,26 @@ def test_every_worker_of_a_job_agrees_on_the_plan_and_another_batch_size_is_refu
     _, wider = stream(tmp_path, window=4)
     assert a.fingerprint == b.fingerprint
     assert len({a.fingerprint, other.fingerprint, wider.fingerprint}) == 3
+
+
+def test_planted_clicks_follow_the_probability_the_docstring_states():
+    """Event i clicks with probability sigmoid(-1 + a[ad] + s[site]), a and s N(0, 1) drawn from the
+    seed: over 200,000 events, the click rate within each tenth of that probability is its mean
+    (within 0.02), and the values are the ad and site the line carries. Fails for another formula,
+    another spread of the weights, or clicks drawn apart from it."""
+    from pserver.data.stream import EVENT_ADS
+    lines = event_lines(0, 200_000, seed=3)
+    fields = [s.split("\t") for s in lines]
+    ad = np.array([int(f[14], 16) for f in fields])
+    site = np.array([int(f[15], 16) for f in fields])
+    click = np.array([f[0] == "1" for f in fields])
+    w = np.random.default_rng([3, 0x5EED]).normal(0.0, 1.0, EVENT_ADS + 100)
+    p = 1.0 / (1.0 + np.exp(1.0 - w[ad] - w[EVENT_ADS + site]))
+    for lo in np.arange(0.0, 1.0, 0.1):
+        inside = (p >= lo) & (p < lo + 0.1)
+        if inside.sum() > 2000:
+            assert abs(click[inside].mean() - p[inside].mean()) < 0.02, (lo, click[inside].mean())
+    assert np.array_equal([int(f[1]) for f in fields[:5]], range(5))      # event i's first integer is i
 
 
 def test_event_lines_are_a_pure_function_of_the_event_and_learnable():
@@ -140,6 +182,7 @@ def test_a_stream_in_slices_and_a_bad_window_are_refused():
         WorkerConfig(ps=["h:1"], window_batches=0)
     with pytest.raises(ConfigError, match="path is empty"):
         load_dataset("stream:")
+    assert load_dataset("stream:/data/day:1.tsv").path == "/data/day:1.tsv"
     with pytest.raises(ConfigError, match="binary classification"):
         load_dataset("stream:x.tsv", task="regression")
 
