@@ -122,3 +122,50 @@ def test_compare_runs_a_keras_io_checkout_s_example_with_only_its_imports_change
     assert changed == [("from tensorflow import keras", "import pserver.keras as keras"),
                        ("from tensorflow.keras import layers", "from pserver.keras import layers")]
     assert paths["keras"].read_text() == TINY_EXAMPLE
+
+
+ISSUE_49 = ("addition_rnn", "autoencoder", "mnist_convnet_bn", "timeseries_classification",
+            "imbalanced_classification", "text_classification")
+
+
+def load_compare(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    return compare
+
+
+@pytest.mark.parametrize("name", ISSUE_49)
+def test_issue_49_s_keras_io_examples_train_under_pserver_run_and_print_what_compare_reads(name, mnist_dir):
+    """Each of issue 49's example scripts (LSTM and RepeatVector, UpSampling2D and soft
+    binary labels, BatchNormalization and the callbacks, Conv1D and ReLU with a checkpoint
+    loaded back, class weights and Precision/Recall, TextVectorization) for one epoch on 256
+    samples (the synthetic FordA and credit card data are not cut): catches one that stops
+    building, training or printing the line compare.py compares ("Test accuracy" in [0, 1], or
+    the autoencoder's finite "Test loss")."""
+    env = env_with({"PSERVER_MNIST_DIR": str(mnist_dir), "KERAS_IO_SAMPLES": "256", "KERAS_IO_EPOCHS": "1"})
+    r = subprocess.run([sys.executable, "-m", "pserver", "run", "--ps", "1", "--workers", "2", "--seed", "1",
+                        "--", sys.executable, str(BENCH / f"{name}.py")], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    compare = load_compare(f"keras_io_compare_{name}")
+    printed = dict(compare.RESULT.findall(r.stdout))
+    metric = next(m for m in compare.METRICS if m in printed)
+    value = float(printed[metric])
+    assert metric == ("loss" if name == "autoencoder" else "accuracy"), printed
+    assert (0 < value < 1) if metric == "loss" else (0 <= value <= 1), printed
+
+
+def test_compare_s_keras_copies_of_issue_49_s_scripts_import_keras_only(tmp_path):
+    """compare.py's Keras copy of each script: every pserver import line swapped back
+    (`from pserver.keras.layers import Conv2D` -> `from keras.layers import Conv2D` too), and
+    nothing else changed. Catches a Keras side that would import pserver."""
+    compare = load_compare("keras_io_compare_49")
+    for name in ISSUE_49:
+        paths = compare.copies(name, None, None, tmp_path)
+        ours, theirs = paths["pserver"].read_text().splitlines(), paths["keras"].read_text().splitlines()
+        changed = [(a, b) for a, b in zip(ours, theirs) if a != b]
+        back = [a.replace("pserver.keras", "keras").replace("import keras as keras", "import keras")
+                for a, _ in changed]
+        assert changed and back == [b for _, b in changed], (name, changed)
+        assert not [line for line in theirs if line.startswith(("import pserver", "from pserver"))], name
