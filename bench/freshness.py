@@ -75,6 +75,25 @@ def drain(proc: subprocess.Popen, lines: list[str]) -> None:
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process still running, last started first; SIGKILL one that does not stop."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def nothing_reached(what: str, logs: dict[str, list[str]]) -> int:
+    print(f"no {what} reached the server; the processes said:")
+    for name, lines in logs.items():
+        print(f"-- {name}\n" + "".join(lines[-15:]))
+    return 1
+
+
 def watch(call, every: float, stop: threading.Event, seen: dict) -> None:
     """seen[version] = monotonic time call() first returned it; errors (a process starting) skipped."""
     while not stop.is_set():
@@ -226,21 +245,11 @@ def stream_main(args, host: dict) -> int:
         finally:
             stop_writer.set()
             stop_probe.set()
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_all(procs)
     measured = [(ad, t) for ad, t in writer.markers if t >= since]
     f = np.array([reflected[ad] - t for ad, t in measured if ad in reflected])
     if not len(f):
-        print("no marker reached the server; the processes said:")
-        for name, lines in logs.items():
-            print(f"-- {name}\n" + "".join(lines[-15:]))
-        return 1
+        return nothing_reached("marker", logs)
     stats = {q: float(np.percentile(f, q)) for q in (50, 90, 99)}
     heads = ["events/s", "export every s", "poll s", "markers reflected", "versions served", "p50 s", "p90 s",
              "p99 s", "max s"]
@@ -278,15 +287,20 @@ def plot_stream(points: list[tuple[float, float]], f: np.ndarray, out: Path, arg
     a.set_title(f"{args.rate:,} events/s, the chief exporting every {args.export_every:g} s")
     a.set_ylim(bottom=0)
     a.grid(True, alpha=0.3)
-    s = np.sort(f)
-    b.plot(s, np.arange(1, len(s) + 1) / len(s))
-    b.set_xlabel("freshness, s: an event written -> a prediction that reflects it")
-    b.set_ylabel("fraction of markers within")
-    b.set_title(f"p50 {np.percentile(f, 50):.2f} s, p99 {np.percentile(f, 99):.2f} s")
-    b.grid(True, alpha=0.3)
+    distribution(b, f, "an event written", "markers")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def distribution(ax, f: np.ndarray, start: str, what: str) -> None:
+    """The right-hand panel of both plots: the fraction of `what` reflected within each time."""
+    s = np.sort(f)
+    ax.plot(s, np.arange(1, len(s) + 1) / len(s))
+    ax.set_xlabel(f"freshness, s: {start} -> a prediction that reflects it")
+    ax.set_ylabel(f"fraction of {what} within")
+    ax.set_title(f"p50 {np.percentile(f, 50):.2f} s, p99 {np.percentile(f, 99):.2f} s")
+    ax.grid(True, alpha=0.3)
 
 
 def main() -> int:
@@ -383,14 +397,7 @@ def main() -> int:
             for t in watchers:
                 t.join()
         finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_all(procs)
     # Steady state: from the first delta the server applied (the exporter's own start, a second or
     # two of imports and the first read of every checkpoint, is left out)
     first_served = sorted(served_seen.items())
@@ -399,10 +406,7 @@ def main() -> int:
     reached = [u for u, t in shard_seen.items() if t >= since]
     served_versions = sorted(v for v, t in served_seen.items() if t >= since)
     if not len(f):
-        print("no update reached the server; the processes said:")
-        for name, lines in logs.items():
-            print(f"-- {name}\n" + "".join(lines[-15:]))
-        return 1
+        return nothing_reached("update", logs)
     stats = {q: float(np.percentile(f, q)) for q in (50, 90, 99)}
     row = [f"{args.checkpoint_secs:g}", f"{args.poll:g}", f"{len(f):,} of {len(reached):,}",
            str(len(served_versions)), f"{stats[50]:.2f}", f"{stats[90]:.2f}", f"{stats[99]:.2f}",
@@ -443,12 +447,7 @@ def plot(shard_seen: dict, served_seen: dict, f: np.ndarray, since: float, out: 
     a.set_title("the server follows the training job")
     a.grid(True, alpha=0.3)
     a.legend(fontsize=8)
-    s = np.sort(f)
-    b.plot(s, np.arange(1, len(s) + 1) / len(s))
-    b.set_xlabel("freshness, s: update on the shards -> a prediction that reflects it")
-    b.set_ylabel("fraction of updates within")
-    b.set_title(f"p50 {np.percentile(f, 50):.2f} s, p99 {np.percentile(f, 99):.2f} s")
-    b.grid(True, alpha=0.3)
+    distribution(b, f, "update on the shards", "updates")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
