@@ -93,13 +93,13 @@ class Follower:
 
     def wait(self, g: int, say=None) -> tuple[int, int]:
         """Batch g's bytes [start, end), once all its lines are written (polling the file)."""
-        began, said = time.monotonic(), 0.0
+        began, next_say = time.monotonic(), WAITING_SAY_AFTER
         while self.scan() <= g:
             waited = time.monotonic() - began
-            if say is not None and waited >= max(WAITING_SAY_AFTER, said + 60.0 if said else 0.0):
+            if say is not None and waited >= next_say:
                 say(f"stream {self.path}: waiting for lines {g * self.lines_per_batch + 1:,} to "
                     f"{(g + 1) * self.lines_per_batch:,} ({self.lines():,} written so far)")
-                said = waited
+                next_say = waited + 60.0
             time.sleep(self.poll)
         return self.bounds[g], self.bounds[g + 1]
 
@@ -111,14 +111,12 @@ class StreamBatches:
 
     in_order = True
 
-    def __init__(self, data: StreamFile, batch_size: int, chunk_batches: int, window_batches: int,
-                 say=None) -> None:
-        check_int("--chunk-batches", chunk_batches, 1)
+    def __init__(self, data: StreamFile, batch_size: int, window_batches: int, say=None) -> None:
         check_int("--window-batches", window_batches, 1)
-        self.path, self.sizes, self.batch_size = data.path, data.sizes, batch_size
+        self.path, self.batch_size = data.path, batch_size
         self.num_batches = window_batches
         self.follower = Follower(data.path, batch_size)
-        key = f"{os.path.basename(data.path)}:{batch_size}:{window_batches}:{data.sizes}"
+        key = f"{os.path.basename(data.path)}:{batch_size}:{window_batches}"
         self.fingerprint = "stream:" + hashlib.sha256(key.encode()).hexdigest()[:16]
         self.malformed, self.reported = 0, 0
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -130,13 +128,13 @@ class StreamBatches:
             f.seek(start)
             text = f.read(end - start)
         first = g * self.batch_size
-        block = criteo.parse_block(np.frombuffer(text, np.uint8), first, start, self.sizes)
+        block = criteo.parse_block(np.frombuffer(text, np.uint8), first, start)
         for k in np.flatnonzero(~block.ok):
             self.malformed += 1
             if self.reported < criteo.REPORTED_LINES:
                 self.reported += 1
                 self.say(f"warning: stream {self.path} line {first + int(k) + 1}: "
-                         f"{criteo._why(block, int(k), self.sizes)}; skipped (counted)")
+                         f"{criteo._why(block, int(k))}; skipped (counted)")
         return block.x[block.ok], block.labels[block.ok]
 
 
@@ -151,8 +149,8 @@ class StreamFile:
     num_test = 0
     stream = True
 
-    def __init__(self, path: str, sizes: tuple[int, ...] | None = None) -> None:
-        self.path, self.sizes = path, sizes
+    def __init__(self, path: str) -> None:
+        self.path = path
         self.name = f"stream:{path}"
 
     def steps(self, num_workers: int, batch_size: int) -> int:
@@ -170,11 +168,11 @@ class StreamFile:
 
     def leased_batches(self, batch_size: int, seed: int, chunk_batches: int, cache_dir: str | None = None,
                        shuffle: bool = True, window_batches: int = DEFAULT_WINDOW_BATCHES) -> StreamBatches:
-        return StreamBatches(self, batch_size, chunk_batches, window_batches)
+        return StreamBatches(self, batch_size, window_batches)
 
     def describe(self) -> str:
         return (f"dataset {self.name}: Criteo-style lines followed as the file grows, leased by line "
-                f"offset, {criteo._features(self.sizes)}; metrics progressive (each batch measured "
+                f"offset, {criteo._features(None)}; metrics progressive (each batch measured "
                 f"before it is trained), no test set")
 
 

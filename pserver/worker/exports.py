@@ -10,26 +10,20 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
-from pserver.errors import ConfigError, DataError, PServerError
+from pserver.errors import ConfigError, PServerError
 from pserver.persist import export
-
-# The worker flags that build the model an export is of (as `pserver export` takes them).
-MODEL_OPTIONS = ("model", "hidden", "dataset", "data_dir", "samples", "test_samples", "features", "classes",
-                 "seed", "embedding_dim", "task", "scale_uint8")
 
 
 class ChiefExports:
     def __init__(self, cfg, client, mode: str, say=print) -> None:
         self.every, self.dir, self.client, self.mode, self.say = cfg.export_every, cfg.export_dir, client, \
             mode, say
-        self.options = {k: getattr(cfg, k) for k in MODEL_OPTIONS if getattr(cfg, k, None) is not None}
+        self.options = vars(cfg)       # the model an export is of: this run's, built from its flags
         self.base = os.path.join(self.dir, "model")
         self.deltas = os.path.join(self.dir, "deltas")
         self.chain: export.DeltaChain | None = None
         self.said: set[str] = set()
-        self.seconds: list[float] = []          # each export's time (checkpoint + export)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ps-export", daemon=True)
 
@@ -44,7 +38,6 @@ class ChiefExports:
     def once(self) -> str | None:
         """Checkpoint every shard, then write the model or the next delta; the path written, or
         None (nothing newer, or a failure, said once per kind)."""
-        began = time.perf_counter()
         try:
             answers = self.client.checkpoint()
             dirs = {os.path.dirname(os.path.abspath(p)) for p, _ in answers if p}
@@ -62,11 +55,8 @@ class ChiefExports:
                 self.chain = export.DeltaChain(directory, self.base, self.deltas, self.options, self.mode)
                 return self.base
             result = self.chain.step()
-            if result is None:
-                return None
-            self.seconds.append(time.perf_counter() - began)
-            return result["path"]
-        except (PServerError, OSError, DataError) as e:
+            return None if result is None else result["path"]
+        except (PServerError, OSError) as e:
             line = f"--export-every: {' '.join(str(e).split())}; training goes on"
             if line not in self.said:
                 self.said.add(line)
