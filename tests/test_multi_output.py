@@ -208,3 +208,160 @@ def test_an_output_whose_softmax_fuses_into_its_loss_and_feeds_another_layer_is_
     model.compile(loss=["sparse_categorical_crossentropy", "mse"])
     with pytest.raises(ConfigError, match="functional: layer a .Dense. computes an output and feeds"):
         model.build()
+
+
+# -- several outputs from a subclassed Model or a layer of your own, and outputs without a loss --
+
+
+@keras.saving.register_keras_serializable()
+class TwoHeads(keras.Model):
+    """small()'s model subclassed: call returns its two outputs as a tuple or a dict."""
+
+    def __init__(self, as_dict=False, **kwargs):
+        super().__init__(**kwargs)
+        self.as_dict = as_dict
+        self.trunk = layers.Dense(16, activation="relu", name="trunk")
+        self.a = layers.Dense(3, activation="softmax", name="a")
+        self.b = layers.Dense(1, name="b")
+
+    def call(self, inputs):
+        h = self.trunk(inputs)
+        return {"a": self.a(h), "b": self.b(h)} if self.as_dict else (self.a(h), self.b(h))
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_a_subclassed_model_returning_several_outputs_equals_the_functional_one(as_dict, tmp_path):
+    """Catches: a call returning a tuple or dict refused; the outputs swapped or named otherwise;
+    the call traced once per output (the same values, twice the steps); a saved file that loads
+    as another class, loses an output or its loss."""
+    x, ya, yb = data()
+    y = {"a": ya, "b": yb} if as_dict else [ya, yb]
+    compiled = dict(loss={"a": "sparse_categorical_crossentropy", "b": "mse"} if as_dict
+                    else ["sparse_categorical_crossentropy", "mse"],
+                    metrics={"a": ["accuracy"]} if as_dict else [["accuracy"], []])
+    sub, fun = TwoHeads(as_dict=as_dict), small(as_dict)
+    for model in (sub, fun):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), **compiled)
+    sub.build((None, 4))
+    assert sub.output_names == fun.output_names == ["a", "b"]
+    assert sub._core.layout.describe() == fun._core.layout.describe()
+    assert len(sub._core._plan(True).steps) == len(fun._core._plan(True).steps)
+    fun.set_weights(sub.get_weights())
+    ps, pf = sub.predict(x), fun.predict(x)
+    assert isinstance(ps, dict) == as_dict
+    assert all(np.array_equal(a, b) for a, b in zip(*(p.values() if as_dict else p for p in (ps, pf))))
+    assert sub.evaluate(x, y, verbose=0) == fun.evaluate(x, y, verbose=0)
+    hs = sub.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0).history
+    hf = fun.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0).history
+    assert hs == hf and list(hs) == ["loss", "a_loss", "b_loss", "a_accuracy"]
+    assert all(np.array_equal(a, b) for a, b in zip(sub.get_weights(), fun.get_weights()))
+    sub.save(tmp_path / "two.keras")
+    again = keras.models.load_model(tmp_path / "two.keras")
+    assert type(again) is TwoHeads and again.evaluate(x, y, verbose=0) == sub.evaluate(x, y, verbose=0)
+
+
+def test_a_layer_of_your_own_may_return_several_tensors_each_with_its_gradient(tmp_path):
+    """A layer whose call returns (scaled, shifted), read by two branches of a Functional model:
+    the total loss's gradient against finite differences, and the graph saved and rebuilt.
+    Catches: only the first output wired (the second reading nothing, or the first again)."""
+
+    @keras.saving.register_keras_serializable()
+    class Split(keras.layers.Layer):
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(input_shape[-1],), initializer="random_normal")
+
+        def call(self, inputs):
+            return inputs * self.w, keras.ops.tanh(inputs) - self.w
+
+    inp = keras.Input((4,), name="x")
+    scaled, shifted = Split()(inp)
+    out = layers.Dense(3, name="out")(layers.concatenate([layers.Dense(2)(scaled), shifted]))
+    model = keras.Model(inp, out)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x, ya, _ = data(40)
+    assert_fd(model._core, x.astype(np.float64), ya)
+    rng = np.random.default_rng(3)
+    model.set_weights([rng.normal(size=w.shape) for w in model.get_weights()])
+    model.save(tmp_path / "split.keras")
+    again = keras.models.load_model(tmp_path / "split.keras")
+    assert np.array_equal(again.predict(x), model.predict(x))
+    w, k1, b1, k2, b2 = model.get_weights()          # Split's weight first: the model by hand
+    logits = np.concatenate([(x * w) @ k1 + b1, np.tanh(x) - w], axis=1) @ k2 + b2
+    assert np.allclose(model._core.predict(model._weights(), x), logits, rtol=1e-5, atol=1e-6)
+
+
+def test_a_call_that_returns_other_outputs_in_training_is_refused_in_one_line():
+    class Sometimes(keras.layers.Layer):
+        def call(self, inputs, training=None):
+            return (inputs, inputs * 2.0) if training else inputs
+
+    inp = keras.Input((4,))
+    model = keras.Model(inp, layers.Dense(3)(Sometimes()(inp)))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x, ya, _ = data(40)
+    with pytest.raises(ConfigError) as e:
+        model.fit(x, ya, verbose=0)
+    assert "call returned a tuple of 2 with training=True, one tensor before" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("y", [lambda ya, yb: [ya, yb], lambda ya, yb: [ya, None], lambda ya, yb: {"a": ya}])
+def test_an_output_compiled_with_loss_none_is_predicted_and_never_trained_toward(y):
+    """Keras's loss=[..., None]: the model's loss is output a's alone (the one-output model's, for
+    the same weights), the logs Keras 3's (no per-output loss for a single one), b's own layer
+    never moves, b's labels not needed, b still predicted. Catches: b's loss or gradient counted,
+    b's labels demanded, or b dropped from predict."""
+    x, ya, yb = data()
+    model = small(False)
+    model.compile(optimizer=keras.optimizers.Adam(0.02), loss=["sparse_categorical_crossentropy", None],
+                  metrics=[["accuracy"], []])
+    before = model.get_weights()
+    history = model.fit(x, y(ya, yb), batch_size=30, epochs=3, verbose=0)
+    assert list(history.history) == ["loss", "a_accuracy"]
+    after = model.get_weights()
+    assert np.array_equal(before[4], after[4]) and np.array_equal(before[5], after[5])     # b's kernel, bias
+    assert not np.array_equal(before[0], after[0])
+    loss, accuracy = model.evaluate(x, y(ya, yb), verbose=0)
+    pa, pb = model.predict(x)
+    trunk = np.maximum(x @ after[0] + after[1], 0)
+    assert np.allclose(pb, trunk @ after[4] + after[5], rtol=1e-4, atol=1e-5)
+    assert np.allclose(pa.sum(axis=1), 1) and accuracy == pytest.approx(np.mean(pa.argmax(axis=1) == ya))
+    assert loss == pytest.approx(-np.mean(np.log(pa[np.arange(len(ya)), ya])), rel=1e-4)
+    assert accuracy > 0.9
+
+
+def test_loss_none_among_three_outputs_logs_the_two_trained_and_loads_again(tmp_path):
+    x, ya, yb = data()
+    inp = keras.Input((4,), name="x")
+    h = layers.Dense(16, activation="relu", name="trunk")(inp)
+    model = keras.Model(inp, {"a": layers.Dense(3, activation="softmax", name="a")(h),
+                              "b": layers.Dense(1, name="b")(h), "c": layers.Dense(2, name="c")(h)})
+    model.compile(optimizer="adam", loss={"a": "sparse_categorical_crossentropy", "b": "mse", "c": None})
+    history = model.fit(x, {"a": ya, "b": yb}, batch_size=30, epochs=1, verbose=0)
+    assert list(history.history) == ["loss", "a_loss", "b_loss"]
+    ev = model.evaluate(x, {"a": ya, "b": yb}, verbose=0, return_dict=True)
+    assert ev["loss"] == pytest.approx(ev["a_loss"] + ev["b_loss"], rel=1e-6)
+    model.save(tmp_path / "m.keras")
+    again = keras.models.load_model(tmp_path / "m.keras")
+    assert again.evaluate(x, {"a": ya, "b": yb}, verbose=0, return_dict=True) == ev
+    assert again.predict(x)["c"].shape == (300, 2)
+
+
+@pytest.mark.parametrize("compile_args, message", [
+    ({"loss": [None, None]}, "functional: compile: every output's loss is None: nothing to train toward"),
+    ({"loss": ["sparse_categorical_crossentropy", None], "metrics": [None, ["r2"]]},
+     "compile: metrics: the output 'b' has no loss (None), so no labels to measure it against"),
+])
+def test_loss_none_refusals_are_one_line(compile_args, message):
+    model = small(False)
+    with pytest.raises(ConfigError) as e:
+        model.compile(optimizer="sgd", **compile_args)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_input_of_unknown_length_is_refused_with_what_to_give_instead():
+    """Catches the refusal that said only 'not a shape' (the user's script has to change: say how)."""
+    with pytest.raises(ConfigError) as e:
+        keras.Input(shape=(None,), dtype="int64")
+    assert "a dimension of unknown size (None) is not supported" in str(e.value)
+    assert "keras.Input(shape=(200,))" in str(e.value)

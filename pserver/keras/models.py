@@ -66,6 +66,10 @@ def Input(shape=None, batch_size=None, dtype=None, sparse=None, batch_shape=None
     (keras.Model(inputs, outputs)), or a Sequential's first entry (its input shape)."""
     _refuse("Input", unsupported, batch_size=batch_size, sparse=sparse, batch_shape=batch_shape,
             tensor=tensor)
+    if isinstance(shape, (tuple, list)) and any(d is None for d in shape):
+        raise ConfigError(f"Input: shape={tuple(shape)!r}: a dimension of unknown size (None) is not "
+                          "supported: pserver plans a model's buffers for one shape. Give the size your "
+                          "data has (sequences padded to one length: keras.Input(shape=(200,)))")
     shape = as_shape("Input: shape", shape)
     # "string": text for a lookup or text layer (pserver.layers.text), which the model runs first
     dtype = np.dtype(str) if dtype in ("string", "str", str) else np.dtype(dtype or "float32")

@@ -110,7 +110,18 @@ class TracedLayer(Layer):
                               "(Embedding(mask_zero=True), Masking), which Keras would pass; pserver does "
                               "not pass a mask to a layer's own call: compute with the padding ids instead, "
                               "or drop the mask")
-        return super().__call__(inputs, training=training, **kwargs)
+        out = super().__call__(inputs, training=training, **kwargs)
+        form = getattr(self, "_form", None)
+        if form is None or not (isinstance(out, Symbolic) and getattr(out.node, "layer", None) is self):
+            return out
+        # A call that returned several tensors: one node with an output for each, given back as
+        # call gave them (a tuple, a list or a dict by key).
+        node = out.node
+        for k, shape in enumerate(self.output_shapes[1:], 1):
+            node.outputs.append(Symbolic((None, *shape), "float32", node, k))
+        kind, keys = form
+        return (dict(zip(keys, node.outputs)) if kind == "dict" else
+                tuple(node.outputs) if kind == "tuple" else list(node.outputs))
 
     def output_mask(self, xs):
         if type(self).compute_mask is TracedLayer.compute_mask:
@@ -135,12 +146,15 @@ class TracedLayer(Layer):
                 self.build(self._as_called(batched))
             self.input_shape, self._built_for = input_shape, input_shape
             inputs = [Symbolic(s) for s in batched] if self.takes_list else Symbolic(batched)
-            self.output_shape = self.trace(inputs, False, **getattr(self, "_first_kwargs", {})).shape[1:]
+            outs = self.trace(inputs, False, **getattr(self, "_first_kwargs", {}))
+            self.output_shapes = [o.shape[1:] for o in outs]
+            self.output_shape = self.output_shapes[0]
         super().build_once(input_shape)
 
-    def trace(self, inputs, training: bool, **kwargs) -> Symbolic:
-        """call() on symbolic `inputs` (and the call's other keyword arguments): the output it
-        records (a Symbolic), else ConfigError naming the layer and the user's file and line."""
+    def trace(self, inputs, training: bool, **kwargs) -> list[Symbolic]:
+        """call() on symbolic `inputs` (and the call's other keyword arguments): the outputs it
+        records (one, or each of a tuple, list or dict call returned), else ConfigError naming the
+        layer and the user's file and line."""
         if "training" in inspect.signature(self.call).parameters:
             kwargs["training"] = training
         token = TRACING.set(True)
@@ -149,12 +163,34 @@ class TracedLayer(Layer):
                 out = self.call(self._as_called(inputs), **kwargs)
         finally:
             TRACING.reset(token)
-        if not isinstance(out, Symbolic):
-            raise ConfigError(f"{self.label}: call returned {type(out).__name__}, not a tensor computed "
-                              "with ops from its inputs (pserver.keras.ops)")
-        if out.shape[:1] != (None,):
-            raise ConfigError(f"{self.label}: call's output {out.shape} has no batch dimension")
-        return out
+        outs, form = self._outputs_of(out)
+        if not hasattr(self, "_form"):
+            self._form = form
+        elif form != self._form:
+            raise ConfigError(f"{self.label}: call returned {_form_text(form)} with training={training}, "
+                              f"{_form_text(self._form)} before: give the same outputs either way")
+        for o in outs:
+            if o.shape[:1] != (None,):
+                raise ConfigError(f"{self.label}: call's output {o.shape} has no batch dimension")
+        return outs
+
+    def _outputs_of(self, out) -> tuple[list[Symbolic], tuple | None]:
+        """call's result as its tensors and their form: None for one tensor, else ("tuple" or
+        "list", n) or ("dict", keys)."""
+        if isinstance(out, Symbolic):
+            return [out], None
+        if isinstance(out, dict):
+            outs, form = list(out.values()), ("dict", list(out))
+        elif isinstance(out, (list, tuple)):
+            outs, form = list(out), (type(out).__name__, len(out))
+        else:
+            outs, form = [out], None
+        if not outs or not all(isinstance(o, Symbolic) for o in outs):
+            bad = next((o for o in outs if not isinstance(o, Symbolic)), out)
+            raise ConfigError(f"{self.label}: call returned {type(bad).__name__}, not a tensor computed "
+                              "with ops from its inputs (pserver.keras.ops), or a tuple, list or dict "
+                              "of them")
+        return outs, form
 
     def _eager(self, xs, kwargs: dict, training=None):
         self.build_once([x.shape[1:] for x in xs] if self.takes_list else xs[0].shape[1:])
@@ -184,6 +220,11 @@ class TracedLayer(Layer):
                           "the ops it traced, in a model's graph (keras.Model, pserver.models.Functional)")
 
     backward = forward
+
+
+def _form_text(form) -> str:
+    return "one tensor" if form is None else f"a dict of {form[1]}" if form[0] == "dict" else \
+        f"a {form[0]} of {form[1]}"
 
 
 class Lambda(TracedLayer):

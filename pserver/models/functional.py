@@ -517,8 +517,8 @@ class Functional(SparseProtocol, Model):
         """A batch's per-output logs, as sums over its samples (each loss x n, the samples an
         accuracy counts right), for Keras's per-epoch training logs."""
         n, sums = len(y), {}
-        for name, value in zip(self.output_names, self.loss.last):
-            sums[f"{name}_loss"] = value * n
+        for name, value in self.loss.loss_logs(self.loss.last).items():
+            sums[name] = value * n
         for name, ms, out, yj in zip(self.output_names, self.loss.metrics, outs, self.loss.split(y, y.dtype)):
             if "accuracy" in ms:
                 sums[f"{name}_accuracy"] = float(metrics.accuracy(out, yj))

@@ -84,8 +84,9 @@ class Plan:
             training = node.attrs.get("training", self.training)
             traced = layer.trace(node.inputs if layer.takes_list else node.inputs[0], bool(training),
                                  **node.attrs.get("kwargs", {}))
-            self._alias[id(t)] = traced
-            return self._slot(traced)
+            for out, made in zip(node.outputs, traced, strict=True):    # every output at once: one trace
+                self._alias[id(out)] = made
+            return self._slot(self._alias[id(t)])
         li = None if layer is None else self._use(layer)
         # t's slot is made last, so that the model's output is the last slot
         outs = {id(o): self._new(o) for o in node.outputs if o is not t}

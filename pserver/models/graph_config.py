@@ -63,7 +63,8 @@ def from_config(config: dict) -> tuple[list[str], list[core.Symbolic], list[core
             kwargs = {k: _unvalue(v, inputs, made) for k, v in entry["kwargs"].items()}
             given = dict(zip(entry["keys"], args)) if "keys" in entry else args if entry["list"] else args[0]
             out = layers[entry["layer"]](given, training=entry["training"], **kwargs)
-        made.append(out if isinstance(out, list) else [out])
+        out = list(out.values()) if isinstance(out, dict) else out      # a layer's several outputs
+        made.append(list(out) if isinstance(out, (list, tuple)) else [out])
     refs = config["outputs"] if "outputs" in config else [config["output"]]
     return keys, inputs, [_tensor(r, inputs, made) for r in refs]
 

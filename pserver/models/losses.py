@@ -323,6 +323,26 @@ class Pending(Loss):
                           "loss=...))")
 
 
+class NoLoss(Loss):
+    """An output compiled with loss None, among several (Keras's `loss=[..., None]`): predicted,
+    never trained toward (its gradient is zero), its labels not needed. A softmax or sigmoid last
+    layer computes logits with its activation applied after, as Pending's."""
+    name = "none"
+    task = "none"
+
+    def check_activation(self, activation, where):
+        return activation in ("softmax", "sigmoid")
+
+    def label_dtype(self, dtype):
+        return np.dtype(dtype)
+
+    def __call__(self, k, out, y, dout, row_loss=None):
+        dout[...] = 0
+        if row_loss is not None:
+            row_loss[:] = 0.0
+        return 0.0
+
+
 _NAMES = {"sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
           "categorical_crossentropy": CategoricalCrossentropy,
           "binary_crossentropy": BinaryCrossentropy,
@@ -338,10 +358,12 @@ def get(spec) -> Loss:
         return _NAMES[spec]()
     if isinstance(spec, dict) and spec.get("name") == Pending.name:     # a model saved before compile
         return Pending()
+    if isinstance(spec, dict) and spec.get("name") == NoLoss.name:      # an output compiled with None
+        return NoLoss()
     if isinstance(spec, dict) and spec.get("name") in _NAMES:        # a get_config()
         return _NAMES[spec["name"]](**{k: v for k, v in spec.items() if k != "name"})
     raise ConfigError(f"loss: unknown loss {spec!r}; choose one of {', '.join(_NAMES)}")
 
 
-__all__ = ["Loss", "Pending", "SparseCategoricalCrossentropy", "CategoricalCrossentropy",
+__all__ = ["Loss", "Pending", "NoLoss", "SparseCategoricalCrossentropy", "CategoricalCrossentropy",
            "BinaryCrossentropy", "MeanSquaredError", "InBatchSoftmax", "get", "weighted"]

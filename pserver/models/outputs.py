@@ -1,10 +1,12 @@
 """Several outputs: keras.Model(inputs, [a, b]) or keras.Model(inputs, {"a": a, "b": b}).
 
 As Keras's compile: `loss` is one for every output, a list in output order or a dict by output
-name; `loss_weights` a list or a dict (1 for an output not named); `metrics` a list per output
-(a name, a list of names or None each) or a dict by name. The model's loss is the weighted sum of
-each output's mean loss; its logs are `loss`, then `<output>_loss` for each output (unweighted),
-then `<output>_<metric>` (Keras 3's names).
+name (an entry None: that output is predicted and never trained toward, its labels not needed);
+`loss_weights` a list or a dict (1 for an output not named); `metrics` a list per output (a name,
+a list of names or None each) or a dict by name. The model's loss is the weighted sum of each
+output's mean loss; its logs are `loss`, then `<output>_loss` for each output with a loss
+(unweighted; only where two or more have one, as Keras 3), then `<output>_<metric>` (Keras 3's
+names).
 
 Labels travel as one array, as several inputs do: each output's labels, one value per sample
 once its loss's `labels` has read them (a class, a 0/1 label, a target), are a column of an
@@ -37,11 +39,17 @@ class Heads(Loss):
                  sorted_metrics: bool = False) -> "Heads":
         """compile's arguments for outputs `names`; ConfigError naming the model (`where`) and
         what is wrong. `sorted_metrics`: dict outputs, whose metrics Keras logs by sorted name."""
-        each = [losses.get(x) for x in _per_output(names, loss, "loss", where, None)]
+        each = [losses.NoLoss() if x is None else losses.get(x)
+                for x in _per_output(names, loss, "loss", where, None)]
+        if all(isinstance(x, losses.NoLoss) for x in each):
+            raise ConfigError(f"{where}: compile: every output's loss is None: nothing to train toward")
         weights = [_weight(w, where) for w in _per_output(names, loss_weights, "loss_weights", where, 1.0)]
         named = [check_metrics([m] if isinstance(m, str) else m)
                  for m in _per_output(names, metrics, "metrics", where, None)]
         for name, loss_j, ms in zip(names, each, named):
+            if ms and isinstance(loss_j, losses.NoLoss):
+                raise ConfigError(f"{where}: compile: metrics: the output {name!r} has no loss (None), "
+                                  "so no labels to measure it against; give it a loss, or no metrics")
             bad = [m for m in ms if m not in _reports(loss_j)]
             if bad:
                 raise ConfigError(f"{where}: compile: metrics: the output {name!r} ({loss_j.name}) reports "
@@ -66,8 +74,14 @@ class Heads(Loss):
         """Keras 3's logs after `loss`: each output's loss, then each output's metrics."""
         order = sorted(range(len(self.names)), key=self.names.__getitem__) if self.sorted_metrics \
             else range(len(self.names))
-        return ([f"{n}_loss" for n in self.names]
-                + [f"{self.names[j]}_{m}" for j in order for m in self.metrics[j]])
+        return list(self.loss_logs([0.0] * len(self.names))) + [
+            f"{self.names[j]}_{m}" for j in order for m in self.metrics[j]]
+
+    def loss_logs(self, values: list[float]) -> dict:
+        """Each output's own loss in the logs, from one value per output: `<output>_loss` for the
+        outputs with a loss, where two or more have one (Keras 3 logs none for a single one)."""
+        trained = [j for j, loss in enumerate(self.losses) if not isinstance(loss, losses.NoLoss)]
+        return {f"{self.names[j]}_loss": values[j] for j in trained} if len(trained) > 1 else {}
 
     # -- labels ---------------------------------------------------------------------------------
 
@@ -83,7 +97,10 @@ class Heads(Loss):
                 return y
             raise ValueError(f"{self.where}: y has shape {y.shape}; give one array per output, a list "
                              f"or a dict by name ({', '.join(self.names)})")
-        cols = [np.asarray(loss.labels(yj)) for loss, yj in zip(self.losses, self._in_order(y))]
+        given = [(loss, yj, isinstance(loss, losses.NoLoss))
+                 for loss, yj in zip(self.losses, self._in_order(y))]
+        n = next(len(np.asarray(yj)) for _, yj, none in given if not none)   # no loss: labels not needed
+        cols = [np.zeros(n, np.float32) if none else np.asarray(loss.labels(yj)) for loss, yj, none in given]
         for name, c in zip(self.names, cols):
             if c.ndim != 1 or len(c) != len(cols[0]):
                 raise ValueError(f"{self.where}: output {name!r}: y has shape {c.shape}; it takes one "
@@ -94,13 +111,14 @@ class Heads(Loss):
     def _in_order(self, y) -> list:
         """Each output's labels from a list or a dict; ValueError naming a missing one."""
         if isinstance(y, dict):
-            missing = [k for k in self.names if k not in y]
+            missing = [k for k, loss in zip(self.names, self.losses)
+                       if k not in y and not isinstance(loss, losses.NoLoss)]
             unknown = [k for k in y if k not in self.names]
             if missing or unknown:
                 raise ValueError(f"{self.where}: y has no output {missing[0]!r}" if missing else
                                  f"{self.where}: y has an output {unknown[0]!r} the model does not have"
                                  f" (its outputs: {', '.join(self.names)})")
-            return [y[k] for k in self.names]
+            return [y.get(k) for k in self.names]
         if len(y) != len(self.names):
             raise ValueError(f"{self.where}: y has {len(y)} arrays; the model has {len(self.names)} "
                              f"outputs ({', '.join(self.names)})")
@@ -128,9 +146,10 @@ class Heads(Loss):
 
     def logs(self, each: list[dict]) -> dict:
         """The model's evaluation from each output's ({"loss", "accuracy", ...}): Keras's names."""
-        out = {"loss": sum(w * e["loss"] for w, e in zip(self.weights, each))}
+        out = {"loss": sum(w * e["loss"] for w, e in zip(self.weights, each) if e)}
+        out.update(self.loss_logs([e.get("loss") for e in each]))
         for name, e in zip(self.names, each):
-            out.update({f"{name}_{k}": v for k, v in e.items()})
+            out.update({f"{name}_{k}": v for k, v in e.items() if k != "loss"})
         return out
 
 
@@ -170,6 +189,8 @@ def chunk_scores(k, loss: losses.Loss, out: np.ndarray, y: np.ndarray, sample_we
         return total, float(np.sum((rows[:, 0].astype(np.float64) - y.reshape(-1)) ** 2)), None
     if loss.task == "retrieval":                    # the loss alone: no sample is right on its own
         return total, 0, None
+    if loss.task == "none":                         # an output without a loss: nothing to score
+        return 0.0, 0, None
     return total, metrics.accuracy(out, y), rows[:, 0].copy() if rows.shape[1] == 1 else None
 
 
@@ -184,6 +205,8 @@ def scores(loss: losses.Loss, parts: list, y: np.ndarray) -> dict:
         return {"loss": loss_sum / n, "r2": metrics.r2(total, y)}
     if loss.task == "retrieval":
         return {"loss": loss_sum / n}
+    if loss.task == "none":
+        return {}
     result = {"loss": loss_sum / n, "accuracy": total / n}
     scores = [p[2] for p in parts if p[2] is not None]
     if scores:
@@ -195,7 +218,7 @@ def _reports(loss: Loss) -> set[str]:
     """The metrics evaluation computes for an output with this loss."""
     if loss.task == "regression":
         return {"r2"}
-    if loss.task == "retrieval":
+    if loss.task in ("retrieval", "none"):
         return set()
     return {"accuracy", "auc"} if isinstance(loss, losses.BinaryCrossentropy) else {"accuracy"}
 
