@@ -463,7 +463,7 @@ NPZ_ERRORS = {
     "1-D x": ({"x": np.ones(10), "y": np.arange(10)}, "x has shape (10,)"),
     "empty x": ({"x": np.ones((0, 3)), "y": np.arange(0)}, "x has shape (0, 3)"),
     "string x": ({"x": np.array([["a", "b"]]), "y": np.arange(1)}, "x has dtype <U1"),
-    "2-D y": ({"x": np.ones((4, 2)), "y": np.ones((4, 1))}, "y has shape (4, 1)"),
+    "3-D y": ({"x": np.ones((4, 2)), "y": np.ones((4, 1, 1))}, "y has shape (4, 1, 1)"),
     "one class": ({"x": np.ones((4, 2)), "y": np.zeros(4, int)}, "at least 2 classes"),
     "mixed label kinds": ({**_good(), "x_test": np.ones((2, 3)), "y_test": np.ones(2)}, "y_test is float64"),
     "one sample": ({"x": np.ones((1, 3)), "y": np.arange(1)}, "x has 1 sample"),
@@ -479,6 +479,32 @@ def test_npz_errors_name_the_file_and_key(tmp_path, case):
     with pytest.raises(DataError) as err:
         load_dataset(path)
     assert path in one_line(err) and expected in str(err.value)
+
+
+def test_an_npz_y_with_a_column_per_output_trains_a_model_with_several_outputs(tmp_path):
+    """A file's 2-D y loads as it is and the model checks it: a column per output for a model
+    with several (`pserver launch --model FILE:build --dataset y2.npz` trains it), one label
+    per sample otherwise, said in one line. Catches the loader refusing any 2-D y, or a 2-D y
+    reaching a one-output model unchecked."""
+    from pserver.layers import Dense
+    from pserver.models.functional import Functional
+    from pserver.ops.core import Symbolic
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(50, 4)).astype(np.float32)
+    path = str(tmp_path / "y2.npz")
+    np.savez(path, x=x, y=np.stack([x[:, 0] > 0, x[:, 1]], axis=1).astype(np.float32))
+    ds = load_dataset(path)
+    assert ds.y_train.shape == (45, 2) and ds.y_train.dtype == np.float32
+    inp = Symbolic((None, 4), name="x")
+    h = Dense(8)(inp)
+    two = Functional(inp, [Dense(2)(h), Dense(1)(h)])
+    two.compile(loss=["sparse_categorical_crossentropy", "mse"])
+    two.check_data(ds.x_train, ds.y_train)
+    one = Functional(inp, Dense(2)(h))
+    one.compile(loss="sparse_categorical_crossentropy")
+    with pytest.raises(DataError) as err:
+        one.check_data(ds.x_train, ds.y_train)
+    assert "y has shape (45, 2); x has 45 rows; it takes one label per sample, (45,)" in one_line(err)
 
 
 def test_npz_file_problems(tmp_path):

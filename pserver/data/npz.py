@@ -39,7 +39,7 @@ def load(path: str, seed: int, scale_uint8: bool) -> Dataset:
             # Unscaled pixels train to nonsense (losses in the hundreds) without a word otherwise.
             print(f"{path}: {' and '.join(raw)} {'are' if len(raw) > 1 else 'is'} uint8: scaled from "
                   "0-255 to [0, 1] (--scale-uint8 none keeps the raw values)", flush=True)
-    return _dataset(path, arrays, seed)
+    return _dataset(path, arrays, seed, columns=True)
 
 
 def _dataset(path: str, arrays: dict[str, np.ndarray], seed: int, columns: bool = False) -> Dataset:

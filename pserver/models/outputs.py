@@ -96,7 +96,8 @@ class Heads(Loss):
             if y.ndim == 2 and y.shape[1] == len(self.names) and y.dtype.kind == "f":
                 return y
             raise ValueError(f"{self.where}: y has shape {y.shape}; give one array per output, a list "
-                             f"or a dict by name ({', '.join(self.names)})")
+                             f"or a dict by name ({', '.join(self.names)}), or (as an .npz file's y) one "
+                             f"float array with a column per output, ({len(y)}, {len(self.names)})")
         given = [(loss, yj, isinstance(loss, losses.NoLoss))
                  for loss, yj in zip(self.losses, self._in_order(y))]
         n = next(len(np.asarray(yj)) for _, yj, none in given if not none)   # no loss: labels not needed
