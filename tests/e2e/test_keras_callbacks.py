@@ -1,6 +1,7 @@
 """Keras's built-in callbacks steering a `pserver run --ps 1 --workers 2` cluster (sync): every
 worker stops after the same epoch (EarlyStopping, on the chief's logs), and the chief alone writes
-the checkpoint and the CSV log, the checkpoint holding the weights fit ends with."""
+the checkpoint, the CSV log and the TensorBoard event files, the checkpoint holding the weights fit
+ends with."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ model = keras.Sequential([keras.Input(shape=(4,)), layers.Dense(2, activation="s
 model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 callbacks = [keras.callbacks.EarlyStopping(min_delta=10.0, patience=1),     # val_loss: never enough
              keras.callbacks.ModelCheckpoint(os.path.join(out, f"ck{rank}-{{epoch:02d}}.keras")),
-             keras.callbacks.CSVLogger(os.path.join(out, f"log{rank}.csv"))]
+             keras.callbacks.CSVLogger(os.path.join(out, f"log{rank}.csv")),
+             keras.callbacks.TensorBoard(os.path.join(out, f"tb{rank}"))]
 h = model.fit(x, y, batch_size=32, epochs=6, verbose=0, validation_split=0.2, callbacks=callbacks)
 np.savez(os.path.join(out, f"final{rank}.npz"), *model.get_weights())
 with open(os.path.join(out, f"history{rank}.json"), "w") as f:
@@ -53,6 +55,16 @@ def test_early_stopping_stops_every_worker_and_the_chief_s_checkpoint_holds_the_
     rows = (tmp_path / "log0.csv").read_text().splitlines()
     assert rows[0] == "epoch,accuracy,loss,val_accuracy,val_loss"
     assert [r[:2] for r in rows[1:]] == ["0,", "1,"]
+    # TensorBoard: the chief's event files hold the CSV's epoch losses; the other rank writes none
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    assert not (tmp_path / "tb1").exists()
+    columns = rows[0].split(",")
+    for part, name in (("train", "loss"), ("validation", "val_loss")):
+        events = EventAccumulator(str(tmp_path / "tb0" / part))
+        events.Reload()
+        logged = [float(row.split(",")[columns.index(name)]) for row in rows[1:]]
+        assert [(e.step, e.value) for e in events.Scalars("epoch_loss")] == \
+            [(0, pytest.approx(logged[0], rel=1e-6)), (1, pytest.approx(logged[1], rel=1e-6))]
     saved = keras.models.load_model(tmp_path / "ck0-02.keras").get_weights()
     first = keras.models.load_model(tmp_path / "ck0-01.keras").get_weights()
     for rank in range(2):
