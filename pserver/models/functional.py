@@ -719,9 +719,12 @@ class Functional(SparseProtocol, Model):
                 per_step and y.shape[1] != self.steps):
             steps = f" and {self.steps} labels per sample ({self._output_label(0)} outputs " \
                     f"{self._shapes[1]})" if per_step else ""
-            wanted = f"; a model with {len(self._shapes) - 1} outputs takes a column of labels for each, " \
-                     f"({n}, {len(self._shapes) - 1})" if self.several else \
-                     "" if per_step or y.shape[:1] != (n,) else f"; it takes one label per sample, ({n},)"
+            outputs, wanted = len(self._shapes) - 1, ""
+            if self.several:
+                wanted = (f"; a model with {outputs} outputs takes a column of labels for each, "
+                          f"({n}, {outputs})")
+            elif not per_step and y.shape[:1] == (n,):
+                wanted = f"; it takes one label per sample, ({n},)"
             raise ValueError(f"y has shape {y.shape}; x has {n} {what}{steps}{wanted}")
         ys = self.loss.split(y, y.dtype) if self.several else [y]
         for j, (loss, yj) in enumerate(zip(self._each_loss(), ys)):

@@ -74,14 +74,18 @@ class Heads(Loss):
         """Keras 3's logs after `loss`: each output's loss, then each output's metrics."""
         order = sorted(range(len(self.names)), key=self.names.__getitem__) if self.sorted_metrics \
             else range(len(self.names))
-        return list(self.loss_logs([0.0] * len(self.names))) + [
-            f"{self.names[j]}_{m}" for j in order for m in self.metrics[j]]
+        return ([f"{self.names[j]}_loss" for j in self._logged_losses()]
+                + [f"{self.names[j]}_{m}" for j in order for m in self.metrics[j]])
 
     def loss_logs(self, values: list[float]) -> dict:
-        """Each output's own loss in the logs, from one value per output: `<output>_loss` for the
-        outputs with a loss, where two or more have one (Keras 3 logs none for a single one)."""
+        """Each output's own loss in the logs, from one value per output (_logged_losses)."""
+        return {f"{self.names[j]}_loss": values[j] for j in self._logged_losses()}
+
+    def _logged_losses(self) -> list[int]:
+        """The outputs whose own loss is logged (`<output>_loss`): those with a loss, where two or
+        more have one (Keras 3 logs none for a single one)."""
         trained = [j for j, loss in enumerate(self.losses) if not isinstance(loss, losses.NoLoss)]
-        return {f"{self.names[j]}_loss": values[j] for j in trained} if len(trained) > 1 else {}
+        return trained if len(trained) > 1 else []
 
     # -- labels ---------------------------------------------------------------------------------
 
@@ -182,6 +186,8 @@ def chunk_scores(k, loss: losses.Loss, out: np.ndarray, y: np.ndarray, sample_we
     """One output's sums over a chunk: (loss x samples, samples right or squared error, the
     scores of a one-logit output for AUC or None). Sample weights weigh the loss only: Keras's
     compiled `metrics` are unweighted (its `weighted_metrics` are not supported)."""
+    if loss.task == "none":                         # an output without a loss: nothing to score
+        return 0.0, 0, None
     # The loss also writes a gradient: a small scratch array, so evaluation never
     # allocates the per-layer gradient buffers (at 4096 images, hundreds of MB).
     total = losses.weighted(loss, k, out, y, np.empty_like(out), sample_weight) * out.shape[0]
@@ -190,8 +196,6 @@ def chunk_scores(k, loss: losses.Loss, out: np.ndarray, y: np.ndarray, sample_we
         return total, float(np.sum((rows[:, 0].astype(np.float64) - y.reshape(-1)) ** 2)), None
     if loss.task == "retrieval":                    # the loss alone: no sample is right on its own
         return total, 0, None
-    if loss.task == "none":                         # an output without a loss: nothing to score
-        return 0.0, 0, None
     return total, metrics.accuracy(out, y), rows[:, 0].copy() if rows.shape[1] == 1 else None
 
 
