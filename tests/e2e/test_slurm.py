@@ -105,6 +105,19 @@ def daemon_logs(d: pathlib.Path) -> str:
     return "\n".join(f"== {f.name}\n{f.read_text()[-2000:]}" for f in sorted(d.glob("*.log")))
 
 
+def cluster_state(env: dict, job_out: pathlib.Path, port: str) -> str:
+    """What a job that never ended leaves to read: the queue, each job's and the node's state, the
+    job's output so far, pserver's processes on its ports, and the daemons' logs."""
+    def run(*argv: str) -> str:
+        r = subprocess.run(argv, env=env, capture_output=True, text=True)
+        return f"$ {' '.join(argv)}\n{r.stdout}{r.stderr}"
+    out = job_out.read_text() if job_out.exists() else "(no job output)"
+    return "\n".join([run("squeue", "-a"), run("scontrol", "show", "job"), run("sinfo", "-R"),
+                      run("scontrol", "show", "node"), f"== job output\n{out}",
+                      run("pgrep", "-af", f"--base-port {port}"),
+                      daemon_logs(pathlib.Path(env["SLURM_CONF"]).parent)])
+
+
 def srun(env: dict, ntasks: int, *args: str, **popen) -> subprocess.Popen:
     """A real step: every task runs this checkout's pserver with the test's interpreter."""
     env = dict(env, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1",
@@ -165,12 +178,21 @@ def test_the_sbatch_example_runs_as_written(slurm, tmp_path):
                PATH=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
                SHARDS="1", OPENBLAS_NUM_THREADS="1")
     env.pop(TOKEN_ENV, None)
-    job = subprocess.run(["sbatch", "--wait", "--nodes=1", "--ntasks=3", "--overcommit",
-                          f"--output={tmp_path}/job.out", str(ROOT / "deploy" / "slurm" / "pserver.sbatch"),
-                          *LOGREG, "--optimizer", "sgd", "--lr", "0.1", "--base-port", str(free_port())],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    port = str(free_port())
+    job = subprocess.Popen(["sbatch", "--wait", "--nodes=1", "--ntasks=3", "--overcommit",
+                            f"--output={tmp_path}/job.out", str(ROOT / "deploy" / "slurm" / "pserver.sbatch"),
+                            *LOGREG, "--optimizer", "sgd", "--lr", "0.1", "--base-port", port],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = job.communicate(timeout=240)
+    except subprocess.TimeoutExpired:        # say why: the job's state, the node's, its output, the daemons'
+        job.kill()
+        job.communicate()
+        why = cluster_state(slurm, tmp_path / "job.out", port)
+        subprocess.run(["scancel", "--full", "--name=pserver"], env=slurm)
+        pytest.fail(f"sbatch --wait still waiting after 240 s:\n{why}")
     out = (tmp_path / "job.out").read_text()
-    assert job.returncode == 0, job.stderr + out
+    assert job.returncode == 0, stderr + out
     jobdir = next(tmp_path.glob("pserver-*"))
     assert (jobdir / "token").stat().st_mode & 0o777 == 0o600
     assert read_json(jobdir / "summary.json")["test_accuracy"] >= 0.9, out
