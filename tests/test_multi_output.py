@@ -357,11 +357,3 @@ def test_loss_none_refusals_are_one_line(compile_args, message):
     with pytest.raises(ConfigError) as e:
         model.compile(optimizer="sgd", **compile_args)
     assert message in str(e.value) and "\n" not in str(e.value)
-
-
-def test_an_input_of_unknown_length_is_refused_with_what_to_give_instead():
-    """Catches the refusal that said only 'not a shape' (the user's script has to change: say how)."""
-    with pytest.raises(ConfigError) as e:
-        keras.Input(shape=(None,), dtype="int64")
-    assert "a dimension of unknown size (None) is not supported" in str(e.value)
-    assert "keras.Input(shape=(200,))" in str(e.value)

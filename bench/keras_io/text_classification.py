@@ -12,9 +12,7 @@ tf.data datasets from text_dataset_from_directory: our split is a fixed shuffle,
 validate); TextVectorization uses Keras's default standardization (lower case, punctuation
 stripped; the example's own also strips "<br />", which the synthetic texts do not hold, and
 is written in tf.strings, which pserver does not run); the texts are vectorized by calling the
-layer on the arrays (the example's "option 2"); the model's input is (500,), not (None,) (pserver
-takes no input of unknown length; the sequences are 500 long either way). The end-to-end model
-of strings is left out.
+layer on the arrays (the example's "option 2"). The end-to-end model of strings is left out.
 $KERAS_IO_SAMPLES cuts the reviews (train and test alike) and $KERAS_IO_EPOCHS the epochs,
 alike on both sides.
 """
@@ -51,7 +49,7 @@ x_train = np.asarray(vectorize_layer(train_texts))
 x_val = np.asarray(vectorize_layer(val_texts))
 x_test = np.asarray(vectorize_layer(test_texts))
 
-inputs = keras.Input(shape=(sequence_length,), dtype="int64")
+inputs = keras.Input(shape=(None,), dtype="int64")
 x = layers.Embedding(max_features, embedding_dim)(inputs)
 x = layers.Dropout(0.5)(x)
 x = layers.Conv1D(128, 7, padding="valid", activation="relu", strides=3)(x)

@@ -34,7 +34,7 @@ from pserver.layers.traced import TracedLayer, snake_case
 from pserver.models import losses as _losses
 from pserver.models.functional import Functional as _Functional
 from pserver.models.sequential import Sequential as _Sequential
-from pserver.ops.core import Symbolic
+from pserver.ops.core import Symbolic, replay, unknown
 from pserver.persist import model_file
 
 # The shards a plain script's fit starts in its own process.
@@ -66,16 +66,18 @@ def Input(shape=None, batch_size=None, dtype=None, sparse=None, batch_shape=None
     (keras.Model(inputs, outputs)), or a Sequential's first entry (its input shape)."""
     _refuse("Input", unsupported, batch_size=batch_size, sparse=sparse, batch_shape=batch_shape,
             tensor=tensor)
-    if isinstance(shape, (tuple, list)) and any(d is None for d in shape):
-        raise ConfigError(f"Input: shape={tuple(shape)!r}: a dimension of unknown size (None) is not "
-                          "supported: pserver plans a model's buffers for one shape. Give the size your "
-                          "data has (sequences padded to one length: keras.Input(shape=(200,)))")
-    shape = as_shape("Input: shape", shape)
+    # A dimension None (sequences of any length): the model is made at its first data, for the
+    # data's size (pserver.ops.core.defer), as every layer is built for one shape.
+    none = isinstance(shape, (tuple, list)) and any(d is None for d in shape)
+    shape = tuple(None if d is None else as_shape("Input: shape", (d,))[0] for d in shape) if none \
+        else as_shape("Input: shape", shape)
     # "string": text for a lookup or text layer (pserver.layers.text), which the model runs first
     dtype = np.dtype(str) if dtype in ("string", "str", str) else np.dtype(dtype or "float32")
     if dtype.kind not in "fiuU":
         raise ConfigError(f"Input: dtype={dtype.name!r}: give a float or an integer type, or 'string'")
-    return Symbolic((None, *shape), dtype, name=name or next(_input_names))
+    x = Symbolic((None, *shape), dtype, name=name or next(_input_names))
+    x.unknown = none
+    return x
 
 
 class _Model:
@@ -521,7 +523,8 @@ class Sequential(_Model):
         if isinstance(layer, Symbolic) and layer.node is None:     # keras.Input: the input shape
             if self.layers:
                 raise ConfigError("Sequential.add: keras.Input goes first")
-            self._core._input_shape = layer.shape[1:]
+            if not layer.unknown:              # a dimension None: built at the first data, on its shape
+                self._core._input_shape = layer.shape[1:]
             return
         if getattr(layer, "name", None) is None:
             self._auto_named.add(id(layer))
@@ -579,7 +582,12 @@ class Model(_Model):
         if inputs is None or outputs is None:
             raise ConfigError("Model: give inputs= and outputs= (keras.Input tensors and the tensor "
                               "computed from them), or subclass Model and define call")
-        super().__init__(_FunctionalCore(inputs, outputs, name=name or "functional", loss=_losses.Pending()))
+        if unknown(inputs, outputs):          # an Input of unknown size: the graph is made at the first data
+            self._deferred = (inputs, outputs)
+            super().__init__(None, name or "functional")
+        else:
+            super().__init__(_FunctionalCore(inputs, outputs, name=name or "functional",
+                                             loss=_losses.Pending()))
         if trainable is not True:
             self.trainable = trainable
 
@@ -646,6 +654,8 @@ class Model(_Model):
     def _trace(self, x):
         if x is None:
             return None
+        if getattr(self, "_deferred", None) is not None:
+            return self._made_for(x)
         def like(a, name=None):
             a = np.asarray(a)
             return Input(shape=a.shape[1:], name=name, dtype="int32" if a.dtype.kind in "iu" else "float32")
@@ -655,6 +665,47 @@ class Model(_Model):
         else:
             args = [like(a) for a in x] if isinstance(x, (list, tuple)) else like(x)
         return _FunctionalCore(args, self(args), name=self.name, loss=_losses.Pending())
+
+
+    def _made_for(self, x) -> "_FunctionalCore":
+        """A graph whose inputs have a dimension of unknown size, made for the data `x`: each such
+        Input takes the data's size, and the calls recorded on it are made again on that
+        (pserver.ops.core.replay)."""
+        inputs, outputs = self._deferred
+        given = list(inputs.values()) if isinstance(inputs, dict) else \
+            list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        if isinstance(x, dict):
+            keys = list(inputs) if isinstance(inputs, dict) else [g.name for g in given]
+            missing = [k for k in keys if k not in x]
+            if missing:
+                raise ConfigError(f"{self.name}: the data has no input {missing[0]!r} (it has {sorted(x)})")
+            arrays = [x[k] for k in keys]
+        else:
+            arrays = list(x) if isinstance(x, (list, tuple)) else [x]
+        if len(arrays) != len(given):
+            raise ConfigError(f"{self.name}: takes {len(given)} input(s), the data has {len(arrays)}")
+        bound = {}
+        for g, a in zip(given, arrays):
+            if g.unknown:
+                bound[id(g)] = _sized(self.name, g, np.asarray(a))
+        sized = [bound.get(id(g), g) for g in given]
+        new_inputs = dict(zip(inputs, sized)) if isinstance(inputs, dict) else \
+            sized if isinstance(inputs, (list, tuple)) else sized[0]
+        flat = list(outputs.values()) if isinstance(outputs, dict) else \
+            list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        made = replay(flat, bound)
+        new_outputs = dict(zip(outputs, made)) if isinstance(outputs, dict) else \
+            made if isinstance(outputs, (list, tuple)) else made[0]
+        return _FunctionalCore(new_inputs, new_outputs, name=self.name, loss=_losses.Pending())
+
+
+def _sized(model: str, x: Symbolic, a: np.ndarray) -> Symbolic:
+    """keras.Input `x`, whose shape has a dimension None, with the size the data `a` has there."""
+    dims = x.shape[1:]
+    if a.ndim - 1 != len(dims) or any(d is not None and d != n for d, n in zip(dims, a.shape[1:])):
+        raise ConfigError(f"{model}: input {x.name!r} is keras.Input(shape={dims}), the data's samples "
+                          f"have shape {a.shape[1:]}")
+    return Symbolic((None, *a.shape[1:]), x.dtype, name=x.name)
 
 
 class ModelCall(TracedLayer):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextvars
+import functools
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.layers import activations, initializers, regularizers
-from pserver.ops.core import Node, Symbolic, apply
+from pserver.ops.core import Node, Symbolic, apply, defer, unknown
 
 # Set while a traced layer's call is traced (pserver.layers.traced): a layer with weights called
 # there on an array is a node of that graph with a constant input, as Keras computes
@@ -70,6 +71,11 @@ class Layer(abc.ABC):
         self._config = init_arguments(cls, args, kwargs)
         return self
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__call__" in cls.__dict__:       # a layer's own __call__ defers as Layer's does
+            cls.__call__ = _deferring(cls.__dict__["__call__"])
+
     def __init__(self, *, input_shape=None, name: str | None = None):
         self.name = name
         self.input_shape = None if input_shape is None else as_shape("input_shape", input_shape)
@@ -103,7 +109,7 @@ class Layer(abc.ABC):
 
     # -- calling a layer (Keras's functional API) -------------------------------------------------
 
-    def __call__(self, inputs, training=None, **kwargs):
+    def __call__(self, inputs, training=None, **kwargs):  # wrapped by _deferring below the class
         """On symbolic tensors (keras.Input, another layer's output): build for their shape and
         record a Node (pserver.models.graph runs it); the same layer called again shares its
         weights. On NumPy arrays: compute now, for a layer without weights. Other keyword
@@ -264,6 +270,27 @@ class Layer(abc.ABC):
             raise ConfigError(f"{self.label}: needs {what} input (a shape of {rank} "
                               f"dimension{'s' if rank > 1 else ''} without the batch), "
                               f"got {input_shape}")
+
+
+
+def _deferring(call):
+    """A layer's __call__ that, on a tensor of unknown shape (computed from a keras.Input with a
+    dimension None), records the call instead (pserver.ops.core.defer): the layer is built and
+    called at the model's first data, on its shape."""
+    if getattr(call, "defers", False):
+        return call
+
+    @functools.wraps(call)
+    def deferring(self, *args, **kwargs):
+        if unknown(args, kwargs):
+            return defer(self, args, kwargs, self.label)
+        return call(self, *args, **kwargs)
+
+    deferring.defers = True
+    return deferring
+
+
+Layer.__call__ = _deferring(Layer.__call__)
 
 
 class KernelLayer(Layer):

@@ -38,7 +38,7 @@ from pserver.models.layout import Layout
 from pserver.models.metrics import compiled as compiled_metrics
 from pserver.models.outputs import Heads, chunk_scores, scores
 from pserver.models.sparse_graph import SparseProtocol, list_paddings, pad_lists
-from pserver.ops.core import Symbolic
+from pserver.ops.core import Symbolic, unknown
 
 
 class Functional(SparseProtocol, Model):
@@ -79,6 +79,9 @@ class Functional(SparseProtocol, Model):
 
     def _connect(self, inputs, outputs) -> None:
         """The graph from `inputs` to `outputs`; its layers (in order of first use) named."""
+        if unknown(inputs, outputs):
+            raise ConfigError(f"{self.name}: an input has a dimension of unknown size (None): "
+                              "pserver.keras.Model makes such a graph at its first data, for its size")
         self._keys, self._inputs = _inputs(inputs, self.name)
         self._given = list(self._inputs)            # the keras.Inputs, as the config names them
         self._preprocessed = _preprocessed(self._given, outputs, self.name)

@@ -15,10 +15,17 @@ runs `forward` now (eager, as keras.ops does on concrete tensors); when any argu
 the symbolic outputs, whose shapes come from the op's `shape` function, or, without one, from
 running `forward` on small arrays of ones (the dimensions that follow the batch size are the
 batch: None). pserver.graph plans and runs the recorded nodes.
+
+A keras.Input with a dimension of unknown size (`shape=(None,)`: sequences of any length) makes
+a tensor whose `unknown` is True. An op or a layer called on one computes no shape: it records
+its call (`defer`) and gives a `Deferred` tensor, and keras.Model makes the calls again on
+Inputs of the data's shape at its first data (`replay`), so every layer is built once, for
+one shape, as always.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -62,6 +69,9 @@ class Symbolic:
         # the recurrent layers, attention and GlobalAveragePooling1D read; None: no mask.
         self.mask: "Symbolic | None" = None
 
+    # A keras.Input with a dimension of unknown size sets it (a Deferred is one): see `defer`.
+    unknown = False
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -95,6 +105,116 @@ class Symbolic:
         raise ConfigError("a symbolic tensor has no truth value while a graph is traced: Python "
                           "control flow on a tensor's values (if x > 0, while ...) cannot be traced; "
                           "use pserver.ops.where")
+
+
+UNKNOWN = ("is computed from a keras.Input with a dimension of unknown size (None), so its shape is "
+           "known at the model's first data, when keras.Model makes the graph for the data's shape")
+
+
+class Deferred(Symbolic):
+    """A tensor computed from a keras.Input with a dimension of unknown size: the call that makes
+    it (its node, a Deferral), made again by `replay` on Inputs of the data's shape."""
+
+    unknown = True
+
+    def __init__(self, node: "Deferral"):
+        self.node, self.index, self.name, self.mask = node, 0, "", None
+        self.dtype = np.dtype("float32")
+
+    @property
+    def shape(self):
+        raise ConfigError(f"{self.node.what}'s output {UNKNOWN}")
+
+    def __iter__(self):
+        raise ConfigError(f"{self.node.what}'s output cannot be unpacked: it {UNKNOWN} (a call that "
+                          "returns several tensors is made then). Give keras.Input the size the data has")
+
+    def __repr__(self) -> str:
+        return f"<Symbolic from {self.node.what}, shape known at the first data>"
+
+
+@dataclass(eq=False)
+class Deferral:
+    """A call on a tensor of unknown shape: `fn(*args, **kwargs)` (a layer, or an op through
+    `apply`) made again by `replay`; `what` names it in errors."""
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    what: str
+    layer: object = None
+    op: str = "deferred"
+
+
+def unknown(*values) -> bool:
+    """Whether any of `values` (in lists, tuples and dicts too) is a tensor of unknown shape."""
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Symbolic):
+            if v.unknown:
+                return True
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return False
+
+
+def defer(fn: Callable, args: tuple, kwargs: dict, what: str) -> Deferred:
+    """The call fn(*args, **kwargs), recorded, not made: its output is a Deferred tensor."""
+    return Deferred(Deferral(fn, tuple(args), dict(kwargs), what))
+
+
+def replay(outputs: list, bound: dict) -> list:
+    """`outputs` (tensors) made again: every Deferred's call made, in an order where each comes
+    after the calls it reads, on `bound` (id of a keras.Input of unknown size -> the Input of the
+    data's shape that takes its place). A tensor of known shape stays as it is."""
+    made = dict(bound)
+    stack = [(o, False) for o in reversed(outputs)]
+    while stack:
+        t, ready = stack.pop()
+        if id(t) in made:
+            continue
+        if not isinstance(t, Deferred):
+            raise ConfigError("a keras.Input with a dimension of unknown size is used by the model but is "
+                              "not one of its inputs")
+        if not ready:
+            stack.append((t, True))
+            stack.extend((d, False) for d in _tensors((t.node.args, t.node.kwargs))
+                         if d.unknown and id(d) not in made)
+            continue
+        node = t.node
+        out = node.fn(*_swap(node.args, made), **_swap(node.kwargs, made))
+        if not isinstance(out, Symbolic):
+            raise ConfigError(f"{node.what} returns {type(out).__name__} (several tensors) on the data's "
+                              "shape, which its call on a tensor of unknown size could not give back: give "
+                              "keras.Input the size the data has")
+        made[id(t)] = out
+    return [made[id(o)] if o.unknown else o for o in outputs]
+
+
+def _tensors(value) -> list:
+    found, stack = [], [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Symbolic):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return found
+
+
+def _swap(value, made: dict):
+    """value with each tensor of unknown shape replaced by what `made` holds for it."""
+    if isinstance(value, Symbolic):
+        return made[id(value)] if value.unknown else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_swap(v, made) for v in value)
+    if isinstance(value, dict):
+        return {k: _swap(v, made) for k, v in value.items()}
+    return value
 
 
 @dataclass(eq=False)
@@ -156,6 +276,11 @@ def apply(name: str, *args, **attrs):
     if not any(isinstance(a, Symbolic) for a in args):
         arrays = [_array(a, like) for a in args]
         return _run(o, arrays, attrs, [a.shape for a in arrays])
+    if unknown(args):
+        if o.multi:
+            raise ConfigError(f"op {name}: its input {UNKNOWN}, and its outputs are counted when the graph "
+                              "is made: give keras.Input the size the data has")
+        return defer(functools.partial(apply, name), args, attrs, f"op {name}")
     inputs = [a if isinstance(a, Symbolic) else _array(a, like) for a in args]
     node = Node(name, inputs, dict(attrs))
     specs = infer(o, inputs, attrs)
@@ -259,4 +384,4 @@ def _ones(i, batch: int) -> np.ndarray:
 
 
 __all__ = ["Op", "OPS", "register", "op", "apply", "backward", "Symbolic", "Node", "unbroadcast", "infer",
-           "key_of", "ids"]
+           "key_of", "ids", "Deferred", "unknown", "defer", "replay"]
