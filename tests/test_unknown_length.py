@@ -49,6 +49,7 @@ def text_model(length, kind: str) -> keras.Model:
     inputs = keras.Input(shape=(length,), dtype="int64")
     if kind == "conv":
         h = layers.Dropout(0.5)(layers.Embedding(300, 8)(inputs))
+        h = layers.Add()([h, h])             # one dropout mask read twice: made once, not per read
         h = layers.Conv1D(6, 3, padding="valid", activation="relu", strides=2)(h)
         h = layers.GlobalMaxPooling1D()(h)
     elif kind == "lstm":
@@ -150,6 +151,14 @@ def test_what_cannot_be_known_before_the_data_is_refused_in_one_line():
         with pytest.raises(ConfigError) as e:
             case()
         assert "unknown size (None)" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^layer embedding \(Embedding\)'s output is computed from"):
+        h.shape
+    other = keras.Input(shape=(None,), dtype="int64")           # used, but not among the inputs
+    mine = keras.Input(shape=(None,), dtype="int64")
+    both = layers.Embedding(300, 4)(mine) + layers.Embedding(300, 4)(other)
+    stray = keras.Model(mine, layers.Dense(1)(layers.GlobalMaxPooling1D()(both)))
+    with pytest.raises(ConfigError, match="used by the model but is not one of its inputs"):
+        stray.predict(ids(2, 5)[0], verbose=0)
     out = layers.Dense(1)(layers.GlobalMaxPooling1D()(h))
     with pytest.raises(ConfigError, match="pserver.keras.Model makes such a graph at its first data"):
         Functional(inputs, out)                   # pserver's own graph class plans for one shape
