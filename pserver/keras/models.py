@@ -31,10 +31,11 @@ from pserver.keras._names import missing as _missing
 from pserver.layers import activations, saving
 from pserver.layers.base import Layer, as_shape, init_arguments
 from pserver.layers.traced import TracedLayer, snake_case
+from pserver.models import graph_config
 from pserver.models import losses as _losses
 from pserver.models.functional import Functional as _Functional
 from pserver.models.sequential import Sequential as _Sequential
-from pserver.ops.core import Symbolic, replay, unknown
+from pserver.ops.core import Symbolic, defer, replay, unknown
 from pserver.persist import model_file
 
 # The shards a plain script's fit starts in its own process.
@@ -80,13 +81,16 @@ def Input(shape=None, batch_size=None, dtype=None, sparse=None, batch_shape=None
     return x
 
 
+_stamps = itertools.count(1)       # _Model._w's: which model set a shared layer's weights last
+
+
 class _Model:
     """What keras.Sequential and keras.Model share: weights, compile, fit, evaluate, predict,
     save and summary over a core model (`self._core`, a pserver Sequential or Functional)."""
 
     def __init__(self, core, name: str | None = None):
         self._built_core, self._name = core, name
-        self._w: np.ndarray | None = None
+        self._w = None
         self.optimizer: optimizers.Optimizer | None = None
         self.stop_training = False
         self.history = None
@@ -174,10 +178,45 @@ class _Model:
 
     # -- weights --------------------------------------------------------------------------------
 
+    # A layer two models hold (one called as a layer in the other: an encoder in its autoencoder)
+    # has one set of weights, as in Keras, though each model trains its own flat vector: setting a
+    # model's weights (fit, set_weights, load_weights) marks each of its layers with them and a
+    # stamp, and a model reading its weights first takes those of its layers another model set
+    # since it last did (_shared).
+    @property
+    def _w(self) -> np.ndarray | None:
+        return self._w_value
+
+    @_w.setter
+    def _w(self, w: np.ndarray | None) -> None:
+        self._w_value = w
+        self._synced = next(_stamps)
+        if w is not None and self._built_core is not None:
+            for layer, views in zip(self._core.layers, self._core._per_layer(self._core.layout.views(w))):
+                if views:
+                    layer._set_by = (self._synced, views)
+
     def _weights(self) -> np.ndarray:
         if self._w is None:
-            self._w = self._core.init_params(cluster.seed())
+            fresh = self._core.init_params(cluster.seed())
+            self._w_value, self._synced = fresh, 0          # a layer another model set keeps its weights
+            self._w = self._shared(fresh)
+        elif any(getattr(layer, "_set_by", (0,))[0] > self._synced for layer in self._core.layers):
+            self._w = self._shared(self._w)
         return self._w
+
+    def _shared(self, w: np.ndarray) -> np.ndarray:
+        """`w` with the weights of its layers that another model set since this one last did."""
+        newer = [(i, layer._set_by[1]) for i, layer in enumerate(self._core.layers)
+                 if getattr(layer, "_set_by", (0,))[0] > self._synced]
+        if not newer:
+            return w
+        w = w.copy()
+        mine = self._core._per_layer(self._core.layout.views(w))
+        for i, theirs in newer:
+            for name, view in mine[i].items():
+                view[...] = theirs[name]
+        return w
 
     def _sparse(self) -> bool:
         return bool(getattr(self._core, "sparse_tables", None))
@@ -611,11 +650,49 @@ class Model(_Model):
         """A subclassed Model called on symbolic tensors, as a layer (one, shared by every call):
         how its graph is traced, and rebuilt from a model file."""
         if not self._subclassed():
-            raise ConfigError(f"{self.name}: calling a keras.Model(inputs, outputs) as a layer is not "
-                              "supported yet; call its layers")
+            return self._called_as_layer(inputs, training, kwargs)
         if getattr(self, "_model_call", None) is None:
             self._model_call = ModelCall(self, name=self.name)
         return self._model_call(inputs, training=training, **kwargs)
+
+    def _called_as_layer(self, inputs, training, kwargs):
+        """keras.Model(inputs, outputs) called on tensors (Keras's "every model is callable, like a
+        layer": an encoder in an autoencoder, an ensemble's members, a base model with
+        training=False): its layers called again on them, in its graph's order
+        (pserver.models.graph_config.inline). They are the same layers, so the two models share
+        their weights, and the enclosing model lists them as its own (Keras lists the model as one
+        layer). `training`, when given, is every one of its layer calls'."""
+        if kwargs:
+            raise ConfigError(f"{self.name}: takes no argument {sorted(kwargs)[0]!r} when called")
+        if unknown(inputs):                  # made with the enclosing model, at its first data
+            return defer(self, (inputs,), {"training": training}, f"model {self.name}")
+        core = self._built_core
+        keys = list(self._deferred[0]) if core is None and isinstance(self._deferred[0], dict) else None
+        given = core._given if core is not None else list(self._deferred[0].values()) if keys else \
+            list(self._deferred[0]) if isinstance(self._deferred[0], (list, tuple)) else [self._deferred[0]]
+        if isinstance(inputs, dict):
+            names = core._keys if core is not None else keys or [g.name for g in given]
+            absent = [k for k in names if k not in inputs]
+            if absent:
+                raise ConfigError(f"{self.name}: called on a dict without its input {absent[0]!r}")
+            xs = [inputs[k] for k in names]
+        else:
+            xs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        if len(xs) != len(given) or not all(isinstance(x, Symbolic) for x in xs):
+            raise ConfigError(f"{self.name}: takes {len(given)} input tensor(s) (keras.Input or a layer's "
+                              f"output), called on {inputs!r}")
+        for g, x in zip(given, xs):
+            if len(g.shape) != len(x.shape) or any(d is not None and d != e for d, e in zip(g.shape[1:],
+                                                                                        x.shape[1:])):
+                raise ConfigError(f"{self.name}: input {g.name!r} takes {g.shape}, called on {x.shape}")
+        if core is None:                     # an Input of unknown size: the model made for these shapes
+            example = [np.zeros((1, *x.shape[1:]), x.dtype) for x in xs]
+            self._ready(dict(zip(keys, example)) if keys else example if len(example) > 1 else example[0])
+            core = self._core
+        outs = graph_config.inline(core._given, core._outputs, xs, training)
+        if core._dict_outputs:
+            return dict(zip(core.output_names, outs))
+        return outs[0] if len(outs) == 1 else outs
 
     def get_config(self) -> dict:
         """A Functional's graph; a subclassed Model's name and, unless the subclass overrides

@@ -75,6 +75,7 @@ class Functional(SparseProtocol, Model):
         self._sparse = None
         self._buffers = BatchBuffers(lambda n, dtype: ModelBuffers(self, n, dtype))
         self._views_kept: dict[int, tuple] = {}       # _layer_views: id(flat) -> (flat, views)
+        self._aliases: dict[int, str] = {}            # _lname: id(layer) -> its name here, where not its own
         self._regs: tuple | None = None
 
     def _connect(self, inputs, outputs) -> None:
@@ -103,6 +104,7 @@ class Functional(SparseProtocol, Model):
         self.preprocessing_layers = [out.node.layer for out in self._preprocessed.values()]
         for layer in self.preprocessing_layers:
             self._name(layer)
+        self._alias()
         self.output_names = list(outputs) if self._dict_outputs else self._layer_names()
         if len(outs) > 1 and not isinstance(self.loss, Heads):      # one loss for every output
             self.loss = Heads.compiled(self.output_names, self.loss, None, None, self.name,
@@ -221,7 +223,7 @@ class Functional(SparseProtocol, Model):
 
     def _layout_of(self, weights: list[list]) -> Layout:
         """Every layer's weights (`weights`, per layer) in order, the moving statistics marked."""
-        named = [(f"{layer.name}/{w.name}", w) for layer, ws in zip(self.layers, weights) for w in ws]
+        named = [(f"{self._lname(layer)}/{w.name}", w) for layer, ws in zip(self.layers, weights) for w in ws]
         layout = Layout.of((name, w.shape) for name, w in named).with_statistics(
             {name: w.momentum for name, w in named if w.momentum is not None})
         if not self.preprocessing_layers:
@@ -326,8 +328,12 @@ class Functional(SparseProtocol, Model):
         return model
 
     def _layer_configs(self, layers: list[Layer]) -> list[dict]:
-        """Each layer's class name and config (pserver.layers.serialize)."""
-        return [serialize(layer, self.name) for layer in layers]
+        """Each layer's class name and config (pserver.layers.serialize), named as in this model."""
+        entries = [serialize(layer, self.name) for layer in layers]
+        for layer, entry in zip(layers, entries):
+            if id(layer) in self._aliases and isinstance(entry["config"].get("name"), str):
+                entry["config"]["name"] = self._aliases[id(layer)]
+        return entries
 
     def _name(self, layer: Layer) -> None:
         """Keras's default names (dense, dense_1, ...), numbered within this model."""
@@ -337,10 +343,28 @@ class Functional(SparseProtocol, Model):
         n = 0
         while (name := layer.kind if n == 0 else f"{layer.kind}_{n}") in taken:
             n += 1
-        layer.name = name
+        layer.name, layer._auto_named = name, True
+
+    def _lname(self, layer: Layer) -> str:
+        """The layer's name in this model: its own, but where a layer another model named (one
+        called as a layer here) has a name taken here, the next free one (dense_1, ...), as
+        Keras's names are unique in a session. Its weights are named with it ("dense_1/kernel")."""
+        return self._aliases.get(id(layer), layer.name)
+
+    def _alias(self) -> None:
+        self._aliases = {}
+        taken: set[str] = set()
+        for layer in [*self.preprocessing_layers, *self.layers]:
+            name = layer.name
+            if name in taken and getattr(layer, "_auto_named", False):
+                n = 1
+                while (name := f"{layer.kind}_{n}") in taken:
+                    n += 1
+                self._aliases[id(layer)] = name
+            taken.add(name)
 
     def _check_names(self) -> None:
-        names = [layer.name for layer in [*self.preprocessing_layers, *self.layers]]
+        names = [self._lname(layer) for layer in [*self.preprocessing_layers, *self.layers]]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup:
             raise ConfigError(f"{self.name}: two layers are named {dup!r}")
@@ -394,7 +418,7 @@ class Functional(SparseProtocol, Model):
                               "on the shards, which train every row pushed: freeze dense layers only")
         for plan in self._plans.values():      # what the backward pass skips, as the layers say now
             plan.refresh_frozen(force=True)
-        return [f"{layer.name}/{w}" for layer in self.layers for w in layer.frozen_weights()]
+        return [f"{self._lname(layer)}/{w}" for layer in self.layers for w in layer.frozen_weights()]
 
     def summary_text(self) -> str:
         sizes = {t.name: t.size for t in self.layout.tensors}
@@ -406,11 +430,11 @@ class Functional(SparseProtocol, Model):
         lines = [f'Model: "{self.name}"', rule, row("Layer (type)", "Output Shape", "Param #"), "=" * 65]
         for layer in self.preprocessing_layers:
             shape = str((None, *layer.output_shape))
-            lines += [row(f"{layer.name} ({type(layer).__name__})", shape, "0"), ""]
+            lines += [row(f"{self._lname(layer)} ({type(layer).__name__})", shape, "0"), ""]
         for i, layer in enumerate(self.layers):
-            n = sum(v for k, v in sizes.items() if k.startswith(layer.name + "/"))
-            lines.append(row(f"{layer.name} ({type(layer).__name__})", str((None, *layer.output_shape)),
-                             f"{n}"))
+            n = sum(v for k, v in sizes.items() if k.startswith(self._lname(layer) + "/"))
+            lines.append(row(f"{self._lname(layer)} ({type(layer).__name__})",
+                             str((None, *layer.output_shape)), f"{n}"))
             lines.append("" if i < len(self.layers) - 1 else "=" * 65)
         total = self.layout.total
         frozen = sum(sizes[name] for name in self.frozen_weights())
@@ -427,7 +451,7 @@ class Functional(SparseProtocol, Model):
         views = self.layout.views(flat)
         for layer, weights in zip(self.layers, self._weights):
             for w in weights:
-                w.initializer(rng, views[f"{layer.name}/{w.name}"])
+                w.initializer(rng, views[f"{self._lname(layer)}/{w.name}"])
         return flat
 
     def _layer_views(self, flat: np.ndarray) -> list[dict]:
@@ -443,7 +467,7 @@ class Functional(SparseProtocol, Model):
 
     def _per_layer(self, flat_views: dict) -> list[dict]:
         """Each layer's views by short name ("kernel"), from the model's ("dense/kernel")."""
-        return [{w.name: flat_views[f"{layer.name}/{w.name}"] for w in weights}
+        return [{w.name: flat_views[f"{self._lname(layer)}/{w.name}"] for w in weights}
                 for layer, weights in zip(self.layers, self._weights)]
 
     # -- training ------------------------------------------------------------------------------
@@ -498,7 +522,7 @@ class Functional(SparseProtocol, Model):
         every step asks, and a model without any must pay nothing for them."""
         if self._regs is None:
             built, offsets = self.build(), self.layout.offsets()
-            weights = [(weight.regularizer, *offsets[f"{layer.name}/{weight.name}"])
+            weights = [(weight.regularizer, *offsets[f"{self._lname(layer)}/{weight.name}"])
                        for layer, ws in zip(built.layers, built._weights) for weight in ws
                        if weight.regularizer is not None]
             activity = [[(reg, st.out) for st in plan.steps if st.op is None

@@ -58,15 +58,49 @@ def from_config(config: dict) -> tuple[list[str], list[core.Symbolic], list[core
     for entry in config["nodes"]:
         args = [_tensor(r, inputs, made) for r in entry["inputs"]]
         if "op" in entry:
-            out = core.apply(entry["op"], *args, **_tuples(entry["attrs"]))
+            made.append(_listed(core.apply(entry["op"], *args, **_tuples(entry["attrs"]))))
         else:
             kwargs = {k: _unvalue(v, inputs, made) for k, v in entry["kwargs"].items()}
-            given = dict(zip(entry["keys"], args)) if "keys" in entry else args if entry["list"] else args[0]
-            out = layers[entry["layer"]](given, training=entry["training"], **kwargs)
-        out = list(out.values()) if isinstance(out, dict) else out      # a layer's several outputs
-        made.append(list(out) if isinstance(out, (list, tuple)) else [out])
+            made.append(_called(layers[entry["layer"]], args, entry.get("keys"), entry["list"],
+                                entry["training"], kwargs))
     refs = config["outputs"] if "outputs" in config else [config["output"]]
     return keys, inputs, [_tensor(r, inputs, made) for r in refs]
+
+
+def inline(inputs: list[core.Symbolic], outputs: list[core.Symbolic], new_inputs: list,
+           training=None) -> list:
+    """The graph from `inputs` to `outputs` called again on `new_inputs` by the same layers (their
+    weights are the graph's): a model called as a layer. `training`, when given, is every
+    layer call's (Keras's base_model(x, training=False))."""
+    made = {id(x): n for x, n in zip(inputs, new_inputs)}
+
+    def again(t):
+        return made.get(id(t), t) if isinstance(t, core.Symbolic) else t
+
+    for node in topological(outputs):
+        args = [again(t) for t in node.inputs]
+        if node.layer is None:
+            outs = _listed(core.apply(node.op, *args, **node.attrs))
+        else:
+            kwargs = {k: again(v) for k, v in node.attrs.get("kwargs", {}).items()}
+            outs = _called(node.layer, args, getattr(node.layer, "_dict_keys", None), node.layer.takes_list,
+                           node.attrs.get("training") if training is None else training, kwargs)
+        for old, new in zip(node.outputs, outs):
+            made[id(old)] = new
+    return [again(o) for o in outputs]
+
+
+def _called(layer, args: list, keys, takes_list: bool, training, kwargs: dict) -> list:
+    """A layer called on `args` as it was when the graph was traced (a dict by `keys`, a list,
+    or one tensor): its outputs as a list."""
+    given = dict(zip(keys, args)) if keys is not None else args if takes_list else args[0]
+    return _listed(layer(given, training=training, **kwargs))
+
+
+def _listed(out) -> list:
+    """A call's outputs as a list: one tensor, or several (a split; a layer's tuple, list or dict)."""
+    out = list(out.values()) if isinstance(out, dict) else out
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def topological(outputs: list[core.Symbolic]) -> list[core.Node]:
@@ -136,4 +170,4 @@ def _tuples(v):
     return v
 
 
-__all__ = ["to_config", "from_config", "topological"]
+__all__ = ["to_config", "from_config", "inline", "topological"]
