@@ -127,8 +127,9 @@ def test_a_model_called_on_what_it_does_not_take_says_so_in_one_line():
     model = keras.Model(inputs, layers.Dense(1)(inputs))
     cases = [(lambda: model(keras.Input(shape=(5,))),
               "input 'features' takes (None, 6), called on (None, 5)"),
-             (lambda: model([keras.Input(shape=(6,)), keras.Input(shape=(6,))]), "takes 1 input tensor(s)"),
-             (lambda: model({"other": keras.Input(shape=(6,))}), "without its input 'features'"),
+             (lambda: model([keras.Input(shape=(6,)), keras.Input(shape=(6,))]),
+              "takes 1 input(s), the call has 2"),
+             (lambda: model({"other": keras.Input(shape=(6,))}), "the call has no input 'features'"),
              (lambda: model(keras.Input(shape=(6,)), mask=None), "takes no argument 'mask'")]
     for call, message in cases:
         with pytest.raises(ConfigError) as e:

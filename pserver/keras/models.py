@@ -667,27 +667,19 @@ class Model(_Model):
         if unknown(inputs):                  # made with the enclosing model, at its first data
             return defer(self, (inputs,), {"training": training}, f"model {self.name}")
         core = self._built_core
-        keys = list(self._deferred[0]) if core is None and isinstance(self._deferred[0], dict) else None
-        given = core._given if core is not None else list(self._deferred[0].values()) if keys else \
-            list(self._deferred[0]) if isinstance(self._deferred[0], (list, tuple)) else [self._deferred[0]]
-        if isinstance(inputs, dict):
-            names = core._keys if core is not None else keys or [g.name for g in given]
-            absent = [k for k in names if k not in inputs]
-            if absent:
-                raise ConfigError(f"{self.name}: called on a dict without its input {absent[0]!r}")
-            xs = [inputs[k] for k in names]
-        else:
-            xs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-        if len(xs) != len(given) or not all(isinstance(x, Symbolic) for x in xs):
-            raise ConfigError(f"{self.name}: takes {len(given)} input tensor(s) (keras.Input or a layer's "
-                              f"output), called on {inputs!r}")
+        struct = self._deferred[0] if core is None else \
+            dict(zip(core._keys, core._given)) if core._dict_inputs else list(core._given)
+        given, xs = _matched(self.name, struct, inputs, "the call")
+        if not all(isinstance(x, Symbolic) for x in xs):
+            raise ConfigError(f"{self.name}: call it on tensors (keras.Input or a layer's output), "
+                              f"got {inputs!r}")
         for g, x in zip(given, xs):
             if len(g.shape) != len(x.shape) or any(d is not None and d != e for d, e in zip(g.shape[1:],
                                                                                         x.shape[1:])):
                 raise ConfigError(f"{self.name}: input {g.name!r} takes {g.shape}, called on {x.shape}")
         if core is None:                     # an Input of unknown size: the model made for these shapes
             example = [np.zeros((1, *x.shape[1:]), x.dtype) for x in xs]
-            self._ready(dict(zip(keys, example)) if keys else example if len(example) > 1 else example[0])
+            self._ready(example if len(example) > 1 else example[0])
             core = self._core
         outs = graph_config.inline(core._given, core._outputs, xs, training)
         if core._dict_outputs:
@@ -749,18 +741,7 @@ class Model(_Model):
         Input takes the data's size, and the calls recorded on it are made again on that
         (pserver.ops.core.replay)."""
         inputs, outputs = self._deferred
-        given = list(inputs.values()) if isinstance(inputs, dict) else \
-            list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-        if isinstance(x, dict):
-            keys = list(inputs) if isinstance(inputs, dict) else [g.name for g in given]
-            missing = [k for k in keys if k not in x]
-            if missing:
-                raise ConfigError(f"{self.name}: the data has no input {missing[0]!r} (it has {sorted(x)})")
-            arrays = [x[k] for k in keys]
-        else:
-            arrays = list(x) if isinstance(x, (list, tuple)) else [x]
-        if len(arrays) != len(given):
-            raise ConfigError(f"{self.name}: takes {len(given)} input(s), the data has {len(arrays)}")
+        given, arrays = _matched(self.name, inputs, x, "the data")
         bound = {}
         for g, a in zip(given, arrays):
             if g.unknown:
@@ -774,6 +755,25 @@ class Model(_Model):
         new_outputs = dict(zip(outputs, made)) if isinstance(outputs, dict) else \
             made if isinstance(outputs, (list, tuple)) else made[0]
         return _FunctionalCore(new_inputs, new_outputs, name=self.name, loss=_losses.Pending())
+
+
+def _matched(model: str, inputs, values, what: str) -> tuple[list, list]:
+    """A model's Inputs (`inputs`: one, a list, or a dict by name) in order, and `values`
+    (tensors or arrays: one, a list in that order, or a dict by the Inputs' keys or names)
+    matched to them."""
+    given = list(inputs.values()) if isinstance(inputs, dict) else \
+        list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    if isinstance(values, dict):
+        keys = list(inputs) if isinstance(inputs, dict) else [g.name for g in given]
+        missing = [k for k in keys if k not in values]
+        if missing:
+            raise ConfigError(f"{model}: {what} has no input {missing[0]!r} (it has {sorted(values)})")
+        found = [values[k] for k in keys]
+    else:
+        found = list(values) if isinstance(values, (list, tuple)) else [values]
+    if len(found) != len(given):
+        raise ConfigError(f"{model}: takes {len(given)} input(s), {what} has {len(found)}")
+    return given, found
 
 
 def _sized(model: str, x: Symbolic, a: np.ndarray) -> Symbolic:
