@@ -135,3 +135,43 @@ def test_a_model_called_on_what_it_does_not_take_says_so_in_one_line():
         with pytest.raises(ConfigError) as e:
             call()
         assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_feature_extractor_from_layers_outputs_shares_the_trained_weights(monkeypatch):
+    """The guide's "extract and reuse nodes": keras.Model(inputs=model.input, outputs=[layer.output
+    ...]). Catches an output that is not the layer's first call's, a model.input that is not the
+    model's Input, get_layer finding the wrong layer, and an extractor that does not see the
+    weights its model was trained to."""
+    monkeypatch.setenv(SEED, "0")
+    inputs = keras.Input(shape=(12,), name="features")
+    hidden = layers.Dense(8, activation="relu", name="hidden")(inputs)
+    logits = layers.Dense(3, name="logits")(layers.Dense(5, activation="tanh")(hidden))
+    model = keras.Model(inputs, logits)
+    assert model.input is inputs and model.inputs == [inputs] and model.output is logits
+    assert model.outputs == [logits]
+    assert model.get_layer("hidden").output is hidden and model.get_layer(index=-1).name == "logits"
+    assert model.get_layer("hidden").input is inputs
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(5).normal(size=(48, 12)).astype(np.float32)
+    model.fit(x, np.arange(48) % 3, epochs=2, verbose=0)
+    extractor = keras.Model(inputs=model.input, outputs=[layer.output for layer in model.layers])
+    feats = extractor.predict(x, verbose=0)
+    assert [f.shape for f in feats] == [(48, 8), (48, 5), (48, 3)]
+    np.testing.assert_allclose(feats[-1], model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+    kernel, bias = model.get_weights()[:2]
+    np.testing.assert_allclose(feats[0], np.maximum(x @ kernel + bias, 0), rtol=1e-5, atol=1e-6)
+
+
+def test_inputs_and_outputs_that_do_not_exist_are_refused_in_one_line():
+    class Sub(keras.Model):
+        def call(self, x):
+            return x
+    cases = [(lambda: layers.Dense(2).output, "has no output: it was not called"),
+             (lambda: Sub().inputs, "a subclassed Model has no inputs of its own"),
+             (lambda: member(0).get_layer("nope"), "no layer 'nope' (the model's: dense, dense_1)"),
+             (lambda: member(0).get_layer(index=5), "index 5: the model has 2 layers"),
+             (lambda: member(0).get_layer(), "give a name or an index")]
+    for call, message in cases:
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)

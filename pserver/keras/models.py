@@ -124,6 +124,20 @@ class _Model:
     def layers(self) -> list[Layer]:
         return [*self._core.preprocessing_layers, *self._core.layers]
 
+    def get_layer(self, name=None, index=None) -> Layer:
+        """Keras's: a layer by its name in this model (summary()'s), or by its index in `layers`."""
+        if (name is None) == (index is None):
+            raise ConfigError("get_layer: give a name or an index, one of them")
+        layers = self.layers
+        if index is not None:
+            if not isinstance(index, int) or not -len(layers) <= index < len(layers):
+                raise ConfigError(f"get_layer: index {index!r}: the model has {len(layers)} layers")
+            return layers[index]
+        names = [self._core._lname(layer) for layer in layers]
+        if name not in names:
+            raise ConfigError(f"get_layer: no layer {name!r} (the model's: {', '.join(names)})")
+        return layers[names.index(name)]
+
     def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None,
                 weighted_metrics=None, run_eagerly=False, steps_per_execution=1, jit_compile="auto",
                 auto_scale_loss=True) -> None:
@@ -621,6 +635,7 @@ class Model(_Model):
         if inputs is None or outputs is None:
             raise ConfigError("Model: give inputs= and outputs= (keras.Input tensors and the tensor "
                               "computed from them), or subclass Model and define call")
+        self._graph = (inputs, outputs)         # as given: model.input, model.output
         if unknown(inputs, outputs):          # an Input of unknown size: the graph is made at the first data
             self._deferred = (inputs, outputs)
             super().__init__(None, name or "functional")
@@ -654,6 +669,45 @@ class Model(_Model):
         if getattr(self, "_model_call", None) is None:
             self._model_call = ModelCall(self, name=self.name)
         return self._model_call(inputs, training=training, **kwargs)
+
+    @property
+    def inputs(self) -> list:
+        """Keras's: the model's keras.Input tensors, in order."""
+        return _flat(self._structure(0))
+
+    @property
+    def outputs(self) -> list:
+        """Keras's: the tensors the model computes, in order."""
+        return _flat(self._structure(1))
+
+    @property
+    def input(self):
+        """Keras's: the model's keras.Input, or its inputs as it was given them (a list or a dict)."""
+        return self._given_form(0)
+
+    @property
+    def output(self):
+        """Keras's: the model's output tensor, or its outputs as it was given them."""
+        return self._given_form(1)
+
+    def _given_form(self, k: int):
+        if getattr(self, "_graph", None) is not None:
+            return self._graph[k]
+        form = self._structure(k)
+        return form[0] if isinstance(form, list) and len(form) == 1 else form
+
+    def _structure(self, k: int):
+        """The graph's inputs (k=0) or outputs (1): a dict by name, else a list."""
+        if self._subclassed():
+            raise ConfigError(f"{self.name}: a subclassed Model has no {('inputs', 'outputs')[k]} of its own "
+                              "(its call is traced at the first data)")
+        if getattr(self, "_graph", None) is not None:
+            form = self._graph[k]
+            return form if isinstance(form, dict) else _flat(form)
+        core = self._core
+        if k == 0:
+            return dict(zip(core._keys, core._given)) if core._dict_inputs else list(core._given)
+        return dict(zip(core.output_names, core._outputs)) if core._dict_outputs else list(core._outputs)
 
     def _called_as_layer(self, inputs, training, kwargs):
         """keras.Model(inputs, outputs) called on tensors (Keras's "every model is callable, like a
@@ -749,20 +803,23 @@ class Model(_Model):
         sized = [bound.get(id(g), g) for g in given]
         new_inputs = dict(zip(inputs, sized)) if isinstance(inputs, dict) else \
             sized if isinstance(inputs, (list, tuple)) else sized[0]
-        flat = list(outputs.values()) if isinstance(outputs, dict) else \
-            list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        made = replay(flat, bound)
+        made = replay(_flat(outputs), bound)
         new_outputs = dict(zip(outputs, made)) if isinstance(outputs, dict) else \
             made if isinstance(outputs, (list, tuple)) else made[0]
         return _FunctionalCore(new_inputs, new_outputs, name=self.name, loss=_losses.Pending())
+
+
+def _flat(form) -> list:
+    """Tensors (or arrays) given as one, a list or tuple, or a dict by name: as a list, in order."""
+    return list(form.values()) if isinstance(form, dict) else \
+        list(form) if isinstance(form, (list, tuple)) else [form]
 
 
 def _matched(model: str, inputs, values, what: str) -> tuple[list, list]:
     """A model's Inputs (`inputs`: one, a list, or a dict by name) in order, and `values`
     (tensors or arrays: one, a list in that order, or a dict by the Inputs' keys or names)
     matched to them."""
-    given = list(inputs.values()) if isinstance(inputs, dict) else \
-        list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    given = _flat(inputs)
     if isinstance(values, dict):
         keys = list(inputs) if isinstance(inputs, dict) else [g.name for g in given]
         missing = [k for k in keys if k not in values]
@@ -770,7 +827,7 @@ def _matched(model: str, inputs, values, what: str) -> tuple[list, list]:
             raise ConfigError(f"{model}: {what} has no input {missing[0]!r} (it has {sorted(values)})")
         found = [values[k] for k in keys]
     else:
-        found = list(values) if isinstance(values, (list, tuple)) else [values]
+        found = _flat(values)
     if len(found) != len(given):
         raise ConfigError(f"{model}: takes {len(given)} input(s), {what} has {len(found)}")
     return given, found

@@ -71,6 +71,24 @@ class Layer(abc.ABC):
         self._config = init_arguments(cls, args, kwargs)
         return self
 
+    @property
+    def input(self):
+        """Keras's: what the layer was first called on in a graph (a keras.Input, a layer's output)."""
+        return self._called("input")[0]
+
+    @property
+    def output(self):
+        """Keras's: the tensor (or tensors) the layer's first call in a graph gave, to build
+        another model from (keras.Model(inputs=model.input, outputs=layer.output): a feature
+        extractor sharing the layers)."""
+        return self._called("output")[1]
+
+    def _called(self, what: str) -> tuple:
+        if "_first_call" not in self.__dict__:
+            raise ConfigError(f"{self.label}: has no {what}: it was not called on keras.Input or a layer's "
+                              "output yet")
+        return self._first_call
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "__call__" in cls.__dict__:       # a layer's own __call__ defers as Layer's does
@@ -283,14 +301,31 @@ def _deferring(call):
     @functools.wraps(call)
     def deferring(self, *args, **kwargs):
         if unknown(args, kwargs):
-            return defer(self, args, kwargs, self.label)
-        return call(self, *args, **kwargs)
+            out = defer(self, args, kwargs, self.label)
+        else:
+            depth = self.__dict__.get("_depth", 0)   # a subclass's __call__ calling Layer's
+            self._depth = depth + 1
+            try:
+                out = call(self, *args, **kwargs)
+            finally:
+                self._depth = depth
+            if depth:
+                return out
+        if "_first_call" not in self.__dict__ and _symbolic(out):
+            self._first_call = (args[0] if args else kwargs.get("inputs"), out)   # Keras's input, output
+        return out
 
     deferring.defers = True
     return deferring
 
 
 Layer.__call__ = _deferring(Layer.__call__)
+
+
+def _symbolic(out) -> bool:
+    """Whether a call gave tensors of a graph (one, or a tuple, list or dict of them)."""
+    outs = list(out.values()) if isinstance(out, dict) else out if isinstance(out, (list, tuple)) else [out]
+    return bool(outs) and all(isinstance(o, Symbolic) for o in outs)
 
 
 class KernelLayer(Layer):
