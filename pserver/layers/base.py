@@ -74,16 +74,16 @@ class Layer(abc.ABC):
     @property
     def input(self):
         """Keras's: what the layer was first called on in a graph (a keras.Input, a layer's output)."""
-        return self._called("input")[0]
+        return self._first_called("input")[0]
 
     @property
     def output(self):
         """Keras's: the tensor (or tensors) the layer's first call in a graph gave, to build
         another model from (keras.Model(inputs=model.input, outputs=layer.output): a feature
         extractor sharing the layers)."""
-        return self._called("output")[1]
+        return self._first_called("output")[1]
 
-    def _called(self, what: str) -> tuple:
+    def _first_called(self, what: str) -> tuple:
         if "_first_call" not in self.__dict__:
             raise ConfigError(f"{self.label}: has no {what}: it was not called on keras.Input or a layer's "
                               "output yet")
