@@ -1,7 +1,7 @@
 """The scripts in bench/keras_io/ (keras.io guides' models, written here) under `pserver run --ps 1
---workers 2` (sync; --ps sets the shards) and plainly on Keras 3 (TensorFlow backend, the bench
-venv; keras-rs beside it for the recommenders), the two differing only in their import lines, for
-seeds 1,2,3 interleaved (pserver seed 1, Keras seed 1, pserver seed 2, ...): each run's test
+--workers 2` (sync; --ps sets the shards, --mode the mode) and plainly on Keras 3 (TensorFlow
+backend, the bench venv; keras-rs beside it for the recommenders), the two differing only in their
+import lines, for seeds 1,2,3 interleaved (pserver seed 1, Keras seed 1, pserver seed 2, ...): each run's test
 accuracy (or, for a script that prints no accuracy, its "Test RMSE: X" or else its "Test loss: X"),
 wall time and speed; the median of the seeds per side and the difference (in points for accuracy,
 in % of Keras's for RMSE and loss). $KERAS_IO_SAMPLES and $KERAS_IO_EPOCHS, read by the scripts that
@@ -121,14 +121,14 @@ def example_copies(name: str, keras_io: Path, tmp: Path) -> dict[str, Path]:
 
 
 def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int, runner: list[str],
-            ps: int = 1, keras_backend: str | None = None) -> dict:
+            ps: int = 1, keras_backend: str | None = None, mode: str = "sync") -> dict:
     """One run; `runner`: what the script runs through ([_seeded.py] for a keras.io example, which
     does not seed itself; [] for our scripts, which do)."""
     env = {**os.environ, "KERAS_IO_SEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_IO_SIDE": side}
     if side == "keras" and keras_backend:
         env["KERAS_BACKEND"] = keras_backend
     if side == "pserver":
-        cmd = [sys.executable, "-m", "pserver", "run", "--ps", str(ps), "--workers", "2", "--mode", "sync",
+        cmd = [sys.executable, "-m", "pserver", "run", "--ps", str(ps), "--workers", "2", "--mode", mode,
                "--seed", str(seed), "--", sys.executable, *runner, str(script)]
     else:
         cmd = [keras_python, *runner, str(script)]
@@ -190,7 +190,7 @@ def compare(name: str, args, tmp: Path) -> dict:
     for seed in args.seeds:                      # interleaved: pserver, Keras, next seed
         for side in args.sides:
             r = run_one(side, paths[side], seed, args.keras_python, args.timeout, runner, args.ps,
-                        args.keras_backend)
+                        args.keras_backend, args.mode)
             runs.append(r)
             key = _metric(r)
             print(f"{name} {side} seed {seed}: {key.replace('_', ' ')} {r[key]:.4f}, "
@@ -225,7 +225,8 @@ def compare(name: str, args, tmp: Path) -> dict:
     diff = ({"difference_points": round(100 * (med["pserver"] - med["keras"]), 2) if both else None}
             if key == "test_accuracy" else
             {"difference_percent": round(100 * (med["pserver"] / med["keras"] - 1), 2) if both else None})
-    return {"script": script, **source, "setting": setting, "pserver_shards": args.ps, "seeds": args.seeds,
+    return {"script": script, **source, "setting": setting, "pserver_shards": args.ps,
+            "pserver_mode": args.mode, "seeds": args.seeds,
             "runs": runs, f"median_{key}": med, "median_fit_seconds": fit, **diff,
             **({"medians_of_the_rest": others} if others else {})}
 
@@ -254,7 +255,8 @@ def markdown(result: dict) -> str:
         rows.append([c["script"], c["setting"], *(_value(c, got.get(side)) for side in ("pserver", "keras")),
                      _difference(c), *(_num(fit.get(side), 1, ".1f") for side in ("pserver", "keras"))])
     shards = result["comparisons"][0].get("pserver_shards", 1)
-    lines = [f"# keras.io guides: pserver run --ps {shards} --workers 2 (sync) vs {result['keras']}", "",
+    mode = result["comparisons"][0].get("pserver_mode", "sync")
+    lines = [f"# keras.io guides: pserver run --ps {shards} --workers 2 ({mode}) vs {result['keras']}", "",
              *[f"- {line}" for line in machine_lines(m)], "",
              "Median of seeds " + ",".join(map(str, result["comparisons"][0]["seeds"])) +
              " (interleaved); test accuracy in % (difference in points, pserver - Keras) or test RMSE "
@@ -286,6 +288,9 @@ def main() -> None:
     ap.add_argument("--sides", default="pserver,keras", help="pserver,keras (default) or one of them")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds one run may take")
     ap.add_argument("--ps", type=int, default=1, help="pserver run's shards (default 1)")
+    ap.add_argument("--mode", default="sync", choices=["sync", "async"],
+                    help="pserver run's consistency mode (default sync: the global batch per step, as Keras; "
+                         "async: each worker's half batch applied as it comes)")
     ap.add_argument("--keras-backend", help="KERAS_BACKEND for Keras's side (default: Keras's, tensorflow, "
                     "unless the script sets one)")
     ap.add_argument("--out", default="results/keras_io/", help="directory for the JSON and .md")

@@ -14,6 +14,13 @@ untransposed product. Only a non-contiguous ('A' layout) operand, such as a stri
 numba copy it first (with a NumbaPerformanceWarning). numba only switches on BLAS when scipy is
 installed, hence the dependency.
 
+numpy's wheel brings an OpenBLAS of its own, which the graph ops' products (pserver.ops's matmul)
+use: two pools of BLAS threads, each spinning for a while after its call, fight over the cores
+whenever a step alternates between them (a Dense's backward, then FeatureCross's matmul: 11.8 ms
+for a pair of 512x192x192 products that take 1.0 ms alone, 2 threads each on 2 cores). So
+numpy's pool runs one thread once this module loads (`single_numpy_blas`), where it is a
+library apart from scipy's; the kernels' products keep every thread.
+
 `nogil=True` lets a worker overlap a step with gRPC I/O in another thread. Every kernel runs on
 the calling thread: a worker is one process per core, and numba's parallel=True is not used (its
 default threading layer aborts when several threads call in at once; see pserver.optim).
@@ -21,8 +28,12 @@ default threading layer aborts when several threads call in at once; see pserver
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import scipy.linalg.cython_blas  # noqa: F401  (loads scipy's BLAS: the one numba's np.dot calls)
 from numba import njit
+from threadpoolctl import ThreadpoolController
 
 # The graph layers' kernels (GRAPH_KERNELS) are memory-bound: NumPy's, the twin's own. (And the
 # pooled embedding's combiner codes, which both backends share.)
@@ -42,6 +53,25 @@ from pserver.kernels.reference import (  # noqa: F401  (this backend's API)
     scale_by,
     select_grad,
 )
+
+
+def single_numpy_blas() -> int | None:
+    """Set numpy's BLAS pool to one thread where it is not scipy's (numpy's and scipy's wheels
+    each bundle an OpenBLAS); the threads it had, or None where there is one pool (a shared
+    system BLAS, or one thread already) and nothing changed."""
+    libs = ThreadpoolController().lib_controllers
+    numpy_dir, scipy_dir = (os.path.dirname(os.path.dirname(m.__file__)) for m in (np, scipy))
+    ours = [lib for lib in libs if lib.filepath.startswith(os.path.join(numpy_dir, "numpy"))]
+    theirs = [lib for lib in libs if lib.filepath.startswith(os.path.join(scipy_dir, "scipy"))]
+    if len(ours) != 1 or not theirs or ours[0].filepath in {lib.filepath for lib in theirs} \
+            or ours[0].num_threads == 1:
+        return None
+    threads = ours[0].num_threads
+    ours[0].set_num_threads(1)
+    return threads
+
+
+NUMPY_BLAS_THREADS = single_numpy_blas()
 
 
 @njit(cache=True, nogil=True)
