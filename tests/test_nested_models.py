@@ -175,3 +175,17 @@ def test_inputs_and_outputs_that_do_not_exist_are_refused_in_one_line():
         with pytest.raises(ConfigError) as e:
             call()
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_sequential_s_inputs_and_a_layer_s_output_make_a_feature_extractor():
+    """The Sequential guide's feature extraction: keras.Model(inputs=model.inputs,
+    outputs=model.get_layer(...).output) on a Sequential built from keras.Input. Catches a
+    Sequential without inputs, or an output that is not its layer's in the built graph."""
+    model = keras.Sequential([keras.Input(shape=(6,)), layers.Dense(5, activation="relu", name="hidden"),
+                              layers.Dense(2)])
+    extractor = keras.Model(inputs=model.inputs, outputs=model.get_layer("hidden").output)
+    x = np.random.default_rng(6).normal(size=(7, 6)).astype(np.float32)
+    kernel, bias = model.get_weights()[:2]
+    np.testing.assert_allclose(extractor.predict(x, verbose=0), np.maximum(x @ kernel + bias, 0),
+                               rtol=1e-5, atol=1e-6)
+    assert model.input.shape == (None, 6) and model.output.shape == (None, 2)

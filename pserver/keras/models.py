@@ -124,6 +124,47 @@ class _Model:
     def layers(self) -> list[Layer]:
         return [*self._core.preprocessing_layers, *self._core.layers]
 
+    @property
+    def inputs(self) -> list:
+        """Keras's: the model's keras.Input tensors, in order."""
+        return _flat(self._structure(0))
+
+    @property
+    def outputs(self) -> list:
+        """Keras's: the tensors the model computes, in order."""
+        return _flat(self._structure(1))
+
+    @property
+    def input(self):
+        """Keras's: the model's keras.Input, or its inputs as it was given them (a list or a dict)."""
+        return self._given_form(0)
+
+    @property
+    def output(self):
+        """Keras's: the model's output tensor, or its outputs as it was given them."""
+        return self._given_form(1)
+
+    def _given_form(self, k: int):
+        if getattr(self, "_graph", None) is not None:
+            return self._graph[k]
+        form = self._structure(k)
+        return form[0] if isinstance(form, list) and len(form) == 1 else form
+
+    def _structure(self, k: int):
+        """The graph's inputs (k=0) or outputs (1): a dict by name, else a list."""
+        if getattr(self, "_subclassed", lambda: False)():
+            raise ConfigError(f"{self.name}: a subclassed Model has no {('inputs', 'outputs')[k]} of its own "
+                              "(its call is traced at the first data)")
+        if getattr(self, "_graph", None) is not None:
+            form = self._graph[k]
+            return form if isinstance(form, dict) else _flat(form)
+        core = self._core
+        if not core._built:                   # a Sequential: its graph is made when it is built
+            core.build()
+        if k == 0:
+            return dict(zip(core._keys, core._given)) if core._dict_inputs else list(core._given)
+        return dict(zip(core.output_names, core._outputs)) if core._dict_outputs else list(core._outputs)
+
     def get_layer(self, name=None, index=None) -> Layer:
         """Keras's: a layer by its name in this model (summary()'s), or by its index in `layers`."""
         if (name is None) == (index is None):
@@ -669,45 +710,6 @@ class Model(_Model):
         if getattr(self, "_model_call", None) is None:
             self._model_call = ModelCall(self, name=self.name)
         return self._model_call(inputs, training=training, **kwargs)
-
-    @property
-    def inputs(self) -> list:
-        """Keras's: the model's keras.Input tensors, in order."""
-        return _flat(self._structure(0))
-
-    @property
-    def outputs(self) -> list:
-        """Keras's: the tensors the model computes, in order."""
-        return _flat(self._structure(1))
-
-    @property
-    def input(self):
-        """Keras's: the model's keras.Input, or its inputs as it was given them (a list or a dict)."""
-        return self._given_form(0)
-
-    @property
-    def output(self):
-        """Keras's: the model's output tensor, or its outputs as it was given them."""
-        return self._given_form(1)
-
-    def _given_form(self, k: int):
-        if getattr(self, "_graph", None) is not None:
-            return self._graph[k]
-        form = self._structure(k)
-        return form[0] if isinstance(form, list) and len(form) == 1 else form
-
-    def _structure(self, k: int):
-        """The graph's inputs (k=0) or outputs (1): a dict by name, else a list."""
-        if self._subclassed():
-            raise ConfigError(f"{self.name}: a subclassed Model has no {('inputs', 'outputs')[k]} of its own "
-                              "(its call is traced at the first data)")
-        if getattr(self, "_graph", None) is not None:
-            form = self._graph[k]
-            return form if isinstance(form, dict) else _flat(form)
-        core = self._core
-        if k == 0:
-            return dict(zip(core._keys, core._given)) if core._dict_inputs else list(core._given)
-        return dict(zip(core.output_names, core._outputs)) if core._dict_outputs else list(core._outputs)
 
     def _called_as_layer(self, inputs, training, kwargs):
         """keras.Model(inputs, outputs) called on tensors (Keras's "every model is callable, like a
