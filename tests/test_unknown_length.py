@@ -163,8 +163,6 @@ def test_what_cannot_be_known_before_the_data_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="pserver.keras.Model makes such a graph at its first data"):
         Functional(inputs, out)                   # pserver's own graph class plans for one shape
     model = keras.Model(inputs, out)
-    with pytest.raises(ConfigError, match="not built yet"):
-        model.summary()
     model.compile(optimizer="sgd", loss="mse")
     x, y = ids(16, 6)
     model.fit(x, y, epochs=1, verbose=0)
@@ -181,3 +179,21 @@ def test_a_layer_that_returns_several_tensors_on_it_says_to_give_the_size():
     model = keras.Model(inputs, layers.Dense(1)(out))
     with pytest.raises(ConfigError, match="several tensors.*give keras.Input the size"):
         model.predict(ids(4, 5)[0], verbose=0)
+
+
+def test_a_summary_before_the_first_data_lists_the_layers_as_the_model_will_name_them():
+    """keras.io's bidirectional LSTM example calls summary() before fit: a model of unknown
+    length says what it can (its layers, in call order, named as they will be) rather than
+    failing; after the data, Keras's table with Keras's count (2,757,761 for that example)."""
+    inputs = keras.Input(shape=(None,), dtype="int64")
+    x = layers.Embedding(20000, 128)(inputs)
+    x = layers.Bidirectional(layers.LSTM(64, return_sequences=True))(x)
+    x = layers.Bidirectional(layers.LSTM(64))(x)
+    model = keras.Model(inputs, layers.Dense(1, activation="sigmoid")(x))
+    before = model.summary_text()
+    rows = [line.split("(")[0].strip() for line in before.splitlines() if "at the first data " in line]
+    assert rows == ["embedding", "bidirectional", "bidirectional_1", "dense"], before
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    model.predict(ids(2, 7)[0], verbose=0)
+    assert [layer.name for layer in model.layers] == rows
+    assert "Total params: 2,757,761" in model.summary_text()

@@ -35,7 +35,7 @@ from pserver.models import graph_config
 from pserver.models import losses as _losses
 from pserver.models.functional import Functional as _Functional
 from pserver.models.sequential import Sequential as _Sequential
-from pserver.ops.core import Symbolic, defer, replay, unknown
+from pserver.ops.core import Symbolic, defer, deferred_order, replay, unknown
 from pserver.persist import model_file
 
 # The shards a plain script's fit starts in its own process.
@@ -222,11 +222,34 @@ class _Model:
                 show_trainable=False, layer_range=None) -> None:
         _refuse("summary", {}, positions=positions, expand_nested=expand_nested or None,
                 show_trainable=show_trainable or None, layer_range=layer_range)
+        if self._built_core is None and getattr(self, "_deferred", None) is not None:
+            for line in self.summary_text().splitlines():
+                (print_fn or print)(line)
+            return
         self._core.summary(line_length, print_fn)
 
     def summary_text(self) -> str:
-        """summary()'s table as a string (what pserver's Sequential.summary() returned before)."""
-        return self._core.summary_text()
+        """summary()'s table as a string (what pserver's Sequential.summary() returned before).
+        A model whose input has a dimension of unknown size, before its first data: its layers in
+        the order they are called, their shapes and weights known once it is made."""
+        if self._built_core is not None or getattr(self, "_deferred", None) is None:
+            return self._core.summary_text()
+        inputs, outputs = self._deferred
+        order = deferred_order(_flat(outputs), {id(x) for x in _flat(inputs) if x.unknown})
+        layers = list({id(t.node.fn): t.node.fn for t in order if isinstance(t.node.fn, Layer)}.values())
+        rule, later = "_" * 65, "at the first data"
+        lines = [f'Model: "{self.name}" (an input of unknown size: made at its first data)', rule,
+                 f" {'Layer (type)':<29}{'Output Shape':<26}Param #", "=" * 65]
+        taken: set[str] = set()
+        for layer in layers:                  # named as the model will name them (dense, dense_1, ...)
+            name, n = layer.name, 0
+            while name is None or name in taken and not layer.name:
+                name, n = (layer.kind if n == 0 else f"{layer.kind}_{n}"), n + 1
+            taken.add(name)
+            lines += [f" {name + ' (' + type(layer).__name__ + ')':<29}{later:<26}?", ""]
+        if layers:
+            lines.pop()
+        return "\n".join([*lines, "=" * 65, "Total params: ? (at the first data)", rule])
 
     def get_config(self) -> dict:
         return self._core.get_config()

@@ -170,19 +170,7 @@ def replay(outputs: list, bound: dict) -> list:
     after the calls it reads, on `bound` (id of a keras.Input of unknown size -> the Input of the
     data's shape that takes its place). A tensor of known shape stays as it is."""
     made = dict(bound)
-    stack = [(o, False) for o in reversed(outputs)]
-    while stack:
-        t, ready = stack.pop()
-        if id(t) in made:
-            continue
-        if not isinstance(t, Deferred):
-            raise ConfigError("a keras.Input with a dimension of unknown size is used by the model but is "
-                              "not one of its inputs")
-        if not ready:
-            stack.append((t, True))
-            stack.extend((d, False) for d in _tensors((t.node.args, t.node.kwargs))
-                         if d.unknown and id(d) not in made)
-            continue
+    for t in deferred_order(outputs, set(bound)):
         node = t.node
         out = node.fn(*_swap(node.args, made), **_swap(node.kwargs, made))
         if not isinstance(out, Symbolic):
@@ -191,6 +179,28 @@ def replay(outputs: list, bound: dict) -> list:
                               "keras.Input the size the data has")
         made[id(t)] = out
     return [made[id(o)] if o.unknown else o for o in outputs]
+
+
+def deferred_order(outputs: list, inputs: set) -> list["Deferred"]:
+    """The Deferred tensors `outputs` depend on, each after those its call reads (iterative:
+    deep graphs); `inputs`: the ids of the keras.Inputs of unknown size they may read."""
+    order, done = [], set(inputs)
+    stack = [(o, False) for o in reversed(outputs) if o.unknown]
+    while stack:
+        t, ready = stack.pop()
+        if id(t) in done:
+            continue
+        if not isinstance(t, Deferred):
+            raise ConfigError("a keras.Input with a dimension of unknown size is used by the model but is "
+                              "not one of its inputs")
+        if not ready:
+            stack.append((t, True))
+            stack.extend((d, False) for d in _tensors((t.node.args, t.node.kwargs))
+                         if d.unknown and id(d) not in done)
+            continue
+        done.add(id(t))
+        order.append(t)
+    return order
 
 
 def _tensors(value) -> list:
@@ -384,4 +394,4 @@ def _ones(i, batch: int) -> np.ndarray:
 
 
 __all__ = ["Op", "OPS", "register", "op", "apply", "backward", "Symbolic", "Node", "unbroadcast", "infer",
-           "key_of", "ids", "Deferred", "unknown", "defer", "replay"]
+           "key_of", "ids", "Deferred", "unknown", "defer", "replay", "deferred_order"]
