@@ -34,6 +34,7 @@ from pserver.layers.traced import TracedLayer, snake_case
 from pserver.models import graph_config
 from pserver.models import losses as _losses
 from pserver.models.functional import Functional as _Functional
+from pserver.models.functional import free_name
 from pserver.models.sequential import Sequential as _Sequential
 from pserver.ops.core import Symbolic, defer, deferred_order, replay, unknown
 from pserver.persist import model_file
@@ -222,7 +223,7 @@ class _Model:
                 show_trainable=False, layer_range=None) -> None:
         _refuse("summary", {}, positions=positions, expand_nested=expand_nested or None,
                 show_trainable=show_trainable or None, layer_range=layer_range)
-        if self._built_core is None and getattr(self, "_deferred", None) is not None:
+        if self._built_core is None and getattr(self, "_graph", None) is not None:
             for line in self.summary_text().splitlines():
                 (print_fn or print)(line)
             return
@@ -232,9 +233,9 @@ class _Model:
         """summary()'s table as a string (what pserver's Sequential.summary() returned before).
         A model whose input has a dimension of unknown size, before its first data: its layers in
         the order they are called, their shapes and weights known once it is made."""
-        if self._built_core is not None or getattr(self, "_deferred", None) is None:
+        if self._built_core is not None or getattr(self, "_graph", None) is None:
             return self._core.summary_text()
-        inputs, outputs = self._deferred
+        inputs, outputs = self._graph
         order = deferred_order(_flat(outputs), {id(x) for x in _flat(inputs) if x.unknown})
         layers = list({id(t.node.fn): t.node.fn for t in order if isinstance(t.node.fn, Layer)}.values())
         rule, later = "_" * 65, "at the first data"
@@ -242,9 +243,7 @@ class _Model:
                  f" {'Layer (type)':<29}{'Output Shape':<26}Param #", "=" * 65]
         taken: set[str] = set()
         for layer in layers:                  # named as the model will name them (dense, dense_1, ...)
-            name, n = layer.name, 0
-            while name is None or name in taken and not layer.name:
-                name, n = (layer.kind if n == 0 else f"{layer.kind}_{n}"), n + 1
+            name = layer.name or free_name(layer.kind, taken)
             taken.add(name)
             lines += [f" {name + ' (' + type(layer).__name__ + ')':<29}{later:<26}?", ""]
         if layers:
@@ -278,9 +277,9 @@ class _Model:
         if self._w is None:
             fresh = self._core.init_params(cluster.seed())
             self._w_value, self._synced = fresh, 0          # a layer another model set keeps its weights
-            self._w = self._shared(fresh)
-        elif any(getattr(layer, "_set_by", (0,))[0] > self._synced for layer in self._core.layers):
-            self._w = self._shared(self._w)
+            self._w = self._shared(fresh)                   # and the others are marked as this model's
+        elif (shared := self._shared(self._w)) is not self._w:
+            self._w = shared
         return self._w
 
     def _shared(self, w: np.ndarray) -> np.ndarray:
@@ -699,9 +698,10 @@ class Model(_Model):
         if inputs is None or outputs is None:
             raise ConfigError("Model: give inputs= and outputs= (keras.Input tensors and the tensor "
                               "computed from them), or subclass Model and define call")
-        self._graph = (inputs, outputs)         # as given: model.input, model.output
-        if unknown(inputs, outputs):          # an Input of unknown size: the graph is made at the first data
-            self._deferred = (inputs, outputs)
+        # As given (model.input, model.output); with an Input of unknown size, the calls the graph
+        # is made of at the first data (_made_for), the core None until then.
+        self._graph = (inputs, outputs)
+        if unknown(inputs, outputs):
             super().__init__(None, name or "functional")
         else:
             super().__init__(_FunctionalCore(inputs, outputs, name=name or "functional",
@@ -746,15 +746,14 @@ class Model(_Model):
         if unknown(inputs):                  # made with the enclosing model, at its first data
             return defer(self, (inputs,), {"training": training}, f"model {self.name}")
         core = self._built_core
-        struct = self._deferred[0] if core is None else \
+        struct = self._graph[0] if core is None else \
             dict(zip(core._keys, core._given)) if core._dict_inputs else list(core._given)
         given, xs = _matched(self.name, struct, inputs, "the call")
         if not all(isinstance(x, Symbolic) for x in xs):
             raise ConfigError(f"{self.name}: call it on tensors (keras.Input or a layer's output), "
                               f"got {inputs!r}")
         for g, x in zip(given, xs):
-            if len(g.shape) != len(x.shape) or any(d is not None and d != e for d, e in zip(g.shape[1:],
-                                                                                        x.shape[1:])):
+            if not _fits(g.shape[1:], x.shape[1:]):
                 raise ConfigError(f"{self.name}: input {g.name!r} takes {g.shape}, called on {x.shape}")
         if core is None:                     # an Input of unknown size: the model made for these shapes
             example = [np.zeros((1, *x.shape[1:]), x.dtype) for x in xs]
@@ -802,7 +801,7 @@ class Model(_Model):
     def _trace(self, x):
         if x is None:
             return None
-        if getattr(self, "_deferred", None) is not None:
+        if getattr(self, "_graph", None) is not None:     # a graph of unknown size (the core is None)
             return self._made_for(x)
         def like(a, name=None):
             a = np.asarray(a)
@@ -819,7 +818,7 @@ class Model(_Model):
         """A graph whose inputs have a dimension of unknown size, made for the data `x`: each such
         Input takes the data's size, and the calls recorded on it are made again on that
         (pserver.ops.core.replay)."""
-        inputs, outputs = self._deferred
+        inputs, outputs = self._graph
         given, arrays = _matched(self.name, inputs, x, "the data")
         bound = {}
         for g, a in zip(given, arrays):
@@ -858,10 +857,15 @@ def _matched(model: str, inputs, values, what: str) -> tuple[list, list]:
     return given, found
 
 
+def _fits(dims: tuple, shape: tuple) -> bool:
+    """Whether a sample of `shape` fits an Input's `dims` (a None takes any size)."""
+    return len(dims) == len(shape) and all(d is None or d == n for d, n in zip(dims, shape))
+
+
 def _sized(model: str, x: Symbolic, a: np.ndarray) -> Symbolic:
     """keras.Input `x`, whose shape has a dimension None, with the size the data `a` has there."""
     dims = x.shape[1:]
-    if a.ndim - 1 != len(dims) or any(d is not None and d != n for d, n in zip(dims, a.shape[1:])):
+    if not _fits(dims, a.shape[1:]):
         raise ConfigError(f"{model}: input {x.name!r} is keras.Input(shape={dims}), the data's samples "
                           f"have shape {a.shape[1:]}")
     return Symbolic((None, *a.shape[1:]), x.dtype, name=x.name)

@@ -340,10 +340,7 @@ class Functional(SparseProtocol, Model):
         if layer.name:
             return
         taken = {other.name for other in [*self.preprocessing_layers, *self.layers]}
-        n = 0
-        while (name := layer.kind if n == 0 else f"{layer.kind}_{n}") in taken:
-            n += 1
-        layer.name, layer._auto_named = name, True
+        layer.name, layer._auto_named = free_name(layer.kind, taken), True
 
     def _lname(self, layer: Layer) -> str:
         """The layer's name in this model: its own, but where a layer another model named (one
@@ -357,10 +354,7 @@ class Functional(SparseProtocol, Model):
         for layer in [*self.preprocessing_layers, *self.layers]:
             name = layer.name
             if name in taken and getattr(layer, "_auto_named", False):
-                n = 1
-                while (name := f"{layer.kind}_{n}") in taken:
-                    n += 1
-                self._aliases[id(layer)] = name
+                name = self._aliases[id(layer)] = free_name(layer.kind, taken, first=1)
             taken.add(name)
 
     def _check_names(self) -> None:
@@ -937,6 +931,15 @@ def _preprocessed(inputs: list[Symbolic], outputs, name: str) -> dict[int, Symbo
     return found
 
 
+def free_name(kind: str, taken: set[str], first: int = 0) -> str:
+    """Keras's default name for a layer of `kind` not in `taken`: kind, kind_1, kind_2, ... (from
+    kind_<first>)."""
+    n = first
+    while (name := kind if n == 0 else f"{kind}_{n}") in taken:
+        n += 1
+    return name
+
+
 def _inputs(inputs, name: str) -> tuple[list[str], list[Symbolic]]:
     """The inputs in order and their keys (a dict's, else the Inputs' names)."""
     if isinstance(inputs, dict):
@@ -953,4 +956,4 @@ def _inputs(inputs, name: str) -> tuple[list[str], list[Symbolic]]:
     return keys, xs
 
 
-__all__ = ["Functional"]
+__all__ = ["Functional", "free_name"]

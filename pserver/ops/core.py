@@ -141,23 +141,11 @@ class Deferral:
     args: tuple
     kwargs: dict
     what: str
-    layer: object = None
-    op: str = "deferred"
 
 
 def unknown(*values) -> bool:
     """Whether any of `values` (in lists, tuples and dicts too) is a tensor of unknown shape."""
-    stack = list(values)
-    while stack:
-        v = stack.pop()
-        if isinstance(v, Symbolic):
-            if v.unknown:
-                return True
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-    return False
+    return any(t.unknown for t in _tensors(values))
 
 
 def defer(fn: Callable, args: tuple, kwargs: dict, what: str) -> Deferred:
