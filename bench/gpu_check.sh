@@ -19,7 +19,8 @@
 # too, and MODEL@STEPS stops each worker after STEPS steps), MNIST_BATCH (per worker, default 128),
 # MNIST_EPOCHS (default 1), MNIST_ARGS (more flags for each run, e.g. --data-assignment slices),
 # MNIST_ONE_CORE=1 (the CPU runs with one thread per library in each process: one core per
-# worker), MNIST_GPU_LIMIT and MNIST_CPU_LIMIT (seconds per run), and STEPS: the steps in order
+# worker), MNIST_WORKERS (default 2), MNIST_GPU_LIMIT and MNIST_CPU_LIMIT (seconds per run), PROFILE_MODEL
+# and PROFILE_RATE (step "profile": one cuda run under py-spy, every process, into profile.txt), and STEPS: the steps in order
 # (default "tests mnist-gpu bench mnist-cpu"); a step written with a trailing "+" runs beside the
 # next one (for the tests beside the CPU's MNIST runs, which use no GPU).
 # Python packages missing on the machine can sit as wheels in .whl/ (installed into /tmp/site
@@ -71,12 +72,12 @@ mnist() {   # mnist MODEL[@STEPS] DEVICE SECONDS (STEPS: --max-steps; the summar
   local model=${1%@*} steps=""
   [ "$model" != "$1" ] && steps="--max-steps ${1##*@}"
   local name=${model##*:}
-  local summary="$RUNS/mnist-${name##*/}-$2"
-  local cmd=($PY -m pserver launch --ps 1 --workers 2 --model "$model" --device "$2" $steps ${MNIST_ARGS:-}
+  local summary="$RUNS/mnist-${name##*/}-$2${MNIST_TAG:-}"
+  local cmd=(${PROFILER:-} $PY -m pserver launch --ps 1 --workers ${MNIST_WORKERS:-2} --model "$model" --device "$2" $steps ${MNIST_ARGS:-}
              --dataset mnist --data-dir "$DATA" --epochs ${MNIST_EPOCHS:-1} --batch-size ${MNIST_BATCH:-128}
              --optimizer adam --lr 0.001 --summary-json "$summary.json")
   # the command as run, with the thread settings it ran under, for mnist.json
-  { env | grep -E '^(OPENBLAS|OMP|MKL|NUMBA)_NUM_THREADS=' | sort | tr '\n' ' '; printf '%q ' "${cmd[@]}"; } > "$summary.cmd"
+  { env | grep -E '^((OPENBLAS|OMP|MKL|NUMBA)_NUM_THREADS|PSERVER_CUDA_GRAPHS)=' | sort | tr '\n' ' '; printf '%q ' "${cmd[@]}"; } > "$summary.cmd"
   stamp "$1 $2" >> "$OUT/mnist.log"
   timeout "$3" "${cmd[@]}" >> "$OUT/mnist.log" 2>&1
   echo "exit $?" >> "$OUT/mnist.log"
@@ -85,6 +86,14 @@ mnist() {   # mnist MODEL[@STEPS] DEVICE SECONDS (STEPS: --max-steps; the summar
 mnist_gpu() {
   stamp "MNIST on the GPU" | tee -a "$OUT/mnist.log"
   for m in ${MNIST_GPU-mlp cnn}; do mnist "$m" cuda ${MNIST_GPU_LIMIT:-60}; done
+}
+
+profile() {   # one --device cuda run of PROFILE_MODEL (default cnn) under py-spy, every process sampled
+  stamp "py-spy on MNIST, cuda" | tee -a "$OUT/mnist.log"
+  local spy
+  spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+  PROFILER="$spy record --subprocesses --idle --rate ${PROFILE_RATE:-200} --format raw --output $OUT/profile.txt --" \
+    MNIST_TAG=-profiled mnist "${PROFILE_MODEL:-cnn}" ${PROFILE_DEVICE:-cuda} ${MNIST_GPU_LIMIT:-60}
 }
 
 mnist_cpu() (     # a subshell: the thread settings stay in it
@@ -137,7 +146,11 @@ for p in sorted(pathlib.Path(sys.argv[2]).glob("mnist-*.json")):
         "command": p.with_suffix(".cmd").read_text().strip(), "cpu": cpu(), "cores": os.cpu_count(),
         "gpu": gpu(), **{k: d.get(k) for k in (
             "model", "num_workers", "num_shards", "batch_size", "epochs", "steps", "samples_trained",
-            "test_accuracy", "test_loss", "train_samples_per_second", "wall_seconds", "launch_wall_seconds")}}
+            "test_accuracy", "test_loss", "train_samples_per_second", "wall_seconds", "launch_wall_seconds")},
+        # each worker's split of its wall time: computing the gradient, the push and pull (waits for
+        # the other workers included)
+        "workers": [{k: w.get(k) for k in ("rank", "steps", "wall_seconds", "compute_seconds", "pull_seconds",
+                                            "push_pull_seconds", "idle_fraction")} for w in d.get("workers", [])]}
 pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1) + "\n")
 for k, v in runs.items():
     print(k, v["test_accuracy"], round(v["train_samples_per_second"] or 0), v["wall_seconds"])

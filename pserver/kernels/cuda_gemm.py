@@ -692,6 +692,12 @@ def _workspace(shape, stream):
     return view
 
 
+def workspaces() -> list:
+    """The device arrays _workspace holds now (a step graph keeps them: it holds their address
+    after a larger one replaces them here)."""
+    return [have[1] for have in _WORKSPACES.values()]
+
+
 def conv2d_weight_grad(x, dy, dw, db, stride_h, stride_w, pad_top, pad_left, variant=None, *,
                        splits=None, stream=0):
     """dw[:] and db[:] from x and dy (shapes checked by the caller); `splits`: slices of the

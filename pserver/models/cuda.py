@@ -22,17 +22,29 @@ The per-thread state (stream, pinned buffers, device buffers per batch size) mir
 model's per-thread buffers: a worker may evaluate in one thread while it trains in another.
 Everything is float32, as on the wire. `timings=True` on loss_and_grad records CUDA events
 between the three phases (bench/kernels.py reads them; the worker does not ask).
+
+Step graphs. Launching a kernel from Python costs the host tens of microseconds (numba-cuda's
+dispatcher checks and packs every argument), and a step is dozens of kernels, so a small model's
+step is the host's launches, not the GPU's work. From the second training step of a batch size
+on, the step is therefore a CUDA graph (StepGraph): its copies and kernels are captured once from
+the stream and replayed with one launch, the host only staging w, x and y into the pinned
+buffers the graph copies from. The same kernels run in the same order on the same buffers, so a
+replayed step gives the eager step's loss and gradient bit for bit. Not for a model whose
+training pass draws from the step's seed (Dropout: cuda_support.draws_at_random), in the CUDA
+simulator (it has no graphs), or with PSERVER_CUDA_GRAPHS=0; those run every kernel eagerly.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
+import weakref
 
 import numpy as np
-from numba import cuda
+from numba import config, cuda
 
-from pserver.kernels import get_backend
+from pserver.kernels import cuda_gemm, get_backend
 from pserver.kernels.cuda import columns_from
 from pserver.kernels.device import current_index
 from pserver.layers.base import Pass
@@ -58,6 +70,10 @@ class CudaModel(Model):
         # The device that is current now (pserver.kernels.device.select made it so). Other threads
         # would otherwise start on device 0, so every call enters this one explicitly.
         self.device_id = current_index()
+        # Whether training steps become step graphs (the module's docstring): False in the
+        # simulator, for a model with dropout, or with PSERVER_CUDA_GRAPHS=0.
+        self.step_graphs = (not config.ENABLE_CUDASIM and os.environ.get("PSERVER_CUDA_GRAPHS", "1") != "0"
+                            and cuda_support.draws_at_random(host) is None)
 
     def init_params(self, seed):
         return self.host.init_params(seed)
@@ -82,17 +98,16 @@ class CudaModel(Model):
             st = self._state()
             b, s = st.batch(self, x.shape[0]), st.stream
             events = [cuda.event() for _ in range(4)] if timings else None
-            _record(events, 0, s)
-            st.upload_weights(w)
-            b.upload(x, y, s)
-            _record(events, 1, s)
-            acts = self._forward_on_device(st, b, run)
-            self._loss_on_device(acts[-1], b, b.graph.dloss, s)
-            self._backward_on_device(st, acts, b)
-            _record(events, 2, s)
-            st.g.copy_to_host(st.g_host, stream=s)
-            b.loss.copy_to_host(st.loss_host, stream=s)
-            _record(events, 3, s)
+            np.copyto(st.w_host, w)              # staged: the step's copies read the pinned buffers
+            b.stage(x, y)
+            if events is None and self.step_graphs and b.step_graph is None and b.trained:
+                # The second step of this size (the first made every buffer): captured, not run.
+                b.step_graph = StepGraph.capture(s, lambda: self._enqueue_step(st, b, run))
+            if events is None and b.step_graph:
+                b.step_graph.launch(s)
+            else:
+                self._enqueue_step(st, b, run, events)
+            b.trained = True
             # The step's one wait: after it the gradient and the loss are in pinned memory,
             # and the staging buffers are free for the next step.
             s.synchronize()
@@ -105,6 +120,22 @@ class CudaModel(Model):
             return loss
         ms = [events[i].elapsed_time(events[i + 1]) for i in range(3)]
         return loss, dict(zip(("h2d", "compute", "d2h"), ms))
+
+    def _enqueue_step(self, st, b, run, events=None) -> None:
+        """A training step's work, queued on the stream: the staged w, x and y to the device,
+        forward, loss, backward, and the gradient and loss to the pinned buffers."""
+        s = st.stream
+        _record(events, 0, s)
+        st.w.copy_to_device(st.w_host, stream=s)
+        b.upload_staged(s)
+        _record(events, 1, s)
+        acts = self._forward_on_device(st, b, run)
+        self._loss_on_device(acts[-1], b, b.graph.dloss, s)
+        self._backward_on_device(st, acts, b)
+        _record(events, 2, s)
+        st.g.copy_to_host(st.g_host, stream=s)
+        b.loss.copy_to_host(st.loss_host, stream=s)
+        _record(events, 3, s)
 
     @property
     def _loss_scale(self) -> float:
@@ -259,10 +290,21 @@ class _Batch:
         self.op_buffers: dict[bool, list] = {True: [], False: []}   # the ops' outputs, per pass kind
         self.row_loss = cuda.device_array(n, np.float32, stream=stream)
         self.loss = cuda.device_array(1, np.float64, stream=stream)
+        # Training steps of this size: whether one ran (it made the buffers a graph needs), and
+        # the step graph (None: not tried yet; False: its capture failed, so steps stay eager).
+        self.trained = False
+        self.step_graph: StepGraph | None | bool = None
 
     def upload(self, x: np.ndarray, y: np.ndarray, stream) -> None:
+        self.stage(x, y)
+        self.upload_staged(stream)
+
+    def stage(self, x: np.ndarray, y: np.ndarray) -> None:
+        """x and y into the pinned buffers that the device copies read."""
         np.copyto(self.x_host, x)
         np.copyto(self.y_host, y)
+
+    def upload_staged(self, stream) -> None:
         self.x.copy_to_device(self.x_host, stream=stream)
         start = 0
         for part in self.inputs if len(self.inputs) > 1 else ():
@@ -272,4 +314,64 @@ class _Batch:
         self.y.copy_to_device(self.y_host, stream=stream)
 
 
-__all__ = ["CudaModel"]
+class StepGraph:
+    """A training step captured from a stream as a CUDA graph and replayed with one launch.
+
+    Every device buffer the step touches stays where it was at the capture (the step's buffers
+    are made once per batch size, and its ops' outputs reuse theirs: DeviceOps.begin); memory
+    allocated while capturing (a kernel's scratch) is kept here, as the graph holds its address.
+    A step that cannot be captured (an operation a capture refuses) gives False, and its steps
+    run eagerly."""
+
+    def __init__(self, graph, executable, kept: list) -> None:
+        self._executable, self._kept = executable, kept
+        weakref.finalize(self, _destroy_graph, graph, executable)
+
+    @classmethod
+    def capture(cls, stream, enqueue) -> "StepGraph | bool":
+        from numba.cuda.cudadrv.driver import binding, driver
+
+        ctx, kept = cuda.current_context(), cuda_gemm.workspaces()
+        allocate = ctx.memalloc
+
+        def keep(size):
+            kept.append(allocate(size))
+            return kept[-1]
+
+        handle = binding.CUstream(int(stream.handle))
+        graph = None
+        with cuda.defer_cleanup():              # no memory freed while capturing
+            ctx.memalloc = keep
+            driver.cuStreamBeginCapture(handle, binding.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+            try:
+                enqueue()
+            except Exception:                   # noqa: BLE001 -- a refused operation: no graph
+                pass
+            finally:
+                del ctx.memalloc
+                err, captured = binding.cuStreamEndCapture(handle)
+                if err == binding.CUresult.CUDA_SUCCESS:
+                    graph = captured
+        if graph is None:
+            return False
+        try:
+            executable = driver.cuGraphInstantiate(graph, 0)
+        except Exception:                       # noqa: BLE001
+            binding.cuGraphDestroy(graph)
+            return False
+        return cls(graph, executable, kept)
+
+    def launch(self, stream) -> None:
+        from numba.cuda.cudadrv.driver import binding, driver
+
+        driver.cuGraphLaunch(self._executable, binding.CUstream(int(stream.handle)))
+
+
+def _destroy_graph(graph, executable) -> None:
+    from numba.cuda.cudadrv.driver import binding
+
+    binding.cuGraphExecDestroy(executable)
+    binding.cuGraphDestroy(graph)
+
+
+__all__ = ["CudaModel", "StepGraph"]

@@ -104,3 +104,12 @@ def axes(axis, rank: int) -> tuple[int, ...]:
 
 
 __all__ = ["DEVICE_LAYERS", "DEVICE_OPS", "check", "refusal", "axes"]
+
+
+def draws_at_random(model) -> str | None:
+    """The first layer of `model`'s training pass that draws from the step's seed (a Dropout with
+    a rate), or None: a step graph (pserver.models.cuda's StepGraph) replays its kernels with the
+    arguments they were captured with, so it is made only for a model whose training step takes
+    the same arguments every step."""
+    plan = model._plan(True)
+    return next((layer.label for layer in plan.layers if isinstance(layer, Dropout) and layer.rate > 0), None)

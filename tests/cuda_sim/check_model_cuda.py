@@ -234,6 +234,81 @@ def test_timings_split_the_step():
     assert all(v >= 0 for v in ms.values()) or (simfix.SIMULATOR and set(ms.values()) == {-1.0})
 
 
+# -- step graphs (pserver.models.cuda.StepGraph) -------------------------------------------------
+
+def _sgd(model, w, batches, between=None, lr=0.05):
+    """Plain SGD with the model's gradient: each step's loss and gradient. `between(i)` runs
+    before step i."""
+    w, seen = w.copy(), []
+    for i, (x, y) in enumerate(batches):
+        if between:
+            between(i, w)
+        g = np.full_like(w, np.nan)
+        seen.append((model.loss_and_grad(w, x, y, g, seed=i), g))
+        w -= np.float32(lr) * g
+    return seen
+
+
+def test_step_graphs_replay_the_eager_steps_bit_for_bit(monkeypatch):
+    """From a batch size's second training step on, a GPU replays the step as one CUDA graph: the
+    same losses and gradients as every kernel launched on its own, bit for bit, over steps of
+    two sizes with evaluations between them. Catches: a graph that reads a buffer freed or moved
+    since its capture, staging that the replay does not copy (the last step's x, y or w), a
+    capture made before the buffers were. In the simulator (no graphs) every step is eager."""
+    import copy
+    layers = reference_cnn()
+    _, graphed = cnn_pair(lambda: copy.deepcopy(layers), (6, 6, 1))
+    monkeypatch.setenv("PSERVER_CUDA_GRAPHS", "0")
+    _, eager = cnn_pair(lambda: copy.deepcopy(layers), (6, 6, 1))
+    assert graphed.step_graphs is not simfix.SIMULATOR and eager.step_graphs is False
+    rng = np.random.default_rng(5)
+    w = random_params(graphed, rng)
+
+    def data(n):
+        return (rng.standard_normal((n, 6, 6, 1)).astype(np.float32),
+                rng.integers(0, CLASSES, n).astype(np.int32))
+
+    # Size 2's graph is captured while the weight gradient's scratch fits 2 samples; size 4's
+    # first step then replaces that scratch with a larger one, and size 2's graph runs again.
+    batches = [data(2) for _ in range(3)] + [data(4) for _ in range(2)] + [data(2) for _ in range(2)]
+    held_out = data(5)
+
+    def between(model):
+        def run(i, w):
+            if i in (2, 4):
+                model.evaluate(w, *held_out)
+        return run
+
+    got, want = _sgd(graphed, w, batches, between(graphed)), _sgd(eager, w, batches, between(eager))
+    for (lg, gg), (le, ge) in zip(got, want):
+        assert lg == le
+        np.testing.assert_array_equal(gg, ge)
+    made = {n: b.step_graph for n, b in graphed._state()._batches.items()}
+    if simfix.SIMULATOR:
+        assert not any(made.values())
+    else:
+        from pserver.models.cuda import StepGraph
+        assert isinstance(made[2], StepGraph) and isinstance(made[4], StepGraph)
+    assert not any(b.step_graph for b in eager._state()._batches.values())
+
+
+def test_a_model_with_dropout_trains_eagerly():
+    """Dropout's mask comes from each step's seed, an argument a replayed graph would repeat:
+    such a model makes no step graph, and two steps with two seeds draw two masks."""
+    from pserver.layers import Dense, Dropout
+    from pserver.models import cuda_support
+    _, gpu_m = cnn_pair(lambda: [Dense(6, activation="relu"), Dropout(0.5), Dense(CLASSES)], (IN,))
+    assert gpu_m.step_graphs is False
+    assert cuda_support.draws_at_random(gpu_m.host) == gpu_m.host.layers[1].label
+    rng = np.random.default_rng(2)
+    w = random_params(gpu_m, rng)
+    x, y = batch(gpu_m, 4, rng)
+    g = [np.empty_like(w) for _ in range(3)]
+    losses = [gpu_m.loss_and_grad(w, x, y, gi, seed=s) for gi, s in zip(g, (1, 2, 1))]
+    assert losses[0] == losses[2] and losses[0] != losses[1]
+    np.testing.assert_array_equal(g[0], g[2])
+
+
 # -- pserver.kernels.device with a device present ------------------------------------------------
 
 def test_select_and_describe():
