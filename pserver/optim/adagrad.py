@@ -17,7 +17,7 @@ from numba import njit
 STATE = ("accumulator",)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def update(w, g, acc, lr, eps, weight_decay):
     n = w.shape[0]
     # numba does not bounds-check: a short g or acc would be read past its end.

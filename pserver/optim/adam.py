@@ -18,7 +18,7 @@ from numba import njit
 STATE = ("m", "v")  # first and second moment estimates
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def update(w, g, m, v, lr, beta1, beta2, eps, t, weight_decay):
     n = w.shape[0]
     # numba does not bounds-check: a short g, m or v would be read past its end.

@@ -16,7 +16,7 @@ from numba import njit
 STATE = ("v",)  # the velocity
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def update(w, g, v, lr, mu, nesterov, weight_decay):
     n = w.shape[0]
     # numba does not bounds-check: a short g or v would be read past its end.

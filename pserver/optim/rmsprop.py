@@ -25,7 +25,7 @@ def state_names(momentum: float, centered: bool) -> tuple[str, ...]:
     return ("velocity",) + ("momentum",) * (momentum > 0) + ("average_gradient",) * bool(centered)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def update(w, g, v, mo, a, lr, rho, mu, eps, centered, weight_decay):
     n = w.shape[0]
     # numba does not bounds-check: a short g or state array would be read past its end.

@@ -12,7 +12,7 @@ from numba import njit
 STATE = ()  # no state arrays
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def update(w, g, lr, weight_decay):
     n = w.shape[0]
     # numba does not bounds-check: a short g would read past its end.
