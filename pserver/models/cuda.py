@@ -325,7 +325,9 @@ class StepGraph:
 
     def __init__(self, graph, executable, kept: list) -> None:
         self._executable, self._kept = executable, kept
-        weakref.finalize(self, _destroy_graph, graph, executable)
+        # Destroyed with its batch's buffers; not at the interpreter's exit, where the context
+        # may be gone before it (the driver frees a process's graphs as it ends).
+        weakref.finalize(self, _destroy_graph, graph, executable).atexit = False
 
     @classmethod
     def capture(cls, stream, enqueue) -> "StepGraph | bool":
