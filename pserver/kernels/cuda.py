@@ -710,6 +710,8 @@ def activation_backward_kernel(code, y, dy, dx):
         dx[i] = g
 
 
+_NAN32 = float32(math.nan)   # a float32 constant: math.nan alone makes a select float64
+
 # splitmix64's constants (see pserver.kernels.reference.dropout_forward), as uint64.
 _GAMMA = uint64(0x9E3779B97F4A7C15)
 _MUL1 = uint64(0xBF58476D1CE4E5B9)
@@ -750,7 +752,7 @@ def embedding_forward_kernel(ids, table, out):
     r = i // out.shape[2]
     n, pos = r // out.shape[1], r % out.shape[1]
     row = ids[n, pos]
-    out[n, pos, d] = table[row, d] if 0 <= row < table.shape[0] else (0.0 if row == -1 else math.nan)
+    out[n, pos, d] = table[row, d] if 0 <= row < table.shape[0] else (float32(0.0) if row == -1 else _NAN32)
 
 
 @cuda.jit

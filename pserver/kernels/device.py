@@ -88,19 +88,25 @@ def check_compiler(device: Device) -> None:
     numpy fails here, in one line, rather than in the middle of the first step. Seen on a GPU
     machine: numba-cuda 0.30.4 with numpy 2.5, which removed np.row_stack (AttributeError while
     numba-cuda loads its NumPy support)."""
-    import numpy as np
-    from numba import cuda, types
     try:
+        # Inside: on an H200 (run 12) the AttributeError came at numba.cuda's import already.
+        from numba import cuda, types
         cuda.compile_ptx(_noop, (types.float32[::1],), cc=(7, 5))
     except AttributeError as e:
-        from importlib import metadata
-        try:
-            version = metadata.version("numba-cuda")
-        except metadata.PackageNotFoundError:
-            version = "(numba's own)"
-        raise ConfigError(f"--device {device}: numba-cuda {version} cannot compile kernels with "
-                          f"numpy {np.__version__} ({e}); install numpy<2.5 "
-                          f"(pip install 'pserver[cuda]' pins it)") from e
+        raise _numpy_refused(device, e) from e
+
+
+def _numpy_refused(device: Device, e: AttributeError) -> ConfigError:
+    from importlib import metadata
+
+    import numpy as np
+    try:
+        version = metadata.version("numba-cuda")
+    except metadata.PackageNotFoundError:
+        version = "(numba's own)"
+    return ConfigError(f"--device {device}: numba-cuda {version} cannot compile kernels with "
+                       f"numpy {np.__version__} ({e}); install numpy<2.5 "
+                       f"(pip install 'pserver[cuda]' pins it)")
 
 
 def describe(device: Device) -> str:
@@ -167,6 +173,8 @@ def _import_cuda(device: Device):
     except ImportError as e:  # numba-cuda installed without its CUDA bindings, for one
         raise ConfigError(f"--device {device}: numba.cuda cannot be imported ({e}); "
                           f"install the GPU extra: pip install 'pserver[cuda]'") from e
+    except AttributeError as e:   # loading its NumPy support with a numpy newer than it
+        raise _numpy_refused(device, e) from e
     return cuda
 
 
