@@ -64,7 +64,8 @@ def vector_use(fn) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", type=int, default=347_146, help="weights per step (default: the reference CNN's)")
+    ap.add_argument("--size", type=int, default=347_146,
+                    help="weights per step (default: the reference CNN's)")
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args()
@@ -73,7 +74,8 @@ def main() -> None:
     print("\n".join(machine_lines(m)), f"\nLLVM host CPU: {m['llvm_host_cpu']}\n")
     rows, results = [], []
     for name, (module, states, scalars) in RULES.items():
-        forms = {model: njit(nogil=True, error_model=model)(module.update.py_func) for model in ("python", "numpy")}
+        forms = {model: njit(nogil=True, error_model=model)(module.update.py_func)
+                 for model in ("python", "numpy")}
         after = {}
         for model, fn in forms.items():
             a = arrays(args.size, states)
@@ -84,7 +86,8 @@ def main() -> None:
               for model, fn in forms.items()}
         isa = {model: vector_use(fn) for model, fn in forms.items()}
         results.append({"rule": name, "size": args.size, "ms_default": round(ms["python"], 4),
-                        "ms_numpy_errors": round(ms["numpy"], 4), "speedup": round(ms["python"] / ms["numpy"], 2),
+                        "ms_numpy_errors": round(ms["numpy"], 4),
+                        "speedup": round(ms["python"] / ms["numpy"], 2),
                         "same_bits": same, "isa_default": isa["python"], "isa_numpy_errors": isa["numpy"]})
         rows.append([name, f"{ms['python']:.3f}", f"{ms['numpy']:.3f}", f"{ms['python'] / ms['numpy']:.2f}x",
                      "yes" if same else "NO", isa["python"], isa["numpy"]])
