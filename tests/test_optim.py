@@ -91,7 +91,8 @@ def test_a_zero_divisor_gives_what_numpy_gives_not_an_exception():
     out = {}
     for name in ("update", "update_numpy"):
         w, acc = np.ones(3, np.float32), np.array([0, 1, 0], np.float32)
-        getattr(adagrad, name)(w, np.array([0, 1, 0], np.float32), acc, 0.1, 0.0, 0.0)
+        with np.errstate(invalid="ignore"):                 # the twin's 0 / 0, as asked
+            getattr(adagrad, name)(w, np.array([0, 1, 0], np.float32), acc, 0.1, 0.0, 0.0)
         out[name] = w
     np.testing.assert_array_equal(out["update"], out["update_numpy"])
     assert np.isnan(out["update"][[0, 2]]).all() and np.isfinite(out["update"][1])
