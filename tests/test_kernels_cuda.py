@@ -159,3 +159,20 @@ def test_cuda_kernels_import_without_a_gpu():
     r = _python("import pserver.kernels.cuda as k; print(k.TILE)",
                 NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES="")
     assert r.returncode == 0 and r.stdout.strip() == "16", r.stderr[-3000:]
+
+
+def test_a_numpy_numba_cuda_cannot_compile_with_is_one_clear_line():
+    """numpy 2.5 removed np.row_stack, which numba-cuda 0.30.4 reads when it first compiles: seen
+    on an H100 as a traceback in a worker's first step. Removed here in a fresh process after
+    pserver's import (scipy, which it loads, reads every name numpy lists: a `del` before it
+    breaks scipy, which real numpy 2.5 does not; run 12 found this test failing so on an H200)
+    and before numba.cuda's. No GPU needed: the check compiles PTX, which fails first."""
+    code = ("import numpy as np\n"
+            "from pserver.kernels.device import Device, check_compiler\n"
+            "del np.row_stack\ncheck_compiler(Device('cuda', 0))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=_env(NUMBA_ENABLE_CUDASIM=None))
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pserver.errors.ConfigError: --device cuda:0: numba-cuda "), r.stderr[-2000:]
+    assert "cannot compile kernels with numpy" in last and "install numpy<2.5" in last

@@ -89,8 +89,7 @@ def check_compiler(device: Device) -> None:
     machine: numba-cuda 0.30.4 with numpy 2.5, which removed np.row_stack (AttributeError while
     numba-cuda loads its NumPy support)."""
     try:
-        # Inside: on an H200 (run 12) the AttributeError came at numba.cuda's import already.
-        from numba import cuda, types
+        from numba import cuda, types  # inside: a numba-cuda may read numpy's names as it loads
         cuda.compile_ptx(_noop, (types.float32[::1],), cc=(7, 5))
     except AttributeError as e:
         raise _numpy_refused(device, e) from e
@@ -173,8 +172,6 @@ def _import_cuda(device: Device):
     except ImportError as e:  # numba-cuda installed without its CUDA bindings, for one
         raise ConfigError(f"--device {device}: numba.cuda cannot be imported ({e}); "
                           f"install the GPU extra: pip install 'pserver[cuda]'") from e
-    except AttributeError as e:   # loading its NumPy support with a numpy newer than it
-        raise _numpy_refused(device, e) from e
     return cuda
 
 
