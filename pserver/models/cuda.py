@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -331,37 +332,44 @@ class StepGraph:
 
     @classmethod
     def capture(cls, stream, enqueue) -> "StepGraph | bool":
+        """`enqueue()`'s work on `stream`, captured and instantiated; False, with a warning, where
+        the capture fails (the steps then launch their kernels one by one)."""
         from numba.cuda.cudadrv.driver import binding, driver
 
-        ctx, kept = cuda.current_context(), cuda_gemm.workspaces()
+        ctx, kept, me = cuda.current_context(), cuda_gemm.workspaces(), threading.get_ident()
         allocate = ctx.memalloc
 
-        def keep(size):
-            kept.append(allocate(size))
-            return kept[-1]
+        def keep(size):                         # this thread's allocations (the context is shared)
+            pointer = allocate(size)
+            if threading.get_ident() == me:
+                kept.append(pointer)
+            return pointer
 
         handle = binding.CUstream(int(stream.handle))
-        graph = None
+        failure = None
         with cuda.defer_cleanup():              # no memory freed while capturing
             ctx.memalloc = keep
             driver.cuStreamBeginCapture(handle, binding.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
             try:
                 enqueue()
-            except Exception:                   # noqa: BLE001 -- a refused operation: no graph
-                pass
+            except Exception as e:              # noqa: BLE001 -- an operation the capture refused
+                failure = e
             finally:
                 del ctx.memalloc
-                err, captured = binding.cuStreamEndCapture(handle)
-                if err == binding.CUresult.CUDA_SUCCESS:
-                    graph = captured
-        if graph is None:
-            return False
-        try:
-            executable = driver.cuGraphInstantiate(graph, 0)
-        except Exception:                       # noqa: BLE001
+                err, graph = binding.cuStreamEndCapture(handle)
+        if err != binding.CUresult.CUDA_SUCCESS:
+            failure = failure or f"cuStreamEndCapture: {err.name}"
+        elif failure is not None:               # what was captured is part of a step: never run it
             binding.cuGraphDestroy(graph)
-            return False
-        return cls(graph, executable, kept)
+        if failure is None:
+            try:
+                return cls(graph, driver.cuGraphInstantiate(graph, 0), kept)
+            except Exception as e:              # noqa: BLE001
+                binding.cuGraphDestroy(graph)
+                failure = e
+        warnings.warn(f"a CUDA step graph could not be captured ({failure}); this batch size's "
+                      f"steps launch their kernels one by one", RuntimeWarning, stacklevel=3)
+        return False
 
     def launch(self, stream) -> None:
         from numba.cuda.cudadrv.driver import binding, driver

@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from pserver.errors import ConfigError
 from pserver.kernels.device import Device, describe, parse_device, round_robin, select, visible_gpus
@@ -290,6 +291,28 @@ def test_step_graphs_replay_the_eager_steps_bit_for_bit(monkeypatch):
         from pserver.models.cuda import StepGraph
         assert isinstance(made[2], StepGraph) and isinstance(made[4], StepGraph)
     assert not any(b.step_graph for b in eager._state()._batches.values())
+
+
+def test_a_step_that_fails_while_capturing_makes_no_graph():
+    """A capture whose work raises midway gives no graph (a partial step must never be replayed)
+    and says so once; the stream is usable after it. The simulator has no graphs: there the
+    model never tries."""
+    _, gpu_m = pair("logreg")
+    if simfix.SIMULATOR:
+        assert gpu_m.step_graphs is False
+        return
+    from pserver.models.cuda import StepGraph
+    st = gpu_m._state()
+    scratch, ones = cuda.device_array(4, np.float32), cuda.to_device(np.ones(4, np.float32))
+
+    def half_a_step():
+        scratch.copy_to_device(ones, stream=st.stream)     # device to device: captured
+        raise ValueError("a layer refused")
+
+    with pytest.warns(RuntimeWarning, match="a layer refused"):
+        assert StepGraph.capture(st.stream, half_a_step) is False
+    scratch.copy_to_device(np.full(4, 2, np.float32), stream=st.stream)
+    np.testing.assert_array_equal(scratch.copy_to_host(stream=st.stream), [2, 2, 2, 2])
 
 
 def test_a_model_with_dropout_trains_eagerly():
