@@ -346,20 +346,25 @@ class StepGraph:
             return pointer
 
         handle = binding.CUstream(int(stream.handle))
-        failure = None
+        relaxed = binding.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        failure, graph = None, None
         with cuda.defer_cleanup():              # no memory freed while capturing
             ctx.memalloc = keep
-            driver.cuStreamBeginCapture(handle, binding.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
             try:
-                enqueue()
-            except Exception as e:              # noqa: BLE001 -- an operation the capture refused
+                driver.cuStreamBeginCapture(handle, relaxed)
+            except Exception as e:              # noqa: BLE001
                 failure = e
+            else:
+                try:
+                    enqueue()
+                except Exception as e:          # noqa: BLE001 -- an operation the capture refused
+                    failure = e
+                err, graph = binding.cuStreamEndCapture(handle)
+                if err != binding.CUresult.CUDA_SUCCESS:
+                    failure, graph = failure or f"cuStreamEndCapture: {err.name}", None
             finally:
                 del ctx.memalloc
-                err, graph = binding.cuStreamEndCapture(handle)
-        if err != binding.CUresult.CUDA_SUCCESS:
-            failure = failure or f"cuStreamEndCapture: {err.name}"
-        elif failure is not None:               # what was captured is part of a step: never run it
+        if graph is not None and failure is not None:   # a part of a step: never run it
             binding.cuGraphDestroy(graph)
         if failure is None:
             try:
