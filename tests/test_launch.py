@@ -100,3 +100,42 @@ def test_a_child_runs_its_role_on_the_config_file_with_the_token_of_its_environm
         ok = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
         assert ok.returncode == 0, ok.stderr[-2000:]
         assert shard.status()["counters"]["updates_applied"] > 0
+
+
+def test_prestarted_shards_wait_for_their_config_then_listen_with_it(tmp_path):
+    """`pserver run` starts its shards with the workers, before their settings exist (--wait):
+    each imports pserver, stays silent and alive without a config, then reads the config the
+    launcher writes at the workers' fit and listens with those settings. Catches: a waiting child
+    that exits on the missing file, reads a half-written one, or starts with no settings."""
+    import time
+
+    from pserver.launch.local import configure_shards, prestart_shards, stop_all
+    from pserver.observe.progress import Relay
+
+    lines = []
+
+    class Keep(Relay):
+        def line(self, role, text):
+            lines.append((role, text))
+
+    tmpdir = str(tmp_path)
+    os.chmod(tmpdir, 0o700)
+    shards = prestart_shards(2, dict(os.environ), tmpdir, Keep())
+    try:
+        time.sleep(3.0)                                # long enough to import and start waiting
+        assert all(p.popen.poll() is None and p.port is None for p in shards) and lines == []
+        server = ServerConfig(num_shards=2, optimizer="momentum", lr=0.03)
+        configure_shards(shards, LaunchConfig(num_shards=2, num_workers=1), server, tmpdir)
+        assert all(p.port for p in shards) and len({p.port for p in shards}) == 2
+        said = "".join(text for _, text in lines)
+        assert "shard 0/2" in said and "shard 1/2" in said and "optimizer=momentum lr=0.03" in said
+    finally:
+        stop_all(shards)
+    assert not [f for f in os.listdir(tmpdir) if f.endswith(".part")]   # renamed into place
+
+
+def test_the_child_refuses_an_argument_it_does_not_know(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pserver.launch.child", "serve", str(tmp_path / "c"), "--wiat"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "usage: python -m pserver.launch.child serve|worker CONFIG_FILE [--wait]" \
+        in r.stderr

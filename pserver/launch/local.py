@@ -87,10 +87,23 @@ def stop_all(group: list[Proc], grace: float = STOP_GRACE) -> None:
 def child(role: str, name: str, config, tmpdir: str, env: dict, relay: Relay) -> Proc:
     """A child that runs `role` ("serve" or "worker") on `config`, written for it to a file in
     the launch's own directory (mode 0700: no other user reads it; no token in it either)."""
-    path = os.path.join(tmpdir, f"{name}.config")
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-        pickle.dump(config, f)
+    path = _config_path(tmpdir, name)
+    _write_config(path, config)
     return Proc(name, [sys.executable, "-m", "pserver.launch.child", role, path], env, relay)
+
+
+def _config_path(tmpdir: str, name: str) -> str:
+    return os.path.join(tmpdir, f"{name}.config")
+
+
+def _write_config(path: str, config, atomic: bool = False) -> None:
+    """Mode 0600, never over another file; `atomic`: under another name first, then renamed, for
+    a child that waits for the path (it reads the whole config or nothing)."""
+    first = f"{path}.part" if atomic else path
+    with open(os.open(first, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        pickle.dump(config, f)
+    if atomic:
+        os.rename(first, path)
 
 
 def start_shards(cfg: LaunchConfig, server: ServerConfig, env: dict, procs: list[Proc],
@@ -100,6 +113,26 @@ def start_shards(cfg: LaunchConfig, server: ServerConfig, env: dict, procs: list
     for j in range(cfg.num_shards):
         shards.append(child("serve", f"ps{j}", shard_config(cfg, server, j, "127.0.0.1"), tmpdir, env, relay))
         procs.append(shards[-1])
+    return listening(shards)
+
+
+def prestart_shards(num_shards: int, env: dict, tmpdir: str, relay: Relay) -> list[Proc]:
+    """The shards' processes before their settings are known (`pserver run`: a worker's fit says
+    them): each imports pserver, then waits for its config file (configure_shards writes it), so
+    that a fit does not wait for the imports."""
+    return [Proc(f"ps{j}", [sys.executable, "-m", "pserver.launch.child", "serve",
+                            _config_path(tmpdir, f"ps{j}"), "--wait"], env, relay) for j in range(num_shards)]
+
+
+def configure_shards(shards: list[Proc], cfg: LaunchConfig, server: ServerConfig, tmpdir: str) -> list[Proc]:
+    """Each prestarted shard's config, written where it waits for it; the shards once listening."""
+    for j, p in enumerate(shards):
+        _write_config(_config_path(tmpdir, p.role), shard_config(cfg, server, j, "127.0.0.1"), atomic=True)
+    return listening(shards)
+
+
+def listening(shards: list[Proc]) -> list[Proc]:
+    """`shards` once each printed its port; ProcessFailed or Unavailable naming one that did not."""
     deadline = time.monotonic() + STARTUP_TIMEOUT
     for p in shards:
         p.ready.wait(max(0.0, deadline - time.monotonic()))

@@ -8,6 +8,7 @@ same for every one of them.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 import sys
@@ -35,6 +36,13 @@ def run_training(cfg: WorkerConfig) -> int:
 
 
 ROLES: dict[str, Callable[[ServerConfig | WorkerConfig], int]] = {"serve": run_shard, "worker": run_training}
+# What each role imports as it starts: a process that waits for its config (pserver run's shards)
+# imports it while it waits.
+ROLE_MODULES = {"serve": "pserver.server.app", "worker": "pserver.worker.loop"}
+
+
+def preload(role: str) -> None:
+    importlib.import_module(ROLE_MODULES[role])
 
 
 def run_role(role: str, cfg: ServerConfig | WorkerConfig) -> int:

@@ -5,10 +5,11 @@ Each worker is CMD with PSERVER_RUN_DIR, PSERVER_RUN_RANK and PSERVER_RUN_WORKER
 (pserver.keras.cluster reads them). The shards start once every worker has said, at its
 fit, the optimizer it compiled (a file in the run's directory): the same for every worker,
 or the run is refused naming the difference; they then run it, with the serve flags given
-here, as launch's shards (pserver.launch.local). Every line a worker prints comes with its
-rank's prefix ("[worker1] ...": only the chief's stdout is shown, every worker's stderr). The
-exit code is the first failing worker's, named in the last line (a shard that fails: launch's),
-0 when every worker exits 0.
+here, as launch's shards (pserver.launch.local). Their processes start with the workers and
+wait for those settings, so a fit does not wait for them to import pserver. Every line a worker
+prints comes with its rank's prefix ("[worker1] ...": only the chief's stdout is shown, every
+worker's stderr). The exit code is the first failing worker's, named in the last line (a shard
+that fails: launch's), 0 when every worker exits 0.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, ProcessFailed
 from pserver.launch.base import LaunchConfig, child_env
-from pserver.launch.local import Proc, start_shards, stop_all
+from pserver.launch.local import Proc, configure_shards, prestart_shards, stop_all
 from pserver.observe.progress import Relay
 from pserver.signals import Stopped, stop_on_signals, with_parent_death
 
@@ -123,7 +124,10 @@ def run_command(num_shards: int, num_workers: int, argv: list[str], server: Serv
         try:
             for i, core in enumerate(worker_cores(num_workers, bind_cores)):
                 workers.append(_Worker(argv, env | {RANK: str(i)}, i, core, (relay, errors)))
-            return _supervise(cfg, server, workers, shards, tmpdir, env, relay)
+            # The shards' processes start now, beside the workers' scripts, and take their settings
+            # at the workers' fit: the fit does not wait for them to import pserver.
+            shards += prestart_shards(num_shards, env, tmpdir, relay)
+            return _supervise(cfg, server, workers, shards, tmpdir)
         except Stopped as e:
             print(f"pserver run: stopped by {e}; stopping the workers", file=sys.stderr, flush=True)
             return e.exit_code
@@ -135,8 +139,8 @@ def run_command(num_shards: int, num_workers: int, argv: list[str], server: Serv
             shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _supervise(cfg, server, workers, shards, tmpdir, env, relay) -> int:
-    """Start the shards when every worker's settings are in; the first failing worker's code."""
+def _supervise(cfg, server, workers, shards, tmpdir) -> int:
+    """Configure the shards when every worker's settings are in; the first failing worker's code."""
     started = False
     while True:
         for p in workers:
@@ -165,7 +169,7 @@ def _supervise(cfg, server, workers, shards, tmpdir, env, relay) -> int:
                 except TypeError as e:
                     _refuse(tmpdir, f"the workers' shard settings: {e}")
                     continue
-                shards += start_shards(cfg, server, env, [], tmpdir, relay)
+                configure_shards(shards, cfg, server, tmpdir)
                 _write(os.path.join(tmpdir, ADDRESSES),
                        {"addresses": [f"127.0.0.1:{p.port}" for p in shards]})
         time.sleep(0.05)
