@@ -131,7 +131,8 @@ def test_prestarted_shards_wait_for_their_config_then_listen_with_it(tmp_path):
         assert "shard 0/2" in said and "shard 1/2" in said and "optimizer=momentum lr=0.03" in said
     finally:
         stop_all(shards)
-    assert not [f for f in os.listdir(tmpdir) if f.endswith(".part")]   # renamed into place
+    assert sorted(os.listdir(tmpdir)) == ["ps0.config", "ps1.config"]    # renamed into place
+    assert all(os.stat(os.path.join(tmpdir, f)).st_mode & 0o777 == 0o600 for f in os.listdir(tmpdir))
 
 
 def test_the_child_refuses_an_argument_it_does_not_know(tmp_path):
