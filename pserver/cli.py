@@ -422,9 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "--workers 4 -- python train.py", formatter_class=fmt,
                         description="Start a command (a Keras-style script: pserver.keras) once per "
                                     "worker, with the\n"
-                                    "cluster in its environment, as torchrun does; the shards start when "
-                                    "the workers'\n"
-                                    "fit says which optimizer they compiled, and run it. Only the chief "
+                                    "cluster in its environment, as torchrun does; the shards start "
+                                    "beside them and\n"
+                                    "run the optimizer the workers' fit says they compiled. Only the chief "
                                     "prints what\n"
                                     "fit prints; the exit code is the first failing worker's. fit's "
                                     "batch_size is the\n"
