@@ -92,20 +92,16 @@ def check_compiler(device: Device) -> None:
         from numba import cuda, types  # inside: a numba-cuda may read numpy's names as it loads
         cuda.compile_ptx(_noop, (types.float32[::1],), cc=(7, 5))
     except AttributeError as e:
-        raise _numpy_refused(device, e) from e
+        from importlib import metadata
 
-
-def _numpy_refused(device: Device, e: AttributeError) -> ConfigError:
-    from importlib import metadata
-
-    import numpy as np
-    try:
-        version = metadata.version("numba-cuda")
-    except metadata.PackageNotFoundError:
-        version = "(numba's own)"
-    return ConfigError(f"--device {device}: numba-cuda {version} cannot compile kernels with "
-                       f"numpy {np.__version__} ({e}); install numpy<2.5 "
-                       f"(pip install 'pserver[cuda]' pins it)")
+        import numpy as np
+        try:
+            version = metadata.version("numba-cuda")
+        except metadata.PackageNotFoundError:
+            version = "(numba's own)"
+        raise ConfigError(f"--device {device}: numba-cuda {version} cannot compile kernels with "
+                          f"numpy {np.__version__} ({e}); install numpy<2.5 "
+                          f"(pip install 'pserver[cuda]' pins it)") from e
 
 
 def describe(device: Device) -> str:

@@ -2,11 +2,11 @@
 cluster in its environment (as torchrun and horovodrun run theirs).
 
 Each worker is CMD with PSERVER_RUN_DIR, PSERVER_RUN_RANK and PSERVER_RUN_WORKERS set
-(pserver.keras.cluster reads them). The shards start once every worker has said, at its
-fit, the optimizer it compiled (a file in the run's directory): the same for every worker,
-or the run is refused naming the difference; they then run it, with the serve flags given
-here, as launch's shards (pserver.launch.local). Their processes start with the workers and
-wait for those settings, so a fit does not wait for them to import pserver. Every line a worker
+(pserver.keras.cluster reads them). The shards' processes start with the workers and wait
+(so a fit does not wait for them to import pserver) until every worker has said, at its fit,
+the optimizer it compiled (a file in the run's directory): the same for every worker, or the
+run is refused naming the difference; they then run it, with the serve flags given here, as
+launch's shards (pserver.launch.local). Every line a worker
 prints comes with its rank's prefix ("[worker1] ...": only the chief's stdout is shown, every
 worker's stderr). The exit code is the first failing worker's, named in the last line (a shard
 that fails: launch's), 0 when every worker exits 0.

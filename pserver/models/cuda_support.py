@@ -103,9 +103,6 @@ def axes(axis, rank: int) -> tuple[int, ...]:
     return tuple(int(a) % rank for a in found)
 
 
-__all__ = ["DEVICE_LAYERS", "DEVICE_OPS", "check", "refusal", "axes"]
-
-
 def draws_at_random(model) -> str | None:
     """The first layer of `model`'s training pass that draws from the step's seed (a Dropout with
     a rate), or None: a step graph (pserver.models.cuda's StepGraph) replays its kernels with the
@@ -113,3 +110,6 @@ def draws_at_random(model) -> str | None:
     the same arguments every step."""
     plan = model._plan(True)
     return next((layer.label for layer in plan.layers if isinstance(layer, Dropout) and layer.rate > 0), None)
+
+
+__all__ = ["DEVICE_LAYERS", "DEVICE_OPS", "check", "refusal", "axes", "draws_at_random"]

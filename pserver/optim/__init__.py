@@ -12,7 +12,7 @@ Each rule lives in its own module as a numba kernel (`update`) and a NumPy twin
 kernel by `backend` ("numba" or "numpy"), and scale lr by the schedule at each step. The
 kernels compile with error_model="numpy": under numba's default every division checks its
 divisor for zero, which keeps LLVM from vectorizing the loop (Adam over the reference CNN's
-347,146 weights: 0.905 -> 0.124 ms, bit for bit the same; bench/optim_kernels.py).
+347,146 weights: 0.902 -> 0.128 ms, bit for bit the same; bench/optim_kernels.py).
 --weight-decay is L2 added to the gradient (coupled) for every rule but adamw's, where it is
 decoupled, as Keras's AdamW. --clipvalue clips the step's gradient element-wise before the rule
 (Keras's clipvalue, on the aggregated gradient). --momentum, --eps and --weight-decay left unset take the
