@@ -875,3 +875,19 @@ def test_lease_replies_add_the_metric_sums_of_every_worker_s_pushes(shard_server
     c.epoch = 1
     restored = Coordinator.load(json.loads(json.dumps(c.state())))
     assert restored.epoch_sums().metric_sums == (1.5, 2.5)
+
+
+def test_a_worker_that_lags_epochs_behind_the_chief_still_gets_each_epoch_s_logs():
+    """Async: a worker may end its share of epoch 1 when the chief has trained on through epoch 3
+    and left; its callbacks still take epoch 1's logs. Catches keeping only the newest two epochs'
+    (a lagging worker's fit failed with "the chief left before it gave epoch 1's logs")."""
+    from pserver.server.coordinator import KEPT_EPOCH_LOGS
+    c = Coordinator()
+    c.configure(Plan(4, 2, 1, "fp", KEPT_EPOCH_LOGS + 5))
+    for epoch in range(4):
+        c.share_logs(0, epoch, ["loss"], [float(epoch)], False)
+    assert [c.logs(e)[0] for e in range(4)] == [(["loss"], [float(e)], False) for e in range(4)]
+    for epoch in range(4, KEPT_EPOCH_LOGS + 2):                 # bounded: the oldest go
+        c.share_logs(0, epoch, ["loss"], [float(epoch)], epoch == KEPT_EPOCH_LOGS + 1)
+    assert sorted(c.shared) == list(range(2, KEPT_EPOCH_LOGS + 2))
+    assert c.logs(KEPT_EPOCH_LOGS + 1)[0] == (["loss"], [float(KEPT_EPOCH_LOGS + 1)], True)

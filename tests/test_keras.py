@@ -4,6 +4,7 @@ shards for fit; `pserver run` as a real process). Each test names the bug it cat
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -526,12 +527,12 @@ RUN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_script(tmp_path, env_extra):
+def run_script(tmp_path, env_extra, flags=()):
     import os
     script = tmp_path / "s.py"
     script.write_text(RUN_SCRIPT)
-    return subprocess.run([sys.executable, "-m", "pserver", "run", "--ps", "2", "--workers", "2", "--",
-                           sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+    return subprocess.run([sys.executable, "-m", "pserver", "run", "--ps", "2", "--workers", "2", *flags,
+                           "--", sys.executable, str(script)], capture_output=True, text=True, timeout=180,
                           env={**os.environ, **env_extra})
 
 
@@ -551,6 +552,37 @@ def test_pserver_run_runs_the_script_per_worker_and_only_the_chief_prints(tmp_pa
     # A second fit trains its epochs on from the first's weights: the shards' data coordinator,
     # finished by the first, starts over once every worker reached it (it trained none before).
     assert "second fit 3 True" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("flags, mode, merged", [
+    ((), "sync", True),
+    (("--mode", "async"), "async", False),
+    (("--mode", "backup", "--backup-workers", "1"), "backup", True),
+])
+def test_pserver_run_s_mode_is_what_the_shards_run(tmp_path, flags, mode, merged):
+    """Catches: the script's fit naming the mode, so `pserver run --mode async` trained in sync
+    while saying nothing (it did, until 2026-12-01). Each shard's last line counts its pushes by
+    what became of them: averaged into a step (sync, backup) or applied on arrival (async).
+    And in every mode every worker's History is the chief's, though outside sync a worker may
+    learn of several epochs' ends at once (async), or come after the others trained every epoch
+    (backup, whose quorum of 1 makes the steps without it), and a second fit follows a job that
+    the first one's end finished (each caught here: a KeyError on an empty History, "the chief
+    left before it gave epoch 1's logs", a second fit that trained nothing)."""
+    r = run_script(tmp_path, {"HISTORY_DIR": str(tmp_path)}, flags)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "second fit 3 True" in r.stdout, r.stdout
+    chief, other = (json.loads((tmp_path / f"history{r}.json").read_text()) for r in (0, 1))
+    assert len(chief["loss"]) == 2 and chief == other
+    for shard in (0, 1):
+        assert f"[ps{shard}] pserver serve: shard {shard}/2 mode={mode} " in r.stdout, r.stdout
+    counts = re.findall(r"(\d+) pushes: (\d+) averaged into a step, (\d+) applied on arrival", r.stdout)
+    assert len(counts) == 2, r.stdout
+    for pushes, averaged, arrived in counts:
+        assert int(pushes) > 0
+        if merged:          # backup: a late push may be dropped rather than averaged
+            assert int(averaged) > 0 and int(arrived) == 0, r.stdout
+        else:
+            assert (int(averaged), int(arrived)) == (0, int(pushes)), r.stdout
 
 
 def test_pserver_run_refuses_workers_that_compile_different_optimizers_in_one_line(tmp_path):

@@ -417,11 +417,13 @@ class _Model:
             hooks.tables_dir = os.path.join(self._tables_dir.name, "model")
         options = {"epochs": epochs - initial_epoch, "batch_size": per_worker, "seed": cluster.seed(),
                    "no_shuffle": not shuffle, **self.optimizer.gradient_clip()}
-        shard_settings = {"mode": "sync", **self.optimizer.settings()}
+        # What the shards must run. The mode is not the script's to say: its own shard is sync, and
+        # under `pserver run` the run's --mode (and --backup-workers, --staleness) decide.
+        shard_settings = self.optimizer.settings()
         with _quiet(not shown or verbose == 2), self._weighted(weighted):      # 2: epoch lines only
             if place is None:
                 api.train(self._core, x, y, ps=OWN_SHARDS, validation_data=validation_data,
-                          callbacks=hooks, **options, **shard_settings)
+                          callbacks=hooks, mode="sync", **options, **shard_settings)
             else:
                 again = place.begin_fit() > 1     # the shards hold the earlier fit's finished data
                 addresses = place.shards(shard_settings)

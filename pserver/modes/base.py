@@ -69,6 +69,12 @@ class Policy(ABC):
         the rows are in flight, bounded by --max-inflight-mb)."""
         return 0
 
+    def begin_again(self) -> None:
+        """Another job begins on these shards (Membership.maybe_begin_again, cond held): one that
+        the last job's end finished (backup: too few unfinished workers for the quorum) takes
+        steps again, as a second fit under `pserver run` does."""
+        self.finished = False
+
     def finish(self, why: str) -> None:
         """End the run on this shard (cond held): pushes are dropped, pulls stop waiting."""
         if not self.finished:

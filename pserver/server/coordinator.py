@@ -57,6 +57,10 @@ REPORTED_EPOCHS = 64
 CHUNK_BYTES, BATCH_BYTES = 112, 2
 FINGERPRINT_CHARS = 256     # a worker's is under 60 (pserver.data): far more is not one
 MAX_EPOCH_LOGS = 64         # names in the chief's epoch logs (Keras: loss, metrics, val_*)
+# Epochs whose logs are kept (the newest): in async a worker may end an epoch's share after the chief
+# trained on through several more, and its callbacks still take that epoch's logs (at most 64 names of
+# 100 characters each: under 2 MB)
+KEPT_EPOCH_LOGS = 256
 
 
 @dataclass(frozen=True)
@@ -420,7 +424,7 @@ class Coordinator:
     def share_logs(self, rank: int, epoch: int, names: list[str], values: list[float], stop: bool) -> None:
         """The chief's logs of `epoch` and whether it stopped there, for every worker's callbacks
         (Keras on a cluster), refused unless they come from the chief (rank 0), as one value per
-        name, for an epoch of the plan. Only this epoch and the one before are kept."""
+        name, for an epoch of the plan. The newest KEPT_EPOCH_LOGS epochs' logs are kept."""
         if rank != 0:
             raise FailedPrecondition(f"epoch logs: only the chief (rank 0) gives them, not rank {rank}")
         last = self.plan.epochs if self.plan else 0
@@ -430,7 +434,7 @@ class Coordinator:
                                   f"{epoch}: give one value per name, at most {MAX_EPOCH_LOGS} names "
                                   f"of at most 100 characters, for an epoch of the run's plan")
         self.shared[epoch] = (list(names), list(values), bool(stop))
-        for old in [e for e in self.shared if e < epoch - 1]:
+        for old in [e for e in self.shared if e <= epoch - KEPT_EPOCH_LOGS]:
             del self.shared[old]
 
     def logs(self, epoch: int) -> tuple[tuple[list[str], list[float], bool] | None, bool]:

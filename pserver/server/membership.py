@@ -43,10 +43,12 @@ class Membership:
 
     def __init__(self, store: ShardStore, cfg: ServerConfig,
                  on_change: Callable[[], None] = lambda: None,
-                 on_takeover: Callable[[int], None] = lambda rank: None) -> None:
+                 on_takeover: Callable[[int], None] = lambda rank: None,
+                 on_new_job: Callable[[], None] = lambda: None) -> None:
         self.store, self.cfg = store, cfg
         self.on_change = on_change             # a worker left or died (the policy's membership_changed)
         self.on_takeover = on_takeover         # a rank's live session was taken over (the policy's forget)
+        self.on_new_job = on_new_job           # a Register began another job (the policy's begin_again)
         self.num_workers = cfg.num_workers   # 0 until the first Register says
         self.registered: set[int] = set()
         self.left: set[int] = set()
@@ -180,6 +182,7 @@ class Membership:
                  "wait for every starting rank again", self.store.shard, rank)
         self.registered, self.left, self.dead = set(), set(), set()    # a rank dead and then left too
         self.join_at.clear()
+        self.on_new_job()
 
     def session_live(self, rank: int) -> bool:
         return (rank in self.sessions and rank in self.registered and rank not in self.left

@@ -51,7 +51,7 @@ class Shard:
         self.cfg = cfg
         self.store = ShardStore(cfg.shard, cfg.num_shards, self._optimizer_for, cfg.table_threads)
         self.members = Membership(self.store, cfg, on_change=self._members_changed,
-                                  on_takeover=self._taken_over)
+                                  on_takeover=self._taken_over, on_new_job=lambda: self.policy.begin_again())
         self.policy = make_policy(self.store, cfg, self.members)
         self.started = time.monotonic()
         self.dataplane = None          # a DataPlaneServer, when app.py starts one

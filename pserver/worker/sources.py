@@ -38,10 +38,12 @@ class Batch:
 class EpochEnd:
     """Epoch `epoch` is over. `trained`: every worker's loss sum, samples classed right and samples
     of it, as shard 0's coordinator summed them (leases); `shared`: the chief shares its epoch logs
-    and stop decision through shard 0, which every other worker's callbacks take (Keras on a cluster)."""
+    and stop decision through shard 0, which every other worker's callbacks take (Keras on a cluster);
+    `logs`: those logs already fetched (an epoch that ended while this worker trained none of it)."""
     epoch: int
     trained: dict | None = None
     shared: bool = False
+    logs: dict | None = None
 
 
 class Slices:
@@ -147,6 +149,8 @@ class Leases:
         self.coordinator = ""
 
     def batches(self, run: Run) -> Iterator[Batch | EpochEnd]:
+        if run.over() and self.epoch is None:    # the others ended the run before this worker came
+            yield from self.missed(run, 0, run.cfg.epochs, self.shared(run))
         while not run.over():
             if self.lease is None:
                 reply = self.ask(run)
@@ -192,20 +196,42 @@ class Leases:
         """The epoch the reply is at: at the first ask, the job's (one that goes on: not an epoch's
         end); a later one when every chunk of this one is done; an earlier one when shard 0 restored
         from an earlier epoch's checkpoint."""
+        shared = self.shared(run)
         if self.epoch is None:
             self.epoch = reply.epoch
             say_where_leases_begin(run.cfg, reply.epoch, run.progress.say)
+            yield from self.missed(run, 0, reply.epoch, shared)
             run.begin_epoch(self.epoch)
         elif reply.epoch > self.epoch:
             line = run.progress.epoch_ended(self.epoch)
             if line:
                 run.report.progress(run.clock, *line)
-            yield EpochEnd(self.epoch, epoch_sums(reply, self.epoch),
-                           shared=getattr(run.callbacks, "shares_logs", False) and run.cfg.num_workers > 1)
+            yield EpochEnd(self.epoch, epoch_sums(reply, self.epoch), shared=shared)
+            yield from self.missed(run, self.epoch + 1, reply.epoch, shared)
             self.epoch, self.step = reply.epoch, 0
             run.begin_epoch(self.epoch)
         elif reply.epoch < self.epoch:
             self.epoch, self.step = reply.epoch, 0
+
+    @staticmethod
+    def shared(run: Run) -> bool:
+        """Whether the chief shares its epoch logs with this worker's callbacks (EpochEnd.shared)."""
+        return getattr(run.callbacks, "shares_logs", False) and run.cfg.num_workers > 1
+
+    @staticmethod
+    def missed(run: Run, first: int, end: int, shared: bool) -> Iterator[EpochEnd]:
+        """Epochs first..end-1, which ended while this worker trained none of them (async: the chief
+        trained on through several; backup: the quorum made each step without this worker, which
+        came late): where the chief gave their logs, this worker's callbacks hear each epoch begin
+        and end with them, as the chief's did (Keras on a cluster: every worker's History the
+        chief's). A run that went on from an earlier one's data has none for the epochs before."""
+        if not shared or run.chief:
+            return
+        for epoch in range(first, min(end, run.cfg.epochs)):
+            reply = run.client.epoch_logs(epoch)
+            if reply.has_logs:
+                run.begin_epoch(epoch)
+                yield EpochEnd(epoch, shared=True, logs=shared_logs(reply))
 
     def wait(self, run: Run) -> None:
         """No chunk for this worker now: an empty push where it counts toward the step, else a moment."""
@@ -228,6 +254,11 @@ class Leases:
         if self.at == self.lease.end_batch:
             self.done_log.append((self.lease.epoch, self.lease.chunk, self.at))
             self.finished, self.lease = (self.lease.epoch, self.lease.chunk), None
+
+
+def shared_logs(reply) -> dict:
+    """The chief's logs of an epoch and its stop decision, from shard 0's reply that has them."""
+    return {"shared": dict(zip(reply.log_names, reply.log_values)), "stop_training": reply.stop_training}
 
 
 def epoch_sums(reply, epoch: int) -> dict | None:
