@@ -427,6 +427,52 @@ def test_fit_trains_on_its_own_shards_and_history_holds_keras_s_keys():
     assert h.history["loss"][-1] < h.history["loss"][0]
 
 
+def _counting_evaluations(model):
+    """model's core evaluate, wrapped: each call's weights (a copy) in the returned list."""
+    core, calls = model._core, []
+    inner = core.evaluate
+
+    def counted(w, *args, **kwargs):
+        calls.append(np.array(w, copy=True))
+        return inner(w, *args, **kwargs)
+    core.evaluate = counted
+    return calls
+
+
+def test_the_summary_takes_the_last_epoch_s_evaluation_of_the_same_weights(capsys):
+    """The run's summary reports the final weights' validation figures: when the last epoch's
+    evaluation was of those weights it is taken, not made again (a second pass over the
+    validation set, 8 s of a 74 s fit for keras.io's toy ResNet). Catches an evaluation too
+    many, and a summary whose figures differ from the last epoch's."""
+    x, y = blobs()
+    model = small_model()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    calls = _counting_evaluations(model)
+    h = model.fit(x, y, batch_size=32, epochs=3, validation_split=0.2, verbose=1)
+    assert len(calls) == 3                                  # one per epoch, none for the summary
+    out = capsys.readouterr().out
+    shown = float(re.findall(r"validation loss (\d\.\d+)", out)[-1])       # the summary's line
+    assert shown == pytest.approx(h.history["val_loss"][-1], abs=5e-5), out
+    assert np.array_equal(calls[-1], model._w)
+
+
+def test_the_summary_evaluates_again_when_the_callbacks_restored_other_weights():
+    """EarlyStopping(restore_best_weights=True) ends the run on the best epoch's weights, not the
+    last epoch's: the summary must evaluate those (catches the last epoch's figures reused for
+    weights they were not of). mode="max" on the loss: epoch 1 is the best, epoch 2 (the last)
+    worse."""
+    x, y = blobs()
+    model = small_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    calls = _counting_evaluations(model)
+    stop = keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=1, restore_best_weights=True)
+    h = model.fit(x, y, batch_size=32, epochs=2, validation_split=0.2, verbose=0, callbacks=[stop])
+    assert h.history["loss"][1] < h.history["loss"][0]
+    assert len(calls) == 3, len(calls)         # 2 epochs, then the summary's of the restored weights
+    assert np.array_equal(calls[2], calls[0]) and not np.array_equal(calls[2], calls[1])
+
+
 def test_pserver_s_own_lines_call_the_validation_split_validation_not_test(capsys):
     """Catches: the summary and epoch lines calling the validation_split's accuracy "test
     accuracy", beside the script's own test accuracy."""

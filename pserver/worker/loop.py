@@ -428,7 +428,7 @@ def end_epoch(run: Run, ended: EpochEnd) -> bool:
     the epoch's logs and the weights pulled after its last step. Whether they stop the run."""
     logs = {}
     if run.chief:
-        run.epochs_log.append(chief_epoch_end(run, ended.epoch))
+        run.epochs_log.append(chief_epoch_end(run, ended.epoch, ended.all_done))
         if getattr(run.ds, "stream", False):
             run.epochs_log[-1]["progressive"] = window_metrics(run, ended)
         logs = dict(run.epochs_log[-1])
@@ -517,9 +517,18 @@ def one_step(run: Run, x, y, lease=None) -> tuple[float, float]:
     return loss, exchange_started
 
 
-def chief_epoch_end(run: Run, epoch: int) -> dict:
-    """The chief at an epoch's end: its log (test metrics), the report's, and a checkpoint asked for."""
-    logged = log_epoch(run, epoch, eval_threads(run.client, others_wait=False))
+def chief_epoch_end(run: Run, epoch: int, all_done: bool = False) -> dict:
+    """The chief at an epoch's end: its log (test metrics), the report's, and a checkpoint asked for.
+    `all_done`: the run's last epoch, every worker's batches of it done (EpochEnd.all_done). No
+    one trains then, so the chief evaluates on every core, on the final weights (pulled again:
+    outside sync another worker's last push may have come after the chief's last pull), and the
+    summary takes that evaluation rather than making it again (finish)."""
+    if all_done:
+        run.client.pull(run.w, seen=[-1] * len(run.client.shards))
+    logged = log_epoch(run, epoch, eval_threads(run.client, others_wait=all_done))
+    if all_done and not run.rows:             # a sparse model's rows are not in w: never reused
+        run.last_eval = (run.w.copy(), {k: v for k, v in logged.items()
+                                        if k not in ("epoch", "seconds", "epoch_seconds")})
     run.report.evaluated(run.clock, logged, lambda: combine_counters(run.client.status())["staleness_mean"])
     ask_checkpoint(run.client, run.progress.say)
     return logged
@@ -642,7 +651,10 @@ def finish(run: Run, stats: dict, started: float, counted_from) -> dict:
     assign_restored(run)
     ask_checkpoint(client)
     client.pull(run.w, seen=[-1] * len(client.shards))      # the final weights
-    ev = evaluate(run, eval_threads(client, others_wait=True))
+    if run.last_eval is not None and np.array_equal(run.last_eval[0], run.w):
+        ev = run.last_eval[1]                 # the last epoch's evaluation was of these weights
+    else:
+        ev = evaluate(run, eval_threads(client, others_wait=True))
     statuses = client.status()
     counters = combine_counters(statuses, since=counted_from)     # this run's, not the shards' lifetime
     summary = {

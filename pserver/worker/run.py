@@ -49,6 +49,9 @@ class Run:
     samples: int = 0               # trained on by this worker in this run
     outcomes: dict = dataclasses.field(default_factory=dict)    # each push's outcome, counted
     epochs_log: list = dataclasses.field(default_factory=list)  # the chief's line of each epoch
+    # The chief's evaluation of the run's last epoch and the weights it evaluated (w, metrics):
+    # the summary's, when the final weights are those (loop.finish)
+    last_eval: tuple | None = None
     epoch_started: float = dataclasses.field(init=False, default_factory=time.monotonic)
 
     def __post_init__(self) -> None:

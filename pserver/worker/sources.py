@@ -39,11 +39,13 @@ class EpochEnd:
     """Epoch `epoch` is over. `trained`: every worker's loss sum, samples classed right and samples
     of it, as shard 0's coordinator summed them (leases); `shared`: the chief shares its epoch logs
     and stop decision through shard 0, which every other worker's callbacks take (Keras on a cluster);
-    `logs`: those logs already fetched (an epoch that ended while this worker trained none of it)."""
+    `logs`: those logs already fetched (an epoch that ended while this worker trained none of it);
+    `all_done`: it was the run's last, and every worker's batches are done (leases): no one trains."""
     epoch: int
     trained: dict | None = None
     shared: bool = False
     logs: dict | None = None
+    all_done: bool = False
 
 
 class Slices:
@@ -200,13 +202,14 @@ class Leases:
         if self.epoch is None:
             self.epoch = reply.epoch
             say_where_leases_begin(run.cfg, reply.epoch, run.progress.say)
-            yield from self.missed(run, 0, reply.epoch, shared)
+            yield from self.missed(run, 0, reply.epoch, shared, at_start=True)
             run.begin_epoch(self.epoch)
         elif reply.epoch > self.epoch:
             line = run.progress.epoch_ended(self.epoch)
             if line:
                 run.report.progress(run.clock, *line)
-            yield EpochEnd(self.epoch, epoch_sums(reply, self.epoch), shared=shared)
+            yield EpochEnd(self.epoch, epoch_sums(reply, self.epoch), shared=shared,
+                           all_done=self.epoch + 1 >= run.cfg.epochs <= reply.epoch)
             yield from self.missed(run, self.epoch + 1, reply.epoch, shared)
             self.epoch, self.step = reply.epoch, 0
             run.begin_epoch(self.epoch)
@@ -219,19 +222,28 @@ class Leases:
         return getattr(run.callbacks, "shares_logs", False) and run.cfg.num_workers > 1
 
     @staticmethod
-    def missed(run: Run, first: int, end: int, shared: bool) -> Iterator[EpochEnd]:
-        """Epochs first..end-1, which ended while this worker trained none of them (async: the chief
-        trained on through several; backup: the quorum made each step without this worker, which
-        came late): where the chief gave their logs, this worker's callbacks hear each epoch begin
-        and end with them, as the chief's did (Keras on a cluster: every worker's History the
-        chief's). A run that went on from an earlier one's data has none for the epochs before."""
-        if not shared or run.chief:
+    def missed(run: Run, first: int, end: int, shared: bool, at_start: bool = False) -> Iterator[EpochEnd]:
+        """Epochs first..end-1, which ended while this worker trained none of them (async: another
+        worker trained on through several while this one started, evaluated or was slow; backup: the
+        quorum made each step without it): Keras on a cluster hears each, so that every worker's
+        History is the chief's. The chief evaluates each (on the weights it has now) and gives its
+        logs; every other worker's callbacks hear each epoch begin and end with them. Epochs that
+        ended before this worker's first ask on shards restored from a checkpoint are an earlier
+        run's: the chief gives none, and the others take the logs only where the chief gave them."""
+        if not shared:
+            return
+        earlier = at_start and bool(run.client.shards[0].info.restored_from)
+        if run.chief and earlier:
             return
         for epoch in range(first, min(end, run.cfg.epochs)):
-            reply = run.client.epoch_logs(epoch)
-            if reply.has_logs:
+            if run.chief:
                 run.begin_epoch(epoch)
-                yield EpochEnd(epoch, shared=True, logs=shared_logs(reply))
+                yield EpochEnd(epoch, shared=True, all_done=epoch + 1 >= run.cfg.epochs <= end)
+                continue
+            reply = run.client.epoch_logs(epoch)
+            if reply.has_logs or not earlier:
+                run.begin_epoch(epoch)
+                yield EpochEnd(epoch, shared=True, logs=shared_logs(reply) if reply.has_logs else None)
 
     def wait(self, run: Run) -> None:
         """No chunk for this worker now: an empty push where it counts toward the step, else a moment."""
