@@ -146,6 +146,30 @@ def test_ssp_never_lets_a_clock_run_more_than_s_ahead_of_the_slowest(staleness):
     assert shard.store.counters.snapshot()["clock_gap_max"] <= staleness
 
 
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_push_of_no_samples_applies_nothing_and_only_takes_the_clock_on(mode):
+    """An empty contribution outside sync (a worker with no chunk of the data, Leases.wait):
+    weights, optimizer state and version unchanged, the sender's clock on. In ssp that frees a pull
+    waiting on that worker's clock, which without it waited until --step-timeout marked the idle
+    worker dead (a minute at a Keras fit's epoch end). Catches a tick applied as a zero-gradient
+    step (Adam's moments would still move the weights) and a tick that does not count as a push."""
+    size = 6
+    shard = one_shard(size, 2, mode=mode, staleness=0, optimizer="adam", lr=0.1)
+    g = np.linspace(-1, 1, size).astype(np.float32)
+    assert push(shard, 0, 0, g, clock=0) is Outcome.APPLIED      # Adam's moments now non-zero
+    before, version = shard.store.params.copy(), shard.store.version
+    outcome = shard.push(push_request(np.full(size, 7.0, np.float32), rank=1, step=version, samples=0,
+                                      clock=0))[0]
+    assert outcome is Outcome.APPLIED
+    assert np.array_equal(shard.store.params, before) and shard.store.version == version
+    counters = shard.store.counters.snapshot()
+    assert counters["pushes_applied"] == 2 and counters["samples_pushed"] == 1
+    if mode == "ssp":                 # rank 0 at clock 1 may pull now: rank 1's clock is 1 too
+        t = time.monotonic()
+        shard.pull(0, 0, -1, 1, timeout=5)
+        assert time.monotonic() - t < 1.0
+
+
 @pytest.mark.parametrize("mode, extra", [("sync", {}), ("backup", {"backup_workers": 1}),
                                          ("async", {}), ("ssp", {"staleness": 1})])
 def test_every_push_gets_exactly_one_outcome(mode, extra):

@@ -13,6 +13,9 @@ from pserver.modes.base import Outcome, Policy
 
 
 class AsyncPolicy(Policy):
+    """A push of 0 samples (an empty contribution) applies nothing and leaves the version: it only
+    takes the sender's clock on, which in ssp frees the others' pulls (a worker with no chunk of
+    the data sends them, so that it does not hold the others back, Leases.wait)."""
     name = "async"
 
     def registered(self, rank):
@@ -27,9 +30,17 @@ class AsyncPolicy(Policy):
             if step > version or step < 0:
                 raise StaleStep(f"step: push computed on version {step} but shard "
                                 f"{store.shard} is at version {version}")
-            store.counters.record_staleness(version - step)
             store.counters.add("pushes_applied")
-            store.counters.add("samples_pushed", req.num_samples)
+            if req.num_samples == 0:     # an empty contribution: a clock tick, nothing applied
+                store.pool.release(grad)
+                empty = True
+            else:
+                store.counters.record_staleness(version - step)
+                store.counters.add("samples_pushed", req.num_samples)
+                empty = False
+        if empty:
+            self.pushed(rank, req.clock)
+            return Outcome.APPLIED, ""
         try:
             store.apply_hogwild(grad, req.rows, req.statistics)    # outside the lock, on purpose
         finally:

@@ -90,9 +90,10 @@ class Run:
 
     @property
     def empty_counts(self) -> bool:
-        """Whether a push of no samples counts toward a step (sync, backup): a worker with no
-        batch pushes one, so that the step does not wait for it."""
-        return self.mode in ("sync", "backup")
+        """Whether a worker with no batch pushes one of no samples, so that the others do not wait
+        for it: in sync and backup it counts toward the step; in ssp it takes this worker's clock
+        on (nothing applied), the others' pulls waiting on the slowest clock."""
+        return self.mode in ("sync", "backup", "ssp")
 
     def push_empty(self) -> None:
         """No batch to train: push 0 samples (counted toward the step, weighing nothing)."""
