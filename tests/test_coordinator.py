@@ -891,3 +891,22 @@ def test_a_worker_that_lags_epochs_behind_the_chief_still_gets_each_epoch_s_logs
         c.share_logs(0, epoch, ["loss"], [float(epoch)], epoch == KEPT_EPOCH_LOGS + 1)
     assert sorted(c.shared) == list(range(2, KEPT_EPOCH_LOGS + 2))
     assert c.logs(KEPT_EPOCH_LOGS + 1)[0] == (["loss"], [float(KEPT_EPOCH_LOGS + 1)], True)
+
+
+def test_the_chief_s_epoch_logs_are_bounded_exactly_at_their_limits():
+    """share_logs' refusals at their edges (mutmut found them untested): MAX_EPOCH_LOGS names and
+    names of 100 characters are taken, one more of either is refused; so is an epoch past the
+    plan's (the plan's last, `epochs`, is the one a finished run reports); with no plan, only 0."""
+    from pserver.server.coordinator import MAX_EPOCH_LOGS
+    c = Coordinator()
+    c.share_logs(0, 0, ["loss"], [1.0], False)                  # no plan yet: epoch 0 only
+    with pytest.raises(InvalidArgument):
+        c.share_logs(0, 1, ["loss"], [1.0], False)
+    c.configure(Plan(4, 2, 1, "fp", 3))
+    names = [f"m{i}" for i in range(MAX_EPOCH_LOGS)]
+    c.share_logs(0, 3, names, [0.0] * MAX_EPOCH_LOGS, False)    # the plan's last epoch, every name
+    c.share_logs(0, 0, ["x" * 100], [0.0], False)
+    for bad in ((0, names + ["one more"], [0.0] * (MAX_EPOCH_LOGS + 1)), (0, ["x" * 101], [0.0]),
+                (4, ["loss"], [0.0]), (-1, ["loss"], [0.0]), (0, ["a", "b"], [0.0])):
+        with pytest.raises(InvalidArgument):
+            c.share_logs(0, bad[0], bad[1], bad[2], False)
