@@ -31,18 +31,12 @@ class AsyncPolicy(Policy):
                 raise StaleStep(f"step: push computed on version {step} but shard "
                                 f"{store.shard} is at version {version}")
             store.counters.add("pushes_applied")
-            if req.num_samples == 0:     # an empty contribution: a clock tick, nothing applied
-                store.pool.release(grad)
-                empty = True
-            else:
+            if req.num_samples:
                 store.counters.record_staleness(version - step)
                 store.counters.add("samples_pushed", req.num_samples)
-                empty = False
-        if empty:
-            self.pushed(rank, req.clock)
-            return Outcome.APPLIED, ""
         try:
-            store.apply_hogwild(grad, req.rows, req.statistics)    # outside the lock, on purpose
+            if req.num_samples:      # an empty contribution is a clock tick: nothing applied
+                store.apply_hogwild(grad, req.rows, req.statistics)    # outside the lock, on purpose
         finally:
             store.pool.release(grad)
         self.pushed(rank, req.clock)

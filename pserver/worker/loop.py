@@ -46,7 +46,7 @@ from pserver.wire.security import client_security
 from pserver.worker.client import PSClient
 from pserver.worker.exports import ChiefExports
 from pserver.worker.run import Run, push_pull
-from pserver.worker.sources import Batch, EpochEnd, Leases, Slices, shared_logs, source_for
+from pserver.worker.sources import Batch, EpochEnd, Leases, Slices, source_for
 from pserver.worker.stragglers import Delay
 
 
@@ -434,9 +434,7 @@ def end_epoch(run: Run, ended: EpochEnd) -> bool:
         logs = dict(run.epochs_log[-1])
     if ended.trained:                             # every worker's batches
         logs["trained"] = ended.trained
-    if ended.logs is not None:
-        logs = ended.logs
-    elif ended.shared and not run.chief:
+    if ended.shared and not run.chief:
         logs = chief_logs(run.client, run.rank, ended.epoch, run.push_empty if run.empty_counts else None)
     run.callbacks.on_weights(run.w)               # the weights a callback saves (ModelCheckpoint)
     run.callbacks.on_epoch_end(ended.epoch, logs)
@@ -482,7 +480,8 @@ def chief_logs(client: PSClient, rank: int, epoch: int, push_empty=None, poll: f
     while True:
         reply = client.epoch_logs(epoch)
         if reply.has_logs:
-            return shared_logs(reply)
+            return {"shared": dict(zip(reply.log_names, reply.log_values)),
+                    "stop_training": reply.stop_training}
         if not reply.chief_live:
             raise Unavailable(f"worker {rank}: the chief (rank 0) left or was marked dead before it gave "
                               f"epoch {epoch + 1}'s logs, which every worker's callbacks take")

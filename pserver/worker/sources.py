@@ -39,12 +39,10 @@ class EpochEnd:
     """Epoch `epoch` is over. `trained`: every worker's loss sum, samples classed right and samples
     of it, as shard 0's coordinator summed them (leases); `shared`: the chief shares its epoch logs
     and stop decision through shard 0, which every other worker's callbacks take (Keras on a cluster);
-    `logs`: those logs already fetched (an epoch that ended while this worker trained none of it);
     `all_done`: it was the run's last, and every worker's batches are done (leases): no one trains."""
     epoch: int
     trained: dict | None = None
     shared: bool = False
-    logs: dict | None = None
     all_done: bool = False
 
 
@@ -226,24 +224,20 @@ class Leases:
         """Epochs first..end-1, which ended while this worker trained none of them (async: another
         worker trained on through several while this one started, evaluated or was slow; backup: the
         quorum made each step without it): Keras on a cluster hears each, so that every worker's
-        History is the chief's. The chief evaluates each (on the weights it has now) and gives its
-        logs; every other worker's callbacks hear each epoch begin and end with them. Epochs that
-        ended before this worker's first ask on shards restored from a checkpoint are an earlier
-        run's: the chief gives none, and the others take the logs only where the chief gave them."""
+        History is the chief's: the chief evaluates each (on the weights it has now) and gives its
+        logs, and every other worker's callbacks hear each epoch with them (end_epoch waits for
+        them). Epochs that ended before this worker's first ask on shards restored from a checkpoint
+        are an earlier run's: the chief gives none, and the others hear only those it gave logs for."""
         if not shared:
             return
         earlier = at_start and bool(run.client.shards[0].info.restored_from)
         if run.chief and earlier:
             return
         for epoch in range(first, min(end, run.cfg.epochs)):
-            if run.chief:
-                run.begin_epoch(epoch)
-                yield EpochEnd(epoch, shared=True, all_done=epoch + 1 >= run.cfg.epochs <= end)
-                continue
-            reply = run.client.epoch_logs(epoch)
-            if reply.has_logs or not earlier:
-                run.begin_epoch(epoch)
-                yield EpochEnd(epoch, shared=True, logs=shared_logs(reply) if reply.has_logs else None)
+            if earlier and not run.client.epoch_logs(epoch).has_logs:
+                continue                      # an earlier run's epoch: the chief gave no logs
+            run.begin_epoch(epoch)
+            yield EpochEnd(epoch, shared=True, all_done=epoch + 1 >= run.cfg.epochs <= end)
 
     def wait(self, run: Run) -> None:
         """No chunk for this worker now: an empty push where it counts toward the step, else a moment."""
@@ -266,11 +260,6 @@ class Leases:
         if self.at == self.lease.end_batch:
             self.done_log.append((self.lease.epoch, self.lease.chunk, self.at))
             self.finished, self.lease = (self.lease.epoch, self.lease.chunk), None
-
-
-def shared_logs(reply) -> dict:
-    """The chief's logs of an epoch and its stop decision, from shard 0's reply that has them."""
-    return {"shared": dict(zip(reply.log_names, reply.log_values)), "stop_training": reply.stop_training}
 
 
 def epoch_sums(reply, epoch: int) -> dict | None:
