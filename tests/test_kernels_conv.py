@@ -226,6 +226,111 @@ def test_conv_training_pair_in_blocks_of_images(hw, stride, padding):
                 np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-3)
 
 
+
+# -- Winograd F(2x2, 3x3): a 3x3 kernel of stride 1 between 8 or more channels ----------------
+
+@st.composite
+def wide_geometry(draw):
+    """geometry() with 8-11 channels in and out: where a 3x3 kernel of stride 1 takes the
+    Winograd path (other kernels and strides here check that no other one does)."""
+    g = draw(geometry())
+    g["c"], g["f"] = draw(st.integers(8, 11)), draw(st.integers(8, 11))
+    return g
+
+
+def conv_against_twin(g, rng, dtype, tol):
+    """Every CPU conv2d entry point (forward, forward keeping cols, backward from x and from
+    cols, with and without dx, ReLU fused or not) against the twin's direct convolution."""
+    def draw(*shape):
+        return rng.standard_normal(shape).astype(dtype)
+
+    x, w, b = draw(g["n"], g["h"], g["w"], g["c"]), draw(g["kh"], g["kw"], g["c"], g["f"]), draw(g["f"])
+    shape = (g["n"], g["oh"], g["ow"], g["f"])
+    got, want = nans(shape, dtype), nans(shape, dtype)
+    cpu.conv2d_forward(x, w, b, got, *placement(g), True)
+    reference.conv2d_forward(x, w, b, want, *placement(g), True)
+    close(got, want, tol)
+    dy = draw(*shape)
+    want_g = [nans(a.shape, dtype) for a in (x, w, b)]
+    reference.conv2d_backward(x, w, dy, *want_g, *placement(g))
+    got_g = [nans(a.shape, dtype) for a in (x, w, b)]
+    cpu.conv2d_backward(x, w, dy, *got_g, *placement(g))
+    for a, e in zip(got_g, want_g):
+        close(a, e, tol)
+    for relu in (False, True):
+        cols, kept = nans((g["n"] * g["oh"] * g["ow"], 9 * g["c"] * g["kh"] * g["kw"] // 9), dtype), \
+            nans(shape, dtype)
+        cpu.conv2d_forward_cols(x, w, b, kept, cols, *placement(g), relu)
+        reference.conv2d_forward(x, w, b, want, *placement(g), relu)
+        close(kept, want, tol)
+        masked = dy * (want > 0) if relu else dy
+        reference.conv2d_backward(x, w, masked, *want_g, *placement(g))
+        for with_dx in (False, True):     # im2col's cols are overwritten with dx: used last
+            got_g, d = [nans(x.shape, dtype) if with_dx else None, nans(w.shape, dtype),
+                        nans(b.shape, dtype)], dy.copy()
+            cpu.conv2d_backward_cols(cols if with_dx else cols.copy(), w, kept, d, *got_g, *placement(g),
+                                     relu)
+            close(d, masked, 0)
+            for a, e in zip(got_g, want_g):
+                if a is not None:
+                    close(a, e, tol)
+
+
+@FAST
+@given(wide_geometry(), seeds)
+def test_conv2d_with_many_channels(g, seed):
+    # Winograd's transforms (a coefficient, a tile past the output's edge, a patch row or
+    # column in the padding) and the choice of path (a 5x5 kernel or a stride of 2 sent
+    # down it) all show here as values other than the twin's.
+    conv_against_twin(g, np.random.default_rng(seed), np.float32, 1e-4)
+
+
+@st.composite
+def winograd_geometry(draw):
+    """A 3x3 kernel of stride 1 on 3-9 pixels a side, 8-10 channels in and out."""
+    h, w, padding = draw(st.integers(3, 9)), draw(st.integers(3, 9)), draw(st.sampled_from(["valid", "same"]))
+    (oh, pt), (ow, pl) = conv_output(h, 3, 1, padding), conv_output(w, 3, 1, padding)
+    return {"n": draw(st.integers(1, 3)), "h": h, "w": w, "c": draw(st.integers(8, 10)),
+            "f": draw(st.integers(8, 10)), "kh": 3, "kw": 3, "sh": 1, "sw": 1, "padding": padding,
+            "oh": oh, "ow": ow, "pt": pt, "pl": pl}
+
+
+@GRAD
+@given(winograd_geometry(), seeds)
+def test_winograd_is_exact_in_float64(g, seed):
+    # The same arithmetic as the direct convolution up to rounding: in float64 the two agree
+    # to 1e-10, where an approximation (or a wrong half in G) would not.
+    w, out = np.zeros((3, 3, g["c"], g["f"])), np.zeros((g["n"], g["oh"], g["ow"], g["f"]))
+    assert cpu._winograd(w, out, 1, 1) == (16 * -(-g["oh"] // 2) * -(-g["ow"] // 2) <= 9 * g["oh"] * g["ow"])
+    conv_against_twin(g, np.random.default_rng(seed), np.float64, 1e-10)
+
+
+def test_winograd_is_taken_where_it_pays_and_nowhere_else():
+    def taken(kernel, c, f, oh, ow, stride=1):
+        return cpu._winograd(np.zeros((*kernel, c, f), np.float32), np.zeros((1, oh, ow, f), np.float32),
+                             stride, stride)
+    assert taken((3, 3), 32, 64, 24, 24) and taken((3, 3), 8, 8, 2, 2) and taken((3, 3), 64, 64, 6, 6)
+    assert taken((3, 3), 8, 8, 3, 3)                 # 16 * 4 tiles' elements <= 9 * 9 pixels'
+    assert not taken((3, 3), 1, 32, 26, 26)          # a first layer: im2col
+    assert not taken((3, 3), 7, 64, 8, 8) and not taken((3, 3), 64, 7, 8, 8)
+    assert not taken((3, 3), 32, 32, 8, 8, stride=2) and not taken((5, 5), 32, 32, 8, 8)
+    assert not taken((1, 3), 32, 32, 1, 8)           # Conv1D's one-row image
+    assert not taken((3, 3), 32, 32, 1, 7)           # 16 * 4 > 9 * 7: V would not fit in cols
+
+
+def test_winograd_in_blocks_of_images_at_the_toy_resnets_size():
+    # The toy ResNet's 26x26x32 -> 64 layer: one image a block (_wino_images), so three
+    # images make three blocks. A block's tiles at the wrong offset in V, dU kept from the
+    # last block only, or dx zeroed over an earlier block all fail here.
+    rng = np.random.default_rng(3)
+    assert cpu._wino_images(24, 24, 32, 64, 4) == 1
+    g = {"n": 3, "h": 26, "w": 26, "c": 32, "f": 64, "kh": 3, "kw": 3, "sh": 1, "sw": 1,
+         "padding": "valid", "oh": 24, "ow": 24, "pt": 0, "pl": 0}
+    conv_against_twin(g, rng, np.float32, 1e-4)
+    g.update(h=8, w=8, c=64, oh=8, ow=8, pt=1, pl=1, padding="same", n=21)   # 2 blocks, one short
+    assert 1 < -(-21 // cpu._wino_images(8, 8, 64, 64, 4)) and 21 % cpu._wino_images(8, 8, 64, 64, 4)
+    conv_against_twin(g, rng, np.float32, 1e-4)
+
 @FAST
 @given(st.integers(2, 7), st.integers(2, 7), st.integers(1, 2), st.sampled_from(["valid", "same"]), seeds)
 def test_maxpool2d_2x2_ties_and_nans(h, w, stride, padding, seed):

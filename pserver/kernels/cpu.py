@@ -319,6 +319,302 @@ def _add_windows_back(img, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, 
                 r += 1
 
 
+# -- Winograd F(2x2, 3x3) --------------------------------------------------------------------
+#
+# A 3x3 convolution of stride 1 (with enough channels, _winograd) computes each 2x2 block of
+# output pixels (a tile) from the 4x4 patch of input under it, as Y = A^T [U . V] A with
+# U = G g G^T (the kernel, per input and output channel) and V = B^T d B (the patch, per
+# channel): 16 products of a (tiles, C) matrix by a (C, F) one, one per element xi of the 4x4
+# transform, in place of one (pixels, 9C) by (9C, F): 2.25x fewer multiply-adds, and the
+# input's transform V (4C a pixel) where im2col copies 9C. The backward pass stays in that
+# domain: dM = A dY A^T per tile, dU[xi] = V[xi]^T dM[xi] (dw = G^T dU G) and dV[xi] =
+# dM[xi] U[xi]^T, whose patches B dV B^T add back into dx (neighbouring tiles' patches overlap
+# by two pixels). The transforms' coefficients are 0, +-1 and +-1/2, so the result is the
+# direct convolution's up to float rounding (the tests hold both passes to the twin at 1e-4).
+#
+# Tiles go in blocks of whole images whose V and M rows fill about 1 MiB: the 16 products
+# then read operands in cache, where OpenBLAS ran the (tiles, 32) by (32, 64) product of the
+# toy ResNet's 26x26x32 layer at 142 GFLOP/s in blocks of 144-288 tiles and 82-85 over 576
+# or more (Xeon, AVX-512, one thread).
+_WINO_BYTES = 1 << 20
+
+
+@njit(cache=True, nogil=True)
+def _winograd(w, out, stride_h, stride_w):
+    """Whether conv2d takes the Winograd path: a 3x3 kernel of stride 1 between at least 8
+    channels in and out (the transforms cost more than they save on a first layer's one to
+    three), with V no larger than the im2col matrix it replaces in `cols`."""
+    kh, kw, c_n, f_n = w.shape
+    _, oh_n, ow_n, _ = out.shape
+    tiles = ((oh_n + 1) // 2) * ((ow_n + 1) // 2)
+    return (kh == 3 and kw == 3 and stride_h == 1 and stride_w == 1 and c_n >= 8 and f_n >= 8
+            and 16 * tiles <= 9 * oh_n * ow_n)
+
+
+@njit(cache=True, nogil=True)
+def _wino_view(cols, n_, oh_n, ow_n, c_n):
+    """V (16, tiles, C) over the front of `cols`, tiles = N * ceil(OH/2) * ceil(OW/2)."""
+    t = n_ * ((oh_n + 1) // 2) * ((ow_n + 1) // 2)
+    return cols.reshape(cols.size)[:16 * t * c_n].reshape((16, t, c_n))
+
+
+@njit(cache=True, nogil=True)
+def _wino_images(oh_n, ow_n, c_n, f_n, itemsize):
+    """Images per block: V and M rows of its tiles within _WINO_BYTES (at least one)."""
+    tiles = ((oh_n + 1) // 2) * ((ow_n + 1) // 2)
+    return max(1, _WINO_BYTES // (16 * tiles * (c_n + f_n) * itemsize))
+
+
+@njit(cache=True, nogil=True)
+def _wino_kernel(w, u):
+    """u[xi, c, f] = (G g G^T)[xi] of w's (3, 3) filter g for each (c, f)."""
+    _, _, c_n, f_n = w.shape
+    half = w.dtype.type(0.5)
+    for c in range(c_n):
+        for f in range(f_n):
+            for p in range(4):     # G's row p applied down each column of g
+                if p == 0:
+                    g0, g1, g2 = w[0, 0, c, f], w[0, 1, c, f], w[0, 2, c, f]
+                elif p == 3:
+                    g0, g1, g2 = w[2, 0, c, f], w[2, 1, c, f], w[2, 2, c, f]
+                else:
+                    s = 1 if p == 1 else -1
+                    g0 = half * (w[0, 0, c, f] + s * w[1, 0, c, f] + w[2, 0, c, f])
+                    g1 = half * (w[0, 1, c, f] + s * w[1, 1, c, f] + w[2, 1, c, f])
+                    g2 = half * (w[0, 2, c, f] + s * w[1, 2, c, f] + w[2, 2, c, f])
+                u[4 * p, c, f] = g0
+                u[4 * p + 1, c, f] = half * (g0 + g1 + g2)
+                u[4 * p + 2, c, f] = half * (g0 - g1 + g2)
+                u[4 * p + 3, c, f] = g2
+
+
+@njit(cache=True, nogil=True)
+def _wino_kernel_grad(du, dw):
+    """dw[:, :, c, f] = G^T du[:, c, f] G, du (16, C, F) the gradient of u."""
+    _, c_n, f_n = du.shape
+    half = du.dtype.type(0.5)
+    r = np.empty(4, du.dtype)
+    for c in range(c_n):
+        for f in range(f_n):
+            for i in range(3):    # G's column i over the rows p of du (as a 4x4 per xi)
+                for q in range(4):
+                    a0, a1, a2, a3 = du[q, c, f], du[4 + q, c, f], du[8 + q, c, f], du[12 + q, c, f]
+                    r[q] = (a0 + half * (a1 + a2) if i == 0 else
+                            half * (a1 - a2) if i == 1 else half * (a1 + a2) + a3)
+                dw[i, 0, c, f] = r[0] + half * (r[1] + r[2])
+                dw[i, 1, c, f] = half * (r[1] - r[2])
+                dw[i, 2, c, f] = half * (r[1] + r[2]) + r[3]
+
+
+@njit(cache=True, nogil=True)
+def _wino_input(x, v, pad_top, pad_left, th, tw, n0, n1):
+    """v[xi, t] = (B^T d B)[xi] of tile t's 4x4 patch d of x (zero outside the image), for the
+    tiles t of images n0 <= n < n1 (numbered over the batch). Channels innermost throughout,
+    so each step is a vector operation."""
+    _, h_n, w_n, c_n = x.shape
+    zero = np.zeros(c_n, x.dtype)
+    e = np.empty((4, 4, c_n), x.dtype)
+    t = n0 * th * tw
+    for n in range(n0, n1):
+        for ty in range(th):
+            for tx in range(tw):
+                h0, w0 = 2 * ty - pad_top, 2 * tx - pad_left
+                for i in range(4):     # each patch row times B
+                    h = h0 + i
+                    inside = 0 <= h < h_n
+                    s0 = x[n, h, w0] if inside and 0 <= w0 < w_n else zero
+                    s1 = x[n, h, w0 + 1] if inside and 0 <= w0 + 1 < w_n else zero
+                    s2 = x[n, h, w0 + 2] if inside and 0 <= w0 + 2 < w_n else zero
+                    s3 = x[n, h, w0 + 3] if inside and 0 <= w0 + 3 < w_n else zero
+                    e0, e1, e2, e3 = e[i, 0], e[i, 1], e[i, 2], e[i, 3]
+                    for c in range(c_n):
+                        a, b, cc, d = s0[c], s1[c], s2[c], s3[c]
+                        e0[c] = a - cc
+                        e1[c] = b + cc
+                        e2[c] = cc - b
+                        e3[c] = b - d
+                for q in range(4):     # then B^T down each column
+                    r0, r1, r2, r3 = e[0, q], e[1, q], e[2, q], e[3, q]
+                    v0, v1, v2, v3 = v[q, t], v[4 + q, t], v[8 + q, t], v[12 + q, t]
+                    for c in range(c_n):
+                        a, b, cc, d = r0[c], r1[c], r2[c], r3[c]
+                        v0[c] = a - cc
+                        v1[c] = b + cc
+                        v2[c] = cc - b
+                        v3[c] = b - d
+                t += 1
+
+
+@njit(cache=True, nogil=True)
+def _wino_output(m, out, bias, relu, th, tw, n0, n1):
+    """out's pixels of the tiles of images n0..n1 = A^T m[:, t] A + bias, ReLU'd if `relu`
+    (`v < 0` made 0 keeps NaN, as _add_bias); a tile's pixels past OH or OW are dropped."""
+    _, oh_n, ow_n, f_n = out.shape
+    r = np.empty((4, 2, f_n), m.dtype)
+    t = 0
+    for n in range(n0, n1):
+        for ty in range(th):
+            for tx in range(tw):
+                for p in range(4):
+                    m0, m1, m2, m3 = m[4 * p, t], m[4 * p + 1, t], m[4 * p + 2, t], m[4 * p + 3, t]
+                    ra, rb = r[p, 0], r[p, 1]
+                    for f in range(f_n):
+                        ra[f] = m0[f] + m1[f] + m2[f]
+                        rb[f] = m1[f] - m2[f] - m3[f]
+                for a in range(2):
+                    oh = 2 * ty + a
+                    if oh >= oh_n:
+                        continue
+                    for b in range(2):
+                        ow = 2 * tx + b
+                        if ow >= ow_n:
+                            continue
+                        dst, q0, q1, q2, q3 = out[n, oh, ow], r[0, b], r[1, b], r[2, b], r[3, b]
+                        if a == 0:
+                            for f in range(f_n):
+                                y = q0[f] + q1[f] + q2[f] + bias[f]
+                                dst[f] = 0 if relu and y < 0 else y
+                        else:
+                            for f in range(f_n):
+                                y = q1[f] - q2[f] - q3[f] + bias[f]
+                                dst[f] = 0 if relu and y < 0 else y
+                t += 1
+
+
+@njit(cache=True, nogil=True)
+def _wino_output_grad(dy, dm, th, tw, n0, n1):
+    """dm[:, t] = A dY A^T of tile t's 2x2 block of dy (zero past OH or OW): the gradient of
+    the tile's m, for images n0..n1."""
+    _, oh_n, ow_n, f_n = dy.shape
+    zero = np.zeros(f_n, dy.dtype)
+    z = np.empty((2, 4, f_n), dy.dtype)
+    t = 0
+    for n in range(n0, n1):
+        for ty in range(th):
+            for tx in range(tw):
+                for a in range(2):     # each row of the block times A^T
+                    oh, ow = 2 * ty + a, 2 * tx
+                    y0 = dy[n, oh, ow] if oh < oh_n else zero
+                    y1 = dy[n, oh, ow + 1] if oh < oh_n and ow + 1 < ow_n else zero
+                    z0, z1, z2, z3 = z[a, 0], z[a, 1], z[a, 2], z[a, 3]
+                    for f in range(f_n):
+                        z0[f] = y0[f]
+                        z1[f] = y0[f] + y1[f]
+                        z2[f] = y0[f] - y1[f]
+                        z3[f] = -y1[f]
+                for q in range(4):     # then A down each column
+                    a0, a1 = z[0, q], z[1, q]
+                    d0, d1, d2, d3 = dm[q, t], dm[4 + q, t], dm[8 + q, t], dm[12 + q, t]
+                    for f in range(f_n):
+                        d0[f] = a0[f]
+                        d1[f] = a0[f] + a1[f]
+                        d2[f] = a0[f] - a1[f]
+                        d3[f] = -a1[f]
+                t += 1
+
+
+@njit(cache=True, nogil=True)
+def _wino_input_grad(dv, dx, pad_top, pad_left, th, tw, n0, n1):
+    """dx += B dv[:, t] B^T of each tile t of images n0..n1, at its patch's place (the part
+    inside the image): the input's gradient from its transform's."""
+    _, h_n, w_n, c_n = dx.shape
+    e = np.empty((4, 4, c_n), dx.dtype)
+    t = 0
+    for n in range(n0, n1):
+        for ty in range(th):
+            for tx in range(tw):
+                for q in range(4):     # B down each column of dv's 4x4: rows i of the patch
+                    v0, v1, v2, v3 = dv[q, t], dv[4 + q, t], dv[8 + q, t], dv[12 + q, t]
+                    e0, e1, e2, e3 = e[0, q], e[1, q], e[2, q], e[3, q]
+                    for c in range(c_n):
+                        e0[c] = v0[c]
+                        e1[c] = v1[c] - v2[c] + v3[c]
+                        e2[c] = v2[c] + v1[c] - v0[c]
+                        e3[c] = -v3[c]
+                h0, w0 = 2 * ty - pad_top, 2 * tx - pad_left
+                for i in range(4):     # then each patch row times B^T, added where it lies
+                    h = h0 + i
+                    if h < 0 or h >= h_n:
+                        continue
+                    r0, r1, r2, r3 = e[i, 0], e[i, 1], e[i, 2], e[i, 3]
+                    for j in range(4):
+                        if not 0 <= w0 + j < w_n:
+                            continue
+                        dst = dx[n, h, w0 + j]
+                        if j == 0:
+                            for c in range(c_n):
+                                dst[c] += r0[c]
+                        elif j == 1:
+                            for c in range(c_n):
+                                dst[c] += r1[c] - r2[c] + r3[c]
+                        elif j == 2:
+                            for c in range(c_n):
+                                dst[c] += r2[c] + r1[c] - r0[c]
+                        else:
+                            for c in range(c_n):
+                                dst[c] -= r3[c]
+                t += 1
+
+
+@njit(cache=True, nogil=True)
+def _wino_forward(x, w, b, out, cols, pad_top, pad_left, relu):
+    """conv2d_forward_cols by Winograd F(2x2, 3x3), V kept in `cols` for the backward pass."""
+    _, _, c_n, f_n = w.shape
+    n_, oh_n, ow_n, _ = out.shape
+    th, tw = (oh_n + 1) // 2, (ow_n + 1) // 2
+    per = th * tw
+    v = _wino_view(cols, n_, oh_n, ow_n, c_n)
+    u = np.empty((16, c_n, f_n), w.dtype)
+    _wino_kernel(w, u)
+    step = _wino_images(oh_n, ow_n, c_n, f_n, w.itemsize)
+    m = np.empty((16, min(step, n_) * per, f_n), w.dtype)
+    for n0 in range(0, n_, step):
+        n1 = min(n0 + step, n_)
+        t0, t1 = n0 * per, n1 * per
+        _wino_input(x, v, pad_top, pad_left, th, tw, n0, n1)
+        for xi in range(16):
+            np.dot(v[xi, t0:t1], u[xi], m[xi, :t1 - t0])
+        _wino_output(m, out, b, relu, th, tw, n0, n1)
+
+
+@njit(cache=True, nogil=True)
+def _wino_backward(cols, w, out, dy, dx, dw, db, pad_top, pad_left, relu):
+    """conv2d_backward_cols from the V that _wino_forward left in `cols` (left unchanged)."""
+    _, _, c_n, f_n = w.shape
+    n_, oh_n, ow_n, _ = dy.shape
+    th, tw = (oh_n + 1) // 2, (ow_n + 1) // 2
+    per, pixels = th * tw, oh_n * ow_n
+    v = _wino_view(cols, n_, oh_n, ow_n, c_n)
+    dy2 = dy.reshape((n_ * pixels, f_n))
+    out2 = out.reshape(dy2.shape) if relu else dy2
+    step = _wino_images(oh_n, ow_n, c_n, f_n, w.itemsize)
+    rows = min(step, n_) * per
+    dm = np.empty((16, rows, f_n), w.dtype)
+    du, part = np.empty((16, c_n, f_n), w.dtype), np.empty((c_n, f_n), w.dtype)
+    u = np.empty((16, c_n, f_n), w.dtype)
+    dv = np.empty((16, rows, c_n), w.dtype) if dx is not None else np.empty((16, 0, c_n), w.dtype)
+    if dx is not None:
+        _wino_kernel(w, u)
+    db[:] = 0
+    for n0 in range(0, n_, step):
+        n1 = min(n0 + step, n_)
+        t0, t1 = n0 * per, n1 * per
+        _relu_grad_rows(dy2, out2, db, n0 * pixels, n1 * pixels, relu)
+        _wino_output_grad(dy, dm, th, tw, n0, n1)
+        for xi in range(16):
+            if n0 == 0:
+                np.dot(v[xi, t0:t1].T, dm[xi, :t1 - t0], du[xi])
+            else:
+                np.dot(v[xi, t0:t1].T, dm[xi, :t1 - t0], part)
+                du[xi] += part
+        if dx is not None:
+            for xi in range(16):
+                np.dot(dm[xi, :t1 - t0], u[xi].T, dv[xi, :t1 - t0])
+            dx[n0:n1] = 0
+            _wino_input_grad(dv, dx, pad_top, pad_left, th, tw, n0, n1)
+    _wino_kernel_grad(du, dw)
+
+
 @njit(cache=True, nogil=True)
 def conv2d_forward(x, w, b, out, stride_h, stride_w, pad_top, pad_left, relu):
     """out[:] = conv(x, w) + b, then ReLU if `relu`. x (N,H,W,C), w (KH,KW,C,F), out (N,OH,OW,F)."""
@@ -337,10 +633,15 @@ def _check_cols(cols, w, dy):
 @njit(cache=True, nogil=True)
 def conv2d_forward_cols(x, w, b, out, cols, stride_h, stride_w, pad_top, pad_left, relu):
     """conv2d_forward that leaves its im2col matrix in `cols` (N*OH*OW, KH*KW*C), for
-    conv2d_backward_cols to use rather than build it again (a training step's forward pass)."""
+    conv2d_backward_cols to use rather than build it again (a training step's forward pass).
+    A 3x3 convolution of stride 1 between enough channels (_winograd) goes by Winograd
+    F(2x2, 3x3) and keeps the input's transform in `cols` instead."""
     kh, kw, c_n, f_n = w.shape
     n_, oh_n, ow_n, _ = out.shape
     _check_cols(cols, w, out)
+    if _winograd(w, out, stride_h, stride_w):
+        _wino_forward(x, w, b, out, cols, pad_top, pad_left, relu)
+        return
     w2 = w.reshape((kh * kw * c_n, f_n))
     out2 = out.reshape((n_ * oh_n * ow_n, f_n))
     pixels = oh_n * ow_n
@@ -359,7 +660,11 @@ def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left)
     kh, kw, c_n, _ = w.shape
     n_, oh_n, ow_n, _ = dy.shape
     cols = np.empty((n_ * oh_n * ow_n, kh * kw * c_n), x.dtype)
-    _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False, 0, n_)
+    if _winograd(w, dy, stride_h, stride_w):
+        _wino_input(x, _wino_view(cols, n_, oh_n, ow_n, c_n), pad_top, pad_left, (oh_n + 1) // 2,
+                    (ow_n + 1) // 2, 0, n_)
+    else:
+        _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False, 0, n_)
     conv2d_backward_cols(cols, w, dy, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left, False)
 
 
@@ -393,6 +698,9 @@ def conv2d_backward_cols(cols, w, out, dy, dx, dw, db, stride_h, stride_w, pad_t
     _check_cols(cols, w, dy)
     if relu and out.shape != dy.shape:
         raise ValueError("conv2d: out must have dy's shape")
+    if _winograd(w, dy, stride_h, stride_w):
+        _wino_backward(cols, w, out, dy, dx, dw, db, pad_top, pad_left, relu)
+        return
     taps, pixels = kh * kw * c_n, oh_n * ow_n
     w2 = w.reshape((taps, f_n))
     dy2 = dy.reshape((n_ * pixels, f_n))
