@@ -167,13 +167,16 @@ def train(args, cluster: dict) -> dict:
 # and products are oneDNN's, which picks for the CPU unless ONEDNN_MAX_CPU_ISA caps it; pserver's
 # are OpenBLAS's (through numba), which picks for the CPU unless OPENBLAS_CORETYPE names a core.
 ISA_ENV = {"own": ({}, {}),
-           "avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"OPENBLAS_CORETYPE": "Haswell"})}
+           # pserver's numba kernels (the Winograd transforms, pooling, the loss) compiled for
+           # Haswell too, not for this CPU's AVX-512.
+           "avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"OPENBLAS_CORETYPE": "Haswell", "NUMBA_CPU_NAME": "haswell"})}
 
 
 def isa_env(isa: str, side: str) -> dict:
     """This process's environment for one side under --isa: without both caps, then with the
     side's own (so a cap this machine's environment sets, as OPENBLAS_CORETYPE, is not kept)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE", "NUMBA_CPU_NAME")}
     return env | ISA_ENV[isa][0 if side == "tensorflow" else 1]
 
 
@@ -222,7 +225,7 @@ def main() -> None:
                    help="the vector instructions of each side's matrix products: own (default), each "
                    "library's choice for this CPU (OPENBLAS_CORETYPE and ONEDNN_MAX_CPU_ISA removed from "
                    "their environments); avx2, both capped (OPENBLAS_CORETYPE=Haswell, "
-                   "ONEDNN_MAX_CPU_ISA=AVX2)")
+                   "NUMBA_CPU_NAME=haswell, ONEDNN_MAX_CPU_ISA=AVX2)")
     p.add_argument("--json", metavar="PATH", help="write the results here too")
     args = p.parse_args()
     tf_env = isa_env(args.isa, "tensorflow")      # before TensorFlow loads, here and in its servers

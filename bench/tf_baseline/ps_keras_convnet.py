@@ -45,7 +45,8 @@ before and after, and the CPU seconds of each whole run (all its processes, star
 --isa gives both sides the same vector instructions for their matrix products: `own` (default)
 lets each library choose for the CPU (OPENBLAS_CORETYPE and ONEDNN_MAX_CPU_ISA removed from both
 sides' environments: a machine that sets OPENBLAS_CORETYPE=Haswell would give pserver AVX2
-kernels while oneDNN, which does not read it, uses AVX-512); `avx2` caps both at AVX2.
+kernels while oneDNN, which does not read it, uses AVX-512); `avx2` caps both at AVX2
+(pserver's numba kernels compiled for Haswell too: NUMBA_CPU_NAME=haswell).
 
     bench/tf_baseline/.venv/bin/python bench/tf_baseline/ps_keras_convnet.py \\
         --data-dir $PSERVER_MNIST_DIR --pserver .venv/bin/python --epochs 2 --rounds 3 \\
@@ -423,7 +424,7 @@ def parse_args():
                    help="the vector instructions of each side's matrix products: own (default), each "
                    "library's choice for this CPU (OPENBLAS_CORETYPE and ONEDNN_MAX_CPU_ISA removed from "
                    "their environments); avx2, both capped at AVX2 (OPENBLAS_CORETYPE=Haswell, "
-                   "ONEDNN_MAX_CPU_ISA=AVX2)")
+                   "NUMBA_CPU_NAME=haswell, ONEDNN_MAX_CPU_ISA=AVX2)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--tf-json", help=argparse.SUPPRESS)     # one TensorFlow run, its result here
     p.add_argument("--tf-side", default="loop", choices=tuple(TF_SIDES), help=argparse.SUPPRESS)
