@@ -169,7 +169,8 @@ def train(args, cluster: dict) -> dict:
 ISA_ENV = {"own": ({}, {}),
            # pserver's numba kernels (the Winograd transforms, pooling, the loss) compiled for
            # Haswell too, not for this CPU's AVX-512.
-           "avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"OPENBLAS_CORETYPE": "Haswell", "NUMBA_CPU_NAME": "haswell"})}
+           "avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"},
+                    {"OPENBLAS_CORETYPE": "Haswell", "NUMBA_CPU_NAME": "haswell"})}
 
 
 def isa_env(isa: str, side: str) -> dict:
