@@ -203,7 +203,9 @@ def test_conv_training_pair_in_blocks_of_images(hw, stride, padding):
     # Five images of 32 channels make more than one of the kernels' blocks (_images_per_block:
     # 2 to 4 images here), the last one short. A block's rows put at the wrong offset, the
     # short block skipped, dw kept from the last block only, or dx zeroed over an earlier
-    # block's sums all give the twin's results elsewhere than here.
+    # block's sums all give the twin's results elsewhere than here. (Stride 1 takes the
+    # Winograd path, whose blocks test_winograd_in_blocks_of_images_at_the_toy_resnets_size
+    # holds; stride 2 is im2col's.)
     rng = np.random.default_rng(hw + stride)
     (oh, top), (ow, left) = conv_output(hw, 3, stride, padding), conv_output(hw, 3, stride, padding)
     n, c, f = 5, 32, 16
