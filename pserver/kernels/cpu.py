@@ -638,12 +638,18 @@ def conv2d_forward_cols(x, w, b, out, cols, stride_h, stride_w, pad_top, pad_lef
     conv2d_backward_cols to use rather than build it again (a training step's forward pass).
     A 3x3 convolution of stride 1 between enough channels (_winograd) goes by Winograd
     F(2x2, 3x3) and keeps the input's transform in `cols` instead."""
-    kh, kw, c_n, f_n = w.shape
-    n_, oh_n, ow_n, _ = out.shape
     _check_cols(cols, w, out)
     if _winograd(w, out, stride_h, stride_w):
         _wino_forward(x, w, b, out, cols, pad_top, pad_left, relu)
-        return
+    else:
+        _im2col_forward(x, w, b, out, cols, stride_h, stride_w, pad_top, pad_left, relu)
+
+
+@njit(cache=True, nogil=True)
+def _im2col_forward(x, w, b, out, cols, stride_h, stride_w, pad_top, pad_left, relu):
+    """conv2d_forward_cols by im2col + gemm, whatever the kernel."""
+    kh, kw, c_n, f_n = w.shape
+    n_, oh_n, ow_n, _ = out.shape
     w2 = w.reshape((kh * kw * c_n, f_n))
     out2 = out.reshape((n_ * oh_n * ow_n, f_n))
     pixels = oh_n * ow_n
@@ -694,15 +700,22 @@ def conv2d_backward_cols(cols, w, out, dy, dx, dw, db, stride_h, stride_w, pad_t
     Block by block (_images_per_block): dy's rows masked and summed, their share of dw, then
     their windows' gradients (into their rows of cols) added back into dx. dw is summed
     transposed, (F, KH*KW*C), in two scratch blocks the kernel's size: OpenBLAS ran that
-    product 1.6x faster than the (KH*KW*C, F) one on mnist_convnet's 32->64 layer."""
-    kh, kw, c_n, f_n = w.shape
-    n_, oh_n, ow_n, _ = dy.shape
+    product 1.6x faster than the (KH*KW*C, F) one on mnist_convnet's 32->64 layer.
+    A Winograd layer (_winograd) reads the input's transform from `cols` (and leaves it)."""
     _check_cols(cols, w, dy)
     if relu and out.shape != dy.shape:
         raise ValueError("conv2d: out must have dy's shape")
     if _winograd(w, dy, stride_h, stride_w):
         _wino_backward(cols, w, out, dy, dx, dw, db, pad_top, pad_left, relu)
-        return
+    else:
+        _im2col_backward(cols, w, out, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left, relu)
+
+
+@njit(cache=True, nogil=True)
+def _im2col_backward(cols, w, out, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left, relu):
+    """conv2d_backward_cols from an im2col matrix, whatever the kernel."""
+    kh, kw, c_n, f_n = w.shape
+    n_, oh_n, ow_n, _ = dy.shape
     taps, pixels = kh * kw * c_n, oh_n * ow_n
     w2 = w.reshape((taps, f_n))
     dy2 = dy.reshape((n_ * pixels, f_n))
