@@ -1,10 +1,12 @@
 """Model math as numba CPU kernels; `pserver.kernels.reference` is the NumPy twin.
 
 All kernels write into caller-owned buffers (the model preallocates them per batch size), so a
-training step allocates nothing here but a convolution's two weight-gradient blocks, each the
-size of its kernel (its im2col matrix is the layer's, kept from the forward pass for the
-backward: conv2d_forward_cols); conv2d_forward and conv2d_backward, as evaluation and the
-twins' API call them, make their own im2col matrix, one per call (small next to its product).
+training step allocates nothing here but a convolution's scratch: im2col's two weight-gradient
+blocks, each the size of its kernel, or Winograd's transformed kernel and one block's products
+(its blocks are sized to about 1 MiB); the im2col matrix, or Winograd's transform of the input,
+is the layer's, kept from the forward pass for the backward (conv2d_forward_cols);
+conv2d_forward and conv2d_backward, as evaluation and the twins' API call them, make their own
+(one per call, small next to its products).
 Inputs are C-contiguous; float32 is what the models use.
 
 Matrix products go through `np.dot(a, b, out)`, which numba lowers to BLAS gemm (scipy's
