@@ -36,8 +36,9 @@ KERNELS = ("dense_forward", "dense_param_grads", "dense_backward", "relu_backwar
            "pooled_embedding_forward", "pooled_embedding_backward", "copy")
 # The functions of the CPU backends alone (cpu and its twin): the click-through-rate models'
 # math, which runs where their sparse rows are, on the host; and a convolution whose training
-# step builds its im2col matrix once, in the forward pass (Conv2D uses them where they exist); and
-# the recurrent layers' recurrences (pserver.layers.recurrent: no CUDA kernels).
+# step builds its im2col matrix (or Winograd transform) once, in the forward pass (Conv2D uses
+# them where they exist); and the recurrent layers' recurrences (pserver.layers.recurrent: no
+# CUDA kernels).
 CPU_KERNELS = ("fm_forward", "fm_backward", "conv2d_forward_cols", "conv2d_backward_cols",
                "simple_rnn_forward", "simple_rnn_backward", "lstm_forward", "lstm_backward", "gru_forward",
                "gru_backward")

@@ -14,7 +14,8 @@ from pserver.layers.base import KernelLayer, Layer, Weight, pair, positive_int
 
 
 class _Convolution(KernelLayer):
-    """im2col + GEMM through the backend's conv2d kernels. A subclass sets `strides2d` (along
+    """The backend's conv2d kernels (on the CPU im2col + GEMM, or Winograd's F(2x2, 3x3) for a
+    3x3 kernel of stride 1 from 16 channels or more). A subclass sets `strides2d` (along
     height and width) and, at build, pad_top and pad_left; `image` views an array (the input,
     the output or a gradient) as (n, h, w, c) and `kernel4d` the kernel as (kh, kw, c, f)."""
 
@@ -38,8 +39,9 @@ class _Convolution(KernelLayer):
         relu = self.activation == "relu"
         w, b, x4, out4 = self.kernel4d(p["kernel"]), self.bias(p, s), self.image(x), self.image(out)
         # In training, a backend with conv2d_forward_cols (the CPU ones: CPU_KERNELS) keeps the
-        # im2col matrix of x for the backward pass, in a scratch buffer made at the first
-        # training step of this batch size (evaluation and the GPU never make one).
+        # im2col matrix of x (or its Winograd transform, which fits in the same buffer) for the
+        # backward pass, in a scratch buffer made at the first training step of this batch size
+        # (evaluation and the GPU never make one).
         keep = getattr(k, "conv2d_forward_cols", None) if run.training else None
         if keep is None:
             s["cols_of"] = None
