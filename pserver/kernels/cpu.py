@@ -410,6 +410,18 @@ def _wino_kernel_grad(du, dw):
                 dw[i, 2, c, f] = half * (r[1] + r[2]) + r[3]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _wino_bt(d0, d1, d2, d3, o0, o1, o2, o3):
+    """B^T applied across four vectors of channels: (o0, o1, o2, o3) = (d0 - d2, d1 + d2,
+    d2 - d1, d1 - d3), element by element."""
+    for c in range(d0.shape[0]):
+        a, b, cc, d = d0[c], d1[c], d2[c], d3[c]
+        o0[c] = a - cc
+        o1[c] = b + cc
+        o2[c] = cc - b
+        o3[c] = b - d
+
+
 @njit(cache=True, nogil=True)
 def _wino_input(x, v, pad_top, pad_left, th, tw, n0, n1):
     """v[xi, t] = (B^T d B)[xi] of tile t's 4x4 patch d of x (zero outside the image), for the
@@ -430,22 +442,10 @@ def _wino_input(x, v, pad_top, pad_left, th, tw, n0, n1):
                     s1 = x[n, h, w0 + 1] if inside and 0 <= w0 + 1 < w_n else zero
                     s2 = x[n, h, w0 + 2] if inside and 0 <= w0 + 2 < w_n else zero
                     s3 = x[n, h, w0 + 3] if inside and 0 <= w0 + 3 < w_n else zero
-                    e0, e1, e2, e3 = e[i, 0], e[i, 1], e[i, 2], e[i, 3]
-                    for c in range(c_n):
-                        a, b, cc, d = s0[c], s1[c], s2[c], s3[c]
-                        e0[c] = a - cc
-                        e1[c] = b + cc
-                        e2[c] = cc - b
-                        e3[c] = b - d
+                    _wino_bt(s0, s1, s2, s3, e[i, 0], e[i, 1], e[i, 2], e[i, 3])
                 for q in range(4):     # then B^T down each column
-                    r0, r1, r2, r3 = e[0, q], e[1, q], e[2, q], e[3, q]
-                    v0, v1, v2, v3 = v[q, t], v[4 + q, t], v[8 + q, t], v[12 + q, t]
-                    for c in range(c_n):
-                        a, b, cc, d = r0[c], r1[c], r2[c], r3[c]
-                        v0[c] = a - cc
-                        v1[c] = b + cc
-                        v2[c] = cc - b
-                        v3[c] = b - d
+                    _wino_bt(e[0, q], e[1, q], e[2, q], e[3, q], v[q, t], v[4 + q, t], v[8 + q, t],
+                             v[12 + q, t])
                 t += 1
 
 
