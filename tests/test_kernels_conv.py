@@ -319,6 +319,12 @@ def test_winograd_is_taken_where_it_pays_and_nowhere_else():
     assert not taken((3, 3), 32, 32, 8, 8, stride=2) and not taken((5, 5), 32, 32, 8, 8)
     assert not taken((1, 3), 32, 32, 1, 8)           # Conv1D's one-row image
     assert not taken((3, 3), 32, 32, 1, 7)           # 16 * 4 > 9 * 7: V would not fit in cols
+    # Stride 1 down and 2 across: im2col, whose result is the twin's (Winograd's would not be).
+    (oh, pt), (ow, pl) = conv_output(9, 3, 1, "same"), conv_output(9, 3, 2, "same")
+    assert not cpu._winograd(np.zeros((3, 3, 16, 8), np.float32), np.zeros((2, oh, ow, 8), np.float32), 1, 2)
+    conv_against_twin({"n": 2, "h": 9, "w": 9, "c": 16, "f": 8, "kh": 3, "kw": 3, "sh": 1, "sw": 2,
+                       "padding": "same", "oh": oh, "ow": ow, "pt": pt, "pl": pl},
+                      np.random.default_rng(5), np.float32, 1e-4)
 
 
 def test_winograd_in_blocks_of_images_at_the_toy_resnets_size():
