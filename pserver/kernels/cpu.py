@@ -345,9 +345,11 @@ _WINO_BYTES = 1 << 20
 def _winograd(w, out, stride_h, stride_w):
     """Whether conv2d takes the Winograd path: a 3x3 kernel of stride 1 from at least 16
     channels to at least 8, with V no larger than the im2col matrix it replaces in `cols`.
-    Below 16 channels in, the transforms cost what the products save: forward and backward
-    at batch 32 on 28x28 (Xeon, one thread, best of 3 runs) took 6.8 ms against im2col's 6.2
-    from 8 channels to 32, and 6.5 against 7.9 from 16 to 16, 8.0 against 11.3 from 16 to 32."""
+    Below 16 channels in, the transforms cost about what the products save: forward and
+    backward at batch 32 on 28x28, one thread (bench/conv_paths.py, Xeon,
+    bench/results/kernels/conv_paths.json), im2col over Winograd's time was 1.24 from 8
+    channels to 32 but 0.94 from 8 to 64 (a scratch run before: 0.91 from 8 to 32), against
+    1.17 from 16 to 16, 1.47 from 16 to 32 and 1.93 for the toy ResNet's 32 to 64."""
     kh, kw, c_n, f_n = w.shape
     _, oh_n, ow_n, _ = out.shape
     tiles = ((oh_n + 1) // 2) * ((ow_n + 1) // 2)
