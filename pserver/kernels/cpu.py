@@ -342,6 +342,12 @@ _WINO_BYTES = 1 << 20
 
 
 @njit(cache=True, nogil=True)
+def _wino_tiles(oh_n, ow_n):
+    """(tile rows, tile columns) of an OH x OW output: ceil(OH/2), ceil(OW/2)."""
+    return (oh_n + 1) // 2, (ow_n + 1) // 2
+
+
+@njit(cache=True, nogil=True)
 def _winograd(w, out, stride_h, stride_w):
     """Whether conv2d takes the Winograd path: a 3x3 kernel of stride 1 from at least 16
     channels to at least 8, with V no larger than the im2col matrix it replaces in `cols`.
@@ -352,23 +358,24 @@ def _winograd(w, out, stride_h, stride_w):
     1.17 from 16 to 16, 1.47 from 16 to 32 and 1.93 for the toy ResNet's 32 to 64."""
     kh, kw, c_n, f_n = w.shape
     _, oh_n, ow_n, _ = out.shape
-    tiles = ((oh_n + 1) // 2) * ((ow_n + 1) // 2)
+    th, tw = _wino_tiles(oh_n, ow_n)
     return (kh == 3 and kw == 3 and stride_h == 1 and stride_w == 1 and c_n >= 16 and f_n >= 8
-            and 16 * tiles <= 9 * oh_n * ow_n)
+            and 16 * th * tw <= 9 * oh_n * ow_n)
 
 
 @njit(cache=True, nogil=True)
 def _wino_view(cols, n_, oh_n, ow_n, c_n):
     """V (16, tiles, C) over the front of `cols`, tiles = N * ceil(OH/2) * ceil(OW/2)."""
-    t = n_ * ((oh_n + 1) // 2) * ((ow_n + 1) // 2)
+    th, tw = _wino_tiles(oh_n, ow_n)
+    t = n_ * th * tw
     return cols.reshape(cols.size)[:16 * t * c_n].reshape((16, t, c_n))
 
 
 @njit(cache=True, nogil=True)
 def _wino_images(oh_n, ow_n, c_n, f_n, itemsize):
     """Images per block: V and M rows of its tiles within _WINO_BYTES (at least one)."""
-    tiles = ((oh_n + 1) // 2) * ((ow_n + 1) // 2)
-    return max(1, _WINO_BYTES // (16 * tiles * (c_n + f_n) * itemsize))
+    th, tw = _wino_tiles(oh_n, ow_n)
+    return max(1, _WINO_BYTES // (16 * th * tw * (c_n + f_n) * itemsize))
 
 
 @njit(cache=True, nogil=True)
@@ -567,7 +574,7 @@ def _wino_forward(x, w, b, out, cols, pad_top, pad_left, relu):
     """conv2d_forward_cols by Winograd F(2x2, 3x3), V kept in `cols` for the backward pass."""
     _, _, c_n, f_n = w.shape
     n_, oh_n, ow_n, _ = out.shape
-    th, tw = (oh_n + 1) // 2, (ow_n + 1) // 2
+    th, tw = _wino_tiles(oh_n, ow_n)
     per = th * tw
     v = _wino_view(cols, n_, oh_n, ow_n, c_n)
     u = np.empty((16, c_n, f_n), w.dtype)
@@ -588,7 +595,7 @@ def _wino_backward(cols, w, out, dy, dx, dw, db, pad_top, pad_left, relu):
     """conv2d_backward_cols from the V that _wino_forward left in `cols` (left unchanged)."""
     _, _, c_n, f_n = w.shape
     n_, oh_n, ow_n, _ = dy.shape
-    th, tw = (oh_n + 1) // 2, (ow_n + 1) // 2
+    th, tw = _wino_tiles(oh_n, ow_n)
     per, pixels = th * tw, oh_n * ow_n
     v = _wino_view(cols, n_, oh_n, ow_n, c_n)
     dy2 = dy.reshape((n_ * pixels, f_n))
@@ -597,8 +604,9 @@ def _wino_backward(cols, w, out, dy, dx, dw, db, pad_top, pad_left, relu):
     rows = min(step, n_) * per
     dm = np.empty((16, rows, f_n), w.dtype)
     du, part = np.empty((16, c_n, f_n), w.dtype), np.empty((c_n, f_n), w.dtype)
-    u = np.empty((16, c_n, f_n), w.dtype)
-    dv = np.empty((16, rows, c_n), w.dtype) if dx is not None else np.empty((16, 0, c_n), w.dtype)
+    # The kernel's transform and dV's block serve dx alone: empty without it.
+    u = np.empty((16 if dx is not None else 0, c_n, f_n), w.dtype)
+    dv = np.empty((16, rows if dx is not None else 0, c_n), w.dtype)
     if dx is not None:
         _wino_kernel(w, u)
     db[:] = 0
@@ -673,8 +681,8 @@ def conv2d_backward(x, w, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left)
     n_, oh_n, ow_n, _ = dy.shape
     cols = np.empty((n_ * oh_n * ow_n, kh * kw * c_n), x.dtype)
     if _winograd(w, dy, stride_h, stride_w):
-        _wino_input(x, _wino_view(cols, n_, oh_n, ow_n, c_n), pad_top, pad_left, (oh_n + 1) // 2,
-                    (ow_n + 1) // 2, 0, n_)
+        th, tw = _wino_tiles(oh_n, ow_n)
+        _wino_input(x, _wino_view(cols, n_, oh_n, ow_n, c_n), pad_top, pad_left, th, tw, 0, n_)
     else:
         _im2col(x, cols, kh, kw, stride_h, stride_w, pad_top, pad_left, oh_n, ow_n, False, 0, n_)
     conv2d_backward_cols(cols, w, dy, dy, dx, dw, db, stride_h, stride_w, pad_top, pad_left, False)
