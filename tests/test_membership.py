@@ -509,3 +509,20 @@ def test_a_rank_marked_dead_that_then_left_is_waited_for_again_in_the_next_job()
         shard.leave(r, s[r])
     shard.register(0, 2, 0, 1, layout)
     assert shard.members.expected() == {0, 1} and not shard.members.dead
+
+
+def test_a_starting_rank_that_registers_after_the_others_left_is_late_not_another_job(caplog):
+    """Catches the late rank of an async job on slices beginning another job: rank 1's process
+    started after rank 0 trained and left; the shards forgot rank 0, and the chief, waiting
+    for rank 1 to train its slice, then waited for a rank 0 that had not come."""
+    shard = Shard(ServerConfig(num_workers=2, mode="async", optimizer="sgd", lr=1.0))
+    layout = Layout.of([("w", (4,))])
+    s0 = shard.register(0, 2, 0, 1, layout).session
+    shard.init(0, layout.signature(), 4, "float32", fill_with(np.zeros(4, np.float32)), s0)
+    shard.push(push_request(ONES, rank=0, step=0, session=s0))
+    shard.leave(0, s0)
+    caplog.set_level("INFO", logger="pserver.modes")
+    shard.register(1, 2, 0, 1, layout)
+    assert "begins another" not in caplog.text
+    assert shard.members.registered == {0, 1} and shard.members.left == {0}
+    assert shard.status()["registered_workers"] == [0, 1] and shard.status()["live_workers"] == [1]

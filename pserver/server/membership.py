@@ -175,8 +175,12 @@ class Membership:
         registers, as at a first start. Without this the first worker of the next job (a second
         fit under `pserver run`, a job run again on shards still up) trained its steps alone,
         the others' gradients missing until they registered, and took a short epoch's data for
-        itself (`sharing`)."""
+        itself (`sharing`). A starting rank (below num_workers) that never registered is not
+        the next job's but this one's, late: its process started after the others finished
+        (an async job on --data-assignment slices, whose chief waits for it to train its slice)."""
         if not self.registered or not self.registered <= self.left:
+            return
+        if rank < self.num_workers and rank not in self.registered:
             return
         log.info("shard %d: every worker of the last job left; worker %d begins another, whose steps "
                  "wait for every starting rank again", self.store.shard, rank)

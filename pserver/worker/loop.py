@@ -583,13 +583,30 @@ def format_metrics(ev: dict, label: str = "test") -> str:
     return ", ".join(shown + [f"{label} loss {ev['loss']:.4f}"])
 
 
-def wait_for_others(client: PSClient, timeout: float) -> None:
-    """The chief's final evaluation should see every worker's last update."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(s.live_workers for s in client.status()):
+def wait_for_others(client: PSClient, timeout: float, starting: int = 0, say=print) -> None:
+    """The chief's final evaluation should see every worker's last update: wait until no
+    worker is live and, with `starting` (--data-assignment slices: each of ranks 0..N-1 owns
+    its slice of the data), until each of those ranks has registered. Without this a chief
+    that finished its slice before another rank's process started (async, a slow start)
+    summarized and checkpointed half the data, and left: the late rank then began another
+    job on the shards alone."""
+    deadline, said = time.monotonic() + timeout, False
+    while True:
+        statuses = client.status()
+        coming = set(range(starting)) - set().union(*(s.registered_workers for s in statuses))
+        if not coming and not any(s.live_workers for s in statuses):
             return
+        if coming and not said:
+            say(f"the chief waits for worker(s) {sorted(coming)} to register and train their slices "
+                f"(--data-assignment slices), at most {timeout:g} s (--rpc-deadline)")
+            said = True
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.05)
+    if coming:
+        raise DeadlineExceeded(f"deadline: worker(s) {sorted(coming)} never registered within {timeout:g} s "
+                               "of the chief's end, and with --data-assignment slices their slices "
+                               "of the data are not trained without them")
     raise DeadlineExceeded(f"deadline: other workers were still training {timeout:g} s "
                            "after the chief finished")
 
@@ -645,7 +662,8 @@ def finish(run: Run, stats: dict, started: float, counted_from) -> dict:
     """The chief's summary of the run, once every worker finished: the final weights' metrics,
     this run's counters (since `counted_from`), printed and written as asked."""
     cfg, client, ds, model = run.cfg, run.client, run.ds, run.model
-    wait_for_others(client, cfg.rpc_deadline)
+    wait_for_others(client, cfg.rpc_deadline, say=run.progress.say,
+                    starting=cfg.num_workers if cfg.data_assignment == "slices" else 0)
     wall = time.monotonic() - started            # until the last worker finished
     assign_restored(run)
     ask_checkpoint(client)

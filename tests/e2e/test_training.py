@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.support.processes import LOGREG, free_port, read_json, run
+from tests.support.processes import LOGREG, free_port, read_json, run, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -61,6 +61,35 @@ def test_sync_workers_with_different_batch_sizes_finish_and_every_sample_counts(
     assert s["steps"] == s["updates_applied"] == 30, s
     assert s["pushes_aggregated"] == 40 and s["pushes_rejected"] == 0
     assert s["samples_trained"] == 30 * 16 + 10 * 48
+
+
+def test_an_async_chief_on_slices_waits_for_a_rank_that_starts_after_it_finished(procs, tmp_path):
+    """--data-assignment slices: rank 1's slice is rank 1's to train. A chief that trained its
+    own before rank 1's process started waits for it (saying so) and summarizes both slices;
+    it used to summarize its half and leave, and the late rank began another job alone."""
+    shard = procs("serve", "--port", "0", "--num-workers", "2", "--mode", "async", "--optimizer", "sgd",
+                  "--lr", "0.1")
+    addr = shard.address()
+    summary = tmp_path / "summary.json"
+    common = ("--ps", addr, "--num-workers", "2", "--data-assignment", "slices", *LOGREG)
+    chief = procs("worker", *common, "--rank", "0", "--summary-json", str(summary))
+    assert wait_until(lambda: "the chief waits for worker(s) [1] to register" in chief.output, 120), \
+        chief.output
+    assert chief.popen.poll() is None and not summary.exists()
+    late = procs("worker", *common, "--rank", "1")
+    assert chief.wait() == 0 and late.wait() == 0, chief.output + late.output
+    s = read_json(summary)
+    # 6000 samples in 2 slices of 3000, 94 batches of 32 each an epoch, 2 epochs: 376 pushes
+    assert s["samples_trained"] == 2 * 6000 and s["pushes_received"] == s["steps"] == 2 * 2 * 94, s
+    assert s["workers_registered"] == [0, 1], s
+
+
+def test_a_chief_on_slices_names_the_rank_that_never_came(procs, tmp_path):
+    shard = procs("serve", "--port", "0", "--num-workers", "2", "--mode", "async")
+    chief = procs("worker", "--ps", shard.address(), "--num-workers", "2", "--data-assignment", "slices",
+                  *LOGREG, "--rank", "0", "--rpc-deadline", "3")
+    assert chief.wait() != 0
+    assert "worker(s) [1] never registered within 3 s of the chief's end" in chief.output, chief.output
 
 
 def test_launch_two_shards_three_workers(tmp_path):
