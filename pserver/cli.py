@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(ru, [f for f in SERVER_FLAGS if f.name not in RUN_FROM_COMPILE],
               "shard flags (the optimizer is the script's compile's)")
     ru.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",
-                    help="the command each worker runs")
+                    help="the command each worker runs; a script.py alone runs under this Python")
 
     sl = sub.add_parser("slurm", help="one task of an srun step: a shard or a worker, by SLURM_PROCID",
                         formatter_class=fmt,

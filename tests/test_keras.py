@@ -672,6 +672,25 @@ def test_pserver_run_bind_cores_puts_worker_i_on_core_i(tmp_path, bind):
     assert [eval((tmp_path / f"rank{i}").read_text()) for i in range(3)] == want
 
 
+def test_pserver_run_takes_a_script_as_torchrun_does_and_refuses_a_command_it_cannot_start(tmp_path):
+    """`pserver run --workers 2 train.py`: the script, not executable, runs under this Python
+    (it was a FileNotFoundError traceback); a command that is neither a file nor on PATH is one
+    line and exit 2, before any process starts."""
+    (tmp_path / "who.py").write_text("import os, sys\n"
+                                     "open('rank' + os.environ['PSERVER_RUN_RANK'], 'w').write(sys.executable)\n")
+    r = subprocess.run([sys.executable, "-m", "pserver", "run", "--workers", "2", "who.py"],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [(tmp_path / f"rank{i}").read_text() for i in range(2)] == [sys.executable] * 2
+    for cmd, why in (("missing.py", "is not a file"), ("no-such-command-here", "is not on PATH")):
+        r = subprocess.run([sys.executable, "-m", "pserver", "run", "--workers", "2", "--", cmd],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.strip().splitlines() == [
+            f"pserver run: error: run: the command {cmd!r} {why}, so no worker could start it "
+            "(e.g. pserver run --ps 2 --workers 4 -- python train.py)"], r.stderr
+
+
 def test_fit_against_running_shards_checks_their_optimizer_at_register(monkeypatch):
     """Catches: a model trained by shards running another optimizer than the one it compiled."""
     import pserver

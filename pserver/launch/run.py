@@ -1,7 +1,7 @@
 """`pserver run --ps N --workers M -- CMD ...`: a user's script once per worker, with the
 cluster in its environment (as torchrun and horovodrun run theirs).
 
-Each worker is CMD with PSERVER_RUN_DIR, PSERVER_RUN_RANK and PSERVER_RUN_WORKERS set
+Each worker is CMD (a script.py alone: this Python runs it, as torchrun) with PSERVER_RUN_DIR, PSERVER_RUN_RANK and PSERVER_RUN_WORKERS set
 (pserver.keras.cluster reads them). The shards' processes start with the workers and wait
 (so a fit does not wait for them to import pserver) until every worker has said, at its fit,
 the optimizer it compiled (a file in the run's directory): the same for every worker, or the
@@ -98,11 +98,26 @@ def worker_cores(num_workers: int, bind: bool) -> list[int | None]:
     return [cores[i % len(cores)] for i in range(num_workers)]
 
 
-def run_command(num_shards: int, num_workers: int, argv: list[str], server: ServerConfig,
-                seed: int | None = None, bind_cores: bool = False) -> int:
+def worker_command(argv: list[str]) -> list[str]:
+    """The command each worker runs: `argv`, or, where it starts with a Python script that is
+    not a path to an executable (`pserver run --workers 2 train.py`, as torchrun takes it), that script
+    under this Python. A command that cannot be found is refused before anything starts."""
     if not argv:
         raise ConfigError("run: give the command to run after --, e.g. pserver run --ps 2 --workers 4 -- "
                           "python train.py")
+    first = argv[0]
+    if first.endswith(".py") and os.path.isfile(first) and (os.sep not in first or not os.access(first, os.X_OK)):
+        return [sys.executable, *argv]
+    if shutil.which(first) is None:
+        where = "is not a file" if os.sep in first or first.endswith(".py") else "is not on PATH"
+        raise ConfigError(f"run: the command {first!r} {where}, so no worker could start it "
+                          f"(e.g. pserver run --ps 2 --workers 4 -- python train.py)")
+    return argv
+
+
+def run_command(num_shards: int, num_workers: int, argv: list[str], server: ServerConfig,
+                seed: int | None = None, bind_cores: bool = False) -> int:
+    argv = worker_command(argv)
     for flag, count in (("--ps", num_shards), ("--workers", num_workers)):
         if count < 1:
             raise ConfigError(f"{flag}: run needs 1 or more, got {count}")
