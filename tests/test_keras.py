@@ -676,8 +676,8 @@ def test_pserver_run_takes_a_script_as_torchrun_does_and_refuses_a_command_it_ca
     """`pserver run --workers 2 train.py`: the script, not executable, runs under this Python
     (it was a FileNotFoundError traceback); a command that is neither a file nor on PATH is one
     line and exit 2, before any process starts."""
-    (tmp_path / "who.py").write_text("import os, sys\n"
-                                     "open('rank' + os.environ['PSERVER_RUN_RANK'], 'w').write(sys.executable)\n")
+    (tmp_path / "who.py").write_text(
+        "import os, sys\nopen('rank' + os.environ['PSERVER_RUN_RANK'], 'w').write(sys.executable)\n")
     r = subprocess.run([sys.executable, "-m", "pserver", "run", "--workers", "2", "who.py"],
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr

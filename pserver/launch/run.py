@@ -1,7 +1,8 @@
 """`pserver run --ps N --workers M -- CMD ...`: a user's script once per worker, with the
 cluster in its environment (as torchrun and horovodrun run theirs).
 
-Each worker is CMD (a script.py alone: this Python runs it, as torchrun) with PSERVER_RUN_DIR, PSERVER_RUN_RANK and PSERVER_RUN_WORKERS set
+Each worker is CMD (a script.py alone: this Python runs it, as torchrun) with PSERVER_RUN_DIR,
+PSERVER_RUN_RANK and PSERVER_RUN_WORKERS set
 (pserver.keras.cluster reads them). The shards' processes start with the workers and wait
 (so a fit does not wait for them to import pserver) until every worker has said, at its fit,
 the optimizer it compiled (a file in the run's directory): the same for every worker, or the
@@ -106,7 +107,8 @@ def worker_command(argv: list[str]) -> list[str]:
         raise ConfigError("run: give the command to run after --, e.g. pserver run --ps 2 --workers 4 -- "
                           "python train.py")
     first = argv[0]
-    if first.endswith(".py") and os.path.isfile(first) and (os.sep not in first or not os.access(first, os.X_OK)):
+    script = first.endswith(".py") and os.path.isfile(first)
+    if script and (os.sep not in first or not os.access(first, os.X_OK)):
         return [sys.executable, *argv]
     if shutil.which(first) is None:
         where = "is not a file" if os.sep in first or first.endswith(".py") else "is not on PATH"
