@@ -44,21 +44,26 @@ from _util import machine, machine_lines, positive_ints, table  # noqa: E402
 
 HERE = Path(__file__).parent
 
-# One side's run: build the toy ResNet (Dropout(0): no random masks to match), load or save the
-# initial weights, fit `samples` images in order, save the trained weights.
-CHILD = r'''
-import os, sys
+# What every side's run begins with: its arguments (side, a count, the initial and the final
+# weights' files, this directory, the seed), Keras or pserver's imports by side, the seed.
+HEAD = r'''
+import json, os, sys
 import numpy as np
-side, samples, init, final = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+side, count, init, final = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 if side == "pserver":
     import pserver.keras as keras
-    from pserver.keras import layers
+    {ours}
 else:
     import keras
-    from keras import layers
+    {theirs}
 sys.path.insert(0, sys.argv[5])
-from _ours import load_mnist
 keras.utils.set_random_seed(int(sys.argv[6]))
+'''
+
+# One side's run: build the toy ResNet (Dropout(0): no random masks to match), load or save the
+# initial weights, fit `count` images in order, save the trained weights.
+CHILD = HEAD.format(ours="from pserver.keras import layers", theirs="from keras import layers") + r'''
+from _ours import load_mnist
 inputs = keras.Input(shape=(28, 28, 1), name="img")
 x = layers.Conv2D(32, 3, activation="relu")(inputs)
 x = layers.Conv2D(64, 3, activation="relu")(x)
@@ -80,8 +85,8 @@ if os.path.exists(init):
 else:
     np.savez(init, *model.get_weights())
 (xt, yt), _ = load_mnist()
-xt = np.expand_dims(xt[:samples], -1).astype("float32") / 255.0
-yt = keras.utils.to_categorical(yt[:samples], 10)
+xt = np.expand_dims(xt[:count], -1).astype("float32") / 255.0
+yt = keras.utils.to_categorical(yt[:count], 10)
 model.compile(optimizer=keras.optimizers.RMSprop(1e-3),
               loss=keras.losses.CategoricalCrossentropy(from_logits=True), metrics=["acc"])
 model.fit(xt, yt, batch_size=64, epochs=1, shuffle=False, verbose=0)
@@ -90,19 +95,8 @@ np.savez(final, *model.get_weights())
 
 # keras-rs's DCN on MovieLens (dcn_movielens.py's model and data): `epochs` over the 80,000 training
 # ratings in order, then its test RMSE printed as JSON.
-DCN_CHILD = r'''
-import json, os, sys
-import numpy as np
-side, epochs, init, final = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-if side == "pserver":
-    import pserver.keras as keras
-    import pserver.keras_rs as keras_rs
-else:
-    import keras
-    import keras_rs
-sys.path.insert(0, sys.argv[5])
+DCN_CHILD = HEAD.format(ours="import pserver.keras_rs as keras_rs", theirs="import keras_rs") + r'''
 from _ours import load_movielens
-keras.utils.set_random_seed(int(sys.argv[6]))
 features, ratings = load_movielens()
 names = ["movie_id", "user_id", "user_gender", "bucketized_user_age", "user_zip_code", "user_occupation_text"]
 vocab = {n: np.unique(features[n]) for n in names}
@@ -127,7 +121,7 @@ else:
     np.savez(init, *model.get_weights())
 model.compile(optimizer=keras.optimizers.AdamW(learning_rate=0.01), loss=keras.losses.MeanSquaredError(),
               metrics=[keras.metrics.RootMeanSquaredError()])
-model.fit(train_x, train_y, batch_size=1024, epochs=epochs, shuffle=False, verbose=0)
+model.fit(train_x, train_y, batch_size=1024, epochs=count, shuffle=False, verbose=0)
 got = model.evaluate(test_x, test_y, batch_size=1024, return_dict=True, verbose=0)
 np.savez(final, *model.get_weights())
 print(json.dumps({"rmse": float(got["root_mean_squared_error"])}))
