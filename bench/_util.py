@@ -78,18 +78,24 @@ def machine(packages: Sequence[str] = ("grpcio", "numpy")) -> dict:
             "cpu": cpu_model(), "cpu_id": cpu_id(), "cores": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "python": platform.python_version(),
+            # off (PYTHONDONTWRITEBYTECODE, python -B): every process compiles what it imports from
+            # source, inside a timed fit too where a module is imported there (0.3-0.5 s of a
+            # DCN fit: docs/performance/keras-io.md)
+            "bytecode_cache": "off" if sys.dont_write_bytecode else "on",
             **{p: version(p) for p in packages}}
 
 
 def machine_lines(m: dict) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in m.items()
-                         if k not in ("date", "command", "cpu", "cpu_id", "cores", "load_avg_1m"))
+                         if k not in ("date", "command", "cpu", "cpu_id", "cores", "load_avg_1m",
+                                      "bytecode_cache"))
     # The load average says whether something else was running: on a small machine
     # another process halves a figure without any change in the code measured.
     return [f"date: {m['date']}", f"command: {m.get('command', '')}",
             f"cpu: {m['cpu']} {m.get('cpu_id', '')}, {m['cores']} cores, "
             f"load average (1 min) {m['load_avg_1m']} at start",
-            f"versions: {versions}"]
+            f"versions: {versions}"] + ([f"python bytecode cache: {m['bytecode_cache']}"]
+                                        if "bytecode_cache" in m else [])
 
 
 def summary(values: Sequence[float]) -> tuple[float, float, float]:
