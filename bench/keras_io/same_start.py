@@ -45,24 +45,42 @@ from _util import machine, machine_lines, positive_ints, table  # noqa: E402
 HERE = Path(__file__).parent
 
 # What every side's run begins with: its arguments (side, a count, the initial and the final
-# weights' files, this directory, the seed), Keras or pserver's imports by side, the seed.
+# weights' files, this directory, the seed), Keras or pserver's imports by side (OURS, THEIRS),
+# the seed; and `start(model)`, which loads the initial weights (the first run saves them).
 HEAD = r'''
 import json, os, sys
 import numpy as np
 side, count, init, final = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 if side == "pserver":
     import pserver.keras as keras
-    {ours}
+    OURS
 else:
     import keras
-    {theirs}
+    THEIRS
 sys.path.insert(0, sys.argv[5])
 keras.utils.set_random_seed(int(sys.argv[6]))
+
+
+def start(model):
+    if not os.path.exists(init):
+        np.savez(init, *model.get_weights())
+        return
+    saved = np.load(init)
+    weights = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    if side == "keras-nudged":     # each weight one float32 ulp up or down: only rounding differs
+        rng = np.random.default_rng(0)
+        weights = [np.nextafter(w, np.where(rng.random(w.shape) < 0.5, -np.inf, np.inf).astype(w.dtype))
+                   for w in weights]
+    model.set_weights(weights)
 '''
+
+
+def child(ours: str, theirs: str, body: str) -> str:
+    return HEAD.replace("OURS", ours).replace("THEIRS", theirs) + body
 
 # One side's run: build the toy ResNet (Dropout(0): no random masks to match), load or save the
 # initial weights, fit `count` images in order, save the trained weights.
-CHILD = HEAD.format(ours="from pserver.keras import layers", theirs="from keras import layers") + r'''
+CHILD = child("from pserver.keras import layers", "from keras import layers", r'''
 from _ours import load_mnist
 inputs = keras.Input(shape=(28, 28, 1), name="img")
 x = layers.Conv2D(32, 3, activation="relu")(inputs)
@@ -79,11 +97,7 @@ x = layers.GlobalAveragePooling2D()(x)
 x = layers.Dense(256, activation="relu")(x)
 x = layers.Dropout(0.0)(x)
 model = keras.Model(inputs, layers.Dense(10)(x), name="toy_resnet")
-if os.path.exists(init):
-    saved = np.load(init)
-    model.set_weights([saved[f"arr_{i}"] for i in range(len(saved.files))])
-else:
-    np.savez(init, *model.get_weights())
+start(model)
 (xt, yt), _ = load_mnist()
 xt = np.expand_dims(xt[:count], -1).astype("float32") / 255.0
 yt = keras.utils.to_categorical(yt[:count], 10)
@@ -91,11 +105,11 @@ model.compile(optimizer=keras.optimizers.RMSprop(1e-3),
               loss=keras.losses.CategoricalCrossentropy(from_logits=True), metrics=["acc"])
 model.fit(xt, yt, batch_size=64, epochs=1, shuffle=False, verbose=0)
 np.savez(final, *model.get_weights())
-'''
+''')
 
 # keras-rs's DCN on MovieLens (dcn_movielens.py's model and data): `epochs` over the 80,000 training
 # ratings in order, then its test RMSE printed as JSON.
-DCN_CHILD = HEAD.format(ours="import pserver.keras_rs as keras_rs", theirs="import keras_rs") + r'''
+DCN_CHILD = child("import pserver.keras_rs as keras_rs", "import keras_rs", r'''
 from _ours import load_movielens
 features, ratings = load_movielens()
 names = ["movie_id", "user_id", "user_gender", "bucketized_user_age", "user_zip_code", "user_occupation_text"]
@@ -110,22 +124,14 @@ x = keras_rs.layers.FeatureCross()(x)
 for units in (192, 192):
     x = keras.layers.Dense(units, activation="relu")(x)
 model = keras.Model(inputs=inputs, outputs=keras.layers.Dense(1)(x))
-if os.path.exists(init):
-    saved = [np.load(init)[f"arr_{i}"] for i in range(len(np.load(init).files))]
-    if side == "keras-nudged":     # each weight one float32 ulp up or down: only rounding differs
-        rng = np.random.default_rng(0)
-        saved = [np.nextafter(w, np.where(rng.random(w.shape) < 0.5, -np.inf, np.inf).astype(w.dtype))
-                 for w in saved]
-    model.set_weights(saved)
-else:
-    np.savez(init, *model.get_weights())
+start(model)
 model.compile(optimizer=keras.optimizers.AdamW(learning_rate=0.01), loss=keras.losses.MeanSquaredError(),
               metrics=[keras.metrics.RootMeanSquaredError()])
 model.fit(train_x, train_y, batch_size=1024, epochs=count, shuffle=False, verbose=0)
 got = model.evaluate(test_x, test_y, batch_size=1024, return_dict=True, verbose=0)
 np.savez(final, *model.get_weights())
 print(json.dumps({"rmse": float(got["root_mean_squared_error"])}))
-'''
+''')
 
 SIDES = {"keras": {}, "keras-1thread": {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"},
          "pserver": {}}
@@ -137,14 +143,13 @@ DCN_PAIRS = (("keras", "keras-nudged"), ("keras", "pserver"), ("keras-nudged", "
 PAIRS = (("keras", "keras-1thread"), ("keras", "pserver"), ("keras-1thread", "pserver"))
 
 
-def run(side: str, steps: int, tmp: Path, args, seed: int | None = None) -> tuple[Path, dict]:
+def run(side: str, steps: int, tmp: Path, args, seed: int) -> tuple[Path, dict]:
     """One side's run from tmp/init.npz (written by the first): its final weights, and what it
     printed (the DCN's test RMSE). `steps`: batches of the toy ResNet, epochs of the DCN."""
     final = tmp / f"{side}-{steps}.npz"
     python = sys.executable if side == "pserver" else args.keras_python
     dcn = args.model == "dcn"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(DCN_SIDES if dcn else SIDES)[side]}
-    seed = args.seed if seed is None else seed
     out = subprocess.run([python, "-c", DCN_CHILD if dcn else CHILD, side, str(steps if dcn else steps * 64),
                           str(tmp / "init.npz"), str(final), str(HERE), str(seed)],
                          env=env, check=True, timeout=1800, capture_output=True, text=True).stdout
