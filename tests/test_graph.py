@@ -238,9 +238,8 @@ def test_integer_inputs_reach_a_dense_layer_as_floats_and_an_embedding_as_ids():
     dense = x[0].astype(np.float32) @ views["dense/kernel"] + views["dense/bias"]
     expected = np.concatenate([dense[0], emb]) @ views["dense_1/kernel"] + views["dense_1/bias"]
     assert np.allclose(out[0], expected, rtol=1e-5)
-    with pytest.raises(ConfigError, match=r"^--device cuda: .*functional: layer embedding \(Embedding\) "
-                                          r"has no CUDA kernels\. Use --device cpu for this model$"):
-        on_device(model, "cuda")
+    from pserver.models import cuda_support
+    cuda_support.check(model)     # a dense table runs on the GPU (tests/cuda_sim/check_graph_cuda.py)
 
 
 def test_keras_ios_toy_resnet_passes_the_cuda_check():
@@ -260,11 +259,33 @@ def test_keras_ios_toy_resnet_passes_the_cuda_check():
     cuda_support.check(Functional(inputs, Dense(10)(x)).build())
 
 
+def test_a_sparse_embedding_is_refused_on_cuda_and_a_dense_one_runs():
+    """Catches: a sparse table's lookup (rows pulled from the shards per batch) sent to the
+    GPU's dense kernels, which would read a table that is not in the layout."""
+    from pserver.models import cuda_support
+    ids = Symbolic((None, 2), "int64")
+    sparse = Functional({"ids": ids}, Dense(2)(Flatten()(Embedding(None, 2, sparse=True)(ids)))).build()
+    with pytest.raises(ConfigError, match=r"; functional: layer embedding \(Embedding\) is sparse \(its "
+                                          r"rows live on the shards; a dense table runs on the GPU\)\. Use "):
+        cuda_support.check(sparse)
+    cuda_support.check(Functional(ids, Dense(2)(Flatten()(Embedding(10, 2)(ids)))).build())
+
+
 @pytest.mark.parametrize("make,why", [
     (lambda x: Dot(axes=1)([Dense(2)(x), Dense(2)(x)]), r"layer dot \(Dot\) has no CUDA kernels"),
     (lambda x: Dense(2)(x) ** 2.0, "op power has no CUDA kernel"),
     (lambda x: Dense(2)(x) - ops.sum(Dense(2)(x), axis=0), "op sum over the batch axis has no CUDA kernel"),
-    (lambda x: [Dense(2)(x), Dense(3)(x)], r"it has 2 outputs \(one runs on the GPU\)"),
+    (lambda x: Dense(2)(x) - ops.max(Dense(2)(x), axis=0), "op max over the batch axis has no CUDA kernel"),
+    (lambda x: ops.softmax(Dense(2)(x), axis=0),
+     "op softmax along another axis than the last has no CUDA kernel"),
+    (lambda x: ops.clip(Dense(2)(x), Dense(2)(x), 1.0),
+     "op clip with bounds that are not numbers has no CUDA kernel"),
+    (lambda x: ops.cast(ops.cast(Dense(2)(x), "int32"), "float32"),
+     r"op cast to int32 has no CUDA kernel \(the GPU's tensors are float32\)"),
+    (lambda x: ops.take(Dense(4)(x), np.array([0, 2]), axis=1), "op take has no CUDA kernel"),
+    (lambda x: Flatten()(Embedding(2**24 + 1, 2)(x)),
+     r"layer embedding \(Embedding\) has input_dim=16777217: a batch reaches the GPU as float32, which "
+     "holds ids exactly up to 16777216"),
 ])
 def test_a_graph_that_cannot_run_on_cuda_is_refused_in_one_line_before_numba_cuda(make, why):
     """Catches: a layer or op without CUDA kernels let through to fail mid-step on the device
@@ -302,3 +323,13 @@ def test_the_graph_layers_compute_what_numpy_and_keras_say(n, a, b, d, seed):
     assert np.array_equal(GlobalMaxPooling2D()(image), image.max(axis=(1, 2)))
     assert np.allclose(GlobalAveragePooling2D(keepdims=True)(image), image.mean(axis=(1, 2), keepdims=True),
                        atol=1e-6)
+
+
+def test_an_id_outside_the_table_is_named_where_the_data_holds_it_padding_and_all():
+    """Catches: the position counted among the ids left after dropping the padding (the first
+    bad id of [[0, 0, 1], [2, 0, 7]] reported at (3,) rather than (1, 2))."""
+    with pytest.raises(ValueError, match=r"^layer embedding \(Embedding\): id 7 at \(1, 2\) is not an "):
+        Embedding(5, 2, mask_zero=True).check_ids(np.array([[0, 0, 1], [2, 0, 7]]))
+    with pytest.raises(ValueError, match=r"id 1\.5 at \(0, 1\) is not an integer"):
+        Embedding(5, 2).check_ids(np.array([[0, 1.5, 9]]))
+    Embedding(5, 2, mask_zero=True).check_ids(np.array([[0, 0, 4]]))

@@ -52,6 +52,7 @@ from pserver.kernels.reference import (  # noqa: F401  (this backend's API)
     global_avgpool_forward,
     global_maxpool_backward,
     global_maxpool_forward,
+    ids_into,
     scale_by,
     select_grad,
 )

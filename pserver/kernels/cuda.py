@@ -51,6 +51,7 @@ from pserver.kernels.cuda_graph import (  # noqa: F401
     global_avgpool_forward,
     global_maxpool_backward,
     global_maxpool_forward,
+    ids_into,
     scale_by,
     select_grad,
 )

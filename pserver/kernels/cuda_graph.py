@@ -1,8 +1,9 @@
-"""The graph's kernels on the GPU: element-wise arithmetic with broadcasting and its gradients,
-sums to a shape and broadcasts from one, column blocks (concatenate, split), the merge layers'
-max/min, and global pooling. `pserver.kernels.cuda` exports the GRAPH_KERNELS among these
-launchers (the layers call them as `k.elementwise(...)` on any backend); the rest
-(elementwise_grad, sum_to, broadcast_to, fill) are for the ops' device forms
+"""The graph's kernels on the GPU: element-wise arithmetic and comparisons with broadcasting and
+the arithmetic's gradients, the unary math (exp, log, sqrt, square, abs), clip and where, softmax
+and log_softmax along the last axis, sums, maxima and minima to a shape and broadcasts from one,
+transposes, column blocks (concatenate, split), the merge layers' max/min, and global pooling.
+`pserver.kernels.cuda` exports the GRAPH_KERNELS among these launchers (the layers call them as
+`k.elementwise(...)` on any backend); the rest are for the ops' device forms
 (pserver.models.cuda_ops), whose NumPy twins are the ops themselves (pserver.ops).
 
 Every kernel runs one thread per element of a flat view (ELEMENT_THREADS per block). Shapes
@@ -12,8 +13,10 @@ each kernel compiles once whatever the rank; a stride of 0 is a broadcast axis.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, int64
 
 from pserver.kernels import reference
 from pserver.kernels.cuda_grid import ELEMENT_THREADS, _blocks, _flat, fill_kernel
@@ -21,8 +24,11 @@ from pserver.kernels.cuda_grid import ELEMENT_THREADS, _blocks, _flat, fill_kern
 # The highest rank a broadcast, a sum to a shape or a broadcast from one takes (the batch and
 # five more axes).
 RANK = 6
-# elementwise's kinds, as the kernels number them.
-CODES = {kind: i for i, kind in enumerate(reference.ELEMENTWISE)}
+# elementwise's kinds and then compare's (a comparison gives 1.0 where true, 0.0 where false:
+# every device array is float32, and where's condition and a cast of a mask read them so), as
+# the kernels number them. unary's: reference.UNARY's order.
+COMPARISONS, UNARY = reference.COMPARISONS, reference.UNARY
+CODES = {kind: i for i, kind in enumerate(reference.ELEMENTWISE + COMPARISONS)}
 
 
 def _launch(kernel, count, stream, *args):
@@ -45,7 +51,19 @@ def _apply(code, a, b):
         return a / b
     if code == 4:      # NaN in either wins, as NumPy's maximum
         return a if (a != a or a >= b) else b
-    return a if (a != a or a <= b) else b
+    if code == 5:
+        return a if (a != a or a <= b) else b
+    if code == 6:
+        return float32(a > b)
+    if code == 7:
+        return float32(a >= b)
+    if code == 8:
+        return float32(a < b)
+    if code == 9:
+        return float32(a <= b)
+    if code == 10:
+        return float32(a == b)
+    return float32(a != b)
 
 
 @cuda.jit(device=True)
@@ -78,6 +96,135 @@ def _offsets(i, shape, sa, sb):
     return ia, ib
 
 
+@cuda.jit(device=True)
+def _unary(code, x):
+    if code == 0:
+        return math.exp(x)
+    if code == 1:
+        return math.log(x)
+    if code == 2:
+        return math.sqrt(x)
+    if code == 3:
+        return x * x
+    return abs(x)
+
+
+@cuda.jit(device=True)
+def _unary_partial(code, x, out):
+    """d out / d x, as pserver.ops.math's: in terms of the output where that is cheaper; abs's
+    is sign(x), 0 at 0."""
+    if code == 0:
+        return out
+    if code == 1:
+        return float32(1.0) / x
+    if code == 2:
+        return float32(0.5) / out
+    if code == 3:
+        return float32(2.0) * x
+    return float32(x > 0) - float32(x < 0)
+
+
+@cuda.jit
+def unary_kernel(code, x, out):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = _unary(code, x[i])
+
+
+@cuda.jit
+def unary_grad_kernel(code, g, x, out, dx):
+    i = cuda.grid(1)
+    if i < dx.shape[0]:
+        dx[i] = g[i] * _unary_partial(code, x[i], out[i])
+
+
+@cuda.jit
+def clip_kernel(x, lo, hi, out):
+    """np.clip's order: below lo gives lo, then above hi gives hi (so lo > hi gives hi); NaN
+    stays NaN."""
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        v = x[i]
+        if v < lo:
+            v = lo
+        if v > hi:
+            v = hi
+        out[i] = v
+
+
+@cuda.jit
+def clip_grad_kernel(g, x, lo, hi, dx):
+    """The gradient where lo <= x <= hi, 0 where x was clipped (pserver.ops.math's _clip_vjp)."""
+    i = cuda.grid(1)
+    if i < dx.shape[0]:
+        v = x[i]
+        dx[i] = float32(0.0) if (v < lo or v > hi) else g[i]
+
+
+@cuda.jit
+def where_kernel(c, a, b, out, shape, sc, sa, sb):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        ic, ia = _offsets(i, shape, sc, sa)
+        _, ib = _offsets(i, shape, sc, sb)
+        out[i] = a[ia] if c[ic] != 0 else b[ib]
+
+
+@cuda.jit
+def where_grad_kernel(c, g, dfull, shape, sc, take):
+    """dfull = g where the condition is `take` (x1's share, or x2's), at the output's shape."""
+    i = cuda.grid(1)
+    if i < dfull.shape[0]:
+        ic, _ = _offsets(i, shape, sc, sc)
+        dfull[i] = g[i] if (c[ic] != 0) == take else float32(0.0)
+
+
+@cuda.jit
+def ids_kernel(x, ids, has_padding, padding):
+    i = cuda.grid(1)
+    if i < ids.shape[0]:
+        v = x[i]
+        ids[i] = -1 if has_padding and v == padding else int64(v)
+
+
+@cuda.jit
+def softmax_rows_kernel(x, out, log):
+    """One thread per row of x (rows, last axis): softmax, or log_softmax, of the row, shifted by
+    its max as pserver.ops.nn's."""
+    r = cuda.grid(1)
+    if r < x.shape[0]:
+        n = x.shape[1]
+        top = x[r, 0]
+        for j in range(1, n):
+            top = max(top, x[r, j])
+        total = float32(0.0)
+        for j in range(n):
+            total += math.exp(x[r, j] - top)
+        if log:
+            shift = top + math.log(total)
+            for j in range(n):
+                out[r, j] = x[r, j] - shift
+        else:
+            for j in range(n):
+                out[r, j] = math.exp(x[r, j] - top) / total
+
+
+@cuda.jit
+def softmax_rows_grad_kernel(g, out, dx, log):
+    """softmax's VJP out * (g - sum(g * out)), or log_softmax's g - exp(out) * sum(g), per row."""
+    r = cuda.grid(1)
+    if r < g.shape[0]:
+        n = g.shape[1]
+        total = float32(0.0)
+        for j in range(n):
+            total += g[r, j] if log else g[r, j] * out[r, j]
+        for j in range(n):
+            if log:
+                dx[r, j] = g[r, j] - math.exp(out[r, j]) * total
+            else:
+                dx[r, j] = out[r, j] * (g[r, j] - total)
+
+
 @cuda.jit
 def binary_kernel(code, a, b, out, shape, sa, sb):
     i = cuda.grid(1)
@@ -95,6 +242,34 @@ def binary_grad_kernel(code, which, g, a, b, out, dfull, shape, sa, sb):
         dfull[i] = g[i] * _partial(code, which, a[ia], b[ib], out[i])
 
 
+@cuda.jit(device=True)
+def _group_size(fshape, tshape):
+    """How many elements of a tensor of fshape reduce into one of tshape (1 on each axis
+    reduced)."""
+    count = 1
+    for d in range(RANK):
+        if tshape[d] != fshape[d]:
+            count *= fshape[d]
+    return count
+
+
+@cuda.jit(device=True)
+def _member(j, r, fshape, tshape):
+    """The flat index, in a tensor of fshape, of the r-th element that reduces into element j of
+    one of tshape."""
+    at, stride = 0, 1
+    for d in range(RANK - 1, -1, -1):
+        if tshape[d] != fshape[d]:
+            k = r % fshape[d]
+            r //= fshape[d]
+        else:
+            k = j % tshape[d]
+            j //= tshape[d]
+        at += k * stride
+        stride *= fshape[d]
+    return at
+
+
 @cuda.jit
 def sum_to_kernel(full, out, fshape, tshape, scale):
     """out[j] = scale * the sum of the elements of full that broadcasting from out's shape
@@ -102,24 +277,41 @@ def sum_to_kernel(full, out, fshape, tshape, scale):
     j = cuda.grid(1)
     if j >= out.shape[0]:
         return
-    count = 1
-    for d in range(RANK):
-        if tshape[d] != fshape[d]:
-            count *= fshape[d]
     acc = float32(0.0)
-    for r in range(count):
-        rj, rr, at, stride = j, r, 0, 1
-        for d in range(RANK - 1, -1, -1):
-            if tshape[d] != fshape[d]:
-                k = rr % fshape[d]
-                rr //= fshape[d]
-            else:
-                k = rj % tshape[d]
-                rj //= tshape[d]
-            at += k * stride
-            stride *= fshape[d]
-        acc += full[at]
+    for r in range(_group_size(fshape, tshape)):
+        acc += full[_member(j, r, fshape, tshape)]
     out[j] = acc * scale
+
+
+@cuda.jit
+def extreme_to_kernel(full, out, fshape, tshape, is_max):
+    """out[j] = the max (min) of the elements of full that reduce into j; NaN wins, as NumPy's."""
+    j = cuda.grid(1)
+    if j >= out.shape[0]:
+        return
+    best = full[_member(j, 0, fshape, tshape)]
+    for r in range(1, _group_size(fshape, tshape)):
+        v = full[_member(j, r, fshape, tshape)]
+        if best == best and (v != v or (v > best if is_max else v < best)):
+            best = v
+    out[j] = best
+
+
+@cuda.jit
+def extreme_to_grad_kernel(full, out, g, dfull, fshape, tshape):
+    """dfull = g[j] shared equally among the elements of j's group that equal out[j] (ties, as
+    pserver.ops.reduce's), 0 at the others. One thread per out element."""
+    j = cuda.grid(1)
+    if j >= out.shape[0]:
+        return
+    size = _group_size(fshape, tshape)
+    hits = 0
+    for r in range(size):
+        hits += full[_member(j, r, fshape, tshape)] == out[j]
+    share = g[j] / float32(hits)
+    for r in range(size):
+        at = _member(j, r, fshape, tshape)
+        dfull[at] = share if full[at] == out[j] else float32(0.0)
 
 
 @cuda.jit
@@ -231,9 +423,9 @@ def _strides(shape, out_shape) -> tuple:
     return tuple(strides)
 
 
-def _code(kind) -> int:
-    if kind not in CODES:
-        raise ValueError(f"elementwise: unknown kind {kind!r}; choose one of {', '.join(CODES)}")
+def _code(kind, kinds=reference.ELEMENTWISE, name="elementwise") -> int:
+    if kind not in kinds:
+        raise ValueError(f"{name}: unknown kind {kind!r}; choose one of {', '.join(kinds)}")
     return CODES[kind]
 
 
@@ -264,6 +456,132 @@ def elementwise_grad(kind, which, g, a, b, out, dx, *, stream=0):
             _flat(full), _padded(shape, 1), _strides(a.shape, shape), _strides(b.shape, shape))
     if full is not dx:
         sum_to(full, dx, stream=stream)
+
+
+def compare(kind, a, b, out, *, stream=0):
+    """out[:] = 1.0 where a (kind) b holds, else 0.0, with NumPy's broadcasting: a comparison
+    of COMPARISONS on float32 device arrays, which carry no booleans."""
+    code, shape = _code(kind, COMPARISONS, "compare"), _broadcast_shape("compare", a, b, out)
+    _launch(binary_kernel, out.size, stream, code, _flat(a), _flat(b), _flat(out), _padded(shape, 1),
+            _strides(a.shape, shape), _strides(b.shape, shape))
+
+
+def unary(kind, x, out, *, stream=0):
+    """out[:] = kind(x), a kind of UNARY (out may be x)."""
+    if x.shape != out.shape:
+        raise ValueError(f"unary: x {x.shape}, out {out.shape}")
+    _launch(unary_kernel, out.size, stream, UNARY.index(_unary_kind(kind)), _flat(x), _flat(out))
+
+
+def unary_grad(kind, g, x, out, dx, *, stream=0):
+    """dx[:] = g * d kind(x) / dx, with out = kind(x): the VJP of `unary`."""
+    if not g.shape == x.shape == out.shape == dx.shape:
+        raise ValueError(f"unary_grad: g {g.shape}, x {x.shape}, out {out.shape}, dx {dx.shape}")
+    _launch(unary_grad_kernel, dx.size, stream, UNARY.index(_unary_kind(kind)), _flat(g), _flat(x),
+            _flat(out), _flat(dx))
+
+
+def _unary_kind(kind) -> str:
+    if kind not in UNARY:
+        raise ValueError(f"unary: unknown kind {kind!r}; choose one of {', '.join(UNARY)}")
+    return kind
+
+
+def clip(x, lo, hi, out, *, stream=0):
+    """out[:] = np.clip(x, lo, hi) for numbers lo and hi (out may be x)."""
+    if x.shape != out.shape:
+        raise ValueError(f"clip: x {x.shape}, out {out.shape}")
+    _launch(clip_kernel, out.size, stream, _flat(x), float32(lo), float32(hi), _flat(out))
+
+
+def clip_grad(g, x, lo, hi, dx, *, stream=0):
+    """dx[:] = g where lo <= x <= hi, else 0: clip's VJP to x."""
+    if not g.shape == x.shape == dx.shape:
+        raise ValueError(f"clip_grad: g {g.shape}, x {x.shape}, dx {dx.shape}")
+    _launch(clip_grad_kernel, dx.size, stream, _flat(g), _flat(x), float32(lo), float32(hi), _flat(dx))
+
+
+def where(c, a, b, out, *, stream=0):
+    """out[:] = a where c != 0, else b, all three broadcast to out's shape."""
+    shape = np.broadcast_shapes(c.shape, a.shape, b.shape)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"where: c {c.shape}, a {a.shape}, b {b.shape}, out {out.shape}")
+    _launch(where_kernel, out.size, stream, _flat(c), _flat(a), _flat(b), _flat(out), _padded(shape, 1),
+            _strides(c.shape, shape), _strides(a.shape, shape), _strides(b.shape, shape))
+
+
+def where_grad(c, g, take: bool, dx, *, stream=0):
+    """dx[:] = g where (c != 0) == take, else 0, summed back to dx's shape: where's VJP to x1
+    (take True) or x2."""
+    shape = tuple(g.shape)
+    if np.broadcast_shapes(c.shape, dx.shape, shape) != shape:
+        raise ValueError(f"where_grad: c {c.shape}, g {g.shape}, dx {dx.shape}")
+    full = dx if dx.shape == shape else cuda.device_array(shape, np.float32, stream=stream)
+    _launch(where_grad_kernel, full.size, stream, _flat(c), _flat(g), _flat(full), _padded(shape, 1),
+            _strides(c.shape, shape), bool(take))
+    if full is not dx:
+        sum_to(full, dx, stream=stream)
+
+
+def ids_into(x, ids, padding=None, *, stream=0):
+    """ids[:] = x as integers (int64 ids from a float32 batch), -1 where x holds `padding`
+    (None: no padding id)."""
+    if x.shape != ids.shape:
+        raise ValueError(f"ids_into: x {x.shape}, ids {ids.shape}")
+    _launch(ids_kernel, ids.size, stream, _flat(x), _flat(ids), padding is not None,
+            float32(0 if padding is None else padding))
+
+
+def _rows_of(name, *arrays):
+    """Each array as (rows, its last axis), all of one shape."""
+    if len({tuple(a.shape) for a in arrays}) != 1 or len(arrays[0].shape) == 0 or arrays[0].size == 0:
+        raise ValueError(f"{name}: {[tuple(a.shape) for a in arrays]}")
+    last = arrays[0].shape[len(arrays[0].shape) - 1]      # the simulator's shapes take no negative index
+    return [a.reshape(a.size // last, last) for a in arrays]
+
+
+def softmax(x, out, log=False, *, stream=0):
+    """out[:] = softmax (log_softmax with log) of x along its last axis."""
+    x2, out2 = _rows_of("softmax", x, out)
+    _launch(softmax_rows_kernel, x2.shape[0], stream, x2, out2, bool(log))
+
+
+def softmax_grad(g, out, dx, log=False, *, stream=0):
+    """dx[:] = the VJP of `softmax` (log_softmax with log) at g, from its output."""
+    g2, out2, dx2 = _rows_of("softmax_grad", g, out, dx)
+    _launch(softmax_rows_grad_kernel, g2.shape[0], stream, g2, out2, dx2, bool(log))
+
+
+def _reduced_to(name, full, out):
+    if np.broadcast_shapes(out.shape, full.shape) != tuple(full.shape) or len(out.shape) != len(full.shape):
+        raise ValueError(f"{name}: {full.shape} does not reduce to {out.shape} (keepdims)")
+
+
+def extreme_to(kind, x, out, *, stream=0):
+    """out[:] = the max (kind "max") or min of x over the axes where out (keepdims) has 1."""
+    _reduced_to("extreme_to", x, out)
+    _launch(extreme_to_kernel, out.size, stream, _flat(x), _flat(out), _padded(x.shape, 1),
+            _padded(out.shape, 1), kind == "max")
+
+
+def extreme_to_grad(x, out, g, dx, *, stream=0):
+    """dx[:] = g shared equally among the elements of x equal to their group's extreme `out`
+    (keepdims, g of its shape), 0 elsewhere: extreme_to's VJP."""
+    _reduced_to("extreme_to_grad", x, out)
+    if g.shape != out.shape or dx.shape != x.shape:
+        raise ValueError(f"extreme_to_grad: x {x.shape}, out {out.shape}, g {g.shape}, dx {dx.shape}")
+    _launch(extreme_to_grad_kernel, out.size, stream, _flat(x), _flat(out), _flat(g), _flat(dx),
+            _padded(x.shape, 1), _padded(out.shape, 1))
+
+
+def transpose(x, axes, out, *, stream=0):
+    """out[:] = np.transpose(x, axes)."""
+    axes = tuple(int(a) % len(x.shape) for a in axes)
+    if sorted(axes) != list(range(len(x.shape))) or tuple(out.shape) != tuple(x.shape[a] for a in axes):
+        raise ValueError(f"transpose: x {x.shape} by {axes} into {out.shape}")
+    strides = _strides(x.shape, x.shape)[RANK - len(axes):]
+    _launch(broadcast_kernel, out.size, stream, _flat(x), _flat(out), _padded(out.shape, 1),
+            _padded([strides[a] for a in axes], 0), float32(1.0))
 
 
 def sum_to(g, out, scale=1.0, *, stream=0):
@@ -361,6 +679,8 @@ def global_maxpool_backward(dy, argmax, dx, *, stream=0):
     _launch(global_pool_backward_kernel, dx.size, stream, dy, argmax, dx, True)
 
 
-__all__ = ["RANK", "elementwise", "elementwise_grad", "sum_to", "broadcast_to", "fill", "scale_by",
+__all__ = ["RANK", "COMPARISONS", "UNARY", "elementwise", "elementwise_grad", "compare", "unary",
+           "unary_grad", "clip", "clip_grad", "where", "where_grad", "softmax", "softmax_grad", "extreme_to",
+           "extreme_to_grad", "transpose", "ids_into", "sum_to", "broadcast_to", "fill", "scale_by",
            "extreme_forward", "select_grad", "columns_into", "columns_from", "global_avgpool_forward",
            "global_avgpool_backward", "global_maxpool_forward", "global_maxpool_backward"]

@@ -378,6 +378,11 @@ def copy(x, out):
 # -- the graph's layers: merges and global pooling (memory-bound: NumPy on the host) -----------
 
 ELEMENTWISE = ("add", "subtract", "multiply", "divide", "maximum", "minimum")
+# The kinds the graph's other CUDA kernels take (pserver.kernels.cuda_graph's unary and compare,
+# numbered in this order there; named here, where a CPU-only install can read them): their NumPy
+# twins are pserver.ops.math's ops of these names.
+UNARY = ("exp", "log", "sqrt", "square", "abs")
+COMPARISONS = ("greater", "greater_equal", "less", "less_equal", "equal", "not_equal")
 
 
 def elementwise(kind, a, b, out):
@@ -385,6 +390,16 @@ def elementwise(kind, a, b, out):
     if kind not in ELEMENTWISE:
         raise ValueError(f"elementwise: unknown kind {kind!r}; choose one of {', '.join(ELEMENTWISE)}")
     getattr(np, kind)(a, b, out=out)
+
+
+def ids_into(x, ids, padding=None):
+    """ids[:] = x as integers (an id input may come as floats: a batch on the GPU is float32),
+    with -1 (the lookups' padding) where x holds `padding` (None: no padding id)."""
+    if x.shape != ids.shape:
+        raise ValueError(f"ids_into: x {x.shape}, ids {ids.shape}")
+    np.copyto(ids, x, casting="unsafe")
+    if padding is not None:
+        ids[x == padding] = -1
 
 
 def fill(a, value):

@@ -158,23 +158,24 @@ class Embedding(Layer):
     def check_ids(self, x: np.ndarray) -> None:
         """Ids outside [0, input_dim) would read another row, or outside the table (padding
         reads none)."""
-        if self.padding is not None:
-            x = x[x != self.padding]
-        if x.size and (x.min() < 0 or x.max() >= self.input_dim or not np.all(x == np.floor(x))):
+        ids = x if self.padding is None else x[x != self.padding]
+        if ids.size and (ids.min() < 0 or ids.max() >= self.input_dim or not np.all(ids == np.floor(ids))):
             bad = (x < 0) | (x >= self.input_dim) | (x != np.floor(x))
-            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            if self.padding is not None:
+                bad &= x != self.padding
+            first = tuple(int(i) for i in np.argwhere(bad)[0])    # where the data has it, padding and all
             raise ValueError(f"{self.label}: id {x[first].item()!r} at {first} is not an integer in "
                             f"[0, input_dim={self.input_dim})")
 
-    def _ids(self, p, x, s) -> np.ndarray:
+    def _ids(self, k, p, x, s) -> np.ndarray:
         """The row of the table each input reads (-1: padding): a sparse layer's are its lookup's
         inverse (int64 positions among the batch's rows, given as p["positions"]); a dense
-        one's, x, are checked and copied."""
+        one's, x, are checked (on the host: on the GPU an id outside the table reads a row of NaN,
+        pserver.kernels.cuda.embedding_forward) and copied."""
         if not self.sparse:
-            self.check_ids(x)
-            np.copyto(s["ids"], x, casting="unsafe")
-            if self.padding is not None:
-                s["ids"][x == self.padding] = -1         # the kernels' padding
+            if isinstance(x, np.ndarray):
+                self.check_ids(x)
+            k.ids_into(x, s["ids"], self.padding)
             return s["ids"]
         if "embeddings" not in p:
             raise ConfigError(f"{self.label}: a sparse Embedding trains in a model with sparse "
@@ -184,7 +185,7 @@ class Embedding(Layer):
 
     def forward(self, k, p, x, out, s, run):
         x, weights = (x[0], x[1]) if self.takes_list else (x, s.get("weights"))
-        ids = self._ids(p, x, s)
+        ids = self._ids(k, p, x, s)
         if self.pooled:
             k.pooled_embedding_forward(ids, weights, p["embeddings"], COMBINERS[self.combiner], out)
         else:

@@ -6,7 +6,7 @@ Functional or a Sequential. It runs the model's own graph (pserver.models.graph'
 and backward, with its layer objects unchanged) with `pserver.kernels.cuda` on device arrays in
 place of the CPU kernels, the ops' device forms (pserver.models.cuda_ops) in place of NumPy's,
 and its buffers in device memory. What runs (the layers, the ops, the losses) and the one-line
-refusal of anything else (Embedding, the CTR models): pserver.models.cuda_support. Per
+refusal of anything else (a sparse Embedding, the CTR models): pserver.models.cuda_support. Per
 training step, all on this thread's CUDA stream, in order:
 
     host -> device   the pulled flat weight vector w (P floats), the batch x (n x input shape)
@@ -15,8 +15,15 @@ training step, all on this thread's CUDA stream, in order:
                      stage it itself, synchronously)
     on the device    forward, loss (reduced on the device), backward into one flat gradient
                      vector whose per-tensor views are where the kernels write
-    device -> host   the flat gradient (P floats) and the loss (one float64), into pinned
-                     buffers; then the step's one wait, and a host copy into grad_out
+    device -> host   the flat gradient (P floats), the loss (one float64) and the output (for
+                     the batch's accuracy), into pinned buffers; then the step's one wait, and a
+                     host copy into grad_out
+
+That is a loss the GPU computes (cuda_support.loss_on_device: one output, sparse categorical
+cross-entropy or MSE, no compiled metric). Any other loss runs on the host, the host model's
+own (Functional.output_loss): the step's outputs come to the host, and their d loss / d output
+go back before the backward pass. Evaluation scores on the host in every case
+(Functional.evaluate_with), from the outputs of the forward pass on the device.
 
 The per-thread state (stream, pinned buffers, device buffers per batch size) mirrors the CPU
 model's per-thread buffers: a worker may evaluate in one thread while it trains in another.
@@ -72,12 +79,31 @@ class CudaModel(Model):
         # would otherwise start on device 0, so every call enters this one explicitly.
         self.device_id = current_index()
         # Whether training steps become step graphs (the module's docstring): False in the
-        # simulator, for a model with dropout, or with PSERVER_CUDA_GRAPHS=0.
+        # simulator, for a model with dropout, with PSERVER_CUDA_GRAPHS=0, or for a step whose
+        # loss runs on the host (loss_on_host).
         self.step_graphs = (not config.ENABLE_CUDASIM and os.environ.get("PSERVER_CUDA_GRAPHS", "1") != "0"
                             and cuda_support.draws_at_random(host) is None)
 
+    @property
+    def loss_on_host(self) -> bool:
+        """Whether a training step brings its outputs to the host for the loss (the host model's
+        own, cuda_support.loss_on_device says when) and takes d loss / d outputs back."""
+        return not cuda_support.loss_on_device(self.host)
+
+    # The batch's metrics as the host model measured them (Functional.output_loss): the worker
+    # pushes them with each step, and Keras's History reads them.
+    batch_correct = property(lambda self: getattr(self.host, "batch_correct", 0.0))
+    batch_metric_sums = property(lambda self: getattr(self.host, "batch_metric_sums", ()))
+    batch_sums = property(lambda self: getattr(self.host, "batch_sums", {}))
+
     def init_params(self, seed):
         return self.host.init_params(seed)
+
+    def check_data(self, x, y, what: str = "data"):
+        """The host model's check of a whole dataset before step 1 (shapes, labels, NaN, ids
+        against an Embedding's table): the device reads ids unchecked, an id outside the table
+        giving a row of NaN."""
+        return self.host.check_data(x, y, what)
 
     def frozen_weights(self) -> list[str]:
         """The host model's frozen tensors (the shards leave them as they are)."""
@@ -88,6 +114,7 @@ class CudaModel(Model):
     def loss_and_grad(self, w, x, y, grad_out, seed: int | None = None, timings: bool = False):
         """As Sequential.loss_and_grad. With `timings`, returns (loss, {"h2d", "compute",
         "d2h"}: milliseconds between CUDA events recorded on the step's stream)."""
+        y, sample_weight = self.host.unweigh(y)
         x, y = self._check(w, x, y)
         if (grad_out.shape != w.shape or grad_out.dtype != w.dtype
                 or not grad_out.flags.c_contiguous):
@@ -95,6 +122,10 @@ class CudaModel(Model):
                              f"{w.shape}, got {grad_out.dtype} {grad_out.shape} with strides "
                              f"{grad_out.strides}")
         run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
+        if self.loss_on_host:
+            loss = self._step_with_host_loss(w, x, y, sample_weight, run)
+            np.copyto(grad_out, self._state().g_host)
+            return loss + self.host._regularize(w, grad_out)
         with cuda.gpus[self.device_id]:
             st = self._state()
             b, s = st.batch(self, x.shape[0]), st.stream
@@ -109,9 +140,11 @@ class CudaModel(Model):
             else:
                 self._enqueue_step(st, b, run, events)
             b.trained = True
-            # The step's one wait: after it the gradient and the loss are in pinned memory,
-            # and the staging buffers are free for the next step.
+            # The step's one wait: after it the gradient, the loss and the output are in pinned
+            # memory, and the staging buffers are free for the next step.
             s.synchronize()
+        if self.task == "classification":        # the batch's accuracy, as the host model's
+            self.host.batch_correct = metrics.accuracy(b.outs_host[0], y)
         np.copyto(grad_out, st.g_host)
         if self._loss_scale != 1:
             grad_out *= np.float32(self._loss_scale)   # linear in the output's gradient
@@ -136,7 +169,31 @@ class CudaModel(Model):
         _record(events, 2, s)
         st.g.copy_to_host(st.g_host, stream=s)
         b.loss.copy_to_host(st.loss_host, stream=s)
+        acts[-1].copy_to_host(b.outs_host[0], stream=s)
         _record(events, 3, s)
+
+    def _step_with_host_loss(self, w, x, y, sample_weight, run) -> float:
+        """A training step whose loss runs on the host: forward on the device, the outputs to
+        the host, the host model's loss and metrics there (Functional.output_loss), d loss / d
+        outputs back, backward on the device; the gradient left in the pinned g_host. Eager:
+        the step waits for the device mid-way."""
+        with cuda.gpus[self.device_id]:
+            st = self._state()
+            b, s = st.batch(self, x.shape[0]), st.stream
+            np.copyto(st.w_host, w)
+            b.stage(x)
+            st.w.copy_to_device(st.w_host, stream=s)
+            b.upload_staged(s)
+            acts = self._forward_on_device(st, b, run)
+            outs = b.outputs_to_host([acts[i] for i in self.host._plan(True).outputs], s)
+            s.synchronize()
+            loss = self.host.output_loss(outs, y, sample_weight, b.dlosses_host)
+            for dev, host in zip(b.graph.dlosses, b.dlosses_host, strict=True):
+                dev.copy_to_device(host, stream=s)
+            self._backward_on_device(st, acts, b)
+            st.g.copy_to_host(st.g_host, stream=s)
+            s.synchronize()
+        return loss
 
     @property
     def _loss_scale(self) -> float:
@@ -161,33 +218,30 @@ class CudaModel(Model):
         vector's views."""
         plan = self.host._plan(True)
         graph.backward(plan, _OnStream(self.kernels, st.stream), st.layer_params, st.layer_grads, acts,
-                       [b.graph.dloss], b.graph.of(plan), st.ops)
+                       b.graph.dlosses, b.graph.of(plan), st.ops)
 
     # -- evaluation ------------------------------------------------------------------------
 
     def evaluate(self, w, x, y, batch_size=4096):
-        x, y = self._check(w, x, y)
-        n, loss_sum, correct, sse = x.shape[0], 0.0, 0, 0.0
+        """The host model's evaluation (Functional.evaluate_with: its losses and metrics, on the
+        host), each chunk of batch_size samples through the forward pass on the device and its
+        outputs brought back."""
+        if w.dtype != np.float32:
+            raise ValueError(f"w has dtype {w.dtype}; the cuda model computes in float32")
+        slots = self.host._plan(False).outputs
         with cuda.gpus[self.device_id]:
             st = self._state()
             st.upload_weights(w)
-            for a in range(0, n, batch_size):
-                xb, yb = x[a:a + batch_size], y[a:a + batch_size]
+
+            def forward(xb) -> dict:
                 b, s = st.batch(self, xb.shape[0]), st.stream
-                b.upload(xb, yb, s)
-                out = self._forward_on_device(st, b, Pass(training=False))[-1]
-                self._loss_on_device(out, b, b.eval_dout, s)   # its gradient is scratch here
-                out.copy_to_host(b.out_host, stream=s)
-                b.loss.copy_to_host(st.loss_host, stream=s)
-                s.synchronize()               # outputs in; staging free for the next batch
-                loss_sum += float(st.loss_host[0]) * xb.shape[0] * self._loss_scale
-                if self.task == "classification":
-                    correct += int(np.count_nonzero(b.out_host.argmax(axis=1) == yb))
-                else:
-                    sse += float(np.sum((b.out_host[:, 0].astype(np.float64) - yb) ** 2))
-        if self.task == "classification":
-            return {"loss": loss_sum / n + self.host._regularize(w), "accuracy": correct / n}
-        return {"loss": loss_sum / n + self.host._regularize(w), "r2": metrics.r2(sse, y)}
+                b.upload(xb, stream=s)
+                vals = self._forward_on_device(st, b, Pass(training=False))
+                outs = b.outputs_to_host([vals[i] for i in slots], s)
+                s.synchronize()               # outputs in; staging free for the next chunk
+                return dict(zip(slots, outs))
+
+            return self.host.evaluate_with(forward, w, x, y, batch_size)
 
     # -- buffers and checks ----------------------------------------------------------------
 
@@ -268,15 +322,16 @@ class _DeviceState:
 class _Batch:
     """Device buffers for batch size n: input, labels, the graph's (each layer's output, its
     d loss / d output and scratch, made as the host model's are, in device memory), the loss;
-    pinned staging for the input, labels and the last output."""
+    pinned staging for the input, labels and the outputs (and, for a loss on the host, the
+    outputs' d loss / d output)."""
 
     def __init__(self, model: CudaModel, n: int, stream):
         ydtype = np.int32 if model.task == "classification" else np.float32
         shape = (n, *model.host.input_shape)
-        last = (n, *model.host.output_shape)
         self.x_host = cuda.pinned_array(shape, np.float32)
         self.y_host = cuda.pinned_array(n, ydtype)
-        self.out_host = cuda.pinned_array(last, np.float32)
+        self.outs_host = [cuda.pinned_array((n, *out), np.float32) for out in model.host._shapes[1:]]
+        self._dlosses_host: list | None = None
         self.x = cuda.device_array(shape, np.float32, stream=stream)
         # Several inputs travel packed side by side (Functional.pack); each gets its own buffer,
         # filled from its columns of x on the device at upload.
@@ -287,7 +342,6 @@ class _Batch:
         # d loss / d output buffers are made at the first training step of this size
         # (evaluation needs none: for the CNN at 4096 images they are hundreds of MB).
         self.graph = ModelBuffers(model.host, n, np.float32, _DeviceMemory(stream))
-        self.eval_dout = cuda.device_array(last, np.float32, stream=stream)
         self.op_buffers: dict[bool, list] = {True: [], False: []}   # the ops' outputs, per pass kind
         self.row_loss = cuda.device_array(n, np.float32, stream=stream)
         self.loss = cuda.device_array(1, np.float64, stream=stream)
@@ -296,14 +350,31 @@ class _Batch:
         self.trained = False
         self.step_graph: StepGraph | None | bool = None
 
-    def upload(self, x: np.ndarray, y: np.ndarray, stream) -> None:
+    @property
+    def dlosses_host(self) -> list:
+        """Pinned arrays where the host's loss writes d loss / d each output (made when first
+        asked for: a loss on the device needs none)."""
+        if self._dlosses_host is None:
+            self._dlosses_host = [cuda.pinned_array(o.shape, np.float32) for o in self.outs_host]
+        return self._dlosses_host
+
+    def outputs_to_host(self, outs: list, stream) -> list:
+        """The outputs' device arrays queued for copying into outs_host, which it returns (read
+        them after the stream's wait)."""
+        for dev, host in zip(outs, self.outs_host, strict=True):
+            dev.copy_to_host(host, stream=stream)
+        return self.outs_host
+
+    def upload(self, x: np.ndarray, y: np.ndarray | None = None, *, stream) -> None:
         self.stage(x, y)
         self.upload_staged(stream)
 
-    def stage(self, x: np.ndarray, y: np.ndarray) -> None:
-        """x and y into the pinned buffers that the device copies read."""
+    def stage(self, x: np.ndarray, y: np.ndarray | None = None) -> None:
+        """x (and y, for a loss on the device) into the pinned buffers that the device copies
+        read."""
         np.copyto(self.x_host, x)
-        np.copyto(self.y_host, y)
+        if y is not None:
+            np.copyto(self.y_host, y)
 
     def upload_staged(self, stream) -> None:
         self.x.copy_to_device(self.x_host, stream=stream)

@@ -15,7 +15,7 @@ from numba import cuda
 
 from pserver.kernels import cuda as K
 from pserver.kernels import cuda_graph as G
-from pserver.models.cuda_support import ACTIVATIONS, BINARY, RESHAPES
+from pserver.models.cuda_support import ACTIVATIONS, BINARY, COMPARISONS, RESHAPES, SOFTMAXES, UNARY
 from pserver.models.cuda_support import axes as _axes
 from pserver.ops import core
 
@@ -40,7 +40,22 @@ class DeviceOps(dict):
             self[name] = core.Op(name, self._activation(name), self._activation_vjp(name))
         for name in RESHAPES:
             self[name] = core.Op(name, self._reshape(name), lambda g, out, x, **a: (g.reshape(x.shape),))
+        for name in COMPARISONS:
+            self[name] = core.Op(name, self._compare(name), lambda g, out, a, b: (None, None),
+                                 differentiable=(False, False))
+        for name in UNARY:
+            self[name] = core.Op(name, self._unary(name), self._unary_vjp(name))
+        for name in SOFTMAXES:
+            self[name] = core.Op(name, self._softmax(name == "log_softmax"),
+                                 self._softmax_vjp(name == "log_softmax"))
         self["negative"] = core.Op("negative", self._negative, lambda g, out, x: (self._negative(g),))
+        self["clip"] = core.Op("clip", self._clip, self._clip_vjp)
+        self["where"] = core.Op("where", self._where, self._where_vjp, differentiable=(False, True, True))
+        # A float cast: every device array is float32 already (cuda_support refuses the others).
+        self["cast"] = core.Op("cast", lambda x, dtype: self.dev(x), lambda g, out, x, dtype: (g,))
+        self["transpose"] = core.Op("transpose", self._transpose, self._transpose_vjp)
+        self["max"] = core.Op("max", self._extreme("max"), self._extreme_vjp)
+        self["min"] = core.Op("min", self._extreme("min"), self._extreme_vjp)
         self["concatenate"] = core.Op("concatenate", self._concatenate, self._concatenate_vjp)
         self["split"] = core.Op("split", self._split, self._split_vjp, multi=True)
         self["sum"] = core.Op("sum", self._reduce(False), self._reduce_vjp(False))
@@ -97,6 +112,106 @@ class DeviceOps(dict):
         dx = self.empty((a, b)[which].shape)
         G.elementwise_grad(kind, which, g, a, b, out, dx, stream=self.stream)
         return dx
+
+    def _compare(self, kind):
+        def forward(a, b):
+            a, b = self.dev(a), self.dev(b)
+            out = self.empty(np.broadcast_shapes(a.shape, b.shape))
+            G.compare(kind, a, b, out, stream=self.stream)
+            return out
+        return forward
+
+    def _unary(self, kind):
+        def forward(x):
+            x = self.dev(x)
+            out = self.empty(x.shape)
+            G.unary(kind, x, out, stream=self.stream)
+            return out
+        return forward
+
+    def _unary_vjp(self, kind):
+        def vjp(g, out, x):
+            dx = self.empty(x.shape)
+            G.unary_grad(kind, g, self.dev(x), out, dx, stream=self.stream)
+            return (dx,)
+        return vjp
+
+    def _clip(self, x, lo, hi):       # constant lo and hi of one element (cuda_support.refusal)
+        x = self.dev(x)
+        out = self.empty(x.shape)
+        G.clip(x, float(lo.flat[0]), float(hi.flat[0]), out, stream=self.stream)
+        return out
+
+    def _clip_vjp(self, g, out, x, lo, hi):
+        dx = self.empty(x.shape)
+        G.clip_grad(g, self.dev(x), float(lo.flat[0]), float(hi.flat[0]), dx, stream=self.stream)
+        return dx, None, None
+
+    def _where(self, c, a, b):
+        c, a, b = self.dev(c), self.dev(a), self.dev(b)
+        out = self.empty(np.broadcast_shapes(c.shape, a.shape, b.shape))
+        G.where(c, a, b, out, stream=self.stream)
+        return out
+
+    def _where_vjp(self, g, out, c, a, b):
+        grads = [None]
+        for take, x in ((True, a), (False, b)):
+            if isinstance(x, np.ndarray):        # a constant takes no gradient
+                grads.append(None)
+                continue
+            dx = self.empty(x.shape)
+            G.where_grad(self.dev(c), g, take, dx, stream=self.stream)
+            grads.append(dx)
+        return tuple(grads)
+
+    def _softmax(self, log: bool):
+        def forward(x, axis=-1):         # the last axis (cuda_support.refusal)
+            x = self.dev(x)
+            out = self.empty(x.shape)
+            G.softmax(x, out, log, stream=self.stream)
+            return out
+        return forward
+
+    def _softmax_vjp(self, log: bool):
+        def vjp(g, out, x, axis=-1):
+            dx = self.empty(x.shape)
+            G.softmax_grad(g, out, dx, log, stream=self.stream)
+            return (dx,)
+        return vjp
+
+    @staticmethod
+    def _permutation(axes, rank: int) -> tuple:
+        """np.transpose's `axes` (None: reversed) as non-negative axes."""
+        return tuple(range(rank))[::-1] if axes is None else tuple(int(a) % rank for a in axes)
+
+    def _transpose(self, x, axes=None):
+        x = self.dev(x)
+        axes = self._permutation(axes, len(x.shape))
+        out = self.empty(tuple(x.shape[a] for a in axes))
+        G.transpose(x, axes, out, stream=self.stream)
+        return out
+
+    def _transpose_vjp(self, g, out, x, axes=None):
+        dx = self.empty(x.shape)
+        inverse = np.argsort(self._permutation(axes, len(x.shape)))
+        G.transpose(g, tuple(int(i) for i in inverse), dx, stream=self.stream)
+        return (dx,)
+
+    def _extreme(self, kind):
+        def forward(x, axis=None, keepdims=False):
+            x = self.dev(x)
+            axes = _axes(axis, len(x.shape))
+            out = self.empty(tuple(1 if d in axes else s for d, s in enumerate(x.shape)))
+            G.extreme_to(kind, x, out, stream=self.stream)
+            return out if keepdims else out.reshape(_shape_of("sum", x, axis=axis))
+        return forward
+
+    def _extreme_vjp(self, g, out, x, axis=None, keepdims=False):
+        axes = _axes(axis, len(x.shape))
+        kept = tuple(1 if d in axes else s for d, s in enumerate(x.shape))
+        dx = self.empty(x.shape)
+        G.extreme_to_grad(self.dev(x), out.reshape(kept), g.reshape(kept), dx, stream=self.stream)
+        return (dx,)
 
     def _negative(self, x):
         out = self.empty(x.shape)

@@ -4,8 +4,10 @@ them. This module imports no numba.cuda, so the check runs where there is no GPU
 
 A model (Sequential or Functional) runs on the GPU when every step of its graph, in training
 and in inference, is one of DEVICE_LAYERS or an op of DEVICE_OPS that `refusal` accepts (a
-user's layer and Lambda are traced into ops, so they run when their ops do), it has one
-output, and its loss is a sparse categorical cross-entropy or MSE.
+user's layer and Lambda are traced into ops, so they run when their ops do). Its loss runs on
+the GPU too where `loss_on_device` says so (one output, a sparse categorical cross-entropy or
+MSE, no compiled metric); any other (several outputs, another loss, metrics, sample weights)
+runs on the host, as the CPU model's, on the outputs each step brings back.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from pserver.errors import ConfigError
+from pserver.kernels.reference import COMPARISONS, UNARY
 from pserver.layers import (
     Activation,
     Add,
@@ -22,6 +25,7 @@ from pserver.layers import (
     Conv2D,
     Dense,
     Dropout,
+    Embedding,
     Flatten,
     GlobalAveragePooling1D,
     GlobalAveragePooling2D,
@@ -39,34 +43,37 @@ from pserver.ops import core
 
 # The layers whose every pass has a CUDA kernel.
 DEVICE_LAYERS = (Dense, Conv2D, MaxPooling2D, AveragePooling2D, Flatten, Reshape, Dropout, Activation,
-                 Add, Subtract, Multiply, Average, Maximum, Minimum, Concatenate,
+                 Embedding, Add, Subtract, Multiply, Average, Maximum, Minimum, Concatenate,
                  GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D, GlobalMaxPooling2D)
 # The ops with a device form (pserver.models.cuda_ops).
 BINARY = ("add", "subtract", "multiply", "divide", "maximum", "minimum")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
 RESHAPES = ("reshape", "expand_dims", "squeeze")
-DEVICE_OPS = (*BINARY, "negative", *ACTIVATIONS, *RESHAPES, "concatenate", "split", "sum", "mean",
-              "matmul")
+SOFTMAXES = ("softmax", "log_softmax")
+DEVICE_OPS = (*BINARY, *COMPARISONS, "negative", *UNARY, "clip", "where", "cast", *ACTIVATIONS, *SOFTMAXES,
+              *RESHAPES, "transpose", "concatenate", "split", "sum", "mean", "max", "min", "matmul")
+# Ids travel to the GPU in the batch's float32, exact up to 2**24.
+FLOAT32_IDS = 2**24
 LOSSES = (losses.SparseCategoricalCrossentropy, losses.MeanSquaredError)
 
 
 def check(model) -> None:
     """ConfigError naming the first layer or op of `model` (a built Functional) that cannot
     run on the GPU, and saying that --device cpu runs it."""
-    why = f"it has {len(model._outputs)} outputs (one runs on the GPU)" if model.several else None
-    if why is None and model.steps > 1:
-        why = f"its output has steps ({model.output_shape}; the GPU's losses take (n, units))"
-    why = why or next((w for training in (True, False) for step in model._plan(training).steps
-                       if (w := _step_refusal(model._plan(training), step))), None)
-    if why is None and not isinstance(model.loss, LOSSES):
-        why = f"its loss is {model.loss.name}"
-    if why is None and getattr(model, "metric_objects", None):
-        why = f"it compiled the metric {model.metric_objects[0].name!r} (the GPU step reports accuracy only)"
+    why = next((w for training in (True, False) for step in model._plan(training).steps
+                if (w := _step_refusal(model._plan(training), step))), None)
     if why:
         names = ", ".join(t.__name__ for t in DEVICE_LAYERS)
         raise ConfigError(f"--device cuda: runs models of {names} layers and the ops {', '.join(DEVICE_OPS)} "
-                          f"with a sparse categorical cross-entropy or MSE loss on the GPU; {model.name}: "
-                          f"{why}. Use --device cpu for this model")
+                          f"on the GPU; {model.name}: {why}. Use --device cpu for this model")
+
+
+def loss_on_device(model) -> bool:
+    """Whether `model`'s training loss runs on the GPU, in the step (and its step graph): one
+    output of (n, units), a loss of LOSSES, no compiled metric and no sample weights. Otherwise
+    each step brings the outputs to the host for the host model's loss (pserver.models.cuda)."""
+    return (not model.several and model.steps <= 1 and isinstance(model.loss, LOSSES)
+            and not getattr(model, "metric_objects", None) and not model.sample_weighted)
 
 
 def _step_refusal(plan, step) -> str | None:
@@ -76,6 +83,11 @@ def _step_refusal(plan, step) -> str | None:
             return f"{layer.label} has an activity_regularizer"
         if isinstance(layer, Dense) and len(layer.input_shape) > 1:
             return f"{layer.label} on a {layer.input_shape} input has no CUDA kernels (a flat one has)"
+        if isinstance(layer, Embedding) and layer.sparse:
+            return f"{layer.label} is sparse (its rows live on the shards; a dense table runs on the GPU)"
+        if isinstance(layer, Embedding) and layer.input_dim > FLOAT32_IDS:
+            return (f"{layer.label} has input_dim={layer.input_dim}: a batch reaches the GPU as float32, "
+                    f"which holds ids exactly up to {FLOAT32_IDS}")
         return None if isinstance(layer, DEVICE_LAYERS) else f"{layer.label} has no CUDA kernels"
     why = refusal(step.node)
     return None if why is None else f"op {step.node.op} {why}"
@@ -90,8 +102,14 @@ def refusal(node: core.Node) -> str | None:
     axis = node.attrs.get("axis", 0)
     if node.op in ("concatenate", "split") and int(axis) % rank == 0:
         return "along the batch axis has no CUDA kernel"
-    if node.op in ("sum", "mean") and (axis is None or 0 in axes(axis, rank)):
+    if node.op in ("sum", "mean", "max", "min") and (axis is None or 0 in axes(axis, rank)):
         return "over the batch axis has no CUDA kernel"
+    if node.op in SOFTMAXES and int(node.attrs.get("axis", -1)) % rank != rank - 1:
+        return "along another axis than the last has no CUDA kernel"
+    if node.op == "clip" and not all(isinstance(b, np.ndarray) and b.size == 1 for b in node.inputs[1:]):
+        return "with bounds that are not numbers has no CUDA kernel"
+    if node.op == "cast" and not np.issubdtype(np.dtype(node.attrs["dtype"]), np.floating):
+        return f"to {np.dtype(node.attrs['dtype'])} has no CUDA kernel (the GPU's tensors are float32)"
     if node.op == "matmul" and (len(shapes[1]) != 2 or shapes[1][0] is None or len(shapes[0]) < 2):
         return f"of {shapes[0]} by {shapes[1]} has no CUDA kernel (it takes a batch by a matrix)"
     return None
@@ -112,4 +130,5 @@ def draws_at_random(model) -> str | None:
     return next((layer.label for layer in plan.layers if isinstance(layer, Dropout) and layer.rate > 0), None)
 
 
-__all__ = ["DEVICE_LAYERS", "DEVICE_OPS", "check", "refusal", "axes", "draws_at_random"]
+__all__ = ["DEVICE_LAYERS", "DEVICE_OPS", "UNARY", "COMPARISONS", "SOFTMAXES", "check", "loss_on_device",
+           "refusal", "axes", "draws_at_random"]

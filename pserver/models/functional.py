@@ -483,17 +483,22 @@ class Functional(SparseProtocol, Model):
         params, grads = self._layer_views(w), self._layer_views(grad_out)
         bufs = self._buffers(x.shape[0], w.dtype)
         ins = self._forward(params, x, bufs, run)
-        if self.several:
-            outs = [ins[s] for s in self._plan(True).outputs]
-            loss = self.loss(self.kernels, outs, y, bufs.dlosses)
-            self.batch_sums = self._batch_sums(outs, y)
-        else:
-            if self.task == "classification":   # the batch's accuracy, for Keras's per-epoch metric
-                self.batch_correct = metrics.accuracy(ins[-1], y)
-            self.batch_metric_sums = self.metric_sums(ins[-1], y)
-            loss = losses.weighted(self.loss, self.kernels, ins[-1], y, bufs.dloss, sample_weight)
+        loss = self.output_loss([ins[s] for s in self._plan(True).outputs], y, sample_weight, bufs.dlosses)
         self._backward(params, grads, ins, bufs)
-        return float(loss) + self._regularize(w, grad_out) + self._activity(ins) / x.shape[0]
+        return loss + self._regularize(w, grad_out) + self._activity(ins) / x.shape[0]
+
+    def output_loss(self, outs: list, y, sample_weight, dlosses: list) -> float:
+        """The batch's loss from its outputs' values `outs` (in output order), d loss / d each
+        output into `dlosses`, and the batch's metrics (batch_correct, batch_metric_sums; several
+        outputs: batch_sums). The CUDA model calls it on the outputs it brought to the host."""
+        if self.several:
+            loss = self.loss(self.kernels, outs, y, dlosses)
+            self.batch_sums = self._batch_sums(outs, y)
+            return float(loss)
+        if self.task == "classification":   # the batch's accuracy, for Keras's per-epoch metric
+            self.batch_correct = metrics.accuracy(outs[0], y)
+        self.batch_metric_sums = self.metric_sums(outs[0], y)
+        return float(losses.weighted(self.loss, self.kernels, outs[0], y, dlosses[0], sample_weight))
 
     def _activity(self, vals: list, training: bool = True) -> float:
         """The layers' activity_regularizer penalties on their outputs in `vals`, summed (Keras
@@ -822,11 +827,20 @@ class Functional(SparseProtocol, Model):
         rows filled (the worker pulls them from the shards), for each batch_size records."""
         if self.sparse_tables:
             return _penalized(self._sparse_evaluate(w, x, y, batch_size, rows), self._regularize(w))
+        params = self._per_layer(self.layout.views(w))
+
+        def forward(xb):
+            return self._forward(params, xb, self._buffers(xb.shape[0], w.dtype), Pass(training=False))
+
+        return self.evaluate_with(forward, w, x, y, self._chunk(batch_size, w.dtype), threads)
+
+    def evaluate_with(self, forward, w, x, y, batch_size: int, threads: int = 1) -> dict:
+        """evaluate's logs, each chunk of `batch_size` samples run by `forward(xb)`, which gives
+        every slot's value (at least the outputs', on the host): the CPU's pass here, the GPU's
+        in the CUDA model, which scores its outputs as the CPU does."""
         y, sample_weight = self.unweigh(y)
         x, y = self._check_batch(w, x, y)
-        params = self._per_layer(self.layout.views(w))
         n = x.shape[0]
-        batch_size = self._chunk(batch_size, w.dtype)
         starts = range(0, n, batch_size)
         parts: list = [None] * len(starts)
         heads = list(zip(self._each_loss(), self.loss.split(y, w.dtype) if self.several else [y]))
@@ -838,7 +852,7 @@ class Functional(SparseProtocol, Model):
         def chunk(i: int) -> None:
             a = starts[i]
             xb = x[a:a + batch_size]
-            vals = self._forward(params, xb, self._buffers(xb.shape[0], w.dtype), Pass(training=False))
+            vals = forward(xb)
             sw = None if sample_weight is None else sample_weight[a:a + batch_size]
             parts[i] = [chunk_scores(self.kernels, loss, vals[s], yj[a:a + batch_size], sw)
                         for (loss, yj), s in zip(heads, slots)]

@@ -98,6 +98,70 @@ def test_sum_to_and_broadcast_to_equal_numpy(shape, target, scale):
     close(back.copy_to_host(), np.broadcast_to(x * np.float32(scale), shape))
 
 
+# -- the ops' device forms (pserver.models.cuda_ops) against the ops (pserver.ops) ------------------
+
+def _op_cases():
+    """(op, its inputs, attrs, which inputs are tensors on the device): a ragged last block
+    (3 x 4 x 25 = 300 elements), ties for max and min, zeros for abs and sign, a clip with
+    elements on both sides and on a bound, where with a broadcast condition and a constant."""
+    rng = np.random.default_rng(11)
+    x = f32(rng, 3, 4, 25)
+    x.reshape(-1)[:3] = 0.0
+    pos = np.abs(x) + 0.5
+    tied = np.round(x, 0)                          # many ties in each reduced group
+    clipped = x.copy()
+    clipped.reshape(-1)[5] = 0.4
+    cond = (f32(rng, 3, 1, 25) > 0)
+    cases = [(kind, [x], {}) for kind in ("exp", "square", "abs")]
+    cases += [("log", [pos], {}), ("sqrt", [pos], {})]
+    cases += [("clip", [clipped, np.array(-0.3, np.float32), np.array(0.4, np.float32)], {})]
+    cases += [("where", [cond, x, f32(rng, 4, 25)], {}), ("where", [cond, x, np.array(0.0, np.float32)], {})]
+    cases += [(kind, [x], {}) for kind in ("softmax", "log_softmax")]
+    cases += [("transpose", [x], {"axes": (0, 2, 1)}), ("transpose", [x], {"axes": None})]
+    cases += [("max", [tied], {"axis": (1, 2)}), ("min", [tied], {"axis": -1}),
+              ("max", [tied], {"axis": 1, "keepdims": True})]
+    cases += [("cast", [x], {"dtype": "float32"})]
+    return [pytest.param(name, xs, attrs, id=f"{name}-{i}") for i, (name, xs, attrs) in enumerate(cases)]
+
+
+def _on_device(x):
+    """A tensor (here: any input of a dimension) on the device as the graph hands it to an op,
+    float32 (a mask as 1.0/0.0); a constant (a number) as the graph keeps it, in NumPy."""
+    return x if x.ndim == 0 else cuda.to_device(x.astype(np.float32))
+
+
+@pytest.mark.parametrize("name,xs,attrs", _op_cases())
+def test_every_ops_device_form_and_its_vjp_equal_the_op(name, xs, attrs):
+    # Catches a kernel or VJP that differs from the NumPy op's: exp's derivative taken from x
+    # rather than out, abs's sign at 0, clip's gradient at a bound, where's gradient summed to
+    # the wrong input or sent to a constant, softmax along the wrong axis, a transpose's
+    # inverse, the tie rule of max and min, a reduction over the wrong axes.
+    from pserver.models.cuda_ops import DeviceOps
+    ops, op = DeviceOps(0), core.OPS[name]
+    want = op.forward(*xs, **attrs)
+    dev = [_on_device(x) for x in xs]
+    got = ops[name].forward(*dev, **attrs)
+    close(got.copy_to_host(), want)
+    g = f32(np.random.default_rng(12), *want.shape)
+    wants = core.backward(op, g, want, xs, attrs)
+    gots = core.backward(ops[name], cuda.to_device(g), got, dev, attrs)
+    for x, w, d in zip(xs, wants, gots, strict=True):
+        if x.ndim == 0 or w is None:         # a constant, or where's condition: no gradient
+            assert d is None
+        else:
+            close(d.copy_to_host(), w)
+
+
+@pytest.mark.parametrize("kind", ["greater", "greater_equal", "less", "less_equal", "equal", "not_equal"])
+def test_comparisons_give_one_where_numpy_gives_true(kind):
+    # Catches a comparison numbered as another, or a broadcast operand read in the wrong order.
+    from pserver.models.cuda_ops import DeviceOps
+    rng = np.random.default_rng(13)
+    a, b = np.round(f32(rng, 3, 4, 25)), np.round(f32(rng, 25))     # rounded: many equal pairs
+    got = DeviceOps(0)[kind].forward(cuda.to_device(a), cuda.to_device(b))
+    np.testing.assert_array_equal(got.copy_to_host(), core.OPS[kind].forward(a, b).astype(np.float32))
+
+
 # -- the merge layers' max/min, concatenation, global pooling ---------------------------------
 
 @pytest.mark.parametrize("kind", ["max", "min"])
@@ -203,8 +267,35 @@ def two_branches():
     return [grid, seq], layers.Dense(3)(x)
 
 
-@pytest.mark.parametrize("build,shapes", [(toy_resnet, [(6, 6, 1)]), (two_branches, [(3, 4), (4, 3)])],
-                         ids=["toy_resnet", "two_branches"])
+def attention_of_ops():
+    """A user's layer written in keras.ops as keras.io's custom layers are: self-attention over a
+    sequence (softmax of broadcast products), then a transpose, max and min over axes, and the
+    unary math, clip, where, a comparison cast to a mask, and log_softmax of what is left."""
+    from pserver.keras import Input, layers, ops
+
+    class Attend(layers.Layer):
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(input_shape[-1], input_shape[-1]), initializer="random_normal")
+
+        def call(self, x):
+            q = ops.matmul(x, self.w)                                          # (n, 4, 3)
+            scores = ops.sum(ops.expand_dims(q, 2) * ops.expand_dims(x, 1), axis=-1)
+            attended = ops.sum(ops.expand_dims(ops.softmax(scores), -1) * ops.expand_dims(x, 1), axis=2)
+            t = ops.transpose(attended, (0, 2, 1))                             # (n, 3, 4)
+            top, low = ops.max(t, axis=-1), ops.min(t, axis=1)                 # (n, 3), (n, 4)
+            smooth = ops.log(ops.exp(ops.clip(top, -1.0, 1.0)) + 1.0)
+            mask = ops.cast(ops.greater(low, 0.0), "float32")
+            return ops.concatenate([smooth, ops.sqrt(ops.square(low) + 1.0), ops.abs(low),
+                                    ops.where(low > 0, low, 0.1 * low), mask * low, ops.log_softmax(top)],
+                                   axis=-1)
+
+    inputs = Input(shape=(4, 3))
+    return inputs, layers.Dense(3)(Attend()(inputs))
+
+
+@pytest.mark.parametrize("build,shapes", [(toy_resnet, [(6, 6, 1)]), (two_branches, [(3, 4), (4, 3)]),
+                                         (attention_of_ops, [(4, 3)])],
+                         ids=["toy_resnet", "two_branches", "attention_of_ops"])
 def test_a_graph_on_cuda_equals_the_cpu_model(build, shapes):
     # Catches any kernel or VJP of the graph's layers and ops that differs from the CPU's, a
     # fan-out whose gradients are not summed, a constant never uploaded, or inputs unpacked
@@ -240,3 +331,121 @@ def test_a_graph_on_cuda_equals_the_cpu_model(build, shapes):
         loss_g = gpu_m.loss_and_grad(w, x3, y, g_g, seed=4)
         assert loss_g == pytest.approx(loss_c, rel=1e-5)
         np.testing.assert_allclose(g_g, g_c, rtol=1e-5, atol=1e-6)
+
+
+def text_classifier():
+    """keras.io's text classifiers' shape: ids, an Embedding with mask_zero, the masked
+    GlobalAveragePooling1D (ops on the mask the Embedding carries), and a pooled lookup (a mean
+    over each list, padding skipped) beside it."""
+    from pserver.keras import Input, layers
+    from pserver.layers import Embedding
+    ids = Input(shape=(6,), dtype="int32")
+    seq = layers.Embedding(20, 4, mask_zero=True)(ids)
+    pooled = Embedding(20, 3, combiner="mean", mask_zero=True)(ids)
+    return ids, layers.Dense(3)(layers.concatenate([layers.GlobalAveragePooling1D()(seq), pooled]))
+
+
+def test_embeddings_on_cuda_equal_the_cpu_model():
+    # Catches ids read from the float32 batch wrongly (truncated, padding not -1), a repeated id
+    # whose rows' gradients are not summed (the atomic add), or the mask's ops (not_equal, cast,
+    # the masked mean) differing on the device.
+    from pserver.models import on_device
+    from pserver.models.functional import Functional
+    cpu_m, gpu_m = Functional(*text_classifier()).build(), on_device(Functional(*text_classifier()), "cuda")
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
+    x = rng.integers(0, 20, (4, 6)).astype(np.int32)
+    x[:, 4:] = 0                                   # padding at the end of every list
+    x[0, :3] = 7                                   # an id three times in one sample
+    y = rng.integers(0, 3, 4).astype(np.int32)
+    g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
+    loss_c = cpu_m.loss_and_grad(w, x, y, g_c, seed=1)
+    loss_g = gpu_m.loss_and_grad(w, x, y, g_g, seed=1)
+    assert loss_g == pytest.approx(loss_c, rel=1e-5)
+    np.testing.assert_allclose(g_g, g_c, rtol=1e-5, atol=1e-6)
+    views = cpu_m.layout.views(g_g)
+    table = next(v for k, v in views.items() if k.startswith("embedding/"))
+    assert np.count_nonzero(table[7]) and not np.count_nonzero(table[0])   # padding takes no gradient
+    np.testing.assert_allclose(gpu_m.evaluate(w, x, y)["loss"], cpu_m.evaluate(w, x, y)["loss"], rtol=1e-5)
+    # The device reads ids unchecked; the dataset's check before step 1 is the host model's.
+    x[2, 1] = 20
+    from pserver.errors import DataError
+    with pytest.raises(DataError, match=r"train: .*embedding.*: id 20 at \(2, 1\) is not an integer in "
+                                        r"\[0, input_dim=20\)"):
+        gpu_m.check_data(x, y, "train")
+
+
+# -- losses on the host: several outputs, other losses, metrics -------------------------------
+
+def _heads(kind: str):
+    """(model, labels): two outputs of a shared trunk, one fused softmax and one sigmoid head
+    with Keras's losses; one output with a binary cross-entropy and a compiled metric; one
+    output with steps (a label per step). None of these has its loss on the device."""
+    from pserver.keras import Input, layers
+    from pserver.models.functional import Functional
+    rng = np.random.default_rng(8)
+    x = Input(shape=(5,))
+    trunk = layers.Dense(6, activation="tanh")(x)
+    if kind == "two_heads":
+        model = Functional(x, [layers.Dense(3, activation="softmax")(trunk),
+                               layers.Dense(1, activation="sigmoid")(trunk)])
+        model.compile(loss=["sparse_categorical_crossentropy", "binary_crossentropy"],
+                      loss_weights=[0.3, 2.0], metrics=[["accuracy"], ["accuracy"]])
+        labels = model.loss.labels([rng.integers(0, 3, 6), rng.integers(0, 2, 6)])
+    elif kind == "bce_with_metric":
+        model = Functional(x, layers.Dense(1, activation="sigmoid")(trunk))
+        model.compile(loss="binary_crossentropy", metrics=["accuracy", "precision"])
+        labels = rng.integers(0, 2, 6).astype(np.float32)
+    else:
+        model = Functional(x, layers.Reshape((2, 3))(layers.Dense(6)(trunk)))
+        labels = rng.integers(0, 3, (6, 2)).astype(np.int32)
+    return model, labels
+
+
+@pytest.mark.parametrize("kind", ["two_heads", "bce_with_metric", "steps"])
+def test_a_loss_on_the_host_trains_and_evaluates_as_the_cpu_model(kind):
+    # Catches an output's d loss / d output not taken back to the device (or taken to the wrong
+    # output's buffer), the loss weights lost, the batch's metrics not measured, or evaluation
+    # scoring other outputs than the device computed.
+    from pserver.models import cuda_support, on_device
+    from pserver.models.cuda import CudaModel
+    cpu_m, y = _heads(kind)
+    gpu_m = on_device(_heads(kind)[0], "cuda")
+    assert isinstance(gpu_m, CudaModel) and gpu_m.loss_on_host and not cuda_support.loss_on_device(cpu_m)
+    rng = np.random.default_rng(9)
+    w = (rng.standard_normal(cpu_m.build().layout.total) * 0.5).astype(np.float32)
+    x = f32(rng, 6, 5)
+    g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
+    for step in range(2):            # the second in the batch size's buffers, on other data
+        xs = x if step else x[::-1].copy()
+        loss_c = cpu_m.loss_and_grad(w, xs, y, g_c, seed=1)
+        loss_g = gpu_m.loss_and_grad(w, xs, y, g_g, seed=1)
+    assert loss_g == pytest.approx(loss_c, rel=1e-5)
+    np.testing.assert_allclose(g_g, g_c, rtol=1e-5, atol=1e-6)
+    assert np.count_nonzero(g_g) > w.size // 2
+    for name in ("batch_correct", "batch_metric_sums", "batch_sums"):
+        want, got = getattr(cpu_m, name, None), getattr(gpu_m, name)
+        if want is not None:
+            np.testing.assert_allclose(np.asarray(list(got.values()) if isinstance(got, dict) else got),
+                                       np.asarray(list(want.values()) if isinstance(want, dict) else want),
+                                       rtol=1e-5)
+    logs_c, logs_g = cpu_m.evaluate(w, x, y), gpu_m.evaluate(w, x, y, batch_size=4)
+    assert logs_g.keys() == logs_c.keys()
+    for k in logs_c:
+        assert logs_g[k] == pytest.approx(logs_c[k], rel=1e-5, abs=1e-6), k
+
+
+def test_a_loss_on_the_device_still_measures_the_batch_s_accuracy():
+    # Catches the worker's pushed training accuracy left at 0 on the GPU (the step's output
+    # never brought back) while the loss and its gradient run on the device.
+    from pserver.models import on_device
+    from pserver.models.functional import Functional
+    cpu_m, gpu_m = Functional(*toy_resnet()).build(), on_device(Functional(*toy_resnet()), "cuda")
+    assert not gpu_m.loss_on_host
+    rng = np.random.default_rng(10)
+    w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
+    x, y = f32(rng, 8, 6, 6, 1), rng.integers(0, 3, 8).astype(np.int32)
+    g = np.empty_like(w)
+    cpu_m.loss_and_grad(w, x, y, g, seed=2)
+    gpu_m.loss_and_grad(w, x, y, g, seed=2)
+    assert gpu_m.batch_correct == cpu_m.batch_correct and 0 < cpu_m.batch_correct

@@ -166,14 +166,14 @@ def test_bad_inputs():
         model.loss_and_grad(w, x[:, :-1], y, g)
     with pytest.raises(ConfigError, match="--hidden"):
         make_model("mlp", IN, CLASSES, hidden=(0,), backend="cuda")
-    # Embeddings run on the CPU only: asking for the GPU says so, naming the layer.
-    from pserver.layers import Dense, Embedding, Flatten
+    # A layer without CUDA kernels: asking for the GPU says so, naming the layer.
+    from pserver.layers import Conv1D, Dense, Flatten
     from pserver.models import on_device
     from pserver.models.sequential import Sequential
-    emb = Sequential([Embedding(10, 4, input_shape=(3,)), Flatten(), Dense(CLASSES)])
+    conv = Sequential([Conv1D(2, 2, input_shape=(3, 2)), Flatten(), Dense(CLASSES)])
     with pytest.raises(ConfigError,
-                       match=r"--device cuda: .*layer embedding \(Embedding\) has no CUDA kernels"):
-        on_device(emb, "cuda")
+                       match=r"--device cuda: .*layer conv1d \(Conv1D\) has no CUDA kernels"):
+        on_device(conv, "cuda")
 
 
 # -- layers beyond Dense: the reference CNN and the rest ------------------------------------

@@ -28,6 +28,7 @@ f32_4d = types.Array(types.float32, 4, "C")
 i32_4d = types.Array(types.int32, 4, "C")
 i64_2d = types.Array(types.int64, 2, "C")
 i64 = types.int64
+i64_1d = types.Array(types.int64, 1, "C")
 i32_2d = types.Array(types.int32, 2, "C")
 RANKS = types.UniTuple(types.int64, GR.RANK)
 # stride_h, stride_w, pad_top, pad_left; pool_h, pool_w before them for pooling.
@@ -71,6 +72,17 @@ SIGNATURES = {
     "global_avgpool_kernel": (GR.global_avgpool_kernel, (f32_3d, f32_2d)),
     "global_maxpool_kernel": (GR.global_maxpool_kernel, (f32_3d, f32_2d, i32_2d)),
     "global_pool_backward_kernel": (GR.global_pool_backward_kernel, (f32_2d, i32_2d, f32_3d, types.boolean)),
+    "unary_kernel": (GR.unary_kernel, (i64, f32_1d, f32_1d)),
+    "unary_grad_kernel": (GR.unary_grad_kernel, (i64, *(f32_1d,) * 4)),
+    "clip_kernel": (GR.clip_kernel, (f32_1d, types.float32, types.float32, f32_1d)),
+    "clip_grad_kernel": (GR.clip_grad_kernel, (f32_1d, f32_1d, types.float32, types.float32, f32_1d)),
+    "where_kernel": (GR.where_kernel, (*(f32_1d,) * 4, *(RANKS,) * 4)),
+    "where_grad_kernel": (GR.where_grad_kernel, (*(f32_1d,) * 3, RANKS, RANKS, types.boolean)),
+    "ids_kernel": (GR.ids_kernel, (f32_1d, i64_1d, types.boolean, types.float32)),
+    "softmax_rows_kernel": (GR.softmax_rows_kernel, (f32_2d, f32_2d, types.boolean)),
+    "softmax_rows_grad_kernel": (GR.softmax_rows_grad_kernel, (*(f32_2d,) * 3, types.boolean)),
+    "extreme_to_kernel": (GR.extreme_to_kernel, (f32_1d, f32_1d, RANKS, RANKS, types.boolean)),
+    "extreme_to_grad_kernel": (GR.extreme_to_grad_kernel, (*(f32_1d,) * 4, RANKS, RANKS)),
     **{f"matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
        for (ta, tb), k in K.MATMUL.items()},
     **{f"blocked_{name}_matmul_{'t' if ta else 'n'}{'t' if tb else 'n'}": (k, (f32_2d, f32_2d, f32_2d))
