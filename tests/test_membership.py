@@ -526,3 +526,41 @@ def test_a_starting_rank_that_registers_after_the_others_left_is_late_not_anothe
     assert "begins another" not in caplog.text
     assert shard.members.registered == {0, 1} and shard.members.left == {0}
     assert shard.status()["registered_workers"] == [0, 1] and shard.status()["live_workers"] == [1]
+
+
+def test_a_second_fit_s_late_worker_joins_the_run_its_chief_finished_rather_than_starting_it_over():
+    """Catches the flake of tests/test_keras.py's async second fit (seen 2026-12-02): the chief's
+    first ask (restart: a second fit starts the data over) began the new run and, in async, trained
+    all of it before rank 1's first ask; that ask's restart then found a finished run and began a
+    third, which rank 1 trained alone, waiting at epoch 1 for logs the chief, gone, never gave."""
+    from pserver.server.coordinator import Plan
+    shard = Shard(ServerConfig(num_workers=2, mode="async", optimizer="sgd", lr=1.0))
+    layout = Layout.of([("w", (4,))])
+    plan = Plan(2, 1, 0, "fp", 1)
+
+    def job():
+        return [shard.register(r, 2, 0, 1, layout).session for r in (0, 1)]
+
+    def train_alone(session, restart):
+        lease, _ = shard.lease(0, session, plan, restart=restart)
+        assert lease.epoch == 0, "a fit's first ask starts the data over"
+        while lease is not None:
+            lease, _ = shard.lease(0, session, plan, finished=(lease.epoch, lease.chunk))
+
+    s = job()                                        # the first fit
+    shard.init(0, layout.signature(), 4, "float32", fill_with(np.zeros(4, np.float32)), s[0])
+    train_alone(s[0], False)
+    for r in (0, 1):
+        shard.leave(r, s[r])
+    assert shard.store.coordinator.finished
+    s = job()                                        # the second fit: a new job
+    train_alone(s[0], True)                          # async: the chief trains every chunk alone
+    shard.epoch_logs(0, s[0], 0, (["loss"], [0.5], False))
+    shard.leave(0, s[0])
+    late, _ = shard.lease(1, s[1], plan, restart=True)
+    assert late is None and shard.store.coordinator.finished, "rank 1's restart began another run"
+    logs, _, _ = shard.epoch_logs(1, s[1], 0)
+    assert logs == (["loss"], [0.5], False)
+    shard.leave(1, s[1])
+    again = job()                                    # a third job's restart starts over again
+    assert shard.lease(0, again[0], plan, restart=True)[0].epoch == 0

@@ -162,10 +162,13 @@ class Coordinator:
         # lease reply told it (a worker waiting for the chief's logs knows whether the chief is told)
         self.shared: dict[int, tuple[list[str], list[float], bool]] = {}
         self.told: dict[int, int] = {}
+        # The job (shard 0's Membership.job) whose restart (--no-resume; a second Keras fit) began
+        # this run: its other workers' restarts join it, even finished (configure).
+        self.run_job: int | None = None
 
     # -- the plan ---------------------------------------------------------------------------
     def configure(self, plan: Plan, restart: bool = False,
-                  order: tuple[int, list[int]] | None = None) -> None:
+                  order: tuple[int, list[int]] | None = None, job: int | None = None) -> None:
         """Fix the plan at the first worker's lease; a later one must match it. A coordinator that
         finished its epochs with no lease out takes a new run: the same data with other --epochs
         goes on from the epoch it reached (a job given more epochs); so does one loaded from a
@@ -173,7 +176,13 @@ class Coordinator:
         --epochs). A new run that asks to (`restart`: --no-resume), or one with other data,
         batches or chunks, starts over once the finished run holds no lease.
         `order`: (epoch, its chunk_order) built by the caller outside the shard's lock (prepared()),
-        used if this call opens that epoch. A plan refused, or one whose build fails, changes nothing."""
+        used if this call opens that epoch. A plan refused, or one whose build fails, changes nothing.
+        `job`: the job the asking worker is in (shard 0's Membership.job): a restart asked in the job
+        whose restart began this run is not another run but this one's, which the job's first
+        worker may already have finished alone (async: a second Keras fit's chief trained every
+        epoch before the other worker's first ask, which then started the data over and waited for
+        logs the chief, gone, never gave)."""
+        restart = restart and (job is None or job != self.run_job)
         mine = self.plan
         over = self.finished and not self.leases       # a finished run: a new one may start over
         if plan == mine and not (restart and over):
@@ -193,6 +202,7 @@ class Coordinator:
             self.metric_sums.clear()
             self.shared.clear()
             self.told.clear()
+            self.run_job = job if restart else None
             self._open(0, queue)
             return
         if plan.fingerprint != mine.fingerprint:

@@ -51,7 +51,7 @@ class Leases:
             c = self.coordinator
             if plan != c.plan:
                 self._admit(plan)                         # again: the state may have grown meanwhile
-            c.configure(plan, restart, order)
+            c.configure(plan, restart, order, job=self.members.job)
             c.done_before_restore(done_before_restore)
             session = self.members.sessions[rank]
             gone = finished is not None and not c.holds(rank, session, *finished)

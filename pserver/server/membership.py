@@ -50,6 +50,7 @@ class Membership:
         self.on_takeover = on_takeover         # a rank's live session was taken over (the policy's forget)
         self.on_new_job = on_new_job           # a Register began another job (the policy's begin_again)
         self.num_workers = cfg.num_workers   # 0 until the first Register says
+        self.job = 0                           # jobs begun here before this one (maybe_begin_again)
         self.registered: set[int] = set()
         self.left: set[int] = set()
         self.dead: set[int] = set()
@@ -186,6 +187,7 @@ class Membership:
                  "wait for every starting rank again", self.store.shard, rank)
         self.registered, self.left, self.dead = set(), set(), set()    # a rank dead and then left too
         self.join_at.clear()
+        self.job += 1
         self.on_new_job()
 
     def session_live(self, rank: int) -> bool:
