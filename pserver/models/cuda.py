@@ -123,6 +123,9 @@ class CudaModel(Model):
                              f"{grad_out.strides}")
         run = Pass(training=True, seed=next(self._seeds) if seed is None else int(seed))
         if self.loss_on_host:
+            if timings:
+                raise ValueError(f"loss_and_grad(timings=True) times a step whose loss runs on the GPU; "
+                                 f"{self.name}'s runs on the host")
             loss = self._step_with_host_loss(w, x, y, sample_weight, run)
             np.copyto(grad_out, self._state().g_host)
             return loss + self.host._regularize(w, grad_out)
