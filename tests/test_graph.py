@@ -276,6 +276,8 @@ def test_a_sparse_embedding_is_refused_on_cuda_and_a_dense_one_runs():
     (lambda x: Dense(2)(x) ** 2.0, "op power has no CUDA kernel"),
     (lambda x: Dense(2)(x) - ops.sum(Dense(2)(x), axis=0), "op sum over the batch axis has no CUDA kernel"),
     (lambda x: Dense(2)(x) - ops.max(Dense(2)(x), axis=0), "op max over the batch axis has no CUDA kernel"),
+    (lambda x: ops.concatenate([Dense(2)(x), Dense(2)(x)], axis=0)[:1] * 0.0 + Dense(2)(x),
+     "op concatenate along the batch axis has no CUDA kernel"),
     (lambda x: ops.softmax(Dense(2)(x), axis=0),
      "op softmax along another axis than the last has no CUDA kernel"),
     (lambda x: ops.clip(Dense(2)(x), Dense(2)(x), 1.0),

@@ -115,7 +115,8 @@ def _op_cases():
     cases = [(kind, [x], {}) for kind in ("exp", "square", "abs")]
     cases += [("log", [pos], {}), ("sqrt", [pos], {})]
     cases += [("clip", [clipped, np.array(-0.3, np.float32), np.array(0.4, np.float32)], {})]
-    cases += [("where", [cond, x, f32(rng, 4, 25)], {}), ("where", [cond, x, np.array(0.0, np.float32)], {})]
+    cases += [("where", [cond, x, f32(rng, 4, 25)], {}), ("where", [cond, x, np.array(0.0, np.float32)], {}),
+              ("where", [x > 0, np.array(0.5, np.float32), f32(rng, 25)], {})]   # the condition widest
     cases += [(kind, [x], {}) for kind in ("softmax", "log_softmax")]
     cases += [("transpose", [x], {"axes": (0, 2, 1)}), ("transpose", [x], {"axes": None})]
     cases += [("max", [tied], {"axis": (1, 2)}), ("min", [tied], {"axis": -1}),
