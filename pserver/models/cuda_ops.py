@@ -41,7 +41,7 @@ class DeviceOps(dict):
         for name in RESHAPES:
             self[name] = core.Op(name, self._reshape(name), lambda g, out, x, **a: (g.reshape(x.shape),))
         for name in COMPARISONS:
-            self[name] = core.Op(name, self._compare(name), lambda g, out, a, b: (None, None),
+            self[name] = core.Op(name, self._binary(name, G.compare), lambda g, out, a, b: (None, None),
                                  differentiable=(False, False))
         for name in UNARY:
             self[name] = core.Op(name, self._unary(name), self._unary_vjp(name))
@@ -93,11 +93,13 @@ class DeviceOps(dict):
 
     # -- the ops -----------------------------------------------------------------------------
 
-    def _binary(self, kind):
+    def _binary(self, kind, launch=K.elementwise):
+        """An element-wise op of two broadcast inputs: arithmetic, or (launch=G.compare) a
+        comparison."""
         def forward(a, b):
             a, b = self.dev(a), self.dev(b)
             out = self.empty(np.broadcast_shapes(a.shape, b.shape))
-            K.elementwise(kind, a, b, out, stream=self.stream)
+            launch(kind, a, b, out, stream=self.stream)
             return out
         return forward
 
@@ -112,14 +114,6 @@ class DeviceOps(dict):
         dx = self.empty((a, b)[which].shape)
         G.elementwise_grad(kind, which, g, a, b, out, dx, stream=self.stream)
         return dx
-
-    def _compare(self, kind):
-        def forward(a, b):
-            a, b = self.dev(a), self.dev(b)
-            out = self.empty(np.broadcast_shapes(a.shape, b.shape))
-            G.compare(kind, a, b, out, stream=self.stream)
-            return out
-        return forward
 
     def _unary(self, kind):
         def forward(x):
