@@ -317,9 +317,9 @@ def test_a_model_of_every_new_layer_is_saved_and_loaded_with_its_configs(tmp_pat
 
 
 def test_cuda_refuses_a_model_with_these_layers_in_one_line():
-    """Catches: Conv1D (built on the conv2d kernels) let through to the GPU, where its views
-    were never run; a padding layer's NumPy run on device arrays."""
-    for make in (lambda x: Conv1D(2, 2)(x), lambda x: UpSampling1D()(x),
+    """Catches: a padding layer's NumPy run on device arrays, or a transposed or depthwise
+    convolution sent to kernels it has not got. (Conv1D runs there: tests/cuda_sim/check_graph_cuda.py.)"""
+    for make in (lambda x: UpSampling1D()(x),
                  lambda x: Conv2DTranspose(2, 2)(Reshape((6, 2, 1))(x)),
                  lambda x: DepthwiseConv2D(2)(Reshape((6, 2, 1))(x))):
         x = Symbolic((None, 6, 2))
@@ -354,3 +354,33 @@ def test_a_small_conv1d_model_learns_with_fit(monkeypatch):
     h = model.fit(x, y, batch_size=32, epochs=4, verbose=0)
     assert h.history["loss"][-1] < h.history["loss"][0] / 2
     assert h.history["accuracy"][-1] > 0.9
+
+
+def test_conv1d_views_a_device_array_by_reshape_which_takes_no_none_index():
+    """Catches Conv1D's one-row views taken as a[:, None] on the GPU: the simulator's device
+    arrays are NumPy's and take it, a real DeviceNDArray does not (numba's dummyarray, which
+    lays out its views, raises), so only a GPU run would have failed. `Device` stands for one:
+    shape and reshape, and an index that refuses None as numba's does."""
+    from numba.cuda.cudadrv import dummyarray
+    with pytest.raises(TypeError):
+        dummyarray.Array.from_desc(0, (4, 5, 3), (60, 12, 4), 4)[:, None]
+
+    class Device:
+        def __init__(self, a):
+            self.a, self.shape = a, a.shape
+
+        def reshape(self, *shape):
+            return Device(self.a.reshape(*shape))
+
+        def __getitem__(self, key):
+            if key is None or (isinstance(key, tuple) and None in key):
+                raise TypeError("a device array takes no None index")
+            return Device(self.a[key])
+
+    layer = Conv1D(2, 3)
+    layer.build((5, 3))
+    x = np.arange(24, dtype=np.float32).reshape(2, 4, 3)
+    np.testing.assert_array_equal(layer.image(Device(x)).a, x[:, None])
+    w = np.ones((3, 3, 2), np.float32)
+    np.testing.assert_array_equal(layer.kernel4d(Device(w)).a, w[None])
+    assert np.shares_memory(layer.image(x), x) and np.shares_memory(layer.kernel4d(w), w)   # host: views

@@ -128,10 +128,12 @@ class Conv1D(_Convolution):
         return (*self.kernel_size, self.input_shape[1], self.filters)
 
     def image(self, a):
-        return a[:, None]
+        # a view either way: a device array (--device cuda) takes no None index, and a host
+        # array's reshape could copy where the kernel must write in place
+        return a[:, None] if isinstance(a, np.ndarray) else a.reshape(a.shape[0], 1, *a.shape[1:])
 
     def kernel4d(self, w):
-        return w[None]
+        return w[None] if isinstance(w, np.ndarray) else w.reshape(1, *w.shape)
 
 
 class Conv2DTranspose(KernelLayer):

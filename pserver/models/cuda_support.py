@@ -22,6 +22,7 @@ from pserver.layers import (
     Average,
     AveragePooling2D,
     Concatenate,
+    Conv1D,
     Conv2D,
     Dense,
     Dropout,
@@ -42,7 +43,7 @@ from pserver.models import losses
 from pserver.ops import core
 
 # The layers whose every pass has a CUDA kernel.
-DEVICE_LAYERS = (Dense, Conv2D, MaxPooling2D, AveragePooling2D, Flatten, Reshape, Dropout, Activation,
+DEVICE_LAYERS = (Dense, Conv2D, Conv1D, MaxPooling2D, AveragePooling2D, Flatten, Reshape, Dropout, Activation,
                  Embedding, Add, Subtract, Multiply, Average, Maximum, Minimum, Concatenate,
                  GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D, GlobalMaxPooling2D)
 # The ops with a device form (pserver.models.cuda_ops).

@@ -450,3 +450,37 @@ def test_a_loss_on_the_device_still_measures_the_batch_s_accuracy():
     cpu_m.loss_and_grad(w, x, y, g, seed=2)
     gpu_m.loss_and_grad(w, x, y, g, seed=2)
     assert gpu_m.batch_correct == cpu_m.batch_correct and 0 < cpu_m.batch_correct
+
+
+def text_cnn():
+    """keras.io's text_classification_from_scratch, small: ids, an Embedding, Dropout, Conv1D
+    ('valid' with strides 2, 'same', 'causal'), GlobalMaxPooling1D and a sigmoid output with a
+    binary cross-entropy (a loss on the host)."""
+    from pserver.keras import Input, layers
+    from pserver.models.functional import Functional
+    ids = Input(shape=(9,), dtype="int32")
+    x = layers.Embedding(12, 3)(ids)
+    x = layers.Conv1D(4, 3, strides=2, activation="relu")(x)
+    x = layers.Conv1D(2, 2, padding="same")(x)
+    x = layers.Conv1D(3, 3, padding="causal", activation="tanh")(x)
+    model = Functional(ids, layers.Dense(1, activation="sigmoid")(layers.GlobalMaxPooling1D()(x)))
+    model.compile(loss="binary_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_conv1d_on_cuda_equals_the_cpu_model():
+    # Catches Conv1D's one-row views not taken on device arrays (which take no None index), a
+    # causal or 'same' padding placed otherwise than on the CPU, or the strides lost.
+    from pserver.models import on_device
+    cpu_m, gpu_m = text_cnn().build(), on_device(text_cnn(), "cuda")
+    rng = np.random.default_rng(12)
+    w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
+    x, y = rng.integers(0, 12, (4, 9)).astype(np.int32), rng.integers(0, 2, 4).astype(np.float32)
+    g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
+    loss_c = cpu_m.loss_and_grad(w, x, y, g_c, seed=1)
+    loss_g = gpu_m.loss_and_grad(w, x, y, g_g, seed=1)
+    assert loss_g == pytest.approx(loss_c, rel=1e-5)
+    np.testing.assert_allclose(g_g, g_c, rtol=1e-4, atol=1e-6)
+    assert np.count_nonzero(g_g) > w.size // 2
+    logs_c, logs_g = cpu_m.evaluate(w, x, y), gpu_m.evaluate(w, x, y)
+    assert logs_g == pytest.approx(logs_c, rel=1e-5)
