@@ -26,8 +26,12 @@ class Dense(KernelLayer):
 
     @staticmethod
     def rows(a):
-        """a as (rows, last axis): a view (the buffers are contiguous); None stays None."""
-        return a if a is None or a.ndim == 2 else a.reshape(-1, a.shape[-1])
+        """a as (rows, last axis): a view (the buffers are contiguous, on the host or the device);
+        None stays None. (The CUDA simulator's shapes take no negative index.)"""
+        if a is None or len(a.shape) == 2:
+            return a
+        last = a.shape[len(a.shape) - 1]
+        return a.reshape(a.size // last, last)
 
     def forward(self, k, p, x, out, s, run):
         x, out = self.rows(x), self.rows(out)

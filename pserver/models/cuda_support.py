@@ -82,8 +82,6 @@ def _step_refusal(plan, step) -> str | None:
         layer = plan.layers[step.layer]
         if getattr(layer, "activity_regularizer", None) is not None:
             return f"{layer.label} has an activity_regularizer"
-        if isinstance(layer, Dense) and len(layer.input_shape) > 1:
-            return f"{layer.label} on a {layer.input_shape} input has no CUDA kernels (a flat one has)"
         if isinstance(layer, Embedding) and layer.sparse:
             return f"{layer.label} is sparse (its rows live on the shards; a dense table runs on the GPU)"
         if isinstance(layer, Embedding) and layer.input_dim > FLOAT32_IDS:

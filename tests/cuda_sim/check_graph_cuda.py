@@ -484,3 +484,35 @@ def test_conv1d_on_cuda_equals_the_cpu_model():
     assert np.count_nonzero(g_g) > w.size // 2
     logs_c, logs_g = cpu_m.evaluate(w, x, y), gpu_m.evaluate(w, x, y)
     assert logs_g == pytest.approx(logs_c, rel=1e-5)
+
+
+def per_step_dense(loss: str):
+    """Dense on a sequence (each step's features through one kernel: keras.io's text models'
+    projections), pooled to one output, or left per step (an output with steps: a label per
+    step, its loss on the host)."""
+    from pserver.keras import Input, layers
+    from pserver.models.functional import Functional
+    x = Input(shape=(5, 3))
+    h = layers.Dense(4, activation="relu")(x)
+    if loss == "pooled":
+        h = layers.GlobalAveragePooling1D()(layers.Dense(4, activation="tanh")(h))
+    return Functional(x, layers.Dense(3)(h))
+
+
+@pytest.mark.parametrize("loss", ["pooled", "per_step"])
+def test_dense_on_a_sequence_on_cuda_equals_the_cpu_model(loss):
+    # Catches the rows view of a device array (reshape(-1, features)) not taken, or a bias or
+    # activation applied to the wrong axis of a sequence.
+    from pserver.models import on_device
+    cpu_m, gpu_m = per_step_dense(loss).build(), on_device(per_step_dense(loss), "cuda")
+    rng = np.random.default_rng(13)
+    w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
+    x = f32(rng, 4, 5, 3)
+    y = rng.integers(0, 3, (4,) if loss == "pooled" else (4, 5)).astype(np.int32)
+    g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
+    loss_c = cpu_m.loss_and_grad(w, x, y, g_c, seed=1)
+    loss_g = gpu_m.loss_and_grad(w, x, y, g_g, seed=1)
+    assert loss_g == pytest.approx(loss_c, rel=1e-5)
+    np.testing.assert_allclose(g_g, g_c, rtol=1e-4, atol=1e-6)
+    assert np.count_nonzero(g_g) > w.size // 2
+    assert gpu_m.evaluate(w, x, y) == pytest.approx(cpu_m.evaluate(w, x, y), rel=1e-5)
