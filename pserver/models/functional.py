@@ -827,6 +827,7 @@ class Functional(SparseProtocol, Model):
         rows filled (the worker pulls them from the shards), for each batch_size records."""
         if self.sparse_tables:
             return _penalized(self._sparse_evaluate(w, x, y, batch_size, rows), self._regularize(w))
+        self._check_w(w)           # before its views: a wrong w gets the one-line error, as before
         params = self._per_layer(self.layout.views(w))
 
         def forward(xb):
