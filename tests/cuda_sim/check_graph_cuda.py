@@ -471,19 +471,24 @@ def text_cnn():
 def test_conv1d_on_cuda_equals_the_cpu_model():
     # Catches Conv1D's one-row views not taken on device arrays (which take no None index), a
     # causal or 'same' padding placed otherwise than on the CPU, or the strides lost.
-    from pserver.models import on_device
-    cpu_m, gpu_m = text_cnn().build(), on_device(text_cnn(), "cuda")
     rng = np.random.default_rng(12)
-    w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
     x, y = rng.integers(0, 12, (4, 9)).astype(np.int32), rng.integers(0, 2, 4).astype(np.float32)
+    same_step_and_logs(text_cnn, x, y, rng)
+
+
+def same_step_and_logs(build, x, y, rng):
+    """The CUDA model of build() takes the CPU model's loss and gradient (most of it nonzero)
+    for one step from random weights, and evaluates to its logs."""
+    from pserver.models import on_device
+    cpu_m, gpu_m = build().build(), on_device(build(), "cuda")
+    w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
     g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
     loss_c = cpu_m.loss_and_grad(w, x, y, g_c, seed=1)
     loss_g = gpu_m.loss_and_grad(w, x, y, g_g, seed=1)
     assert loss_g == pytest.approx(loss_c, rel=1e-5)
     np.testing.assert_allclose(g_g, g_c, rtol=1e-4, atol=1e-6)
     assert np.count_nonzero(g_g) > w.size // 2
-    logs_c, logs_g = cpu_m.evaluate(w, x, y), gpu_m.evaluate(w, x, y)
-    assert logs_g == pytest.approx(logs_c, rel=1e-5)
+    assert gpu_m.evaluate(w, x, y) == pytest.approx(cpu_m.evaluate(w, x, y), rel=1e-5)
 
 
 def per_step_dense(loss: str):
@@ -503,16 +508,6 @@ def per_step_dense(loss: str):
 def test_dense_on_a_sequence_on_cuda_equals_the_cpu_model(loss):
     # Catches the rows view of a device array (reshape(-1, features)) not taken, or a bias or
     # activation applied to the wrong axis of a sequence.
-    from pserver.models import on_device
-    cpu_m, gpu_m = per_step_dense(loss).build(), on_device(per_step_dense(loss), "cuda")
     rng = np.random.default_rng(13)
-    w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
-    x = f32(rng, 4, 5, 3)
     y = rng.integers(0, 3, (4,) if loss == "pooled" else (4, 5)).astype(np.int32)
-    g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
-    loss_c = cpu_m.loss_and_grad(w, x, y, g_c, seed=1)
-    loss_g = gpu_m.loss_and_grad(w, x, y, g_g, seed=1)
-    assert loss_g == pytest.approx(loss_c, rel=1e-5)
-    np.testing.assert_allclose(g_g, g_c, rtol=1e-4, atol=1e-6)
-    assert np.count_nonzero(g_g) > w.size // 2
-    assert gpu_m.evaluate(w, x, y) == pytest.approx(cpu_m.evaluate(w, x, y), rel=1e-5)
+    same_step_and_logs(lambda: per_step_dense(loss), f32(rng, 4, 5, 3), y, rng)
