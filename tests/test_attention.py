@@ -16,7 +16,14 @@ from pserver import keras
 from pserver.errors import ConfigError
 from pserver.keras import layers, ops
 from pserver.kernels import reference
-from pserver.layers import Dense, Flatten, GroupNormalization, MultiHeadAttention, SeparableConv2D
+from pserver.layers import (
+    Dense,
+    Flatten,
+    GroupNormalization,
+    LayerNormalization,
+    MultiHeadAttention,
+    SeparableConv2D,
+)
 from pserver.layers.base import Pass
 from pserver.models import Functional
 from pserver.ops.core import Symbolic
@@ -47,7 +54,7 @@ def assert_fd(layer, p, x, seed=0, floats=None):
     G = r.standard_normal(out.shape)
     g = {k: np.zeros_like(v) for k, v in p.items()}
     dxs = [np.empty_like(a) for a in xs]
-    layer.backward(None, p, g, x, out, G.copy(), dxs if isinstance(x, list) else dxs[0], s)
+    layer.backward(reference, p, g, x, out, G.copy(), dxs if isinstance(x, list) else dxs[0], s)
 
     def loss(p_, xs_):
         return float(np.sum(run(layer, p_, xs_ if isinstance(x, list) else xs_[0])[0] * G))
@@ -286,7 +293,9 @@ def test_cuda_refuses_the_new_layers_in_one_line():
     from pserver.models import cuda_support
     cases = [((6, 4), lambda x: MultiHeadAttention(2, 2)(x, x), "MultiHeadAttention"),
              ((4, 4, 4), lambda x: GroupNormalization(2)(x), "GroupNormalization"),
-             ((5, 5, 2), lambda x: SeparableConv2D(2, 3)(x), "SeparableConv2D")]
+             ((5, 5, 2), lambda x: SeparableConv2D(2, 3)(x), "SeparableConv2D"),
+             ((4, 4, 4), lambda x: LayerNormalization(axis=[1, 2])(x),
+              r"LayerNormalization\) over the axes \[-3, -2\] has no CUDA kernels \(over the last has\)")]
     for shape, make, match in cases:
         inputs = Symbolic((None, *shape))
         h = make(inputs)

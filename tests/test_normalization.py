@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pserver import keras
 from pserver.errors import ConfigError, InvalidArgument
+from pserver.kernels import reference
 from pserver.layers import BatchNormalization, Dense, LayerNormalization, Rescaling
 from pserver.layers.base import Pass
 from pserver.models import Functional
@@ -44,7 +45,7 @@ def run(layer, p, x, training=True):
     """(out, grads, dx) of loss = sum(out * G) for a fixed G, in float64."""
     out = np.empty_like(x)
     s = layer.scratch(x.shape[0], x.dtype)
-    layer.forward(None, p, x, out, s, Pass(training=training))
+    layer.forward(reference, p, x, out, s, Pass(training=training))
     return out, s
 
 
@@ -52,7 +53,7 @@ def grads(layer, p, x, G, training=True):
     out, s = run(layer, p, x, training)
     g = {k: np.zeros_like(v) for k, v in p.items()}
     dx = np.empty_like(x)
-    layer.backward(None, p, g, x, out, G.copy(), dx, s)
+    layer.backward(reference, p, g, x, out, G.copy(), dx, s)
     return g, dx
 
 

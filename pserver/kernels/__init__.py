@@ -42,12 +42,13 @@ KERNELS = ("dense_forward", "dense_param_grads", "dense_backward", "relu_backwar
 CPU_KERNELS = ("fm_forward", "fm_backward", "conv2d_forward_cols", "conv2d_backward_cols",
                "simple_rnn_forward", "simple_rnn_backward", "lstm_forward", "lstm_backward", "gru_forward",
                "gru_backward")
-# The graph layers' kernels (merges, Concatenate, global pooling, and an Embedding's ids from its
-# input): memory-bound, so NumPy on the host (cpu takes reference's) and numba.cuda on the device,
-# with one signature (cuda's plus `stream`).
+# The graph layers' kernels (merges, Concatenate, global pooling, an Embedding's ids from its
+# input, LayerNormalization over the last axis): memory-bound, so NumPy on the host (cpu takes
+# reference's) and numba.cuda on the device, with one signature (cuda's plus `stream`).
 GRAPH_KERNELS = ("elementwise", "scale_by", "fill", "extreme_forward", "select_grad", "columns_into",
                  "columns_from", "global_avgpool_forward", "global_avgpool_backward",
-                 "global_maxpool_forward", "global_maxpool_backward", "ids_into")
+                 "global_maxpool_forward", "global_maxpool_backward", "ids_into", "layer_norm_forward",
+                 "layer_norm_backward")
 
 
 def conv_output(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:

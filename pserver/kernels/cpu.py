@@ -53,6 +53,8 @@ from pserver.kernels.reference import (  # noqa: F401  (this backend's API)
     global_maxpool_backward,
     global_maxpool_forward,
     ids_into,
+    layer_norm_backward,
+    layer_norm_forward,
     scale_by,
     select_grad,
 )

@@ -52,6 +52,8 @@ from pserver.kernels.cuda_graph import (  # noqa: F401
     global_maxpool_backward,
     global_maxpool_forward,
     ids_into,
+    layer_norm_backward,
+    layer_norm_forward,
     scale_by,
     select_grad,
 )

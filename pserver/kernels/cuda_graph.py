@@ -188,6 +188,68 @@ def ids_kernel(x, ids, has_padding, padding):
 
 
 @cuda.jit
+def layer_norm_rows_kernel(x, gamma, beta, has_gamma, has_beta, epsilon, y, scale, out):
+    """One thread per row of x (rows, d): its mean and biased variance, then y, scale, out, as
+    reference.layer_norm_forward."""
+    r = cuda.grid(1)
+    if r < x.shape[0]:
+        n = x.shape[1]
+        total = float32(0.0)
+        for j in range(n):
+            total += x[r, j]
+        mean = total / float32(n)
+        total = float32(0.0)
+        for j in range(n):
+            c = x[r, j] - mean
+            total += c * c
+        s = float32(1.0) / math.sqrt(total / float32(n) + epsilon)
+        scale[r, 0] = s
+        for j in range(n):
+            v = (x[r, j] - mean) * s
+            y[r, j] = v
+            if has_gamma:
+                v = v * gamma[j]
+            if has_beta:
+                v = v + beta[j]
+            out[r, j] = v
+
+
+@cuda.jit
+def layer_norm_params_kernel(dout, y, dgamma, dbeta, has_gamma, has_beta):
+    """One thread per column j: dgamma[j] = sum over rows of dout * y, dbeta[j] = of dout."""
+    j = cuda.grid(1)
+    if j < dout.shape[1]:
+        g = float32(0.0)
+        b = float32(0.0)
+        for r in range(dout.shape[0]):
+            g += dout[r, j] * y[r, j]
+            b += dout[r, j]
+        if has_gamma:
+            dgamma[j] = g
+        if has_beta:
+            dbeta[j] = b
+
+
+@cuda.jit
+def layer_norm_dx_kernel(dout, y, scale, gamma, has_gamma, dx):
+    """One thread per row: dx = scale * (dy - mean(dy) - y * mean(dy * y)), dy = dout * gamma."""
+    r = cuda.grid(1)
+    if r < dout.shape[0]:
+        n = dout.shape[1]
+        a = float32(0.0)
+        b = float32(0.0)
+        for j in range(n):
+            dy = dout[r, j] * gamma[j] if has_gamma else dout[r, j]
+            a += dy
+            b += dy * y[r, j]
+        a = a / float32(n)
+        b = b / float32(n)
+        for j in range(n):
+            dy = dout[r, j] * gamma[j] if has_gamma else dout[r, j]
+            dx[r, j] = scale[r, 0] * (dy - a - y[r, j] * b)
+
+
+@cuda.jit
 def softmax_rows_kernel(x, out, log):
     """One thread per row of x (rows, last axis): softmax, or log_softmax, of the row, shifted by
     its max as pserver.ops.nn's."""
@@ -532,6 +594,34 @@ def ids_into(x, ids, padding=None, *, stream=0):
             float32(0 if padding is None else padding))
 
 
+def _or_unused(a, like):
+    """a, or (for None) one element of the device array `like`, which the kernel is told not to
+    read."""
+    return a if a is not None else like.reshape(like.size)[:1]
+
+
+def layer_norm_forward(x, gamma, beta, epsilon, y, scale, out, *, stream=0):
+    """reference.layer_norm_forward on device arrays: x, y, out (rows, d), scale (rows, 1),
+    gamma and beta (d,) or None."""
+    if not x.shape == y.shape == out.shape or tuple(scale.shape) != (x.shape[0], 1) or len(x.shape) != 2:
+        raise ValueError(f"layer_norm_forward: x {x.shape}, y {y.shape}, scale {scale.shape}, "
+                         f"out {out.shape}")
+    _launch(layer_norm_rows_kernel, x.shape[0], stream, x, _or_unused(gamma, x), _or_unused(beta, x),
+            gamma is not None, beta is not None, float32(epsilon), y, scale, out)
+
+
+def layer_norm_backward(dout, y, scale, gamma, dgamma, dbeta, dx, *, stream=0):
+    """reference.layer_norm_backward on device arrays (dgamma, dbeta or dx None: not written)."""
+    if dout.shape != y.shape or len(dout.shape) != 2 or (dx is not None and dx.shape != dout.shape):
+        raise ValueError(f"layer_norm_backward: dout {dout.shape}, y {y.shape}")
+    if dgamma is not None or dbeta is not None:
+        _launch(layer_norm_params_kernel, dout.shape[1], stream, dout, y, _or_unused(dgamma, y),
+                _or_unused(dbeta, y), dgamma is not None and gamma is not None, dbeta is not None)
+    if dx is not None:
+        _launch(layer_norm_dx_kernel, dout.shape[0], stream, dout, y, scale, _or_unused(gamma, y),
+                gamma is not None, dx)
+
+
 def _rows_of(name, *arrays):
     """Each array as (rows, its last axis), all of one shape."""
     if len({tuple(a.shape) for a in arrays}) != 1 or len(arrays[0].shape) == 0 or arrays[0].size == 0:
@@ -681,6 +771,7 @@ def global_maxpool_backward(dy, argmax, dx, *, stream=0):
 
 __all__ = ["RANK", "COMPARISONS", "UNARY", "elementwise", "elementwise_grad", "compare", "unary",
            "unary_grad", "clip", "clip_grad", "where", "where_grad", "softmax", "softmax_grad", "extreme_to",
-           "extreme_to_grad", "transpose", "ids_into", "sum_to", "broadcast_to", "fill", "scale_by",
+           "extreme_to_grad", "transpose", "ids_into", "layer_norm_forward", "layer_norm_backward",
+           "sum_to", "broadcast_to", "fill", "scale_by",
            "extreme_forward", "select_grad", "columns_into", "columns_from", "global_avgpool_forward",
            "global_avgpool_backward", "global_maxpool_forward", "global_maxpool_backward"]

@@ -392,6 +392,37 @@ def elementwise(kind, a, b, out):
     getattr(np, kind)(a, b, out=out)
 
 
+def layer_norm_forward(x, gamma, beta, epsilon, y, scale, out):
+    """Each row of x (rows, d) standardized: y = (x - mean) * scale with scale = 1 / sqrt(var +
+    epsilon) (rows, 1), the biased variance as Keras's; out = y * gamma + beta (either None: not
+    applied). pserver.ops.nn's moments and standardized, over the last axis."""
+    mean = x.mean(axis=-1, keepdims=True)
+    centred = x - mean
+    var = np.mean(centred * centred, axis=-1, keepdims=True)
+    scale[...] = 1 / np.sqrt(var + epsilon)
+    y[...] = (x - mean) * scale
+    if gamma is not None:
+        np.multiply(y, gamma, out=out)
+    else:
+        np.copyto(out, y)
+    if beta is not None:
+        out += beta
+
+
+def layer_norm_backward(dout, y, scale, gamma, dgamma, dbeta, dx):
+    """layer_norm_forward's gradients from dout (rows, d): dgamma, dbeta (d,) (None: not asked
+    for) and dx (rows, d; None: not asked for): pserver.ops.nn.standardize_vjp of dy = dout * gamma."""
+    if dbeta is not None:
+        dbeta[...] = dout.sum(axis=0)
+    dy = dout
+    if gamma is not None:
+        if dgamma is not None:
+            dgamma[...] = (dout * y).sum(axis=0)
+        dy = dout * gamma
+    if dx is not None:
+        dx[...] = scale * (dy - dy.mean(axis=-1, keepdims=True) - y * (dy * y).mean(axis=-1, keepdims=True))
+
+
 def ids_into(x, ids, padding=None):
     """ids[:] = x as integers (an id input may come as floats: a batch on the GPU is float32),
     with -1 (the lookups' padding) where x holds `padding` (None: no padding id)."""

@@ -460,6 +460,15 @@ def as_shape(what: str, shape) -> tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
+def rows(a):
+    """a as (rows, last axis): a view (the buffers are contiguous, on the host or the device);
+    None stays None. (The CUDA simulator's shapes take no negative index.)"""
+    if a is None or len(a.shape) == 2:
+        return a
+    last = a.shape[len(a.shape) - 1]
+    return a.reshape(a.size // last, last)
+
+
 def positive_int(owner: str, what: str, value) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{owner}: {what} must be a positive integer, got {value!r}")

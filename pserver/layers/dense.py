@@ -4,7 +4,7 @@ leading axes through the same kernels)."""
 
 from __future__ import annotations
 
-from pserver.layers import activations
+from pserver.layers import activations, base
 from pserver.layers.base import KernelLayer, positive_int
 
 
@@ -24,14 +24,7 @@ class Dense(KernelLayer):
     def kernel_shape(self):
         return (self.input_shape[-1], self.units)
 
-    @staticmethod
-    def rows(a):
-        """a as (rows, last axis): a view (the buffers are contiguous, on the host or the device);
-        None stays None. (The CUDA simulator's shapes take no negative index.)"""
-        if a is None or len(a.shape) == 2:
-            return a
-        last = a.shape[len(a.shape) - 1]
-        return a.reshape(a.size // last, last)
+    rows = staticmethod(base.rows)
 
     def forward(self, k, p, x, out, s, run):
         x, out = self.rows(x), self.rows(out)

@@ -20,7 +20,7 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.layers import initializers
-from pserver.layers.base import Layer, Weight
+from pserver.layers.base import Layer, Weight, rows
 from pserver.ops.nn import moments, standardize_vjp, standardized
 
 
@@ -110,15 +110,32 @@ class LayerNormalization(_Normalization):
             shape[a] = self.input_shape[a]
         return tuple(shape)
 
+    @property
+    def over_last_axis(self) -> bool:
+        """Whether it normalizes over the last axis alone (Keras's default): the backend's
+        layer_norm kernels then run it, on the host or the GPU; other axes run NumPy here."""
+        return self.axes == (-1,)
+
     def scratch(self, n, dtype):
-        return {"y": np.empty((n, *self.output_shape), dtype)}
+        s = {"y": np.empty((n, *self.output_shape), dtype)}
+        if self.over_last_axis:
+            s["scale"] = np.empty((n, *self.output_shape[:-1], 1), dtype)
+        return s
 
     def forward(self, k, p, x, out, s, run):
+        if self.over_last_axis:
+            k.layer_norm_forward(rows(x), p.get("gamma"), p.get("beta"), self.epsilon, rows(s["y"]),
+                                 rows(s["scale"]), rows(out))
+            return
         y, s["scale"] = standardized(x, *moments(x, self.axes), self.epsilon)
         s["y"][...] = y
         self.affine(p, y, out, self._shape())
 
     def backward(self, k, p, g, x, out, dout, dx, s):
+        if self.over_last_axis:
+            k.layer_norm_backward(rows(dout), rows(s["y"]), rows(s["scale"]), p.get("gamma"), g.get("gamma"),
+                                  g.get("beta"), rows(dx))
+            return
         others = tuple(a for a in range(x.ndim) if a - x.ndim not in self.axes)
         dy = self.affine_grads(p, g, s["y"], dout, others, self._shape())
         if dx is not None:

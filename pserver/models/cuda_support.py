@@ -32,6 +32,7 @@ from pserver.layers import (
     GlobalAveragePooling2D,
     GlobalMaxPooling1D,
     GlobalMaxPooling2D,
+    LayerNormalization,
     Maximum,
     MaxPooling2D,
     Minimum,
@@ -44,8 +45,9 @@ from pserver.ops import core
 
 # The layers whose every pass has a CUDA kernel.
 DEVICE_LAYERS = (Dense, Conv2D, Conv1D, MaxPooling2D, AveragePooling2D, Flatten, Reshape, Dropout, Activation,
-                 Embedding, Add, Subtract, Multiply, Average, Maximum, Minimum, Concatenate,
-                 GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D, GlobalMaxPooling2D)
+                 Embedding, LayerNormalization, Add, Subtract, Multiply, Average, Maximum, Minimum,
+                 Concatenate, GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D,
+                 GlobalMaxPooling2D)
 # The ops with a device form (pserver.models.cuda_ops).
 BINARY = ("add", "subtract", "multiply", "divide", "maximum", "minimum")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
@@ -82,6 +84,8 @@ def _step_refusal(plan, step) -> str | None:
         layer = plan.layers[step.layer]
         if getattr(layer, "activity_regularizer", None) is not None:
             return f"{layer.label} has an activity_regularizer"
+        if isinstance(layer, LayerNormalization) and not layer.over_last_axis:
+            return f"{layer.label} over the axes {list(layer.axes)} has no CUDA kernels (over the last has)"
         if isinstance(layer, Embedding) and layer.sparse:
             return f"{layer.label} is sparse (its rows live on the shards; a dense table runs on the GPU)"
         if isinstance(layer, Embedding) and layer.input_dim > FLOAT32_IDS:

@@ -511,3 +511,49 @@ def test_dense_on_a_sequence_on_cuda_equals_the_cpu_model(loss):
     rng = np.random.default_rng(13)
     y = rng.integers(0, 3, (4,) if loss == "pooled" else (4, 5)).astype(np.int32)
     same_step_and_logs(lambda: per_step_dense(loss), f32(rng, 4, 5, 3), y, rng)
+
+
+@pytest.mark.parametrize("center,scale", [(True, True), (False, True), (True, False), (False, False)])
+def test_layer_norm_kernels_equal_the_twin(center, scale):
+    # Catches a variance not biased (Keras's), epsilon outside the root, gamma or beta read when
+    # the layer has none, dgamma written when not asked for, or a VJP without its mean terms.
+    rng = np.random.default_rng(14)
+    x, dout = 3 * f32(rng, 300, 7) + 2, f32(rng, 300, 7)       # 300 rows: over one block
+    gamma, beta = (f32(rng, 7) if scale else None), (f32(rng, 7) if center else None)
+    want = {k: np.empty_like(x) for k in ("y", "out", "dx")}
+    want_scale, want_g, want_b = np.empty((300, 1), np.float32), *np.empty((2, 7), np.float32)
+    reference.layer_norm_forward(x, gamma, beta, 1e-3, want["y"], want_scale, want["out"])
+    reference.layer_norm_backward(dout, want["y"], want_scale, gamma, want_g if scale else None,
+                                  want_b if center else None, want["dx"])
+    dev = {k: nans(300, 7) for k in ("y", "out", "dx")}
+    scale_d, dg, db = nans(300, 1), nans(7), nans(7)
+
+    def on(a):
+        return None if a is None else cuda.to_device(a)
+
+    K.layer_norm_forward(cuda.to_device(x), on(gamma), on(beta), 1e-3, dev["y"], scale_d, dev["out"])
+    K.layer_norm_backward(cuda.to_device(dout), dev["y"], scale_d, on(gamma), dg if scale else None,
+                          db if center else None, dev["dx"])
+    for k in ("y", "out", "dx"):
+        close(dev[k].copy_to_host(), want[k])
+    close(scale_d.copy_to_host(), want_scale)
+    if scale:
+        close(dg.copy_to_host(), want_g)
+    if center:
+        close(db.copy_to_host(), want_b)
+
+
+def layer_normed():
+    """A transformer block's shape without its attention: Dense at each step, LayerNormalization
+    over the features (with and without gamma and beta), a residual add, pooling."""
+    from pserver.keras import Input, layers
+    from pserver.models.functional import Functional
+    x = Input(shape=(5, 3))
+    h = layers.LayerNormalization(epsilon=1e-6)(layers.Dense(3, activation="relu")(x))
+    h = layers.LayerNormalization(center=False, scale=False)(layers.add([x, h]))
+    return Functional(x, layers.Dense(3)(layers.GlobalAveragePooling1D()(h)))
+
+
+def test_layer_normalization_on_cuda_equals_the_cpu_model():
+    rng = np.random.default_rng(15)
+    same_step_and_logs(layer_normed, f32(rng, 4, 5, 3), rng.integers(0, 3, 4).astype(np.int32), rng)
