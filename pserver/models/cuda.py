@@ -172,7 +172,8 @@ class CudaModel(Model):
         _record(events, 2, s)
         st.g.copy_to_host(st.g_host, stream=s)
         b.loss.copy_to_host(st.loss_host, stream=s)
-        acts[-1].copy_to_host(b.outs_host[0], stream=s)
+        if self.task == "classification":      # for the batch's accuracy (loss_and_grad)
+            b.outputs_to_host(acts[-1:], s)
         _record(events, 3, s)
 
     def _step_with_host_loss(self, w, x, y, sample_weight, run) -> float:
@@ -183,10 +184,8 @@ class CudaModel(Model):
         with cuda.gpus[self.device_id]:
             st = self._state()
             b, s = st.batch(self, x.shape[0]), st.stream
-            np.copyto(st.w_host, w)
-            b.stage(x)
-            st.w.copy_to_device(st.w_host, stream=s)
-            b.upload_staged(s)
+            st.upload_weights(w)
+            b.upload(x, stream=s)
             acts = self._forward_on_device(st, b, run)
             outs = b.outputs_to_host([acts[i] for i in self.host._plan(True).outputs], s)
             s.synchronize()
@@ -368,9 +367,10 @@ class _Batch:
             dev.copy_to_host(host, stream=stream)
         return self.outs_host
 
-    def upload(self, x: np.ndarray, y: np.ndarray | None = None, *, stream) -> None:
-        self.stage(x, y)
-        self.upload_staged(stream)
+    def upload(self, x: np.ndarray, *, stream) -> None:
+        """x alone to the device (no labels: evaluation and a loss on the host read them there)."""
+        self.stage(x)
+        self.upload_staged(stream, labels=False)
 
     def stage(self, x: np.ndarray, y: np.ndarray | None = None) -> None:
         """x (and y, for a loss on the device) into the pinned buffers that the device copies
@@ -379,14 +379,15 @@ class _Batch:
         if y is not None:
             np.copyto(self.y_host, y)
 
-    def upload_staged(self, stream) -> None:
+    def upload_staged(self, stream, labels: bool = True) -> None:
         self.x.copy_to_device(self.x_host, stream=stream)
         start = 0
         for part in self.inputs if len(self.inputs) > 1 else ():
             cols = part.reshape(part.shape[0], part.size // part.shape[0])
             columns_from(self.x, start, cols, stream=stream)
             start += cols.shape[1]
-        self.y.copy_to_device(self.y_host, stream=stream)
+        if labels:
+            self.y.copy_to_device(self.y_host, stream=stream)
 
 
 class StepGraph:

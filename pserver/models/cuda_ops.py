@@ -191,18 +191,24 @@ class DeviceOps(dict):
         G.transpose(g, tuple(int(i) for i in inverse), dx, stream=self.stream)
         return (dx,)
 
+    @staticmethod
+    def _kept(x, axis) -> tuple[tuple, int]:
+        """The shape a reduction of x over `axis` has with keepdims, and how many elements each
+        of its elements reduces."""
+        axes = _axes(axis, len(x.shape))
+        kept = tuple(1 if d in axes else s for d, s in enumerate(x.shape))
+        return kept, int(np.prod([x.shape[d] for d in axes]))
+
     def _extreme(self, kind):
         def forward(x, axis=None, keepdims=False):
             x = self.dev(x)
-            axes = _axes(axis, len(x.shape))
-            out = self.empty(tuple(1 if d in axes else s for d, s in enumerate(x.shape)))
+            out = self.empty(self._kept(x, axis)[0])
             G.extreme_to(kind, x, out, stream=self.stream)
             return out if keepdims else out.reshape(_shape_of("sum", x, axis=axis))
         return forward
 
     def _extreme_vjp(self, g, out, x, axis=None, keepdims=False):
-        axes = _axes(axis, len(x.shape))
-        kept = tuple(1 if d in axes else s for d, s in enumerate(x.shape))
+        kept = self._kept(x, axis)[0]
         dx = self.empty(x.shape)
         G.extreme_to_grad(self.dev(x), out.reshape(kept), g.reshape(kept), dx, stream=self.stream)
         return (dx,)
@@ -284,19 +290,15 @@ class DeviceOps(dict):
     def _reduce(self, mean: bool):
         def forward(x, axis=None, keepdims=False):
             x = self.dev(x)
-            axes = _axes(axis, len(x.shape))
-            kept = tuple(1 if d in axes else s for d, s in enumerate(x.shape))
+            kept, count = self._kept(x, axis)
             out = self.empty(kept)
-            count = int(np.prod([x.shape[d] for d in axes]))
             G.sum_to(x, out, 1.0 / count if mean else 1.0, stream=self.stream)
             return out if keepdims else out.reshape(_shape_of("sum", x, axis=axis))
         return forward
 
     def _reduce_vjp(self, mean: bool):
         def vjp(g, out, x, axis=None, keepdims=False):
-            axes = _axes(axis, len(x.shape))
-            kept = tuple(1 if d in axes else s for d, s in enumerate(x.shape))
-            count = int(np.prod([x.shape[d] for d in axes]))
+            kept, count = self._kept(x, axis)
             dx = self.empty(x.shape)
             G.broadcast_to(g.reshape(kept), dx, 1.0 / count if mean else 1.0, stream=self.stream)
             return (dx,)

@@ -200,14 +200,11 @@ class SparseProtocol:
         params, grads = self._layer_views(w), self._layer_views(grad_out)
         bufs = self._buffers(len(x), w.dtype)
         ins = self._forward(params, self._sparse_inputs(x, lookups, params, grads, w.dtype), bufs, run)
-        if self.task == "classification":       # the batch's accuracy, for Keras's per-epoch metric
-            self.batch_correct = metrics.accuracy(ins[-1], y)
-        self.batch_metric_sums = self.metric_sums(ins[-1], y)
-        loss = self.loss(self.kernels, ins[-1], y, bufs.dloss)
+        loss = self.output_loss([ins[-1]], y, None, bufs.dlosses)     # one flat output (no weights)
         self._backward(params, grads, ins, bufs)
         for total, part in self._shared_grads:       # a shared table's rows: every layer's gradient
             total += part
-        return float(loss)
+        return loss
 
     def _sparse_outputs(self, w, x, batch_size: int, rows, what: str):
         """The output of each batch_size records of x, in order, with its rows from
