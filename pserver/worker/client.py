@@ -31,6 +31,7 @@ from pserver.errors import (
     AlreadyExists,
     ConfigError,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     JoinStepOpen,
     NotRegistered,
@@ -126,6 +127,7 @@ class ShardClient:
         self.down_since: float | None = None      # when the shard stopped answering
         self.down_told: float | None = None       # when we last said so (None: not yet)
         self.restart_note = ""                    # what a restarted shard had, told once it is back
+        self.restarts = 0                         # times this worker found the shard restarted
 
     def own(self, flat: np.ndarray) -> np.ndarray:
         """This shard's range of a flat vector (of the whole model's parameters)."""
@@ -251,6 +253,7 @@ class ShardClient:
             # among them: waiting for the version after the one we saw could wait forever.
             # The next pull takes whatever it holds now, and the worker goes on from there.
             self.reset_seen = True
+            self.restarts += 1
             return restart_note(info, seeded)
         except AlreadyExists:
             return ""   # the shard did not restart: it still holds our session, which goes on
@@ -562,6 +565,22 @@ def disagreement(labels: Sequence[str], settings: Sequence[dict]) -> str:
     return (f"the shards disagree on --{name.replace('_', '-')}: {labels[0]} has {values[0]!r} and "
             f"{labels[j]} has {values[j]!r}; every shard of one job must be started with the same "
             f"training settings (mode, optimizer and its hyper-parameters, schedule, step timeout, workers)")
+
+
+def ask_checkpoint(client: "PSClient", say=print) -> None:
+    """The chief asks every shard to checkpoint (a no-op on shards without a directory). A
+    shard that cannot write one (disk full, read-only directory) says why, and training
+    goes on: a lost checkpoint is no reason to lose the run. A checkpoint written is the
+    shard's to log (once per version), not ours as well."""
+    def ask(shard):
+        try:
+            return shard.checkpoint(client.rank, client.rpc_deadline)
+        except FailedPrecondition as e:
+            return e
+
+    for answer in client.each(ask):
+        if isinstance(answer, FailedPrecondition):
+            say(f"{answer}; training goes on")
 
 
 def restart_note(info: Registration, seeded: bool | None) -> str:

@@ -20,7 +20,6 @@ from pserver.data import Dataset, describe
 from pserver.errors import (
     ConfigError,
     DeadlineExceeded,
-    FailedPrecondition,
     LeaseGone,
     PServerError,
     Unavailable,
@@ -43,7 +42,7 @@ from pserver.persist import model_file
 from pserver.signals import Stopped
 from pserver.sparse import TableLookup
 from pserver.wire.security import client_security
-from pserver.worker.client import PSClient
+from pserver.worker.client import PSClient, ask_checkpoint
 from pserver.worker.exports import ChiefExports
 from pserver.worker.run import Run, push_pull
 from pserver.worker.sources import Batch, EpochEnd, Leases, Slices, source_for
@@ -428,10 +427,15 @@ def end_epoch(run: Run, ended: EpochEnd) -> bool:
     the epoch's logs and the weights pulled after its last step. Whether they stop the run."""
     logs = {}
     if run.chief:
-        run.epochs_log.append(chief_epoch_end(run, ended.epoch, ended.all_done))
+        logged = chief_epoch_end(run, ended.epoch, ended.all_done)
+        if ended.again:                           # the summary takes the epoch's evaluation now
+            run.epochs_log = [e for e in run.epochs_log if e["epoch"] != logged["epoch"]]
+        run.epochs_log.append(logged)
         if getattr(run.ds, "stream", False):
             run.epochs_log[-1]["progressive"] = window_metrics(run, ended)
         logs = dict(run.epochs_log[-1])
+    if ended.again:
+        return run.callbacks.stop_training
     if ended.trained:                             # every worker's batches
         logs["trained"] = ended.trained
     if ended.shared and not run.chief:
@@ -531,22 +535,6 @@ def chief_epoch_end(run: Run, epoch: int, all_done: bool = False) -> dict:
     run.report.evaluated(run.clock, logged, lambda: combine_counters(run.client.status())["staleness_mean"])
     ask_checkpoint(run.client, run.progress.say)
     return logged
-
-
-def ask_checkpoint(client: PSClient, say=print) -> None:
-    """The chief asks every shard to checkpoint (a no-op on shards without a directory). A
-    shard that cannot write one (disk full, read-only directory) says why, and training
-    goes on: a lost checkpoint is no reason to lose the run. A checkpoint written is the
-    shard's to log (once per version), not ours as well."""
-    def ask(shard):
-        try:
-            return shard.checkpoint(client.rank, client.rpc_deadline)
-        except FailedPrecondition as e:
-            return e
-
-    for answer in client.each(ask):
-        if isinstance(answer, FailedPrecondition):
-            say(f"{answer}; training goes on")
 
 
 def log_epoch(run: Run, epoch: int, threads: int = 1) -> dict:

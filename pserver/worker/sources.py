@@ -39,11 +39,15 @@ class EpochEnd:
     """Epoch `epoch` is over. `trained`: every worker's loss sum, samples classed right and samples
     of it, as shard 0's coordinator summed them (leases); `shared`: the chief shares its epoch logs
     and stop decision through shard 0, which every other worker's callbacks take (Keras on a cluster);
-    `all_done`: it was the run's last, and every worker's batches are done (leases): no one trains."""
+    `all_done`: it was the run's last, and every worker's batches are done (leases): no one trains.
+    `again`: it ended before, then shard 0 restored a checkpoint from before that end, and the
+    batches the checkpoint lacked were trained again (leases): the chief evaluates it again, the
+    callbacks, which heard it, are not told twice."""
     epoch: int
     trained: dict | None = None
     shared: bool = False
     all_done: bool = False
+    again: bool = False
 
 
 class Slices:
@@ -147,6 +151,8 @@ class Leases:
         # shows a new one (shard 0 restored), which counts what falls after its checkpoint.
         self.done_log: list[tuple[int, int, int]] = []
         self.coordinator = ""
+        self.ended = -1                        # the last epoch whose end this worker heard
+        self.restarts = 0                      # shard 0's restarts this worker had seen at its last ask
 
     def batches(self, run: Run) -> Iterator[Batch | EpochEnd]:
         if run.over() and self.epoch is None:    # the others ended the run before this worker came
@@ -156,7 +162,9 @@ class Leases:
                 reply = self.ask(run)
                 yield from self.follow(run, reply)
                 if self.epoch >= run.cfg.epochs:
-                    return
+                    if self.kept(run):
+                        return
+                    continue
                 if reply.has_lease:
                     self.lease, self.at = reply, reply.first_batch
             if self.lease is None:
@@ -190,7 +198,22 @@ class Leases:
                                  f"checkpoint; told it the {len(self.done_log)} chunk(s) this worker trained "
                                  f"before (what falls after the checkpoint counts as trained twice)")
             self.done_log, self.coordinator = [], reply.coordinator_id
+        self.restarts = client.shards[0].restarts
         return reply
+
+    def kept(self, run: Run) -> bool:
+        """Whether the run's end, which the last ask told, holds. The chief asked every shard for a
+        checkpoint at the last epoch's end (chief_epoch_end): from there on a restarted shard 0
+        restores the end. Before it, shard 0 may have restarted (its RPCs found it so: a restart
+        between the chief's last push and that checkpoint) from a checkpoint whose coordinator
+        has chunks left; the chief then asks again, and trains them, where it would have ended the
+        run on a model without them (another worker leaves: the chief's end is the commit)."""
+        if not run.chief or run.client.shards[0].restarts == self.restarts:
+            return True
+        run.progress.say(f"worker {run.rank}: shard 0 restarted after the data's end, before its "
+                         f"checkpoint of the end was written; its coordinator is back where it "
+                         f"restored, and the chief trains the chunk(s) done after that again")
+        return False
 
     def follow(self, run: Run, reply) -> Iterator[EpochEnd]:
         """The epoch the reply is at: at the first ask, the job's (one that goes on: not an epoch's
@@ -207,7 +230,9 @@ class Leases:
             if line:
                 run.report.progress(run.clock, *line)
             yield EpochEnd(self.epoch, epoch_sums(reply, self.epoch), shared=shared,
-                           all_done=self.epoch + 1 >= run.cfg.epochs <= reply.epoch)
+                           all_done=self.epoch + 1 >= run.cfg.epochs <= reply.epoch,
+                           again=self.epoch <= self.ended)
+            self.ended = max(self.ended, self.epoch)
             yield from self.missed(run, self.epoch + 1, reply.epoch, shared)
             self.epoch, self.step = reply.epoch, 0
             run.begin_epoch(self.epoch)

@@ -78,3 +78,43 @@ def test_shard_0_restored_mid_epoch_counts_the_chunks_done_since_its_checkpoint(
     assert s["chunks_done"] == CHUNKS, s
     assert s["batches_retrained"] > 2, s
     print(f"retrained {s['batches_retrained']}, released {s['chunks_released']}")
+
+
+def test_shard_0_restored_after_the_data_ended_has_the_chief_train_what_it_lost(procs, tmp_path):
+    """Shard 0 SIGKILLed after the chief's last push and before the chief's checkpoint of the end
+    (the worker SIGSTOPped during its long final evaluation), restarted with --restore from a
+    checkpoint 41+ steps older: the chief learns shard 0 restarted, asks its coordinator again, and
+    trains the chunks the checkpoint lacks, so the run ends with every chunk done and a checkpoint
+    past the restored one. Before, the worker evaluated the restored weights, summarized 6 of 9
+    chunks done and exited 0 (CI's flake in test_checkpoint_faults' delta test was this)."""
+    from pserver.persist import checkpoint
+    from tests.support.processes import free_port
+    port, ckpt, summary = free_port(), tmp_path / "ckpt", tmp_path / "summary.json"
+    serve = ["serve", "--port", str(port), "--num-workers", "1", "--optimizer", "adam", "--lr", "0.001",
+             "--checkpoint-every", "50", "--restore", str(ckpt)]
+    shard = procs(*serve)
+    addr = shard.address()
+    worker = procs("worker", "--ps", addr, "--rank", "0", "--num-workers", "1", "--model", "wide_deep",
+                   "--dataset", "criteo-synthetic", "--samples", "9000", "--test-samples", "300000",
+                   "--batch-size", "64", "--seed", "5", "--epochs", "1", "--rpc-deadline", "60",
+                   "--summary-json", str(summary))
+    deadline = time.monotonic() + 120
+    while "step 141/141" not in worker.output and worker.popen.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    worker.popen.send_signal(signal.SIGSTOP)          # in its evaluation of 300,000 samples
+    newest = checkpoint.candidates(str(ckpt), 0, 1)[0][0]
+    assert newest <= 100, f"the chief's checkpoint of the end came first: {newest}\n{worker.output}"
+    shard.popen.send_signal(signal.SIGKILL)
+    shard.popen.wait()
+    restarted = procs(*serve)
+    restarted.address()
+    worker.popen.send_signal(signal.SIGCONT)
+    assert worker.wait() == 0, worker.output
+    assert f"restored version {newest}" in restarted.output, restarted.output
+    assert "shard 0 restarted after the data's end" in worker.output, worker.output
+    s = read_json(summary)
+    after = checkpoint.candidates(str(ckpt), 0, 1)[0][0]
+    # every chunk done once, and each step after the restore trained a batch the checkpoint lacked
+    assert s["chunks_done"] == 9 and after - newest == s["batches_retrained"] > 0, (s, newest, after)
+    assert worker.output.count("epoch 1/1 done") == 2, worker.output   # evaluated again, logged once
+    assert [e["epoch"] for e in s["per_epoch"]] == [1] and s["per_epoch"][0]["auc"] == s["test_auc"], s
