@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pserver.keras as keras
-from pserver.errors import ConfigError
+from pserver.errors import ConfigError, DataError
 from pserver.keras import layers, ops
 from pserver.keras.cluster import SEED
 from pserver.models.functional import Functional
@@ -166,8 +166,11 @@ def test_what_cannot_be_known_before_the_data_is_refused_in_one_line():
     model.compile(optimizer="sgd", loss="mse")
     x, y = ids(16, 6)
     model.fit(x, y, epochs=1, verbose=0)
-    with pytest.raises(ValueError, match=r"takes \(n >= 1, 6\)"):   # another length than the first's
-        model.predict(x[:, :4], verbose=0)
+    for other in (model.predict, model.evaluate):                 # another length than the first's
+        with pytest.raises(DataError, match=r"^functional: input 'input_layer\S*' is keras.Input\(shape="
+                           r"\(None,\)\), and the model was made at its first data for samples of shape "
+                           r"\(6,\); these have \(4,\): pad or cut them to \(6,\)"):
+            other(x[:, :4], *([y] if other == model.evaluate else []), verbose=0)
     with pytest.raises(ConfigError, match=r"keras.Input\(shape=\(None, 3\)\), the data's samples have shape"):
         wide = keras.Input(shape=(None, 3))
         keras.Model(wide, layers.Dense(1)(wide)).predict(x, verbose=0)

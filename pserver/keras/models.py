@@ -800,6 +800,24 @@ class Model(_Model):
         self._ready([np.zeros((1, *tuple(s)[1:]), np.float32) for s in shapes] if several else
                     np.zeros((1, *tuple(input_shape)[1:]), np.float32))
 
+    def _ready(self, x) -> None:
+        made = self._built_core is not None
+        super()._ready(x)
+        if made and x is not None and getattr(self, "_graph", None) is not None:
+            self._same_size(x)
+
+    def _same_size(self, x) -> None:
+        """Data for a model made at its first data (an Input of unknown size) whose samples have
+        another size there: one line saying so, where the first layer would name only its own
+        shapes. pserver plans a model for one shape."""
+        given, arrays = _matched(self.name, self._graph[0], x, "the data")
+        for g, made, a in zip(given, self._core._given, arrays):
+            if g.unknown and made.shape[1:] != np.shape(a)[1:]:
+                raise DataError(f"{self.name}: input {g.name!r} is keras.Input(shape={g.shape[1:]}), and the "
+                                f"model was made at its first data for samples of shape {made.shape[1:]}; "
+                                f"these have {np.shape(a)[1:]}: pad or cut them to {made.shape[1:]} "
+                                f"(pserver plans a model for one shape, Keras for any)")
+
     def _trace(self, x):
         if x is None:
             return None
