@@ -43,6 +43,7 @@ from pserver.kernels.reference import (  # noqa: F401  (this backend's API)
     POOL_MEAN,
     POOL_SQRTN,
     POOL_SUM,
+    broadcast_to,
     columns_from,
     columns_into,
     elementwise,
@@ -57,6 +58,8 @@ from pserver.kernels.reference import (  # noqa: F401  (this backend's API)
     layer_norm_forward,
     scale_by,
     select_grad,
+    sum_to,
+    transpose,
 )
 
 

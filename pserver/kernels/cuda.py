@@ -42,6 +42,7 @@ from pserver.kernels import cuda_gemm, reference
 
 # The graph layers' kernels (pserver.kernels.GRAPH_KERNELS) live in their own module; part of this API.
 from pserver.kernels.cuda_graph import (  # noqa: F401
+    broadcast_to,
     columns_from,
     columns_into,
     elementwise,
@@ -56,6 +57,8 @@ from pserver.kernels.cuda_graph import (  # noqa: F401
     layer_norm_forward,
     scale_by,
     select_grad,
+    sum_to,
+    transpose,
 )
 from pserver.kernels.cuda_grid import ELEMENT_THREADS, _blocks, _flat, fill_kernel
 

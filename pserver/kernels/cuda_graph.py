@@ -1,7 +1,8 @@
-"""The graph's kernels on the GPU: element-wise arithmetic and comparisons with broadcasting and
-the arithmetic's gradients, the unary math (exp, log, sqrt, square, abs), clip and where, softmax
-and log_softmax along the last axis, sums, maxima and minima to a shape and broadcasts from one,
-transposes, column blocks (concatenate, split), the merge layers' max/min, and global pooling.
+"""The graph's kernels on the GPU: element-wise arithmetic (and power) and comparisons with
+broadcasting and the arithmetic's gradients, the unary math (exp, log, sqrt, square, abs), clip
+and where, softmax and log_softmax along the last axis, sums, maxima and minima to a shape and
+broadcasts from one, transposes, column blocks (concatenate, split), a gather by an index map and
+its scatter-add (slices, take, tile, repeat), one_hot, the merge layers' max/min, and global pooling.
 `pserver.kernels.cuda` exports the GRAPH_KERNELS among these launchers (the layers call them as
 `k.elementwise(...)` on any backend); the rest are for the ops' device forms
 (pserver.models.cuda_ops), whose NumPy twins are the ops themselves (pserver.ops).
@@ -29,6 +30,10 @@ RANK = 6
 # the kernels number them. unary's: reference.UNARY's order.
 COMPARISONS, UNARY = reference.COMPARISONS, reference.UNARY
 CODES = {kind: i for i, kind in enumerate(reference.ELEMENTWISE + COMPARISONS)}
+# power, an op's device form only (the layers' backends have no power): numbered after the rest
+POWER = "power"
+CODES[POWER] = len(CODES)
+ARITHMETIC = (*reference.ELEMENTWISE, POWER)
 
 
 def _launch(kernel, count, stream, *args):
@@ -63,7 +68,9 @@ def _apply(code, a, b):
         return float32(a <= b)
     if code == 10:
         return float32(a == b)
-    return float32(a != b)
+    if code == 11:
+        return float32(a != b)
+    return math.pow(a, b)
 
 
 @cuda.jit(device=True)
@@ -80,7 +87,11 @@ def _partial(code, which, a, b, out):
         return float32(1.0) / b if which == 0 else -out / b
     if code == 4:
         return float32(a >= b) if which == 0 else float32(a < b)
-    return float32(a <= b) if which == 0 else float32(a > b)
+    if code == 5:
+        return float32(a <= b) if which == 0 else float32(a > b)
+    if which == 0:                   # power: b a**(b-1); out log(a), 0 where a <= 0 (as the op's)
+        return b * math.pow(a, b - float32(1.0))
+    return out * math.log(a) if a > 0 else float32(0.0)
 
 
 @cuda.jit(device=True)
@@ -285,6 +296,29 @@ def softmax_rows_grad_kernel(g, out, dx, log):
                 dx[r, j] = g[r, j] - math.exp(out[r, j]) * total
             else:
                 dx[r, j] = out[r, j] * (g[r, j] - total)
+
+
+@cuda.jit
+def gather_kernel(x, index, out):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = x[index[i]]
+
+
+@cuda.jit
+def scatter_add_kernel(g, index, dx):
+    i = cuda.grid(1)
+    if i < g.shape[0]:
+        cuda.atomic.add(dx, index[i], g[i])
+
+
+@cuda.jit
+def one_hot_kernel(x, classes, out):
+    """out (ids, classes) flat: 1.0 where the id, truncated to an integer as the op's cast does,
+    is the class; an id outside [0, classes) gives a row of zeros."""
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = float32(int64(x[i // classes]) == i % classes)
 
 
 @cuda.jit
@@ -501,8 +535,9 @@ def _broadcast_shape(name, a, b, out) -> tuple:
 # -- launchers ----------------------------------------------------------------------------------
 
 def elementwise(kind, a, b, out, *, stream=0):
-    """out[:] = a (kind) b with NumPy's broadcasting (out may be a or b)."""
-    code, shape = _code(kind), _broadcast_shape("elementwise", a, b, out)
+    """out[:] = a (kind) b with NumPy's broadcasting (out may be a or b); `kind` one of
+    reference.ELEMENTWISE, or "power" (an op's device form: the layers' backends lack it)."""
+    code, shape = _code(kind, ARITHMETIC), _broadcast_shape("elementwise", a, b, out)
     _launch(binary_kernel, out.size, stream, code, _flat(a), _flat(b), _flat(out), _padded(shape, 1),
             _strides(a.shape, shape), _strides(b.shape, shape))
 
@@ -510,7 +545,7 @@ def elementwise(kind, a, b, out, *, stream=0):
 def elementwise_grad(kind, which, g, a, b, out, dx, *, stream=0):
     """dx[:] = g * d out / d (a if which == 0 else b), summed back to that input's shape:
     the VJP of `elementwise` (out its result). g and out have out's shape."""
-    code, shape = _code(kind), _broadcast_shape("elementwise_grad", a, b, out)
+    code, shape = _code(kind, ARITHMETIC), _broadcast_shape("elementwise_grad", a, b, out)
     if dx.shape != (a, b)[which].shape or g.shape != shape:
         raise ValueError(f"elementwise_grad: g {g.shape}, input {which} {(a, b)[which].shape}, dx {dx.shape}")
     full = dx if dx.shape == shape else cuda.device_array(shape, np.float32, stream=stream)
@@ -769,9 +804,34 @@ def global_maxpool_backward(dy, argmax, dx, *, stream=0):
     _launch(global_pool_backward_kernel, dx.size, stream, dy, argmax, dx, True)
 
 
+def gather(x, index, out, *, stream=0):
+    """out.flat[i] = x.flat[index.flat[i]]: the forward of an op that only moves elements (a slice,
+    take with constant indices, tile, repeat), whose index map is the op run on x's positions."""
+    if tuple(index.shape) != tuple(out.shape):
+        raise ValueError(f"gather: index {index.shape}, out {out.shape}")
+    _launch(gather_kernel, out.size, stream, _flat(x), _flat(index), _flat(out))
+
+
+def scatter_add(g, index, dx, *, stream=0):
+    """dx.flat[index.flat[i]] += g.flat[i] (atomically: an element taken twice gets both): gather's
+    VJP into a dx the caller zeroed."""
+    if tuple(index.shape) != tuple(g.shape):
+        raise ValueError(f"scatter_add: index {index.shape}, g {g.shape}")
+    _launch(scatter_add_kernel, g.size, stream, _flat(g), _flat(index), _flat(dx))
+
+
+def one_hot(x, out, *, stream=0):
+    """out (x's shape, classes) = x's ids (float32) one-hot along the last axis."""
+    classes = out.shape[len(out.shape) - 1]
+    if tuple(out.shape) != (*x.shape, classes):
+        raise ValueError(f"one_hot: x {x.shape}, out {out.shape}")
+    _launch(one_hot_kernel, out.size, stream, _flat(x), classes, _flat(out))
+
+
 __all__ = ["RANK", "COMPARISONS", "UNARY", "elementwise", "elementwise_grad", "compare", "unary",
            "unary_grad", "clip", "clip_grad", "where", "where_grad", "softmax", "softmax_grad", "extreme_to",
            "extreme_to_grad", "transpose", "ids_into", "layer_norm_forward", "layer_norm_backward",
            "sum_to", "broadcast_to", "fill", "scale_by",
            "extreme_forward", "select_grad", "columns_into", "columns_from", "global_avgpool_forward",
-           "global_avgpool_backward", "global_maxpool_forward", "global_maxpool_backward"]
+           "global_avgpool_backward", "global_maxpool_forward", "global_maxpool_backward", "gather",
+           "scatter_add", "one_hot", "POWER"]

@@ -466,6 +466,23 @@ def columns_from(src, start, dst):
     np.copyto(dst, src[:, start:start + dst.shape[1]])
 
 
+def transpose(x, axes, out):
+    """out[:] = np.transpose(x, axes)."""
+    np.copyto(out, np.transpose(x, axes))
+
+
+def sum_to(g, out, scale=1.0):
+    """out[:] = scale * g summed over the axes that broadcasting out's shape to g's stretches."""
+    shape = (1,) * (g.ndim - out.ndim) + out.shape
+    axes = tuple(i for i, (o, n) in enumerate(zip(shape, g.shape)) if o == 1 and n != 1)
+    np.multiply(g.sum(axis=axes, keepdims=True).reshape(out.shape), out.dtype.type(scale), out=out)
+
+
+def broadcast_to(x, out, scale=1.0):
+    """out[:] = scale * x broadcast to out's shape (sum_to's VJP)."""
+    np.multiply(np.broadcast_to(x, out.shape), out.dtype.type(scale), out=out)
+
+
 def global_avgpool_forward(x, out):
     """out[:] = x's mean over its positions: x (n, positions, c), out (n, c)."""
     np.mean(x, axis=1, out=out)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from pserver.errors import ConfigError
 from pserver.layers.base import Layer, positive_int
 
@@ -69,12 +67,12 @@ class Permute(Layer):
         return tuple(input_shape[d - 1] for d in self.dims)
 
     def forward(self, k, p, x, out, s, run):
-        out[...] = x.transpose(0, *self.dims)
+        k.transpose(x, (0, *self.dims), out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         if dx is not None:
             inverse = sorted(range(len(self.dims)), key=self.dims.__getitem__)
-            dx[...] = dout.transpose(0, *(1 + i for i in inverse))
+            k.transpose(dout, (0, *(1 + i for i in inverse)), dx)
 
 
 class RepeatVector(Layer):
@@ -90,8 +88,8 @@ class RepeatVector(Layer):
         return (self.n, input_shape[0])
 
     def forward(self, k, p, x, out, s, run):
-        out[...] = x[:, None, :]
+        k.broadcast_to(x.reshape(x.shape[0], 1, x.shape[1]), out)     # reshapes: device arrays too
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         if dx is not None:
-            np.sum(dout, axis=1, out=dx)
+            k.sum_to(dout, dx.reshape(dx.shape[0], 1, dx.shape[1]))

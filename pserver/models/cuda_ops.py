@@ -15,7 +15,7 @@ from numba import cuda
 
 from pserver.kernels import cuda as K
 from pserver.kernels import cuda_graph as G
-from pserver.models.cuda_support import ACTIVATIONS, BINARY, COMPARISONS, RESHAPES, SOFTMAXES, UNARY
+from pserver.models.cuda_support import ACTIVATIONS, BINARY, COMPARISONS, GATHERS, RESHAPES, SOFTMAXES, UNARY
 from pserver.models.cuda_support import axes as _axes
 from pserver.ops import core
 
@@ -32,6 +32,7 @@ class DeviceOps(dict):
         super().__init__()
         self.stream = stream
         self._consts: dict[int, tuple] = {}
+        self._maps: dict[tuple, tuple] = {}    # a gather's index map, per op, shape and arguments
         self._pool: list | None = None      # begin() sets it
         self._next = 0
         for name in BINARY:
@@ -61,6 +62,12 @@ class DeviceOps(dict):
         self["sum"] = core.Op("sum", self._reduce(False), self._reduce_vjp(False))
         self["mean"] = core.Op("mean", self._reduce(True), self._reduce_vjp(True))
         self["matmul"] = core.Op("matmul", self._matmul, self._matmul_vjp)
+        for name in GATHERS:
+            self[name] = core.Op(name, self._gather(name), self._gather_vjp(name),
+                                 differentiable=(True, False) if name == "take" else None)
+        self["stack"] = core.Op("stack", self._stack, self._stack_vjp)
+        self["one_hot"] = core.Op("one_hot", self._one_hot, lambda g, out, x, **a: (None,),
+                                  differentiable=(False,))
 
     # -- memory ------------------------------------------------------------------------------
 
@@ -159,19 +166,45 @@ class DeviceOps(dict):
         return tuple(grads)
 
     def _softmax(self, log: bool):
-        def forward(x, axis=-1):         # the last axis (cuda_support.refusal)
+        def forward(x, axis=-1):
             x = self.dev(x)
-            out = self.empty(x.shape)
-            G.softmax(x, out, log, stream=self.stream)
-            return out
+            perm = self._last(axis, len(x.shape))
+            if perm is None:
+                out = self.empty(x.shape)
+                G.softmax(x, out, log, stream=self.stream)
+                return out
+            out_t = self.empty(self._permuted(x.shape, perm))     # along the last axis of a transpose
+            G.softmax(self._transposed(x, perm), out_t, log, stream=self.stream)
+            return self._transposed(out_t, tuple(int(i) for i in np.argsort(perm)))
         return forward
 
     def _softmax_vjp(self, log: bool):
         def vjp(g, out, x, axis=-1):
-            dx = self.empty(x.shape)
-            G.softmax_grad(g, out, dx, log, stream=self.stream)
-            return (dx,)
+            perm = self._last(axis, len(x.shape))
+            if perm is None:
+                dx = self.empty(x.shape)
+                G.softmax_grad(g, out, dx, log, stream=self.stream)
+                return (dx,)
+            dx_t = self.empty(self._permuted(x.shape, perm))
+            G.softmax_grad(self._transposed(g, perm), self._transposed(out, perm), dx_t, log,
+                           stream=self.stream)
+            return (self._transposed(dx_t, tuple(int(i) for i in np.argsort(perm))),)
         return vjp
+
+    @staticmethod
+    def _last(axis, rank: int) -> tuple | None:
+        """The permutation that moves `axis` last (None: it is the last)."""
+        axis = int(axis) % rank
+        return None if axis == rank - 1 else (*(d for d in range(rank) if d != axis), axis)
+
+    @staticmethod
+    def _permuted(shape, perm) -> tuple:
+        return tuple(shape[a] for a in perm)
+
+    def _transposed(self, x, perm):
+        out = self.empty(self._permuted(x.shape, perm))
+        G.transpose(x, perm, out, stream=self.stream)
+        return out
 
     @staticmethod
     def _permutation(axes, rank: int) -> tuple:
@@ -324,6 +357,61 @@ class DeviceOps(dict):
             db = self.empty(b.shape)
             K.matmul(self._rows(self.dev(a)), g2, db, True, False, stream=self.stream)
         return da, db
+
+    # -- ops that only move elements: a gather by an index map, and stack ------------------------
+
+    def _index_map(self, name, x, args, attrs):
+        """The device index map of op `name` on x's shape with these constant arguments: the
+        NumPy op run on x's element positions (so it is the op's own indexing, whatever its
+        key, axis or repeats), made once per shape and arguments."""
+        key = (name, tuple(x.shape), tuple(id(a) for a in args), repr(sorted(attrs.items())))
+        if key not in self._maps:
+            positions = np.arange(x.size, dtype=np.int64).reshape(x.shape)
+            index = np.ascontiguousarray(core.OPS[name].forward(positions, *args, **attrs), np.int64)
+            self._maps[key] = (args, cuda.to_device(index.reshape(index.shape or (1,)), stream=self.stream))
+        return self._maps[key][1]                 # the arguments kept: their ids stay theirs
+
+    def _gather(self, name):
+        def forward(x, *args, **attrs):          # take's indices: a constant (cuda_support.refusal)
+            x = self.dev(x)
+            index = self._index_map(name, x, args, attrs)
+            out = self.empty(index.shape)
+            G.gather(x, index, out, stream=self.stream)
+            return out
+        return forward
+
+    def _gather_vjp(self, name):
+        def vjp(g, out, x, *args, **attrs):
+            index = self._index_map(name, x, args, attrs)
+            dx = self.empty(x.shape)
+            G.fill(dx, 0.0, stream=self.stream)
+            G.scatter_add(g, index, dx, stream=self.stream)
+            return (dx, *(None for _ in args))
+        return vjp
+
+    @staticmethod
+    def _stacked(xs, axis):
+        """(the axis of the stack, each input's shape with a 1 there): stack is a concatenation
+        of the inputs so reshaped (never along the batch: cuda_support.refusal)."""
+        ax = int(axis) % (len(xs[0].shape) + 1)
+        return ax, (*xs[0].shape[:ax], 1, *xs[0].shape[ax:])
+
+    def _stack(self, *xs, axis=0):
+        xs = [self.dev(x) for x in xs]
+        ax, one = self._stacked(xs, axis)
+        out = self.empty((*one[:ax], len(xs), *one[ax + 1:]))
+        self._join([x.reshape(one) for x in xs], out, ax)
+        return out
+
+    def _stack_vjp(self, g, out, *xs, axis=0):
+        ax, one = self._stacked(xs, axis)
+        return tuple(p.reshape(x.shape) for p, x in zip(self._pieces(g, [one] * len(xs), ax), xs))
+
+    def _one_hot(self, x, num_classes, axis=-1, dtype="float32"):   # the last axis, a float dtype
+        x = self.dev(x)
+        out = self.empty((*x.shape, int(num_classes)))
+        G.one_hot(x, out, stream=self.stream)
+        return out
 
 
 __all__ = ["DeviceOps"]

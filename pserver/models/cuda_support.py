@@ -37,6 +37,8 @@ from pserver.layers import (
     MaxPooling2D,
     Minimum,
     Multiply,
+    Permute,
+    RepeatVector,
     Reshape,
     Subtract,
 )
@@ -47,14 +49,16 @@ from pserver.ops import core
 DEVICE_LAYERS = (Dense, Conv2D, Conv1D, MaxPooling2D, AveragePooling2D, Flatten, Reshape, Dropout, Activation,
                  Embedding, LayerNormalization, Add, Subtract, Multiply, Average, Maximum, Minimum,
                  Concatenate, GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D,
-                 GlobalMaxPooling2D)
+                 GlobalMaxPooling2D, Permute, RepeatVector)
 # The ops with a device form (pserver.models.cuda_ops).
-BINARY = ("add", "subtract", "multiply", "divide", "maximum", "minimum")
+BINARY = ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
 RESHAPES = ("reshape", "expand_dims", "squeeze")
 SOFTMAXES = ("softmax", "log_softmax")
+GATHERS = ("getitem", "take", "tile", "repeat")      # ops that only move elements: a gather by index
 DEVICE_OPS = (*BINARY, *COMPARISONS, "negative", *UNARY, "clip", "where", "cast", *ACTIVATIONS, *SOFTMAXES,
-              *RESHAPES, "transpose", "concatenate", "split", "sum", "mean", "max", "min", "matmul")
+              *RESHAPES, "transpose", "concatenate", "split", "stack", "sum", "mean", "max", "min", "matmul",
+              *GATHERS, "one_hot")
 # Ids travel to the GPU in the batch's float32, exact up to 2**24.
 FLOAT32_IDS = 2**24
 LOSSES = (losses.SparseCategoricalCrossentropy, losses.MeanSquaredError)
@@ -103,12 +107,17 @@ def refusal(node: core.Node) -> str | None:
     shapes = [getattr(x, "shape", np.shape(x)) for x in node.inputs]
     rank = max(len(s) for s in shapes)
     axis = node.attrs.get("axis", 0)
-    if node.op in ("concatenate", "split") and int(axis) % rank == 0:
+    if node.op in ("concatenate", "split") and int(axis) % rank == 0 or \
+            node.op == "stack" and int(axis) % (rank + 1) == 0:
         return "along the batch axis has no CUDA kernel"
     if node.op in ("sum", "mean", "max", "min") and (axis is None or 0 in axes(axis, rank)):
         return "over the batch axis has no CUDA kernel"
-    if node.op in SOFTMAXES and int(node.attrs.get("axis", -1)) % rank != rank - 1:
+    if node.op == "take" and not isinstance(node.inputs[1], np.ndarray):
+        return "with indices computed in the graph has no CUDA kernel (constant indices have)"
+    if node.op == "one_hot" and int(node.attrs.get("axis", -1)) % (rank + 1) != rank:
         return "along another axis than the last has no CUDA kernel"
+    if node.op == "one_hot" and not np.issubdtype(np.dtype(node.attrs.get("dtype", "float32")), np.floating):
+        return (f"to {np.dtype(node.attrs['dtype'])} has no CUDA kernel (the GPU's tensors are float32)")
     if node.op == "clip" and not all(isinstance(b, np.ndarray) and b.size == 1 for b in node.inputs[1:]):
         return "with bounds that are not numbers has no CUDA kernel"
     if node.op == "cast" and not np.issubdtype(np.dtype(node.attrs["dtype"]), np.floating):
@@ -133,5 +142,5 @@ def draws_at_random(model) -> str | None:
     return next((layer.label for layer in plan.layers if isinstance(layer, Dropout) and layer.rate > 0), None)
 
 
-__all__ = ["DEVICE_LAYERS", "DEVICE_OPS", "UNARY", "COMPARISONS", "SOFTMAXES", "check", "loss_on_device",
-           "refusal", "axes", "draws_at_random"]
+__all__ = ["DEVICE_LAYERS", "DEVICE_OPS", "UNARY", "COMPARISONS", "SOFTMAXES", "GATHERS", "check",
+           "loss_on_device", "refusal", "axes", "draws_at_random"]

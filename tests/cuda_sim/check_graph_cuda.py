@@ -122,13 +122,28 @@ def _op_cases():
     cases += [("max", [tied], {"axis": (1, 2)}), ("min", [tied], {"axis": -1}),
               ("max", [tied], {"axis": 1, "keepdims": True})]
     cases += [("cast", [x], {"dtype": "float32"})]
+    # ops that move elements (a gather by an index map): slices, a repeated index, tile, repeat
+    cases += [("getitem", [x], {"key": core._plain_key((slice(None), slice(1, None), slice(None, None, 3)))}),
+              ("getitem", [x], {"key": core._plain_key((Ellipsis, 7))}),
+              ("getitem", [x], {"key": core._plain_key((slice(None), [2, 0, 2]))}),
+              ("take", [x, np.array([[3, 1], [3, 0]])], {"axis": 1}),
+              ("take", [x, np.array([24, 0, 24])], {"axis": -1}),
+              ("tile", [x], {"repeats": (1, 2, 1)}), ("repeat", [x], {"repeats": 3, "axis": 2}),
+              ("repeat", [x], {"repeats": (2, 0, 1, 3), "axis": 1})]
+    cases += [("stack", [x, f32(rng, 3, 4, 25), x], {"axis": 2}), ("stack", [x, x], {"axis": -1})]
+    cases += [("power", [pos, f32(rng, 4, 1)], {}), ("power", [x, np.array(2.0, np.float32)], {}),
+              ("power", [np.array(2.0, np.float32), x], {})]
+    cases += [("softmax", [x], {"axis": 1}), ("log_softmax", [x], {"axis": -2})]
+    ids = np.array([[0, 3, 2, 7], [-1, 1, 1, 4], [2, 2, 0, 3]], np.float32)    # 7, -1: rows of zeros
+    cases += [("one_hot", [ids], {"num_classes": 5, "axis": -1, "dtype": "float32"})]
     return [pytest.param(name, xs, attrs, id=f"{name}-{i}") for i, (name, xs, attrs) in enumerate(cases)]
 
 
 def _on_device(x):
-    """A tensor (here: any input of a dimension) on the device as the graph hands it to an op,
-    float32 (a mask as 1.0/0.0); a constant (a number) as the graph keeps it, in NumPy."""
-    return x if x.ndim == 0 else cuda.to_device(x.astype(np.float32))
+    """A tensor (here: any float or boolean input of a dimension) on the device as the graph
+    hands it to an op, float32 (a mask as 1.0/0.0); a constant (a number, take's integer
+    indices) as the graph keeps it, in NumPy."""
+    return x if x.ndim == 0 or x.dtype.kind in "iu" else cuda.to_device(x.astype(np.float32))
 
 
 @pytest.mark.parametrize("name,xs,attrs", _op_cases())
@@ -147,7 +162,7 @@ def test_every_ops_device_form_and_its_vjp_equal_the_op(name, xs, attrs):
     wants = core.backward(op, g, want, xs, attrs)
     gots = core.backward(ops[name], cuda.to_device(g), got, dev, attrs)
     for x, w, d in zip(xs, wants, gots, strict=True):
-        if x.ndim == 0 or w is None:         # a constant, or where's condition: no gradient
+        if x.ndim == 0 or x.dtype.kind in "iu" or w is None:   # a constant, where's condition: none
             assert d is None
         else:
             close(d.copy_to_host(), w)
@@ -294,9 +309,47 @@ def attention_of_ops():
     return inputs, layers.Dense(3)(Attend()(inputs))
 
 
+def moves_of_ops():
+    """A user's layer of the ops that move elements (slices, take, stack, tile, repeat), power,
+    softmax along a middle axis, and one_hot of a second input's ids (truncated floats, some
+    negative: rows of zeros), as on the CPU."""
+    from pserver.keras import Input, layers, ops
+
+    class Moves(layers.Layer):
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(input_shape[0][-1], 4), initializer="random_normal")
+
+        def call(self, inputs):
+            x, ids = inputs
+            h = ops.matmul(x, self.w)                                          # (n, 5, 4)
+            first, rest = h[:, 0], h[:, 1:]                                    # (n, 4), (n, 4, 4)
+            picked = ops.take(h, np.array([4, 0, 4]), axis=1)                  # (n, 3, 4)
+            pair = ops.stack([first, ops.max(rest, axis=1)], axis=1)           # (n, 2, 4)
+            att = ops.softmax(ops.tile(pair, (1, 2, 1)) * rest, axis=1)        # (n, 4, 4)
+            hot = ops.one_hot(ids * 2.0, 4)                                    # (n, 2, 4)
+            return ops.concatenate([ops.reshape(att, (-1, 16)), ops.reshape(ops.power(ops.abs(picked) + 1.0, 1.5),
+                                                                           (-1, 12)),
+                                    ops.repeat(first, 2, axis=1) ** 2, ops.reshape(hot * h[:, 2:4], (-1, 8))],
+                                   axis=-1)
+
+    x, ids = Input(shape=(5, 3)), Input(shape=(2,))
+    return [x, ids], layers.Dense(3)(Moves()([x, ids]))
+
+
+def permuted_and_repeated():
+    """Permute of a (4, 3, 2) feature map and RepeatVector of a flat vector, merged."""
+    from pserver.keras import Input, layers
+    x = Input(shape=(2, 4, 3))
+    p = layers.Permute((3, 1, 2))(layers.Dense(2)(x))                        # (2, 2, 4)
+    r = layers.RepeatVector(2)(layers.Dense(4)(layers.Flatten()(x)))         # (2, 4)
+    return x, layers.Flatten()(layers.Add()([p, layers.Reshape((2, 2, 4))(layers.Concatenate()([r, r]))]))
+
+
 @pytest.mark.parametrize("build,shapes", [(toy_resnet, [(6, 6, 1)]), (two_branches, [(3, 4), (4, 3)]),
-                                         (attention_of_ops, [(4, 3)])],
-                         ids=["toy_resnet", "two_branches", "attention_of_ops"])
+                                         (attention_of_ops, [(4, 3)]), (moves_of_ops, [(5, 3), (2,)]),
+                                         (permuted_and_repeated, [(2, 4, 3)])],
+                         ids=["toy_resnet", "two_branches", "attention_of_ops", "moves_of_ops",
+                              "permute_repeat_vector"])
 def test_a_graph_on_cuda_equals_the_cpu_model(build, shapes):
     # Catches any kernel or VJP of the graph's layers and ops that differs from the CPU's, a
     # fan-out whose gradients are not summed, a constant never uploaded, or inputs unpacked
