@@ -27,6 +27,7 @@ from pserver.layers import (
     GlobalAveragePooling2D,
     GlobalMaxPooling1D,
     GlobalMaxPooling2D,
+    GroupNormalization,
     Maximum,
     MaxPooling2D,
     Permute,
@@ -272,7 +273,8 @@ def test_a_sparse_embedding_is_refused_on_cuda_and_a_dense_one_runs():
 
 
 @pytest.mark.parametrize("make,why", [
-    (lambda x: Dot(axes=1)([Dense(2)(x), Dense(2)(x)]), r"layer dot \(Dot\) has no CUDA kernels"),
+    (lambda x: GroupNormalization(groups=1)(Dense(2)(x)),
+     r"layer group_normalization \(GroupNormalization\) has no CUDA kernels"),
     (lambda x: ops.reshape(ops.stack([Dense(2)(x), Dense(2)(x)], axis=0)[:1], (-1, 2)) + Dense(2)(x),
      "op stack along the batch axis has no CUDA kernel"),
     (lambda x: Dense(2)(x) - ops.sum(Dense(2)(x), axis=0), "op sum over the batch axis has no CUDA kernel"),

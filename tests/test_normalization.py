@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pserver import keras
 from pserver.errors import ConfigError, InvalidArgument
 from pserver.kernels import reference
-from pserver.layers import BatchNormalization, Dense, LayerNormalization, Rescaling
+from pserver.layers import BatchNormalization, Dense, GroupNormalization, LayerNormalization, Rescaling
 from pserver.layers.base import Pass
 from pserver.models import Functional
 from pserver.models.layout import Layout, away_means
@@ -188,14 +188,16 @@ def test_a_batch_normalization_called_twice_is_refused():
         keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Add()([bn(inputs), bn(inputs)])))._core.build()
 
 
-def test_cuda_refuses_the_normalization_layers_in_one_line():
-    """Catches a model with a layer that has no CUDA kernels sent to the GPU."""
+def test_cuda_refuses_group_normalization_in_one_line_and_runs_batch_normalization():
+    """Catches a model with a layer that has no CUDA kernels sent to the GPU (BatchNormalization
+    has them: tests/cuda_sim/check_graph_cuda.py)."""
     from pserver.models import cuda_support
     inputs = Symbolic((None, 4))
-    model = Functional(inputs, Dense(2)(BatchNormalization()(inputs))).build()
-    with pytest.raises(ConfigError, match="BatchNormalization.*has no CUDA kernels") as e:
+    model = Functional(inputs, Dense(2)(GroupNormalization(groups=2)(inputs))).build()
+    with pytest.raises(ConfigError, match=r"GroupNormalization\).*has no CUDA kernels") as e:
         cuda_support.check(model)
     assert "\n" not in str(e.value)
+    cuda_support.check(Functional(inputs, Dense(2)(BatchNormalization()(inputs))).build())
 
 
 # -- the moving statistics on the shards ----------------------------------------------------

@@ -42,6 +42,10 @@ from pserver.kernels import cuda_gemm, reference
 
 # The graph layers' kernels (pserver.kernels.GRAPH_KERNELS) live in their own module; part of this API.
 from pserver.kernels.cuda_graph import (  # noqa: F401
+    batch_norm_backward,
+    batch_norm_forward,
+    batch_norm_statistics,
+    batched_matmul,
     broadcast_to,
     columns_from,
     columns_into,

@@ -261,6 +261,106 @@ def layer_norm_dx_kernel(dout, y, scale, gamma, has_gamma, dx):
 
 
 @cuda.jit
+def batched_matmul_kernel(x, y, out, trans_x, trans_y):
+    """One thread per element of out (batch, m, k): the dot of op(x)'s row and op(y)'s column."""
+    i = cuda.grid(1)
+    if i < out.size:
+        m, k = out.shape[1], out.shape[2]
+        b = i // (m * k)
+        r = (i // k) % m
+        c = i % k
+        inner = x.shape[1] if trans_x else x.shape[2]
+        acc = float32(0.0)
+        for d in range(inner):
+            a = x[b, d, r] if trans_x else x[b, r, d]
+            acc += a * (y[b, c, d] if trans_y else y[b, d, c])
+        out[b, r, c] = acc
+
+
+@cuda.jit
+def batch_norm_moments_kernel(x, mean, var):
+    """One thread per column of x (rows, c): its mean and biased variance (two passes)."""
+    j = cuda.grid(1)
+    if j < x.shape[1]:
+        n = x.shape[0]
+        total = float32(0.0)
+        for r in range(n):
+            total += x[r, j]
+        m = total / float32(n)
+        total = float32(0.0)
+        for r in range(n):
+            c = x[r, j] - m
+            total += c * c
+        mean[j] = m
+        var[j] = total / float32(n)
+
+
+@cuda.jit
+def batch_norm_apply_kernel(x, mean, var, gamma, beta, has_gamma, has_beta, epsilon, y, scale, out):
+    """One thread per element of x (rows, c) flat: y, out, and (row 0's threads) scale."""
+    i = cuda.grid(1)
+    if i < x.size:
+        c = mean.shape[0]
+        j = i % c
+        s = float32(1.0) / math.sqrt(var[j] + epsilon)
+        if i < c:
+            scale[j] = s
+        v = (x[i // c, j] - mean[j]) * s
+        y[i // c, j] = v
+        if has_gamma:
+            v = v * gamma[j]
+        if has_beta:
+            v = v + beta[j]
+        out[i // c, j] = v
+
+
+@cuda.jit
+def batch_norm_sums_kernel(dout, y, gamma, has_gamma, dgamma, dbeta, want_gamma, want_beta, sums):
+    """One thread per column j: dgamma[j] = sum over rows of dout * y, dbeta[j] = of dout, and
+    sums[0, j], sums[1, j] = the means over rows of dy and of dy * y (dy = dout * gamma)."""
+    j = cuda.grid(1)
+    if j < dout.shape[1]:
+        g = float32(0.0)
+        b = float32(0.0)
+        for r in range(dout.shape[0]):
+            g += dout[r, j] * y[r, j]
+            b += dout[r, j]
+        if want_gamma:
+            dgamma[j] = g
+        if want_beta:
+            dbeta[j] = b
+        k = gamma[j] if has_gamma else float32(1.0)
+        n = float32(dout.shape[0])
+        sums[0, j] = b * k / n
+        sums[1, j] = g * k / n
+
+
+@cuda.jit
+def batch_norm_dx_kernel(dout, y, scale, gamma, has_gamma, sums, training, dx):
+    """One thread per element: dx = scale * (dy - mean(dy) - y * mean(dy * y)) in training, else
+    dy * scale, dy = dout * gamma."""
+    i = cuda.grid(1)
+    if i < dx.size:
+        c = scale.shape[0]
+        r = i // c
+        j = i % c
+        dy = dout[r, j] * gamma[j] if has_gamma else dout[r, j]
+        if training:
+            dx[r, j] = scale[j] * (dy - sums[0, j] - y[r, j] * sums[1, j])
+        else:
+            dx[r, j] = dy * scale[j]
+
+
+@cuda.jit
+def batch_norm_statistics_kernel(mean, var, moving_mean, dmean, dvar):
+    j = cuda.grid(1)
+    if j < mean.shape[0]:
+        d = mean[j] - moving_mean[j]
+        dmean[j] = d
+        dvar[j] = var[j] + d * d
+
+
+@cuda.jit
 def softmax_rows_kernel(x, out, log):
     """One thread per row of x (rows, last axis): softmax, or log_softmax, of the row, shifted by
     its max as pserver.ops.nn's."""
@@ -657,6 +757,49 @@ def layer_norm_backward(dout, y, scale, gamma, dgamma, dbeta, dx, *, stream=0):
                 gamma is not None, dx)
 
 
+def batched_matmul(x, y, out, trans_x=False, trans_y=False, *, stream=0):
+    """reference.batched_matmul on device arrays (batch, rows, cols)."""
+    xs = (x.shape[0], *(x.shape[1:][::-1] if trans_x else x.shape[1:])) if len(x.shape) == 3 else ()
+    ys = (y.shape[0], *(y.shape[1:][::-1] if trans_y else y.shape[1:])) if len(y.shape) == 3 else ()
+    if not xs or not ys or xs[0] != ys[0] or xs[2] != ys[1] or tuple(out.shape) != (xs[0], xs[1], ys[2]):
+        raise ValueError(f"batched_matmul: x {x.shape} (transposed: {trans_x}), y {y.shape} "
+                         f"(transposed: {trans_y}), out {out.shape}")
+    _launch(batched_matmul_kernel, out.size, stream, x, y, out, bool(trans_x), bool(trans_y))
+
+
+def batch_norm_forward(x, gamma, beta, mean, var, training, epsilon, y, scale, out, *, stream=0):
+    """reference.batch_norm_forward on device arrays: x, y, out (rows, c), mean, var, scale (c,),
+    gamma and beta (c,) or None."""
+    c = x.shape[1] if len(x.shape) == 2 else -1
+    if not x.shape == y.shape == out.shape or not tuple(mean.shape) == tuple(var.shape) == \
+            tuple(scale.shape) == (c,):
+        raise ValueError(f"batch_norm_forward: x {x.shape}, y {y.shape}, out {out.shape}, mean {mean.shape}, "
+                         f"var {var.shape}, scale {scale.shape}")
+    if training:
+        _launch(batch_norm_moments_kernel, c, stream, x, mean, var)
+    _launch(batch_norm_apply_kernel, x.size, stream, x, mean, var, _or_unused(gamma, mean),
+            _or_unused(beta, mean), gamma is not None, beta is not None, float32(epsilon), y, scale, out)
+
+
+def batch_norm_backward(dout, y, scale, gamma, training, dgamma, dbeta, sums, dx, *, stream=0):
+    """reference.batch_norm_backward on device arrays (dgamma, dbeta or dx None: not written)."""
+    if dout.shape != y.shape or len(dout.shape) != 2 or (dx is not None and dx.shape != dout.shape) or \
+            tuple(sums.shape) != (2, dout.shape[1]):
+        raise ValueError(f"batch_norm_backward: dout {dout.shape}, y {y.shape}, sums {sums.shape}")
+    unused = scale
+    _launch(batch_norm_sums_kernel, dout.shape[1], stream, dout, y, _or_unused(gamma, unused),
+            gamma is not None, _or_unused(dgamma, unused), _or_unused(dbeta, unused),
+            dgamma is not None and gamma is not None, dbeta is not None, sums)
+    if dx is not None:
+        _launch(batch_norm_dx_kernel, dx.size, stream, dout, y, scale, _or_unused(gamma, unused),
+                gamma is not None, sums, bool(training), dx)
+
+
+def batch_norm_statistics(mean, var, moving_mean, dmean, dvar, *, stream=0):
+    """reference.batch_norm_statistics on device arrays."""
+    _launch(batch_norm_statistics_kernel, mean.size, stream, mean, var, moving_mean, dmean, dvar)
+
+
 def _rows_of(name, *arrays):
     """Each array as (rows, its last axis), all of one shape."""
     if len({tuple(a.shape) for a in arrays}) != 1 or len(arrays[0].shape) == 0 or arrays[0].size == 0:
@@ -834,4 +977,5 @@ __all__ = ["RANK", "COMPARISONS", "UNARY", "elementwise", "elementwise_grad", "c
            "sum_to", "broadcast_to", "fill", "scale_by",
            "extreme_forward", "select_grad", "columns_into", "columns_from", "global_avgpool_forward",
            "global_avgpool_backward", "global_maxpool_forward", "global_maxpool_backward", "gather",
-           "scatter_add", "one_hot", "POWER"]
+           "scatter_add", "one_hot", "POWER", "batched_matmul", "batch_norm_forward", "batch_norm_backward",
+           "batch_norm_statistics"]

@@ -423,6 +423,58 @@ def layer_norm_backward(dout, y, scale, gamma, dgamma, dbeta, dx):
         dx[...] = scale * (dy - dy.mean(axis=-1, keepdims=True) - y * (dy * y).mean(axis=-1, keepdims=True))
 
 
+def batched_matmul(x, y, out, trans_x=False, trans_y=False):
+    """out[b] = op(x[b]) @ op(y[b]) for each b of the first axis, op the transpose of a (batch,
+    rows, cols) operand's last two axes where asked (Dot's products and their gradients)."""
+    np.matmul(x.transpose(0, 2, 1) if trans_x else x, y.transpose(0, 2, 1) if trans_y else y, out=out)
+
+
+def batch_norm_forward(x, gamma, beta, mean, var, training, epsilon, y, scale, out):
+    """Each column (channel) of x (rows, c) standardized: in training with the batch's mean and
+    biased variance, written to mean and var (c,); otherwise with the mean and var given (the
+    moving ones). scale (c,) = 1 / sqrt(var + epsilon), y = (x - mean) * scale, out = y * gamma +
+    beta (either None: not applied). pserver.ops.nn's moments and standardized, over the rows."""
+    if training:
+        mean[...] = x.mean(axis=0)
+        centred = x - mean
+        var[...] = np.mean(centred * centred, axis=0)
+    scale[...] = 1 / np.sqrt(var + epsilon)
+    y[...] = (x - mean) * scale
+    if gamma is not None:
+        np.multiply(y, gamma, out=out)
+    else:
+        np.copyto(out, y)
+    if beta is not None:
+        out += beta
+
+
+def batch_norm_backward(dout, y, scale, gamma, training, dgamma, dbeta, sums, dx):
+    """batch_norm_forward's gradients from dout (rows, c): dgamma, dbeta (c,) (None: not asked
+    for) and dx (rows, c; None: not asked for): in training standardize_vjp over the rows of
+    dy = dout * gamma, else dy * scale (the moments are constants). sums (2, c): scratch."""
+    if dbeta is not None:
+        dbeta[...] = dout.sum(axis=0)
+    dy = dout
+    if gamma is not None:
+        if dgamma is not None:
+            dgamma[...] = (dout * y).sum(axis=0)
+        dy = dout * gamma
+    if dx is None:
+        return
+    if not training:
+        np.multiply(dy, scale, out=dx)
+        return
+    sums[0], sums[1] = dy.mean(axis=0), (dy * y).mean(axis=0)
+    dx[...] = scale * (dy - sums[0] - y * sums[1])
+
+
+def batch_norm_statistics(mean, var, moving_mean, dmean, dvar):
+    """What a pass's moving-statistics slots carry to the shards (pserver.server.statistics):
+    dmean = mean - moving_mean, dvar = var + dmean ** 2 (all (c,))."""
+    np.subtract(mean, moving_mean, out=dmean)
+    np.add(var, np.square(dmean), out=dvar)
+
+
 def ids_into(x, ids, padding=None):
     """ids[:] = x as integers (an id input may come as floats: a batch on the GPU is float32),
     with -1 (the lookups' padding) where x holds `padding` (None: no padding id)."""

@@ -240,29 +240,30 @@ class Dot(_Merge):
         return (a[1 - self.ax[0]], b[1 - self.ax[1]])
 
     def _operands(self, x):
-        """x as (n, m, d) and y as (n, d, k): the contracted axes last and first."""
+        """The product as op(a) @ op(b) of (batch, rows, cols) operands: (a, b, whether a is
+        transposed, whether b is) so that op(a) is (n, m, d) and op(b) (n, d, k), the contracted
+        axes last and first. Reshapes only (device arrays too): the backend's batched_matmul
+        reads the transposes."""
         a, b = x
-        if a.ndim == 2:
-            return a[:, None, :], b[:, :, None]
-        return (a if self.ax[0] == 1 else a.transpose(0, 2, 1),
-                b if self.ax[1] == 0 else b.transpose(0, 2, 1))
+        n = a.shape[0]
+        if len(a.shape) == 2:
+            return a.reshape(n, 1, a.shape[1]), b.reshape(n, b.shape[1], 1), False, False
+        return a, b, self.ax[0] != 1, self.ax[1] != 0
 
     def forward(self, k, p, x, out, s, run):
-        a, b = self._operands(x)
-        out.reshape(a.shape[0], a.shape[1], b.shape[2])[...] = a @ b
+        a, b, ta, tb = self._operands(x)
+        m, kk = a.shape[1 if not ta else 2], b.shape[2 if not tb else 1]
+        k.batched_matmul(a, b, out.reshape(a.shape[0], m, kk), ta, tb)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
-        a, b = self._operands(x)
-        d = dout.reshape(a.shape[0], a.shape[1], b.shape[2])
-        for i, (grad, target) in enumerate(((d @ b.transpose(0, 2, 1), dx[0]),
-                                             (a.transpose(0, 2, 1) @ d, dx[1]))):
-            if target is None:
-                continue
-            if x[i].ndim == 2:
-                target[...] = grad.reshape(target.shape)
-            else:      # back from the operand's layout (contracted axis last, or first)
-                flip = (self.ax[0] != 1) if i == 0 else (self.ax[1] != 0)
-                target[...] = grad.transpose(0, 2, 1) if flip else grad
+        a, b, ta, tb = self._operands(x)
+        d = dout.reshape(a.shape[0], a.shape[1 if not ta else 2], b.shape[2 if not tb else 1])
+        if dx[0] is not None:          # d op(a) = d @ op(b)^T, transposed back where a was
+            args = (b, d, tb, True) if ta else (d, b, False, not tb)
+            k.batched_matmul(*args[:2], dx[0].reshape(a.shape), *args[2:])
+        if dx[1] is not None:          # d op(b) = op(a)^T @ d, transposed back where b was
+            args = (d, a, True, ta) if tb else (a, d, not ta, False)
+            k.batched_matmul(*args[:2], dx[1].reshape(b.shape), *args[2:])
 
 
 def _merge_function(cls):

@@ -1,10 +1,12 @@
 """LayerNormalization, BatchNormalization and GroupNormalization, with Keras's arguments, defaults
 and weights.
 
-Both standardize their input over some axes (pserver.ops.nn: moments, standardized and its VJP,
-NumPy: the work is memory-bound), then scale by gamma and shift by beta. LayerNormalization takes
-the moments of each sample over `axis`; BatchNormalization, in training, those of the batch per
-channel (the last axis), and at inference its moving mean and variance.
+Each standardizes its input over some axes, then scales by gamma and shifts by beta.
+LayerNormalization takes the moments of each sample over `axis`; BatchNormalization, in training,
+those of the batch per channel (the last axis), and at inference its moving mean and variance.
+Over the last axis (LayerNormalization's default) and for BatchNormalization the backend's
+layer_norm and batch_norm kernels run (the reference ones are pserver.ops.nn's NumPy, which the
+CPU takes: the work is memory-bound; CUDA's on the GPU); other axes run pserver.ops.nn here.
 
 BatchNormalization's moving statistics are weights that training does not differentiate: they
 live on the shards (non-trainable, so the optimizer leaves them) and are marked as statistics
@@ -176,29 +178,26 @@ class BatchNormalization(_Normalization):
                    momentum=self.momentum)]
 
     def scratch(self, n, dtype):
-        return {"y": np.empty((n, *self.output_shape), dtype)}
+        c = self.input_shape[-1]
+        return {"y": np.empty((n, *self.output_shape), dtype), "scale": np.empty(c, dtype),
+                "batch_mean": np.empty(c, dtype), "batch_var": np.empty(c, dtype),
+                "sums": np.empty((2, c), dtype)}
 
     def forward(self, k, p, x, out, s, run):
-        axes = tuple(range(x.ndim - 1))
-        if run.training and self.trainable:
-            s["mean"], s["var"] = moments(x, axes)
-        else:
-            s["mean"], s["var"] = p["moving_mean"], p["moving_variance"]
+        """The backend's batch_norm kernels on the channels as columns (x as (rows, c)), on the
+        host or the GPU: in training the batch's moments, else the moving ones."""
         s["training"] = run.training and self.trainable
-        y, s["scale"] = standardized(x, s["mean"], s["var"], self.epsilon)
-        s["y"][...] = y
-        self.affine(p, y, out, (self.input_shape[-1],))
+        s["mean"], s["var"] = (s["batch_mean"], s["batch_var"]) if s["training"] else \
+            (p["moving_mean"], p["moving_variance"])
+        k.batch_norm_forward(rows(x), p.get("gamma"), p.get("beta"), s["mean"], s["var"], s["training"],
+                             self.epsilon, rows(s["y"]), s["scale"], rows(out))
 
     def backward(self, k, p, g, x, out, dout, dx, s):
-        axes = tuple(range(x.ndim - 1))
-        dy = self.affine_grads(p, g, s["y"], dout, axes, (self.input_shape[-1],))
-        if dx is not None:
-            dx[...] = standardize_vjp(dy, s["y"], s["scale"], axes) if s["training"] else dy * s["scale"]
+        k.batch_norm_backward(rows(dout), rows(s["y"]), s["scale"], p.get("gamma"), s["training"],
+                              g.get("gamma"), g.get("beta"), s["sums"], rows(dx))
         # The statistics' slots carry the batch's moments to the shards (the module's docstring);
         # a pass at inference sends the moving values back, which leaves them as they are.
-        d = s["mean"].reshape(-1) - p["moving_mean"]
-        g["moving_mean"][...] = d
-        g["moving_variance"][...] = s["var"].reshape(-1) + np.square(d)
+        k.batch_norm_statistics(s["mean"], s["var"], p["moving_mean"], g["moving_mean"], g["moving_variance"])
 
 
 class GroupNormalization(_Normalization):

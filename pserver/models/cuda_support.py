@@ -21,10 +21,12 @@ from pserver.layers import (
     Add,
     Average,
     AveragePooling2D,
+    BatchNormalization,
     Concatenate,
     Conv1D,
     Conv2D,
     Dense,
+    Dot,
     Dropout,
     Embedding,
     Flatten,
@@ -49,7 +51,7 @@ from pserver.ops import core
 DEVICE_LAYERS = (Dense, Conv2D, Conv1D, MaxPooling2D, AveragePooling2D, Flatten, Reshape, Dropout, Activation,
                  Embedding, LayerNormalization, Add, Subtract, Multiply, Average, Maximum, Minimum,
                  Concatenate, GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D,
-                 GlobalMaxPooling2D, Permute, RepeatVector)
+                 GlobalMaxPooling2D, Permute, RepeatVector, BatchNormalization, Dot)
 # The ops with a device form (pserver.models.cuda_ops).
 BINARY = ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")

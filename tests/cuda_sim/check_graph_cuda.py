@@ -327,8 +327,8 @@ def moves_of_ops():
             pair = ops.stack([first, ops.max(rest, axis=1)], axis=1)           # (n, 2, 4)
             att = ops.softmax(ops.tile(pair, (1, 2, 1)) * rest, axis=1)        # (n, 4, 4)
             hot = ops.one_hot(ids * 2.0, 4)                                    # (n, 2, 4)
-            return ops.concatenate([ops.reshape(att, (-1, 16)), ops.reshape(ops.power(ops.abs(picked) + 1.0, 1.5),
-                                                                           (-1, 12)),
+            powered = ops.power(ops.abs(picked) + 1.0, 1.5)
+            return ops.concatenate([ops.reshape(att, (-1, 16)), ops.reshape(powered, (-1, 12)),
                                     ops.repeat(first, 2, axis=1) ** 2, ops.reshape(hot * h[:, 2:4], (-1, 8))],
                                    axis=-1)
 
@@ -345,11 +345,22 @@ def permuted_and_repeated():
     return x, layers.Flatten()(layers.Add()([p, layers.Reshape((2, 2, 4))(layers.Concatenate()([r, r]))]))
 
 
+def dots():
+    """Dot on flat vectors (a cosine's numerator) and on sequences along each pair of axes
+    (DLRM's interaction is axes=2: features by features)."""
+    from pserver.keras import Input, layers
+    a, b = Input(shape=(3, 4)), Input(shape=(4, 3))
+    flat = layers.Dot(axes=1)([layers.Flatten()(a), layers.Flatten()(layers.Permute((2, 1))(b))])   # (1,)
+    outs = [layers.Flatten()(layers.Dot(axes=pair)([x, y])) for pair, x, y in
+            (((2, 1), a, b), ((1, 2), a, b), (2, a, a), (1, b, b))]         # (3,3), (4,4), (3,3), (3,3)
+    return [a, b], layers.Dense(3)(layers.Concatenate()([flat, *outs]))
+
+
 @pytest.mark.parametrize("build,shapes", [(toy_resnet, [(6, 6, 1)]), (two_branches, [(3, 4), (4, 3)]),
                                          (attention_of_ops, [(4, 3)]), (moves_of_ops, [(5, 3), (2,)]),
-                                         (permuted_and_repeated, [(2, 4, 3)])],
+                                         (permuted_and_repeated, [(2, 4, 3)]), (dots, [(3, 4), (4, 3)])],
                          ids=["toy_resnet", "two_branches", "attention_of_ops", "moves_of_ops",
-                              "permute_repeat_vector"])
+                              "permute_repeat_vector", "dot"])
 def test_a_graph_on_cuda_equals_the_cpu_model(build, shapes):
     # Catches any kernel or VJP of the graph's layers and ops that differs from the CPU's, a
     # fan-out whose gradients are not summed, a constant never uploaded, or inputs unpacked
@@ -531,10 +542,13 @@ def test_conv1d_on_cuda_equals_the_cpu_model():
 
 def same_step_and_logs(build, x, y, rng):
     """The CUDA model of build() takes the CPU model's loss and gradient (most of it nonzero)
-    for one step from random weights, and evaluates to its logs."""
+    for one step from random weights (variances positive), and evaluates to its logs."""
     from pserver.models import on_device
     cpu_m, gpu_m = build().build(), on_device(build(), "cuda")
     w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
+    for name, (start, end) in cpu_m.layout.offsets().items():
+        if name.endswith("moving_variance"):
+            w[start:end] = np.abs(w[start:end]) + 0.5
     g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
     loss_c = cpu_m.loss_and_grad(w, x, y, g_c, seed=1)
     loss_g = gpu_m.loss_and_grad(w, x, y, g_g, seed=1)
@@ -610,3 +624,81 @@ def layer_normed():
 def test_layer_normalization_on_cuda_equals_the_cpu_model():
     rng = np.random.default_rng(15)
     same_step_and_logs(layer_normed, f32(rng, 4, 5, 3), rng.integers(0, 3, 4).astype(np.int32), rng)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "moving"])
+@pytest.mark.parametrize("center,scale", [(True, True), (False, True), (True, False), (False, False)])
+def test_batch_norm_kernels_equal_the_twin(center, scale, training):
+    # Catches a variance not biased (Keras's), moments taken over the channels instead of the
+    # rows, the moving statistics overwritten at inference, gamma or beta read when the layer
+    # has none, a VJP without its mean terms (or with them at inference), and statistics slots
+    # that are not mean - moving_mean and var + that squared.
+    rng = np.random.default_rng(16)
+    x, dout = 3 * f32(rng, 300, 7) + 2, f32(rng, 300, 7)       # 300 rows: over one block
+    gamma, beta = (f32(rng, 7) if scale else None), (f32(rng, 7) if center else None)
+    moving_mean, moving_var = f32(rng, 7), np.abs(f32(rng, 7)) + 0.5
+    mean, var = (np.empty(7, np.float32), np.empty(7, np.float32)) if training else (moving_mean, moving_var)
+    want = {k: np.empty_like(x) for k in ("y", "out", "dx")}
+    want_scale, want_g, want_b, want_dm, want_dv = np.empty((5, 7), np.float32)
+    reference.batch_norm_forward(x, gamma, beta, mean, var, training, 1e-3, want["y"], want_scale,
+                                 want["out"])
+    reference.batch_norm_backward(dout, want["y"], want_scale, gamma, training, want_g if scale else None,
+                                  want_b if center else None, np.empty((2, 7), np.float32), want["dx"])
+    reference.batch_norm_statistics(mean, var, moving_mean, want_dm, want_dv)
+    dev = {k: nans(300, 7) for k in ("y", "out", "dx")}
+    scale_d, dg, db, dm, dv = (nans(7) for _ in range(5))
+    mean_d, var_d = (nans(7), nans(7)) if training else \
+        (cuda.to_device(moving_mean), cuda.to_device(moving_var))
+
+    def on(a):
+        return None if a is None else cuda.to_device(a)
+
+    K.batch_norm_forward(cuda.to_device(x), on(gamma), on(beta), mean_d, var_d, training, 1e-3, dev["y"],
+                         scale_d, dev["out"])
+    K.batch_norm_backward(cuda.to_device(dout), dev["y"], scale_d, on(gamma), training, dg if scale else None,
+                          db if center else None, nans(2, 7), dev["dx"])
+    K.batch_norm_statistics(mean_d, var_d, cuda.to_device(moving_mean), dm, dv)
+    for k in ("y", "out", "dx"):
+        close(dev[k].copy_to_host(), want[k])
+    for got, w in ((scale_d, want_scale), (mean_d, mean), (var_d, var), (dm, want_dm), (dv, want_dv),
+                   *(((dg, want_g),) if scale else ()), *(((db, want_b),) if center else ())):
+        close(got.copy_to_host(), w)
+    if not training:                    # the moving statistics are read, never written
+        np.testing.assert_array_equal(mean_d.copy_to_host(), moving_mean)
+
+
+def batch_normed(frozen: bool):
+    """A convolution block with BatchNormalization over its channels, and one (without beta) on a
+    flat layer: training takes the batch's moments, evaluation the moving ones. `frozen`: the
+    first is not trainable, so it runs on its moving statistics in training too."""
+    from pserver.keras import Input, layers
+    from pserver.models.functional import Functional
+    x = Input(shape=(6, 6, 2))
+    bn = layers.BatchNormalization()
+    bn.trainable = not frozen
+    h = layers.Activation("relu")(bn(layers.Conv2D(4, 3, padding="same")(x)))
+    h = layers.Dense(5)(layers.Flatten()(layers.MaxPooling2D()(h)))
+    return Functional(x, layers.Dense(3)(layers.BatchNormalization(center=False, momentum=0.5)(h)))
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_batch_normalization_on_cuda_equals_the_cpu_model(frozen):
+    # Catches the statistics slots (what the shards' moving statistics are made from) not written
+    # or wrong on the GPU, the channels taken as rows, and evaluation with the batch's moments.
+    rng = np.random.default_rng(17)
+    y = rng.integers(0, 3, 4).astype(np.int32)
+    same_step_and_logs(lambda: batch_normed(frozen), f32(rng, 4, 6, 6, 2), y, rng)
+
+
+@pytest.mark.parametrize("tx,ty", [(False, False), (True, False), (False, True), (True, True)])
+def test_batched_matmul_equals_the_twin(tx, ty):
+    # Catches a transposed operand read untransposed, or the batch index mixed into the rows.
+    rng = np.random.default_rng(18)
+    x = f32(rng, 3, *((5, 2) if tx else (2, 5)))
+    y = f32(rng, 3, *((4, 5) if ty else (5, 4)))
+    want = np.empty((3, 2, 4), np.float32)
+    reference.batched_matmul(x, y, want, tx, ty)
+    got = nans(3, 2, 4)
+    K.batched_matmul(cuda.to_device(x), cuda.to_device(y), got, tx, ty)
+    close(got.copy_to_host(), want)
+    close(want, np.matmul(np.swapaxes(x, 1, 2) if tx else x, np.swapaxes(y, 1, 2) if ty else y))
