@@ -317,10 +317,12 @@ def test_a_model_of_every_new_layer_is_saved_and_loaded_with_its_configs(tmp_pat
 
 
 def test_cuda_refuses_a_model_with_these_layers_in_one_line():
-    """Catches: a padding layer's NumPy run on device arrays, or a transposed or depthwise
-    convolution sent to kernels it has not got. (Conv1D runs there: tests/cuda_sim/check_graph_cuda.py.)"""
-    for make in (lambda x: UpSampling1D()(x),
-                 lambda x: Conv2DTranspose(2, 2)(Reshape((6, 2, 1))(x)),
+    """Catches: a transposed or depthwise convolution sent to kernels it has not got. (Conv1D and
+    the padding, cropping and up-sampling layers run there: tests/cuda_sim/check_graph_cuda.py.)"""
+    from pserver.models import cuda_support
+    x = Symbolic((None, 6, 2))
+    cuda_support.check(Functional(x, Dense(2)(Flatten()(UpSampling1D()(x)))).build())     # passes
+    for make in (lambda x: Conv2DTranspose(2, 2)(Reshape((6, 2, 1))(x)),
                  lambda x: DepthwiseConv2D(2)(Reshape((6, 2, 1))(x))):
         x = Symbolic((None, 6, 2))
         with pytest.raises(ConfigError, match=r"^--device cuda: .*; functional: layer \w+ "

@@ -49,7 +49,8 @@ GRAPH_KERNELS = ("elementwise", "scale_by", "fill", "extreme_forward", "select_g
                  "columns_from", "global_avgpool_forward", "global_avgpool_backward",
                  "global_maxpool_forward", "global_maxpool_backward", "ids_into", "layer_norm_forward",
                  "layer_norm_backward", "transpose", "sum_to", "broadcast_to", "batch_norm_forward",
-                 "batch_norm_backward", "batch_norm_statistics", "batched_matmul")
+                 "batch_norm_backward", "batch_norm_statistics", "batched_matmul",
+                 "window_into", "window_from")
 
 
 def conv_output(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:

@@ -64,6 +64,8 @@ from pserver.kernels.reference import (  # noqa: F401  (this backend's API)
     select_grad,
     sum_to,
     transpose,
+    window_from,
+    window_into,
 )
 
 

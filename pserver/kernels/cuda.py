@@ -63,6 +63,8 @@ from pserver.kernels.cuda_graph import (  # noqa: F401
     select_grad,
     sum_to,
     transpose,
+    window_from,
+    window_into,
 )
 from pserver.kernels.cuda_grid import ELEMENT_THREADS, _blocks, _flat, fill_kernel
 

@@ -261,6 +261,25 @@ def layer_norm_dx_kernel(dout, y, scale, gamma, has_gamma, dx):
 
 
 @cuda.jit
+def window_kernel(big, small, a, b, into):
+    """One thread per element of small (n, h, w, c): it is big's element at (row + a, column + b);
+    `into`: written there, else read from there."""
+    i = cuda.grid(1)
+    if i < small.size:
+        c = small.shape[3]
+        w = small.shape[2]
+        h = small.shape[1]
+        ch = i % c
+        col = (i // c) % w
+        row = (i // (c * w)) % h
+        n = i // (c * w * h)
+        if into:
+            big[n, row + a, col + b, ch] = small[n, row, col, ch]
+        else:
+            small[n, row, col, ch] = big[n, row + a, col + b, ch]
+
+
+@cuda.jit
 def batched_matmul_kernel(x, y, out, trans_x, trans_y):
     """One thread per element of out (batch, m, k): the dot of op(x)'s row and op(y)'s column."""
     i = cuda.grid(1)
@@ -757,6 +776,27 @@ def layer_norm_backward(dout, y, scale, gamma, dgamma, dbeta, dx, *, stream=0):
                 gamma is not None, dx)
 
 
+def _check_window(name, big, starts, small):
+    a, b = (int(v) for v in starts)
+    if len(big.shape) != 4 or len(small.shape) != 4 or big.shape[0] != small.shape[0] or \
+            big.shape[3] != small.shape[3] or a < 0 or b < 0 or a + small.shape[1] > big.shape[1] or \
+            b + small.shape[2] > big.shape[2]:
+        raise ValueError(f"{name}: {small.shape} at {(a, b)} is not inside {big.shape}")
+    return a, b
+
+
+def window_into(src, dst, starts, *, stream=0):
+    """reference.window_into on device arrays."""
+    a, b = _check_window("window_into", dst, starts, src)
+    _launch(window_kernel, src.size, stream, dst, src, a, b, True)
+
+
+def window_from(src, starts, dst, *, stream=0):
+    """reference.window_from on device arrays."""
+    a, b = _check_window("window_from", src, starts, dst)
+    _launch(window_kernel, dst.size, stream, src, dst, a, b, False)
+
+
 def batched_matmul(x, y, out, trans_x=False, trans_y=False, *, stream=0):
     """reference.batched_matmul on device arrays (batch, rows, cols)."""
     xs = (x.shape[0], *(x.shape[1:][::-1] if trans_x else x.shape[1:])) if len(x.shape) == 3 else ()
@@ -971,11 +1011,10 @@ def one_hot(x, out, *, stream=0):
     _launch(one_hot_kernel, out.size, stream, _flat(x), classes, _flat(out))
 
 
-__all__ = ["RANK", "COMPARISONS", "UNARY", "elementwise", "elementwise_grad", "compare", "unary",
+__all__ = ["RANK", "COMPARISONS", "UNARY", "POWER", "elementwise", "elementwise_grad", "compare", "unary",
            "unary_grad", "clip", "clip_grad", "where", "where_grad", "softmax", "softmax_grad", "extreme_to",
            "extreme_to_grad", "transpose", "ids_into", "layer_norm_forward", "layer_norm_backward",
-           "sum_to", "broadcast_to", "fill", "scale_by",
-           "extreme_forward", "select_grad", "columns_into", "columns_from", "global_avgpool_forward",
-           "global_avgpool_backward", "global_maxpool_forward", "global_maxpool_backward", "gather",
-           "scatter_add", "one_hot", "POWER", "batched_matmul", "batch_norm_forward", "batch_norm_backward",
-           "batch_norm_statistics"]
+           "batch_norm_forward", "batch_norm_backward", "batch_norm_statistics", "batched_matmul",
+           "window_into", "window_from", "sum_to", "broadcast_to", "fill", "scale_by", "extreme_forward",
+           "select_grad", "columns_into", "columns_from", "global_avgpool_forward", "global_avgpool_backward",
+           "global_maxpool_forward", "global_maxpool_backward", "gather", "scatter_add", "one_hot"]

@@ -423,6 +423,24 @@ def layer_norm_backward(dout, y, scale, gamma, dgamma, dbeta, dx):
         dx[...] = scale * (dy - dy.mean(axis=-1, keepdims=True) - y * (dy * y).mean(axis=-1, keepdims=True))
 
 
+def _region(big, starts, small):
+    """The region of big (n, h, w, c) that small (n, h', w', c) covers from row, column `starts`."""
+    (a, b), (h, w) = starts, small.shape[1:3]
+    return big[:, a:a + h, b:b + w, :]
+
+
+def window_into(src, dst, starts):
+    """dst[:, a:a + h, b:b + w, :] = src (n, h, w, c), (a, b) = starts: the rest of dst untouched
+    (ZeroPadding's forward, Cropping's backward)."""
+    _region(dst, starts, src)[...] = src
+
+
+def window_from(src, starts, dst):
+    """dst[:] = src[:, a:a + h, b:b + w, :] for dst (n, h, w, c) (Cropping's forward, ZeroPadding's
+    backward)."""
+    np.copyto(dst, _region(src, starts, dst))
+
+
 def batched_matmul(x, y, out, trans_x=False, trans_y=False):
     """out[b] = op(x[b]) @ op(y[b]) for each b of the first axis, op the transpose of a (batch,
     rows, cols) operand's last two axes where asked (Dot's products and their gradients)."""

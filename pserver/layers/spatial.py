@@ -61,25 +61,30 @@ class _Margins(_Spatial):
                               f"{input_shape}")
         return (*dims, input_shape[-1])
 
-    def inner(self):
-        small = (self.input_shape if self.grows else self.output_shape)[:self.rank]
-        return (slice(None), *(slice(a, a + d) for d, (a, _) in zip(small, self.sides)))
+    def _images(self, a):
+        """a as (n, h, w, c): a sequence (n, steps, c) as one-row images."""
+        return a if len(a.shape) == 4 else a.reshape(a.shape[0], 1, a.shape[1], a.shape[2])
+
+    def _starts(self) -> tuple[int, int]:
+        """Where the smaller array starts in the larger one, as (row, column) of the images."""
+        befores = [a for a, _ in self.sides]
+        return (0, befores[0]) if self.rank == 1 else (befores[0], befores[1])
 
     def forward(self, k, p, x, out, s, run):
         if self.grows:
-            out[...] = 0
-            out[self.inner()] = x
+            k.fill(out, 0.0)
+            k.window_into(self._images(x), self._images(out), self._starts())
         else:
-            out[...] = x[self.inner()]
+            k.window_from(self._images(x), self._starts(), self._images(out))
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         if dx is None:
             return
         if self.grows:
-            dx[...] = dout[self.inner()]
+            k.window_from(self._images(dout), self._starts(), self._images(dx))
         else:
-            dx[...] = 0
-            dx[self.inner()] = dout
+            k.fill(dx, 0.0)
+            k.window_into(self._images(dout), self._images(dx), self._starts())
 
 
 class ZeroPadding1D(_Margins):
@@ -132,18 +137,18 @@ class _UpSampling(_Spatial):
         self.check_rank(input_shape)
         return (*(d * f for d, f in zip(input_shape, self.size)), input_shape[-1])
 
-    def _blocks(self, a):
-        """The output-shaped `a` as (n, d1, f1, d2, f2, ..., c): each input element's copies."""
-        dims = [x for d, f in zip(self.input_shape, self.size) for x in (d, f)]
+    def _blocks(self, a, copies: bool = True):
+        """`a` as (n, d1, f1, d2, f2, ..., c): each input element's copies (the output), or with
+        copies=False (n, d1, 1, d2, 1, ..., c) (the input), which broadcasts to them."""
+        dims = [x for d, f in zip(self.input_shape, self.size) for x in (d, f if copies else 1)]
         return a.reshape(a.shape[0], *dims, self.input_shape[-1])
 
     def forward(self, k, p, x, out, s, run):
-        spread = (slice(None), *(ax for _ in self.size for ax in (slice(None), None)), slice(None))
-        self._blocks(out)[...] = x[spread]
+        k.broadcast_to(self._blocks(x, copies=False), self._blocks(out))
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         if dx is not None:
-            np.sum(self._blocks(dout), axis=tuple(range(2, 2 * self.rank + 1, 2)), out=dx)
+            k.sum_to(self._blocks(dout), self._blocks(dx, copies=False))
 
 
 class UpSampling1D(_UpSampling):

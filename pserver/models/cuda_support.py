@@ -25,6 +25,8 @@ from pserver.layers import (
     Concatenate,
     Conv1D,
     Conv2D,
+    Cropping1D,
+    Cropping2D,
     Dense,
     Dot,
     Dropout,
@@ -43,6 +45,10 @@ from pserver.layers import (
     RepeatVector,
     Reshape,
     Subtract,
+    UpSampling1D,
+    UpSampling2D,
+    ZeroPadding1D,
+    ZeroPadding2D,
 )
 from pserver.models import losses
 from pserver.ops import core
@@ -51,7 +57,8 @@ from pserver.ops import core
 DEVICE_LAYERS = (Dense, Conv2D, Conv1D, MaxPooling2D, AveragePooling2D, Flatten, Reshape, Dropout, Activation,
                  Embedding, LayerNormalization, Add, Subtract, Multiply, Average, Maximum, Minimum,
                  Concatenate, GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D,
-                 GlobalMaxPooling2D, Permute, RepeatVector, BatchNormalization, Dot)
+                 GlobalMaxPooling2D, Permute, RepeatVector, BatchNormalization, Dot, ZeroPadding1D,
+                 ZeroPadding2D, Cropping1D, Cropping2D, UpSampling1D, UpSampling2D)
 # The ops with a device form (pserver.models.cuda_ops).
 BINARY = ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")

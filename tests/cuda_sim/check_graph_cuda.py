@@ -356,11 +356,23 @@ def dots():
     return [a, b], layers.Dense(3)(layers.Concatenate()([flat, *outs]))
 
 
+def margins():
+    """ZeroPadding, Cropping and UpSampling on images and on sequences, unequal sides."""
+    from pserver.keras import Input, layers
+    img, seq = Input(shape=(5, 4, 2)), Input(shape=(6, 3))
+    i = layers.Conv2D(2, 3, padding="same")(layers.ZeroPadding2D(((1, 2), (0, 3)))(img))    # (8, 7, 2)
+    i = layers.UpSampling2D((2, 3))(layers.Cropping2D(((2, 1), (1, 3)))(i))                # (10, 9, 2)
+    q = layers.Dense(2)(layers.ZeroPadding1D((2, 1))(seq))                                 # (9, 2)
+    q = layers.UpSampling1D(3)(layers.Cropping1D((1, 4))(q))                               # (12, 2)
+    return [img, seq], layers.Dense(3)(layers.Concatenate()([layers.Flatten()(i), layers.Flatten()(q)]))
+
+
 @pytest.mark.parametrize("build,shapes", [(toy_resnet, [(6, 6, 1)]), (two_branches, [(3, 4), (4, 3)]),
                                          (attention_of_ops, [(4, 3)]), (moves_of_ops, [(5, 3), (2,)]),
-                                         (permuted_and_repeated, [(2, 4, 3)]), (dots, [(3, 4), (4, 3)])],
+                                         (permuted_and_repeated, [(2, 4, 3)]), (dots, [(3, 4), (4, 3)]),
+                                         (margins, [(5, 4, 2), (6, 3)])],
                          ids=["toy_resnet", "two_branches", "attention_of_ops", "moves_of_ops",
-                              "permute_repeat_vector", "dot"])
+                              "permute_repeat_vector", "dot", "padding_cropping_upsampling"])
 def test_a_graph_on_cuda_equals_the_cpu_model(build, shapes):
     # Catches any kernel or VJP of the graph's layers and ops that differs from the CPU's, a
     # fan-out whose gradients are not summed, a constant never uploaded, or inputs unpacked
