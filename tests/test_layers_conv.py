@@ -24,6 +24,7 @@ from pserver.layers import (
     DepthwiseConv2D,
     Flatten,
     Reshape,
+    SeparableConv2D,
     UpSampling1D,
     UpSampling2D,
     ZeroPadding1D,
@@ -317,13 +318,16 @@ def test_a_model_of_every_new_layer_is_saved_and_loaded_with_its_configs(tmp_pat
 
 
 def test_cuda_refuses_a_model_with_these_layers_in_one_line():
-    """Catches: a transposed or depthwise convolution sent to kernels it has not got. (Conv1D and
-    the padding, cropping and up-sampling layers run there: tests/cuda_sim/check_graph_cuda.py.)"""
+    """Catches: a depthwise or separable convolution sent to kernels it has not got. (Conv1D,
+    Conv2DTranspose and the padding, cropping and up-sampling layers run there:
+    tests/cuda_sim/check_graph_cuda.py.)"""
     from pserver.models import cuda_support
     x = Symbolic((None, 6, 2))
     cuda_support.check(Functional(x, Dense(2)(Flatten()(UpSampling1D()(x)))).build())     # passes
-    for make in (lambda x: Conv2DTranspose(2, 2)(Reshape((6, 2, 1))(x)),
-                 lambda x: DepthwiseConv2D(2)(Reshape((6, 2, 1))(x))):
+    transposed = Conv2DTranspose(2, 2)(Reshape((6, 2, 1))(x))
+    cuda_support.check(Functional(x, Dense(2)(Flatten()(transposed))).build())
+    for make in (lambda x: DepthwiseConv2D(2)(Reshape((6, 2, 1))(x)),
+                 lambda x: SeparableConv2D(2, 2)(Reshape((6, 2, 1))(x))):
         x = Symbolic((None, 6, 2))
         with pytest.raises(ConfigError, match=r"^--device cuda: .*; functional: layer \w+ "
                                               r"\(\w+\) has no CUDA "

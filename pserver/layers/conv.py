@@ -10,7 +10,7 @@ import numpy as np
 
 from pserver.errors import ConfigError
 from pserver.layers import activations, base
-from pserver.layers.base import KernelLayer, Layer, Weight, pair, positive_int
+from pserver.layers.base import KernelLayer, Layer, Weight, pair, positive_int, rows
 
 
 class _Convolution(KernelLayer):
@@ -187,12 +187,12 @@ class Conv2DTranspose(KernelLayer):
 
     def forward(self, k, p, x, out, s, run):
         k.conv2d_backward(s["zeros"], p["kernel"], x, out, s["dw"], s["db"], *self._window)
-        out += self.bias(p, s)
+        k.elementwise("add", out, self.bias(p, s), out)
         activations.forward_unfused(k, self.activation, out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         activations.backward(k, self.activation, out, dout)
-        np.sum(dout.reshape(-1, self.filters), axis=0, out=self.dbias(g, s))
+        k.sum_to(rows(dout), self.dbias(g, s).reshape(1, self.filters))
         k.conv2d_backward(dout, p["kernel"], x, None, g["kernel"], s["db"], *self._window)
         if dx is not None:
             k.conv2d_forward(dout, p["kernel"], s["no_bias"], dx, *self._window, False)

@@ -25,6 +25,7 @@ from pserver.layers import (
     Concatenate,
     Conv1D,
     Conv2D,
+    Conv2DTranspose,
     Cropping1D,
     Cropping2D,
     Dense,
@@ -58,7 +59,7 @@ DEVICE_LAYERS = (Dense, Conv2D, Conv1D, MaxPooling2D, AveragePooling2D, Flatten,
                  Embedding, LayerNormalization, Add, Subtract, Multiply, Average, Maximum, Minimum,
                  Concatenate, GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D,
                  GlobalMaxPooling2D, Permute, RepeatVector, BatchNormalization, Dot, ZeroPadding1D,
-                 ZeroPadding2D, Cropping1D, Cropping2D, UpSampling1D, UpSampling2D)
+                 ZeroPadding2D, Cropping1D, Cropping2D, UpSampling1D, UpSampling2D, Conv2DTranspose)
 # The ops with a device form (pserver.models.cuda_ops).
 BINARY = ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
