@@ -42,13 +42,19 @@ class Rescaling(Layer):
                 raise ConfigError(f"{self.label}: {what} has {a.size} values for {input_shape[-1]} channels")
         return input_shape
 
+    def scratch(self, n, dtype):
+        # scale and offset in the pass's dtype (as one value or one per channel: they broadcast),
+        # where the backend reads them (device memory on the GPU)
+        return {"scale": self.scale.astype(dtype).reshape(self.scale.shape or (1,)),
+                "offset": self.offset.astype(dtype).reshape(self.offset.shape or (1,))}
+
     def forward(self, k, p, x, out, s, run):
-        np.multiply(x, self.scale.astype(x.dtype), out=out)
-        out += self.offset.astype(x.dtype)
+        k.elementwise("multiply", x, s["scale"], out)
+        k.elementwise("add", out, s["offset"], out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         if dx is not None:
-            np.multiply(dout, self.scale.astype(dout.dtype), out=dx)
+            k.elementwise("multiply", dout, s["scale"], dx)
 
 
 class _Adapted(Initializer):

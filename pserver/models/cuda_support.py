@@ -44,6 +44,7 @@ from pserver.layers import (
     Multiply,
     Permute,
     RepeatVector,
+    Rescaling,
     Reshape,
     Subtract,
     UpSampling1D,
@@ -59,7 +60,8 @@ DEVICE_LAYERS = (Dense, Conv2D, Conv1D, MaxPooling2D, AveragePooling2D, Flatten,
                  Embedding, LayerNormalization, Add, Subtract, Multiply, Average, Maximum, Minimum,
                  Concatenate, GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D,
                  GlobalMaxPooling2D, Permute, RepeatVector, BatchNormalization, Dot, ZeroPadding1D,
-                 ZeroPadding2D, Cropping1D, Cropping2D, UpSampling1D, UpSampling2D, Conv2DTranspose)
+                 ZeroPadding2D, Cropping1D, Cropping2D, UpSampling1D, UpSampling2D, Conv2DTranspose,
+                 Rescaling)
 # The ops with a device form (pserver.models.cuda_ops).
 BINARY = ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")

@@ -357,19 +357,22 @@ def dots():
 
 
 def margins():
-    """ZeroPadding, Cropping and UpSampling on images and on sequences, unequal sides, and
-    Conv2DTranspose after them (valid and same, with and without a bias)."""
+    """Rescaling (per channel and by one value), ZeroPadding, Cropping and UpSampling on images
+    and on sequences, unequal sides, and Conv2DTranspose after them (valid and same, with and
+    without a bias)."""
     from pserver.keras import Input, layers
-    img, seq = Input(shape=(5, 4, 2)), Input(shape=(6, 3))
-    i = layers.Conv2D(2, 3, padding="same")(layers.ZeroPadding2D(((1, 2), (0, 3)))(img))    # (8, 7, 2)
+    img, seq_in = Input(shape=(5, 4, 2)), Input(shape=(6, 3))
+    img_in = layers.Rescaling([0.5, -2.0], offset=0.25)(img)                                # per channel
+    seq = layers.Rescaling(1.0 / 3)(seq_in)
+    i = layers.Conv2D(2, 3, padding="same")(layers.ZeroPadding2D(((1, 2), (0, 3)))(img_in))  # (8, 7, 2)
     i = layers.UpSampling2D((2, 3))(layers.Cropping2D(((2, 1), (1, 3)))(i))                # (10, 9, 2)
-    q = layers.Dense(2)(layers.ZeroPadding1D((2, 1))(seq))                                 # (9, 2)
+    q = layers.Rescaling(-1.5, offset=1.0)(layers.Dense(2)(layers.ZeroPadding1D((2, 1))(seq)))   # (9, 2)
     q = layers.UpSampling1D(3)(layers.Cropping1D((1, 4))(q))                               # (12, 2)
-    t = layers.Cropping2D(((2, 1), (1, 1)))(img)                                           # (2, 2, 2)
+    t = layers.Cropping2D(((2, 1), (1, 1)))(img_in)                                        # (2, 2, 2)
     t = layers.Conv2DTranspose(2, (3, 2), strides=(2, 1), activation="relu")(t)             # (5, 3, 2)
     t = layers.Conv2DTranspose(1, 2, strides=2, padding="same", use_bias=False)(t)          # (10, 6, 1)
     flat = [layers.Flatten()(a) for a in (i, q, t)]
-    return [img, seq], layers.Dense(3)(layers.Concatenate()(flat))
+    return [img, seq_in], layers.Dense(3)(layers.Concatenate()(flat))
 
 
 @pytest.mark.parametrize("build,shapes", [(toy_resnet, [(6, 6, 1)]), (two_branches, [(3, 4), (4, 3)]),
