@@ -198,6 +198,21 @@ def ids_kernel(x, ids, has_padding, padding):
         ids[i] = -1 if has_padding and v == padding else int64(v)
 
 
+@cuda.jit(device=True)
+def _moments(x, k, of_column):
+    """The mean and biased variance (two passes) of row k of x (rows, d), or of its column k."""
+    n = x.shape[0] if of_column else x.shape[1]
+    total = float32(0.0)
+    for i in range(n):
+        total += x[i, k] if of_column else x[k, i]
+    mean = total / float32(n)
+    total = float32(0.0)
+    for i in range(n):
+        c = (x[i, k] if of_column else x[k, i]) - mean
+        total += c * c
+    return mean, total / float32(n)
+
+
 @cuda.jit
 def layer_norm_rows_kernel(x, gamma, beta, has_gamma, has_beta, epsilon, y, scale, out):
     """One thread per row of x (rows, d): its mean and biased variance, then y, scale, out, as
@@ -205,15 +220,8 @@ def layer_norm_rows_kernel(x, gamma, beta, has_gamma, has_beta, epsilon, y, scal
     r = cuda.grid(1)
     if r < x.shape[0]:
         n = x.shape[1]
-        total = float32(0.0)
-        for j in range(n):
-            total += x[r, j]
-        mean = total / float32(n)
-        total = float32(0.0)
-        for j in range(n):
-            c = x[r, j] - mean
-            total += c * c
-        s = float32(1.0) / math.sqrt(total / float32(n) + epsilon)
+        mean, var = _moments(x, r, False)
+        s = float32(1.0) / math.sqrt(var + epsilon)
         scale[r, 0] = s
         for j in range(n):
             v = (x[r, j] - mean) * s
@@ -225,20 +233,28 @@ def layer_norm_rows_kernel(x, gamma, beta, has_gamma, has_beta, epsilon, y, scal
             out[r, j] = v
 
 
+@cuda.jit(device=True)
+def _column_sums(dout, y, j, dgamma, dbeta, want_gamma, want_beta):
+    """The sums over the rows of column j of dout * y (gamma's gradient, into dgamma[j] when
+    wanted) and of dout (beta's, into dbeta[j]); returns both."""
+    g = float32(0.0)
+    b = float32(0.0)
+    for r in range(dout.shape[0]):
+        g += dout[r, j] * y[r, j]
+        b += dout[r, j]
+    if want_gamma:
+        dgamma[j] = g
+    if want_beta:
+        dbeta[j] = b
+    return g, b
+
+
 @cuda.jit
 def layer_norm_params_kernel(dout, y, dgamma, dbeta, has_gamma, has_beta):
     """One thread per column j: dgamma[j] = sum over rows of dout * y, dbeta[j] = of dout."""
     j = cuda.grid(1)
     if j < dout.shape[1]:
-        g = float32(0.0)
-        b = float32(0.0)
-        for r in range(dout.shape[0]):
-            g += dout[r, j] * y[r, j]
-            b += dout[r, j]
-        if has_gamma:
-            dgamma[j] = g
-        if has_beta:
-            dbeta[j] = b
+        _column_sums(dout, y, j, dgamma, dbeta, has_gamma, has_beta)
 
 
 @cuda.jit
@@ -301,17 +317,7 @@ def batch_norm_moments_kernel(x, mean, var):
     """One thread per column of x (rows, c): its mean and biased variance (two passes)."""
     j = cuda.grid(1)
     if j < x.shape[1]:
-        n = x.shape[0]
-        total = float32(0.0)
-        for r in range(n):
-            total += x[r, j]
-        m = total / float32(n)
-        total = float32(0.0)
-        for r in range(n):
-            c = x[r, j] - m
-            total += c * c
-        mean[j] = m
-        var[j] = total / float32(n)
+        mean[j], var[j] = _moments(x, j, True)
 
 
 @cuda.jit
@@ -339,15 +345,7 @@ def batch_norm_sums_kernel(dout, y, gamma, has_gamma, dgamma, dbeta, want_gamma,
     sums[0, j], sums[1, j] = the means over rows of dy and of dy * y (dy = dout * gamma)."""
     j = cuda.grid(1)
     if j < dout.shape[1]:
-        g = float32(0.0)
-        b = float32(0.0)
-        for r in range(dout.shape[0]):
-            g += dout[r, j] * y[r, j]
-            b += dout[r, j]
-        if want_gamma:
-            dgamma[j] = g
-        if want_beta:
-            dbeta[j] = b
+        g, b = _column_sums(dout, y, j, dgamma, dbeta, want_gamma, want_beta)
         k = gamma[j] if has_gamma else float32(1.0)
         n = float32(dout.shape[0])
         sums[0, j] = b * k / n

@@ -399,6 +399,12 @@ def layer_norm_forward(x, gamma, beta, epsilon, y, scale, out):
     mean = x.mean(axis=-1, keepdims=True)
     centred = x - mean
     var = np.mean(centred * centred, axis=-1, keepdims=True)
+    _standardized(x, mean, var, epsilon, gamma, beta, y, scale, out)
+
+
+def _standardized(x, mean, var, epsilon, gamma, beta, y, scale, out):
+    """The normalizations' common end: scale = 1 / sqrt(var + epsilon), y = (x - mean) * scale,
+    out = y * gamma + beta (either None: not applied)."""
     scale[...] = 1 / np.sqrt(var + epsilon)
     y[...] = (x - mean) * scale
     if gamma is not None:
@@ -409,16 +415,21 @@ def layer_norm_forward(x, gamma, beta, epsilon, y, scale, out):
         out += beta
 
 
+def _affine_grads(dout, y, gamma, dgamma, dbeta):
+    """dbeta and dgamma (None: not asked for) as sums over the rows; returns dy = dout * gamma."""
+    if dbeta is not None:
+        dbeta[...] = dout.sum(axis=0)
+    if gamma is None:
+        return dout
+    if dgamma is not None:
+        dgamma[...] = (dout * y).sum(axis=0)
+    return dout * gamma
+
+
 def layer_norm_backward(dout, y, scale, gamma, dgamma, dbeta, dx):
     """layer_norm_forward's gradients from dout (rows, d): dgamma, dbeta (d,) (None: not asked
     for) and dx (rows, d; None: not asked for): pserver.ops.nn.standardize_vjp of dy = dout * gamma."""
-    if dbeta is not None:
-        dbeta[...] = dout.sum(axis=0)
-    dy = dout
-    if gamma is not None:
-        if dgamma is not None:
-            dgamma[...] = (dout * y).sum(axis=0)
-        dy = dout * gamma
+    dy = _affine_grads(dout, y, gamma, dgamma, dbeta)
     if dx is not None:
         dx[...] = scale * (dy - dy.mean(axis=-1, keepdims=True) - y * (dy * y).mean(axis=-1, keepdims=True))
 
@@ -456,27 +467,14 @@ def batch_norm_forward(x, gamma, beta, mean, var, training, epsilon, y, scale, o
         mean[...] = x.mean(axis=0)
         centred = x - mean
         var[...] = np.mean(centred * centred, axis=0)
-    scale[...] = 1 / np.sqrt(var + epsilon)
-    y[...] = (x - mean) * scale
-    if gamma is not None:
-        np.multiply(y, gamma, out=out)
-    else:
-        np.copyto(out, y)
-    if beta is not None:
-        out += beta
+    _standardized(x, mean, var, epsilon, gamma, beta, y, scale, out)
 
 
 def batch_norm_backward(dout, y, scale, gamma, training, dgamma, dbeta, sums, dx):
     """batch_norm_forward's gradients from dout (rows, c): dgamma, dbeta (c,) (None: not asked
     for) and dx (rows, c; None: not asked for): in training standardize_vjp over the rows of
     dy = dout * gamma, else dy * scale (the moments are constants). sums (2, c): scratch."""
-    if dbeta is not None:
-        dbeta[...] = dout.sum(axis=0)
-    dy = dout
-    if gamma is not None:
-        if dgamma is not None:
-            dgamma[...] = (dout * y).sum(axis=0)
-        dy = dout * gamma
+    dy = _affine_grads(dout, y, gamma, dgamma, dbeta)
     if dx is None:
         return
     if not training:
