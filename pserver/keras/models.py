@@ -810,12 +810,19 @@ class Model(_Model):
         """Data for a model made at its first data (an Input of unknown size) whose samples have
         another size there: one line saying so, where the first layer would name only its own
         shapes. pserver plans a model for one shape."""
-        given, arrays = _matched(self.name, self._graph[0], x, "the data")
+        given = _flat(self._graph[0])
+        if len(given) == 1 and not isinstance(x, dict):
+            arrays = [x]
+        else:
+            try:
+                given, arrays = _matched(self.name, self._graph[0], x, "the data")
+            except ConfigError:
+                return                            # the data's own check says what is wrong
         for g, made, a in zip(given, self._core._given, arrays):
-            if g.unknown and made.shape[1:] != np.shape(a)[1:]:
+            if g.unknown and isinstance(a, np.ndarray) and made.shape[1:] != a.shape[1:]:
                 raise DataError(f"{self.name}: input {g.name!r} is keras.Input(shape={g.shape[1:]}), and the "
                                 f"model was made at its first data for samples of shape {made.shape[1:]}; "
-                                f"these have {np.shape(a)[1:]}: pad or cut them to {made.shape[1:]} "
+                                f"these have {a.shape[1:]}: pad or cut them to {made.shape[1:]} "
                                 f"(pserver plans a model for one shape, Keras for any)")
 
     def _trace(self, x):

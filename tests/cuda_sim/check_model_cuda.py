@@ -167,12 +167,13 @@ def test_bad_inputs():
     with pytest.raises(ConfigError, match="--hidden"):
         make_model("mlp", IN, CLASSES, hidden=(0,), backend="cuda")
     # A layer without CUDA kernels: asking for the GPU says so, naming the layer.
-    from pserver.layers import Dense, Flatten, UpSampling1D
+    from pserver.layers import Dense, Flatten, GroupNormalization
     from pserver.models import on_device
     from pserver.models.sequential import Sequential
-    up = Sequential([UpSampling1D(input_shape=(3, 2)), Flatten(), Dense(CLASSES)])
+    up = Sequential([GroupNormalization(groups=1, input_shape=(3, 2)), Flatten(), Dense(CLASSES)])
     with pytest.raises(ConfigError,
-                       match=r"--device cuda: .*layer up_sampling1d \(UpSampling1D\) has no CUDA kernels"):
+                       match=r"--device cuda: .*layer group_normalization \(GroupNormalization\) has no CUDA "
+                             r"kernels"):
         on_device(up, "cuda")
 
 

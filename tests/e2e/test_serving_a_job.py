@@ -12,14 +12,13 @@ import time
 
 import grpc
 import pytest
-from threadpoolctl import threadpool_limits
 
 from pserver import load_model
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
 from pserver.data import load_dataset
 from pserver.serving.app import to_array, to_named
-from tests.support.processes import free_port, run, wait_until
+from tests.support.processes import free_port, on_one_blas_thread, run, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -83,11 +82,7 @@ def test_the_server_answers_throughout_a_training_shard_s_kill_and_restart(procs
                                                                          exporter.output[-2000:])
         got = stub.Predict(request, timeout=30)
         assert got.version == last
-        # The server, as every process the tests start, runs OPENBLAS_NUM_THREADS=1; the same
-        # product on two BLAS threads adds in another order on some CPUs (an AMD EPYC with
-        # OpenBLAS's Haswell kernels: 1 ulp in 1 of 32), so the file's answer is computed so too.
-        with threadpool_limits(1):
-            want = load_model(str(fresh)).predict(x)
+        want = on_one_blas_thread(load_model(str(fresh)).predict, x)        # as the server computes
         assert to_array(got.outputs).tobytes() == want.tobytes()
     finally:
         stop.set()

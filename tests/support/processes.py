@@ -90,6 +90,16 @@ def env_with(extra: dict | None) -> dict:
     return env
 
 
+def on_one_blas_thread(fn, *args):
+    """fn(*args) with the BLAS on one thread, as every process the tests start runs it
+    (env_with: OPENBLAS_NUM_THREADS=1). A product on two threads adds in another order on some
+    CPUs (an AMD EPYC with OpenBLAS's Haswell kernels: 1 ulp in some answers), so a test that
+    compares a served answer's bytes with this process's computes it so."""
+    from threadpoolctl import threadpool_limits
+    with threadpool_limits(1):
+        return fn(*args)
+
+
 def run(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(pserver_cmd(*args), capture_output=True, text=True, env=env_with(env),
                           timeout=timeout)
