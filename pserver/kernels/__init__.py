@@ -50,7 +50,7 @@ GRAPH_KERNELS = ("elementwise", "scale_by", "fill", "extreme_forward", "select_g
                  "global_maxpool_forward", "global_maxpool_backward", "ids_into", "layer_norm_forward",
                  "layer_norm_backward", "transpose", "sum_to", "broadcast_to", "batch_norm_forward",
                  "batch_norm_backward", "batch_norm_statistics", "batched_matmul",
-                 "window_into", "window_from")
+                 "window_into", "window_from", "deviation")
 
 
 def conv_output(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:

@@ -50,6 +50,7 @@ from pserver.kernels.reference import (  # noqa: F401  (this backend's API)
     broadcast_to,
     columns_from,
     columns_into,
+    deviation,
     elementwise,
     extreme_forward,
     fill,

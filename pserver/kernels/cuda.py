@@ -49,6 +49,7 @@ from pserver.kernels.cuda_graph import (  # noqa: F401
     broadcast_to,
     columns_from,
     columns_into,
+    deviation,
     elementwise,
     extreme_forward,
     fill,

@@ -277,6 +277,13 @@ def layer_norm_dx_kernel(dout, y, scale, gamma, has_gamma, dx):
 
 
 @cuda.jit
+def deviation_kernel(var, floor, out):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = max(math.sqrt(var[i]), floor)
+
+
+@cuda.jit
 def window_kernel(big, small, a, b, into):
     """One thread per element of small (n, h, w, c): it is big's element at (row + a, column + b);
     `into`: written there, else read from there."""
@@ -783,6 +790,13 @@ def _check_window(name, big, starts, small):
     return a, b
 
 
+def deviation(var, floor, out, *, stream=0):
+    """reference.deviation on device arrays of one size."""
+    if var.size != out.size:
+        raise ValueError(f"deviation: var {var.shape}, out {out.shape}")
+    _launch(deviation_kernel, out.size, stream, _flat(var), float32(floor), _flat(out))
+
+
 def window_into(src, dst, starts, *, stream=0):
     """reference.window_into on device arrays."""
     a, b = _check_window("window_into", dst, starts, src)
@@ -1013,6 +1027,7 @@ __all__ = ["RANK", "COMPARISONS", "UNARY", "POWER", "elementwise", "elementwise_
            "unary_grad", "clip", "clip_grad", "where", "where_grad", "softmax", "softmax_grad", "extreme_to",
            "extreme_to_grad", "transpose", "ids_into", "layer_norm_forward", "layer_norm_backward",
            "batch_norm_forward", "batch_norm_backward", "batch_norm_statistics", "batched_matmul",
-           "window_into", "window_from", "sum_to", "broadcast_to", "fill", "scale_by", "extreme_forward",
-           "select_grad", "columns_into", "columns_from", "global_avgpool_forward", "global_avgpool_backward",
-           "global_maxpool_forward", "global_maxpool_backward", "gather", "scatter_add", "one_hot"]
+           "window_into", "window_from", "deviation", "sum_to", "broadcast_to", "fill", "scale_by",
+           "extreme_forward", "select_grad", "columns_into", "columns_from", "global_avgpool_forward",
+           "global_avgpool_backward", "global_maxpool_forward", "global_maxpool_backward", "gather",
+           "scatter_add", "one_hot"]

@@ -452,6 +452,11 @@ def window_from(src, starts, dst):
     np.copyto(dst, _region(src, starts, dst))
 
 
+def deviation(var, floor, out):
+    """out[:] = max(sqrt(var), floor): Normalization's divisor from its variance."""
+    np.maximum(np.sqrt(var), out.dtype.type(floor), out=out)
+
+
 def batched_matmul(x, y, out, trans_x=False, trans_y=False):
     """out[b] = op(x[b]) @ op(y[b]) for each b of the first axis, op the transpose of a (batch,
     rows, cols) operand's last two axes where asked (Dot's products and their gradients)."""

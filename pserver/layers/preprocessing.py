@@ -166,31 +166,38 @@ class Normalization(Layer):
             mean = new_mean
         self.adapted = (mean, var, float(count))
 
-    def _stats(self, p: dict):
-        if self.given is not None:
-            return self.constants
-        return p["mean"].reshape(self.broadcast), p["variance"].reshape(self.broadcast)
-
     def _deviation(self, var, dtype):
         return np.maximum(np.sqrt(var), self.EPSILON).astype(dtype)
 
+    def scratch(self, n, dtype):
+        """The divisor (and given constants' mean), in the pass's dtype, where the backend reads
+        them (device memory on the GPU): given statistics' made once here (in float64, then
+        cast), learned ones' from the weights at each pass (forward)."""
+        if self.given is None:
+            return {"dev": np.empty(self.broadcast, dtype)}
+        mean, var = self.constants
+        return {"mean": mean.astype(dtype), "dev": self._deviation(var, dtype)}
+
     def forward(self, k, p, x, out, s, run):
-        mean, var = self._stats(p)
-        if self.invert:
-            np.multiply(x, self._deviation(var, x.dtype), out=out)
-            out += mean.astype(x.dtype)
+        if self.given is None:
+            mean = p["mean"].reshape(self.broadcast)
+            k.deviation(p["variance"].reshape(self.broadcast), self.EPSILON, s["dev"])
         else:
-            np.subtract(x, mean.astype(x.dtype), out=out)
-            out /= self._deviation(var, x.dtype)
+            mean = s["mean"]
+        if self.invert:
+            k.elementwise("multiply", x, s["dev"], out)
+            k.elementwise("add", out, mean, out)
+        else:
+            k.elementwise("subtract", x, mean, out)
+            k.elementwise("divide", out, s["dev"], out)
 
     def backward(self, k, p, g, x, out, dout, dx, s):
         if dx is None:
             return
-        dev = self._deviation(self._stats(p)[1], dout.dtype)
-        (np.multiply if self.invert else np.divide)(dout, dev, out=dx)
+        k.elementwise("multiply" if self.invert else "divide", dout, s["dev"], dx)
         for name in ("mean", "variance", "count"):     # statistics, not trained: no gradient
             if name in g:
-                g[name][...] = 0
+                k.fill(g[name], 0.0)
 
     def get_config(self):
         config = super().get_config()

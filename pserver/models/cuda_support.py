@@ -42,6 +42,7 @@ from pserver.layers import (
     MaxPooling2D,
     Minimum,
     Multiply,
+    Normalization,
     Permute,
     RepeatVector,
     Rescaling,
@@ -61,7 +62,7 @@ DEVICE_LAYERS = (Dense, Conv2D, Conv1D, MaxPooling2D, AveragePooling2D, Flatten,
                  Concatenate, GlobalAveragePooling1D, GlobalAveragePooling2D, GlobalMaxPooling1D,
                  GlobalMaxPooling2D, Permute, RepeatVector, BatchNormalization, Dot, ZeroPadding1D,
                  ZeroPadding2D, Cropping1D, Cropping2D, UpSampling1D, UpSampling2D, Conv2DTranspose,
-                 Rescaling)
+                 Rescaling, Normalization)
 # The ops with a device form (pserver.models.cuda_ops).
 BINARY = ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power")
 ACTIVATIONS = ("relu", "sigmoid", "tanh")

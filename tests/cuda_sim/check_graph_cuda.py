@@ -357,16 +357,21 @@ def dots():
 
 
 def margins():
-    """Rescaling (per channel and by one value), ZeroPadding, Cropping and UpSampling on images
-    and on sequences, unequal sides, and Conv2DTranspose after them (valid and same, with and
-    without a bias)."""
+    """Rescaling (per channel and by one value), Normalization (adapted, given with a variance of
+    0, inverted), ZeroPadding, Cropping and UpSampling on images and on sequences, unequal sides,
+    and Conv2DTranspose after them (valid and same, with and without a bias)."""
     from pserver.keras import Input, layers
     img, seq_in = Input(shape=(5, 4, 2)), Input(shape=(6, 3))
     img_in = layers.Rescaling([0.5, -2.0], offset=0.25)(img)                                # per channel
     seq = layers.Rescaling(1.0 / 3)(seq_in)
+    adapted = layers.Normalization(axis=(1, 2))                # learned statistics: weights
+    adapted.adapt(np.random.default_rng(3).normal(2.0, 3.0, (16, 6, 3)))
+    seq = adapted(seq)
     i = layers.Conv2D(2, 3, padding="same")(layers.ZeroPadding2D(((1, 2), (0, 3)))(img_in))  # (8, 7, 2)
+    i = layers.Normalization(mean=[1.0, -1.0], variance=[4.0, 0.0])(i)                     # given; a 0 floor
     i = layers.UpSampling2D((2, 3))(layers.Cropping2D(((2, 1), (1, 3)))(i))                # (10, 9, 2)
     q = layers.Rescaling(-1.5, offset=1.0)(layers.Dense(2)(layers.ZeroPadding1D((2, 1))(seq)))   # (9, 2)
+    q = layers.Normalization(mean=0.5, variance=2.0, invert=True)(q)
     q = layers.UpSampling1D(3)(layers.Cropping1D((1, 4))(q))                               # (12, 2)
     t = layers.Cropping2D(((2, 1), (1, 1)))(img_in)                                        # (2, 2, 2)
     t = layers.Conv2DTranspose(2, (3, 2), strides=(2, 1), activation="relu")(t)             # (5, 3, 2)
@@ -393,6 +398,7 @@ def test_a_graph_on_cuda_equals_the_cpu_model(build, shapes):
     assert isinstance(gpu_m, CudaModel) and gpu_m.layout == cpu_m.layout
     rng = np.random.default_rng(6)
     w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
+    positive_variances(cpu_m.layout, w)
     xs, y = [f32(rng, 3, *shape) for shape in shapes], rng.integers(0, 3, 3).astype(np.int32)
     x = xs[0] if len(xs) == 1 else xs
     g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
@@ -560,15 +566,22 @@ def test_conv1d_on_cuda_equals_the_cpu_model():
     same_step_and_logs(text_cnn, x, y, rng)
 
 
+def positive_variances(layout, w):
+    """Random weights' variances (BatchNormalization's moving ones, Normalization's) made
+    positive, as statistics are: a negative one's square root is NaN on the host and an error
+    in the simulator."""
+    for name, (start, end) in layout.offsets().items():
+        if name.endswith("variance"):
+            w[start:end] = np.abs(w[start:end]) + 0.5
+
+
 def same_step_and_logs(build, x, y, rng):
     """The CUDA model of build() takes the CPU model's loss and gradient (most of it nonzero)
     for one step from random weights (variances positive), and evaluates to its logs."""
     from pserver.models import on_device
     cpu_m, gpu_m = build().build(), on_device(build(), "cuda")
     w = (rng.standard_normal(cpu_m.layout.total) * 0.5).astype(np.float32)
-    for name, (start, end) in cpu_m.layout.offsets().items():
-        if name.endswith("moving_variance"):
-            w[start:end] = np.abs(w[start:end]) + 0.5
+    positive_variances(cpu_m.layout, w)
     g_c, g_g = np.full_like(w, np.nan), np.full_like(w, np.nan)
     loss_c = cpu_m.loss_and_grad(w, x, y, g_c, seed=1)
     loss_g = gpu_m.loss_and_grad(w, x, y, g_g, seed=1)

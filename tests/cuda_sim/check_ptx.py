@@ -95,6 +95,7 @@ SIGNATURES = {
     "batch_norm_statistics_kernel": (GR.batch_norm_statistics_kernel, (f32_1d,) * 5),
     "batched_matmul_kernel": (GR.batched_matmul_kernel, (*(f32_3d,) * 3, types.boolean, types.boolean)),
     "window_kernel": (GR.window_kernel, (f32_4d, f32_4d, i64, i64, types.boolean)),
+    "deviation_kernel": (GR.deviation_kernel, (f32_1d, types.float32, f32_1d)),
     "gather_kernel": (GR.gather_kernel, (f32_1d, i64_1d, f32_1d)),
     "scatter_add_kernel": (GR.scatter_add_kernel, (f32_1d, i64_1d, f32_1d)),
     "one_hot_kernel": (GR.one_hot_kernel, (f32_1d, i64, f32_1d)),
