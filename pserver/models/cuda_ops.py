@@ -173,9 +173,10 @@ class DeviceOps(dict):
                 out = self.empty(x.shape)
                 G.softmax(x, out, log, stream=self.stream)
                 return out
-            out_t = self.empty(self._permuted(x.shape, perm))     # along the last axis of a transpose
-            G.softmax(self._transposed(x, perm), out_t, log, stream=self.stream)
-            return self._transposed(out_t, tuple(int(i) for i in np.argsort(perm)))
+            x_t = self._transpose(x, perm)                          # along the last axis of a transpose
+            out_t = self.empty(x_t.shape)
+            G.softmax(x_t, out_t, log, stream=self.stream)
+            return self._transpose(out_t, tuple(int(i) for i in np.argsort(perm)))
         return forward
 
     def _softmax_vjp(self, log: bool):
@@ -185,10 +186,10 @@ class DeviceOps(dict):
                 dx = self.empty(x.shape)
                 G.softmax_grad(g, out, dx, log, stream=self.stream)
                 return (dx,)
-            dx_t = self.empty(self._permuted(x.shape, perm))
-            G.softmax_grad(self._transposed(g, perm), self._transposed(out, perm), dx_t, log,
-                           stream=self.stream)
-            return (self._transposed(dx_t, tuple(int(i) for i in np.argsort(perm))),)
+            g_t = self._transpose(g, perm)
+            dx_t = self.empty(g_t.shape)
+            G.softmax_grad(g_t, self._transpose(out, perm), dx_t, log, stream=self.stream)
+            return (self._transpose(dx_t, tuple(int(i) for i in np.argsort(perm))),)
         return vjp
 
     @staticmethod
@@ -196,15 +197,6 @@ class DeviceOps(dict):
         """The permutation that moves `axis` last (None: it is the last)."""
         axis = int(axis) % rank
         return None if axis == rank - 1 else (*(d for d in range(rank) if d != axis), axis)
-
-    @staticmethod
-    def _permuted(shape, perm) -> tuple:
-        return tuple(shape[a] for a in perm)
-
-    def _transposed(self, x, perm):
-        out = self.empty(self._permuted(x.shape, perm))
-        G.transpose(x, perm, out, stream=self.stream)
-        return out
 
     @staticmethod
     def _permutation(axes, rank: int) -> tuple:
