@@ -111,6 +111,36 @@ def sparse_summary(statuses: Sequence) -> dict:
             "rows_pushed": sum(st.counters.rows_pushed for st in statuses)}
 
 
+def shard_restarts(statuses: Sequence, since: Sequence | None, seen: Sequence[int]) -> list[dict]:
+    """The shards that restarted during the run: `seen[j]`, how many restarts of shard j the chief
+    rode out (each a rejoin), or else a new process since `since` (the statuses at the run's
+    start). Each: its restarts, the checkpoint it restored from ("" when it came back empty and a
+    worker re-seeded it) and how many updates it holds fewer than the shard furthest on. Every
+    shard applies every step (sync, backup) or every push (async, ssp), so that is what its
+    restart lost: retrained for shard 0, whose data coordinator restored with it; lost for the
+    others (docs/semantics.md, "What survives what")."""
+    newest = max(st.version for st in statuses)
+    out = []
+    for j, st in enumerate(statuses):
+        moved = since is not None and since[j].instance != st.instance
+        count = max(seen[j] if j < len(seen) else 0, int(moved))
+        if count:
+            out.append({"shard": j, "restarts": count, "restored_from": st.restored_from,
+                        "version": st.version, "updates_behind": max(newest - st.version, 0)})
+    return out
+
+
+def describe_restart(r: dict) -> str:
+    """A summary line for one entry of shard_restarts."""
+    source = (f"restored from {os.path.basename(r['restored_from'])}" if r["restored_from"]
+              else "back empty, re-seeded from a worker's weights")
+    behind = f"it holds {r['updates_behind']:,} update(s) fewer than the others"
+    then = ("; their data was leased and trained again (the batches trained twice above)" if r["shard"] == 0
+            else "; those updates since its checkpoint are lost on that shard only")
+    return (f"shard {r['shard']} restarted {r['restarts']} time(s) during the run ({source}): {behind}"
+            f"{then if r['updates_behind'] else ''}")
+
+
 # Highest values seen, not sums: a run's part of them cannot be told apart.
 PEAKS = ("staleness_max", "clock_gap_max")
 
@@ -190,6 +220,7 @@ def format_summary(s: dict) -> str:
         f"clock gap max {s['clock_gap_max']}",
     ]
     lines += [line for line in [describe_data(s)] if line]
+    lines += [describe_restart(r) for r in s.get("shard_restarts", ())]
     lines += [f"sparse table {name}: {t['rows']:,} rows x {t['dim']} ({t['bytes'] / 2**20:,.1f} MiB, "
               f"{t['optimizer']}), {t['creations']:,} created, {t['admissions']:,} admitted, "
               f"{t['evictions']:,} evicted" for name, t in s.get("sparse_tables", {}).items()]

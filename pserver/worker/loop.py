@@ -32,6 +32,7 @@ from pserver.models.layout import Layout
 from pserver.observe.metrics import (
     combine_counters,
     format_summary,
+    shard_restarts,
     sparse_summary,
     write_json,
 )
@@ -675,6 +676,7 @@ def finish(run: Run, stats: dict, started: float, counted_from) -> dict:
         "train_samples_per_second": counters["samples_trained"] / wall if wall > 0 else 0.0,
         "per_epoch": run.epochs_log, "eval_curve": run.curve.points, "chief": stats,
         **counters, **sparse_summary(statuses),
+        "shard_restarts": shard_restarts(statuses, counted_from, [s.restarts for s in client.shards]),
     }
     print(format_summary(summary), flush=True)
     if cfg.summary_json:

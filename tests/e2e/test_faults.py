@@ -50,7 +50,7 @@ def run_cluster(procs, tmp_path, name, kills: int, seed: int = 0):
         restarted.append(shards[1])
     for w in workers:
         assert w.wait(240) == 0, w.output[-3000:]
-    return read_json(summary), restarted
+    return read_json(summary) | {"chief_output": workers[0].output}, restarted
 
 
 def test_killed_shard_restarts_from_its_checkpoint_and_the_run_completes(procs, tmp_path):
@@ -63,3 +63,13 @@ def test_killed_shard_restarts_from_its_checkpoint_and_the_run_completes(procs, 
     assert abs(hurt["test_accuracy"] - clean["test_accuracy"]) <= 0.01, (hurt["test_accuracy"],
                                                                         clean["test_accuracy"])
     assert clean["test_accuracy"] >= 0.9
+    # The summary says what the restarts did: the chief rode out each one it met (a kill after its
+    # last call to the shards, while it wrote the summary, it cannot have), and shard 1 holds the
+    # updates since its checkpoints fewer than shard 0 (lost on it; none in the clean run).
+    assert clean["shard_restarts"] == []
+    [entry] = hurt["shard_restarts"]
+    assert entry["shard"] == 1 and len(restarted) - 1 <= entry["restarts"] <= len(restarted), entry
+    assert entry["updates_behind"] == hurt["steps"] - entry["version"] >= 0
+    assert "shard1-of2-" in entry["restored_from"], entry
+    said = f"shard 1 restarted {entry['restarts']} time(s) during the run (restored from "
+    assert said in hurt["chief_output"]
