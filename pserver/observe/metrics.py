@@ -123,7 +123,7 @@ def shard_restarts(statuses: Sequence, since: Sequence | None, seen: Sequence[in
     out = []
     for j, st in enumerate(statuses):
         moved = since is not None and since[j].instance != st.instance
-        count = max(seen[j] if j < len(seen) else 0, int(moved))
+        count = max(seen[j], int(moved))
         if count:
             out.append({"shard": j, "restarts": count, "restored_from": st.restored_from,
                         "version": st.version, "updates_behind": max(newest - st.version, 0)})
