@@ -59,5 +59,6 @@ def test_shard_restarts_names_each_restarted_shard_and_the_updates_it_holds_fewe
     zero = describe_restart({"shard": 0, "restarts": 1, "restored_from": "", "version": 5,
                              "updates_behind": 3})
     assert "back empty" in zero and "trained again" in zero and "lost on" not in zero
-    assert describe_restart(got[1]) == ("shard 2 restarted 1 time(s) during the run (back empty, re-seeded "
-                                        "from a worker's weights): it holds 0 update(s) fewer than the others")
+    said = describe_restart(got[1])
+    assert said == ("shard 2 restarted 1 time(s) during the run (back empty, re-seeded from a worker's "
+                    "weights): it holds 0 update(s) fewer than the others")
