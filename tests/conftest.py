@@ -4,7 +4,6 @@ import hashlib
 import http.server
 import os
 import pathlib
-import subprocess
 import tempfile
 import threading
 import time
@@ -55,24 +54,15 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Start the simulator modules now if any `cuda_sim` test is selected (tests/support/simulator.py),
-    so that they run beside the suite: here, or under pytest-xdist in its first worker only (the
-    others find them by their files)."""
+    so that they run beside the suite."""
     if session.config.option.collectonly:
         return
     if any(item.get_closest_marker("cuda_sim") for item in session.items):
-        where = simulator.directory()
-        runs = simulator.start(where) if simulator.starts_them() else simulator.found(where)
-        session.config.stash[SIMULATOR_RUNS] = runs
+        session.config.stash[SIMULATOR_RUNS] = simulator.start()
 
 
 def pytest_sessionfinish(session):
-    """The simulator modules this process started: stopped when the run was cut short (-x, a
-    Ctrl-C); else waited for, as another xdist worker's `cuda_sim` tests may still read them."""
-    cut_short = session.shouldfail or session.shouldstop
-    for run in session.config.stash.get(SIMULATOR_RUNS, {}).values():
-        if run.proc is not None and not cut_short:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                run.wait(simulator.WAIT_S)
+    for run in session.config.stash.get(SIMULATOR_RUNS, {}).values():   # a run cut short (-x)
         run.stop()
 
 

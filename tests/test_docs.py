@@ -66,8 +66,8 @@ def test_the_quick_start_and_the_benchmarks_commands_are_there():
     readme = bash_lines(ROOT / "README.md")
     assert ("python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/pserver launch --ps 2 "
             "--workers 4 --optimizer adam --lr 0.001 --epochs 1") in readme
-    assert ('python3 -m venv .venv && .venv/bin/pip install -e ".[test,ray]" && .venv/bin/python -m pytest '
-            "-q -n 2 --dist loadfile") in readme
+    assert ('python3 -m venv .venv && .venv/bin/pip install -e ".[test,ray]" && .venv/bin/python -m pytest -q'
+            in readme)
     assert ".venv/bin/python bench/throughput.py --repeats 3" in bash_lines(
         ROOT / "docs" / "performance" / "throughput.md")
 

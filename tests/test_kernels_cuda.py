@@ -5,10 +5,9 @@ NUMBA_ENABLE_CUDASIM once, when it is first imported, and by the time this modul
 tests/conftest.py has long imported numba (the shards' optimizers): setting the variable here
 would change nothing, and reloading numba's config inside a live process would leave it half
 simulator, half driver. So the simulator tests live in tests/cuda_sim/check_*.py (names the
-default run does not collect), and each of those modules runs in a fresh `python -m pytest` with
-NUMBA_ENABLE_CUDASIM=1, and its test in tests/test_simulator_modules.py (marked `cuda_sim`, in a
-file of its own so that pytest-xdist's --dist loadfile gives it out last) reads its JUnit
-report: it must have run tests, and every one must have passed (none skipped). The modules
+default run does not collect), and each test below runs one of those modules in a fresh
+`python -m pytest` with NUMBA_ENABLE_CUDASIM=1, and its test below (marked `cuda_sim`) reads its
+JUnit report: it must have run tests, and every one must have passed (none skipped). The modules
 start, niced, when the session's collection ends and run beside the suite; their tests run last
 (tests/conftest.py, tests/support/simulator.py). `-m "not e2e and not cuda_sim"` leaves them out.
 
@@ -30,6 +29,11 @@ from pserver.errors import ConfigError
 from pserver.kernels.device import Device, blas_note, describe, parse_device, round_robin, select
 from tests.support import ROOT, simulator
 
+# Seconds a simulator module may still take once the suite reaches its test: the modules started
+# with the session (tests/support/simulator.py). Below pytest's faulthandler_timeout, which ends the
+# whole run (at 900 s it did, in .ci/run at 9178ad6).
+INNER_TIMEOUT = 540
+
 
 def _env(**changes) -> dict:
     env = dict(os.environ)
@@ -41,13 +45,27 @@ def _env(**changes) -> dict:
     return env
 
 
+@pytest.mark.cuda_sim
+@pytest.mark.parametrize("name", simulator.MODULES)
+def test_in_cuda_simulator(simulator_runs, name):
+    run = simulator_runs[name]
+    try:
+        out, counts = run.wait(INNER_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name} ran past {INNER_TIMEOUT} s after the suite reached it")
+    assert counts is not None, f"{name} wrote no report (exit {run.proc.returncode}):\n{out[-4000:]}"
+    why = f"{name}: {counts}\n{out[-6000:]}"
+    assert run.proc.returncode == 0 and counts["tests"] > 0, why
+    assert counts["failures"] == counts["errors"] == counts["skipped"] == 0, why
+
+
 def test_a_simulator_wait_ends_before_pytest_ends_the_run():
     # Catches the 9178ad6 failure: a wait longer than faulthandler_timeout (with
     # faulthandler_exit_on_timeout) ends the whole test run instead of failing one test.
     ini = (ROOT / "pyproject.toml").read_text()      # tomllib is 3.11+; pserver runs on 3.10
     assert re.search(r"^faulthandler_exit_on_timeout = true$", ini, re.M)
     limit = int(re.search(r"^faulthandler_timeout = (\d+)$", ini, re.M).group(1))
-    assert simulator.WAIT_S < limit
+    assert INNER_TIMEOUT < limit
 
 
 # -- the --device flag: parsing needs no numba.cuda --------------------------------------
