@@ -588,7 +588,8 @@ def test_lease_replies_sum_what_every_workers_steps_measured_over_the_finished_e
 
 def test_the_epochs_sums_survive_a_checkpoint_and_a_new_run_starts_without_them():
     """The sums are part of shard 0's checkpoint (a restored coordinator reports the epoch it had
-    summed); only the epoch being trained and the one before are kept; a new run's plan drops them."""
+    summed); the newest KEPT_EPOCH_SUMS are kept (test_an_epoch_logs_ask_answers_the_sums_of_any_
+    finished_epoch_kept); a new run's plan drops them."""
     c = Coordinator()
     c.configure(Plan(4, 2, 1, "fp", 3))
     c.tally(0, 2.0, 1.0, 3)
@@ -602,7 +603,7 @@ def test_the_epochs_sums_survive_a_checkpoint_and_a_new_run_starts_without_them(
     back = Coordinator.load(json.loads(json.dumps(older)))
     assert back.trained == {} and back.plan == restored.plan and not back.plan.in_order
     c.tally(2, 1.0, 1.0, 1)
-    assert set(c.trained) == {1, 2}
+    assert set(c.trained) == {0, 1, 2}
     c.epoch = 3                                # finished, nothing leased: a new run may start over
     c.configure(Plan(4, 2, 1, "other data", 3))
     assert c.trained == {}
@@ -808,6 +809,45 @@ def test_a_lease_reply_carries_the_sums_of_the_epoch_before_it(shard_server):
     assert (reply.trained_loss_sum, reply.trained_correct) == (2 * 12.0 + 2 * 20.0, 2 * 2.0 + 2 * 3.0)
     assert reply.coordinator_id == shard.store.coordinator.ident
     c.close()
+
+
+def test_an_epoch_logs_ask_answers_the_sums_of_any_finished_epoch_kept(shard_server):
+    """A worker that was away while the others trained through several epochs asks shard 0 for
+    each one's sums (an epoch_logs request: LeaseDataReply.trained_* of `logs_epoch`): each
+    finished epoch its own, the open one none; the newest KEPT_EPOCH_SUMS are kept, and a
+    checkpoint keeps them. Catches an answer of the epoch before the open one whatever was asked,
+    sums dropped after two epochs (the chief's summary then lacked the windows it missed), an
+    unbounded dict, sums lost by a restore."""
+    import numpy as np
+
+    from pserver.server.coordinator import KEPT_EPOCH_SUMS
+    from tests.support.clients import LAYOUT, ready_client
+    addr, shard = shard_server(optimizer="sgd", lr=0.1, mode="async")
+    c = ready_client(addr)
+    w, g = np.empty(LAYOUT.total, np.float32), np.zeros(LAYOUT.total, np.float32)
+    plan = (2, 2, 7, "fp", 4)                                 # one chunk of 2 batches, 4 epochs
+    reply = c.lease_data(*plan)
+    for epoch in range(3):
+        for batch in range(reply.first_batch, reply.end_batch):
+            c.pull(w)
+            c.push(g, 4, lease=(epoch, reply.chunk, batch), trained=(4.0 * (epoch + 1), 1.0 + epoch))
+        reply = c.lease_data(*plan, finished=(epoch, reply.chunk))
+    assert reply.epoch == 3
+    for epoch in range(3):
+        got = c.epoch_logs(epoch)
+        assert (got.epoch, got.trained_samples) == (3, 8), (epoch, got)
+        assert (got.trained_loss_sum, got.trained_correct) == (8.0 * (epoch + 1), 2.0 + 2 * epoch)
+    assert c.epoch_logs(3).trained_samples == 0 == c.epoch_logs(7).trained_samples     # not finished
+    c.close()
+    co = Coordinator()
+    co.configure(Plan(4, 2, 1, "fp", 0))
+    for epoch in range(KEPT_EPOCH_SUMS + 5):
+        co.tally(epoch, 1.0, 1.0, epoch + 1)
+    co.epoch = KEPT_EPOCH_SUMS + 5
+    assert len(co.trained) == KEPT_EPOCH_SUMS + 1 and co.epoch_sums(3).samples == 0
+    restored = Coordinator.load(json.loads(json.dumps(co.state())))
+    assert restored.epoch_sums(KEPT_EPOCH_SUMS).samples == KEPT_EPOCH_SUMS + 1
+    assert restored.epoch_sums().samples == KEPT_EPOCH_SUMS + 5
 
 
 def test_a_worker_that_asks_before_the_others_register_gets_only_its_share_of_a_short_epoch():

@@ -53,12 +53,12 @@ def test_shard_restarts_names_each_restarted_shard_and_the_updates_it_holds_fewe
     assert [(r["shard"], r["restarts"], r["updates_behind"]) for r in got] == [(1, 2, 19), (2, 1, 0)]
     assert shard_restarts(start, start, [0, 0, 0]) == []
     line = describe_restart(got[0])
-    assert line.startswith("shard 1 restarted 2 time(s) during the run (restored from "
+    assert line.startswith("shard 1 restarted at least 2 time(s) during the run (restored from "
                            "shard1-of-3-v000062.ckpt): it holds 19 update(s) fewer than the others")
     assert "lost on that shard only" in line
     zero = describe_restart({"shard": 0, "restarts": 1, "restored_from": "", "version": 5,
                              "updates_behind": 3})
     assert "back empty" in zero and "trained again" in zero and "lost on" not in zero
     said = describe_restart(got[1])
-    assert said == ("shard 2 restarted 1 time(s) during the run (back empty, re-seeded from a worker's "
-                    "weights): it holds 0 update(s) fewer than the others")
+    assert said == ("shard 2 restarted at least 1 time(s) during the run (back empty, re-seeded from a "
+                    "worker's weights): it holds 0 update(s) fewer than the others")

@@ -114,11 +114,12 @@ def sparse_summary(statuses: Sequence) -> dict:
 def shard_restarts(statuses: Sequence, since: Sequence | None, seen: Sequence[int]) -> list[dict]:
     """The shards that restarted during the run: `seen[j]`, how many restarts of shard j the chief
     rode out (each a rejoin), or else a new process since `since` (the statuses at the run's
-    start). Each: its restarts, the checkpoint it restored from ("" when it came back empty and a
-    worker re-seeded it) and how many updates it holds fewer than the shard furthest on. Every
-    shard applies every step (sync, backup) or every push (async, ssp), so that is what its
-    restart lost: retrained for shard 0, whose data coordinator restored with it; lost for the
-    others (docs/semantics.md, "What survives what")."""
+    start). A lower bound: two restarts while the chief was away from the shard (evaluating,
+    backing off) are one rejoin. Each: its restarts, the checkpoint it restored from ("" when it
+    came back empty and a worker re-seeded it) and how many updates it holds fewer than the shard
+    furthest on. Every shard applies every step (sync, backup) or every push (async, ssp), so
+    that is what its restart lost: retrained for shard 0, whose data coordinator restored with
+    it; lost for the others (docs/semantics.md, "What survives what")."""
     newest = max(st.version for st in statuses)
     out = []
     for j, st in enumerate(statuses):
@@ -137,8 +138,8 @@ def describe_restart(r: dict) -> str:
     behind = f"it holds {r['updates_behind']:,} update(s) fewer than the others"
     then = ("; their data was leased and trained again (the batches trained twice above)" if r["shard"] == 0
             else "; those updates since its checkpoint are lost on that shard only")
-    return (f"shard {r['shard']} restarted {r['restarts']} time(s) during the run ({source}): {behind}"
-            f"{then if r['updates_behind'] else ''}")
+    return (f"shard {r['shard']} restarted at least {r['restarts']} time(s) during the run ({source}): "
+            f"{behind}{then if r['updates_behind'] else ''}")
 
 
 # Highest values seen, not sums: a run's part of them cannot be told apart.

@@ -61,6 +61,11 @@ MAX_EPOCH_LOGS = 64         # names in the chief's epoch logs (Keras: loss, metr
 # trained on through several more, and its callbacks still take that epoch's logs (at most 64 names of
 # 100 characters each: under 2 MB)
 KEPT_EPOCH_LOGS = 256
+# Epochs whose sums (`tally`) are kept, the newest: a worker that was away while others trained
+# through several (backing off from a restarted shard 0; evaluating) asks for each it missed
+# (an epoch_logs request), so that the chief's summary has every epoch's, a stream's every window's.
+# Each is in shard 0's checkpoints: with Keras's AUC, 800 numbers (16: about 250 KB of JSON).
+KEPT_EPOCH_SUMS = 16
 
 
 @dataclass(frozen=True)
@@ -413,19 +418,24 @@ class Coordinator:
     def tally(self, epoch: int, loss_sum: float, correct: float, samples: int, sums=()) -> None:
         """A push with a lease of `epoch` was taken: what its batch's step measured counts in the
         epoch's sums (LeaseDataReply.trained_* once the epoch is done; `sums`, the compiled metrics',
-        added element by element). Only this epoch and the
-        one before are kept: the one a reply reports, and the one being trained."""
+        added element by element). The newest KEPT_EPOCH_SUMS epochs are kept: the one a lease
+        reply reports, the one being trained, and those a worker that was away asks for."""
         loss, right, n = self.trained.get(epoch, (0.0, 0.0, 0))
         self.trained[epoch] = (loss + float(loss_sum), right + float(correct), n + int(samples))
         if len(sums) or epoch in self.metric_sums:
             self.metric_sums[epoch] = _added(self.metric_sums.get(epoch, ()), sums)
         for kept in (self.trained, self.metric_sums):
-            for old in [e for e in kept if e < epoch - 1]:
+            for old in [e for e in kept if e < epoch - KEPT_EPOCH_SUMS]:
                 del kept[old]
 
-    def epoch_sums(self) -> EpochSums:
-        return EpochSums(self.epoch, self.ident, *self.trained.get(self.epoch - 1, (0.0, 0.0, 0)),
-                         self.metric_sums.get(self.epoch - 1, ()))
+    def epoch_sums(self, epoch: int | None = None) -> EpochSums:
+        """The open epoch, the ident, and the sums of `epoch` (the one before the open one when
+        None); none (0 samples) for an epoch not finished or no longer kept."""
+        epoch = self.epoch - 1 if epoch is None else epoch
+        if epoch >= self.epoch:
+            return EpochSums(self.epoch, self.ident)
+        return EpochSums(self.epoch, self.ident, *self.trained.get(epoch, (0.0, 0.0, 0)),
+                         self.metric_sums.get(epoch, ()))
 
     def tell(self, rank: int) -> None:
         """A lease reply to rank tells it the epoch now (`told`, read by `logs`)."""

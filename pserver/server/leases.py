@@ -63,9 +63,9 @@ class Leases:
         """The plan's coordinator state (Plan.nbytes) in place of the plan it replaces (cond held)."""
         self.budget.admit(self.store.tables, plan, self.coordinator.nbytes)
 
-    def epoch_sums(self) -> EpochSums:
+    def epoch_sums(self, epoch: int | None = None) -> EpochSums:
         with self.store.cond:
-            return self.coordinator.epoch_sums()
+            return self.coordinator.epoch_sums(epoch)
 
     def epoch_logs(self, rank: int, session: str | None, epoch: int, share=None):
         """Shard.epoch_logs."""

@@ -202,7 +202,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if r.epoch_logs:                   # Keras on a cluster: the chief's epoch logs, no lease
             share = (list(r.log_names), list(r.log_values), r.stop_training) if r.share_logs else None
             logs, told, live = self.shard.epoch_logs(r.rank, r.session, r.logs_epoch, share)
-            reply = pb.LeaseDataReply(chief_told=told, chief_live=live)
+            sums = self.shard.epoch_sums(r.logs_epoch)
+            reply = pb.LeaseDataReply(chief_told=told, chief_live=live, epoch=sums.epoch,
+                                      trained_loss_sum=sums.loss_sum, trained_correct=sums.correct,
+                                      trained_samples=sums.samples, trained_metric_sums=sums.metric_sums)
             if logs is not None:
                 reply.has_logs = True
                 reply.log_names.extend(logs[0])

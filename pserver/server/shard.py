@@ -94,10 +94,10 @@ class Shard:
         this one was restored (it saw `coordinator.ident` change): counted in batches_retrained."""
         return self.leases.lease(rank, session, plan, finished, restart, done_before_restore)
 
-    def epoch_sums(self) -> EpochSums:
+    def epoch_sums(self, epoch: int | None = None) -> EpochSums:
         """What a lease reply tells with the lease: the epoch open, the coordinator's ident and
-        the sums of the epoch before it."""
-        return self.leases.epoch_sums()
+        the sums of the epoch before it (of `epoch`, finished: an epoch_logs request's)."""
+        return self.leases.epoch_sums(epoch)
 
     def epoch_logs(self, rank: int, session: str | None, epoch: int, share=None):
         """Keras on a cluster: the chief's logs of `epoch` for every worker's callbacks, through

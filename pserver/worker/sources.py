@@ -229,11 +229,14 @@ class Leases:
             line = run.progress.epoch_ended(self.epoch)
             if line:
                 run.report.progress(run.clock, *line)
-            yield EpochEnd(self.epoch, epoch_sums(reply, self.epoch), shared=shared,
+            yield EpochEnd(self.epoch, epoch_sums(run, reply, self.epoch), shared=shared,
                            all_done=self.epoch + 1 >= run.cfg.epochs <= reply.epoch,
                            again=self.epoch <= self.ended)
             self.ended = max(self.ended, self.epoch)
-            yield from self.missed(run, self.epoch + 1, reply.epoch, shared)
+            for ended in self.missed(run, self.epoch + 1, reply.epoch, shared, during=True):
+                ended.again = ended.epoch <= self.ended
+                self.ended = max(self.ended, ended.epoch)
+                yield ended
             self.epoch, self.step = reply.epoch, 0
             run.begin_epoch(self.epoch)
         elif reply.epoch < self.epoch:
@@ -245,15 +248,19 @@ class Leases:
         return getattr(run.callbacks, "shares_logs", False) and run.cfg.num_workers > 1
 
     @staticmethod
-    def missed(run: Run, first: int, end: int, shared: bool, at_start: bool = False) -> Iterator[EpochEnd]:
+    def missed(run: Run, first: int, end: int, shared: bool, at_start: bool = False,
+               during: bool = False) -> Iterator[EpochEnd]:
         """Epochs first..end-1, which ended while this worker trained none of them (async: another
-        worker trained on through several while this one started, evaluated or was slow; backup: the
-        quorum made each step without it): Keras on a cluster hears each, so that every worker's
-        History is the chief's: the chief evaluates each (on the weights it has now) and gives its
-        logs, and every other worker's callbacks hear each epoch with them (end_epoch waits for
-        them). Epochs that ended before this worker's first ask on shards restored from a checkpoint
-        are an earlier run's: the chief gives none, and the others hear only those it gave logs for."""
-        if not shared:
+        worker trained on through several while this one started, evaluated, was slow or backed off
+        from a restarted shard 0; backup: the quorum made each step without it): Keras on a cluster
+        hears each, so that every worker's History is the chief's: the chief evaluates each (on the
+        weights it has now) and gives its logs, and every other worker's callbacks hear each epoch
+        with them (end_epoch waits for them). Without Keras the chief alone hears those that ended
+        `during` its run, so that its summary has every epoch (a stream's every window) with what
+        every worker's batches of it measured. Epochs that ended before this worker's first ask on
+        shards restored from a checkpoint are an earlier run's: the chief gives none, and the others
+        hear only those it gave logs for."""
+        if not shared and not (run.chief and during):
             return
         earlier = at_start and bool(run.client.shards[0].info.restored_from)
         if run.chief and earlier:
@@ -262,7 +269,8 @@ class Leases:
             if earlier and not run.client.epoch_logs(epoch).has_logs:
                 continue                      # an earlier run's epoch: the chief gave no logs
             run.begin_epoch(epoch)
-            yield EpochEnd(epoch, shared=True, all_done=epoch + 1 >= run.cfg.epochs <= end)
+            yield EpochEnd(epoch, epoch_sums(run, None, epoch), shared=shared,
+                           all_done=epoch + 1 >= run.cfg.epochs <= end)
 
     def wait(self, run: Run) -> None:
         """No chunk for this worker now: an empty push where it counts toward the step, else a moment."""
@@ -287,9 +295,12 @@ class Leases:
             self.finished, self.lease = (self.lease.epoch, self.lease.chunk), None
 
 
-def epoch_sums(reply, epoch: int) -> dict | None:
-    """Every worker's batches of `epoch` as shard 0 summed them, when the reply is of the next."""
-    if reply.epoch != epoch + 1 or reply.trained_samples <= 0:
+def epoch_sums(run: Run, reply, epoch: int) -> dict | None:
+    """Every worker's batches of `epoch` as shard 0 summed them: the lease reply's when it is of the
+    next epoch, else (several ended meanwhile) shard 0's answer for that one (an epoch_logs ask)."""
+    if reply is None or reply.epoch != epoch + 1:
+        reply = run.client.epoch_logs(epoch)
+    if reply.trained_samples <= 0:
         return None
     return {"loss_sum": reply.trained_loss_sum, "correct": reply.trained_correct,
             "samples": reply.trained_samples, "metric_sums": tuple(reply.trained_metric_sums)}

@@ -63,13 +63,14 @@ def test_killed_shard_restarts_from_its_checkpoint_and_the_run_completes(procs, 
     assert abs(hurt["test_accuracy"] - clean["test_accuracy"]) <= 0.01, (hurt["test_accuracy"],
                                                                         clean["test_accuracy"])
     assert clean["test_accuracy"] >= 0.9
-    # The summary says what the restarts did: the chief rode out each one it met (a kill after its
-    # last call to the shards, while it wrote the summary, it cannot have), and shard 1 holds the
-    # updates since its checkpoints fewer than shard 0 (lost on it; none in the clean run).
+    # The summary says what the restarts did: the chief counts those it rode out, a lower bound (two
+    # kills while it was away from the shard, evaluating or backing off, are one rejoin; a kill
+    # while it writes the summary comes after its last call), and shard 1 holds the updates since
+    # its checkpoints fewer than shard 0 (lost on it; none in the clean run).
     assert clean["shard_restarts"] == []
     [entry] = hurt["shard_restarts"]
-    assert entry["shard"] == 1 and len(restarted) - 1 <= entry["restarts"] <= len(restarted), entry
+    assert entry["shard"] == 1 and 1 <= entry["restarts"] <= len(restarted), entry
     assert entry["updates_behind"] == hurt["steps"] - entry["version"] >= 0
     assert "shard1-of2-" in entry["restored_from"], entry
-    said = f"shard 1 restarted {entry['restarts']} time(s) during the run (restored from "
+    said = f"shard 1 restarted at least {entry['restarts']} time(s) during the run (restored from "
     assert said in hurt["chief_output"]
