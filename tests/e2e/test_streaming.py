@@ -54,6 +54,14 @@ def workers(procs, addrs, path, summary):
             for r in range(2)]
 
 
+def streamed_job(procs, tmp_path, mode):
+    """2 shards and 2 workers on a stream the Writer then appends: (the chief's summary file, workers)."""
+    path, summary = tmp_path / "events.tsv", tmp_path / "summary.json"
+    ws = workers(procs, [s.address() for s in shards(procs, mode)], path, summary)
+    Writer(path).start()
+    return summary, ws
+
+
 def events_trained(summary: dict) -> int:
     """Every window's events as shard 0 summed the pushes it took (each measured before training)."""
     return sum(e["progressive"]["events"] for e in summary["per_epoch"])
@@ -67,10 +75,7 @@ def test_a_worker_killed_mid_stream_loses_no_event(procs, tmp_path):
     trained are the stream's plus at most the one batch in flight at the kill, counted in
     batches_retrained (fails if a chunk is trained twice uncounted), and the progressive AUC of the
     last window shows the planted model learned (fails for metrics measured on the wrong outputs)."""
-    path, summary = tmp_path / "events.tsv", tmp_path / "summary.json"
-    addrs = [s.address() for s in shards(procs, "sync")]
-    ws = workers(procs, addrs, path, summary)
-    Writer(path).start()
+    summary, ws = streamed_job(procs, tmp_path, "sync")
     assert wait_until(lambda: "epoch 2/4 step" in ws[1].output, 120), ws[1].output
     ws[1].popen.send_signal(signal.SIGKILL)
     assert ws[0].wait(180) == 0, ws[0].output
@@ -89,10 +94,7 @@ def test_a_chief_stopped_while_the_other_worker_trains_windows_still_reports_eve
     batches of it measured (shard 0 keeps each epoch's sums; the chief asks for those it did not
     see end). Fails if the chief's summary lacks a window or has one without its events (CI saw
     both once a restarted shard 0 kept the chief backing off while worker 1 trained on)."""
-    path, summary = tmp_path / "events.tsv", tmp_path / "summary.json"
-    addrs = [s.address() for s in shards(procs, "async")]
-    ws = workers(procs, addrs, path, summary)
-    Writer(path).start()
+    summary, ws = streamed_job(procs, tmp_path, "async")
     assert wait_until(lambda: "epoch 1/4 step" in ws[0].output, 120), ws[0].output
     ws[0].popen.send_signal(signal.SIGSTOP)
     assert wait_until(lambda: "epoch 4/4" in ws[1].output or ws[1].popen.poll() is not None, 120), \
