@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -110,3 +111,26 @@ def test_compress_summary_takes_medians_and_counts_a_miss_as_slowest():
     assert s["bf16"]["times_to_target_s"] == [10.0, 14.0, None] and s["none"]["repeats"] == 3
     r = bench("compress.py", "--repeats", "0", cwd=ROOT)
     assert r.returncode == 2 and "--repeats: must be >= 1" in r.stderr
+
+
+def test_pool_seeds_reproduces_the_committed_30_seed_record_and_pairs_only_seeds_both_sides_ran(tmp_path):
+    """bench/keras_io/pool_seeds.py over the committed result files prints the committed record
+    (bench/results/keras_io/toy_resnet-60000samples-1ep-30-seeds.txt, whose first lines are its
+    command): fails if a figure in the docs no longer follows from the files. A later file's run of
+    a seed replaces an earlier one's, and a seed only one side ran is left out and named."""
+    record = (ROOT / "bench/results/keras_io/toy_resnet-60000samples-1ep-30-seeds.txt").read_text()
+    command = shlex.split(record.split("\n(")[0].removeprefix("$ ").replace("\\\n", " "))
+    assert command[:2] == [".venv/bin/python", "bench/keras_io/pool_seeds.py"], command
+    r = bench("keras_io/pool_seeds.py", *command[2:], cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == record.split(")\n", 1)[1], r.stdout
+    old, new = tmp_path / "old.log", tmp_path / "new.log"
+    line = "toy_resnet {} seed {}: test accuracy {}\n".format
+    old.write_text(line("pserver", 1, 0.5) + line("keras", 1, 0.6) + line("pserver", 2, 0.9)
+                   + line("keras", 3, 0.9))
+    new.write_text(line("pserver", 1, 0.7) + "other pserver seed 2: test accuracy 0.1\n")
+    r = bench("keras_io/pool_seeds.py", "--script", "toy_resnet", "--setting", "x", str(old), str(new),
+              cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "1 seeds both sides ran (1-1); left out, one side only: keras 3, pserver 2" in r.stdout, r.stdout
+    assert "medians: pserver 70.00%, keras 60.00%, difference +10.00 points" in r.stdout, r.stdout
