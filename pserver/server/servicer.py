@@ -103,6 +103,12 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
         (grpc.method_handlers_generic_handler("pserver.v1.ParameterServer", handlers),))
 
 
+def _lease_reply(sums, **fields) -> pb.LeaseDataReply:
+    """A LeaseData reply with the open epoch and the sums (Shard.epoch_sums) it carries, and `fields`."""
+    return pb.LeaseDataReply(epoch=sums.epoch, trained_loss_sum=sums.loss_sum, trained_correct=sums.correct,
+                             trained_samples=sums.samples, trained_metric_sums=sums.metric_sums, **fields)
+
+
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
@@ -202,10 +208,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if r.epoch_logs:                   # Keras on a cluster: the chief's epoch logs, no lease
             share = (list(r.log_names), list(r.log_values), r.stop_training) if r.share_logs else None
             logs, told, live = self.shard.epoch_logs(r.rank, r.session, r.logs_epoch, share)
-            sums = self.shard.epoch_sums(r.logs_epoch)
-            reply = pb.LeaseDataReply(chief_told=told, chief_live=live, epoch=sums.epoch,
-                                      trained_loss_sum=sums.loss_sum, trained_correct=sums.correct,
-                                      trained_samples=sums.samples, trained_metric_sums=sums.metric_sums)
+            reply = _lease_reply(self.shard.epoch_sums(r.logs_epoch), chief_told=told, chief_live=live)
             if logs is not None:
                 reply.has_logs = True
                 reply.log_names.extend(logs[0])
@@ -217,9 +220,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         lease, gone = self.shard.lease(r.rank, r.session, plan, finished, r.restart,
                                  [(d.epoch, d.chunk, d.end) for d in r.done_before_restore])
         sums = self.shard.epoch_sums()
-        reply = pb.LeaseDataReply(epoch=sums.epoch, coordinator_id=sums.ident, trained_loss_sum=sums.loss_sum,
-                                  trained_correct=sums.correct, trained_samples=sums.samples,
-                                  trained_metric_sums=sums.metric_sums, finished_gone=gone)
+        reply = _lease_reply(sums, coordinator_id=sums.ident, finished_gone=gone)
         if lease is not None:
             reply.has_lease, reply.epoch, reply.chunk = True, lease.epoch, lease.chunk
             reply.first_batch, reply.end_batch = lease.first, lease.end

@@ -266,11 +266,11 @@ class Leases:
         if run.chief and earlier:
             return
         for epoch in range(first, min(end, run.cfg.epochs)):
-            if earlier and not run.client.epoch_logs(epoch).has_logs:
+            answer = run.client.epoch_logs(epoch)     # its logs (once given) and its sums
+            if earlier and not answer.has_logs:
                 continue                      # an earlier run's epoch: the chief gave no logs
             run.begin_epoch(epoch)
-            yield EpochEnd(epoch, epoch_sums(run, None, epoch), shared=shared,
-                           all_done=epoch + 1 >= run.cfg.epochs <= end)
+            yield EpochEnd(epoch, sums_in(answer), shared=shared, all_done=epoch + 1 >= run.cfg.epochs <= end)
 
     def wait(self, run: Run) -> None:
         """No chunk for this worker now: an empty push where it counts toward the step, else a moment."""
@@ -298,8 +298,11 @@ class Leases:
 def epoch_sums(run: Run, reply, epoch: int) -> dict | None:
     """Every worker's batches of `epoch` as shard 0 summed them: the lease reply's when it is of the
     next epoch, else (several ended meanwhile) shard 0's answer for that one (an epoch_logs ask)."""
-    if reply is None or reply.epoch != epoch + 1:
-        reply = run.client.epoch_logs(epoch)
+    return sums_in(reply if reply.epoch == epoch + 1 else run.client.epoch_logs(epoch))
+
+
+def sums_in(reply) -> dict | None:
+    """The sums a LeaseData reply carries (trained_*), None when it has none."""
     if reply.trained_samples <= 0:
         return None
     return {"loss_sum": reply.trained_loss_sum, "correct": reply.trained_correct,
