@@ -111,6 +111,16 @@ def train(model, x, y=None, *, ps, validation_data=None, rank: int = 0, num_work
     return _run(cfg, model, _data(model, x, y, validation_data, cfg.seed), callbacks)
 
 
+def preload() -> None:
+    """What a worker's training imports and sets up before its first step (the loop, its RPC
+    stubs and data plane, numba's CPU target), loaded lazily by train: a process that waits
+    anyway does it first (a Keras fit under `pserver run`, while its shards start)."""
+    import pserver.build  # noqa: F401
+    import pserver.worker.loop  # noqa: F401
+    from pserver.kernels.cache import load_numba
+    load_numba()
+
+
 def _run(cfg: WorkerConfig, model, data, callbacks=None) -> dict | None:
     from pserver.build import fit_data
     from pserver.kernels.device import parse_device, select

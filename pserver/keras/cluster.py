@@ -20,6 +20,7 @@ from pserver.launch.run import ADDRESSES, CHECKPOINTS, RANK, REFUSED, RUN_DIR, S
 from pserver.signals import follow_parent
 
 WAIT_S = 600.0       # for the other workers to reach fit, and for the shards to start
+POLL_S = 0.005       # between looks at the run's directory: each look is a stat, and a fit waits on it
 FIT_MARK = "fit{}-rank{}"       # in the run's directory: this worker reached its fit number k
 _fits: dict = {}                # fits this process completed, per cluster (its directory, or shard addresses)
 
@@ -39,7 +40,7 @@ class Cluster:
         if k > 1:
             _write(os.path.join(self.directory, FIT_MARK.format(k, self.rank)), {})
             marks = [os.path.join(self.directory, FIT_MARK.format(k, r)) for r in range(self.num_workers)]
-            _until(lambda: all(os.path.exists(m) for m in marks) or None, 0.02,
+            _until(lambda: all(os.path.exists(m) for m in marks) or None, POLL_S,
                    f"pserver run: fit number {k}: not every worker reached it within {WAIT_S:g} s (every "
                    f"worker must call fit as often)")
         return k
@@ -47,10 +48,13 @@ class Cluster:
     def fit_done(self) -> None:
         _fits[self.directory] = _fits.get(self.directory, 0) + 1
 
-    def shards(self, settings: dict) -> tuple[str, ...]:
+    def shards(self, settings: dict, meanwhile=None) -> tuple[str, ...]:
         """Say this worker's shard settings; the shards' addresses once every worker said the
-        same and `pserver run` started them (ConfigError naming a difference)."""
+        same and `pserver run` started them (ConfigError naming a difference). `meanwhile()`
+        runs after saying them, while the others reach fit and the shards start."""
         _write(os.path.join(self.directory, SETTINGS.format(self.rank)), settings)
+        if meanwhile is not None:
+            meanwhile()
         path, refused = os.path.join(self.directory, ADDRESSES), os.path.join(self.directory, REFUSED)
 
         def addresses() -> tuple[str, ...] | None:
@@ -60,7 +64,7 @@ class Cluster:
                 return None
             with open(path) as f:
                 return tuple(json.load(f)["addresses"])
-        return _until(addresses, 0.05,
+        return _until(addresses, POLL_S,
                       f"pserver run: no shards after {WAIT_S:g} s (did every worker reach fit?)")
 
 
@@ -85,8 +89,8 @@ class Running:
     def fit_done(self) -> None:
         _fits[self.addresses] = _fits.get(self.addresses, 0) + 1
 
-    def shards(self, settings: dict) -> tuple[str, ...]:
-        return self.addresses
+    def shards(self, settings: dict, meanwhile=None) -> tuple[str, ...]:
+        return self.addresses          # running already: nothing to wait for
 
 
 def current() -> Cluster | Running | None:

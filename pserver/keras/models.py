@@ -426,7 +426,7 @@ class _Model:
                           callbacks=hooks, mode="sync", **options, **shard_settings)
             else:
                 again = place.begin_fit() > 1     # the shards hold the earlier fit's finished data
-                addresses = place.shards(shard_settings)
+                addresses = place.shards(shard_settings, meanwhile=api.preload)
                 hooks.shard_settings = self.optimizer.settings()     # checked at Register (worker.loop)
                 api.train(self._core, x, y, ps=list(addresses), rank=rank, num_workers=workers,
                           validation_data=validation_data, callbacks=hooks, no_resume=again, **options)

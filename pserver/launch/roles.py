@@ -42,7 +42,11 @@ ROLE_MODULES = {"serve": "pserver.server.app", "worker": "pserver.worker.loop"}
 
 
 def preload(role: str) -> None:
+    """What a process that waits for its config can do before it: import its role's modules
+    and set up numba (its first kernel call, then, loads in milliseconds)."""
     importlib.import_module(ROLE_MODULES[role])
+    from pserver.kernels.cache import load_numba
+    load_numba()
 
 
 def run_role(role: str, cfg: ServerConfig | WorkerConfig) -> int:

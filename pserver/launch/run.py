@@ -38,6 +38,7 @@ RUN_DIR, RANK, WORKERS = "PSERVER_RUN_DIR", "PSERVER_RUN_RANK", "PSERVER_RUN_WOR
 SEED = "PSERVER_RUN_SEED"
 CHECKPOINTS = "PSERVER_RUN_CHECKPOINT_DIR"     # the shards' --checkpoint-dir (Keras's BackupAndRestore)
 SETTINGS, ADDRESSES, REFUSED = "settings-rank{}.json", "shards.json", "refused.txt"
+SETTINGS_POLL_S = 0.005      # between looks for the workers' settings (a stat per worker)
 
 
 class _Worker:
@@ -189,7 +190,8 @@ def _supervise(cfg, server, workers, shards, tmpdir) -> int:
                 configure_shards(shards, cfg, server, tmpdir)
                 _write(os.path.join(tmpdir, ADDRESSES),
                        {"addresses": [f"127.0.0.1:{p.port}" for p in shards]})
-        time.sleep(0.05)
+        # every worker's fit waits for the shards: look for its settings often until they start
+        time.sleep(0.05 if started else SETTINGS_POLL_S)
 
 
 def _settings(tmpdir: str, num_workers: int) -> dict | None:

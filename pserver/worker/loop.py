@@ -476,12 +476,17 @@ def window_metrics(run: Run, ended: EpochEnd) -> dict:
     return out
 
 
-def chief_logs(client: PSClient, rank: int, epoch: int, push_empty=None, poll: float = 0.02) -> dict:
+def chief_logs(client: PSClient, rank: int, epoch: int, push_empty=None, poll: float = 0.02,
+               first_poll: float = 0.001, empty_after: float = 0.005) -> dict:
     """A worker other than the chief at `epoch`'s end: the chief's logs of it and its stop decision,
     once it gave them (its evaluation done, its callbacks run), as {"shared": logs, "stop_training":
-    bool}. Meanwhile, in sync and backup (`push_empty`), a chief not yet told the epoch ended may be
-    waiting in a step for this worker's contribution: push an empty one, so that it learns."""
-    untold = 0
+    bool}. Asked again after `first_poll` seconds, doubling up to `poll`: the chief's epoch end
+    takes milliseconds, which a fixed `poll` would round up to it at every epoch. Meanwhile, in
+    sync and backup (`push_empty`), a chief not yet told the epoch ended for `empty_after` seconds
+    is waiting in a step for this worker's contribution (the epoch's chunks are all done, so the
+    chief is told at its next ask, a round trip away, unless a step holds it): push an empty one,
+    so that it learns."""
+    wait, untold_since = first_poll, None
     while True:
         reply = client.epoch_logs(epoch)
         if reply.has_logs:
@@ -490,12 +495,14 @@ def chief_logs(client: PSClient, rank: int, epoch: int, push_empty=None, poll: f
         if not reply.chief_live:
             raise Unavailable(f"worker {rank}: the chief (rank 0) left or was marked dead before it gave "
                               f"epoch {epoch + 1}'s logs, which every worker's callbacks take")
-        untold = 0 if reply.chief_told else untold + 1
-        if push_empty is not None and untold >= 3:       # not told after a few polls: it waits on us
-            push_empty()
-            untold = 0
+        now = time.monotonic()
+        untold_since = None if reply.chief_told else (now if untold_since is None else untold_since)
+        if push_empty is not None and untold_since is not None and now - untold_since >= empty_after:
+            push_empty()                                  # the step it waits in is done: ask again now
+            wait, untold_since = first_poll, None
         else:
-            time.sleep(poll)
+            time.sleep(wait)
+            wait = min(2 * wait, poll)
 
 
 def one_step(run: Run, x, y, lease=None) -> tuple[float, float]:
