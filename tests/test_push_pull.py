@@ -17,6 +17,7 @@ import pytest
 from pserver.errors import FailedPrecondition, InvalidArgument
 from pserver.wire import frames
 from tests.support.clients import LAYOUT, START, TOKEN, raw_hello, worker
+from tests.support.processes import wait_until
 from tests.support.shards import counters
 
 ONES = np.ones(LAYOUT.total, np.float32)
@@ -252,3 +253,81 @@ def test_the_chief_evaluates_on_every_core_only_when_no_other_worker_trains_mean
     cores = min(len(os.sched_getaffinity(0)), 16)
     assert eval_threads(c, others_wait=False) == (cores if mode == "sync" else 1)
     assert eval_threads(c, others_wait=True) == cores
+
+
+def two_shard_workers(shard_server, workers: int = 1) -> tuple[list, list]:
+    """Two live sync shards (SGD, lr 0.5) and `workers` clients on both, over the data plane;
+    worker 0 initialized them with START."""
+    from pserver.wire.security import ClientSecurity
+    from pserver.worker.client import PSClient
+
+    served = [shard_server(auth_token=TOKEN, optimizer="sgd", lr=0.5, mode="sync", shard=j, num_shards=2)
+              for j in range(2)]
+    clients = []
+    for rank in range(workers):
+        c = PSClient([a for a, _ in served], rank=rank, num_workers=workers, rpc_deadline=30,
+                     data_plane="auto", security=ClientSecurity(TOKEN))
+        c.connect(5)
+        c.register(LAYOUT)
+        if rank == 0:
+            c.init(START)
+        assert all(s.fast is not None for s in c.shards), "both shards must be on the data plane"
+        clients.append(c)
+    return clients, [shard for _, shard in served]
+
+
+def test_a_step_on_two_shards_sends_to_both_before_it_waits_on_either(shard_server):
+    """PSClient.push_pull sends its push to every shard, then takes each one's replies, in one thread
+    (ShardClient.push_pull_sent). Worker 0's step waits in shard 0's reply for worker 1, which has
+    pushed to shard 1 only: shard 1 completes the step while worker 0 still waits, so worker 0's
+    push to it was sent before that wait. Then what lands is what push then pull give, on both.
+    Catches an exchange that waits on each shard before it sends to the next (shard 1's step would
+    wait for worker 0, and worker 0 for worker 1's push to shard 0: the join times out)."""
+    import threading
+
+    (a, b), shards = two_shard_workers(shard_server, workers=2)
+    w, wb = np.empty(LAYOUT.total, np.float32), np.empty(LAYOUT.total, np.float32)
+    a.pull(w)
+    b.pull(wb)
+    ga = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32)
+    gb = np.full(LAYOUT.total, 0.25, np.float32)
+    got = {}
+    step = threading.Thread(target=lambda: got.update(outcomes=a.push_pull(ga, w, 8, clock=0)))
+    step.start()
+    b.shards[1].push(gb, 1, 0, 8, 0, 30.0)              # worker 1 on shard 1 alone, for now
+    assert wait_until(lambda: shards[1].store.version == 1, 10), "worker 0's push never reached shard 1"
+    assert step.is_alive() and shards[0].store.version == 0   # worker 0 still waits on shard 0
+    b.shards[0].push(gb, 1, 0, 8, 0, 30.0)
+    step.join(30)
+    assert not step.is_alive() and got["outcomes"] == ["aggregated", "aggregated"]
+    expected = START - np.float32(0.5) * (ga + gb) / np.float32(2)
+    np.testing.assert_array_equal(w, expected)
+    for s, shard in zip(a.shards, shards):
+        np.testing.assert_array_equal(s.own(w), shard.store.params)
+    assert a.versions == [1, 1]
+
+
+def test_a_push_refused_by_one_shard_leaves_the_others_exchange_whole(shard_server):
+    """One worker, two shards: shard 0 refuses the step's push (a stale step), shard 1 takes it.
+    The refusal is raised, after shard 1's replies were taken: shard 1 applied the push, and its
+    connection still frames (the next step lands exactly on both). Catches an error raised before
+    the later shard's replies are read (the next exchange would read the old ones)."""
+    from pserver.errors import StaleStep
+
+    (c,), shards = two_shard_workers(shard_server)
+    w = np.empty(LAYOUT.total, np.float32)
+    c.pull(w)
+    g1, g2 = np.linspace(-1, 1, LAYOUT.total, dtype=np.float32), np.full(LAYOUT.total, 2.0, np.float32)
+    c.versions = [7, 0]                                 # shard 0 is at version 0: refused
+    with pytest.raises(StaleStep):
+        c.push_pull(g1, w, 8, clock=0)
+    assert [s.store.version for s in shards] == [0, 1]
+    c.pull(w, 1)
+    assert c.versions == [0, 1]
+    assert c.push_pull(g2, w, 8, clock=1) == ["aggregated", "aggregated"]
+    once, twice = START - np.float32(0.5) * g2, START - np.float32(0.5) * g1 - np.float32(0.5) * g2
+    for s, shard, want in zip(c.shards, shards, (once, twice)):
+        np.testing.assert_array_equal(s.own(w), s.own(want))
+        np.testing.assert_array_equal(shard.store.params, s.own(want))
+    assert c.versions == [1, 2]
+

@@ -73,11 +73,11 @@ class DataPlaneChannel:
             raise
         try:
             # our push buffer (read-write: one or two slots) and the shard's parameters (read-only)
-            self.slot, slots = push_slots(size)
-            if told != size or [os.fstat(fd).st_size for fd in fds] != [self.slot * slots * 4, size * 4]:
+            self.slot, self.slots = push_slots(size)
+            if told != size or [os.fstat(fd).st_size for fd in fds] != [self.slot * self.slots * 4, size * 4]:
                 # another version of pserver, say, whose buffers are laid out otherwise: use gRPC
                 raise ConnectionError("the shard's data plane answered with the wrong buffers")
-            self.maps = [mapped(fds[0], self.slot * slots * 4, True, f"{label}: push buffer"),
+            self.maps = [mapped(fds[0], self.slot * self.slots * 4, True, f"{label}: push buffer"),
                          mapped(fds[1], size * 4, False, f"{label}: parameters")]
         finally:
             for fd in fds:
@@ -110,13 +110,25 @@ class DataPlaneChannel:
 
     def _call(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b"",
               values: np.ndarray | None = None):
-        """One request and its reply; `values`, a dense payload, go through the push buffer
-        (in parts through its two slots when they are larger than one)."""
+        """One request and its reply (_ask, then _answer)."""
+        self._ask(op, step, clock, num_elements, num_samples, timeout, tail, values)
+        return self._answer()
+
+    def _ask(self, op, step, clock, num_elements, num_samples, timeout: float, tail: bytes = b"",
+             values: np.ndarray | None = None) -> None:
+        """Send one request; `values`, a dense payload, go through the push buffer (in parts
+        through its two slots when they are larger than one)."""
         try:
             if values is None:
                 self._send(op, step, clock, num_elements, num_samples, timeout, tail)
             else:
                 self._send_values(values, op, step, clock, num_samples, timeout, tail)
+        except (OSError, ConnectionError) as e:
+            raise Unavailable(f"{self.label}: data-plane connection lost ({e})") from None
+
+    def _answer(self):
+        """The reply to the request sent (_reply), its error raised."""
+        try:
             return self._reply()
         except (OSError, ConnectionError) as e:
             raise Unavailable(f"{self.label}: data-plane connection lost ({e})") from None
@@ -183,7 +195,15 @@ class DataPlaneChannel:
         with dest filled, or None when that pull failed (the push was taken all the same;
         pull again on its own, which reports the error or rides it out). `lease`: the data
         lease's (epoch, chunk, batch, loss x samples, samples classed right, metric sums) this
-        push carries (shard 0)."""
+        push carries (shard 0). In two halves, send_push and take_push, which a worker calls
+        apart to send to every shard before it waits on any."""
+        self.send_push(grad, step, num_samples, clock, timeout, rows, then_pull, lease)
+        return self.take_push(then_pull)
+
+    def send_push(self, grad: np.ndarray, step: int, num_samples: int, clock: int, timeout: float,
+                  rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
+                  then_pull: tuple[np.ndarray, int, int] | None = None, lease: tuple | None = None) -> None:
+        """push's request, sent: its values in the push buffer, its rows in the rows buffer."""
         op, tail = PUSH, b""
         if rows:
             op, (tail, slots) = PUSH_ROWS, self._place(rows, timeout)
@@ -195,8 +215,11 @@ class DataPlaneChannel:
             op |= WITH_SUMS if len(sums) else 0
         if then_pull is not None:
             op, tail = op | THEN_PULL, PULL_AFTER.pack(then_pull[1], then_pull[2]) + tail
-        outcome, finished, version, _ = self._call(op, step, clock, grad.size, num_samples, timeout, tail,
-                                                   values=grad)
+        self._ask(op, step, clock, grad.size, num_samples, timeout, tail, values=grad)
+
+    def take_push(self, then_pull: tuple[np.ndarray, int, int] | None = None):
+        """push's replies to the request send_push sent (the same then_pull): push's result."""
+        outcome, finished, version, _ = self._answer()
         pulled = None
         if then_pull is not None:
             try:
