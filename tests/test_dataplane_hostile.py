@@ -233,3 +233,74 @@ def test_connections_are_bounded_and_the_extra_one_is_told_why(shard_server):
         os.close(fd)
     sock.close()
     c.close()
+
+
+def lease_request(rank: int, **fields):
+    from pserver._proto import pserver_pb2 as pb
+    return pb.LeaseDataRequest(rank=rank, num_batches=10, chunk_batches=3, seed=1, fingerprint="f", epochs=2,
+                               **fields)
+
+
+def test_a_lease_over_the_data_plane_is_the_lease_over_grpc(shard_server):
+    """LeaseData on a shard the worker shares a host with goes over the data plane (one LEASE
+    request, no gRPC call) and answers what gRPC answers: two shards alike, one worker on each
+    transport, the same asks (a first lease, the next with the first reported finished), the same
+    replies but for the coordinator's random ident. Catches a LEASE answer that differs from
+    LeaseData's, or a data-plane client that still asks over gRPC."""
+    replies = {}
+    for plane in ("auto", "grpc"):
+        addr, _ = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync")
+        c = worker(addr, data_plane=plane)
+        shard = c.shards[0]
+        sent, grpc_calls = [], []
+        if plane == "auto":
+            send = shard.fast._send
+            shard.fast._send = lambda op, *a, **k: (sent.append(op), send(op, *a, **k))[1]
+        call = shard.call
+        shard.call = lambda fn, *a, **k: (grpc_calls.append(fn), call(fn, *a, **k))[1]
+        first = c.lease_data(10, 3, 1, "f", 2)
+        second = c.lease_data(10, 3, 1, "f", 2, finished=(first.epoch, first.chunk))
+        assert (sent, len(grpc_calls)) == (([frames.LEASE] * 2, 0) if plane == "auto" else ([], 2))
+        for r in (first, second):
+            r.coordinator_id = ""
+        replies[plane] = [first, second]
+        c.close()
+    assert replies["auto"] == replies["grpc"]
+    assert replies["auto"][0].has_lease and replies["auto"][1].has_lease
+    assert replies["auto"][0].chunk != replies["auto"][1].chunk
+
+
+def test_a_raw_lease_request_is_checked_and_a_bad_one_changes_nothing(shard_server):
+    """A raw client on the data plane, after HELLO as worker 0: a payload that is no LeaseDataRequest
+    is INVALID_ARGUMENT and the connection still frames; a request for another rank (in the header
+    or in the message) is UNAUTHENTICATED; the message's session is not used, the connection's is
+    (a request naming none is still worker 0's); a length over MAX_MESSAGE is refused and the
+    connection cut. None of them leases anything."""
+    from pserver._proto import pserver_pb2 as pb
+
+    addr, shard = shard_server(auth_token=TOKEN, optimizer="sgd", lr=1.0, mode="sync")
+    c = worker(addr)
+    sock, fds = raw_hello(shard, c)
+    for fd in fds:
+        os.close(fd)
+
+    def ask(payload: bytes, rank: int = 0, length: int | None = None):
+        size = len(payload) if length is None else length
+        sock.sendall(frames.REQUEST.pack(frames.MAGIC, frames.LEASE, rank, 0, 0, 0, size, 0, 1000) + payload)
+        code, _, _, kind, n, _ = frames.REPLY.unpack(frames.recv_exact(sock, frames.REPLY.size))
+        return frames.CODES[code], frames.recv_exact(sock, n) if n else b""
+
+    code, message = ask(b"\xff\xff\xff not a message")
+    assert code == "INVALID_ARGUMENT" and b"not a LeaseDataRequest" in message
+    assert ask(lease_request(1).SerializeToString())[0] == "UNAUTHENTICATED"
+    assert ask(lease_request(0).SerializeToString(), rank=1)[0] == "UNAUTHENTICATED"
+    assert shard.leases.coordinator.plan is None or not shard.leases.coordinator.holds(0, session_of(c), 0, 0)
+    code, data = ask(lease_request(0, session="not-the-session").SerializeToString())
+    reply = pb.LeaseDataReply.FromString(data)
+    assert code == "OK" and reply.has_lease and shard.leases.coordinator.holds(0, session_of(c), reply.epoch,
+                                                                               reply.chunk)
+    code, message = ask(b"", length=frames.MAX_MESSAGE + 1)
+    assert code == "INVALID_ARGUMENT" and b"at most" in message
+    assert sock.recv(1) == b""                          # cut: what followed could not be framed
+    sock.close()
+    c.close()

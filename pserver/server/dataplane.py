@@ -17,7 +17,9 @@ import tempfile
 import threading
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
+from pserver._proto import pserver_pb2 as pb
 from pserver.errors import ConfigError, InvalidArgument, RpcError, Unauthenticated, rpc_error_for
 from pserver.records import PushRequest
 from pserver.wire import frames, security
@@ -26,6 +28,7 @@ from pserver.wire.frames import (
     HELLO,
     HELLO_TIMEOUT,
     INIT,
+    LEASE,
     LEASE_AT,
     MAGIC,
     MAX_MESSAGE,
@@ -267,6 +270,8 @@ class DataPlaneServer:
                     self._reply(conn, *self._handle(conn, req, peer, signature=sig))
                 elif req[1] == ROWS_BUFFER:
                     self._grow_rows(conn, req, peer)
+                elif req[1] == LEASE:
+                    self._lease(conn, req, peer)
                 else:
                     self._request(conn, req, peer)
         except (ConnectionError, OSError):
@@ -469,6 +474,37 @@ class DataPlaneServer:
         except Exception as e:  # a bug: report it to the caller, keep serving
             log.exception("internal error on the data plane")
             return rpc_error_for("INTERNAL", f"{type(e).__name__}: {e}"), 0, False, 0, ""
+
+    def _lease(self, conn, req, peer: Connection) -> None:
+        """LeaseData (Shard.answer_lease) as this connection's rank and session; a request longer
+        than MAX_MESSAGE is refused, and the connection cut (what follows cannot be framed)."""
+        rank, size = req[2], req[6]
+        if size > MAX_MESSAGE:
+            self._reply(conn, InvalidArgument(f"lease: a request of {size} bytes; at most {MAX_MESSAGE} "
+                                              f"go over the data plane"))
+            raise ConnectionError("a lease request too long")
+        payload = recv_exact(conn, size) if size else b""
+        try:
+            if rank != peer.rank:
+                raise Unauthenticated(f"rank: this connection said HELLO as worker {peer.rank}; "
+                                      f"it cannot act for worker {rank}")
+            try:
+                request = pb.LeaseDataRequest.FromString(payload)
+            except DecodeError as e:
+                raise InvalidArgument(f"lease: not a LeaseDataRequest ({e})") from None
+            if request.rank != peer.rank:
+                raise Unauthenticated(f"rank: this connection said HELLO as worker {peer.rank}; "
+                                      f"it cannot ask for worker {request.rank}")
+            request.session = peer.session          # the connection's own, checked at HELLO
+            data = self.shard.answer_lease(request).SerializeToString()
+        except RpcError as e:
+            self._reply(conn, e.with_traceback(None))
+            return
+        except Exception as e:  # a bug: report it to the caller, keep serving
+            log.exception("internal error on the data plane")
+            self._reply(conn, rpc_error_for("INTERNAL", f"{type(e).__name__}: {e}"))
+            return
+        conn.sendall(REPLY.pack(0, 0, False, 0, len(data), 0) + data)
 
     def _reply(self, conn, error, outcome=0, finished=False, version=0, message=""):
         conn.sendall(self._encode_reply(error, outcome, finished, version, message))

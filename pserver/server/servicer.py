@@ -19,7 +19,6 @@ from pserver.errors import KIND_METADATA, InvalidArgument, RpcError
 from pserver.models.layout import Layout
 from pserver.records import PushRequest, registration_reply
 from pserver.server import checks, compress
-from pserver.server.coordinator import Plan
 from pserver.server.shard import Shard
 from pserver.wire import codec
 
@@ -101,12 +100,6 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
         response_serializer=pb.ExportRowsPage.SerializeToString)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("pserver.v1.ParameterServer", handlers),))
-
-
-def _lease_reply(sums, **fields) -> pb.LeaseDataReply:
-    """A LeaseData reply with the open epoch and the sums (Shard.epoch_sums) it carries, and `fields`."""
-    return pb.LeaseDataReply(epoch=sums.epoch, trained_loss_sum=sums.loss_sum, trained_correct=sums.correct,
-                             trained_samples=sums.samples, trained_metric_sums=sums.metric_sums, **fields)
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -204,27 +197,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_status
     def LeaseData(self, request, context):
-        r = request
-        if r.epoch_logs:                   # Keras on a cluster: the chief's epoch logs, no lease
-            share = (list(r.log_names), list(r.log_values), r.stop_training) if r.share_logs else None
-            logs, told, live = self.shard.epoch_logs(r.rank, r.session, r.logs_epoch, share)
-            reply = _lease_reply(self.shard.epoch_sums(r.logs_epoch), chief_told=told, chief_live=live)
-            if logs is not None:
-                reply.has_logs = True
-                reply.log_names.extend(logs[0])
-                reply.log_values.extend(logs[1])
-                reply.stop_training = logs[2]
-            return reply
-        plan = Plan(r.num_batches, r.chunk_batches, r.seed, r.fingerprint, r.epochs, r.in_order)
-        finished = (r.finished_epoch, r.finished_chunk) if r.finished else None
-        lease, gone = self.shard.lease(r.rank, r.session, plan, finished, r.restart,
-                                 [(d.epoch, d.chunk, d.end) for d in r.done_before_restore])
-        sums = self.shard.epoch_sums()
-        reply = _lease_reply(sums, coordinator_id=sums.ident, finished_gone=gone)
-        if lease is not None:
-            reply.has_lease, reply.epoch, reply.chunk = True, lease.epoch, lease.chunk
-            reply.first_batch, reply.end_batch = lease.first, lease.end
-        return reply
+        return self.shard.answer_lease(request)
 
     @_status
     def Heartbeat(self, request, context):

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from pserver._proto import pserver_pb2 as pb
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, FailedPrecondition, InvalidArgument, RpcError
 from pserver.models.layout import Layout
@@ -98,6 +99,31 @@ class Shard:
         """What a lease reply tells with the lease: the epoch open, the coordinator's ident and
         the sums of the epoch before it (of `epoch`, finished: an epoch_logs request's)."""
         return self.leases.epoch_sums(epoch)
+
+    def answer_lease(self, r: pb.LeaseDataRequest) -> pb.LeaseDataReply:
+        """A LeaseData request's reply, over gRPC or the data plane: a lease of the training data
+        (lease), or, Keras on a cluster, the chief's epoch logs (epoch_logs), with the open epoch
+        and the sums epoch_sums gives."""
+        if r.epoch_logs:                   # Keras on a cluster: the chief's epoch logs, no lease
+            share = (list(r.log_names), list(r.log_values), r.stop_training) if r.share_logs else None
+            logs, told, live = self.epoch_logs(r.rank, r.session, r.logs_epoch, share)
+            reply = _lease_reply(self.epoch_sums(r.logs_epoch), chief_told=told, chief_live=live)
+            if logs is not None:
+                reply.has_logs = True
+                reply.log_names.extend(logs[0])
+                reply.log_values.extend(logs[1])
+                reply.stop_training = logs[2]
+            return reply
+        plan = Plan(r.num_batches, r.chunk_batches, r.seed, r.fingerprint, r.epochs, r.in_order)
+        finished = (r.finished_epoch, r.finished_chunk) if r.finished else None
+        lease, gone = self.lease(r.rank, r.session, plan, finished, r.restart,
+                                 [(d.epoch, d.chunk, d.end) for d in r.done_before_restore])
+        sums = self.epoch_sums()
+        reply = _lease_reply(sums, coordinator_id=sums.ident, finished_gone=gone)
+        if lease is not None:
+            reply.has_lease, reply.epoch, reply.chunk = True, lease.epoch, lease.chunk
+            reply.first_batch, reply.end_batch = lease.first, lease.end
+        return reply
 
     def epoch_logs(self, rank: int, session: str | None, epoch: int, share=None):
         """Keras on a cluster: the chief's logs of `epoch` for every worker's callbacks, through
@@ -435,3 +461,9 @@ class Shard:
         self.store.close()
         if self.dataplane is not None:
             self.dataplane.close()
+
+
+def _lease_reply(sums: EpochSums, **fields) -> pb.LeaseDataReply:
+    """A LeaseData reply with the open epoch and the sums (Shard.epoch_sums) it carries, and `fields`."""
+    return pb.LeaseDataReply(epoch=sums.epoch, trained_loss_sum=sums.loss_sum, trained_correct=sums.correct,
+                             trained_samples=sums.samples, trained_metric_sums=sums.metric_sums, **fields)

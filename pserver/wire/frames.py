@@ -32,6 +32,9 @@ A worker's step is a push and then a pull, so a push may carry the pull that fol
 message, which saves the pull's request, a wake-up on each side, and the shard's dispatch.
 A push that is refused gets its own error reply and no pull; a pull part that fails is
 answered as it would have been alone, and the worker then pulls on its own.
+A worker's ask for a data lease, and at an epoch's end for the chief's logs, is a small
+protobuf message each way (LEASE): over gRPC it took 1.4 ms on a loaded 2-core machine, over the
+socket 0.3 ms, and the other workers' steps wait for it.
 A pull that waits notices when its client hangs up, and its thread goes. Memory on the
 shard: its parameters plus one buffer per connection (its range, or two parts of it), at
 most connection_limit() of them.
@@ -74,6 +77,10 @@ from pserver.errors import InvalidArgument, RpcError, rpc_error_for
 
 MAGIC = b"PSD1"
 HELLO, PUSH, PULL, INIT, PULL_ROWS, PUSH_ROWS, ROWS_BUFFER = 1, 2, 3, 4, 5, 6, 7
+# LeaseData on shard 0 (a data lease, the chief's epoch logs): num_elements is the length of the
+# serialized LeaseDataRequest that follows the header (at most MAX_MESSAGE; a larger one goes
+# over gRPC); a reply that is OK carries the serialized LeaseDataReply as its message.
+LEASE = 8
 # Set on PUSH or PUSH_ROWS: the pull that follows the push rides with it. Its seen_version
 # and clock come right after the header (before any other tail); the shard answers with
 # the push's reply and then, if the push was taken, the pull's, in one message.

@@ -17,6 +17,7 @@ from pserver.wire.frames import (
     FREE,
     HELLO,
     INIT,
+    LEASE,
     LEASE_AT,
     MAGIC,
     PART,
@@ -126,20 +127,27 @@ class DataPlaneChannel:
         except (OSError, ConnectionError) as e:
             raise Unavailable(f"{self.label}: data-plane connection lost ({e})") from None
 
-    def _answer(self):
+    def _answer(self, raw: bool = False):
         """The reply to the request sent (_reply), its error raised."""
         try:
-            return self._reply()
+            return self._reply(raw)
         except (OSError, ConnectionError) as e:
             raise Unavailable(f"{self.label}: data-plane connection lost ({e})") from None
 
-    def _reply(self):
-        """(outcome, finished, version, message) of the next reply; its error raised."""
+    def _reply(self, raw: bool = False):
+        """(outcome, finished, version, message) of the next reply, the message as bytes when
+        `raw` (a LEASE reply's LeaseDataReply); its error raised."""
         code, outcome, finished, kind, n, version = REPLY.unpack(recv_exact(self.sock, REPLY.size))
-        message = recv_exact(self.sock, n).decode(errors="replace") if n else ""
+        data = recv_exact(self.sock, n) if n else b""
         if code:
-            raise reply_error(code, kind, f"{self.label}: {message}")
-        return outcome, bool(finished), version, message
+            raise reply_error(code, kind, f"{self.label}: {data.decode(errors='replace')}")
+        return outcome, bool(finished), version, data if raw else data.decode(errors="replace")
+
+    def lease(self, request: bytes, timeout: float) -> bytes:
+        """A serialized LeaseDataRequest (at most MAX_MESSAGE bytes) to shard 0; the serialized
+        LeaseDataReply."""
+        self._ask(LEASE, 0, 0, len(request), 0, timeout, request)
+        return self._answer(raw=True)[3]
 
     def _send_values(self, values: np.ndarray, op, step, clock, num_samples, timeout: float,
                      tail: bytes) -> None:
