@@ -121,7 +121,8 @@ def example_copies(name: str, keras_io: Path, tmp: Path) -> dict[str, Path]:
 
 
 def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int, runner: list[str],
-            ps: int = 1, keras_backend: str | None = None, mode: str = "sync") -> dict:
+            ps: int = 1, keras_backend: str | None = None, mode: str = "sync",
+            bind_cores: bool = False) -> dict:
     """One run; `runner`: what the script runs through ([_seeded.py] for a keras.io example, which
     does not seed itself; [] for our scripts, which do)."""
     env = {**os.environ, "KERAS_IO_SEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_IO_SIDE": side}
@@ -129,7 +130,8 @@ def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int,
         env["KERAS_BACKEND"] = keras_backend
     if side == "pserver":
         cmd = [sys.executable, "-m", "pserver", "run", "--ps", str(ps), "--workers", "2", "--mode", mode,
-               "--seed", str(seed), "--", sys.executable, *runner, str(script)]
+               "--seed", str(seed), *(["--bind-cores"] if bind_cores else []), "--", sys.executable, *runner,
+               str(script)]
     else:
         cmd = [keras_python, *runner, str(script)]
     load = round(os.getloadavg()[0], 2)
@@ -190,7 +192,7 @@ def compare(name: str, args, tmp: Path) -> dict:
     for seed in args.seeds:                      # interleaved: pserver, Keras, next seed
         for side in args.sides:
             r = run_one(side, paths[side], seed, args.keras_python, args.timeout, runner, args.ps,
-                        args.keras_backend, args.mode)
+                        args.keras_backend, args.mode, args.bind_cores)
             runs.append(r)
             key = _metric(r)
             print(f"{name} {side} seed {seed}: {key.replace('_', ' ')} {r[key]:.4f}, "
@@ -226,7 +228,7 @@ def compare(name: str, args, tmp: Path) -> dict:
             if key == "test_accuracy" else
             {"difference_percent": round(100 * (med["pserver"] / med["keras"] - 1), 2) if both else None})
     return {"script": script, **source, "setting": setting, "pserver_shards": args.ps,
-            "pserver_mode": args.mode, "seeds": args.seeds,
+            "pserver_mode": args.mode, "pserver_bind_cores": args.bind_cores, "seeds": args.seeds,
             "runs": runs, f"median_{key}": med, "median_fit_seconds": fit, **diff,
             **({"medians_of_the_rest": others} if others else {})}
 
@@ -256,7 +258,9 @@ def markdown(result: dict) -> str:
                      _difference(c), *(_num(fit.get(side), 1, ".1f") for side in ("pserver", "keras"))])
     shards = result["comparisons"][0].get("pserver_shards", 1)
     mode = result["comparisons"][0].get("pserver_mode", "sync")
-    lines = [f"# keras.io guides: pserver run --ps {shards} --workers 2 ({mode}) vs {result['keras']}", "",
+    bind = " --bind-cores" if result["comparisons"][0].get("pserver_bind_cores") else ""
+    lines = [f"# keras.io guides: pserver run --ps {shards} --workers 2{bind} ({mode}) vs {result['keras']}",
+             "",
              *[f"- {line}" for line in machine_lines(m)], "",
              "Median of seeds " + ",".join(map(str, result["comparisons"][0]["seeds"])) +
              " (interleaved); test accuracy in % (difference in points, pserver - Keras) or test RMSE "
@@ -291,6 +295,8 @@ def main() -> None:
     ap.add_argument("--mode", default="sync", choices=["sync", "async"],
                     help="pserver run's consistency mode (default sync: the global batch per step, as Keras; "
                          "async: each worker's half batch applied as it comes)")
+    ap.add_argument("--bind-cores", action="store_true",
+                    help="pserver run --bind-cores: worker i on core i (Linux; the shards and Keras unbound)")
     ap.add_argument("--keras-backend", help="KERAS_BACKEND for Keras's side (default: Keras's, tensorflow, "
                     "unless the script sets one)")
     ap.add_argument("--out", default="results/keras_io/", help="directory for the JSON and .md")
