@@ -38,9 +38,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE / "keras_io"))
     import compare
     tmp = Path(tempfile.mkdtemp(prefix="run-prestart-"))
-    script = compare.copies("dcn_movielens", None, None, tmp)["pserver"]
-    env = {**os.environ, "KERAS_IO_MOVIELENS": compare.movielens_npz(tmp), "KERAS_IO_SEED": str(args.seed),
-           "KERAS_IO_SIDE": "pserver"}
+    script, env = compare.dcn_pserver_run(args.seed, tmp)
     trees = {"base": str(Path(args.base).resolve()), "new": str(Path(args.new).resolve())}
     runs = []
     for r in range(args.rounds):

@@ -121,14 +121,13 @@ def main() -> None:
     sys.path.insert(0, str(HERE / "keras_io"))
     import compare
     tmp = Path(tempfile.mkdtemp(prefix="step-timeline-"))
-    script = compare.copies("dcn_movielens", None, None, tmp)["pserver"]
+    script, env = compare.dcn_pserver_run(args.seed, tmp)
     hook, events = tmp / "hook", tmp / "events"
     hook.mkdir()
     events.mkdir()
     (hook / "sitecustomize.py").write_text(HOOK)
-    env = {**os.environ, "KERAS_IO_MOVIELENS": compare.movielens_npz(tmp), "KERAS_IO_SEED": str(args.seed),
-           "KERAS_IO_SIDE": "pserver", "PSERVER_TIMELINE_DIR": str(events),
-           "PYTHONPATH": os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env |= {"PSERVER_TIMELINE_DIR": str(events),
+            "PYTHONPATH": os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "pserver", "run", "--ps", "2", "--workers", "2", "--seed", str(args.seed),
            *(["--bind-cores"] if args.bind_cores else []), "--", sys.executable, str(script)]
     load = round(os.getloadavg()[0], 2)

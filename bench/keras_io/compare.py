@@ -170,6 +170,15 @@ def movielens_npz(tmp: Path) -> str:
     return str(path)
 
 
+def dcn_pserver_run(seed: int, tmp: Path) -> tuple[Path, dict]:
+    """The DCN example as pserver's side runs it (copies), in `tmp`, and the environment its
+    `pserver run` takes (the seed, the side, MovieLens as compare writes it): for the bench scripts
+    that run that side alone (bench/run_prestart.py, bench/step_timeline.py)."""
+    script = copies("dcn_movielens", None, None, tmp)["pserver"]
+    return script, {**os.environ, "KERAS_IO_MOVIELENS": movielens_npz(tmp), "KERAS_IO_SEED": str(seed),
+                    "KERAS_IO_SIDE": "pserver"}
+
+
 def keras_version(python: str, backend: str | None = None) -> str:
     """The Keras side's versions and backend (--keras-backend, else Keras's default unless the
     script sets one: dlrm_movielens sets jax, as its example does)."""

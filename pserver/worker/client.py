@@ -16,6 +16,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Callable, Sequence, TypeVar
 
 import grpc
@@ -464,8 +465,7 @@ class ShardClient:
         """Whether push_pull_sent can send now and take the replies later: the push goes over the
         data plane with its pull riding along, its values in one slot of the push buffer (larger
         ones go in parts, each waiting for the shard to free a slot)."""
-        return (self._on_plane(rows, packed) and not self.reset_seen and self.info is not None
-                and self.fast.slots == 1)
+        return self._on_plane(rows, packed) and not self.reset_seen and self.fast.slots == 1
 
     def push_pull_sent(self, grad: np.ndarray, flat: np.ndarray, rank: int, step: int, num_samples: int,
                        clock: int, seen_version: int, pull_clock: int, timeout: float,
@@ -485,18 +485,11 @@ class ShardClient:
                                   timeout, rows, packed, lease)
         self.last_flat = flat
         then = (self.own(flat), seen_version, pull_clock)
-        error = None
         try:
             self.fast.send_push(self.own(grad), step, num_samples, clock, timeout, rows, then, lease)
         except Exception as e:          # raised when the replies are taken: the other shards' first
-            error = e
-        if error is not None:
-            if isinstance(error, RIDDEN_OUT) and not isinstance(error, OverBudget):
-                return whole
-
-            def refused() -> tuple[str, int, bool]:
-                raise error
-            return refused
+            ridden = isinstance(e, RIDDEN_OUT) and not isinstance(e, OverBudget)
+            return whole if ridden else partial(_raise, e)
 
         def replies() -> tuple[str, int, bool]:
             try:
@@ -589,6 +582,10 @@ class ShardClient:
         if self.fast is not None:
             self.fast.close()
         self.channel.close()
+
+
+def _raise(error: Exception):
+    raise error
 
 
 def _lease_at(lease, trained: tuple) -> tuple | None:
