@@ -19,6 +19,7 @@ from pserver.config import (
     DATA_ASSIGNMENTS,
     DATA_PLANES,
     MODES,
+    SCHEDULING,
     ServerConfig,
     WorkerConfig,
     parse_address,
@@ -147,6 +148,7 @@ SERVER_FLAGS = [
     Flag("--table-threads", dict(type=int, metavar="T", help="threads one sparse pull or push of at least "
                                  "16,384 ids may use on a shard, in parts of 8,192 or more ids "
                                  "(default 2; 1: the calling thread only)")),
+    Flag("--sched", dict(choices=SCHEDULING.names(), help=described(SCHEDULING))),
     Flag("--max-memory-mb", dict(type=int, help="MiB this shard may hold: the dense range and every "
                                                 "sparse table's rows, slots and index, with an eighth "
                                                 "for pushes in flight; a push whose new rows do not "

@@ -36,6 +36,11 @@ OPTIMIZER_ARGS = ("lr", "lr_schedule", "momentum", "nesterov", "beta1", "beta2",
 DATA_PLANES = Registry("data plane", "--data-plane")
 DATA_PLANES.add("auto", "same-host shards and workers exchange payloads through shared memory (default)")
 DATA_PLANES.add("grpc", "gRPC streams only")
+SCHEDULING = Registry("scheduling policy", "--sched")
+SCHEDULING.add("batch", "Linux's SCHED_BATCH for every thread of the shard: a worker's request wakes the "
+                        "shard without preempting the worker, which sends on to the other shards and then "
+                        "waits, freeing its core (default; where the OS has no such policy, its own)")
+SCHEDULING.add("normal", "the OS's default policy, under which the woken shard may preempt the worker")
 PROGRESS = ("auto", "bar", "lines", "relay")   # WorkerConfig.progress (pserver.observe.progress)
 
 
@@ -123,6 +128,7 @@ class ServerConfig:
     table_threads: int = 2        # threads that one large sparse lookup or push may use (sparse/table.py)
     max_memory_mb: int = 0        # MiB this shard's state may hold (server/budget.py); 0 = 90% of available
     data_plane: str = "auto"      # auto: also offer same-host shared memory; grpc: streams only
+    sched: str = "batch"          # the shard's threads' scheduling policy (server/app.py's schedule)
     checkpoint_dir: str | None = None  # where checkpoints go (default: --restore's directory)
     checkpoint_every: int = 0     # also checkpoint every this many steps (0 = off)
     checkpoint_secs: float = 0.0  # also checkpoint every this many seconds (0 = off)
@@ -158,6 +164,8 @@ class ServerConfig:
             raise ConfigError(f"--max-memory-mb: must be >= 0 (0: automatic), got {self.max_memory_mb}")
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"--data-plane: '{self.data_plane}' is not one of {', '.join(DATA_PLANES)}")
+        if self.sched not in SCHEDULING:
+            raise ConfigError(f"--sched: '{self.sched}' is not one of {', '.join(SCHEDULING)}")
         from pserver.wire import security  # grpc only when a config is built
         if self.auth_token is not None:
             security.check_token(self.auth_token, "--auth-token")

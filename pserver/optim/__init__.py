@@ -109,11 +109,10 @@ class Optimizer:
 
     def _apply_range(self, w, g, t, lr, start, end) -> None:
         """The rule on [start, end): on several threads when it is large (bit-identical)."""
-        pieces = os.cpu_count() or 1
-        if self.backend != "numba" or end - start < PARALLEL_MIN_ELEMENTS or pieces < 2:
-            bounds = [start, end]
-        else:
-            bounds = np.linspace(start, end, pieces + 1).astype(int)
+        # os.cpu_count() reads /sys (11 us a call): asked only of a range large enough to split.
+        large = self.backend == "numba" and end - start >= PARALLEL_MIN_ELEMENTS
+        pieces = (os.cpu_count() or 1) if large else 1
+        bounds = np.linspace(start, end, pieces + 1).astype(int) if pieces > 1 else [start, end]
         if (start, end) == (0, self.size) and len(bounds) == 2:
             self._apply(w, g, self.state, t, lr)          # the whole arrays: no views to make
             return
