@@ -9,11 +9,13 @@ imports pserver's worker and shard modules at each process's start, so the fit t
 not a speed figure (bench/keras_io/compare.py measures that); what it prints is where the time of
 a step goes:
 
-    PSERVER_MOVIELENS_DIR=DIR .venv/bin/python bench/step_timeline.py --seed 1 [--bind-cores] \\
+    PSERVER_MOVIELENS_DIR=DIR .venv/bin/python bench/step_timeline.py --seed 1 [--[no-]bind-cores] \\
         --out step_timeline.json
 
 - between exchanges: each worker's time from one exchange's end to the next one's start (the
   gradient, the next batch, the step's bookkeeping);
+- not running: of that time, what the worker's main thread did not spend on a core (its wall
+  time less its thread CPU time): the share of its compute that other processes took;
 - exchange: each worker's push_pull;
 - gap: at each shard and step, from the earlier worker's push to the later one's;
 - later worker done: from the later worker's push reaching a shard to that worker's push_pull
@@ -48,12 +50,12 @@ EVENTS = []
 def _timed(cls, name, key):
     inner = getattr(cls, name)
     def wrapper(self, *a, **k):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         at = key(self, *a, **k)
         try:
             return inner(self, *a, **k)
         finally:
-            EVENTS.append((name, *at, t0, time.perf_counter()))
+            EVENTS.append((name, *at, t0, time.perf_counter(), c0, time.thread_time()))
     setattr(cls, name, wrapper)
 
 def _write(role):
@@ -82,17 +84,22 @@ def analyse(directory: Path) -> dict:
     """The figures the docstring names, from the run's event files."""
     exchanges: dict[tuple[int, int], tuple[float, float]] = {}
     between: dict[int, list[float]] = {}
+    away: dict[int, list[float]] = {}
     for f in sorted(directory.glob("worker-*.json")):
         events = sorted(json.loads(f.read_text()), key=lambda e: e[3])
-        for _, rank, step, t0, t1 in events:
+        for _, rank, step, t0, t1, _, _ in events:
             exchanges[(rank, step)] = (t0, t1)
         between[events[0][1]] = [b[3] - a[4] for a, b in zip(events, events[1:])]
+        # wall less the main thread's CPU between two exchanges: its time off the core
+        away[events[0][1]] = [(b[3] - a[4]) - (b[5] - a[6]) for a, b in zip(events, events[1:])]
     out = {"between_exchanges": {f"worker {r}": stats(v) for r, v in sorted(between.items())},
+           "not_running_between_exchanges": {f"worker {r}": {**stats(v), "sum_s": round(float(np.sum(v)), 3)}
+                                             for r, v in sorted(away.items())},
            "exchange": {f"worker {r}": stats([t1 - t0 for (rr, _), (t0, t1) in exchanges.items() if rr == r])
                         for r in sorted(between)}}
     for j, f in enumerate(sorted(directory.glob("shard-*.json"))):
         pushes: dict[int, dict[int, tuple[float, float]]] = {}
-        for name, rank, step, t0, t1 in json.loads(f.read_text()):
+        for name, rank, step, t0, t1, _, _ in json.loads(f.read_text()):
             if name == "push":
                 pushes.setdefault(step, {})[rank] = (t0, t1)
         gaps, done, work = [], [], []
@@ -113,7 +120,10 @@ def analyse(directory: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--bind-cores", action="store_true", help="pserver run --bind-cores")
+    ap.add_argument("--bind-cores", action=argparse.BooleanOptionalAction, default=None,
+                    help="pserver run --bind-cores or --no-bind-cores (default: neither)")
+    ap.add_argument("--run-flags", default="", metavar="FLAGS",
+                    help="more pserver run flags, e.g. '--sched normal' (recorded in the command)")
     ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args()
     m = machine()
@@ -129,7 +139,7 @@ def main() -> None:
     env |= {"PSERVER_TIMELINE_DIR": str(events),
             "PYTHONPATH": os.pathsep.join([str(hook), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "pserver", "run", "--ps", "2", "--workers", "2", "--seed", str(args.seed),
-           *(["--bind-cores"] if args.bind_cores else []), "--", sys.executable, str(script)]
+           *compare.bind_flag(args.bind_cores), *args.run_flags.split(), "--", sys.executable, str(script)]
     load = round(os.getloadavg()[0], 2)
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp, timeout=900)
     fit = FIT.findall(run.stdout)

@@ -438,9 +438,12 @@ def build_parser() -> argparse.ArgumentParser:
     ru.add_argument("--workers", type=int, default=2, metavar="N", help="number of workers (default 2)")
     ru.add_argument("--seed", type=int, default=None, help="the run's seed: initial weights, shuffling, "
                                                             "dropout (default 0)")
-    ru.add_argument("--bind-cores", action="store_true",
-                    help="bind worker i to core i (of the cores this process may use, in turn when there "
-                         "are more workers), as mpirun --bind-to core; the shards are not bound (Linux)")
+    ru.add_argument("--bind-cores", action=argparse.BooleanOptionalAction, default=None,
+                    help="bind worker i to core i of the cores this process may use, in turn when there "
+                         "are more workers, as mpirun --bind-to core (Linux); the shards are not bound. "
+                         "Default: bound when every worker has a core of its own, and a worker that "
+                         "waits for its core (another process keeps it busy) lets go of it; "
+                         "--no-bind-cores: never bound")
     add_flags(ru, [f for f in SERVER_FLAGS if f.name not in RUN_FROM_COMPILE],
               "shard flags (the optimizer is the script's compile's)")
     ru.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",

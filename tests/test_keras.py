@@ -651,25 +651,64 @@ def test_pserver_run_exits_with_the_failing_worker_s_code(tmp_path):
     assert lines[-1].startswith("pserver run: worker 1 (rank 1) exited with code 3"), r.stderr
 
 
-@pytest.mark.parametrize("bind", [True, False])
-def test_pserver_run_bind_cores_puts_worker_i_on_core_i(tmp_path, bind):
+@pytest.mark.parametrize("flag,workers", [("--bind-cores", 3), ("--no-bind-cores", 2), ("", 2), ("", 3)])
+def test_pserver_run_bind_cores_puts_worker_i_on_core_i(tmp_path, flag, workers):
     """--bind-cores: each worker process runs on its own core from its start (what it sees of its
-    affinity), in turn over the cores this process may use; without it, on all of them. Catches:
-    every worker bound to one core, the launcher left bound, or a worker bound when not asked."""
+    affinity), in turn over the cores this process may use, and is never let go; --no-bind-cores:
+    on all of them; by default, bound when every worker has a core of its own (and told which
+    cores it may take if its own is busy: pserver.launch.cores), else on all of them. Catches:
+    every worker bound to one core, the launcher left bound, a worker bound when not asked, or
+    more workers than cores bound by default."""
     import os
+
+    from pserver.launch.cores import UNBIND
     script = tmp_path / "cores.py"
     script.write_text("import os, sys\n"
                       "rank = os.environ['PSERVER_RUN_RANK']\n"
                       "open(os.path.join(sys.argv[1], 'rank' + rank), 'w').write("
-                      "repr(sorted(os.sched_getaffinity(0))))\n")
-    flags = ["--bind-cores"] if bind else []
-    r = subprocess.run([sys.executable, "-m", "pserver", "run", "--workers", "3", *flags, "--",
-                        sys.executable, str(script), str(tmp_path)],
+                      f"repr((sorted(os.sched_getaffinity(0)), os.environ.get({UNBIND!r}))))\n")
+    r = subprocess.run([sys.executable, "-m", "pserver", "run", "--workers", str(workers),
+                        *filter(None, [flag]), "--", sys.executable, str(script), str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     cores = sorted(os.sched_getaffinity(0))
-    want = [[cores[i % len(cores)]] if bind else cores for i in range(3)]
-    assert [eval((tmp_path / f"rank{i}").read_text()) for i in range(3)] == want
+    bound = flag == "--bind-cores" or (not flag and workers <= len(cores))
+    told = ",".join(map(str, cores)) if not flag and bound else None
+    want = [([cores[i % len(cores)]] if bound else cores, told) for i in range(workers)]
+    assert [eval((tmp_path / f"rank{i}").read_text()) for i in range(workers)] == want
+
+
+def test_a_worker_bound_by_default_lets_go_of_a_core_another_process_keeps_busy(tmp_path):
+    """A real `pserver run` worker, bound by default to the first core, and a process spinning on
+    that core: the worker's watch (pserver.launch.cores.watch_core, which a Keras fit starts once
+    its shards serve) lets go after two windows of waiting, says so on stderr, and the worker then
+    runs on every core. Catches: a watch that never fires, one that widens only its own thread,
+    and a worker left bound to a core it gets a share of."""
+    import os
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores: a worker alone on 1 core is never bound by default")
+    script = tmp_path / "spin.py"
+    script.write_text("import os, sys, time\n"
+                      "from pserver.launch.cores import watch_core\n"
+                      "watch = watch_core()\n"
+                      "end = time.monotonic() + 20\n"
+                      "while watch.released is None and time.monotonic() < end:\n"
+                      "    sum(range(10000))\n"
+                      "open(sys.argv[1], 'w').write(repr(sorted(os.sched_getaffinity(0))))\n")
+    spin = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cores[0]}}})\n"
+                             "while True: pass"])
+    try:
+        r = subprocess.run([sys.executable, "-m", "pserver", "run", "--workers", "1", "--", sys.executable,
+                            str(script), str(tmp_path / "after")], capture_output=True, text=True, timeout=60)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert eval((tmp_path / "after").read_text()) == cores
+    lines = [line for line in r.stderr.splitlines() if "another process keeps busy" in line]
+    assert len(lines) == 1 and lines[0].startswith("[worker0] pserver run: this worker waited "), r.stderr
+    assert f"for core {cores[0]}, which another process keeps busy" in lines[0]
 
 
 def test_pserver_run_takes_a_script_as_torchrun_does_and_refuses_a_command_it_cannot_start(tmp_path):

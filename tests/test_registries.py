@@ -10,7 +10,7 @@ import pytest
 
 from pserver import layers
 from pserver.cli import build_parser
-from pserver.config import DATA_ASSIGNMENTS, DATA_PLANES, MODES, ServerConfig, WorkerConfig
+from pserver.config import DATA_ASSIGNMENTS, DATA_PLANES, MODES, SCHEDULING, ServerConfig, WorkerConfig
 from pserver.data import DATASETS, load_dataset
 from pserver.data.npz import SCALE_UINT8
 from pserver.errors import ConfigError
@@ -30,7 +30,7 @@ from pserver.wire.compress import CODECS, PULL_CODECS, parse, parse_pull
 CHOICES = {"mode": MODES.names(), "optimizer": OPTIMIZERS.names(), "row_optimizer": ROWS.names(),
            "data_plane": DATA_PLANES.names(), "backend": BACKENDS.names(), "scale_uint8": SCALE_UINT8,
            "row_dtype": ROW_DTYPES.names(), "state_dtype": STATE_DTYPES.names(),
-           "data_assignment": DATA_ASSIGNMENTS.names()}
+           "data_assignment": DATA_ASSIGNMENTS.names(), "sched": SCHEDULING.names()}
 
 
 def parsers(parser: argparse.ArgumentParser):

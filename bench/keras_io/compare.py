@@ -120,9 +120,15 @@ def example_copies(name: str, keras_io: Path, tmp: Path) -> dict[str, Path]:
     return paths
 
 
+def bind_flag(bind_cores: bool | None) -> list[str]:
+    """pserver run's flag for --bind-cores (True), --no-bind-cores (False), or none (None: its
+    default, which binds 2 workers on 2 cores and lets a worker go of a busy core)."""
+    return {True: ["--bind-cores"], False: ["--no-bind-cores"], None: []}[bind_cores]
+
+
 def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int, runner: list[str],
             ps: int = 1, keras_backend: str | None = None, mode: str = "sync",
-            bind_cores: bool = False) -> dict:
+            bind_cores: bool | None = None, run_flags: tuple[str, ...] = ()) -> dict:
     """One run; `runner`: what the script runs through ([_seeded.py] for a keras.io example, which
     does not seed itself; [] for our scripts, which do)."""
     env = {**os.environ, "KERAS_IO_SEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_IO_SIDE": side}
@@ -130,7 +136,7 @@ def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int,
         env["KERAS_BACKEND"] = keras_backend
     if side == "pserver":
         cmd = [sys.executable, "-m", "pserver", "run", "--ps", str(ps), "--workers", "2", "--mode", mode,
-               "--seed", str(seed), *(["--bind-cores"] if bind_cores else []), "--", sys.executable, *runner,
+               "--seed", str(seed), *bind_flag(bind_cores), *run_flags, "--", sys.executable, *runner,
                str(script)]
     else:
         cmd = [keras_python, *runner, str(script)]
@@ -201,7 +207,7 @@ def compare(name: str, args, tmp: Path) -> dict:
     for seed in args.seeds:                      # interleaved: pserver, Keras, next seed
         for side in args.sides:
             r = run_one(side, paths[side], seed, args.keras_python, args.timeout, runner, args.ps,
-                        args.keras_backend, args.mode, args.bind_cores)
+                        args.keras_backend, args.mode, args.bind_cores, tuple(args.run_flags.split()))
             runs.append(r)
             key = _metric(r)
             print(f"{name} {side} seed {seed}: {key.replace('_', ' ')} {r[key]:.4f}, "
@@ -237,7 +243,8 @@ def compare(name: str, args, tmp: Path) -> dict:
             if key == "test_accuracy" else
             {"difference_percent": round(100 * (med["pserver"] / med["keras"] - 1), 2) if both else None})
     return {"script": script, **source, "setting": setting, "pserver_shards": args.ps,
-            "pserver_mode": args.mode, "pserver_bind_cores": args.bind_cores, "seeds": args.seeds,
+            "pserver_mode": args.mode, "pserver_bind_cores": args.bind_cores,
+            "pserver_run_flags": args.run_flags, "seeds": args.seeds,
             "runs": runs, f"median_{key}": med, "median_fit_seconds": fit, **diff,
             **({"medians_of_the_rest": others} if others else {})}
 
@@ -267,7 +274,8 @@ def markdown(result: dict) -> str:
                      _difference(c), *(_num(fit.get(side), 1, ".1f") for side in ("pserver", "keras"))])
     shards = result["comparisons"][0].get("pserver_shards", 1)
     mode = result["comparisons"][0].get("pserver_mode", "sync")
-    bind = " --bind-cores" if result["comparisons"][0].get("pserver_bind_cores") else ""
+    bind = "".join(f" {f}" for f in [*bind_flag(result["comparisons"][0].get("pserver_bind_cores")),
+                                     *result["comparisons"][0].get("pserver_run_flags", "").split()])
     lines = [f"# keras.io guides: pserver run --ps {shards} --workers 2{bind} ({mode}) vs {result['keras']}",
              "",
              *[f"- {line}" for line in machine_lines(m)], "",
@@ -304,8 +312,11 @@ def main() -> None:
     ap.add_argument("--mode", default="sync", choices=["sync", "async"],
                     help="pserver run's consistency mode (default sync: the global batch per step, as Keras; "
                          "async: each worker's half batch applied as it comes)")
-    ap.add_argument("--bind-cores", action="store_true",
-                    help="pserver run --bind-cores: worker i on core i (Linux; the shards and Keras unbound)")
+    ap.add_argument("--bind-cores", action=argparse.BooleanOptionalAction, default=None,
+                    help="pserver run --bind-cores (worker i on core i, Linux; the shards and Keras unbound) "
+                         "or --no-bind-cores (default: neither, pserver run's own default)")
+    ap.add_argument("--run-flags", default="", metavar="FLAGS",
+                    help="more pserver run flags, e.g. '--sched normal' (recorded in the result)")
     ap.add_argument("--keras-backend", help="KERAS_BACKEND for Keras's side (default: Keras's, tensorflow, "
                     "unless the script sets one)")
     ap.add_argument("--out", default="results/keras_io/", help="directory for the JSON and .md")

@@ -359,7 +359,8 @@ def train_pserver(args) -> dict:
             what = f"bench/keras_io/toy_resnet.py, x_train[:{args.train_samples}], epochs={args.epochs}"
         cmd = [args.pserver, "-m", "pserver", "run", "--ps", str(args.ps), "--workers", str(args.workers),
                "--seed", str(args.seed), "--mode", args.pserver_mode,
-               *(["--bind-cores"] if args.pserver_bind_cores else []), "--", args.pserver, str(script)]
+               *{True: ["--bind-cores"], False: ["--no-bind-cores"], None: []}[args.pserver_bind_cores], "--",
+               args.pserver, str(script)]
         env = isa_env(args.isa, "pserver") | {"PSERVER_MNIST_DIR": args.data_dir, "OPENBLAS_VERBOSE": "2",
                                               "KERAS_IO_SEED": str(args.seed)}
         cpu = children_cpu()
@@ -418,8 +419,9 @@ def parse_args():
     p.add_argument("--pserver-mode", default="sync", choices=("sync", "async"),
                    help="pserver's mode (default sync, the script's; async: each worker's push applied "
                    "as it comes, as TensorFlow's coordinator applies each scheduled step)")
-    p.add_argument("--pserver-bind-cores", action="store_true",
-                   help="pserver run --bind-cores: worker i on core i (TensorFlow's processes are not bound)")
+    p.add_argument("--pserver-bind-cores", action=argparse.BooleanOptionalAction, default=None,
+                   help="pserver run --bind-cores (worker i on core i; TensorFlow's processes are not bound) "
+                        "or --no-bind-cores (default: neither, pserver run's own default)")
     p.add_argument("--isa", choices=tuple(ISA_ENV), default="own",
                    help="the vector instructions of each side's matrix products: own (default), each "
                    "library's choice for this CPU (OPENBLAS_CORETYPE and ONEDNN_MAX_CPU_ISA removed from "

@@ -15,7 +15,6 @@ that fails: launch's), 0 when every worker exits 0.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -29,6 +28,7 @@ import time
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError, ProcessFailed
 from pserver.launch.base import LaunchConfig, child_env
+from pserver.launch.cores import UNBIND, bound_to, usable_cores, worker_cores
 from pserver.launch.local import Proc, configure_shards, prestart_shards, stop_all
 from pserver.observe.progress import Relay
 from pserver.signals import Stopped, stop_on_signals, with_parent_death
@@ -43,8 +43,8 @@ SETTINGS_POLL_S = 0.005      # between looks for the workers' settings (a stat p
 
 class _Worker:
     """CMD as rank i; each line it prints is ours with its rank's prefix ("[worker1] ..."), as
-    launch's (stdout on our stdout, stderr on our stderr). `core`: the one core it runs on
-    (--bind-cores), None: any."""
+    launch's (stdout on our stdout, stderr on our stderr). `core`: the one core it starts on
+    (pserver.launch.cores), None: any."""
 
     def __init__(self, argv: list[str], env: dict, rank: int, core: int | None = None,
                  relays: tuple[Relay, Relay] | None = None):
@@ -52,7 +52,7 @@ class _Worker:
         out, err = relays or (Relay(), Relay(out=sys.stderr))
         # Only the chief's output is shown (what fit, evaluate and the script print), as a
         # Keras user guards prints with the chief's rank; every worker's errors (stderr) are.
-        with _bound_to(core):
+        with bound_to(core):
             self.popen = subprocess.Popen(argv, env=with_parent_death(env), start_new_session=True,
                                           stdin=subprocess.DEVNULL, text=True, bufsize=1,
                                           errors="replace", stderr=subprocess.PIPE,
@@ -67,37 +67,6 @@ class _Worker:
             relay.line(self.role, line)
         if then is not None:            # stop_all joins one reader: this one waits for the other
             then.join()
-
-
-@contextlib.contextmanager
-def _bound_to(core: int | None):
-    """This thread on `core` alone meanwhile, so that a child started now inherits that (Linux
-    gives a new process its parent thread's affinity), then back to what it was: no window in
-    which the child runs unbound, and no preexec_fn (see with_parent_death)."""
-    if core is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {core})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-def worker_cores(num_workers: int, bind: bool) -> list[int | None]:
-    """--bind-cores: worker i's core, the i-th of those this process may use (in turn when there
-    are more workers than cores); without it, or where the OS cannot bind, None for each.
-    keras.io mnist_convnet, 1 shard and 2 workers on a 2-core machine (bench/keras_convnet_ab.py's
-    run, 2 epochs, bound by taskset the same way): 1.09x the samples/s unbound, median of 9
-    interleaved pairs (0.78-1.47, load 1.4-3.7 from other jobs); a worker bound to a core that
-    another job keeps busy cannot move off it, hence not the default."""
-    if not bind:
-        return [None] * num_workers
-    if not hasattr(os, "sched_setaffinity"):
-        raise ConfigError("--bind-cores: this OS cannot bind a process to a core (Linux can)")
-    cores = sorted(os.sched_getaffinity(0))
-    return [cores[i % len(cores)] for i in range(num_workers)]
 
 
 def worker_command(argv: list[str]) -> list[str]:
@@ -119,7 +88,10 @@ def worker_command(argv: list[str]) -> list[str]:
 
 
 def run_command(num_shards: int, num_workers: int, argv: list[str], server: ServerConfig,
-                seed: int | None = None, bind_cores: bool = False) -> int:
+                seed: int | None = None, bind_cores: bool | None = None) -> int:
+    """Run `argv` as each of `num_workers` workers beside `num_shards` shards; bind_cores: True
+    binds worker i to a core, None (auto) when every worker has a core of its own, letting go
+    of a busy one (pserver.launch.cores), False never; the exit code."""
     argv = worker_command(argv)
     for flag, count in (("--ps", num_shards), ("--workers", num_workers)):
         if count < 1:
@@ -140,7 +112,12 @@ def run_command(num_shards: int, num_workers: int, argv: list[str], server: Serv
     relay, errors = Relay(), Relay(out=sys.stderr)
     with stop_on_signals():
         try:
-            for i, core in enumerate(worker_cores(num_workers, bind_cores)):
+            cores = worker_cores(num_workers, bind_cores)
+            # auto-bound workers may let go of a busy core: they are told which cores they may take
+            env.pop(UNBIND, None)
+            if bind_cores is None and cores[0] is not None:
+                env[UNBIND] = ",".join(map(str, usable_cores()))
+            for i, core in enumerate(cores):
                 workers.append(_Worker(argv, env | {RANK: str(i)}, i, core, (relay, errors)))
             # The shards' processes start now, beside the workers' scripts, and take their settings
             # at the workers' fit: the fit does not wait for them to import pserver.
