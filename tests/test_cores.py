@@ -87,3 +87,11 @@ def test_watch_core_starts_only_in_a_worker_bound_by_auto_and_once(monkeypatch):
     first = cores.watch_core()
     assert first is not None and first.cores == {0} and cores.watch_core() is first
     first.stop.set()
+
+
+def test_a_kernel_without_schedstat_leaves_the_worker_bound_and_says_nothing(capsys):
+    def missing():
+        raise FileNotFoundError("/proc/self/task/1/schedstat")
+    w = CoreWatch({0, 1}, waited=missing, sleep=lambda s: None)
+    w.run()                                    # returns: no traceback from the watch's thread
+    assert w.released is None and capsys.readouterr() == ("", "")

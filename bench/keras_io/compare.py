@@ -128,13 +128,17 @@ def bind_flag(bind_cores: bool | None) -> list[str]:
 
 def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int, runner: list[str],
             ps: int = 1, keras_backend: str | None = None, mode: str = "sync",
-            bind_cores: bool | None = None, run_flags: tuple[str, ...] = ()) -> dict:
+            bind_cores: bool | None = None, run_flags: tuple[str, ...] = (), base: str | None = None) -> dict:
     """One run; `runner`: what the script runs through ([_seeded.py] for a keras.io example, which
-    does not seed itself; [] for our scripts, which do)."""
-    env = {**os.environ, "KERAS_IO_SEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_IO_SIDE": side}
+    does not seed itself; [] for our scripts, which do). Side "base": pserver's side run from the
+    source tree `base` (first on PYTHONPATH), with the flags that tree knows."""
+    env = {**os.environ, "KERAS_IO_SEED": str(seed), "TF_CPP_MIN_LOG_LEVEL": "2",
+           "KERAS_IO_SIDE": "pserver" if side == "base" else side}
+    if side == "base":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [base, os.environ.get("PYTHONPATH")]))
     if side == "keras" and keras_backend:
         env["KERAS_BACKEND"] = keras_backend
-    if side == "pserver":
+    if side in ("pserver", "base"):
         cmd = [sys.executable, "-m", "pserver", "run", "--ps", str(ps), "--workers", "2", "--mode", mode,
                "--seed", str(seed), *bind_flag(bind_cores), *run_flags, "--", sys.executable, *runner,
                str(script)]
@@ -142,7 +146,9 @@ def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int,
         cmd = [keras_python, *runner, str(script)]
     load = round(os.getloadavg()[0], 2)
     started = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    # From the script's directory: `python -m pserver` and the shards' `python -m` put their working
+    # directory first on sys.path, and a checkout's would shadow `base`'s pserver with its own.
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=script.parent)
     wall = time.monotonic() - started
     if out.returncode != 0 or not RESULT.search(out.stdout):
         raise SystemExit(f"{side} seed {seed}: exit {out.returncode}\n"
@@ -156,7 +162,8 @@ def run_one(side: str, script: Path, seed: int, keras_python: str, timeout: int,
             "wall_seconds": round(wall, 1), "fit_seconds": float(fit[-1]) if fit else None,
             "train_samples_per_second": float(speed[-1].replace(",", "")) if speed else None,
             "load_avg_1m_start": load, "load_avg_1m_end": round(os.getloadavg()[0], 2),
-            "command": " ".join(["nice -n 10", *(["python", *cmd[1:]] if side == "pserver" else
+            "command": " ".join(["nice -n 10", *([f"PYTHONPATH={base}"] if side == "base" else []),
+                                 *(["python", *cmd[1:]] if side in ("pserver", "base") else
                                                  [f"KERAS_BACKEND={keras_backend}", *cmd] if keras_backend
                                                  else cmd)])}
 
@@ -206,8 +213,9 @@ def compare(name: str, args, tmp: Path) -> dict:
     runs = []
     for seed in args.seeds:                      # interleaved: pserver, Keras, next seed
         for side in args.sides:
-            r = run_one(side, paths[side], seed, args.keras_python, args.timeout, runner, args.ps,
-                        args.keras_backend, args.mode, args.bind_cores, tuple(args.run_flags.split()))
+            r = run_one(side, paths["pserver" if side == "base" else side], seed, args.keras_python,
+                        args.timeout, runner, args.ps, args.keras_backend, args.mode, args.bind_cores,
+                        tuple(args.run_flags.split()), args.base)
             runs.append(r)
             key = _metric(r)
             print(f"{name} {side} seed {seed}: {key.replace('_', ' ')} {r[key]:.4f}, "
@@ -235,7 +243,7 @@ def compare(name: str, args, tmp: Path) -> dict:
         commit = subprocess.run(["git", "-C", args.keras_io, "rev-parse", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         source = {"example_sha256": hashlib.sha256(text).hexdigest(), "keras_io_commit": commit or None}
-    both = len(med) == 2
+    both = {"pserver", "keras"} <= med.keys()
     others = {k: {side: statistics.median(r[k] for r in runs if r["side"] == side) for side in args.sides}
               for k in runs[0] if k.startswith("test_") and k != key and all(k in r for r in runs)}
     # accuracy: pserver - Keras in points; RMSE, loss: pserver / Keras - 1 in % (the target is a ratio)
@@ -245,8 +253,15 @@ def compare(name: str, args, tmp: Path) -> dict:
     return {"script": script, **source, "setting": setting, "pserver_shards": args.ps,
             "pserver_mode": args.mode, "pserver_bind_cores": args.bind_cores,
             "pserver_run_flags": args.run_flags, "seeds": args.seeds,
+            **({"base": {"tree": args.base, "commit": _commit(args.base)}} if args.base else {}),
             "runs": runs, f"median_{key}": med, "median_fit_seconds": fit, **diff,
             **({"medians_of_the_rest": others} if others else {})}
+
+
+def _commit(tree: str) -> str | None:
+    """The commit a source tree is checked out at (None: not a git checkout)."""
+    out = subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or None
 
 
 def _metric(run: dict) -> str:
@@ -289,6 +304,12 @@ def markdown(result: dict) -> str:
             for c in result["comparisons"] for r in c["runs"]]
     heads = ["script", "side", "seed", "acc % / rmse / loss", "fit s", "wall s", "load"]
     lines += [table(heads, runs, 2), "```", ""]
+    for c in result["comparisons"]:
+        if c.get("base"):
+            fit = {side: _num(v, 1, ".2f") for side, v in c["median_fit_seconds"].items()}
+            lines += [f"Side `base`: pserver from {c['base']['tree']} (commit {c['base']['commit']}), run "
+                      f"between the two: fit {fit.get('base')} s against pserver's {fit.get('pserver')} s "
+                      f"and Keras's {fit.get('keras')} s (medians).", ""]
     return "\n".join(lines)
 
 
@@ -317,14 +338,21 @@ def main() -> None:
                          "or --no-bind-cores (default: neither, pserver run's own default)")
     ap.add_argument("--run-flags", default="", metavar="FLAGS",
                     help="more pserver run flags, e.g. '--sched normal' (recorded in the result)")
+    ap.add_argument("--base", metavar="TREE", help="also run pserver's side from this source tree (a "
+                    "checkout of another commit, first on PYTHONPATH) after pserver's run of each seed: "
+                    "a before and after in the same run, each interleaved with Keras")
     ap.add_argument("--keras-backend", help="KERAS_BACKEND for Keras's side (default: Keras's, tensorflow, "
                     "unless the script sets one)")
     ap.add_argument("--out", default="results/keras_io/", help="directory for the JSON and .md")
     args = ap.parse_args()
     names = args.scripts.split(",")
+    if os.sep in args.keras_python:      # the runs start in their script's directory (run_one)
+        args.keras_python = os.path.abspath(args.keras_python)
     args.sides = [s for s in args.sides.split(",") if s]
     if not args.sides or set(args.sides) - {"pserver", "keras"}:
         ap.error(f"--sides {','.join(args.sides)}: give pserver,keras or one of them")
+    if args.base:
+        args.sides.insert(args.sides.index("pserver") + 1 if "pserver" in args.sides else 0, "base")
     if args.keras_io and (args.train_samples or args.epochs):
         ap.error("--train-samples/--epochs resize our toy ResNet, not keras.io's files")
     if (args.train_samples or args.epochs) and names != ["toy_resnet"]:

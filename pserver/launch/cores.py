@@ -88,6 +88,12 @@ class CoreWatch:
         self.released: float | None = None      # the share of the window that let it go
 
     def run(self) -> None:
+        try:
+            self._watch()
+        except OSError:       # no schedstat (a kernel without CONFIG_SCHED_INFO): nothing to watch
+            pass
+
+    def _watch(self) -> None:
         busy, last = 0, self.waited()
         while not self.stop.is_set():
             self.sleep(self.window)
