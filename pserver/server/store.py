@@ -170,6 +170,14 @@ def _add_scaled(acc, g, w):
         acc[i] += g[i] * w
 
 
+@numba.njit(cache=True, nogil=True)
+def _add_then_scale(a, b, scale, out):
+    """out = (a + b) * scale element by element, each step rounded to float32 as NumPy's
+    np.add(a, b, out); out *= scale round them (out may be a); one pass where those are two."""
+    for i in range(out.size):
+        out[i] = (a[i] + b[i]) * scale
+
+
 def mean_gradient(grads: list[np.ndarray], counts: list[int], out: np.ndarray | None) -> np.ndarray:
     """The step's dense mean, sum(n_i g_i) / sum(n_i), of gradients in rank order (n_i =
     counts[i], the samples of each push), summed in that order into `out`, then scaled; the
@@ -182,19 +190,25 @@ def mean_gradient(grads: list[np.ndarray], counts: list[int], out: np.ndarray | 
         return grads[0]
     total = sum(counts)
     if len(set(counts)) == 1:
-        with np.errstate(over="ignore"):        # found below, and summed again scaled first
-            np.add(grads[0], grads[1], out=out)
-            for g in grads[2:]:
-                out += g
-        scale = np.float32(1.0 / len(grads))
+        # the last addition and the scaling in one pass (_add_then_scale): the same float32
+        # roundings, in the same order, as adding every gradient and then scaling
+        first = grads[0]
+        if len(grads) > 2:
+            with np.errstate(over="ignore"):    # found below, and summed again scaled first
+                np.add(grads[0], grads[1], out=out)
+                for g in grads[2:-1]:
+                    out += g
+            first = out
+        _add_then_scale(first, grads[-1], np.float32(1.0 / len(grads)), out)
+        if first_nonfinite(out) < 0:            # a non-finite sum stays so once scaled by 1/N
+            return out
     else:
         np.multiply(grads[0], np.float32(counts[0]), out=out)
         for g, n in zip(grads[1:], counts[1:]):
             _add_scaled(out, g, np.float32(n))
-        scale = np.float32(1.0 / total)
-    if first_nonfinite(out) < 0:
-        out *= scale
-        return out
+        if first_nonfinite(out) < 0:
+            out *= np.float32(1.0 / total)
+            return out
     np.multiply(grads[0], np.float32(counts[0] / total), out=out)
     for g, n in zip(grads[1:], counts[1:]):
         _add_scaled(out, g, np.float32(n / total))
