@@ -4,14 +4,13 @@ over its core, driven here by a clock the test gives (tests/test_keras.py runs t
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from pserver.errors import ConfigError
 from pserver.launch import cores
 from pserver.launch.cores import CoreWatch, worker_cores
+from tests.support.processes import with_a_second_thread
 
 
 def test_auto_binds_only_when_every_worker_has_a_core_of_its_own(monkeypatch):
@@ -61,16 +60,14 @@ def test_release_widens_every_thread_and_says_so_on_the_process_stderr_past_a_qu
     """In a process bound to one core with a second thread: release puts both on the given
     cores, and its line reaches the real stderr while sys.stderr is silenced (a quiet fit)."""
     allowed = sorted(os.sched_getaffinity(0))
-    code = ("import io, os, sys, threading\n"
-            "from pserver.launch.cores import CoreWatch\n"
-            f"os.sched_setaffinity(0, {{{allowed[0]}}})\n"
-            "go = threading.Event(); t = threading.Thread(target=go.wait); t.start()\n"
-            f"w = CoreWatch({set(allowed)!r}, tid=threading.get_native_id())\n"
-            "sys.stderr = io.StringIO()\n"
-            "w.release(0.4)\n"
-            "print(sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(t.native_id)))\n"
-            "go.set(); t.join()\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = with_a_second_thread("import io\n"
+                               "from pserver.launch.cores import CoreWatch\n"
+                               f"os.sched_setaffinity(0, {{{allowed[0]}}})\n"
+                               f"w = CoreWatch({set(allowed)!r}, tid=threading.get_native_id())\n"
+                               "sys.stderr = io.StringIO()\n"
+                               "w.release(0.4)\n"
+                               "print(sorted(os.sched_getaffinity(0)),"
+                               " sorted(os.sched_getaffinity(t.native_id)))\n")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"{allowed} {allowed}"
     assert out.stderr.strip() == (

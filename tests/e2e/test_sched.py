@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 from pserver.api import serve
 from pserver.config import ServerConfig
 from pserver.errors import ConfigError
-from tests.support.processes import pserver_cmd
+from tests.support.processes import pserver_cmd, with_a_second_thread
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH") or not os.path.isdir("/proc/self/task"),
                                 reason="SCHED_BATCH and /proc/PID/task are Linux's")
@@ -37,13 +36,11 @@ def test_every_thread_of_a_shard_is_sched_batch_by_default_and_other_under_sched
 
 def test_threads_started_before_the_policy_is_set_take_it_too():
     # A prestarted shard (pserver run) may have threads before serve: each is set, not only the caller.
-    code = ("import os, threading; from pserver.server.app import schedule\n"
-            "go = threading.Event(); t = threading.Thread(target=go.wait); t.start()\n"
-            "assert schedule('batch')\n"
-            "print(sorted({os.sched_getscheduler(int(i)) for i in os.listdir('/proc/self/task')}))\n"
-            "go.set(); t.join()\n"
-            "assert not schedule('normal')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = with_a_second_thread("from pserver.server.app import schedule\n"
+                               "assert schedule('batch')\n"
+                               "tids = os.listdir('/proc/self/task')\n"
+                               "print(sorted({os.sched_getscheduler(int(i)) for i in tids}))\n"
+                               "assert not schedule('normal')\n")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [f"[{os.SCHED_BATCH}]"]
 

@@ -26,6 +26,17 @@ def pserver_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pserver", *args]
 
 
+def with_a_second_thread(body: str) -> subprocess.CompletedProcess:
+    """`body` run by a fresh Python whose second thread, `t`, was started before it and waits
+    until it is done (a policy or an affinity set by the body must reach threads that already
+    run); os, sys and threading imported."""
+    code = ("import os, sys, threading\n"
+            "go = threading.Event(); t = threading.Thread(target=go.wait); t.start()\n"
+            f"try:\n{''.join(f'    {line}' + chr(10) for line in body.splitlines())}"
+            "finally:\n    go.set(); t.join()\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
 class Proc:
     """A pserver process whose output is collected in the background."""
 
