@@ -124,10 +124,12 @@ def preload() -> None:
 def _run(cfg: WorkerConfig, model, data, callbacks=None) -> dict | None:
     from pserver.build import fit_data
     from pserver.kernels.device import parse_device, select
+    from pserver.launch.cores import watch_core
     from pserver.models import on_device
     from pserver.worker.loop import run
     device = select(parse_device(cfg.device))
     model = on_device(model, device.backend)
+    watch_core()       # under `pserver run`, its shards serve now: a bound worker's wait counts from here
     return run(cfg, device, fit_data(model, data), model, callbacks=callbacks)
 
 

@@ -680,8 +680,9 @@ def test_pserver_run_bind_cores_puts_worker_i_on_core_i(tmp_path, flag, workers)
 
 def test_a_worker_bound_by_default_lets_go_of_a_core_another_process_keeps_busy(tmp_path):
     """A real `pserver run` worker, bound by default to the first core, and a process spinning on
-    that core: the worker's watch (pserver.launch.cores.watch_core, which a Keras fit starts once
-    its shards serve) lets go after two windows of waiting, says so on stderr, and the worker then
+    that core: the worker's watch (pserver.launch.cores.watch_core, which pserver.train, a Keras fit
+    too, starts as training begins) lets go after two windows of waiting, says so on stderr, and
+    the worker then
     runs on every core. Catches: a watch that never fires, one that widens only its own thread,
     and a worker left bound to a core it gets a share of."""
     import os
@@ -709,6 +710,26 @@ def test_a_worker_bound_by_default_lets_go_of_a_core_another_process_keeps_busy(
     lines = [line for line in r.stderr.splitlines() if "another process keeps busy" in line]
     assert len(lines) == 1 and lines[0].startswith("[worker0] pserver run: this worker waited "), r.stderr
     assert f"for core {cores[0]}, which another process keeps busy" in lines[0]
+
+
+def test_a_keras_fit_in_a_worker_bound_by_default_starts_the_watch_over_its_core(monkeypatch):
+    """Under `pserver run`'s default binding (UNBIND in the environment), training (pserver.train,
+    which a Keras fit runs) starts the worker's watch once its shards serve. Catches: a watch that
+    only a script calling watch_core itself would get."""
+    import os
+
+    from pserver.launch import cores
+    monkeypatch.setattr(cores, "_watch", None)
+    monkeypatch.setenv(cores.UNBIND, ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    x, y = blobs(200)
+    model = keras.Sequential([keras.Input((6,)), layers.Dense(3, activation="softmax")])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    try:
+        model.fit(x, y, batch_size=50, epochs=1, verbose=0)
+        assert cores._watch is not None and cores._watch.cores == set(os.sched_getaffinity(0))
+    finally:
+        if cores._watch is not None:
+            cores._watch.stop.set()
 
 
 def test_pserver_run_takes_a_script_as_torchrun_does_and_refuses_a_command_it_cannot_start(tmp_path):

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 
 from pserver.errors import ConfigError, Unavailable
-from pserver.launch.cores import watch_core
 from pserver.launch.run import ADDRESSES, CHECKPOINTS, RANK, REFUSED, RUN_DIR, SEED, SETTINGS, WORKERS
 from pserver.signals import follow_parent
 
@@ -65,10 +64,8 @@ class Cluster:
                 return None
             with open(path) as f:
                 return tuple(json.load(f)["addresses"])
-        found = _until(addresses, POLL_S,
-                       f"pserver run: no shards after {WAIT_S:g} s (did every worker reach fit?)")
-        watch_core()              # the shards serve: a bound worker's wait for its core counts from now
-        return found
+        return _until(addresses, POLL_S,
+                      f"pserver run: no shards after {WAIT_S:g} s (did every worker reach fit?)")
 
 
 @dataclass(frozen=True)

@@ -129,8 +129,9 @@ _watch: CoreWatch | None = None
 
 def watch_core() -> CoreWatch | None:
     """In a worker that `pserver run` bound by auto (UNBIND in its environment): start its
-    CoreWatch once, in a daemon thread; None elsewhere. Called when the worker's shards serve,
-    so that their start (which takes the cores for a second) is not taken for a busy core."""
+    CoreWatch once, in a daemon thread; None elsewhere. pserver.train (a Keras fit's too) calls it
+    as training begins, once the worker's shards serve, so that their start (which takes the cores
+    for a second) is not taken for a busy core; a script that trains otherwise may call it."""
     global _watch
     given = os.environ.get(UNBIND)
     if _watch is not None or not given or not os.path.exists("/proc/self/task"):
