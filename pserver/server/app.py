@@ -99,11 +99,12 @@ def schedule(policy: str) -> bool:
     inherit it. "batch" is Linux's SCHED_BATCH: a thread it wakes does not preempt the running
     one. A worker that pushes wakes each shard in turn and then waits for their replies; under
     the default policy the first shard it woke preempted it on its core, and the next shard got
-    the push only once the first had applied it. DCN's sync step under `pserver run --ps 2
-    --workers 2` on 2 cores (bench/step_timeline.py): the later worker's push reached the second
-    shard 0.43 ms after the first, 0.03 ms under SCHED_BATCH, and the step's exchange went from
-    1.46 to 1.07-1.16 ms. Whether it was set; where the OS has no such policy or refuses it,
-    the shard runs under its own (said once in the log)."""
+    the push only once the first had applied it (0.23-0.43 ms after the first, and 0.03 ms under
+    SCHED_BATCH, in timestamps taken at each send and request of DCN's sync step under `pserver
+    run --ps 2 --workers 2` on 2 cores). bench/step_timeline.py on that run, unbound: the median
+    exchange 1.63-1.67 ms under SCHED_BATCH against 1.92-2.02 ms under the default policy
+    (bench/results/keras_rs/xeon-2026-12-03-bind/). Whether it was set; where the OS has no such
+    policy or refuses it, the shard runs under its own (said once in the log)."""
     if policy != "batch":
         return False
     if not hasattr(os, "SCHED_BATCH"):
