@@ -10,10 +10,10 @@ go of its core when another process keeps that core busy.
 - --no-bind-cores: not bound.
 
 Why bind: unbound, two workers on 2 cores sometimes land on one core for a few milliseconds (the
-scheduler moves them while shards wake between them). bench/step_timeline.py-style timestamps of
-the DCN example (`pserver run --ps 2 --workers 2`, the 2-core Xeon) measured 0.30-0.36 s per
-worker, over a 5.9 s fit, of a step's compute spent not running; bound, 0.13-0.14 s. Fits of six
-seeds, each pair interleaved: 5.13-5.57 s bound against 5.47-6.11 s unbound.
+scheduler moves them while shards wake between them). bench/step_timeline.py on the DCN example
+(`pserver run --ps 2 --workers 2`, the 2-core Xeon, seed 1): each worker's compute spent
+0.29-0.40 s of the fit off its core unbound, 0.15-0.17 s bound; bench/keras_io/compare.py, five
+seeds against Keras-RS on JAX: 1.02x bound, 0.94x unbound (bench/results/keras_rs/xeon-2026-12-03-bind/).
 """
 
 from __future__ import annotations
