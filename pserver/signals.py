@@ -31,6 +31,16 @@ _stopping = [0]
 _command = [False]
 
 
+def thread_ids() -> list[int]:
+    """The ids of this process's threads (Linux's /proc/self/task), for the per-thread calls
+    (os.sched_setscheduler, os.sched_setaffinity); [0], the calling thread, where there is no
+    /proc."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
 def with_parent_death(env: dict) -> dict:
     """`env` for a child that must get SIGTERM when this process dies, even by SIGKILL: the
     child arranges it itself, first thing after exec (follow_parent). Not in a preexec_fn:

@@ -75,7 +75,7 @@ import numpy as np  # noqa: E402
 from _util import machine, machine_lines  # noqa: E402
 
 sys.path.append(str(HERE.parent / "keras_io"))
-from compare import copies  # noqa: E402
+from compare import bind_flag, copies  # noqa: E402
 from keras_convnet import ACCURACY, SUMMARY, script_for  # noqa: E402
 from ps_cnn import ISA_ENV, coordinator_for, isa_env, local_cluster, mnist  # noqa: E402  (sets TF's env)
 
@@ -359,8 +359,7 @@ def train_pserver(args) -> dict:
             what = f"bench/keras_io/toy_resnet.py, x_train[:{args.train_samples}], epochs={args.epochs}"
         cmd = [args.pserver, "-m", "pserver", "run", "--ps", str(args.ps), "--workers", str(args.workers),
                "--seed", str(args.seed), "--mode", args.pserver_mode,
-               *{True: ["--bind-cores"], False: ["--no-bind-cores"], None: []}[args.pserver_bind_cores], "--",
-               args.pserver, str(script)]
+               *bind_flag(args.pserver_bind_cores), "--", args.pserver, str(script)]
         env = isa_env(args.isa, "pserver") | {"PSERVER_MNIST_DIR": args.data_dir, "OPENBLAS_VERBOSE": "2",
                                               "KERAS_IO_SEED": str(args.seed)}
         cpu = children_cpu()

@@ -24,6 +24,7 @@ import sys
 import threading
 
 from pserver.errors import ConfigError
+from pserver.signals import thread_ids
 
 UNBIND = "PSERVER_RUN_UNBIND"    # a worker bound by auto: the cores it may take instead ("0,1")
 WINDOW_S = 1.0                   # how often a bound worker looks at how long it waited for its core
@@ -75,8 +76,8 @@ def waited_s(tid: int) -> float:
 class CoreWatch:
     """A bound worker's watch over its core: every `window` seconds, how long its main thread
     waited for the core; over `share` of two windows in a row, every thread of the process may
-    run on `cores` from then on, said once on the process's stderr. `waited` and `sleep` are the clock and the
-    pause (tests give their own)."""
+    run on `cores` from then on, said once on the process's stderr. `waited` and `sleep` are the
+    clock and the pause (tests give their own)."""
 
     def __init__(self, cores: set[int], window: float = WINDOW_S, share: float = BUSY_SHARE,
                  waited=None, sleep=None, tid: int | None = None) -> None:
@@ -106,7 +107,7 @@ class CoreWatch:
 
     def release(self, share: float) -> None:
         before = os.sched_getaffinity(self.tid)
-        for tid in _threads():
+        for tid in thread_ids():
             with contextlib.suppress(OSError):       # a thread that ended meanwhile
                 os.sched_setaffinity(tid, self.cores)
         self.released = share
@@ -115,13 +116,6 @@ class CoreWatch:
               f"{names[0]}, which another process keeps busy: it runs on any of cores {names[1]} from "
               f"now on (--bind-cores keeps it bound, --no-bind-cores never binds)",
               file=sys.__stderr__, flush=True)          # a quiet fit silences sys.stderr: not this
-
-
-def _threads() -> list[int]:
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return [0]
 
 
 _watch: CoreWatch | None = None

@@ -7,7 +7,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 from concurrent import futures
 
 import grpc
@@ -21,7 +20,7 @@ from pserver.server.health import Readiness
 from pserver.server.limits import pool_threads
 from pserver.server.servicer import ParameterServerServicer, add_to_server
 from pserver.server.shard import Shard
-from pserver.signals import Stopped, stop_on_signals
+from pserver.signals import Stopped, stop_on_signals, thread_ids
 from pserver.wire import frames, security
 from pserver.wire.codec import MAX_CHUNK_BYTES
 
@@ -110,18 +109,15 @@ def schedule(policy: str) -> bool:
     if not hasattr(os, "SCHED_BATCH"):
         log.info("--sched batch: this OS has no SCHED_BATCH; the shard runs under its default policy")
         return False
-    try:
-        threads = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [threading.get_native_id()]
-    try:
-        for tid in threads:
+    for tid in thread_ids():
+        try:
             os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
-    except ProcessLookupError:
-        pass                                 # a thread that ended meanwhile
-    except OSError as e:
-        log.info("--sched batch: the OS refused SCHED_BATCH (%s); the shard runs under its default policy", e)
-        return False
+        except ProcessLookupError:
+            pass                             # a thread that ended meanwhile
+        except OSError as e:
+            log.info("--sched batch: the OS refused SCHED_BATCH (%s); the shard runs under its default "
+                     "policy", e)
+            return False
     return True
 
 
