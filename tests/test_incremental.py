@@ -234,8 +234,29 @@ def test_a_broken_delta_ends_its_chain_and_restore_says_where(tmp_path, caplog):
     skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
     assert len(skipped) == 3                            # versions 4, 3 and 2, each with why
     os.remove(os.path.join(tmp_path, checkpoint.file_name(0, 1, 1)))
-    with pytest.raises(ValueError, match="its base shard0-of1-v000000000001.ckpt is missing"):
+    with pytest.raises(ValueError, match="its base shard0-of1-v000000000001.ckpt is missing") as e:
         checkpoint.load(states[3][0])
+    assert not isinstance(e.value, checkpoint.Gone)           # the delta is there: its chain is broken
+
+
+def test_a_delta_pruned_with_its_chain_after_the_listing_is_gone_not_broken(tmp_path):
+    """CI at b80ea20: export --follow listed a delta, the job pruned it with its base, and the
+    delta's reading said "its base ... is missing", a damaged directory, not a file gone (main:
+    ValueError)."""
+    store, ckpt = make_store(max_rows=0, full_every=10, directory=str(tmp_path))
+    paths = {}
+    for t in range(4):
+        push(store, np.arange(1, 901 if t == 0 else 16, dtype=np.uint64) + 7 * t, t)
+        path, version = ckpt.request()
+        paths[version] = path
+    assert [checkpoint.base_of(paths[v]) for v in (2, 3, 4)] == [1, 1, 1]
+    os.remove(paths[1])                           # the base, then the delta listed: as prune does
+    os.remove(paths[2])
+    with pytest.raises(checkpoint.Gone):
+        checkpoint.load(paths[2])
+    with pytest.raises(ValueError, match="its base .* is missing") as e:
+        checkpoint.load(paths[3])                 # still there: broken
+    assert not isinstance(e.value, checkpoint.Gone)
 
 
 def test_reshard_and_inspect_read_chains(tmp_path):

@@ -22,7 +22,7 @@ from pserver.cli import main
 from pserver.config import ServerConfig
 from pserver.data import load_dataset
 from pserver.errors import ConfigError
-from pserver.persist import checkpoint, checkpoint_dir, reshard
+from pserver.persist import checkpoint, checkpoint_dir, export, reshard
 from pserver.server.checkpoint import Checkpointer
 from pserver.server.shard import Shard
 from pserver.wire.sharding import shard_ranges
@@ -182,6 +182,48 @@ def test_a_file_pruned_between_the_listing_and_its_reading_is_skipped_as_gone(tm
     assert [c.version for c in choice.best.ckpts] == [3, 3]
 
 
+def test_a_directory_pruned_of_every_file_listed_is_listed_again(tmp_path, layout, monkeypatch):
+    """CI at b80ea20 (tests/e2e/test_serving_a_job.py): `export --follow` of a job checkpointing
+    faster than a state loads died ("its base ... is missing; ...: gone (removed after it was
+    listed)"), every file it had listed pruned while it read them. Exactly: the listing taken,
+    its files removed and a newer version written: newest_shape reads the newer one (main:
+    ConfigError); a directory that is pruned under every listing is refused after RESCANS."""
+    d = str(tmp_path / "ck")
+    for v in (3, 4):
+        write(d, layout, 2, v)
+    stale = checkpoint.scan(d)
+    for files in stale[2].values():
+        for _, path in files:
+            os.remove(path)
+    write(d, layout, 2, 7)
+    real, listings = checkpoint_dir.scan, [stale]
+    monkeypatch.setattr(checkpoint_dir, "scan",
+                        lambda directory: listings.pop() if listings else real(directory))
+    assert [c.version for c in checkpoint_dir.newest_shape(d, "sync").ckpts] == [7, 7]
+    listings = [stale] * checkpoint_dir.RESCANS
+    with pytest.raises(ConfigError, match="removed after it was listed"):
+        checkpoint_dir.newest_shape(d, "sync")
+    assert listings == []
+
+
+def test_an_export_of_a_state_read_already_is_that_state_though_the_job_pruned_it(tmp_path, layout):
+    """export_checkpoints(state=...), as DeltaChain.step calls it: the state it chose (and named
+    its delta after) is what is written, though the job has pruned its files and written a
+    newer version since (main: the directory was read a second time, the name from one reading
+    and the delta from the other; a reading of every file pruned meanwhile killed the follow)."""
+    d = str(tmp_path / "ck")
+    write(d, layout, 2, 7)
+    state = checkpoint_dir.newest_shape(d, "sync")
+    for j in range(2):
+        os.remove(os.path.join(d, checkpoint.file_name(j, 2, 7)))
+    write(d, layout, 2, 9)
+    out = str(tmp_path / "model.npz")
+    result = export.export_checkpoints(d, out, MODEL, state=state)
+    assert result["version"] == 7
+    assert load_model(out).weights.tobytes() == weights(layout, 7).tobytes()
+    assert export_checkpoints(d, out, MODEL)["version"] == 9
+
+
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pserver", *args], capture_output=True, text=True,
                           timeout=120)
@@ -214,6 +256,15 @@ def test_inspect_and_export_answer_in_one_line_with_their_exit_codes(tmp_path, l
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "is not a directory" in err, err
     assert regular.read_text() == "keep"
+    model = str(tmp_path / "dense.npz")                      # a model without sparse tables
+    assert main(["export", "--restore", good, *FLAGS, "--out", model]) == 0
+    capsys.readouterr()
+    deltas = tmp_path / "deltas"            # refused at once (main: "written before deltas", or,
+    for follow in ([], ["--follow"]):       # following, a wait for ever: cli's timeout fails it)
+        r = cli("export", "--restore", good, *FLAGS, "--since", model, "--out", str(deltas), *follow)
+        assert r.returncode == 2, r
+        assert len(r.stderr.strip().splitlines()) == 1 and "without sparse tables" in r.stderr, r.stderr
+        assert not deltas.exists()
 
 
 def test_a_delta_renamed_as_a_base_does_not_load(tmp_path):

@@ -276,6 +276,13 @@ class Gone(ValueError):
     damaged file, one to skip."""
 
 
+def _gone_or(path: str, why: str) -> ValueError:
+    """What a delta whose chain did not read raises: Gone when the delta itself is not there
+    any more (a running job pruned it, and the files its chain needs, since it was listed),
+    else ValueError(why), a broken chain."""
+    return ValueError(why) if os.path.exists(path) else Gone("gone (removed after it was listed)")
+
+
 def _check_name(path: str, meta: dict) -> None:
     """A file's name and its meta name the same shard, shard count, version and (a delta) base;
     ValueError saying how they differ otherwise: a renamed file is never taken for the version
@@ -335,11 +342,11 @@ def load(path: str) -> Checkpoint:
     shard, num_shards, version = int(m.group(1)), int(m.group(2)), int(m.group(3))
     first = os.path.join(directory, file_name(shard, num_shards, base))
     if not os.path.exists(first):
-        raise ValueError(f"its base {os.path.basename(first)} is missing")
+        raise _gone_or(path, f"its base {os.path.basename(first)} is missing")
     try:
         meta, arrays = read(first)
     except ValueError as e:
-        raise ValueError(f"its base {os.path.basename(first)}: {e}") from None
+        raise _gone_or(path, f"its base {os.path.basename(first)}: {e}") from None
     chain = sorted((v, p) for v, p in candidates(directory, shard, num_shards)
                    if base_of(p) == base and v <= version)
     if not chain or chain[-1][1] != path:
@@ -351,7 +358,7 @@ def load(path: str) -> Checkpoint:
         except ValueError as e:
             if v == version:
                 raise
-            raise ValueError(f"the delta {os.path.basename(p)} before it: {e}") from None
+            raise _gone_or(path, f"the delta {os.path.basename(p)} before it: {e}") from None
         if dmeta.get("parent") != parent:
             raise ValueError(f"chain broken: {os.path.basename(p)} follows version {dmeta.get('parent')}, "
                              f"the file before it holds version {parent}")

@@ -105,10 +105,11 @@ class Usable:
 
 @dataclass
 class Choice:
-    """What `newest_usable` found: the state to restore (None: no shape has one) and
-    "file: why" for each file it skipped."""
+    """What `newest_usable` found: the state to restore (None: no shape has one), "file: why"
+    for each file it skipped, and how many of those were gone (pruned since the listing)."""
     best: Usable | None
     failures: list[str]
+    gone: int = 0
 
 
 def newest_usable(directory: str, mode: str, prefer: int = 0, shapes: Iterable[int] | None = None,
@@ -133,6 +134,7 @@ def newest_usable(directory: str, mode: str, prefer: int = 0, shapes: Iterable[i
     found = scan(directory) if found is None else found
     cut = mode in CUT_MODES
     failures: list[str] = []
+    gone = 0
 
     def held(s: int, j: int, ckpt: Checkpoint) -> Checkpoint:
         if keep is None or keep(s, j):
@@ -143,6 +145,8 @@ def newest_usable(directory: str, mode: str, prefer: int = 0, shapes: Iterable[i
         try:
             return loader(path)
         except ValueError as e:
+            nonlocal gone
+            gone += isinstance(e, Gone)
             if warn and not isinstance(e, Gone):
                 log.warning("skipping checkpoint %s: %s", path, e)
             failures.append(f"{os.path.basename(path)}: {e}")
@@ -193,27 +197,35 @@ def newest_usable(directory: str, mode: str, prefer: int = 0, shapes: Iterable[i
         if state is not None and (best is None or
                                   rank(s, state.version) > rank(best.num_shards, best.version)):
             best = state
-    return Choice(best, failures)
+    return Choice(best, failures, gone)
 
 
 def newest_shape(directory: str, mode: str, flag: str = "--restore", shape: int | None = None) -> Usable:
     """The state of directory that a restore reads (`newest_usable`), its files whole; `shape`:
     of that number of shards alone. ConfigError naming `flag` when it holds no checkpoint (of
-    every shard of `shape`), or no usable state."""
-    found = scan(directory)
-    if shape is not None:
-        missing = [j for j in range(shape) if not found.get(shape, {}).get(j)]
-        if missing:
-            raise ConfigError(f"{flag}: {directory} holds checkpoints of {shape} shards but none of "
-                              f"shard(s) {', '.join(map(str, missing))}; a set needs every shard's file")
-        found = {shape: found[shape]}
-    if not found:
-        raise ConfigError(f"{flag}: {directory} holds no checkpoint "
-                          "(shard{J}-of{S}-v{VERSION}.ckpt files)")
-    choice = newest_usable(directory, mode, found=found)
-    if choice.best is None:
-        raise ConfigError(why_none(directory, found, mode, choice.failures, flag))
-    return choice.best
+    every shard of `shape`), or no usable state. A running job that pruned every file listed
+    while they were read (export --follow of a job that checkpoints faster than a state loads)
+    is listed again, up to RESCANS times, before there is said to be none."""
+    for _ in range(RESCANS):
+        found = scan(directory)
+        if shape is not None:
+            missing = [j for j in range(shape) if not found.get(shape, {}).get(j)]
+            if missing:
+                raise ConfigError(f"{flag}: {directory} holds checkpoints of {shape} shards but none of "
+                                  f"shard(s) {', '.join(map(str, missing))}; a set needs every shard's file")
+            found = {shape: found[shape]}
+        if not found:
+            raise ConfigError(f"{flag}: {directory} holds no checkpoint "
+                              "(shard{J}-of{S}-v{VERSION}.ckpt files)")
+        choice = newest_usable(directory, mode, found=found)
+        if choice.best is not None:
+            return choice.best
+        if not choice.gone:
+            break
+    raise ConfigError(why_none(directory, found, mode, choice.failures, flag))
+
+
+RESCANS = 10            # listings newest_shape reads before it says a directory pruned meanwhile has no state
 
 
 def load_weights(directory: str, layout, mode: str = "sync") -> tuple[np.ndarray, list[int]]:

@@ -747,18 +747,30 @@ def tables_of(path: str, meta: dict, model) -> list[MappedTable]:
     return tables
 
 
+def since_meta(since: str) -> dict:
+    """The JSON of a model that deltas may be written since (`export --since`); ConfigError in
+    one line for a delta, a model without sparse tables (a single file: its dense weights are
+    the whole of it, so a delta would be the model again; export it whole) and one written
+    before deltas."""
+    meta, _ = read(since, arrays=False)
+    if meta.get("delta"):
+        raise ConfigError(f"--since: {since} is a delta; give the model it applies to, compacted "
+                          "(SavedModel.compact) after its deltas")
+    if meta.get("version") != SPARSE_VERSION:
+        raise ConfigError(f"--since: {since} is a model without sparse tables, whose deltas would be the "
+                          "whole model again: export it whole (pserver export without --since)")
+    if not (meta.get("origin") or {}).get("versions") or not meta.get("export_id"):
+        raise ConfigError(f"--since: {since} does not record the versions it reflects (written before "
+                          "deltas existed); export the checkpoints in full once")
+    return meta
+
+
 def delta_tables(since: str, model, ckpt, configs: list[sparse.TableConfig]) -> tuple[dict, dict, dict]:
     """For `pserver export --since MODEL`: each table's rows last updated at or after the version
     MODEL reflects on the row's shard (a row stepped from version v to v+1 records v) and the ids
     MODEL holds that the checkpoint `ckpt` (combined) does not; and the delta's base (JSON)."""
-    meta, _ = read(since)
-    origin = meta.get("origin") or {}
-    if meta.get("delta"):
-        raise ConfigError(f"--since: {since} is a delta; give the model it applies to, compacted "
-                          "(SavedModel.compact) after its deltas")
-    if not origin.get("versions") or not meta.get("export_id"):
-        raise ConfigError(f"--since: {since} does not record the versions it reflects (written before "
-                          "deltas existed); export the checkpoints in full once")
+    meta = since_meta(since)
+    origin = meta["origin"]
     if origin.get("job") != ckpt.signature:
         raise ConfigError(f"--since: {since} is a model of another job (layout {origin.get('job')}); the "
                           f"checkpoints are of {ckpt.signature}")
