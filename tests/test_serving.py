@@ -298,7 +298,9 @@ def test_a_server_killed_by_sigkill_comes_back_at_the_version_its_deltas_make(fi
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env_with({}))
         try:
-            port = int(proc.stdout.readline().split("gRPC on port ")[1].split(";")[0].split(",")[0])
+            first = proc.stdout.readline()
+            assert "gRPC on port" in first, (first, proc.stdout.read() if proc.poll() is not None else "")
+            port = int(first.split("gRPC on port ")[1].split(";")[0].split(",")[0])
             applied = [proc.stdout.readline() for _ in deltas]
             assert "version 40" in applied[-1], applied
             stub = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))

@@ -287,12 +287,13 @@ class ModelServer:
             self._spawn(self.http.serve_forever, "http")
         if self.cfg.follow:
             self.served.follow_once(self.cfg.follow, self.say)        # what is there already
-            self._spawn(lambda: self.served.follow(self.cfg.follow, self.cfg.poll, self.stop_event, self.say,
-                                                   self.cfg.compact_every), "follow")
         http = f", HTTP on port {self.http_port}" if self.http is not None else ""
         follow = f"; following {self.cfg.follow} every {self.cfg.poll:g} s" if self.cfg.follow else ""
         self.say(f"pserver serve-model: {self.served.name} version {self.served.version} "
                  f"({self.served.export_id}) from {self.cfg.path}: gRPC on port {self.port}{http}{follow}")
+        if self.cfg.follow:              # after the line above: the first line printed is always it
+            self._spawn(lambda: self.served.follow(self.cfg.follow, self.cfg.poll, self.stop_event, self.say,
+                                                   self.cfg.compact_every), "follow")
         return self
 
     def _spawn(self, target, name: str) -> None:
