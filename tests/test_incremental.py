@@ -252,7 +252,7 @@ def test_a_delta_pruned_with_its_chain_after_the_listing_is_gone_not_broken(tmp_
     assert [checkpoint.base_of(paths[v]) for v in (2, 3, 4)] == [1, 1, 1]
     os.remove(paths[1])                           # the base, then the delta listed: as prune does
     os.remove(paths[2])
-    with pytest.raises(checkpoint.Gone):
+    with pytest.raises(checkpoint.Gone, match="removed after it was listed"):
         checkpoint.load(paths[2])
     with pytest.raises(ValueError, match="its base .* is missing") as e:
         checkpoint.load(paths[3])                 # still there: broken

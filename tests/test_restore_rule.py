@@ -256,15 +256,40 @@ def test_inspect_and_export_answer_in_one_line_with_their_exit_codes(tmp_path, l
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "is not a directory" in err, err
     assert regular.read_text() == "keep"
-    model = str(tmp_path / "dense.npz")                      # a model without sparse tables
-    assert main(["export", "--restore", good, *FLAGS, "--out", model]) == 0
-    capsys.readouterr()
-    deltas = tmp_path / "deltas"            # refused at once (main: "written before deltas", or,
-    for follow in ([], ["--follow"]):       # following, a wait for ever: cli's timeout fails it)
-        r = cli("export", "--restore", good, *FLAGS, "--since", model, "--out", str(deltas), *follow)
-        assert r.returncode == 2, r
-        assert len(r.stderr.strip().splitlines()) == 1 and "without sparse tables" in r.stderr, r.stderr
-        assert not deltas.exists()
+
+
+def test_a_model_without_sparse_tables_follows_its_job_by_deltas_too(tmp_path, layout):
+    """export --since of a dense model (main: refused as "written before deltas existed"; export
+    --follow waited for ever, and the chief's --export-every exported the model once and never
+    again): each delta a single file of the dense weights at its version, which a server
+    following the directory applies in order, serving what a fresh export serves; a delta
+    written since another export is not applied and the version served stays."""
+    from pserver.persist import model_file
+    from pserver.serving.model import ServedModel
+    d, out = str(tmp_path / "ck"), str(tmp_path / "deltas")
+    write(d, layout, 2, 3)
+    model = str(tmp_path / "model.npz")
+    export_checkpoints(d, model, MODEL)
+    served, chain = ServedModel.load(model), export.DeltaChain(d, model, out, MODEL)
+    x = load_dataset("synthetic", seed=0, samples=600, features=20, task="classification").x_test[:16]
+    assert chain.step() is None
+    for v in (5, 8):
+        write(d, layout, 2, v)
+        result = chain.step()
+        assert (result["version"], result["since"]) == (v, 3 if v == 5 else 5)
+        assert os.path.isfile(result["path"])                   # one file, as the model is
+        assert served.follow_once(out, say=lambda *_: None) == 0      # not settled at its first look
+        assert served.follow_once(out, say=lambda *_: None) == 1 and served.version == v
+        fresh = str(tmp_path / f"fresh{v}.npz")
+        export_checkpoints(d, fresh, MODEL)
+        assert served.predict({"": x})[0].tobytes() == load_model(fresh).predict(x).tobytes()
+    stray = os.path.join(out, "delta-v000000009")               # written since another export
+    export.export_checkpoints(d, stray, MODEL, since=model)
+    said = []
+    served.follow_once(out, say=said.append)
+    served.follow_once(out, say=said.append)
+    assert served.version == 8 and not any("applied" in line for line in said)
+    assert model_file.read(stray, arrays=False)[0]["delta"]["base_version"] == 3
 
 
 def test_a_delta_renamed_as_a_base_does_not_load(tmp_path):

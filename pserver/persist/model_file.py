@@ -33,7 +33,8 @@ the shards stream them (--save, merged by merge_pages), never the whole table in
 A delta (`pserver export --since MODEL`, delta_tables) is such a directory whose JSON names its
 base ("delta": the base's export_id) and whose tables hold the rows changed since and
 tables/<name>.removed.npy; SavedModel.apply takes it in while serving, compact() writes the
-result (docs/model-file.md, "Freshness: deltas").
+result (docs/model-file.md, "Freshness: deltas"). A model without sparse tables has deltas too:
+single files, like it, of its dense weights, whose JSON names their base the same way.
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
         meta["sequential"] = model.get_config()
     if origin:
         meta["origin"] = origin
+    meta["export_id"] = export_id or uuid.uuid4().hex    # what a delta names as its base (export --since)
+    if delta:
+        meta["delta"] = delta
     if not configs:
         if tables:
             raise ConfigError(f"{path}: tables given for a model without sparse tables")
@@ -146,9 +150,6 @@ def save(path: str, model, w: np.ndarray, definition: dict | None, summary: dict
                               f"tables is saved with every table's rows")
         given = tables[t.name]
         sources[t.name] = given if isinstance(given, TableRows) else TableRows.of(t, *given)
-    meta["export_id"] = export_id or uuid.uuid4().hex    # what a delta names as its base (export --since)
-    if delta:
-        meta["delta"] = delta
 
     def write(tmp: str) -> None:
         os.makedirs(os.path.join(tmp, TABLES))
@@ -749,16 +750,11 @@ def tables_of(path: str, meta: dict, model) -> list[MappedTable]:
 
 def since_meta(since: str) -> dict:
     """The JSON of a model that deltas may be written since (`export --since`); ConfigError in
-    one line for a delta, a model without sparse tables (a single file: its dense weights are
-    the whole of it, so a delta would be the model again; export it whole) and one written
-    before deltas."""
+    one line for a delta, and for a model written before deltas."""
     meta, _ = read(since, arrays=False)
     if meta.get("delta"):
         raise ConfigError(f"--since: {since} is a delta; give the model it applies to, compacted "
                           "(SavedModel.compact) after its deltas")
-    if meta.get("version") != SPARSE_VERSION:
-        raise ConfigError(f"--since: {since} is a model without sparse tables, whose deltas would be the "
-                          "whole model again: export it whole (pserver export without --since)")
     if not (meta.get("origin") or {}).get("versions") or not meta.get("export_id"):
         raise ConfigError(f"--since: {since} does not record the versions it reflects (written before "
                           "deltas existed); export the checkpoints in full once")

@@ -179,7 +179,7 @@ class ServedModel:
         found = []
         for name in names:
             path = os.path.join(directory, name)
-            if name.startswith(".") or ".tmp" in name or not os.path.isdir(path):
+            if name.startswith(".") or ".tmp" in name or not (os.path.isdir(path) or os.path.isfile(path)):
                 continue                 # a delta still being written is PATH.PID.tmp, renamed at the end
             sig = _signature(path)
             settled, self.looked[path] = self.looked.get(path) == sig, sig
@@ -262,9 +262,13 @@ def _shape(a) -> tuple:
 
 
 def _signature(path: str) -> tuple | None:
-    """A delta directory's files as a change shows: (their count, newest mtime, total bytes)."""
+    """A delta's files (a directory's, or the one file of a model without sparse tables) as a
+    change shows: (their count, newest mtime, total bytes)."""
     count, newest, total = 0, 0, 0
     try:
+        if not os.path.isdir(path):
+            st = os.stat(path)
+            return 1, st.st_mtime_ns, st.st_size
         for root, _, files in os.walk(path):
             for f in files:
                 st = os.stat(os.path.join(root, f))
