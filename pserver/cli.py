@@ -241,6 +241,9 @@ WORKER_FLAGS = [
                                 "into DIR/deltas, which pserver serve-model DIR/model --follow DIR/deltas "
                                 "applies")),
     Flag("--export-dir", dict(metavar="DIR", help="chief: where --export-every writes")),
+    Flag("--export-keep-deltas", dict(type=int, metavar="N", help="chief: keep the N newest deltas in "
+                                      "DIR/deltas, removing older ones (default 0: every one); a server "
+                                      "behind them takes up the model they make whole")),
     Flag("--embedding-dim", dict(type=int, metavar="K", help="fm, wide_deep, deepfm: values per id in the "
                                  "sparse factor table (default 8)")),
     Flag("--row-optimizer", dict(choices=ROWS.names(), help="lr, fm, wide_deep, deepfm: the sparse "
@@ -551,6 +554,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "pserver serve-model MODEL --follow DIR applies); stops on SIGTERM or SIGINT")
     ex.add_argument("--poll", type=float, default=5.0, metavar="S",
                     help="--follow: seconds between looks at the checkpoints (default 5)")
+    ex.add_argument("--keep-deltas", type=int, default=0, metavar="N",
+                    help="--follow: keep the N newest deltas in --out and remove the older ones (default "
+                         "0: keep every one); a server that falls behind them takes up the model they "
+                         "make (OUT/.base) whole")
     ex.add_argument("--json", action="store_true", help="print JSON instead of a line")
     add_flags(ex, EXPORT_FLAGS, "model and dataset (as the run trained; seed and --embedding-dim default "
                                 "to the checkpoints')")
@@ -787,12 +794,15 @@ def cmd_export(ns) -> int:
         if not ns.since or ns.poll <= 0:
             raise ConfigError("--follow: give --since MODEL (the model a server serves) and --poll > 0; "
                               "--out is then the directory the deltas go to")
+    elif ns.keep_deltas:
+        raise ConfigError("--keep-deltas: only with --follow (a single export writes one file)")
+    if ns.follow:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         print(f"pserver export: following {ns.restore}, deltas since {ns.since} into {ns.out}", flush=True)
         n = follow_checkpoints(ns.restore, ns.since, ns.out, given(ns, EXPORT_FLAGS), ns.mode, ns.poll, stop,
-                               say=lambda line: print(line, flush=True))
+                               say=lambda line: print(line, flush=True), keep=ns.keep_deltas)
         print(f"pserver export: stopped after {n} delta(s)", flush=True)
         return 0
     result = export_checkpoints(ns.restore, ns.out, given(ns, EXPORT_FLAGS), ns.mode, since=ns.since)

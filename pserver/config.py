@@ -246,6 +246,7 @@ class WorkerConfig:
     window_batches: int = 100     # stream:PATH: batches per window (the coordinator's epoch of a stream)
     export_every: float = 0.0     # chief: checkpoint and export (a model, then deltas) every SEC seconds
     export_dir: str | None = None  # chief: where --export-every writes: DIR/model and DIR/deltas
+    export_keep_deltas: int = 0    # chief: the newest deltas kept in DIR/deltas (0: every one)
     data_plane: str = "auto"      # auto: shared memory with same-host shards; grpc: streams only
     compress: str = "none"        # push codec: none, bf16, fp16, topk:RATIO, sign (pserver.wire.compress)
     pull_compress: str = "none"   # pull codec over gRPC: none, bf16
@@ -322,6 +323,11 @@ class WorkerConfig:
                               f"(seconds > 0 and a directory) or neither")
         if self.export_dir and os.path.exists(self.export_dir) and not os.path.isdir(self.export_dir):
             raise ConfigError(f"--export-dir: {self.export_dir} is a file, not a directory")
+        if isinstance(self.export_keep_deltas, bool) or not isinstance(self.export_keep_deltas, int) or \
+                self.export_keep_deltas < 0 or (self.export_keep_deltas and not self.export_every):
+            raise ConfigError(f"--export-keep-deltas: {self.export_keep_deltas!r}; give how many of the "
+                              "newest deltas --export-every keeps (an integer >= 1, with --export-every), or "
+                              "0 for every one")
         if self.window_batches < 1:
             raise ConfigError(f"--window-batches: must be >= 1, got {self.window_batches}")
         if self.dataset.startswith("stream:") and self.data_assignment != "leases":

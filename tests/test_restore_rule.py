@@ -256,6 +256,10 @@ def test_inspect_and_export_answer_in_one_line_with_their_exit_codes(tmp_path, l
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "is not a directory" in err, err
     assert regular.read_text() == "keep"
+    assert main(["export", "--restore", good, *FLAGS, "--out", str(tmp_path / "m"),
+                 "--keep-deltas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--keep-deltas: only with --follow" in err, err
 
 
 def test_a_model_without_sparse_tables_follows_its_job_by_deltas_too(tmp_path, layout):
@@ -290,6 +294,55 @@ def test_a_model_without_sparse_tables_follows_its_job_by_deltas_too(tmp_path, l
     served.follow_once(out, say=said.append)
     assert served.version == 8 and not any("applied" in line for line in said)
     assert model_file.read(stray, arrays=False)[0]["delta"]["base_version"] == 3
+
+
+def test_a_server_behind_the_deltas_kept_takes_up_the_model_they_make(tmp_path, layout):
+    """export --follow --keep-deltas 2: the older deltas go once newer ones are written, so the
+    directory stays bounded (main: every delta kept for ever). A server that follows applies each
+    delta and never takes anything up; one started later from the first model, whose next delta is
+    gone, takes up OUT/.base: it serves what a fresh export serves, its model file becomes that
+    version, and it follows the next delta as usual. A delta pruned while read is not refused."""
+    from pserver.serving.model import Pruned, ServedModel
+    d, out = str(tmp_path / "ck"), str(tmp_path / "deltas")
+    write(d, layout, 2, 3)
+    model, late = str(tmp_path / "model.npz"), str(tmp_path / "late.npz")
+    export_checkpoints(d, model, MODEL)
+    shutil.copy(model, late)
+    with pytest.raises(ConfigError, match="--keep-deltas: -1"):
+        export.DeltaChain(d, model, out, MODEL, keep=-1)
+    chain = export.DeltaChain(d, model, out, MODEL, keep=2)
+    follower = ServedModel.load(model)
+    x = load_dataset("synthetic", seed=0, samples=600, features=20, task="classification").x_test[:16]
+    quiet = []
+    for v in (5, 8, 11, 14):
+        write(d, layout, 2, v)
+        chain.step()
+        follower.follow_once(out, say=quiet.append)
+        follower.follow_once(out, say=quiet.append)
+        assert follower.version == v
+    assert sorted(os.listdir(out)) == [".base", "delta-v000000011", "delta-v000000014"]
+    assert follower.taken_up == 0 and follower.refused == 0
+    said = []
+    behind = ServedModel.load(late)
+    assert behind.follow_once(out, say=said.append) == 1 and behind.version == 14 and behind.taken_up == 1
+    assert "took up" in said[-1] and late in said[-1], said
+    fresh = str(tmp_path / "fresh.npz")
+    export_checkpoints(d, fresh, MODEL)
+    want = load_model(fresh).predict(x).tobytes()
+    assert behind.predict({"": x})[0].tobytes() == want == follower.predict({"": x})[0].tobytes()
+    assert load_model(late).predict(x).tobytes() == want                    # its file, rewritten
+    assert behind.follow_once(out, say=said.append) == 0                    # caught up: nothing more
+    write(d, layout, 2, 17)
+    chain.step()
+    for served in (behind, follower):
+        served.follow_once(out, say=said.append)
+        assert served.follow_once(out, say=said.append) == 1 and served.version == 17
+    assert behind.taken_up == 1 and follower.taken_up == 0
+    gone = os.path.join(out, "delta-v000000014")
+    os.remove(gone)
+    with pytest.raises(Pruned):
+        follower.apply(gone)
+    assert follower.refused == 0
 
 
 def test_a_delta_renamed_as_a_base_does_not_load(tmp_path):

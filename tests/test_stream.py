@@ -195,6 +195,13 @@ def test_export_every_needs_a_directory_and_a_positive_interval(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match="is a file, not a directory"):
         WorkerConfig(ps=["h:1"], export_every=1.0, export_dir=str(tmp_path / "f"))
+    for kwargs in ({"export_keep_deltas": 2}, {"export_keep_deltas": -1, "export_every": 1.0},
+                   {"export_keep_deltas": True, "export_every": 1.0}):
+        with pytest.raises(ConfigError, match="--export-keep-deltas"):
+            WorkerConfig(ps=["h:1"], export_dir=str(tmp_path / "d") if "export_every" in kwargs else None,
+                         **kwargs)
+    assert WorkerConfig(ps=["h:1"], export_every=1.0, export_dir=str(tmp_path / "d"),
+                        export_keep_deltas=3).export_keep_deltas == 3
 
 
 def test_ingest_refuses_a_directory_a_missing_parent_and_a_busy_port(tmp_path):

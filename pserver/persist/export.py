@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
+import shutil
 
 from pserver import models
 from pserver.build import fit_data, load_data, model_for
@@ -140,13 +142,18 @@ class DeltaChain:
     """Deltas of a job's checkpoints in `directory`, written into `out_dir` each since the one
     before, the first since `since` (an export of the job): what `pserver serve-model MODEL --follow
     DIR` applies, in order. The model as the deltas made it is kept in OUT/.base (a dot directory,
-    which the server leaves alone; each delta applied to it and compacted) to write the next delta
-    since; one already there (a chain that was stopped) is gone on from. `step()` writes one delta
-    when the checkpoints hold a newer usable state (`pserver export --follow`, and the chief's
-    --export-every)."""
+    each delta applied to it and compacted) to write the next delta since; one already there (a
+    chain that was stopped) is gone on from. `step()` writes one delta when the checkpoints hold a
+    newer usable state (`pserver export --follow`, and the chief's --export-every). `keep`: the
+    newest deltas kept (0: every one); a server behind those takes up OUT/.base instead."""
 
-    def __init__(self, directory: str, since: str, out_dir: str, options: dict, mode: str = "sync") -> None:
+    def __init__(self, directory: str, since: str, out_dir: str, options: dict, mode: str = "sync",
+                 keep: int = 0) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ConfigError(f"--keep-deltas: {keep!r}; give how many of the newest deltas to keep "
+                              "(an integer >= 1), or 0 to keep every one")
         self.directory, self.out_dir, self.options, self.mode = directory, out_dir, options, mode
+        self.keep = keep
         self.work = os.path.join(out_dir, ".base")
         model_file.since_meta(since)                          # refused at once, not at the first delta
         os.makedirs(out_dir, exist_ok=True)
@@ -175,18 +182,37 @@ class DeltaChain:
         model.apply(out)
         model.compact(self.work)
         self.have, self.written = newest, self.written + 1
+        if self.keep:
+            self.prune()
         return {**result, "path": out}
+
+    def prune(self) -> None:
+        """Remove the deltas in out_dir (delta-vVERSION) but the `keep` newest, oldest first, once
+        OUT/.base holds the model they make: a server that falls behind what is kept takes that
+        model up instead (pserver.serving.model.ServedModel.follow_once)."""
+        deltas = sorted((int(m.group(1)), m.group(0)) for m in map(DELTA.fullmatch, os.listdir(self.out_dir))
+                        if m)
+        for _, name in deltas[:-self.keep]:
+            path = os.path.join(self.out_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+
+
+DELTA = re.compile(r"delta-v(\d{9,})")          # the deltas a DeltaChain writes, by version
 
 
 def follow_checkpoints(directory: str, since: str, out_dir: str, options: dict, mode: str = "sync",
-                       poll: float = 5.0, stop=None, say=print) -> int:
+                       poll: float = 5.0, stop=None, say=print, keep: int = 0) -> int:
     """`pserver export --since MODEL --out DIR --follow`: while a job writes checkpoints into
     `directory`, write a delta into `out_dir` each time a newer usable state appears there
-    (delta-vVERSION, written aside and renamed; DeltaChain). Stops when `stop` (an Event) is set;
-    returns the deltas written."""
+    (delta-vVERSION, written aside and renamed; DeltaChain), keeping the `keep` newest (0: every
+    one). Stops when `stop` (an Event) is set; returns the deltas written."""
     import threading
     stop = stop or threading.Event()
-    chain = DeltaChain(directory, since, out_dir, options, mode)
+    chain = DeltaChain(directory, since, out_dir, options, mode, keep)
     while not stop.is_set():
         result = chain.step()
         if result is not None:

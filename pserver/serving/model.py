@@ -13,7 +13,8 @@ whose files fail their checksums is refused (DataError) and the version served s
 
 `follow(directory)` applies the deltas that appear in a directory, in their chain's order (each
 delta names the export it was written since), polling; refusals are counted and the last one
-kept for ModelStatus and /metrics.
+kept for ModelStatus and /metrics. A server that has fallen behind the deltas its exporter keeps
+(`pserver export --keep-deltas`) takes up the model they make (DIR/.base) whole instead.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class ServedModel:
         self.applied, self.refused, self.last_refusal = 0, 0, ""
         self.rows_changed = 0
         self.compacted_at = 0                     # self.applied when the model file was last rewritten
+        self.taken_up = 0                         # times the model was replaced by its directory's .base
         self.seen: dict[str, tuple] = {}          # delta path -> its files' signature when it was tried
         self.looked: dict[str, tuple] = {}        # delta path -> its files' signature at the last look
 
@@ -160,6 +162,8 @@ class ServedModel:
         try:
             counts = self.saved.apply(delta, exclusive=self.lock.exclusive())
         except (DataError, ConfigError, OSError) as e:
+            if not os.path.exists(delta):         # its exporter pruned it meanwhile: not refused
+                raise Pruned(f"{delta}: removed while it was read") from None
             self.refused += 1
             self.last_refusal = f"{delta}: {' '.join(str(e).split())}"
             raise DataError(self.last_refusal) from None
@@ -177,6 +181,9 @@ class ServedModel:
         except OSError as e:
             raise DataError(f"--follow {directory}: cannot list it ({e.strerror})") from None
         found = []
+        for gone in set(self.looked) - {os.path.join(directory, name) for name in names}:
+            self.looked.pop(gone)                  # pruned by its exporter: forgotten
+            self.seen.pop(gone, None)
         for name in names:
             path = os.path.join(directory, name)
             if name.startswith(".") or ".tmp" in name or not (os.path.isdir(path) or os.path.isfile(path)):
@@ -203,6 +210,8 @@ class ServedModel:
                 self.seen[path] = self.looked[path]
                 try:
                     counts = self.apply(path)
+                except Pruned:
+                    continue
                 except DataError as e:
                     say(f"pserver serve-model: refused {e}; still serving version {self.version}")
                     continue
@@ -210,7 +219,39 @@ class ServedModel:
                 progress = True
                 rows = ", ".join(f"{t} {c['changed']} rows" for t, c in counts.items()) or "dense weights"
                 say(f"pserver serve-model: applied {os.path.basename(path)}: version {self.version} ({rows})")
-        return applied
+        return applied or int(self.take_up(directory, say))
+
+    def take_up(self, directory: str, say=print) -> bool:
+        """When this model has fallen behind the deltas `directory` holds (its exporter pruned the
+        next one: export --keep-deltas), the model they make, DIR/.base (export.DeltaChain), is
+        written over this model's file as a compaction writes it and served from there; True if
+        it was. Only a model of the same job (its origin's "job", the layout trained) newer than
+        this one is taken, and only while no delta there follows this model."""
+        source = os.path.join(directory, ".base")
+        try:
+            meta, _ = model_file.read(source, arrays=False)
+        except DataError:
+            return False
+        origin, mine = meta.get("origin") or {}, self.saved.meta.get("origin") or {}
+        if int(origin.get("version", -1)) <= self.version or origin.get("job") is None or \
+                origin.get("job") != mine.get("job"):
+            return False
+        for name in os.listdir(directory):
+            if not name.startswith(".") and _base_of(os.path.join(directory, name)) == self.export_id:
+                return False              # this model's next delta is there: it is applied instead
+        try:
+            fresh = model_file.load(source)
+            fresh.compact(self.saved.path)
+        except (DataError, ConfigError, OSError) as e:   # rewritten while read: the next look
+            say(f"pserver serve-model: could not take up {source} yet ({' '.join(str(e).split())})")
+            return False
+        before = self.version
+        with self.lock.exclusive():
+            self.saved = fresh
+        self.taken_up += 1
+        say(f"pserver serve-model: version {before} is behind the deltas kept in {directory}: took up "
+            f"{source}, version {self.version}, written to {self.saved.path}")
+        return True
 
     def follow(self, directory: str, poll: float, stop: threading.Event, say=print,
                compact_every: int = 0) -> None:
@@ -236,6 +277,10 @@ class ServedModel:
         self.compacted_at = self.applied
         say(f"pserver serve-model: compacted {self.saved.path} at version {self.version} "
             f"in {time.monotonic() - started:.2f} s")
+
+
+class Pruned(DataError):
+    """A delta removed by its exporter while it was read: skipped, not refused."""
 
 
 def as_input(name: str, values):

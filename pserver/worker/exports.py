@@ -52,7 +52,8 @@ class ChiefExports:
                     export.export_checkpoints(directory, self.base, self.options, self.mode)
                     self.say(f"--export-every: exported the model to {self.base}; deltas follow in "
                              f"{self.deltas} (pserver serve-model {self.base} --follow {self.deltas})")
-                self.chain = export.DeltaChain(directory, self.base, self.deltas, self.options, self.mode)
+                self.chain = export.DeltaChain(directory, self.base, self.deltas, self.options, self.mode,
+                                               self.options.get("export_keep_deltas") or 0)
                 return self.base
             result = self.chain.step()
             return None if result is None else result["path"]

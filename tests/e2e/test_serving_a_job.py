@@ -1,7 +1,7 @@
 """A prediction server that follows a training job (issue 51) while a training shard is killed with
-SIGKILL mid-run and restarted from its checkpoints: the server answers every request throughout,
-each answer names one version, the versions it serves never go back, and it ends at the job's
-last checkpoint, answering as a fresh export of it."""
+SIGKILL mid-run and restarted from its checkpoints, the exporter keeping the 3 newest deltas: the
+server answers every request throughout, each answer names one version, the versions it serves
+never go back, and it ends at the job's last checkpoint, answering as a fresh export of it."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_the_server_answers_throughout_a_training_shard_s_kill_and_restart(procs
     assert wait_until(lambda: "gRPC on port" in server.output, 60), server.output
     port = int(re.search(r"gRPC on port (\d+)", server.output).group(1))
     exporter = procs("export", "--restore", str(ckpt), "--since", str(base), "--out", str(deltas), "--follow",
-                     "--poll", "0.2", *JOB)
+                     "--poll", "0.2", "--keep-deltas", "3", *JOB)
     x = load_dataset("criteo-synthetic", samples=4000, test_samples=500).x_test[:32]
     request = pb.PredictRequest(inputs=[to_named("dense", x["dense"]), to_named("cat", x["cat"])])
     stub = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
@@ -89,3 +89,5 @@ def test_the_server_answers_throughout_a_training_shard_s_kill_and_restart(procs
         client.join(60)
     assert failures == [], failures[:5]
     assert answers == sorted(answers) and len(set(answers)) >= 3, sorted(set(answers))
+    kept = [p.name for p in deltas.iterdir() if not p.name.startswith(".")]
+    assert 1 <= len(kept) <= 3, kept                      # --keep-deltas 3: the directory stays bounded
