@@ -338,6 +338,19 @@ def test_a_server_behind_the_deltas_kept_takes_up_the_model_they_make(tmp_path, 
         served.follow_once(out, say=said.append)
         assert served.follow_once(out, say=said.append) == 1 and served.version == 17
     assert behind.taken_up == 1 and follower.taken_up == 0
+    other_ds = load_dataset("synthetic", seed=0, samples=600, features=12, task="classification")
+    other_layout = models.make_model("logreg", other_ds.sample_shape, other_ds.num_classes,
+                                     backend="reference").layout
+    o = str(tmp_path / "other")                          # another job (another layout) at version 3
+    for j, (start, end) in enumerate(shard_ranges(other_layout.total, 1)):
+        checkpoint.save(o, checkpoint.Checkpoint(
+            path="", version=3, shard=j, num_shards=1, signature=other_layout.signature(),
+            total=other_layout.total, start=start, end=end, optimizer="momentum",
+            params=np.zeros(end - start, np.float32), state={}, clocks={0: 3}, positions={0: (1, 10)}))
+    other = str(tmp_path / "other.npz")
+    export_checkpoints(o, other, {**MODEL, "features": 12})
+    stranger = ServedModel.load(other)
+    assert stranger.follow_once(out, say=said.append) == 0 and stranger.version == 3 and not stranger.taken_up
     gone = os.path.join(out, "delta-v000000014")
     os.remove(gone)
     with pytest.raises(Pruned):
