@@ -7,6 +7,7 @@ the pushes combine and how long each pull waits. The loop does not branch on the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -276,15 +277,21 @@ def save_model(cfg: WorkerConfig, client: PSClient, model, w: np.ndarray, defini
     """--save (or `path`): the model file; a model with sparse tables gets every table's rows,
     streamed from the shards (ExportRows) and merged into sorted files as they come. After a
     sync or backup run they are the rows of the final version, as the dense weights are; in
-    async or ssp, each shard's rows when its stream began (workers still pushing may move them)."""
-    tables, origin = None, None
+    async or ssp, each shard's rows when its stream began (workers still pushing may move them).
+    A model without tables records each shard's version when it is saved (Status), so that
+    `pserver export --since` can write deltas since it too."""
+    tables, versions = None, None
     if sparse_tables(model):
-        tables, versions = {}, None
+        tables = {}
         for t in sparse_tables(model):
             versions, count, pages = client.export_table(t.name, max(cfg.rpc_deadline, 3600.0))
             tables[t.name] = model_file.TableRows(count, pages)
-        origin = {"live": True, "num_shards": len(cfg.ps), "versions": versions,
-                  "version": max(versions), "job": registered_layout(model).signature()}
+    else:
+        with contextlib.suppress(PServerError):   # a shard gone: the model is saved without them
+            versions = [int(r.version) for r in client.status()]
+    origin = None if not versions or min(versions) < 0 else \
+        {"live": True, "num_shards": len(cfg.ps), "versions": [int(v) for v in versions],
+         "version": int(max(versions)), "job": registered_layout(model).signature()}
     model_file.save(path or cfg.save, model, w, definition, summary, tables=tables, origin=origin,
                     layer_configs=layer_configs)
 

@@ -287,11 +287,14 @@ def test_bad_input_is_one_line_and_exit_2(job, tmp_path):
 
 
 def test_a_dense_model_exports_to_one_file(tmp_path):
-    """The same command for a model without tables: the single .npz of `--save`, version 1."""
+    """The same command for a model without tables: the single .npz of `--save`, version 1; a
+    delta since the --save'd model (main: refused, "written before deltas existed": a dense
+    --save recorded no versions) is one file, and applied it reads as the export."""
     ckpt, summary, out = str(tmp_path / "ckpt"), str(tmp_path / "s.json"), str(tmp_path / "m.npz")
+    live, delta = str(tmp_path / "live.npz"), str(tmp_path / "delta")
     data = ["--model", "logreg", "--dataset", "synthetic", "--samples", "3000", "--features", "20"]
     r = run("launch", "--ps", "2", "--workers", "1", *data, "--epochs", "1", "--checkpoint-dir", ckpt,
-            "--summary-json", summary, timeout=300)
+            "--summary-json", summary, "--save", live, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     r = run("export", "--restore", ckpt, *data, "--out", out)
     assert r.returncode == 0 and os.path.isfile(out), r.stdout + r.stderr
@@ -299,3 +302,10 @@ def test_a_dense_model_exports_to_one_file(tmp_path):
     ev, s = json.loads(r.stdout), read_json(summary)
     assert (ev["test_accuracy"], ev["test_loss"]) == (s["test_accuracy"], s["test_loss"])
     assert pserver.load_model(out).meta["version"] == 1 and pserver.load_model(out).tables == []
+    origin = pserver.load_model(live).meta["origin"]
+    assert origin["num_shards"] == 2 and len(origin["versions"]) == 2 and origin["version"] > 0, origin
+    r = run("export", "--restore", ckpt, *data, "--since", live, "--out", delta)
+    assert r.returncode == 0 and os.path.isfile(delta), r.stdout + r.stderr
+    applied = pserver.load_model(live)
+    applied.apply(delta)
+    assert applied.weights.tobytes() == pserver.load_model(out).weights.tobytes()
