@@ -356,6 +356,20 @@ def test_a_server_behind_the_deltas_kept_takes_up_the_model_they_make(tmp_path, 
     with pytest.raises(Pruned):
         follower.apply(gone)
     assert follower.refused == 0
+    import zipfile
+    base = os.path.join(out, ".base")                    # a damaged .base: not taken up, said once
+    with zipfile.ZipFile(base) as z:
+        member = next(i for i in z.infolist() if not i.filename.startswith("pserver_model"))
+    data = bytearray(open(base, "rb").read())
+    data[member.header_offset + 30 + len(member.filename) + member.file_size // 2] ^= 0xFF
+    open(base, "wb").write(bytes(data))
+    late2 = str(tmp_path / "late2.npz")
+    shutil.copy(model, late2)
+    said, again = [], ServedModel.load(late2)
+    for _ in range(3):
+        assert again.follow_once(out, say=said.append) == 0
+    assert again.version == 3 and not again.taken_up
+    assert len([line for line in said if "could not take up" in line]) == 1, said
 
 
 def test_a_delta_renamed_as_a_base_does_not_load(tmp_path):

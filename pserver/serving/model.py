@@ -81,6 +81,7 @@ class ServedModel:
         self.rows_changed = 0
         self.compacted_at = 0                     # self.applied when the model file was last rewritten
         self.taken_up = 0                         # times the model was replaced by its directory's .base
+        self.take_up_failure = ""                 # the last line take_up said it could not
         self.seen: dict[str, tuple] = {}          # delta path -> its files' signature when it was tried
         self.looked: dict[str, tuple] = {}        # delta path -> its files' signature at the last look
 
@@ -243,7 +244,10 @@ class ServedModel:
             fresh = model_file.load(source)
             fresh.compact(self.saved.path)
         except (DataError, ConfigError, OSError) as e:   # rewritten while read: the next look
-            say(f"pserver serve-model: could not take up {source} yet ({' '.join(str(e).split())})")
+            line = f"pserver serve-model: could not take up {source} yet ({' '.join(str(e).split())})"
+            if line != self.take_up_failure:               # said once, not at every look
+                self.take_up_failure = line
+                say(line)
             return False
         before = self.version
         with self.lock.exclusive():
