@@ -573,11 +573,18 @@ def sh(*argv: str, timeout: float = 60) -> str:
     return r.stdout
 
 
+def namespaces() -> tuple[str, str]:
+    """(shard namespace, client namespace) of this process's --two-hosts row: named by its pid,
+    so that two runs on one machine never share (or remove) each other's."""
+    tag = os.getpid() % 100000
+    return f"pst-ps-{tag}", f"pst-w-{tag}"
+
+
 @contextlib.contextmanager
 def veth_pair():
     """(shard namespace, client namespace), joined by a rate-limited veth pair; always removed."""
     tag = os.getpid() % 100000
-    names, devs = (f"pst-ps-{tag}", f"pst-w-{tag}"), (f"pst{tag}a", f"pst{tag}b")
+    names, devs = namespaces(), (f"pst{tag}a", f"pst{tag}b")
     made = []
     try:
         for ns in names:
@@ -698,7 +705,7 @@ def two_hosts_report(m: Measurement, link: list[float]) -> tuple[str, list[dict]
                metric="mb_per_s_per_direction", value=mbps[0], unit="MB/s", min=mbps[1], max=mbps[2],
                repeats=len(m.seconds), round_trips_per_repeat=m.round_trips, path=m.path, link_rate=LINK_RATE,
                iperf3_mb_per_s=rate[0], iperf3_min=rate[1], iperf3_max=rate[2],
-               x_link_rate=mbps[0] / rate[0])
+               x_link_rate=mbps[0] / rate[0], namespaces=list(namespaces()))
     return text, [row]
 
 

@@ -87,7 +87,9 @@ def test_transport_two_hosts_row_measures_pserver_and_iperf3_on_the_same_veth(tm
     assert row["params"] == 10_000_000 and row["value"] > 0 and row["iperf3_mb_per_s"] > 0
     assert row["x_link_rate"] == pytest.approx(row["value"] / row["iperf3_mb_per_s"])
     assert "x the link rate" in r.stdout
-    assert "pst-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert len(row["namespaces"]) == 2 and not set(row["namespaces"]) & set(listed), (row, listed)
+    # (its own: another run on this machine, a CI beside a quick start, may hold pst- ones now)
 
 
 def test_compress_summary_takes_medians_and_counts_a_miss_as_slowest():
