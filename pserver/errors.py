@@ -5,7 +5,8 @@
      |    +-- NotInKeras         a Keras name pserver.keras lacks (also an AttributeError)
      +-- DataError               dataset missing, unreadable or malformed
      |    +-- ModelFileError     a model file naming an unknown optimizer or layer, or malformed
-     |         +-- UnsafeModelFile  a model file that would run code, loaded with safe_mode=True
+     |    |    +-- UnsafeModelFile  a model file that would run code, loaded with safe_mode=True
+     |    +-- Pruned             a delta its exporter removed while a server read it (skipped)
      +-- ProcessFailed           a process of the cluster (launch's child, a Ray actor) exited
      +-- RpcError                something a shard answered (or failed to answer)
           +-- InvalidArgument    shape, dtype, size, non-finite values, unknown tensor
@@ -72,6 +73,11 @@ class NotInKeras(ConfigError, AttributeError):
 
 class DataError(PServerError):
     """A dataset that is missing, unreadable or malformed."""
+
+
+class Pruned(DataError):
+    """A delta removed by its exporter (export --keep-deltas) while a server read it: skipped,
+    not counted as refused (pserver.serving.model)."""
 
 
 class ModelFileError(DataError):

@@ -302,7 +302,8 @@ def test_a_server_behind_the_deltas_kept_takes_up_the_model_they_make(tmp_path, 
     delta and never takes anything up; one started later from the first model, whose next delta is
     gone, takes up OUT/.base: it serves what a fresh export serves, its model file becomes that
     version, and it follows the next delta as usual. A delta pruned while read is not refused."""
-    from pserver.serving.model import Pruned, ServedModel
+    from pserver.errors import Pruned
+    from pserver.serving.model import ServedModel
     d, out = str(tmp_path / "ck"), str(tmp_path / "deltas")
     write(d, layout, 2, 3)
     model, late = str(tmp_path / "model.npz"), str(tmp_path / "late.npz")

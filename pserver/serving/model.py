@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from pserver.errors import ConfigError, DataError
+from pserver.errors import ConfigError, DataError, Pruned
 from pserver.layers.activations import probabilities
 from pserver.persist import model_file
 
@@ -281,10 +281,6 @@ class ServedModel:
         self.compacted_at = self.applied
         say(f"pserver serve-model: compacted {self.saved.path} at version {self.version} "
             f"in {time.monotonic() - started:.2f} s")
-
-
-class Pruned(DataError):
-    """A delta removed by its exporter while it was read: skipped, not refused."""
 
 
 def as_input(name: str, values):
