@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import shutil
 
 from pserver import models
 from pserver.build import fit_data, load_data, model_for
@@ -17,7 +16,7 @@ from pserver.config import WorkerConfig
 from pserver.data import load_dataset
 from pserver.errors import ConfigError, DataError
 from pserver.models.ctr import CTR_MODELS
-from pserver.persist import checkpoint_dir, model_file
+from pserver.persist import atomic, checkpoint_dir, model_file
 from pserver.persist.checkpoint import scan
 from pserver.persist.reshard import combine
 
@@ -193,12 +192,7 @@ class DeltaChain:
         deltas = sorted((int(m.group(1)), m.group(0)) for m in map(DELTA.fullmatch, os.listdir(self.out_dir))
                         if m)
         for _, name in deltas[:-self.keep]:
-            path = os.path.join(self.out_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
+            atomic.remove(os.path.join(self.out_dir, name))
 
 
 DELTA = re.compile(r"delta-v(\d{9,})")          # the deltas a DeltaChain writes, by version
