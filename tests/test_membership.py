@@ -566,3 +566,25 @@ def test_a_second_fit_s_late_worker_joins_the_run_its_chief_finished_rather_than
     shard.leave(1, s[1])
     again = job()                                    # a third job's restart starts over again
     assert shard.lease(0, again[0], plan, restart=True)[0].epoch == 0
+
+
+def test_close_waits_for_the_heartbeat_so_no_beat_meets_a_closed_channel(shard_server):
+    """The heartbeat thread beats every 50 ms here (a 0.2 s session timeout / 4). close() used to
+    close the channels while that thread was still running: a beat started then raised 'Cannot
+    invoke RPC on closed channel!' in it (a warning in CI). Now close() stops and joins it first."""
+    from pserver.worker.client import PSClient
+    addr, shard = shard_server(mode="async", optimizer="sgd", lr=0.1, step_timeout=0.2)
+    layout = Layout.of([("w", (4,))])
+    died, hook = [], threading.excepthook
+    threading.excepthook = died.append
+    try:
+        for i in range(10):
+            c = PSClient([addr], rank=0, num_workers=1, rpc_deadline=5, data_plane="grpc")
+            c.connect(5)
+            c.register(layout)
+            time.sleep(0.01 * (i % 7))          # close at a different point of the beat each time
+            c.close()
+            assert not c._heartbeat.is_alive(), f"the heartbeat outlived close() (round {i})"
+    finally:
+        threading.excepthook = hook
+    assert [str(d.exc_value) for d in died] == []

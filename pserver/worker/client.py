@@ -68,6 +68,7 @@ CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconn
 JOIN_TRIES = 20            # steps an elastic worker proposes before it gives up (each refused: opened)
 MAX_IDS_PER_PULL = 1 << 18  # ids per PullRows request: 2 MiB, well under gRPC's 4 MiB message limit
 LEAVE_ON_STOP_S = 2.0      # per shard: a stopped worker's Leave must not hold up its exit
+HEARTBEAT_TIMEOUT_S = 2.0  # one beat's deadline: close() waits at most this for a beat in flight
 # What ShardClient.resilient retries (a shard away, at a bound or restarted): a data-plane exchange
 # sent ahead hands these to it (push_pull_sent). OverBudget, a ResourceExhausted, it does not.
 RIDDEN_OUT = (Unavailable, ResourceExhausted, NotRegistered)
@@ -818,8 +819,10 @@ class PSClient:
         session that made no call for its --step-timeout. Errors are the main calls' to report."""
         while not self._stop.wait(min(5.0, max(0.05, min(s.session_timeout for s in self.shards) / 4))):
             for s in self.shards:
+                if self._stop.is_set():          # close() waits for this thread, then closes
+                    return                       # the channels: no beat starts on a closed one
                 try:
-                    s.heartbeat(self.rank, timeout=2.0)
+                    s.heartbeat(self.rank, timeout=HEARTBEAT_TIMEOUT_S)
                 except PServerError:
                     pass
 
@@ -1031,7 +1034,11 @@ class PSClient:
         return self.each(lambda s: s.checkpoint(self.rank, self.rpc_deadline, then_stop=True))
 
     def close(self) -> None:
+        """Stop the heartbeat (a beat in flight ends within HEARTBEAT_TIMEOUT_S), then close the
+        channels and the shared-memory planes."""
         self._stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(HEARTBEAT_TIMEOUT_S + 1.0)
         for s in self.shards:
             s.close()
         if self._pool is not None:
