@@ -259,6 +259,23 @@ def test_a_delta_pruned_with_its_chain_after_the_listing_is_gone_not_broken(tmp_
     assert not isinstance(e.value, checkpoint.Gone)
 
 
+def test_a_delta_removed_after_the_listing_is_gone_not_the_state_before_it(tmp_path):
+    """The delta listed went, its base and the delta before it stayed (a prune between two
+    reads): its reading is Gone, never the chain up to the file before it passed off as it
+    (the version asked for silently older)."""
+    store, ckpt = make_store(max_rows=0, full_every=10, directory=str(tmp_path))
+    paths = {}
+    for t in range(3):
+        push(store, np.arange(1, 901 if t == 0 else 16, dtype=np.uint64) + 7 * t, t)
+        path, version = ckpt.request()
+        paths[version] = path
+    assert [checkpoint.base_of(paths[v]) for v in (2, 3)] == [1, 1]
+    os.remove(paths[3])
+    with pytest.raises(checkpoint.Gone, match="removed after it was listed"):
+        checkpoint.load(paths[3])
+    assert checkpoint.load(paths[2]).version == 2
+
+
 def test_reshard_and_inspect_read_chains(tmp_path):
     store, ckpt = make_store(max_rows=0, directory=str(tmp_path / "src"))
     push(store, np.arange(100, 400, dtype=np.uint64), 0)
