@@ -204,6 +204,28 @@ def test_it_follows_deltas_in_their_chains_order_and_refuses_a_corrupt_one(files
         server.stop()
 
 
+def test_two_servers_of_one_model_file_each_apply_to_the_file_they_verified(files):
+    """Two servers of one model directory (they share its pages): B takes deltas 1 and 2 and
+    compacts, which replaces the directory's files; A then applies delta 1. A's first apply used
+    to map the rows again by path, reading B's compacted file: A answered "version 20" with
+    rows of version 30. Each must read as the model file with the same deltas applied."""
+    base, deltas, _ = files
+    x = records(64, np.random.default_rng(5))
+    expect = load_model(base)
+    wants = []
+    for d in deltas[:2]:
+        expect.apply(d)
+        wants.append(expect.predict(x))
+    a, b = load_model(base), load_model(base)
+    b.apply(deltas[0])
+    b.apply(deltas[1])
+    b.compact()
+    a.apply(deltas[0])
+    assert [m.meta["origin"]["version"] for m in (a, b)] == [20, 30]
+    assert a.predict(x).tobytes() == wants[0].tobytes()
+    assert b.predict(x).tobytes() == wants[1].tobytes()
+
+
 def test_no_answer_mixes_two_versions_while_deltas_apply(files):
     """Clients predict without pause while the three deltas apply: every answer equals exactly
     the prediction of the version it names (a request that read some rows of the old version

@@ -340,11 +340,13 @@ class MappedTable:
     by binary search, and an id it does not hold as its initial value (as a shard does).
 
     Deltas applied (SavedModel.apply) change it while it serves: rows of ids it holds are
-    overwritten in place (the rows are then mapped copy-on-write: the pages written become this
-    process's own, the files stay as they were), new ids go to an overlay and removed ids to
-    tombstones (they read their initial value). The overlay and tombstones are one tuple, built
-    aside and swapped; a row is overwritten under the lock that lookups hold while they copy
-    rows out: a lookup sees each row as it was before an apply or after it, never half."""
+    overwritten in place (the rows are mapped copy-on-write from the file that was verified: the
+    pages written become this process's own, the files and the pages other servers of the same
+    model map stay as they were, whatever replaced the files since), new ids go to an overlay
+    and removed ids to tombstones (they read their initial value). The overlay and tombstones
+    are one tuple, built aside and swapped; a row is overwritten under the lock that lookups
+    hold while they copy rows out: a lookup sees each row as it was before an apply or after
+    it, never half."""
 
     def __init__(self, config, index: int, ids: np.ndarray, rows: np.ndarray, ids_as: str | None = None):
         self.config, self.index, self.ids, self.rows = config, index, ids, rows
@@ -410,10 +412,9 @@ class MappedTable:
         then the new overlay and tombstones swapped in."""
         (pos, rows), extra = plan
         if pos.shape[0]:
-            if not self.rows.flags.writeable:     # the user's files stay as they are
-                private = np.load(self.rows.filename, mmap_mode="c", allow_pickle=False)
+            if not self.rows.flags.writeable:     # rows given as read-only arrays: copied once
                 with self.lock:
-                    self.rows = private
+                    self.rows = np.array(self.rows)
             for a in range(0, pos.shape[0], page):
                 with self.lock:
                     self.rows[pos[a:a + page]] = rows[a:a + page]
@@ -460,11 +461,12 @@ def sums_of(path: str, meta: dict) -> dict | None:
     return sums
 
 
-def verify(path: str, sums: dict | None, name: str) -> str:
+def verify(path: str, sums: dict | None, name: str, f=None) -> str:
     """The file MODEL/NAME, checked against its entry in the JSON's "files" (its size, then the
     sha256 of every byte, read a few MiB at a time) before anything maps it; its path.
     DataError naming the file when it is not listed or differs. `sums` None: an export written
-    before checksums (sums_of), not checked."""
+    before checksums (sums_of), not checked. `f`: that file already open (opened_verified), read
+    from its start: what was checked is then what is read, whatever the path names meanwhile."""
     file = os.path.join(path, name)
     if sums is None:
         return file
@@ -473,7 +475,8 @@ def verify(path: str, sums: dict | None, name: str) -> str:
         raise DataError(f"{file}: not in the model's list of files (the JSON's {FILES!r}): not written with "
                         "this model")
     try:
-        with open(file, "rb", buffering=0) as f:
+        with contextlib.nullcontext(f) if f is not None else open(file, "rb", buffering=0) as f:
+            f.seek(0)
             size = os.fstat(f.fileno()).st_size
             if size != want.get("bytes"):
                 raise DataError(f"{file}: {size} bytes; the model's JSON says {want.get('bytes')}: the file "
@@ -488,6 +491,23 @@ def verify(path: str, sums: dict | None, name: str) -> str:
         raise DataError(f"{file}: sha256 {h.hexdigest()[:16]}... where the model's JSON says "
                         f"{str(want.get('sha256'))[:16]}...: the file changed since it was written")
     return file
+
+
+def opened_verified(path: str, sums: dict | None, name: str, what: str):
+    """MODEL/NAME opened once and verified through that open file (verify), rewound: a file the
+    path names after the check (a compaction or an export replacing it) is never the one read."""
+    file = os.path.join(path, name)
+    try:
+        f = open(file, "rb", buffering=0)
+    except OSError as e:
+        raise DataError(f"{path}: {what}: {file} does not read ({e.strerror or e})") from None
+    try:
+        verify(path, sums, name, f)
+        f.seek(0)
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 def ascending(file: str, ids: np.ndarray, page: int = 1 << 20) -> None:
@@ -507,13 +527,21 @@ def ascending(file: str, ids: np.ndarray, page: int = 1 << 20) -> None:
                         f"{int(ids[bad - 1])} (the ids are searched sorted, each once)")
 
 
-def _mapped(path: str, sums: dict | None, name: str, what: str) -> np.ndarray:
-    """MODEL/NAME verified (verify), then memory-mapped read-only."""
-    file = verify(path, sums, name)
-    try:
-        return np.load(file, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: {what}: {file} does not load ({e})") from None
+def _mapped(path: str, sums: dict | None, name: str, what: str, mode: str = "r") -> np.ndarray:
+    """MODEL/NAME verified (opened_verified), then memory-mapped from that open file: read-only
+    ("r"), or copy-on-write ("c": a table's rows, which deltas overwrite; the pages written
+    become this process's own, the file and the other servers' pages stay as they were)."""
+    with opened_verified(path, sums, name, what) as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            shape, fortran, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                                     else np.lib.format.read_array_header_2_0(f))
+            if dtype.hasobject:
+                raise ValueError("it holds Python objects")
+            return np.memmap(f, dtype=dtype, mode=mode, offset=f.tell(), shape=shape,
+                             order="F" if fortran else "C")
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: {what}: {os.path.join(path, name)} does not load ({e})") from None
 
 
 def read_tables(path: str, meta: dict) -> list[MappedTable]:
@@ -532,7 +560,8 @@ def read_tables(path: str, meta: dict) -> list[MappedTable]:
         if entry.get("index") != i:
             raise DataError(f"{path}: table {config.name!r} has index {entry.get('index')!r}; expected {i}")
         names = {what: f"{TABLES}/{config.name}.{what}.npy" for what in ("ids", "rows")}
-        ids, rows = (_mapped(path, sums, names[what], f"table {config.name!r}") for what in ("ids", "rows"))
+        ids, rows = (_mapped(path, sums, names[what], f"table {config.name!r}", mode)
+                     for what, mode in (("ids", "r"), ("rows", "c")))
         n = entry.get("rows")
         if (ids.dtype != np.uint64 or ids.shape != (n,) or rows.dtype != np.float32
                 or rows.shape != (n, config.dim)):
@@ -557,9 +586,10 @@ def removed_ids(path: str, entry: dict, sums: dict | None) -> np.ndarray:
     """A delta's TABLE.removed.npy, verified (verify): uint64, strictly ascending, as many as
     the JSON's "removed" says (when it says). DataError naming the file."""
     name = f"{TABLES}/{entry.get('name')}.removed.npy"
-    file = verify(path, sums, name)
+    file = os.path.join(path, name)
     try:
-        removed = np.load(file, allow_pickle=False)
+        with opened_verified(path, sums, name, "removed ids") as f:
+            removed = np.load(f, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise DataError(f"{file}: the removed ids do not load ({e})") from None
     if removed.dtype != np.uint64 or removed.ndim != 1:
