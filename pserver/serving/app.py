@@ -10,6 +10,9 @@ HTTP (on --http-port):
     GET  /healthz                  200 "ok" once the model is loaded
     GET  /metrics                  Prometheus: requests by protocol and outcome, latency histogram,
                                    the version served, deltas applied and refused, rows in the tables
+A bad request is a 400 {"error": "..."} (INVALID_ARGUMENT over gRPC) naming what is wrong, an
+answer that would not be finite included (replies are strict JSON: no NaN); another method is a
+405 naming the one the path takes.
 A token (--auth-token, $PSERVER_AUTH_TOKEN) is asked of both: gRPC's metadata as the shards ask it,
 HTTP's `Authorization: Bearer TOKEN` (the health and metrics paths excepted, as probes call them).
 With --tls-cert and --tls-key both speak TLS (HTTPS) with that certificate.
@@ -18,10 +21,13 @@ With --tls-cert and --tls-key both speak TLS (HTTPS) with that certificate.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import math
 import os
+import socket
 import ssl
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -34,12 +40,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
-from pserver.errors import DataError
+from pserver.errors import ConfigError, DataError
 from pserver.serving.model import ServedModel, as_input
 from pserver.wire.security import add_port, check_tls_files, server_interceptors, token_matches
 
 MAX_BODY = 64 << 20            # an HTTP request's body: larger ones are refused (413)
 IDLE_SECONDS = 60              # an HTTP connection that sends nothing this long is closed
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -106,6 +113,30 @@ def to_named(name: str, a: np.ndarray) -> pb.NamedArray:
                          data=a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
 
 
+def in_float32(name: str, a: np.ndarray) -> np.ndarray:
+    """`a`, refused (ValueError naming the input) if it holds a finite value beyond float32's range:
+    the model computes in float32, where such a value is inf, so a check for finite values made
+    before the cast (as_input's) passes a float64 1e300 that the model then computes as inf."""
+    if a.dtype.kind == "f" and a.dtype.itemsize > 4:
+        with np.errstate(over="ignore", invalid="ignore"):
+            beyond = np.isfinite(a) & ~np.isfinite(a.astype(np.float32))
+        if beyond.any():
+            raise ValueError(f"input {name or 'x'!r} holds values beyond float32's range "
+                             f"(|x| > {FLOAT32_MAX:.4g}): not finite in the model, which computes in float32")
+    return a
+
+
+def predict(served: ServedModel, inputs: dict) -> tuple[np.ndarray, int, str]:
+    """served.predict, its answer finite or refused (ValueError): finite inputs can still
+    overflow in the model (3e38 times a weight), and NaN or Infinity is neither JSON nor a
+    prediction."""
+    out, version, export_id = served.predict(inputs)
+    if out.dtype.kind == "f" and not np.isfinite(out).all():
+        raise ValueError("the model's output is not finite for these inputs (it overflowed float32); "
+                         "no prediction to give")
+    return out, version, export_id
+
+
 class Predictor(pb_grpc.PredictorServicer):
     def __init__(self, served: ServedModel, metrics: Metrics) -> None:
         self.served, self.metrics = served, metrics
@@ -113,10 +144,10 @@ class Predictor(pb_grpc.PredictorServicer):
     def Predict(self, request, context):
         started = time.perf_counter()
         try:
-            inputs = {a.name: to_array(a) for a in request.inputs}
+            inputs = {a.name: in_float32(a.name, to_array(a)) for a in request.inputs}
             if len(inputs) != len(request.inputs):
                 raise ValueError("an input is given twice")
-            out, version, export_id = self.served.predict(inputs)
+            out, version, export_id = predict(self.served, inputs)
         except ValueError as e:
             self.metrics.requests.labels("grpc", "invalid").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, " ".join(str(e).split()))
@@ -158,7 +189,7 @@ def _array(values, name: str):
     a = as_input(name, values)
     if isinstance(a, list):
         return a
-    return a.astype(np.float32) if a.dtype.kind == "f" else a.astype(np.int64)
+    return in_float32(name, a).astype(np.float32) if a.dtype.kind == "f" else a.astype(np.int64)
 
 
 def http_handler(served: ServedModel, metrics: Metrics, token: str | None):
@@ -172,9 +203,13 @@ def http_handler(served: ServedModel, metrics: Metrics, token: str | None):
         def log_message(self, *args):          # quiet: the metrics count the requests
             pass
 
-        def _send(self, code: int, body: dict | str, kind: str = "application/json") -> None:
-            data = (body if isinstance(body, str) else json.dumps(body)).encode()
+        def _send(self, code: int, body: dict | str, kind: str = "application/json",
+                  headers: tuple = ()) -> None:
+            # strict JSON: NaN or Infinity, which no JSON parser need read, is an error here
+            data = (body if isinstance(body, str) else json.dumps(body, allow_nan=False)).encode()
             self.send_response(code)
+            for name, value in headers:
+                self.send_header(name, value)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -227,9 +262,9 @@ def http_handler(served: ServedModel, metrics: Metrics, token: str | None):
                 self.close_connection = True
                 return self._send(413, {"error": f"the body is {length} bytes; at most {MAX_BODY}"})
             try:
-                body = json.loads(self.rfile.read(length) or b"null")
-                out, version, export_id = served.predict(instances_to_inputs(body, served.inputs))
-            except (ValueError, json.JSONDecodeError) as e:
+                body = _json(self.rfile.read(length) or b"null")
+                out, version, export_id = predict(served, instances_to_inputs(body, served.inputs))
+            except ValueError as e:             # json.JSONDecodeError too
                 metrics.requests.labels("http", "invalid").inc()
                 return self._send(400, {"error": " ".join(str(e).split())})
             metrics.requests.labels("http", "ok").inc()
@@ -238,7 +273,30 @@ def http_handler(served: ServedModel, metrics: Metrics, token: str | None):
             metrics.latency.labels("http").observe(time.perf_counter() - started)
             return None
 
+        def _not_allowed(self):
+            """A JSON 405 naming the methods the path takes, as the rest of the API answers
+            (BaseHTTPRequestHandler's own is a 501 HTML page). The body, if any, is left
+            unread, so the connection closes."""
+            self.close_connection = True
+            if self.path not in (predict_path, status_path, "/healthz", "/metrics"):
+                return self._send(404, {"error": f"no such path {self.path!r}; POST {predict_path}"})
+            allowed = "POST" if self.path == predict_path else "GET"
+            return self._send(405, {"error": f"method {self.command} is not allowed on {self.path!r}; "
+                                             f"it takes {allowed}"}, headers=(("Allow", allowed),))
+
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+
     return Handler
+
+
+def _json(data: bytes):
+    """The body's JSON; ValueError for one that nests too deep to read (Python's parser recurses
+    and raises RecursionError, which left the client with no reply at all)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError(f"the body nests too deep to read (over about {sys.getrecursionlimit()} "
+                         "levels of lists and objects); a model's inputs nest a few") from None
 
 
 class ModelServer:
@@ -254,18 +312,35 @@ class ModelServer:
             except OSError as e:
                 raise DataError(f"--follow {cfg.follow}: cannot create it ({e.strerror})") from None
         self.metrics = Metrics(self.served)
+        # no SO_REUSEPORT: a second server on a port in use is refused, not handed half the requests
         self.grpc = grpc.server(concurrent.futures.ThreadPoolExecutor(cfg.threads),
-                                interceptors=server_interceptors(cfg.auth_token))
+                                interceptors=server_interceptors(cfg.auth_token),
+                                options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_PredictorServicer_to_server(Predictor(self.served, self.metrics), self.grpc)
         self.health = health.HealthServicer()        # grpc.health.v1, for probes: SERVING once loaded
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         for name in ("", "pserver.v1.Predictor"):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.port = add_port(self.grpc, f"{cfg.host}:{cfg.port}", cfg.tls_cert, cfg.tls_key)
+        busy = cfg.port and _bind_error("--port", cfg.host, cfg.port)
+        if busy:
+            raise busy
+        try:
+            self.port = add_port(self.grpc, f"{cfg.host}:{cfg.port}", cfg.tls_cert, cfg.tls_key)
+        except RuntimeError:                 # grpcio >= 1.60: "Failed to bind to address", no reason
+            self.port = 0
+        if not self.port:
+            raise _bind_error("--port", cfg.host, cfg.port) or ConfigError(
+                f"--port {cfg.port}: gRPC cannot listen on {cfg.host}:{cfg.port}")
         self.http = None
         if cfg.http_port >= 0:
-            self.http = ThreadingHTTPServer((cfg.host, cfg.http_port),
-                                            http_handler(self.served, self.metrics, cfg.auth_token))
+            try:
+                self.http = ThreadingHTTPServer((cfg.host, cfg.http_port),
+                                                http_handler(self.served, self.metrics, cfg.auth_token))
+            except OSError as e:
+                self.grpc.stop(None)          # its port, bound above, is given back
+                raise _bind_error("--http-port", cfg.host, cfg.http_port) or ConfigError(
+                    f"--http-port {cfg.http_port}: cannot listen on {cfg.host}:{cfg.http_port} "
+                    f"({e.strerror or e})") from None
             self.http.daemon_threads = True
             if cfg.tls_cert:                 # HTTPS with the same certificate as gRPC
                 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -308,6 +383,23 @@ class ModelServer:
             self.http.shutdown()
             self.http.server_close()
         self.grpc.stop(grace).wait()
+
+
+def _bind_error(flag: str, host: str, port: int) -> ConfigError | None:
+    """Why the server could not listen on host:port, asked of a socket bound as gRPC binds
+    (SO_REUSEADDR), as one line naming the flag, which the CLI prints before exiting 2 as for any
+    configuration error; None if it can. gRPC says only that it failed, after a log line of its
+    own, so its port is asked first."""
+    try:
+        family, kind, _, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(addr)
+        return None
+    except OSError as e:               # socket.gaierror too: a host that does not resolve
+        if e.errno == errno.EADDRINUSE:
+            return ConfigError(f"{flag} {port}: address already in use on {host} (another server there?)")
+        return ConfigError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror or e})")
 
 
 def serve_model(cfg: ServeModelConfig) -> int:
