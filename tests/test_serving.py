@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pserver import load_model
 from pserver._proto import pserver_pb2 as pb
 from pserver._proto import pserver_pb2_grpc as pb_grpc
+from pserver.errors import DataError
 from pserver.serving import ModelServer, ServeModelConfig
 from pserver.serving.app import to_array, to_named
 from tests.support.processes import env_with, wait_until
@@ -224,6 +225,58 @@ def test_two_servers_of_one_model_file_each_apply_to_the_file_they_verified(file
     assert [m.meta["origin"]["version"] for m in (a, b)] == [20, 30]
     assert a.predict(x).tobytes() == wants[0].tobytes()
     assert b.predict(x).tobytes() == wants[1].tobytes()
+
+
+def crafted(delta: str, out: str, edit) -> str:
+    """A copy of `delta` whose JSON `edit(meta)` changed, every checksum kept valid: what the
+    files' checks cannot catch."""
+    shutil.copytree(delta, out)
+    with np.load(os.path.join(delta, "model.npz"), allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(str(arrays["pserver_model"]))
+    edit(meta, out)
+    arrays["pserver_model"] = np.array(json.dumps(meta))
+    np.savez(os.path.join(out, "model.npz"), **arrays)
+    return out
+
+
+def nan_rows(meta, out):
+    import hashlib
+    name = "tables/linear.rows.npy"
+    rows = np.load(os.path.join(out, name))
+    rows[: len(rows) // 2] = np.nan
+    np.save(os.path.join(out, name), rows)
+    data = open(os.path.join(out, name), "rb").read()
+    meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m, _: m["origin"].update(version="abc"), r'"origin"\."version" is \'abc\', not an integer'),
+    (lambda m, _: m.update(origin="v99"), r'"origin" is \'v99\', not an object'),
+    (lambda m, _: m.pop("export_id"), r'"export_id" is missing'),
+    (lambda m, _: m.update(tables="linear"), r'"tables" is \'linear\', not a list of objects'),
+    (lambda m, _: m.update(tables=[5]), r'"tables" is \'\[5\]\', not a list of objects'),
+    (nan_rows, r"table 'linear' has rows that are not finite"),
+], ids=["version-str", "origin-str", "no-export-id", "tables-str", "tables-of-numbers", "nan-rows"])
+def test_a_delta_whose_json_is_crafted_is_refused_whole_and_the_next_one_applies(files, tmp_path, edit,
+                                                                                   match):
+    """Checksums valid, JSON not (an adversarial pass): the server applied such a delta and then
+    failed every request, or committed the rows and died on a missing export id, serving a half
+    applied delta under the old version. Refused before anything changes; the good delta after it
+    applies."""
+    base, deltas, follow = files
+    x = records(9, np.random.default_rng(4))
+    expect = load_model(base)
+    before = expect.predict(x)
+    expect.apply(deltas[0])
+    after = expect.predict(x)
+    m = load_model(base)
+    bad = crafted(deltas[0], str(tmp_path / "bad"), edit)
+    with pytest.raises(DataError, match=match):
+        m.apply(bad)
+    assert m.predict(x).tobytes() == before.tobytes()
+    m.apply(deltas[0])
+    assert m.predict(x).tobytes() == after.tobytes()
 
 
 def test_no_answer_mixes_two_versions_while_deltas_apply(files):

@@ -479,8 +479,8 @@ def verify(path: str, sums: dict | None, name: str, f=None) -> str:
             f.seek(0)
             size = os.fstat(f.fileno()).st_size
             if size != want.get("bytes"):
-                raise DataError(f"{file}: {size} bytes; the model's JSON says {want.get('bytes')}: the file "
-                                "changed since it was written")
+                raise DataError(f"{file}: {size} bytes; the model's JSON says {want.get('bytes')!r}: the "
+                                "file changed since it was written")
             h, buf = hashlib.sha256(), bytearray(min(HASH_CHUNK, max(size, 1)))
             view = memoryview(buf)
             while k := f.readinto(buf):
@@ -669,6 +669,9 @@ class SavedModel:
             parts = read_tables(delta, meta)        # every file verified before any is used
             sums = meta.get(FILES)
             for t, part, entry in zip(self.tables, parts, entries):
+                if not np.isfinite(part.rows).all():          # a shard never holds one: not trained
+                    raise DataError(f"{delta}: table {t.name!r} has rows that are not finite (NaN or "
+                                    "Inf); nothing applied")
                 removed = removed_ids(delta, entry, sums)
                 plans.append(t.prepare(np.asarray(part.ids), np.asarray(part.rows), removed))
                 counts[t.name] = {"changed": int(part.ids.shape[0]), "removed": int(removed.shape[0])}
@@ -857,7 +860,46 @@ def read(path: str, arrays: bool = True) -> tuple[dict, dict]:
                             f"is a directory (version {SPARSE_VERSION}), a dense one a file ({VERSION})")
         raise DataError(f"{path}: model file version {meta.get('version')!r}; this pserver reads "
                         f"{VERSION} and {SPARSE_VERSION}")
+    bad = misshapen(meta)
+    if bad:
+        raise DataError(f"{file}: not a pserver model file: its JSON's {bad}")
     return meta, arrays
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def misshapen(meta: dict) -> str:
+    """What in a model file's JSON has the wrong type for what reads it (a loader, a server
+    applying a delta, its status), or "": checked when the file is read, before anything of it
+    is used, so that a file whose checksums hold but whose JSON does not (written by hand, or by
+    something else) is refused whole rather than half applied."""
+    if "export_id" in meta and not (isinstance(meta["export_id"], str) and meta["export_id"]):
+        return f'"export_id" is {meta["export_id"]!r}, not a non-empty string'
+    origin = meta.get("origin")
+    if origin is not None:
+        if not isinstance(origin, dict):
+            return f'"origin" is {origin!r}, not an object'
+        if "version" in origin and not _integer(origin["version"]):
+            return f'"origin"."version" is {origin["version"]!r}, not an integer'
+        versions = origin.get("versions")
+        if versions is not None and not (isinstance(versions, list) and all(map(_integer, versions))):
+            return f'"origin"."versions" is {versions!r}, not a list of integers'
+        if origin.get("job") is not None and not isinstance(origin["job"], str):
+            return f'"origin"."job" is {origin["job"]!r}, not a string'
+    tables = meta.get("tables")
+    if tables is not None and not (isinstance(tables, list) and all(isinstance(t, dict) for t in tables)):
+        return f'"tables" is {str(tables)[:80]!r}, not a list of objects'
+    for key in ("delta", "trained"):
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            return f'"{key}" is {str(meta[key])[:80]!r}, not an object'
+    delta = meta.get("delta") or {}
+    if "base_id" in delta and not isinstance(delta["base_id"], str):
+        return f'"delta"."base_id" is {delta["base_id"]!r}, not a string'
+    if delta and not isinstance(meta.get("export_id"), str):
+        return '"export_id" is missing: a delta names the export it makes'
+    return ""
 
 
 def weights_of(path: str, meta: dict, arrays: dict, layout) -> np.ndarray:
