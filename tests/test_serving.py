@@ -279,6 +279,56 @@ def test_a_delta_whose_json_is_crafted_is_refused_whole_and_the_next_one_applies
     assert m.predict(x).tobytes() == after.tobytes()
 
 
+def test_another_models_delta_is_refused_and_counted_not_waited_for(files, tmp_path):
+    """A delta of a model of another layout in the followed directory: it can never follow this
+    model, so it is refused, counted and named (it used to be passed over in silence at every
+    round, as if it were a later delta come first); this model's own deltas apply around it."""
+    base, deltas, follow = files
+
+    def other_layout(meta, _):
+        meta["signature"], meta["delta"]["base_id"] = "f" * 16, "0" * 32
+    server = start(base, follow=follow, poll=0.05)
+    try:
+        crafted(deltas[0], os.path.join(follow, "delta-0-other"), other_layout)
+        shutil.copytree(deltas[0], os.path.join(follow, "delta-1"))
+        assert wait_until(lambda: server.served.refused == 1 and server.served.version == 20, 10), \
+            server.served.status()
+        why = server.served.last_refusal
+        assert "delta-0-other" in why and "a delta of model 000" in why, why
+    finally:
+        server.stop()
+
+
+def test_a_failed_compaction_leaves_the_model_served_and_the_deltas_followed(files, tmp_path):
+    """--compact-every 1 where the model file cannot be rewritten (its directory is gone, a file
+    in its place; a read-only or full disk did the same in an adversarial pass): the follow
+    thread died of the OSError, and the server answered version 20 for ever while it said it was
+    healthy. The failure is said once and counted, and the next delta still applies."""
+    base, deltas, follow = files
+    moved = str(tmp_path / "served")
+    shutil.copytree(base, os.path.join(moved, "model"))
+    x = records(9, np.random.default_rng(4))
+    expect = load_model(base)
+    for d in deltas[:2]:
+        expect.apply(d)
+    lines = []
+    server = ModelServer(ServeModelConfig(os.path.join(moved, "model"), port=0, http_port=0, follow=follow,
+                                          poll=0.05, compact_every=1), say=lines.append).start()
+    try:
+        os.rename(moved, moved + ".gone")          # the mapped files stay; MODEL's directory does not
+        open(moved, "w").close()
+        shutil.copytree(deltas[0], os.path.join(follow, "delta-1"))
+        assert wait_until(lambda: server.served.follow_errors >= 1, 10), server.served.status()
+        shutil.copytree(deltas[1], os.path.join(follow, "delta-2"))
+        assert wait_until(lambda: server.served.version == 30, 10), (server.served.status(), lines)
+        assert grpc_predict(server, x)[0].tobytes() == expect.predict(x).tobytes()
+        status = json.loads(http(server, f"/v1/models/{server.served.name}")[1])["model_version_status"][0]
+        assert status["follow_errors"] >= 1 and "NotADirectoryError" in status["last_follow_error"], status
+        assert sum("still serving version 20, following on" in line for line in lines) == 1, lines
+    finally:
+        server.stop()
+
+
 def test_no_answer_mixes_two_versions_while_deltas_apply(files):
     """Clients predict without pause while the three deltas apply: every answer equals exactly
     the prediction of the version it names (a request that read some rows of the old version

@@ -685,7 +685,7 @@ class SavedModel:
 
     def compact(self, out: str | None = None) -> None:
         """Write the model as it reads now (deltas applied) to `out` (default: the directory it
-        was loaded from, replaced atomically) and serve from those files, mapped read-only. The
+        was loaded from, replaced atomically) and serve from those files, mapped as load maps them. The
         files are what `pserver export` of the same checkpoints writes, row for row."""
         with self._applying:
             out = out or self.path

@@ -82,6 +82,10 @@ class Metrics:
         applied.set_function(lambda: served.applied)
         refused = Gauge("pserver_serving_deltas_refused", "deltas refused since the start", registry=r)
         refused.set_function(lambda: served.refused)
+        failed = Gauge("pserver_serving_follow_errors", "rounds of --follow that failed (a full or "
+                       "read-only disk, ...): the model served stays, the last reason is in the status",
+                       registry=r)
+        failed.set_function(lambda: served.follow_errors)
         rows = Gauge("pserver_serving_rows",
                      "rows a sparse table holds: the file's, plus the deltas' new ids, "
                      "less those they removed", ["table"], registry=r)
@@ -238,7 +242,9 @@ def http_handler(served: ServedModel, metrics: Metrics, token: str | None):
                 return self._send(200, {"model_version_status": [{
                     "version": str(s["version"]), "state": "AVAILABLE", "export_id": s["export_id"],
                     "deltas_applied": s["deltas_applied"], "deltas_refused": s["deltas_refused"],
-                    "last_refusal": s["last_refusal"], "status": {"error_code": "OK", "error_message": ""}}]})
+                    "last_refusal": s["last_refusal"], "follow_errors": s["follow_errors"],
+                    "last_follow_error": s["last_follow_error"],
+                    "status": {"error_code": "OK", "error_message": ""}}]})
             return self._send(404, {"error": f"no such path {self.path!r}; POST {predict_path}"})
 
         def do_POST(self):

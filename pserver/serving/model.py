@@ -82,6 +82,9 @@ class ServedModel:
         self.compacted_at = 0                     # self.applied when the model file was last rewritten
         self.taken_up = 0                         # times the model was replaced by its directory's .base
         self.take_up_failure = ""                 # the last line take_up said it could not
+        self.follow_failure = ""                  # the last failure of a round of follow(), said once
+        self.follow_errors = 0                    # rounds of follow() that failed
+        self.last_follow_error = ""               # why the last of them failed (ModelStatus, /metrics)
         self.seen: dict[str, tuple] = {}          # delta path -> its files' signature when it was tried
         self.looked: dict[str, tuple] = {}        # delta path -> its files' signature at the last look
 
@@ -112,7 +115,8 @@ class ServedModel:
     def status(self) -> dict:
         return {"name": self.name, "version": self.version, "export_id": self.export_id,
                 "deltas_applied": self.applied, "deltas_refused": self.refused,
-                "last_refusal": self.last_refusal, "inputs": self.inputs}
+                "last_refusal": self.last_refusal, "follow_errors": self.follow_errors,
+                "last_follow_error": self.last_follow_error, "inputs": self.inputs}
 
     # -- predictions ---------------------------------------------------------------------------
 
@@ -204,10 +208,11 @@ class ServedModel:
         while progress:                  # until no candidate follows the model any more
             progress = False
             for path in candidates:
-                base = _base_of(path)
-                if path in tried or base is not None and base != self.export_id:
+                meta = _meta_of(path)
+                base = ((meta or {}).get("delta") or {}).get("base_id")
+                if path in tried or base is not None and base != self.export_id and not self._foreign(meta):
                     continue             # not this model's next delta (or not yet): left for later
-                tried.add(path)
+                tried.add(path)          # this model's next, another model's (refused), or unreadable
                 self.seen[path] = self.looked[path]
                 try:
                     counts = self.apply(path)
@@ -221,6 +226,18 @@ class ServedModel:
                 rows = ", ".join(f"{t} {c['changed']} rows" for t, c in counts.items()) or "dense weights"
                 say(f"pserver serve-model: applied {os.path.basename(path)}: version {self.version} ({rows})")
         return applied or int(self.take_up(directory, say))
+
+    def _foreign(self, meta: dict | None) -> bool:
+        """Whether a delta that does not follow this model's version is another model's (another
+        layout, or another job's): refused at once, since no delta to come can make it follow.
+        One of this model's own that is not next yet (a later one come first), or older (applied
+        before a restart, or copied in again) is passed over, not refused."""
+        if not meta:
+            return False
+        mine = self.saved.meta
+        job, my_job = ((m.get("origin") or {}).get("job") for m in (meta, mine))
+        return meta.get("signature") != mine.get("signature") or (job is not None and my_job is not None
+                                                                  and job != my_job)
 
     def take_up(self, directory: str, say=print) -> bool:
         """When this model has fallen behind the deltas `directory` holds (its exporter pruned the
@@ -238,7 +255,8 @@ class ServedModel:
                 origin.get("job") != mine.get("job"):
             return False
         for name in os.listdir(directory):
-            if not name.startswith(".") and _base_of(os.path.join(directory, name)) == self.export_id:
+            meta = _meta_of(os.path.join(directory, name)) if not name.startswith(".") else None
+            if ((meta or {}).get("delta") or {}).get("base_id") == self.export_id:
                 return False              # this model's next delta is there: it is applied instead
         try:
             fresh = model_file.load(source)
@@ -266,8 +284,16 @@ class ServedModel:
                 if self.follow_once(directory, say) and compact_every and \
                         self.applied - self.compacted_at >= compact_every:
                     self.compact(say)
-            except DataError as e:
-                say(f"pserver serve-model: {e}")
+                self.follow_failure = ""
+            except Exception as e:   # noqa: BLE001 - a full or read-only disk, anything: the model
+                # served stays as it was (a delta or a compaction takes effect whole or not at all),
+                # and the thread goes on following: said once, counted, in ModelStatus
+                line = f"pserver serve-model: {e if isinstance(e, DataError) else f'{type(e).__name__}: {e}'}"
+                self.follow_errors += 1
+                self.last_follow_error = line.removeprefix("pserver serve-model: ")
+                if line != self.follow_failure:
+                    self.follow_failure = line
+                    say(f"{line}; still serving version {self.version}, following on")
             stop.wait(poll)
 
     def compact(self, say=print) -> None:
@@ -323,15 +349,12 @@ def _signature(path: str) -> tuple | None:
     return count, newest, total
 
 
-def _base_of(path: str) -> str | None:
-    """The export id a delta was written since, from its JSON (None: unreadable, which apply
-    then refuses with the reason)."""
+def _meta_of(path: str) -> dict | None:
+    """A delta's JSON (None: unreadable, which apply then refuses with the reason)."""
     try:
-        meta, _ = model_file.read(path, arrays=False)
+        return model_file.read(path, arrays=False)[0]
     except Exception:           # noqa: BLE001 - any unreadable file: apply says why
         return None
-    info = meta.get("delta")
-    return info.get("base_id") if isinstance(info, dict) else None
 
 
 __all__ = ["ServedModel", "VersionLock", "as_input"]
