@@ -57,6 +57,15 @@ class Proc:
         self.reader = threading.Thread(target=self._copy, daemon=True)
         self.reader.start()
 
+    def stopped(self) -> bool:
+        """Whether it is stopped by a signal (SIGSTOP, SIGTSTP, a tracer: state T in /proc); False
+        where there is no /proc to say."""
+        try:
+            with open(f"/proc/{self.popen.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except (OSError, IndexError):
+            return False
+
     def _copy(self) -> None:
         for line in self.popen.stdout:
             m = LISTENING.search(line)
@@ -154,14 +163,53 @@ def start_workers(cfg: LaunchConfig, worker: WorkerConfig, addresses: tuple[str,
             for i in range(cfg.num_workers)]
 
 
-def supervise(shards: list[Proc], workers: list[Proc]) -> None:
-    """Return when every worker exited 0; raise naming the first process that failed."""
+class StoppedWorkers:
+    """Workers stopped by a signal once the chief's run is over: the shards marked them dead and
+    the job is done without them, but a stopped process never exits, and the launcher waited for
+    it for ever. One still stopped STOPPED_GRACE_S after the chief exited 0 is ended (SIGTERM and
+    SIGCONT, so that it leaves the shards as a stopped worker does; SIGKILL after STOP_GRACE),
+    said, and counted as done."""
+
+    def __init__(self, workers: list[Proc], say) -> None:
+        self.workers, self.say = workers, say
+        self.ended: set[int] = set()            # indexes into workers
+        self.since: dict[int, float] = {}
+
+    def done(self, i: int) -> bool:
+        return i in self.ended or self.workers[i].popen.poll() == 0
+
+    def look(self) -> None:
+        if self.workers[0].popen.poll() != 0:
+            return
+        now = time.monotonic()
+        for i, p in enumerate(self.workers):
+            if i in self.ended or p.popen.poll() is not None or not p.stopped():
+                self.since.pop(i, None)
+                continue
+            if now - self.since.setdefault(i, now) >= STOPPED_GRACE_S:
+                self.say(f"{p.role} is stopped by a signal (SIGSTOP?) and the chief's run is over: "
+                         f"ending it (the shards took its rank as dead)")
+                p.popen.send_signal(signal.SIGTERM)
+                p.popen.send_signal(signal.SIGCONT)
+                stop_all([p])
+                self.ended.add(i)
+
+
+STOPPED_GRACE_S = 5.0      # a worker stopped this long after the chief's end is ended (StoppedWorkers)
+
+
+def supervise(shards: list[Proc], workers: list[Proc], say=None) -> None:
+    """Return when every worker exited 0 (or, stopped by a signal after the chief's end, was
+    ended: StoppedWorkers); raise naming the first process that failed."""
+    stuck = StoppedWorkers(workers, say or (lambda line: print(f"pserver launch: {line}", file=sys.stderr,
+                                                               flush=True)))
     while True:
-        for p in workers + shards:
+        for i, p in enumerate(workers + shards):
             code = p.popen.poll()
-            if code is not None and (code != 0 or p in shards):
+            if code is not None and (code != 0 or p in shards) and i not in stuck.ended:
                 raise ProcessFailed(p.role, code)
-        if all(w.popen.poll() == 0 for w in workers):
+        stuck.look()
+        if all(stuck.done(i) for i in range(len(workers))):
             return
         time.sleep(0.1)
 

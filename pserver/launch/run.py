@@ -29,7 +29,7 @@ from pserver.config import ServerConfig
 from pserver.errors import ConfigError, ProcessFailed
 from pserver.launch.base import LaunchConfig, child_env
 from pserver.launch.cores import UNBIND, bound_to, usable_cores, worker_cores
-from pserver.launch.local import Proc, configure_shards, prestart_shards, stop_all
+from pserver.launch.local import Proc, StoppedWorkers, configure_shards, prestart_shards, stop_all
 from pserver.observe.progress import Relay
 from pserver.signals import Stopped, stop_on_signals, with_parent_death
 
@@ -137,10 +137,11 @@ def run_command(num_shards: int, num_workers: int, argv: list[str], server: Serv
 def _supervise(cfg, server, workers, shards, tmpdir) -> int:
     """Configure the shards when every worker's settings are in; the first failing worker's code."""
     started = False
+    stuck = StoppedWorkers(workers, lambda line: print(f"pserver run: {line}", file=sys.stderr, flush=True))
     while True:
-        for p in workers:
+        for i, p in enumerate(workers):
             code = p.popen.poll()
-            if code not in (None, 0):
+            if code not in (None, 0) and i not in stuck.ended:
                 p.reader.join(2.0)            # its last lines first, then ours naming it
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 print(f"pserver run: worker {p.rank} (rank {p.rank}) {how}; stopping the other workers "
@@ -149,7 +150,8 @@ def _supervise(cfg, server, workers, shards, tmpdir) -> int:
         for p in shards:
             if p.popen.poll() is not None:
                 raise ProcessFailed(p.role, p.popen.returncode)
-        if all(p.popen.poll() == 0 for p in workers):
+        stuck.look()
+        if all(stuck.done(i) for i in range(len(workers))):
             return 0
         if not started:
             refused = os.path.join(tmpdir, REFUSED)

@@ -317,3 +317,25 @@ def test_a_users_own_module_that_imports_pserver_keeps_python_s_ctrl_c(tmp_path)
                            env=env_with({"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}),
                            timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stdout + r.stderr
+
+
+def test_a_worker_stopped_by_sigstop_does_not_hold_the_launcher_after_the_chief_ends(procs):
+    """Worker 1 stopped (SIGSTOP) mid-run: the shards mark it dead after --step-timeout and the
+    chief trains on and ends; the launcher waited for the stopped worker for ever (an adversarial
+    pass). It ends it a few seconds after the chief's end, says so, and exits 0."""
+    launcher = procs("launch", "--ps", "1", "--workers", "2", *LOGREG, "--epochs", "2",
+                     "--delay", "fixed:0.01", "--step-timeout", "2")
+    assert wait_until(lambda: all(f"[worker{r}] epoch 1/2 step" in launcher.output for r in (0, 1)),
+                      180), launcher.output[-3000:]
+    kids = children(launcher.popen.pid)
+    worker1 = [pid for pid in kids if "worker1.config" in open(f"/proc/{pid}/cmdline").read()]
+    assert len(worker1) == 1, kids
+    try:
+        os.kill(worker1[0], signal.SIGSTOP)
+        assert launcher.wait(120) == 0, launcher.output[-3000:]
+    finally:
+        kill_leftovers(kids)
+    out = launcher.output
+    assert "pserver launch: worker1 is stopped by a signal (SIGSTOP?) and the chief's run is over" in out
+    assert out.index("== pserver run summary") < out.index("worker1 is stopped by a signal"), out[-3000:]
+    assert [pid for pid in kids if alive(pid)] == []
