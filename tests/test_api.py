@@ -178,6 +178,12 @@ def test_a_protocol_object_is_a_model(tmp_path):
      "    return pserver.Sequential([Conv2D(2, 9, input_shape=(4, 4, 1)), Flatten(), Dense(2)])\n",
      "build", r"--model {p}:build: layer conv2d \(Conv2D\): kernel 9x9 is larger than its input \(4, 4, 1\)"),
     ("def build(:\n", "build", r"--model {p}:build: importing {p} raised SyntaxError"),
+    # a script run at import: the command exited 0 having done nothing (an adversarial pass)
+    ("import sys\nsys.exit(0)\n", "build",
+     r"--model {p}:build: importing {p} raised SystemExit \(sys.exit\(0\)\): a model file is imported, "
+     r"not run as a script; .*, at {p} line 2: sys.exit\(0\)"),
+    ("def build():\n    raise SystemExit('bye')\n", "build",
+     r"--model {p}:build: build\(\) raised SystemExit \(sys.exit\('bye'\)\)"),
     ("", "9x", r"--model {p}:9x: expected FILE.py:FUNCTION or package.module:FUNCTION"),
 ])
 def test_user_model_mistakes_are_one_config_error(tmp_path, code, attr, match):

@@ -68,9 +68,8 @@ def load_model(spec: str, input_shape: tuple[int, ...], num_classes: int):
             model.build()    # a layer that cannot work says so here, as this --model's error
     except PServerError as e:
         raise ConfigError(f"--model {spec}: {e}{where(e, module)}") from None
-    except Exception as e:  # the user's code: any failure becomes one line, not a traceback
-        raise ConfigError(f"--model {spec}: {attr}() raised {type(e).__name__}: {e}"
-                          f"{where(e, module)}") from None
+    except (Exception, SystemExit) as e:  # the user's code: any failure becomes one line, not a traceback
+        raise ConfigError(f"--model {spec}: {attr}() raised {describe(e)}{where(e, module)}") from None
     gaps = protocol_gaps(model)
     if gaps:
         raise ConfigError(f"--model {spec}: {attr}() returned a {type(model).__name__}, not a "
@@ -85,7 +84,7 @@ def _import(spec: str, target: str):
         return importlib.import_module(target)
     except ImportError as e:
         raise ConfigError(f"--model {spec}: cannot import {target} ({e})") from None
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise ConfigError(f"--model {spec}: importing {target} raised {describe(e)}"
                           f"{where(e, path=_origin(target))}") from None
 
@@ -100,16 +99,19 @@ def _import_file(spec: str, path: str):
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # the user's code: a SyntaxError or a raise at import time
+    except (Exception, SystemExit) as e:  # the user's code: a SyntaxError, a raise or sys.exit at import
         del sys.modules[name]
         raise ConfigError(f"--model {spec}: importing {path} raised {describe(e)}"
                           f"{where(e, path=path)}") from None
     return module
 
 
-def describe(e: Exception) -> str:
+def describe(e: BaseException) -> str:
     """'NameError: name 'x' is not defined'; a SyntaxError without its '(file, line N)', which
-    `where` says."""
+    `where` says; sys.exit as what it is (the command went on to exit 0 having done nothing)."""
+    if isinstance(e, SystemExit):
+        return (f"SystemExit (sys.exit({e.code!r})): a model file is imported, not run as a script; "
+                "put what runs it under `if __name__ == \"__main__\":`")
     return f"{type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}"
 
 
