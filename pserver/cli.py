@@ -22,7 +22,10 @@ from pserver.config import (
     SCHEDULING,
     ServerConfig,
     WorkerConfig,
+    check_delay_ranks,
+    check_seconds,
     parse_address,
+    parse_log_level,
     parse_rank,
     parse_tf_config,
 )
@@ -362,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-shards", type=int, default=None, help="number of shards S (default 1)")
     g.add_argument("--num-workers", type=int, default=None,
                    help="number of workers N (default: learnt from the first worker)")
-    g.add_argument("--log-level", default="INFO", help="server log level (default INFO)")
+    g.add_argument("--log-level", type=parse_log_level, default="INFO", metavar="LEVEL",
+                   help="server log level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)")
     add_flags(s, SERVER_FLAGS, "training")
     add_flags(s, COMMON_FLAGS, "transport")
     add_flags(s, METRICS_FLAGS, "metrics")
@@ -473,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--host", default=None, help="address shards bind (default: their host's name as "
                                                  "SLURM_STEP_NODELIST lists it, the one the workers dial)")
     sl.add_argument("--summary-json", default=None, metavar="PATH", help="chief: write the run summary here")
-    sl.add_argument("--log-level", default="INFO", help="shard log level (default INFO)")
+    sl.add_argument("--log-level", type=parse_log_level, default="INFO", metavar="LEVEL",
+                    help="shard log level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)")
     add_flags(sl, SERVER_FLAGS, "shard flags")
     add_flags(sl, WORKER_FLAGS, "worker flags")
     add_flags(sl, COMMON_FLAGS, "transport")
@@ -711,6 +716,7 @@ def cmd_run(ns) -> int:
 
 def cmd_launch(ns) -> int:
     from pserver.launch import LaunchConfig, launch
+    check_delay_ranks(ns.delay_ranks, ns.workers)
     cfg = LaunchConfig(num_shards=ns.ps, num_workers=ns.workers, summary_json=ns.summary_json,
                        delay=ns.delay, delay_ranks=ns.delay_ranks,
                        delay_for=parse_delay_for(ns.delay_for, ns.workers), metrics_port=ns.metrics_port,
@@ -729,6 +735,7 @@ def cmd_launch(ns) -> int:
 
 def cmd_status(ns) -> int:
     from pserver.observe.status import show_status
+    check_seconds("--timeout", ns.timeout)
     text = ns.ps
     if text is None:
         cluster = parse_tf_config(os.environ.get("TF_CONFIG"))
@@ -791,9 +798,10 @@ def cmd_export(ns) -> int:
     if ns.follow:
         import signal
         import threading
-        if not ns.since or ns.poll <= 0:
-            raise ConfigError("--follow: give --since MODEL (the model a server serves) and --poll > 0; "
+        if not ns.since:
+            raise ConfigError("--follow: give --since MODEL (the model a server serves); "
                               "--out is then the directory the deltas go to")
+        check_seconds("--poll", ns.poll)
     elif ns.keep_deltas:
         raise ConfigError("--keep-deltas: only with --follow (a single export writes one file)")
     if ns.follow:
@@ -823,9 +831,10 @@ def cmd_export(ns) -> int:
 
 def cmd_serve_model(ns) -> int:
     from pserver.api import serve_model
-    if ns.poll <= 0 or ns.threads < 1 or ns.compact_every < 0:
-        raise ConfigError(f"--poll must be > 0, --threads >= 1 and --compact-every >= 0, got {ns.poll}, "
-                          f"{ns.threads} and {ns.compact_every}")
+    check_seconds("--poll", ns.poll)
+    if ns.threads < 1 or ns.compact_every < 0:
+        raise ConfigError(f"--threads must be >= 1 and --compact-every >= 0, got {ns.threads} and "
+                          f"{ns.compact_every}")
     return serve_model(ns.model, port=ns.port, http_port=ns.http_port, host=ns.host, follow=ns.follow,
                        poll=ns.poll, threads=ns.threads, compact_every=ns.compact_every,
                        **security_given(ns, SERVE_SECURITY))

@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import numbers
 import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 
 from pserver.errors import ConfigError
@@ -71,13 +73,63 @@ AUTO_RANK = -1                   # WorkerConfig.rank for `--rank auto`: shard 0 
 
 
 def parse_rank(text: str) -> int:
-    """`--rank`: a number, or `auto` (AUTO_RANK)."""
+    """`--rank`: a number >= 0, or `auto` (AUTO_RANK). A negative number is refused here, not
+    passed on: -1 is AUTO_RANK inside, and `--rank -1` ran as `--rank auto`."""
     if text == "auto":
         return AUTO_RANK
     try:
-        return int(text)
+        rank = int(text)
     except ValueError:   # argparse says: argument --rank: expected a number or auto, got 'x'
         raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+    if rank < 0:
+        raise argparse.ArgumentTypeError(f"{rank}; give 0..N-1 (N: --num-workers) or auto")
+    return rank
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def parse_log_level(text: str) -> str:
+    """`--log-level` (serve, slurm): a name of LOG_LEVELS, in any case; one line for another,
+    where logging.basicConfig raised ValueError (a traceback) once the shard started."""
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)} (any case)")
+    return text.upper()
+
+
+# The longest wait any flag may ask for. Deadlines and timers add their seconds to a clock: inf or
+# 1e10 overflowed it (OverflowError: timestamp out of range), or went to gRPC as a deadline it
+# reads as already passed ("Deadline Exceeded", exit 138: a user's mistake reported as retryable).
+# Nothing in a run waits for a day on one RPC, step or timer.
+MAX_SECONDS = 86400.0
+
+
+def check_seconds(flag: str, value: float, off: str | None = None) -> None:
+    """A flag's number of seconds: > 0 and at most MAX_SECONDS (nan and inf refused); `off`:
+    what 0 means, where 0 is accepted."""
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not number or not ((0 <= value if off else 0 < value) and value <= MAX_SECONDS):  # nan: never
+        zero = f"0 ({off}) or " if off else ""
+        raise ConfigError(f"{flag}: {value!r}; give {zero}a number of seconds > 0, at most "
+                          f"{MAX_SECONDS:.0f} (a day)")
+
+
+# --seed: it travels as an int64 (RegisterRequest.data_seed, SparseTableSpec.seed): a larger one
+# failed the worker's Register (ValueError: Value out of range, exit 1) after the data was built.
+SEED_LIMIT = 1 << 63
+
+
+def check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(f"--seed: {seed!r}; give an integer in [0, 2**63), what the wire carries")
+
+
+def check_delay_ranks(ranks: tuple[int, ...] | None, num_workers: int) -> None:
+    """launch --delay-ranks: each a worker rank, as --delay-for's are (a rank outside was taken
+    and delayed no worker)."""
+    bad = [r for r in ranks or () if not 0 <= r < num_workers]
+    if bad:
+        raise ConfigError(f"--delay-ranks: rank {bad[0]} is outside [0, --workers={num_workers})")
 
 
 def check_elastic(num_workers: int, min_workers: int, max_workers: int) -> None:
@@ -144,6 +196,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         check_metrics(self.metrics_port)
         MODES.get(self.mode)
+        if self.num_shards < 1:     # before --shard, which 0 shards would otherwise be blamed on
+            raise ConfigError(f"--num-shards: must be >= 1, got {self.num_shards}")
         if not 0 <= self.shard < self.num_shards:
             raise ConfigError(f"--shard: {self.shard} is outside [0, --num-shards={self.num_shards})")
         if not 0 <= self.port <= 65535:
@@ -151,8 +205,7 @@ class ServerConfig:
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers: must be >= 0, got {self.num_workers}")
         check_elastic(self.num_workers, self.min_workers, self.max_workers)
-        if self.step_timeout <= 0:
-            raise ConfigError(f"--step-timeout: must be > 0 seconds, got {self.step_timeout}")
+        check_seconds("--step-timeout", self.step_timeout)
         if self.threads < 4:
             raise ConfigError(f"--threads: must be at least 4, got {self.threads}")
         if isinstance(self.table_threads, bool) or not isinstance(self.table_threads, int) \
@@ -171,8 +224,11 @@ class ServerConfig:
             security.check_token(self.auth_token, "--auth-token")
         security.check_tls_files(self.tls_cert, self.tls_key)
         check_positive(chunk_bytes=self.chunk_bytes)
-        if self.checkpoint_every < 0 or self.checkpoint_secs < 0:
-            raise ConfigError("--checkpoint-every and --checkpoint-secs must be >= 0")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every: must be >= 0 (0: off), got {self.checkpoint_every}")
+        check_seconds("--checkpoint-secs", self.checkpoint_secs, off="off")
+        for flag, path in (("--checkpoint-dir", self.checkpoint_dir), ("--restore", self.restore)):
+            check_not_empty(flag, path)
         if isinstance(self.full_every, bool) or not isinstance(self.full_every, int) or self.full_every < 1:
             raise ConfigError(f"--full-every: must be an integer >= 1 (1: every checkpoint full), "
                               f"got {self.full_every!r}")
@@ -277,7 +333,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         check_metrics(self.metrics_port)
-        if self.tensorboard:
+        if self.tensorboard is not None:
             check_tensorboard(self.tensorboard)
         if not self.ps:
             raise ConfigError("--ps: give at least one shard address host:port")
@@ -303,14 +359,21 @@ class WorkerConfig:
         from pserver.wire.compress import parse, parse_pull
         parse(self.compress)
         parse_pull(self.pull_compress)
-        check_positive(connect_timeout=self.connect_timeout, rpc_deadline=self.rpc_deadline,
-                       chunk_bytes=self.chunk_bytes, log_every=self.log_every)
+        check_positive(chunk_bytes=self.chunk_bytes)
+        check_seconds("--connect-timeout", self.connect_timeout)
+        check_seconds("--rpc-deadline", self.rpc_deadline)
+        check_seconds("--log-every", self.log_every)
+        check_seconds("--eval-every", self.eval_every, off="per epoch only")
+        check_seed(self.seed)
+        if self.dataset == "synthetic":
+            check_synthetic_memory(self.samples, self.test_samples, self.features, self.classes)
         check_clipnorms(self.clipnorm, self.global_clipnorm)
         if self.max_steps < 0:
             raise ConfigError(f"--max-steps: must be >= 0, got {self.max_steps}")
-        for flag, path in (("--summary-json", self.summary_json), ("--stats-json", self.stats_json),
-                           ("--save", self.save)):
-            check_writable(flag, path)
+        check_writable("--summary-json", self.summary_json)
+        check_writable("--stats-json", self.stats_json)
+        check_writable("--save", self.save, model=True)
+        check_not_empty("--export-dir", self.export_dir)
         if self.delay:
             parse_delay(self.delay)
         if self.data_assignment not in DATA_ASSIGNMENTS:
@@ -318,6 +381,7 @@ class WorkerConfig:
                               f"{', '.join(DATA_ASSIGNMENTS)}")
         if self.chunk_batches < 1:
             raise ConfigError(f"--chunk-batches: must be >= 1, got {self.chunk_batches}")
+        check_seconds("--export-every", self.export_every, off="no exports")
         if not self.export_every >= 0 or (self.export_every > 0) != bool(self.export_dir):
             raise ConfigError(f"--export-every {self.export_every} --export-dir {self.export_dir}: give both "
                               f"(seconds > 0 and a directory) or neither")
@@ -351,12 +415,19 @@ def check_metrics(port: int | None) -> None:
 
 
 def check_tensorboard(directory: str) -> None:
+    """--tensorboard: tensorboardX there, and a directory it can write (or make: it makes the
+    missing ones), checked before training rather than as a traceback at its first scalar."""
     import importlib.util
+    check_not_empty("--tensorboard", directory)
     if importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError(f"--tensorboard: writing to {directory} needs tensorboardX "
                           "(pip install 'pserver[tensorboard]')")
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ConfigError(f"--tensorboard: {directory} is a file, not a directory")
+    existing = os.path.abspath(directory)
+    while not os.path.lexists(existing):          # the directory that SummaryWriter's makedirs starts in
+        existing = os.path.dirname(existing)
+    check_directory_writable("--tensorboard", existing)
 
 
 def check_positive(**values) -> None:
@@ -367,12 +438,76 @@ def check_positive(**values) -> None:
         raise ConfigError(f"--chunk-bytes: {values['chunk_bytes']} is over gRPC's 4 MiB message limit")
 
 
-def check_writable(flag: str, path: str | None) -> None:
-    """A file we will write at the end: its directory must exist now, not after training."""
-    if path:
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise ConfigError(f"{flag}: directory {parent} does not exist")
+def check_not_empty(flag: str, path: str | None) -> None:
+    """An empty path is refused: it was read as "not given", so `--save ''` or `--checkpoint-dir ''`
+    ran to the end and wrote nothing."""
+    if path is not None and not path.strip():
+        raise ConfigError(f"{flag}: {path!r} is an empty path; give a path, or leave the flag out")
+
+
+def check_writable(flag: str, path: str | None, model: bool = False) -> None:
+    """A file we will write at the end (renamed there from a file beside it): checked now, not
+    after training, whose result a failed write lost. Not an existing directory (`model`: unless
+    it is a pserver model, a sparse one's directory, which --save replaces), in a directory that
+    exists and that this process can write."""
+    check_not_empty(flag, path)
+    if path is None:
+        return
+    if os.path.isdir(path):
+        if not model:
+            raise ConfigError(f"{flag}: {path} is a directory; give a file's path")
+        from pserver.persist.model_file import MODEL_NPZ
+        if not os.path.isfile(os.path.join(path, MODEL_NPZ)):
+            raise ConfigError(f"{flag}: {path} is a directory that is not a pserver model; give another path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.lexists(parent):
+        raise ConfigError(f"{flag}: directory {parent} does not exist")
+    check_directory_writable(flag, parent)
+
+
+def check_directory_writable(flag: str, directory: str) -> None:
+    """`directory` is one this process can create files in: os.access says so and a probe file
+    (a unique name, removed at once) is created there, since root passes access() where a
+    read-only mount or an immutable directory still refuses the write."""
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{flag}: {directory} is not a directory")
+    if os.access(directory, os.W_OK):
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".pserver-write-check-", suffix=".tmp", dir=directory)
+        except OSError:
+            pass
+        else:
+            os.close(fd)
+            os.unlink(probe)
+            return
+    raise ConfigError(f"{flag}: cannot write in directory {directory} (read-only or not yours)")
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_synthetic_memory(samples: int, test_samples: int, features: int, classes: int) -> None:
+    """The synthetic dataset (pserver.data.synthetic), float32 features of every sample and one
+    centre per class, must fit in this machine's memory: a size past it was a numpy
+    _ArrayMemoryError traceback in every worker. The flag named is the largest part."""
+    memory = physical_memory()
+    values = (samples, test_samples, features, classes)
+    if memory is None or not all(isinstance(v, int) and v > 0 for v in values):
+        return                            # the types and lower bounds: pserver.data's checks
+    parts = {"--samples": samples * (features + 1), "--test-samples": test_samples * (features + 1),
+             "--classes": classes * features}
+    need = 4 * sum(parts.values())
+    if need > memory:
+        flag = max(parts, key=parts.get)
+        raise ConfigError(f"{flag}: the synthetic dataset of --samples {samples}, --test-samples "
+                          f"{test_samples}, --features {features} and --classes {classes} would take "
+                          f"{need / 2**30:,.1f} GiB, more than this machine's {memory / 2**30:,.1f} GiB "
+                          f"of memory")
 
 
 @dataclass(frozen=True)
