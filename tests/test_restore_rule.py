@@ -43,8 +43,9 @@ def weights(layout, version: int) -> np.ndarray:
     return (np.arange(layout.total, dtype=np.float32) + 1000 * version).astype(np.float32)
 
 
-def write(d: str, layout, num_shards: int, version: int, shards=None) -> None:
-    """The files `num_shards` shards of one sync job write at `version` (`shards`: only these)."""
+def write(d: str, layout, num_shards: int, version: int, shards=None, run=None) -> None:
+    """The files `num_shards` shards of one sync job write at `version` (`shards`: only these),
+    of run `run`."""
     w = weights(layout, version)
     for j, (start, end) in enumerate(shard_ranges(layout.total, num_shards)):
         if shards is None or j in shards:
@@ -53,7 +54,7 @@ def write(d: str, layout, num_shards: int, version: int, shards=None) -> None:
                                                      total=layout.total, start=start, end=end,
                                                      optimizer="momentum", params=w[start:end].copy(),
                                                      state={"v": w[start:end] * 2}, clocks={0: version},
-                                                     positions={0: (1, 10)}))
+                                                     positions={0: (1, 10)}), run=run)
 
 
 def restore(d: str, num_shards: int, mode: str = "sync") -> list[Shard]:
@@ -399,3 +400,33 @@ def test_a_delta_renamed_as_a_base_does_not_load(tmp_path):
     with pytest.raises(ValueError, match=r"kind base \(its meta: delta\)"):
         checkpoint.load(renamed)
     assert checkpoint_dir.newest_usable(str(tmp_path), "sync").best.version == 1
+
+
+def test_a_file_of_another_run_copied_in_is_never_mixed_into_a_cut(tmp_path, layout):
+    """Run a's directory (its RUN file) with run b's shard-1 file of version 18 copied in beside
+    a's own shard-0 v18: restore, export and evaluate read the cut 15 of run a alone, and say why
+    18 was passed over (an adversarial pass: they combined a's shard 0 with b's shard 1)."""
+    d = str(tmp_path / "ck")
+    os.makedirs(d)
+    assert checkpoint_dir.claim(d, None, "a" * 32) == "a" * 32
+    for v in (12, 15):
+        write(d, layout, 2, v, run="a" * 32)
+    write(d, layout, 2, 18, shards={0}, run="a" * 32)
+    write(d, layout, 2, 18, shards={1}, run="b" * 32)
+    assert [x.store.version for x in restore(d, 2)] == [15, 15]
+    choice = checkpoint_dir.newest_usable(d, "sync")
+    assert choice.best.version == 15
+    assert any("written by run " + "b" * 32 in f and "never mixed in" in f for f in choice.failures), \
+        choice.failures
+
+
+def test_an_unreadable_run_file_is_refused_before_anything_starts(tmp_path, layout):
+    """RUN not JSON (an adversarial pass): a restart took it, wrote its files under the run id
+    '<unreadable RUN file: ...>', and never pruned the old run's files again."""
+    d = str(tmp_path / "ck")
+    write(d, layout, 2, 12)
+    with open(os.path.join(d, checkpoint_dir.RUN_FILE), "w") as f:
+        f.write("garbage")
+    for args in ((d, d), (None, d), (d, None)):
+        with pytest.raises(ConfigError, match=r"/RUN does not read \(Expecting value.*\): it names the run"):
+            checkpoint_dir.check_start(*args)

@@ -89,6 +89,7 @@ class Checkpoint:
     positions: dict = field(default_factory=dict)  # rank -> (data_seed, steps_per_epoch) of its clock
     coordinator: dict | None = None   # shard 0's data coordinator (pserver.server.coordinator.state())
     lr_set: float | None = None       # the chief's learning rate, when it changed --lr (Shard.set_lr)
+    run: str | None = None            # the id of the run that wrote it (older files have none)
 
 
 def file_name(shard: int, num_shards: int, version: int, base: int | None = None) -> str:
@@ -396,7 +397,7 @@ def _assemble(path: str, meta: dict, arrays: dict, deltas: list[tuple[dict, dict
                       clocks={int(r): int(c) for r, c in m.get("clocks", {}).items()},
                       tables=tables, rows=rows,
                       positions={int(r): tuple(int(v) for v in p) for r, p in m.get("positions", {}).items()},
-                      coordinator=m.get("coordinator"), lr_set=m.get("lr_set"))
+                      coordinator=m.get("coordinator"), lr_set=m.get("lr_set"), run=m.get("run"))
 
 
 def tables_of(meta: dict) -> list[TableConfig]:

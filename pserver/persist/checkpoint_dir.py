@@ -132,6 +132,7 @@ def newest_usable(directory: str, mode: str, prefer: int = 0, shapes: Iterable[i
     of two runs."""
     warn, loader = loader is None, loader or load      # another loader has said why already
     found = scan(directory) if found is None else found
+    owner = run_of(directory)                           # a file another run wrote is not this directory's
     cut = mode in CUT_MODES
     failures: list[str] = []
     gone = 0
@@ -143,7 +144,11 @@ def newest_usable(directory: str, mode: str, prefer: int = 0, shapes: Iterable[i
 
     def attempt(path: str) -> Checkpoint | None:
         try:
-            return loader(path)
+            ckpt = loader(path)
+            if ckpt.run is not None and owner is not None and ckpt.run != owner:
+                raise ValueError(f"written by run {ckpt.run}, not by this directory's run {owner} (its "
+                                 f"{RUN_FILE} file): a file of another run, copied in, is never mixed in")
+            return ckpt
         except ValueError as e:
             nonlocal gone
             gone += isinstance(e, Gone)
@@ -253,6 +258,7 @@ def write_directory(cfg) -> tuple[str, str] | None:
 
 
 RUN_FILE = "RUN"                           # the run a checkpoint directory belongs to
+UNREADABLE = "<unreadable RUN file"        # what run_of says of a RUN file that does not read
 
 
 def run_of(directory: str) -> str | None:
@@ -263,7 +269,7 @@ def run_of(directory: str) -> str | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"<unreadable RUN file: {e}>"       # no run's id: never equal to one
+        return f"{UNREADABLE}: {e}>"              # no run's id: never equal to one (check_start refuses it)
 
 
 def claim(directory: str, seen: str | None, new: str | None = None) -> str:
@@ -320,6 +326,14 @@ def check_start(checkpoint_dir: str | None, restore: str | None) -> str | None:
     where = checkpoint_dir or restore
     same = bool(restore and where) and os.path.abspath(restore) == os.path.abspath(where)
     note = None
+    for directory in {d for d in (restore, where) if d and os.path.isdir(d)}:
+        run = run_of(directory)
+        if run is not None and run.startswith(UNREADABLE):
+            # Its files would be taken for another run's (never restored) and never pruned
+            why = run[len(UNREADABLE) + 2:-1]
+            raise ConfigError(f"{os.path.join(directory, RUN_FILE)} does not read ({why}): "
+                              f"it names the run the directory's checkpoints belong to; put back the "
+                              f"one that was there, or remove it if every checkpoint there is this job's")
     if restore:
         if not os.path.exists(restore):
             if not same:
