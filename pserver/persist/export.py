@@ -242,7 +242,10 @@ def _model_of(ckpt, directory: str, options: dict):
     if configs and spec not in CTR_MODELS:
         raise ConfigError(f"--model {spec}: the checkpoints in {directory} hold sparse tables "
                           f"({', '.join(t.name for t in configs)}); give the CTR model they are of")
-    defaults = {"seed": configs[0].seed} if configs else {}
+    # The run's --seed (the synthetic data's and the tables' initial rows'): the tables', else the
+    # data order every worker counted its position in (a dense model's checkpoints hold no other)
+    seeds = {int(p[0]) for p in ckpt.positions.values()}
+    defaults = {"seed": configs[0].seed} if configs else {"seed": seeds.pop()} if len(seeds) == 1 else {}
     factors = [t.dim for t in configs if t.name == "factors"]
     if factors:
         defaults["embedding_dim"] = factors[0]
