@@ -445,6 +445,11 @@ def check_not_empty(flag: str, path: str | None) -> None:
         raise ConfigError(f"{flag}: {path!r} is an empty path; give a path, or leave the flag out")
 
 
+# A sparse model's directory holds this file (pserver.persist.model_file.MODEL_NPZ; config sits
+# below persist in the layers, tests/test_flag_checks.py checks the two agree)
+SPARSE_MODEL_NPZ = "model.npz"
+
+
 def check_writable(flag: str, path: str | None, model: bool = False) -> None:
     """A file we will write at the end (renamed there from a file beside it): checked now, not
     after training, whose result a failed write lost. Not an existing directory (`model`: unless
@@ -456,8 +461,7 @@ def check_writable(flag: str, path: str | None, model: bool = False) -> None:
     if os.path.isdir(path):
         if not model:
             raise ConfigError(f"{flag}: {path} is a directory; give a file's path")
-        from pserver.persist.model_file import MODEL_NPZ
-        if not os.path.isfile(os.path.join(path, MODEL_NPZ)):
+        if not os.path.isfile(os.path.join(path, SPARSE_MODEL_NPZ)):
             raise ConfigError(f"{flag}: {path} is a directory that is not a pserver model; give another path")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.lexists(parent):

@@ -227,3 +227,9 @@ def test_delay_ranks_outside_the_workers_are_refused(ranks):
 def test_launch_delay_ranks_5_is_one_line_and_exit_2():
     one_line_exit_2(pserver("launch", "--ps", "1", "--workers", "2", "--samples", "50", "--features", "3",
                             "--delay", "fixed:0.01", "--delay-ranks", "5"), "launch", "--delay-ranks")
+
+
+def test_configs_name_of_a_sparse_models_file_is_the_model_files():
+    from pserver.config import SPARSE_MODEL_NPZ
+    from pserver.persist.model_file import MODEL_NPZ
+    assert SPARSE_MODEL_NPZ == MODEL_NPZ

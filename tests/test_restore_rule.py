@@ -443,3 +443,26 @@ def test_export_of_a_dense_model_takes_the_runs_seed_from_its_checkpoints(tmp_pa
         out = str(tmp_path / f"m{seed}.npz")
         export_checkpoints(d, out, options)
         assert model_file.read(out, arrays=False)[0]["dataset"]["seed"] == seed
+
+
+def test_export_never_writes_over_its_since_model_or_a_users_file(tmp_path, layout):
+    """`export --since M --out M` replaced the model with a delta of itself (evaluate then said
+    "a delta, not a model"), and --out naming a text file replaced it (an adversarial pass).
+    Both refused before anything is read or written; a model at --out is still replaced."""
+    d = str(tmp_path / "ck")
+    write(d, layout, 2, 12)
+    model = str(tmp_path / "m.npz")
+    export_checkpoints(d, model, MODEL)
+    before = open(model, "rb").read()
+    with pytest.raises(ConfigError, match="--out: .* is the --since model"):
+        export_checkpoints(d, model, MODEL, since=model)
+    with pytest.raises(ConfigError, match="--out: .* is the --since model"):
+        export.DeltaChain(d, model, model, MODEL)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(ConfigError, match="--out: .* is a file that is not a pserver model"):
+        export_checkpoints(d, str(notes), MODEL)
+    assert open(model, "rb").read() == before and notes.read_text() == "mine"
+    write(d, layout, 2, 15)
+    export_checkpoints(d, model, MODEL)                   # a model there: replaced, as before
+    assert model_file.read(model, arrays=False)[0]["origin"]["version"] == 15

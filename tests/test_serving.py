@@ -324,6 +324,9 @@ def test_a_failed_compaction_leaves_the_model_served_and_the_deltas_followed(fil
         assert grpc_predict(server, x)[0].tobytes() == expect.predict(x).tobytes()
         status = json.loads(http(server, f"/v1/models/{server.served.name}")[1])["model_version_status"][0]
         assert status["follow_errors"] >= 1 and "NotADirectoryError" in status["last_follow_error"], status
+        reply = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{server.port}")).ModelStatus(
+            pb.ModelStatusRequest(), timeout=30)
+        assert reply.follow_errors >= 1 and "NotADirectoryError" in reply.last_follow_error
         assert sum("still serving version 20, following on" in line for line in lines) == 1, lines
     finally:
         server.stop()

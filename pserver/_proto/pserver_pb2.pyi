@@ -685,7 +685,7 @@ class ModelStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelStatusReply(_message.Message):
-    __slots__ = ("name", "version", "export_id", "deltas_applied", "deltas_refused", "last_refusal", "inputs")
+    __slots__ = ("name", "version", "export_id", "deltas_applied", "deltas_refused", "last_refusal", "inputs", "follow_errors", "last_follow_error")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -693,6 +693,8 @@ class ModelStatusReply(_message.Message):
     DELTAS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     LAST_REFUSAL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FOLLOW_ERROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     export_id: str
@@ -700,4 +702,6 @@ class ModelStatusReply(_message.Message):
     deltas_refused: int
     last_refusal: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., export_id: _Optional[str] = ..., deltas_applied: _Optional[int] = ..., deltas_refused: _Optional[int] = ..., last_refusal: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ...) -> None: ...
+    follow_errors: int
+    last_follow_error: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., export_id: _Optional[str] = ..., deltas_applied: _Optional[int] = ..., deltas_refused: _Optional[int] = ..., last_refusal: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., follow_errors: _Optional[int] = ..., last_follow_error: _Optional[str] = ...) -> None: ...

@@ -12,7 +12,7 @@ import re
 
 from pserver import models
 from pserver.build import fit_data, load_data, model_for
-from pserver.config import WorkerConfig
+from pserver.config import WorkerConfig, check_directory_writable, check_writable
 from pserver.data import load_dataset
 from pserver.errors import ConfigError, DataError
 from pserver.models.ctr import CTR_MODELS
@@ -107,7 +107,7 @@ def export_checkpoints(directory: str, out: str, options: dict, mode: str = "syn
     export --follow: building it reads the dataset, 0.36 of a wide_deep export's 0.43 s).
     `state`: the directory's state read already (checkpoint_dir.newest_shape's), exported as it
     is: a job's newer files, or its pruning, since then do not change what is written."""
-    _check_export_paths(directory, out, options)
+    _check_export_paths(directory, out, options, since)
     ckpts = (state or checkpoint_dir.newest_shape(directory, mode)).ckpts
     ckpt = combine(ckpts, 1, 0)
     key = (repr(ckpt.tables), ckpt.signature, ckpt.total)
@@ -155,7 +155,14 @@ class DeltaChain:
         self.keep = keep
         self.work = os.path.join(out_dir, ".base")
         model_file.since_meta(since)                          # refused at once, not at the first delta
-        os.makedirs(out_dir, exist_ok=True)
+        _check_out_is_not_since(out_dir, since)
+        if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+            raise ConfigError(f"--out: {out_dir} is a file; --follow writes its deltas into a directory")
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--out: cannot make directory {out_dir} ({e.strerror or e})") from None
+        check_directory_writable("--out", out_dir)
         if not os.path.exists(self.work):
             model_file.load(since).compact(self.work)     # the model to write deltas since, a copy of MODEL
         self.written, self.built = 0, {}
@@ -207,8 +214,18 @@ def follow_checkpoints(directory: str, since: str, out_dir: str, options: dict, 
     import threading
     stop = stop or threading.Event()
     chain = DeltaChain(directory, since, out_dir, options, mode, keep)
+    failed = ""
     while not stop.is_set():
-        result = chain.step()
+        try:
+            result = chain.step()
+        except OSError as e:    # a full or read-only disk: said once, the next poll tries again
+            line = (f"pserver export: cannot write the next delta into {out_dir} ({e.strerror or e}); "
+                    "trying again")
+            if line != failed:
+                say(line)
+            failed, result = line, None
+        else:
+            failed = "" if result is not None else failed
         if result is not None:
             say(delta_line(result))
             continue                             # a newer state may be there already
@@ -222,8 +239,10 @@ def delta_line(result: dict) -> str:
             f"{changed:,} rows changed)")
 
 
-def _check_export_paths(directory: str, out: str, options: dict) -> None:
-    """What export refuses before it reads a checkpoint: nothing is written."""
+def _check_export_paths(directory: str, out: str, options: dict, since: str | None = None) -> None:
+    """What export refuses before it reads a checkpoint: nothing is written. `out` replaces only
+    a pserver model (never the --since model itself, which a delta is written against, nor a
+    file of the user's that is not a model), in a directory this process can write."""
     if not options.get("model"):
         raise ConfigError("--model: give the model the checkpoints are of (lr, fm, wide_deep, deepfm, "
                           "mlp, ...): a checkpoint records its layout, not the model's definition")
@@ -233,6 +252,20 @@ def _check_export_paths(directory: str, out: str, options: dict) -> None:
     if not os.path.isdir(parent):
         raise ConfigError(f"--out: {out} cannot be written: {parent} "
                           f"{'is not a directory' if os.path.lexists(parent) else 'does not exist'}")
+    _check_out_is_not_since(out, since)
+    check_writable("--out", out, model=True)
+    if os.path.lexists(out) and not os.path.isdir(out):
+        try:
+            model_file.read(out, arrays=False)
+        except DataError:
+            raise ConfigError(f"--out: {out} is a file that is not a pserver model: export replaces a "
+                              "model only; give another path") from None
+
+
+def _check_out_is_not_since(out: str, since: str | None) -> None:
+    if since is not None and os.path.realpath(out) == os.path.realpath(since):
+        raise ConfigError(f"--out: {out} is the --since model: the delta goes to a path of its own, the "
+                          "model it is written against stays as it is")
 
 
 def _model_of(ckpt, directory: str, options: dict):
