@@ -412,3 +412,25 @@ def test_a_padded_sequence_on_the_shards_trains_as_dense_tables_and_its_ids_feed
     np.testing.assert_allclose(lk.grads, summed[lk.uniq.astype(np.int64)], rtol=1e-10, atol=1e-14)
     if pad == 0:
         assert not views["keys/embeddings"][0].any()           # padding passes no gradient
+
+
+def test_a_multi_hot_ctr_model_file_loads_as_the_multi_hot_model_it_was(tmp_path):
+    """The model file records each field's list size (ctr_arguments' multi_hot) but the loader
+    did not pass it on: a multi-hot model came back one-hot (records of one `cat` array), and
+    `evaluate --model-file` refused its own dataset (an adversarial pass)."""
+    from pserver import load_model
+    from pserver.models import make_model
+    from pserver.models.ctr import ctr_arguments
+    from pserver.persist import model_file
+    sizes = [3, 1, 2]
+    model = make_model("lr", (), 2, dense_features=2, fields=3, multi_hot=sizes)
+    w = np.zeros(model.layout.total, np.float32)
+    ids = np.arange(5, dtype=np.uint64)
+    tables = {t.name: (ids, np.ones((5, t.dim), np.float32)) for t in model.sparse_tables}
+    definition = {"model": "lr", "arguments": {**ctr_arguments(model), "num_classes": 2}, "dataset": None}
+    path = str(tmp_path / "mh")
+    model_file.save(path, model, w, definition, {}, tables=tables,
+                    origin={"live": True, "num_shards": 1, "versions": [3], "version": 3})
+    loaded = load_model(path)
+    assert loaded.model.record.names == model.record.names == ("dense", "cat_0", "cat_1", "cat_2")
+    assert [loaded.model.record[f"cat_{j}"].shape for j in range(3)] == [(n,) for n in sizes]

@@ -65,7 +65,8 @@ VERSION = 1                       # a dense model: one .npz
 SPARSE_VERSION = 2                # a model with sparse tables: a directory (module docstring)
 MODEL_NPZ = "model.npz"           # a sparse model's dense part, in its directory
 TABLES = "tables"                 # its tables' .npy files
-CTR_ARGUMENTS = ("embedding_dim", "dense_features", "fields")   # what rebuilds a CTR model's layout
+# what rebuilds a CTR model's layout (and its records: multi_hot, each field's list size)
+CTR_ARGUMENTS = ("embedding_dim", "dense_features", "fields", "multi_hot")
 META = "pserver_model"            # the .npz entry that holds the JSON
 DATASET_FIELDS = ("dataset", "data_dir", "seed", "samples", "test_samples", "features", "classes")
 FILES = "files"                   # the JSON's {path under MODEL/: {"bytes", "sha256"}}
