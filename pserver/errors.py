@@ -186,13 +186,14 @@ class OverBudget(ResourceExhausted):
 
 class ProcessFailed(PServerError):
     """A process of the cluster (launch's child, a Ray actor) exited with `code`: the
-    launcher exits transient when it did (or when a signal killed it), else failed."""
+    launcher exits transient when it did (or when a signal killed it), 2 when the child found a
+    mistake of the user's (so that a scheduler does not start it again unchanged), else failed."""
 
     def __init__(self, role: str, code: int, what: str = "; stopping the cluster") -> None:
         if code < 0:                   # Popen: killed by signal -code
             code = 128 - code
         super().__init__(f"{role} exited with code {code}{what}")
-        self.exit_code = EXIT_TRANSIENT if code >= 128 else EXIT_FAILED
+        self.exit_code = EXIT_TRANSIENT if code >= 128 else EXIT_USAGE if code == EXIT_USAGE else EXIT_FAILED
 
 
 RPC_ERRORS = {cls.code_name: cls for cls in

@@ -174,6 +174,7 @@ def test_the_exit_code_policy_retries_what_a_restart_may_fix_and_nothing_else(tf
     # transient one
     assert str(ProcessFailed("ps0", -9)) == "ps0 exited with code 137; stopping the cluster"
     assert [ProcessFailed("w", c).exit_code for c in (127, 128)] == [1, 138]
+    assert ProcessFailed("ps1", 2).exit_code == 2       # a child's usage error stays one for the launcher
     for spec in tfjob["spec"]["tfReplicaSpecs"].values():
         assert spec["restartPolicy"] == "ExitCode"
     jobs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "statefulset.yaml").read_text())

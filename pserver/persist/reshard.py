@@ -127,10 +127,14 @@ def restore_point(directory: str, shard: int, num_shards: int, mode: str,
     if not own:
         raise ConfigError(checkpoint_dir.why_none(directory, found, mode, choice.failures))
     if shard not in own:
+        newest = max(v for files in own.values() for v, _ in files)
         raise ConfigError(f"--restore: {directory} holds checkpoints of shards "
-                          f"{', '.join(map(str, sorted(own)))} of {num_shards} but none of "
-                          f"shard {shard}: starting it fresh would mix a new shard into a trained model; "
-                          f"restore from the directory that holds its files")
+                          f"{', '.join(map(str, sorted(own)))} of {num_shards} (up to version {newest}) but "
+                          f"none of shard {shard}: starting it fresh would mix a new shard into a trained "
+                          f"model; restore from the directory that holds its files, or, if none does "
+                          f"(shard {shard} stopped before its first checkpoint), the others' state cannot be "
+                          f"resumed without it: start the job afresh with another --checkpoint-dir (or move "
+                          f"{directory} aside)")
     if mode in CUT_MODES and set(own) != {shard} and checkpoint_dir.cut_versions(own, num_shards):
         if fresh_if_corrupt:          # cuts there are, and not one loads
             log.warning("shard %d: no version loads for every shard in %s; starting fresh as "
