@@ -103,7 +103,7 @@ def test_launch_stops_every_shard_when_one_fails_to_start(tmp_path):
     scratch.mkdir()
     r = run("launch", "--ps", "2", "--workers", "1", "--restore", str(tmp_path), timeout=120,
             env={"TMPDIR": str(scratch)})
-    assert r.returncode == 1 and "exited with code 2" in r.stderr, r.stderr
+    assert r.returncode == 2 and "exited with code 2" in r.stderr, r.stderr      # its usage error: 2
     assert list(scratch.glob("pserver-launch-*")) == []           # its temp dir is gone too
     left = subprocess.run(["pgrep", "-f", f"--restore {tmp_path}"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "a shard was left running"
