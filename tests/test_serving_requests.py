@@ -154,3 +154,37 @@ def test_a_method_a_path_does_not_take_is_a_json_405_naming_the_allowed_one(ones
         assert code == 200, text
     finally:
         server.stop()
+
+
+def raw_exchange(port: int, data: bytes) -> bytes:
+    """What the server sends back to `data` written on one connection, until it closes it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    return got
+
+
+def test_a_body_left_unread_is_never_read_as_the_next_request(ones):
+    """A 404, a 401 and a chunked body: the body stayed in the connection and was parsed as a
+    second request (an HTML 400 after the JSON answer, an adversarial pass). The server answers
+    once and closes the connection."""
+    smuggled = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"      # what a body must never become
+    server = start(ones)
+    try:
+        for head, code in ((b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n", b"404"),
+                           (b"POST /v1/models/sequential:predict HTTP/1.1\r\nHost: x\r\n"
+                            b"Transfer-Encoding: chunked\r\n\r\n", b"411")):
+            got = raw_exchange(server.http_port, head.replace(b"%d", str(len(smuggled)).encode()) + smuggled)
+            assert got.startswith(b"HTTP/1.0 " + code) or got.startswith(b"HTTP/1.1 " + code), got[:200]
+            assert got.count(b"HTTP/1.") == 1, got
+    finally:
+        server.stop()
+    server = start(ones, auth_token="s3cret-token-for-serving-tests")
+    try:
+        head = b"POST /v1/models/sequential:predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+        got = raw_exchange(server.http_port, head.replace(b"%d", str(len(smuggled)).encode()) + smuggled)
+        assert b" 401 " in got.split(b"\r\n")[0] and got.count(b"HTTP/1.") == 1, got
+    finally:
+        server.stop()

@@ -251,10 +251,18 @@ def http_handler(served: ServedModel, metrics: Metrics, token: str | None):
             started = time.perf_counter()
             if not self._authorized():
                 metrics.requests.labels("http", "unauthenticated").inc()
+                self.close_connection = True     # its body is left unread: it is not the next request
                 return None
             if self.path != predict_path:
                 metrics.requests.labels("http", "not_found").inc()
+                self.close_connection = True
                 return self._send(404, {"error": f"no such path {self.path!r}; POST {predict_path}"})
+            if self.headers.get("Transfer-Encoding"):
+                # Chunked bodies are not read: their chunks were taken for the next request
+                metrics.requests.labels("http", "invalid").inc()
+                self.close_connection = True
+                return self._send(411, {"error": "send the body with a Content-Length (Transfer-Encoding "
+                                                 f"{self.headers.get('Transfer-Encoding')!r} is not read)"})
             try:
                 length = int(self.headers.get("Content-Length") or 0)
             except ValueError:
