@@ -126,10 +126,10 @@ def token_matches(given: bytes, expected: bytes) -> bool:
 def refusal(presented: bytes | None, expected: bytes) -> str | None:
     """Why `presented` is refused (None: accepted). Never quotes either token."""
     if presented is None:
-        return (f"{METADATA_KEY}: this shard requires a token (--auth-token or {TOKEN_ENV}) "
+        return (f"{METADATA_KEY}: this server requires a token (--auth-token or {TOKEN_ENV}) "
                 f"and the call carried none")
     if not token_matches(presented, expected):
-        return f"{METADATA_KEY}: the token does not match this shard's (--auth-token or {TOKEN_ENV})"
+        return f"{METADATA_KEY}: the token does not match this server's (--auth-token or {TOKEN_ENV})"
     return None
 
 
