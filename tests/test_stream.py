@@ -216,3 +216,12 @@ def test_ingest_refuses_a_directory_a_missing_parent_and_a_busy_port(tmp_path):
             IngestServer(str(tmp_path / "other.tsv"), port=first.port)
     finally:
         first.server_close()
+
+
+def test_a_stream_whose_directory_does_not_exist_is_refused_not_waited_for(tmp_path):
+    """stream:/nonexistent/dir/f: the worker waited for ever in silence (an adversarial pass);
+    no process can write that file. A file not there yet in a directory that is: waited for."""
+    from pserver.data.stream import open_stream
+    with pytest.raises(ConfigError, match=r"directory .*/no/dir does not exist; the file may appear later"):
+        open_stream(f"stream:{tmp_path}/no/dir/events.tsv")
+    assert open_stream(f"stream:{tmp_path}/events.tsv").path == str(tmp_path / "events.tsv")

@@ -185,6 +185,11 @@ def open_stream(spec: str) -> StreamFile:
     if os.path.isdir(path):
         raise ConfigError(f"--dataset stream:{path}: is a directory; give the file the events are "
                           f"appended to")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        # nothing (pserver ingest included) can write the file there: the worker waited for ever
+        raise ConfigError(f"--dataset stream:{path}: directory {parent} does not exist; the file may "
+                          f"appear later, its directory must be there (create it, or check the path)")
     return StreamFile(path)
 
 
