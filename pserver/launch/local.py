@@ -57,15 +57,6 @@ class Proc:
         self.reader = threading.Thread(target=self._copy, daemon=True)
         self.reader.start()
 
-    def stopped(self) -> bool:
-        """Whether it is stopped by a signal (SIGSTOP, SIGTSTP, a tracer: state T in /proc); False
-        where there is no /proc to say."""
-        try:
-            with open(f"/proc/{self.popen.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-        except (OSError, IndexError):
-            return False
-
     def _copy(self) -> None:
         for line in self.popen.stdout:
             m = LISTENING.search(line)
@@ -163,6 +154,16 @@ def start_workers(cfg: LaunchConfig, worker: WorkerConfig, addresses: tuple[str,
             for i in range(cfg.num_workers)]
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (SIGSTOP, SIGTSTP, a tracer: state T in
+    /proc); False where there is no /proc to say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 class StoppedWorkers:
     """Workers stopped by a signal once the chief's run is over: the shards marked them dead and
     the job is done without them, but a stopped process never exits, and the launcher waited for
@@ -183,7 +184,7 @@ class StoppedWorkers:
             return
         now = time.monotonic()
         for i, p in enumerate(self.workers):
-            if i in self.ended or p.popen.poll() is not None or not p.stopped():
+            if i in self.ended or p.popen.poll() is not None or not is_stopped(p.popen.pid):
                 self.since.pop(i, None)
                 continue
             if now - self.since.setdefault(i, now) >= STOPPED_GRACE_S:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 
 import pytest
 
@@ -339,3 +340,36 @@ def test_a_worker_stopped_by_sigstop_does_not_hold_the_launcher_after_the_chief_
     assert "pserver launch: worker1 is stopped by a signal (SIGSTOP?) and the chief's run is over" in out
     assert out.index("== pserver run summary") < out.index("worker1 is stopped by a signal"), out[-3000:]
     assert [pid for pid in kids if alive(pid)] == []
+
+
+RUN_SCRIPT = """
+import numpy as np
+import pserver.keras as keras
+rng = np.random.default_rng(0)
+x = rng.normal(size=(4096, 8)).astype("float32"); y = (x[:, 0] > 0).astype(int)
+model = keras.Sequential([keras.Input(shape=(8,)), keras.layers.Dense(2, activation="softmax")])
+model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+model.fit(x, y, batch_size=16, epochs=3, verbose=1)
+print("fit done", flush=True)
+"""
+
+
+def test_pserver_run_ends_a_worker_stopped_by_sigstop_after_the_chiefs_fit(procs, tmp_path):
+    """The same under `pserver run` (its own supervisor): worker 1 stopped mid-fit; the chief's
+    fit ends without it and the run exits 0, worker 1 ended and named."""
+    script = tmp_path / "fit.py"
+    script.write_text(RUN_SCRIPT)
+    launcher = procs("run", "--ps", "1", "--workers", "2", "--step-timeout", "2", "--",
+                     sys.executable, str(script))
+    assert wait_until(lambda: len(children(launcher.popen.pid)) >= 3 and "Epoch 1/3" in launcher.output,
+                      180), launcher.output[-3000:]
+    kids = children(launcher.popen.pid)
+    worker1 = [pid for pid in kids if "PSERVER_RUN_RANK=1" in open(f"/proc/{pid}/environ").read()]
+    assert len(worker1) == 1, kids
+    try:
+        os.kill(worker1[0], signal.SIGSTOP)
+        assert launcher.wait(120) == 0, launcher.output[-3000:]
+    finally:
+        kill_leftovers(kids)
+    out = launcher.output
+    assert "fit done" in out and "pserver run: worker1 is stopped by a signal (SIGSTOP?)" in out, out[-3000:]
