@@ -104,14 +104,18 @@ def parse_log_level(text: str) -> str:
 MAX_SECONDS = 86400.0
 
 
-def check_seconds(flag: str, value: float, off: str | None = None) -> None:
-    """A flag's number of seconds: > 0 and at most MAX_SECONDS (nan and inf refused); `off`:
-    what 0 means, where 0 is accepted."""
+def check_seconds(flag: str, value: float, off: str | None = None, bound: float = None) -> None:
+    """A flag's number of seconds: > 0 and at most `bound` (MAX_SECONDS unless given: a deadline
+    or a wait beyond it overflowed the clock's arithmetic) (nan and inf refused); `off`: what 0
+    means, where 0 is accepted."""
+    bound = MAX_SECONDS if bound is None else bound
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not number or not ((0 <= value if off else 0 < value) and value <= MAX_SECONDS):  # nan: never
+    if not number or not math.isfinite(value) or not ((0 <= value if off else 0 < value) and value <= bound):
         zero = f"0 ({off}) or " if off else ""
+        most = "a day" if bound == MAX_SECONDS else "finite"
         raise ConfigError(f"{flag}: {value!r}; give {zero}a number of seconds > 0, at most "
-                          f"{MAX_SECONDS:.0f} (a day)")
+                          f"{bound:.0f} ({most})" if math.isfinite(bound) else
+                          f"{flag}: {value!r}; give {zero}a finite number of seconds > 0")
 
 
 # --seed: it travels as an int64 (RegisterRequest.data_seed, SparseTableSpec.seed): a larger one
@@ -362,7 +366,7 @@ class WorkerConfig:
         check_positive(chunk_bytes=self.chunk_bytes)
         check_seconds("--connect-timeout", self.connect_timeout)
         check_seconds("--rpc-deadline", self.rpc_deadline)
-        check_seconds("--log-every", self.log_every)
+        check_seconds("--log-every", self.log_every, bound=math.inf)   # a large one: no progress lines
         check_seconds("--eval-every", self.eval_every, off="per epoch only")
         check_seed(self.seed)
         if self.dataset == "synthetic":

@@ -62,11 +62,20 @@ def test_launch_with_a_huge_seed_is_one_line_and_exit_2():
 #    read as passed (Deadline Exceeded, exit 138).
 
 @pytest.mark.parametrize("field, flag", [("connect_timeout", "--connect-timeout"),
-                                         ("rpc_deadline", "--rpc-deadline"), ("log_every", "--log-every")])
+                                         ("rpc_deadline", "--rpc-deadline")])
 @pytest.mark.parametrize("value", [math.inf, 1e10, 1e300, math.nan])
 def test_a_worker_wait_must_be_finite_positive_and_at_most_a_day(field, flag, value):
     with pytest.raises(ConfigError, match=f"^{flag}: .*at most 86400"):
         WorkerConfig(**{field: value})
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0.0, -1.0])
+def test_log_every_is_finite_and_positive_and_may_be_large(value):
+    """A large --log-every is how a run silences its progress lines (bench/throughput.py gives
+    100000): it is compared with elapsed time, no deadline, so only a day's cap would break it."""
+    with pytest.raises(ConfigError, match=r"^--log-every: .*a finite number of seconds > 0"):
+        WorkerConfig(log_every=value)
+    assert WorkerConfig(log_every=100000.0).log_every == 100000.0
 
 
 @pytest.mark.parametrize("value", [math.inf, math.nan, -1.0, MAX_SECONDS * 2])
