@@ -27,7 +27,7 @@ from pserver.errors import DataError
 from pserver.serving import ModelServer, ServeModelConfig
 from pserver.serving.app import to_array, to_named
 from tests.support.processes import env_with, wait_until
-from tests.support.serving import chain, records
+from tests.support.serving import chain, http, records, start
 
 TOKEN = "s3cret-token-for-serving-tests"
 
@@ -41,29 +41,12 @@ def files(tmp_path):
     return base, deltas, str(follow)
 
 
-def start(base, **options) -> ModelServer:
-    return ModelServer(ServeModelConfig(base, port=0, http_port=0, **options), say=lambda *_: None).start()
-
-
 def grpc_predict(server: ModelServer, x, token=None):
     stub = pb_grpc.PredictorStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
     metadata = [("authorization", f"Bearer {token}")] if token else None
     r = stub.Predict(pb.PredictRequest(inputs=[to_named("dense", x["dense"]), to_named("cat", x["cat"])]),
                      metadata=metadata, timeout=30)
     return to_array(r.outputs), r.version, r.export_id
-
-
-def http(server: ModelServer, path: str, body=None, token=None):
-    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}",
-                                 data=None if body is None else json.dumps(body).encode(),
-                                 method="GET" if body is None else "POST")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def test_grpc_and_http_answer_as_the_model_file_predicts_and_name_the_version(files):

@@ -21,7 +21,7 @@ from pserver.errors import ConfigError
 from pserver.serving import ModelServer, ServeModelConfig
 from pserver.serving.app import to_named
 from tests.support.processes import env_with
-from tests.test_serving import http, start
+from tests.support.serving import http, start
 
 
 def _strict(text: str):

@@ -5,12 +5,16 @@ changing some rows, adding and removing ids, and moving the dense weights), writ
 
 from __future__ import annotations
 
+import json
 import os
+import urllib.error
+import urllib.request
 
 import numpy as np
 
 from pserver.models import make_model
 from pserver.persist import model_file
+from pserver.serving import ModelServer, ServeModelConfig
 
 SMALL = dict(dense_features=3, fields=4, embedding_dim=5)
 
@@ -70,3 +74,22 @@ def chain(directory: str, rng, deltas: int) -> tuple[str, list[str]]:
         export_id = write_delta(path, export_id, 10 * (k + 2), rng)
         paths.append(path)
     return base, paths
+
+
+def start(base, **options) -> ModelServer:
+    """A model server of `base` on free ports, in this process, quiet."""
+    return ModelServer(ServeModelConfig(base, port=0, http_port=0, **options), say=lambda *_: None).start()
+
+
+def http(server: ModelServer, path: str, body=None, token=None):
+    """(status, body text) of a GET (no body) or a POST of `body` as JSON to the server's HTTP port."""
+    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}",
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 method="GET" if body is None else "POST")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
