@@ -320,6 +320,20 @@ def test_a_users_own_module_that_imports_pserver_keeps_python_s_ctrl_c(tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stdout + r.stderr
 
 
+def stop_worker1_and_wait(launcher, is_worker1) -> list[int]:
+    """SIGSTOP the launcher's one child that `is_worker1`; the launcher must then exit 0 within
+    120 s. Its children (every one killed at the end, whatever happened)."""
+    kids = children(launcher.popen.pid)
+    worker1 = [pid for pid in kids if is_worker1(pid)]
+    assert len(worker1) == 1, kids
+    try:
+        os.kill(worker1[0], signal.SIGSTOP)
+        assert launcher.wait(120) == 0, launcher.output[-3000:]
+    finally:
+        kill_leftovers(kids)
+    return kids
+
+
 def test_a_worker_stopped_by_sigstop_does_not_hold_the_launcher_after_the_chief_ends(procs):
     """Worker 1 stopped (SIGSTOP) mid-run: the shards mark it dead after --step-timeout and the
     chief trains on and ends; the launcher waited for the stopped worker for ever (an adversarial
@@ -328,14 +342,8 @@ def test_a_worker_stopped_by_sigstop_does_not_hold_the_launcher_after_the_chief_
                      "--delay", "fixed:0.01", "--step-timeout", "2")
     assert wait_until(lambda: all(f"[worker{r}] epoch 1/2 step" in launcher.output for r in (0, 1)),
                       180), launcher.output[-3000:]
-    kids = children(launcher.popen.pid)
-    worker1 = [pid for pid in kids if "worker1.config" in open(f"/proc/{pid}/cmdline").read()]
-    assert len(worker1) == 1, kids
-    try:
-        os.kill(worker1[0], signal.SIGSTOP)
-        assert launcher.wait(120) == 0, launcher.output[-3000:]
-    finally:
-        kill_leftovers(kids)
+    kids = stop_worker1_and_wait(launcher,
+                                 lambda pid: "worker1.config" in open(f"/proc/{pid}/cmdline").read())
     out = launcher.output
     assert "pserver launch: worker1 is stopped by a signal (SIGSTOP?) and the chief's run is over" in out
     assert out.index("== pserver run summary") < out.index("worker1 is stopped by a signal"), out[-3000:]
@@ -363,13 +371,6 @@ def test_pserver_run_ends_a_worker_stopped_by_sigstop_after_the_chiefs_fit(procs
                      sys.executable, str(script))
     assert wait_until(lambda: len(children(launcher.popen.pid)) >= 3 and "Epoch 1/3" in launcher.output,
                       180), launcher.output[-3000:]
-    kids = children(launcher.popen.pid)
-    worker1 = [pid for pid in kids if "PSERVER_RUN_RANK=1" in open(f"/proc/{pid}/environ").read()]
-    assert len(worker1) == 1, kids
-    try:
-        os.kill(worker1[0], signal.SIGSTOP)
-        assert launcher.wait(120) == 0, launcher.output[-3000:]
-    finally:
-        kill_leftovers(kids)
+    stop_worker1_and_wait(launcher, lambda pid: "PSERVER_RUN_RANK=1" in open(f"/proc/{pid}/environ").read())
     out = launcher.output
     assert "fit done" in out and "pserver run: worker1 is stopped by a signal (SIGSTOP?)" in out, out[-3000:]
